@@ -1,0 +1,43 @@
+"""ckpt: a content-addressed store for PyTorch checkpoints and fine-tunes.
+
+>>> import ckpt
+>>> store = ckpt.Store.init("memory://ckpt-init-doctest")
+>>> sorted(store.refs())
+[]
+
+The public API is :class:`Store` (open/init, push, pull, load, load_into, reader,
+verify, du, gc), :class:`Settings`, and the errors in :mod:`ckpt.errors`.
+Importing ckpt is cheap: torch and the rest load when first used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = ["CheckpointReader", "CkptError", "Settings", "Store", "__version__"]
+
+if TYPE_CHECKING:
+    from ckpt.errors import CkptError
+    from ckpt.reader import CheckpointReader
+    from ckpt.settings import Settings
+    from ckpt.store import Store
+
+_LAZY = {
+    "Store": "ckpt.store",
+    "Settings": "ckpt.settings",
+    "CheckpointReader": "ckpt.reader",
+    "CkptError": "ckpt.errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value

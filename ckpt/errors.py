@@ -1,0 +1,55 @@
+"""Errors raised by ckpt. All derive from :class:`CkptError` (defined in storage/)."""
+
+from __future__ import annotations
+
+from storage.errors import (
+    AmbiguousRefError,
+    CkptError,
+    CorruptObjectError,
+    InvalidNameError,
+    ObjectNotFoundError,
+    RefConflictError,
+    RefNotFoundError,
+    StorageIOError,
+    StoreFormatError,
+    StoreNotFoundError,
+)
+
+
+class InvalidSourceError(CkptError):
+    """A file or object given to push cannot be read as a checkpoint (truncated, malformed...)."""
+
+    def __init__(self, source: str, detail: str, *, hint: str | None = None) -> None:
+        super().__init__(f"{source}: {detail}", hint=hint)
+        self.source = source
+        self.detail = detail
+
+
+class UnsafeInputError(InvalidSourceError):
+    """A ``.pt``/``.bin`` file that only loads by running pickled code; ckpt never does."""
+
+
+class DestinationExistsError(CkptError):
+    """Pull would overwrite something that exists."""
+
+
+class TensorMismatchError(CkptError):
+    """A checkpoint's tensors do not fit the model or state dict they are loaded into."""
+
+
+__all__ = [
+    "AmbiguousRefError",
+    "CkptError",
+    "CorruptObjectError",
+    "DestinationExistsError",
+    "InvalidNameError",
+    "InvalidSourceError",
+    "ObjectNotFoundError",
+    "RefConflictError",
+    "RefNotFoundError",
+    "StorageIOError",
+    "StoreFormatError",
+    "StoreNotFoundError",
+    "TensorMismatchError",
+    "UnsafeInputError",
+]

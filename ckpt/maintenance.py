@@ -1,0 +1,147 @@
+"""Housekeeping over a whole store: verify, du (usage) and gc."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ckpt.codecs import decode_chunk
+from ckpt.manifest import Manifest
+from ckpt.pipeline import run_parallel
+from ckpt.progress import NullProgress, Progress
+from storage.config import read_config
+from storage.errors import CkptError
+from storage.gc import Doomed, execute_gc, plan_gc
+
+if TYPE_CHECKING:
+    from ckpt.store import Store
+
+
+@dataclass
+class VerifyReport:
+    refs_checked: int = 0
+    chunks_checked: int = 0
+    bytes_checked: int = 0
+    problems: list[str] = field(default_factory=list)  # one line per damaged object
+    damaged_refs: dict[str, list[str]] = field(default_factory=dict)  # ref -> its problems
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(store: Store, names: list[str] | None = None, progress: Progress | None = None) -> VerifyReport:
+    """Check every object reachable from ``names`` (default: every live ref): present, decodable, re-hashing to its id."""
+    report = VerifyReport()
+    try:
+        read_config(store.backend)
+    except CkptError as e:
+        report.problems.append(f"store config: {e}")
+    targets = {n: e.target for n, e in store.refs_db.live().items()} if names is None else {n: None for n in names}
+    users: dict[str, set[str]] = defaultdict(set)  # chunk id -> refs that need it
+    lengths: dict[str, int] = {}
+    for name, target in targets.items():
+        report.refs_checked += 1
+        try:
+            mid = target or store.resolve(name)
+            m = Manifest.from_json(store.objects.get_manifest(mid), f"manifest {mid}")
+        except CkptError as e:
+            report.problems.append(str(e))
+            report.damaged_refs.setdefault(name, []).append(str(e))
+            continue
+        for cid, n in m.chunk_lengths().items():
+            users[cid].add(name)
+            lengths[cid] = n
+
+    def check(cid: str) -> str | None:
+        try:
+            decode_chunk(store.objects.get("chunks", cid), cid, lengths[cid], max_length=store.settings.max_chunk_size)
+        except CkptError as e:
+            return str(e)
+        return None
+
+    ids = sorted(lengths)
+    progress = progress or NullProgress()
+    progress.start("verify", sum(lengths.values()))
+    results = run_parallel(check, ids, store.settings.workers, progress, lambda c: lengths[c])
+    progress.finish()
+    for cid, problem in zip(ids, results):
+        report.chunks_checked += 1
+        report.bytes_checked += lengths[cid]
+        if problem:
+            report.problems.append(problem)
+            for name in sorted(users[cid]):
+                report.damaged_refs.setdefault(name, []).append(problem)
+    return report
+
+
+@dataclass(frozen=True)
+class RefUsage:
+    name: str
+    id: str
+    logical: int  # bytes of the files as pushed
+    unique: int  # decoded bytes of its distinct chunks
+    stored: int  # bytes its distinct chunks occupy in the store
+
+
+@dataclass(frozen=True)
+class StoreUsage:
+    refs: list[RefUsage]
+    logical: int  # sum over live refs
+    unique: int  # decoded bytes of distinct chunks reachable from live refs
+    stored: int  # bytes of every object in the store (chunks + manifests)
+    stored_chunks: int
+    objects: int
+
+    @property
+    def dedup_saved(self) -> int:
+        return self.logical - self.unique
+
+    @property
+    def compression_saved(self) -> int:
+        return self.unique - self.stored_chunks
+
+
+def du(store: Store) -> StoreUsage:
+    """Logical vs stored bytes per live ref and for the whole store."""
+    chunk_sizes = {o.id: o.size for o in store.objects.list("chunks")}
+    manifest_bytes = sum(o.size for o in store.objects.list("manifests"))
+    refs = []
+    all_chunks: dict[str, int] = {}
+    logical = 0
+    for name, entry in store.refs_db.live().items():
+        assert entry.target is not None
+        m = store.get_manifest(entry.target)
+        lengths = m.chunk_lengths()
+        all_chunks.update(lengths)
+        refs.append(
+            RefUsage(name, entry.target, m.logical_bytes, sum(lengths.values()), sum(chunk_sizes.get(c, 0) for c in lengths))
+        )
+        logical += m.logical_bytes
+    stored_chunks = sum(chunk_sizes.get(c, 0) for c in all_chunks)
+    return StoreUsage(
+        refs=refs,
+        logical=logical,
+        unique=sum(all_chunks.values()),
+        stored=sum(chunk_sizes.values()) + manifest_bytes,
+        stored_chunks=stored_chunks,
+        objects=len(chunk_sizes),
+    )
+
+
+@dataclass(frozen=True)
+class GcReport:
+    dry_run: bool
+    deleted: list[Doomed]
+    planned: int
+    bytes: int
+    young: int
+    live_manifests: int
+    live_chunks: int
+
+
+def gc(store: Store, *, grace_s: float, dry_run: bool = False, keep_history: bool = True) -> GcReport:
+    plan = plan_gc(store.objects, store.refs_db, grace_s=grace_s, keep_history=keep_history)
+    deleted = plan.delete if dry_run else list(execute_gc(store.objects, plan, grace_s=grace_s))
+    return GcReport(dry_run, deleted, len(plan.delete), sum(d.size for d in deleted), plan.young, plan.live_manifests, plan.live_chunks)

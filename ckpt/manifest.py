@@ -1,0 +1,207 @@
+"""The checkpoint manifest: a frozen record of every file and tensor, as canonical JSON.
+
+A checkpoint is a list of files as they were pushed. A ``safetensors`` file is
+its header (stored as chunks, so it is restored byte for byte) followed by its
+tensors' data in file order; a ``blob`` file (config.json, tokenizer files...)
+is the concatenation of its chunks. Tensors name their chunks; every list under
+a ``chunks`` key holds chunk ids (the rule storage/gc.py relies on).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt.dtypes import itemsize
+from storage.errors import StoreFormatError
+from storage.objects import check_id
+from storage.records import canonical_json, decode_record, require
+
+MANIFEST_FORMAT = "ckpt-manifest"
+MANIFEST_VERSION = 1
+MAX_NAME = 1024
+_CTRL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_tensor_name(name: str, what: str = "tensor name") -> str:
+    """Reject names with control characters or absurd lengths (they end up in files and terminals)."""
+    from ckpt.errors import InvalidNameError
+
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME or _CTRL.search(name):
+        raise InvalidNameError(f"invalid {what} {name[:80]!r}" if isinstance(name, str) else f"invalid {what}")
+    return name
+
+
+def check_file_path(path: str) -> str:
+    """A relative ``/``-separated path that stays inside its directory."""
+    from ckpt.errors import InvalidNameError
+
+    check_tensor_name(path, "file path")
+    parts = path.split("/")
+    if path.startswith("/") or "\\" in path or any(p in ("", ".", "..") for p in parts) or ":" in parts[0]:
+        raise InvalidNameError(f"file path {path!r} would escape the checkpoint directory")
+    return path
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    chunks: tuple[str, ...]
+    file: str  # path of the safetensors file that holds it
+
+    def to_obj(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+            "chunks": list(self.chunks),
+            "file": self.file,
+        }
+
+    @classmethod
+    def from_obj(cls, o: Any, what: str) -> TensorEntry:
+        if not isinstance(o, dict):
+            raise StoreFormatError(f"{what}: tensor entry is not an object")
+        shape = require(o, "shape", list, what)
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise StoreFormatError(f"{what}: bad shape {shape!r}")
+        t = cls(
+            name=check_tensor_name(require(o, "name", str, what)),
+            dtype=require(o, "dtype", str, what),
+            shape=tuple(shape),
+            nbytes=require(o, "nbytes", int, what),
+            chunks=tuple(check_id(c) for c in require(o, "chunks", list, what)),
+            file=require(o, "file", str, what),
+        )
+        size = itemsize(t.dtype)
+        if t.nbytes < 0 or (size is not None and t.nbytes != math.prod(t.shape) * size):
+            raise StoreFormatError(f"{what}: tensor {t.name} has {t.nbytes} bytes for shape {t.shape}")
+        return t
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A file of the checkpoint. For ``safetensors`` files ``chunks`` hold the header only."""
+
+    path: str
+    kind: str  # "safetensors" | "blob"
+    size: int
+    chunks: tuple[str, ...]
+    head_size: int = 0  # safetensors: 8 + header length
+    metadata: dict[str, str] | None = None  # safetensors __metadata__
+
+    def to_obj(self) -> dict[str, Any]:
+        o: dict[str, Any] = {"path": self.path, "kind": self.kind, "size": self.size, "chunks": list(self.chunks)}
+        if self.kind == "safetensors":
+            o["head_size"] = self.head_size
+            o["metadata"] = self.metadata
+        return o
+
+    @classmethod
+    def from_obj(cls, o: Any, what: str) -> FileEntry:
+        if not isinstance(o, dict):
+            raise StoreFormatError(f"{what}: file entry is not an object")
+        kind = require(o, "kind", str, what)
+        if kind not in ("safetensors", "blob"):
+            raise StoreFormatError(f"{what}: unknown file kind {kind!r}")
+        meta = o.get("metadata")
+        if meta is not None and not (
+            isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
+        ):
+            raise StoreFormatError(f"{what}: bad safetensors metadata")
+        return cls(
+            path=check_file_path(require(o, "path", str, what)),
+            kind=kind,
+            size=require(o, "size", int, what),
+            chunks=tuple(check_id(c) for c in require(o, "chunks", list, what)),
+            head_size=o.get("head_size", 0) if kind == "safetensors" else 0,
+            metadata=meta,
+        )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One checkpoint. Its id is the BLAKE3 of :meth:`to_json`."""
+
+    source: str  # "safetensors" | "hf-dir" | "state-dict" | "tensors"
+    chunk_size: int
+    files: tuple[FileEntry, ...]
+    tensors: tuple[TensorEntry, ...]
+    created: float
+    message: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)  # user metadata
+    extra: dict[str, Any] = field(default_factory=dict)  # non-tensor state (JSON)
+    lineage: dict[str, Any] = field(default_factory=lambda: {"parent": None, "base": None, "merge": None})
+
+    def to_json(self) -> bytes:
+        return canonical_json(
+            {
+                "format": MANIFEST_FORMAT,
+                "version": MANIFEST_VERSION,
+                "source": self.source,
+                "chunk_size": self.chunk_size,
+                "files": [f.to_obj() for f in self.files],
+                "tensors": [t.to_obj() for t in self.tensors],
+                "created": self.created,
+                "message": self.message,
+                "metadata": self.metadata,
+                "extra": self.extra,
+                "lineage": self.lineage,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes, what: str = "manifest") -> Manifest:
+        o = decode_record(data, MANIFEST_FORMAT, (MANIFEST_VERSION,), what)
+        chunk_size = require(o, "chunk_size", int, what)
+        if chunk_size <= 0:
+            raise StoreFormatError(f"{what}: bad chunk_size")
+        files = tuple(FileEntry.from_obj(f, what) for f in require(o, "files", list, what))
+        tensors = tuple(TensorEntry.from_obj(t, what) for t in require(o, "tensors", list, what))
+        for t in tensors:
+            if len(t.chunks) != chunk_count(t.nbytes, chunk_size):
+                raise StoreFormatError(f"{what}: tensor {t.name} has the wrong number of chunks")
+        msg = o.get("message")
+        return cls(
+            source=require(o, "source", str, what),
+            chunk_size=chunk_size,
+            files=files,
+            tensors=tensors,
+            created=float(require(o, "created", (int, float), what)),
+            message=msg if isinstance(msg, str) else None,
+            metadata=o.get("metadata") or {},
+            extra=o.get("extra") or {},
+            lineage=o.get("lineage") or {"parent": None, "base": None, "merge": None},
+        )
+
+    @property
+    def logical_bytes(self) -> int:
+        """Bytes of every file as pushed."""
+        return sum(f.size for f in self.files)
+
+    def chunk_lengths(self) -> dict[str, int]:
+        """Decoded length of every chunk this manifest names."""
+        out: dict[str, int] = {}
+        for f in self.files:
+            for cid, n in zip(f.chunks, split_lengths(f.head_size if f.kind == "safetensors" else f.size, self.chunk_size)):
+                out[cid] = n
+        for t in self.tensors:
+            for cid, n in zip(t.chunks, split_lengths(t.nbytes, self.chunk_size)):
+                out[cid] = n
+        return out
+
+
+def chunk_count(nbytes: int, chunk_size: int) -> int:
+    return -(-nbytes // chunk_size)
+
+
+def split_lengths(nbytes: int, chunk_size: int) -> list[int]:
+    """Lengths of the chunks ``nbytes`` is split into (an empty tensor has none)."""
+    full, rest = divmod(nbytes, chunk_size)
+    return [chunk_size] * full + ([rest] if rest else [])

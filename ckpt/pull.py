@@ -1,0 +1,245 @@
+"""Pull: a checkpoint becomes files again (byte-identical), or tensors in memory.
+
+Files are written under a temporary name and renamed into place, so a failed
+or interrupted pull never leaves a partial destination.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from ckpt.dtypes import to_torch
+from ckpt.errors import DestinationExistsError, TensorMismatchError
+from ckpt.manifest import FileEntry, Manifest, TensorEntry, split_lengths
+from ckpt.pipeline import GetTask, get_chunks
+from ckpt.progress import NullProgress, Progress
+from ckpt.safetensors_format import build_header
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckpt.store import Store
+
+
+def _chunk_tasks(chunks: Iterable[str], nbytes: int, chunk_size: int, sink_at: Callable[[int], Callable[[bytes], None]], base: int = 0) -> list[GetTask]:
+    out = []
+    pos = base
+    for cid, n in zip(chunks, split_lengths(nbytes, chunk_size)):
+        out.append(GetTask(cid, n, sink_at(pos)))
+        pos += n
+    return out
+
+
+def _file_tasks(m: Manifest, f: FileEntry, fd: int) -> list[GetTask]:
+    def at(off: int) -> Callable[[bytes], None]:
+        return lambda data: _pwrite_all(fd, data, off)
+
+    if f.kind == "blob":
+        return _chunk_tasks(f.chunks, f.size, m.chunk_size, at)
+    tasks = _chunk_tasks(f.chunks, f.head_size, m.chunk_size, at)
+    pos = f.head_size
+    for t in m.tensors:
+        if t.file == f.path:
+            tasks += _chunk_tasks(t.chunks, t.nbytes, m.chunk_size, at, pos)
+            pos += t.nbytes
+    return tasks
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, off: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, off)
+        view, off = view[n:], off + n
+
+
+def _write_files(store: Store, m: Manifest, files: list[tuple[FileEntry, str]], progress: Progress, extra_tasks: Callable[[int], list[GetTask]] | None = None) -> None:
+    """Write each (entry, path) in parallel; tasks of all files share one pool."""
+    fds = []
+    try:
+        tasks: list[GetTask] = []
+        for f, path in files:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fds.append(fd)
+            os.ftruncate(fd, f.size)
+            tasks += extra_tasks(fd) if extra_tasks else _file_tasks(m, f, fd)
+        progress.start("pull", sum(t.length for t in tasks))
+        get_chunks(store.objects, tasks, store.settings, progress)
+        progress.finish()
+        for fd in fds:
+            os.fsync(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: bool = False, include: list[str] | None = None, progress: Progress | None = None) -> str:
+    m = store.manifest(ref)
+    progress = progress or NullProgress()
+    dest = os.fspath(dest)
+    single = m.source != "hf-dir" and len(m.files) == 1
+    if include:
+        return _pull_selected(store, m, dest, include, overwrite, progress)
+    if single:
+        target = os.path.join(dest, os.path.basename(m.files[0].path)) if os.path.isdir(dest) else dest
+        if os.path.exists(target) and not overwrite:
+            raise DestinationExistsError(f"{target} exists", hint="pass --force to replace it")
+        tmp = f"{target}.ckpt-tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            _write_files(store, m, [(m.files[0], tmp)], progress)
+            os.replace(tmp, target)
+        finally:
+            _remove(tmp)
+        return target
+    # A directory checkpoint: build it beside the destination, then swap it in.
+    dest = dest.rstrip("/") or "/"
+    if os.path.exists(dest) and not (os.path.isdir(dest) and not os.listdir(dest)) and not overwrite:
+        raise DestinationExistsError(f"{dest} exists and is not empty", hint="pass --force to replace it")
+    tmp = f"{dest}.ckpt-tmp-{uuid.uuid4().hex[:8]}"
+    old = f"{dest}.ckpt-old-{uuid.uuid4().hex[:8]}"
+    try:
+        os.makedirs(tmp)
+        _write_files(store, m, [(f, os.path.join(tmp, *f.path.split("/"))) for f in m.files], progress)
+        if os.path.lexists(dest):
+            os.rename(dest, old)
+        os.rename(tmp, dest)
+    finally:
+        _remove(tmp)
+        _remove(old)
+    return dest
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def select(m: Manifest, include: list[str] | None) -> list[TensorEntry]:
+    if not include:
+        return list(m.tensors)
+    return [t for t in m.tensors if any(fnmatch.fnmatchcase(t.name, p) for p in include)]
+
+
+def _pull_selected(store: Store, m: Manifest, dest: str, include: list[str], overwrite: bool, progress: Progress) -> str:
+    """Only the tensors matching ``include``, as one new safetensors file."""
+    tensors = select(m, include)
+    if not tensors:
+        raise TensorMismatchError(f"no tensor matches {' '.join(include)}", hint="see the names with `ckpt show`")
+    target = os.path.join(dest, "model.safetensors") if os.path.isdir(dest) else dest
+    if os.path.exists(target) and not overwrite:
+        raise DestinationExistsError(f"{target} exists", hint="pass --force to replace it")
+    meta = next((f.metadata for f in m.files if f.kind == "safetensors" and f.metadata), None)
+    head, order = build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in tensors], meta)
+    size = len(head) + sum(t.nbytes for t in tensors)
+
+    def tasks(fd: int) -> list[GetTask]:
+        _pwrite_all(fd, head, 0)
+        out: list[GetTask] = []
+        pos = len(head)
+        for i in order:
+            t = tensors[i]
+            out += _chunk_tasks(t.chunks, t.nbytes, m.chunk_size, lambda off: lambda d: _pwrite_all(fd, d, off), pos)
+            pos += t.nbytes
+        return out
+
+    tmp = f"{target}.ckpt-tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        _write_files(store, m, [(FileEntry("selected.safetensors", "safetensors", size, (), len(head), meta), tmp)], progress, tasks)
+        os.replace(tmp, target)
+    finally:
+        _remove(tmp)
+    return target
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    import torch
+
+    flat = t.reshape(-1)
+    raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+    return memoryview(raw.numpy()).cast("B")
+
+
+def _into_tasks(m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]]) -> list[GetTask]:
+    tasks: list[GetTask] = []
+    for entry, dst in pairs:
+        view = _byte_view(dst)
+
+        def at(off: int, view: memoryview = view) -> Callable[[bytes], None]:
+            def sink(data: bytes) -> None:
+                view[off : off + len(data)] = data
+
+            return sink
+
+        tasks += _chunk_tasks(entry.chunks, entry.nbytes, m.chunk_size, at)
+    return tasks
+
+
+def load(store: Store, ref: str, *, include: list[str] | None = None, progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    import torch
+
+    m = store.manifest(ref)
+    out: dict[str, torch.Tensor] = {}
+    pairs = []
+    for t in select(m, include):
+        if t.name in out:
+            raise TensorMismatchError(f"tensor {t.name!r} appears in two files of this checkpoint", hint="use `ckpt pull`")
+        dst = torch.empty(t.shape, dtype=to_torch(t.dtype))
+        out[t.name] = dst
+        pairs.append((t, dst))
+    tasks = _into_tasks(m, pairs)
+    progress = progress or NullProgress()
+    progress.start("load", sum(t.length for t in tasks))
+    get_chunks(store.objects, tasks, store.settings, progress)
+    progress.finish()
+    return out
+
+
+def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, progress: Progress | None = None) -> None:
+    """Decode straight into ``target``'s tensors (an ``nn.Module`` or a dict of tensors)."""
+    import torch
+
+    m = store.manifest(ref)
+    live: dict[str, torch.Tensor] = dict(target.state_dict()) if isinstance(target, torch.nn.Module) else dict(target)
+    by_name = {t.name: t for t in m.tensors}
+    missing = sorted(set(live) - set(by_name))
+    unexpected = sorted(set(by_name) - set(live))
+    if strict and (missing or unexpected):
+        raise TensorMismatchError(
+            f"checkpoint and target differ: missing in checkpoint {missing[:10]}, not in target {unexpected[:10]}"
+            + (" ..." if len(missing) > 10 or len(unexpected) > 10 else ""),
+            hint="pass strict=False to load the common tensors",
+        )
+    bad = []
+    pairs = []
+    staged = []
+    for name, dst in live.items():
+        entry = by_name.get(name)
+        if entry is None:
+            continue
+        if tuple(dst.shape) != entry.shape or dst.dtype != to_torch(entry.dtype):
+            bad.append(f"{name}: checkpoint {entry.dtype}{list(entry.shape)} vs target {dst.dtype}{list(dst.shape)}")
+            continue
+        dst = dst.detach()
+        if dst.device.type == "cpu" and dst.is_contiguous():
+            pairs.append((entry, dst))
+        else:  # decode on the host, then one copy to where the tensor lives
+            tmp = torch.empty(entry.shape, dtype=dst.dtype, pin_memory=dst.device.type == "cuda")
+            pairs.append((entry, tmp))
+            staged.append((dst, tmp))
+    if bad:
+        raise TensorMismatchError("shape or dtype mismatch: " + "; ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
+    tasks = _into_tasks(m, pairs)
+    progress = progress or NullProgress()
+    progress.start("load", sum(t.length for t in tasks))
+    get_chunks(store.objects, tasks, store.settings, progress)
+    progress.finish()
+    with torch.no_grad():
+        for dst, tmp in staged:
+            dst.copy_(tmp)

@@ -1,0 +1,107 @@
+"""Push: a source (file, directory, state dict) becomes chunks, a manifest and a ref."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckpt.dtypes import itemsize
+from ckpt.manifest import FileEntry, Manifest, TensorEntry, split_lengths
+from ckpt.pipeline import PutTask, put_chunks
+from ckpt.progress import NullProgress, Progress
+from ckpt.sources import ByteSource, MemBytes, open_source
+from storage.commit import commit
+from storage.records import canonical_json
+from storage.refs import validate_ref_name
+
+if TYPE_CHECKING:
+    from ckpt.store import Store
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What a push did: the checkpoint id and how much it had to write."""
+
+    id: str
+    chunks: int
+    new_chunks: int
+    logical_bytes: int
+    written_bytes: int  # stored bytes of new chunks (compressed); dedup hits cost nothing
+
+
+def _tasks(src: ByteSource, offset: int, nbytes: int, chunk_size: int, elem: int) -> list[PutTask]:
+    out = []
+    pos = offset
+    for n in split_lengths(nbytes, chunk_size):
+        out.append(PutTask(lambda p=pos, n=n: src.read(p, n), n, elem))
+        pos += n
+    return out
+
+
+def push(
+    store: Store,
+    source: object,
+    name: str | None,
+    *,
+    message: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> PushResult:
+    if name is not None:
+        validate_ref_name(name)  # before any I/O
+    if metadata is not None:
+        canonical_json(metadata)  # must be JSON; raises TypeError/ValueError early
+    settings = store.settings
+    cs = settings.chunk_size
+    progress = progress or NullProgress()
+    src = open_source(source)
+    try:
+        # One flat task list over every file, so the pool stays busy across file boundaries.
+        tasks: list[PutTask] = []
+        spans: list[tuple[str, int, int]] = []  # (what, start, end) into tasks
+        for f in src.files:
+            start = len(tasks)
+            if f.kind == "safetensors":
+                tasks += _tasks(MemBytes(memoryview(f.head)), 0, len(f.head), cs, 1)
+            else:
+                assert f.src is not None
+                tasks += _tasks(f.src, 0, f.size, cs, 1)
+            spans.append(("file", start, len(tasks)))
+            for t in f.tensors:
+                start = len(tasks)
+                tasks += _tasks(t.src, t.offset, t.nbytes, cs, itemsize(t.dtype) or 1)
+                spans.append(("tensor", start, len(tasks)))
+        progress.start("push", sum(t.length for t in tasks))
+        results = put_chunks(store.objects, tasks, settings, progress)
+        progress.finish()
+
+        ids = iter([tuple(r.id for r in results[a:b]) for _, a, b in spans])
+        files, tensors = [], []
+        for f in src.files:
+            files.append(
+                FileEntry(f.path, f.kind, f.size, next(ids), len(f.head) if f.kind == "safetensors" else 0,
+                          f.metadata if f.kind == "safetensors" else None)
+            )
+            for t in f.tensors:
+                tensors.append(TensorEntry(t.name, t.dtype, t.shape, t.nbytes, next(ids), f.path))
+        manifest = Manifest(
+            source=src.kind,
+            chunk_size=cs,
+            files=tuple(files),
+            tensors=tuple(tensors),
+            created=time.time(),
+            message=message,
+            metadata=dict(metadata or {}),
+            extra=src.extra,
+        )
+        mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name)
+        return PushResult(
+            id=mid,
+            chunks=len(results),
+            new_chunks=sum(1 for r in results if r.stored),
+            logical_bytes=manifest.logical_bytes,
+            written_bytes=sum(r.stored for r in results),
+        )
+    finally:
+        src.close()

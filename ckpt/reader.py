@@ -1,0 +1,71 @@
+"""A lazy reader: names, dtypes and shapes from the manifest; tensor data only on request."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from ckpt.errors import TensorMismatchError
+from ckpt.manifest import Manifest, TensorEntry
+from ckpt.pull import _into_tasks
+from ckpt.pipeline import get_chunks
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckpt.store import Store
+
+
+class CheckpointReader:
+    """Read single tensors of a stored checkpoint without fetching the others.
+
+    >>> reader = store.reader("minilm/base")          # doctest: +SKIP
+    >>> reader.keys()[:1]                             # doctest: +SKIP
+    ['embeddings.LayerNorm.bias']
+    >>> reader.get_tensor("embeddings.LayerNorm.bias").shape   # doctest: +SKIP
+    torch.Size([384])
+    """
+
+    def __init__(self, store: Store, manifest_id: str, manifest: Manifest) -> None:
+        self.store = store
+        self.id = manifest_id
+        self.manifest = manifest
+        self._by_name = {t.name: t for t in manifest.tensors}
+
+    def keys(self) -> list[str]:
+        return [t.name for t in self.manifest.tensors]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def info(self, name: str) -> TensorEntry:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise TensorMismatchError(f"no tensor {name!r} in checkpoint {self.id[:12]}") from None
+
+    def metadata(self) -> dict[str, str] | None:
+        """The safetensors ``__metadata__`` of the (first) weights file."""
+        return next((f.metadata for f in self.manifest.files if f.kind == "safetensors" and f.metadata), None)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        import torch
+
+        from ckpt.dtypes import to_torch
+
+        entry = self.info(name)
+        out = torch.empty(entry.shape, dtype=to_torch(entry.dtype))
+        get_chunks(self.store.objects, _into_tasks(self.manifest, [(entry, out)]), self.store.settings)
+        return out
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,51 @@
+"""Every tunable in one place, each overridable by a ``CKPT_*`` environment variable."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+
+MiB = 1024 * 1024
+
+
+def _default_workers() -> int:
+    return max(2, os.cpu_count() or 2)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Tunables. ``Settings.from_env()`` applies ``CKPT_CHUNK_SIZE``, ``CKPT_WORKERS``... overrides."""
+
+    # 4 MiB: the benchmark (benchmarks/results/push_pull.md) measured push/pull
+    # throughput flat from 1 to 16 MiB; 4 MiB keeps object counts low while
+    # partial changes of large tensors still dedup at a useful granularity.
+    chunk_size: int = 4 * MiB
+    workers: int = _default_workers()
+    zstd_level: int = 3
+    # Keep the compressed form only if it saves at least this fraction: a chunk
+    # that compresses by 1% costs a decompression on every read for nothing.
+    min_saving: float = 0.02
+    fsync: bool = True
+    # Largest decoded chunk a reader accepts (guards against decompression bombs).
+    max_chunk_size: int = 256 * MiB
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> Settings:
+        s = cls()
+        env: dict[str, object] = {}
+        for f in fields(cls):
+            raw = os.environ.get(f"CKPT_{f.name.upper()}")
+            if raw is None:
+                continue
+            if f.type in ("bool", bool):
+                env[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif f.type in ("float", float):
+                env[f.name] = float(raw)
+            else:
+                env[f.name] = int(raw)
+        s = replace(s, **env, **overrides)
+        if not MiB // 16 <= s.chunk_size <= s.max_chunk_size:
+            raise ValueError(f"chunk_size must be between 64 KiB and {s.max_chunk_size} bytes")
+        if s.workers < 1:
+            raise ValueError("workers must be at least 1")
+        return s

@@ -1,0 +1,25 @@
+"""The write order that makes a crash harmless: chunks, then manifest, then ref.
+
+The caller has written the chunks. :func:`commit` checks that every chunk the
+manifest names is present (found by the same rule gc uses), writes the
+manifest, and only then moves the ref. A crash before the ref lands leaves only
+unreferenced objects, which ``gc`` removes after its grace period.
+"""
+
+from __future__ import annotations
+
+from storage.errors import ObjectNotFoundError
+from storage.gc import referenced_chunks
+from storage.objects import ObjectStore
+from storage.refs import RefEntry, Refs, validate_ref_name
+
+
+def commit(objects: ObjectStore, refs: Refs, manifest: bytes, name: str | None) -> tuple[str, RefEntry | None]:
+    """Publish ``manifest`` and point ``name`` at it. Returns (manifest id, new ref entry)."""
+    if name is not None:
+        validate_ref_name(name)
+    for cid in sorted(referenced_chunks(manifest)):
+        if not objects.has("chunks", cid):
+            raise ObjectNotFoundError("chunk", cid, hint="it vanished while pushing (a concurrent gc?); push again")
+    mid = objects.put_manifest(manifest)
+    return mid, (refs.set(name, mid) if name is not None else None)

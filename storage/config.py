@@ -1,0 +1,59 @@
+"""The store's root record, ``ckpt-store.json``: what format the store is in.
+
+It is written once, by ``init``, and read first by every open. A store whose
+version this code does not know is refused, never guessed at.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from storage.backend import Backend
+from storage.errors import StoreFormatError, StoreNotFoundError
+from storage.records import canonical_json, decode_record, require
+
+CONFIG_PATH = "ckpt-store.json"
+STORE_FORMAT = "ckpt-store"
+STORE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    store_id: str
+    created: float
+    version: int = STORE_VERSION
+
+    def to_json(self) -> bytes:
+        return canonical_json(
+            {"format": STORE_FORMAT, "version": self.version, "store_id": self.store_id, "created": self.created}
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes) -> StoreConfig:
+        obj = decode_record(data, STORE_FORMAT, (STORE_VERSION,), f"store config {CONFIG_PATH}")
+        return cls(
+            store_id=require(obj, "store_id", str, CONFIG_PATH),
+            created=float(require(obj, "created", (int, float), CONFIG_PATH)),
+            version=obj["version"],
+        )
+
+
+def read_config(backend: Backend) -> StoreConfig:
+    """The config of the store at ``backend``; :class:`StoreNotFoundError` if there is none."""
+    try:
+        data = backend.read(CONFIG_PATH)
+    except FileNotFoundError:
+        raise StoreNotFoundError(backend.url) from None
+    except IsADirectoryError:
+        raise StoreFormatError(f"{backend.url}/{CONFIG_PATH} is a directory, not a store config") from None
+    return StoreConfig.from_json(data)
+
+
+def init_config(backend: Backend) -> tuple[StoreConfig, bool]:
+    """Create the store config unless one exists. Returns (config, created)."""
+    cfg = StoreConfig(store_id=uuid.uuid4().hex, created=time.time())
+    if backend.create_exclusive(CONFIG_PATH, cfg.to_json()):
+        return cfg, True
+    return read_config(backend), False

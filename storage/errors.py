@@ -1,0 +1,89 @@
+"""The one error root of ckpt and the storage-level errors.
+
+``CkptError`` lives here, at the bottom of the dependency graph, so that every
+layer (``storage`` -> ``ckpt`` -> ``cli``) raises subclasses of one class and
+only ``cli/`` turns them into exit codes and one-line messages.
+"""
+
+from __future__ import annotations
+
+
+class CkptError(Exception):
+    """Root of every error ckpt raises on purpose.
+
+    ``hint`` says what the user can do about it; ``retryable`` says whether the
+    same call may succeed if simply repeated (a network blip, a busy ref).
+    """
+
+    retryable: bool = False
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message} ({self.hint})"
+
+
+class StoreNotFoundError(CkptError):
+    """No ckpt store exists at the given URL."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(f"no ckpt store at {url}", hint="create one with `ckpt init`")
+        self.url = url
+
+
+class StoreFormatError(CkptError):
+    """The store's config is missing, unreadable, or of a version this ckpt cannot read."""
+
+
+class InvalidNameError(CkptError):
+    """A ref name, tensor name or path component that could escape or confuse the store."""
+
+
+class ObjectNotFoundError(CkptError):
+    """An object a checkpoint needs is missing from the store."""
+
+    def __init__(self, kind: str, object_id: str, *, hint: str | None = None) -> None:
+        super().__init__(
+            f"{kind} {object_id} is missing from the store",
+            hint=hint or "run `ckpt verify` to see which refs are affected",
+        )
+        self.kind = kind
+        self.object_id = object_id
+
+
+class CorruptObjectError(CkptError):
+    """An object's bytes do not match its id or cannot be decoded."""
+
+    def __init__(self, kind: str, object_id: str, detail: str) -> None:
+        super().__init__(
+            f"{kind} {object_id} is corrupt: {detail}",
+            hint="run `ckpt verify` to see which refs are affected",
+        )
+        self.kind = kind
+        self.object_id = object_id
+        self.detail = detail
+
+
+class RefNotFoundError(CkptError):
+    """A ref name, ``name@N`` or id prefix that resolves to nothing."""
+
+
+class AmbiguousRefError(CkptError):
+    """A checkpoint id prefix that matches more than one checkpoint."""
+
+
+class RefConflictError(CkptError):
+    """Another writer kept winning the race to update a ref."""
+
+    retryable = True
+
+
+class StorageIOError(CkptError):
+    """The backend failed to read or write; ``retryable`` tells whether to try again."""
+
+    def __init__(self, message: str, *, retryable: bool = False, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.retryable = retryable

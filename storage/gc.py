@@ -1,0 +1,121 @@
+"""Garbage collection as a plan, then an execution (a dry run prints the plan).
+
+Live objects: every manifest a live ref points at (with ``keep_history``, also
+every earlier target of a live ref) and every chunk such a manifest names.
+Anything else is deleted only if it is older than the grace period: a push in
+progress writes its chunks first and touches the chunks it reuses, so its
+objects are young until its ref lands (docs/format.md, "Garbage collection").
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from storage.errors import StoreFormatError
+from storage.objects import ObjectStore, check_id
+from storage.refs import Refs
+
+# Keys in a manifest whose values are lists of chunk ids (docs/format.md).
+CHUNK_LIST_KEYS = frozenset({"chunks", "delta_bases"})
+
+
+def referenced_chunks(manifest: bytes) -> set[str]:
+    """Every chunk id a manifest names, found by the format's one rule, without knowing tensors."""
+    out: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k in CHUNK_LIST_KEYS and isinstance(v, list):
+                    out.update(check_id(x) for x in v if x is not None)
+                else:
+                    walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    try:
+        walk(json.loads(manifest))
+    except (ValueError, RecursionError) as e:
+        raise StoreFormatError(f"manifest is not valid JSON: {e}") from None
+    return out
+
+
+@dataclass(frozen=True)
+class Doomed:
+    kind: str  # "chunks", "manifests" or "temp"
+    name: str  # object id, or path for temporaries
+    size: int
+
+
+@dataclass
+class GcPlan:
+    delete: list[Doomed] = field(default_factory=list)
+    live_manifests: int = 0
+    live_chunks: int = 0
+    young: int = 0  # unreferenced but inside the grace period
+
+    @property
+    def bytes(self) -> int:
+        return sum(d.size for d in self.delete)
+
+
+def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: bool = True) -> GcPlan:
+    """What ``gc`` would delete now. Reads refs and manifests; deletes nothing.
+
+    Objects are listed *before* refs are read, so an object written after the
+    listing is not in the plan at all, and one listed before a concurrent ref
+    update is protected by its age (see module docstring).
+    """
+    now = time.time()
+    listed = {k: list(objects.list(k)) for k in ("manifests", "chunks")}
+    temps = list(objects.list_temporaries())
+
+    roots: set[str] = set()
+    for name, entries in refs.all_entries().items():
+        if entries[0].target is None:
+            continue  # removed ref: its history keeps nothing alive
+        for e in entries if keep_history else entries[:1]:
+            if e.target is not None:
+                roots.add(e.target)
+
+    live_chunks: set[str] = set()
+    for mid in roots:
+        # A live manifest that cannot be read stops the plan: nothing is deleted.
+        live_chunks |= referenced_chunks(objects.get_manifest(mid))
+
+    plan = GcPlan(live_manifests=len(roots), live_chunks=len(live_chunks))
+    for kind, live in (("manifests", roots), ("chunks", live_chunks)):
+        for info in listed[kind]:
+            if info.id in live:
+                continue
+            if now - info.mtime < grace_s:
+                plan.young += 1
+            else:
+                plan.delete.append(Doomed(kind, info.id, info.size))
+    for path, mtime in temps:
+        if now - mtime >= grace_s:
+            plan.delete.append(Doomed("temp", path, 0))
+    return plan
+
+
+def execute_gc(objects: ObjectStore, plan: GcPlan, *, grace_s: float) -> Iterator[Doomed]:
+    """Delete what ``plan`` names, re-checking each object's age just before deleting it.
+
+    Yields each object actually deleted. An object touched since the plan was
+    made (reused by a concurrent push) is skipped.
+    """
+    backend = objects.backend
+    for d in plan.delete:
+        path = d.name if d.kind == "temp" else objects.path(d.kind, d.name)
+        try:
+            if time.time() - backend.mtime(path) < grace_s:
+                continue
+        except FileNotFoundError:
+            continue
+        backend.delete(path)
+        yield d

@@ -1,0 +1,117 @@
+"""Content-addressed objects: immutable blobs named by the BLAKE3 hash of their content.
+
+Two kinds share the machinery: ``chunks`` (named by the hash of their *decoded*
+bytes; the codec lives in ckpt/) and ``manifests`` (named by the hash of their
+canonical JSON, verified here on every read and write).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import blake3
+
+from storage.backend import Backend
+from storage.errors import CorruptObjectError, InvalidNameError, ObjectNotFoundError
+
+KINDS = ("chunks", "manifests")
+_ID = re.compile(r"^[0-9a-f]{64}$")
+
+
+def object_id(data: bytes | memoryview) -> str:
+    """BLAKE3 of ``data`` as 64 lowercase hex digits: the name of every object."""
+    return blake3.blake3(data).hexdigest()
+
+
+def check_id(object_id_: str) -> str:
+    if not isinstance(object_id_, str) or not _ID.match(object_id_):
+        raise InvalidNameError(f"{object_id_!r} is not an object id (64 lowercase hex digits)")
+    return object_id_
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    kind: str
+    id: str
+    size: int
+    mtime: float
+
+
+class ObjectStore:
+    """``objects/<kind>/<id[:2]>/<id>`` below the store root."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    @staticmethod
+    def path(kind: str, oid: str) -> str:
+        assert kind in KINDS, kind
+        check_id(oid)
+        return f"objects/{kind}/{oid[:2]}/{oid}"
+
+    def has(self, kind: str, oid: str) -> bool:
+        return self.backend.exists(self.path(kind, oid))
+
+    def put(self, kind: str, oid: str, blob: bytes | memoryview) -> bool:
+        """Store ``blob`` under ``oid`` unless it exists. Returns True when written.
+
+        An existing object is touched instead, so that a concurrent ``gc`` sees
+        it as in use (docs/format.md, "Garbage collection").
+        """
+        p = self.path(kind, oid)
+        if self.backend.exists(p):
+            self.backend.touch(p)
+            return False
+        self.backend.write(p, blob)
+        return True
+
+    def get(self, kind: str, oid: str) -> bytes:
+        try:
+            return self.backend.read(self.path(kind, oid))
+        except FileNotFoundError:
+            raise ObjectNotFoundError(kind[:-1], oid) from None
+
+    def size(self, kind: str, oid: str) -> int:
+        try:
+            return self.backend.size(self.path(kind, oid))
+        except FileNotFoundError:
+            raise ObjectNotFoundError(kind[:-1], oid) from None
+
+    def delete(self, kind: str, oid: str) -> None:
+        self.backend.delete(self.path(kind, oid))
+
+    def list(self, kind: str) -> Iterator[ObjectInfo]:
+        """Every stored object of ``kind`` (temporary files are left out)."""
+        for e in self.backend.list(f"objects/{kind}"):
+            name = e.path.rsplit("/", 1)[-1]
+            if _ID.match(name):
+                yield ObjectInfo(kind, name, e.size, e.mtime)
+
+    def list_temporaries(self) -> Iterator[tuple[str, float]]:
+        """Leftovers of interrupted writes: (path, mtime)."""
+        for e in self.backend.list("objects"):
+            if e.path.rsplit("/", 1)[-1].startswith(".tmp-"):
+                yield e.path, e.mtime
+
+    # Manifests are verified here: their id is the hash of the bytes stored.
+    def put_manifest(self, data: bytes) -> str:
+        oid = object_id(data)
+        self.put("manifests", oid, data)
+        return oid
+
+    def get_manifest(self, oid: str) -> bytes:
+        data = self.get("manifests", oid)
+        if object_id(data) != oid:
+            raise CorruptObjectError("manifest", oid, "content does not match its id")
+        return data
+
+    def find_manifests(self, prefix: str) -> list[str]:
+        """Manifest ids starting with ``prefix`` (at least 4 hex digits)."""
+        prefix = prefix.lower()
+        return sorted(
+            e.path.rsplit("/", 1)[-1]
+            for e in self.backend.list(f"objects/manifests/{prefix[:2]}")
+            if e.path.rsplit("/", 1)[-1].startswith(prefix) and _ID.match(e.path.rsplit("/", 1)[-1])
+        )

@@ -1,0 +1,56 @@
+"""Canonical JSON for every record the store keeps (configs, refs, manifests).
+
+Records are serialised with sorted keys, no whitespace and ASCII escapes, so the
+same record always has the same bytes, and therefore the same id. Every record
+carries ``format`` and ``version``; :func:`decode_record` refuses any other.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from storage.errors import StoreFormatError
+
+# Records larger than this are refused before parsing (a manifest of a
+# 100k-tensor model is a few tens of MB).
+MAX_RECORD_BYTES = 256 * 1024 * 1024
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The one byte encoding of a JSON-able value used for ids and storage."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def decode_record(data: bytes, fmt: str, versions: tuple[int, ...], what: str) -> dict[str, Any]:
+    """Parse ``data`` as a JSON object of ``format == fmt`` and a supported version.
+
+    Raises :class:`StoreFormatError` naming ``what`` when the bytes are not such a record.
+    """
+    if len(data) > MAX_RECORD_BYTES:
+        raise StoreFormatError(f"{what} is {len(data)} bytes, larger than any valid record")
+    try:
+        obj = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise StoreFormatError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise StoreFormatError(f"{what} is not a JSON object")
+    if obj.get("format") != fmt:
+        raise StoreFormatError(f"{what} is not a {fmt} record (format={obj.get('format')!r})")
+    v = obj.get("version")
+    if v not in versions:
+        raise StoreFormatError(
+            f"{what} has {fmt} version {v!r}; this ckpt reads versions {', '.join(map(str, versions))}",
+            hint="upgrade ckpt to read it",
+        )
+    return obj
+
+
+def require(obj: dict[str, Any], key: str, typ: type | tuple[type, ...], what: str) -> Any:
+    """``obj[key]`` checked to be of ``typ``; a clear :class:`StoreFormatError` otherwise."""
+    if key not in obj:
+        raise StoreFormatError(f"{what} lacks field {key!r}")
+    val = obj[key]
+    if not isinstance(val, typ) or (typ is int and isinstance(val, bool)):
+        raise StoreFormatError(f"{what} field {key!r} has the wrong type ({type(val).__name__})")
+    return val

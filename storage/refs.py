@@ -1,0 +1,173 @@
+"""Refs: human names for checkpoints, each with an append-only history.
+
+A ref ``llama-ft/legal`` is the directory ``refs/llama-ft/legal/`` holding one
+immutable entry per update, ``0000000001.ref``, ``0000000002.ref``... The entry
+with the highest number is the ref's current value; a ``target`` of null marks
+the ref as removed. Entries are created with an exclusive create, so two writers
+can never both write entry N: the loser re-reads and takes N+1. No update and no
+history entry is ever lost, and nothing is modified in place.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+
+from storage.backend import Backend
+from storage.errors import InvalidNameError, RefConflictError, StoreFormatError
+from storage.records import canonical_json, decode_record, require
+
+REF_FORMAT = "ckpt-ref"
+REF_VERSION = 1
+MAX_NAME = 255
+_SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
+_ENTRY = re.compile(r"^(\d{10})\.ref$")
+
+
+def validate_ref_name(name: str) -> str:
+    """Return ``name`` if it is a valid ref name, else raise :class:`InvalidNameError`.
+
+    Valid: ``/``-separated segments of letters, digits, ``.``, ``_`` and ``-``,
+    not starting with ``.`` or ``-``, at most 255 characters. This rules out
+    ``..``, absolute paths, control characters and NUL bytes.
+    """
+    if not isinstance(name, str) or not name:
+        raise InvalidNameError("a ref name must be a non-empty string")
+    if len(name) > MAX_NAME:
+        raise InvalidNameError(f"ref name is {len(name)} characters long; the limit is {MAX_NAME}")
+    for seg in name.split("/"):
+        if not _SEGMENT.match(seg) or _ENTRY.match(seg):
+            raise InvalidNameError(
+                f"invalid ref name {name!r}",
+                hint="use segments of letters, digits, '.', '_' and '-' separated by '/', e.g. run7/step-400",
+            )
+    return name
+
+
+@dataclass(frozen=True)
+class RefEntry:
+    """One update of a ref. ``target`` is a manifest id, or None when the ref was removed."""
+
+    name: str
+    seq: int
+    target: str | None
+    time: float
+    writer: str
+
+    def to_json(self) -> bytes:
+        return canonical_json(
+            {
+                "format": REF_FORMAT,
+                "version": REF_VERSION,
+                "name": self.name,
+                "seq": self.seq,
+                "target": self.target,
+                "time": self.time,
+                "writer": self.writer,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes, what: str) -> RefEntry:
+        obj = decode_record(data, REF_FORMAT, (REF_VERSION,), what)
+        target = obj.get("target")
+        if target is not None and (not isinstance(target, str) or not re.fullmatch(r"[0-9a-f]{64}", target)):
+            raise StoreFormatError(f"{what} has an invalid target")
+        return cls(
+            name=require(obj, "name", str, what),
+            seq=require(obj, "seq", int, what),
+            target=target,
+            time=float(require(obj, "time", (int, float), what)),
+            writer=require(obj, "writer", str, what),
+        )
+
+
+class Refs:
+    """Read and update refs below ``refs/`` of a store."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    @staticmethod
+    def _entry_path(name: str, seq: int) -> str:
+        return f"refs/{name}/{seq:010d}.ref"
+
+    def _entry_seqs(self, name: str) -> list[int]:
+        prefix = f"refs/{name}/"
+        seqs = []
+        for e in self.backend.list(f"refs/{name}"):
+            rest = e.path[len(prefix) :]
+            m = _ENTRY.match(rest)  # direct children only: "a/b" entries are not "a"'s
+            if m:
+                seqs.append(int(m.group(1)))
+        return sorted(seqs)
+
+    def _read(self, name: str, seq: int) -> RefEntry:
+        path = self._entry_path(name, seq)
+        entry = RefEntry.from_json(self.backend.read(path), f"ref entry {path}")
+        if entry.name != name or entry.seq != seq:
+            raise StoreFormatError(f"ref entry {path} names {entry.name}#{entry.seq}")
+        return entry
+
+    def history(self, name: str) -> list[RefEntry]:
+        """Every entry of ``name``, newest first (empty if the ref never existed)."""
+        validate_ref_name(name)
+        return [self._read(name, s) for s in reversed(self._entry_seqs(name))]
+
+    def current(self, name: str) -> RefEntry | None:
+        """The newest entry of ``name``, or None when it never existed or was removed."""
+        validate_ref_name(name)
+        seqs = self._entry_seqs(name)
+        if not seqs:
+            return None
+        entry = self._read(name, seqs[-1])
+        return entry if entry.target is not None else None
+
+    def _append(self, name: str, target: str | None, attempts: int = 50) -> RefEntry:
+        validate_ref_name(name)
+        writer = uuid.uuid4().hex
+        for attempt in range(attempts):
+            seqs = self._entry_seqs(name)
+            seq = (seqs[-1] if seqs else 0) + 1
+            entry = RefEntry(name, seq, target, time.time(), writer)
+            if self.backend.create_exclusive(self._entry_path(name, seq), entry.to_json()):
+                return entry
+            time.sleep(min(0.001 * 2**attempt, 0.1))  # another writer took seq: re-read
+        raise RefConflictError(f"could not update ref {name}: other writers kept updating it", hint="retry")
+
+    def set(self, name: str, target: str) -> RefEntry:
+        """Point ``name`` at manifest ``target`` (a new history entry)."""
+        return self._append(name, target)
+
+    def remove(self, name: str) -> RefEntry:
+        """Mark ``name`` as removed; its history stays readable with ``ckpt log``."""
+        return self._append(name, None)
+
+    def all_entries(self) -> dict[str, list[RefEntry]]:
+        """Every ref ever written, with its history newest first."""
+        by_name: dict[str, list[int]] = defaultdict(list)
+        for e in self.backend.list("refs"):
+            parts = e.path.split("/")
+            m = _ENTRY.match(parts[-1])
+            if m and len(parts) >= 3:
+                by_name["/".join(parts[1:-1])].append(int(m.group(1)))
+        return {n: [self._read(n, s) for s in sorted(seqs, reverse=True)] for n, seqs in sorted(by_name.items())}
+
+    def live(self) -> dict[str, RefEntry]:
+        """Current entry of every ref that exists now (not removed)."""
+        by_name: dict[str, int] = {}
+        for e in self.backend.list("refs"):
+            parts = e.path.split("/")
+            m = _ENTRY.match(parts[-1])
+            if m and len(parts) >= 3:
+                n = "/".join(parts[1:-1])
+                by_name[n] = max(by_name.get(n, 0), int(m.group(1)))
+        out = {}
+        for n, s in sorted(by_name.items()):
+            entry = self._read(n, s)
+            if entry.target is not None:
+                out[n] = entry
+        return out
