@@ -1,0 +1,1 @@
+"""The ``ckpt`` command line: parses, calls the ckpt API, prints. Nothing else."""

@@ -1,0 +1,305 @@
+"""``ckpt``: push, pull and inspect checkpoints in a content-addressed store."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from cli.render import RichProgress, emit_json, err, human_bytes, out, ratio, when
+
+app = typer.Typer(
+    name="ckpt",
+    help=(
+        "Store PyTorch checkpoints once: chunked, deduplicated, compressed, verified.\n\n"
+        "The store is --store URL, else $CKPT_STORE, else ~/.local/share/ckpt/store "
+        "($XDG_DATA_HOME/ckpt/store). A URL is a local path, file://..., memory://... "
+        "or any fsspec URL.\n\n"
+        "A REF is a name (minilm/legal), NAME@N (N versions back, see `ckpt log`), or a "
+        "checkpoint id prefix (at least 4 hex digits).\n\n"
+        "Quick start:  ckpt push model.safetensors minilm/base  |  ckpt ls  |  ckpt du  |  "
+        "ckpt pull minilm/base out.safetensors"
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+_state: dict[str, Any] = {"store": None}
+
+StoreOpt = Annotated[
+    Optional[str],
+    typer.Option("--store", "-s", help="Store URL (default: $CKPT_STORE, else ~/.local/share/ckpt/store).", show_default=False),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+
+
+@app.callback()
+def _main(store: StoreOpt = None) -> None:
+    _state["store"] = store
+
+
+def _open(create: bool = False) -> Any:
+    from ckpt.store import Store
+
+    return Store.open(_state["store"], create=create)
+
+
+@app.command()
+def init() -> None:
+    """Create an empty store (a no-op if one exists)."""
+    from ckpt.store import Store, default_store_url
+
+    store = Store.init(_state["store"])
+    out.print(f"store ready at {store.url if _state['store'] is None else _state['store'] or default_store_url()}")
+
+
+@app.command()
+def push(
+    source: Annotated[Path, typer.Argument(help="A .safetensors file, a Hugging Face model directory, or a .pt/.bin state dict.")],
+    name: Annotated[str, typer.Argument(help="Ref name to point at the new checkpoint, e.g. minilm/legal.")],
+    message: Annotated[Optional[str], typer.Option("--message", "-m", help="Note stored with the checkpoint.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Store a checkpoint and point NAME at it. Only chunks the store lacks are written.
+
+    .pt/.bin files are read with torch.load(weights_only=True): a file that needs
+    arbitrary unpickling is refused, never executed. Creates the store if needed.
+    """
+    store = _open(create=True)
+    r = store.push_report(str(source), name, message, progress=RichProgress())
+    if as_json:
+        emit_json({"id": r.id, "ref": name, "chunks": r.chunks, "new_chunks": r.new_chunks,
+                   "logical_bytes": r.logical_bytes, "written_bytes": r.written_bytes})
+        return
+    out.print(
+        f"{name} -> {r.id[:12]}  {human_bytes(r.logical_bytes)} in {r.chunks} chunks; "
+        f"{r.new_chunks} new, {human_bytes(r.written_bytes)} written"
+    )
+
+
+@app.command()
+def pull(
+    ref: Annotated[str, typer.Argument(help="Ref, NAME@N or id prefix.")],
+    dest: Annotated[Path, typer.Argument(help="Output file (single-file checkpoints) or directory (model directories).")],
+    force: Annotated[bool, typer.Option("--force", "-f", help="Replace DEST if it exists.")] = False,
+    include: Annotated[Optional[list[str]], typer.Option("--include", "-i", help="Only tensors matching this glob (repeatable); writes one safetensors file.")] = None,
+) -> None:
+    """Write a checkpoint back out, bit-identical to what was pushed, verifying every chunk.
+
+    DEST appears only when complete (written under a temporary name, then renamed).
+    """
+    store = _open()
+    path = store.pull(ref, str(dest), overwrite=force, include=include or None, progress=RichProgress())
+    out.print(f"wrote {path}")
+
+
+@app.command("ls")
+def ls(as_json: JsonOpt = False) -> None:
+    """List refs: name, checkpoint id, size, when, message."""
+    store = _open()
+    rows = []
+    for name, entry in store.refs().items():
+        m = store.get_manifest(entry.target)
+        rows.append({"ref": name, "id": entry.target, "time": entry.time, "bytes": m.logical_bytes,
+                     "tensors": len(m.tensors), "message": m.message, "source": m.source})
+    if as_json:
+        emit_json(rows)
+        return
+    if not rows:
+        out.print("no refs yet: `ckpt push FILE NAME` stores a checkpoint")
+        return
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False)
+    for c in ("REF", "ID", "SIZE", "TENSORS", "UPDATED", "MESSAGE"):
+        t.add_column(c, justify="right" if c in ("SIZE", "TENSORS") else "left")
+    for r in rows:
+        t.add_row(r["ref"], r["id"][:12], human_bytes(r["bytes"]), str(r["tensors"]), when(r["time"]), r["message"] or "")
+    out.print(t)
+
+
+@app.command()
+def log(name: Annotated[str, typer.Argument(help="Ref name.")], as_json: JsonOpt = False) -> None:
+    """History of a ref, newest first (NAME@0 is the current version, NAME@1 the one before...)."""
+    store = _open()
+    entries = store.log(name)
+    rows = []
+    version = 0
+    for e in entries:
+        msg = None
+        if e.target is not None:
+            try:
+                msg = store.get_manifest(e.target).message
+            except Exception:  # noqa: BLE001 - a collected manifest still has a history line
+                msg = "(checkpoint no longer in the store)"
+        rows.append({"seq": e.seq, "version": None if e.target is None else version, "id": e.target,
+                     "time": e.time, "message": msg, "removed": e.target is None})
+        if e.target is not None:
+            version += 1
+    if as_json:
+        emit_json(rows)
+        return
+    for r in rows:
+        label = "removed" if r["removed"] else f"{name}@{r['version']}  {r['id'][:12]}"
+        out.print(f"#{r['seq']:<4} {when(r['time'])}  {label}  {r['message'] or ''}".rstrip())
+
+
+@app.command()
+def show(ref: Annotated[str, typer.Argument(help="Ref, NAME@N or id prefix.")], as_json: JsonOpt = False) -> None:
+    """A checkpoint's files and tensors: dtype, shape, logical and stored bytes."""
+    store = _open()
+    mid = store.resolve(ref)
+    m = store.get_manifest(mid)
+    sizes = {o.id: o.size for o in store.objects.list("chunks")}
+    tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes, "file": t.file,
+                "stored_bytes": sum(sizes.get(c, 0) for c in t.chunks), "chunks": len(t.chunks)} for t in m.tensors]
+    files = [{"path": f.path, "kind": f.kind, "bytes": f.size, "metadata": f.metadata} for f in m.files]
+    info = {"id": mid, "source": m.source, "created": m.created, "message": m.message, "metadata": m.metadata,
+            "lineage": m.lineage, "extra": m.extra, "chunk_size": m.chunk_size, "files": files, "tensors": tensors,
+            "bytes": m.logical_bytes}
+    if as_json:
+        emit_json(info)
+        return
+    from rich.table import Table
+
+    out.print(f"checkpoint {mid}\nsource     {m.source}, {len(files)} file(s), {len(tensors)} tensors, {human_bytes(m.logical_bytes)}")
+    out.print(f"created    {when(m.created)}")
+    if m.message:
+        out.print(f"message    {m.message}")
+    for k, v in m.metadata.items():
+        out.print(f"meta       {k} = {v}")
+    lineage = {k: v for k, v in m.lineage.items() if v}
+    if lineage:
+        out.print(f"lineage    {lineage}")
+    t = Table(box=None, pad_edge=False)
+    for c in ("TENSOR", "DTYPE", "SHAPE", "BYTES", "STORED"):
+        t.add_column(c, justify="right" if c in ("BYTES", "STORED") else "left")
+    for r in tensors:
+        t.add_row(r["name"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar", human_bytes(r["bytes"]), human_bytes(r["stored_bytes"]))
+    out.print(t)
+    others = [f for f in files if f["kind"] == "blob"]
+    if others:
+        out.print("other files: " + ", ".join(f"{f['path']} ({human_bytes(f['bytes'])})" for f in others))
+
+
+@app.command()
+def du(as_json: JsonOpt = False) -> None:
+    """Logical vs stored bytes per ref and for the whole store; what dedup and compression saved."""
+    store = _open()
+    u = store.du()
+    if as_json:
+        emit_json({
+            "refs": [{"ref": r.name, "id": r.id, "logical_bytes": r.logical, "unique_bytes": r.unique,
+                      "stored_bytes": r.stored} for r in u.refs],
+            "logical_bytes": u.logical, "unique_bytes": u.unique, "stored_bytes": u.stored,
+            "dedup_saved_bytes": u.dedup_saved, "compression_saved_bytes": u.compression_saved, "chunks": u.objects,
+        })
+        return
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False)
+    for c in ("REF", "LOGICAL", "CHUNKS STORED"):
+        t.add_column(c, justify="left" if c == "REF" else "right")
+    for r in u.refs:
+        t.add_row(r.name, human_bytes(r.logical), human_bytes(r.stored))
+    out.print(t)
+    out.print(
+        f"\ntotal: {human_bytes(u.logical)} in {len(u.refs)} refs stored as {human_bytes(u.stored)} "
+        f"({ratio(u.stored, u.logical)} of logical)\n"
+        f"  dedup saved        {human_bytes(u.dedup_saved)} ({ratio(u.dedup_saved, u.logical)})\n"
+        f"  compression saved  {human_bytes(u.compression_saved)} ({ratio(u.compression_saved, u.logical)})"
+    )
+
+
+@app.command()
+def verify(refs: Annotated[Optional[list[str]], typer.Argument(help="Refs to check (default: all).")] = None, as_json: JsonOpt = False) -> None:
+    """Re-read and re-hash every object the refs need; name each damaged ref. Exit 1 if any."""
+    store = _open()
+    r = store.verify(refs or None, progress=RichProgress())
+    if as_json:
+        emit_json({"ok": r.ok, "refs_checked": r.refs_checked, "chunks_checked": r.chunks_checked,
+                   "bytes_checked": r.bytes_checked, "problems": r.problems, "damaged_refs": r.damaged_refs})
+    else:
+        for name, problems in r.damaged_refs.items():
+            err.print(f"DAMAGED {name}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+        for p in r.problems:
+            if p.startswith("store config"):
+                err.print(f"DAMAGED {p}")
+        status = "ok" if r.ok else f"{len(r.problems)} problem(s)"
+        out.print(f"verified {r.refs_checked} refs, {r.chunks_checked} chunks, {human_bytes(r.bytes_checked)}: {status}")
+    if not r.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def rm(names: Annotated[list[str], typer.Argument(help="Refs to remove.")]) -> None:
+    """Remove refs. History stays in `ckpt log`; data is freed by `ckpt gc`."""
+    store = _open()
+    for name in names:
+        store.remove(name)
+        out.print(f"removed {name}")
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
+
+
+def _seconds(text: str) -> float:
+    m = _DURATION.match(text.strip())
+    if not m:
+        raise typer.BadParameter(f"{text!r} is not a duration like 30s, 10m, 1h or 2d")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+@app.command()
+def gc(
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Print the plan; delete nothing.")] = False,
+    grace: Annotated[str, typer.Option("--grace", help="Keep unreferenced objects younger than this (protects pushes in progress).")] = "1h",
+    no_history: Annotated[bool, typer.Option("--no-history", help="Also free earlier versions of live refs (NAME@1...).")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Delete objects no ref needs: plan first, then delete (or just print with --dry-run)."""
+    store = _open()
+    r = store.gc(grace_s=_seconds(grace), dry_run=dry_run, keep_history=not no_history)
+    if as_json:
+        emit_json({"dry_run": r.dry_run, "deleted": len(r.deleted), "bytes": r.bytes, "young_kept": r.young,
+                   "live_manifests": r.live_manifests, "live_chunks": r.live_chunks,
+                   "objects": [{"kind": d.kind, "name": d.name, "bytes": d.size} for d in r.deleted]})
+        return
+    verb = "would delete" if dry_run else "deleted"
+    out.print(f"{verb} {len(r.deleted)} objects ({human_bytes(r.bytes)}); kept {r.live_manifests} live checkpoints, "
+              f"{r.live_chunks} live chunks, {r.young} recent unreferenced objects (grace {grace})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: ckpt errors become one line on stderr and exit code 1."""
+    from storage.errors import CkptError
+
+    try:
+        app(args=argv, standalone_mode=False)
+    except CkptError as e:
+        err.print(f"error: {e}", markup=False)
+        sys.exit(1)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except KeyboardInterrupt:
+        err.print("interrupted; the store is unchanged except for unreferenced objects that `ckpt gc` removes")
+        sys.exit(130)
+    except Exception as e:  # click usage errors
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()
