@@ -82,6 +82,9 @@ def parse_header(blob: bytes | memoryview, oid: str = "?") -> ChunkHeader:
         raise CorruptObjectError("chunk", oid, "bad magic (not a ckpt chunk)")
     if codec not in CODEC_NAMES:
         raise CorruptObjectError("chunk", oid, f"unknown codec {codec}")
+    # Every header field is checked, so that no bit of a blob can flip unnoticed.
+    if elem not in (1, 2, 4, 8) or flags & ~HAS_BASE or _pad:
+        raise CorruptObjectError("chunk", oid, "invalid header fields")
     size = _HEAD.size
     base = None
     if flags & HAS_BASE:

@@ -70,7 +70,8 @@ def push(
             spans.append(("file", start, len(tasks)))
             for t in f.tensors:
                 start = len(tasks)
-                tasks += _tasks(t.src, t.offset, t.nbytes, cs, itemsize(t.dtype) or 1)
+                size = itemsize(t.dtype)
+                tasks += _tasks(t.src, t.offset, t.nbytes, cs, size if size in (1, 2, 4, 8) else 1)
                 spans.append(("tensor", start, len(tasks)))
         progress.start("push", sum(t.length for t in tasks))
         results = put_chunks(store.objects, tasks, settings, progress)

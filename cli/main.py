@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     from storage.errors import CkptError
 
     try:
-        app(args=argv, standalone_mode=False)
+        # Without standalone mode click returns the code of a typer.Exit instead of exiting.
+        code = app(args=argv, standalone_mode=False)
     except CkptError as e:
         err.print(f"error: {e}", markup=False)
         sys.exit(1)
@@ -292,13 +293,13 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted; the store is unchanged except for unreferenced objects that `ckpt gc` removes")
         sys.exit(130)
-    except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
-        raise
+    except typer.TyperException as e:  # usage errors: bad option, missing argument...
+        show = getattr(e, "show", None)
+        if show is None:
+            raise
+        show()
+        sys.exit(getattr(e, "exit_code", 2))
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

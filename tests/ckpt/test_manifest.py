@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import pytest
+
+from ckpt.manifest import FileEntry, Manifest, TensorEntry, check_file_path
+from storage.errors import InvalidNameError, StoreFormatError
+
+A, B = "a" * 64, "b" * 64
+
+
+def _manifest() -> Manifest:
+    return Manifest(
+        source="tensors",
+        chunk_size=8,
+        files=(FileEntry("model.safetensors", "safetensors", 40, (A,), 24, None),),
+        tensors=(TensorEntry("w", "F32", (2, 2), 16, (B, B), "model.safetensors"),),
+        created=1.0,
+        message="m",
+    )
+
+
+def test_golden_bytes():
+    """The encoding is part of the format: changing it changes every checkpoint id."""
+    assert _manifest().to_json() == (
+        b'{"chunk_size":8,"created":1.0,"extra":{},"files":[{"chunks":["' + A.encode() + b'"],"head_size":24,'
+        b'"kind":"safetensors","metadata":null,"path":"model.safetensors","size":40}],"format":"ckpt-manifest",'
+        b'"lineage":{"base":null,"merge":null,"parent":null},"message":"m","metadata":{},"source":"tensors",'
+        b'"tensors":[{"chunks":["' + B.encode() + b'","' + B.encode() + b'"],"dtype":"F32","file":"model.safetensors",'
+        b'"name":"w","nbytes":16,"shape":[2,2]}],"version":1}'
+    )
+
+
+def test_roundtrip():
+    m = _manifest()
+    assert Manifest.from_json(m.to_json()) == m
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda s: s.replace(b'"version":1', b'"version":2'),
+        lambda s: s.replace(b'"nbytes":16', b'"nbytes":17'),
+        lambda s: s.replace(b'"shape":[2,2]', b'"shape":[2,-2]'),
+        lambda s: s.replace(b'"path":"model.safetensors"', b'"path":"../../etc/x"'),
+        lambda s: s.replace(B.encode(), b"../" + B[3:].encode(), 1),
+        lambda s: s[:-3],
+        lambda s: b"[]",
+    ],
+)
+def test_malformed_manifests_are_format_errors(mutate):
+    with pytest.raises((StoreFormatError, InvalidNameError)):
+        Manifest.from_json(mutate(_manifest().to_json()))
+
+
+@pytest.mark.parametrize("bad", ["../x", "/etc/passwd", "a/../../b", "a\\b", "c:/x", "a/./b", "a\x00b", ""])
+def test_file_paths_cannot_escape(bad):
+    with pytest.raises(InvalidNameError):
+        check_file_path(bad)

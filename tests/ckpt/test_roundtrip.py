@@ -1,0 +1,171 @@
+"""Every dtype and shape class survives push -> pull/load bit for bit."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import ckpt
+from ckpt.settings import Settings
+
+DTYPES = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint64, torch.uint32, torch.uint16, torch.uint8,
+    torch.bool,
+]
+
+
+def _random(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (int(torch.tensor(shape).prod()) * torch.empty(0, dtype=dtype).element_size(),),
+                        dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)  # arbitrary bit patterns: NaN payloads, -0, inf, subnormals
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    t = t.contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert _bytes(a[k]) == _bytes(b[k]), k
+
+
+SHAPES = {"scalar": (), "empty": (0, 3), "vector": (7,), "matrix": (33, 17), "big": (700, 1000)}
+
+
+@pytest.fixture
+def small_chunks(tmp_path):
+    # 64 KiB chunks so that "big" tensors span many chunks and the last chunk is partial.
+    return ckpt.Store.init(str(tmp_path / "store"), settings=Settings.from_env(chunk_size=64 * 1024))
+
+
+def _all_tensors() -> dict[str, torch.Tensor]:
+    out = {}
+    for i, dtype in enumerate(DTYPES):
+        for label, shape in SHAPES.items():
+            if label == "big" and dtype not in (torch.float32, torch.bfloat16, torch.uint8):
+                continue
+            out[f"{str(dtype)[6:]}.{label}"] = _random(dtype, shape, seed=i)
+    out["noncontig"] = torch.randn(40, 30).t()[3:, ::2]
+    assert not out["noncontig"].is_contiguous()
+    return out
+
+
+def test_dict_roundtrip_every_dtype_and_shape(small_chunks, tmp_path):
+    tensors = _all_tensors()
+    small_chunks.push(tensors, "all/dtypes")
+    _same(tensors, small_chunks.load("all/dtypes"))
+    out = small_chunks.pull("all/dtypes", tmp_path / "out.safetensors")
+    _same(tensors, load_file(out))
+
+
+def test_safetensors_file_roundtrip_is_byte_identical(small_chunks, tmp_path):
+    tensors = {k: v.contiguous() for k, v in _all_tensors().items()}
+    src = tmp_path / "in.safetensors"
+    save_file(tensors, src, metadata={"format": "pt", "note": "ünïcode ✓"})
+    small_chunks.push(src, "file")
+    out = small_chunks.pull("file", tmp_path / "out.safetensors")
+    assert open(out, "rb").read() == src.read_bytes()
+    reader = small_chunks.reader("file")
+    assert reader.metadata() == {"format": "pt", "note": "ünïcode ✓"}
+
+
+def test_hf_directory_roundtrip(small_chunks, tmp_path):
+    src = tmp_path / "model"
+    (src / "sub").mkdir(parents=True)
+    a = {"layer.0.w": torch.randn(300, 300), "layer.0.b": torch.randn(300)}
+    b = {"layer.1.w": torch.randn(300, 300).to(torch.bfloat16), "layer.1.b": torch.zeros(300)}
+    save_file(a, src / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file(b, src / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    index = {"metadata": {"total_size": 1}, "weight_map": {**{k: "model-00001-of-00002.safetensors" for k in a},
+                                                          **{k: "model-00002-of-00002.safetensors" for k in b}}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    (src / "config.json").write_text('{"hidden_size": 300}')
+    (src / "sub" / "tokenizer.json").write_text("x" * 200_000)
+    (src / "empty.txt").write_bytes(b"")
+    small_chunks.push(src, "hf/model")
+    dest = tmp_path / "pulled"
+    small_chunks.pull("hf/model", dest)
+    for root, _, files in os.walk(src):
+        for f in files:
+            p = os.path.join(root, f)
+            assert open(p, "rb").read() == open(dest / os.path.relpath(p, src), "rb").read(), p
+    assert sorted(os.listdir(dest)) == sorted(os.listdir(src))
+    _same({**a, **b}, small_chunks.load("hf/model"))
+
+
+def test_pt_state_dict_roundtrip(small_chunks, tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.BatchNorm1d(30), torch.nn.Linear(30, 2))
+    sd = model.state_dict()
+    torch.save({"model": sd, "epoch": 3, "note": "ok"}, tmp_path / "sd.pt")
+    small_chunks.push(tmp_path / "sd.pt", "pt")
+    loaded = small_chunks.load("pt")
+    _same({f"model.{k}": v for k, v in sd.items()}, loaded)
+    assert small_chunks.manifest("pt").extra == {"epoch": 3, "note": "ok"}
+
+
+def test_load_into_module_in_place(small_chunks):
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    small_chunks.push(src.state_dict(), "m")
+    dst = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    ptr = dst[0].weight.data_ptr()
+    small_chunks.load_into("m", dst)
+    assert dst[0].weight.data_ptr() == ptr
+    _same(src.state_dict(), dst.state_dict())
+
+
+def test_load_into_reports_mismatches(small_chunks):
+    small_chunks.push({"w": torch.zeros(3, 4), "extra": torch.zeros(1)}, "m")
+    with pytest.raises(ckpt.errors.TensorMismatchError, match="extra"):
+        small_chunks.load_into("m", {"w": torch.zeros(3, 4)})
+    with pytest.raises(ckpt.errors.TensorMismatchError, match="w: checkpoint F32"):
+        small_chunks.load_into("m", {"w": torch.zeros(4, 3), "extra": torch.zeros(1)})
+    target = {"w": torch.ones(3, 4)}
+    small_chunks.load_into("m", target, strict=False)
+    assert torch.equal(target["w"], torch.zeros(3, 4))
+
+
+def test_reader_fetches_one_tensor(small_chunks, tmp_path):
+    tensors = {"a": torch.randn(500, 500), "b": torch.randn(10)}
+    small_chunks.push(tensors, "r")
+    reader = small_chunks.reader("r")
+    assert set(reader.keys()) == {"a", "b"} and "a" in reader and len(reader) == 2
+    # Remove the chunks of "a": reading "b" must still work, so only b's chunks were fetched.
+    for cid in reader.info("a").chunks:
+        os.unlink(small_chunks.backend.local_path(small_chunks.objects.path("chunks", cid)))
+    assert _bytes(reader.get_tensor("b")) == _bytes(tensors["b"])
+    with pytest.raises(ckpt.errors.ObjectNotFoundError):
+        reader.get_tensor("a")
+
+
+def test_pull_include_selects_tensors(small_chunks, tmp_path):
+    tensors = {"layers.0.w": torch.randn(5), "layers.1.w": torch.randn(5), "head": torch.randn(2)}
+    small_chunks.push(tensors, "sel")
+    out = small_chunks.pull("sel", tmp_path / "sel.safetensors", include=["layers.0.*", "head"])
+    _same({k: tensors[k] for k in ("layers.0.w", "head")}, load_file(out))
+
+
+def test_generated_header_matches_safetensors(tmp_path):
+    """A dict push pulls to the same bytes safetensors' own save_file writes (same layout rules)."""
+    tensors = {"b": torch.randn(3, 2), "a": torch.arange(5), "c": torch.zeros(2, dtype=torch.float16)}
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    store.push(tensors, "x")
+    out = store.pull("x", tmp_path / "ours.safetensors")
+    save_file(tensors, tmp_path / "theirs.safetensors")
+    ours, theirs = open(out, "rb").read(), (tmp_path / "theirs.safetensors").read_bytes()
+    n1, n2 = struct.unpack("<Q", ours[:8])[0], struct.unpack("<Q", theirs[:8])[0]
+    assert json.loads(ours[8 : 8 + n1]) == json.loads(theirs[8 : 8 + n2])
+    assert hashlib.sha256(ours[8 + n1 :]).digest() == hashlib.sha256(theirs[8 + n2 :]).digest()

@@ -1,0 +1,140 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.errors import (
+    AmbiguousRefError,
+    CorruptObjectError,
+    DestinationExistsError,
+    ObjectNotFoundError,
+    RefNotFoundError,
+    StoreNotFoundError,
+)
+
+
+def test_push_same_twice_adds_no_objects(store_url):
+    store = ckpt.Store.init(store_url)
+    t = {"w": torch.randn(256, 256), "b": torch.randn(256)}
+    store.push(t, "a")
+    before = sorted(o.id for o in store.objects.list("chunks"))
+    r = store.push_report(t, "b")
+    assert r.new_chunks == 0 and r.written_bytes == 0
+    assert sorted(o.id for o in store.objects.list("chunks")) == before
+    assert store.manifest("a").tensors == store.manifest("b").tensors
+
+
+def test_shared_tensors_share_chunks(store_url):
+    store = ckpt.Store.init(store_url)
+    shared = torch.randn(512, 512)
+    store.push({"w": shared, "head": torch.randn(10)}, "a")
+    r = store.push_report({"w": shared, "head": torch.randn(10)}, "b")
+    assert r.new_chunks == 1  # only the new head; the header is identical too
+    u = store.du()
+    assert u.dedup_saved >= shared.numel() * 4
+
+
+def test_ref_forms(store):
+    first = store.push({"x": torch.zeros(1)}, "m/a")
+    second = store.push({"x": torch.ones(1)}, "m/a")
+    assert store.resolve("m/a") == second == store.resolve("m/a@0")
+    assert store.resolve("m/a@1") == first
+    assert store.resolve(first[:10]) == first
+    with pytest.raises(RefNotFoundError, match="2 versions"):
+        store.resolve("m/a@2")
+    with pytest.raises(RefNotFoundError):
+        store.resolve("nope")
+    store.remove("m/a")
+    with pytest.raises(RefNotFoundError, match="removed"):
+        store.resolve("m/a@0")
+    assert store.resolve("m/a@1") == first  # history stays reachable until gc
+
+
+def test_ambiguous_prefix(store):
+    from storage.objects import object_id
+
+    seen: dict[str, bytes] = {}
+    for i in range(100_000):  # birthday search for two records sharing 4 hex digits
+        data = b'{"n":%d}' % i
+        prev = seen.setdefault(object_id(data)[:4], data)
+        if prev is not data:
+            break
+    ids = [store.objects.put_manifest(prev), store.objects.put_manifest(data)]
+    assert ids[0][:4] == ids[1][:4]
+    with pytest.raises(AmbiguousRefError, match="2 checkpoints"):
+        store.resolve(ids[0][:4])
+    assert store.resolve(ids[0]) == ids[0]
+
+
+def test_open_missing_store(tmp_path):
+    with pytest.raises(StoreNotFoundError):
+        ckpt.Store.open(str(tmp_path / "none"))
+
+
+def _chunk_path(store, cid):
+    return store.backend.local_path(store.objects.path("chunks", cid))
+
+
+def test_corrupted_chunk_is_an_error_never_wrong_data(store, tmp_path):
+    store.push({"w": torch.randn(1000, 100)}, "a")
+    m = store.manifest("a")
+    cid = m.tensors[0].chunks[0]
+    p = _chunk_path(store, cid)
+    data = bytearray(open(p, "rb").read())
+    data[-10] ^= 0x40
+    with open(p, "wb") as f:
+        f.write(data)
+    with pytest.raises(CorruptObjectError, match=cid):
+        store.load("a")
+    with pytest.raises(CorruptObjectError):
+        store.pull("a", tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
+    assert [p for p in os.listdir(tmp_path) if "ckpt-tmp" in p] == []
+    report = store.verify()
+    assert not report.ok and list(report.damaged_refs) == ["a"]
+
+
+def test_missing_chunk_names_ref(store):
+    store.push({"w": torch.randn(100)}, "a")
+    store.push({"v": torch.randn(100)}, "b")
+    cid = store.manifest("a").tensors[0].chunks[0]
+    os.unlink(_chunk_path(store, cid))
+    with pytest.raises(ObjectNotFoundError):
+        store.load("a")
+    r = store.verify()
+    assert list(r.damaged_refs) == ["a"] and store.verify(["b"]).ok
+
+
+def test_corrupted_manifest_detected(store):
+    mid = store.push({"w": torch.randn(10)}, "a")
+    p = store.backend.local_path(store.objects.path("manifests", mid))
+    with open(p, "r+b") as f:
+        f.seek(20)
+        f.write(b"X")
+    with pytest.raises(CorruptObjectError, match=mid):
+        store.load("a")
+    assert "a" in store.verify().damaged_refs
+
+
+def test_pull_refuses_to_overwrite(store, tmp_path):
+    store.push({"w": torch.randn(10)}, "a")
+    dest = tmp_path / "x.safetensors"
+    dest.write_bytes(b"precious")
+    with pytest.raises(DestinationExistsError):
+        store.pull("a", dest)
+    assert dest.read_bytes() == b"precious"
+    store.pull("a", dest, overwrite=True)
+    assert dest.read_bytes() != b"precious"
+
+
+def test_memory_backend_full_cycle():
+    store = ckpt.Store.init("memory://full-cycle-test")
+    t = {"w": torch.randn(300, 300)}
+    store.push(t, "a")
+    assert torch.equal(ckpt.Store.open("memory://full-cycle-test").load("a")["w"], t["w"])
+    assert store.verify().ok
+    store.remove("a")
+    assert store.gc(grace_s=0).planned >= 2

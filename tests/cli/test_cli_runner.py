@@ -1,0 +1,102 @@
+"""The CLI in-process: typer's CliRunner for the commands, main() for the error contract."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from cli.main import app, main
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPT_STORE", str(tmp_path / "store"))
+    src = tmp_path / "m.safetensors"
+    save_file({"w": torch.randn(64, 64), "b": torch.zeros(64)}, src, metadata={"k": "v"})
+    return tmp_path, src
+
+
+def invoke(*args: str):
+    result = CliRunner().invoke(app, list(args), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+        raise SystemExit(0)
+    cap = capsys.readouterr()
+    return e.value.code, cap.out, cap.err
+
+
+def test_push_ls_show_du_pull(env):
+    tmp, src = env
+    invoke("push", str(src), "demo/a", "-m", "first")
+    invoke("push", str(src), "demo/b")
+    rows = json.loads(invoke("ls", "--json"))
+    assert [r["ref"] for r in rows] == ["demo/a", "demo/b"] and rows[0]["message"] == "first"
+    shown = json.loads(invoke("show", "demo/a", "--json"))
+    assert {t["name"] for t in shown["tensors"]} == {"w", "b"}
+    assert shown["files"][0]["metadata"] == {"k": "v"}
+    du = json.loads(invoke("du", "--json"))
+    assert du["dedup_saved_bytes"] >= src.stat().st_size  # the second push stored nothing new
+    assert "dedup saved" in invoke("du")
+    invoke("pull", "demo/b", str(tmp / "out.safetensors"))
+    assert (tmp / "out.safetensors").read_bytes() == src.read_bytes()
+    assert "demo/a" in invoke("ls") and "TENSOR" in invoke("show", "demo/a")
+
+
+def test_log_rm_gc_verify(env):
+    tmp, src = env
+    invoke("push", str(src), "x", "-m", "one")
+    save_file({"w": torch.ones(3)}, tmp / "two.safetensors")
+    invoke("push", str(tmp / "two.safetensors"), "x", "-m", "two")
+    log = json.loads(invoke("log", "x", "--json"))
+    assert [r["message"] for r in log] == ["two", "one"] and [r["version"] for r in log] == [0, 1]
+    invoke("rm", "x")
+    assert json.loads(invoke("ls", "--json")) == []
+    plan = json.loads(invoke("gc", "--dry-run", "--grace", "0s", "--json"))
+    assert plan["dry_run"] and plan["deleted"] > 0
+    done = json.loads(invoke("gc", "--grace", "0", "--json"))
+    assert done["deleted"] == plan["deleted"]
+    assert json.loads(invoke("verify", "--json"))["ok"]
+
+
+def test_help_teaches():
+    out = invoke("--help")
+    for word in ("push", "pull", "CKPT_STORE", "NAME@N", "gc", "verify"):
+        assert word in out
+    assert "weights_only" in invoke("push", "--help")
+
+
+def test_errors_are_one_line(env, capsys):
+    tmp, src = env
+    code, _, err = run_main(capsys, "pull", "x", str(tmp / "o"))
+    assert code == 1 and "no ckpt store" in err and "ckpt init" in err
+    run_main(capsys, "init")
+    code, _, err = run_main(capsys, "pull", "nope", str(tmp / "o"))
+    assert code == 1 and err.startswith("error: ") and err.count("\n") == 1 and "nope" in err
+    code, _, err = run_main(capsys, "push", str(src), "../evil")
+    assert code == 1 and "invalid ref name" in err
+    code, _, err = run_main(capsys, "gc", "--grace", "soon")
+    assert code == 2 and "duration" in err
+
+
+def test_verify_exit_code_on_damage(env, capsys):
+    import os
+
+    tmp, src = env
+    run_main(capsys, "push", str(src), "a")
+    chunks = tmp / "store" / "objects" / "chunks"
+    victim = next(p for p in chunks.rglob("*") if p.is_file())
+    victim.write_bytes(victim.read_bytes()[:-1])
+    code, out, err = run_main(capsys, "verify")
+    assert code == 1 and "DAMAGED a" in err
+    code, out, _ = run_main(capsys, "verify", "--json")
+    assert code == 1 and json.loads(out)["damaged_refs"].keys() == {"a"}
+    assert os.path.exists(victim)  # verify never repairs or deletes

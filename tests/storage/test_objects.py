@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import pytest
+
+from storage.backend import open_backend
+from storage.errors import CorruptObjectError, InvalidNameError, ObjectNotFoundError
+from storage.objects import ObjectStore, object_id
+
+
+def test_put_is_noop_when_present(store_url, tmp_path):
+    objs = ObjectStore(open_backend(store_url))
+    data = b"x" * 1000
+    oid = object_id(data)
+    assert objs.put("chunks", oid, b"blob")
+    assert not objs.put("chunks", oid, b"other")
+    assert objs.get("chunks", oid) == b"blob"
+    assert [o.id for o in objs.list("chunks")] == [oid]
+
+
+def test_manifest_verified_on_read(tmp_path):
+    backend = open_backend(str(tmp_path))
+    objs = ObjectStore(backend)
+    mid = objs.put_manifest(b'{"format":"x"}')
+    assert objs.get_manifest(mid) == b'{"format":"x"}'
+    (tmp_path / "objects" / "manifests" / mid[:2] / mid).write_bytes(b'{"format":"y"}')
+    with pytest.raises(CorruptObjectError) as e:
+        objs.get_manifest(mid)
+    assert mid in str(e.value)
+
+
+def test_missing_object(tmp_path):
+    objs = ObjectStore(open_backend(str(tmp_path)))
+    with pytest.raises(ObjectNotFoundError):
+        objs.get("chunks", "0" * 64)
+
+
+@pytest.mark.parametrize("bad", ["../../etc/passwd", "A" * 64, "0" * 63, "0" * 64 + "/x"])
+def test_ids_are_validated(tmp_path, bad):
+    objs = ObjectStore(open_backend(str(tmp_path)))
+    with pytest.raises(InvalidNameError):
+        objs.get("chunks", bad)
+
+
+def test_find_manifests_by_prefix(tmp_path):
+    objs = ObjectStore(open_backend(str(tmp_path)))
+    ids = [objs.put_manifest(f'{{"n":{i}}}'.encode()) for i in range(5)]
+    assert objs.find_manifests(ids[0][:10]) == [ids[0]]

@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from storage.backend import LocalBackend, open_backend
+from storage.errors import InvalidNameError, StoreFormatError
+from storage.refs import Refs, validate_ref_name
+
+A = "a" * 64
+B = "b" * 64
+
+
+@pytest.fixture
+def refs(tmp_path):
+    return Refs(LocalBackend(str(tmp_path), fsync=False))
+
+
+@pytest.mark.parametrize("name", ["x", "run7/step-4000", "llama-ft/legal", "a.b_c-d/e", "0abc"])
+def test_valid_names(name):
+    assert validate_ref_name(name) == name
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["", "..", "../x", "a/../b", "/abs", "a//b", "a/", ".hidden", "a\x00b", "a\nb", "a\x01b", "x" * 256,
+     "a b", "a\\b", "c:/x", "a/0000000001.ref", "-flag"],
+)
+def test_invalid_names_rejected(name):
+    with pytest.raises(InvalidNameError):
+        validate_ref_name(name)
+
+
+def test_set_current_history(refs):
+    assert refs.current("m/x") is None
+    refs.set("m/x", A)
+    refs.set("m/x", B)
+    assert refs.current("m/x").target == B
+    assert [e.target for e in refs.history("m/x")] == [B, A]
+    assert [e.seq for e in refs.history("m/x")] == [2, 1]
+
+
+def test_remove_keeps_history(refs):
+    refs.set("m/x", A)
+    refs.remove("m/x")
+    assert refs.current("m/x") is None
+    assert [e.target for e in refs.history("m/x")] == [None, A]
+    assert "m/x" not in refs.live()
+
+
+def test_nested_names_are_separate(refs):
+    refs.set("a", A)
+    refs.set("a/b", B)
+    assert refs.current("a").target == A
+    assert refs.current("a/b").target == B
+    assert len(refs.history("a")) == 1
+    assert sorted(refs.live()) == ["a", "a/b"]
+    assert sorted(refs.all_entries()) == ["a", "a/b"]
+
+
+def test_concurrent_updates_lose_nothing(tmp_path):
+    backend = LocalBackend(str(tmp_path), fsync=False)
+    targets = [f"{i:064x}" for i in range(40)]
+
+    def writer(chunk):
+        r = Refs(backend)
+        for t in chunk:
+            r.set("shared/ref", t)
+
+    threads = [threading.Thread(target=writer, args=(targets[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    history = Refs(backend).history("shared/ref")
+    assert sorted(e.target for e in history) == sorted(targets)
+    assert [e.seq for e in history] == list(range(40, 0, -1))
+
+
+def test_corrupt_entry_is_a_format_error(tmp_path):
+    backend = LocalBackend(str(tmp_path), fsync=False)
+    r = Refs(backend)
+    r.set("x", A)
+    path = tmp_path / "refs" / "x" / "0000000001.ref"
+    path.write_bytes(path.read_bytes()[:-5])
+    with pytest.raises(StoreFormatError):
+        r.current("x")
+
+
+def test_refs_on_memory_backend():
+    import uuid
+
+    r = Refs(open_backend(f"memory://refs-{uuid.uuid4().hex}"))
+    r.set("m/x", A)
+    assert r.current("m/x").target == A
