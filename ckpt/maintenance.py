@@ -83,6 +83,7 @@ class RefUsage:
     logical: int  # bytes of the files as pushed
     unique: int  # decoded bytes of its distinct chunks
     stored: int  # bytes its distinct chunks occupy in the store
+    exclusive: int  # stored bytes of chunks no other live ref uses (what removing it frees)
 
 
 @dataclass(frozen=True)
@@ -107,18 +108,26 @@ def du(store: Store) -> StoreUsage:
     """Logical vs stored bytes per live ref and for the whole store."""
     chunk_sizes = {o.id: o.size for o in store.objects.list("chunks")}
     manifest_bytes = sum(o.size for o in store.objects.list("manifests"))
-    refs = []
+    per_ref = []
     all_chunks: dict[str, int] = {}
-    logical = 0
+    users: dict[str, int] = defaultdict(int)
     for name, entry in store.refs_db.live().items():
         assert entry.target is not None
         m = store.get_manifest(entry.target)
         lengths = m.chunk_lengths()
         all_chunks.update(lengths)
-        refs.append(
-            RefUsage(name, entry.target, m.logical_bytes, sum(lengths.values()), sum(chunk_sizes.get(c, 0) for c in lengths))
+        for c in lengths:
+            users[c] += 1
+        per_ref.append((name, entry.target, m, lengths))
+    refs = [
+        RefUsage(
+            name, mid, m.logical_bytes, sum(lengths.values()),
+            sum(chunk_sizes.get(c, 0) for c in lengths),
+            sum(chunk_sizes.get(c, 0) for c in lengths if users[c] == 1),
         )
-        logical += m.logical_bytes
+        for name, mid, m, lengths in per_ref
+    ]
+    logical = sum(r.logical for r in refs)
     stored_chunks = sum(chunk_sizes.get(c, 0) for c in all_chunks)
     return StoreUsage(
         refs=refs,

@@ -33,7 +33,7 @@ _state: dict[str, Any] = {"store": None}
 
 StoreOpt = Annotated[
     Optional[str],
-    typer.Option("--store", "-s", help="Store URL (default: $CKPT_STORE, else ~/.local/share/ckpt/store).", show_default=False),
+    typer.Option("--store", "-s", metavar="URL", help="Store URL (default: $CKPT_STORE, else ~/.local/share/ckpt/store).", show_default=False),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 
@@ -52,17 +52,17 @@ def _open(create: bool = False) -> Any:
 @app.command()
 def init() -> None:
     """Create an empty store (a no-op if one exists)."""
-    from ckpt.store import Store, default_store_url
+    from ckpt.store import Store
 
     store = Store.init(_state["store"])
-    out.print(f"store ready at {store.url if _state['store'] is None else _state['store'] or default_store_url()}")
+    out.print(f"store ready at {store.url}")
 
 
 @app.command()
 def push(
-    source: Annotated[Path, typer.Argument(help="A .safetensors file, a Hugging Face model directory, or a .pt/.bin state dict.")],
-    name: Annotated[str, typer.Argument(help="Ref name to point at the new checkpoint, e.g. minilm/legal.")],
-    message: Annotated[Optional[str], typer.Option("--message", "-m", help="Note stored with the checkpoint.")] = None,
+    source: Annotated[Path, typer.Argument(metavar="SOURCE", help="A .safetensors file, a Hugging Face model directory, or a .pt/.bin state dict.")],
+    name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name to point at the new checkpoint, e.g. minilm/legal.")],
+    message: Annotated[Optional[str], typer.Option("--message", "-m", metavar="MSG", help="Note stored with the checkpoint.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Store a checkpoint and point NAME at it. Only chunks the store lacks are written.
@@ -84,10 +84,10 @@ def push(
 
 @app.command()
 def pull(
-    ref: Annotated[str, typer.Argument(help="Ref, NAME@N or id prefix.")],
-    dest: Annotated[Path, typer.Argument(help="Output file (single-file checkpoints) or directory (model directories).")],
+    ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or id prefix.")],
+    dest: Annotated[Path, typer.Argument(metavar="DEST", help="Output file (single-file checkpoints) or directory (model directories).")],
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace DEST if it exists.")] = False,
-    include: Annotated[Optional[list[str]], typer.Option("--include", "-i", help="Only tensors matching this glob (repeatable); writes one safetensors file.")] = None,
+    include: Annotated[Optional[list[str]], typer.Option("--include", "-i", metavar="GLOB", help="Only tensors matching this glob (repeatable); writes one safetensors file.")] = None,
 ) -> None:
     """Write a checkpoint back out, bit-identical to what was pushed, verifying every chunk.
 
@@ -124,7 +124,7 @@ def ls(as_json: JsonOpt = False) -> None:
 
 
 @app.command()
-def log(name: Annotated[str, typer.Argument(help="Ref name.")], as_json: JsonOpt = False) -> None:
+def log(name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name.")], as_json: JsonOpt = False) -> None:
     """History of a ref, newest first (NAME@0 is the current version, NAME@1 the one before...)."""
     store = _open()
     entries = store.log(name)
@@ -150,7 +150,7 @@ def log(name: Annotated[str, typer.Argument(help="Ref name.")], as_json: JsonOpt
 
 
 @app.command()
-def show(ref: Annotated[str, typer.Argument(help="Ref, NAME@N or id prefix.")], as_json: JsonOpt = False) -> None:
+def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or id prefix.")], as_json: JsonOpt = False) -> None:
     """A checkpoint's files and tensors: dtype, shape, logical and stored bytes."""
     store = _open()
     mid = store.resolve(ref)
@@ -189,13 +189,17 @@ def show(ref: Annotated[str, typer.Argument(help="Ref, NAME@N or id prefix.")], 
 
 @app.command()
 def du(as_json: JsonOpt = False) -> None:
-    """Logical vs stored bytes per ref and for the whole store; what dedup and compression saved."""
+    """Logical vs stored bytes per ref and for the whole store; what dedup and compression saved.
+
+    STORED counts every chunk a ref uses (shared ones included); ONLY THIS REF counts
+    the chunks no other ref uses, i.e. what `ckpt rm` + `ckpt gc` would free.
+    """
     store = _open()
     u = store.du()
     if as_json:
         emit_json({
             "refs": [{"ref": r.name, "id": r.id, "logical_bytes": r.logical, "unique_bytes": r.unique,
-                      "stored_bytes": r.stored} for r in u.refs],
+                      "stored_bytes": r.stored, "exclusive_bytes": r.exclusive} for r in u.refs],
             "logical_bytes": u.logical, "unique_bytes": u.unique, "stored_bytes": u.stored,
             "dedup_saved_bytes": u.dedup_saved, "compression_saved_bytes": u.compression_saved, "chunks": u.objects,
         })
@@ -203,10 +207,10 @@ def du(as_json: JsonOpt = False) -> None:
     from rich.table import Table
 
     t = Table(box=None, pad_edge=False)
-    for c in ("REF", "LOGICAL", "CHUNKS STORED"):
+    for c in ("REF", "LOGICAL", "STORED", "ONLY THIS REF"):
         t.add_column(c, justify="left" if c == "REF" else "right")
     for r in u.refs:
-        t.add_row(r.name, human_bytes(r.logical), human_bytes(r.stored))
+        t.add_row(r.name, human_bytes(r.logical), human_bytes(r.stored), human_bytes(r.exclusive))
     out.print(t)
     out.print(
         f"\ntotal: {human_bytes(u.logical)} in {len(u.refs)} refs stored as {human_bytes(u.stored)} "
@@ -217,7 +221,7 @@ def du(as_json: JsonOpt = False) -> None:
 
 
 @app.command()
-def verify(refs: Annotated[Optional[list[str]], typer.Argument(help="Refs to check (default: all).")] = None, as_json: JsonOpt = False) -> None:
+def verify(refs: Annotated[Optional[list[str]], typer.Argument(metavar="[REF]...", help="Refs to check (default: all).")] = None, as_json: JsonOpt = False) -> None:
     """Re-read and re-hash every object the refs need; name each damaged ref. Exit 1 if any."""
     store = _open()
     r = store.verify(refs or None, progress=RichProgress())
@@ -237,7 +241,7 @@ def verify(refs: Annotated[Optional[list[str]], typer.Argument(help="Refs to che
 
 
 @app.command()
-def rm(names: Annotated[list[str], typer.Argument(help="Refs to remove.")]) -> None:
+def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Refs to remove.")]) -> None:
     """Remove refs. History stays in `ckpt log`; data is freed by `ckpt gc`."""
     store = _open()
     for name in names:
@@ -258,7 +262,7 @@ def _seconds(text: str) -> float:
 @app.command()
 def gc(
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Print the plan; delete nothing.")] = False,
-    grace: Annotated[str, typer.Option("--grace", help="Keep unreferenced objects younger than this (protects pushes in progress).")] = "1h",
+    grace: Annotated[str, typer.Option("--grace", metavar="DURATION", help="Keep unreferenced objects younger than this (protects pushes in progress).")] = "1h",
     no_history: Annotated[bool, typer.Option("--no-history", help="Also free earlier versions of live refs (NAME@1...).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
