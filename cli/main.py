@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -294,6 +295,9 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         err.print("aborted")
         sys.exit(130)
+    except BrokenPipeError:  # `ckpt show X | head`: the reader left; not an error worth a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
     except KeyboardInterrupt:
         err.print("interrupted; the store is unchanged except for unreferenced objects that `ckpt gc` removes")
         sys.exit(130)

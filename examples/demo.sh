@@ -18,7 +18,7 @@ run ckpt push "$work/minilm-ft" minilm/ft-top -m "top layer fine-tuned"
 run ckpt ls
 run ckpt du
 run ckpt log minilm/base
-echo; echo "\$ ckpt show minilm/ft-top | head -12"; ckpt show minilm/ft-top | head -12
+echo; echo "\$ ckpt show minilm/ft-top | head -12"; ckpt show minilm/ft-top > "$work/show.txt"; head -12 "$work/show.txt"
 run ckpt pull minilm/ft-top "$work/pulled"
 run diff -r "$work/minilm-ft" "$work/pulled"
 echo "identical: every file of the pulled model matches the pushed one byte for byte"
