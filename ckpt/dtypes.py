@@ -56,3 +56,12 @@ def from_torch(dtype: torch.dtype) -> str:
     from ckpt.errors import InvalidSourceError
 
     raise InvalidSourceError(str(dtype), "ckpt cannot store tensors of this dtype")
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor as a writable memoryview (no copy)."""
+    import torch
+
+    flat = t.reshape(-1)
+    raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+    return memoryview(raw.numpy()).cast("B")

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from ckpt.dtypes import to_torch
+from ckpt.dtypes import byte_view, to_torch
 from ckpt.errors import DestinationExistsError, TensorMismatchError
 from ckpt.manifest import FileEntry, Manifest, TensorEntry, split_lengths
 from ckpt.pipeline import GetTask, get_chunks
@@ -158,18 +158,10 @@ def _pull_selected(store: Store, m: Manifest, dest: str, include: list[str], ove
     return target
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
-    import torch
-
-    flat = t.reshape(-1)
-    raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-    return memoryview(raw.numpy()).cast("B")
-
-
 def _into_tasks(m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]]) -> list[GetTask]:
     tasks: list[GetTask] = []
     for entry, dst in pairs:
-        view = _byte_view(dst)
+        view = byte_view(dst)
 
         def at(off: int, view: memoryview = view) -> Callable[[bytes], None]:
             def sink(data: bytes) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ckpt.dtypes import from_torch
+from ckpt.dtypes import byte_view, from_torch
 from ckpt.errors import InvalidSourceError, UnsafeInputError
 from ckpt.manifest import check_file_path, check_tensor_name
 from ckpt.safetensors_format import build_header, parse_header
@@ -234,11 +234,10 @@ def _from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], 
         if not isinstance(t, torch.Tensor):
             raise InvalidSourceError("state dict", f"{name!r} is a {type(t).__name__}, not a tensor")
         dtype = from_torch(t.dtype)
-        flat = t.detach().cpu().contiguous().reshape(-1)
-        raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-        view = memoryview(raw.numpy()).cast("B")
+        dense = t.detach().cpu().contiguous()
+        view = byte_view(dense)
         specs.append((name, dtype, tuple(t.shape), len(view)))
-        views.append((view, raw))
+        views.append((view, dense))
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise InvalidSourceError("metadata", "safetensors metadata must map strings to strings")
     head, order = build_header(specs, metadata)
