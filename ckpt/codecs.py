@@ -3,8 +3,8 @@
 Layout (little endian; docs/format.md is the spec)::
 
     magic  b"CKc1"   4 bytes
-    codec  u8        0 raw, 1 zstd (later: byte planes, deltas)
-    elem   u8        element size of the tensor the bytes came from (1 if unknown)
+    codec  u8        see CODECS
+    elem   u8        element size of the tensor the bytes came from: 1, 2, 4 or 8
     flags  u8        bit 0: a 32-byte base chunk id follows (delta codecs)
     pad    u8        0
     length u64       decoded length in bytes
@@ -12,27 +12,42 @@ Layout (little endian; docs/format.md is the spec)::
     payload
 
 The chunk's id is the BLAKE3 of the *decoded* bytes, so any codec can store any
-chunk and readers always re-hash after decoding.
+chunk, and :func:`decode_chunk` always re-hashes what it decoded.
+
+Codecs (pure functions of bytes; the encoder keeps whichever is smallest):
+
+========  ===  ==============================================================
+raw        0   the bytes as they are
+zstd       1   one zstd frame
+planes     2   byte planes: byte k of every element stored as its own stream,
+               each zstd-compressed or stored raw (blosc2's SIMD shuffle)
+xor        3   planes of (chunk XOR base)
+sub        4   planes of zigzag(ordered(chunk) - ordered(base)), see transforms.py
+========  ===  ==============================================================
 """
 
 from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import zstandard
 
+from ckpt import transforms
 from storage.errors import CorruptObjectError
 from storage.objects import object_id
 
 MAGIC = b"CKc1"
 _HEAD = struct.Struct("<4sBBBBQ")
 HAS_BASE = 1
+MAX_HEADER = _HEAD.size + 32
 
-RAW = 0
-ZSTD = 1
-CODEC_NAMES = {RAW: "raw", ZSTD: "zstd"}
+RAW, ZSTD, PLANES, XOR, SUB = 0, 1, 2, 3, 4
+CODEC_NAMES = {RAW: "raw", ZSTD: "zstd", PLANES: "planes", XOR: "xor", SUB: "sub"}
+DELTA_CODECS = (XOR, SUB)
 
 _local = threading.local()
 
@@ -55,6 +70,38 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
+def _blosc2() -> Any:
+    import blosc2  # imported on first use: keeps `import ckpt` light
+
+    return blosc2
+
+
+def _planes_encode(data: Any, elem: int, level: int) -> bytes:
+    b2 = _blosc2()
+    cp = b2.CParams(
+        codec=b2.Codec.ZSTD, clevel=level, typesize=elem, nthreads=1,
+        filters=[b2.Filter.SHUFFLE], splitmode=b2.SplitMode.ALWAYS_SPLIT,  # one stream per byte plane
+    )
+    return b2.compress2(data, cparams=cp)
+
+
+def _planes_decode(payload: memoryview, length: int, oid: str) -> bytearray:
+    b2 = _blosc2()
+    try:
+        nbytes, cbytes, _ = b2.get_cbuffer_sizes(payload)
+    except (ValueError, RuntimeError, TypeError) as e:
+        raise CorruptObjectError("chunk", oid, f"planes: {e}") from None
+    if nbytes != length or cbytes != len(payload):
+        raise CorruptObjectError("chunk", oid, "planes stream sizes disagree with the header")
+    out = bytearray(length)
+    if length:
+        try:
+            b2.decompress2(payload, dst=out)
+        except (ValueError, RuntimeError, TypeError) as e:
+            raise CorruptObjectError("chunk", oid, f"planes: {e}") from None
+    return out
+
+
 @dataclass(frozen=True)
 class ChunkHeader:
     codec: int
@@ -64,26 +111,91 @@ class ChunkHeader:
     size: int  # header bytes
 
 
-def encode_chunk(data: bytes | memoryview, *, level: int = 3, min_saving: float = 0.02, elem: int = 1) -> bytes:
-    """Encode ``data`` as a chunk blob: zstd if it saves at least ``min_saving``, else raw."""
+@dataclass(frozen=True)
+class Encoded:
+    blob: bytes
+    codec: int
+    base: str | None  # id of the base chunk the blob needs, if any
+
+
+def _pack(codec: int, elem: int, length: int, base: str | None, payload: bytes | memoryview) -> bytes:
+    head = _HEAD.pack(MAGIC, codec, elem, HAS_BASE if base else 0, 0, length)
+    return head + (bytes.fromhex(base) if base else b"") + payload
+
+
+def _sample(data: memoryview, elem: int, parts: int = 4, size: int = 64 * 1024) -> memoryview | bytes:
+    """A few element-aligned slices spread over the chunk, to pick a codec cheaply."""
     n = len(data)
-    comp = _compressor(level).compress(data) if n else b""
-    if n and len(comp) <= n * (1.0 - min_saving):
-        return _HEAD.pack(MAGIC, ZSTD, elem, 0, 0, n) + comp
-    return _HEAD.pack(MAGIC, RAW, elem, 0, 0, n) + bytes(data)
+    if n <= parts * size * 2:
+        return data
+    step = (n - size) // (parts - 1) // elem * elem
+    return b"".join(data[i * step : i * step + size] for i in range(parts))
+
+
+def encode_chunk(
+    data: bytes | memoryview,
+    *,
+    elem: int = 1,
+    level: int = 1,
+    min_saving: float = 0.02,
+    base: bytes | memoryview | None = None,
+    base_id: str | None = None,
+) -> Encoded:
+    """Encode ``data`` in the smallest of the codecs that apply.
+
+    With ``base`` (the decoded bytes of chunk ``base_id``, same length), the delta
+    codecs are tried as well. The choice is made on a sample of the chunk, then
+    the winner encodes the whole chunk; anything that does not save at least
+    ``min_saving`` is stored raw.
+    """
+    view = memoryview(data).cast("B")
+    n = len(view)
+    if elem not in (1, 2, 4, 8) or n % elem:
+        elem = 1
+    candidates: list[tuple[int, Callable[[memoryview | bytes], bytes]]] = []
+    if n and elem == 1:
+        candidates.append((ZSTD, lambda d: _compressor(level).compress(d)))
+    elif n:
+        candidates.append((PLANES, lambda d: _planes_encode(d, elem, level)))
+        if base is not None and base_id is not None and len(base) == n:
+            bview = memoryview(base).cast("B")
+            candidates.append((SUB, lambda d, b=bview: _delta_planes(transforms.apply_sub, d, b, elem, level)))
+            candidates.append((XOR, lambda d, b=bview: _delta_planes(transforms.apply_xor, d, b, elem, level)))
+    if len(candidates) > 1:
+        sample = _sample(view, elem)
+        sbase = _sample(memoryview(base).cast("B"), elem) if base is not None else None
+        sizes = []
+        for codec, fn in candidates:
+            if codec in DELTA_CODECS:
+                f = transforms.apply_sub if codec == SUB else transforms.apply_xor
+                sizes.append(len(_planes_encode(f(sample, sbase, elem), elem, level)))
+            else:
+                sizes.append(len(fn(sample)))
+        candidates = [candidates[sizes.index(min(sizes))]]
+    if candidates:
+        codec, fn = candidates[0]
+        payload = fn(view)
+        if len(payload) <= n * (1.0 - min_saving):
+            b = base_id if codec in DELTA_CODECS else None
+            return Encoded(_pack(codec, elem, n, b, payload), codec, b)
+    return Encoded(_pack(RAW, elem, n, None, view), RAW, None)
+
+
+def _delta_planes(fn: Callable[..., Any], data: memoryview | bytes, base: memoryview, elem: int, level: int) -> bytes:
+    return _planes_encode(fn(data, base, elem), elem, level)
 
 
 def parse_header(blob: bytes | memoryview, oid: str = "?") -> ChunkHeader:
     """Validate and parse a chunk blob's header. Raises :class:`CorruptObjectError`."""
     if len(blob) < _HEAD.size:
         raise CorruptObjectError("chunk", oid, f"blob of {len(blob)} bytes is shorter than a chunk header")
-    magic, codec, elem, flags, _pad, length = _HEAD.unpack_from(blob)
+    magic, codec, elem, flags, pad, length = _HEAD.unpack_from(blob)
     if magic != MAGIC:
         raise CorruptObjectError("chunk", oid, "bad magic (not a ckpt chunk)")
     if codec not in CODEC_NAMES:
         raise CorruptObjectError("chunk", oid, f"unknown codec {codec}")
     # Every header field is checked, so that no bit of a blob can flip unnoticed.
-    if elem not in (1, 2, 4, 8) or flags & ~HAS_BASE or _pad:
+    if elem not in (1, 2, 4, 8) or flags & ~HAS_BASE or pad or bool(flags & HAS_BASE) != (codec in DELTA_CODECS):
         raise CorruptObjectError("chunk", oid, "invalid header fields")
     size = _HEAD.size
     base = None
@@ -95,24 +207,36 @@ def parse_header(blob: bytes | memoryview, oid: str = "?") -> ChunkHeader:
     return ChunkHeader(codec, elem, length, base, size)
 
 
-def decode_chunk(blob: bytes | memoryview, oid: str, expected_length: int, *, max_length: int) -> bytes:
+def decode_chunk(
+    blob: bytes | memoryview,
+    oid: str,
+    expected_length: int,
+    *,
+    max_length: int,
+    base: bytes | memoryview | None = None,
+) -> bytes | bytearray:
     """Decode a chunk blob, check its length and hash against ``oid``; return the bytes.
 
-    Never returns bytes that do not hash to ``oid``: any mismatch raises
-    :class:`CorruptObjectError`. The decoded size is checked against
-    ``expected_length`` (from the manifest) before anything is allocated.
+    Delta blobs need ``base``: the decoded bytes of the chunk named in the header
+    (the caller fetches it; see ``pipeline.fetch_chunk``). Never returns bytes that
+    do not hash to ``oid``: any mismatch raises :class:`CorruptObjectError`. The
+    decoded size is checked against ``expected_length`` (from the manifest) before
+    anything is allocated, so a blob cannot make the reader allocate more.
     """
     h = parse_header(blob, oid)
     if h.length != expected_length:
         raise CorruptObjectError("chunk", oid, f"header says {h.length} bytes, manifest says {expected_length}")
     if h.length > max_length:
         raise CorruptObjectError("chunk", oid, f"claims {h.length} decoded bytes, over the {max_length} limit")
+    if h.length % h.elem:
+        raise CorruptObjectError("chunk", oid, "length is not a whole number of elements")
     payload = memoryview(blob)[h.size :]
+    data: bytes | bytearray
     if h.codec == RAW:
         data = bytes(payload)
         if len(data) != h.length:
             raise CorruptObjectError("chunk", oid, f"raw payload is {len(data)} bytes, expected {h.length}")
-    else:
+    elif h.codec == ZSTD:
         try:
             if zstandard.frame_content_size(payload) != h.length:
                 raise CorruptObjectError("chunk", oid, "zstd frame size disagrees with the header")
@@ -121,6 +245,13 @@ def decode_chunk(blob: bytes | memoryview, oid: str, expected_length: int, *, ma
             raise CorruptObjectError("chunk", oid, f"zstd: {e}") from None
         if len(data) != h.length:
             raise CorruptObjectError("chunk", oid, "decoded length differs from the header")
+    else:
+        data = _planes_decode(payload, h.length, oid)
+        if h.codec in DELTA_CODECS:
+            if base is None or len(base) != h.length:
+                raise CorruptObjectError("chunk", oid, f"delta against {h.base} needs its base ({h.length} bytes)")
+            undo = transforms.undo_sub if h.codec == SUB else transforms.undo_xor
+            data = undo(data, base, h.elem).data.cast("B")  # type: ignore[assignment]
     if object_id(data) != oid:
         raise CorruptObjectError("chunk", oid, "decoded bytes do not match the chunk id")
     return data

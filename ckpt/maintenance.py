@@ -6,9 +6,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ckpt.codecs import decode_chunk
 from ckpt.manifest import Manifest
-from ckpt.pipeline import run_parallel
+from ckpt.pipeline import fetch_chunk, run_parallel
 from ckpt.progress import NullProgress, Progress
 from storage.config import read_config
 from storage.errors import CkptError
@@ -56,7 +55,7 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
 
     def check(cid: str) -> str | None:
         try:
-            decode_chunk(store.objects.get("chunks", cid), cid, lengths[cid], max_length=store.settings.max_chunk_size)
+            fetch_chunk(store.objects, cid, lengths[cid], store.settings)
         except CkptError as e:
             return str(e)
         return None

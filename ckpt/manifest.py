@@ -53,9 +53,14 @@ class TensorEntry:
     nbytes: int
     chunks: tuple[str, ...]
     file: str  # path of the safetensors file that holds it
+    # Codec of each chunk's stored blob (codecs.CODEC_NAMES), as found at push time.
+    codecs: tuple[int, ...] = ()
+    # Per chunk, the delta chain its stored blob needs (nearest base first; empty
+    # when it is stored whole). Bases have the length of the chunk they serve.
+    delta_bases: tuple[tuple[str, ...], ...] = ()
 
     def to_obj(self) -> dict[str, Any]:
-        return {
+        o: dict[str, Any] = {
             "name": self.name,
             "dtype": self.dtype,
             "shape": list(self.shape),
@@ -63,6 +68,11 @@ class TensorEntry:
             "chunks": list(self.chunks),
             "file": self.file,
         }
+        if self.codecs:
+            o["codecs"] = list(self.codecs)
+        if any(self.delta_bases):
+            o["delta_bases"] = [list(c) for c in self.delta_bases]
+        return o
 
     @classmethod
     def from_obj(cls, o: Any, what: str) -> TensorEntry:
@@ -78,11 +88,19 @@ class TensorEntry:
             nbytes=require(o, "nbytes", int, what),
             chunks=tuple(check_id(c) for c in require(o, "chunks", list, what)),
             file=require(o, "file", str, what),
+            codecs=tuple(int(c) for c in o.get("codecs", ()) if isinstance(c, int)),
+            delta_bases=_chains(o.get("delta_bases", []), what),
         )
         size = itemsize(t.dtype)
         if t.nbytes < 0 or (size is not None and t.nbytes != math.prod(t.shape) * size):
             raise StoreFormatError(f"{what}: tensor {t.name} has {t.nbytes} bytes for shape {t.shape}")
+        if t.delta_bases and len(t.delta_bases) != len(t.chunks):
+            raise StoreFormatError(f"{what}: tensor {t.name} has delta_bases for {len(t.delta_bases)} of {len(t.chunks)} chunks")
         return t
+
+    def chains(self) -> tuple[tuple[str, ...], ...]:
+        """The delta chain of every chunk (empty tuples when none is a delta)."""
+        return self.delta_bases or tuple(() for _ in self.chunks)
 
 
 @dataclass(frozen=True)
@@ -192,9 +210,17 @@ class Manifest:
             for cid, n in zip(f.chunks, split_lengths(f.head_size if f.kind == "safetensors" else f.size, self.chunk_size)):
                 out[cid] = n
         for t in self.tensors:
-            for cid, n in zip(t.chunks, split_lengths(t.nbytes, self.chunk_size)):
+            for cid, chain, n in zip(t.chunks, t.chains(), split_lengths(t.nbytes, self.chunk_size)):
                 out[cid] = n
+                for base in chain:  # a base has the length of the chunk it serves
+                    out[base] = n
         return out
+
+
+def _chains(raw: Any, what: str) -> tuple[tuple[str, ...], ...]:
+    if not isinstance(raw, list) or not all(isinstance(c, list) for c in raw):
+        raise StoreFormatError(f"{what}: delta_bases must be a list of lists of chunk ids")
+    return tuple(tuple(check_id(x) for x in c) for c in raw)
 
 
 def chunk_count(nbytes: int, chunk_size: int) -> int:

@@ -13,9 +13,10 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ckpt.codecs import decode_chunk, encode_chunk
+from ckpt.codecs import MAX_HEADER, decode_chunk, encode_chunk, parse_header
 from ckpt.progress import NullProgress, Progress
 from ckpt.settings import Settings
+from storage.errors import CorruptObjectError, ObjectNotFoundError
 from storage.objects import ObjectStore, object_id
 
 T = TypeVar("T")
@@ -45,11 +46,51 @@ def run_parallel(fn: Callable[[T], R], items: Sequence[T], workers: int, progres
         return [f.result() for f in futures]
 
 
+# A reader follows delta chains at most this deep, whatever the writer's setting:
+# it bounds work on a corrupt store (a blob naming itself as its base, say).
+MAX_CHAIN = 64
+
+
+def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings, _depth: int = 0) -> tuple[bytes | bytearray | memoryview, int]:
+    """Decoded, verified bytes of chunk ``cid`` and the length of its delta chain (0: no base)."""
+    if _depth > MAX_CHAIN:
+        raise CorruptObjectError("chunk", cid, f"delta chain longer than {MAX_CHAIN}")
+    blob = objects.get("chunks", cid)
+    h = parse_header(blob, cid)
+    base, depth = None, 0
+    if h.base is not None:
+        base, below = fetch_chunk(objects, h.base, length, settings, _depth + 1)
+        depth = below + 1
+    return decode_chunk(blob, cid, length, max_length=settings.max_chunk_size, base=base), depth
+
+
+def stored_chain(objects: ObjectStore, cid: str) -> tuple[int, tuple[str, ...]]:
+    """Codec of the stored blob ``cid`` and the ids of every base its decoding needs (headers only)."""
+    chain: list[str] = []
+    codec = -1
+    cur: str | None = cid
+    while cur is not None:
+        if len(chain) > MAX_CHAIN:
+            raise CorruptObjectError("chunk", cid, f"delta chain longer than {MAX_CHAIN}")
+        try:
+            head = objects.backend.read_range(objects.path("chunks", cur), 0, MAX_HEADER)
+        except FileNotFoundError:
+            raise ObjectNotFoundError("chunk", cur) from None
+        h = parse_header(head, cur)
+        if cur == cid:
+            codec = h.codec
+        else:
+            chain.append(cur)
+        cur = h.base
+    return codec, tuple(chain)
+
+
 @dataclass(frozen=True)
 class PutTask:
     read: Callable[[], bytes | memoryview]
     length: int
     elem: int = 1
+    base: str | None = None  # chunk to try a delta against (same length)
 
 
 @dataclass(frozen=True)
@@ -57,10 +98,17 @@ class PutResult:
     id: str
     length: int
     stored: int  # bytes written now (0 when the chunk was already there)
+    codec: int
+    bases: tuple[str, ...]  # every chunk decoding this one needs (its delta chain)
 
 
 def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Settings, progress: Progress | None = None) -> list[PutResult]:
-    """Hash every chunk, and encode and write those the store lacks. Returns ids in task order."""
+    """Hash every chunk, and encode and write those the store lacks. Returns results in task order.
+
+    A chunk with a ``base`` is also tried as a delta against it, unless the base's
+    own chain is already ``settings.max_delta_depth`` long (then it is stored whole:
+    a keyframe, so that reading never decodes more than that many levels).
+    """
 
     def put(task: PutTask) -> PutResult:
         data = task.read()
@@ -68,10 +116,22 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
         path = objects.path("chunks", oid)
         if objects.backend.exists(path):
             objects.backend.touch(path)  # keeps a concurrent gc off it (docs/format.md)
-            return PutResult(oid, task.length, 0)
-        blob = encode_chunk(data, level=settings.zstd_level, min_saving=settings.min_saving, elem=task.elem)
-        objects.backend.write(path, blob)
-        return PutResult(oid, task.length, len(blob))
+            codec, chain = stored_chain(objects, oid)
+            return PutResult(oid, task.length, 0, codec, chain)
+        base_bytes, base_chain = None, ()
+        if task.base is not None and task.base != oid and settings.max_delta_depth > 0:
+            try:
+                codec_b, chain_b = stored_chain(objects, task.base)
+                if len(chain_b) < settings.max_delta_depth:
+                    base_bytes, _ = fetch_chunk(objects, task.base, task.length, settings)
+                    base_chain = (task.base, *chain_b)
+                    objects.backend.touch(objects.path("chunks", task.base))
+            except ObjectNotFoundError:
+                base_bytes = None  # the base is gone (gc): store this chunk whole
+        enc = encode_chunk(data, elem=task.elem, level=settings.zstd_level, min_saving=settings.min_saving,
+                           base=base_bytes, base_id=task.base if base_bytes is not None else None)
+        objects.backend.write(path, enc.blob)
+        return PutResult(oid, task.length, len(enc.blob), enc.codec, base_chain if enc.base else ())
 
     return run_parallel(put, tasks, settings.workers, progress or NullProgress(), lambda t: t.length)
 
@@ -84,10 +144,9 @@ class GetTask:
 
 
 def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Settings, progress: Progress | None = None) -> None:
-    """Fetch, decode and verify chunks in parallel, handing each one's bytes to its sink."""
+    """Fetch, decode (following delta chains) and verify chunks in parallel, handing each one's bytes to its sink."""
 
     def get(task: GetTask) -> None:
-        blob = objects.get("chunks", task.id)
-        task.sink(decode_chunk(blob, task.id, task.length, max_length=settings.max_chunk_size))
+        task.sink(fetch_chunk(objects, task.id, task.length, settings)[0])  # type: ignore[arg-type]
 
     run_parallel(get, list(tasks), settings.workers, progress or NullProgress(), lambda t: t.length)

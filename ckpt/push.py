@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckpt.base import choose_base, pair_tensors
 from ckpt.dtypes import itemsize
 from ckpt.manifest import FileEntry, Manifest, TensorEntry, split_lengths
 from ckpt.pipeline import PutTask, put_chunks
@@ -30,11 +31,11 @@ class PushResult:
     written_bytes: int  # stored bytes of new chunks (compressed); dedup hits cost nothing
 
 
-def _tasks(src: ByteSource, offset: int, nbytes: int, chunk_size: int, elem: int) -> list[PutTask]:
+def _tasks(src: ByteSource, offset: int, nbytes: int, chunk_size: int, elem: int, bases: tuple[str, ...] = ()) -> list[PutTask]:
     out = []
     pos = offset
-    for n in split_lengths(nbytes, chunk_size):
-        out.append(PutTask(lambda p=pos, n=n: src.read(p, n), n, elem))
+    for i, n in enumerate(split_lengths(nbytes, chunk_size)):
+        out.append(PutTask(lambda p=pos, n=n: src.read(p, n), n, elem, bases[i] if i < len(bases) else None))
         pos += n
     return out
 
@@ -46,6 +47,8 @@ def push(
     *,
     message: str | None = None,
     metadata: dict[str, Any] | None = None,
+    base: str | None = None,
+    delta: bool = True,
     progress: Progress | None = None,
 ) -> PushResult:
     if name is not None:
@@ -57,6 +60,11 @@ def push(
     progress = progress or NullProgress()
     src = open_source(source)
     try:
+        keys = [(t.name, t.dtype, t.nbytes) for f in src.files for t in f.tensors]
+        base_id, parent = choose_base(store, name, keys, base) if delta else (None, None)
+        base_m = store.get_manifest(base_id) if base_id else None
+        # Chunks pair with the base's by position only when both were cut the same way.
+        paired = pair_tensors(base_m if base_m is not None and base_m.chunk_size == cs else None)
         # One flat task list over every file, so the pool stays busy across file boundaries.
         tasks: list[PutTask] = []
         spans: list[tuple[str, int, int]] = []  # (what, start, end) into tasks
@@ -71,21 +79,28 @@ def push(
             for t in f.tensors:
                 start = len(tasks)
                 size = itemsize(t.dtype)
-                tasks += _tasks(t.src, t.offset, t.nbytes, cs, size if size in (1, 2, 4, 8) else 1)
+                match = paired.get((t.name, t.dtype, t.nbytes))
+                tasks += _tasks(t.src, t.offset, t.nbytes, cs, size if size in (1, 2, 4, 8) else 1,
+                                match.chunks if match is not None else ())
                 spans.append(("tensor", start, len(tasks)))
         progress.start("push", sum(t.length for t in tasks))
         results = put_chunks(store.objects, tasks, settings, progress)
         progress.finish()
 
-        ids = iter([tuple(r.id for r in results[a:b]) for _, a, b in spans])
+        groups = iter([results[a:b] for _, a, b in spans])
         files, tensors = [], []
         for f in src.files:
+            rs = next(groups)
             files.append(
-                FileEntry(f.path, f.kind, f.size, next(ids), len(f.head) if f.kind == "safetensors" else 0,
+                FileEntry(f.path, f.kind, f.size, tuple(r.id for r in rs), len(f.head) if f.kind == "safetensors" else 0,
                           f.metadata if f.kind == "safetensors" else None)
             )
             for t in f.tensors:
-                tensors.append(TensorEntry(t.name, t.dtype, t.shape, t.nbytes, next(ids), f.path))
+                rs = next(groups)
+                chains = tuple(r.bases for r in rs)
+                tensors.append(TensorEntry(t.name, t.dtype, t.shape, t.nbytes, tuple(r.id for r in rs), f.path,
+                                           codecs=tuple(r.codec for r in rs),
+                                           delta_bases=chains if any(chains) else ()))
         manifest = Manifest(
             source=src.kind,
             chunk_size=cs,
@@ -95,6 +110,7 @@ def push(
             message=message,
             metadata=dict(metadata or {}),
             extra=src.extra,
+            lineage={"parent": parent, "base": base_id, "merge": None},
         )
         mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name)
         return PushResult(

@@ -141,21 +141,26 @@ class Store:
 
     # -- data ----------------------------------------------------------------
     def push(self, source: object, name: str | None = None, message: str | None = None,
-             metadata: dict[str, Any] | None = None, *, progress: Progress | None = None) -> str:
+             metadata: dict[str, Any] | None = None, *, base: str | None = None, delta: bool = True,
+             progress: Progress | None = None) -> str:
         """Store ``source`` and point ref ``name`` at it; returns the checkpoint id.
 
         ``source`` is a ``.safetensors`` file, a Hugging Face model directory, a
         ``.pt``/``.bin`` state dict (read with ``weights_only=True``) or a dict of tensors.
-        Only chunks the store lacks are written.
+        Only chunks the store lacks are written. New chunks are delta-encoded against
+        ``base`` (a ref), else the ref's previous version, else the stored checkpoint
+        that shares the most tensors, whenever that is smaller; ``delta=False`` turns
+        this off.
         """
-        return self.push_report(source, name, message, metadata, progress=progress).id
+        return self.push_report(source, name, message, metadata, base=base, delta=delta, progress=progress).id
 
     def push_report(self, source: object, name: str | None = None, message: str | None = None,
-                    metadata: dict[str, Any] | None = None, *, progress: Progress | None = None) -> PushResult:
+                    metadata: dict[str, Any] | None = None, *, base: str | None = None, delta: bool = True,
+                    progress: Progress | None = None) -> PushResult:
         """Like :meth:`push`, returning what was written as well."""
         from ckpt.push import push
 
-        return push(self, source, name, message=message, metadata=metadata, progress=progress)
+        return push(self, source, name, message=message, metadata=metadata, base=base, delta=delta, progress=progress)
 
     def pull(self, ref: str, dest: str | os.PathLike[str], *, overwrite: bool = False,
              include: list[str] | None = None, progress: Progress | None = None) -> str:

@@ -64,6 +64,8 @@ def push(
     source: Annotated[Path, typer.Argument(metavar="SOURCE", help="A .safetensors file, a Hugging Face model directory, or a .pt/.bin state dict.")],
     name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name to point at the new checkpoint, e.g. minilm/legal.")],
     message: Annotated[Optional[str], typer.Option("--message", "-m", metavar="MSG", help="Note stored with the checkpoint.")] = None,
+    base: Annotated[Optional[str], typer.Option("--base", "-b", metavar="REF", help="Delta-encode against this checkpoint (default: NAME's previous version, else the stored checkpoint sharing the most tensors).")] = None,
+    no_delta: Annotated[bool, typer.Option("--no-delta", help="Store new chunks whole, without a base.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Store a checkpoint and point NAME at it. Only chunks the store lacks are written.
@@ -72,7 +74,7 @@ def push(
     arbitrary unpickling is refused, never executed. Creates the store if needed.
     """
     store = _open(create=True)
-    r = store.push_report(str(source), name, message, progress=RichProgress())
+    r = store.push_report(str(source), name, message, base=base, delta=not no_delta, progress=RichProgress())
     if as_json:
         emit_json({"id": r.id, "ref": name, "chunks": r.chunks, "new_chunks": r.new_chunks,
                    "logical_bytes": r.logical_bytes, "written_bytes": r.written_bytes})
@@ -153,12 +155,16 @@ def log(name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name.")], 
 @app.command()
 def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or id prefix.")], as_json: JsonOpt = False) -> None:
     """A checkpoint's files and tensors: dtype, shape, logical and stored bytes."""
+    from ckpt.codecs import CODEC_NAMES
+
     store = _open()
     mid = store.resolve(ref)
     m = store.get_manifest(mid)
     sizes = {o.id: o.size for o in store.objects.list("chunks")}
     tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes, "file": t.file,
-                "stored_bytes": sum(sizes.get(c, 0) for c in t.chunks), "chunks": len(t.chunks)} for t in m.tensors]
+                "stored_bytes": sum(sizes.get(c, 0) for c in t.chunks), "chunks": len(t.chunks),
+                "codecs": sorted({CODEC_NAMES.get(c, str(c)) for c in t.codecs}),
+                "delta_depth": max((len(c) for c in t.delta_bases), default=0)} for t in m.tensors]
     files = [{"path": f.path, "kind": f.kind, "bytes": f.size, "metadata": f.metadata} for f in m.files]
     info = {"id": mid, "source": m.source, "created": m.created, "message": m.message, "metadata": m.metadata,
             "lineage": m.lineage, "extra": m.extra, "chunk_size": m.chunk_size, "files": files, "tensors": tensors,
@@ -178,10 +184,14 @@ def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or 
     if lineage:
         out.print(f"lineage    {lineage}")
     t = Table(box=None, pad_edge=False)
-    for c in ("TENSOR", "DTYPE", "SHAPE", "BYTES", "STORED"):
+    if m.lineage.get("base"):
+        out.print(f"delta base {m.lineage['base'][:12]} (delta-coded tensors show their chain depth)")
+    for c in ("TENSOR", "DTYPE", "SHAPE", "BYTES", "STORED", "CODEC"):
         t.add_column(c, justify="right" if c in ("BYTES", "STORED") else "left")
     for r in tensors:
-        t.add_row(r["name"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar", human_bytes(r["bytes"]), human_bytes(r["stored_bytes"]))
+        codec = "+".join(r["codecs"]) + (f" (depth {r['delta_depth']})" if r["delta_depth"] else "")
+        t.add_row(r["name"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar", human_bytes(r["bytes"]),
+                  human_bytes(r["stored_bytes"]), codec)
     out.print(t)
     others = [f for f in files if f["kind"] == "blob"]
     if others:

@@ -27,11 +27,18 @@ def referenced_chunks(manifest: bytes) -> set[str]:
     """Every chunk id a manifest names, found by the format's one rule, without knowing tensors."""
     out: set[str] = set()
 
+    def collect(ids: list[Any]) -> None:  # ids, or lists of ids (delta chains)
+        for x in ids:
+            if isinstance(x, list):
+                collect(x)
+            elif x is not None:
+                out.add(check_id(x))
+
     def walk(node: Any) -> None:
         if isinstance(node, dict):
             for k, v in node.items():
                 if k in CHUNK_LIST_KEYS and isinstance(v, list):
-                    out.update(check_id(x) for x in v if x is not None)
+                    collect(v)
                 else:
                     walk(v)
         elif isinstance(node, list):

@@ -19,7 +19,7 @@ def _age(store_path, seconds):
 
 
 def test_referenced_chunks_rule():
-    m = b'{"files":[{"chunks":["' + b"a" * 64 + b'"]}],"tensors":[{"chunks":["' + b"b" * 64 + b'"],"delta_bases":["' + b"c" * 64 + b'"]}]}'
+    m = b'{"files":[{"chunks":["' + b"a" * 64 + b'"]}],"tensors":[{"chunks":["' + b"b" * 64 + b'"],"delta_bases":[["' + b"c" * 64 + b'"]]}]}'
     assert referenced_chunks(m) == {"a" * 64, "b" * 64, "c" * 64}
 
 

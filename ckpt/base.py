@@ -1,0 +1,62 @@
+"""Choosing the checkpoint a push is delta-encoded against, from manifests alone.
+
+In order: the base the caller names; else the ref's previous version (a new
+snapshot of a run, a new version of a fine-tune); else the stored checkpoint
+whose tensors (name, dtype, size) overlap the new one's the most by bytes.
+No tensor data is read to decide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from ckpt.manifest import Manifest, TensorEntry
+
+if TYPE_CHECKING:
+    from ckpt.store import Store
+
+# Candidates considered by overlap: the most recently updated refs.
+MAX_CANDIDATES = 200
+
+
+def _key(name: str, dtype: str, nbytes: int) -> tuple[str, str, int]:
+    return (name, dtype, nbytes)
+
+
+def overlap(tensors: Iterable[tuple[str, str, int]], m: Manifest) -> int:
+    """Bytes of ``tensors`` that have a same-named tensor of the same dtype and size in ``m``."""
+    theirs = {_key(t.name, t.dtype, t.nbytes) for t in m.tensors}
+    return sum(k[2] for k in tensors if k in theirs)
+
+
+def choose_base(store: Store, name: str | None, tensors: list[tuple[str, str, int]], explicit: str | None) -> tuple[str | None, str | None]:
+    """(base manifest id or None, parent manifest id or None) for a push of ``tensors`` to ``name``."""
+    parent = None
+    if name is not None:
+        current = store.refs_db.current(name)
+        parent = current.target if current else None
+    if explicit is not None:
+        return store.resolve(explicit), parent
+    if not tensors:
+        return None, parent
+    if parent is not None and overlap(tensors, store.get_manifest(parent)) > 0:
+        return parent, parent
+    best, best_bytes = None, 0
+    live = sorted(store.refs_db.live().values(), key=lambda e: e.time, reverse=True)[:MAX_CANDIDATES]
+    seen: set[str] = set()
+    for entry in live:
+        if entry.target is None or entry.target in seen:
+            continue
+        seen.add(entry.target)
+        got = overlap(tensors, store.get_manifest(entry.target))
+        if got > best_bytes:
+            best, best_bytes = entry.target, got
+    return best, parent
+
+
+def pair_tensors(base: Manifest | None) -> dict[tuple[str, str, int], TensorEntry]:
+    """Base tensors by (name, dtype, nbytes): chunk i of a new tensor pairs with chunk i of its match."""
+    if base is None or base.chunk_size <= 0:
+        return {}
+    return {_key(t.name, t.dtype, t.nbytes): t for t in base.tensors}
