@@ -6,6 +6,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ckpt.codecs import CODEC_NAMES
 from ckpt.manifest import Manifest
 from ckpt.pipeline import fetch_chunk, run_parallel
 from ckpt.progress import NullProgress, Progress
@@ -93,6 +94,7 @@ class StoreUsage:
     stored: int  # bytes of every object in the store (chunks + manifests)
     stored_chunks: int
     objects: int
+    by_codec: dict[str, tuple[int, int]] = field(default_factory=dict)  # codec -> (decoded, stored) bytes
 
     @property
     def dedup_saved(self) -> int:
@@ -128,6 +130,16 @@ def du(store: Store) -> StoreUsage:
     ]
     logical = sum(r.logical for r in refs)
     stored_chunks = sum(chunk_sizes.get(c, 0) for c in all_chunks)
+    codec_of: dict[str, str] = {}
+    for _, _, m, _ in per_ref:
+        for t in m.tensors:
+            for cid, codec in zip(t.chunks, t.codecs):
+                codec_of[cid] = CODEC_NAMES.get(codec, "?")
+    by_codec: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for cid, n in all_chunks.items():
+        acc = by_codec[codec_of.get(cid, "file data")]
+        acc[0] += n
+        acc[1] += chunk_sizes.get(cid, 0)
     return StoreUsage(
         refs=refs,
         logical=logical,
@@ -135,6 +147,7 @@ def du(store: Store) -> StoreUsage:
         stored=sum(chunk_sizes.values()) + manifest_bytes,
         stored_chunks=stored_chunks,
         objects=len(chunk_sizes),
+        by_codec={k: (v[0], v[1]) for k, v in sorted(by_codec.items())},
     )
 
 

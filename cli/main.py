@@ -213,6 +213,7 @@ def du(as_json: JsonOpt = False) -> None:
                       "stored_bytes": r.stored, "exclusive_bytes": r.exclusive} for r in u.refs],
             "logical_bytes": u.logical, "unique_bytes": u.unique, "stored_bytes": u.stored,
             "dedup_saved_bytes": u.dedup_saved, "compression_saved_bytes": u.compression_saved, "chunks": u.objects,
+            "codecs": {k: {"decoded_bytes": d, "stored_bytes": st} for k, (d, st) in u.by_codec.items()},
         })
         return
     from rich.table import Table
@@ -229,6 +230,9 @@ def du(as_json: JsonOpt = False) -> None:
         f"  dedup saved        {human_bytes(u.dedup_saved)} ({ratio(u.dedup_saved, u.logical)})\n"
         f"  compression saved  {human_bytes(u.compression_saved)} ({ratio(u.compression_saved, u.logical)})"
     )
+    for codec, (decoded, stored) in u.by_codec.items():
+        out.print(f"    {codec:<10} {human_bytes(decoded):>10} stored as {human_bytes(stored):>10} "
+                  f"(saved {human_bytes(decoded - stored)}, {ratio(stored, decoded)} of its input)")
 
 
 @app.command()
