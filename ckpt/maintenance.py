@@ -38,14 +38,14 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
         read_config(store.backend)
     except CkptError as e:
         report.problems.append(f"store config: {e}")
-    targets = {n: e.target for n, e in store.refs_db.live().items()} if names is None else {n: None for n in names}
+    # Names that do not resolve are the caller's mistake, not damage: raise before checking.
+    targets = {n: e.target for n, e in store.refs_db.live().items()} if names is None else {n: store.resolve(n) for n in names}
     users: dict[str, set[str]] = defaultdict(set)  # chunk id -> refs that need it
     lengths: dict[str, int] = {}
     for name, target in targets.items():
         report.refs_checked += 1
         try:
-            mid = target or store.resolve(name)
-            m = Manifest.from_json(store.objects.get_manifest(mid), f"manifest {mid}")
+            m = Manifest.from_json(store.objects.get_manifest(target), f"manifest {target}")
         except CkptError as e:
             report.problems.append(str(e))
             report.damaged_refs.setdefault(name, []).append(str(e))

@@ -172,31 +172,41 @@ def _check_index(root: str, src: SourceIn) -> None:
             raise InvalidSourceError(where, f"tensor {name!r} is not in shard {shard}")
 
 
-def _from_state_dict_file(path: str, metadata: dict[str, str] | None) -> SourceIn:
+def _refused(path: str, e: Exception) -> UnsafeInputError:
+    lines = str(e).strip().splitlines()
+    why = next((ln.strip() for ln in lines if ln.strip().startswith("WeightsUnpickler error")), lines[0] if lines else "")
+    return UnsafeInputError(
+        path,
+        f"refused: this file can only be loaded by running code stored in it ({why[:160]})",
+        hint="ckpt reads .pt files only with torch.load(weights_only=True); if you trust the file, "
+        "re-save its tensors with safetensors and push that",
+    )
+
+
+def _torch_load(path: str, mmap: bool) -> Any:
+    import warnings
+
     import torch
 
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else "unsupported pickle content"
-        raise UnsafeInputError(
-            path,
-            "refused: this file can only be loaded by running code stored in it "
-            f"(torch.load with weights_only=True said: {first[:200]})",
-            hint="ckpt never unpickles arbitrary objects; re-save the tensors with safetensors if you trust the file",
-        ) from None
-    except RuntimeError as e:
-        if "mmap" in str(e):  # legacy (non-zip) format cannot be memory-mapped
-            try:
-                obj = torch.load(path, map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError as e2:
-                raise UnsafeInputError(path, f"refused: needs full unpickling ({str(e2)[:200]})") from None
-            except Exception as e2:  # noqa: BLE001 - torch raises many types for bad files
-                raise InvalidSourceError(path, f"not a readable torch file: {str(e2)[:200]}") from None
-        else:
+    with warnings.catch_warnings():  # torch warns about pickle protocols on its way to refusing
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def _from_state_dict_file(path: str, metadata: dict[str, str] | None) -> SourceIn:
+    obj: Any = None
+    for mmap in (True, False):  # the legacy (non-zip) format cannot be memory-mapped
+        try:
+            obj = _torch_load(path, mmap)
+            break
+        except pickle.UnpicklingError as e:
+            raise _refused(path, e) from None
+        except RuntimeError as e:
+            if mmap and "mmap" in str(e):
+                continue
+            raise InvalidSourceError(path, f"not a readable torch file: {str(e).strip().splitlines()[0][:200]}") from None
+        except (EOFError, OSError, ValueError) as e:
             raise InvalidSourceError(path, f"not a readable torch file: {str(e)[:200]}") from None
-    except (EOFError, OSError, ValueError) as e:
-        raise InvalidSourceError(path, f"not a readable torch file: {str(e)[:200]}") from None
     if not isinstance(obj, Mapping):
         raise InvalidSourceError(path, f"holds a {type(obj).__name__}, not a state dict")
     tensors: dict[str, Any] = {}

@@ -80,7 +80,7 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     """
     now = time.time()
     listed = {k: list(objects.list(k)) for k in ("manifests", "chunks")}
-    temps = list(objects.list_temporaries())
+    temps = list(objects.list_temporaries(("objects", "refs")))
 
     roots: set[str] = set()
     for name, entries in refs.all_entries().items():

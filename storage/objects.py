@@ -89,11 +89,12 @@ class ObjectStore:
             if _ID.match(name):
                 yield ObjectInfo(kind, name, e.size, e.mtime)
 
-    def list_temporaries(self) -> Iterator[tuple[str, float]]:
-        """Leftovers of interrupted writes: (path, mtime)."""
-        for e in self.backend.list("objects"):
-            if e.path.rsplit("/", 1)[-1].startswith(".tmp-"):
-                yield e.path, e.mtime
+    def list_temporaries(self, prefixes: tuple[str, ...] = ("objects",)) -> Iterator[tuple[str, float]]:
+        """Leftovers of interrupted writes below ``prefixes``: (path, mtime)."""
+        for prefix in prefixes:
+            for e in self.backend.list(prefix):
+                if e.path.rsplit("/", 1)[-1].startswith(".tmp-"):
+                    yield e.path, e.mtime
 
     # Manifests are verified here: their id is the hash of the bytes stored.
     def put_manifest(self, data: bytes) -> str:

@@ -1,0 +1,312 @@
+"""The ``ckpt`` command line through a real subprocess: the console script, exit codes, stdout JSON, stderr.
+
+Every error a user can cause must end the process with a non-zero status and exactly
+one line on stderr starting with ``error:`` -- never a traceback.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from safetensors.torch import save_file  # noqa: E402
+
+EXE = Path(sys.executable).parent / "ckpt"
+CMD = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "cli.main"]
+
+
+def run(*args: str | Path, store: Path | None, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    pre = ["--store", str(store)] if store is not None else []
+    return subprocess.run([*CMD, *pre, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def ok(*args: str | Path, store: Path | None, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    r = run(*args, store=store, env=env)
+    assert r.returncode == 0, f"ckpt {' '.join(map(str, args))} exited {r.returncode}\nstdout: {r.stdout}\nstderr: {r.stderr}"
+    assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+def ok_json(*args: str | Path, store: Path | None, env: dict[str, str]) -> Any:
+    return json.loads(ok(*args, "--json", store=store, env=env).stdout)
+
+
+def fails(*args: str | Path, store: Path | None, env: dict[str, str]) -> str:
+    """Run a command that must fail cleanly; its one stderr line."""
+    r = run(*args, store=store, env=env)
+    assert r.returncode != 0, f"ckpt {' '.join(map(str, args))} succeeded\nstdout: {r.stdout}"
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr
+    lines = r.stderr.strip("\n").splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}: {r.stderr!r}"
+    assert lines[0].startswith("error:"), lines[0]
+    return lines[0]
+
+
+def same_tree(a: Path, b: Path) -> None:
+    """Same files (recursively), byte for byte."""
+    files_a = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    files_b = sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    assert files_a == files_b
+    match, mismatch, errors = filecmp.cmpfiles(a, b, files_a, shallow=False)
+    assert (mismatch, errors) == ([], []), (mismatch, errors)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cli")
+
+
+@pytest.fixture(scope="module")
+def env(root: Path) -> dict[str, str]:
+    """No default store in the real home; no terminal (so no progress bars)."""
+    e = dict(os.environ)
+    e.pop("CKPT_STORE", None)
+    home = root / "home"
+    home.mkdir()
+    e.update(HOME=str(home), XDG_DATA_HOME=str(home / ".local" / "share"), COLUMNS="200")
+    return e
+
+
+@pytest.fixture(scope="module")
+def model_file(root: Path) -> Path:
+    g = torch.Generator().manual_seed(0)
+    p = root / "model.safetensors"
+    save_file({"embed.weight": torch.randn(1024, 512, generator=g), "layers.0.weight": torch.randn(512, 512, generator=g).bfloat16(),
+               "layers.0.bias": torch.randn(512, generator=g).half(), "step": torch.tensor(7)}, str(p), metadata={"format": "pt"})
+    return p
+
+
+@pytest.fixture(scope="module")
+def hf_dir(root: Path) -> Path:
+    g = torch.Generator().manual_seed(1)
+    d = root / "hf-model"
+    d.mkdir()
+    shards = {
+        "model-00001-of-00002.safetensors": {"model.embed_tokens.weight": torch.randn(512, 256, generator=g),
+                                             "model.layers.0.mlp.weight": torch.randn(256, 256, generator=g).bfloat16()},
+        "model-00002-of-00002.safetensors": {"model.layers.1.mlp.weight": torch.randn(256, 256, generator=g).bfloat16(),
+                                             "lm_head.weight": torch.randn(512, 256, generator=g).half()},
+    }
+    weight_map = {}
+    total = 0
+    for fname, tensors in shards.items():
+        save_file(tensors, str(d / fname), metadata={"format": "pt"})
+        for k, t in tensors.items():
+            weight_map[k] = fname
+            total += t.numel() * t.element_size()
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (d / "config.json").write_text(json.dumps({"architectures": ["ToyForCausalLM"], "hidden_size": 256, "num_hidden_layers": 2}, indent=2))
+    return d
+
+
+def test_round_trip(tmp_path: Path, env: dict[str, str], model_file: Path, hf_dir: Path) -> None:
+    store = tmp_path / "store"
+    assert "store ready" in ok("init", store=store, env=env).stdout
+    assert (store / "ckpt-store.json").is_file()
+
+    # push: a safetensors file and a Hugging Face directory
+    p1 = ok_json("push", model_file, "demo/file", "-m", "first", store=store, env=env)
+    assert p1["ref"] == "demo/file" and len(p1["id"]) == 64
+    assert p1["logical_bytes"] == model_file.stat().st_size
+    assert p1["new_chunks"] == p1["chunks"] > 0 and p1["written_bytes"] > 0
+    p2 = ok_json("push", hf_dir, "demo/hf", "-m", "sharded", store=store, env=env)
+    hf_size = sum(p.stat().st_size for p in hf_dir.iterdir())
+    assert p2["logical_bytes"] == hf_size
+    # the same bytes again, under a new ref: nothing new is written
+    p3 = ok_json("push", model_file, "demo/again", store=store, env=env)
+    assert p3["new_chunks"] == 0 and p3["written_bytes"] == 0
+
+    rows = {r["ref"]: r for r in ok_json("ls", store=store, env=env)}
+    assert set(rows) == {"demo/file", "demo/hf", "demo/again"}
+    assert rows["demo/file"]["id"] == p1["id"] and rows["demo/file"]["bytes"] == model_file.stat().st_size
+    assert rows["demo/file"]["message"] == "first" and rows["demo/file"]["tensors"] == 4
+    assert rows["demo/hf"]["id"] == p2["id"] and rows["demo/hf"]["tensors"] == 4 and rows["demo/hf"]["bytes"] == hf_size
+
+    log = ok_json("log", "demo/file", store=store, env=env)
+    assert [(e["version"], e["id"], e["message"], e["removed"]) for e in log] == [(0, p1["id"], "first", False)]
+
+    show = ok_json("show", "demo/hf", store=store, env=env)
+    assert show["id"] == p2["id"] and show["message"] == "sharded" and show["bytes"] == hf_size
+    assert {f["path"]: f["kind"] for f in show["files"]} == {
+        "config.json": "blob", "model.safetensors.index.json": "blob",
+        "model-00001-of-00002.safetensors": "safetensors", "model-00002-of-00002.safetensors": "safetensors"}
+    assert {t["name"]: (t["dtype"], t["shape"]) for t in show["tensors"]} == {
+        "model.embed_tokens.weight": ("F32", [512, 256]), "model.layers.0.mlp.weight": ("BF16", [256, 256]),
+        "model.layers.1.mlp.weight": ("BF16", [256, 256]), "lm_head.weight": ("F16", [512, 256])}
+    assert ok_json("show", p1["id"][:10], store=store, env=env)["id"] == p1["id"]  # an id prefix resolves
+
+    du = ok_json("du", store=store, env=env)
+    assert {r["ref"] for r in du["refs"]} == set(rows)
+    assert du["logical_bytes"] == 2 * model_file.stat().st_size + hf_size
+    assert du["dedup_saved_bytes"] >= model_file.stat().st_size  # demo/again costs nothing
+
+    v = ok_json("verify", store=store, env=env)
+    assert v["ok"] is True and v["problems"] == [] and v["refs_checked"] == 3 and v["chunks_checked"] > 0
+
+    # pull: bit-identical file and directory
+    out = tmp_path / "out"
+    ok("pull", "demo/file", out / "model.safetensors", store=store, env=env)
+    assert filecmp.cmp(out / "model.safetensors", model_file, shallow=False)
+    assert (out / "model.safetensors").read_bytes() == model_file.read_bytes()
+    ok("pull", "demo/hf", out / "hf", store=store, env=env)
+    same_tree(out / "hf", hf_dir)
+
+    # rm + gc frees what only demo/file and demo/again used; the rest still verifies and pulls
+    ok("rm", "demo/file", "demo/again", store=store, env=env)
+    assert {r["ref"] for r in ok_json("ls", store=store, env=env)} == {"demo/hf"}
+    log = ok_json("log", "demo/file", store=store, env=env)
+    assert [e["removed"] for e in log] == [True, False]
+    gc = ok_json("gc", "--grace", "0s", store=store, env=env)
+    assert gc["dry_run"] is False and gc["deleted"] > 0 and gc["live_manifests"] == 1
+    v = ok_json("verify", store=store, env=env)
+    assert v["ok"] is True and v["refs_checked"] == 1
+    ok("pull", "demo/hf", out / "hf2", store=store, env=env)
+    same_tree(out / "hf2", hf_dir)
+    line = fails("pull", "demo/file", out / "gone.safetensors", store=store, env=env)
+    assert "demo/file" in line
+    assert not (out / "gone.safetensors").exists()
+
+
+def test_import_is_cheap() -> None:
+    r = subprocess.run([sys.executable, "-c", "import ckpt, sys; print('torch' in sys.modules, 'rich' in sys.modules)"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False False"
+
+
+# -- errors: one line, "error: ...", non-zero, nothing half-done ---------------------------
+
+
+@pytest.fixture(scope="module")
+def store(root: Path, model_file: Path, hf_dir: Path) -> Path:
+    """A store holding demo/file and demo/hf, shared by the error tests (which must not change it)."""
+    import ckpt
+
+    s = root / "shared-store"
+    st = ckpt.Store.init(str(s))
+    st.push(str(model_file), "demo/file")
+    st.push(str(hf_dir), "demo/hf")
+    return s
+
+
+def refs_of(store: Path) -> set[str]:
+    import ckpt
+
+    return set(ckpt.Store.open(str(store)).refs())
+
+
+def listing(store: Path) -> list[str]:
+    return sorted(p.relative_to(store).as_posix() for p in store.rglob("*"))
+
+
+@pytest.mark.parametrize("command", ["pull", "show", "log", "rm", "verify"])
+def test_unknown_ref(command: str, store: Path, env: dict[str, str], tmp_path: Path) -> None:
+    args = {"pull": ["pull", "no/such-ref", tmp_path / "x.safetensors"]}.get(command, [command, "no/such-ref"])
+    line = fails(*args, store=store, env=env)
+    assert "no/such-ref" in line
+    assert not (tmp_path / "x.safetensors").exists()
+    assert refs_of(store) == {"demo/file", "demo/hf"}
+
+
+@pytest.mark.parametrize("name", ["../x", "a\x01b", "/abs", "a/../b", "-x"])
+def test_invalid_ref_name_is_refused_before_any_write(name: str, store: Path, env: dict[str, str], model_file: Path) -> None:
+    before = listing(store)
+    args = ["push", model_file, name] if not name.startswith("-") else ["push", model_file, "--", name]
+    line = fails(*args, store=store, env=env)
+    assert "ref name" in line
+    assert listing(store) == before
+    assert not (store.parent / "x").exists()
+
+
+def test_invalid_ref_name_on_pull(store: Path, env: dict[str, str], tmp_path: Path) -> None:
+    line = fails("pull", "../x", tmp_path / "x.safetensors", store=store, env=env)
+    assert "ref name" in line
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("keep", ["half", "header-cut"])
+def test_truncated_safetensors(keep: str, store: Path, env: dict[str, str], model_file: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "truncated.safetensors"
+    data = model_file.read_bytes()
+    bad.write_bytes(data[: len(data) // 2] if keep == "half" else data[:20])
+    line = fails("push", bad, "demo/bad", store=store, env=env)
+    assert "truncated.safetensors" in line
+    assert refs_of(store) == {"demo/file", "demo/hf"}
+
+
+class _Exploit:
+    """Unpickling this runs a shell command: the payload ckpt must never execute."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("how", ["torch.save", "pickle.dump"])
+def test_pickle_payload_is_refused_not_run(how: str, store: Path, env: dict[str, str], tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    payload = {"weight": torch.ones(4), "extra": _Exploit(marker)}
+    if how == "torch.save":
+        torch.save(payload, str(evil))
+    else:  # a legacy (non-zip) pickle file
+        with open(evil, "wb") as f:
+            pickle.dump(payload, f)
+    assert not marker.exists()
+    line = fails("push", evil, "demo/evil", store=store, env=env)
+    assert not marker.exists(), "the pickle payload ran"
+    assert "refused" in line and "evil.pt" in line
+    assert refs_of(store) == {"demo/file", "demo/hf"}
+
+
+def test_pull_does_not_overwrite_without_force(store: Path, env: dict[str, str], model_file: Path, hf_dir: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "existing.safetensors"
+    dest.write_bytes(b"precious")
+    line = fails("pull", "demo/file", dest, store=store, env=env)
+    assert "exists" in line and "--force" in line
+    assert dest.read_bytes() == b"precious"
+    ok("pull", "demo/file", dest, "--force", store=store, env=env)
+    assert dest.read_bytes() == model_file.read_bytes()
+
+    ddir = tmp_path / "existing-dir"
+    ddir.mkdir()
+    (ddir / "keep.txt").write_text("mine")
+    line = fails("pull", "demo/hf", ddir, store=store, env=env)
+    assert "exists" in line
+    assert [p.name for p in ddir.iterdir()] == ["keep.txt"]
+    ok("pull", "demo/hf", ddir, "--force", store=store, env=env)
+    same_tree(ddir, hf_dir)
+
+
+def test_store_of_unknown_version(env: dict[str, str], model_file: Path, tmp_path: Path) -> None:
+    import ckpt
+
+    store = tmp_path / "store"
+    ckpt.Store.init(str(store)).push(str(model_file), "demo/file")
+    cfg = store / "ckpt-store.json"
+    obj = json.loads(cfg.read_bytes())
+    obj["version"] = 999
+    cfg.write_text(json.dumps(obj, sort_keys=True, separators=(",", ":")))
+    before = listing(store)
+    for args in (["ls"], ["verify"], ["pull", "demo/file", tmp_path / "x.safetensors"], ["push", model_file, "demo/x"]):
+        line = fails(*args, store=store, env=env)
+        assert "version" in line and "999" in line, line
+    assert not (tmp_path / "x.safetensors").exists()
+    assert listing(store) == before
+
+
+def test_missing_store(tmp_path: Path, env: dict[str, str]) -> None:
+    line = fails("ls", store=tmp_path / "nowhere", env=env)
+    assert "no ckpt store" in line and "ckpt init" in line
+    assert not (tmp_path / "nowhere").exists()
