@@ -100,3 +100,23 @@ def test_verify_exit_code_on_damage(env, capsys):
     code, out, _ = run_main(capsys, "verify", "--json")
     assert code == 1 and json.loads(out)["damaged_refs"].keys() == {"a"}
     assert os.path.exists(victim)  # verify never repairs or deletes
+
+
+def test_push_base_and_show_codecs(env):
+    tmp, src = env
+    invoke("push", str(src), "m/base")
+    from safetensors.torch import load_file
+
+    ft = {k: v + 1e-4 if v.is_floating_point() else v for k, v in load_file(src).items()}
+    save_file(ft, tmp / "ft.safetensors", metadata={"k": "v"})
+    r = json.loads(invoke("push", str(tmp / "ft.safetensors"), "m/ft", "--base", "m/base", "--json"))
+    shown = json.loads(invoke("show", "m/ft", "--json"))
+    assert shown["lineage"]["base"] == json.loads(invoke("ls", "--json"))[0]["id"]
+    w = next(t for t in shown["tensors"] if t["name"] == "w")
+    assert set(w["codecs"]) & {"sub", "xor"} and w["delta_depth"] == 1
+    assert "depth 1" in invoke("show", "m/ft")
+    assert r["written_bytes"] < r["logical_bytes"] / 2
+    invoke("push", str(tmp / "ft.safetensors"), "m/ft2", "--no-delta")
+    assert json.loads(invoke("show", "m/ft2", "--json"))["lineage"]["base"] is None
+    du = json.loads(invoke("du", "--json"))
+    assert {"planes"} <= set(du["codecs"]) and any(c in du["codecs"] for c in ("sub", "xor"))
