@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ckpt.base import choose_base, pair_tensors
@@ -11,7 +12,7 @@ from ckpt.dtypes import itemsize
 from ckpt.manifest import FileEntry, Manifest, TensorEntry, split_lengths
 from ckpt.pipeline import PutTask, put_chunks
 from ckpt.progress import NullProgress, Progress
-from ckpt.sources import ByteSource, MemBytes, open_source
+from ckpt.sources import ByteSource, MemBytes, SourceIn, open_source
 from storage.commit import commit
 from storage.records import canonical_json
 from storage.refs import validate_ref_name
@@ -55,70 +56,101 @@ def push(
         validate_ref_name(name)  # before any I/O
     if metadata is not None:
         canonical_json(metadata)  # must be JSON; raises TypeError/ValueError early
-    settings = store.settings
-    cs = settings.chunk_size
-    progress = progress or NullProgress()
     src = open_source(source)
     try:
         keys = [(t.name, t.dtype, t.nbytes) for f in src.files for t in f.tensors]
         base_id, parent = choose_base(store, name, keys, base) if delta else (None, None)
-        base_m = store.get_manifest(base_id) if base_id else None
-        # Chunks pair with the base's by position only when both were cut the same way.
-        paired = pair_tensors(base_m if base_m is not None and base_m.chunk_size == cs else None)
-        # One flat task list over every file, so the pool stays busy across file boundaries.
-        tasks: list[PutTask] = []
-        spans: list[tuple[str, int, int]] = []  # (what, start, end) into tasks
-        for f in src.files:
+        return push_source(store, src, name, message=message, metadata=metadata, base_id=base_id,
+                           lineage={"parent": parent, "base": base_id, "merge": None}, progress=progress)
+    finally:
+        src.close()
+
+
+def push_source(
+    store: Store,
+    src: SourceIn,
+    name: str | None,
+    *,
+    message: str | None = None,
+    metadata: dict[str, Any] | None = None,
+    base_id: str | None = None,
+    lineage: dict[str, Any] | None = None,
+    reuse: Mapping[str, TensorEntry] | None = None,
+    refs: tuple[str, ...] = (),
+    progress: Progress | None = None,
+) -> PushResult:
+    """Write ``src`` as a checkpoint: chunks (deltas against ``base_id`` where smaller),
+    manifest, then ref ``name`` and any extra ``refs``.
+
+    Tensors whose source is None take their entry from ``reuse`` unchanged: the
+    caller knows their chunks are stored (the snapshot path, for tensors that did not
+    change since the previous snapshot).
+    """
+    settings = store.settings
+    cs = settings.chunk_size
+    progress = progress or NullProgress()
+    reuse = reuse or {}
+    base_m = store.get_manifest(base_id) if base_id else None
+    # Chunks pair with the base's by position only when both were cut the same way.
+    paired = pair_tensors(base_m if base_m is not None and base_m.chunk_size == cs else None)
+    # One flat task list over every file, so the pool stays busy across file boundaries.
+    tasks: list[PutTask] = []
+    spans: list[tuple[int, int]] = []  # per file, then per tensor: its range of tasks
+    for f in src.files:
+        start = len(tasks)
+        if f.kind == "safetensors":
+            tasks += _tasks(MemBytes(memoryview(f.head)), 0, len(f.head), cs, 1)
+        else:
+            assert f.src is not None
+            tasks += _tasks(f.src, 0, f.size, cs, 1)
+        spans.append((start, len(tasks)))
+        for t in f.tensors:
             start = len(tasks)
-            if f.kind == "safetensors":
-                tasks += _tasks(MemBytes(memoryview(f.head)), 0, len(f.head), cs, 1)
-            else:
-                assert f.src is not None
-                tasks += _tasks(f.src, 0, f.size, cs, 1)
-            spans.append(("file", start, len(tasks)))
-            for t in f.tensors:
-                start = len(tasks)
+            if t.src is not None:
                 size = itemsize(t.dtype)
                 match = paired.get((t.name, t.dtype, t.nbytes))
                 tasks += _tasks(t.src, t.offset, t.nbytes, cs, size if size in (1, 2, 4, 8) else 1,
                                 match.chunks if match is not None else ())
-                spans.append(("tensor", start, len(tasks)))
-        progress.start("push", sum(t.length for t in tasks))
-        results = put_chunks(store.objects, tasks, settings, progress)
-        progress.finish()
+            spans.append((start, len(tasks)))
+    progress.start("push", sum(t.length for t in tasks))
+    results = put_chunks(store.objects, tasks, settings, progress)
+    progress.finish()
 
-        groups = iter([results[a:b] for _, a, b in spans])
-        files, tensors = [], []
-        for f in src.files:
+    groups = iter([results[a:b] for a, b in spans])
+    files, tensors = [], []
+    for f in src.files:
+        rs = next(groups)
+        files.append(
+            FileEntry(f.path, f.kind, f.size, tuple(r.id for r in rs), len(f.head) if f.kind == "safetensors" else 0,
+                      f.metadata if f.kind == "safetensors" else None)
+        )
+        for t in f.tensors:
             rs = next(groups)
-            files.append(
-                FileEntry(f.path, f.kind, f.size, tuple(r.id for r in rs), len(f.head) if f.kind == "safetensors" else 0,
-                          f.metadata if f.kind == "safetensors" else None)
-            )
-            for t in f.tensors:
-                rs = next(groups)
-                chains = tuple(r.bases for r in rs)
-                tensors.append(TensorEntry(t.name, t.dtype, t.shape, t.nbytes, tuple(r.id for r in rs), f.path,
-                                           codecs=tuple(r.codec for r in rs),
-                                           delta_bases=chains if any(chains) else ()))
-        manifest = Manifest(
-            source=src.kind,
-            chunk_size=cs,
-            files=tuple(files),
-            tensors=tuple(tensors),
-            created=time.time(),
-            message=message,
-            metadata=dict(metadata or {}),
-            extra=src.extra,
-            lineage={"parent": parent, "base": base_id, "merge": None},
-        )
-        mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name)
-        return PushResult(
-            id=mid,
-            chunks=len(results),
-            new_chunks=sum(1 for r in results if r.stored),
-            logical_bytes=manifest.logical_bytes,
-            written_bytes=sum(r.stored for r in results),
-        )
-    finally:
-        src.close()
+            if t.src is None:
+                tensors.append(replace(reuse[t.name], file=f.path))
+                continue
+            chains = tuple(r.bases for r in rs)
+            tensors.append(TensorEntry(t.name, t.dtype, t.shape, t.nbytes, tuple(r.id for r in rs), f.path,
+                                       codecs=tuple(r.codec for r in rs),
+                                       delta_bases=chains if any(chains) else ()))
+    manifest = Manifest(
+        source=src.kind,
+        chunk_size=cs,
+        files=tuple(files),
+        tensors=tuple(tensors),
+        created=time.time(),
+        message=message,
+        metadata=dict(metadata or {}),
+        extra=src.extra,
+        lineage=lineage or {"parent": None, "base": base_id, "merge": None},
+    )
+    mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name)
+    for extra_ref in refs:
+        store.refs_db.set(extra_ref, mid)
+    return PushResult(
+        id=mid,
+        chunks=len(results),
+        new_chunks=sum(1 for r in results if r.stored),
+        logical_bytes=manifest.logical_bytes,
+        written_bytes=sum(r.stored for r in results),
+    )

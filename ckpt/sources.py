@@ -63,7 +63,7 @@ class TensorIn:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-    src: ByteSource
+    src: ByteSource | None  # None: the pusher already has this tensor's chunks
     offset: int
 
 
@@ -232,11 +232,14 @@ def _flatten(obj: Mapping[Any, Any], prefix: str, tensors: dict[str, Any], extra
             extra[key] = v
 
 
-def _from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], metadata: dict[str, str] | None) -> SourceIn:
+def _from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], metadata: dict[str, str] | None,
+                  known: Mapping[str, tuple[str, tuple[int, ...], int]] | None = None) -> SourceIn:
+    """One safetensors file of ``tensors``. Names in ``known`` (dtype, shape, nbytes) are
+    laid out in the file too but carry no data: the caller already has their chunks."""
     import torch
 
     specs = []
-    views = []
+    views: dict[str, tuple[memoryview, Any]] = {}
     for name, t in tensors.items():
         if not isinstance(name, str):
             raise InvalidSourceError("state dict", f"key {name!r} is not a string")
@@ -247,15 +250,16 @@ def _from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], 
         dense = t.detach().cpu().contiguous()
         view = byte_view(dense)
         specs.append((name, dtype, tuple(t.shape), len(view)))
-        views.append((view, dense))
+        views[name] = (view, dense)
+    for name, (dtype, shape, nbytes) in (known or {}).items():
+        specs.append((check_tensor_name(name), dtype, shape, nbytes))
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise InvalidSourceError("metadata", "safetensors metadata must map strings to strings")
     head, order = build_header(specs, metadata)
-    pos = len(head)
-    file = FileIn("model.safetensors", "safetensors", 0, head, None, [], metadata)
+    file = FileIn("model.safetensors", "safetensors", len(head), head, None, [], metadata)
     for i in order:
         name, dtype, shape, nbytes = specs[i]
-        file.tensors.append(TensorIn(name, dtype, shape, nbytes, MemBytes(*views[i]), 0))
-        pos += nbytes
-    file.size = pos
+        src = MemBytes(*views[name]) if name in views else None
+        file.tensors.append(TensorIn(name, dtype, shape, nbytes, src, 0))
+        file.size += nbytes
     return SourceIn(kind, [file], extra)
