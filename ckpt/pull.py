@@ -208,30 +208,39 @@ def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, progr
             + (" ..." if len(missing) > 10 or len(unexpected) > 10 else ""),
             hint="pass strict=False to load the common tensors",
         )
-    bad = []
-    pairs = []
-    staged = []
-    for name, dst in live.items():
-        entry = by_name.get(name)
-        if entry is None:
-            continue
-        if tuple(dst.shape) != entry.shape or dst.dtype != to_torch(entry.dtype):
-            bad.append(f"{name}: checkpoint {entry.dtype}{list(entry.shape)} vs target {dst.dtype}{list(dst.shape)}")
-            continue
-        dst = dst.detach()
-        if dst.device.type == "cpu" and dst.is_contiguous():
-            pairs.append((entry, dst))
-        else:  # decode on the host, then one copy to where the tensor lives
-            tmp = torch.empty(entry.shape, dtype=dst.dtype, pin_memory=dst.device.type == "cuda")
-            pairs.append((entry, tmp))
-            staged.append((dst, tmp))
+    fill(store, m, [(by_name[n], dst) for n, dst in live.items() if n in by_name], progress)
+
+
+def fill(store: Store, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]], progress: Progress | None = None) -> None:
+    """Decode each entry's chunks into its destination tensor, in place, all in one parallel pass.
+
+    Contiguous CPU tensors receive the bytes directly; others (CUDA, strided) get them
+    through one host buffer (pinned for CUDA) and a single copy. A shape or dtype
+    mismatch is an error naming every offending tensor, raised before any write.
+    """
+    import torch
+
+    bad = [f"{e.name}: checkpoint {e.dtype}{list(e.shape)} vs target {d.dtype}{list(d.shape)}"
+           for e, d in pairs if tuple(d.shape) != e.shape or d.dtype != to_torch(e.dtype)]
     if bad:
         raise TensorMismatchError("shape or dtype mismatch: " + "; ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
-    tasks = _into_tasks(m, pairs)
+    direct = []
+    staged = []
+    for entry, dst in pairs:
+        dst = dst.detach()
+        if dst.device.type == "cpu" and dst.is_contiguous():
+            direct.append((entry, dst))
+        else:  # decode on the host, then one copy to where the tensor lives
+            tmp = torch.empty(entry.shape, dtype=dst.dtype, pin_memory=dst.device.type == "cuda")
+            direct.append((entry, tmp))
+            staged.append((dst, tmp))
+    tasks = _into_tasks(m, direct)
     progress = progress or NullProgress()
     progress.start("load", sum(t.length for t in tasks))
     get_chunks(store.objects, tasks, store.settings, progress)
     progress.finish()
     with torch.no_grad():
         for dst, tmp in staged:
-            dst.copy_(tmp)
+            dst.copy_(tmp, non_blocking=tmp.is_pinned())
+    if any(d.device.type == "cuda" for d, _ in staged):
+        torch.cuda.synchronize()

@@ -76,11 +76,11 @@ def push_source(
     base_id: str | None = None,
     lineage: dict[str, Any] | None = None,
     reuse: Mapping[str, TensorEntry] | None = None,
-    refs: tuple[str, ...] = (),
+    aliases: tuple[str, ...] = (),
     progress: Progress | None = None,
 ) -> PushResult:
     """Write ``src`` as a checkpoint: chunks (deltas against ``base_id`` where smaller),
-    manifest, then ref ``name`` and any extra ``refs``.
+    manifest, then ref ``name``, then the ``aliases`` (refs like ``RUN/latest``).
 
     Tensors whose source is None take their entry from ``reuse`` unchanged: the
     caller knows their chunks are stored (the snapshot path, for tensors that did not
@@ -145,8 +145,8 @@ def push_source(
         lineage=lineage or {"parent": None, "base": base_id, "merge": None},
     )
     mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name)
-    for extra_ref in refs:
-        store.refs_db.set(extra_ref, mid)
+    for alias in aliases:
+        store.refs_db.set(alias, mid, alias=True)
     return PushResult(
         id=mid,
         chunks=len(results),

@@ -86,7 +86,7 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     for name, entries in refs.all_entries().items():
         if entries[0].target is None:
             continue  # removed ref: its history keeps nothing alive
-        for e in entries if keep_history else entries[:1]:
+        for e in entries if keep_history and not entries[0].alias else entries[:1]:
             if e.target is not None:
                 roots.add(e.target)
 

@@ -56,19 +56,23 @@ class RefEntry:
     target: str | None
     time: float
     writer: str
+    # An alias (like RUN/latest) names whatever another ref names; its earlier
+    # targets are not kept alive by gc (docs/format.md).
+    alias: bool = False
 
     def to_json(self) -> bytes:
-        return canonical_json(
-            {
-                "format": REF_FORMAT,
-                "version": REF_VERSION,
-                "name": self.name,
-                "seq": self.seq,
-                "target": self.target,
-                "time": self.time,
-                "writer": self.writer,
-            }
-        )
+        obj: dict[str, object] = {
+            "format": REF_FORMAT,
+            "version": REF_VERSION,
+            "name": self.name,
+            "seq": self.seq,
+            "target": self.target,
+            "time": self.time,
+            "writer": self.writer,
+        }
+        if self.alias:
+            obj["alias"] = True
+        return canonical_json(obj)
 
     @classmethod
     def from_json(cls, data: bytes, what: str) -> RefEntry:
@@ -82,6 +86,7 @@ class RefEntry:
             target=target,
             time=float(require(obj, "time", (int, float), what)),
             writer=require(obj, "writer", str, what),
+            alias=obj.get("alias") is True,
         )
 
 
@@ -126,21 +131,24 @@ class Refs:
         entry = self._read(name, seqs[-1])
         return entry if entry.target is not None else None
 
-    def _append(self, name: str, target: str | None, attempts: int = 50) -> RefEntry:
+    def _append(self, name: str, target: str | None, alias: bool = False, attempts: int = 50) -> RefEntry:
         validate_ref_name(name)
         writer = uuid.uuid4().hex
         for attempt in range(attempts):
             seqs = self._entry_seqs(name)
             seq = (seqs[-1] if seqs else 0) + 1
-            entry = RefEntry(name, seq, target, time.time(), writer)
+            entry = RefEntry(name, seq, target, time.time(), writer, alias)
             if self.backend.create_exclusive(self._entry_path(name, seq), entry.to_json()):
                 return entry
             time.sleep(min(0.001 * 2**attempt, 0.1))  # another writer took seq: re-read
         raise RefConflictError(f"could not update ref {name}: other writers kept updating it", hint="retry")
 
-    def set(self, name: str, target: str) -> RefEntry:
-        """Point ``name`` at manifest ``target`` (a new history entry)."""
-        return self._append(name, target)
+    def set(self, name: str, target: str, *, alias: bool = False) -> RefEntry:
+        """Point ``name`` at manifest ``target`` (a new history entry).
+
+        With ``alias``, gc keeps only the current target alive, not earlier ones.
+        """
+        return self._append(name, target, alias)
 
     def remove(self, name: str) -> RefEntry:
         """Mark ``name`` as removed; its history stays readable with ``ckpt log``."""

@@ -1,0 +1,148 @@
+"""Training state <-> (tensors, JSON): what a snapshot stores, without pickle.
+
+A *state* is a dict whose values are ``nn.Module``s, optimizers, LR schedulers, grad
+scalers, any object with ``state_dict()``/``load_state_dict()`` (the :class:`Stateful`
+protocol), RNG states (:class:`RNGState`), or plain JSON values (step, epoch, data
+position). :func:`flatten` turns each object's ``state_dict()`` into named tensors
+plus a JSON tree that points at them; :func:`unflatten` rebuilds the state dicts.
+Python values JSON cannot carry exactly (tuples, int dict keys, inf/nan, bytes) are
+tagged, so a round trip gives back equal objects — and nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Protocol, runtime_checkable
+
+TENSOR = "__tensor__"
+_TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", TENSOR)
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything that can join a snapshot: the same two methods as ``nn.Module``."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+class RNGState:
+    """The random number generators a training step consumes: Python's ``random``,
+    NumPy's global generator, torch's CPU generator and, where present, every CUDA one.
+
+    Put one in the state (``{"rng": ckpt.RNGState()}``) to make resumption exact.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        import numpy as np
+        import torch
+
+        out: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        np_state = np.random.get_state()
+        out["numpy"] = {"kind": np_state[0], "keys": torch.from_numpy(np_state[1].copy()), "pos": int(np_state[2]),
+                        "has_gauss": int(np_state[3]), "gauss": float(np_state[4])}
+        if torch.cuda.is_available():
+            out["cuda"] = [t for t in torch.cuda.get_rng_state_all()]
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        import numpy as np
+        import torch
+
+        random.setstate(_as_tuples(state["python"]))
+        torch.set_rng_state(state["torch"])
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
+def _as_tuples(x: Any) -> Any:
+    return tuple(_as_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensors by name, JSON tree) for a state. Tensor names are ``<key>/<path>``."""
+    import torch
+
+    tensors: dict[str, torch.Tensor] = {}
+
+    def enc(x: Any, path: str) -> Any:
+        if isinstance(x, torch.Tensor):
+            tensors[path] = x
+            return {TENSOR: path}
+        if isinstance(x, bool) or x is None or isinstance(x, str):
+            return x
+        if isinstance(x, int):
+            return x
+        if isinstance(x, float):
+            return x if math.isfinite(x) else {"__float__": repr(x)}
+        if isinstance(x, bytes):
+            return {"__bytes__": x.hex()}
+        if isinstance(x, tuple):
+            return {"__tuple__": [enc(v, f"{path}/{i}") for i, v in enumerate(x)]}
+        if isinstance(x, list):
+            return [enc(v, f"{path}/{i}") for i, v in enumerate(x)]
+        if isinstance(x, dict):
+            if all(isinstance(k, str) and k not in _TAGS for k in x):
+                return {k: enc(v, f"{path}/{k}") for k, v in x.items()}
+            # Non-string keys (optimizer state is keyed by int): keep them typed.
+            return {"__dict__": [[enc(k, f"{path}/k{i}"), enc(v, f"{path}/{k}")] for i, (k, v) in enumerate(x.items())]}
+        if hasattr(x, "item") and getattr(x, "shape", None) == ():  # numpy scalars
+            return enc(x.item(), path)
+        from ckpt.errors import InvalidSourceError
+
+        raise InvalidSourceError(path, f"a {type(x).__name__} cannot be stored as JSON or a tensor",
+                                 hint="give it state_dict()/load_state_dict() returning tensors and plain values")
+
+    tree: dict[str, Any] = {}
+    for key, obj in state.items():
+        if not isinstance(key, str) or "/" in key or not key:
+            from ckpt.errors import InvalidNameError
+
+            raise InvalidNameError(f"state key {key!r} must be a non-empty string without '/'")
+        if isinstance(obj, Stateful) and not isinstance(obj, type):
+            tree[key] = {"kind": "stateful", "value": enc(obj.state_dict(), key)}
+        else:
+            tree[key] = {"kind": "value", "value": enc(obj, key)}
+    return tensors, tree
+
+
+def unflatten(tree: Any, tensors: dict[str, Any]) -> Any:
+    """Inverse of the encoding in :func:`flatten` for one value."""
+    if isinstance(tree, list):
+        return [unflatten(v, tensors) for v in tree]
+    if isinstance(tree, dict):
+        if TENSOR in tree:
+            return tensors[tree[TENSOR]]
+        if "__tuple__" in tree:
+            return tuple(unflatten(v, tensors) for v in tree["__tuple__"])
+        if "__dict__" in tree:
+            return {unflatten(k, tensors): unflatten(v, tensors) for k, v in tree["__dict__"]}
+        if "__float__" in tree:
+            return float(tree["__float__"])
+        if "__bytes__" in tree:
+            return bytes.fromhex(tree["__bytes__"])
+        return {k: unflatten(v, tensors) for k, v in tree.items()}
+    return tree
+
+
+def tensor_refs(tree: Any) -> list[str]:
+    """Names of every tensor a JSON tree points at."""
+    out: list[str] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, dict):
+            if TENSOR in x:
+                out.append(x[TENSOR])
+            else:
+                for v in x.values():
+                    walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(tree)
+    return out
