@@ -6,7 +6,9 @@
 []
 
 The public API is :class:`Store` (open/init, push, pull, load, load_into, reader,
-verify, du, gc), :class:`Settings`, and the errors in :mod:`ckpt.errors`.
+verify, du, gc), :class:`CheckpointManager` (training-loop snapshots) with
+:class:`RNGState` and the :class:`Stateful` protocol, :class:`Settings`, and the
+errors in :mod:`ckpt.errors`.
 Importing ckpt is cheap: torch and the rest load when first used.
 """
 
@@ -16,10 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointReader", "CkptError", "Settings", "Store", "__version__"]
+__all__ = ["CheckpointManager", "CheckpointReader", "CkptError", "RNGState", "Settings", "Stateful", "Store", "__version__"]
 
 if TYPE_CHECKING:
     from ckpt.errors import CkptError
+    from ckpt.manager import CheckpointManager
+    from ckpt.state import RNGState, Stateful
     from ckpt.reader import CheckpointReader
     from ckpt.settings import Settings
     from ckpt.store import Store
@@ -29,6 +33,9 @@ _LAZY = {
     "Settings": "ckpt.settings",
     "CheckpointReader": "ckpt.reader",
     "CkptError": "ckpt.errors",
+    "CheckpointManager": "ckpt.manager",
+    "RNGState": "ckpt.state",
+    "Stateful": "ckpt.state",
 }
 
 

@@ -1,0 +1,354 @@
+"""The training-loop manager: asynchronous, incremental snapshots and in-place restore.
+
+>>> import torch, ckpt
+>>> model = torch.nn.Linear(4, 2)
+>>> opt = torch.optim.AdamW(model.parameters())
+>>> with ckpt.CheckpointManager("memory://manager-doctest", "run1", keep_last=2) as mgr:
+...     mgr.save(10, {"model": model, "optim": opt, "step": 10})
+...     mgr.wait()
+...     state = {"model": model, "optim": opt, "step": 0}
+...     mgr.restore_latest(state), state["step"]
+(10, 10)
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from ckpt.errors import CkptError, RefNotFoundError, TensorMismatchError
+from ckpt.manifest import TensorEntry
+from ckpt.settings import Settings
+from ckpt.state import Stateful, flatten, tensor_refs, unflatten
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckpt.store import Store
+
+log = logging.getLogger(__name__)
+SNAPSHOT_FORMAT = 1
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+class SnapshotError(CkptError):
+    """A snapshot could not be saved or restored."""
+
+
+class CheckpointManager:
+    """Saves and restores the state of one training run in a ckpt store.
+
+    Snapshots are ordinary checkpoints: refs ``RUN/step-N`` plus the alias
+    ``RUN/latest``, visible to ``ckpt ls/log/show/pull/diff``.
+
+    ``save(step, state)`` blocks only while tensors that changed since the previous
+    snapshot are copied into a reusable staging area (pinned memory for CUDA
+    tensors); hashing, encoding (as a delta against the previous snapshot where that
+    is smaller) and writing run in the background. One save is in flight at a time:
+    the next one waits for it, so memory stays at about one copy of the state. An
+    error in the background is raised by the next ``save``, ``wait`` or ``close``.
+
+    A tensor is known to be unchanged when it is the same storage with the same
+    in-place version counter (``tensor._version``) as at the previous save; its
+    chunks are then reused without reading it. Writes through ``.data`` bypass the
+    counter: pass ``trust_version=False`` if your code does that.
+
+    Retention, applied after each save: keep the last ``keep_last`` snapshots, every
+    snapshot whose step is a multiple of ``keep_every``, and the ``keep_best[2]``
+    best by metric ``keep_best[0]`` (``"min"`` or ``"max"`` as ``keep_best[1]``).
+    Other snapshot refs are removed; ``ckpt gc`` frees their data.
+
+    ``handle_signals=True`` installs SIGTERM/SIGUSR1 handlers (preemption): the
+    in-flight save is finished, :attr:`preempted` becomes True, and the next
+    :meth:`maybe_save` takes a final snapshot and raises ``SystemExit``.
+    """
+
+    def __init__(
+        self,
+        store: str | Store,
+        run: str,
+        *,
+        every_n_steps: int | None = None,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: tuple[str, str] | tuple[str, str, int] | None = None,
+        async_save: bool = True,
+        handle_signals: bool = False,
+        trust_version: bool = True,
+        delta: bool = True,
+        settings: Settings | None = None,
+    ) -> None:
+        from ckpt.store import Store
+        from storage.refs import validate_ref_name
+
+        self.store = store if isinstance(store, Store) else Store.open(store, settings=settings, create=True)
+        self.run = validate_ref_name(run)
+        self.every_n_steps = every_n_steps
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        if keep_best is not None and (len(keep_best) < 2 or keep_best[1] not in ("min", "max")):
+            raise ValueError("keep_best is (metric, 'min' | 'max'[, count])")
+        self.keep_best = keep_best
+        self.async_save = async_save
+        self.trust_version = trust_version
+        self.delta = delta
+        self.preempted = False
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
+        self._inflight: Future[None] | None = None
+        self._lock = threading.Lock()
+        self._staging: dict[str, torch.Tensor] = {}
+        self._keys: dict[str, tuple[Any, ...]] = {}  # identity + version at the previous save
+        self._last: tuple[str, dict[str, TensorEntry]] | None = None  # previous snapshot: id, entries
+        self._metrics: dict[int, dict[str, float]] = {}
+        self._stream: Any = None
+        self._old_handlers: dict[int, Any] = {}
+        self.last_save_stats: dict[str, float] = {}
+        if handle_signals:
+            self._install_signals()
+
+    # -- saving ------------------------------------------------------------------
+    def ref(self, step: int) -> str:
+        return f"{self.run}/step-{step}"
+
+    def maybe_save(self, step: int, state: dict[str, Any], metrics: dict[str, float] | None = None) -> bool:
+        """Save if ``step`` is a multiple of ``every_n_steps`` (or a preemption is pending)."""
+        if self.preempted:
+            self.save(step, state, metrics)
+            self.close()
+            raise SystemExit(0)
+        if self.every_n_steps and step % self.every_n_steps == 0:
+            self.save(step, state, metrics)
+            return True
+        return False
+
+    def save(self, step: int, state: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+        """Snapshot ``state`` as step ``step``. Returns once tensors are staged (or saved, if not async)."""
+        import time
+
+        if not isinstance(step, int) or step < 0:
+            raise ValueError("step must be a non-negative int")
+        self.wait()
+        t0 = time.perf_counter()
+        tensors, tree = flatten(state)
+        staged, reuse, keys = self._stage(tensors)
+        blocked = time.perf_counter() - t0
+        snapshot = {"format": SNAPSHOT_FORMAT, "run": self.run, "step": step, "tree": tree,
+                    "metrics": dict(metrics or {})}
+        job = lambda: self._write(step, staged, reuse, keys, snapshot, blocked)  # noqa: E731
+        if self.async_save:
+            self._inflight = self._pool.submit(job)
+        else:
+            job()
+
+    def _stage(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, TensorEntry], dict[str, tuple[Any, ...]]]:
+        """Copy changed tensors into the staging area; the rest reuse the previous snapshot's entries."""
+        import torch
+
+        staged: dict[str, torch.Tensor] = {}
+        reuse: dict[str, TensorEntry] = {}
+        keys: dict[str, tuple[Any, ...]] = {}
+        previous = self._last[1] if self._last else {}
+        cuda = []
+        for name, t in tensors.items():
+            t = t.detach()
+            key = (t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device, t.stride())
+            keys[name] = key
+            if self.trust_version and self._keys.get(name) == key and name in previous:
+                reuse[name] = previous[name]
+                continue
+            buf = self._staging.get(name)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+                self._staging[name] = buf
+            if t.device.type == "cuda":
+                cuda.append((buf, t))
+            else:
+                buf.copy_(t)
+            staged[name] = buf
+        if cuda:
+            self._copy_from_cuda(cuda)
+        for name in set(self._staging) - set(tensors):
+            del self._staging[name]  # the state shrank: free what no longer has a source
+        return staged, reuse, keys
+
+    def _copy_from_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Device-to-host copies on a side stream, ordered after the work already queued."""
+        import torch
+
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for buf, t in pairs:
+                buf.copy_(t, non_blocking=True)
+        self._stream.synchronize()  # the staged bytes are complete before training may touch t
+
+    def _write(self, step: int, staged: dict[str, torch.Tensor], reuse: dict[str, TensorEntry],
+               keys: dict[str, tuple[Any, ...]], snapshot: dict[str, Any], blocked: float) -> None:
+        import time
+
+        from ckpt.push import push_source
+        from ckpt.sources import _from_tensors
+
+        t0 = time.perf_counter()
+        try:
+            known = {n: (e.dtype, e.shape, e.nbytes) for n, e in reuse.items()}
+            src = _from_tensors(staged, "snapshot", {"snapshot": snapshot}, None, known)
+            base = self._last[0] if (self._last and self.delta) else None
+            result = push_source(self.store, src, self.ref(step), base_id=base, reuse=reuse,
+                                 lineage={"parent": self._last[0] if self._last else None, "base": base, "merge": None},
+                                 aliases=(f"{self.run}/latest",))
+            m = self.store.get_manifest(result.id)
+        except BaseException:
+            self._last, self._keys = None, {}  # next save starts over: no reuse of unknown state
+            raise
+        self._last = (result.id, {t.name: t for t in m.tensors})
+        self._keys = keys
+        self._metrics[step] = snapshot["metrics"]
+        self.last_save_stats = {"step": step, "blocked_s": blocked, "background_s": time.perf_counter() - t0,
+                                "written_bytes": result.written_bytes, "logical_bytes": result.logical_bytes,
+                                "staged_tensors": len(staged), "reused_tensors": len(reuse)}
+        self._retain()
+
+    def wait(self) -> None:
+        """Block until the in-flight save is durable; raise its error if it failed."""
+        f, self._inflight = self._inflight, None
+        if f is not None:
+            f.result()
+
+    def close(self) -> None:
+        """Finish the in-flight save (raising its error) and release resources."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+            self._restore_signals()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # do not mask the original error with a save error
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001
+                log.exception("in-flight snapshot failed while handling another error")
+
+    # -- retention -------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Steps of the run's live snapshots, oldest first."""
+        prefix = f"{self.run}/"
+        out = []
+        for name in self.store.refs_db.live():
+            m = _STEP.match(name[len(prefix):]) if name.startswith(prefix) else None
+            if m:
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def _metric(self, step: int) -> dict[str, float]:
+        if step not in self._metrics:
+            m = self.store.manifest(self.ref(step))
+            self._metrics[step] = (m.extra.get("snapshot") or {}).get("metrics") or {}
+        return self._metrics[step]
+
+    def _retain(self) -> None:
+        if self.keep_last is None and self.keep_every is None and self.keep_best is None:
+            return
+        steps = self.steps()
+        keep = set(steps[-self.keep_last:]) if self.keep_last else set()
+        if self.keep_every:
+            keep |= {s for s in steps if s % self.keep_every == 0}
+        if self.keep_best:
+            name, mode = self.keep_best[0], self.keep_best[1]
+            count = self.keep_best[2] if len(self.keep_best) > 2 else 1  # type: ignore[misc]
+            scored = [(self._metric(s)[name], s) for s in steps if name in self._metric(s)]
+            scored.sort(reverse=mode == "max")
+            keep |= {s for _, s in scored[:count]}
+        if steps:
+            keep.add(steps[-1])  # never prune what latest points at
+        for s in steps:
+            if s not in keep:
+                self.store.remove(self.ref(s))
+
+    # -- restoring -----------------------------------------------------------------
+    def restore_latest(self, state: dict[str, Any]) -> int | None:
+        """Restore the newest snapshot into ``state`` in place; its step, or None if the run has none."""
+        self.wait()
+        try:
+            mid = self.store.resolve(f"{self.run}/latest")
+        except RefNotFoundError:
+            return None
+        return self._restore(state, mid)
+
+    def restore(self, state: dict[str, Any], step: int) -> int:
+        """Restore the snapshot of ``step`` into ``state`` in place."""
+        self.wait()
+        return self._restore(state, self.store.resolve(self.ref(step)))
+
+    def _restore(self, state: dict[str, Any], mid: str) -> int:
+        import torch
+
+        from ckpt.dtypes import to_torch
+        from ckpt.pull import fill
+
+        m = self.store.get_manifest(mid)
+        snap = m.extra.get("snapshot")
+        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT:
+            raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")
+        tree: dict[str, Any] = snap["tree"]
+        missing = sorted(set(state) - set(tree))
+        if missing:
+            raise TensorMismatchError(f"snapshot of step {snap['step']} has no {missing}", hint="restore a subset of keys")
+        entries = {t.name: t for t in m.tensors}
+        pairs: list[tuple[TensorEntry, torch.Tensor]] = []
+        decoded: dict[str, torch.Tensor] = {}
+        loaders = []
+        for key, obj in state.items():
+            kind, value = tree[key]["kind"], tree[key]["value"]
+            names = tensor_refs(value)
+            if isinstance(obj, torch.nn.Module):
+                live = {f"{key}/{k}": v for k, v in obj.state_dict().items()}
+                extra, absent = sorted(set(names) - set(live)), sorted(set(live) - set(names))
+                if extra or absent:
+                    raise TensorMismatchError(f"{key}: snapshot and module differ: not in module {extra[:10]}, "
+                                              f"not in snapshot {absent[:10]}")
+                pairs += [(entries[n], live[n]) for n in names]  # straight into the parameters
+                continue
+            for n in names:
+                e = entries[n]
+                decoded[n] = torch.empty(e.shape, dtype=to_torch(e.dtype))
+                pairs.append((e, decoded[n]))
+            loaders.append((key, obj, kind, value))
+        fill(self.store, m, pairs)
+        for key, obj, kind, value in loaders:
+            restored = unflatten(value, decoded)
+            if kind == "stateful" and isinstance(obj, Stateful):
+                obj.load_state_dict(restored)
+            else:
+                state[key] = restored
+        return int(snap["step"])
+
+    # -- preemption ----------------------------------------------------------------
+    def _install_signals(self, sigs: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1)) -> None:
+        def handler(signum: int, frame: object) -> None:
+            log.warning("signal %d: finishing the in-flight snapshot; the next maybe_save takes a final one", signum)
+            self.preempted = True
+            f = self._inflight
+            if f is not None:
+                f.exception()  # waits; the error, if any, is raised by the final save
+
+        for s in sigs:
+            self._old_handlers[s] = signal.signal(s, handler)
+
+    def _restore_signals(self) -> None:
+        for s, h in self._old_handlers.items():
+            signal.signal(s, h)
+        self._old_handlers = {}
+

@@ -1,0 +1,151 @@
+"""CheckpointManager: exact resume after SIGKILL, async errors, incremental saves, retention."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.errors import CkptError, TensorMismatchError
+
+SCRIPT = pathlib.Path(__file__).with_name("train_script.py")
+
+
+def _run(*args, expect=0):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == expect, r.stdout + r.stderr
+    return r
+
+
+def test_exact_resume_after_sigkill(tmp_path):
+    n, k = 30, 15
+    _run(tmp_path / "s-full", tmp_path / "full", "full", n)
+    _run(tmp_path / "s", tmp_path / "crash", "crash", n, k, expect=-signal.SIGKILL)
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    assert store.resolve("run/latest") == store.resolve(f"run/step-{k}")
+    assert store.verify().ok
+    _run(tmp_path / "s", tmp_path / "resumed", "resume", n)
+    full = json.loads((tmp_path / "full.json").read_text())
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert sorted(map(int, resumed)) == list(range(k + 1, n + 1))
+    assert all(resumed[s] == full[s] for s in resumed)  # losses bit-identical (float.hex)
+    a = (tmp_path / "full.safetensors").read_bytes()
+    b = (tmp_path / "resumed.safetensors").read_bytes()
+    assert a == b  # parameters and optimizer state, byte for byte
+
+
+def test_preemption_takes_a_final_snapshot(tmp_path):
+    _run(tmp_path / "s", tmp_path / "out", "preempt", 30, 12)
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    m = store.manifest("run/latest")
+    assert m.extra["snapshot"]["step"] == 12
+    assert store.resolve("run/step-12") == store.resolve("run/latest")
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+
+
+def _train(model, opt, steps=1):
+    for _ in range(steps):
+        loss = model(torch.randn(4, 64)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_frozen_weights_cost_nothing_after_the_first_save(tmp_path):
+    model = _model()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "ft") as mgr:
+        _train(model, opt)
+        mgr.save(1, {"model": model, "optim": opt})
+        mgr.wait()
+        first = mgr.last_save_stats
+        _train(model, opt)
+        mgr.save(2, {"model": model, "optim": opt})
+        mgr.wait()
+        second = mgr.last_save_stats
+    assert first["reused_tensors"] == 0
+    assert second["reused_tensors"] == 2  # model.0.weight and model.0.bias: not even read
+    assert second["written_bytes"] < first["written_bytes"]
+
+
+def test_restore_in_place_and_subset(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train(model, opt, 3)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", async_save=False) as mgr:
+        mgr.save(3, {"model": model, "optim": opt, "epoch": 1, "pos": {"shard": 2, "offsets": (1, 2)}})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh = _model()
+    ptr = fresh[0].weight.data_ptr()
+    state = {"model": fresh}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        assert mgr.restore_latest(state) == 3  # a subset: only the model
+        assert fresh[0].weight.data_ptr() == ptr
+        assert all(torch.equal(fresh.state_dict()[k], v) for k, v in saved.items())
+        full = {"model": _model(), "optim": torch.optim.AdamW(_model().parameters()), "epoch": 0, "pos": None}
+        mgr.restore(full, 3)
+        assert full["epoch"] == 1 and full["pos"] == {"shard": 2, "offsets": (1, 2)}
+        assert full["optim"].state_dict()["param_groups"][0]["betas"] == (0.9, 0.999)
+        with pytest.raises(TensorMismatchError, match="not in snapshot"):
+            mgr.restore({"model": torch.nn.Sequential(torch.nn.Linear(64, 64))}, 3)
+        with pytest.raises(TensorMismatchError, match="has no"):
+            mgr.restore({"other": model}, 3)
+        assert mgr.restore_latest({}) == 3
+
+
+def test_no_snapshot_yet(tmp_path):
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "empty") as mgr:
+        assert mgr.restore_latest({"model": _model()}) is None
+
+
+def test_background_error_is_raised_not_lost(tmp_path):
+    model = _model()
+    store_dir = tmp_path / "s"
+    mgr = ckpt.CheckpointManager(str(store_dir), "e")
+    mgr.save(1, {"model": model})
+    mgr.wait()
+    # Break the store for real: chunk writes now fail in the background.
+    import shutil
+
+    shutil.rmtree(store_dir / "objects" / "chunks")
+    (store_dir / "objects" / "chunks").write_text("not a directory")
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    mgr.save(2, {"model": model})  # returns: the failure happens in the background
+    with pytest.raises(CkptError):
+        mgr.wait()
+    with pytest.raises(CkptError):  # the next save starts over, and fails the same way
+        mgr.save(3, {"model": model})
+        mgr.wait()
+    mgr._pool.shutdown()
+
+
+def test_retention(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "ret", keep_last=2, keep_every=10, keep_best=("loss", "min")) as mgr:
+        for step, loss in zip((5, 10, 15, 20, 25, 30), (0.9, 0.8, 0.1, 0.7, 0.6, 0.5)):
+            _train(model, opt)
+            mgr.save(step, {"model": model}, metrics={"loss": loss})
+        mgr.wait()
+        assert mgr.steps() == [10, 15, 20, 25, 30]
+        store = mgr.store
+    store.gc(grace_s=0)
+    assert store.verify().ok
+    assert sorted(store.refs()) == ["ret/latest", "ret/step-10", "ret/step-15", "ret/step-20", "ret/step-25", "ret/step-30"]
+    with pytest.raises(CkptError):
+        store.load("ret/step-5")
