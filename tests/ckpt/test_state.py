@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ckpt.errors import InvalidNameError, InvalidSourceError
+from ckpt.state import RNGState, flatten, tensor_refs, unflatten
+from storage.records import canonical_json
+
+
+def _roundtrip(obj):
+    tensors, tree = flatten({"x": obj})
+    tree = __import__("json").loads(canonical_json(tree))  # really through JSON
+    return unflatten(tree["x"]["value"], tensors), tensors, tree
+
+
+@pytest.mark.parametrize("value", [
+    {"a": 1, "b": [1, 2.5, "s", None, True]},
+    {"t": (1, (2, 3)), 3: "int key", (1, 2): "tuple key"},
+    {"inf": math.inf, "ninf": -math.inf, "b": b"\x00\xff"},
+    [],
+    {"__tuple__": "a key that looks like a tag"},
+])
+def test_values_roundtrip_exactly(value):
+    assert _roundtrip(value)[0] == value
+
+
+def test_nan_roundtrips():
+    assert math.isnan(_roundtrip(float("nan"))[0])
+
+
+def test_stateful_objects_roundtrip():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.9))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    sched.step()
+    state = {"model": model, "optim": opt, "sched": sched, "scaler": scaler}
+    tensors, tree = flatten(state)
+    assert set(tensor_refs(tree)) == set(tensors)
+    assert "optim/state/0/exp_avg" in tensors
+    for key, obj in state.items():
+        restored = unflatten(tree[key]["value"], tensors)
+        original = obj.state_dict()
+        assert restored.keys() == original.keys()
+    opt2 = torch.optim.AdamW(torch.nn.Linear(3, 2).parameters())
+    opt2.load_state_dict(unflatten(tree["optim"]["value"], tensors))
+    assert opt2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]  # betas moved by OneCycleLR
+
+
+def test_rng_state_restores_every_generator():
+    import random
+
+    rng = RNGState()
+    saved = rng.state_dict()
+    tensors, tree = flatten({"rng": rng})
+    a = (random.random(), np.random.rand(), torch.rand(1).item())
+    rng.load_state_dict(unflatten(tree["rng"]["value"], tensors))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
+    assert saved["numpy"]["keys"].dtype == torch.uint32
+
+
+def test_unstorable_values_are_refused():
+    with pytest.raises(InvalidSourceError, match="object"):
+        flatten({"x": {"f": object()}})
+    with pytest.raises(InvalidNameError):
+        flatten({"a/b": 1})
