@@ -20,7 +20,7 @@ Codecs (pure functions of bytes; the encoder keeps whichever is smallest):
 raw        0   the bytes as they are
 zstd       1   one zstd frame
 planes     2   byte planes: byte k of every element stored as its own stream,
-               each zstd-compressed or stored raw (blosc2's SIMD shuffle)
+               each zstd-compressed or stored raw
 xor        3   planes of (chunk XOR base)
 sub        4   planes of zigzag(ordered(chunk) - ordered(base)), see transforms.py
 ========  ===  ==============================================================
@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import zstandard
 
 from ckpt import transforms
@@ -70,36 +71,57 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-def _blosc2() -> Any:
-    import blosc2  # imported on first use: keeps `import ckpt` light
-
-    return blosc2
+_PLANE = struct.Struct("<BI")  # per plane: stored raw (0) or zstd (1), stored length
 
 
-def _planes_encode(data: Any, elem: int, level: int) -> bytes:
-    b2 = _blosc2()
-    cp = b2.CParams(
-        codec=b2.Codec.ZSTD, clevel=level, typesize=elem, nthreads=1,
-        filters=[b2.Filter.SHUFFLE], splitmode=b2.SplitMode.ALWAYS_SPLIT,  # one stream per byte plane
-    )
-    return b2.compress2(data, cparams=cp)
+def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02) -> bytes:
+    """Byte planes: byte k of every element as its own stream, each zstd'd or raw.
+
+    Layout: u8 plane count, then per plane (u8 mode, u32 length), then the planes.
+    numpy and zstandard both release the GIL, so chunks encode in parallel.
+    """
+    arr = np.frombuffer(data, dtype=np.uint8).reshape(-1, elem)
+    planes = np.ascontiguousarray(arr.T)  # one transposing pass; row k is plane k
+    cctx = _compressor(level)
+    heads, bodies = [bytes([elem])], []
+    for k in range(elem):
+        plane = planes[k]
+        packed = cctx.compress(plane)
+        if len(packed) <= len(plane) * (1.0 - min_saving):
+            heads.append(_PLANE.pack(1, len(packed)))
+            bodies.append(packed)
+        else:
+            heads.append(_PLANE.pack(0, len(plane)))
+            bodies.append(plane.data)
+    return b"".join(heads + bodies)
 
 
-def _planes_decode(payload: memoryview, length: int, oid: str) -> bytearray:
-    b2 = _blosc2()
-    try:
-        nbytes, cbytes, _ = b2.get_cbuffer_sizes(payload)
-    except (ValueError, RuntimeError, TypeError) as e:
-        raise CorruptObjectError("chunk", oid, f"planes: {e}") from None
-    if nbytes != length or cbytes != len(payload):
-        raise CorruptObjectError("chunk", oid, "planes stream sizes disagree with the header")
-    out = bytearray(length)
-    if length:
-        try:
-            b2.decompress2(payload, dst=out)
-        except (ValueError, RuntimeError, TypeError) as e:
-            raise CorruptObjectError("chunk", oid, f"planes: {e}") from None
-    return out
+def _planes_decode(payload: memoryview, length: int, elem: int, oid: str) -> memoryview:
+    if len(payload) < 1 + elem * _PLANE.size or payload[0] != elem:
+        raise CorruptObjectError("chunk", oid, "planes: bad plane table")
+    n = length // elem
+    out = np.empty((n, elem), dtype=np.uint8)
+    pos = 1 + elem * _PLANE.size
+    dctx = _decompressor()
+    for k in range(elem):
+        mode, size = _PLANE.unpack_from(payload, 1 + k * _PLANE.size)
+        body = payload[pos : pos + size]
+        pos += size
+        if len(body) != size or mode not in (0, 1):
+            raise CorruptObjectError("chunk", oid, f"planes: plane {k} is damaged")
+        if mode == 1:
+            try:
+                if zstandard.frame_content_size(body) != n:
+                    raise CorruptObjectError("chunk", oid, f"planes: plane {k} has the wrong size")
+                body = dctx.decompress(body, max_output_size=n)
+            except zstandard.ZstdError as e:
+                raise CorruptObjectError("chunk", oid, f"planes: zstd: {e}") from None
+        if len(body) != n:
+            raise CorruptObjectError("chunk", oid, f"planes: plane {k} has the wrong size")
+        out[:, k] = np.frombuffer(body, dtype=np.uint8)
+    if pos != len(payload):
+        raise CorruptObjectError("chunk", oid, "planes: trailing bytes")
+    return out.data.cast("B")
 
 
 @dataclass(frozen=True)
@@ -156,7 +178,7 @@ def encode_chunk(
     if n and elem == 1:
         candidates.append((ZSTD, lambda d: _compressor(level).compress(d)))
     elif n:
-        candidates.append((PLANES, lambda d: _planes_encode(d, elem, level)))
+        candidates.append((PLANES, lambda d: _planes_encode(d, elem, level, min_saving)))
         if base is not None and base_id is not None and len(base) == n:
             bview = memoryview(base).cast("B")
             candidates.append((SUB, lambda d, b=bview: _delta_planes(transforms.apply_sub, d, b, elem, level)))
@@ -246,7 +268,7 @@ def decode_chunk(
         if len(data) != h.length:
             raise CorruptObjectError("chunk", oid, "decoded length differs from the header")
     else:
-        data = _planes_decode(payload, h.length, oid)
+        data = _planes_decode(payload, h.length, h.elem, oid)
         if h.codec in DELTA_CODECS:
             if base is None or len(base) != h.length:
                 raise CorruptObjectError("chunk", oid, f"delta against {h.base} needs its base ({h.length} bytes)")
