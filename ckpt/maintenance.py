@@ -66,7 +66,7 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
     progress.start("verify", sum(lengths.values()))
     results = run_parallel(check, ids, store.settings.workers, progress, lambda c: lengths[c])
     progress.finish()
-    for cid, problem in zip(ids, results):
+    for cid, problem in zip(ids, results, strict=True):
         report.chunks_checked += 1
         report.bytes_checked += lengths[cid]
         if problem:

@@ -185,6 +185,9 @@ class Manifest:
         for t in tensors:
             if len(t.chunks) != chunk_count(t.nbytes, chunk_size):
                 raise StoreFormatError(f"{what}: tensor {t.name} has the wrong number of chunks")
+        for f in files:
+            if len(f.chunks) != chunk_count(f.head_size if f.kind == "safetensors" else f.size, chunk_size):
+                raise StoreFormatError(f"{what}: file {f.path} has the wrong number of chunks")
         msg = o.get("message")
         return cls(
             source=require(o, "source", str, what),
@@ -207,10 +210,10 @@ class Manifest:
         """Decoded length of every chunk this manifest names."""
         out: dict[str, int] = {}
         for f in self.files:
-            for cid, n in zip(f.chunks, split_lengths(f.head_size if f.kind == "safetensors" else f.size, self.chunk_size)):
+            for cid, n in zip(f.chunks, split_lengths(f.head_size if f.kind == "safetensors" else f.size, self.chunk_size), strict=True):
                 out[cid] = n
         for t in self.tensors:
-            for cid, chain, n in zip(t.chunks, t.chains(), split_lengths(t.nbytes, self.chunk_size)):
+            for cid, chain, n in zip(t.chunks, t.chains(), split_lengths(t.nbytes, self.chunk_size), strict=True):
                 out[cid] = n
                 for base in chain:  # a base has the length of the chunk it serves
                     out[base] = n

@@ -83,7 +83,7 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     temps = list(objects.list_temporaries(("objects", "refs")))
 
     roots: set[str] = set()
-    for name, entries in refs.all_entries().items():
+    for entries in refs.all_entries().values():
         if entries[0].target is None:
             continue  # removed ref: its history keeps nothing alive
         for e in entries if keep_history and not entries[0].alias else entries[:1]:
