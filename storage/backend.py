@@ -131,11 +131,17 @@ class LocalBackend(Backend):
         return tmp
 
     def read(self, path: str) -> bytes:
-        with open(self._p(path), "rb") as f:
-            return f.read()
+        try:
+            with open(self._p(path), "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise _read_error(path, e) from e
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
-        fd = os.open(self._p(path), os.O_RDONLY)
+        try:
+            fd = os.open(self._p(path), os.O_RDONLY)
+        except OSError as e:
+            raise _read_error(path, e) from e
         try:
             return os.pread(fd, length, start)
         finally:
@@ -292,6 +298,15 @@ def _relative(full: str, root: str) -> str:
     if root_n and full_n.startswith(root_n + "/"):
         return full_n[len(root_n) + 1 :]
     return full_n
+
+
+def _read_error(path: str, e: OSError) -> Exception:
+    """Absent (also when a parent is not a directory) stays FileNotFoundError; the rest is a StorageIOError."""
+    if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+        return FileNotFoundError(errno.ENOENT, "no such object", path)
+    if isinstance(e, IsADirectoryError):
+        return e
+    return _io_error("read", path, e)
 
 
 def _unlink_quiet(p: str) -> None:

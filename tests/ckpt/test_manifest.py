@@ -12,7 +12,7 @@ def _manifest() -> Manifest:
     return Manifest(
         source="tensors",
         chunk_size=8,
-        files=(FileEntry("model.safetensors", "safetensors", 40, (A,), 24, None),),
+        files=(FileEntry("model.safetensors", "safetensors", 24, (A,), 8, None),),
         tensors=(TensorEntry("w", "F32", (2, 2), 16, (B, B), "model.safetensors"),),
         created=1.0,
         message="m",
@@ -22,8 +22,8 @@ def _manifest() -> Manifest:
 def test_golden_bytes():
     """The encoding is part of the format: changing it changes every checkpoint id."""
     assert _manifest().to_json() == (
-        b'{"chunk_size":8,"created":1.0,"extra":{},"files":[{"chunks":["' + A.encode() + b'"],"head_size":24,'
-        b'"kind":"safetensors","metadata":null,"path":"model.safetensors","size":40}],"format":"ckpt-manifest",'
+        b'{"chunk_size":8,"created":1.0,"extra":{},"files":[{"chunks":["' + A.encode() + b'"],"head_size":8,'
+        b'"kind":"safetensors","metadata":null,"path":"model.safetensors","size":24}],"format":"ckpt-manifest",'
         b'"lineage":{"base":null,"merge":null,"parent":null},"message":"m","metadata":{},"source":"tensors",'
         b'"tensors":[{"chunks":["' + B.encode() + b'","' + B.encode() + b'"],"dtype":"F32","file":"model.safetensors",'
         b'"name":"w","nbytes":16,"shape":[2,2]}],"version":1}'
