@@ -27,11 +27,16 @@ def _ints(buf: bytes | memoryview, elem: int) -> np.ndarray:
     return np.frombuffer(buf, dtype=_INT[elem])
 
 
-def _ordered(x: np.ndarray, elem: int) -> np.ndarray:
-    """Bit pattern -> integer ordered like the float (an involution: applying it twice is identity)."""
+def _ordered_inplace(x: np.ndarray, tmp: np.ndarray, elem: int) -> np.ndarray:
+    """Bit pattern -> integer ordered like the float, in place (an involution).
+
+    Negative floats have their magnitude bits flipped: x ^= (x >> (bits-1)) & MAX.
+    """
     bits = elem * 8
-    mask = np.array((1 << (bits - 1)) - 1, dtype=x.dtype)
-    return x ^ ((x >> (bits - 1)) & mask)
+    np.right_shift(x, bits - 1, out=tmp)
+    tmp &= np.array((1 << (bits - 1)) - 1, dtype=x.dtype)
+    x ^= tmp
+    return x
 
 
 def apply_xor(new: bytes | memoryview, base: bytes | memoryview, elem: int) -> np.ndarray:
@@ -42,15 +47,33 @@ def undo_xor(delta: bytes | memoryview, base: bytes | memoryview, elem: int) -> 
     return np.bitwise_xor(_ints(delta, elem), _ints(base, elem))
 
 
+# Written with in-place operations and one scratch array: these run on every
+# byte of a delta-coded chunk, and each temporary is another pass over memory.
 def apply_sub(new: bytes | memoryview, base: bytes | memoryview, elem: int) -> np.ndarray:
     bits = elem * 8
+    d = _ints(new, elem).copy()
+    tmp = np.empty_like(d)
+    b = _ints(base, elem).copy()
+    _ordered_inplace(d, tmp, elem)
+    _ordered_inplace(b, tmp, elem)
     with np.errstate(over="ignore"):
-        d = _ordered(_ints(new, elem), elem) - _ordered(_ints(base, elem), elem)  # wraps, on purpose
-        return ((d << 1) ^ (d >> (bits - 1))).view(_UINT[elem])  # zigzag: small |d| -> small value
+        np.subtract(d, b, out=d)  # wraps, on purpose
+    np.right_shift(d, bits - 1, out=tmp)  # zigzag: small |d| -> small value
+    np.left_shift(d, 1, out=d)
+    d ^= tmp
+    return d.view(_UINT[elem])
 
 
 def undo_sub(delta: bytes | memoryview, base: bytes | memoryview, elem: int) -> np.ndarray:
     z = np.frombuffer(delta, dtype=_UINT[elem])
+    d = np.right_shift(z, 1)
+    tmp = np.bitwise_and(z, 1)
+    np.negative(tmp, out=tmp)  # 0 or all ones
+    d ^= tmp
+    d = d.view(_INT[elem])
+    scratch = tmp.view(_INT[elem])
+    b = _ints(base, elem).copy()
+    _ordered_inplace(b, scratch, elem)
     with np.errstate(over="ignore"):
-        d = ((z >> 1) ^ (np.zeros(1, dtype=_UINT[elem]) - (z & 1))).view(_INT[elem])
-        return _ordered(_ordered(_ints(base, elem), elem) + d, elem)
+        d += b
+    return _ordered_inplace(d, scratch, elem)
