@@ -55,8 +55,10 @@ class CheckpointManager:
 
     A tensor is known to be unchanged when it is the same storage with the same
     in-place version counter (``tensor._version``) as at the previous save; its
-    chunks are then reused without reading it. Writes through ``.data`` bypass the
-    counter: pass ``trust_version=False`` if your code does that.
+    chunks are then reused without reading it. Where versions cannot be trusted
+    (a fused optimizer in the state, or after a restore) every tensor is staged and
+    unchanged chunks are found by hash instead. Writes through ``.data`` also bypass
+    the counter: pass ``trust_version=False`` if your code does that.
 
     Retention, applied after each save: keep the last ``keep_last`` snapshots, every
     snapshot whose step is a multiple of ``keep_every``, and the ``keep_best[2]``
@@ -103,6 +105,10 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._staging: dict[str, torch.Tensor] = {}
         self._keys: dict[str, tuple[Any, ...]] = {}  # identity + version at the previous save
+        # The tensors those keys describe, held so that their memory cannot be freed and
+        # reused by a new tensor with the same address and version (torch.get_rng_state()
+        # returns a fresh tensor each call, often at the address of the last one).
+        self._held: dict[str, Any] = {}
         self._last: tuple[str, dict[str, TensorEntry]] | None = None  # previous snapshot: id, entries
         self._metrics: dict[int, dict[str, float]] = {}
         self._stream: Any = None
@@ -135,18 +141,22 @@ class CheckpointManager:
         self.wait()
         t0 = time.perf_counter()
         tensors, tree = flatten(state)
-        staged, reuse, keys = self._stage(tensors)
+        staged, reuse, keys = self._stage(tensors, trust=self.trust_version and not _has_fused_optimizer(state))
+        held = {n: t.detach() for n, t in tensors.items()}
         blocked = time.perf_counter() - t0
         snapshot = {"format": SNAPSHOT_FORMAT, "run": self.run, "step": step, "tree": tree,
                     "metrics": dict(metrics or {})}
-        job = lambda: self._write(step, staged, reuse, keys, snapshot, blocked)  # noqa: E731
+        job = lambda: self._write(step, staged, reuse, keys, held, snapshot, blocked)  # noqa: E731
         if self.async_save:
             self._inflight = self._pool.submit(job)
         else:
             job()
 
-    def _stage(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, TensorEntry], dict[str, tuple[Any, ...]]]:
-        """Copy changed tensors into the staging area; the rest reuse the previous snapshot's entries."""
+    def _stage(self, tensors: dict[str, torch.Tensor], trust: bool) -> tuple[dict[str, torch.Tensor], dict[str, TensorEntry], dict[str, tuple[Any, ...]]]:
+        """Copy changed tensors into the staging area; the rest reuse the previous snapshot's entries.
+
+        Without ``trust`` every tensor is staged (and unchanged chunks are found by
+        their hash in the background instead)."""
         import torch
 
         staged: dict[str, torch.Tensor] = {}
@@ -158,7 +168,7 @@ class CheckpointManager:
             t = t.detach()
             key = (t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device, t.stride())
             keys[name] = key
-            if self.trust_version and self._keys.get(name) == key and name in previous:
+            if trust and self._keys.get(name) == key and name in previous:
                 reuse[name] = previous[name]
                 continue
             buf = self._staging.get(name)
@@ -189,7 +199,7 @@ class CheckpointManager:
         self._stream.synchronize()  # the staged bytes are complete before training may touch t
 
     def _write(self, step: int, staged: dict[str, torch.Tensor], reuse: dict[str, TensorEntry],
-               keys: dict[str, tuple[Any, ...]], snapshot: dict[str, Any], blocked: float) -> None:
+               keys: dict[str, tuple[Any, ...]], held: dict[str, Any], snapshot: dict[str, Any], blocked: float) -> None:
         import time
 
         from ckpt.push import push_source
@@ -205,10 +215,10 @@ class CheckpointManager:
                                  aliases=(f"{self.run}/latest",))
             m = self.store.get_manifest(result.id)
         except BaseException:
-            self._last, self._keys = None, {}  # next save starts over: no reuse of unknown state
+            self._last, self._keys, self._held = None, {}, {}  # next save starts over: no reuse of unknown state
             raise
         self._last = (result.id, {t.name: t for t in m.tensors})
-        self._keys = keys
+        self._keys, self._held = keys, held
         self._metrics[step] = snapshot["metrics"]
         self.last_save_stats = {"step": step, "blocked_s": blocked, "background_s": time.perf_counter() - t0,
                                 "written_bytes": result.written_bytes, "logical_bytes": result.logical_bytes,
@@ -326,6 +336,10 @@ class CheckpointManager:
                 decoded[n] = torch.empty(e.shape, dtype=to_torch(e.dtype))
                 pairs.append((e, decoded[n]))
             loaders.append((key, obj, kind, value))
+        # Restoring writes tensors without bumping their version counters: forget
+        # what the last save saw, so the next one stages everything again.
+        self._keys, self._held = {}, {}
+        self._last = (mid, entries)
         fill(self.store, m, pairs)
         for key, obj, kind, value in loaders:
             restored = unflatten(value, decoded)
@@ -352,3 +366,12 @@ class CheckpointManager:
             signal.signal(s, h)
         self._old_handlers = {}
 
+
+
+def _has_fused_optimizer(state: dict[str, Any]) -> bool:
+    """Fused optimizers update parameters and moments in place without bumping
+    ``tensor._version``: with one in the state, versions cannot be trusted."""
+    import torch
+
+    return any(isinstance(o, torch.optim.Optimizer) and any(g.get("fused") for g in o.param_groups)
+               for o in state.values())

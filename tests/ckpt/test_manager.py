@@ -149,3 +149,50 @@ def test_retention(tmp_path):
     assert sorted(store.refs()) == ["ret/latest", "ret/step-10", "ret/step-15", "ret/step-20", "ret/step-25", "ret/step-30"]
     with pytest.raises(CkptError):
         store.load("ret/step-5")
+
+
+def _weights(store, ref):
+    return store.load(ref)
+
+
+def test_fused_optimizer_never_yields_stale_snapshots(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "f", async_save=False) as mgr:
+        _train(model, opt)
+        mgr.save(1, {"model": model, "optim": opt})
+        _train(model, opt)
+        mgr.save(2, {"model": model, "optim": opt})
+        got = mgr.store.load("f/step-2")
+    for k, v in model.state_dict().items():
+        assert torch.equal(got[f"model/{k}"], v), k
+
+
+def test_save_after_restore_stores_the_restored_state(tmp_path):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", async_save=False) as mgr:
+        _train(model, opt)
+        mgr.save(10, state)
+        at10 = {k: v.clone() for k, v in model.state_dict().items()}
+        _train(model, opt)
+        mgr.save(20, state)
+        mgr.restore(state, 10)
+        mgr.save(30, state)
+        got = mgr.store.load("r/step-30")
+    for k, v in at10.items():
+        assert torch.equal(got[f"model/{k}"], v), k
+
+
+def test_fresh_tensors_at_a_reused_address_are_not_mistaken_for_unchanged(tmp_path):
+    """torch.get_rng_state() returns a new tensor per call, often at the old one's address."""
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "rng", async_save=False) as mgr:
+        states = []
+        for step in range(4):
+            torch.rand(10)  # advance the generator
+            rng = ckpt.RNGState()
+            states.append(torch.get_rng_state().clone())
+            mgr.save(step, {"rng": rng})
+        for step, expected in enumerate(states):
+            assert torch.equal(mgr.store.load(f"rng/step-{step}")["rng/torch"], expected)
