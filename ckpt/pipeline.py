@@ -108,7 +108,22 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
     A chunk with a ``base`` is also tried as a delta against it, unless the base's
     own chain is already ``settings.max_delta_depth`` long (then it is stored whole:
     a keyframe, so that reading never decodes more than that many levels).
+
+    Encoding runs on ``settings.workers`` threads (CPU); each finished blob is
+    written by one of ``settings.io_workers`` threads, so that the latency of
+    many small durable writes (fsync) overlaps with encoding and with itself. At
+    most ``2 * io_workers`` blobs wait for their write, which bounds memory.
     """
+    io = ThreadPoolExecutor(max_workers=settings.io_workers, thread_name_prefix="ckpt-io")
+    slots = threading.BoundedSemaphore(2 * settings.io_workers)
+    writes: list[Future[None]] = []
+    writes_lock = threading.Lock()
+
+    def write(path: str, blob: bytes) -> None:
+        try:
+            objects.backend.write(path, blob)
+        finally:
+            slots.release()
 
     def put(task: PutTask) -> PutResult:
         data = task.read()
@@ -130,10 +145,23 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
                 base_bytes = None  # the base is gone (gc): store this chunk whole
         enc = encode_chunk(data, elem=task.elem, level=settings.zstd_level, min_saving=settings.min_saving,
                            base=base_bytes, base_id=task.base if base_bytes is not None else None)
-        objects.backend.write(path, enc.blob)
+        slots.acquire()
+        try:
+            fut = io.submit(write, path, enc.blob)
+        except BaseException:
+            slots.release()
+            raise
+        with writes_lock:
+            writes.append(fut)
         return PutResult(oid, task.length, len(enc.blob), enc.codec, base_chain if enc.base else ())
 
-    return run_parallel(put, tasks, settings.workers, progress or NullProgress(), lambda t: t.length)
+    try:
+        results = run_parallel(put, tasks, settings.workers, progress or NullProgress(), lambda t: t.length)
+        for f in writes:
+            f.result()  # durable, or the first write error
+        return results
+    finally:
+        io.shutdown(wait=True)
 
 
 @dataclass(frozen=True)
