@@ -52,9 +52,36 @@ def _file_tasks(m: Manifest, f: FileEntry, fd: int) -> list[GetTask]:
 
 def _pwrite_all(fd: int, data: bytes | memoryview, off: int) -> None:
     view = memoryview(data)
+    start, length = off, len(view)
     while view:
         n = os.pwrite(fd, view, off)
         view, off = view[n:], off + n
+    _start_writeback(fd, start, length)
+
+
+def _sync_file_range() -> object:
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_SFR = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, off: int, length: int) -> None:
+    """Start writing this range to disk now (Linux), so the final fsync has little left.
+
+    Measured by benchmarks/push_pull.py: without it the kernel starts writeback only
+    after ~2 GB are dirty and a 1 GB pull waited on one long fsync (499 -> 787 MB/s).
+    """
+    if _SFR is not None and length:
+        _SFR(fd, off, length, _SYNC_FILE_RANGE_WRITE)  # type: ignore[operator]
 
 
 def _write_files(store: Store, m: Manifest, files: list[tuple[FileEntry, str]], progress: Progress, extra_tasks: Callable[[int], list[GetTask]] | None = None) -> None:
@@ -93,6 +120,7 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
         try:
             _write_files(store, m, [(m.files[0], tmp)], progress)
             os.replace(tmp, target)
+            _fsync_dir(target)
         finally:
             _remove(tmp)
         return target
@@ -108,10 +136,20 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
         if os.path.lexists(dest):
             os.rename(dest, old)
         os.rename(tmp, dest)
+        _fsync_dir(dest)
     finally:
         _remove(tmp)
         _remove(old)
     return dest
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename into ``path``'s directory durable."""
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove(path: str) -> None:
@@ -153,6 +191,7 @@ def _pull_selected(store: Store, m: Manifest, dest: str, include: list[str], ove
     try:
         _write_files(store, m, [(FileEntry("selected.safetensors", "safetensors", size, (), len(head), meta), tmp)], progress, tasks)
         os.replace(tmp, target)
+        _fsync_dir(target)
     finally:
         _remove(tmp)
     return target

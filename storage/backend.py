@@ -77,6 +77,10 @@ class Backend(ABC):
         """Modification time (seconds since the epoch); 0.0 when the backend cannot tell."""
         return 0.0
 
+    def flush(self) -> None:
+        """Make the names of everything written so far durable (a no-op where writes already are)."""
+        return None
+
     def root_exists(self) -> bool:
         return True
 
@@ -93,6 +97,7 @@ class LocalBackend(Backend):
         self.url = self.root
         self.fsync = fsync
         self._made_dirs: set[str] = set()
+        self._dirty_dirs: set[str] = set()  # directories with renames not yet fsynced
         self._lock = threading.Lock()
 
     def _p(self, path: str) -> str:
@@ -154,6 +159,31 @@ class LocalBackend(Backend):
             os.replace(tmp, final)
         except OSError as e:
             raise _io_error("write", path, e) from e
+        self._renamed(final)
+
+    def _renamed(self, final: str) -> None:
+        if self.fsync:
+            with self._lock:
+                self._dirty_dirs.add(os.path.dirname(final))
+
+    def flush(self) -> None:
+        """fsync every directory that gained a name since the last flush.
+
+        A file's data is fsynced before its rename; the rename itself is durable only
+        once its directory is. Batching this per commit costs one fsync per directory
+        touched instead of one per object.
+        """
+        with self._lock:
+            dirs, self._dirty_dirs = self._dirty_dirs, set()
+        for d in sorted(dirs):
+            try:
+                fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
         final = self._p(path)
@@ -163,6 +193,7 @@ class LocalBackend(Backend):
             raise _io_error("write", path, e) from e
         try:
             os.link(tmp, final)  # atomic, fails if the name exists, never half-written
+            self._renamed(final)
             return True
         except FileExistsError:
             return False

@@ -21,5 +21,9 @@ def commit(objects: ObjectStore, refs: Refs, manifest: bytes, name: str | None) 
     for cid in sorted(referenced_chunks(manifest)):
         if not objects.has("chunks", cid):
             raise ObjectNotFoundError("chunk", cid, hint="it vanished while pushing (a concurrent gc?); push again")
+    objects.backend.flush()  # the chunks' names are durable before a manifest names them
     mid = objects.put_manifest(manifest)
-    return mid, (refs.set(name, mid) if name is not None else None)
+    objects.backend.flush()
+    entry = refs.set(name, mid) if name is not None else None
+    objects.backend.flush()
+    return mid, entry
