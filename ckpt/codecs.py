@@ -78,39 +78,22 @@ def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02) -
     """Byte planes: byte k of every element as its own stream, each zstd'd or raw.
 
     Layout: u8 plane count, then per plane (u8 mode, u32 length), then the planes.
-    A plane whose sample does not compress at zstd level 1 (the low mantissa bytes
-    of trained weights are noise) is stored raw without trying the whole plane;
-    the others get ``level``. numpy and zstandard release the GIL, so chunks encode
-    in parallel.
+    numpy and zstandard both release the GIL, so chunks encode in parallel.
     """
     arr = np.frombuffer(data, dtype=np.uint8).reshape(-1, elem)
     planes = np.ascontiguousarray(arr.T)  # one transposing pass; row k is plane k
+    cctx = _compressor(level)
     heads, bodies = [bytes([elem])], []
     for k in range(elem):
         plane = planes[k]
-        packed = None
-        if not _looks_incompressible(plane, min_saving):
-            packed = _compressor(level).compress(plane)
-        if packed is not None and len(packed) <= len(plane) * (1.0 - min_saving):
+        packed = cctx.compress(plane)
+        if len(packed) <= len(plane) * (1.0 - min_saving):
             heads.append(_PLANE.pack(1, len(packed)))
             bodies.append(packed)
         else:
             heads.append(_PLANE.pack(0, len(plane)))
             bodies.append(plane.data)
     return b"".join(heads + bodies)
-
-
-_PROBE = 16 * 1024
-
-
-def _looks_incompressible(plane: np.ndarray, min_saving: float) -> bool:
-    """A cheap test on three slices of the plane: would zstd-1 save ``min_saving``?"""
-    n = len(plane)
-    if n < 8 * _PROBE:
-        return False
-    step = (n - _PROBE) // 2
-    probe = b"".join(plane[i * step : i * step + _PROBE].data for i in range(3))
-    return len(_compressor(1).compress(probe)) > len(probe) * (1.0 - min_saving / 2)
 
 
 def _planes_decode(payload: memoryview, length: int, elem: int, oid: str) -> memoryview:

@@ -25,9 +25,9 @@ class Settings:
     # Concurrent object writes: each durable write waits on fsync, so more writes in
     # flight than cores keeps the disk busy while the cores encode.
     io_workers: int = 8
-    # zstd level for streams worth compressing (noise-like byte planes are detected
-    # on a sample and stored raw without trying). Level 3 beat level 1 on delta planes.
-    zstd_level: int = 3
+    # zstd level for every stream. 1 and 3 gave the same ratio on weights here
+    # (shared/notes/measurements.md) and 1 is ~1.6x faster.
+    zstd_level: int = 1
     # Longest delta chain a writer creates; a chunk whose base is already this
     # deep is stored whole (a keyframe). Bounds the work of every read.
     max_delta_depth: int = 4
