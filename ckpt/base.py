@@ -2,7 +2,8 @@
 
 In order: the base the caller names; else the ref's previous version (a new
 snapshot of a run, a new version of a fine-tune); else the stored checkpoint
-whose tensors (name, dtype, size) overlap the new one's the most by bytes.
+whose tensors (name, dtype, size) overlap the new one's the most by bytes,
+preferring on ties one that is not itself a delta, then the oldest.
 No tensor data is read to decide.
 """
 
@@ -42,16 +43,21 @@ def choose_base(store: Store, name: str | None, tensors: list[tuple[str, str, in
         return None, parent
     if parent is not None and overlap(tensors, store.get_manifest(parent)) > 0:
         return parent, parent
-    best, best_bytes = None, 0
+    # Ties (a family of fine-tunes shares every tensor name) go to a checkpoint that is
+    # not itself a delta - the base the others derive from - and then to the oldest:
+    # a delta against a sibling fine-tune carries both fine-tunes' changes.
+    best, best_key = None, (0, False, 0.0)
     live = sorted(store.refs_db.live().values(), key=lambda e: e.time, reverse=True)[:MAX_CANDIDATES]
     seen: set[str] = set()
     for entry in live:
         if entry.target is None or entry.target in seen:
             continue
         seen.add(entry.target)
-        got = overlap(tensors, store.get_manifest(entry.target))
-        if got > best_bytes:
-            best, best_bytes = entry.target, got
+        m = store.get_manifest(entry.target)
+        got = overlap(tensors, m)
+        key = (got, m.lineage.get("base") is None, -m.created)
+        if got > 0 and key > best_key:
+            best, best_key = entry.target, key
     return best, parent
 
 

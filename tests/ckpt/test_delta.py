@@ -107,3 +107,12 @@ def test_dedup_hit_on_a_delta_chunk_records_its_chain(tmp_path):
     store.remove("base")
     store.gc(grace_s=0)
     assert store.verify().ok
+
+
+def test_fine_tunes_of_one_base_all_delta_against_the_base(tmp_path):
+    store = _store(tmp_path)
+    base = _base()
+    base_id = store.push(base, "fam/base")
+    for i in range(3):
+        store.push(_finetune(base, 10 + i), f"fam/ft{i}")
+        assert store.manifest(f"fam/ft{i}").lineage["base"] == base_id  # not the previous sibling
