@@ -221,7 +221,8 @@ class CheckpointManager:
             result = push_source(self.store, src, self.ref(step), base_id=base, reuse=reuse,
                                  lineage={"parent": self._last[0] if self._last else None, "base": base, "merge": None},
                                  aliases=(f"{self.run}/latest",))
-            m = self.store.get_manifest(result.id)
+            m = result.manifest
+            assert m is not None
         except BaseException:
             self._last, self._keys, self._held = None, {}, {}  # next save starts over: no reuse of unknown state
             raise

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ckpt.base import choose_base, pair_tensors
@@ -30,6 +30,7 @@ class PushResult:
     new_chunks: int
     logical_bytes: int
     written_bytes: int  # stored bytes of new chunks (compressed); dedup hits cost nothing
+    manifest: Manifest | None = field(default=None, repr=False, compare=False)  # what was committed
 
 
 def _tasks(src: ByteSource, offset: int, nbytes: int, chunk_size: int, elem: int, bases: tuple[str, ...] = ()) -> list[PutTask]:
@@ -153,4 +154,5 @@ def push_source(
         new_chunks=sum(1 for r in results if r.stored),
         logical_bytes=manifest.logical_bytes,
         written_bytes=sum(r.stored for r in results),
+        manifest=manifest,
     )
