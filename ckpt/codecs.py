@@ -236,7 +236,7 @@ def decode_chunk(
     *,
     max_length: int,
     base: bytes | memoryview | None = None,
-) -> bytes | bytearray:
+) -> bytes | bytearray | memoryview:
     """Decode a chunk blob, check its length and hash against ``oid``; return the bytes.
 
     Delta blobs need ``base``: the decoded bytes of the chunk named in the header
@@ -253,9 +253,9 @@ def decode_chunk(
     if h.length % h.elem:
         raise CorruptObjectError("chunk", oid, "length is not a whole number of elements")
     payload = memoryview(blob)[h.size :]
-    data: bytes | bytearray
+    data: bytes | bytearray | memoryview
     if h.codec == RAW:
-        data = bytes(payload)
+        data = payload  # a view: no copy of the chunk on the read path
         if len(data) != h.length:
             raise CorruptObjectError("chunk", oid, f"raw payload is {len(data)} bytes, expected {h.length}")
     elif h.codec == ZSTD:
