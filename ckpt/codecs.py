@@ -174,37 +174,29 @@ def encode_chunk(
     n = len(view)
     if elem not in (1, 2, 4, 8) or n % elem:
         elem = 1
-    candidates: list[tuple[int, Callable[[memoryview | bytes], bytes]]] = []
+    # Each candidate encodes (data, base) -> payload, so the same function scores the
+    # sample and then encodes the whole chunk.
+    candidates: list[tuple[int, Callable[[Any, Any], bytes]]] = []
     if n and elem == 1:
-        candidates.append((ZSTD, lambda d: _compressor(level).compress(d)))
+        candidates.append((ZSTD, lambda d, b: _compressor(level).compress(d)))
     elif n:
-        candidates.append((PLANES, lambda d: _planes_encode(d, elem, level, min_saving)))
+        candidates.append((PLANES, lambda d, b: _planes_encode(d, elem, level, min_saving)))
         if base is not None and base_id is not None and len(base) == n:
-            bview = memoryview(base).cast("B")
-            candidates.append((SUB, lambda d, b=bview: _delta_planes(transforms.apply_sub, d, b, elem, level)))
-            candidates.append((XOR, lambda d, b=bview: _delta_planes(transforms.apply_xor, d, b, elem, level)))
+            candidates.append((SUB, lambda d, b: _planes_encode(transforms.apply_sub(d, b, elem), elem, level)))
+            candidates.append((XOR, lambda d, b: _planes_encode(transforms.apply_xor(d, b, elem), elem, level)))
+    bview = memoryview(base).cast("B") if base is not None else None
     if len(candidates) > 1:
         sample = _sample(view, elem)
-        sbase = _sample(memoryview(base).cast("B"), elem) if base is not None else None
-        sizes = []
-        for codec, fn in candidates:
-            if codec in DELTA_CODECS:
-                f = transforms.apply_sub if codec == SUB else transforms.apply_xor
-                sizes.append(len(_planes_encode(f(sample, sbase, elem), elem, level)))
-            else:
-                sizes.append(len(fn(sample)))
+        sbase = _sample(bview, elem) if bview is not None else None
+        sizes = [len(fn(sample, sbase)) for _, fn in candidates]
         candidates = [candidates[sizes.index(min(sizes))]]
     if candidates:
         codec, fn = candidates[0]
-        payload = fn(view)
+        payload = fn(view, bview)
         if len(payload) <= n * (1.0 - min_saving):
             b = base_id if codec in DELTA_CODECS else None
             return Encoded(_pack(codec, elem, n, b, payload), codec, b)
     return Encoded(_pack(RAW, elem, n, None, view), RAW, None)
-
-
-def _delta_planes(fn: Callable[..., Any], data: memoryview | bytes, base: memoryview, elem: int, level: int) -> bytes:
-    return _planes_encode(fn(data, base, elem), elem, level)
 
 
 def parse_header(blob: bytes | memoryview, oid: str = "?") -> ChunkHeader:

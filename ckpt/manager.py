@@ -211,12 +211,12 @@ class CheckpointManager:
         import time
 
         from ckpt.push import push_source
-        from ckpt.sources import _from_tensors
+        from ckpt.sources import from_tensors
 
         t0 = time.perf_counter()
         try:
             known = {n: (e.dtype, e.shape, e.nbytes) for n, e in reuse.items()}
-            src = _from_tensors(staged, "snapshot", {"snapshot": snapshot}, None, known)
+            src = from_tensors(staged, "snapshot", {"snapshot": snapshot}, None, known)
             base = self._last[0] if (self._last and self.delta) else None
             result = push_source(self.store, src, self.ref(step), base_id=base, reuse=reuse,
                                  lineage={"parent": self._last[0] if self._last else None, "base": base, "merge": None},

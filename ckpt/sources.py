@@ -93,7 +93,7 @@ class SourceIn:
 def open_source(source: object, *, metadata: dict[str, str] | None = None) -> SourceIn:
     """Describe ``source`` (a path or a mapping of tensors) as files of byte ranges."""
     if isinstance(source, Mapping):
-        return _from_tensors(source, "tensors", {}, metadata)
+        return from_tensors(source, "tensors", {}, metadata)
     if not isinstance(source, (str, os.PathLike)):
         raise InvalidSourceError(repr(source)[:80], "push takes a file, a directory or a dict of tensors")
     path = os.fspath(source)
@@ -212,7 +212,7 @@ def _from_state_dict_file(path: str, metadata: dict[str, str] | None) -> SourceI
     tensors: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     _flatten(obj, "", tensors, extra, path)
-    return _from_tensors(tensors, "state-dict", extra, metadata)
+    return from_tensors(tensors, "state-dict", extra, metadata)
 
 
 def _flatten(obj: Mapping[Any, Any], prefix: str, tensors: dict[str, Any], extra: dict[str, Any], path: str) -> None:
@@ -232,7 +232,7 @@ def _flatten(obj: Mapping[Any, Any], prefix: str, tensors: dict[str, Any], extra
             extra[key] = v
 
 
-def _from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], metadata: dict[str, str] | None,
+def from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], metadata: dict[str, str] | None,
                   known: Mapping[str, tuple[str, tuple[int, ...], int]] | None = None) -> SourceIn:
     """One safetensors file of ``tensors``. Names in ``known`` (dtype, shape, nbytes) are
     laid out in the file too but carry no data: the caller already has their chunks."""
