@@ -160,9 +160,11 @@ class GcReport:
     young: int
     live_manifests: int
     live_chunks: int
+    recovered: int = 0  # objects a killed gc had condemned, put back
 
 
 def gc(store: Store, *, grace_s: float, dry_run: bool = False, keep_history: bool = True) -> GcReport:
-    plan = plan_gc(store.objects, store.refs_db, grace_s=grace_s, keep_history=keep_history)
-    deleted = plan.delete if dry_run else list(execute_gc(store.objects, plan, grace_s=grace_s))
-    return GcReport(dry_run, deleted, len(plan.delete), sum(d.size for d in deleted), plan.young, plan.live_manifests, plan.live_chunks)
+    plan = plan_gc(store.objects, store.refs_db, grace_s=grace_s, keep_history=keep_history, recover=not dry_run)
+    deleted = plan.delete if dry_run else list(execute_gc(store.objects, plan))
+    return GcReport(dry_run, deleted, len(plan.delete), sum(d.size for d in deleted), plan.young, plan.live_manifests,
+                    plan.live_chunks, plan.recovered)

@@ -129,18 +129,16 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
         data = task.read()
         oid = object_id(data)
         path = objects.path("chunks", oid)
-        if objects.backend.exists(path):
-            objects.backend.touch(path)  # keeps a concurrent gc off it (docs/format.md)
+        if objects.backend.touch(path):  # present: touched keeps a concurrent gc off it (docs/format.md)
             codec, chain = stored_chain(objects, oid)
             return PutResult(oid, task.length, 0, codec, chain)
         base_bytes, base_chain = None, ()
         if task.base is not None and task.base != oid and settings.max_delta_depth > 0:
             try:
                 codec_b, chain_b = stored_chain(objects, task.base)
-                if len(chain_b) < settings.max_delta_depth:
+                if len(chain_b) < settings.max_delta_depth and objects.refresh("chunks", task.base):
                     base_bytes, _ = fetch_chunk(objects, task.base, task.length, settings)
                     base_chain = (task.base, *chain_b)
-                    objects.backend.touch(objects.path("chunks", task.base))
             except ObjectNotFoundError:
                 base_bytes = None  # the base is gone (gc): store this chunk whole
         enc = encode_chunk(data, elem=task.elem, level=settings.zstd_level, min_saving=settings.min_saving,

@@ -23,6 +23,9 @@ from typing import Any
 
 from storage.errors import StorageIOError
 
+# Prefix of an object gc is deleting (LocalBackend.delete_if_stale); it is a temporary.
+CONDEMNED = ".tmp-gc-"
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -70,8 +73,31 @@ class Backend(ABC):
         """Remove ``path``; absent is not an error."""
 
     @abstractmethod
-    def touch(self, path: str) -> None:
-        """Mark ``path`` as recently used (protects it from a concurrent ``gc``)."""
+    def touch(self, path: str) -> bool:
+        """Mark ``path`` as recently used (protects it from a concurrent ``gc``).
+
+        Returns False when ``path`` does not exist (a caller that meant to reuse it must
+        write it again).
+        """
+
+    def recover_condemned(self, prefix: str) -> int:
+        """Undo what a killed :meth:`delete_if_stale` left half done (nothing by default)."""
+        return 0
+
+    def delete_if_stale(self, path: str, cutoff: float) -> bool:
+        """Delete ``path`` unless it was modified (or touched) at or after ``cutoff``.
+
+        Returns True when deleted. This default checks, then deletes: a touch landing
+        between the two is lost. Backends that can rename override it with a protocol
+        that cannot lose one (:meth:`LocalBackend.delete_if_stale`).
+        """
+        try:
+            if self.mtime(path) >= cutoff:
+                return False
+        except FileNotFoundError:
+            return False
+        self.delete(path)
+        return True
 
     def mtime(self, path: str) -> float:
         """Modification time (seconds since the epoch); 0.0 when the backend cannot tell."""
@@ -235,11 +261,68 @@ class LocalBackend(Backend):
     def delete(self, path: str) -> None:
         _unlink_quiet(self._p(path))
 
-    def touch(self, path: str) -> None:
+    def touch(self, path: str) -> bool:
         try:
             os.utime(self._p(path))
+            return True
         except FileNotFoundError:
-            pass
+            return False
+
+    def delete_if_stale(self, path: str, cutoff: float) -> bool:
+        """Condemn, re-check, then delete or restore: a concurrent touch is never lost.
+
+        The object is first renamed to a ``.tmp-gc-`` name in its directory. A writer
+        that touches it after that finds it missing and writes it again; a touch that
+        landed before the rename shows in the mtime read *after* it, and the object is
+        linked back under its name (if a writer has not already put an identical copy
+        there). The window in which the name is absent is a few system calls long;
+        commit retries its presence check across it (storage/commit.py).
+        """
+        final = self._p(path)
+        try:
+            if os.stat(final).st_mtime >= cutoff:
+                return False  # touched since the plan: the cheap check first
+        except FileNotFoundError:
+            return False
+        # The name keeps the object's name, so a gc killed mid-way can put it back
+        # (recover_condemned) instead of losing an object a writer had just touched.
+        condemned = os.path.join(os.path.dirname(final), f"{CONDEMNED}{uuid.uuid4().hex}-{os.path.basename(final)}")
+        try:
+            os.rename(final, condemned)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise _io_error("delete", path, e) from e
+        try:
+            if os.stat(condemned).st_mtime >= cutoff:
+                try:
+                    os.link(condemned, final)
+                except FileExistsError:
+                    pass  # a writer put it back already: same name, same bytes
+                return False
+            return True
+        finally:
+            _unlink_quiet(condemned)
+
+    def recover_condemned(self, prefix: str) -> int:
+        """Put back objects a killed gc left condemned below ``prefix``. Returns how many."""
+        n = 0
+        for e in list(self.list(prefix)):
+            head, _, name = e.path.rpartition("/")
+            if not name.startswith(CONDEMNED):
+                continue
+            original = name[len(CONDEMNED) :].partition("-")[2]
+            if original:
+                src = self._p(e.path)
+                try:
+                    os.link(src, self._p(f"{head}/{original}" if head else original))
+                    n += 1
+                except FileExistsError:
+                    pass
+                except FileNotFoundError:
+                    continue
+                _unlink_quiet(src)
+        return n
 
 
 class FsspecBackend(Backend):
@@ -317,10 +400,10 @@ class FsspecBackend(Backend):
         except FileNotFoundError:
             pass
 
-    def touch(self, path: str) -> None:
+    def touch(self, path: str) -> bool:
         # Object stores cannot update an object's time in place; gc relies on the
-        # grace period there (docs/format.md).
-        return None
+        # grace period there (docs/format.md). Presence is still reported.
+        return self.exists(path)
 
 
 def _relative(full: str, root: str) -> str:

@@ -8,10 +8,22 @@ unreferenced objects, which ``gc`` removes after its grace period.
 
 from __future__ import annotations
 
+import time
+
 from storage.errors import ObjectNotFoundError
 from storage.gc import referenced_chunks
 from storage.objects import ObjectStore
 from storage.refs import RefEntry, Refs, validate_ref_name
+
+
+def _refresh(objects: ObjectStore, cid: str) -> bool:
+    # A gc deleting a chunk that was touched concurrently renames it away and back
+    # (LocalBackend.delete_if_stale): look again across that short window.
+    for delay in (0.0, 0.01, 0.05, 0.2):
+        time.sleep(delay)
+        if objects.refresh("chunks", cid):
+            return True
+    return False
 
 
 def commit(objects: ObjectStore, refs: Refs, manifest: bytes, name: str | None) -> tuple[str, RefEntry | None]:
@@ -19,7 +31,9 @@ def commit(objects: ObjectStore, refs: Refs, manifest: bytes, name: str | None) 
     if name is not None:
         validate_ref_name(name)
     for cid in sorted(referenced_chunks(manifest)):
-        if not objects.has("chunks", cid):
+        # Touched, not just checked: a concurrent gc must see every chunk this
+        # manifest names as young from here until the ref lands (docs/format.md).
+        if not _refresh(objects, cid):
             raise ObjectNotFoundError("chunk", cid, hint="it vanished while pushing (a concurrent gc?); push again")
     objects.backend.flush()  # the chunks' names are durable before a manifest names them
     mid = objects.put_manifest(manifest)

@@ -65,20 +65,31 @@ class GcPlan:
     live_manifests: int = 0
     live_chunks: int = 0
     young: int = 0  # unreferenced but inside the grace period
+    cutoff: float = 0.0  # only objects last modified before this may go (listing time - grace)
+    recovered: int = 0  # objects a killed gc had condemned, put back first
 
     @property
     def bytes(self) -> int:
         return sum(d.size for d in self.delete)
 
 
-def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: bool = True) -> GcPlan:
+def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: bool = True, recover: bool = True) -> GcPlan:
     """What ``gc`` would delete now. Reads refs and manifests; deletes nothing.
+
+    Roots are the targets of live refs and, with ``keep_history``, their earlier
+    targets back to the ref's last removal (a name removed and pushed again does not
+    revive what it held before).
 
     Objects are listed *before* refs are read, so an object written after the
     listing is not in the plan at all, and one listed before a concurrent ref
-    update is protected by its age (see module docstring).
+    update is protected by its age (see module docstring). The age limit is fixed
+    at the listing: however long the plan and its execution take, nothing modified
+    within ``grace_s`` before the listing is deleted.
     """
+    # Objects a killed gc left condemned go back first (not in a dry run, which writes nothing).
+    recovered = objects.backend.recover_condemned("objects") if recover else 0
     now = time.time()
+    cutoff = now - grace_s
     listed = {k: list(objects.list(k)) for k in ("manifests", "chunks")}
     temps = list(objects.list_temporaries(("objects", "refs")))
 
@@ -87,42 +98,41 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
         if entries[0].target is None:
             continue  # removed ref: its history keeps nothing alive
         for e in entries if keep_history and not entries[0].alias else entries[:1]:
-            if e.target is not None:
-                roots.add(e.target)
+            if e.target is None:
+                break  # a removal: what the ref held before it is history of a removed ref
+            roots.add(e.target)
 
     live_chunks: set[str] = set()
     for mid in roots:
         # A live manifest that cannot be read stops the plan: nothing is deleted.
         live_chunks |= referenced_chunks(objects.get_manifest(mid))
 
-    plan = GcPlan(live_manifests=len(roots), live_chunks=len(live_chunks))
+    plan = GcPlan(live_manifests=len(roots), live_chunks=len(live_chunks), cutoff=cutoff, recovered=recovered)
     for kind, live in (("manifests", roots), ("chunks", live_chunks)):
         for info in listed[kind]:
             if info.id in live:
                 continue
-            if now - info.mtime < grace_s:
+            if info.mtime >= cutoff:
                 plan.young += 1
             else:
                 plan.delete.append(Doomed(kind, info.id, info.size))
     for path, mtime in temps:
-        if now - mtime >= grace_s:
+        if mtime < cutoff:
             plan.delete.append(Doomed("temp", path, 0))
     return plan
 
 
-def execute_gc(objects: ObjectStore, plan: GcPlan, *, grace_s: float) -> Iterator[Doomed]:
-    """Delete what ``plan`` names, re-checking each object's age just before deleting it.
+def execute_gc(objects: ObjectStore, plan: GcPlan, *, grace_s: float | None = None) -> Iterator[Doomed]:
+    """Delete what ``plan`` names, unless an object was touched since the plan's cutoff.
 
-    Yields each object actually deleted. An object touched since the plan was
-    made (reused by a concurrent push) is skipped.
+    Yields each object actually deleted. An object reused by a concurrent push
+    (touched, so modified after ``plan.cutoff``) is kept; on a local store the
+    check and the delete cannot miss a touch landing between them
+    (``Backend.delete_if_stale``). ``grace_s`` is accepted for compatibility; the
+    plan's cutoff rules.
     """
     backend = objects.backend
     for d in plan.delete:
         path = d.name if d.kind == "temp" else objects.path(d.kind, d.name)
-        try:
-            if time.time() - backend.mtime(path) < grace_s:
-                continue
-        except FileNotFoundError:
-            continue
-        backend.delete(path)
-        yield d
+        if backend.delete_if_stale(path, plan.cutoff):
+            yield d

@@ -54,6 +54,10 @@ class ObjectStore:
     def has(self, kind: str, oid: str) -> bool:
         return self.backend.exists(self.path(kind, oid))
 
+    def refresh(self, kind: str, oid: str) -> bool:
+        """Touch an object a write is about to depend on; False if it is absent."""
+        return self.backend.touch(self.path(kind, oid))
+
     def put(self, kind: str, oid: str, blob: bytes | memoryview) -> bool:
         """Store ``blob`` under ``oid`` unless it exists. Returns True when written.
 
@@ -61,8 +65,7 @@ class ObjectStore:
         it as in use (docs/format.md, "Garbage collection").
         """
         p = self.path(kind, oid)
-        if self.backend.exists(p):
-            self.backend.touch(p)
+        if self.backend.touch(p):
             return False
         self.backend.write(p, blob)
         return True

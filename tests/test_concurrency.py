@@ -1,0 +1,170 @@
+"""Concurrency: several processes push overlapping checkpoints into one local store while
+another runs ``gc`` with a short grace period, over and over.
+
+What must hold afterwards (issue 8, docs/format.md "Garbage collection"): nothing a live
+ref needs was deleted (``verify`` passes, every version of every live ref loads bit for
+bit), every ref's history holds every update every process made (none lost), and no push
+failed. It is not vacuous: the pushers remove refs as they go, so there is garbage, gc
+deletes some of it, and the pushers keep re-pushing the same tensors, so they reuse
+objects gc is deleting at that moment.
+
+Real processes (``subprocess``), a real store on disk, real torch tensors.
+``CKPT_CONCURRENCY_SECONDS`` sets how long the pushers run (default 6).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt
+
+PUSHERS = 4
+POOL = 24  # tensors shared by every pusher, 64 KiB each (one chunk)
+
+COMMON = r'''
+import json, os, random, sys, time
+import torch
+torch.set_num_threads(1)
+import ckpt
+
+def pool_tensor(k):
+    g = torch.Generator().manual_seed(1000 + k)
+    return torch.randn(16384, generator=g)
+'''
+
+PUSHER = COMMON + r'''
+store_url, me, seconds, log_path = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+store = ckpt.Store.open(store_url)
+rng = random.Random(me)
+end = time.time() + seconds
+errors = 0
+with open(log_path, "w") as log:
+    r = 0
+    while time.time() < end or r < 6:
+        picks = rng.sample(range(24), 6)
+        tensors = {f"t{j}": pool_tensor(k) for j, k in enumerate(picks)}
+        ref = "shared/latest" if r % 4 == 3 else f"p{me}/c{r % 3}"
+        try:
+            res = store.push_report(tensors, ref, message=f"p{me} r{r}")
+            log.write(json.dumps({"op": "push", "ref": ref, "id": res.id, "picks": picks}) + "\n")
+        except Exception as e:  # counted and reported: the test requires none
+            errors += 1
+            log.write(json.dumps({"op": "error", "ref": ref, "error": f"{type(e).__name__}: {e}"}) + "\n")
+        if r % 5 == 4:  # make garbage: a removed ref keeps nothing alive
+            victim = f"p{me}/c{rng.randrange(3)}"
+            try:
+                store.remove(victim)
+                log.write(json.dumps({"op": "remove", "ref": victim}) + "\n")
+            except ckpt.CkptError:
+                pass  # not live right now
+        log.flush()
+        r += 1
+print(json.dumps({"rounds": r, "errors": errors}))
+'''
+
+GC = COMMON + r'''
+store_url, stop_path = sys.argv[1], sys.argv[2]
+store = ckpt.Store.open(store_url)
+runs = deleted = 0
+while not os.path.exists(stop_path):
+    rep = store.gc(grace_s=1.0)
+    runs += 1
+    deleted += len(rep.deleted)
+    time.sleep(0.05)
+print(json.dumps({"runs": runs, "deleted": deleted}))
+'''
+
+
+def pool_tensor(k: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + k)
+    return torch.randn(16384, generator=g)
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_pushers_and_gc_at_once_lose_nothing(tmp_path: Path) -> None:
+    store_url = str(tmp_path / "store")
+    ckpt.Store.init(store_url)
+    seconds = float(os.environ.get("CKPT_CONCURRENCY_SECONDS", "6"))
+    env = {**os.environ, "CKPT_CHUNK_SIZE": str(64 * 1024), "OMP_NUM_THREADS": "1"}
+    stop = tmp_path / "stop"
+    gc = subprocess.Popen([sys.executable, "-c", GC, store_url, str(stop)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logs = [tmp_path / f"pusher{i}.jsonl" for i in range(PUSHERS)]
+    pushers = [subprocess.Popen([sys.executable, "-c", PUSHER, store_url, str(i), str(seconds), str(logs[i])], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(PUSHERS)]
+    results = []
+    try:
+        for p in pushers:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        stop.touch()
+        gc_out, gc_err = gc.communicate(timeout=300)
+    assert gc.returncode == 0, gc_err[-3000:]
+    gc_stats = json.loads(gc_out.strip().splitlines()[-1])
+
+    events = [[json.loads(line) for line in path.read_text().splitlines()] for path in logs]
+    errors = [e for ev in events for e in ev if e["op"] == "error"]
+    assert not errors, errors[:5]
+    assert sum(r["errors"] for r in results) == 0
+
+    store = ckpt.Store.open(store_url)
+    report = store.verify()
+    assert report.ok, report.problems[:5]
+
+    # Every push is in its ref's history, in each process's order; no entry is extra.
+    pushed: dict[str, list[dict]] = defaultdict(list)
+    for ev in events:
+        for e in ev:
+            if e["op"] == "push":
+                pushed[e["ref"]].append(e)
+    entries_by_ref = store.refs_db.all_entries()  # newest first
+    history = {name: [e for e in reversed(entries) if e.target is not None] for name, entries in entries_by_ref.items()}
+    for ref, pushes in pushed.items():
+        got = [e.target for e in history[ref]]
+        assert sorted(got) == sorted(p["id"] for p in pushes), ref
+    for i, ev in enumerate(events):  # per process, the shared ref's updates keep their order
+        mine = [e["id"] for e in ev if e["op"] == "push" and e["ref"] == "shared/latest"]
+        order = [t for t in (e.target for e in history["shared/latest"]) if t in set(mine)]
+        assert order == [m for m in mine if m in set(order)], f"pusher {i}"
+
+    # Every version of every live ref since its last removal loads bit for bit (gc keeps
+    # a live ref's history; a removal ends what the name kept alive).
+    want = {k: as_bytes(pool_tensor(k)) for k in range(POOL)}
+    by_id = {p["id"]: p["picks"] for pushes in pushed.values() for p in pushes}
+    live = store.refs()
+    checked = 0
+    for ref in live:
+        since_removal = []
+        for e in entries_by_ref[ref]:
+            if e.target is None:
+                break
+            since_removal.append(e)
+        for entry in since_removal:
+            tensors = store.load(entry.target)
+            picks = by_id[entry.target]
+            assert sorted(tensors) == sorted(f"t{j}" for j in range(len(picks)))
+            for j, k in enumerate(picks):
+                assert as_bytes(tensors[f"t{j}"]) == want[k], (ref, entry.seq, j)
+            checked += 1
+    assert checked >= PUSHERS * 3
+
+    # Not vacuous: there was garbage, gc ran during the pushes and deleted some.
+    removes = sum(1 for ev in events for e in ev if e["op"] == "remove")
+    assert removes > 0 and gc_stats["runs"] > 3, gc_stats
+    assert gc_stats["deleted"] > 0, gc_stats
+    print(f"\nconcurrency: {sum(r['rounds'] for r in results)} pushes by {PUSHERS} processes, {removes} removes, "
+          f"gc {gc_stats['runs']} runs deleted {gc_stats['deleted']} objects; {checked} ref versions checked")
