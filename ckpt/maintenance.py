@@ -25,6 +25,8 @@ class VerifyReport:
     bytes_checked: int = 0
     problems: list[str] = field(default_factory=list)  # one line per damaged object
     damaged_refs: dict[str, list[str]] = field(default_factory=dict)  # ref -> its problems
+    # Objects found missing or damaged: (kind, id) -> decoded length (chunks; 0 for manifests).
+    damaged_objects: dict[tuple[str, str], int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -39,7 +41,15 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
     except CkptError as e:
         report.problems.append(f"store config: {e}")
     # Names that do not resolve are the caller's mistake, not damage: raise before checking.
-    targets = {n: e.target for n, e in store.refs_db.live().items()} if names is None else {n: store.resolve(n) for n in names}
+    if names is None:
+        live, damaged = store.refs_db.scan()
+        targets = {n: e.target for n, e in live.items()}
+        for n, (err, _) in damaged.items():  # a ref whose entry is damaged: its target is unknown
+            report.refs_checked += 1
+            report.problems.append(str(err))
+            report.damaged_refs.setdefault(n, []).append(str(err))
+    else:
+        targets = {n: store.resolve(n) for n in names}
     users: dict[str, set[str]] = defaultdict(set)  # chunk id -> refs that need it
     lengths: dict[str, int] = {}
     for name, target in targets.items():
@@ -49,16 +59,17 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
         except CkptError as e:
             report.problems.append(str(e))
             report.damaged_refs.setdefault(name, []).append(str(e))
+            report.damaged_objects[("manifest", getattr(e, "object_id", target))] = 0
             continue
         for cid, n in m.chunk_lengths().items():
             users[cid].add(name)
             lengths[cid] = n
 
-    def check(cid: str) -> str | None:
+    def check(cid: str) -> tuple[str, str] | None:
         try:
             fetch_chunk(store.objects, cid, lengths[cid], store.settings)
-        except CkptError as e:
-            return str(e)
+        except CkptError as e:  # the damaged object may be a base in cid's delta chain
+            return str(e), getattr(e, "object_id", cid)
         return None
 
     ids = sorted(lengths)
@@ -70,10 +81,58 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
         report.chunks_checked += 1
         report.bytes_checked += lengths[cid]
         if problem:
-            report.problems.append(problem)
+            text, bad = problem
+            report.problems.append(text)
+            report.damaged_objects[("chunk", bad)] = lengths[cid]  # a base has its dependents' length
             for name in sorted(users[cid]):
-                report.damaged_refs.setdefault(name, []).append(problem)
+                report.damaged_refs.setdefault(name, []).append(text)
     return report
+
+
+@dataclass
+class RepairReport:
+    repaired: list[tuple[str, str]] = field(default_factory=list)  # (kind, id) put back from the source
+    unavailable: list[tuple[str, str, str]] = field(default_factory=list)  # (kind, id, why) not repairable
+    after: VerifyReport = field(default_factory=VerifyReport)  # verify once repair is done
+
+
+def repair(store: Store, source: Store, names: list[str] | None = None, progress: Progress | None = None) -> RepairReport:
+    """Put back damaged or missing objects of ``store`` from ``source``, verified; then verify again.
+
+    Only content-addressed objects can be repaired: a manifest is copied as stored
+    (its id is the hash of its bytes), a chunk is decoded and verified in ``source``
+    and written here self-contained (no delta base), so that the repair adds no
+    dependency on anything else. The damaged file is replaced atomically. Damaged ref
+    entries and store configs cannot come from another store (their content is this
+    store's own) and are listed in ``unavailable`` via the final verify.
+    """
+    from ckpt.codecs import encode_chunk
+
+    out = RepairReport()
+    tried: set[tuple[str, str]] = set()
+    report = verify(store, names, progress)
+    # A repaired manifest exposes chunks never checked before: go round until nothing new.
+    while True:
+        todo = {k: n for k, n in report.damaged_objects.items() if k not in tried}
+        if not todo:
+            break
+        for (kind, oid), length in sorted(todo.items()):
+            tried.add((kind, oid))
+            try:
+                if kind == "manifest":
+                    blob = source.objects.get_manifest(oid)
+                else:
+                    data, _ = fetch_chunk(source.objects, oid, length, source.settings)
+                    blob = encode_chunk(data, elem=1, level=store.settings.zstd_level, min_saving=store.settings.min_saving).blob
+            except CkptError as e:
+                out.unavailable.append((kind, oid, str(e)))
+                continue
+            store.backend.write(store.objects.path(f"{kind}s", oid), blob)
+            out.repaired.append((kind, oid))
+        store.backend.flush()
+        report = verify(store, names, progress)
+    out.after = report
+    return out
 
 
 @dataclass(frozen=True)

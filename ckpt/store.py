@@ -19,7 +19,7 @@ from storage.refs import RefEntry, Refs, validate_ref_name
 if TYPE_CHECKING:
     import torch
 
-    from ckpt.maintenance import GcReport, StoreUsage, VerifyReport
+    from ckpt.maintenance import GcReport, RepairReport, StoreUsage, VerifyReport
     from ckpt.push import PushResult
     from ckpt.reader import CheckpointReader
 
@@ -198,6 +198,26 @@ class Store:
         from ckpt.maintenance import verify
 
         return verify(self, names, progress)
+
+    def repair(self, source: Store | str, names: list[str] | None = None, *, progress: Progress | None = None) -> RepairReport:
+        """Restore damaged or missing chunks and manifests from ``source`` (a Store or URL), verified.
+
+        >>> import tempfile, torch
+        >>> d = tempfile.mkdtemp()
+        >>> main, backup = Store.init(d + "/main"), Store.init(d + "/backup")
+        >>> _ = main.push({"w": torch.ones(4)}, "m"); _ = backup.push({"w": torch.ones(4)}, "m")
+        >>> cid = main.manifest("m").tensors[0].chunks[0]
+        >>> main.backend.delete(main.objects.path("chunks", cid))
+        >>> main.verify().ok
+        False
+        >>> r = main.repair(backup)
+        >>> r.repaired == [("chunk", cid)], r.after.ok
+        (True, True)
+        """
+        from ckpt.maintenance import repair
+
+        src = source if isinstance(source, Store) else Store.open(source)
+        return repair(self, src, names, progress)
 
     def du(self) -> StoreUsage:
         from ckpt.maintenance import du

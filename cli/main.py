@@ -236,13 +236,38 @@ def du(as_json: JsonOpt = False) -> None:
 
 
 @app.command()
-def verify(refs: Annotated[Optional[list[str]], typer.Argument(metavar="[REF]...", help="Refs to check (default: all).")] = None, as_json: JsonOpt = False) -> None:
-    """Re-read and re-hash every object the refs need; name each damaged ref. Exit 1 if any."""
+def verify(
+    refs: Annotated[Optional[list[str]], typer.Argument(metavar="[REF]...", help="Refs to check (default: all).")] = None,
+    repair_from: Annotated[Optional[str], typer.Option("--repair-from", metavar="URL",
+                           help="Put back damaged or missing chunks and manifests from the store at URL "
+                                "(each verified there first), then verify again.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Re-read and re-hash every object the refs need; name each damaged ref. Exit 1 if any.
+
+    Nothing is repaired unless you ask: with --repair-from, objects are copied from
+    another store that holds them (a mirror, a backup, the S3 store a team pushes to).
+    """
     store = _open()
-    r = store.verify(refs or None, progress=RichProgress())
+    repaired: list[tuple[str, str]] = []
+    unavailable: list[tuple[str, str, str]] = []
+    if repair_from is not None:
+        rr = store.repair(repair_from, refs or None, progress=RichProgress())
+        r, repaired, unavailable = rr.after, rr.repaired, rr.unavailable
+        if not as_json:
+            for kind, oid in repaired:
+                out.print(f"repaired {kind} {oid} from {repair_from}")
+            for kind, oid, why in unavailable:
+                err.print(f"cannot repair {kind} {oid}: {why}")
+    else:
+        r = store.verify(refs or None, progress=RichProgress())
     if as_json:
-        emit_json({"ok": r.ok, "refs_checked": r.refs_checked, "chunks_checked": r.chunks_checked,
-                   "bytes_checked": r.bytes_checked, "problems": r.problems, "damaged_refs": r.damaged_refs})
+        doc = {"ok": r.ok, "refs_checked": r.refs_checked, "chunks_checked": r.chunks_checked,
+               "bytes_checked": r.bytes_checked, "problems": r.problems, "damaged_refs": r.damaged_refs}
+        if repair_from is not None:
+            doc["repaired"] = [{"kind": k, "id": i} for k, i in repaired]
+            doc["unavailable"] = [{"kind": k, "id": i, "error": w} for k, i, w in unavailable]
+        emit_json(doc)
     else:
         for name, problems in r.damaged_refs.items():
             err.print(f"DAMAGED {name}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))

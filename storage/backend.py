@@ -265,8 +265,10 @@ class LocalBackend(Backend):
         try:
             os.utime(self._p(path))
             return True
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return False
+        except OSError as e:
+            raise _io_error("touch", path, e) from e
 
     def delete_if_stale(self, path: str, cutoff: float) -> bool:
         """Condemn, re-check, then delete or restore: a concurrent touch is never lost.

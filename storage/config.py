@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 from storage.backend import Backend
 from storage.errors import StoreFormatError, StoreNotFoundError
-from storage.records import canonical_json, decode_record, require
+from storage.records import decode_record, require, sealed_json
 
 CONFIG_PATH = "ckpt-store.json"
 STORE_FORMAT = "ckpt-store"
-STORE_VERSION = 1
+STORE_VERSION = 2  # 2: sealed with a checksum (storage/records.py); 1 is still read
 
 
 @dataclass(frozen=True)
@@ -26,13 +26,13 @@ class StoreConfig:
     version: int = STORE_VERSION
 
     def to_json(self) -> bytes:
-        return canonical_json(
+        return sealed_json(
             {"format": STORE_FORMAT, "version": self.version, "store_id": self.store_id, "created": self.created}
         )
 
     @classmethod
     def from_json(cls, data: bytes) -> StoreConfig:
-        obj = decode_record(data, STORE_FORMAT, (STORE_VERSION,), f"store config {CONFIG_PATH}")
+        obj = decode_record(data, STORE_FORMAT, (1, STORE_VERSION), f"store config {CONFIG_PATH}", sealed_since=2)
         return cls(
             store_id=require(obj, "store_id", str, CONFIG_PATH),
             created=float(require(obj, "created", (int, float), CONFIG_PATH)),

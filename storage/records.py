@@ -10,7 +10,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import blake3
+
 from storage.errors import StoreFormatError
+
+# Records that are not content-addressed (refs, the store config) carry a checksum
+# of their other fields, so that any damage to them is detected, not just damage that
+# breaks the JSON. Manifests need none: their id is the hash of their bytes.
+CHECK = "check"
 
 # Records larger than this are refused before parsing (a manifest of a
 # 100k-tensor model is a few tens of MB).
@@ -22,10 +29,21 @@ def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
-def decode_record(data: bytes, fmt: str, versions: tuple[int, ...], what: str) -> dict[str, Any]:
+def _checksum(obj: dict[str, Any]) -> str:
+    return blake3.blake3(canonical_json({k: v for k, v in obj.items() if k != CHECK})).hexdigest()[:32]
+
+
+def sealed_json(obj: dict[str, Any]) -> bytes:
+    """``obj`` as canonical JSON with a ``check`` field over all its other fields."""
+    return canonical_json({**obj, CHECK: _checksum(obj)})
+
+
+def decode_record(data: bytes, fmt: str, versions: tuple[int, ...], what: str, *, sealed_since: int | None = None) -> dict[str, Any]:
     """Parse ``data`` as a JSON object of ``format == fmt`` and a supported version.
 
-    Raises :class:`StoreFormatError` naming ``what`` when the bytes are not such a record.
+    From version ``sealed_since`` on, the record must carry a ``check`` field that
+    matches its other fields (:func:`sealed_json`). Raises :class:`StoreFormatError`
+    naming ``what`` when the bytes are not such a record.
     """
     if len(data) > MAX_RECORD_BYTES:
         raise StoreFormatError(f"{what} is {len(data)} bytes, larger than any valid record")
@@ -43,6 +61,9 @@ def decode_record(data: bytes, fmt: str, versions: tuple[int, ...], what: str) -
             f"{what} has {fmt} version {v!r}; this ckpt reads versions {', '.join(map(str, versions))}",
             hint="upgrade ckpt to read it",
         )
+    sealed = CHECK in obj or (sealed_since is not None and isinstance(v, int) and v >= sealed_since)
+    if sealed and obj.get(CHECK) != _checksum(obj):
+        raise StoreFormatError(f"{what} is damaged: its checksum does not match its content")
     return obj
 
 

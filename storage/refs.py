@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 from storage.backend import Backend
 from storage.errors import InvalidNameError, RefConflictError, StoreFormatError
-from storage.records import canonical_json, decode_record, require
+from storage.records import decode_record, require, sealed_json
 
 REF_FORMAT = "ckpt-ref"
-REF_VERSION = 1
+REF_VERSION = 2  # 2: sealed with a checksum (storage/records.py); 1 is still read
 MAX_NAME = 255
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 _ENTRY = re.compile(r"^(\d{10})\.ref$")
@@ -72,11 +72,11 @@ class RefEntry:
         }
         if self.alias:
             obj["alias"] = True
-        return canonical_json(obj)
+        return sealed_json(obj)
 
     @classmethod
     def from_json(cls, data: bytes, what: str) -> RefEntry:
-        obj = decode_record(data, REF_FORMAT, (REF_VERSION,), what)
+        obj = decode_record(data, REF_FORMAT, (1, REF_VERSION), what, sealed_since=2)
         target = obj.get("target")
         if target is not None and (not isinstance(target, str) or not re.fullmatch(r"[0-9a-f]{64}", target)):
             raise StoreFormatError(f"{what} has an invalid target")
@@ -165,7 +165,18 @@ class Refs:
         return {n: [self._read(n, s) for s in sorted(seqs, reverse=True)] for n, seqs in sorted(by_name.items())}
 
     def live(self) -> dict[str, RefEntry]:
-        """Current entry of every ref that exists now (not removed)."""
+        """Current entry of every ref that exists now (not removed). A damaged entry raises."""
+        out, damaged = self.scan()
+        if damaged:
+            err, _ = next(iter(damaged.values()))
+            raise err
+        return out
+
+    def scan(self) -> tuple[dict[str, RefEntry], dict[str, tuple[StoreFormatError, str]]]:
+        """Like :meth:`live`, but a ref whose newest entry cannot be read is reported, not raised.
+
+        Returns (live refs, damaged refs: name -> (the error, the entry's path)).
+        """
         by_name: dict[str, int] = {}
         for e in self.backend.list("refs"):
             parts = e.path.split("/")
@@ -173,9 +184,14 @@ class Refs:
             if m and len(parts) >= 3:
                 n = "/".join(parts[1:-1])
                 by_name[n] = max(by_name.get(n, 0), int(m.group(1)))
-        out = {}
+        out: dict[str, RefEntry] = {}
+        damaged: dict[str, tuple[StoreFormatError, str]] = {}
         for n, s in sorted(by_name.items()):
-            entry = self._read(n, s)
+            try:
+                entry = self._read(n, s)
+            except StoreFormatError as err:
+                damaged[n] = (err, self._entry_path(n, s))
+                continue
             if entry.target is not None:
                 out[n] = entry
-        return out
+        return out, damaged

@@ -18,11 +18,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
-import pytest
 import torch
 
 import ckpt

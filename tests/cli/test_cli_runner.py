@@ -120,3 +120,24 @@ def test_push_base_and_show_codecs(env):
     assert json.loads(invoke("show", "m/ft2", "--json"))["lineage"]["base"] is None
     du = json.loads(invoke("du", "--json"))
     assert {"planes"} <= set(du["codecs"]) and any(c in du["codecs"] for c in ("sub", "xor"))
+
+
+def test_verify_repair_from(env, capsys):
+    tmp, src = env
+    import shutil
+
+    import ckpt
+
+    invoke("push", str(src), "m")
+    shutil.copytree(tmp / "store", tmp / "mirror")
+    store = ckpt.Store.open(str(tmp / "store"))
+    cid = store.manifest("m").tensors[0].chunks[0]
+    path = tmp / "store" / store.objects.path("chunks", cid)
+    path.write_bytes(path.read_bytes()[:-3])
+    code, out, err = run_main(capsys, "verify")
+    assert code == 1 and "DAMAGED m" in err
+    code, out, err = run_main(capsys, "verify", "--repair-from", str(tmp / "mirror"), "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["ok"] and doc["repaired"] == [{"kind": "chunk", "id": cid}]
+    code, out, err = run_main(capsys, "verify")
+    assert code == 0

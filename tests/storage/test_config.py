@@ -36,4 +36,4 @@ def test_unknown_version_is_refused_clearly(tmp_path):
 def test_golden_bytes():
     from storage.config import StoreConfig
 
-    assert StoreConfig("abc", 1.5).to_json() == b'{"created":1.5,"format":"ckpt-store","store_id":"abc","version":1}'
+    assert StoreConfig("abc", 1.5).to_json() == b'{"check":"17c8b234187603d459b4ff11c1e9a70e","created":1.5,"format":"ckpt-store","store_id":"abc","version":2}'

@@ -126,7 +126,6 @@ def test_a_touch_racing_the_delete_is_never_lost(tmp_path):
     object in 7 of 600 rounds here.
     """
     import sys
-    import threading
 
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
