@@ -262,8 +262,13 @@ class LocalBackend(Backend):
         _unlink_quiet(self._p(path))
 
     def touch(self, path: str) -> bool:
+        p = self._p(path)
         try:
-            os.utime(self._p(path))
+            os.utime(p)
+            # utime resolves the name before it updates the inode: a gc may condemn and
+            # unlink the object in between, and utime still succeeds on the unlinked
+            # inode. Looking the name up again afterwards closes that window.
+            os.stat(p)
             return True
         except (FileNotFoundError, NotADirectoryError):
             return False

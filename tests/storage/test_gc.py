@@ -160,12 +160,21 @@ def _race(tmp_path):
                 b.write(path, b"data")
                 result["touched"] = False
 
-        threads = [threading.Thread(target=gc), threading.Thread(target=writer)]
+        errors = []
+
+        def run(fn):
+            try:
+                fn()
+            except BaseException as e:  # reported below, not lost in the thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(gc,)), threading.Thread(target=run, args=(writer,))]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        assert b.read(path) == b"data", result  # touched or rewritten: it is there
+        assert not errors, errors
+        assert b.exists(path) and b.read(path) == b"data", (result, outcomes)  # touched or rewritten: it is there
         outcomes["touched" if result["touched"] else "rewritten"] += 1
         outcomes["deleted"] += result["deleted"]
     assert not [e.path for e in b.list("objects") if ".tmp-" in e.path]
