@@ -47,9 +47,14 @@ __all__ = [
     "ObjectNotFoundError",
     "RefConflictError",
     "RefNotFoundError",
+    "ResourceLimitError",
     "StorageIOError",
     "StoreFormatError",
     "StoreNotFoundError",
     "TensorMismatchError",
     "UnsafeInputError",
 ]
+
+
+class ResourceLimitError(CkptError):
+    """A checkpoint needs more memory or disk than there is: refused before allocating any of it."""

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ckpt.dtypes import byte_view, to_torch
-from ckpt.errors import DestinationExistsError, TensorMismatchError
+from ckpt.errors import DestinationExistsError, ResourceLimitError, TensorMismatchError
 from ckpt.manifest import FileEntry, Manifest, TensorEntry, split_lengths
 from ckpt.pipeline import GetTask, get_chunks
 from ckpt.progress import NullProgress, Progress
@@ -84,10 +84,57 @@ def _start_writeback(fd: int, off: int, length: int) -> None:
         _SFR(fd, off, length, _SYNC_FILE_RANGE_WRITE)  # type: ignore[operator]
 
 
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(entries: Iterable[TensorEntry], what: str) -> None:
+    """Refuse, before allocating, tensors that together claim more than this machine's memory.
+
+    A manifest is data read from a store: a tensor of 2**38 elements that references
+    one real chunk 65536 times is a valid description of a terabyte, so the claim
+    itself must be bounded, not only each chunk's decoded size.
+    """
+    need = sum(t.nbytes for t in entries)
+    have = _physical_memory()
+    if have is not None and need > have:
+        raise ResourceLimitError(f"{what} needs {need:,} bytes of memory; this machine has {have:,}",
+                                 hint="load a subset with include=[...] or `ckpt pull` it to disk")
+
+
+def empty_tensor(entry: TensorEntry, **kwargs: Any) -> Any:
+    """``torch.empty`` for ``entry``; an allocation failure is a :class:`ResourceLimitError`."""
+    import torch
+
+    try:
+        return torch.empty(entry.shape, dtype=to_torch(entry.dtype), **kwargs)
+    except RuntimeError as e:  # torch reports an out-of-memory allocation this way
+        raise ResourceLimitError(f"cannot allocate tensor {entry.name!r} ({entry.nbytes:,} bytes): {str(e)[:200]}") from None
+
+
+def _check_disk(files: list[tuple[FileEntry, str]]) -> None:
+    need = sum(f.size for f, _ in files)
+    if not files:
+        return
+    where = os.path.dirname(os.path.abspath(files[0][1]))
+    while not os.path.isdir(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)  # the file's directory may not exist yet
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return
+    if need > free:
+        raise ResourceLimitError(f"pulling needs {need:,} bytes; {where} has {free:,} free", hint="free space or pull elsewhere")
+
+
 def _write_files(store: Store, m: Manifest, files: list[tuple[FileEntry, str]], progress: Progress, extra_tasks: Callable[[int], list[GetTask]] | None = None) -> None:
     """Write each (entry, path) in parallel; tasks of all files share one pool."""
     fds = []
     try:
+        _check_disk(files)
         tasks: list[GetTask] = []
         for f, path in files:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -213,15 +260,16 @@ def _into_tasks(m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]]) -> l
 
 
 def load(store: Store, ref: str, *, include: list[str] | None = None, progress: Progress | None = None) -> dict[str, torch.Tensor]:
-    import torch
 
     m = store.manifest(ref)
     out: dict[str, torch.Tensor] = {}
     pairs = []
-    for t in select(m, include):
+    chosen = list(select(m, include))
+    check_memory(chosen, f"checkpoint {ref}")
+    for t in chosen:
         if t.name in out:
             raise TensorMismatchError(f"tensor {t.name!r} appears in two files of this checkpoint", hint="use `ckpt pull`")
-        dst = torch.empty(t.shape, dtype=to_torch(t.dtype))
+        dst = empty_tensor(t)
         out[t.name] = dst
         pairs.append((t, dst))
     tasks = _into_tasks(m, pairs)

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 from ckpt.errors import TensorMismatchError
 from ckpt.manifest import Manifest, TensorEntry
-from ckpt.pull import _into_tasks
 from ckpt.pipeline import get_chunks
+from ckpt.pull import _into_tasks, check_memory, empty_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -55,12 +55,9 @@ class CheckpointReader:
         return next((f.metadata for f in self.manifest.files if f.kind == "safetensors" and f.metadata), None)
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        import torch
-
-        from ckpt.dtypes import to_torch
-
         entry = self.info(name)
-        out = torch.empty(entry.shape, dtype=to_torch(entry.dtype))
+        check_memory([entry], f"tensor {name!r}")
+        out = empty_tensor(entry)
         get_chunks(self.store.objects, _into_tasks(self.manifest, [(entry, out)]), self.store.settings)
         return out
 
