@@ -109,6 +109,10 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
     m = store.manifest(ref)
     progress = progress or NullProgress()
     dest = os.fspath(dest)
+    if m.source == "dcp":  # a distributed checkpoint: its shards consolidated into one file
+        from ckpt.dcp_read import pull_dcp
+
+        return pull_dcp(store, m, dest, include, overwrite, progress)
     single = m.source != "hf-dir" and len(m.files) == 1
     if include:
         return _pull_selected(store, m, dest, include, overwrite, progress)
@@ -216,6 +220,10 @@ def load(store: Store, ref: str, *, include: list[str] | None = None, progress: 
     import torch
 
     m = store.manifest(ref)
+    if m.source == "dcp":  # a distributed checkpoint: whole tensors, consolidated from its shards
+        from ckpt.dcp_read import load_dcp
+
+        return load_dcp(store, m, include, progress)
     out: dict[str, torch.Tensor] = {}
     pairs = []
     for t in select(m, include):
