@@ -227,9 +227,9 @@ class Writer(StorageWriter):
             written += sd.written
             new += sd.new_chunks
         dcp_md = encode_metadata(metadata, entries, values)
-        head, head_ids, head_written = self._header(store, dcp_md)
+        head, head_res = self._header(store, dcp_md)
         file = FileEntry(FILE, "safetensors", len(head) + sum(_nbytes(it) for it in dcp_md["items"].values()),
-                         head_ids, len(head), {"format": "pt"})
+                         tuple(r.id for r in head_res), len(head), {"format": "pt"})
         manifest = Manifest(source=DCP_SOURCE, chunk_size=store.settings.chunk_size, files=(file,),
                             tensors=tuple(sorted(shards.values(), key=lambda e: e.name)), created=time.time(),
                             message=self.message, metadata=self.metadata, extra={**self.extra, "dcp": dcp_md},
@@ -238,18 +238,18 @@ class Writer(StorageWriter):
         for alias in self.aliases:
             store.refs_db.set(alias, mid, alias=True)
         metadata.storage_meta = StorageMeta(checkpoint_id=mid, save_id=self.save_id)
-        chunks = sum(len(e.chunks) for e in shards.values()) + len(head_ids)
-        self.last = PushResult(mid, chunks, new + (head_written > 0), manifest.logical_bytes, written + head_written, manifest)
+        chunks = sum(len(e.chunks) for e in shards.values()) + len(head_res)
+        new += sum(1 for r in head_res if r.stored)
+        self.last = PushResult(mid, chunks, new, manifest.logical_bytes, written + sum(r.stored for r in head_res), manifest)
 
     @staticmethod
-    def _header(store: Store, dcp_md: dict[str, Any]) -> tuple[bytes, tuple[str, ...], int]:
+    def _header(store: Store, dcp_md: dict[str, Any]) -> tuple[bytes, list[Any]]:
         """The consolidated file's safetensors header, stored as chunks like any pushed header."""
         from ckpt.safetensors_format import build_header
 
         specs = [(fqn, it["dtype"], tuple(it["size"]), _nbytes(it)) for fqn, it in dcp_md["items"].items() if it["kind"] == "tensor"]
         head, _ = build_header(specs, {"format": "pt"})
-        res = put_chunks(store.objects, _tasks(MemBytes(memoryview(head)), 0, len(head), store.settings.chunk_size, 1), store.settings)
-        return head, tuple(r.id for r in res), sum(r.stored for r in res)
+        return head, put_chunks(store.objects, _tasks(MemBytes(memoryview(head)), 0, len(head), store.settings.chunk_size, 1), store.settings)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.name, save_id=self.save_id)

@@ -14,25 +14,17 @@ one copy): per-rank state such as RNG streams must be keyed per rank.
 
 from __future__ import annotations
 
-import logging
 import time
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 if TYPE_CHECKING:
     from ckpt.manager import CheckpointManager
 
-log = logging.getLogger(__name__)
-
-
-def _failures() -> tuple[type[BaseException], ...]:
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    return (Exception, CheckpointException)  # DCP's CheckpointException is a BaseException
-
-
-_FAILURES = _failures()
+_FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
 
 
 class DistributedSnapshots:
@@ -80,8 +72,6 @@ class DistributedSnapshots:
         self._done(step, writer, writer.extra["snapshot"]["metrics"], blocked, t0)
 
     def _error(self, step: int, e: BaseException) -> Exception:
-        from torch.distributed.checkpoint.api import CheckpointException
-
         from ckpt.manager import SnapshotError
 
         where = ""

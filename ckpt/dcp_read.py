@@ -78,7 +78,9 @@ def _copy_bytes(c: Copy) -> int:
 
 
 def run_copies(store: Store, m: Manifest, copies: list[Copy], progress: Progress | None = None) -> None:
-    """Perform every copy, fetching chunks in parallel, in passes of about :data:`BATCH_BYTES`."""
+    """Perform every copy, fetching chunks in parallel, in passes of about :data:`BATCH_BYTES`.
+
+    ``progress`` is advanced by the decoded bytes of each chunk (the caller starts and finishes it)."""
     batch: list[Copy] = []
     size = 0
     for c in copies:
@@ -125,10 +127,7 @@ def _run_batch(store: Store, m: Manifest, copies: list[Copy], progress: Progress
         view = byte_view(buf)
         lengths = split_lengths(e.nbytes, cs)
         tasks += [GetTask(e.chunks[i], lengths[i], _sink(view, i * cs)) for i in sorted(want)]
-    progress = progress or NullProgress()
-    progress.start("load", sum(t.length for t in tasks))
-    get_chunks(store.objects, tasks, store.settings, progress)
-    progress.finish()
+    get_chunks(store.objects, tasks, store.settings, progress or NullProgress())
     with torch.no_grad():
         for buf, c in post:
             if buf is not None:
@@ -168,11 +167,15 @@ def load_dcp(store: Store, m: Manifest, include: list[str] | None = None, progre
     entries = {t.name: t for t in m.tensors}
     out: dict[str, torch.Tensor] = {}
     copies: list[Copy] = []
-    for item in _selected(m, include):
+    items = _selected(m, include)
+    for item in items:
         full = torch.empty(item.size, dtype=to_torch(item.dtype))
         out[item.fqn] = full
         copies += shard_copies(item, full, entries)
+    progress = progress or NullProgress()
+    progress.start("load", sum(t.nbytes for t in items))
     run_copies(store, m, copies, progress)
+    progress.finish()
     return out
 
 
@@ -187,6 +190,7 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
     from ckpt.safetensors_format import build_header
 
     items = _selected(m, include)
+    progress = progress or NullProgress()
     target = os.path.join(dest, "model.safetensors") if os.path.isdir(dest) else dest
     if os.path.exists(target) and not overwrite:
         raise DestinationExistsError(f"{target} exists", hint="pass --force to replace it")
@@ -210,6 +214,7 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
             copies.clear()
 
         size = 0
+        progress.start("pull", sum(t.nbytes for t in items))
         for i in order:
             item = items[i]
             full = torch.empty(item.size, dtype=to_torch(item.dtype))
@@ -221,6 +226,7 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
                 flush()
                 size = 0
         flush()
+        progress.finish()
         os.fsync(fd)
         os.close(fd)
         fd = -1

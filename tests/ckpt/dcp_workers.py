@@ -22,8 +22,10 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.dist
            "ckpt.dcp", "ckpt.manager", "safetensors.torch"]
 
 
-def run_ranks(scenario: str, world: int, tmp: str, *, deadline_s: float = 90, pg_timeout_s: float = 30, **kw) -> list[dict]:
-    """Run ``scenario`` on ``world`` ranks; returns each rank's result (``{"killed": True}`` for one that died)."""
+def run_ranks(scenario: str, world: int, tmp: str, *, deadline_s: float = 90, pg_timeout_s: float = 30,
+              stuck: tuple[int, ...] = (), **kw) -> list[dict]:
+    """Run ``scenario`` on ``world`` ranks; returns each rank's result (``{"killed": True}`` for one that
+    died). Ranks in ``stuck`` are expected to hang: the others are waited for, then those are killed."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     init = os.path.join(tmp, f"pg-{uuid.uuid4().hex}")
@@ -31,9 +33,10 @@ def run_ranks(scenario: str, world: int, tmp: str, *, deadline_s: float = 90, pg
     for p in procs:
         p.start()
     end = time.monotonic() + deadline_s
-    for p in procs:
-        p.join(max(0.1, end - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r, p in enumerate(procs):
+        if r not in stuck:
+            p.join(max(0.1, end - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive() and r not in stuck]
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -186,7 +189,7 @@ def save_and_reshard(rank, world, tmp, store):
     return res
 
 
-def manager(rank, world, tmp, store, kill_rank=None, async_save=True):
+def manager(rank, world, tmp, store, kill_rank=None, signum=signal.SIGKILL, async_save=True, timeout_s=8):
     """CheckpointManager with a process group: save twice, restore into fresh state (and optionally die)."""
     import torch
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -215,7 +218,7 @@ def manager(rank, world, tmp, store, kill_rank=None, async_save=True):
 
     res: dict = {}
     with ckpt.CheckpointManager(store, "run", keep_last=2, async_save=async_save, process_group=torch.distributed.group.WORLD,
-                                timeout_s=8) as mgr:
+                                timeout_s=timeout_s) as mgr:
         res["restored_none"] = mgr.restore_latest({"train": Train(model, opt), "step": 0})
         for s in (1, 2, 3):
             step()
@@ -231,7 +234,7 @@ def manager(rank, world, tmp, store, kill_rank=None, async_save=True):
             def dying(self, plan, planner):
                 out = original(self, plan, planner)  # this rank's chunks are in the store...
                 if rank == kill_rank:
-                    os.kill(os.getpid(), signal.SIGKILL)  # ...and it dies before reporting them
+                    os.kill(os.getpid(), signum)  # ...and it dies (or hangs) before reporting them
                 return out
 
             ckpt.dcp.Writer.write_data = dying

@@ -100,6 +100,46 @@ def test_refuses_values_json_cannot_hold(tmp_path):
         encode_value(Opaque(), "x")
 
 
+def test_values_never_look_like_chunk_lists(tmp_path):
+    """A value holding a dict keyed "chunks" must not be read by gc as chunk ids (docs/format.md)."""
+    from ckpt.dcp_format import decode_value, encode_value
+    from storage.gc import referenced_chunks
+    from storage.records import canonical_json
+
+    tricky = ({"chunks": ["not-an-id"], "delta_bases": [[1]], 3: b"\x01"}, float("nan"), [None, True, -2**70])
+    enc = encode_value(tricky, "v")
+    assert referenced_chunks(canonical_json({"x": enc})) == set()
+    back = decode_value(enc, "v")
+    assert back[0] == tricky[0] and back[1] != back[1] and back[2] == tricky[2] and isinstance(back, tuple)
+    url = str(tmp_path / "s")
+    dcp.save({"w": torch.ones(2), "v": tricky}, storage_writer=ckpt.dcp.Writer(url, "v/x"))
+    into = {"w": torch.zeros(2), "v": None}
+    dcp.load(into, storage_reader=ckpt.dcp.Reader(url, "v/x"))
+    assert into["v"][0] == tricky[0] and ckpt.Store.open(url).verify().ok
+
+
+def test_layout_decoder_refuses_what_it_would_not_write():
+    from ckpt.dcp_format import decode_layout
+    from storage.errors import StoreFormatError
+
+    def layout(**item):
+        return {"dcp": {"format": "ckpt-dcp", "version": 1, "planner_data": None,
+                        "items": {"w": {"kind": "tensor", "dtype": "F32", "size": [4, 2], **item}}}}
+
+    ok = layout(shards=[{"offsets": [0, 0], "sizes": [2, 2], "entry": "a"}, {"offsets": [2, 0], "sizes": [2, 2], "entry": "b"}])
+    assert [s.entry for s in decode_layout(ok, "m").tensors["w"].shards] == ["a", "b"]
+    bad = [
+        layout(shards=[{"offsets": [3, 0], "sizes": [2, 2], "entry": "a"}]),  # outside the tensor
+        layout(shards=[{"offsets": [0, 0], "sizes": [2, 2], "entry": "a"}]),  # does not cover it
+        layout(dtype="F33", shards=[]),
+        {"dcp": {**ok["dcp"], "version": 2}},
+        {"dcp": {**ok["dcp"], "items": {"v": {"kind": "value", "value": {"__tensor__": "w"}}}}},
+    ]
+    for b in bad:
+        with pytest.raises(StoreFormatError):
+            decode_layout(b, "m")
+
+
 def test_reader_refuses_a_plain_checkpoint(tmp_path):
     url = str(tmp_path / "s")
     ckpt.Store.init(url).push({"w": torch.ones(3)}, "plain/x")
@@ -173,3 +213,19 @@ def test_rank_killed_mid_save(tmp_path):
     assert store.resolve("run/latest") == store.resolve("run/step-3")
     assert "run/step-4" not in store.refs()
     assert store.verify().ok
+
+
+@pytest.mark.slow
+def test_rank_hung_mid_save_times_out(tmp_path):
+    """A rank that stops (SIGSTOP) keeps its connections open: the others give up after timeout_s."""
+    import signal
+
+    url = str(tmp_path / "s")
+    results = W.run_ranks("manager", 3, str(tmp_path), store=url, kill_rank=2, signum=signal.SIGSTOP, timeout_s=5,
+                          stuck=(2,), deadline_s=120)
+    for r in results[:2]:
+        assert "error" not in r, r.get("trace")
+        assert r["kill"].startswith("SnapshotError") and "previous snapshot" in r["kill"]
+        assert 4 < r["kill_s"] < 60  # waited for the timeout, not forever
+    store = ckpt.Store.open(url)
+    assert store.resolve("run/latest") == store.resolve("run/step-3") and store.verify().ok
