@@ -9,7 +9,9 @@ about 500 MB at the defaults. Sequence, identical for both contenders:
 1. one training step, then **save 1** of the state by each contender (ckpt into a fresh
    store as ref ``bench/state``; DCP into a fresh directory);
 2. one more training step, then **save 2** (ckpt: the same ref, so unchanged chunks are
-   deduplicated and changed ones delta-encoded against save 1; DCP: a new directory);
+   deduplicated and, by default, changed ones delta-encoded against save 1 where smaller;
+   "ckpt, no delta" is ``Writer(..., delta=False)``: dedup and compression only; DCP: a
+   new directory);
 3. **load** of save 2 into the live state (page cache warm), checked bit for bit against a
    copy taken at the save.
 
@@ -37,6 +39,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+CONTENDERS = ("ckpt", "ckpt_nodelta", "dcp")
+LABELS = {"ckpt": "ckpt", "ckpt_nodelta": "ckpt, no delta", "dcp": "DCP FileSystemWriter"}
 
 
 def dir_bytes(path: str) -> int:
@@ -97,18 +103,23 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, init: str, work: 
 
     rows = []
     for rep in range(args.reps):
-        store, fs = os.path.join(work, f"store-{rep}"), [os.path.join(work, f"dcp-{rep}-{i}") for i in (1, 2)]
+        where = {c: os.path.join(work, f"{c}-{rep}") for c in CONTENDERS}
+        writers = {"ckpt": lambda save: ckpt.dcp.Writer(where["ckpt"], "bench/state"),
+                   "ckpt_nodelta": lambda save: ckpt.dcp.Writer(where["ckpt_nodelta"], "bench/state", delta=False),
+                   "dcp": lambda save: dcp.FileSystemWriter(f"{where['dcp']}/save-{save}")}
+        readers = {"ckpt": lambda: ckpt.dcp.Reader(where["ckpt"], "bench/state"),
+                   "ckpt_nodelta": lambda: ckpt.dcp.Reader(where["ckpt_nodelta"], "bench/state"),
+                   "dcp": lambda: dcp.FileSystemReader(f"{where['dcp']}/save-2")}
         rec = {}
         for save in (1, 2):
             train_step()
             sd = state()
-            before = dir_bytes(store) if rank == 0 and os.path.exists(store) else 0
-            rec[f"ckpt_save{save}_s"] = timed(lambda: dcp.save(sd, storage_writer=ckpt.dcp.Writer(store, "bench/state")))
-            rec[f"ckpt_save{save}_bytes"] = (dir_bytes(store) - before) if rank == 0 else 0
-            rec[f"dcp_save{save}_s"] = timed(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(fs[save - 1])))
-            rec[f"dcp_save{save}_bytes"] = dir_bytes(fs[save - 1]) if rank == 0 else 0
+            for c in CONTENDERS:
+                before = dir_bytes(where[c]) if rank == 0 and os.path.exists(where[c]) else 0
+                rec[f"{c}_save{save}_s"] = timed(lambda: dcp.save(sd, storage_writer=writers[c](save)))
+                rec[f"{c}_save{save}_bytes"] = (dir_bytes(where[c]) - before) if rank == 0 else 0
         saved = local_bits(sd)
-        for name, reader in (("ckpt", lambda: ckpt.dcp.Reader(store, "bench/state")), ("dcp", lambda: dcp.FileSystemReader(fs[1]))):
+        for name, reader in readers.items():
             with torch.no_grad():
                 for p in model.parameters():
                     p.to_local().zero_()
@@ -143,6 +154,8 @@ def main() -> None:
     import torch
     import torch.multiprocessing as mp
 
+    from ckpt.settings import Settings
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d-model", type=int, default=512)
@@ -153,6 +166,7 @@ def main() -> None:
     args = p.parse_args()
     work = tempfile.mkdtemp(prefix="ckpt-bench-dcp-", dir=args.dir)
     t0 = time.time()
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     try:
         out = os.path.join(work, "results.json")
         mp.start_processes(rank_main, args=(2, args, os.path.join(work, "pg"), work, out), nprocs=2, start_method="spawn")
@@ -161,10 +175,9 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     reps = per_rank[0]
-    exact = all(r[f"{n}_exact"] for ranks in per_rank for r in ranks for n in ("ckpt", "dcp"))
+    exact = all(r[f"{n}_exact"] for ranks in per_rank for r in ranks for n in CONTENDERS)
     med = {k: statistics.median(r[k] for r in reps) for k in reps[0] if not k.endswith("_exact")}
     state_mb = sum(ranks[0]["state_bytes"] for ranks in per_rank) / 1e6
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT), *sys.argv[1:]])
     lines = [
         "# Distributed saves: ckpt.dcp.Writer/Reader beside DCP's FileSystemWriter/Reader (2 gloo ranks, CPU)", "",
@@ -176,17 +189,20 @@ def main() -> None:
         "compare the two contenders within this run",
         f"- state: TinyGPT (vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers) + AdamW, FSDP2 over 2 ranks, "
         f"{state_mb:,.0f} MB of fp32 tensors; medians of {args.reps} repetitions", "",
-        "Method: the module docstring of `benchmarks/dcp.py`. MB = 10^6 bytes.", "",
-        "| operation | ckpt s | DCP s | ckpt / DCP time | ckpt MB written | DCP MB written | ckpt / DCP bytes |",
-        "|---|---|---|---|---|---|---|",
+        f"- ckpt settings: {Settings.from_env()}", "",
+        "Method: the module docstring of `benchmarks/dcp.py`. MB = 10^6 bytes; ratios are against DCP's "
+        "FileSystemWriter/Reader in the same run.", "",
+        "| operation | contender | seconds | MB written | time vs DCP | bytes vs DCP |",
+        "|---|---|---|---|---|---|",
     ]
-    for label, key in (("save 1 (fresh)", "save1"), ("save 2 (after a training step)", "save2")):
-        c, d = med[f"ckpt_{key}_s"], med[f"dcp_{key}_s"]
-        cb, db = med[f"ckpt_{key}_bytes"] / 1e6, med[f"dcp_{key}_bytes"] / 1e6
-        lines.append(f"| {label} | {c:.2f} | {d:.2f} | {c / d:.2f}x | {cb:,.1f} | {db:,.1f} | {cb / db:.2f}x |")
-    c, d = med["ckpt_load_s"], med["dcp_load_s"]
-    lines += [f"| load of save 2 (warm page cache) | {c:.2f} | {d:.2f} | {c / d:.2f}x | - | - | - |", "",
-              f"Every load was bit-identical to the state saved: {'yes' if exact else 'NO'}.", ""]
+    for label, key in (("save 1 (fresh)", "save1"), ("save 2 (after a training step)", "save2"), ("load of save 2 (warm)", "load")):
+        for c in CONTENDERS:
+            secs = med[f"{c}_{key}_s"]
+            mb = med.get(f"{c}_{key}_bytes")
+            ref_mb = med.get(f"dcp_{key}_bytes")
+            lines.append(f"| {label} | {LABELS[c]} | {secs:.2f} | {'-' if mb is None else f'{mb / 1e6:,.1f}'} | "
+                         f"{secs / med[f'dcp_{key}_s']:.2f}x | {'-' if mb is None else f'{mb / ref_mb:.2f}x'} |")
+    lines += ["", f"Every load was bit-identical to the state saved: {'yes' if exact else 'NO'}.", ""]
     text = "\n".join(lines)
     print(text)
     Path(args.out).write_text(text)

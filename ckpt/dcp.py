@@ -21,8 +21,10 @@ result; ``ckpt pull`` writes one consolidated safetensors file.
 
 Non-tensor state is stored as JSON (DCP would pickle it): values JSON cannot
 hold (arbitrary objects) are refused with :class:`~ckpt.dcp_format.UnsupportedStateError`.
-A dead peer makes DCP's collectives fail after the process group's timeout:
-give ``init_process_group`` (or ``CheckpointManager``'s ``timeout_s``) one.
+A rank that dies makes its peers' next DCP collective fail (gloo: at once, on the
+reset connection); one that hangs, after the process group's timeout: give
+``init_process_group`` a timeout (``CheckpointManager(timeout_s=...)`` uses its own group).
+Either way ``finish`` never runs and the ref stays where it was.
 """
 
 from __future__ import annotations
