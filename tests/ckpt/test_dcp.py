@@ -212,7 +212,16 @@ def test_rank_killed_mid_save(tmp_path):
     store = ckpt.Store.open(url)
     assert store.resolve("run/latest") == store.resolve("run/step-3")
     assert "run/step-4" not in store.refs()
+    assert len(list(store.objects.list("manifests"))) == 3  # steps 1-3: no manifest of the failed save
     assert store.verify().ok
+    from storage.gc import referenced_chunks
+
+    named = set().union(*(referenced_chunks(store.objects.get_manifest(o.id)) for o in store.objects.list("manifests")))
+    orphans = {o.id for o in store.objects.list("chunks")} - named
+    assert orphans  # the ranks did write step 4's chunks; no manifest names them
+    store.gc(grace_s=0)
+    assert not orphans & {o.id for o in store.objects.list("chunks")}
+    assert store.verify().ok and store.load("run/latest")
 
 
 @pytest.mark.slow
