@@ -179,6 +179,26 @@ def load_dcp(store: Store, m: Manifest, include: list[str] | None = None, progre
     return out
 
 
+def fill_dcp(store: Store, m: Manifest, live: dict[str, Any], strict: bool, progress: Progress | None = None) -> None:
+    """Decode a distributed checkpoint's whole tensors into ``live`` (name -> tensor, any device), in place."""
+    items = {t.fqn: t for t in _selected(m, None)}
+    missing, unexpected = sorted(set(live) - set(items)), sorted(set(items) - set(live))
+    if strict and (missing or unexpected):
+        raise TensorMismatchError(f"checkpoint and target differ: missing in checkpoint {missing[:10]}, "
+                                  f"not in target {unexpected[:10]}", hint="pass strict=False to load the common tensors")
+    entries = {t.name: t for t in m.tensors}
+    copies: list[Copy] = []
+    for name in sorted(set(live) & set(items)):
+        item, dst = items[name], live[name].detach()
+        if tuple(dst.shape) != item.size or dst.dtype != to_torch(item.dtype):
+            raise TensorMismatchError(f"{name}: checkpoint {item.dtype}{list(item.size)} vs target {dst.dtype}{list(dst.shape)}")
+        copies += shard_copies(item, dst, entries)
+    progress = progress or NullProgress()
+    progress.start("load", sum(items[n].nbytes for n in set(live) & set(items)))
+    run_copies(store, m, copies, progress)
+    progress.finish()
+
+
 def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, overwrite: bool, progress: Progress | None = None) -> str:
     """Write a distributed checkpoint as one consolidated safetensors file; returns its path.
 

@@ -246,6 +246,10 @@ def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, progr
 
     m = store.manifest(ref)
     live: dict[str, torch.Tensor] = dict(target.state_dict()) if isinstance(target, torch.nn.Module) else dict(target)
+    if m.source == "dcp":  # a distributed checkpoint: whole tensors assembled from its shards
+        from ckpt.dcp_read import fill_dcp
+
+        return fill_dcp(store, m, live, strict, progress)
     by_name = {t.name: t for t in m.tensors}
     missing = sorted(set(live) - set(by_name))
     unexpected = sorted(set(by_name) - set(live))

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ckpt
 import ckpt.dcp
 from ckpt.dcp_format import UnsupportedStateError
+from ckpt.errors import TensorMismatchError
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import dcp_workers as W  # noqa: E402
@@ -55,6 +56,11 @@ def test_single_process_round_trip_values_and_tools(tmp_path):
     assert set(got) == set(loaded) and all(_bits_equal(got[k], v) for k, v in loaded.items())
     only = load_file(store.pull("one/a", str(tmp_path / "rows.safetensors"), include=["t.rows"]))
     assert list(only) == ["t.rows"] and _bits_equal(only["t.rows"], full["rows"])
+    target = {f"t.{k}": torch.zeros_like(v).t().contiguous().t() for k, v in full.items() if v.dim() == 2}  # strided
+    store.load_into("one/a", target, strict=False)
+    assert all(_bits_equal(target[f"t.{k}"], full[k]) for k in ("rows", "cols"))
+    with pytest.raises(TensorMismatchError):
+        store.load_into("one/a", target)
 
 
 def test_second_save_dedups_and_deltas(tmp_path):
