@@ -5,7 +5,7 @@ shard and the tensor view it goes to. A region that is the whole shard and a
 contiguous CPU destination is decoded straight into the destination; any other
 region is decoded into a buffer (only the chunks that overlap it are fetched)
 and copied from there. The DCP :class:`~ckpt.dcp.Reader` (resharding on load),
-``Store.load`` of a distributed checkpoint (whole tensors) and ``ckpt pull``
+``Store.load`` and ``load_into`` of a distributed checkpoint (whole tensors) and ``ckpt pull``
 (one consolidated safetensors file) all go through :func:`run_copies`.
 """
 
