@@ -72,6 +72,11 @@ class CheckpointManager:
     ``handle_signals=True`` installs SIGTERM/SIGUSR1 handlers (preemption): the
     in-flight save is finished, :attr:`preempted` becomes True, and the next
     :meth:`maybe_save` takes a final snapshot and raises ``SystemExit``.
+
+    With ``process_group`` (e.g. ``torch.distributed.group.WORLD``) every rank calls
+    the same ``save``/``restore_latest``: snapshots are saved and restored through
+    ``torch.distributed.checkpoint`` (sharded state, resharded on restore), and a rank
+    that fails or dies makes the others raise after ``timeout_s`` (ckpt/dcp_manager.py).
     """
 
     def __init__(
@@ -88,6 +93,8 @@ class CheckpointManager:
         trust_version: bool = True,
         delta: bool = False,
         settings: Settings | None = None,
+        process_group: Any = None,
+        timeout_s: float = 1800.0,
     ) -> None:
         from ckpt.store import Store
         from storage.refs import validate_ref_name
@@ -124,6 +131,11 @@ class CheckpointManager:
         self.last_save_stats: dict[str, float] = {}
         if handle_signals:
             self._install_signals()
+        self._dist = None
+        if process_group is not None:
+            from ckpt.dcp_manager import DistributedSnapshots
+
+            self._dist = DistributedSnapshots(self, process_group, timeout_s)
 
     # -- saving ------------------------------------------------------------------
     def ref(self, step: int) -> str:
@@ -147,6 +159,8 @@ class CheckpointManager:
         if not isinstance(step, int) or step < 0:
             raise ValueError("step must be a non-negative int")
         self.wait()
+        if self._dist is not None:
+            return self._dist.save(step, state, metrics)
         t0 = time.perf_counter()
         tensors, tree = flatten(state)
         staged, reuse, keys = self._stage(tensors, trust=self.trust_version and not _has_fused_optimizer(state))
@@ -317,9 +331,11 @@ class CheckpointManager:
         from ckpt.dtypes import to_torch
         from ckpt.pull import fill
 
+        if self._dist is not None:
+            return self._dist.restore(state, mid)
         m = self.store.get_manifest(mid)
         snap = m.extra.get("snapshot")
-        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT:
+        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or "tree" not in snap:
             raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")
         tree: dict[str, Any] = snap["tree"]
         missing = sorted(set(state) - set(tree))

@@ -156,6 +156,10 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
     m = store.manifest(ref)
     progress = progress or NullProgress()
     dest = os.fspath(dest)
+    if m.source == "dcp":  # a distributed checkpoint: its shards consolidated into one file
+        from ckpt.dcp_read import pull_dcp
+
+        return pull_dcp(store, m, dest, include, overwrite, progress)
     single = m.source != "hf-dir" and len(m.files) == 1
     if include:
         return _pull_selected(store, m, dest, include, overwrite, progress)
@@ -262,6 +266,10 @@ def _into_tasks(m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]]) -> l
 def load(store: Store, ref: str, *, include: list[str] | None = None, progress: Progress | None = None) -> dict[str, torch.Tensor]:
 
     m = store.manifest(ref)
+    if m.source == "dcp":  # a distributed checkpoint: whole tensors, consolidated from its shards
+        from ckpt.dcp_read import load_dcp
+
+        return load_dcp(store, m, include, progress)
     out: dict[str, torch.Tensor] = {}
     pairs = []
     chosen = list(select(m, include))
@@ -286,6 +294,10 @@ def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, progr
 
     m = store.manifest(ref)
     live: dict[str, torch.Tensor] = dict(target.state_dict()) if isinstance(target, torch.nn.Module) else dict(target)
+    if m.source == "dcp":  # a distributed checkpoint: whole tensors assembled from its shards
+        from ckpt.dcp_read import fill_dcp
+
+        return fill_dcp(store, m, live, strict, progress)
     by_name = {t.name: t for t in m.tensors}
     missing = sorted(set(live) - set(by_name))
     unexpected = sorted(set(by_name) - set(live))

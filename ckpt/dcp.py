@@ -1,0 +1,375 @@
+"""``torch.distributed.checkpoint`` storage backed by a ckpt store.
+
+>>> import torch, torch.distributed.checkpoint as dcp, warnings, ckpt.dcp
+>>> warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+>>> state = {"w": torch.arange(6.0).reshape(2, 3), "step": 7}
+>>> md = dcp.save(state, storage_writer=ckpt.dcp.Writer("memory://dcp-doctest", "run/step-7"))
+>>> into = {"w": torch.zeros(2, 3), "step": 0}
+>>> dcp.load(into, storage_reader=ckpt.dcp.Reader("memory://dcp-doctest", "run/step-7"))
+>>> into["w"].tolist(), into["step"]
+([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], 7)
+
+Every rank hashes, encodes and writes the chunks of its own shards in parallel
+(``ckpt.pipeline.put_chunks``: chunks already in the store are not written
+again, and a shard saved before under the same name is delta-encoded against
+it where that is smaller). The coordinator then writes one ordinary manifest
+(source ``"dcp"``: one tensor entry per saved shard, DCP's metadata as JSON
+under ``extra["dcp"]``, see :mod:`ckpt.dcp_format`) and moves the ref; DCP calls
+it only after every rank has finished writing, so a rank that fails or dies
+leaves the previous checkpoint current. ``ckpt ls/show/verify/pull`` work on the
+result; ``ckpt pull`` writes one consolidated safetensors file.
+
+Non-tensor state is stored as JSON (DCP would pickle it): values JSON cannot
+hold (arbitrary objects) are refused with :class:`~ckpt.dcp_format.UnsupportedStateError`.
+A rank that dies makes its peers' next DCP collective fail (gloo: at once, on the
+reset connection); one that hangs, after the process group's timeout: give
+``init_process_group`` a timeout (``CheckpointManager(timeout_s=...)`` uses its own group).
+Either way ``finish`` never runs and the ref stays where it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckpt.base import pair_tensors
+from ckpt.dcp_format import DCP_SOURCE, UnsupportedStateError, decode_layout, encode_metadata, encode_value, shard_name, to_metadata
+from ckpt.dcp_read import Copy, run_copies
+from ckpt.dtypes import byte_view, from_torch, itemsize
+from ckpt.errors import CkptError
+from ckpt.manifest import FileEntry, Manifest, TensorEntry
+from ckpt.pipeline import PutTask, put_chunks
+from ckpt.push import PushResult, _tasks
+from ckpt.settings import Settings
+from ckpt.sources import MemBytes
+from storage.commit import commit
+from storage.errors import StoreFormatError
+from storage.records import canonical_json
+from storage.refs import validate_ref_name
+
+if TYPE_CHECKING:
+    from ckpt.store import Store
+
+__all__ = ["Reader", "UnsupportedStateError", "Writer"]
+
+FILE = "model.safetensors"  # the consolidated file a distributed checkpoint pulls to
+BATCH_BYTES = 256 * 1024 * 1024  # tensor bytes a rank resolves (copies off the device) at once
+
+
+class _StoreHolder:
+    """Opens the store lazily and forgets it when pickled (DCP's process-based async save)."""
+
+    def __init__(self, store: str | os.PathLike[str] | Store, storage_options: dict[str, Any] | None, settings: Settings | None) -> None:
+        from ckpt.store import Store
+
+        self._store: Store | None = store if isinstance(store, Store) else None
+        self.url = store.url if isinstance(store, Store) else os.fspath(store)
+        self.storage_options = storage_options
+        self.settings = settings
+
+    def store(self, create: bool) -> Store:
+        from ckpt.store import Store
+
+        if self._store is None:
+            self._store = Store.open(self.url, storage_options=self.storage_options, settings=self.settings, create=create)
+        return self._store
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_store": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankPlan:
+    base: str | None  # manifest whose same-named shards new chunks are delta-encoded against
+
+
+@dataclasses.dataclass(frozen=True)
+class _Written:
+    entry: TensorEntry
+    written: int  # stored bytes of chunks this rank wrote
+    new_chunks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Value:
+    value: Any  # tagged JSON (ckpt.dcp_format.encode_value)
+
+
+class Writer(StorageWriter):
+    """A DCP ``StorageWriter`` that saves into a ckpt store as ref ``name``.
+
+    ``store`` is a URL (each rank opens it) or an open :class:`~ckpt.Store`.
+    ``name`` may instead come from ``dcp.save(..., checkpoint_id=NAME)``. New chunks
+    are delta-encoded against ``base`` (a ref), else ``name``'s current version
+    (``delta=False``: never). ``aliases`` are refs moved along (like ``RUN/latest``),
+    ``extra`` JSON recorded in the manifest. After a save, :attr:`last` (on the
+    coordinator) is the :class:`~ckpt.push.PushResult`, and every rank's returned
+    ``Metadata.storage_meta.checkpoint_id`` is the new checkpoint id.
+    """
+
+    def __init__(self, store: str | os.PathLike[str] | Store, name: str | None = None, *, message: str | None = None,
+                 metadata: dict[str, Any] | None = None, base: str | None = None, delta: bool = True,
+                 aliases: Sequence[str] = (), extra: dict[str, Any] | None = None,
+                 storage_options: dict[str, Any] | None = None, settings: Settings | None = None) -> None:
+        super().__init__()
+        self._holder = _StoreHolder(store, storage_options, settings)
+        self.name = validate_ref_name(name) if name is not None else None
+        self.message, self.base, self.delta = message, base, delta
+        self.aliases = tuple(validate_ref_name(a) for a in aliases)
+        canonical_json([metadata or {}, extra or {}])  # JSON or an error now, not after the data is written
+        if extra and "dcp" in extra:
+            raise ValueError("extra['dcp'] is reserved for DCP's metadata")
+        self.metadata, self.extra = dict(metadata or {}), dict(extra or {})
+        self.is_coordinator, self.rank = True, 0
+        self.save_id = uuid.uuid4().hex
+        self._lineage: dict[str, Any] = {"parent": None, "base": None, "merge": None}
+        self.last: PushResult | None = None
+
+    # -- DCP protocol -------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.name = validate_ref_name(os.fspath(checkpoint_id))
+        self.save_id = uuid.uuid4().hex
+        self.last = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            raise CkptError("ckpt.dcp.Writer needs use_collectives=True: the coordinator writes one manifest for all ranks")
+        if self.name is None:
+            raise CkptError("no ref name to save to", hint="pass Writer(store, NAME) or dcp.save(..., checkpoint_id=NAME)")
+        self.is_coordinator, self.rank = is_coordinator, int(kwargs.get("rank") or 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        store = self._holder.store(create=True)
+        current = store.refs_db.current(self.name)  # type: ignore[arg-type]
+        parent = current.target if current is not None else None
+        base = store.resolve(self.base) if self.base else (parent if self.delta else None)
+        self._lineage = {"parent": parent, "base": base, "merge": None}
+        return [dataclasses.replace(p, storage_data=_RankPlan(base)) for p in plans]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        store = self._holder.store(create=True)
+        info = plan.storage_data if isinstance(plan.storage_data, _RankPlan) else _RankPlan(None)
+        base_m = store.get_manifest(info.base) if info.base else None
+        paired = pair_tensors(base_m if base_m is not None and base_m.chunk_size == store.settings.chunk_size else None)
+        results = [WriteResult(index=i.index, size_in_bytes=0, storage_data=_Value(_lookup_value(planner, i)))
+                   for i in plan.items if i.type == WriteItemType.BYTE_IO]
+        batch: list[Any] = []
+        size = 0
+        for item in (i for i in plan.items if i.type != WriteItemType.BYTE_IO):
+            batch.append(item)
+            size += item.tensor_storage_size() or 0
+            if size >= BATCH_BYTES:
+                results += self._write_tensors(store, batch, planner, paired)
+                batch, size = [], 0
+        results += self._write_tensors(store, batch, planner, paired)
+        store.backend.flush()  # this rank's chunk names are durable before the coordinator commits
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_tensors(self, store: Store, items: list[Any], planner: SavePlanner, paired: dict[Any, TensorEntry]) -> list[WriteResult]:
+        cs = store.settings.chunk_size
+        tasks: list[PutTask] = []
+        shards = []
+        for item in items:
+            td = item.tensor_data
+            t = planner.resolve_data(item).detach()
+            if t.device.type != "cpu" or not t.is_contiguous():
+                t = t.cpu().contiguous()  # only the projection the plan names is saved
+            fqn, offsets, sizes = item.index.fqn, tuple(td.chunk.offsets), tuple(td.chunk.sizes)
+            name, dtype = shard_name(fqn, offsets, sizes, tuple(td.size)), from_torch(t.dtype)
+            view = byte_view(t)
+            match = paired.get((name, dtype, len(view)))
+            start = len(tasks)
+            tasks += _tasks(MemBytes(view, t), 0, len(view), cs, itemsize(dtype) or 1, match.chunks if match else ())
+            shards.append((item, name, dtype, tuple(t.shape), len(view), start, len(tasks)))
+        res = put_chunks(store.objects, tasks, store.settings)
+        out = []
+        for item, name, dtype, shape, nbytes, a, b in shards:
+            rs = res[a:b]
+            chains = tuple(r.bases for r in rs)
+            entry = TensorEntry(name, dtype, shape, nbytes, tuple(r.id for r in rs), FILE, codecs=tuple(r.codec for r in rs),
+                                delta_bases=chains if any(chains) else ())
+            out.append(WriteResult(index=item.index, size_in_bytes=nbytes,
+                                   storage_data=_Written(entry, sum(r.stored for r in rs), sum(1 for r in rs if r.stored))))
+        return out
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: write the manifest, then move the ref (every rank's chunks are in)."""
+        store = self._holder.store(create=True)
+        entries: dict[tuple[str, tuple[int, ...]], str] = {}
+        shards: dict[str, TensorEntry] = {}
+        values: dict[str, Any] = {}
+        written = new = 0
+        for wr in (w for ws in results for w in ws):
+            sd = wr.storage_data
+            if isinstance(sd, _Value):
+                values[wr.index.fqn] = sd.value
+                continue
+            e = sd.entry
+            if e.name in shards and shards[e.name].chunks != e.chunks:
+                raise CkptError(f"two ranks saved different data for {e.name}",
+                                hint="a tensor that is not a DTensor/ShardedTensor must be identical on every rank")
+            shards[e.name] = e
+            entries[(wr.index.fqn, tuple(wr.index.offset or ()))] = e.name
+            written += sd.written
+            new += sd.new_chunks
+        dcp_md = encode_metadata(metadata, entries, values)
+        head, head_res = self._header(store, dcp_md)
+        file = FileEntry(FILE, "safetensors", len(head) + sum(_nbytes(it) for it in dcp_md["items"].values()),
+                         tuple(r.id for r in head_res), len(head), {"format": "pt"})
+        manifest = Manifest(source=DCP_SOURCE, chunk_size=store.settings.chunk_size, files=(file,),
+                            tensors=tuple(sorted(shards.values(), key=lambda e: e.name)), created=time.time(),
+                            message=self.message, metadata=self.metadata, extra={**self.extra, "dcp": dcp_md},
+                            lineage=self._lineage)
+        mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), self.name)
+        for alias in self.aliases:
+            store.refs_db.set(alias, mid, alias=True)
+        metadata.storage_meta = StorageMeta(checkpoint_id=mid, save_id=self.save_id)
+        chunks = sum(len(e.chunks) for e in shards.values()) + len(head_res)
+        new += sum(1 for r in head_res if r.stored)
+        self.last = PushResult(mid, chunks, new, manifest.logical_bytes, written + sum(r.stored for r in head_res), manifest)
+
+    @staticmethod
+    def _header(store: Store, dcp_md: dict[str, Any]) -> tuple[bytes, list[Any]]:
+        """The consolidated file's safetensors header, stored as chunks like any pushed header."""
+        from ckpt.safetensors_format import build_header
+
+        specs = [(fqn, it["dtype"], tuple(it["size"]), _nbytes(it)) for fqn, it in dcp_md["items"].items() if it["kind"] == "tensor"]
+        head, _ = build_header(specs, {"format": "pt"})
+        return head, put_chunks(store.objects, _tasks(MemBytes(memoryview(head)), 0, len(head), store.settings.chunk_size, 1), store.settings)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.name, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self.name
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            validate_ref_name(os.fspath(checkpoint_id))
+        except CkptError:
+            return False
+        return True
+
+
+def _nbytes(item: dict[str, Any]) -> int:
+    if item["kind"] != "tensor":
+        return 0
+    n = itemsize(item["dtype"]) or 1
+    for d in item["size"]:
+        n *= d
+    return n
+
+
+def _lookup_value(planner: SavePlanner, item: Any) -> Any:
+    """A non-tensor item as tagged JSON, read from the planner's state dict (never from DCP's pickle)."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is None:
+        raise UnsupportedStateError(f"{item.index.fqn}: this planner cannot hand over non-tensor values unpickled",
+                                    hint="use DefaultSavePlanner (or one with lookup_object), or save tensors only")
+    return encode_value(lookup(item.index), item.index.fqn)
+
+
+class Reader(StorageReader):
+    """A DCP ``StorageReader`` for checkpoint ``ref`` (a ref, ``NAME@N`` or id prefix) of a ckpt store.
+
+    The ref is resolved once per load; if ranks resolve it to different checkpoints
+    (a save moved it meanwhile) the load fails before reading, asking for an id.
+    Any DCP resharding works: each rank reads only the chunks of the shard regions
+    its own layout needs, verified as always.
+    """
+
+    def __init__(self, store: str | os.PathLike[str] | Store, ref: str | None = None, *,
+                 storage_options: dict[str, Any] | None = None, settings: Settings | None = None) -> None:
+        super().__init__()
+        self._holder = _StoreHolder(store, storage_options, settings)
+        self.ref = ref
+        self.load_id = uuid.uuid4().hex
+        self._manifest: tuple[str, Manifest] | None = None
+        self._values: dict[str, Any] = {}
+        self._storage: dict[Any, str | None] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.ref = os.fspath(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+        self._manifest = None
+
+    def read_metadata(self) -> Metadata:
+        """DCP's metadata, rebuilt from the manifest's JSON (no pickle)."""
+        if self.ref is None:
+            raise CkptError("no checkpoint to load", hint="pass Reader(store, REF) or dcp.load(..., checkpoint_id=REF)")
+        store = self._holder.store(create=False)
+        mid = store.resolve(self.ref)
+        m = store.get_manifest(mid)
+        if m.source != DCP_SOURCE:
+            raise CkptError(f"{self.ref} is a {m.source!r} checkpoint, not a distributed one",
+                            hint="load it with Store.load / load_into, or push it again through dcp.save")
+        layout = decode_layout(m.extra, f"manifest {mid}")
+        self._manifest, self._values = (mid, m), layout.values
+        md = to_metadata(layout, mid)
+        md.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._storage = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return dataclasses.replace(plan, storage_data=self._manifest[0] if self._manifest else None)
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        ids = {p.storage_data for p in plans}
+        if len(ids) > 1:
+            raise CkptError(f"ranks resolved {self.ref} to different checkpoints ({', '.join(sorted(i[:12] for i in ids if i))}): "
+                            "it moved during the load", hint="load by checkpoint id")
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        import torch
+
+        assert self._manifest is not None, "read_metadata comes first"
+        store = self._holder.store(create=False)
+        mid, m = self._manifest
+        entries = {t.name: t for t in m.tensors}
+        copies = []
+        for req in plan.items:
+            if req.type == LoadItemType.BYTE_IO:
+                buf = io.BytesIO()
+                torch.save(self._values[req.storage_index.fqn], buf)  # our JSON-decoded value, for the planner's torch.load
+                buf.seek(0)
+                planner.load_bytes(req, buf)
+                continue
+            name = self._storage.get(req.storage_index)
+            if name not in entries:
+                raise StoreFormatError(f"manifest {mid}: no stored shard for {req.storage_index.fqn} at {list(req.storage_index.offset or ())}")
+            copies.append(Copy(entries[name], tuple(req.storage_offsets), tuple(req.lengths), planner.resolve_tensor(req).detach(),
+                               lambda t, r=req: planner.commit_tensor(r, t)))
+        run_copies(store, m, copies)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self.ref
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return Writer.validate_checkpoint_id(checkpoint_id)

@@ -1,0 +1,276 @@
+"""DCP's checkpoint metadata as JSON, never pickle (the layout ``ckpt.dcp`` stores).
+
+``torch.distributed.checkpoint`` pickles its :class:`Metadata`; a ckpt manifest
+records the same facts as canonical JSON under ``extra["dcp"]`` instead::
+
+    {"format": "ckpt-dcp", "version": 1, "dcp_version": "1.0.0",
+     "items": {"model.w": {"kind": "tensor", "dtype": "F32", "size": [8, 4], "requires_grad": false,
+                           "shards": [{"offsets": [0, 0], "sizes": [4, 4], "entry": "model.w[0:4,0:4]"},
+                                      {"offsets": [4, 0], "sizes": [4, 4], "entry": "model.w[4:8,0:4]"}]},
+               "step": {"kind": "value", "value": 100}},
+     "planner_data": {"model.w": ["model", "w"], "step": ["step"]}}
+
+Every shard a rank saved is a tensor entry of the manifest (``entry`` is its
+name there). Non-tensor items are stored as tagged JSON values (tuples, dicts
+with non-string keys, non-finite floats and bytes are tagged so they round-trip);
+anything else is refused when saving, so nothing is ever unpickled on load.
+Only what this module writes is accepted when loading. No key here is named
+``chunks`` or ``delta_bases``, the names gc reads as chunk lists (docs/format.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckpt.dtypes import DTYPES, itemsize
+from ckpt.errors import CkptError
+from ckpt.manifest import check_tensor_name
+from storage.errors import StoreFormatError
+from storage.gc import CHUNK_LIST_KEYS
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+DCP_SOURCE = "dcp"  # Manifest.source of a distributed checkpoint
+DCP_FORMAT = "ckpt-dcp"
+DCP_VERSION = 1
+_TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", "__tensor__")
+_MAX_DEPTH = 64
+
+
+class UnsupportedStateError(CkptError):
+    """A value in a distributed state dict that ckpt cannot store without pickle."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One saved piece of a tensor: its place in the full tensor and its manifest entry."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    entry: str
+
+
+@dataclass(frozen=True)
+class TensorItem:
+    fqn: str
+    dtype: str  # safetensors name (ckpt.dtypes)
+    size: tuple[int, ...]
+    shards: tuple[Shard, ...]
+    requires_grad: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.size) * (itemsize(self.dtype) or 1)
+
+
+@dataclass(frozen=True)
+class DcpLayout:
+    """The decoded ``extra["dcp"]`` record of a manifest."""
+
+    tensors: dict[str, TensorItem]
+    values: dict[str, Any]  # fqn -> decoded Python value
+    planner_data: dict[str, tuple[str | int, ...]] | None
+    dcp_version: str | None
+
+
+def shard_name(fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], size: tuple[int, ...]) -> str:
+    """Manifest name of a shard: ``fqn`` for a whole tensor, else ``fqn[a:b,c:d]``."""
+    if tuple(sizes) == tuple(size):
+        return fqn
+    return f"{fqn}[{','.join(f'{o}:{o + s}' for o, s in zip(offsets, sizes))}]"
+
+
+# -- values ----------------------------------------------------------------------------
+def encode_value(x: Any, where: str, _depth: int = 0) -> Any:
+    """A Python value as tagged JSON, or :class:`UnsupportedStateError` naming ``where``."""
+    if _depth > _MAX_DEPTH:
+        raise UnsupportedStateError(f"{where}: nested too deeply")
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, int):
+        return int(x)
+    if isinstance(x, float):
+        return float(x) if math.isfinite(x) else {"__float__": repr(float(x))}
+    if isinstance(x, bytes):
+        return {"__bytes__": x.hex()}
+    if isinstance(x, tuple):
+        return {"__tuple__": [encode_value(v, where, _depth + 1) for v in x]}
+    if isinstance(x, list):
+        return [encode_value(v, where, _depth + 1) for v in x]
+    if isinstance(x, dict):
+        if all(isinstance(k, str) and k not in _TAGS and k not in CHUNK_LIST_KEYS for k in x):
+            return {k: encode_value(v, where, _depth + 1) for k, v in x.items()}
+        return {"__dict__": [[encode_value(k, where, _depth + 1), encode_value(v, where, _depth + 1)] for k, v in x.items()]}
+    if type(x).__module__ == "numpy" and getattr(x, "shape", None) == ():
+        return encode_value(x.item(), where, _depth + 1)
+    raise UnsupportedStateError(
+        f"{where} is a {type(x).__module__}.{type(x).__name__}: ckpt stores non-tensor state as JSON, never pickle",
+        hint="store tensors, or plain values (numbers, strings, lists, dicts, tuples, bytes); "
+        "give objects state_dict()/load_state_dict() returning such values",
+    )
+
+
+def decode_value(x: Any, what: str, _depth: int = 0) -> Any:
+    """Inverse of :func:`encode_value`; a :class:`StoreFormatError` for anything it would not write."""
+    if _depth > _MAX_DEPTH:
+        raise StoreFormatError(f"{what}: value nested too deeply")
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, list):
+        return [decode_value(v, what, _depth + 1) for v in x]
+    if not isinstance(x, dict):
+        raise StoreFormatError(f"{what}: bad value")
+    tags = [k for k in x if k in _TAGS]
+    if not tags:
+        return {k: decode_value(v, what, _depth + 1) for k, v in x.items()}
+    tag, v = tags[0], x[tags[0]]
+    if len(x) == 1:
+        try:
+            if tag == "__tuple__" and isinstance(v, list):
+                return tuple(decode_value(e, what, _depth + 1) for e in v)
+            if tag == "__dict__" and isinstance(v, list):
+                return {decode_value(k, what, _depth + 1): decode_value(val, what, _depth + 1) for k, val in v}
+            if tag == "__float__" and v in ("inf", "-inf", "nan"):
+                return float(v)
+            if tag == "__bytes__" and isinstance(v, str):
+                return bytes.fromhex(v)
+        except (TypeError, ValueError):
+            pass
+    raise StoreFormatError(f"{what}: bad {tag} value")
+
+
+# -- metadata --------------------------------------------------------------------------
+def encode_metadata(md: Metadata, entries: dict[tuple[str, tuple[int, ...]], str], values: dict[str, Any]) -> dict[str, Any]:
+    """``extra["dcp"]`` for DCP metadata ``md``.
+
+    ``entries`` maps (fqn, shard offsets) to the manifest entry written for that
+    shard; ``values`` maps each non-tensor fqn to its tagged JSON value.
+    Raises :class:`UnsupportedStateError` for anything this layout cannot hold.
+    """
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    from ckpt.dtypes import from_torch
+
+    items: dict[str, Any] = {}
+    for fqn, sm in md.state_dict_metadata.items():
+        check_tensor_name(fqn, "state dict key")
+        if isinstance(sm, TensorStorageMetadata):
+            p = sm.properties
+            if p.layout != torch.strided:
+                raise UnsupportedStateError(f"{fqn}: tensors of layout {p.layout} are not supported (strided only)")
+            shards = []
+            for c in sm.chunks:
+                key = (fqn, tuple(int(o) for o in c.offsets))
+                if key not in entries:
+                    raise CkptError(f"{fqn}: no rank wrote the shard at offsets {list(key[1])}",
+                                    hint="the save plan and the written data disagree; please report this")
+                shards.append({"offsets": list(key[1]), "sizes": [int(s) for s in c.sizes], "entry": entries[key]})
+            items[fqn] = {"kind": "tensor", "dtype": from_torch(p.dtype), "size": [int(s) for s in sm.size],
+                          "requires_grad": bool(p.requires_grad), "shards": shards}
+        elif isinstance(sm, BytesStorageMetadata):
+            if fqn not in values:
+                raise CkptError(f"{fqn}: no rank wrote this value", hint="please report this")
+            items[fqn] = {"kind": "value", "value": values[fqn]}
+        else:
+            raise UnsupportedStateError(f"{fqn}: DCP storage type {type(sm).__name__} is not supported")
+    pd = md.planner_data
+    planner: dict[str, list[str | int]] | None = None
+    if pd is not None:
+        if not isinstance(pd, dict) or not all(
+            isinstance(k, str) and isinstance(v, (tuple, list))
+            and all(isinstance(e, (str, int)) and not isinstance(e, bool) for e in v) for k, v in pd.items()
+        ):
+            raise UnsupportedStateError("this planner's planner_data is not supported (only key paths of str/int)",
+                                        hint="use DefaultSavePlanner, or a planner whose planner_data is None")
+        planner = {k: list(v) for k, v in pd.items()}
+    return {"format": DCP_FORMAT, "version": DCP_VERSION, "dcp_version": md.version, "items": items,
+            "planner_data": planner}
+
+
+def _ints(x: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(x, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in x):
+        raise StoreFormatError(f"{what}: bad integer list {str(x)[:80]}")
+    return tuple(x)
+
+
+def decode_layout(extra: dict[str, Any], what: str) -> DcpLayout:
+    """Parse and validate ``extra["dcp"]`` of a manifest (no torch needed)."""
+    o = extra.get("dcp")
+    if not isinstance(o, dict) or o.get("format") != DCP_FORMAT:
+        raise StoreFormatError(f"{what} is not a distributed (DCP) checkpoint")
+    if o.get("version") != DCP_VERSION:
+        raise StoreFormatError(f"{what}: ckpt-dcp version {o.get('version')!r}; this ckpt reads version {DCP_VERSION}",
+                               hint="upgrade ckpt to read it")
+    items = o.get("items")
+    if not isinstance(items, dict):
+        raise StoreFormatError(f"{what}: ckpt-dcp record lacks items")
+    tensors: dict[str, TensorItem] = {}
+    values: dict[str, Any] = {}
+    for fqn, it in items.items():
+        check_tensor_name(fqn, "state dict key")
+        w = f"{what}: item {fqn!r}"
+        if not isinstance(it, dict) or it.get("kind") not in ("tensor", "value"):
+            raise StoreFormatError(f"{w} is neither a tensor nor a value")
+        if it["kind"] == "value":
+            values[fqn] = decode_value(it.get("value"), w)
+            continue
+        dtype, size, shards = it.get("dtype"), _ints(it.get("size"), w), it.get("shards")
+        if dtype not in DTYPES or not isinstance(shards, list):
+            raise StoreFormatError(f"{w}: bad dtype or shards")
+        out = []
+        for s in shards:
+            if not isinstance(s, dict) or not isinstance(s.get("entry"), str):
+                raise StoreFormatError(f"{w}: bad shard")
+            off, sz = _ints(s.get("offsets"), w), _ints(s.get("sizes"), w)
+            if len(off) != len(size) or len(sz) != len(size) or any(a + b > d for a, b, d in zip(off, sz, size)):
+                raise StoreFormatError(f"{w}: shard {list(off)}+{list(sz)} lies outside the tensor {list(size)}")
+            out.append(Shard(off, sz, check_tensor_name(s["entry"])))
+        if sum(math.prod(s.sizes) for s in out) != math.prod(size):
+            raise StoreFormatError(f"{w}: its shards do not cover the tensor exactly once")
+        tensors[fqn] = TensorItem(fqn, dtype, size, tuple(out), bool(it.get("requires_grad", False)))
+    pd = o.get("planner_data")
+    planner = None
+    if pd is not None:
+        if not isinstance(pd, dict) or not all(
+            isinstance(v, list) and all(isinstance(e, (str, int)) and not isinstance(e, bool) for e in v) for v in pd.values()
+        ):
+            raise StoreFormatError(f"{what}: bad planner_data")
+        planner = {k: tuple(v) for k, v in pd.items()}
+    ver = o.get("dcp_version")
+    return DcpLayout(tensors, values, planner, ver if isinstance(ver, str) else None)
+
+
+def to_metadata(layout: DcpLayout, manifest_id: str) -> Metadata:
+    """DCP :class:`Metadata` for a stored layout. ``storage_data`` maps each
+    ``MetadataIndex`` to the shard's entry name (tensors) or ``None`` (values)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from ckpt.dtypes import to_torch
+
+    sdm: dict[str, Any] = {}
+    storage: dict[Any, str | None] = {}
+    for fqn, t in layout.tensors.items():
+        props = TensorProperties(dtype=to_torch(t.dtype), requires_grad=t.requires_grad)
+        chunks = [ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.sizes)) for s in t.shards]
+        sdm[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(t.size), chunks=chunks)
+        for s in t.shards:
+            storage[MetadataIndex(fqn, s.offsets)] = s.entry
+    for fqn in layout.values:
+        sdm[fqn] = BytesStorageMetadata()
+        storage[MetadataIndex(fqn)] = None
+    planner = dict(layout.planner_data) if layout.planner_data is not None else None
+    return Metadata(state_dict_metadata=sdm, planner_data=planner, storage_data=storage,
+                    storage_meta=StorageMeta(checkpoint_id=manifest_id), version=layout.dcp_version)

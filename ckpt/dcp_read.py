@@ -1,0 +1,259 @@
+"""Reading distributed checkpoints: stored shards into regions of tensors.
+
+One mechanism serves every reader: a :class:`Copy` names a region of a stored
+shard and the tensor view it goes to. A region that is the whole shard and a
+contiguous CPU destination is decoded straight into the destination; any other
+region is decoded into a buffer (only the chunks that overlap it are fetched)
+and copied from there. The DCP :class:`~ckpt.dcp.Reader` (resharding on load),
+``Store.load`` and ``load_into`` of a distributed checkpoint (whole tensors) and ``ckpt pull``
+(one consolidated safetensors file) all go through :func:`run_copies`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckpt.dcp_format import DCP_SOURCE, TensorItem, decode_layout
+from ckpt.dtypes import byte_view, itemsize, to_torch
+from ckpt.errors import DestinationExistsError, TensorMismatchError
+from ckpt.manifest import Manifest, TensorEntry, split_lengths
+from ckpt.pipeline import GetTask, get_chunks
+from ckpt.progress import NullProgress, Progress
+from storage.errors import StoreFormatError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckpt.store import Store
+
+# Bytes decoded per parallel pass: bounds the buffers (and, for a pull, the tensors) held at once.
+BATCH_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class Copy:
+    """Region ``[src_off, src_off + lengths)`` of stored shard ``entry`` goes to ``dst``
+    (a tensor of shape ``lengths`` and the entry's dtype, anywhere, any strides)."""
+
+    entry: TensorEntry
+    src_off: tuple[int, ...]
+    lengths: tuple[int, ...]
+    dst: torch.Tensor
+    done: Callable[[torch.Tensor], None] | None = None
+
+
+def narrow(t: torch.Tensor, offsets: Iterable[int], lengths: Iterable[int]) -> torch.Tensor:
+    for d, (o, n) in enumerate(zip(offsets, lengths)):
+        t = t.narrow(d, o, n)
+    return t
+
+
+def _byte_range(shape: tuple[int, ...], off: tuple[int, ...], lengths: tuple[int, ...], elem: int) -> tuple[int, int]:
+    """Smallest byte range of a row-major tensor of ``shape`` holding the region."""
+    def flat(idx: Iterable[int]) -> int:
+        pos = 0
+        for i, n in zip(idx, shape):
+            pos = pos * n + i
+        return pos
+
+    last = tuple(o + n - 1 for o, n in zip(off, lengths))
+    return flat(off) * elem, (flat(last) + 1) * elem
+
+
+def _sink(view: memoryview, off: int) -> Callable[[bytes], None]:
+    def sink(data: bytes) -> None:
+        view[off : off + len(data)] = data
+
+    return sink
+
+
+def _copy_bytes(c: Copy) -> int:
+    return math.prod(c.lengths) * (itemsize(c.entry.dtype) or 1)
+
+
+def run_copies(store: Store, m: Manifest, copies: list[Copy], progress: Progress | None = None) -> None:
+    """Perform every copy, fetching chunks in parallel, in passes of about :data:`BATCH_BYTES`.
+
+    ``progress`` is advanced by the decoded bytes of each chunk (the caller starts and finishes it)."""
+    batch: list[Copy] = []
+    size = 0
+    for c in copies:
+        batch.append(c)
+        size += _copy_bytes(c)
+        if size >= BATCH_BYTES:
+            _run_batch(store, m, batch, progress)
+            batch, size = [], 0
+    if batch:
+        _run_batch(store, m, batch, progress)
+
+
+def _run_batch(store: Store, m: Manifest, copies: list[Copy], progress: Progress | None) -> None:
+    import torch
+
+    cs = m.chunk_size
+    tasks: list[GetTask] = []
+    post: list[tuple[torch.Tensor | None, Copy]] = []
+    buffers: dict[str, tuple[torch.Tensor, set[int]]] = {}
+    for c in copies:
+        e = c.entry
+        if tuple(c.dst.shape) != c.lengths or c.dst.dtype != to_torch(e.dtype):
+            raise TensorMismatchError(f"{e.name}: region {list(c.lengths)} of {e.dtype} does not fit a "
+                                      f"{c.dst.dtype} tensor of shape {list(c.dst.shape)}")
+        if math.prod(c.lengths) == 0:
+            post.append((None, c))
+            continue
+        whole = not any(c.src_off) and c.lengths == e.shape
+        if whole and c.dst.device.type == "cpu" and c.dst.is_contiguous():
+            view = byte_view(c.dst)
+            lengths = split_lengths(e.nbytes, cs)
+            tasks += [GetTask(cid, n, _sink(view, i * cs)) for i, (cid, n) in enumerate(zip(e.chunks, lengths))]
+            post.append((None, c))
+            continue
+        if e.name not in buffers:
+            buffers[e.name] = (torch.empty(e.shape, dtype=to_torch(e.dtype)), set())
+        buf, want = buffers[e.name]
+        lo, hi = _byte_range(e.shape, c.src_off, c.lengths, itemsize(e.dtype) or 1)
+        want.update(range(lo // cs, (hi - 1) // cs + 1))
+        post.append((buf, c))
+    entries = {c.entry.name: c.entry for c in copies}
+    for name, (buf, want) in buffers.items():
+        e = entries[name]
+        view = byte_view(buf)
+        lengths = split_lengths(e.nbytes, cs)
+        tasks += [GetTask(e.chunks[i], lengths[i], _sink(view, i * cs)) for i in sorted(want)]
+    get_chunks(store.objects, tasks, store.settings, progress or NullProgress())
+    with torch.no_grad():
+        for buf, c in post:
+            if buf is not None:
+                c.dst.copy_(narrow(buf, c.src_off, c.lengths))
+            if c.done is not None:
+                c.done(c.dst)
+
+
+# -- whole tensors -------------------------------------------------------------------
+def shard_copies(item: TensorItem, full: torch.Tensor, entries: dict[str, TensorEntry]) -> list[Copy]:
+    """Copies that fill ``full`` (the whole tensor ``item``) from its stored shards."""
+    out = []
+    for s in item.shards:
+        e = entries.get(s.entry)
+        if e is None or e.shape != s.sizes or e.dtype != item.dtype:
+            raise StoreFormatError(f"tensor {item.fqn}: shard {s.entry!r} is missing or does not match its entry")
+        out.append(Copy(e, (0,) * len(s.sizes), s.sizes, narrow(full, s.offsets, s.sizes)))
+    return out
+
+
+def _selected(m: Manifest, include: list[str] | None) -> list[TensorItem]:
+    layout = decode_layout(m.extra, "manifest")
+    items = [t for t in layout.tensors.values() if not include or any(fnmatch.fnmatchcase(t.fqn, p) for p in include)]
+    if include and not items:
+        raise TensorMismatchError(f"no tensor matches {' '.join(include)}", hint="see the names with `ckpt show --json` (extra.dcp.items)")
+    return items
+
+
+def is_dcp(m: Manifest) -> bool:
+    return m.source == DCP_SOURCE
+
+
+def load_dcp(store: Store, m: Manifest, include: list[str] | None = None, progress: Progress | None = None) -> dict[str, Any]:
+    """Every tensor of a distributed checkpoint, whole (consolidated from its shards), on the CPU."""
+    import torch
+
+    entries = {t.name: t for t in m.tensors}
+    out: dict[str, torch.Tensor] = {}
+    copies: list[Copy] = []
+    items = _selected(m, include)
+    for item in items:
+        full = torch.empty(item.size, dtype=to_torch(item.dtype))
+        out[item.fqn] = full
+        copies += shard_copies(item, full, entries)
+    progress = progress or NullProgress()
+    progress.start("load", sum(t.nbytes for t in items))
+    run_copies(store, m, copies, progress)
+    progress.finish()
+    return out
+
+
+def fill_dcp(store: Store, m: Manifest, live: dict[str, Any], strict: bool, progress: Progress | None = None) -> None:
+    """Decode a distributed checkpoint's whole tensors into ``live`` (name -> tensor, any device), in place."""
+    items = {t.fqn: t for t in _selected(m, None)}
+    missing, unexpected = sorted(set(live) - set(items)), sorted(set(items) - set(live))
+    if strict and (missing or unexpected):
+        raise TensorMismatchError(f"checkpoint and target differ: missing in checkpoint {missing[:10]}, "
+                                  f"not in target {unexpected[:10]}", hint="pass strict=False to load the common tensors")
+    entries = {t.name: t for t in m.tensors}
+    copies: list[Copy] = []
+    for name in sorted(set(live) & set(items)):
+        item, dst = items[name], live[name].detach()
+        if tuple(dst.shape) != item.size or dst.dtype != to_torch(item.dtype):
+            raise TensorMismatchError(f"{name}: checkpoint {item.dtype}{list(item.size)} vs target {dst.dtype}{list(dst.shape)}")
+        copies += shard_copies(item, dst, entries)
+    progress = progress or NullProgress()
+    progress.start("load", sum(items[n].nbytes for n in set(live) & set(items)))
+    run_copies(store, m, copies, progress)
+    progress.finish()
+
+
+def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, overwrite: bool, progress: Progress | None = None) -> str:
+    """Write a distributed checkpoint as one consolidated safetensors file; returns its path.
+
+    Tensors are assembled in memory a batch (about :data:`BATCH_BYTES`) at a time and
+    written at their offsets; the file appears only when complete."""
+    import torch
+
+    from ckpt.pull import _fsync_dir, _pwrite_all, _remove
+    from ckpt.safetensors_format import build_header
+
+    items = _selected(m, include)
+    progress = progress or NullProgress()
+    target = os.path.join(dest, "model.safetensors") if os.path.isdir(dest) else dest
+    if os.path.exists(target) and not overwrite:
+        raise DestinationExistsError(f"{target} exists", hint="pass --force to replace it")
+    meta = m.files[0].metadata if m.files else None
+    head, order = build_header([(t.fqn, t.dtype, t.size, t.nbytes) for t in items], meta)
+    entries = {t.name: t for t in m.tensors}
+    tmp = f"{target}.ckpt-tmp-{uuid.uuid4().hex[:8]}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, len(head) + sum(t.nbytes for t in items))
+        _pwrite_all(fd, head, 0)
+        pos = len(head)
+        batch: list[tuple[int, torch.Tensor]] = []
+        copies: list[Copy] = []
+
+        def flush() -> None:
+            run_copies(store, m, copies, progress)
+            for at, full in batch:
+                _pwrite_all(fd, byte_view(full), at)
+            batch.clear()
+            copies.clear()
+
+        size = 0
+        progress.start("pull", sum(t.nbytes for t in items))
+        for i in order:
+            item = items[i]
+            full = torch.empty(item.size, dtype=to_torch(item.dtype))
+            batch.append((pos, full))
+            copies.extend(shard_copies(item, full, entries))
+            pos += item.nbytes
+            size += item.nbytes
+            if size >= BATCH_BYTES:
+                flush()
+                size = 0
+        flush()
+        progress.finish()
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, target)
+        _fsync_dir(target)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        _remove(tmp)
+    return target

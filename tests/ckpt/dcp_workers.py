@@ -1,0 +1,259 @@
+"""Rank programs for tests/ckpt/test_dcp.py: real processes, gloo on CPU.
+
+:func:`run_ranks` starts ``world`` processes from a forkserver that has torch
+(and dynamo, which FSDP2 imports on first use) loaded once, so each group starts
+in about a second instead of re-importing torch per rank. Each rank joins a gloo
+group through a file store, runs one scenario below, and writes what it found to
+``rank-N.json``; the parent test asserts on those.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+import uuid
+from datetime import timedelta
+
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor",
+           "ckpt.dcp", "ckpt.manager", "safetensors.torch"]
+
+
+def run_ranks(scenario: str, world: int, tmp: str, *, deadline_s: float = 90, pg_timeout_s: float = 30,
+              stuck: tuple[int, ...] = (), **kw) -> list[dict]:
+    """Run ``scenario`` on ``world`` ranks; returns each rank's result (``{"killed": True}`` for one that
+    died). Ranks in ``stuck`` are expected to hang: the others are waited for, then those are killed."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    init = os.path.join(tmp, f"pg-{uuid.uuid4().hex}")
+    procs = [ctx.Process(target=_entry, args=(scenario, r, world, tmp, init, pg_timeout_s, kw)) for r in range(world)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + deadline_s
+    for r, p in enumerate(procs):
+        if r not in stuck:
+            p.join(max(0.1, end - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive() and r not in stuck]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} still running after {deadline_s} s"
+    out = []
+    for r, p in enumerate(procs):
+        path = os.path.join(tmp, f"rank-{r}.json")
+        if p.exitcode == -signal.SIGKILL and not os.path.exists(path):
+            out.append({"killed": True})
+            continue
+        assert os.path.exists(path), f"rank {r} exited with {p.exitcode} and no result"
+        with open(path) as f:
+            out.append(json.load(f))
+        os.unlink(path)
+    return out
+
+
+def _entry(scenario: str, rank: int, world: int, tmp: str, init: str, pg_timeout_s: float, kw: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result: dict = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=pg_timeout_s))
+        result = SCENARIOS[scenario](rank, world, tmp, **kw)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent test
+        result = {"error": f"{type(e).__name__}: {e}", "type": type(e).__name__, "trace": traceback.format_exc()[-3000:]}
+    with open(os.path.join(tmp, f"rank-{rank}.json.tmp"), "w") as f:
+        json.dump(result, f)
+    os.replace(os.path.join(tmp, f"rank-{rank}.json.tmp"), os.path.join(tmp, f"rank-{rank}.json"))
+    os._exit(0)  # no teardown collectives with peers that may be gone
+
+
+# -- deterministic state, identical in every process -------------------------------------
+def full_tensors():
+    """The plain tensors every scenario shards, with awkward sizes, dtypes and bit patterns."""
+    import torch
+
+    g = torch.Generator().manual_seed(1234)
+    rows = torch.randn(9, 7, generator=g)  # 9 rows over 2 ranks: an uneven split
+    rows.view(torch.int32)[0, :3] = torch.tensor([0x7FC00001, 0x7F800000, -0x800000], dtype=torch.int32)  # NaN payload, inf
+    cols = torch.randn(6, 10, generator=g).to(torch.bfloat16)
+    return {"rows": rows, "cols": cols, "ids": torch.arange(11, dtype=torch.int64) * 7, "rep": torch.randn(5, generator=g)}
+
+
+def plain_model():
+    import torch
+
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.ReLU(), torch.nn.Linear(12, 6))
+
+
+def _mesh(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def _dtensors(mesh, layout):
+    """``full_tensors`` as DTensors: layout "a" shards rows/cols by dim 0/1, layout "b" the other way."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    full = full_tensors()
+    dims = {"rows": 0, "cols": 1, "ids": 0} if layout == "a" else {"rows": 1, "cols": 0, "ids": 0}
+    out = {k: distribute_tensor(v, mesh, [Shard(dims[k])]) for k, v in full.items() if k in dims}
+    out["rep"] = distribute_tensor(full["rep"], mesh, [Replicate()])
+    return out
+
+
+def bits(t) -> str:
+    """Exact identity of a tensor's bytes (shape, dtype, hash of the bit pattern)."""
+    import hashlib
+
+    import torch
+
+    t = t.detach().contiguous().cpu()
+    raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+    return f"{t.dtype}{list(t.shape)}:{hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).hexdigest()}"
+
+
+def _fsdp(mesh):
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    model = plain_model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+# -- scenarios ---------------------------------------------------------------------------
+def save_and_reshard(rank, world, tmp, store):
+    """Save DTensors (layout a) + an FSDP2 model and optimizer after one step; load back in layout b;
+    async_save; load a 1-process checkpoint into this layout. Full tensors go to expected.safetensors."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import ckpt.dcp
+
+    mesh = _mesh(world)
+    model, opt = _fsdp(mesh)
+    torch.manual_seed(100 + rank)
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    state = {"t": _dtensors(mesh, "a"), "model": msd, "optim": osd, "step": 3, "note": {"tags": ("a", 1), "best": float("inf")}}
+    md = dcp.save(state, storage_writer=ckpt.dcp.Writer(store, "dist/two"))
+    expected = {f"model.{k}": v.full_tensor() for k, v in msd.items()}
+    expected.update({f"optim.state.{k}.{s}": v.full_tensor() if hasattr(v, "full_tensor") else v
+                     for k, st in osd["state"].items() for s, v in st.items()})
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in expected.items()}, os.path.join(tmp, "expected.safetensors"))
+    res: dict = {"id": md.storage_meta.checkpoint_id}
+
+    # 2 -> 2, another layout: rows by dim 1, cols by dim 0; model weights into column shards.
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    into = {"t": {k: torch.zeros_like(v) for k, v in _dtensors(mesh, "b").items()}, "step": 0, "note": {"tags": None, "best": None},
+            "model": {k: distribute_tensor(torch.zeros(v.shape, dtype=v.dtype), mesh, [Shard(v.dim() - 1)]) for k, v in msd.items()}}
+    dcp.load(into, storage_reader=ckpt.dcp.Reader(store, "dist/two"))
+    want = _dtensors(mesh, "b")
+    res["layout_b_exact"] = all(bits(into["t"][k].to_local()) == bits(want[k].to_local()) for k in want)
+    res["layout_b_model_exact"] = all(bits(into["model"][k].full_tensor()) == bits(expected[f"model.{k}"]) for k in msd)
+    res["local_is_column_shard"] = [list(into["t"]["rows"].to_local().shape)]
+    res["values"] = [into["step"], repr(into["note"])]
+
+    # FSDP2 restore into a fresh model + optimizer through set_state_dict, then one more identical step.
+    model2, opt2 = _fsdp(mesh)
+    msd2, osd2 = get_state_dict(model2, opt2)
+    dcp.load({"model": msd2, "optim": osd2}, storage_reader=ckpt.dcp.Reader(store, "dist/two"))
+    set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
+    res["fsdp_restore_exact"] = all(bits(p2.full_tensor()) == bits(p.full_tensor()) for p, p2 in zip(model.parameters(), model2.parameters()))
+
+    # async_save: returns once staged; the ref moves when the future completes.
+    fut = dcp.async_save({"t": _dtensors(mesh, "a")}, storage_writer=ckpt.dcp.Writer(store, "dist/async"))
+    res["async_id"] = fut.result().storage_meta.checkpoint_id
+
+    # 1 -> 2: a checkpoint the parent saved from one process, loaded into this layout.
+    if os.path.exists(os.path.join(tmp, "one-ready")):
+        got = {k: torch.zeros_like(v) for k, v in _dtensors(mesh, "a").items()}
+        dcp.load({"t": got}, storage_reader=ckpt.dcp.Reader(store, "dist/one"))
+        res["one_to_two_exact"] = all(bits(got[k].full_tensor()) == bits(v) for k, v in full_tensors().items())
+    return res
+
+
+def manager(rank, world, tmp, store, kill_rank=None, signum=signal.SIGKILL, async_save=True, timeout_s=8):
+    """CheckpointManager with a process group: save twice, restore into fresh state (and optionally die)."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import ckpt
+
+    mesh = _mesh(world)
+    model, opt = _fsdp(mesh)
+
+    class Train:  # DCP's recipe for FSDP state: model and optimizer keyed by parameter name
+        def __init__(self, model, opt):
+            self.model, self.opt = model, opt
+
+        def state_dict(self):
+            m, o = get_state_dict(self.model, self.opt)
+            return {"model": m, "optim": o}
+
+        def load_state_dict(self, sd):
+            set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+    def step():
+        torch.manual_seed(7 + rank)
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    res: dict = {}
+    with ckpt.CheckpointManager(store, "run", keep_last=2, async_save=async_save, process_group=torch.distributed.group.WORLD,
+                                timeout_s=timeout_s) as mgr:
+        res["restored_none"] = mgr.restore_latest({"train": Train(model, opt), "step": 0})
+        for s in (1, 2, 3):
+            step()
+            mgr.save(s, {"train": Train(model, opt), "step": s}, metrics={"loss": float(s)})
+        mgr.wait()
+        res["steps"] = mgr.steps()
+        saved = [bits(p.full_tensor()) for p in model.parameters()]
+        if kill_rank is not None:
+            import ckpt.dcp
+
+            original = ckpt.dcp.Writer.write_data
+
+            def dying(self, plan, planner):
+                out = original(self, plan, planner)  # this rank's chunks are in the store...
+                if rank == kill_rank:
+                    os.kill(os.getpid(), signum)  # ...and it dies (or hangs) before reporting them
+                return out
+
+            ckpt.dcp.Writer.write_data = dying
+            step()
+            t0 = time.monotonic()
+            try:
+                mgr.save(4, {"train": Train(model, opt), "step": 4})
+                mgr.wait()
+                res["kill"] = "no error"
+            except ckpt.CkptError as e:
+                res["kill"] = f"{type(e).__name__}: {e}"
+            res["kill_s"] = time.monotonic() - t0
+            return res
+        model2, opt2 = _fsdp(mesh)
+        state = {"train": Train(model2, opt2), "step": 0}
+        res["restored"] = mgr.restore_latest(state)
+        res["step_value"] = state["step"]
+        res["exact"] = [bits(p.full_tensor()) for p in model2.parameters()] == saved
+    return res
+
+
+SCENARIOS = {"save_and_reshard": save_and_reshard, "manager": manager}

@@ -1,0 +1,246 @@
+"""ckpt.dcp: torch.distributed.checkpoint saves into a ckpt store, resharded on load.
+
+Multi-rank tests run real processes with gloo on CPU (tests/ckpt/dcp_workers.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.api import CheckpointException
+
+import ckpt
+import ckpt.dcp
+from ckpt.dcp_format import UnsupportedStateError
+from ckpt.errors import TensorMismatchError
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import dcp_workers as W  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return W.bits(a) == W.bits(b)
+
+
+def test_single_process_round_trip_values_and_tools(tmp_path):
+    url = str(tmp_path / "s")
+    full = W.full_tensors()
+    state = {"t": full, "step": 5, "opt": {"betas": (0.9, 0.999), "best": float("-inf"), "raw": b"\x00\xff", "by_id": {3: "x"}}}
+    md = dcp.save(state, storage_writer=ckpt.dcp.Writer(url, "one/a", message="first"))
+    store = ckpt.Store.open(url)
+    mid = store.resolve("one/a")
+    assert md.storage_meta.checkpoint_id == mid
+    into = {"t": {k: torch.zeros_like(v) for k, v in full.items()}, "step": 0,
+            "opt": {"betas": None, "best": 0.0, "raw": None, "by_id": {3: None}}}
+    dcp.load(into, storage_reader=ckpt.dcp.Reader(url, "one/a"))
+    assert all(_bits_equal(into["t"][k], v) for k, v in full.items())  # NaN payloads and infs included
+    assert into["step"] == 5 and into["opt"]["betas"] == (0.9, 0.999) and into["opt"]["best"] == float("-inf")
+    assert into["opt"]["raw"] == b"\x00\xff" and into["opt"]["by_id"]["3"] == "x"
+    m = store.get_manifest(mid)
+    assert m.source == "dcp" and b"pickle" not in m.to_json() and m.message == "first"
+    assert store.verify().ok
+    loaded = store.load("one/a")  # whole tensors
+    assert set(loaded) == {f"t.{k}" for k in full} and all(_bits_equal(loaded[f"t.{k}"], v) for k, v in full.items())
+    out = store.pull("one/a", str(tmp_path / "out.safetensors"))
+    got = load_file(out)
+    assert set(got) == set(loaded) and all(_bits_equal(got[k], v) for k, v in loaded.items())
+    only = load_file(store.pull("one/a", str(tmp_path / "rows.safetensors"), include=["t.rows"]))
+    assert list(only) == ["t.rows"] and _bits_equal(only["t.rows"], full["rows"])
+    target = {f"t.{k}": torch.zeros_like(v).t().contiguous().t() for k, v in full.items() if v.dim() == 2}  # strided
+    store.load_into("one/a", target, strict=False)
+    assert all(_bits_equal(target[f"t.{k}"], full[k]) for k in ("rows", "cols"))
+    with pytest.raises(TensorMismatchError):
+        store.load_into("one/a", target)
+
+
+def test_second_save_dedups_and_deltas(tmp_path):
+    url = str(tmp_path / "s")
+    g = torch.Generator().manual_seed(0)
+    state = {"frozen": torch.randn(512, 1024, generator=g), "trained": torch.randn(512, 1024, generator=g)}
+    w = ckpt.dcp.Writer(url, "ft/x")
+    dcp.save(state, storage_writer=w)
+    first = w.last
+    state["trained"] += 1e-3 * torch.randn(512, 1024, generator=g)  # a training step: small changes
+    dcp.save(state, storage_writer=w)
+    second = w.last
+    store = ckpt.Store.open(url)
+    m = store.get_manifest(second.id)
+    assert m.lineage["parent"] == first.id == m.lineage["base"]
+    frozen = next(t for t in m.tensors if t.name == "frozen")
+    assert frozen.chunks == next(t for t in first.manifest.tensors if t.name == "frozen").chunks
+    trained = next(t for t in m.tensors if t.name == "trained")
+    assert any(trained.delta_bases)  # stored as deltas against the previous save
+    assert second.written_bytes < 0.5 * first.written_bytes
+    assert store.verify().ok
+    back = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(back, storage_reader=ckpt.dcp.Reader(url, "ft/x"))
+    assert all(_bits_equal(back[k], v) for k, v in state.items())
+    first_back = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(first_back, storage_reader=ckpt.dcp.Reader(url, "ft/x@1"))
+    assert not _bits_equal(first_back["trained"], state["trained"])
+
+
+def test_refuses_values_json_cannot_hold(tmp_path):
+    class Opaque:
+        pass
+
+    url = str(tmp_path / "s")
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({"w": torch.ones(2), "obj": Opaque()}, storage_writer=ckpt.dcp.Writer(url, "bad/x"))
+    err = e.value.failures[0][0]
+    assert isinstance(err, UnsupportedStateError) and "never pickle" in str(err) and str(err).startswith("obj ")
+    assert "bad/x" not in ckpt.Store.open(url).refs()
+    with pytest.raises(UnsupportedStateError):
+        from ckpt.dcp_format import encode_value
+
+        encode_value(Opaque(), "x")
+
+
+def test_values_never_look_like_chunk_lists(tmp_path):
+    """A value holding a dict keyed "chunks" must not be read by gc as chunk ids (docs/format.md)."""
+    from ckpt.dcp_format import decode_value, encode_value
+    from storage.gc import referenced_chunks
+    from storage.records import canonical_json
+
+    tricky = ({"chunks": ["not-an-id"], "delta_bases": [[1]], 3: b"\x01"}, float("nan"), [None, True, -2**70])
+    enc = encode_value(tricky, "v")
+    assert referenced_chunks(canonical_json({"x": enc})) == set()
+    back = decode_value(enc, "v")
+    assert back[0] == tricky[0] and back[1] != back[1] and back[2] == tricky[2] and isinstance(back, tuple)
+    url = str(tmp_path / "s")
+    dcp.save({"w": torch.ones(2), "v": tricky}, storage_writer=ckpt.dcp.Writer(url, "v/x"))
+    into = {"w": torch.zeros(2), "v": None}
+    dcp.load(into, storage_reader=ckpt.dcp.Reader(url, "v/x"))
+    assert into["v"][0] == tricky[0] and ckpt.Store.open(url).verify().ok
+
+
+def test_layout_decoder_refuses_what_it_would_not_write():
+    from ckpt.dcp_format import decode_layout
+    from storage.errors import StoreFormatError
+
+    def layout(**item):
+        return {"dcp": {"format": "ckpt-dcp", "version": 1, "planner_data": None,
+                        "items": {"w": {"kind": "tensor", "dtype": "F32", "size": [4, 2], **item}}}}
+
+    ok = layout(shards=[{"offsets": [0, 0], "sizes": [2, 2], "entry": "a"}, {"offsets": [2, 0], "sizes": [2, 2], "entry": "b"}])
+    assert [s.entry for s in decode_layout(ok, "m").tensors["w"].shards] == ["a", "b"]
+    bad = [
+        layout(shards=[{"offsets": [3, 0], "sizes": [2, 2], "entry": "a"}]),  # outside the tensor
+        layout(shards=[{"offsets": [0, 0], "sizes": [2, 2], "entry": "a"}]),  # does not cover it
+        layout(dtype="F33", shards=[]),
+        {"dcp": {**ok["dcp"], "version": 2}},
+        {"dcp": {**ok["dcp"], "items": {"v": {"kind": "value", "value": {"__tensor__": "w"}}}}},
+    ]
+    for b in bad:
+        with pytest.raises(StoreFormatError):
+            decode_layout(b, "m")
+
+
+def test_reader_refuses_a_plain_checkpoint(tmp_path):
+    url = str(tmp_path / "s")
+    ckpt.Store.init(url).push({"w": torch.ones(3)}, "plain/x")
+    with pytest.raises(CheckpointException, match="not a distributed one"):
+        dcp.load({"w": torch.zeros(3)}, storage_reader=ckpt.dcp.Reader(url, "plain/x"))
+
+
+def test_two_ranks_save_reshard_async_and_consolidate(tmp_path):
+    """2 ranks save (DTensor rows/cols + FSDP2 model/optimizer); reload in another layout on 2 ranks,
+    in 1 process (DCP and consolidated), as one safetensors file; 1 process saves, 2 ranks load."""
+    url = str(tmp_path / "s")
+    dcp.save({"t": W.full_tensors()}, storage_writer=ckpt.dcp.Writer(url, "dist/one"))  # 1 -> 2 below
+    (tmp_path / "one-ready").touch()
+    r0, r1 = W.run_ranks("save_and_reshard", 2, str(tmp_path), store=url)
+    for r in (r0, r1):
+        assert "error" not in r, r.get("trace")
+        assert r["layout_b_exact"] and r["layout_b_model_exact"] and r["fsdp_restore_exact"] and r["one_to_two_exact"]
+        assert r["values"] == [3, repr({"tags": ("a", 1), "best": float("inf")})]
+    assert r0["local_is_column_shard"] == [[9, 4]]  # layout b really held column shards
+    store = ckpt.Store.open(url)
+    assert r0["id"] == r1["id"] == store.resolve("dist/two") and r0["async_id"] == store.resolve("dist/async")
+    names = {t.name for t in store.manifest("dist/two").tensors}
+    assert {"t.rows[0:5,0:7]", "t.rows[5:9,0:7]", "t.cols[0:6,0:5]", "t.cols[0:6,5:10]", "t.rep"} <= names
+
+    expected = load_file(str(tmp_path / "expected.safetensors"))
+    full = {f"t.{k}": v for k, v in W.full_tensors().items()} | expected
+    # 2 -> 1 through DCP itself, into plain tensors.
+    into = {"t": {k: torch.zeros_like(v) for k, v in W.full_tensors().items()}}
+    dcp.load(into, storage_reader=ckpt.dcp.Reader(url, "dist/two"))
+    assert all(_bits_equal(into["t"][k], v) for k, v in W.full_tensors().items())
+    # 2 -> 1 consolidated: Store.load and `ckpt pull` (one safetensors file).
+    loaded = store.load("dist/two")
+    assert all(_bits_equal(loaded[k], v) for k, v in full.items())
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    out = tmp_path / "serve.safetensors"
+    r = CliRunner().invoke(app, ["--store", url, "pull", "dist/two", str(out)])
+    assert r.exit_code == 0, r.output
+    pulled = load_file(str(out))
+    assert set(pulled) == set(loaded) and all(_bits_equal(pulled[k], v) for k, v in loaded.items())
+    r = CliRunner().invoke(app, ["--store", url, "show", "dist/two", "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["source"] == "dcp"
+    assert store.verify().ok
+
+
+def test_manager_with_process_group(tmp_path):
+    url = str(tmp_path / "s")
+    results = W.run_ranks("manager", 2, str(tmp_path), store=url)
+    for r in results:
+        assert "error" not in r, r.get("trace")
+        assert r["restored_none"] is None and r["restored"] == 3 and r["step_value"] == 3 and r["exact"]
+    assert results[0]["steps"] == [2, 3]  # the coordinator prunes (keep_last=2) once its save is durable
+    store = ckpt.Store.open(url)
+    assert sorted(store.refs()) == ["run/latest", "run/step-2", "run/step-3"]
+    assert store.resolve("run/latest") == store.resolve("run/step-3")
+    assert store.verify().ok
+
+
+def test_rank_killed_mid_save(tmp_path):
+    """A rank dies after writing its chunks: the others raise within the timeout, latest stays put."""
+    url = str(tmp_path / "s")
+    results = W.run_ranks("manager", 3, str(tmp_path), store=url, kill_rank=2, deadline_s=120)
+    assert results[2] == {"killed": True}
+    for r in results[:2]:
+        assert "error" not in r, r.get("trace")
+        assert r["kill"].startswith("SnapshotError") and "run/step-4" in r["kill"] and "previous snapshot" in r["kill"]
+        assert r["kill_s"] < 60
+    store = ckpt.Store.open(url)
+    assert store.resolve("run/latest") == store.resolve("run/step-3")
+    assert "run/step-4" not in store.refs()
+    assert len(list(store.objects.list("manifests"))) == 3  # steps 1-3: no manifest of the failed save
+    assert store.verify().ok
+    from storage.gc import referenced_chunks
+
+    named = set().union(*(referenced_chunks(store.objects.get_manifest(o.id)) for o in store.objects.list("manifests")))
+    orphans = {o.id for o in store.objects.list("chunks")} - named
+    assert orphans  # the ranks did write step 4's chunks; no manifest names them
+    store.gc(grace_s=0)
+    assert not orphans & {o.id for o in store.objects.list("chunks")}
+    assert store.verify().ok and store.load("run/latest")
+
+
+@pytest.mark.slow
+def test_rank_hung_mid_save_times_out(tmp_path):
+    """A rank that stops (SIGSTOP) keeps its connections open: the others give up after timeout_s."""
+    import signal
+
+    url = str(tmp_path / "s")
+    results = W.run_ranks("manager", 3, str(tmp_path), store=url, kill_rank=2, signum=signal.SIGSTOP, timeout_s=5,
+                          stuck=(2,), deadline_s=120)
+    for r in results[:2]:
+        assert "error" not in r, r.get("trace")
+        assert r["kill"].startswith("SnapshotError") and "previous snapshot" in r["kill"]
+        assert 4 < r["kill_s"] < 60  # waited for the timeout, not forever
+    store = ckpt.Store.open(url)
+    assert store.resolve("run/latest") == store.resolve("run/step-3") and store.verify().ok
