@@ -21,6 +21,8 @@ from storage.refs import Refs
 
 # Keys in a manifest whose values are lists of chunk ids (docs/format.md).
 CHUNK_LIST_KEYS = frozenset({"chunks", "delta_bases"})
+# The top-level lists of a manifest whose entries hold those keys.
+ENTRY_SECTIONS = ("files", "tensors")
 
 
 def referenced_chunks(manifest: bytes) -> set[str]:
@@ -46,9 +48,15 @@ def referenced_chunks(manifest: bytes) -> set[str]:
                 walk(v)
 
     try:
-        walk(json.loads(manifest))
+        obj = json.loads(manifest)
     except (ValueError, RecursionError) as e:
         raise StoreFormatError(f"manifest is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise StoreFormatError("manifest is not a JSON object")
+    # Only the entries of "files" and "tensors": user JSON (metadata, non-tensor state,
+    # lineage) may hold a key named "chunks" without naming any chunk.
+    for section in ENTRY_SECTIONS:
+        walk(obj.get(section, []))
     return out
 
 
