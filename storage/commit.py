@@ -18,8 +18,10 @@ def commit(objects: ObjectStore, refs: Refs, manifest: bytes, name: str | None) 
     """Publish ``manifest`` and point ``name`` at it. Returns (manifest id, new ref entry)."""
     if name is not None:
         validate_ref_name(name)
-    for cid in sorted(referenced_chunks(manifest)):
-        if not objects.has("chunks", cid):
+    needed = sorted(referenced_chunks(manifest))
+    present = objects.has_many("chunks", needed)  # batched: one listing per directory on S3
+    for cid in needed:
+        if cid not in present:
             raise ObjectNotFoundError("chunk", cid, hint="it vanished while pushing (a concurrent gc?); push again")
     objects.backend.flush()  # the chunks' names are durable before a manifest names them
     mid = objects.put_manifest(manifest)

@@ -8,7 +8,7 @@ canonical JSON, verified here on every read and write).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import blake3
@@ -53,6 +53,11 @@ class ObjectStore:
 
     def has(self, kind: str, oid: str) -> bool:
         return self.backend.exists(self.path(kind, oid))
+
+    def has_many(self, kind: str, oids: Iterable[str]) -> set[str]:
+        """The ids among ``oids`` that are stored (batched on remote stores)."""
+        by_path = {self.path(kind, o): o for o in oids}
+        return {by_path[p] for p in self.backend.exists_many(by_path)}
 
     def put(self, kind: str, oid: str, blob: bytes | memoryview) -> bool:
         """Store ``blob`` under ``oid`` unless it exists. Returns True when written.

@@ -1,0 +1,408 @@
+"""The S3 backend: ``s3://bucket/prefix`` through s3fs, with the guarantees the store needs.
+
+* **Atomic visibility.** An object is one PUT (or one completed multipart upload for
+  objects of ``MULTIPART_THRESHOLD`` bytes and more): S3 shows it whole or not at all.
+* **Exclusive create** (ref entries, the store config) is a PUT with ``If-None-Match: *``.
+  A 412 means the name exists -- but possibly because *our own* earlier attempt landed
+  and only its response was lost (the client then retried). So on a 412 the object is
+  read back: if it holds exactly our bytes (every ref entry carries a unique writer
+  token), the create succeeded. Servers without conditional writes: see
+  ``conditional_writes`` and docs/format.md.
+* **One retry layer.** botocore's and s3fs's own retry loops are switched off; every
+  operation is retried here (``storage/retry.py``) on throttling, 5xx, timeouts and
+  dropped connections, with exponential backoff, and fails with a retryable
+  :class:`StorageIOError` that says so when the attempts run out.
+* **Credentials never leak.** Error messages are built here, from the server's error
+  code and the object path, and every configured secret is masked in any text taken
+  from an exception. Credentials come from the standard places (AWS environment
+  variables, ``~/.aws`` config and credentials files, instance roles) or from
+  ``storage_options`` (``key``, ``secret``, ``token``, ``endpoint_url``, ``profile``...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import math
+import os
+import posixpath
+import socket
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from storage.backend import Entry, FsspecBackend
+from storage.errors import StorageIOError
+from storage.retry import RetryPolicy, call_with_retries
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Objects this large go up as a multipart upload with parts of half this size,
+# several parts in flight at once (s3fs does the upload). Chunks (4 MiB by default)
+# and manifests stay single PUTs.
+MULTIPART_THRESHOLD = 16 * 1024 * 1024
+# A LIST page holds at most this many keys (S3's limit); used to price a listing.
+LIST_PAGE = 1000
+
+_THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+             "TooManyRequestsException", "RequestThrottled", "RequestTimeout", "InternalError",
+             "ServiceUnavailable", "XAmzContentSHA256Mismatch", "ConditionalRequestConflict", "OperationAborted"}
+_ACCESS = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
+           "AccountProblem", "AllAccessDisabled", "RequestTimeTooSkewed", "InvalidSecurity"}
+_SECRET_OPTIONS = ("key", "secret", "token", "username", "password",
+                   "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+
+
+def _chain(e: BaseException | None) -> Iterator[BaseException]:
+    seen = 0
+    while e is not None and seen < 8:
+        yield e
+        e = e.__cause__ or e.__context__
+        seen += 1
+
+
+def _client_error(e: BaseException) -> tuple[str, int] | None:
+    """(error code, HTTP status) of the botocore ClientError behind ``e``, if any."""
+    for x in _chain(e):
+        resp = getattr(x, "response", None)
+        if isinstance(resp, dict) and "Error" in resp:
+            code = str(resp.get("Error", {}).get("Code", ""))
+            status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or (code if code.isdigit() else 0))
+            return code, status
+    return None
+
+
+def is_precondition_failed(e: BaseException) -> bool:
+    """A conditional write refused because the object exists (HTTP 412).
+
+    s3fs turns a 412 into ``FileExistsError`` only when the server names the condition
+    (moto does); SeaweedFS and others give ``OSError(EINVAL)`` caused by a ClientError
+    with code ``PreconditionFailed``.
+    """
+    if isinstance(e, FileExistsError):
+        return True
+    ce = _client_error(e)
+    return ce is not None and (ce[0] == "PreconditionFailed" or ce[1] == 412)
+
+
+def _transient(e: BaseException) -> str | None:
+    """A short reason if repeating the request may succeed (throttling, 5xx, network), else None."""
+    if isinstance(e, (StorageIOError, FileNotFoundError, FileExistsError)):
+        return None
+    ce = _client_error(e)
+    if ce is not None:
+        code, status = ce
+        if status >= 500 or status == 429 or code in _THROTTLE:
+            return f"HTTP {status} {code}".strip()
+        return None
+    try:
+        import botocore.exceptions as be
+
+        boto_net: tuple[type[BaseException], ...] = (be.HTTPClientError, be.ConnectionError, be.IncompleteReadError)
+    except ImportError:  # pragma: no cover
+        boto_net = ()
+    try:
+        import aiohttp
+
+        aio_net: tuple[type[BaseException], ...] = (aiohttp.ClientError,)
+    except ImportError:  # pragma: no cover
+        aio_net = ()
+    for x in _chain(e):
+        if (boto_net and isinstance(x, boto_net)) or (aio_net and isinstance(x, aio_net)):
+            detail = str(x).strip()
+            return f"{type(x).__name__}: {detail}" if detail else type(x).__name__
+        if isinstance(x, (asyncio.TimeoutError, TimeoutError, socket.timeout)) or type(x).__name__ == "FSTimeoutError":
+            return "timeout"
+        if isinstance(x, ConnectionError):
+            return f"{type(x).__name__}"
+    return None
+
+
+class S3Backend(FsspecBackend):
+    """A store below ``s3://bucket/prefix``. See the module docstring for what it guarantees.
+
+    ``concurrency`` bounds the requests in flight (connection pool, parallel existence
+    checks, parts of one upload); ``retry`` says how often and how patiently to repeat a
+    failed request; ``conditional_writes=False`` is the fallback for servers that ignore
+    or reject ``If-None-Match`` (docs/format.md says what it does and does not guarantee).
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, concurrency: int = 16,
+                 retry: RetryPolicy | None = None, conditional_writes: bool = True) -> None:
+        try:
+            import s3fs
+        except ImportError:
+            raise StorageIOError(f"{url} needs s3fs", hint="install it: pip install 'ckpt[s3]'") from None
+        opts = dict(storage_options or {})
+        self._secrets = _secrets_in(opts)
+        self.url = url
+        self.concurrency = max(1, concurrency)
+        self.retry = retry or RetryPolicy()
+        self.conditional_writes = conditional_writes
+        # Listings are never cached: another process may have added a ref entry since.
+        opts.setdefault("skip_instance_cache", True)
+        opts.setdefault("use_listings_cache", False)
+        if "session" not in opts:
+            opts["session"] = _new_session(opts.pop("profile", None))
+        cfg = dict(opts.pop("config_kwargs", None) or {})
+        cfg.setdefault("retries", {"max_attempts": 1, "mode": "standard"})  # we retry (storage/retry.py)
+        cfg.setdefault("max_pool_connections", max(10, self.concurrency))
+        opts["config_kwargs"] = cfg
+        opts.setdefault("max_concurrency", max(1, min(8, self.concurrency)))  # parts of one upload
+        try:
+            self.fs = s3fs.S3FileSystem(**opts)
+        except (TypeError, ValueError, KeyError) as e:
+            raise StorageIOError(f"bad storage options for {url}: {self._redact(str(e))}") from None
+        self.fs.retries = 1  # s3fs's own loop: off (one attempt)
+        root = self.fs._strip_protocol(url).rstrip("/")
+        self.root = root
+        self.bucket, _, self.prefix = root.partition("/")
+        if not self.bucket:
+            raise StorageIOError(f"{url} names no bucket", hint="use s3://BUCKET/PREFIX")
+
+    # -- plumbing --------------------------------------------------------------
+    def _redact(self, text: str) -> str:
+        for s in self._secrets | _secrets_in_env():
+            text = text.replace(s, "***")
+        return text
+
+    def _key(self, path: str) -> str:
+        return posixpath.join(self.prefix, path) if self.prefix else path
+
+    def _call(self, op: str, path: str, fn: Callable[[], T]) -> T:
+        """``fn()`` with retries; any failure left is mapped to a clear error (absent stays FileNotFoundError)."""
+        try:
+            return call_with_retries(fn, what=f"{op} {self.url}/{path}", policy=self.retry, transient=self._transient)
+        except StorageIOError as e:
+            e.message = self._redact(e.message)
+            raise
+        except FileNotFoundError as e:
+            if op in ("write", "create") or (_client_error(e) or ("",))[0] == "NoSuchBucket" and op != "read":
+                raise self._error(op, path, e) from None
+            raise FileNotFoundError(errno.ENOENT, "no such object", path) from None
+        except Exception as e:  # noqa: BLE001 - every client error becomes a StorageIOError
+            raise self._error(op, path, e) from None
+
+    def _transient(self, e: BaseException) -> str | None:
+        reason = _transient(e)
+        return self._redact(reason) if reason is not None else None
+
+    def _error(self, op: str, path: str, e: BaseException) -> Exception:
+        where = f"{self.url}/{path}" if path else self.url
+        ce = _client_error(e)
+        code = ce[0] if ce else ""
+        if type(e).__name__ == "NoCredentialsError" or any(type(x).__name__ == "NoCredentialsError" for x in _chain(e)):
+            return StorageIOError(f"cannot {op} {where}: no S3 credentials found",
+                                  hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
+                                       "or pass --storage-option anon=true for a public bucket")
+        if code == "NoSuchBucket":
+            return StorageIOError(f"cannot {op} {where}: bucket {self.bucket} does not exist",
+                                  hint="create the bucket first (for example `aws s3 mb s3://BUCKET`)")
+        if code in _ACCESS or isinstance(e, PermissionError) or (ce and ce[1] == 403):
+            return StorageIOError(f"cannot {op} {where}: access denied ({code or 'HTTP 403'})",
+                                  hint="check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE) "
+                                       "and the endpoint (AWS_ENDPOINT_URL or --storage-option endpoint_url=...)")
+        detail = self._redact(str(e).strip() or type(e).__name__)
+        return StorageIOError(f"cannot {op} {where}: {detail}")
+
+    def _head(self, path: str) -> dict[str, Any] | None:
+        def head() -> dict[str, Any] | None:
+            try:
+                return self.fs.call_s3("head_object", Bucket=self.bucket, Key=self._key(path))  # type: ignore[no-any-return]
+            except FileNotFoundError:
+                return None
+
+        return self._call("check", path, head)
+
+    # -- primitives ------------------------------------------------------------
+    def root_exists(self) -> bool:
+        return bool(next(iter(self._list_keys(""), None)))
+
+    def read(self, path: str) -> bytes:
+        return self._call("read", path, lambda: bytes(self.fs.cat_file(self._p(path))))
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        return self._call("read", path, lambda: bytes(self.fs.cat_file(self._p(path), start=start, end=start + length)))
+
+    def write(self, path: str, data: bytes | memoryview) -> None:
+        blob = bytes(data)
+        self._call("write", path, lambda: self._put(path, blob))
+
+    def _put(self, path: str, blob: bytes, **kw: Any) -> None:
+        self.fs.pipe_file(self._p(path), blob, chunksize=MULTIPART_THRESHOLD // 2, **kw)
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Create ``path`` only if absent (``If-None-Match: *``); True if this call created it.
+
+        A 412 is read back: the object may be ours, from an attempt whose success
+        response was lost before the retry that got the 412. ``data`` must be unique to
+        this call for that to tell the two apart (ref entries carry a writer token).
+        """
+        if not self.conditional_writes:
+            return self._create_unconditional(path, data)
+
+        def attempt() -> bool:
+            try:
+                self._put(path, data, mode="create")
+                return True
+            except Exception as e:
+                if is_precondition_failed(e):
+                    return False
+                ce = _client_error(e)
+                if ce is not None and (ce[0] == "NotImplemented" or ce[1] == 501):
+                    raise StorageIOError(
+                        f"{self.url} does not support conditional writes (If-None-Match)",
+                        hint="set CKPT_CONDITIONAL_WRITES=0 to fall back to check-then-write, "
+                             "safe only with one writer per ref (docs/format.md)") from None
+                raise
+
+        if self._call("create", path, attempt):
+            return True
+        try:
+            return self.read(path) == data
+        except FileNotFoundError:
+            return False
+
+    def _create_unconditional(self, path: str, data: bytes) -> bool:
+        """Fallback without conditional writes: check, write, then read back after a pause.
+
+        Narrows the race to a short window but cannot close it: two writers that both
+        pass the check within the window can both believe they won (docs/format.md).
+        """
+        if self._head(path) is not None:
+            return False
+        self.write(path, data)
+        time.sleep(0.05)
+        try:
+            return self.read(path) == data
+        except FileNotFoundError:
+            return False
+
+    def exists(self, path: str) -> bool:
+        return self._head(path) is not None
+
+    def size(self, path: str) -> int:
+        h = self._head(path)
+        if h is None:
+            raise FileNotFoundError(errno.ENOENT, "no such object", path)
+        return int(h["ContentLength"])
+
+    def mtime(self, path: str) -> float:
+        h = self._head(path)
+        if h is None:
+            raise FileNotFoundError(errno.ENOENT, "no such object", path)
+        return float(h["LastModified"].timestamp())
+
+    def _list_page(self, prefix: str, token: str | None, delimiter: str) -> dict[str, Any]:
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        if token:
+            kw["ContinuationToken"] = token
+        if delimiter:
+            kw["Delimiter"] = delimiter
+        return self._call("list", prefix, lambda: self.fs.call_s3("list_objects_v2", **kw))  # type: ignore[no-any-return]
+
+    def _list_keys(self, prefix: str, delimiter: str = "") -> Iterator[Entry]:
+        """Objects whose path starts with directory ``prefix`` (one LIST request per 1000)."""
+        key_prefix = self._key(prefix).rstrip("/") + "/" if (prefix or self.prefix) else ""
+        token: str | None = None
+        while True:
+            page = self._list_page(key_prefix, token, delimiter)
+            for o in page.get("Contents", []):
+                rel = o["Key"][len(self.prefix) + 1 :] if self.prefix else o["Key"]
+                if rel and not rel.endswith("/"):
+                    yield Entry(rel, int(o.get("Size", 0)), float(o["LastModified"].timestamp()))
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    def list(self, prefix: str) -> Iterator[Entry]:
+        yield from self._list_keys(prefix)
+
+    def delete(self, path: str) -> None:
+        self._call("delete", path, lambda: self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self._key(path)))
+
+    def touch(self, path: str) -> None:
+        return None  # S3 cannot refresh an object's time in place; gc relies on its grace period
+
+    def exists_many(self, paths: Iterable[str]) -> set[str]:
+        """The subset of ``paths`` that exists, asking S3 as little as possible.
+
+        Paths are grouped by directory. Listing a directory costs one request per
+        1000 keys in it; checking a path costs one HEAD. A directory is listed when
+        that is cheaper than a HEAD per asked path, priced from the size of the most
+        asked directory (listed first). Requests run ``concurrency`` at a time.
+        """
+        by_dir: dict[str, list[str]] = defaultdict(list)
+        for p in dict.fromkeys(paths):
+            by_dir[posixpath.dirname(p)].append(p)
+        if not by_dir:
+            return set()
+        found: set[str] = set()
+        ordered = sorted(by_dir, key=lambda d: -len(by_dir[d]))
+        pages = 1
+        first = ordered[0]
+        if len(by_dir[first]) > 1:
+            names = {e.path for e in self._list_keys(first, delimiter="/")}
+            found |= names & set(by_dir[first])
+            pages = max(1, math.ceil(len(names) / LIST_PAGE))
+            ordered = ordered[1:]
+        to_list = [d for d in ordered if len(by_dir[d]) > pages]
+        to_head = [p for d in ordered if len(by_dir[d]) <= pages for p in by_dir[d]]
+
+        def list_dir(d: str) -> set[str]:
+            return {e.path for e in self._list_keys(d, delimiter="/")} & set(by_dir[d])
+
+        def head(p: str) -> set[str]:
+            return {p} if self.exists(p) else set()
+
+        jobs: list[Callable[[], set[str]]] = [lambda d=d: list_dir(d) for d in to_list]
+        jobs += [lambda p=p: head(p) for p in to_head]
+        if len(jobs) == 1:
+            return found | jobs[0]()
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(jobs) or 1), thread_name_prefix="ckpt-s3") as pool:
+            for part in pool.map(lambda job: job(), jobs):
+                found |= part
+        return found
+
+
+_loader_lock = threading.Lock()
+_loader: Any = None
+
+
+def _new_session(profile: str | None) -> Any:
+    """A fresh aiobotocore session (credentials resolved anew) sharing one model loader:
+    loading botocore's service models is most of the cost of opening a store (0.6 s)."""
+    global _loader
+    from aiobotocore.session import AioSession
+
+    session = AioSession(profile=profile) if profile else AioSession()
+    with _loader_lock:
+        if _loader is None:
+            _loader = session.get_component("data_loader")
+    session.register_component("data_loader", _loader)
+    return session
+
+
+def _secrets_in(opts: Any) -> set[str]:
+    """Every credential value in ``storage_options`` (also nested, e.g. in ``client_kwargs``)."""
+    out: set[str] = set()
+    if isinstance(opts, dict):
+        for k, v in opts.items():
+            if isinstance(v, str) and k in _SECRET_OPTIONS and len(v) >= 4:
+                out.add(v)
+            elif isinstance(v, dict):
+                out |= _secrets_in(v)
+    return out
+
+
+def _secrets_in_env() -> set[str]:
+    return {v for k in _SECRET_ENV if len(v := os.environ.get(k, "")) >= 4}
+
+
+__all__ = ["MULTIPART_THRESHOLD", "S3Backend", "is_precondition_failed"]
