@@ -151,7 +151,7 @@ class S3Backend(FsspecBackend):
         if "session" not in opts:
             opts["session"] = _new_session(opts.pop("profile", None))
         cfg = dict(opts.pop("config_kwargs", None) or {})
-        cfg.setdefault("retries", {"max_attempts": 1, "mode": "standard"})  # we retry (storage/retry.py)
+        cfg.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})  # one attempt: we retry (storage/retry.py)
         cfg.setdefault("max_pool_connections", max(10, self.concurrency))
         opts["config_kwargs"] = cfg
         opts.setdefault("max_concurrency", max(1, min(8, self.concurrency)))  # parts of one upload
