@@ -22,6 +22,16 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 S3_SERVERS = [s.strip() for s in os.environ.get("S3_TEST_SERVERS", "moto").split(",") if s.strip()]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` run only when asked for (``-m slow``, or CKPT_SLOW_TESTS=1)."""
+    if config.getoption("markexpr") or os.environ.get("CKPT_SLOW_TESTS") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 class S3Servers:
     """S3 test servers by kind, each started on first use and stopped (by PID) at session end."""
 
