@@ -111,10 +111,19 @@ class S3Server:
 
     _client: Any = None
 
+    _shared_bucket: str | None = None
+
     def new_bucket(self) -> str:
-        name = f"t-{uuid.uuid4().hex[:16]}"
+        """A fresh, empty place for one test: ``BUCKET``, or ``BUCKET/PREFIX`` on SeaweedFS, which
+        gives every bucket volumes of its own and runs out of them after a few buckets."""
         if self._client is None:
             self._client = client(self.endpoint)
+        name = f"t-{uuid.uuid4().hex[:16]}"
+        if self.kind == "seaweedfs":
+            if self._shared_bucket is None:
+                self._shared_bucket = f"ckpt-tests-{uuid.uuid4().hex[:8]}"
+                self._client.create_bucket(Bucket=self._shared_bucket)
+            return f"{self._shared_bucket}/{name}"
         self._client.create_bucket(Bucket=name)
         return name
 
