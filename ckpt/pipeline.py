@@ -129,11 +129,13 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
         finally:
             slots.release()
 
+    stored = objects.presence("chunks", len(tasks))  # remote stores: one listing instead of a HEAD per chunk
+
     def put(task: PutTask) -> PutResult:
         data = task.read()
         oid = object_id(data)
         path = objects.path("chunks", oid)
-        if objects.backend.exists(path):
+        if stored(oid):
             objects.backend.touch(path)  # keeps a concurrent gc off it (docs/format.md)
             codec, chain = stored_chain(objects, oid)
             return PutResult(oid, task.length, 0, codec, chain)

@@ -67,6 +67,11 @@ class Backend(ABC):
         of a directory instead of a request per path, where that is cheaper)."""
         return {p for p in paths if self.exists(p)}
 
+    def list_all(self, prefix: str, lookups: int) -> set[str] | None:
+        """Every path below ``prefix`` when one listing is cheaper than ``lookups`` single
+        existence checks, else None. Only remote stores say yes (a local check is cheap)."""
+        return None
+
     @abstractmethod
     def size(self, path: str) -> int:
         """Size in bytes. Raises ``FileNotFoundError`` when absent."""

@@ -46,8 +46,11 @@ T = TypeVar("T")
 # several parts in flight at once (s3fs does the upload). Chunks (4 MiB by default)
 # and manifests stay single PUTs.
 MULTIPART_THRESHOLD = 16 * 1024 * 1024
-# A LIST page holds at most this many keys (S3's limit); used to price a listing.
+# A LIST page holds at most this many keys (S3's limit).
 LIST_PAGE = 1000
+# What one LIST request costs in HEADs: AWS prices a LIST 12.5x a HEAD, and a full page
+# (~250 KB) takes longer to send. A listing is used only where it is cheaper by this measure.
+LIST_COST = 10
 
 _THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
              "TooManyRequestsException", "RequestThrottled", "RequestTimeout", "InternalError",
@@ -330,30 +333,53 @@ class S3Backend(FsspecBackend):
     def touch(self, path: str) -> None:
         return None  # S3 cannot refresh an object's time in place; gc relies on its grace period
 
+    def list_all(self, prefix: str, lookups: int) -> set[str] | None:
+        """Every path below ``prefix``, if listing them costs less than ``lookups`` HEADs
+        (at most ``lookups // LIST_COST`` pages of 1000); None as soon as it would cost more."""
+        max_pages = lookups // LIST_COST
+        if max_pages < 1:
+            return None
+        key_prefix = self._key(prefix).rstrip("/") + "/" if (prefix or self.prefix) else ""
+        found: set[str] = set()
+        token: str | None = None
+        for _ in range(max_pages):
+            page = self._list_page(key_prefix, token, "")
+            for o in page.get("Contents", []):
+                found.add(o["Key"][len(self.prefix) + 1 :] if self.prefix else o["Key"])
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return found
+        return None
+
     def exists_many(self, paths: Iterable[str]) -> set[str]:
         """The subset of ``paths`` that exists, asking S3 as little as possible.
 
-        Paths are grouped by directory. Listing a directory costs one request per
-        1000 keys in it; checking a path costs one HEAD. A directory is listed when
-        that is cheaper than a HEAD per asked path, priced from the size of the most
-        asked directory (listed first). Requests run ``concurrency`` at a time.
+        If the directory holding all of them lists in fewer requests than one HEAD per
+        path (priced by ``LIST_COST``), that listing answers. Otherwise paths are grouped
+        by directory: listing a directory costs one request per 1000 keys in it, checking
+        a path one HEAD; a directory is listed where that is cheaper, priced from the size
+        of the most asked directory (listed first). Requests run ``concurrency`` at a time.
         """
-        by_dir: dict[str, list[str]] = defaultdict(list)
-        for p in dict.fromkeys(paths):
-            by_dir[posixpath.dirname(p)].append(p)
-        if not by_dir:
+        asked = list(dict.fromkeys(paths))
+        if not asked:
             return set()
+        listed = self.list_all(posixpath.commonpath([posixpath.dirname(p) for p in asked]), len(asked))
+        if listed is not None:
+            return listed & set(asked)
+        by_dir: dict[str, list[str]] = defaultdict(list)
+        for p in asked:
+            by_dir[posixpath.dirname(p)].append(p)
         found: set[str] = set()
         ordered = sorted(by_dir, key=lambda d: -len(by_dir[d]))
         pages = 1
         first = ordered[0]
-        if len(by_dir[first]) > 1:
+        if len(by_dir[first]) >= LIST_COST:
             names = {e.path for e in self._list_keys(first, delimiter="/")}
             found |= names & set(by_dir[first])
             pages = max(1, math.ceil(len(names) / LIST_PAGE))
             ordered = ordered[1:]
-        to_list = [d for d in ordered if len(by_dir[d]) > pages]
-        to_head = [p for d in ordered if len(by_dir[d]) <= pages for p in by_dir[d]]
+        to_list = [d for d in ordered if len(by_dir[d]) >= pages * LIST_COST]
+        to_head = [p for d in ordered if len(by_dir[d]) < pages * LIST_COST for p in by_dir[d]]
 
         def list_dir(d: str) -> set[str]:
             return {e.path for e in self._list_keys(d, delimiter="/")} & set(by_dir[d])

@@ -172,6 +172,7 @@ class FaultProxy:
       pattern, e.g. ``b"HTTP/1.1 200"``), for the next ``reset_conns`` connections that hit
       it: both sides get a real RST and the chunk that hit is not relayed.
     * ``refuse``: accept, then reset at once. :meth:`drop_all` aborts live connections.
+    * ``bytes_up`` / ``bytes_down`` count what was relayed (the benchmark's bytes on the wire).
 
     Knobs are read per chunk, not per connection, because aiohttp pools keep-alive
     connections. Only ever connects to ``target`` on 127.0.0.1.
@@ -185,6 +186,8 @@ class FaultProxy:
     reset_conns: int = 0
     refuse: bool = False
     resets_fired: int = 0
+    bytes_up: int = 0  # relayed client -> server (requests, bodies: what an upload costs on the wire)
+    bytes_down: int = 0  # relayed server -> client
     port: int = 0
     _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
     _server: Any = field(default=None, repr=False)
@@ -223,6 +226,10 @@ class FaultProxy:
                 writer.write(data)
                 await writer.drain()
                 sent += len(data)
+                if direction == "up":
+                    self.bytes_up += len(data)
+                else:
+                    self.bytes_down += len(data)
             if writer.can_write_eof():
                 writer.write_eof()
         except (ConnectionError, OSError, asyncio.CancelledError):

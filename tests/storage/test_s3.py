@@ -97,18 +97,48 @@ def test_large_objects_go_multipart_and_round_trip(s3_main_url):
     assert head is not None and "-" in head["ETag"]  # a multipart ETag is "<md5>-<parts>"
 
 
+def _count_requests(b, monkeypatch):
+    heads, lists = [], []
+    real_head, real_list = b._head, b._list_page
+    monkeypatch.setattr(b, "_head", lambda p: heads.append(p) or real_head(p))
+    monkeypatch.setattr(b, "_list_page", lambda *a: lists.append(a) or real_list(*a))
+    return heads, lists
+
+
 def test_exists_many_lists_instead_of_heading(s3_main_url, monkeypatch):
     b = open_backend(s3_main_url)
     many = [f"objects/chunks/aa/{i:064x}" for i in range(12)]
     for p in many[:8]:
         b.write(p, b"x")
-    heads, lists = [], []
-    real_head, real_list = b._head, b._list_page
-    monkeypatch.setattr(b, "_head", lambda p: heads.append(p) or real_head(p))
-    monkeypatch.setattr(b, "_list_page", lambda *a: lists.append(a) or real_list(*a))
     lonely = ["objects/chunks/bb/" + "b" * 64, "objects/chunks/cc/" + "c" * 64]
+    heads, lists = _count_requests(b, monkeypatch)
     assert b.exists_many(many + lonely) == set(many[:8])
-    assert len(lists) == 1 and sorted(heads) == sorted(lonely)  # one LIST for 12 paths, a HEAD for each lonely one
+    assert len(lists) == 1 and heads == []  # a small store: one listing answers all 14
+
+    monkeypatch.setattr(b, "list_all", lambda prefix, lookups: None)  # as if the store were too big to list
+    heads.clear(), lists.clear()
+    assert b.exists_many(many + lonely) == set(many[:8])
+    assert len(lists) == 1 and sorted(heads) == sorted(lonely)  # one LIST for the 12 in aa/, a HEAD for each lonely one
+    heads.clear(), lists.clear()
+    assert b.exists_many(lonely) == set() and lists == [] and len(heads) == 2  # few paths: HEADs
+
+
+def test_push_lists_once_instead_of_a_head_per_chunk(s3_main_url, monkeypatch):
+    import ckpt
+
+    np = pytest.importorskip("numpy")
+    store = ckpt.Store.init(s3_main_url, settings=ckpt.Settings.from_env(chunk_size=64 * 1024))
+    heads, lists = _count_requests(store.backend, monkeypatch)
+    data = {"w": np.random.default_rng(0).standard_normal(256 * 1024, dtype=np.float32)}  # 16 chunks
+    import tempfile
+
+    from safetensors.numpy import save_file
+
+    with tempfile.TemporaryDirectory() as d:
+        save_file(data, f"{d}/m.safetensors")
+        r = store.push_report(f"{d}/m.safetensors", "m/x", delta=False)
+    assert r.new_chunks == r.chunks >= 16
+    assert len(heads) <= 1  # the manifest's own check, not one per chunk
 
 
 def test_no_such_bucket_is_clear(s3_main):
