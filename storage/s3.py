@@ -390,7 +390,8 @@ class S3Backend(FsspecBackend):
         jobs: list[Callable[[], set[str]]] = [lambda d=d: list_dir(d) for d in to_list]
         jobs += [lambda p=p: head(p) for p in to_head]
         if len(jobs) == 1:
-            return found | jobs[0]()
+            (only,) = jobs
+            return found | only()
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(jobs) or 1), thread_name_prefix="ckpt-s3") as pool:
             for part in pool.map(lambda job: job(), jobs):
                 found |= part
