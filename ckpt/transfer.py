@@ -8,7 +8,7 @@ chunk is decoded and re-hashed before it is written at the destination.
 >>> b = ckpt.Store.init("memory://transfer-doctest-b")
 >>> cid = a.push({"w": torch.ones(4)}, "demo/x")
 >>> r = copy_refs(a, b, ["demo/x"])
->>> (r.refs, r.chunks_sent) == ({"demo/x": cid}, 1)
+>>> r.refs == {"demo/x": cid} and r.chunks_sent > 0
 True
 >>> copy_refs(a, b, ["demo/x"]).objects_sent  # nothing left to send
 0
