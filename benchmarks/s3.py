@@ -63,7 +63,9 @@ def find_data(data_dir: Path, tmp: Path) -> tuple[Path, Path, str]:
     base = data_dir / "base.safetensors"
     fts = sorted(p for p in data_dir.glob("ft-*.safetensors")) if data_dir.is_dir() else []
     if base.exists() and fts:
-        return base, fts[0], f"{base} and the real fine-tune {fts[0].name} (benchmarks/data.py)"
+        # lr 5e-5 is the fine-tune shared/notes/measurements.md measured codecs on; else any
+        ft = next((p for p in fts if p.name == "ft-lr5e-5-wd0.01.safetensors"), fts[0])
+        return base, ft, f"{base} and the real fine-tune {ft.name} (benchmarks/data.py)"
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
@@ -93,6 +95,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=_HERE / "results" / "s3.md")
     args = ap.parse_args()
     t_run = time.perf_counter()
+    load0 = os.getloadavg()[0]
 
     import s3fs
 
@@ -196,6 +199,8 @@ def main() -> None:
         f"- ckpt commit {commit}{' plus uncommitted changes' if dirty else ''}; chunk_size "
         f"{settings.chunk_size >> 20} MiB, transfer_concurrency {settings.transfer_concurrency}, workers {settings.workers}",
         f"- server: moto's standalone server on 127.0.0.1 (a Python process sharing the same {os.cpu_count()} cores)",
+        f"- load average (1 min) at start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} (other work on the machine "
+        "slows every row alike; compare rows, not runs)",
         f"- data: {data_note}",
         "",
         f"## 1. One safetensors file, {size / MB:.1f} MB (medians of {args.reps}, fresh bucket each)",
