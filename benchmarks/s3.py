@@ -218,8 +218,8 @@ def main() -> None:
         f"| ckpt pull (download, decode, verify every chunk, write the file) | {secs('ckpt pull')} | {mbps('ckpt pull')} |",
         "",
         f"ckpt stores the file as {n_parts} objects (4 MiB chunks; each small tensor is a chunk of its own). "
-        "The `parts` rows move the same bytes as that many plain objects with s3fs, to show what the "
-        "object count alone costs against this server (per-request overhead), apart from ckpt's own work. "
+        f"The rows with {n_parts} objects move the same bytes as that many plain objects with s3fs, to show what "
+        "the object count alone costs against this server (per-request overhead), apart from ckpt's own work. "
         "Every pulled file was compared byte for byte with the source.",
         "",
         "## 2. A fine-tune whose base is already in the S3 store",
