@@ -258,7 +258,7 @@ class LocalBackend(Backend):
 
 
 class FsspecBackend(Backend):
-    """A store on any fsspec filesystem (``memory://``, ``s3://``, ...).
+    """A store on any fsspec filesystem (``memory://``, ``gs://``, ...).
 
     ``create_exclusive`` is check-then-write here, which is exact on filesystems
     with one writing process (``memory://``); S3 has its own backend with
