@@ -21,13 +21,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import logging
 import math
-import os
 import posixpath
-import socket
 import threading
 import time
 from collections import defaultdict
@@ -38,6 +35,15 @@ from typing import Any, TypeVar
 from storage.backend import Entry, FsspecBackend
 from storage.errors import StorageIOError
 from storage.retry import RetryPolicy, call_with_retries
+from storage.s3_errors import (
+    ACCESS,
+    chain,
+    client_error,
+    is_precondition_failed,
+    secrets_in,
+    secrets_in_env,
+    transient,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,81 +57,6 @@ LIST_PAGE = 1000
 # What one LIST request costs in HEADs: AWS prices a LIST 12.5x a HEAD, and a full page
 # (~250 KB) takes longer to send. A listing is used only where it is cheaper by this measure.
 LIST_COST = 10
-
-_THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
-             "TooManyRequestsException", "RequestThrottled", "RequestTimeout", "InternalError",
-             "ServiceUnavailable", "XAmzContentSHA256Mismatch", "ConditionalRequestConflict", "OperationAborted"}
-_ACCESS = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
-           "AccountProblem", "AllAccessDisabled", "RequestTimeTooSkewed", "InvalidSecurity"}
-_SECRET_OPTIONS = ("key", "secret", "token", "username", "password",
-                   "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
-_SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
-
-
-def _chain(e: BaseException | None) -> Iterator[BaseException]:
-    seen = 0
-    while e is not None and seen < 8:
-        yield e
-        e = e.__cause__ or e.__context__
-        seen += 1
-
-
-def _client_error(e: BaseException) -> tuple[str, int] | None:
-    """(error code, HTTP status) of the botocore ClientError behind ``e``, if any."""
-    for x in _chain(e):
-        resp = getattr(x, "response", None)
-        if isinstance(resp, dict) and "Error" in resp:
-            code = str(resp.get("Error", {}).get("Code", ""))
-            status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or (code if code.isdigit() else 0))
-            return code, status
-    return None
-
-
-def is_precondition_failed(e: BaseException) -> bool:
-    """A conditional write refused because the object exists (HTTP 412).
-
-    s3fs turns a 412 into ``FileExistsError`` only when the server names the condition
-    (moto does); SeaweedFS and others give ``OSError(EINVAL)`` caused by a ClientError
-    with code ``PreconditionFailed``.
-    """
-    if isinstance(e, FileExistsError):
-        return True
-    ce = _client_error(e)
-    return ce is not None and (ce[0] == "PreconditionFailed" or ce[1] == 412)
-
-
-def _transient(e: BaseException) -> str | None:
-    """A short reason if repeating the request may succeed (throttling, 5xx, network), else None."""
-    if isinstance(e, (StorageIOError, FileNotFoundError, FileExistsError)):
-        return None
-    ce = _client_error(e)
-    if ce is not None:
-        code, status = ce
-        if status >= 500 or status == 429 or code in _THROTTLE:
-            return f"HTTP {status} {code}".strip()
-        return None
-    try:
-        import botocore.exceptions as be
-
-        boto_net: tuple[type[BaseException], ...] = (be.HTTPClientError, be.ConnectionError, be.IncompleteReadError)
-    except ImportError:  # pragma: no cover
-        boto_net = ()
-    try:
-        import aiohttp
-
-        aio_net: tuple[type[BaseException], ...] = (aiohttp.ClientError,)
-    except ImportError:  # pragma: no cover
-        aio_net = ()
-    for x in _chain(e):
-        if (boto_net and isinstance(x, boto_net)) or (aio_net and isinstance(x, aio_net)):
-            detail = str(x).strip()
-            return f"{type(x).__name__}: {detail}" if detail else type(x).__name__
-        if isinstance(x, (asyncio.TimeoutError, TimeoutError, socket.timeout)) or type(x).__name__ == "FSTimeoutError":
-            return "timeout"
-        if isinstance(x, ConnectionError):
-            return f"{type(x).__name__}"
-    return None
-
 
 class S3Backend(FsspecBackend):
     """A store below ``s3://bucket/prefix``. See the module docstring for what it guarantees.
@@ -143,7 +74,7 @@ class S3Backend(FsspecBackend):
         except ImportError:
             raise StorageIOError(f"{url} needs s3fs", hint="install it: pip install 'ckpt[s3]'") from None
         opts = dict(storage_options or {})
-        self._secrets = _secrets_in(opts)
+        self._secrets = secrets_in(opts)
         self.url = url
         self.concurrency = max(1, concurrency)
         self.retry = retry or RetryPolicy()
@@ -171,7 +102,7 @@ class S3Backend(FsspecBackend):
 
     # -- plumbing --------------------------------------------------------------
     def _redact(self, text: str) -> str:
-        for s in self._secrets | _secrets_in_env():
+        for s in self._secrets | secrets_in_env():
             text = text.replace(s, "***")
         return text
 
@@ -186,28 +117,28 @@ class S3Backend(FsspecBackend):
             e.message = self._redact(e.message)
             raise
         except FileNotFoundError as e:
-            if op in ("write", "create") or (_client_error(e) or ("",))[0] == "NoSuchBucket" and op != "read":
+            if op in ("write", "create") or (client_error(e) or ("",))[0] == "NoSuchBucket" and op != "read":
                 raise self._error(op, path, e) from None
             raise FileNotFoundError(errno.ENOENT, "no such object", path) from None
         except Exception as e:  # noqa: BLE001 - every client error becomes a StorageIOError
             raise self._error(op, path, e) from None
 
     def _transient(self, e: BaseException) -> str | None:
-        reason = _transient(e)
+        reason = transient(e)
         return self._redact(reason) if reason is not None else None
 
     def _error(self, op: str, path: str, e: BaseException) -> Exception:
         where = f"{self.url}/{path}" if path else self.url
-        ce = _client_error(e)
+        ce = client_error(e)
         code = ce[0] if ce else ""
-        if type(e).__name__ == "NoCredentialsError" or any(type(x).__name__ == "NoCredentialsError" for x in _chain(e)):
+        if type(e).__name__ == "NoCredentialsError" or any(type(x).__name__ == "NoCredentialsError" for x in chain(e)):
             return StorageIOError(f"cannot {op} {where}: no S3 credentials found",
                                   hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
                                        "or pass --storage-option anon=true for a public bucket")
         if code == "NoSuchBucket":
             return StorageIOError(f"cannot {op} {where}: bucket {self.bucket} does not exist",
                                   hint="create the bucket first (for example `aws s3 mb s3://BUCKET`)")
-        if code in _ACCESS or isinstance(e, PermissionError) or (ce and ce[1] == 403):
+        if code in ACCESS or isinstance(e, PermissionError) or (ce and ce[1] == 403):
             return StorageIOError(f"cannot {op} {where}: access denied ({code or 'HTTP 403'})",
                                   hint="check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE) "
                                        "and the endpoint (AWS_ENDPOINT_URL or --storage-option endpoint_url=...)")
@@ -257,7 +188,7 @@ class S3Backend(FsspecBackend):
             except Exception as e:
                 if is_precondition_failed(e):
                     return False
-                ce = _client_error(e)
+                ce = client_error(e)
                 if ce is not None and (ce[0] == "NotImplemented" or ce[1] == 501):
                     raise StorageIOError(
                         f"{self.url} does not support conditional writes (If-None-Match)",
@@ -414,22 +345,6 @@ def _new_session(profile: str | None) -> Any:
             _loader = session.get_component("data_loader")
     session.register_component("data_loader", _loader)
     return session
-
-
-def _secrets_in(opts: Any) -> set[str]:
-    """Every credential value in ``storage_options`` (also nested, e.g. in ``client_kwargs``)."""
-    out: set[str] = set()
-    if isinstance(opts, dict):
-        for k, v in opts.items():
-            if isinstance(v, str) and k in _SECRET_OPTIONS and len(v) >= 4:
-                out.add(v)
-            elif isinstance(v, dict):
-                out |= _secrets_in(v)
-    return out
-
-
-def _secrets_in_env() -> set[str]:
-    return {v for k in _SECRET_ENV if len(v := os.environ.get(k, "")) >= 4}
 
 
 __all__ = ["MULTIPART_THRESHOLD", "S3Backend", "is_precondition_failed"]

@@ -22,7 +22,8 @@ from storage.backend import open_backend  # noqa: E402
 from storage.errors import StorageIOError  # noqa: E402
 from storage.refs import Refs  # noqa: E402
 from storage.retry import RetryPolicy  # noqa: E402
-from storage.s3 import S3Backend, _transient, is_precondition_failed  # noqa: E402
+from storage.s3 import S3Backend  # noqa: E402
+from storage.s3_errors import is_precondition_failed, transient  # noqa: E402
 
 FAST = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05)
 
@@ -50,18 +51,18 @@ def test_precondition_failed_in_both_shapes():
 def test_what_is_retried(code, status, retry):
     e = OSError(errno.EIO, "x")
     e.__cause__ = _client_error(code, status)
-    assert (_transient(e) is not None) is retry
+    assert (transient(e) is not None) is retry
 
 
 def test_network_errors_are_retried():
     import aiohttp
     from botocore.exceptions import ConnectionClosedError, EndpointConnectionError
 
-    assert _transient(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
-    assert _transient(ConnectionClosedError(endpoint_url="http://127.0.0.1:1"))
-    assert _transient(aiohttp.ClientPayloadError("reset"))
-    assert _transient(ConnectionResetError())
-    assert _transient(FileNotFoundError()) is None
+    assert transient(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
+    assert transient(ConnectionClosedError(endpoint_url="http://127.0.0.1:1"))
+    assert transient(aiohttp.ClientPayloadError("reset"))
+    assert transient(ConnectionResetError())
+    assert transient(FileNotFoundError()) is None
 
 
 def test_settings_reach_the_backend(s3_main_url, monkeypatch):
