@@ -75,7 +75,8 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
     ids = sorted(lengths)
     progress = progress or NullProgress()
     progress.start("verify", sum(lengths.values()))
-    results = run_parallel(check, ids, store.settings.workers, progress, lambda c: lengths[c])
+    workers = max(store.settings.workers, store.backend.concurrency)  # remote stores: requests in flight
+    results = run_parallel(check, ids, workers, progress, lambda c: lengths[c])
     progress.finish()
     for cid, problem in zip(ids, results, strict=True):
         report.chunks_checked += 1

@@ -114,8 +114,12 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
     many small durable writes (fsync) overlaps with encoding and with itself. At
     most ``2 * io_workers`` blobs wait for their write, which bounds memory.
     """
-    io = ThreadPoolExecutor(max_workers=settings.io_workers, thread_name_prefix="ckpt-io")
-    slots = threading.BoundedSemaphore(2 * settings.io_workers)
+    # A remote store is latency-bound: keep as many requests in flight as it allows
+    # (existence checks run on the encoding workers, uploads on the I/O workers).
+    remote = objects.backend.concurrency
+    io_workers = max(settings.io_workers, remote)
+    io = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="ckpt-io")
+    slots = threading.BoundedSemaphore(2 * io_workers)
     writes: list[Future[None]] = []
     writes_lock = threading.Lock()
 
@@ -125,18 +129,22 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
         finally:
             slots.release()
 
+    stored = objects.presence("chunks", len(tasks))  # remote stores: one listing instead of a HEAD per chunk
+
     def put(task: PutTask) -> PutResult:
         data = task.read()
         oid = object_id(data)
         path = objects.path("chunks", oid)
-        if objects.backend.touch(path):  # present: touched keeps a concurrent gc off it (docs/format.md)
+        # A local store refreshes a reused chunk's time (keeps a concurrent gc off it,
+        # docs/format.md) and learns it is there in one call; a remote one asks the batch.
+        if objects.backend.touch(path) if objects.backend.touches else stored(oid):
             codec, chain = stored_chain(objects, oid)
             return PutResult(oid, task.length, 0, codec, chain)
         base_bytes, base_chain = None, ()
         if task.base is not None and task.base != oid and settings.max_delta_depth > 0:
             try:
                 codec_b, chain_b = stored_chain(objects, task.base)
-                if len(chain_b) < settings.max_delta_depth and objects.refresh("chunks", task.base):
+                if len(chain_b) < settings.max_delta_depth and (not objects.backend.touches or objects.refresh("chunks", task.base)):
                     base_bytes, _ = fetch_chunk(objects, task.base, task.length, settings)
                     base_chain = (task.base, *chain_b)
             except ObjectNotFoundError:
@@ -154,7 +162,7 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
         return PutResult(oid, task.length, len(enc.blob), enc.codec, base_chain if enc.base else ())
 
     try:
-        results = run_parallel(put, tasks, settings.workers, progress or NullProgress(), lambda t: t.length)
+        results = run_parallel(put, tasks, max(settings.workers, min(remote, 8)), progress or NullProgress(), lambda t: t.length)
         for f in writes:
             f.result()  # durable, or the first write error
         return results
@@ -175,4 +183,5 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     def get(task: GetTask) -> None:
         task.sink(fetch_chunk(objects, task.id, task.length, settings)[0])  # type: ignore[arg-type]
 
-    run_parallel(get, list(tasks), settings.workers, progress or NullProgress(), lambda t: t.length)
+    workers = max(settings.workers, objects.backend.concurrency)  # remote stores: requests in flight
+    run_parallel(get, list(tasks), workers, progress or NullProgress(), lambda t: t.length)

@@ -37,6 +37,17 @@ class Settings:
     fsync: bool = True
     # Largest decoded chunk a reader accepts (guards against decompression bombs).
     max_chunk_size: int = 256 * MiB
+    # Remote stores (S3): requests in flight at once -- uploads, downloads, existence
+    # checks, copies. Object stores are latency-bound, so this is well above the core
+    # count; each request holds at most one chunk in memory.
+    transfer_concurrency: int = 16
+    # Remote stores: attempts per request after the first, on throttling, 5xx and
+    # dropped connections, with exponential backoff from retry_delay seconds (full jitter).
+    retries: int = 5
+    retry_delay: float = 0.2
+    # Remote stores: exclusive creates (ref entries) use If-None-Match. Turn off only for
+    # a server that lacks it; then one writer per ref is required (docs/format.md).
+    conditional_writes: bool = True
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
@@ -55,6 +66,8 @@ class Settings:
         s = replace(s, **env, **overrides)
         if not MiB // 16 <= s.chunk_size <= s.max_chunk_size:
             raise ValueError(f"chunk_size must be between 64 KiB and {s.max_chunk_size} bytes")
-        if s.workers < 1 or s.io_workers < 1:
-            raise ValueError("workers and io_workers must be at least 1")
+        if s.workers < 1 or s.io_workers < 1 or s.transfer_concurrency < 1:
+            raise ValueError("workers, io_workers and transfer_concurrency must be at least 1")
+        if s.retries < 0 or s.retry_delay < 0:
+            raise ValueError("retries and retry_delay must not be negative")
         return s

@@ -15,6 +15,7 @@ from storage.config import StoreConfig, init_config, read_config
 from storage.errors import InvalidNameError, StoreNotFoundError
 from storage.objects import ObjectStore
 from storage.refs import RefEntry, Refs, validate_ref_name
+from storage.retry import RetryPolicy
 
 if TYPE_CHECKING:
     import torch
@@ -22,9 +23,17 @@ if TYPE_CHECKING:
     from ckpt.maintenance import GcReport, RepairReport, StoreUsage, VerifyReport
     from ckpt.push import PushResult
     from ckpt.reader import CheckpointReader
+    from storage.copy import CopyReport
 
 _HISTORY = re.compile(r"^(.*)@(\d+)$")
 _HEX = re.compile(r"^[0-9a-f]{4,64}$")
+
+
+def remote_options(settings: Settings) -> dict[str, Any]:
+    """What a remote backend (S3) takes from the settings: concurrency, retries, conditional writes."""
+    return {"concurrency": settings.transfer_concurrency,
+            "retry": RetryPolicy(attempts=settings.retries + 1, base_delay=settings.retry_delay),
+            "conditional_writes": settings.conditional_writes}
 
 
 def default_store_url() -> str:
@@ -66,7 +75,7 @@ class Store:
         """
         settings = settings or Settings.from_env()
         url = os.fspath(url) if url is not None else default_store_url()
-        backend = open_backend(url, storage_options=storage_options, fsync=settings.fsync)
+        backend = open_backend(url, storage_options=storage_options, fsync=settings.fsync, remote=remote_options(settings))
         try:
             config = read_config(backend)
         except StoreNotFoundError:
@@ -192,6 +201,20 @@ class Store:
 
         mid = self.resolve(ref)
         return CheckpointReader(self, mid, self.get_manifest(mid))
+
+    # -- between stores ----------------------------------------------------------
+    def copy_to(self, dest: Store | str | os.PathLike[str], refs: list[str], *,
+                storage_options: dict[str, Any] | None = None, progress: Progress | None = None) -> CopyReport:
+        """Copy checkpoints ``refs`` (``REF`` or ``REF:NAME``) to store ``dest`` (created if needed).
+
+        Only objects ``dest`` lacks travel, verified, in the order chunks, manifests,
+        refs; see :func:`ckpt.transfer.copy_refs`.
+        """
+        from ckpt.transfer import copy_refs
+
+        if not isinstance(dest, Store):
+            dest = Store.open(dest, storage_options=storage_options, settings=self.settings, create=True)
+        return copy_refs(self, dest, refs, progress=progress)
 
     # -- housekeeping ----------------------------------------------------------
     def verify(self, names: list[str] | None = None, *, progress: Progress | None = None) -> VerifyReport:

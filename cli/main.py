@@ -17,8 +17,9 @@ app = typer.Typer(
     help=(
         "Store PyTorch checkpoints once: chunked, deduplicated, compressed, verified.\n\n"
         "The store is --store URL, else $CKPT_STORE, else ~/.local/share/ckpt/store "
-        "($XDG_DATA_HOME/ckpt/store). A URL is a local path, file://..., memory://... "
-        "or any fsspec URL.\n\n"
+        "($XDG_DATA_HOME/ckpt/store). A URL is a local path, file://..., s3://BUCKET/PREFIX "
+        "(credentials and endpoint from the AWS environment variables and config files, or "
+        "--storage-option), memory://... or any fsspec URL.\n\n"
         "A REF is a name (minilm/legal), NAME@N (N versions back, see `ckpt log`), or a "
         "checkpoint id prefix (at least 4 hex digits).\n\n"
         "Quick start:  ckpt push model.safetensors minilm/base  |  ckpt ls  |  ckpt du  |  "
@@ -30,24 +31,58 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-_state: dict[str, Any] = {"store": None}
+_state: dict[str, Any] = {"store": None, "options": None}
 
 StoreOpt = Annotated[
     Optional[str],
     typer.Option("--store", "-s", metavar="URL", help="Store URL (default: $CKPT_STORE, else ~/.local/share/ckpt/store).", show_default=False),
 ]
+OptionsOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--storage-option", "-o", metavar="KEY=VALUE", show_default=False,
+                 help="fsspec/s3fs option for remote stores (repeatable), e.g. endpoint_url=http://host:9000, "
+                      "profile=NAME, anon=true, config_kwargs.connect_timeout=5. Credentials are better left to the "
+                      "AWS environment variables or config files, which are used by default."),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 
 
+def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
+    """``["a=1", "b.c=x"]`` -> ``{"a": 1, "b": {"c": "x"}}``: values are JSON when they parse, else strings."""
+    import json
+
+    if not pairs:
+        return None
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            # Never echo the pair itself: it may hold a credential.
+            raise typer.BadParameter("expected KEY=VALUE", param_hint="--storage-option")
+        try:
+            value: Any = json.loads(raw)
+        except ValueError:
+            value = raw
+        node = out
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise typer.BadParameter(f"{key}: {part} is both a value and a group", param_hint="--storage-option")
+        node[leaf] = value
+    return out
+
+
 @app.callback()
-def _main(store: StoreOpt = None) -> None:
+def _main(store: StoreOpt = None, storage_option: OptionsOpt = None) -> None:
     _state["store"] = store
+    _state["options"] = parse_storage_options(storage_option)
 
 
-def _open(create: bool = False) -> Any:
+def _open(create: bool = False, url: str | None = None) -> Any:
     from ckpt.store import Store
 
-    return Store.open(_state["store"], create=create)
+    return Store.open(url or _state["store"], storage_options=_state["options"], create=create)
 
 
 @app.command()
@@ -61,18 +96,30 @@ def init() -> None:
 
 @app.command()
 def push(
-    source: Annotated[Path, typer.Argument(metavar="SOURCE", help="A .safetensors file, a Hugging Face model directory, or a .pt/.bin state dict.")],
-    name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name to point at the new checkpoint, e.g. minilm/legal.")],
+    source: Annotated[Path, typer.Argument(metavar="SOURCE", help="A .safetensors file, a Hugging Face model directory, or a .pt/.bin state dict; with --to, a REF in this store.")],
+    name: Annotated[Optional[str], typer.Argument(metavar="NAME", help="Ref name to point at the new checkpoint, e.g. minilm/legal (with --to: the name there, default the same).", show_default=False)] = None,
     message: Annotated[Optional[str], typer.Option("--message", "-m", metavar="MSG", help="Note stored with the checkpoint.")] = None,
     base: Annotated[Optional[str], typer.Option("--base", "-b", metavar="REF", help="Delta-encode against this checkpoint (default: NAME's previous version, else the stored checkpoint sharing the most tensors).")] = None,
     no_delta: Annotated[bool, typer.Option("--no-delta", help="Store new chunks whole, without a base.")] = False,
+    to: Annotated[Optional[str], typer.Option("--to", metavar="URL", help="Push REF from this store to the store at URL instead (same as `ckpt copy REF --to URL`).", show_default=False)] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Store a checkpoint and point NAME at it. Only chunks the store lacks are written.
 
     .pt/.bin files are read with torch.load(weights_only=True): a file that needs
     arbitrary unpickling is refused, never executed. Creates the store if needed.
+
+    With --to URL, SOURCE is a ref in this store, copied with everything it needs to the
+    store at URL (only what is missing there travels).
     """
+    if to is not None:
+        if message or base or no_delta:
+            raise typer.BadParameter("--message, --base and --no-delta do not apply to --to (a copy keeps the checkpoint as it is)")
+        spec = str(source) if name is None else f"{source}:{name}"
+        _copy([spec], None, to, as_json)
+        return
+    if name is None:
+        raise typer.BadParameter("NAME is required (the ref to point at the new checkpoint)", param_hint="NAME")
     store = _open(create=True)
     r = store.push_report(str(source), name, message, base=base, delta=not no_delta, progress=RichProgress())
     if as_json:
@@ -88,14 +135,24 @@ def push(
 @app.command()
 def pull(
     ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or id prefix.")],
-    dest: Annotated[Path, typer.Argument(metavar="DEST", help="Output file (single-file checkpoints) or directory (model directories).")],
+    dest: Annotated[Optional[Path], typer.Argument(metavar="DEST", help="Output file (single-file checkpoints) or directory (model directories). Optional with --from.", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace DEST if it exists.")] = False,
     include: Annotated[Optional[list[str]], typer.Option("--include", "-i", metavar="GLOB", help="Only tensors matching this glob (repeatable); writes one safetensors file.")] = None,
+    from_: Annotated[Optional[str], typer.Option("--from", metavar="URL", help="First copy REF from the store at URL into this store (only what is missing here travels).", show_default=False)] = None,
 ) -> None:
     """Write a checkpoint back out, bit-identical to what was pushed, verifying every chunk.
 
     DEST appears only when complete (written under a temporary name, then renamed).
+
+    With --from URL, REF is first copied from the store at URL into this store (like
+    `ckpt copy REF --from URL`); DEST, if given, is then written from this store.
     """
+    if from_ is not None:
+        _copy([ref], from_, None, False, quiet=dest is not None)
+        if dest is None:
+            return
+    elif dest is None:
+        raise typer.BadParameter("DEST is required (or --from URL to copy REF into this store)", param_hint="DEST")
     store = _open()
     path = store.pull(ref, str(dest), overwrite=force, include=include or None, progress=RichProgress())
     out.print(f"wrote {path}")
@@ -287,6 +344,44 @@ def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Refs 
     for name in names:
         store.remove(name)
         out.print(f"removed {name}")
+
+
+@app.command()
+def copy(
+    refs: Annotated[list[str], typer.Argument(metavar="REF...", help="Refs to copy; REF:NAME sets NAME at the destination; NAME@N or an id prefix copies the checkpoint only.")],
+    from_: Annotated[Optional[str], typer.Option("--from", metavar="URL", help="Source store (default: --store).", show_default=False)] = None,
+    to: Annotated[Optional[str], typer.Option("--to", metavar="URL", help="Destination store, created if needed (default: --store).", show_default=False)] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Copy checkpoints between stores (local <-> S3, S3 <-> S3, local <-> local).
+
+    Only objects the destination lacks travel -- a fine-tune whose base is already there
+    costs about its delta -- in the order chunks, manifests, refs, each verified before it
+    is written. An interrupted copy, run again, sends only what is left. --storage-option
+    applies to both stores.
+    """
+    if from_ is None and to is None:
+        raise typer.BadParameter("give --from URL, --to URL or both (the other defaults to --store)")
+    _copy(refs, from_, to, as_json)
+
+
+def _copy(refs: list[str], from_: str | None, to: str | None, as_json: bool, quiet: bool = False) -> None:
+    src = _open(url=from_)
+    dst = _open(create=True, url=to)
+    if src.url == dst.url:
+        raise typer.BadParameter("source and destination are the same store")
+    r = src.copy_to(dst, refs, progress=RichProgress())
+    if as_json:
+        emit_json({"from": src.url, "to": dst.url, "refs": r.refs, "chunks_sent": r.chunks_sent,
+                   "manifests_sent": r.manifests_sent, "refs_set": r.refs_set, "objects_sent": r.objects_sent,
+                   "bytes_sent": r.bytes_sent, "chunks_present": r.chunks_present,
+                   "manifests_present": r.manifests_present})
+        return
+    if quiet:
+        return
+    names = ", ".join(r.refs) or "no refs"
+    out.print(f"copied {names} to {dst.url}: sent {r.chunks_sent} chunks, {r.manifests_sent} manifests, "
+              f"{r.refs_set} ref updates ({human_bytes(r.bytes_sent)}); {r.chunks_present} chunks were already there")
 
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")

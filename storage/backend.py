@@ -6,7 +6,9 @@ write is atomic: a reader never sees a half-written object under its final name.
 * :class:`LocalBackend` uses the OS directly (temp file + fsync + rename; exclusive
   create through ``link``), which is both faster and stricter than going
   through fsspec's local filesystem.
-* :class:`FsspecBackend` serves any other fsspec URL (``memory://``, ``s3://`` ...).
+* :class:`FsspecBackend` serves any other fsspec URL (``memory://``, ``gs://`` ...).
+* ``s3://`` goes to :class:`storage.s3.S3Backend` (conditional writes, retries,
+  batched existence checks), loaded only when an S3 store is opened.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import posixpath
 import threading
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +42,12 @@ class Backend(ABC):
     """Byte-level access below a store root. Paths are ``/``-separated and relative."""
 
     url: str
+    # Requests worth having in flight at once. 1 for local stores, where the caller's
+    # own worker counts apply; remote stores (latency-bound) say how many they allow.
+    concurrency: int = 1
+    # True where touch() refreshes an object's modification time (and reports presence
+    # in the same call); object stores cannot, and callers there ask presence in batches.
+    touches: bool = False
 
     @abstractmethod
     def read(self, path: str) -> bytes:
@@ -59,6 +67,16 @@ class Backend(ABC):
 
     @abstractmethod
     def exists(self, path: str) -> bool: ...
+
+    def exists_many(self, paths: Iterable[str]) -> set[str]:
+        """The subset of ``paths`` that exists. Remote backends batch this (one listing
+        of a directory instead of a request per path, where that is cheaper)."""
+        return {p for p in paths if self.exists(p)}
+
+    def list_all(self, prefix: str, lookups: int) -> set[str] | None:
+        """Every path below ``prefix`` when one listing is cheaper than ``lookups`` single
+        existence checks, else None. Only remote stores say yes (a local check is cheap)."""
+        return None
 
     @abstractmethod
     def size(self, path: str) -> int:
@@ -117,6 +135,8 @@ class Backend(ABC):
 
 class LocalBackend(Backend):
     """A store in a local directory. ``fsync`` makes every write durable before it is visible."""
+
+    touches = True
 
     def __init__(self, root: str, *, fsync: bool = True) -> None:
         self.root = os.path.abspath(os.path.expanduser(root))
@@ -333,11 +353,11 @@ class LocalBackend(Backend):
 
 
 class FsspecBackend(Backend):
-    """A store on any fsspec filesystem (``memory://``, ``s3://``, ...).
+    """A store on any fsspec filesystem (``memory://``, ``gs://``, ...).
 
     ``create_exclusive`` is check-then-write here, which is exact on filesystems
-    with one writer (``memory://``); object stores with conditional writes get a
-    dedicated backend.
+    with one writing process (``memory://``); S3 has its own backend with
+    conditional writes (``storage/s3.py``).
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
@@ -366,11 +386,16 @@ class FsspecBackend(Backend):
         except OSError as e:
             raise _io_error("write", path, e) from e
 
+    # Check-then-write is exact only with one writing process (``memory://``); the
+    # lock makes it exact across that process's threads.
+    _create_lock = threading.Lock()
+
     def create_exclusive(self, path: str, data: bytes) -> bool:
         p = self._p(path)
-        if self.fs.exists(p):
-            return False
-        self.fs.pipe_file(p, data)
+        with self._create_lock:
+            if self.fs.exists(p):
+                return False
+            self.fs.pipe_file(p, data)
         return True
 
     def exists(self, path: str) -> bool:
@@ -445,12 +470,19 @@ def _io_error(op: str, path: str, e: OSError) -> StorageIOError:
     return StorageIOError(f"cannot {op} {path}: {e.strerror or e}", retryable=True)
 
 
-def open_backend(url: str, *, storage_options: dict[str, Any] | None = None, fsync: bool = True) -> Backend:
-    """The backend for ``url``: a plain path or ``file://`` is local, anything else goes to fsspec."""
+def open_backend(url: str, *, storage_options: dict[str, Any] | None = None, fsync: bool = True,
+                 remote: dict[str, Any] | None = None) -> Backend:
+    """The backend for ``url``: a plain path or ``file://`` is local, ``s3://`` is
+    :class:`storage.s3.S3Backend` (``remote`` holds its ``concurrency``, ``retry`` and
+    ``conditional_writes``), anything else goes to fsspec."""
     if "://" not in url:
         return LocalBackend(url, fsync=fsync)
     if url.startswith("file://"):
         return LocalBackend(url[len("file://") :], fsync=fsync)
+    if url.startswith(("s3://", "s3a://")):
+        from storage.s3 import S3Backend
+
+        return S3Backend(url, storage_options, **(remote or {}))
     return FsspecBackend(url, storage_options)
 
 

@@ -8,7 +8,7 @@ canonical JSON, verified here on every read and write).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import blake3
@@ -57,6 +57,24 @@ class ObjectStore:
     def refresh(self, kind: str, oid: str) -> bool:
         """Touch an object a write is about to depend on; False if it is absent."""
         return self.backend.touch(self.path(kind, oid))
+
+    def has_many(self, kind: str, oids: Iterable[str]) -> set[str]:
+        """The ids among ``oids`` that are stored (batched on remote stores)."""
+        by_path = {self.path(kind, o): o for o in oids}
+        return {by_path[p] for p in self.backend.exists_many(by_path)}
+
+    def presence(self, kind: str, lookups: int) -> Callable[[str], bool]:
+        """A test "is object ``oid`` stored?" for a batch of about ``lookups`` questions.
+
+        On a remote store whose ``objects/<kind>`` lists in fewer requests than that many
+        HEADs, one listing made now answers them all (an object added later by someone
+        else is just written again; one deleted later is caught by ``commit``'s check).
+        """
+        listed = self.backend.list_all(f"objects/{kind}", lookups)
+        if listed is None:
+            return lambda oid: self.backend.exists(self.path(kind, oid))
+        names = {p.rsplit("/", 1)[-1] for p in listed}
+        return names.__contains__
 
     def put(self, kind: str, oid: str, blob: bytes | memoryview) -> bool:
         """Store ``blob`` under ``oid`` unless it exists. Returns True when written.

@@ -1,15 +1,117 @@
 from __future__ import annotations
 
+import os
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
+# Nothing in the tests may reach an address other than 127.0.0.1: no instance-metadata
+# lookups for credentials, no AWS config or credentials from the developer's home.
+os.environ["AWS_EC2_METADATA_DISABLED"] = "true"
+os.environ["AWS_CONFIG_FILE"] = os.devnull
+os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.devnull
+for _var in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
+             "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+    os.environ.pop(_var, None)
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+# An S3 call made without a test server's endpoint fails here, at once, instead of
+# looking for AWS (port 9 is "discard": nothing listens on it).
+os.environ["AWS_ENDPOINT_URL"] = "http://127.0.0.1:9"
 
-@pytest.fixture(params=["local", "memory"])
-def store_url(request, tmp_path):
+# S3 servers the S3 conformance tests run on: moto by default; CI adds seaweedfs
+# (S3_TEST_SERVERS=moto,seaweedfs) when its binary is installed. Heavier S3 tests
+# (CLI, concurrency, faults) use the first one only.
+S3_SERVERS = [s.strip() for s in os.environ.get("S3_TEST_SERVERS", "moto").split(",") if s.strip()]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` run only when asked for (``-m slow``, or CKPT_SLOW_TESTS=1)."""
+    if config.getoption("markexpr") or os.environ.get("CKPT_SLOW_TESTS") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+class S3Servers:
+    """S3 test servers by kind, each started on first use and stopped (by PID) at session end."""
+
+    def __init__(self, factory: pytest.TempPathFactory) -> None:
+        self.factory = factory
+        self.running: dict[str, object] = {}
+
+    def get(self, kind: str) -> object:
+        if kind not in self.running:
+            pytest.importorskip("s3fs")
+            pytest.importorskip("moto" if kind == "moto" else "boto3")
+            from s3support import start_server
+
+            self.running[kind] = start_server(kind, self.factory.mktemp(f"s3-{kind}"))
+        return self.running[kind]
+
+    def stop(self) -> None:
+        for server in self.running.values():
+            server.stop()  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session")
+def s3_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Servers]:
+    servers = S3Servers(tmp_path_factory)
+    try:
+        yield servers
+    finally:
+        servers.stop()
+
+
+def new_s3_store_url(servers: S3Servers, kind: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``s3://<fresh bucket>/store`` on server ``kind``; credentials and endpoint the standard
+    way, in AWS environment variables."""
+    from s3support import KEY, SECRET
+
+    server = servers.get(kind)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)  # type: ignore[attr-defined]
+    monkeypatch.setenv("CKPT_RETRY_DELAY", "0.02")  # failures in tests should be quick
+    return f"s3://{server.new_bucket()}/store"  # type: ignore[attr-defined]
+
+
+@pytest.fixture(params=S3_SERVERS)
+def s3_server(request: pytest.FixtureRequest, s3_servers: S3Servers) -> object:
+    """Each S3 server in S3_TEST_SERVERS."""
+    return s3_servers.get(request.param)
+
+
+@pytest.fixture
+def s3_url(request: pytest.FixtureRequest, s3_server: object, s3_servers: S3Servers, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh S3 store URL on each server in S3_TEST_SERVERS (credentials in the environment)."""
+    return new_s3_store_url(s3_servers, s3_server.kind, monkeypatch)  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def s3_main(s3_servers: S3Servers) -> object:
+    """The first S3 test server only, for the heavier tests."""
+    return s3_servers.get(S3_SERVERS[0])
+
+
+@pytest.fixture
+def s3_main_url(s3_servers: S3Servers, monkeypatch: pytest.MonkeyPatch) -> str:
+    return new_s3_store_url(s3_servers, S3_SERVERS[0], monkeypatch)
+
+
+BACKENDS = ["local", "memory", *(f"s3-{k}" for k in S3_SERVERS)]
+
+
+@pytest.fixture(params=BACKENDS)
+def store_url(request: pytest.FixtureRequest, tmp_path) -> str:
     """A fresh store URL on each backend the conformance tests cover."""
     if request.param == "local":
         return str(tmp_path / "store")
+    if request.param.startswith("s3-"):
+        return new_s3_store_url(request.getfixturevalue("s3_servers"), request.param[3:],
+                                request.getfixturevalue("monkeypatch"))
     return f"memory://ckpt-test-{uuid.uuid4().hex}"
 
 

@@ -1,0 +1,126 @@
+"""Copying checkpoints between stores (local <-> S3, S3 <-> S3, local <-> local).
+
+The byte moving is ``storage/copy.py``; this module adds what needs the codecs: each
+chunk is decoded and re-hashed before it is written at the destination.
+
+>>> import torch, ckpt
+>>> a = ckpt.Store.init("memory://transfer-doctest-a")
+>>> b = ckpt.Store.init("memory://transfer-doctest-b")
+>>> cid = a.push({"w": torch.ones(4)}, "demo/x")
+>>> r = copy_refs(a, b, ["demo/x"])
+>>> r.refs == {"demo/x": cid} and r.chunks_sent > 0
+True
+>>> copy_refs(a, b, ["demo/x"]).objects_sent  # nothing left to send
+0
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from ckpt.codecs import decode_chunk, parse_header
+from ckpt.pipeline import fetch_chunk
+from ckpt.progress import Progress
+from storage.copy import ChunkCheck, CopyItem, CopyReport, copy_checkpoints, copy_objects
+from storage.errors import CkptError, InvalidNameError, RefNotFoundError
+from storage.objects import ObjectStore
+from storage.refs import validate_ref_name
+
+if TYPE_CHECKING:
+    from ckpt.store import Store
+
+__all__ = ["CopyReport", "chunk_checker", "copy_refs", "parse_copy_spec", "repair_objects"]
+
+_SPEC = re.compile(r"^([^:]+)(?::([^:]+))?$")
+
+
+def parse_copy_spec(spec: str) -> tuple[str, str | None]:
+    """``REF`` or ``REF:NAME`` (ref names cannot contain ``:``) -> (source ref, destination name or None)."""
+    m = _SPEC.match(spec)
+    if not m:
+        raise InvalidNameError(f"{spec!r} is not REF or REF:NAME")
+    src, dest = m.group(1), m.group(2)
+    if dest is not None:
+        validate_ref_name(dest)
+    return src, dest
+
+
+def chunk_checker(src: Store, dst: Store) -> ChunkCheck:
+    """Decode and re-hash a chunk blob before it is written to ``dst``; return its base id.
+
+    A delta needs its base's bytes: read from the destination first when that is a local
+    store (it is there already, or was sent in an earlier wave), else from the source.
+    """
+    settings = dst.settings
+    order: list[ObjectStore] = [dst.objects, src.objects] if dst.backend.concurrency == 1 else [src.objects, dst.objects]
+
+    def base_bytes(bid: str, length: int) -> bytes | bytearray | memoryview:
+        last: CkptError | None = None
+        for objs in order:
+            try:
+                return fetch_chunk(objs, bid, length, settings)[0]
+            except CkptError as e:  # missing or damaged there: try the other store
+                last = e
+        assert last is not None
+        raise last
+
+    def check(cid: str, blob: bytes) -> str | None:
+        h = parse_header(blob, cid)
+        base = base_bytes(h.base, h.length) if h.base is not None else None
+        decode_chunk(blob, cid, h.length, max_length=settings.max_chunk_size, base=base)
+        return h.base
+
+    return check
+
+
+def _items(src: Store, specs: Iterable[str]) -> tuple[list[CopyItem], dict[str, int]]:
+    items, weights = [], {}
+    for spec in specs:
+        ref, dest = parse_copy_spec(spec)
+        mid = src.resolve(ref)
+        entry = None
+        try:
+            entry = src.refs_db.current(ref)
+        except InvalidNameError:
+            pass  # an id prefix or NAME@N
+        if dest is None and entry is not None and entry.target == mid:
+            dest = ref  # a plain ref keeps its name
+        items.append(CopyItem(mid, dest, alias=bool(entry and entry.alias and dest == ref)))
+        weights.update(src.get_manifest(mid).chunk_lengths())
+    return items, weights
+
+
+def copy_refs(src: Store, dst: Store, refs: Iterable[str], *, progress: Progress | None = None) -> CopyReport:
+    """Copy checkpoints ``refs`` from ``src`` to ``dst`` and point the same refs at them there.
+
+    Each item is ``REF`` (a ref keeps its name; ``NAME@N`` or an id prefix copies the
+    checkpoint without a ref) or ``REF:NAME`` (the ref to set at the destination). Only
+    objects ``dst`` lacks travel -- a fine-tune whose base is there costs about its delta --
+    chunks first, then manifests, then refs, each verified before it is written. An
+    interrupted copy, run again, sends only what is still missing.
+    """
+    refs = list(refs)
+    if not refs:
+        raise RefNotFoundError("nothing to copy", hint="name at least one ref")
+    items, weights = _items(src, refs)
+    return copy_checkpoints(src.objects, dst.objects, dst.refs_db, items, check_chunk=chunk_checker(src, dst),
+                            concurrency=_concurrency(src, dst), progress=progress, weights=weights)
+
+
+def repair_objects(dst: Store, src: Store, *, chunks: Iterable[str] = (), manifests: Iterable[str] = (),
+                   replace: bool = True, progress: Progress | None = None) -> CopyReport:
+    """Fetch these objects from ``src`` into ``dst``, each verified first (for ``verify --repair-from``).
+
+    With ``replace`` (the default) they are written even where ``dst`` has them: a damaged
+    object is overwritten atomically by the good copy. Raises ``ObjectNotFoundError`` or
+    ``CorruptObjectError`` when ``src`` cannot provide a good copy of one.
+    """
+    return copy_objects(src.objects, dst.objects, chunks=chunks, manifests=manifests,
+                        check_chunk=chunk_checker(src, dst), replace=replace,
+                        concurrency=_concurrency(src, dst), progress=progress)
+
+
+def _concurrency(src: Store, dst: Store) -> int:
+    return max(src.settings.workers, src.backend.concurrency, dst.backend.concurrency)

@@ -1,0 +1,262 @@
+"""Copying checkpoints between stores: only what the destination lacks, in dependency order.
+
+Bytes only: a chunk blob is copied as stored (compressed, delta-coded), never re-encoded.
+What a manifest depends on is found by the format's reachability rule
+(:func:`storage.gc.referenced_chunks`: its chunks and every base of their delta chains).
+The order keeps the destination consistent at every instant, as a push does:
+
+1. chunks -- bases before the chunks that are deltas against them;
+2. manifests -- only once every chunk they name is at the destination;
+3. refs -- only once their manifest is.
+
+Every object is verified before it is written: a manifest must hash to its id, and a
+chunk is decoded and re-hashed by ``check_chunk`` (the codecs live in ``ckpt/``; this
+module only moves bytes). An object already at the destination is not sent, and a
+manifest already there is taken to have its chunks (the write order guarantees it), so
+a copy that was interrupted sends, when run again, only what is still missing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from storage.errors import CorruptObjectError
+from storage.gc import referenced_chunks
+from storage.objects import ObjectStore, object_id
+from storage.refs import Refs, validate_ref_name
+
+log = logging.getLogger(__name__)
+
+ChunkCheck = Callable[[str, bytes], "str | None"]
+"""``check(chunk_id, blob)``: decode and re-hash the blob, raising ``CorruptObjectError`` if it
+is not chunk ``chunk_id``; return the id of the base chunk its decoding needs (a delta), or None."""
+
+
+class Progress(Protocol):  # the ckpt/progress.py protocol, restated so storage/ does not import ckpt/
+    def start(self, description: str, total: int) -> None: ...
+
+    def advance(self, n: int) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+class _NoProgress:
+    def start(self, description: str, total: int) -> None:
+        pass
+
+    def advance(self, n: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+@dataclass
+class CopyReport:
+    """What a copy did. ``bytes_sent`` counts stored (compressed) bytes of the objects sent."""
+
+    chunks_sent: int = 0
+    manifests_sent: int = 0
+    refs_set: int = 0
+    bytes_sent: int = 0
+    chunks_present: int = 0  # needed, already at the destination: not sent
+    manifests_present: int = 0
+    refs: dict[str, str] = field(default_factory=dict)  # destination ref -> checkpoint id it now names
+
+    @property
+    def objects_sent(self) -> int:
+        return self.chunks_sent + self.manifests_sent + self.refs_set
+
+
+@dataclass(frozen=True)
+class CopyItem:
+    """One checkpoint to copy, and the ref to point at it at the destination (None: objects only)."""
+
+    manifest: str
+    name: str | None = None
+    alias: bool = False
+
+
+def chunk_depths(manifest: bytes) -> dict[str, int]:
+    """How many delta bases lie below each chunk a manifest names (0: stored whole).
+
+    Read from the ``delta_bases`` lists, which the format pairs with ``chunks`` in the
+    same object (docs/format.md): ``delta_bases[i]`` is the chain of ``chunks[i]``,
+    nearest base first. Chunks without a chain get 0.
+    """
+    depth: dict[str, int] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            chunks, chains = node.get("chunks"), node.get("delta_bases")
+            if isinstance(chunks, list) and isinstance(chains, list) and len(chains) == len(chunks):
+                for cid, chain in zip(chunks, chains):
+                    if isinstance(cid, str) and isinstance(chain, list):
+                        ids = [cid, *chain]
+                        for i, x in enumerate(ids):
+                            if isinstance(x, str):
+                                depth[x] = max(depth.get(x, 0), len(ids) - 1 - i)
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(json.loads(manifest))
+    return depth
+
+
+class _Sender:
+    """Moves objects src -> dst on a bounded pool, verifying each, counting into one report."""
+
+    def __init__(self, src: ObjectStore, dst: ObjectStore, check_chunk: ChunkCheck, concurrency: int,
+                 report: CopyReport, progress: Progress, weights: Mapping[str, int]) -> None:
+        self.src, self.dst, self.check_chunk = src, dst, check_chunk
+        self.concurrency = max(1, concurrency)
+        self.report, self.progress, self.weights = report, progress, weights
+        self.lock = threading.Lock()
+
+    def _send_chunk(self, cid: str) -> str | None:
+        blob = self.src.get("chunks", cid)
+        base = self.check_chunk(cid, blob)
+        self.dst.backend.write(self.dst.path("chunks", cid), blob)
+        with self.lock:
+            self.report.chunks_sent += 1
+            self.report.bytes_sent += len(blob)
+        self.progress.advance(self.weights.get(cid, 0))
+        return base
+
+    def chunks(self, ids: Iterable[str], depth: Mapping[str, int], known: set[str]) -> None:
+        """Send chunks ``ids`` in waves of increasing delta depth (bases first). A base named by a
+        blob header that is neither ``known`` (at the destination or being sent) nor present
+        is sent in a later wave, before any manifest."""
+        depth = dict(depth)
+        pending = sorted(set(ids), key=lambda c: (depth.get(c, 0), c))
+        known = set(known) | set(pending)
+        with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="ckpt-copy") as pool:
+            while pending:
+                level = depth.get(pending[0], 0)
+                wave = [c for c in pending if depth.get(c, 0) == level]
+                pending = [c for c in pending if depth.get(c, 0) != level]
+                bases = {b for b in pool.map(self._send_chunk, wave) if b is not None}
+                unknown = sorted(bases - known)
+                if unknown:  # the manifest's chains did not list them: send them next
+                    missing = set(unknown) - self.dst.has_many("chunks", unknown)
+                    known |= set(unknown)
+                    depth.update({b: level for b in missing})
+                    pending = sorted(missing) + pending
+        self.dst.backend.flush()
+
+    def manifests(self, blobs: Mapping[str, bytes]) -> None:
+        for mid, data in sorted(blobs.items()):
+            if object_id(data) != mid:
+                raise CorruptObjectError("manifest", mid, "content does not match its id")
+            self.dst.backend.write(self.dst.path("manifests", mid), data)
+            self.report.manifests_sent += 1
+            self.report.bytes_sent += len(data)
+        self.dst.backend.flush()
+
+
+def copy_objects(
+    src: ObjectStore,
+    dst: ObjectStore,
+    *,
+    chunks: Iterable[str] = (),
+    manifests: Iterable[str] = (),
+    check_chunk: ChunkCheck,
+    replace: bool = False,
+    concurrency: int = 8,
+    progress: Progress | None = None,
+    weights: Mapping[str, int] | None = None,
+) -> CopyReport:
+    """Copy these objects from ``src`` to ``dst``, each verified before it is written.
+
+    Only these objects, not what they depend on (see :func:`copy_checkpoints`). With
+    ``replace`` an object is sent even if the destination has one (repairing a damaged
+    copy: ``ckpt verify --repair-from``); otherwise only the missing ones travel.
+    Chunks go first, then manifests. Raises ``ObjectNotFoundError`` if ``src`` lacks one,
+    ``CorruptObjectError`` if its copy there is damaged (nothing is written for it).
+    """
+    report = CopyReport()
+    chunk_ids, manifest_ids = sorted(set(chunks)), sorted(set(manifests))
+    if not replace:
+        present_c = dst.has_many("chunks", chunk_ids)
+        present_m = dst.has_many("manifests", manifest_ids)
+        report.chunks_present, report.manifests_present = len(present_c), len(present_m)
+        chunk_ids = [c for c in chunk_ids if c not in present_c]
+        manifest_ids = [m for m in manifest_ids if m not in present_m]
+    weights = weights or {}
+    progress = progress or _NoProgress()
+    progress.start("copy", sum(weights.get(c, 0) for c in chunk_ids))
+    sender = _Sender(src, dst, check_chunk, concurrency, report, progress, weights)
+    sender.chunks(chunk_ids, {}, set())
+    sender.manifests({m: src.get_manifest(m) for m in manifest_ids})
+    progress.finish()
+    return report
+
+
+def copy_checkpoints(
+    src: ObjectStore,
+    dst: ObjectStore,
+    dst_refs: Refs,
+    items: Iterable[CopyItem],
+    *,
+    check_chunk: ChunkCheck,
+    concurrency: int = 8,
+    progress: Progress | None = None,
+    weights: Mapping[str, int] | None = None,
+) -> CopyReport:
+    """Copy checkpoints with everything they need, then point refs at them, at ``dst``.
+
+    Only objects the destination lacks travel; a ref already naming the checkpoint is
+    left as it is (no new history entry), so running a copy again is cheap and changes
+    nothing. ``weights`` (decoded bytes per chunk id) drives ``progress``.
+    """
+    items = list(items)
+    for it in items:
+        if it.name is not None:
+            validate_ref_name(it.name)
+    report = CopyReport()
+    progress = progress or _NoProgress()
+    weights = weights or {}
+    mids = sorted({it.manifest for it in items})
+    present_m = dst.has_many("manifests", mids)
+    report.manifests_present = len(present_m)
+    blobs = {m: src.get_manifest(m) for m in mids if m not in present_m}  # verified against their ids
+    needed: set[str] = set()
+    depth: dict[str, int] = {}
+    for data in blobs.values():
+        needed |= referenced_chunks(data)
+        for cid, d in chunk_depths(data).items():
+            depth[cid] = max(depth.get(cid, 0), d)
+    present_c = dst.has_many("chunks", needed)
+    report.chunks_present = len(present_c)
+    for cid in present_c:
+        dst.backend.touch(dst.path("chunks", cid))  # keep a concurrent gc at dst off them (local stores)
+    missing = needed - present_c
+    progress.start("copy", sum(weights.get(c, 0) for c in missing))
+    sender = _Sender(src, dst, check_chunk, concurrency, report, progress, weights)
+    sender.chunks(missing, depth, present_c)
+    sender.manifests(blobs)
+    progress.finish()
+    for it in items:
+        if it.name is None:
+            continue
+        current = dst_refs.current(it.name)
+        if current is None or current.target != it.manifest:
+            dst_refs.set(it.name, it.manifest, alias=it.alias)
+            report.refs_set += 1
+        report.refs[it.name] = it.manifest
+    dst.backend.flush()
+    log.info("copied %d chunks, %d manifests, %d refs (%d bytes)", report.chunks_sent, report.manifests_sent,
+             report.refs_set, report.bytes_sent)
+    return report
+
+
+__all__ = ["ChunkCheck", "CopyItem", "CopyReport", "chunk_depths", "copy_checkpoints", "copy_objects"]

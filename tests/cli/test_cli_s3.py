@@ -1,0 +1,174 @@
+"""Every ``ckpt`` command on an S3 store, through the real console script, against a local S3 server.
+
+Credentials and endpoint come the standard way (AWS_* environment variables), or from
+``--storage-option``; the secret must never appear in anything ckpt prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("s3fs")
+torch = pytest.importorskip("torch")
+from s3support import KEY, SECRET  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+EXE = Path(sys.executable).parent / "ckpt"
+CMD = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "cli.main"]
+
+
+class Cli:
+    """Runs ``ckpt`` in this process (main(), fast) or as the console script in a subprocess (slow)."""
+
+    def __init__(self, mode: str, env: dict[str, str], capsys: pytest.CaptureFixture[str],
+                 monkeypatch: pytest.MonkeyPatch) -> None:
+        self.mode, self.env, self.capsys, self.monkeypatch = mode, env, capsys, monkeypatch
+
+    def __call__(self, *args: str | Path, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+        env = self.env if env is None else env
+        argv = [str(a) for a in args]
+        if self.mode == "subprocess":
+            r = subprocess.run([*CMD, *argv], capture_output=True, text=True, env=env, timeout=180)
+            code, out, err = r.returncode, r.stdout, r.stderr
+        else:
+            from cli.main import main
+
+            with self.monkeypatch.context() as m:
+                for k in [k for k in os.environ if k not in env]:
+                    m.delenv(k)
+                for k, v in env.items():
+                    m.setenv(k, v)
+                self.capsys.readouterr()
+                try:
+                    main(argv)
+                    code = 0
+                except SystemExit as e:
+                    code = e.code if isinstance(e.code, int) else 1
+                out, err = self.capsys.readouterr()
+        assert SECRET not in out and SECRET not in err, "the secret leaked into the output"
+        return code, out, err
+
+    def ok(self, *args: str | Path, env: dict[str, str] | None = None) -> str:
+        code, out, err = self(*args, env=env)
+        assert code == 0, f"ckpt {' '.join(map(str, args))} exited {code}\n{out}\n{err}"
+        assert "Traceback" not in err, err
+        return out
+
+    def json(self, *args: str | Path, env: dict[str, str] | None = None) -> Any:
+        return json.loads(self.ok(*args, "--json", env=env))
+
+    def fails(self, *args: str | Path, env: dict[str, str] | None = None) -> str:
+        code, out, err = self(*args, env=env)
+        assert code != 0, out
+        assert "Traceback" not in err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:"), err
+        return lines[0]
+
+
+@pytest.fixture
+def env(s3_main, tmp_path) -> dict[str, str]:
+    e = dict(os.environ)
+    e.pop("CKPT_STORE", None)
+    e.update(HOME=str(tmp_path / "home"), AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET,
+             AWS_ENDPOINT_URL=s3_main.endpoint, CKPT_RETRY_DELAY="0.02", COLUMNS="200")
+    return e
+
+
+@pytest.fixture(params=["in-process", pytest.param("subprocess", marks=pytest.mark.slow)])
+def ckpt_cli(request, env, capsys, monkeypatch) -> Cli:
+    return Cli(request.param, env, capsys, monkeypatch)
+
+
+@pytest.fixture
+def files(tmp_path) -> tuple[Path, Path, Path]:
+    g = torch.Generator().manual_seed(0)
+    base = {"embed.weight": torch.randn(256, 256, generator=g), "layers.0.weight": torch.randn(256, 256, generator=g).bfloat16()}
+    ft = {k: (v.float() + 1e-3 * torch.randn(v.shape, generator=g)).to(v.dtype) for k, v in base.items()}
+    save_file(base, str(tmp_path / "base.safetensors"), metadata={"format": "pt"})
+    save_file(ft, str(tmp_path / "ft.safetensors"), metadata={"format": "pt"})
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file({"lm_head.weight": torch.randn(64, 32, generator=g)}, str(hf / "model.safetensors"))
+    (hf / "config.json").write_text(json.dumps({"hidden_size": 32}))
+    return tmp_path / "base.safetensors", tmp_path / "ft.safetensors", hf
+
+
+def test_every_command_on_s3(s3_main, ckpt_cli, files, tmp_path):
+    c = ckpt_cli
+    base, ft, hf = files
+    url = f"s3://{s3_main.new_bucket()}/team/store"
+    s = ["--store", url]
+    assert url in c.ok(*s, "init")
+    p1 = c.json(*s, "push", base, "m/base", "-m", "base")
+    p2 = c.json(*s, "push", ft, "m/ft", "-m", "ft")
+    assert 0 < p2["written_bytes"] < p1["written_bytes"]  # stored as a delta against m/base
+    c.json(*s, "push", hf, "m/hf")
+    assert {r["ref"] for r in c.json(*s, "ls")} == {"m/base", "m/ft", "m/hf"}
+    assert c.json(*s, "log", "m/ft")[0]["message"] == "ft"
+    assert c.json(*s, "show", "m/ft")["lineage"]["base"] == p1["id"]
+    assert c.json(*s, "du")["logical_bytes"] > 0
+    assert c.json(*s, "verify")["ok"] is True
+    c.ok(*s, "pull", "m/ft", tmp_path / "ft-out.safetensors")
+    assert (tmp_path / "ft-out.safetensors").read_bytes() == ft.read_bytes()
+    c.ok(*s, "pull", "m/hf", tmp_path / "hf-out")
+    assert (tmp_path / "hf-out" / "config.json").read_bytes() == (hf / "config.json").read_bytes()
+    c.ok(*s, "rm", "m/hf")
+    gc = c.json(*s, "gc", "--grace", "0s")
+    assert gc["deleted"] > 0 and gc["live_manifests"] == 2
+    assert c.json(*s, "verify")["ok"] is True
+    assert "m/hf" in c.fails(*s, "pull", "m/hf", tmp_path / "gone.safetensors")
+
+    # copy S3 -> local; then a fine-tune of a base already there costs about its delta
+    local = tmp_path / "local"
+    c1 = c.json(*s, "copy", "m/base", "--to", local)
+    assert c1["refs"] == {"m/base": p1["id"]} and c1["chunks_sent"] > 0
+    c2 = c.json("copy", "m/ft", "--from", url, "--to", local)
+    assert c2["chunks_present"] > 0 and c2["bytes_sent"] < c1["bytes_sent"]
+    assert c.json("copy", "m/ft", "m/base", "--from", url, "--to", local)["objects_sent"] == 0
+    assert "sent 0 chunks" in c.ok("copy", "m/ft", "--from", url, "--to", local)
+    # local -> S3 under another name, and push/pull between stores
+    other = f"s3://{s3_main.new_bucket()}/x"
+    c3 = c.json("--store", local, "push", "m/ft", "copied/ft", "--to", other)
+    assert c3["refs"] == {"copied/ft": p2["id"]}
+    c.ok("--store", tmp_path / "laptop", "pull", "copied/ft", tmp_path / "via-pull.safetensors", "--from", other)
+    assert (tmp_path / "via-pull.safetensors").read_bytes() == ft.read_bytes()
+    assert c.json("--store", tmp_path / "laptop", "verify")["ok"] is True
+    c.ok("--store", tmp_path / "laptop2", "pull", "copied/ft", "--from", other)  # no DEST: only the copy
+    assert c.json("--store", tmp_path / "laptop2", "ls")[0]["ref"] == "copied/ft"
+
+
+def test_storage_options_on_the_command_line(s3_main, ckpt_cli, env, files):
+    base, _, _ = files
+    e = {k: v for k, v in env.items() if not k.startswith("AWS_") or k == "AWS_EC2_METADATA_DISABLED"}
+    url = f"s3://{s3_main.new_bucket()}/s"
+    opts = ["-o", f"endpoint_url={s3_main.endpoint}", "-o", f"key={KEY}", "-o", f"secret={SECRET}",
+            "--storage-option", "config_kwargs.connect_timeout=3"]
+    ckpt_cli.ok("--store", url, *opts, "push", base, "m/base", env=e)
+    assert [r["ref"] for r in ckpt_cli.json("--store", url, *opts, "ls", env=e)] == ["m/base"]
+
+
+def test_bad_endpoint_error_never_shows_the_secret(ckpt_cli, env):
+    e = {k: v for k, v in env.items() if k != "AWS_ENDPOINT_URL"}
+    e["CKPT_RETRIES"] = "1"
+    t = time.monotonic()
+    line = ckpt_cli.fails("--store", "s3://bucket/x", "-o", "endpoint_url=http://127.0.0.1:1",
+                          "-o", f"secret={SECRET}", "-o", f"key={KEY}", "ls", env=e)
+    assert time.monotonic() - t < 30
+    assert "127.0.0.1:1" in line and "failed 2 times" in line
+    # with the secret in the environment instead
+    line = ckpt_cli.fails("--store", "s3://bucket/x", "ls", env={**e, "AWS_ENDPOINT_URL": "http://127.0.0.1:1"})
+    assert "127.0.0.1:1" in line
+
+
+def test_bad_storage_option_is_a_usage_error(ckpt_cli):
+    code, _, err = ckpt_cli("--store", "s3://b/x", "-o", f"no-equals-sign-{SECRET}", "ls")
+    assert code == 2 and "KEY=VALUE" in err

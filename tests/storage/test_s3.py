@@ -1,0 +1,293 @@
+"""The S3 backend against real S3 servers on 127.0.0.1: conditional creates, retries, faults, secrets.
+
+Faults are injected by a TCP proxy between s3fs and the server (tests/s3support.py):
+delays, connections reset mid-upload or mid-download, and a create whose success
+response is lost. Nothing is lost or corrupted, and when retries run out the error is
+clear and retryable.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+import uuid
+
+import pytest
+
+pytest.importorskip("s3fs")
+from s3support import KEY, SECRET, FaultProxy  # noqa: E402
+
+from storage.backend import open_backend  # noqa: E402
+from storage.errors import StorageIOError  # noqa: E402
+from storage.refs import Refs  # noqa: E402
+from storage.retry import RetryPolicy  # noqa: E402
+from storage.s3 import S3Backend  # noqa: E402
+from storage.s3_errors import is_precondition_failed, transient  # noqa: E402
+
+FAST = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05)
+
+
+def _client_error(code: str, status: int) -> Exception:
+    from botocore.exceptions import ClientError
+
+    return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+
+def test_precondition_failed_in_both_shapes():
+    assert is_precondition_failed(FileExistsError("exists"))  # moto: s3fs maps it
+    wrapped = OSError(errno.EINVAL, "At least one of the pre-conditions you specified did not hold")
+    wrapped.__cause__ = _client_error("PreconditionFailed", 412)  # SeaweedFS: no <Condition> in the XML
+    assert is_precondition_failed(wrapped)
+    other = OSError(errno.EINVAL, "bad")
+    other.__cause__ = _client_error("InvalidArgument", 400)
+    assert not is_precondition_failed(other)
+
+
+@pytest.mark.parametrize("code, status, retry", [
+    ("SlowDown", 503, True), ("InternalError", 500, True), ("ServiceUnavailable", 503, True),
+    ("Throttling", 400, True), ("TooManyRequests", 429, True), ("AccessDenied", 403, False),
+    ("NoSuchKey", 404, False), ("InvalidArgument", 400, False)])
+def test_what_is_retried(code, status, retry):
+    e = OSError(errno.EIO, "x")
+    e.__cause__ = _client_error(code, status)
+    assert (transient(e) is not None) is retry
+
+
+def test_network_errors_are_retried():
+    import aiohttp
+    from botocore.exceptions import ConnectionClosedError, EndpointConnectionError
+
+    assert transient(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
+    assert transient(ConnectionClosedError(endpoint_url="http://127.0.0.1:1"))
+    assert transient(aiohttp.ClientPayloadError("reset"))
+    assert transient(ConnectionResetError())
+    assert transient(FileNotFoundError()) is None
+
+
+def test_settings_reach_the_backend(s3_main_url, monkeypatch):
+    import ckpt
+
+    monkeypatch.setenv("CKPT_TRANSFER_CONCURRENCY", "5")
+    monkeypatch.setenv("CKPT_RETRIES", "2")
+    store = ckpt.Store.init(s3_main_url)
+    assert isinstance(store.backend, S3Backend)
+    assert store.backend.concurrency == 5 and store.backend.retry.attempts == 3
+    assert store.backend.fs.config_kwargs["max_pool_connections"] == 10
+    assert store.backend.fs.config_kwargs["retries"]["total_max_attempts"] == 1  # our layer retries, not botocore
+    assert store.backend.fs.retries == 1
+
+
+def test_storage_options_and_prefix(s3_main):
+    bucket = s3_main.new_bucket()
+    b = open_backend(f"s3://{bucket}/deep/prefix", storage_options=s3_main.options())
+    b.write("x/y", b"1")
+    plain = open_backend(f"s3://{bucket}", storage_options=s3_main.options())
+    assert plain.read("deep/prefix/x/y") == b"1"
+    assert [e.path for e in b.list("")] == ["x/y"]
+
+
+def test_large_objects_go_multipart_and_round_trip(s3_main_url):
+    from storage.s3 import MULTIPART_THRESHOLD
+
+    b = open_backend(s3_main_url)
+    data = os.urandom(MULTIPART_THRESHOLD + 3 * 1024 * 1024)
+    b.write("big", data)
+    assert b.read("big") == data
+    head = b._head("big")
+    assert head is not None and "-" in head["ETag"]  # a multipart ETag is "<md5>-<parts>"
+
+
+def _count_requests(b, monkeypatch):
+    heads, lists = [], []
+    real_head, real_list = b._head, b._list_page
+    monkeypatch.setattr(b, "_head", lambda p: heads.append(p) or real_head(p))
+    monkeypatch.setattr(b, "_list_page", lambda *a: lists.append(a) or real_list(*a))
+    return heads, lists
+
+
+def test_exists_many_lists_instead_of_heading(s3_main_url, monkeypatch):
+    b = open_backend(s3_main_url)
+    many = [f"objects/chunks/aa/{i:064x}" for i in range(12)]
+    for p in many[:8]:
+        b.write(p, b"x")
+    lonely = ["objects/chunks/bb/" + "b" * 64, "objects/chunks/cc/" + "c" * 64]
+    heads, lists = _count_requests(b, monkeypatch)
+    assert b.exists_many(many + lonely) == set(many[:8])
+    assert len(lists) == 1 and heads == []  # a small store: one listing answers all 14
+
+    monkeypatch.setattr(b, "list_all", lambda prefix, lookups: None)  # as if the store were too big to list
+    heads.clear(), lists.clear()
+    assert b.exists_many(many + lonely) == set(many[:8])
+    assert len(lists) == 1 and sorted(heads) == sorted(lonely)  # one LIST for the 12 in aa/, a HEAD for each lonely one
+    heads.clear(), lists.clear()
+    assert b.exists_many(lonely) == set() and lists == [] and len(heads) == 2  # few paths: HEADs
+
+
+def test_push_lists_once_instead_of_a_head_per_chunk(s3_main_url, monkeypatch):
+    import ckpt
+
+    np = pytest.importorskip("numpy")
+    store = ckpt.Store.init(s3_main_url, settings=ckpt.Settings.from_env(chunk_size=64 * 1024))
+    heads, lists = _count_requests(store.backend, monkeypatch)
+    data = {"w": np.random.default_rng(0).standard_normal(256 * 1024, dtype=np.float32)}  # 16 chunks
+    import tempfile
+
+    from safetensors.numpy import save_file
+
+    with tempfile.TemporaryDirectory() as d:
+        save_file(data, f"{d}/m.safetensors")
+        r = store.push_report(f"{d}/m.safetensors", "m/x", delta=False)
+    assert r.new_chunks == r.chunks >= 16
+    assert len(heads) <= 1  # the manifest's own check, not one per chunk
+
+
+def test_no_such_bucket_is_clear(s3_main):
+    b = open_backend(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x", storage_options=s3_main.options())
+    with pytest.raises(FileNotFoundError):
+        b.read("ckpt-store.json")
+    with pytest.raises(StorageIOError, match="does not exist") as e:
+        b.write("a", b"1")
+    assert not e.value.retryable
+
+
+def test_missing_store_on_s3(s3_main_url):
+    import ckpt
+    from ckpt.errors import StoreNotFoundError
+
+    with pytest.raises(StoreNotFoundError, match="ckpt init"):
+        ckpt.Store.open(s3_main_url)
+
+
+def test_conditional_writes_off_still_creates_once(s3_main_url):
+    b = S3Backend(s3_main_url, conditional_writes=False)
+    assert b.create_exclusive("r/1", b"one")
+    assert not b.create_exclusive("r/1", b"two")
+    assert b.read("r/1") == b"one"
+
+
+# -- secrets -----------------------------------------------------------------------------
+
+
+def test_secret_never_in_errors(s3_main, caplog):
+    """A bad endpoint with credentials in the options and the environment: the error names the
+    endpoint and what failed, never the secret."""
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    opts = {"key": KEY, "secret": SECRET, "endpoint_url": "http://127.0.0.1:1"}
+    b = S3Backend("s3://bucket/x", opts, retry=FAST)
+    with pytest.raises(StorageIOError) as e:
+        b.read("ckpt-store.json")
+    msg = str(e.value)
+    assert "failed 4 times" in msg and "127.0.0.1:1" in msg and e.value.retryable
+    assert SECRET not in msg and SECRET not in repr(e.value)
+    assert SECRET not in caplog.text
+
+
+def test_wrong_secret_is_access_denied_not_retried(s3_server):
+    if not s3_server.checks_signatures:
+        pytest.skip(f"{s3_server.kind} does not check signatures")
+    bucket = s3_server.new_bucket()
+    bad = "Wrong-secret-Z9z9z9"
+    b = S3Backend(f"s3://{bucket}/x", {"key": KEY, "secret": bad, "endpoint_url": s3_server.endpoint}, retry=FAST)
+    t = time.monotonic()
+    with pytest.raises(StorageIOError, match="access denied") as e:
+        b.write("a", b"1")
+    assert time.monotonic() - t < 5 and not e.value.retryable
+    assert bad not in str(e.value)
+
+
+# -- faults ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def proxy(s3_main):
+    host, port = s3_main.endpoint.removeprefix("http://").split(":")
+    p = FaultProxy((host, int(port))).start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def faulty(proxy, s3_main):
+    """An S3 backend that talks to the server through the fault proxy, with quick retries."""
+    bucket = s3_main.new_bucket()
+    return S3Backend(f"s3://{bucket}/store", s3_main.options(endpoint=proxy.endpoint), retry=FAST)
+
+
+def test_lost_success_response_of_a_create_is_recognised(faulty, proxy):
+    """The PUT lands, its 200 is reset on the way back, the retry gets 412: still our create."""
+    proxy.reset_dir, proxy.reset_match, proxy.reset_conns = "down", b"HTTP/1.1 200", 1
+    assert faulty.create_exclusive("refs/x/0000000001.ref", b"mine-" + uuid.uuid4().hex.encode())
+    assert proxy.resets_fired == 1
+    # ...and someone else's entry under the same name is still told apart
+    assert not faulty.create_exclusive("refs/x/0000000001.ref", b"theirs")
+
+
+def test_ref_update_with_lost_response_writes_one_entry(faulty, proxy):
+    refs = Refs(faulty)
+    target = "a" * 64
+    proxy.reset_dir, proxy.reset_match, proxy.reset_conns = "down", b"HTTP/1.1 200", 1
+    refs.set("run/latest", target)
+    proxy.clear()
+    history = refs.history("run/latest")
+    assert [(e.seq, e.target) for e in history] == [(1, target)]  # not two entries, not a conflict
+
+
+def test_reset_mid_upload_is_retried(faulty, proxy):
+    data = os.urandom(3 * 1024 * 1024)
+    proxy.reset_dir, proxy.reset_after, proxy.reset_conns = "up", 1024 * 1024, 1
+    faulty.write("objects/big", data)
+    assert proxy.resets_fired == 1
+    proxy.clear()
+    assert faulty.read("objects/big") == data
+
+
+def test_reset_mid_download_is_retried(faulty, proxy):
+    data = os.urandom(3 * 1024 * 1024)
+    faulty.write("objects/big", data)
+    proxy.drop_all()
+    proxy.reset_dir, proxy.reset_after, proxy.reset_conns = "down", 512 * 1024, 2
+    assert faulty.read("objects/big") == data
+    assert proxy.resets_fired == 2
+
+
+def test_delays_are_tolerated(faulty, proxy):
+    proxy.delay_s = 0.02
+    faulty.write("a", b"1")
+    assert faulty.read("a") == b"1" and faulty.exists("a")
+
+
+def test_retries_run_out_with_a_clear_error(faulty, proxy):
+    faulty.write("a", b"1")
+    proxy.refuse = True
+    proxy.drop_all()
+    t = time.monotonic()
+    with pytest.raises(StorageIOError) as e:
+        faulty.read("a")
+    assert time.monotonic() - t < 10
+    assert e.value.retryable and "failed 4 times" in str(e.value) and "retry" in str(e.value)
+    proxy.clear()
+    assert faulty.read("a") == b"1"  # nothing was lost
+
+
+def test_push_and_pull_through_a_flaky_connection(s3_main, proxy, tmp_path):
+    """A whole push and pull while connections keep being reset: the result is bit-identical."""
+    torch = pytest.importorskip("torch")
+    import ckpt
+    from safetensors.torch import save_file
+
+    src = tmp_path / "m.safetensors"
+    save_file({"w": torch.randn(512, 1024), "b": torch.randn(300)}, str(src))
+    settings = ckpt.Settings.from_env(chunk_size=256 * 1024, retries=8, retry_delay=0.01)
+    store = ckpt.Store.init(f"s3://{s3_main.new_bucket()}/s", storage_options=s3_main.options(endpoint=proxy.endpoint),
+                            settings=settings)
+    proxy.reset_dir, proxy.reset_after, proxy.reset_conns = "up", 100 * 1024, 3
+    store.push(str(src), "m/x")
+    proxy.reset_dir, proxy.reset_after, proxy.reset_conns = "down", 64 * 1024, 3
+    store.pull("m/x", str(tmp_path / "out.safetensors"))
+    assert proxy.resets_fired == 6
+    proxy.clear()
+    assert (tmp_path / "out.safetensors").read_bytes() == src.read_bytes()
+    assert store.verify().ok

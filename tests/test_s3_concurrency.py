@@ -1,0 +1,90 @@
+"""Several processes pushing overlapping checkpoints into one S3 bucket at once.
+
+Each process pushes checkpoints that share a tensor with every other process's, points
+its own refs at them, and moves one shared ref after every push. Afterwards no update
+is lost: the shared ref's history has one entry per push, numbered without gaps, every
+process's refs are right, the shared tensor is stored once, and the store verifies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("s3fs")
+np = pytest.importorskip("numpy")
+from s3support import KEY, SECRET  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Pushing safetensors files needs no torch, so the workers start quickly.
+WORKER = r"""
+import json, os, sys, time, ckpt
+url, me, go, files = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+store = ckpt.Store.open(url, settings=ckpt.Settings.from_env(chunk_size=64 * 1024))
+store.refs()  # warm: the S3 client is up before the race starts
+open(f"{go}.ready-{me}", "w").close()
+while not os.path.exists(go):
+    time.sleep(0.01)
+ids = []
+for k, path in enumerate(files):
+    cid = store.push(path, f"w{me}/step-{k}", delta=False)  # no base search: this is about races
+    store.refs_db.set("shared/latest", cid)
+    ids.append(cid)
+print(json.dumps(ids))
+"""
+
+
+@pytest.mark.parametrize("workers, pushes", [(3, 2), pytest.param(6, 4, marks=pytest.mark.slow)])
+def test_processes_pushing_at_once_lose_nothing(workers, pushes, s3_main, tmp_path, monkeypatch):
+    import ckpt
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    common = rng.standard_normal((256, 256), dtype=np.float32)  # the same bytes in every process's pushes
+    files = {}
+    for i in range(workers):
+        for k in range(pushes):
+            p = tmp_path / f"w{i}-{k}.safetensors"
+            save_file({"common": common, "own": rng.standard_normal((128, 128), dtype=np.float32),
+                       "step": np.array([k], dtype=np.int64)}, str(p))
+            files.setdefault(i, []).append(str(p))
+    url = f"s3://{s3_main.new_bucket()}/store"
+    creds = {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": s3_main.endpoint}
+    for k, v in creds.items():
+        monkeypatch.setenv(k, v)
+    ckpt.Store.init(url)
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, url, str(i), str(go), *files[i]], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(workers)]
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{go}.ready-{i}").exists() for i in range(workers)) and time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), "a worker died before the start"
+        time.sleep(0.05)
+    go.touch()  # they start pushing together
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+
+    store = ckpt.Store.open(url)
+    history = store.log("shared/latest")
+    assert [e.seq for e in history] == list(range(workers * pushes, 0, -1))  # no gap, no lost entry
+    assert sorted(e.target for e in history) == sorted(cid for ids in results for cid in ids)
+    for i, ids in enumerate(results):
+        for k, cid in enumerate(ids):
+            assert store.resolve(f"w{i}/step-{k}") == cid
+    report = store.verify()
+    assert report.ok, report.problems
+    # the common tensor is stored once, however many processes pushed it at the same time
+    chunk_sets = [{c for t in store.get_manifest(cid).tensors if t.name == "common" for c in t.chunks}
+                  for ids in results for cid in ids]
+    assert all(s == chunk_sets[0] for s in chunk_sets)
