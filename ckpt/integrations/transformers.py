@@ -66,6 +66,7 @@ class CkptCallback(TrainerCallback):
         self.restored_step: int | None = None
         self._trainer: Any = None
         self._pending_rng: int | None = None  # step whose RNG state is still to be restored
+        self._pending_restore = False  # resume_dir ran: on_train_begin restores optimizer and scheduler
 
     # -- resuming ------------------------------------------------------------------
     def resume_dir(self, trainer: Any, dest: str | os.PathLike[str] | None = None, step: int | None = None) -> str | None:
@@ -96,7 +97,7 @@ class CkptCallback(TrainerCallback):
             from safetensors.torch import save_model
 
             save_model(trainer.model, os.path.join(out, "model.safetensors"))
-        self.restored_step = step
+        self.restored_step, self._pending_restore = step, True
         return out
 
     def _rest(self, optimizer: Any, lr_scheduler: Any) -> dict[str, Any]:
@@ -108,11 +109,16 @@ class CkptCallback(TrainerCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kw: Any) -> None:
-        if self.restored_step is None:
+        if args.world_size > 1:
+            raise SnapshotError(f"CkptCallback runs in one process; this run has {args.world_size}",
+                                hint="use ckpt.CheckpointManager(process_group=...) in a custom loop")
+        if not self._pending_restore:
             return
+        self._pending_restore = False
         if state.global_step != self.restored_step:
             raise SnapshotError(f"the Trainer resumed at step {state.global_step}, not at the snapshot's "
                                 f"{self.restored_step}", hint="pass resume_dir(trainer) to trainer.train(resume_from_checkpoint=...)")
+        assert self.restored_step is not None
         self.manager.restore(self._rest(optimizer, lr_scheduler), self.restored_step)
         self._pending_rng = self.restored_step
 

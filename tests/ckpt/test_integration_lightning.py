@@ -8,8 +8,9 @@ import pytest
 
 pytest.importorskip("pytorch_lightning", reason="needs PyTorch Lightning: pip install 'ckpt[lightning]'")
 
-import ckpt  # noqa: E402
-from integration_util import assert_same_bits, load_script, run_script  # noqa: E402
+from integration_util import assert_same_bits, load_script, run_script
+
+import ckpt
 
 N = 14
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import signal
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="needs transformers: pip install 'ckpt[transformers]'")
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install 'ckpt[transformers]'")
 
-import ckpt  # noqa: E402
-from integration_util import assert_same_bits, load_script, run_script  # noqa: E402
+from integration_util import assert_same_bits, load_script, run_script
+
+import ckpt
 
 N = 14  # 4 optimizer steps per epoch; snapshots every 2
 
@@ -51,6 +53,26 @@ def test_no_snapshot_means_a_fresh_start(script, tmp_path):
     trainer = Trainer(model=script.GPT2LMHeadModel(script.GPT2Config(n_layer=1, n_head=1, n_embd=8, vocab_size=16)),
                       args=TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True), callbacks=[cb])
     assert cb.resume_dir(trainer) is None and cb.restored_step is None
+
+
+def test_resume_dir_without_resume_from_checkpoint_is_refused(script, tmp_path):
+    """The Trainer must be told to resume, or it would start at step 0 with the restored weights."""
+    from transformers import Trainer, TrainingArguments
+
+    from ckpt.manager import SnapshotError
+
+    store = str(tmp_path / "store")
+    script.train(store, str(tmp_path / "stop"), "stop", N, 2)
+    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
+    cb = script.CkptCallback(store, "hf", every_n_steps=2)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (4, 12))]
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True,
+                                                          max_steps=1, disable_tqdm=True), train_dataset=data, callbacks=[cb])
+    assert cb.resume_dir(trainer) == str(tmp_path / "out" / "ckpt-resume") and cb.restored_step == 2
+    snap = ckpt.Store.open(store).load("hf/step-2", include=["model/*"])
+    assert all(torch.equal(v, snap[f"model/{k}"]) for k, v in model.state_dict().items())  # restored in place
+    with pytest.raises(SnapshotError, match="resume_from_checkpoint"):
+        trainer.train()
 
 
 @pytest.mark.slow
