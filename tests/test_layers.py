@@ -56,3 +56,11 @@ def test_import_ckpt_is_light():
     code = "import ckpt, sys; print(sorted(m for m in ('torch', 'rich', 'typer', 'numpy', 'fsspec') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_integrations_load_their_framework_only_on_request():
+    """``import ckpt`` and ``ckpt.integrations`` never import Lightning or transformers."""
+    frameworks = ("pytorch_lightning", "lightning", "transformers", "accelerate", "torch")
+    code = f"import ckpt, ckpt.integrations, sys; print(sorted(m for m in {frameworks!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,153 @@
+"""PyTorch Lightning: snapshot a run into a ckpt store and resume it from there.
+
+>>> import pytorch_lightning as pl
+>>> from ckpt.integrations.lightning import CkptCallback
+>>> cb = CkptCallback("memory://lightning-doctest", "run1", every_n_steps=50, keep_last=3)
+>>> trainer = pl.Trainer(max_steps=1000, callbacks=[cb], logger=False,   # doctest: +SKIP
+...                      enable_checkpointing=False)
+>>> trainer.fit(model, datamodule)   # resumes from run1/latest if the run has a snapshot   # doctest: +SKIP
+
+Each snapshot holds what Lightning's own ``trainer.fit(ckpt_path=...)`` restores —
+the LightningModule, every optimizer and LR scheduler, the precision plugin (AMP
+scaler), the fit loop's progress (global step, epoch, batch position, and the state
+of resumable dataloaders) and the other callbacks' ``state_dict()`` — plus the RNG
+states, which Lightning's checkpoints leave out. It is taken at the same point as
+``ModelCheckpoint(every_n_train_steps=N)`` (``on_train_batch_end``), so Lightning's
+own restart logic picks up at the next batch. Resuming happens in ``on_fit_start``:
+after the strategy has built the optimizers and moved the model, before the first
+batch; tensors are decoded straight into the live parameters and optimizer state.
+
+Exact resume mid-epoch needs what it needs with Lightning's own checkpoints: a
+dataloader that can resume (``state_dict``/``load_state_dict``, e.g.
+``torchdata``'s ``StatefulDataLoader``); a plain DataLoader restarts its epoch.
+Snapshots at epoch boundaries resume exactly with any dataloader.
+Not stored: anything a LightningModule adds in ``on_save_checkpoint`` (give it a
+``Stateful`` attribute instead) and logger state. Single process only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+try:
+    import pytorch_lightning as pl
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("ckpt.integrations.lightning needs PyTorch Lightning: pip install 'ckpt[lightning]'") from e
+
+from ckpt.manager import CheckpointManager, SnapshotError
+from ckpt.state import RNGState
+
+log = logging.getLogger(__name__)
+
+
+class _FitLoop:
+    """The fit loop's progress counters as a Stateful (Lightning's ``checkpoint["loops"]["fit_loop"]``)."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.fit_loop.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.fit_loop.load_state_dict(state)
+
+
+class _Callbacks:
+    """Every other callback's ``state_dict()``, keyed by ``state_key`` as in Lightning's checkpoints."""
+
+    def __init__(self, trainer: pl.Trainer, skip: pl.Callback) -> None:
+        self.callbacks = {cb.state_key: cb for cb in trainer.callbacks if cb is not skip}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {key: sd for key, cb in self.callbacks.items() if (sd := cb.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, sd in state.items():
+            if key in self.callbacks:
+                self.callbacks[key].load_state_dict(sd)
+            else:
+                log.warning("snapshot has state for callback %s, which this trainer does not have", key)
+
+
+class CkptCallback(pl.Callback):
+    """Save a Lightning run to ``store`` as snapshots ``RUN/step-N`` and resume it at fit start.
+
+    ``every_n_steps`` counts optimizer steps (``trainer.global_step``).
+    ``keep_last``, ``keep_every``, ``keep_best`` and ``async_save`` are those of
+    :class:`ckpt.CheckpointManager`; ``metrics`` names entries of
+    ``trainer.callback_metrics`` to record with each snapshot (for ``keep_best``).
+    With ``resume=False`` the run starts fresh even if the store has snapshots of it.
+    After ``fit``, :attr:`restored_step` is the step resumed from (None if none) and
+    every snapshot taken is durable.
+
+    Raises :class:`ckpt.manager.SnapshotError` under a multi-process strategy.
+    """
+
+    def __init__(self, store: Any, run: str, *, every_n_steps: int, keep_last: int | None = None,
+                 keep_every: int | None = None, keep_best: tuple[str, str] | tuple[str, str, int] | None = None,
+                 metrics: tuple[str, ...] = (), async_save: bool = True, resume: bool = True) -> None:
+        if every_n_steps < 1:
+            raise ValueError("every_n_steps must be >= 1")
+        self.store, self.run = store, run
+        self.every_n_steps = every_n_steps
+        self.metrics = tuple(metrics) + ((keep_best[0],) if keep_best and keep_best[0] not in metrics else ())
+        self.resume = resume
+        self._manager_kwargs: dict[str, Any] = {"keep_last": keep_last, "keep_every": keep_every,
+                                                "keep_best": keep_best, "async_save": async_save}
+        self.manager: CheckpointManager | None = None
+        self.restored_step: int | None = None
+        self._last_saved: int | None = None
+
+    def _state(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": pl_module}
+        for i, opt in enumerate(trainer.optimizers):
+            state[f"optimizer{i}"] = opt
+        for i, config in enumerate(trainer.lr_scheduler_configs):
+            state[f"scheduler{i}"] = config.scheduler
+        state["precision"] = trainer.precision_plugin
+        state["loops"] = _FitLoop(trainer)
+        state["callbacks"] = _Callbacks(trainer, self)
+        state["rng"] = RNGState()
+        state["trainer"] = {"global_step": trainer.global_step, "epoch": trainer.current_epoch}
+        return state
+
+    # -- hooks -------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.manager is not None:
+            return
+        if trainer.world_size > 1:
+            raise SnapshotError(f"CkptCallback runs in one process; this trainer has {trainer.world_size}",
+                                hint="use ckpt.CheckpointManager(process_group=...) in a custom loop")
+        self.manager = CheckpointManager(self.store, self.run, **self._manager_kwargs)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.manager is not None
+        self.restored_step = self.manager.restore_latest(self._state(trainer, pl_module)) if self.resume else None
+        if self.restored_step is not None:
+            log.info("resumed %s from step %d", self.run, self.restored_step)
+        self._last_saved = trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        # Several batches share a global step under gradient accumulation: save once.
+        if step % self.every_n_steps == 0 and step != self._last_saved:
+            self.save(trainer, pl_module)
+
+    def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Snapshot now as step ``trainer.global_step`` (returns once staged)."""
+        assert self.manager is not None, "the callback saves once trainer.fit has set it up"
+        metrics = {k: float(trainer.callback_metrics[k]) for k in self.metrics if k in trainer.callback_metrics}
+        self.manager.save(trainer.global_step, self._state(trainer, pl_module), metrics)
+        self._last_saved = trainer.global_step
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.manager is not None:
+            self.manager.wait()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and self.manager is not None:
+            manager, self.manager = self.manager, None
+            manager.close()

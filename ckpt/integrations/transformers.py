@@ -1,0 +1,172 @@
+"""Hugging Face transformers: snapshot a ``Trainer`` run into a ckpt store and resume it.
+
+>>> from transformers import Trainer
+>>> from ckpt.integrations.transformers import CkptCallback
+>>> cb = CkptCallback("memory://hf-doctest", "run1", every_n_steps=50, keep_last=3)
+>>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])   # doctest: +SKIP
+>>> trainer.train(resume_from_checkpoint=cb.resume_dir(trainer))   # None: no snapshot, start fresh   # doctest: +SKIP
+
+A snapshot (taken in ``on_step_end``, after the optimizer and scheduler stepped)
+holds the model, the optimizer, the LR scheduler, the AMP grad scaler if any, the
+RNG states and the ``TrainerState`` (global step, epoch, log history, callback
+states) as JSON. No ``.pt`` file is written or read: nothing is pickled.
+
+Resuming goes through the Trainer's own ``resume_from_checkpoint`` so that its loop
+fast-forwards the dataloader exactly as it does for its own checkpoints.
+:meth:`CkptCallback.resume_dir` restores the model in place from the store and
+writes a small directory with what that loop reads from disk — ``trainer_state.json``
+and the model as ``model.safetensors`` (the Trainer insists on loading weights from
+it). The optimizer, scheduler and scaler are then restored in place in
+``on_train_begin``, once the Trainer has built them, and the RNG states at the point
+where the Trainer would load its ``rng_state.pth`` (before the first batch of the
+resumed epoch, or right after the skipped batches mid-epoch).
+Single process only, as :class:`ckpt.CheckpointManager` without a process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any
+
+try:
+    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import ExportableState
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("ckpt.integrations.transformers needs transformers: pip install 'ckpt[transformers]'") from e
+
+from ckpt.errors import RefNotFoundError
+from ckpt.manager import CheckpointManager, SnapshotError
+from ckpt.state import RNGState
+
+log = logging.getLogger(__name__)
+
+
+class CkptCallback(TrainerCallback):
+    """Save a ``Trainer`` run to ``store`` as snapshots ``RUN/step-N``; resume with :meth:`resume_dir`.
+
+    ``every_n_steps`` counts optimizer steps (``state.global_step``); None follows
+    the Trainer's own schedule (``save_strategy``/``save_steps``). ``keep_last``,
+    ``keep_every``, ``keep_best`` and ``async_save`` are those of
+    :class:`ckpt.CheckpointManager`; with ``keep_best=(metric, mode)`` the last
+    logged value of ``metric`` (e.g. ``"loss"``) is recorded with each snapshot.
+    """
+
+    def __init__(self, store: Any, run: str, *, every_n_steps: int | None = None, keep_last: int | None = None,
+                 keep_every: int | None = None, keep_best: tuple[str, str] | tuple[str, str, int] | None = None,
+                 async_save: bool = True) -> None:
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError("every_n_steps must be >= 1 (or None to follow save_steps)")
+        self.every_n_steps = every_n_steps
+        self.keep_best = keep_best
+        self.manager = CheckpointManager(store, run, keep_last=keep_last, keep_every=keep_every,
+                                         keep_best=keep_best, async_save=async_save)
+        self.restored_step: int | None = None
+        self._trainer: Any = None
+        self._pending_rng: int | None = None  # step whose RNG state is still to be restored
+        self._pending_restore = False  # resume_dir ran: on_train_begin restores optimizer and scheduler
+
+    # -- resuming ------------------------------------------------------------------
+    def resume_dir(self, trainer: Any, dest: str | os.PathLike[str] | None = None, step: int | None = None) -> str | None:
+        """Prepare ``trainer`` to resume from the run's latest snapshot (or ``step``).
+
+        Returns the directory to pass as ``trainer.train(resume_from_checkpoint=...)``
+        (default ``<output_dir>/ckpt-resume``), or None when the run has no snapshot.
+        Raises :class:`ckpt.errors.TensorMismatchError` if the model does not fit it.
+        """
+        self._trainer = trainer
+        if step is None:
+            try:
+                m = self.manager.store.manifest(f"{self.manager.run}/latest")
+            except RefNotFoundError:
+                return None
+            step = int((m.extra.get("snapshot") or {}).get("step", -1))
+            if step < 0:
+                raise SnapshotError(f"{self.manager.run}/latest is not a snapshot")
+        values = {"model": trainer.model, "trainer_state": None}
+        self.manager.restore(values, step)  # the model in place; the TrainerState as JSON
+        out = os.fspath(dest) if dest is not None else os.path.join(trainer.args.output_dir, "ckpt-resume")
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "trainer_state.json"), "w") as f:
+            json.dump(values["trainer_state"], f, indent=2, sort_keys=True)
+        if hasattr(trainer.model, "save_pretrained"):  # tied weights written as the Trainer expects them
+            trainer.model.save_pretrained(out)
+        else:
+            from safetensors.torch import save_model
+
+            save_model(trainer.model, os.path.join(out, "model.safetensors"))
+        self.restored_step, self._pending_restore = step, True
+        return out
+
+    def _rest(self, optimizer: Any, lr_scheduler: Any) -> dict[str, Any]:
+        state: dict[str, Any] = {"optimizer": optimizer, "scheduler": lr_scheduler}
+        scaler = getattr(getattr(self._trainer, "accelerator", None), "scaler", None)
+        if scaler is not None:
+            state["scaler"] = scaler
+        return state
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kw: Any) -> None:
+        if args.world_size > 1:
+            raise SnapshotError(f"CkptCallback runs in one process; this run has {args.world_size}",
+                                hint="use ckpt.CheckpointManager(process_group=...) in a custom loop")
+        if not self._pending_restore:
+            return
+        self._pending_restore = False
+        if state.global_step != self.restored_step:
+            raise SnapshotError(f"the Trainer resumed at step {state.global_step}, not at the snapshot's "
+                                f"{self.restored_step}", hint="pass resume_dir(trainer) to trainer.train(resume_from_checkpoint=...)")
+        assert self.restored_step is not None
+        self.manager.restore(self._rest(optimizer, lr_scheduler), self.restored_step)
+        self._pending_rng = self.restored_step
+
+    def _restore_rng(self) -> None:
+        step, self._pending_rng = self._pending_rng, None
+        if step is not None:
+            self.manager.restore({"rng": RNGState()}, step)
+
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        # Resuming at an epoch boundary: the Trainer loads RNG before the epoch's first batch.
+        if self._pending_rng is not None and float(state.epoch or 0).is_integer():
+            self._restore_rng()
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        # Mid-epoch: after the skipped batches have been fetched, as the Trainer does.
+        self._restore_rng()
+
+    # -- saving --------------------------------------------------------------------
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kw: Any) -> None:
+        step = state.global_step
+        due = step % self.every_n_steps == 0 if self.every_n_steps else control.should_save
+        if due and step != self.restored_step:
+            self.save(state, control, model, optimizer, lr_scheduler)
+
+    def save(self, state: TrainerState, control: TrainerControl, model: Any, optimizer: Any, lr_scheduler: Any) -> None:
+        """Snapshot now as step ``state.global_step`` (returns once staged)."""
+        snapshot = {"model": model, **self._rest(optimizer, lr_scheduler), "rng": RNGState(),
+                    "trainer_state": self._trainer_state(state, control)}
+        metrics: dict[str, float] = {}
+        if self.keep_best:
+            logged = [h[self.keep_best[0]] for h in state.log_history if self.keep_best[0] in h]
+            if logged:
+                metrics[self.keep_best[0]] = float(logged[-1])
+        self.manager.save(state.global_step, snapshot, metrics)
+
+    def _trainer_state(self, state: TrainerState, control: TrainerControl) -> dict[str, Any]:
+        """``TrainerState`` as the Trainer writes ``trainer_state.json``, callback states brought up to date."""
+        out: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(state)))
+        handler = getattr(self._trainer, "callback_handler", None)
+        stateful = [cb for cb in (handler.callbacks if handler else []) if isinstance(cb, ExportableState)]
+        for cb in [*stateful, control]:
+            out.setdefault("stateful_callbacks", {})[type(cb).__name__] = cb.state()
+        return out
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self.manager.wait()
+
+    def close(self) -> None:
+        """Finish the in-flight snapshot and release the manager."""
+        self.manager.close()

@@ -1,0 +1,97 @@
+"""A tiny real transformers ``Trainer`` run for tests/ckpt/test_integration_transformers.py.
+
+    python hf_script.py STORE OUTDIR MODE STEPS [KILL_AT]
+
+A 2-layer GPT-2 built from a config (no download) on synthetic tokens, with dropout,
+AdamW and a linear warmup/decay schedule; 4 optimizer steps per epoch, shuffled.
+MODE ``full``: train STEPS steps, no snapshots. ``crash``: snapshot every 2 steps and
+SIGKILL ourselves one step after the snapshot of step KILL_AT is durable. ``stop``:
+the same without the kill, stopping at KILL_AT + 1 (in-process tests). ``resume``:
+a fresh model (other initial weights) and Trainer resumed from the store, to STEPS.
+:func:`train` returns per-step losses (float.hex) and the final tensors; the script
+writes them to OUTDIR/result.json and OUTDIR/result.safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from ckpt.integrations.transformers import CkptCallback
+
+EVERY = 2
+
+
+class Record(TrainerCallback):
+    """Exact per-step losses (the Trainer only logs rounded averages) and the crash trigger."""
+
+    def __init__(self, model: torch.nn.Module, cb: CkptCallback | None, kill_at: int, stop_only: bool) -> None:
+        self.stop_only = stop_only
+        self.pending: list[str] = []
+        self.losses: dict[int, str] = {}
+        self.cb, self.kill_at = cb, kill_at
+        model.register_forward_hook(lambda m, i, out: self.pending.append(out.loss.item().hex()) if m.training else None)
+
+    def on_step_end(self, args, state, control, **kw):
+        (self.losses[state.global_step],) = self.pending
+        self.pending.clear()
+        if self.cb is not None and state.global_step == self.kill_at:
+            self.cb.manager.wait()  # the snapshot of KILL_AT is durable...
+        if self.cb is not None and self.kill_at > 0 and state.global_step == self.kill_at + 1:
+            if self.stop_only:
+                control.should_training_stop = True  # in-process: the Trainer object is dropped here
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)  # ...and the live state has moved past it
+
+
+def train(store: str, outdir: str, mode: str, steps: int, kill_at: int = -1) -> tuple[dict, dict]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(99 if mode == "resume" else 0)  # a resumed model must get its weights from the store
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
+        g = torch.Generator().manual_seed(1)
+        data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (16, 12), generator=g)]
+        args = TrainingArguments(output_dir=outdir, max_steps=steps,
+                                 per_device_train_batch_size=4, learning_rate=5e-3, warmup_steps=3,
+                                 lr_scheduler_type="linear", weight_decay=0.01, optim="adamw_torch", save_strategy="no",
+                                 report_to=[], disable_tqdm=True, use_cpu=True, seed=7, logging_steps=1,
+                                 dataloader_num_workers=0)
+        cb = CkptCallback(store, "hf", every_n_steps=EVERY, keep_last=2) if mode != "full" else None
+        record = Record(model, cb if mode in ("crash", "stop") else None, kill_at, mode == "stop")
+        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[c for c in (cb, record) if c])
+        resume = cb.resume_dir(trainer) if mode == "resume" else None
+        trainer.train(resume_from_checkpoint=resume)
+        if cb is not None:
+            cb.close()
+        losses: dict = dict(record.losses)
+        if mode == "resume":
+            assert cb is not None and cb.restored_step is not None
+            losses["restored"] = cb.restored_step
+        flat = {f"model.{k}": v for k, v in model.state_dict().items()}
+        for i, s in trainer.optimizer.state_dict()["state"].items():
+            flat.update({f"optim.{i}.{k}": v for k, v in s.items()})
+        flat["sched.last_epoch"] = torch.tensor(trainer.lr_scheduler.last_epoch)
+        flat["global_step"] = torch.tensor(trainer.state.global_step)
+        return losses, flat
+    finally:
+        torch.set_num_threads(threads)
+
+
+def main() -> None:
+    from safetensors.torch import save_file
+
+    store, outdir, mode, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    losses, flat = train(store, outdir, mode, steps, int(sys.argv[5]) if len(sys.argv) > 5 else -1)
+    with open(os.path.join(outdir, "result.json"), "w") as f:
+        json.dump(losses, f)
+    save_file({k: v.clone() for k, v in flat.items()}, os.path.join(outdir, "result.safetensors"))  # tied weights: own copies
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Shared by the integration tests: load a training script as a module, run it as a process, compare bits."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from types import ModuleType
+
+import torch
+
+HERE = pathlib.Path(__file__).parent
+
+
+def load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"ckpt_test_{name}", HERE / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(name: str, *args: object, expect: int = 0) -> tuple[dict, dict]:
+    """Run ``name``.py in a fresh interpreter; its (losses, tensors) when it exits normally."""
+    outdir = pathlib.Path(str(args[1]))
+    outdir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent.parent)}
+    r = subprocess.run([sys.executable, str(HERE / f"{name}.py"), *map(str, args)], capture_output=True, text=True,
+                       env=env, timeout=300, check=False)
+    assert r.returncode == expect, r.stdout[-3000:] + r.stderr[-3000:]
+    if expect != 0:
+        return {}, {}
+    from safetensors.torch import load_file
+
+    losses = json.loads((outdir / "result.json").read_text())
+    return {int(k) if k.isdigit() else k: v for k, v in losses.items()}, load_file(outdir / "result.safetensors")
+
+
+def assert_same_bits(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    assert sorted(expected) == sorted(got)
+    for name, a in expected.items():
+        b = got[name]
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), name
+        assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), name

@@ -1,0 +1,64 @@
+"""ckpt.integrations.lightning: a real Lightning run stopped and resumed from the store continues exactly."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+pytest.importorskip("pytorch_lightning", reason="needs PyTorch Lightning: pip install 'ckpt[lightning]'")
+
+from integration_util import assert_same_bits, load_script, run_script
+
+import ckpt
+
+N = 14
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script("lightning_script")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(script, tmp_path_factory):
+    d = tmp_path_factory.mktemp("lightning-full")
+    return script.train(str(d / "store"), str(d), "full", N)
+
+
+def _check(store: str, k: int, full: tuple[dict, dict], resumed: tuple[dict, dict]) -> None:
+    losses, tensors = resumed
+    assert losses.pop("restored") == k
+    assert losses == {s: v for s, v in full[0].items() if s > k}  # every loss after k, bit for bit
+    assert_same_bits(full[1], tensors)  # parameters, optimizer moments, scheduler and loop position
+    s = ckpt.Store.open(store)
+    assert sorted(s.refs()) == ["lit/latest", "lit/step-12", "lit/step-8"]  # keep_last=2; 12 saved after resuming
+    assert s.verify().ok
+
+
+def test_fresh_trainer_resumes_exactly(script, uninterrupted, tmp_path):
+    """Snapshot at step 8 (an epoch boundary), train on to 10 and drop the Trainer; a new one resumes."""
+    store = str(tmp_path / "store")
+    script.train(store, str(tmp_path / "stop"), "stop", N, 8)
+    _check(store, 8, uninterrupted, script.train(store, str(tmp_path / "resume"), "resume", N))
+
+
+def test_resume_false_starts_over(script, tmp_path):
+    store = str(tmp_path / "store")
+    script.train(store, str(tmp_path / "stop"), "stop", N, 4)
+    cb = script.CkptCallback(store, "lit", every_n_steps=100, resume=False)
+    trainer = script.pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[cb])
+    import torch
+
+    data = torch.utils.data.TensorDataset(torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    trainer.fit(script.TinyModule(), torch.utils.data.DataLoader(data, batch_size=8))
+    assert cb.restored_step is None and trainer.global_step == 1
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill(uninterrupted, tmp_path):
+    """The same across processes: the training process is SIGKILLed two steps after a durable snapshot."""
+    store = str(tmp_path / "store")
+    run_script("lightning_script", store, tmp_path / "crash", "crash", N, 8, expect=-signal.SIGKILL)
+    _check(store, 8, uninterrupted, run_script("lightning_script", store, tmp_path / "resume", "resume", N))

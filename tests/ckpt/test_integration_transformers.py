@@ -1,0 +1,83 @@
+"""ckpt.integrations.transformers: a real Trainer run stopped and resumed from the store continues exactly."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs transformers: pip install 'ckpt[transformers]'")
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install 'ckpt[transformers]'")
+
+from integration_util import assert_same_bits, load_script, run_script
+
+import ckpt
+
+N = 14  # 4 optimizer steps per epoch; snapshots every 2
+
+
+@pytest.fixture(scope="module")
+def script():
+    return load_script("hf_script")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(script, tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf-full")
+    return script.train(str(d / "store"), str(d), "full", N)
+
+
+def _check(store: str, k: int, full: tuple[dict, dict], resumed: tuple[dict, dict]) -> None:
+    losses, tensors = resumed
+    assert losses.pop("restored") == k
+    assert losses == {s: v for s, v in full[0].items() if s > k}  # every loss after k, bit for bit
+    assert_same_bits(full[1], tensors)  # parameters, AdamW moments, scheduler position, global step
+    s = ckpt.Store.open(store)
+    assert sorted(s.refs()) == ["hf/latest", f"hf/step-{N - 2}", f"hf/step-{N}"]  # keep_last=2
+    assert s.verify().ok
+
+
+@pytest.mark.parametrize("k", [6, 8], ids=["mid-epoch", "epoch-boundary"])
+def test_fresh_trainer_resumes_exactly(script, uninterrupted, tmp_path, k):
+    """Snapshot at step k, train one more step (no snapshot) and drop the Trainer; a new one resumes."""
+    store = str(tmp_path / "store")
+    script.train(store, str(tmp_path / "stop"), "stop", N, k)
+    _check(store, k, uninterrupted, script.train(store, str(tmp_path / "resume"), "resume", N))
+
+
+def test_no_snapshot_means_a_fresh_start(script, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    cb = script.CkptCallback(str(tmp_path / "store"), "hf", every_n_steps=2)
+    trainer = Trainer(model=script.GPT2LMHeadModel(script.GPT2Config(n_layer=1, n_head=1, n_embd=8, vocab_size=16)),
+                      args=TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True), callbacks=[cb])
+    assert cb.resume_dir(trainer) is None and cb.restored_step is None
+
+
+def test_resume_dir_without_resume_from_checkpoint_is_refused(script, tmp_path):
+    """The Trainer must be told to resume, or it would start at step 0 with the restored weights."""
+    from transformers import Trainer, TrainingArguments
+
+    from ckpt.manager import SnapshotError
+
+    store = str(tmp_path / "store")
+    script.train(store, str(tmp_path / "stop"), "stop", N, 2)
+    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
+    cb = script.CkptCallback(store, "hf", every_n_steps=2)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (4, 12))]
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True,
+                                                          max_steps=1, disable_tqdm=True), train_dataset=data, callbacks=[cb])
+    assert cb.resume_dir(trainer) == str(tmp_path / "out" / "ckpt-resume") and cb.restored_step == 2
+    snap = ckpt.Store.open(store).load("hf/step-2", include=["model/*"])
+    assert all(torch.equal(v, snap[f"model/{k}"]) for k, v in model.state_dict().items())  # restored in place
+    with pytest.raises(SnapshotError, match="resume_from_checkpoint"):
+        trainer.train()
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill(uninterrupted, tmp_path):
+    """The same across processes: the training process is SIGKILLed one step after a durable snapshot."""
+    store = str(tmp_path / "store")
+    run_script("hf_script", store, tmp_path / "crash", "crash", N, 6, expect=-signal.SIGKILL)
+    _check(store, 6, uninterrupted, run_script("hf_script", store, tmp_path / "resume", "resume", N))
