@@ -315,3 +315,54 @@ def test_sigkill_training_saves(tmp_path: Path) -> None:
         if problems:
             failures.append((i, delay, outcome, problems))
     assert not failures, failures
+
+
+def test_sigkill_copy(prepared, tmp_path: Path) -> None:
+    """A copy killed mid-way leaves a valid destination; run again, it sends only what is left."""
+    _, url, want, file_bytes = prepared
+    refs = [*sorted(want), "file"]
+
+    def copy_cmd(dst: str) -> list[str]:
+        return [*_cli_cmd(), "copy", *refs, "--from", url, "--to", dst, "--json"]
+
+    calib = str(tmp_path / "calib")
+    duration = _timed(copy_cmd(calib))
+    full = json.loads(subprocess.run(copy_cmd(str(tmp_path / "calib2")), env=_env(), capture_output=True, text=True,
+                                     timeout=600).stdout)
+    failures = []
+    for i, delay in enumerate(_delays("copy", duration)):
+        dst = str(tmp_path / f"t{i}")
+        outcome, err = _kill_after(copy_cmd(dst), delay)
+        problems = [f"copy {outcome}: {err}"] if outcome not in ("killed", "finished") else []
+        landed = 0
+        if Path(dst, "ckpt-store.json").exists():
+            store = ckpt.Store.open(dst)
+            r = store.verify()
+            if not r.ok:
+                problems.append(f"verify after the kill: {r.problems[:3]}")
+            for ref in store.refs():  # whatever ref landed is complete and bit-exact
+                landed += 1
+                if ref == "file":
+                    out = tmp_path / f"c{i}.safetensors"
+                    store.pull(ref, out)
+                    if out.read_bytes() != file_bytes:
+                        problems.append("file differs")
+                    out.unlink()
+                elif {k: _bits(v) for k, v in store.load(ref).items()} != want[ref]:
+                    problems.append(f"{ref} differs")
+        r1 = subprocess.run(copy_cmd(dst), env=_env(), capture_output=True, text=True, timeout=600)
+        again = json.loads(r1.stdout) if r1.returncode == 0 else {}
+        if r1.returncode != 0:
+            problems.append(f"copy again failed: {r1.stderr[-500:]}")
+        elif again["chunks_sent"] > full["chunks_sent"]:
+            problems.append(f"resumed copy sent {again['chunks_sent']} chunks, a full copy sends {full['chunks_sent']}")
+        problems += _check_store(dst, want, file_bytes, tmp_path) if r1.returncode == 0 else []
+        r2 = subprocess.run(copy_cmd(dst), env=_env(), capture_output=True, text=True, timeout=600)
+        if r2.returncode != 0 or json.loads(r2.stdout)["chunks_sent"] != 0:
+            problems.append(f"a third copy sent something: {r2.stdout[-300:]}")
+        _record("copy", trial=i, delay=round(delay, 3), outcome=outcome, refs_landed=landed,
+                resumed_chunks=again.get("chunks_sent"), full_chunks=full["chunks_sent"], problems=problems)
+        if problems:
+            failures.append((i, delay, outcome, problems))
+        shutil.rmtree(dst, ignore_errors=True)
+    assert not failures, failures
