@@ -145,9 +145,20 @@ def push_source(
         extra=src.extra,
         lineage=lineage or {"parent": None, "base": base_id, "merge": None},
     )
-    mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name)
-    for alias in aliases:
-        store.refs_db.set(alias, mid, alias=True)
+    if not aliases:
+        mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name)
+    else:
+        # Aliases (RUN/latest) first: a process killed between the two ref writes then
+        # leaves latest naming the newest durable snapshot, only its step ref missing,
+        # rather than latest lagging one snapshot behind (found by tests/test_crash_more.py).
+        if name is not None:
+            validate_ref_name(name)
+        mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), None)
+        for alias in aliases:
+            store.refs_db.set(alias, mid, alias=True)
+        if name is not None:
+            store.refs_db.set(name, mid)
+        store.objects.backend.flush()
     return PushResult(
         id=mid,
         chunks=len(results),
