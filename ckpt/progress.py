@@ -1,26 +1,7 @@
-"""Progress reporting through a callback object, independent of any UI (cli/ renders it)."""
+"""Progress reporting (see storage/progress.py, where it lives so that storage/ can report too)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from storage.progress import NullProgress, Progress
 
-
-class Progress(Protocol):
-    """Receives progress of one long operation, in bytes."""
-
-    def start(self, description: str, total: int) -> None: ...
-
-    def advance(self, n: int) -> None: ...
-
-    def finish(self) -> None: ...
-
-
-class NullProgress:
-    def start(self, description: str, total: int) -> None:
-        pass
-
-    def advance(self, n: int) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
+__all__ = ["NullProgress", "Progress"]

@@ -24,11 +24,12 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from storage.errors import CorruptObjectError
 from storage.gc import referenced_chunks
 from storage.objects import ObjectStore, object_id
+from storage.progress import NullProgress, Progress
 from storage.refs import Refs, validate_ref_name
 
 log = logging.getLogger(__name__)
@@ -36,25 +37,6 @@ log = logging.getLogger(__name__)
 ChunkCheck = Callable[[str, bytes], "str | None"]
 """``check(chunk_id, blob)``: decode and re-hash the blob, raising ``CorruptObjectError`` if it
 is not chunk ``chunk_id``; return the id of the base chunk its decoding needs (a delta), or None."""
-
-
-class Progress(Protocol):  # the ckpt/progress.py protocol, restated so storage/ does not import ckpt/
-    def start(self, description: str, total: int) -> None: ...
-
-    def advance(self, n: int) -> None: ...
-
-    def finish(self) -> None: ...
-
-
-class _NoProgress:
-    def start(self, description: str, total: int) -> None:
-        pass
-
-    def advance(self, n: int) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
 
 
 @dataclass
@@ -192,7 +174,7 @@ def copy_objects(
         chunk_ids = [c for c in chunk_ids if c not in present_c]
         manifest_ids = [m for m in manifest_ids if m not in present_m]
     weights = weights or {}
-    progress = progress or _NoProgress()
+    progress = progress or NullProgress()
     progress.start("copy", sum(weights.get(c, 0) for c in chunk_ids))
     sender = _Sender(src, dst, check_chunk, concurrency, report, progress, weights)
     sender.chunks(chunk_ids, {}, set())
@@ -223,7 +205,7 @@ def copy_checkpoints(
         if it.name is not None:
             validate_ref_name(it.name)
     report = CopyReport()
-    progress = progress or _NoProgress()
+    progress = progress or NullProgress()
     weights = weights or {}
     mids = sorted({it.manifest for it in items})
     present_m = dst.has_many("manifests", mids)

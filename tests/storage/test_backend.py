@@ -120,26 +120,6 @@ def test_local_write_leaves_no_temporaries(tmp_path):
     assert sorted(os.listdir(tmp_path / "o")) == ["x", "y"]
 
 
-def test_local_exclusive_create_race_has_one_winner(tmp_path):
-    b = LocalBackend(str(tmp_path), fsync=False)
-    for round_ in range(20):
-        wins = []
-        barrier = threading.Barrier(8)
-
-        def attempt(i: int, round_: int = round_) -> None:
-            barrier.wait()
-            if b.create_exclusive(f"race/{round_}", f"writer-{i}".encode()):
-                wins.append(i)
-
-        threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert len(wins) == 1
-        assert b.read(f"race/{round_}") == f"writer-{wins[0]}".encode()
-
-
 @pytest.mark.parametrize(
     "err, words, retryable",
     [(errno.ENOSPC, "disk is full", False), (errno.EROFS, "permission denied", False), (errno.EIO, "write", True)],
