@@ -47,8 +47,8 @@ if TYPE_CHECKING:
 
 STATUSES = ("identical", "changed", "added", "removed", "shape_changed", "dtype_changed")
 SORT_KEYS = ("order", "name", "status", "relative_change", "max_abs_diff", "changed_elements", "cosine", "delta_bytes")
-# Elements per block of the float64 statistics pass: bounds the scratch memory to a few MB.
-_BLOCK = 1 << 20
+# Elements per block of the float64 statistics pass: bounds the scratch memory (2 x 512 KiB).
+_BLOCK = 1 << 16
 
 
 # -- statistics: pure functions of two tensors -----------------------------------------------

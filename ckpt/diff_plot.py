@@ -75,8 +75,7 @@ def plot_report(report: DiffReport, path: str | os.PathLike[str]) -> str:
     if lo == hi:
         lo, hi = lo / 10, hi * 10
     norm = LogNorm(vmin=lo, vmax=hi)
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("#dddddd")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#dddddd")
 
     panels = [p for p in ("heat", "bars") if (p == "heat" and rows) or (p == "bars" and flat)] or ["bars"]
     height = max(3.5, 0.32 * max(len(rows), len(flat)) + 2.0)

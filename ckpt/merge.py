@@ -164,6 +164,26 @@ class _LazyTensor:
             return out
 
 
+def _load_trim() -> Callable[[], object] | None:
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _load_trim()
+
+
+def _trim() -> None:
+    """Hand freed memory back to the OS (glibc). Without it, glibc's dynamic mmap threshold
+    keeps freed tensor-sized blocks in per-thread arenas and RSS grows well past what is
+    live (benchmarks/results/merge.md measures both)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], readers: list[CheckpointReader],
                 base: CheckpointReader | None) -> Callable[[], torch.Tensor]:
     def compute() -> torch.Tensor:
@@ -172,12 +192,15 @@ def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], rea
         if step.reuse is not None:  # same chunks, but cut at another chunk size: copy the bytes
             return step.reuse[0].get_tensor(step.name)
         cd = torch.float64 if step.dtype == "F64" else torch.float32
+        _trim()
         xs = [r.get_tensor(step.name).to(cd) for r in readers]  # one input tensor upcast at a time
         b = base.get_tensor(step.name).to(cd) if method.needs_base and base is not None else None
         with torch.no_grad():
             out = method.combine(xs, b, params, step.name)
         del xs, b
-        return out.to(to_torch(step.dtype)).contiguous()
+        out = out.to(to_torch(step.dtype)).contiguous()
+        _trim()
+        return out
 
     return compute
 
@@ -275,11 +298,21 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
                 raise InvalidMergeError(f"{name} is {first.dtype} and differs between inputs")
             out[name] = first.clone()
             continue
+        b = base[name] if base is not None and m.needs_base else None
+        if m.identity(bound) and all(_same_bits(x, first) for x in xs[1:] + ([b] if b is not None else [])):
+            out[name] = first.clone()  # as the store path does: identical inputs come back unchanged
+            continue
         cd = torch.float64 if first.dtype == torch.float64 else torch.float32
-        b = base[name].to(cd, copy=True) if base is not None and m.needs_base else None
+        b = b.to(cd, copy=True) if b is not None else None
         with torch.no_grad():
             out[name] = m.combine([x.to(cd, copy=True) for x in xs], b, bound, name).to(first.dtype)
     return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    from ckpt.diff import _bits
+
+    return a.dtype == b.dtype and a.shape == b.shape and bool(_bits(a.contiguous()).equal(_bits(b.contiguous())))
 
 
 _callable_module(__name__, "merge")  # ckpt.merge(...) even after `import ckpt.merge`

@@ -240,15 +240,17 @@ def merge_task_arithmetic(xs: list[torch.Tensor], base: torch.Tensor | None, p: 
 
 def trim_(d: torch.Tensor, density: float) -> torch.Tensor:
     """Zero every element of ``d`` below its k-th largest magnitude, ``k = ceil(density·numel)``."""
-    import torch
-
     n = d.numel()
     k = math.ceil(density * n)
     if n == 0 or k >= n:
         return d
-    mag = d.abs()
-    threshold = torch.kthvalue(mag.reshape(-1), n - k + 1).values
-    return d.masked_fill_(mag < threshold, 0)
+    # The k-th largest magnitude, found by partitioning one scratch copy in place
+    # (torch.kthvalue/topk would add a copy with int64 indices: 3x the tensor).
+    mag = d.abs().reshape(-1).numpy()
+    mag.partition(n - k)
+    threshold = float(mag[n - k])
+    del mag
+    return d.masked_fill_(d.abs() < threshold, 0)
 
 
 def ties_combine(ds: list[torch.Tensor], weights: Sequence[float], normalize: bool) -> torch.Tensor:
@@ -258,14 +260,14 @@ def ties_combine(ds: list[torch.Tensor], weights: Sequence[float], normalize: bo
     total = ds[0].clone()
     for d in ds[1:]:
         total.add_(d)
-    sign = total.sign().to(torch.int8)
+    pos, neg = total > 0, total < 0  # the elected sign (neither where the sum is 0)
     num = total.zero_()  # reuse the buffer
     den = torch.zeros_like(num) if normalize else None
     for d, w in zip(ds, weights):
-        agree = ((d > 0) & (sign > 0)) | ((d < 0) & (sign < 0))
-        num.add_(d.masked_fill_(~agree, 0))
+        agree = ((d > 0) & pos).logical_or_((d < 0) & neg)
         if den is not None:
-            den.add_(agree.to(den.dtype).mul_(w))
+            den.add_(agree, alpha=w)  # exact: adds w or 0
+        num.add_(d.masked_fill_(agree.logical_not_(), 0))
     if den is not None:
         num.div_(den.masked_fill_(den == 0, 1.0))  # where no input agrees num is 0: the result is 0
     return num
@@ -308,11 +310,18 @@ def merge_dare(xs: list[torch.Tensor], base: torch.Tensor | None, p: Mapping[str
     return tau.mul_(p["lambda"]).add_(base)
 
 
-def _dot64(a: torch.Tensor, b: torch.Tensor, block: int = 1 << 20) -> float:
+def _dots(a: torch.Tensor, b: torch.Tensor, block: int = 1 << 16) -> tuple[float, float, float]:
+    """(a·a, b·b, a·b) in float64, over small blocks (little scratch memory)."""
     import torch
 
     fa, fb = a.reshape(-1), b.reshape(-1)
-    return math.fsum(float(torch.dot(fa[i : i + block].double(), fb[i : i + block].double())) for i in range(0, fa.numel(), block))
+    aa, bb, ab = [], [], []
+    for i in range(0, fa.numel(), block):
+        x, y = fa[i : i + block].double(), fb[i : i + block].double()
+        aa.append(float(torch.dot(x, x)))
+        bb.append(float(torch.dot(y, y)))
+        ab.append(float(torch.dot(x, y)))
+    return math.fsum(aa), math.fsum(bb), math.fsum(ab)
 
 
 def merge_slerp(xs: list[torch.Tensor], base: torch.Tensor | None, p: Mapping[str, Any], name: str) -> torch.Tensor:
@@ -322,10 +331,11 @@ def merge_slerp(xs: list[torch.Tensor], base: torch.Tensor | None, p: Mapping[st
         return a
     if t == 1.0:
         return b
-    na, nb = math.sqrt(_dot64(a, a)), math.sqrt(_dot64(b, b))
+    aa, bb, ab = _dots(a, b)
+    na, nb = math.sqrt(aa), math.sqrt(bb)
     c0, c1 = 1.0 - t, t
     if na > 0 and nb > 0:
-        omega = math.acos(max(-1.0, min(1.0, _dot64(a, b) / (na * nb))))
+        omega = math.acos(max(-1.0, min(1.0, ab / (na * nb))))
         s = math.sin(omega)
         if s >= 1e-6:
             c0, c1 = math.sin((1.0 - t) * omega) / s, math.sin(t * omega) / s
