@@ -101,30 +101,27 @@ def _plan(method: MergeMethod, params: Mapping[str, Any], readers: list[Checkpoi
                 seen.add(n)
                 names.append(n)
     problems: list[str] = []
+    any_missing = False
     steps: list[_Step] = []
     identity = method.identity(params)
+    compared = readers + ([base] if method.needs_base and base is not None else [])  # must line up
+    one_cut = len({r.manifest.chunk_size for r in compared}) == 1  # chunk ids are comparable
     for name in names:
-        holders = [r for r in readers if name in r]
-        if len(holders) < len(readers) or (method.needs_base and base is not None and name not in base):
+        lacking = [lab for lab, r in zip(labels + [f"{base_label} (base)"], compared) if name not in r]
+        if lacking:
             if missing == "base" and base is not None and name in base:
                 e = base.info(name)
                 steps.append(_Step(name, e.dtype, e.shape, e.nbytes, (base, e)))
-                continue
-            lacking = [lab for lab, r in zip(labels, readers) if name not in r]
-            if method.needs_base and base is not None and name not in base:
-                lacking.append(f"{base_label} (base)")
-            problems.append(f"{name} is missing from {', '.join(lacking)}")
+            else:
+                any_missing = True
+                problems.append(f"{name} is missing from {', '.join(lacking)}")
             continue
-        entries = [r.info(name) for r in readers]
-        if method.needs_base and base is not None:
-            entries.append(base.info(name))
-        kinds = {(e.dtype, e.shape) for e in entries}
-        if len(kinds) > 1:
+        entries = [r.info(name) for r in compared]
+        if len({(e.dtype, e.shape) for e in entries}) > 1:
             problems.append(f"{name} differs in dtype/shape: " + ", ".join(f"{e.dtype}{list(e.shape)}" for e in entries))
             continue
         first = entries[0]
-        sizes = {r.manifest.chunk_size for r in readers} | ({base.manifest.chunk_size} if method.needs_base and base is not None else set())
-        same = len({e.chunks for e in entries}) == 1 and len(sizes) == 1
+        same = one_cut and len({e.chunks for e in entries}) == 1
         if same and (identity or first.dtype not in FLOAT_DTYPES):
             steps.append(_Step(name, first.dtype, first.shape, first.nbytes, (readers[0], first)))
         elif first.dtype not in FLOAT_DTYPES:
@@ -133,7 +130,7 @@ def _plan(method: MergeMethod, params: Mapping[str, Any], readers: list[Checkpoi
             steps.append(_Step(name, first.dtype, first.shape, first.nbytes, None))
     if problems:
         more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-        hint = "pass --fill-from-base (missing=\"base\") to take missing tensors from the base" if any("missing" in p for p in problems) and missing != "base" else None
+        hint = "pass --fill-from-base (missing=\"base\") to take missing tensors from the base" if any_missing else None
         raise InvalidMergeError("inputs do not line up: " + "; ".join(problems[:8]) + more, hint=hint)
     return steps
 
@@ -153,8 +150,7 @@ class _LazyTensor:
     def read(self, offset: int, length: int) -> memoryview:
         with self._lock:
             if self._view is None:
-                if self._left <= 0:
-                    raise RuntimeError("merged tensor read after its last chunk")  # a bug, never user input
+                assert self._left > 0, "merged tensor read after its last chunk"
                 with self._gate:
                     self._view = byte_view(self._compute())
             out = self._view[offset : offset + length]  # keeps the tensor alive until encoded

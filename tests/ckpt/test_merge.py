@@ -196,5 +196,14 @@ def test_merge_streams_tensor_by_tensor(tmp_path):
         held = peak(method, MALLOC_MMAP_THRESHOLD_="1048576")
         bound = (inputs + 2) * largest + 6 * (4 << 20)
         assert held < bound, f"{method}: peak {held / 2**20:.1f} MiB over {bound / 2**20:.1f} MiB"
-        # With glibc's defaults freed blocks linger in per-thread arenas; still far from whole models.
-        assert peak(method) < inputs * tensors * largest / 2, method
+    # With glibc's defaults freed blocks linger in per-thread arenas (ties, the hungriest,
+    # measured 60 MiB); still far from whole models.
+    assert peak("ties") < 5 * tensors * largest / 2
+
+
+def test_empty_and_scalar_tensors(store):
+    store.push({"e": torch.empty(0, 4), "s": torch.tensor(1.0), "w": torch.ones(3)}, "z/a")
+    store.push({"e": torch.empty(0, 4), "s": torch.tensor(3.0), "w": torch.zeros(3)}, "z/b")
+    ckpt.merge(store, ["z/a", "z/b"], "linear", name="z/m")
+    out = store.load("z/m")
+    assert out["e"].shape == (0, 4) and out["s"].item() == 2.0 and out["w"].tolist() == [0.5] * 3
