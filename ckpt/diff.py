@@ -27,12 +27,13 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckpt import _callable_module
-from ckpt.dtypes import byte_view, itemsize, to_torch
+from ckpt.diff_sides import Side, open_side
+from ckpt.dtypes import byte_view, itemsize
 from ckpt.manifest import split_lengths
 from ckpt.pipeline import run_parallel
 from ckpt.progress import NullProgress, Progress
@@ -41,8 +42,6 @@ from storage.objects import object_id
 if TYPE_CHECKING:
     import torch
 
-    from ckpt.reader import CheckpointReader
-    from ckpt.sources import SourceIn, TensorIn
     from ckpt.store import Store
 
 STATUSES = ("identical", "changed", "added", "removed", "shape_changed", "dtype_changed")
@@ -168,107 +167,6 @@ def delta_bytes(a: bytes | memoryview | None, b: bytes | memoryview, *, chunk_si
     return sum(run_parallel(size, jobs, workers, NullProgress(), lambda j: j[1]))
 
 
-# -- the two sides -----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Meta:
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-
-
-class _RefSide:
-    """A stored checkpoint, read through the lazy reader."""
-
-    def __init__(self, reader: CheckpointReader, label: str) -> None:
-        self.reader = reader
-        self.label = label
-        self.id: str | None = reader.id
-        self.chunk_size: int | None = reader.manifest.chunk_size
-        self.meta = {t.name: _Meta(t.dtype, t.shape, t.nbytes) for t in reader.manifest.tensors}
-
-    def chunk_ids(self, name: str, chunk_size: int) -> tuple[str, ...] | None:
-        return self.reader.info(name).chunks if chunk_size == self.chunk_size else None
-
-    def all_chunk_ids(self, chunk_size: int) -> set[str]:
-        return {c for t in self.reader.manifest.tensors for c in t.chunks} if chunk_size == self.chunk_size else set()
-
-    def tensor(self, name: str) -> torch.Tensor:
-        return self.reader.get_tensor(name)
-
-    def close(self) -> None:
-        pass
-
-
-class _SourceSide:
-    """A local file, directory or dict of tensors, as ``push`` would read it."""
-
-    def __init__(self, src: SourceIn, label: str) -> None:
-        self.src = src
-        self.label = label
-        self.id: str | None = None
-        self.chunk_size: int | None = None
-        self._by_name: dict[str, TensorIn] = {}
-        for f in src.files:
-            for t in f.tensors:
-                self._by_name.setdefault(t.name, t)
-        self.meta = {t.name: _Meta(t.dtype, t.shape, t.nbytes) for t in self._by_name.values()}
-        self._ids: dict[tuple[str, int], tuple[str, ...]] = {}
-
-    def chunk_ids(self, name: str, chunk_size: int) -> tuple[str, ...] | None:
-        key = (name, chunk_size)
-        if key not in self._ids:
-            t = self._by_name[name]
-            assert t.src is not None
-            ids, pos = [], t.offset
-            for n in split_lengths(t.nbytes, chunk_size):  # hashed piece by piece: no copy of the tensor
-                ids.append(object_id(t.src.read(pos, n)))
-                pos += n
-            self._ids[key] = tuple(ids)
-        return self._ids[key]
-
-    def all_chunk_ids(self, chunk_size: int) -> set[str]:
-        return {c for (_, cs), ids in self._ids.items() if cs == chunk_size for c in ids}
-
-    def tensor(self, name: str) -> torch.Tensor:
-        import torch
-
-        t = self._by_name[name]
-        assert t.src is not None
-        out = torch.empty(t.shape, dtype=to_torch(t.dtype))
-        view = byte_view(out)
-        step = 64 << 20
-        for pos in range(0, t.nbytes, step):
-            n = min(step, t.nbytes - pos)
-            view[pos : pos + n] = t.src.read(t.offset + pos, n)
-        return out
-
-    def close(self) -> None:
-        self.src.close()
-
-
-_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
-
-
-def _open_side(x: object, store: Store | None) -> tuple[_RefSide | _SourceSide, Store | None]:
-    from ckpt.sources import open_source
-
-    if isinstance(x, Mapping):
-        return _SourceSide(open_source(x), "<tensors>"), store
-    if isinstance(x, os.PathLike) or (isinstance(x, str) and (os.path.exists(x) or x.endswith(_FILE_SUFFIXES))):
-        return _SourceSide(open_source(x), os.fspath(x)), store  # a missing file: "no such file", not "no ref"
-    if not isinstance(x, str):
-        from ckpt.errors import InvalidSourceError
-
-        raise InvalidSourceError(repr(x)[:80], "diff takes refs, paths or dicts of tensors")
-    if store is None:
-        from ckpt.store import Store
-
-        store = Store.open()
-    return _RefSide(store.reader(x), x), store
-
-
 # -- the report --------------------------------------------------------------------------------
 
 
@@ -375,9 +273,9 @@ def diff(a: object, b: object, store: Store | None = None, *, include: Sequence[
     """
     from ckpt.settings import Settings
 
-    side_a, store = _open_side(a, store)
+    side_a, store = open_side(a, store)
     try:
-        side_b, store = _open_side(b, store)
+        side_b, store = open_side(b, store)
     except BaseException:
         side_a.close()
         raise
@@ -421,7 +319,7 @@ def diff(a: object, b: object, store: Store | None = None, *, include: Sequence[
                       {"include": list(include or []), "exclude": list(exclude or []), "chunk_size": cs})
 
 
-def _compare(name: str, side_a: _RefSide | _SourceSide, side_b: _RefSide | _SourceSide, cs: int,
+def _compare(name: str, side_a: Side, side_b: Side, cs: int,
              known: set[str], settings: Any, estimate: bool) -> tuple[TensorDiff, TensorStats | None]:
     ma, mb = side_a.meta.get(name), side_b.meta.get(name)
 
