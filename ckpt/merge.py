@@ -180,6 +180,23 @@ def _trim() -> None:
         _MALLOC_TRIM(0)
 
 
+def _read(readers: list[CheckpointReader], step: _Step) -> list[torch.Tensor]:
+    """Tensor ``step.name`` of every reader, fetched in one parallel pass (verified, as any read)."""
+    import torch
+
+    from ckpt.pipeline import get_chunks
+    from ckpt.pull import _into_tasks
+
+    out, tasks = [], []
+    for r in readers:
+        t = torch.empty(step.shape, dtype=to_torch(step.dtype))
+        tasks += _into_tasks(r.manifest, [(r.info(step.name), t)])
+        out.append(t)
+    store = readers[0].store
+    get_chunks(store.objects, tasks, store.settings)
+    return out
+
+
 def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], readers: list[CheckpointReader],
                 base: CheckpointReader | None) -> Callable[[], torch.Tensor]:
     def compute() -> torch.Tensor:
@@ -189,8 +206,10 @@ def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], rea
             return step.reuse[0].get_tensor(step.name)
         cd = torch.float64 if step.dtype == "F64" else torch.float32
         _trim()
-        xs = [r.get_tensor(step.name).to(cd) for r in readers]  # one input tensor upcast at a time
-        b = base.get_tensor(step.name).to(cd) if method.needs_base and base is not None else None
+        xs = _read(readers + ([base] if method.needs_base and base is not None else []), step)
+        for i, x in enumerate(xs):
+            xs[i] = x.to(cd)  # one at a time: an upcast copy replaces its source
+        b = xs.pop() if method.needs_base and base is not None else None
         with torch.no_grad():
             out = method.combine(xs, b, params, step.name)
         del xs, b
