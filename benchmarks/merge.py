@@ -26,7 +26,7 @@ What is measured, for each method (medians of ``--reps`` runs, interleaved):
   per-thread arenas.
 * **mergekit**: ``mergekit-yaml`` on the same safetensors files (as Hugging Face
   directories with the shipped config.json), writing one safetensors file; wall
-  time and peak RSS of the process (``/usr/bin/time``), and the peak RSS of a
+  time and peak RSS (VmHWM) of the process, and the time and peak RSS of a
   process that only imports mergekit, for reference. The outputs are compared with
   ckpt's tensor by tensor.
 
@@ -95,20 +95,29 @@ def minilm_files(data_dir: str | None) -> tuple[Path, list[Path]]:
 
 # -- ckpt runs (one child process each) --------------------------------------------------------
 
-CHILD = r"""
-import json, resource, sys, time
+# Peak RSS from the process's own /proc/self/status: ru_maxrss would start at the RSS of the
+# process that forked it (it survives fork and exec), here this benchmark's.
+STATUS = """
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+"""
+
+CHILD = STATUS + r"""
+import json, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch, ckpt
 store = ckpt.Store.open(sys.argv[2])
 spec = json.loads(sys.argv[3])
 torch.ones(1 << 20).mul_(2)  # torch's allocator and thread pool are warm before the baseline
-rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+hwm0 = status("VmHWM:")
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS, so VmHWM below is the merge's own peak
+rss0 = status("VmRSS:")
 t = time.perf_counter()
 r = ckpt.merge(store, spec["inputs"], spec["method"], name="bench/out", params=spec["params"], base=spec["base"])
 seconds = time.perf_counter() - t
-rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"seconds": seconds, "peak": rss1, "before": rss0, "written": r.written_bytes,
-                  "merged": r.merged, "reused": r.reused}))
+hwm1 = status("VmHWM:")
+print(json.dumps({"seconds": seconds, "peak": max(hwm0, hwm1), "before": rss0, "merge_peak": hwm1,
+                  "written": r.written_bytes, "merged": r.merged, "reused": r.reused}))
 """
 
 
@@ -158,15 +167,13 @@ def mergekit_config(method: str, per_model: dict[str, Any], params: dict[str, An
     return "\n".join(lines) + "\n"
 
 
-def time_rss(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, subprocess.CompletedProcess[str]]:
-    """Wall seconds and peak RSS (bytes) of ``cmd``, from /usr/bin/time."""
-    fmt = "@@time %e %M"
+def time_rss(cmd: list[str]) -> tuple[float, int, subprocess.CompletedProcess[str]]:
+    """Wall seconds of ``cmd`` and the peak RSS (bytes) it reports as ``@@hwm`` on stderr (-1 if none)."""
     t = time.perf_counter()
-    r = subprocess.run(["/usr/bin/time", "-f", fmt, *cmd], capture_output=True, text=True, env=env)
+    r = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t
-    line = next((ln for ln in r.stderr.splitlines() if ln.startswith("@@time")), None)
-    rss = int(line.split()[2]) * 1024 if line else -1
-    return wall, rss, r
+    line = next((ln for ln in r.stderr.splitlines() if ln.startswith("@@hwm")), None)
+    return wall, int(line.split()[1]) if line else -1, r
 
 
 # mergekit 0.1.5 crashes on BertModel before merging anything: mergekit/plan.py concatenates a
@@ -174,7 +181,7 @@ def time_rss(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, 
 # here embeddings.position_ids. This runs mergekit-yaml with that one expression fixed in
 # memory (``list(...)``); nothing else changes, and the unpatched failure is reported too.
 MK_BUG = "[w_in.name] + (w_in.aliases or [])"
-MK_WRAPPER = f"""
+MK_WRAPPER = STATUS + f"""
 import importlib.util, sys
 import mergekit
 spec = importlib.util.find_spec("mergekit.plan")
@@ -185,7 +192,10 @@ if {MK_BUG!r} in src:
     exec(compile(src.replace({MK_BUG!r}, "[w_in.name] + list(w_in.aliases or [])"), spec.origin, "exec"), mod.__dict__)
 from mergekit.scripts.run_yaml import main
 sys.argv = ["mergekit-yaml", *sys.argv[1:]]
-main()
+try:
+    main()
+finally:
+    print("@@hwm", status("VmHWM:"), file=sys.stderr)
 """
 
 
@@ -198,7 +208,8 @@ def mergekit_run(python: str, config: str, scratch: str, patched: bool = True) -
     cmd = [python, "-c", MK_WRAPPER] if patched else [os.path.join(os.path.dirname(python), "mergekit-yaml")]
     wall, rss, r = time_rss([*cmd, cfg, out, "--no-copy-tokenizer", "--no-write-model-card", "--quiet", "--random-seed", "0"])
     if r.returncode != 0:
-        tail = " | ".join(r.stderr.strip().splitlines()[-3:])
+        lines = [ln.strip() for ln in r.stderr.splitlines() if ln.strip() and not set(ln.strip()) <= set("~^")]
+        tail = " | ".join(lines[-3:])
         raise RuntimeError(f"mergekit-yaml exited {r.returncode}: {tail[:400]}")
     return wall, rss, out
 
@@ -259,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         mk_note = None
         mk_dirs: list[str] = []
         mk_import_rss = None
+        mk_import_s = 0.0
         mk_unpatched = None
         if mk_python:
             probe = subprocess.run([mk_python, "-c", "import torch, mergekit; from importlib.metadata import version; "
@@ -269,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 mk_versions = probe.stdout.strip()
                 mk_dirs = hf_dirs(scratch, [base_file, *ft_files])
-                _, mk_import_rss, _ = time_rss([mk_python, "-c", "import mergekit.merge, mergekit.config, torch"])
+                mk_import_s, mk_import_rss, _ = time_rss([mk_python, "-c", STATUS + "import sys, mergekit.merge, mergekit.config, torch\n"
+                                                          "print('@@hwm', status('VmHWM:'), file=sys.stderr)"])
                 try:
                     mergekit_run(mk_python, mergekit_config("linear", {"weight": 1.0}, {}, mk_dirs[1:3], None), scratch, patched=False)
                     mk_unpatched = "runs unpatched"
@@ -305,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({
                 "label": label, "inputs": n + (1 if uses_base else 0),
                 "ckpt_s": med([r["seconds"] for r in c]), "ckpt_peak": med([r["peak"] for r in c]),
-                "ckpt_above": med([r["peak"] - r["before"] for r in c]),
-                "ckpt_fixed_above": med([r["peak"] - r["before"] for r in cf]),
+                "ckpt_above": med([r["merge_peak"] - r["before"] for r in c]),
+                "ckpt_fixed_above": med([r["merge_peak"] - r["before"] for r in cf]),
                 "ckpt_fixed_s": med([r["seconds"] for r in cf]),
                 "written": c[-1]["written"], "merged": c[-1]["merged"], "reused": c[-1]["reused"],
                 "mk_s": med([r[0] for r in runs["mk"]]) if runs["mk"] else None,
@@ -318,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
 
     total = time.perf_counter() - started
-    report = render(rows, args, largest, model_bytes, stored, mk_python, mk_note, mk_import_rss,
+    report = render(rows, args, largest, model_bytes, stored, mk_python, mk_note, (mk_import_s, mk_import_rss),
                     mk_versions if mk_python else None, mk_unpatched, total)
     print(report)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -327,8 +340,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+NOTES = """How to read it:
+
+- *ckpt s* is the `ckpt.merge` call: reading every input from the store (decoding the
+  fine-tunes' deltas against the base, re-hashing every chunk), the math, and pushing the
+  result (hashing, delta-encoding against the base, durable writes). *mergekit s* is the
+  whole `mergekit-yaml` process, which reads plain safetensors files and writes one
+  without fsync; its import time is given above, subtract it to compare the work alone.
+- *ckpt peak above start* is what the merge adds to the process's resident memory (ru_maxrss
+  after minus before). With glibc's defaults that includes freed blocks that glibc keeps in
+  its per-thread arenas (its mmap threshold rises to the size of the largest block freed, so
+  later tensor-sized blocks come from arenas and stay mapped); ckpt calls `malloc_trim`
+  between tensors to hand them back, which helps but cannot reach inside one tensor's math.
+  *same, mmap threshold 1 MiB* sets `MALLOC_MMAP_THRESHOLD_=1048576` so that every freed
+  block goes straight back to the OS: that is what the merge holds, to be read against
+  *(models read + 2) x largest*. The push pipeline adds a few 4 MiB chunks in flight.
+- Methods that trim or elect signs (ties, dare with the ties combine) hold, besides the
+  inputs, the sum of the task vectors, the per-element weight total and a few bit masks:
+  about (models read + 2.5) x the tensor at their peak.
+- *max |ckpt - mergekit|* compares the merged tensors. linear and task arithmetic follow
+  the same formula; dare draws its random masks differently from mergekit, and mergekit's
+  TIES keeps exactly int(density x n) entries where ckpt keeps every entry tied at the
+  threshold, so those differ by design."""
+
+
 def render(rows: list[dict[str, Any]], args: argparse.Namespace, largest: int, model_bytes: int, stored: int,
-           mk_python: str | None, mk_note: str | None, mk_import_rss: int | None, mk_versions: str | None,
+           mk_python: str | None, mk_note: str | None, mk_import: tuple[float, int | None], mk_versions: str | None,
            mk_unpatched: str | None, total: float) -> str:
     import torch
 
@@ -350,7 +387,7 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, largest: int, m
         "its own hard-linked copy of that store and pushing the result into it (delta-encoded against the base, fsynced)",
         "- mergekit: " + (f"{mk_versions} (torch, mergekit) from {mk_python}, in its own venv; `mergekit-yaml --no-copy-tokenizer "
                           f"--no-write-model-card --random-seed 0`, dtype float32, CPU, default threads; a process that only imports it "
-                          f"peaks at {mib(mk_import_rss or 0)} MiB. " + (
+                          f"takes {mk_import[0]:.1f} s and peaks at {mib(mk_import[1] or 0)} MiB. " + (
                               "It runs on these models as installed." if mk_unpatched == "runs unpatched" else
                               f"As installed it fails on these models ({mk_unpatched}); the numbers below run it with "
                               "that bug fixed in memory (MK_WRAPPER in this script)")
@@ -365,10 +402,12 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, largest: int, m
             diff = "-"
         else:
             worst, rel, same = r["diff"]
-            diff = "identical bits" if same else f"{worst:.2e} ({rel:.1e} of max \\|w\\|)"
+            diff = ("identical bits" if same else "equal values (signs of zero differ)" if worst == 0
+                    else f"{worst:.2e} ({rel:.1e} of max \\|w\\|)")
         mk = (f"{r['mk_s']:.2f}", mib(r["mk_peak"])) if r["mk_s"] is not None else (("failed", "-") if r["mk_error"] else ("-", "-"))
         lines.append(f"| {r['label']} | {r['inputs']} | {r['ckpt_s']:.2f} | {mib(r['ckpt_peak'])} | {mib(r['ckpt_above'])} | "
                      f"{mib(r['ckpt_fixed_above'])} | {mib(bound)} | {mk[0]} | {mk[1]} | {diff} |")
+    lines += ["", NOTES]
     errors = [f"- {r['label']}: {r['mk_error']}" for r in rows if r["mk_error"]]
     if errors:
         lines += ["", "mergekit failures:", *errors]
