@@ -345,19 +345,23 @@ NOTES = """How to read it:
 - *ckpt s* is the `ckpt.merge` call: reading every input from the store (decoding the
   fine-tunes' deltas against the base, re-hashing every chunk), the math, and pushing the
   result (hashing, delta-encoding against the base, durable writes). *mergekit s* is the
-  whole `mergekit-yaml` process, which reads plain safetensors files and writes one
-  without fsync; its import time is given above, subtract it to compare the work alone.
-- *ckpt peak above start* is what the merge adds to the process's resident memory (ru_maxrss
-  after minus before). With glibc's defaults that includes freed blocks that glibc keeps in
-  its per-thread arenas (its mmap threshold rises to the size of the largest block freed, so
-  later tensor-sized blocks come from arenas and stay mapped); ckpt calls `malloc_trim`
-  between tensors to hand them back, which helps but cannot reach inside one tensor's math.
-  *same, mmap threshold 1 MiB* sets `MALLOC_MMAP_THRESHOLD_=1048576` so that every freed
-  block goes straight back to the OS: that is what the merge holds, to be read against
-  *(models read + 2) x largest*. The push pipeline adds a few 4 MiB chunks in flight.
-- Methods that trim or elect signs (ties, dare with the ties combine) hold, besides the
-  inputs, the sum of the task vectors, the per-element weight total and a few bit masks:
-  about (models read + 2.5) x the tensor at their peak.
+  whole `mergekit-yaml` process (imports included: see the import-only process above, one
+  cold run), which reads plain safetensors files and writes one without fsync.
+- Peak RSS is the process's own VmHWM (/proc/self/status); ru_maxrss would start at the RSS
+  of the process that forked it. *ckpt peak above start* resets VmHWM just before the merge
+  and subtracts the RSS then: what the merge adds. With glibc's defaults that includes freed
+  blocks glibc keeps in its per-thread arenas (its mmap threshold rises to the size of the
+  largest block freed, so later tensor-sized blocks come from arenas and stay mapped); ckpt
+  calls `malloc_trim` between tensors, which helps but cannot reach inside one tensor's math.
+  *same, mmap threshold 1 MiB* sets `MALLOC_MMAP_THRESHOLD_=1048576`, so every freed block
+  goes straight back to the OS: that is what the merge holds, to be read against
+  *(models read + 2) x largest*. It includes the push pipeline (a few 4 MiB chunks being
+  fetched, encoded or waiting to be written: about 40 MiB here).
+- linear, task arithmetic, dare with the linear combine and slerp stay within
+  (models read + 2) x the largest tensor. TIES and dare with the ties combine go past it: for
+  the largest tensor they hold the inputs, the scratch copy of the magnitudes that trimming
+  partitions (ties), the sum of the task vectors, the per-element weight total and a few
+  bit masks, about (models read + 3) x the tensor, plus the pipeline.
 - *max |ckpt - mergekit|* compares the merged tensors. linear and task arithmetic follow
   the same formula; dare draws its random masks differently from mergekit, and mergekit's
   TIES keeps exactly int(density x n) entries where ckpt keeps every entry tied at the
