@@ -7,24 +7,9 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
+from test_cli_runner import invoke, run_main  # the same in-process helpers (tests/cli is on sys.path)
 
-from cli.main import app, main
 from ckpt.merge import merge_state_dicts
-
-
-def invoke(*args: str) -> str:
-    result = CliRunner().invoke(app, list(args), catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return result.output
-
-
-def run_main(capsys, *args: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as e:
-        main(list(args))
-        raise SystemExit(0)
-    cap = capsys.readouterr()
-    return e.value.code, cap.out, cap.err
 
 
 @pytest.fixture
