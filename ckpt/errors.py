@@ -37,13 +37,25 @@ class TensorMismatchError(CkptError):
     """A checkpoint's tensors do not fit the model or state dict they are loaded into."""
 
 
+class InvalidMergeError(CkptError):
+    """A merge (or remix) that cannot run as asked: unknown method, bad parameter value,
+    wrong number of inputs, or inputs whose tensors do not line up. Raised before any
+    tensor data is read."""
+
+
+class MissingDependencyError(CkptError):
+    """An optional feature needs a package that is not installed; the hint says which extra to install."""
+
+
 __all__ = [
     "AmbiguousRefError",
     "CkptError",
     "CorruptObjectError",
     "DestinationExistsError",
+    "InvalidMergeError",
     "InvalidNameError",
     "InvalidSourceError",
+    "MissingDependencyError",
     "ObjectNotFoundError",
     "RefConflictError",
     "RefNotFoundError",

@@ -237,9 +237,11 @@ def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or 
         out.print(f"message    {m.message}")
     for k, v in m.metadata.items():
         out.print(f"meta       {k} = {v}")
-    lineage = {k: v for k, v in m.lineage.items() if v}
+    lineage = {k: v for k, v in m.lineage.items() if v and k != "merge"}
     if lineage:
         out.print(f"lineage    {lineage}")
+    if isinstance(m.lineage.get("merge"), dict):
+        _print_merge(m.lineage["merge"])
     t = Table(box=None, pad_edge=False)
     if m.lineage.get("base"):
         out.print(f"delta base {m.lineage['base'][:12]} (delta-coded tensors show their chain depth)")
@@ -412,6 +414,188 @@ def gc(
     verb = "would delete" if dry_run else "deleted"
     out.print(f"{verb} {len(r.deleted)} objects ({human_bytes(r.bytes)}); kept {r.live_manifests} live checkpoints, "
               f"{r.live_chunks} live chunks, {r.young} recent unreferenced objects (grace {grace})")
+
+
+def _print_merge(rec: dict[str, Any]) -> None:
+    """The merge record of a manifest's lineage: method, parameters, inputs and base."""
+    params = ", ".join(f"{k}={v}" for k, v in sorted((rec.get("params") or {}).items()))
+    out.print(f"merged     {rec.get('method')} ({params})", markup=False)
+    refs = rec.get("input_refs") or [None] * len(rec.get("inputs") or [])
+    for cid, ref in zip(rec.get("inputs") or [], refs):
+        out.print(f"  input    {str(cid)[:12]}" + (f"  ({ref})" if ref else ""), markup=False)
+    if rec.get("base"):
+        out.print(f"  base     {rec['base'][:12]}" + (f"  ({rec['base_ref']})" if rec.get("base_ref") else ""), markup=False)
+    remix = rec.get("remix")
+    if isinstance(remix, dict):
+        scores = ", ".join(f"{r}={s:.4g}" for r, s in (remix.get("scores") or {}).items())
+        out.print(f"  remix    best {remix.get('k')} by score ({'higher' if remix.get('higher_is_better') else 'lower'} is better): {scores}", markup=False)
+
+
+def _fmt_num(x: float | None, spec: str = ".3e") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+@app.command()
+def diff(
+    a: Annotated[str, typer.Argument(metavar="A", help="Ref, NAME@N, id prefix, or a local file/directory (an existing path wins).")],
+    b: Annotated[str, typer.Argument(metavar="B", help="What to compare against A (same forms).")],
+    include: Annotated[Optional[list[str]], typer.Option("--include", "-i", metavar="GLOB", help="Only tensors matching this glob (repeatable).")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option("--exclude", "-x", metavar="GLOB", help="Leave out tensors matching this glob (repeatable).")] = None,
+    sort: Annotated[str, typer.Option("--sort", metavar="KEY", help="order, name, status, relative_change, max_abs_diff, changed_elements, cosine or delta_bytes (largest change first).")] = "order",
+    top: Annotated[Optional[int], typer.Option("--top", metavar="N", help="Show only the first N tensors after sorting (the summary still counts all).")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", metavar="FILE.png", help="Draw relative change per layer, grouped by module type (needs matplotlib: pip install 'ckpt[plot]').")] = None,
+    no_estimate: Annotated[bool, typer.Option("--no-estimate", help="Skip estimating the stored size of B as a delta against A.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """What changed from A to B, tensor by tensor: status, elements changed, relative change ‖B−A‖/‖A‖, max |B−A|, cosine.
+
+    Tensors whose chunks are the same in both are reported identical without reading
+    their data. The summary tells how many bytes storing B as a delta against A takes.
+    """
+    from ckpt.diff import SORT_KEYS
+    from ckpt.diff import diff as run_diff
+
+    if sort not in SORT_KEYS:
+        raise typer.BadParameter(f"{sort!r} is not one of {', '.join(SORT_KEYS)}", param_hint="--sort")
+    store = _open() if not (os.path.exists(a) and os.path.exists(b)) else None
+    report = run_diff(a, b, store, include=include, exclude=exclude, estimate_delta=not no_estimate, progress=RichProgress())
+    if plot is not None:
+        from ckpt.diff_plot import plot_report
+
+        plot_report(report, plot)
+    if as_json:
+        emit_json(report.to_json(sort, top))
+        return
+    from rich.table import Table
+
+    t = Table(box=None, pad_edge=False)
+    for c in ("TENSOR", "STATUS", "CHANGED", "REL CHANGE", "MAX |B-A|", "COSINE", "DELTA"):
+        t.add_column(c, justify="left" if c in ("TENSOR", "STATUS") else "right")
+    for r in report.select(sort, top):
+        changed = "-" if r.changed_elements is None else f"{r.changed_elements}/{r.numel}"
+        t.add_row(r.name, r.status + ("" if r.read else " *"), changed, _fmt_num(r.relative_change),
+                  _fmt_num(r.max_abs_diff), _fmt_num(r.cosine, ".6f"), "-" if r.delta_bytes is None else human_bytes(r.delta_bytes))
+    out.print(t)
+    s = report.summary
+    out.print(
+        f"\n{s.tensors} tensors: {s.changed} changed, {s.identical} identical ({s.identical_unread} by chunk ids, not read: *), "
+        f"{s.added} added, {s.removed} removed, {s.shape_changed} shape changed, {s.dtype_changed} dtype changed\n"
+        f"elements changed: {s.changed_elements} of {s.elements} ({ratio(s.changed_elements, s.elements)}); "
+        f"relative change overall {_fmt_num(s.relative_change)}"
+    )
+    if s.delta_bytes is not None:
+        out.print(f"B as a delta against A stores about {human_bytes(s.delta_bytes)} "
+                  f"({ratio(s.delta_bytes, s.bytes_b)} of B's {human_bytes(s.bytes_b)} of tensor data)")
+    if plot is not None:
+        out.print(f"plot written to {plot}")
+
+
+def _merge_epilog() -> str:
+    from ckpt.merge_methods import default_registry
+
+    return "Methods (details: --list-methods): " + "; ".join(f"{m.name}: {m.summary}" for m in default_registry())
+
+
+@app.command(epilog=_merge_epilog())
+def merge(
+    refs: Annotated[Optional[list[str]], typer.Argument(metavar="REF...", help="Checkpoints to merge, in order (weights follow this order).", show_default=False)] = None,
+    method: Annotated[str, typer.Option("--method", metavar="M", help="linear, task-arithmetic, ties, dare or slerp.")] = "linear",
+    output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="NAME", help="Ref name for the merged checkpoint.")] = None,
+    base: Annotated[Optional[str], typer.Option("--base", "-b", metavar="REF", help="The checkpoint the inputs were fine-tuned from (task-arithmetic, ties, dare; also the source of --fill-from-base).")] = None,
+    param: Annotated[Optional[list[str]], typer.Option("--param", "-p", metavar="KEY=VALUE", help="A method parameter, e.g. -p density=0.3 (repeatable; see --list-methods).")] = None,
+    weights: Annotated[Optional[str], typer.Option("--weights", "-w", metavar="W1,W2,...", help="Shorthand for -p weights=W1,W2,...: one per REF.")] = None,
+    fill_from_base: Annotated[bool, typer.Option("--fill-from-base", help="Take tensors missing from some input from --base instead of failing.")] = False,
+    message: Annotated[Optional[str], typer.Option("--message", "-m", metavar="MSG", help="Note stored with the checkpoint.")] = None,
+    list_methods: Annotated[bool, typer.Option("--list-methods", help="List the merge methods and their parameters, then exit.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Merge checkpoints tensor by tensor into a new checkpoint NAME (-o).
+
+    Parameters are checked before any work. The math runs in float32 (float64 for
+    float64 tensors) and is cast back; one tensor at a time is held per input. The
+    result dedups and delta-encodes like any push; `ckpt show NAME` prints its
+    lineage: inputs, method and every parameter value.
+    """
+    from ckpt.merge_methods import default_registry, describe
+
+    if list_methods:
+        if as_json:
+            emit_json([{"name": m.name, "summary": m.summary, "min_inputs": m.min_inputs, "max_inputs": m.max_inputs,
+                        "needs_base": m.needs_base,
+                        "params": [{"name": p.name, "type": p.kind, "default": p.default, "range": p.range_text(), "help": p.help}
+                                   for p in m.params]} for m in default_registry()])
+        else:
+            out.print("\n\n".join(describe(m) for m in default_registry()), markup=False)
+        return
+    if not refs:
+        raise typer.BadParameter("give the checkpoints to merge", param_hint="REF...")
+    if output is None:
+        raise typer.BadParameter("name the merged checkpoint", param_hint="--output")
+    params: dict[str, str] = {}
+    for item in param or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--param")
+        params[key.strip()] = value.strip()
+    if weights is not None:
+        params["weights"] = weights
+    from ckpt.merge import merge as run_merge
+
+    store = _open()
+    r = run_merge(store, refs, method, name=output, params=params, base=base, missing="base" if fill_from_base else "error",
+                  message=message, progress=RichProgress())
+    if as_json:
+        emit_json({"id": r.id, "ref": output, "method": r.method, "params": r.params, "inputs": list(r.inputs),
+                   "base": r.base, "merged_tensors": r.merged, "reused_tensors": r.reused, "from_base": list(r.from_base),
+                   "new_chunks": r.new_chunks, "written_bytes": r.written_bytes, "logical_bytes": r.logical_bytes,
+                   "seconds": r.seconds})
+        return
+    out.print(f"{output} -> {r.id[:12]}  {r.method} of {len(r.inputs)} inputs: {r.merged} tensors merged, "
+              f"{r.reused} reused unread" + (f", {len(r.from_base)} from the base" if r.from_base else "")
+              + f"; {human_bytes(r.logical_bytes)}, {human_bytes(r.written_bytes)} written in {r.seconds:.1f} s")
+
+
+def _read_scores(path: Path) -> dict[str, float]:
+    import json
+
+    from ckpt.errors import InvalidMergeError
+
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidMergeError(f"{path}: cannot read scores ({e})") from None
+    if isinstance(obj, list):
+        try:
+            obj = {row["ref"]: row["score"] for row in obj}
+        except (TypeError, KeyError):
+            raise InvalidMergeError(f"{path}: a list of scores needs {{\"ref\": ..., \"score\": ...}} objects") from None
+    if not isinstance(obj, dict):
+        raise InvalidMergeError(f"{path}: expected a JSON object mapping refs to scores")
+    return obj
+
+
+@app.command()
+def remix(
+    scores: Annotated[Path, typer.Option("--scores", metavar="FILE", help='JSON: {"REF": score, ...} (or [{"ref": ..., "score": ...}]), one score per past fine-tune on a sample of the new task.')],
+    output: Annotated[str, typer.Option("--output", "-o", metavar="NAME", help="Ref name for the remixed starting point.")],
+    k: Annotated[int, typer.Option("-k", metavar="K", help="How many of the best to average.")] = 2,
+    weights: Annotated[str, typer.Option("--weights", metavar="MODE", help="equal, or proportional to the scores.")] = "equal",
+    lower_is_better: Annotated[bool, typer.Option("--lower-is-better", help="Scores are losses: keep the lowest.")] = False,
+    message: Annotated[Optional[str], typer.Option("--message", "-m", metavar="MSG", help="Note stored with the checkpoint.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Average the K best-scoring past fine-tunes into a starting point for a new fine-tune (Mashup Learning)."""
+    from ckpt.remix import choose, remix_scores
+
+    table = _read_scores(scores)
+    chosen, _ = choose(table, k, weights=weights, higher_is_better=not lower_is_better)
+    store = _open()
+    cid = remix_scores(store, table, k, weights=weights, higher_is_better=not lower_is_better, name=output,
+                       message=message, progress=RichProgress())
+    if as_json:
+        emit_json({"id": cid, "ref": output, "chosen": chosen, "k": k, "weights": weights})
+        return
+    out.print(f"{output} -> {cid[:12]}  average of {', '.join(chosen)}")
 
 
 def main(argv: list[str] | None = None) -> None:

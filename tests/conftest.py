@@ -120,3 +120,14 @@ def store(tmp_path):
     import ckpt
 
     return ckpt.Store.init(str(tmp_path / "store"))
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models train fastest on one thread; on a busy machine more threads spin (100x slower here)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,0 +1,376 @@
+"""What changed between two checkpoints, tensor by tensor.
+
+Either side is a ref in a store, a local file or directory (anything ``push`` takes),
+or a dict of tensors. Tensors whose chunk ids are equal are identical by construction
+(a chunk id is the hash of its bytes) and are reported so without reading their data;
+the rest are streamed one pair at a time through the lazy reader, so memory stays at
+about two tensors. The statistics are pure functions of the two tensors
+(:func:`tensor_stats`); the stored size of "B as a delta against A" is estimated by
+encoding B's chunks against A's with the store's own codecs (:func:`delta_bytes`).
+
+>>> import torch, ckpt
+>>> store = ckpt.Store.init("memory://diff-doctest")
+>>> w = torch.arange(4, dtype=torch.float32)
+>>> _ = store.push({"w": w, "b": torch.ones(2)}, "m/a")
+>>> _ = store.push({"w": w * 2, "b": torch.ones(2)}, "m/b")
+>>> report = ckpt.diff("m/a", "m/b", store=store)
+>>> [(t.name, t.status, t.changed_elements) for t in report.tensors]
+[('b', 'identical', 0), ('w', 'changed', 3)]
+>>> report.tensors[1].relative_change
+1.0
+>>> report.summary.identical_unread, report.summary.changed
+(1, 1)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ckpt import _callable_module
+from ckpt.diff_sides import Side, open_side
+from ckpt.dtypes import byte_view, itemsize
+from ckpt.manifest import split_lengths
+from ckpt.pipeline import run_parallel
+from ckpt.progress import NullProgress, Progress
+from storage.objects import object_id
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckpt.store import Store
+
+STATUSES = ("identical", "changed", "added", "removed", "shape_changed", "dtype_changed")
+SORT_KEYS = ("order", "name", "status", "relative_change", "max_abs_diff", "changed_elements", "cosine", "delta_bytes")
+# Elements per block of the float64 statistics pass: bounds the scratch memory (2 x 8 MiB)
+# while keeping the number of small torch calls (each a thread-pool round trip) low.
+_BLOCK = 1 << 20
+
+
+# -- statistics: pure functions of two tensors -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorStats:
+    """Statistics of ``b - a`` (same shape). Norms are L2 over all elements, in float64.
+
+    ``relative_change`` is ‖b−a‖/‖a‖ and ``cosine`` is a·b/(‖a‖‖b‖); both are None where
+    undefined (a zero norm) or not finite (a NaN or inf in the data).
+    """
+
+    changed_elements: int
+    relative_change: float | None
+    max_abs_diff: float | None
+    cosine: float | None
+    norm_a: float
+    norm_b: float
+    norm_diff: float
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The elements' bit patterns as integers of the same width (flat)."""
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    flat = t.reshape(-1)
+    return flat.view(ints[flat.element_size()]) if flat.numel() else flat.view(torch.uint8)
+
+
+def _as_real(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    return torch.view_as_real(t).reshape(-1) if t.is_complex() else t.reshape(-1)
+
+
+def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> TensorStats:
+    """Change statistics of ``b`` against ``a`` (same shape; dtypes may differ).
+
+    An element is *changed* when its bit pattern differs (same dtype) or its value
+    differs (different dtypes). Sums run in float64 over blocks of ``block`` elements,
+    so the scratch memory is a few blocks whatever the tensor size.
+
+    >>> import torch
+    >>> s = tensor_stats(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 0.0]))
+    >>> s.changed_elements, s.relative_change, s.max_abs_diff, s.cosine
+    (1, 0.8, 4.0, 0.6)
+    """
+    import torch
+
+    if tuple(a.shape) != tuple(b.shape):
+        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    if a.dtype == b.dtype:
+        changed = int((_bits(a) != _bits(b)).sum())
+    else:
+        changed = int((_as_real(a).double() != _as_real(b).double()).reshape(a.numel(), -1).any(dim=1).sum()) if a.numel() else 0
+    fa, fb = _as_real(a), _as_real(b)
+    ssa, ssb, ssd, mad = [], [], [], 0.0
+    for i in range(0, fa.numel(), block):
+        da = fa[i : i + block].to(torch.float64)
+        db = fb[i : i + block].to(torch.float64)
+        ssa.append(float(torch.dot(da, da)))
+        ssb.append(float(torch.dot(db, db)))
+        db.sub_(da)
+        ssd.append(float(torch.dot(db, db)))
+        mad = max(mad, float(db.abs_().max()))  # max() keeps a NaN found in any block
+    na, nb, nd = math.sqrt(math.fsum(ssa)), math.sqrt(math.fsum(ssb)), math.sqrt(math.fsum(ssd))
+    rel = (nd / na if na else (0.0 if nd == 0 else math.inf))
+    # From |b-a|^2 = |a|^2 + |b|^2 - 2 a.b: 1 - cos = (|b-a|^2 - (|a| - |b|)^2) / (2 |a| |b|),
+    # which keeps the digits of a tiny change that a.b / (|a| |b|) would round away.
+    cos = 1.0 - (nd - abs(na - nb)) * (nd + abs(na - nb)) / (2.0 * na * nb) if na and nb else math.nan
+    if math.isfinite(cos):
+        cos = max(-1.0, min(1.0, cos))
+    return TensorStats(changed, _finite(rel), _finite(mad), _finite(cos), na, nb, nd)
+
+
+def delta_bytes(a: bytes | memoryview | None, b: bytes | memoryview, *, chunk_size: int, elem: int,
+                a_ids: Sequence[str] | None = None, b_ids: Sequence[str] | None = None,
+                known: set[str] | None = None, level: int = 1, min_saving: float = 0.02,
+                workers: int = 1) -> int:
+    """Bytes the store would write for tensor data ``b`` pushed against ``a`` (or alone).
+
+    ``b`` is cut into chunks of ``chunk_size``; a chunk whose id is in ``known`` (chunks
+    the store already has, e.g. all of A's) costs nothing and joins ``known``; the others
+    are encoded exactly as push encodes them (``codecs.encode_chunk``), against the
+    chunk at the same position of ``a`` when ``a`` has the same length.
+    """
+    from ckpt.codecs import encode_chunk
+
+    known = set() if known is None else known
+    bv = memoryview(b).cast("B")
+    av = memoryview(a).cast("B") if a is not None and len(a) == len(b) else None
+    jobs: list[tuple[int, int, str | None]] = []
+    pos = 0
+    for i, n in enumerate(split_lengths(len(bv), chunk_size)):
+        cid = b_ids[i] if b_ids is not None else object_id(bv[pos : pos + n])
+        if cid not in known:
+            known.add(cid)
+            base_id = None
+            if av is not None:
+                base_id = a_ids[i] if a_ids is not None else object_id(av[pos : pos + n])
+            jobs.append((pos, n, base_id))
+        pos += n
+
+    def size(job: tuple[int, int, str | None]) -> int:
+        p, n, base_id = job
+        base = av[p : p + n] if base_id is not None and av is not None else None
+        return len(encode_chunk(bv[p : p + n], elem=elem, level=level, min_saving=min_saving,
+                                base=base, base_id=base_id).blob)
+
+    return sum(run_parallel(size, jobs, workers, NullProgress(), lambda j: j[1]))
+
+
+# -- the report --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    """One tensor's record. Statistics are None where they do not apply (added,
+    removed or reshaped tensors) or are undefined (see :class:`TensorStats`)."""
+
+    name: str
+    status: str  # one of STATUSES
+    dtype_a: str | None
+    dtype_b: str | None
+    shape_a: tuple[int, ...] | None
+    shape_b: tuple[int, ...] | None
+    numel: int
+    changed_elements: int | None
+    relative_change: float | None
+    max_abs_diff: float | None
+    cosine: float | None
+    delta_bytes: int | None  # estimated stored bytes of B's tensor as a delta against A's
+    read: bool  # False: decided from the manifests (chunk ids) alone
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape_a"] = list(self.shape_a) if self.shape_a is not None else None
+        d["shape_b"] = list(self.shape_b) if self.shape_b is not None else None
+        return d
+
+
+@dataclass(frozen=True)
+class DiffSummary:
+    tensors: int
+    identical: int
+    identical_unread: int  # identical by chunk ids: no data read
+    changed: int
+    added: int
+    removed: int
+    shape_changed: int
+    dtype_changed: int
+    elements: int  # elements of the tensors compared element by element
+    changed_elements: int
+    bytes_a: int
+    bytes_b: int
+    relative_change: float | None  # ‖B−A‖/‖A‖ over every tensor compared element by element
+    delta_bytes: int | None  # stored bytes of B pushed as a delta against A (estimate; None: not estimated)
+
+
+@dataclass(frozen=True)
+class DiffReport:
+    """Per-tensor records (A's order, then tensors only B has) and a summary."""
+
+    a: str
+    b: str
+    a_id: str | None
+    b_id: str | None
+    tensors: list[TensorDiff]
+    summary: DiffSummary
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def select(self, sort: str = "order", top: int | None = None) -> list[TensorDiff]:
+        """Records sorted by ``sort`` (one of SORT_KEYS; largest change first, cosine
+        smallest first, None last), the first ``top`` of them."""
+        if sort not in SORT_KEYS:
+            raise ValueError(f"unknown sort key {sort!r}; one of {', '.join(SORT_KEYS)}")
+        rows = list(self.tensors)
+        if sort == "name":
+            rows.sort(key=lambda t: t.name)
+        elif sort == "status":
+            rows.sort(key=lambda t: STATUSES.index(t.status))
+        elif sort != "order":
+            sign = 1.0 if sort == "cosine" else -1.0
+            rows.sort(key=lambda t: (getattr(t, sort) is None, sign * (getattr(t, sort) or 0)))
+        return rows if top is None else rows[: max(0, top)]
+
+    def to_json(self, sort: str = "order", top: int | None = None) -> dict[str, Any]:
+        """``{"a", "b", "tensors": [...], "summary": {...}}``; the summary covers every
+        tensor that passed include/exclude, ``tensors`` only the selected ones."""
+        return {
+            "a": {"ref": self.a, "id": self.a_id},
+            "b": {"ref": self.b, "id": self.b_id},
+            "tensors": [t.to_json() for t in self.select(sort, top)],
+            "summary": asdict(self.summary),
+            "options": self.options,
+        }
+
+
+def _selected(name: str, include: Sequence[str] | None, exclude: Sequence[str] | None) -> bool:
+    if include and not any(fnmatch.fnmatchcase(name, p) for p in include):
+        return False
+    return not (exclude and any(fnmatch.fnmatchcase(name, p) for p in exclude))
+
+
+def diff(a: object, b: object, store: Store | None = None, *, include: Sequence[str] | None = None,
+         exclude: Sequence[str] | None = None, estimate_delta: bool = True,
+         progress: Progress | None = None) -> DiffReport:
+    """Compare checkpoint ``b`` against ``a``, tensor by tensor.
+
+    ``a`` and ``b`` are refs of ``store`` (default: the default store), paths of files
+    or directories ``push`` accepts (an existing path wins over a ref of the same name),
+    or dicts of tensors. ``include``/``exclude`` are globs on tensor names. With
+    ``estimate_delta``, B's changed chunks are encoded against A's with the store's
+    codecs to tell what pushing B after A would store. Raises the errors of
+    :meth:`Store.reader` and :func:`ckpt.sources.open_source` for bad refs or files.
+    """
+    from ckpt.settings import Settings
+
+    side_a, store = open_side(a, store)
+    try:
+        side_b, store = open_side(b, store)
+    except BaseException:
+        side_a.close()
+        raise
+    settings = store.settings if store is not None else Settings.from_env()
+    # Chunk ids are comparable only when both sides are cut the same way: a stored
+    # side dictates the size; a local side is hashed at that size.
+    cs = side_b.chunk_size or side_a.chunk_size or settings.chunk_size
+    try:
+        names = [n for n in side_a.meta if _selected(n, include, exclude)]
+        names += [n for n in side_b.meta if n not in side_a.meta and _selected(n, include, exclude)]
+        progress = progress or NullProgress()
+        progress.start("diff", sum(side_b.meta[n].nbytes for n in names if n in side_b.meta))
+        known = side_a.all_chunk_ids(cs) if estimate_delta else set()
+        rows: list[TensorDiff] = []
+        sums = [0.0, 0.0]  # squared norms of A and of B - A over compared tensors
+        for name in names:
+            row, s = _compare(name, side_a, side_b, cs, known, settings, estimate_delta)
+            if s is not None:
+                sums[0] += s.norm_a**2
+                sums[1] += s.norm_diff**2
+            rows.append(row)
+            progress.advance(side_b.meta[name].nbytes if name in side_b.meta else 0)
+        progress.finish()
+    finally:
+        side_a.close()
+        side_b.close()
+    count = {s: sum(1 for r in rows if r.status == s) for s in STATUSES}
+    compared = [r for r in rows if r.changed_elements is not None]
+    summary = DiffSummary(
+        tensors=len(rows), identical=count["identical"],
+        identical_unread=sum(1 for r in rows if r.status == "identical" and not r.read),
+        changed=count["changed"], added=count["added"], removed=count["removed"],
+        shape_changed=count["shape_changed"], dtype_changed=count["dtype_changed"],
+        elements=sum(r.numel for r in compared), changed_elements=sum(r.changed_elements or 0 for r in compared),
+        bytes_a=sum(side_a.meta[r.name].nbytes for r in rows if r.name in side_a.meta),
+        bytes_b=sum(side_b.meta[r.name].nbytes for r in rows if r.name in side_b.meta),
+        relative_change=_finite(math.sqrt(sums[1]) / math.sqrt(sums[0])) if sums[0] else (0.0 if not sums[1] else None),
+        delta_bytes=sum(r.delta_bytes or 0 for r in rows) if estimate_delta else None,
+    )
+    return DiffReport(side_a.label, side_b.label, side_a.id, side_b.id, rows, summary,
+                      {"include": list(include or []), "exclude": list(exclude or []), "chunk_size": cs})
+
+
+def _compare(name: str, side_a: Side, side_b: Side, cs: int,
+             known: set[str], settings: Any, estimate: bool) -> tuple[TensorDiff, TensorStats | None]:
+    ma, mb = side_a.meta.get(name), side_b.meta.get(name)
+
+    def row(status: str, numel: int, stats: TensorStats | None = None, dbytes: int | None = None, read: bool = True) -> TensorDiff:
+        return TensorDiff(name, status, ma.dtype if ma else None, mb.dtype if mb else None,
+                          ma.shape if ma else None, mb.shape if mb else None, numel,
+                          stats.changed_elements if stats else (0 if status == "identical" else None),
+                          stats.relative_change if stats else (0.0 if status == "identical" else None),
+                          stats.max_abs_diff if stats else (0.0 if status == "identical" else None),
+                          stats.cosine if stats else None,
+                          dbytes if estimate else None, read)
+
+    if mb is None:
+        assert ma is not None
+        return row("removed", math.prod(ma.shape), dbytes=0, read=False), None
+    numel = math.prod(mb.shape)
+    elem = itemsize(mb.dtype) or 1
+    elem = elem if elem in (1, 2, 4, 8) else 1
+    if ma is None:
+        tb = side_b.tensor(name)
+        return row("added", numel, dbytes=_estimate(None, tb, None, side_b.chunk_ids(name, cs), cs, elem, known, settings, estimate)), None
+    if ma.dtype == mb.dtype and ma.shape == mb.shape:
+        ids_a, ids_b = side_a.chunk_ids(name, cs), side_b.chunk_ids(name, cs)
+        if ids_a is not None and ids_a == ids_b:
+            return row("identical", numel, dbytes=0, read=False), None  # equal hashes: equal bytes
+    ta, tb = side_a.tensor(name), side_b.tensor(name)
+    ids_a = side_a.chunk_ids(name, cs) if ma.nbytes == mb.nbytes else None
+    dbytes = _estimate(ta if ma.dtype == mb.dtype and ma.nbytes == mb.nbytes else None, tb, ids_a,
+                       side_b.chunk_ids(name, cs), cs, elem, known, settings, estimate)
+    if ma.shape != mb.shape:
+        return row("shape_changed", numel, dbytes=dbytes), None
+    stats = tensor_stats(ta, tb)
+    if ma.dtype != mb.dtype:
+        return row("dtype_changed", numel, stats, dbytes), stats
+    return row("identical" if stats.changed_elements == 0 else "changed", numel, stats, dbytes), stats
+
+
+def _estimate(ta: torch.Tensor | None, tb: torch.Tensor, ids_a: Sequence[str] | None, ids_b: Sequence[str] | None,
+              cs: int, elem: int, known: set[str], settings: Any, estimate: bool) -> int | None:
+    if not estimate:
+        return None
+    return delta_bytes(byte_view(ta) if ta is not None else None, byte_view(tb), chunk_size=cs, elem=elem,
+                       a_ids=ids_a if ta is not None else None, b_ids=ids_b, known=known,
+                       level=settings.zstd_level, min_saving=settings.min_saving, workers=settings.workers)
+
+
+def plot(report: DiffReport, path: str | os.PathLike[str]) -> str:
+    """Draw the relative change of every tensor to ``path`` (PNG): see :mod:`ckpt.diff_plot`."""
+    from ckpt.diff_plot import plot_report
+
+    return plot_report(report, path)
+
+
+_callable_module(__name__, "diff")  # ckpt.diff(a, b) even after `import ckpt.diff`

@@ -1,0 +1,129 @@
+"""The two things ``ckpt diff`` compares: a stored checkpoint, read through the lazy
+reader, or a local file, directory or dict of tensors, read as ``push`` reads it.
+
+Both answer the same questions: tensor names with dtype, shape and size; the chunk
+ids of a tensor when cut at a given chunk size (a stored checkpoint knows them from
+its manifest, a local tensor is hashed piece by piece); and the tensor itself.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
+
+from ckpt.dtypes import byte_view, to_torch
+from ckpt.manifest import split_lengths
+from storage.objects import object_id
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckpt.reader import CheckpointReader
+    from ckpt.sources import SourceIn, TensorIn
+    from ckpt.store import Store
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+class RefSide:
+    """A stored checkpoint, read through the lazy reader."""
+
+    def __init__(self, reader: CheckpointReader, label: str) -> None:
+        self.reader = reader
+        self.label = label
+        self.id: str | None = reader.id
+        self.chunk_size: int | None = reader.manifest.chunk_size
+        self.meta = {t.name: TensorMeta(t.dtype, t.shape, t.nbytes) for t in reader.manifest.tensors}
+
+    def chunk_ids(self, name: str, chunk_size: int) -> tuple[str, ...] | None:
+        return self.reader.info(name).chunks if chunk_size == self.chunk_size else None
+
+    def all_chunk_ids(self, chunk_size: int) -> set[str]:
+        return {c for t in self.reader.manifest.tensors for c in t.chunks} if chunk_size == self.chunk_size else set()
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.reader.get_tensor(name)
+
+    def close(self) -> None:
+        pass
+
+
+class SourceSide:
+    """A local file, directory or dict of tensors, as ``push`` would read it."""
+
+    def __init__(self, src: SourceIn, label: str) -> None:
+        self.src = src
+        self.label = label
+        self.id: str | None = None
+        self.chunk_size: int | None = None
+        self._by_name: dict[str, TensorIn] = {}
+        for f in src.files:
+            for t in f.tensors:
+                self._by_name.setdefault(t.name, t)
+        self.meta = {t.name: TensorMeta(t.dtype, t.shape, t.nbytes) for t in self._by_name.values()}
+        self._ids: dict[tuple[str, int], tuple[str, ...]] = {}
+
+    def chunk_ids(self, name: str, chunk_size: int) -> tuple[str, ...] | None:
+        key = (name, chunk_size)
+        if key not in self._ids:
+            t = self._by_name[name]
+            assert t.src is not None
+            ids, pos = [], t.offset
+            for n in split_lengths(t.nbytes, chunk_size):  # hashed piece by piece: no copy of the tensor
+                ids.append(object_id(t.src.read(pos, n)))
+                pos += n
+            self._ids[key] = tuple(ids)
+        return self._ids[key]
+
+    def all_chunk_ids(self, chunk_size: int) -> set[str]:
+        return {c for (_, cs), ids in self._ids.items() if cs == chunk_size for c in ids}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        import torch
+
+        t = self._by_name[name]
+        assert t.src is not None
+        out = torch.empty(t.shape, dtype=to_torch(t.dtype))
+        view = byte_view(out)
+        step = 64 << 20
+        for pos in range(0, t.nbytes, step):
+            n = min(step, t.nbytes - pos)
+            view[pos : pos + n] = t.src.read(t.offset + pos, n)
+        return out
+
+    def close(self) -> None:
+        self.src.close()
+
+
+_FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+
+
+def open_side(x: object, store: Store | None) -> tuple[Side, Store | None]:
+    """``x`` as a side: a dict of tensors or an existing path (or one named like a weights
+    file) is read as ``push`` would read it; anything else is a ref of ``store`` (default:
+    the default store, opened only when needed)."""
+    from ckpt.sources import open_source
+
+    if isinstance(x, Mapping):
+        return SourceSide(open_source(x), "<tensors>"), store
+    if isinstance(x, os.PathLike) or (isinstance(x, str) and (os.path.exists(x) or x.endswith(_FILE_SUFFIXES))):
+        return SourceSide(open_source(x), os.fspath(x)), store  # a missing file: "no such file", not "no ref"
+    if not isinstance(x, str):
+        from ckpt.errors import InvalidSourceError
+
+        raise InvalidSourceError(repr(x)[:80], "diff takes refs, paths or dicts of tensors")
+    if store is None:
+        from ckpt.store import Store
+
+        store = Store.open()
+    return RefSide(store.reader(x), x), store
+
+
+Side = Union[RefSide, SourceSide]

@@ -1,0 +1,335 @@
+"""Merge stored checkpoints into a new one, tensor by tensor, through the ordinary push path.
+
+The plan is made from manifests alone, before any tensor is read: parameters are
+validated, every tensor name, dtype and shape is checked across the inputs (and the
+base), and each tensor is either
+
+* **reused**: every input holds the same chunks (and so does the base when the
+  method has one) and the method returns identical inputs unchanged, or the tensor
+  is missing from some input and ``missing="base"`` takes it from the base; its
+  chunks go into the new manifest as they are, unread;
+* **merged**: read from each input through the lazy reader, upcast to the compute
+  dtype (float32; float64 for float64 inputs), combined by the method (see
+  :mod:`ckpt.merge_methods`) and cast back to the input dtype.
+
+Merged tensors are computed lazily, one at a time, when push's workers first ask
+for one of their chunks, and dropped once their last chunk is handed on. Memory
+therefore stays near (inputs + 2) × the largest tensor for linear, task-arithmetic,
+dare (linear combine) and slerp, and (inputs + 3) × for ties and dare's ties combine
+(their masks and sums), plus a few chunks of the push pipeline; never whole models
+(benchmarks/results/merge.md and tests/ckpt/test_merge.py measure it). The result is pushed like any checkpoint: its
+chunks dedup against the store and are delta-encoded against the base (else the
+first input), and its lineage records the inputs' ids, the method and every
+parameter value (``ckpt show`` prints it).
+
+>>> import torch, ckpt
+>>> store = ckpt.Store.init("memory://merge-doctest")
+>>> _ = store.push({"w": torch.tensor([1.0, 2.0])}, "m/a")
+>>> _ = store.push({"w": torch.tensor([3.0, 6.0])}, "m/b")
+>>> r = ckpt.merge(store, ["m/a", "m/b"], "linear", name="m/avg")
+>>> store.load("m/avg")["w"].tolist()
+[2.0, 4.0]
+>>> store.manifest("m/avg").lineage["merge"]["params"]
+{'normalize': True, 'weights': [1.0, 1.0]}
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckpt import _callable_module
+from ckpt.dtypes import byte_view, to_torch
+from ckpt.errors import InvalidMergeError
+from ckpt.manifest import TensorEntry, chunk_count
+from ckpt.merge_methods import MergeMethod, MethodRegistry, default_registry
+from ckpt.progress import Progress
+from storage.records import canonical_json
+from storage.refs import validate_ref_name
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckpt.reader import CheckpointReader
+    from ckpt.store import Store
+
+log = logging.getLogger(__name__)
+
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
+MISSING = ("error", "base")
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """What a merge made: the new checkpoint's id and how each tensor was obtained."""
+
+    id: str
+    name: str | None
+    method: str
+    params: dict[str, Any]
+    inputs: tuple[str, ...]  # checkpoint ids, in input order
+    base: str | None
+    merged: int  # tensors computed
+    reused: int  # tensors whose chunks were taken unread (identical inputs)
+    from_base: tuple[str, ...]  # tensors missing from some input, taken from the base
+    new_chunks: int
+    written_bytes: int
+    logical_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class _Step:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    reuse: tuple[CheckpointReader, TensorEntry] | None  # take these chunks (or bytes) as they are
+
+
+def _plan(method: MergeMethod, params: Mapping[str, Any], readers: list[CheckpointReader],
+          base: CheckpointReader | None, missing: str, labels: list[str], base_label: str | None) -> list[_Step]:
+    """One step per output tensor, from the manifests; every mismatch is reported before any read."""
+    names: list[str] = []
+    seen: set[str] = set()
+    for r in readers + ([base] if base is not None and missing == "base" else []):
+        for n in r.keys():
+            if n not in seen:
+                seen.add(n)
+                names.append(n)
+    problems: list[str] = []
+    any_missing = False
+    steps: list[_Step] = []
+    identity = method.identity(params)
+    compared = readers + ([base] if method.needs_base and base is not None else [])  # must line up
+    one_cut = len({r.manifest.chunk_size for r in compared}) == 1  # chunk ids are comparable
+    for name in names:
+        lacking = [lab for lab, r in zip(labels + [f"{base_label} (base)"], compared) if name not in r]
+        if lacking:
+            if missing == "base" and base is not None and name in base:
+                e = base.info(name)
+                steps.append(_Step(name, e.dtype, e.shape, e.nbytes, (base, e)))
+            else:
+                any_missing = True
+                problems.append(f"{name} is missing from {', '.join(lacking)}")
+            continue
+        entries = [r.info(name) for r in compared]
+        if len({(e.dtype, e.shape) for e in entries}) > 1:
+            problems.append(f"{name} differs in dtype/shape: " + ", ".join(f"{e.dtype}{list(e.shape)}" for e in entries))
+            continue
+        first = entries[0]
+        same = one_cut and len({e.chunks for e in entries}) == 1
+        if same and (identity or first.dtype not in FLOAT_DTYPES):
+            steps.append(_Step(name, first.dtype, first.shape, first.nbytes, (readers[0], first)))
+        elif first.dtype not in FLOAT_DTYPES:
+            problems.append(f"{name} is {first.dtype} and differs between inputs: only floating-point tensors can be merged")
+        else:
+            steps.append(_Step(name, first.dtype, first.shape, first.nbytes, None))
+    if problems:
+        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+        hint = "pass --fill-from-base (missing=\"base\") to take missing tensors from the base" if any_missing else None
+        raise InvalidMergeError("inputs do not line up: " + "; ".join(problems[:8]) + more, hint=hint)
+    return steps
+
+
+class _LazyTensor:
+    """The bytes of one output tensor, computed on the first read of any of its chunks
+    and dropped after the last one is handed out. ``gate`` lets one tensor be computed
+    at a time, which bounds memory whatever the number of push workers."""
+
+    def __init__(self, compute: Callable[[], torch.Tensor], chunks: int, gate: threading.Lock) -> None:
+        self._compute = compute
+        self._left = chunks
+        self._gate = gate
+        self._lock = threading.Lock()
+        self._view: memoryview | None = None
+
+    def read(self, offset: int, length: int) -> memoryview:
+        with self._lock:
+            if self._view is None:
+                assert self._left > 0, "merged tensor read after its last chunk"
+                with self._gate:
+                    self._view = byte_view(self._compute())
+            out = self._view[offset : offset + length]  # keeps the tensor alive until encoded
+            self._left -= 1
+            if self._left == 0:
+                self._view = None
+            return out
+
+
+def _load_trim() -> Callable[[], object] | None:
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _load_trim()
+
+
+def _trim() -> None:
+    """Hand freed memory back to the OS (glibc). Without it, glibc's dynamic mmap threshold
+    keeps freed tensor-sized blocks in per-thread arenas and RSS grows well past what is
+    live (benchmarks/results/merge.md measures both)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _read(readers: list[CheckpointReader], step: _Step) -> list[torch.Tensor]:
+    """Tensor ``step.name`` of every reader, fetched in one parallel pass (verified, as any read)."""
+    import torch
+
+    from ckpt.pipeline import get_chunks
+    from ckpt.pull import _into_tasks
+
+    out, tasks = [], []
+    for r in readers:
+        t = torch.empty(step.shape, dtype=to_torch(step.dtype))
+        tasks += _into_tasks(r.manifest, [(r.info(step.name), t)])
+        out.append(t)
+    store = readers[0].store
+    get_chunks(store.objects, tasks, store.settings)
+    return out
+
+
+def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], readers: list[CheckpointReader],
+                base: CheckpointReader | None) -> Callable[[], torch.Tensor]:
+    def compute() -> torch.Tensor:
+        import torch
+
+        if step.reuse is not None:  # same chunks, but cut at another chunk size: copy the bytes
+            return step.reuse[0].get_tensor(step.name)
+        cd = torch.float64 if step.dtype == "F64" else torch.float32
+        _trim()
+        xs = _read(readers + ([base] if method.needs_base and base is not None else []), step)
+        for i, x in enumerate(xs):
+            xs[i] = x.to(cd)  # one at a time: an upcast copy replaces its source
+        b = xs.pop() if method.needs_base and base is not None else None
+        with torch.no_grad():
+            out = method.combine(xs, b, params, step.name)
+        del xs, b
+        out = out.to(to_torch(step.dtype)).contiguous()
+        _trim()
+        return out
+
+    return compute
+
+
+def merge(store: Store, inputs: Sequence[str], method: str = "linear", *, name: str | None,
+          params: Mapping[str, Any] | None = None, base: str | None = None, missing: str = "error",
+          message: str | None = None, metadata: dict[str, Any] | None = None,
+          registry: MethodRegistry | None = None, progress: Progress | None = None,
+          _remix: dict[str, Any] | None = None) -> MergeResult:
+    """Merge checkpoints ``inputs`` (refs) with ``method`` and store the result as ``name``.
+
+    ``params`` are the method's parameters (see :mod:`ckpt.merge_methods` or ``ckpt merge
+    --list-methods``); strings are parsed as the CLI does. ``base`` is the checkpoint the
+    inputs were fine-tuned from (needed by task-arithmetic, ties and dare); with
+    ``missing="base"``, tensors absent from some input are taken from it. Raises
+    :class:`InvalidMergeError` for an unknown method, a bad parameter, a wrong number of
+    inputs, or tensors that do not line up (names, dtypes, shapes) — all before any
+    tensor data is read — and the errors of :meth:`Store.resolve` for unknown refs.
+    """
+    from ckpt.push import push_source
+    from ckpt.sources import from_tensors
+
+    started = time.perf_counter()
+    registry = registry or default_registry()
+    m = registry.get(method)
+    bound = m.bind(params, len(inputs), base is not None)
+    if missing not in MISSING:
+        raise InvalidMergeError(f"missing must be one of {', '.join(MISSING)}, got {missing!r}")
+    if missing == "base" and base is None:
+        raise InvalidMergeError("taking missing tensors from the base needs a base", hint="pass --base REF")
+    if name is not None:
+        validate_ref_name(name)
+    if metadata is not None:
+        canonical_json(metadata)
+    readers = [store.reader(ref) for ref in inputs]
+    base_reader = store.reader(base) if base is not None else None
+    steps = _plan(m, bound, readers, base_reader, missing, list(inputs), base)
+
+    cs = store.settings.chunk_size
+    specs = {s.name: (s.dtype, s.shape, s.nbytes) for s in steps}
+    st_meta = readers[0].metadata()
+    src = from_tensors({}, "tensors", {}, st_meta, known=specs)
+    gate = threading.Lock()
+    reuse: dict[str, TensorEntry] = {}
+    by_name = {s.name: s for s in steps}
+    for t in src.files[0].tensors:
+        s = by_name[t.name]
+        if s.reuse is not None and s.reuse[0].manifest.chunk_size == cs:
+            reuse[t.name] = s.reuse[1]
+        else:
+            t.src = _LazyTensor(_compute_fn(s, m, bound, readers, base_reader), chunk_count(s.nbytes, cs), gate)
+    merged = sum(1 for s in steps if s.reuse is None)
+    from_base = tuple(s.name for s in steps if s.reuse is not None and s.reuse[0] is base_reader and base_reader is not None
+                      and any(s.name not in r for r in readers))
+    log.info("merge %s of %d inputs: %d tensors to compute, %d reused", method, len(inputs), merged, len(steps) - merged)
+
+    delta_base = base_reader.id if base_reader is not None else readers[0].id
+    parent = None
+    if name is not None:
+        current = store.refs_db.current(name)
+        parent = current.target if current else None
+    record: dict[str, Any] = {
+        "method": m.name, "params": bound, "inputs": [r.id for r in readers], "input_refs": list(inputs),
+        "base": base_reader.id if base_reader is not None else None, "base_ref": base, "missing": missing,
+    }
+    if _remix is not None:
+        record["remix"] = _remix
+    result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
+                         lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse, progress=progress)
+    return MergeResult(result.id, name, m.name, bound, tuple(r.id for r in readers), record["base"], merged,
+                       len(steps) - merged - len(from_base), from_base, result.new_chunks, result.written_bytes,
+                       result.logical_bytes, time.perf_counter() - started)
+
+
+def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str = "linear", *,
+                      params: Mapping[str, Any] | None = None, base: Mapping[str, torch.Tensor] | None = None,
+                      registry: MethodRegistry | None = None) -> dict[str, torch.Tensor]:
+    """The same math on in-memory state dicts (same names, dtypes and shapes everywhere): no store involved.
+
+    >>> import torch
+    >>> merge_state_dicts([{"w": torch.tensor([1.0])}, {"w": torch.tensor([2.0])}])["w"].tolist()
+    [1.5]
+    """
+    import torch
+
+    m = (registry or default_registry()).get(method)
+    bound = m.bind(params, len(inputs), base is not None)
+    out: dict[str, torch.Tensor] = {}
+    for name, first in inputs[0].items():
+        xs = [sd[name] for sd in inputs]
+        if any(x.dtype != first.dtype or x.shape != first.shape for x in xs):
+            raise InvalidMergeError(f"{name} differs in dtype/shape between inputs")
+        if not first.is_floating_point():
+            if any(not torch.equal(x, first) for x in xs):
+                raise InvalidMergeError(f"{name} is {first.dtype} and differs between inputs")
+            out[name] = first.clone()
+            continue
+        b = base[name] if base is not None and m.needs_base else None
+        if m.identity(bound) and all(_same_bits(x, first) for x in xs[1:] + ([b] if b is not None else [])):
+            out[name] = first.clone()  # as the store path does: identical inputs come back unchanged
+            continue
+        cd = torch.float64 if first.dtype == torch.float64 else torch.float32
+        b = b.to(cd, copy=True) if b is not None else None
+        with torch.no_grad():
+            out[name] = m.combine([x.to(cd, copy=True) for x in xs], b, bound, name).to(first.dtype)
+    return out
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    from ckpt.diff import _bits
+
+    return a.dtype == b.dtype and a.shape == b.shape and bool(_bits(a.contiguous()).equal(_bits(b.contiguous())))
+
+
+_callable_module(__name__, "merge")  # ckpt.merge(...) even after `import ckpt.merge`

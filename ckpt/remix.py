@@ -1,0 +1,124 @@
+"""Remixing past fine-tunes ("Mashup Learning"): the starting point of a new fine-tune.
+
+Score every past fine-tune on a small sample of the new task, keep the best ``k``,
+average them (a ``linear`` merge), and start the new fine-tune from the average
+instead of from the base. The score is the caller's: ``score_fn(state_dict) -> float``
+(accuracy, or loss with ``higher_is_better=False``, on a few hundred examples).
+The averaged checkpoint is stored like any merge; its lineage holds the scores and
+the choice.
+
+>>> import torch, ckpt
+>>> store = ckpt.Store.init("memory://remix-doctest")
+>>> for i, v in enumerate([1.0, 5.0, 3.0]):
+...     _ = store.push({"w": torch.full((2,), v)}, f"ft/{i}")
+>>> cid = ckpt.remix(store, ["ft/0", "ft/1", "ft/2"], lambda sd: float(sd["w"][0]), k=2, name="new/start")
+>>> store.load("new/start")["w"].tolist()
+[4.0, 4.0]
+>>> store.manifest("new/start").lineage["merge"]["remix"]["chosen"]
+['ft/1', 'ft/2']
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ckpt import _callable_module
+from ckpt.errors import InvalidMergeError
+from storage.refs import validate_ref_name
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckpt.progress import Progress
+    from ckpt.store import Store
+
+log = logging.getLogger(__name__)
+
+WEIGHTINGS = ("equal", "proportional")
+
+
+def _check(k: int, weights: str, candidates: int) -> None:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise InvalidMergeError(f"k must be a positive integer, got {k!r}")
+    if weights not in WEIGHTINGS:
+        raise InvalidMergeError(f"weights must be one of {', '.join(WEIGHTINGS)}, got {weights!r}")
+    if candidates == 0:
+        raise InvalidMergeError("no candidates to remix")
+
+
+def choose(scores: Mapping[str, float], k: int = 2, *, weights: str = "equal",
+           higher_is_better: bool = True) -> tuple[list[str], list[float]]:
+    """The best ``k`` candidates (ties keep the candidates' order) and their merge weights.
+
+    ``equal`` weighs them alike; ``proportional`` weighs each by its score (by 1/score
+    when lower is better), which needs positive scores.
+
+    >>> choose({"a": 0.5, "b": 0.9, "c": 0.7}, 2)
+    (['b', 'c'], [1.0, 1.0])
+    >>> choose({"a": 2.0, "b": 1.0, "c": 4.0}, 2, weights="proportional", higher_is_better=False)
+    (['b', 'a'], [1.0, 0.5])
+    """
+    _check(k, weights, len(scores))
+    for ref, s in scores.items():
+        if not isinstance(s, (int, float)) or isinstance(s, bool) or not math.isfinite(s):
+            raise InvalidMergeError(f"score of {ref} is {s!r}, not a finite number")
+    order = {ref: i for i, ref in enumerate(scores)}
+    ranked = sorted(scores, key=lambda r: (-scores[r] if higher_is_better else scores[r], order[r]))
+    chosen = ranked[:k]
+    if weights == "equal":
+        return chosen, [1.0] * len(chosen)
+    if any(scores[r] <= 0 for r in chosen):
+        raise InvalidMergeError("proportional weights need positive scores",
+                                hint="use weights='equal', or a score where larger is better and above 0")
+    return chosen, [float(scores[r]) if higher_is_better else 1.0 / scores[r] for r in chosen]
+
+
+def remix_scores(store: Store, scores: Mapping[str, float], k: int = 2, *, weights: str = "equal",
+                 higher_is_better: bool = True, name: str | None = None, message: str | None = None,
+                 progress: Progress | None = None) -> str:
+    """Average the best ``k`` of the scored refs into a new checkpoint ``name``; returns its id."""
+    from ckpt.merge import merge
+
+    if name is not None:
+        validate_ref_name(name)
+    chosen, ws = choose(scores, k, weights=weights, higher_is_better=higher_is_better)
+    if len(chosen) < k:
+        log.warning("remix: %d candidates for k=%d; averaging all of them", len(chosen), k)
+    note = {"k": k, "weights": weights, "higher_is_better": higher_is_better, "chosen": chosen,
+            "scores": {ref: float(s) for ref, s in scores.items()}}
+    return merge(store, chosen, "linear", name=name, params={"weights": ws}, message=message,
+                 progress=progress, _remix=note).id
+
+
+def remix(store: Store, candidates: Sequence[str], score_fn: Callable[[dict[str, torch.Tensor]], float], k: int = 2,
+          weights: str = "equal", higher_is_better: bool = True, *, name: str | None = None,
+          message: str | None = None, progress: Progress | None = None) -> str:
+    """Score each candidate with ``score_fn(state_dict)``, average the best ``k``; returns the new checkpoint id.
+
+    Candidates are loaded one at a time (so memory holds one model plus what
+    ``score_fn`` uses). The average is stored as ``name`` (or only by id when None)
+    with lineage ``merge.method = "linear"`` and ``merge.remix`` holding every score.
+    Raises :class:`InvalidMergeError` for a bad ``k``/``weights`` or a score that is
+    not a finite number, before any merge work.
+    """
+    if name is not None:
+        validate_ref_name(name)
+    _check(k, weights, len(candidates))  # before any (expensive) scoring
+    scores: dict[str, float] = {}
+    for ref in candidates:
+        sd = store.load(ref)
+        raw = score_fn(sd)
+        del sd
+        try:
+            scores[ref] = float(raw)
+        except (TypeError, ValueError):
+            raise InvalidMergeError(f"score_fn returned {raw!r} for {ref}, not a number") from None
+        log.info("remix: %s scores %s", ref, scores[ref])
+    return remix_scores(store, scores, k, weights=weights, higher_is_better=higher_is_better, name=name,
+                        message=message, progress=progress)
+
+
+_callable_module(__name__, "remix")  # ckpt.remix(...) even after `import ckpt.remix`

@@ -1,0 +1,202 @@
+"""ckpt.diff: statistics against hand computations, statuses, unread identical tensors, delta estimate, plot."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+from safetensors.torch import save_file
+
+import ckpt
+from ckpt.diff import STATUSES, tensor_stats
+from ckpt.errors import ObjectNotFoundError
+
+
+def test_stats_against_a_hand_computation():
+    a = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    b = torch.tensor([1.0, 2.5, 3.0, 2.0])
+    s = tensor_stats(a, b)
+    # b - a = [0, 0.5, 0, -2]: |b-a| = sqrt(4.25), |a| = sqrt(30), a.b = 1 + 5 + 9 + 8 = 23, |b| = sqrt(20.25)
+    assert s.changed_elements == 2
+    assert s.relative_change == pytest.approx(math.sqrt(4.25 / 30), rel=1e-15)
+    assert s.max_abs_diff == 2.0
+    assert s.cosine == pytest.approx(23 / math.sqrt(30 * 20.25), rel=1e-15)
+
+
+def test_stats_edge_cases():
+    z = torch.zeros(3)
+    s = tensor_stats(z, z)
+    assert (s.changed_elements, s.relative_change, s.max_abs_diff, s.cosine) == (0, 0.0, 0.0, None)
+    s = tensor_stats(z, torch.ones(3))
+    assert s.relative_change is None and s.cosine is None and s.changed_elements == 3  # undefined: |A| = 0
+    # changed means different bits: -0.0 vs 0.0 counts, NaN vs the same NaN does not
+    assert tensor_stats(torch.tensor([0.0, float("nan")]), torch.tensor([-0.0, float("nan")])).changed_elements == 1
+    assert tensor_stats(torch.tensor([1.0]), torch.tensor([float("nan")])).relative_change is None
+    # different dtypes compare values; empty tensors have nothing to compare
+    s = tensor_stats(torch.tensor([1.0, 1.5]), torch.tensor([1.0, 1.5], dtype=torch.bfloat16))
+    assert s.changed_elements == 0 and s.relative_change == 0.0
+    assert tensor_stats(torch.empty(0, 3), torch.empty(0, 3)).changed_elements == 0
+    assert tensor_stats(torch.arange(5), torch.arange(5) * 2).changed_elements == 4  # integers too
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_property_stats_match_numpy(data):
+    n = data.draw(st.integers(1, 300))
+    elems = st.floats(-1e6, 1e6, width=32)
+    a = data.draw(arrays(np.float32, n, elements=elems))
+    b = data.draw(arrays(np.float32, n, elements=elems))
+    s = tensor_stats(torch.from_numpy(a), torch.from_numpy(b), block=7)  # blocks of 7: the sums run over pieces
+    a64, d64 = a.astype(np.float64), b.astype(np.float64) - a.astype(np.float64)
+    assert s.changed_elements == int((a.view(np.int32) != b.view(np.int32)).sum())
+    assert s.max_abs_diff == float(np.abs(d64).max())
+    na, nd = np.linalg.norm(a64), np.linalg.norm(d64)
+    if na > 0:
+        assert s.relative_change == pytest.approx(nd / na, rel=1e-9, abs=1e-300)
+    same = tensor_stats(torch.from_numpy(a), torch.from_numpy(a.copy()))
+    assert same.changed_elements == 0 and same.relative_change == 0.0
+    if na > 0:
+        assert same.cosine == pytest.approx(1.0, abs=1e-12)
+
+
+def two_checkpoints():
+    g = torch.Generator().manual_seed(0)
+    a = {
+        "emb.weight": torch.randn(300, 64, generator=g),
+        "layers.0.w": torch.randn(64, 64, generator=g),
+        "layers.1.w": torch.randn(64, 64, generator=g),
+        "layers.1.b": torch.randn(64, generator=g),
+        "gone": torch.randn(8, generator=g),
+        "reshaped": torch.randn(4, 4, generator=g),
+        "retyped": torch.randn(16, generator=g),
+    }
+    b = dict(a)
+    b["layers.1.w"] = a["layers.1.w"].clone()
+    b["layers.1.w"][0, :10] += 1.0
+    del b["gone"]
+    b["new"] = torch.randn(5, generator=g)
+    b["reshaped"] = a["reshaped"].reshape(16)
+    b["retyped"] = a["retyped"].to(torch.bfloat16)
+    return a, b
+
+
+def test_statuses_and_json_schema(store):
+    a, b = two_checkpoints()
+    store.push(a, "x/a")
+    store.push(b, "x/b")
+    report = ckpt.diff("x/a", "x/b", store=store)
+    status = {t.name: t.status for t in report.tensors}
+    assert status == {"emb.weight": "identical", "layers.0.w": "identical", "layers.1.w": "changed", "layers.1.b": "identical",
+                      "gone": "removed", "reshaped": "shape_changed", "retyped": "dtype_changed", "new": "added"}
+    changed = next(t for t in report.tensors if t.name == "layers.1.w")
+    ref = tensor_stats(a["layers.1.w"], b["layers.1.w"])
+    assert (changed.changed_elements, changed.relative_change, changed.max_abs_diff, changed.cosine) == (
+        10, ref.relative_change, ref.max_abs_diff, ref.cosine)
+    s = report.summary
+    assert (s.tensors, s.identical, s.identical_unread, s.changed, s.added, s.removed, s.shape_changed, s.dtype_changed) == (
+        8, 3, 3, 1, 1, 1, 1, 1)
+    doc = report.to_json()
+    assert set(doc) >= {"tensors", "summary"}
+    for rec in doc["tensors"]:
+        assert {"name", "status", "changed_elements", "relative_change", "max_abs_diff", "cosine"} <= set(rec)
+        assert rec["status"] in STATUSES
+    import json
+
+    json.dumps(doc, allow_nan=False)  # plain JSON: no NaN or Infinity
+
+
+def test_include_exclude_sort_top(store):
+    a, b = two_checkpoints()
+    store.push(a, "x/a")
+    store.push(b, "x/b")
+    r = ckpt.diff("x/a", "x/b", store=store, include=["layers.*"], exclude=["*.b"])
+    assert [t.name for t in r.tensors] == ["layers.0.w", "layers.1.w"] and r.summary.tensors == 2
+    full = ckpt.diff("x/a", "x/b", store=store)
+    assert full.select("relative_change", top=1)[0].name == "layers.1.w"
+    assert [t.name for t in full.select("name", top=3)] == ["emb.weight", "gone", "layers.0.w"]
+    least = min((t for t in full.tensors if t.cosine is not None), key=lambda t: t.cosine)
+    assert full.select("cosine")[0] == least and full.select("cosine")[-1].cosine is None  # None sorts last
+    with pytest.raises(ValueError, match="unknown sort key"):
+        full.select("size")
+
+
+def test_identical_tensors_are_not_read(tmp_path):
+    """Delete the chunks of the identical tensors from a copy of the store: the diff still works."""
+    a, b = two_checkpoints()
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    store.push(a, "x/a")
+    store.push(b, "x/b")
+    m = store.manifest("x/b")
+    identical = {"emb.weight", "layers.0.w", "layers.1.b"}
+    doomed = {c for t in m.tensors if t.name in identical for c in t.chunks}
+    others = {c for mm in (m, store.manifest("x/a")) for t in mm.tensors if t.name not in identical for c in t.chunks}
+    assert doomed and not doomed & others  # only the identical tensors' chunks go
+    shutil.copytree(tmp_path / "store", tmp_path / "copy")
+    for c in doomed:
+        (tmp_path / "copy" / "objects" / "chunks" / c[:2] / c).unlink()
+    copy = ckpt.Store.open(str(tmp_path / "copy"))
+    with pytest.raises(ObjectNotFoundError):
+        copy.reader("x/b").get_tensor("emb.weight")  # the data really is gone
+    report = ckpt.diff("x/a", "x/b", store=copy)
+    assert report.summary.identical_unread == 3
+    assert {t.name for t in report.tensors if t.status == "identical" and not t.read} == identical
+    # a local file against a ref: its tensors are hashed, the ref's identical chunks never fetched
+    save_file(b, str(tmp_path / "b.safetensors"))
+    report = ckpt.diff("x/a", str(tmp_path / "b.safetensors"), store=copy)
+    assert report.summary.identical_unread == 3 and report.summary.changed == 1
+
+
+def test_delta_estimate_is_what_a_push_writes(store):
+    g = torch.Generator().manual_seed(3)
+    a = {f"w{i}": torch.randn(512, 512, generator=g) for i in range(3)}
+    b = {k: v + 1e-4 * torch.randn(v.shape, generator=g) if k != "w0" else v for k, v in a.items()}
+    b["extra"] = torch.randn(1000, generator=g)
+    store.push(a, "x/a")
+    estimate = ckpt.diff("x/a", b, store=store).summary.delta_bytes
+    pushed = store.push_report(b, "x/b", base="x/a")
+    # the push also wrote the new safetensors header (one small chunk): the rest is tensor data
+    head = store.manifest("x/b").files[0].chunks[0]
+    head_blob = store.objects.backend.size(store.objects.path("chunks", head))
+    assert estimate is not None and 0 < estimate < pushed.logical_bytes / 2
+    assert estimate + head_blob == pushed.written_bytes
+    assert ckpt.diff("x/a", b, store=store, estimate_delta=False).summary.delta_bytes is None
+
+
+def test_two_local_files_need_no_store(tmp_path):
+    a, b = two_checkpoints()
+    save_file(a, str(tmp_path / "a.safetensors"))
+    save_file(b, str(tmp_path / "b.safetensors"))
+    r = ckpt.diff(str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"))
+    assert r.summary.changed == 1 and r.summary.identical_unread == 3 and r.a_id is None
+
+
+def test_plot(store, tmp_path):
+    pytest.importorskip("matplotlib")
+    a, b = two_checkpoints()
+    store.push(a, "x/a")
+    store.push(b, "x/b")
+    from ckpt.diff import plot
+
+    out = plot(ckpt.diff("x/a", "x/b", store=store), tmp_path / "d.png")
+    data = open(out, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_without_matplotlib(store, tmp_path, monkeypatch):
+    import sys
+
+    from ckpt.errors import MissingDependencyError
+
+    store.push({"w": torch.ones(3)}, "x/a")
+    report = ckpt.diff("x/a", "x/a", store=store)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    from ckpt.diff import plot
+
+    with pytest.raises(MissingDependencyError, match=r"pip install 'ckpt\[plot\]'"):
+        plot(report, tmp_path / "d.png")

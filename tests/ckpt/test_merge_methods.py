@@ -1,0 +1,293 @@
+"""The merge math against hand computations and worked examples, and the method registry."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from ckpt.errors import InvalidMergeError
+from ckpt.merge import merge_state_dicts
+from ckpt.merge_methods import (
+    BUILTIN_METHODS,
+    LINEAR,
+    MergeMethod,
+    MethodRegistry,
+    Param,
+    dare_mask,
+    dare_seed,
+    default_registry,
+    describe,
+    trim_,
+)
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def run(method: str, xs, base=None, **params):
+    """One tensor named "w" merged with ``method`` (inputs are not modified)."""
+    sds = [{"w": torch.as_tensor(x)} for x in xs]
+    b = {"w": torch.as_tensor(base)} if base is not None else None
+    return merge_state_dicts(sds, method, params=params, base=b)["w"]
+
+
+RNG = np.random.default_rng(1234)
+X = [RNG.standard_normal(1000).astype(np.float32) for _ in range(3)]
+B = RNG.standard_normal(1000).astype(np.float32)
+
+
+# -- linear and task arithmetic: bit-exact against numpy, in the documented order -------------
+
+
+def test_linear_is_bit_exact_against_a_hand_computation():
+    w = [1.0, 2.0, 0.5]
+    total = math.fsum(w)
+    w32 = [np.float32(x / total) for x in w]  # normalised in float64, then rounded to float32
+    expected = (X[0] * w32[0] + X[1] * w32[1]) + X[2] * w32[2]
+    got = run("linear", X, weights=w)
+    assert got.dtype == torch.float32
+    assert got.numpy().tobytes() == expected.tobytes()
+
+
+def test_linear_unnormalised_and_float64():
+    x64 = [x.astype(np.float64) for x in X[:2]]
+    got = run("linear", x64, weights="0.25,0.5", normalize="false")
+    assert got.dtype == torch.float64  # float64 inputs are merged in float64
+    assert got.numpy().tobytes() == (x64[0] * 0.25 + x64[1] * 0.5).tobytes()
+
+
+def test_linear_bf16_computes_in_float32_and_casts_back():
+    xs = [torch.from_numpy(x).to(torch.bfloat16) for x in X[:2]]
+    got = run("linear", xs)
+    assert got.dtype == torch.bfloat16
+    f = [x.float().numpy() for x in xs]
+    expected = torch.from_numpy(f[0] * np.float32(0.5) + f[1] * np.float32(0.5)).to(torch.bfloat16)
+    assert bits(got) == bits(expected)
+
+
+def test_task_arithmetic_is_bit_exact_against_a_hand_computation():
+    lam = [0.5, 1.25, -0.75]
+    d = [(x - B) * np.float32(w) for x, w in zip(X, lam)]
+    expected = ((d[0] + d[1]) + d[2]) + B
+    got = run("task-arithmetic", X, base=B, weights=lam)
+    assert got.numpy().tobytes() == expected.tobytes()
+
+
+def test_inputs_are_left_untouched_by_merge_state_dicts():
+    xs = [torch.from_numpy(x.copy()) for x in X]
+    before = [bits(x) for x in xs]
+    merge_state_dicts([{"w": x} for x in xs], "ties", base={"w": torch.from_numpy(B.copy())})
+    assert [bits(x) for x in xs] == before
+
+
+# -- TIES: worked example -----------------------------------------------------------------------
+
+BASE5 = np.array([10.0, 20.0, 30.0, 40.0, 50.0], dtype=np.float32)
+TAUS5 = np.array([
+    [1.0, -2.0, 0.5, 0.0, 3.0],
+    [-1.5, -1.0, 0.25, 2.0, -0.5],
+    [0.5, 3.0, -0.125, 1.0, 2.0],
+], dtype=np.float32)
+
+
+def test_ties_worked_example():
+    # density 0.6 of 5 elements: k = 3 largest magnitudes kept per task vector:
+    #   t1 -> [ 1, -2, 0, 0, 3]   t2 -> [-1.5, -1, 0, 2, 0]   t3 -> [0, 3, 0, 1, 2]
+    # sum [-0.5, 0, 0, 3, 5] elects signs [-, none, none, +, +]; the mean of the agreeing entries:
+    #   [-1.5 (t2 only), 0 (no sign), 0, (2 + 1) / 2, (3 + 2) / 2] = [-1.5, 0, 0, 1.5, 2.5]
+    got = run("ties", BASE5 + TAUS5, base=BASE5, density=0.6)
+    assert got.tolist() == [8.5, 20.0, 30.0, 41.5, 52.5]
+    # lambda scales the merged task vector; normalize=false sums instead of averaging
+    assert run("ties", BASE5 + TAUS5, base=BASE5, density=0.6, **{"lambda": 2.0}).tolist() == [7.0, 20.0, 30.0, 43.0, 55.0]
+    assert run("ties", BASE5 + TAUS5, base=BASE5, density=0.6, normalize=False).tolist() == [8.5, 20.0, 30.0, 43.0, 55.0]
+
+
+def test_ties_weighted_mean():
+    # weights 1, 3, 1 with density 1: weighted sum elects signs, the mean is weighted too
+    got = run("ties", BASE5 + TAUS5, base=BASE5, density=1.0, weights=[1, 3, 1])
+    w = np.array([1.0, 3.0, 1.0], dtype=np.float32)[:, None]
+    d = TAUS5 * w
+    sign = np.sign(d.sum(0))
+    agree = np.sign(d) == sign
+    agree &= d != 0
+    expected = BASE5 + np.where(agree.any(0), (d * agree).sum(0) / np.maximum((w * agree).sum(0), 1), 0)
+    np.testing.assert_array_equal(got.numpy(), expected.astype(np.float32))
+
+
+def test_trim_keeps_the_largest_and_every_tie_at_the_threshold():
+    d = torch.tensor([0.1, -3.0, 2.0, -0.5, 2.0])
+    assert trim_(d.clone(), 0.4).tolist() == [0.0, -3.0, 2.0, 0.0, 2.0]  # k = 2; both 2.0s tie at the threshold
+    assert trim_(d.clone(), 0.2).tolist() == [0.0, -3.0, 0.0, 0.0, 0.0]
+    assert trim_(d.clone(), 1.0).tolist() == d.tolist()
+
+
+# -- DARE: worked example with the documented masks --------------------------------------------
+
+
+def test_dare_masks_are_pinned():
+    """The mask recipe (seed -> generator -> rand < density) is part of the result: pin it."""
+    assert dare_seed(0, "w", 0) == dare_seed(0, "w", 0) != dare_seed(0, "w", 1) != dare_seed(1, "w", 1)
+    m0 = dare_mask((8,), 0.5, dare_seed(7, "w", 0)).tolist()
+    m1 = dare_mask((8,), 0.5, dare_seed(7, "w", 1)).tolist()
+    assert m0 == MASK0 and m1 == MASK1
+
+
+MASK0 = [True, True, False, False, True, False, True, True]
+MASK1 = [True, True, True, True, False, True, True, True]
+
+
+def test_dare_worked_example():
+    base = np.arange(8, dtype=np.float32)
+    t0 = np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.float32) * 0.25
+    t1 = np.array([-1, 1, -1, 1, -1, 1, -1, 1], dtype=np.float32) * 0.5
+    # density 0.5: kept entries are doubled, dropped ones are 0; linear combine sums them.
+    kept0 = np.where(MASK0, t0 * 2, 0)
+    kept1 = np.where(MASK1, t1 * 2, 0)
+    got = run("dare", [base + t0, base + t1], base=base, density=0.5, seed=7)
+    np.testing.assert_array_equal(got.numpy(), base + (kept0 + kept1))
+    # ties combine: the sign election and mean run on the rescaled entries
+    got = run("dare", [base + t0, base + t1], base=base, density=0.5, seed=7, combine="ties")
+    both = np.stack([kept0, kept1])
+    sign = np.sign(both.sum(0))
+    agree = (np.sign(both) == sign) & (both != 0)
+    mean = np.where(agree.any(0), (both * agree).sum(0) / np.maximum(agree.sum(0), 1), 0)
+    np.testing.assert_array_equal(got.numpy(), base + mean.astype(np.float32))
+
+
+def test_dare_is_deterministic_per_seed_and_unbiased():
+    base = np.zeros(4000, dtype=np.float32)
+    tau = RNG.standard_normal(4000).astype(np.float32)
+    a = run("dare", [tau], base=base, density=0.3, seed=1)
+    assert bits(a) == bits(run("dare", [tau], base=base, density=0.3, seed=1))
+    assert bits(a) != bits(run("dare", [tau], base=base, density=0.3, seed=2))
+    kept = (a != 0).float().mean().item()
+    assert 0.27 < kept < 0.33
+    # E[mask / density * tau] = tau: over 200 seeds each element's ratio to tau averages
+    # to 1 (per-element std 1/sqrt(200) = 0.07; over 4000 elements the mean is within ~0.001)
+    mean = torch.stack([run("dare", [tau], base=base, density=0.5, seed=s) for s in range(200)]).mean(0)
+    ratio = mean / torch.from_numpy(tau)
+    assert abs(ratio.mean().item() - 1.0) < 0.01
+    assert 0.05 < ratio.std().item() < 0.09
+
+
+# -- SLERP ---------------------------------------------------------------------------------------
+
+
+def test_slerp():
+    a, b = np.array([1.0, 0.0], dtype=np.float32), np.array([0.0, 1.0], dtype=np.float32)
+    mid = run("slerp", [a, b])
+    assert torch.allclose(mid, torch.tensor([math.sqrt(0.5)] * 2))  # on the arc: norm 1, not 0.707
+    assert bits(run("slerp", [X[0], X[1]], t=0.0)) == bits(torch.from_numpy(X[0]))
+    assert bits(run("slerp", [X[0], X[1]], t=1)) == bits(torch.from_numpy(X[1]))
+    # parallel inputs: plain linear interpolation
+    assert run("slerp", [a, a * 3], t=0.25).tolist() == [1.5, 0.0]
+
+
+# -- properties ----------------------------------------------------------------------------------
+
+floats = arrays(np.float32, st.integers(1, 64), elements=st.floats(-1e3, 1e3, width=32, allow_subnormal=False))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_property_linear_is_a_convex_combination(data):
+    n = data.draw(st.integers(1, 4))
+    first = data.draw(floats)
+    xs = [first] + [data.draw(arrays(np.float32, first.shape, elements=st.floats(-1e3, 1e3, width=32))) for _ in range(n - 1)]
+    ws = data.draw(st.lists(st.floats(0.01, 10), min_size=n, max_size=n))
+    got = run("linear", xs, weights=ws).numpy()
+    lo, hi = np.min(xs, axis=0), np.max(xs, axis=0)
+    slack = 1e-5 * np.maximum(np.abs(lo), np.abs(hi)) + 1e-30
+    assert np.all(got >= lo - slack) and np.all(got <= hi + slack)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_property_single_input_ties_and_dare_at_full_density_are_task_arithmetic(data):
+    x = data.draw(floats)
+    b = data.draw(arrays(np.float32, x.shape, elements=st.floats(-1e3, 1e3, width=32, allow_subnormal=False)))
+    ta = bits(run("task-arithmetic", [x], base=b))
+    assert bits(run("ties", [x], base=b, density=1.0)) == ta
+    assert bits(run("dare", [x], base=b, density=1.0)) == ta
+
+
+@settings(max_examples=60, deadline=None)
+@given(floats, st.integers(2, 4))
+def test_property_merging_a_tensor_with_itself(x, n):
+    # power-of-two shares are exact: x/2 + x/2 and x/4 * 4 give x back bit for bit
+    if n in (2, 4):
+        assert bits(run("linear", [x] * n)) == bits(torch.from_numpy(x))
+    else:
+        np.testing.assert_allclose(run("linear", [x] * n).numpy(), x, rtol=1e-6)
+    for method in ("task-arithmetic", "ties", "dare"):
+        assert torch.equal(run(method, [x] * n, base=x), torch.from_numpy(x))
+    assert torch.equal(run("slerp", [x, x]), torch.from_numpy(x))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.floats(allow_nan=True, allow_infinity=True))
+def test_property_density_range_is_enforced(v):
+    ties = default_registry().get("ties")
+    if 0 < v <= 1:
+        assert ties.bind({"density": v}, 2, True)["density"] == v
+    else:
+        with pytest.raises(InvalidMergeError, match="density"):
+            ties.bind({"density": v}, 2, True)
+
+
+# -- registry and parameters --------------------------------------------------------------------
+
+
+def test_registry_refuses_duplicates_and_builds_fresh():
+    reg = default_registry()
+    assert reg.names() == [m.name for m in BUILTIN_METHODS]
+    with pytest.raises(InvalidMergeError, match="already registered"):
+        reg.register(LINEAR)
+    custom = MergeMethod("max", "elementwise max", (), lambda xs, b, p, n: torch.stack(xs).amax(0), identity=lambda p: True)
+    reg.register(custom)
+    assert "max" in reg and "max" not in default_registry()  # no global state
+    assert run_with(reg, "max") == [3.0, 5.0]
+    with pytest.raises(InvalidMergeError, match="unknown merge method 'nope'; known: linear"):
+        reg.get("nope")
+
+
+def run_with(reg: MethodRegistry, name: str) -> list[float]:
+    sds = [{"w": torch.tensor([1.0, 5.0])}, {"w": torch.tensor([3.0, 2.0])}]
+    return merge_state_dicts(sds, name, registry=reg)["w"].tolist()
+
+
+@pytest.mark.parametrize("method, params, n, base, match", [
+    ("linear", {"wieghts": "1,2"}, 2, False, "no parameter wieghts; it takes normalize, weights"),
+    ("linear", {"weights": "1,2,3"}, 2, False, "3 values for 2 inputs"),
+    ("linear", {"weights": "1,x"}, 2, False, "must be a number"),
+    ("linear", {"weights": [1, -1]}, 2, False, "sum to 0"),
+    ("linear", {"normalize": "maybe"}, 2, False, "true or false"),
+    ("ties", {"density": "0"}, 2, True, r"density must be in \(0, 1\], got 0"),
+    ("ties", {"density": 0.2}, 2, False, "needs a base"),
+    ("ties", {"weights": "1,0"}, 2, True, "must be in"),
+    ("dare", {"combine": "mean"}, 2, True, "one of linear, ties"),
+    ("dare", {"seed": 1.5}, 2, True, "an integer"),
+    ("dare", {"combine": "ties", "weights": "1,-1"}, 2, True, "weights > 0"),
+    ("slerp", {}, 3, False, "takes 2 inputs, got 3"),
+    ("slerp", {"t": "1.5"}, 2, False, r"t must be in \[0, 1\]"),
+    ("task-arithmetic", {"weights": "nan,1"}, 2, True, "finite"),
+])
+def test_bad_parameters_are_rejected(method, params, n, base, match):
+    with pytest.raises(InvalidMergeError, match=match):
+        default_registry().get(method).bind(params, n, base)
+
+
+def test_parameters_parse_cli_strings_and_fill_defaults():
+    dare = default_registry().get("dare")
+    p = dare.bind({"density": "0.3", "seed": "4", "combine": "ties", "weights": "1, 0.5"}, 2, True)
+    assert p == {"density": 0.3, "combine": "ties", "weights": [1.0, 0.5], "lambda": 1.0, "seed": 4}
+    text = describe(dare)
+    assert "density (float, (0, 1]; default 0.5)" in text and "seed (int, [0, inf); default 0)" in text
+    assert Param("x", "floats", None, "").default_text() == "1.0 each"

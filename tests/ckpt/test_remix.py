@@ -1,0 +1,91 @@
+"""ckpt.remix: choosing the best past fine-tunes and averaging them; the README's example runs."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.errors import InvalidMergeError
+from ckpt.remix import choose, remix_scores
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_choose():
+    assert choose({"a": 0.1, "b": 0.9, "c": 0.5, "d": 0.9}, 2) == (["b", "d"], [1.0, 1.0])  # ties: candidate order
+    assert choose({"a": 0.1, "b": 0.9}, 5) == (["b", "a"], [1.0, 1.0])  # fewer candidates than k: all of them
+    assert choose({"a": 3.0, "b": 1.0, "c": 2.0}, 2, higher_is_better=False) == (["b", "c"], [1.0, 1.0])
+    assert choose({"a": 0.2, "b": 0.6}, 2, weights="proportional") == (["b", "a"], [0.6, 0.2])
+    for bad, match in (({"a": float("nan")}, "finite"), ({"a": "high"}, "finite"), ({}, "no candidates")):
+        with pytest.raises(InvalidMergeError, match=match):
+            choose(bad, 1)
+    with pytest.raises(InvalidMergeError, match="positive"):
+        choose({"a": -1.0, "b": 2.0}, 2, weights="proportional")
+    with pytest.raises(InvalidMergeError, match="k must be"):
+        choose({"a": 1.0}, 0)
+    with pytest.raises(InvalidMergeError, match="weights must be one of"):
+        choose({"a": 1.0}, 1, weights="softmax")
+
+
+@pytest.fixture
+def past(store):
+    values = {"ft/a": 1.0, "ft/b": 4.0, "ft/c": 2.0, "ft/d": 8.0}
+    for ref, v in values.items():
+        store.push({"w": torch.full((3,), v), "step": torch.tensor(7)}, ref)
+    return values
+
+
+def test_remix_scores_each_candidate_and_averages_the_best(store, past):
+    seen = []
+
+    def score(sd):
+        seen.append(sorted(sd))
+        return -abs(float(sd["w"][0]) - 3.0)  # closest to 3 is best: b (4) and c (2)
+
+    cid = ckpt.remix(store, list(past), score, k=2, name="new/start")
+    assert seen == [["step", "w"]] * 4
+    assert store.resolve("new/start") == cid
+    assert store.load("new/start")["w"].tolist() == [3.0, 3.0, 3.0]
+    rec = store.manifest(cid).lineage["merge"]
+    assert rec["method"] == "linear" and rec["input_refs"] == ["ft/b", "ft/c"]
+    assert rec["remix"] == {"k": 2, "weights": "equal", "higher_is_better": True, "chosen": ["ft/b", "ft/c"],
+                            "scores": {"ft/a": -2.0, "ft/b": -1.0, "ft/c": -1.0, "ft/d": -5.0}}
+
+
+def test_remix_lower_is_better_and_proportional(store, past):
+    # losses: a (1.0) and c (2.0) are best; weights 1/1 and 1/2 -> (1 * 1 + 0.5 * 2) / 1.5
+    cid = remix_scores(store, {"ft/a": 1.0, "ft/b": 4.0, "ft/c": 2.0}, 2, weights="proportional",
+                       higher_is_better=False, name="new/p")
+    assert store.load(cid)["w"].tolist() == pytest.approx([4 / 3] * 3)
+    assert store.manifest(cid).lineage["merge"]["params"]["weights"] == [1.0, 0.5]
+
+
+def test_remix_checks_before_scoring(store, past):
+    calls = []
+    with pytest.raises(InvalidMergeError, match="k must be"):
+        ckpt.remix(store, list(past), lambda sd: calls.append(1) or 0.0, k=0)
+    with pytest.raises(InvalidMergeError, match="weights must be"):
+        ckpt.remix(store, list(past), lambda sd: calls.append(1) or 0.0, weights="best")
+    assert calls == []
+    with pytest.raises(InvalidMergeError, match="not a number"):
+        ckpt.remix(store, list(past), lambda sd: "good")
+
+
+def readme_remix_example() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Remixing past fine-tunes"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_remix_example_runs(tmp_path, monkeypatch, capsys, one_thread):
+    monkeypatch.chdir(tmp_path)
+    exec(compile(readme_remix_example(), "README.md", "exec"), {"__name__": "readme"})
+    chosen = ast.literal_eval(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(chosen) == 2 and "tiny/ft-2" in chosen  # the new task is old task 2: its fine-tune wins
+    store = ckpt.Store.open(str(tmp_path / "remix-store"))
+    assert store.manifest("tiny/new-start").lineage["merge"]["remix"]["chosen"] == chosen

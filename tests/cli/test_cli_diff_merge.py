@@ -1,0 +1,111 @@
+"""`ckpt diff`, `ckpt merge` and `ckpt remix` in-process (typer's CliRunner) and their error contract (main())."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_cli_runner import invoke, run_main  # the same in-process helpers (tests/cli is on sys.path)
+
+from ckpt.merge import merge_state_dicts
+
+
+@pytest.fixture
+def fam(tmp_path, monkeypatch):
+    """A base and two fine-tunes in a store, and the fine-tunes as files."""
+    monkeypatch.setenv("CKPT_STORE", str(tmp_path / "store"))
+    g = torch.Generator().manual_seed(0)
+    base = {f"layers.{i}.{p}": torch.randn(32, 32, generator=g) for i in range(3) for p in ("w", "v")}
+    base["emb"] = torch.randn(100, 32, generator=g)
+    fts = []
+    for j in range(2):
+        ft = {k: v + 0.01 * torch.randn(v.shape, generator=g) if k.startswith("layers.2") or k == f"layers.{j}.w" else v
+              for k, v in base.items()}
+        save_file(ft, tmp_path / f"ft{j}.safetensors", metadata={"format": "pt"})
+        fts.append(ft)
+    save_file(base, tmp_path / "base.safetensors", metadata={"format": "pt"})
+    invoke("push", str(tmp_path / "base.safetensors"), "m/base")
+    for j in range(2):
+        invoke("push", str(tmp_path / f"ft{j}.safetensors"), f"m/ft{j}")
+    return tmp_path, base, fts
+
+
+def test_diff_json_table_and_plot(fam):
+    tmp, base, fts = fam
+    doc = json.loads(invoke("diff", "m/base", "m/ft0", "--json"))
+    by_name = {t["name"]: t for t in doc["tensors"]}
+    assert {n for n, t in by_name.items() if t["status"] == "changed"} == {"layers.0.w", "layers.2.w", "layers.2.v"}
+    assert by_name["emb"]["status"] == "identical" and by_name["emb"]["read"] is False
+    assert doc["summary"]["changed"] == 3 and doc["summary"]["identical_unread"] == 4
+    assert doc["summary"]["delta_bytes"] > 0
+    top = json.loads(invoke("diff", "m/base", "m/ft0", "--json", "--sort", "relative_change", "--top", "2"))
+    assert len(top["tensors"]) == 2 and top["summary"]["tensors"] == 7
+    assert top["tensors"][0]["relative_change"] >= top["tensors"][1]["relative_change"]
+    # a ref against a local file, filtered
+    doc = json.loads(invoke("diff", "m/base", str(tmp / "ft1.safetensors"), "--json", "-i", "layers.*", "-x", "*.v"))
+    assert [t["name"] for t in doc["tensors"]] == ["layers.0.w", "layers.1.w", "layers.2.w"]
+    text = invoke("diff", "m/base", "m/ft0")
+    assert "changed" in text and "B as a delta against A stores about" in text
+    pytest.importorskip("matplotlib")
+    assert "plot written" in invoke("diff", "m/base", "m/ft0", "--plot", str(tmp / "d.png"))
+    assert (tmp / "d.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_merge_show_and_pull(fam):
+    tmp, base, fts = fam
+    r = json.loads(invoke("merge", "m/ft0", "m/ft1", "--method", "ties", "-b", "m/base", "-p", "density=0.5",
+                          "-w", "1,2", "-o", "m/ties", "--json"))
+    assert r["method"] == "ties" and r["params"]["density"] == 0.5 and r["params"]["weights"] == [1.0, 2.0]
+    assert r["reused_tensors"] == 3 and r["merged_tensors"] == 4  # emb, layers.1.v, layers.0.v were never touched
+    shown = invoke("show", "m/ties")
+    assert "merged     ties (density=0.5, lambda=1.0, normalize=True, weights=[1.0, 2.0])" in shown
+    assert "(m/ft0)" in shown and "(m/base)" in shown
+    assert json.loads(invoke("show", "m/ties", "--json"))["lineage"]["merge"]["input_refs"] == ["m/ft0", "m/ft1"]
+    invoke("pull", "m/ties", str(tmp / "out.safetensors"))
+    pulled = load_file(tmp / "out.safetensors")
+    expected = merge_state_dicts(fts, "ties", params={"density": 0.5, "weights": [1, 2]}, base=base)
+    assert all(torch.equal(pulled[k].view(torch.int32), v.view(torch.int32)) for k, v in expected.items())
+
+
+def test_list_methods_and_help():
+    text = invoke("merge", "--list-methods")
+    for word in ("linear", "task-arithmetic", "ties", "dare", "slerp", "density (float, (0, 1]; default 0.2)", "seed", "t (float, [0, 1]"):
+        assert word in text
+    methods = json.loads(invoke("merge", "--list-methods", "--json"))
+    dare = next(m for m in methods if m["name"] == "dare")
+    assert {p["name"] for p in dare["params"]} == {"density", "combine", "weights", "lambda", "seed"} and dare["needs_base"]
+    assert "task-arithmetic" in invoke("merge", "--help")
+
+
+def test_merge_errors_are_one_line(fam, capsys):
+    cases = [
+        (["merge", "m/ft0", "m/ft1", "--method", "ties", "-b", "m/base", "-p", "density=1.5", "-o", "x"], "density must be in (0, 1]"),
+        (["merge", "m/ft0", "m/ft1", "--method", "mean", "-o", "x"], "unknown merge method 'mean'"),
+        (["merge", "m/ft0", "m/ft1", "-w", "1,2,3", "-o", "x"], "3 values for 2 inputs"),
+        (["merge", "m/ft0", "m/ft1", "--method", "ties", "-o", "x"], "needs a base"),
+        (["merge", "m/ft0", "m/nope", "-o", "x"], "no ref or checkpoint named 'm/nope'"),
+        (["merge", "m/ft0", "m/ft1", "-p", "oops", "-o", "x"], "KEY=VALUE"),
+        (["merge", "m/ft0", "m/ft1"], "--output"),
+    ]
+    for args, message in cases:
+        code, _, err = run_main(capsys, *args)
+        assert code != 0 and message in err, (args, err)
+        assert "Traceback" not in err
+        if code == 1:
+            assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_remix_from_scores(fam, capsys):
+    tmp, base, fts = fam
+    (tmp / "scores.json").write_text(json.dumps({"m/ft0": 0.9, "m/ft1": 0.7, "m/base": 0.1}))
+    r = json.loads(invoke("remix", "--scores", str(tmp / "scores.json"), "-k", "2", "-o", "m/start", "--json"))
+    assert r["chosen"] == ["m/ft0", "m/ft1"]
+    assert "remix    best 2 by score (higher is better)" in invoke("show", "m/start")
+    (tmp / "losses.json").write_text(json.dumps([{"ref": "m/ft0", "score": 0.9}, {"ref": "m/base", "score": 0.1}]))
+    r = json.loads(invoke("remix", "--scores", str(tmp / "losses.json"), "-k", "1", "--lower-is-better", "-o", "m/s2", "--json"))
+    assert r["chosen"] == ["m/base"]
+    (tmp / "bad.json").write_text("[1, 2]")
+    code, _, err = run_main(capsys, "remix", "--scores", str(tmp / "bad.json"), "-o", "m/s3")
+    assert code == 1 and "ref" in err and err.count("\n") == 1
