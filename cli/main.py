@@ -452,8 +452,8 @@ def diff(
     Tensors whose chunks are the same in both are reported identical without reading
     their data. The summary tells how many bytes storing B as a delta against A takes.
     """
-    from ckpt.diff import SORT_KEYS
-    from ckpt.diff import diff as run_diff
+    from ckpt.diffing import SORT_KEYS
+    from ckpt.diffing import diff as run_diff
 
     if sort not in SORT_KEYS:
         raise typer.BadParameter(f"{sort!r} is not one of {', '.join(SORT_KEYS)}", param_hint="--sort")
@@ -539,7 +539,7 @@ def merge(
         params[key.strip()] = value.strip()
     if weights is not None:
         params["weights"] = weights
-    from ckpt.merge import merge as run_merge
+    from ckpt.merging import merge as run_merge
 
     store = _open()
     r = run_merge(store, refs, method, name=output, params=params, base=base, missing="base" if fill_from_base else "error",
@@ -585,7 +585,7 @@ def remix(
     as_json: JsonOpt = False,
 ) -> None:
     """Average the K best-scoring past fine-tunes into a starting point for a new fine-tune (Mashup Learning)."""
-    from ckpt.remix import choose, remix_scores
+    from ckpt.remixing import choose, remix_scores
 
     table = _read_scores(scores)
     chosen, _ = choose(table, k, weights=weights, higher_is_better=not lower_is_better)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from ckpt.errors import InvalidMergeError
-from ckpt.merge import merge_state_dicts
+from ckpt.merging import merge_state_dicts
 from ckpt.merge_methods import (
     BUILTIN_METHODS,
     LINEAR,

@@ -23,9 +23,8 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ckpt import _callable_module
 from ckpt.errors import InvalidMergeError
 from storage.refs import validate_ref_name
 
@@ -80,7 +79,7 @@ def remix_scores(store: Store, scores: Mapping[str, float], k: int = 2, *, weigh
                  higher_is_better: bool = True, name: str | None = None, message: str | None = None,
                  progress: Progress | None = None) -> str:
     """Average the best ``k`` of the scored refs into a new checkpoint ``name``; returns its id."""
-    from ckpt.merge import merge
+    from ckpt.merging import merge
 
     if name is not None:
         validate_ref_name(name)
@@ -119,6 +118,3 @@ def remix(store: Store, candidates: Sequence[str], score_fn: Callable[[dict[str,
         log.info("remix: %s scores %s", ref, scores[ref])
     return remix_scores(store, scores, k, weights=weights, higher_is_better=higher_is_better, name=name,
                         message=message, progress=progress)
-
-
-_callable_module(__name__, "remix")  # ckpt.remix(...) even after `import ckpt.remix`

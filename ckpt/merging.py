@@ -36,14 +36,12 @@ parameter value (``ckpt show`` prints it).
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpt import _callable_module
 from ckpt.dtypes import byte_view, to_torch
 from ckpt.errors import InvalidMergeError
 from ckpt.manifest import TensorEntry, chunk_count
@@ -327,9 +325,6 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    from ckpt.diff import _bits
+    from ckpt.diffing import _bits
 
     return a.dtype == b.dtype and a.shape == b.shape and bool(_bits(a.contiguous()).equal(_bits(b.contiguous())))
-
-
-_callable_module(__name__, "merge")  # ckpt.merge(...) even after `import ckpt.merge`

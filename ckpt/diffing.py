@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckpt import _callable_module
 from ckpt.diff_sides import Side, open_side
 from ckpt.dtypes import byte_view, itemsize
 from ckpt.manifest import split_lengths
@@ -371,6 +370,3 @@ def plot(report: DiffReport, path: str | os.PathLike[str]) -> str:
     from ckpt.diff_plot import plot_report
 
     return plot_report(report, path)
-
-
-_callable_module(__name__, "diff")  # ckpt.diff(a, b) even after `import ckpt.diff`
