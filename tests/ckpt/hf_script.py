@@ -14,10 +14,8 @@ writes them to OUTDIR/result.json and OUTDIR/result.safetensors.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import sys
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
@@ -84,13 +82,10 @@ def train(store: str, outdir: str, mode: str, steps: int, kill_at: int = -1) -> 
 
 
 def main() -> None:
-    from safetensors.torch import save_file
+    # This script's directory is on sys.path when it runs as one.
+    from integration_util import script_main
 
-    store, outdir, mode, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    losses, flat = train(store, outdir, mode, steps, int(sys.argv[5]) if len(sys.argv) > 5 else -1)
-    with open(os.path.join(outdir, "result.json"), "w") as f:
-        json.dump(losses, f)
-    save_file({k: v.clone() for k, v in flat.items()}, os.path.join(outdir, "result.safetensors"))  # tied weights: own copies
+    script_main(train)
 
 
 if __name__ == "__main__":

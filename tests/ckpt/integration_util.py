@@ -45,3 +45,19 @@ def assert_same_bits(expected: dict[str, torch.Tensor], got: dict[str, torch.Ten
         b = got[name]
         assert (a.dtype, a.shape) == (b.dtype, b.shape), name
         assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), name
+
+
+def script_main(train: object) -> None:
+    """The command line of a training script: ``SCRIPT STORE OUTDIR MODE STEPS [KILL_AT]``.
+
+    Runs ``train`` and writes its losses (``result.json``) and tensors
+    (``result.safetensors``, each tensor its own copy: tied weights share storage) to
+    OUTDIR, which :func:`run_script` reads back.
+    """
+    from safetensors.torch import save_file
+
+    store, outdir, mode, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    losses, flat = train(store, outdir, mode, steps, int(sys.argv[5]) if len(sys.argv) > 5 else -1)  # type: ignore[operator]
+    with open(os.path.join(outdir, "result.json"), "w") as f:
+        json.dump(losses, f)
+    save_file({k: v.clone() for k, v in flat.items()}, os.path.join(outdir, "result.safetensors"))
