@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from ckpt.codecs import decode_chunk, parse_header
 from ckpt.pipeline import fetch_chunk
 from ckpt.progress import Progress
-from storage.copy import ChunkCheck, CopyItem, CopyReport, copy_checkpoints, copy_objects
+from storage.copy import ChunkCheck, CopyItem, CopyReport, copy_checkpoints
 from storage.errors import CkptError, InvalidNameError, RefNotFoundError
 from storage.objects import ObjectStore
 from storage.refs import validate_ref_name
@@ -31,7 +31,7 @@ from storage.refs import validate_ref_name
 if TYPE_CHECKING:
     from ckpt.store import Store
 
-__all__ = ["CopyReport", "chunk_checker", "copy_refs", "parse_copy_spec", "repair_objects"]
+__all__ = ["CopyReport", "chunk_checker", "copy_refs", "parse_copy_spec"]
 
 _SPEC = re.compile(r"^([^:]+)(?::([^:]+))?$")
 
@@ -107,19 +107,6 @@ def copy_refs(src: Store, dst: Store, refs: Iterable[str], *, progress: Progress
     items, weights = _items(src, refs)
     return copy_checkpoints(src.objects, dst.objects, dst.refs_db, items, check_chunk=chunk_checker(src, dst),
                             concurrency=_concurrency(src, dst), progress=progress, weights=weights)
-
-
-def repair_objects(dst: Store, src: Store, *, chunks: Iterable[str] = (), manifests: Iterable[str] = (),
-                   replace: bool = True, progress: Progress | None = None) -> CopyReport:
-    """Fetch these objects from ``src`` into ``dst``, each verified first (for ``verify --repair-from``).
-
-    With ``replace`` (the default) they are written even where ``dst`` has them: a damaged
-    object is overwritten atomically by the good copy. Raises ``ObjectNotFoundError`` or
-    ``CorruptObjectError`` when ``src`` cannot provide a good copy of one.
-    """
-    return copy_objects(src.objects, dst.objects, chunks=chunks, manifests=manifests,
-                        check_chunk=chunk_checker(src, dst), replace=replace,
-                        concurrency=_concurrency(src, dst), progress=progress)
 
 
 def _concurrency(src: Store, dst: Store) -> int:

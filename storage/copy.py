@@ -145,44 +145,6 @@ class _Sender:
         self.dst.backend.flush()
 
 
-def copy_objects(
-    src: ObjectStore,
-    dst: ObjectStore,
-    *,
-    chunks: Iterable[str] = (),
-    manifests: Iterable[str] = (),
-    check_chunk: ChunkCheck,
-    replace: bool = False,
-    concurrency: int = 8,
-    progress: Progress | None = None,
-    weights: Mapping[str, int] | None = None,
-) -> CopyReport:
-    """Copy these objects from ``src`` to ``dst``, each verified before it is written.
-
-    Only these objects, not what they depend on (see :func:`copy_checkpoints`). With
-    ``replace`` an object is sent even if the destination has one (repairing a damaged
-    copy: ``ckpt verify --repair-from``); otherwise only the missing ones travel.
-    Chunks go first, then manifests. Raises ``ObjectNotFoundError`` if ``src`` lacks one,
-    ``CorruptObjectError`` if its copy there is damaged (nothing is written for it).
-    """
-    report = CopyReport()
-    chunk_ids, manifest_ids = sorted(set(chunks)), sorted(set(manifests))
-    if not replace:
-        present_c = dst.has_many("chunks", chunk_ids)
-        present_m = dst.has_many("manifests", manifest_ids)
-        report.chunks_present, report.manifests_present = len(present_c), len(present_m)
-        chunk_ids = [c for c in chunk_ids if c not in present_c]
-        manifest_ids = [m for m in manifest_ids if m not in present_m]
-    weights = weights or {}
-    progress = progress or NullProgress()
-    progress.start("copy", sum(weights.get(c, 0) for c in chunk_ids))
-    sender = _Sender(src, dst, check_chunk, concurrency, report, progress, weights)
-    sender.chunks(chunk_ids, {}, set())
-    sender.manifests({m: src.get_manifest(m) for m in manifest_ids})
-    progress.finish()
-    return report
-
-
 def copy_checkpoints(
     src: ObjectStore,
     dst: ObjectStore,
@@ -241,4 +203,4 @@ def copy_checkpoints(
     return report
 
 
-__all__ = ["ChunkCheck", "CopyItem", "CopyReport", "chunk_depths", "copy_checkpoints", "copy_objects"]
+__all__ = ["ChunkCheck", "CopyItem", "CopyReport", "chunk_depths", "copy_checkpoints"]

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import ckpt  # noqa: E402
-from ckpt.transfer import copy_refs, repair_objects  # noqa: E402
+from ckpt.transfer import copy_refs  # noqa: E402
 from storage.copy import chunk_depths  # noqa: E402
 from storage.errors import CorruptObjectError, StorageIOError  # noqa: E402
 from storage.gc import referenced_chunks  # noqa: E402
@@ -171,18 +171,3 @@ def test_corrupt_source_chunk_is_not_copied(source, tmp_path):
         copy_refs(source, dst, ["m/base"])
     assert not dst.objects.has("chunks", victim) and dst.refs() == {}
     assert not list(dst.objects.list("manifests"))
-
-
-def test_repair_replaces_a_damaged_object(source, tmp_path):
-    dst = _open(str(tmp_path / "dst"))
-    copy_refs(source, dst, ["m/ft"])
-    m = dst.get_manifest(dst.resolve("m/ft"))
-    victim = m.tensors[0].chunks[0]
-    path = dst.backend.local_path(dst.objects.path("chunks", victim))
-    open(path, "wb").write(b"garbage")
-    assert not dst.verify().ok
-    r = repair_objects(dst, source, chunks=[victim])
-    assert r.chunks_sent == 1
-    assert dst.verify().ok
-    with pytest.raises(Exception, match="missing"):
-        repair_objects(dst, source, chunks=["f" * 64])
