@@ -28,6 +28,7 @@ sub        4   planes of zigzag(ordered(chunk) - ordered(base)), see transforms.
 
 from __future__ import annotations
 
+import os
 import struct
 import threading
 from collections.abc import Callable
@@ -40,6 +41,13 @@ import zstandard
 from ckpt import transforms
 from storage.errors import CorruptObjectError
 from storage.objects import object_id
+
+try:  # the fused C kernels (ckpt/_native.c); numpy does the same work where they are not built
+    from ckpt import _native as native
+except ImportError:  # pragma: no cover - exercised by builds without a C compiler
+    native = None
+if os.environ.get("CKPT_NATIVE") == "0":
+    native = None
 
 MAGIC = b"CKc1"
 _HEAD = struct.Struct("<4sBBBBQ")
@@ -74,33 +82,62 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 _PLANE = struct.Struct("<BI")  # per plane: stored raw (0) or zstd (1), stored length
 
 
-def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02) -> bytes:
-    """Byte planes: byte k of every element as its own stream, each zstd'd or raw.
+# Kernel op per planes codec: plain planes, planes of the XOR delta, planes of the SUB delta.
+_OP = {PLANES: 0, XOR: 1, SUB: 2}
+
+
+def _scratch(n: int) -> memoryview:
+    """A per-thread buffer of at least ``n`` bytes, reused across chunks (fresh memory costs page faults)."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or len(buf) < n:
+        buf = _local.scratch = bytearray(n)
+    return memoryview(buf)[:n]
+
+
+def _split(data: Any, base: Any, elem: int, codec: int) -> memoryview:
+    """Plane-major bytes of ``codec``'s transform of ``data`` (against ``base``): byte k of element i at k*n + i."""
+    if native is not None:
+        view = memoryview(data).cast("B")
+        out = _scratch(len(view))
+        native.encode(view, base, out, elem, _OP[codec])
+        return out
+    if codec == SUB:
+        data = transforms.apply_sub(data, base, elem)
+    elif codec == XOR:
+        data = transforms.apply_xor(data, base, elem)
+    arr = np.frombuffer(data, dtype=np.uint8).reshape(-1, elem)
+    return np.ascontiguousarray(arr.T).data.cast("B")  # one transposing pass; row k is plane k
+
+
+def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, base: Any = None, codec: int = PLANES) -> bytes:
+    """Byte planes of ``data`` (or of its delta against ``base``), each zstd'd or stored raw.
 
     Layout: u8 plane count, then per plane (u8 mode, u32 length), then the planes.
-    numpy and zstandard both release the GIL, so chunks encode in parallel.
+    The kernels and zstandard release the GIL, so chunks encode in parallel.
     """
-    arr = np.frombuffer(data, dtype=np.uint8).reshape(-1, elem)
-    planes = np.ascontiguousarray(arr.T)  # one transposing pass; row k is plane k
+    planes = _split(data, base, elem, codec)
+    n = len(planes) // elem
     cctx = _compressor(level)
     heads, bodies = [bytes([elem])], []
     for k in range(elem):
-        plane = planes[k]
+        plane = planes[k * n : (k + 1) * n]
         packed = cctx.compress(plane)
-        if len(packed) <= len(plane) * (1.0 - min_saving):
+        if len(packed) <= n * (1.0 - min_saving):
             heads.append(_PLANE.pack(1, len(packed)))
             bodies.append(packed)
         else:
-            heads.append(_PLANE.pack(0, len(plane)))
-            bodies.append(plane.data)
+            heads.append(_PLANE.pack(0, n))
+            bodies.append(plane)
     return b"".join(heads + bodies)
 
 
-def _planes_decode(payload: memoryview, length: int, elem: int, oid: str) -> memoryview:
+def _planes_decode(payload: memoryview, length: int, elem: int, oid: str, codec: int = PLANES,
+                   base: Any = None, out: memoryview | None = None) -> memoryview:
+    """Decode a planes payload (undoing the delta of ``codec`` against ``base``), into ``out`` if given."""
     if len(payload) < 1 + elem * _PLANE.size or payload[0] != elem:
         raise CorruptObjectError("chunk", oid, "planes: bad plane table")
     n = length // elem
-    out = np.empty((n, elem), dtype=np.uint8)
+    planes: list[Any] = []
     pos = 1 + elem * _PLANE.size
     dctx = _decompressor()
     for k in range(elem):
@@ -118,10 +155,21 @@ def _planes_decode(payload: memoryview, length: int, elem: int, oid: str) -> mem
                 raise CorruptObjectError("chunk", oid, f"planes: zstd: {e}") from None
         if len(body) != n:
             raise CorruptObjectError("chunk", oid, f"planes: plane {k} has the wrong size")
-        out[:, k] = np.frombuffer(body, dtype=np.uint8)
+        planes.append(body)  # a raw plane stays a view into the payload: no copy
     if pos != len(payload):
         raise CorruptObjectError("chunk", oid, "planes: trailing bytes")
-    return out.data.cast("B")
+    if out is None:
+        out = memoryview(bytearray(length))
+    if native is not None:
+        native.decode(planes, base, out, elem, _OP[codec])
+        return out
+    arr = np.frombuffer(out, dtype=np.uint8).reshape(-1, elem)
+    for k, body in enumerate(planes):
+        arr[:, k] = np.frombuffer(body, dtype=np.uint8)
+    if codec in DELTA_CODECS:
+        undo = transforms.undo_sub if codec == SUB else transforms.undo_xor
+        out[:] = undo(out, base, elem).data.cast("B")
+    return out
 
 
 @dataclass(frozen=True)
@@ -182,8 +230,8 @@ def encode_chunk(
     elif n:
         candidates.append((PLANES, lambda d, b: _planes_encode(d, elem, level, min_saving)))
         if base is not None and base_id is not None and len(base) == n:
-            candidates.append((SUB, lambda d, b: _planes_encode(transforms.apply_sub(d, b, elem), elem, level)))
-            candidates.append((XOR, lambda d, b: _planes_encode(transforms.apply_xor(d, b, elem), elem, level)))
+            candidates.append((SUB, lambda d, b: _planes_encode(d, elem, level, base=b, codec=SUB)))
+            candidates.append((XOR, lambda d, b: _planes_encode(d, elem, level, base=b, codec=XOR)))
     bview = memoryview(base).cast("B") if base is not None else None
     if len(candidates) > 1:
         sample = _sample(view, elem)
@@ -228,6 +276,7 @@ def decode_chunk(
     *,
     max_length: int,
     base: bytes | memoryview | None = None,
+    out: memoryview | None = None,
 ) -> bytes | bytearray | memoryview:
     """Decode a chunk blob, check its length and hash against ``oid``; return the bytes.
 
@@ -236,6 +285,10 @@ def decode_chunk(
     do not hash to ``oid``: any mismatch raises :class:`CorruptObjectError`. The
     decoded size is checked against ``expected_length`` (from the manifest) before
     anything is allocated, so a blob cannot make the reader allocate more.
+
+    With ``out`` (a writable buffer of ``expected_length`` bytes, a tensor's memory
+    say) the bytes are decoded straight into it and ``out`` is returned; after an
+    error its contents are unspecified.
     """
     h = parse_header(blob, oid)
     if h.length != expected_length:
@@ -244,6 +297,8 @@ def decode_chunk(
         raise CorruptObjectError("chunk", oid, f"claims {h.length} decoded bytes, over the {max_length} limit")
     if h.length % h.elem:
         raise CorruptObjectError("chunk", oid, "length is not a whole number of elements")
+    if out is not None and len(out) != h.length:
+        raise ValueError(f"decode_chunk: out has {len(out)} bytes, the chunk {h.length}")
     payload = memoryview(blob)[h.size :]
     data: bytes | bytearray | memoryview
     if h.codec == RAW:
@@ -260,12 +315,12 @@ def decode_chunk(
         if len(data) != h.length:
             raise CorruptObjectError("chunk", oid, "decoded length differs from the header")
     else:
-        data = _planes_decode(payload, h.length, h.elem, oid)
-        if h.codec in DELTA_CODECS:
-            if base is None or len(base) != h.length:
-                raise CorruptObjectError("chunk", oid, f"delta against {h.base} needs its base ({h.length} bytes)")
-            undo = transforms.undo_sub if h.codec == SUB else transforms.undo_xor
-            data = undo(data, base, h.elem).data.cast("B")  # type: ignore[assignment]
+        if h.codec in DELTA_CODECS and (base is None or len(base) != h.length):
+            raise CorruptObjectError("chunk", oid, f"delta against {h.base} needs its base ({h.length} bytes)")
+        data = _planes_decode(payload, h.length, h.elem, oid, h.codec, base, out)
+    if out is not None and data is not out:
+        out[:] = data
+        data = out
     if object_id(data) != oid:
         raise CorruptObjectError("chunk", oid, "decoded bytes do not match the chunk id")
     return data

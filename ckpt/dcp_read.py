@@ -66,13 +66,6 @@ def _byte_range(shape: tuple[int, ...], off: tuple[int, ...], lengths: tuple[int
     return flat(off) * elem, (flat(last) + 1) * elem
 
 
-def _sink(view: memoryview, off: int) -> Callable[[bytes], None]:
-    def sink(data: bytes) -> None:
-        view[off : off + len(data)] = data
-
-    return sink
-
-
 def _copy_bytes(c: Copy) -> int:
     return math.prod(c.lengths) * (itemsize(c.entry.dtype) or 1)
 
@@ -112,7 +105,7 @@ def _run_batch(store: Store, m: Manifest, copies: list[Copy], progress: Progress
         if whole and c.dst.device.type == "cpu" and c.dst.is_contiguous():
             view = byte_view(c.dst)
             lengths = split_lengths(e.nbytes, cs)
-            tasks += [GetTask(cid, n, _sink(view, i * cs)) for i, (cid, n) in enumerate(zip(e.chunks, lengths))]
+            tasks += [GetTask(cid, n, into=view[i * cs : i * cs + n]) for i, (cid, n) in enumerate(zip(e.chunks, lengths))]
             post.append((None, c))
             continue
         if e.name not in buffers:
@@ -126,7 +119,7 @@ def _run_batch(store: Store, m: Manifest, copies: list[Copy], progress: Progress
         e = entries[name]
         view = byte_view(buf)
         lengths = split_lengths(e.nbytes, cs)
-        tasks += [GetTask(e.chunks[i], lengths[i], _sink(view, i * cs)) for i in sorted(want)]
+        tasks += [GetTask(e.chunks[i], lengths[i], into=view[i * cs : i * cs + lengths[i]]) for i in sorted(want)]
     get_chunks(store.objects, tasks, store.settings, progress or NullProgress())
     with torch.no_grad():
         for buf, c in post:

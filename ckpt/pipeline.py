@@ -13,7 +13,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ckpt.codecs import MAX_HEADER, decode_chunk, encode_chunk, parse_header
+from ckpt.codecs import MAX_HEADER, RAW, decode_chunk, encode_chunk, parse_header
 from ckpt.progress import NullProgress, Progress
 from ckpt.settings import Settings
 from storage.errors import CorruptObjectError, ObjectNotFoundError
@@ -51,17 +51,37 @@ def run_parallel(fn: Callable[[T], R], items: Sequence[T], workers: int, progres
 MAX_CHAIN = 64
 
 
-def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings, _depth: int = 0) -> tuple[bytes | bytearray | memoryview, int]:
-    """Decoded, verified bytes of chunk ``cid`` and the length of its delta chain (0: no base)."""
+def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings, _depth: int = 0,
+                out: memoryview | None = None) -> tuple[bytes | bytearray | memoryview, int]:
+    """Decoded, verified bytes of chunk ``cid`` and the length of its delta chain (0: no base).
+
+    With ``out`` (``length`` writable bytes: a slice of a tensor's memory) the bytes
+    land there: a raw chunk is read straight into it and hashed in place, others are
+    decoded into it; on error its contents are unspecified.
+    """
     if _depth > MAX_CHAIN:
         raise CorruptObjectError("chunk", cid, f"delta chain longer than {MAX_CHAIN}")
+    if out is not None and settings.max_chunk_size >= length == len(out):
+        path = objects.path("chunks", cid)
+        try:
+            head = parse_header(objects.backend.read_range(path, 0, MAX_HEADER), cid)
+            if head.codec == RAW:
+                size = objects.backend.read_into(path, head.size, out)
+        except FileNotFoundError:
+            raise ObjectNotFoundError("chunk", cid) from None
+        if head.codec == RAW:
+            if head.length != length or size != head.size + length:
+                raise CorruptObjectError("chunk", cid, f"raw blob of {size} bytes does not hold the {length} bytes the manifest says")
+            if object_id(out) != cid:
+                raise CorruptObjectError("chunk", cid, "decoded bytes do not match the chunk id")
+            return out, 0
     blob = objects.get("chunks", cid)
     h = parse_header(blob, cid)
     base, depth = None, 0
     if h.base is not None:
         base, below = fetch_chunk(objects, h.base, length, settings, _depth + 1)
         depth = below + 1
-    return decode_chunk(blob, cid, length, max_length=settings.max_chunk_size, base=base), depth
+    return decode_chunk(blob, cid, length, max_length=settings.max_chunk_size, base=base, out=out), depth
 
 
 def stored_chain(objects: ObjectStore, cid: str) -> tuple[int, tuple[str, ...]]:
@@ -174,14 +194,17 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
 class GetTask:
     id: str
     length: int
-    sink: Callable[[bytes], None]  # receives the verified decoded bytes
+    sink: Callable[[bytes], None] | None = None  # receives the verified decoded bytes
+    into: memoryview | None = None  # or: where they are decoded in place (``length`` bytes)
 
 
 def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Settings, progress: Progress | None = None) -> None:
     """Fetch, decode (following delta chains) and verify chunks in parallel, handing each one's bytes to its sink."""
 
     def get(task: GetTask) -> None:
-        task.sink(fetch_chunk(objects, task.id, task.length, settings)[0])  # type: ignore[arg-type]
+        data, _ = fetch_chunk(objects, task.id, task.length, settings, out=task.into)
+        if task.sink is not None:
+            task.sink(data)  # type: ignore[arg-type]
 
     workers = max(settings.workers, objects.backend.concurrency)  # remote stores: requests in flight
     run_parallel(get, list(tasks), workers, progress or NullProgress(), lambda t: t.length)

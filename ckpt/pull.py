@@ -249,17 +249,14 @@ def _pull_selected(store: Store, m: Manifest, dest: str, include: list[str], ove
 
 
 def _into_tasks(m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]]) -> list[GetTask]:
+    """Tasks that decode each entry's chunks straight into its destination's memory."""
     tasks: list[GetTask] = []
     for entry, dst in pairs:
         view = byte_view(dst)
-
-        def at(off: int, view: memoryview = view) -> Callable[[bytes], None]:
-            def sink(data: bytes) -> None:
-                view[off : off + len(data)] = data
-
-            return sink
-
-        tasks += _chunk_tasks(entry.chunks, entry.nbytes, m.chunk_size, at)
+        pos = 0
+        for cid, n in zip(entry.chunks, split_lengths(entry.nbytes, m.chunk_size)):
+            tasks.append(GetTask(cid, n, into=view[pos : pos + n]))
+            pos += n
     return tasks
 
 

@@ -57,6 +57,17 @@ class Backend(ABC):
     def read_range(self, path: str, start: int, length: int) -> bytes:
         """``length`` bytes from ``start`` (fewer at end of file)."""
 
+    def read_into(self, path: str, start: int, buf: memoryview) -> int:
+        """Fill ``buf`` with the file's bytes from ``start`` (as many as there are); return the file's size.
+
+        Local stores read straight into ``buf`` (a tensor's memory, say) with no
+        intermediate copy; others read the file and copy.
+        """
+        data = self.read(path)
+        part = memoryview(data)[start : start + len(buf)]
+        buf[: len(part)] = part
+        return len(data)
+
     @abstractmethod
     def write(self, path: str, data: bytes | memoryview) -> None:
         """Atomically create or replace ``path`` with ``data`` (durable on return)."""
@@ -195,6 +206,25 @@ class LocalBackend(Backend):
             raise _read_error(path, e) from e
         try:
             return os.pread(fd, length, start)
+        finally:
+            os.close(fd)
+
+    def read_into(self, path: str, start: int, buf: memoryview) -> int:
+        try:
+            fd = os.open(self._p(path), os.O_RDONLY)
+        except OSError as e:
+            raise _read_error(path, e) from e
+        try:
+            size = os.fstat(fd).st_size
+            pos, end = 0, min(len(buf), max(0, size - start))
+            while pos < end:
+                n = os.preadv(fd, [buf[pos:end]], start + pos)
+                if n == 0:  # the file shrank under us: the caller's length check sees it
+                    break
+                pos += n
+            return size
+        except OSError as e:
+            raise _read_error(path, e) from e
         finally:
             os.close(fd)
 

@@ -157,3 +157,25 @@ def test_repair_reports_what_the_source_lacks(pristine, tmp_path: Path) -> None:
     r = store.repair(empty)
     assert not r.repaired and [k for k, _, _ in r.unavailable] == ["chunk"]
     assert not r.after.ok and set(r.after.damaged_refs) == {"a", "b"}
+
+
+@pytest.mark.parametrize("how", ["flip@0.0", "flip@0.5", "flip@0.99", "truncate-half", "append"])
+def test_raw_chunk_read_in_place_is_verified(how: str, tmp_path: Path) -> None:
+    """Incompressible chunks are stored raw and read straight into the destination tensor:
+    a damaged, short or overlong blob is an error there too, never accepted bytes."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    g = torch.Generator().manual_seed(3)
+    t = {"noise": torch.randint(-(2**31), 2**31 - 1, (300_000,), generator=g, dtype=torch.int32).view(torch.float32)}
+    store.push(t, "n")
+    (entry,) = store.manifest("n").tensors
+    assert entry.codecs and set(entry.codecs) == {0}, entry.codecs  # codecs.RAW
+    path = tmp_path / "store" / store.objects.path("chunks", entry.chunks[0])
+    if how == "append":
+        path.write_bytes(path.read_bytes() + b"\0")
+    else:
+        _damage(path, how)
+    live = {"noise": torch.zeros(300_000)}
+    with pytest.raises(CkptError, match=entry.chunks[0][:12]):
+        store.load_into("n", live)
+    with pytest.raises(CkptError, match=entry.chunks[0][:12]):
+        store.load("n")
