@@ -345,6 +345,7 @@ class CheckpointManager:
         pairs: list[tuple[TensorEntry, torch.Tensor]] = []
         decoded: dict[str, torch.Tensor] = {}
         loaders = []
+        used: set[int] = set()  # storages already written by this restore: never two writers
         for key, obj in state.items():
             kind, value = tree[key]["kind"], tree[key]["value"]
             names = tensor_refs(value)
@@ -355,11 +356,21 @@ class CheckpointManager:
                     raise TensorMismatchError(f"{key}: snapshot and module differ: not in module {extra[:10]}, "
                                               f"not in snapshot {absent[:10]}")
                 pairs += [(entries[n], live[n]) for n in names]  # straight into the parameters
+                used.update(t.untyped_storage().data_ptr() for t in live.values() if t.numel())
                 continue
+            # An optimizer's (or any Stateful's) own tensors of the right shape and dtype are
+            # written in place, and load_state_dict() then adopts them without a copy: no
+            # fresh allocation (page faults) for the largest part of a training state.
+            live_t = _live_tensors(key, obj) if kind == "stateful" else {}
             for n in names:
                 e = entries[n]
-                decoded[n] = torch.empty(e.shape, dtype=to_torch(e.dtype))
-                pairs.append((e, decoded[n]))
+                t = live_t.get(n)
+                if t is None or tuple(t.shape) != e.shape or t.dtype != to_torch(e.dtype) or t.untyped_storage().data_ptr() in used:
+                    t = torch.empty(e.shape, dtype=to_torch(e.dtype))
+                elif t.numel():
+                    used.add(t.untyped_storage().data_ptr())
+                decoded[n] = t
+                pairs.append((e, t))
             loaders.append((key, obj, kind, value))
         # Restoring writes tensors without bumping their version counters: forget
         # what the last save saw, so the next one stages everything again.
@@ -391,6 +402,17 @@ class CheckpointManager:
             signal.signal(s, h)
         self._old_handlers = {}
 
+
+
+def _live_tensors(key: str, obj: Any) -> dict[str, Any]:
+    """The tensors ``obj.state_dict()`` hands out, by their snapshot names (empty if it cannot say)."""
+    if not isinstance(obj, Stateful):
+        return {}
+    try:
+        tensors, _ = flatten({key: obj})
+    except Exception:  # noqa: BLE001 - a state that cannot be flattened is restored into new tensors
+        return {}
+    return tensors
 
 
 def _has_fused_optimizer(state: dict[str, Any]) -> bool:

@@ -107,6 +107,31 @@ def test_restore_in_place_and_subset(tmp_path):
         assert mgr.restore_latest({}) == 3
 
 
+def _bits(t):
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_optimizer_state_is_restored_into_its_own_tensors(tmp_path):
+    """A live optimizer with state keeps its tensor objects; they receive the snapshot's bytes."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train(model, opt, 3)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "o", async_save=False) as mgr:
+        mgr.save(3, {"model": model, "optim": opt})
+    want = {id_: {k: _bits(v) for k, v in st.items()} for id_, st in opt.state_dict()["state"].items()}
+    _train(model, opt, 2)  # the live state moves on
+    before = {id(p): opt.state[p]["exp_avg"] for p in model.parameters()}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "o") as mgr:
+        mgr.restore_latest({"model": model, "optim": opt})
+    assert all(opt.state[p]["exp_avg"] is before[id(p)] for p in model.parameters())  # written in place
+    got = {id_: {k: _bits(v) for k, v in st.items()} for id_, st in opt.state_dict()["state"].items()}
+    assert got == want
+    fresh_opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # no state yet: new tensors are made
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "o") as mgr:
+        mgr.restore_latest({"optim": fresh_opt})
+    assert {i: {k: _bits(v) for k, v in st.items()} for i, st in fresh_opt.state_dict()["state"].items()} == want
+
+
 def test_no_snapshot_yet(tmp_path):
     with ckpt.CheckpointManager(str(tmp_path / "s"), "empty") as mgr:
         assert mgr.restore_latest({"model": _model()}) is None
