@@ -84,7 +84,7 @@ BATCH, SEQ = 2, 64
 LR = 3e-4
 RESTORE_REPS = 3
 MB = 1e6
-CONTENDER_NAMES = ("memcpy", "ckpt", "torch.save", "dcp.save", "dcp.async_save",
+CONTENDER_NAMES = ("memcpy", "ckpt", "ckpt-delta", "torch.save", "dcp.save", "dcp.async_save",
                    "torchsnapshot.take", "torchsnapshot.async_take")
 DEFAULT_CONTENDERS = tuple(n for n in CONTENDER_NAMES if n != "torchsnapshot.take")
 
@@ -337,6 +337,7 @@ class Memcpy(Contender):
 
 class Ckpt(Contender):
     name, family, restore_label, asynchronous = "ckpt", "ckpt", "ckpt restore_latest", True
+    delta = False
 
     def __init__(self, root: Path, tr: Training) -> None:
         import ckpt
@@ -344,8 +345,8 @@ class Ckpt(Contender):
         super().__init__(root, tr)
         self.store_dir = self.dir / "store"
         # The manager's defaults: no delta against the previous snapshot, compression
-        # only where it saves 10% (restore speed first).
-        self.mgr = ckpt.CheckpointManager(str(self.store_dir), "bench", async_save=True, keep_last=None)
+        # only where it saves 10% (restore speed first). ckpt-delta: delta=True.
+        self.mgr = ckpt.CheckpointManager(str(self.store_dir), "bench", async_save=True, keep_last=None, delta=self.delta)
         self.settings = self.mgr.store.settings
         self.last_step = -1
         self._du = disk_bytes(self.store_dir)
@@ -386,6 +387,11 @@ class Ckpt(Contender):
 
     def close(self) -> None:
         self.mgr.close()
+
+
+class CkptDelta(Ckpt):
+    name, family, restore_label = "ckpt-delta", "ckpt-delta", "ckpt restore_latest (delta chains)"
+    delta = True
 
 
 class TorchSave(Contender):
@@ -480,7 +486,7 @@ class TorchSnapshotAsyncTake(TorchSnapshotTake):
 
 
 CONTENDERS: dict[str, type[Contender]] = {c.name: c for c in (
-    Memcpy, Ckpt, TorchSave, DcpSave, DcpAsyncSave, TorchSnapshotTake, TorchSnapshotAsyncTake)}
+    Memcpy, Ckpt, CkptDelta, TorchSave, DcpSave, DcpAsyncSave, TorchSnapshotTake, TorchSnapshotAsyncTake)}
 
 
 def torchsnapshot_available() -> bool:
@@ -887,7 +893,7 @@ def fine_tune(args: argparse.Namespace, cfg: GPTConfig, root: Path, res: Results
     res.finetune = (f"embeddings and blocks 0-{cfg.n_layers // 2 - 1} frozen ({tr.frozen / 1e6:.1f}M params, "
                     f"requires_grad False, not in the optimizer); state {res.finetune_state / MB:,.0f} MB")
     names = one_per_family(args.only, skip=("memcpy",))
-    saves = {n: args.saves if n == "ckpt" else min(args.saves, 2) for n in names}
+    saves = {n: args.saves if n.startswith("ckpt") else min(args.saves, 2) for n in names}
     records, totals, live = save_phase(names, tr, root, saves, "finetune")
     res.bytes_rows += bytes_rows("fine-tune, lower half frozen", res.finetune_state, records, totals)
     for c in live.values():

@@ -109,11 +109,14 @@ def _split(data: Any, base: Any, elem: int, codec: int) -> memoryview:
     return np.ascontiguousarray(arr.T).data.cast("B")  # one transposing pass; row k is plane k
 
 
-def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, base: Any = None, codec: int = PLANES) -> bytes:
+def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, base: Any = None, codec: int = PLANES,
+                   raw: set[int] | None = None) -> bytes:
     """Byte planes of ``data`` (or of its delta against ``base``), each zstd'd or stored raw.
 
     Layout: u8 plane count, then per plane (u8 mode, u32 length), then the planes.
     The kernels and zstandard release the GIL, so chunks encode in parallel.
+    ``raw``: planes stored raw without trying zstd (a sample of the chunk showed them
+    incompressible); planes that do not compress are added to it.
     """
     planes = _split(data, base, elem, codec)
     n = len(planes) // elem
@@ -121,7 +124,9 @@ def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, b
     heads, bodies = [bytes([elem])], []
     for k in range(elem):
         plane = planes[k * n : (k + 1) * n]
-        packed = cctx.compress(plane)
+        packed = cctx.compress(plane) if raw is None or k not in raw else plane
+        if raw is not None and len(packed) > n * (1.0 - min_saving / 2):
+            raw.add(k)
         if len(packed) <= n * (1.0 - min_saving):
             heads.append(_PLANE.pack(1, len(packed)))
             bodies.append(packed)
@@ -224,23 +229,28 @@ def encode_chunk(
         elem = 1
     # Each candidate encodes (data, base) -> payload, so the same function scores the
     # sample and then encodes the whole chunk.
-    candidates: list[tuple[int, Callable[[Any, Any], bytes]]] = []
+    # A plane the sample finds incompressible is stored raw in the whole chunk without
+    # trying zstd on it (the low mantissa bytes of floats: noise, and most of the work).
+    candidates: list[tuple[int, Callable[[Any, Any, set[int] | None], bytes]]] = []
     if n and elem == 1:
-        candidates.append((ZSTD, lambda d, b: _compressor(level).compress(d)))
+        candidates.append((ZSTD, lambda d, b, r: _compressor(level).compress(d)))
     elif n:
-        candidates.append((PLANES, lambda d, b: _planes_encode(d, elem, level, min_saving)))
+        candidates.append((PLANES, lambda d, b, r: _planes_encode(d, elem, level, min_saving, raw=r)))
         if base is not None and base_id is not None and len(base) == n:
-            candidates.append((SUB, lambda d, b: _planes_encode(d, elem, level, base=b, codec=SUB)))
-            candidates.append((XOR, lambda d, b: _planes_encode(d, elem, level, base=b, codec=XOR)))
+            candidates.append((SUB, lambda d, b, r: _planes_encode(d, elem, level, base=b, codec=SUB, raw=r)))
+            candidates.append((XOR, lambda d, b, r: _planes_encode(d, elem, level, base=b, codec=XOR, raw=r)))
     bview = memoryview(base).cast("B") if base is not None else None
-    if len(candidates) > 1:
-        sample = _sample(view, elem)
+    raw: set[int] | None = None
+    sample = _sample(view, elem)
+    if candidates and (len(candidates) > 1 or len(sample) < n):
         sbase = _sample(bview, elem) if bview is not None else None
-        sizes = [len(fn(sample, sbase)) for _, fn in candidates]
-        candidates = [candidates[sizes.index(min(sizes))]]
+        raws: list[set[int]] = [set() for _ in candidates]
+        sizes = [len(fn(sample, sbase, r)) for (_, fn), r in zip(candidates, raws)]
+        best = sizes.index(min(sizes))
+        candidates, raw = [candidates[best]], (raws[best] if len(sample) < n else None)
     if candidates:
         codec, fn = candidates[0]
-        payload = fn(view, bview)
+        payload = fn(view, bview, raw)
         if len(payload) <= n * (1.0 - min_saving):
             b = base_id if codec in DELTA_CODECS else None
             return Encoded(_pack(codec, elem, n, b, payload), codec, b)
