@@ -18,7 +18,15 @@
 
 #define MAX_ELEM 8
 
-typedef enum { OP_PLAIN = 0, OP_XOR = 1, OP_SUB = 2 } op_t;
+typedef enum { OP_PLAIN = 0, OP_XOR = 1, OP_SUB = 2, OP_GSUB = 3 } op_t;
+
+/* OP_GSUB: OP_SUB with the elements reordered by a stable counting sort on the top
+ * KEY_BITS bits of the base element (a float's sign and exponent): how far a value
+ * moves in units of its last place depends on its exponent, so grouping the deltas by
+ * it gives zstd's per-block entropy tables runs of like-sized values. The decoder
+ * recomputes the same order from the base it already has: no side information. */
+#define KEY_BITS 10
+#define NKEYS (1 << KEY_BITS)
 
 /* order-preserving map of a float bit pattern (an involution): negative values
  * get their magnitude bits flipped. */
@@ -60,6 +68,56 @@ typedef enum { OP_PLAIN = 0, OP_XOR = 1, OP_SUB = 2 } op_t;
         }                                                                                  \
     }
 
+/* start[k]: first output position of key k (a stable counting sort's prefix sums). */
+#define DEFINE_GROUPED(T, BITS)                                                            \
+    static void group_starts_##BITS(const uint8_t *base, Py_ssize_t n, Py_ssize_t *start) { \
+        const Py_ssize_t E = (BITS) / 8;                                                   \
+        memset(start, 0, NKEYS * sizeof(Py_ssize_t));                                      \
+        for (Py_ssize_t i = 0; i < n; i++) {                                               \
+            T b;                                                                           \
+            memcpy(&b, base + i * E, sizeof(T));                                           \
+            start[b >> ((BITS) - KEY_BITS)]++;                                             \
+        }                                                                                  \
+        Py_ssize_t pos = 0;                                                                \
+        for (int k = 0; k < NKEYS; k++) {                                                  \
+            Py_ssize_t c = start[k];                                                       \
+            start[k] = pos;                                                                \
+            pos += c;                                                                      \
+        }                                                                                  \
+    }                                                                                      \
+    static void gencode_##BITS(const uint8_t *src, const uint8_t *base, uint8_t *dst,      \
+                               Py_ssize_t n, Py_ssize_t *start) {                          \
+        const Py_ssize_t E = (BITS) / 8;                                                   \
+        group_starts_##BITS(base, n, start);                                               \
+        for (Py_ssize_t i = 0; i < n; i++) {                                               \
+            T x, b;                                                                        \
+            memcpy(&x, src + i * E, sizeof(T));                                            \
+            memcpy(&b, base + i * E, sizeof(T));                                           \
+            Py_ssize_t j = start[b >> ((BITS) - KEY_BITS)]++;                              \
+            T d = (T)(ORDERED(T, BITS, x) - ORDERED(T, BITS, b));                          \
+            x = ZIGZAG(T, BITS, d);                                                        \
+            for (Py_ssize_t k = 0; k < E; k++) dst[k * n + j] = (uint8_t)(x >> (8 * k));  \
+        }                                                                                  \
+    }                                                                                      \
+    static void gdecode_##BITS(uint8_t *const *planes, const uint8_t *base, uint8_t *dst,  \
+                               Py_ssize_t n, Py_ssize_t *start) {                          \
+        const Py_ssize_t E = (BITS) / 8;                                                   \
+        group_starts_##BITS(base, n, start);                                               \
+        for (Py_ssize_t i = 0; i < n; i++) {                                               \
+            T x = 0, b;                                                                    \
+            memcpy(&b, base + i * E, sizeof(T));                                           \
+            Py_ssize_t j = start[b >> ((BITS) - KEY_BITS)]++;                              \
+            for (Py_ssize_t k = 0; k < E; k++) x |= (T)planes[k][j] << (8 * k);            \
+            T o = (T)(UNZIGZAG(T, x) + ORDERED(T, BITS, b));                               \
+            x = ORDERED(T, BITS, o);                                                       \
+            memcpy(dst + i * E, &x, sizeof(T));                                            \
+        }                                                                                  \
+    }
+
+DEFINE_GROUPED(uint16_t, 16)
+DEFINE_GROUPED(uint32_t, 32)
+DEFINE_GROUPED(uint64_t, 64)
+
 DEFINE_KERNELS(uint16_t, 16)
 DEFINE_KERNELS(uint32_t, 32)
 DEFINE_KERNELS(uint64_t, 64)
@@ -67,7 +125,12 @@ DEFINE_KERNELS(uint64_t, 64)
 /* The compiler specialises each kernel per op when the op is a constant. */
 #define DISPATCH(fn, elem, op, ...)                                                        \
     do {                                                                                   \
-        if ((op) == OP_PLAIN) {                                                            \
+        if ((op) == OP_GSUB) {                                                             \
+            Py_ssize_t start_[NKEYS];                                                      \
+            if ((elem) == 2) g##fn##_16(__VA_ARGS__, start_);                              \
+            else if ((elem) == 4) g##fn##_32(__VA_ARGS__, start_);                         \
+            else g##fn##_64(__VA_ARGS__, start_);                                          \
+        } else if ((op) == OP_PLAIN) {                                                            \
             if ((elem) == 2) fn##_16(__VA_ARGS__, OP_PLAIN);                               \
             else if ((elem) == 4) fn##_32(__VA_ARGS__, OP_PLAIN);                          \
             else fn##_64(__VA_ARGS__, OP_PLAIN);                                           \
@@ -96,7 +159,7 @@ static PyObject *native_encode(PyObject *self, PyObject *args) {
     int elem, op;
     if (!PyArg_ParseTuple(args, "OOOii", &src_o, &base_o, &dst_o, &elem, &op)) return NULL;
     if (check_elem(elem) < 0) return NULL;
-    if (op < OP_PLAIN || op > OP_SUB) return PyErr_Format(PyExc_ValueError, "unknown op %d", op);
+    if (op < OP_PLAIN || op > OP_GSUB) return PyErr_Format(PyExc_ValueError, "unknown op %d", op);
     Py_buffer src, base = {0}, dst;
     if (PyObject_GetBuffer(src_o, &src, PyBUF_SIMPLE) < 0) return NULL;
     if (PyObject_GetBuffer(dst_o, &dst, PyBUF_WRITABLE) < 0) {
@@ -134,7 +197,7 @@ static PyObject *native_decode(PyObject *self, PyObject *args) {
     int elem, op;
     if (!PyArg_ParseTuple(args, "OOOii", &planes_o, &base_o, &dst_o, &elem, &op)) return NULL;
     if (check_elem(elem) < 0) return NULL;
-    if (op < OP_PLAIN || op > OP_SUB) return PyErr_Format(PyExc_ValueError, "unknown op %d", op);
+    if (op < OP_PLAIN || op > OP_GSUB) return PyErr_Format(PyExc_ValueError, "unknown op %d", op);
     PyObject *seq = PySequence_Fast(planes_o, "planes must be a sequence of buffers");
     if (seq == NULL) return NULL;
     if (PySequence_Fast_GET_SIZE(seq) != elem) {
@@ -186,7 +249,8 @@ done:
 static PyMethodDef methods[] = {
     {"encode", native_encode, METH_VARARGS,
      "encode(src, base, dst, elem, op): write the byte planes of op(src, base) into dst, plane-major "
-     "(op 0: src itself, 1: XOR, 2: zigzag of the ordered-integer difference)."},
+     "(op 0: src itself, 1: XOR, 2: zigzag of the ordered-integer difference, 3: op 2 with the elements "
+     "in a stable order by the top 10 bits of base)."},
     {"decode", native_decode, METH_VARARGS,
      "decode(planes, base, dst, elem, op): interleave `elem` planes and undo op against base, into dst."},
     {NULL, NULL, 0, NULL},

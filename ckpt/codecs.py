@@ -23,6 +23,7 @@ planes     2   byte planes: byte k of every element stored as its own stream,
                each zstd-compressed or stored raw
 xor        3   planes of (chunk XOR base)
 sub        4   planes of zigzag(ordered(chunk) - ordered(base)), see transforms.py
+gsub       5   sub with the elements in a stable order by the base's top 10 bits
 ========  ===  ==============================================================
 """
 
@@ -54,9 +55,9 @@ _HEAD = struct.Struct("<4sBBBBQ")
 HAS_BASE = 1
 MAX_HEADER = _HEAD.size + 32
 
-RAW, ZSTD, PLANES, XOR, SUB = 0, 1, 2, 3, 4
-CODEC_NAMES = {RAW: "raw", ZSTD: "zstd", PLANES: "planes", XOR: "xor", SUB: "sub"}
-DELTA_CODECS = (XOR, SUB)
+RAW, ZSTD, PLANES, XOR, SUB, GSUB = 0, 1, 2, 3, 4, 5
+CODEC_NAMES = {RAW: "raw", ZSTD: "zstd", PLANES: "planes", XOR: "xor", SUB: "sub", GSUB: "gsub"}
+DELTA_CODECS = (XOR, SUB, GSUB)
 
 _local = threading.local()
 
@@ -83,7 +84,9 @@ _PLANE = struct.Struct("<BI")  # per plane: stored raw (0) or zstd (1), stored l
 
 
 # Kernel op per planes codec: plain planes, planes of the XOR delta, planes of the SUB delta.
-_OP = {PLANES: 0, XOR: 1, SUB: 2}
+_OP = {PLANES: 0, XOR: 1, SUB: 2, GSUB: 3}
+_APPLY = {XOR: transforms.apply_xor, SUB: transforms.apply_sub, GSUB: transforms.apply_gsub}
+_UNDO = {XOR: transforms.undo_xor, SUB: transforms.undo_sub, GSUB: transforms.undo_gsub}
 
 
 def _scratch(n: int) -> memoryview:
@@ -101,10 +104,8 @@ def _split(data: Any, base: Any, elem: int, codec: int) -> memoryview:
         out = _scratch(len(view))
         native.encode(view, base, out, elem, _OP[codec])
         return out
-    if codec == SUB:
-        data = transforms.apply_sub(data, base, elem)
-    elif codec == XOR:
-        data = transforms.apply_xor(data, base, elem)
+    if codec in _APPLY:
+        data = _APPLY[codec](data, base, elem)
     arr = np.frombuffer(data, dtype=np.uint8).reshape(-1, elem)
     return np.ascontiguousarray(arr.T).data.cast("B")  # one transposing pass; row k is plane k
 
@@ -172,8 +173,7 @@ def _planes_decode(payload: memoryview, length: int, elem: int, oid: str, codec:
     for k, body in enumerate(planes):
         arr[:, k] = np.frombuffer(body, dtype=np.uint8)
     if codec in DELTA_CODECS:
-        undo = transforms.undo_sub if codec == SUB else transforms.undo_xor
-        out[:] = undo(out, base, elem).data.cast("B")
+        out[:] = _UNDO[codec](out, base, elem).data.cast("B")
     return out
 
 
@@ -237,7 +237,7 @@ def encode_chunk(
     elif n:
         candidates.append((PLANES, lambda d, b, r: _planes_encode(d, elem, level, min_saving, raw=r)))
         if base is not None and base_id is not None and len(base) == n:
-            candidates.append((SUB, lambda d, b, r: _planes_encode(d, elem, level, base=b, codec=SUB, raw=r)))
+            candidates.append((GSUB, lambda d, b, r: _planes_encode(d, elem, level, base=b, codec=GSUB, raw=r)))
             candidates.append((XOR, lambda d, b, r: _planes_encode(d, elem, level, base=b, codec=XOR, raw=r)))
     bview = memoryview(base).cast("B") if base is not None else None
     raw: set[int] | None = None

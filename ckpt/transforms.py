@@ -77,3 +77,26 @@ def undo_sub(delta: bytes | memoryview, base: bytes | memoryview, elem: int) -> 
     with np.errstate(over="ignore"):
         d += b
     return _ordered_inplace(d, scratch, elem)
+
+
+# GSUB: SUB with the elements in a stable order by the top 10 bits of the base element
+# (a float's sign and exponent). How far a value moves in units of its last place
+# depends on its exponent, so grouping the differences by it hands the entropy coder
+# runs of like-sized values; the decoder recomputes the order from the base.
+KEY_BITS = 10
+
+
+def group_order(base: bytes | memoryview, elem: int) -> np.ndarray:
+    """The permutation GSUB applies: element indices sorted (stably) by the base's top bits."""
+    key = np.frombuffer(base, dtype=_UINT[elem]) >> np.array(elem * 8 - KEY_BITS, dtype=_UINT[elem])
+    return np.argsort(key, kind="stable")
+
+
+def apply_gsub(new: bytes | memoryview, base: bytes | memoryview, elem: int) -> np.ndarray:
+    return apply_sub(new, base, elem)[group_order(base, elem)]
+
+
+def undo_gsub(delta: bytes | memoryview, base: bytes | memoryview, elem: int) -> np.ndarray:
+    d = np.empty(len(delta) // elem, dtype=_UINT[elem])
+    d[group_order(base, elem)] = np.frombuffer(delta, dtype=_UINT[elem])
+    return undo_sub(d.data.cast("B"), base, elem)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt.codecs import PLANES, RAW, SUB, XOR, ZSTD, decode_chunk, encode_chunk, parse_header
+from ckpt.codecs import GSUB, PLANES, RAW, SUB, XOR, ZSTD, decode_chunk, encode_chunk, parse_header
 from storage.errors import CorruptObjectError
 from storage.objects import object_id
 
@@ -60,7 +60,7 @@ def test_special_values_and_nan_payloads(dtype):
     raw[4] |= 0x3  # a NaN with a payload
     raw[5] ^= 1  # a subnormal's last bit
     codec = _roundtrip(new.tobytes(), elem=new.itemsize, base=base.tobytes(), base_id="c" * 64)
-    assert codec in (SUB, XOR)
+    assert codec in (GSUB, XOR)
 
 
 def test_codec_choice():
@@ -71,7 +71,7 @@ def test_codec_choice():
     assert parse_header(encode_chunk(w.tobytes(), elem=4).blob).codec == PLANES
     ft = (w + (1e-4 * rng.standard_normal(w.shape)).astype(np.float32)).tobytes()
     enc = encode_chunk(ft, elem=4, base=w.tobytes(), base_id="d" * 64)
-    assert enc.codec == SUB and enc.base == "d" * 64
+    assert enc.codec == GSUB and enc.base == "d" * 64
     assert len(enc.blob) < 0.6 * len(ft)
 
 
@@ -112,12 +112,12 @@ def test_garbage_blobs_never_crash(blob, base):
         decode_chunk(blob, "0" * 64, 10, max_length=1 << 20, base=base)
 
 
-@given(st.sampled_from([PLANES, SUB, XOR]), st.binary(min_size=0, max_size=200), st.integers(0, 1 << 40))
+@given(st.sampled_from([PLANES, SUB, XOR, GSUB]), st.binary(min_size=0, max_size=200), st.integers(0, 1 << 40))
 @settings(max_examples=500, deadline=None)
 def test_garbage_planes_payloads_never_crash(codec, payload, length):
     import struct
 
-    flags = 1 if codec in (SUB, XOR) else 0
+    flags = 1 if codec in (SUB, XOR, GSUB) else 0
     blob = struct.pack("<4sBBBBQ", b"CKc1", codec, 4, flags, 0, length) + (b"f" * 32 if flags else b"") + payload
     with pytest.raises(CorruptObjectError):
         decode_chunk(blob, "0" * 64, length, max_length=1 << 20, base=bytes(length) if length < 1 << 20 else None)

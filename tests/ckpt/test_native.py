@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt import codecs, transforms
-from ckpt.codecs import PLANES, SUB, XOR, decode_chunk, encode_chunk
+from ckpt.codecs import GSUB, PLANES, SUB, XOR, decode_chunk, encode_chunk
 from storage.objects import object_id
 
 native = pytest.importorskip("ckpt._native")
-OPS = {PLANES: 0, XOR: 1, SUB: 2}
+OPS = {PLANES: 0, XOR: 1, SUB: 2, GSUB: 3}
 
 # Bit patterns that break naive float arithmetic: ±0, ±inf, NaN payloads, subnormals, extremes.
 SPECIAL = {
@@ -43,12 +43,14 @@ def pair(draw):
 def _reference_planes(data: bytes, base: bytes, elem: int, codec: int) -> bytes:
     if codec == SUB:
         data = transforms.apply_sub(data, base, elem).tobytes()
+    elif codec == GSUB:
+        data = transforms.apply_gsub(data, base, elem).tobytes()
     elif codec == XOR:
         data = transforms.apply_xor(data, base, elem).tobytes()
     return np.ascontiguousarray(np.frombuffer(data, np.uint8).reshape(-1, elem).T).tobytes()
 
 
-@given(pair(), st.sampled_from([PLANES, XOR, SUB]))
+@given(pair(), st.sampled_from([PLANES, XOR, SUB, GSUB]))
 @settings(max_examples=400, deadline=None)
 def test_kernels_match_numpy(case, codec):
     elem, new, base = case
