@@ -68,68 +68,94 @@ typedef enum { OP_PLAIN = 0, OP_XOR = 1, OP_SUB = 2, OP_GSUB = 3 } op_t;
         }                                                                                  \
     }
 
-/* start[k]: first output position of key k (a stable counting sort's prefix sums). */
+
+DEFINE_KERNELS(uint16_t, 16)
+DEFINE_KERNELS(uint32_t, 32)
+DEFINE_KERNELS(uint64_t, 64)
+
+/* Per-thread scratch for the grouped kernels (one element array of a chunk), kept
+ * between calls: fresh memory costs a page fault per 4 KiB. */
+static __thread uint8_t *scratch_buf = NULL;
+static __thread size_t scratch_len = 0;
+
+static uint8_t *scratch(size_t n) {
+    if (n > scratch_len) {
+        uint8_t *p = realloc(scratch_buf, n);
+        if (p == NULL) return NULL;
+        scratch_buf = p;
+        scratch_len = n;
+    }
+    return scratch_buf;
+}
+
+/* start[k]: first output position of key k (a stable counting sort's prefix sums).
+ * The grouped kernels move whole elements (one scattered word per element, into as
+ * many streams as there are distinct keys) and split/join the planes sequentially:
+ * far cheaper than scattering each element's bytes into every plane. */
 #define DEFINE_GROUPED(T, BITS)                                                            \
+    static inline T load_##BITS(const uint8_t *p, Py_ssize_t i) {                          \
+        T v; /* buffers may be unaligned: memcpy compiles to a plain load */               \
+        memcpy(&v, p + i * (Py_ssize_t)sizeof(T), sizeof(T));                              \
+        return v;                                                                          \
+    }                                                                                      \
     static void group_starts_##BITS(const uint8_t *base, Py_ssize_t n, Py_ssize_t *start) { \
-        const Py_ssize_t E = (BITS) / 8;                                                   \
-        memset(start, 0, NKEYS * sizeof(Py_ssize_t));                                      \
-        for (Py_ssize_t i = 0; i < n; i++) {                                               \
-            T b;                                                                           \
-            memcpy(&b, base + i * E, sizeof(T));                                           \
-            start[b >> ((BITS) - KEY_BITS)]++;                                             \
-        }                                                                                  \
+        /* four counter sets: runs of equal keys would otherwise serialise on one counter */ \
+        uint32_t cnt[4][NKEYS];                                                            \
+        memset(cnt, 0, sizeof(cnt));                                                       \
+        Py_ssize_t i = 0;                                                                  \
+        for (; i + 4 <= n; i += 4)                                                         \
+            for (int l = 0; l < 4; l++) cnt[l][load_##BITS(base, i + l) >> ((BITS) - KEY_BITS)]++; \
+        for (; i < n; i++) cnt[0][load_##BITS(base, i) >> ((BITS) - KEY_BITS)]++;         \
         Py_ssize_t pos = 0;                                                                \
         for (int k = 0; k < NKEYS; k++) {                                                  \
-            Py_ssize_t c = start[k];                                                       \
             start[k] = pos;                                                                \
-            pos += c;                                                                      \
+            pos += (Py_ssize_t)cnt[0][k] + cnt[1][k] + cnt[2][k] + cnt[3][k];              \
         }                                                                                  \
     }                                                                                      \
-    static void gencode_##BITS(const uint8_t *src, const uint8_t *base, uint8_t *dst,      \
-                               Py_ssize_t n, Py_ssize_t *start) {                          \
+    static int gencode_##BITS(const uint8_t *src, const uint8_t *base, uint8_t *dst,       \
+                              Py_ssize_t n, Py_ssize_t *start) {                           \
         const Py_ssize_t E = (BITS) / 8;                                                   \
+        T *tmp = (T *)scratch((size_t)n * sizeof(T));                                      \
+        if (tmp == NULL && n) return -1;                                                   \
         group_starts_##BITS(base, n, start);                                               \
         for (Py_ssize_t i = 0; i < n; i++) {                                               \
-            T x, b;                                                                        \
+            T x, bi = load_##BITS(base, i);                                                \
             memcpy(&x, src + i * E, sizeof(T));                                            \
-            memcpy(&b, base + i * E, sizeof(T));                                           \
-            Py_ssize_t j = start[b >> ((BITS) - KEY_BITS)]++;                              \
-            T d = (T)(ORDERED(T, BITS, x) - ORDERED(T, BITS, b));                          \
-            x = ZIGZAG(T, BITS, d);                                                        \
-            for (Py_ssize_t k = 0; k < E; k++) dst[k * n + j] = (uint8_t)(x >> (8 * k));  \
+            T d = (T)(ORDERED(T, BITS, x) - ORDERED(T, BITS, bi));                         \
+            tmp[start[bi >> ((BITS) - KEY_BITS)]++] = ZIGZAG(T, BITS, d);                  \
         }                                                                                  \
+        encode_##BITS((const uint8_t *)tmp, NULL, dst, n, OP_PLAIN);                       \
+        return 0;                                                                          \
     }                                                                                      \
-    static void gdecode_##BITS(uint8_t *const *planes, const uint8_t *base, uint8_t *dst,  \
-                               Py_ssize_t n, Py_ssize_t *start) {                          \
+    static int gdecode_##BITS(uint8_t *const *planes, const uint8_t *base, uint8_t *dst,   \
+                              Py_ssize_t n, Py_ssize_t *start) {                           \
         const Py_ssize_t E = (BITS) / 8;                                                   \
+        T *tmp = (T *)scratch((size_t)n * sizeof(T));                                      \
+        if (tmp == NULL && n) return -1;                                                   \
+        decode_##BITS(planes, NULL, (uint8_t *)tmp, n, OP_PLAIN);                          \
         group_starts_##BITS(base, n, start);                                               \
         for (Py_ssize_t i = 0; i < n; i++) {                                               \
-            T x = 0, b;                                                                    \
-            memcpy(&b, base + i * E, sizeof(T));                                           \
-            Py_ssize_t j = start[b >> ((BITS) - KEY_BITS)]++;                              \
-            for (Py_ssize_t k = 0; k < E; k++) x |= (T)planes[k][j] << (8 * k);            \
-            T o = (T)(UNZIGZAG(T, x) + ORDERED(T, BITS, b));                               \
+            T bi = load_##BITS(base, i);                                                   \
+            T x = tmp[start[bi >> ((BITS) - KEY_BITS)]++];                                 \
+            T o = (T)(UNZIGZAG(T, x) + ORDERED(T, BITS, bi));                              \
             x = ORDERED(T, BITS, o);                                                       \
             memcpy(dst + i * E, &x, sizeof(T));                                            \
         }                                                                                  \
+        return 0;                                                                          \
     }
 
 DEFINE_GROUPED(uint16_t, 16)
 DEFINE_GROUPED(uint32_t, 32)
 DEFINE_GROUPED(uint64_t, 64)
 
-DEFINE_KERNELS(uint16_t, 16)
-DEFINE_KERNELS(uint32_t, 32)
-DEFINE_KERNELS(uint64_t, 64)
-
 /* The compiler specialises each kernel per op when the op is a constant. */
 #define DISPATCH(fn, elem, op, ...)                                                        \
     do {                                                                                   \
         if ((op) == OP_GSUB) {                                                             \
             Py_ssize_t start_[NKEYS];                                                      \
-            if ((elem) == 2) g##fn##_16(__VA_ARGS__, start_);                              \
-            else if ((elem) == 4) g##fn##_32(__VA_ARGS__, start_);                         \
-            else g##fn##_64(__VA_ARGS__, start_);                                          \
+            if ((elem) == 2) failed = g##fn##_16(__VA_ARGS__, start_);                     \
+            else if ((elem) == 4) failed = g##fn##_32(__VA_ARGS__, start_);                \
+            else failed = g##fn##_64(__VA_ARGS__, start_);                                 \
         } else if ((op) == OP_PLAIN) {                                                            \
             if ((elem) == 2) fn##_16(__VA_ARGS__, OP_PLAIN);                               \
             else if ((elem) == 4) fn##_32(__VA_ARGS__, OP_PLAIN);                          \
@@ -179,11 +205,16 @@ static PyObject *native_encode(PyObject *self, PyObject *args) {
         Py_ssize_t n = src.len / elem;
         const uint8_t *s = src.buf, *b = have_base ? base.buf : NULL;
         uint8_t *d = dst.buf;
+        int failed = 0;
         Py_BEGIN_ALLOW_THREADS
         DISPATCH(encode, elem, (op_t)op, s, b, d, n);
         Py_END_ALLOW_THREADS
-        ret = Py_None;
-        Py_INCREF(ret);
+        if (failed) {
+            PyErr_NoMemory();
+        } else {
+            ret = Py_None;
+            Py_INCREF(ret);
+        }
     }
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
@@ -232,9 +263,14 @@ static PyObject *native_decode(PyObject *self, PyObject *args) {
         const uint8_t *b = have_base ? base.buf : NULL;
         uint8_t *d = dst.buf;
         uint8_t *const *pp = p;
+        int failed = 0;
         Py_BEGIN_ALLOW_THREADS
         DISPATCH(decode, elem, (op_t)op, pp, b, d, n);
         Py_END_ALLOW_THREADS
+        if (failed) {
+            PyErr_NoMemory();
+            goto done;
+        }
     }
     ret = Py_None;
     Py_INCREF(ret);
