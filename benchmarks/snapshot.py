@@ -345,7 +345,7 @@ class Ckpt(Contender):
         super().__init__(root, tr)
         self.store_dir = self.dir / "store"
         # The manager's defaults: no delta against the previous snapshot, compression
-        # only where it saves 10% (restore speed first). ckpt-delta: delta=True.
+        # only where it saves 25% (restore speed first). ckpt-delta: delta=True.
         self.mgr = ckpt.CheckpointManager(str(self.store_dir), "bench", async_save=True, keep_last=None, delta=self.delta)
         self.settings = self.mgr.store.settings
         self.last_step = -1
