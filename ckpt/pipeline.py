@@ -56,12 +56,13 @@ def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
     """Decoded, verified bytes of chunk ``cid`` and the length of its delta chain (0: no base).
 
     With ``out`` (``length`` writable bytes: a slice of a tensor's memory) the bytes
-    land there: a raw chunk is read straight into it and hashed in place, others are
-    decoded into it; on error its contents are unspecified.
+    land there: from a local store a raw chunk is read straight into it (its header
+    first) and hashed in place; others are decoded into it. On error its contents are
+    unspecified.
     """
     if _depth > MAX_CHAIN:
         raise CorruptObjectError("chunk", cid, f"delta chain longer than {MAX_CHAIN}")
-    if out is not None and settings.max_chunk_size >= length == len(out):
+    if out is not None and objects.backend.reads_into and settings.max_chunk_size >= length == len(out):
         path = objects.path("chunks", cid)
         try:
             head = parse_header(objects.backend.read_range(path, 0, MAX_HEADER), cid)
@@ -199,7 +200,8 @@ class GetTask:
 
 
 def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Settings, progress: Progress | None = None) -> None:
-    """Fetch, decode (following delta chains) and verify chunks in parallel, handing each one's bytes to its sink."""
+    """Fetch, decode (following delta chains) and verify chunks in parallel, into each task's
+    ``into`` buffer and/or handing the bytes to its ``sink``."""
 
     def get(task: GetTask) -> None:
         data, _ = fetch_chunk(objects, task.id, task.length, settings, out=task.into)

@@ -57,6 +57,10 @@ class Backend(ABC):
     def read_range(self, path: str, start: int, length: int) -> bytes:
         """``length`` bytes from ``start`` (fewer at end of file)."""
 
+    # True where read_into() reads straight into the buffer (no intermediate copy) and
+    # a small read before it is cheap: callers then read a header first, then the body.
+    reads_into: bool = False
+
     def read_into(self, path: str, start: int, buf: memoryview) -> int:
         """Fill ``buf`` with the file's bytes from ``start`` (as many as there are); return the file's size.
 
@@ -208,6 +212,8 @@ class LocalBackend(Backend):
             return os.pread(fd, length, start)
         finally:
             os.close(fd)
+
+    reads_into = True
 
     def read_into(self, path: str, start: int, buf: memoryview) -> int:
         try:
