@@ -173,9 +173,15 @@ DEFINE_GROUPED(uint64_t, 64)
         }                                                                                  \
     } while (0)
 
-static int check_elem(int elem) {
-    if (elem != 2 && elem != 4 && elem != 8) {
-        PyErr_Format(PyExc_ValueError, "element size must be 2, 4 or 8, not %d", elem);
+/* Both entry points take (data, base, dst, elem, op); -1 with an exception set if any is off. */
+static int parse_args(PyObject *args, PyObject **data, PyObject **base, PyObject **dst, int *elem, int *op) {
+    if (!PyArg_ParseTuple(args, "OOOii", data, base, dst, elem, op)) return -1;
+    if (*elem != 2 && *elem != 4 && *elem != 8) {
+        PyErr_Format(PyExc_ValueError, "element size must be 2, 4 or 8, not %d", *elem);
+        return -1;
+    }
+    if (*op < OP_PLAIN || *op > OP_GSUB) {
+        PyErr_Format(PyExc_ValueError, "unknown op %d", *op);
         return -1;
     }
     return 0;
@@ -185,9 +191,7 @@ static int check_elem(int elem) {
 static PyObject *native_encode(PyObject *self, PyObject *args) {
     PyObject *src_o, *base_o, *dst_o;
     int elem, op;
-    if (!PyArg_ParseTuple(args, "OOOii", &src_o, &base_o, &dst_o, &elem, &op)) return NULL;
-    if (check_elem(elem) < 0) return NULL;
-    if (op < OP_PLAIN || op > OP_GSUB) return PyErr_Format(PyExc_ValueError, "unknown op %d", op);
+    if (parse_args(args, &src_o, &base_o, &dst_o, &elem, &op) < 0) return NULL;
     Py_buffer src, base = {0}, dst;
     if (PyObject_GetBuffer(src_o, &src, PyBUF_SIMPLE) < 0) return NULL;
     if (PyObject_GetBuffer(dst_o, &dst, PyBUF_WRITABLE) < 0) {
@@ -228,9 +232,7 @@ static PyObject *native_encode(PyObject *self, PyObject *args) {
 static PyObject *native_decode(PyObject *self, PyObject *args) {
     PyObject *planes_o, *base_o, *dst_o;
     int elem, op;
-    if (!PyArg_ParseTuple(args, "OOOii", &planes_o, &base_o, &dst_o, &elem, &op)) return NULL;
-    if (check_elem(elem) < 0) return NULL;
-    if (op < OP_PLAIN || op > OP_GSUB) return PyErr_Format(PyExc_ValueError, "unknown op %d", op);
+    if (parse_args(args, &planes_o, &base_o, &dst_o, &elem, &op) < 0) return NULL;
     PyObject *seq = PySequence_Fast(planes_o, "planes must be a sequence of buffers");
     if (seq == NULL) return NULL;
     if (PySequence_Fast_GET_SIZE(seq) != elem) {
