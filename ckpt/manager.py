@@ -60,6 +60,12 @@ class CheckpointManager:
     unchanged chunks are found by hash instead. Writes through ``.data`` also bypass
     the counter: pass ``trust_version=False`` if your code does that.
 
+    Restore reads in parallel straight into the live tensors (module parameters and
+    buffers, an optimizer's existing state tensors; other state gets new tensors that
+    its ``load_state_dict`` receives), re-hashing every byte. A restore that fails
+    part way (a damaged chunk, say) has overwritten some of them: restore again, from
+    another snapshot if need be.
+
     Retention, applied after each save: keep the last ``keep_last`` snapshots, every
     snapshot whose step is a multiple of ``keep_every``, and the ``keep_best[2]``
     best by metric ``keep_best[0]`` (``"min"`` or ``"max"`` as ``keep_best[1]``).
