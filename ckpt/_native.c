@@ -114,34 +114,40 @@ static uint8_t *scratch(size_t n) {
             pos += (Py_ssize_t)cnt[0][k] + cnt[1][k] + cnt[2][k] + cnt[3][k];              \
         }                                                                                  \
     }                                                                                      \
+    /* Encode: the differences in element order (a vectorisable pass, into dst as      \
+     * scratch), then one scattered word per element into the sorted order, then the    \
+     * plane split. Decode mirrors it: join, gather, undo the difference in place. */   \
     static int gencode_##BITS(const uint8_t *src, const uint8_t *base, uint8_t *dst,       \
                               Py_ssize_t n, Py_ssize_t *start) {                           \
-        const Py_ssize_t E = (BITS) / 8;                                                   \
         T *tmp = (T *)scratch((size_t)n * sizeof(T));                                      \
         if (tmp == NULL && n) return -1;                                                   \
-        group_starts_##BITS(base, n, start);                                               \
         for (Py_ssize_t i = 0; i < n; i++) {                                               \
-            T x, bi = load_##BITS(base, i);                                                \
-            memcpy(&x, src + i * E, sizeof(T));                                            \
+            T x = load_##BITS(src, i), bi = load_##BITS(base, i);                          \
             T d = (T)(ORDERED(T, BITS, x) - ORDERED(T, BITS, bi));                         \
-            tmp[start[KEY(BITS, bi)]++] = ZIGZAG(T, BITS, d);                  \
+            d = ZIGZAG(T, BITS, d);                                                        \
+            memcpy(dst + i * (Py_ssize_t)sizeof(T), &d, sizeof(T));                        \
         }                                                                                  \
+        group_starts_##BITS(base, n, start);                                               \
+        for (Py_ssize_t i = 0; i < n; i++)                                                 \
+            tmp[start[KEY(BITS, load_##BITS(base, i))]++] = load_##BITS(dst, i);           \
         encode_##BITS((const uint8_t *)tmp, NULL, dst, n, OP_PLAIN);                       \
         return 0;                                                                          \
     }                                                                                      \
     static int gdecode_##BITS(uint8_t *const *planes, const uint8_t *base, uint8_t *dst,   \
                               Py_ssize_t n, Py_ssize_t *start) {                           \
-        const Py_ssize_t E = (BITS) / 8;                                                   \
         T *tmp = (T *)scratch((size_t)n * sizeof(T));                                      \
         if (tmp == NULL && n) return -1;                                                   \
         decode_##BITS(planes, NULL, (uint8_t *)tmp, n, OP_PLAIN);                          \
         group_starts_##BITS(base, n, start);                                               \
         for (Py_ssize_t i = 0; i < n; i++) {                                               \
-            T bi = load_##BITS(base, i);                                                   \
-            T x = tmp[start[KEY(BITS, bi)]++];                                 \
-            T o = (T)(UNZIGZAG(T, x) + ORDERED(T, BITS, bi));                              \
-            x = ORDERED(T, BITS, o);                                                       \
-            memcpy(dst + i * E, &x, sizeof(T));                                            \
+            T x = tmp[start[KEY(BITS, load_##BITS(base, i))]++];                           \
+            memcpy(dst + i * (Py_ssize_t)sizeof(T), &x, sizeof(T));                        \
+        }                                                                                  \
+        for (Py_ssize_t i = 0; i < n; i++) {                                               \
+            T z = load_##BITS(dst, i), bi = load_##BITS(base, i);                          \
+            T o = (T)(UNZIGZAG(T, z) + ORDERED(T, BITS, bi));                              \
+            o = ORDERED(T, BITS, o);                                                       \
+            memcpy(dst + i * (Py_ssize_t)sizeof(T), &o, sizeof(T));                        \
         }                                                                                  \
         return 0;                                                                          \
     }
