@@ -75,21 +75,6 @@ DEFINE_KERNELS(uint16_t, 16)
 DEFINE_KERNELS(uint32_t, 32)
 DEFINE_KERNELS(uint64_t, 64)
 
-/* Per-thread scratch for the grouped kernels (one element array of a chunk), kept
- * between calls: fresh memory costs a page fault per 4 KiB. */
-static __thread uint8_t *scratch_buf = NULL;
-static __thread size_t scratch_len = 0;
-
-static uint8_t *scratch(size_t n) {
-    if (n > scratch_len) {
-        uint8_t *p = realloc(scratch_buf, n);
-        if (p == NULL) return NULL;
-        scratch_buf = p;
-        scratch_len = n;
-    }
-    return scratch_buf;
-}
-
 /* start[k]: first output position of key k (a stable counting sort's prefix sums).
  * The grouped kernels move whole elements (one scattered word per element, into as
  * many streams as there are distinct keys) and split/join the planes sequentially:
@@ -117,10 +102,9 @@ static uint8_t *scratch(size_t n) {
     /* Encode: the differences in element order (a vectorisable pass, into dst as      \
      * scratch), then one scattered word per element into the sorted order, then the    \
      * plane split. Decode mirrors it: join, gather, undo the difference in place. */   \
-    static int gencode_##BITS(const uint8_t *src, const uint8_t *base, uint8_t *dst,       \
-                              Py_ssize_t n, Py_ssize_t *start) {                           \
-        T *tmp = (T *)scratch((size_t)n * sizeof(T));                                      \
-        if (tmp == NULL && n) return -1;                                                   \
+    static void gencode_##BITS(const uint8_t *src, const uint8_t *base, uint8_t *dst,      \
+                               Py_ssize_t n, uint8_t *tmpbuf, Py_ssize_t *start) {         \
+        T *tmp = (T *)tmpbuf;                                                              \
         for (Py_ssize_t i = 0; i < n; i++) {                                               \
             T x = load_##BITS(src, i), bi = load_##BITS(base, i);                          \
             T d = (T)(ORDERED(T, BITS, x) - ORDERED(T, BITS, bi));                         \
@@ -131,12 +115,10 @@ static uint8_t *scratch(size_t n) {
         for (Py_ssize_t i = 0; i < n; i++)                                                 \
             tmp[start[KEY(BITS, load_##BITS(base, i))]++] = load_##BITS(dst, i);           \
         encode_##BITS((const uint8_t *)tmp, NULL, dst, n, OP_PLAIN);                       \
-        return 0;                                                                          \
     }                                                                                      \
-    static int gdecode_##BITS(uint8_t *const *planes, const uint8_t *base, uint8_t *dst,   \
-                              Py_ssize_t n, Py_ssize_t *start) {                           \
-        T *tmp = (T *)scratch((size_t)n * sizeof(T));                                      \
-        if (tmp == NULL && n) return -1;                                                   \
+    static void gdecode_##BITS(uint8_t *const *planes, const uint8_t *base, uint8_t *dst,  \
+                               Py_ssize_t n, uint8_t *tmpbuf, Py_ssize_t *start) {         \
+        T *tmp = (T *)tmpbuf;                                                              \
         decode_##BITS(planes, NULL, (uint8_t *)tmp, n, OP_PLAIN);                          \
         group_starts_##BITS(base, n, start);                                               \
         for (Py_ssize_t i = 0; i < n; i++) {                                               \
@@ -149,7 +131,6 @@ static uint8_t *scratch(size_t n) {
             o = ORDERED(T, BITS, o);                                                       \
             memcpy(dst + i * (Py_ssize_t)sizeof(T), &o, sizeof(T));                        \
         }                                                                                  \
-        return 0;                                                                          \
     }
 
 DEFINE_GROUPED(uint16_t, 16)
@@ -157,14 +138,14 @@ DEFINE_GROUPED(uint32_t, 32)
 DEFINE_GROUPED(uint64_t, 64)
 
 /* The compiler specialises each kernel per op when the op is a constant. */
-#define DISPATCH(fn, elem, op, ...)                                                        \
+#define DISPATCH(fn, elem, op, tmp, ...)                                                   \
     do {                                                                                   \
         if ((op) == OP_GSUB) {                                                             \
             Py_ssize_t start_[NKEYS];                                                      \
-            if ((elem) == 2) failed = g##fn##_16(__VA_ARGS__, start_);                     \
-            else if ((elem) == 4) failed = g##fn##_32(__VA_ARGS__, start_);                \
-            else failed = g##fn##_64(__VA_ARGS__, start_);                                 \
-        } else if ((op) == OP_PLAIN) {                                                            \
+            if ((elem) == 2) g##fn##_16(__VA_ARGS__, tmp, start_);                         \
+            else if ((elem) == 4) g##fn##_32(__VA_ARGS__, tmp, start_);                    \
+            else g##fn##_64(__VA_ARGS__, tmp, start_);                                     \
+        } else if ((op) == OP_PLAIN) {                                                     \
             if ((elem) == 2) fn##_16(__VA_ARGS__, OP_PLAIN);                               \
             else if ((elem) == 4) fn##_32(__VA_ARGS__, OP_PLAIN);                          \
             else fn##_64(__VA_ARGS__, OP_PLAIN);                                           \
@@ -179,9 +160,11 @@ DEFINE_GROUPED(uint64_t, 64)
         }                                                                                  \
     } while (0)
 
-/* Both entry points take (data, base, dst, elem, op); -1 with an exception set if any is off. */
-static int parse_args(PyObject *args, PyObject **data, PyObject **base, PyObject **dst, int *elem, int *op) {
-    if (!PyArg_ParseTuple(args, "OOOii", data, base, dst, elem, op)) return -1;
+/* Both entry points take (data, base, dst, elem, op[, scratch]); -1 with an exception set if any is off. */
+static int parse_args(PyObject *args, PyObject **data, PyObject **base, PyObject **dst, int *elem, int *op,
+                      PyObject **scratch) {
+    *scratch = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOii|O", data, base, dst, elem, op, scratch)) return -1;
     if (*elem != 2 && *elem != 4 && *elem != 8) {
         PyErr_Format(PyExc_ValueError, "element size must be 2, 4 or 8, not %d", *elem);
         return -1;
@@ -193,68 +176,87 @@ static int parse_args(PyObject *args, PyObject **data, PyObject **base, PyObject
     return 0;
 }
 
-/* encode(src, base, dst, elem, op): dst (plane-major) <- planes of op(src, base). base may be None for op 0. */
+/* The grouped op's working array: the caller's writable buffer of at least `need` bytes,
+ * aligned to the element size (the caller keeps one per thread; nothing is kept here). */
+static int get_scratch(PyObject *o, Py_buffer *v, Py_ssize_t need, int elem) {
+    if (o == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "op 3 needs a scratch buffer as large as the data");
+        return -1;
+    }
+    if (PyObject_GetBuffer(o, v, PyBUF_WRITABLE) < 0) return -1;
+    if (v->len < need || (uintptr_t)v->buf % (uintptr_t)elem) {
+        PyBuffer_Release(v);
+        PyErr_SetString(PyExc_ValueError, "scratch buffer too small or not aligned to the element size");
+        return -1;
+    }
+    return 0;
+}
+
+/* encode(src, base, dst, elem, op[, scratch]): dst (plane-major) <- planes of op(src, base).
+ * base may be None for op 0. */
 static PyObject *native_encode(PyObject *self, PyObject *args) {
-    PyObject *src_o, *base_o, *dst_o;
+    PyObject *src_o, *base_o, *dst_o, *scratch_o;
     int elem, op;
-    if (parse_args(args, &src_o, &base_o, &dst_o, &elem, &op) < 0) return NULL;
-    Py_buffer src, base = {0}, dst;
-    if (PyObject_GetBuffer(src_o, &src, PyBUF_SIMPLE) < 0) return NULL;
-    if (PyObject_GetBuffer(dst_o, &dst, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    int have_base = op != OP_PLAIN;
-    if (have_base && PyObject_GetBuffer(base_o, &base, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&src);
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
+    if (parse_args(args, &src_o, &base_o, &dst_o, &elem, &op, &scratch_o) < 0) return NULL;
+    Py_buffer src, base = {0}, dst, tmp = {0};
+    int have_src = 0, have_dst = 0, have_base = 0, have_tmp = 0;
     PyObject *ret = NULL;
+    if (PyObject_GetBuffer(src_o, &src, PyBUF_SIMPLE) < 0) goto done;
+    have_src = 1;
+    if (PyObject_GetBuffer(dst_o, &dst, PyBUF_WRITABLE) < 0) goto done;
+    have_dst = 1;
+    if (op != OP_PLAIN) {
+        if (PyObject_GetBuffer(base_o, &base, PyBUF_SIMPLE) < 0) goto done;
+        have_base = 1;
+    }
     if (src.len % elem || dst.len != src.len || (have_base && base.len != src.len)) {
         PyErr_SetString(PyExc_ValueError, "buffers must have the same length, a multiple of the element size");
-    } else {
+        goto done;
+    }
+    if (op == OP_GSUB) {
+        if (get_scratch(scratch_o, &tmp, src.len, elem) < 0) goto done;
+        have_tmp = 1;
+    }
+    {
         Py_ssize_t n = src.len / elem;
         const uint8_t *s = src.buf, *b = have_base ? base.buf : NULL;
-        uint8_t *d = dst.buf;
-        int failed = 0;
+        uint8_t *d = dst.buf, *t = have_tmp ? tmp.buf : NULL;
         Py_BEGIN_ALLOW_THREADS
-        DISPATCH(encode, elem, (op_t)op, s, b, d, n);
+        DISPATCH(encode, elem, (op_t)op, t, s, b, d, n);
         Py_END_ALLOW_THREADS
-        if (failed) {
-            PyErr_NoMemory();
-        } else {
-            ret = Py_None;
-            Py_INCREF(ret);
-        }
     }
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
+    ret = Py_None;
+    Py_INCREF(ret);
+done:
+    if (have_src) PyBuffer_Release(&src);
+    if (have_dst) PyBuffer_Release(&dst);
     if (have_base) PyBuffer_Release(&base);
+    if (have_tmp) PyBuffer_Release(&tmp);
     return ret;
 }
 
-/* decode(planes, base, dst, elem, op): dst <- op^-1(interleave(planes), base). planes: elem buffers of n bytes. */
+/* decode(planes, base, dst, elem, op[, scratch]): dst <- op^-1(interleave(planes), base).
+ * planes: elem buffers of n bytes. */
 static PyObject *native_decode(PyObject *self, PyObject *args) {
-    PyObject *planes_o, *base_o, *dst_o;
+    PyObject *planes_o, *base_o, *dst_o, *scratch_o;
     int elem, op;
-    if (parse_args(args, &planes_o, &base_o, &dst_o, &elem, &op) < 0) return NULL;
+    if (parse_args(args, &planes_o, &base_o, &dst_o, &elem, &op, &scratch_o) < 0) return NULL;
     PyObject *seq = PySequence_Fast(planes_o, "planes must be a sequence of buffers");
     if (seq == NULL) return NULL;
     if (PySequence_Fast_GET_SIZE(seq) != elem) {
         Py_DECREF(seq);
         return PyErr_Format(PyExc_ValueError, "need %d planes", elem);
     }
-    Py_buffer pv[MAX_ELEM], base = {0}, dst;
-    int got = 0, have_base = op != OP_PLAIN, have_dst = 0;
+    Py_buffer pv[MAX_ELEM], base = {0}, dst, tmp = {0};
+    int got = 0, have_base = 0, have_dst = 0, have_tmp = 0;
     PyObject *ret = NULL;
     for (; got < elem; got++)
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &pv[got], PyBUF_SIMPLE) < 0) goto done;
     if (PyObject_GetBuffer(dst_o, &dst, PyBUF_WRITABLE) < 0) goto done;
     have_dst = 1;
-    if (have_base && PyObject_GetBuffer(base_o, &base, PyBUF_SIMPLE) < 0) {
-        have_base = 0;
-        goto done;
+    if (op != OP_PLAIN) {
+        if (PyObject_GetBuffer(base_o, &base, PyBUF_SIMPLE) < 0) goto done;
+        have_base = 1;
     }
     if (dst.len % elem || (have_base && base.len != dst.len)) {
         PyErr_SetString(PyExc_ValueError, "dst and base must have the same length, a multiple of the element size");
@@ -269,18 +271,17 @@ static PyObject *native_decode(PyObject *self, PyObject *args) {
         }
         p[k] = pv[k].buf;
     }
+    if (op == OP_GSUB) {
+        if (get_scratch(scratch_o, &tmp, dst.len, elem) < 0) goto done;
+        have_tmp = 1;
+    }
     {
         const uint8_t *b = have_base ? base.buf : NULL;
-        uint8_t *d = dst.buf;
+        uint8_t *d = dst.buf, *t = have_tmp ? tmp.buf : NULL;
         uint8_t *const *pp = p;
-        int failed = 0;
         Py_BEGIN_ALLOW_THREADS
-        DISPATCH(decode, elem, (op_t)op, pp, b, d, n);
+        DISPATCH(decode, elem, (op_t)op, t, pp, b, d, n);
         Py_END_ALLOW_THREADS
-        if (failed) {
-            PyErr_NoMemory();
-            goto done;
-        }
     }
     ret = Py_None;
     Py_INCREF(ret);
@@ -288,17 +289,20 @@ done:
     for (int k = 0; k < got; k++) PyBuffer_Release(&pv[k]);
     if (have_dst) PyBuffer_Release(&dst);
     if (have_base) PyBuffer_Release(&base);
+    if (have_tmp) PyBuffer_Release(&tmp);
     Py_DECREF(seq);
     return ret;
 }
 
 static PyMethodDef methods[] = {
     {"encode", native_encode, METH_VARARGS,
-     "encode(src, base, dst, elem, op): write the byte planes of op(src, base) into dst, plane-major "
+     "encode(src, base, dst, elem, op[, scratch]): write the byte planes of op(src, base) into dst, plane-major "
      "(op 0: src itself, 1: XOR, 2: zigzag of the ordered-integer difference, 3: op 2 with the elements "
-     "in a stable order by the 10 bits below the sign bit of base)."},
+     "in a stable order by the 10 bits below the sign bit of base; it needs `scratch`, a writable buffer "
+     "as large as src, aligned to the element size)."},
     {"decode", native_decode, METH_VARARGS,
-     "decode(planes, base, dst, elem, op): interleave `elem` planes and undo op against base, into dst."},
+     "decode(planes, base, dst, elem, op[, scratch]): interleave `elem` planes and undo op against base, "
+     "into dst (op 3 needs `scratch` as encode does)."},
     {NULL, NULL, 0, NULL},
 };
 

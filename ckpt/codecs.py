@@ -89,11 +89,15 @@ _APPLY = {XOR: transforms.apply_xor, SUB: transforms.apply_sub, GSUB: transforms
 _UNDO = {XOR: transforms.undo_xor, SUB: transforms.undo_sub, GSUB: transforms.undo_gsub}
 
 
-def _scratch(n: int) -> memoryview:
-    """A per-thread buffer of at least ``n`` bytes, reused across chunks (fresh memory costs page faults)."""
-    buf = getattr(_local, "scratch", None)
+def _scratch(n: int, name: str = "split") -> memoryview:
+    """Per-thread buffer ``name`` of at least ``n`` bytes, reused across chunks (fresh memory
+    costs page faults); released with the thread."""
+    bufs = getattr(_local, "scratch", None)
+    if bufs is None:
+        bufs = _local.scratch = {}
+    buf = bufs.get(name)
     if buf is None or len(buf) < n:
-        buf = _local.scratch = bytearray(n)
+        buf = bufs[name] = bytearray(n)
     return memoryview(buf)[:n]
 
 
@@ -102,7 +106,7 @@ def _split(data: Any, base: Any, elem: int, codec: int) -> memoryview:
     if native is not None:
         view = memoryview(data).cast("B")
         out = _scratch(len(view))
-        native.encode(view, base, out, elem, _OP[codec])
+        native.encode(view, base, out, elem, _OP[codec], _scratch(len(view), "gsub") if codec == GSUB else None)
         return out
     if codec in _APPLY:
         data = _APPLY[codec](data, base, elem)
@@ -167,7 +171,7 @@ def _planes_decode(payload: memoryview, length: int, elem: int, oid: str, codec:
     if out is None:
         out = memoryview(bytearray(length))
     if native is not None:
-        native.decode(planes, base, out, elem, _OP[codec])
+        native.decode(planes, base, out, elem, _OP[codec], _scratch(length, "gsub") if codec == GSUB else None)
         return out
     arr = np.frombuffer(out, dtype=np.uint8).reshape(-1, elem)
     for k, body in enumerate(planes):
@@ -188,14 +192,25 @@ class ChunkHeader:
 
 @dataclass(frozen=True)
 class Encoded:
-    blob: bytes
+    # The blob in pieces (header, payload): a raw payload stays a view of the caller's
+    # bytes, and the pieces go to Backend.write as they are, so a chunk on its way to
+    # the disk is never copied only to be joined.
+    parts: tuple[bytes | memoryview, ...]
     codec: int
     base: str | None  # id of the base chunk the blob needs, if any
 
+    @property
+    def size(self) -> int:
+        return sum(len(p) for p in self.parts)
 
-def _pack(codec: int, elem: int, length: int, base: str | None, payload: bytes | memoryview) -> bytes:
+    @property
+    def blob(self) -> bytes:
+        return b"".join(self.parts)
+
+
+def _pack(codec: int, elem: int, length: int, base: str | None, payload: bytes | memoryview) -> tuple[bytes | memoryview, ...]:
     head = _HEAD.pack(MAGIC, codec, elem, HAS_BASE if base else 0, 0, length)
-    return head + (bytes.fromhex(base) if base else b"") + payload
+    return (head + (bytes.fromhex(base) if base else b""), payload)
 
 
 def _sample(data: memoryview, elem: int, parts: int = 4, size: int = 64 * 1024) -> memoryview | bytes:

@@ -144,7 +144,7 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
     writes: list[Future[None]] = []
     writes_lock = threading.Lock()
 
-    def write(path: str, blob: bytes) -> None:
+    def write(path: str, blob: tuple[bytes | memoryview, ...]) -> None:
         try:
             objects.backend.write(path, blob)
         finally:
@@ -174,13 +174,13 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
                            base=base_bytes, base_id=task.base if base_bytes is not None else None)
         slots.acquire()
         try:
-            fut = io.submit(write, path, enc.blob)
+            fut = io.submit(write, path, enc.parts)
         except BaseException:
             slots.release()
             raise
         with writes_lock:
             writes.append(fut)
-        return PutResult(oid, task.length, len(enc.blob), enc.codec, base_chain if enc.base else ())
+        return PutResult(oid, task.length, enc.size, enc.codec, base_chain if enc.base else ())
 
     try:
         results = run_parallel(put, tasks, max(settings.workers, min(remote, 8)), progress or NullProgress(), lambda t: t.length)

@@ -21,9 +21,17 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 from storage.errors import StorageIOError
+
+# What write() takes: bytes, or a tuple of buffers whose concatenation is the file.
+Data = Union[bytes, bytearray, memoryview, tuple[Any, ...]]
+
+
+def joined(data: Data) -> bytes:
+    """``data`` as one bytes object (for backends that send a single body)."""
+    return b"".join(data) if isinstance(data, tuple) else bytes(data)
 
 # Prefix of an object gc is deleting (LocalBackend.delete_if_stale); it is a temporary.
 CONDEMNED = ".tmp-gc-"
@@ -73,8 +81,11 @@ class Backend(ABC):
         return len(data)
 
     @abstractmethod
-    def write(self, path: str, data: bytes | memoryview) -> None:
-        """Atomically create or replace ``path`` with ``data`` (durable on return)."""
+    def write(self, path: str, data: Data) -> None:
+        """Atomically create or replace ``path`` with ``data`` (durable on return).
+
+        ``data`` may be a tuple of buffers: the file is their concatenation (a chunk's
+        header and payload are written without joining them first)."""
 
     @abstractmethod
     def create_exclusive(self, path: str, data: bytes) -> bool:
@@ -177,16 +188,17 @@ class LocalBackend(Backend):
         with self._lock:
             self._made_dirs.add(d)
 
-    def _write_temp(self, final: str, data: bytes | memoryview) -> str:
+    def _write_temp(self, final: str, data: Data) -> str:
         d = os.path.dirname(final)
         self._ensure_dir(d)
         tmp = os.path.join(d, f".tmp-{uuid.uuid4().hex}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            view = memoryview(data).cast("B")
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
+            for part in data if isinstance(data, tuple) else (data,):
+                view = memoryview(part).cast("B")
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
             if self.fsync:
                 os.fsync(fd)
         except BaseException:
@@ -234,7 +246,7 @@ class LocalBackend(Backend):
         finally:
             os.close(fd)
 
-    def write(self, path: str, data: bytes | memoryview) -> None:
+    def write(self, path: str, data: Data) -> None:
         final = self._p(path)
         try:
             tmp = self._write_temp(final, data)
@@ -416,9 +428,9 @@ class FsspecBackend(Backend):
     def read_range(self, path: str, start: int, length: int) -> bytes:
         return bytes(self.fs.cat_file(self._p(path), start=start, end=start + length))
 
-    def write(self, path: str, data: bytes | memoryview) -> None:
+    def write(self, path: str, data: Data) -> None:
         try:
-            self.fs.pipe_file(self._p(path), bytes(data))
+            self.fs.pipe_file(self._p(path), joined(data))
         except OSError as e:
             raise _io_error("write", path, e) from e
 

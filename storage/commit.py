@@ -20,7 +20,8 @@ def _refresh(objects: ObjectStore, cid: str) -> bool:
     # A gc deleting a chunk that was touched concurrently renames it away and back
     # (LocalBackend.delete_if_stale): look again across that short window.
     for delay in (0.0, 0.01, 0.05, 0.2):
-        time.sleep(delay)
+        if delay:
+            time.sleep(delay)
         if objects.refresh("chunks", cid):
             return True
     return False

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from storage.backend import Entry, FsspecBackend
+from storage.backend import Data, Entry, FsspecBackend, joined
 from storage.errors import StorageIOError
 from storage.retry import RetryPolicy, call_with_retries
 from storage.s3_errors import (
@@ -164,8 +164,8 @@ class S3Backend(FsspecBackend):
     def read_range(self, path: str, start: int, length: int) -> bytes:
         return self._call("read", path, lambda: bytes(self.fs.cat_file(self._p(path), start=start, end=start + length)))
 
-    def write(self, path: str, data: bytes | memoryview) -> None:
-        blob = bytes(data)
+    def write(self, path: str, data: Data) -> None:
+        blob = joined(data)
         self._call("write", path, lambda: self._put(path, blob))
 
     def _put(self, path: str, blob: bytes, **kw: Any) -> None:

@@ -56,10 +56,11 @@ def test_kernels_match_numpy(case, codec):
     elem, new, base = case
     n = len(new) // elem
     planes = bytearray(len(new))
-    native.encode(new, base, planes, elem, OPS[codec])
+    scratch = bytearray(len(new)) if codec == GSUB else None
+    native.encode(new, base, planes, elem, OPS[codec], scratch)
     assert bytes(planes) == _reference_planes(new, base, elem, codec)
     out = bytearray(len(new))
-    native.decode([bytes(planes[k * n : (k + 1) * n]) for k in range(elem)], base, out, elem, OPS[codec])
+    native.decode([bytes(planes[k * n : (k + 1) * n]) for k in range(elem)], base, out, elem, OPS[codec], scratch)
     assert bytes(out) == new
 
 
@@ -97,3 +98,7 @@ def test_bad_arguments_are_errors_not_crashes():
         native.encode(b"\0" * 8, None, b"\0" * 8, 4, 0)  # read-only destination
     with pytest.raises(ValueError):
         native.encode(b"\0" * 8, None, bytearray(8), 4, 7)
+    with pytest.raises(ValueError, match="scratch"):
+        native.encode(b"\0" * 8, b"\0" * 8, bytearray(8), 4, 3)  # gsub without its working array
+    with pytest.raises(ValueError, match="scratch"):
+        native.decode([b"\0" * 2] * 4, b"\0" * 8, bytearray(8), 4, 3, bytearray(4))  # one too small
