@@ -113,13 +113,13 @@ def test_push_base_and_show_codecs(env):
     shown = json.loads(invoke("show", "m/ft", "--json"))
     assert shown["lineage"]["base"] == json.loads(invoke("ls", "--json"))[0]["id"]
     w = next(t for t in shown["tensors"] if t["name"] == "w")
-    assert set(w["codecs"]) & {"sub", "xor"} and w["delta_depth"] == 1
+    assert set(w["codecs"]) & {"gsub", "sub", "xor"} and w["delta_depth"] == 1
     assert "depth 1" in invoke("show", "m/ft")
     assert r["written_bytes"] < r["logical_bytes"] / 2
     invoke("push", str(tmp / "ft.safetensors"), "m/ft2", "--no-delta")
     assert json.loads(invoke("show", "m/ft2", "--json"))["lineage"]["base"] is None
     du = json.loads(invoke("du", "--json"))
-    assert {"planes"} <= set(du["codecs"]) and any(c in du["codecs"] for c in ("sub", "xor"))
+    assert {"planes"} <= set(du["codecs"]) and any(c in du["codecs"] for c in ("gsub", "sub", "xor"))
 
 
 def test_verify_repair_from(env, capsys):
