@@ -109,7 +109,8 @@ def _split(data: Any, base: Any, elem: int, codec: int) -> memoryview:
         native.encode(view, base, out, elem, _OP[codec], _scratch(len(view), "gsub") if codec == GSUB else None)
         return out
     if codec in _APPLY:
-        data = _APPLY[codec](data, base, elem)
+        apply = _APPLY[codec]
+        data = apply(data, base, elem)
     arr = np.frombuffer(data, dtype=np.uint8).reshape(-1, elem)
     return np.ascontiguousarray(arr.T).data.cast("B")  # one transposing pass; row k is plane k
 
@@ -177,7 +178,8 @@ def _planes_decode(payload: memoryview, length: int, elem: int, oid: str, codec:
     for k, body in enumerate(planes):
         arr[:, k] = np.frombuffer(body, dtype=np.uint8)
     if codec in DELTA_CODECS:
-        out[:] = _UNDO[codec](out, base, elem).data.cast("B")
+        undo = _UNDO[codec]
+        out[:] = undo(out, base, elem).data.cast("B")
     return out
 
 
