@@ -258,16 +258,20 @@ def encode_chunk(
             candidates.append((XOR, lambda d, b, r: _planes_encode(d, elem, level, base=b, codec=XOR, raw=r)))
     bview = memoryview(base).cast("B") if base is not None else None
     raw: set[int] | None = None
+    payload: bytes | None = None
     sample = _sample(view, elem)
     if candidates and (len(candidates) > 1 or len(sample) < n):
         sbase = _sample(bview, elem) if bview is not None else None
         raws: list[set[int]] = [set() for _ in candidates]
-        sizes = [len(fn(sample, sbase, r)) for (_, fn), r in zip(candidates, raws)]
-        best = sizes.index(min(sizes))
-        candidates, raw = [candidates[best]], (raws[best] if len(sample) < n else None)
+        tried = [fn(sample, sbase, r) for (_, fn), r in zip(candidates, raws)]
+        best = min(range(len(tried)), key=lambda i: len(tried[i]))
+        candidates, raw = [candidates[best]], raws[best]
+        if len(sample) == n:  # the "sample" was the whole chunk: its encoding is the answer
+            payload = tried[best]
     if candidates:
         codec, fn = candidates[0]
-        payload = fn(view, bview, raw)
+        if payload is None:
+            payload = fn(view, bview, raw)
         if len(payload) <= n * (1.0 - min_saving):
             b = base_id if codec in DELTA_CODECS else None
             return Encoded(_pack(codec, elem, n, b, payload), codec, b)

@@ -10,7 +10,7 @@ import fnmatch
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ckpt.dtypes import byte_view, to_torch
@@ -26,13 +26,16 @@ if TYPE_CHECKING:
     from ckpt.store import Store
 
 
-def _chunk_tasks(chunks: Iterable[str], nbytes: int, chunk_size: int, sink_at: Callable[[int], Callable[[bytes], None]], base: int = 0) -> list[GetTask]:
-    out = []
+def _spans(chunks: Iterable[str], nbytes: int, chunk_size: int, base: int = 0) -> Iterator[tuple[str, int, int]]:
+    """(chunk id, length, offset) of each chunk of ``nbytes`` bytes starting at ``base``."""
     pos = base
     for cid, n in zip(chunks, split_lengths(nbytes, chunk_size)):
-        out.append(GetTask(cid, n, sink_at(pos)))
+        yield cid, n, pos
         pos += n
-    return out
+
+
+def _chunk_tasks(chunks: Iterable[str], nbytes: int, chunk_size: int, sink_at: Callable[[int], Callable[[bytes], None]], base: int = 0) -> list[GetTask]:
+    return [GetTask(cid, n, sink_at(pos)) for cid, n, pos in _spans(chunks, nbytes, chunk_size, base)]
 
 
 def _file_tasks(m: Manifest, f: FileEntry, fd: int) -> list[GetTask]:
@@ -253,10 +256,7 @@ def _into_tasks(m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]]) -> l
     tasks: list[GetTask] = []
     for entry, dst in pairs:
         view = byte_view(dst)
-        pos = 0
-        for cid, n in zip(entry.chunks, split_lengths(entry.nbytes, m.chunk_size)):
-            tasks.append(GetTask(cid, n, into=view[pos : pos + n]))
-            pos += n
+        tasks += [GetTask(cid, n, into=view[pos : pos + n]) for cid, n, pos in _spans(entry.chunks, entry.nbytes, m.chunk_size)]
     return tasks
 
 

@@ -215,11 +215,14 @@ class LocalBackend(Backend):
         except OSError as e:
             raise _read_error(path, e) from e
 
-    def read_range(self, path: str, start: int, length: int) -> bytes:
+    def _open_read(self, path: str) -> int:
         try:
-            fd = os.open(self._p(path), os.O_RDONLY)
+            return os.open(self._p(path), os.O_RDONLY)
         except OSError as e:
             raise _read_error(path, e) from e
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        fd = self._open_read(path)
         try:
             return os.pread(fd, length, start)
         finally:
@@ -228,10 +231,7 @@ class LocalBackend(Backend):
     reads_into = True
 
     def read_into(self, path: str, start: int, buf: memoryview) -> int:
-        try:
-            fd = os.open(self._p(path), os.O_RDONLY)
-        except OSError as e:
-            raise _read_error(path, e) from e
+        fd = self._open_read(path)
         try:
             size = os.fstat(fd).st_size
             pos, end = 0, min(len(buf), max(0, size - start))
