@@ -81,6 +81,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 
 _PLANE = struct.Struct("<BI")  # per plane: stored raw (0) or zstd (1), stored length
+Parts = tuple[bytes | memoryview, ...]  # a blob or payload in pieces, written without joining
 
 
 # Kernel op per planes codec: plain planes, planes of the XOR delta, planes of the SUB delta.
@@ -116,13 +117,15 @@ def _split(data: Any, base: Any, elem: int, codec: int) -> memoryview:
 
 
 def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, base: Any = None, codec: int = PLANES,
-                   raw: set[int] | None = None) -> bytes:
+                   raw: set[int] | None = None) -> Parts:
     """Byte planes of ``data`` (or of its delta against ``base``), each zstd'd or stored raw.
 
     Layout: u8 plane count, then per plane (u8 mode, u32 length), then the planes.
     The kernels and zstandard release the GIL, so chunks encode in parallel.
     ``raw``: planes stored raw without trying zstd (a sample of the chunk showed them
     incompressible); planes that do not compress are added to it.
+    Returns the payload in pieces (table, planes), not joined: zstd's output is
+    written as it is, and only raw planes are copied out of the reused split buffer.
     """
     planes = _split(data, base, elem, codec)
     n = len(planes) // elem
@@ -138,8 +141,8 @@ def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, b
             bodies.append(packed)
         else:
             heads.append(_PLANE.pack(0, n))
-            bodies.append(plane)
-    return b"".join(heads + bodies)
+            bodies.append(bytes(plane))
+    return (b"".join(heads), *bodies)
 
 
 def _planes_decode(payload: memoryview, length: int, elem: int, oid: str, codec: int = PLANES,
@@ -197,22 +200,26 @@ class Encoded:
     # The blob in pieces (header, payload): a raw payload stays a view of the caller's
     # bytes, and the pieces go to Backend.write as they are, so a chunk on its way to
     # the disk is never copied only to be joined.
-    parts: tuple[bytes | memoryview, ...]
+    parts: Parts
     codec: int
     base: str | None  # id of the base chunk the blob needs, if any
 
     @property
     def size(self) -> int:
-        return sum(len(p) for p in self.parts)
+        return _size(self.parts)
 
     @property
     def blob(self) -> bytes:
         return b"".join(self.parts)
 
 
-def _pack(codec: int, elem: int, length: int, base: str | None, payload: bytes | memoryview) -> tuple[bytes | memoryview, ...]:
+def _pack(codec: int, elem: int, length: int, base: str | None, payload: Parts) -> Parts:
     head = _HEAD.pack(MAGIC, codec, elem, HAS_BASE if base else 0, 0, length)
-    return (head + (bytes.fromhex(base) if base else b""), payload)
+    return (head + (bytes.fromhex(base) if base else b""), *payload)
+
+
+def _size(parts: Parts) -> int:
+    return sum(len(p) for p in parts)
 
 
 def _sample(data: memoryview, elem: int, parts: int = 4, size: int = 64 * 1024) -> memoryview | bytes:
@@ -248,9 +255,9 @@ def encode_chunk(
     # sample and then encodes the whole chunk.
     # A plane the sample finds incompressible is stored raw in the whole chunk without
     # trying zstd on it (the low mantissa bytes of floats: noise, and most of the work).
-    candidates: list[tuple[int, Callable[[Any, Any, set[int] | None], bytes]]] = []
+    candidates: list[tuple[int, Callable[[Any, Any, set[int] | None], Parts]]] = []
     if n and elem == 1:
-        candidates.append((ZSTD, lambda d, b, r: _compressor(level).compress(d)))
+        candidates.append((ZSTD, lambda d, b, r: (_compressor(level).compress(d),)))
     elif n:
         candidates.append((PLANES, lambda d, b, r: _planes_encode(d, elem, level, min_saving, raw=r)))
         if base is not None and base_id is not None and len(base) == n:
@@ -258,13 +265,13 @@ def encode_chunk(
             candidates.append((XOR, lambda d, b, r: _planes_encode(d, elem, level, base=b, codec=XOR, raw=r)))
     bview = memoryview(base).cast("B") if base is not None else None
     raw: set[int] | None = None
-    payload: bytes | None = None
+    payload: Parts | None = None
     sample = _sample(view, elem)
     if candidates and (len(candidates) > 1 or len(sample) < n):
         sbase = _sample(bview, elem) if bview is not None else None
         raws: list[set[int]] = [set() for _ in candidates]
         tried = [fn(sample, sbase, r) for (_, fn), r in zip(candidates, raws)]
-        best = min(range(len(tried)), key=lambda i: len(tried[i]))
+        best = min(range(len(tried)), key=lambda i: _size(tried[i]))
         candidates, raw = [candidates[best]], raws[best]
         if len(sample) == n:  # the "sample" was the whole chunk: its encoding is the answer
             payload = tried[best]
@@ -272,10 +279,10 @@ def encode_chunk(
         codec, fn = candidates[0]
         if payload is None:
             payload = fn(view, bview, raw)
-        if len(payload) <= n * (1.0 - min_saving):
+        if _size(payload) <= n * (1.0 - min_saving):
             b = base_id if codec in DELTA_CODECS else None
             return Encoded(_pack(codec, elem, n, b, payload), codec, b)
-    return Encoded(_pack(RAW, elem, n, None, view), RAW, None)
+    return Encoded(_pack(RAW, elem, n, None, (view,)), RAW, None)
 
 
 def parse_header(blob: bytes | memoryview, oid: str = "?") -> ChunkHeader:
