@@ -253,24 +253,36 @@ def trim_(d: torch.Tensor, density: float) -> torch.Tensor:
     return d.masked_fill_(d.abs() < threshold, 0)
 
 
-def ties_combine(ds: list[torch.Tensor], weights: Sequence[float], normalize: bool) -> torch.Tensor:
-    """Sign election and disjoint (weighted) mean of deltas ``ds`` already scaled by their weights."""
+def ties_combine(ds: list[torch.Tensor], weights: Sequence[float], normalize: bool,
+                 block: int = 1 << 16) -> torch.Tensor:
+    """Sign election and disjoint (weighted) mean of deltas ``ds`` already scaled by their weights.
+
+    Works in place, a block of elements at a time: every step is elementwise, so the
+    sums, masks and counts live in block-sized scratch (in cache) and each block's
+    result overwrites ``ds[0]``'s block once all the inputs' blocks are read. The merge
+    thus holds no tensor-sized temporary beyond its inputs; the ``ds`` are consumed.
+    """
     import torch
 
-    total = ds[0].clone()
-    for d in ds[1:]:
-        total.add_(d)
-    pos, neg = total > 0, total < 0  # the elected sign (neither where the sum is 0)
-    num = total.zero_()  # reuse the buffer
-    den = torch.zeros_like(num) if normalize else None
-    for d, w in zip(ds, weights):
-        agree = ((d > 0) & pos).logical_or_((d < 0) & neg)
+    flat = [d.reshape(-1) for d in ds]  # views of contiguous tensors (a copy otherwise)
+    out = flat[0]
+    for start in range(0, out.numel(), block):
+        part = [f[start : start + block] for f in flat]
+        total = part[0].clone()
+        for d in part[1:]:
+            total.add_(d)
+        pos, neg = total > 0, total < 0  # the elected sign (neither where the sum is 0)
+        num = total.zero_()  # reuse the buffer
+        den = torch.zeros_like(num) if normalize else None
+        for d, w in zip(part, weights):
+            agree = ((d > 0) & pos).logical_or_((d < 0) & neg)
+            if den is not None:
+                den.add_(agree, alpha=w)  # exact: adds w or 0
+            num.add_(d.masked_fill_(agree.logical_not_(), 0))
         if den is not None:
-            den.add_(agree, alpha=w)  # exact: adds w or 0
-        num.add_(d.masked_fill_(agree.logical_not_(), 0))
-    if den is not None:
-        num.div_(den.masked_fill_(den == 0, 1.0))  # where no input agrees num is 0: the result is 0
-    return num
+            num.div_(den.masked_fill_(den == 0, 1.0))  # where no input agrees num is 0: the result is 0
+        part[0].copy_(num)
+    return out.view(ds[0].shape)
 
 
 def merge_ties(xs: list[torch.Tensor], base: torch.Tensor | None, p: Mapping[str, Any], name: str) -> torch.Tensor:
