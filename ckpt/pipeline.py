@@ -208,5 +208,8 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
         if task.sink is not None:
             task.sink(data)  # type: ignore[arg-type]
 
-    workers = max(settings.workers, objects.backend.concurrency)  # remote stores: requests in flight
+    # A thread per read in flight: a local disk, like a remote store, answers several
+    # reads at once faster than one at a time (benchmarks/results/snapshot.md: a cold
+    # restore, 2 threads -> 8), and the decoding of the chunks read overlaps the waits.
+    workers = max(settings.workers, settings.io_workers, objects.backend.concurrency)
     run_parallel(get, list(tasks), workers, progress or NullProgress(), lambda t: t.length)

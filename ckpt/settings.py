@@ -22,8 +22,9 @@ class Settings:
     # delta-codes in small pieces, and it bounds memory in flight (a few chunks per worker).
     chunk_size: int = 4 * MiB
     workers: int = _default_workers()
-    # Concurrent object writes: each durable write waits on fsync, so more writes in
-    # flight than cores keeps the disk busy while the cores encode.
+    # Concurrent object writes and reads: each durable write waits on fsync and each
+    # read from a cold cache on the disk, so more in flight than cores keeps the disk
+    # busy while the cores encode or decode (each holds at most one chunk).
     io_workers: int = 8
     # zstd level for every stream. 1 and 3 gave the same ratio on weights here
     # (shared/notes/measurements.md) and 1 is ~1.6x faster.
