@@ -294,6 +294,157 @@ done:
     return ret;
 }
 
+/* Bit planes of a byte plane: a plane of mostly small values (the high bytes of small
+ * deltas) is a few live bits and many dead ones; transposed, the dead bits become runs
+ * of zero bytes that zstd codes in next to nothing, where its Huffman stage would spend
+ * at least a bit on every byte. For n bytes and m = n / 8: row j (0..7) of m bytes holds
+ * bit 7-j of every byte, byte i of the row packing bytes 8i..8i+7 with byte 8i in its
+ * top bit (numpy's unpackbits/packbits order); the n % 8 tail bytes follow as they are.
+ * The 8x8 bit-matrix transpose is Hacker's Delight's, on a big-endian read of the 8 bytes
+ * (built byte by byte: the same result on any host). */
+static int overlaps(const Py_buffer *a, const Py_buffer *b) {
+    return a->buf < (void *)((uint8_t *)b->buf + b->len) && b->buf < (void *)((uint8_t *)a->buf + a->len);
+}
+
+static inline uint64_t transpose8(uint64_t x) {
+    uint64_t t;
+    t = (x ^ (x >> 7)) & 0x00AA00AA00AA00AAULL;
+    x = x ^ t ^ (t << 7);
+    t = (x ^ (x >> 14)) & 0x0000CCCC0000CCCCULL;
+    x = x ^ t ^ (t << 14);
+    t = (x ^ (x >> 28)) & 0x00000000F0F0F0F0ULL;
+    return x ^ t ^ (t << 28);
+}
+
+static void bits_split(const uint8_t *src, uint8_t *dst, Py_ssize_t n) {
+    Py_ssize_t m = n / 8;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        uint64_t x = 0;
+        for (int t = 0; t < 8; t++) x = (x << 8) | src[8 * i + t];
+        x = transpose8(x);
+        for (int j = 0; j < 8; j++) dst[j * m + i] = (uint8_t)(x >> (8 * (7 - j)));
+    }
+    memcpy(dst + 8 * m, src + 8 * m, (size_t)(n - 8 * m));
+}
+
+static void bits_join(const uint8_t *src, uint8_t *dst, Py_ssize_t n) {
+    Py_ssize_t m = n / 8;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        uint64_t x = 0;
+        for (int j = 0; j < 8; j++) x = (x << 8) | src[j * m + i];
+        x = transpose8(x);
+        for (int t = 0; t < 8; t++) dst[8 * i + t] = (uint8_t)(x >> (8 * (7 - t)));
+    }
+    memcpy(dst + 8 * m, src + 8 * m, (size_t)(n - 8 * m));
+}
+
+/* bits(src, dst, inverse): dst <- the bit planes of src (inverse: src's bytes from its bit planes). */
+static PyObject *native_bits(PyObject *self, PyObject *args) {
+    PyObject *src_o, *dst_o;
+    int inverse;
+    if (!PyArg_ParseTuple(args, "OOp", &src_o, &dst_o, &inverse)) return NULL;
+    Py_buffer src, dst;
+    if (PyObject_GetBuffer(src_o, &src, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(dst_o, &dst, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (src.len != dst.len || overlaps(&src, &dst)) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&dst);
+        PyErr_SetString(PyExc_ValueError, "src and dst must have the same length and not overlap");
+        return NULL;
+    }
+    {
+        const uint8_t *s = src.buf;
+        uint8_t *d = dst.buf;
+        Py_ssize_t n = src.len;
+        Py_BEGIN_ALLOW_THREADS
+        if (inverse) bits_join(s, d, n); else bits_split(s, d, n);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    Py_RETURN_NONE;
+}
+
+/* A plane in the order of the plane above it: bytes of the same column in a plane are
+ * alike when the byte above them is (the low bytes of deltas of one magnitude), so a
+ * stable counting sort of plane k by the value of plane k+1 hands zstd runs of like
+ * bytes. The decoder has plane k+1 first and recomputes the order: no side information.
+ * Forward: dst[next slot of key[i]] = src[i]; inverse: dst[i] = src[next slot of key[i]]. */
+static void ctx_sort(const uint8_t *src, const uint8_t *key, uint8_t *dst, Py_ssize_t n, int inverse) {
+    /* Four quarters of the input, each with its own slot counters (quarter q's slots for
+     * a value follow those of quarters < q: still a stable order), walked in step so that
+     * runs of one key value are four independent chains of counter updates, not one. */
+    enum { Q = 4 };
+    Py_ssize_t pos[Q][256], len = n / Q, sum = 0;
+    memset(pos, 0, sizeof pos);
+    for (int q = 0; q < Q; q++)
+        for (Py_ssize_t i = q * len; i < (q == Q - 1 ? n : (q + 1) * len); i++) pos[q][key[i]]++;
+    for (int v = 0; v < 256; v++)
+        for (int q = 0; q < Q; q++) {
+            Py_ssize_t c = pos[q][v];
+            pos[q][v] = sum;
+            sum += c;
+        }
+    const uint8_t *k0 = key, *k1 = key + len, *k2 = key + 2 * len, *k3 = key + 3 * len;
+    if (inverse) {
+        uint8_t *d0 = dst, *d1 = dst + len, *d2 = dst + 2 * len, *d3 = dst + 3 * len;
+        for (Py_ssize_t i = 0; i < len; i++) {
+            d0[i] = src[pos[0][k0[i]]++];
+            d1[i] = src[pos[1][k1[i]]++];
+            d2[i] = src[pos[2][k2[i]]++];
+            d3[i] = src[pos[3][k3[i]]++];
+        }
+        for (Py_ssize_t i = Q * len; i < n; i++) dst[i] = src[pos[Q - 1][key[i]]++];
+    } else {
+        const uint8_t *s0 = src, *s1 = src + len, *s2 = src + 2 * len, *s3 = src + 3 * len;
+        for (Py_ssize_t i = 0; i < len; i++) {
+            dst[pos[0][k0[i]]++] = s0[i];
+            dst[pos[1][k1[i]]++] = s1[i];
+            dst[pos[2][k2[i]]++] = s2[i];
+            dst[pos[3][k3[i]]++] = s3[i];
+        }
+        for (Py_ssize_t i = Q * len; i < n; i++) dst[pos[Q - 1][key[i]]++] = src[i];
+    }
+}
+
+/* ctx(src, key, dst, inverse): dst <- src stably sorted by the byte values of key (inverse: undo it). */
+static PyObject *native_ctx(PyObject *self, PyObject *args) {
+    PyObject *src_o, *key_o, *dst_o;
+    int inverse;
+    if (!PyArg_ParseTuple(args, "OOOp", &src_o, &key_o, &dst_o, &inverse)) return NULL;
+    Py_buffer src, key, dst;
+    if (PyObject_GetBuffer(src_o, &src, PyBUF_SIMPLE) < 0) return NULL;
+    if (PyObject_GetBuffer(key_o, &key, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(dst_o, &dst, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&key);
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    if (src.len != dst.len || key.len != dst.len || overlaps(&src, &dst) || overlaps(&key, &dst)) {
+        PyErr_SetString(PyExc_ValueError, "src, key and dst must have the same length, dst overlapping neither");
+    } else {
+        const uint8_t *s = src.buf, *k = key.buf;
+        uint8_t *d = dst.buf;
+        Py_ssize_t n = dst.len;
+        Py_BEGIN_ALLOW_THREADS
+        ctx_sort(s, k, d, n, inverse);
+        Py_END_ALLOW_THREADS
+        ret = Py_None;
+        Py_INCREF(ret);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&dst);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"encode", native_encode, METH_VARARGS,
      "encode(src, base, dst, elem, op[, scratch]): write the byte planes of op(src, base) into dst, plane-major "
@@ -303,6 +454,13 @@ static PyMethodDef methods[] = {
     {"decode", native_decode, METH_VARARGS,
      "decode(planes, base, dst, elem, op[, scratch]): interleave `elem` planes and undo op against base, "
      "into dst (op 3 needs `scratch` as encode does)."},
+    {"bits", native_bits, METH_VARARGS,
+     "bits(src, dst, inverse): dst <- the 8 bit planes of the bytes of src, bit 7 first, each bit plane "
+     "packed MSB-first like numpy.packbits, then the len % 8 tail bytes (inverse: undo it). "
+     "Same length, no overlap."},
+    {"ctx", native_ctx, METH_VARARGS,
+     "ctx(src, key, dst, inverse): dst <- the bytes of src in a stable order by the byte values of key "
+     "(a counting sort; inverse: put them back). Same lengths; dst overlaps neither."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -20,7 +20,7 @@ Codecs (pure functions of bytes; the encoder keeps whichever is smallest):
 raw        0   the bytes as they are
 zstd       1   one zstd frame
 planes     2   byte planes: byte k of every element stored as its own stream,
-               each zstd-compressed or stored raw
+               each zstd-compressed, bit-transposed then zstd-compressed, or raw
 xor        3   planes of (chunk XOR base)
 sub        4   planes of zigzag(ordered(chunk) - ordered(base)), see transforms.py
 gsub       5   sub with the elements in a stable order by the base's top 10 bits
@@ -33,7 +33,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -80,7 +80,13 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
-_PLANE = struct.Struct("<BI")  # per plane: stored raw (0) or zstd (1), stored length
+_PLANE = struct.Struct("<BI")  # per plane: mode, stored length
+PLANE_RAW, PLANE_ZSTD, PLANE_BITS = 0, 1, 2  # modes: as it is; zstd; bit planes (see _bits), then zstd
+PLANE_SORTED = 0x10  # mode flag: the plane is in the order of the plane above it (see _ctx), then as the mode says
+# A plane is tried bit-transposed when zstd leaves it between these fractions of its size:
+# mostly-zero planes with a few live low bits (the high bytes of small deltas). Planes that
+# zstd already all but removes, or that are noise, gain nothing from it.
+_BITS_TRY = (0.005, 0.6)
 Parts = tuple[bytes | memoryview, ...]  # a blob or payload in pieces, written without joining
 
 
@@ -102,6 +108,49 @@ def _scratch(n: int, name: str = "split") -> memoryview:
     return memoryview(buf)[:n]
 
 
+def _bits(data: Any, out: Any, inverse: bool = False) -> Any:
+    """``out`` <- the 8 bit planes of the bytes of ``data``, bit 7 first, each packed MSB-first,
+    then the ``len % 8`` tail bytes as they are (``inverse``: undo it). Same length."""
+    if native is not None:
+        native.bits(data, out, inverse)
+        return out
+    a = np.frombuffer(data, dtype=np.uint8)
+    m = len(a) // 8
+    if inverse:
+        body = np.packbits(np.unpackbits(a[: 8 * m].reshape(8, m), axis=1).T, axis=1)
+    else:
+        body = np.packbits(np.unpackbits(a[: 8 * m]).reshape(8 * m, 8).T, axis=1)
+    dst = np.frombuffer(out, dtype=np.uint8)
+    dst[: 8 * m] = body.reshape(-1)
+    dst[8 * m :] = a[8 * m :]
+    return out
+
+
+def _ctx(data: Any, key: Any, out: Any, inverse: bool = False) -> Any:
+    """``out`` <- the bytes of ``data`` in a stable order by the values of ``key`` (the plane
+    above; ``inverse``: put them back where they were). Same lengths."""
+    if native is not None:
+        native.ctx(data, key, out, inverse)
+        return out
+    order = np.argsort(np.frombuffer(key, dtype=np.uint8), kind="stable")
+    src, dst = np.frombuffer(data, dtype=np.uint8), np.frombuffer(out, dtype=np.uint8)
+    if inverse:
+        dst[order] = src
+    else:
+        dst[:] = src[order]
+    return out
+
+
+@dataclass
+class _Plan:
+    """What encoding a sample of a chunk taught about its planes, for the whole chunk."""
+
+    raw: set[int] = field(default_factory=set)  # stored raw without trying zstd (incompressible)
+    bits: set[int] = field(default_factory=set)  # bit-transposed before zstd
+    sorted: set[int] = field(default_factory=set)  # in the order of the plane above, first
+    learning: bool = True  # the sample's pass: try the alternatives and record the winners
+
+
 def _split(data: Any, base: Any, elem: int, codec: int) -> memoryview:
     """Plane-major bytes of ``codec``'s transform of ``data`` (against ``base``): byte k of element i at k*n + i."""
     if native is not None:
@@ -117,31 +166,55 @@ def _split(data: Any, base: Any, elem: int, codec: int) -> memoryview:
 
 
 def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, base: Any = None, codec: int = PLANES,
-                   raw: set[int] | None = None) -> Parts:
-    """Byte planes of ``data`` (or of its delta against ``base``), each zstd'd or stored raw.
+                   plan: _Plan | None = None) -> Parts:
+    """Byte planes of ``data`` (or of its delta against ``base``), each zstd'd (perhaps
+    bit-transposed first) or stored raw.
 
     Layout: u8 plane count, then per plane (u8 mode, u32 length), then the planes.
     The kernels and zstandard release the GIL, so chunks encode in parallel.
-    ``raw``: planes stored raw without trying zstd (a sample of the chunk showed them
-    incompressible); planes that do not compress are added to it.
+    ``plan``: while learning (on a sample), planes that do not compress are marked raw
+    and mostly-zero planes are tried bit-transposed; afterwards (the whole chunk) the
+    plan is followed without trying the alternatives again.
     Returns the payload in pieces (table, planes), not joined: zstd's output is
     written as it is, and only raw planes are copied out of the reused split buffer.
     """
     planes = _split(data, base, elem, codec)
     n = len(planes) // elem
     cctx = _compressor(level)
+
+    def pack(plane: Any, bits: bool) -> bytes:
+        return cctx.compress(_bits(plane, _scratch(n, "bits")) if bits else plane)
+
     heads, bodies = [bytes([elem])], []
     for k in range(elem):
         plane = planes[k * n : (k + 1) * n]
-        packed = cctx.compress(plane) if raw is None or k not in raw else plane
-        if raw is not None and len(packed) > n * (1.0 - min_saving / 2):
-            raw.add(k)
-        if len(packed) <= n * (1.0 - min_saving):
-            heads.append(_PLANE.pack(1, len(packed)))
-            bodies.append(packed)
+        above = planes[(k + 1) * n : (k + 2) * n] if k + 1 < elem else None
+        raw = plan is not None and k in plan.raw
+        bits = plan is not None and k in plan.bits
+        ordered = plan is not None and k in plan.sorted and above is not None
+        src = _ctx(plane, above, _scratch(n, "sorted")) if ordered else plane
+        packed: bytes | memoryview = plane if raw else pack(src, bits)
+        if plan is not None and plan.learning and not raw:
+            if len(packed) > n * (1.0 - min_saving / 2):
+                plan.raw.add(k)
+            else:
+                if _BITS_TRY[0] * n < len(packed) < _BITS_TRY[1] * n:
+                    transposed = pack(src, True)
+                    if len(transposed) < len(packed) * 0.98:
+                        plan.bits.add(k)
+                        packed, bits = transposed, True
+                if above is not None:
+                    # worth a reorder (and its cost on every read) only if it saves 2%
+                    alt = pack(_ctx(plane, above, _scratch(n, "sorted")), bits)
+                    if len(alt) < len(packed) * 0.98:
+                        plan.sorted.add(k)
+                        packed, ordered = alt, True
+        if packed is plane or len(packed) > n * (1.0 - min_saving):
+            packed, mode = plane, PLANE_RAW
         else:
-            heads.append(_PLANE.pack(0, n))
-            bodies.append(bytes(plane))
+            mode = (PLANE_BITS if bits else PLANE_ZSTD) | (PLANE_SORTED if ordered else 0)
+        heads.append(_PLANE.pack(mode, len(packed)))
+        bodies.append(bytes(packed) if mode == PLANE_RAW else packed)
     return (b"".join(heads), *bodies)
 
 
@@ -151,16 +224,23 @@ def _planes_decode(payload: memoryview, length: int, elem: int, oid: str, codec:
     if len(payload) < 1 + elem * _PLANE.size or payload[0] != elem:
         raise CorruptObjectError("chunk", oid, "planes: bad plane table")
     n = length // elem
-    planes: list[Any] = []
+    bodies: list[Any] = []
     pos = 1 + elem * _PLANE.size
-    dctx = _decompressor()
     for k in range(elem):
         mode, size = _PLANE.unpack_from(payload, 1 + k * _PLANE.size)
         body = payload[pos : pos + size]
         pos += size
-        if len(body) != size or mode not in (0, 1):
+        if len(body) != size or mode & ~PLANE_SORTED not in (PLANE_RAW, PLANE_ZSTD, PLANE_BITS) \
+                or (mode & PLANE_SORTED and (k == elem - 1 or mode == PLANE_SORTED)):
             raise CorruptObjectError("chunk", oid, f"planes: plane {k} is damaged")
-        if mode == 1:
+        bodies.append((mode, body))
+    if pos != len(payload):
+        raise CorruptObjectError("chunk", oid, "planes: trailing bytes")
+    dctx = _decompressor()
+    planes: list[Any] = [None] * elem
+    for k in reversed(range(elem)):  # top down: a sorted plane needs the plane above it
+        mode, body = bodies[k]
+        if mode != PLANE_RAW:
             try:
                 if zstandard.frame_content_size(body) != n:
                     raise CorruptObjectError("chunk", oid, f"planes: plane {k} has the wrong size")
@@ -169,9 +249,12 @@ def _planes_decode(payload: memoryview, length: int, elem: int, oid: str, codec:
                 raise CorruptObjectError("chunk", oid, f"planes: zstd: {e}") from None
         if len(body) != n:
             raise CorruptObjectError("chunk", oid, f"planes: plane {k} has the wrong size")
-        planes.append(body)  # a raw plane stays a view into the payload: no copy
-    if pos != len(payload):
-        raise CorruptObjectError("chunk", oid, "planes: trailing bytes")
+        # a buffer per plane and step: every plane stays live until they are joined
+        if mode & ~PLANE_SORTED == PLANE_BITS:
+            body = _bits(body, _scratch(n, f"unbits{k}"), inverse=True)
+        if mode & PLANE_SORTED:
+            body = _ctx(body, planes[k + 1], _scratch(n, f"unsorted{k}"), inverse=True)
+        planes[k] = body  # a raw plane stays a view into the payload: no copy
     if out is None:
         out = memoryview(bytearray(length))
     if native is not None:
@@ -251,34 +334,36 @@ def encode_chunk(
     n = len(view)
     if elem not in (1, 2, 4, 8) or n % elem:
         elem = 1
-    # Each candidate encodes (data, base) -> payload, so the same function scores the
-    # sample and then encodes the whole chunk.
-    # A plane the sample finds incompressible is stored raw in the whole chunk without
-    # trying zstd on it (the low mantissa bytes of floats: noise, and most of the work).
-    candidates: list[tuple[int, Callable[[Any, Any, set[int] | None], Parts]]] = []
+    # Each candidate encodes (data, base, plan) -> payload, so the same function scores
+    # the sample and then encodes the whole chunk, following the plan the sample taught:
+    # a plane found incompressible is stored raw without trying zstd on it (the low
+    # mantissa bytes of floats: noise, and most of the work), and a mostly-zero plane
+    # that compressed better bit-transposed is transposed without comparing again.
+    candidates: list[tuple[int, Callable[[Any, Any, _Plan], Parts]]] = []
     if n and elem == 1:
-        candidates.append((ZSTD, lambda d, b, r: (_compressor(level).compress(d),)))
+        candidates.append((ZSTD, lambda d, b, p: (_compressor(level).compress(d),)))
     elif n:
-        candidates.append((PLANES, lambda d, b, r: _planes_encode(d, elem, level, min_saving, raw=r)))
+        candidates.append((PLANES, lambda d, b, p: _planes_encode(d, elem, level, min_saving, plan=p)))
         if base is not None and base_id is not None and len(base) == n:
-            candidates.append((GSUB, lambda d, b, r: _planes_encode(d, elem, level, base=b, codec=GSUB, raw=r)))
-            candidates.append((XOR, lambda d, b, r: _planes_encode(d, elem, level, base=b, codec=XOR, raw=r)))
+            candidates.append((GSUB, lambda d, b, p: _planes_encode(d, elem, level, base=b, codec=GSUB, plan=p)))
+            candidates.append((XOR, lambda d, b, p: _planes_encode(d, elem, level, base=b, codec=XOR, plan=p)))
     bview = memoryview(base).cast("B") if base is not None else None
-    raw: set[int] | None = None
+    plan = _Plan()  # with no sample to learn from, the whole chunk's pass learns
     payload: Parts | None = None
     sample = _sample(view, elem)
     if candidates and (len(candidates) > 1 or len(sample) < n):
         sbase = _sample(bview, elem) if bview is not None else None
-        raws: list[set[int]] = [set() for _ in candidates]
-        tried = [fn(sample, sbase, r) for (_, fn), r in zip(candidates, raws)]
+        plans = [_Plan() for _ in candidates]
+        tried = [fn(sample, sbase, p) for (_, fn), p in zip(candidates, plans)]
         best = min(range(len(tried)), key=lambda i: _size(tried[i]))
-        candidates, raw = [candidates[best]], raws[best]
+        candidates, plan = [candidates[best]], plans[best]
+        plan.learning = False
         if len(sample) == n:  # the "sample" was the whole chunk: its encoding is the answer
             payload = tried[best]
     if candidates:
         codec, fn = candidates[0]
         if payload is None:
-            payload = fn(view, bview, raw)
+            payload = fn(view, bview, plan)
         if _size(payload) <= n * (1.0 - min_saving):
             b = base_id if codec in DELTA_CODECS else None
             return Encoded(_pack(codec, elem, n, b, payload), codec, b)

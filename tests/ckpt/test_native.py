@@ -83,7 +83,62 @@ def test_blobs_cross_between_kernels(case):
     assert bytes(out) == new
 
 
+def _reference_bits(data: bytes) -> bytes:
+    a = np.frombuffer(data, np.uint8)
+    m = len(a) // 8
+    rows = np.packbits(np.unpackbits(a[: 8 * m]).reshape(8 * m, 8).T, axis=1)  # row j: bit 7-j
+    return rows.tobytes() + a[8 * m :].tobytes()
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=300, deadline=None)
+def test_bit_planes_match_numpy(data):
+    out = bytearray(len(data))
+    native.bits(data, out, False)
+    assert bytes(out) == _reference_bits(data)
+    back = bytearray(len(data))
+    native.bits(bytes(out), back, True)
+    assert bytes(back) == data
+    saved = codecs.native  # the fallback of codecs._bits: the same bytes both ways
+    try:
+        codecs.native = None
+        assert bytes(codecs._bits(data, bytearray(len(data)))) == bytes(out)
+        assert bytes(codecs._bits(bytes(out), bytearray(len(data)), inverse=True)) == data
+    finally:
+        codecs.native = saved
+
+
+@given(st.binary(max_size=300), st.integers(1, 256), st.randoms(use_true_random=False))
+@settings(max_examples=300, deadline=None)
+def test_plane_sort_matches_numpy(data, values, rnd):
+    key = bytes(rnd.randrange(values) for _ in data)  # few key values: long runs of one slot counter
+    out = bytearray(len(data))
+    native.ctx(data, key, out, False)
+    order = np.argsort(np.frombuffer(key, np.uint8), kind="stable")
+    assert bytes(out) == np.frombuffer(data, np.uint8)[order].tobytes()
+    back = bytearray(len(data))
+    native.ctx(bytes(out), key, back, True)
+    assert bytes(back) == data
+    saved = codecs.native
+    try:
+        codecs.native = None
+        assert bytes(codecs._ctx(data, key, bytearray(len(data)))) == bytes(out)
+        assert bytes(codecs._ctx(bytes(out), key, bytearray(len(data)), inverse=True)) == data
+    finally:
+        codecs.native = saved
+
+
 def test_bad_arguments_are_errors_not_crashes():
+    with pytest.raises(ValueError, match="same length"):
+        native.ctx(b"\0" * 8, b"\0" * 7, bytearray(8), False)
+    key = bytearray(8)
+    with pytest.raises(ValueError, match="overlapping"):
+        native.ctx(b"\0" * 8, key, key, False)
+    buf = bytearray(16)
+    with pytest.raises(ValueError, match="overlap"):
+        native.bits(memoryview(buf)[:8], memoryview(buf)[4:12], False)
+    with pytest.raises(ValueError, match="same length"):
+        native.bits(b"\0" * 8, bytearray(9), True)
     with pytest.raises(ValueError):
         native.encode(b"\0" * 8, None, bytearray(8), 3, 0)
     with pytest.raises(ValueError):
