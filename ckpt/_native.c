@@ -373,39 +373,33 @@ static PyObject *native_bits(PyObject *self, PyObject *args) {
  * stable counting sort of plane k by the value of plane k+1 hands zstd runs of like
  * bytes. The decoder has plane k+1 first and recomputes the order: no side information.
  * Forward: dst[next slot of key[i]] = src[i]; inverse: dst[i] = src[next slot of key[i]]. */
+#ifndef CTX_Q
+#define CTX_Q 4 /* 8 and 16 measured no faster here */
+#endif
 static void ctx_sort(const uint8_t *src, const uint8_t *key, uint8_t *dst, Py_ssize_t n, int inverse) {
-    /* Four quarters of the input, each with its own slot counters (quarter q's slots for
-     * a value follow those of quarters < q: still a stable order), walked in step so that
-     * runs of one key value are four independent chains of counter updates, not one. */
-    enum { Q = 4 };
-    Py_ssize_t pos[Q][256], len = n / Q, sum = 0;
+    /* CTX_Q slices of the input, each with its own slot counters (slice q's slots for a
+     * value follow those of slices < q: still a stable order), walked in step so that a
+     * run of one key value is CTX_Q independent chains of counter updates, not one. */
+    enum { Q = CTX_Q };
+    uint32_t pos[Q][256];
+    Py_ssize_t len = n / Q;
+    uint32_t sum = 0;
     memset(pos, 0, sizeof pos);
     for (int q = 0; q < Q; q++)
         for (Py_ssize_t i = q * len; i < (q == Q - 1 ? n : (q + 1) * len); i++) pos[q][key[i]]++;
     for (int v = 0; v < 256; v++)
         for (int q = 0; q < Q; q++) {
-            Py_ssize_t c = pos[q][v];
+            uint32_t c = pos[q][v];
             pos[q][v] = sum;
             sum += c;
         }
-    const uint8_t *k0 = key, *k1 = key + len, *k2 = key + 2 * len, *k3 = key + 3 * len;
     if (inverse) {
-        uint8_t *d0 = dst, *d1 = dst + len, *d2 = dst + 2 * len, *d3 = dst + 3 * len;
-        for (Py_ssize_t i = 0; i < len; i++) {
-            d0[i] = src[pos[0][k0[i]]++];
-            d1[i] = src[pos[1][k1[i]]++];
-            d2[i] = src[pos[2][k2[i]]++];
-            d3[i] = src[pos[3][k3[i]]++];
-        }
+        for (Py_ssize_t i = 0; i < len; i++)
+            for (int q = 0; q < Q; q++) dst[q * len + i] = src[pos[q][key[q * len + i]]++];
         for (Py_ssize_t i = Q * len; i < n; i++) dst[i] = src[pos[Q - 1][key[i]]++];
     } else {
-        const uint8_t *s0 = src, *s1 = src + len, *s2 = src + 2 * len, *s3 = src + 3 * len;
-        for (Py_ssize_t i = 0; i < len; i++) {
-            dst[pos[0][k0[i]]++] = s0[i];
-            dst[pos[1][k1[i]]++] = s1[i];
-            dst[pos[2][k2[i]]++] = s2[i];
-            dst[pos[3][k3[i]]++] = s3[i];
-        }
+        for (Py_ssize_t i = 0; i < len; i++)
+            for (int q = 0; q < Q; q++) dst[pos[q][key[q * len + i]]++] = src[q * len + i];
         for (Py_ssize_t i = Q * len; i < n; i++) dst[pos[Q - 1][key[i]]++] = src[i];
     }
 }
@@ -427,7 +421,9 @@ static PyObject *native_ctx(PyObject *self, PyObject *args) {
         return NULL;
     }
     PyObject *ret = NULL;
-    if (src.len != dst.len || key.len != dst.len || overlaps(&src, &dst) || overlaps(&key, &dst)) {
+    if (dst.len > (Py_ssize_t)UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "ctx: over 4 GiB");
+    } else if (src.len != dst.len || key.len != dst.len || overlaps(&src, &dst) || overlaps(&key, &dst)) {
         PyErr_SetString(PyExc_ValueError, "src, key and dst must have the same length, dst overlapping neither");
     } else {
         const uint8_t *s = src.buf, *k = key.buf;
