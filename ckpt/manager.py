@@ -77,6 +77,16 @@ class CheckpointManager:
     pipeline a read of the previous snapshot and every restore a chain of decodes
     (benchmarks/results/snapshot.md).
 
+    ``overlap_copy=True`` (with ``async_save``) goes further: ``save`` returns before
+    the parameters and optimizer state of the optimizers in ``state`` are copied; the
+    copy runs while the next forward and backward do (they do not modify them), and
+    each such optimizer's ``step()`` waits, through a step pre-hook, until it is done
+    (:attr:`step_wait_s` adds up those waits). Everything else in the state is copied
+    before ``save`` returns. Nothing else may modify those tensors in place before
+    the optimizer's next step: a change is caught by the version counter and fails
+    that snapshot (the error is raised by the next ``save``/``wait``/``close``, and the
+    snapshot is not published).
+
     ``handle_signals=True`` installs SIGTERM/SIGUSR1 handlers (preemption): the
     in-flight save is finished, :attr:`preempted` becomes True, and the next
     :meth:`maybe_save` takes a final snapshot and raises ``SystemExit``.
@@ -97,6 +107,7 @@ class CheckpointManager:
         keep_every: int | None = None,
         keep_best: tuple[str, str] | tuple[str, str, int] | None = None,
         async_save: bool = True,
+        overlap_copy: bool = False,
         handle_signals: bool = False,
         trust_version: bool = True,
         delta: bool = False,
@@ -124,6 +135,11 @@ class CheckpointManager:
             raise ValueError("keep_best is (metric, 'min' | 'max'[, count])")
         self.keep_best = keep_best
         self.async_save = async_save
+        self.overlap_copy = overlap_copy and async_save
+        self._copied = threading.Event()  # clear while an overlapped copy is pending
+        self._copied.set()
+        self._step_hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
+        self.step_wait_s = 0.0  # seconds optimizer steps waited for overlapped copies, in all
         self.trust_version = trust_version
         self.delta = delta
         self.preempted = False
@@ -175,27 +191,47 @@ class CheckpointManager:
             return self._dist.save(step, state, metrics)
         t0 = time.perf_counter()
         tensors, tree = flatten(state)
-        staged, reuse, keys = self._stage(tensors, trust=self.trust_version and not _has_fused_optimizer(state))
+        defer = _optimizer_storages(state) if self.overlap_copy else frozenset()
+        staged, reuse, keys, pending = self._stage(tensors, trust=self.trust_version and not _has_fused_optimizer(state),
+                                                   defer=defer)
         held = {n: t.detach() for n, t in tensors.items()}
+        ready = None
+        if pending:
+            self._hook_optimizers(state)
+            self._copied.clear()
+            if any(t.device.type == "cuda" for _, _, t in pending):
+                import torch
+
+                ready = torch.cuda.Event()
+                ready.record()  # the copy starts after the work queued so far, not later work
         blocked = time.perf_counter() - t0
         snapshot = {"format": SNAPSHOT_FORMAT, "run": self.run, "step": step, "tree": tree,
                     "metrics": dict(metrics or {})}
-        job = lambda: self._write(step, staged, reuse, keys, held, snapshot, blocked)  # noqa: E731
+
+        def job() -> None:
+            if pending:
+                self._copy_pending(pending, keys, ready)
+            self._write(step, staged, reuse, keys, held, snapshot, blocked)
+
         if self.async_save:
             self._inflight = self._pool.submit(job)
         else:
             job()
 
-    def _stage(self, tensors: dict[str, torch.Tensor], trust: bool) -> tuple[dict[str, torch.Tensor], dict[str, TensorEntry], dict[str, tuple[Any, ...]]]:
+    def _stage(self, tensors: dict[str, torch.Tensor], trust: bool, defer: frozenset[int] = frozenset(),
+               ) -> tuple[dict[str, torch.Tensor], dict[str, TensorEntry], dict[str, tuple[Any, ...]],
+                          list[tuple[str, torch.Tensor, torch.Tensor]]]:
         """Copy changed tensors into the staging area; the rest reuse the previous snapshot's entries.
 
         Without ``trust`` every tensor is staged (and unchanged chunks are found by
-        their hash in the background instead)."""
+        their hash in the background instead). Tensors whose storage is in ``defer``
+        are not copied now but returned as (name, staging buffer, tensor) to copy later."""
         import torch
 
         staged: dict[str, torch.Tensor] = {}
         reuse: dict[str, TensorEntry] = {}
         keys: dict[str, tuple[Any, ...]] = {}
+        pending: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         previous = self._last[1] if self._last else {}
         cuda = []
         for name, t in tensors.items():
@@ -209,7 +245,9 @@ class CheckpointManager:
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
                 self._staging[name] = buf
-            if t.device.type == "cuda":
+            if defer and t.untyped_storage().data_ptr() in defer:
+                pending.append((name, buf, t))
+            elif t.device.type == "cuda":
                 cuda.append((buf, t))
             else:
                 buf.copy_(t)
@@ -218,15 +256,54 @@ class CheckpointManager:
             self._copy_from_cuda(cuda)
         for name in set(self._staging) - set(tensors):
             del self._staging[name]  # the state shrank: free what no longer has a source
-        return staged, reuse, keys
+        return staged, reuse, keys, pending
 
-    def _copy_from_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Device-to-host copies on a side stream, ordered after the work already queued."""
+    def _copy_pending(self, pending: list[tuple[str, torch.Tensor, torch.Tensor]], keys: dict[str, tuple[Any, ...]],
+                      ready: Any) -> None:
+        """The overlapped copy (in the save thread): stage ``pending``, release the optimizer
+        steps waiting for it, then check that no tensor changed while it was copied."""
+        try:
+            cuda = [(buf, t) for _, buf, t in pending if t.device.type == "cuda"]
+            for _, buf, t in pending:
+                if t.device.type != "cuda":
+                    buf.copy_(t)
+            if cuda:
+                self._copy_from_cuda(cuda, ready)
+        finally:
+            self._copied.set()
+        changed = [name for name, _, t in pending if t._version != keys[name][1]]
+        if changed:
+            raise SnapshotError(
+                f"{len(changed)} tensor(s) were modified in place while save() copied them in the background "
+                f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}); with overlap_copy=True only "
+                "the optimizer's step may change parameters and optimizer state, and it waits for the copy")
+
+    def _hook_optimizers(self, state: dict[str, Any]) -> None:
+        import torch
+
+        for obj in state.values():
+            if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._step_hooks:
+                self._step_hooks[id(obj)] = obj.register_step_pre_hook(self._before_step)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._copied.is_set():
+            import time
+
+            t0 = time.perf_counter()
+            self._copied.wait()
+            self.step_wait_s += time.perf_counter() - t0
+
+    def _copy_from_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], ready: Any = None) -> None:
+        """Device-to-host copies on a side stream, ordered after the work already queued
+        (or after the event ``ready``, recorded by the training thread)."""
         import torch
 
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(torch.cuda.current_stream())
+        if ready is not None:
+            self._stream.wait_event(ready)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream):
             for buf, t in pairs:
                 buf.copy_(t, non_blocking=True)
@@ -273,6 +350,9 @@ class CheckpointManager:
         finally:
             self._pool.shutdown(wait=True)
             self._restore_signals()
+            for handle in self._step_hooks.values():
+                handle.remove()
+            self._step_hooks = {}
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -425,6 +505,21 @@ def _live_tensors(key: str, obj: Any) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - a state that cannot be flattened is restored into new tensors
         return {}
     return tensors
+
+
+def _optimizer_storages(state: dict[str, Any]) -> frozenset[int]:
+    """Storages (by address) that only the optimizers in ``state`` change: their
+    parameters and per-parameter state. An overlapped copy may defer these."""
+    import torch
+
+    ptrs: set[int] = set()
+    for obj in state.values():
+        if isinstance(obj, torch.optim.Optimizer):
+            for group in obj.param_groups:
+                ptrs.update(p.untyped_storage().data_ptr() for p in group["params"])
+            for per_param in obj.state.values():
+                ptrs.update(v.untyped_storage().data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
+    return frozenset(ptrs)
 
 
 def _has_fused_optimizer(state: dict[str, Any]) -> bool:

@@ -8,12 +8,14 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 import ckpt
 from ckpt.errors import CkptError, TensorMismatchError
+from ckpt.manager import SnapshotError
 
 SCRIPT = pathlib.Path(__file__).with_name("train_script.py")
 
@@ -221,3 +223,71 @@ def test_fresh_tensors_at_a_reused_address_are_not_mistaken_for_unchanged(tmp_pa
             mgr.save(step, {"rng": rng})
         for step, expected in enumerate(states):
             assert torch.equal(mgr.store.load(f"rng/step-{step}")["rng/torch"], expected)
+
+
+class GatedManager(ckpt.CheckpointManager):
+    """Holds the overlapped copy until the test opens the gate: the race, made deterministic."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+
+    def _copy_pending(self, *args):
+        assert self.gate.wait(30)
+        return super()._copy_pending(*args)
+
+
+def test_overlapped_copy_holds_only_the_optimizer_step(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    extra = torch.zeros(8)  # not the optimizer's: copied before save() returns
+    want = {k: _bits(v) for k, v in {**model.state_dict(), "extra": extra}.items()}
+    want_opt = {i: {k: _bits(v) for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
+    with GatedManager(str(tmp_path / "s"), "ov", overlap_copy=True) as mgr:
+        mgr.save(2, {"model": model, "optim": opt, "extra": extra})
+        # forward and backward run while the copy is still held back
+        loss = model(torch.randn(4, 64)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        extra.add_(1)
+        stepper = threading.Thread(target=opt.step)
+        stepper.start()
+        stepper.join(0.5)
+        assert stepper.is_alive()  # the optimizer step waits for the copy...
+        mgr.gate.set()
+        stepper.join(30)
+        assert not stepper.is_alive()  # ...and goes on once it is done
+        mgr.wait()
+        assert mgr.step_wait_s > 0.4
+        assert _bits(extra) != want["extra"] and _bits(model[0].weight) != want["0.weight"]  # the state moved on
+        fresh = _model()
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        into = {"model": fresh, "optim": fresh_opt, "extra": torch.full((8,), 5.0)}
+        assert mgr.restore_latest(into) == 2
+    got = {k: _bits(v) for k, v in {**fresh.state_dict(), "extra": into["extra"]}.items()}
+    assert got == want  # the state as it was when save() was called, bit for bit
+    assert {i: {k: _bits(v) for k, v in st.items()} for i, st in fresh_opt.state_dict()["state"].items()} == want_opt
+
+
+def test_overlapped_copy_refuses_a_tensor_changed_under_it(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt)
+    mgr = GatedManager(str(tmp_path / "s"), "ov", overlap_copy=True)
+    mgr.gate.set()
+    mgr.save(1, {"model": model, "optim": opt})
+    mgr.wait()
+    mgr.gate.clear()
+    _train(model, opt)
+    mgr.save(2, {"model": model, "optim": opt})
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # not through the optimizer: the snapshot would mix two states
+    mgr.gate.set()
+    with pytest.raises(SnapshotError, match=r"modified in place .*model/0\.weight"):
+        mgr.wait()
+    mgr.close()
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    assert store.resolve("ov/latest") == store.resolve("ov/step-1")  # nothing half-copied was published
+    with pytest.raises(ckpt.errors.RefNotFoundError):
+        store.resolve("ov/step-2")
