@@ -399,9 +399,10 @@ class Ckpt(Contender):
 
 
 class CkptOverlap(Ckpt):
-    # The same bytes and restore as ckpt; the copy of parameters and optimizer state
-    # runs during the next forward/backward, and only the optimizer step waits for it.
-    name, family = "ckpt-overlap", "ckpt"
+    # The same bytes and restore as ckpt; parameters and optimizer state are read in
+    # place during the next forward/backward, and the optimizer step copies only what
+    # the save has not read yet (its own family: its memory differs).
+    name, family = "ckpt-overlap", "ckpt-overlap"
     overlap = True
 
     def step_wait_total(self) -> float:

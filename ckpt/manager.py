@@ -29,6 +29,7 @@ from ckpt.state import Stateful, flatten, tensor_refs, unflatten
 if TYPE_CHECKING:
     import torch
 
+    from ckpt.live import LiveTensors
     from ckpt.store import Store
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ class CheckpointManager:
         self._copied.set()
         self._step_hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
         self.step_wait_s = 0.0  # seconds optimizer steps waited for overlapped copies, in all
+        self._live: LiveTensors | None = None  # the in-flight save's tensors read in place
         self.trust_version = trust_version
         self.delta = delta
         self.preempted = False
@@ -192,10 +194,15 @@ class CheckpointManager:
         t0 = time.perf_counter()
         tensors, tree = flatten(state)
         defer = _optimizer_storages(state) if self.overlap_copy else frozenset()
-        staged, reuse, keys, pending = self._stage(tensors, trust=self.trust_version and not _has_fused_optimizer(state),
-                                                   defer=defer)
+        staged, reuse, keys, pending, live = self._stage(
+            tensors, trust=self.trust_version and not _has_fused_optimizer(state), defer=defer)
         held = {n: t.detach() for n, t in tensors.items()}
         ready = None
+        if live:
+            from ckpt.live import LiveTensors
+
+            self._hook_optimizers(state)
+            self._live = LiveTensors(live, {n: keys[n][1] for n in live})
         if pending:
             self._hook_optimizers(state)
             self._copied.clear()
@@ -209,9 +216,13 @@ class CheckpointManager:
                     "metrics": dict(metrics or {})}
 
         def job() -> None:
-            if pending:
-                self._copy_pending(pending, keys, ready)
-            self._write(step, staged, reuse, keys, held, snapshot, blocked)
+            try:
+                if pending:
+                    self._copy_pending(pending, keys, ready)
+                self._write(step, staged, reuse, keys, held, snapshot, blocked, self._live)
+            finally:
+                self._live = None  # its copies, if any, are freed with it
+
 
         if self.async_save:
             self._inflight = self._pool.submit(job)
@@ -220,18 +231,21 @@ class CheckpointManager:
 
     def _stage(self, tensors: dict[str, torch.Tensor], trust: bool, defer: frozenset[int] = frozenset(),
                ) -> tuple[dict[str, torch.Tensor], dict[str, TensorEntry], dict[str, tuple[Any, ...]],
-                          list[tuple[str, torch.Tensor, torch.Tensor]]]:
+                          list[tuple[str, torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
         """Copy changed tensors into the staging area; the rest reuse the previous snapshot's entries.
 
         Without ``trust`` every tensor is staged (and unchanged chunks are found by
         their hash in the background instead). Tensors whose storage is in ``defer``
-        are not copied now but returned as (name, staging buffer, tensor) to copy later."""
+        are not copied now: CUDA ones are returned as (name, staging buffer, tensor) to
+        copy in the background, contiguous CPU ones as ``live`` (read in place, see
+        ckpt/live.py; they need no staging buffer)."""
         import torch
 
         staged: dict[str, torch.Tensor] = {}
         reuse: dict[str, TensorEntry] = {}
         keys: dict[str, tuple[Any, ...]] = {}
         pending: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        live: dict[str, torch.Tensor] = {}
         previous = self._last[1] if self._last else {}
         cuda = []
         for name, t in tensors.items():
@@ -241,11 +255,16 @@ class CheckpointManager:
             if trust and self._keys.get(name) == key and name in previous:
                 reuse[name] = previous[name]
                 continue
+            deferred = bool(defer) and t.untyped_storage().data_ptr() in defer
+            if deferred and t.device.type == "cpu" and t.is_contiguous():
+                live[name] = staged[name] = t
+                self._staging.pop(name, None)
+                continue
             buf = self._staging.get(name)
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
                 self._staging[name] = buf
-            if defer and t.untyped_storage().data_ptr() in defer:
+            if deferred:
                 pending.append((name, buf, t))
             elif t.device.type == "cuda":
                 cuda.append((buf, t))
@@ -256,7 +275,7 @@ class CheckpointManager:
             self._copy_from_cuda(cuda)
         for name in set(self._staging) - set(tensors):
             del self._staging[name]  # the state shrank: free what no longer has a source
-        return staged, reuse, keys, pending
+        return staged, reuse, keys, pending, live
 
     def _copy_pending(self, pending: list[tuple[str, torch.Tensor, torch.Tensor]], keys: dict[str, tuple[Any, ...]],
                       ready: Any) -> None:
@@ -286,12 +305,16 @@ class CheckpointManager:
                 self._step_hooks[id(obj)] = obj.register_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._copied.is_set():
-            import time
+        import time
 
-            t0 = time.perf_counter()
-            self._copied.wait()
-            self.step_wait_s += time.perf_counter() - t0
+        live = self._live
+        if live is None and self._copied.is_set():
+            return
+        t0 = time.perf_counter()
+        if live is not None:
+            live.release()  # copies what the save has not read yet
+        self._copied.wait()
+        self.step_wait_s += time.perf_counter() - t0
 
     def _copy_from_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], ready: Any = None) -> None:
         """Device-to-host copies on a side stream, ordered after the work already queued
@@ -310,7 +333,8 @@ class CheckpointManager:
         self._stream.synchronize()  # the staged bytes are complete before training may touch t
 
     def _write(self, step: int, staged: dict[str, torch.Tensor], reuse: dict[str, TensorEntry],
-               keys: dict[str, tuple[Any, ...]], held: dict[str, Any], snapshot: dict[str, Any], blocked: float) -> None:
+               keys: dict[str, tuple[Any, ...]], held: dict[str, Any], snapshot: dict[str, Any], blocked: float,
+               live: LiveTensors | None = None) -> None:
         import time
 
         from ckpt.push import push_source
@@ -320,6 +344,9 @@ class CheckpointManager:
         try:
             known = {n: (e.dtype, e.shape, e.nbytes) for n, e in reuse.items()}
             src = from_tensors(staged, "snapshot", {"snapshot": snapshot}, None, known)
+            if live is not None:  # those tensors are read in place until the optimizer steps
+                for entry in (t for f in src.files for t in f.tensors if t.name in live.names):
+                    entry.src = live.source(entry.name)
             base = self._last[0] if (self._last and self.delta) else None
             result = push_source(self.store, src, self.ref(step), base_id=base, reuse=reuse,
                                  lineage={"parent": self._last[0] if self._last else None, "base": base, "merge": None},
@@ -334,7 +361,8 @@ class CheckpointManager:
         self._metrics[step] = snapshot["metrics"]
         self.last_save_stats = {"step": step, "blocked_s": blocked, "background_s": time.perf_counter() - t0,
                                 "written_bytes": result.written_bytes, "logical_bytes": result.logical_bytes,
-                                "staged_tensors": len(staged), "reused_tensors": len(reuse)}
+                                "staged_tensors": len(staged), "reused_tensors": len(reuse),
+                                "copied_at_step_bytes": live.copied_bytes if live is not None else 0}
         self._retain()
 
     def wait(self) -> None:

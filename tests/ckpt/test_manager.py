@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -225,69 +226,89 @@ def test_fresh_tensors_at_a_reused_address_are_not_mistaken_for_unchanged(tmp_pa
             assert torch.equal(mgr.store.load(f"rng/step-{step}")["rng/torch"], expected)
 
 
-class GatedManager(ckpt.CheckpointManager):
-    """Holds the overlapped copy until the test opens the gate: the race, made deterministic."""
+def _gate_reads(monkeypatch, after: int) -> tuple[threading.Event, threading.Event]:
+    """Holds the save thread's in-place reads after the first ``after`` of them until the
+    returned gate opens (the second event: those ``after`` reads are done): the race between
+    the background and the optimizer, made deterministic."""
+    from ckpt.live import LiveTensors
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.gate = threading.Event()
+    gate, done, count, original = threading.Event(), threading.Event(), [0], LiveTensors.read
 
-    def _copy_pending(self, *args):
-        assert self.gate.wait(30)
-        return super()._copy_pending(*args)
+    def read(self, name, offset, length):
+        count[0] += 1
+        if count[0] > after:
+            done.set()
+            assert gate.wait(30)
+        return original(self, name, offset, length)
+
+    monkeypatch.setattr(LiveTensors, "read", read)
+    return gate, done
 
 
-def test_overlapped_copy_holds_only_the_optimizer_step(tmp_path):
+def _state_bits(model, opt):
+    return ({k: _bits(v) for k, v in model.state_dict().items()},
+            {i: {k: _bits(v) for k, v in st.items()} for i, st in opt.state_dict()["state"].items()})
+
+
+@pytest.mark.parametrize("read_before_step", [0, 5, 10_000])
+def test_overlapped_save_reads_in_place_and_the_step_copies_only_the_rest(tmp_path, monkeypatch, read_before_step):
+    """Parameters and moments are read in place by the save thread; the optimizer step copies
+    whatever it has not read yet (none of it, part, all) and the snapshot is the state at save()."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, opt, 2)
     extra = torch.zeros(8)  # not the optimizer's: copied before save() returns
-    want = {k: _bits(v) for k, v in {**model.state_dict(), "extra": extra}.items()}
-    want_opt = {i: {k: _bits(v) for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
-    with GatedManager(str(tmp_path / "s"), "ov", overlap_copy=True) as mgr:
+    want, want_opt = _state_bits(model, opt)
+    want["extra"] = _bits(extra)
+    gate, first_reads_done = _gate_reads(monkeypatch, read_before_step)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "ov", overlap_copy=True) as mgr:
         mgr.save(2, {"model": model, "optim": opt, "extra": extra})
-        # forward and backward run while the copy is still held back
-        loss = model(torch.randn(4, 64)).pow(2).mean()
+        if read_before_step == 5:
+            assert first_reads_done.wait(30)  # five tensors read in place, the next read held
+        elif read_before_step > 5:
+            mgr.wait()  # the save read (and wrote) everything before the step
+        loss = model(torch.randn(4, 64)).pow(2).mean()  # forward/backward while the save reads
         opt.zero_grad()
         loss.backward()
         extra.add_(1)
-        stepper = threading.Thread(target=opt.step)
-        stepper.start()
-        stepper.join(0.5)
-        assert stepper.is_alive()  # the optimizer step waits for the copy...
-        mgr.gate.set()
-        stepper.join(30)
-        assert not stepper.is_alive()  # ...and goes on once it is done
+        opt.step()  # copies what is left, then modifies the parameters
+        gate.set()
         mgr.wait()
-        assert mgr.step_wait_s > 0.4
-        assert _bits(extra) != want["extra"] and _bits(model[0].weight) != want["0.weight"]  # the state moved on
+        assert mgr.last_save_stats["step"] == 2
+        copied = mgr.last_save_stats["copied_at_step_bytes"]
+        deferred = sum(p.nbytes for p in model.parameters()) * 3 + 4 * len(list(model.parameters()))  # + moments, steps
+        if read_before_step == 0:
+            assert copied == deferred  # nothing read before the step: it copied all of it
+        elif read_before_step == 5:
+            assert 0 < copied < deferred
+        else:
+            assert copied == 0  # the save read everything first: no copy at all
+        assert _bits(model[0].weight) != want["0.weight"]  # the state moved on
         fresh = _model()
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
         into = {"model": fresh, "optim": fresh_opt, "extra": torch.full((8,), 5.0)}
         assert mgr.restore_latest(into) == 2
-    got = {k: _bits(v) for k, v in {**fresh.state_dict(), "extra": into["extra"]}.items()}
-    assert got == want  # the state as it was when save() was called, bit for bit
-    assert {i: {k: _bits(v) for k, v in st.items()} for i, st in fresh_opt.state_dict()["state"].items()} == want_opt
+    got, got_opt = _state_bits(fresh, fresh_opt)
+    got["extra"] = _bits(into["extra"])
+    assert got == want and got_opt == want_opt  # the state as it was when save() was called, bit for bit
 
 
-def test_overlapped_copy_refuses_a_tensor_changed_under_it(tmp_path):
+def test_overlapped_save_refuses_a_tensor_changed_under_it(tmp_path, monkeypatch):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, opt)
-    mgr = GatedManager(str(tmp_path / "s"), "ov", overlap_copy=True)
-    mgr.gate.set()
-    mgr.save(1, {"model": model, "optim": opt})
-    mgr.wait()
-    mgr.gate.clear()
-    _train(model, opt)
-    mgr.save(2, {"model": model, "optim": opt})
-    with torch.no_grad():
-        model[0].weight.mul_(2)  # not through the optimizer: the snapshot would mix two states
-    mgr.gate.set()
-    with pytest.raises(SnapshotError, match=r"modified in place .*model/0\.weight"):
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "ov", overlap_copy=True) as mgr:
+        mgr.save(1, {"model": model, "optim": opt})
         mgr.wait()
-    mgr.close()
+        _train(model, opt)
+        gate, _ = _gate_reads(monkeypatch, 0)
+        mgr.save(2, {"model": model, "optim": opt})
+        with torch.no_grad():
+            model[0].weight.mul_(2)  # not through the optimizer: the snapshot would mix two states
+        gate.set()
+        with pytest.raises(SnapshotError, match=r"model/0\.weight was modified in place"):
+            mgr.wait()
     store = ckpt.Store.open(str(tmp_path / "s"))
-    assert store.resolve("ov/latest") == store.resolve("ov/step-1")  # nothing half-copied was published
+    assert store.resolve("ov/latest") == store.resolve("ov/step-1")  # nothing half-read was published
     with pytest.raises(ckpt.errors.RefNotFoundError):
         store.resolve("ov/step-2")
