@@ -21,21 +21,23 @@ from ckpt.manager import SnapshotError
 SCRIPT = pathlib.Path(__file__).with_name("train_script.py")
 
 
-def _run(*args, expect=0):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _run(*args, expect=0, overlap=False):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CKPT_TEST_OVERLAP": "1" if overlap else "0"}
     r = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == expect, r.stdout + r.stderr
     return r
 
 
-def test_exact_resume_after_sigkill(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["copy", "overlap_copy"])
+def test_exact_resume_after_sigkill(tmp_path, overlap):
+    """overlap_copy: every snapshot is read while the next steps' forward/backward run."""
     n, k = 30, 15
     _run(tmp_path / "s-full", tmp_path / "full", "full", n)
-    _run(tmp_path / "s", tmp_path / "crash", "crash", n, k, expect=-signal.SIGKILL)
+    _run(tmp_path / "s", tmp_path / "crash", "crash", n, k, expect=-signal.SIGKILL, overlap=overlap)
     store = ckpt.Store.open(str(tmp_path / "s"))
     assert store.resolve("run/latest") == store.resolve(f"run/step-{k}")
     assert store.verify().ok
-    _run(tmp_path / "s", tmp_path / "resumed", "resume", n)
+    _run(tmp_path / "s", tmp_path / "resumed", "resume", n, overlap=overlap)
     full = json.loads((tmp_path / "full.json").read_text())
     resumed = json.loads((tmp_path / "resumed.json").read_text())
     assert sorted(map(int, resumed)) == list(range(k + 1, n + 1))

@@ -50,7 +50,8 @@ def main() -> None:
     torch.manual_seed(1234)
     state = {"model": model, "optim": opt, "sched": sched, "rng": ckpt.RNGState(), "step": 0}
     losses = {}
-    mgr = ckpt.CheckpointManager(store, "run", every_n_steps=5, handle_signals=mode == "preempt")
+    mgr = ckpt.CheckpointManager(store, "run", every_n_steps=5, handle_signals=mode == "preempt",
+                                 overlap_copy=os.environ.get("CKPT_TEST_OVERLAP") == "1")
     start = 0
     if mode == "resume":
         start = mgr.restore_latest(state)
