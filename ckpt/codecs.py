@@ -20,7 +20,8 @@ Codecs (pure functions of bytes; the encoder keeps whichever is smallest):
 raw        0   the bytes as they are
 zstd       1   one zstd frame
 planes     2   byte planes: byte k of every element stored as its own stream,
-               each zstd-compressed, bit-transposed then zstd-compressed, or raw
+               each zstd-compressed (perhaps bit-transposed, or sorted by the
+               plane above it, first) or stored raw
 xor        3   planes of (chunk XOR base)
 sub        4   planes of zigzag(ordered(chunk) - ordered(base)), see transforms.py
 gsub       5   sub with the elements in a stable order by the base's top 10 bits
@@ -172,9 +173,10 @@ def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, b
 
     Layout: u8 plane count, then per plane (u8 mode, u32 length), then the planes.
     The kernels and zstandard release the GIL, so chunks encode in parallel.
-    ``plan``: while learning (on a sample), planes that do not compress are marked raw
-    and mostly-zero planes are tried bit-transposed; afterwards (the whole chunk) the
-    plan is followed without trying the alternatives again.
+    ``plan``: while learning (on a sample), planes that do not compress are marked raw,
+    mostly-zero planes are tried bit-transposed, and every plane but the last is tried
+    in the order of the plane above it; afterwards (the whole chunk) the plan is
+    followed without trying the alternatives again.
     Returns the payload in pieces (table, planes), not joined: zstd's output is
     written as it is, and only raw planes are copied out of the reused split buffer.
     """
