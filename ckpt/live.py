@@ -38,6 +38,7 @@ class LiveTensors:
         self._views = {name: byte_view(t) for name, t in tensors.items()}
         self._left = {name: len(v) for name, v in self._views.items()}  # bytes not read yet
         self._copies: dict[str, memoryview] = {}
+        self._changed: set[str] = set()  # found modified by release(): their reads fail
         self._held: list[Any] = []
         self.copied_bytes = 0  # what release() had to copy
 
@@ -49,6 +50,8 @@ class LiveTensors:
             copy = self._copies.get(name)
             if copy is not None:
                 return copy[offset : offset + length]
+            if name in self._changed:
+                self._check(name)  # raises
             self._readers += 1
         try:
             data = bytes(self._views[name][offset : offset + length])
@@ -62,7 +65,8 @@ class LiveTensors:
 
     def release(self) -> None:
         """The optimizer is about to step: copy every tensor not yet read in full, so that
-        the rest of the save reads the copies. Idempotent."""
+        the rest of the save reads the copies. Idempotent. Never raises into the step:
+        a tensor found modified is left uncopied and its next read fails the save."""
         import torch
 
         with self._cond:
@@ -73,9 +77,11 @@ class LiveTensors:
             for name, left in self._left.items():
                 if left > 0:
                     t = self._tensors[name]
+                    if t._version != self._versions[name]:
+                        self._changed.add(name)
+                        continue
                     buf = torch.empty_like(t, memory_format=torch.contiguous_format)
                     buf.copy_(t)
-                    self._check(name)
                     self._held.append(buf)
                     self._copies[name] = byte_view(buf)
                     self.copied_bytes += len(self._copies[name])

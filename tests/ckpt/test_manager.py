@@ -314,3 +314,21 @@ def test_overlapped_save_refuses_a_tensor_changed_under_it(tmp_path, monkeypatch
     assert store.resolve("ov/latest") == store.resolve("ov/step-1")  # nothing half-read was published
     with pytest.raises(ckpt.errors.RefNotFoundError):
         store.resolve("ov/step-2")
+
+
+def test_overlapped_save_fails_not_the_step_when_a_tensor_changed_before_it(tmp_path, monkeypatch):
+    """A tensor changed before any of it was read: the step still runs; the save fails, unpublished."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "ov", overlap_copy=True) as mgr:
+        gate, _ = _gate_reads(monkeypatch, 0)
+        mgr.save(1, {"model": model, "optim": opt})
+        with torch.no_grad():
+            model[2].bias.add_(1)
+        _train(model, opt)  # its step copies what is left, and does not raise
+        gate.set()
+        with pytest.raises(SnapshotError, match=r"model/2\.bias was modified in place"):
+            mgr.wait()
+    with pytest.raises(ckpt.errors.RefNotFoundError):
+        ckpt.Store.open(str(tmp_path / "s")).resolve("ov/latest")
