@@ -8,6 +8,8 @@ when it runs, so memory in flight stays at about ``workers`` chunks.
 from __future__ import annotations
 
 import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -51,6 +53,81 @@ def run_parallel(fn: Callable[[T], R], items: Sequence[T], workers: int, progres
 MAX_CHAIN = 64
 
 
+class ChunkCache:
+    """Decoded, verified chunks by id within a byte budget, least recently used first out.
+
+    A chunk is kept only when it is asked for a second time: a base wanted once (the
+    base of a merge's output, say) costs no memory; one that several deltas need (the
+    base of a family) is decoded at most twice.
+    """
+
+    def __init__(self, budget: int, remember: int = 1 << 16) -> None:
+        self.budget = budget
+        self.size = 0
+        self.hits = self.misses = 0
+        self._items: OrderedDict[str, tuple[bytes | bytearray | memoryview, int]] = OrderedDict()
+        self._seen: OrderedDict[str, None] = OrderedDict()  # ids asked for once, not kept
+        self._remember = remember
+        self._lock = threading.Lock()
+
+    def get(self, cid: str) -> tuple[bytes | bytearray | memoryview, int] | None:
+        with self._lock:
+            item = self._items.get(cid)
+            if item is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(cid)
+            self.hits += 1
+            return item
+
+    def offer(self, cid: str, item: tuple[bytes | bytearray | memoryview, int]) -> None:
+        """Keep ``item`` if ``cid`` was asked for before; otherwise remember that it was."""
+        n = len(item[0])
+        with self._lock:
+            if cid in self._items or n > self.budget:
+                return
+            if cid not in self._seen:
+                self._seen[cid] = None
+                if len(self._seen) > self._remember:
+                    self._seen.popitem(last=False)
+                return
+            del self._seen[cid]
+            self._items[cid] = item
+            self.size += n
+            while self.size > self.budget:
+                _, (old, _) = self._items.popitem(last=False)
+                self.size -= len(old)
+
+
+_caches: weakref.WeakKeyDictionary[ObjectStore, ChunkCache] = weakref.WeakKeyDictionary()
+_caches_lock = threading.Lock()
+
+
+def base_cache(objects: ObjectStore, settings: Settings) -> ChunkCache | None:
+    """The decoded-base cache of this open store (``settings.base_cache_mb``; None when 0)."""
+    if settings.base_cache_mb <= 0:
+        return None
+    with _caches_lock:
+        cache = _caches.get(objects)
+        if cache is None:
+            cache = _caches[objects] = ChunkCache(settings.base_cache_mb << 20)
+        return cache
+
+
+def fetch_base(objects: ObjectStore, cid: str, length: int, settings: Settings,
+               _depth: int = 0) -> tuple[bytes | bytearray | memoryview, int]:
+    """:func:`fetch_chunk` for a chunk wanted as the base of a delta: served from the store's
+    decoded-base cache when it is there. (Chunks are named by their bytes, so a cached
+    chunk is the chunk; whether it is still in the store is the caller's question.)"""
+    cache = base_cache(objects, settings)
+    item = cache.get(cid) if cache is not None else None
+    if item is None:
+        item = fetch_chunk(objects, cid, length, settings, _depth)
+        if cache is not None:
+            cache.offer(cid, item)
+    return item
+
+
 def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings, _depth: int = 0,
                 out: memoryview | None = None) -> tuple[bytes | bytearray | memoryview, int]:
     """Decoded, verified bytes of chunk ``cid`` and the length of its delta chain (0: no base).
@@ -80,7 +157,7 @@ def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
     h = parse_header(blob, cid)
     base, depth = None, 0
     if h.base is not None:
-        base, below = fetch_chunk(objects, h.base, length, settings, _depth + 1)
+        base, below = fetch_base(objects, h.base, length, settings, _depth + 1)
         depth = below + 1
     return decode_chunk(blob, cid, length, max_length=settings.max_chunk_size, base=base, out=out), depth
 
@@ -166,7 +243,7 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
             try:
                 codec_b, chain_b = stored_chain(objects, task.base)
                 if len(chain_b) < settings.max_delta_depth and (not objects.backend.touches or objects.refresh("chunks", task.base)):
-                    base_bytes, _ = fetch_chunk(objects, task.base, task.length, settings)
+                    base_bytes, _ = fetch_base(objects, task.base, task.length, settings)
                     base_chain = (task.base, *chain_b)
             except ObjectNotFoundError:
                 base_bytes = None  # the base is gone (gc): store this chunk whole

@@ -36,6 +36,10 @@ class Settings:
     # that compresses by 1% costs a decompression on every read for nothing.
     min_saving: float = 0.02
     fsync: bool = True
+    # Decoded base chunks kept per open store (LRU), so that the chunks of one base are
+    # decoded once, not once per fine-tune that deltas against them: loading or merging
+    # a family, diffing two fine-tunes, pushing fine-tune after fine-tune. 0: off.
+    base_cache_mb: int = 256
     # Largest decoded chunk a reader accepts (guards against decompression bombs).
     max_chunk_size: int = 256 * MiB
     # Remote stores (S3): requests in flight at once -- uploads, downloads, existence
@@ -69,6 +73,6 @@ class Settings:
             raise ValueError(f"chunk_size must be between 64 KiB and {s.max_chunk_size} bytes")
         if s.workers < 1 or s.io_workers < 1 or s.transfer_concurrency < 1:
             raise ValueError("workers, io_workers and transfer_concurrency must be at least 1")
-        if s.retries < 0 or s.retry_delay < 0:
-            raise ValueError("retries and retry_delay must not be negative")
+        if s.retries < 0 or s.retry_delay < 0 or s.base_cache_mb < 0:
+            raise ValueError("retries, retry_delay and base_cache_mb must not be negative")
         return s

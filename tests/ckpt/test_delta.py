@@ -117,3 +117,43 @@ def test_fine_tunes_of_one_base_all_delta_against_the_base(tmp_path):
     for i in range(3):
         store.push(_finetune(base, 10 + i), f"fam/ft{i}")
         assert store.manifest(f"fam/ft{i}").lineage["base"] == base_id  # not the previous sibling
+
+
+def test_chunk_cache_keeps_what_is_asked_for_twice_within_its_budget():
+    from ckpt.pipeline import ChunkCache
+
+    cache = ChunkCache(budget=10)
+    cache.offer("a", (b"xxxx", 0))
+    assert cache.get("a") is None  # asked for once: remembered, not kept
+    cache.offer("a", (b"xxxx", 0))
+    assert cache.get("a") == (b"xxxx", 0)
+    for cid in ("b", "c"):
+        cache.offer(cid, (b"yyyy", 1))
+        cache.offer(cid, (b"yyyy", 1))
+    assert cache.get("a") is None and cache.size == 8  # 12 bytes over a budget of 10: the oldest went
+    cache.offer("big", (b"z" * 11, 0))
+    cache.offer("big", (b"z" * 11, 0))
+    assert cache.get("big") is None  # larger than the budget: never kept
+
+
+def test_a_family_decodes_its_base_chunks_at_most_twice(tmp_path):
+    """Loading fine-tune after fine-tune of one base: from the third on, their deltas' base
+    chunks come decoded from the cache; every load is still bit-exact."""
+    from ckpt.pipeline import base_cache
+
+    store = _store(tmp_path)
+    base = _base()
+    store.push(base, "m/base")
+    fts = {f"m/ft{i}": _finetune(base, i + 1) for i in range(4)}
+    for ref, sd in fts.items():
+        store.push(sd, ref, base="m/base")
+    reopened = ckpt.Store.open(str(tmp_path / "s"), settings=store.settings)
+    cache = base_cache(reopened.objects, reopened.settings)
+    loads = [reopened.load(ref) for ref in fts]
+    for got, sd in zip(loads, fts.values()):
+        assert all(_bytes(got[k]) == _bytes(v) for k, v in sd.items())
+    deltas = sum(1 for t in reopened.manifest("m/ft0").tensors for chain in t.delta_bases if chain)
+    assert deltas > 0 and cache.hits == 2 * deltas  # ft2 and ft3 hit; ft0 and ft1 decoded the base
+    off = ckpt.Store.open(str(tmp_path / "s"), settings=Settings.from_env(chunk_size=128 * 1024, base_cache_mb=0))
+    assert base_cache(off.objects, off.settings) is None
+    assert all(_bytes(off.load("m/ft3")[k]) == _bytes(v) for k, v in fts["m/ft3"].items())
