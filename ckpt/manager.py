@@ -159,7 +159,7 @@ class CheckpointManager:
         self._held: dict[str, Any] = {}
         self._last: tuple[str, dict[str, TensorEntry]] | None = None  # previous snapshot: id, entries
         self._metrics: dict[int, dict[str, float]] = {}
-        self._stream: Any = None
+        self._streams: dict[Any, Any] = {}  # CUDA device -> its copy stream
         self._old_handlers: dict[int, Any] = {}
         self.last_save_stats: dict[str, float] = {}
         if handle_signals:
@@ -209,11 +209,12 @@ class CheckpointManager:
         if pending:
             self._hook_optimizers(state)
             self._copied.clear()
-            if any(t.device.type == "cuda" for _, _, t in pending):
+            devices = {t.device for _, _, t in pending if t.device.type == "cuda"}
+            if devices:
                 import torch
 
-                ready = torch.cuda.Event()
-                ready.record()  # the copy starts after the work queued so far, not later work
+                # the copies start after the work queued so far on each device, not later work
+                ready = {d: torch.cuda.current_stream(d).record_event() for d in devices}
         blocked = time.perf_counter() - t0
         snapshot = {"format": SNAPSHOT_FORMAT, "run": self.run, "step": step, "tree": tree,
                     "metrics": dict(metrics or {})}
@@ -319,21 +320,30 @@ class CheckpointManager:
         self._copied.wait()
         self.step_wait_s += time.perf_counter() - t0
 
-    def _copy_from_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], ready: Any = None) -> None:
-        """Device-to-host copies on a side stream, ordered after the work already queued
-        (or after the event ``ready``, recorded by the training thread)."""
+    def _copy_from_cuda(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], ready: dict[Any, Any] | None = None) -> None:
+        """Device-to-host copies into pinned buffers on a side stream per device, ordered
+        after the work already queued on that device's current stream (or after the
+        events ``ready``, recorded by the training thread when this runs in another)."""
         import torch
 
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        if ready is not None:
-            self._stream.wait_event(ready)
-        else:
-            self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            for buf, t in pairs:
-                buf.copy_(t, non_blocking=True)
-        self._stream.synchronize()  # the staged bytes are complete before training may touch t
+        by_device: dict[Any, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for buf, t in pairs:
+            by_device.setdefault(t.device, []).append((buf, t))
+        streams = []
+        for device, group in by_device.items():
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device=device)
+            if ready is not None:
+                stream.wait_event(ready[device])
+            else:
+                stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):  # also makes the stream's device current
+                for buf, t in group:
+                    buf.copy_(t, non_blocking=True)
+            streams.append(stream)
+        for stream in streams:
+            stream.synchronize()  # the staged bytes are complete before training may touch them
 
     def _write(self, step: int, staged: dict[str, torch.Tensor], reuse: dict[str, TensorEntry],
                keys: dict[str, tuple[Any, ...]], held: dict[str, Any], snapshot: dict[str, Any], blocked: float,
