@@ -122,6 +122,8 @@ class CheckpointManager:
         from ckpt.store import Store
         from storage.refs import validate_ref_name
 
+        if overlap_copy and not async_save:
+            raise ValueError("overlap_copy=True needs async_save=True (the copy overlaps training only in the background)")
         if settings is None and not isinstance(store, Store):
             # Restores are on the critical path of every restart: keep compression only
             # where it saves at least 25%, so most chunks restore as one read into the
@@ -139,7 +141,7 @@ class CheckpointManager:
             raise ValueError("keep_best is (metric, 'min' | 'max'[, count])")
         self.keep_best = keep_best
         self.async_save = async_save
-        self.overlap_copy = overlap_copy and async_save
+        self.overlap_copy = overlap_copy
         self._copied = threading.Event()  # clear while an overlapped copy is pending
         self._copied.set()
         self._step_hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle

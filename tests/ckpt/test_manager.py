@@ -332,3 +332,9 @@ def test_overlapped_save_fails_not_the_step_when_a_tensor_changed_before_it(tmp_
             mgr.wait()
     with pytest.raises(ckpt.errors.RefNotFoundError):
         ckpt.Store.open(str(tmp_path / "s")).resolve("ov/latest")
+
+
+def test_overlap_copy_needs_async_save(tmp_path):
+    with pytest.raises(ValueError, match="needs async_save"):
+        ckpt.CheckpointManager(str(tmp_path / "s"), "r", async_save=False, overlap_copy=True)
+    assert not (tmp_path / "s").exists()  # refused before anything was created
