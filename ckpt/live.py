@@ -88,13 +88,10 @@ class LiveTensors:
             self._released = True
 
     def _check(self, name: str) -> None:
-        from ckpt.manager import SnapshotError
+        from ckpt.manager import modified_under_save
 
         if self._tensors[name]._version != self._versions[name]:
-            raise SnapshotError(
-                f"tensor {name} was modified in place while save() read it in the background; with "
-                "overlap_copy=True only the optimizer's step may change parameters and optimizer state, "
-                "and it waits for the snapshot")
+            raise modified_under_save([name])
 
 
 class _LiveBytes:

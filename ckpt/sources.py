@@ -233,9 +233,11 @@ def _flatten(obj: Mapping[Any, Any], prefix: str, tensors: dict[str, Any], extra
 
 
 def from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], metadata: dict[str, str] | None,
-                  known: Mapping[str, tuple[str, tuple[int, ...], int]] | None = None) -> SourceIn:
+                  known: Mapping[str, tuple[str, tuple[int, ...], int]] | None = None,
+                  sources: Mapping[str, ByteSource] | None = None) -> SourceIn:
     """One safetensors file of ``tensors``. Names in ``known`` (dtype, shape, nbytes) are
-    laid out in the file too but carry no data: the caller already has their chunks."""
+    laid out in the file too but carry no data: the caller already has their chunks.
+    ``sources``: where the bytes of some tensors are read from instead of their memory."""
     import torch
 
     specs = []
@@ -259,7 +261,10 @@ def from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], m
     file = FileIn("model.safetensors", "safetensors", len(head), head, None, [], metadata)
     for i in order:
         name, dtype, shape, nbytes = specs[i]
-        src = MemBytes(*views[name]) if name in views else None
+        if sources is not None and name in sources:
+            src: ByteSource | None = sources[name]
+        else:
+            src = MemBytes(*views[name]) if name in views else None
         file.tensors.append(TensorIn(name, dtype, shape, nbytes, src, 0))
         file.size += nbytes
     return SourceIn(kind, [file], extra)
