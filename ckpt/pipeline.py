@@ -64,7 +64,7 @@ class ChunkCache:
     def __init__(self, budget: int, remember: int = 1 << 16) -> None:
         self.budget = budget
         self.size = 0
-        self.hits = self.misses = 0
+        self.hits = 0  # lookups answered (tests read it)
         self._items: OrderedDict[str, tuple[bytes | bytearray | memoryview, int]] = OrderedDict()
         self._seen: OrderedDict[str, None] = OrderedDict()  # ids asked for once, not kept
         self._remember = remember
@@ -74,7 +74,6 @@ class ChunkCache:
         with self._lock:
             item = self._items.get(cid)
             if item is None:
-                self.misses += 1
                 return None
             self._items.move_to_end(cid)
             self.hits += 1
