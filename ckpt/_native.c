@@ -372,15 +372,30 @@ static PyObject *native_bits(PyObject *self, PyObject *args) {
  * alike when the byte above them is (the low bytes of deltas of one magnitude), so a
  * stable counting sort of plane k by the value of plane k+1 hands zstd runs of like
  * bytes. The decoder has plane k+1 first and recomputes the order: no side information.
- * Forward: dst[next slot of key[i]] = src[i]; inverse: dst[i] = src[next slot of key[i]]. */
-#ifndef CTX_Q
-#define CTX_Q 4 /* 8 and 16 measured no faster here */
-#endif
-static void ctx_sort(const uint8_t *src, const uint8_t *key, uint8_t *dst, Py_ssize_t n, int inverse) {
-    /* CTX_Q slices of the input, each with its own slot counters (slice q's slots for a
-     * value follow those of slices < q: still a stable order), walked in step so that a
-     * run of one key value is CTX_Q independent chains of counter updates, not one. */
-    enum { Q = CTX_Q };
+ * Forward: dst[next slot of key[i]] = src[i]; inverse: dst[i] = src[next slot of key[i]].
+ * Any slicing of the input gives the same order, so long as slice q's slots for a value
+ * follow those of the slices before it: the slicing is a speed choice only. */
+static inline uint64_t load64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static void histogram(const uint8_t *key, Py_ssize_t n, uint32_t *out) {
+    uint32_t c[4][256]; /* four counter sets: runs of one value would serialise on one */
+    memset(c, 0, sizeof c);
+    Py_ssize_t i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int l = 0; l < 4; l++) c[l][key[i + l]]++;
+    for (; i < n; i++) c[0][key[i]]++;
+    for (int v = 0; v < 256; v++) out[v] = c[0][v] + c[1][v] + c[2][v] + c[3][v];
+}
+
+static void ctx_sort(const uint8_t *src, const uint8_t *key, uint8_t *dst, Py_ssize_t n) {
+    /* Four slices walked in step, each with its own slot counters, so that a run of one
+     * key value is four independent chains of counter updates, not one (8 and 16
+     * slices measured no faster). */
+    enum { Q = 4 };
     uint32_t pos[Q][256];
     Py_ssize_t len = n / Q;
     uint32_t sum = 0;
@@ -393,15 +408,44 @@ static void ctx_sort(const uint8_t *src, const uint8_t *key, uint8_t *dst, Py_ss
             pos[q][v] = sum;
             sum += c;
         }
-    if (inverse) {
-        for (Py_ssize_t i = 0; i < len; i++)
-            for (int q = 0; q < Q; q++) dst[q * len + i] = src[pos[q][key[q * len + i]]++];
-        for (Py_ssize_t i = Q * len; i < n; i++) dst[i] = src[pos[Q - 1][key[i]]++];
-    } else {
-        for (Py_ssize_t i = 0; i < len; i++)
-            for (int q = 0; q < Q; q++) dst[pos[q][key[q * len + i]]++] = src[q * len + i];
-        for (Py_ssize_t i = Q * len; i < n; i++) dst[pos[Q - 1][key[i]]++] = src[i];
+    for (Py_ssize_t i = 0; i < len; i++)
+        for (int q = 0; q < Q; q++) dst[pos[q][key[q * len + i]]++] = src[q * len + i];
+    for (Py_ssize_t i = Q * len; i < n; i++) dst[pos[Q - 1][key[i]]++] = src[i];
+}
+
+static void ctx_unsort(const uint8_t *src, const uint8_t *key, uint8_t *dst, Py_ssize_t n) {
+    /* Two halves walked in step, each with a pointer per key value, eight output bytes
+     * gathered into one store: a third less time than per-byte stores with indexed
+     * counters (a 1 MiB plane: 1.1-1.4 ms against 1.7-2.1 here). */
+    Py_ssize_t len = (n / 2) & ~(Py_ssize_t)7;
+    uint32_t c0[256], c1[256];
+    const uint8_t *p0[256], *p1[256], *p = src;
+    histogram(key, len, c0);
+    histogram(key + len, n - len, c1);
+    for (int v = 0; v < 256; v++) {
+        p0[v] = p;
+        p += c0[v];
+        p1[v] = p;
+        p += c1[v];
     }
+    Py_ssize_t i = 0;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    /* byte j of a little-endian word is the byte at offset j, in both the keys and dst */
+    for (; i + 8 <= len; i += 8) {
+        uint64_t ka = load64(key + i), kb = load64(key + len + i), a = 0, b = 0;
+        for (int j = 0; j < 8; j++) { /* in index order: the slots of one value are taken in turn */
+            a |= (uint64_t)*p0[(ka >> (8 * j)) & 255]++ << (8 * j);
+            b |= (uint64_t)*p1[(kb >> (8 * j)) & 255]++ << (8 * j);
+        }
+        memcpy(dst + i, &a, 8);
+        memcpy(dst + len + i, &b, 8);
+    }
+#endif
+    for (; i < len; i++) {
+        dst[i] = *p0[key[i]]++;
+        dst[len + i] = *p1[key[len + i]]++;
+    }
+    for (Py_ssize_t j = 2 * len; j < n; j++) dst[j] = *p1[key[j]]++;
 }
 
 /* ctx(src, key, dst, inverse): dst <- src stably sorted by the byte values of key (inverse: undo it). */
@@ -430,7 +474,7 @@ static PyObject *native_ctx(PyObject *self, PyObject *args) {
         uint8_t *d = dst.buf;
         Py_ssize_t n = dst.len;
         Py_BEGIN_ALLOW_THREADS
-        ctx_sort(s, k, d, n, inverse);
+        if (inverse) ctx_unsort(s, k, d, n); else ctx_sort(s, k, d, n);
         Py_END_ALLOW_THREADS
         ret = Py_None;
         Py_INCREF(ret);
