@@ -127,6 +127,48 @@ def fetch_base(objects: ObjectStore, cid: str, length: int, settings: Settings,
     return item
 
 
+@dataclass(frozen=True)
+class _Read:
+    """What :func:`_read_chunk` got: a blob to decode, or a raw chunk already read into ``out``."""
+
+    blob: bytes | None
+    into: int = 0  # raw chunks: the blob's bytes past its header (those that fit were read into ``out``)
+
+
+def _read_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings, out: memoryview | None = None) -> _Read:
+    """The I/O half of :func:`fetch_chunk`: from a local store a raw chunk is read straight
+    into ``out`` (its header first); anything else comes back as its blob."""
+    if out is not None and objects.backend.reads_into and settings.max_chunk_size >= length == len(out):
+        path = objects.path("chunks", cid)
+        try:
+            head = parse_header(objects.backend.read_range(path, 0, MAX_HEADER), cid)
+            if head.codec == RAW and head.length != length:
+                raise CorruptObjectError("chunk", cid, f"raw blob holds {head.length} bytes, the manifest says {length}")
+            if head.codec == RAW:
+                return _Read(None, objects.backend.read_into(path, head.size, out) - head.size)
+        except FileNotFoundError:
+            raise ObjectNotFoundError("chunk", cid) from None
+    return _Read(objects.get("chunks", cid))
+
+
+def _decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings, got: _Read, _depth: int = 0,
+                 out: memoryview | None = None) -> tuple[bytes | bytearray | memoryview, int]:
+    """The CPU half of :func:`fetch_chunk`: verify (and decode) what :func:`_read_chunk` got."""
+    if got.blob is None:
+        assert out is not None
+        if got.into != length:
+            raise CorruptObjectError("chunk", cid, f"raw blob of {got.into} bytes does not hold the {length} bytes the manifest says")
+        if object_id(out) != cid:
+            raise CorruptObjectError("chunk", cid, "decoded bytes do not match the chunk id")
+        return out, 0
+    h = parse_header(got.blob, cid)
+    base, depth = None, 0
+    if h.base is not None:
+        base, below = fetch_base(objects, h.base, length, settings, _depth + 1)
+        depth = below + 1
+    return decode_chunk(got.blob, cid, length, max_length=settings.max_chunk_size, base=base, out=out), depth
+
+
 def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings, _depth: int = 0,
                 out: memoryview | None = None) -> tuple[bytes | bytearray | memoryview, int]:
     """Decoded, verified bytes of chunk ``cid`` and the length of its delta chain (0: no base).
@@ -138,27 +180,8 @@ def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
     """
     if _depth > MAX_CHAIN:
         raise CorruptObjectError("chunk", cid, f"delta chain longer than {MAX_CHAIN}")
-    if out is not None and objects.backend.reads_into and settings.max_chunk_size >= length == len(out):
-        path = objects.path("chunks", cid)
-        try:
-            head = parse_header(objects.backend.read_range(path, 0, MAX_HEADER), cid)
-            if head.codec == RAW:
-                size = objects.backend.read_into(path, head.size, out)
-        except FileNotFoundError:
-            raise ObjectNotFoundError("chunk", cid) from None
-        if head.codec == RAW:
-            if head.length != length or size != head.size + length:
-                raise CorruptObjectError("chunk", cid, f"raw blob of {size} bytes does not hold the {length} bytes the manifest says")
-            if object_id(out) != cid:
-                raise CorruptObjectError("chunk", cid, "decoded bytes do not match the chunk id")
-            return out, 0
-    blob = objects.get("chunks", cid)
-    h = parse_header(blob, cid)
-    base, depth = None, 0
-    if h.base is not None:
-        base, below = fetch_base(objects, h.base, length, settings, _depth + 1)
-        depth = below + 1
-    return decode_chunk(blob, cid, length, max_length=settings.max_chunk_size, base=base, out=out), depth
+    got = _read_chunk(objects, cid, length, settings, out)
+    return _decode_read(objects, cid, length, settings, got, _depth, out)
 
 
 def stored_chain(objects: ObjectStore, cid: str) -> tuple[int, tuple[str, ...]]:
@@ -277,15 +300,53 @@ class GetTask:
 
 def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Settings, progress: Progress | None = None) -> None:
     """Fetch, decode (following delta chains) and verify chunks in parallel, into each task's
-    ``into`` buffer and/or handing the bytes to its ``sink``."""
+    ``into`` buffer and/or handing the bytes to its ``sink``.
 
-    def get(task: GetTask) -> None:
-        data, _ = fetch_chunk(objects, task.id, task.length, settings, out=task.into)
+    ``workers`` threads decode and verify, taking the chunks in order, while the reads
+    run ahead of them: a disk, like a remote store, answers several reads at once faster
+    than one at a time (benchmarks/results/snapshot.md: a cold restore, 2 reading
+    threads -> 8), but more decoding threads than cores only contend for the GIL and
+    evict each other's buffers from the caches (the MiniLM fp32 family from a store in
+    memory: 803 MB/s with 8 threads reading and decoding, 920 like this).
+
+    A local store is asked to prefetch the next ``2 * io_workers`` chunks (the kernel
+    reads them in the background) and each decoding thread reads its own chunk: no
+    hand-off between threads per chunk. Elsewhere ``io_workers`` threads (or as many as
+    the remote store allows) read the blobs ahead into memory, at most twice as many
+    as there are reading threads, which bounds memory.
+    """
+    todo = list(tasks)
+    readers = max(settings.io_workers, objects.backend.concurrency)
+    ahead = 2 * readers
+    lock = threading.Lock()
+    reads: dict[int, Future[_Read]] = {}
+    submitted = 0  # reads are submitted for todo[:submitted]
+    hinted = objects.backend.prefetches
+    io = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="ckpt-read")
+
+    def get(i: int) -> None:
+        nonlocal submitted
+        task = todo[i]
+        if hinted:  # read in this thread, having asked the disk for the reads ahead
+            with lock:
+                ahead_ids = [todo[j].id for j in range(submitted, min(len(todo), i + ahead))]
+                submitted = max(submitted, i + ahead)
+            for cid in ahead_ids:
+                objects.backend.prefetch(objects.path("chunks", cid))
+            got = _read_chunk(objects, task.id, task.length, settings, task.into)
+        else:
+            with lock:
+                while submitted < min(len(todo), i + ahead):
+                    t = todo[submitted]
+                    reads[submitted] = io.submit(_read_chunk, objects, t.id, t.length, settings, t.into)
+                    submitted += 1
+                pending = reads.pop(i)
+            got = pending.result()
+        data, _ = _decode_read(objects, task.id, task.length, settings, got, out=task.into)
         if task.sink is not None:
             task.sink(data)  # type: ignore[arg-type]
 
-    # A thread per read in flight: a local disk, like a remote store, answers several
-    # reads at once faster than one at a time (benchmarks/results/snapshot.md: a cold
-    # restore, 2 threads -> 8), and the decoding of the chunks read overlaps the waits.
-    workers = max(settings.workers, settings.io_workers, objects.backend.concurrency)
-    run_parallel(get, list(tasks), workers, progress or NullProgress(), lambda t: t.length)
+    try:
+        run_parallel(get, range(len(todo)), settings.workers, progress or NullProgress(), lambda i: todo[i].length)
+    finally:
+        io.shutdown(wait=True, cancel_futures=True)

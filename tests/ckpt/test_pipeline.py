@@ -1,0 +1,92 @@
+"""The read pipeline (ckpt.pipeline.get_chunks): reads run ahead of the decoding threads,
+hinted to a local disk or handed to reading threads elsewhere, within a memory bound,
+and the first error ends the load without leaving reads behind."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import pipeline
+from ckpt.settings import Settings
+from storage.errors import ObjectNotFoundError
+
+
+def _state(n: int = 24) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {f"t{i}": torch.randn(4096 + i, generator=g) for i in range(n)}
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_local_store_hints_the_reads_ahead(tmp_path):
+    store = ckpt.Store.init(str(tmp_path / "s"), settings=Settings.from_env(workers=2, io_workers=3))
+    state = _state()
+    store.push(state, "a")
+    hinted: list[str] = []
+    backend = store.objects.backend
+    real = backend.prefetch
+    backend.prefetch = lambda path: (hinted.append(path), real(path))[1]  # type: ignore[method-assign]
+    got = store.load("a")
+    assert {k: _bits(v) for k, v in got.items()} == {k: _bits(v) for k, v in state.items()}
+    chunks = [store.objects.path("chunks", c) for t in store.manifest("a").tensors for c in t.chunks]
+    assert sorted(hinted) == sorted(chunks)  # every chunk hinted, each once
+
+
+def test_reads_handed_off_stay_within_the_bound():
+    store = ckpt.Store.init(f"memory://pipeline-{uuid.uuid4().hex}", settings=Settings.from_env(workers=2, io_workers=2))
+    assert not store.objects.backend.prefetches
+    state = _state(40)
+    store.push(state, "a")
+    backend = store.objects.backend
+    lock = threading.Lock()
+    held = {"now": 0, "max": 0}
+    real_read = backend.read
+
+    def read(path: str) -> bytes:
+        data = real_read(path)
+        if "/chunks/" in path:
+            with lock:
+                held["now"] += 1
+                held["max"] = max(held["max"], held["now"])
+        return data
+
+    backend.read = read  # type: ignore[method-assign]
+
+    real_decode = pipeline._decode_read
+
+    def decode(*a, **k):
+        try:
+            return real_decode(*a, **k)
+        finally:
+            with lock:
+                held["now"] -= 1
+
+    pipeline._decode_read = decode
+    try:
+        got = store.load("a")
+    finally:
+        pipeline._decode_read = real_decode
+    assert {k: _bits(v) for k, v in got.items()} == {k: _bits(v) for k, v in state.items()}
+    # blobs read and not yet decoded: the read-ahead window (2 x io_workers) plus one per decoder
+    assert 1 < held["max"] <= 2 * 2 + 2
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_missing_chunk_mid_load_is_an_error_and_leaves_no_reads(tmp_path, where):
+    url = str(tmp_path / "s") if where == "local" else f"memory://pipeline-{uuid.uuid4().hex}"
+    store = ckpt.Store.init(url, settings=Settings.from_env(workers=2, io_workers=2))
+    store.push(_state(30), "a")
+    cid = store.manifest("a").tensors[15].chunks[0]
+    store.objects.backend.delete(store.objects.path("chunks", cid))
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ObjectNotFoundError, match=cid):
+        store.load("a")
+    after = {t.name for t in threading.enumerate() if t.name.startswith("ckpt")}
+    assert after <= before  # the pool's threads are gone: nothing reads on behind the error
