@@ -75,55 +75,70 @@ DEFINE_KERNELS(uint16_t, 16)
 DEFINE_KERNELS(uint32_t, 32)
 DEFINE_KERNELS(uint64_t, 64)
 
-/* start[k]: first output position of key k (a stable counting sort's prefix sums).
- * The grouped kernels move whole elements (one scattered word per element, into as
+/* The grouped kernels move whole elements (one scattered word per element, into as
  * many streams as there are distinct keys) and split/join the planes sequentially:
- * far cheaper than scattering each element's bytes into every plane. */
+ * far cheaper than scattering each element's bytes into every plane. The stable order
+ * by key is walked as two halves in step, each key with a pointer per half (half 0's
+ * slots for a key, then half 1's): the same order as one pass, in two independent
+ * chains (the gather: 2.8 -> 2.6 ms per 4 MiB chunk, in a loop over a family's chunks). */
 #define DEFINE_GROUPED(T, BITS)                                                            \
     static inline T load_##BITS(const uint8_t *p, Py_ssize_t i) {                          \
-        T v; /* buffers may be unaligned: memcpy compiles to a plain load */               \
-        memcpy(&v, p + i * (Py_ssize_t)sizeof(T), sizeof(T));                              \
-        return v;                                                                          \
+        T v; memcpy(&v, p + i * (Py_ssize_t)sizeof(T), sizeof(T)); return v;               \
     }                                                                                      \
-    static void group_starts_##BITS(const uint8_t *base, Py_ssize_t n, Py_ssize_t *start) { \
-        /* four counter sets: runs of equal keys would otherwise serialise on one counter */ \
+    /* four counter sets: runs of equal keys would otherwise serialise on one counter */ \
+    static void gcount_##BITS(const uint8_t *base, Py_ssize_t n, uint32_t *out) {          \
         uint32_t cnt[4][NKEYS];                                                            \
         memset(cnt, 0, sizeof(cnt));                                                       \
         Py_ssize_t i = 0;                                                                  \
         for (; i + 4 <= n; i += 4)                                                         \
-            for (int l = 0; l < 4; l++) cnt[l][KEY(BITS, load_##BITS(base, i + l))]++; \
-        for (; i < n; i++) cnt[0][KEY(BITS, load_##BITS(base, i))]++;         \
-        Py_ssize_t pos = 0;                                                                \
+            for (int l = 0; l < 4; l++) cnt[l][KEY(BITS, load_##BITS(base, i + l))]++;     \
+        for (; i < n; i++) cnt[0][KEY(BITS, load_##BITS(base, i))]++;                      \
+        for (int k = 0; k < NKEYS; k++) out[k] = cnt[0][k] + cnt[1][k] + cnt[2][k] + cnt[3][k]; \
+    }                                                                                      \
+    static void gslots_##BITS(const uint8_t *base, Py_ssize_t n, Py_ssize_t len, T *sorted, T **p0, T **p1) { \
+        uint32_t c0[NKEYS], c1[NKEYS];                                                     \
+        gcount_##BITS(base, len, c0);                                                      \
+        gcount_##BITS(base + len * (Py_ssize_t)sizeof(T), n - len, c1);                    \
         for (int k = 0; k < NKEYS; k++) {                                                  \
-            start[k] = pos;                                                                \
-            pos += (Py_ssize_t)cnt[0][k] + cnt[1][k] + cnt[2][k] + cnt[3][k];              \
+            p0[k] = sorted; sorted += c0[k]; p1[k] = sorted; sorted += c1[k];              \
         }                                                                                  \
     }                                                                                      \
     /* Encode: the differences in element order (a vectorisable pass, into dst as      \
      * scratch), then one scattered word per element into the sorted order, then the    \
-     * plane split. Decode mirrors it: join, gather, undo the difference in place. */   \
+     * plane split. Decode mirrors it: join, gather, undo the difference in place       \
+     * (fusing the difference into the scatter or gather measured slower). */           \
     static void gencode_##BITS(const uint8_t *src, const uint8_t *base, uint8_t *dst,      \
-                               Py_ssize_t n, uint8_t *tmpbuf, Py_ssize_t *start) {         \
-        T *tmp = (T *)tmpbuf;                                                              \
+                               Py_ssize_t n, uint8_t *tmpbuf, T **p0, T **p1) {            \
         for (Py_ssize_t i = 0; i < n; i++) {                                               \
             T x = load_##BITS(src, i), bi = load_##BITS(base, i);                          \
             T d = (T)(ORDERED(T, BITS, x) - ORDERED(T, BITS, bi));                         \
             d = ZIGZAG(T, BITS, d);                                                        \
             memcpy(dst + i * (Py_ssize_t)sizeof(T), &d, sizeof(T));                        \
         }                                                                                  \
-        group_starts_##BITS(base, n, start);                                               \
-        for (Py_ssize_t i = 0; i < n; i++)                                                 \
-            tmp[start[KEY(BITS, load_##BITS(base, i))]++] = load_##BITS(dst, i);           \
-        encode_##BITS((const uint8_t *)tmp, NULL, dst, n, OP_PLAIN);                       \
+        Py_ssize_t len = n / 2;                                                            \
+        gslots_##BITS(base, n, len, (T *)tmpbuf, p0, p1);                                  \
+        for (Py_ssize_t i = 0; i < len; i++) {                                             \
+            *p0[KEY(BITS, load_##BITS(base, i))]++ = load_##BITS(dst, i);                  \
+            *p1[KEY(BITS, load_##BITS(base, len + i))]++ = load_##BITS(dst, len + i);      \
+        }                                                                                  \
+        for (Py_ssize_t i = 2 * len; i < n; i++)                                           \
+            *p1[KEY(BITS, load_##BITS(base, i))]++ = load_##BITS(dst, i);                  \
+        encode_##BITS(tmpbuf, NULL, dst, n, OP_PLAIN);                                     \
     }                                                                                      \
     static void gdecode_##BITS(uint8_t *const *planes, const uint8_t *base, uint8_t *dst,  \
-                               Py_ssize_t n, uint8_t *tmpbuf, Py_ssize_t *start) {         \
-        T *tmp = (T *)tmpbuf;                                                              \
-        decode_##BITS(planes, NULL, (uint8_t *)tmp, n, OP_PLAIN);                          \
-        group_starts_##BITS(base, n, start);                                               \
-        for (Py_ssize_t i = 0; i < n; i++) {                                               \
-            T x = tmp[start[KEY(BITS, load_##BITS(base, i))]++];                           \
-            memcpy(dst + i * (Py_ssize_t)sizeof(T), &x, sizeof(T));                        \
+                               Py_ssize_t n, uint8_t *tmpbuf, T **p0, T **p1) {            \
+        decode_##BITS(planes, NULL, tmpbuf, n, OP_PLAIN);                                  \
+        Py_ssize_t len = n / 2;                                                            \
+        gslots_##BITS(base, n, len, (T *)tmpbuf, p0, p1);                                  \
+        for (Py_ssize_t i = 0; i < len; i++) {                                             \
+            T a = *p0[KEY(BITS, load_##BITS(base, i))]++;                                  \
+            T b = *p1[KEY(BITS, load_##BITS(base, len + i))]++;                            \
+            memcpy(dst + i * (Py_ssize_t)sizeof(T), &a, sizeof(T));                        \
+            memcpy(dst + (len + i) * (Py_ssize_t)sizeof(T), &b, sizeof(T));                \
+        }                                                                                  \
+        for (Py_ssize_t i = 2 * len; i < n; i++) {                                         \
+            T b = *p1[KEY(BITS, load_##BITS(base, i))]++;                                  \
+            memcpy(dst + i * (Py_ssize_t)sizeof(T), &b, sizeof(T));                        \
         }                                                                                  \
         for (Py_ssize_t i = 0; i < n; i++) {                                               \
             T z = load_##BITS(dst, i), bi = load_##BITS(base, i);                          \
@@ -141,10 +156,9 @@ DEFINE_GROUPED(uint64_t, 64)
 #define DISPATCH(fn, elem, op, tmp, ...)                                                   \
     do {                                                                                   \
         if ((op) == OP_GSUB) {                                                             \
-            Py_ssize_t start_[NKEYS];                                                      \
-            if ((elem) == 2) g##fn##_16(__VA_ARGS__, tmp, start_);                         \
-            else if ((elem) == 4) g##fn##_32(__VA_ARGS__, tmp, start_);                    \
-            else g##fn##_64(__VA_ARGS__, tmp, start_);                                     \
+            if ((elem) == 2) { uint16_t *a_[NKEYS], *b_[NKEYS]; g##fn##_16(__VA_ARGS__, tmp, a_, b_); } \
+            else if ((elem) == 4) { uint32_t *a_[NKEYS], *b_[NKEYS]; g##fn##_32(__VA_ARGS__, tmp, a_, b_); } \
+            else { uint64_t *a_[NKEYS], *b_[NKEYS]; g##fn##_64(__VA_ARGS__, tmp, a_, b_); } \
         } else if ((op) == OP_PLAIN) {                                                     \
             if ((elem) == 2) fn##_16(__VA_ARGS__, OP_PLAIN);                               \
             else if ((elem) == 4) fn##_32(__VA_ARGS__, OP_PLAIN);                          \
