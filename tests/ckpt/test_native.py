@@ -90,6 +90,19 @@ def _reference_bits(data: bytes) -> bytes:
     return rows.tobytes() + a[8 * m :].tobytes()
 
 
+@pytest.mark.parametrize("n", [63, 64, 65, 127, 128, 129, (1 << 20) + 77])
+def test_bit_planes_of_long_planes(n):
+    # past 8 columns the kernels take eight at a time; the tail goes column by column
+    rng = np.random.default_rng(n)
+    data = (rng.integers(0, 4, n) | (rng.integers(0, 256, n) * (rng.random(n) < 0.1))).astype(np.uint8).tobytes()
+    out = bytearray(n)
+    native.bits(data, out, False)
+    assert bytes(out) == _reference_bits(data)
+    back = bytearray(n)
+    native.bits(bytes(out), back, True)
+    assert bytes(back) == data
+
+
 @given(st.binary(max_size=300))
 @settings(max_examples=300, deadline=None)
 def test_bit_planes_match_numpy(data):
