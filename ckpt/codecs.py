@@ -97,9 +97,10 @@ _APPLY = {XOR: transforms.apply_xor, SUB: transforms.apply_sub, GSUB: transforms
 _UNDO = {XOR: transforms.undo_xor, SUB: transforms.undo_sub, GSUB: transforms.undo_gsub}
 
 
-def _scratch(n: int, name: str = "split") -> memoryview:
+def thread_buffer(n: int, name: str = "split") -> memoryview:
     """Per-thread buffer ``name`` of at least ``n`` bytes, reused across chunks (fresh memory
-    costs page faults); released with the thread."""
+    costs page faults); released with the thread. What it holds is valid until the same
+    thread asks for ``name`` again."""
     bufs = getattr(_local, "scratch", None)
     if bufs is None:
         bufs = _local.scratch = {}
@@ -156,8 +157,8 @@ def _split(data: Any, base: Any, elem: int, codec: int) -> memoryview:
     """Plane-major bytes of ``codec``'s transform of ``data`` (against ``base``): byte k of element i at k*n + i."""
     if native is not None:
         view = memoryview(data).cast("B")
-        out = _scratch(len(view))
-        native.encode(view, base, out, elem, _OP[codec], _scratch(len(view), "gsub") if codec == GSUB else None)
+        out = thread_buffer(len(view))
+        native.encode(view, base, out, elem, _OP[codec], thread_buffer(len(view), "gsub") if codec == GSUB else None)
         return out
     if codec in _APPLY:
         apply = _APPLY[codec]
@@ -185,7 +186,7 @@ def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, b
     cctx = _compressor(level)
 
     def pack(plane: Any, bits: bool) -> bytes:
-        return cctx.compress(_bits(plane, _scratch(n, "bits")) if bits else plane)
+        return cctx.compress(_bits(plane, thread_buffer(n, "bits")) if bits else plane)
 
     heads, bodies = [bytes([elem])], []
     for k in range(elem):
@@ -194,7 +195,7 @@ def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, b
         raw = plan is not None and k in plan.raw
         bits = plan is not None and k in plan.bits
         ordered = plan is not None and k in plan.sorted and above is not None
-        src = _ctx(plane, above, _scratch(n, "sorted")) if ordered else plane
+        src = _ctx(plane, above, thread_buffer(n, "sorted")) if ordered else plane
         packed: bytes | memoryview = plane if raw else pack(src, bits)
         if plan is not None and plan.learning and not raw:
             if len(packed) > n * (1.0 - min_saving / 2):
@@ -207,7 +208,7 @@ def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, b
                         packed, bits = transposed, True
                 if above is not None:
                     # worth a reorder (and its cost on every read) only if it saves 2%
-                    alt = pack(_ctx(plane, above, _scratch(n, "sorted")), bits)
+                    alt = pack(_ctx(plane, above, thread_buffer(n, "sorted")), bits)
                     if len(alt) < len(packed) * 0.98:
                         plan.sorted.add(k)
                         packed, ordered = alt, True
@@ -253,14 +254,14 @@ def _planes_decode(payload: memoryview, length: int, elem: int, oid: str, codec:
             raise CorruptObjectError("chunk", oid, f"planes: plane {k} has the wrong size")
         # a buffer per plane and step: every plane stays live until they are joined
         if mode & ~PLANE_SORTED == PLANE_BITS:
-            body = _bits(body, _scratch(n, f"unbits{k}"), inverse=True)
+            body = _bits(body, thread_buffer(n, f"unbits{k}"), inverse=True)
         if mode & PLANE_SORTED:
-            body = _ctx(body, planes[k + 1], _scratch(n, f"unsorted{k}"), inverse=True)
+            body = _ctx(body, planes[k + 1], thread_buffer(n, f"unsorted{k}"), inverse=True)
         planes[k] = body  # a raw plane stays a view into the payload: no copy
     if out is None:
         out = memoryview(bytearray(length))
     if native is not None:
-        native.decode(planes, base, out, elem, _OP[codec], _scratch(length, "gsub") if codec == GSUB else None)
+        native.decode(planes, base, out, elem, _OP[codec], thread_buffer(length, "gsub") if codec == GSUB else None)
         return out
     arr = np.frombuffer(out, dtype=np.uint8).reshape(-1, elem)
     for k, body in enumerate(planes):
