@@ -309,11 +309,9 @@ class CheckpointManager:
             raise modified_under_save(changed)
 
     def _hook_optimizers(self, state: dict[str, Any]) -> None:
-        import torch
-
-        for obj in state.values():
-            if isinstance(obj, torch.optim.Optimizer) and id(obj) not in self._step_hooks:
-                self._step_hooks[id(obj)] = obj.register_step_pre_hook(self._before_step)
+        for opt in _optimizers(state):
+            if id(opt) not in self._step_hooks:
+                self._step_hooks[id(opt)] = opt.register_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         import time
@@ -554,25 +552,37 @@ def _live_tensors(key: str, obj: Any) -> dict[str, Any]:
     return tensors
 
 
+def _optimizers(state: dict[str, Any]) -> list[Any]:
+    """The optimizers in ``state`` whose ``step`` runs the update, unwrapped: a wrapper such
+    as accelerate's ``AcceleratedOptimizer`` (what a transformers ``Trainer`` holds) is an
+    ``Optimizer`` subclass that never ran ``Optimizer.__init__`` and steps the one it wraps,
+    so hooks go on that one."""
+    import torch
+
+    found = []
+    for obj in state.values():
+        if isinstance(obj, torch.optim.Optimizer):
+            while isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer):
+                obj = obj.optimizer
+            found.append(obj)
+    return found
+
+
 def _optimizer_storages(state: dict[str, Any]) -> frozenset[int]:
     """Storages (by address) that only the optimizers in ``state`` change: their
     parameters and per-parameter state. An overlapped copy may defer these."""
     import torch
 
     ptrs: set[int] = set()
-    for obj in state.values():
-        if isinstance(obj, torch.optim.Optimizer):
-            for group in obj.param_groups:
-                ptrs.update(p.untyped_storage().data_ptr() for p in group["params"])
-            for per_param in obj.state.values():
-                ptrs.update(v.untyped_storage().data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
+    for opt in _optimizers(state):
+        for group in opt.param_groups:
+            ptrs.update(p.untyped_storage().data_ptr() for p in group["params"])
+        for per_param in opt.state.values():
+            ptrs.update(v.untyped_storage().data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
     return frozenset(ptrs)
 
 
 def _has_fused_optimizer(state: dict[str, Any]) -> bool:
     """Fused optimizers update parameters and moments in place without bumping
     ``tensor._version``: with one in the state, versions cannot be trusted."""
-    import torch
-
-    return any(isinstance(o, torch.optim.Optimizer) and any(g.get("fused") for g in o.param_groups)
-               for o in state.values())
+    return any(any(g.get("fused") for g in o.param_groups) for o in _optimizers(state))

@@ -49,20 +49,23 @@ class CkptCallback(TrainerCallback):
 
     ``every_n_steps`` counts optimizer steps (``state.global_step``); None follows
     the Trainer's own schedule (``save_strategy``/``save_steps``). ``keep_last``,
-    ``keep_every``, ``keep_best`` and ``async_save`` are those of
+    ``keep_every``, ``keep_best``, ``async_save`` and ``overlap_copy`` are those of
     :class:`ckpt.CheckpointManager`; with ``keep_best=(metric, mode)`` the last
     logged value of ``metric`` (e.g. ``"loss"``) is recorded with each snapshot.
+    ``overlap_copy=True`` fits the Trainer's loop: between a snapshot (taken after the
+    step) and the next optimizer step only gradients change, so the parameters and
+    Adam moments are read while the next batch's forward and backward run.
     """
 
     def __init__(self, store: Any, run: str, *, every_n_steps: int | None = None, keep_last: int | None = None,
                  keep_every: int | None = None, keep_best: tuple[str, str] | tuple[str, str, int] | None = None,
-                 async_save: bool = True) -> None:
+                 async_save: bool = True, overlap_copy: bool = False) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1 (or None to follow save_steps)")
         self.every_n_steps = every_n_steps
         self.keep_best = keep_best
         self.manager = CheckpointManager(store, run, keep_last=keep_last, keep_every=keep_every,
-                                         keep_best=keep_best, async_save=async_save)
+                                         keep_best=keep_best, async_save=async_save, overlap_copy=overlap_copy)
         self.restored_step: int | None = None
         self._trainer: Any = None
         self._pending_rng: int | None = None  # step whose RNG state is still to be restored

@@ -38,12 +38,15 @@ def _check(store: str, k: int, full: tuple[dict, dict], resumed: tuple[dict, dic
     assert s.verify().ok
 
 
-@pytest.mark.parametrize("k", [6, 8], ids=["mid-epoch", "epoch-boundary"])
-def test_fresh_trainer_resumes_exactly(script, uninterrupted, tmp_path, k):
-    """Snapshot at step k, train one more step (no snapshot) and drop the Trainer; a new one resumes."""
+@pytest.mark.parametrize(("k", "overlap"), [(6, False), (8, False), (6, True)],
+                         ids=["mid-epoch", "epoch-boundary", "mid-epoch-overlap-copy"])
+def test_fresh_trainer_resumes_exactly(script, uninterrupted, tmp_path, k, overlap):
+    """Snapshot at step k, train one more step (no snapshot) and drop the Trainer; a new one resumes.
+    With ``overlap_copy`` the snapshot is still being read when that step runs: the
+    optimizer's step (behind accelerate's wrapper) waits for what it would overwrite."""
     store = str(tmp_path / "store")
-    script.train(store, str(tmp_path / "stop"), "stop", N, k)
-    _check(store, k, uninterrupted, script.train(store, str(tmp_path / "resume"), "resume", N))
+    script.train(store, str(tmp_path / "stop"), "stop", N, k, overlap=overlap)
+    _check(store, k, uninterrupted, script.train(store, str(tmp_path / "resume"), "resume", N, overlap=overlap))
 
 
 def test_no_snapshot_means_a_fresh_start(script, tmp_path):
