@@ -25,27 +25,50 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def run_parallel(fn: Callable[[T], R], items: Sequence[T], workers: int, progress: Progress, weight: Callable[[T], int]) -> list[R]:
-    """``[fn(x) for x in items]`` on a thread pool; the first error cancels the rest and is raised."""
+def run_parallel(fn: Callable[[T], R], items: Sequence[T], workers: int, progress: Progress, weight: Callable[[T], int],
+                 batch: int = 0) -> list[R]:
+    """``[fn(x) for x in items]`` on a thread pool; the first error cancels the rest and is raised.
+
+    ``batch``: consecutive items are handed to a thread together while their weights add
+    up to at most this (an item heavier than that goes alone), so that many small items
+    (a model's biases and norms, a chunk each) do not each pay for a hand-off between
+    threads (about 80 us each here: a tenth of the time of loading a MiniLM fine-tune).
+    """
     if not items:
         return []
     lock = threading.Lock()
+    groups: list[range] = []
+    start, total = 0, 0
+    for i, x in enumerate(items):
+        w = weight(x)
+        if i > start and total + w > batch:
+            groups.append(range(start, i))
+            start, total = i, 0
+        total += w
+    groups.append(range(start, len(items)))
 
-    def run(x: T) -> R:
-        r = fn(x)
-        with lock:
-            progress.advance(weight(x))
-        return r
+    def run(group: range) -> list[R]:
+        out = []
+        for i in group:
+            out.append(fn(items[i]))
+            with lock:
+                progress.advance(weight(items[i]))
+        return out
 
-    with ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="ckpt") as pool:
-        futures: list[Future[R]] = [pool.submit(run, x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(workers, len(groups)), thread_name_prefix="ckpt") as pool:
+        futures: list[Future[list[R]]] = [pool.submit(run, g) for g in groups]
         done, pending = wait(futures, return_when=FIRST_EXCEPTION)
         for f in pending:
             f.cancel()
         for f in futures:
             if f.done() and not f.cancelled() and f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]
-        return [f.result() for f in futures]
+        return [r for f in futures for r in f.result()]
+
+
+# Items handed to a worker thread at once by push and pull: up to this many bytes of
+# consecutive small chunks (a 4 MiB chunk goes alone).
+BATCH_BYTES = 1 << 20
 
 
 # A reader follows delta chains at most this deep, whatever the writer's setting:
@@ -151,6 +174,9 @@ def fetch_base(objects: ObjectStore, cid: str, length: int, settings: Settings, 
     return item
 
 
+_READ_INTO_MIN = 256 << 10  # smallest chunk read in two steps, header then straight into place
+
+
 @dataclass(frozen=True)
 class _Read:
     """What :func:`_read_chunk` got: a blob to decode, or a raw chunk already read into ``out``."""
@@ -161,8 +187,9 @@ class _Read:
 
 def _read_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings, out: memoryview | None = None) -> _Read:
     """The I/O half of :func:`fetch_chunk`: from a local store a raw chunk is read straight
-    into ``out`` (its header first); anything else comes back as its blob."""
-    if out is not None and objects.backend.reads_into and settings.max_chunk_size >= length == len(out):
+    into ``out`` (its header first); anything else comes back as its blob. (A small chunk
+    is read whole: a second read costs more than copying it.)"""
+    if out is not None and objects.backend.reads_into and settings.max_chunk_size >= length == len(out) >= _READ_INTO_MIN:
         path = objects.path("chunks", cid)
         try:
             head = parse_header(objects.backend.read_range(path, 0, MAX_HEADER), cid)
@@ -306,7 +333,8 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
         return PutResult(oid, task.length, enc.size, enc.codec, base_chain if enc.base else ())
 
     try:
-        results = run_parallel(put, tasks, max(settings.workers, min(remote, 8)), progress or NullProgress(), lambda t: t.length)
+        results = run_parallel(put, tasks, max(settings.workers, min(remote, 8)), progress or NullProgress(), lambda t: t.length,
+                               batch=BATCH_BYTES)
         for f in writes:
             f.result()  # durable, or the first write error
         return results
@@ -371,6 +399,7 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
             task.sink(data)  # type: ignore[arg-type]
 
     try:
-        run_parallel(get, range(len(todo)), settings.workers, progress or NullProgress(), lambda i: todo[i].length)
+        run_parallel(get, range(len(todo)), settings.workers, progress or NullProgress(), lambda i: todo[i].length,
+                     batch=BATCH_BYTES)
     finally:
         io.shutdown(wait=True, cancel_futures=True)

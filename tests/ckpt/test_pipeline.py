@@ -90,3 +90,32 @@ def test_missing_chunk_mid_load_is_an_error_and_leaves_no_reads(tmp_path, where)
         store.load("a")
     after = {t.name for t in threading.enumerate() if t.name.startswith("ckpt")}
     assert after <= before  # the pool's threads are gone: nothing reads on behind the error
+
+
+@pytest.mark.parametrize("batch", [0, 5, 64, 10**9])
+def test_run_parallel_batches_small_items_and_keeps_order(batch):
+    from ckpt.progress import NullProgress
+
+    weights = [1, 3, 70, 2, 2, 2, 1, 90, 4, 4, 4, 4, 4, 4, 1]
+    threads: dict[int, str] = {}
+
+    def fn(i: int) -> int:
+        threads[i] = threading.current_thread().name
+        return i * i
+
+    assert pipeline.run_parallel(fn, list(range(len(weights))), 2, NullProgress(), lambda i: weights[i], batch=batch) \
+        == [i * i for i in range(len(weights))]
+    if batch == 10**9:  # everything in one hand-off: one thread ran it all
+        assert len(set(threads.values())) == 1
+
+
+def test_run_parallel_raises_the_first_error():
+    from ckpt.progress import NullProgress
+
+    def fn(i: int) -> int:
+        if i == 7:
+            raise ValueError("seven")
+        return i
+
+    with pytest.raises(ValueError, match="seven"):
+        pipeline.run_parallel(fn, list(range(20)), 2, NullProgress(), lambda i: 1, batch=3)
