@@ -24,7 +24,10 @@ class Settings:
     workers: int = _default_workers()
     # Concurrent object writes and reads: each durable write waits on fsync and each
     # read from a cold cache on the disk, so more in flight than cores keeps the disk
-    # busy while the cores encode or decode (each holds at most one chunk).
+    # busy while the cores encode or decode (each holds at most one chunk). Reads run
+    # this far ahead of the decoding threads (`workers` of them): a local store is asked
+    # to prefetch the next 2 x io_workers chunks, a remote one reads them on io_workers
+    # threads (pipeline.get_chunks).
     io_workers: int = 8
     # zstd level for every stream. 1 and 3 gave the same ratio on weights here
     # (shared/notes/measurements.md) and 1 is ~1.6x faster.
