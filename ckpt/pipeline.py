@@ -163,10 +163,12 @@ def fetch_base(objects: ObjectStore, cid: str, length: int, settings: Settings, 
     if item is None:
         keep = cache is not None and cache.ask(cid, by)
         # A base not kept is decoded into a buffer of this thread's, one per chain level
-        # (chunks of this store's size; a larger claim gets memory of its own once its
-        # header is checked): fresh memory for every base would cost page faults and
-        # cache misses (the GPT run loaded 20-30% slower with the cache on than off).
-        out = thread_buffer(length, f"base{_depth}") if not keep and length <= settings.chunk_size else None
+        # (chunks of this store's size, chains as deep as this store writes; a larger
+        # claim, or a deeper chain from another writer or a damaged store, gets memory
+        # of its own, released after use): fresh memory for every base would cost page
+        # faults and cache misses (the GPT run loaded 20-30% slower with the cache on).
+        reuse = not keep and length <= settings.chunk_size and _depth <= settings.max_delta_depth + 1
+        out = thread_buffer(length, f"base{_depth}") if reuse else None
         item = fetch_chunk(objects, cid, length, settings, _depth, out=out)
         if keep:
             assert cache is not None
