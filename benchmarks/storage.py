@@ -26,7 +26,8 @@ Speeds are MB/s of raw bytes, medians of 3, on both cores (``workers=2``) and on
 (``workers=1``); ckpt is measured end to end (read, hash, encode, write into a store in
 ``/dev/shm``; fetch, decode, verify into tensors), the others as bare codec calls. ckpt's
 codecs are also timed as bare calls (``ckpt codec`` columns: every distinct chunk, bases
-decoded beforehand, decode including the hash check), on one thread and two.
+decoded beforehand, decode including the hash check), on one thread and two. Each family
+runs in a fresh process (``--family NAME --json PATH`` is that child's command line).
 """
 
 from __future__ import annotations
@@ -74,11 +75,12 @@ class File:
         return len(self.raw)
 
 
-def load_families() -> dict[str, list[File]]:
+def load_families(only: str | None = None) -> dict[str, list[File]]:
     out = build(os.environ.get("CKPT_BENCH_DATA"))
     fams = {}
     for fam, entries in families(out).items():
-        fams[fam] = [File(e["file"], Path(e["path"]).stem, e["base"], e["heldout"]) for e in entries]
+        if only is None or fam == only:
+            fams[fam] = [File(e["file"], Path(e["path"]).stem, e["base"], e["heldout"]) for e in entries]
     return fams
 
 
@@ -219,7 +221,7 @@ def ckpt_run(files: list[File], workers: int = 2, chained: bool = False, codec_s
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def ckpt_codec_speed(store: object, reps: int = 3) -> dict[int, tuple[float, float]]:
+def ckpt_codec_speed(store: object, reps: int = 3) -> dict[str, tuple[float, float]]:
     """ckpt's codecs as bare calls, like the other columns: ``encode_chunk`` and
     ``decode_chunk`` over every distinct chunk in ``store``, bases decoded beforehand
     (no chains, cache, file or store I/O), on 1 and 2 threads. MB/s of decoded bytes,
@@ -257,7 +259,7 @@ def ckpt_codec_speed(store: object, reps: int = 3) -> dict[int, tuple[float, flo
                     list(pool.map(fn, ids))
                 times.append(time.perf_counter() - t0)
             best[name] = total / min(times) / 1e6
-        speed[threads] = (best["enc"], best["dec"])
+        speed[str(threads)] = (best["enc"], best["dec"])
     return speed
 
 
@@ -274,6 +276,7 @@ def has_zipnn() -> bool:
 
 
 def run_family(fam: str, files: list[File]) -> dict[str, object]:
+    print(f"{fam}: {len(files)} files", flush=True)
     by_name = {f.name: f for f in files}
     main = [f for f in files if not f.heldout]
     held = [f for f in files if f.heldout]
@@ -302,9 +305,9 @@ def run_family(fam: str, files: list[File]) -> dict[str, object]:
             runs[c].append(ckpt_run(main, chained=chained, codec_speed=i == 0 and c == 2, **kw))  # type: ignore[arg-type]
     best = runs[2][0]
     res["codec"] = best["codec"]
-    res["ckpt"] = (best["stored"] / raw,
-                   {w: raw / statistics.median(r["enc"] for r in runs[w]) / 1e6 for w in (1, 2)},
-                   {w: raw / statistics.median(r["dec"] for r in runs[w]) / 1e6 for w in (1, 2)})
+    res["ckpt"] = (best["stored"] / raw,  # speeds by worker count, as strings (the results travel as JSON)
+                   {str(w): raw / statistics.median(r["enc"] for r in runs[w]) / 1e6 for w in (1, 2)},
+                   {str(w): raw / statistics.median(r["dec"] for r in runs[w]) / 1e6 for w in (1, 2)})
     res["codecs"] = best["codecs"]
     nocache = runs["nocache"]
     res["nocache"] = (raw / statistics.median(r["enc"] for r in nocache) / 1e6,
@@ -351,8 +354,8 @@ def fmt_speed(results: dict[str, dict[str, object]]) -> str:
         _, enc, dec = r["ckpt"]  # type: ignore[misc]
         nenc, ndec = r["nocache"]  # type: ignore[misc]
         codec = r["codec"]  # type: ignore[index]
-        cells += [f"{codec[t][0]:,.0f} / {codec[t][1]:,.0f}" for t in (1, 2)]
-        lines.append(f"| {fam} | " + " | ".join(cells) + f" | {enc[1]:,.0f} / {dec[1]:,.0f} | **{enc[2]:,.0f} / {dec[2]:,.0f}** "
+        cells += [f"{codec[t][0]:,.0f} / {codec[t][1]:,.0f}" for t in ("1", "2")]
+        lines.append(f"| {fam} | " + " | ".join(cells) + f" | {enc['1']:,.0f} / {dec['1']:,.0f} | **{enc['2']:,.0f} / {dec['2']:,.0f}** "
                      f"| {nenc:,.0f} / {ndec:,.0f} |")
     return "\n".join(lines)
 
@@ -366,12 +369,28 @@ def fmt_codecs(results: dict[str, dict[str, object]]) -> str:
 
 
 def main() -> None:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--family", help="measure this family only and write its results to --json (what main runs per family)")
+    p.add_argument("--json", help="with --family: where its results go")
+    args = p.parse_args()
+    if args.family:
+        fams = load_families(args.family)
+        res = run_family(args.family, fams[args.family])
+        Path(args.json).write_text(json.dumps(res))
+        return
     started = time.time()
-    fams = load_families()
+    # Each family in a process of its own: a process's memory after one family (what
+    # malloc kept, what it gave back) changed the next family's end-to-end times by up
+    # to 25%.
     results = {}
-    for fam, files in fams.items():
-        print(f"{fam}: {len(files)} files", flush=True)
-        results[fam] = run_family(fam, files)
+    with tempfile.TemporaryDirectory() as tmp:
+        for fam in families(build(os.environ.get("CKPT_BENCH_DATA"))):
+            out = os.path.join(tmp, f"{fam}.json")
+            subprocess.run([sys.executable, __file__, "--family", fam, "--json", out], check=True)
+            results[fam] = json.loads(Path(out).read_text())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     import torch
 
