@@ -458,16 +458,18 @@ static void histogram(const uint8_t *key, Py_ssize_t n, uint32_t *out) {
     for (int v = 0; v < 256; v++) out[v] = c[0][v] + c[1][v] + c[2][v] + c[3][v];
 }
 
-/* slots: p0[v] (the first half's bytes of value v) then p1[v] (the second half's), v ascending */
-static void ctx_slots(const uint8_t *key, Py_ssize_t n, Py_ssize_t len, uint8_t *start, uint8_t **p0, uint8_t **p1) {
+/* Slot offsets: off0[v] (the first half's bytes of value v) then off1[v] (the second
+ * half's), v ascending. */
+static void ctx_slots(const uint8_t *key, Py_ssize_t n, Py_ssize_t len, Py_ssize_t *off0, Py_ssize_t *off1) {
     uint32_t c0[256], c1[256];
+    Py_ssize_t pos = 0;
     histogram(key, len, c0);
     histogram(key + len, n - len, c1);
     for (int v = 0; v < 256; v++) {
-        p0[v] = start;
-        start += c0[v];
-        p1[v] = start;
-        start += c1[v];
+        off0[v] = pos;
+        pos += c0[v];
+        off1[v] = pos;
+        pos += c1[v];
     }
 }
 
@@ -475,9 +477,13 @@ static void ctx_sort(const uint8_t *src, const uint8_t *key, uint8_t *dst, Py_ss
     /* Two halves walked in step, each with a pointer per key value: a run of one value is
      * two independent chains of pointer updates, and no slot index is loaded per byte
      * (a 1 MiB plane: 1.3 ms against 2.1 with four slices of indexed counters). */
-    Py_ssize_t len = n / 2;
+    Py_ssize_t len = n / 2, off0[256], off1[256];
     uint8_t *p0[256], *p1[256];
-    ctx_slots(key, n, len, dst, p0, p1);
+    ctx_slots(key, n, len, off0, off1);
+    for (int v = 0; v < 256; v++) {
+        p0[v] = dst + off0[v];
+        p1[v] = dst + off1[v];
+    }
     for (Py_ssize_t i = 0; i < len; i++) {
         *p0[key[i]]++ = src[i];
         *p1[key[len + i]]++ = src[len + i];
@@ -489,9 +495,13 @@ static void ctx_unsort(const uint8_t *src, const uint8_t *key, uint8_t *dst, Py_
     /* Two halves walked in step, each with a pointer per key value, eight output bytes
      * gathered into one store: a third less time than per-byte stores with indexed
      * counters (a 1 MiB plane: 1.3 ms against 2.1 with four slices of indexed counters). */
-    Py_ssize_t len = (n / 2) & ~(Py_ssize_t)7;
-    uint8_t *p0[256], *p1[256]; /* read through only: src is never written */
-    ctx_slots(key, n, len, (uint8_t *)src, p0, p1);
+    Py_ssize_t len = (n / 2) & ~(Py_ssize_t)7, off0[256], off1[256];
+    const uint8_t *p0[256], *p1[256];
+    ctx_slots(key, n, len, off0, off1);
+    for (int v = 0; v < 256; v++) {
+        p0[v] = src + off0[v];
+        p1[v] = src + off1[v];
+    }
     Py_ssize_t i = 0;
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
     /* byte j of a little-endian word is the byte at offset j, in both the keys and dst */
