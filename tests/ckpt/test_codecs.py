@@ -128,6 +128,21 @@ def test_planes_that_follow_the_plane_above_are_sorted_by_it(native, monkeypatch
         decode_chunk(bytes(blob), object_id(x), len(x), max_length=1 << 24)
 
 
+def test_a_plain_planes_win_is_explored_before_the_whole_chunk_is_encoded():
+    """With a base only GSUB tries the sorted and bit-plane forms on the sample; when the
+    delta does not pay (an unrelated base) and plain planes win, they are explored before
+    the whole chunk is encoded, so the chunk still gets its sorted plane."""
+    rng = np.random.default_rng(1)
+    n = 1 << 18
+    hi = rng.integers(0, 16, n)
+    x = ((hi << 8) | (hi * 16 + rng.integers(0, 4, n))).astype("<u2").tobytes()
+    base = rng.integers(0, 1 << 16, n).astype("<u2").tobytes()
+    enc = encode_chunk(x, elem=2, base=base, base_id=object_id(base))
+    assert enc.codec == PLANES and _plane_modes(enc.blob)[0] & codecs.PLANE_SORTED
+    assert enc.blob == encode_chunk(x, elem=2).blob  # as if no base had been offered
+    assert bytes(decode_chunk(enc.blob, object_id(x), len(x), max_length=1 << 24)) == x
+
+
 def test_delta_without_base_is_an_error():
     rng = np.random.default_rng(0)
     w = rng.standard_normal(1 << 16).astype(np.float32)
