@@ -207,13 +207,14 @@ class CheckpointManager:
             return self._dist.save(step, state, metrics)
         t0 = time.perf_counter()
         tensors, tree = flatten(state)
-        defer = _optimizer_storages(state) if self.overlap_copy else frozenset()
+        optimizers = _optimizers(state)
+        defer = _optimizer_storages(optimizers) if self.overlap_copy else frozenset()
         staged, reuse, keys, pending, live = self._stage(
-            tensors, trust=self.trust_version and not _has_fused_optimizer(state), defer=defer)
+            tensors, trust=self.trust_version and not _has_fused_optimizer(optimizers), defer=defer)
         held = {n: t.detach() for n, t in tensors.items()}
         ready, in_place = None, None
         if live or pending:
-            self._hook_optimizers(state)
+            self._hook_optimizers(optimizers)
         if live:
             from ckpt.live import LiveTensors
 
@@ -308,8 +309,8 @@ class CheckpointManager:
         if changed:
             raise modified_under_save(changed)
 
-    def _hook_optimizers(self, state: dict[str, Any]) -> None:
-        for opt in _optimizers(state):
+    def _hook_optimizers(self, optimizers: list[Any]) -> None:
+        for opt in optimizers:
             if id(opt) not in self._step_hooks:
                 self._step_hooks[id(opt)] = opt.register_step_pre_hook(self._before_step)
 
@@ -568,13 +569,13 @@ def _optimizers(state: dict[str, Any]) -> list[Any]:
     return found
 
 
-def _optimizer_storages(state: dict[str, Any]) -> frozenset[int]:
-    """Storages (by address) that only the optimizers in ``state`` change: their
-    parameters and per-parameter state. An overlapped copy may defer these."""
+def _optimizer_storages(optimizers: list[Any]) -> frozenset[int]:
+    """Storages (by address) that only ``optimizers`` change: their parameters and
+    per-parameter state. An overlapped copy may defer these."""
     import torch
 
     ptrs: set[int] = set()
-    for opt in _optimizers(state):
+    for opt in optimizers:
         for group in opt.param_groups:
             ptrs.update(p.untyped_storage().data_ptr() for p in group["params"])
         for per_param in opt.state.values():
@@ -582,7 +583,7 @@ def _optimizer_storages(state: dict[str, Any]) -> frozenset[int]:
     return frozenset(ptrs)
 
 
-def _has_fused_optimizer(state: dict[str, Any]) -> bool:
+def _has_fused_optimizer(optimizers: list[Any]) -> bool:
     """Fused optimizers update parameters and moments in place without bumping
     ``tensor._version``: with one in the state, versions cannot be trusted."""
-    return any(any(g.get("fused") for g in o.param_groups) for o in _optimizers(state))
+    return any(any(g.get("fused") for g in o.param_groups) for o in optimizers)

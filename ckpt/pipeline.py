@@ -37,10 +37,10 @@ def run_parallel(fn: Callable[[T], R], items: Sequence[T], workers: int, progres
     if not items:
         return []
     lock = threading.Lock()
+    weights = [weight(x) for x in items]
     groups: list[range] = []
     start, total = 0, 0
-    for i, x in enumerate(items):
-        w = weight(x)
+    for i, w in enumerate(weights):
         if i > start and total + w > batch:
             groups.append(range(start, i))
             start, total = i, 0
@@ -52,7 +52,7 @@ def run_parallel(fn: Callable[[T], R], items: Sequence[T], workers: int, progres
         for i in group:
             out.append(fn(items[i]))
             with lock:
-                progress.advance(weight(items[i]))
+                progress.advance(weights[i])
         return out
 
     with ThreadPoolExecutor(max_workers=min(workers, len(groups)), thread_name_prefix="ckpt") as pool:
@@ -376,7 +376,7 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     reads: dict[int, Future[_Read]] = {}
     submitted = 0  # reads are submitted for todo[:submitted]
     hinted = objects.backend.prefetches
-    io = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="ckpt-read")
+    io = None if hinted else ThreadPoolExecutor(max_workers=readers, thread_name_prefix="ckpt-read")
 
     def get(i: int) -> None:
         nonlocal submitted
@@ -389,6 +389,7 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
                 objects.backend.prefetch(objects.path("chunks", cid))
             got = _read_chunk(objects, task.id, task.length, settings, task.into)
         else:
+            assert io is not None
             with lock:
                 while submitted < min(len(todo), i + ahead):
                     t = todo[submitted]
@@ -404,4 +405,5 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
         run_parallel(get, range(len(todo)), settings.workers, progress or NullProgress(), lambda i: todo[i].length,
                      batch=BATCH_BYTES)
     finally:
-        io.shutdown(wait=True, cancel_futures=True)
+        if io is not None:
+            io.shutdown(wait=True, cancel_futures=True)

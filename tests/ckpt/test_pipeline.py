@@ -40,7 +40,7 @@ def test_local_store_hints_the_reads_ahead(tmp_path):
     assert sorted(hinted) == sorted(chunks)  # every chunk hinted, each once
 
 
-def test_reads_handed_off_stay_within_the_bound():
+def test_reads_handed_off_stay_within_the_bound(monkeypatch):
     store = ckpt.Store.init(f"memory://pipeline-{uuid.uuid4().hex}", settings=Settings.from_env(workers=2, io_workers=2))
     assert not store.objects.backend.prefetches
     state = _state(40)
@@ -58,8 +58,7 @@ def test_reads_handed_off_stay_within_the_bound():
                 held["max"] = max(held["max"], held["now"])
         return data
 
-    backend.read = read  # type: ignore[method-assign]
-
+    monkeypatch.setattr(backend, "read", read)
     real_decode = pipeline._decode_read
 
     def decode(*a, **k):
@@ -70,11 +69,8 @@ def test_reads_handed_off_stay_within_the_bound():
             with lock:
                 held["now"] -= 1
 
-    pipeline._decode_read = decode
-    try:
-        got = store.load("a")
-    finally:
-        pipeline._decode_read = real_decode
+    monkeypatch.setattr(pipeline, "_decode_read", decode)
+    got = store.load("a")
     assert {k: _bits(v) for k, v in got.items()} == {k: _bits(v) for k, v in state.items()}
     # blobs read and not yet decoded: the read-ahead window (2 x io_workers) plus one per decoder
     assert 2 < held["max"] <= 2 * 2 + 2
