@@ -39,6 +39,17 @@ def run_script(name: str, *args: object, expect: int = 0) -> tuple[dict, dict]:
     return {int(k) if k.isdigit() else k: v for k, v in losses.items()}, load_file(outdir / "result.safetensors")
 
 
+def tensor_bits(t: torch.Tensor) -> bytes:
+    """The bytes of ``t`` (any device, any layout): what bit-exact tests compare."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def state_bits(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The bytes of a model's state dict and of its optimizer's per-parameter state."""
+    return ({k: tensor_bits(v) for k, v in model.state_dict().items()},
+            {i: {k: tensor_bits(v) for k, v in st.items()} for i, st in opt.state_dict()["state"].items()})
+
+
 def assert_same_bits(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
     assert sorted(expected) == sorted(got)
     for name, a in expected.items():

@@ -7,12 +7,9 @@ import pytest
 import torch
 
 import ckpt
+from integration_util import state_bits as _state_bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def _bits(t):
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _setup():
@@ -27,11 +24,6 @@ def _step(model, opt):
     opt.zero_grad()
     loss.backward()
     opt.step()
-
-
-def _state_bits(model, opt):
-    return ({k: _bits(v) for k, v in model.state_dict().items()},
-            {i: {k: _bits(v) for k, v in st.items()} for i, st in opt.state_dict()["state"].items()})
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["copy", "overlap_copy"])

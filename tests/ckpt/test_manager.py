@@ -17,6 +17,8 @@ import torch
 import ckpt
 from ckpt.errors import CkptError, TensorMismatchError
 from ckpt.manager import SnapshotError
+from integration_util import state_bits as _state_bits
+from integration_util import tensor_bits as _bits
 
 SCRIPT = pathlib.Path(__file__).with_name("train_script.py")
 
@@ -110,10 +112,6 @@ def test_restore_in_place_and_subset(tmp_path):
         with pytest.raises(TensorMismatchError, match="has no"):
             mgr.restore({"other": model}, 3)
         assert mgr.restore_latest({}) == 3
-
-
-def _bits(t):
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def test_optimizer_state_is_restored_into_its_own_tensors(tmp_path):
@@ -245,11 +243,6 @@ def _gate_reads(monkeypatch, after: int) -> tuple[threading.Event, threading.Eve
 
     monkeypatch.setattr(LiveTensors, "read", read)
     return gate, done
-
-
-def _state_bits(model, opt):
-    return ({k: _bits(v) for k, v in model.state_dict().items()},
-            {i: {k: _bits(v) for k, v in st.items()} for i, st in opt.state_dict()["state"].items()})
 
 
 @pytest.mark.parametrize("read_before_step", [0, 5, 10_000])

@@ -14,16 +14,13 @@ import torch
 import ckpt
 from ckpt import pipeline
 from ckpt.settings import Settings
+from integration_util import tensor_bits as _bits
 from storage.errors import ObjectNotFoundError
 
 
 def _state(n: int = 24) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     return {f"t{i}": torch.randn(4096 + i, generator=g) for i in range(n)}
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def test_local_store_hints_the_reads_ahead(tmp_path):
