@@ -10,9 +10,9 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from ckpt.codecs import MAX_HEADER, RAW, decode_chunk, encode_chunk, parse_header, thread_buffer
@@ -106,6 +106,10 @@ class ChunkCache:
             self.hits += 1
             return item
 
+    def __contains__(self, cid: str) -> bool:
+        with self._lock:
+            return cid in self._items
+
     def ask(self, cid: str, by: str = "") -> bool:
         """Record that chunk ``by`` wants ``cid`` (not in the cache); True when another chunk
         asked for it before: then the caller decodes it into memory of its own and
@@ -154,10 +158,11 @@ def base_cache(objects: ObjectStore, settings: Settings) -> ChunkCache | None:
 
 
 def fetch_base(objects: ObjectStore, cid: str, length: int, settings: Settings, by: str,
-               _depth: int = 0) -> tuple[bytes | bytearray | memoryview, int]:
+               _depth: int = 0, blobs: Mapping[str, bytes] | None = None) -> tuple[bytes | bytearray | memoryview, int]:
     """:func:`fetch_chunk` for a chunk wanted as the base of chunk ``by``: served from the
     store's decoded-base cache when it is there. (Chunks are named by their bytes, so a
-    cached chunk is the chunk; whether it is still in the store is the caller's question.)"""
+    cached chunk is the chunk; whether it is still in the store is the caller's question.)
+    ``blobs``: chunk blobs already read (see :func:`_read_ahead`)."""
     cache = base_cache(objects, settings)
     item = cache.get(cid) if cache is not None else None
     if item is None:
@@ -169,7 +174,7 @@ def fetch_base(objects: ObjectStore, cid: str, length: int, settings: Settings, 
         # faults and cache misses (the GPT run loaded 20-30% slower with the cache on).
         reuse = not keep and length <= settings.chunk_size and _depth <= settings.max_delta_depth + 1
         out = thread_buffer(length, f"base{_depth}") if reuse else None
-        item = fetch_chunk(objects, cid, length, settings, _depth, out=out)
+        item = fetch_chunk(objects, cid, length, settings, _depth, out=out, blobs=blobs)
         if keep:
             assert cache is not None
             cache.put(cid, item)
@@ -185,6 +190,7 @@ class _Read:
 
     blob: bytes | None
     into: int = 0  # raw chunks: the blob's bytes past its header (those that fit were read into ``out``)
+    bases: Mapping[str, bytes] = field(default_factory=dict)  # blobs of the delta chain below, read ahead
 
 
 def _read_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings, out: memoryview | None = None) -> _Read:
@@ -204,6 +210,25 @@ def _read_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
     return _Read(objects.get("chunks", cid))
 
 
+def _read_ahead(objects: ObjectStore, cid: str, length: int, settings: Settings, out: memoryview | None = None) -> _Read:
+    """:func:`_read_chunk`, and the blobs of the delta chain below the chunk that the base
+    cache lacks (as deep as this store writes chains): on a remote store the reading
+    threads fetch them too, so a decoding thread does not wait on them request by request."""
+    got = _read_chunk(objects, cid, length, settings, out)
+    cache = base_cache(objects, settings)
+    bases: dict[str, bytes] = {}
+    blob = got.blob
+    while blob is not None and len(bases) <= settings.max_delta_depth:
+        try:
+            base = parse_header(blob, cid).base
+        except CorruptObjectError:
+            break  # the decoding thread reports it
+        if base is None or base in bases or (cache is not None and base in cache):
+            break
+        blob = bases[base] = objects.get("chunks", base)
+    return _Read(got.blob, got.into, bases)
+
+
 def _decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings, got: _Read, _depth: int = 0,
                  out: memoryview | None = None) -> tuple[bytes | bytearray | memoryview, int]:
     """The CPU half of :func:`fetch_chunk`: verify (and decode) what :func:`_read_chunk` got."""
@@ -217,23 +242,27 @@ def _decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings
     h = parse_header(got.blob, cid)
     base, depth = None, 0
     if h.base is not None:
-        base, below = fetch_base(objects, h.base, length, settings, cid, _depth + 1)
+        base, below = fetch_base(objects, h.base, length, settings, cid, _depth + 1, got.bases)
         depth = below + 1
     return decode_chunk(got.blob, cid, length, max_length=settings.max_chunk_size, base=base, out=out), depth
 
 
 def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings, _depth: int = 0,
-                out: memoryview | None = None) -> tuple[bytes | bytearray | memoryview, int]:
+                out: memoryview | None = None, blobs: Mapping[str, bytes] | None = None,
+                ) -> tuple[bytes | bytearray | memoryview, int]:
     """Decoded, verified bytes of chunk ``cid`` and the length of its delta chain (0: no base).
 
     With ``out`` (``length`` writable bytes: a slice of a tensor's memory) the bytes
     land there: from a local store a raw chunk is read straight into it (its header
     first) and hashed in place; others are decoded into it. On error its contents are
-    unspecified.
+    unspecified. ``blobs``: chunk blobs already read, used instead of reading them again.
     """
     if _depth > MAX_CHAIN:
         raise CorruptObjectError("chunk", cid, f"delta chain longer than {MAX_CHAIN}")
-    got = _read_chunk(objects, cid, length, settings, out)
+    if blobs and cid in blobs:
+        got = _Read(blobs[cid], bases=blobs)
+    else:
+        got = _read_chunk(objects, cid, length, settings, out)
     return _decode_read(objects, cid, length, settings, got, _depth, out)
 
 
@@ -366,8 +395,9 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     A local store is asked to prefetch the next ``2 * io_workers`` chunks (the kernel
     reads them in the background) and each decoding thread reads its own chunk: no
     hand-off between threads per chunk. Elsewhere ``io_workers`` threads (or as many as
-    the remote store allows) read the blobs ahead into memory, at most twice as many
-    as there are reading threads, which bounds memory.
+    the remote store allows) read the blobs ahead into memory, with the blobs of their
+    delta chains (:func:`_read_ahead`), at most twice as many chunks as there are
+    reading threads, which bounds memory.
     """
     todo = list(tasks)
     readers = max(settings.io_workers, objects.backend.concurrency)
@@ -393,7 +423,7 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
             with lock:
                 while submitted < min(len(todo), i + ahead):
                     t = todo[submitted]
-                    reads[submitted] = io.submit(_read_chunk, objects, t.id, t.length, settings, t.into)
+                    reads[submitted] = io.submit(_read_ahead, objects, t.id, t.length, settings, t.into)
                     submitted += 1
                 pending = reads.pop(i)
             got = pending.result()

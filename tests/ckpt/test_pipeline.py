@@ -13,6 +13,7 @@ import torch
 
 import ckpt
 from ckpt import pipeline
+from ckpt.codecs import GSUB
 from ckpt.settings import Settings
 from integration_util import tensor_bits as _bits
 from storage.errors import ObjectNotFoundError
@@ -114,3 +115,32 @@ def test_run_parallel_raises_the_first_error():
 
     with pytest.raises(ValueError, match="seven"):
         pipeline.run_parallel(fn, list(range(20)), 2, NullProgress(), lambda i: 1, batch=3)
+
+
+def test_remote_reads_fetch_the_delta_chains_too(monkeypatch):
+    """On a store without prefetch the reading threads also fetch the blobs of each chunk's
+    delta chain, so no decoding thread waits on those requests one by one."""
+    url = f"memory://pipeline-{uuid.uuid4().hex}"
+    store = ckpt.Store.init(url, settings=Settings.from_env(workers=2, io_workers=2))
+    g = torch.Generator().manual_seed(5)
+    base = {f"w{i}": torch.randn(100_000, generator=g) for i in range(6)}
+    tuned = {k: v + torch.randn(v.shape, generator=g) * 1e-4 for k, v in base.items()}
+    store.push(base, "base")
+    store.push(tuned, "tuned", base="base")
+    chunks = {c for t in store.manifest("tuned").tensors for c in t.chunks}
+    assert all(store.objects.backend.read_range(store.objects.path("chunks", c), 0, 9)[4] == GSUB for c in chunks)
+    reopened = ckpt.Store.open(url, settings=Settings.from_env(workers=2, io_workers=2))  # an empty base cache
+    backend = reopened.objects.backend
+    readers: list[str] = []
+    real_read = backend.read
+
+    def read(path: str) -> bytes:
+        if "/chunks/" in path:
+            readers.append(threading.current_thread().name)
+        return real_read(path)
+
+    monkeypatch.setattr(backend, "read", read)
+    got = reopened.load("tuned")
+    assert {k: _bits(v) for k, v in got.items()} == {k: _bits(v) for k, v in tuned.items()}
+    assert len(readers) == 2 * len(chunks)  # each delta and its base, each read once
+    assert all(name.startswith("ckpt-read") for name in readers)
