@@ -84,6 +84,15 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 _PLANE = struct.Struct("<BI")  # per plane: mode, stored length
 PLANE_RAW, PLANE_ZSTD, PLANE_BITS = 0, 1, 2  # modes: as it is; zstd; bit planes (see _bits), then zstd
 PLANE_SORTED = 0x10  # mode flag: the plane is in the order of the plane above it (see _ctx), then as the mode says
+# Plane count flag: the slot counts of the chunk's permutations follow the plane table
+# (u32 length, one zstd frame of uint32 byte planes): GSUB's 2 x 1024 (see native.encode),
+# then 2 x 256 per sorted plane, lowest plane first (see _ctx). The decoder then skips a
+# counting pass over the base and over each key plane (a pass costs 0.4-0.5 ms per
+# million elements, a tenth of a 4 MiB fp32 chunk's decode per permutation), for about
+# 1.3 KB of counts a chunk; so only planes of COUNTS_MIN elements or more store them.
+COUNTED = 0x80
+COUNTS_MIN = 1 << 18
+_COUNTS_SIZE = struct.Struct("<I")
 # A plane is tried bit-transposed when zstd leaves it between these fractions of its size:
 # mostly-zero planes with a few live low bits (the high bytes of small deltas). Planes that
 # zstd already all but removes, or that are noise, gain nothing from it.
@@ -128,12 +137,34 @@ def _bits(data: Any, out: Any, inverse: bool = False) -> Any:
     return out
 
 
-def _ctx(data: Any, key: Any, out: Any, inverse: bool = False) -> Any:
+def _ctx_half(n: int) -> int:
+    """Where the sort's slot counts split a plane of ``n`` bytes (the C kernels walk the two halves in step)."""
+    return (n // 2) & ~7
+
+
+def _ctx_counts(key: Any) -> np.ndarray:
+    k = np.frombuffer(key, dtype=np.uint8)
+    h = _ctx_half(len(k))
+    return np.concatenate([np.bincount(k[:h], minlength=256), np.bincount(k[h:], minlength=256)]).astype(np.uint32)
+
+
+def _ctx(data: Any, key: Any, out: Any, inverse: bool = False, counts: np.ndarray | None = None) -> Any:
     """``out`` <- the bytes of ``data`` in a stable order by the values of ``key`` (the plane
-    above; ``inverse``: put them back where they were). Same lengths."""
+    above; ``inverse``: put them back where they were). Same lengths.
+
+    ``counts`` (uint32, 2 x 256): sorting writes the sort's slot counts there; undoing
+    trusts them instead of counting ``key``, and ``data`` must then have ``2n + 8`` bytes
+    (the plane first), so that wrong counts cannot read outside it. Returns ``out``, or
+    None where given counts were not ``key``'s."""
+    n = len(key)
     if native is not None:
-        native.ctx(data, key, out, inverse)
-        return out
+        return out if native.ctx(data, key, out, inverse, counts) else None
+    if inverse and counts is not None:
+        if not np.array_equal(counts, _ctx_counts(key)):
+            return None
+        data = memoryview(data)[:n]
+    elif counts is not None:
+        counts[:] = _ctx_counts(key)
     order = np.argsort(np.frombuffer(key, dtype=np.uint8), kind="stable")
     src, dst = np.frombuffer(data, dtype=np.uint8), np.frombuffer(out, dtype=np.uint8)
     if inverse:
@@ -154,13 +185,17 @@ class _Plan:
     explore: bool = True  # while learning: also try the bit-plane and sorted alternatives (else raw-or-zstd only)
 
 
-def _split(data: Any, base: Any, elem: int, codec: int) -> memoryview:
-    """Plane-major bytes of ``codec``'s transform of ``data`` (against ``base``): byte k of element i at k*n + i."""
+def _split(data: Any, base: Any, elem: int, codec: int, counts: np.ndarray | None = None) -> memoryview:
+    """Plane-major bytes of ``codec``'s transform of ``data`` (against ``base``): byte k of element i at k*n + i.
+    ``counts``: GSUB's slot counts go there (uint32, 2 x 1024)."""
     if native is not None:
         view = memoryview(data).cast("B")
         out = thread_buffer(len(view))
-        native.encode(view, base, out, elem, _OP[codec], thread_buffer(len(view), "gsub") if codec == GSUB else None)
+        scratch = thread_buffer(len(view), "gsub") if codec == GSUB else None
+        native.encode(view, base, out, elem, _OP[codec], scratch, counts)
         return out
+    if counts is not None:
+        counts[:] = transforms.group_counts(base, elem)
     if codec in _APPLY:
         apply = _APPLY[codec]
         data = apply(data, base, elem)
@@ -168,35 +203,65 @@ def _split(data: Any, base: Any, elem: int, codec: int) -> memoryview:
     return np.ascontiguousarray(arr.T).data.cast("B")  # one transposing pass; row k is plane k
 
 
+def _counts_pack(counts: list[np.ndarray], level: int) -> bytes:
+    """The slot counts, byte planes of the uint32 (their high bytes are mostly zero), in one zstd frame."""
+    arr = np.concatenate(counts).astype("<u4")
+    return _compressor(level).compress(np.ascontiguousarray(arr.view(np.uint8).reshape(-1, 4).T).tobytes())
+
+
+def _counts_unpack(frame: Any, entries: int, oid: str) -> np.ndarray:
+    try:
+        if zstandard.frame_content_size(frame) != 4 * entries:
+            raise CorruptObjectError("chunk", oid, "planes: slot counts of the wrong size")
+        raw = _decompressor().decompress(frame, max_output_size=4 * entries)
+    except zstandard.ZstdError as e:
+        raise CorruptObjectError("chunk", oid, f"planes: slot counts: zstd: {e}") from None
+    if len(raw) != 4 * entries:
+        raise CorruptObjectError("chunk", oid, "planes: slot counts of the wrong size")
+    planes = np.frombuffer(raw, dtype=np.uint8).reshape(4, entries)
+    return np.ascontiguousarray(planes.T).view("<u4").reshape(-1).astype(np.uint32, copy=False)
+
+
 def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, base: Any = None, codec: int = PLANES,
                    plan: _Plan | None = None) -> Parts:
     """Byte planes of ``data`` (or of its delta against ``base``), each zstd'd (perhaps
     bit-transposed first) or stored raw.
 
-    Layout: u8 plane count, then per plane (u8 mode, u32 length), then the planes.
+    Layout: u8 plane count (| COUNTED), then per plane (u8 mode, u32 length), then for
+    COUNTED the slot counts (u32 length, one zstd frame), then the planes.
     The kernels and zstandard release the GIL, so chunks encode in parallel.
     ``plan``: while learning (on a sample), planes that do not compress are marked raw,
     mostly-zero planes are tried bit-transposed, and every plane but the last is tried
     in the order of the plane above it; afterwards (the whole chunk) the plan is
     followed without trying the alternatives again.
+    Planes of COUNTS_MIN elements or more store the slot counts of their permutations
+    (GSUB's, and each sorted plane's), so that the decoder skips a counting pass per
+    permutation (see COUNTED).
     Returns the payload in pieces (table, planes), not joined: zstd's output is
     written as it is, and only raw planes are copied out of the reused split buffer.
     """
-    planes = _split(data, base, elem, codec)
-    n = len(planes) // elem
+    n = len(memoryview(data).cast("B")) // elem
+    counted = n >= COUNTS_MIN
+    group_counts = np.empty(2 << transforms.KEY_BITS, dtype=np.uint32) if counted and codec == GSUB else None
+    planes = _split(data, base, elem, codec, group_counts)
     cctx = _compressor(level)
+    sort_counts: dict[int, np.ndarray] = {}
 
     def pack(plane: Any, bits: bool) -> bytes:
         return cctx.compress(_bits(plane, thread_buffer(n, "bits")) if bits else plane)
 
-    heads, bodies = [bytes([elem])], []
+    def sort(k: int, plane: Any, above: Any) -> Any:
+        counts = sort_counts.setdefault(k, np.empty(512, dtype=np.uint32)) if counted else None
+        return _ctx(plane, above, thread_buffer(n, "sorted"), counts=counts)
+
+    heads, bodies = [], []
     for k in range(elem):
         plane = planes[k * n : (k + 1) * n]
         above = planes[(k + 1) * n : (k + 2) * n] if k + 1 < elem else None
         raw = plan is not None and k in plan.raw
         bits = plan is not None and k in plan.bits
         ordered = plan is not None and k in plan.sorted and above is not None
-        src = _ctx(plane, above, thread_buffer(n, "sorted")) if ordered else plane
+        src = sort(k, plane, above) if ordered else plane
         packed: bytes | memoryview = plane if raw else pack(src, bits)
         if plan is not None and plan.learning and not raw:
             if len(packed) > n * (1.0 - min_saving / 2):
@@ -209,7 +274,7 @@ def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, b
                         packed, bits = transposed, True
                 if plan.explore and above is not None:
                     # worth a reorder (and its cost on every read) only if it saves 2%
-                    alt = pack(_ctx(plane, above, thread_buffer(n, "sorted")), bits)
+                    alt = pack(sort(k, plane, above), bits)
                     if len(alt) < len(packed) * 0.98:
                         plan.sorted.add(k)
                         packed, ordered = alt, True
@@ -219,17 +284,29 @@ def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, b
             mode = (PLANE_BITS if bits else PLANE_ZSTD) | (PLANE_SORTED if ordered else 0)
         heads.append(_PLANE.pack(mode, len(packed)))
         bodies.append(bytes(packed) if mode == PLANE_RAW else packed)
-    return (b"".join(heads), *bodies)
+    stored = ([group_counts] if group_counts is not None else []) + \
+        [sort_counts[k] for k in range(elem) if counted and _PLANE.unpack(heads[k])[0] & PLANE_SORTED]
+    if not stored:
+        return (bytes([elem]) + b"".join(heads), *bodies)
+    frame = _counts_pack(stored, level)
+    return (bytes([elem | COUNTED]) + b"".join(heads) + _COUNTS_SIZE.pack(len(frame)), frame, *bodies)
 
 
 def _planes_decode(payload: memoryview, length: int, elem: int, oid: str, codec: int = PLANES,
                    base: Any = None, out: memoryview | None = None) -> memoryview:
     """Decode a planes payload (undoing the delta of ``codec`` against ``base``), into ``out`` if given."""
-    if len(payload) < 1 + elem * _PLANE.size or payload[0] != elem:
+    if len(payload) < 1 + elem * _PLANE.size or payload[0] & ~COUNTED != elem:
         raise CorruptObjectError("chunk", oid, "planes: bad plane table")
     n = length // elem
     bodies: list[Any] = []
     pos = 1 + elem * _PLANE.size
+    frame = None
+    if payload[0] & COUNTED:
+        if len(payload) < pos + _COUNTS_SIZE.size:
+            raise CorruptObjectError("chunk", oid, "planes: truncated slot counts")
+        (size,) = _COUNTS_SIZE.unpack_from(payload, pos)
+        frame = payload[pos + _COUNTS_SIZE.size : pos + _COUNTS_SIZE.size + size]
+        pos += _COUNTS_SIZE.size + size
     for k in range(elem):
         mode, size = _PLANE.unpack_from(payload, 1 + k * _PLANE.size)
         body = payload[pos : pos + size]
@@ -240,30 +317,64 @@ def _planes_decode(payload: memoryview, length: int, elem: int, oid: str, codec:
         bodies.append((mode, body))
     if pos != len(payload):
         raise CorruptObjectError("chunk", oid, "planes: trailing bytes")
+    group_counts = None
+    sort_counts: dict[int, np.ndarray] = {}
+    if frame is not None:
+        groups = 2 << transforms.KEY_BITS if codec == GSUB else 0
+        ordered = [k for k, (mode, _) in enumerate(bodies) if mode & PLANE_SORTED]
+        if not groups and not ordered:
+            raise CorruptObjectError("chunk", oid, "planes: slot counts with nothing to count")
+        counts = _counts_unpack(frame, groups + 512 * len(ordered), oid)
+        # each part must add up to its halves' lengths: then the kernels' pointers start inside the data
+        halves = [(n // 2, n - n // 2)] * (groups > 0) + [(_ctx_half(n), n - _ctx_half(n))] * len(ordered)
+        sums, at = [], 0
+        for part in [groups] * (groups > 0) + [512] * len(ordered):
+            half = part // 2
+            sums.append((int(counts[at : at + half].sum()), int(counts[at + half : at + part].sum())))
+            at += part
+        if sums != halves:
+            raise CorruptObjectError("chunk", oid, "planes: slot counts do not add up to the length")
+        group_counts = counts[:groups] if groups else None
+        sort_counts = {k: counts[groups + 512 * i : groups + 512 * (i + 1)] for i, k in enumerate(ordered)}
     dctx = _decompressor()
     planes: list[Any] = [None] * elem
     for k in reversed(range(elem)):  # top down: a sorted plane needs the plane above it
         mode, body = bodies[k]
+        counts = sort_counts.get(k)
+        # With stored counts, a sorted plane's bytes sit in a buffer of 2n + 8 (see _ctx).
+        buf = thread_buffer(2 * n + 8, f"plane{k}") if counts is not None else None
         if mode != PLANE_RAW:
             try:
                 if zstandard.frame_content_size(body) != n:
                     raise CorruptObjectError("chunk", oid, f"planes: plane {k} has the wrong size")
-                body = dctx.decompress(body, max_output_size=n)
+                if buf is not None and mode & ~PLANE_SORTED == PLANE_ZSTD:
+                    got = dctx.stream_reader(body).readinto(buf[:n])
+                    body = buf if got == n else buf[:got]
+                else:
+                    body = dctx.decompress(body, max_output_size=n)
             except zstandard.ZstdError as e:
                 raise CorruptObjectError("chunk", oid, f"planes: zstd: {e}") from None
-        if len(body) != n:
+        if len(body) != n and not (buf is not None and body is buf):
             raise CorruptObjectError("chunk", oid, f"planes: plane {k} has the wrong size")
         # a buffer per plane and step: every plane stays live until they are joined
         if mode & ~PLANE_SORTED == PLANE_BITS:
-            body = _bits(body, thread_buffer(n, f"unbits{k}"), inverse=True)
+            body = _bits(body, buf[:n] if buf is not None else thread_buffer(n, f"unbits{k}"), inverse=True)
+            if buf is not None:
+                body = buf
         if mode & PLANE_SORTED:
-            body = _ctx(body, planes[k + 1], thread_buffer(n, f"unsorted{k}"), inverse=True)
+            body = _ctx(body, planes[k + 1], thread_buffer(n, f"unsorted{k}"), inverse=True, counts=counts)
+            if body is None:
+                raise CorruptObjectError("chunk", oid, f"planes: plane {k}'s slot counts are wrong")
         planes[k] = body  # a raw plane stays a view into the payload: no copy
-    if out is None:
-        out = memoryview(bytearray(length))
+    if out is None:  # every byte is written below: no zeroing (bytearray's cost 0.2 ms per 4 MiB)
+        out = memoryview(np.empty(length, dtype=np.uint8))
     if native is not None:
-        native.decode(planes, base, out, elem, _OP[codec], thread_buffer(length, "gsub") if codec == GSUB else None)
+        scratch = thread_buffer(length * (1 if group_counts is None else 2), "gsub") if codec == GSUB else None
+        if not native.decode(planes, base, out, elem, _OP[codec], scratch, group_counts):
+            raise CorruptObjectError("chunk", oid, "planes: the slot counts are not the base's")
         return out
+    if group_counts is not None and not np.array_equal(group_counts, transforms.group_counts(base, elem)):
+        raise CorruptObjectError("chunk", oid, "planes: the slot counts are not the base's")
     arr = np.frombuffer(out, dtype=np.uint8).reshape(-1, elem)
     for k, body in enumerate(planes):
         arr[:, k] = np.frombuffer(body, dtype=np.uint8)

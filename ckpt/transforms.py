@@ -87,11 +87,24 @@ def undo_sub(delta: bytes | memoryview, base: bytes | memoryview, elem: int) -> 
 KEY_BITS = 10
 
 
+def group_keys(base: bytes | memoryview, elem: int) -> np.ndarray:
+    """GSUB's key of each base element: its KEY_BITS bits below the sign."""
+    u = _UINT[elem]
+    return (np.frombuffer(base, dtype=u) >> np.array(elem * 8 - 1 - KEY_BITS, dtype=u)) & np.array((1 << KEY_BITS) - 1, dtype=u)
+
+
 def group_order(base: bytes | memoryview, elem: int) -> np.ndarray:
     """The permutation GSUB applies: element indices sorted (stably) by the base's bits below the sign."""
-    u = _UINT[elem]
-    key = (np.frombuffer(base, dtype=u) >> np.array(elem * 8 - 1 - KEY_BITS, dtype=u)) & np.array((1 << KEY_BITS) - 1, dtype=u)
-    return np.argsort(key, kind="stable")
+    return np.argsort(group_keys(base, elem), kind="stable")
+
+
+def group_counts(base: bytes | memoryview, elem: int) -> np.ndarray:
+    """GSUB's slot counts, as the C kernels keep them: each key's count among the first
+    n // 2 elements, then among the rest (uint32, 2 * 2**KEY_BITS)."""
+    key = group_keys(base, elem)
+    half = len(key) // 2
+    return np.concatenate([np.bincount(key[:half], minlength=1 << KEY_BITS),
+                           np.bincount(key[half:], minlength=1 << KEY_BITS)]).astype(np.uint32)
 
 
 def apply_gsub(new: bytes | memoryview, base: bytes | memoryview, elem: int) -> np.ndarray:

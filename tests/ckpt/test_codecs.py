@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import struct
 
 import numpy as np
 import zstandard
@@ -10,10 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt import codecs
+from ckpt import codecs, transforms
 from ckpt.codecs import GSUB, PLANES, RAW, SUB, XOR, ZSTD, decode_chunk, encode_chunk, parse_header
 from storage.errors import CorruptObjectError
 from storage.objects import object_id
+
+try:
+    from ckpt import _native as NATIVE
+except ImportError:  # pragma: no cover - builds without a C compiler
+    NATIVE = None
 
 ELEMS = st.sampled_from([1, 2, 4, 8])
 
@@ -80,7 +86,7 @@ def test_codec_choice():
 def _plane_modes(blob: bytes) -> list[int]:
     h = parse_header(blob)
     payload = memoryview(blob)[h.size :]
-    return [payload[1 + 5 * k] for k in range(payload[0])]
+    return [payload[1 + 5 * k] for k in range(payload[0] & ~codecs.COUNTED)]
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -126,6 +132,103 @@ def test_planes_that_follow_the_plane_above_are_sorted_by_it(native, monkeypatch
     blob[parse_header(enc.blob).size + 1 + 5] |= codecs.PLANE_SORTED
     with pytest.raises(CorruptObjectError, match="damaged"):
         decode_chunk(bytes(blob), object_id(x), len(x), max_length=1 << 24)
+
+
+def _adam_like_step(n: int = 300_000) -> tuple[bytes, bytes]:
+    """fp32 weights and the same after a sign-like step on most of them: GSUB, with planes 0 and 1 sorted."""
+    rng = np.random.default_rng(0)
+    base = (rng.standard_normal(n) * 0.02).astype(np.float32)
+    new = (base - 1e-5 * np.sign(rng.standard_normal(n)) * (rng.random(n) < 0.9)).astype(np.float32)
+    return new.tobytes(), base.tobytes()
+
+
+def _counts_frame(blob: bytes) -> tuple[int, int]:
+    """Where a COUNTED chunk's slot-count frame starts in the blob, and its length."""
+    h = parse_header(blob)
+    at = h.size + 1 + 5 * (blob[h.size] & ~codecs.COUNTED)
+    (size,) = struct.unpack_from("<I", blob, at)
+    return at + 4, size
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_large_chunks_store_their_permutations_slot_counts(native, monkeypatch):
+    """A chunk of COUNTS_MIN elements or more stores the slot counts of its permutations
+    (GSUB's, then each sorted plane's), so the decoder need not count them: the same bytes
+    from either kernels, decoded bit for bit by either. Blobs without them (written before
+    this format, or small) still decode."""
+    if not native:
+        monkeypatch.setattr(codecs, "native", None)
+    new, base = _adam_like_step()
+    bid, oid = object_id(base), object_id(new)
+    enc = encode_chunk(new, elem=4, base=base, base_id=bid)
+    h = parse_header(enc.blob)
+    assert enc.codec == GSUB and enc.blob[h.size] == 4 | codecs.COUNTED
+    ordered = [k for k, m in enumerate(_plane_modes(enc.blob)) if m & codecs.PLANE_SORTED]
+    assert ordered == [0, 1]
+    start, size = _counts_frame(enc.blob)
+    counts = codecs._counts_unpack(enc.blob[start : start + size], 2048 + 2 * 512, oid)
+    assert np.array_equal(counts[:2048], transforms.group_counts(base, 4))
+    assert size < 2000  # about 1.3 KB on a 4 MiB chunk of a real fine-tune: 0.07% of its stored bytes
+    assert bytes(decode_chunk(enc.blob, oid, len(new), max_length=1 << 24, base=base)) == new
+    other = None if codecs.native is not None else NATIVE  # the kernels this run did not use
+    if native or other is not None:
+        monkeypatch.setattr(codecs, "native", other)
+        assert encode_chunk(new, elem=4, base=base, base_id=bid).blob == enc.blob
+        assert bytes(decode_chunk(enc.blob, oid, len(new), max_length=1 << 24, base=base)) == new
+    # the format without counts: the same blob less the frame and the flag
+    monkeypatch.setattr(codecs, "COUNTS_MIN", 1 << 40)
+    old = encode_chunk(new, elem=4, base=base, base_id=bid).blob
+    assert old == enc.blob[: h.size] + bytes([4]) + enc.blob[h.size + 1 : start - 4] + enc.blob[start + size :]
+    for kernels in (None, NATIVE):
+        monkeypatch.setattr(codecs, "native", kernels)
+        assert bytes(decode_chunk(old, oid, len(new), max_length=1 << 24, base=base)) == new
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_wrong_slot_counts_are_corruption_never_a_wild_read(native, monkeypatch):
+    """The decoder trusts stored counts to place bytes, so every way of getting them wrong
+    must end in CorruptObjectError: counts that do not add up, a count moved to another
+    value, all of a half's counts on the first value (the pointers of every other value
+    then start at the end of the data: the C kernels read ahead into a buffer twice the
+    data, never past it) or on the last."""
+    if not native:
+        monkeypatch.setattr(codecs, "native", None)
+    new, base = _adam_like_step()
+    oid = object_id(new)
+    blob = encode_chunk(new, elem=4, base=base, base_id=object_id(base)).blob
+    start, size = _counts_frame(blob)
+    counts = codecs._counts_unpack(blob[start : start + size], 2048 + 2 * 512, oid)
+    for at, part in [(0, 2048), (2048, 512), (2560, 512)]:  # GSUB's, plane 0's, plane 1's
+        half = part // 2
+        for how in ("sum", "moved", "first", "last"):
+            c = counts.copy()
+            for lo in (at, at + half):
+                total = int(c[lo : lo + half].sum())
+                if how == "sum":
+                    c[lo] += 1
+                elif how == "moved":
+                    v = lo + int(np.argmax(c[lo : lo + half]))
+                    c[v] -= 1
+                    c[lo + (v - lo + 1) % half] += 1
+                else:
+                    c[lo : lo + half] = 0
+                    c[lo if how == "first" else lo + half - 1] = total
+            frame = codecs._counts_pack([c], 1)
+            bad = blob[: start - 4] + struct.pack("<I", len(frame)) + frame + blob[start + size :]
+            with pytest.raises(CorruptObjectError):
+                decode_chunk(bad, oid, len(new), max_length=1 << 24, base=base)
+    # a frame of the wrong size, and a flag with nothing to count
+    frame = codecs._counts_pack([counts[:-1]], 1)
+    bad = blob[: start - 4] + struct.pack("<I", len(frame)) + frame + blob[start + size :]
+    with pytest.raises(CorruptObjectError, match="wrong size"):
+        decode_chunk(bad, oid, len(new), max_length=1 << 24, base=base)
+    plain = encode_chunk(new, elem=4)  # PLANES, nothing sorted: no counts
+    h = parse_header(plain.blob)
+    assert plain.codec == PLANES and plain.blob[h.size] == 4
+    flagged = plain.blob[: h.size] + bytes([4 | codecs.COUNTED]) + plain.blob[h.size + 1 : h.size + 21] + \
+        struct.pack("<I", len(frame)) + frame + plain.blob[h.size + 21 :]
+    with pytest.raises(CorruptObjectError, match="nothing to count"):
+        decode_chunk(flagged, oid, len(new), max_length=1 << 24)
 
 
 def test_a_plain_planes_win_is_explored_before_the_whole_chunk_is_encoded():

@@ -60,8 +60,22 @@ def test_kernels_match_numpy(case, codec):
     native.encode(new, base, planes, elem, OPS[codec], scratch)
     assert bytes(planes) == _reference_planes(new, base, elem, codec)
     out = bytearray(len(new))
-    native.decode([bytes(planes[k * n : (k + 1) * n]) for k in range(elem)], base, out, elem, OPS[codec], scratch)
+    split = [bytes(planes[k * n : (k + 1) * n]) for k in range(elem)]
+    assert native.decode(split, base, out, elem, OPS[codec], scratch) is True
     assert bytes(out) == new
+    if codec == GSUB:  # the slot counts out of encode, and decode trusting them
+        counts = np.empty(2048, np.uint32)
+        native.encode(new, base, bytearray(len(new)), elem, OPS[codec], scratch, counts)
+        assert np.array_equal(counts, transforms.group_counts(base, elem))
+        twice = bytearray(2 * len(new))
+        out = bytearray(len(new))
+        assert native.decode(split, base, out, elem, OPS[codec], twice, counts) is True
+        assert bytes(out) == new
+        if n >= 2:  # a count moved to another key: found after the gather
+            key = int(np.argmax(counts[:1024]))
+            counts[key] -= 1
+            counts[(key + 1) % 1024] += 1
+            assert native.decode(split, base, out, elem, OPS[codec], twice, counts) is False
 
 
 @given(pair())
@@ -130,8 +144,30 @@ def test_plane_sort_matches_numpy(data, values, rnd):
     order = np.argsort(np.frombuffer(key, np.uint8), kind="stable")
     assert bytes(out) == np.frombuffer(data, np.uint8)[order].tobytes()
     back = bytearray(len(data))
-    native.ctx(bytes(out), key, back, True)
+    assert native.ctx(bytes(out), key, back, True) is True
     assert bytes(back) == data
+    # the sort's slot counts, and the unsort trusting them (its source then 2n + 8 bytes)
+    counts = np.empty(512, np.uint32)
+    native.ctx(data, key, bytearray(len(data)), False, counts)
+    assert np.array_equal(counts, codecs._ctx_counts(key))
+    padded = bytes(out) + bytes(len(data) + 8)
+    back = bytearray(len(data))
+    assert native.ctx(padded, key, back, True, counts) is True
+    assert bytes(back) == data
+    with pytest.raises(ValueError, match="2n"):
+        native.ctx(bytes(out), key, back, True, counts)
+    if len(data) >= 2:
+        v = int(np.argmax(counts[:256])) if counts[:256].any() else 256 + int(np.argmax(counts[256:]))
+        lo = v - v % 256
+        counts[v] -= 1
+        counts[lo + (v + 1) % 256] += 1
+        assert native.ctx(padded, key, back, True, counts) is False
+        saved = codecs.native
+        try:
+            codecs.native = None
+            assert codecs._ctx(padded, key, bytearray(len(data)), True, counts) is None
+        finally:
+            codecs.native = saved
     saved = codecs.native
     try:
         codecs.native = None
