@@ -228,7 +228,7 @@ def _counts_unpack(frame: Any, entries: int, oid: str) -> np.ndarray:
 
 
 def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, base: Any = None, codec: int = PLANES,
-                   plan: _Plan | None = None) -> Parts:
+                   plan: _Plan | None = None, limit: int | None = None) -> Parts | None:
     """Byte planes of ``data`` (or of its delta against ``base``), each zstd'd (perhaps
     bit-transposed first) or stored raw.
 
@@ -243,7 +243,8 @@ def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, b
     (GSUB's, and each sorted plane's), so that the decoder skips a counting pass per
     permutation (see COUNTED).
     Returns the payload in pieces (table, planes), not joined: zstd's output is
-    written as it is, and only raw planes are copied out of the reused split buffer.
+    written as it is, and only raw planes are copied out of the reused split buffer;
+    None as soon as it is sure to be larger than ``limit`` bytes.
     """
     n = len(memoryview(data).cast("B")) // elem
     counted = n >= COUNTS_MIN
@@ -260,6 +261,7 @@ def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, b
         return _ctx(plane, above, thread_buffer(n, "sorted"), counts=counts)
 
     heads, bodies = [], []
+    spent = 1 + elem * _PLANE.size
     for k in range(elem):
         plane = planes[k * n : (k + 1) * n]
         above = planes[(k + 1) * n : (k + 2) * n] if k + 1 < elem else None
@@ -289,6 +291,9 @@ def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, b
             mode = (PLANE_BITS if bits else PLANE_ZSTD) | (PLANE_SORTED if ordered else 0)
         heads.append(_PLANE.pack(mode, len(packed)))
         bodies.append(bytes(packed) if mode == PLANE_RAW else packed)
+        spent += len(packed)
+        if limit is not None and spent > limit:
+            return None
     stored = ([group_counts] if group_counts is not None else []) + \
         [sort_counts[k] for k in range(elem) if counted and _PLANE.unpack(heads[k])[0] & PLANE_SORTED]
     if not stored:
@@ -463,14 +468,15 @@ def encode_chunk(
     # a plane found incompressible is stored raw without trying zstd on it (the low
     # mantissa bytes of floats: noise, and most of the work), and a mostly-zero plane
     # that compressed better bit-transposed is transposed without comparing again.
-    candidates: list[tuple[int, Callable[[Any, Any, _Plan], Parts]]] = []
+    # (A candidate given a limit may give up, returning None, once it is sure to lose.)
+    candidates: list[tuple[int, Callable[..., Parts | None]]] = []
     if n and elem == 1:
-        candidates.append((ZSTD, lambda d, b, p: (_compressor(level, len(d)).compress(d),)))
+        candidates.append((ZSTD, lambda d, b, p, limit=None: (_compressor(level, len(d)).compress(d),)))
     elif n:
-        candidates.append((PLANES, lambda d, b, p: _planes_encode(d, elem, level, min_saving, plan=p)))
+        candidates.append((PLANES, lambda d, b, p, limit=None: _planes_encode(d, elem, level, min_saving, plan=p, limit=limit)))
         if base is not None and base_id is not None and len(base) == n:
-            candidates.append((GSUB, lambda d, b, p: _planes_encode(d, elem, level, base=b, codec=GSUB, plan=p)))
-            candidates.append((XOR, lambda d, b, p: _planes_encode(d, elem, level, base=b, codec=XOR, plan=p)))
+            candidates.append((GSUB, lambda d, b, p, limit=None: _planes_encode(d, elem, level, base=b, codec=GSUB, plan=p, limit=limit)))
+            candidates.append((XOR, lambda d, b, p, limit=None: _planes_encode(d, elem, level, base=b, codec=XOR, plan=p, limit=limit)))
     bview = memoryview(base).cast("B") if base is not None else None
     plan = _Plan()  # with no sample to learn from, the whole chunk's pass learns
     payload: Parts | None = None
@@ -482,8 +488,13 @@ def encode_chunk(
         # way. The same bytes on all three benchmark families, 4-9% faster encoding.
         delta = any(c in DELTA_CODECS for c, _ in candidates)
         plans = [_Plan(explore=c == GSUB or not delta) for c, _ in candidates]
-        tried = [fn(sample, sbase, p) for (_, fn), p in zip(candidates, plans)]
-        best = min(range(len(tried)), key=lambda i: _size(tried[i]))
+        # GSUB (the usual winner) first; the others stop once they are larger than the
+        # best so far: the same choice (ties still go to the first candidate), fewer zstd calls.
+        tried: list[Parts | None] = [None] * len(candidates)
+        for i in sorted(range(len(candidates)), key=lambda i: candidates[i][0] != GSUB):
+            done = [t for t in tried if t is not None]
+            tried[i] = candidates[i][1](sample, sbase, plans[i], limit=min(map(_size, done)) if done else None)
+        best = min((i for i, t in enumerate(tried) if t is not None), key=lambda i: _size(tried[i]))
         if not plans[best].explore:
             _, winner = candidates[best]
             plans[best] = _Plan()
@@ -492,10 +503,12 @@ def encode_chunk(
         plan.learning = False
         if len(sample) == n:  # the "sample" was the whole chunk: its encoding is the answer
             payload = tried[best]
+            assert payload is not None
     if candidates:
         codec, fn = candidates[0]
         if payload is None:
             payload = fn(view, bview, plan)
+            assert payload is not None  # no limit: never gives up
         if _size(payload) <= n * (1.0 - min_saving):
             b = base_id if codec in DELTA_CODECS else None
             return Encoded(_pack(codec, elem, n, b, payload), codec, b)

@@ -246,6 +246,26 @@ def test_a_plain_planes_win_is_explored_before_the_whole_chunk_is_encoded():
     assert bytes(decode_chunk(enc.blob, object_id(x), len(x), max_length=1 << 24)) == x
 
 
+@given(st.sampled_from([np.float16, np.float32, np.float64]), st.sampled_from(["near", "far", "same", "bits"]),
+       st.integers(0, 2**32 - 1))
+@settings(max_examples=24, deadline=None)
+def test_candidates_that_stop_early_do_not_change_the_choice(dtype, relation, seed):
+    """On the sample, candidates stop once they are larger than the best so far: the
+    blob is the one a full comparison of every candidate gives."""
+    rng = np.random.default_rng(seed)
+    base = (rng.standard_normal(50_000) * 0.05).astype(dtype)
+    new = {"near": base + (rng.standard_normal(base.shape) * 1e-4).astype(dtype),
+           "far": rng.standard_normal(base.shape).astype(dtype),
+           "same": base.copy(),
+           "bits": base.view(f"u{base.itemsize}") ^ rng.integers(0, 4, base.shape).astype(f"u{base.itemsize}")}[relation]
+    args = dict(elem=base.itemsize, base=base.tobytes(), base_id=object_id(base.tobytes()))
+    early = encode_chunk(np.ascontiguousarray(new).tobytes(), **args)
+    full = codecs._planes_encode
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(codecs, "_planes_encode", lambda *a, limit=None, **kw: full(*a, **kw))
+        assert encode_chunk(np.ascontiguousarray(new).tobytes(), **args).blob == early.blob
+
+
 def test_delta_without_base_is_an_error():
     rng = np.random.default_rng(0)
     w = rng.standard_normal(1 << 16).astype(np.float32)
