@@ -493,7 +493,8 @@ def encode_chunk(
         tried: list[Parts | None] = [None] * len(candidates)
         for i in sorted(range(len(candidates)), key=lambda i: candidates[i][0] != GSUB):
             done = [t for t in tried if t is not None]
-            tried[i] = candidates[i][1](sample, sbase, plans[i], limit=min(map(_size, done)) if done else None)
+            _, fn = candidates[i]
+            tried[i] = fn(sample, sbase, plans[i], limit=min(map(_size, done)) if done else None)
         best = min((i for i, t in enumerate(tried) if t is not None), key=lambda i: _size(tried[i]))
         if not plans[best].explore:
             _, winner = candidates[best]
