@@ -266,6 +266,45 @@ def test_candidates_that_stop_early_do_not_change_the_choice(dtype, relation, se
         assert encode_chunk(np.ascontiguousarray(new).tobytes(), **args).blob == early.blob
 
 
+DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+def _pre_counts_chunks():
+    """The chunks of tests/ckpt/data/*.blob, which ckpt wrote before chunks stored slot
+    counts (commit 283f23d): name, data, base, the start of the chunk id."""
+    rng = np.random.default_rng(7)
+    n = 300_000
+    base = (rng.standard_normal(n) * 0.02).astype(np.float32)
+    step = (base - 1e-5 * np.sign(rng.standard_normal(n)) * (rng.random(n) < 0.9)).astype(np.float32)
+    yield "gsub-fp32", step, base, "3c4caf25b23f77db"  # planes 0 and 1 sorted
+    b16 = ((rng.standard_normal(2 * n) * 0.02).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    ft = (b16.astype(np.int32) + rng.integers(-2, 3, b16.shape) * (rng.random(b16.shape) < 0.3)).astype(np.uint16)
+    yield "gsub-bf16", ft, b16, "1763fb01ae8b6e0c"
+    hi = rng.integers(0, 16, 1 << 18)
+    yield "planes-u16", ((hi << 8) | (hi * 16 + rng.integers(0, 4, 1 << 18))).astype("<u2"), None, "6de3e8417903ffe8"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_blobs_written_before_slot_counts_still_read(native, monkeypatch):
+    """Stores written before chunks carried slot counts stay readable: their blobs decode
+    bit for bit, and today's writer with counts turned off writes them byte for byte."""
+    if not native:
+        monkeypatch.setattr(codecs, "native", None)
+    for name, new, base, prefix in _pre_counts_chunks():
+        data = new.tobytes()
+        oid = object_id(data)
+        assert oid.startswith(prefix), f"{name}: numpy no longer generates the fixture's data"
+        with open(os.path.join(DATA, f"{name}.blob"), "rb") as f:
+            blob = f.read()
+        args = dict(base=base.tobytes(), base_id=object_id(base.tobytes())) if base is not None else {}
+        assert bytes(decode_chunk(blob, oid, len(data), max_length=1 << 24, base=args.get("base"))) == data
+        now = encode_chunk(data, elem=new.itemsize, **args).blob
+        assert now[parse_header(now).size] & codecs.COUNTED and len(now) < len(blob) + 2000
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(codecs, "COUNTS_MIN", 1 << 40)
+            assert encode_chunk(data, elem=new.itemsize, **args).blob == blob
+
+
 def test_delta_without_base_is_an_error():
     rng = np.random.default_rng(0)
     w = rng.standard_normal(1 << 16).astype(np.float32)
