@@ -190,31 +190,33 @@ DEFINE_KERNELS(uint64_t, 64)
         }                                                                                  \
         return ok;                                                                         \
     }                                                                                      \
-    /* Encode: the differences in element order (a vectorisable pass, into dst as      \
-     * scratch), then one scattered word per element into the sorted order, then the    \
-     * plane split; the slot counts go to c. Decode mirrors it: join, gather, undo the  \
-     * difference in place (fusing the difference into the scatter or gather measured   \
-     * slower). With `given` counts the gather trusts them: the caller's tmpbuf holds    \
-     * 2n elements, so wrong counts misplace elements (and fail the check after the     \
-     * gather) but never read outside it: each pointer starts within the first n and    \
-     * moves at most n times. Returns 0 only for given counts that were wrong. */       \
+    static inline T gdiff_##BITS(T x, T b) {                                               \
+        T d = (T)(ORDERED(T, BITS, x) - ORDERED(T, BITS, b));                              \
+        return ZIGZAG(T, BITS, d);                                                         \
+    }                                                                                      \
+    /* Encode: each element's difference scattered straight into the sorted order (one   \
+     * pass reading src and base: 3.1 -> 2.6 ms per 4 MiB chunk against a separate,      \
+     * vectorised difference pass), then the plane split; the slot counts go to c.       \
+     * Decode: join, gather, undo the difference in place (the undo fused into the       \
+     * gather measured no faster). With `given` counts the gather trusts them: the       \
+     * caller's tmpbuf holds 2n elements, so wrong counts misplace elements (and fail    \
+     * the check after the gather) but never read outside it: each pointer starts within \
+     * the first n and moves at most n times. Returns 0 only for given counts that were  \
+     * wrong. */                                                                          \
     static int gencode_##BITS(const uint8_t *src, const uint8_t *base, uint8_t *dst,       \
                               Py_ssize_t n, uint8_t *tmpbuf, T **p0, T **p1, uint32_t *c, int given) { \
         (void)given;                                                                       \
-        for (Py_ssize_t i = 0; i < n; i++) {                                               \
-            T x = load_##BITS(src, i), bi = load_##BITS(base, i);                          \
-            T d = (T)(ORDERED(T, BITS, x) - ORDERED(T, BITS, bi));                         \
-            d = ZIGZAG(T, BITS, d);                                                        \
-            memcpy(dst + i * (Py_ssize_t)sizeof(T), &d, sizeof(T));                        \
-        }                                                                                  \
         Py_ssize_t len = n / 2;                                                            \
         gslots_##BITS(base, n, len, (T *)tmpbuf, p0, p1, c, 0);                            \
         for (Py_ssize_t i = 0; i < len; i++) {                                             \
-            *p0[KEY(BITS, load_##BITS(base, i))]++ = load_##BITS(dst, i);                  \
-            *p1[KEY(BITS, load_##BITS(base, len + i))]++ = load_##BITS(dst, len + i);      \
+            T b0 = load_##BITS(base, i), b1 = load_##BITS(base, len + i);                  \
+            *p0[KEY(BITS, b0)]++ = gdiff_##BITS(load_##BITS(src, i), b0);                  \
+            *p1[KEY(BITS, b1)]++ = gdiff_##BITS(load_##BITS(src, len + i), b1);            \
         }                                                                                  \
-        for (Py_ssize_t i = 2 * len; i < n; i++)                                           \
-            *p1[KEY(BITS, load_##BITS(base, i))]++ = load_##BITS(dst, i);                  \
+        for (Py_ssize_t i = 2 * len; i < n; i++) {                                         \
+            T b1 = load_##BITS(base, i);                                                   \
+            *p1[KEY(BITS, b1)]++ = gdiff_##BITS(load_##BITS(src, i), b1);                  \
+        }                                                                                  \
         encode_##BITS(tmpbuf, NULL, dst, n, OP_PLAIN);                                     \
         return 1;                                                                          \
     }                                                                                      \
