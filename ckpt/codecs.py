@@ -148,9 +148,7 @@ def _ctx_half(n: int) -> int:
 
 
 def _ctx_counts(key: Any) -> np.ndarray:
-    k = np.frombuffer(key, dtype=np.uint8)
-    h = _ctx_half(len(k))
-    return np.concatenate([np.bincount(k[:h], minlength=256), np.bincount(k[h:], minlength=256)]).astype(np.uint32)
+    return transforms.half_counts(np.frombuffer(key, dtype=np.uint8), _ctx_half(len(key)), 256)
 
 
 def _ctx(data: Any, key: Any, out: Any, inverse: bool = False, counts: np.ndarray | None = None) -> Any:
@@ -260,7 +258,7 @@ def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, b
         counts = sort_counts.setdefault(k, np.empty(512, dtype=np.uint32)) if counted else None
         return _ctx(plane, above, thread_buffer(n, "sorted"), counts=counts)
 
-    heads, bodies = [], []
+    heads, bodies, ordered_planes = [], [], []
     spent = 1 + elem * _PLANE.size
     for k in range(elem):
         plane = planes[k * n : (k + 1) * n]
@@ -289,17 +287,37 @@ def _planes_encode(data: Any, elem: int, level: int, min_saving: float = 0.02, b
             packed, mode = plane, PLANE_RAW
         else:
             mode = (PLANE_BITS if bits else PLANE_ZSTD) | (PLANE_SORTED if ordered else 0)
+            if ordered:
+                ordered_planes.append(k)
         heads.append(_PLANE.pack(mode, len(packed)))
         bodies.append(bytes(packed) if mode == PLANE_RAW else packed)
         spent += len(packed)
         if limit is not None and spent > limit:
             return None
     stored = ([group_counts] if group_counts is not None else []) + \
-        [sort_counts[k] for k in range(elem) if counted and _PLANE.unpack(heads[k])[0] & PLANE_SORTED]
+        ([sort_counts[k] for k in ordered_planes] if counted else [])
     if not stored:
         return (bytes([elem]) + b"".join(heads), *bodies)
     frame = _counts_pack(stored, level)
     return (bytes([elem | COUNTED]) + b"".join(heads) + _COUNTS_SIZE.pack(len(frame)), frame, *bodies)
+
+
+def _unzstd_plane(frame: Any, n: int, k: int, oid: str, into: memoryview | None = None) -> Any:
+    """Plane ``k``'s ``n`` bytes out of its zstd frame: into ``into[:n]`` (then ``into``
+    is returned, whole), else as new bytes."""
+    try:
+        if zstandard.frame_content_size(frame) != n:
+            raise CorruptObjectError("chunk", oid, f"planes: plane {k} has the wrong size")
+        if into is None:
+            body = _decompressor().decompress(frame, max_output_size=n)
+            got = len(body)
+        else:
+            body, got = into, _decompressor().stream_reader(frame).readinto(into[:n])
+    except zstandard.ZstdError as e:
+        raise CorruptObjectError("chunk", oid, f"planes: zstd: {e}") from None
+    if got != n:
+        raise CorruptObjectError("chunk", oid, f"planes: plane {k} has the wrong size")
+    return body
 
 
 def _planes_decode(payload: memoryview, length: int, elem: int, oid: str, codec: int = PLANES,
@@ -335,42 +353,24 @@ def _planes_decode(payload: memoryview, length: int, elem: int, oid: str, codec:
         if not groups and not ordered:
             raise CorruptObjectError("chunk", oid, "planes: slot counts with nothing to count")
         counts = _counts_unpack(frame, groups + 512 * len(ordered), oid)
-        # each part must add up to its halves' lengths: then the kernels' pointers start inside the data
-        halves = [(n // 2, n - n // 2)] * (groups > 0) + [(_ctx_half(n), n - _ctx_half(n))] * len(ordered)
-        sums, at = [], 0
-        for part in [groups] * (groups > 0) + [512] * len(ordered):
-            half = part // 2
-            sums.append((int(counts[at : at + half].sum()), int(counts[at + half : at + part].sum())))
-            at += part
-        if sums != halves:
-            raise CorruptObjectError("chunk", oid, "planes: slot counts do not add up to the length")
         group_counts = counts[:groups] if groups else None
         sort_counts = {k: counts[groups + 512 * i : groups + 512 * (i + 1)] for i, k in enumerate(ordered)}
-    dctx = _decompressor()
     planes: list[Any] = [None] * elem
     for k in reversed(range(elem)):  # top down: a sorted plane needs the plane above it
         mode, body = bodies[k]
+        form = mode & ~PLANE_SORTED
         counts = sort_counts.get(k)
         # With stored counts, a sorted plane's bytes sit in a buffer of 2n + 8 (see _ctx).
-        buf = thread_buffer(2 * n + 8, f"plane{k}") if counts is not None else None
-        if mode != PLANE_RAW:
-            try:
-                if zstandard.frame_content_size(body) != n:
-                    raise CorruptObjectError("chunk", oid, f"planes: plane {k} has the wrong size")
-                if buf is not None and mode & ~PLANE_SORTED == PLANE_ZSTD:
-                    got = dctx.stream_reader(body).readinto(buf[:n])
-                    body = buf if got == n else buf[:got]
-                else:
-                    body = dctx.decompress(body, max_output_size=n)
-            except zstandard.ZstdError as e:
-                raise CorruptObjectError("chunk", oid, f"planes: zstd: {e}") from None
-        if len(body) != n and not (buf is not None and body is buf):
+        # Otherwise a buffer per plane and step: every plane stays live until they are joined.
+        padded = thread_buffer(2 * n + 8, f"plane{k}") if counts is not None else None
+        if form == PLANE_ZSTD:
+            body = _unzstd_plane(body, n, k, oid, into=padded)
+        elif form == PLANE_BITS:
+            into = padded if padded is not None else thread_buffer(n, f"unbits{k}")
+            _bits(_unzstd_plane(body, n, k, oid), into[:n], inverse=True)
+            body = into
+        elif len(body) != n:
             raise CorruptObjectError("chunk", oid, f"planes: plane {k} has the wrong size")
-        # a buffer per plane and step: every plane stays live until they are joined
-        if mode & ~PLANE_SORTED == PLANE_BITS:
-            body = _bits(body, buf[:n] if buf is not None else thread_buffer(n, f"unbits{k}"), inverse=True)
-            if buf is not None:
-                body = buf
         if mode & PLANE_SORTED:
             body = _ctx(body, planes[k + 1], thread_buffer(n, f"unsorted{k}"), inverse=True, counts=counts)
             if body is None:

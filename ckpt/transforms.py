@@ -98,13 +98,17 @@ def group_order(base: bytes | memoryview, elem: int) -> np.ndarray:
     return np.argsort(group_keys(base, elem), kind="stable")
 
 
+def half_counts(key: np.ndarray, half: int, values: int) -> np.ndarray:
+    """Slot counts as the C kernels keep them for their walk of two halves in step: each
+    value's count among ``key[:half]``, then among the rest (uint32, 2 x ``values``)."""
+    return np.concatenate([np.bincount(key[:half], minlength=values),
+                           np.bincount(key[half:], minlength=values)]).astype(np.uint32)
+
+
 def group_counts(base: bytes | memoryview, elem: int) -> np.ndarray:
-    """GSUB's slot counts, as the C kernels keep them: each key's count among the first
-    n // 2 elements, then among the rest (uint32, 2 * 2**KEY_BITS)."""
+    """GSUB's slot counts: the halves are the first n // 2 elements and the rest."""
     key = group_keys(base, elem)
-    half = len(key) // 2
-    return np.concatenate([np.bincount(key[:half], minlength=1 << KEY_BITS),
-                           np.bincount(key[half:], minlength=1 << KEY_BITS)]).astype(np.uint32)
+    return half_counts(key, len(key) // 2, 1 << KEY_BITS)
 
 
 def apply_gsub(new: bytes | memoryview, base: bytes | memoryview, elem: int) -> np.ndarray:
