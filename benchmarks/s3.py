@@ -100,7 +100,7 @@ def main() -> None:
     import s3fs
 
     import ckpt
-    from ckpt.transfer import copy_refs
+    from ckpt.store.copy import copy_refs
 
     tmp = Path(tempfile.mkdtemp(prefix="ckpt-s3-bench-"))
     base, ft, data_note = find_data(args.data, tmp)

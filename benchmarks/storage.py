@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.data import build, families  # noqa: E402
-from ckpt.safetensors_format import parse_header  # noqa: E402
+from ckpt.format.safetensors_header import parse_header  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "storage.md"
 ELEM = {"F32": 4, "BF16": 2, "F16": 2, "I64": 8, "F64": 8, "I32": 4}
@@ -229,8 +229,8 @@ def ckpt_codec_speed(store: object, reps: int = 3) -> dict[str, tuple[float, flo
     deltas (the base a push tried for the others is not recorded)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from ckpt.codecs import decode_chunk, encode_chunk, parse_header
-    from ckpt.pipeline import fetch_chunk
+    from ckpt.codecs.chunk import decode_chunk, encode_chunk, parse_header
+    from ckpt.transfer.pipeline import fetch_chunk
 
     objs, st = store.objects, store.settings  # type: ignore[attr-defined]
     ids = [e.path.rsplit("/", 1)[-1] for e in store.backend.list("") if "/chunks/" in e.path]  # type: ignore[attr-defined]

@@ -8,14 +8,19 @@
 The public API is :class:`Store` (open/init, push, pull, load, load_into, reader,
 verify, du, gc), :class:`CheckpointManager` (training-loop snapshots) with
 :class:`RNGState` and the :class:`Stateful` protocol, :class:`Settings`, the
-verbs :func:`diff`, :func:`merge` and :func:`remix` (in ``ckpt.diffing``,
-``ckpt.merging`` and ``ckpt.remixing``, so that the names stay functions), and the errors in :mod:`ckpt.errors`.
+verbs :func:`diff`, :func:`merge` and :func:`remix`, and the errors in :mod:`ckpt.errors`.
+The subpackages say where everything lives (docs/architecture.md): ``ckpt.store``
+(push, pull, load, verify, copy), ``ckpt.snapshot`` (training loops), ``ckpt.dcp``
+(torch.distributed.checkpoint), ``ckpt.diffing``, ``ckpt.merging``, ``ckpt.codecs``,
+``ckpt.format`` (what is stored) and ``ckpt.transfer`` (moving chunks in parallel).
 Importing ckpt is cheap: torch and the rest load when first used.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ckpt._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -23,36 +28,28 @@ __all__ = ["CheckpointManager", "CheckpointReader", "CkptError", "RNGState", "Se
            "diff", "merge", "remix"]
 
 if TYPE_CHECKING:
-    from ckpt.diffing import diff
+    from ckpt.diffing.compare import diff
     from ckpt.errors import CkptError
-    from ckpt.manager import CheckpointManager
-    from ckpt.merging import merge
-    from ckpt.reader import CheckpointReader
-    from ckpt.remixing import remix
+    from ckpt.snapshot.manager import CheckpointManager
+    from ckpt.merging.combine import merge
+    from ckpt.store.reader import CheckpointReader
+    from ckpt.merging.remixing import remix
     from ckpt.settings import Settings
-    from ckpt.state import RNGState, Stateful
-    from ckpt.store import Store
+    from ckpt.snapshot.state import RNGState, Stateful
+    from ckpt.store.store import Store
 
 _LAZY = {
-    "Store": "ckpt.store",
+    "Store": "ckpt.store.store",
     "Settings": "ckpt.settings",
-    "CheckpointReader": "ckpt.reader",
+    "CheckpointReader": "ckpt.store.reader",
     "CkptError": "ckpt.errors",
-    "CheckpointManager": "ckpt.manager",
-    "RNGState": "ckpt.state",
-    "Stateful": "ckpt.state",
-    "diff": "ckpt.diffing",
-    "merge": "ckpt.merging",
-    "remix": "ckpt.remixing",
+    "CheckpointManager": "ckpt.snapshot.manager",
+    "RNGState": "ckpt.snapshot.state",
+    "Stateful": "ckpt.snapshot.state",
+    "diff": "ckpt.diffing.compare",
+    "merge": "ckpt.merging.combine",
+    "remix": "ckpt.merging.remixing",
 }
 
 
-def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'ckpt' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(mod), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _LAZY, globals())

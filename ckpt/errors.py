@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from storage.errors import (
+from ckpt_store.storage.errors import (
     AmbiguousRefError,
     CkptError,
     CorruptObjectError,

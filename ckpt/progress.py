@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from storage.progress import NullProgress, Progress
+from ckpt_store.storage.progress import NullProgress, Progress
 
 __all__ = ["NullProgress", "Progress"]

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from cli.render import RichProgress, emit_json, err, human_bytes, out, ratio, when
+from ckpt_store.cli.render import RichProgress, emit_json, err, human_bytes, out, ratio, when
 
 app = typer.Typer(
     name="ckpt",
@@ -80,7 +80,7 @@ def _main(store: StoreOpt = None, storage_option: OptionsOpt = None) -> None:
 
 
 def _open(create: bool = False, url: str | None = None) -> Any:
-    from ckpt.store import Store
+    from ckpt.store.store import Store
 
     return Store.open(url or _state["store"], storage_options=_state["options"], create=create)
 
@@ -88,7 +88,7 @@ def _open(create: bool = False, url: str | None = None) -> Any:
 @app.command()
 def init() -> None:
     """Create an empty store (a no-op if one exists)."""
-    from ckpt.store import Store
+    from ckpt.store.store import Store
 
     store = Store.init(_state["store"])
     out.print(f"store ready at {store.url}")
@@ -212,7 +212,7 @@ def log(name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name.")], 
 @app.command()
 def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or id prefix.")], as_json: JsonOpt = False) -> None:
     """A checkpoint's files and tensors: dtype, shape, logical and stored bytes."""
-    from ckpt.codecs import CODEC_NAMES
+    from ckpt.codecs.chunk import CODEC_NAMES
 
     store = _open()
     mid = store.resolve(ref)
@@ -452,15 +452,15 @@ def diff(
     Tensors whose chunks are the same in both are reported identical without reading
     their data. The summary tells how many bytes storing B as a delta against A takes.
     """
-    from ckpt.diffing import SORT_KEYS
-    from ckpt.diffing import diff as run_diff
+    from ckpt.diffing.compare import SORT_KEYS
+    from ckpt.diffing.compare import diff as run_diff
 
     if sort not in SORT_KEYS:
         raise typer.BadParameter(f"{sort!r} is not one of {', '.join(SORT_KEYS)}", param_hint="--sort")
     store = _open() if not (os.path.exists(a) and os.path.exists(b)) else None
     report = run_diff(a, b, store, include=include, exclude=exclude, estimate_delta=not no_estimate, progress=RichProgress())
     if plot is not None:
-        from ckpt.diff_plot import plot_report
+        from ckpt.diffing.plot import plot_report
 
         plot_report(report, plot)
     if as_json:
@@ -491,7 +491,7 @@ def diff(
 
 
 def _merge_epilog() -> str:
-    from ckpt.merge_methods import default_registry
+    from ckpt.merging.methods import default_registry
 
     return "Methods (details: --list-methods): " + "; ".join(f"{m.name}: {m.summary}" for m in default_registry())
 
@@ -516,7 +516,7 @@ def merge(
     result dedups and delta-encodes like any push; `ckpt show NAME` prints its
     lineage: inputs, method and every parameter value.
     """
-    from ckpt.merge_methods import default_registry, describe
+    from ckpt.merging.methods import default_registry, describe
 
     if list_methods:
         if as_json:
@@ -539,7 +539,7 @@ def merge(
         params[key.strip()] = value.strip()
     if weights is not None:
         params["weights"] = weights
-    from ckpt.merging import merge as run_merge
+    from ckpt.merging.combine import merge as run_merge
 
     store = _open()
     r = run_merge(store, refs, method, name=output, params=params, base=base, missing="base" if fill_from_base else "error",
@@ -585,7 +585,7 @@ def remix(
     as_json: JsonOpt = False,
 ) -> None:
     """Average the K best-scoring past fine-tunes into a starting point for a new fine-tune (Mashup Learning)."""
-    from ckpt.remixing import choose, remix_scores
+    from ckpt.merging.remixing import choose, remix_scores
 
     table = _read_scores(scores)
     chosen, _ = choose(table, k, weights=weights, higher_is_better=not lower_is_better)
@@ -600,7 +600,7 @@ def remix(
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: ckpt errors become one line on stderr and exit code 1."""
-    from storage.errors import CkptError
+    from ckpt_store.storage.errors import CkptError
 
     try:
         # Without standalone mode click returns the code of a typer.Exit instead of exiting.

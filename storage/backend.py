@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Union
 
-from storage.errors import StorageIOError
+from ckpt_store.storage.errors import StorageIOError
 
 # What write() takes: bytes, or a tuple of buffers whose concatenation is the file.
 Data = Union[bytes, bytearray, memoryview, tuple[Any, ...]]
@@ -552,7 +552,7 @@ def open_backend(url: str, *, storage_options: dict[str, Any] | None = None, fsy
     if url.startswith("file://"):
         return LocalBackend(url[len("file://") :], fsync=fsync)
     if url.startswith(("s3://", "s3a://")):
-        from storage.s3 import S3Backend
+        from ckpt_store.storage.s3 import S3Backend
 
         return S3Backend(url, storage_options, **(remote or {}))
     return FsspecBackend(url, storage_options)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 
-from storage.errors import ObjectNotFoundError
-from storage.gc import referenced_chunks
-from storage.objects import ObjectStore
-from storage.refs import RefEntry, Refs, validate_ref_name
+from ckpt_store.storage.errors import ObjectNotFoundError
+from ckpt_store.storage.gc import referenced_chunks
+from ckpt_store.storage.objects import ObjectStore
+from ckpt_store.storage.refs import RefEntry, Refs, validate_ref_name
 
 
 def _refresh(objects: ObjectStore, cid: str) -> bool:

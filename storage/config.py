@@ -10,9 +10,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from storage.backend import Backend
-from storage.errors import StoreFormatError, StoreNotFoundError
-from storage.records import decode_record, require, sealed_json
+from ckpt_store.storage.backend import Backend
+from ckpt_store.storage.errors import StoreFormatError, StoreNotFoundError
+from ckpt_store.storage.records import decode_record, require, sealed_json
 
 CONFIG_PATH = "ckpt-store.json"
 STORE_FORMAT = "ckpt-store"

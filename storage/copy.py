@@ -26,11 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.errors import CorruptObjectError
-from storage.gc import referenced_chunks
-from storage.objects import ObjectStore, object_id
-from storage.progress import NullProgress, Progress
-from storage.refs import Refs, validate_ref_name
+from ckpt_store.storage.errors import CorruptObjectError
+from ckpt_store.storage.gc import referenced_chunks
+from ckpt_store.storage.objects import ObjectStore, object_id
+from ckpt_store.storage.progress import NullProgress, Progress
+from ckpt_store.storage.refs import Refs, validate_ref_name
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.errors import StoreFormatError
-from storage.objects import ObjectStore, check_id
-from storage.refs import Refs
+from ckpt_store.storage.errors import StoreFormatError
+from ckpt_store.storage.objects import ObjectStore, check_id
+from ckpt_store.storage.refs import Refs
 
 # Keys in a manifest whose values are lists of chunk ids (docs/format.md).
 CHUNK_LIST_KEYS = frozenset({"chunks", "delta_bases"})

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import blake3
 
-from storage.backend import Backend
-from storage.errors import CorruptObjectError, InvalidNameError, ObjectNotFoundError
+from ckpt_store.storage.backend import Backend
+from ckpt_store.storage.errors import CorruptObjectError, InvalidNameError, ObjectNotFoundError
 
 KINDS = ("chunks", "manifests")
 _ID = re.compile(r"^[0-9a-f]{64}$")

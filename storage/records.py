@@ -12,7 +12,7 @@ from typing import Any
 
 import blake3
 
-from storage.errors import StoreFormatError
+from ckpt_store.storage.errors import StoreFormatError
 
 # Records that are not content-addressed (refs, the store config) carry a checksum
 # of their other fields, so that any damage to them is detected, not just damage that

@@ -16,9 +16,9 @@ import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 
-from storage.backend import Backend
-from storage.errors import InvalidNameError, RefConflictError, StoreFormatError
-from storage.records import decode_record, require, sealed_json
+from ckpt_store.storage.backend import Backend
+from ckpt_store.storage.errors import InvalidNameError, RefConflictError, StoreFormatError
+from ckpt_store.storage.records import decode_record, require, sealed_json
 
 REF_FORMAT = "ckpt-ref"
 REF_VERSION = 2  # 2: sealed with a checksum (storage/records.py); 1 is still read

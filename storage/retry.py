@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from storage.errors import StorageIOError
+from ckpt_store.storage.errors import StorageIOError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -32,10 +32,10 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from storage.backend import Data, Entry, FsspecBackend, joined
-from storage.errors import StorageIOError
-from storage.retry import RetryPolicy, call_with_retries
-from storage.s3_errors import (
+from ckpt_store.storage.backend import Data, Entry, FsspecBackend, joined
+from ckpt_store.storage.errors import StorageIOError
+from ckpt_store.storage.retry import RetryPolicy, call_with_retries
+from ckpt_store.storage.s3_errors import (
     ACCESS,
     chain,
     client_error,

@@ -12,7 +12,7 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
-from storage.errors import StorageIOError
+from ckpt_store.storage.errors import StorageIOError
 
 # Codes worth retrying (throttling, server-side trouble, a conditional write racing another).
 THROTTLE = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",

@@ -23,30 +23,30 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from storage.errors import CkptError  # noqa: E402
+from ckpt_store.storage.errors import CkptError  # noqa: E402
 
 
 def _manifest(data: bytes) -> None:
-    from ckpt.manifest import Manifest
+    from ckpt.format.manifest import Manifest
 
     m = Manifest.from_json(data)
     m.chunk_lengths()  # derived views must be as safe as the parse
 
 
 def _ref(data: bytes) -> None:
-    from storage.refs import RefEntry
+    from ckpt_store.storage.refs import RefEntry
 
     RefEntry.from_json(data, "fuzzed ref entry")
 
 
 def _config(data: bytes) -> None:
-    from storage.config import StoreConfig
+    from ckpt_store.storage.config import StoreConfig
 
     StoreConfig.from_json(data)
 
 
 def _chunk(data: bytes) -> None:
-    from ckpt.codecs import decode_chunk
+    from ckpt.codecs.chunk import decode_chunk
 
     length = struct.unpack("<Q", data[8:16])[0] if len(data) >= 16 else 0
     base = bytes(min(length, 1 << 16))
@@ -54,7 +54,7 @@ def _chunk(data: bytes) -> None:
 
 
 def _safetensors(data: bytes) -> None:
-    from ckpt.safetensors_format import parse_header
+    from ckpt.format.safetensors_header import parse_header
 
     parse_header(data[:8], lambda n: data[8 : 8 + n], len(data), "fuzzed.safetensors")
 
@@ -64,7 +64,7 @@ _HF_DIR: list[str] = []
 
 def _hf_index(data: bytes) -> None:
     """A real HF directory (one real shard) whose index file is the fuzzed bytes."""
-    from ckpt.sources import open_source
+    from ckpt.store.sources import open_source
 
     if not _HF_DIR:
         d = tempfile.mkdtemp(prefix="ckpt-fuzz-hf-")
@@ -78,7 +78,7 @@ def _hf_index(data: bytes) -> None:
 
 
 def _ref_name(data: bytes) -> None:
-    from storage.refs import validate_ref_name
+    from ckpt_store.storage.refs import validate_ref_name
 
     name = data.decode("utf-8", "replace")
     validate_ref_name(name)
@@ -88,7 +88,7 @@ def _ref_name(data: bytes) -> None:
 
 
 def _tensor_name(data: bytes) -> None:
-    from ckpt.manifest import check_tensor_name
+    from ckpt.format.manifest import check_tensor_name
 
     name = data.decode("utf-8", "replace")
     check_tensor_name(name)
@@ -117,8 +117,8 @@ def run(target: str, data: bytes) -> None:
 
 def seeds(target: str) -> list[bytes]:
     """Valid inputs for ``target``, for mutation-based fuzzing."""
-    from storage.config import StoreConfig
-    from storage.refs import RefEntry
+    from ckpt_store.storage.config import StoreConfig
+    from ckpt_store.storage.refs import RefEntry
 
     header = b'{"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},' \
              b'"b":{"dtype":"BF16","shape":[1,2],"data_offsets":[8,12]}}'
@@ -130,7 +130,7 @@ def seeds(target: str) -> list[bytes]:
         '"tensors":[{"chunks":["' + ids[1] + '","' + ids[2] + '"],"codecs":[1,3],"delta_bases":[[],["' + ids[0] + '"]],'
         '"dtype":"F32","file":"model.safetensors","name":"w","nbytes":24,"shape":[2,3]}],"version":1}'
     ).encode()
-    from ckpt.codecs import encode_chunk
+    from ckpt.codecs.chunk import encode_chunk
 
     data = struct.pack("<4f", 1.0, -0.0, float("inf"), 1e-40)
     return {
@@ -150,12 +150,12 @@ def main() -> None:  # pragma: no cover - the atheris entry point
 
     target = sys.argv.pop(1)
     with atheris.instrument_imports():
-        import ckpt.codecs  # noqa: F401
-        import ckpt.manifest  # noqa: F401
-        import ckpt.safetensors_format  # noqa: F401
-        import ckpt.sources  # noqa: F401
-        import storage.config  # noqa: F401
-        import storage.refs  # noqa: F401
+        import ckpt.codecs.chunk  # noqa: F401
+        import ckpt.format.manifest  # noqa: F401
+        import ckpt.format.safetensors_header  # noqa: F401
+        import ckpt.store.sources  # noqa: F401
+        import ckpt_store.storage.config  # noqa: F401
+        import ckpt_store.storage.refs  # noqa: F401
     corpus = tempfile.mkdtemp(prefix=f"ckpt-fuzz-{target}-")
     for i, s in enumerate(seeds(target)):
         with open(os.path.join(corpus, f"seed{i}"), "wb") as f:

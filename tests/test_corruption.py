@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import ckpt
-from storage.errors import CkptError
+from ckpt_store.storage.errors import CkptError
 
 
 def _bits(t: torch.Tensor) -> bytes:

@@ -51,8 +51,8 @@ torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import ckpt  # noqa: E402
-from storage.errors import CkptError  # noqa: E402
-from storage.gc import referenced_chunks  # noqa: E402
+from ckpt_store.storage.errors import CkptError  # noqa: E402
+from ckpt_store.storage.gc import referenced_chunks  # noqa: E402
 
 CHUNK_SIZE = 1 << 20  # 1 MiB chunks in the pusher: more objects, more places to be killed
 SPAN = 1.15  # random kills land in [0, SPAN * duration of an uncrashed run], denser early
@@ -78,7 +78,7 @@ import json, os, signal, sys, threading, time, traceback
 
 import torch  # noqa: F401 - imported once here; every forked pusher starts at once
 from safetensors.torch import load_file
-import ckpt.codecs, ckpt.manifest, ckpt.pipeline, ckpt.push, ckpt.sources, ckpt.store
+import ckpt.codecs.chunk, ckpt.format.manifest, ckpt.transfer.pipeline, ckpt.store.push, ckpt.store.sources, ckpt.store.store
 
 
 def die():
@@ -127,7 +127,7 @@ def arm(spec):
 def run(job):
     if job.get("inject"):
         arm(job["inject"])
-    store = ckpt.store.Store.open(job["store"])
+    store = ckpt.store.store.Store.open(job["store"])
     for kind, ref, src in job["items"]:
         if kind == "dict":
             tensors = load_file(src)

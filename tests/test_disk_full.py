@@ -28,7 +28,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from safetensors.torch import save_file
 
 import ckpt
-from storage.errors import StorageIOError
+from ckpt_store.storage.errors import StorageIOError
 
 
 def _bits(t: torch.Tensor) -> bytes:

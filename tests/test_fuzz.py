@@ -86,9 +86,9 @@ def test_huge_claims_are_refused_before_allocating() -> None:
     """Size fields far beyond the input are rejected without allocating them."""
     import struct
 
-    from ckpt.codecs import decode_chunk
-    from ckpt.safetensors_format import parse_header
-    from storage.errors import CkptError
+    from ckpt.codecs.chunk import decode_chunk
+    from ckpt.format.safetensors_header import parse_header
+    from ckpt_store.storage.errors import CkptError
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     header = b'{"x":{"dtype":"F32","shape":[274877906944],"data_offsets":[0,1099511627776]}}'
@@ -110,7 +110,7 @@ def test_a_manifest_claiming_a_terabyte_is_refused_before_allocating(tmp_path: P
 
     import ckpt
     from ckpt.errors import ResourceLimitError
-    from storage.records import canonical_json
+    from ckpt_store.storage.records import canonical_json
 
     store = ckpt.Store.init(str(tmp_path / "s"))
     mid = store.push({"w": torch.ones(10)}, "a")

@@ -3,22 +3,34 @@
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("cli", "ckpt", "storage")
+# source folder -> the name it is installed under (setup.py)
+PACKAGES = {"cli": "ckpt_store.cli", "ckpt": "ckpt", "storage": "ckpt_store.storage"}
+LAYER_OF = {name: folder for folder, name in PACKAGES.items()}
+
+
+def _layer(module: str) -> str:
+    """The layer (source folder) ``module`` belongs to, or its top-level name if none."""
+    for name, folder in LAYER_OF.items():
+        if module == name or module.startswith(name + "."):
+            return folder
+    return module.split(".")[0]
 
 
 def _imports(path: pathlib.Path) -> set[str]:
+    """Layers and top-level modules ``path`` imports (lazy imports inside functions included)."""
     tree = ast.parse(path.read_text())
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update(a.name.split(".")[0] for a in node.names)
+            found.update(_layer(a.name) for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
+            found.add(_layer(node.module))
     return found
 
 
@@ -27,11 +39,29 @@ def _files(pkg: str):
 
 
 def test_layers_point_one_way():
-    """cli -> ckpt -> storage; storage never imports torch."""
-    forbidden = {"storage": {"ckpt", "cli", "torch", "numpy"}, "ckpt": {"cli"}}
+    """cli -> ckpt -> storage, with no shortcut: cli talks to ckpt's API only; storage never imports torch."""
+    forbidden = {"storage": {"ckpt", "cli", "torch", "numpy"}, "ckpt": {"cli"}, "cli": {"storage"}}
     for pkg, bad in forbidden.items():
         for f in _files(pkg):
             assert not (_imports(f) & bad), f"{f.relative_to(ROOT)} imports {_imports(f) & bad}"
+
+
+def test_layer_check_sees_every_spelling(tmp_path):
+    """The check above must not be blind to lazy imports or the installed names."""
+    f = tmp_path / "m.py"
+    f.write_text("def g():\n    from ckpt_store.storage.refs import Refs\n    import ckpt_store.cli.main\n")
+    assert {"storage", "cli"} <= _imports(f)
+
+
+def test_no_private_name_crosses_a_module():
+    """``from X import _name`` is how one module reaches into another's internals: never."""
+    for pkg in PACKAGES:
+        for f in _files(pkg):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and _layer(node.module) in PACKAGES:
+                    private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                    private = [n for n in private if not (node.module.endswith("codecs") and n == "_native")]
+                    assert not private, f"{f.relative_to(ROOT)}:{node.lineno} imports {private} from {node.module}"
 
 
 def test_no_code_execution_on_stored_data():
@@ -50,6 +80,20 @@ def test_no_code_execution_on_stored_data():
                 if owner == "torch" and name == "load":
                     kw = {k.arg: k.value for k in node.keywords}
                     assert isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True, where
+
+
+def test_import_names_cannot_be_shadowed(tmp_path):
+    """A user's own ``storage.py`` and ``cli.py`` (or PyPI's unrelated ``storage``) next to their
+    script must not replace ours: ckpt and its command import their layers by names of ours."""
+    (tmp_path / "storage.py").write_text("raise ImportError('decoy storage imported')\n")
+    (tmp_path / "cli.py").write_text("raise ImportError('decoy cli imported')\n")
+    code = ("import ckpt, torch; s = ckpt.Store.init('memory://decoy'); s.push({'w': torch.ones(2)}, 'a'); "
+            "import ckpt_store.cli.main; print(sorted(s.refs()))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "['a']"
 
 
 def test_import_ckpt_is_light():

@@ -35,8 +35,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("ckpt.integrations.lightning needs PyTorch Lightning: pip install 'ckpt[lightning]'") from e
 
-from ckpt.manager import CheckpointManager, SnapshotError
-from ckpt.state import RNGState
+from ckpt.snapshot.manager import CheckpointManager, SnapshotError
+from ckpt.snapshot.state import RNGState
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class CkptCallback(pl.Callback):
     After ``fit``, :attr:`restored_step` is the step resumed from (None if none) and
     every snapshot taken is durable.
 
-    Raises :class:`ckpt.manager.SnapshotError` under a multi-process strategy.
+    Raises :class:`ckpt.snapshot.manager.SnapshotError` under a multi-process strategy.
     """
 
     def __init__(self, store: Any, run: str, *, every_n_steps: int, keep_last: int | None = None,

@@ -38,8 +38,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("ckpt.integrations.transformers needs transformers: pip install 'ckpt[transformers]'") from e
 
 from ckpt.errors import RefNotFoundError
-from ckpt.manager import CheckpointManager, SnapshotError
-from ckpt.state import RNGState
+from ckpt.snapshot.manager import CheckpointManager, SnapshotError
+from ckpt.snapshot.state import RNGState
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import uuid
 from datetime import timedelta
 
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor",
-           "ckpt.dcp", "ckpt.manager", "safetensors.torch"]
+           "ckpt.dcp", "ckpt.snapshot.manager", "safetensors.torch"]
 
 
 def run_ranks(scenario: str, world: int, tmp: str, *, deadline_s: float = 90, pg_timeout_s: float = 30,

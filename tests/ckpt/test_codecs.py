@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt import codecs, transforms
-from ckpt.codecs import GSUB, PLANES, RAW, SUB, XOR, ZSTD, decode_chunk, encode_chunk, parse_header
-from storage.errors import CorruptObjectError
-from storage.objects import object_id
+from ckpt.codecs import chunk as codecs, transforms
+from ckpt.codecs.chunk import GSUB, PLANES, RAW, SUB, XOR, ZSTD, decode_chunk, encode_chunk, parse_header
+from ckpt_store.storage.errors import CorruptObjectError
+from ckpt_store.storage.objects import object_id
 
 try:
-    from ckpt import _native as NATIVE
+    from ckpt.codecs import _native as NATIVE
 except ImportError:  # pragma: no cover - builds without a C compiler
     NATIVE = None
 

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckpt
 import ckpt.dcp
-from ckpt.dcp_format import UnsupportedStateError
+from ckpt.dcp.format import UnsupportedStateError
 from ckpt.errors import TensorMismatchError
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -101,16 +101,16 @@ def test_refuses_values_json_cannot_hold(tmp_path):
     assert isinstance(err, UnsupportedStateError) and "never pickle" in str(err) and str(err).startswith("obj ")
     assert "bad/x" not in ckpt.Store.open(url).refs()
     with pytest.raises(UnsupportedStateError):
-        from ckpt.dcp_format import encode_value
+        from ckpt.dcp.format import encode_value
 
         encode_value(Opaque(), "x")
 
 
 def test_values_never_look_like_chunk_lists(tmp_path):
     """A value holding a dict keyed "chunks" must not be read by gc as chunk ids (docs/format.md)."""
-    from ckpt.dcp_format import decode_value, encode_value
-    from storage.gc import referenced_chunks
-    from storage.records import canonical_json
+    from ckpt.dcp.format import decode_value, encode_value
+    from ckpt_store.storage.gc import referenced_chunks
+    from ckpt_store.storage.records import canonical_json
 
     tricky = ({"chunks": ["not-an-id"], "delta_bases": [[1]], 3: b"\x01"}, float("nan"), [None, True, -2**70])
     enc = encode_value(tricky, "v")
@@ -125,8 +125,8 @@ def test_values_never_look_like_chunk_lists(tmp_path):
 
 
 def test_layout_decoder_refuses_what_it_would_not_write():
-    from ckpt.dcp_format import decode_layout
-    from storage.errors import StoreFormatError
+    from ckpt.dcp.format import decode_layout
+    from ckpt_store.storage.errors import StoreFormatError
 
     def layout(**item):
         return {"dcp": {"format": "ckpt-dcp", "version": 1, "planner_data": None,
@@ -181,7 +181,7 @@ def test_two_ranks_save_reshard_async_and_consolidate(tmp_path):
     assert all(_bits_equal(loaded[k], v) for k, v in full.items())
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from ckpt_store.cli.main import app
 
     out = tmp_path / "serve.safetensors"
     r = CliRunner().invoke(app, ["--store", url, "pull", "dist/two", str(out)])
@@ -220,7 +220,7 @@ def test_rank_killed_mid_save(tmp_path):
     assert "run/step-4" not in store.refs()
     assert len(list(store.objects.list("manifests"))) == 3  # steps 1-3: no manifest of the failed save
     assert store.verify().ok
-    from storage.gc import referenced_chunks
+    from ckpt_store.storage.gc import referenced_chunks
 
     named = set().union(*(referenced_chunks(store.objects.get_manifest(o.id)) for o in store.objects.list("manifests")))
     orphans = {o.id for o in store.objects.list("chunks")} - named

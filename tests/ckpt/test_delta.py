@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import ckpt
-from ckpt.codecs import GSUB, SUB, XOR
+from ckpt.codecs.chunk import GSUB, SUB, XOR
 from ckpt.settings import Settings
 
 
@@ -120,7 +120,7 @@ def test_fine_tunes_of_one_base_all_delta_against_the_base(tmp_path):
 
 
 def test_chunk_cache_keeps_what_two_chunks_ask_for_within_its_budget():
-    from ckpt.pipeline import ChunkCache
+    from ckpt.transfer.pipeline import ChunkCache
 
     cache = ChunkCache(budget=10)
     cache.offer("a", (b"xxxx", 0), by="d1")
@@ -142,7 +142,7 @@ def test_a_snapshot_chain_keeps_nothing_in_the_base_cache(tmp_path):
     """Snapshots delta against the one before: loading them in turn asks for each chunk
     twice, both times from the same delta above it. Nothing is asked for by a second
     chunk, so nothing is kept (keeping it measured 20-25% slower on the GPT run)."""
-    from ckpt.pipeline import base_cache
+    from ckpt.transfer.pipeline import base_cache
 
     store = ckpt.Store.init(str(tmp_path / "s"), settings=Settings.from_env(max_delta_depth=2))
     g = torch.Generator().manual_seed(3)
@@ -162,7 +162,7 @@ def test_a_snapshot_chain_keeps_nothing_in_the_base_cache(tmp_path):
 def test_a_family_decodes_its_base_chunks_at_most_twice(tmp_path):
     """Loading fine-tune after fine-tune of one base: from the third on, their deltas' base
     chunks come decoded from the cache; every load is still bit-exact."""
-    from ckpt.pipeline import base_cache
+    from ckpt.transfer.pipeline import base_cache
 
     store = _store(tmp_path)
     base = _base()

@@ -14,7 +14,7 @@ from hypothesis.extra.numpy import arrays
 from safetensors.torch import save_file
 
 import ckpt
-from ckpt.diffing import STATUSES, tensor_stats
+from ckpt.diffing.compare import STATUSES, tensor_stats
 from ckpt.errors import ObjectNotFoundError
 
 
@@ -181,7 +181,7 @@ def test_plot(store, tmp_path):
     a, b = two_checkpoints()
     store.push(a, "x/a")
     store.push(b, "x/b")
-    from ckpt.diffing import plot
+    from ckpt.diffing.compare import plot
 
     out = plot(ckpt.diff("x/a", "x/b", store=store), tmp_path / "d.png")
     data = open(out, "rb").read()
@@ -196,7 +196,7 @@ def test_plot_without_matplotlib(store, tmp_path, monkeypatch):
     store.push({"w": torch.ones(3)}, "x/a")
     report = ckpt.diff("x/a", "x/a", store=store)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    from ckpt.diffing import plot
+    from ckpt.diffing.compare import plot
 
     with pytest.raises(MissingDependencyError, match=r"pip install 'ckpt\[plot\]'"):
         plot(report, tmp_path / "d.png")

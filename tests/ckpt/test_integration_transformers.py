@@ -62,7 +62,7 @@ def test_resume_dir_without_resume_from_checkpoint_is_refused(script, tmp_path):
     """The Trainer must be told to resume, or it would start at step 0 with the restored weights."""
     from transformers import Trainer, TrainingArguments
 
-    from ckpt.manager import SnapshotError
+    from ckpt.snapshot.manager import SnapshotError
 
     store = str(tmp_path / "store")
     script.train(store, str(tmp_path / "stop"), "stop", N, 2)

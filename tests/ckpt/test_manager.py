@@ -16,7 +16,7 @@ import torch
 
 import ckpt
 from ckpt.errors import CkptError, TensorMismatchError
-from ckpt.manager import SnapshotError
+from ckpt.snapshot.manager import SnapshotError
 from integration_util import state_bits as _state_bits
 from integration_util import tensor_bits as _bits
 
@@ -230,7 +230,7 @@ def _gate_reads(monkeypatch, after: int) -> tuple[threading.Event, threading.Eve
     """Holds the save thread's in-place reads after the first ``after`` of them until the
     returned gate opens (the second event: those ``after`` reads are done): the race between
     the background and the optimizer, made deterministic."""
-    from ckpt.live import LiveTensors
+    from ckpt.snapshot.live import LiveTensors
 
     gate, done, count, original = threading.Event(), threading.Event(), [0], LiveTensors.read
 

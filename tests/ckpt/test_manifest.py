@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt.manifest import FileEntry, Manifest, TensorEntry, check_file_path
-from storage.errors import InvalidNameError, StoreFormatError
+from ckpt.format.manifest import FileEntry, Manifest, TensorEntry, check_file_path
+from ckpt_store.storage.errors import InvalidNameError, StoreFormatError
 
 A, B = "a" * 64, "b" * 64
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 import ckpt
 from ckpt.errors import InvalidMergeError, RefNotFoundError
-from ckpt.merging import merge_state_dicts
+from ckpt.merging.combine import merge_state_dicts
 
 
 def bits(t: torch.Tensor) -> bytes:
@@ -157,7 +157,7 @@ def test_bad_values_are_rejected_before_refs_are_even_resolved(store):
 
 
 def test_ckpt_merge_is_a_function_whatever_was_imported_first():
-    code = ("import ckpt.merging, ckpt.diffing, ckpt.remixing, ckpt, inspect; "
+    code = ("import ckpt.merging.combine, ckpt.diffing.compare, ckpt.merging.remixing, ckpt, inspect; "
             "print(*(inspect.isfunction(f) for f in (ckpt.merge, ckpt.diff, ckpt.remix)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["True", "True", "True"]

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from ckpt.errors import InvalidMergeError
-from ckpt.merging import merge_state_dicts
-from ckpt.merge_methods import (
+from ckpt.merging.combine import merge_state_dicts
+from ckpt.merging.methods import (
     BUILTIN_METHODS,
     LINEAR,
     MergeMethod,

@@ -1,6 +1,6 @@
 """The fused C kernels agree bit for bit with the numpy reference, and blobs cross between them.
 
-ckpt/_native.c is optional (built where a C compiler is present); these tests skip
+ckpt/codecs/_native.c is optional (built where a C compiler is present); these tests skip
 without it, and the rest of the suite runs on whichever kernels are present (CI runs
 with them built; `CKPT_NATIVE=0` forces numpy).
 """
@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt import codecs, transforms
-from ckpt.codecs import GSUB, PLANES, SUB, XOR, decode_chunk, encode_chunk
-from storage.objects import object_id
+from ckpt.codecs import chunk as codecs, transforms
+from ckpt.codecs.chunk import GSUB, PLANES, SUB, XOR, decode_chunk, encode_chunk
+from ckpt_store.storage.objects import object_id
 
-native = pytest.importorskip("ckpt._native")
+native = pytest.importorskip("ckpt.codecs._native")
 OPS = {PLANES: 0, XOR: 1, SUB: 2, GSUB: 3}
 
 # Bit patterns that break naive float arithmetic: ±0, ±inf, NaN payloads, subnormals, extremes.

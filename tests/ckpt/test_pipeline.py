@@ -1,4 +1,4 @@
-"""The read pipeline (ckpt.pipeline.get_chunks): reads run ahead of the decoding threads,
+"""The read pipeline (ckpt.transfer.pipeline.get_chunks): reads run ahead of the decoding threads,
 hinted to a local disk or handed to reading threads elsewhere, within a memory bound,
 and the first error ends the load without leaving reads behind."""
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import pipeline
-from ckpt.codecs import GSUB
+from ckpt.transfer import pipeline
+from ckpt.codecs.chunk import GSUB
 from ckpt.settings import Settings
 from integration_util import tensor_bits as _bits
-from storage.errors import ObjectNotFoundError
+from ckpt_store.storage.errors import ObjectNotFoundError
 
 
 def _state(n: int = 24) -> dict[str, torch.Tensor]:

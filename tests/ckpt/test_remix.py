@@ -11,7 +11,7 @@ import torch
 
 import ckpt
 from ckpt.errors import InvalidMergeError
-from ckpt.remixing import choose, remix_scores
+from ckpt.merging.remixing import choose, remix_scores
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

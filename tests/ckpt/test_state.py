@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ckpt.errors import InvalidNameError, InvalidSourceError
-from ckpt.state import RNGState, flatten, tensor_refs, unflatten
-from storage.records import canonical_json
+from ckpt.snapshot.state import RNGState, flatten, tensor_refs, unflatten
+from ckpt_store.storage.records import canonical_json
 
 
 def _roundtrip(obj):

@@ -54,7 +54,7 @@ def test_ref_forms(store):
 
 
 def test_ambiguous_prefix(store):
-    from storage.objects import object_id
+    from ckpt_store.storage.objects import object_id
 
     seen: dict[str, bytes] = {}
     for i in range(100_000):  # birthday search for two records sharing 4 hex digits

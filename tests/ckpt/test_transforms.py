@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt import transforms
+from ckpt.codecs import transforms
 
 
 @given(st.sampled_from([2, 4, 8]), st.data())

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_cli_runner import invoke, run_main  # the same in-process helpers (tests/cli is on sys.path)
 
-from ckpt.merging import merge_state_dicts
+from ckpt.merging.combine import merge_state_dicts
 
 
 @pytest.fixture

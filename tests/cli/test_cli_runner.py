@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from cli.main import app, main
+from ckpt_store.cli.main import app, main
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ class Cli:
             r = subprocess.run([*CMD, *argv], capture_output=True, text=True, env=env, timeout=180)
             code, out, err = r.returncode, r.stdout, r.stderr
         else:
-            from cli.main import main
+            from ckpt_store.cli.main import main
 
             with self.monkeypatch.context() as m:
                 for k in [k for k in os.environ if k not in env]:

@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 
-from storage.backend import LocalBackend, _io_error, open_backend
-from storage.errors import StorageIOError
+from ckpt_store.storage.backend import LocalBackend, _io_error, open_backend
+from ckpt_store.storage.errors import StorageIOError
 
 
 @pytest.fixture

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from storage.backend import open_backend
-from storage.config import CONFIG_PATH, init_config, read_config
-from storage.errors import StoreFormatError, StoreNotFoundError
+from ckpt_store.storage.backend import open_backend
+from ckpt_store.storage.config import CONFIG_PATH, init_config, read_config
+from ckpt_store.storage.errors import StoreFormatError, StoreNotFoundError
 
 
 def test_init_then_read(store_url):
@@ -34,6 +34,6 @@ def test_unknown_version_is_refused_clearly(tmp_path):
 
 
 def test_golden_bytes():
-    from storage.config import StoreConfig
+    from ckpt_store.storage.config import StoreConfig
 
     assert StoreConfig("abc", 1.5).to_json() == b'{"check":"17c8b234187603d459b4ff11c1e9a70e","created":1.5,"format":"ckpt-store","store_id":"abc","version":2}'

@@ -8,10 +8,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 import ckpt  # noqa: E402
-from ckpt.transfer import copy_refs  # noqa: E402
-from storage.copy import chunk_depths  # noqa: E402
-from storage.errors import CorruptObjectError, StorageIOError  # noqa: E402
-from storage.gc import referenced_chunks  # noqa: E402
+from ckpt.store.copy import copy_refs  # noqa: E402
+from ckpt_store.storage.copy import chunk_depths  # noqa: E402
+from ckpt_store.storage.errors import CorruptObjectError, StorageIOError  # noqa: E402
+from ckpt_store.storage.gc import referenced_chunks  # noqa: E402
 
 SMALL = {"chunk_size": 64 * 1024}
 

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from storage.backend import open_backend
-from storage.errors import CorruptObjectError, InvalidNameError, ObjectNotFoundError
-from storage.objects import ObjectStore, object_id
+from ckpt_store.storage.backend import open_backend
+from ckpt_store.storage.errors import CorruptObjectError, InvalidNameError, ObjectNotFoundError
+from ckpt_store.storage.objects import ObjectStore, object_id
 
 
 def test_put_is_noop_when_present(store_url, tmp_path):

@@ -4,9 +4,9 @@ import threading
 
 import pytest
 
-from storage.backend import LocalBackend, open_backend
-from storage.errors import InvalidNameError, StoreFormatError
-from storage.refs import Refs, validate_ref_name
+from ckpt_store.storage.backend import LocalBackend, open_backend
+from ckpt_store.storage.errors import InvalidNameError, StoreFormatError
+from ckpt_store.storage.refs import Refs, validate_ref_name
 
 A = "a" * 64
 B = "b" * 64

@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from ckpt.dtypes import byte_view
+from ckpt.format.dtypes import byte_view
 
 if TYPE_CHECKING:
     import torch
@@ -88,14 +88,14 @@ class LiveTensors:
             self._released = True
 
     def _check(self, name: str) -> None:
-        from ckpt.manager import modified_under_save
+        from ckpt.snapshot.manager import modified_under_save
 
         if self._tensors[name]._version != self._versions[name]:
             raise modified_under_save([name])
 
 
 class _LiveBytes:
-    """A ByteSource (ckpt.sources) over one live tensor."""
+    """A ByteSource (ckpt.store.sources) over one live tensor."""
 
     def __init__(self, live: LiveTensors, name: str) -> None:
         self._live, self._name = live, name

@@ -13,16 +13,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
-from ckpt.dtypes import byte_view, to_torch
-from ckpt.manifest import split_lengths
-from storage.objects import object_id
+from ckpt.format.dtypes import byte_view, to_torch
+from ckpt.format.manifest import split_lengths
+from ckpt_store.storage.objects import object_id
 
 if TYPE_CHECKING:
     import torch
 
-    from ckpt.reader import CheckpointReader
-    from ckpt.sources import SourceIn, TensorIn
-    from ckpt.store import Store
+    from ckpt.store.reader import CheckpointReader
+    from ckpt.store.sources import SourceIn, TensorIn
+    from ckpt.store.store import Store
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def open_side(x: object, store: Store | None) -> tuple[Side, Store | None]:
     """``x`` as a side: a dict of tensors or an existing path (or one named like a weights
     file) is read as ``push`` would read it; anything else is a ref of ``store`` (default:
     the default store, opened only when needed)."""
-    from ckpt.sources import open_source
+    from ckpt.store.sources import open_source
 
     if isinstance(x, Mapping):
         return SourceSide(open_source(x), "<tensors>"), store
@@ -120,7 +120,7 @@ def open_side(x: object, store: Store | None) -> tuple[Side, Store | None]:
 
         raise InvalidSourceError(repr(x)[:80], "diff takes refs, paths or dicts of tensors")
     if store is None:
-        from ckpt.store import Store
+        from ckpt.store.store import Store
 
         store = Store.open()
     return RefSide(store.reader(x), x), store

@@ -31,17 +31,17 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckpt.diff_sides import Side, open_side
-from ckpt.dtypes import byte_view, itemsize
-from ckpt.manifest import split_lengths
-from ckpt.pipeline import run_parallel
+from ckpt.diffing.sides import Side, open_side
+from ckpt.format.dtypes import byte_view, itemsize
+from ckpt.format.manifest import split_lengths
+from ckpt.transfer.pipeline import run_parallel
 from ckpt.progress import NullProgress, Progress
-from storage.objects import object_id
+from ckpt_store.storage.objects import object_id
 
 if TYPE_CHECKING:
     import torch
 
-    from ckpt.store import Store
+    from ckpt.store.store import Store
 
 STATUSES = ("identical", "changed", "added", "removed", "shape_changed", "dtype_changed")
 SORT_KEYS = ("order", "name", "status", "relative_change", "max_abs_diff", "changed_elements", "cosine", "delta_bytes")
@@ -140,7 +140,7 @@ def delta_bytes(a: bytes | memoryview | None, b: bytes | memoryview, *, chunk_si
     are encoded exactly as push encodes them (``codecs.encode_chunk``), against the
     chunk at the same position of ``a`` when ``a`` has the same length.
     """
-    from ckpt.codecs import encode_chunk
+    from ckpt.codecs.chunk import encode_chunk
 
     known = set() if known is None else known
     bv = memoryview(b).cast("B")
@@ -268,7 +268,7 @@ def diff(a: object, b: object, store: Store | None = None, *, include: Sequence[
     or dicts of tensors. ``include``/``exclude`` are globs on tensor names. With
     ``estimate_delta``, B's changed chunks are encoded against A's with the store's
     codecs to tell what pushing B after A would store. Raises the errors of
-    :meth:`Store.reader` and :func:`ckpt.sources.open_source` for bad refs or files.
+    :meth:`Store.reader` and :func:`ckpt.store.sources.open_source` for bad refs or files.
     """
     from ckpt.settings import Settings
 
@@ -366,7 +366,7 @@ def _estimate(ta: torch.Tensor | None, tb: torch.Tensor, ids_a: Sequence[str] | 
 
 
 def plot(report: DiffReport, path: str | os.PathLike[str]) -> str:
-    """Draw the relative change of every tensor to ``path`` (PNG): see :mod:`ckpt.diff_plot`."""
-    from ckpt.diff_plot import plot_report
+    """Draw the relative change of every tensor to ``path`` (PNG): see :mod:`ckpt.diffing.plot`."""
+    from ckpt.diffing.plot import plot_report
 
     return plot_report(report, path)

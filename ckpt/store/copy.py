@@ -20,16 +20,16 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ckpt.codecs import decode_chunk, parse_header
-from ckpt.pipeline import fetch_chunk
+from ckpt.codecs.chunk import decode_chunk, parse_header
+from ckpt.transfer.pipeline import fetch_chunk
 from ckpt.progress import Progress
-from storage.copy import ChunkCheck, CopyItem, CopyReport, copy_checkpoints
-from storage.errors import CkptError, InvalidNameError, RefNotFoundError
-from storage.objects import ObjectStore
-from storage.refs import validate_ref_name
+from ckpt_store.storage.copy import ChunkCheck, CopyItem, CopyReport, copy_checkpoints
+from ckpt_store.storage.errors import CkptError, InvalidNameError, RefNotFoundError
+from ckpt_store.storage.objects import ObjectStore
+from ckpt_store.storage.refs import validate_ref_name
 
 if TYPE_CHECKING:
-    from ckpt.store import Store
+    from ckpt.store.store import Store
 
 __all__ = ["CopyReport", "chunk_checker", "copy_refs", "parse_copy_spec"]
 

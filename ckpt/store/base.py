@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ckpt.manifest import Manifest, TensorEntry
+from ckpt.format.manifest import Manifest, TensorEntry
 
 if TYPE_CHECKING:
-    from ckpt.store import Store
+    from ckpt.store.store import Store
 
 # Candidates considered by overlap: the most recently updated refs.
 MAX_CANDIDATES = 200

@@ -1,4 +1,4 @@
-"""A chart of a :class:`~ckpt.diffing.DiffReport`: relative change per layer, by module type.
+"""A chart of a :class:`~ckpt.diffing.compare.DiffReport`: relative change per layer, by module type.
 
 Tensor names of stacked models carry a layer index (``encoder.layer.3.attention.self.query.weight``).
 Those tensors become a heatmap: one row per module type (the name with the index taken
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from ckpt.errors import MissingDependencyError
 
 if TYPE_CHECKING:
-    from ckpt.diffing import DiffReport, TensorDiff
+    from ckpt.diffing.compare import DiffReport, TensorDiff
 
 
 def layer_key(name: str) -> tuple[str, int | None, str]:

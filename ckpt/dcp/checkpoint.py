@@ -10,17 +10,17 @@
 ([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], 7)
 
 Every rank hashes, encodes and writes the chunks of its own shards in parallel
-(``ckpt.pipeline.put_chunks``: chunks already in the store are not written
+(``ckpt.transfer.pipeline.put_chunks``: chunks already in the store are not written
 again, and a shard saved before under the same name is delta-encoded against
 it where that is smaller). The coordinator then writes one ordinary manifest
 (source ``"dcp"``: one tensor entry per saved shard, DCP's metadata as JSON
-under ``extra["dcp"]``, see :mod:`ckpt.dcp_format`) and moves the ref; DCP calls
+under ``extra["dcp"]``, see :mod:`ckpt.dcp.format`) and moves the ref; DCP calls
 it only after every rank has finished writing, so a rank that fails or dies
 leaves the previous checkpoint current. ``ckpt ls/show/verify/pull`` work on the
 result; ``ckpt pull`` writes one consolidated safetensors file.
 
 Non-tensor state is stored as JSON (DCP would pickle it): values JSON cannot
-hold (arbitrary objects) are refused with :class:`~ckpt.dcp_format.UnsupportedStateError`.
+hold (arbitrary objects) are refused with :class:`~ckpt.dcp.format.UnsupportedStateError`.
 A rank that dies makes its peers' next DCP collective fail (gloo: at once, on the
 reset connection); one that hangs, after the process group's timeout: give
 ``init_process_group`` a timeout (``CheckpointManager(timeout_s=...)`` uses its own group).
@@ -42,23 +42,23 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckpt.base import pair_tensors
-from ckpt.dcp_format import DCP_SOURCE, UnsupportedStateError, decode_layout, encode_metadata, encode_value, shard_name, to_metadata
-from ckpt.dcp_read import Copy, run_copies
-from ckpt.dtypes import byte_view, from_torch, itemsize
+from ckpt.store.base import pair_tensors
+from ckpt.dcp.format import DCP_SOURCE, UnsupportedStateError, decode_layout, encode_metadata, encode_value, shard_name, to_metadata
+from ckpt.dcp.consolidate import Copy, run_copies
+from ckpt.format.dtypes import byte_view, from_torch, itemsize
 from ckpt.errors import CkptError
-from ckpt.manifest import FileEntry, Manifest, TensorEntry
-from ckpt.pipeline import PutTask, put_chunks
-from ckpt.push import PushResult, _tasks
+from ckpt.format.manifest import FileEntry, Manifest, TensorEntry
+from ckpt.transfer.pipeline import PutTask, put_chunks
+from ckpt.store.push import PushResult, _tasks
 from ckpt.settings import Settings
-from ckpt.sources import MemBytes
-from storage.commit import commit
-from storage.errors import StoreFormatError
-from storage.records import canonical_json
-from storage.refs import validate_ref_name
+from ckpt.store.sources import MemBytes
+from ckpt_store.storage.commit import commit
+from ckpt_store.storage.errors import StoreFormatError
+from ckpt_store.storage.records import canonical_json
+from ckpt_store.storage.refs import validate_ref_name
 
 if TYPE_CHECKING:
-    from ckpt.store import Store
+    from ckpt.store.store import Store
 
 __all__ = ["Reader", "UnsupportedStateError", "Writer"]
 
@@ -70,7 +70,7 @@ class _StoreHolder:
     """Opens the store lazily and forgets it when pickled (DCP's process-based async save)."""
 
     def __init__(self, store: str | os.PathLike[str] | Store, storage_options: dict[str, Any] | None, settings: Settings | None) -> None:
-        from ckpt.store import Store
+        from ckpt.store.store import Store
 
         self._store: Store | None = store if isinstance(store, Store) else None
         self.url = store.url if isinstance(store, Store) else os.fspath(store)
@@ -78,7 +78,7 @@ class _StoreHolder:
         self.settings = settings
 
     def store(self, create: bool) -> Store:
-        from ckpt.store import Store
+        from ckpt.store.store import Store
 
         if self._store is None:
             self._store = Store.open(self.url, storage_options=self.storage_options, settings=self.settings, create=create)
@@ -102,7 +102,7 @@ class _Written:
 
 @dataclasses.dataclass(frozen=True)
 class _Value:
-    value: Any  # tagged JSON (ckpt.dcp_format.encode_value)
+    value: Any  # tagged JSON (ckpt.dcp.format.encode_value)
 
 
 class Writer(StorageWriter):
@@ -113,7 +113,7 @@ class Writer(StorageWriter):
     are delta-encoded against ``base`` (a ref), else ``name``'s current version
     (``delta=False``: never). ``aliases`` are refs moved along (like ``RUN/latest``),
     ``extra`` JSON recorded in the manifest. After a save, :attr:`last` (on the
-    coordinator) is the :class:`~ckpt.push.PushResult`, and every rank's returned
+    coordinator) is the :class:`~ckpt.store.push.PushResult`, and every rank's returned
     ``Metadata.storage_meta.checkpoint_id`` is the new checkpoint id.
     """
 
@@ -247,7 +247,7 @@ class Writer(StorageWriter):
     @staticmethod
     def _header(store: Store, dcp_md: dict[str, Any]) -> tuple[bytes, list[Any]]:
         """The consolidated file's safetensors header, stored as chunks like any pushed header."""
-        from ckpt.safetensors_format import build_header
+        from ckpt.format.safetensors_header import build_header
 
         specs = [(fqn, it["dtype"], tuple(it["size"]), _nbytes(it)) for fqn, it in dcp_md["items"].items() if it["kind"] == "tensor"]
         head, _ = build_header(specs, {"format": "pt"})

@@ -26,13 +26,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ckpt.errors import InvalidMergeError
-from storage.refs import validate_ref_name
+from ckpt_store.storage.refs import validate_ref_name
 
 if TYPE_CHECKING:
     import torch
 
     from ckpt.progress import Progress
-    from ckpt.store import Store
+    from ckpt.store.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def remix_scores(store: Store, scores: Mapping[str, float], k: int = 2, *, weigh
                  higher_is_better: bool = True, name: str | None = None, message: str | None = None,
                  progress: Progress | None = None) -> str:
     """Average the best ``k`` of the scored refs into a new checkpoint ``name``; returns its id."""
-    from ckpt.merging import merge
+    from ckpt.merging.combine import merge
 
     if name is not None:
         validate_ref_name(name)

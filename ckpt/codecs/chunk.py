@@ -40,12 +40,12 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from ckpt import transforms
-from storage.errors import CorruptObjectError
-from storage.objects import object_id
+from ckpt.codecs import transforms
+from ckpt_store.storage.errors import CorruptObjectError
+from ckpt_store.storage.objects import object_id
 
-try:  # the fused C kernels (ckpt/_native.c); numpy does the same work where they are not built
-    from ckpt import _native as native
+try:  # the fused C kernels (ckpt/codecs/_native.c); numpy does the same work where they are not built
+    from ckpt.codecs import _native as native
 except ImportError:  # pragma: no cover - exercised by builds without a C compiler
     native = None
 if os.environ.get("CKPT_NATIVE") == "0":

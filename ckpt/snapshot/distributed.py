@@ -6,7 +6,7 @@ With a process group, a snapshot is a DCP save through :class:`ckpt.dcp.Writer`
 the current layout. Checkpoint collectives run on a gloo group of their own, with
 its own timeout: an asynchronous save never interleaves with the training's
 collectives, and a rank that dies makes the others fail with
-:class:`~ckpt.manager.SnapshotError` after ``timeout_s`` instead of hanging.
+:class:`~ckpt.snapshot.manager.SnapshotError` after ``timeout_s`` instead of hanging.
 
 Tensors that are not DTensors are taken to be identical on every rank (DCP saves
 one copy): per-rank state such as RNG streams must be keyed per rank.
@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.checkpoint.api import CheckpointException
 
 if TYPE_CHECKING:
-    from ckpt.manager import CheckpointManager
+    from ckpt.snapshot.manager import CheckpointManager
 
 _FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
 
 
 class DistributedSnapshots:
-    """The distributed half of a :class:`~ckpt.manager.CheckpointManager` (which owns retention and the pool)."""
+    """The distributed half of a :class:`~ckpt.snapshot.manager.CheckpointManager` (which owns retention and the pool)."""
 
     def __init__(self, mgr: CheckpointManager, process_group: Any, timeout_s: float) -> None:
         import torch.distributed as dist
@@ -44,8 +44,8 @@ class DistributedSnapshots:
     def save(self, step: int, state: dict[str, Any], metrics: dict[str, float] | None) -> None:
         import torch.distributed.checkpoint as dcp
 
-        from ckpt.dcp import Writer
-        from ckpt.manager import SNAPSHOT_FORMAT
+        from ckpt.dcp.checkpoint import Writer
+        from ckpt.snapshot.manager import SNAPSHOT_FORMAT
 
         mgr = self.mgr
         snapshot = {"format": SNAPSHOT_FORMAT, "run": mgr.run, "step": step, "metrics": dict(metrics or {}), "ranks": True}
@@ -72,7 +72,7 @@ class DistributedSnapshots:
         self._done(step, writer, writer.extra["snapshot"]["metrics"], blocked, t0)
 
     def _error(self, step: int, e: BaseException) -> Exception:
-        from ckpt.manager import SnapshotError
+        from ckpt.snapshot.manager import SnapshotError
 
         where = ""
         if isinstance(e, CheckpointException) and e.failures:  # DCP gathered the ranks' own errors
@@ -97,8 +97,8 @@ class DistributedSnapshots:
     def restore(self, state: dict[str, Any], mid: str) -> int:
         import torch.distributed.checkpoint as dcp
 
-        from ckpt.dcp import Reader
-        from ckpt.manager import SNAPSHOT_FORMAT, SnapshotError
+        from ckpt.dcp.checkpoint import Reader
+        from ckpt.snapshot.manager import SNAPSHOT_FORMAT, SnapshotError
 
         snap = self.mgr.store.get_manifest(mid).extra.get("snapshot")
         if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or not snap.get("ranks"):

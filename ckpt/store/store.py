@@ -7,23 +7,23 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import AmbiguousRefError, RefNotFoundError
-from ckpt.manifest import Manifest
+from ckpt.format.manifest import Manifest
 from ckpt.progress import Progress
 from ckpt.settings import Settings
-from storage.backend import Backend, open_backend
-from storage.config import StoreConfig, init_config, read_config
-from storage.errors import InvalidNameError, StoreNotFoundError
-from storage.objects import ObjectStore
-from storage.refs import RefEntry, Refs, validate_ref_name
-from storage.retry import RetryPolicy
+from ckpt_store.storage.backend import Backend, open_backend
+from ckpt_store.storage.config import StoreConfig, init_config, read_config
+from ckpt_store.storage.errors import InvalidNameError, StoreNotFoundError
+from ckpt_store.storage.objects import ObjectStore
+from ckpt_store.storage.refs import RefEntry, Refs, validate_ref_name
+from ckpt_store.storage.retry import RetryPolicy
 
 if TYPE_CHECKING:
     import torch
 
-    from ckpt.maintenance import GcReport, RepairReport, StoreUsage, VerifyReport
-    from ckpt.push import PushResult
-    from ckpt.reader import CheckpointReader
-    from storage.copy import CopyReport
+    from ckpt.store.maintenance import GcReport, RepairReport, StoreUsage, VerifyReport
+    from ckpt.store.push import PushResult
+    from ckpt.store.reader import CheckpointReader
+    from ckpt_store.storage.copy import CopyReport
 
 _HISTORY = re.compile(r"^(.*)@(\d+)$")
 _HEX = re.compile(r"^[0-9a-f]{4,64}$")
@@ -167,7 +167,7 @@ class Store:
                     metadata: dict[str, Any] | None = None, *, base: str | None = None, delta: bool = True,
                     progress: Progress | None = None) -> PushResult:
         """Like :meth:`push`, returning what was written as well."""
-        from ckpt.push import push
+        from ckpt.store.push import push
 
         return push(self, source, name, message=message, metadata=metadata, base=base, delta=delta, progress=progress)
 
@@ -179,25 +179,25 @@ class Store:
         directory); a directory checkpoint becomes directory ``dest``. With ``include``
         (glob patterns), only matching tensors are written, as one safetensors file.
         """
-        from ckpt.pull import pull
+        from ckpt.store.pull import pull
 
         return pull(self, ref, dest, overwrite=overwrite, include=include, progress=progress)
 
     def load(self, ref: str, *, include: list[str] | None = None, progress: Progress | None = None) -> dict[str, torch.Tensor]:
         """All tensors of ``ref`` (or those matching ``include`` globs) as CPU tensors."""
-        from ckpt.pull import load
+        from ckpt.store.pull import load
 
         return load(self, ref, include=include, progress=progress)
 
     def load_into(self, ref: str, target: Any, *, strict: bool = True, progress: Progress | None = None) -> None:
         """Decode ``ref`` straight into the tensors of ``target`` (``nn.Module`` or dict), in place."""
-        from ckpt.pull import load_into
+        from ckpt.store.pull import load_into
 
         load_into(self, ref, target, strict=strict, progress=progress)
 
     def reader(self, ref: str) -> CheckpointReader:
         """A lazy reader that fetches one tensor at a time."""
-        from ckpt.reader import CheckpointReader
+        from ckpt.store.reader import CheckpointReader
 
         mid = self.resolve(ref)
         return CheckpointReader(self, mid, self.get_manifest(mid))
@@ -208,9 +208,9 @@ class Store:
         """Copy checkpoints ``refs`` (``REF`` or ``REF:NAME``) to store ``dest`` (created if needed).
 
         Only objects ``dest`` lacks travel, verified, in the order chunks, manifests,
-        refs; see :func:`ckpt.transfer.copy_refs`.
+        refs; see :func:`ckpt.store.copy.copy_refs`.
         """
-        from ckpt.transfer import copy_refs
+        from ckpt.store.copy import copy_refs
 
         if not isinstance(dest, Store):
             dest = Store.open(dest, storage_options=storage_options, settings=self.settings, create=True)
@@ -218,7 +218,7 @@ class Store:
 
     # -- housekeeping ----------------------------------------------------------
     def verify(self, names: list[str] | None = None, *, progress: Progress | None = None) -> VerifyReport:
-        from ckpt.maintenance import verify
+        from ckpt.store.maintenance import verify
 
         return verify(self, names, progress)
 
@@ -237,17 +237,17 @@ class Store:
         >>> r.repaired == [("chunk", cid)], r.after.ok
         (True, True)
         """
-        from ckpt.maintenance import repair
+        from ckpt.store.maintenance import repair
 
         src = source if isinstance(source, Store) else Store.open(source)
         return repair(self, src, names, progress)
 
     def du(self) -> StoreUsage:
-        from ckpt.maintenance import du
+        from ckpt.store.maintenance import du
 
         return du(self)
 
     def gc(self, *, grace_s: float = 3600.0, dry_run: bool = False, keep_history: bool = True) -> GcReport:
-        from ckpt.maintenance import gc
+        from ckpt.store.maintenance import gc
 
         return gc(self, grace_s=grace_s, dry_run=dry_run, keep_history=keep_history)

@@ -22,15 +22,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import CkptError, RefNotFoundError, TensorMismatchError
-from ckpt.manifest import TensorEntry
+from ckpt.format.manifest import TensorEntry
 from ckpt.settings import Settings
-from ckpt.state import Stateful, flatten, tensor_refs, unflatten
+from ckpt.snapshot.state import Stateful, flatten, tensor_refs, unflatten
 
 if TYPE_CHECKING:
     import torch
 
-    from ckpt.live import LiveTensors
-    from ckpt.store import Store
+    from ckpt.snapshot.live import LiveTensors
+    from ckpt.store.store import Store
 
 log = logging.getLogger(__name__)
 SNAPSHOT_FORMAT = 1
@@ -107,7 +107,7 @@ class CheckpointManager:
     With ``process_group`` (e.g. ``torch.distributed.group.WORLD``) every rank calls
     the same ``save``/``restore_latest``: snapshots are saved and restored through
     ``torch.distributed.checkpoint`` (sharded state, resharded on restore), and a rank
-    that fails or dies makes the others raise after ``timeout_s`` (ckpt/dcp_manager.py).
+    that fails or dies makes the others raise after ``timeout_s`` (ckpt/snapshot/distributed.py).
     """
 
     def __init__(
@@ -128,8 +128,8 @@ class CheckpointManager:
         process_group: Any = None,
         timeout_s: float = 1800.0,
     ) -> None:
-        from ckpt.store import Store
-        from storage.refs import validate_ref_name
+        from ckpt.store.store import Store
+        from ckpt_store.storage.refs import validate_ref_name
 
         if overlap_copy and not async_save:
             raise ValueError("overlap_copy=True needs async_save=True (the copy overlaps training only in the background)")
@@ -177,7 +177,7 @@ class CheckpointManager:
             self._install_signals()
         self._dist = None
         if process_group is not None:
-            from ckpt.dcp_manager import DistributedSnapshots
+            from ckpt.snapshot.distributed import DistributedSnapshots
 
             self._dist = DistributedSnapshots(self, process_group, timeout_s)
 
@@ -216,7 +216,7 @@ class CheckpointManager:
         if live or pending:
             self._hook_optimizers(optimizers)
         if live:
-            from ckpt.live import LiveTensors
+            from ckpt.snapshot.live import LiveTensors
 
             in_place = self._live = LiveTensors(live, {n: keys[n][1] for n in live})
         if pending:
@@ -253,7 +253,7 @@ class CheckpointManager:
         their hash in the background instead). Tensors whose storage is in ``defer``
         are not copied now: CUDA ones are returned as (name, staging buffer, tensor) to
         copy in the background, contiguous CPU ones as ``live`` (read in place, see
-        ckpt/live.py; they need no staging buffer)."""
+        ckpt/snapshot/live.py; they need no staging buffer)."""
         import torch
 
         staged: dict[str, torch.Tensor] = {}
@@ -356,8 +356,8 @@ class CheckpointManager:
                live: LiveTensors | None = None) -> None:
         import time
 
-        from ckpt.push import push_source
-        from ckpt.sources import from_tensors
+        from ckpt.store.push import push_source
+        from ckpt.store.sources import from_tensors
 
         t0 = time.perf_counter()
         try:
@@ -466,8 +466,8 @@ class CheckpointManager:
     def _restore(self, state: dict[str, Any], mid: str) -> int:
         import torch
 
-        from ckpt.dtypes import to_torch
-        from ckpt.pull import fill
+        from ckpt.format.dtypes import to_torch
+        from ckpt.store.pull import fill
 
         if self._dist is not None:
             return self._dist.restore(state, mid)

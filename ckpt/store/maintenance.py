@@ -6,16 +6,16 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ckpt.codecs import CODEC_NAMES
-from ckpt.manifest import Manifest
-from ckpt.pipeline import fetch_chunk, run_parallel
+from ckpt.codecs.chunk import CODEC_NAMES
+from ckpt.format.manifest import Manifest
+from ckpt.transfer.pipeline import fetch_chunk, run_parallel
 from ckpt.progress import NullProgress, Progress
-from storage.config import read_config
-from storage.errors import CkptError
-from storage.gc import Doomed, execute_gc, plan_gc
+from ckpt_store.storage.config import read_config
+from ckpt_store.storage.errors import CkptError
+from ckpt_store.storage.gc import Doomed, execute_gc, plan_gc
 
 if TYPE_CHECKING:
-    from ckpt.store import Store
+    from ckpt.store.store import Store
 
 
 @dataclass
@@ -107,7 +107,7 @@ def repair(store: Store, source: Store, names: list[str] | None = None, progress
     entries and store configs cannot come from another store (their content is this
     store's own) and are listed in ``unavailable`` via the final verify.
     """
-    from ckpt.codecs import encode_chunk
+    from ckpt.codecs.chunk import encode_chunk
 
     out = RepairReport()
     tried: set[tuple[str, str]] = set()

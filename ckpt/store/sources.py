@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ckpt.dtypes import byte_view, from_torch
+from ckpt.format.dtypes import byte_view, from_torch
 from ckpt.errors import InvalidSourceError, UnsafeInputError
-from ckpt.manifest import check_file_path, check_tensor_name
-from ckpt.safetensors_format import build_header, parse_header
+from ckpt.format.manifest import check_file_path, check_tensor_name
+from ckpt.format.safetensors_header import build_header, parse_header
 
 INDEX_NAME = "model.safetensors.index.json"
 STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")

@@ -10,7 +10,7 @@ base), and each tensor is either
   chunks go into the new manifest as they are, unread;
 * **merged**: read from each input through the lazy reader, upcast to the compute
   dtype (float32; float64 for float64 inputs), combined by the method (see
-  :mod:`ckpt.merge_methods`) and cast back to the input dtype.
+  :mod:`ckpt.merging.methods`) and cast back to the input dtype.
 
 Merged tensors are computed lazily, one at a time, when push's workers first ask
 for one of their chunks, and dropped once their last chunk is handed on. Memory
@@ -42,19 +42,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpt.dtypes import byte_view, to_torch
+from ckpt.format.dtypes import byte_view, to_torch
 from ckpt.errors import InvalidMergeError
-from ckpt.manifest import TensorEntry, chunk_count
-from ckpt.merge_methods import MergeMethod, MethodRegistry, default_registry
+from ckpt.format.manifest import TensorEntry, chunk_count
+from ckpt.merging.methods import MergeMethod, MethodRegistry, default_registry
 from ckpt.progress import Progress
-from storage.records import canonical_json
-from storage.refs import validate_ref_name
+from ckpt_store.storage.records import canonical_json
+from ckpt_store.storage.refs import validate_ref_name
 
 if TYPE_CHECKING:
     import torch
 
-    from ckpt.reader import CheckpointReader
-    from ckpt.store import Store
+    from ckpt.store.reader import CheckpointReader
+    from ckpt.store.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +184,8 @@ def _read(readers: list[CheckpointReader], step: _Step) -> list[torch.Tensor]:
     """Tensor ``step.name`` of every reader, fetched in one parallel pass (verified, as any read)."""
     import torch
 
-    from ckpt.pipeline import get_chunks
-    from ckpt.pull import _into_tasks
+    from ckpt.transfer.pipeline import get_chunks
+    from ckpt.store.pull import _into_tasks
 
     out, tasks = [], []
     for r in readers:
@@ -227,7 +227,7 @@ def merge(store: Store, inputs: Sequence[str], method: str = "linear", *, name: 
           _remix: dict[str, Any] | None = None) -> MergeResult:
     """Merge checkpoints ``inputs`` (refs) with ``method`` and store the result as ``name``.
 
-    ``params`` are the method's parameters (see :mod:`ckpt.merge_methods` or ``ckpt merge
+    ``params`` are the method's parameters (see :mod:`ckpt.merging.methods` or ``ckpt merge
     --list-methods``); strings are parsed as the CLI does. ``base`` is the checkpoint the
     inputs were fine-tuned from (needed by task-arithmetic, ties and dare); with
     ``missing="base"``, tensors absent from some input are taken from it. Raises
@@ -235,8 +235,8 @@ def merge(store: Store, inputs: Sequence[str], method: str = "linear", *, name: 
     inputs, or tensors that do not line up (names, dtypes, shapes) — all before any
     tensor data is read — and the errors of :meth:`Store.resolve` for unknown refs.
     """
-    from ckpt.push import push_source
-    from ckpt.sources import from_tensors
+    from ckpt.store.push import push_source
+    from ckpt.store.sources import from_tensors
 
     started = time.perf_counter()
     registry = registry or default_registry()
@@ -325,6 +325,6 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    from ckpt.diffing import _bits
+    from ckpt.diffing.compare import _bits
 
     return a.dtype == b.dtype and a.shape == b.shape and bool(_bits(a.contiguous()).equal(_bits(b.contiguous())))

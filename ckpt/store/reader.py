@@ -6,14 +6,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ckpt.errors import TensorMismatchError
-from ckpt.manifest import Manifest, TensorEntry
-from ckpt.pipeline import get_chunks
-from ckpt.pull import _into_tasks, check_memory, empty_tensor
+from ckpt.format.manifest import Manifest, TensorEntry
+from ckpt.transfer.pipeline import get_chunks
+from ckpt.store.pull import _into_tasks, check_memory, empty_tensor
 
 if TYPE_CHECKING:
     import torch
 
-    from ckpt.store import Store
+    from ckpt.store.store import Store
 
 
 class CheckpointReader:

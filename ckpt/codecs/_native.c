@@ -1,4 +1,4 @@
-/* Fused byte-plane kernels for the chunk codecs (ckpt/codecs.py, ckpt/transforms.py).
+/* Fused byte-plane kernels for the chunk codecs (ckpt/codecs/chunk.py, ckpt/codecs/transforms.py).
  *
  * Each function is one pass over memory with the GIL released, where the numpy
  * versions take four to eight: the byte-plane split ("shuffle") and its inverse,
@@ -757,6 +757,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "ckpt._native", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "ckpt.codecs._native", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -7,18 +7,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ckpt.base import choose_base, pair_tensors
-from ckpt.dtypes import itemsize
-from ckpt.manifest import FileEntry, Manifest, TensorEntry, split_lengths
-from ckpt.pipeline import PutTask, put_chunks
+from ckpt.store.base import choose_base, pair_tensors
+from ckpt.format.dtypes import itemsize
+from ckpt.format.manifest import FileEntry, Manifest, TensorEntry, split_lengths
+from ckpt.transfer.pipeline import PutTask, put_chunks
 from ckpt.progress import NullProgress, Progress
-from ckpt.sources import ByteSource, MemBytes, SourceIn, open_source
-from storage.commit import commit
-from storage.records import canonical_json
-from storage.refs import validate_ref_name
+from ckpt.store.sources import ByteSource, MemBytes, SourceIn, open_source
+from ckpt_store.storage.commit import commit
+from ckpt_store.storage.records import canonical_json
+from ckpt_store.storage.refs import validate_ref_name
 
 if TYPE_CHECKING:
-    from ckpt.store import Store
+    from ckpt.store.store import Store
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,11 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpt.dtypes import DTYPES, itemsize
+from ckpt.format.dtypes import DTYPES, itemsize
 from ckpt.errors import CkptError
-from ckpt.manifest import check_tensor_name
-from storage.errors import StoreFormatError
-from storage.gc import CHUNK_LIST_KEYS
+from ckpt.format.manifest import check_tensor_name
+from ckpt_store.storage.errors import StoreFormatError
+from ckpt_store.storage.gc import CHUNK_LIST_KEYS
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -56,7 +56,7 @@ class Shard:
 @dataclass(frozen=True)
 class TensorItem:
     fqn: str
-    dtype: str  # safetensors name (ckpt.dtypes)
+    dtype: str  # safetensors name (ckpt.format.dtypes)
     size: tuple[int, ...]
     shards: tuple[Shard, ...]
     requires_grad: bool = False
@@ -153,7 +153,7 @@ def encode_metadata(md: Metadata, entries: dict[tuple[str, tuple[int, ...]], str
     import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    from ckpt.dtypes import from_torch
+    from ckpt.format.dtypes import from_torch
 
     items: dict[str, Any] = {}
     for fqn, sm in md.state_dict_metadata.items():
@@ -258,7 +258,7 @@ def to_metadata(layout: DcpLayout, manifest_id: str) -> Metadata:
         TensorStorageMetadata,
     )
 
-    from ckpt.dtypes import to_torch
+    from ckpt.format.dtypes import to_torch
 
     sdm: dict[str, Any] = {}
     storage: dict[Any, str | None] = {}

@@ -15,11 +15,11 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from ckpt.codecs import MAX_HEADER, RAW, decode_chunk, encode_chunk, parse_header, thread_buffer
+from ckpt.codecs.chunk import MAX_HEADER, RAW, decode_chunk, encode_chunk, parse_header, thread_buffer
 from ckpt.progress import NullProgress, Progress
 from ckpt.settings import Settings
-from storage.errors import CorruptObjectError, ObjectNotFoundError
-from storage.objects import ObjectStore, object_id
+from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
+from ckpt_store.storage.objects import ObjectStore, object_id
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -13,17 +13,17 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ckpt.dtypes import byte_view, to_torch
+from ckpt.format.dtypes import byte_view, to_torch
 from ckpt.errors import DestinationExistsError, ResourceLimitError, TensorMismatchError
-from ckpt.manifest import FileEntry, Manifest, TensorEntry, split_lengths
-from ckpt.pipeline import GetTask, get_chunks
+from ckpt.format.manifest import FileEntry, Manifest, TensorEntry, split_lengths
+from ckpt.transfer.pipeline import GetTask, get_chunks
 from ckpt.progress import NullProgress, Progress
-from ckpt.safetensors_format import build_header
+from ckpt.format.safetensors_header import build_header
 
 if TYPE_CHECKING:
     import torch
 
-    from ckpt.store import Store
+    from ckpt.store.store import Store
 
 
 def _spans(chunks: Iterable[str], nbytes: int, chunk_size: int, base: int = 0) -> Iterator[tuple[str, int, int]]:
@@ -160,7 +160,7 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
     progress = progress or NullProgress()
     dest = os.fspath(dest)
     if m.source == "dcp":  # a distributed checkpoint: its shards consolidated into one file
-        from ckpt.dcp_read import pull_dcp
+        from ckpt.dcp.consolidate import pull_dcp
 
         return pull_dcp(store, m, dest, include, overwrite, progress)
     single = m.source != "hf-dir" and len(m.files) == 1
@@ -264,7 +264,7 @@ def load(store: Store, ref: str, *, include: list[str] | None = None, progress: 
 
     m = store.manifest(ref)
     if m.source == "dcp":  # a distributed checkpoint: whole tensors, consolidated from its shards
-        from ckpt.dcp_read import load_dcp
+        from ckpt.dcp.consolidate import load_dcp
 
         return load_dcp(store, m, include, progress)
     out: dict[str, torch.Tensor] = {}
@@ -292,7 +292,7 @@ def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, progr
     m = store.manifest(ref)
     live: dict[str, torch.Tensor] = dict(target.state_dict()) if isinstance(target, torch.nn.Module) else dict(target)
     if m.source == "dcp":  # a distributed checkpoint: whole tensors assembled from its shards
-        from ckpt.dcp_read import fill_dcp
+        from ckpt.dcp.consolidate import fill_dcp
 
         return fill_dcp(store, m, live, strict, progress)
     by_name = {t.name: t for t in m.tensors}

@@ -14,10 +14,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckpt.dtypes import itemsize
-from storage.errors import StoreFormatError
-from storage.objects import check_id
-from storage.records import canonical_json, decode_record, require
+from ckpt.format.dtypes import itemsize
+from ckpt_store.storage.errors import StoreFormatError
+from ckpt_store.storage.objects import check_id
+from ckpt_store.storage.records import canonical_json, decode_record, require
 
 MANIFEST_FORMAT = "ckpt-manifest"
 MANIFEST_VERSION = 1

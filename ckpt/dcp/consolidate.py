@@ -19,18 +19,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpt.dcp_format import DCP_SOURCE, TensorItem, decode_layout
-from ckpt.dtypes import byte_view, itemsize, to_torch
+from ckpt.dcp.format import DCP_SOURCE, TensorItem, decode_layout
+from ckpt.format.dtypes import byte_view, itemsize, to_torch
 from ckpt.errors import DestinationExistsError, TensorMismatchError
-from ckpt.manifest import Manifest, TensorEntry, split_lengths
-from ckpt.pipeline import GetTask, get_chunks
+from ckpt.format.manifest import Manifest, TensorEntry, split_lengths
+from ckpt.transfer.pipeline import GetTask, get_chunks
 from ckpt.progress import NullProgress, Progress
-from storage.errors import StoreFormatError
+from ckpt_store.storage.errors import StoreFormatError
 
 if TYPE_CHECKING:
     import torch
 
-    from ckpt.store import Store
+    from ckpt.store.store import Store
 
 # Bytes decoded per parallel pass: bounds the buffers (and, for a pull, the tensors) held at once.
 BATCH_BYTES = 256 * 1024 * 1024
@@ -199,8 +199,8 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
     written at their offsets; the file appears only when complete."""
     import torch
 
-    from ckpt.pull import _fsync_dir, _pwrite_all, _remove
-    from ckpt.safetensors_format import build_header
+    from ckpt.store.pull import _fsync_dir, _pwrite_all, _remove
+    from ckpt.format.safetensors_header import build_header
 
     items = _selected(m, include)
     progress = progress or NullProgress()
