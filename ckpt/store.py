@@ -11,7 +11,7 @@ from ckpt.manifest import Manifest
 from ckpt.progress import Progress
 from ckpt.settings import Settings
 from storage.backend import Backend, open_backend
-from storage.config import StoreConfig, init_config, read_config
+from storage.config import StoreConfig, check_location, init_config, read_config
 from storage.errors import InvalidNameError, StoreNotFoundError
 from storage.objects import ObjectStore
 from storage.refs import RefEntry, Refs, validate_ref_name
@@ -71,11 +71,14 @@ class Store:
         """Open the store at ``url`` (default: :func:`default_store_url`).
 
         Raises :class:`StoreNotFoundError` when there is none (unless ``create``),
-        :class:`StoreFormatError` when it is of a format version this ckpt cannot read.
+        :class:`StoreFormatError` when it is of a format version this ckpt cannot read,
+        :class:`StoreLocationError` when ``url`` is empty or a file, or when ``create``
+        would make a new store inside another local store.
         """
         settings = settings or Settings.from_env()
         url = os.fspath(url) if url is not None else default_store_url()
         backend = open_backend(url, storage_options=storage_options, fsync=settings.fsync, remote=remote_options(settings))
+        check_location(backend, create=create)
         try:
             config = read_config(backend)
         except StoreNotFoundError:
