@@ -179,8 +179,16 @@ class Store:
         """Write checkpoint ``ref`` to ``dest`` as it was pushed (bit-identical); returns the path written.
 
         A single-file checkpoint becomes ``dest`` (or ``dest/<name>`` if ``dest`` is a
-        directory); a directory checkpoint becomes directory ``dest``. With ``include``
-        (glob patterns), only matching tensors are written, as one safetensors file.
+        directory); a directory checkpoint becomes directory ``dest``, which must be new or
+        empty unless ``overwrite``: then the checkpoint's files are written into it,
+        replacing files of the same names only. With ``include`` (glob patterns), only
+        matching tensors are written, as one safetensors file. A ``dest`` named ``.pt``,
+        ``.pth``, ``.bin`` or ``.ckpt`` gets a torch file instead (see :func:`ckpt.pull.pull`).
+        Nothing is ever written inside a store; the rules are in :mod:`ckpt.destination`.
+
+        Raises :class:`DestinationExistsError` when something is in the way and
+        ``overwrite`` is off, :class:`DestinationError` when the destination is unsafe
+        (inside a store, a directory where a file goes) or cannot be written.
         """
         from ckpt.pull import pull
 
