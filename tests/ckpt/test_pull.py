@@ -215,3 +215,27 @@ def test_a_manifest_naming_one_path_twice_is_refused(tmp_path):
         with pytest.raises(StoreFormatError, match="twice, or as both"):
             dir_targets(store, str(tmp_path / "d"), paths, True)
     assert dir_targets(store, str(tmp_path / "d"), ["sub/x.json", "sub.json"], False)[1][0].endswith("x.json")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_distributed_checkpoint_pull_follows_the_same_rule(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt.dcp
+
+    url = str(tmp_path / "store")
+    full = {"rows": torch.randn(9, 7), "ids": torch.arange(5)}
+    dcp.save({"t": full}, storage_writer=ckpt.dcp.Writer(url, "dist/a"))
+    store = ckpt.Store.open(url)
+    before = _tree(tmp_path / "store")
+    for dest in ("store", "store/objects/x.safetensors"):
+        with pytest.raises(DestinationError, match="inside the store"):
+            store.pull("dist/a", tmp_path / dest, overwrite=True)
+    assert _tree(tmp_path / "store") == before
+    (tmp_path / "mine.safetensors").write_bytes(b"precious")
+    with pytest.raises(DestinationExistsError):
+        store.pull("dist/a", tmp_path / "mine.safetensors")
+    assert (tmp_path / "mine.safetensors").read_bytes() == b"precious"
+    got = torch.load(store.pull("dist/a", tmp_path / "out.pt"), weights_only=True)
+    assert sorted(got) == ["t.ids", "t.rows"] and _bits(got["t.rows"]) == _bits(full["rows"])
+    assert not [p for p in tmp_path.iterdir() if "ckpt-tmp" in p.name]
