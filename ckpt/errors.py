@@ -12,6 +12,7 @@ from ckpt_store.storage.errors import (
     RefNotFoundError,
     StorageIOError,
     StoreFormatError,
+    StoreLocationError,
     StoreNotFoundError,
 )
 
@@ -29,7 +30,12 @@ class UnsafeInputError(InvalidSourceError):
     """A ``.pt``/``.bin`` file that only loads by running pickled code; ckpt never does."""
 
 
-class DestinationExistsError(CkptError):
+class DestinationError(CkptError):
+    """Pull cannot write where asked: the destination is in (or holds) a store, something
+    that is not the checkpoint's is in the way, or the destination cannot be written."""
+
+
+class DestinationExistsError(DestinationError):
     """Pull would overwrite something that exists."""
 
 
@@ -51,6 +57,7 @@ __all__ = [
     "AmbiguousRefError",
     "CkptError",
     "CorruptObjectError",
+    "DestinationError",
     "DestinationExistsError",
     "InvalidMergeError",
     "InvalidNameError",
@@ -62,6 +69,7 @@ __all__ = [
     "ResourceLimitError",
     "StorageIOError",
     "StoreFormatError",
+    "StoreLocationError",
     "StoreNotFoundError",
     "TensorMismatchError",
     "UnsafeInputError",

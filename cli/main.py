@@ -136,13 +136,21 @@ def push(
 def pull(
     ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or id prefix.")],
     dest: Annotated[Optional[Path], typer.Argument(metavar="DEST", help="Output file (single-file checkpoints) or directory (model directories). Optional with --from.", show_default=False)] = None,
-    force: Annotated[bool, typer.Option("--force", "-f", help="Replace DEST if it exists.")] = False,
-    include: Annotated[Optional[list[str]], typer.Option("--include", "-i", metavar="GLOB", help="Only tensors matching this glob (repeatable); writes one safetensors file.")] = None,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Replace the checkpoint's own files in DEST if they exist; nothing else in DEST is touched.")] = False,
+    include: Annotated[Optional[list[str]], typer.Option("--include", "-i", metavar="GLOB", help="Only tensors matching this glob (repeatable); writes one safetensors (or, named .pt, torch) file.")] = None,
     from_: Annotated[Optional[str], typer.Option("--from", metavar="URL", help="First copy REF from the store at URL into this store (only what is missing here travels).", show_default=False)] = None,
 ) -> None:
     """Write a checkpoint back out, bit-identical to what was pushed, verifying every chunk.
 
-    DEST appears only when complete (written under a temporary name, then renamed).
+    Each file appears only when complete (written under a temporary name, then renamed).
+    A model directory goes to a new or empty DEST; into a DEST holding other files only
+    with --force, which replaces the checkpoint's own files and leaves the rest. A pull
+    never writes inside a store or into a directory holding the store, and replaces a
+    symbolic link at a file's name rather than writing through it.
+
+    DEST named .pt/.pth/.bin/.ckpt gets a torch file (torch.load(weights_only=True)):
+    a flat dict of the tensors, bit-identical, plus the non-tensor values of a
+    checkpoint pushed from a .pt file, under their flat (dotted) keys.
 
     With --from URL, REF is first copied from the store at URL into this store (like
     `ckpt copy REF --from URL`); DEST, if given, is then written from this store.

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Union
 
-from ckpt_store.storage.errors import StorageIOError
+from ckpt_store.storage.errors import StorageIOError, StoreLocationError
 
 # What write() takes: bytes, or a tuple of buffers whose concatenation is the file.
 Data = Union[bytes, bytearray, memoryview, tuple[Any, ...]]
@@ -547,6 +547,9 @@ def open_backend(url: str, *, storage_options: dict[str, Any] | None = None, fsy
     """The backend for ``url``: a plain path or ``file://`` is local, ``s3://`` is
     :class:`storage.s3.S3Backend` (``remote`` holds its ``concurrency``, ``retry`` and
     ``conditional_writes``), anything else goes to fsspec."""
+    if not url.strip() or url.strip() == "file://":
+        # An empty --store would otherwise mean the current directory, silently.
+        raise StoreLocationError("empty store URL", hint="give a path or URL, e.g. --store ./ckpt-store")
     if "://" not in url:
         return LocalBackend(url, fsync=fsync)
     if url.startswith("file://"):

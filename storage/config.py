@@ -6,12 +6,13 @@ version this code does not know is refused, never guessed at.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from dataclasses import dataclass
 
 from ckpt_store.storage.backend import Backend
-from ckpt_store.storage.errors import StoreFormatError, StoreNotFoundError
+from ckpt_store.storage.errors import StoreFormatError, StoreLocationError, StoreNotFoundError
 from ckpt_store.storage.records import decode_record, require, sealed_json
 
 CONFIG_PATH = "ckpt-store.json"
@@ -57,3 +58,38 @@ def init_config(backend: Backend) -> tuple[StoreConfig, bool]:
     if backend.create_exclusive(CONFIG_PATH, cfg.to_json()):
         return cfg, True
     return read_config(backend), False
+
+
+def enclosing_store(path: str) -> str | None:
+    """The root of the local store that ``path`` lies in (the store itself counts), else None.
+
+    ``path`` need not exist: the walk starts at its nearest existing ancestor, with
+    symbolic links resolved, so a link into a store is seen as the store.
+    """
+    here = os.path.realpath(os.path.abspath(os.path.expanduser(path)))
+    while True:
+        if os.path.isfile(os.path.join(here, CONFIG_PATH)):
+            return here
+        up = os.path.dirname(here)
+        if up == here:
+            return None
+        here = up
+
+
+def check_location(backend: Backend, *, create: bool) -> None:
+    """Refuse a local store path that cannot hold a store, saying what the path is.
+
+    A file is not a store directory; and a new store inside another one (say in its
+    ``refs/``) would be read by the outer store as damage, so creating one there is refused.
+    """
+    root = backend.local_path(".")
+    if root is None:
+        return  # remote stores have no ancestors to check
+    root = os.path.normpath(root)
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise StoreLocationError(f"{root} is a file, not a store directory", hint="give --store a directory path")
+    if create and not os.path.isfile(os.path.join(root, CONFIG_PATH)):
+        outer = enclosing_store(os.path.dirname(root))
+        if outer is not None:
+            raise StoreLocationError(f"{root} is inside the store at {outer}; a store cannot hold another",
+                                     hint=f"choose a path outside {outer}")

@@ -38,6 +38,10 @@ class StoreFormatError(CkptError):
     """The store's config is missing, unreadable, or of a version this ckpt cannot read."""
 
 
+class StoreLocationError(CkptError):
+    """A store URL that cannot hold a store: empty, a file, or a directory inside another store."""
+
+
 class InvalidNameError(CkptError):
     """A ref name, tensor name or path component that could escape or confuse the store."""
 

@@ -14,14 +14,13 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
-import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpt.dcp.format import DCP_SOURCE, TensorItem, decode_layout
 from ckpt.format.dtypes import byte_view, itemsize, to_torch
-from ckpt.errors import DestinationExistsError, TensorMismatchError
+from ckpt.errors import TensorMismatchError
 from ckpt.format.manifest import Manifest, TensorEntry, split_lengths
 from ckpt.transfer.pipeline import GetTask, get_chunks
 from ckpt.progress import NullProgress, Progress
@@ -196,57 +195,58 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
     """Write a distributed checkpoint as one consolidated safetensors file; returns its path.
 
     Tensors are assembled in memory a batch (about :data:`BATCH_BYTES`) at a time and
-    written at their offsets; the file appears only when complete."""
+    written at their offsets; the file appears only when complete. The destination
+    follows :mod:`ckpt.store.destination`'s rule, as every pull does; a target named like a
+    torch file gets a torch file of the whole tensors (see :func:`ckpt.store.pull.pull`)."""
     import torch
 
-    from ckpt.store.pull import _fsync_dir, _pwrite_all, _remove
+    from ckpt.store.destination import file_target, write_files
+    from ckpt.store.pull import _pwrite_all, is_torch_name, write_torch
     from ckpt.format.safetensors_header import build_header
 
     items = _selected(m, include)
     progress = progress or NullProgress()
-    target = os.path.join(dest, "model.safetensors") if os.path.isdir(dest) else dest
-    if os.path.exists(target) and not overwrite:
-        raise DestinationExistsError(f"{target} exists", hint="pass --force to replace it")
+    target = file_target(store, dest, "model.safetensors", overwrite)
+    if is_torch_name(target):
+        write_torch(target, load_dcp(store, m, include, progress), {})
+        return target
     meta = m.files[0].metadata if m.files else None
     head, order = build_header([(t.fqn, t.dtype, t.size, t.nbytes) for t in items], meta)
     entries = {t.name: t for t in m.tensors}
-    tmp = f"{target}.ckpt-tmp-{uuid.uuid4().hex[:8]}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.ftruncate(fd, len(head) + sum(t.nbytes for t in items))
-        _pwrite_all(fd, head, 0)
-        pos = len(head)
-        batch: list[tuple[int, torch.Tensor]] = []
-        copies: list[Copy] = []
 
-        def flush() -> None:
-            run_copies(store, m, copies, progress)
-            for at, full in batch:
-                _pwrite_all(fd, byte_view(full), at)
-            batch.clear()
-            copies.clear()
+    def fill(tmps: list[str]) -> None:
+        fd = os.open(tmps[0], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.ftruncate(fd, len(head) + sum(t.nbytes for t in items))
+            _pwrite_all(fd, head, 0)
+            pos = len(head)
+            batch: list[tuple[int, torch.Tensor]] = []
+            copies: list[Copy] = []
 
-        size = 0
-        progress.start("pull", sum(t.nbytes for t in items))
-        for i in order:
-            item = items[i]
-            full = torch.empty(item.size, dtype=to_torch(item.dtype))
-            batch.append((pos, full))
-            copies.extend(shard_copies(item, full, entries))
-            pos += item.nbytes
-            size += item.nbytes
-            if size >= BATCH_BYTES:
-                flush()
-                size = 0
-        flush()
-        progress.finish()
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, target)
-        _fsync_dir(target)
-    finally:
-        if fd >= 0:
+            def flush() -> None:
+                run_copies(store, m, copies, progress)
+                for at, full in batch:
+                    _pwrite_all(fd, byte_view(full), at)
+                batch.clear()
+                copies.clear()
+
+            size = 0
+            progress.start("pull", sum(t.nbytes for t in items))
+            for i in order:
+                item = items[i]
+                full = torch.empty(item.size, dtype=to_torch(item.dtype))
+                batch.append((pos, full))
+                copies.extend(shard_copies(item, full, entries))
+                pos += item.nbytes
+                size += item.nbytes
+                if size >= BATCH_BYTES:
+                    flush()
+                    size = 0
+            flush()
+            progress.finish()
+            os.fsync(fd)
+        finally:
             os.close(fd)
-        _remove(tmp)
+
+    write_files([target], fill)
     return target

@@ -9,11 +9,12 @@ its manifest, a local tensor is hashed piece by piece); and the tensor itself.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
 from ckpt.format.dtypes import byte_view, to_torch
+from ckpt.errors import TensorMismatchError
 from ckpt.format.manifest import split_lengths
 from ckpt_store.storage.objects import object_id
 
@@ -23,6 +24,18 @@ if TYPE_CHECKING:
     from ckpt.store.reader import CheckpointReader
     from ckpt.store.sources import SourceIn, TensorIn
     from ckpt.store.store import Store
+
+
+def _one_per_name(names: Iterable[tuple[str, str]], label: str) -> None:
+    """Refuse a side whose files hold two tensors of one name: diff pairs tensors by name,
+    and comparing either one silently would hide the other."""
+    seen: dict[str, str] = {}
+    for name, file in names:
+        if name in seen:
+            raise TensorMismatchError(
+                f"{label}: tensor {name!r} appears in two files ({seen[name]} and {file}); diff pairs tensors by name",
+                hint="diff the files one by one; `ckpt pull` a stored checkpoint to a directory first")
+        seen[name] = file
 
 
 @dataclass(frozen=True)
@@ -40,6 +53,7 @@ class RefSide:
         self.label = label
         self.id: str | None = reader.id
         self.chunk_size: int | None = reader.manifest.chunk_size
+        _one_per_name(((t.name, t.file) for t in reader.manifest.tensors), label)
         self.meta = {t.name: TensorMeta(t.dtype, t.shape, t.nbytes) for t in reader.manifest.tensors}
 
     def chunk_ids(self, name: str, chunk_size: int) -> tuple[str, ...] | None:
@@ -63,10 +77,12 @@ class SourceSide:
         self.label = label
         self.id: str | None = None
         self.chunk_size: int | None = None
-        self._by_name: dict[str, TensorIn] = {}
-        for f in src.files:
-            for t in f.tensors:
-                self._by_name.setdefault(t.name, t)
+        try:
+            _one_per_name(((t.name, f.path) for f in src.files for t in f.tensors), label)
+        except BaseException:
+            src.close()  # the caller never gets this side to close
+            raise
+        self._by_name: dict[str, TensorIn] = {t.name: t for f in src.files for t in f.tensors}
         self.meta = {t.name: TensorMeta(t.dtype, t.shape, t.nbytes) for t in self._by_name.values()}
         self._ids: dict[tuple[str, int], tuple[str, ...]] = {}
 

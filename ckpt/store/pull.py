@@ -1,7 +1,8 @@
 """Pull: a checkpoint becomes files again (byte-identical), or tensors in memory.
 
 Files are written under a temporary name and renamed into place, so a failed
-or interrupted pull never leaves a partial destination.
+or interrupted pull never leaves a partial destination; where a pull may write at
+all is :mod:`ckpt.store.destination`'s rule.
 """
 
 from __future__ import annotations
@@ -9,16 +10,17 @@ from __future__ import annotations
 import fnmatch
 import os
 import shutil
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ckpt.store.destination import dir_targets, file_target, write_dir, write_files
 from ckpt.format.dtypes import byte_view, to_torch
-from ckpt.errors import DestinationExistsError, ResourceLimitError, TensorMismatchError
+from ckpt.errors import ResourceLimitError, TensorMismatchError
 from ckpt.format.manifest import FileEntry, Manifest, TensorEntry, split_lengths
 from ckpt.transfer.pipeline import GetTask, get_chunks
 from ckpt.progress import NullProgress, Progress
 from ckpt.format.safetensors_header import build_header
+from ckpt.store.sources import STATE_DICT_SUFFIXES
 
 if TYPE_CHECKING:
     import torch
@@ -134,14 +136,18 @@ def _check_disk(files: list[tuple[FileEntry, str]]) -> None:
 
 
 def _write_files(store: Store, m: Manifest, files: list[tuple[FileEntry, str]], progress: Progress, extra_tasks: Callable[[int], list[GetTask]] | None = None) -> None:
-    """Write each (entry, path) in parallel; tasks of all files share one pool."""
+    """Write each (entry, path) in parallel; tasks of all files share one pool.
+
+    Each path is a fresh temporary name (see :mod:`ckpt.store.destination`): it is created
+    exclusively, so nothing that was already there is ever written through.
+    """
     fds = []
     try:
         _check_disk(files)
         tasks: list[GetTask] = []
         for f, path in files:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             fds.append(fd)
             os.ftruncate(fd, f.size)
             tasks += extra_tasks(fd) if extra_tasks else _file_tasks(m, f, fd)
@@ -155,7 +161,23 @@ def _write_files(store: Store, m: Manifest, files: list[tuple[FileEntry, str]], 
             os.close(fd)
 
 
+def is_torch_name(path: str) -> bool:
+    """Whether ``path`` is named like a torch file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``)."""
+    return path.lower().endswith(STATE_DICT_SUFFIXES)
+
+
 def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: bool = False, include: list[str] | None = None, progress: Progress | None = None) -> str:
+    """Write checkpoint ``ref`` to ``dest``; returns the path written. See :meth:`Store.pull`.
+
+    Where and how it writes (never inside a store, only the checkpoint's own files,
+    each atomically) is :mod:`ckpt.store.destination`'s rule. A one-file target named like a
+    torch file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``) gets what the name promises: a
+    file ``torch.load(weights_only=True)`` reads, holding a flat dict of the tensors
+    (bit-identical, keys as stored: a nested state dict's keys joined with ``.``) and,
+    for a checkpoint pushed from a ``.pt`` file, its non-tensor values under their
+    flat keys. Raises :class:`DestinationError` / :class:`DestinationExistsError`
+    before anything is written.
+    """
     m = store.manifest(ref)
     progress = progress or NullProgress()
     dest = os.fspath(dest)
@@ -163,54 +185,46 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
         from ckpt.dcp.consolidate import pull_dcp
 
         return pull_dcp(store, m, dest, include, overwrite, progress)
-    single = m.source != "hf-dir" and len(m.files) == 1
     if include:
         return _pull_selected(store, m, dest, include, overwrite, progress)
-    if single:
-        target = os.path.join(dest, os.path.basename(m.files[0].path)) if os.path.isdir(dest) else dest
-        if os.path.exists(target) and not overwrite:
-            raise DestinationExistsError(f"{target} exists", hint="pass --force to replace it")
-        tmp = f"{target}.ckpt-tmp-{uuid.uuid4().hex[:8]}"
-        try:
-            _write_files(store, m, [(m.files[0], tmp)], progress)
-            os.replace(tmp, target)
-            _fsync_dir(target)
-        finally:
-            _remove(tmp)
+    if m.source != "hf-dir" and len(m.files) == 1:
+        target = file_target(store, dest, os.path.basename(m.files[0].path), overwrite)
+        if is_torch_name(target):
+            write_torch(target, load_manifest(store, m, None, progress, f"checkpoint {ref}"), _values(m))
+        else:
+            write_files([target], lambda tmps: _write_files(store, m, [(m.files[0], tmps[0])], progress))
         return target
-    # A directory checkpoint: build it beside the destination, then swap it in.
-    dest = dest.rstrip("/") or "/"
-    if os.path.exists(dest) and not (os.path.isdir(dest) and not os.listdir(dest)) and not overwrite:
-        raise DestinationExistsError(f"{dest} exists and is not empty", hint="pass --force to replace it")
-    tmp = f"{dest}.ckpt-tmp-{uuid.uuid4().hex[:8]}"
-    old = f"{dest}.ckpt-old-{uuid.uuid4().hex[:8]}"
-    try:
-        os.makedirs(tmp)
-        _write_files(store, m, [(f, os.path.join(tmp, *f.path.split("/"))) for f in m.files], progress)
-        if os.path.lexists(dest):
-            os.rename(dest, old)
-        os.rename(tmp, dest)
-        _fsync_dir(dest)
-    finally:
-        _remove(tmp)
-        _remove(old)
-    return dest
+    root, targets = dir_targets(store, dest, [f.path for f in m.files], overwrite)
+    write_dir(root, targets, lambda paths: _write_files(store, m, list(zip(m.files, paths)), progress))
+    return root
 
 
-def _fsync_dir(path: str) -> None:
-    """Make a rename into ``path``'s directory durable."""
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _values(m: Manifest) -> dict[str, Any]:
+    """The non-tensor values of a checkpoint pushed from a ``.pt`` file (flat keys), else none."""
+    return dict(m.extra) if m.source == "state-dict" and isinstance(m.extra, dict) else {}
 
 
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.unlink(path)
+def write_torch(target: str, tensors: dict[str, torch.Tensor], values: dict[str, Any]) -> None:
+    """Write ``tensors`` and JSON ``values`` as one flat dict to torch file ``target``, atomically.
+
+    Everything in it (tensors and JSON types) loads with ``torch.load(weights_only=True)``.
+    """
+    import torch
+
+    clash = sorted(set(tensors) & set(values))
+    if clash:
+        raise TensorMismatchError(f"{clash[0]!r} names both a tensor and a value of this checkpoint",
+                                  hint="pull it as .safetensors (tensors only)")
+    obj: dict[str, Any] = {**tensors, **values}
+
+    def fill(tmps: list[str]) -> None:
+        fd = os.open(tmps[0], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    write_files([target], fill)
 
 
 def select(m: Manifest, include: list[str] | None) -> list[TensorEntry]:
@@ -219,14 +233,27 @@ def select(m: Manifest, include: list[str] | None) -> list[TensorEntry]:
     return [t for t in m.tensors if any(fnmatch.fnmatchcase(t.name, p) for p in include)]
 
 
+def check_unique(entries: Iterable[TensorEntry], hint: str) -> None:
+    """Refuse tensors of the same name (from two files of a directory checkpoint): one file
+    or dict cannot hold both, and picking one silently would lose the other."""
+    seen: dict[str, TensorEntry] = {}
+    for t in entries:
+        if t.name in seen:
+            raise TensorMismatchError(f"tensor {t.name!r} appears in two files of this checkpoint "
+                                      f"({seen[t.name].file} and {t.file})", hint=hint)
+        seen[t.name] = t
+
+
 def _pull_selected(store: Store, m: Manifest, dest: str, include: list[str], overwrite: bool, progress: Progress) -> str:
-    """Only the tensors matching ``include``, as one new safetensors file."""
+    """Only the tensors matching ``include``, as one new safetensors (or torch) file."""
     tensors = select(m, include)
     if not tensors:
         raise TensorMismatchError(f"no tensor matches {' '.join(include)}", hint="see the names with `ckpt show`")
-    target = os.path.join(dest, "model.safetensors") if os.path.isdir(dest) else dest
-    if os.path.exists(target) and not overwrite:
-        raise DestinationExistsError(f"{target} exists", hint="pass --force to replace it")
+    check_unique(tensors, "pull without --include: each file is written as it was pushed")
+    target = file_target(store, dest, "model.safetensors", overwrite)
+    if is_torch_name(target):
+        write_torch(target, load_manifest(store, m, include, progress, "the selected tensors"), {})
+        return target
     meta = next((f.metadata for f in m.files if f.kind == "safetensors" and f.metadata), None)
     head, order = build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in tensors], meta)
     size = len(head) + sum(t.nbytes for t in tensors)
@@ -241,13 +268,8 @@ def _pull_selected(store: Store, m: Manifest, dest: str, include: list[str], ove
             pos += t.nbytes
         return out
 
-    tmp = f"{target}.ckpt-tmp-{uuid.uuid4().hex[:8]}"
-    try:
-        _write_files(store, m, [(FileEntry("selected.safetensors", "safetensors", size, (), len(head), meta), tmp)], progress, tasks)
-        os.replace(tmp, target)
-        _fsync_dir(target)
-    finally:
-        _remove(tmp)
+    entry = FileEntry("selected.safetensors", "safetensors", size, (), len(head), meta)
+    write_files([target], lambda tmps: _write_files(store, m, [(entry, tmps[0])], progress, tasks))
     return target
 
 
@@ -261,8 +283,11 @@ def _into_tasks(m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]]) -> l
 
 
 def load(store: Store, ref: str, *, include: list[str] | None = None, progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    return load_manifest(store, store.manifest(ref), include, progress, f"checkpoint {ref}")
 
-    m = store.manifest(ref)
+
+def load_manifest(store: Store, m: Manifest, include: list[str] | None, progress: Progress | None, what: str) -> dict[str, torch.Tensor]:
+    """Every tensor of ``m`` (or those matching ``include``) as CPU tensors, by name."""
     if m.source == "dcp":  # a distributed checkpoint: whole tensors, consolidated from its shards
         from ckpt.dcp.consolidate import load_dcp
 
@@ -270,10 +295,9 @@ def load(store: Store, ref: str, *, include: list[str] | None = None, progress: 
     out: dict[str, torch.Tensor] = {}
     pairs = []
     chosen = list(select(m, include))
-    check_memory(chosen, f"checkpoint {ref}")
+    check_unique(chosen, "use `ckpt pull`")
+    check_memory(chosen, what)
     for t in chosen:
-        if t.name in out:
-            raise TensorMismatchError(f"tensor {t.name!r} appears in two files of this checkpoint", hint="use `ckpt pull`")
         dst = empty_tensor(t)
         out[t.name] = dst
         pairs.append((t, dst))

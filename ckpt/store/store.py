@@ -11,7 +11,7 @@ from ckpt.format.manifest import Manifest
 from ckpt.progress import Progress
 from ckpt.settings import Settings
 from ckpt_store.storage.backend import Backend, open_backend
-from ckpt_store.storage.config import StoreConfig, init_config, read_config
+from ckpt_store.storage.config import StoreConfig, check_location, init_config, read_config
 from ckpt_store.storage.errors import InvalidNameError, StoreNotFoundError
 from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.refs import RefEntry, Refs, validate_ref_name
@@ -71,11 +71,14 @@ class Store:
         """Open the store at ``url`` (default: :func:`default_store_url`).
 
         Raises :class:`StoreNotFoundError` when there is none (unless ``create``),
-        :class:`StoreFormatError` when it is of a format version this ckpt cannot read.
+        :class:`StoreFormatError` when it is of a format version this ckpt cannot read,
+        :class:`StoreLocationError` when ``url`` is empty or a file, or when ``create``
+        would make a new store inside another local store.
         """
         settings = settings or Settings.from_env()
         url = os.fspath(url) if url is not None else default_store_url()
         backend = open_backend(url, storage_options=storage_options, fsync=settings.fsync, remote=remote_options(settings))
+        check_location(backend, create=create)
         try:
             config = read_config(backend)
         except StoreNotFoundError:
@@ -176,8 +179,16 @@ class Store:
         """Write checkpoint ``ref`` to ``dest`` as it was pushed (bit-identical); returns the path written.
 
         A single-file checkpoint becomes ``dest`` (or ``dest/<name>`` if ``dest`` is a
-        directory); a directory checkpoint becomes directory ``dest``. With ``include``
-        (glob patterns), only matching tensors are written, as one safetensors file.
+        directory); a directory checkpoint becomes directory ``dest``, which must be new or
+        empty unless ``overwrite``: then the checkpoint's files are written into it,
+        replacing files of the same names only. With ``include`` (glob patterns), only
+        matching tensors are written, as one safetensors file. A ``dest`` named ``.pt``,
+        ``.pth``, ``.bin`` or ``.ckpt`` gets a torch file instead (see :func:`ckpt.store.pull.pull`).
+        Nothing is ever written inside a store; the rules are in :mod:`ckpt.store.destination`.
+
+        Raises :class:`DestinationExistsError` when something is in the way and
+        ``overwrite`` is off, :class:`DestinationError` when the destination is unsafe
+        (inside a store, a directory where a file goes) or cannot be written.
         """
         from ckpt.store.pull import pull
 

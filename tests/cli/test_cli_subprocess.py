@@ -286,6 +286,9 @@ def test_pull_does_not_overwrite_without_force(store: Path, env: dict[str, str],
     assert "exists" in line
     assert [p.name for p in ddir.iterdir()] == ["keep.txt"]
     ok("pull", "demo/hf", ddir, "--force", store=store, env=env)
+    # --force replaces the checkpoint's own files only: what else was there stays.
+    assert (ddir / "keep.txt").read_text() == "mine"
+    (ddir / "keep.txt").unlink()
     same_tree(ddir, hf_dir)
 
 

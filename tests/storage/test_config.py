@@ -37,3 +37,31 @@ def test_golden_bytes():
     from ckpt_store.storage.config import StoreConfig
 
     assert StoreConfig("abc", 1.5).to_json() == b'{"check":"17c8b234187603d459b4ff11c1e9a70e","created":1.5,"format":"ckpt-store","store_id":"abc","version":2}'
+
+
+def test_enclosing_store_walks_every_ancestor_and_resolves_links(tmp_path):
+    from ckpt_store.storage.config import enclosing_store
+
+    init_config(open_backend(str(tmp_path / "st")))
+    root = str((tmp_path / "st").resolve())
+    assert enclosing_store(str(tmp_path / "st")) == root
+    assert enclosing_store(str(tmp_path / "st" / "refs" / "not" / "yet")) == root
+    (tmp_path / "link").symlink_to(tmp_path / "st" / "objects", target_is_directory=True)
+    assert enclosing_store(str(tmp_path / "link" / "x")) == root
+    assert enclosing_store(str(tmp_path / "elsewhere")) is None
+
+
+def test_check_location_says_what_the_path_is(tmp_path):
+    from ckpt_store.storage.config import check_location
+    from ckpt_store.storage.errors import StoreLocationError
+
+    init_config(open_backend(str(tmp_path / "st")))
+    with pytest.raises(StoreLocationError, match="inside the store at"):
+        check_location(open_backend(str(tmp_path / "st" / "refs")), create=True)
+    check_location(open_backend(str(tmp_path / "st" / "refs")), create=False)  # opening: "no store" later
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(StoreLocationError, match="is a file"):
+        check_location(open_backend(str(tmp_path / "f")), create=False)
+    for url in ("", "  ", "file://"):
+        with pytest.raises(StoreLocationError, match="empty store URL"):
+            open_backend(url)

@@ -1,0 +1,240 @@
+"""Where a pull may write, and how: the one rule every pull path follows.
+
+A destination may hold something precious, so a pull
+
+* writes only the checkpoint's own files: each under a temporary name in its final
+  directory, fsynced, then renamed over its final name (all renames happen after every
+  file is complete, so a failed pull leaves the destination as it was, temporaries
+  removed);
+* never deletes or renames a directory, and never replaces something that is not a
+  regular file or a symbolic link (a directory named like a checkpoint file is in the way);
+* replaces a symbolic link found at a file's name with the file, and never writes
+  through a link into somewhere else (a link among a file's parent directories inside
+  the destination is refused);
+* never writes inside a local store (the one pulled from or any other: symbolic links
+  resolved), and never into a directory that holds the store pulled from;
+* replaces an existing file of the checkpoint's only with ``overwrite`` (``--force``);
+  files that are not the checkpoint's are left as they are.
+
+A directory checkpoint pulled to a new path is built beside it and renamed into place, so
+the directory appears only when complete. Pulled into an existing directory, it needs that
+directory empty, or ``overwrite``: then its files are written into it, beside whatever
+else is there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from ckpt.errors import DestinationError, DestinationExistsError, StoreFormatError
+from ckpt_store.storage.config import enclosing_store
+
+if TYPE_CHECKING:
+    from ckpt.store.store import Store
+
+_TMP = ".ckpt-tmp-"
+
+
+def _store_root(store: Store) -> str | None:
+    root = store.backend.local_path(".")
+    return os.path.realpath(root) if root is not None else None
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _check_outside_stores(path: str, store: Store) -> None:
+    """Refuse ``path`` (a file or directory to be written) inside any local store."""
+    outer = enclosing_store(path)
+    if outer is None:
+        root = _store_root(store)
+        if root is not None and _inside(os.path.realpath(path), root):
+            outer = root  # the store pulled from, even before its config is readable
+    if outer is not None:
+        raise DestinationError(f"{path} is inside the store at {outer}; a pull never writes there",
+                               hint="pull to a path outside the store")
+
+
+def _check_entry(path: str, overwrite: bool) -> None:
+    """What may stand at a file's final name: nothing, or (with ``overwrite``) a file or a link."""
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise DestinationError(f"{path} is a directory; a pull replaces only files", hint="move it away or pull elsewhere")
+    if not (os.path.islink(path) or os.path.isfile(path)):
+        raise DestinationError(f"{path} is not a regular file; a pull replaces only files", hint="move it away or pull elsewhere")
+    if not overwrite:
+        raise DestinationExistsError(f"{path} exists", hint="pass --force to replace it")
+
+
+def file_target(store: Store, dest: str, name: str, overwrite: bool) -> str:
+    """The path a one-file pull writes: ``dest``, or ``dest/name`` when ``dest`` is a directory.
+
+    Raises :class:`DestinationError` (or :class:`DestinationExistsError`) when that path
+    lies in a store, is a directory, or exists without ``overwrite``.
+    """
+    if not dest:
+        raise DestinationError("empty destination path", hint="give a file or directory to write")
+    target = os.path.join(dest, name) if os.path.isdir(dest) else dest
+    if target.endswith(os.sep) or os.path.basename(target) in ("", ".", ".."):
+        raise DestinationError(f"{dest} is not a directory", hint="create it, or give a file name")
+    _check_outside_stores(target, store)
+    _check_entry(target, overwrite)
+    return target
+
+
+def dir_targets(store: Store, dest: str, paths: Sequence[str], overwrite: bool) -> tuple[str, list[str]]:
+    """Where a directory checkpoint's files (``paths``, relative, ``/``-separated) go.
+
+    Returns (the destination directory, the final path of each file). Raises
+    :class:`DestinationError` when the destination is (in) a store or holds the store
+    pulled from, is a file, or has something that is not a checkpoint file where one goes;
+    :class:`DestinationExistsError` when it is not empty and ``overwrite`` is off.
+    """
+    if not dest:
+        raise DestinationError("empty destination path", hint="give a directory to write")
+    dest = os.path.normpath(dest)
+    # A manifest is data read from a store: each path must name one file, and no directory.
+    dirs = {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)}
+    seen: set[str] = set()
+    for p in paths:
+        if p in dirs or p in seen:
+            raise StoreFormatError(f"this checkpoint lists {p!r} twice, or as both a file and a directory")
+        seen.add(p)
+    _check_outside_stores(dest, store)
+    root = _store_root(store)
+    if root is not None and _inside(root, os.path.realpath(dest)):
+        raise DestinationError(f"{dest} holds the store at {root}; a pull never writes around a store",
+                               hint="pull to a directory that does not contain the store")
+    if os.path.lexists(dest) and not os.path.isdir(dest):
+        raise DestinationError(f"{dest} exists and is not a directory; this checkpoint is a directory of {len(paths)} files",
+                               hint="pull to a new or existing directory")
+    targets = [os.path.join(dest, *p.split("/")) for p in paths]
+    if not os.path.isdir(dest):
+        return dest, targets
+    for rel, target in zip(paths, targets):
+        parts = rel.split("/")
+        for i in range(1, len(parts)):  # each parent directory the file needs, inside dest
+            d = os.path.join(dest, *parts[:i])
+            if os.path.islink(d):
+                raise DestinationError(f"{d} is a symbolic link; a pull does not write through links",
+                                       hint="remove the link or pull elsewhere")
+            if os.path.lexists(d) and not os.path.isdir(d):
+                raise DestinationError(f"{d} is a file where this checkpoint has a directory", hint="move it away or pull elsewhere")
+        _check_outside_stores(target, store)  # a store somewhere below dest
+        _check_entry(target, True)
+    if not overwrite:
+        present = sorted(os.listdir(dest))
+        if present:
+            ours = {p.split("/")[0] for p in paths}
+            clash = [p for p in present if p in ours] or present
+            shown = ", ".join(clash[:3]) + (f" and {len(clash) - 3} more" if len(clash) > 3 else "")
+            raise DestinationExistsError(
+                f"{dest} exists and is not empty ({shown} {'is' if len(clash) == 1 else 'are'} in the way)",
+                hint="pass --force to write the checkpoint's files into it, replacing only files of the same names")
+    return dest, targets
+
+
+def temp_name(final: str) -> str:
+    """A temporary name in ``final``'s directory (so the rename into place is atomic)."""
+    d, base = os.path.split(final)
+    return os.path.join(d, f".{base}{_TMP}{uuid.uuid4().hex[:8]}")
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _makedirs(d: str, made: list[str]) -> None:
+    """``os.makedirs`` that records each directory it creates (deepest last), to undo on failure."""
+    if not d or os.path.isdir(d):
+        return
+    _makedirs(os.path.dirname(d), made)
+    try:
+        os.mkdir(d)
+    except FileExistsError:
+        if not os.path.isdir(d):
+            raise
+        return
+    made.append(d)
+
+
+def write_files(targets: Sequence[str], fill: Callable[[list[str]], None]) -> None:
+    """Write ``targets`` all or nothing: ``fill`` writes (and fsyncs) each file under the
+    temporary name given for it; then every temporary is renamed over its target.
+
+    On any failure (an error, a corrupt chunk, Ctrl-C) the temporaries and the
+    directories made for them are removed and the targets are as they were. A target
+    that is a symbolic link is replaced by the file; the link's target is untouched.
+    """
+    made: list[str] = []
+    tmps = [temp_name(t) for t in targets]
+    try:
+        try:
+            for t in targets:
+                _makedirs(os.path.dirname(t), made)
+            fill(tmps)
+            for tmp, t in zip(tmps, targets):
+                os.replace(tmp, t)
+            for d in sorted({os.path.dirname(t) for t in targets}):
+                _fsync_dir(d)
+        except OSError as e:
+            raise DestinationError(f"cannot write {e.filename or targets[0]}: {e.strerror or e}",
+                                   hint="check the destination's permissions and free space") from None
+    except BaseException:
+        for tmp in tmps:
+            _remove_file(tmp)
+        for d in reversed(made):
+            try:
+                os.rmdir(d)  # only if still empty: never anything that is not ours
+            except OSError:
+                pass
+        raise
+
+
+def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], None]) -> None:
+    """Write a directory checkpoint's files. A new ``dest`` is built beside it and renamed
+    into place (it appears only when complete); an existing one is written into with
+    :func:`write_files`."""
+    if os.path.isdir(dest):
+        write_files(targets, fill)
+        return
+    tmp_dir = temp_name(dest)
+    inner = [os.path.join(tmp_dir, os.path.relpath(t, dest)) for t in targets]
+    made: list[str] = []
+    try:
+        try:
+            _makedirs(os.path.dirname(os.path.abspath(dest)), made)
+            os.mkdir(tmp_dir)
+            for t in inner:
+                os.makedirs(os.path.dirname(t), exist_ok=True)
+            fill(inner)
+            os.rename(tmp_dir, dest)  # fails (and nothing is lost) if dest appeared meanwhile, unless empty
+            _fsync_dir(os.path.dirname(os.path.abspath(dest)))
+        except OSError as e:
+            raise DestinationError(f"cannot write {e.filename or dest}: {e.strerror or e}",
+                                   hint="check the destination's permissions and free space") from None
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # our own temporary directory, nothing else
+        for d in reversed(made):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+        raise
+
+
+def _remove_file(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

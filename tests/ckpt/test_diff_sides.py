@@ -1,0 +1,23 @@
+"""The sides ``ckpt diff`` compares (ckpt/diff_sides.py): one tensor per name, or a clear refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ckpt.diffing.compare import diff
+from ckpt.errors import TensorMismatchError
+
+
+def test_a_side_with_one_tensor_name_in_two_files_is_refused_not_half_compared(store, tmp_path):
+    d = tmp_path / "dup"
+    d.mkdir()
+    save_file({"x": torch.zeros(4)}, d / "a.safetensors")
+    save_file({"x": torch.ones(8)}, d / "b.safetensors")
+    store.push(d, "dup")
+    save_file({"x": torch.zeros(4)}, tmp_path / "one.safetensors")
+    for a, b in (("dup", str(tmp_path / "one.safetensors")), (str(tmp_path / "one.safetensors"), str(d))):
+        with pytest.raises(TensorMismatchError, match="'x' appears in two files .*a.safetensors and b.safetensors") as e:
+            diff(a, b, store)
+        assert "one by one" in (e.value.hint or "")

@@ -1,0 +1,241 @@
+"""Pull never loses what is at the destination (ckpt/pull.py, ckpt/destination.py).
+
+Every destination is treated as holding something precious: only the checkpoint's own
+files are ever replaced, nothing is written inside a store, a failed pull leaves the
+destination as it was, and a file named .pt is a torch file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import ckpt
+from ckpt.errors import CorruptObjectError, DestinationError, DestinationExistsError, TensorMismatchError
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _tree(root: Path) -> dict[str, bytes | str]:
+    """Every entry below ``root``: file bytes, or the target of a symbolic link."""
+    out: dict[str, bytes | str] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_symlink():
+            out[rel] = "-> " + os.readlink(p)
+        elif p.is_file():
+            out[rel] = p.read_bytes()
+    return out
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    (d / "sub").mkdir(parents=True)
+    save_file({"w": torch.randn(8, 8), "b": torch.randn(8)}, d / "model.safetensors", metadata={"format": "pt"})
+    (d / "config.json").write_text('{"hidden": 8}')
+    (d / "sub" / "tokenizer.json").write_text('{"vocab": 3}')
+    return d
+
+
+def test_force_writes_into_a_directory_and_keeps_what_is_not_the_checkpoints(store, model_dir, tmp_path):
+    store.push(model_dir, "two")
+    dest = tmp_path / "dest"
+    (dest / "notes").mkdir(parents=True)
+    (dest / "keep.txt").write_text("precious")
+    (dest / "notes" / "a.md").write_text("mine")
+    (dest / "config.json").write_text("old config")
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    elsewhere.write_bytes(b"not yours")
+    (dest / "model.safetensors").symlink_to(elsewhere)
+    with pytest.raises(DestinationExistsError, match="in the way"):
+        store.pull("two", dest)
+    assert (dest / "config.json").read_text() == "old config"
+    assert store.pull("two", dest, overwrite=True) == str(dest)
+    assert (dest / "keep.txt").read_text() == "precious" and (dest / "notes" / "a.md").read_text() == "mine"
+    for rel in ("config.json", "model.safetensors", "sub/tokenizer.json"):
+        assert (dest / rel).read_bytes() == (model_dir / rel).read_bytes(), rel
+    # The link at a checkpoint file's name was replaced, not written through.
+    assert not (dest / "model.safetensors").is_symlink() and elsewhere.read_bytes() == b"not yours"
+    assert not [p for p in dest.rglob("*") if "ckpt-tmp" in p.name]
+
+
+@pytest.mark.parametrize("where", ["is the store", "inside the store", "holds the store", "link to the store"])
+def test_directory_pull_never_writes_in_or_around_the_store(tmp_path, model_dir, where):
+    sb = tmp_path / "sb"
+    sb.mkdir()
+    (sb / "keep.txt").write_text("precious")
+    store = ckpt.Store.init(str(sb / "store"))
+    store.push(model_dir, "two")
+    os.symlink(sb / "store", tmp_path / "link")
+    dest = {"is the store": sb / "store", "inside the store": sb / "store" / "refs",
+            "holds the store": sb, "link to the store": tmp_path / "link"}[where]
+    before = _tree(sb)
+    with pytest.raises(DestinationError, match="store"):
+        store.pull("two", dest, overwrite=True)
+    assert _tree(sb) == before
+    assert store.verify().ok and store.refs().keys() == {"two"}
+
+
+@pytest.mark.parametrize("dest", ["store", "store/ckpt-store.json", "store/refs/new.safetensors", "link/x.safetensors"])
+@pytest.mark.parametrize("include", [None, ["w"]])
+def test_file_pull_never_writes_inside_a_store(tmp_path, dest, include):
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    store.push({"w": torch.randn(4), "b": torch.randn(2)}, "one")
+    os.symlink(tmp_path / "store", tmp_path / "link")
+    before = _tree(tmp_path / "store")
+    with pytest.raises(DestinationError, match="inside the store"):
+        store.pull("one", tmp_path / dest, overwrite=True, include=include)
+    assert _tree(tmp_path / "store") == before
+    assert store.verify().ok
+
+
+def test_pull_never_writes_inside_another_store(store, tmp_path):
+    store.push({"w": torch.randn(4)}, "one")
+    other = ckpt.Store.init(str(tmp_path / "other"))
+    before = _tree(tmp_path / "other")
+    with pytest.raises(DestinationError, match="inside the store"):
+        store.pull("one", tmp_path / "other" / "refs" / "x.safetensors")
+    assert _tree(tmp_path / "other") == before and other.verify().ok
+
+
+def test_what_a_pull_never_replaces(store, model_dir, tmp_path):
+    store.push(model_dir, "two")
+    store.push({"w": torch.randn(4)}, "one")
+    # A directory where a checkpoint file goes: never removed, even with --force.
+    dest = tmp_path / "d1"
+    (dest / "config.json").mkdir(parents=True)
+    (dest / "config.json" / "x").write_text("mine")
+    with pytest.raises(DestinationError, match="is a directory"):
+        store.pull("two", dest, overwrite=True)
+    assert (dest / "config.json" / "x").read_text() == "mine"
+    # A file where the checkpoint needs a directory.
+    dest = tmp_path / "d2"
+    dest.mkdir()
+    (dest / "sub").write_text("mine")
+    with pytest.raises(DestinationError, match="a file where"):
+        store.pull("two", dest, overwrite=True)
+    assert (dest / "sub").read_text() == "mine" and sorted(os.listdir(dest)) == ["sub"]
+    # A link among a file's parents inside the destination: not written through.
+    dest, outside = tmp_path / "d3", tmp_path / "outside"
+    dest.mkdir()
+    outside.mkdir()
+    (dest / "sub").symlink_to(outside)
+    with pytest.raises(DestinationError, match="symbolic link"):
+        store.pull("two", dest, overwrite=True)
+    assert os.listdir(outside) == [] and sorted(os.listdir(dest)) == ["sub"]
+    # A file where a directory checkpoint goes.
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(DestinationError, match="not a directory"):
+        store.pull("two", tmp_path / "afile", overwrite=True)
+    assert (tmp_path / "afile").read_text() == "mine"
+    # A dangling link at a one-file pull's destination is something in the way too.
+    (tmp_path / "dangling.safetensors").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(DestinationExistsError):
+        store.pull("one", tmp_path / "dangling.safetensors")
+    assert (tmp_path / "dangling.safetensors").is_symlink()
+
+
+def test_failed_pull_leaves_the_destination_as_it_was(tmp_path, model_dir):
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    store.push(model_dir, "two")
+    cid = store.manifest("two").tensors[0].chunks[0]
+    path = tmp_path / "store" / store.objects.path("chunks", cid)
+    path.write_bytes(path.read_bytes()[:-1])
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "config.json").write_text("old config")
+    (dest / "keep.txt").write_text("precious")
+    before = _tree(dest)
+    with pytest.raises(CorruptObjectError):
+        store.pull("two", dest, overwrite=True)
+    assert _tree(dest) == before  # config.json untouched, no sub/, no temporaries
+    with pytest.raises(CorruptObjectError):
+        store.pull("two", tmp_path / "new" / "dir")
+    assert sorted(os.listdir(tmp_path)) == ["dest", "model", "store"]
+
+
+def test_pull_into_the_current_directory(store, model_dir, tmp_path, monkeypatch):
+    store.push(model_dir, "two")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_text("precious")
+    monkeypatch.chdir(work)
+    with pytest.raises(DestinationExistsError, match="keep.txt"):
+        store.pull("two", ".")
+    store.pull("two", ".", overwrite=True)
+    assert (work / "keep.txt").read_text() == "precious"
+    assert (work / "sub" / "tokenizer.json").read_bytes() == (model_dir / "sub" / "tokenizer.json").read_bytes()
+
+
+def test_pt_named_pull_writes_a_weights_only_torch_file(store, tmp_path):
+    sd = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.BatchNorm1d(3)).state_dict()
+    values = {"epoch": 3, "note": "ok", "lrs": [0.1, 0.01], "sched": {"gamma": 0.5}}
+    torch.save({"model": sd, **values}, tmp_path / "sd.pt")
+    store.push(tmp_path / "sd.pt", "pt")
+    out = store.pull("pt", tmp_path / "out.pt")
+    got = torch.load(out, weights_only=True)
+    want = {f"model.{k}": v for k, v in sd.items()}
+    assert {k for k, v in got.items() if isinstance(v, torch.Tensor)} == set(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and _bits(got[k]) == _bits(v), k
+    assert {k: v for k, v in got.items() if not isinstance(v, torch.Tensor)} == {
+        "epoch": 3, "note": "ok", "lrs": [0.1, 0.01], "sched.gamma": 0.5}
+    # A safetensors name still gets the safetensors file, and --include honours the suffix too.
+    assert set(load_file(store.pull("pt", tmp_path / "out.safetensors"))) == set(want)
+    only = torch.load(store.pull("pt", tmp_path / "w.pth", include=["model.0.*"]), weights_only=True)
+    assert sorted(only) == ["model.0.bias", "model.0.weight"] and _bits(only["model.0.weight"]) == _bits(sd["0.weight"])
+
+
+def test_include_refuses_tensors_of_one_name_in_two_files(store, tmp_path):
+    d = tmp_path / "dup"
+    d.mkdir()
+    save_file({"x": torch.randn(4), "a_only": torch.randn(2)}, d / "a.safetensors")
+    save_file({"x": torch.randn(8)}, d / "b.safetensors")
+    store.push(d, "dup")
+    for dest in ("sel.safetensors", "sel.pt"):
+        with pytest.raises(TensorMismatchError, match="'x' appears in two files .*a.safetensors and b.safetensors"):
+            store.pull("dup", tmp_path / dest, include=["*"])
+        assert not (tmp_path / dest).exists()
+    assert list(load_file(store.pull("dup", tmp_path / "a.safetensors", include=["a_*"]))) == ["a_only"]
+
+
+def test_a_manifest_naming_one_path_twice_is_refused(tmp_path):
+    from ckpt.store.destination import dir_targets
+    from ckpt.errors import StoreFormatError
+
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    for paths in (["a.json", "a.json"], ["sub", "sub/x.json"]):
+        with pytest.raises(StoreFormatError, match="twice, or as both"):
+            dir_targets(store, str(tmp_path / "d"), paths, True)
+    assert dir_targets(store, str(tmp_path / "d"), ["sub/x.json", "sub.json"], False)[1][0].endswith("x.json")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_distributed_checkpoint_pull_follows_the_same_rule(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt.dcp
+
+    url = str(tmp_path / "store")
+    full = {"rows": torch.randn(9, 7), "ids": torch.arange(5)}
+    dcp.save({"t": full}, storage_writer=ckpt.dcp.Writer(url, "dist/a"))
+    store = ckpt.Store.open(url)
+    before = _tree(tmp_path / "store")
+    for dest in ("store", "store/objects/x.safetensors"):
+        with pytest.raises(DestinationError, match="inside the store"):
+            store.pull("dist/a", tmp_path / dest, overwrite=True)
+    assert _tree(tmp_path / "store") == before
+    (tmp_path / "mine.safetensors").write_bytes(b"precious")
+    with pytest.raises(DestinationExistsError):
+        store.pull("dist/a", tmp_path / "mine.safetensors")
+    assert (tmp_path / "mine.safetensors").read_bytes() == b"precious"
+    got = torch.load(store.pull("dist/a", tmp_path / "out.pt"), weights_only=True)
+    assert sorted(got) == ["t.ids", "t.rows"] and _bits(got["t.rows"]) == _bits(full["rows"])
+    assert not [p for p in tmp_path.iterdir() if "ckpt-tmp" in p.name]

@@ -1,0 +1,156 @@
+"""The issue reproductions of `ckpt pull` and `ckpt init` that used to lose data, run
+through the CLI's entry point: each must end in one line on stderr (or succeed safely)
+with everything that was there before still there."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ckpt_store.cli.main import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as e:
+        main(list(args))
+    cap = capsys.readouterr()
+    return e.value.code, cap.out, cap.err
+
+
+def one_line_error(code: int, err: str, *words: str) -> None:
+    assert code == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Path, str]:
+    """``sb/keep.txt`` beside a store at ``sb/store`` holding a model folder pushed as ``two``."""
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"w": torch.randn(6, 6)}, model / "model.safetensors")
+    (model / "config.json").write_text("{}")
+    sb = tmp_path / "sb"
+    sb.mkdir()
+    (sb / "keep.txt").write_text("precious")
+    store = str(sb / "store")
+    code, _, err = run(capsys, "--store", store, "push", str(model), "two")
+    assert code == 0, err
+    return sb, store
+
+
+def test_force_pull_into_the_folder_holding_the_store_is_refused(sandbox, capsys):
+    sb, store = sandbox
+    before = tree(sb)
+    code, _, err = run(capsys, "--store", store, "pull", "two", str(sb), "--force")
+    one_line_error(code, err, "holds the store")
+    assert tree(sb) == before  # keep.txt and the store, untouched
+    code, out, err = run(capsys, "--store", store, "verify")
+    assert code == 0, err
+
+
+def test_force_pull_into_a_folder_keeps_what_is_not_the_checkpoints(sandbox, capsys, tmp_path):
+    _, store = sandbox
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "keep.txt").write_text("mine")
+    code, _, err = run(capsys, "--store", store, "pull", "two", str(dest))
+    one_line_error(code, err, "keep.txt", "--force")
+    code, _, err = run(capsys, "--store", store, "pull", "two", str(dest), "--force")
+    assert code == 0, err
+    assert sorted(os.listdir(dest)) == ["config.json", "keep.txt", "model.safetensors"]
+    assert (dest / "keep.txt").read_text() == "mine"
+
+
+def test_pull_dot_force(sandbox, capsys, tmp_path, monkeypatch):
+    sb, store = sandbox
+    before = tree(sb)
+    monkeypatch.chdir(sb)  # the current directory holds the store
+    code, _, err = run(capsys, "--store", store, "pull", "two", ".", "--force")
+    one_line_error(code, err, "store")
+    assert tree(sb) == before
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    code, _, err = run(capsys, "--store", store, "pull", "two", ".", "--force")
+    assert code == 0, err
+    assert sorted(os.listdir(work)) == ["config.json", "model.safetensors", "notes.txt"]
+
+
+@pytest.mark.parametrize("args", [["one", "store"], ["one", "store/ckpt-store.json"], ["one", "store/refs", "-i", "w"]])
+def test_file_pull_into_the_store_is_refused(tmp_path, capsys, args):
+    save_file({"w": torch.randn(3)}, tmp_path / "one.safetensors")
+    store = str(tmp_path / "store")
+    assert run(capsys, "--store", store, "push", str(tmp_path / "one.safetensors"), "one")[0] == 0
+    before = tree(tmp_path / "store")
+    args = [args[0], str(tmp_path / args[1]), *args[2:]]
+    code, _, err = run(capsys, "--store", store, "pull", *args, "--force")
+    one_line_error(code, err, "inside the store")
+    assert tree(tmp_path / "store") == before
+
+
+def test_pull_to_pt_writes_a_torch_file_with_the_values(tmp_path, capsys):
+    sd = {"model": {"w": torch.randn(4, 3), "n": torch.tensor(7)}, "step": 12, "opt": {"lr": 0.5}}
+    torch.save(sd, tmp_path / "sd.pt")
+    store = str(tmp_path / "store")
+    assert run(capsys, "--store", store, "push", str(tmp_path / "sd.pt"), "sd")[0] == 0
+    code, _, err = run(capsys, "--store", store, "pull", "sd", str(tmp_path / "out.pt"))
+    assert code == 0, err
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert sorted(got) == ["model.n", "model.w", "opt.lr", "step"]
+    assert got["step"] == 12 and got["opt.lr"] == 0.5
+    assert torch.equal(got["model.w"].view(torch.int32), sd["model"]["w"].view(torch.int32))
+    assert got["model.n"].dtype == torch.int64 and int(got["model.n"]) == 7
+
+
+def test_include_and_diff_refuse_one_name_in_two_files(tmp_path, capsys):
+    d = tmp_path / "dup"
+    d.mkdir()
+    save_file({"x": torch.randn(4)}, d / "a.safetensors")
+    save_file({"x": torch.randn(8)}, d / "b.safetensors")
+    store = str(tmp_path / "store")
+    assert run(capsys, "--store", store, "push", str(d), "dup")[0] == 0
+    code, _, err = run(capsys, "--store", store, "pull", "dup", str(tmp_path / "sel.safetensors"), "-i", "x")
+    one_line_error(code, err, "'x' appears in two files")
+    assert not (tmp_path / "sel.safetensors").exists()
+    code, _, err = run(capsys, "--store", store, "diff", "dup", "dup")
+    one_line_error(code, err, "'x' appears in two files")
+    code, _, err = run(capsys, "--store", store, "diff", str(d), str(d / "a.safetensors"))
+    one_line_error(code, err, "'x' appears in two files")
+
+
+def test_init_refuses_a_store_inside_a_store(tmp_path, capsys):
+    st = tmp_path / "st"
+    save_file({"w": torch.randn(3)}, tmp_path / "one.safetensors")
+    assert run(capsys, "--store", str(st), "push", str(tmp_path / "one.safetensors"), "one")[0] == 0
+    for inner in (st / "refs", st / "objects" / "deep" / "er"):
+        code, _, err = run(capsys, "--store", str(inner), "init")
+        one_line_error(code, err, "inside the store at", str(st))
+        code, _, err = run(capsys, "--store", str(inner), "push", str(tmp_path / "one.safetensors"), "x")
+        one_line_error(code, err, "inside the store at")
+    assert not list(st.rglob("ckpt-store.json"))[1:]  # only the outer store's own config
+    for args in (["ls"], ["du"], ["gc", "--dry-run"], ["verify"], ["rm", "one"]):
+        code, _, err = run(capsys, "--store", str(st), *args)
+        assert code == 0, (args, err)
+
+
+def test_store_path_that_is_a_file_or_empty(tmp_path, capsys, monkeypatch):
+    (tmp_path / "afile").write_text("mine")
+    for cmd in ("init", "ls"):
+        code, _, err = run(capsys, "--store", str(tmp_path / "afile"), cmd)
+        one_line_error(code, err, "afile is a file, not a store directory")
+    assert (tmp_path / "afile").read_text() == "mine"
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "--store", "", "init")
+    one_line_error(code, err, "empty store URL")
+    assert not (tmp_path / "ckpt-store.json").exists()
