@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ckpt_store.storage.errors import (
+    MissingDependencyError,
     AmbiguousRefError,
     CkptError,
     CorruptObjectError,
@@ -47,10 +48,6 @@ class InvalidMergeError(CkptError):
     """A merge (or remix) that cannot run as asked: unknown method, bad parameter value,
     wrong number of inputs, or inputs whose tensors do not line up. Raised before any
     tensor data is read."""
-
-
-class MissingDependencyError(CkptError):
-    """An optional feature needs a package that is not installed; the hint says which extra to install."""
 
 
 __all__ = [

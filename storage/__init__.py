@@ -1,6 +1,6 @@
 """The store itself: bytes and names, never tensors.
 
-``backend`` (fsspec and local primitives), ``objects`` (content-addressed blobs),
+``backends`` (by URL scheme: local, S3, any fsspec filesystem), ``objects`` (content-addressed blobs),
 ``refs`` (names with history), ``config`` (the store's format record) and ``gc``.
 This package must not import torch (tests/test_layers.py checks it).
 """

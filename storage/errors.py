@@ -91,3 +91,7 @@ class StorageIOError(CkptError):
     def __init__(self, message: str, *, retryable: bool = False, hint: str | None = None) -> None:
         super().__init__(message, hint=hint)
         self.retryable = retryable
+
+
+class MissingDependencyError(CkptError):
+    """An optional feature needs a package that is not installed; the hint says which extra to install."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import blake3
 
-from ckpt_store.storage.backend import Backend
+from ckpt_store.storage.backends.base import Backend
 from ckpt_store.storage.errors import CorruptObjectError, InvalidNameError, ObjectNotFoundError
 
 KINDS = ("chunks", "manifests")

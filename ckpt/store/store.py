@@ -10,7 +10,7 @@ from ckpt.errors import AmbiguousRefError, RefNotFoundError
 from ckpt.format.manifest import Manifest
 from ckpt.progress import Progress
 from ckpt.settings import Settings
-from ckpt_store.storage.backend import Backend, open_backend
+from ckpt_store.storage.backends import Backend, open_backend
 from ckpt_store.storage.config import StoreConfig, check_location, init_config, read_config
 from ckpt_store.storage.errors import InvalidNameError, StoreNotFoundError
 from ckpt_store.storage.objects import ObjectStore

@@ -13,7 +13,9 @@ import uuid
 
 import pytest
 
-from ckpt_store.storage.backend import LocalBackend, _io_error, open_backend
+from ckpt_store.storage.backends import open_backend
+from ckpt_store.storage.backends.base import io_error
+from ckpt_store.storage.backends.local import LocalBackend
 from ckpt_store.storage.errors import StorageIOError
 
 
@@ -125,5 +127,21 @@ def test_local_write_leaves_no_temporaries(tmp_path):
     [(errno.ENOSPC, "disk is full", False), (errno.EROFS, "permission denied", False), (errno.EIO, "write", True)],
 )
 def test_os_errors_become_storage_errors(err, words, retryable):
-    e = _io_error("write", "objects/x", OSError(err, os.strerror(err)))
+    e = io_error("write", "objects/x", OSError(err, os.strerror(err)))
     assert isinstance(e, StorageIOError) and words in str(e) and e.retryable is retryable
+
+
+def test_schemes_come_from_one_registry_that_refuses_duplicates():
+    from ckpt_store.storage.backends import BackendSpec, backend_class, register_backend, scheme_of
+    from ckpt_store.storage.backends.fsspec_backend import FsspecBackend
+    from ckpt_store.storage.errors import MissingDependencyError
+
+    assert scheme_of("/a/b") == scheme_of("file:///a/b") == "file" and scheme_of("S3://b/p") == "s3"
+    assert backend_class("file") is LocalBackend
+    assert backend_class("memory") is FsspecBackend  # any other scheme: fsspec
+    with pytest.raises(ValueError, match="already has a backend"):
+        register_backend("s3", BackendSpec("somewhere", "Else"))
+    register_backend("ckpt-test-missing", BackendSpec("ckpt_test_no_such_module", "B", extra="nothing"))
+    with pytest.raises(MissingDependencyError) as e:
+        open_backend("ckpt-test-missing://bucket/x")
+    assert "pip install 'ckpt-store[nothing]'" in str(e.value)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from ckpt_store.storage.backend import open_backend
+from ckpt_store.storage.backends import open_backend
 from ckpt_store.storage.config import CONFIG_PATH, init_config, read_config
 from ckpt_store.storage.errors import StoreFormatError, StoreNotFoundError
 

@@ -104,7 +104,7 @@ def test_gc_removes_stale_temporaries(tmp_path):
 
 
 def _backend(tmp_path):
-    from ckpt_store.storage.backend import LocalBackend
+    from ckpt_store.storage.backends.local import LocalBackend
 
     return LocalBackend(str(tmp_path), fsync=False)
 
@@ -192,7 +192,7 @@ def _race(tmp_path):
 
 def test_gc_killed_mid_delete_is_recovered(tmp_path):
     """A gc killed between condemning an object and deciding leaves it recoverable."""
-    from ckpt_store.storage.backend import CONDEMNED
+    from ckpt_store.storage.backends.base import CONDEMNED
 
     path = str(tmp_path / "s")
     store = ckpt.Store.init(path)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_store.storage.backend import open_backend
+from ckpt_store.storage.backends import open_backend
 from ckpt_store.storage.errors import CorruptObjectError, InvalidNameError, ObjectNotFoundError
 from ckpt_store.storage.objects import ObjectStore, object_id
 

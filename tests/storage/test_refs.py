@@ -4,7 +4,8 @@ import threading
 
 import pytest
 
-from ckpt_store.storage.backend import LocalBackend, open_backend
+from ckpt_store.storage.backends import open_backend
+from ckpt_store.storage.backends.local import LocalBackend
 from ckpt_store.storage.errors import InvalidNameError, StoreFormatError
 from ckpt_store.storage.refs import Refs, validate_ref_name
 

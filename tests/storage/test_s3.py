@@ -18,12 +18,12 @@ import pytest
 pytest.importorskip("s3fs")
 from s3support import KEY, SECRET, FaultProxy  # noqa: E402
 
-from ckpt_store.storage.backend import open_backend  # noqa: E402
+from ckpt_store.storage.backends import open_backend  # noqa: E402
 from ckpt_store.storage.errors import StorageIOError  # noqa: E402
 from ckpt_store.storage.refs import Refs  # noqa: E402
 from ckpt_store.storage.retry import RetryPolicy  # noqa: E402
-from ckpt_store.storage.s3 import S3Backend  # noqa: E402
-from ckpt_store.storage.s3_errors import is_precondition_failed, transient  # noqa: E402
+from ckpt_store.storage.backends.s3 import S3Backend  # noqa: E402
+from ckpt_store.storage.backends.s3_errors import is_precondition_failed, transient  # noqa: E402
 
 FAST = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05)
 
@@ -88,7 +88,7 @@ def test_storage_options_and_prefix(s3_main):
 
 
 def test_large_objects_go_multipart_and_round_trip(s3_main_url):
-    from ckpt_store.storage.s3 import MULTIPART_THRESHOLD
+    from ckpt_store.storage.backends.s3 import MULTIPART_THRESHOLD
 
     b = open_backend(s3_main_url)
     data = os.urandom(MULTIPART_THRESHOLD + 3 * 1024 * 1024)

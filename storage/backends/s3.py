@@ -32,10 +32,11 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ckpt_store.storage.backend import Data, Entry, FsspecBackend, joined
+from ckpt_store.storage.backends.base import Data, Entry, joined
+from ckpt_store.storage.backends.fsspec_backend import FsspecBackend
 from ckpt_store.storage.errors import StorageIOError
 from ckpt_store.storage.retry import RetryPolicy, call_with_retries
-from ckpt_store.storage.s3_errors import (
+from ckpt_store.storage.backends.s3_errors import (
     ACCESS,
     chain,
     client_error,
@@ -72,7 +73,7 @@ class S3Backend(FsspecBackend):
         try:
             import s3fs
         except ImportError:
-            raise StorageIOError(f"{url} needs s3fs", hint="install it: pip install 'ckpt[s3]'") from None
+            raise StorageIOError(f"{url} needs s3fs", hint="install it: pip install 'ckpt-store[s3]'") from None
         opts = dict(storage_options or {})
         self._secrets = secrets_in(opts)
         self.url = url
@@ -99,6 +100,11 @@ class S3Backend(FsspecBackend):
         self.bucket, _, self.prefix = root.partition("/")
         if not self.bucket:
             raise StorageIOError(f"{url} names no bucket", hint="use s3://BUCKET/PREFIX")
+
+    @classmethod
+    def from_url(cls, url: str, *, storage_options: dict[str, Any] | None, fsync: bool,
+                 remote: dict[str, Any] | None) -> S3Backend:
+        return cls(url, storage_options, **(remote or {}))
 
     # -- plumbing --------------------------------------------------------------
     def _redact(self, text: str) -> str:

@@ -1,0 +1,193 @@
+"""What every backend provides: a few byte-level primitives below a store root.
+
+A backend knows paths relative to the store root and bytes; nothing else. Every
+write is atomic: a reader never sees a half-written object under its final name.
+Backends are chosen by URL scheme (:mod:`ckpt_store.storage.backends`).
+"""
+
+from __future__ import annotations
+
+import errno
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Union
+
+from ckpt_store.storage.errors import StorageIOError
+
+# What write() takes: bytes, or a tuple of buffers whose concatenation is the file.
+Data = Union[bytes, bytearray, memoryview, tuple[Any, ...]]
+
+
+def joined(data: Data) -> bytes:
+    """``data`` as one bytes object (for backends that send a single body)."""
+    return b"".join(data) if isinstance(data, tuple) else bytes(data)
+
+# Prefix of an object gc is deleting (LocalBackend.delete_if_stale); it is a temporary.
+CONDEMNED = ".tmp-gc-"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One file found by :meth:`Backend.list`: its path relative to the root, size and mtime."""
+
+    path: str
+    size: int
+    mtime: float
+
+
+class Backend(ABC):
+    """Byte-level access below a store root. Paths are ``/``-separated and relative."""
+
+    url: str
+    # Requests worth having in flight at once. 1 for local stores, where the caller's
+    # own worker counts apply; remote stores (latency-bound) say how many they allow.
+    concurrency: int = 1
+    # True where touch() refreshes an object's modification time (and reports presence
+    # in the same call); object stores cannot, and callers there ask presence in batches.
+    touches: bool = False
+
+    @classmethod
+    def from_url(cls, url: str, *, storage_options: dict[str, Any] | None, fsync: bool,
+                 remote: dict[str, Any] | None) -> Backend:
+        """The backend for ``url`` (how :func:`open_backend` makes one): ``fsync`` is for
+        local stores, ``remote`` (concurrency, retry, conditional_writes) for remote ones."""
+        raise NotImplementedError(f"{cls.__name__} cannot be opened from a URL")
+
+    @abstractmethod
+    def read(self, path: str) -> bytes:
+        """Whole file. Raises ``FileNotFoundError`` when absent."""
+
+    @abstractmethod
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        """``length`` bytes from ``start`` (fewer at end of file)."""
+
+    # True where read_into() reads straight into the buffer (no intermediate copy) and
+    # a small read before it is cheap: callers then read a header first, then the body.
+    reads_into: bool = False
+
+    def read_into(self, path: str, start: int, buf: memoryview) -> int:
+        """Fill ``buf`` with the file's bytes from ``start`` (as many as there are); return the file's size.
+
+        Local stores read straight into ``buf`` (a tensor's memory, say) with no
+        intermediate copy; others read the file and copy.
+        """
+        data = self.read(path)
+        part = memoryview(data)[start : start + len(buf)]
+        buf[: len(part)] = part
+        return len(data)
+
+    @abstractmethod
+    def write(self, path: str, data: Data) -> None:
+        """Atomically create or replace ``path`` with ``data`` (durable on return).
+
+        ``data`` may be a tuple of buffers: the file is their concatenation (a chunk's
+        header and payload are written without joining them first)."""
+
+    @abstractmethod
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Atomically create ``path`` only if absent. Returns False if it existed."""
+
+    @abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    def exists_many(self, paths: Iterable[str]) -> set[str]:
+        """The subset of ``paths`` that exists. Remote backends batch this (one listing
+        of a directory instead of a request per path, where that is cheaper)."""
+        return {p for p in paths if self.exists(p)}
+
+    def list_all(self, prefix: str, lookups: int) -> set[str] | None:
+        """Every path below ``prefix`` when one listing is cheaper than ``lookups`` single
+        existence checks, else None. Only remote stores say yes (a local check is cheap)."""
+        return None
+
+    @abstractmethod
+    def size(self, path: str) -> int:
+        """Size in bytes. Raises ``FileNotFoundError`` when absent."""
+
+    @abstractmethod
+    def list(self, prefix: str) -> Iterator[Entry]:
+        """Every file below directory ``prefix`` (recursively); nothing if it does not exist."""
+
+    @abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove ``path``; absent is not an error."""
+
+    @abstractmethod
+    def touch(self, path: str) -> bool:
+        """Mark ``path`` as recently used (protects it from a concurrent ``gc``).
+
+        Returns False when ``path`` does not exist (a caller that meant to reuse it must
+        write it again).
+        """
+
+    def recover_condemned(self, prefix: str) -> int:
+        """Undo what a killed :meth:`delete_if_stale` left half done (nothing by default)."""
+        return 0
+
+    def delete_if_stale(self, path: str, cutoff: float) -> bool:
+        """Delete ``path`` unless it was modified (or touched) at or after ``cutoff``.
+
+        Returns True when deleted. This default checks, then deletes: a touch landing
+        between the two is lost. Backends that can rename override it with a protocol
+        that cannot lose one (:meth:`LocalBackend.delete_if_stale`).
+        """
+        try:
+            if self.mtime(path) >= cutoff:
+                return False
+        except FileNotFoundError:
+            return False
+        self.delete(path)
+        return True
+
+    def mtime(self, path: str) -> float:
+        """Modification time (seconds since the epoch); 0.0 when the backend cannot tell."""
+        return 0.0
+
+    def flush(self) -> None:
+        """Make the names of everything written so far durable (a no-op where writes already are)."""
+        return None
+
+    def root_exists(self) -> bool:
+        return True
+
+    def local_path(self, path: str) -> str | None:
+        """The OS path of ``path`` when the store is a local directory, else None."""
+        return None
+
+    # Whether prefetch() makes later reads cheaper: then a reader reads in its own
+    # thread, having hinted what comes next, instead of handing reads to a pool.
+    prefetches: bool = False
+
+    def prefetch(self, path: str) -> None:
+        """Hint that ``path`` will be read soon (no-op by default; never raises)."""
+        return None
+
+
+def relative(full: str, root: str) -> str:
+    full_n = full.lstrip("/")
+    root_n = root.lstrip("/")
+    if root_n and full_n.startswith(root_n + "/"):
+        return full_n[len(root_n) + 1 :]
+    return full_n
+
+
+
+
+def read_error(path: str, e: OSError) -> Exception:
+    """Absent (also when a parent is not a directory) stays FileNotFoundError; the rest is a StorageIOError."""
+    if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+        return FileNotFoundError(errno.ENOENT, "no such object", path)
+    if isinstance(e, IsADirectoryError):
+        return e
+    return io_error("read", path, e)
+
+
+
+
+def io_error(op: str, path: str, e: OSError) -> StorageIOError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageIOError(f"cannot {op} {path}: the store's disk is full", hint="free space and retry")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return StorageIOError(f"cannot {op} {path}: permission denied ({e.strerror})")
+    return StorageIOError(f"cannot {op} {path}: {e.strerror or e}", retryable=True)

@@ -1,0 +1,281 @@
+"""A store in a local directory, through the OS directly: temp file + fsync + rename for
+every write, exclusive create through ``link``. Faster and stricter than fsspec's local
+filesystem."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from ckpt_store.storage.backends.base import CONDEMNED, Backend, Data, Entry, io_error, read_error
+
+class LocalBackend(Backend):
+    """A store in a local directory. ``fsync`` makes every write durable before it is visible."""
+
+    touches = True
+    prefetches = hasattr(os, "posix_fadvise")
+
+    def __init__(self, root: str, *, fsync: bool = True) -> None:
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self.url = self.root
+        self.fsync = fsync
+        self._made_dirs: set[str] = set()
+        self._dirty_dirs: set[str] = set()  # directories with renames not yet fsynced
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, *, storage_options: dict[str, Any] | None, fsync: bool,
+                 remote: dict[str, Any] | None) -> LocalBackend:
+        return cls(url[len("file://"):] if url.startswith("file://") else url, fsync=fsync)
+
+    def _p(self, path: str) -> str:
+        return os.path.join(self.root, *path.split("/"))
+
+    def local_path(self, path: str) -> str | None:
+        return self._p(path)
+
+    def root_exists(self) -> bool:
+        return os.path.isdir(self.root)
+
+    def _ensure_dir(self, d: str) -> None:
+        if d in self._made_dirs:
+            return
+        os.makedirs(d, exist_ok=True)
+        with self._lock:
+            self._made_dirs.add(d)
+
+    def _write_temp(self, final: str, data: Data) -> str:
+        d = os.path.dirname(final)
+        self._ensure_dir(d)
+        tmp = os.path.join(d, f".tmp-{uuid.uuid4().hex}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for part in data if isinstance(data, tuple) else (data,):
+                view = memoryview(part).cast("B")
+                while view:
+                    n = os.write(fd, view)
+                    view = view[n:]
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quiet(tmp)
+            raise
+        os.close(fd)
+        return tmp
+
+    def read(self, path: str) -> bytes:
+        try:
+            with open(self._p(path), "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise read_error(path, e) from e
+
+    def _open_read(self, path: str) -> int:
+        try:
+            return os.open(self._p(path), os.O_RDONLY)
+        except OSError as e:
+            raise read_error(path, e) from e
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        fd = self._open_read(path)
+        try:
+            return os.pread(fd, length, start)
+        finally:
+            os.close(fd)
+
+    reads_into = True
+
+    def prefetch(self, path: str) -> None:
+        # The kernel starts reading the file into the page cache and returns at once, so
+        # one thread can keep many reads in flight (a queue deep enough for an SSD or a
+        # network disk) without a thread per read.
+        try:
+            fd = os.open(self._p(path), os.O_RDONLY)
+        except OSError:
+            return  # a missing chunk is reported by the read itself
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def read_into(self, path: str, start: int, buf: memoryview) -> int:
+        fd = self._open_read(path)
+        try:
+            size = os.fstat(fd).st_size
+            pos, end = 0, min(len(buf), max(0, size - start))
+            while pos < end:
+                n = os.preadv(fd, [buf[pos:end]], start + pos)
+                if n == 0:  # the file shrank under us: the caller's length check sees it
+                    break
+                pos += n
+            return size
+        except OSError as e:
+            raise read_error(path, e) from e
+        finally:
+            os.close(fd)
+
+    def write(self, path: str, data: Data) -> None:
+        final = self._p(path)
+        try:
+            tmp = self._write_temp(final, data)
+            os.replace(tmp, final)
+        except OSError as e:
+            raise io_error("write", path, e) from e
+        self._renamed(final)
+
+    def _renamed(self, final: str) -> None:
+        if self.fsync:
+            with self._lock:
+                self._dirty_dirs.add(os.path.dirname(final))
+
+    def flush(self) -> None:
+        """fsync every directory that gained a name since the last flush.
+
+        A file's data is fsynced before its rename; the rename itself is durable only
+        once its directory is. Batching this per commit costs one fsync per directory
+        touched instead of one per object.
+        """
+        with self._lock:
+            dirs, self._dirty_dirs = self._dirty_dirs, set()
+        for d in sorted(dirs):
+            try:
+                fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        final = self._p(path)
+        try:
+            tmp = self._write_temp(final, data)
+        except OSError as e:
+            raise io_error("write", path, e) from e
+        try:
+            os.link(tmp, final)  # atomic, fails if the name exists, never half-written
+            self._renamed(final)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise io_error("write", path, e) from e
+        finally:
+            _unlink_quiet(tmp)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self._p(path))
+
+    def size(self, path: str) -> int:
+        return os.stat(self._p(path)).st_size
+
+    def mtime(self, path: str) -> float:
+        return os.stat(self._p(path)).st_mtime
+
+    def list(self, prefix: str) -> Iterator[Entry]:
+        base = self._p(prefix) if prefix else self.root
+        stack = [base]
+        while stack:
+            d = stack.pop()
+            try:
+                it = os.scandir(d)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            with it:
+                for e in it:
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+                        continue
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue  # deleted while we listed
+                    rel = os.path.relpath(e.path, self.root).replace(os.sep, "/")
+                    yield Entry(rel, st.st_size, st.st_mtime)
+
+    def delete(self, path: str) -> None:
+        _unlink_quiet(self._p(path))
+
+    def touch(self, path: str) -> bool:
+        p = self._p(path)
+        try:
+            os.utime(p)
+            # utime resolves the name before it updates the inode: a gc may condemn and
+            # unlink the object in between, and utime still succeeds on the unlinked
+            # inode. Looking the name up again afterwards closes that window.
+            os.stat(p)
+            return True
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as e:
+            raise io_error("touch", path, e) from e
+
+    def delete_if_stale(self, path: str, cutoff: float) -> bool:
+        """Condemn, re-check, then delete or restore: a concurrent touch is never lost.
+
+        The object is first renamed to a ``.tmp-gc-`` name in its directory. A writer
+        that touches it after that finds it missing and writes it again; a touch that
+        landed before the rename shows in the mtime read *after* it, and the object is
+        linked back under its name (if a writer has not already put an identical copy
+        there). The window in which the name is absent is a few system calls long;
+        commit retries its presence check across it (storage/commit.py).
+        """
+        final = self._p(path)
+        try:
+            if os.stat(final).st_mtime >= cutoff:
+                return False  # touched since the plan: the cheap check first
+        except FileNotFoundError:
+            return False
+        # The name keeps the object's name, so a gc killed mid-way can put it back
+        # (recover_condemned) instead of losing an object a writer had just touched.
+        condemned = os.path.join(os.path.dirname(final), f"{CONDEMNED}{uuid.uuid4().hex}-{os.path.basename(final)}")
+        try:
+            os.rename(final, condemned)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise io_error("delete", path, e) from e
+        try:
+            if os.stat(condemned).st_mtime >= cutoff:
+                try:
+                    os.link(condemned, final)
+                except FileExistsError:
+                    pass  # a writer put it back already: same name, same bytes
+                return False
+            return True
+        finally:
+            _unlink_quiet(condemned)
+
+    def recover_condemned(self, prefix: str) -> int:
+        """Put back objects a killed gc left condemned below ``prefix``. Returns how many."""
+        n = 0
+        for e in list(self.list(prefix)):
+            head, _, name = e.path.rpartition("/")
+            if not name.startswith(CONDEMNED):
+                continue
+            original = name[len(CONDEMNED) :].partition("-")[2]
+            if original:
+                src = self._p(e.path)
+                try:
+                    os.link(src, self._p(f"{head}/{original}" if head else original))
+                    n += 1
+                except FileExistsError:
+                    pass
+                except FileNotFoundError:
+                    continue
+                _unlink_quiet(src)
+        return n
+
+
+def _unlink_quiet(p: str) -> None:
+    try:
+        os.unlink(p)
+    except FileNotFoundError:
+        pass
