@@ -122,6 +122,15 @@ class CheckpointManager:
     the same ``save``/``restore_latest``: snapshots are saved and restored through
     ``torch.distributed.checkpoint`` (sharded state, resharded on restore), and a rank
     that fails or dies makes the others raise after ``timeout_s`` (ckpt/dcp_manager.py).
+    Per rank: :class:`~ckpt.state.RNGState` (Python, NumPy, torch CPU and CUDA
+    generators) and anything wrapped in :class:`~ckpt.state.PerRank` are saved once per
+    rank and each rank gets its own back (so only on as many ranks). Everything else
+    (modules, optimizers, schedulers, grad scalers, plain values) is assumed identical
+    on every rank, as under DDP, or sharded as DTensors; rank 0's copy of a replicated
+    tensor is saved, and a save whose non-tensor values or tensor shapes differ between
+    ranks is refused. Optimizers are restored exactly even when fresh (no state before
+    their first step). A restore that cannot place every saved item, or would give one
+    rank's per-rank state to another, raises :class:`SnapshotError` on every rank.
     """
 
     def __init__(
