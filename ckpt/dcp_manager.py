@@ -234,7 +234,8 @@ class DistributedSnapshots:
                 targets[key] = obj.state_dict()
             else:
                 targets[key] = value_target(obj, saved.get(key, {}), layout)
-        flat, paths = flatten_state_dict(targets)  # the names DCP gave these items when saving
+        # DCP's own (private) flattening: the names must be exactly those it gave the items when saving
+        flat, paths = flatten_state_dict(targets)
         self._check_placed(state, saved, paths, step)
         return step, targets, flat, paths
 
