@@ -1,7 +1,7 @@
 """Retries with exponential backoff for remote stores: one layer, owned here.
 
 Object-store clients retry on their own (botocore and s3fs each have a loop, see
-``storage/s3.py``); the S3 backend turns both off and retries *whole operations*
+``storage/backends/s3.py``); the S3 backend turns both off and retries *whole operations*
 here instead, so that the number of attempts, the delays and the final error are
 known and tested. Every operation the store issues is safe to repeat: objects are
 immutable and named by their content, and an exclusive create that is repeated

@@ -8,8 +8,26 @@ its own timeout: an asynchronous save never interleaves with the training's
 collectives, and a rank that dies makes the others fail with
 :class:`~ckpt.snapshot.manager.SnapshotError` after ``timeout_s`` instead of hanging.
 
-Tensors that are not DTensors are taken to be identical on every rank (DCP saves
-one copy): per-rank state such as RNG streams must be keyed per rank.
+What is per rank and what is shared (DCP saves a tensor that is not a DTensor once):
+
+* **Per rank**: :class:`~ckpt.snapshot.state.RNGState` (Python's ``random``, NumPy's global
+  generator, torch's CPU generator and every CUDA one) and anything wrapped in
+  :class:`~ckpt.snapshot.state.PerRank`. Each rank saves its own copy under
+  ``KEY.rank-R`` and gets its own back, so restoring needs the same number of ranks.
+* **Shared**: everything else (modules, optimizers, schedulers, grad scalers, plain
+  values) is assumed identical on every rank, as DDP keeps it, or sharded as
+  DTensors (FSDP2, tensor parallel). Rank 0's copy of a replicated tensor is saved
+  (with DDP, buffers such as BatchNorm statistics are rank 0's, which DDP broadcasts
+  anyway). Each save compares the ranks' non-tensor values and tensor shapes and
+  refuses, naming the key, when they differ: wrap per-rank state in ``PerRank``.
+  Metrics passed to ``save`` are rank 0's.
+
+Restoring is exact or raises :class:`~ckpt.snapshot.manager.SnapshotError`: an optimizer is
+restored from the snapshot's own record of its state (a fresh one has none to load
+into, as torch's ``get_state_dict``/``set_state_dict`` also handle), and every saved
+item of a restored key must land somewhere: a snapshot item the live object has no
+place for, a per-rank object restored on another number of ranks, or one the
+snapshot saved once for all ranks is refused rather than left at its current value.
 """
 
 from __future__ import annotations
@@ -20,6 +38,9 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.api import CheckpointException
+
+from ckpt.snapshot.dcp_state import Path, fingerprint, load_optimizer, optimizer_target, saved_paths, set_at, value_target, values_planner
+from ckpt.snapshot.state import Stateful, is_per_rank
 
 if TYPE_CHECKING:
     from ckpt.snapshot.manager import CheckpointManager
@@ -35,34 +56,76 @@ class DistributedSnapshots:
 
         self.mgr = mgr
         self.rank = dist.get_rank(process_group)
+        self.world = dist.get_world_size(process_group)
         self.timeout_s = timeout_s
         # Every member calls this in the same order (it is part of constructing the manager).
         self.group = dist.new_group(dist.get_process_group_ranks(process_group), backend="gloo",
                                     timeout=timedelta(seconds=timeout_s), use_local_synchronization=True)
         self.last_id: str | None = None
 
+    @property
+    def tag(self) -> str:
+        """The key under which this rank's copy of per-rank state is saved."""
+        return f"rank-{self.rank}"
+
+    # -- saving ------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], metrics: dict[str, float] | None) -> None:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
         from ckpt.dcp.checkpoint import Writer
         from ckpt.snapshot.manager import SNAPSHOT_FORMAT
 
         mgr = self.mgr
-        snapshot = {"format": SNAPSHOT_FORMAT, "run": mgr.run, "step": step, "metrics": dict(metrics or {}), "ranks": True}
+        prepared: dict[str, Any] = {}
+        per_rank = []
+        for key, obj in state.items():
+            if is_per_rank(obj):
+                prepared[key] = {self.tag: obj.state_dict()}
+                per_rank.append(key)
+            elif isinstance(obj, Stateful) and not isinstance(obj, type):
+                prepared[key] = obj.state_dict()
+            else:
+                prepared[key] = obj
+        self._check_identical(step, {k: v for k, v in prepared.items() if k not in per_rank})
+        snapshot = {"format": SNAPSHOT_FORMAT, "run": mgr.run, "step": step, "metrics": dict(metrics or {}), "ranks": True,
+                    "world": self.world, "keys": sorted(state), "per_rank": sorted(per_rank)}
         base = self.last_id if mgr.delta else None
         writer = Writer(mgr.store, mgr.ref(step), base=base, delta=base is not None, aliases=(f"{mgr.run}/latest",),
                         extra={"snapshot": snapshot})
+        # Rank 0's copy of a replicated tensor, not whichever rank DCP's balancing picks:
+        # under DDP rank 0's buffers are the ones broadcast at the next forward.
+        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         t0 = time.perf_counter()
         if mgr.async_save:
-            fut = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+            fut = dcp.async_save(prepared, storage_writer=writer, process_group=self.group, planner=planner)
             blocked = time.perf_counter() - t0
             mgr._inflight = mgr._pool.submit(self._finish, fut, step, writer, blocked, t0)
         else:
             try:
-                dcp.save(state, storage_writer=writer, process_group=self.group)
+                dcp.save(prepared, storage_writer=writer, process_group=self.group, planner=planner)
             except _FAILURES as e:  # any failure of any rank: one clear error
                 raise self._error(step, e) from e
             self._done(step, writer, snapshot["metrics"], time.perf_counter() - t0, t0)
+
+    def _check_identical(self, step: int, shared: dict[str, Any]) -> None:
+        """Refuse (on every rank alike) shared state whose values or tensor shapes differ between ranks:
+        DCP would save one rank's copy and restore it on all of them."""
+        import torch.distributed as dist
+
+        from ckpt.snapshot.manager import SnapshotError
+
+        mine = {key: fingerprint(key, value) for key, value in shared.items()}
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self.group)
+        keys = sorted(set().union(*everyone))
+        differ = [k for k in keys if any(d.get(k) != everyone[0].get(k) for d in everyone)]
+        if differ:
+            raise SnapshotError(
+                f"snapshot of step {step} not saved: state {differ[:5]} differs between ranks "
+                "(non-tensor values, tensor shapes or keys); one rank's copy would be restored on all of them",
+                hint="make it identical on every rank, or wrap per-rank state in ckpt.snapshot.state.PerRank(...) "
+                "so that each rank saves and restores its own")
 
     def _finish(self, fut: Future[Any], step: int, writer: Any, blocked: float, t0: float) -> None:
         try:
@@ -94,16 +157,137 @@ class DistributedSnapshots:
             mgr.last_save_stats.update(written_bytes=writer.last.written_bytes, logical_bytes=writer.last.logical_bytes)
             mgr._retain()
 
+    # -- restoring -----------------------------------------------------------------------
     def restore(self, state: dict[str, Any], mid: str) -> int:
+        import torch
+        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
         from ckpt.dcp.checkpoint import Reader
+        from ckpt.snapshot.manager import SnapshotError
+
+        try:
+            step, targets, flat, paths = self._plan_restore(state, mid)
+            problem = None
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below, then raises
+            problem = e
+        # The ranks agree before the collective load: a rank that refuses must not leave the
+        # others waiting in it for timeout_s.
+        verdicts: list[Any] = [None] * self.world
+        dist.all_gather_object(verdicts, None if problem is None else f"{type(problem).__name__}: {problem}", group=self.group)
+        if problem is not None:
+            raise problem
+        refused = next(((r, v) for r, v in enumerate(verdicts) if v is not None), None)
+        if refused is not None:
+            raise SnapshotError(f"rank {self.rank}: restore refused on rank {refused[0]}: {refused[1]}",
+                                hint="see that rank's error; nothing was restored")
+        planner = values_planner()
+        try:
+            dcp.load(flat, storage_reader=Reader(self.mgr.store, mid), process_group=self.group, planner=planner)
+        except _FAILURES as e:
+            rank, err = self.rank, e
+            if isinstance(e, CheckpointException) and e.failures:
+                rank, (err, _) = next(iter(sorted(e.failures.items())))
+            first = (str(err).strip().splitlines() or [""])[0][:300]
+            raise SnapshotError(f"restore of step {step} failed on rank {rank}: {type(err).__name__}: {first}",
+                                hint="the state was partly overwritten: restore again, or from another snapshot") from e
+        for fqn, value in planner.values.items():  # tensors were read in place
+            set_at(targets, paths[fqn], value)
+        for key, obj in state.items():
+            got = targets[key]
+            if is_per_rank(obj):
+                obj.load_state_dict(got[self.tag])
+            elif isinstance(obj, torch.optim.Optimizer):
+                load_optimizer(key, obj, got, step)
+            elif isinstance(obj, Stateful) and not isinstance(obj, type):
+                obj.load_state_dict(got)
+            else:
+                state[key] = got
+        self.last_id = mid
+        return step
+
+    def _plan_restore(self, state: dict[str, Any], mid: str) -> tuple[int, dict[str, Any], dict[str, Any], dict[str, Path]]:
+        """Check the snapshot against ``state`` and build what DCP loads into: (step, the targets
+        by state key, the same flattened by DCP name, each name's key path)."""
+        import torch
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        from ckpt.dcp.format import decode_layout
         from ckpt.snapshot.manager import SNAPSHOT_FORMAT, SnapshotError
 
-        snap = self.mgr.store.get_manifest(mid).extra.get("snapshot")
+        m = self.mgr.store.get_manifest(mid)
+        snap = m.extra.get("snapshot")
         if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or not snap.get("ranks"):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a distributed snapshot of this ckpt version",
                                 hint="restore it with a CheckpointManager made without a process group")
-        dcp.load(state, storage_reader=Reader(self.mgr.store, mid), process_group=self.group)
-        self.last_id = mid
-        return int(snap["step"])
+        step = int(snap["step"])
+        layout = decode_layout(m.extra, f"manifest {mid}")
+        saved = saved_paths(layout, mid)
+        self._check_keys(state, snap, saved, step)
+        targets: dict[str, Any] = {}
+        for key, obj in state.items():
+            if is_per_rank(obj):
+                targets[key] = {self.tag: obj.state_dict()}
+            elif isinstance(obj, torch.optim.Optimizer):
+                targets[key] = optimizer_target(key, obj, saved.get(key, {}), layout, step)
+            elif isinstance(obj, Stateful) and not isinstance(obj, type):
+                targets[key] = obj.state_dict()
+            else:
+                targets[key] = value_target(obj, saved.get(key, {}), layout)
+        # DCP's own (private) flattening: the names must be exactly those it gave the items when saving
+        flat, paths = flatten_state_dict(targets)
+        self._check_placed(state, saved, paths, step)
+        return step, targets, flat, paths
+
+    def _check_keys(self, state: dict[str, Any], snap: dict[str, Any], saved: dict[str, dict[str, Path]], step: int) -> None:
+        """Every key is in the snapshot, and per-rank state meets per-rank state saved by as many ranks."""
+        from ckpt.errors import TensorMismatchError
+        from ckpt.snapshot.manager import SnapshotError
+
+        keys = set(snap["keys"]) if isinstance(snap.get("keys"), list) else set(saved)
+        missing = sorted(set(state) - keys)
+        if missing:
+            raise TensorMismatchError(f"snapshot of step {step} has no {missing}", hint="restore a subset of keys")
+        per_rank = set(snap.get("per_rank") or ())
+        world = snap.get("world")
+        for key, obj in state.items():
+            if is_per_rank(obj) and key not in per_rank:
+                raise SnapshotError(
+                    f"state[{key!r}] differs per rank, but the snapshot of step {step} holds one copy for all ranks "
+                    "(saved by a ckpt that did not keep it per rank): every rank would get the same one",
+                    hint=f"drop {key!r} from the state to resume with the streams as they are, or restore without it")
+            if is_per_rank(obj) and world != self.world:
+                raise SnapshotError(
+                    f"state[{key!r}] is per rank: the snapshot of step {step} holds it for {world} ranks, "
+                    f"this group has {self.world}",
+                    hint=f"restore on {world} ranks, or drop {key!r} from the state (each rank keeps its current one)")
+            if key in per_rank and not is_per_rank(obj):
+                raise SnapshotError(
+                    f"state[{key!r}] was saved per rank (one copy each); a {type(obj).__name__} cannot take one back",
+                    hint="pass the kind of object that was saved (ckpt.RNGState() or ckpt.snapshot.state.PerRank(...))")
+
+    def _check_placed(self, state: dict[str, Any], saved: dict[str, dict[str, Path]], paths: dict[str, Path], step: int) -> None:
+        """Both ways: every saved item of a restored key has a place in the live state, and every
+        item of the live state is in the snapshot. DCP itself skips the first silently."""
+        from ckpt.errors import TensorMismatchError
+        from ckpt.snapshot.manager import SnapshotError
+
+        wanted: dict[str, set[str]] = {}
+        for fqn, path in paths.items():
+            wanted.setdefault(str(path[0]), set()).add(fqn)
+        for key, obj in state.items():
+            have = {f for f, p in saved.get(key, {}).items() if not is_per_rank(obj) or (len(p) > 1 and p[1] == self.tag)}
+            want = wanted.get(key, set())
+            unplaced, absent = sorted(have - want), sorted(want - have)
+            if unplaced:
+                raise SnapshotError(
+                    f"state[{key!r}] ({type(obj).__name__}) has no place for {_listed(unplaced)} of the snapshot of "
+                    f"step {step}: restoring would leave them at their current values",
+                    hint="restore into the kind of object that was saved, its state initialised as it was then")
+            if absent:
+                raise TensorMismatchError(f"{key}: not in snapshot of step {step}: {_listed(absent)}",
+                                          hint="restore into the kind of object that was saved")
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 import signal
 import threading
@@ -102,12 +103,34 @@ class CheckpointManager:
 
     ``handle_signals=True`` installs SIGTERM/SIGUSR1 handlers (preemption): the
     in-flight save is finished, :attr:`preempted` becomes True, and the next
-    :meth:`maybe_save` takes a final snapshot and raises ``SystemExit``.
+    :meth:`maybe_save` takes a final snapshot, waits until it is durable and raises
+    ``SystemExit(preempt_exit_code)``. The default, 143 (128 + SIGTERM), is the status
+    the signal itself would have ended the process with: schedulers (SLURM, Kubernetes,
+    torchrun's elastic agent) read it as "killed, requeue or restart", where 0 reads as
+    "finished" and ends the job.
+
+    A snapshot is durable when :meth:`wait` (or :meth:`close`) returns; ``save`` and
+    ``maybe_save`` return earlier (``async_save``), so a crash right after them may
+    resume from the previous snapshot.
+
+    Settings are checked at construction (``ValueError`` naming the parameter):
+    ``every_n_steps``, ``keep_last``, ``keep_every`` and a ``keep_best`` count are
+    ints >= 1 (not bools) or None; ``timeout_s`` a finite number > 0;
+    ``preempt_exit_code`` an int in 0..255.
 
     With ``process_group`` (e.g. ``torch.distributed.group.WORLD``) every rank calls
     the same ``save``/``restore_latest``: snapshots are saved and restored through
     ``torch.distributed.checkpoint`` (sharded state, resharded on restore), and a rank
     that fails or dies makes the others raise after ``timeout_s`` (ckpt/snapshot/distributed.py).
+    Per rank: :class:`~ckpt.snapshot.state.RNGState` (Python, NumPy, torch CPU and CUDA
+    generators) and anything wrapped in :class:`~ckpt.snapshot.state.PerRank` are saved once per
+    rank and each rank gets its own back (so only on as many ranks). Everything else
+    (modules, optimizers, schedulers, grad scalers, plain values) is assumed identical
+    on every rank, as under DDP, or sharded as DTensors; rank 0's copy of a replicated
+    tensor is saved, and a save whose non-tensor values or tensor shapes differ between
+    ranks is refused. Optimizers are restored exactly even when fresh (no state before
+    their first step). A restore that cannot place every saved item, or would give one
+    rank's per-rank state to another, raises :class:`SnapshotError` on every rank.
     """
 
     def __init__(
@@ -118,7 +141,7 @@ class CheckpointManager:
         every_n_steps: int | None = None,
         keep_last: int | None = None,
         keep_every: int | None = None,
-        keep_best: tuple[str, str] | tuple[str, str, int] | None = None,
+        keep_best: tuple[str, str] | tuple[str, str, int] | list[Any] | None = None,
         async_save: bool = True,
         overlap_copy: bool = False,
         handle_signals: bool = False,
@@ -127,10 +150,19 @@ class CheckpointManager:
         settings: Settings | None = None,
         process_group: Any = None,
         timeout_s: float = 1800.0,
+        preempt_exit_code: int = 143,
     ) -> None:
         from ckpt.store.store import Store
         from ckpt_store.storage.refs import validate_ref_name
 
+        every_n_steps = _count("every_n_steps", every_n_steps)
+        keep_last = _count("keep_last", keep_last)
+        keep_every = _count("keep_every", keep_every)
+        keep_best = _keep_best(keep_best)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, not {timeout_s!r}")
+        if isinstance(preempt_exit_code, bool) or not isinstance(preempt_exit_code, int) or not 0 <= preempt_exit_code <= 255:
+            raise ValueError(f"preempt_exit_code must be an int in 0..255 (an exit status), not {preempt_exit_code!r}")
         if overlap_copy and not async_save:
             raise ValueError("overlap_copy=True needs async_save=True (the copy overlaps training only in the background)")
         if settings is None and not isinstance(store, Store):
@@ -146,9 +178,8 @@ class CheckpointManager:
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
         self.keep_every = keep_every
-        if keep_best is not None and (len(keep_best) < 2 or keep_best[1] not in ("min", "max")):
-            raise ValueError("keep_best is (metric, 'min' | 'max'[, count])")
         self.keep_best = keep_best
+        self.preempt_exit_code = preempt_exit_code
         self.async_save = async_save
         self.overlap_copy = overlap_copy
         self._copied = threading.Event()  # clear while an overlapped copy is pending
@@ -186,11 +217,16 @@ class CheckpointManager:
         return f"{self.run}/step-{step}"
 
     def maybe_save(self, step: int, state: dict[str, Any], metrics: dict[str, float] | None = None) -> bool:
-        """Save if ``step`` is a multiple of ``every_n_steps`` (or a preemption is pending)."""
+        """Save if ``step`` is a multiple of ``every_n_steps``; True if it saved.
+
+        After a preemption signal (``handle_signals=True``) it saves whatever the step,
+        waits until that snapshot is durable, closes the manager and raises
+        ``SystemExit(preempt_exit_code)``."""
         if self.preempted:
             self.save(step, state, metrics)
             self.close()
-            raise SystemExit(0)
+            log.warning("preempted: snapshot of step %d is durable; exiting with %d", step, self.preempt_exit_code)
+            raise SystemExit(self.preempt_exit_code)
         if self.every_n_steps and step % self.every_n_steps == 0:
             self.save(step, state, metrics)
             return True
@@ -437,8 +473,7 @@ class CheckpointManager:
         if self.keep_every:
             keep |= {s for s in steps if s % self.keep_every == 0}
         if self.keep_best:
-            name, mode = self.keep_best[0], self.keep_best[1]
-            count = self.keep_best[2] if len(self.keep_best) > 2 else 1  # type: ignore[misc]
+            name, mode, count = self.keep_best
             scored = [(self._metric(s)[name], s) for s in steps if name in self._metric(s)]
             scored.sort(reverse=mode == "max")
             keep |= {s for _, s in scored[:count]}
@@ -540,6 +575,30 @@ class CheckpointManager:
             signal.signal(s, h)
         self._old_handlers = {}
 
+
+
+def _count(name: str, value: Any) -> int | None:
+    """A retention or schedule setting: None, or an int >= 1 (a bool is not a count)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 or None, not {value!r}")
+    return value
+
+
+def _keep_best(value: Any) -> tuple[str, str, int] | None:
+    """``(metric, "min" | "max"[, count >= 1])`` as a 3-tuple (count 1 by default)."""
+    if value is None:
+        return None
+    shape = "keep_best must be (metric, 'min' | 'max'[, count >= 1])"
+    if not isinstance(value, (tuple, list)) or len(value) not in (2, 3):
+        raise ValueError(f"{shape}, not {value!r}")
+    metric, mode, count = value[0], value[1], (value[2] if len(value) == 3 else 1)
+    if not isinstance(metric, str) or not metric or mode not in ("min", "max"):
+        raise ValueError(f"{shape}, not {value!r}")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"{shape}: the count must be an int >= 1, not {count!r}")
+    return (metric, mode, count)
 
 
 def _live_tensors(key: str, obj: Any) -> dict[str, Any]:

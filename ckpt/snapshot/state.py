@@ -33,6 +33,8 @@ class RNGState:
     NumPy's global generator, torch's CPU generator and, where present, every CUDA one.
 
     Put one in the state (``{"rng": ckpt.RNGState()}``) to make resumption exact.
+    Every rank's generators differ: a distributed snapshot keeps one copy per rank
+    (:class:`PerRank`) and gives each rank its own back.
     """
 
     def state_dict(self) -> dict[str, Any]:
@@ -57,6 +59,41 @@ class RNGState:
         np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
         if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
+class PerRank:
+    """Marks state that differs between ranks (a data loader's position in its own shard, say).
+
+    With ``CheckpointManager(process_group=...)`` each rank saves its own copy and
+    restores it; anything else is taken to be identical on every rank and saved once.
+    :class:`RNGState` is per rank without this wrapper. Outside a process group it is
+    simply ``obj``.
+
+    >>> import ckpt.snapshot.state
+    >>> class Position:
+    ...     def __init__(self): self.batch = 0
+    ...     def state_dict(self): return {"batch": self.batch}
+    ...     def load_state_dict(self, sd): self.batch = sd["batch"]
+    >>> pos = ckpt.snapshot.state.PerRank(Position())
+    >>> pos.state_dict()
+    {'batch': 0}
+    """
+
+    def __init__(self, obj: Stateful) -> None:
+        if not isinstance(obj, Stateful) or isinstance(obj, type):
+            raise TypeError(f"PerRank wraps an object with state_dict()/load_state_dict(), not a {type(obj).__name__}")
+        self.obj = obj
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any:
+        return self.obj.load_state_dict(state_dict)
+
+
+def is_per_rank(obj: Any) -> bool:
+    """Whether a distributed snapshot keeps ``obj``'s state once per rank."""
+    return isinstance(obj, (RNGState, PerRank))
 
 
 def _as_tuples(x: Any) -> Any:

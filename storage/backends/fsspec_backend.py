@@ -14,7 +14,7 @@ class FsspecBackend(Backend):
 
     ``create_exclusive`` is check-then-write here, which is exact on filesystems
     with one writing process (``memory://``); S3 has its own backend with
-    conditional writes (``storage/s3.py``).
+    conditional writes (``storage/backends/s3.py``).
     """
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:

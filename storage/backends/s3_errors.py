@@ -1,6 +1,6 @@
 """How S3 failures are classified: what is worth retrying, what a 412 means, which strings are secrets.
 
-Kept apart from ``storage/s3.py`` so the rules can be read (and tested) on their own.
+Kept apart from ``storage/backends/s3.py`` so the rules can be read (and tested) on their own.
 botocore and aiohttp are imported lazily: ``storage`` must import without s3fs installed.
 """
 

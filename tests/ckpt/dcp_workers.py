@@ -256,4 +256,241 @@ def manager(rank, world, tmp, store, kill_rank=None, signum=signal.SIGKILL, asyn
     return res
 
 
-SCENARIOS = {"save_and_reshard": save_and_reshard, "manager": manager}
+# -- the README's training loop on DDP ranks: exact resume -----------------------------------
+def _ddp_state(rank, group=None):
+    """The README's state on DDP: AdamW (no state until its first step), a scheduler, a grad
+    scaler, per-rank RNG streams (torch, Python, NumPy) and a plain step counter."""
+    import random
+
+    import numpy as np
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import ckpt
+
+    torch.manual_seed(0)  # the same initial weights on every rank, as DDP expects
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Dropout(0.3), torch.nn.Linear(8, 3))
+    model = DistributedDataParallel(net, process_group=group)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)  # its scale grows every 2 steps
+    torch.manual_seed(100 + rank)  # each rank draws its own data and dropout masks
+    random.seed(200 + rank)
+    np.random.seed(300 + rank)
+    return {"model": model, "optim": opt, "sched": sched, "scaler": scaler, "rng": ckpt.RNGState(), "step": 0}
+
+
+def _ddp_step(state):
+    """One step on this rank's own batch; its local loss as float.hex."""
+    import random
+
+    import numpy as np
+    import torch
+
+    model, opt, scaler = state["model"], state["optim"], state["scaler"]
+    x = torch.randn(5, 6) * (1 + random.random()) + float(np.random.standard_normal())  # all three generators
+    y = torch.randint(0, 3, (5,))
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    state["sched"].step()
+    return loss.item().hex()
+
+
+def _ddp_bits(state):
+    """Everything a resumed run must match, bit for bit: parameters, optimizer moments and steps,
+    scheduler, scaler, every generator's state, the step counter."""
+    import hashlib
+    import random
+
+    import numpy as np
+    import torch
+
+    opt = state["optim"].state_dict()
+    np_state = np.random.get_state()
+    return {"params": {k: bits(v) for k, v in state["model"].state_dict().items()},
+            "optim": {str(i): {k: bits(v) for k, v in st.items()} for i, st in opt["state"].items()},
+            "groups": repr([sorted(g.items()) for g in opt["param_groups"]]), "sched": repr(state["sched"].state_dict()),
+            "scaler": repr(state["scaler"].state_dict()), "torch_rng": bits(torch.get_rng_state()),
+            "python_rng": hashlib.blake2b(repr(random.getstate()).encode(), digest_size=16).hexdigest(),
+            "numpy_rng": hashlib.blake2b(repr((np_state[0], np_state[1].tolist(), *np_state[2:])).encode(),
+                                         digest_size=16).hexdigest(),
+            "step": state["step"]}
+
+
+def ddp_resume(rank, world, tmp, store, mode, steps, at=0):
+    """``full``: train ``steps`` steps. ``crash``: snapshot every ``at`` steps with maybe_save, and
+    once step ``at`` is durable train two more steps and SIGKILL this process. ``resume``: a fresh
+    process restores the latest snapshot and trains on to ``steps``. Returns per-step losses and
+    :func:`_ddp_bits` at the end."""
+    import torch.distributed as dist
+
+    import ckpt
+
+    state = _ddp_state(rank)
+    losses = {}
+    mgr = None
+    start = 0
+    if mode != "full":
+        mgr = ckpt.CheckpointManager(store, "ddp", every_n_steps=at, keep_last=2, process_group=dist.group.WORLD,
+                                     timeout_s=30)
+    if mode == "resume":
+        start = mgr.restore_latest(state)
+        assert start == state["step"] == at, (start, state["step"])
+    for step in range(start + 1, steps + 1):
+        losses[step] = _ddp_step(state)
+        state["step"] = step
+        if mode == "crash" and mgr.maybe_save(step, state) and step == at:
+            mgr.wait()  # durable on every rank: the coordinator has committed
+            _ddp_step(state)  # the live state moves on past the snapshot...
+            _ddp_step(state)
+            os.kill(os.getpid(), signal.SIGKILL)  # ...and the process dies without any cleanup
+    if mgr is not None:
+        mgr.close()
+    return {"losses": losses, "bits": _ddp_bits(state)}
+
+
+def ddp_restore_in_place(rank, world, tmp, store, at=3):
+    """Train ``at`` steps, snapshot, then restore into a freshly built state (AdamW without
+    state, generators elsewhere): the restored state must be the saved one on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+
+    state = _ddp_state(rank)
+    with ckpt.CheckpointManager(store, "ddp", process_group=dist.group.WORLD, timeout_s=30) as mgr:
+        for step in range(1, at + 1):
+            _ddp_step(state)
+            state["step"] = step
+        mgr.save(at, state)
+        mgr.wait()
+        saved = _ddp_bits(state)
+        fresh = _ddp_state(rank)
+        torch.rand(3)  # the fresh process's generators are not where the snapshot's were
+        restored_step = mgr.restore_latest(fresh)
+        return {"saved": saved, "restored": _ddp_bits(fresh), "restored_step": restored_step,
+                "opt_state_len": len(fresh["optim"].state), "params": len(list(fresh["model"].parameters()))}
+
+
+class _Position:
+    """A data position that differs per rank (not a tensor: a plain value)."""
+
+    def __init__(self, batch=0):
+        self.batch = batch
+
+    def state_dict(self):
+        return {"batch": self.batch}
+
+    def load_state_dict(self, sd):
+        self.batch = sd["batch"]
+
+
+class _Lazy:
+    """State that exists only once it has been used, like an optimizer's before its first step."""
+
+    def __init__(self):
+        self.buf = None
+
+    def state_dict(self):
+        return {} if self.buf is None else {"buf": self.buf, "n": 1}
+
+    def load_state_dict(self, sd):
+        self.buf = sd.get("buf")
+
+
+def ddp_refusals(rank, world, tmp, store):
+    """What a restore cannot do exactly is refused (and a save of state that differs per rank),
+    each outcome as "ok", or the error's type and message."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt
+    import ckpt.dcp
+    from ckpt.snapshot.state import PerRank
+
+    def outcome(fn):
+        try:
+            fn()
+            return "ok"
+        except BaseException as e:  # noqa: BLE001 - reported (DCP's CheckpointException is a BaseException)
+            return f"{type(e).__name__}: {e}"
+
+    res: dict = {}
+    group = dist.group.WORLD
+    with ckpt.CheckpointManager(store, "r", async_save=False, process_group=group, timeout_s=30) as mgr:
+        res["differs"] = outcome(lambda: mgr.save(1, {"w": torch.ones(2), "pos": _Position(rank)}))
+        res["differs_steps"] = mgr.steps()
+        state = _ddp_state(rank)
+        _ddp_step(state)
+        lazy = _Lazy()
+        lazy.buf = torch.full((3,), float(rank))
+        saved_opt = {i: {k: bits(v) for k, v in st.items()} for i, st in state["optim"].state_dict()["state"].items()}
+        note = {"shard": 2, "offsets": (1, 2), "best": float("-inf")}
+        res["per_rank_save"] = outcome(lambda: mgr.save(2, {**state, "pos": PerRank(_Position(10 + rank)),
+                                                            "lazy": PerRank(lazy), "note": note}))
+        pos, used = PerRank(_Position()), _Lazy()
+        used.buf = torch.zeros(3)
+        into = {**_ddp_state(rank), "pos": pos, "lazy": PerRank(used), "note": None}
+        res["per_rank_restore"] = outcome(lambda: mgr.restore(into, 2))
+        res["per_rank_value"] = [pos.obj.batch, used.buf.tolist()]
+        res["note_exact"] = into["note"] == note and isinstance(into["note"]["offsets"], tuple)
+        res["unplaced"] = outcome(lambda: mgr.restore({"lazy": PerRank(_Lazy())}, 2))
+        some = _Lazy()
+        if rank == 0:
+            some.buf = torch.zeros(3)  # rank 0 could restore; rank 1 cannot: neither does, neither waits
+        t0 = time.monotonic()
+        res["one_refuses"] = outcome(lambda: mgr.restore({"lazy": PerRank(some)}, 2))
+        res["one_refuses_s"] = time.monotonic() - t0
+        res["not_per_rank"] = outcome(lambda: mgr.restore({"rng": _Position()}, 2))
+        # A snapshot saved with the RNG state once for all ranks (as ckpt did before it kept it per rank).
+        old = {"format": 1, "run": "old", "step": 1, "metrics": {}, "ranks": True}
+        dcp.save({"rng": ckpt.RNGState().state_dict()}, process_group=group,
+                 storage_writer=ckpt.dcp.Writer(store, "old/step-1", aliases=("old/latest",), extra={"snapshot": old}))
+    with ckpt.CheckpointManager(store, "old", async_save=False, process_group=group, timeout_s=30) as mgr:
+        res["shared_rng"] = outcome(lambda: mgr.restore_latest({"rng": ckpt.RNGState()}))
+    solo = dist.new_group([0])  # every rank creates it; rank 0 alone restores through it
+    if rank == 0:
+        with ckpt.CheckpointManager(store, "r", async_save=False, process_group=solo, timeout_s=30) as mgr:
+            res["other_world"] = outcome(lambda: mgr.restore({"rng": ckpt.RNGState()}, 2))
+            one = _ddp_state(rank, solo)
+            res["other_world_shared"] = outcome(lambda: mgr.restore({"model": one["model"], "optim": one["optim"]}, 2))
+            res["other_world_opt_exact"] = {i: {k: bits(v) for k, v in st.items()}
+                                            for i, st in one["optim"].state_dict()["state"].items()} == saved_opt
+    return res
+
+
+def fsdp_plain_state(rank, world, tmp, store):
+    """An FSDP2 model and its optimizer put in the state as they are (no get_state_dict wrapper):
+    restored into a fresh pair, the optimizer gets DTensor moments sharded like its parameters."""
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+
+    mesh = _mesh(world)
+    model, opt = _fsdp(mesh)
+    torch.manual_seed(7 + rank)
+    for _ in range(2):
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    want = {i: {k: bits(v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in st.items()}
+            for i, st in opt.state_dict()["state"].items()}
+    with ckpt.CheckpointManager(store, "fsdp", async_save=False, process_group=dist.group.WORLD, timeout_s=30) as mgr:
+        mgr.save(2, {"model": model, "optim": opt})
+        model2, opt2 = _fsdp(mesh)
+        mgr.restore_latest({"model": model2, "optim": opt2})
+    got = {i: {k: bits(v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in st.items()}
+           for i, st in opt2.state_dict()["state"].items()}
+    sharded = all(type(v).__name__ == "DTensor" for st in opt2.state.values() for k, v in st.items() if k != "step")
+    return {"exact": got == want and len(want) == 4, "sharded": sharded,
+            "params": [bits(p.full_tensor()) for p in model2.parameters()] == [bits(p.full_tensor()) for p in model.parameters()]}
+
+
+SCENARIOS = {"save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
+             "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
+             "fsdp_plain_state": fsdp_plain_state}

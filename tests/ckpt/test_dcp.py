@@ -244,3 +244,67 @@ def test_rank_hung_mid_save_times_out(tmp_path):
         assert 4 < r["kill_s"] < 60  # waited for the timeout, not forever
     store = ckpt.Store.open(url)
     assert store.resolve("run/latest") == store.resolve("run/step-3") and store.verify().ok
+
+
+def test_manager_restores_optimizer_and_per_rank_rng_on_every_rank(tmp_path):
+    """The README's state on 2 DDP ranks, restored into a fresh state: AdamW's moments (it has no
+    state until its first step) and each rank's own generators come back, bit for bit."""
+    results = W.run_ranks("ddp_restore_in_place", 2, str(tmp_path), store=str(tmp_path / "s"))
+    for r in results:
+        assert "error" not in r, r.get("trace")
+        assert r["restored_step"] == 3
+        assert r["opt_state_len"] == r["params"] == 4
+        assert r["restored"] == r["saved"]
+    assert results[0]["saved"]["torch_rng"] != results[1]["saved"]["torch_rng"]  # the ranks' streams differ
+    assert results[0]["saved"]["python_rng"] != results[1]["saved"]["python_rng"]
+    assert results[0]["saved"]["params"] == results[1]["saved"]["params"]  # DDP: replicated
+    assert ckpt.Store.open(str(tmp_path / "s")).verify().ok
+
+
+def test_manager_restores_an_fsdp_optimizer_into_a_fresh_one(tmp_path):
+    for r in W.run_ranks("fsdp_plain_state", 2, str(tmp_path), store=str(tmp_path / "s")):
+        assert "error" not in r, r.get("trace")
+        assert r["exact"] and r["sharded"] and r["params"]
+
+
+def test_ddp_run_killed_and_resumed_is_bit_identical(tmp_path):
+    """2 DDP ranks: N steps uninterrupted vs K steps, snapshot, SIGKILL, fresh processes,
+    restore_latest, on to N. Losses of every step and the final state match on every rank."""
+    n, k = 7, 4
+    full = W.run_ranks("ddp_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n)
+    url = str(tmp_path / "s")
+    crashed = W.run_ranks("ddp_resume", 2, str(tmp_path), store=url, mode="crash", steps=n, at=k)
+    assert crashed == [{"killed": True}, {"killed": True}]
+    store = ckpt.Store.open(url)
+    assert store.resolve("ddp/latest") == store.resolve(f"ddp/step-{k}")
+    resumed = W.run_ranks("ddp_resume", 2, str(tmp_path), store=url, mode="resume", steps=n, at=k)
+    for f, r in zip(full, resumed):
+        assert "error" not in f, f.get("trace")
+        assert "error" not in r, r.get("trace")
+        assert sorted(map(int, r["losses"])) == list(range(k + 1, n + 1))
+        assert {s: f["losses"][s] for s in r["losses"]} == r["losses"]  # float.hex: bit-identical
+        assert r["bits"] == f["bits"]
+    assert full[0]["losses"] != full[1]["losses"]  # per-rank data: the ranks really differ
+    assert store.verify().ok
+
+
+def test_manager_refuses_what_it_cannot_restore_per_rank(tmp_path):
+    """State that differs between ranks is saved per rank (RNGState, PerRank) or refused; a restore
+    that would leave saved state unrestored, or give one rank's copy to all, raises."""
+    url = str(tmp_path / "s")
+    r0, r1 = W.run_ranks("ddp_refusals", 2, str(tmp_path), store=url)
+    for r in (r0, r1):
+        assert "error" not in r, r.get("trace")
+        assert r["differs"].startswith("SnapshotError") and "['pos']" in r["differs"] and "differs between ranks" in r["differs"]
+        assert r["differs_steps"] == []  # nothing was saved
+        assert r["per_rank_save"] == r["per_rank_restore"] == "ok"
+        assert r["note_exact"]  # a plain value comes back into a None template, int keys and tuples intact
+        assert r["unplaced"].startswith("SnapshotError") and "lazy.rank-" in r["unplaced"] and "no place" in r["unplaced"]
+        assert r["not_per_rank"].startswith("SnapshotError") and "saved per rank" in r["not_per_rank"]
+        assert r["shared_rng"].startswith("SnapshotError") and "one copy for all ranks" in r["shared_rng"]
+    assert r0["one_refuses"].startswith("SnapshotError") and "refused on rank 1" in r0["one_refuses"]
+    assert "no place" in r1["one_refuses"] and max(r0["one_refuses_s"], r1["one_refuses_s"]) < 20  # not timeout_s
+    assert (r0["per_rank_value"], r1["per_rank_value"]) == ([10, [0.0] * 3], [11, [1.0] * 3])
+    assert r0["other_world"].startswith("SnapshotError") and "for 2 ranks, this group has 1" in r0["other_world"]
+    assert r0["other_world_shared"] == "ok" and r0["other_world_opt_exact"]  # shared state still reshards
+    assert ckpt.Store.open(url).verify().ok

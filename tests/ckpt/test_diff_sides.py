@@ -1,4 +1,4 @@
-"""The sides ``ckpt diff`` compares (ckpt/diff_sides.py): one tensor per name, or a clear refusal."""
+"""The sides ``ckpt diff`` compares (ckpt/diffing/sides.py): one tensor per name, or a clear refusal."""
 
 from __future__ import annotations
 

@@ -50,7 +50,8 @@ def test_exact_resume_after_sigkill(tmp_path, overlap):
 
 
 def test_preemption_takes_a_final_snapshot(tmp_path):
-    _run(tmp_path / "s", tmp_path / "out", "preempt", 30, 12)
+    """The process ends with 143 (128 + SIGTERM): a scheduler requeues it instead of marking it done."""
+    _run(tmp_path / "s", tmp_path / "out", "preempt", 30, 12, expect=143)
     store = ckpt.Store.open(str(tmp_path / "s"))
     m = store.manifest("run/latest")
     assert m.extra["snapshot"]["step"] == 12
@@ -331,3 +332,49 @@ def test_overlap_copy_needs_async_save(tmp_path):
     with pytest.raises(ValueError, match="needs async_save"):
         ckpt.CheckpointManager(str(tmp_path / "s"), "r", async_save=False, overlap_copy=True)
     assert not (tmp_path / "s").exists()  # refused before anything was created
+
+
+@pytest.mark.parametrize("setting", [
+    {"every_n_steps": 0}, {"every_n_steps": -5}, {"every_n_steps": 1.5}, {"every_n_steps": True}, {"every_n_steps": "5"},
+    {"keep_last": 0}, {"keep_last": -2}, {"keep_last": 2.0}, {"keep_last": False},
+    {"keep_every": 0}, {"keep_every": -10}, {"keep_every": 1.5}, {"keep_every": True},
+    {"keep_best": ("loss", "min", "x")}, {"keep_best": ("loss", "min", -1)}, {"keep_best": ("loss", "min", 0)},
+    {"keep_best": ("loss", "min", True)}, {"keep_best": ("loss", "min", 1.0)}, {"keep_best": ("loss",)},
+    {"keep_best": ("loss", "low")}, {"keep_best": (3, "min")}, {"keep_best": ("", "min")}, {"keep_best": "loss"},
+    {"keep_best": ("loss", "min", 1, 2)},
+    {"timeout_s": 0}, {"timeout_s": -1.0}, {"timeout_s": float("nan")}, {"timeout_s": float("inf")}, {"timeout_s": True},
+    {"timeout_s": "60"},
+    {"preempt_exit_code": -1}, {"preempt_exit_code": 256}, {"preempt_exit_code": True}, {"preempt_exit_code": 1.0},
+], ids=lambda s: "-".join(f"{k}={v!r}" for k, v in s.items()))
+def test_invalid_settings_are_refused_at_construction(tmp_path, setting):
+    name = next(iter(setting))
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        ckpt.CheckpointManager(str(tmp_path / "s"), "r", **setting)
+    assert not (tmp_path / "s").exists()  # refused before anything was created
+
+
+def test_valid_settings_are_kept(tmp_path):
+    mgr = ckpt.CheckpointManager(str(tmp_path / "s"), "r", every_n_steps=1, keep_last=1, keep_every=1000,
+                                 keep_best=["loss", "max", 2], timeout_s=0.5, preempt_exit_code=0)
+    with mgr:
+        assert (mgr.every_n_steps, mgr.keep_last, mgr.keep_every, mgr.keep_best) == (1, 1, 1000, ("loss", "max", 2))
+        assert mgr.preempt_exit_code == 0
+
+
+@pytest.mark.parametrize("code", [None, 0, 75])
+def test_preempted_maybe_save_exits_with_the_configured_code(tmp_path, code):
+    """Default 143 (128 + SIGTERM, what the signal itself would have ended the process with)."""
+    kw = {} if code is None else {"preempt_exit_code": code}
+    model = _model()
+    before = signal.getsignal(signal.SIGTERM)
+    mgr = ckpt.CheckpointManager(str(tmp_path / "s"), "p", handle_signals=True, **kw)
+    try:
+        signal.raise_signal(signal.SIGTERM)
+        assert mgr.preempted
+        with pytest.raises(SystemExit) as e:
+            mgr.maybe_save(7, {"model": model})
+        assert e.value.code == (143 if code is None else code)
+        assert signal.getsignal(signal.SIGTERM) is before  # closed: the handlers are back
+        assert mgr.store.resolve("p/latest") == mgr.store.resolve("p/step-7")  # durable before the exit
+    finally:
+        mgr.close()

@@ -1,4 +1,4 @@
-"""Pull never loses what is at the destination (ckpt/pull.py, ckpt/destination.py).
+"""Pull never loses what is at the destination (ckpt/store/pull.py, ckpt/store/destination.py).
 
 Every destination is treated as holding something precious: only the checkpoint's own
 files are ever replaced, nothing is written inside a store, a failed pull leaves the

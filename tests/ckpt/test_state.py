@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ckpt.errors import InvalidNameError, InvalidSourceError
-from ckpt.snapshot.state import RNGState, flatten, tensor_refs, unflatten
+from ckpt.snapshot.state import PerRank, RNGState, flatten, is_per_rank, tensor_refs, unflatten
 from ckpt_store.storage.records import canonical_json
 
 
@@ -70,3 +70,32 @@ def test_unstorable_values_are_refused():
         flatten({"x": {"f": object()}})
     with pytest.raises(InvalidNameError):
         flatten({"a/b": 1})
+
+
+class _Position:
+    def __init__(self, batch: int = 0) -> None:
+        self.batch, self.order = batch, torch.arange(4)
+
+    def state_dict(self):
+        return {"batch": self.batch, "order": self.order}
+
+    def load_state_dict(self, sd):
+        self.batch, self.order = sd["batch"], sd["order"]
+
+
+def test_per_rank_marks_state_and_is_the_object_itself_in_one_process(tmp_path):
+    """Distributed snapshots keep RNGState and PerRank(...) once per rank (tests/ckpt/test_dcp.py);
+    a single-process manager saves and restores the wrapped object as it is."""
+    import ckpt
+
+    assert is_per_rank(RNGState()) and is_per_rank(PerRank(_Position()))
+    assert not is_per_rank(_Position()) and not is_per_rank(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="state_dict"):
+        PerRank(3)
+    pos = _Position(7)
+    pos.order = torch.tensor([3, 1, 2, 0])
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "p", async_save=False) as mgr:
+        mgr.save(1, {"pos": PerRank(pos)})
+        back = _Position()
+        assert mgr.restore_latest({"pos": PerRank(back)}) == 1
+    assert back.batch == 7 and back.order.tolist() == [3, 1, 2, 0]
