@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ckpt
-from ckpt import sources
+from ckpt import source_files, sources
 from ckpt.errors import InvalidNameError, InvalidSourceError, ResourceLimitError, UnsafeInputError
 
 
@@ -476,7 +476,7 @@ def test_open_under_never_follows_a_swapped_in_link(tmp_path):
     try:
         for parts in (["f"], ["dirlink", "secret"]):
             with pytest.raises(InvalidSourceError, match="changed"):
-                sources.open_under(root_fd, parts, str(d))
+                source_files.open_under(root_fd, parts, str(d))
     finally:
         os.close(root_fd)
 
@@ -544,3 +544,36 @@ def test_unreadable_file_is_a_clear_error(tmp_path):
     finally:
         if base != str(tmp_path):
             shutil.rmtree(base)
+
+
+def test_reserved_metadata_name_is_refused(tmp_path, store):
+    # A tensor named __metadata__ would be written over the header's metadata: a file no reader loads.
+    with pytest.raises(InvalidNameError, match="__metadata__") as e:
+        store.push({"__metadata__": torch.zeros(2), "w": torch.ones(2)}, "x")
+    _one_line(e)
+    torch.save({"__metadata__": torch.zeros(2)}, tmp_path / "m.pt")
+    with pytest.raises(InvalidNameError, match="reserved"):
+        store.push(tmp_path / "m.pt", "x")
+    _nothing_stored(store)
+
+
+@pytest.mark.parametrize("value", [[{1: "a", "1": "b"}], [{"a": {2: 3}}], [float("inf")]])
+def test_json_values_that_would_change_are_refused(tmp_path, store, value):
+    # json.dumps would turn {1: 'a', '1': 'b'} into two equal keys, one of them lost on reading.
+    torch.save({"w": torch.zeros(2), "v": value}, tmp_path / "v.pt")
+    with pytest.raises(InvalidSourceError, match="neither a tensor nor JSON") as e:
+        store.push(tmp_path / "v.pt", "x")
+    assert "'v'" in _one_line(e) and "str-keyed" in e.value.hint
+    _nothing_stored(store)
+
+
+def test_hugging_face_cache_snapshot_gets_a_hint(tmp_path, store):
+    repo = tmp_path / "hub" / "models--org--m"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, repo / "blobs" / "0123")
+    os.symlink("../../blobs/0123", repo / "snapshots" / "abc" / "model.safetensors")
+    with pytest.raises(InvalidSourceError, match="outside the folder") as e:
+        store.push(repo / "snapshots" / "abc", "x")
+    assert "--local-dir" in e.value.hint and "model.safetensors" in _one_line(e)
+    _nothing_stored(store)
