@@ -541,6 +541,11 @@ def test_unreadable_file_is_a_clear_error(tmp_path):
             got = _in_child_without_root(lambda: sources.open_source(target).close())
             assert got.startswith("InvalidSourceError") and "permission denied" in got, got
             assert "tokenizer.json" in got and "\n" not in got
+        os.unlink(secret)
+        os.mkdir(os.path.join(d, "locked"))
+        os.chmod(os.path.join(d, "locked"), 0)
+        got = _in_child_without_root(lambda: sources.open_source(d).close())
+        assert got.startswith("InvalidSourceError") and "permission denied" in got and "locked" in got, got
     finally:
         if base != str(tmp_path):
             shutil.rmtree(base)
