@@ -22,7 +22,8 @@ from ckpt_store.storage.records import canonical_json, decode_record, require
 MANIFEST_FORMAT = "ckpt-manifest"
 MANIFEST_VERSION = 1
 MAX_NAME = 1024
-_CTRL = re.compile(r"[\x00-\x1f\x7f]")
+# Unicode's control characters (Cc): C0, DEL and C1 (U+009B is a terminal's CSI, like ESC [).
+_CTRL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def check_tensor_name(name: str, what: str = "tensor name") -> str:

@@ -7,6 +7,21 @@
 * an in-memory ``dict[str, torch.Tensor]`` (any dtype, 0-d, empty, non-contiguous).
 
 Nothing here reads tensor data: it only says where each chunk's bytes are.
+
+Every input is treated as hostile. What is not understood is refused with one
+:class:`~ckpt.errors.InvalidSourceError` line that says what to do; nothing is skipped
+(a skipped file would be data silently missing from the checkpoint), followed out of a
+folder, or waited on:
+
+* only regular files are read; FIFOs, sockets and devices are refused, and cannot hang
+  a push even if swapped in after the check (:mod:`ckpt.store.source_files`);
+* in a folder, links to files inside it are stored as copies of their target under the
+  link's name; links leading outside, broken links, loops and links to directories are
+  refused, all named in one message (:mod:`ckpt.store.source_files`);
+* a ``.pt``'s nested entries are named by joining keys with ``.`` (int keys in decimal);
+  two entries with the same name, or other key types, are refused (:mod:`ckpt.store.source_tensors`);
+* sparse, meta, quantized and nested tensors and wrapper subclasses (DTensor) are refused
+  with a hint saying how to convert them (:mod:`ckpt.store.source_tensors`).
 """
 
 from __future__ import annotations
@@ -14,17 +29,20 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ckpt.format.dtypes import byte_view, from_torch
-from ckpt.errors import InvalidSourceError, UnsafeInputError
+from ckpt.errors import InvalidNameError, InvalidSourceError, ResourceLimitError, UnsafeInputError
 from ckpt.format.manifest import check_file_path, check_tensor_name
 from ckpt.format.safetensors_header import build_header, parse_header
+from ckpt.store.source_files import CLOEXEC, changed_error, open_regular, open_under, os_error, show, walk_folder
+from ckpt.store.source_tensors import flatten_state_dict, physical_memory, plain_bytes
 
 INDEX_NAME = "model.safetensors.index.json"
 STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+MAX_INDEX = 64 * 1024 * 1024  # real indexes are a few hundred KiB; the file is read whole
 
 
 class ByteSource(Protocol):
@@ -32,11 +50,13 @@ class ByteSource(Protocol):
 
 
 class FileBytes:
-    """A file read with ``pread`` from any number of threads at once."""
+    """A regular file read with ``pread`` from any number of threads at once.
 
-    def __init__(self, path: str) -> None:
+    ``fd``: an already opened descriptor (see :func:`open_regular`, :func:`open_under`)."""
+
+    def __init__(self, path: str, fd: int | None = None) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
+        self.fd = open_regular(path) if fd is None else fd
 
     def read(self, offset: int, length: int) -> bytes:
         data = os.pread(self.fd, length, offset)
@@ -45,7 +65,9 @@ class FileBytes:
         return data
 
     def close(self) -> None:
-        os.close(self.fd)
+        if self.fd >= 0:  # closing twice would close whatever reused the number
+            os.close(self.fd)
+            self.fd = -1
 
 
 class MemBytes:
@@ -91,63 +113,76 @@ class SourceIn:
 
 
 def open_source(source: object, *, metadata: dict[str, str] | None = None) -> SourceIn:
-    """Describe ``source`` (a path or a mapping of tensors) as files of byte ranges."""
+    """Describe ``source`` (a path or a mapping of tensors) as files of byte ranges.
+
+    Raises :class:`InvalidSourceError` (with a hint) for anything it will not read: see
+    the module docstring for what is refused and why."""
     if isinstance(source, Mapping):
         return from_tensors(source, "tensors", {}, metadata)
     if not isinstance(source, (str, os.PathLike)):
         raise InvalidSourceError(repr(source)[:80], "push takes a file, a directory or a dict of tensors")
-    path = os.fspath(source)
-    if os.path.isdir(path):
+    path = os.fsdecode(os.fspath(source))
+    try:
+        st = os.stat(path)  # follows links: the path itself is the user's explicit choice
+    except (OSError, ValueError) as e:
+        raise os_error(show(path), e) from None
+    if stat.S_ISDIR(st.st_mode):
         return _from_hf_dir(path)
-    if not os.path.exists(path):
-        raise InvalidSourceError(path, "no such file or directory")
-    if path.endswith(STATE_DICT_SUFFIXES) and not _looks_like_safetensors(path):
-        return _from_state_dict_file(path, metadata)
-    src = SourceIn("safetensors", [])
-    src.files.append(_safetensors_file(path, os.path.basename(path) if path.endswith(".safetensors") else "model.safetensors", src))
-    return src
-
-
-def _looks_like_safetensors(path: str) -> bool:
-    with open(path, "rb") as f:
-        head = f.read(9)
-    return len(head) == 9 and head[8:9] == b"{"
-
-
-def _safetensors_file(path: str, rel: str, src: SourceIn) -> FileIn:
-    fb = FileBytes(path)
-    src._open.append(fb)
-    size = os.fstat(fb.fd).st_size
-    first = os.pread(fb.fd, 8, 0)
-    header = parse_header(first, lambda n: os.pread(fb.fd, n, 8), size, path)
-    base = header.head_size
-    tensors = [TensorIn(t.name, t.dtype, t.shape, t.nbytes, fb, base + t.begin) for t in header.tensors]
-    return FileIn(check_file_path(rel), "safetensors", size, header.head, None, tensors, header.metadata)
+    fb = FileBytes(show(path), open_regular(path))
+    try:
+        if path.endswith(STATE_DICT_SUFFIXES) and not _looks_like_safetensors(fb):
+            return _from_state_dict_file(fb, metadata)
+        src = SourceIn("safetensors", [], _open=[fb])
+        src.files.append(_safetensors_file(fb, os.path.basename(path) if path.endswith(".safetensors") else "model.safetensors"))
+        return src
+    except BaseException:
+        fb.close()
+        raise
 
 
 def _from_hf_dir(root: str) -> SourceIn:
     src = SourceIn("hf-dir", [])
+    shown = show(root)
     try:
-        paths = []
-        for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-            dirnames[:] = sorted(d for d in dirnames if d not in (".git", ".cache", "__pycache__"))
-            for fn in sorted(filenames):
-                full = os.path.join(dirpath, fn)
-                paths.append((os.path.relpath(full, root).replace(os.sep, "/"), full))
+        root_fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | CLOEXEC)  # the root may be a link
+    except (OSError, ValueError) as e:
+        raise os_error(shown, e) from None
+    try:
+        root_real = os.path.realpath(root)
+        st = os.stat(root_real)
+        if (st.st_dev, st.st_ino) != (os.fstat(root_fd).st_dev, os.fstat(root_fd).st_ino):
+            raise changed_error(shown)  # links are judged against root_real: it must be the folder opened
+        paths = walk_folder(root, root_fd, root_real)
         if not any(rel.endswith(".safetensors") for rel, _ in paths):
-            raise InvalidSourceError(root, "directory holds no .safetensors files", hint="push a .pt/.bin file directly")
-        for rel, full in paths:
+            raise InvalidSourceError(shown, "directory holds no .safetensors files", hint="push a .pt/.bin file directly")
+        for rel, parts in paths:
+            fb = FileBytes(show(f"{root.rstrip('/')}/{rel}"), open_under(root_fd, parts, root))
+            src._open.append(fb)
             if rel.endswith(".safetensors"):
-                src.files.append(_safetensors_file(full, rel, src))
+                src.files.append(_safetensors_file(fb, rel))
             else:
-                fb = FileBytes(full)
-                src._open.append(fb)
-                src.files.append(FileIn(check_file_path(rel), "blob", os.fstat(fb.fd).st_size, src=fb))
+                src.files.append(FileIn(rel, "blob", os.fstat(fb.fd).st_size, src=fb))
         _check_index(root, src)
     except BaseException:
         src.close()
         raise
+    finally:
+        os.close(root_fd)
     return src
+
+
+def _looks_like_safetensors(fb: FileBytes) -> bool:
+    head = os.pread(fb.fd, 9, 0)
+    return len(head) == 9 and head[8:9] == b"{"
+
+
+def _safetensors_file(fb: FileBytes, rel: str) -> FileIn:
+    size = os.fstat(fb.fd).st_size
+    first = os.pread(fb.fd, 8, 0)
+    header = parse_header(first, lambda n: os.pread(fb.fd, n, 8), size, fb.path)
+    base = header.head_size
+    tensors = [TensorIn(t.name, t.dtype, t.shape, t.nbytes, fb, base + t.begin) for t in header.tensors]
+    return FileIn(check_file_path(rel), "safetensors", size, header.head, None, tensors, header.metadata)
 
 
 def _check_index(root: str, src: SourceIn) -> None:
@@ -155,10 +190,11 @@ def _check_index(root: str, src: SourceIn) -> None:
     idx = [f for f in src.files if f.path == INDEX_NAME]
     if not idx:
         return
-    where = os.path.join(root, INDEX_NAME)
-    try:
-        with open(where, "rb") as fh:
-            obj = json.loads(fh.read())
+    where = show(os.path.join(root, INDEX_NAME))
+    if idx[0].size > MAX_INDEX or idx[0].src is None:
+        raise InvalidSourceError(where, f"{idx[0].size:,} bytes is too big for a safetensors index")
+    try:  # read through the descriptor already checked, not by path again
+        obj = json.loads(bytes(idx[0].src.read(0, idx[0].size)))
         weight_map = obj["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError
@@ -167,9 +203,9 @@ def _check_index(root: str, src: SourceIn) -> None:
     shards = {f.path: {t.name for t in f.tensors} for f in src.files if f.kind == "safetensors"}
     for name, shard in weight_map.items():
         if not isinstance(shard, str) or shard not in shards:
-            raise InvalidSourceError(where, f"tensor {name!r} maps to missing shard {shard!r}")
+            raise InvalidSourceError(where, f"tensor {show(repr(name))} maps to missing shard {show(repr(shard))[:200]}")
         if name not in shards[shard]:
-            raise InvalidSourceError(where, f"tensor {name!r} is not in shard {shard}")
+            raise InvalidSourceError(where, f"tensor {show(repr(name))} is not in shard {show(shard)}")
 
 
 def _refused(path: str, e: Exception) -> UnsafeInputError:
@@ -177,59 +213,63 @@ def _refused(path: str, e: Exception) -> UnsafeInputError:
     why = next((ln.strip() for ln in lines if ln.strip().startswith("WeightsUnpickler error")), lines[0] if lines else "")
     return UnsafeInputError(
         path,
-        f"refused: this file can only be loaded by running code stored in it ({why[:160]})",
+        f"refused: this file can only be loaded by running code stored in it ({show(why[:160])})",
         hint="ckpt reads .pt files only with torch.load(weights_only=True); if you trust the file, "
         "re-save its tensors with safetensors and push that",
     )
 
 
-def _torch_load(path: str, mmap: bool) -> Any:
+def _torch_load(f: Any, mmap: bool) -> Any:
     import warnings
 
     import torch
 
     with warnings.catch_warnings():  # torch warns about pickle protocols on its way to refusing
         warnings.simplefilter("ignore")
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return torch.load(f, map_location="cpu", weights_only=True, mmap=mmap)
 
 
-def _from_state_dict_file(path: str, metadata: dict[str, str] | None) -> SourceIn:
-    obj: Any = None
-    for mmap in (True, False):  # the legacy (non-zip) format cannot be memory-mapped
+def _load(fb: FileBytes) -> Any:
+    """``torch.load`` of the file already opened and checked as ``fb``, not of its path
+    again (which could have become a FIFO since): through /proc where there is one, so
+    it can still be memory-mapped."""
+    proc = f"/proc/self/fd/{fb.fd}"
+    if not os.path.exists(proc):
+        with os.fdopen(os.dup(fb.fd), "rb") as f:
+            return _torch_load(f, False)
+    try:
+        return _torch_load(proc, True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):  # the legacy (non-zip) format cannot be memory-mapped
+            raise
+    return _torch_load(proc, False)
+
+
+def _from_state_dict_file(fb: FileBytes, metadata: dict[str, str] | None) -> SourceIn:
+    path = fb.path
+    try:
         try:
-            obj = _torch_load(path, mmap)
-            break
-        except pickle.UnpicklingError as e:
-            raise _refused(path, e) from None
-        except RuntimeError as e:
-            if mmap and "mmap" in str(e):
-                continue
-            raise InvalidSourceError(path, f"not a readable torch file: {str(e).strip().splitlines()[0][:200]}") from None
-        except (EOFError, OSError, ValueError) as e:
-            raise InvalidSourceError(path, f"not a readable torch file: {str(e)[:200]}") from None
+            obj = _load(fb)
+        finally:
+            fb.close()  # torch holds its own mapping; the tensors need nothing of fb
+    except pickle.UnpicklingError as e:
+        raise _refused(path, e) from None
+    except MemoryError:
+        raise ResourceLimitError(f"{path}: not enough memory to load it") from None
+    except Exception as e:  # any failure to parse hostile bytes is "unreadable", never a traceback
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise InvalidSourceError(path, f"not a readable torch file: {show(first[:200])}") from None
     if not isinstance(obj, Mapping):
         raise InvalidSourceError(path, f"holds a {type(obj).__name__}, not a state dict")
-    tensors: dict[str, Any] = {}
-    extra: dict[str, Any] = {}
-    _flatten(obj, "", tensors, extra, path)
+    tensors, extra = flatten_state_dict(obj, path)
     return from_tensors(tensors, "state-dict", extra, metadata)
 
-
-def _flatten(obj: Mapping[Any, Any], prefix: str, tensors: dict[str, Any], extra: dict[str, Any], path: str) -> None:
-    import torch
-
-    for k, v in obj.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, torch.Tensor):
-            tensors[key] = v
-        elif isinstance(v, Mapping):
-            _flatten(v, key + ".", tensors, extra, path)
-        else:
-            try:
-                json.dumps(v, allow_nan=False)
-            except (TypeError, ValueError):
-                raise InvalidSourceError(path, f"entry {key!r} is a {type(v).__name__}, neither a tensor nor JSON") from None
-            extra[key] = v
+def _check_safetensors_name(name: str) -> str:
+    check_tensor_name(name)
+    if name == "__metadata__":  # a tensor of that name would overwrite the header's metadata, or be read as it
+        raise InvalidNameError("tensor name '__metadata__' is reserved by safetensors for metadata",
+                               hint="rename the tensor")
+    return name
 
 
 def from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], metadata: dict[str, str] | None,
@@ -238,23 +278,20 @@ def from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], m
     """One safetensors file of ``tensors``. Names in ``known`` (dtype, shape, nbytes) are
     laid out in the file too but carry no data: the caller already has their chunks.
     ``sources``: where the bytes of some tensors are read from instead of their memory."""
-    import torch
-
     specs = []
     views: dict[str, tuple[memoryview, Any]] = {}
+    budget = [physical_memory() or 1 << 62]
     for name, t in tensors.items():
         if not isinstance(name, str):
-            raise InvalidSourceError("state dict", f"key {name!r} is not a string")
-        check_tensor_name(name)
-        if not isinstance(t, torch.Tensor):
-            raise InvalidSourceError("state dict", f"{name!r} is a {type(t).__name__}, not a tensor")
-        dtype = from_torch(t.dtype)
-        dense = t.detach().cpu().contiguous()
-        view = byte_view(dense)
-        specs.append((name, dtype, tuple(t.shape), len(view)))
+            raise InvalidSourceError("state dict", f"key {show(repr(name))[:80]} is not a string")
+        _check_safetensors_name(name)
+        dtype, shape, view, dense = plain_bytes(name, t, budget)
+        specs.append((name, dtype, shape, len(view)))
         views[name] = (view, dense)
     for name, (dtype, shape, nbytes) in (known or {}).items():
-        specs.append((check_tensor_name(name), dtype, shape, nbytes))
+        if name in views:
+            raise InvalidSourceError(repr(name), "given both as a tensor and as one already stored")
+        specs.append((_check_safetensors_name(name), dtype, shape, nbytes))
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise InvalidSourceError("metadata", "safetensors metadata must map strings to strings")
     head, order = build_header(specs, metadata)

@@ -1,18 +1,27 @@
-"""Bad input: each case is a clear error naming the problem, and nothing is stored."""
+"""Bad input: each case is a clear error naming the problem, and nothing is stored.
+
+Hostile inputs of every kind push accepts: malformed safetensors, pickles, .pt structures
+that do not flatten, tensors without plain bytes, and folders with links, FIFOs and devices."""
 
 from __future__ import annotations
 
 import json
 import os
 import pickle
+import shutil
+import socket
 import struct
+import sys
+import tempfile
+import threading
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import ckpt
-from ckpt.errors import InvalidNameError, InvalidSourceError, UnsafeInputError
+from ckpt.store import source_files, sources
+from ckpt.errors import InvalidNameError, InvalidSourceError, ResourceLimitError, UnsafeInputError
 
 
 def _valid(tmp_path):
@@ -115,3 +124,461 @@ def test_bad_ref_names_rejected_before_io(tmp_path, store, name):
 def test_non_tensor_values(store):
     with pytest.raises(InvalidSourceError, match="not a tensor"):
         store.push({"w": [1, 2]}, "x")
+
+
+
+def _nothing_stored(store) -> None:
+    assert store.refs() == {}
+    assert list(store.objects.list("chunks")) == []
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert "\n" not in msg and msg.isprintable(), msg
+    return msg
+
+
+def _push_with_timeout(store, source, name: str = "x", timeout: float = 20.0, unblock: str | None = None):
+    """Push in a thread; a push that hangs (a FIFO opened for reading) fails the test
+    instead of the suite. ``unblock``: a FIFO to open for writing so a stuck reader returns."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["id"] = store.push(source, name)
+        except BaseException as e:  # handed to the test thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        if unblock is not None:  # release the reader blocked in open() so the thread ends
+            fd = os.open(unblock, os.O_WRONLY | os.O_NONBLOCK)
+            os.close(fd)
+        pytest.fail(f"push of {source} hung")
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["id"]
+
+
+@pytest.mark.parametrize(
+    "obj, names",
+    [
+        ({"a": {"b": torch.ones(3)}, "a.b": torch.zeros(3)}, ("['a']['b']", "['a.b']")),
+        ({"a.b": torch.zeros(3), "a": {"b": torch.ones(3)}}, ("['a.b']", "['a']['b']")),
+        ({"a": {"b": 3}, "a.b": torch.zeros(3)}, ("['a']['b']", "['a.b']")),
+        ({"a": {"b": torch.zeros(3)}, "a.b": "note"}, ("['a']['b']", "['a.b']")),
+        ({"s": {0: torch.zeros(3), "0": torch.ones(3)}}, ("['s'][0]", "['s']['0']")),
+    ],
+)
+def test_flattened_name_collisions_are_refused(tmp_path, store, obj, names):
+    p = tmp_path / "c.pt"
+    torch.save(obj, p)
+    with pytest.raises(InvalidSourceError, match="both") as e:
+        store.push(p, "x")
+    msg = _one_line(e)
+    assert all(n in msg for n in names), msg
+    _nothing_stored(store)
+
+
+def test_optimizer_int_keys_are_named_in_decimal(tmp_path, store):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    fresh = {"model": model.state_dict(), "optim": opt.state_dict()}
+    torch.save(fresh, tmp_path / "fresh.pt")
+    store.push(tmp_path / "fresh.pt", "fresh")
+    # An optimizer that has not stepped has an empty state dict: it is kept, not dropped.
+    assert store.manifest("fresh").extra["optim.state"] == {}
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    torch.save(sd, tmp_path / "train.pt")
+    store.push(tmp_path / "train.pt", "train")
+    m = store.manifest("train")
+    assert {"optim.state.0.exp_avg", "optim.state.1.exp_avg_sq", "model.weight"} <= {t.name for t in m.tensors}
+    assert m.extra["optim.param_groups"][0]["params"] == [0, 1]
+    store.pull("train", str(tmp_path / "out.safetensors"))
+    back = load_file(tmp_path / "out.safetensors")
+    want = sd["optim"]["state"][0]["exp_avg"]
+    assert torch.equal(back["optim.state.0.exp_avg"].view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("key", [1.5, None, (1, 2), True, b"k"])
+def test_keys_that_are_not_strings_or_ints_are_refused(tmp_path, store, key):
+    p = tmp_path / "k.pt"
+    torch.save({"a": {key: torch.zeros(2)}}, p)
+    with pytest.raises(InvalidSourceError, match="key") as e:
+        store.push(p, "x")
+    _one_line(e)
+    _nothing_stored(store)
+
+
+def test_self_referencing_and_deep_state_dicts(tmp_path, store):
+    loop: dict = {"w": torch.zeros(2)}
+    loop["again"] = loop
+    torch.save(loop, tmp_path / "loop.pt")
+    with pytest.raises(InvalidSourceError, match="contains itself") as e:
+        store.push(tmp_path / "loop.pt", "x")
+    _one_line(e)
+    deep: dict = {"w": torch.zeros(2)}
+    for _ in range(3000):
+        deep = {"k": deep}
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20000)  # only for pickling the test input
+    try:
+        torch.save(deep, tmp_path / "deep.pt")
+    finally:
+        sys.setrecursionlimit(limit)
+    with pytest.raises((InvalidSourceError, InvalidNameError), match="too long|too deep") as e:
+        store.push(tmp_path / "deep.pt", "x")
+    _one_line(e)
+    _nothing_stored(store)
+
+
+class _Wrapper(torch.Tensor):
+    """A wrapper subclass (like DTensor, FakeTensor, torchao's quantized tensors): no plain storage."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Wrapper:
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.inner if isinstance(x, _Wrapper) else x  # noqa: E731
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
+class _Lying(torch.Tensor):
+    """A subclass whose torch-function hook substitutes other data: its own bytes are pushed."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("detach", "contiguous", "cpu", "reshape", "view"):
+            return torch.full((3,), 7.0)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _quantized() -> torch.Tensor:
+    return torch.quantize_per_tensor(torch.arange(4.0), 0.5, 0, torch.qint8)
+
+
+def _nested() -> torch.Tensor:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+
+
+KINDS = {
+    "sparse-coo": (lambda: torch.eye(3).to_sparse(), "sparse"),
+    "sparse-csr": (lambda: torch.eye(3).to_sparse_csr(), "sparse"),
+    "meta": (lambda: torch.empty(3, device="meta"), "meta"),
+    "quantized": (_quantized, "quantized"),
+    "nested": (_nested, "nested"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_tensor_kinds_without_plain_bytes_in_a_pt(tmp_path, store, kind):
+    make, word = KINDS[kind]
+    p = tmp_path / "k.pt"
+    torch.save({"ok": torch.zeros(2), "bad": make()}, p)
+    with pytest.raises(InvalidSourceError, match=word) as e:
+        store.push(p, "x")
+    assert "'bad'" in _one_line(e) and e.value.hint
+    _nothing_stored(store)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS) + ["wrapper"])
+def test_tensor_kinds_without_plain_bytes_in_memory(store, kind):
+    make, word = KINDS[kind] if kind != "wrapper" else ((lambda: _Wrapper(torch.zeros(3))), "_Wrapper")
+    with pytest.raises(InvalidSourceError, match=word) as e:
+        store.push({"ok": torch.zeros(2), "bad": make()}, "x")
+    assert "'bad'" in _one_line(e) and e.value.hint
+    _nothing_stored(store)
+
+
+def test_dtensor_in_memory_is_refused_with_a_hint(store):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        d = distribute_tensor(torch.arange(4.0), init_device_mesh("cpu", (1,)), [Shard(0)])
+        with pytest.raises(InvalidSourceError, match="DTensor") as e:
+            store.push({"w": d}, "x")
+        assert "full_tensor" in _one_line(e)
+    finally:
+        dist.destroy_process_group()
+    _nothing_stored(store)
+
+
+def test_subclasses_and_lazy_views_push_their_own_bytes(tmp_path, store):
+    c = torch.tensor([1 + 2j, 3 - 4j, 0.5j], dtype=torch.complex64)
+    plain = torch.arange(3.0)
+    tensors = {
+        "conj": c.conj(),  # a lazy conjugate view: its bytes are the conjugated values
+        "neg": torch._neg_view(plain),
+        "param": torch.nn.Parameter(torch.ones(2)),
+        "lying": plain.clone().as_subclass(_Lying),
+    }
+    want = {"conj": c.conj().resolve_conj(), "neg": -plain, "param": torch.ones(2), "lying": plain}
+    store.push(tensors, "mem")
+    torch.save({"conj": c.conj()}, tmp_path / "conj.pt")
+    store.push(tmp_path / "conj.pt", "pt")
+    for ref, names in (("mem", list(tensors)), ("pt", ["conj"])):
+        store.pull(ref, str(tmp_path / f"{ref}.safetensors"))
+        back = load_file(tmp_path / f"{ref}.safetensors")
+        for n in names:
+            w = want[n].as_subclass(torch.Tensor)
+            assert torch.equal(back[n].view(torch.uint8), w.view(torch.uint8)), n
+
+
+def test_expanded_tensor_is_refused_before_allocating(tmp_path, store):
+    # A .pt of a few hundred bytes can describe a tensor of 2**44 elements over one element
+    # of storage (stride 0): densifying it would need 64 TiB.
+    p = tmp_path / "bomb.pt"
+    torch.save({"w": torch.zeros(1).expand(2**44)}, p)
+    with pytest.raises(ResourceLimitError, match="memory") as e:
+        store.push(p, "x")
+    _one_line(e)
+    _nothing_stored(store)
+
+
+def _model_dir(tmp_path) -> str:
+    d = tmp_path / "m"
+    d.mkdir()
+    save_file({"w": torch.arange(6.0)}, d / "model.safetensors")
+    (d / "config.json").write_text('{"k": 1}')
+    return str(d)
+
+
+@pytest.mark.parametrize(
+    "link, target, words",
+    [
+        ("passwd_link", "/etc/passwd", "outside"),
+        ("creds", "../secret/credentials", "outside"),
+        ("up", "..", "outside"),
+        ("self", ".", "directory"),
+        ("sub/up", "..", "directory"),
+        ("dangling", "nowhere", "broken"),
+        ("loop", "loop", "loop"),
+        ("sub/deep/escape", "../../../secret/credentials", "outside"),
+    ],
+)
+def test_folder_links_that_leave_loop_or_dangle_are_refused(tmp_path, store, link, target, words):
+    d = _model_dir(tmp_path)
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "secret" / "credentials").write_text("aws_secret_access_key = hunter2")
+    os.makedirs(os.path.dirname(os.path.join(d, link)), exist_ok=True)
+    os.symlink(target, os.path.join(d, link))
+    with pytest.raises(InvalidSourceError, match=words) as e:
+        _push_with_timeout(store, d)
+    assert link in _one_line(e) and e.value.hint
+    _nothing_stored(store)
+
+
+def test_all_refused_entries_are_named_in_one_line(tmp_path, store):
+    d = _model_dir(tmp_path)
+    os.symlink("/etc/passwd", os.path.join(d, "a_link"))
+    os.symlink("gone", os.path.join(d, "b_link"))
+    os.mkfifo(os.path.join(d, "c_fifo"))
+    with pytest.raises(InvalidSourceError) as e:
+        _push_with_timeout(store, d, unblock=os.path.join(d, "c_fifo"))
+    msg = _one_line(e)
+    assert all(n in msg for n in ("a_link", "b_link", "c_fifo")), msg
+    _nothing_stored(store)
+
+
+def test_links_inside_the_folder_are_stored_as_copies(tmp_path, store):
+    d = _model_dir(tmp_path)
+    os.makedirs(os.path.join(d, "sub"))
+    os.symlink("config.json", os.path.join(d, "alias.json"))
+    os.symlink("alias.json", os.path.join(d, "chain.json"))  # a link to a link, still inside
+    os.symlink("../model.safetensors", os.path.join(d, "sub", "copy.safetensors"))
+    # The pushed root may itself be a link: that is the user's explicit choice.
+    root_link = tmp_path / "root_link"
+    os.symlink(d, root_link)
+    _push_with_timeout(store, str(root_link))
+    m = store.manifest("x")
+    assert [f.path for f in m.files] == ["alias.json", "chain.json", "config.json", "model.safetensors", "sub/copy.safetensors"]
+    out = tmp_path / "out"
+    store.pull("x", str(out))
+    for rel, orig in [("alias.json", "config.json"), ("chain.json", "config.json"),
+                      ("sub/copy.safetensors", "model.safetensors")]:
+        assert (out / rel).read_bytes() == (tmp_path / "m" / orig).read_bytes()
+        assert not (out / rel).is_symlink()
+
+
+def test_fifo_and_socket_in_a_folder_are_refused_without_hanging(tmp_path, store):
+    d = _model_dir(tmp_path)
+    fifo = os.path.join(d, "pipe")
+    os.mkfifo(fifo)
+    with pytest.raises(InvalidSourceError, match="FIFO") as e:
+        _push_with_timeout(store, d, unblock=fifo)
+    assert "pipe" in _one_line(e)
+    os.unlink(fifo)
+    os.symlink("model.safetensors", os.path.join(d, "ok_link"))
+    os.mkfifo(os.path.join(d, "p2"))
+    os.symlink("p2", os.path.join(d, "to_fifo"))  # an in-folder link to a FIFO: refused too
+    with pytest.raises(InvalidSourceError, match="FIFO") as e:
+        _push_with_timeout(store, d, unblock=os.path.join(d, "p2"))
+    assert "to_fifo" in _one_line(e)
+    os.unlink(os.path.join(d, "p2"))
+    os.unlink(os.path.join(d, "to_fifo"))
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.bind(os.path.join(d, "sock"))
+        with pytest.raises(InvalidSourceError, match="socket") as e:
+            _push_with_timeout(store, d)
+        assert "sock" in _one_line(e)
+    finally:
+        s.close()
+    _nothing_stored(store)
+
+
+@pytest.mark.parametrize("name", ["pipe.safetensors", "pipe.pt", "pipe"])
+def test_single_fifo_push_is_refused_without_hanging(tmp_path, store, name):
+    fifo = str(tmp_path / name)
+    os.mkfifo(fifo)
+    with pytest.raises(InvalidSourceError, match="FIFO") as e:
+        _push_with_timeout(store, fifo, unblock=fifo)
+    _one_line(e)
+    _nothing_stored(store)
+
+
+@pytest.mark.parametrize("dev", ["/dev/zero", "/dev/null"])
+def test_device_push_is_refused(store, dev):
+    if not os.path.exists(dev):
+        pytest.skip(f"no {dev}")
+    with pytest.raises(InvalidSourceError, match="character device") as e:
+        _push_with_timeout(store, dev)
+    _one_line(e)
+    _nothing_stored(store)
+
+
+def test_open_under_never_follows_a_swapped_in_link(tmp_path):
+    """The walk opens every file relative to the folder with O_NOFOLLOW at each step, so a
+    file or directory replaced by a link after the walk looked at it is refused, not followed."""
+    d = tmp_path / "m"
+    (d / "sub").mkdir(parents=True)
+    (tmp_path / "secret").write_text("s")
+    os.symlink(tmp_path / "secret", d / "f")
+    os.symlink(tmp_path, d / "dirlink")
+    root_fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for parts in (["f"], ["dirlink", "secret"]):
+            with pytest.raises(InvalidSourceError, match="changed"):
+                source_files.open_under(root_fd, parts, str(d))
+    finally:
+        os.close(root_fd)
+
+
+@pytest.mark.parametrize("name", ["a\x1b[31m.json", "a\x9b31m.json", "a\nb.json", "a\\b.json"])
+def test_folder_file_names_are_checked(tmp_path, store, name):
+    d = _model_dir(tmp_path)
+    (tmp_path / "m" / name).write_text("{}")
+    with pytest.raises(InvalidNameError) as e:
+        store.push(d, "x")
+    _one_line(e)
+    _nothing_stored(store)
+
+
+def test_dangling_root_and_root_loop(tmp_path, store):
+    os.symlink("nowhere", tmp_path / "dangling.safetensors")
+    os.symlink("loop.pt", tmp_path / "loop.pt")
+    for p in ("dangling.safetensors", "loop.pt"):
+        with pytest.raises(InvalidSourceError) as e:
+            store.push(tmp_path / p, "x")
+        _one_line(e)
+    _nothing_stored(store)
+
+
+def _in_child_without_root(fn) -> str:
+    """Run ``fn`` in a forked child that, when this is root, becomes "nobody" first (root
+    reads any file); returns what it returned, or its exception as "Type message"."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(r)
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+            out = str(fn())
+        except BaseException as e:  # reported to the parent, which asserts on it
+            out = f"{type(e).__name__} {e}"
+        os.write(w, out.encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        got = f.read().decode()
+    os.waitpid(pid, 0)
+    return got
+
+
+def test_unreadable_file_is_a_clear_error(tmp_path):
+    base = tempfile.mkdtemp() if os.geteuid() == 0 else str(tmp_path)  # "nobody" must reach it
+    try:
+        os.chmod(base, 0o755)
+        d = os.path.join(base, "m")
+        os.mkdir(d)
+        save_file({"w": torch.zeros(2)}, os.path.join(d, "model.safetensors"))
+        os.chmod(os.path.join(d, "model.safetensors"), 0o644)
+        secret = os.path.join(d, "tokenizer.json")
+        with open(secret, "w") as f:
+            f.write("{}")
+        os.chmod(secret, 0)
+        for target in (d, secret):
+            got = _in_child_without_root(lambda: sources.open_source(target).close())
+            assert got.startswith("InvalidSourceError") and "permission denied" in got, got
+            assert "tokenizer.json" in got and "\n" not in got
+        os.unlink(secret)
+        os.mkdir(os.path.join(d, "locked"))
+        os.chmod(os.path.join(d, "locked"), 0)
+        got = _in_child_without_root(lambda: sources.open_source(d).close())
+        assert got.startswith("InvalidSourceError") and "permission denied" in got and "locked" in got, got
+    finally:
+        if base != str(tmp_path):
+            shutil.rmtree(base)
+
+
+def test_reserved_metadata_name_is_refused(tmp_path, store):
+    # A tensor named __metadata__ would be written over the header's metadata: a file no reader loads.
+    with pytest.raises(InvalidNameError, match="__metadata__") as e:
+        store.push({"__metadata__": torch.zeros(2), "w": torch.ones(2)}, "x")
+    _one_line(e)
+    torch.save({"__metadata__": torch.zeros(2)}, tmp_path / "m.pt")
+    with pytest.raises(InvalidNameError, match="reserved"):
+        store.push(tmp_path / "m.pt", "x")
+    _nothing_stored(store)
+
+
+@pytest.mark.parametrize("value", [[{1: "a", "1": "b"}], [{"a": {2: 3}}], [float("inf")]])
+def test_json_values_that_would_change_are_refused(tmp_path, store, value):
+    # json.dumps would turn {1: 'a', '1': 'b'} into two equal keys, one of them lost on reading.
+    torch.save({"w": torch.zeros(2), "v": value}, tmp_path / "v.pt")
+    with pytest.raises(InvalidSourceError, match="neither a tensor nor JSON") as e:
+        store.push(tmp_path / "v.pt", "x")
+    assert "'v'" in _one_line(e) and "str-keyed" in e.value.hint
+    _nothing_stored(store)
+
+
+def test_hugging_face_cache_snapshot_gets_a_hint(tmp_path, store):
+    repo = tmp_path / "hub" / "models--org--m"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    save_file({"w": torch.zeros(2)}, repo / "blobs" / "0123")
+    os.symlink("../../blobs/0123", repo / "snapshots" / "abc" / "model.safetensors")
+    with pytest.raises(InvalidSourceError, match="outside the folder") as e:
+        store.push(repo / "snapshots" / "abc", "x")
+    assert "--local-dir" in e.value.hint and "model.safetensors" in _one_line(e)
+    _nothing_stored(store)

@@ -141,3 +141,37 @@ def test_verify_repair_from(env, capsys):
     assert code == 0 and doc["ok"] and doc["repaired"] == [{"kind": "chunk", "id": cid}]
     code, out, err = run_main(capsys, "verify")
     assert code == 0
+
+
+def test_hostile_push_sources_are_one_line_errors(env, capsys):
+    """Issue 15: each is exit code 1 and one line naming the problem, never a traceback or
+    a push that silently stored less (or more) than the source holds."""
+    import os
+
+    tmp, _ = env
+    torch.save({"a": {"b": torch.ones(3)}, "a.b": torch.zeros(3)}, tmp / "collide.pt")
+    torch.save({"w": torch.eye(3).to_sparse()}, tmp / "sparse.pt")
+    torch.save({"w": torch.empty(3, device="meta")}, tmp / "meta.pt")
+    model = tmp / "model"
+    model.mkdir()
+    save_file({"w": torch.zeros(2)}, model / "model.safetensors")
+    os.symlink("/etc/passwd", model / "passwd_link")
+    looped = tmp / "looped"
+    looped.mkdir()
+    save_file({"w": torch.zeros(2)}, looped / "model.safetensors")
+    os.symlink("..", looped / "up")
+    os.symlink("nowhere", looped / "dangling")
+    cases = [
+        (tmp / "collide.pt", ("['a']['b']", "['a.b']", "both")),
+        (tmp / "sparse.pt", ("'w'", "sparse", "to_dense")),
+        (tmp / "meta.pt", ("'w'", "meta")),
+        (model, ("passwd_link", "outside the folder")),
+        (looped, ("up", "dangling", "broken")),
+    ]
+    if os.path.exists("/dev/zero"):
+        cases.append(("/dev/zero", ("character device",)))
+    for src, words in cases:
+        code, _, err = run_main(capsys, "push", str(src), "x")
+        assert code == 1 and err.startswith("error: ") and err.count("\n") == 1, (src, err)
+        assert "Traceback" not in err and all(w in err for w in words), (src, err)
+    assert json.loads(invoke("ls", "--json")) == []

@@ -1,0 +1,166 @@
+"""What a loaded state dict holds, made flat and plain: names for nested entries, and
+the raw bytes of each tensor, or a clear error.
+
+* Nested mappings are flattened by joining keys with ``.``; int keys (optimizer state
+  is keyed by parameter index) are written in decimal; other key types are refused, and
+  so are two entries that end up with the same name (``{'a': {'b': x}, 'a.b': y}``,
+  ``{0: x, '0': y}``), naming both: one of them would otherwise be lost. Empty mappings
+  are kept as JSON ``{}``.
+* Tensors must have plain bytes: sparse, meta, quantized and nested tensors and wrapper
+  subclasses (DTensor...) are refused with a hint saying how to convert them. Lazy
+  conjugate/negative views are resolved; other subclasses are read through the plain
+  tensor underneath.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ckpt.format.dtypes import byte_view, from_torch
+from ckpt.errors import InvalidSourceError, ResourceLimitError
+from ckpt.format.manifest import MAX_NAME, check_tensor_name
+from ckpt.store.source_files import show
+
+
+def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Nested mappings as flat names (``{'a': {'b': x}}`` -> ``a.b``): tensors, and JSON values.
+
+    Refused, never resolved by dropping one: two entries with the same name, keys other
+    than str or int, a mapping that contains itself, names past ``MAX_NAME``."""
+    import torch
+
+    tensors: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    spelled: dict[str, str] = {}  # flat name -> the keys it came from, to name both sides of a collision
+    stack: list[tuple[Iterator[tuple[Any, Any]], str, str, int]] = [(iter(obj.items()), "", "", id(obj))]
+    open_ids = {id(obj)}  # the mappings being walked: meeting one again is a cycle
+    while stack:  # not recursive: nesting depth is the file's choice
+        items, prefix, keys, oid = stack[-1]
+        item = next(items, None)
+        if item is None:
+            stack.pop()
+            open_ids.discard(oid)
+            continue
+        k, v = item
+        if isinstance(k, bool) or not isinstance(k, (str, int)):
+            raise InvalidSourceError(path, f"key {show(repr(k))[:80]} (in {keys or 'the top level'}) is a {type(k).__name__}; "
+                                     "only str and int keys name entries", hint="save it again with string keys")
+        if isinstance(k, int) and k.bit_length() > 4 * MAX_NAME:  # str() of it would be refused by Python, or too long
+            raise InvalidSourceError(path, f"entry {keys}[{k.bit_length()}-bit int] has a name past {MAX_NAME} characters")
+        name = prefix + str(k)
+        spell = f"{keys}[{show(repr(k))}]"
+        if len(name) > MAX_NAME:
+            raise InvalidSourceError(path, f"entry {spell[:120]}... has a name longer than {MAX_NAME} characters "
+                                     "(nested too deeply, or keys too long)")
+        if isinstance(v, Mapping) and v:
+            if id(v) in open_ids:
+                raise InvalidSourceError(path, f"entry {spell} contains itself (a reference cycle)")
+            stack.append((iter(v.items()), name + ".", spell, id(v)))
+            open_ids.add(id(v))
+            continue
+        if name in spelled:
+            raise InvalidSourceError(path, f"entries {spelled[name]} and {spell} both flatten to the name {name!r}",
+                                     hint="nested keys are joined with '.'; rename one of them and save again")
+        spelled[name] = spell
+        if isinstance(v, torch.Tensor):
+            tensors[name] = v
+            continue
+        check_tensor_name(name, "entry name")
+        if isinstance(v, Mapping):  # empty: kept, so that nothing the file holds is dropped
+            extra[name] = {}
+            continue
+        try:
+            json.dumps(v, allow_nan=False)
+            _check_json_keys(v)
+        except (TypeError, ValueError, RecursionError):
+            raise InvalidSourceError(path, f"entry {spell} is a {type(v).__name__}, neither a tensor nor JSON",
+                                     hint="other entries are kept as JSON: str, int, float (not NaN or infinity), bool, "
+                                     "None, and lists and str-keyed dicts of these") from None
+        extra[name] = v
+    return tensors, extra
+
+
+def _check_json_keys(v: Any) -> None:
+    """json.dumps turns int keys into strings: ``{1: a, '1': b}`` would become two equal keys."""
+    todo = [v]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, Mapping):
+            if not all(isinstance(k, str) for k in x):
+                raise TypeError("a non-string key in a JSON value")
+            todo.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+
+
+def physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _refuse_kind(name: str, t: Any) -> None:
+    """Tensors whose bytes are not a plain dense array are refused, saying how to convert them."""
+    import torch
+
+    cls = type(t)
+    why = hint = ""
+    if getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__:
+        if cls.__name__ == "DTensor":
+            why = "a DTensor (sharded across ranks)"
+            hint = "gather it with .full_tensor() first, or save sharded state with ckpt's torch.distributed.checkpoint support"
+        else:
+            why = f"a {show(cls.__name__)}, a tensor subclass without plain bytes of its own"
+            hint = "convert it to a plain torch.Tensor first"
+    elif t.is_nested:
+        why, hint = "a nested tensor", "store its components as separate tensors (t.unbind())"
+    elif t.layout != torch.strided:
+        why = f"a {str(t.layout).removeprefix('torch.')} (not strided) tensor"
+        hint = "convert it with .to_dense() first" + (", or store its indices and values as tensors" if t.is_sparse else "")
+    elif t.is_quantized:
+        why, hint = "a quantized tensor", "store t.dequantize(), or t.int_repr() with its scale and zero point"
+    elif t.is_meta:
+        why, hint = "a meta tensor, which has no data", "load real weights into it (e.g. to_empty() then load_state_dict) first"
+    if why:
+        raise InvalidSourceError(repr(name), f"is {why}", hint=hint)
+
+
+def plain_bytes(name: str, t: Any, budget: list[int]) -> tuple[str, tuple[int, ...], memoryview, Any]:
+    """``t``'s dtype, shape, bytes and the dense tensor that owns them. Subclasses are read
+    through the plain tensor underneath (their ``__torch_function__`` could substitute
+    other data); ``budget``: bytes of copies the machine can still hold."""
+    import contextlib
+
+    import torch
+
+    if not isinstance(t, torch.Tensor):
+        raise InvalidSourceError("state dict", f"{name!r} is a {type(t).__name__}, not a tensor")
+    plain = getattr(torch._C, "DisableTorchFunctionSubclass", contextlib.nullcontext)
+    with plain():
+        _refuse_kind(name, t)
+        try:
+            dtype = from_torch(t.dtype)
+        except InvalidSourceError:
+            raise InvalidSourceError(repr(name), f"has dtype {t.dtype}, which ckpt cannot store",
+                                     hint="cast it to a safetensors dtype first") from None
+        copied = t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg()
+        need = t.numel() * t.element_size() if copied else 0
+        if need > budget[0]:  # a few bytes of .pt can describe a huge tensor over tiny storage (stride 0)
+            raise ResourceLimitError(f"{name!r}: pushing needs a {need:,}-byte dense copy of it, more than this machine's memory",
+                                     hint="make it contiguous and smaller first, or push it from a bigger machine")
+        budget[0] -= need
+        try:
+            dense = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+            if type(dense) is not torch.Tensor:
+                dense = dense.as_subclass(torch.Tensor)
+            return dtype, tuple(dense.shape), byte_view(dense), dense
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+            first = show((str(e).strip().splitlines() or [type(e).__name__])[0][:200])
+            if "alloc" in first.lower() or "memory" in first.lower():
+                raise ResourceLimitError(f"{name!r}: cannot copy it out: {first}") from None
+            raise InvalidSourceError(repr(name), f"its bytes cannot be read: {first}",
+                                     hint="convert it to a plain dense tensor first") from None
