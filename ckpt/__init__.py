@@ -30,12 +30,12 @@ __all__ = ["CheckpointManager", "CheckpointReader", "CkptError", "RNGState", "Se
 if TYPE_CHECKING:
     from ckpt.diffing.compare import diff
     from ckpt.errors import CkptError
-    from ckpt.snapshot.manager import CheckpointManager
     from ckpt.merging.combine import merge
-    from ckpt.store.reader import CheckpointReader
     from ckpt.merging.remixing import remix
     from ckpt.settings import Settings
+    from ckpt.snapshot.manager import CheckpointManager
     from ckpt.snapshot.state import RNGState, Stateful
+    from ckpt.store.reader import CheckpointReader
     from ckpt.store.store import Store
 
 _LAZY = {

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from ckpt_store.storage.errors import (
-    MissingDependencyError,
     AmbiguousRefError,
     CkptError,
     CorruptObjectError,
     InvalidNameError,
+    MissingDependencyError,
     ObjectNotFoundError,
     RefConflictError,
     RefNotFoundError,

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from ckpt_store.storage.progress import NullProgress, Progress
+from ckpt_store.storage.progress import NullProgress, Progress, reporting
 
-__all__ = ["NullProgress", "Progress"]
+__all__ = ["NullProgress", "Progress", "reporting"]

@@ -10,7 +10,15 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ckpt_store.cli.render import RichProgress, emit_json, err, human_bytes, out, ratio, when
+from ckpt_store.cli.render import (
+    RichProgress,
+    emit_json,
+    err,
+    human_bytes,
+    out,
+    ratio,
+    when,
+)
 
 app = typer.Typer(
     name="ckpt",

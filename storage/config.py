@@ -12,7 +12,11 @@ import uuid
 from dataclasses import dataclass
 
 from ckpt_store.storage.backends.base import Backend
-from ckpt_store.storage.errors import StoreFormatError, StoreLocationError, StoreNotFoundError
+from ckpt_store.storage.errors import (
+    StoreFormatError,
+    StoreLocationError,
+    StoreNotFoundError,
+)
 from ckpt_store.storage.records import decode_record, require, sealed_json
 
 CONFIG_PATH = "ckpt-store.json"

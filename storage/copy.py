@@ -29,7 +29,7 @@ from typing import Any
 from ckpt_store.storage.errors import CorruptObjectError
 from ckpt_store.storage.gc import referenced_chunks
 from ckpt_store.storage.objects import ObjectStore, object_id
-from ckpt_store.storage.progress import NullProgress, Progress
+from ckpt_store.storage.progress import NullProgress, Progress, reporting
 from ckpt_store.storage.refs import Refs, validate_ref_name
 
 log = logging.getLogger(__name__)
@@ -184,11 +184,10 @@ def copy_checkpoints(
     for cid in present_c:
         dst.backend.touch(dst.path("chunks", cid))  # keep a concurrent gc at dst off them (local stores)
     missing = needed - present_c
-    progress.start("copy", sum(weights.get(c, 0) for c in missing))
-    sender = _Sender(src, dst, check_chunk, concurrency, report, progress, weights)
-    sender.chunks(missing, depth, present_c)
-    sender.manifests(blobs)
-    progress.finish()
+    with reporting(progress, "copy", sum(weights.get(c, 0) for c in missing)) as p:
+        sender = _Sender(src, dst, check_chunk, concurrency, report, p, weights)
+        sender.chunks(missing, depth, present_c)
+        sender.manifests(blobs)
     for it in items:
         if it.name is None:
             continue

@@ -14,7 +14,11 @@ from dataclasses import dataclass
 import blake3
 
 from ckpt_store.storage.backends.base import Backend
-from ckpt_store.storage.errors import CorruptObjectError, InvalidNameError, ObjectNotFoundError
+from ckpt_store.storage.errors import (
+    CorruptObjectError,
+    InvalidNameError,
+    ObjectNotFoundError,
+)
 
 KINDS = ("chunks", "manifests")
 _ID = re.compile(r"^[0-9a-f]{64}$")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 
@@ -24,3 +26,15 @@ class NullProgress:
 
     def finish(self) -> None:
         pass
+
+
+@contextmanager
+def reporting(progress: Progress | None, description: str, total: int) -> Iterator[Progress]:
+    """``progress`` (or a :class:`NullProgress`) started for ``total`` bytes, and finished
+    when the block ends, on error too: a progress bar never stays open."""
+    p = progress if progress is not None else NullProgress()
+    p.start(description, total)
+    try:
+        yield p
+    finally:
+        p.finish()

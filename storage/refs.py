@@ -17,7 +17,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ckpt_store.storage.backends.base import Backend
-from ckpt_store.storage.errors import InvalidNameError, RefConflictError, StoreFormatError
+from ckpt_store.storage.errors import (
+    InvalidNameError,
+    RefConflictError,
+    StoreFormatError,
+)
 from ckpt_store.storage.records import decode_record, require, sealed_json
 
 REF_FORMAT = "ckpt-ref"

@@ -43,8 +43,9 @@ print(json.dumps(ids))
 
 @pytest.mark.parametrize("workers, pushes", [(3, 2), pytest.param(6, 4, marks=pytest.mark.slow)])
 def test_processes_pushing_at_once_lose_nothing(workers, pushes, s3_main, tmp_path, monkeypatch):
-    import ckpt
     from safetensors.numpy import save_file
+
+    import ckpt
 
     rng = np.random.default_rng(0)
     common = rng.standard_normal((256, 256), dtype=np.float32)  # the same bytes in every process's pushes

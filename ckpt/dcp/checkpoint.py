@@ -38,20 +38,39 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import (
+    StorageReader,
+    StorageWriter,
+    WriteResult,
+)
 from torch.futures import Future
 
-from ckpt.store.base import pair_tensors
-from ckpt.dcp.format import DCP_SOURCE, UnsupportedStateError, decode_layout, encode_metadata, encode_value, shard_name, to_metadata
 from ckpt.dcp.consolidate import Copy, run_copies
-from ckpt.format.dtypes import byte_view, from_torch, itemsize
+from ckpt.dcp.format import (
+    DCP_SOURCE,
+    UnsupportedStateError,
+    decode_layout,
+    encode_metadata,
+    encode_value,
+    shard_name,
+    to_metadata,
+)
 from ckpt.errors import CkptError
+from ckpt.format.dtypes import byte_view, from_torch, itemsize
 from ckpt.format.manifest import FileEntry, Manifest, TensorEntry
-from ckpt.transfer.pipeline import PutTask, put_chunks
-from ckpt.store.push import PushResult, _tasks
 from ckpt.settings import Settings
+from ckpt.store.base import pair_tensors
+from ckpt.store.push import PushResult
 from ckpt.store.sources import MemBytes
+from ckpt.transfer.pipeline import PutTask, put_chunks, put_tasks
 from ckpt_store.storage.commit import commit
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.records import canonical_json
@@ -195,7 +214,7 @@ class Writer(StorageWriter):
             view = byte_view(t)
             match = paired.get((name, dtype, len(view)))
             start = len(tasks)
-            tasks += _tasks(MemBytes(view, t), 0, len(view), cs, itemsize(dtype) or 1, match.chunks if match else ())
+            tasks += put_tasks(MemBytes(view, t).read, 0, len(view), cs, itemsize(dtype) or 1, match.chunks if match else ())
             shards.append((item, name, dtype, tuple(t.shape), len(view), start, len(tasks)))
         res = put_chunks(store.objects, tasks, store.settings)
         out = []
@@ -251,7 +270,7 @@ class Writer(StorageWriter):
 
         specs = [(fqn, it["dtype"], tuple(it["size"]), _nbytes(it)) for fqn, it in dcp_md["items"].items() if it["kind"] == "tensor"]
         head, _ = build_header(specs, {"format": "pt"})
-        return head, put_chunks(store.objects, _tasks(MemBytes(memoryview(head)), 0, len(head), store.settings.chunk_size, 1), store.settings)
+        return head, put_chunks(store.objects, put_tasks(MemBytes(memoryview(head)).read, 0, len(head), store.settings.chunk_size, 1), store.settings)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.name, save_id=self.save_id)

@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpt.dcp.format import DCP_SOURCE, TensorItem, decode_layout
-from ckpt.format.dtypes import byte_view, itemsize, to_torch
 from ckpt.errors import TensorMismatchError
+from ckpt.format.dtypes import byte_view, itemsize, to_torch
 from ckpt.format.manifest import Manifest, TensorEntry, split_lengths
+from ckpt.progress import NullProgress, Progress, reporting
 from ckpt.transfer.pipeline import GetTask, get_chunks
-from ckpt.progress import NullProgress, Progress
 from ckpt_store.storage.errors import StoreFormatError
 
 if TYPE_CHECKING:
@@ -164,10 +163,8 @@ def load_dcp(store: Store, m: Manifest, include: list[str] | None = None, progre
         full = torch.empty(item.size, dtype=to_torch(item.dtype))
         out[item.fqn] = full
         copies += shard_copies(item, full, entries)
-    progress = progress or NullProgress()
-    progress.start("load", sum(t.nbytes for t in items))
-    run_copies(store, m, copies, progress)
-    progress.finish()
+    with reporting(progress, "load", sum(t.nbytes for t in items)) as p:
+        run_copies(store, m, copies, p)
     return out
 
 
@@ -185,10 +182,8 @@ def fill_dcp(store: Store, m: Manifest, live: dict[str, Any], strict: bool, prog
         if tuple(dst.shape) != item.size or dst.dtype != to_torch(item.dtype):
             raise TensorMismatchError(f"{name}: checkpoint {item.dtype}{list(item.size)} vs target {dst.dtype}{list(dst.shape)}")
         copies += shard_copies(item, dst, entries)
-    progress = progress or NullProgress()
-    progress.start("load", sum(items[n].nbytes for n in set(live) & set(items)))
-    run_copies(store, m, copies, progress)
-    progress.finish()
+    with reporting(progress, "load", sum(items[n].nbytes for n in set(live) & set(items))) as p:
+        run_copies(store, m, copies, p)
 
 
 def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, overwrite: bool, progress: Progress | None = None) -> str:
@@ -200,12 +195,11 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
     torch file gets a torch file of the whole tensors (see :func:`ckpt.store.pull.pull`)."""
     import torch
 
-    from ckpt.store.destination import file_target, write_files
-    from ckpt.store.pull import _pwrite_all, is_torch_name, write_torch
     from ckpt.format.safetensors_header import build_header
+    from ckpt.store.destination import OutputFile, file_target, write_files
+    from ckpt.store.pull import is_torch_name, write_torch
 
     items = _selected(m, include)
-    progress = progress or NullProgress()
     target = file_target(store, dest, "model.safetensors", overwrite)
     if is_torch_name(target):
         write_torch(target, load_dcp(store, m, include, progress), {})
@@ -215,23 +209,21 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
     entries = {t.name: t for t in m.tensors}
 
     def fill(tmps: list[str]) -> None:
-        fd = os.open(tmps[0], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.ftruncate(fd, len(head) + sum(t.nbytes for t in items))
-            _pwrite_all(fd, head, 0)
+        with OutputFile(tmps[0], len(head) + sum(t.nbytes for t in items)) as out, \
+                reporting(progress, "pull", sum(t.nbytes for t in items)) as p:
+            out.write_at(head, 0)
             pos = len(head)
             batch: list[tuple[int, torch.Tensor]] = []
             copies: list[Copy] = []
 
             def flush() -> None:
-                run_copies(store, m, copies, progress)
+                run_copies(store, m, copies, p)
                 for at, full in batch:
-                    _pwrite_all(fd, byte_view(full), at)
+                    out.write_at(byte_view(full), at)
                 batch.clear()
                 copies.clear()
 
             size = 0
-            progress.start("pull", sum(t.nbytes for t in items))
             for i in order:
                 item = items[i]
                 full = torch.empty(item.size, dtype=to_torch(item.dtype))
@@ -243,10 +235,6 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
                     flush()
                     size = 0
             flush()
-            progress.finish()
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     write_files([target], fill)
     return target

@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpt.format.dtypes import DTYPES, itemsize
 from ckpt.errors import CkptError
+from ckpt.format.dtypes import DTYPES, itemsize
 from ckpt.format.manifest import check_tensor_name
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.gc import CHUNK_LIST_KEYS
@@ -151,7 +151,10 @@ def encode_metadata(md: Metadata, entries: dict[tuple[str, tuple[int, ...]], str
     Raises :class:`UnsupportedStateError` for anything this layout cannot hold.
     """
     import torch
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        TensorStorageMetadata,
+    )
 
     from ckpt.format.dtypes import from_torch
 

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 from ckpt.diffing.sides import Side, open_side
 from ckpt.format.dtypes import byte_view, itemsize
 from ckpt.format.manifest import split_lengths
-from ckpt.transfer.pipeline import run_parallel
 from ckpt.progress import NullProgress, Progress
+from ckpt.transfer.pipeline import run_parallel
 from ckpt_store.storage.objects import object_id
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
-from ckpt.format.dtypes import byte_view, to_torch
 from ckpt.errors import TensorMismatchError
+from ckpt.format.dtypes import byte_view, to_torch
 from ckpt.format.manifest import split_lengths
 from ckpt_store.storage.objects import object_id
 

@@ -12,8 +12,8 @@ import math
 import struct
 from dataclasses import dataclass
 
-from ckpt.format.dtypes import itemsize
 from ckpt.errors import InvalidSourceError
+from ckpt.format.dtypes import itemsize
 from ckpt.format.manifest import check_tensor_name
 
 MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself enforces

@@ -32,7 +32,12 @@ import os
 from typing import Any
 
 try:
-    from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+    from transformers import (
+        TrainerCallback,
+        TrainerControl,
+        TrainerState,
+        TrainingArguments,
+    )
     from transformers.trainer_callback import ExportableState
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("ckpt.integrations.transformers needs transformers: pip install 'ckpt[transformers]'") from e

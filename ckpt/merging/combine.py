@@ -42,8 +42,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpt.format.dtypes import byte_view, to_torch
 from ckpt.errors import InvalidMergeError
+from ckpt.format.dtypes import byte_view, to_torch
 from ckpt.format.manifest import TensorEntry, chunk_count
 from ckpt.merging.methods import MergeMethod, MethodRegistry, default_registry
 from ckpt.progress import Progress
@@ -184,13 +184,12 @@ def _read(readers: list[CheckpointReader], step: _Step) -> list[torch.Tensor]:
     """Tensor ``step.name`` of every reader, fetched in one parallel pass (verified, as any read)."""
     import torch
 
-    from ckpt.transfer.pipeline import get_chunks
-    from ckpt.store.pull import _into_tasks
+    from ckpt.transfer.pipeline import get_chunks, into_tasks
 
     out, tasks = [], []
     for r in readers:
         t = torch.empty(step.shape, dtype=to_torch(step.dtype))
-        tasks += _into_tasks(r.manifest, [(r.info(step.name), t)])
+        tasks += into_tasks(r.manifest.chunk_size, [(r.info(step.name), t)])
         out.append(t)
     store = readers[0].store
     get_chunks(store.objects, tasks, store.settings)

@@ -39,7 +39,16 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt.snapshot.dcp_state import Path, fingerprint, load_optimizer, optimizer_target, saved_paths, set_at, value_target, values_planner
+from ckpt.snapshot.dcp_state import (
+    Path,
+    fingerprint,
+    load_optimizer,
+    optimizer_target,
+    saved_paths,
+    set_at,
+    value_target,
+    values_planner,
+)
 from ckpt.snapshot.state import Stateful, is_per_rank
 
 if TYPE_CHECKING:

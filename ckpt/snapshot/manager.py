@@ -502,7 +502,7 @@ class CheckpointManager:
         import torch
 
         from ckpt.format.dtypes import to_torch
-        from ckpt.store.pull import fill
+        from ckpt.store.load import fill
 
         if self._dist is not None:
             return self._dist.restore(state, mid)

@@ -21,8 +21,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ckpt.codecs.chunk import decode_chunk, parse_header
-from ckpt.transfer.pipeline import fetch_chunk
 from ckpt.progress import Progress
+from ckpt.transfer.pipeline import fetch_chunk
 from ckpt_store.storage.copy import ChunkCheck, CopyItem, CopyReport, copy_checkpoints
 from ckpt_store.storage.errors import CkptError, InvalidNameError, RefNotFoundError
 from ckpt_store.storage.objects import ObjectStore

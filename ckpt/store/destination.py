@@ -233,6 +233,73 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
         raise
 
 
+class OutputFile:
+    """A new file of ``size`` bytes at ``path`` (a temporary name from :func:`write_files`),
+    written at offsets from any number of threads. Created exclusively: nothing already at
+    ``path`` is ever written through. :meth:`close` fsyncs it (unless it failed)."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path = path
+        self.fd = create_new(path)
+        try:
+            os.ftruncate(self.fd, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def write_at(self, data: bytes | memoryview, off: int) -> None:
+        view = memoryview(data)
+        start, length = off, len(view)
+        while view:
+            n = os.pwrite(self.fd, view, off)
+            view, off = view[n:], off + n
+        _start_writeback(self.fd, start, length)
+
+    def sink_at(self, off: int) -> Callable[[bytes], None]:
+        """A sink writing the bytes it receives at ``off``."""
+        return lambda data: self.write_at(data, off)
+
+    def __enter__(self) -> OutputFile:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        try:
+            if exc_type is None:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
+
+def create_new(path: str) -> int:
+    """Open a new file for writing; an error if anything (file, link, FIFO) is already there."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
+def _sync_file_range() -> object:
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+        fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_SFR = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, off: int, length: int) -> None:
+    """Start writing this range to disk now (Linux), so the final fsync has little left.
+
+    Measured by benchmarks/push_pull.py: without it the kernel starts writeback only
+    after ~2 GB are dirty and a 1 GB pull waited on one long fsync (499 -> 787 MB/s).
+    """
+    if _SFR is not None and length:
+        _SFR(fd, off, length, _SYNC_FILE_RANGE_WRITE)  # type: ignore[operator]
+
+
 def _remove_file(path: str) -> None:
     try:
         os.unlink(path)

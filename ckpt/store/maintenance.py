@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING
 
 from ckpt.codecs.chunk import CODEC_NAMES
 from ckpt.format.manifest import Manifest
-from ckpt.transfer.pipeline import fetch_chunk, run_parallel
 from ckpt.progress import NullProgress, Progress
+from ckpt.transfer.pipeline import fetch_chunk, run_parallel
 from ckpt_store.storage.config import read_config
 from ckpt_store.storage.errors import CkptError
 from ckpt_store.storage.gc import Doomed, execute_gc, plan_gc

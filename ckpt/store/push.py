@@ -7,12 +7,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ckpt.store.base import choose_base, pair_tensors
 from ckpt.format.dtypes import itemsize
-from ckpt.format.manifest import FileEntry, Manifest, TensorEntry, split_lengths
-from ckpt.transfer.pipeline import PutTask, put_chunks
-from ckpt.progress import NullProgress, Progress
-from ckpt.store.sources import ByteSource, MemBytes, SourceIn, open_source
+from ckpt.format.manifest import FileEntry, Manifest, TensorEntry
+from ckpt.progress import Progress, reporting
+from ckpt.store.base import choose_base, pair_tensors
+from ckpt.store.sources import MemBytes, SourceIn, open_source
+from ckpt.transfer.pipeline import PutTask, put_chunks, put_tasks
 from ckpt_store.storage.commit import commit
 from ckpt_store.storage.records import canonical_json
 from ckpt_store.storage.refs import validate_ref_name
@@ -31,15 +31,6 @@ class PushResult:
     logical_bytes: int
     written_bytes: int  # stored bytes of new chunks (compressed); dedup hits cost nothing
     manifest: Manifest | None = field(default=None, repr=False, compare=False)  # what was committed
-
-
-def _tasks(src: ByteSource, offset: int, nbytes: int, chunk_size: int, elem: int, bases: tuple[str, ...] = ()) -> list[PutTask]:
-    out = []
-    pos = offset
-    for i, n in enumerate(split_lengths(nbytes, chunk_size)):
-        out.append(PutTask(lambda p=pos, n=n: src.read(p, n), n, elem, bases[i] if i < len(bases) else None))
-        pos += n
-    return out
 
 
 def push(
@@ -89,7 +80,6 @@ def push_source(
     """
     settings = store.settings
     cs = settings.chunk_size
-    progress = progress or NullProgress()
     reuse = reuse or {}
     base_m = store.get_manifest(base_id) if base_id else None
     # Chunks pair with the base's by position only when both were cut the same way.
@@ -100,22 +90,21 @@ def push_source(
     for f in src.files:
         start = len(tasks)
         if f.kind == "safetensors":
-            tasks += _tasks(MemBytes(memoryview(f.head)), 0, len(f.head), cs, 1)
+            tasks += put_tasks(MemBytes(memoryview(f.head)).read, 0, len(f.head), cs, 1)
         else:
             assert f.src is not None
-            tasks += _tasks(f.src, 0, f.size, cs, 1)
+            tasks += put_tasks(f.src.read, 0, f.size, cs, 1)
         spans.append((start, len(tasks)))
         for t in f.tensors:
             start = len(tasks)
             if t.src is not None:
                 size = itemsize(t.dtype)
                 match = paired.get((t.name, t.dtype, t.nbytes))
-                tasks += _tasks(t.src, t.offset, t.nbytes, cs, size if size in (1, 2, 4, 8) else 1,
+                tasks += put_tasks(t.src.read, t.offset, t.nbytes, cs, size if size in (1, 2, 4, 8) else 1,
                                 match.chunks if match is not None else ())
             spans.append((start, len(tasks)))
-    progress.start("push", sum(t.length for t in tasks))
-    results = put_chunks(store.objects, tasks, settings, progress)
-    progress.finish()
+    with reporting(progress, "push", sum(t.length for t in tasks)) as p:
+        results = put_chunks(store.objects, tasks, settings, p)
 
     groups = iter([results[a:b] for a, b in spans])
     files, tensors = [], []

@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING
 
 from ckpt.errors import TensorMismatchError
 from ckpt.format.manifest import Manifest, TensorEntry
-from ckpt.transfer.pipeline import get_chunks
-from ckpt.store.pull import _into_tasks, check_memory, empty_tensor
+from ckpt.store.limits import check_memory
+from ckpt.store.load import empty_tensor
+from ckpt.transfer.pipeline import get_chunks, into_tasks
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +59,7 @@ class CheckpointReader:
         entry = self.info(name)
         check_memory([entry], f"tensor {name!r}")
         out = empty_tensor(entry)
-        get_chunks(self.store.objects, _into_tasks(self.manifest, [(entry, out)]), self.store.settings)
+        get_chunks(self.store.objects, into_tasks(self.manifest.chunk_size, [(entry, out)]), self.store.settings)
         return out
 
     def __enter__(self) -> CheckpointReader:

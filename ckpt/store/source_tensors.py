@@ -19,8 +19,8 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ckpt.format.dtypes import byte_view, from_torch
 from ckpt.errors import InvalidSourceError, ResourceLimitError
+from ckpt.format.dtypes import byte_view, from_torch
 from ckpt.format.manifest import MAX_NAME, check_tensor_name
 from ckpt.store.source_files import show
 

@@ -34,10 +34,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ckpt.errors import InvalidNameError, InvalidSourceError, ResourceLimitError, UnsafeInputError
+from ckpt.errors import (
+    InvalidNameError,
+    InvalidSourceError,
+    ResourceLimitError,
+    UnsafeInputError,
+)
 from ckpt.format.manifest import check_file_path, check_tensor_name
 from ckpt.format.safetensors_header import build_header, parse_header
-from ckpt.store.source_files import CLOEXEC, changed_error, open_regular, open_under, os_error, show, walk_folder
+from ckpt.store.source_files import (
+    CLOEXEC,
+    changed_error,
+    open_regular,
+    open_under,
+    os_error,
+    show,
+    walk_folder,
+)
 from ckpt.store.source_tensors import flatten_state_dict, physical_memory, plain_bytes
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -11,7 +11,12 @@ from ckpt.format.manifest import Manifest
 from ckpt.progress import Progress
 from ckpt.settings import Settings
 from ckpt_store.storage.backends import Backend, open_backend
-from ckpt_store.storage.config import StoreConfig, check_location, init_config, read_config
+from ckpt_store.storage.config import (
+    StoreConfig,
+    check_location,
+    init_config,
+    read_config,
+)
 from ckpt_store.storage.errors import InvalidNameError, StoreNotFoundError
 from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.refs import RefEntry, Refs, validate_ref_name
@@ -196,13 +201,13 @@ class Store:
 
     def load(self, ref: str, *, include: list[str] | None = None, progress: Progress | None = None) -> dict[str, torch.Tensor]:
         """All tensors of ``ref`` (or those matching ``include`` globs) as CPU tensors."""
-        from ckpt.store.pull import load
+        from ckpt.store.load import load
 
         return load(self, ref, include=include, progress=progress)
 
     def load_into(self, ref: str, target: Any, *, strict: bool = True, progress: Progress | None = None) -> None:
         """Decode ``ref`` straight into the tensors of ``target`` (``nn.Module`` or dict), in place."""
-        from ckpt.store.pull import load_into
+        from ckpt.store.load import load_into
 
         load_into(self, ref, target, strict=strict, progress=progress)
 

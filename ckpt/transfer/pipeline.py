@@ -10,12 +10,21 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from ckpt.codecs.chunk import MAX_HEADER, RAW, decode_chunk, encode_chunk, parse_header, thread_buffer
+from ckpt.codecs.chunk import (
+    MAX_HEADER,
+    RAW,
+    decode_chunk,
+    encode_chunk,
+    parse_header,
+    thread_buffer,
+)
+from ckpt.format.dtypes import byte_view
+from ckpt.format.manifest import TensorEntry, split_lengths
 from ckpt.progress import NullProgress, Progress
 from ckpt.settings import Settings
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
@@ -379,6 +388,43 @@ class GetTask:
     length: int
     sink: Callable[[bytes], None] | None = None  # receives the verified decoded bytes
     into: memoryview | None = None  # or: where they are decoded in place (``length`` bytes)
+
+
+def spans(chunks: Iterable[str], nbytes: int, chunk_size: int, base: int = 0) -> Iterator[tuple[str, int, int]]:
+    """(chunk id, length, offset) of each chunk of ``nbytes`` bytes laid out from offset ``base``."""
+    pos = base
+    for cid, n in zip(chunks, split_lengths(nbytes, chunk_size)):
+        yield cid, n, pos
+        pos += n
+
+
+def put_tasks(read: Callable[[int, int], bytes | memoryview], offset: int, nbytes: int, chunk_size: int, elem: int,
+              bases: Sequence[str] = ()) -> list[PutTask]:
+    """Tasks storing ``nbytes`` bytes that ``read(offset, length)`` returns, from ``offset``, as
+    chunks of ``chunk_size``; chunk i tries a delta against ``bases[i]`` where there is one."""
+    out = []
+    pos = offset
+    for i, n in enumerate(split_lengths(nbytes, chunk_size)):
+        out.append(PutTask(lambda p=pos, n=n: read(p, n), n, elem, bases[i] if i < len(bases) else None))
+        pos += n
+    return out
+
+
+def sink_tasks(chunks: Iterable[str], nbytes: int, chunk_size: int, sink_at: Callable[[int], Callable[[bytes], None]],
+               base: int = 0) -> list[GetTask]:
+    """Tasks fetching the chunks of ``nbytes`` bytes laid out from ``base``; each chunk's verified
+    bytes go to ``sink_at(its offset)``."""
+    return [GetTask(cid, n, sink_at(pos)) for cid, n, pos in spans(chunks, nbytes, chunk_size, base)]
+
+
+def into_tasks(chunk_size: int, pairs: Iterable[tuple[TensorEntry, Any]]) -> list[GetTask]:
+    """Tasks decoding each entry's chunks straight into its destination tensor's memory
+    (CPU, contiguous, of the entry's size)."""
+    tasks: list[GetTask] = []
+    for entry, dst in pairs:
+        view = byte_view(dst)
+        tasks += [GetTask(cid, n, into=view[pos : pos + n]) for cid, n, pos in spans(entry.chunks, entry.nbytes, chunk_size)]
+    return tasks
 
 
 def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Settings, progress: Progress | None = None) -> None:

@@ -7,7 +7,15 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from ckpt_store.storage.backends.base import Backend, Data, Entry, io_error, joined, relative
+from ckpt_store.storage.backends.base import (
+    Backend,
+    Data,
+    Entry,
+    io_error,
+    joined,
+    relative,
+)
+
 
 class FsspecBackend(Backend):
     """A store on any fsspec filesystem (``memory://``, ``gs://``, ...).

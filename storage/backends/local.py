@@ -10,7 +10,15 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from ckpt_store.storage.backends.base import CONDEMNED, Backend, Data, Entry, io_error, read_error
+from ckpt_store.storage.backends.base import (
+    CONDEMNED,
+    Backend,
+    Data,
+    Entry,
+    io_error,
+    read_error,
+)
+
 
 class LocalBackend(Backend):
     """A store in a local directory. ``fsync`` makes every write durable before it is visible."""

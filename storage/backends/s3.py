@@ -34,8 +34,6 @@ from typing import Any, TypeVar
 
 from ckpt_store.storage.backends.base import Data, Entry, joined
 from ckpt_store.storage.backends.fsspec_backend import FsspecBackend
-from ckpt_store.storage.errors import StorageIOError
-from ckpt_store.storage.retry import RetryPolicy, call_with_retries
 from ckpt_store.storage.backends.s3_errors import (
     ACCESS,
     chain,
@@ -45,6 +43,8 @@ from ckpt_store.storage.backends.s3_errors import (
     secrets_in_env,
     transient,
 )
+from ckpt_store.storage.errors import StorageIOError
+from ckpt_store.storage.retry import RetryPolicy, call_with_retries
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -6,12 +6,13 @@ import os
 import struct
 
 import numpy as np
-import zstandard
 import pytest
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt.codecs import chunk as codecs, transforms
+from ckpt.codecs import chunk as codecs
+from ckpt.codecs import transforms
 from ckpt.codecs.chunk import GSUB, PLANES, RAW, SUB, XOR, ZSTD, decode_chunk, encode_chunk, parse_header
 from ckpt_store.storage.errors import CorruptObjectError
 from ckpt_store.storage.objects import object_id

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from integration_util import state_bits as _state_bits
 
 import ckpt
-from integration_util import state_bits as _state_bits
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -6,10 +6,8 @@ Multi-rank tests run real processes with gloo on CPU (tests/ckpt/dcp_workers.py)
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import sys
-import warnings
 
 import pytest
 import torch

@@ -9,16 +9,15 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch
+from integration_util import state_bits as _state_bits
+from integration_util import tensor_bits as _bits
 
 import ckpt
 from ckpt.errors import CkptError, TensorMismatchError
 from ckpt.snapshot.manager import SnapshotError
-from integration_util import state_bits as _state_bits
-from integration_util import tensor_bits as _bits
 
 SCRIPT = pathlib.Path(__file__).with_name("train_script.py")
 

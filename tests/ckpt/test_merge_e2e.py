@@ -9,7 +9,6 @@ the two fine-tunes keeps most of both task vectors and beats either one on the u
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 

@@ -10,12 +10,12 @@ import uuid
 
 import pytest
 import torch
+from integration_util import tensor_bits as _bits
 
 import ckpt
-from ckpt.transfer import pipeline
 from ckpt.codecs.chunk import GSUB
 from ckpt.settings import Settings
-from integration_util import tensor_bits as _bits
+from ckpt.transfer import pipeline
 from ckpt_store.storage.errors import ObjectNotFoundError
 
 

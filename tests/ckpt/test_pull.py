@@ -207,8 +207,8 @@ def test_include_refuses_tensors_of_one_name_in_two_files(store, tmp_path):
 
 
 def test_a_manifest_naming_one_path_twice_is_refused(tmp_path):
-    from ckpt.store.destination import dir_targets
     from ckpt.errors import StoreFormatError
+    from ckpt.store.destination import dir_targets
 
     store = ckpt.Store.init(str(tmp_path / "store"))
     for paths in (["a.json", "a.json"], ["sub", "sub/x.json"]):

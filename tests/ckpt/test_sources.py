@@ -19,9 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import ckpt
-from ckpt.store import source_files, sources
 from ckpt.errors import InvalidNameError, InvalidSourceError, ResourceLimitError, UnsafeInputError
+from ckpt.store import source_files, sources
 
 
 def _valid(tmp_path):

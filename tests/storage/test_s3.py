@@ -19,11 +19,11 @@ pytest.importorskip("s3fs")
 from s3support import KEY, SECRET, FaultProxy  # noqa: E402
 
 from ckpt_store.storage.backends import open_backend  # noqa: E402
+from ckpt_store.storage.backends.s3 import S3Backend  # noqa: E402
+from ckpt_store.storage.backends.s3_errors import is_precondition_failed, transient  # noqa: E402
 from ckpt_store.storage.errors import StorageIOError  # noqa: E402
 from ckpt_store.storage.refs import Refs  # noqa: E402
 from ckpt_store.storage.retry import RetryPolicy  # noqa: E402
-from ckpt_store.storage.backends.s3 import S3Backend  # noqa: E402
-from ckpt_store.storage.backends.s3_errors import is_precondition_failed, transient  # noqa: E402
 
 FAST = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05)
 
@@ -275,8 +275,9 @@ def test_retries_run_out_with_a_clear_error(faulty, proxy):
 def test_push_and_pull_through_a_flaky_connection(s3_main, proxy, tmp_path):
     """A whole push and pull while connections keep being reset: the result is bit-identical."""
     torch = pytest.importorskip("torch")
-    import ckpt
     from safetensors.torch import save_file
+
+    import ckpt
 
     src = tmp_path / "m.safetensors"
     save_file({"w": torch.randn(512, 1024), "b": torch.randn(300)}, str(src))

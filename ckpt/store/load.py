@@ -1,0 +1,125 @@
+"""A checkpoint into memory: new tensors (:func:`load`), or decoded in place into a model's
+own tensors (:func:`load_into`, :func:`fill`), every byte verified on the way."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from ckpt.errors import ResourceLimitError, TensorMismatchError
+from ckpt.format.dtypes import to_torch
+from ckpt.format.manifest import Manifest, TensorEntry
+from ckpt.progress import Progress, reporting
+from ckpt.store.limits import check_memory
+from ckpt.transfer.pipeline import get_chunks, into_tasks
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckpt.store.store import Store
+
+
+def select(m: Manifest, include: list[str] | None) -> list[TensorEntry]:
+    """The tensors of ``m`` whose names match one of the ``include`` globs (all without)."""
+    if not include:
+        return list(m.tensors)
+    return [t for t in m.tensors if any(fnmatch.fnmatchcase(t.name, p) for p in include)]
+
+
+def check_unique(entries: Iterable[TensorEntry], hint: str) -> None:
+    """Refuse tensors of the same name (from two files of a directory checkpoint): one file
+    or dict cannot hold both, and picking one silently would lose the other."""
+    seen: dict[str, TensorEntry] = {}
+    for t in entries:
+        if t.name in seen:
+            raise TensorMismatchError(f"tensor {t.name!r} appears in two files of this checkpoint "
+                                      f"({seen[t.name].file} and {t.file})", hint=hint)
+        seen[t.name] = t
+
+
+def empty_tensor(entry: TensorEntry, **kwargs: Any) -> Any:
+    """``torch.empty`` for ``entry``; an allocation failure is a :class:`ResourceLimitError`."""
+    import torch
+
+    try:
+        return torch.empty(entry.shape, dtype=to_torch(entry.dtype), **kwargs)
+    except RuntimeError as e:  # torch reports an out-of-memory allocation this way
+        raise ResourceLimitError(f"cannot allocate tensor {entry.name!r} ({entry.nbytes:,} bytes): {str(e)[:200]}") from None
+
+
+def load(store: Store, ref: str, *, include: list[str] | None = None, progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    """See :meth:`Store.load`."""
+    return load_manifest(store, store.manifest(ref), include, progress, f"checkpoint {ref}")
+
+
+def load_manifest(store: Store, m: Manifest, include: list[str] | None, progress: Progress | None, what: str) -> dict[str, torch.Tensor]:
+    """Every tensor of ``m`` (or those matching ``include``) as CPU tensors, by name."""
+    if m.source == "dcp":  # a distributed checkpoint: whole tensors, consolidated from its shards
+        from ckpt.dcp.consolidate import load_dcp
+
+        return load_dcp(store, m, include, progress)
+    chosen = select(m, include)
+    check_unique(chosen, "use `ckpt pull`")
+    check_memory(chosen, what)
+    out = {t.name: empty_tensor(t) for t in chosen}
+    tasks = into_tasks(m.chunk_size, [(t, out[t.name]) for t in chosen])
+    with reporting(progress, "load", sum(t.length for t in tasks)) as p:
+        get_chunks(store.objects, tasks, store.settings, p)
+    return out
+
+
+def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, progress: Progress | None = None) -> None:
+    """See :meth:`Store.load_into`."""
+    import torch
+
+    m = store.manifest(ref)
+    live: dict[str, torch.Tensor] = dict(target.state_dict()) if isinstance(target, torch.nn.Module) else dict(target)
+    if m.source == "dcp":  # a distributed checkpoint: whole tensors assembled from its shards
+        from ckpt.dcp.consolidate import fill_dcp
+
+        return fill_dcp(store, m, live, strict, progress)
+    by_name = {t.name: t for t in m.tensors}
+    check_unique(m.tensors, "load it with store.load(ref) and pick the tensors")
+    missing = sorted(set(live) - set(by_name))
+    unexpected = sorted(set(by_name) - set(live))
+    if strict and (missing or unexpected):
+        raise TensorMismatchError(
+            f"checkpoint and target differ: missing in checkpoint {missing[:10]}, not in target {unexpected[:10]}"
+            + (" ..." if len(missing) > 10 or len(unexpected) > 10 else ""),
+            hint="pass strict=False to load the common tensors",
+        )
+    fill(store, m, [(by_name[n], dst) for n, dst in live.items() if n in by_name], progress)
+
+
+def fill(store: Store, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]], progress: Progress | None = None) -> None:
+    """Decode each entry's chunks into its destination tensor, in place, all in one parallel pass.
+
+    Contiguous CPU tensors receive the bytes directly; others (CUDA, strided) get them
+    through one host buffer (pinned for CUDA) and a single copy. A shape or dtype
+    mismatch is an error naming every offending tensor, raised before any write.
+    """
+    import torch
+
+    bad = [f"{e.name}: checkpoint {e.dtype}{list(e.shape)} vs target {d.dtype}{list(d.shape)}"
+           for e, d in pairs if tuple(d.shape) != e.shape or d.dtype != to_torch(e.dtype)]
+    if bad:
+        raise TensorMismatchError("shape or dtype mismatch: " + "; ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
+    direct = []
+    staged = []
+    for entry, dst in pairs:
+        dst = dst.detach()
+        if dst.device.type == "cpu" and dst.is_contiguous():
+            direct.append((entry, dst))
+        else:  # decode on the host, then one copy to where the tensor lives
+            tmp = torch.empty(entry.shape, dtype=dst.dtype, pin_memory=dst.device.type == "cuda")
+            direct.append((entry, tmp))
+            staged.append((dst, tmp))
+    tasks = into_tasks(m.chunk_size, direct)
+    with reporting(progress, "load", sum(t.length for t in tasks)) as p:
+        get_chunks(store.objects, tasks, store.settings, p)
+    with torch.no_grad():
+        for dst, tmp in staged:
+            dst.copy_(tmp, non_blocking=tmp.is_pinned())
+    if any(d.device.type == "cuda" for d, _ in staged):
+        torch.cuda.synchronize()
