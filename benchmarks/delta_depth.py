@@ -31,9 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from snapshot import Training, gpt_config  # noqa: E402
+
 import ckpt  # noqa: E402
 from ckpt.settings import Settings  # noqa: E402
-from snapshot import Training, gpt_config  # noqa: E402
 
 DEPTHS = [0, 1, 2, 4, 8, 16]
 
@@ -57,7 +58,7 @@ def main() -> None:
     for d in DEPTHS:
         settings = Settings.from_env(min_saving=0.10, max_delta_depth=d, fsync=False)
         store = ckpt.Store.open(str(root / f"depth{d}"), settings=settings, create=True)
-        mgrs[d] = ckpt.CheckpointManager(store, "run", async_save=False, delta=d > 0)
+        mgrs[d] = ckpt.CheckpointManager(store, "run", save_mode="sync", delta=d > 0)
     sizes: dict[int, list[int]] = {d: [] for d in DEPTHS}
     state = {"model": tr.model, "optim": tr.opt}
     for i in range(args.snapshots):

@@ -40,7 +40,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess

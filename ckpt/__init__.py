@@ -24,7 +24,7 @@ from ckpt._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointManager", "CheckpointReader", "CkptError", "RNGState", "Settings", "Stateful", "Store", "__version__",
+__all__ = ["CheckpointManager", "CheckpointReader", "CkptError", "KeepBest", "PerRank", "RNGState", "Settings", "Stateful", "Store", "__version__",
            "diff", "merge", "remix"]
 
 if TYPE_CHECKING:
@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from ckpt.merging.remixing import remix
     from ckpt.settings import Settings
     from ckpt.snapshot.manager import CheckpointManager
-    from ckpt.snapshot.state import RNGState, Stateful
+    from ckpt.snapshot.retention import KeepBest
+    from ckpt.snapshot.state import PerRank, RNGState, Stateful
     from ckpt.store.reader import CheckpointReader
     from ckpt.store.store import Store
 
@@ -45,6 +46,8 @@ _LAZY = {
     "CkptError": "ckpt.errors",
     "CheckpointManager": "ckpt.snapshot.manager",
     "RNGState": "ckpt.snapshot.state",
+    "PerRank": "ckpt.snapshot.state",
+    "KeepBest": "ckpt.snapshot.retention",
     "Stateful": "ckpt.snapshot.state",
     "diff": "ckpt.diffing.compare",
     "merge": "ckpt.merging.combine",

@@ -36,6 +36,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("ckpt.integrations.lightning needs PyTorch Lightning: pip install 'ckpt[lightning]'") from e
 
 from ckpt.snapshot.manager import CheckpointManager, SnapshotError
+from ckpt.snapshot.retention import KeepBest
 from ckpt.snapshot.state import RNGState
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class CkptCallback(pl.Callback):
     """Save a Lightning run to ``store`` as snapshots ``RUN/step-N`` and resume it at fit start.
 
     ``every_n_steps`` counts optimizer steps (``trainer.global_step``).
-    ``keep_last``, ``keep_every``, ``keep_best`` and ``async_save`` are those of
+    ``keep_last``, ``keep_every``, ``keep_best`` and ``save_mode`` are those of
     :class:`ckpt.CheckpointManager`; ``metrics`` names entries of
     ``trainer.callback_metrics`` to record with each snapshot (for ``keep_best``).
     With ``resume=False`` the run starts fresh even if the store has snapshots of it.
@@ -86,16 +87,17 @@ class CkptCallback(pl.Callback):
     """
 
     def __init__(self, store: Any, run: str, *, every_n_steps: int, keep_last: int | None = None,
-                 keep_every: int | None = None, keep_best: tuple[str, str] | tuple[str, str, int] | None = None,
-                 metrics: tuple[str, ...] = (), async_save: bool = True, resume: bool = True) -> None:
+                 keep_every: int | None = None, keep_best: KeepBest | None = None,
+                 metrics: tuple[str, ...] = (), save_mode: str = "async", resume: bool = True, **deprecated: Any) -> None:
         if every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1")
         self.store, self.run = store, run
         self.every_n_steps = every_n_steps
-        self.metrics = tuple(metrics) + ((keep_best[0],) if keep_best and keep_best[0] not in metrics else ())
+        keep_best = KeepBest.coerce(keep_best)
+        self.metrics = tuple(metrics) + ((keep_best.metric,) if keep_best and keep_best.metric not in metrics else ())
         self.resume = resume
         self._manager_kwargs: dict[str, Any] = {"keep_last": keep_last, "keep_every": keep_every,
-                                                "keep_best": keep_best, "async_save": async_save}
+                                                "keep_best": keep_best, "save_mode": save_mode, **deprecated}
         self.manager: CheckpointManager | None = None
         self.restored_step: int | None = None
         self._last_saved: int | None = None

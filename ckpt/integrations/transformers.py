@@ -44,6 +44,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from ckpt.errors import RefNotFoundError
 from ckpt.snapshot.manager import CheckpointManager, SnapshotError
+from ckpt.snapshot.retention import KeepBest
 from ckpt.snapshot.state import RNGState
 
 log = logging.getLogger(__name__)
@@ -54,23 +55,23 @@ class CkptCallback(TrainerCallback):
 
     ``every_n_steps`` counts optimizer steps (``state.global_step``); None follows
     the Trainer's own schedule (``save_strategy``/``save_steps``). ``keep_last``,
-    ``keep_every``, ``keep_best``, ``async_save`` and ``overlap_copy`` are those of
-    :class:`ckpt.CheckpointManager`; with ``keep_best=(metric, mode)`` the last
+    ``keep_every``, ``keep_best`` and ``save_mode`` are those of
+    :class:`ckpt.CheckpointManager`; with ``keep_best=ckpt.KeepBest(metric, mode)`` the last
     logged value of ``metric`` (e.g. ``"loss"``) is recorded with each snapshot.
-    ``overlap_copy=True`` fits the Trainer's loop: between a snapshot (taken after the
+    ``save_mode="overlap"`` fits the Trainer's loop: between a snapshot (taken after the
     step) and the next optimizer step only gradients change, so the parameters and
     Adam moments are read while the next batch's forward and backward run.
     """
 
     def __init__(self, store: Any, run: str, *, every_n_steps: int | None = None, keep_last: int | None = None,
-                 keep_every: int | None = None, keep_best: tuple[str, str] | tuple[str, str, int] | None = None,
-                 async_save: bool = True, overlap_copy: bool = False) -> None:
+                 keep_every: int | None = None, keep_best: KeepBest | None = None, save_mode: str = "async",
+                 **deprecated: Any) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1 (or None to follow save_steps)")
         self.every_n_steps = every_n_steps
-        self.keep_best = keep_best
+        self.keep_best = KeepBest.coerce(keep_best)
         self.manager = CheckpointManager(store, run, keep_last=keep_last, keep_every=keep_every,
-                                         keep_best=keep_best, async_save=async_save, overlap_copy=overlap_copy)
+                                         keep_best=self.keep_best, save_mode=save_mode, **deprecated)
         self.restored_step: int | None = None
         self._trainer: Any = None
         self._pending_rng: int | None = None  # step whose RNG state is still to be restored
@@ -158,9 +159,10 @@ class CkptCallback(TrainerCallback):
                     "trainer_state": self._trainer_state(state, control)}
         metrics: dict[str, float] = {}
         if self.keep_best:
-            logged = [h[self.keep_best[0]] for h in state.log_history if self.keep_best[0] in h]
+            name = self.keep_best.metric
+            logged = [h[name] for h in state.log_history if name in h]
             if logged:
-                metrics[self.keep_best[0]] = float(logged[-1])
+                metrics[name] = float(logged[-1])
         self.manager.save(state.global_step, snapshot, metrics)
 
     def _trainer_state(self, state: TrainerState, control: TrainerControl) -> dict[str, Any]:

@@ -9,9 +9,13 @@ from typing import TYPE_CHECKING
 from ckpt._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from ckpt.snapshot.manager import CheckpointManager, SnapshotError
-    from ckpt.snapshot.state import RNGState, Stateful
+    from ckpt.snapshot.manager import CheckpointManager, SaveStats
+    from ckpt.snapshot.retention import KeepBest
+    from ckpt.snapshot.run import SnapshotError
+    from ckpt.snapshot.state import PerRank, RNGState, Stateful
 
-__all__ = ["CheckpointManager", "RNGState", "SnapshotError", "Stateful"]
-__getattr__ = lazy_exports(__name__, {"CheckpointManager": "ckpt.snapshot.manager", "SnapshotError": "ckpt.snapshot.manager",
-                                      "RNGState": "ckpt.snapshot.state", "Stateful": "ckpt.snapshot.state"}, globals())
+__all__ = ["CheckpointManager", "KeepBest", "PerRank", "RNGState", "SaveStats", "SnapshotError", "Stateful"]
+__getattr__ = lazy_exports(__name__, {"CheckpointManager": "ckpt.snapshot.manager", "SaveStats": "ckpt.snapshot.manager",
+                                      "KeepBest": "ckpt.snapshot.retention", "SnapshotError": "ckpt.snapshot.run",
+                                      "PerRank": "ckpt.snapshot.state", "RNGState": "ckpt.snapshot.state",
+                                      "Stateful": "ckpt.snapshot.state"}, globals())

@@ -120,9 +120,10 @@ def optimizer_target(key: str, opt: Any, saved: dict[str, Path], layout: DcpLayo
     import torch
 
     from ckpt.format.dtypes import to_torch
-    from ckpt.snapshot.manager import SnapshotError, _optimizers
+    from ckpt.snapshot.run import SnapshotError
+    from ckpt.snapshot.state import optimizers_in
 
-    inner = _optimizers({key: opt})[0]
+    inner = optimizers_in({key: opt})[0]
     params = [p for group in inner.param_groups for p in group["params"]]
 
     def tensor_for(rel: Path, item: Any) -> Any:
@@ -148,7 +149,7 @@ def optimizer_target(key: str, opt: Any, saved: dict[str, Path], layout: DcpLayo
 
 
 def load_optimizer(key: str, opt: Any, got: dict[str, Any], step: int) -> None:
-    from ckpt.snapshot.manager import SnapshotError
+    from ckpt.snapshot.run import SnapshotError
 
     sd = dict(got)
     sd["state"] = {int(i): v for i, v in got.get("state", {}).items()}  # saved by index, named by str

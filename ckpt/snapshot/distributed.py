@@ -6,7 +6,7 @@ With a process group, a snapshot is a DCP save through :class:`ckpt.dcp.Writer`
 the current layout. Checkpoint collectives run on a gloo group of their own, with
 its own timeout: an asynchronous save never interleaves with the training's
 collectives, and a rank that dies makes the others fail with
-:class:`~ckpt.snapshot.manager.SnapshotError` after ``timeout_s`` instead of hanging.
+:class:`~ckpt.snapshot.run.SnapshotError` after ``timeout_s`` instead of hanging.
 
 What is per rank and what is shared (DCP saves a tensor that is not a DTensor once):
 
@@ -22,7 +22,7 @@ What is per rank and what is shared (DCP saves a tensor that is not a DTensor on
   refuses, naming the key, when they differ: wrap per-rank state in ``PerRank``.
   Metrics passed to ``save`` are rank 0's.
 
-Restoring is exact or raises :class:`~ckpt.snapshot.manager.SnapshotError`: an optimizer is
+Restoring is exact or raises :class:`~ckpt.snapshot.run.SnapshotError`: an optimizer is
 restored from the snapshot's own record of its state (a fresh one has none to load
 into, as torch's ``get_state_dict``/``set_state_dict`` also handle), and every saved
 item of a restored key must land somewhere: a snapshot item the live object has no
@@ -32,7 +32,6 @@ snapshot saved once for all ranks is refused rather than left at its current val
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -49,21 +48,22 @@ from ckpt.snapshot.dcp_state import (
     value_target,
     values_planner,
 )
+from ckpt.snapshot.run import SaveResult, SnapshotRun
 from ckpt.snapshot.state import Stateful, is_per_rank
 
 if TYPE_CHECKING:
-    from ckpt.snapshot.manager import CheckpointManager
+    from ckpt.snapshot.run import SaveJob
 
 _FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
 
 
 class DistributedSnapshots:
-    """The distributed half of a :class:`~ckpt.snapshot.manager.CheckpointManager` (which owns retention and the pool)."""
+    """The :class:`~ckpt.snapshot.run.SnapshotPath` of every rank of a process group."""
 
-    def __init__(self, mgr: CheckpointManager, process_group: Any, timeout_s: float) -> None:
+    def __init__(self, run: SnapshotRun, process_group: Any, timeout_s: float) -> None:
         import torch.distributed as dist
 
-        self.mgr = mgr
+        self.run = run
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
         self.timeout_s = timeout_s
@@ -78,14 +78,12 @@ class DistributedSnapshots:
         return f"rank-{self.rank}"
 
     # -- saving ------------------------------------------------------------------------
-    def save(self, step: int, state: dict[str, Any], metrics: dict[str, float] | None) -> None:
+    def save(self, step: int, state: dict[str, Any], snapshot: dict[str, Any], *, background: bool) -> SaveJob:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
         from ckpt.dcp.checkpoint import Writer
-        from ckpt.snapshot.manager import SNAPSHOT_FORMAT
 
-        mgr = self.mgr
         prepared: dict[str, Any] = {}
         per_rank = []
         for key, obj in state.items():
@@ -97,32 +95,32 @@ class DistributedSnapshots:
             else:
                 prepared[key] = obj
         self._check_identical(step, {k: v for k, v in prepared.items() if k not in per_rank})
-        snapshot = {"format": SNAPSHOT_FORMAT, "run": mgr.run, "step": step, "metrics": dict(metrics or {}), "ranks": True,
-                    "world": self.world, "keys": sorted(state), "per_rank": sorted(per_rank)}
-        base = self.last_id if mgr.delta else None
-        writer = Writer(mgr.store, mgr.ref(step), base=base, delta=base is not None, aliases=(f"{mgr.run}/latest",),
-                        extra={"snapshot": snapshot})
+        record = {**snapshot, "ranks": True, "world": self.world, "keys": sorted(state), "per_rank": sorted(per_rank)}
+        base = self.last_id if self.run.delta else None
+        writer = Writer(self.run.store, self.run.ref(step), base=base, delta=base is not None, aliases=(self.run.latest,),
+                        extra={"snapshot": record})
         # Rank 0's copy of a replicated tensor, not whichever rank DCP's balancing picks:
         # under DDP rank 0's buffers are the ones broadcast at the next forward.
         planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-        t0 = time.perf_counter()
-        if mgr.async_save:
+        if background:
             fut = dcp.async_save(prepared, storage_writer=writer, process_group=self.group, planner=planner)
-            blocked = time.perf_counter() - t0
-            mgr._inflight = mgr._pool.submit(self._finish, fut, step, writer, blocked, t0)
-        else:
+            return lambda: self._finish(fut, step, writer)
+
+        def save_now() -> SaveResult:
             try:
                 dcp.save(prepared, storage_writer=writer, process_group=self.group, planner=planner)
             except _FAILURES as e:  # any failure of any rank: one clear error
                 raise self._error(step, e) from e
-            self._done(step, writer, snapshot["metrics"], time.perf_counter() - t0, t0)
+            return self._done(step, writer)
+
+        return save_now
 
     def _check_identical(self, step: int, shared: dict[str, Any]) -> None:
         """Refuse (on every rank alike) shared state whose values or tensor shapes differ between ranks:
         DCP would save one rank's copy and restore it on all of them."""
         import torch.distributed as dist
 
-        from ckpt.snapshot.manager import SnapshotError
+        from ckpt.snapshot.run import SnapshotError
 
         mine = {key: fingerprint(key, value) for key, value in shared.items()}
         everyone: list[Any] = [None] * self.world
@@ -136,15 +134,15 @@ class DistributedSnapshots:
                 hint="make it identical on every rank, or wrap per-rank state in ckpt.snapshot.state.PerRank(...) "
                 "so that each rank saves and restores its own")
 
-    def _finish(self, fut: Future[Any], step: int, writer: Any, blocked: float, t0: float) -> None:
+    def _finish(self, fut: Future[Any], step: int, writer: Any) -> SaveResult:
         try:
             fut.result()
         except _FAILURES as e:
             raise self._error(step, e) from e
-        self._done(step, writer, writer.extra["snapshot"]["metrics"], blocked, t0)
+        return self._done(step, writer)
 
     def _error(self, step: int, e: BaseException) -> Exception:
-        from ckpt.snapshot.manager import SnapshotError
+        from ckpt.snapshot.run import SnapshotError
 
         where = ""
         if isinstance(e, CheckpointException) and e.failures:  # DCP gathered the ranks' own errors
@@ -152,19 +150,20 @@ class DistributedSnapshots:
             where = f"on rank {rank}, "
         first = (str(e).strip().splitlines() or [""])[0][:300]
         return SnapshotError(
-            f"rank {self.rank}: distributed save of {self.mgr.ref(step)} failed ({where}{type(e).__name__}: {first}); "
-            f"{self.mgr.run}/latest still names the previous snapshot",
+            f"rank {self.rank}: distributed save of {self.run.ref(step)} failed ({where}{type(e).__name__}: {first}); "
+            f"{self.run.latest} still names the previous snapshot",
             hint=f"another rank failed, died or took longer than timeout_s={self.timeout_s:g}; see its log",
         )
 
-    def _done(self, step: int, writer: Any, metrics: dict[str, float], blocked: float, t0: float) -> None:
-        mgr = self.mgr
-        self.last_id = mgr.store.resolve(mgr.ref(step)) if writer.last is None else writer.last.id
-        mgr._metrics[step] = metrics
-        mgr.last_save_stats = {"step": step, "blocked_s": blocked, "background_s": time.perf_counter() - t0 - blocked}
-        if writer.last is not None:  # the coordinator alone prunes, so that ranks never race to remove a ref
-            mgr.last_save_stats.update(written_bytes=writer.last.written_bytes, logical_bytes=writer.last.logical_bytes)
-            mgr._retain()
+    def _done(self, step: int, writer: Any) -> SaveResult:
+        last = writer.last  # set on the coordinator, which committed the snapshot
+        self.last_id = self.run.store.resolve(self.run.ref(step)) if last is None else last.id
+        if last is None:
+            return SaveResult(self.last_id, prunes=False)
+        return SaveResult(last.id, last.written_bytes, last.logical_bytes)
+
+    def close(self) -> None:
+        return None
 
     # -- restoring -----------------------------------------------------------------------
     def restore(self, state: dict[str, Any], mid: str) -> int:
@@ -173,7 +172,7 @@ class DistributedSnapshots:
         import torch.distributed.checkpoint as dcp
 
         from ckpt.dcp.checkpoint import Reader
-        from ckpt.snapshot.manager import SnapshotError
+        from ckpt.snapshot.run import SnapshotError
 
         try:
             step, targets, flat, paths = self._plan_restore(state, mid)
@@ -192,7 +191,7 @@ class DistributedSnapshots:
                                 hint="see that rank's error; nothing was restored")
         planner = values_planner()
         try:
-            dcp.load(flat, storage_reader=Reader(self.mgr.store, mid), process_group=self.group, planner=planner)
+            dcp.load(flat, storage_reader=Reader(self.run.store, mid), process_group=self.group, planner=planner)
         except _FAILURES as e:
             rank, err = self.rank, e
             if isinstance(e, CheckpointException) and e.failures:
@@ -222,9 +221,9 @@ class DistributedSnapshots:
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
         from ckpt.dcp.format import decode_layout
-        from ckpt.snapshot.manager import SNAPSHOT_FORMAT, SnapshotError
+        from ckpt.snapshot.run import SNAPSHOT_FORMAT, SnapshotError
 
-        m = self.mgr.store.get_manifest(mid)
+        m = self.run.store.get_manifest(mid)
         snap = m.extra.get("snapshot")
         if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or not snap.get("ranks"):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a distributed snapshot of this ckpt version",
@@ -251,7 +250,7 @@ class DistributedSnapshots:
     def _check_keys(self, state: dict[str, Any], snap: dict[str, Any], saved: dict[str, dict[str, Path]], step: int) -> None:
         """Every key is in the snapshot, and per-rank state meets per-rank state saved by as many ranks."""
         from ckpt.errors import TensorMismatchError
-        from ckpt.snapshot.manager import SnapshotError
+        from ckpt.snapshot.run import SnapshotError
 
         keys = set(snap["keys"]) if isinstance(snap.get("keys"), list) else set(saved)
         missing = sorted(set(state) - keys)
@@ -279,7 +278,7 @@ class DistributedSnapshots:
         """Both ways: every saved item of a restored key has a place in the live state, and every
         item of the live state is in the snapshot. DCP itself skips the first silently."""
         from ckpt.errors import TensorMismatchError
-        from ckpt.snapshot.manager import SnapshotError
+        from ckpt.snapshot.run import SnapshotError
 
         wanted: dict[str, set[str]] = {}
         for fqn, path in paths.items():

@@ -88,7 +88,7 @@ class LiveTensors:
             self._released = True
 
     def _check(self, name: str) -> None:
-        from ckpt.snapshot.manager import modified_under_save
+        from ckpt.snapshot.run import modified_under_save
 
         if self._tensors[name]._version != self._versions[name]:
             raise modified_under_save([name])

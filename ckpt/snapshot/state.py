@@ -183,3 +183,19 @@ def tensor_refs(tree: Any) -> list[str]:
 
     walk(tree)
     return out
+
+
+def optimizers_in(state: dict[str, Any]) -> list[Any]:
+    """The optimizers in ``state`` whose ``step`` runs the update, unwrapped: a wrapper such
+    as accelerate's ``AcceleratedOptimizer`` (what a transformers ``Trainer`` holds) is an
+    ``Optimizer`` subclass that never ran ``Optimizer.__init__`` and steps the one it wraps,
+    so hooks go on that one."""
+    import torch
+
+    found = []
+    for obj in state.values():
+        if isinstance(obj, torch.optim.Optimizer):
+            while isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer):
+                obj = obj.optimizer
+            found.append(obj)
+    return found

@@ -217,7 +217,7 @@ def manager(rank, world, tmp, store, kill_rank=None, signum=signal.SIGKILL, asyn
         opt.zero_grad()
 
     res: dict = {}
-    with ckpt.CheckpointManager(store, "run", keep_last=2, async_save=async_save, process_group=torch.distributed.group.WORLD,
+    with ckpt.CheckpointManager(store, "run", keep_last=2, save_mode="async" if async_save else "sync", process_group=torch.distributed.group.WORLD,
                                 timeout_s=timeout_s) as mgr:
         res["restored_none"] = mgr.restore_latest({"train": Train(model, opt), "step": 0})
         for s in (1, 2, 3):
@@ -421,7 +421,7 @@ def ddp_refusals(rank, world, tmp, store):
 
     res: dict = {}
     group = dist.group.WORLD
-    with ckpt.CheckpointManager(store, "r", async_save=False, process_group=group, timeout_s=30) as mgr:
+    with ckpt.CheckpointManager(store, "r", save_mode="sync", process_group=group, timeout_s=30) as mgr:
         res["differs"] = outcome(lambda: mgr.save(1, {"w": torch.ones(2), "pos": _Position(rank)}))
         res["differs_steps"] = mgr.steps()
         state = _ddp_state(rank)
@@ -450,11 +450,11 @@ def ddp_refusals(rank, world, tmp, store):
         old = {"format": 1, "run": "old", "step": 1, "metrics": {}, "ranks": True}
         dcp.save({"rng": ckpt.RNGState().state_dict()}, process_group=group,
                  storage_writer=ckpt.dcp.Writer(store, "old/step-1", aliases=("old/latest",), extra={"snapshot": old}))
-    with ckpt.CheckpointManager(store, "old", async_save=False, process_group=group, timeout_s=30) as mgr:
+    with ckpt.CheckpointManager(store, "old", save_mode="sync", process_group=group, timeout_s=30) as mgr:
         res["shared_rng"] = outcome(lambda: mgr.restore_latest({"rng": ckpt.RNGState()}))
     solo = dist.new_group([0])  # every rank creates it; rank 0 alone restores through it
     if rank == 0:
-        with ckpt.CheckpointManager(store, "r", async_save=False, process_group=solo, timeout_s=30) as mgr:
+        with ckpt.CheckpointManager(store, "r", save_mode="sync", process_group=solo, timeout_s=30) as mgr:
             res["other_world"] = outcome(lambda: mgr.restore({"rng": ckpt.RNGState()}, 2))
             one = _ddp_state(rank, solo)
             res["other_world_shared"] = outcome(lambda: mgr.restore({"model": one["model"], "optim": one["optim"]}, 2))
@@ -480,7 +480,7 @@ def fsdp_plain_state(rank, world, tmp, store):
         opt.zero_grad()
     want = {i: {k: bits(v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in st.items()}
             for i, st in opt.state_dict()["state"].items()}
-    with ckpt.CheckpointManager(store, "fsdp", async_save=False, process_group=dist.group.WORLD, timeout_s=30) as mgr:
+    with ckpt.CheckpointManager(store, "fsdp", save_mode="sync", process_group=dist.group.WORLD, timeout_s=30) as mgr:
         mgr.save(2, {"model": model, "optim": opt})
         model2, opt2 = _fsdp(mesh)
         mgr.restore_latest({"model": model2, "optim": opt2})

@@ -60,7 +60,7 @@ def train(store: str, outdir: str, mode: str, steps: int, kill_at: int = -1, ove
                                  lr_scheduler_type="linear", weight_decay=0.01, optim="adamw_torch", save_strategy="no",
                                  report_to=[], disable_tqdm=True, use_cpu=True, seed=7, logging_steps=1,
                                  dataloader_num_workers=0)
-        cb = CkptCallback(store, "hf", every_n_steps=EVERY, keep_last=2, overlap_copy=overlap) if mode != "full" else None
+        cb = CkptCallback(store, "hf", every_n_steps=EVERY, keep_last=2, save_mode="overlap" if overlap else "async") if mode != "full" else None
         record = Record(model, cb if mode in ("crash", "stop") else None, kill_at, mode == "stop")
         trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[c for c in (cb, record) if c])
         resume = cb.resume_dir(trainer) if mode == "resume" else None

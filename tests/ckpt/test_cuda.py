@@ -31,12 +31,12 @@ def test_cuda_snapshot_is_the_state_at_save_while_training_goes_on(tmp_path, ove
     model, opt = _setup()
     _step(model, opt)
     want = _state_bits(model, opt)
-    with ckpt.CheckpointManager(str(tmp_path / "s"), "gpu", overlap_copy=overlap) as mgr:
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "gpu", save_mode="overlap" if overlap else "async") as mgr:
         mgr.save(1, {"model": model, "optim": opt})
         for _ in range(3):  # queued on the device right behind the copy
             _step(model, opt)
         mgr.wait()
-        assert all(b.is_pinned() for b in mgr._staging.values())
+        assert all(b.is_pinned() for b in mgr._path._staging.values())
         assert _state_bits(model, opt) != want
         fresh, fresh_opt = _setup()
         _step(fresh, fresh_opt)  # the optimizer has state tensors on the device to restore into

@@ -79,21 +79,21 @@ def test_frozen_weights_cost_nothing_after_the_first_save(tmp_path):
         _train(model, opt)
         mgr.save(1, {"model": model, "optim": opt})
         mgr.wait()
-        first = mgr.last_save_stats
+        first = mgr.last_save
         _train(model, opt)
         mgr.save(2, {"model": model, "optim": opt})
         mgr.wait()
-        second = mgr.last_save_stats
-    assert first["reused_tensors"] == 0
-    assert second["reused_tensors"] == 2  # model.0.weight and model.0.bias: not even read
-    assert second["written_bytes"] < first["written_bytes"]
+        second = mgr.last_save
+    assert first.reused_tensors == 0
+    assert second.reused_tensors == 2  # model.0.weight and model.0.bias: not even read
+    assert second.written_bytes < first.written_bytes
 
 
 def test_restore_in_place_and_subset(tmp_path):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     _train(model, opt, 3)
-    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", async_save=False) as mgr:
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", save_mode="sync") as mgr:
         mgr.save(3, {"model": model, "optim": opt, "epoch": 1, "pos": {"shard": 2, "offsets": (1, 2)}})
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     fresh = _model()
@@ -119,7 +119,7 @@ def test_optimizer_state_is_restored_into_its_own_tensors(tmp_path):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     _train(model, opt, 3)
-    with ckpt.CheckpointManager(str(tmp_path / "s"), "o", async_save=False) as mgr:
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "o", save_mode="sync") as mgr:
         mgr.save(3, {"model": model, "optim": opt})
     want = {id_: {k: _bits(v) for k, v in st.items()} for id_, st in opt.state_dict()["state"].items()}
     _train(model, opt, 2)  # the live state moves on
@@ -165,7 +165,7 @@ def test_background_error_is_raised_not_lost(tmp_path):
 def test_retention(tmp_path):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with ckpt.CheckpointManager(str(tmp_path / "s"), "ret", keep_last=2, keep_every=10, keep_best=("loss", "min")) as mgr:
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "ret", keep_last=2, keep_every=10, keep_best=ckpt.KeepBest("loss", "min")) as mgr:
         for step, loss in zip((5, 10, 15, 20, 25, 30), (0.9, 0.8, 0.1, 0.7, 0.6, 0.5)):
             _train(model, opt)
             mgr.save(step, {"model": model}, metrics={"loss": loss})
@@ -186,7 +186,7 @@ def _weights(store, ref):
 def test_fused_optimizer_never_yields_stale_snapshots(tmp_path):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    with ckpt.CheckpointManager(str(tmp_path / "s"), "f", async_save=False) as mgr:
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "f", save_mode="sync") as mgr:
         _train(model, opt)
         mgr.save(1, {"model": model, "optim": opt})
         _train(model, opt)
@@ -200,7 +200,7 @@ def test_save_after_restore_stores_the_restored_state(tmp_path):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"model": model}
-    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", async_save=False) as mgr:
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", save_mode="sync") as mgr:
         _train(model, opt)
         mgr.save(10, state)
         at10 = {k: v.clone() for k, v in model.state_dict().items()}
@@ -215,7 +215,7 @@ def test_save_after_restore_stores_the_restored_state(tmp_path):
 
 def test_fresh_tensors_at_a_reused_address_are_not_mistaken_for_unchanged(tmp_path):
     """torch.get_rng_state() returns a new tensor per call, often at the old one's address."""
-    with ckpt.CheckpointManager(str(tmp_path / "s"), "rng", async_save=False) as mgr:
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "rng", save_mode="sync") as mgr:
         states = []
         for step in range(4):
             torch.rand(10)  # advance the generator
@@ -256,7 +256,7 @@ def test_overlapped_save_reads_in_place_and_the_step_copies_only_the_rest(tmp_pa
     want, want_opt = _state_bits(model, opt)
     want["extra"] = _bits(extra)
     gate, first_reads_done = _gate_reads(monkeypatch, read_before_step)
-    with ckpt.CheckpointManager(str(tmp_path / "s"), "ov", overlap_copy=True) as mgr:
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "ov", save_mode="overlap") as mgr:
         mgr.save(2, {"model": model, "optim": opt, "extra": extra})
         if read_before_step == 5:
             assert first_reads_done.wait(30)  # five tensors read in place, the next read held
@@ -269,8 +269,8 @@ def test_overlapped_save_reads_in_place_and_the_step_copies_only_the_rest(tmp_pa
         opt.step()  # copies what is left, then modifies the parameters
         gate.set()
         mgr.wait()
-        assert mgr.last_save_stats["step"] == 2
-        copied = mgr.last_save_stats["copied_at_step_bytes"]
+        assert mgr.last_save.step == 2
+        copied = mgr.last_save.copied_at_step_bytes
         deferred = sum(p.nbytes for p in model.parameters()) * 3 + 4 * len(list(model.parameters()))  # + moments, steps
         if read_before_step == 0:
             assert copied == deferred  # nothing read before the step: it copied all of it
@@ -292,7 +292,7 @@ def test_overlapped_save_refuses_a_tensor_changed_under_it(tmp_path, monkeypatch
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, opt)
-    with ckpt.CheckpointManager(str(tmp_path / "s"), "ov", overlap_copy=True) as mgr:
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "ov", save_mode="overlap") as mgr:
         mgr.save(1, {"model": model, "optim": opt})
         mgr.wait()
         _train(model, opt)
@@ -314,7 +314,7 @@ def test_overlapped_save_fails_not_the_step_when_a_tensor_changed_before_it(tmp_
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, opt)
-    with ckpt.CheckpointManager(str(tmp_path / "s"), "ov", overlap_copy=True) as mgr:
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "ov", save_mode="overlap") as mgr:
         gate, _ = _gate_reads(monkeypatch, 0)
         mgr.save(1, {"model": model, "optim": opt})
         with torch.no_grad():
@@ -328,9 +328,40 @@ def test_overlapped_save_fails_not_the_step_when_a_tensor_changed_before_it(tmp_
 
 
 def test_overlap_copy_needs_async_save(tmp_path):
-    with pytest.raises(ValueError, match="needs async_save"):
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="needs async_save"):
         ckpt.CheckpointManager(str(tmp_path / "s"), "r", async_save=False, overlap_copy=True)
     assert not (tmp_path / "s").exists()  # refused before anything was created
+
+
+@pytest.mark.parametrize("old, new", [
+    ({"async_save": False}, {"save_mode": "sync"}), ({"overlap_copy": True}, {"save_mode": "overlap"}),
+    ({"trust_version": False}, {"unchanged_by": "hash"}), ({"delta": True}, {"delta_vs_previous": True}),
+    ({"keep_best": ("loss", "max", 2)}, {"keep_best": ckpt.KeepBest("loss", "max", 2)}),
+], ids=lambda d: next(iter(d)))
+def test_old_spellings_still_work_with_a_warning(tmp_path, old, new):
+    with pytest.warns(DeprecationWarning, match=next(iter(old))):
+        a = ckpt.CheckpointManager(str(tmp_path / "a"), "r", **old)
+    b = ckpt.CheckpointManager(str(tmp_path / "b"), "r", **new)
+    with a, b:
+        assert (a.save_mode, a._path.__class__, a.retention, a._target.delta) == \
+            (b.save_mode, b._path.__class__, b.retention, b._target.delta)
+        assert getattr(a._path, "trust_version", None) == getattr(b._path, "trust_version", None)
+        a.save(1, {"w": torch.ones(2)})
+        a.wait()
+        with pytest.warns(DeprecationWarning, match="last_save"):
+            assert a.last_save_stats["step"] == 1 == a.last_save.step
+
+
+def test_settings_that_belong_to_another_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="with process_group"):
+        ckpt.CheckpointManager(str(tmp_path / "s"), "r", timeout_s=60)
+    with pytest.raises(ValueError, match="save_mode"):
+        ckpt.CheckpointManager(str(tmp_path / "s"), "r", save_mode="background")
+    with pytest.raises(ValueError, match="unchanged_by"):
+        ckpt.CheckpointManager(str(tmp_path / "s"), "r", unchanged_by="data_ptr")
+    with pytest.raises(TypeError, match="keep_lats"):
+        ckpt.CheckpointManager(str(tmp_path / "s"), "r", keep_lats=3)
+    assert not (tmp_path / "s").exists()
 
 
 @pytest.mark.parametrize("setting", [
@@ -345,6 +376,7 @@ def test_overlap_copy_needs_async_save(tmp_path):
     {"timeout_s": "60"},
     {"preempt_exit_code": -1}, {"preempt_exit_code": 256}, {"preempt_exit_code": True}, {"preempt_exit_code": 1.0},
 ], ids=lambda s: "-".join(f"{k}={v!r}" for k, v in s.items()))
+@pytest.mark.filterwarnings("ignore:keep_best=:DeprecationWarning")
 def test_invalid_settings_are_refused_at_construction(tmp_path, setting):
     name = next(iter(setting))
     with pytest.raises(ValueError, match=rf"^{name}\b"):
@@ -354,9 +386,10 @@ def test_invalid_settings_are_refused_at_construction(tmp_path, setting):
 
 def test_valid_settings_are_kept(tmp_path):
     mgr = ckpt.CheckpointManager(str(tmp_path / "s"), "r", every_n_steps=1, keep_last=1, keep_every=1000,
-                                 keep_best=["loss", "max", 2], timeout_s=0.5, preempt_exit_code=0)
+                                 keep_best=ckpt.KeepBest("loss", "max", 2), preempt_exit_code=0)
     with mgr:
-        assert (mgr.every_n_steps, mgr.keep_last, mgr.keep_every, mgr.keep_best) == (1, 1, 1000, ("loss", "max", 2))
+        assert mgr.every_n_steps == 1
+        assert mgr.retention == ckpt.snapshot.retention.Retention(1, 1000, ckpt.KeepBest("loss", "max", 2))
         assert mgr.preempt_exit_code == 0
 
 

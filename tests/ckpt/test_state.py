@@ -94,7 +94,7 @@ def test_per_rank_marks_state_and_is_the_object_itself_in_one_process(tmp_path):
         PerRank(3)
     pos = _Position(7)
     pos.order = torch.tensor([3, 1, 2, 0])
-    with ckpt.CheckpointManager(str(tmp_path / "s"), "p", async_save=False) as mgr:
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "p", save_mode="sync") as mgr:
         mgr.save(1, {"pos": PerRank(pos)})
         back = _Position()
         assert mgr.restore_latest({"pos": PerRank(back)}) == 1

@@ -51,7 +51,7 @@ def main() -> None:
     state = {"model": model, "optim": opt, "sched": sched, "rng": ckpt.RNGState(), "step": 0}
     losses = {}
     mgr = ckpt.CheckpointManager(store, "run", every_n_steps=5, handle_signals=mode == "preempt",
-                                 overlap_copy=os.environ.get("CKPT_TEST_OVERLAP") == "1")
+                                 save_mode="overlap" if os.environ.get("CKPT_TEST_OVERLAP") == "1" else "async")
     start = 0
     if mode == "resume":
         start = mgr.restore_latest(state)

@@ -1,0 +1,85 @@
+"""What every way of saving a run's snapshots shares: where they go, what a save reports,
+and the interface a snapshot path implements for :class:`~ckpt.snapshot.manager.CheckpointManager`.
+
+The manager owns the schedule, the one save in flight, retention, preemption and the
+statistics; a *path* owns how state becomes a snapshot and back: one process
+(:class:`~ckpt.snapshot.local.LocalSnapshots`) or every rank of a process group through
+torch.distributed.checkpoint (:class:`~ckpt.snapshot.distributed.DistributedSnapshots`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ckpt.errors import CkptError
+
+if TYPE_CHECKING:
+    from ckpt.store.store import Store
+
+SNAPSHOT_FORMAT = 1  # the "snapshot" record in a snapshot manifest's extra (docs/format.md)
+
+
+class SnapshotError(CkptError):
+    """A snapshot could not be saved or restored."""
+
+
+def modified_under_save(names: list[str]) -> SnapshotError:
+    """The error of an overlapped save (``save_mode="overlap"``) whose tensors changed under it."""
+    listed = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return SnapshotError(
+        f"{listed} {'was' if len(names) == 1 else 'were'} modified in place while save() read "
+        f"{'it' if len(names) == 1 else 'them'} in the background; with save_mode='overlap' only the "
+        "optimizer's step may change parameters and optimizer state, and it waits for the snapshot")
+
+
+@dataclass(frozen=True)
+class SnapshotRun:
+    """Where a run's snapshots go: refs ``RUN/step-N`` and the alias ``RUN/latest`` in ``store``.
+    ``delta``: encode each snapshot against the previous one."""
+
+    store: Store
+    name: str
+    delta: bool = False
+
+    def ref(self, step: int) -> str:
+        return f"{self.name}/step-{step}"
+
+    @property
+    def latest(self) -> str:
+        return f"{self.name}/latest"
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What the background part of one save wrote (None where this process does not know)."""
+
+    id: str | None
+    written_bytes: int | None = None
+    logical_bytes: int | None = None
+    staged_tensors: int | None = None
+    reused_tensors: int | None = None
+    copied_at_step_bytes: int = 0
+    prunes: bool = True  # whether this process applies retention (one rank of a group does)
+
+
+SaveJob = Callable[[], SaveResult]
+
+
+class SnapshotPath(Protocol):
+    """How state becomes a snapshot and back; driven by the manager, one save at a time."""
+
+    def save(self, step: int, state: dict[str, Any], snapshot: dict[str, Any], *, background: bool) -> SaveJob:
+        """Take what must be taken before training may go on (the blocking part) and return
+        the rest, which the manager runs in its save thread (``background``) or at once.
+        ``snapshot`` is the record to store (format, run, step, metrics); a path may add to it."""
+        ...
+
+    def restore(self, state: dict[str, Any], manifest_id: str) -> int:
+        """Restore snapshot ``manifest_id`` into ``state`` in place; its step."""
+        ...
+
+    def close(self) -> None:
+        """Release what the path holds (hooks, streams)."""
+        ...
