@@ -614,6 +614,24 @@ def remix(
     out.print(f"{output} -> {cid[:12]}  average of {', '.join(chosen)}")
 
 
+@app.command()
+def serve(
+    store: StoreOpt = None,
+    port: Annotated[int, typer.Option("--port", "-p", help="TCP port.")] = 8765,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on; anything but loopback needs --token.")] = "127.0.0.1",
+    token: Annotated[Optional[str], typer.Option("--token", metavar="TOKEN", envvar="CKPT_SERVE_TOKEN",
+                                                 help="Secret every request must carry (the printed address has it); $CKPT_SERVE_TOKEN.")] = None,
+) -> None:
+    """A read-only web view of the store: lineage graph, versions, sizes, diffs, training runs.
+
+    Pages and JSON (/api/refs, /api/lineage, /api/checkpoint/REF, /api/diff?a=REF&b=REF)
+    carry what --json does. Needs the web extra: pip install 'ckpt-store[web]'.
+    """
+    from ckpt_store.cli.web.server import serve as run_server
+
+    run_server(_open(url=store), host=host, port=port, token=token, announce=lambda line: out.print(line, markup=False))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: ckpt errors become one line on stderr and exit code 1."""
     from ckpt_store.storage.errors import CkptError

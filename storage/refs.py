@@ -158,10 +158,12 @@ class Refs:
         """Mark ``name`` as removed; its history stays readable with ``ckpt log``."""
         return self._append(name, None)
 
-    def all_entries(self) -> dict[str, list[RefEntry]]:
-        """Every ref ever written, with its history newest first."""
+    def all_entries(self, prefix: str = "") -> dict[str, list[RefEntry]]:
+        """Every ref ever written (under ``prefix``, a ref name's leading segments), with its history newest first."""
         by_name: dict[str, list[int]] = defaultdict(list)
-        for e in self.backend.list("refs"):
+        if prefix:
+            validate_ref_name(prefix.rstrip("/"))
+        for e in self.backend.list(f"refs/{prefix.rstrip('/')}" if prefix else "refs"):
             parts = e.path.split("/")
             m = _ENTRY.match(parts[-1])
             if m and len(parts) >= 3:

@@ -260,7 +260,7 @@ def _selected(name: str, include: Sequence[str] | None, exclude: Sequence[str] |
 
 def diff(a: object, b: object, store: Store | None = None, *, include: Sequence[str] | None = None,
          exclude: Sequence[str] | None = None, estimate_delta: bool = True,
-         progress: Progress | None = None) -> DiffReport:
+         progress: Progress | None = None, refs_only: bool = False) -> DiffReport:
     """Compare checkpoint ``b`` against ``a``, tensor by tensor.
 
     ``a`` and ``b`` are refs of ``store`` (default: the default store), paths of files
@@ -269,12 +269,14 @@ def diff(a: object, b: object, store: Store | None = None, *, include: Sequence[
     ``estimate_delta``, B's changed chunks are encoded against A's with the store's
     codecs to tell what pushing B after A would store. Raises the errors of
     :meth:`Store.reader` and :func:`ckpt.store.sources.open_source` for bad refs or files.
+    With ``refs_only``, ``a`` and ``b`` are refs of ``store`` whatever they look like: no
+    local file is ever opened (for inputs from untrusted places, like the web view's URLs).
     """
     from ckpt.settings import Settings
 
-    side_a, store = open_side(a, store)
+    side_a, store = open_side(a, store, refs_only)
     try:
-        side_b, store = open_side(b, store)
+        side_b, store = open_side(b, store, refs_only)
     except BaseException:
         side_a.close()
         raise

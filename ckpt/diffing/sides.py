@@ -121,20 +121,23 @@ class SourceSide:
 _FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
 
 
-def open_side(x: object, store: Store | None) -> tuple[Side, Store | None]:
+def open_side(x: object, store: Store | None, refs_only: bool = False) -> tuple[Side, Store | None]:
     """``x`` as a side: a dict of tensors or an existing path (or one named like a weights
     file) is read as ``push`` would read it; anything else is a ref of ``store`` (default:
-    the default store, opened only when needed)."""
+    the default store, opened only when needed). With ``refs_only``, ``x`` is always a ref
+    (a string naming a file is never opened: for callers whose input is untrusted)."""
     from ckpt.store.sources import open_source
 
-    if isinstance(x, Mapping):
-        return SourceSide(open_source(x), "<tensors>"), store
-    if isinstance(x, os.PathLike) or (isinstance(x, str) and (os.path.exists(x) or x.endswith(_FILE_SUFFIXES))):
-        return SourceSide(open_source(x), os.fspath(x)), store  # a missing file: "no such file", not "no ref"
+    if not refs_only:
+        if isinstance(x, Mapping):
+            return SourceSide(open_source(x), "<tensors>"), store
+        if isinstance(x, os.PathLike) or (isinstance(x, str) and (os.path.exists(x) or x.endswith(_FILE_SUFFIXES))):
+            return SourceSide(open_source(x), os.fspath(x)), store  # a missing file: "no such file", not "no ref"
     if not isinstance(x, str):
         from ckpt.errors import InvalidSourceError
 
-        raise InvalidSourceError(repr(x)[:80], "diff takes refs, paths or dicts of tensors")
+        raise InvalidSourceError(repr(x)[:80], "only refs of the store are compared here" if refs_only
+                                 else "diff takes refs, paths or dicts of tensors")
     if store is None:
         from ckpt.store.store import Store
 

@@ -149,6 +149,22 @@ class Store:
             raise RefNotFoundError(f"no ref named {name!r}", hint="see `ckpt ls`")
         return history
 
+    def ref_history(self, prefix: str = "") -> dict[str, list[RefEntry]]:
+        """Every ref ever written whose name starts with the segments ``prefix`` (all refs when
+        empty), removed ones included, each with its history newest first (as :meth:`log`).
+
+        >>> import torch
+        >>> s = Store.init("memory://ref-history-doctest")
+        >>> _ = s.push({"w": torch.ones(2)}, "run/step-1"); _ = s.remove("run/step-1")
+        >>> [(n, [e.target is None for e in h]) for n, h in s.ref_history("run").items()]
+        [('run/step-1', [True, False])]
+        """
+        return self.refs_db.all_entries(prefix)
+
+    def chunk_sizes(self) -> dict[str, int]:
+        """Stored (encoded) bytes of every chunk in the store, by chunk id: one listing, no reads."""
+        return {o.id: o.size for o in self.objects.list("chunks")}
+
     def remove(self, name: str) -> RefEntry:
         """Remove ref ``name`` (its data is freed by a later ``gc``)."""
         validate_ref_name(name)

@@ -1,0 +1,270 @@
+"""The web application: pages and ``/api/`` documents over one store, read-only.
+
+Every route is a GET. Templates escape every value (jinja2 autoescape), and the pages
+run no inline script: a Content-Security-Policy of ``'self'`` means that even a string
+that slipped through unescaped could not execute. Refs from URLs go to
+:meth:`ckpt.Store.resolve` (which accepts only valid ref names, ``NAME@N`` and hex id
+prefixes) and diffs are of refs only (``refs_only``), so no URL reaches a file; static
+assets are a fixed set of files of this package, looked up by name in a dict.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+import jinja2
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+import ckpt
+from ckpt.diffing.compare import SORT_KEYS
+from ckpt.errors import AmbiguousRefError, CkptError, InvalidNameError, RefNotFoundError
+from ckpt_store.cli.web import charts
+from ckpt_store.cli.web.data import MAX_PAGE, STEP_REF, StoreView, page
+from ckpt_store.cli.web.graph import NODE_H, NODE_W, layout, lineage
+
+log = logging.getLogger(__name__)
+HERE = Path(__file__).resolve().parent
+STATIC = {p.name: (p.read_bytes(), {".css": "text/css", ".js": "text/javascript"}[p.suffix])
+          for p in sorted((HERE / "static").iterdir()) if p.suffix in (".css", ".js")}
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+       "base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
+COOKIE = "ckpt_serve_token"
+
+
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
+                             undefined=jinja2.StrictUndefined)
+    env.filters["bytes"] = charts.human_bytes
+    env.filters["when"] = lambda ts: "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    env.filters["short"] = lambda i: (i or "")[:12]
+    env.filters["num"] = charts.fmt
+    return env
+
+
+def _int(request: Request, key: str, default: int) -> int:
+    try:
+        return int(request.query_params.get(key, default))
+    except ValueError:
+        return default
+
+
+class Guard:
+    """ASGI middleware: GET/HEAD only, the token when one is set, and the security headers."""
+
+    def __init__(self, app: Any, token: str | None, hosts: list[str] | None) -> None:
+        self.app = app
+        self.token = token
+        self.hosts = {h.lower() for h in hosts} if hosts else None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        set_cookie = None
+        if scope["method"] not in ("GET", "HEAD"):
+            response: Response | None = PlainTextResponse("read-only: only GET and HEAD\n", status_code=405, headers={"Allow": "GET, HEAD"})
+        elif self.hosts is not None and headers.get("host", "").rsplit(":", 1)[0].strip("[]").lower() not in self.hosts:
+            # a page on another site whose name was re-pointed at 127.0.0.1 (DNS rebinding) gets nothing
+            response = PlainTextResponse("unexpected Host header\n", status_code=400)
+        elif self.token is not None:
+            given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [None])[0]
+            cookie = _cookie(headers.get("cookie", ""), COOKIE)
+            auth = headers.get("authorization", "")
+            bearer = auth[7:] if auth.lower().startswith("bearer ") else None
+            if given is not None and _same(given, self.token):
+                set_cookie = f"{COOKIE}={self.token}; Path=/; HttpOnly; SameSite=Strict"
+                response = None
+            elif any(v is not None and _same(v, self.token) for v in (cookie, bearer)):
+                response = None
+            else:
+                response = PlainTextResponse("this ckpt serve needs its token: open the address it printed "
+                                             "(…/?token=…) or send 'Authorization: Bearer TOKEN'\n", status_code=401)
+        else:
+            response = None
+
+        async def send_with_headers(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                extra = [(b"content-security-policy", CSP.encode()), (b"x-content-type-options", b"nosniff"),
+                         (b"referrer-policy", b"no-referrer"), (b"x-frame-options", b"DENY"),
+                         (b"cache-control", b"no-store")]
+                if set_cookie:
+                    extra.append((b"set-cookie", set_cookie.encode("latin-1")))
+                message = {**message, "headers": list(message.get("headers", [])) + extra}
+            await send(message)
+
+        if response is not None:
+            await response(scope, receive, send_with_headers)
+        else:
+            await self.app(scope, receive, send_with_headers)
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode("utf-8", "surrogateescape"), b.encode("utf-8", "surrogateescape"))
+
+
+def _cookie(header: str, name: str) -> str | None:
+    for part in header.split(";"):
+        k, _, v = part.strip().partition("=")
+        if k == name:
+            return v
+    return None
+
+
+def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] | None = None) -> Any:
+    """The ASGI application for ``store``. ``token``: every request must carry it (query
+    ``?token=``, which also sets a cookie, a cookie, or ``Authorization: Bearer``).
+    ``hosts``: the Host header values accepted (None: any)."""
+    view = StoreView(store)
+    env = _env()
+
+    def render(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
+        return HTMLResponse(env.get_template(name).render(store_url=view.url, **ctx), status_code=status)
+
+    def failed(e: Exception, api: bool) -> Response:
+        if isinstance(e, (RefNotFoundError, InvalidNameError, AmbiguousRefError)):
+            status = 404
+        elif isinstance(e, CkptError):
+            status = 400
+        else:
+            log.exception("ckpt serve: request failed")
+            status, e = 500, RuntimeError("internal error (logged by the server)")
+        return JSONResponse({"error": str(e)}, status_code=status) if api else render("error.html", status, error=str(e))
+
+    def guarded(fn: Any, api: bool) -> Any:
+        def endpoint(request: Request) -> Response:
+            try:
+                return fn(request)
+            except Exception as e:  # noqa: BLE001 - one line to the client, never a traceback
+                return failed(e, api)
+        return endpoint
+
+    # -- API -------------------------------------------------------------------------
+    def api_refs(request: Request) -> Response:
+        rows, pg = page(view.ls(), _int(request, "offset", 0), _int(request, "limit", 100))
+        return JSONResponse({"refs": rows, "page": pg})
+
+    def api_lineage(request: Request) -> Response:
+        return JSONResponse(lineage(view))
+
+    def checkpoint_doc(request: Request, ref: str) -> dict[str, Any]:
+        doc = view.show(ref)
+        tensors = doc["tensors"]
+        q = request.query_params.get("q", "").strip().lower()
+        if q:
+            tensors = [t for t in tensors if q in t["name"].lower()]
+        doc["tensors"], doc["tensors_page"] = page(tensors, _int(request, "offset", 0), _int(request, "limit", MAX_PAGE))
+        doc["log"] = view.log(ref) if view.is_ref_name(ref) else None
+        return doc
+
+    def api_checkpoint(request: Request) -> Response:
+        return JSONResponse(checkpoint_doc(request, request.path_params["ref"]))
+
+    def diff_args(request: Request) -> tuple[str, str, str, int | None]:
+        a, b = request.query_params.get("a", ""), request.query_params.get("b", "")
+        sort = request.query_params.get("sort", "order")
+        if sort not in SORT_KEYS:
+            raise CkptError(f"sort must be one of {', '.join(SORT_KEYS)}")
+        top = request.query_params.get("top")
+        return a, b, sort, int(top) if top and top.isdigit() else None
+
+    def api_diff(request: Request) -> Response:
+        a, b, sort, top = diff_args(request)
+        if not a or not b:
+            raise CkptError("give both sides: /api/diff?a=REF&b=REF")
+        return JSONResponse(view.diff(a, b).to_json(sort, top))
+
+    def api_du(request: Request) -> Response:
+        return JSONResponse(view.du())
+
+    def api_run(request: Request) -> Response:
+        doc = view.run(request.path_params["name"])
+        doc["snapshots"], doc["page"] = page(doc["snapshots"], _int(request, "offset", 0), _int(request, "limit", MAX_PAGE))
+        return JSONResponse(doc)
+
+    # -- pages -------------------------------------------------------------------------
+    def overview(request: Request) -> Response:
+        rows, pg = page(view.ls(), _int(request, "offset", 0), _int(request, "limit", 100))
+        du = view.du()
+        return render("overview.html", refs=view.overview_rows(rows), page=pg, du=du, bars=charts.savings_bars(du),
+                      runs=view.runs())
+
+    def lineage_page(request: Request) -> Response:
+        doc = lineage(view)
+        boxes, width, height = layout(doc["nodes"], doc["edges"])
+        by_id = {n["id"]: n for n in doc["nodes"]}
+        edges = []
+        for e in doc["edges"]:
+            s, t = boxes[e["source"]], boxes[e["target"]]
+            x1, y1, x2, y2 = s.x + s.w, s.y + s.h / 2, t.x, t.y + t.h / 2
+            bend = max(30.0, (x2 - x1) / 2)
+            edges.append({**e, "d": f"M{x1:.0f},{y1:.0f} C{x1 + bend:.0f},{y1:.0f} {x2 - bend:.0f},{y2:.0f} {x2:.0f},{y2:.0f}",
+                          "lx": x2 - 5, "ly": y2 - 5, "from_label": by_id[e["source"]]["label"], "to_label": by_id[e["target"]]["label"]})
+        nodes = [{**n, "box": boxes[n["id"]]} for n in doc["nodes"]]
+        return render("lineage.html", nodes=nodes, edges=edges, width=width, height=height, node_w=NODE_W, node_h=NODE_H,
+                      truncated=doc["truncated"], runs=[n for n in nodes if n["kind"] == "run"])
+
+    def checkpoint_page(request: Request) -> Response:
+        ref = request.path_params["ref"]
+        doc = checkpoint_doc(request, ref)
+        lin = doc["lineage"] or {}
+        merge = lin.get("merge") if isinstance(lin.get("merge"), dict) else None
+        run = None
+        m = STEP_REF.match(ref)
+        if m and "snapshot" in doc["extra"]:
+            run = m["run"]
+        diff_base = lin.get("base") or lin.get("parent")
+        return render("checkpoint.html", ref=ref, doc=doc, merge=merge, run=run, diff_base=diff_base,
+                      q=request.query_params.get("q", ""), stored=sum(t["stored_bytes"] for t in doc["tensors"]))
+
+    def diff_page(request: Request) -> Response:
+        a, b, sort, top = diff_args(request)
+        names = sorted(view.store.refs())[:5000]
+        ctx: dict[str, Any] = {"names": names, "a": a, "b": b, "sort": sort, "sort_keys": SORT_KEYS, "doc": None}
+        if a and b:
+            doc = view.diff(a, b).to_json(sort, top)
+            ctx.update(doc=doc, heat=charts.heatmap(doc["tensors"]))
+        return render("diff.html", **ctx)
+
+    def run_page(request: Request) -> Response:
+        name = request.path_params["name"]
+        doc = view.run(name)
+        rows, pg = page(doc["snapshots"], _int(request, "offset", 0), _int(request, "limit", MAX_PAGE))
+        chart_metrics = doc["metrics"][:4]
+        return render("run.html", doc=doc, rows=rows, page=pg, charts=[charts.run_chart(rows, k) for k in chart_metrics])
+
+    def static(request: Request) -> Response:
+        hit = STATIC.get(request.path_params["name"])
+        if hit is None:
+            return PlainTextResponse("not found\n", status_code=404)
+        return Response(hit[0], media_type=hit[1])
+
+    def not_found(request: Request, exc: Exception) -> Response:
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"error": "no such API path"}, status_code=404)
+        return render("error.html", 404, error="no such page")
+
+    routes = [
+        Route("/api/refs", guarded(api_refs, True)),
+        Route("/api/lineage", guarded(api_lineage, True)),
+        Route("/api/checkpoint/{ref:path}", guarded(api_checkpoint, True)),
+        Route("/api/diff", guarded(api_diff, True)),
+        Route("/api/du", guarded(api_du, True)),
+        Route("/api/run/{name:path}", guarded(api_run, True)),
+        Route("/", guarded(overview, False)),
+        Route("/lineage", guarded(lineage_page, False)),
+        Route("/checkpoint/{ref:path}", guarded(checkpoint_page, False)),
+        Route("/diff", guarded(diff_page, False)),
+        Route("/run/{name:path}", guarded(run_page, False)),
+        Route("/static/{name}", static),
+    ]
+    app = Starlette(routes=routes, exception_handlers={404: not_found})
+    return Guard(app, token, hosts)

@@ -1,0 +1,139 @@
+"""Geometry of the pages' charts, computed here and drawn by the templates as inline SVG.
+
+Pure functions of the documents in :mod:`ckpt_store.cli.web.data`: the layer x module
+heatmap of a diff (the grouping of ``ckpt diff --plot``: :func:`ckpt.diffing.plot.layer_key`),
+the bars of what dedup and each codec saved, and a run's metrics against its steps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ckpt.diffing.plot import layer_key
+
+# viridis at five stops: dark = small change, yellow = large
+_VIRIDIS = [(0.0, (68, 1, 84)), (0.25, (59, 82, 139)), (0.5, (33, 145, 140)), (0.75, (94, 201, 98)), (1.0, (253, 231, 37))]
+
+
+def color(t: float) -> str:
+    """Viridis at ``t`` in [0, 1] as #rrggbb."""
+    t = min(1.0, max(0.0, t))
+    for (t0, c0), (t1, c1) in zip(_VIRIDIS, _VIRIDIS[1:]):
+        if t <= t1:
+            f = (t - t0) / (t1 - t0)
+            return "#%02x%02x%02x" % tuple(round(a + (b - a) * f) for a, b in zip(c0, c1))
+    return "#fde725"
+
+
+def fmt(v: float | None) -> str:
+    if v is None:
+        return "n/a"
+    if v == 0:
+        return "0"
+    return f"{v:.1e}".replace("e-0", "e-").replace("e+0", "e")
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def heatmap(tensors: list[dict[str, Any]], cell_w: int = 46, cell_h: int = 22, label_w: int = 260) -> dict[str, Any]:
+    """Cells of relative change ‖B−A‖/‖A‖: one row per (stack, module type), one column per
+    layer index, colour on a log scale; tensors without a layer index as a list beside it."""
+    grid: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
+    flat = []
+    for t in tensors:
+        stack, idx, module = layer_key(t["name"])
+        if idx is None:
+            flat.append(t)
+        else:
+            grid.setdefault((stack, module), {})[idx] = t
+    layers = sorted({i for row in grid.values() for i in row})
+    stacks = {s for s, _ in grid}
+    values = [t["relative_change"] for t in tensors if t.get("relative_change")]
+    lo, hi = (min(values), max(values)) if values else (1e-6, 1.0)
+    if lo == hi:
+        lo, hi = lo / 10, hi * 10
+    span = math.log10(hi) - math.log10(lo)
+
+    def cell(t: dict[str, Any] | None) -> dict[str, Any]:
+        if t is None:
+            return {"fill": "#ffffff", "text": "", "title": "", "name": None, "dark": False}
+        v = t.get("relative_change")
+        if v is None:
+            return {"fill": "#dddddd", "text": "n/a", "title": f"{t['name']}: {t['status']}", "name": t["name"], "dark": False}
+        if v == 0:
+            return {"fill": "#eeeeee", "text": "0", "title": f"{t['name']}: identical", "name": t["name"], "dark": False}
+        f = (math.log10(v) - math.log10(lo)) / span
+        return {"fill": color(f), "text": fmt(v), "title": f"{t['name']}: {t['status']}, relative change {v:.4g}",
+                "name": t["name"], "dark": f < 0.6, "value": v}
+
+    rows = []
+    for r, ((stack, module), by_layer) in enumerate(grid.items()):
+        label = f"{stack}.*.{module}" if len(stacks) > 1 else module
+        rows.append({"label": label, "y": 24 + r * cell_h,
+                     "cells": [{"x": label_w + c * cell_w, **cell(by_layer.get(layer))} for c, layer in enumerate(layers)]})
+    bars = []
+    for k, t in enumerate(flat):
+        c = cell(t)
+        v = t.get("relative_change")
+        w = 0 if not v else max(2.0, 200 * (math.log10(v) - math.log10(lo)) / span + 8)
+        bars.append({"label": t["name"], "y": 20 + k * cell_h, "w": w, **c})
+    return {"layers": [{"x": label_w + c * cell_w, "label": layer} for c, layer in enumerate(layers)], "rows": rows,
+            "cell_w": cell_w, "cell_h": cell_h - 2, "label_w": label_w,
+            "width": label_w + len(layers) * cell_w + 10, "height": 30 + len(rows) * cell_h,
+            "bars": bars, "bars_height": 30 + len(bars) * cell_h, "lo": fmt(lo), "hi": fmt(hi),
+            "legend": [color(i / 10) for i in range(11)]}
+
+
+def savings_bars(du: dict[str, Any], width: int = 520) -> dict[str, Any]:
+    """Bars of ``ckpt du``: logical, after dedup, stored; and per codec what it saved."""
+    logical = du["logical_bytes"] or 1
+    rows = [("logical (as pushed)", du["logical_bytes"], "#8899aa"),
+            ("after dedup", du["unique_bytes"], "#4477aa"),
+            ("stored (chunks + manifests)", du["stored_bytes"], "#228833")]
+    bars = [{"label": label, "value": v, "text": human_bytes(v), "w": max(1.0, width * v / logical), "fill": fill} for label, v, fill in rows]
+    saved = [("dedup saved", du["dedup_saved_bytes"])] + [
+        (f"{name} saved", c["decoded_bytes"] - c["stored_bytes"]) for name, c in du["codecs"].items()]
+    top = max([v for _, v in saved] + [1])
+    saved_bars = [{"label": label, "value": v, "text": human_bytes(v) + (f" ({100 * v / logical:.1f}% of logical)" if v > 0 else ""),
+                   "w": max(1.0, width * max(v, 0) / top), "fill": "#cc6677" if label == "dedup saved" else "#ddaa33"} for label, v in saved]
+    for i, b in enumerate(bars + saved_bars):
+        b["y"] = 10 + i * 28 + (14 if i >= len(bars) else 0)
+    return {"bars": bars + saved_bars, "label_w": 230, "width": 230 + width + 220, "height": 30 + 28 * (len(bars) + len(saved_bars))}
+
+
+def run_chart(snapshots: list[dict[str, Any]], metric: str, width: int = 720, height: int = 180) -> dict[str, Any]:
+    """Points (step, metric) of a run's snapshots; kept ones filled, removed ones hollow."""
+    pts = [s for s in snapshots if isinstance(s["metrics"].get(metric), (int, float)) and math.isfinite(s["metrics"][metric])]
+    steps = [s["step"] for s in snapshots] or [0]
+    x0, x1 = min(steps), max(steps)
+    vals = [s["metrics"][metric] for s in pts] or [0.0]
+    y0, y1 = min(vals), max(vals)
+    if x0 == x1:
+        x1 = x0 + 1
+    if y0 == y1:
+        y0, y1 = y0 - 1, y1 + 1
+    left, right, top, bottom = 70, 20, 16, 30
+
+    def px(step: float) -> float:
+        return left + (width - left - right) * (step - x0) / (x1 - x0)
+
+    def py(v: float) -> float:
+        return top + (height - top - bottom) * (1 - (v - y0) / (y1 - y0))
+
+    points = [{"x": round(px(s["step"]), 1), "y": round(py(s["metrics"][metric]), 1), "step": s["step"],
+               "value": s["metrics"][metric], "live": s["live"], "latest": s["latest"], "ref": s["ref"]} for s in pts]
+    marks = [{"x": round(px(s["step"]), 1), "live": s["live"], "step": s["step"]} for s in snapshots]
+    return {"metric": metric, "width": width, "height": height, "points": points, "marks": marks,
+            "path": " ".join(f"{'M' if i == 0 else 'L'}{p['x']},{p['y']}" for i, p in enumerate(points)),
+            "axis_y": height - bottom, "left": left, "right": width - right,
+            "y_labels": [{"y": round(py(v), 1), "text": f"{v:.4g}"} for v in (y0, (y0 + y1) / 2, y1)],
+            "x_labels": [{"x": round(px(v), 1), "text": str(round(v))} for v in (x0, (x0 + x1) / 2, x1)]}

@@ -1,0 +1,244 @@
+"""What the web view shows, as JSON-ready documents built from ckpt's public API.
+
+The documents of ``/api/refs`` (rows of ``ckpt ls --json``), ``/api/checkpoint/REF``
+(``ckpt show --json`` plus the ref's ``log``), ``/api/diff`` (``ckpt diff --json``) and the
+overview's usage (``ckpt du --json``) hold the same fields and numbers as the command line;
+tests compare them. Manifests are cached by id (an id is the hash of the manifest's bytes,
+so a cached one is never stale); refs are listed again on every request, the chunk listing
+and the usage after a few seconds, so pages follow pushes made meanwhile.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import ckpt
+from ckpt.codecs.chunk import CODEC_NAMES
+from ckpt.errors import CkptError, RefNotFoundError
+from ckpt.format.manifest import Manifest
+
+STEP_REF = re.compile(r"^(?P<run>.+)/step-(?P<step>\d+)$")
+MAX_PAGE = 1000  # the most rows one request returns, whatever it asks for
+T = TypeVar("T")
+
+
+def page(rows: list[T], offset: int, limit: int) -> tuple[list[T], dict[str, Any]]:
+    """Rows ``offset .. offset+limit`` and the paging record every list document carries."""
+    offset = max(0, offset)
+    limit = max(1, min(limit, MAX_PAGE))
+    chunk = rows[offset : offset + limit]
+    nxt = offset + limit if offset + limit < len(rows) else None
+    return chunk, {"total": len(rows), "offset": offset, "limit": limit, "next_offset": nxt}
+
+
+def own_chunks(m: Manifest) -> set[str]:
+    """Chunk ids a checkpoint names itself (file headers and tensors; not its delta bases)."""
+    return {c for f in m.files for c in f.chunks} | {c for t in m.tensors for c in t.chunks}
+
+
+def stored_bytes(chunks: Iterable[str], sizes: dict[str, int]) -> int:
+    return sum(sizes.get(c, 0) for c in chunks)
+
+
+def codec_mix(m: Manifest) -> dict[str, int]:
+    """Decoded tensor bytes per codec the chunks were stored with, as found at push time."""
+    mix: dict[str, int] = {}
+    for t in m.tensors:
+        n = len(t.chunks)
+        for i, codec in enumerate(t.codecs):
+            part = m.chunk_size if i < n - 1 else t.nbytes - m.chunk_size * (n - 1)
+            name = CODEC_NAMES.get(codec, "?")
+            mix[name] = mix.get(name, 0) + part
+    return dict(sorted(mix.items()))
+
+
+class StoreView:
+    """Read-only access to one store for the pages and the API, with the caches described above."""
+
+    def __init__(self, store: ckpt.Store, ttl_s: float = 5.0, cache_manifests: int = 4096, cache_diffs: int = 16) -> None:
+        self.store = store
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._manifests: OrderedDict[str, Manifest] = OrderedDict()
+        self._max_manifests = cache_manifests
+        self._diffs: OrderedDict[tuple[str, str, str, str, bool], Any] = OrderedDict()
+        self._max_diffs = cache_diffs
+        self._timed: dict[str, tuple[float, Any]] = {}
+
+    # -- caches ---------------------------------------------------------------------
+    def manifest(self, mid: str) -> Manifest:
+        with self._lock:
+            m = self._manifests.get(mid)
+            if m is not None:
+                self._manifests.move_to_end(mid)
+                return m
+        m = self.store.get_manifest(mid)
+        with self._lock:
+            self._manifests[mid] = m
+            while len(self._manifests) > self._max_manifests:
+                self._manifests.popitem(last=False)
+        return m
+
+    def _fresh(self, key: str, make: Callable[[], T]) -> T:
+        with self._lock:
+            hit = self._timed.get(key)
+        if hit is not None and time.monotonic() - hit[0] < self.ttl_s:
+            return hit[1]
+        value = make()
+        with self._lock:
+            self._timed[key] = (time.monotonic(), value)
+        return value
+
+    def chunk_sizes(self) -> dict[str, int]:
+        return self._fresh("chunk_sizes", self.store.chunk_sizes)
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+    # -- documents ----------------------------------------------------------------------
+    def ls(self) -> list[dict[str, Any]]:
+        """The rows of ``ckpt ls --json``, sorted by name."""
+        rows = []
+        for name, entry in self.store.refs().items():
+            m = self.manifest(entry.target)
+            rows.append({"ref": name, "id": entry.target, "time": entry.time, "bytes": m.logical_bytes,
+                         "tensors": len(m.tensors), "message": m.message, "source": m.source})
+        return rows
+
+    def overview_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """ls rows with what the overview adds: stored bytes, codec mix, version number."""
+        sizes = self.chunk_sizes()
+        refs = self.store.refs()
+        out = []
+        for r in rows:
+            m = self.manifest(r["id"])
+            entry = refs.get(r["ref"])
+            out.append({**r, "stored_bytes": stored_bytes(own_chunks(m), sizes), "codecs": codec_mix(m),
+                        "update": entry.seq if entry is not None else None,
+                        "run": (STEP_REF.match(r["ref"]) or {"run": None})["run"] if "snapshot" in m.extra else None})
+        return out
+
+    def show(self, ref: str) -> dict[str, Any]:
+        """The document of ``ckpt show REF --json``."""
+        mid = self.store.resolve(ref)
+        m = self.manifest(mid)
+        sizes = self.chunk_sizes()
+        tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes, "file": t.file,
+                    "stored_bytes": sum(sizes.get(c, 0) for c in t.chunks), "chunks": len(t.chunks),
+                    "codecs": sorted({CODEC_NAMES.get(c, str(c)) for c in t.codecs}),
+                    "delta_depth": max((len(c) for c in t.delta_bases), default=0)} for t in m.tensors]
+        files = [{"path": f.path, "kind": f.kind, "bytes": f.size, "metadata": f.metadata} for f in m.files]
+        return {"id": mid, "source": m.source, "created": m.created, "message": m.message, "metadata": m.metadata,
+                "lineage": m.lineage, "extra": m.extra, "chunk_size": m.chunk_size, "files": files, "tensors": tensors,
+                "bytes": m.logical_bytes}
+
+    def log(self, name: str) -> list[dict[str, Any]]:
+        """The rows of ``ckpt log NAME --json``."""
+        rows = []
+        version = 0
+        for e in self.store.log(name):
+            msg = None
+            if e.target is not None:
+                try:
+                    msg = self.manifest(e.target).message
+                except CkptError:
+                    msg = "(checkpoint no longer in the store)"
+            rows.append({"seq": e.seq, "version": None if e.target is None else version, "id": e.target,
+                         "time": e.time, "message": msg, "removed": e.target is None})
+            if e.target is not None:
+                version += 1
+        return rows
+
+    def is_ref_name(self, ref: str) -> bool:
+        """Whether ``ref`` is a ref's name (so it has a log), not NAME@N or an id prefix."""
+        return ref in self.store.refs()
+
+    def du(self) -> dict[str, Any]:
+        """The document of ``ckpt du --json``."""
+
+        def make() -> dict[str, Any]:
+            u = self.store.du()
+            return {
+                "refs": [{"ref": r.name, "id": r.id, "logical_bytes": r.logical, "unique_bytes": r.unique,
+                          "stored_bytes": r.stored, "exclusive_bytes": r.exclusive} for r in u.refs],
+                "logical_bytes": u.logical, "unique_bytes": u.unique, "stored_bytes": u.stored,
+                "dedup_saved_bytes": u.dedup_saved, "compression_saved_bytes": u.compression_saved, "chunks": u.objects,
+                "codecs": {k: {"decoded_bytes": d, "stored_bytes": st} for k, (d, st) in u.by_codec.items()},
+            }
+
+        return self._fresh("du", make)
+
+    def diff(self, a: str, b: str, estimate: bool = True) -> Any:
+        """``ckpt.diff`` of two refs of the store (never local files), cached by checkpoint ids."""
+        key = (a, b, self.store.resolve(a), self.store.resolve(b), estimate)
+        with self._lock:
+            hit = self._diffs.get(key)
+        if hit is not None:
+            return hit
+        report = ckpt.diff(a, b, self.store, estimate_delta=estimate, refs_only=True)
+        with self._lock:
+            self._diffs[key] = report
+            while len(self._diffs) > self._max_diffs:
+                self._diffs.popitem(last=False)
+        return report
+
+    def run(self, name: str) -> dict[str, Any]:
+        """A training run: every snapshot ref ``NAME/step-N`` ever written, live or removed
+        (by retention or ``ckpt rm``), with its metrics and what it added to the store."""
+        history = self.store.ref_history(name)
+        if not history:
+            raise RefNotFoundError(f"no training run named {name!r}", hint="runs are the refs RUN/step-N of a CheckpointManager")
+        sizes = self.chunk_sizes()
+        latest = None
+        try:
+            latest = self.store.resolve(f"{name}/latest")
+        except CkptError:
+            pass
+        rows = []
+        for ref, entries in history.items():
+            m = STEP_REF.match(ref)
+            if not m or m["run"] != name:
+                continue
+            live = entries[0].target is not None
+            target = next((e.target for e in entries if e.target is not None), None)
+            row: dict[str, Any] = {"step": int(m["step"]), "ref": ref, "id": target, "live": live,
+                                   "removed_at": None if live else entries[0].time, "saved_at": None,
+                                   "metrics": {}, "logical_bytes": None, "new_bytes": None, "latest": False,
+                                   "tier": "durable", "available": False}
+            if target is not None:
+                try:
+                    mf = self.manifest(target)
+                except CkptError:  # removed and collected: the history line is all there is
+                    mf = None
+                if mf is not None:
+                    snap = mf.extra.get("snapshot") if isinstance(mf.extra.get("snapshot"), dict) else {}
+                    metrics = snap.get("metrics") if isinstance(snap.get("metrics"), dict) else {}
+                    row.update(saved_at=mf.created, metrics=metrics, logical_bytes=mf.logical_bytes, available=True,
+                               latest=target == latest and live, _chunks=own_chunks(mf))
+            rows.append(row)
+        rows.sort(key=lambda r: r["step"])
+        previous: set[str] = set()
+        for r in rows:
+            chunks = r.pop("_chunks", None)
+            if chunks is not None:
+                r["new_bytes"] = stored_bytes(chunks - previous, sizes)
+                previous = chunks
+        if not rows:
+            raise RefNotFoundError(f"{name!r} holds no snapshots (refs {name}/step-N)")
+        keys = sorted({k for r in rows for k in r["metrics"]})
+        return {"run": name, "latest": latest, "metrics": keys, "snapshots": rows}
+
+    def runs(self) -> list[str]:
+        """Names of the training runs among the live refs (RUN/step-N of snapshot manifests)."""
+        found: set[str] = set()
+        for name, entry in self.store.refs().items():
+            m = STEP_REF.match(name)
+            if m and m["run"] not in found and "snapshot" in self.manifest(entry.target).extra:
+                found.add(m["run"])
+        return sorted(found)

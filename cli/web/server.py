@@ -1,0 +1,69 @@
+"""Start the web view: check the address and the token, print where it is, run uvicorn."""
+
+from __future__ import annotations
+
+import ipaddress
+import secrets
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from ckpt.errors import CkptError, MissingDependencyError
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+class ServeError(CkptError):
+    """``ckpt serve`` cannot start as asked."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` binds to this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        try:  # a name: loopback only if every address it resolves to is
+            addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        except OSError:
+            return False
+        return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+
+
+def check_access(host: str, token: str | None) -> None:
+    """Binding beyond loopback needs a token: anyone who can reach the port could read every checkpoint."""
+    if token is not None and len(token) < 16:
+        raise ServeError("--token is too short: use at least 16 characters",
+                         hint=f"for example --token {secrets.token_urlsafe(24)}")
+    if not is_loopback(host) and token is None:
+        raise ServeError(f"binding to {host} makes the store readable from the network: it needs --token",
+                         hint=f"for example --token {secrets.token_urlsafe(24)} (or --host 127.0.0.1)")
+
+
+def address(host: str, port: int, token: str | None) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
+
+
+def serve(store: Any, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
+          announce: Callable[[str], None] = print) -> None:
+    """Serve ``store`` read-only at ``host:port`` until interrupted."""
+    check_access(host, token)
+    try:
+        import uvicorn
+
+        from ckpt_store.cli.web.app import create_app
+    except ImportError as e:
+        raise MissingDependencyError(f"ckpt serve needs {e.name}", hint="pip install 'ckpt-store[web]'") from None
+    hosts = None if token else sorted({host.lower(), *LOOPBACK_NAMES})
+    app = create_app(store, token=token, hosts=hosts)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, server_header=False)
+    server = uvicorn.Server(config)
+    try:
+        sock = config.bind_socket()
+        sock.listen(config.backlog)  # listening before the address is printed: it can be opened at once
+    except OSError as e:
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}", hint="pick another --port") from None
+    announce(f"ckpt serve: {address(host, port, token)}  (read-only view of {store.url}; Ctrl-C stops)")
+    server.run(sockets=[sock])

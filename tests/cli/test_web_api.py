@@ -1,0 +1,263 @@
+"""`ckpt serve` without a browser: the /api/ documents against the CLI's --json, escaping,
+the token, read-only, paging, no URL reaching a file, and a 200-node lineage graph."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("starlette", reason="ckpt serve needs the web extra: pip install 'ckpt-store[web]'")
+pytest.importorskip("httpx", reason="starlette's TestClient needs httpx")
+
+from starlette.testclient import TestClient  # noqa: E402
+from test_cli_runner import invoke, run_main  # noqa: E402
+from webstore import XSS, XSS_META, XSS_TENSOR, build  # noqa: E402
+
+import ckpt  # noqa: E402
+from ckpt_store.cli.web.app import create_app  # noqa: E402
+from ckpt_store.cli.web.data import MAX_PAGE  # noqa: E402
+from ckpt_store.cli.web.graph import layout  # noqa: E402
+from ckpt_store.cli.web.server import ServeError, check_access, is_loopback  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return build(str(tmp_path_factory.mktemp("web") / "store"))
+
+
+@pytest.fixture(scope="module")
+def client(store):
+    return TestClient(create_app(store))
+
+
+def cli_json(store, *args: str):
+    return json.loads(invoke("--store", store.url, *args, "--json"))
+
+
+def test_refs_are_ls_json(client, store):
+    doc = client.get("/api/refs").json()
+    assert doc["refs"] == cli_json(store, "ls")
+    assert doc["page"] == {"total": len(doc["refs"]), "offset": 0, "limit": 100, "next_offset": None}
+    assert {"base", "ft/top", "ft/bottom", "merged/avg", "xss/probe", "train/run1/latest"} <= {r["ref"] for r in doc["refs"]}
+
+
+def test_checkpoint_is_show_json_plus_log(client, store):
+    for ref in ("ft/top", "merged/avg", "train/run1/latest", "base@0"):
+        doc = client.get(f"/api/checkpoint/{ref}").json()
+        page, history = doc.pop("tensors_page"), doc.pop("log")
+        assert doc == cli_json(store, "show", ref)
+        assert page["total"] == len(doc["tensors"]) and page["next_offset"] is None
+        assert history == (cli_json(store, "log", ref) if "@" not in ref else None)
+    # by id prefix, like the CLI
+    cid = client.get("/api/checkpoint/base").json()["id"]
+    assert client.get(f"/api/checkpoint/{cid[:10]}").json()["id"] == cid
+
+
+def test_diff_is_diff_json(client, store):
+    doc = client.get("/api/diff", params={"a": "base", "b": "ft/top"}).json()
+    assert doc == cli_json(store, "diff", "base", "ft/top")
+    changed = {t["name"] for t in doc["tensors"] if t["status"] == "changed"}
+    assert changed and all(n.startswith(("layer.2.", "layer.3.")) for n in changed)
+    top = client.get("/api/diff", params={"a": "base", "b": "ft/top", "sort": "relative_change", "top": "3"}).json()
+    assert top == cli_json(store, "diff", "base", "ft/top", "--sort", "relative_change", "--top", "3")
+    assert client.get("/api/diff", params={"a": "base", "b": "ft/top", "sort": "bogus"}).status_code == 400
+    assert client.get("/api/diff", params={"a": "base"}).status_code == 400
+
+
+def test_du_is_du_json(client, store):
+    assert client.get("/api/du").json() == cli_json(store, "du")
+
+
+def _chunks(m) -> set[str]:
+    return {c for f in m.files for c in f.chunks} | {c for t in m.tensors for c in t.chunks}
+
+
+def test_lineage_nodes_edges_and_costs(client, store):
+    doc = client.get("/api/lineage").json()
+    nodes = {n["label"]: n for n in doc["nodes"]}
+    assert nodes["base"]["kind"] == "root" and nodes["ft/top"]["kind"] == "derived"
+    assert nodes["merged/avg"]["kind"] == "merge" and nodes["merged/avg"]["method"] == "linear"
+    run = nodes["train/run1"]
+    assert run["kind"] == "run" and [s["step"] for s in run["snapshots"]] == [6, 8]
+    ids = {n["id"]: n["label"] for n in doc["nodes"]}
+    edges = {(ids[e["source"]], ids[e["target"]]): e for e in doc["edges"]}
+    sizes = store.chunk_sizes()
+    base, top = store.manifest("base"), store.manifest("ft/top")
+    assert edges[("base", "ft/top")]["kinds"] == ["delta"]
+    assert edges[("base", "ft/top")]["cost_bytes"] == sum(sizes[c] for c in _chunks(top) - _chunks(base)) > 0
+    assert "input" in edges[("ft/top", "merged/avg")]["kinds"] and "input" in edges[("ft/bottom", "merged/avg")]["kinds"]
+    assert edges[("ft/top", "merged/avg")]["method"] == "linear"
+    # the run kept base's frozen embeddings: joined to base, costing less than all it stores
+    assert edges[("base", "train/run1")]["kinds"] == ["start"]
+    assert 0 < edges[("base", "train/run1")]["cost_bytes"] < run["stored_bytes"]
+
+
+def test_run_document(client):
+    doc = client.get("/api/run/train/run1").json()
+    snaps = doc["snapshots"]
+    assert [(s["step"], s["live"]) for s in snaps] == [(2, False), (4, False), (6, True), (8, True)]
+    assert [s["latest"] for s in snaps] == [False, False, False, True]
+    assert all(isinstance(s["metrics"]["loss"], float) and s["metrics"]["lr"] == 1e-2 for s in snaps)
+    assert doc["metrics"] == ["loss", "lr"] and all(s["tier"] == "durable" for s in snaps)
+    assert client.get("/api/run/nope").status_code == 404
+    page = client.get("/run/train/run1")
+    assert page.status_code == 200 and page.text.count('class="pt ') == 2 * 4  # loss and lr charts
+
+
+def test_every_page_renders(client):
+    for path in ("/", "/lineage", "/checkpoint/ft/top", "/checkpoint/merged/avg", "/diff", "/diff?a=base&b=ft/top",
+                 "/run/train/run1", "/checkpoint/train/run1/step-8", "/static/app.js", "/static/style.css"):
+        r = client.get(path)
+        assert r.status_code == 200, path
+    assert client.get("/checkpoint/nope").status_code == 404
+    assert "no ref or checkpoint named" in client.get("/checkpoint/nope").text
+    assert client.get("/static/nope.js").status_code == 404
+
+
+def test_user_strings_are_escaped(client):
+    pages = [client.get(p).text for p in ("/", "/checkpoint/xss/probe", "/lineage", "/diff?a=base&b=xss/probe")]
+    for text in pages:
+        assert "<script>alert" not in text and "<img src=x" not in text and "<b>bold</b>" not in text
+    show = pages[1]
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in show
+    assert "&lt;img src=x onerror=&#34;alert(2)&#34;&gt;" in show
+    assert "&lt;b&gt;bold&lt;/b&gt;.weight" in show and "&lt;b&gt;bold&lt;/b&gt;.weight" in pages[3]
+    assert client.get("/api/checkpoint/xss/probe").json()["message"] == XSS  # JSON carries the string as it is
+    assert client.get("/api/checkpoint/xss/probe").json()["metadata"] == {"note": XSS_META}
+    assert XSS_TENSOR in {t["name"] for t in client.get("/api/checkpoint/xss/probe").json()["tensors"]}
+    # and a second wall: no inline script may run at all
+    csp = client.get("/").headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp
+    assert client.get("/").headers["x-content-type-options"] == "nosniff"
+    # a query string echoed into the page is escaped too
+    r = client.get("/diff", params={"a": "<script>x</script>", "b": "base"})
+    assert r.status_code == 404 and "<script>x" not in r.text
+
+
+def test_read_only(client, store):
+    before = {n: e.target for n, e in store.refs().items()}
+    for method in ("post", "put", "delete", "patch"):
+        r = getattr(client, method)("/api/refs")
+        assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
+    assert client.request("POST", "/checkpoint/base").status_code == 405
+    assert {n: e.target for n, e in store.refs().items()} == before
+
+
+def test_no_url_reaches_a_file(client, tmp_path, monkeypatch):
+    secret = tmp_path / "secret.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(4)}, secret)
+    monkeypatch.chdir(tmp_path)
+    # ckpt diff would read these as files; the web view takes refs only
+    for a in (str(secret), "secret.safetensors", "/etc/passwd"):
+        r = client.get("/api/diff", params={"a": a, "b": "base"})
+        assert r.status_code in (400, 404) and "w" not in r.json().get("tensors", [])
+    for path in ("/static/../../../etc/passwd", "/static/%2e%2e%2f%2e%2e%2fetc%2fpasswd", "/api/checkpoint/../../etc/passwd",
+                 "/api/checkpoint/%2e%2e/%2e%2e/etc/passwd", "/checkpoint/..%2f..%2fetc%2fpasswd", "/api/run/../../../etc"):
+        r = client.get(path)
+        assert r.status_code in (400, 404), path
+        assert "root:" not in r.text
+
+
+def test_lists_are_paged(client):
+    total = client.get("/api/refs").json()["page"]["total"]
+    first = client.get("/api/refs?limit=2").json()
+    assert len(first["refs"]) == 2 and first["page"] == {"total": total, "offset": 0, "limit": 2, "next_offset": 2}
+    rest = client.get("/api/refs?offset=2&limit=2").json()["refs"]
+    assert [r["ref"] for r in first["refs"] + rest] == [r["ref"] for r in client.get("/api/refs").json()["refs"]][:4]
+    assert client.get(f"/api/refs?limit={10 * MAX_PAGE}").json()["page"]["limit"] == MAX_PAGE
+    assert client.get("/api/refs?offset=abc").json()["page"]["offset"] == 0
+    doc = client.get("/api/checkpoint/base?limit=5&offset=5").json()
+    assert len(doc["tensors"]) == 5 and doc["tensors_page"]["total"] == len(client.get("/api/checkpoint/base").json()["tensors"])
+    assert [t["name"] for t in client.get("/api/checkpoint/base?q=layer.3.").json()["tensors"]][0].startswith("layer.3.")
+    page = client.get("/?limit=2").text
+    assert 'id="next-page"' in page and page.count("<tr data-ref=") == 2
+
+
+def test_token_is_required_everywhere(store):
+    token = "s3cret-token-0123456789"
+    c = TestClient(create_app(store, token=token))
+    for path in ("/", "/api/refs", "/lineage", "/static/app.js", "/api/checkpoint/base"):
+        assert c.get(path).status_code == 401, path
+        assert c.get(path, params={"token": "wrong-token-0123456789"}).status_code == 401
+    r = c.get("/api/refs", params={"token": token})
+    assert r.status_code == 200 and "HttpOnly" in r.headers["set-cookie"] and "SameSite=Strict" in r.headers["set-cookie"]
+    assert c.get("/api/refs").status_code == 200  # the cookie it set
+    fresh = TestClient(create_app(store, token=token))
+    assert fresh.get("/api/refs", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    assert fresh.get("/api/refs", headers={"Authorization": "Bearer nope"}).status_code == 401
+
+
+def test_binding_beyond_loopback_needs_a_token(store, capsys):
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and not is_loopback("0.0.0.0")
+    check_access("127.0.0.1", None)
+    with pytest.raises(ServeError, match="needs --token"):
+        check_access("0.0.0.0", None)
+    with pytest.raises(ServeError, match="too short"):
+        check_access("0.0.0.0", "short")
+    check_access("0.0.0.0", "x" * 24)
+    code, out, err = run_main(capsys, "--store", store.url, "serve", "--host", "0.0.0.0", "--port", "1")
+    assert code == 1 and err.count("\n") == 1 and "needs --token" in err and "Traceback" not in err
+
+
+def test_host_header_is_checked_on_loopback(store):
+    c = TestClient(create_app(store, hosts=["127.0.0.1", "localhost"]), base_url="http://127.0.0.1:8765")
+    assert c.get("/api/refs").status_code == 200
+    assert c.get("/api/refs", headers={"host": "evil.example:8765"}).status_code == 400
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ckpt_serve_command_serves_the_store(store):
+    """The real command in a subprocess: prints its address, answers over HTTP, stops on SIGTERM."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "ckpt_store.cli.main", "--store", store.url, "serve", "--port", str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith(f"ckpt serve: http://127.0.0.1:{port}/"), (line, p.stderr.read() if p.poll() is not None else "")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/refs", timeout=10) as r:
+            assert {x["ref"] for x in json.load(r)["refs"]} == set(store.refs())
+    finally:
+        p.terminate()
+        p.wait(timeout=20)
+
+
+def test_lineage_stays_readable_at_200_nodes(tmp_path):
+    """A base, 150 fine-tunes, 40 merges and 9 further versions: every node drawn, none overlapping."""
+    store = ckpt.Store.init(tmp_path / "big")
+    g = torch.Generator().manual_seed(0)
+    base = {f"layer.{i}.w": torch.randn(8, generator=g) for i in range(3)}
+    store.push(base, "base")
+    for j in range(150):
+        store.push({**base, f"layer.{j % 3}.w": base[f"layer.{j % 3}.w"] + j + 1}, f"ft/{j:03d}")
+    for j in range(40):
+        ckpt.merge(store, [f"ft/{j:03d}", f"ft/{j + 1:03d}"], "linear", name=f"merge/{j:02d}")
+    for j in range(9):
+        store.push({**base, "layer.0.w": base["layer.0.w"] * (j + 2)}, f"ft/{j:03d}")  # new versions: earlier ones stay in the graph
+    client = TestClient(create_app(store))
+    doc = client.get("/api/lineage").json()
+    assert len(doc["nodes"]) == 1 + 150 + 40 + 9 and not doc["truncated"]
+    assert sum(1 for e in doc["edges"] if "input" in e["kinds"]) == 80
+    boxes, width, height = layout(doc["nodes"], doc["edges"])
+    placed = sorted((b.x, b.y, b.x + b.w, b.y + b.h) for b in boxes.values())
+    for i, a in enumerate(placed):
+        for b in placed[i + 1 :]:
+            assert a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1], (a, b)
+    assert height < 1200  # wrapped columns, not one 10,000-pixel line
+    page = client.get("/lineage").text
+    assert page.count('<g class="node ') == 200 and len(re.findall(r'class="edge-label"', page)) >= 190
