@@ -19,9 +19,8 @@ pytest.importorskip("httpx", reason="starlette's TestClient needs httpx")
 
 from starlette.testclient import TestClient  # noqa: E402
 from test_cli_runner import invoke, run_main  # noqa: E402
-from webstore import XSS, XSS_META, XSS_TENSOR, build  # noqa: E402
+from webstore import XSS, XSS_META, XSS_TENSOR  # noqa: E402
 
-import ckpt  # noqa: E402
 from ckpt_store.cli.web.app import create_app  # noqa: E402
 from ckpt_store.cli.web.data import MAX_PAGE  # noqa: E402
 from ckpt_store.cli.web.graph import layout  # noqa: E402
@@ -29,8 +28,8 @@ from ckpt_store.cli.web.server import ServeError, check_access, is_loopback  # n
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    return build(str(tmp_path_factory.mktemp("web") / "store"))
+def store(web_store):
+    return web_store
 
 
 @pytest.fixture(scope="module")
@@ -237,19 +236,9 @@ def test_ckpt_serve_command_serves_the_store(store):
         p.wait(timeout=20)
 
 
-def test_lineage_stays_readable_at_200_nodes(tmp_path):
+def test_lineage_stays_readable_at_200_nodes(wide_store):
     """A base, 150 fine-tunes, 40 merges and 9 further versions: every node drawn, none overlapping."""
-    store = ckpt.Store.init(tmp_path / "big")
-    g = torch.Generator().manual_seed(0)
-    base = {f"layer.{i}.w": torch.randn(8, generator=g) for i in range(3)}
-    store.push(base, "base")
-    for j in range(150):
-        store.push({**base, f"layer.{j % 3}.w": base[f"layer.{j % 3}.w"] + j + 1}, f"ft/{j:03d}")
-    for j in range(40):
-        ckpt.merge(store, [f"ft/{j:03d}", f"ft/{j + 1:03d}"], "linear", name=f"merge/{j:02d}")
-    for j in range(9):
-        store.push({**base, "layer.0.w": base["layer.0.w"] * (j + 2)}, f"ft/{j:03d}")  # new versions: earlier ones stay in the graph
-    client = TestClient(create_app(store))
+    client = TestClient(create_app(wide_store))
     doc = client.get("/api/lineage").json()
     assert len(doc["nodes"]) == 1 + 150 + 40 + 9 and not doc["truncated"]
     assert sum(1 for e in doc["edges"] if "input" in e["kinds"]) == 80

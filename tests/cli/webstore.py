@@ -75,3 +75,19 @@ def build(url: str) -> ckpt.Store:
             opt.step()
             mgr.maybe_save(step, {"model": model, "optim": opt, "step": step}, metrics={"loss": loss.item(), "lr": 1e-2})
     return store
+
+
+def build_wide(url: str) -> ckpt.Store:
+    """200 lineage nodes: a base, 150 fine-tunes, 40 merges of neighbours and 9 fine-tunes
+    pushed again (their first versions stay in the graph as earlier versions)."""
+    store = ckpt.Store.init(url)
+    g = torch.Generator().manual_seed(0)
+    base = {f"layer.{i}.w": torch.randn(8, generator=g) for i in range(3)}
+    store.push(base, "base")
+    for j in range(150):
+        store.push({**base, f"layer.{j % 3}.w": base[f"layer.{j % 3}.w"] + j + 1}, f"ft/{j:03d}", base="base")
+    for j in range(40):
+        ckpt.merge(store, [f"ft/{j:03d}", f"ft/{j + 1:03d}"], "linear", name=f"merge/{j:02d}")
+    for j in range(9):
+        store.push({**base, "layer.0.w": base["layer.0.w"] * (j + 2)}, f"ft/{j:03d}", base="base")
+    return store
