@@ -27,7 +27,7 @@ import ckpt
 from ckpt.diffing.compare import SORT_KEYS
 from ckpt.errors import AmbiguousRefError, CkptError, InvalidNameError, RefNotFoundError
 from ckpt_store.cli.web import charts
-from ckpt_store.cli.web.data import MAX_PAGE, STEP_REF, StoreView, page
+from ckpt_store.cli.web.data import MAX_PAGE, STEP_REF, StoreView, own_chunks, page, stored_bytes
 from ckpt_store.cli.web.graph import NODE_H, NODE_W, layout, lineage
 
 log = logging.getLogger(__name__)
@@ -221,8 +221,19 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         m = STEP_REF.match(ref)
         if m and "snapshot" in doc["extra"]:
             run = m["run"]
+        names: dict[str, str] = {}
+        for n, e in sorted(view.store.refs().items(), reverse=True):  # the first name (sorted) wins
+            names[e.target] = n
         diff_base = lin.get("base") or lin.get("parent")
-        return render("checkpoint.html", ref=ref, doc=doc, merge=merge, run=run, diff_base=diff_base,
+        # what this version adds to the store beside the checkpoint it is a delta of
+        mine = own_chunks(view.manifest(doc["id"]))
+        try:
+            adds = stored_bytes(mine - own_chunks(view.manifest(diff_base)) if diff_base else mine, view.chunk_sizes())
+        except CkptError:  # its base was collected: what it adds is not known any more
+            adds, diff_base = None, None
+        if diff_base:  # compare by names where a ref names the checkpoint: the diff page then reads "base -> ft/x"
+            diff_base = names.get(diff_base, diff_base)
+        return render("checkpoint.html", ref=ref, doc=doc, merge=merge, run=run, diff_base=diff_base, names=names, adds=adds,
                       q=request.query_params.get("q", ""), stored=sum(t["stored_bytes"] for t in doc["tensors"]))
 
     def diff_page(request: Request) -> Response:

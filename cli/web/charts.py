@@ -96,10 +96,11 @@ def heatmap(tensors: list[dict[str, Any]], cell_w: int = 46, cell_h: int = 22, l
 def savings_bars(du: dict[str, Any], width: int = 520) -> dict[str, Any]:
     """Bars of ``ckpt du``: logical, after dedup, stored; and per codec what it saved."""
     logical = du["logical_bytes"] or 1
+    scale = max(logical, du["unique_bytes"], du["stored_bytes"], 1)  # a store of tiny tensors stores more than it holds
     rows = [("logical (as pushed)", du["logical_bytes"], "#8899aa"),
             ("after dedup", du["unique_bytes"], "#4477aa"),
             ("stored (chunks + manifests)", du["stored_bytes"], "#228833")]
-    bars = [{"label": label, "value": v, "text": human_bytes(v), "w": max(1.0, width * v / logical), "fill": fill} for label, v, fill in rows]
+    bars = [{"label": label, "value": v, "text": human_bytes(v), "w": max(1.0, width * v / scale), "fill": fill} for label, v, fill in rows]
     saved = [("dedup saved", du["dedup_saved_bytes"])] + [
         (f"{name} saved", c["decoded_bytes"] - c["stored_bytes"]) for name, c in du["codecs"].items()]
     top = max([v for _, v in saved] + [1])

@@ -120,7 +120,7 @@ class StoreView:
             m = self.manifest(r["id"])
             entry = refs.get(r["ref"])
             out.append({**r, "stored_bytes": stored_bytes(own_chunks(m), sizes), "codecs": codec_mix(m),
-                        "update": entry.seq if entry is not None else None,
+                        "update_no": entry.seq if entry is not None else None,
                         "run": (STEP_REF.match(r["ref"]) or {"run": None})["run"] if "snapshot" in m.extra else None})
         return out
 

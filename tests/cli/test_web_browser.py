@@ -141,6 +141,7 @@ def test_lineage_click_through_to_checkpoint_and_diff(site, page, tmp_path):
     assert page.text_content("#ckpt-id") == show["id"]
     assert int(page.text_content("#n-tensors")) == len(show["tensors"])
     assert page.text_content("#message") == "fine-tuned top layers"
+    assert int(page.get_attribute("#adds", "data-bytes")) == top["cost_bytes"]  # what this version costs to store
     stored = {r["name"]: r["stored_bytes"] for r in show["tensors"]}
     rows = page.locator("#tensor-table tbody tr").evaluate_all(
         "rows => rows.map(r => [r.dataset.name, +r.querySelector('td.stored').dataset.v])")

@@ -45,20 +45,36 @@ function makeFilter(input) {
   apply();
 }
 
+// Edges touching the given node ids stand out, the others fade (none given: all normal).
+function lightEdges(ids) {
+  for (const e of document.querySelectorAll("#lineage .edge, #lineage .edge-label")) {
+    const on = ids !== null && (ids.has(e.dataset.source) || ids.has(e.dataset.target));
+    e.classList.toggle("hot", on);
+    e.classList.toggle("faint", ids !== null && !on);
+  }
+}
+
 function graphSearch(input) {
   const nodes = Array.from(document.querySelectorAll("#lineage .node"));
   const apply = () => {
     const q = input.value.trim().toLowerCase();
     let first = null;
+    const hits = new Set();
     for (const n of nodes) {
       const text = (n.dataset.label + " " + n.dataset.refs).toLowerCase();
       const hit = q !== "" && text.includes(q);
       n.classList.toggle("dim", q !== "" && !hit);
       n.classList.toggle("hit", hit);
+      if (hit) hits.add(n.dataset.id);
       if (hit && first === null) first = n;
     }
+    lightEdges(q === "" ? null : hits);
     return first;
   };
+  for (const n of nodes) {  // hovering a node shows what it was made from and what was made from it
+    n.addEventListener("mouseenter", () => lightEdges(new Set([n.dataset.id])));
+    n.addEventListener("mouseleave", apply);
+  }
   input.addEventListener("input", apply);
   input.addEventListener("keydown", (ev) => {
     if (ev.key === "Enter") {
