@@ -47,8 +47,8 @@ def tuned(base: dict[str, torch.Tensor], layers: tuple[int, ...], scale: float, 
     return out
 
 
-def build(url: str) -> ckpt.Store:
-    """base -> ft/top (layers 2, 3), ft/bottom (layer 0) -> merged/avg (linear); xss/probe;
+def build(url: str, probe: bool = True) -> ckpt.Store:
+    """base -> ft/top (layers 2, 3), ft/bottom (layer 0) -> merged/avg (linear); xss/probe (with ``probe``);
     train/run1: 4 snapshots every 2 steps with loss and lr, keep_last=2 (steps 2 and 4 removed)."""
     torch.manual_seed(0)
     store = ckpt.Store.init(url)
@@ -58,9 +58,10 @@ def build(url: str) -> ckpt.Store:
     store.push(tuned(base, (2, 3), 0.05, 1), "ft/top", "fine-tuned top layers")
     store.push(tuned(base, (0,), 0.002, 2), "ft/bottom", "fine-tuned the first layer")
     ckpt.merge(store, ["ft/top", "ft/bottom"], "linear", name="merged/avg", message="average of two fine-tunes")
-    probe = tuned(base, (1,), 0.01, 3)
-    probe[XSS_TENSOR] = torch.ones(3)
-    store.push(probe, "xss/probe", XSS, metadata={"note": XSS_META})
+    if probe:
+        hostile = tuned(base, (1,), 0.01, 3)
+        hostile[XSS_TENSOR] = torch.ones(3)
+        store.push(hostile, "xss/probe", XSS, metadata={"note": XSS_META})
 
     model.load_state_dict(base)
     model.embeddings.weight.requires_grad_(False)  # unchanged by training: the run shares its chunks with base
