@@ -21,6 +21,7 @@ from starlette.testclient import TestClient  # noqa: E402
 from test_cli_runner import invoke, run_main  # noqa: E402
 from webstore import XSS, XSS_META, XSS_TENSOR  # noqa: E402
 
+import ckpt  # noqa: E402
 from ckpt_store.cli.web.app import create_app  # noqa: E402
 from ckpt_store.cli.web.data import MAX_PAGE  # noqa: E402
 from ckpt_store.cli.web.graph import layout  # noqa: E402
@@ -84,6 +85,7 @@ def test_lineage_nodes_edges_and_costs(client, store):
     nodes = {n["label"]: n for n in doc["nodes"]}
     assert nodes["base"]["kind"] == "root" and nodes["ft/top"]["kind"] == "derived"
     assert nodes["merged/avg"]["kind"] == "merge" and nodes["merged/avg"]["method"] == "linear"
+    assert nodes["remix/start"]["kind"] == "remix"
     run = nodes["train/run1"]
     assert run["kind"] == "run" and [s["step"] for s in run["snapshots"]] == [6, 8]
     ids = {n["id"]: n["label"] for n in doc["nodes"]}
@@ -94,6 +96,7 @@ def test_lineage_nodes_edges_and_costs(client, store):
     assert edges[("base", "ft/top")]["cost_bytes"] == sum(sizes[c] for c in _chunks(top) - _chunks(base)) > 0
     assert "input" in edges[("ft/top", "merged/avg")]["kinds"] and "input" in edges[("ft/bottom", "merged/avg")]["kinds"]
     assert edges[("ft/top", "merged/avg")]["method"] == "linear"
+    assert {src for src, dst in edges if dst == "remix/start"} == {"ft/top", "ft/bottom"}
     # the run kept base's frozen embeddings: joined to base, costing less than all it stores
     assert edges[("base", "train/run1")]["kinds"] == ["start"]
     assert 0 < edges[("base", "train/run1")]["cost_bytes"] < run["stored_bytes"]
@@ -250,3 +253,19 @@ def test_lineage_stays_readable_at_200_nodes(wide_store):
     assert height < 1200  # wrapped columns, not one 10,000-pixel line
     page = client.get("/lineage").text
     assert page.count('<g class="node ') == 200 and len(re.findall(r'class="edge-label"', page)) >= 190
+
+
+def test_a_store_on_s3(s3_main_url):
+    """The same view over an S3 store (moto or SeaweedFS over HTTP)."""
+    store = ckpt.Store.open(s3_main_url, create=True)
+    g = torch.Generator().manual_seed(0)
+    base = {f"layer.{i}.w": torch.randn(64, generator=g) for i in range(3)}
+    store.push(base, "m/base")
+    store.push({**base, "layer.2.w": base["layer.2.w"] * 1.01}, "m/ft", "top layer")
+    c = TestClient(create_app(store))
+    assert [r["ref"] for r in c.get("/api/refs").json()["refs"]] == ["m/base", "m/ft"]
+    doc = c.get("/api/lineage").json()
+    assert [e["kinds"] for e in doc["edges"]] == [["delta"]]
+    assert c.get("/api/diff", params={"a": "m/base", "b": "m/ft"}).json()["summary"]["changed"] == 1
+    for path in ("/", "/lineage", "/checkpoint/m/ft", "/diff?a=m/base&b=m/ft"):
+        assert c.get(path).status_code == 200, path

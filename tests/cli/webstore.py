@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import ckpt
+from ckpt.merging.remixing import remix_scores
 
 XSS = "<script>alert(1)</script>"
 XSS_META = '<img src=x onerror="alert(2)">'
@@ -48,7 +49,7 @@ def tuned(base: dict[str, torch.Tensor], layers: tuple[int, ...], scale: float, 
 
 
 def build(url: str, probe: bool = True) -> ckpt.Store:
-    """base -> ft/top (layers 2, 3), ft/bottom (layer 0) -> merged/avg (linear); xss/probe (with ``probe``);
+    """base -> ft/top (layers 2, 3), ft/bottom (layer 0) -> merged/avg (linear), remix/start (best 2 of 3); xss/probe (with ``probe``);
     train/run1: 4 snapshots every 2 steps with loss and lr, keep_last=2 (steps 2 and 4 removed)."""
     torch.manual_seed(0)
     store = ckpt.Store.init(url)
@@ -58,6 +59,7 @@ def build(url: str, probe: bool = True) -> ckpt.Store:
     store.push(tuned(base, (2, 3), 0.05, 1), "ft/top", "fine-tuned top layers")
     store.push(tuned(base, (0,), 0.002, 2), "ft/bottom", "fine-tuned the first layer")
     ckpt.merge(store, ["ft/top", "ft/bottom"], "linear", name="merged/avg", message="average of two fine-tunes")
+    remix_scores(store, {"ft/top": 0.9, "ft/bottom": 0.7, "merged/avg": 0.2}, k=2, name="remix/start")
     if probe:
         hostile = tuned(base, (1,), 0.01, 3)
         hostile[XSS_TENSOR] = torch.ones(3)
