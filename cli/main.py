@@ -621,6 +621,7 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="Address to listen on; anything but loopback needs --token.")] = "127.0.0.1",
     token: Annotated[Optional[str], typer.Option("--token", metavar="TOKEN", envvar="CKPT_SERVE_TOKEN",
                                                  help="Secret every request must carry (the printed address has it); $CKPT_SERVE_TOKEN.")] = None,
+    local_tier: Annotated[Optional[str], typer.Option("--local-tier", metavar="URL", help="A training run's local tier (a store), shown on run pages beside this one.")] = None,
 ) -> None:
     """A read-only web view of the store: lineage graph, versions, sizes, diffs, training runs.
 
@@ -629,7 +630,8 @@ def serve(
     """
     from ckpt_store.cli.web.server import serve as run_server
 
-    run_server(_open(url=store), host=host, port=port, token=token, announce=lambda line: out.print(line, markup=False))
+    run_server(_open(url=store), host=host, port=port, token=token, announce=lambda line: out.print(line, markup=False),
+               local=_open(url=local_tier) if local_tier else None)
 
 
 def main(argv: list[str] | None = None) -> None:

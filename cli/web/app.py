@@ -15,12 +15,12 @@ import logging
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, parse_qsl, urlencode
 
 import jinja2
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 import ckpt
@@ -83,6 +83,10 @@ class Guard:
             if given is not None and _same(given, self.token):
                 set_cookie = f"{COOKIE}={self.token}; Path=/; HttpOnly; SameSite=Strict"
                 response = None
+                if not scope["path"].startswith("/api/"):  # a page: drop the token from the address bar and history
+                    rest = [(k, v) for k, v in parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+                            if k != "token"]
+                    response = RedirectResponse(scope["path"] + ("?" + urlencode(rest) if rest else ""), status_code=303)
             elif any(v is not None and _same(v, self.token) for v in (cookie, bearer)):
                 response = None
             else:
@@ -119,11 +123,13 @@ def _cookie(header: str, name: str) -> str | None:
     return None
 
 
-def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] | None = None) -> Any:
+def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] | None = None,
+               local: ckpt.Store | None = None) -> Any:
     """The ASGI application for ``store``. ``token``: every request must carry it (query
     ``?token=``, which also sets a cookie, a cookie, or ``Authorization: Bearer``).
-    ``hosts``: the Host header values accepted (None: any)."""
-    view = StoreView(store)
+    ``hosts``: the Host header values accepted (None: any). ``local``: a training run's
+    local tier, whose snapshots the run pages show beside the store's."""
+    view = StoreView(store, local)
     env = _env()
 
     def render(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
@@ -222,7 +228,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         if m and "snapshot" in doc["extra"]:
             run = m["run"]
         names: dict[str, str] = {}
-        for n, e in sorted(view.store.refs().items(), reverse=True):  # the first name (sorted) wins
+        for n, e in sorted(view.refs().items(), reverse=True):  # the first name (sorted) wins
             names[e.target] = n
         diff_base = lin.get("base") or lin.get("parent")
         # what this version adds to the store beside the checkpoint it is a delta of
@@ -238,7 +244,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
 
     def diff_page(request: Request) -> Response:
         a, b, sort, top = diff_args(request)
-        names = sorted(view.store.refs())[:5000]
+        names = sorted(view.refs())[:5000]
         ctx: dict[str, Any] = {"names": names, "a": a, "b": b, "sort": sort, "sort_keys": SORT_KEYS, "doc": None}
         if a and b:
             doc = view.diff(a, b).to_json(sort, top)
@@ -250,7 +256,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         doc = view.run(name)
         rows, pg = page(doc["snapshots"], _int(request, "offset", 0), _int(request, "limit", MAX_PAGE))
         chart_metrics = doc["metrics"][:4]
-        return render("run.html", doc=doc, rows=rows, page=pg, charts=[charts.run_chart(rows, k) for k in chart_metrics])
+        return render("run.html", doc=doc, rows=rows, page=pg, local_url=local.url if local is not None else None, charts=[charts.run_chart(rows, k) for k in chart_metrics])
 
     def static(request: Request) -> Response:
         hit = STATIC.get(request.path_params["name"])

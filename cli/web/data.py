@@ -60,8 +60,10 @@ def codec_mix(m: Manifest) -> dict[str, int]:
 class StoreView:
     """Read-only access to one store for the pages and the API, with the caches described above."""
 
-    def __init__(self, store: ckpt.Store, ttl_s: float = 5.0, cache_manifests: int = 4096, cache_diffs: int = 16) -> None:
+    def __init__(self, store: ckpt.Store, local: ckpt.Store | None = None, ttl_s: float = 5.0, cache_manifests: int = 4096,
+                 cache_diffs: int = 16) -> None:
         self.store = store
+        self.local = local  # a training run's local tier, shown on run pages beside this (durable) store
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._manifests: OrderedDict[str, Manifest] = OrderedDict()
@@ -71,13 +73,14 @@ class StoreView:
         self._timed: dict[str, tuple[float, Any]] = {}
 
     # -- caches ---------------------------------------------------------------------
-    def manifest(self, mid: str) -> Manifest:
+    def manifest(self, mid: str, store: ckpt.Store | None = None) -> Manifest:
+        """Manifest ``mid`` (from ``store``, default the view's): cached by id, which names its bytes in any store."""
         with self._lock:
             m = self._manifests.get(mid)
             if m is not None:
                 self._manifests.move_to_end(mid)
                 return m
-        m = self.store.get_manifest(mid)
+        m = (store or self.store).get_manifest(mid)
         with self._lock:
             self._manifests[mid] = m
             while len(self._manifests) > self._max_manifests:
@@ -97,6 +100,10 @@ class StoreView:
     def chunk_sizes(self) -> dict[str, int]:
         return self._fresh("chunk_sizes", self.store.chunk_sizes)
 
+    def refs(self) -> dict[str, Any]:
+        """The live refs (name -> entry), listed again after ``ttl_s``: on S3 a listing is a request per ref."""
+        return self._fresh("refs", self.store.refs)
+
     @property
     def url(self) -> str:
         return self.store.url
@@ -105,7 +112,7 @@ class StoreView:
     def ls(self) -> list[dict[str, Any]]:
         """The rows of ``ckpt ls --json``, sorted by name."""
         rows = []
-        for name, entry in self.store.refs().items():
+        for name, entry in self.refs().items():
             m = self.manifest(entry.target)
             rows.append({"ref": name, "id": entry.target, "time": entry.time, "bytes": m.logical_bytes,
                          "tensors": len(m.tensors), "message": m.message, "source": m.source})
@@ -114,7 +121,7 @@ class StoreView:
     def overview_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """ls rows with what the overview adds: stored bytes, codec mix, version number."""
         sizes = self.chunk_sizes()
-        refs = self.store.refs()
+        refs = self.refs()
         out = []
         for r in rows:
             m = self.manifest(r["id"])
@@ -157,7 +164,7 @@ class StoreView:
 
     def is_ref_name(self, ref: str) -> bool:
         """Whether ``ref`` is a ref's name (so it has a log), not NAME@N or an id prefix."""
-        return ref in self.store.refs()
+        return ref in self.refs()
 
     def du(self) -> dict[str, Any]:
         """The document of ``ckpt du --json``."""
@@ -190,54 +197,60 @@ class StoreView:
 
     def run(self, name: str) -> dict[str, Any]:
         """A training run: every snapshot ref ``NAME/step-N`` ever written, live or removed
-        (by retention or ``ckpt rm``), with its metrics and what it added to the store."""
-        history = self.store.ref_history(name)
-        if not history:
-            raise RefNotFoundError(f"no training run named {name!r}", hint="runs are the refs RUN/step-N of a CheckpointManager")
-        sizes = self.chunk_sizes()
-        latest = None
-        try:
-            latest = self.store.resolve(f"{name}/latest")
-        except CkptError:
-            pass
-        rows = []
-        for ref, entries in history.items():
-            m = STEP_REF.match(ref)
-            if not m or m["run"] != name:
-                continue
-            live = entries[0].target is not None
-            target = next((e.target for e in entries if e.target is not None), None)
-            row: dict[str, Any] = {"step": int(m["step"]), "ref": ref, "id": target, "live": live,
-                                   "removed_at": None if live else entries[0].time, "saved_at": None,
-                                   "metrics": {}, "logical_bytes": None, "new_bytes": None, "latest": False,
-                                   "tier": "durable", "available": False}
-            if target is not None:
-                try:
-                    mf = self.manifest(target)
-                except CkptError:  # removed and collected: the history line is all there is
-                    mf = None
-                if mf is not None:
+        (by retention or ``ckpt rm``), with its metrics, what it added to the store, and the
+        tiers holding it: this store ("durable") and, when the view has one, the run's local
+        tier ("local", an ordinary store at another path: see the snapshot manager's tiers)."""
+        tiers = [("durable", self.store)] + ([("local", self.local)] if self.local is not None else [])
+        found: dict[int, dict[str, Any]] = {}
+        sizes: dict[str, int] = {}
+        for tier, store in reversed(tiers):  # the durable store's sizes win where both hold a chunk
+            sizes.update(store.chunk_sizes() if store is not self.store else self.chunk_sizes())
+            for ref, entries in store.ref_history(name).items():
+                m = STEP_REF.match(ref)
+                if not m or m["run"] != name:
+                    continue
+                step = int(m["step"])
+                live = entries[0].target is not None
+                target = next((e.target for e in entries if e.target is not None), None)
+                row = found.setdefault(step, {"step": step, "ref": ref, "id": target, "live": False, "removed_at": None,
+                                              "saved_at": None, "metrics": {}, "logical_bytes": None, "new_bytes": None,
+                                              "latest": False, "tiers": [], "tier": "", "available": False})
+                if live:
+                    row["live"] = True
+                    row["tiers"] = sorted({*row["tiers"], tier})  # "durable" sorts before "local"
+                    row["id"] = target
+                elif not row["live"]:
+                    row["removed_at"] = entries[0].time
+                if target is not None and not row["available"]:
+                    try:
+                        mf = self.manifest(target, store)
+                    except CkptError:  # removed and collected: the history line is all there is
+                        continue
                     snap = mf.extra.get("snapshot") if isinstance(mf.extra.get("snapshot"), dict) else {}
                     metrics = snap.get("metrics") if isinstance(snap.get("metrics"), dict) else {}
                     row.update(saved_at=mf.created, metrics=metrics, logical_bytes=mf.logical_bytes, available=True,
-                               latest=target == latest and live, _chunks=own_chunks(mf))
-            rows.append(row)
-        rows.sort(key=lambda r: r["step"])
+                               _chunks=own_chunks(mf))
+        if not found:
+            raise RefNotFoundError(f"no training run named {name!r}", hint="runs are the refs RUN/step-N of a CheckpointManager")
+        rows = [found[s] for s in sorted(found)]
         previous: set[str] = set()
         for r in rows:
+            r["removed_at"] = None if r["live"] else r["removed_at"]
+            r["tier"] = " + ".join(r["tiers"]) if r["live"] else "removed"
             chunks = r.pop("_chunks", None)
             if chunks is not None:
                 r["new_bytes"] = stored_bytes(chunks - previous, sizes)
                 previous = chunks
-        if not rows:
-            raise RefNotFoundError(f"{name!r} holds no snapshots (refs {name}/step-N)")
+        live = [r for r in rows if r["live"]]
+        if live:
+            live[-1]["latest"] = True  # a restore takes the newest snapshot any tier holds
         keys = sorted({k for r in rows for k in r["metrics"]})
-        return {"run": name, "latest": latest, "metrics": keys, "snapshots": rows}
+        return {"run": name, "latest": live[-1]["id"] if live else None, "metrics": keys, "snapshots": rows}
 
     def runs(self) -> list[str]:
         """Names of the training runs among the live refs (RUN/step-N of snapshot manifests)."""
         found: set[str] = set()
-        for name, entry in self.store.refs().items():
+        for name, entry in self.refs().items():
             m = STEP_REF.match(name)
             if m and m["run"] not in found and "snapshot" in self.manifest(entry.target).extra:
                 found.add(m["run"])

@@ -39,7 +39,7 @@ def _add_edge(edges: dict[tuple[str, str], dict[str, Any]], src: str, dst: str, 
 def lineage(view: StoreView, max_nodes: int = 2000) -> dict[str, Any]:
     """``{"nodes": [...], "edges": [...], "truncated": bool}`` for the whole store (see the module doc)."""
     sizes = view.chunk_sizes()
-    refs = view.store.refs()
+    refs = view.refs()
     runs: dict[str, list[tuple[int, str, str]]] = defaultdict(list)
     by_id: dict[str, list[str]] = defaultdict(list)
     aliases: set[str] = set()

@@ -47,8 +47,8 @@ def address(host: str, port: int, token: str | None) -> str:
 
 
 def serve(store: Any, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
-          announce: Callable[[str], None] = print) -> None:
-    """Serve ``store`` read-only at ``host:port`` until interrupted."""
+          announce: Callable[[str], None] = print, local: Any = None) -> None:
+    """Serve ``store`` read-only at ``host:port`` until interrupted (``local``: a run's local tier, shown beside it)."""
     check_access(host, token)
     try:
         import uvicorn
@@ -57,7 +57,7 @@ def serve(store: Any, host: str = "127.0.0.1", port: int = 8765, token: str | No
     except ImportError as e:
         raise MissingDependencyError(f"ckpt serve needs {e.name}", hint="pip install 'ckpt-store[web]'") from None
     hosts = None if token else sorted({host.lower(), *LOOPBACK_NAMES})
-    app = create_app(store, token=token, hosts=hosts)
+    app = create_app(store, token=token, hosts=hosts, local=local)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, server_header=False)
     server = uvicorn.Server(config)
     try:

@@ -108,10 +108,28 @@ def test_run_document(client):
     assert [(s["step"], s["live"]) for s in snaps] == [(2, False), (4, False), (6, True), (8, True)]
     assert [s["latest"] for s in snaps] == [False, False, False, True]
     assert all(isinstance(s["metrics"]["loss"], float) and s["metrics"]["lr"] == 1e-2 for s in snaps)
-    assert doc["metrics"] == ["loss", "lr"] and all(s["tier"] == "durable" for s in snaps)
+    assert doc["metrics"] == ["loss", "lr"] and [s["tier"] for s in snaps] == ["removed", "removed", "durable", "durable"]
     assert client.get("/api/run/nope").status_code == 404
     page = client.get("/run/train/run1")
     assert page.status_code == 200 and page.text.count('class="pt ') == 2 * 4  # loss and lr charts
+
+
+def test_run_with_its_local_tier(web_store, tmp_path):
+    """A run's local tier (an ordinary store elsewhere) shown beside the durable store: which
+    snapshots are local only, durable only, or both."""
+    local = ckpt.Store.init(tmp_path / "local")
+    web_store.copy_to(local, ["train/run1/step-8"])
+    model = torch.nn.Linear(4, 2)
+    with ckpt.CheckpointManager(local, "train/run1", save_mode="sync") as mgr:
+        mgr.save(10, {"model": model}, metrics={"loss": 0.5})
+    c = TestClient(create_app(web_store, local=local))
+    snaps = c.get("/api/run/train/run1").json()["snapshots"]
+    assert [(s["step"], s["tier"], s["latest"]) for s in snaps] == [
+        (2, "removed", False), (4, "removed", False), (6, "durable", False), (8, "durable + local", False), (10, "local", True)]
+    assert snaps[-1]["metrics"] == {"loss": 0.5}
+    page = c.get("/run/train/run1").text
+    assert local.url in page and "durable + local" in page
+    assert TestClient(create_app(web_store)).get("/api/run/train/run1").json()["snapshots"][-1]["tier"] == "durable"
 
 
 def test_every_page_renders(client):
@@ -194,6 +212,11 @@ def test_token_is_required_everywhere(store):
     r = c.get("/api/refs", params={"token": token})
     assert r.status_code == 200 and "HttpOnly" in r.headers["set-cookie"] and "SameSite=Strict" in r.headers["set-cookie"]
     assert c.get("/api/refs").status_code == 200  # the cookie it set
+    # a page opened with ?token= comes back without it in the address (the cookie carries it)
+    page = TestClient(create_app(store, token=token))
+    r = page.get("/lineage", params={"token": token, "x": "1"}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/lineage?x=1" and "HttpOnly" in r.headers["set-cookie"]
+    assert page.get("/lineage?x=1").status_code == 200
     fresh = TestClient(create_app(store, token=token))
     assert fresh.get("/api/refs", headers={"Authorization": f"Bearer {token}"}).status_code == 200
     assert fresh.get("/api/refs", headers={"Authorization": "Bearer nope"}).status_code == 401
