@@ -174,19 +174,21 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
     def api_checkpoint(request: Request) -> Response:
         return JSONResponse(checkpoint_doc(request, request.path_params["ref"]))
 
-    def diff_args(request: Request) -> tuple[str, str, str, int | None]:
+    def diff_args(request: Request) -> tuple[str, str, str, int | None, bool]:
+        """a, b, sort, top and estimate (``estimate=0`` is the CLI's --no-estimate: no delta size, faster)."""
         a, b = request.query_params.get("a", ""), request.query_params.get("b", "")
         sort = request.query_params.get("sort", "order")
         if sort not in SORT_KEYS:
             raise CkptError(f"sort must be one of {', '.join(SORT_KEYS)}")
         top = request.query_params.get("top")
-        return a, b, sort, int(top) if top and top.isdigit() else None
+        estimate = request.query_params.get("estimate", "1") not in ("0", "false", "no")
+        return a, b, sort, int(top) if top and top.isdigit() else None, estimate
 
     def api_diff(request: Request) -> Response:
-        a, b, sort, top = diff_args(request)
+        a, b, sort, top, estimate = diff_args(request)
         if not a or not b:
             raise CkptError("give both sides: /api/diff?a=REF&b=REF")
-        return JSONResponse(view.diff(a, b).to_json(sort, top))
+        return JSONResponse(view.diff(a, b, estimate).to_json(sort, top))
 
     def api_du(request: Request) -> Response:
         return JSONResponse(view.du())
@@ -243,11 +245,11 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
                       q=request.query_params.get("q", ""), stored=sum(t["stored_bytes"] for t in doc["tensors"]))
 
     def diff_page(request: Request) -> Response:
-        a, b, sort, top = diff_args(request)
+        a, b, sort, top, estimate = diff_args(request)
         names = sorted(view.refs())[:5000]
-        ctx: dict[str, Any] = {"names": names, "a": a, "b": b, "sort": sort, "sort_keys": SORT_KEYS, "doc": None}
+        ctx: dict[str, Any] = {"names": names, "a": a, "b": b, "sort": sort, "sort_keys": SORT_KEYS, "doc": None, "estimate": estimate}
         if a and b:
-            doc = view.diff(a, b).to_json(sort, top)
+            doc = view.diff(a, b, estimate).to_json(sort, top)
             ctx.update(doc=doc, heat=charts.heatmap(doc["tensors"]))
         return render("diff.html", **ctx)
 

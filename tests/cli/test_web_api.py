@@ -68,6 +68,8 @@ def test_diff_is_diff_json(client, store):
     assert changed and all(n.startswith(("layer.2.", "layer.3.")) for n in changed)
     top = client.get("/api/diff", params={"a": "base", "b": "ft/top", "sort": "relative_change", "top": "3"}).json()
     assert top == cli_json(store, "diff", "base", "ft/top", "--sort", "relative_change", "--top", "3")
+    fast = client.get("/api/diff", params={"a": "base", "b": "ft/top", "estimate": "0"}).json()
+    assert fast == cli_json(store, "diff", "base", "ft/top", "--no-estimate") and fast["summary"]["delta_bytes"] is None
     assert client.get("/api/diff", params={"a": "base", "b": "ft/top", "sort": "bogus"}).status_code == 400
     assert client.get("/api/diff", params={"a": "base"}).status_code == 400
 
@@ -292,3 +294,16 @@ def test_a_store_on_s3(s3_main_url):
     assert c.get("/api/diff", params={"a": "m/base", "b": "m/ft"}).json()["summary"]["changed"] == 1
     for path in ("/", "/lineage", "/checkpoint/m/ft", "/diff?a=m/base&b=m/ft"):
         assert c.get(path).status_code == 200, path
+
+
+def test_the_package_ships_every_template_and_asset():
+    """pyproject's package-data must name every file the app reads (an installed wheel has nothing else)."""
+    import fnmatch
+    import pathlib
+
+    tomllib = pytest.importorskip("tomllib")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["ckpt_store.cli.web"]
+    web = root / "cli" / "web"
+    files = [p.relative_to(web).as_posix() for p in web.rglob("*") if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts]
+    assert files and all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files), files
