@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 import secrets
 import socket
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from typing import Any
 from ckpt.errors import CkptError, MissingDependencyError
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+TOKEN = re.compile(r"[A-Za-z0-9._~-]{16,}")
 
 
 class ServeError(CkptError):
@@ -33,8 +35,9 @@ def is_loopback(host: str) -> bool:
 
 def check_access(host: str, token: str | None) -> None:
     """Binding beyond loopback needs a token: anyone who can reach the port could read every checkpoint."""
-    if token is not None and len(token) < 16:
-        raise ServeError("--token is too short: use at least 16 characters",
+    if token is not None and not TOKEN.fullmatch(token):
+        # it travels in a URL and a cookie: URL-safe characters only, and long enough not to be guessed
+        raise ServeError("--token must be at least 16 characters of letters, digits, '-', '_', '.' or '~'",
                          hint=f"for example --token {secrets.token_urlsafe(24)}")
     if not is_loopback(host) and token is None:
         raise ServeError(f"binding to {host} makes the store readable from the network: it needs --token",

@@ -229,8 +229,9 @@ def test_binding_beyond_loopback_needs_a_token(store, capsys):
     check_access("127.0.0.1", None)
     with pytest.raises(ServeError, match="needs --token"):
         check_access("0.0.0.0", None)
-    with pytest.raises(ServeError, match="too short"):
-        check_access("0.0.0.0", "short")
+    for bad in ("short", "x" * 20 + ";Path=/", "x" * 20 + "&a=b", "x" * 20 + " y"):
+        with pytest.raises(ServeError, match="at least 16 characters"):
+            check_access("0.0.0.0", bad)
     check_access("0.0.0.0", "x" * 24)
     code, out, err = run_main(capsys, "--store", store.url, "serve", "--host", "0.0.0.0", "--port", "1")
     assert code == 1 and err.count("\n") == 1 and "needs --token" in err and "Traceback" not in err
