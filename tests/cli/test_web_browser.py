@@ -193,6 +193,9 @@ def test_training_run_page(site, page, tmp_path):
     rows = page.locator("#snap-table tbody tr").evaluate_all(
         "rows => rows.map(r => [+r.dataset.step, r.className, +r.querySelector('td.metric').dataset.v])")
     assert rows == [[s["step"], "kept" if s["live"] else "removed", s["metrics"]["loss"]] for s in run["snapshots"]]
+    for step, cls, loss in rows:  # the kept ones against `ckpt show RUN/step-N --json`
+        if cls == "kept":
+            assert loss == cli(store, "show", f"train/run1/step-{step}")["extra"]["snapshot"]["metrics"]["loss"]
     shot(page, tmp_path, "run")
     page.click("svg.runchart[data-metric=loss] circle.latest")
     page.wait_for_url("**/checkpoint/train/run1/step-8")
