@@ -241,7 +241,11 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
             adds, diff_base = None, None
         if diff_base:  # compare by names where a ref names the checkpoint: the diff page then reads "base -> ft/x"
             diff_base = names.get(diff_base, diff_base)
+        graph = lineage(view)
+        by_id = {n["id"]: n for n in graph["nodes"]}
+        children = [{**by_id[e["target"]], "edge": e} for e in graph["edges"] if e["source"] == doc["id"]]
         return render("checkpoint.html", ref=ref, doc=doc, merge=merge, run=run, diff_base=diff_base, names=names, adds=adds,
+                      children=children,
                       q=request.query_params.get("q", ""), stored=sum(t["stored_bytes"] for t in doc["tensors"]))
 
     def diff_page(request: Request) -> Response:

@@ -134,6 +134,13 @@ def test_run_with_its_local_tier(web_store, tmp_path):
     assert TestClient(create_app(web_store)).get("/api/run/train/run1").json()["snapshots"][-1]["tier"] == "durable"
 
 
+def test_a_checkpoint_page_lists_what_was_made_from_it(client):
+    page = client.get("/checkpoint/base").text
+    made = re.findall(r'<tr data-ref="([^"]+)">', page.split('id="children-table"')[1].split("</table>")[0])
+    assert set(made) == {"ft/top", "ft/bottom", "xss/probe", "train/run1"}
+    assert 'href="/diff?a=base&b=ft/top"' in page
+
+
 def test_every_page_renders(client):
     for path in ("/", "/lineage", "/checkpoint/ft/top", "/checkpoint/merged/avg", "/diff", "/diff?a=base&b=ft/top",
                  "/run/train/run1", "/checkpoint/train/run1/step-8", "/static/app.js", "/static/style.css"):
