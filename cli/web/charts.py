@@ -44,7 +44,7 @@ def human_bytes(n: float | None) -> str:
     return f"{n} B"
 
 
-def heatmap(tensors: list[dict[str, Any]], cell_w: int = 46, cell_h: int = 22, label_w: int = 260) -> dict[str, Any]:
+def heatmap(tensors: list[dict[str, Any]], cell_w: int = 46, cell_h: int = 22) -> dict[str, Any]:
     """Cells of relative change ‖B−A‖/‖A‖: one row per (stack, module type), one column per
     layer index, colour on a log scale; tensors without a layer index as a list beside it."""
     grid: dict[tuple[str, str], dict[int, dict[str, Any]]] = {}
@@ -62,6 +62,8 @@ def heatmap(tensors: list[dict[str, Any]], cell_w: int = 46, cell_h: int = 22, l
     if lo == hi:
         lo, hi = lo / 10, hi * 10
     span = math.log10(hi) - math.log10(lo)
+    labels = [f"{s}.*.{m}" if len(stacks) > 1 else m for s, m in grid] + [t["name"] for t in flat]
+    label_w = 16 + 7 * min(40, max((len(x) for x in labels), default=10))  # labels are cut at 40 characters
 
     def cell(t: dict[str, Any] | None) -> dict[str, Any]:
         if t is None:
@@ -85,11 +87,11 @@ def heatmap(tensors: list[dict[str, Any]], cell_w: int = 46, cell_h: int = 22, l
         c = cell(t)
         v = t.get("relative_change")
         w = 0 if not v else max(2.0, 200 * (math.log10(v) - math.log10(lo)) / span + 8)
-        bars.append({"label": t["name"], "y": 20 + k * cell_h, "w": w, **c})
+        bars.append({"label": t["name"], "y": 4 + k * cell_h, "w": w, **c})
     return {"layers": [{"x": label_w + c * cell_w, "label": layer} for c, layer in enumerate(layers)], "rows": rows,
             "cell_w": cell_w, "cell_h": cell_h - 2, "label_w": label_w,
             "width": label_w + len(layers) * cell_w + 10, "height": 30 + len(rows) * cell_h,
-            "bars": bars, "bars_height": 30 + len(bars) * cell_h, "lo": fmt(lo), "hi": fmt(hi),
+            "bars": bars, "bars_height": 10 + len(bars) * cell_h, "lo": fmt(lo), "hi": fmt(hi),
             "legend": [color(i / 10) for i in range(11)]}
 
 
