@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 from ckpt.errors import CkptError
 from ckpt.format.dtypes import DTYPES, itemsize
 from ckpt.format.manifest import check_tensor_name
+from ckpt_store.storage.chunk_lists import CHUNK_LIST_KEYS
 from ckpt_store.storage.errors import StoreFormatError
-from ckpt_store.storage.gc import CHUNK_LIST_KEYS
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata

@@ -107,7 +107,7 @@ def test_refuses_values_json_cannot_hold(tmp_path):
 def test_values_never_look_like_chunk_lists(tmp_path):
     """A value holding a dict keyed "chunks" must not be read by gc as chunk ids (docs/format.md)."""
     from ckpt.dcp.format import decode_value, encode_value
-    from ckpt_store.storage.gc import referenced_chunks
+    from ckpt_store.storage.chunk_lists import referenced_chunks
     from ckpt_store.storage.records import canonical_json
 
     tricky = ({"chunks": ["not-an-id"], "delta_bases": [[1]], 3: b"\x01"}, float("nan"), [None, True, -2**70])
@@ -218,7 +218,7 @@ def test_rank_killed_mid_save(tmp_path):
     assert "run/step-4" not in store.refs()
     assert len(list(store.objects.list("manifests"))) == 3  # steps 1-3: no manifest of the failed save
     assert store.verify().ok
-    from ckpt_store.storage.gc import referenced_chunks
+    from ckpt_store.storage.chunk_lists import referenced_chunks
 
     named = set().union(*(referenced_chunks(store.objects.get_manifest(o.id)) for o in store.objects.list("manifests")))
     orphans = {o.id for o in store.objects.list("chunks")} - named

@@ -9,9 +9,11 @@ import pytest
 torch = pytest.importorskip("torch")
 import ckpt  # noqa: E402
 from ckpt.store.copy import copy_refs  # noqa: E402
-from ckpt_store.storage.copy import chunk_depths  # noqa: E402
+from ckpt_store.storage.chunk_lists import (
+    chunk_depths,  # noqa: E402
+    referenced_chunks,  # noqa: E402
+)
 from ckpt_store.storage.errors import CorruptObjectError, StorageIOError  # noqa: E402
-from ckpt_store.storage.gc import referenced_chunks  # noqa: E402
 
 SMALL = {"chunk_size": 64 * 1024}
 
