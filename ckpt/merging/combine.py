@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import InvalidMergeError
-from ckpt.format.dtypes import byte_view, to_torch
+from ckpt.format.dtypes import bit_identical, byte_view, to_torch
 from ckpt.format.manifest import TensorEntry, chunk_count
 from ckpt.merging.methods import MergeMethod, MethodRegistry, default_registry
 from ckpt.progress import Progress
@@ -313,7 +313,7 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
             out[name] = first.clone()
             continue
         b = base[name] if base is not None and m.needs_base else None
-        if m.identity(bound) and all(_same_bits(x, first) for x in xs[1:] + ([b] if b is not None else [])):
+        if m.identity(bound) and all(bit_identical(x, first) for x in xs[1:] + ([b] if b is not None else [])):
             out[name] = first.clone()  # as the store path does: identical inputs come back unchanged
             continue
         cd = torch.float64 if first.dtype == torch.float64 else torch.float32
@@ -323,7 +323,3 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
     return out
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    from ckpt.diffing.compare import _bits
-
-    return a.dtype == b.dtype and a.shape == b.shape and bool(_bits(a.contiguous()).equal(_bits(b.contiguous())))
