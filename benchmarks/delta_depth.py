@@ -57,7 +57,7 @@ def main() -> None:
     mgrs = {}
     for d in DEPTHS:
         settings = Settings.from_env(min_saving=0.10, max_delta_depth=d, fsync=False)
-        store = ckpt.Store.open(str(root / f"depth{d}"), settings=settings, create=True)
+        store = ckpt.Store.init(str(root / f"depth{d}"), settings=settings)
         mgrs[d] = ckpt.CheckpointManager(store, "run", save_mode="sync", delta=d > 0)
     sizes: dict[int, list[int]] = {d: [] for d in DEPTHS}
     state = {"model": tr.model, "optim": tr.opt}

@@ -90,7 +90,8 @@ def _main(store: StoreOpt = None, storage_option: OptionsOpt = None) -> None:
 def _open(create: bool = False, url: str | None = None) -> Any:
     from ckpt.store.store import Store
 
-    return Store.open(url or _state["store"], storage_options=_state["options"], create=create)
+    connect = Store.init if create else Store.open
+    return connect(url or _state["store"], storage_options=_state["options"])
 
 
 @app.command()
@@ -129,7 +130,7 @@ def push(
     if name is None:
         raise typer.BadParameter("NAME is required (the ref to point at the new checkpoint)", param_hint="NAME")
     store = _open(create=True)
-    r = store.push_report(str(source), name, message, base=base, delta=not no_delta, progress=RichProgress())
+    r = store.push(str(source), name, message, base=base, delta=not no_delta, progress=RichProgress())
     if as_json:
         emit_json({"id": r.id, "ref": name, "chunks": r.chunks, "new_chunks": r.new_chunks,
                    "logical_bytes": r.logical_bytes, "written_bytes": r.written_bytes})
@@ -180,7 +181,7 @@ def ls(as_json: JsonOpt = False) -> None:
     store = _open()
     rows = []
     for name, entry in store.refs().items():
-        m = store.get_manifest(entry.target)
+        m = store.manifest(entry.target)
         rows.append({"ref": name, "id": entry.target, "time": entry.time, "bytes": m.logical_bytes,
                      "tensors": len(m.tensors), "message": m.message, "source": m.source})
     if as_json:
@@ -210,7 +211,7 @@ def log(name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name.")], 
         msg = None
         if e.target is not None:
             try:
-                msg = store.get_manifest(e.target).message
+                msg = store.manifest(e.target).message
             except Exception:  # noqa: BLE001 - a collected manifest still has a history line
                 msg = "(checkpoint no longer in the store)"
         rows.append({"seq": e.seq, "version": None if e.target is None else version, "id": e.target,
@@ -232,7 +233,7 @@ def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or 
 
     store = _open()
     mid = store.resolve(ref)
-    m = store.get_manifest(mid)
+    m = store.manifest(mid)
     sizes = {o.id: o.size for o in store.objects.list("chunks")}
     tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes, "file": t.file,
                 "stored_bytes": sum(sizes.get(c, 0) for c in t.chunks), "chunks": len(t.chunks),
@@ -558,7 +559,7 @@ def merge(
     from ckpt.merging.combine import merge as run_merge
 
     store = _open()
-    r = run_merge(store, refs, method, name=output, params=params, base=base, missing="base" if fill_from_base else "error",
+    r = run_merge(refs, method, name=output, store=store, params=params, base=base, missing="base" if fill_from_base else "error",
                   message=message, progress=RichProgress())
     if as_json:
         emit_json({"id": r.id, "ref": output, "method": r.method, "params": r.params, "inputs": list(r.inputs),
@@ -606,7 +607,7 @@ def remix(
     table = _read_scores(scores)
     chosen, _ = choose(table, k, weights=weights, higher_is_better=not lower_is_better)
     store = _open()
-    cid = remix_scores(store, table, k, weights=weights, higher_is_better=not lower_is_better, name=output,
+    cid = remix_scores(table, k, store=store, weights=weights, higher_is_better=not lower_is_better, name=output,
                        message=message, progress=RichProgress())
     if as_json:
         emit_json({"id": cid, "ref": output, "chosen": chosen, "k": k, "weights": weights})

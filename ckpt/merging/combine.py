@@ -26,7 +26,7 @@ parameter value (``ckpt show`` prints it).
 >>> store = ckpt.Store.init("memory://merge-doctest")
 >>> _ = store.push({"w": torch.tensor([1.0, 2.0])}, "m/a")
 >>> _ = store.push({"w": torch.tensor([3.0, 6.0])}, "m/b")
->>> r = ckpt.merge(store, ["m/a", "m/b"], "linear", name="m/avg")
+>>> r = ckpt.merge(["m/a", "m/b"], "linear", name="m/avg", store=store)
 >>> store.load("m/avg")["w"].tolist()
 [2.0, 4.0]
 >>> store.manifest("m/avg").lineage["merge"]["params"]
@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt.errors import InvalidMergeError
 from ckpt.format.dtypes import bit_identical, byte_view, to_torch
 from ckpt.format.manifest import TensorEntry, chunk_count
+from ckpt.merging.calls import positionals
 from ckpt.merging.methods import MergeMethod, MethodRegistry, default_registry
 from ckpt.progress import Progress
 from ckpt_store.storage.records import canonical_json
@@ -219,7 +220,7 @@ def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], rea
     return compute
 
 
-def merge(store: Store, inputs: Sequence[str], method: str = "linear", *, name: str | None,
+def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str | None, store: Store | None = None,
           params: Mapping[str, Any] | None = None, base: str | None = None, missing: str = "error",
           message: str | None = None, metadata: dict[str, Any] | None = None,
           registry: MethodRegistry | None = None, progress: Progress | None = None,
@@ -238,6 +239,7 @@ def merge(store: Store, inputs: Sequence[str], method: str = "linear", *, name: 
     from ckpt.store.sources import from_tensors
 
     started = time.perf_counter()
+    (inputs, method), store = positionals("merge", (inputs, method, *legacy), (None, "linear"), store)
     registry = registry or default_registry()
     m = registry.get(method)
     bound = m.bind(params, len(inputs), base is not None)

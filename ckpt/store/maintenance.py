@@ -174,7 +174,7 @@ def du(store: Store) -> StoreUsage:
     users: dict[str, int] = defaultdict(int)
     for name, entry in store.refs_db.live().items():
         assert entry.target is not None
-        m = store.get_manifest(entry.target)
+        m = store.manifest(entry.target)
         lengths = m.chunk_lengths()
         all_chunks.update(lengths)
         for c in lengths:

@@ -44,7 +44,7 @@ def test_single_process_round_trip_values_and_tools(tmp_path):
     assert all(_bits_equal(into["t"][k], v) for k, v in full.items())  # NaN payloads and infs included
     assert into["step"] == 5 and into["opt"]["betas"] == (0.9, 0.999) and into["opt"]["best"] == float("-inf")
     assert into["opt"]["raw"] == b"\x00\xff" and into["opt"]["by_id"]["3"] == "x"
-    m = store.get_manifest(mid)
+    m = store.manifest(mid)
     assert m.source == "dcp" and b"pickle" not in m.to_json() and m.message == "first"
     assert store.verify().ok
     loaded = store.load("one/a")  # whole tensors
@@ -72,7 +72,7 @@ def test_second_save_dedups_and_deltas(tmp_path):
     dcp.save(state, storage_writer=w)
     second = w.last
     store = ckpt.Store.open(url)
-    m = store.get_manifest(second.id)
+    m = store.manifest(second.id)
     assert m.lineage["parent"] == first.id == m.lineage["base"]
     frozen = next(t for t in m.tensors if t.name == "frozen")
     assert frozen.chunks == next(t for t in first.manifest.tensors if t.name == "frozen").chunks
