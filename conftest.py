@@ -20,8 +20,8 @@ def _missing(package: str) -> bool:
 
 _NEEDS = {
     "ckpt/integrations/lightning.py": "pytorch_lightning",
-    "tests/ckpt/lightning_script.py": "pytorch_lightning",
+    "tests/ckpt/integrations/lightning_script.py": "pytorch_lightning",
     "ckpt/integrations/transformers.py": "transformers",
-    "tests/ckpt/hf_script.py": "transformers",
+    "tests/ckpt/integrations/hf_script.py": "transformers",
 }
 collect_ignore = [path for path, package in _NEEDS.items() if _missing(package)]

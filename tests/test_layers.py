@@ -123,3 +123,52 @@ def test_pytest_collects_without_the_optional_frameworks():
 
 def test_the_wheel_ships_no_test_configuration():
     assert not list((ROOT / "ckpt").rglob("conftest.py"))
+
+
+def _module_name(path: pathlib.Path) -> str:
+    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
+    parts = [PACKAGES[folder], *rest]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_imports(path: pathlib.Path, known: set[str]) -> set[str]:
+    """Our modules ``path`` imports, lazily inside functions too, but not under TYPE_CHECKING."""
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for alt in child.orelse:
+                    visit(alt)
+                continue
+            if isinstance(child, ast.Import):
+                out.update(a.name for a in child.names if a.name in known)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                out.update(n for n in [child.module, *(f"{child.module}.{a.name}" for a in child.names)] if n in known)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return out
+
+
+def test_no_import_cycles():
+    """Each module's imports (lazy ones included) form no cycle: a lazy import that only
+    hides a cycle still ties the two modules together."""
+    paths = {_module_name(p): p for pkg in PACKAGES for p in _files(pkg)}
+    graph = {m: _module_imports(p, set(paths)) - {m} for m, p in paths.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def dfs(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append(path[path.index(n):] + [n])
+            elif n not in state:
+                dfs(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            dfs(m, [m])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)

@@ -195,8 +195,7 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
     import torch
 
     from ckpt.format.safetensors_header import build_header
-    from ckpt.store.destination import OutputFile, file_target, write_files
-    from ckpt.store.pull import is_torch_name, write_torch
+    from ckpt.store.destination import OutputFile, file_target, is_torch_name, write_files, write_torch
 
     items = _selected(m, include)
     target = file_target(store, dest, "model.safetensors", overwrite)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt.diffing.sides import Side, open_side
 from ckpt.format.dtypes import bit_pattern, byte_view, itemsize
 from ckpt.format.manifest import name_selected, split_lengths
-from ckpt.progress import NullProgress, Progress
+from ckpt.progress import NullProgress, Progress, reporting
 from ckpt.transfer.pipeline import run_parallel
 from ckpt_store.storage.objects import object_id
 
@@ -269,19 +269,17 @@ def diff(a: object, b: object, store: Store | None = None, *, include: Sequence[
     try:
         names = [n for n in side_a.meta if name_selected(n, include, exclude)]
         names += [n for n in side_b.meta if n not in side_a.meta and name_selected(n, include, exclude)]
-        progress = progress or NullProgress()
-        progress.start("diff", sum(side_b.meta[n].nbytes for n in names if n in side_b.meta))
         known = side_a.all_chunk_ids(cs) if estimate_delta else set()
         rows: list[TensorDiff] = []
         sums = [0.0, 0.0]  # squared norms of A and of B - A over compared tensors
-        for name in names:
-            row, s = _compare(name, side_a, side_b, cs, known, settings, estimate_delta)
-            if s is not None:
-                sums[0] += s.norm_a**2
-                sums[1] += s.norm_diff**2
-            rows.append(row)
-            progress.advance(side_b.meta[name].nbytes if name in side_b.meta else 0)
-        progress.finish()
+        with reporting(progress, "diff", sum(side_b.meta[n].nbytes for n in names if n in side_b.meta)) as bar:
+            for name in names:
+                row, s = _compare(name, side_a, side_b, cs, known, settings, estimate_delta)
+                if s is not None:
+                    sums[0] += s.norm_a**2
+                    sums[1] += s.norm_diff**2
+                rows.append(row)
+                bar.advance(side_b.meta[name].nbytes if name in side_b.meta else 0)
     finally:
         side_a.close()
         side_b.close()

@@ -17,7 +17,7 @@ for one of their chunks, and dropped once their last chunk is handed on. Memory
 therefore stays near (inputs + 2) × the largest tensor for linear, task-arithmetic,
 dare (linear combine) and slerp, and (inputs + 3) × for ties and dare's ties combine
 (their masks and sums), plus a few chunks of the push pipeline; never whole models
-(benchmarks/results/merge.md and tests/ckpt/test_merge.py measure it). The result is pushed like any checkpoint: its
+(benchmarks/results/merge.md and tests/ckpt/merging/test_combine.py measure it). The result is pushed like any checkpoint: its
 chunks dedup against the store and are delta-encoded against the base (else the
 first input), and its lineage records the inputs' ids, the method and every
 parameter value (``ckpt show`` prints it).

@@ -198,5 +198,5 @@ def test_plot_without_matplotlib(store, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     from ckpt.diffing.compare import plot
 
-    with pytest.raises(MissingDependencyError, match=r"pip install 'ckpt\[plot\]'"):
+    with pytest.raises(MissingDependencyError, match=r"pip install 'ckpt-store\[plot\]'"):
         plot(report, tmp_path / "d.png")

@@ -1,4 +1,4 @@
-"""A tiny real Lightning run for tests/ckpt/test_integration_lightning.py (run as a subprocess).
+"""A tiny real Lightning run for tests/ckpt/integrations/test_lightning.py (run as a subprocess).
 
     python lightning_script.py STORE OUTDIR MODE STEPS [KILL_AT]
 

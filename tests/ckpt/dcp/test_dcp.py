@@ -1,6 +1,6 @@
 """ckpt.dcp: torch.distributed.checkpoint saves into a ckpt store, resharded on load.
 
-Multi-rank tests run real processes with gloo on CPU (tests/ckpt/dcp_workers.py).
+Multi-rank tests run real processes with gloo on CPU (tests/ckpt/dcp/dcp_workers.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A tiny real transformers ``Trainer`` run for tests/ckpt/test_integration_transformers.py.
+"""A tiny real transformers ``Trainer`` run for tests/ckpt/integrations/test_transformers.py.
 
     python hf_script.py STORE OUTDIR MODE STEPS [KILL_AT]
 

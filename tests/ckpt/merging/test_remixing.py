@@ -13,7 +13,7 @@ import ckpt
 from ckpt.errors import InvalidMergeError
 from ckpt.merging.remixing import choose, remix_scores
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def test_choose():
