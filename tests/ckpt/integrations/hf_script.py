@@ -82,7 +82,7 @@ def train(store: str, outdir: str, mode: str, steps: int, kill_at: int = -1, ove
 
 
 def main() -> None:
-    # This script's directory is on sys.path when it runs as one.
+    # run_script puts tests/ (where integration_util lives) on PYTHONPATH.
     from integration_util import script_main
 
     script_main(train)
