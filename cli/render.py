@@ -32,8 +32,9 @@ err = Console(stderr=True, highlight=False, markup=False, emoji=False, soft_wrap
 
 # What a terminal may act on rather than show: C0 controls, DEL, C1 controls (U+009B is
 # CSI, like ESC [), and the Unicode line/paragraph separators and bidirectional
-# overrides/isolates, which move or reorder the text around them ("Trojan Source").
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# overrides/isolates, which move or reorder the text around them ("Trojan Source"), and
+# lone surrogates (bytes that were not UTF-8, e.g. a C1 byte typed as $'\x9b' in a shell).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
@@ -41,6 +42,8 @@ def _escape(m: re.Match[str]) -> str:
     c = m.group()
     if c in _NAMED:
         return _NAMED[c]
+    if 0xDC80 <= ord(c) <= 0xDCFF:  # surrogateescape: the undecodable byte itself
+        return f"\\x{ord(c) - 0xDC00:02x}"
     return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
 
 
