@@ -45,7 +45,7 @@ OptionsOpt = Annotated[
                       "profile=NAME, anon=true, config_kwargs.connect_timeout=5. Credentials are better left to the "
                       "AWS environment variables or config files, which are used by default."),
 ]
-# Before 0.2 the global -o meant --storage-option; -o now means --output (merge, remix), and
+# The global -o used to mean --storage-option; -o now means --output (merge, remix), and
 # the old spelling still works for one release with a warning.
 OldOptionsOpt = Annotated[Optional[list[str]], typer.Option("-o", hidden=True, show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
@@ -190,7 +190,7 @@ def ls(as_json: JsonOpt = False) -> None:
     rows = []
     for name, entry in store.refs().items():
         m = store.get_manifest(entry.target)
-        # "bytes" is the pre-0.2 spelling of logical_bytes, kept for scripts (README).
+        # "bytes" is the old spelling of logical_bytes, kept for scripts (README).
         rows.append({"ref": name, "id": entry.target, "time": entry.time, "logical_bytes": m.logical_bytes,
                      "bytes": m.logical_bytes, "tensors": len(m.tensors), "message": m.message, "source": m.source})
     _emit(rows, as_json, views.ls)
@@ -231,7 +231,7 @@ def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or 
     m = store.get_manifest(mid)
     needed = m.chunk_lengths()  # every chunk the checkpoint reads, delta bases included
     sizes = store.stored_sizes(needed)
-    # "bytes" (here and per tensor and file) is the pre-0.2 spelling of logical_bytes, kept for scripts (README).
+    # "bytes" (here and per tensor and file) is the old spelling of logical_bytes, kept for scripts (README).
     tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "logical_bytes": t.nbytes, "bytes": t.nbytes,
                 "file": t.file, "stored_bytes": sum(sizes.get(c, 0) for c in t.chunks), "chunks": len(t.chunks),
                 "codecs": sorted({CODEC_NAMES.get(c, str(c)) for c in t.codecs}),
@@ -357,7 +357,7 @@ def gc(
     """Delete objects no ref needs: plan first, then delete (or just print with --dry-run)."""
     store = _open()
     r = store.gc(grace_s=_seconds(grace), dry_run=dry_run, keep_history=not no_history)
-    # "bytes" is the pre-0.2 spelling of deleted_bytes, kept for scripts (README).
+    # "bytes" is the old spelling of deleted_bytes, kept for scripts (README).
     _emit({"dry_run": r.dry_run, "deleted": len(r.deleted), "deleted_bytes": r.bytes, "bytes": r.bytes, "young_kept": r.young,
            "live_manifests": r.live_manifests, "live_chunks": r.live_chunks, "grace": grace,
            "objects": [{"kind": d.kind, "name": d.name, "stored_bytes": d.size, "bytes": d.size} for d in r.deleted]},

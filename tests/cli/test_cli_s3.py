@@ -156,6 +156,17 @@ def test_storage_options_on_the_command_line(s3_main, ckpt_cli, env, files):
     assert [r["ref"] for r in ckpt_cli.json("--store", url, *opts, "ls", env=e)] == ["m/base"]
 
 
+def test_init_honours_storage_options(s3_main, ckpt_cli, env):
+    """`init` opens the store with --storage-option like every other command (it ignored them before)."""
+    e = {k: v for k, v in env.items() if not k.startswith("AWS_") or k == "AWS_EC2_METADATA_DISABLED"}
+    url = f"s3://{s3_main.new_bucket()}/fresh"
+    opts = ["--storage-option", f"endpoint_url={s3_main.endpoint}", "--storage-option", f"key={KEY}",
+            "--storage-option", f"secret={SECRET}"]
+    assert ckpt_cli.json("--store", url, *opts, "init", env=e) == {"url": url, "created": True}
+    assert ckpt_cli.json("--store", url, *opts, "init", env=e) == {"url": url, "created": False}
+    assert ckpt_cli.json("--store", url, *opts, "ls", env=e) == []
+
+
 def test_bad_endpoint_error_never_shows_the_secret(ckpt_cli, env):
     e = {k: v for k, v in env.items() if k != "AWS_ENDPOINT_URL"}
     e["CKPT_RETRIES"] = "1"
