@@ -11,7 +11,11 @@ contract), one store built once for the module.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,6 +197,20 @@ def test_usage_errors_echo_arguments_inertly(capsys):
     cap = capsys.readouterr()
     assert e.value.code == 2 and "\\x1b]52;c;aGk=\\x07" in cap.err
     assert_inert(cap.err)
+
+
+def test_the_installed_command_end_to_end(store):
+    """The two crashes of issue 16's report, through the real console script: a markup message made
+    `ckpt ls`/`ckpt log` raise MarkupError, and CKPT_WORKERS=abc printed a traceback."""
+    exe = Path(sys.executable).parent / "ckpt"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "ckpt_store.cli.main"]
+    env = {**os.environ, "CKPT_STORE": str(store / "store")}
+    r = subprocess.run([*cmd, "log", "h/a"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert_shows_hostile(r.stdout)
+    r = subprocess.run([*cmd, "ls"], capture_output=True, text=True, env={**env, "CKPT_WORKERS": "abc"}, timeout=120)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.startswith("error: CKPT_WORKERS='abc' is not a whole number") and r.stderr.count("\n") == 1, r.stderr
 
 
 @pytest.mark.parametrize("name, text", PIECES.items())
