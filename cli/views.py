@@ -86,9 +86,15 @@ def show(v: dict[str, Any]) -> None:
     others = [f for f in files if f["kind"] == "blob"]
     if others:
         out.print("other files: " + ", ".join(f"{safe(f['path'])} ({human_bytes(f['logical_bytes'])})" for f in others))
+    # Safetensors metadata of the files; shards that carry the same (often {"format": "pt"}) print once.
+    groups: dict[str, list[dict[str, Any]]] = {}
     for f in files:
-        for k, val in (f.get("metadata") or {}).items():
-            out.print(f"file meta  {safe(f['path'])}: {safe(k)} = {as_text(val)}")
+        if f.get("metadata"):
+            groups.setdefault(as_text(f["metadata"]), []).append(f)
+    for same in groups.values():
+        where = safe(same[0]["path"]) if len(same) == 1 else f"{len(same)} files"
+        for k, val in same[0]["metadata"].items():
+            out.print(f"file meta  {where}: {safe(k)} = {as_text(val)}")
 
 
 def _merge_record(rec: dict[str, Any]) -> None:
