@@ -66,6 +66,8 @@ def show(v: dict[str, Any]) -> None:
     out.print(f"checkpoint {v['id']}\nsource     {safe(v['source'])}, {len(files)} file(s), {len(tensors)} tensors, "
               f"{human_bytes(v['logical_bytes'])} ({human_bytes(v['stored_bytes'])} stored)")
     out.print(f"created    {when(v['created'])}")
+    if v.get("missing_chunks"):
+        out.print(f"missing    {v['missing_chunks']} of its chunks are not in the store (`ckpt verify` names the damage)")
     if v["message"]:
         out.print(f"message    {safe(v['message'])}")
     for k, val in v["metadata"].items():

@@ -100,7 +100,21 @@ def test_show_sizes_its_own_chunks_without_listing_the_store(env, monkeypatch):
         assert shown["files"][0]["stored_bytes"] > 0
     text = invoke("show", "m/b")
     assert "lineage    {\"base\": \"" in text and "'base'" not in text  # JSON, not a Python repr
-    assert "delta base" in text and "(depth 1)" in text
+    assert "delta base" in text and "(depth 1)" in text and "missing" not in text
+    # a lost chunk: show still answers, and says so
+    shown = json.loads(invoke("show", "m/a", "--json"))
+    lost = next(p for p in (env / "store" / "objects" / "chunks").rglob("*") if p.is_file() and p.name == shown_chunk(env, "m/a"))
+    lost.unlink()
+    after = json.loads(invoke("show", "m/a", "--json"))
+    assert after["missing_chunks"] == 1 and after["stored_bytes"] < shown["stored_bytes"]
+    assert "missing    1 of its chunks are not in the store" in invoke("show", "m/a")
+
+
+def shown_chunk(env, ref: str) -> str:
+    """The first chunk of ``ref``'s first tensor, from the public API."""
+    import ckpt
+
+    return ckpt.Store.open(str(env / "store")).manifest(ref).tensors[0].chunks[0]
 
 
 def test_o_means_output_and_the_old_global_o_warns(env, capsys):
