@@ -46,6 +46,18 @@ def test_layers_point_one_way():
             assert not (_imports(f) & bad), f"{f.relative_to(ROOT)} imports {_imports(f) & bad}"
 
 
+def test_cli_uses_only_the_public_store_api():
+    """cli/ asks Store's public methods; it never reaches into ``store.objects``, ``store.refs_db``
+    or ``store.backend`` (storage's objects), which would tie the command line to the layer below."""
+    internals = {"objects", "refs_db", "backend"}
+    stores = {"store", "src", "dst", "dest", "s"}  # how cli/ names an open Store (a report's .objects is fine)
+    for f in _files("cli"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            owner = node.value.id if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) else ""
+            if isinstance(node, ast.Attribute) and node.attr in internals and (owner in stores or "store" in owner):
+                raise AssertionError(f"{f.relative_to(ROOT)}:{node.lineno} uses .{node.attr}")
+
+
 def test_layer_check_sees_every_spelling(tmp_path):
     """The check above must not be blind to lazy imports or the installed names."""
     f = tmp_path / "m.py"
