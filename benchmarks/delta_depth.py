@@ -2,7 +2,7 @@
 
 One training run (the GPT + AdamW of benchmarks/snapshot.py, smaller), snapshotted every
 ``--every`` steps into one store per ``max_delta_depth`` setting, with delta encoding on
-(``CheckpointManager(delta=True)``): each snapshot is tried as a delta against the
+(``CheckpointManager(delta_vs_previous=True)``): each snapshot is tried as a delta against the
 previous one, and a chunk whose base chain is already ``max_delta_depth`` long is stored
 whole (a keyframe). Same states for every setting. Reported per setting: bytes stored
 over all snapshots, bytes of the later snapshots relative to the first, and the time to
@@ -57,8 +57,8 @@ def main() -> None:
     mgrs = {}
     for d in DEPTHS:
         settings = Settings.from_env(min_saving=0.10, max_delta_depth=d, fsync=False)
-        store = ckpt.Store.open(str(root / f"depth{d}"), settings=settings, create=True)
-        mgrs[d] = ckpt.CheckpointManager(store, "run", save_mode="sync", delta=d > 0)
+        store = ckpt.Store.init(str(root / f"depth{d}"), settings=settings)
+        mgrs[d] = ckpt.CheckpointManager(store, "run", save_mode="sync", delta_vs_previous=d > 0)
     sizes: dict[int, list[int]] = {d: [] for d in DEPTHS}
     state = {"model": tr.model, "optim": tr.opt}
     for i in range(args.snapshots):
@@ -98,7 +98,7 @@ def main() -> None:
         f"{os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}",
         "",
         f"State: {tr.describe()}. {args.snapshots} snapshots, {args.every} training steps apart, saved with "
-        "`CheckpointManager(delta=True)` into a store in /dev/shm (no fsync) per setting; restore = `restore(state, last step)` "
+        "`CheckpointManager(delta_vs_previous=True)` into a store in /dev/shm (no fsync) per setting; restore = `restore(state, last step)` "
         "into the live model and optimizer, median of 3, every hash verified, result compared bit for bit.",
         "",
         "| max_delta_depth | stored, all snapshots (MB) | vs depth 0 | mean later snapshot / first | deepest chain in last snapshot | restore last (s) | vs depth 0 |",

@@ -354,7 +354,7 @@ def ckpt_round(cfg: Config, src: Source, tmp: str, out: Samples) -> None:
     dest = os.path.join(tmp, "pulled.safetensors")
     store = ckpt.Store.init(root, settings=cfg.settings())
     try:
-        res, t = timed(store.push_report, src.path, "bench/model")
+        res, t = timed(store.push, src.path, "bench/model")
         out.add("push", t)
         objects, stored = store_usage(root)
         out.facts.update(logical=res.logical_bytes, chunks=res.chunks, objects=objects, stored=stored, written=res.written_bytes)
@@ -366,7 +366,7 @@ def ckpt_round(cfg: Config, src: Source, tmp: str, out: Samples) -> None:
         if not cfg.full:
             return
 
-        again, t = timed(store.push_report, src.path, "bench/model-again")
+        again, t = timed(store.push, src.path, "bench/model-again")
         out.add("push again", t)
         if again.written_bytes or again.new_chunks:
             raise SystemExit(f"FAIL: the second push of the same file wrote {again.written_bytes} bytes")
@@ -413,7 +413,7 @@ def minilm_round(src: Source, tmp: str, out: Samples) -> None:
     dest = os.path.join(tmp, "minilm-pulled.safetensors")
     store = ckpt.Store.init(root, settings=ckpt.Settings.from_env())
     try:
-        res, t = timed(store.push_report, src.path, "bench/minilm")
+        res, t = timed(store.push, src.path, "bench/minilm")
         out.add("push", t)
         objects, stored = store_usage(root)
         out.facts.update(logical=res.logical_bytes, chunks=res.chunks, objects=objects, stored=stored, written=res.written_bytes)

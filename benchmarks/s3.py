@@ -120,7 +120,7 @@ def main() -> None:
         fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False,
                                config_kwargs={"max_pool_connections": conc})
         blob = base.read_bytes()
-        n_parts = ckpt.Store.init(str(tmp / "count"), settings=settings).push_report(str(base), "x").chunks
+        n_parts = ckpt.Store.init(str(tmp / "count"), settings=settings).push(str(base), "x").chunks
         for rep in range(args.reps):
             log(f"rep {rep + 1}/{args.reps}")
             bucket = server.new_bucket()
@@ -154,7 +154,7 @@ def main() -> None:
         s3 = ckpt.Store.init(f"s3://{bucket}/store", storage_options=opts, settings=settings)
         s3.push(str(base), "minilm/base")
         up0 = relay.bytes_up
-        pushed = s3.push_report(str(ft), "minilm/ft", base="minilm/base")
+        pushed = s3.push(str(ft), "minilm/ft", base="minilm/base")
         push_wire = relay.bytes_up - up0
         local = ckpt.Store.init(str(tmp / "local"), settings=settings)
         local.push(str(base), "minilm/base")
@@ -169,7 +169,7 @@ def main() -> None:
         again = copy_refs(local, s3b, ["minilm/ft"])
         again_wire = relay.bytes_up - up0
         ft_size = ft.stat().st_size
-        base_stored = sum(local.objects.size("chunks", c) for c in local.get_manifest(local.resolve("minilm/base")).chunk_lengths())
+        base_stored = sum(local.objects.size("chunks", c) for c in local.manifest(local.resolve("minilm/base")).chunk_lengths())
         assert s3b.verify().ok and s3.verify().ok
     finally:
         relay.stop()

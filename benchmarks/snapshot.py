@@ -18,8 +18,8 @@ saves the same live state ``{"model", "optim"}`` ``--saves`` times, with one rea
 training step (2 x 64 tokens) before each save:
 
 * ``memcpy``: ``copy_`` of every tensor into preallocated, already-touched buffers (the floor);
-* ``ckpt``: ``CheckpointManager(async_save=True)`` with its defaults into a store on local disk (fsync on);
-* ``ckpt-overlap``: the same with ``overlap_copy=True``: parameters and optimizer state are
+* ``ckpt``: ``CheckpointManager(save_mode="async")`` with its defaults into a store on local disk (fsync on);
+* ``ckpt-overlap``: the same with ``save_mode="overlap"``: parameters and optimizer state are
   copied while the next forward/backward runs, and the optimizer step waits for the copy;
   that wait counts as blocked time of the save;
 * ``torch.save``: of the two state dicts into one file; durable after an fsync of file and folder;
@@ -353,9 +353,9 @@ class Ckpt(Contender):
         super().__init__(root, tr)
         self.store_dir = self.dir / "store"
         # The manager's defaults: no delta against the previous snapshot, compression
-        # only where it saves 25% (restore speed first). ckpt-delta: delta=True.
-        self.mgr = ckpt.CheckpointManager(str(self.store_dir), "bench", async_save=True, keep_last=None, delta=self.delta,
-                                          overlap_copy=self.overlap)
+        # only where it saves 25% (restore speed first). ckpt-delta: delta_vs_previous=True.
+        self.mgr = ckpt.CheckpointManager(str(self.store_dir), "bench", save_mode="overlap" if self.overlap else "async",
+                                          keep_last=None, delta_vs_previous=self.delta)
         self.settings = self.mgr.store.settings
         self.last_step = -1
         self._du = disk_bytes(self.store_dir)
@@ -372,9 +372,11 @@ class Ckpt(Contender):
         self.mgr.wait()
 
     def account(self, handle: Handle, rec: SaveRecord) -> None:
-        stats = dict(self.mgr.last_save_stats)
+        from dataclasses import asdict
+
+        stats = asdict(self.mgr.last_save) if self.mgr.last_save is not None else {}
         if stats.get("step") != handle[1]:
-            raise AssertionError(f"ckpt last_save_stats is for step {stats.get('step')}, not {handle[1]}")
+            raise AssertionError(f"ckpt last_save is for step {stats.get('step')}, not {handle[1]}")
         du = disk_bytes(self.store_dir)
         rec.stats = stats | {"store_growth": du - self._du}
         rec.written_bytes = int(stats["written_bytes"])
@@ -933,7 +935,7 @@ SAVE_NOTE = (
     "Medians over saves 2..N (save 1 is the warm-up, shown on its own). *Blocked*: the training thread inside "
     "the save, including the wait for the previous save to be durable (at most one in flight). *Durable*: from "
     "the save call until the data is on disk (fsynced). torch.save blocks only for the write into the page "
-    "cache; its fsync then runs in the training thread too. *ckpt background*: `last_save_stats['background_s']` "
+    "cache; its fsync then runs in the training thread too. *ckpt background*: `last_save.background_s` "
     "(hash, encode, write). *Training step*: the step before each save, which overlaps the previous save's "
     "background work for the async contenders (memcpy's is the undisturbed step). For ckpt-overlap, blocked "
     "also counts the next optimizer step's wait for the copy (`step_wait_s`), and its training step includes "

@@ -44,6 +44,11 @@ class TensorMismatchError(CkptError):
     """A checkpoint's tensors do not fit the model or state dict they are loaded into."""
 
 
+class ConfigError(CkptError, ValueError):
+    """A setting that does not parse or is out of range: a ``CKPT_*`` environment variable
+    (named in the message) or a keyword given to :meth:`ckpt.Settings.from_env`."""
+
+
 class InvalidMergeError(CkptError):
     """A merge (or remix) that cannot run as asked: unknown method, bad parameter value,
     wrong number of inputs, or inputs whose tensors do not line up. Raised before any
@@ -53,6 +58,7 @@ class InvalidMergeError(CkptError):
 __all__ = [
     "AmbiguousRefError",
     "CkptError",
+    "ConfigError",
     "CorruptObjectError",
     "DestinationError",
     "DestinationExistsError",

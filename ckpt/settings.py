@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields, replace
 
@@ -59,23 +60,86 @@ class Settings:
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
-        s = cls()
+        """Defaults, then ``CKPT_<FIELD>`` environment variables, then ``overrides``.
+
+        Raises :class:`ckpt.errors.ConfigError` (a ``ValueError`` too) naming the variable
+        (or the keyword) whose value does not parse or is out of range: a typo in the
+        environment is one line, never a traceback or a silently ignored setting.
+
+        >>> Settings.from_env(workers=3).workers
+        3
+        """
+        from ckpt.errors import ConfigError
+
         env: dict[str, object] = {}
+        origin: dict[str, str] = {}
         for f in fields(cls):
-            raw = os.environ.get(f"CKPT_{f.name.upper()}")
+            var = f"CKPT_{f.name.upper()}"
+            raw = os.environ.get(var)
             if raw is None:
                 continue
-            if f.type in ("bool", bool):
-                env[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-            elif f.type in ("float", float):
-                env[f.name] = float(raw)
-            else:
-                env[f.name] = int(raw)
-        s = replace(s, **env, **overrides)
-        if not MiB // 16 <= s.chunk_size <= s.max_chunk_size:
-            raise ValueError(f"chunk_size must be between 64 KiB and {s.max_chunk_size} bytes")
-        if s.workers < 1 or s.io_workers < 1 or s.transfer_concurrency < 1:
-            raise ValueError("workers, io_workers and transfer_concurrency must be at least 1")
-        if s.retries < 0 or s.retry_delay < 0 or s.base_cache_mb < 0:
-            raise ValueError("retries, retry_delay and base_cache_mb must not be negative")
+            origin[f.name] = var
+            env[f.name] = _parse(var, raw, f.type)
+        for name in overrides:
+            origin[name] = name
+        try:
+            s = replace(cls(), **env, **overrides)
+        except TypeError as e:  # an unknown keyword
+            raise ConfigError(f"unknown setting: {e}") from None
+        types = {f.name: f.type for f in fields(cls)}
+        for name, (lo, hi) in _bounds(s).items():
+            v, kind = getattr(s, name), types[name]
+            ok = isinstance(v, int) if kind == "int" else isinstance(v, (int, float))
+            if isinstance(v, bool) or not ok or v != v or (lo is not None and v < lo) or (hi is not None and v > hi):
+                raise ConfigError(f"{origin.get(name, name)}={v!r}: {name} must be {_range_text(kind, lo, hi)}")
         return s
+
+
+def _parse(var: str, raw: str, typ: object) -> object:
+    """One environment value of a field of type ``typ``, or a ConfigError naming ``var``."""
+    from ckpt.errors import ConfigError
+
+    text = raw.strip().lower()
+    if typ in ("bool", bool):
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{var}={raw!r} is not a boolean", hint="use 1/0, true/false, yes/no or on/off")
+    try:
+        value: object = float(text) if typ in ("float", float) else int(text)
+    except ValueError:
+        what = "a number" if typ in ("float", float) else "a whole number"
+        raise ConfigError(f"{var}={raw!r} is not {what}", hint=f"unset it or set e.g. {var}={_example(var)}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{var}={raw!r} is not a finite number")
+    return value
+
+
+def _example(var: str) -> str:
+    default = getattr(Settings, var[len("CKPT_"):].lower())
+    return str(default)
+
+
+def _bounds(s: Settings) -> dict[str, tuple[float | None, float | None]]:
+    """Allowed range of each numeric setting (inclusive; None: unbounded)."""
+    return {
+        "max_chunk_size": (MiB // 16, None),
+        "chunk_size": (MiB // 16, s.max_chunk_size),
+        "workers": (1, None),
+        "io_workers": (1, None),
+        "transfer_concurrency": (1, None),
+        "zstd_level": (-(1 << 17), 22),  # zstd's own limits (negative levels are its fast modes)
+        "max_delta_depth": (0, None),
+        "min_saving": (0.0, 1.0),
+        "base_cache_mb": (0, None),
+        "retries": (0, None),
+        "retry_delay": (0.0, None),
+    }
+
+
+def _range_text(kind: str, lo: float | None, hi: float | None) -> str:
+    noun = "a whole number" if kind == "int" else "a number"
+    if lo is not None and hi is not None:
+        return f"{noun} from {lo} to {hi}"
+    return f"{noun} of at least {lo}" if lo is not None else f"{noun} of at most {hi}"

@@ -10,15 +10,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ckpt_store.cli.render import (
-    RichProgress,
-    emit_json,
-    err,
-    human_bytes,
-    out,
-    ratio,
-    when,
-)
+from ckpt_store.cli import views
+from ckpt_store.cli.render import RichProgress, emit_json, err, safe
 
 app = typer.Typer(
     name="ckpt",
@@ -47,11 +40,14 @@ StoreOpt = Annotated[
 ]
 OptionsOpt = Annotated[
     Optional[list[str]],
-    typer.Option("--storage-option", "-o", metavar="KEY=VALUE", show_default=False,
+    typer.Option("--storage-option", metavar="KEY=VALUE", show_default=False,
                  help="fsspec/s3fs option for remote stores (repeatable), e.g. endpoint_url=http://host:9000, "
                       "profile=NAME, anon=true, config_kwargs.connect_timeout=5. Credentials are better left to the "
                       "AWS environment variables or config files, which are used by default."),
 ]
+# The global -o used to mean --storage-option; -o now means --output (merge, remix), and
+# the old spelling still works for one release with a warning.
+OldOptionsOpt = Annotated[Optional[list[str]], typer.Option("-o", hidden=True, show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 
 
@@ -82,24 +78,39 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
 
 
 @app.callback()
-def _main(store: StoreOpt = None, storage_option: OptionsOpt = None) -> None:
+def _main(store: StoreOpt = None, storage_option: OptionsOpt = None, old_storage_option: OldOptionsOpt = None) -> None:
+    if old_storage_option:
+        err.print("warning: `ckpt -o KEY=VALUE` is deprecated, write `ckpt --storage-option KEY=VALUE` "
+                  "(-o means --output, the name of what merge and remix make)")
     _state["store"] = store
-    _state["options"] = parse_storage_options(storage_option)
+    _state["options"] = parse_storage_options((storage_option or []) + (old_storage_option or []))
+
+
+def _emit(result: Any, as_json: bool, render: Any, *args: Any) -> None:
+    """Print a command's one result: as JSON with --json, else drawn by ``render`` (cli/views.py)."""
+    if as_json:
+        emit_json(result)
+    else:
+        render(result, *args)
 
 
 def _open(create: bool = False, url: str | None = None) -> Any:
     from ckpt.store.store import Store
 
-    return Store.open(url or _state["store"], storage_options=_state["options"], create=create)
+    connect = Store.init if create else Store.open
+    return connect(url or _state["store"], storage_options=_state["options"])
 
 
 @app.command()
-def init() -> None:
-    """Create an empty store (a no-op if one exists)."""
-    from ckpt.store.store import Store
+def init(as_json: JsonOpt = False) -> None:
+    """Create an empty store (a no-op if one exists). --storage-option applies."""
+    from ckpt.errors import StoreNotFoundError
 
-    store = Store.init(_state["store"])
-    out.print(f"store ready at {store.url}")
+    try:
+        store, created = _open(), False
+    except StoreNotFoundError:
+        store, created = _open(create=True), True
+    _emit({"url": store.url, "created": created}, as_json, views.init)
 
 
 @app.command()
@@ -124,20 +135,14 @@ def push(
         if message or base or no_delta:
             raise typer.BadParameter("--message, --base and --no-delta do not apply to --to (a copy keeps the checkpoint as it is)")
         spec = str(source) if name is None else f"{source}:{name}"
-        _copy([spec], None, to, as_json)
+        _emit(_copy([spec], None, to), as_json, views.copy)
         return
     if name is None:
         raise typer.BadParameter("NAME is required (the ref to point at the new checkpoint)", param_hint="NAME")
     store = _open(create=True)
-    r = store.push_report(str(source), name, message, base=base, delta=not no_delta, progress=RichProgress())
-    if as_json:
-        emit_json({"id": r.id, "ref": name, "chunks": r.chunks, "new_chunks": r.new_chunks,
-                   "logical_bytes": r.logical_bytes, "written_bytes": r.written_bytes})
-        return
-    out.print(
-        f"{name} -> {r.id[:12]}  {human_bytes(r.logical_bytes)} in {r.chunks} chunks; "
-        f"{r.new_chunks} new, {human_bytes(r.written_bytes)} written"
-    )
+    r = store.push(str(source), name, message, base=base, delta=not no_delta, progress=RichProgress())
+    _emit({"id": r.id, "ref": name, "chunks": r.chunks, "new_chunks": r.new_chunks,
+           "logical_bytes": r.logical_bytes, "written_bytes": r.written_bytes}, as_json, views.push)
 
 
 @app.command()
@@ -147,6 +152,7 @@ def pull(
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace the checkpoint's own files in DEST if they exist; nothing else in DEST is touched.")] = False,
     include: Annotated[Optional[list[str]], typer.Option("--include", "-i", metavar="GLOB", help="Only tensors matching this glob (repeatable); writes one safetensors (or, named .pt, torch) file.")] = None,
     from_: Annotated[Optional[str], typer.Option("--from", metavar="URL", help="First copy REF from the store at URL into this store (only what is missing here travels).", show_default=False)] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Write a checkpoint back out, bit-identical to what was pushed, verifying every chunk.
 
@@ -163,15 +169,19 @@ def pull(
     With --from URL, REF is first copied from the store at URL into this store (like
     `ckpt copy REF --from URL`); DEST, if given, is then written from this store.
     """
+    copied = None
     if from_ is not None:
-        _copy([ref], from_, None, False, quiet=dest is not None)
-        if dest is None:
-            return
+        copied = _copy([ref], from_, None)
     elif dest is None:
         raise typer.BadParameter("DEST is required (or --from URL to copy REF into this store)", param_hint="DEST")
-    store = _open()
-    path = store.pull(ref, str(dest), overwrite=force, include=include or None, progress=RichProgress())
-    out.print(f"wrote {path}")
+    result: dict[str, Any] = {"ref": ref, "id": None, "path": None, "copy": copied}
+    if dest is not None:
+        store = _open()
+        result["id"] = store.resolve(ref)  # what REF names as the pull starts
+        result["path"] = store.pull(ref, str(dest), overwrite=force, include=include or None, progress=RichProgress())
+    elif copied is not None:
+        result["id"] = next(iter(copied["refs"].values()), None)
+    _emit(result, as_json, views.pull)
 
 
 @app.command("ls")
@@ -180,23 +190,11 @@ def ls(as_json: JsonOpt = False) -> None:
     store = _open()
     rows = []
     for name, entry in store.refs().items():
-        m = store.get_manifest(entry.target)
-        rows.append({"ref": name, "id": entry.target, "time": entry.time, "bytes": m.logical_bytes,
-                     "tensors": len(m.tensors), "message": m.message, "source": m.source})
-    if as_json:
-        emit_json(rows)
-        return
-    if not rows:
-        out.print("no refs yet: `ckpt push FILE NAME` stores a checkpoint")
-        return
-    from rich.table import Table
-
-    t = Table(box=None, pad_edge=False)
-    for c in ("REF", "ID", "SIZE", "TENSORS", "UPDATED", "MESSAGE"):
-        t.add_column(c, justify="right" if c in ("SIZE", "TENSORS") else "left")
-    for r in rows:
-        t.add_row(r["ref"], r["id"][:12], human_bytes(r["bytes"]), str(r["tensors"]), when(r["time"]), r["message"] or "")
-    out.print(t)
+        m = store.manifest(entry.target)
+        # "bytes" is the old spelling of logical_bytes, kept for scripts (README).
+        rows.append({"ref": name, "id": entry.target, "time": entry.time, "logical_bytes": m.logical_bytes,
+                     "bytes": m.logical_bytes, "tensors": len(m.tensors), "message": m.message, "source": m.source})
+    _emit(rows, as_json, views.ls)
 
 
 @app.command()
@@ -210,67 +208,42 @@ def log(name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name.")], 
         msg = None
         if e.target is not None:
             try:
-                msg = store.get_manifest(e.target).message
+                msg = store.manifest(e.target).message
             except Exception:  # noqa: BLE001 - a collected manifest still has a history line
                 msg = "(checkpoint no longer in the store)"
         rows.append({"seq": e.seq, "version": None if e.target is None else version, "id": e.target,
                      "time": e.time, "message": msg, "removed": e.target is None})
         if e.target is not None:
             version += 1
-    if as_json:
-        emit_json(rows)
-        return
-    for r in rows:
-        label = "removed" if r["removed"] else f"{name}@{r['version']}  {r['id'][:12]}"
-        out.print(f"#{r['seq']:<4} {when(r['time'])}  {label}  {r['message'] or ''}".rstrip())
+    _emit(rows, as_json, views.log, name)
 
 
 @app.command()
 def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or id prefix.")], as_json: JsonOpt = False) -> None:
-    """A checkpoint's files and tensors: dtype, shape, logical and stored bytes."""
+    """A checkpoint's files and tensors: dtype, shape, logical and stored bytes.
+
+    Stored bytes count this checkpoint's own chunks (delta bases included), sized one by
+    one: showing a checkpoint never lists the whole store.
+    """
     from ckpt.codecs.chunk import CODEC_NAMES
 
     store = _open()
     mid = store.resolve(ref)
-    m = store.get_manifest(mid)
-    sizes = {o.id: o.size for o in store.objects.list("chunks")}
-    tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes, "file": t.file,
-                "stored_bytes": sum(sizes.get(c, 0) for c in t.chunks), "chunks": len(t.chunks),
+    m = store.manifest(mid)
+    needed = m.chunk_lengths()  # every chunk the checkpoint reads, delta bases included
+    sizes = store.stored_sizes(needed)
+    # "bytes" (here and per tensor and file) is the old spelling of logical_bytes, kept for scripts (README).
+    tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "logical_bytes": t.nbytes, "bytes": t.nbytes,
+                "file": t.file, "stored_bytes": sum(sizes.get(c, 0) for c in t.chunks), "chunks": len(t.chunks),
                 "codecs": sorted({CODEC_NAMES.get(c, str(c)) for c in t.codecs}),
                 "delta_depth": max((len(c) for c in t.delta_bases), default=0)} for t in m.tensors]
-    files = [{"path": f.path, "kind": f.kind, "bytes": f.size, "metadata": f.metadata} for f in m.files]
+    files = [{"path": f.path, "kind": f.kind, "logical_bytes": f.size, "bytes": f.size,
+              "stored_bytes": sum(sizes.get(c, 0) for c in f.chunks), "metadata": f.metadata} for f in m.files]
     info = {"id": mid, "source": m.source, "created": m.created, "message": m.message, "metadata": m.metadata,
             "lineage": m.lineage, "extra": m.extra, "chunk_size": m.chunk_size, "files": files, "tensors": tensors,
-            "bytes": m.logical_bytes}
-    if as_json:
-        emit_json(info)
-        return
-    from rich.table import Table
-
-    out.print(f"checkpoint {mid}\nsource     {m.source}, {len(files)} file(s), {len(tensors)} tensors, {human_bytes(m.logical_bytes)}")
-    out.print(f"created    {when(m.created)}")
-    if m.message:
-        out.print(f"message    {m.message}")
-    for k, v in m.metadata.items():
-        out.print(f"meta       {k} = {v}")
-    lineage = {k: v for k, v in m.lineage.items() if v and k != "merge"}
-    if lineage:
-        out.print(f"lineage    {lineage}")
-    if isinstance(m.lineage.get("merge"), dict):
-        _print_merge(m.lineage["merge"])
-    t = Table(box=None, pad_edge=False)
-    if m.lineage.get("base"):
-        out.print(f"delta base {m.lineage['base'][:12]} (delta-coded tensors show their chain depth)")
-    for c in ("TENSOR", "DTYPE", "SHAPE", "BYTES", "STORED", "CODEC"):
-        t.add_column(c, justify="right" if c in ("BYTES", "STORED") else "left")
-    for r in tensors:
-        codec = "+".join(r["codecs"]) + (f" (depth {r['delta_depth']})" if r["delta_depth"] else "")
-        t.add_row(r["name"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar", human_bytes(r["bytes"]),
-                  human_bytes(r["stored_bytes"]), codec)
-    out.print(t)
-    others = [f for f in files if f["kind"] == "blob"]
-    if others:
-        out.print("other files: " + ", ".join(f"{f['path']} ({human_bytes(f['bytes'])})" for f in others))
+            "logical_bytes": m.logical_bytes, "bytes": m.logical_bytes, "stored_bytes": sum(sizes.values()),
+            "missing_chunks": len(needed) - len(sizes)}
+    _emit(info, as_json, views.show)
 
 
 @app.command()
@@ -282,32 +255,13 @@ def du(as_json: JsonOpt = False) -> None:
     """
     store = _open()
     u = store.du()
-    if as_json:
-        emit_json({
-            "refs": [{"ref": r.name, "id": r.id, "logical_bytes": r.logical, "unique_bytes": r.unique,
-                      "stored_bytes": r.stored, "exclusive_bytes": r.exclusive} for r in u.refs],
-            "logical_bytes": u.logical, "unique_bytes": u.unique, "stored_bytes": u.stored,
-            "dedup_saved_bytes": u.dedup_saved, "compression_saved_bytes": u.compression_saved, "chunks": u.objects,
-            "codecs": {k: {"decoded_bytes": d, "stored_bytes": st} for k, (d, st) in u.by_codec.items()},
-        })
-        return
-    from rich.table import Table
-
-    t = Table(box=None, pad_edge=False)
-    for c in ("REF", "LOGICAL", "STORED", "ONLY THIS REF"):
-        t.add_column(c, justify="left" if c == "REF" else "right")
-    for r in u.refs:
-        t.add_row(r.name, human_bytes(r.logical), human_bytes(r.stored), human_bytes(r.exclusive))
-    out.print(t)
-    out.print(
-        f"\ntotal: {human_bytes(u.logical)} in {len(u.refs)} refs stored as {human_bytes(u.stored)} "
-        f"({ratio(u.stored, u.logical)} of logical)\n"
-        f"  dedup saved        {human_bytes(u.dedup_saved)} ({ratio(u.dedup_saved, u.logical)})\n"
-        f"  compression saved  {human_bytes(u.compression_saved)} ({ratio(u.compression_saved, u.logical)})"
-    )
-    for codec, (decoded, stored) in u.by_codec.items():
-        out.print(f"    {codec:<10} {human_bytes(decoded):>10} stored as {human_bytes(stored):>10} "
-                  f"(saved {human_bytes(decoded - stored)}, {ratio(stored, decoded)} of its input)")
+    _emit({
+        "refs": [{"ref": r.name, "id": r.id, "logical_bytes": r.logical, "unique_bytes": r.unique,
+                  "stored_bytes": r.stored, "exclusive_bytes": r.exclusive} for r in u.refs],
+        "logical_bytes": u.logical, "unique_bytes": u.unique, "stored_bytes": u.stored,
+        "dedup_saved_bytes": u.dedup_saved, "compression_saved_bytes": u.compression_saved, "chunks": u.objects,
+        "codecs": {k: {"decoded_bytes": d, "stored_bytes": st} for k, (d, st) in u.by_codec.items()},
+    }, as_json, views.du)
 
 
 @app.command()
@@ -324,44 +278,33 @@ def verify(
     another store that holds them (a mirror, a backup, the S3 store a team pushes to).
     """
     store = _open()
-    repaired: list[tuple[str, str]] = []
-    unavailable: list[tuple[str, str, str]] = []
     if repair_from is not None:
         rr = store.repair(repair_from, refs or None, progress=RichProgress())
-        r, repaired, unavailable = rr.after, rr.repaired, rr.unavailable
-        if not as_json:
-            for kind, oid in repaired:
-                out.print(f"repaired {kind} {oid} from {repair_from}")
-            for kind, oid, why in unavailable:
-                err.print(f"cannot repair {kind} {oid}: {why}")
+        r = rr.after
     else:
         r = store.verify(refs or None, progress=RichProgress())
-    if as_json:
-        doc = {"ok": r.ok, "refs_checked": r.refs_checked, "chunks_checked": r.chunks_checked,
-               "bytes_checked": r.bytes_checked, "problems": r.problems, "damaged_refs": r.damaged_refs}
-        if repair_from is not None:
-            doc["repaired"] = [{"kind": k, "id": i} for k, i in repaired]
-            doc["unavailable"] = [{"kind": k, "id": i, "error": w} for k, i, w in unavailable]
-        emit_json(doc)
-    else:
-        for name, problems in r.damaged_refs.items():
-            err.print(f"DAMAGED {name}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
-        for p in r.problems:
-            if p.startswith("store config"):
-                err.print(f"DAMAGED {p}")
-        status = "ok" if r.ok else f"{len(r.problems)} problem(s)"
-        out.print(f"verified {r.refs_checked} refs, {r.chunks_checked} chunks, {human_bytes(r.bytes_checked)}: {status}")
+    doc: dict[str, Any] = {"ok": r.ok, "refs_checked": r.refs_checked, "chunks_checked": r.chunks_checked,
+                           "bytes_checked": r.bytes_checked, "problems": r.problems, "damaged_refs": r.damaged_refs}
+    if repair_from is not None:
+        doc["repair_from"] = repair_from
+        doc["repaired"] = [{"kind": k, "id": i} for k, i in rr.repaired]
+        doc["unavailable"] = [{"kind": k, "id": i, "error": w} for k, i, w in rr.unavailable]
+    _emit(doc, as_json, views.verify)
     if not r.ok:
         raise typer.Exit(1)
 
 
 @app.command()
-def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Refs to remove.")]) -> None:
+def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Refs to remove.")], as_json: JsonOpt = False) -> None:
     """Remove refs. History stays in `ckpt log`; data is freed by `ckpt gc`."""
     store = _open()
-    for name in names:
-        store.remove(name)
-        out.print(f"removed {name}")
+    removed: list[dict[str, Any]] = []
+    try:
+        for name in names:
+            entry = store.remove(name)
+            removed.append({"ref": name, "seq": entry.seq})
+    finally:  # a name that fails stops the command; the ones removed before it are still reported
+        _emit({"removed": removed}, as_json, views.rm)
 
 
 @app.command()
@@ -380,26 +323,19 @@ def copy(
     """
     if from_ is None and to is None:
         raise typer.BadParameter("give --from URL, --to URL or both (the other defaults to --store)")
-    _copy(refs, from_, to, as_json)
+    _emit(_copy(refs, from_, to), as_json, views.copy)
 
 
-def _copy(refs: list[str], from_: str | None, to: str | None, as_json: bool, quiet: bool = False) -> None:
+def _copy(refs: list[str], from_: str | None, to: str | None) -> dict[str, Any]:
+    """Copy ``refs`` between stores; the copy's result (what --json prints)."""
     src = _open(url=from_)
     dst = _open(create=True, url=to)
     if src.url == dst.url:
         raise typer.BadParameter("source and destination are the same store")
     r = src.copy_to(dst, refs, progress=RichProgress())
-    if as_json:
-        emit_json({"from": src.url, "to": dst.url, "refs": r.refs, "chunks_sent": r.chunks_sent,
-                   "manifests_sent": r.manifests_sent, "refs_set": r.refs_set, "objects_sent": r.objects_sent,
-                   "bytes_sent": r.bytes_sent, "chunks_present": r.chunks_present,
-                   "manifests_present": r.manifests_present})
-        return
-    if quiet:
-        return
-    names = ", ".join(r.refs) or "no refs"
-    out.print(f"copied {names} to {dst.url}: sent {r.chunks_sent} chunks, {r.manifests_sent} manifests, "
-              f"{r.refs_set} ref updates ({human_bytes(r.bytes_sent)}); {r.chunks_present} chunks were already there")
+    return {"from": src.url, "to": dst.url, "refs": r.refs, "chunks_sent": r.chunks_sent,
+            "manifests_sent": r.manifests_sent, "refs_set": r.refs_set, "objects_sent": r.objects_sent,
+            "bytes_sent": r.bytes_sent, "chunks_present": r.chunks_present, "manifests_present": r.manifests_present}
 
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
@@ -422,33 +358,11 @@ def gc(
     """Delete objects no ref needs: plan first, then delete (or just print with --dry-run)."""
     store = _open()
     r = store.gc(grace_s=_seconds(grace), dry_run=dry_run, keep_history=not no_history)
-    if as_json:
-        emit_json({"dry_run": r.dry_run, "deleted": len(r.deleted), "bytes": r.bytes, "young_kept": r.young,
-                   "live_manifests": r.live_manifests, "live_chunks": r.live_chunks,
-                   "objects": [{"kind": d.kind, "name": d.name, "bytes": d.size} for d in r.deleted]})
-        return
-    verb = "would delete" if dry_run else "deleted"
-    out.print(f"{verb} {len(r.deleted)} objects ({human_bytes(r.bytes)}); kept {r.live_manifests} live checkpoints, "
-              f"{r.live_chunks} live chunks, {r.young} recent unreferenced objects (grace {grace})")
-
-
-def _print_merge(rec: dict[str, Any]) -> None:
-    """The merge record of a manifest's lineage: method, parameters, inputs and base."""
-    params = ", ".join(f"{k}={v}" for k, v in sorted((rec.get("params") or {}).items()))
-    out.print(f"merged     {rec.get('method')} ({params})", markup=False)
-    refs = rec.get("input_refs") or [None] * len(rec.get("inputs") or [])
-    for cid, ref in zip(rec.get("inputs") or [], refs):
-        out.print(f"  input    {str(cid)[:12]}" + (f"  ({ref})" if ref else ""), markup=False)
-    if rec.get("base"):
-        out.print(f"  base     {rec['base'][:12]}" + (f"  ({rec['base_ref']})" if rec.get("base_ref") else ""), markup=False)
-    remix = rec.get("remix")
-    if isinstance(remix, dict):
-        scores = ", ".join(f"{r}={s:.4g}" for r, s in (remix.get("scores") or {}).items())
-        out.print(f"  remix    best {remix.get('k')} by score ({'higher' if remix.get('higher_is_better') else 'lower'} is better): {scores}", markup=False)
-
-
-def _fmt_num(x: float | None, spec: str = ".3e") -> str:
-    return "-" if x is None else format(x, spec)
+    # "bytes" is the old spelling of deleted_bytes, kept for scripts (README).
+    _emit({"dry_run": r.dry_run, "deleted": len(r.deleted), "deleted_bytes": r.bytes, "bytes": r.bytes, "young_kept": r.young,
+           "live_manifests": r.live_manifests, "live_chunks": r.live_chunks, "grace": grace,
+           "objects": [{"kind": d.kind, "name": d.name, "stored_bytes": d.size, "bytes": d.size} for d in r.deleted]},
+          as_json, views.gc)
 
 
 @app.command()
@@ -459,7 +373,7 @@ def diff(
     exclude: Annotated[Optional[list[str]], typer.Option("--exclude", "-x", metavar="GLOB", help="Leave out tensors matching this glob (repeatable).")] = None,
     sort: Annotated[str, typer.Option("--sort", metavar="KEY", help="order, name, status, relative_change, max_abs_diff, changed_elements, cosine or delta_bytes (largest change first).")] = "order",
     top: Annotated[Optional[int], typer.Option("--top", metavar="N", help="Show only the first N tensors after sorting (the summary still counts all).")] = None,
-    plot: Annotated[Optional[Path], typer.Option("--plot", metavar="FILE.png", help="Draw relative change per layer, grouped by module type (needs matplotlib: pip install 'ckpt[plot]').")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", metavar="FILE.png", help="Draw relative change per layer, grouped by module type (needs matplotlib: pip install 'ckpt-store[plot]').")] = None,
     no_estimate: Annotated[bool, typer.Option("--no-estimate", help="Skip estimating the stored size of B as a delta against A.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -479,31 +393,11 @@ def diff(
         from ckpt.diffing.plot import plot_report
 
         plot_report(report, plot)
+    # diff's one result is its typed report; --json prints report.to_json.
     if as_json:
         emit_json(report.to_json(sort, top))
-        return
-    from rich.table import Table
-
-    t = Table(box=None, pad_edge=False)
-    for c in ("TENSOR", "STATUS", "CHANGED", "REL CHANGE", "MAX |B-A|", "COSINE", "DELTA"):
-        t.add_column(c, justify="left" if c in ("TENSOR", "STATUS") else "right")
-    for r in report.select(sort, top):
-        changed = "-" if r.changed_elements is None else f"{r.changed_elements}/{r.numel}"
-        t.add_row(r.name, r.status + ("" if r.read else " *"), changed, _fmt_num(r.relative_change),
-                  _fmt_num(r.max_abs_diff), _fmt_num(r.cosine, ".6f"), "-" if r.delta_bytes is None else human_bytes(r.delta_bytes))
-    out.print(t)
-    s = report.summary
-    out.print(
-        f"\n{s.tensors} tensors: {s.changed} changed, {s.identical} identical ({s.identical_unread} by chunk ids, not read: *), "
-        f"{s.added} added, {s.removed} removed, {s.shape_changed} shape changed, {s.dtype_changed} dtype changed\n"
-        f"elements changed: {s.changed_elements} of {s.elements} ({ratio(s.changed_elements, s.elements)}); "
-        f"relative change overall {_fmt_num(s.relative_change)}"
-    )
-    if s.delta_bytes is not None:
-        out.print(f"B as a delta against A stores about {human_bytes(s.delta_bytes)} "
-                  f"({ratio(s.delta_bytes, s.bytes_b)} of B's {human_bytes(s.bytes_b)} of tensor data)")
-    if plot is not None:
-        out.print(f"plot written to {plot}")
+    else:
+        views.diff(report, sort, top, plot)
 
 
 def _merge_epilog() -> str:
@@ -516,7 +410,7 @@ def _merge_epilog() -> str:
 def merge(
     refs: Annotated[Optional[list[str]], typer.Argument(metavar="REF...", help="Checkpoints to merge, in order (weights follow this order).", show_default=False)] = None,
     method: Annotated[str, typer.Option("--method", metavar="M", help="linear, task-arithmetic, ties, dare or slerp.")] = "linear",
-    output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="NAME", help="Ref name for the merged checkpoint.")] = None,
+    output: Annotated[Optional[str], typer.Option("--output", "-o", metavar="NAME", help="Ref name for the merged checkpoint.", show_default=False)] = None,
     base: Annotated[Optional[str], typer.Option("--base", "-b", metavar="REF", help="The checkpoint the inputs were fine-tuned from (task-arithmetic, ties, dare; also the source of --fill-from-base).")] = None,
     param: Annotated[Optional[list[str]], typer.Option("--param", "-p", metavar="KEY=VALUE", help="A method parameter, e.g. -p density=0.3 (repeatable; see --list-methods).")] = None,
     weights: Annotated[Optional[str], typer.Option("--weights", "-w", metavar="W1,W2,...", help="Shorthand for -p weights=W1,W2,...: one per REF.")] = None,
@@ -541,7 +435,7 @@ def merge(
                         "params": [{"name": p.name, "type": p.kind, "default": p.default, "range": p.range_text(), "help": p.help}
                                    for p in m.params]} for m in default_registry()])
         else:
-            out.print("\n\n".join(describe(m) for m in default_registry()), markup=False)
+            sys.stdout.write("\n\n".join(describe(m) for m in default_registry()) + "\n")
         return
     if not refs:
         raise typer.BadParameter("give the checkpoints to merge", param_hint="REF...")
@@ -558,17 +452,12 @@ def merge(
     from ckpt.merging.combine import merge as run_merge
 
     store = _open()
-    r = run_merge(store, refs, method, name=output, params=params, base=base, missing="base" if fill_from_base else "error",
+    r = run_merge(refs, method, name=output, store=store, params=params, base=base, missing="base" if fill_from_base else "error",
                   message=message, progress=RichProgress())
-    if as_json:
-        emit_json({"id": r.id, "ref": output, "method": r.method, "params": r.params, "inputs": list(r.inputs),
-                   "base": r.base, "merged_tensors": r.merged, "reused_tensors": r.reused, "from_base": list(r.from_base),
-                   "new_chunks": r.new_chunks, "written_bytes": r.written_bytes, "logical_bytes": r.logical_bytes,
-                   "seconds": r.seconds})
-        return
-    out.print(f"{output} -> {r.id[:12]}  {r.method} of {len(r.inputs)} inputs: {r.merged} tensors merged, "
-              f"{r.reused} reused unread" + (f", {len(r.from_base)} from the base" if r.from_base else "")
-              + f"; {human_bytes(r.logical_bytes)}, {human_bytes(r.written_bytes)} written in {r.seconds:.1f} s")
+    _emit({"id": r.id, "ref": output, "method": r.method, "params": r.params, "inputs": list(r.inputs),
+           "base": r.base, "merged_tensors": r.merged, "reused_tensors": r.reused, "from_base": list(r.from_base),
+           "new_chunks": r.new_chunks, "written_bytes": r.written_bytes, "logical_bytes": r.logical_bytes,
+           "seconds": r.seconds}, as_json, views.merge)
 
 
 def _read_scores(path: Path) -> dict[str, float]:
@@ -593,7 +482,7 @@ def _read_scores(path: Path) -> dict[str, float]:
 @app.command()
 def remix(
     scores: Annotated[Path, typer.Option("--scores", metavar="FILE", help='JSON: {"REF": score, ...} (or [{"ref": ..., "score": ...}]), one score per past fine-tune on a sample of the new task.')],
-    output: Annotated[str, typer.Option("--output", "-o", metavar="NAME", help="Ref name for the remixed starting point.")],
+    output: Annotated[str, typer.Option("--output", "-o", metavar="NAME", help="Ref name for the remixed starting point.", show_default=False)],
     k: Annotated[int, typer.Option("-k", metavar="K", help="How many of the best to average.")] = 2,
     weights: Annotated[str, typer.Option("--weights", metavar="MODE", help="equal, or proportional to the scores.")] = "equal",
     lower_is_better: Annotated[bool, typer.Option("--lower-is-better", help="Scores are losses: keep the lowest.")] = False,
@@ -606,12 +495,9 @@ def remix(
     table = _read_scores(scores)
     chosen, _ = choose(table, k, weights=weights, higher_is_better=not lower_is_better)
     store = _open()
-    cid = remix_scores(store, table, k, weights=weights, higher_is_better=not lower_is_better, name=output,
+    cid = remix_scores(table, k, store=store, weights=weights, higher_is_better=not lower_is_better, name=output,
                        message=message, progress=RichProgress())
-    if as_json:
-        emit_json({"id": cid, "ref": output, "chosen": chosen, "k": k, "weights": weights})
-        return
-    out.print(f"{output} -> {cid[:12]}  average of {', '.join(chosen)}")
+    _emit({"id": cid, "ref": output, "chosen": chosen, "k": k, "weights": weights}, as_json, views.remix)
 
 
 @app.command()
@@ -636,13 +522,13 @@ def serve(
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: ckpt errors become one line on stderr and exit code 1."""
-    from ckpt_store.storage.errors import CkptError
+    from ckpt.errors import CkptError
 
     try:
         # Without standalone mode click returns the code of a typer.Exit instead of exiting.
         code = app(args=argv, standalone_mode=False)
     except CkptError as e:
-        err.print(f"error: {e}", markup=False)
+        err.print(f"error: {safe(str(e))}")
         sys.exit(1)
     except typer.Exit as e:
         sys.exit(e.exit_code)
@@ -659,7 +545,11 @@ def main(argv: list[str] | None = None) -> None:
         show = getattr(e, "show", None)
         if show is None:
             raise
-        show()
+        import io
+
+        buf = io.StringIO()  # click echoes the offending argument as typed: escape it like any user text
+        show(file=buf)
+        sys.stderr.write("".join(safe(line) + "\n" for line in buf.getvalue().splitlines()))
         sys.exit(getattr(e, "exit_code", 2))
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -1,8 +1,16 @@
-"""Output helpers for the CLI: sizes, times, JSON, tables and progress bars."""
+"""Output helpers for the CLI: escaping user text, sizes, times, JSON, tables and progress bars.
+
+Everything a command prints that came from a user -- commit messages, metadata, ref,
+tensor and file names, paths -- goes through :func:`safe` before it reaches the
+terminal, and the consoles never interpret rich markup or emoji codes: a checkpoint
+pushed by anyone with write access to a shared store cannot clear a reader's screen,
+write their clipboard (OSC 52) or break the layout. ``--json`` output keeps the exact text.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from typing import Any
@@ -17,9 +25,49 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-# Wide when piped, so tables in logs and files do not wrap at 80 columns.
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# Wide when piped, so tables in logs and files do not wrap at 80 columns. markup and
+# emoji off: "[red]" and ":smile:" in a message are text, never styling (or a crash on "[/b]").
+out = Console(highlight=False, markup=False, emoji=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, highlight=False, markup=False, emoji=False, soft_wrap=True)
+
+# What a terminal may act on rather than show: C0 controls, DEL, C1 controls (U+009B is
+# CSI, like ESC [), and the Unicode line/paragraph separators and bidirectional
+# overrides/isolates, which move or reorder the text around them ("Trojan Source"), and
+# lone surrogates (bytes that were not UTF-8, e.g. a C1 byte typed as $'\x9b' in a shell).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = m.group()
+    if c in _NAMED:
+        return _NAMED[c]
+    if 0xDC80 <= ord(c) <= 0xDCFF:  # surrogateescape: the undecodable byte itself
+        return f"\\x{ord(c) - 0xDC00:02x}"
+    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+
+def safe(text: object) -> str:
+    r"""``text`` as one inert line for a terminal: control characters shown as escapes.
+
+    >>> print(safe("fix\x1b[2J \x9b1m\nnext [red]x é"))
+    fix\x1b[2J \x9b1m\nnext [red]x é
+
+    Printable text (markup-looking brackets and non-ASCII included) is left as it is;
+    the consoles above print it literally. None becomes "".
+    """
+    if text is None:
+        return ""
+    s = text if isinstance(text, str) else str(text)
+    return _UNSAFE.sub(_escape, s)
+
+
+def as_text(value: Any) -> str:
+    """A value inside text output: strings as they are (escaped), anything nested as
+    compact JSON (never a Python repr), all of it through :func:`safe`."""
+    if isinstance(value, str):
+        return safe(value)
+    return safe(json.dumps(value, sort_keys=True, ensure_ascii=False, default=str))
 
 
 def human_bytes(n: float) -> str:
@@ -39,6 +87,7 @@ def ratio(part: int, whole: int) -> str:
 
 
 def emit_json(obj: Any) -> None:
+    """``--json``: the result as it is (exact text; JSON escapes any control character)."""
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
@@ -54,11 +103,11 @@ class RichProgress:
         if not self.enabled:
             return
         self._bar = Progress(
-            TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+            TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(binary_units=True),
             TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True,
         )
         self._bar.start()
-        self._task = self._bar.add_task(description, total=total)
+        self._task = self._bar.add_task(safe(description), total=total)
 
     def advance(self, n: int) -> None:
         if self._bar is not None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
+from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import ObjectNotFoundError
-from ckpt_store.storage.gc import referenced_chunks
 from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.refs import RefEntry, Refs, validate_ref_name
 

@@ -2,7 +2,7 @@
 
 Bytes only: a chunk blob is copied as stored (compressed, delta-coded), never re-encoded.
 What a manifest depends on is found by the format's reachability rule
-(:func:`storage.gc.referenced_chunks`: its chunks and every base of their delta chains).
+(:func:`storage.chunk_lists.referenced_chunks`: its chunks and every base of their delta chains).
 The order keeps the destination consistent at every instant, as a push does:
 
 1. chunks -- bases before the chunks that are deltas against them;
@@ -18,16 +18,14 @@ a copy that was interrupted sends, when run again, only what is still missing.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
+from ckpt_store.storage.chunk_lists import chunk_depths, referenced_chunks
 from ckpt_store.storage.errors import CorruptObjectError
-from ckpt_store.storage.gc import referenced_chunks
 from ckpt_store.storage.objects import ObjectStore, object_id
 from ckpt_store.storage.progress import NullProgress, Progress, reporting
 from ckpt_store.storage.refs import Refs, validate_ref_name
@@ -63,35 +61,6 @@ class CopyItem:
     manifest: str
     name: str | None = None
     alias: bool = False
-
-
-def chunk_depths(manifest: bytes) -> dict[str, int]:
-    """How many delta bases lie below each chunk a manifest names (0: stored whole).
-
-    Read from the ``delta_bases`` lists, which the format pairs with ``chunks`` in the
-    same object (docs/format.md): ``delta_bases[i]`` is the chain of ``chunks[i]``,
-    nearest base first. Chunks without a chain get 0.
-    """
-    depth: dict[str, int] = {}
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            chunks, chains = node.get("chunks"), node.get("delta_bases")
-            if isinstance(chunks, list) and isinstance(chains, list) and len(chains) == len(chunks):
-                for cid, chain in zip(chunks, chains):
-                    if isinstance(cid, str) and isinstance(chain, list):
-                        ids = [cid, *chain]
-                        for i, x in enumerate(ids):
-                            if isinstance(x, str):
-                                depth[x] = max(depth.get(x, 0), len(ids) - 1 - i)
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(json.loads(manifest))
-    return depth
 
 
 class _Sender:
@@ -202,4 +171,4 @@ def copy_checkpoints(
     return report
 
 
-__all__ = ["ChunkCheck", "CopyItem", "CopyReport", "chunk_depths", "copy_checkpoints"]
+__all__ = ["ChunkCheck", "CopyItem", "CopyReport", "copy_checkpoints"]

@@ -9,55 +9,13 @@ objects are young until its ref lands (docs/format.md, "Garbage collection").
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
-from ckpt_store.storage.errors import StoreFormatError
-from ckpt_store.storage.objects import ObjectStore, check_id
+from ckpt_store.storage.chunk_lists import referenced_chunks
+from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.refs import Refs
-
-# Keys in a manifest whose values are lists of chunk ids (docs/format.md).
-CHUNK_LIST_KEYS = frozenset({"chunks", "delta_bases"})
-# The top-level lists of a manifest whose entries hold those keys.
-ENTRY_SECTIONS = ("files", "tensors")
-
-
-def referenced_chunks(manifest: bytes) -> set[str]:
-    """Every chunk id a manifest names, found by the format's one rule, without knowing tensors."""
-    out: set[str] = set()
-
-    def collect(ids: list[Any]) -> None:  # ids, or lists of ids (delta chains)
-        for x in ids:
-            if isinstance(x, list):
-                collect(x)
-            elif x is not None:
-                out.add(check_id(x))
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                if k in CHUNK_LIST_KEYS and isinstance(v, list):
-                    collect(v)
-                else:
-                    walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    try:
-        obj = json.loads(manifest)
-    except (ValueError, RecursionError) as e:
-        raise StoreFormatError(f"manifest is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise StoreFormatError("manifest is not a JSON object")
-    # Only the entries of "files" and "tensors": user JSON (metadata, non-tensor state,
-    # lineage) may hold a key named "chunks" without naming any chunk.
-    for section in ENTRY_SECTIONS:
-        walk(obj.get(section, []))
-    return out
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,8 @@ torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import ckpt  # noqa: E402
+from ckpt_store.storage.chunk_lists import referenced_chunks  # noqa: E402
 from ckpt_store.storage.errors import CkptError  # noqa: E402
-from ckpt_store.storage.gc import referenced_chunks  # noqa: E402
 
 CHUNK_SIZE = 1 << 20  # 1 MiB chunks in the pusher: more objects, more places to be killed
 SPAN = 1.15  # random kills land in [0, SPAN * duration of an uncrashed run], denser early

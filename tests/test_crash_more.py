@@ -39,7 +39,7 @@ torch = pytest.importorskip("torch")
 from safetensors.torch import save_file  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt_store.storage.gc import referenced_chunks  # noqa: E402
+from ckpt_store.storage.chunk_lists import referenced_chunks  # noqa: E402
 
 TRIALS = int(os.environ.get("CKPT_CRASH_TRIALS_MORE", os.environ.get("CKPT_CRASH_TRIALS", "3")))
 SEED = int(os.environ.get("CKPT_CRASH_SEED", "0"))

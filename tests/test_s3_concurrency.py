@@ -86,6 +86,6 @@ def test_processes_pushing_at_once_lose_nothing(workers, pushes, s3_main, tmp_pa
     report = store.verify()
     assert report.ok, report.problems
     # the common tensor is stored once, however many processes pushed it at the same time
-    chunk_sets = [{c for t in store.get_manifest(cid).tensors if t.name == "common" for c in t.chunks}
+    chunk_sets = [{c for t in store.manifest(cid).tensors if t.name == "common" for c in t.chunks}
                   for ids in results for cid in ids]
     assert all(s == chunk_sets[0] for s in chunk_sets)

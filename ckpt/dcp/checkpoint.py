@@ -100,7 +100,8 @@ class _StoreHolder:
         from ckpt.store.store import Store
 
         if self._store is None:
-            self._store = Store.open(self.url, storage_options=self.storage_options, settings=self.settings, create=create)
+            connect = Store.init if create else Store.open
+            self._store = connect(self.url, storage_options=self.storage_options, settings=self.settings)
         return self._store
 
     def __getstate__(self) -> dict[str, Any]:
@@ -182,7 +183,7 @@ class Writer(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         store = self._holder.store(create=True)
         info = plan.storage_data if isinstance(plan.storage_data, _RankPlan) else _RankPlan(None)
-        base_m = store.get_manifest(info.base) if info.base else None
+        base_m = store.manifest(info.base) if info.base else None
         paired = pair_tensors(base_m if base_m is not None and base_m.chunk_size == store.settings.chunk_size else None)
         results = [WriteResult(index=i.index, size_in_bytes=0, storage_data=_Value(_lookup_value(planner, i)))
                    for i in plan.items if i.type == WriteItemType.BYTE_IO]
@@ -337,7 +338,7 @@ class Reader(StorageReader):
             raise CkptError("no checkpoint to load", hint="pass Reader(store, REF) or dcp.load(..., checkpoint_id=REF)")
         store = self._holder.store(create=False)
         mid = store.resolve(self.ref)
-        m = store.get_manifest(mid)
+        m = store.manifest(mid)
         if m.source != DCP_SOURCE:
             raise CkptError(f"{self.ref} is a {m.source!r} checkpoint, not a distributed one",
                             hint="load it with Store.load / load_into, or push it again through dcp.save")

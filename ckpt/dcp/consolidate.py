@@ -11,7 +11,6 @@ and copied from there. The DCP :class:`~ckpt.dcp.Reader` (resharding on load),
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt.dcp.format import DCP_SOURCE, TensorItem, decode_layout
 from ckpt.errors import TensorMismatchError
 from ckpt.format.dtypes import byte_view, itemsize, to_torch
-from ckpt.format.manifest import Manifest, TensorEntry, split_lengths
+from ckpt.format.manifest import Manifest, TensorEntry, name_selected, split_lengths
 from ckpt.progress import NullProgress, Progress, reporting
 from ckpt.transfer.pipeline import GetTask, get_chunks
 from ckpt_store.storage.errors import StoreFormatError
@@ -141,7 +140,7 @@ def shard_copies(item: TensorItem, full: torch.Tensor, entries: dict[str, Tensor
 
 def _selected(m: Manifest, include: list[str] | None) -> list[TensorItem]:
     layout = decode_layout(m.extra, "manifest")
-    items = [t for t in layout.tensors.values() if not include or any(fnmatch.fnmatchcase(t.fqn, p) for p in include)]
+    items = [t for t in layout.tensors.values() if name_selected(t.fqn, include)]
     if include and not items:
         raise TensorMismatchError(f"no tensor matches {' '.join(include)}", hint="see the names with `ckpt show --json` (extra.dcp.items)")
     return items
@@ -196,8 +195,7 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
     import torch
 
     from ckpt.format.safetensors_header import build_header
-    from ckpt.store.destination import OutputFile, file_target, write_files
-    from ckpt.store.pull import is_torch_name, write_torch
+    from ckpt.store.destination import OutputFile, file_target, is_torch_name, write_files, write_torch
 
     items = _selected(m, include)
     target = file_target(store, dest, "model.safetensors", overwrite)

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import CkptError
+from ckpt.format import tagged_json
 from ckpt.format.dtypes import DTYPES, itemsize
 from ckpt.format.manifest import check_tensor_name
+from ckpt_store.storage.chunk_lists import CHUNK_LIST_KEYS
 from ckpt_store.storage.errors import StoreFormatError
-from ckpt_store.storage.gc import CHUNK_LIST_KEYS
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -36,8 +37,6 @@ if TYPE_CHECKING:
 DCP_SOURCE = "dcp"  # Manifest.source of a distributed checkpoint
 DCP_FORMAT = "ckpt-dcp"
 DCP_VERSION = 1
-_TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", "__tensor__")
-_MAX_DEPTH = 64
 
 
 class UnsupportedStateError(CkptError):
@@ -84,62 +83,24 @@ def shard_name(fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], size:
 
 
 # -- values ----------------------------------------------------------------------------
-def encode_value(x: Any, where: str, _depth: int = 0) -> Any:
-    """A Python value as tagged JSON, or :class:`UnsupportedStateError` naming ``where``."""
-    if _depth > _MAX_DEPTH:
-        raise UnsupportedStateError(f"{where}: nested too deeply")
-    if x is None or isinstance(x, (bool, str)):
-        return x
-    if isinstance(x, int):
-        return int(x)
-    if isinstance(x, float):
-        return float(x) if math.isfinite(x) else {"__float__": repr(float(x))}
-    if isinstance(x, bytes):
-        return {"__bytes__": x.hex()}
-    if isinstance(x, tuple):
-        return {"__tuple__": [encode_value(v, where, _depth + 1) for v in x]}
-    if isinstance(x, list):
-        return [encode_value(v, where, _depth + 1) for v in x]
-    if isinstance(x, dict):
-        if all(isinstance(k, str) and k not in _TAGS and k not in CHUNK_LIST_KEYS for k in x):
-            return {k: encode_value(v, where, _depth + 1) for k, v in x.items()}
-        return {"__dict__": [[encode_value(k, where, _depth + 1), encode_value(v, where, _depth + 1)] for k, v in x.items()]}
-    if type(x).__module__ == "numpy" and getattr(x, "shape", None) == ():
-        return encode_value(x.item(), where, _depth + 1)
-    raise UnsupportedStateError(
-        f"{where} is a {type(x).__module__}.{type(x).__name__}: ckpt stores non-tensor state as JSON, never pickle",
-        hint="store tensors, or plain values (numbers, strings, lists, dicts, tuples, bytes); "
-        "give objects state_dict()/load_state_dict() returning such values",
-    )
+def encode_value(x: Any, where: str) -> Any:
+    """A Python value as tagged JSON (:mod:`ckpt.format.tagged_json`), or
+    :class:`UnsupportedStateError` naming where in ``where`` it is. Keys that name chunks
+    in a manifest entry are reserved, so user state can never pose as a chunk list."""
+
+    def unsupported(path: str, what: str) -> Exception:
+        return UnsupportedStateError(
+            f"{path} is {what}: ckpt stores non-tensor state as JSON, never pickle",
+            hint="store tensors, or plain values (numbers, strings, lists, dicts, tuples, bytes); "
+            "give objects state_dict()/load_state_dict() returning such values",
+        )
+
+    return tagged_json.encode(x, where, unsupported=unsupported, reserved=CHUNK_LIST_KEYS)
 
 
-def decode_value(x: Any, what: str, _depth: int = 0) -> Any:
+def decode_value(x: Any, what: str) -> Any:
     """Inverse of :func:`encode_value`; a :class:`StoreFormatError` for anything it would not write."""
-    if _depth > _MAX_DEPTH:
-        raise StoreFormatError(f"{what}: value nested too deeply")
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    if isinstance(x, list):
-        return [decode_value(v, what, _depth + 1) for v in x]
-    if not isinstance(x, dict):
-        raise StoreFormatError(f"{what}: bad value")
-    tags = [k for k in x if k in _TAGS]
-    if not tags:
-        return {k: decode_value(v, what, _depth + 1) for k, v in x.items()}
-    tag, v = tags[0], x[tags[0]]
-    if len(x) == 1:
-        try:
-            if tag == "__tuple__" and isinstance(v, list):
-                return tuple(decode_value(e, what, _depth + 1) for e in v)
-            if tag == "__dict__" and isinstance(v, list):
-                return {decode_value(k, what, _depth + 1): decode_value(val, what, _depth + 1) for k, val in v}
-            if tag == "__float__" and v in ("inf", "-inf", "nan"):
-                return float(v)
-            if tag == "__bytes__" and isinstance(v, str):
-                return bytes.fromhex(v)
-        except (TypeError, ValueError):
-            pass
-    raise StoreFormatError(f"{what}: bad {tag} value")
+    return tagged_json.decode(x, what)
 
 
 # -- metadata --------------------------------------------------------------------------

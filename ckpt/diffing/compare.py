@@ -24,7 +24,6 @@ encoding B's chunks against A's with the store's own codecs (:func:`delta_bytes`
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import os
 from collections.abc import Sequence
@@ -32,9 +31,9 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckpt.diffing.sides import Side, open_side
-from ckpt.format.dtypes import byte_view, itemsize
-from ckpt.format.manifest import split_lengths
-from ckpt.progress import NullProgress, Progress
+from ckpt.format.dtypes import bit_pattern, byte_view, itemsize
+from ckpt.format.manifest import name_selected, split_lengths
+from ckpt.progress import NullProgress, Progress, reporting
 from ckpt.transfer.pipeline import run_parallel
 from ckpt_store.storage.objects import object_id
 
@@ -74,15 +73,6 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The elements' bit patterns as integers of the same width (flat)."""
-    import torch
-
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    flat = t.reshape(-1)
-    return flat.view(ints[flat.element_size()]) if flat.numel() else flat.view(torch.uint8)
-
-
 def _as_real(t: torch.Tensor) -> torch.Tensor:
     import torch
 
@@ -106,7 +96,7 @@ def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> Te
     if tuple(a.shape) != tuple(b.shape):
         raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
     if a.dtype == b.dtype:
-        changed = int((_bits(a) != _bits(b)).sum())
+        changed = int((bit_pattern(a) != bit_pattern(b)).sum())
     else:
         changed = int((_as_real(a).double() != _as_real(b).double()).reshape(a.numel(), -1).any(dim=1).sum()) if a.numel() else 0
     fa, fb = _as_real(a), _as_real(b)
@@ -252,12 +242,6 @@ class DiffReport:
         }
 
 
-def _selected(name: str, include: Sequence[str] | None, exclude: Sequence[str] | None) -> bool:
-    if include and not any(fnmatch.fnmatchcase(name, p) for p in include):
-        return False
-    return not (exclude and any(fnmatch.fnmatchcase(name, p) for p in exclude))
-
-
 def diff(a: object, b: object, store: Store | None = None, *, include: Sequence[str] | None = None,
          exclude: Sequence[str] | None = None, estimate_delta: bool = True,
          progress: Progress | None = None, refs_only: bool = False) -> DiffReport:
@@ -285,21 +269,19 @@ def diff(a: object, b: object, store: Store | None = None, *, include: Sequence[
     # side dictates the size; a local side is hashed at that size.
     cs = side_b.chunk_size or side_a.chunk_size or settings.chunk_size
     try:
-        names = [n for n in side_a.meta if _selected(n, include, exclude)]
-        names += [n for n in side_b.meta if n not in side_a.meta and _selected(n, include, exclude)]
-        progress = progress or NullProgress()
-        progress.start("diff", sum(side_b.meta[n].nbytes for n in names if n in side_b.meta))
+        names = [n for n in side_a.meta if name_selected(n, include, exclude)]
+        names += [n for n in side_b.meta if n not in side_a.meta and name_selected(n, include, exclude)]
         known = side_a.all_chunk_ids(cs) if estimate_delta else set()
         rows: list[TensorDiff] = []
         sums = [0.0, 0.0]  # squared norms of A and of B - A over compared tensors
-        for name in names:
-            row, s = _compare(name, side_a, side_b, cs, known, settings, estimate_delta)
-            if s is not None:
-                sums[0] += s.norm_a**2
-                sums[1] += s.norm_diff**2
-            rows.append(row)
-            progress.advance(side_b.meta[name].nbytes if name in side_b.meta else 0)
-        progress.finish()
+        with reporting(progress, "diff", sum(side_b.meta[n].nbytes for n in names if n in side_b.meta)) as bar:
+            for name in names:
+                row, s = _compare(name, side_a, side_b, cs, known, settings, estimate_delta)
+                if s is not None:
+                    sums[0] += s.norm_a**2
+                    sums[1] += s.norm_diff**2
+                rows.append(row)
+                bar.advance(side_b.meta[name].nbytes if name in side_b.meta else 0)
     finally:
         side_a.close()
         side_b.close()

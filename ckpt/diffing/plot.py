@@ -5,7 +5,7 @@ Those tensors become a heatmap: one row per module type (the name with the index
 out), one column per layer, colour = ‖B−A‖/‖A‖ on a log scale, the value written in
 each cell. Tensors without an index (embeddings, final norm, head) get a bar chart
 beside it. Identical tensors show as "0", tensors with no value (added, removed,
-reshaped) as "n/a". Needs matplotlib (``pip install 'ckpt[plot]'``).
+reshaped) as "n/a". Needs matplotlib (``pip install 'ckpt-store[plot]'``).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def plot_report(report: DiffReport, path: str | os.PathLike[str]) -> str:
         from matplotlib.colors import LogNorm
         from matplotlib.ticker import NullFormatter
     except ImportError:
-        raise MissingDependencyError("--plot needs matplotlib", hint="pip install 'ckpt[plot]'") from None
+        raise MissingDependencyError("--plot needs matplotlib", hint="pip install 'ckpt-store[plot]'") from None
     import numpy as np
 
     layered: dict[tuple[str, str], dict[int, TensorDiff]] = {}

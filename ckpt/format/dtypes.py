@@ -65,3 +65,18 @@ def byte_view(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
     return memoryview(raw.numpy()).cast("B")
+
+
+def bit_pattern(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's elements as integers of the same width (flat, no copy): equal patterns
+    mean equal bytes, so NaN == NaN and -0.0 != 0.0, unlike comparing values."""
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    flat = t.reshape(-1)
+    return flat.view(ints[flat.element_size()]) if flat.numel() else flat.view(torch.uint8)
+
+
+def bit_identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes."""
+    return a.dtype == b.dtype and a.shape == b.shape and bool(bit_pattern(a.contiguous()).equal(bit_pattern(b.contiguous())))

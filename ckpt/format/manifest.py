@@ -9,8 +9,10 @@ a ``chunks`` key holds chunk ids (the rule storage/gc.py relies on).
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +26,19 @@ MANIFEST_VERSION = 1
 MAX_NAME = 1024
 # Unicode's control characters (Cc): C0, DEL and C1 (U+009B is a terminal's CSI, like ESC [).
 _CTRL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def name_selected(name: str, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None) -> bool:
+    """Whether a tensor name passes ``--include``/``--exclude`` globs (case-sensitive
+    ``fnmatch``; ``*`` crosses dots; no include means everything). The one rule for
+    pull, load, diff and DCP consolidation.
+
+    >>> name_selected("layer.0.weight", ["layer.*.weight"]), name_selected("head.bias", None, ["head.*"])
+    (True, False)
+    """
+    if include and not any(fnmatch.fnmatchcase(name, p) for p in include):
+        return False
+    return not (exclude and any(fnmatch.fnmatchcase(name, p) for p in exclude))
 
 
 def check_tensor_name(name: str, what: str = "tensor name") -> str:

@@ -33,7 +33,7 @@ from typing import Any
 try:
     import pytorch_lightning as pl
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("ckpt.integrations.lightning needs PyTorch Lightning: pip install 'ckpt[lightning]'") from e
+    raise ImportError("ckpt.integrations.lightning needs PyTorch Lightning: pip install 'ckpt-store[lightning]'") from e
 
 from ckpt.snapshot.manager import CheckpointManager, SnapshotError
 from ckpt.snapshot.retention import KeepBest

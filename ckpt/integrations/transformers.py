@@ -40,7 +40,7 @@ try:
     )
     from transformers.trainer_callback import ExportableState
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("ckpt.integrations.transformers needs transformers: pip install 'ckpt[transformers]'") from e
+    raise ImportError("ckpt.integrations.transformers needs transformers: pip install 'ckpt-store[transformers]'") from e
 
 from ckpt.errors import RefNotFoundError
 from ckpt.snapshot.manager import CheckpointManager, SnapshotError

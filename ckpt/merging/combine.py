@@ -17,7 +17,7 @@ for one of their chunks, and dropped once their last chunk is handed on. Memory
 therefore stays near (inputs + 2) × the largest tensor for linear, task-arithmetic,
 dare (linear combine) and slerp, and (inputs + 3) × for ties and dare's ties combine
 (their masks and sums), plus a few chunks of the push pipeline; never whole models
-(benchmarks/results/merge.md and tests/ckpt/test_merge.py measure it). The result is pushed like any checkpoint: its
+(benchmarks/results/merge.md and tests/ckpt/merging/test_combine.py measure it). The result is pushed like any checkpoint: its
 chunks dedup against the store and are delta-encoded against the base (else the
 first input), and its lineage records the inputs' ids, the method and every
 parameter value (``ckpt show`` prints it).
@@ -26,7 +26,7 @@ parameter value (``ckpt show`` prints it).
 >>> store = ckpt.Store.init("memory://merge-doctest")
 >>> _ = store.push({"w": torch.tensor([1.0, 2.0])}, "m/a")
 >>> _ = store.push({"w": torch.tensor([3.0, 6.0])}, "m/b")
->>> r = ckpt.merge(store, ["m/a", "m/b"], "linear", name="m/avg")
+>>> r = ckpt.merge(["m/a", "m/b"], "linear", name="m/avg", store=store)
 >>> store.load("m/avg")["w"].tolist()
 [2.0, 4.0]
 >>> store.manifest("m/avg").lineage["merge"]["params"]
@@ -43,8 +43,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import InvalidMergeError
-from ckpt.format.dtypes import byte_view, to_torch
+from ckpt.format.dtypes import bit_identical, byte_view, to_torch
 from ckpt.format.manifest import TensorEntry, chunk_count
+from ckpt.merging.calls import positionals
 from ckpt.merging.methods import MergeMethod, MethodRegistry, default_registry
 from ckpt.progress import Progress
 from ckpt_store.storage.records import canonical_json
@@ -219,7 +220,7 @@ def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], rea
     return compute
 
 
-def merge(store: Store, inputs: Sequence[str], method: str = "linear", *, name: str | None,
+def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str | None, store: Store | None = None,
           params: Mapping[str, Any] | None = None, base: str | None = None, missing: str = "error",
           message: str | None = None, metadata: dict[str, Any] | None = None,
           registry: MethodRegistry | None = None, progress: Progress | None = None,
@@ -238,6 +239,7 @@ def merge(store: Store, inputs: Sequence[str], method: str = "linear", *, name: 
     from ckpt.store.sources import from_tensors
 
     started = time.perf_counter()
+    (inputs, method), store = positionals("merge", (inputs, method, *legacy), (None, "linear"), store)
     registry = registry or default_registry()
     m = registry.get(method)
     bound = m.bind(params, len(inputs), base is not None)
@@ -313,7 +315,7 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
             out[name] = first.clone()
             continue
         b = base[name] if base is not None and m.needs_base else None
-        if m.identity(bound) and all(_same_bits(x, first) for x in xs[1:] + ([b] if b is not None else [])):
+        if m.identity(bound) and all(bit_identical(x, first) for x in xs[1:] + ([b] if b is not None else [])):
             out[name] = first.clone()  # as the store path does: identical inputs come back unchanged
             continue
         cd = torch.float64 if first.dtype == torch.float64 else torch.float32
@@ -323,7 +325,3 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
     return out
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    from ckpt.diffing.compare import _bits
-
-    return a.dtype == b.dtype and a.shape == b.shape and bool(_bits(a.contiguous()).equal(_bits(b.contiguous())))

@@ -11,7 +11,7 @@ the choice.
 >>> store = ckpt.Store.init("memory://remix-doctest")
 >>> for i, v in enumerate([1.0, 5.0, 3.0]):
 ...     _ = store.push({"w": torch.full((2,), v)}, f"ft/{i}")
->>> cid = ckpt.remix(store, ["ft/0", "ft/1", "ft/2"], lambda sd: float(sd["w"][0]), k=2, name="new/start")
+>>> cid = ckpt.remix(["ft/0", "ft/1", "ft/2"], lambda sd: float(sd["w"][0]), k=2, name="new/start", store=store)
 >>> store.load("new/start")["w"].tolist()
 [4.0, 4.0]
 >>> store.manifest("new/start").lineage["merge"]["remix"]["chosen"]
@@ -23,9 +23,10 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import InvalidMergeError
+from ckpt.merging.calls import positionals
 from ckpt_store.storage.refs import validate_ref_name
 
 if TYPE_CHECKING:
@@ -75,12 +76,13 @@ def choose(scores: Mapping[str, float], k: int = 2, *, weights: str = "equal",
     return chosen, [float(scores[r]) if higher_is_better else 1.0 / scores[r] for r in chosen]
 
 
-def remix_scores(store: Store, scores: Mapping[str, float], k: int = 2, *, weights: str = "equal",
+def remix_scores(scores: Mapping[str, float], k: int = 2, *legacy: int, store: Store | None = None, weights: str = "equal",
                  higher_is_better: bool = True, name: str | None = None, message: str | None = None,
                  progress: Progress | None = None) -> str:
     """Average the best ``k`` of the scored refs into a new checkpoint ``name``; returns its id."""
     from ckpt.merging.combine import merge
 
+    (scores, k), store = positionals("remix_scores", (scores, k, *legacy), (None, 2), store)
     if name is not None:
         validate_ref_name(name)
     chosen, ws = choose(scores, k, weights=weights, higher_is_better=higher_is_better)
@@ -88,13 +90,13 @@ def remix_scores(store: Store, scores: Mapping[str, float], k: int = 2, *, weigh
         log.warning("remix: %d candidates for k=%d; averaging all of them", len(chosen), k)
     note = {"k": k, "weights": weights, "higher_is_better": higher_is_better, "chosen": chosen,
             "scores": {ref: float(s) for ref, s in scores.items()}}
-    return merge(store, chosen, "linear", name=name, params={"weights": ws}, message=message,
+    return merge(chosen, "linear", name=name, store=store, params={"weights": ws}, message=message,
                  progress=progress, _remix=note).id
 
 
-def remix(store: Store, candidates: Sequence[str], score_fn: Callable[[dict[str, torch.Tensor]], float], k: int = 2,
-          weights: str = "equal", higher_is_better: bool = True, *, name: str | None = None,
-          message: str | None = None, progress: Progress | None = None) -> str:
+def remix(candidates: Sequence[str], score_fn: Callable[[dict[str, torch.Tensor]], float], k: int = 2,
+          *legacy: Any, store: Store | None = None, weights: str = "equal", higher_is_better: bool = True,
+          name: str | None = None, message: str | None = None, progress: Progress | None = None) -> str:
     """Score each candidate with ``score_fn(state_dict)``, average the best ``k``; returns the new checkpoint id.
 
     Candidates are loaded one at a time (so memory holds one model plus what
@@ -103,6 +105,8 @@ def remix(store: Store, candidates: Sequence[str], score_fn: Callable[[dict[str,
     Raises :class:`InvalidMergeError` for a bad ``k``/``weights`` or a score that is
     not a finite number, before any merge work.
     """
+    (candidates, score_fn, k, weights, higher_is_better), store = positionals(
+        "remix", (candidates, score_fn, k, *legacy), (None, None, 2, weights, higher_is_better), store)
     if name is not None:
         validate_ref_name(name)
     _check(k, weights, len(candidates))  # before any (expensive) scoring
@@ -116,5 +120,5 @@ def remix(store: Store, candidates: Sequence[str], score_fn: Callable[[dict[str,
         except (TypeError, ValueError):
             raise InvalidMergeError(f"score_fn returned {raw!r} for {ref}, not a number") from None
         log.info("remix: %s scores %s", ref, scores[ref])
-    return remix_scores(store, scores, k, weights=weights, higher_is_better=higher_is_better, name=name,
+    return remix_scores(scores, k, store=store, weights=weights, higher_is_better=higher_is_better, name=name,
                         message=message, progress=progress)

@@ -223,7 +223,7 @@ class DistributedSnapshots:
         from ckpt.dcp.format import decode_layout
         from ckpt.snapshot.run import SNAPSHOT_FORMAT, SnapshotError
 
-        m = self.run.store.get_manifest(mid)
+        m = self.run.store.manifest(mid)
         snap = m.extra.get("snapshot")
         if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or not snap.get("ranks"):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a distributed snapshot of this ckpt version",

@@ -232,7 +232,7 @@ class LocalSnapshots:
         from ckpt.format.dtypes import to_torch
         from ckpt.store.load import fill
 
-        m = self.store.get_manifest(mid)
+        m = self.store.manifest(mid)
         snap = m.extra.get("snapshot")
         if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or "tree" not in snap:
             raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")

@@ -18,12 +18,12 @@ import math
 import re
 import signal
 import time
-import warnings
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckpt._deprecation import deprecated
 from ckpt.errors import RefNotFoundError
 from ckpt.settings import Settings
 from ckpt.snapshot.retention import KeepBest, Retention, count_setting
@@ -189,7 +189,7 @@ class CheckpointManager:
             # (weights and first moments save ~17% and stay raw; second moments compress).
             # delta_vs_previous asks for bytes over restore speed: there 10%.
             settings = Settings.from_env(min_saving=0.10 if delta_vs_previous else 0.25)
-        self.store = store if isinstance(store, Store) else Store.open(store, settings=settings, create=True)
+        self.store = store if isinstance(store, Store) else Store.init(store, settings=settings)
         self.run = validate_ref_name(run)
         self.save_mode = save_mode
         self.preempt_exit_code = preempt_exit_code
@@ -272,7 +272,7 @@ class CheckpointManager:
     @property
     def last_save_stats(self) -> dict[str, Any]:
         """Deprecated: :attr:`last_save` as a dict (empty before the first save)."""
-        warnings.warn("last_save_stats is deprecated: use last_save (a SaveStats)", DeprecationWarning, stacklevel=2)
+        deprecated("last_save_stats", "last_save (a SaveStats)", stacklevel=3)
         return asdict(self.last_save) if self.last_save is not None else {}
 
     def wait(self) -> None:
@@ -372,7 +372,7 @@ def _old_spellings(old: dict[str, Any], save_mode: str, unchanged_by: str, delta
     if unknown:
         raise TypeError(f"CheckpointManager() got unexpected keyword argument(s) {', '.join(unknown)}")
     for name in old:
-        warnings.warn(f"CheckpointManager({name}=...) is deprecated: use {_RENAMED[name]}=...", DeprecationWarning, stacklevel=3)
+        deprecated(f"CheckpointManager({name}=...)", f"{_RENAMED[name]}=...", stacklevel=4)
     if "async_save" in old or "overlap_copy" in old:
         if old.get("overlap_copy") and old.get("async_save", True) is False:
             raise ValueError("overlap_copy=True needs async_save=True (the copy overlaps training only in the background)")

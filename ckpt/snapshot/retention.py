@@ -10,10 +10,11 @@ Pure: :meth:`Retention.keep` takes steps and their metrics and returns the steps
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from ckpt._deprecation import deprecated
 
 
 def count_setting(name: str, value: Any) -> int | None:
@@ -47,8 +48,7 @@ class KeepBest:
         if value is None or isinstance(value, KeepBest):
             return value
         if isinstance(value, (tuple, list)) and len(value) in (2, 3):
-            warnings.warn("keep_best=(metric, mode, count) is deprecated: pass ckpt.KeepBest(metric, mode, count)",
-                          DeprecationWarning, stacklevel=4)
+            deprecated("keep_best=(metric, mode, count)", "ckpt.KeepBest(metric, mode, count)", stacklevel=5)
             return cls(*value)
         raise ValueError(f"keep_best must be ckpt.KeepBest(metric, 'min' | 'max', count), not {value!r}")
 

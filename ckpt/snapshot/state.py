@@ -11,12 +11,10 @@ tagged, so a round trip gives back equal objects — and nothing is ever unpickl
 
 from __future__ import annotations
 
-import math
 import random
 from typing import Any, Protocol, runtime_checkable
 
-TENSOR = "__tensor__"
-_TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", TENSOR)
+from ckpt.format import tagged_json
 
 
 @runtime_checkable
@@ -102,43 +100,20 @@ def _as_tuples(x: Any) -> Any:
 
 def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(tensors by name, JSON tree) for a state. Tensor names are ``<key>/<path>``."""
-    import torch
+    from ckpt.errors import InvalidNameError, InvalidSourceError
 
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Any] = {}
 
-    def enc(x: Any, path: str) -> Any:
-        if isinstance(x, torch.Tensor):
-            tensors[path] = x
-            return {TENSOR: path}
-        if isinstance(x, bool) or x is None or isinstance(x, str):
-            return x
-        if isinstance(x, int):
-            return x
-        if isinstance(x, float):
-            return x if math.isfinite(x) else {"__float__": repr(x)}
-        if isinstance(x, bytes):
-            return {"__bytes__": x.hex()}
-        if isinstance(x, tuple):
-            return {"__tuple__": [enc(v, f"{path}/{i}") for i, v in enumerate(x)]}
-        if isinstance(x, list):
-            return [enc(v, f"{path}/{i}") for i, v in enumerate(x)]
-        if isinstance(x, dict):
-            if all(isinstance(k, str) and k not in _TAGS for k in x):
-                return {k: enc(v, f"{path}/{k}") for k, v in x.items()}
-            # Non-string keys (optimizer state is keyed by int): keep them typed.
-            return {"__dict__": [[enc(k, f"{path}/k{i}"), enc(v, f"{path}/{k}")] for i, (k, v) in enumerate(x.items())]}
-        if hasattr(x, "item") and getattr(x, "shape", None) == ():  # numpy scalars
-            return enc(x.item(), path)
-        from ckpt.errors import InvalidSourceError
+    def unsupported(path: str, what: str) -> Exception:
+        return InvalidSourceError(path, f"{what} cannot be stored as JSON or a tensor",
+                                  hint="give it state_dict()/load_state_dict() returning tensors and plain values")
 
-        raise InvalidSourceError(path, f"a {type(x).__name__} cannot be stored as JSON or a tensor",
-                                 hint="give it state_dict()/load_state_dict() returning tensors and plain values")
+    def enc(x: Any, key: str) -> Any:
+        return tagged_json.encode(x, key, unsupported=unsupported, tensor=tensors.__setitem__)
 
     tree: dict[str, Any] = {}
     for key, obj in state.items():
         if not isinstance(key, str) or "/" in key or not key:
-            from ckpt.errors import InvalidNameError
-
             raise InvalidNameError(f"state key {key!r} must be a non-empty string without '/'")
         if isinstance(obj, Stateful) and not isinstance(obj, type):
             tree[key] = {"kind": "stateful", "value": enc(obj.state_dict(), key)}
@@ -149,40 +124,12 @@ def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def unflatten(tree: Any, tensors: dict[str, Any]) -> Any:
     """Inverse of the encoding in :func:`flatten` for one value."""
-    if isinstance(tree, list):
-        return [unflatten(v, tensors) for v in tree]
-    if isinstance(tree, dict):
-        if TENSOR in tree:
-            return tensors[tree[TENSOR]]
-        if "__tuple__" in tree:
-            return tuple(unflatten(v, tensors) for v in tree["__tuple__"])
-        if "__dict__" in tree:
-            return {unflatten(k, tensors): unflatten(v, tensors) for k, v in tree["__dict__"]}
-        if "__float__" in tree:
-            return float(tree["__float__"])
-        if "__bytes__" in tree:
-            return bytes.fromhex(tree["__bytes__"])
-        return {k: unflatten(v, tensors) for k, v in tree.items()}
-    return tree
+    return tagged_json.decode(tree, "snapshot state", tensor=tensors.__getitem__)
 
 
 def tensor_refs(tree: Any) -> list[str]:
     """Names of every tensor a JSON tree points at."""
-    out: list[str] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, dict):
-            if TENSOR in x:
-                out.append(x[TENSOR])
-            else:
-                for v in x.values():
-                    walk(v)
-        elif isinstance(x, list):
-            for v in x:
-                walk(v)
-
-    walk(tree)
-    return out
+    return tagged_json.tensor_refs(tree)
 
 
 def optimizers_in(state: dict[str, Any]) -> list[Any]:

@@ -41,7 +41,7 @@ def choose_base(store: Store, name: str | None, tensors: list[tuple[str, str, in
         return store.resolve(explicit), parent
     if not tensors:
         return None, parent
-    if parent is not None and overlap(tensors, store.get_manifest(parent)) > 0:
+    if parent is not None and overlap(tensors, store.manifest(parent)) > 0:
         return parent, parent
     # Ties (a family of fine-tunes shares every tensor name) go to a checkpoint that is
     # not itself a delta - the base the others derive from - and then to the oldest:
@@ -53,7 +53,7 @@ def choose_base(store: Store, name: str | None, tensors: list[tuple[str, str, in
         if entry.target is None or entry.target in seen:
             continue
         seen.add(entry.target)
-        m = store.get_manifest(entry.target)
+        m = store.manifest(entry.target)
         got = overlap(tensors, m)
         key = (got, m.lineage.get("base") is None, -m.created)
         if got > 0 and key > best_key:

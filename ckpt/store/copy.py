@@ -88,7 +88,7 @@ def _items(src: Store, specs: Iterable[str]) -> tuple[list[CopyItem], dict[str, 
         if dest is None and entry is not None and entry.target == mid:
             dest = ref  # a plain ref keeps its name
         items.append(CopyItem(mid, dest, alias=bool(entry and entry.alias and dest == ref)))
-        weights.update(src.get_manifest(mid).chunk_lengths())
+        weights.update(src.manifest(mid).chunk_lengths())
     return items, weights
 
 

@@ -28,12 +28,15 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ckpt.errors import DestinationError, DestinationExistsError, StoreFormatError
+from ckpt.errors import DestinationError, DestinationExistsError, StoreFormatError, TensorMismatchError
+from ckpt.store.sources import STATE_DICT_SUFFIXES
 from ckpt_store.storage.config import enclosing_store
 
 if TYPE_CHECKING:
+    import torch
+
     from ckpt.store.store import Store
 
 _TMP = ".ckpt-tmp-"
@@ -305,3 +308,30 @@ def _remove_file(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def is_torch_name(path: str) -> bool:
+    """Whether ``path`` is named like a torch file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``)."""
+    return path.lower().endswith(STATE_DICT_SUFFIXES)
+
+
+def write_torch(target: str, tensors: dict[str, torch.Tensor], values: dict[str, Any]) -> None:
+    """Write ``tensors`` and JSON ``values`` as one flat dict to torch file ``target``, atomically.
+
+    Everything in it (tensors and JSON types) loads with ``torch.load(weights_only=True)``.
+    """
+    import torch
+
+    clash = sorted(set(tensors) & set(values))
+    if clash:
+        raise TensorMismatchError(f"{clash[0]!r} names both a tensor and a value of this checkpoint",
+                                  hint="pull it as .safetensors (tensors only)")
+    obj: dict[str, Any] = {**tensors, **values}
+
+    def fill(tmps: list[str]) -> None:
+        with os.fdopen(create_new(tmps[0]), "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    write_files([target], fill)

@@ -3,13 +3,12 @@ own tensors (:func:`load_into`, :func:`fill`), every byte verified on the way.""
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import ResourceLimitError, TensorMismatchError
 from ckpt.format.dtypes import to_torch
-from ckpt.format.manifest import Manifest, TensorEntry
+from ckpt.format.manifest import Manifest, TensorEntry, name_selected
 from ckpt.progress import Progress, reporting
 from ckpt.store.limits import check_memory
 from ckpt.transfer.pipeline import get_chunks, into_tasks
@@ -24,7 +23,7 @@ def select(m: Manifest, include: list[str] | None) -> list[TensorEntry]:
     """The tensors of ``m`` whose names match one of the ``include`` globs (all without)."""
     if not include:
         return list(m.tensors)
-    return [t for t in m.tensors if any(fnmatch.fnmatchcase(t.name, p) for p in include)]
+    return [t for t in m.tensors if name_selected(t.name, include)]
 
 
 def check_unique(entries: Iterable[TensorEntry], hint: str) -> None:

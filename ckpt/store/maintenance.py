@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from ckpt.codecs.chunk import CODEC_NAMES
 from ckpt.format.manifest import Manifest
-from ckpt.progress import NullProgress, Progress
+from ckpt.progress import Progress, reporting
 from ckpt.transfer.pipeline import fetch_chunk, run_parallel
 from ckpt_store.storage.config import read_config
 from ckpt_store.storage.errors import CkptError
@@ -73,11 +73,9 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
         return None
 
     ids = sorted(lengths)
-    progress = progress or NullProgress()
-    progress.start("verify", sum(lengths.values()))
     workers = max(store.settings.workers, store.backend.concurrency)  # remote stores: requests in flight
-    results = run_parallel(check, ids, workers, progress, lambda c: lengths[c])
-    progress.finish()
+    with reporting(progress, "verify", sum(lengths.values())) as bar:
+        results = run_parallel(check, ids, workers, bar, lambda c: lengths[c])
     for cid, problem in zip(ids, results, strict=True):
         report.chunks_checked += 1
         report.bytes_checked += lengths[cid]
@@ -174,7 +172,7 @@ def du(store: Store) -> StoreUsage:
     users: dict[str, int] = defaultdict(int)
     for name, entry in store.refs_db.live().items():
         assert entry.target is not None
-        m = store.get_manifest(entry.target)
+        m = store.manifest(entry.target)
         lengths = m.chunk_lengths()
         all_chunks.update(lengths)
         for c in lengths:

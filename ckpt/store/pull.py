@@ -18,19 +18,18 @@ from ckpt.format.safetensors_header import build_header
 from ckpt.progress import Progress, reporting
 from ckpt.store.destination import (
     OutputFile,
-    create_new,
     dir_targets,
     file_target,
+    is_torch_name,
     write_dir,
     write_files,
+    write_torch,
 )
 from ckpt.store.limits import check_disk
 from ckpt.store.load import check_unique, load_manifest, select
-from ckpt.store.sources import STATE_DICT_SUFFIXES
 from ckpt.transfer.pipeline import GetTask, get_chunks, sink_tasks
 
 if TYPE_CHECKING:
-    import torch
 
     from ckpt.store.store import Store
 
@@ -59,11 +58,6 @@ def _write_files(store: Store, m: Manifest, files: list[tuple[FileEntry, str]], 
             tasks += tasks_for(out) if tasks_for else _file_tasks(m, f, out)
         with reporting(progress, "pull", sum(t.length for t in tasks)) as p:
             get_chunks(store.objects, tasks, store.settings, p)
-
-
-def is_torch_name(path: str) -> bool:
-    """Whether ``path`` is named like a torch file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``)."""
-    return path.lower().endswith(STATE_DICT_SUFFIXES)
 
 
 def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: bool = False, include: list[str] | None = None, progress: Progress | None = None) -> str:
@@ -101,28 +95,6 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
 def _values(m: Manifest) -> dict[str, Any]:
     """The non-tensor values of a checkpoint pushed from a ``.pt`` file (flat keys), else none."""
     return dict(m.extra) if m.source == "state-dict" and isinstance(m.extra, dict) else {}
-
-
-def write_torch(target: str, tensors: dict[str, torch.Tensor], values: dict[str, Any]) -> None:
-    """Write ``tensors`` and JSON ``values`` as one flat dict to torch file ``target``, atomically.
-
-    Everything in it (tensors and JSON types) loads with ``torch.load(weights_only=True)``.
-    """
-    import torch
-
-    clash = sorted(set(tensors) & set(values))
-    if clash:
-        raise TensorMismatchError(f"{clash[0]!r} names both a tensor and a value of this checkpoint",
-                                  hint="pull it as .safetensors (tensors only)")
-    obj: dict[str, Any] = {**tensors, **values}
-
-    def fill(tmps: list[str]) -> None:
-        with os.fdopen(create_new(tmps[0]), "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-
-    write_files([target], fill)
 
 
 def _pull_selected(store: Store, m: Manifest, dest: str, include: list[str], overwrite: bool, progress: Progress | None) -> str:

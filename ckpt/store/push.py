@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ckpt.format.dtypes import itemsize
@@ -21,16 +21,40 @@ if TYPE_CHECKING:
     from ckpt.store.store import Store
 
 
-@dataclass(frozen=True)
-class PushResult:
-    """What a push did: the checkpoint id and how much it had to write."""
+class PushResult(str):
+    """What a push did. It *is* the checkpoint id (a ``str``, so ``cid = store.push(...)``
+    works as it always did), and carries how much the push had to write.
 
-    id: str
+    >>> r = PushResult("ab" * 32, chunks=3, new_chunks=1, logical_bytes=300, written_bytes=40)
+    >>> r == "ab" * 32, r.id == r, r.new_chunks, r.as_dict()["written_bytes"]
+    (True, True, 1, 40)
+    """
+
     chunks: int
     new_chunks: int
     logical_bytes: int
     written_bytes: int  # stored bytes of new chunks (compressed); dedup hits cost nothing
-    manifest: Manifest | None = field(default=None, repr=False, compare=False)  # what was committed
+    manifest: Manifest | None  # what was committed
+
+    def __new__(cls, id: str, chunks: int, new_chunks: int, logical_bytes: int, written_bytes: int,
+                manifest: Manifest | None = None) -> PushResult:
+        self = super().__new__(cls, id)
+        self.chunks, self.new_chunks = chunks, new_chunks
+        self.logical_bytes, self.written_bytes, self.manifest = logical_bytes, written_bytes, manifest
+        return self
+
+    @property
+    def id(self) -> str:
+        """The checkpoint id as a plain ``str``."""
+        return str.__str__(self)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "chunks": self.chunks, "new_chunks": self.new_chunks,
+                "logical_bytes": self.logical_bytes, "written_bytes": self.written_bytes}
+
+    def __repr__(self) -> str:
+        return (f"PushResult(id={self.id!r}, chunks={self.chunks}, new_chunks={self.new_chunks}, "
+                f"logical_bytes={self.logical_bytes}, written_bytes={self.written_bytes})")
 
 
 def push(
@@ -81,7 +105,7 @@ def push_source(
     settings = store.settings
     cs = settings.chunk_size
     reuse = reuse or {}
-    base_m = store.get_manifest(base_id) if base_id else None
+    base_m = store.manifest(base_id) if base_id else None
     # Chunks pair with the base's by position only when both were cut the same way.
     paired = pair_tensors(base_m if base_m is not None and base_m.chunk_size == cs else None)
     # One flat task list over every file, so the pool stays busy across file boundaries.

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
-from ckpt.errors import AmbiguousRefError, RefNotFoundError
+from ckpt._deprecation import deprecated
+from ckpt.errors import AmbiguousRefError, ObjectNotFoundError, RefNotFoundError
 from ckpt.format.manifest import Manifest
 from ckpt.progress import Progress
 from ckpt.settings import Settings
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 _HISTORY = re.compile(r"^(.*)@(\d+)$")
 _HEX = re.compile(r"^[0-9a-f]{4,64}$")
+_FULL_ID = re.compile(r"^[0-9a-f]{64}$")
 
 
 def remote_options(settings: Settings) -> dict[str, Any]:
@@ -72,14 +74,30 @@ class Store:
     # -- opening -------------------------------------------------------------
     @classmethod
     def open(cls, url: str | os.PathLike[str] | None = None, *, storage_options: dict[str, Any] | None = None,
-             settings: Settings | None = None, create: bool = False) -> Store:
+             settings: Settings | None = None, create: bool | None = None) -> Store:
         """Open the store at ``url`` (default: :func:`default_store_url`).
 
-        Raises :class:`StoreNotFoundError` when there is none (unless ``create``),
+        Raises :class:`StoreNotFoundError` when there is none (:meth:`init` creates one),
         :class:`StoreFormatError` when it is of a format version this ckpt cannot read,
-        :class:`StoreLocationError` when ``url`` is empty or a file, or when ``create``
-        would make a new store inside another local store.
+        :class:`StoreLocationError` when ``url`` is empty or a file.
         """
+        if create is not None:
+            deprecated("Store.open(url, create=True)", "Store.init(url)")
+        return cls._connect(url, storage_options, settings, create=bool(create))
+
+    @classmethod
+    def init(cls, url: str | os.PathLike[str] | None = None, *, storage_options: dict[str, Any] | None = None,
+             settings: Settings | None = None) -> Store:
+        """Open the store at ``url``, creating it if there is none.
+
+        Raises :class:`StoreLocationError` when ``url`` is empty or a file, or when the
+        new store would lie inside another local store.
+        """
+        return cls._connect(url, storage_options, settings, create=True)
+
+    @classmethod
+    def _connect(cls, url: str | os.PathLike[str] | None, storage_options: dict[str, Any] | None,
+                 settings: Settings | None, *, create: bool) -> Store:
         settings = settings or Settings.from_env()
         url = os.fspath(url) if url is not None else default_store_url()
         backend = open_backend(url, storage_options=storage_options, fsync=settings.fsync, remote=remote_options(settings))
@@ -91,12 +109,6 @@ class Store:
                 raise
             config, _ = init_config(backend)
         return cls(backend, config, settings)
-
-    @classmethod
-    def init(cls, url: str | os.PathLike[str] | None = None, *, storage_options: dict[str, Any] | None = None,
-             settings: Settings | None = None) -> Store:
-        """Create a store at ``url`` (or open the one already there)."""
-        return cls.open(url, storage_options=storage_options, settings=settings, create=True)
 
     @property
     def url(self) -> str:
@@ -132,11 +144,21 @@ class Store:
                 raise AmbiguousRefError(f"{ref} matches {len(found)} checkpoints", hint="give more digits")
         raise RefNotFoundError(f"no ref or checkpoint named {ref!r}", hint="see `ckpt ls`")
 
-    def get_manifest(self, manifest_id: str) -> Manifest:
-        return Manifest.from_json(self.objects.get_manifest(manifest_id), f"manifest {manifest_id}")
-
     def manifest(self, ref: str) -> Manifest:
-        return self.get_manifest(self.resolve(ref))
+        """The manifest of ``ref``: a checkpoint id (read directly, one request), or
+        anything :meth:`resolve` accepts. Verified against its id."""
+        if isinstance(ref, str) and _FULL_ID.match(ref):
+            try:
+                return Manifest.from_json(self.objects.get_manifest(ref), f"manifest {ref}")
+            except ObjectNotFoundError:
+                pass  # a ref may be named with 64 hex digits
+        mid = self.resolve(ref)
+        return Manifest.from_json(self.objects.get_manifest(mid), f"manifest {mid}")
+
+    def get_manifest(self, manifest_id: str) -> Manifest:
+        """Deprecated: :meth:`manifest` takes a checkpoint id as well as a ref."""
+        deprecated("Store.manifest(id)", "Store.manifest(id)")
+        return self.manifest(manifest_id)
 
     def refs(self) -> dict[str, RefEntry]:
         """Every live ref and its current entry, by name."""
@@ -175,8 +197,9 @@ class Store:
     # -- data ----------------------------------------------------------------
     def push(self, source: object, name: str | None = None, message: str | None = None,
              metadata: dict[str, Any] | None = None, *, base: str | None = None, delta: bool = True,
-             progress: Progress | None = None) -> str:
-        """Store ``source`` and point ref ``name`` at it; returns the checkpoint id.
+             progress: Progress | None = None) -> PushResult:
+        """Store ``source`` and point ref ``name`` at it; returns the checkpoint id, as a
+        :class:`~ckpt.store.push.PushResult` (a ``str``) that also says what was written.
 
         ``source`` is a ``.safetensors`` file, a Hugging Face model directory, a
         ``.pt``/``.bin`` state dict (read with ``weights_only=True``) or a dict of tensors.
@@ -185,15 +208,16 @@ class Store:
         that shares the most tensors, whenever that is smaller; ``delta=False`` turns
         this off.
         """
-        return self.push_report(source, name, message, metadata, base=base, delta=delta, progress=progress).id
+        from ckpt.store.push import push
+
+        return push(self, source, name, message=message, metadata=metadata, base=base, delta=delta, progress=progress)
 
     def push_report(self, source: object, name: str | None = None, message: str | None = None,
                     metadata: dict[str, Any] | None = None, *, base: str | None = None, delta: bool = True,
                     progress: Progress | None = None) -> PushResult:
-        """Like :meth:`push`, returning what was written as well."""
-        from ckpt.store.push import push
-
-        return push(self, source, name, message=message, metadata=metadata, base=base, delta=delta, progress=progress)
+        """Deprecated: :meth:`push` returns the same :class:`PushResult`."""
+        deprecated("Store.push_report", "Store.push, which returns the same PushResult")
+        return self.push(source, name, message, metadata, base=base, delta=delta, progress=progress)
 
     def pull(self, ref: str, dest: str | os.PathLike[str], *, overwrite: bool = False,
              include: list[str] | None = None, progress: Progress | None = None) -> str:
@@ -232,7 +256,7 @@ class Store:
         from ckpt.store.reader import CheckpointReader
 
         mid = self.resolve(ref)
-        return CheckpointReader(self, mid, self.get_manifest(mid))
+        return CheckpointReader(self, mid, self.manifest(mid))
 
     # -- between stores ----------------------------------------------------------
     def copy_to(self, dest: Store | str | os.PathLike[str], refs: list[str], *,
@@ -245,7 +269,7 @@ class Store:
         from ckpt.store.copy import copy_refs
 
         if not isinstance(dest, Store):
-            dest = Store.open(dest, storage_options=storage_options, settings=self.settings, create=True)
+            dest = Store.init(dest, storage_options=storage_options, settings=self.settings)
         return copy_refs(self, dest, refs, progress=progress)
 
     # -- housekeeping ----------------------------------------------------------
@@ -283,3 +307,37 @@ class Store:
         from ckpt.store.maintenance import gc
 
         return gc(self, grace_s=grace_s, dry_run=dry_run, keep_history=keep_history)
+
+    # -- sizes for reports ---------------------------------------------------------
+    # (Read-only answers the CLI needs, so that it never reaches into objects/refs_db/backend.)
+    def stored_sizes(self, chunk_ids: Iterable[str]) -> dict[str, int]:
+        """Stored (encoded) size in bytes of each chunk of ``chunk_ids`` that the store holds.
+
+        One size query per chunk asked about (run ``transfer_concurrency`` at a time on a
+        remote store), never a listing of every chunk in the store; missing chunks are
+        left out of the result.
+
+        >>> import torch
+        >>> s = Store.init("memory://doctest-sizes")
+        >>> chunks = s.manifest(s.push({"w": torch.zeros(1024)}, "z")).tensors[0].chunks
+        >>> [0 < n < 4096 for n in s.stored_sizes(chunks).values()]  # 4 KiB of zeros, compressed
+        [True]
+        """
+        from concurrent.futures import ThreadPoolExecutor
+
+        from ckpt.errors import ObjectNotFoundError
+
+        ids = list(dict.fromkeys(chunk_ids))
+
+        def size(cid: str) -> int | None:
+            try:
+                return self.objects.size("chunks", cid)
+            except ObjectNotFoundError:
+                return None
+
+        if len(ids) < 2 or self.backend.local_path("") is not None:
+            found = map(size, ids)
+        else:
+            with ThreadPoolExecutor(min(len(ids), self.settings.transfer_concurrency)) as pool:
+                found = list(pool.map(size, ids))
+        return {cid: n for cid, n in zip(ids, found) if n is not None}

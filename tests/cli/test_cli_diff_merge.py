@@ -60,7 +60,7 @@ def test_merge_show_and_pull(fam):
     assert r["method"] == "ties" and r["params"]["density"] == 0.5 and r["params"]["weights"] == [1.0, 2.0]
     assert r["reused_tensors"] == 3 and r["merged_tensors"] == 4  # emb, layers.1.v, layers.0.v were never touched
     shown = invoke("show", "m/ties")
-    assert "merged     ties (density=0.5, lambda=1.0, normalize=True, weights=[1.0, 2.0])" in shown
+    assert "merged     ties (density=0.5, lambda=1.0, normalize=true, weights=[1.0, 2.0])" in shown  # values as JSON
     assert "(m/ft0)" in shown and "(m/base)" in shown
     assert json.loads(invoke("show", "m/ties", "--json"))["lineage"]["merge"]["input_refs"] == ["m/ft0", "m/ft1"]
     invoke("pull", "m/ties", str(tmp / "out.safetensors"))

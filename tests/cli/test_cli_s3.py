@@ -150,18 +150,29 @@ def test_storage_options_on_the_command_line(s3_main, ckpt_cli, env, files):
     base, _, _ = files
     e = {k: v for k, v in env.items() if not k.startswith("AWS_") or k == "AWS_EC2_METADATA_DISABLED"}
     url = f"s3://{s3_main.new_bucket()}/s"
-    opts = ["-o", f"endpoint_url={s3_main.endpoint}", "-o", f"key={KEY}", "-o", f"secret={SECRET}",
+    opts = ["--storage-option", f"endpoint_url={s3_main.endpoint}", "--storage-option", f"key={KEY}", "--storage-option", f"secret={SECRET}",
             "--storage-option", "config_kwargs.connect_timeout=3"]
     ckpt_cli.ok("--store", url, *opts, "push", base, "m/base", env=e)
     assert [r["ref"] for r in ckpt_cli.json("--store", url, *opts, "ls", env=e)] == ["m/base"]
+
+
+def test_init_honours_storage_options(s3_main, ckpt_cli, env):
+    """`init` opens the store with --storage-option like every other command (it ignored them before)."""
+    e = {k: v for k, v in env.items() if not k.startswith("AWS_") or k == "AWS_EC2_METADATA_DISABLED"}
+    url = f"s3://{s3_main.new_bucket()}/fresh"
+    opts = ["--storage-option", f"endpoint_url={s3_main.endpoint}", "--storage-option", f"key={KEY}",
+            "--storage-option", f"secret={SECRET}"]
+    assert ckpt_cli.json("--store", url, *opts, "init", env=e) == {"url": url, "created": True}
+    assert ckpt_cli.json("--store", url, *opts, "init", env=e) == {"url": url, "created": False}
+    assert ckpt_cli.json("--store", url, *opts, "ls", env=e) == []
 
 
 def test_bad_endpoint_error_never_shows_the_secret(ckpt_cli, env):
     e = {k: v for k, v in env.items() if k != "AWS_ENDPOINT_URL"}
     e["CKPT_RETRIES"] = "1"
     t = time.monotonic()
-    line = ckpt_cli.fails("--store", "s3://bucket/x", "-o", "endpoint_url=http://127.0.0.1:1",
-                          "-o", f"secret={SECRET}", "-o", f"key={KEY}", "ls", env=e)
+    line = ckpt_cli.fails("--store", "s3://bucket/x", "--storage-option", "endpoint_url=http://127.0.0.1:1",
+                          "--storage-option", f"secret={SECRET}", "--storage-option", f"key={KEY}", "ls", env=e)
     assert time.monotonic() - t < 30
     assert "127.0.0.1:1" in line and "failed 2 times" in line
     # with the secret in the environment instead
@@ -170,5 +181,5 @@ def test_bad_endpoint_error_never_shows_the_secret(ckpt_cli, env):
 
 
 def test_bad_storage_option_is_a_usage_error(ckpt_cli):
-    code, _, err = ckpt_cli("--store", "s3://b/x", "-o", f"no-equals-sign-{SECRET}", "ls")
-    assert code == 2 and "KEY=VALUE" in err
+    code, _, err = ckpt_cli("--store", "s3://b/x", "--storage-option", f"no-equals-sign-{SECRET}", "ls")
+    assert code == 2 and "KEY=VALUE" in err and SECRET not in err

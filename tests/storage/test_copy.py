@@ -9,9 +9,11 @@ import pytest
 torch = pytest.importorskip("torch")
 import ckpt  # noqa: E402
 from ckpt.store.copy import copy_refs  # noqa: E402
-from ckpt_store.storage.copy import chunk_depths  # noqa: E402
+from ckpt_store.storage.chunk_lists import (
+    chunk_depths,  # noqa: E402
+    referenced_chunks,  # noqa: E402
+)
 from ckpt_store.storage.errors import CorruptObjectError, StorageIOError  # noqa: E402
-from ckpt_store.storage.gc import referenced_chunks  # noqa: E402
 
 SMALL = {"chunk_size": 64 * 1024}
 
@@ -66,8 +68,8 @@ def test_copy_sends_only_what_is_missing(source, dest_url):
     r2 = copy_refs(source, dst, ["m/ft"])
     # the fine-tune's unchanged tensor and header are there already; its changed chunks travel as deltas
     assert r2.chunks_present > 0 and 0 < r2.chunks_sent <= base_chunks
-    ft_chunks = set(source.get_manifest(source.resolve("m/ft")).chunk_lengths())
-    base_chunks_ids = set(source.get_manifest(source.resolve("m/base")).chunk_lengths())
+    ft_chunks = set(source.manifest(source.resolve("m/ft")).chunk_lengths())
+    base_chunks_ids = set(source.manifest(source.resolve("m/base")).chunk_lengths())
     delta_bytes = sum(source.objects.size("chunks", c) for c in ft_chunks - base_chunks_ids)
     manifest_bytes = source.objects.size("manifests", source.resolve("m/ft"))
     assert r2.bytes_sent == delta_bytes + manifest_bytes  # exactly the fine-tune's own objects
@@ -152,7 +154,7 @@ def test_interrupted_copy_resumes_with_what_is_left(source, dest_url):
         copy_refs(source, dst, ["m/ft"])
     assert dst.refs() == {} and not list(dst.objects.list("manifests"))  # nothing names the partial data
     dst.backend.write = real  # type: ignore[method-assign]
-    total = len(source.get_manifest(source.resolve("m/ft")).chunk_lengths())
+    total = len(source.manifest(source.resolve("m/ft")).chunk_lengths())
     r = copy_refs(source, dst, ["m/ft"])
     assert r.chunks_present == len(written) and r.chunks_sent == total - len(written)
     assert dst.verify().ok
@@ -160,7 +162,7 @@ def test_interrupted_copy_resumes_with_what_is_left(source, dest_url):
 
 
 def test_corrupt_source_chunk_is_not_copied(source, tmp_path):
-    m = source.get_manifest(source.resolve("m/base"))
+    m = source.manifest(source.resolve("m/base"))
     victim = m.tensors[0].chunks[0]
     path = source.backend.local_path(source.objects.path("chunks", victim))
     data = bytearray(open(path, "rb").read())

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt_store.storage.gc import referenced_chunks
+from ckpt_store.storage.chunk_lists import referenced_chunks
 
 
 def _age(store_path, seconds):

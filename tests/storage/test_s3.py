@@ -137,7 +137,7 @@ def test_push_lists_once_instead_of_a_head_per_chunk(s3_main_url, monkeypatch):
 
     with tempfile.TemporaryDirectory() as d:
         save_file(data, f"{d}/m.safetensors")
-        r = store.push_report(f"{d}/m.safetensors", "m/x", delta=False)
+        r = store.push(f"{d}/m.safetensors", "m/x", delta=False)
     assert r.new_chunks == r.chunks >= 16
     assert len(heads) <= 1  # the manifest's own check, not one per chunk
 

@@ -67,8 +67,8 @@ def test_merge_of_two_fine_tunes_beats_each_on_the_union(store, one_thread):
 
     scores = {}
     for method, params in (("task-arithmetic", {}), ("ties", {"density": 0.5}), ("linear", {})):
-        ckpt.merge(store, ["toy/a", "toy/b"], method, name=f"toy/{method}", params=params,
-                   base="toy/base" if method != "linear" else None)
+        ckpt.merge(["toy/a", "toy/b"], method, name=f"toy/{method}", params=params,
+                   base="toy/base" if method != "linear" else None, store=store)
         scores[method] = accuracy(store.load(f"toy/{method}"), union)
     # Measured here: single models 0.71 / 0.77; task-arithmetic 0.94, ties 0.92, linear 0.89
     # (dare 0.90, slerp 0.89: the two fine-tunes are nearly parallel, so slerp ~ linear).

@@ -159,7 +159,7 @@ def test_delta_estimate_is_what_a_push_writes(store):
     b["extra"] = torch.randn(1000, generator=g)
     store.push(a, "x/a")
     estimate = ckpt.diff("x/a", b, store=store).summary.delta_bytes
-    pushed = store.push_report(b, "x/b", base="x/a")
+    pushed = store.push(b, "x/b", base="x/a")
     # the push also wrote the new safetensors header (one small chunk): the rest is tensor data
     head = store.manifest("x/b").files[0].chunks[0]
     head_blob = store.objects.backend.size(store.objects.path("chunks", head))
@@ -198,5 +198,5 @@ def test_plot_without_matplotlib(store, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     from ckpt.diffing.compare import plot
 
-    with pytest.raises(MissingDependencyError, match=r"pip install 'ckpt\[plot\]'"):
+    with pytest.raises(MissingDependencyError, match=r"pip install 'ckpt-store\[plot\]'"):
         plot(report, tmp_path / "d.png")

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-pytest.importorskip("pytorch_lightning", reason="needs PyTorch Lightning: pip install 'ckpt[lightning]'")
+pytest.importorskip("pytorch_lightning", reason="needs PyTorch Lightning: pip install 'ckpt-store[lightning]'")
 
 from integration_util import assert_same_bits, load_script, run_script
 

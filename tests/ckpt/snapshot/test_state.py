@@ -84,7 +84,7 @@ class _Position:
 
 
 def test_per_rank_marks_state_and_is_the_object_itself_in_one_process(tmp_path):
-    """Distributed snapshots keep RNGState and PerRank(...) once per rank (tests/ckpt/test_dcp.py);
+    """Distributed snapshots keep RNGState and PerRank(...) once per rank (tests/ckpt/dcp/test_dcp.py);
     a single-process manager saves and restores the wrapped object as it is."""
     import ckpt
 

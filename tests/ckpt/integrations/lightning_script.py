@@ -1,4 +1,4 @@
-"""A tiny real Lightning run for tests/ckpt/test_integration_lightning.py (run as a subprocess).
+"""A tiny real Lightning run for tests/ckpt/integrations/test_lightning.py (run as a subprocess).
 
     python lightning_script.py STORE OUTDIR MODE STEPS [KILL_AT]
 
@@ -95,7 +95,7 @@ def train(store: str, outdir: str, mode: str, steps: int, kill_at: int = -1) -> 
 
 
 def main() -> None:
-    # This script's directory is on sys.path when it runs as one.
+    # run_script puts tests/ (where integration_util lives) on PYTHONPATH.
     from integration_util import script_main
 
     script_main(train)

@@ -1,4 +1,4 @@
-"""Rank programs for tests/ckpt/test_dcp.py: real processes, gloo on CPU.
+"""Rank programs for tests/ckpt/dcp/test_dcp.py: real processes, gloo on CPU.
 
 :func:`run_ranks` starts ``world`` processes from a forkserver that has torch
 (and dynamo, which FSDP2 imports on first use) loaded once, so each group starts

@@ -1,6 +1,6 @@
 """ckpt.dcp: torch.distributed.checkpoint saves into a ckpt store, resharded on load.
 
-Multi-rank tests run real processes with gloo on CPU (tests/ckpt/dcp_workers.py).
+Multi-rank tests run real processes with gloo on CPU (tests/ckpt/dcp/dcp_workers.py).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_single_process_round_trip_values_and_tools(tmp_path):
     assert all(_bits_equal(into["t"][k], v) for k, v in full.items())  # NaN payloads and infs included
     assert into["step"] == 5 and into["opt"]["betas"] == (0.9, 0.999) and into["opt"]["best"] == float("-inf")
     assert into["opt"]["raw"] == b"\x00\xff" and into["opt"]["by_id"]["3"] == "x"
-    m = store.get_manifest(mid)
+    m = store.manifest(mid)
     assert m.source == "dcp" and b"pickle" not in m.to_json() and m.message == "first"
     assert store.verify().ok
     loaded = store.load("one/a")  # whole tensors
@@ -72,7 +72,7 @@ def test_second_save_dedups_and_deltas(tmp_path):
     dcp.save(state, storage_writer=w)
     second = w.last
     store = ckpt.Store.open(url)
-    m = store.get_manifest(second.id)
+    m = store.manifest(second.id)
     assert m.lineage["parent"] == first.id == m.lineage["base"]
     frozen = next(t for t in m.tensors if t.name == "frozen")
     assert frozen.chunks == next(t for t in first.manifest.tensors if t.name == "frozen").chunks
@@ -107,7 +107,7 @@ def test_refuses_values_json_cannot_hold(tmp_path):
 def test_values_never_look_like_chunk_lists(tmp_path):
     """A value holding a dict keyed "chunks" must not be read by gc as chunk ids (docs/format.md)."""
     from ckpt.dcp.format import decode_value, encode_value
-    from ckpt_store.storage.gc import referenced_chunks
+    from ckpt_store.storage.chunk_lists import referenced_chunks
     from ckpt_store.storage.records import canonical_json
 
     tricky = ({"chunks": ["not-an-id"], "delta_bases": [[1]], 3: b"\x01"}, float("nan"), [None, True, -2**70])
@@ -218,7 +218,7 @@ def test_rank_killed_mid_save(tmp_path):
     assert "run/step-4" not in store.refs()
     assert len(list(store.objects.list("manifests"))) == 3  # steps 1-3: no manifest of the failed save
     assert store.verify().ok
-    from ckpt_store.storage.gc import referenced_chunks
+    from ckpt_store.storage.chunk_lists import referenced_chunks
 
     named = set().union(*(referenced_chunks(store.objects.get_manifest(o.id)) for o in store.objects.list("manifests")))
     orphans = {o.id for o in store.objects.list("chunks")} - named

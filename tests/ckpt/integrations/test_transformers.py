@@ -7,8 +7,8 @@ import signal
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="needs transformers: pip install 'ckpt[transformers]'")
-pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install 'ckpt[transformers]'")
+pytest.importorskip("transformers", reason="needs transformers: pip install 'ckpt-store[transformers]'")
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install 'ckpt-store[transformers]'")
 
 from integration_util import assert_same_bits, load_script, run_script
 

@@ -35,7 +35,7 @@ def test_finetune_deltas_against_the_most_similar_checkpoint(tmp_path):
     base_id = store.push(base, "m/base")
     store.push({"unrelated": torch.randn(1000)}, "other")
     ft = _finetune(base, 1)
-    r = store.push_report(ft, "m/ft")
+    r = store.push(ft, "m/ft")
     m = store.manifest("m/ft")
     assert m.lineage["base"] == base_id and m.lineage["parent"] is None
     codecs = {t.name: set(t.codecs) for t in m.tensors}

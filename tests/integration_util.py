@@ -12,7 +12,8 @@ from types import ModuleType
 
 import torch
 
-HERE = pathlib.Path(__file__).parent
+HERE = pathlib.Path(__file__).parent / "ckpt" / "integrations"  # the framework scripts
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def load_script(name: str) -> ModuleType:
@@ -27,7 +28,7 @@ def run_script(name: str, *args: object, expect: int = 0) -> tuple[dict, dict]:
     """Run ``name``.py in a fresh interpreter; its (losses, tensors) when it exits normally."""
     outdir = pathlib.Path(str(args[1]))
     outdir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent.parent)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     r = subprocess.run([sys.executable, str(HERE / f"{name}.py"), *map(str, args)], capture_output=True, text=True,
                        env=env, timeout=300, check=False)
     assert r.returncode == expect, r.stdout[-3000:] + r.stderr[-3000:]

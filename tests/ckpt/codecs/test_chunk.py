@@ -271,7 +271,7 @@ DATA = os.path.join(os.path.dirname(__file__), "data")
 
 
 def _pre_counts_chunks():
-    """The chunks of tests/ckpt/data/*.blob, which ckpt wrote before chunks stored slot
+    """The chunks of tests/ckpt/codecs/data/*.blob, which ckpt wrote before chunks stored slot
     counts (commit 283f23d): name, data, base, the start of the chunk id."""
     rng = np.random.default_rng(7)
     n = 300_000

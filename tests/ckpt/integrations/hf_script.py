@@ -1,4 +1,4 @@
-"""A tiny real transformers ``Trainer`` run for tests/ckpt/test_integration_transformers.py.
+"""A tiny real transformers ``Trainer`` run for tests/ckpt/integrations/test_transformers.py.
 
     python hf_script.py STORE OUTDIR MODE STEPS [KILL_AT]
 
@@ -82,7 +82,7 @@ def train(store: str, outdir: str, mode: str, steps: int, kill_at: int = -1, ove
 
 
 def main() -> None:
-    # This script's directory is on sys.path when it runs as one.
+    # run_script puts tests/ (where integration_util lives) on PYTHONPATH.
     from integration_util import script_main
 
     script_main(train)

@@ -61,8 +61,8 @@ def family(store):
 ])
 def test_merged_checkpoint_pulls_bit_exact(store, family, tmp_path, method, params, n, with_base):
     base, fts = family
-    r = ckpt.merge(store, [f"fam/ft{i}" for i in range(n)], method, name=f"merged/{method}", params=params,
-                   base="fam/base" if with_base else None)
+    r = ckpt.merge([f"fam/ft{i}" for i in range(n)], method, name=f"merged/{method}", params=params,
+                   base="fam/base" if with_base else None, store=store)
     expected = merge_state_dicts(fts[:n], method, params=params, base=base if with_base else None)
     out = store.pull(f"merged/{method}", tmp_path / "m.safetensors")
     pulled = load_file(out)
@@ -76,7 +76,7 @@ def test_merged_checkpoint_pulls_bit_exact(store, family, tmp_path, method, para
 
 def test_linear_through_the_store_equals_a_hand_computation(store, family):
     _, fts = family
-    ckpt.merge(store, ["fam/ft0", "fam/ft1"], "linear", name="m/avg", params={"weights": "3,1"})
+    ckpt.merge(["fam/ft0", "fam/ft1"], "linear", name="m/avg", params={"weights": "3,1"}, store=store)
     a, b = (ft["layers.0.weight"] for ft in fts[:2])
     expected = a * 0.75 + b * 0.25  # float32 tensors times scalars rounded to float32, then one add
     assert bits(store.load("m/avg")["layers.0.weight"]) == bits(expected)
@@ -86,7 +86,7 @@ def test_linear_through_the_store_equals_a_hand_computation(store, family):
 def test_merging_a_model_with_itself_returns_it(store, family, method):
     base, _ = family
     base_ref = "fam/base" if method in ("task-arithmetic", "ties", "dare") else None
-    r = ckpt.merge(store, ["fam/base", "fam/base"], method, name=f"self/{method}", base=base_ref)
+    r = ckpt.merge(["fam/base", "fam/base"], method, name=f"self/{method}", base=base_ref, store=store)
     assert r.merged == 0  # nothing computed: every tensor's chunks were reused
     got, want = store.manifest(f"self/{method}"), store.manifest("fam/base")
     assert [(t.name, t.chunks) for t in got.tensors] == [(t.name, t.chunks) for t in want.tensors]
@@ -95,7 +95,7 @@ def test_merging_a_model_with_itself_returns_it(store, family, method):
 
 
 def test_lineage_records_inputs_method_and_parameters(store, family):
-    r = ckpt.merge(store, ["fam/ft0", "fam/ft1"], "dare", name="m/dare", base="fam/base", params={"density": "0.5"})
+    r = ckpt.merge(["fam/ft0", "fam/ft1"], "dare", name="m/dare", base="fam/base", params={"density": "0.5"}, store=store)
     m = store.manifest("m/dare")
     rec = m.lineage["merge"]
     assert rec["method"] == "dare" and rec["inputs"] == [store.resolve("fam/ft0"), store.resolve("fam/ft1")]
@@ -108,17 +108,17 @@ def test_lineage_records_inputs_method_and_parameters(store, family):
 def test_merge_is_deterministic_and_the_seed_matters(store, family):
     ids = []
     for name, seed in (("a", 5), ("b", 5), ("c", 6)):
-        ckpt.merge(store, ["fam/ft0", "fam/ft1"], "dare", name=f"d/{name}", base="fam/base", params={"seed": seed})
+        ckpt.merge(["fam/ft0", "fam/ft1"], "dare", name=f"d/{name}", base="fam/base", params={"seed": seed}, store=store)
         ids.append([t.chunks for t in store.manifest(f"d/{name}").tensors])
     assert ids[0] == ids[1] != ids[2]
 
 
 def test_merge_dedups_and_delta_encodes_like_a_push(store, family):
-    r = ckpt.merge(store, ["fam/ft0", "fam/ft1"], "linear", name="m/lin")
+    r = ckpt.merge(["fam/ft0", "fam/ft1"], "linear", name="m/lin", store=store)
     m = store.manifest("m/lin")
     assert any(t.delta_bases for t in m.tensors)  # stored as deltas against the first input
     assert r.written_bytes < r.logical_bytes
-    again = ckpt.merge(store, ["fam/ft0", "fam/ft1"], "linear", name="m/lin2")
+    again = ckpt.merge(["fam/ft0", "fam/ft1"], "linear", name="m/lin2", store=store)
     assert again.new_chunks == 0 and again.written_bytes == 0  # same bytes: nothing new to store
 
 
@@ -129,31 +129,31 @@ def test_mismatches_are_clear_errors_before_any_read(store, family):
     store.push({**fts[0], "layers.0.weight": fts[0]["layers.0.weight"].double()}, "bad/dtype")
     store.push({**fts[0], "position_ids": torch.arange(16) + 1}, "bad/int")
     with pytest.raises(InvalidMergeError, match=r"head.weight is missing from bad/missing.*--fill-from-base"):
-        ckpt.merge(store, ["fam/ft1", "bad/missing"], "linear", name="x")
+        ckpt.merge(["fam/ft1", "bad/missing"], "linear", name="x", store=store)
     with pytest.raises(InvalidMergeError, match=r"layers.0.weight differs in dtype/shape: F32\[64, 48\], F32\[32, 48\]"):
-        ckpt.merge(store, ["fam/ft1", "bad/shape"], "linear", name="x")
+        ckpt.merge(["fam/ft1", "bad/shape"], "linear", name="x", store=store)
     with pytest.raises(InvalidMergeError, match=r"F32\[64, 48\], F64\[64, 48\]"):
-        ckpt.merge(store, ["fam/ft1", "bad/dtype"], "linear", name="x")
+        ckpt.merge(["fam/ft1", "bad/dtype"], "linear", name="x", store=store)
     with pytest.raises(InvalidMergeError, match="position_ids is I64 and differs"):
-        ckpt.merge(store, ["fam/ft1", "bad/int"], "linear", name="x")
+        ckpt.merge(["fam/ft1", "bad/int"], "linear", name="x", store=store)
     assert "x" not in store.refs()
     # the option: a missing tensor comes from the base, unread and unchanged
-    r = ckpt.merge(store, ["fam/ft1", "bad/missing"], "task-arithmetic", name="x", base="fam/base", missing="base")
+    r = ckpt.merge(["fam/ft1", "bad/missing"], "task-arithmetic", name="x", base="fam/base", missing="base", store=store)
     assert r.from_base == ("head.weight",)
     assert bits(store.load("x")["head.weight"]) == bits(base["head.weight"])
 
 
 def test_bad_values_are_rejected_before_refs_are_even_resolved(store):
     with pytest.raises(InvalidMergeError, match="density"):
-        ckpt.merge(store, ["no/such", "refs"], "ties", name="x", base="nope", params={"density": 2})
+        ckpt.merge(["no/such", "refs"], "ties", name="x", base="nope", params={"density": 2}, store=store)
     with pytest.raises(InvalidMergeError, match="needs a base"):
-        ckpt.merge(store, ["no/such", "refs"], "task-arithmetic", name="x")
+        ckpt.merge(["no/such", "refs"], "task-arithmetic", name="x", store=store)
     with pytest.raises(InvalidMergeError, match="unknown merge method"):
-        ckpt.merge(store, ["no/such"], "average", name="x")
+        ckpt.merge(["no/such"], "average", name="x", store=store)
     with pytest.raises(InvalidMergeError, match="needs a base"):
-        ckpt.merge(store, ["no/such"], "linear", name="x", missing="base")
+        ckpt.merge(["no/such"], "linear", name="x", missing="base", store=store)
     with pytest.raises(RefNotFoundError):
-        ckpt.merge(store, ["no/such", "refs"], "linear", name="x")
+        ckpt.merge(["no/such", "refs"], "linear", name="x", store=store)
 
 
 def test_ckpt_merge_is_a_function_whatever_was_imported_first():
@@ -174,7 +174,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
     # ru_maxrss would not do: it starts at the parent's RSS (it survives fork and exec).
     open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
     before = status("VmRSS:")
-    ckpt.merge(store, ["m/0", "m/1", "m/2", "m/3"], sys.argv[2], name="out", base="m/base")
+    ckpt.merge(["m/0", "m/1", "m/2", "m/3"], sys.argv[2], name="out", base="m/base", store=store)
     print(json.dumps({"peak_bytes": status("VmHWM:") - before}))
 """)
 
@@ -214,6 +214,6 @@ def test_merge_streams_tensor_by_tensor(tmp_path):
 def test_empty_and_scalar_tensors(store):
     store.push({"e": torch.empty(0, 4), "s": torch.tensor(1.0), "w": torch.ones(3)}, "z/a")
     store.push({"e": torch.empty(0, 4), "s": torch.tensor(3.0), "w": torch.zeros(3)}, "z/b")
-    ckpt.merge(store, ["z/a", "z/b"], "linear", name="z/m")
+    ckpt.merge(["z/a", "z/b"], "linear", name="z/m", store=store)
     out = store.load("z/m")
     assert out["e"].shape == (0, 4) and out["s"].item() == 2.0 and out["w"].tolist() == [0.5] * 3

@@ -13,7 +13,7 @@ import ckpt
 from ckpt.errors import InvalidMergeError
 from ckpt.merging.remixing import choose, remix_scores
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def test_choose():
@@ -47,7 +47,7 @@ def test_remix_scores_each_candidate_and_averages_the_best(store, past):
         seen.append(sorted(sd))
         return -abs(float(sd["w"][0]) - 3.0)  # closest to 3 is best: b (4) and c (2)
 
-    cid = ckpt.remix(store, list(past), score, k=2, name="new/start")
+    cid = ckpt.remix(list(past), score, k=2, name="new/start", store=store)
     assert seen == [["step", "w"]] * 4
     assert store.resolve("new/start") == cid
     assert store.load("new/start")["w"].tolist() == [3.0, 3.0, 3.0]
@@ -59,8 +59,8 @@ def test_remix_scores_each_candidate_and_averages_the_best(store, past):
 
 def test_remix_lower_is_better_and_proportional(store, past):
     # losses: a (1.0) and c (2.0) are best; weights 1/1 and 1/2 -> (1 * 1 + 0.5 * 2) / 1.5
-    cid = remix_scores(store, {"ft/a": 1.0, "ft/b": 4.0, "ft/c": 2.0}, 2, weights="proportional",
-                       higher_is_better=False, name="new/p")
+    cid = remix_scores({"ft/a": 1.0, "ft/b": 4.0, "ft/c": 2.0}, 2, weights="proportional",
+                       higher_is_better=False, name="new/p", store=store)
     assert store.load(cid)["w"].tolist() == pytest.approx([4 / 3] * 3)
     assert store.manifest(cid).lineage["merge"]["params"]["weights"] == [1.0, 0.5]
 
@@ -68,12 +68,12 @@ def test_remix_lower_is_better_and_proportional(store, past):
 def test_remix_checks_before_scoring(store, past):
     calls = []
     with pytest.raises(InvalidMergeError, match="k must be"):
-        ckpt.remix(store, list(past), lambda sd: calls.append(1) or 0.0, k=0)
+        ckpt.remix(list(past), lambda sd: calls.append(1) or 0.0, k=0, store=store)
     with pytest.raises(InvalidMergeError, match="weights must be"):
-        ckpt.remix(store, list(past), lambda sd: calls.append(1) or 0.0, weights="best")
+        ckpt.remix(list(past), lambda sd: calls.append(1) or 0.0, weights="best", store=store)
     assert calls == []
     with pytest.raises(InvalidMergeError, match="not a number"):
-        ckpt.remix(store, list(past), lambda sd: "good")
+        ckpt.remix(list(past), lambda sd: "good", store=store)
 
 
 def readme_remix_example() -> str:

@@ -21,7 +21,7 @@ def test_push_same_twice_adds_no_objects(store_url):
     t = {"w": torch.randn(256, 256), "b": torch.randn(256)}
     store.push(t, "a")
     before = sorted(o.id for o in store.objects.list("chunks"))
-    r = store.push_report(t, "b")
+    r = store.push(t, "b")
     assert r.new_chunks == 0 and r.written_bytes == 0
     assert sorted(o.id for o in store.objects.list("chunks")) == before
     assert store.manifest("a").tensors == store.manifest("b").tensors
@@ -31,7 +31,7 @@ def test_shared_tensors_share_chunks(store_url):
     store = ckpt.Store.init(store_url)
     shared = torch.randn(512, 512)
     store.push({"w": shared, "head": torch.randn(10)}, "a")
-    r = store.push_report({"w": shared, "head": torch.randn(10)}, "b")
+    r = store.push({"w": shared, "head": torch.randn(10)}, "b")
     assert r.new_chunks == 1  # only the new head; the header is identical too
     u = store.du()
     assert u.dedup_saved >= shared.numel() * 4
@@ -138,3 +138,43 @@ def test_memory_backend_full_cycle():
     assert store.verify().ok
     store.remove("a")
     assert store.gc(grace_s=0).planned >= 2
+
+
+def test_push_returns_the_id_with_what_was_written_and_old_spellings_warn(tmp_path):
+    """One verb per job: push's result is the id (a str) and says what it wrote; push_report,
+    get_manifest and open(create=True) still work for a release, with a DeprecationWarning."""
+    import warnings
+
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    t = {"w": torch.arange(1000, dtype=torch.float32)}
+    r = store.push(t, "a")
+    assert isinstance(r, str) and r == store.resolve("a") and r.id == r and type(r.id) is str
+    assert r.new_chunks == r.chunks >= 1 and r.logical_bytes > 4000 and r.as_dict()["id"] == r
+    assert store.push(t, "b").new_chunks == 0  # the same bytes: nothing new to write
+    assert store.manifest(r).tensors[0].name == "w" == store.manifest("a").tensors[0].name
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert store.push_report(t, "c").new_chunks == 0
+        assert store.get_manifest(r) == store.manifest(r)
+        assert ckpt.Store.open(str(tmp_path / "new"), create=True).url
+    assert [w.category for w in caught] == [DeprecationWarning] * 3
+
+
+def test_merge_and_remix_take_the_store_as_a_keyword_and_the_old_order_warns(tmp_path):
+    import warnings
+
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    for i in range(3):
+        store.push({"w": torch.full((4,), float(i))}, f"ft/{i}")
+    new = ckpt.merge(["ft/0", "ft/2"], "linear", name="m/new", store=store)
+    with pytest.warns(DeprecationWarning, match="merge"):
+        old = ckpt.merge(store, ["ft/0", "ft/2"], "linear", name="m/old")
+    assert new.inputs == old.inputs and store.load("m/new")["w"].tolist() == store.load("m/old")["w"].tolist() == [1.0] * 4
+    with pytest.warns(DeprecationWarning, match="remix"):
+        a = ckpt.remix(store, ["ft/0", "ft/1", "ft/2"], lambda sd: float(sd["w"][0]), 2, name="r/old")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b = ckpt.remix(["ft/0", "ft/1", "ft/2"], lambda sd: float(sd["w"][0]), 2, name="r/new", store=store)
+    assert store.load("r/old")["w"].tolist() == store.load("r/new")["w"].tolist() == [1.5] * 4 and a and b
+    with pytest.raises(TypeError, match="both"):
+        ckpt.merge(store, ["ft/0"], name="x", store=store)

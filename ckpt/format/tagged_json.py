@@ -1,0 +1,138 @@
+"""Tagged JSON: how non-tensor values are stored, never as pickle (docs/format.md).
+
+Plain JSON values stay as they are. What JSON cannot say is a one-key object whose key
+is a tag: ``{"__tuple__": [...]}``, ``{"__dict__": [[k, v], ...]}`` for a dict whose
+keys are not all plain strings (an optimizer's state is keyed by int),
+``{"__float__": "inf"}`` for inf/-inf/nan, ``{"__bytes__": "<hex>"}``, and
+``{"__tensor__": NAME}`` where a snapshot's tree points at a stored tensor.
+
+Snapshots (``ckpt.snapshot.state``) and distributed checkpoints (``ckpt.dcp.format``)
+both write and read values through this module: one encoder, one strict decoder.
+
+>>> enc = encode({"lr": 0.1, 0: (1, float("inf"))}, "x", unsupported=lambda p, d: ValueError(p))
+>>> enc
+{'__dict__': [['lr', 0.1], [0, {'__tuple__': [1, {'__float__': 'inf'}]}]]}
+>>> decode(enc, "x")
+{'lr': 0.1, 0: (1, inf)}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from ckpt_store.storage.errors import StoreFormatError
+
+TENSOR = "__tensor__"
+TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", TENSOR)
+MAX_DEPTH = 64
+
+
+def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
+           tensor: Callable[[str, Any], None] | None = None, reserved: Collection[str] = ()) -> Any:
+    """``x`` as tagged JSON.
+
+    ``path`` names ``x``; nested values get ``path/i`` (list and tuple items),
+    ``path/KEY`` (dict values) and ``path/kI`` (non-string dict keys). ``tensor(path, t)``,
+    when given, receives each tensor, which becomes ``{"__tensor__": path}``; without
+    it a tensor is unsupported. A dict with a key in ``reserved`` (or a tag) is written
+    in the ``__dict__`` form so that it cannot be misread. Anything else raises
+    ``unsupported(path, "a module.Type")``.
+    """
+
+    def enc(x: Any, path: str, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            return _raise(unsupported(path, "value nested too deeply"))
+        if x is None or isinstance(x, (bool, str)):
+            return x
+        if isinstance(x, int):
+            return int(x)
+        if isinstance(x, float):
+            return float(x) if math.isfinite(x) else {"__float__": repr(float(x))}
+        if isinstance(x, bytes):
+            return {"__bytes__": x.hex()}
+        if isinstance(x, tuple):
+            return {"__tuple__": [enc(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]}
+        if isinstance(x, list):
+            return [enc(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]
+        if isinstance(x, dict):
+            if all(isinstance(k, str) and k not in TAGS and k not in reserved for k in x):
+                return {k: enc(v, f"{path}/{k}", depth + 1) for k, v in x.items()}
+            return {"__dict__": [[enc(k, f"{path}/k{i}", depth + 1), enc(v, f"{path}/{k}", depth + 1)]
+                                 for i, (k, v) in enumerate(x.items())]}
+        if tensor is not None and _is_tensor(x):
+            tensor(path, x)
+            return {TENSOR: path}
+        if type(x).__module__ == "numpy" and getattr(x, "shape", None) == ():  # numpy scalars
+            return enc(x.item(), path, depth + 1)
+        return _raise(unsupported(path, f"a {type(x).__module__}.{type(x).__name__}"))
+
+    return enc(x, path, 0)
+
+
+def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None) -> Any:
+    """Inverse of :func:`encode`; :class:`StoreFormatError` for anything it would not write.
+
+    ``tensor(name)`` resolves ``{"__tensor__": name}``; without it such a value is an error.
+    """
+
+    def dec(x: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise StoreFormatError(f"{what}: value nested too deeply")
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        if isinstance(x, list):
+            return [dec(v, depth + 1) for v in x]
+        if not isinstance(x, dict):
+            raise StoreFormatError(f"{what}: bad value")
+        tags = [k for k in x if k in TAGS]
+        if not tags:
+            return {k: dec(v, depth + 1) for k, v in x.items()}
+        tag, v = tags[0], x[tags[0]]
+        if len(x) == 1:
+            try:
+                if tag == "__tuple__" and isinstance(v, list):
+                    return tuple(dec(e, depth + 1) for e in v)
+                if tag == "__dict__" and isinstance(v, list):
+                    return {dec(k, depth + 1): dec(val, depth + 1) for k, val in v}
+                if tag == "__float__" and v in ("inf", "-inf", "nan"):
+                    return float(v)
+                if tag == "__bytes__" and isinstance(v, str):
+                    return bytes.fromhex(v)
+                if tag == TENSOR and isinstance(v, str) and tensor is not None:
+                    return tensor(v)
+            except (TypeError, ValueError):
+                pass
+        raise StoreFormatError(f"{what}: bad {tag} value")
+
+    return dec(x, 0)
+
+
+def tensor_refs(tree: Any) -> list[str]:
+    """Names of every tensor a tagged-JSON tree points at, in order."""
+    out: list[str] = []
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Mapping):
+            if TENSOR in x:
+                out.append(x[TENSOR])
+            else:
+                stack.extend(reversed(list(x.values())))
+        elif isinstance(x, list):
+            stack.extend(reversed(x))
+    return out
+
+
+def _is_tensor(x: Any) -> bool:
+    import torch
+
+    return isinstance(x, torch.Tensor)
+
+
+def _raise(e: Exception) -> Any:
+    raise e
+
+
+__all__ = ["MAX_DEPTH", "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]

@@ -1,0 +1,205 @@
+"""Text output of each command, rendered from the one result the command built.
+
+A command builds its result (a dict, or for ``diff`` the typed report); ``--json``
+prints that result as it is, and these functions draw it for a terminal. Every piece of
+user text goes through :func:`safe` (control characters become visible escapes), nested
+values through :func:`as_text` (JSON, never a Python repr), and the consoles never
+interpret rich markup, so a message like ``fix [/b] typo`` prints as written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from ckpt_store.cli.render import as_text, err, human_bytes, out, ratio, safe, when
+
+
+def _table(columns: tuple[str, ...], right: tuple[str, ...]) -> Table:
+    t = Table(box=None, pad_edge=False)
+    for c in columns:
+        t.add_column(c, justify="right" if c in right else "left")
+    return t
+
+
+def _cells(*values: str) -> list[Text]:
+    """Table cells as plain Text: never parsed as markup, whatever the console does."""
+    return [Text(safe(v)) for v in values]
+
+
+def init(v: dict[str, Any]) -> None:
+    out.print(f"store ready at {safe(v['url'])}" + (" (created)" if v.get("created") else ""))
+
+
+def push(v: dict[str, Any]) -> None:
+    out.print(f"{safe(v['ref'])} -> {v['id'][:12]}  {human_bytes(v['logical_bytes'])} in {v['chunks']} chunks; "
+              f"{v['new_chunks']} new, {human_bytes(v['written_bytes'])} written")
+
+
+def pull(v: dict[str, Any]) -> None:
+    if v.get("copy") is not None and v.get("path") is None:
+        copy(v["copy"])
+    if v.get("path") is not None:
+        out.print(f"wrote {safe(v['path'])}")
+
+
+def ls(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        out.print("no refs yet: `ckpt push FILE NAME` stores a checkpoint")
+        return
+    t = _table(("REF", "ID", "SIZE", "TENSORS", "UPDATED", "MESSAGE"), ("SIZE", "TENSORS"))
+    for r in rows:
+        t.add_row(*_cells(r["ref"], r["id"][:12], human_bytes(r["logical_bytes"]), str(r["tensors"]), when(r["time"]), r["message"] or ""))
+    out.print(t)
+
+
+def log(rows: list[dict[str, Any]], name: str) -> None:
+    for r in rows:
+        label = "removed" if r["removed"] else f"{safe(name)}@{r['version']}  {r['id'][:12]}"
+        out.print(f"#{r['seq']:<4} {when(r['time'])}  {label}  {safe(r['message'])}".rstrip())
+
+
+def show(v: dict[str, Any]) -> None:
+    files, tensors = v["files"], v["tensors"]
+    out.print(f"checkpoint {v['id']}\nsource     {safe(v['source'])}, {len(files)} file(s), {len(tensors)} tensors, "
+              f"{human_bytes(v['logical_bytes'])} ({human_bytes(v['stored_bytes'])} stored)")
+    out.print(f"created    {when(v['created'])}")
+    if v.get("missing_chunks"):
+        out.print(f"missing    {v['missing_chunks']} of its chunks are not in the store (`ckpt verify` names the damage)")
+    if v["message"]:
+        out.print(f"message    {safe(v['message'])}")
+    for k, val in v["metadata"].items():
+        out.print(f"meta       {safe(k)} = {as_text(val)}")
+    lineage = {k: val for k, val in v["lineage"].items() if val and k != "merge"}
+    if lineage:
+        out.print(f"lineage    {as_text(lineage)}")
+    if isinstance(v["lineage"].get("merge"), dict):
+        _merge_record(v["lineage"]["merge"])
+    if v["lineage"].get("base"):
+        out.print(f"delta base {safe(str(v['lineage']['base'])[:12])} (delta-coded tensors show their chain depth)")
+    t = _table(("TENSOR", "DTYPE", "SHAPE", "BYTES", "STORED", "CODEC"), ("BYTES", "STORED"))
+    for r in tensors:
+        codec = "+".join(r["codecs"]) + (f" (depth {r['delta_depth']})" if r["delta_depth"] else "")
+        t.add_row(*_cells(r["name"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar", human_bytes(r["logical_bytes"]),
+                          human_bytes(r["stored_bytes"]), codec))
+    out.print(t)
+    others = [f for f in files if f["kind"] == "blob"]
+    if others:
+        out.print("other files: " + ", ".join(f"{safe(f['path'])} ({human_bytes(f['logical_bytes'])})" for f in others))
+    # Safetensors metadata of the files; shards that carry the same (often {"format": "pt"}) print once.
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for f in files:
+        if f.get("metadata"):
+            groups.setdefault(as_text(f["metadata"]), []).append(f)
+    for same in groups.values():
+        where = safe(same[0]["path"]) if len(same) == 1 else f"{len(same)} files"
+        for k, val in same[0]["metadata"].items():
+            out.print(f"file meta  {where}: {safe(k)} = {as_text(val)}")
+
+
+def _merge_record(rec: dict[str, Any]) -> None:
+    """The merge record of a manifest's lineage: method, parameters (as JSON), inputs and base."""
+    params = ", ".join(f"{safe(k)}={as_text(val)}" for k, val in sorted((rec.get("params") or {}).items()))
+    out.print(f"merged     {safe(rec.get('method'))} ({params})")
+    refs = rec.get("input_refs") or [None] * len(rec.get("inputs") or [])
+    for cid, ref in zip(rec.get("inputs") or [], refs):
+        out.print(f"  input    {safe(str(cid)[:12])}" + (f"  ({safe(ref)})" if ref else ""))
+    if rec.get("base"):
+        out.print(f"  base     {safe(str(rec['base'])[:12])}" + (f"  ({safe(rec['base_ref'])})" if rec.get("base_ref") else ""))
+    remix = rec.get("remix")
+    if isinstance(remix, dict):
+        scores = ", ".join(f"{safe(r)}={as_text(s) if not isinstance(s, (int, float)) else format(s, '.4g')}"
+                           for r, s in (remix.get("scores") or {}).items())
+        better = "higher" if remix.get("higher_is_better") else "lower"
+        out.print(f"  remix    best {as_text(remix.get('k'))} by score ({better} is better): {scores}")
+
+
+def du(v: dict[str, Any]) -> None:
+    t = _table(("REF", "LOGICAL", "STORED", "ONLY THIS REF"), ("LOGICAL", "STORED", "ONLY THIS REF"))
+    for r in v["refs"]:
+        t.add_row(*_cells(r["ref"], human_bytes(r["logical_bytes"]), human_bytes(r["stored_bytes"]), human_bytes(r["exclusive_bytes"])))
+    out.print(t)
+    logical, stored = v["logical_bytes"], v["stored_bytes"]
+    out.print(
+        f"\ntotal: {human_bytes(logical)} in {len(v['refs'])} refs stored as {human_bytes(stored)} "
+        f"({ratio(stored, logical)} of logical)\n"
+        f"  dedup saved        {human_bytes(v['dedup_saved_bytes'])} ({ratio(v['dedup_saved_bytes'], logical)})\n"
+        f"  compression saved  {human_bytes(v['compression_saved_bytes'])} ({ratio(v['compression_saved_bytes'], logical)})"
+    )
+    for codec, c in v["codecs"].items():
+        decoded, st = c["decoded_bytes"], c["stored_bytes"]
+        out.print(f"    {safe(codec):<10} {human_bytes(decoded):>10} stored as {human_bytes(st):>10} "
+                  f"(saved {human_bytes(decoded - st)}, {ratio(st, decoded)} of its input)")
+
+
+def verify(v: dict[str, Any]) -> None:
+    for r in v.get("repaired", []):
+        out.print(f"repaired {safe(r['kind'])} {safe(r['id'])} from {safe(v['repair_from'])}")
+    for r in v.get("unavailable", []):
+        err.print(f"cannot repair {safe(r['kind'])} {safe(r['id'])}: {safe(r['error'])}")
+    for name, problems in v["damaged_refs"].items():
+        err.print(f"DAMAGED {safe(name)}: {safe(problems[0])}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+    for p in v["problems"]:
+        if p.startswith("store config"):
+            err.print(f"DAMAGED {safe(p)}")
+    status = "ok" if v["ok"] else f"{len(v['problems'])} problem(s)"
+    out.print(f"verified {v['refs_checked']} refs, {v['chunks_checked']} chunks, {human_bytes(v['bytes_checked'])}: {status}")
+
+
+def rm(v: dict[str, Any]) -> None:
+    for r in v["removed"]:
+        out.print(f"removed {safe(r['ref'])}")
+
+
+def copy(v: dict[str, Any]) -> None:
+    names = ", ".join(safe(r) for r in v["refs"]) or "no refs"
+    out.print(f"copied {names} to {safe(v['to'])}: sent {v['chunks_sent']} chunks, {v['manifests_sent']} manifests, "
+              f"{v['refs_set']} ref updates ({human_bytes(v['bytes_sent'])}); {v['chunks_present']} chunks were already there")
+
+
+def gc(v: dict[str, Any]) -> None:
+    verb = "would delete" if v["dry_run"] else "deleted"
+    out.print(f"{verb} {v['deleted']} objects ({human_bytes(v['deleted_bytes'])}); kept {v['live_manifests']} live checkpoints, "
+              f"{v['live_chunks']} live chunks, {v['young_kept']} recent unreferenced objects (grace {safe(v['grace'])})")
+
+
+def _num(x: Any, spec: str = ".3e") -> str:
+    if x is None:
+        return "-"
+    return format(x, spec) if isinstance(x, (int, float)) else safe(x)
+
+
+def diff(report: Any, sort: str, top: int | None, plot: Any) -> None:
+    """``diff``'s result is its typed :class:`DiffReport`; ``--json`` prints ``report.to_json``."""
+    t = _table(("TENSOR", "STATUS", "CHANGED", "REL CHANGE", "MAX |B-A|", "COSINE", "DELTA"),
+               ("CHANGED", "REL CHANGE", "MAX |B-A|", "COSINE", "DELTA"))
+    for r in report.select(sort, top):
+        changed = "-" if r.changed_elements is None else f"{r.changed_elements}/{r.numel}"
+        t.add_row(*_cells(r.name, r.status + ("" if r.read else " *"), changed, _num(r.relative_change),
+                          _num(r.max_abs_diff), _num(r.cosine, ".6f"), "-" if r.delta_bytes is None else human_bytes(r.delta_bytes)))
+    out.print(t)
+    s = report.summary
+    out.print(
+        f"\n{s.tensors} tensors: {s.changed} changed, {s.identical} identical ({s.identical_unread} by chunk ids, not read: *), "
+        f"{s.added} added, {s.removed} removed, {s.shape_changed} shape changed, {s.dtype_changed} dtype changed\n"
+        f"elements changed: {s.changed_elements} of {s.elements} ({ratio(s.changed_elements, s.elements)}); "
+        f"relative change overall {_num(s.relative_change)}"
+    )
+    if s.delta_bytes is not None:
+        out.print(f"B as a delta against A stores about {human_bytes(s.delta_bytes)} "
+                  f"({ratio(s.delta_bytes, s.bytes_b)} of B's {human_bytes(s.bytes_b)} of tensor data)")
+    if plot is not None:
+        out.print(f"plot written to {safe(plot)}")
+
+
+def merge(v: dict[str, Any]) -> None:
+    from_base = f", {len(v['from_base'])} from the base" if v["from_base"] else ""
+    out.print(f"{safe(v['ref'])} -> {v['id'][:12]}  {safe(v['method'])} of {len(v['inputs'])} inputs: {v['merged_tensors']} tensors merged, "
+              f"{v['reused_tensors']} reused unread{from_base}; {human_bytes(v['logical_bytes'])}, "
+              f"{human_bytes(v['written_bytes'])} written in {v['seconds']:.1f} s")
+
+
+def remix(v: dict[str, Any]) -> None:
+    out.print(f"{safe(v['ref'])} -> {v['id'][:12]}  average of {', '.join(safe(c) for c in v['chosen'])}")

@@ -1,0 +1,89 @@
+"""Which parts of a manifest name chunks: the format's one rule (docs/format.md).
+
+A manifest names chunks only inside the entries of its ``files`` and ``tensors``
+sections, under the keys ``chunks`` (the chunk of each piece, in order) and
+``delta_bases`` (for each chunk, the chain of bases it is a delta against, nearest
+first). Everything else in a manifest is user JSON (metadata, non-tensor state,
+lineage) and may hold a key named ``chunks`` without naming any chunk.
+
+gc (what is live), commit (what must be present before a manifest lands), copy (what
+a checkpoint depends on, bases first) and the DCP format (which keys user state may
+not use) all read the rule from here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from ckpt_store.storage.errors import StoreFormatError
+from ckpt_store.storage.objects import check_id
+
+# Keys in a manifest entry whose values are lists of chunk ids (or lists of them).
+CHUNK_LIST_KEYS = frozenset({"chunks", "delta_bases"})
+# The top-level lists of a manifest whose entries hold those keys.
+ENTRY_SECTIONS = ("files", "tensors")
+
+
+def parse_manifest(manifest: bytes) -> dict[str, Any]:
+    """A manifest's JSON object, or :class:`StoreFormatError` saying why it is not one."""
+    try:
+        obj = json.loads(manifest)
+    except (ValueError, RecursionError) as e:
+        raise StoreFormatError(f"manifest is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise StoreFormatError("manifest is not a JSON object")
+    return obj
+
+
+def chunk_nodes(obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every object inside the entry sections that may hold chunk lists, outermost first."""
+    stack: list[Any] = [obj.get(section, []) for section in reversed(ENTRY_SECTIONS)]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            yield node
+            stack.extend(v for k, v in reversed(node.items()) if k not in CHUNK_LIST_KEYS)
+        elif isinstance(node, list):
+            stack.extend(reversed(node))
+
+
+def referenced_chunks(manifest: bytes) -> set[str]:
+    """Every chunk id a manifest names (its chunks and every base of their delta chains)."""
+    out: set[str] = set()
+
+    def collect(ids: list[Any]) -> None:  # ids, or lists of ids (delta chains)
+        for x in ids:
+            if isinstance(x, list):
+                collect(x)
+            elif x is not None:
+                out.add(check_id(x))
+
+    for node in chunk_nodes(parse_manifest(manifest)):
+        for k in CHUNK_LIST_KEYS:
+            if isinstance(node.get(k), list):
+                collect(node[k])
+    return out
+
+
+def chunk_depths(manifest: bytes) -> dict[str, int]:
+    """How many delta bases lie below each chunk a manifest names (0: stored whole).
+
+    ``delta_bases[i]`` is the chain of ``chunks[i]`` in the same entry, nearest base
+    first. Chunks without a chain get 0.
+    """
+    depth: dict[str, int] = {}
+    for node in chunk_nodes(parse_manifest(manifest)):
+        chunks, chains = node.get("chunks"), node.get("delta_bases")
+        if isinstance(chunks, list) and isinstance(chains, list) and len(chains) == len(chunks):
+            for cid, chain in zip(chunks, chains):
+                if isinstance(cid, str) and isinstance(chain, list):
+                    ids = [cid, *chain]
+                    for i, x in enumerate(ids):
+                        if isinstance(x, str):
+                            depth[x] = max(depth.get(x, 0), len(ids) - 1 - i)
+    return depth
+
+
+__all__ = ["CHUNK_LIST_KEYS", "ENTRY_SECTIONS", "chunk_depths", "chunk_nodes", "parse_manifest", "referenced_chunks"]
