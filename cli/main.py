@@ -514,6 +514,7 @@ def serve(
     Pages and JSON (/api/refs, /api/lineage, /api/checkpoint/REF, /api/diff?a=REF&b=REF)
     carry what --json does. Needs the web extra: pip install 'ckpt-store[web]'.
     """
+    from ckpt_store.cli.render import out
     from ckpt_store.cli.web.server import serve as run_server
 
     run_server(_open(url=store), host=host, port=port, token=token, announce=lambda line: out.print(line, markup=False),

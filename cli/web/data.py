@@ -80,7 +80,7 @@ class StoreView:
             if m is not None:
                 self._manifests.move_to_end(mid)
                 return m
-        m = (store or self.store).get_manifest(mid)
+        m = (store or self.store).manifest(mid)
         with self._lock:
             self._manifests[mid] = m
             while len(self._manifests) > self._max_manifests:
@@ -114,8 +114,9 @@ class StoreView:
         rows = []
         for name, entry in self.refs().items():
             m = self.manifest(entry.target)
-            rows.append({"ref": name, "id": entry.target, "time": entry.time, "bytes": m.logical_bytes,
-                         "tensors": len(m.tensors), "message": m.message, "source": m.source})
+            # "bytes" is the old spelling of logical_bytes, kept for scripts (as the CLI does)
+            rows.append({"ref": name, "id": entry.target, "time": entry.time, "logical_bytes": m.logical_bytes,
+                         "bytes": m.logical_bytes, "tensors": len(m.tensors), "message": m.message, "source": m.source})
         return rows
 
     def overview_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -132,18 +133,26 @@ class StoreView:
         return out
 
     def show(self, ref: str) -> dict[str, Any]:
-        """The document of ``ckpt show REF --json``."""
+        """The document of ``ckpt show REF --json``: stored bytes count the checkpoint's own
+        chunks and the delta bases they need (sizes from the cached listing of the store)."""
         mid = self.store.resolve(ref)
         m = self.manifest(mid)
-        sizes = self.chunk_sizes()
-        tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes, "file": t.file,
-                    "stored_bytes": sum(sizes.get(c, 0) for c in t.chunks), "chunks": len(t.chunks),
+        needed = m.chunk_lengths()
+        listing = self.chunk_sizes()
+        sizes = {c: listing[c] for c in needed if c in listing}
+        late = [c for c in needed if c not in listing]
+        if late:  # written since the listing was cached, or missing: ask for those alone
+            sizes.update(self.store.stored_sizes(late))
+        tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "logical_bytes": t.nbytes, "bytes": t.nbytes,
+                    "file": t.file, "stored_bytes": sum(sizes.get(c, 0) for c in t.chunks), "chunks": len(t.chunks),
                     "codecs": sorted({CODEC_NAMES.get(c, str(c)) for c in t.codecs}),
                     "delta_depth": max((len(c) for c in t.delta_bases), default=0)} for t in m.tensors]
-        files = [{"path": f.path, "kind": f.kind, "bytes": f.size, "metadata": f.metadata} for f in m.files]
+        files = [{"path": f.path, "kind": f.kind, "logical_bytes": f.size, "bytes": f.size,
+                  "stored_bytes": sum(sizes.get(c, 0) for c in f.chunks), "metadata": f.metadata} for f in m.files]
         return {"id": mid, "source": m.source, "created": m.created, "message": m.message, "metadata": m.metadata,
                 "lineage": m.lineage, "extra": m.extra, "chunk_size": m.chunk_size, "files": files, "tensors": tensors,
-                "bytes": m.logical_bytes}
+                "logical_bytes": m.logical_bytes, "bytes": m.logical_bytes, "stored_bytes": sum(sizes.values()),
+                "missing_chunks": len(needed) - len(sizes)}
 
     def log(self, name: str) -> list[dict[str, Any]]:
         """The rows of ``ckpt log NAME --json``."""
@@ -188,7 +197,7 @@ class StoreView:
             hit = self._diffs.get(key)
         if hit is not None:
             return hit
-        report = ckpt.diff(a, b, self.store, estimate_delta=estimate, refs_only=True)
+        report = ckpt.diff(a, b, store=self.store, estimate_delta=estimate, refs_only=True)
         with self._lock:
             self._diffs[key] = report
             while len(self._diffs) > self._max_diffs:

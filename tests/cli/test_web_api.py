@@ -290,7 +290,7 @@ def test_lineage_stays_readable_at_200_nodes(wide_store):
 
 def test_a_store_on_s3(s3_main_url):
     """The same view over an S3 store (moto or SeaweedFS over HTTP)."""
-    store = ckpt.Store.open(s3_main_url, create=True)
+    store = ckpt.Store.init(s3_main_url)
     g = torch.Generator().manual_seed(0)
     base = {f"layer.{i}.w": torch.randn(64, generator=g) for i in range(3)}
     store.push(base, "m/base")

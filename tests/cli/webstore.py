@@ -58,8 +58,8 @@ def build(url: str, probe: bool = True) -> ckpt.Store:
     store.push(base, "base", "the pretrained model", metadata={"license": "apache-2.0"})
     store.push(tuned(base, (2, 3), 0.05, 1), "ft/top", "fine-tuned top layers")
     store.push(tuned(base, (0,), 0.002, 2), "ft/bottom", "fine-tuned the first layer")
-    ckpt.merge(store, ["ft/top", "ft/bottom"], "linear", name="merged/avg", message="average of two fine-tunes")
-    remix_scores(store, {"ft/top": 0.9, "ft/bottom": 0.7, "merged/avg": 0.2}, k=2, name="remix/start")
+    ckpt.merge(["ft/top", "ft/bottom"], "linear", store=store, name="merged/avg", message="average of two fine-tunes")
+    remix_scores({"ft/top": 0.9, "ft/bottom": 0.7, "merged/avg": 0.2}, k=2, store=store, name="remix/start")
     if probe:
         hostile = tuned(base, (1,), 0.01, 3)
         hostile[XSS_TENSOR] = torch.ones(3)
@@ -90,7 +90,7 @@ def build_wide(url: str) -> ckpt.Store:
     for j in range(150):
         store.push({**base, f"layer.{j % 3}.w": base[f"layer.{j % 3}.w"] + j + 1}, f"ft/{j:03d}", base="base")
     for j in range(40):
-        ckpt.merge(store, [f"ft/{j:03d}", f"ft/{j + 1:03d}"], "linear", name=f"merge/{j:02d}")
+        ckpt.merge([f"ft/{j:03d}", f"ft/{j + 1:03d}"], "linear", store=store, name=f"merge/{j:02d}")
     for j in range(9):
         store.push({**base, "layer.0.w": base["layer.0.w"] * (j + 2)}, f"ft/{j:03d}", base="base")
     return store
