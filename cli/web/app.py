@@ -158,8 +158,11 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         rows, pg = page(view.ls(), _int(request, "offset", 0), _int(request, "limit", 100))
         return JSONResponse({"refs": rows, "page": pg})
 
+    def graph() -> dict[str, Any]:  # the whole store's lineage, shared by the pages for a few seconds
+        return view.fresh("lineage", lambda: lineage(view))
+
     def api_lineage(request: Request) -> Response:
-        return JSONResponse(lineage(view))
+        return JSONResponse(graph())
 
     def checkpoint_doc(request: Request, ref: str) -> dict[str, Any]:
         doc = view.show(ref)
@@ -206,7 +209,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
                       runs=view.runs())
 
     def lineage_page(request: Request) -> Response:
-        doc = lineage(view)
+        doc = graph()
         boxes, width, height = layout(doc["nodes"], doc["edges"])
         by_id = {n["id"]: n for n in doc["nodes"]}
         edges = []
@@ -241,9 +244,9 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
             adds, diff_base = None, None
         if diff_base:  # compare by names where a ref names the checkpoint: the diff page then reads "base -> ft/x"
             diff_base = names.get(diff_base, diff_base)
-        graph = lineage(view)
-        by_id = {n["id"]: n for n in graph["nodes"]}
-        children = [{**by_id[e["target"]], "edge": e} for e in graph["edges"] if e["source"] == doc["id"]]
+        g = graph()
+        by_id = {n["id"]: n for n in g["nodes"]}
+        children = [{**by_id[e["target"]], "edge": e} for e in g["edges"] if e["source"] == doc["id"]]
         return render("checkpoint.html", ref=ref, doc=doc, merge=merge, run=run, diff_base=diff_base, names=names, adds=adds,
                       children=children,
                       q=request.query_params.get("q", ""), stored=sum(t["stored_bytes"] for t in doc["tensors"]))

@@ -87,7 +87,8 @@ class StoreView:
                 self._manifests.popitem(last=False)
         return m
 
-    def _fresh(self, key: str, make: Callable[[], T]) -> T:
+    def fresh(self, key: str, make: Callable[[], T]) -> T:
+        """``make()``, reused for ``ttl_s`` seconds under ``key`` (listings and whole-store summaries)."""
         with self._lock:
             hit = self._timed.get(key)
         if hit is not None and time.monotonic() - hit[0] < self.ttl_s:
@@ -98,11 +99,11 @@ class StoreView:
         return value
 
     def chunk_sizes(self) -> dict[str, int]:
-        return self._fresh("chunk_sizes", self.store.chunk_sizes)
+        return self.fresh("chunk_sizes", self.store.chunk_sizes)
 
     def refs(self) -> dict[str, Any]:
         """The live refs (name -> entry), listed again after ``ttl_s``: on S3 a listing is a request per ref."""
-        return self._fresh("refs", self.store.refs)
+        return self.fresh("refs", self.store.refs)
 
     @property
     def url(self) -> str:
@@ -188,7 +189,7 @@ class StoreView:
                 "codecs": {k: {"decoded_bytes": d, "stored_bytes": st} for k, (d, st) in u.by_codec.items()},
             }
 
-        return self._fresh("du", make)
+        return self.fresh("du", make)
 
     def diff(self, a: str, b: str, estimate: bool = True) -> Any:
         """``ckpt.diff`` of two refs of the store (never local files), cached by checkpoint ids."""
