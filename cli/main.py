@@ -10,7 +10,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ckpt_store.cli import views
+from ckpt_store.cli import results, views
 from ckpt_store.cli.render import RichProgress, emit_json, err, safe
 
 app = typer.Typer(
@@ -188,34 +188,14 @@ def pull(
 def ls(as_json: JsonOpt = False) -> None:
     """List refs: name, checkpoint id, size, when, message."""
     store = _open()
-    rows = []
-    for name, entry in store.refs().items():
-        m = store.manifest(entry.target)
-        # "bytes" is the old spelling of logical_bytes, kept for scripts (README).
-        rows.append({"ref": name, "id": entry.target, "time": entry.time, "logical_bytes": m.logical_bytes,
-                     "bytes": m.logical_bytes, "tensors": len(m.tensors), "message": m.message, "source": m.source})
-    _emit(rows, as_json, views.ls)
+    _emit(results.ls_rows(store.refs(), store.manifest), as_json, views.ls)
 
 
 @app.command()
 def log(name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name.")], as_json: JsonOpt = False) -> None:
     """History of a ref, newest first (NAME@0 is the current version, NAME@1 the one before...)."""
     store = _open()
-    entries = store.log(name)
-    rows = []
-    version = 0
-    for e in entries:
-        msg = None
-        if e.target is not None:
-            try:
-                msg = store.manifest(e.target).message
-            except Exception:  # noqa: BLE001 - a collected manifest still has a history line
-                msg = "(checkpoint no longer in the store)"
-        rows.append({"seq": e.seq, "version": None if e.target is None else version, "id": e.target,
-                     "time": e.time, "message": msg, "removed": e.target is None})
-        if e.target is not None:
-            version += 1
-    _emit(rows, as_json, views.log, name)
+    _emit(results.log_rows(store.log(name), store.manifest), as_json, views.log, name)
 
 
 @app.command()
@@ -225,25 +205,10 @@ def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or 
     Stored bytes count this checkpoint's own chunks (delta bases included), sized one by
     one: showing a checkpoint never lists the whole store.
     """
-    from ckpt.codecs.chunk import CODEC_NAMES
-
     store = _open()
     mid = store.resolve(ref)
     m = store.manifest(mid)
-    needed = m.chunk_lengths()  # every chunk the checkpoint reads, delta bases included
-    sizes = store.stored_sizes(needed)
-    # "bytes" (here and per tensor and file) is the old spelling of logical_bytes, kept for scripts (README).
-    tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "logical_bytes": t.nbytes, "bytes": t.nbytes,
-                "file": t.file, "stored_bytes": sum(sizes.get(c, 0) for c in t.chunks), "chunks": len(t.chunks),
-                "codecs": sorted({CODEC_NAMES.get(c, str(c)) for c in t.codecs}),
-                "delta_depth": max((len(c) for c in t.delta_bases), default=0)} for t in m.tensors]
-    files = [{"path": f.path, "kind": f.kind, "logical_bytes": f.size, "bytes": f.size,
-              "stored_bytes": sum(sizes.get(c, 0) for c in f.chunks), "metadata": f.metadata} for f in m.files]
-    info = {"id": mid, "source": m.source, "created": m.created, "message": m.message, "metadata": m.metadata,
-            "lineage": m.lineage, "extra": m.extra, "chunk_size": m.chunk_size, "files": files, "tensors": tensors,
-            "logical_bytes": m.logical_bytes, "bytes": m.logical_bytes, "stored_bytes": sum(sizes.values()),
-            "missing_chunks": len(needed) - len(sizes)}
-    _emit(info, as_json, views.show)
+    _emit(results.show_doc(mid, m, store.stored_sizes(m.chunk_lengths())), as_json, views.show)
 
 
 @app.command()
@@ -253,15 +218,7 @@ def du(as_json: JsonOpt = False) -> None:
     STORED counts every chunk a ref uses (shared ones included); ONLY THIS REF counts
     the chunks no other ref uses, i.e. what `ckpt rm` + `ckpt gc` would free.
     """
-    store = _open()
-    u = store.du()
-    _emit({
-        "refs": [{"ref": r.name, "id": r.id, "logical_bytes": r.logical, "unique_bytes": r.unique,
-                  "stored_bytes": r.stored, "exclusive_bytes": r.exclusive} for r in u.refs],
-        "logical_bytes": u.logical, "unique_bytes": u.unique, "stored_bytes": u.stored,
-        "dedup_saved_bytes": u.dedup_saved, "compression_saved_bytes": u.compression_saved, "chunks": u.objects,
-        "codecs": {k: {"decoded_bytes": d, "stored_bytes": st} for k, (d, st) in u.by_codec.items()},
-    }, as_json, views.du)
+    _emit(results.du_doc(_open().du()), as_json, views.du)
 
 
 @app.command()

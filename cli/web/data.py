@@ -21,6 +21,7 @@ import ckpt
 from ckpt.codecs.chunk import CODEC_NAMES
 from ckpt.errors import CkptError, RefNotFoundError
 from ckpt.format.manifest import Manifest
+from ckpt_store.cli import results
 
 STEP_REF = re.compile(r"^(?P<run>.+)/step-(?P<step>\d+)$")
 MAX_PAGE = 1000  # the most rows one request returns, whatever it asks for
@@ -111,14 +112,8 @@ class StoreView:
 
     # -- documents ----------------------------------------------------------------------
     def ls(self) -> list[dict[str, Any]]:
-        """The rows of ``ckpt ls --json``, sorted by name."""
-        rows = []
-        for name, entry in self.refs().items():
-            m = self.manifest(entry.target)
-            # "bytes" is the old spelling of logical_bytes, kept for scripts (as the CLI does)
-            rows.append({"ref": name, "id": entry.target, "time": entry.time, "logical_bytes": m.logical_bytes,
-                         "bytes": m.logical_bytes, "tensors": len(m.tensors), "message": m.message, "source": m.source})
-        return rows
+        """The rows of ``ckpt ls --json``."""
+        return results.ls_rows(self.refs(), self.manifest)
 
     def overview_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """ls rows with what the overview adds: stored bytes, codec mix, version number."""
@@ -144,33 +139,11 @@ class StoreView:
         late = [c for c in needed if c not in listing]
         if late:  # written since the listing was cached, or missing: ask for those alone
             sizes.update(self.store.stored_sizes(late))
-        tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "logical_bytes": t.nbytes, "bytes": t.nbytes,
-                    "file": t.file, "stored_bytes": sum(sizes.get(c, 0) for c in t.chunks), "chunks": len(t.chunks),
-                    "codecs": sorted({CODEC_NAMES.get(c, str(c)) for c in t.codecs}),
-                    "delta_depth": max((len(c) for c in t.delta_bases), default=0)} for t in m.tensors]
-        files = [{"path": f.path, "kind": f.kind, "logical_bytes": f.size, "bytes": f.size,
-                  "stored_bytes": sum(sizes.get(c, 0) for c in f.chunks), "metadata": f.metadata} for f in m.files]
-        return {"id": mid, "source": m.source, "created": m.created, "message": m.message, "metadata": m.metadata,
-                "lineage": m.lineage, "extra": m.extra, "chunk_size": m.chunk_size, "files": files, "tensors": tensors,
-                "logical_bytes": m.logical_bytes, "bytes": m.logical_bytes, "stored_bytes": sum(sizes.values()),
-                "missing_chunks": len(needed) - len(sizes)}
+        return results.show_doc(mid, m, sizes)
 
     def log(self, name: str) -> list[dict[str, Any]]:
         """The rows of ``ckpt log NAME --json``."""
-        rows = []
-        version = 0
-        for e in self.store.log(name):
-            msg = None
-            if e.target is not None:
-                try:
-                    msg = self.manifest(e.target).message
-                except CkptError:
-                    msg = "(checkpoint no longer in the store)"
-            rows.append({"seq": e.seq, "version": None if e.target is None else version, "id": e.target,
-                         "time": e.time, "message": msg, "removed": e.target is None})
-            if e.target is not None:
-                version += 1
-        return rows
+        return results.log_rows(self.store.log(name), self.manifest)
 
     def is_ref_name(self, ref: str) -> bool:
         """Whether ``ref`` is a ref's name (so it has a log), not NAME@N or an id prefix."""
@@ -180,14 +153,7 @@ class StoreView:
         """The document of ``ckpt du --json``."""
 
         def make() -> dict[str, Any]:
-            u = self.store.du()
-            return {
-                "refs": [{"ref": r.name, "id": r.id, "logical_bytes": r.logical, "unique_bytes": r.unique,
-                          "stored_bytes": r.stored, "exclusive_bytes": r.exclusive} for r in u.refs],
-                "logical_bytes": u.logical, "unique_bytes": u.unique, "stored_bytes": u.stored,
-                "dedup_saved_bytes": u.dedup_saved, "compression_saved_bytes": u.compression_saved, "chunks": u.objects,
-                "codecs": {k: {"decoded_bytes": d, "stored_bytes": st} for k, (d, st) in u.by_codec.items()},
-            }
+            return results.du_doc(self.store.du())
 
         return self.fresh("du", make)
 

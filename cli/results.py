@@ -1,0 +1,76 @@
+"""The documents the faces report: one builder each, shared by the command line
+(``--json`` and the text views) and the web view (``/api/...``), so both say the same.
+
+Each takes what it needs already read (manifests through a getter, so that the web view
+can serve them from its cache); none reads a store itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ckpt.errors import CkptError
+
+if TYPE_CHECKING:
+    from ckpt.format.manifest import Manifest
+
+# "bytes" is the old spelling of logical_bytes, kept in ls, show and gc for scripts (README).
+
+
+def ls_rows(refs: Mapping[str, Any], manifest: Callable[[str], Manifest]) -> list[dict[str, Any]]:
+    """The rows of ``ckpt ls --json``: one per live ref."""
+    rows = []
+    for name, entry in refs.items():
+        m = manifest(entry.target)
+        rows.append({"ref": name, "id": entry.target, "time": entry.time, "logical_bytes": m.logical_bytes,
+                     "bytes": m.logical_bytes, "tensors": len(m.tensors), "message": m.message, "source": m.source})
+    return rows
+
+
+def log_rows(entries: Iterable[Any], manifest: Callable[[str], Manifest]) -> list[dict[str, Any]]:
+    """The rows of ``ckpt log NAME --json``, newest first; ``version`` N is what ``NAME@N`` names."""
+    rows = []
+    version = 0
+    for e in entries:
+        msg = None
+        if e.target is not None:
+            try:
+                msg = manifest(e.target).message
+            except CkptError:  # a collected or damaged manifest still has a history line
+                msg = "(checkpoint no longer in the store)"
+        rows.append({"seq": e.seq, "version": None if e.target is None else version, "id": e.target,
+                     "time": e.time, "message": msg, "removed": e.target is None})
+        if e.target is not None:
+            version += 1
+    return rows
+
+
+def show_doc(mid: str, m: Manifest, sizes: Mapping[str, int]) -> dict[str, Any]:
+    """The document of ``ckpt show REF --json``. ``sizes``: stored bytes of the chunks the
+    checkpoint reads (its own and their delta bases); chunks absent from it are missing."""
+    from ckpt.codecs.chunk import CODEC_NAMES
+
+    needed = m.chunk_lengths()
+    tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "logical_bytes": t.nbytes, "bytes": t.nbytes,
+                "file": t.file, "stored_bytes": sum(sizes.get(c, 0) for c in t.chunks), "chunks": len(t.chunks),
+                "codecs": sorted({CODEC_NAMES.get(c, str(c)) for c in t.codecs}),
+                "delta_depth": max((len(c) for c in t.delta_bases), default=0)} for t in m.tensors]
+    files = [{"path": f.path, "kind": f.kind, "logical_bytes": f.size, "bytes": f.size,
+              "stored_bytes": sum(sizes.get(c, 0) for c in f.chunks), "metadata": f.metadata} for f in m.files]
+    return {"id": mid, "source": m.source, "created": m.created, "message": m.message, "metadata": m.metadata,
+            "lineage": m.lineage, "extra": m.extra, "chunk_size": m.chunk_size, "files": files, "tensors": tensors,
+            "logical_bytes": m.logical_bytes, "bytes": m.logical_bytes,
+            "stored_bytes": sum(sizes[c] for c in needed if c in sizes),
+            "missing_chunks": sum(1 for c in needed if c not in sizes)}
+
+
+def du_doc(u: Any) -> dict[str, Any]:
+    """The document of ``ckpt du --json`` from a :class:`~ckpt.store.maintenance.StoreUsage`."""
+    return {
+        "refs": [{"ref": r.name, "id": r.id, "logical_bytes": r.logical, "unique_bytes": r.unique,
+                  "stored_bytes": r.stored, "exclusive_bytes": r.exclusive} for r in u.refs],
+        "logical_bytes": u.logical, "unique_bytes": u.unique, "stored_bytes": u.stored,
+        "dedup_saved_bytes": u.dedup_saved, "compression_saved_bytes": u.compression_saved, "chunks": u.objects,
+        "codecs": {k: {"decoded_bytes": d, "stored_bytes": st} for k, (d, st) in u.by_codec.items()},
+    }
