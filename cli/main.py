@@ -458,7 +458,7 @@ def diff(
     include: Annotated[Optional[list[str]], typer.Option("--include", "-i", metavar="GLOB", help="Only tensors matching this glob (repeatable).")] = None,
     exclude: Annotated[Optional[list[str]], typer.Option("--exclude", "-x", metavar="GLOB", help="Leave out tensors matching this glob (repeatable).")] = None,
     sort: Annotated[str, typer.Option("--sort", metavar="KEY", help="order, name, status, relative_change, max_abs_diff, changed_elements, cosine or delta_bytes (largest change first).")] = "order",
-    top: Annotated[Optional[int], typer.Option("--top", metavar="N", help="Show only the first N tensors after sorting (the summary still counts all).")] = None,
+    top: Annotated[Optional[int], typer.Option("--top", metavar="N", min=1, help="Show only the first N tensors after sorting (the summary still counts all).")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", metavar="FILE.png", help="Draw relative change per layer, grouped by module type (needs matplotlib: pip install 'ckpt[plot]').")] = None,
     no_estimate: Annotated[bool, typer.Option("--no-estimate", help="Skip estimating the stored size of B as a delta against A.")] = False,
     as_json: JsonOpt = False,
@@ -571,25 +571,6 @@ def merge(
               + f"; {human_bytes(r.logical_bytes)}, {human_bytes(r.written_bytes)} written in {r.seconds:.1f} s")
 
 
-def _read_scores(path: Path) -> dict[str, float]:
-    import json
-
-    from ckpt.errors import InvalidMergeError
-
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise InvalidMergeError(f"{path}: cannot read scores ({e})") from None
-    if isinstance(obj, list):
-        try:
-            obj = {row["ref"]: row["score"] for row in obj}
-        except (TypeError, KeyError):
-            raise InvalidMergeError(f"{path}: a list of scores needs {{\"ref\": ..., \"score\": ...}} objects") from None
-    if not isinstance(obj, dict):
-        raise InvalidMergeError(f"{path}: expected a JSON object mapping refs to scores")
-    return obj
-
-
 @app.command()
 def remix(
     scores: Annotated[Path, typer.Option("--scores", metavar="FILE", help='JSON: {"REF": score, ...} (or [{"ref": ..., "score": ...}]), one score per past fine-tune on a sample of the new task.')],
@@ -601,9 +582,9 @@ def remix(
     as_json: JsonOpt = False,
 ) -> None:
     """Average the K best-scoring past fine-tunes into a starting point for a new fine-tune (Mashup Learning)."""
-    from ckpt.merging.remixing import choose, remix_scores
+    from ckpt.merging.remixing import choose, read_scores, remix_scores
 
-    table = _read_scores(scores)
+    table = read_scores(scores)
     chosen, _ = choose(table, k, weights=weights, higher_is_better=not lower_is_better)
     store = _open()
     cid = remix_scores(store, table, k, weights=weights, higher_is_better=not lower_is_better, name=output,

@@ -230,6 +230,8 @@ class DiffReport:
         smallest first, None last), the first ``top`` of them."""
         if sort not in SORT_KEYS:
             raise ValueError(f"unknown sort key {sort!r}; one of {', '.join(SORT_KEYS)}")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+            raise ValueError(f"top must be an int >= 1 (or None for every tensor), not {top!r}")
         rows = list(self.tensors)
         if sort == "name":
             rows.sort(key=lambda t: t.name)
@@ -238,7 +240,7 @@ class DiffReport:
         elif sort != "order":
             sign = 1.0 if sort == "cosine" else -1.0
             rows.sort(key=lambda t: (getattr(t, sort) is None, sign * (getattr(t, sort) or 0)))
-        return rows if top is None else rows[: max(0, top)]
+        return rows if top is None else rows[:top]
 
     def to_json(self, sort: str = "order", top: int | None = None) -> dict[str, Any]:
         """``{"a", "b", "tensors": [...], "summary": {...}}``; the summary covers every
