@@ -499,6 +499,8 @@ def diff(
         f"elements changed: {s.changed_elements} of {s.elements} ({ratio(s.changed_elements, s.elements)}); "
         f"relative change overall {_fmt_num(s.relative_change)}"
     )
+    if s.nonfinite:
+        out.print(f"{s.nonfinite} tensor(s) changed to or from NaN/inf (listed first when sorted by a statistic)")
     if s.delta_bytes is not None:
         out.print(f"B as a delta against A stores about {human_bytes(s.delta_bytes)} "
                   f"({ratio(s.delta_bytes, s.bytes_b)} of B's {human_bytes(s.bytes_b)} of tensor data)")
