@@ -176,18 +176,24 @@ def pull(
 
 @app.command("ls")
 def ls(as_json: JsonOpt = False) -> None:
-    """List refs: name, checkpoint id, size, when, message."""
+    """List refs: name, checkpoint id, size, when, message.
+
+    A ref whose entry or checkpoint is damaged is named on stderr (in --json: a row with
+    "error") and the others are listed; the exit code is then 1 (`ckpt verify` says more).
+    """
+    from ckpt.store.maintenance import list_refs
+
     store = _open()
-    rows = []
-    for name, entry in store.refs().items():
-        m = store.get_manifest(entry.target)
-        rows.append({"ref": name, "id": entry.target, "time": entry.time, "bytes": m.logical_bytes,
-                     "tensors": len(m.tensors), "message": m.message, "source": m.source})
+    listing = list_refs(store)
+    rows = [{"ref": r.name, "id": r.id, "time": r.time, "bytes": r.logical_bytes, "tensors": r.tensors,
+             "message": r.message, "source": r.source} for r in listing.refs]
     if as_json:
-        emit_json(rows)
+        emit_json(sorted(rows + [{"ref": n, "error": e} for n, e in listing.damaged.items()], key=lambda r: r["ref"]))
+        _exit_if_damaged(listing.damaged, quiet=True)
         return
     if not rows:
-        out.print("no refs yet: `ckpt push FILE NAME` stores a checkpoint")
+        out.print("no refs yet: `ckpt push FILE NAME` stores a checkpoint" if not listing.damaged else "no readable refs")
+        _exit_if_damaged(listing.damaged)
         return
     from rich.table import Table
 
@@ -197,6 +203,17 @@ def ls(as_json: JsonOpt = False) -> None:
     for r in rows:
         t.add_row(r["ref"], r["id"][:12], human_bytes(r["bytes"]), str(r["tensors"]), when(r["time"]), r["message"] or "")
     out.print(t)
+    _exit_if_damaged(listing.damaged)
+
+
+def _exit_if_damaged(damaged: dict[str, str], quiet: bool = False) -> None:
+    """After a listing that went on past damaged refs: name them on stderr and exit 1."""
+    if not damaged:
+        return
+    if not quiet:
+        for name, why in damaged.items():
+            err.print(f"DAMAGED {name}: {why}", markup=False)
+    raise typer.Exit(1)
 
 
 @app.command()
@@ -209,10 +226,14 @@ def log(name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name.")], 
     for e in entries:
         msg = None
         if e.target is not None:
+            from ckpt.errors import CkptError, ObjectNotFoundError
+
             try:
                 msg = store.get_manifest(e.target).message
-            except Exception:  # noqa: BLE001 - a collected manifest still has a history line
-                msg = "(checkpoint no longer in the store)"
+            except ObjectNotFoundError:  # a collected manifest still has a history line
+                msg = "(no longer in the store: freed by `ckpt gc`)"
+            except CkptError:
+                msg = "(damaged: see `ckpt verify`)"
         rows.append({"seq": e.seq, "version": None if e.target is None else version, "id": e.target,
                      "time": e.time, "message": msg, "removed": e.target is None})
         if e.target is not None:
@@ -278,7 +299,9 @@ def du(as_json: JsonOpt = False) -> None:
     """Logical vs stored bytes per ref and for the whole store; what dedup and compression saved.
 
     STORED counts every chunk a ref uses (shared ones included); ONLY THIS REF counts
-    the chunks no other ref uses, i.e. what `ckpt rm` + `ckpt gc` would free.
+    the chunks no other ref uses, i.e. what `ckpt rm` + `ckpt gc` would free. A ref whose
+    entry or checkpoint is damaged is left out, named on stderr (in --json: "damaged"),
+    and the exit code is 1.
     """
     store = _open()
     u = store.du()
@@ -289,7 +312,9 @@ def du(as_json: JsonOpt = False) -> None:
             "logical_bytes": u.logical, "unique_bytes": u.unique, "stored_bytes": u.stored,
             "dedup_saved_bytes": u.dedup_saved, "compression_saved_bytes": u.compression_saved, "chunks": u.objects,
             "codecs": {k: {"decoded_bytes": d, "stored_bytes": st} for k, (d, st) in u.by_codec.items()},
+            "damaged": u.damaged,
         })
+        _exit_if_damaged(u.damaged, quiet=True)
         return
     from rich.table import Table
 
@@ -308,6 +333,7 @@ def du(as_json: JsonOpt = False) -> None:
     for codec, (decoded, stored) in u.by_codec.items():
         out.print(f"    {codec:<10} {human_bytes(decoded):>10} stored as {human_bytes(stored):>10} "
                   f"(saved {human_bytes(decoded - stored)}, {ratio(stored, decoded)} of its input)")
+    _exit_if_damaged(u.damaged)
 
 
 @app.command()
@@ -319,6 +345,10 @@ def verify(
     as_json: JsonOpt = False,
 ) -> None:
     """Re-read and re-hash every object the refs need; name each damaged ref. Exit 1 if any.
+
+    By default everything `ckpt gc` keeps: every ref and its earlier versions (NAME@1...),
+    each damaged one named as commands accept it. Earlier versions freed by
+    `ckpt gc --no-history` are listed in a note, not counted as damage.
 
     Nothing is repaired unless you ask: with --repair-from, objects are copied from
     another store that holds them (a mirror, a backup, the S3 store a team pushes to).
@@ -337,8 +367,9 @@ def verify(
     else:
         r = store.verify(refs or None, progress=RichProgress())
     if as_json:
-        doc = {"ok": r.ok, "refs_checked": r.refs_checked, "chunks_checked": r.chunks_checked,
-               "bytes_checked": r.bytes_checked, "problems": r.problems, "damaged_refs": r.damaged_refs}
+        doc = {"ok": r.ok, "refs_checked": r.refs_checked, "versions_checked": r.versions_checked,
+               "chunks_checked": r.chunks_checked, "bytes_checked": r.bytes_checked, "problems": r.problems,
+               "damaged_refs": r.damaged_refs, "freed": r.freed}
         if repair_from is not None:
             doc["repaired"] = [{"kind": k, "id": i} for k, i in repaired]
             doc["unavailable"] = [{"kind": k, "id": i, "error": w} for k, i, w in unavailable]
@@ -349,8 +380,12 @@ def verify(
         for p in r.problems:
             if p.startswith("store config"):
                 err.print(f"DAMAGED {p}")
+        if r.freed:
+            out.print(f"note: {len(r.freed)} earlier version(s) no longer in the store (freed by `ckpt gc --no-history`): "
+                      + ", ".join(r.freed), markup=False)
         status = "ok" if r.ok else f"{len(r.problems)} problem(s)"
-        out.print(f"verified {r.refs_checked} refs, {r.chunks_checked} chunks, {human_bytes(r.bytes_checked)}: {status}")
+        versions = f" (+{r.versions_checked} earlier versions)" if r.versions_checked else ""
+        out.print(f"verified {r.refs_checked} refs{versions}, {r.chunks_checked} chunks, {human_bytes(r.bytes_checked)}: {status}")
     if not r.ok:
         raise typer.Exit(1)
 
