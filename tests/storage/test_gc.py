@@ -187,11 +187,12 @@ def _race(tmp_path):
         outcomes["touched" if result["touched"] else "rewritten"] += 1
         outcomes["deleted"] += result["deleted"]
     assert not [e.path for e in b.list("objects") if ".tmp-" in e.path]
-    # Both orders occurred: the writer's touch came first (gc kept the object) and gc's delete
-    # came first (the touch failed and the writer wrote the object again). The touch fails
-    # only when gc deleted, so every delete is matched by a rewrite.
+    # Both orders occurred: the writer's touch came first (gc kept the object) and gc's
+    # rename came first (the touch failed and the writer wrote the object again). A round
+    # in which gc deleted is always one whose writer rewrote (a touch that succeeded keeps
+    # the object); a rewrite can also meet a gc that then leaves the new object alone.
     assert outcomes["touched"] > 0 and outcomes["rewritten"] > 0, outcomes
-    assert outcomes["deleted"] == outcomes["rewritten"], outcomes
+    assert 0 < outcomes["deleted"] <= outcomes["rewritten"], outcomes
 
 
 def test_gc_killed_mid_delete_is_recovered(tmp_path):
