@@ -558,6 +558,7 @@ def merge(
     param: Annotated[Optional[list[str]], typer.Option("--param", "-p", metavar="KEY=VALUE", help="A method parameter, e.g. -p density=0.3 (repeatable; see --list-methods).")] = None,
     weights: Annotated[Optional[str], typer.Option("--weights", "-w", metavar="W1,W2,...", help="Shorthand for -p weights=W1,W2,...: one per REF.")] = None,
     fill_from_base: Annotated[bool, typer.Option("--fill-from-base", help="Take tensors missing from some input from --base instead of failing.")] = False,
+    new_tensors: Annotated[str, typer.Option("--new-tensors", metavar="MODE", help="Tensors the base lacks (a classification head the fine-tunes added), or that some inputs lack and the base cannot fill: 'error' (default) or 'average' (the plain average of the inputs that have them).")] = "error",
     message: Annotated[Optional[str], typer.Option("--message", "-m", metavar="MSG", help="Note stored with the checkpoint.")] = None,
     list_methods: Annotated[bool, typer.Option("--list-methods", help="List the merge methods and their parameters, then exit.")] = False,
     as_json: JsonOpt = False,
@@ -596,15 +597,17 @@ def merge(
 
     store = _open()
     r = run_merge(store, refs, method, name=output, params=params, base=base, missing="base" if fill_from_base else "error",
-                  message=message, progress=RichProgress())
+                  new_tensors=new_tensors, message=message, progress=RichProgress())
     if as_json:
         emit_json({"id": r.id, "ref": output, "method": r.method, "params": r.params, "inputs": list(r.inputs),
                    "base": r.base, "merged_tensors": r.merged, "reused_tensors": r.reused, "from_base": list(r.from_base),
+                   "averaged": list(r.averaged),
                    "new_chunks": r.new_chunks, "written_bytes": r.written_bytes, "logical_bytes": r.logical_bytes,
                    "seconds": r.seconds})
         return
     out.print(f"{output} -> {r.id[:12]}  {r.method} of {len(r.inputs)} inputs: {r.merged} tensors merged, "
               f"{r.reused} reused unread" + (f", {len(r.from_base)} from the base" if r.from_base else "")
+              + (f", {len(r.averaged)} the base lacks averaged" if r.averaged else "")
               + f"; {human_bytes(r.logical_bytes)}, {human_bytes(r.written_bytes)} written in {r.seconds:.1f} s")
 
 
