@@ -218,7 +218,7 @@ def _exit_if_damaged(damaged: dict[str, str], quiet: bool = False) -> None:
 
 @app.command()
 def log(name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name.")], as_json: JsonOpt = False) -> None:
-    """History of a ref, newest first (NAME@0 is the current version, NAME@1 the one before...)."""
+    """History of a ref, newest first: NAME@0 is the current version (of a removed ref: its last one), NAME@1 the one before..."""
     store = _open()
     entries = store.log(name)
     rows = []
