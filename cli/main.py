@@ -186,14 +186,31 @@ def pull(
 
 @app.command("ls")
 def ls(as_json: JsonOpt = False) -> None:
-    """List refs: name, checkpoint id, size, when, message."""
+    """List refs: name, checkpoint id, size, when, message.
+
+    A ref whose entry or checkpoint is damaged is named on stderr (in --json: a row with
+    "error") and the others are listed; the exit code is then 1 (`ckpt verify` says more).
+    """
+    from ckpt.store.maintenance import list_refs
+
     store = _open()
-    _emit(results.ls_rows(store.refs(), store.manifest), as_json, views.ls)
+    _emit(rows := results.ls_rows(list_refs(store)), as_json, views.ls)
+    _exit_if_damaged({r["ref"]: r["error"] for r in rows if "error" in r}, quiet=as_json)
+
+
+def _exit_if_damaged(damaged: dict[str, str], quiet: bool = False) -> None:
+    """After a listing that went on past damaged refs: name them on stderr and exit 1."""
+    if not damaged:
+        return
+    if not quiet:
+        for name, why in damaged.items():
+            err.print(f"DAMAGED {safe(name)}: {safe(why)}")
+    raise typer.Exit(1)
 
 
 @app.command()
 def log(name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name.")], as_json: JsonOpt = False) -> None:
-    """History of a ref, newest first (NAME@0 is the current version, NAME@1 the one before...)."""
+    """History of a ref, newest first: NAME@0 is the current version (of a removed ref: its last one), NAME@1 the one before..."""
     store = _open()
     _emit(results.log_rows(store.log(name), store.manifest), as_json, views.log, name)
 
@@ -216,9 +233,13 @@ def du(as_json: JsonOpt = False) -> None:
     """Logical vs stored bytes per ref and for the whole store; what dedup and compression saved.
 
     STORED counts every chunk a ref uses (shared ones included); ONLY THIS REF counts
-    the chunks no other ref uses, i.e. what `ckpt rm` + `ckpt gc` would free.
+    the chunks no other ref uses, i.e. what `ckpt rm` + `ckpt gc` would free. A ref whose
+    entry or checkpoint is damaged is left out, named on stderr (in --json: "damaged"),
+    and the exit code is 1.
     """
-    _emit(results.du_doc(_open().du()), as_json, views.du)
+    u = _open().du()
+    _emit(results.du_doc(u), as_json, views.du)
+    _exit_if_damaged(u.damaged, quiet=as_json)
 
 
 @app.command()
@@ -231,6 +252,10 @@ def verify(
 ) -> None:
     """Re-read and re-hash every object the refs need; name each damaged ref. Exit 1 if any.
 
+    By default everything `ckpt gc` keeps: every ref and its earlier versions (NAME@1...),
+    each damaged one named as commands accept it. Earlier versions freed by
+    `ckpt gc --no-history` are listed in a note, not counted as damage.
+
     Nothing is repaired unless you ask: with --repair-from, objects are copied from
     another store that holds them (a mirror, a backup, the S3 store a team pushes to).
     """
@@ -240,8 +265,9 @@ def verify(
         r = rr.after
     else:
         r = store.verify(refs or None, progress=RichProgress())
-    doc: dict[str, Any] = {"ok": r.ok, "refs_checked": r.refs_checked, "chunks_checked": r.chunks_checked,
-                           "bytes_checked": r.bytes_checked, "problems": r.problems, "damaged_refs": r.damaged_refs}
+    doc: dict[str, Any] = {"ok": r.ok, "refs_checked": r.refs_checked, "versions_checked": r.versions_checked,
+                           "chunks_checked": r.chunks_checked, "bytes_checked": r.bytes_checked, "problems": r.problems,
+                           "damaged_refs": r.damaged_refs, "freed": r.freed}
     if repair_from is not None:
         doc["repair_from"] = repair_from
         doc["repaired"] = [{"kind": k, "id": i} for k, i in rr.repaired]
@@ -329,7 +355,7 @@ def diff(
     include: Annotated[Optional[list[str]], typer.Option("--include", "-i", metavar="GLOB", help="Only tensors matching this glob (repeatable).")] = None,
     exclude: Annotated[Optional[list[str]], typer.Option("--exclude", "-x", metavar="GLOB", help="Leave out tensors matching this glob (repeatable).")] = None,
     sort: Annotated[str, typer.Option("--sort", metavar="KEY", help="order, name, status, relative_change, max_abs_diff, changed_elements, cosine or delta_bytes (largest change first).")] = "order",
-    top: Annotated[Optional[int], typer.Option("--top", metavar="N", help="Show only the first N tensors after sorting (the summary still counts all).")] = None,
+    top: Annotated[Optional[int], typer.Option("--top", metavar="N", min=1, help="Show only the first N tensors after sorting (the summary still counts all).")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", metavar="FILE.png", help="Draw relative change per layer, grouped by module type (needs matplotlib: pip install 'ckpt-store[plot]').")] = None,
     no_estimate: Annotated[bool, typer.Option("--no-estimate", help="Skip estimating the stored size of B as a delta against A.")] = False,
     as_json: JsonOpt = False,
@@ -372,6 +398,7 @@ def merge(
     param: Annotated[Optional[list[str]], typer.Option("--param", "-p", metavar="KEY=VALUE", help="A method parameter, e.g. -p density=0.3 (repeatable; see --list-methods).")] = None,
     weights: Annotated[Optional[str], typer.Option("--weights", "-w", metavar="W1,W2,...", help="Shorthand for -p weights=W1,W2,...: one per REF.")] = None,
     fill_from_base: Annotated[bool, typer.Option("--fill-from-base", help="Take tensors missing from some input from --base instead of failing.")] = False,
+    new_tensors: Annotated[str, typer.Option("--new-tensors", metavar="MODE", help="Tensors the base lacks (a classification head the fine-tunes added), or that some inputs lack and the base cannot fill: 'error' (default) or 'average' (the plain average of the inputs that have them).")] = "error",
     message: Annotated[Optional[str], typer.Option("--message", "-m", metavar="MSG", help="Note stored with the checkpoint.")] = None,
     list_methods: Annotated[bool, typer.Option("--list-methods", help="List the merge methods and their parameters, then exit.")] = False,
     as_json: JsonOpt = False,
@@ -410,30 +437,11 @@ def merge(
 
     store = _open()
     r = run_merge(refs, method, name=output, store=store, params=params, base=base, missing="base" if fill_from_base else "error",
-                  message=message, progress=RichProgress())
+                  new_tensors=new_tensors, message=message, progress=RichProgress())
     _emit({"id": r.id, "ref": output, "method": r.method, "params": r.params, "inputs": list(r.inputs),
            "base": r.base, "merged_tensors": r.merged, "reused_tensors": r.reused, "from_base": list(r.from_base),
-           "new_chunks": r.new_chunks, "written_bytes": r.written_bytes, "logical_bytes": r.logical_bytes,
-           "seconds": r.seconds}, as_json, views.merge)
-
-
-def _read_scores(path: Path) -> dict[str, float]:
-    import json
-
-    from ckpt.errors import InvalidMergeError
-
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise InvalidMergeError(f"{path}: cannot read scores ({e})") from None
-    if isinstance(obj, list):
-        try:
-            obj = {row["ref"]: row["score"] for row in obj}
-        except (TypeError, KeyError):
-            raise InvalidMergeError(f"{path}: a list of scores needs {{\"ref\": ..., \"score\": ...}} objects") from None
-    if not isinstance(obj, dict):
-        raise InvalidMergeError(f"{path}: expected a JSON object mapping refs to scores")
-    return obj
+           "averaged": list(r.averaged), "new_chunks": r.new_chunks, "written_bytes": r.written_bytes,
+           "logical_bytes": r.logical_bytes, "seconds": r.seconds}, as_json, views.merge)
 
 
 @app.command()
@@ -447,9 +455,9 @@ def remix(
     as_json: JsonOpt = False,
 ) -> None:
     """Average the K best-scoring past fine-tunes into a starting point for a new fine-tune (Mashup Learning)."""
-    from ckpt.merging.remixing import choose, remix_scores
+    from ckpt.merging.remixing import choose, read_scores, remix_scores
 
-    table = _read_scores(scores)
+    table = read_scores(scores)
     chosen, _ = choose(table, k, weights=weights, higher_is_better=not lower_is_better)
     store = _open()
     cid = remix_scores(table, k, store=store, weights=weights, higher_is_better=not lower_is_better, name=output,

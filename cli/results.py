@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ckpt.errors import CkptError
+from ckpt.errors import CkptError, ObjectNotFoundError
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
@@ -18,14 +18,13 @@ if TYPE_CHECKING:
 # "bytes" is the old spelling of logical_bytes, kept in ls, show and gc for scripts (README).
 
 
-def ls_rows(refs: Mapping[str, Any], manifest: Callable[[str], Manifest]) -> list[dict[str, Any]]:
-    """The rows of ``ckpt ls --json``: one per live ref."""
-    rows = []
-    for name, entry in refs.items():
-        m = manifest(entry.target)
-        rows.append({"ref": name, "id": entry.target, "time": entry.time, "logical_bytes": m.logical_bytes,
-                     "bytes": m.logical_bytes, "tensors": len(m.tensors), "message": m.message, "source": m.source})
-    return rows
+def ls_rows(listing: Any) -> list[dict[str, Any]]:
+    """The rows of ``ckpt ls --json`` from a :class:`~ckpt.store.maintenance.RefListing`,
+    by name: one per live ref, and ``{"ref", "error"}`` for a ref that cannot be read."""
+    rows = [{"ref": r.name, "id": r.id, "time": r.time, "logical_bytes": r.logical_bytes, "bytes": r.logical_bytes,
+             "tensors": r.tensors, "message": r.message, "source": r.source} for r in listing.refs]
+    rows += [{"ref": name, "error": why} for name, why in listing.damaged.items()]
+    return sorted(rows, key=lambda r: r["ref"])
 
 
 def log_rows(entries: Iterable[Any], manifest: Callable[[str], Manifest]) -> list[dict[str, Any]]:
@@ -37,8 +36,10 @@ def log_rows(entries: Iterable[Any], manifest: Callable[[str], Manifest]) -> lis
         if e.target is not None:
             try:
                 msg = manifest(e.target).message
-            except CkptError:  # a collected or damaged manifest still has a history line
-                msg = "(checkpoint no longer in the store)"
+            except ObjectNotFoundError:  # a collected manifest still has a history line
+                msg = "(no longer in the store: freed by `ckpt gc`)"
+            except CkptError:
+                msg = "(damaged: see `ckpt verify`)"
         rows.append({"seq": e.seq, "version": None if e.target is None else version, "id": e.target,
                      "time": e.time, "message": msg, "removed": e.target is None})
         if e.target is not None:
@@ -73,4 +74,5 @@ def du_doc(u: Any) -> dict[str, Any]:
         "logical_bytes": u.logical, "unique_bytes": u.unique, "stored_bytes": u.stored,
         "dedup_saved_bytes": u.dedup_saved, "compression_saved_bytes": u.compression_saved, "chunks": u.objects,
         "codecs": {k: {"decoded_bytes": d, "stored_bytes": st} for k, (d, st) in u.by_codec.items()},
+        "damaged": u.damaged,
     }

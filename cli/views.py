@@ -46,8 +46,11 @@ def pull(v: dict[str, Any]) -> None:
 
 
 def ls(rows: list[dict[str, Any]]) -> None:
+    """Readable refs as a table; damaged ones (rows with "error") are named by the caller on stderr."""
+    damaged = [r for r in rows if "error" in r]
+    rows = [r for r in rows if "error" not in r]
     if not rows:
-        out.print("no refs yet: `ckpt push FILE NAME` stores a checkpoint")
+        out.print("no readable refs" if damaged else "no refs yet: `ckpt push FILE NAME` stores a checkpoint")
         return
     t = _table(("REF", "ID", "SIZE", "TENSORS", "UPDATED", "MESSAGE"), ("SIZE", "TENSORS"))
     for r in rows:
@@ -144,8 +147,12 @@ def verify(v: dict[str, Any]) -> None:
     for p in v["problems"]:
         if p.startswith("store config"):
             err.print(f"DAMAGED {safe(p)}")
+    if v.get("freed"):
+        out.print(f"note: {len(v['freed'])} earlier version(s) no longer in the store (freed by `ckpt gc --no-history`): "
+                  + ", ".join(safe(f) for f in v["freed"]))
     status = "ok" if v["ok"] else f"{len(v['problems'])} problem(s)"
-    out.print(f"verified {v['refs_checked']} refs, {v['chunks_checked']} chunks, {human_bytes(v['bytes_checked'])}: {status}")
+    versions = f" (+{v['versions_checked']} earlier versions)" if v.get("versions_checked") else ""
+    out.print(f"verified {v['refs_checked']} refs{versions}, {v['chunks_checked']} chunks, {human_bytes(v['bytes_checked'])}: {status}")
 
 
 def rm(v: dict[str, Any]) -> None:
@@ -187,6 +194,8 @@ def diff(report: Any, sort: str, top: int | None, plot: Any) -> None:
         f"elements changed: {s.changed_elements} of {s.elements} ({ratio(s.changed_elements, s.elements)}); "
         f"relative change overall {_num(s.relative_change)}"
     )
+    if s.nonfinite:
+        out.print(f"{s.nonfinite} tensor(s) changed to or from NaN/inf (listed first when sorted by a statistic)")
     if s.delta_bytes is not None:
         out.print(f"B as a delta against A stores about {human_bytes(s.delta_bytes)} "
                   f"({ratio(s.delta_bytes, s.bytes_b)} of B's {human_bytes(s.bytes_b)} of tensor data)")
@@ -196,6 +205,7 @@ def diff(report: Any, sort: str, top: int | None, plot: Any) -> None:
 
 def merge(v: dict[str, Any]) -> None:
     from_base = f", {len(v['from_base'])} from the base" if v["from_base"] else ""
+    from_base += f", {len(v['averaged'])} the base lacks averaged" if v.get("averaged") else ""
     out.print(f"{safe(v['ref'])} -> {v['id'][:12]}  {safe(v['method'])} of {len(v['inputs'])} inputs: {v['merged_tensors']} tensors merged, "
               f"{v['reused_tensors']} reused unread{from_base}; {human_bytes(v['logical_bytes'])}, "
               f"{human_bytes(v['written_bytes'])} written in {v['seconds']:.1f} s")

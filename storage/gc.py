@@ -2,7 +2,8 @@
 
 Live objects: every manifest a live ref points at (with ``keep_history``, also
 every earlier target of a live ref) and every chunk such a manifest names.
-Anything else is deleted only if it is older than the grace period: a push in
+:func:`gc_roots` is the one statement of that rule; ``verify`` checks exactly what
+it names. Anything else is deleted only if it is older than the grace period: a push in
 progress writes its chunks first and touches the chunks it reuses, so its
 objects are young until its ref lands (docs/format.md, "Garbage collection").
 """
@@ -14,8 +15,72 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ckpt_store.storage.chunk_lists import referenced_chunks
+from ckpt_store.storage.errors import ObjectNotFoundError, StoreFormatError
 from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.refs import Refs
+
+
+@dataclass(frozen=True)
+class Root:
+    """A manifest gc keeps alive: version ``version`` of ref ``ref`` (0: its current target)."""
+
+    ref: str
+    version: int
+    target: str
+
+    @property
+    def label(self) -> str:
+        """The name commands accept for it: ``ref`` or ``ref@N`` (see ``Store.resolve``)."""
+        return self.ref if self.version == 0 else f"{self.ref}@{self.version}"
+
+
+@dataclass
+class Roots:
+    roots: list[Root] = field(default_factory=list)
+    # Refs with an entry that cannot be read: name -> (error, entry path). Their roots
+    # are known only down to the damaged entry.
+    damaged: dict[str, tuple[StoreFormatError, str]] = field(default_factory=dict)
+
+    @property
+    def refs(self) -> list[str]:
+        """The live refs the roots belong to, in order."""
+        return list(dict.fromkeys(r.ref for r in self.roots if r.version == 0))
+
+
+def gc_roots(refs: Refs, *, keep_history: bool = True) -> Roots:
+    """What gc keeps alive: the current target of every live ref and, with ``keep_history``,
+    its earlier targets back to its last removal (a name removed and pushed again does
+    not revive what it held before). An alias (``RUN/latest``) keeps only its current
+    target. Removed refs keep nothing. Versions are numbered as ``NAME@N`` counts them.
+
+    A history version whose manifest is no longer in the store was freed by an earlier
+    ``gc --no-history`` and keeps nothing alive (:func:`read_root`).
+    """
+    histories, damaged = refs.scan_histories()
+    out = Roots(damaged=damaged)
+    for name, entries in histories.items():
+        if not entries or entries[0].target is None:
+            continue  # removed (or its newest entry is damaged): its history keeps nothing alive
+        for version, e in enumerate(entries if keep_history and not entries[0].alias else entries[:1]):
+            if e.target is None:
+                break  # a removal: what the ref held before it is history of a removed ref
+            out.roots.append(Root(name, version, e.target))
+    return out
+
+
+def read_root(objects: ObjectStore, target: str, *, current: bool) -> bytes | None:
+    """The manifest ``target`` of a root, verified; None when it is a history version only
+    (``current`` False) and is gone from the store (freed by ``gc --no-history``).
+
+    A current target that is missing, or any target whose bytes are damaged, raises:
+    gc cannot know what such a manifest keeps alive, so it must not delete anything.
+    """
+    try:
+        return objects.get_manifest(target)
+    except ObjectNotFoundError:
+        if current:
+            raise
+        return None
 
 
 @dataclass(frozen=True)
@@ -42,9 +107,8 @@ class GcPlan:
 def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: bool = True, recover: bool = True) -> GcPlan:
     """What ``gc`` would delete now. Reads refs and manifests; deletes nothing.
 
-    Roots are the targets of live refs and, with ``keep_history``, their earlier
-    targets back to the ref's last removal (a name removed and pushed again does not
-    revive what it held before).
+    Roots are what :func:`gc_roots` names; a damaged ref entry, a missing current
+    manifest or any damaged root manifest stops the plan (:func:`read_root`).
 
     Objects are listed *before* refs are read, so an object written after the
     listing is not in the plan at all, and one listed before a concurrent ref
@@ -59,19 +123,19 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     listed = {k: list(objects.list(k)) for k in ("manifests", "chunks")}
     temps = list(objects.list_temporaries(("objects", "refs")))
 
+    found = gc_roots(refs, keep_history=keep_history)
+    if found.damaged:  # what a damaged ref entry keeps alive is unknown: delete nothing
+        err, _ = next(iter(found.damaged.values()))
+        raise err
+    current = {r.target for r in found.roots if r.version == 0}
     roots: set[str] = set()
-    for entries in refs.all_entries().values():
-        if entries[0].target is None:
-            continue  # removed ref: its history keeps nothing alive
-        for e in entries if keep_history and not entries[0].alias else entries[:1]:
-            if e.target is None:
-                break  # a removal: what the ref held before it is history of a removed ref
-            roots.add(e.target)
-
     live_chunks: set[str] = set()
-    for mid in roots:
+    for mid in dict.fromkeys(r.target for r in found.roots):
         # A live manifest that cannot be read stops the plan: nothing is deleted.
-        live_chunks |= referenced_chunks(objects.get_manifest(mid))
+        data = read_root(objects, mid, current=mid in current)
+        if data is not None:
+            roots.add(mid)
+            live_chunks |= referenced_chunks(data)
 
     plan = GcPlan(live_manifests=len(roots), live_chunks=len(live_chunks), cutoff=cutoff, recovered=recovered)
     for kind, live in (("manifests", roots), ("chunks", live_chunks)):

@@ -170,6 +170,34 @@ class Refs:
                 by_name["/".join(parts[1:-1])].append(int(m.group(1)))
         return {n: [self._read(n, s) for s in sorted(seqs, reverse=True)] for n, seqs in sorted(by_name.items())}
 
+    def scan_histories(self) -> tuple[dict[str, list[RefEntry]], dict[str, tuple[StoreFormatError, str]]]:
+        """Like :meth:`all_entries`, but an entry that cannot be read is reported, not raised.
+
+        Returns (histories, damaged): each ref's entries newest first, down to (not
+        including) its newest damaged entry, if any; and for each ref with a damaged
+        entry, (the error, the entry's path). Entries older than a damaged one are left
+        out: whether the damaged entry was a removal cannot be known, so neither can
+        what they count for.
+        """
+        by_name: dict[str, list[int]] = defaultdict(list)
+        for e in self.backend.list("refs"):
+            parts = e.path.split("/")
+            m = _ENTRY.match(parts[-1])
+            if m and len(parts) >= 3:
+                by_name["/".join(parts[1:-1])].append(int(m.group(1)))
+        out: dict[str, list[RefEntry]] = {}
+        damaged: dict[str, tuple[StoreFormatError, str]] = {}
+        for n, seqs in sorted(by_name.items()):
+            entries: list[RefEntry] = []
+            for s in sorted(seqs, reverse=True):
+                try:
+                    entries.append(self._read(n, s))
+                except StoreFormatError as err:
+                    damaged[n] = (err, self._entry_path(n, s))
+                    break
+            out[n] = entries
+        return out, damaged
+
     def live(self) -> dict[str, RefEntry]:
         """Current entry of every ref that exists now (not removed). A damaged entry raises."""
         out, damaged = self.scan()

@@ -56,8 +56,12 @@ _BLOCK = 1 << 20
 class TensorStats:
     """Statistics of ``b - a`` (same shape). Norms are L2 over all elements, in float64.
 
-    ``relative_change`` is ‖b−a‖/‖a‖ and ``cosine`` is a·b/(‖a‖‖b‖); both are None where
-    undefined (a zero norm) or not finite (a NaN or inf in the data).
+    ``relative_change`` is ‖b−a‖/‖a‖ and ``cosine`` is a·b/(‖a‖‖b‖). NaN and inf are
+    reported as such, never hidden: an element that changed to or from NaN (or inf) makes
+    ``max_abs_diff`` and ``relative_change`` NaN (or inf) and counts in ``nonfinite``.
+    Elements whose bits did not change contribute 0 to ``b - a``, so a NaN that stays
+    where it was is not a change. ``relative_change`` is None where it is undefined
+    (‖a‖ = 0 with a change); ``cosine`` is None where undefined or not finite.
     """
 
     changed_elements: int
@@ -67,6 +71,7 @@ class TensorStats:
     norm_a: float
     norm_b: float
     norm_diff: float
+    nonfinite: int = 0  # changed elements that are NaN or ±inf in a or in b
 
 
 def _finite(x: float) -> float | None:
@@ -77,6 +82,11 @@ def _as_real(t: torch.Tensor) -> torch.Tensor:
     import torch
 
     return torch.view_as_real(t).reshape(-1) if t.is_complex() else t.reshape(-1)
+
+
+def _nan_max(x: float, y: float) -> float:
+    """max() that keeps a NaN from either side (Python's max(0.0, nan) is 0.0)."""
+    return math.nan if math.isnan(x) or math.isnan(y) else max(x, y)
 
 
 def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> TensorStats:
@@ -90,33 +100,59 @@ def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> Te
     >>> s = tensor_stats(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 0.0]))
     >>> s.changed_elements, s.relative_change, s.max_abs_diff, s.cosine
     (1, 0.8, 4.0, 0.6)
+    >>> s = tensor_stats(torch.tensor([3.0, 4.0]), torch.tensor([3.0, float("nan")]))
+    >>> s.max_abs_diff, s.relative_change, s.nonfinite
+    (nan, nan, 1)
     """
     import torch
 
     if tuple(a.shape) != tuple(b.shape):
         raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
-    if a.dtype == b.dtype:
+    same_dtype = a.dtype == b.dtype
+    if same_dtype:
         changed = int((bit_pattern(a) != bit_pattern(b)).sum())
     else:
-        changed = int((_as_real(a).double() != _as_real(b).double()).reshape(a.numel(), -1).any(dim=1).sum()) if a.numel() else 0
+        # Values compare; NaN against NaN is no change (bits cannot be compared across dtypes).
+        xa, xb = _as_real(a).double(), _as_real(b).double()
+        differs = (xa != xb) & ~(xa.isnan() & xb.isnan())
+        changed = int(differs.reshape(a.numel(), -1).any(dim=1).sum()) if a.numel() else 0
+        del xa, xb, differs
     fa, fb = _as_real(a), _as_real(b)
-    ssa, ssb, ssd, mad = [], [], [], 0.0
+    ssa, ssb, ssd, mad, nonfinite = [], [], [], 0.0, 0
     for i in range(0, fa.numel(), block):
-        da = fa[i : i + block].to(torch.float64)
-        db = fb[i : i + block].to(torch.float64)
+        ra, rb = fa[i : i + block], fb[i : i + block]
+        da = ra.to(torch.float64)
+        db = rb.to(torch.float64)
         ssa.append(float(torch.dot(da, da)))
         ssb.append(float(torch.dot(db, db)))
         db.sub_(da)
-        ssd.append(float(torch.dot(db, db)))
-        mad = max(mad, float(db.abs_().max()))  # max() keeps a NaN found in any block
+        sd = float(torch.dot(db, db))
+        if not math.isfinite(sd):
+            # Rare path: a NaN or inf in the block. Unchanged elements (NaN - NaN, inf - inf)
+            # are no change; the changed ones that involve NaN/inf are counted and kept.
+            xb = rb.to(torch.float64)
+            same = (bit_pattern(ra) == bit_pattern(rb)) if same_dtype else ((da == xb) | (da.isnan() & xb.isnan()))
+            db.masked_fill_(same, 0.0)
+            bad = ~(torch.isfinite(da) & torch.isfinite(xb))
+            nonfinite += int((bad & ~same).sum())
+            sd = float(torch.dot(db, db))
+        ssd.append(sd)
+        if db.numel():
+            mad = _nan_max(mad, float(db.abs_().max()))
     na, nb, nd = math.sqrt(math.fsum(ssa)), math.sqrt(math.fsum(ssb)), math.sqrt(math.fsum(ssd))
-    rel = (nd / na if na else (0.0 if nd == 0 else math.inf))
+    if changed == 0:
+        rel: float | None = 0.0
+        mad = 0.0
+    elif math.isnan(nd) or math.isnan(na):
+        rel = math.nan
+    else:
+        rel = nd / na if na else None  # a change of a zero tensor has no relative size
     # From |b-a|^2 = |a|^2 + |b|^2 - 2 a.b: 1 - cos = (|b-a|^2 - (|a| - |b|)^2) / (2 |a| |b|),
     # which keeps the digits of a tiny change that a.b / (|a| |b|) would round away.
     cos = 1.0 - (nd - abs(na - nb)) * (nd + abs(na - nb)) / (2.0 * na * nb) if na and nb else math.nan
     if math.isfinite(cos):
         cos = max(-1.0, min(1.0, cos))
-    return TensorStats(changed, _finite(rel), _finite(mad), _finite(cos), na, nb, nd)
+    return TensorStats(changed, rel, mad, _finite(cos), na, nb, nd, nonfinite)
 
 
 def delta_bytes(a: bytes | memoryview | None, b: bytes | memoryview, *, chunk_size: int, elem: int,
@@ -177,12 +213,28 @@ class TensorDiff:
     cosine: float | None
     delta_bytes: int | None  # estimated stored bytes of B's tensor as a delta against A's
     read: bool  # False: decided from the manifests (chunk ids) alone
+    nonfinite_elements: int | None = None  # changed elements that are NaN or ±inf in A or B (None: not compared)
+
+    @property
+    def nonfinite(self) -> bool:
+        """A NaN or inf is part of the change (a diverged fine-tune): such rows sort first."""
+        return bool(self.nonfinite_elements) or any(
+            v is not None and not math.isfinite(v) for v in (self.max_abs_diff, self.relative_change))
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
+        """The record as JSON values: NaN and inf become the strings "nan", "inf", "-inf"
+        (JSON has no such numbers), and ``nonfinite`` flags the record."""
+        d = {k: _json_number(v) for k, v in asdict(self).items()}
         d["shape_a"] = list(self.shape_a) if self.shape_a is not None else None
         d["shape_b"] = list(self.shape_b) if self.shape_b is not None else None
+        d["nonfinite"] = self.nonfinite
         return d
+
+
+def _json_number(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
 
 
 @dataclass(frozen=True)
@@ -199,8 +251,9 @@ class DiffSummary:
     changed_elements: int
     bytes_a: int
     bytes_b: int
-    relative_change: float | None  # ‖B−A‖/‖A‖ over every tensor compared element by element
+    relative_change: float | None  # ‖B−A‖/‖A‖ over every tensor compared element by element (NaN/inf as such)
     delta_bytes: int | None  # stored bytes of B pushed as a delta against A (estimate; None: not estimated)
+    nonfinite: int = 0  # tensors whose change involves NaN or inf
 
 
 @dataclass(frozen=True)
@@ -217,9 +270,12 @@ class DiffReport:
 
     def select(self, sort: str = "order", top: int | None = None) -> list[TensorDiff]:
         """Records sorted by ``sort`` (one of SORT_KEYS; largest change first, cosine
-        smallest first, None last), the first ``top`` of them."""
+        smallest first, None last), the first ``top`` of them. By every statistic,
+        records whose change involves NaN or inf come first (NaN before inf)."""
         if sort not in SORT_KEYS:
             raise ValueError(f"unknown sort key {sort!r}; one of {', '.join(SORT_KEYS)}")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+            raise ValueError(f"top must be an int >= 1 (or None for every tensor), not {top!r}")
         rows = list(self.tensors)
         if sort == "name":
             rows.sort(key=lambda t: t.name)
@@ -227,8 +283,17 @@ class DiffReport:
             rows.sort(key=lambda t: STATUSES.index(t.status))
         elif sort != "order":
             sign = 1.0 if sort == "cosine" else -1.0
-            rows.sort(key=lambda t: (getattr(t, sort) is None, sign * (getattr(t, sort) or 0)))
-        return rows if top is None else rows[: max(0, top)]
+
+            def key(t: TensorDiff) -> tuple[int, float]:
+                v = getattr(t, sort)
+                if isinstance(v, float) and math.isnan(v):
+                    return (0, 0.0)
+                if t.nonfinite or (isinstance(v, float) and math.isinf(v)):
+                    return (1, sign * v if isinstance(v, float) and math.isinf(v) else 0.0)
+                return (2, sign * v) if v is not None else (3, 0.0)
+
+            rows.sort(key=key)
+        return rows if top is None else rows[:top]
 
     def to_json(self, sort: str = "order", top: int | None = None) -> dict[str, Any]:
         """``{"a", "b", "tensors": [...], "summary": {...}}``; the summary covers every
@@ -237,7 +302,7 @@ class DiffReport:
             "a": {"ref": self.a, "id": self.a_id},
             "b": {"ref": self.b, "id": self.b_id},
             "tensors": [t.to_json() for t in self.select(sort, top)],
-            "summary": asdict(self.summary),
+            "summary": {k: _json_number(v) for k, v in asdict(self.summary).items()},
             "options": self.options,
         }
 
@@ -295,8 +360,9 @@ def diff(a: object, b: object, store: Store | None = None, *, include: Sequence[
         elements=sum(r.numel for r in compared), changed_elements=sum(r.changed_elements or 0 for r in compared),
         bytes_a=sum(side_a.meta[r.name].nbytes for r in rows if r.name in side_a.meta),
         bytes_b=sum(side_b.meta[r.name].nbytes for r in rows if r.name in side_b.meta),
-        relative_change=_finite(math.sqrt(sums[1]) / math.sqrt(sums[0])) if sums[0] else (0.0 if not sums[1] else None),
+        relative_change=math.sqrt(sums[1]) / math.sqrt(sums[0]) if sums[0] else (0.0 if not sums[1] else None),
         delta_bytes=sum(r.delta_bytes or 0 for r in rows) if estimate_delta else None,
+        nonfinite=sum(1 for r in rows if r.nonfinite),
     )
     return DiffReport(side_a.label, side_b.label, side_a.id, side_b.id, rows, summary,
                       {"include": list(include or []), "exclude": list(exclude or []), "chunk_size": cs})
@@ -313,7 +379,8 @@ def _compare(name: str, side_a: Side, side_b: Side, cs: int,
                           stats.relative_change if stats else (0.0 if status == "identical" else None),
                           stats.max_abs_diff if stats else (0.0 if status == "identical" else None),
                           stats.cosine if stats else None,
-                          dbytes if estimate else None, read)
+                          dbytes if estimate else None, read,
+                          stats.nonfinite if stats else (0 if status == "identical" else None))
 
     if mb is None:
         assert ma is not None

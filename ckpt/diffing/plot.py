@@ -41,6 +41,8 @@ def _fmt(v: float | None) -> str:
         return "n/a"
     if v == 0:
         return "0"
+    if not math.isfinite(v):
+        return str(v)  # "nan" / "inf": a diverged tensor is labelled, drawn in the "bad" colour
     return f"{v:.1e}".replace("e-0", "e-").replace("e+0", "e")
 
 
@@ -70,7 +72,7 @@ def plot_report(report: DiffReport, path: str | os.PathLike[str]) -> str:
             layered.setdefault((stack, module), {})[idx] = t
     layers = sorted({i for row in layered.values() for i in row})
     rows = list(layered)  # first appearance: the model's own order of module types
-    values = [t.relative_change for t in report.tensors if t.relative_change]
+    values = [t.relative_change for t in report.tensors if t.relative_change and math.isfinite(t.relative_change)]
     lo, hi = (min(values), max(values)) if values else (1e-6, 1.0)
     if lo == hi:
         lo, hi = lo / 10, hi * 10
@@ -97,7 +99,7 @@ def plot_report(report: DiffReport, path: str | os.PathLike[str]) -> str:
                     if t is None:
                         continue
                     v = t.relative_change
-                    grid[r, c] = v if v else np.nan
+                    grid[r, c] = v if v and math.isfinite(v) else np.nan
                     text[r][c] = _fmt(v)
             image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap=cmap, norm=norm)
             for r in range(len(rows)):
@@ -112,7 +114,7 @@ def plot_report(report: DiffReport, path: str | os.PathLike[str]) -> str:
             ax.set_title("layers, grouped by module type", fontsize=9)
         else:
             names = [t.name for t in flat]
-            vals = [t.relative_change or 0.0 for t in flat]
+            vals = [t.relative_change if t.relative_change and math.isfinite(t.relative_change) else 0.0 for t in flat]
             y = np.arange(len(flat))
             # Bars start at the axis' left edge (log scale has no zero); no bar for 0 or n/a.
             left = lo / 3

@@ -10,7 +10,13 @@ base), and each tensor is either
   chunks go into the new manifest as they are, unread;
 * **merged**: read from each input through the lazy reader, upcast to the compute
   dtype (float32; float64 for float64 inputs), combined by the method (see
-  :mod:`ckpt.merging.methods`) and cast back to the input dtype.
+  :mod:`ckpt.merging.methods`) and cast back to the input dtype;
+* **averaged** (``new_tensors="average"``): a tensor the base lacks (a classification
+  head that every fine-tune added), or one that some inputs lack and the base cannot
+  fill, is the plain average of the inputs that hold it (in input order, in the
+  compute dtype; unread when they all hold the same chunks). The method's math needs a
+  base value for every tensor, so without the option such a tensor is an error that
+  names it and this option.
 
 Merged tensors are computed lazily, one at a time, when push's workers first ask
 for one of their chunks, and dropped once their last chunk is handed on. Memory
@@ -61,6 +67,7 @@ log = logging.getLogger(__name__)
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
 MISSING = ("error", "base")
+NEW_TENSORS = ("error", "average")
 
 
 @dataclass(frozen=True)
@@ -73,13 +80,14 @@ class MergeResult:
     params: dict[str, Any]
     inputs: tuple[str, ...]  # checkpoint ids, in input order
     base: str | None
-    merged: int  # tensors computed
+    merged: int  # tensors computed by the method
     reused: int  # tensors whose chunks were taken unread (identical inputs)
     from_base: tuple[str, ...]  # tensors missing from some input, taken from the base
     new_chunks: int
     written_bytes: int
     logical_bytes: int
     seconds: float
+    averaged: tuple[str, ...] = ()  # tensors the base lacks, averaged over the inputs holding them
 
 
 @dataclass(frozen=True)
@@ -89,10 +97,12 @@ class _Step:
     shape: tuple[int, ...]
     nbytes: int
     reuse: tuple[CheckpointReader, TensorEntry] | None  # take these chunks (or bytes) as they are
+    average: tuple[CheckpointReader, ...] | None = None  # compute the plain average of these inputs
 
 
 def _plan(method: MergeMethod, params: Mapping[str, Any], readers: list[CheckpointReader],
-          base: CheckpointReader | None, missing: str, labels: list[str], base_label: str | None) -> list[_Step]:
+          base: CheckpointReader | None, missing: str, labels: list[str], base_label: str | None,
+          new_tensors: str = "error") -> list[_Step]:
     """One step per output tensor, from the manifests; every mismatch is reported before any read."""
     names: list[str] = []
     seen: set[str] = set()
@@ -102,7 +112,7 @@ def _plan(method: MergeMethod, params: Mapping[str, Any], readers: list[Checkpoi
                 seen.add(n)
                 names.append(n)
     problems: list[str] = []
-    any_missing = False
+    fillable, new = [], []  # tensors --fill-from-base could supply; tensors the base cannot
     steps: list[_Step] = []
     identity = method.identity(params)
     compared = readers + ([base] if method.needs_base and base is not None else [])  # must line up
@@ -110,11 +120,16 @@ def _plan(method: MergeMethod, params: Mapping[str, Any], readers: list[Checkpoi
     for name in names:
         lacking = [lab for lab, r in zip(labels + [f"{base_label} (base)"], compared) if name not in r]
         if lacking:
-            if missing == "base" and base is not None and name in base:
-                e = base.info(name)
+            in_base = base is not None and name in base
+            if missing == "base" and in_base:
+                e = base.info(name)  # type: ignore[union-attr]
                 steps.append(_Step(name, e.dtype, e.shape, e.nbytes, (base, e)))
+            elif new_tensors == "average" and not in_base:
+                step = _average_step(name, [r for r in readers if name in r], one_cut, problems)
+                if step is not None:
+                    steps.append(step)
             else:
-                any_missing = True
+                (new if base is not None and not in_base else fillable).append(name)
                 problems.append(f"{name} is missing from {', '.join(lacking)}")
             continue
         entries = [r.info(name) for r in compared]
@@ -131,9 +146,29 @@ def _plan(method: MergeMethod, params: Mapping[str, Any], readers: list[Checkpoi
             steps.append(_Step(name, first.dtype, first.shape, first.nbytes, None))
     if problems:
         more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-        hint = "pass --fill-from-base (missing=\"base\") to take missing tensors from the base" if any_missing else None
-        raise InvalidMergeError("inputs do not line up: " + "; ".join(problems[:8]) + more, hint=hint)
+        hints = []
+        if fillable:
+            hints.append("pass --fill-from-base (missing=\"base\") with --base to take tensors some inputs lack from the base")
+        if new:
+            hints.append(f"the base has no {new[0]}" + (f" (nor {len(new) - 1} more)" if len(new) > 1 else "")
+                         + ": pass --new-tensors average (new_tensors=\"average\") to average such tensors over the inputs that have them")
+        raise InvalidMergeError("inputs do not line up: " + "; ".join(problems[:8]) + more, hint="; ".join(hints) or None)
     return steps
+
+
+def _average_step(name: str, holders: list[CheckpointReader], one_cut: bool, problems: list[str]) -> _Step | None:
+    """The step for a tensor the base lacks: the plain average of ``holders`` (unread if they agree bit for bit)."""
+    entries = [r.info(name) for r in holders]
+    first = entries[0]
+    if len({(e.dtype, e.shape) for e in entries}) > 1:
+        problems.append(f"{name} differs in dtype/shape: " + ", ".join(f"{e.dtype}{list(e.shape)}" for e in entries))
+        return None
+    if one_cut and len({e.chunks for e in entries}) == 1:
+        return _Step(name, first.dtype, first.shape, first.nbytes, (holders[0], first), tuple(holders))
+    if first.dtype not in FLOAT_DTYPES:
+        problems.append(f"{name} is {first.dtype} and differs between inputs: only floating-point tensors can be averaged")
+        return None
+    return _Step(name, first.dtype, first.shape, first.nbytes, None, tuple(holders))
 
 
 class _LazyTensor:
@@ -206,6 +241,13 @@ def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], rea
             return step.reuse[0].get_tensor(step.name)
         cd = torch.float64 if step.dtype == "F64" else torch.float32
         _trim()
+        if step.average is not None:  # a tensor the base lacks: the plain average, in input order
+            xs = _read(list(step.average), step)
+            acc = xs[0].to(cd)
+            for x in xs[1:]:
+                acc.add_(x.to(cd))
+            del xs
+            return acc.div_(len(step.average)).to(to_torch(step.dtype)).contiguous()
         xs = _read(readers + ([base] if method.needs_base and base is not None else []), step)
         for i, x in enumerate(xs):
             xs[i] = x.to(cd)  # one at a time: an upcast copy replaces its source
@@ -222,7 +264,7 @@ def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], rea
 
 def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str | None, store: Store | None = None,
           params: Mapping[str, Any] | None = None, base: str | None = None, missing: str = "error",
-          message: str | None = None, metadata: dict[str, Any] | None = None,
+          new_tensors: str = "error", message: str | None = None, metadata: dict[str, Any] | None = None,
           registry: MethodRegistry | None = None, progress: Progress | None = None,
           _remix: dict[str, Any] | None = None) -> MergeResult:
     """Merge checkpoints ``inputs`` (refs) with ``method`` and store the result as ``name``.
@@ -230,7 +272,10 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     ``params`` are the method's parameters (see :mod:`ckpt.merging.methods` or ``ckpt merge
     --list-methods``); strings are parsed as the CLI does. ``base`` is the checkpoint the
     inputs were fine-tuned from (needed by task-arithmetic, ties and dare); with
-    ``missing="base"``, tensors absent from some input are taken from it. Raises
+    ``missing="base"``, tensors absent from some input are taken from it. With
+    ``new_tensors="average"``, a tensor the base lacks (a classification head the
+    fine-tunes added) or that some inputs lack and the base cannot supply is the plain
+    average of the inputs that hold it; by default it is an error naming it. Raises
     :class:`InvalidMergeError` for an unknown method, a bad parameter, a wrong number of
     inputs, or tensors that do not line up (names, dtypes, shapes) — all before any
     tensor data is read — and the errors of :meth:`Store.resolve` for unknown refs.
@@ -245,6 +290,8 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     bound = m.bind(params, len(inputs), base is not None)
     if missing not in MISSING:
         raise InvalidMergeError(f"missing must be one of {', '.join(MISSING)}, got {missing!r}")
+    if new_tensors not in NEW_TENSORS:
+        raise InvalidMergeError(f"new_tensors must be one of {', '.join(NEW_TENSORS)}, got {new_tensors!r}")
     if missing == "base" and base is None:
         raise InvalidMergeError("taking missing tensors from the base needs a base", hint="pass --base REF")
     if name is not None:
@@ -253,7 +300,7 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
         canonical_json(metadata)
     readers = [store.reader(ref) for ref in inputs]
     base_reader = store.reader(base) if base is not None else None
-    steps = _plan(m, bound, readers, base_reader, missing, list(inputs), base)
+    steps = _plan(m, bound, readers, base_reader, missing, list(inputs), base, new_tensors)
 
     cs = store.settings.chunk_size
     specs = {s.name: (s.dtype, s.shape, s.nbytes) for s in steps}
@@ -268,9 +315,10 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
             reuse[t.name] = s.reuse[1]
         else:
             t.src = _LazyTensor(_compute_fn(s, m, bound, readers, base_reader), chunk_count(s.nbytes, cs), gate)
-    merged = sum(1 for s in steps if s.reuse is None)
+    merged = sum(1 for s in steps if s.reuse is None and s.average is None)
     from_base = tuple(s.name for s in steps if s.reuse is not None and s.reuse[0] is base_reader and base_reader is not None
                       and any(s.name not in r for r in readers))
+    averaged = tuple(s.name for s in steps if s.average is not None)
     log.info("merge %s of %d inputs: %d tensors to compute, %d reused", method, len(inputs), merged, len(steps) - merged)
 
     delta_base = base_reader.id if base_reader is not None else readers[0].id
@@ -282,19 +330,24 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
         "method": m.name, "params": bound, "inputs": [r.id for r in readers], "input_refs": list(inputs),
         "base": base_reader.id if base_reader is not None else None, "base_ref": base, "missing": missing,
     }
+    if averaged:  # recorded only when used: earlier merges' lineage (and ids) stay as they were
+        record["new_tensors"] = {"mode": new_tensors, "averaged": list(averaged)}
     if _remix is not None:
         record["remix"] = _remix
     result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
                          lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse, progress=progress)
     return MergeResult(result.id, name, m.name, bound, tuple(r.id for r in readers), record["base"], merged,
-                       len(steps) - merged - len(from_base), from_base, result.new_chunks, result.written_bytes,
-                       result.logical_bytes, time.perf_counter() - started)
+                       len(steps) - merged - len(from_base) - len(averaged), from_base, result.new_chunks, result.written_bytes,
+                       result.logical_bytes, time.perf_counter() - started, averaged)
 
 
 def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str = "linear", *,
                       params: Mapping[str, Any] | None = None, base: Mapping[str, torch.Tensor] | None = None,
-                      registry: MethodRegistry | None = None) -> dict[str, torch.Tensor]:
+                      registry: MethodRegistry | None = None, new_tensors: str = "error") -> dict[str, torch.Tensor]:
     """The same math on in-memory state dicts (same names, dtypes and shapes everywhere): no store involved.
+
+    A tensor ``base`` lacks (for a method that uses it) is an error, or with
+    ``new_tensors="average"`` the plain average of the inputs, as in :func:`merge`.
 
     >>> import torch
     >>> merge_state_dicts([{"w": torch.tensor([1.0])}, {"w": torch.tensor([2.0])}])["w"].tolist()
@@ -313,6 +366,15 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
             if any(not torch.equal(x, first) for x in xs):
                 raise InvalidMergeError(f"{name} is {first.dtype} and differs between inputs")
             out[name] = first.clone()
+            continue
+        if base is not None and m.needs_base and name not in base:
+            if new_tensors != "average":
+                raise InvalidMergeError(f"the base has no {name}", hint="pass new_tensors=\"average\" to average it over the inputs")
+            cd = torch.float64 if first.dtype == torch.float64 else torch.float32
+            acc = xs[0].to(cd, copy=True)
+            for x in xs[1:]:
+                acc.add_(x.to(cd))
+            out[name] = acc.div_(len(xs)).to(first.dtype)
             continue
         b = base[name] if base is not None and m.needs_base else None
         if m.identity(bound) and all(bit_identical(x, first) for x in xs[1:] + ([b] if b is not None else [])):

@@ -20,8 +20,10 @@ the choice.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +49,63 @@ def _check(k: int, weights: str, candidates: int) -> None:
         raise InvalidMergeError(f"weights must be one of {', '.join(WEIGHTINGS)}, got {weights!r}")
     if candidates == 0:
         raise InvalidMergeError("no candidates to remix")
+
+
+def read_scores(path: str | os.PathLike[str]) -> dict[str, float]:
+    """The scores in a JSON file: ``{"REF": score, ...}`` or ``[{"ref": REF, "score": score}, ...]``.
+
+    A ref given twice (a repeated key or list entry) is refused: which score would count
+    is a guess, so no score silently replaces another. Scores are checked by :func:`choose`.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "s.json"
+    >>> _ = p.write_text('{"ft/a": 0.5, "ft/a": 0.9}')
+    >>> read_scores(p)
+    Traceback (most recent call last):
+    ...
+    ckpt.errors.InvalidMergeError: ... ft/a is given 2 times ...
+    """
+
+    def no_repeats(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        return _unique(pairs, path, "key")
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f, object_pairs_hook=no_repeats)
+    except (OSError, ValueError) as e:
+        raise InvalidMergeError(f"{os.fspath(path)}: cannot read scores ({e})") from None
+    if isinstance(obj, list):
+        try:
+            obj = _unique([(row["ref"], row["score"]) for row in obj], path, "entry")
+        except (TypeError, KeyError):
+            raise InvalidMergeError(f'{os.fspath(path)}: a list of scores needs {{"ref": ..., "score": ...}} objects') from None
+    if not isinstance(obj, dict):
+        raise InvalidMergeError(f"{os.fspath(path)}: expected a JSON object mapping refs to scores")
+    for ref in obj:
+        if not isinstance(ref, str):
+            raise InvalidMergeError(f"{os.fspath(path)}: ref {ref!r} is not a string")
+    return obj  # type: ignore[return-value]
+
+
+def _unique(pairs: list[tuple[object, object]], path: str | os.PathLike[str], what: str) -> dict[object, object]:
+    out: dict[object, object] = {}
+    for k, v in pairs:
+        if k in out:
+            n = sum(1 for k2, _ in pairs if k2 == k)
+            raise InvalidMergeError(f"{os.fspath(path)}: {k} is given {n} times (a repeated {what}); give each ref one score")
+        out[k] = v
+    return out
+
+
+def _distinct_checkpoints(store: Store, refs: Sequence[str]) -> None:
+    """Refuse two refs naming one checkpoint: averaging it twice would silently double its weight."""
+    seen: dict[str, str] = {}
+    for ref in refs:
+        cid = store.resolve(ref)
+        if cid in seen:
+            same = "given twice" if seen[cid] == ref else f"and {seen[cid]} name the same checkpoint ({cid[:12]})"
+            raise InvalidMergeError(f"remix candidates: {ref} {same}", hint="list each checkpoint once")
+        seen[cid] = ref
 
 
 def choose(scores: Mapping[str, float], k: int = 2, *, weights: str = "equal",
@@ -86,6 +145,7 @@ def remix_scores(scores: Mapping[str, float], k: int = 2, *legacy: int, store: S
     if name is not None:
         validate_ref_name(name)
     chosen, ws = choose(scores, k, weights=weights, higher_is_better=higher_is_better)
+    _distinct_checkpoints(store, list(scores))
     if len(chosen) < k:
         log.warning("remix: %d candidates for k=%d; averaging all of them", len(chosen), k)
     note = {"k": k, "weights": weights, "higher_is_better": higher_is_better, "chosen": chosen,
@@ -110,6 +170,7 @@ def remix(candidates: Sequence[str], score_fn: Callable[[dict[str, torch.Tensor]
     if name is not None:
         validate_ref_name(name)
     _check(k, weights, len(candidates))  # before any (expensive) scoring
+    _distinct_checkpoints(store, candidates)
     scores: dict[str, float] = {}
     for ref in candidates:
         sd = store.load(ref)

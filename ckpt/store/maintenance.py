@@ -12,10 +12,11 @@ from ckpt.progress import Progress, reporting
 from ckpt.transfer.pipeline import fetch_chunk, run_parallel
 from ckpt_store.storage.config import read_config
 from ckpt_store.storage.errors import CkptError
-from ckpt_store.storage.gc import Doomed, execute_gc, plan_gc
+from ckpt_store.storage.gc import Doomed, execute_gc, gc_roots, plan_gc, read_root
 
 if TYPE_CHECKING:
     from ckpt.store.store import Store
+    from ckpt_store.storage.refs import RefEntry
 
 
 @dataclass
@@ -24,9 +25,14 @@ class VerifyReport:
     chunks_checked: int = 0
     bytes_checked: int = 0
     problems: list[str] = field(default_factory=list)  # one line per damaged object
-    damaged_refs: dict[str, list[str]] = field(default_factory=dict)  # ref -> its problems
+    # ref (or NAME@N for an earlier version) -> its problems
+    damaged_refs: dict[str, list[str]] = field(default_factory=dict)
     # Objects found missing or damaged: (kind, id) -> decoded length (chunks; 0 for manifests).
     damaged_objects: dict[tuple[str, str], int] = field(default_factory=dict)
+    versions_checked: int = 0  # earlier versions (NAME@1...) checked besides the refs' current ones
+    # Earlier versions whose manifest is gone (freed by `gc --no-history`): gc keeps nothing of
+    # theirs, so this is not damage; listed so that a loss is not invisible either.
+    freed: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -34,35 +40,53 @@ class VerifyReport:
 
 
 def verify(store: Store, names: list[str] | None = None, progress: Progress | None = None) -> VerifyReport:
-    """Check every object reachable from ``names`` (default: every live ref): present, decodable, re-hashing to its id."""
+    """Check every object reachable from ``names``: present, decodable, re-hashing to its id.
+
+    Without ``names``: everything ``gc`` keeps alive (:func:`~ckpt_store.storage.gc.gc_roots`),
+    i.e. every live ref and its earlier versions (``NAME@1``...), each damaged one named
+    by the label commands accept. ``names`` are refs, ``NAME@N`` or id prefixes.
+    """
     report = VerifyReport()
     try:
         read_config(store.backend)
     except CkptError as e:
         report.problems.append(f"store config: {e}")
     # Names that do not resolve are the caller's mistake, not damage: raise before checking.
+    labels: dict[str, list[str]] = defaultdict(list)  # manifest id -> labels that need it
+    current: set[str] = set()
     if names is None:
-        live, damaged = store.refs_db.scan()
-        targets = {n: e.target for n, e in live.items()}
-        for n, (err, _) in damaged.items():  # a ref whose entry is damaged: its target is unknown
-            report.refs_checked += 1
+        found = gc_roots(store.refs_db, keep_history=True)
+        for n, (err, _) in found.damaged.items():  # a damaged ref entry: what it names is unknown
             report.problems.append(str(err))
             report.damaged_refs.setdefault(n, []).append(str(err))
+        report.refs_checked = len(set(found.refs) | set(found.damaged))
+        report.versions_checked = sum(1 for r in found.roots if r.version > 0)
+        for root in found.roots:
+            labels[root.target].append(root.label)
+            if root.version == 0:
+                current.add(root.target)
     else:
-        targets = {n: store.resolve(n) for n in names}
-    users: dict[str, set[str]] = defaultdict(set)  # chunk id -> refs that need it
+        for n in names:
+            labels[store.resolve(n)].append(n)
+        current = set(labels)
+        report.refs_checked = len(names)
+    users: dict[str, set[str]] = defaultdict(set)  # chunk id -> labels that need it
     lengths: dict[str, int] = {}
-    for name, target in targets.items():
-        report.refs_checked += 1
+    for target, who in labels.items():
         try:
-            m = Manifest.from_json(store.objects.get_manifest(target), f"manifest {target}")
+            data = read_root(store.objects, target, current=target in current)
+            if data is None:
+                report.freed.extend(who)
+                continue
+            m = Manifest.from_json(data, f"manifest {target}")
         except CkptError as e:
             report.problems.append(str(e))
-            report.damaged_refs.setdefault(name, []).append(str(e))
+            for name in who:
+                report.damaged_refs.setdefault(name, []).append(str(e))
             report.damaged_objects[("manifest", getattr(e, "object_id", target))] = 0
             continue
         for cid, n in m.chunk_lengths().items():
-            users[cid].add(name)
+            users[cid].update(who)
             lengths[cid] = n
 
     def check(cid: str) -> tuple[str, str] | None:
@@ -153,6 +177,8 @@ class StoreUsage:
     stored_chunks: int
     objects: int
     by_codec: dict[str, tuple[int, int]] = field(default_factory=dict)  # codec -> (decoded, stored) bytes
+    # Refs left out because their entry or checkpoint cannot be read: name -> the error.
+    damaged: dict[str, str] = field(default_factory=dict)
 
     @property
     def dedup_saved(self) -> int:
@@ -163,16 +189,63 @@ class StoreUsage:
         return self.unique - self.stored_chunks
 
 
+@dataclass(frozen=True)
+class RefSummary:
+    """One line of ``ckpt ls``: a live ref and what its checkpoint's manifest says."""
+
+    name: str
+    id: str
+    time: float
+    logical_bytes: int
+    tensors: int
+    message: str | None
+    source: str
+
+
+@dataclass(frozen=True)
+class RefListing:
+    refs: list[RefSummary]
+    damaged: dict[str, str]  # refs whose entry or manifest cannot be read -> the error
+
+
+def _live_manifests(store: Store) -> tuple[list[tuple[str, RefEntry, Manifest]], dict[str, str]]:
+    """Every live ref with its manifest; a damaged ref entry or manifest is set aside, not raised."""
+    live, bad = store.refs_db.scan()
+    damaged = {n: str(err) for n, (err, _) in bad.items()}
+    out = []
+    for name, entry in live.items():
+        assert entry.target is not None
+        try:
+            out.append((name, entry, store.manifest(entry.target)))
+        except CkptError as e:  # one damaged checkpoint must not hide every other ref
+            damaged[name] = str(e)
+    return out, dict(sorted(damaged.items()))
+
+
+def list_refs(store: Store) -> RefListing:
+    """Every live ref, by name, with its checkpoint's size and message.
+
+    A ref whose entry or manifest cannot be read is listed in ``damaged`` with its
+    error instead of stopping the listing (``ckpt verify`` says more).
+    """
+    rows, damaged = _live_manifests(store)
+    return RefListing([RefSummary(n, e.target or "", e.time, m.logical_bytes, len(m.tensors), m.message, m.source)
+                       for n, e, m in rows], damaged)
+
+
 def du(store: Store) -> StoreUsage:
-    """Logical vs stored bytes per live ref and for the whole store."""
+    """Logical vs stored bytes per live ref and for the whole store.
+
+    A ref whose entry or manifest cannot be read is left out of the figures and
+    named in ``damaged``.
+    """
     chunk_sizes = {o.id: o.size for o in store.objects.list("chunks")}
     manifest_bytes = sum(o.size for o in store.objects.list("manifests"))
     per_ref = []
     all_chunks: dict[str, int] = {}
     users: dict[str, int] = defaultdict(int)
-    for name, entry in store.refs_db.live().items():
-        assert entry.target is not None
-        m = store.manifest(entry.target)
+    rows, damaged = _live_manifests(store)
+    for name, entry, m in rows:
         lengths = m.chunk_lengths()
         all_chunks.update(lengths)
         for c in lengths:
@@ -206,6 +279,7 @@ def du(store: Store) -> StoreUsage:
         stored_chunks=stored_chunks,
         objects=len(chunk_sizes),
         by_codec={k: (v[0], v[1]) for k, v in sorted(by_codec.items())},
+        damaged=damaged,
     )
 
 

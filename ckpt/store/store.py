@@ -116,18 +116,30 @@ class Store:
 
     # -- names ---------------------------------------------------------------
     def resolve(self, ref: str) -> str:
-        """The checkpoint id ``ref`` names: a ref, ``name@N`` (N versions back), or an id prefix."""
+        """The checkpoint id ``ref`` names: a ref, ``name@N``, or an id prefix.
+
+        ``name@N`` is the N-th newest version ``name`` pointed at (removals do not count),
+        as ``ckpt log`` labels them: ``name@0`` is the current version, or, once the ref
+        is removed, the last one it had. An earlier version that ``gc`` has freed (every
+        version of a removed ref; earlier versions with ``--no-history``) raises
+        :class:`RefNotFoundError` saying so.
+        """
         if not isinstance(ref, str) or not ref:
             raise RefNotFoundError("empty ref")
         m = _HISTORY.match(ref)
         if m:
             name, back = m.group(1), int(m.group(2))
-            versions = [e for e in self.refs_db.history(name) if e.target is not None]
+            history = self.refs_db.history(name)
+            versions = [e for e in history if e.target is not None]
             if back >= len(versions):
                 raise RefNotFoundError(f"{name} has {len(versions)} versions; {ref} does not exist", hint=f"see `ckpt log {name}`")
-            if back == 0 and self.refs_db.current(name) is None:
-                raise RefNotFoundError(f"ref {name} was removed", hint=f"its history: `ckpt log {name}`")
-            return versions[back].target  # type: ignore[return-value]
+            target: str = versions[back].target  # type: ignore[assignment]
+            if (history[0].target is None or back > 0) and not self.objects.has("manifests", target):
+                # Not the current version: gc may have freed it on purpose. (A current version
+                # whose manifest is missing is damage, which `ckpt verify` reports.)
+                why = f"{name} was removed" if history[0].target is None else "gc --no-history frees earlier versions"
+                raise RefNotFoundError(f"{ref} (checkpoint {target[:12]}) is no longer in the store: `ckpt gc` freed it ({why})")
+            return target
         try:
             entry = self.refs_db.current(ref)
         except InvalidNameError:
@@ -136,6 +148,8 @@ class Store:
                 raise
         if entry is not None:
             return entry.target  # type: ignore[return-value]
+        if not _HEX.match(ref) and self.refs_db.history(ref):
+            raise RefNotFoundError(f"ref {ref} was removed", hint=f"its last version is {ref}@0; history: `ckpt log {ref}`")
         if _HEX.match(ref):
             found = self.objects.find_manifests(ref)
             if len(found) == 1:

@@ -21,6 +21,7 @@ import ckpt
 from ckpt.codecs.chunk import CODEC_NAMES
 from ckpt.errors import CkptError, RefNotFoundError
 from ckpt.format.manifest import Manifest
+from ckpt.store.maintenance import list_refs
 from ckpt_store.cli import results
 
 STEP_REF = re.compile(r"^(?P<run>.+)/step-(?P<step>\d+)$")
@@ -112,8 +113,15 @@ class StoreView:
 
     # -- documents ----------------------------------------------------------------------
     def ls(self) -> list[dict[str, Any]]:
-        """The rows of ``ckpt ls --json``."""
-        return results.ls_rows(self.refs(), self.manifest)
+        """The rows of ``ckpt ls --json`` (readable refs; damaged ones are in ``damaged()``)."""
+        return [r for r in self._listing() if "error" not in r]
+
+    def damaged(self) -> dict[str, str]:
+        """Refs that cannot be read, with the error (as ``ckpt ls`` names them)."""
+        return {r["ref"]: r["error"] for r in self._listing() if "error" in r}
+
+    def _listing(self) -> list[dict[str, Any]]:
+        return self.fresh("ls", lambda: results.ls_rows(list_refs(self.store)))
 
     def overview_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """ls rows with what the overview adds: stored bytes, codec mix, version number."""

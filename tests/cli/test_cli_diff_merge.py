@@ -109,3 +109,36 @@ def test_remix_from_scores(fam, capsys):
     (tmp / "bad.json").write_text("[1, 2]")
     code, _, err = run_main(capsys, "remix", "--scores", str(tmp / "bad.json"), "-o", "m/s3")
     assert code == 1 and "ref" in err and err.count("\n") == 1
+
+
+def test_diff_top_below_one_is_rejected(fam, capsys):
+    """Issue 15 item 14: --top 0 / --top -1 printed an empty table and exited 0."""
+    for bad in ("0", "-1"):
+        code, out, err = run_main(capsys, "diff", "m/base", "m/ft0", "--top", bad)
+        assert code == 2 and "TENSOR" not in out
+        assert "--top" in err and "greater than or equal to 1" in err
+    from ckpt.diffing.compare import diff
+
+    with pytest.raises(ValueError, match="top must be an int >= 1"):
+        diff("m/base", "m/ft0").select("relative_change", 0)
+
+
+@pytest.mark.parametrize("text", [
+    '{"m/ft0": 0.9, "m/ft1": 0.5, "m/ft0": 0.1}',  # a repeated JSON key: the last used to win silently
+    '[{"ref": "m/ft0", "score": 0.9}, {"ref": "m/ft1", "score": 0.5}, {"ref": "m/ft0", "score": 0.1}]',
+])
+def test_remix_refuses_a_ref_scored_twice(fam, capsys, text):
+    """Issue 15 item 14: a scores file naming one ref twice is refused, naming it, before any merge."""
+    tmp, _, _ = fam
+    (tmp / "scores.json").write_text(text)
+    code, out, err = run_main(capsys, "remix", "--scores", str(tmp / "scores.json"), "-k", "1", "-o", "m/start")
+    assert code == 1 and err.count("\n") == 1
+    assert "m/ft0 is given 2 times" in err
+    assert run_main(capsys, "show", "m/start")[0] == 1  # nothing was stored
+
+
+def test_remix_refuses_two_refs_of_one_checkpoint(fam, capsys):
+    tmp, _, _ = fam
+    (tmp / "scores.json").write_text('{"m/ft0": 0.9, "m/ft0@0": 0.8, "m/ft1": 0.5}')
+    code, out, err = run_main(capsys, "remix", "--scores", str(tmp / "scores.json"), "-k", "2", "-o", "m/start")
+    assert code == 1 and "m/ft0@0 and m/ft0 name the same checkpoint" in err

@@ -37,7 +37,7 @@ def test_stats_edge_cases():
     assert s.relative_change is None and s.cosine is None and s.changed_elements == 3  # undefined: |A| = 0
     # changed means different bits: -0.0 vs 0.0 counts, NaN vs the same NaN does not
     assert tensor_stats(torch.tensor([0.0, float("nan")]), torch.tensor([-0.0, float("nan")])).changed_elements == 1
-    assert tensor_stats(torch.tensor([1.0]), torch.tensor([float("nan")])).relative_change is None
+    assert math.isnan(tensor_stats(torch.tensor([1.0]), torch.tensor([float("nan")])).relative_change)  # NaN as such
     # different dtypes compare values; empty tensors have nothing to compare
     s = tensor_stats(torch.tensor([1.0, 1.5]), torch.tensor([1.0, 1.5], dtype=torch.bfloat16))
     assert s.changed_elements == 0 and s.relative_change == 0.0
@@ -63,6 +63,65 @@ def test_property_stats_match_numpy(data):
     assert same.changed_elements == 0 and same.relative_change == 0.0
     if na > 0:
         assert same.cosine == pytest.approx(1.0, abs=1e-12)
+
+
+def test_nan_and_inf_changes_are_reported_as_such():
+    """Issue 15 item 6: max(0.0, nan) made a weight turned NaN look unchanged (0.0), and inf printed as '-'."""
+    a = torch.linspace(-1, 1, 10)
+    for bad, check in ((float("nan"), math.isnan), (float("inf"), math.isinf), (float("-inf"), math.isinf)):
+        for block in (3, 1 << 20):  # the NaN in the first, a middle, or the only block
+            b = a.clone()
+            b[4] = bad
+            s = tensor_stats(a, b, block=block)
+            assert s.changed_elements == 1 and s.nonfinite == 1
+            assert check(s.max_abs_diff) and check(s.relative_change) and s.cosine is None
+            assert check(tensor_stats(b, a, block=block).max_abs_diff)  # from NaN/inf back to a number: a change too
+    # A NaN or inf that stays where it was is no change; one that appears elsewhere is.
+    a2 = a.clone()
+    a2[0], a2[1] = float("nan"), float("inf")
+    s = tensor_stats(a2, a2.clone(), block=3)
+    assert (s.changed_elements, s.max_abs_diff, s.relative_change, s.nonfinite) == (0, 0.0, 0.0, 0)
+    b2 = a2.clone()
+    b2[9] = 5.0
+    s = tensor_stats(a2, b2, block=3)
+    assert s.changed_elements == 1 and s.max_abs_diff == 4.0 and s.nonfinite == 0
+    # Different dtypes compare values: bf16 NaN against fp32 NaN is no change either.
+    s = tensor_stats(a2, a2.to(torch.bfloat16).float().to(torch.bfloat16), block=3)
+    assert s.nonfinite == 0 and math.isfinite(s.max_abs_diff)
+
+
+def test_a_diverged_tensor_sorts_first_and_reads_nan_in_text_and_json(store, tmp_path, monkeypatch, capsys):
+    import json
+
+    from ckpt_store.cli.main import main
+
+    g = torch.Generator().manual_seed(0)
+    a = {f"l{i}": torch.randn(64, generator=g) for i in range(4)}
+    b = {k: v + (10.0 if k == "l0" else 0.0) for k, v in a.items()}  # l0: a large finite change
+    b["l2"] = a["l2"].clone()
+    b["l2"][5] = float("nan")  # l2: one element diverged
+    b["l3"] = a["l3"].clone()
+    b["l3"][7] = float("inf")
+    store.push(a, "d/a")
+    store.push(b, "d/b")
+    report = ckpt.diff("d/a", "d/b", store=store)
+    for key in ("max_abs_diff", "relative_change", "changed_elements", "cosine", "delta_bytes"):
+        assert [t.name for t in report.select(key)][:2] == ["l2", "l3"], key  # NaN first, then inf
+    assert report.summary.nonfinite == 2 and math.isnan(report.summary.relative_change)
+    doc = report.to_json("max_abs_diff")
+    json.dumps(doc, allow_nan=False)  # still plain JSON
+    rows = {t["name"]: t for t in doc["tensors"]}
+    assert (rows["l2"]["max_abs_diff"], rows["l2"]["relative_change"], rows["l2"]["nonfinite"]) == ("nan", "nan", True)
+    assert (rows["l3"]["max_abs_diff"], rows["l3"]["nonfinite_elements"]) == ("inf", 1)
+    assert rows["l0"]["nonfinite"] is False and rows["l0"]["max_abs_diff"] == pytest.approx(10.0)
+    assert doc["summary"]["nonfinite"] == 2 and doc["summary"]["relative_change"] == "nan"
+    monkeypatch.setenv("CKPT_STORE", store.url)
+    with pytest.raises(SystemExit):
+        main(["diff", "d/a", "d/b", "--sort", "max_abs_diff"])
+    text = capsys.readouterr().out
+    lines = [line.split() for line in text.splitlines() if line.startswith("l")]
+    assert [(r[0], r[4]) for r in lines[:2]] == [("l2", "nan"), ("l3", "inf")]
+    assert "2 tensor(s) changed to or from NaN/inf" in text
 
 
 def two_checkpoints():

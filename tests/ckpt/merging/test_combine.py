@@ -217,3 +217,61 @@ def test_empty_and_scalar_tensors(store):
     ckpt.merge(["z/a", "z/b"], "linear", name="z/m", store=store)
     out = store.load("z/m")
     assert out["e"].shape == (0, 4) and out["s"].item() == 2.0 and out["w"].tolist() == [0.5] * 3
+
+
+def test_fine_tunes_that_add_a_head_the_base_lacks(store, family):
+    """Issue 16 item 8: task-arithmetic of classification fine-tunes failed with a hint to pass
+    --fill-from-base, which cannot help: the base is what lacks the head."""
+    base, fts = family
+    g = torch.Generator().manual_seed(5)
+    heads = [torch.randn(3, 32, generator=g) for _ in range(3)]
+    store.push({k: v for k, v in base.items() if k != "head.weight"}, "cls/base")
+    for i in range(2):
+        store.push({**fts[i], "cls.weight": heads[i]}, f"cls/ft{i}")
+    store.push({**fts[2], "cls.weight": heads[0]}, "cls/ft2")  # same head as ft0: reused unread
+    with pytest.raises(InvalidMergeError) as e:
+        ckpt.merge(["cls/ft0", "cls/ft1"], "task-arithmetic", name="x", base="cls/base", store=store)
+    text = str(e.value)
+    assert "cls.weight is missing from cls/base (base)" in text and "head.weight is missing from cls/base (base)" in text
+    assert "the base has no" in text and "--new-tensors average" in text and "--fill-from-base" not in text
+    with pytest.raises(InvalidMergeError, match="--new-tensors average"):  # the option that does not help, refused alike
+        ckpt.merge(["cls/ft0", "cls/ft1"], "task-arithmetic", name="x", base="cls/base", missing="base", store=store)
+    with pytest.raises(InvalidMergeError, match="new_tensors must be one of error, average"):
+        ckpt.merge(["cls/ft0", "cls/ft1"], "task-arithmetic", name="x", base="cls/base", new_tensors="mean", store=store)
+
+    r = ckpt.merge(["cls/ft0", "cls/ft1"], "task-arithmetic", name="x", base="cls/base", new_tensors="average",
+                   params={"weights": [0.7, 0.3]}, store=store)
+    assert r.averaged == ("head.weight", "cls.weight") and r.merged + r.reused + len(r.averaged) == len(fts[0]) + 1
+    out = store.load("x")
+    for name, xs in (("cls.weight", heads[:2]), ("head.weight", [fts[0]["head.weight"], fts[1]["head.weight"]])):
+        cd = torch.float64 if xs[0].dtype == torch.float64 else torch.float32
+        expect = ((xs[0].to(cd) + xs[1].to(cd)) / 2).to(xs[0].dtype)  # plain, unweighted average
+        assert bits(out[name]) == bits(expect), name
+    assert store.manifest("x").lineage["merge"]["new_tensors"] == {"mode": "average", "averaged": ["head.weight", "cls.weight"]}
+    # the other tensors are the method's: unchanged by the option
+    ref = ckpt.merge(["fam/ft0", "fam/ft1"], "task-arithmetic", name="y", base="fam/base", params={"weights": [0.7, 0.3]}, store=store)
+    assert ref.averaged == ()
+    assert bits(out["layers.1.weight"]) == bits(store.load("y")["layers.1.weight"])
+    # inputs holding the same bytes: taken unread
+    r = ckpt.merge(["cls/ft0", "cls/ft2"], "task-arithmetic", name="z", base="cls/base", new_tensors="average", store=store)
+    assert "cls.weight" in r.averaged and bits(store.load("z")["cls.weight"]) == bits(heads[0])
+
+
+def test_merge_cli_new_tensors(store, family, monkeypatch, capsys):
+    from ckpt_store.cli.main import main
+
+    base, fts = family
+    store.push({k: v for k, v in base.items() if k != "head.weight"}, "cls/base")
+    monkeypatch.setenv("CKPT_STORE", store.url)
+
+    def run(*args):
+        with pytest.raises(SystemExit) as e:
+            main(list(args))
+        cap = capsys.readouterr()
+        return e.value.code, cap.out, cap.err
+
+    code, _, err = run("merge", "fam/ft0", "fam/ft1", "--method", "task-arithmetic", "-b", "cls/base", "-o", "cls/m")
+    assert code == 1 and err.count("\n") == 1 and "--new-tensors average" in err and "--fill-from-base" not in err
+    code, out, err = run("merge", "fam/ft0", "fam/ft1", "--method", "task-arithmetic", "-b", "cls/base", "-o", "cls/m",
+                         "--new-tensors", "average")
+    assert code == 0 and "1 the base lacks averaged" in out, err

@@ -1,10 +1,8 @@
-"""ckpt.remix: choosing the best past fine-tunes and averaging them; the README's example runs."""
+"""ckpt.remix: choosing the best past fine-tunes and averaging them (the README example runs in tests/test_readme.py)."""
 
 from __future__ import annotations
 
-import ast
 import pathlib
-import re
 
 import pytest
 import torch
@@ -74,18 +72,3 @@ def test_remix_checks_before_scoring(store, past):
     assert calls == []
     with pytest.raises(InvalidMergeError, match="not a number"):
         ckpt.remix(list(past), lambda sd: "good", store=store)
-
-
-def readme_remix_example() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Remixing past fine-tunes"):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
-
-
-def test_readme_remix_example_runs(tmp_path, monkeypatch, capsys, one_thread):
-    monkeypatch.chdir(tmp_path)
-    exec(compile(readme_remix_example(), "README.md", "exec"), {"__name__": "readme"})
-    chosen = ast.literal_eval(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(chosen) == 2 and "tiny/ft-2" in chosen  # the new task is old task 2: its fine-tune wins
-    store = ckpt.Store.open(str(tmp_path / "remix-store"))
-    assert store.manifest("tiny/new-start").lineage["merge"]["remix"]["chosen"] == chosen

@@ -48,9 +48,43 @@ def test_ref_forms(store):
     with pytest.raises(RefNotFoundError):
         store.resolve("nope")
     store.remove("m/a")
-    with pytest.raises(RefNotFoundError, match="removed"):
-        store.resolve("m/a@0")
-    assert store.resolve("m/a@1") == first  # history stays reachable until gc
+    with pytest.raises(RefNotFoundError, match=r"m/a was removed \(its last version is m/a@0"):
+        store.resolve("m/a")
+    # `ckpt log` labels the versions of a removed ref m/a@0, m/a@1: both resolve until gc
+    assert store.resolve("m/a@0") == second and store.resolve("m/a@1") == first
+
+
+def test_versions_gc_freed_say_so(tmp_path):
+    """Issue 15 item 15: after `rm x`, `log` showed x@0 that resolve called removed; after gc, an
+    ObjectNotFoundError said "run `ckpt verify`", which then reported ok."""
+    path = tmp_path / "s"
+    store = ckpt.Store.init(str(path))
+    store.push({"w": torch.ones(3)}, "x")
+    store.push({"w": torch.zeros(3)}, "x")
+    keep = store.push({"w": torch.ones(5)}, "y")
+    store.push({"w": torch.ones(6)}, "y")
+    store.remove("x")
+    _age(path)
+    store.gc(grace_s=0)
+    for label in ("x@0", "x@1"):
+        with pytest.raises(RefNotFoundError, match=rf"{label} \(checkpoint [0-9a-f]{{12}}\) is no longer in the store: "
+                                                    r"`ckpt gc` freed it \(x was removed\)"):
+            store.resolve(label)
+    assert store.resolve("y@1") == keep
+    store.gc(grace_s=0, keep_history=False)
+    with pytest.raises(RefNotFoundError, match=r"y@1 .* no longer in the store: `ckpt gc` freed it \(gc --no-history"):
+        store.resolve("y@1")
+    r = store.verify()
+    assert r.ok and r.freed == ["y@1"]
+
+
+def _age(path, seconds=100):
+    import time
+
+    t = time.time() - seconds
+    for root, _, files in os.walk(path / "objects"):
+        for f in files:
+            os.utime(os.path.join(root, f), (t, t))
 
 
 def test_ambiguous_prefix(store):

@@ -1,0 +1,108 @@
+"""Damaged and collected checkpoints through the CLI: every command tells the same story.
+
+Issue 15 items 5 and 15: `verify` checks what `gc` keeps (history included), one
+corrupt manifest does not stop `ls`/`du` for the other refs, and the labels `log`
+prints are the names `pull` accepts, with hints that point at something that helps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from test_cli_runner import run_main
+
+import ckpt
+
+
+@pytest.fixture
+def damaged(tmp_path, monkeypatch):
+    """Refs a (two versions, a@1's manifest corrupt), b (current manifest corrupt) and c (fine)."""
+    path = tmp_path / "store"
+    monkeypatch.setenv("CKPT_STORE", str(path))
+    store = ckpt.Store.init(str(path))
+    store.push({"w": torch.ones(3)}, "a")
+    store.push({"w": torch.zeros(3)}, "a")
+    store.push({"w": torch.ones(5)}, "b")
+    store.push({"w": torch.ones(6)}, "c")
+    for ref in ("a@1", "b"):
+        with open(path / store.objects.path("manifests", store.resolve(ref)), "r+b") as f:
+            f.write(b"XX")
+    return store
+
+
+def test_verify_names_a_damaged_earlier_version(damaged, capsys):
+    code, out, err = run_main(capsys, "verify")
+    assert code == 1
+    assert "DAMAGED a@1: manifest" in err and "DAMAGED b: manifest" in err
+    assert "verified 3 refs (+1 earlier versions)" in out
+    code, out, _ = run_main(capsys, "verify", "--json")
+    doc = json.loads(out)
+    assert code == 1 and set(doc["damaged_refs"]) == {"a@1", "b"} and doc["versions_checked"] == 1
+
+
+def test_ls_and_du_go_on_past_a_damaged_ref(damaged, capsys):
+    code, out, err = run_main(capsys, "ls")
+    assert code == 1
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["a", "c"]
+    assert err.startswith("DAMAGED b: manifest") and err.count("\n") == 1
+    code, out, err = run_main(capsys, "ls", "--json")
+    rows = json.loads(out)
+    assert code == 1 and [r["ref"] for r in rows] == ["a", "b", "c"] and "corrupt" in rows[1]["error"]
+    code, out, err = run_main(capsys, "du")
+    assert code == 1 and "2 refs" in out and err.startswith("DAMAGED b: manifest")
+    code, out, err = run_main(capsys, "du", "--json")
+    doc = json.loads(out)
+    assert code == 1 and [r["ref"] for r in doc["refs"]] == ["a", "c"] and list(doc["damaged"]) == ["b"]
+
+
+def test_log_labels_are_what_pull_accepts_after_rm_and_gc(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "store"
+    monkeypatch.setenv("CKPT_STORE", str(path))
+    store = ckpt.Store.init(str(path))
+    last = {"w": torch.zeros(3)}
+    store.push({"w": torch.ones(3)}, "x")
+    store.push(last, "x")
+    assert run_main(capsys, "rm", "x")[0] == 0
+    code, out, _ = run_main(capsys, "log", "x")
+    labels = [w for line in out.splitlines() for w in line.split() if w.startswith("x@")]
+    assert labels == ["x@0", "x@1"]
+    for label in labels:  # every label log prints, pull accepts
+        assert run_main(capsys, "pull", label, str(tmp_path / f"{label}.safetensors"))[0] == 0
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(tmp_path / "x@0.safetensors")["w"], last["w"])
+    code, _, err = run_main(capsys, "pull", "x", str(tmp_path / "o.safetensors"))
+    assert code == 1 and "ref x was removed (its last version is x@0" in err
+    t = time.time() - 100
+    for root, _, files in os.walk(path / "objects"):
+        for f in files:
+            os.utime(os.path.join(root, f), (t, t))
+    assert run_main(capsys, "gc", "--grace", "0s")[0] == 0
+    code, out, _ = run_main(capsys, "log", "x")
+    assert out.count("no longer in the store: freed by `ckpt gc`") == 2
+    code, _, err = run_main(capsys, "pull", "x@0", str(tmp_path / "o.safetensors"))
+    assert code == 1 and "x@0 (checkpoint" in err and "`ckpt gc` freed it (x was removed)" in err
+    assert "ckpt verify" not in err  # verify would (rightly) say ok: it must not be the hint
+
+
+def test_gc_after_no_history_and_its_hint(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "store"
+    monkeypatch.setenv("CKPT_STORE", str(path))
+    store = ckpt.Store.init(str(path))
+    store.push({"w": torch.ones(3)}, "y")
+    store.push({"w": torch.zeros(3)}, "y")
+    t = time.time() - 100
+    for root, _, files in os.walk(path / "objects"):
+        for f in files:
+            os.utime(os.path.join(root, f), (t, t))
+    assert run_main(capsys, "gc", "--grace", "0s", "--no-history")[0] == 0
+    code, out, err = run_main(capsys, "gc", "--grace", "0s")  # used to fail: "manifest ... missing (run `ckpt verify`)"
+    assert code == 0, err
+    code, out, err = run_main(capsys, "verify")
+    assert code == 0 and "y@1" in out and "gc --no-history" in out
+    code, _, err = run_main(capsys, "pull", "y@1", str(tmp_path / "o.safetensors"))
+    assert code == 1 and "freed it (gc --no-history frees earlier versions)" in err
