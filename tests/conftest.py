@@ -22,7 +22,7 @@ os.environ["AWS_ENDPOINT_URL"] = "http://127.0.0.1:9"
 # S3 servers the S3 conformance tests run on: moto by default; CI adds seaweedfs
 # (S3_TEST_SERVERS=moto,seaweedfs) when its binary is installed. Heavier S3 tests
 # (CLI, concurrency, faults) use the first one only.
-S3_SERVERS = [s.strip() for s in os.environ.get("S3_TEST_SERVERS", "moto").split(",") if s.strip()]
+from s3support import S3_SERVERS  # noqa: E402  (tests/ is on sys.path: this file's folder)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

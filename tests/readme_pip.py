@@ -12,7 +12,8 @@ import re
 import sys
 
 EXTRAS = {"s3": ["s3fs"], "lightning": ["pytorch_lightning"], "transformers": ["transformers", "accelerate"],
-          "plot": ["matplotlib"], "test": ["pytest", "hypothesis"]}
+          "plot": ["matplotlib"], "test": ["pytest", "hypothesis"],
+          "web": ["starlette", "jinja2", "uvicorn"]}
 
 
 def main(argv: list[str]) -> int:

@@ -28,6 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# S3 servers the S3 conformance tests run on: moto by default; CI adds seaweedfs
+# (S3_TEST_SERVERS=moto,seaweedfs) when its binary is installed.
+S3_SERVERS = [s.strip() for s in os.environ.get("S3_TEST_SERVERS", "moto").split(",") if s.strip()]
+
 KEY = "ckpt-test-key"
 SECRET = "ckpt-test-secret-Zq9xW2"  # distinctive, so tests can assert it never appears in output
 LOOPBACK = "127.0.0.1"

@@ -18,8 +18,10 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,6 +142,37 @@ def _family(store_url: str) -> None:
                     for k, v in base.items()}, f"minilm/{name}")
 
 
+def _serve_block(block: Block, work: Path, env: dict[str, str]) -> None:
+    """A block that starts ``ckpt serve`` (it serves until stopped): on a store where the
+    block expects the demo's, it must print its address and answer there; then it is stopped."""
+    import urllib.request
+
+    import ckpt
+
+    pytest.importorskip("starlette", reason=f"README block at line {block.line} needs the web extra")
+    store = re.search(r"--store (\S+) serve", block.code)
+    ckpt.Store.init(str(work / (store.group(1) if store else "store"))).push({"w": __import__("torch").ones(4)}, "demo/x")
+    proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", block.code], cwd=work, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        seen = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if not line:
+                break
+            seen.append(line)
+            url = re.search(r"http://127\.0\.0\.1:\d+/?", line)
+            if url:
+                with urllib.request.urlopen(url.group(0).rstrip("/") + "/api/refs", timeout=30) as r:
+                    assert r.status == 200 and b"demo/x" in r.read()
+                return
+        pytest.fail(f"README line {block.line}: ckpt serve printed no address:\n{''.join(seen)[-3000:]}")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
 @pytest.mark.parametrize("block", [pytest.param(b, id=b.id, marks=[pytest.mark.slow] if any(s in b.code for s in SLOW) else [])
                                    for b in RUN])
 def test_readme_block_runs(block: Block, tmp_path: Path, request: pytest.FixtureRequest):
@@ -156,6 +189,9 @@ def test_readme_block_runs(block: Block, tmp_path: Path, request: pytest.Fixture
             _family(env["CKPT_STORE"])
         if "s3://team-bucket" in block.code:
             _team_bucket(request, env)
+        if re.search(r"\bckpt\b.* serve\b", block.code):
+            _serve_block(block, work, env)
+            return
         cmd = ["bash", "-euo", "pipefail", "-c", block.code]
     else:
         (work / "block.py").write_text(block.code)
@@ -171,9 +207,7 @@ def test_readme_block_runs(block: Block, tmp_path: Path, request: pytest.Fixture
 
 
 def _team_bucket(request: pytest.FixtureRequest, env: dict[str, str]) -> None:
-    from s3support import KEY, SECRET, client
-
-    from conftest import S3_SERVERS
+    from s3support import KEY, S3_SERVERS, SECRET, client
 
     server = request.getfixturevalue("s3_servers").get(S3_SERVERS[0])
     try:

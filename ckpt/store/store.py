@@ -161,12 +161,18 @@ class Store:
     def manifest(self, ref: str) -> Manifest:
         """The manifest of ``ref``: a checkpoint id (read directly, one request), or
         anything :meth:`resolve` accepts. Verified against its id."""
+        missing: ObjectNotFoundError | None = None
         if isinstance(ref, str) and _FULL_ID.match(ref):
             try:
                 return Manifest.from_json(self.objects.get_manifest(ref), f"manifest {ref}")
-            except ObjectNotFoundError:
-                pass  # a ref may be named with 64 hex digits
-        mid = self.resolve(ref)
+            except ObjectNotFoundError as e:
+                missing = e  # unless a ref is named with these 64 hex digits
+        try:
+            mid = self.resolve(ref)
+        except RefNotFoundError:
+            if missing is not None:
+                raise missing from None
+            raise
         return Manifest.from_json(self.objects.get_manifest(mid), f"manifest {mid}")
 
     def get_manifest(self, manifest_id: str) -> Manifest:
