@@ -53,6 +53,7 @@ from ckpt.snapshot.state import Stateful, is_per_rank
 
 if TYPE_CHECKING:
     from ckpt.snapshot.run import SaveJob
+    from ckpt.snapshot.tiers import Tiers
 
 _FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
 
@@ -78,7 +79,8 @@ class DistributedSnapshots:
         return f"rank-{self.rank}"
 
     # -- saving ------------------------------------------------------------------------
-    def save(self, step: int, state: dict[str, Any], snapshot: dict[str, Any], *, background: bool) -> SaveJob:
+    def save(self, step: int, state: dict[str, Any], snapshot: dict[str, Any], *, background: bool,
+             fallback: SnapshotRun | None = None) -> SaveJob:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -166,7 +168,7 @@ class DistributedSnapshots:
         return None
 
     # -- restoring -----------------------------------------------------------------------
-    def restore(self, state: dict[str, Any], mid: str) -> int:
+    def restore(self, state: dict[str, Any], mid: str, tiers: Tiers | None = None) -> int:
         import torch
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
@@ -199,6 +201,8 @@ class DistributedSnapshots:
             first = (str(err).strip().splitlines() or [""])[0][:300]
             raise SnapshotError(f"restore of step {step} failed on rank {rank}: {type(err).__name__}: {first}",
                                 hint="the state was partly overwritten: restore again, or from another snapshot") from e
+        if tiers is not None:  # what this rank read through DCP: its tensors' bytes, all from the store
+            tiers.served["store"] += sum(v.numel() * v.element_size() for v in flat.values() if isinstance(v, torch.Tensor))
         for fqn, value in planner.values.items():  # tensors were read in place
             set_at(targets, paths[fqn], value)
         for key, obj in state.items():
