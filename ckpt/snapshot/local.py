@@ -57,7 +57,7 @@ class LocalSnapshots:
 
     # -- saving ------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], snapshot: dict[str, Any], *, background: bool,
-             fallback: SnapshotRun | None = None) -> SaveJob:
+             fallback: SnapshotRun | None = None, persist_to: SnapshotRun | None = None) -> SaveJob:
         """See :class:`~ckpt.snapshot.run.SnapshotPath`. ``fallback``: where to write the snapshot
         if writing it to this path's store fails (the durable store, when the local tier is full);
         the result then names the error (:attr:`SaveResult.fell_back`)."""

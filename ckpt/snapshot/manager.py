@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -193,6 +193,8 @@ class CheckpointManager:
         local_keep: int = 2,
         local_max_bytes: int | None = None,
         replicas: int = 0,
+        replica_stride: int = 1,
+        replica_nodes: Sequence[Any] | None = None,
         **deprecated: Any,
     ) -> None:
         from ckpt.store.store import Store
@@ -230,6 +232,7 @@ class CheckpointManager:
         self.last_persist: PersistStats | None = None
         self.last_restore: dict[str, int] | None = None
         self._durable = SnapshotRun(self.store, self.run, delta_vs_previous)
+        self._distributed = process_group is not None
         self._local = self._local_tier(local, local_every_n_steps, local_keep, local_max_bytes, replicas, process_group)
         self._target = SnapshotRun(self._local.store, self.run, delta_vs_previous) if self._local else self._durable
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
@@ -250,7 +253,8 @@ class CheckpointManager:
                 raise ValueError("save_mode='overlap' is for one process; with process_group use 'async' or 'sync'")
             from ckpt.snapshot.distributed import DistributedSnapshots
 
-            self._path = DistributedSnapshots(self._target, process_group, timeout_s)
+            self._path = DistributedSnapshots(self._target, process_group, timeout_s, local=self._local, replicas=replicas,
+                                              replica_stride=replica_stride, replica_nodes=replica_nodes)
         else:
             from ckpt.snapshot.local import LocalSnapshots
 
@@ -276,16 +280,22 @@ class CheckpointManager:
             if replicas:
                 raise ValueError("replicas copy the local tier to peers: pass it with local=True or local=PATH")
             return None
+        rank = None
         if process_group is not None:
-            raise ValueError("local tiers with a process group are not supported yet: use local without process_group")
-        if replicas:
+            import torch.distributed as dist
+
+            rank = dist.get_rank()  # global: the tier directory of this process on its node
+        elif replicas:
             raise ValueError("replicas need a process group (peer ranks to copy the local tier to)")
         if self.every_n_steps and self.local_every_n_steps and self.every_n_steps % self.local_every_n_steps:
             raise ValueError(f"every_n_steps ({self.every_n_steps}) must be a multiple of local_every_n_steps "
                              f"({self.local_every_n_steps}): a persisted snapshot is a local one copied")
         if self.local_every_n_steps is None:
             self.local_every_n_steps = self.every_n_steps
-        path = default_local_path(self.store.url, self.run) if local is True else os.fspath(local)
+        if local is True:
+            path = default_local_path(self.store.url, self.run, rank)
+        else:
+            path = os.fspath(local) if rank is None else os.path.join(os.fspath(local), f"rank-{rank}")
         return LocalTier(path, self.run, keep=keep, max_bytes=max_bytes, settings=self.store.settings)
 
     @property
@@ -339,8 +349,11 @@ class CheckpointManager:
             if persist is None:
                 persist = bool(self.every_n_steps) and step % self.every_n_steps == 0
             persist = persist or self._persist_pending
-            job = self._tiered(step, self._path.save(step, state, snapshot, background=background,
-                                                     fallback=self._durable if persist else None), persist)
+            if self._distributed:  # the ranks persist together, in the save thread
+                saving = self._path.save(step, state, snapshot, background=background, persist_to=self._durable if persist else None)
+            else:
+                saving = self._path.save(step, state, snapshot, background=background, fallback=self._durable if persist else None)
+            job = self._tiered(step, saving, persist)
         blocked = time.perf_counter() - t0
 
         def finish() -> None:
@@ -368,7 +381,10 @@ class CheckpointManager:
                 else:
                     result = job()
             except SnapshotError:
-                raise  # the state itself (modified under an overlapped save): not a tier failure
+                if not self._distributed:
+                    raise  # the state itself (modified under an overlapped save): not a tier failure
+                self._tier_warning(f"local tiers: snapshot of step {step} not saved; the next save tries again")
+                return None
             except Exception as e:  # noqa: BLE001 - the local tier failed; training goes on
                 self._tier_warning(f"local tier: snapshot of step {step} not saved ({describe(e)}); the next save tries again")
                 local.drop(step)
@@ -379,6 +395,16 @@ class CheckpointManager:
                 self._persist_pending = False
                 self._retain()
                 return result
+            if result.persist_error is not None:
+                self._persist_pending = True
+                self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed "
+                                   f"({result.persist_error}); the next save persists again")
+            elif result.persisted:
+                self._persist_pending = False
+                if result.prunes:
+                    self._retain()
+            if self._distributed:
+                return result  # the path pruned its tier and persisted
             try:
                 local.prune()
             except Exception as e:  # noqa: BLE001
@@ -544,6 +570,17 @@ class CheckpointManager:
             except RefNotFoundError:
                 return None
             return self._restore(state, mid)
+        if self._distributed:
+            from ckpt.snapshot.distributed import DistributedSnapshots
+
+            assert isinstance(self._path, DistributedSnapshots) and self._path.peers is not None
+            chosen = self._path.peers.choose(self.store, self._durable.latest)
+            if chosen is None:
+                return None
+            _, mid, tiers = chosen
+            step = self._path.restore(state, mid, tiers)
+            self.last_restore = {"step": step, **tiers.served}
+            return step
         candidates = self._candidates()
         for i, (step, mid) in enumerate(candidates):
             try:
@@ -590,7 +627,11 @@ class CheckpointManager:
     def _restore(self, state: dict[str, Any], mid: str) -> int:
         from ckpt.snapshot.tiers import Tiers
 
-        tiers = Tiers(([("local", self._local.store)] if self._local else []) + [("store", self.store)])
+        peers = getattr(self._path, "peers", None)
+        if peers is not None:
+            tiers = peers.tiers(self.store)
+        else:
+            tiers = Tiers(([("local", self._local.store)] if self._local else []) + [("store", self.store)])
         step = self._path.restore(state, mid, tiers)
         self.last_restore = {"step": step, **tiers.served}
         return step

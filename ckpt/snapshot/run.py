@@ -69,6 +69,8 @@ class SaveResult:
     copied_at_step_bytes: int = 0
     prunes: bool = True  # whether this process applies retention (one rank of a group does)
     fell_back: str | None = None  # why the snapshot went to the fallback store instead (the local tier failed)
+    persisted: bool = False  # the path persisted it itself (``persist_to``)
+    persist_error: str | None = None  # why persisting it failed
 
 
 SaveJob = Callable[[], SaveResult]
@@ -78,11 +80,13 @@ class SnapshotPath(Protocol):
     """How state becomes a snapshot and back; driven by the manager, one save at a time."""
 
     def save(self, step: int, state: dict[str, Any], snapshot: dict[str, Any], *, background: bool,
-             fallback: SnapshotRun | None = None) -> SaveJob:
+             fallback: SnapshotRun | None = None, persist_to: SnapshotRun | None = None) -> SaveJob:
         """Take what must be taken before training may go on (the blocking part) and return
         the rest, which the manager runs in its save thread (``background``) or at once.
         ``snapshot`` is the record to store (format, run, step, metrics); a path may add to it.
-        ``fallback``: where to write it if this path's store fails (reported in ``SaveResult.fell_back``)."""
+        ``fallback``: where to write it if this path's store fails (reported in ``SaveResult.fell_back``).
+        ``persist_to``: a path that persists snapshots itself (``SaveResult.persisted``) copies this
+        one there after saving it; others leave that to the manager."""
         ...
 
     def restore(self, state: dict[str, Any], manifest_id: str, tiers: Tiers | None = None) -> int:

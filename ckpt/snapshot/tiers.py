@@ -143,6 +143,10 @@ class Tiers:
 
     stores: list[tuple[str, Store]]
     served: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    # lenient: a chunk no tier serves is recorded in ``unserved`` (its buffer left as it is)
+    # instead of raising, so that ranks can fetch it from peers and read again
+    lenient: bool = False
+    unserved: set[str] = field(default_factory=set)
 
     @property
     def nearest(self) -> Store:
@@ -166,11 +170,12 @@ class Tiers:
         for i, (name, store) in enumerate(self.stores):
             if not remaining:
                 break
-            if i == len(self.stores) - 1:
+            if i == len(self.stores) - 1 and not self.lenient:
                 get_chunks(store.objects, remaining, store.settings, progress)
                 self.served[name] += sum(t.length for t in remaining)
                 return
             remaining = self._try(name, store, remaining, progress)
+        self.unserved.update(t.id for t in remaining)
 
     def _try(self, name: str, store: Store, tasks: list[GetTask], progress: Progress) -> list[GetTask]:
         """Serve what ``store`` can; the tasks it could not."""

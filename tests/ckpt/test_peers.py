@@ -1,0 +1,89 @@
+"""Local snapshot tiers across ranks: replication to peers, restore from the nearest verified copy
+(ckpt/snapshot/peers.py). Real processes, gloo on CPU, SIGKILL (tests/ckpt/dcp_workers.py)."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+import ckpt
+from ckpt.snapshot.peers import replica_ranks
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import dcp_workers as W  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def test_replica_placement():
+    assert replica_ranks(0, 4, 1) == [1] and replica_ranks(3, 4, 1) == [0]
+    assert replica_ranks(0, 8, 2, stride=4) == [4, 1]
+    assert replica_ranks(0, 4, 2, nodes=["a", "a", "b", "b"]) == [2, 3]  # never on its own machine
+    assert replica_ranks(0, 6, 2, nodes=["a", "a", "b", "b", "c", "c"]) == [2, 4]  # one per other machine
+    assert replica_ranks(0, 1, 1) == [] and replica_ranks(0, 2, 5) == [1]
+
+
+def _crash(tmp_path, world, n, k):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    url = str(tmp_path / "s")
+    crashed = W.run_ranks("tiers_resume", world, str(tmp_path), store=url, mode="crash", steps=n, at=k)
+    assert crashed == [{"killed": True}] * world
+    return url
+
+
+def _same_run(full, resumed, start, n):
+    for f, r in zip(full, resumed):
+        assert "error" not in f, f.get("trace")
+        assert "error" not in r, r.get("trace")
+        assert sorted(map(int, r["losses"])) == list(range(start + 1, n + 1))
+        assert {s: f["losses"][s] for s in r["losses"]} == r["losses"]  # float.hex: bit-identical
+        assert r["bits"] == f["bits"]
+
+
+def test_all_ranks_killed_restore_from_local_tiers_then_a_replaced_machine_from_its_replica(tmp_path):
+    """(a) 2 DDP ranks, local snapshots every 2 steps, durable every 4, killed after step 6: every rank
+    restores step 6 from its own tier, not one byte from the durable store. (b) Then rank 1's tier is
+    wiped (a replaced machine): its chunks come from rank 0, its replica. (d) Then a byte is flipped in
+    every chunk of rank 0's tier: each comes from rank 1's copy (or the durable store where the persisted
+    step 4 has the same chunk); bit-identical runs throughout."""
+    n, k = 8, 6
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n)
+    url = _crash(tmp_path, 2, n, k)
+    store = ckpt.Store.open(url)
+    assert store.manifest("ddp/latest").extra["snapshot"]["step"] == 4  # 6 lives in the local tiers only
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path), store=url, mode="resume", steps=n, at=k)
+    _same_run(full, resumed, k, n)
+    for r in resumed:
+        assert r["restore"]["step"] == k and r["restore"]["store"] == 0 and r["restore"]["peer"] == 0 and r["restore"]["local"] > 0
+    assert store.verify().ok
+    read0 = resumed[0]["restore"]["local"]  # what rank 0 reads
+
+    url = _crash(tmp_path / "b", 2, n, k)
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "b"), store=url, mode="resume", steps=n, at=k, wipe=[1])
+    _same_run(full, resumed, k, n)
+    r0, r1 = (r["restore"] for r in resumed)
+    assert r0["step"] == r1["step"] == k and r0["store"] == r1["store"] == 0
+    assert r1["local"] == 0 and r1["peer"] > 0  # everything rank 1 read came from rank 0
+
+    url = _crash(tmp_path / "d", 2, n, k)
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "d"), store=url, mode="resume", steps=n, at=k, flip=0)
+    _same_run(full, resumed, k, n)
+    r0 = resumed[0]["restore"]
+    assert resumed[0]["flipped"] > 0 and r0["step"] == k and r0["local"] == 0
+    # each damaged chunk came from rank 1's copy, or from the durable store where step 4 has it too
+    assert r0["peer"] > 0 and r0["peer"] + r0["store"] == read0
+
+
+@pytest.mark.slow
+def test_a_rank_and_its_replica_wiped_fall_back_to_the_newest_durable_step(tmp_path):
+    """(c) 3 ranks, 1 replica each (rank r's chunks on rank r+1): ranks 1 and 2 wiped lose rank 1's
+    chunks of step 6 everywhere; every rank restores step 4 from the durable store, bit-identical."""
+    n, k = 8, 6
+    full = W.run_ranks("tiers_resume", 3, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n)
+    url = _crash(tmp_path, 3, n, k)
+    resumed = W.run_ranks("tiers_resume", 3, str(tmp_path), store=url, mode="resume", steps=n, at=k, wipe=[1, 2])
+    _same_run(full, resumed, 4, n)
+    assert all(r["restore"]["step"] == 4 for r in resumed)
+    assert resumed[1]["restore"]["store"] > 0 and resumed[2]["restore"]["store"] > 0
