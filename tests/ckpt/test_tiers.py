@@ -49,6 +49,7 @@ def test_killed_run_restores_from_the_local_tier_alone_bit_identical(tmp_path):
     assert durable.verify().ok and ckpt.Store.open(str(tmp_path / "l")).verify().ok
 
 
+@pytest.mark.slow  # two subprocesses: ~60 s on a busy 2-core machine
 def test_kill_during_a_local_save_leaves_the_previous_step_restorable(tmp_path):
     r = _run(tmp_path / "d", tmp_path / "l", tmp_path / "crash", "midsave", 10, expect=-signal.SIGKILL)
     assert "KILLED-MID-SAVE" in r.stdout  # killed with chunks of step 4 written, its ref not
