@@ -162,6 +162,20 @@ class CheckpointManager:
     rank's per-rank state to another, raises :class:`SnapshotError` on every rank
     (ckpt/snapshot/distributed.py).
 
+    **Tiers** (``local=True`` or ``local=PATH``; README "Restart in seconds", docs/format.md
+    "The local tier"): snapshots go to a local tier (an ordinary store in host memory under
+    /dev/shm, or on local NVMe) every ``local_every_n_steps``, bounded by ``local_keep``
+    snapshots and ``local_max_bytes`` (:attr:`local_tier` says what it holds); every
+    ``every_n_steps`` (a multiple) one is persisted to ``store`` in the background by copying
+    the chunks it lacks, as stored (:attr:`last_persist`). :meth:`restore_latest` takes the
+    newest snapshot of any tier, each chunk from the nearest tier holding it with a correct
+    hash; :attr:`last_restore` is ``{"step", "local", "peer", "store"}`` (bytes per tier).
+    With ``process_group`` each rank's tier is ``PATH/rank-R`` and ``replicas=K`` sends each
+    rank's chunks to K peers (``replica_stride`` apart, or on other nodes of
+    ``replica_nodes``); the ranks persist together in the save thread. A tier that fails
+    warns (:class:`TierWarning`) and the next save tries again; a snapshot due to ``store``
+    whose local save failed is written there directly (one process).
+
     Settings are checked at construction (``ValueError`` naming the parameter):
     ``every_n_steps``, ``keep_last`` and ``keep_every`` are ints >= 1 (not bools) or
     None; ``save_mode`` one of :data:`SAVE_MODES`; ``timeout_s`` a finite number > 0,
