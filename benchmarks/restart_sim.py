@@ -139,6 +139,10 @@ def main() -> None:
     text = "\n".join(head + body + [
         "*interval*: between snapshots (the local one for the tiered scheme); *restart*: overhead plus reading "
         "the state back; *time lost*: save stalls + work since the newest snapshot + restarts, as a share of wall time.",
+        "The first-order formulas assume the lost share is small: past ~20% read a figure as \"does not keep up\", not as a "
+        "precise share. The local tier's bandwidth is the one measured on a 2-core VM (benchmarks/results/restart.md), "
+        "far below a real node's memory bandwidth: a conservative choice; the durable bandwidths bracket a large parallel "
+        "file system or object store; the restart overhead is the same for both schemes and bounds what tiers can save.",
         "",
     ])
     print(text)

@@ -178,7 +178,20 @@ class Tiers:
         self.unserved.update(t.id for t in remaining)
 
     def _try(self, name: str, store: Store, tasks: list[GetTask], progress: Progress) -> list[GetTask]:
-        """Serve what ``store`` can; the tasks it could not."""
+        """Serve what ``store`` can; the tasks it could not. Those it holds go through the full read
+        pipeline (read-ahead) first; only if one of them fails is each tried on its own."""
+        present = store.objects.has_many("chunks", {t.id for t in tasks})
+        held = [t for t in tasks if t.id in present]
+        try:
+            get_chunks(store.objects, held, store.settings, NullProgress())
+        except MISSES:
+            return self._each(name, store, tasks, progress)
+        self.served[name] += sum(t.length for t in held)
+        progress.advance(sum(t.length for t in held))
+        return [t for t in tasks if t.id not in present]
+
+    def _each(self, name: str, store: Store, tasks: list[GetTask], progress: Progress) -> list[GetTask]:
+        """Serve what ``store`` can, chunk by chunk; the tasks it could not."""
         missed: list[GetTask] = []
         lock = threading.Lock()
 
