@@ -191,7 +191,7 @@ class DistributedSnapshots:
         peers = self.peers
         assert peers is not None
         mid, data = peers.publish(getattr(writer, "published", None))
-        own, _ = peers.replicate(step, mid, set(referenced_chunks(data)))
+        own, sent = peers.replicate(step, mid, set(referenced_chunks(data)))
         self.last_id = mid
         peers.local.prune()
         problem = None
@@ -201,7 +201,8 @@ class DistributedSnapshots:
         coordinator = self.rank == 0
         return SaveResult(mid, last.written_bytes if last and coordinator else None,
                           last.logical_bytes if last and coordinator else None, prunes=coordinator,
-                          persisted=persist_to is not None and problem is None, persist_error=problem)
+                          persisted=persist_to is not None and problem is None, persist_error=problem,
+                          replicated_bytes=sent)
 
     def close(self) -> None:
         return None

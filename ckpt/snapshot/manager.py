@@ -68,6 +68,7 @@ class SaveStats:
     reused_tensors: int | None = None
     copied_at_step_bytes: int = 0
     tier: str = "store"  # where it went: "local" (the local tier) or "store" (the durable store)
+    replicated_bytes: int | None = None  # stored bytes this rank sent to its replica ranks (None: no replication)
 
 
 @dataclass(frozen=True)
@@ -486,7 +487,7 @@ class CheckpointManager:
         self._metrics[step] = metrics
         tier = "local" if self._local is not None and r.fell_back is None else "store"
         self.last_save = SaveStats(step, blocked, background, r.written_bytes, r.logical_bytes, r.staged_tensors,
-                                   r.reused_tensors, r.copied_at_step_bytes, tier)
+                                   r.reused_tensors, r.copied_at_step_bytes, tier, r.replicated_bytes)
         if r.prunes and self._local is None:  # in a group the coordinator alone prunes, so that ranks never race to remove a ref
             self._retain()
 

@@ -151,7 +151,7 @@ class Peers:
 
     def replicate(self, step: int, mid: str, data_ids: set[str]) -> tuple[set[str], int]:
         """Send this rank's chunks of the snapshot to its replicas where they lack them; keep what
-        others send. Returns (the chunks this rank wrote itself, bytes received)."""
+        others send. Returns (the chunks of the snapshot this rank held before, stored bytes it sent)."""
         store = self.local.store
         own = store.objects.has_many("chunks", data_ids)
         held = self.gather(sorted(own))
@@ -166,11 +166,11 @@ class Peers:
                 if min(r for r in senders if cid in held_sets[r]) == self.rank:
                     sends.setdefault(dst, []).append((cid, store.objects.get("chunks", cid)))
         got = self.exchange(sends)
-        received = self._keep(got)
+        self._keep(got)
         store.refs_db.set(self.local.ref(step), mid)
         store.refs_db.set(f"{self.local.run}/latest", mid, alias=True)
         store.objects.backend.flush()
-        return own, received
+        return own, sum(len(b) for items in sends.values() for _, b in items)
 
     def _keep(self, blobs: dict[str, bytes]) -> int:
         """Verify and store chunks received from peers; a damaged one is dropped (the tier then lacks it)."""

@@ -71,6 +71,7 @@ class SaveResult:
     fell_back: str | None = None  # why the snapshot went to the fallback store instead (the local tier failed)
     persisted: bool = False  # the path persisted it itself (``persist_to``)
     persist_error: str | None = None  # why persisting it failed
+    replicated_bytes: int | None = None  # stored bytes this rank sent to its replicas (local tiers in a group)
 
 
 SaveJob = Callable[[], SaveResult]

@@ -535,6 +535,35 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None)
     return {**out, "losses": losses, "bits": _ddp_bits(state)}
 
 
+def tiers_replication(rank, world, tmp, store):
+    """Local tiers with one replica: a large frozen layer and a small trained one, saved twice.
+    Returns the stored bytes each save sent to the replica."""
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+
+    torch.manual_seed(0)
+    frozen, head = torch.nn.Linear(512, 512), torch.nn.Linear(512, 4)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    state = {"frozen": frozen, "head": head, "step": 0}
+    mgr = ckpt.CheckpointManager(store, "rep", local=os.path.join(tmp, "local"), local_every_n_steps=1, replicas=1,
+                                 process_group=dist.group.WORLD, timeout_s=30)
+    sent = []
+    for step in (1, 2):
+        torch.manual_seed(step)
+        head(torch.randn(4, 512)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] = step
+        mgr.save(step, state)
+        mgr.wait()
+        sent.append(mgr.last_save.replicated_bytes)
+    out = {"sent": sent, "local_steps": mgr.local_tier.steps, "durable_steps": mgr.steps()}
+    mgr.close()
+    return out
+
+
 def _flip_newest(path):
     """Flip the last byte of every chunk of the newest snapshot in the tier at ``path``; how many."""
     import ckpt
@@ -555,6 +584,6 @@ def _flip_newest(path):
     return n
 
 
-SCENARIOS = {"tiers_resume": tiers_resume, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
+SCENARIOS = {"tiers_resume": tiers_resume, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state}

@@ -25,6 +25,17 @@ def test_replica_placement():
     assert replica_ranks(0, 1, 1) == [] and replica_ranks(0, 2, 5) == [1]
 
 
+def test_replication_sends_only_what_the_replica_lacks(tmp_path):
+    """A frozen 1 MB layer goes to the replica once: the second save sends only the trained head."""
+    r0, r1 = W.run_ranks("tiers_replication", 2, str(tmp_path), store=str(tmp_path / "s"))
+    for r in (r0, r1):
+        assert "error" not in r, r.get("trace")
+        assert r["local_steps"] == [1, 2] and r["durable_steps"] == []  # no every_n_steps: nothing persisted
+    assert r0["sent"][0] > 1_000_000  # rank 0 saved the state shared by both ranks: all of it went to rank 1
+    assert r0["sent"][1] < r0["sent"][0] / 20  # then only the changed head (and small records)
+    assert r1["sent"][0] < 100_000  # rank 1 saved none of the shared state: little of its own to send
+
+
 def _crash(tmp_path, world, n, k):
     tmp_path.mkdir(parents=True, exist_ok=True)
     url = str(tmp_path / "s")
