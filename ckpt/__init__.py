@@ -24,7 +24,8 @@ from ckpt._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointManager", "CheckpointReader", "CkptError", "KeepBest", "PerRank", "RNGState", "Settings", "Stateful", "Store", "__version__",
+__all__ = ["CheckpointManager", "CheckpointReader", "CkptError", "KeepBest", "PerRank", "RNGState", "Settings", "Stateful", "Store", "TierWarning",
+           "__version__",
            "diff", "merge", "remix"]
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from ckpt.settings import Settings
     from ckpt.snapshot.manager import CheckpointManager
     from ckpt.snapshot.retention import KeepBest
+    from ckpt.snapshot.run import TierWarning
     from ckpt.snapshot.state import PerRank, RNGState, Stateful
     from ckpt.store.reader import CheckpointReader
     from ckpt.store.store import Store
@@ -49,6 +51,7 @@ _LAZY = {
     "PerRank": "ckpt.snapshot.state",
     "KeepBest": "ckpt.snapshot.retention",
     "Stateful": "ckpt.snapshot.state",
+    "TierWarning": "ckpt.snapshot.run",
     "diff": "ckpt.diffing.compare",
     "merge": "ckpt.merging.combine",
     "remix": "ckpt.merging.remixing",

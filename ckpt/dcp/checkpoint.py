@@ -77,6 +77,7 @@ from ckpt_store.storage.records import canonical_json
 from ckpt_store.storage.refs import validate_ref_name
 
 if TYPE_CHECKING:
+    from ckpt.snapshot.tiers import Tiers
     from ckpt.store.store import Store
 
 __all__ = ["Reader", "UnsupportedStateError", "Writer"]
@@ -256,13 +257,18 @@ class Writer(StorageWriter):
                             tensors=tuple(sorted(shards.values(), key=lambda e: e.name)), created=time.time(),
                             message=self.message, metadata=self.metadata, extra={**self.extra, "dcp": dcp_md},
                             lineage=self._lineage)
-        mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), self.name)
-        for alias in self.aliases:
-            store.refs_db.set(alias, mid, alias=True)
+        mid = self._publish(store, manifest)
         metadata.storage_meta = StorageMeta(checkpoint_id=mid, save_id=self.save_id)
         chunks = sum(len(e.chunks) for e in shards.values()) + len(head_res)
         new += sum(1 for r in head_res if r.stored)
         self.last = PushResult(mid, chunks, new, manifest.logical_bytes, written + sum(r.stored for r in head_res), manifest)
+
+    def _publish(self, store: Store, manifest: Manifest) -> str:
+        """Write the manifest (its chunks are all in: checked), then the ref and aliases."""
+        mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), self.name)
+        for alias in self.aliases:
+            store.refs_db.set(alias, mid, alias=True)
+        return mid
 
     @staticmethod
     def _header(store: Store, dcp_md: dict[str, Any]) -> tuple[bytes, list[Any]]:
@@ -317,10 +323,14 @@ class Reader(StorageReader):
     """
 
     def __init__(self, store: str | os.PathLike[str] | Store, ref: str | None = None, *,
-                 storage_options: dict[str, Any] | None = None, settings: Settings | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, settings: Settings | None = None,
+                 tiers: Tiers | None = None) -> None:
         super().__init__()
         self._holder = _StoreHolder(store, storage_options, settings)
         self.ref = ref
+        # snapshot tiers (ckpt/snapshot/tiers.py): ``ref`` is a manifest id, read with its chunks
+        # from the nearest tier holding each; ``store`` is then not read
+        self.tiers = tiers
         self.load_id = uuid.uuid4().hex
         self._manifest: tuple[str, Manifest] | None = None
         self._values: dict[str, Any] = {}
@@ -336,9 +346,13 @@ class Reader(StorageReader):
         """DCP's metadata, rebuilt from the manifest's JSON (no pickle)."""
         if self.ref is None:
             raise CkptError("no checkpoint to load", hint="pass Reader(store, REF) or dcp.load(..., checkpoint_id=REF)")
-        store = self._holder.store(create=False)
-        mid = store.resolve(self.ref)
-        m = store.manifest(mid)
+        if self.tiers is not None:
+            mid = self.ref
+            m = self.tiers.get_manifest(mid)
+        else:
+            store = self._holder.store(create=False)
+            mid = store.resolve(self.ref)
+            m = store.manifest(mid)
         if m.source != DCP_SOURCE:
             raise CkptError(f"{self.ref} is a {m.source!r} checkpoint, not a distributed one",
                             hint="load it with Store.load / load_into, or push it again through dcp.save")
@@ -365,7 +379,7 @@ class Reader(StorageReader):
         import torch
 
         assert self._manifest is not None, "read_metadata comes first"
-        store = self._holder.store(create=False)
+        store = self.tiers.nearest if self.tiers is not None else self._holder.store(create=False)
         mid, m = self._manifest
         entries = {t.name: t for t in m.tensors}
         copies = []
@@ -381,7 +395,7 @@ class Reader(StorageReader):
                 raise StoreFormatError(f"manifest {mid}: no stored shard for {req.storage_index.fqn} at {list(req.storage_index.offset or ())}")
             copies.append(Copy(entries[name], tuple(req.storage_offsets), tuple(req.lengths), planner.resolve_tensor(req).detach(),
                                lambda t, r=req: planner.commit_tensor(r, t)))
-        run_copies(store, m, copies)
+        run_copies(store, m, copies, get=self.tiers.get if self.tiers is not None else None)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -67,23 +67,26 @@ def _copy_bytes(c: Copy) -> int:
     return math.prod(c.lengths) * (itemsize(c.entry.dtype) or 1)
 
 
-def run_copies(store: Store, m: Manifest, copies: list[Copy], progress: Progress | None = None) -> None:
+def run_copies(store: Store, m: Manifest, copies: list[Copy], progress: Progress | None = None,
+               get: Callable[[list[GetTask], Progress], None] | None = None) -> None:
     """Perform every copy, fetching chunks in parallel, in passes of about :data:`BATCH_BYTES`.
 
-    ``progress`` is advanced by the decoded bytes of each chunk (the caller starts and finishes it)."""
+    ``progress`` is advanced by the decoded bytes of each chunk (the caller starts and finishes it).
+    ``get(tasks, progress)`` fetches chunks instead of ``store`` (snapshot tiers)."""
     batch: list[Copy] = []
     size = 0
     for c in copies:
         batch.append(c)
         size += _copy_bytes(c)
         if size >= BATCH_BYTES:
-            _run_batch(store, m, batch, progress)
+            _run_batch(store, m, batch, progress, get)
             batch, size = [], 0
     if batch:
-        _run_batch(store, m, batch, progress)
+        _run_batch(store, m, batch, progress, get)
 
 
-def _run_batch(store: Store, m: Manifest, copies: list[Copy], progress: Progress | None) -> None:
+def _run_batch(store: Store, m: Manifest, copies: list[Copy], progress: Progress | None,
+               get: Callable[[list[GetTask], Progress], None] | None = None) -> None:
     import torch
 
     cs = m.chunk_size
@@ -117,7 +120,10 @@ def _run_batch(store: Store, m: Manifest, copies: list[Copy], progress: Progress
         view = byte_view(buf)
         lengths = split_lengths(e.nbytes, cs)
         tasks += [GetTask(e.chunks[i], lengths[i], into=view[i * cs : i * cs + lengths[i]]) for i in sorted(want)]
-    get_chunks(store.objects, tasks, store.settings, progress or NullProgress())
+    if get is not None:
+        get(tasks, progress or NullProgress())
+    else:
+        get_chunks(store.objects, tasks, store.settings, progress or NullProgress())
     with torch.no_grad():
         for buf, c in post:
             if buf is not None:

@@ -52,7 +52,11 @@ from ckpt.snapshot.run import SaveResult, SnapshotRun
 from ckpt.snapshot.state import Stateful, is_per_rank
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from ckpt.snapshot.peers import Peers
     from ckpt.snapshot.run import SaveJob
+    from ckpt.snapshot.tiers import LocalTier, Tiers
 
 _FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
 
@@ -60,7 +64,10 @@ _FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derive
 class DistributedSnapshots:
     """The :class:`~ckpt.snapshot.run.SnapshotPath` of every rank of a process group."""
 
-    def __init__(self, run: SnapshotRun, process_group: Any, timeout_s: float) -> None:
+    def __init__(self, run: SnapshotRun, process_group: Any, timeout_s: float, *, local: LocalTier | None = None,
+                 replicas: int = 0, replica_stride: int = 1, replica_nodes: Sequence[Any] | None = None) -> None:
+        """``local``: this rank's local tier, where ``run`` points (snapshots are replicated to
+        ``replicas`` peer ranks, see ckpt/snapshot/peers.py); else ``run`` is the durable store."""
         import torch.distributed as dist
 
         self.run = run
@@ -71,6 +78,11 @@ class DistributedSnapshots:
         self.group = dist.new_group(dist.get_process_group_ranks(process_group), backend="gloo",
                                     timeout=timedelta(seconds=timeout_s), use_local_synchronization=True)
         self.last_id: str | None = None
+        self.peers: Peers | None = None
+        if local is not None:
+            from ckpt.snapshot.peers import Peers
+
+            self.peers = Peers(local, self.group, replicas, stride=replica_stride, nodes=replica_nodes)
 
     @property
     def tag(self) -> str:
@@ -78,7 +90,8 @@ class DistributedSnapshots:
         return f"rank-{self.rank}"
 
     # -- saving ------------------------------------------------------------------------
-    def save(self, step: int, state: dict[str, Any], snapshot: dict[str, Any], *, background: bool) -> SaveJob:
+    def save(self, step: int, state: dict[str, Any], snapshot: dict[str, Any], *, background: bool,
+             fallback: SnapshotRun | None = None, persist_to: SnapshotRun | None = None) -> SaveJob:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -97,21 +110,27 @@ class DistributedSnapshots:
         self._check_identical(step, {k: v for k, v in prepared.items() if k not in per_rank})
         record = {**snapshot, "ranks": True, "world": self.world, "keys": sorted(state), "per_rank": sorted(per_rank)}
         base = self.last_id if self.run.delta else None
-        writer = Writer(self.run.store, self.run.ref(step), base=base, delta=base is not None, aliases=(self.run.latest,),
-                        extra={"snapshot": record})
+        if self.peers is not None:
+            from ckpt.snapshot.peers import TierWriter
+
+            writer: Writer = TierWriter(self.run.store, self.run.ref(step), base=base, delta=base is not None,
+                                        extra={"snapshot": record})
+        else:
+            writer = Writer(self.run.store, self.run.ref(step), base=base, delta=base is not None, aliases=(self.run.latest,),
+                            extra={"snapshot": record})
         # Rank 0's copy of a replicated tensor, not whichever rank DCP's balancing picks:
         # under DDP rank 0's buffers are the ones broadcast at the next forward.
         planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         if background:
             fut = dcp.async_save(prepared, storage_writer=writer, process_group=self.group, planner=planner)
-            return lambda: self._finish(fut, step, writer)
+            return lambda: self._finish(fut, step, writer, persist_to)
 
         def save_now() -> SaveResult:
             try:
                 dcp.save(prepared, storage_writer=writer, process_group=self.group, planner=planner)
             except _FAILURES as e:  # any failure of any rank: one clear error
                 raise self._error(step, e) from e
-            return self._done(step, writer)
+            return self._done(step, writer, persist_to)
 
         return save_now
 
@@ -134,12 +153,12 @@ class DistributedSnapshots:
                 hint="make it identical on every rank, or wrap per-rank state in ckpt.snapshot.state.PerRank(...) "
                 "so that each rank saves and restores its own")
 
-    def _finish(self, fut: Future[Any], step: int, writer: Any) -> SaveResult:
+    def _finish(self, fut: Future[Any], step: int, writer: Any, persist_to: SnapshotRun | None) -> SaveResult:
         try:
             fut.result()
         except _FAILURES as e:
             raise self._error(step, e) from e
-        return self._done(step, writer)
+        return self._done(step, writer, persist_to)
 
     def _error(self, step: int, e: BaseException) -> Exception:
         from ckpt.snapshot.run import SnapshotError
@@ -155,18 +174,41 @@ class DistributedSnapshots:
             hint=f"another rank failed, died or took longer than timeout_s={self.timeout_s:g}; see its log",
         )
 
-    def _done(self, step: int, writer: Any) -> SaveResult:
+    def _done(self, step: int, writer: Any, persist_to: SnapshotRun | None = None) -> SaveResult:
+        if self.peers is not None:
+            return self._tiers_done(step, writer, persist_to)
         last = writer.last  # set on the coordinator, which committed the snapshot
         self.last_id = self.run.store.resolve(self.run.ref(step)) if last is None else last.id
         if last is None:
             return SaveResult(self.last_id, prunes=False)
         return SaveResult(last.id, last.written_bytes, last.logical_bytes)
 
+    def _tiers_done(self, step: int, writer: Any, persist_to: SnapshotRun | None) -> SaveResult:
+        """Local tiers: every rank gets the manifest, the replicas their chunks; then, if asked,
+        the snapshot is persisted to ``persist_to``'s store."""
+        from ckpt_store.storage.gc import referenced_chunks
+
+        peers = self.peers
+        assert peers is not None
+        mid, data = peers.publish(getattr(writer, "published", None))
+        own, sent = peers.replicate(step, mid, set(referenced_chunks(data)))
+        self.last_id = mid
+        peers.local.prune()
+        problem = None
+        if persist_to is not None:
+            problem = peers.persist(step, mid, data, own, persist_to.store, persist_to.latest, persist_to.ref(step))
+        last = writer.last
+        coordinator = self.rank == 0
+        return SaveResult(mid, last.written_bytes if last and coordinator else None,
+                          last.logical_bytes if last and coordinator else None, prunes=coordinator,
+                          persisted=persist_to is not None and problem is None, persist_error=problem,
+                          replicated_bytes=sent)
+
     def close(self) -> None:
         return None
 
     # -- restoring -----------------------------------------------------------------------
-    def restore(self, state: dict[str, Any], mid: str) -> int:
+    def restore(self, state: dict[str, Any], mid: str, tiers: Tiers | None = None) -> int:
         import torch
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
@@ -175,7 +217,7 @@ class DistributedSnapshots:
         from ckpt.snapshot.run import SnapshotError
 
         try:
-            step, targets, flat, paths = self._plan_restore(state, mid)
+            step, targets, flat, paths = self._plan_restore(state, mid, tiers)
             problem = None
         except Exception as e:  # noqa: BLE001 - every rank learns of it below, then raises
             problem = e
@@ -191,7 +233,10 @@ class DistributedSnapshots:
                                 hint="see that rank's error; nothing was restored")
         planner = values_planner()
         try:
-            dcp.load(flat, storage_reader=Reader(self.run.store, mid), process_group=self.group, planner=planner)
+            if tiers is not None and self.peers is not None:
+                planner = self._load_from_tiers(flat, mid, tiers)
+            else:
+                dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=tiers), process_group=self.group, planner=planner)
         except _FAILURES as e:
             rank, err = self.rank, e
             if isinstance(e, CheckpointException) and e.failures:
@@ -214,7 +259,36 @@ class DistributedSnapshots:
         self.last_id = mid
         return step
 
-    def _plan_restore(self, state: dict[str, Any], mid: str) -> tuple[int, dict[str, Any], dict[str, Any], dict[str, Path]]:
+    def _load_from_tiers(self, flat: dict[str, Any], mid: str, tiers: Tiers) -> Any:
+        """DCP loads through the tiers: a dry run of the load plan says which chunks this rank reads,
+        those its own tier lacks come from peers, then the load; a chunk that no tier served with
+        a correct hash (a damaged local copy of a step not yet persisted) is fetched from a peer
+        and the load runs once more. Returns the planner that holds the loaded values."""
+        import torch.distributed.checkpoint as dcp
+
+        from ckpt.dcp.checkpoint import Reader
+        from ckpt.snapshot.peers import NeedsRecorder
+
+        peers = self.peers
+        assert peers is not None
+        recorder = NeedsRecorder(tiers)
+        dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=recorder), process_group=self.group,
+                 planner=values_planner())
+        peers.fetch(tiers, recorder.asked, exclude_local=set())
+        tiers.lenient = True
+        planner = values_planner()
+        dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=tiers), process_group=self.group, planner=planner)
+        again = peers.gather(sorted(tiers.unserved))
+        if any(again):
+            peers.fetch(tiers, set(tiers.unserved), exclude_local=set(tiers.unserved))
+            tiers.lenient, tiers.unserved = False, set()
+            tiers.served.update(dict.fromkeys(tiers.served, 0))
+            planner = values_planner()
+            dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=tiers), process_group=self.group, planner=planner)
+        return planner
+
+    def _plan_restore(self, state: dict[str, Any], mid: str, tiers: Tiers | None = None,
+                      ) -> tuple[int, dict[str, Any], dict[str, Any], dict[str, Path]]:
         """Check the snapshot against ``state`` and build what DCP loads into: (step, the targets
         by state key, the same flattened by DCP name, each name's key path)."""
         import torch
@@ -223,7 +297,7 @@ class DistributedSnapshots:
         from ckpt.dcp.format import decode_layout
         from ckpt.snapshot.run import SNAPSHOT_FORMAT, SnapshotError
 
-        m = self.run.store.manifest(mid)
+        m = tiers.get_manifest(mid) if tiers is not None else self.run.store.manifest(mid)
         snap = m.extra.get("snapshot")
         if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or not snap.get("ranks"):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a distributed snapshot of this ckpt version",

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from ckpt.snapshot.live import LiveTensors
+    from ckpt.snapshot.tiers import Tiers
 
 
 class LocalSnapshots:
@@ -55,7 +56,11 @@ class LocalSnapshots:
         self._streams: dict[Any, Any] = {}  # CUDA device -> its copy stream
 
     # -- saving ------------------------------------------------------------------
-    def save(self, step: int, state: dict[str, Any], snapshot: dict[str, Any], *, background: bool) -> SaveJob:
+    def save(self, step: int, state: dict[str, Any], snapshot: dict[str, Any], *, background: bool,
+             fallback: SnapshotRun | None = None, persist_to: SnapshotRun | None = None) -> SaveJob:
+        """See :class:`~ckpt.snapshot.run.SnapshotPath`. ``fallback``: where to write the snapshot
+        if writing it to this path's store fails (the durable store, when the local tier is full);
+        the result then names the error (:attr:`SaveResult.fell_back`)."""
         tensors, tree = flatten(state)
         optimizers = optimizers_in(state)
         defer = _optimizer_storages(optimizers) if self.overlap else frozenset()
@@ -83,7 +88,14 @@ class LocalSnapshots:
             try:
                 if pending:
                     self._copy_pending(pending, keys, ready)
-                return self._write(step, staged, reuse, keys, held, record, in_place)
+                try:
+                    return self._write(step, staged, reuse, keys, held, record, in_place)
+                except Exception as e:
+                    if fallback is None:
+                        raise
+                    # (tensors read in place that the optimizer has stepped since are caught by
+                    # their version counters: that fallback fails rather than store new values)
+                    return self._write_elsewhere(fallback, e, step, staged, reuse, record, in_place)
             finally:
                 self._live = None  # the optimizer steps no longer wait on it; its copies go with it
 
@@ -220,19 +232,43 @@ class LocalSnapshots:
         return SaveResult(result.id, result.written_bytes, result.logical_bytes, len(staged), len(reuse),
                           live.copied_bytes if live is not None else 0)
 
+    def _write_elsewhere(self, run: SnapshotRun, error: Exception, step: int, staged: dict[str, torch.Tensor],
+                         reuse: dict[str, TensorEntry], snapshot: dict[str, Any], live: LiveTensors | None) -> SaveResult:
+        """The snapshot that could not be written to this path's store, written to ``run``'s instead:
+        the chunks it reuses from this store's previous snapshot are copied over first (as stored)."""
+        from ckpt.snapshot.tiers import describe
+        from ckpt.store.copy import copy_chunks
+        from ckpt.store.push import push_source
+        from ckpt.store.sources import from_tensors
+
+        if reuse:
+            copy_chunks(self.store, run.store, {c for e in reuse.values() for c in e.chunks})
+        known = {n: (e.dtype, e.shape, e.nbytes) for n, e in reuse.items()}
+        in_place = {n: live.source(n) for n in live.names} if live is not None else None
+        src = from_tensors(staged, "snapshot", {"snapshot": snapshot}, None, known, in_place)
+        result = push_source(run.store, src, run.ref(step), reuse=reuse, aliases=(run.latest,),
+                             lineage={"parent": None, "base": None, "merge": None})
+        # this path's store did not take the snapshot: its next one starts over (no reuse)
+        self._last, self._keys, self._held = None, {}, {}
+        return SaveResult(result.id, result.written_bytes, result.logical_bytes, len(staged), len(reuse),
+                          live.copied_bytes if live is not None else 0, fell_back=describe(error))
+
     def close(self) -> None:
         for handle in self._step_hooks.values():
             handle.remove()
         self._step_hooks = {}
 
     # -- restoring -----------------------------------------------------------------
-    def restore(self, state: dict[str, Any], mid: str) -> int:
+    def restore(self, state: dict[str, Any], mid: str, tiers: Tiers | None = None) -> int:
+        """Restore ``mid`` into ``state`` in place; its step. ``tiers``: where to read it from,
+        chunk by chunk, nearest first (default: this path's store)."""
         import torch
 
         from ckpt.format.dtypes import to_torch
-        from ckpt.store.load import fill
+        from ckpt.snapshot.tiers import Tiers
 
-        m = self.store.manifest(mid)
+        tiers = tiers or Tiers([("store", self.store)])
+        m = tiers.get_manifest(mid)
         snap = m.extra.get("snapshot")
         if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or "tree" not in snap:
             raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")
@@ -274,8 +310,9 @@ class LocalSnapshots:
         # Restoring writes tensors without bumping their version counters: forget
         # what the last save saw, so the next one stages everything again.
         self._keys, self._held = {}, {}
-        self._last = (mid, entries)
-        fill(self.store, m, pairs)
+        # the next snapshot's parent (and delta base): only one this path's store holds
+        self._last = (mid, entries) if self.store.objects.has_many("manifests", [mid]) else None
+        tiers.fill(m, pairs)
         for key, obj, kind, value in loaders:
             restored = unflatten(value, decoded)
             if kind == "stateful" and isinstance(obj, Stateful):

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import signal
+import threading
 import time
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,7 +30,18 @@ from ckpt._deprecation import deprecated
 from ckpt.errors import RefNotFoundError
 from ckpt.settings import Settings
 from ckpt.snapshot.retention import KeepBest, Retention, count_setting
-from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveResult, SnapshotError, SnapshotPath, SnapshotRun, modified_under_save
+from ckpt.snapshot.run import (
+    SNAPSHOT_FORMAT,
+    SaveJob,
+    SaveResult,
+    SnapshotError,
+    SnapshotPath,
+    SnapshotRun,
+    TierWarning,
+    modified_under_save,
+)
+from ckpt.snapshot.tiers import MISSES as TIER_MISSES
+from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe
 
 if TYPE_CHECKING:
     from ckpt.store.store import Store
@@ -37,7 +51,8 @@ _STEP = re.compile(r"^step-(\d+)$")
 SAVE_MODES = ("async", "sync", "overlap")
 UNCHANGED_BY = ("version", "hash")
 
-__all__ = ["SAVE_MODES", "CheckpointManager", "KeepBest", "SaveStats", "SnapshotError", "modified_under_save"]
+__all__ = ["SAVE_MODES", "CheckpointManager", "KeepBest", "LocalTierUsage", "PersistStats", "SaveStats", "SnapshotError",
+           "TierWarning", "modified_under_save"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,20 @@ class SaveStats:
     staged_tensors: int | None = None
     reused_tensors: int | None = None
     copied_at_step_bytes: int = 0
+    tier: str = "store"  # where it went: "local" (the local tier) or "store" (the durable store)
+    replicated_bytes: int | None = None  # stored bytes this rank sent to its replica ranks (None: no replication)
+
+
+@dataclass(frozen=True)
+class PersistStats:
+    """What persisting one local snapshot to the durable store cost: seconds in the background,
+    and the chunks and stored bytes it copied (those the durable store lacked)."""
+
+    step: int
+    seconds: float
+    chunks_sent: int
+    bytes_sent: int
+    chunks_present: int
 
 
 class CheckpointManager:
@@ -135,6 +164,20 @@ class CheckpointManager:
     rank's per-rank state to another, raises :class:`SnapshotError` on every rank
     (ckpt/snapshot/distributed.py).
 
+    **Tiers** (``local=True`` or ``local=PATH``; README "Restart in seconds", docs/format.md
+    "The local tier"): snapshots go to a local tier (an ordinary store in host memory under
+    /dev/shm, or on local NVMe) every ``local_every_n_steps``, bounded by ``local_keep``
+    snapshots and ``local_max_bytes`` (:attr:`local_tier` says what it holds); every
+    ``every_n_steps`` (a multiple) one is persisted to ``store`` in the background by copying
+    the chunks it lacks, as stored (:attr:`last_persist`). :meth:`restore_latest` takes the
+    newest snapshot of any tier, each chunk from the nearest tier holding it with a correct
+    hash; :attr:`last_restore` is ``{"step", "local", "peer", "store"}`` (bytes per tier).
+    With ``process_group`` each rank's tier is ``PATH/rank-R`` and ``replicas=K`` sends each
+    rank's chunks to K peers (``replica_stride`` apart, or on other nodes of
+    ``replica_nodes``); the ranks persist together in the save thread. A tier that fails
+    warns (:class:`TierWarning`) and the next save tries again; a snapshot due to ``store``
+    whose local save failed is written there directly (one process).
+
     Settings are checked at construction (``ValueError`` naming the parameter):
     ``every_n_steps``, ``keep_last`` and ``keep_every`` are ints >= 1 (not bools) or
     None; ``save_mode`` one of :data:`SAVE_MODES`; ``timeout_s`` a finite number > 0,
@@ -161,6 +204,13 @@ class CheckpointManager:
         process_group: Any = None,
         timeout_s: float | None = None,
         settings: Settings | None = None,
+        local: bool | str | os.PathLike[str] | None = None,
+        local_every_n_steps: int | None = None,
+        local_keep: int = 2,
+        local_max_bytes: int | None = None,
+        replicas: int = 0,
+        replica_stride: int = 1,
+        replica_nodes: Sequence[Any] | None = None,
         **deprecated: Any,
     ) -> None:
         from ckpt.store.store import Store
@@ -195,8 +245,21 @@ class CheckpointManager:
         self.preempt_exit_code = preempt_exit_code
         self.preempted = False
         self.last_save: SaveStats | None = None
-        self._target = SnapshotRun(self.store, self.run, delta_vs_previous)
+        self.last_persist: PersistStats | None = None
+        self.last_restore: dict[str, int] | None = None
+        self._durable = SnapshotRun(self.store, self.run, delta_vs_previous)
+        self._distributed = process_group is not None
+        self._local = self._local_tier(local, local_every_n_steps, local_keep, local_max_bytes, replicas, process_group)
+        self._target = SnapshotRun(self._local.store, self.run, delta_vs_previous) if self._local else self._durable
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
+        self._persist_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
+        # One persist runs at a time; a snapshot due while one runs waits in a slot of one
+        # (a newer one takes its place: the older is never persisted), so training never waits.
+        self._persisting: Future[None] | None = None
+        self._persist_slot: int | None = None
+        self._persist_lock = threading.Lock()
+        self._durable_lock = threading.Lock()  # moving RUN/latest in the durable store: never backwards
+        self._persist_pending = False  # a persist failed: the next save persists
         self._inflight: Future[None] | None = None
         self._metrics: dict[int, dict[str, float]] = {}
         self._old_handlers: dict[int, Any] = {}
@@ -206,13 +269,56 @@ class CheckpointManager:
                 raise ValueError("save_mode='overlap' is for one process; with process_group use 'async' or 'sync'")
             from ckpt.snapshot.distributed import DistributedSnapshots
 
-            self._path = DistributedSnapshots(self._target, process_group, timeout_s)
+            self._path = DistributedSnapshots(self._target, process_group, timeout_s, local=self._local, replicas=replicas,
+                                              replica_stride=replica_stride, replica_nodes=replica_nodes)
         else:
             from ckpt.snapshot.local import LocalSnapshots
 
             self._path = LocalSnapshots(self._target, overlap=save_mode == "overlap", unchanged_by=unchanged_by)
         if handle_signals:
             self._install_signals()
+
+    def _local_tier(self, local: Any, every: int | None, keep: int, max_bytes: int | None, replicas: int,
+                    process_group: Any) -> LocalTier | None:
+        """Check the tier settings; the local tier, if asked for."""
+        from ckpt.snapshot.tiers import LocalTier, default_local_path
+
+        self.local_every_n_steps = count_setting("local_every_n_steps", every)
+        count_setting("local_keep", keep)
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ValueError(f"local_max_bytes must be an int >= 1 or None, not {max_bytes!r}")
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise ValueError(f"replicas must be an int >= 0, not {replicas!r}")
+        if local is None or local is False:
+            for name, value in (("local_every_n_steps", every), ("local_max_bytes", max_bytes)):
+                if value is not None:
+                    raise ValueError(f"{name} applies to the local tier: pass it with local=True or local=PATH")
+            if replicas:
+                raise ValueError("replicas copy the local tier to peers: pass it with local=True or local=PATH")
+            return None
+        rank = None
+        if process_group is not None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank()  # global: the tier directory of this process on its node
+        elif replicas:
+            raise ValueError("replicas need a process group (peer ranks to copy the local tier to)")
+        if self.every_n_steps and self.local_every_n_steps and self.every_n_steps % self.local_every_n_steps:
+            raise ValueError(f"every_n_steps ({self.every_n_steps}) must be a multiple of local_every_n_steps "
+                             f"({self.local_every_n_steps}): a persisted snapshot is a local one copied")
+        if self.local_every_n_steps is None:
+            self.local_every_n_steps = self.every_n_steps
+        if local is True:
+            path = default_local_path(self.store.url, self.run, rank)
+        else:
+            path = os.fspath(local) if rank is None else os.path.join(os.fspath(local), f"rank-{rank}")
+        return LocalTier(path, self.run, keep=keep, max_bytes=max_bytes, settings=self.store.settings)
+
+    @property
+    def local_tier(self) -> LocalTierUsage | None:
+        """What the local tier holds now (its path, steps and bytes: host memory under /dev/shm);
+        None without one."""
+        return self._local.usage() if self._local else None
 
     # -- saving ------------------------------------------------------------------
     def ref(self, step: int) -> str:
@@ -226,42 +332,164 @@ class CheckpointManager:
         waits until that snapshot is durable, closes the manager and raises
         ``SystemExit(preempt_exit_code)``."""
         if self.preempted:
-            self.save(step, state, metrics)
+            self.save(step, state, metrics, persist=True)
             self.close()
             log.warning("preempted: snapshot of step %d is durable; exiting with %d", step, self.preempt_exit_code)
             raise SystemExit(self.preempt_exit_code)
-        if self.every_n_steps and step % self.every_n_steps == 0:
-            self.save(step, state, metrics)
+        durable = bool(self.every_n_steps) and step % self.every_n_steps == 0
+        local = bool(self._local and self.local_every_n_steps) and step % self.local_every_n_steps == 0
+        if durable or local:
+            self.save(step, state, metrics, persist=durable)
             return True
         return False
 
-    def save(self, step: int, state: dict[str, Any], metrics: dict[str, float] | None = None) -> None:
+    def save(self, step: int, state: dict[str, Any], metrics: dict[str, float] | None = None, *,
+             persist: bool | None = None) -> None:
         """Snapshot ``state`` as step ``step``. Returns once what must be copied is copied
-        (``save_mode="sync"``: once the snapshot is durable)."""
+        (``save_mode="sync"``: once the snapshot is durable).
+
+        With a local tier the snapshot goes there, and is then persisted to the durable
+        store in the background when ``persist`` (default: ``step`` is a multiple of
+        ``every_n_steps``, or an earlier persist failed). If the local tier fails (full,
+        say) a snapshot to persist is written to the durable store directly, and any other
+        is skipped, with a :class:`TierWarning` each: training goes on."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError("step must be a non-negative int")
-        self.wait()
+        self._wait_save()
         t0 = time.perf_counter()
         snapshot = {"format": SNAPSHOT_FORMAT, "run": self.run, "step": step, "metrics": dict(metrics or {})}
         background = self.save_mode != "sync"
-        job = self._path.save(step, state, snapshot, background=background)
+        if self._local is None:
+            job = self._path.save(step, state, snapshot, background=background)
+        else:
+            if persist is None:
+                persist = bool(self.every_n_steps) and step % self.every_n_steps == 0
+            persist = persist or self._persist_pending
+            if self._distributed:  # the ranks persist together, in the save thread
+                saving = self._path.save(step, state, snapshot, background=background, persist_to=self._durable if persist else None)
+            else:
+                saving = self._path.save(step, state, snapshot, background=background, fallback=self._durable if persist else None)
+            job = self._tiered(step, saving, persist)
         blocked = time.perf_counter() - t0
 
         def finish() -> None:
             t1 = time.perf_counter()
             result = job()
-            self._saved(step, snapshot["metrics"], result, blocked, time.perf_counter() - t1)
+            if result is not None:
+                self._saved(step, snapshot["metrics"], result, blocked, time.perf_counter() - t1)
 
         if background:
             self._inflight = self._pool.submit(finish)
         else:
             finish()
 
+    def _tiered(self, step: int, job: SaveJob, persist: bool) -> Callable[[], SaveResult | None]:
+        """``job`` (a save into the local tier), then the tier's bounds and the persist it asks for.
+        A tier failure is a warning; a failed direct save to the durable store is raised."""
+        local = self._local
+        assert local is not None
+
+        def run() -> SaveResult | None:
+            try:
+                if persist:  # the fallback may move RUN/latest in the durable store
+                    with self._durable_lock:
+                        result = job()
+                else:
+                    result = job()
+            except SnapshotError:
+                if not self._distributed:
+                    raise  # the state itself (modified under an overlapped save): not a tier failure
+                self._tier_warning(f"local tiers: snapshot of step {step} not saved; the next save tries again")
+                return None
+            except Exception as e:  # noqa: BLE001 - the local tier failed; training goes on
+                self._tier_warning(f"local tier: snapshot of step {step} not saved ({describe(e)}); the next save tries again")
+                local.drop(step)
+                return None
+            if result.fell_back is not None:
+                self._tier_warning(f"local tier: snapshot of step {step} not saved ({result.fell_back}); "
+                                   "it was written to the durable store directly")
+                self._persist_pending = False
+                self._retain()
+                return result
+            if result.persist_error is not None:
+                self._persist_pending = True
+                self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed "
+                                   f"({result.persist_error}); the next save persists again")
+            elif result.persisted:
+                self._persist_pending = False
+                if result.prunes:
+                    self._retain()
+            if self._distributed:
+                return result  # the path pruned its tier and persisted
+            try:
+                local.prune()
+            except Exception as e:  # noqa: BLE001
+                self._tier_warning(f"local tier: could not drop old snapshots ({describe(e)})")
+            if persist:
+                self._persist_pending = False
+                self._request_persist(step)
+            return result
+
+        return run
+
+    def _request_persist(self, step: int) -> None:
+        local = self._local
+        assert local is not None
+        with self._persist_lock:
+            local.pinned.add(step)
+            if self._persist_slot is not None:
+                local.pinned.discard(self._persist_slot)  # superseded before it started: never persisted
+            self._persist_slot = step
+            if self._persisting is None or self._persisting.done():
+                self._persisting = self._persist_pool.submit(self._persist_loop)
+
+    def _persist_loop(self) -> None:
+        while True:
+            with self._persist_lock:
+                step, self._persist_slot = self._persist_slot, None
+            if step is None:
+                return
+            self._persist(step)
+
+    def _persist(self, step: int) -> None:
+        """Copy the local snapshot of ``step`` to the durable store: only the chunks it lacks, as stored."""
+        from ckpt.snapshot.tiers import snapshot_step
+        from ckpt.store.copy import copy_refs
+
+        local = self._local
+        assert local is not None
+        t0 = time.perf_counter()
+        try:
+            report = copy_refs(local.store, self.store, [local.ref(step)])
+            with self._durable_lock:
+                try:
+                    newest = snapshot_step(self.store.manifest(self._durable.latest))
+                except RefNotFoundError:
+                    newest = None
+                if newest is None or newest <= step:
+                    self.store.refs_db.set(self._durable.latest, report.refs[local.ref(step)], alias=True)
+                    self.store.objects.backend.flush()
+            self.last_persist = PersistStats(step, time.perf_counter() - t0, report.chunks_sent, report.bytes_sent,
+                                             report.chunks_present)
+            self._retain()
+        except Exception as e:  # noqa: BLE001 - the durable store still holds the previous snapshot
+            self._persist_pending = True
+            self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed ({describe(e)}); "
+                               "the next save persists again")
+        finally:
+            with self._persist_lock:
+                local.pinned.discard(step)
+
+    def _tier_warning(self, message: str) -> None:
+        log.warning("%s", message)
+        warnings.warn(message, TierWarning, stacklevel=2)
+
     def _saved(self, step: int, metrics: dict[str, float], r: SaveResult, blocked: float, background: float) -> None:
         self._metrics[step] = metrics
+        tier = "local" if self._local is not None and r.fell_back is None else "store"
         self.last_save = SaveStats(step, blocked, background, r.written_bytes, r.logical_bytes, r.staged_tensors,
-                                   r.reused_tensors, r.copied_at_step_bytes)
-        if r.prunes:  # in a group the coordinator alone prunes, so that ranks never race to remove a ref
+                                   r.reused_tensors, r.copied_at_step_bytes, tier, r.replicated_bytes)
+        if r.prunes and self._local is None:  # in a group the coordinator alone prunes, so that ranks never race to remove a ref
             self._retain()
 
     @property
@@ -276,7 +504,19 @@ class CheckpointManager:
         return asdict(self.last_save) if self.last_save is not None else {}
 
     def wait(self) -> None:
-        """Block until the in-flight save is durable; raise its error if it failed."""
+        """Block until the in-flight save is durable (and, with a local tier, its persist has
+        finished); raise the save's error if it failed."""
+        try:
+            self._wait_save()
+        finally:
+            while True:  # the loop may have been started again meanwhile
+                with self._persist_lock:
+                    p = self._persisting
+                if p is None or p.done():
+                    break
+                p.result()  # a failed persist warned; it never raises
+
+    def _wait_save(self) -> None:
         f, self._inflight = self._inflight, None
         if f is not None:
             f.result()
@@ -287,6 +527,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            self._persist_pool.shutdown(wait=True)
             self._restore_signals()
             self._path.close()
 
@@ -331,18 +572,85 @@ class CheckpointManager:
 
     # -- restoring -----------------------------------------------------------------
     def restore_latest(self, state: dict[str, Any]) -> int | None:
-        """Restore the newest snapshot into ``state`` in place; its step, or None if the run has none."""
+        """Restore the newest snapshot into ``state`` in place; its step, or None if the run has none.
+
+        With a local tier: the newest of the local and durable snapshots, each chunk read from
+        the local tier where it is there with a correct hash, else from the durable store. A
+        snapshot that no tier holds completely (a local one not persisted, with a damaged
+        chunk) is skipped, with a :class:`TierWarning`, for the next newest.
+        :attr:`last_restore` says which step was restored and the bytes each tier served."""
         self.wait()
-        try:
-            mid = self.store.resolve(self._target.latest)
-        except RefNotFoundError:
-            return None
-        return self._path.restore(state, mid)
+        if self._local is None:
+            try:
+                mid = self.store.resolve(self._durable.latest)
+            except RefNotFoundError:
+                return None
+            return self._restore(state, mid)
+        if self._distributed:
+            from ckpt.snapshot.distributed import DistributedSnapshots
+
+            assert isinstance(self._path, DistributedSnapshots) and self._path.peers is not None
+            chosen = self._path.peers.choose(self.store, self._durable.latest)
+            if chosen is None:
+                return None
+            _, mid, tiers = chosen
+            step = self._path.restore(state, mid, tiers)
+            self.last_restore = {"step": step, **tiers.served}
+            return step
+        candidates = self._candidates()
+        for i, (step, mid) in enumerate(candidates):
+            try:
+                return self._restore(state, mid)
+            except TIER_MISSES as e:
+                if i == len(candidates) - 1:
+                    raise
+                self._tier_warning(f"snapshot of step {step} cannot be assembled from any tier ({describe(e)}); "
+                                   f"restoring step {candidates[i + 1][0]} instead")
+        return None
 
     def restore(self, state: dict[str, Any], step: int) -> int:
-        """Restore the snapshot of ``step`` into ``state`` in place."""
+        """Restore the snapshot of ``step`` into ``state`` in place (from the nearest tier holding each chunk)."""
         self.wait()
-        return self._path.restore(state, self.store.resolve(self.ref(step)))
+        mid = None
+        if self._local is not None:
+            try:
+                mid = self._local.store.resolve(self.ref(step))
+            except RefNotFoundError:
+                pass
+        return self._restore(state, mid or self.store.resolve(self.ref(step)))
+
+    def _candidates(self) -> list[tuple[int, str]]:
+        """Snapshots to restore, newest first: (step, manifest id), from the local tier and the durable store."""
+        from ckpt.snapshot.tiers import snapshot_step
+
+        local = self._local
+        assert local is not None
+        found: dict[int, str] = {}
+        try:
+            mid = self.store.resolve(self._durable.latest)
+            step = snapshot_step(self.store.manifest(mid))
+            if step is not None:
+                found[step] = mid
+        except RefNotFoundError:
+            pass
+        for step in local.steps():
+            try:
+                found[step] = local.store.resolve(local.ref(step))
+            except TIER_MISSES as e:
+                self._tier_warning(f"local tier: snapshot of step {step} unreadable ({describe(e)})")
+        return sorted(found.items(), reverse=True)
+
+    def _restore(self, state: dict[str, Any], mid: str) -> int:
+        from ckpt.snapshot.tiers import Tiers
+
+        peers = getattr(self._path, "peers", None)
+        if peers is not None:
+            tiers = peers.tiers(self.store)
+        else:
+            tiers = Tiers(([("local", self._local.store)] if self._local else []) + [("store", self.store)])
+        step = self._path.restore(state, mid, tiers)
+        self.last_restore = {"step": step, **tiers.served}
+        return step
 
     # -- preemption ----------------------------------------------------------------
     def _install_signals(self, sigs: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1)) -> None:

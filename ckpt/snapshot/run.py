@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ckpt.errors import CkptError
 
 if TYPE_CHECKING:
+    from ckpt.snapshot.tiers import Tiers
     from ckpt.store.store import Store
 
 SNAPSHOT_FORMAT = 1  # the "snapshot" record in a snapshot manifest's extra (docs/format.md)
@@ -23,6 +24,11 @@ SNAPSHOT_FORMAT = 1  # the "snapshot" record in a snapshot manifest's extra (doc
 
 class SnapshotError(CkptError):
     """A snapshot could not be saved or restored."""
+
+
+class TierWarning(RuntimeWarning):
+    """A snapshot tier (the local tier, a peer, persisting to the durable store) failed one
+    save or restore; training goes on and the next save tries that tier again."""
 
 
 def modified_under_save(names: list[str]) -> SnapshotError:
@@ -62,6 +68,10 @@ class SaveResult:
     reused_tensors: int | None = None
     copied_at_step_bytes: int = 0
     prunes: bool = True  # whether this process applies retention (one rank of a group does)
+    fell_back: str | None = None  # why the snapshot went to the fallback store instead (the local tier failed)
+    persisted: bool = False  # the path persisted it itself (``persist_to``)
+    persist_error: str | None = None  # why persisting it failed
+    replicated_bytes: int | None = None  # stored bytes this rank sent to its replicas (local tiers in a group)
 
 
 SaveJob = Callable[[], SaveResult]
@@ -70,14 +80,19 @@ SaveJob = Callable[[], SaveResult]
 class SnapshotPath(Protocol):
     """How state becomes a snapshot and back; driven by the manager, one save at a time."""
 
-    def save(self, step: int, state: dict[str, Any], snapshot: dict[str, Any], *, background: bool) -> SaveJob:
+    def save(self, step: int, state: dict[str, Any], snapshot: dict[str, Any], *, background: bool,
+             fallback: SnapshotRun | None = None, persist_to: SnapshotRun | None = None) -> SaveJob:
         """Take what must be taken before training may go on (the blocking part) and return
         the rest, which the manager runs in its save thread (``background``) or at once.
-        ``snapshot`` is the record to store (format, run, step, metrics); a path may add to it."""
+        ``snapshot`` is the record to store (format, run, step, metrics); a path may add to it.
+        ``fallback``: where to write it if this path's store fails (reported in ``SaveResult.fell_back``).
+        ``persist_to``: a path that persists snapshots itself (``SaveResult.persisted``) copies this
+        one there after saving it; others leave that to the manager."""
         ...
 
-    def restore(self, state: dict[str, Any], manifest_id: str) -> int:
-        """Restore snapshot ``manifest_id`` into ``state`` in place; its step."""
+    def restore(self, state: dict[str, Any], manifest_id: str, tiers: Tiers | None = None) -> int:
+        """Restore snapshot ``manifest_id`` into ``state`` in place; its step. ``tiers``: the stores
+        to read it from, nearest first; the path adds the bytes each served to ``tiers.served``."""
         ...
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ from ckpt.codecs.chunk import decode_chunk, parse_header
 from ckpt.progress import Progress
 from ckpt.transfer.pipeline import fetch_chunk
 from ckpt_store.storage.copy import ChunkCheck, CopyItem, CopyReport, copy_checkpoints
+from ckpt_store.storage.copy import copy_chunks as _copy_chunks
 from ckpt_store.storage.errors import CkptError, InvalidNameError, RefNotFoundError
 from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.refs import validate_ref_name
@@ -31,7 +32,7 @@ from ckpt_store.storage.refs import validate_ref_name
 if TYPE_CHECKING:
     from ckpt.store.store import Store
 
-__all__ = ["CopyReport", "chunk_checker", "copy_refs", "parse_copy_spec"]
+__all__ = ["CopyReport", "chunk_checker", "copy_chunks", "copy_refs", "parse_copy_spec"]
 
 _SPEC = re.compile(r"^([^:]+)(?::([^:]+))?$")
 
@@ -111,3 +112,9 @@ def copy_refs(src: Store, dst: Store, refs: Iterable[str], *, progress: Progress
 
 def _concurrency(src: Store, dst: Store) -> int:
     return max(src.settings.workers, src.backend.concurrency, dst.backend.concurrency)
+
+
+def copy_chunks(src: Store, dst: Store, ids: Iterable[str]) -> CopyReport:
+    """Copy the chunks ``ids`` that ``dst`` lacks from ``src``, as stored (never re-encoded), each
+    decoded and re-hashed first; bases of delta chunks come along. Nothing else is written."""
+    return _copy_chunks(src.objects, dst.objects, ids, check_chunk=chunk_checker(src, dst), concurrency=_concurrency(src, dst))

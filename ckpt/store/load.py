@@ -3,7 +3,7 @@ own tensors (:func:`load_into`, :func:`fill`), every byte verified on the way.""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import ResourceLimitError, TensorMismatchError
@@ -11,7 +11,7 @@ from ckpt.format.dtypes import to_torch
 from ckpt.format.manifest import Manifest, TensorEntry, name_selected
 from ckpt.progress import Progress, reporting
 from ckpt.store.limits import check_memory
-from ckpt.transfer.pipeline import get_chunks, into_tasks
+from ckpt.transfer.pipeline import GetTask, get_chunks, into_tasks
 
 if TYPE_CHECKING:
     import torch
@@ -91,12 +91,14 @@ def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, progr
     fill(store, m, [(by_name[n], dst) for n, dst in live.items() if n in by_name], progress)
 
 
-def fill(store: Store, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]], progress: Progress | None = None) -> None:
+def fill(store: Store, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]], progress: Progress | None = None,
+         get: Callable[[list[GetTask], Progress], None] | None = None) -> None:
     """Decode each entry's chunks into its destination tensor, in place, all in one parallel pass.
 
     Contiguous CPU tensors receive the bytes directly; others (CUDA, strided) get them
     through one host buffer (pinned for CUDA) and a single copy. A shape or dtype
     mismatch is an error naming every offending tensor, raised before any write.
+    ``get(tasks, progress)`` fetches the chunks instead of ``store`` (several tiers, say).
     """
     import torch
 
@@ -116,7 +118,10 @@ def fill(store: Store, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]
             staged.append((dst, tmp))
     tasks = into_tasks(m.chunk_size, direct)
     with reporting(progress, "load", sum(t.length for t in tasks)) as p:
-        get_chunks(store.objects, tasks, store.settings, p)
+        if get is None:
+            get_chunks(store.objects, tasks, store.settings, p)
+        else:
+            get(tasks, p)
     with torch.no_grad():
         for dst, tmp in staged:
             dst.copy_(tmp, non_blocking=tmp.is_pinned())

@@ -491,6 +491,99 @@ def fsdp_plain_state(rank, world, tmp, store):
             "params": [bits(p.full_tensor()) for p in model2.parameters()] == [bits(p.full_tensor()) for p in model.parameters()]}
 
 
-SCENARIOS = {"save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
+def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None):
+    """:func:`ddp_resume` with local tiers: local snapshots every 2 steps, replicated to 1 peer
+    rank, persisted every 4. ``resume`` first wipes the local tiers of the ranks in ``wipe`` (a
+    replaced machine) and, on rank ``flip``, flips a byte of every chunk its tier holds of the
+    newest snapshot; then reports ``mgr.last_restore``."""
+    import shutil
+
+    import torch.distributed as dist
+
+    import ckpt
+
+    local = os.path.join(tmp, "local")
+    state = _ddp_state(rank)
+    losses = {}
+    mgr = None
+    start = 0
+    out = {}
+    if mode == "resume":
+        if rank in wipe:
+            shutil.rmtree(os.path.join(local, f"rank-{rank}"), ignore_errors=True)
+        if rank == flip:
+            out["flipped"] = _flip_newest(os.path.join(local, f"rank-{rank}"))
+        dist.barrier()
+    if mode != "full":
+        mgr = ckpt.CheckpointManager(store, "ddp", every_n_steps=4, local=local, local_every_n_steps=2, replicas=1,
+                                     process_group=dist.group.WORLD, timeout_s=30)
+    if mode == "resume":
+        start = mgr.restore_latest(state)
+        assert start == state["step"], (start, state["step"])
+        out["restore"] = mgr.last_restore
+    for step in range(start + 1, steps + 1):
+        losses[step] = _ddp_step(state)
+        state["step"] = step
+        if mode == "crash" and mgr.maybe_save(step, state) and step == at:
+            mgr.wait()
+            _ddp_step(state)
+            _ddp_step(state)
+            os.kill(os.getpid(), signal.SIGKILL)
+    if mgr is not None:
+        out["local_steps"] = mgr.local_tier.steps
+        mgr.close()
+    return {**out, "losses": losses, "bits": _ddp_bits(state)}
+
+
+def tiers_replication(rank, world, tmp, store):
+    """Local tiers with one replica: a large frozen layer and a small trained one, saved twice.
+    Returns the stored bytes each save sent to the replica."""
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+
+    torch.manual_seed(0)
+    frozen, head = torch.nn.Linear(512, 512), torch.nn.Linear(512, 4)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    state = {"frozen": frozen, "head": head, "step": 0}
+    mgr = ckpt.CheckpointManager(store, "rep", local=os.path.join(tmp, "local"), local_every_n_steps=1, replicas=1,
+                                 process_group=dist.group.WORLD, timeout_s=30)
+    sent = []
+    for step in (1, 2):
+        torch.manual_seed(step)
+        head(torch.randn(4, 512)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] = step
+        mgr.save(step, state)
+        mgr.wait()
+        sent.append(mgr.last_save.replicated_bytes)
+    out = {"sent": sent, "local_steps": mgr.local_tier.steps, "durable_steps": mgr.steps()}
+    mgr.close()
+    return out
+
+
+def _flip_newest(path):
+    """Flip the last byte of every chunk of the newest snapshot in the tier at ``path``; how many."""
+    import ckpt
+    from ckpt.snapshot.tiers import LocalTier
+
+    tier = LocalTier(path, "ddp")
+    store = tier.store
+    m = store.get_manifest(store.resolve(tier.ref(tier.steps()[-1])))
+    n = 0
+    for cid in sorted({c for t in m.tensors for c in t.chunks}):
+        f = os.path.join(path, store.objects.path("chunks", cid))
+        if os.path.exists(f):
+            data = bytearray(open(f, "rb").read())
+            data[-1] ^= 1
+            open(f, "wb").write(bytes(data))
+            n += 1
+    del ckpt
+    return n
+
+
+SCENARIOS = {"tiers_resume": tiers_resume, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state}

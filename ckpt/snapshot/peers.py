@@ -1,0 +1,328 @@
+"""Local tiers across a process group: replication to peer ranks and restores from them.
+
+Each rank's local tier (:class:`~ckpt.snapshot.tiers.LocalTier`) receives the chunks of
+its own shards from the DCP save, the snapshot's manifest (broadcast by the
+coordinator) and the chunks of the ranks it is a replica of. So a rank's tier alone
+is not a complete snapshot: a step can be *assembled* when the ranks' tiers together
+hold every chunk its manifest names, or when the durable store holds it.
+
+Replication (:meth:`Peers.replicate`): each rank sends the chunks it wrote that its
+``K`` replica ranks (:func:`replica_ranks`) lack, point to point over the group (gloo);
+a chunk several ranks wrote (a replicated parameter) goes once, from the lowest of them.
+
+Restore (:meth:`Peers.choose`): the ranks gather what their tiers hold, agree on the
+newest step they can assemble (else the durable store's newest), learn which chunks
+each rank's DCP load will read (a dry run of the load plan), and fetch the ones a
+rank's own tier lacks from a peer holding them, into an in-memory ``peer`` tier.
+Every chunk is verified where it is read: a bad copy falls through to the durable store.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ckpt.dcp.checkpoint import Writer
+from ckpt.snapshot.tiers import MISSES, LocalTier, Tiers, describe, snapshot_step
+from ckpt_store.storage.errors import RefNotFoundError
+from ckpt_store.storage.gc import referenced_chunks
+
+if TYPE_CHECKING:
+    from ckpt.format.manifest import Manifest
+    from ckpt.store.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def replica_ranks(rank: int, world: int, k: int, *, stride: int = 1, nodes: Sequence[Any] | None = None) -> list[int]:
+    """The ``k`` ranks that keep copies of ``rank``'s chunks.
+
+    With ``nodes`` (the node of each rank), the next ranks round the ring that sit on
+    other nodes than ``rank`` (and than each other, while there are enough nodes), so a
+    lost machine never takes a rank and its replicas; else ``rank + stride``,
+    ``rank + 2 * stride``, ... (modulo ``world``).
+
+    >>> replica_ranks(0, 8, 2, stride=4)
+    [4, 1]
+    >>> replica_ranks(1, 4, 1, nodes=["a", "a", "b", "b"])
+    [2]
+    """
+    if k <= 0 or world <= 1:
+        return []
+    out: list[int] = []
+    if nodes is not None:
+        used = {nodes[rank]}
+        ring = [(rank + i) % world for i in range(1, world)]
+        for r in ring:  # other nodes, one replica per node first
+            if len(out) < k and nodes[r] not in used:
+                out.append(r)
+                used.add(nodes[r])
+        for r in ring:
+            if len(out) < k and r not in out and nodes[r] != nodes[rank]:
+                out.append(r)
+        return out
+    r = rank
+    for _ in range(world):
+        r = (r + stride) % world
+        if r == rank or r in out:
+            r = (r + 1) % world
+        if r != rank and r not in out:
+            out.append(r)
+        if len(out) == min(k, world - 1):
+            break
+    return out
+
+
+class TierWriter(Writer):
+    """A DCP ``Writer`` into one rank's local tier: each rank writes its shards' chunks to its own
+    tier; the coordinator writes the manifest there without the check that every chunk it names
+    is in that store (they are spread over the ranks) and sets no ref: the manager publishes it."""
+
+    published: tuple[str, bytes] | None = None
+
+    def _publish(self, store: Store, manifest: Manifest) -> str:
+        data = manifest.to_json()
+        mid = store.objects.put_manifest(data)
+        self.published = (mid, data)
+        return mid
+
+
+class Peers:
+    """The ranks of one group and their local tiers; every method is collective over ``group``."""
+
+    def __init__(self, local: LocalTier, group: Any, replicas: int, *, stride: int = 1, nodes: Sequence[Any] | None = None) -> None:
+        import torch.distributed as dist
+
+        self.local = local
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.ranks = dist.get_process_group_ranks(group)  # group rank -> global rank (p2p takes global ranks)
+        self.replicas = {r: replica_ranks(r, self.world, replicas, stride=stride, nodes=nodes) for r in range(self.world)}
+
+    # -- collectives --------------------------------------------------------------------
+    def gather(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def exchange(self, sends: dict[int, list[tuple[str, bytes]]]) -> dict[str, bytes]:
+        """Send each ``sends[dst]`` (chunk id, blob) list to group rank ``dst``; return what this rank received."""
+        import torch
+        import torch.distributed as dist
+
+        plan = self.gather({dst: [(cid, len(b)) for cid, b in items] for dst, items in sends.items() if items})
+        ops, bufs = [], []
+        for dst, items in sorted(sends.items()):
+            if items:
+                data = torch.frombuffer(bytearray(b"".join(b for _, b in items)), dtype=torch.uint8)
+                ops.append(dist.isend(data, self.ranks[dst], group=self.group))
+        for src, wanted in enumerate(plan):
+            listed = wanted.get(self.rank) if src != self.rank else None
+            if listed:
+                buf = torch.empty(sum(n for _, n in listed), dtype=torch.uint8)
+                ops.append(dist.irecv(buf, self.ranks[src], group=self.group))
+                bufs.append((listed, buf))
+        for op in ops:
+            op.wait()
+        got: dict[str, bytes] = {}
+        for listed, buf in bufs:
+            raw, pos = buf.numpy().tobytes(), 0
+            for cid, n in listed:
+                got[cid] = raw[pos : pos + n]
+                pos += n
+        return got
+
+    # -- saving -------------------------------------------------------------------------
+    def publish(self, published: tuple[str, bytes] | None) -> tuple[str, bytes]:
+        """Give every rank's tier the manifest the coordinator wrote (``published`` there): (id, bytes)."""
+        import torch.distributed as dist
+
+        box = [published]
+        dist.broadcast_object_list(box, src=self.ranks[0], group=self.group)
+        assert box[0] is not None, "the coordinator published no manifest"
+        mid, data = box[0]
+        self.local.store.objects.put_manifest(data)
+        return mid, data
+
+    def replicate(self, step: int, mid: str, data_ids: set[str]) -> tuple[set[str], int]:
+        """Send this rank's chunks of the snapshot to its replicas where they lack them; keep what
+        others send. Returns (the chunks of the snapshot this rank held before, stored bytes it sent)."""
+        store = self.local.store
+        own = store.objects.has_many("chunks", data_ids)
+        held = self.gather(sorted(own))
+        held_sets = [set(h) for h in held]
+        sends: dict[int, list[tuple[str, bytes]]] = {}
+        for dst in range(self.world):
+            senders = [r for r in range(self.world) if dst in self.replicas[r]]
+            if self.rank not in senders:
+                continue
+            for cid in sorted(own - held_sets[dst]):
+                # a chunk several senders hold goes once, from the lowest of them
+                if min(r for r in senders if cid in held_sets[r]) == self.rank:
+                    sends.setdefault(dst, []).append((cid, store.objects.get("chunks", cid)))
+        got = self.exchange(sends)
+        self._keep(got)
+        store.refs_db.set(self.local.ref(step), mid)
+        store.refs_db.set(f"{self.local.run}/latest", mid, alias=True)
+        store.objects.backend.flush()
+        return own, sum(len(b) for items in sends.values() for _, b in items)
+
+    def _keep(self, blobs: dict[str, bytes]) -> int:
+        """Verify and store chunks received from peers; a damaged one is dropped (the tier then lacks it)."""
+        from ckpt.store.copy import chunk_checker
+
+        store = self.local.store
+        check = chunk_checker(store, store)
+        n = 0
+        for cid, blob in sorted(blobs.items()):
+            try:
+                check(cid, blob)
+            except MISSES as e:
+                log.warning("chunk %s from a peer dropped: %s", cid[:12], describe(e))
+                continue
+            store.objects.put("chunks", cid, blob)
+            n += len(blob)
+        store.objects.backend.flush()
+        return n
+
+    def persist(self, step: int, mid: str, data: bytes, own: set[str], durable: Store, latest: str, ref: str) -> str | None:
+        """Every rank copies the chunks it wrote that ``durable`` lacks; then the coordinator commits the
+        manifest and refs there. None, or why it failed (the same on every rank)."""
+        from ckpt.store.copy import copy_chunks
+        from ckpt_store.storage.commit import commit
+
+        try:
+            copy_chunks(self.local.store, durable, own)
+            problem = None
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below
+            problem = f"rank {self.rank}: {describe(e)}"
+        verdicts = self.gather(problem)
+        failed = next((v for v in verdicts if v is not None), None)
+        if failed is None and self.rank == 0:
+            try:
+                commit(durable.objects, durable.refs_db, data, ref)
+                durable.refs_db.set(latest, mid, alias=True)
+                durable.objects.backend.flush()
+            except Exception as e:  # noqa: BLE001
+                failed = f"rank 0: {describe(e)}"
+        return self.gather(failed)[0]
+
+    # -- restoring ------------------------------------------------------------------------
+    def inventory(self) -> dict[int, tuple[str, list[str]]]:
+        """What this rank's tier holds: step -> (manifest id, the chunks of it present)."""
+        store = self.local.store
+        out = {}
+        for step in self.local.steps():
+            try:
+                mid = store.resolve(self.local.ref(step))
+                data = store.objects.get_manifest(mid)
+            except MISSES + (RefNotFoundError,):
+                continue
+            out[step] = (mid, sorted(store.objects.has_many("chunks", referenced_chunks(data))))
+        return out
+
+    def choose(self, durable: Store, latest: str) -> tuple[int, str, Tiers] | None:
+        """Agree on the snapshot to restore and gather, for this rank, the chunks its tier lacks from
+        peers. Returns (step, manifest id, the tiers to read it from), or None if there is none."""
+
+        inventories = self.gather(self.inventory())
+        try:
+            dmid = durable.resolve(latest)
+            dstep = snapshot_step(durable.manifest(dmid))
+        except RefNotFoundError:
+            dmid, dstep = None, None
+        steps: dict[int, str] = {}
+        for inv in inventories:
+            for step, (mid, _) in inv.items():
+                steps.setdefault(step, mid)
+        chosen: tuple[int, str] | None = None
+        for step in sorted(steps, reverse=True):
+            if dstep is not None and dstep >= step:
+                break
+            mid = steps[step]
+            holders = [r for r, inv in enumerate(inventories) if step in inv and inv[step][0] == mid]
+            have = set().union(*(inventories[r][step][1] for r in holders))
+            need = self._needed_by_all(mid, holders)
+            if need is not None and need <= have:
+                chosen = (step, mid)
+                break
+        if chosen is None:
+            if dmid is None or dstep is None:
+                return None
+            chosen = (dstep, dmid)
+        step, mid = chosen
+        tiers = self.tiers(durable)
+        self._share_manifest(mid, inventories, dict(tiers.stores)["peer"])
+        return step, mid, tiers
+
+    def tiers(self, durable: Store) -> Tiers:
+        """This rank's tiers for one restore: its local tier, an empty in-memory one for chunks
+        fetched from peers, the durable store."""
+        from ckpt.store.store import Store
+
+        peer = Store.open(f"memory://ckpt-peer-{uuid.uuid4().hex}", create=True)
+        return Tiers([("local", self.local.store), ("peer", peer), ("store", durable)])
+
+    def _needed_by_all(self, mid: str, holders: list[int]) -> set[str] | None:
+        """Every chunk manifest ``mid`` names (from the lowest holder, broadcast)."""
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        if self.rank == holders[0]:
+            box[0] = sorted(referenced_chunks(self.local.store.objects.get_manifest(mid)))
+        dist.broadcast_object_list(box, src=self.ranks[holders[0]], group=self.group)
+        return set(box[0]) if box[0] is not None else None
+
+    def _share_manifest(self, mid: str, inventories: list[dict[int, tuple[str, list[str]]]], peer: Store) -> None:
+        """A rank whose tier lacks the manifest (a replaced machine) gets it from one that has it."""
+        import torch.distributed as dist
+
+        holders = [r for r, inv in enumerate(inventories) if any(m == mid for m, _ in inv.values())]
+        if not holders or len(holders) == self.world:
+            return
+        box: list[Any] = [self.local.store.objects.get_manifest(mid) if self.rank == holders[0] else None]
+        dist.broadcast_object_list(box, src=self.ranks[holders[0]], group=self.group)
+        if self.rank not in holders:
+            peer.objects.put_manifest(box[0])
+
+    def fetch(self, tiers: Tiers, needed: set[str], *, exclude_local: set[str]) -> int:
+        """Fill the ``peer`` tier with the chunks of ``needed`` this rank's tier lacks (or holds
+        damaged: ``exclude_local``), from peers that hold them (nearest rank first). Collective:
+        every rank calls it, with what it needs. Returns the bytes received."""
+        local = self.local.store
+        missing = sorted((needed - local.objects.has_many("chunks", needed)) | (needed & exclude_local))
+        wants = self.gather(missing)
+        mine = set(local.objects.has_many("chunks", set().union(*map(set, wants)))) if any(wants) else set()
+        holds = self.gather(sorted(mine))
+        hold_sets = [set(h) for h in holds]
+        sends: dict[int, list[tuple[str, bytes]]] = {}
+        for dst, cids in enumerate(wants):
+            for cid in cids:
+                src = next((s for s in ((dst + i) % self.world for i in range(1, self.world)) if cid in hold_sets[s]), None)
+                if src == self.rank:
+                    try:
+                        blob = local.objects.get("chunks", cid)
+                    except MISSES:
+                        continue  # it went meanwhile: that rank reads it from the store
+                    sends.setdefault(dst, []).append((cid, blob))
+        got = self.exchange(sends)
+        peer = dict(tiers.stores)["peer"]
+        for cid, blob in got.items():
+            peer.objects.put("chunks", cid, blob)  # verified where it is read, like any tier
+        return sum(len(b) for b in got.values())
+
+
+class NeedsRecorder(Tiers):
+    """Tiers that record which chunks a load asks for instead of reading them (a dry run of a DCP load)."""
+
+    def __init__(self, tiers: Tiers) -> None:
+        super().__init__(tiers.stores)
+        self.asked: set[str] = set()
+
+    def get(self, tasks: list[Any], progress: Any) -> None:
+        self.asked.update(t.id for t in tasks)

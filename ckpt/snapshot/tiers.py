@@ -1,0 +1,233 @@
+"""Snapshot tiers: a node-local store in host memory (or on local NVMe) beside the durable one.
+
+The local tier is an ordinary ckpt store (``docs/format.md``, "The local tier"): same
+format, same chunk ids as the durable store. So persisting a snapshot copies only the
+chunks the durable store lacks, as stored (never re-encoded), and a restore takes each
+chunk from the nearest tier that holds it with a correct hash, falling through to the
+next on a miss or a bad hash (:class:`Tiers`).
+
+>>> import tempfile, torch, ckpt
+>>> tier = LocalTier(tempfile.mkdtemp(), "run", keep=1)
+>>> _ = tier.store.push({"w": torch.ones(4)}, "run/step-1")
+>>> _ = tier.store.push({"w": torch.zeros(4)}, "run/step-2")
+>>> tier.prune(), tier.steps()
+([1], [2])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ckpt.errors import CkptError
+from ckpt.progress import NullProgress, Progress
+from ckpt.transfer.pipeline import BATCH_BYTES, GetTask, fetch_chunk, get_chunks, run_parallel
+from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError, StorageIOError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckpt.format.manifest import Manifest, TensorEntry
+    from ckpt.settings import Settings
+    from ckpt.store.store import Store
+
+log = logging.getLogger(__name__)
+
+TIERS = ("local", "peer", "store")  # nearest first: the keys of CheckpointManager.last_restore
+# What makes a tier fall through to the next for one chunk or manifest (never wrong data):
+# not there, damaged, or its medium failing.
+MISSES = (ObjectNotFoundError, CorruptObjectError, StorageIOError, OSError)
+
+
+def default_local_path(store_url: str, run: str, rank: int | None = None) -> Path:
+    """Where a run's local tier lives unless given: under /dev/shm (host memory, survives a crash
+    of the training process but not of the machine), else the temp directory, keyed by the
+    durable store and the run so that a restarted process finds it again."""
+    root = Path("/dev/shm") if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+    key = hashlib.blake2b(f"{store_url}\0{run}".encode(), digest_size=6).hexdigest()
+    user = os.getuid() if hasattr(os, "getuid") else 0
+    path = root / f"ckpt-local-{user}" / key
+    return path / f"rank-{rank}" if rank is not None else path
+
+
+@dataclass(frozen=True)
+class LocalTierUsage:
+    """What the local tier holds now: its snapshots' steps and the bytes it occupies
+    (stored objects and manifests; in /dev/shm that is host memory)."""
+
+    path: str
+    steps: list[int]
+    bytes: int
+
+
+class LocalTier:
+    """A run's snapshots in a node-local store, bounded by count (``keep``) and bytes (``max_bytes``).
+
+    :meth:`prune` removes the oldest snapshots beyond either bound (the newest always
+    stays, and so do ``pinned`` steps, e.g. one being persisted) and frees their data at
+    once: nothing else writes into this store while the manager prunes it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], run: str, *, keep: int = 2, max_bytes: int | None = None,
+                 settings: Settings | None = None) -> None:
+        from ckpt.store.store import Store
+
+        self.path = str(path)
+        self.run = run
+        self.keep = keep
+        self.max_bytes = max_bytes
+        os.makedirs(self.path, exist_ok=True)
+        self.store = Store.open(self.path, settings=settings, create=True)
+        self.pinned: set[int] = set()
+        self._lock = threading.Lock()  # prune vs. the steps a persist pins
+
+    def ref(self, step: int) -> str:
+        return f"{self.run}/step-{step}"
+
+    def steps(self) -> list[int]:
+        """Steps of the snapshots in this tier, oldest first."""
+        prefix = f"{self.run}/step-"
+        out = []
+        for name in self.store.refs():
+            if name.startswith(prefix) and name[len(prefix):].isdigit():
+                out.append(int(name[len(prefix):]))
+        return sorted(out)
+
+    def usage(self) -> LocalTierUsage:
+        return LocalTierUsage(self.path, self.steps(), self.store.du().stored)
+
+    def prune(self) -> list[int]:
+        """Apply the bounds; the steps removed."""
+        with self._lock:
+            steps = self.steps()
+            removed = []
+            while len(steps) > self.keep and (s := self._drop(steps)) is not None:
+                removed.append(s)
+            self._collect()
+            while self.max_bytes is not None and self.store.du().stored > self.max_bytes and (s := self._drop(steps)) is not None:
+                removed.append(s)
+                self._collect()
+            return sorted(removed)
+
+    def _drop(self, steps: list[int]) -> int | None:
+        """Remove the oldest unpinned step but the newest from ``steps`` (and the tier)."""
+        for s in steps[:-1]:
+            if s not in self.pinned:
+                steps.remove(s)
+                self.store.remove(self.ref(s))
+                return s
+        return None
+
+    def _collect(self) -> None:
+        # grace 0: this process is the tier's only writer, and it is not writing now
+        self.store.gc(grace_s=0.0, keep_history=False)
+
+    def drop(self, step: int) -> None:
+        """Remove one snapshot (a failed save's leftovers go with the next prune)."""
+        try:
+            self.store.remove(self.ref(step))
+        except CkptError:
+            pass
+
+
+@dataclass
+class Tiers:
+    """Stores to read one snapshot from, nearest first, each named by a :data:`TIERS` key.
+    ``served`` adds up the decoded bytes each tier delivered."""
+
+    stores: list[tuple[str, Store]]
+    served: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    # lenient: a chunk no tier serves is recorded in ``unserved`` (its buffer left as it is)
+    # instead of raising, so that ranks can fetch it from peers and read again
+    lenient: bool = False
+    unserved: set[str] = field(default_factory=set)
+
+    @property
+    def nearest(self) -> Store:
+        return self.stores[0][1]
+
+    def get_manifest(self, mid: str) -> Manifest:
+        """The manifest ``mid`` from the nearest tier holding it intact."""
+        last: Exception | None = None
+        for name, store in self.stores:
+            try:
+                return store.manifest(mid)
+            except MISSES as e:
+                last = e
+        assert last is not None
+        raise last
+
+    def get(self, tasks: list[GetTask], progress: Progress) -> None:
+        """Fetch every task's chunk into its buffer: each from the nearest tier holding it with a
+        correct hash. The last tier runs the full pipeline and raises what it cannot serve."""
+        remaining = tasks
+        for i, (name, store) in enumerate(self.stores):
+            if not remaining:
+                break
+            if i == len(self.stores) - 1 and not self.lenient:
+                get_chunks(store.objects, remaining, store.settings, progress)
+                self.served[name] += sum(t.length for t in remaining)
+                return
+            remaining = self._try(name, store, remaining, progress)
+        self.unserved.update(t.id for t in remaining)
+
+    def _try(self, name: str, store: Store, tasks: list[GetTask], progress: Progress) -> list[GetTask]:
+        """Serve what ``store`` can; the tasks it could not. Those it holds go through the full read
+        pipeline (read-ahead) first; only if one of them fails is each tried on its own."""
+        present = store.objects.has_many("chunks", {t.id for t in tasks})
+        held = [t for t in tasks if t.id in present]
+        try:
+            get_chunks(store.objects, held, store.settings, NullProgress())
+        except MISSES:
+            return self._each(name, store, tasks, progress)
+        self.served[name] += sum(t.length for t in held)
+        progress.advance(sum(t.length for t in held))
+        return [t for t in tasks if t.id not in present]
+
+    def _each(self, name: str, store: Store, tasks: list[GetTask], progress: Progress) -> list[GetTask]:
+        """Serve what ``store`` can, chunk by chunk; the tasks it could not."""
+        missed: list[GetTask] = []
+        lock = threading.Lock()
+
+        def one(t: GetTask) -> None:
+            try:
+                fetch_chunk(store.objects, t.id, t.length, store.settings, out=t.into)
+            except MISSES as e:
+                if isinstance(e, CorruptObjectError):
+                    log.warning("%s tier: chunk %s is damaged (%s); reading it from the next tier", name, t.id[:12], e)
+                with lock:
+                    missed.append(t)
+
+        run_parallel(one, tasks, store.settings.workers, NullProgress(), lambda t: t.length, batch=BATCH_BYTES)
+        self.served[name] += sum(t.length for t in tasks) - sum(t.length for t in missed)
+        progress.advance(sum(t.length for t in tasks) - sum(t.length for t in missed))
+        order = {id(t): i for i, t in enumerate(tasks)}
+        return sorted(missed, key=lambda t: order[id(t)])
+
+    def fill(self, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]]) -> None:
+        from ckpt.store.load import fill
+
+        fill(self.nearest, m, pairs, get=self.get)
+
+
+def chunk_ids(m: Manifest) -> set[str]:
+    return {c for t in m.tensors for c in t.chunks}
+
+
+def snapshot_step(m: Manifest) -> int | None:
+    snap = m.extra.get("snapshot")
+    return int(snap["step"]) if isinstance(snap, dict) and isinstance(snap.get("step"), int) else None
+
+
+def describe(e: BaseException) -> str:
+    return (f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0])[:300]
+
+
+__all__ = ["MISSES", "TIERS", "LocalTier", "LocalTierUsage", "Tiers", "default_local_path"]
+

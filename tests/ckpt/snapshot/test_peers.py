@@ -1,0 +1,102 @@
+"""Local snapshot tiers across ranks: replication to peers, restore from the nearest verified copy
+(ckpt/snapshot/peers.py). Real processes, gloo on CPU, SIGKILL (tests/ckpt/dcp/dcp_workers.py)."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+
+import ckpt
+from ckpt.snapshot.peers import replica_ranks
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "dcp"))  # the rank programs
+import dcp_workers as W  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def test_replica_placement():
+    assert replica_ranks(0, 4, 1) == [1] and replica_ranks(3, 4, 1) == [0]
+    assert replica_ranks(0, 8, 2, stride=4) == [4, 1]
+    assert replica_ranks(0, 4, 2, nodes=["a", "a", "b", "b"]) == [2, 3]  # never on its own machine
+    assert replica_ranks(0, 6, 2, nodes=["a", "a", "b", "b", "c", "c"]) == [2, 4]  # one per other machine
+    assert replica_ranks(0, 1, 1) == [] and replica_ranks(0, 2, 5) == [1]
+
+
+def test_replication_sends_only_what_the_replica_lacks(tmp_path):
+    """A frozen 1 MB layer goes to the replica once: the second save sends only the trained head."""
+    r0, r1 = W.run_ranks("tiers_replication", 2, str(tmp_path), store=str(tmp_path / "s"))
+    for r in (r0, r1):
+        assert "error" not in r, r.get("trace")
+        assert r["local_steps"] == [1, 2] and r["durable_steps"] == []  # no every_n_steps: nothing persisted
+    assert r0["sent"][0] > 1_000_000  # rank 0 saved the state shared by both ranks: all of it went to rank 1
+    assert r0["sent"][1] < r0["sent"][0] / 20  # then only the changed head (and small records)
+    assert r1["sent"][0] < 100_000  # rank 1 saved none of the shared state: little of its own to send
+
+
+def _crash(tmp_path, world, n, k):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    url = str(tmp_path / "s")
+    crashed = W.run_ranks("tiers_resume", world, str(tmp_path), store=url, mode="crash", steps=n, at=k)
+    assert crashed == [{"killed": True}] * world
+    return url
+
+
+def _same_run(full, resumed, start, n):
+    for f, r in zip(full, resumed):
+        assert "error" not in f, f.get("trace")
+        assert "error" not in r, r.get("trace")
+        assert sorted(map(int, r["losses"])) == list(range(start + 1, n + 1))
+        assert {s: f["losses"][s] for s in r["losses"]} == r["losses"]  # float.hex: bit-identical
+        assert r["bits"] == f["bits"]
+
+
+def test_all_ranks_killed_restore_from_local_tiers_then_a_replaced_machine_from_its_replica(tmp_path):
+    """(a) 2 DDP ranks, local snapshots every 2 steps, durable every 4, killed after step 6: every rank
+    restores step 6 from its own tier, not one byte from the durable store. (b) Then rank 1's tier is
+    wiped (a replaced machine): its chunks come from rank 0, its replica. Bit-identical runs throughout."""
+    n, k = 8, 6
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n)
+    url = _crash(tmp_path, 2, n, k)
+    store = ckpt.Store.open(url)
+    assert store.manifest("ddp/latest").extra["snapshot"]["step"] == 4  # 6 lives in the local tiers only
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path), store=url, mode="resume", steps=n, at=k)
+    _same_run(full, resumed, k, n)
+    for r in resumed:
+        assert r["restore"]["step"] == k and r["restore"]["store"] == 0 and r["restore"]["peer"] == 0 and r["restore"]["local"] > 0
+    assert store.verify().ok
+
+    url = _crash(tmp_path / "b", 2, n, k)
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "b"), store=url, mode="resume", steps=n, at=k, wipe=[1])
+    _same_run(full, resumed, k, n)
+    r0, r1 = (r["restore"] for r in resumed)
+    assert r0["step"] == r1["step"] == k and r0["store"] == r1["store"] == 0
+    assert r1["local"] == 0 and r1["peer"] > 0  # everything rank 1 read came from rank 0
+
+
+
+@pytest.mark.slow
+def test_damaged_local_chunks_come_from_a_peer_and_lost_replicas_fall_back_to_the_durable_store(tmp_path):
+    """(d) A byte flipped in every chunk of rank 0's tier: each comes from rank 1's copy (or the durable
+    store, where the persisted step 4 has the same chunk). (c) Every rank's tier wiped (with one replica
+    each, a rank and its replica): step 6 cannot be assembled; all restore step 4 from the durable store."""
+    n, k = 8, 6
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n)
+    url = _crash(tmp_path / "a", 2, n, k)
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k)
+    read0 = resumed[0]["restore"]["local"]  # what rank 0 reads
+    url = _crash(tmp_path / "d", 2, n, k)
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "d"), store=url, mode="resume", steps=n, at=k, flip=0)
+    _same_run(full, resumed, k, n)
+    r0 = resumed[0]["restore"]
+    assert resumed[0]["flipped"] > 0 and r0["step"] == k and r0["local"] == 0
+    # each damaged chunk came from rank 1's copy, or from the durable store where step 4 has it too
+    assert r0["peer"] > 0 and r0["peer"] + r0["store"] == read0
+
+    url = _crash(tmp_path / "c", 2, n, k)
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "c"), store=url, mode="resume", steps=n, at=k, wipe=[0, 1])
+    _same_run(full, resumed, 4, n)
+    for r in resumed:
+        assert r["restore"]["step"] == 4 and r["restore"]["store"] > 0 and r["restore"]["local"] == 0

@@ -1,0 +1,249 @@
+"""Snapshot tiers of one process: a local tier beside the durable store (ckpt/snapshot/tiers.py).
+
+Real subprocesses killed with SIGKILL, a real tmpfs that fills up, real chunk files damaged on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import uuid
+import warnings
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.snapshot.tiers import LocalTier
+
+SCRIPT = pathlib.Path(__file__).with_name("tiers_script.py")
+
+
+def _run(*args, expect=0):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == expect, r.stdout + r.stderr
+    return r
+
+
+def test_killed_run_restores_from_the_local_tier_alone_bit_identical(tmp_path):
+    """Local snapshots every 2 steps, durable every 10; killed 2 steps after the local one of step 14:
+    the restart reads step 14 from the local tier, not one byte from the durable store."""
+    n, k = 20, 14
+    _run(tmp_path / "d-full", tmp_path / "l-full", tmp_path / "full", "full", n)
+    _run(tmp_path / "d", tmp_path / "l", tmp_path / "crash", "crash", n, k, expect=-signal.SIGKILL)
+    durable = ckpt.Store.open(str(tmp_path / "d"))
+    assert durable.manifest("run/latest").extra["snapshot"]["step"] == 10  # persisted; 12 and 14 only local
+    _run(tmp_path / "d", tmp_path / "l", tmp_path / "resumed", "resume", n)
+    report = json.loads((tmp_path / "resumed.restore.json").read_text())
+    assert report["step"] == k and report["store"] == 0 and report["peer"] == 0 and report["local"] > 0
+    full = json.loads((tmp_path / "full.json").read_text())
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert sorted(map(int, resumed)) == list(range(k + 1, n + 1))
+    assert all(resumed[s] == full[s] for s in resumed)  # losses bit-identical (float.hex)
+    assert (tmp_path / "full.safetensors").read_bytes() == (tmp_path / "resumed.safetensors").read_bytes()
+    assert durable.verify().ok and ckpt.Store.open(str(tmp_path / "l")).verify().ok
+
+
+@pytest.mark.slow  # two subprocesses: ~60 s on a busy 2-core machine
+def test_kill_during_a_local_save_leaves_the_previous_step_restorable(tmp_path):
+    r = _run(tmp_path / "d", tmp_path / "l", tmp_path / "crash", "midsave", 10, expect=-signal.SIGKILL)
+    assert "KILLED-MID-SAVE" in r.stdout  # killed with chunks of step 4 written, its ref not
+    _run(tmp_path / "d", tmp_path / "l", tmp_path / "resumed", "resumebig", 4)
+    report = json.loads((tmp_path / "resumed.restore.json").read_text())
+    assert report["step"] == 2 and report["store"] == 0
+    assert (tmp_path / "crash.step2.safetensors").read_bytes() == (tmp_path / "resumed.restored.safetensors").read_bytes()
+
+
+def _train(tmp_path, steps, **kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": opt, "step": 0}
+    kw.setdefault("local", str(tmp_path / "local"))
+    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
+    for step in range(1, steps + 1):
+        model(torch.randn(8, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] = step
+        mgr.maybe_save(step, state)
+    mgr.wait()
+    return mgr, model, opt
+
+
+def _fresh(tmp_path, **kw):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    kw.setdefault("local", str(tmp_path / "local"))
+    return ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw), model, opt
+
+
+def _bits(model):
+    return {k: v.numpy().tobytes() for k, v in model.state_dict().items()}
+
+
+def _flip_a_byte(tier_path, store, step, name):
+    """Flip one byte of a stored chunk of tensor ``name`` of ``step`` in the local tier; its id and length."""
+    m = store.manifest(f"run/step-{step}")
+    entry = next(t for t in m.tensors if t.name == name)
+    cid = entry.chunks[0]
+    path = pathlib.Path(tier_path) / store.objects.path("chunks", cid)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    return cid, entry.nbytes
+
+
+def test_a_damaged_local_chunk_is_read_from_the_durable_store_and_reported(tmp_path):
+    mgr, model, _ = _train(tmp_path, 4, every_n_steps=2, local_every_n_steps=2)
+    want = _bits(model)
+    assert mgr.steps() == [2, 4] and mgr.local_tier.steps == [2, 4]
+    mgr.close()
+    tier = LocalTier(tmp_path / "local", "run")
+    _, nbytes = _flip_a_byte(tmp_path / "local", tier.store, 4, "model/0.weight")
+    mgr, model2, opt2 = _fresh(tmp_path, every_n_steps=2, local_every_n_steps=2)
+    assert mgr.restore_latest({"model": model2, "optim": opt2, "step": 0}) == 4
+    assert mgr.last_restore["store"] == nbytes  # that chunk, and only it, came from the durable store
+    assert mgr.last_restore["local"] > 0 and mgr.last_restore["peer"] == 0
+    assert _bits(model2) == want
+    mgr.close()
+
+
+def test_an_unpersisted_local_snapshot_with_a_damaged_chunk_falls_back_to_the_newest_durable_one(tmp_path):
+    mgr, model, _ = _train(tmp_path, 2, every_n_steps=2, local_every_n_steps=1)
+    want = _bits(model)
+    mgr.close()
+    mgr, _, _ = _train(tmp_path, 3, every_n_steps=2, local_every_n_steps=1)  # the same run again, one step further
+    mgr.close()
+    tier = LocalTier(tmp_path / "local", "run")
+    assert tier.steps() == [2, 3]  # step 3 is in the local tier only
+    _flip_a_byte(tmp_path / "local", tier.store, 3, "model/0.weight")
+    mgr, model2, opt2 = _fresh(tmp_path, every_n_steps=2, local_every_n_steps=1)
+    with pytest.warns(ckpt.TierWarning, match="step 3 cannot be assembled"):
+        assert mgr.restore_latest({"model": model2, "optim": opt2, "step": 0}) == 2
+    assert mgr.last_restore["step"] == 2 and _bits(model2) == want
+    mgr.close()
+
+
+def test_local_saves_persist_only_missing_chunks_and_the_tier_stays_bounded(tmp_path):
+    torch.manual_seed(0)
+    frozen = torch.nn.Linear(512, 512)  # never changes: persisted once
+    head = torch.nn.Linear(512, 8)
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    state = {"frozen": frozen, "head": head, "step": 0}
+    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=4, local=str(tmp_path / "local"),
+                                 local_every_n_steps=2, local_keep=2)
+    sent = []
+    for step in range(1, 13):
+        head(torch.randn(4, 512)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] = step
+        mgr.maybe_save(step, state)
+        mgr.wait()
+        if step % 4 == 0:
+            assert mgr.last_persist.step == step
+            sent.append(mgr.last_persist.bytes_sent)
+        if step % 2 == 0:
+            assert mgr.last_save.step == step and mgr.last_save.tier == "local"
+    assert mgr.steps() == [4, 8, 12]
+    usage = mgr.local_tier
+    assert usage.steps == [10, 12] and usage.bytes > 0
+    assert sent[1] < sent[0] / 10  # the frozen layer's 1 MB went to the durable store once
+    assert mgr.store.verify().ok
+    mgr.close()
+
+
+def test_local_tier_bounded_by_bytes_keeps_the_newest_snapshot(tmp_path):
+    mgr, _, _ = _train(tmp_path, 6, local_every_n_steps=1, local_keep=10, local_max_bytes=1)
+    assert mgr.local_tier.steps == [6]  # over the byte bound: only the newest stays
+    mgr.close()
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 1 MiB tmpfs: a local tier that fills (needs the right to mount)."""
+    path = tmp_path / "tmpfs"
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", f"ckpt-test-{uuid.uuid4().hex[:8]}", str(path)],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_local_tier_warns_and_training_and_durable_saves_go_on(tmp_path, tiny_tmpfs):
+    """The state (~1.3 MB with AdamW) does not fit a 1 MiB tmpfs: every local save fails with
+    ENOSPC. Each is a warning; the snapshots due to the durable store are written there directly."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr, model, opt = _train(tmp_path, 8, every_n_steps=4, local=str(tiny_tmpfs / "tier"), local_every_n_steps=2)
+    messages = [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)]
+    assert any("step 2 not saved" in m for m in messages)
+    assert any("step 4 not saved" in m and "durable store directly" in m for m in messages)
+    assert mgr.steps() == [4, 8] and mgr.last_save.step == 8 and mgr.last_save.tier == "store"
+    want = _bits(model)
+    mgr.close()
+    mgr, model2, opt2 = _fresh(tmp_path, every_n_steps=4, local=str(tiny_tmpfs / "tier"), local_every_n_steps=2)
+    assert mgr.restore_latest({"model": model2, "optim": opt2, "step": 0}) == 8
+    assert _bits(model2) == want and mgr.last_restore["store"] > 0
+    assert mgr.store.verify().ok
+    mgr.close()
+
+
+def test_a_failed_persist_warns_and_the_next_save_persists_again(tmp_path, tiny_tmpfs):
+    """The durable store on a 1 MiB tmpfs: persisting step 2 (~1.3 MB) fails with ENOSPC, training goes
+    on; once the tmpfs has room again, the next local save (step 3, not due) is persisted in its place."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": opt, "step": 0}
+    mgr = ckpt.CheckpointManager(str(tiny_tmpfs / "durable"), "run", every_n_steps=4, local=str(tmp_path / "local"),
+                                 local_every_n_steps=1)
+    for step in (1, 2, 3):
+        model(torch.randn(8, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] = step
+        if step == 2:
+            with pytest.warns(ckpt.TierWarning, match="persisting the snapshot of step 2 .* failed"):
+                mgr.save(step, state, persist=True)
+                mgr.wait()
+            assert mgr.steps() == [] and mgr.local_tier.steps == [1, 2]
+            subprocess.run(["mount", "-o", "remount,size=16m", str(tiny_tmpfs)], check=True)
+        else:
+            mgr.maybe_save(step, state)
+            mgr.wait()
+    assert mgr.steps() == [3] and mgr.last_persist.step == 3
+    assert mgr.store.verify().ok
+    mgr.close()
+
+
+@pytest.mark.parametrize("bad", [dict(local_every_n_steps=2), dict(local_max_bytes=10), dict(replicas=1),
+                                 dict(local=True, every_n_steps=5, local_every_n_steps=2),
+                                 dict(local=True, replicas=1), dict(local=True, local_keep=0)])
+def test_tier_settings_are_checked(tmp_path, bad):
+    with pytest.raises(ValueError):
+        ckpt.CheckpointManager(str(tmp_path / "d"), "run", **bad)
+
+
+def test_local_true_picks_a_stable_path_under_dev_shm(tmp_path):
+    a = ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True, local_every_n_steps=1)
+    b = ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True, local_every_n_steps=1)
+    try:
+        assert a.local_tier.path == b.local_tier.path
+        if os.path.isdir("/dev/shm"):
+            assert a.local_tier.path.startswith("/dev/shm/")
+    finally:
+        a.close()
+        b.close()
+        import shutil
+
+        shutil.rmtree(a.local_tier.path, ignore_errors=True)
