@@ -200,10 +200,25 @@ def test_readme_block_runs(block: Block, tmp_path: Path, request: pytest.Fixture
             cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "block.py"]
         else:
             cmd = [sys.executable, "block.py"]
-    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    r = _run_group(cmd, work, env, timeout=600)
     assert r.returncode == 0, f"README line {block.line} ({block.section}) failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     assert "Traceback" not in r.stderr
     _check_results(block, work, r.stdout, env)
+
+
+def _run_group(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """subprocess.run in a session of its own, whose whole process group is killed on a timeout:
+    torchrun's workers, stuck in a rendezvous, otherwise outlive the test (found: two hung
+    workers of a timed-out run still spinning 40 minutes later on a shared 2-core machine)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _team_bucket(request: pytest.FixtureRequest, env: dict[str, str]) -> None:
