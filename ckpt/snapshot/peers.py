@@ -265,7 +265,7 @@ class Peers:
         fetched from peers, the durable store."""
         from ckpt.store.store import Store
 
-        peer = Store.open(f"memory://ckpt-peer-{uuid.uuid4().hex}", create=True)
+        peer = Store.init(f"memory://ckpt-peer-{uuid.uuid4().hex}")
         return Tiers([("local", self.local.store), ("peer", peer), ("store", durable)])
 
     def _needed_by_all(self, mid: str, holders: list[int]) -> set[str] | None:

@@ -83,7 +83,7 @@ class LocalTier:
         self.keep = keep
         self.max_bytes = max_bytes
         os.makedirs(self.path, exist_ok=True)
-        self.store = Store.open(self.path, settings=settings, create=True)
+        self.store = Store.init(self.path, settings=settings)
         self.pinned: set[int] = set()
         self._lock = threading.Lock()  # prune vs. the steps a persist pins
 
