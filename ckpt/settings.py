@@ -56,6 +56,14 @@ class Settings:
     # Remote stores: exclusive creates (ref entries) use If-None-Match. Turn off only for
     # a server that lacks it; then one writer per ref is required (docs/format.md).
     conditional_writes: bool = True
+    # Remote stores: bytes of chunks fetched but not yet decoded, at most (with the
+    # request window of transfer_concurrency x 2): bounds the memory of a pull or load.
+    inflight_mb: int = 256
+    # Remote stores: keep fetched chunk blobs in a local cache (storage/cache.py) at
+    # cache_dir ("" = $CKPT_CACHE_DIR or ~/.cache/ckpt), at most cache_mb in all.
+    cache: bool = True
+    cache_dir: str = ""
+    cache_mb: int = 20480
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
@@ -67,6 +75,8 @@ class Settings:
                 continue
             if f.type in ("bool", bool):
                 env[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif f.type in ("str", str):
+                env[f.name] = raw
             elif f.type in ("float", float):
                 env[f.name] = float(raw)
             else:
@@ -76,6 +86,8 @@ class Settings:
             raise ValueError(f"chunk_size must be between 64 KiB and {s.max_chunk_size} bytes")
         if s.workers < 1 or s.io_workers < 1 or s.transfer_concurrency < 1:
             raise ValueError("workers, io_workers and transfer_concurrency must be at least 1")
-        if s.retries < 0 or s.retry_delay < 0 or s.base_cache_mb < 0:
-            raise ValueError("retries, retry_delay and base_cache_mb must not be negative")
+        if s.retries < 0 or s.retry_delay < 0 or s.base_cache_mb < 0 or s.cache_mb < 0:
+            raise ValueError("retries, retry_delay, base_cache_mb and cache_mb must not be negative")
+        if s.inflight_mb < 1:
+            raise ValueError("inflight_mb must be at least 1")
         return s

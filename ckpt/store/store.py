@@ -11,6 +11,7 @@ from ckpt.format.manifest import Manifest
 from ckpt.progress import Progress
 from ckpt.settings import Settings
 from ckpt_store.storage.backends import Backend, open_backend
+from ckpt_store.storage.cache import ChunkBlobCache, default_cache_dir
 from ckpt_store.storage.config import (
     StoreConfig,
     check_location,
@@ -41,6 +42,13 @@ def remote_options(settings: Settings) -> dict[str, Any]:
             "conditional_writes": settings.conditional_writes}
 
 
+def open_cache(backend: Backend, config: StoreConfig, settings: Settings) -> ChunkBlobCache | None:
+    """The local read-through chunk cache for a remote store (None for local stores, or with ``settings.cache`` off)."""
+    if not backend.caches or not settings.cache or settings.cache_mb <= 0:
+        return None
+    return ChunkBlobCache(settings.cache_dir or default_cache_dir(), config.store_id, settings.cache_mb << 20)
+
+
 def default_store_url() -> str:
     """``$CKPT_STORE``, else ``$XDG_DATA_HOME/ckpt/store`` (``~/.local/share/ckpt/store``)."""
     env = os.environ.get("CKPT_STORE")
@@ -66,7 +74,7 @@ class Store:
         self.backend = backend
         self.config = config
         self.settings = settings
-        self.objects = ObjectStore(backend)
+        self.objects = ObjectStore(backend, open_cache(backend, config, settings))
         self.refs_db = Refs(backend)
 
     # -- opening -------------------------------------------------------------

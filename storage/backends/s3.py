@@ -100,7 +100,8 @@ class S3Backend(Backend):
     or reject ``If-None-Match`` (docs/format.md says what it does and does not guarantee).
     """
 
-    reads_into = True
+    streams = True
+    caches = True
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, concurrency: int = 16,
                  retry: RetryPolicy | None = None, conditional_writes: bool = True) -> None:
@@ -266,6 +267,28 @@ class S3Backend(Backend):
             if got != min(n, len(buf)):
                 raise ConnectionResetError(f"short body: {got} of {n} bytes")
             return size
+
+        return self._call("read", path, get)
+
+    def read_split(self, path: str, first: int, place: Callable[[bytes, int], memoryview]) -> bytes:
+        """One GET: the first bytes, then the rest of the body read off the socket into ``place``'s buffer."""
+
+        def get() -> bytes:
+            body, n, _ = self._get(path)
+            if body is None:
+                place(b"", 0)
+                return b""
+            reader = ObjectReader(body, n)
+            try:
+                head = bytearray(min(first, n))
+                if reader.readinto(memoryview(head)) != len(head):
+                    raise ConnectionResetError("short body")
+                buf = place(bytes(head), n)
+                if len(buf) != n - len(head) or reader.readinto(buf) != len(buf):
+                    raise ConnectionResetError(f"short body of {path}")
+                return bytes(head)
+            finally:
+                reader.close()
 
         return self._call("read", path, get)
 
