@@ -82,15 +82,60 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
 
 
 @app.callback()
-def _main(store: StoreOpt = None, storage_option: OptionsOpt = None) -> None:
+def _main(store: StoreOpt = None, storage_option: OptionsOpt = None,
+          no_cache: Annotated[bool, typer.Option("--no-cache", help="Read remote stores without the local chunk cache "
+                                                 "(~/.cache/ckpt or $CKPT_CACHE_DIR; see `ckpt cache`).")] = False) -> None:
     _state["store"] = store
     _state["options"] = parse_storage_options(storage_option)
+    _state["no_cache"] = no_cache
+
+
+def _settings() -> Any:
+    from ckpt.settings import Settings
+
+    return Settings.from_env(**({"cache": False} if _state.get("no_cache") else {}))
 
 
 def _open(create: bool = False, url: str | None = None) -> Any:
     from ckpt.store.store import Store
 
-    return Store.open(url or _state["store"], storage_options=_state["options"], create=create)
+    return Store.open(url or _state["store"], storage_options=_state["options"], create=create, settings=_settings())
+
+
+cache_app = typer.Typer(help="The local cache of chunks read from remote stores: show what it holds, or clear it.",
+                        no_args_is_help=False, invoke_without_command=True)
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.callback()
+def cache_show(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """Where the cache is, how much it holds (per store), and its size limit."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from ckpt.store.cache import cache_usage
+
+    s = _settings()
+    u = cache_usage(s)
+    if as_json:
+        emit_json({"dir": u.root, "entries": u.entries, "bytes": u.bytes, "limit_bytes": s.cache_mb << 20,
+                   "enabled": s.cache, "stores": {k: {"entries": n, "bytes": b} for k, (n, b) in u.stores.items()}})
+        return
+    out.print(f"cache {u.root}: {u.entries} chunks, {human_bytes(u.bytes)} of {human_bytes(s.cache_mb << 20)}"
+              + ("" if s.cache else " (off)"))
+    for sid, (n, b) in u.stores.items():
+        out.print(f"  store {sid[:12]}  {n} chunks  {human_bytes(b)}")
+
+
+@cache_app.command("clear")
+def cache_clear(as_json: JsonOpt = False) -> None:
+    """Delete every cached chunk (remote stores are untouched; chunks are fetched again when needed)."""
+    from ckpt.store.cache import clear_cache
+
+    u = clear_cache(_settings())
+    if as_json:
+        emit_json({"dir": u.root, "entries_deleted": u.entries, "bytes_deleted": u.bytes})
+        return
+    out.print(f"cleared {u.entries} chunks ({human_bytes(u.bytes)}) from {u.root}")
 
 
 @app.command()

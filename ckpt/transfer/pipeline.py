@@ -250,7 +250,10 @@ def _read_remote(objects: ObjectStore, cid: str, length: int, settings: Settings
 def _read_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings, out: memoryview | None = None) -> _Read:
     """The I/O half of :func:`fetch_chunk`: from a local store a raw chunk is read straight
     into ``out`` (its header first); anything else comes back as its blob. (A small chunk
-    is read whole: a second read costs more than copying it.)"""
+    is read whole: a second read costs more than copying it.) A remote store that streams
+    reads it in one request (:func:`_read_remote`), through the local chunk cache."""
+    if objects.backend.streams:
+        return _read_remote(objects, cid, length, settings, out)
     if out is not None and objects.backend.reads_into and settings.max_chunk_size >= length == len(out) >= _READ_INTO_MIN:
         path = objects.path("chunks", cid)
         try:
@@ -280,7 +283,7 @@ def _read_ahead(objects: ObjectStore, cid: str, length: int, settings: Settings,
         if base is None or base in bases or (cache is not None and base in cache):
             break
         blob = bases[base] = objects.get("chunks", base)
-    return _Read(got.blob, got.into, bases)
+    return _Read(got.blob, got.into, bases, got.cached)
 
 
 def _decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings, got: _Read, _depth: int = 0,
@@ -472,7 +475,16 @@ def into_tasks(chunk_size: int, pairs: Iterable[tuple[TensorEntry, Any]]) -> lis
     return tasks
 
 
-def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Settings, progress: Progress | None = None) -> None:
+@dataclass
+class GetStats:
+    """What :func:`get_chunks` did: chunks read, and the most bytes of chunks that were
+    fetched or being fetched but not yet taken for decoding at once (remote stores)."""
+
+    chunks: int = 0
+    peak_inflight: int = 0
+
+
+def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Settings, progress: Progress | None = None) -> GetStats:
     """Fetch, decode (following delta chains) and verify chunks in parallel, into each task's
     ``into`` buffer and/or handing the bytes to its ``sink``.
 
@@ -490,7 +502,8 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     delta chains (:func:`_read_ahead`): a sliding window that starts the next read as
     soon as a chunk is taken for decoding (never batches that wait for their slowest
     member), at most twice as many reads as there are reading threads and at most
-    ``settings.inflight_mb`` of chunks fetched but not yet decoded, which bounds memory
+    ``settings.inflight_mb`` of chunks fetched but not yet taken for decoding (beyond the one
+    a decoding thread waits for), which bounds memory
     whichever side is slower. A chunk served by the local cache that fails to decode
     is dropped from the cache and fetched again.
     """
@@ -501,7 +514,8 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     lock = threading.Lock()
     reads: dict[int, Future[_Read]] = {}
     submitted = 0  # reads are submitted for todo[:submitted]
-    inflight = 0  # bytes of chunks submitted and not yet decoded
+    inflight = 0  # bytes of chunks submitted and not yet taken for decoding
+    stats = GetStats(len(todo))
     hinted = objects.backend.prefetches
     io = None if hinted else ThreadPoolExecutor(max_workers=readers, thread_name_prefix="ckpt-read")
 
@@ -526,6 +540,7 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
                     reads[submitted] = io.submit(_read_ahead, objects, t.id, t.length, settings, t.into)
                     inflight += t.length
                     submitted += 1
+                stats.peak_inflight = max(stats.peak_inflight, inflight)
                 pending = reads.pop(i)
             try:
                 got = pending.result()
@@ -549,3 +564,4 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     finally:
         if io is not None:
             io.shutdown(wait=True, cancel_futures=True)
+    return stats
