@@ -86,6 +86,15 @@ def timed(fn: Callable[[], object], what: str = "") -> float:
     return wall
 
 
+def _fsync(path: Path) -> None:
+    """Make a downloaded file durable, as ckpt pull does before renaming it into place."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def minilm() -> Path:
     import importlib.resources as res
 
@@ -128,13 +137,17 @@ def start_seaweedfs(tmp: Path) -> s3support.S3Server:
         s3support.server_command = real  # type: ignore[assignment]
 
 
+# Peak RSS from /proc/self/status VmHWM: ru_maxrss would carry the forking parent's peak
+# across exec (Linux keeps it), and this parent holds GBs.
 RSS_SCRIPT = """
-import os, resource, sys, ckpt, psutil, torch
+import sys, ckpt, psutil, torch
+def hwm():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
 store = ckpt.Store.open(sys.argv[1], settings=ckpt.Settings.from_env(cache=False))
 store.manifest(sys.argv[2])
-before = psutil.Process().memory_info().rss // 1024
+before = psutil.Process().memory_info().rss
 t = store.load(sys.argv[2])
-print(before * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, sum(v.nbytes for v in t.values()))
+print(before, hwm(), sum(v.nbytes for v in t.values()))
 """
 
 
@@ -209,6 +222,9 @@ def main() -> None:
                 out = tmp / "out.safetensors"
                 rec(ds, "boto3 upload_file", timed(what="_last", fn=lambda: client.upload_file(str(src), b_name, key, Config=tc)))
                 rec(ds, "boto3 download_file", timed(what="_last", fn=lambda: client.download_file(b_name, key, str(out), Config=tc)))
+                out.unlink()
+                rec(ds, "boto3 download_file + fsync", timed(what="_last", fn=lambda: (
+                    client.download_file(b_name, key, str(out), Config=tc), _fsync(out))))
                 out.unlink()
                 rec(ds, "boto3 download_file + load_file", timed(what="_last", fn=lambda: (client.download_file(b_name, key, str(out), Config=tc),
                                                                            load_file(str(out)))))
@@ -312,7 +328,8 @@ def main() -> None:
         "| operation | " + " | ".join(names[d] for d in ("a", "b")) + " |",
         "|---|---|---|",
     ]
-    for what, ref in (("boto3 download_file", None), ("s3fs get_file", "boto3 download_file"),
+    for what, ref in (("boto3 download_file", None), ("boto3 download_file + fsync", "boto3 download_file"),
+                      ("s3fs get_file", "boto3 download_file"),
                       ("ckpt pull (no cache)", "boto3 download_file"), ("ckpt pull (cache warm)", "boto3 download_file"),
                       ("boto3 download_file + load_file", None),
                       ("ckpt load_into (no cache)", "boto3 download_file + load_file"),

@@ -371,14 +371,16 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
     Encoding runs on ``settings.workers`` threads (CPU); each finished blob is
     written by one of ``settings.io_workers`` threads, so that the latency of
     many small durable writes (fsync) overlaps with encoding and with itself. At
-    most ``2 * io_workers`` blobs wait for their write, which bounds memory.
+    most ``2 * io_workers`` blobs (and ``inflight_mb`` of chunks) wait for their write, which bounds memory.
     """
     # A remote store is latency-bound: keep as many requests in flight as it allows
     # (existence checks run on the encoding workers, uploads on the I/O workers).
     remote = objects.backend.concurrency
     io_workers = max(settings.io_workers, remote)
     io = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="ckpt-io")
-    slots = threading.BoundedSemaphore(2 * io_workers)
+    # Encoded blobs waiting for (or in) their upload: at most 2 per I/O thread, and at most
+    # ``inflight_mb`` of chunks (large chunk sizes would otherwise hold gigabytes).
+    slots = threading.BoundedSemaphore(max(2, min(2 * io_workers, (settings.inflight_mb << 20) // settings.chunk_size)))
     writes: list[Future[None]] = []
     writes_lock = threading.Lock()
 

@@ -233,3 +233,8 @@ def test_load_into_streams_from_s3(s3_url, tmp_path):
         assert v.contiguous().numpy().tobytes() == state[k].numpy().tobytes()
     got = store.load("net")
     assert all(got[k].numpy().tobytes() == state[k].numpy().tobytes() for k in state)
+    by_url = ckpt.load(s3_url, "net")  # the top-level verbs take a store URL
+    assert all(by_url[k].numpy().tobytes() == state[k].numpy().tobytes() for k in state)
+    again = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    ckpt.load_into(s3_url, "net", again)
+    assert all(v.numpy().tobytes() == state[k].numpy().tobytes() for k, v in again.state_dict().items())
