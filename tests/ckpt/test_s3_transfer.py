@@ -238,3 +238,42 @@ def test_load_into_streams_from_s3(s3_url, tmp_path):
     again = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
     ckpt.load_into(s3_url, "net", again)
     assert all(v.numpy().tobytes() == state[k].numpy().tobytes() for k, v in again.state_dict().items())
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
+def test_pull_interrupted_by_a_signal_leaves_no_partial_file(s3_main_url, s3_main, tmp_path, sig):
+    """A `ckpt pull` stopped mid-transfer (Ctrl-C, or killed) never leaves a file under the
+    destination's name; after Ctrl-C it leaves nothing at all."""
+    import signal
+    import subprocess
+    import sys
+
+    from s3support import FaultProxy
+
+    src, _ = _file(tmp_path, n=40)
+    ckpt.Store.init(s3_main_url, settings=_settings(cache=False)).push(str(src), "m")
+    host, port = s3_main.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy((host, int(port))).start()
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    try:
+        proxy.delay_s = 0.05  # a slow wire: the pull takes seconds
+        env = {**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint, "CKPT_CACHE": "0"}
+        exe = [sys.executable, "-c", "from ckpt_store.cli.main import main; main()"]
+        proc = subprocess.Popen([*exe, "--store", s3_main_url, "pull", "m", str(dest / "out.safetensors")], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while not os.listdir(dest) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)  # until the pull has started writing its temporary file
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.3)
+        proc.send_signal(getattr(signal, sig))
+        proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        assert not (dest / "out.safetensors").exists()
+        if sig == "SIGINT":
+            assert os.listdir(dest) == []
+        else:  # killed: at most its temporary (a dot file) is left, never the destination
+            assert all(n.startswith(".") for n in os.listdir(dest))
+    finally:
+        proxy.stop()
