@@ -59,7 +59,7 @@ class ChunkBlobCache:
     >>> import tempfile
     >>> c = ChunkBlobCache(tempfile.mkdtemp(), "s1", 1 << 20)
     >>> c.put("ab" * 32, (b"head", b"body"))
-    >>> c.get("ab" * 32)
+    >>> bytes(c.get("ab" * 32))
     b'headbody'
     >>> c.get("cd" * 32) is None
     True
@@ -78,20 +78,27 @@ class ChunkBlobCache:
     def _path(self, oid: str) -> str:
         return os.path.join(self.dir, oid[:2], oid)
 
-    def get(self, oid: str) -> bytes | None:
-        """The blob of chunk ``oid``, or None (absent, or damaged: then it is deleted)."""
+    def get(self, oid: str, *, check: bool = True) -> bytearray | None:
+        """The blob of chunk ``oid``, or None (absent, or damaged: then it is deleted).
+
+        ``check=False`` skips the trailer's hash, for a caller that verifies the decoded
+        chunk against its id anyway and :meth:`drop` s the entry if it is wrong (hashing
+        twice was 40% of the CPU of a cached pull here)."""
         path = self._path(oid)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                # Read straight into the blob's own buffer (no copy of it afterwards).
+                blob = bytearray(max(0, size - TRAILER))
+                got = f.readinto(blob) if blob else 0
+                trailer = f.read(TRAILER)
         except OSError:
             with self._lock:
                 self.misses += 1
             return None
-        blob = memoryview(data)[:-TRAILER] if len(data) >= TRAILER else None
-        if blob is None or blake3.blake3(blob).digest() != data[-TRAILER:]:
+        if size < TRAILER or got != len(blob) or len(trailer) != TRAILER or (check and blake3.blake3(blob).digest() != trailer):
             log.warning("cached chunk %s is damaged: dropped, fetching it again", oid)
-            self._drop(path, len(data))
+            self._drop(path, size)
             with self._lock:
                 self.dropped += 1
                 self.misses += 1
@@ -102,7 +109,7 @@ class ChunkBlobCache:
             pass
         with self._lock:
             self.hits += 1
-        return bytes(blob)
+        return blob
 
     def drop(self, oid: str) -> None:
         """Delete the entry of ``oid`` (a caller found it wrong after decoding)."""
@@ -111,7 +118,10 @@ class ChunkBlobCache:
             n = os.path.getsize(path)
         except OSError:
             return
+        log.warning("cached chunk %s is damaged: dropped, fetching it again", oid)
         self._drop(path, n)
+        with self._lock:
+            self.dropped += 1
 
     def _drop(self, path: str, n: int) -> None:
         try:

@@ -210,7 +210,9 @@ def _read_remote(objects: ObjectStore, cid: str, length: int, settings: Settings
     buffer of its size. What is fetched is kept in the cache."""
     cache = objects.cache if use_cache else None
     if cache is not None:
-        blob = cache.get(cid)
+        # Not hashed here: every caller decodes and verifies the chunk against its id, and
+        # drops a cached blob that fails and fetches it again (get_chunks, fetch_chunk).
+        blob = cache.get(cid, check=False)
         if blob is not None:
             return _Read(blob, cached=True)
     got: dict[str, Any] = {}
@@ -320,7 +322,14 @@ def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
         got = _Read(blobs[cid], bases=blobs)
     else:
         got = _read_chunk(objects, cid, length, settings, out)
-    return _decode_read(objects, cid, length, settings, got, _depth, out)
+    try:
+        return _decode_read(objects, cid, length, settings, got, _depth, out)
+    except CorruptObjectError:
+        if not got.cached or objects.cache is None:
+            raise
+        objects.cache.drop(cid)  # a damaged cache entry: never served, fetched again
+        got = _read_remote(objects, cid, length, settings, out, use_cache=False)
+        return _decode_read(objects, cid, length, settings, got, _depth, out)
 
 
 def stored_chain(objects: ObjectStore, cid: str) -> tuple[int, tuple[str, ...]]:

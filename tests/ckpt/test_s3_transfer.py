@@ -98,7 +98,7 @@ def test_cache_serves_a_second_pull_and_refuses_damage(s3_url, tmp_path, monkeyp
     gets = _chunk_gets(third)
     third.pull("m", str(tmp_path / "c.safetensors"))
     assert (tmp_path / "c.safetensors").read_bytes() == src.read_bytes()  # never served wrong bytes
-    assert gets[0] == 2 and third.objects.cache.dropped == 1  # both fetched again, the bad entries replaced
+    assert gets[0] == 2 and third.objects.cache.dropped == 2  # both fetched again, the bad entries replaced
     fourth = ckpt.Store.open(s3_url, settings=_settings())
     gets = _chunk_gets(fourth)
     fourth.pull("m", str(tmp_path / "d.safetensors"))
@@ -277,3 +277,39 @@ def test_pull_interrupted_by_a_signal_leaves_no_partial_file(s3_main_url, s3_mai
             assert all(n.startswith(".") for n in os.listdir(dest))
     finally:
         proxy.stop()
+
+
+def test_fine_tune_pull_fetches_only_its_own_chunks_and_refetches_a_damaged_base(s3_url, tmp_path, monkeypatch):
+    from safetensors.numpy import save_file
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(cache))
+    src, tensors = _file(tmp_path)
+    rng = np.random.default_rng(7)
+    ft = {k: (v + (1e-4 * rng.standard_normal(v.shape)).astype(v.dtype)) if v.dtype.kind == "f" else v for k, v in tensors.items()}
+    ft_path = tmp_path / "ft.safetensors"
+    save_file(ft, str(ft_path))
+    writer = ckpt.Store.init(s3_url, settings=_settings(cache=False))
+    writer.push(str(src), "base")
+    writer.push(str(ft_path), "ft", base="base")
+    m_ft = writer.manifest("ft")
+    assert any(t.delta_bases for t in m_ft.tensors)  # stored as deltas against the base
+
+    reader = ckpt.Store.open(s3_url, settings=_settings())
+    reader.pull("base", str(tmp_path / "b.safetensors"))  # the base's chunks are now cached
+    base_chunks = set(writer.manifest("base").chunk_lengths())
+    own = set(m_ft.chunk_lengths()) - base_chunks
+    # Damage a cached base chunk that a delta of the fine-tune needs.
+    needed = {b for t in m_ft.tensors for chain in t.delta_bases for b in chain}
+    victim = sorted(needed & base_chunks)[0]
+    entry = next(p for p in cache.rglob(victim))
+    raw = bytearray(entry.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    entry.write_bytes(bytes(raw))
+
+    again = ckpt.Store.open(s3_url, settings=_settings())
+    gets = _chunk_gets(again)
+    again.pull("ft", str(tmp_path / "ft-out.safetensors"))
+    assert (tmp_path / "ft-out.safetensors").read_bytes() == ft_path.read_bytes()
+    assert gets[0] == len(own) + 1  # its own chunks, and the damaged base once more
+    assert again.objects.cache.dropped == 1
