@@ -285,6 +285,9 @@ def main() -> None:
         server.stop()
 
     sizes = {k: p.stat().st_size for k, p in files.items()}
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)  # GBs of data, server volumes and cache
     names = {"a": f"(a) MiniLM, {sizes['a'] / MB:.0f} MB", "b": f"(b) fp32 checkpoint, {sizes['b'] / MB:.0f} MB",
              "c": f"(c) MiniLM fine-tune, {sizes['c'] / MB:.0f} MB, base in the cache"}
 
