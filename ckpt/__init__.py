@@ -8,7 +8,7 @@
 The public API is :class:`Store` (open/init, push, pull, load, load_into, reader,
 verify, du, gc), :class:`CheckpointManager` (training-loop snapshots) with
 :class:`RNGState` and the :class:`Stateful` protocol, :class:`Settings`, the
-verbs :func:`diff`, :func:`merge` and :func:`remix`, and the errors in :mod:`ckpt.errors`.
+verbs :func:`load`, :func:`load_into`, :func:`diff`, :func:`merge` and :func:`remix`, and the errors in :mod:`ckpt.errors`.
 The subpackages say where everything lives (docs/architecture.md): ``ckpt.store``
 (push, pull, load, verify, copy), ``ckpt.snapshot`` (training loops), ``ckpt.dcp``
 (torch.distributed.checkpoint), ``ckpt.diffing``, ``ckpt.merging``, ``ckpt.codecs``,
@@ -25,8 +25,7 @@ from ckpt._lazy import lazy_exports
 __version__ = "0.1.0"
 
 __all__ = ["CheckpointManager", "CheckpointReader", "CkptError", "KeepBest", "PerRank", "RNGState", "Settings", "Stateful", "Store", "TierWarning",
-           "__version__",
-           "diff", "merge", "remix"]
+           "__version__", "diff", "load", "load_into", "merge", "remix"]
 
 if TYPE_CHECKING:
     from ckpt.diffing.compare import diff
@@ -39,10 +38,12 @@ if TYPE_CHECKING:
     from ckpt.snapshot.run import TierWarning
     from ckpt.snapshot.state import PerRank, RNGState, Stateful
     from ckpt.store.reader import CheckpointReader
-    from ckpt.store.store import Store
+    from ckpt.store.store import Store, load, load_into
 
 _LAZY = {
     "Store": "ckpt.store.store",
+    "load": "ckpt.store.store",
+    "load_into": "ckpt.store.store",
     "Settings": "ckpt.settings",
     "CheckpointReader": "ckpt.store.reader",
     "CkptError": "ckpt.errors",

@@ -57,6 +57,14 @@ class Settings:
     # Remote stores: exclusive creates (ref entries) use If-None-Match. Turn off only for
     # a server that lacks it; then one writer per ref is required (docs/format.md).
     conditional_writes: bool = True
+    # Remote stores: bytes of chunks fetched but not yet decoded, at most (with the
+    # request window of transfer_concurrency x 2): bounds the memory of a pull or load.
+    inflight_mb: int = 256
+    # Remote stores: keep fetched chunk blobs in a local cache (storage/cache.py) at
+    # cache_dir ("" = $CKPT_CACHE_DIR or ~/.cache/ckpt), at most cache_mb in all.
+    cache: bool = True
+    cache_dir: str = ""
+    cache_mb: int = 20480
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
@@ -99,6 +107,8 @@ def _parse(var: str, raw: str, typ: object) -> object:
     """One environment value of a field of type ``typ``, or a ConfigError naming ``var``."""
     from ckpt.errors import ConfigError
 
+    if typ in ("str", str):
+        return raw
     text = raw.strip().lower()
     if typ in ("bool", bool):
         if text in ("1", "true", "yes", "on"):
@@ -135,6 +145,8 @@ def _bounds(s: Settings) -> dict[str, tuple[float | None, float | None]]:
         "base_cache_mb": (0, None),
         "retries": (0, None),
         "retry_delay": (0.0, None),
+        "inflight_mb": (1, None),
+        "cache_mb": (0, None),
     }
 
 

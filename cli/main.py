@@ -78,12 +78,21 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
 
 
 @app.callback()
-def _main(store: StoreOpt = None, storage_option: OptionsOpt = None, old_storage_option: OldOptionsOpt = None) -> None:
+def _main(store: StoreOpt = None, storage_option: OptionsOpt = None, old_storage_option: OldOptionsOpt = None,
+          no_cache: Annotated[bool, typer.Option("--no-cache", help="Read remote stores without the local chunk cache "
+                                                 "(~/.cache/ckpt or $CKPT_CACHE_DIR; see `ckpt cache`).")] = False) -> None:
     if old_storage_option:
         err.print("warning: `ckpt -o KEY=VALUE` is deprecated, write `ckpt --storage-option KEY=VALUE` "
                   "(-o means --output, the name of what merge and remix make)")
     _state["store"] = store
     _state["options"] = parse_storage_options((storage_option or []) + (old_storage_option or []))
+    _state["no_cache"] = no_cache
+
+
+def _settings() -> Any:
+    from ckpt.settings import Settings
+
+    return Settings.from_env(**({"cache": False} if _state.get("no_cache") else {}))
 
 
 def _emit(result: Any, as_json: bool, render: Any, *args: Any) -> None:
@@ -98,7 +107,34 @@ def _open(create: bool = False, url: str | None = None) -> Any:
     from ckpt.store.store import Store
 
     connect = Store.init if create else Store.open
-    return connect(url or _state["store"], storage_options=_state["options"])
+    return connect(url or _state["store"], storage_options=_state["options"], settings=_settings())
+
+
+cache_app = typer.Typer(help="The local cache of chunks read from remote stores: show what it holds, or clear it.",
+                        no_args_is_help=False, invoke_without_command=True)
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.callback()
+def cache_show(ctx: typer.Context, as_json: JsonOpt = False) -> None:
+    """Where the cache is, how much it holds (per store), and its size limit."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from ckpt.store.cache import cache_usage
+
+    s = _settings()
+    u = cache_usage(s)
+    _emit({"dir": u.root, "entries": u.entries, "bytes": u.bytes, "limit_bytes": s.cache_mb << 20, "enabled": s.cache,
+           "stores": {k: {"entries": n, "bytes": b} for k, (n, b) in u.stores.items()}}, as_json, views.cache)
+
+
+@cache_app.command("clear")
+def cache_clear(as_json: JsonOpt = False) -> None:
+    """Delete every cached chunk (remote stores are untouched; chunks are fetched again when needed)."""
+    from ckpt.store.cache import clear_cache
+
+    u = clear_cache(_settings())
+    _emit({"dir": u.root, "entries_deleted": u.entries, "bytes_deleted": u.bytes}, as_json, views.cache_clear)
 
 
 @app.command()

@@ -213,3 +213,14 @@ def merge(v: dict[str, Any]) -> None:
 
 def remix(v: dict[str, Any]) -> None:
     out.print(f"{safe(v['ref'])} -> {v['id'][:12]}  average of {', '.join(safe(c) for c in v['chosen'])}")
+
+
+def cache(v: dict[str, Any]) -> None:
+    out.print(f"cache {safe(v['dir'])}: {v['entries']} chunks, {human_bytes(v['bytes'])} of {human_bytes(v['limit_bytes'])}"
+              + ("" if v["enabled"] else " (off)"))
+    for sid, st in v["stores"].items():
+        out.print(f"  store {safe(sid[:12])}  {st['entries']} chunks  {human_bytes(st['bytes'])}")
+
+
+def cache_clear(v: dict[str, Any]) -> None:
+    out.print(f"cleared {v['entries_deleted']} chunks ({human_bytes(v['bytes_deleted'])}) from {safe(v['dir'])}")

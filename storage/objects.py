@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import blake3
 
 from ckpt_store.storage.backends.base import Backend
+from ckpt_store.storage.cache import ChunkBlobCache
 from ckpt_store.storage.errors import (
     CorruptObjectError,
     InvalidNameError,
@@ -46,8 +47,10 @@ class ObjectInfo:
 class ObjectStore:
     """``objects/<kind>/<id[:2]>/<id>`` below the store root."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, cache: ChunkBlobCache | None = None) -> None:
         self.backend = backend
+        # Chunk blobs read from a remote store are kept here, and read from here first.
+        self.cache = cache
 
     @staticmethod
     def path(kind: str, oid: str) -> str:
@@ -93,10 +96,18 @@ class ObjectStore:
         return True
 
     def get(self, kind: str, oid: str) -> bytes:
+        cache = self.cache if kind == "chunks" else None
+        if cache is not None:
+            blob = cache.get(oid)
+            if blob is not None:
+                return blob
         try:
-            return self.backend.read(self.path(kind, oid))
+            blob = self.backend.read(self.path(kind, oid))
         except FileNotFoundError:
             raise ObjectNotFoundError(kind[:-1], oid) from None
+        if cache is not None:
+            cache.put(oid, (blob,))
+        return blob
 
     def size(self, kind: str, oid: str) -> int:
         try:

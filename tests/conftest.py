@@ -56,6 +56,18 @@ class S3Servers:
             server.stop()  # type: ignore[attr-defined]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _chunk_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Remote stores cache chunks locally (storage/cache.py): in a temporary directory, never the user's."""
+    old = os.environ.get("CKPT_CACHE_DIR")
+    os.environ["CKPT_CACHE_DIR"] = str(tmp_path_factory.mktemp("chunk-cache"))
+    yield
+    if old is None:
+        os.environ.pop("CKPT_CACHE_DIR", None)
+    else:
+        os.environ["CKPT_CACHE_DIR"] = old
+
+
 @pytest.fixture(scope="session")
 def s3_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Servers]:
     servers = S3Servers(tmp_path_factory)

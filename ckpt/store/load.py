@@ -95,35 +95,88 @@ def fill(store: Store, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]
          get: Callable[[list[GetTask], Progress], None] | None = None) -> None:
     """Decode each entry's chunks into its destination tensor, in place, all in one parallel pass.
 
-    Contiguous CPU tensors receive the bytes directly; others (CUDA, strided) get them
-    through one host buffer (pinned for CUDA) and a single copy. A shape or dtype
-    mismatch is an error naming every offending tensor, raised before any write.
+    Contiguous CPU tensors receive the bytes directly (from a remote store, a raw chunk's
+    body is read off the socket into the tensor). Others (CUDA, strided) get them through
+    host staging buffers (pinned for CUDA), at most ``settings.inflight_mb`` of them at a
+    time (one tensor larger than that gets a buffer of its own size), each copied to its
+    tensor while the next group is fetched. A shape or dtype mismatch is an error naming
+    every offending tensor, raised before any write.
     ``get(tasks, progress)`` fetches the chunks instead of ``store`` (several tiers, say).
     """
-    import torch
 
     bad = [f"{e.name}: checkpoint {e.dtype}{list(e.shape)} vs target {d.dtype}{list(d.shape)}"
            for e, d in pairs if tuple(d.shape) != e.shape or d.dtype != to_torch(e.dtype)]
     if bad:
         raise TensorMismatchError("shape or dtype mismatch: " + "; ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
     direct = []
-    staged = []
+    staged: list[tuple[TensorEntry, torch.Tensor]] = []
     for entry, dst in pairs:
         dst = dst.detach()
         if dst.device.type == "cpu" and dst.is_contiguous():
             direct.append((entry, dst))
-        else:  # decode on the host, then one copy to where the tensor lives
-            tmp = torch.empty(entry.shape, dtype=dst.dtype, pin_memory=dst.device.type == "cuda")
-            direct.append((entry, tmp))
-            staged.append((dst, tmp))
-    tasks = into_tasks(m.chunk_size, direct)
-    with reporting(progress, "load", sum(t.length for t in tasks)) as p:
+        else:
+            staged.append((entry, dst))
+    total = sum(e.nbytes for e, _ in pairs)
+
+    def fetch(tasks: list[GetTask], p: Progress) -> None:
         if get is None:
             get_chunks(store.objects, tasks, store.settings, p)
         else:
             get(tasks, p)
-    with torch.no_grad():
-        for dst, tmp in staged:
-            dst.copy_(tmp, non_blocking=tmp.is_pinned())
-    if any(d.device.type == "cuda" for d, _ in staged):
+
+    with reporting(progress, "load", total) as p:
+        if direct:
+            fetch(into_tasks(m.chunk_size, direct), p)
+        if staged:
+            _fill_staged(store, m, staged, p, fetch)
+
+
+def _aligned(n: int) -> int:
+    """``n`` rounded up to 64 bytes: every staged tensor starts aligned for any dtype."""
+    return (n + 63) & ~63
+
+
+def _fill_staged(store: Store, m: Manifest, staged: list[tuple[TensorEntry, torch.Tensor]], progress: Progress,
+                 fetch: Callable[[list[GetTask], Progress], None]) -> None:
+    """Fill non-contiguous or device tensors through host buffers of at most ``inflight_mb`` per group
+    (pinned where the tensors are on a GPU), so that memory stays bounded whatever the model's size."""
+    import torch
+
+    budget = store.settings.inflight_mb << 20
+    groups: list[list[tuple[TensorEntry, torch.Tensor]]] = [[]]
+    size = 0
+    for entry, dst in staged:
+        if groups[-1] and size + entry.nbytes > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append((entry, dst))
+        size += entry.nbytes
+    cuda = any(d.device.type == "cuda" for _, d in staged) and torch.cuda.is_available()
+    # Two buffers: one is copied to the device while the other is filled.
+    buffers: list[torch.Tensor | None] = [None, None]
+    events: list[Any] = [None, None]
+    for k, group in enumerate(groups):
+        need = sum(_aligned(e.nbytes) for e, _ in group)
+        slot = k % 2
+        if events[slot] is not None:
+            events[slot].synchronize()  # its previous copies are done: the buffer can be reused
+        buf = buffers[slot]
+        if buf is None or buf.numel() < need:
+            buf = buffers[slot] = torch.empty(max(need, 1), dtype=torch.uint8, pin_memory=cuda)
+        tmps = []
+        pos = 0
+        for entry, dst in group:
+            tmp = buf[pos : pos + entry.nbytes].view(dst.dtype).view(entry.shape) if entry.nbytes else torch.empty(
+                entry.shape, dtype=dst.dtype)
+            tmps.append(tmp)
+            pos += _aligned(entry.nbytes)
+        fetch(into_tasks(m.chunk_size, [(e, t) for (e, _), t in zip(group, tmps)]), progress)
+        with torch.no_grad():
+            for (_, dst), tmp in zip(group, tmps):
+                dst.copy_(tmp, non_blocking=cuda and dst.device.type == "cuda")
+        if cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            events[slot] = ev
+    if cuda:
         torch.cuda.synchronize()

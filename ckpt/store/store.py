@@ -12,6 +12,7 @@ from ckpt.format.manifest import Manifest
 from ckpt.progress import Progress
 from ckpt.settings import Settings
 from ckpt_store.storage.backends import Backend, open_backend
+from ckpt_store.storage.cache import ChunkBlobCache, default_cache_dir
 from ckpt_store.storage.config import (
     StoreConfig,
     check_location,
@@ -43,6 +44,13 @@ def remote_options(settings: Settings) -> dict[str, Any]:
             "conditional_writes": settings.conditional_writes}
 
 
+def open_cache(backend: Backend, config: StoreConfig, settings: Settings) -> ChunkBlobCache | None:
+    """The local read-through chunk cache for a remote store (None for local stores, or with ``settings.cache`` off)."""
+    if not backend.caches or not settings.cache or settings.cache_mb <= 0:
+        return None
+    return ChunkBlobCache(settings.cache_dir or default_cache_dir(), config.store_id, settings.cache_mb << 20)
+
+
 def default_store_url() -> str:
     """``$CKPT_STORE``, else ``$XDG_DATA_HOME/ckpt/store`` (``~/.local/share/ckpt/store``)."""
     env = os.environ.get("CKPT_STORE")
@@ -68,7 +76,7 @@ class Store:
         self.backend = backend
         self.config = config
         self.settings = settings
-        self.objects = ObjectStore(backend)
+        self.objects = ObjectStore(backend, open_cache(backend, config, settings))
         self.refs_db = Refs(backend)
 
     # -- opening -------------------------------------------------------------
@@ -259,17 +267,28 @@ class Store:
 
         return pull(self, ref, dest, overwrite=overwrite, include=include, progress=progress)
 
-    def load(self, ref: str, *, include: list[str] | None = None, progress: Progress | None = None) -> dict[str, torch.Tensor]:
-        """All tensors of ``ref`` (or those matching ``include`` globs) as CPU tensors."""
+    def load(self, ref: str, *, include: list[str] | None = None, progress: Progress | bool | None = None) -> dict[str, torch.Tensor]:
+        """All tensors of ``ref`` (or those matching ``include`` globs) as CPU tensors.
+
+        From a remote store the chunks stream into the new tensors (no local file), at most
+        ``settings.inflight_mb`` fetched ahead of decoding. ``progress=True``: a bar on a terminal.
+        """
+        from ckpt.progress import as_progress
         from ckpt.store.load import load
 
-        return load(self, ref, include=include, progress=progress)
+        return load(self, ref, include=include, progress=as_progress(progress))
 
-    def load_into(self, ref: str, target: Any, *, strict: bool = True, progress: Progress | None = None) -> None:
-        """Decode ``ref`` straight into the tensors of ``target`` (``nn.Module`` or dict), in place."""
+    def load_into(self, ref: str, target: Any, *, strict: bool = True, progress: Progress | bool | None = None) -> None:
+        """Decode ``ref`` straight into the tensors of ``target`` (``nn.Module`` or dict), in place.
+
+        From a remote store (``s3://...``) the chunks stream into the tensors with no local
+        file; CUDA tensors are filled through pinned host buffers of at most
+        ``settings.inflight_mb``. ``progress=True``: a bar on a terminal.
+        """
+        from ckpt.progress import as_progress
         from ckpt.store.load import load_into
 
-        load_into(self, ref, target, strict=strict, progress=progress)
+        load_into(self, ref, target, strict=strict, progress=as_progress(progress))
 
     def reader(self, ref: str) -> CheckpointReader:
         """A lazy reader that fetches one tensor at a time."""
@@ -361,3 +380,32 @@ class Store:
             with ThreadPoolExecutor(min(len(ids), self.settings.transfer_concurrency)) as pool:
                 found = list(pool.map(size, ids))
         return {cid: n for cid, n in zip(ids, found) if n is not None}
+
+def load(store: Store | str | os.PathLike[str], ref: str, *, include: list[str] | None = None,
+         storage_options: dict[str, Any] | None = None, progress: Progress | bool | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of checkpoint ``ref`` in ``store`` (a :class:`Store` or its URL, ``s3://...`` too)
+    as CPU tensors, streamed from the store with no local file.
+
+    >>> import torch, ckpt
+    >>> _ = ckpt.Store.init("memory://load-doctest").push({"w": torch.ones(3)}, "m")
+    >>> ckpt.load("memory://load-doctest", "m")["w"].tolist()
+    [1.0, 1.0, 1.0]
+    """
+    s = store if isinstance(store, Store) else Store.open(store, storage_options=storage_options)
+    return s.load(ref, include=include, progress=progress)
+
+
+def load_into(store: Store | str | os.PathLike[str], ref: str, target: Any, *, strict: bool = True,
+              storage_options: dict[str, Any] | None = None, progress: Progress | bool | None = None) -> None:
+    """Decode checkpoint ``ref`` of ``store`` (a :class:`Store` or its URL) into ``target``'s tensors
+    (``nn.Module`` or dict), in place; see :meth:`Store.load_into`.
+
+    >>> import torch, ckpt
+    >>> _ = ckpt.Store.init("memory://load-into-doctest").push({"weight": torch.ones(2, 2), "bias": torch.zeros(2)}, "m")
+    >>> layer = torch.nn.Linear(2, 2)
+    >>> ckpt.load_into("memory://load-into-doctest", "m", layer)
+    >>> layer.weight.sum().item()
+    4.0
+    """
+    s = store if isinstance(store, Store) else Store.open(store, storage_options=storage_options)
+    s.load_into(ref, target, strict=strict, progress=progress)

@@ -197,15 +197,65 @@ _READ_INTO_MIN = 256 << 10  # smallest chunk read in two steps, header then stra
 class _Read:
     """What :func:`_read_chunk` got: a blob to decode, or a raw chunk already read into ``out``."""
 
-    blob: bytes | None
+    blob: bytes | bytearray | None
     into: int = 0  # raw chunks: the blob's bytes past its header (those that fit were read into ``out``)
     bases: Mapping[str, bytes] = field(default_factory=dict)  # blobs of the delta chain below, read ahead
+    cached: bool = False  # served by the local chunk cache (a bad one is dropped and fetched again)
+
+
+def _read_remote(objects: ObjectStore, cid: str, length: int, settings: Settings, out: memoryview | None,
+                 use_cache: bool = True) -> _Read:
+    """One GET of chunk ``cid`` from a remote store (or its blob from the local cache). A raw
+    chunk's body is read off the socket straight into ``out``; any other blob into one
+    buffer of its size. What is fetched is kept in the cache."""
+    cache = objects.cache if use_cache else None
+    if cache is not None:
+        # Not hashed here: every caller decodes and verifies the chunk against its id, and
+        # drops a cached blob that fails and fetches it again (get_chunks, fetch_chunk).
+        blob = cache.get(cid, check=False)
+        if blob is not None:
+            return _Read(blob, cached=True)
+    got: dict[str, Any] = {}
+
+    def place(head: bytes, size: int) -> memoryview:
+        got.clear()
+        if out is not None and len(out) == length and settings.max_chunk_size >= length:
+            try:
+                h = parse_header(head, cid)
+            except CorruptObjectError:
+                h = None  # reported when the blob is decoded
+            if h is not None and h.codec == RAW and h.length == length and size - h.size == length:
+                k = len(head) - h.size
+                out[:k] = head[h.size:]
+                got["raw"] = h.size
+                return out[k:]
+        if size > settings.max_chunk_size + MAX_HEADER:
+            raise CorruptObjectError("chunk", cid, f"blob of {size} bytes is larger than any chunk")
+        blob = got["blob"] = bytearray(size)
+        blob[: len(head)] = head
+        return memoryview(blob)[len(head):]
+
+    try:
+        head = objects.backend.read_split(objects.path("chunks", cid), MAX_HEADER, place)
+    except FileNotFoundError:
+        raise ObjectNotFoundError("chunk", cid) from None
+    if "raw" in got:
+        assert out is not None
+        if objects.cache is not None:
+            objects.cache.put(cid, (head[: got["raw"]], out))
+        return _Read(None, length)
+    if objects.cache is not None:
+        objects.cache.put(cid, (got["blob"],))
+    return _Read(got["blob"])
 
 
 def _read_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings, out: memoryview | None = None) -> _Read:
     """The I/O half of :func:`fetch_chunk`: from a local store a raw chunk is read straight
     into ``out`` (its header first); anything else comes back as its blob. (A small chunk
-    is read whole: a second read costs more than copying it.)"""
+    is read whole: a second read costs more than copying it.) A remote store that streams
+    reads it in one request (:func:`_read_remote`), through the local chunk cache."""
+    if objects.backend.streams:
+        return _read_remote(objects, cid, length, settings, out)
     if out is not None and objects.backend.reads_into and settings.max_chunk_size >= length == len(out) >= _READ_INTO_MIN:
         path = objects.path("chunks", cid)
         try:
@@ -235,7 +285,7 @@ def _read_ahead(objects: ObjectStore, cid: str, length: int, settings: Settings,
         if base is None or base in bases or (cache is not None and base in cache):
             break
         blob = bases[base] = objects.get("chunks", base)
-    return _Read(got.blob, got.into, bases)
+    return _Read(got.blob, got.into, bases, got.cached)
 
 
 def _decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings, got: _Read, _depth: int = 0,
@@ -272,7 +322,14 @@ def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
         got = _Read(blobs[cid], bases=blobs)
     else:
         got = _read_chunk(objects, cid, length, settings, out)
-    return _decode_read(objects, cid, length, settings, got, _depth, out)
+    try:
+        return _decode_read(objects, cid, length, settings, got, _depth, out)
+    except CorruptObjectError:
+        if not got.cached or objects.cache is None:
+            raise
+        objects.cache.drop(cid)  # a damaged cache entry: never served, fetched again
+        got = _read_remote(objects, cid, length, settings, out, use_cache=False)
+        return _decode_read(objects, cid, length, settings, got, _depth, out)
 
 
 def stored_chain(objects: ObjectStore, cid: str) -> tuple[int, tuple[str, ...]]:
@@ -323,14 +380,16 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
     Encoding runs on ``settings.workers`` threads (CPU); each finished blob is
     written by one of ``settings.io_workers`` threads, so that the latency of
     many small durable writes (fsync) overlaps with encoding and with itself. At
-    most ``2 * io_workers`` blobs wait for their write, which bounds memory.
+    most ``2 * io_workers`` blobs (and ``inflight_mb`` of chunks) wait for their write, which bounds memory.
     """
     # A remote store is latency-bound: keep as many requests in flight as it allows
     # (existence checks run on the encoding workers, uploads on the I/O workers).
     remote = objects.backend.concurrency
     io_workers = max(settings.io_workers, remote)
     io = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="ckpt-io")
-    slots = threading.BoundedSemaphore(2 * io_workers)
+    # Encoded blobs waiting for (or in) their upload: at most 2 per I/O thread, and at most
+    # ``inflight_mb`` of chunks (large chunk sizes would otherwise hold gigabytes).
+    slots = threading.BoundedSemaphore(max(2, min(2 * io_workers, (settings.inflight_mb << 20) // settings.chunk_size)))
     writes: list[Future[None]] = []
     writes_lock = threading.Lock()
 
@@ -427,7 +486,16 @@ def into_tasks(chunk_size: int, pairs: Iterable[tuple[TensorEntry, Any]]) -> lis
     return tasks
 
 
-def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Settings, progress: Progress | None = None) -> None:
+@dataclass
+class GetStats:
+    """What :func:`get_chunks` did: chunks read, and the most bytes of chunks that were
+    fetched or being fetched but not yet taken for decoding at once (remote stores)."""
+
+    chunks: int = 0
+    peak_inflight: int = 0
+
+
+def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Settings, progress: Progress | None = None) -> GetStats:
     """Fetch, decode (following delta chains) and verify chunks in parallel, into each task's
     ``into`` buffer and/or handing the bytes to its ``sink``.
 
@@ -442,20 +510,28 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     reads them in the background) and each decoding thread reads its own chunk: no
     hand-off between threads per chunk. Elsewhere ``io_workers`` threads (or as many as
     the remote store allows) read the blobs ahead into memory, with the blobs of their
-    delta chains (:func:`_read_ahead`), at most twice as many chunks as there are
-    reading threads, which bounds memory.
+    delta chains (:func:`_read_ahead`): a sliding window that starts the next read as
+    soon as a chunk is taken for decoding (never batches that wait for their slowest
+    member), at most twice as many reads as there are reading threads and at most
+    ``settings.inflight_mb`` of chunks fetched but not yet taken for decoding (beyond the one
+    a decoding thread waits for), which bounds memory
+    whichever side is slower. A chunk served by the local cache that fails to decode
+    is dropped from the cache and fetched again.
     """
     todo = list(tasks)
     readers = max(settings.io_workers, objects.backend.concurrency)
     ahead = 2 * readers
+    limit = settings.inflight_mb << 20
     lock = threading.Lock()
     reads: dict[int, Future[_Read]] = {}
     submitted = 0  # reads are submitted for todo[:submitted]
+    inflight = 0  # bytes of chunks submitted and not yet taken for decoding
+    stats = GetStats(len(todo))
     hinted = objects.backend.prefetches
     io = None if hinted else ThreadPoolExecutor(max_workers=readers, thread_name_prefix="ckpt-read")
 
     def get(i: int) -> None:
-        nonlocal submitted
+        nonlocal submitted, inflight
         task = todo[i]
         if hinted:  # read in this thread, having asked the disk for the reads ahead
             with lock:
@@ -467,13 +543,29 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
         else:
             assert io is not None
             with lock:
-                while submitted < min(len(todo), i + ahead):
+                # The window slides: every chunk up to this one, then more while the
+                # count and byte bounds allow.
+                while submitted < len(todo) and (submitted <= i or (
+                        submitted < i + ahead and inflight + todo[submitted].length <= limit)):
                     t = todo[submitted]
                     reads[submitted] = io.submit(_read_ahead, objects, t.id, t.length, settings, t.into)
+                    inflight += t.length
                     submitted += 1
+                stats.peak_inflight = max(stats.peak_inflight, inflight)
                 pending = reads.pop(i)
-            got = pending.result()
-        data, _ = _decode_read(objects, task.id, task.length, settings, got, out=task.into)
+            try:
+                got = pending.result()
+            finally:
+                with lock:
+                    inflight -= task.length
+        try:
+            data, _ = _decode_read(objects, task.id, task.length, settings, got, out=task.into)
+        except CorruptObjectError:
+            if not got.cached or objects.cache is None:
+                raise
+            objects.cache.drop(task.id)
+            got = _read_remote(objects, task.id, task.length, settings, task.into, use_cache=False)
+            data, _ = _decode_read(objects, task.id, task.length, settings, got, out=task.into)
         if task.sink is not None:
             task.sink(data)  # type: ignore[arg-type]
 
@@ -483,3 +575,4 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     finally:
         if io is not None:
             io.shutdown(wait=True, cancel_futures=True)
+    return stats

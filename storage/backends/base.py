@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import errno
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -76,6 +76,23 @@ class Backend(ABC):
         part = memoryview(data)[start : start + len(buf)]
         buf[: len(part)] = part
         return len(data)
+
+    # True where read_split() reads one request's body straight into place (remote stores).
+    streams: bool = False
+    # True where a local copy of what is read pays (a remote store): chunk blobs are then
+    # kept in the local read-through cache (storage/cache.py).
+    caches: bool = False
+
+    def read_split(self, path: str, first: int, place: Callable[[bytes, int], memoryview]) -> bytes:
+        """Read ``path`` in one request: its first ``first`` bytes (fewer if it is shorter),
+        then the rest into ``place(those bytes, object size)``, which returns a buffer for
+        exactly the remaining bytes. Returns the first bytes. ``place`` may be called again
+        if the read is retried. Raises ``FileNotFoundError`` when absent."""
+        data = self.read(path)
+        head = data[:first]
+        buf = place(head, len(data))
+        buf[:] = memoryview(data)[len(head):]
+        return head
 
     @abstractmethod
     def write(self, path: str, data: Data) -> None:

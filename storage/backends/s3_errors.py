@@ -1,7 +1,7 @@
 """How S3 failures are classified: what is worth retrying, what a 412 means, which strings are secrets.
 
 Kept apart from ``storage/backends/s3.py`` so the rules can be read (and tested) on their own.
-botocore and aiohttp are imported lazily: ``storage`` must import without s3fs installed.
+botocore, urllib3 and aiohttp are imported lazily: ``storage`` must import without them installed.
 """
 
 from __future__ import annotations
@@ -80,7 +80,15 @@ def transient(e: BaseException) -> str | None:
         aio_net: tuple[type[BaseException], ...] = (aiohttp.ClientError,)
     except ImportError:  # pragma: no cover
         aio_net = ()
+    try:
+        import urllib3.exceptions as ue
+
+        url_net: tuple[type[BaseException], ...] = (ue.HTTPError,)
+    except ImportError:  # pragma: no cover
+        url_net = ()
     for x in chain(e):
+        if url_net and isinstance(x, url_net):
+            return type(x).__name__
         if (boto_net and isinstance(x, boto_net)) or (aio_net and isinstance(x, aio_net)):
             detail = str(x).strip()
             return f"{type(x).__name__}: {detail}" if detail else type(x).__name__

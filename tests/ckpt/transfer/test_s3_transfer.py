@@ -1,0 +1,315 @@
+"""Pulls and loads from real S3 servers: the request window's memory bound, the local chunk
+cache (hits, misses, damage, a full cache), servers that reset or stall mid-transfer, and
+interrupted pulls that leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("botocore")
+np = pytest.importorskip("numpy")
+torch = pytest.importorskip("torch")
+
+import ckpt  # noqa: E402
+from ckpt.transfer.pipeline import GetTask, get_chunks  # noqa: E402
+from ckpt_store.storage.errors import StorageIOError  # noqa: E402
+
+CHUNK = 64 * 1024
+
+
+def _file(tmp_path, n=24, seed=0):
+    """A safetensors file of ``n`` 64 KiB-chunked fp32 tensors, noisy enough that some chunks stay raw."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    t = {f"w{i}": rng.standard_normal(CHUNK // 4 * 2, dtype=np.float32) for i in range(n)}
+    t["ints"] = rng.integers(0, 2**31, CHUNK // 4, dtype=np.int32)  # random bytes: stored raw, read into place
+    path = tmp_path / "m.safetensors"
+    save_file(t, str(path))
+    return path, t
+
+
+def _settings(**kw):
+    return ckpt.Settings.from_env(chunk_size=CHUNK, **kw)
+
+
+def _tasks(store, ref, sink=None):
+    m = store.manifest(ref)
+    tasks = []
+    for t in m.tensors:
+        left = t.nbytes
+        for cid in t.chunks:
+            n = min(m.chunk_size, left)
+            left -= n
+            tasks.append(GetTask(cid, n, sink=sink))
+    return tasks
+
+
+def _chunk_gets(store):
+    """Count GETs of chunk objects the store's backend makes."""
+    n = [0]
+    real = store.backend._get
+
+    def counting(path, *a, **k):
+        if path.startswith("objects/chunks/"):
+            n[0] += 1
+        return real(path, *a, **k)
+
+    store.backend._get = counting
+    return n
+
+
+def test_cache_serves_a_second_pull_and_refuses_damage(s3_url, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(cache))
+    src, _ = _file(tmp_path)
+    ckpt.Store.init(s3_url, settings=_settings(cache=False)).push(str(src), "m")
+
+    first = ckpt.Store.open(s3_url, settings=_settings())
+    gets = _chunk_gets(first)
+    first.pull("m", str(tmp_path / "a.safetensors"))
+    n_chunks = len(first.manifest("m").chunk_lengths())
+    assert gets[0] == n_chunks and first.objects.cache.misses == n_chunks  # cold: every chunk fetched once
+
+    second = ckpt.Store.open(s3_url, settings=_settings())
+    gets = _chunk_gets(second)
+    second.pull("m", str(tmp_path / "b.safetensors"))
+    assert gets[0] == 0 and second.objects.cache.hits == n_chunks  # warm: nothing fetched
+    assert (tmp_path / "b.safetensors").read_bytes() == src.read_bytes()
+
+    # Damage two entries: one bit flipped (caught by the entry's checksum), and one replaced
+    # by a well-formed entry holding another chunk's blob (caught when the chunk is decoded).
+    entries = sorted(p for p in cache.rglob("*") if p.is_file())
+    raw = bytearray(entries[0].read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    entries[0].write_bytes(bytes(raw))
+    from ckpt_store.storage.cache import ChunkBlobCache
+
+    other = entries[2].read_bytes()[:-32]
+    victim = entries[1].name
+    entries[1].unlink()
+    ChunkBlobCache(str(cache), entries[1].parent.parent.name, 1 << 30).put(victim, (other,))
+
+    third = ckpt.Store.open(s3_url, settings=_settings())
+    gets = _chunk_gets(third)
+    third.pull("m", str(tmp_path / "c.safetensors"))
+    assert (tmp_path / "c.safetensors").read_bytes() == src.read_bytes()  # never served wrong bytes
+    assert gets[0] == 2 and third.objects.cache.dropped == 2  # both fetched again, the bad entries replaced
+    fourth = ckpt.Store.open(s3_url, settings=_settings())
+    gets = _chunk_gets(fourth)
+    fourth.pull("m", str(tmp_path / "d.safetensors"))
+    assert gets[0] == 0
+
+    # --no-cache: nothing read from or written to the cache.
+    off = ckpt.Store.open(s3_url, settings=_settings(cache=False))
+    assert off.objects.cache is None
+    gets = _chunk_gets(off)
+    off.pull("m", str(tmp_path / "e.safetensors"))
+    assert gets[0] == n_chunks
+
+
+def test_full_cache_stays_within_its_limit(s3_url, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    src, _ = _file(tmp_path, n=40)  # ~5 MB of chunks
+    store = ckpt.Store.init(s3_url, settings=_settings(cache_mb=1))
+    store.push(str(src), "m")
+    store.pull("m", str(tmp_path / "out.safetensors"))
+    assert (tmp_path / "out.safetensors").read_bytes() == src.read_bytes()
+    from ckpt.store.cache import cache_usage
+
+    u = cache_usage(store.settings)
+    assert 0 < u.bytes <= 1 << 20
+
+
+def test_window_bounds_memory_when_decoding_is_slower(s3_url, tmp_path):
+    src, _ = _file(tmp_path, n=40)
+    store = ckpt.Store.init(s3_url, settings=_settings(cache=False, inflight_mb=1, transfer_concurrency=16))
+    store.push(str(src), "m")
+    consumed = []
+
+    def slow_sink(data):  # a consumer slower than the wire (a slow disk, a busy decoder)
+        time.sleep(0.01)
+        consumed.append(len(data))
+
+    stats = get_chunks(store.objects, _tasks(store, "m", slow_sink), store.settings)
+    limit = store.settings.inflight_mb << 20
+    # Fetches ran ahead of the consumer, but never past the byte bound (plus the chunk
+    # each decoding thread waits for).
+    assert 4 * CHUNK < stats.peak_inflight <= limit + store.settings.workers * CHUNK
+    assert sum(consumed) == sum(t.length for t in _tasks(store, "m"))
+
+
+def test_window_bounds_memory_when_fetching_is_slower(s3_main_url, s3_main, tmp_path):
+    from s3support import FaultProxy
+
+    src, _ = _file(tmp_path, n=40)
+    ckpt.Store.init(s3_main_url, settings=_settings(cache=False)).push(str(src), "m")
+    host, port = s3_main.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy((host, int(port))).start()
+    try:
+        proxy.delay_s = 0.005  # every relayed piece of every response waits: a slow wire
+        store = ckpt.Store.open(s3_main_url, storage_options={"endpoint_url": proxy.endpoint},
+                                settings=_settings(cache=False, inflight_mb=1, transfer_concurrency=32))
+        stats = get_chunks(store.objects, _tasks(store, "m"), store.settings)
+        assert stats.peak_inflight <= (1 << 20) + store.settings.workers * CHUNK
+    finally:
+        proxy.stop()
+
+
+def _through_proxy(url, server, **kw):
+    from s3support import FaultProxy
+
+    host, port = server.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy((host, int(port))).start()
+    store = ckpt.Store.open(url, storage_options={"endpoint_url": proxy.endpoint, **kw}, settings=_settings(cache=False))
+    return proxy, store
+
+
+def test_pull_survives_resets_mid_transfer(s3_main_url, s3_main, tmp_path):
+    src, _ = _file(tmp_path)
+    ckpt.Store.init(s3_main_url, settings=_settings(cache=False)).push(str(src), "m")
+    proxy, store = _through_proxy(s3_main_url, s3_main)
+    try:
+        proxy.reset_dir, proxy.reset_after, proxy.reset_conns = "down", 40_000, 3  # cut three responses mid-body
+        out = tmp_path / "out.safetensors"
+        store.pull("m", str(out))
+        assert proxy.resets_fired == 3
+        assert out.read_bytes() == src.read_bytes()
+    finally:
+        proxy.stop()
+
+
+def test_pull_survives_a_stalled_server(s3_main_url, s3_main, tmp_path):
+    src, _ = _file(tmp_path, n=8)
+    ckpt.Store.init(s3_main_url, settings=_settings(cache=False)).push(str(src), "m")
+    proxy, store = _through_proxy(s3_main_url, s3_main, config_kwargs={"read_timeout": 0.5, "connect_timeout": 1})
+    try:
+        proxy.delay_s = 2.0  # the server stops answering for a while: reads time out and are retried
+        threading.Timer(1.2, proxy.clear).start()
+        out = tmp_path / "out.safetensors"
+        store.pull("m", str(out))
+        assert out.read_bytes() == src.read_bytes()
+    finally:
+        proxy.stop()
+
+
+def test_interrupted_pull_leaves_nothing(s3_main_url, s3_main, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPT_RETRIES", "1")
+    src, _ = _file(tmp_path)
+    ckpt.Store.init(s3_main_url, settings=_settings(cache=False)).push(str(src), "m")
+    proxy, store = _through_proxy(s3_main_url, s3_main)
+    try:
+        store.manifest("m")  # resolved before the wire goes bad
+        dest = tmp_path / "dest"
+        dest.mkdir()
+        proxy.reset_dir, proxy.reset_after, proxy.reset_conns = "down", 20_000, 10_000  # every connection cut after 20 KB
+        with pytest.raises(StorageIOError) as e:
+            store.pull("m", str(dest / "out.safetensors"))
+        assert e.value.retryable
+        assert os.listdir(dest) == []  # no partial file, no temporary
+    finally:
+        proxy.stop()
+
+
+def test_load_into_streams_from_s3(s3_url, tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    store = ckpt.Store.init(s3_url, settings=_settings(cache=False, inflight_mb=1))
+    store.push(state, "net")
+    fresh = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    store.load_into("net", fresh)
+    for k, v in fresh.state_dict().items():
+        assert v.numpy().tobytes() == state[k].numpy().tobytes()
+    # Strided targets go through bounded staging buffers (several groups of at most inflight_mb).
+    target = {k: torch.zeros(tuple(reversed(v.shape))).t() if v.dim() == 2 else torch.zeros_like(v) for k, v in state.items()}
+    assert not target["0.weight"].is_contiguous()
+    store.load_into("net", target)
+    for k, v in target.items():
+        assert v.contiguous().numpy().tobytes() == state[k].numpy().tobytes()
+    got = store.load("net")
+    assert all(got[k].numpy().tobytes() == state[k].numpy().tobytes() for k in state)
+    by_url = ckpt.load(s3_url, "net")  # the top-level verbs take a store URL
+    assert all(by_url[k].numpy().tobytes() == state[k].numpy().tobytes() for k in state)
+    again = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    ckpt.load_into(s3_url, "net", again)
+    assert all(v.numpy().tobytes() == state[k].numpy().tobytes() for k, v in again.state_dict().items())
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
+def test_pull_interrupted_by_a_signal_leaves_no_partial_file(s3_main_url, s3_main, tmp_path, sig):
+    """A `ckpt pull` stopped mid-transfer (Ctrl-C, or killed) never leaves a file under the
+    destination's name; after Ctrl-C it leaves nothing at all."""
+    import signal
+    import subprocess
+    import sys
+
+    from s3support import FaultProxy
+
+    src, _ = _file(tmp_path, n=40)
+    ckpt.Store.init(s3_main_url, settings=_settings(cache=False)).push(str(src), "m")
+    host, port = s3_main.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy((host, int(port))).start()
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    try:
+        proxy.delay_s = 0.05  # a slow wire: the pull takes seconds
+        env = {**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint, "CKPT_CACHE": "0"}
+        exe = [sys.executable, "-c", "from ckpt_store.cli.main import main; main()"]
+        proc = subprocess.Popen([*exe, "--store", s3_main_url, "pull", "m", str(dest / "out.safetensors")], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while not os.listdir(dest) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)  # until the pull has started writing its temporary file
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.3)
+        proc.send_signal(getattr(signal, sig))
+        proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        assert not (dest / "out.safetensors").exists()
+        if sig == "SIGINT":
+            assert os.listdir(dest) == []
+        else:  # killed: at most its temporary (a dot file) is left, never the destination
+            assert all(n.startswith(".") for n in os.listdir(dest))
+    finally:
+        proxy.stop()
+
+
+def test_fine_tune_pull_fetches_only_its_own_chunks_and_refetches_a_damaged_base(s3_url, tmp_path, monkeypatch):
+    from safetensors.numpy import save_file
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(cache))
+    src, tensors = _file(tmp_path)
+    rng = np.random.default_rng(7)
+    ft = {k: (v + (1e-4 * rng.standard_normal(v.shape)).astype(v.dtype)) if v.dtype.kind == "f" else v for k, v in tensors.items()}
+    ft_path = tmp_path / "ft.safetensors"
+    save_file(ft, str(ft_path))
+    writer = ckpt.Store.init(s3_url, settings=_settings(cache=False))
+    writer.push(str(src), "base")
+    writer.push(str(ft_path), "ft", base="base")
+    m_ft = writer.manifest("ft")
+    assert any(t.delta_bases for t in m_ft.tensors)  # stored as deltas against the base
+
+    reader = ckpt.Store.open(s3_url, settings=_settings())
+    reader.pull("base", str(tmp_path / "b.safetensors"))  # the base's chunks are now cached
+    base_chunks = set(writer.manifest("base").chunk_lengths())
+    own = set(m_ft.chunk_lengths()) - base_chunks
+    # Damage a cached base chunk that a delta of the fine-tune needs.
+    needed = {b for t in m_ft.tensors for chain in t.delta_bases for b in chain}
+    victim = sorted(needed & base_chunks)[0]
+    entry = next(p for p in cache.rglob(victim))
+    raw = bytearray(entry.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    entry.write_bytes(bytes(raw))
+
+    again = ckpt.Store.open(s3_url, settings=_settings())
+    gets = _chunk_gets(again)
+    again.pull("ft", str(tmp_path / "ft-out.safetensors"))
+    assert (tmp_path / "ft-out.safetensors").read_bytes() == ft_path.read_bytes()
+    assert gets[0] == len(own) + 1  # its own chunks, and the damaged base once more
+    assert again.objects.cache.dropped == 1
