@@ -6,7 +6,6 @@ Long API calls take ``progress``: a :class:`Progress` object, None (silent), or 
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from ckpt_store.storage.progress import NullProgress, Progress, reporting
@@ -15,21 +14,27 @@ __all__ = ["NullProgress", "Progress", "TerminalProgress", "as_progress", "repor
 
 
 class TerminalProgress:
-    """A rich progress bar on stderr (bytes, speed, time left); silent when stderr is not a terminal."""
+    """A rich progress bar (bytes, speed, time left) on ``console`` (default: stderr);
+    silent when that is not a terminal, or when ``enabled`` is False. The description is
+    printed as text, never read as markup."""
 
-    def __init__(self) -> None:
+    def __init__(self, console: Any = None, enabled: bool | None = None) -> None:
+        self._console = console
+        self._enabled = enabled
         self._bar: Any = None
         self._task: Any = None
 
     def start(self, description: str, total: int) -> None:
-        if not sys.stderr.isatty():
-            return
         from rich.console import Console
+
+        console = self._console if self._console is not None else Console(stderr=True)
+        if not (console.is_terminal if self._enabled is None else self._enabled):
+            return
         from rich.progress import BarColumn, DownloadColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
         from rich.progress import Progress as Bar
 
-        self._bar = Bar(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-                        TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+        self._bar = Bar(TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(binary_units=True),
+                        TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True)
         self._bar.start()
         self._task = self._bar.add_task(description, total=total)
 

@@ -16,14 +16,8 @@ import time
 from typing import Any
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
+
+from ckpt.progress import TerminalProgress
 
 # Wide when piped, so tables in logs and files do not wrap at 80 columns. markup and
 # emoji off: "[red]" and ":smile:" in a message are text, never styling (or a crash on "[/b]").
@@ -91,29 +85,11 @@ def emit_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-class RichProgress:
-    """ckpt's Progress protocol drawn as a rich bar on stderr; silent when stderr is not a terminal."""
+class RichProgress(TerminalProgress):
+    """ckpt's terminal progress bar on the CLI's stderr console, descriptions made inert."""
 
     def __init__(self, enabled: bool | None = None) -> None:
-        self.enabled = err.is_terminal if enabled is None else enabled
-        self._bar: Progress | None = None
-        self._task: Any = None
+        super().__init__(console=err, enabled=enabled)
 
     def start(self, description: str, total: int) -> None:
-        if not self.enabled:
-            return
-        self._bar = Progress(
-            TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(binary_units=True),
-            TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True,
-        )
-        self._bar.start()
-        self._task = self._bar.add_task(safe(description), total=total)
-
-    def advance(self, n: int) -> None:
-        if self._bar is not None:
-            self._bar.advance(self._task, n)
-
-    def finish(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
+        super().start(safe(description), total)
