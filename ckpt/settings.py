@@ -56,6 +56,9 @@ class Settings:
     # Remote stores: exclusive creates (ref entries) use If-None-Match. Turn off only for
     # a server that lacks it; then one writer per ref is required (docs/format.md).
     conditional_writes: bool = True
+    # Keep the metadata index (storage/index.py): push, ls, du and gc then read a few
+    # objects instead of every ref and manifest. Off: they read the refs and manifests.
+    index: bool = True
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:

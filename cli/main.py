@@ -178,11 +178,8 @@ def pull(
 def ls(as_json: JsonOpt = False) -> None:
     """List refs: name, checkpoint id, size, when, message."""
     store = _open()
-    rows = []
-    for name, entry in store.refs().items():
-        m = store.get_manifest(entry.target)
-        rows.append({"ref": name, "id": entry.target, "time": entry.time, "bytes": m.logical_bytes,
-                     "tensors": len(m.tensors), "message": m.message, "source": m.source})
+    rows = [{"ref": r.name, "id": r.id, "time": r.time, "bytes": r.bytes, "tensors": r.tensors, "message": r.message,
+             "source": r.source} for r in store.ls()]
     if as_json:
         emit_json(rows)
         return

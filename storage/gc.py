@@ -13,11 +13,14 @@ import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import ObjectStore, check_id
 from ckpt_store.storage.refs import Refs
+
+if TYPE_CHECKING:
+    from ckpt_store.storage.index import StoreIndex
 
 # Keys in a manifest whose values are lists of chunk ids (docs/format.md).
 CHUNK_LIST_KEYS = frozenset({"chunks", "delta_bases"})
@@ -81,7 +84,8 @@ class GcPlan:
         return sum(d.size for d in self.delete)
 
 
-def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: bool = True, recover: bool = True) -> GcPlan:
+def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: bool = True, recover: bool = True,
+            index: StoreIndex | None = None) -> GcPlan:
     """What ``gc`` would delete now. Reads refs and manifests; deletes nothing.
 
     Roots are the targets of live refs and, with ``keep_history``, their earlier
@@ -101,8 +105,9 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     listed = {k: list(objects.list(k)) for k in ("manifests", "chunks")}
     temps = list(objects.list_temporaries(("objects", "refs")))
 
+    view = index.view(exact=True, history=True, chunks=True) if index is not None else None
     roots: set[str] = set()
-    for entries in refs.all_entries().values():
+    for entries in (view.entries() if view is not None else refs.all_entries()).values():
         if entries[0].target is None:
             continue  # removed ref: its history keeps nothing alive
         for e in entries if keep_history and not entries[0].alias else entries[:1]:
@@ -111,7 +116,17 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
             roots.add(e.target)
 
     live_chunks: set[str] = set()
-    for mid in roots:
+    if index is not None and view is not None:
+        listed_m = {i.id for i in listed["manifests"]}
+        for mid in sorted(roots - listed_m):  # written since the listing, or missing: see that it is there
+            objects.get_manifest(mid)
+        index.ensure(view, roots, chunks=True)  # a live manifest the index lacks is read (and must be readable)
+        assert view.chunks is not None
+        for mid in roots:
+            live_chunks.update(view.chunks[mid][0])
+        if recover:  # not in a dry run, which writes nothing
+            index.heal(view)
+    for mid in roots if index is None else ():
         # A live manifest that cannot be read stops the plan: nothing is deleted.
         live_chunks |= referenced_chunks(objects.get_manifest(mid))
 

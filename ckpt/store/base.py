@@ -47,18 +47,36 @@ def choose_base(store: Store, name: str | None, tensors: list[tuple[str, str, in
     # not itself a delta - the base the others derive from - and then to the oldest:
     # a delta against a sibling fine-tune carries both fine-tunes' changes.
     best, best_key = None, (0, False, 0.0)
-    live = sorted(store.refs_db.live().values(), key=lambda e: e.time, reverse=True)[:MAX_CANDIDATES]
-    seen: set[str] = set()
-    for entry in live:
-        if entry.target is None or entry.target in seen:
-            continue
-        seen.add(entry.target)
-        m = store.get_manifest(entry.target)
-        got = overlap(tensors, m)
-        key = (got, m.lineage.get("base") is None, -m.created)
+    for target, sig, base, created in _candidates(store):
+        theirs = {_key(n, d, b) for n, d, b in sig}
+        got = sum(k[2] for k in tensors if k in theirs)
+        key = (got, base is None, -created)
         if got > 0 and key > best_key:
-            best, best_key = entry.target, key
+            best, best_key = target, key
     return best, parent
+
+
+def _candidates(store: Store) -> Iterable[tuple[str, list[tuple[str, str, int]], str | None, float]]:
+    """(manifest id, tensor signature, lineage base, created) of the targets of the most
+    recently updated live refs, newest first: from the metadata index when the store keeps
+    one (a stale index only makes a worse choice, never a wrong checkpoint: the base is
+    read and verified, and commit checks every chunk), else from the manifests."""
+    index = store.index
+    if index is None:
+        live = sorted(store.refs_db.live().values(), key=lambda e: e.time, reverse=True)[:MAX_CANDIDATES]
+        for target in dict.fromkeys(e.target for e in live if e.target is not None):
+            m = store.get_manifest(target)
+            yield target, [(t.name, t.dtype, t.nbytes) for t in m.tensors], m.lineage.get("base"), m.created
+        return
+    st = index.view(exact=False)
+    live = sorted(st.live().values(), key=lambda e: e.time, reverse=True)[:MAX_CANDIDATES]
+    targets = list(dict.fromkeys(e.target for e in live if e.target is not None))
+    gone = index.ensure(st, targets, strict=False)  # a stale index may name what gc removed since
+    index.heal(st)
+    for target in targets:
+        if target not in gone:
+            info = st.info[target]
+            yield target, st.signature(target) or [], info["base"], info["created"]
 
 
 def pair_tensors(base: Manifest | None) -> dict[tuple[str, str, int], TensorEntry]:

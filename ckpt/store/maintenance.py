@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ckpt.codecs.chunk import CODEC_NAMES
 from ckpt.format.manifest import Manifest
 from ckpt.progress import NullProgress, Progress
+from ckpt.store.catalog import live_usage
 from ckpt.transfer.pipeline import fetch_chunk, run_parallel
 from ckpt_store.storage.config import read_config
 from ckpt_store.storage.errors import CkptError
@@ -172,29 +173,26 @@ def du(store: Store) -> StoreUsage:
     per_ref = []
     all_chunks: dict[str, int] = {}
     users: dict[str, int] = defaultdict(int)
-    for name, entry in store.refs_db.live().items():
-        assert entry.target is not None
-        m = store.get_manifest(entry.target)
-        lengths = m.chunk_lengths()
+    for name, mid, u in live_usage(store):
+        lengths = u.lengths
         all_chunks.update(lengths)
         for c in lengths:
             users[c] += 1
-        per_ref.append((name, entry.target, m, lengths))
+        per_ref.append((name, mid, u, lengths))
     refs = [
         RefUsage(
-            name, mid, m.logical_bytes, sum(lengths.values()),
+            name, mid, u.logical, sum(lengths.values()),
             sum(chunk_sizes.get(c, 0) for c in lengths),
             sum(chunk_sizes.get(c, 0) for c in lengths if users[c] == 1),
         )
-        for name, mid, m, lengths in per_ref
+        for name, mid, u, lengths in per_ref
     ]
     logical = sum(r.logical for r in refs)
     stored_chunks = sum(chunk_sizes.get(c, 0) for c in all_chunks)
     codec_of: dict[str, str] = {}
-    for _, _, m, _ in per_ref:
-        for t in m.tensors:
-            for cid, codec in zip(t.chunks, t.codecs):
-                codec_of[cid] = CODEC_NAMES.get(codec, "?")
+    for _, _, u, _ in per_ref:
+        for cid, codec in u.codecs:
+            codec_of[cid] = CODEC_NAMES.get(codec, "?")
     by_codec: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for cid, n in all_chunks.items():
         acc = by_codec[codec_of.get(cid, "file data")]
@@ -224,7 +222,8 @@ class GcReport:
 
 
 def gc(store: Store, *, grace_s: float, dry_run: bool = False, keep_history: bool = True) -> GcReport:
-    plan = plan_gc(store.objects, store.refs_db, grace_s=grace_s, keep_history=keep_history, recover=not dry_run)
+    plan = plan_gc(store.objects, store.refs_db, grace_s=grace_s, keep_history=keep_history, recover=not dry_run,
+                   index=store.index)
     deleted = plan.delete if dry_run else list(execute_gc(store.objects, plan))
     return GcReport(dry_run, deleted, len(plan.delete), sum(d.size for d in deleted), plan.young, plan.live_manifests,
                     plan.live_chunks, plan.recovered)

@@ -25,6 +25,7 @@ from ckpt_store.storage.retry import RetryPolicy
 if TYPE_CHECKING:
     import torch
 
+    from ckpt.store.catalog import RefInfo
     from ckpt.store.maintenance import GcReport, RepairReport, StoreUsage, VerifyReport
     from ckpt.store.push import PushResult
     from ckpt.store.reader import CheckpointReader
@@ -68,6 +69,10 @@ class Store:
         self.settings = settings
         self.objects = ObjectStore(backend)
         self.refs_db = Refs(backend)
+        from ckpt.store.catalog import open_index
+
+        self.index = open_index(self)
+        self.refs_db.index = self.index
 
     # -- opening -------------------------------------------------------------
     @classmethod
@@ -140,7 +145,19 @@ class Store:
 
     def refs(self) -> dict[str, RefEntry]:
         """Every live ref and its current entry, by name."""
-        return self.refs_db.live()
+        from ckpt.store.catalog import live_refs
+
+        return live_refs(self)
+
+    def ls(self) -> list[RefInfo]:
+        """Every live ref with a summary of its checkpoint (size, tensors, message), by name.
+
+        Reads the store's metadata index, checked against the listing of refs, instead of
+        every manifest (storage/index.py).
+        """
+        from ckpt.store.catalog import list_refs
+
+        return list_refs(self)
 
     def log(self, name: str) -> list[RefEntry]:
         """History of ``name``, newest first (removals included, with ``target`` None)."""

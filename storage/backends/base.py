@@ -46,6 +46,9 @@ class Backend(ABC):
     # True where touch() refreshes an object's modification time (and reports presence
     # in the same call); object stores cannot, and callers there ask presence in batches.
     touches: bool = False
+    # True where create_exclusive() can have only one winner among all writers (the
+    # metadata index relies on it: storage/index.py).
+    exact_creates: bool = False
 
     @classmethod
     def from_url(cls, url: str, *, storage_options: dict[str, Any] | None, fsync: bool,

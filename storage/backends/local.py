@@ -24,6 +24,7 @@ class LocalBackend(Backend):
     """A store in a local directory. ``fsync`` makes every write durable before it is visible."""
 
     touches = True
+    exact_creates = True  # link() of a written temp file
     prefetches = hasattr(os, "posix_fadvise")
 
     def __init__(self, root: str, *, fsync: bool = True) -> None:
