@@ -349,6 +349,8 @@ class StoreIndex:
             out: dict[int, RefRec] = {}
             for seq, listed in files.items():
                 rec = have.get(seq)
+                if rec is not None and rec.mtime is None and rec.matches(listed):
+                    rec = RefRec(rec.seq, rec.target, rec.time, rec.writer, rec.alias, rec.size, listed.mtime)
                 if rec is None or not rec.matches(listed):
                     if not history and seq != newest:
                         continue  # older entries are read when someone needs them (gc)
@@ -412,6 +414,8 @@ class StoreIndex:
         or damaged, or many logs were read). Best effort: a failure only leaves the index stale."""
         if not (st.damaged or st.read >= HEAL_AFTER or st.logs_read >= COMPACT_AFTER or st.snap_gen < 0):
             return
+        if not st.refs and st.snap_gen < 0:
+            return  # nothing to keep yet (an empty store)
         try:
             if st.chunks is None:
                 full = self.load(chunks=True)
@@ -423,7 +427,7 @@ class StoreIndex:
                 self.ensure(st, missing, chunks=True)
             self.write_snapshot(st)
         except Exception as e:  # noqa: BLE001 - the index is a cache: never fail the command over it
-            log.warning("could not update the metadata index: %s", e)
+            log.info("could not update the metadata index: %s", e)  # a read-only user, say: not their problem
 
     # -- writing -----------------------------------------------------------------
     def write_snapshot(self, st: IndexState) -> str:
@@ -473,10 +477,15 @@ class StoreIndex:
             log.warning("could not record %s#%d in the metadata index: %s", entry.name, entry.seq, e)
 
     def _record(self, entry: RefEntry, size: int) -> None:
-        try:  # the entry file's time, as a listing will show it (a stat locally, a HEAD on S3)
-            mtime: float | None = self.backend.mtime(self.refs.entry_path(entry.name, entry.seq)) or None
-        except FileNotFoundError:
-            mtime = None
+        mtime: float | None = None
+        path = self.refs.entry_path(entry.name, entry.seq)
+        if self.backend.local_path(path) is not None:  # the entry file's time as listings show it: one stat
+            try:
+                mtime = self.backend.mtime(path) or None
+            except FileNotFoundError:
+                pass
+        # Elsewhere it would cost a request (a HEAD): the entry's own time stands in for it
+        # until an exact reader has listed the file (RefRec.matches).
         rec: dict[str, Any] = {"ref": {"name": entry.name, "rec": RefRec.of(entry, size, mtime).to_obj()}, "manifest": None}
         data = self._noted.get(entry.target) if entry.target else None
         if data is not None:

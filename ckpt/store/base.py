@@ -46,14 +46,18 @@ def choose_base(store: Store, name: str | None, tensors: list[tuple[str, str, in
     # Ties (a family of fine-tunes shares every tensor name) go to a checkpoint that is
     # not itself a delta - the base the others derive from - and then to the oldest:
     # a delta against a sibling fine-tune carries both fine-tunes' changes.
-    best, best_key = None, (0, False, 0.0)
+    ranked = []
     for target, sig, base, created in _candidates(store):
         theirs = {_key(n, d, b) for n, d, b in sig}
         got = sum(k[2] for k in tensors if k in theirs)
-        key = (got, base is None, -created)
-        if got > 0 and key > best_key:
-            best, best_key = target, key
-    return best, parent
+        if got > 0:
+            ranked.append(((got, base is None, -created), target))
+    ranked.sort(key=lambda r: r[0], reverse=True)  # stable: among equal keys the first found wins, as before
+    for _, target in ranked:
+        # A stale index may name a checkpoint gc has removed since: take the next.
+        if store.index is None or store.objects.has("manifests", target):
+            return target, parent
+    return None, parent
 
 
 def _candidates(store: Store) -> Iterable[tuple[str, list[tuple[str, str, int]], str | None, float]]:

@@ -190,6 +190,7 @@ class LocalBackend(Backend):
 
     def list(self, prefix: str) -> Iterator[Entry]:
         base = self._p(prefix) if prefix else self.root
+        cut = len(os.path.join(self.root, ""))  # every path found starts with it: slicing beats relpath
         stack = [base]
         while stack:
             d = stack.pop()
@@ -206,7 +207,7 @@ class LocalBackend(Backend):
                         st = e.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue  # deleted while we listed
-                    rel = os.path.relpath(e.path, self.root).replace(os.sep, "/")
+                    rel = e.path[cut:] if os.sep == "/" else e.path[cut:].replace(os.sep, "/")
                     yield Entry(rel, st.st_size, st.st_mtime)
 
     def delete(self, path: str) -> None:
