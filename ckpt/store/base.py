@@ -47,9 +47,16 @@ def choose_base(store: Store, name: str | None, tensors: list[tuple[str, str, in
     # not itself a delta - the base the others derive from - and then to the oldest:
     # a delta against a sibling fine-tune carries both fine-tunes' changes.
     ranked = []
+    # Overlap per signature object: from the index, a family of fine-tunes shares one.
+    # The value keeps the object alive, so that its id cannot be reused by another.
+    overlaps: dict[int, tuple[object, int]] = {}
     for target, sig, base, created in _candidates(store):
-        theirs = {_key(n, d, b) for n, d, b in sig}
-        got = sum(k[2] for k in tensors if k in theirs)
+        if id(sig) in overlaps:
+            got = overlaps[id(sig)][1]
+        else:
+            theirs = {_key(n, d, b) for n, d, b in sig}
+            got = sum(k[2] for k in tensors if k in theirs)
+            overlaps[id(sig)] = (sig, got)
         if got > 0:
             ranked.append(((got, base is None, -created), target))
     ranked.sort(key=lambda r: r[0], reverse=True)  # stable: among equal keys the first found wins, as before
