@@ -32,6 +32,7 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +50,7 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 import ckpt  # noqa: E402
 
@@ -84,8 +86,10 @@ def timed(fn: Callable[[], object], reps: int) -> float:
 class Family:
     """A store that grows to N refs: the base, then fine-tunes ``ft/NNNN``."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, tmp: str, cli_reps: int) -> None:
         self.url = url
+        self.tmp = tmp
+        self.cli_reps = cli_reps
         self.store = ckpt.Store.init(url)
         self.store.push(BASE, "base/model", message="base")
         self.n = 1
@@ -114,9 +118,28 @@ class Family:
         out["ls"] = timed(store.ls, reps)
         out["du"] = timed(store.du, reps)
         out["gc --dry-run"] = timed(lambda: store.gc(grace_s=3600, dry_run=True), reps)
+        if self.cli_reps:
+            env = {**os.environ, "CKPT_INDEX": "1" if index else "0"}
+            cli = [sys.executable, "-m", "ckpt_store.cli.main", "--store", self.url]
+
+            def cli_push() -> None:
+                self.extra += 1
+                path = os.path.join(self.tmp, "ft.safetensors")
+                save_file(fine_tune(900_000 + self.extra), path)
+                run(cli + ["push", path, f"new/{self.extra:05d}"], env)
+
+            out["cli push"] = timed(cli_push, self.cli_reps)
+            for op in ("ls", "du", "gc --dry-run"):
+                out[f"cli {op}"] = timed(lambda op=op: run(cli + op.split(), env), self.cli_reps)
         if not index:
             refresh_index(self.url)  # pushes without the index left it behind: bring it up to date
         return out
+
+
+def run(cmd: list[str], env: dict[str, str]) -> None:
+    p = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {p.stderr[-2000:]}")
 
 
 def refresh_index(url: str) -> None:
@@ -128,31 +151,35 @@ def refresh_index(url: str) -> None:
     store.index.heal(st)
 
 
-def run_backend(label: str, url_for: Callable[[str], str], counts: list[int], reps: int) -> dict[int, dict]:
-    fam = Family(url_for("family"))
+def run_backend(label: str, url_for: Callable[[str], str], counts: list[int], reps: int, tmp: str,
+                cli_reps: int) -> dict[int, dict]:
+    fam = Family(url_for("family"), tmp, cli_reps)
     results = {}
     for n in counts:
         fam.grow(n)
         with_index = fam.measure(True, reps)
         without = fam.measure(False, reps)
         results[n] = {"index": with_index, "none": without, "refs": fam.n + fam.extra}
-        log(f"{label} {n} refs: " + ", ".join(f"{op} {with_index[op] * 1e3:.1f}/{without[op] * 1e3:.1f} ms" for op in OPS))
+        log(f"{label} {n} refs: " + ", ".join(f"{op} {with_index[op] * 1e3:.1f}/{without[op] * 1e3:.1f} ms" for op in with_index))
     return results
 
 
 def table(label: str, results: dict[int, dict]) -> list[str]:
     counts = sorted(results)
-    lines = [f"### {label}", "",
-             "| refs | " + " | ".join(f"{op} (index / no index)" for op in OPS) + " |",
-             "|---|" + "---|" * len(OPS)]
-    for n in counts:
-        r = results[n]
-        cells = [f"{r['index'][op] * 1e3:.1f} / {r['none'][op] * 1e3:.1f} ms" for op in OPS]
-        lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lo, hi = counts[0], counts[-1]
-    ratios = [f"{op} {results[hi]['index'][op] / results[lo]['index'][op]:.2f}x"
-              f" (no index {results[hi]['none'][op] / results[lo]['none'][op]:.1f}x)" for op in OPS]
-    lines += ["", f"Time at {hi} refs over time at {lo} ref, with the index: " + "; ".join(ratios) + ".", ""]
+    lines = [f"### {label}", ""]
+    for title, ops in (("In-process (`Store.push/ls/du/gc`)", OPS),
+                       ("CLI (`ckpt ...` in a new process, as a user runs it)", tuple(f"cli {op}" for op in OPS))):
+        if ops[0] not in results[lo]["index"]:
+            continue
+        lines += [f"{title}, ms, index / no index:", "",
+                  "| refs | " + " | ".join(op.removeprefix("cli ") for op in ops) + " |", "|---|" + "---|" * len(ops)]
+        for n in counts:
+            r = results[n]
+            lines.append(f"| {n} | " + " | ".join(f"{r['index'][op] * 1e3:.1f} / {r['none'][op] * 1e3:.1f}" for op in ops) + " |")
+        ratios = [f"{op.removeprefix('cli ')} **{results[hi]['index'][op] / results[lo]['index'][op]:.2f}x**"
+                  f" (no index {results[hi]['none'][op] / results[lo]['none'][op]:.1f}x)" for op in ops]
+        lines += ["", f"At {hi} refs over at {lo} ref, with the index: " + "; ".join(ratios) + ".", ""]
     return lines
 
 
@@ -161,6 +188,7 @@ def main() -> None:
     ap.add_argument("--refs", default="1,100,1000", help="ref counts for the local store")
     ap.add_argument("--s3-refs", default="1,100,1000", help="ref counts on SeaweedFS ('' to skip)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--cli-reps", type=int, default=3, help="runs of each CLI command (0: none)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "metadata.md"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -170,17 +198,19 @@ def main() -> None:
     sections: list[str] = []
     with tempfile.TemporaryDirectory(prefix="ckpt-meta-") as tmp:
         log("local store")
-        local = run_backend("local", lambda name: str(Path(tmp) / name), local_counts, args.reps)
+        local = run_backend("local", lambda name: str(Path(tmp) / name), local_counts, args.reps, tmp, args.cli_reps)
         sections += table("Local store (a directory on this machine's disk, fsync on)", local)
         if s3_counts:
             import s3support
 
+            (Path(tmp) / "weed").mkdir()
             server = s3support.start_server("seaweedfs", Path(tmp) / "weed")
             try:
                 os.environ.update(AWS_ACCESS_KEY_ID=s3support.KEY, AWS_SECRET_ACCESS_KEY=s3support.SECRET,
                                   AWS_ENDPOINT_URL=server.endpoint)
                 log("SeaweedFS")
-                s3 = run_backend("seaweedfs", lambda name: f"s3://{server.new_bucket()}/{name}", s3_counts, args.reps)
+                s3 = run_backend("seaweedfs", lambda name: f"s3://{server.new_bucket()}/{name}", s3_counts, args.reps, tmp,
+                                 args.cli_reps)
                 sections += table("SeaweedFS 4.48 (`weed mini`, S3 API on 127.0.0.1, same 2 cores)", s3)
             finally:
                 server.stop()
@@ -190,7 +220,7 @@ def main() -> None:
         f"Command: `{cmd.strip()}`  ",
         f"Run: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
         f"{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}.", "",
-        "Medians of " + str(args.reps) + " runs, in-process (`Store.push/ls/du/gc`), milliseconds. The store: a 128 KB "
+        "Medians of " + str(args.reps) + f" runs in-process and {args.cli_reps} through the CLI, milliseconds. The store: a 128 KB "
         "fp32 base and fine-tunes of it (`ft/NNNNN`), each pushed without `--base`; the measured push adds "
         "a new fine-tune under a new ref. \"index\": the metadata index (storage/index.py); \"no index\": the "
         "same store opened with `CKPT_INDEX=0`, which reads every ref entry and manifest (the behaviour before).", "",

@@ -495,7 +495,7 @@ class StoreIndex:
         for _ in range(20):
             gen += 1
             body = sealed_json({"format": LOG_FORMAT, "version": INDEX_VERSION, "gen": gen, **rec})
-            if self.backend.create_exclusive(f"{PREFIX}/{gen:010d}.log", body):
+            if self.backend.create_exclusive_cache(f"{PREFIX}/{gen:010d}.log", body):
                 logs[gen] = ""
                 break
             snaps, logs, top = self._listing()  # another writer took gen: look again

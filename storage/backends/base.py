@@ -91,6 +91,11 @@ class Backend(ABC):
     def create_exclusive(self, path: str, data: bytes) -> bool:
         """Atomically create ``path`` only if absent. Returns False if it existed."""
 
+    def create_exclusive_cache(self, path: str, data: bytes) -> bool:
+        """:meth:`create_exclusive` for a record that is a cache (its reader detects damage
+        and falls back): it need not be durable on return (locally: no fsync)."""
+        return self.create_exclusive(path, data)
+
     @abstractmethod
     def exists(self, path: str) -> bool: ...
 

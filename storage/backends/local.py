@@ -56,7 +56,7 @@ class LocalBackend(Backend):
         with self._lock:
             self._made_dirs.add(d)
 
-    def _write_temp(self, final: str, data: Data) -> str:
+    def _write_temp(self, final: str, data: Data, sync: bool = True) -> str:
         d = os.path.dirname(final)
         self._ensure_dir(d)
         tmp = os.path.join(d, f".tmp-{uuid.uuid4().hex}")
@@ -67,7 +67,7 @@ class LocalBackend(Backend):
                 while view:
                     n = os.write(fd, view)
                     view = view[n:]
-            if self.fsync:
+            if self.fsync and sync:
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -163,9 +163,16 @@ class LocalBackend(Backend):
                 os.close(fd)
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
+        return self._create(path, data, sync=True)
+
+    def create_exclusive_cache(self, path: str, data: bytes) -> bool:
+        # Not fsynced: a crash may leave it empty or partial, which its reader detects (a cache).
+        return self._create(path, data, sync=False)
+
+    def _create(self, path: str, data: bytes, sync: bool) -> bool:
         final = self._p(path)
         try:
-            tmp = self._write_temp(final, data)
+            tmp = self._write_temp(final, data, sync)
         except OSError as e:
             raise io_error("write", path, e) from e
         try:
