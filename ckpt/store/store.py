@@ -154,6 +154,12 @@ class Store:
 
         Reads the store's metadata index, checked against the listing of refs, instead of
         every manifest (storage/index.py).
+
+        >>> import torch, ckpt
+        >>> store = ckpt.Store.init("memory://doctest-ls")
+        >>> _ = store.push({"w": torch.zeros(4)}, "demo/a", message="first")
+        >>> [(r.name, r.bytes, r.tensors, r.message) for r in store.ls()]
+        [('demo/a', 80, 1, 'first')]
         """
         from ckpt.store.catalog import list_refs
 
