@@ -118,6 +118,13 @@ class Family:
         out["ls"] = timed(store.ls, reps)
         out["du"] = timed(store.du, reps)
         out["gc --dry-run"] = timed(lambda: store.gc(grace_s=3600, dry_run=True), reps)
+        counter = Requests(store.backend)
+        for op, fn in (("push", push), ("ls", store.ls), ("du", store.du),
+                       ("gc --dry-run", lambda: store.gc(grace_s=3600, dry_run=True))):
+            counter.reset()
+            fn()
+            out[f"requests {op}"] = counter.total()
+        counter.detach()
         if self.cli_reps:
             env = {**os.environ, "CKPT_INDEX": "1" if index else "0"}
             cli = [sys.executable, "-m", "ckpt_store.cli.main", "--store", self.url]
@@ -134,6 +141,50 @@ class Family:
         if not index:
             refresh_index(self.url)  # pushes without the index left it behind: bring it up to date
         return out
+
+
+class Requests:
+    """Counts what a backend is asked to do: on S3, HTTP requests (GET, PUT, HEAD, DELETE, LIST
+    pages); on a local store, files read or written, stats, and directory entries listed."""
+
+    S3 = ("read", "read_range", "_put", "_head", "delete", "_list_page")
+    LOCAL = ("read", "read_range", "read_into", "write", "create_exclusive", "create_exclusive_cache", "exists",
+             "mtime", "size", "touch", "delete")
+
+    def __init__(self, backend: object) -> None:
+        self.backend = backend
+        self.n = 0
+        self.saved: dict[str, object] = {}
+        names = self.S3 if hasattr(backend, "_list_page") else self.LOCAL
+        for name in names:
+            real = getattr(backend, name)
+            self.saved[name] = real
+
+            def wrapped(*a: object, _real=real, **k: object) -> object:
+                self.n += 1
+                return _real(*a, **k)
+
+            setattr(backend, name, wrapped)
+        if not hasattr(backend, "_list_page"):
+            real_list = backend.list  # type: ignore[attr-defined]
+            self.saved["list"] = real_list
+
+            def listing(prefix: str) -> object:
+                for e in real_list(prefix):
+                    self.n += 1
+                    yield e
+
+            backend.list = listing  # type: ignore[attr-defined]
+
+    def reset(self) -> None:
+        self.n = 0
+
+    def total(self) -> int:
+        return self.n
+
+    def detach(self) -> None:
+        for name, real in self.saved.items():
+            setattr(self.backend, name, real)
 
 
 def run(cmd: list[str], env: dict[str, str]) -> None:
@@ -160,7 +211,8 @@ def run_backend(label: str, url_for: Callable[[str], str], counts: list[int], re
         with_index = fam.measure(True, reps)
         without = fam.measure(False, reps)
         results[n] = {"index": with_index, "none": without, "refs": fam.n + fam.extra}
-        log(f"{label} {n} refs: " + ", ".join(f"{op} {with_index[op] * 1e3:.1f}/{without[op] * 1e3:.1f} ms" for op in with_index))
+        log(f"{label} {n} refs: " + ", ".join(f"{op} {with_index[op] * (1 if op.startswith('req') else 1e3):.1f}"
+                                              f"/{without[op] * (1 if op.startswith('req') else 1e3):.1f}" for op in with_index))
     return results
 
 
@@ -180,6 +232,16 @@ def table(label: str, results: dict[int, dict]) -> list[str]:
         ratios = [f"{op.removeprefix('cli ')} **{results[hi]['index'][op] / results[lo]['index'][op]:.2f}x**"
                   f" (no index {results[hi]['none'][op] / results[lo]['none'][op]:.1f}x)" for op in ops]
         lines += ["", f"At {hi} refs over at {lo} ref, with the index: " + "; ".join(ratios) + ".", ""]
+    if "requests push" in results[lo]["index"]:
+        ops = tuple(f"requests {op}" for op in OPS)
+        what = ("HTTP requests (GET, PUT, HEAD, DELETE, LIST pages)" if "SeaweedFS" in label else
+                "backend operations (files read or written, stats, directory entries listed)")
+        lines += [f"What each command asks of the store, one run: {what}, index / no index:", "",
+                  "| refs | " + " | ".join(op.removeprefix("requests ") for op in ops) + " |", "|---|" + "---|" * len(ops)]
+        for n in counts:
+            r = results[n]
+            lines.append(f"| {n} | " + " | ".join(f"{r['index'][op]} / {r['none'][op]}" for op in ops) + " |")
+        lines.append("")
     return lines
 
 

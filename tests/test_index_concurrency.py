@@ -137,6 +137,7 @@ def test_local_pushers_and_gc_with_the_index(tmp_path):
     _check(url, events)
 
 
+@pytest.mark.slow  # 15-60 s on the 2-core machine (three processes against one S3 server)
 def test_s3_pushers_with_the_index(s3_url, tmp_path):
     events, gc_stats = _run(s3_url, tmp_path, rounds=4, gc_dry=True)
     assert gc_stats["runs"] > 0
