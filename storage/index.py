@@ -65,7 +65,10 @@ CHUNKS_FORMAT = "ckpt-index-chunks"
 INDEX_VERSION = 1
 PREFIX = "index"
 # A writer that finds this many logs after the newest snapshot writes a new snapshot.
+# Locally a log costs a reader a small file read and a snapshot a rewrite of the whole
+# index; on S3 each log is a GET, which costs about what a LIST does: fold them sooner.
 COMPACT_AFTER = 32
+COMPACT_AFTER_REMOTE = 8
 # Logs are deleted only this many generations behind the newest snapshot, so that a
 # writer whose listing was old still collides with an existing log name instead of
 # re-creating a deleted one below the snapshot (where readers would not look).
@@ -244,6 +247,7 @@ class StoreIndex:
         self._lock = threading.Lock()
         self._max_gen: int | None = None  # newest generation this process knows of
         self._bad: set[str] = set()  # damaged snapshots seen: deleted by the next snapshot
+        self.compact_after = COMPACT_AFTER if self.backend.concurrency <= 1 else COMPACT_AFTER_REMOTE
 
     # -- reading -----------------------------------------------------------------
     def _listing(self) -> tuple[list[tuple[int, float, str]], dict[int, str], int]:
@@ -412,7 +416,7 @@ class StoreIndex:
     def heal(self, st: IndexState) -> None:
         """Write ``st`` as a new snapshot if it is worth it (it had to read much, or is missing
         or damaged, or many logs were read). Best effort: a failure only leaves the index stale."""
-        if not (st.damaged or st.read >= HEAL_AFTER or st.logs_read >= COMPACT_AFTER or st.snap_gen < 0):
+        if not (st.damaged or st.read >= HEAL_AFTER or st.logs_read >= self.compact_after or st.snap_gen < 0):
             return
         if not st.refs and st.snap_gen < 0:
             return  # nothing to keep yet (an empty store)
@@ -504,7 +508,7 @@ class StoreIndex:
             log.warning("metadata index: gave up appending %s#%d (busy)", entry.name, entry.seq)
             return
         newest = snaps[-1][0] if snaps else -1
-        if sum(1 for g in logs if g > newest) >= COMPACT_AFTER:
+        if sum(1 for g in logs if g > newest) >= self.compact_after:
             st = self.load(chunks=True)
             if st is not None:
                 self.heal(st)
