@@ -77,9 +77,17 @@ PRUNE_LAG = 64
 # or manifests the index lacked.
 HEAL_AFTER = 8
 
+# The part of a snapshot base choice reads: the live refs updated most recently (base
+# choice ranks at most 200 of them, ckpt/store/base.py), so that a push reads a bounded
+# amount however many refs the store holds. More than 200, so that removals logged since
+# the snapshot cannot push one of the 200 newest out of it.
+RECENT = 256
+RECENT_FORMAT = "ckpt-index-recent"
+_HEAD_BYTES = 4096  # a snapshot's header line fits in this
+
 _LOG = re.compile(r"^(\d{10})\.log$")
 _SNAP = re.compile(r"^(\d{10})-([0-9a-f]{16})\.snap$")
-_CHUNKS = re.compile(r"^(\d{10})-([0-9a-f]{16})\.chunks$")
+_CHUNKS = re.compile(r"^(\d{10})-([0-9a-f]{16})\.(?:chunks|recent)$")
 
 # What the layer above knows about a manifest: (small info for ls and base choice,
 # tensor signature or None, detail aligned with the chunk list). JSON values only.
@@ -154,6 +162,7 @@ class IndexState:
     logs_read: int = 0
     damaged: bool = False  # a record was unreadable: a fresh snapshot is due
     read: int = 0  # entries and manifests read because the index lacked them
+    partial: bool = False  # only the recently updated refs (a base choice view): never written back
 
     # -- changes ---------------------------------------------------------------
     def add_manifest(self, mid: str, info: dict[str, Any], sig: Any, chunks: list[str], detail: Any) -> None:
@@ -203,6 +212,13 @@ class IndexState:
         refs = {n: [r.to_obj() for _, r in sorted(recs.items())] for n, recs in self.refs.items() if recs}
         used = {i.get("sig") for i in self.info.values()}
         return canonical_json({"refs": refs, "info": self.info, "sigs": {k: v for k, v in self.sigs.items() if k in used}})
+
+    def recent_body(self) -> bytes:
+        live = sorted(self.live().values(), key=lambda e: e.time, reverse=True)[:RECENT]
+        refs = {e.name: [self.refs[e.name][e.seq].to_obj()] for e in live}
+        info = {e.target: self.info[e.target] for e in live if e.target in self.info}
+        used = {i.get("sig") for i in info.values()}
+        return canonical_json({"refs": refs, "info": info, "sigs": {k: v for k, v in self.sigs.items() if k in used}})
 
     def chunks_body(self) -> bytes:
         assert self.chunks is not None
@@ -269,26 +285,41 @@ class StoreIndex:
         except FileNotFoundError:
             raise _Restart(path) from None
 
-    def load(self, *, chunks: bool = False) -> IndexState | None:
-        """The index as stored (snapshot + later logs), or None when it has no usable snapshot."""
+    def load(self, *, chunks: bool = False, recent: bool = False) -> IndexState | None:
+        """The index as stored (snapshot + later logs), or None when it has no usable snapshot.
+
+        ``recent``: only the refs updated most recently (:data:`RECENT`), for base choice.
+        """
         for _ in range(4):
             try:
-                return self._load(chunks)
+                return self._load(chunks, recent and not chunks)
             except _Restart:
                 continue
         return None
 
-    def _load(self, chunks: bool) -> IndexState | None:
+    def _load(self, chunks: bool, recent: bool) -> IndexState | None:
         snaps, logs, top = self._listing()
         self._max_gen = top
         if not snaps:
             return None
         gen, _, path = snaps[-1]
         try:
-            head, body = _unblob(self._get(path), SNAP_FORMAT, f"index snapshot {path}")
+            head = body = None
+            if recent:  # the header only, then the recent part it names
+                first = self.backend.read_range(path, 0, _HEAD_BYTES).partition(b"\n")[0]
+                h = decode_record(first, SNAP_FORMAT, (INDEX_VERSION,), f"index snapshot {path}", sealed_since=INDEX_VERSION)
+                if isinstance(h.get("recent"), str):
+                    rpath = f"{PREFIX}/{h['recent']}"
+                    rh, body = _unblob(self._get(rpath), RECENT_FORMAT, f"index part {rpath}")
+                    if rh.get("body") != h.get("recent_hash"):
+                        raise StoreFormatError(f"index part {rpath} is not the one {path} names")
+                    head = h
+            if head is None:
+                head, body = _unblob(self._get(path), SNAP_FORMAT, f"index snapshot {path}")
+                recent = False
             if head.get("gen") != gen or not isinstance(body, dict):
                 raise StoreFormatError(f"index snapshot {path} is not the one its name says")
-            st = IndexState(gen=gen, max_gen=top, snap_gen=gen)
+            st = IndexState(gen=gen, max_gen=top, snap_gen=gen, partial=recent)
             for n, recs in require(body, "refs", dict, path).items():
                 st.refs[n] = {r.seq: r for r in (RefRec.from_obj(o, path) for o in recs)}
             st.info = require(body, "info", dict, path)
@@ -334,7 +365,7 @@ class StoreIndex:
         each ref's newest). Not ``exact`` (base choice): the index as stored, rebuilt from
         the refs only when missing or damaged.
         """
-        st = self.load(chunks=chunks)
+        st = self.load(chunks=chunks, recent=not exact)
         if st is None:
             st = self.rebuild()
             exact, history = True, True
@@ -416,6 +447,8 @@ class StoreIndex:
     def heal(self, st: IndexState) -> None:
         """Write ``st`` as a new snapshot if it is worth it (it had to read much, or is missing
         or damaged, or many logs were read). Best effort: a failure only leaves the index stale."""
+        if st.partial:
+            return  # the recent refs only: a writer's compaction or an exact reader brings the index up to date
         if not (st.damaged or st.read >= HEAL_AFTER or st.logs_read >= self.compact_after or st.snap_gen < 0):
             return
         if not st.refs and st.snap_gen < 0:
@@ -444,12 +477,17 @@ class StoreIndex:
         cname = f"{gen:010d}-{chash[:16]}.chunks"
         self.backend.write(f"{PREFIX}/{cname}", _blob(CHUNKS_FORMAT, gen, cbody))
         self.backend.flush()
+        rbody = st.recent_body()
+        rhash = blake3.blake3(rbody).hexdigest()
+        rname = f"{gen:010d}-{rhash[:16]}.recent"
+        self.backend.write(f"{PREFIX}/{rname}", _blob(RECENT_FORMAT, gen, rbody))
+        self.backend.flush()
         body = st.snap_body()
-        blob = _blob(SNAP_FORMAT, gen, body, chunks=cname, chunks_hash=chash)
+        blob = _blob(SNAP_FORMAT, gen, body, chunks=cname, chunks_hash=chash, recent=rname, recent_hash=rhash)
         path = f"{PREFIX}/{gen:010d}-{blake3.blake3(blob).hexdigest()[:16]}.snap"
         self.backend.write(path, blob)
         self.backend.flush()
-        self._prune(gen, {path, f"{PREFIX}/{cname}"})
+        self._prune(gen, {path, f"{PREFIX}/{cname}", f"{PREFIX}/{rname}"})
         for bad in self._bad - {path}:
             self.backend.delete(bad)
         self._bad.clear()

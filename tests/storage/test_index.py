@@ -204,3 +204,28 @@ def test_many_updates_fold_into_a_snapshot(tmp_path):
     snaps = [p for p in files if p.endswith(".snap")]
     assert len(snaps) == 1 and int(Path(snaps[0]).name[:10]) >= COMPACT_AFTER
     same_with_and_without(store)
+
+
+def test_base_choice_reads_only_the_recent_refs(tmp_path, monkeypatch):
+    """A push reads the snapshot's part with the most recently updated refs, not all of them,
+    and chooses the same base as with every ref and manifest read."""
+    import ckpt.store.base as base_mod
+    import ckpt_store.storage.index as index_mod
+
+    monkeypatch.setattr(base_mod, "MAX_CANDIDATES", 3)
+    monkeypatch.setattr(index_mod, "RECENT", 5)
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    build(store, n=9)
+    for k in range(2):  # newer refs of another shape: the family's base falls out of the recent part
+        store.push({"other": torch.full((8,), float(k))}, f"misc/o{k}")
+    store.ls()
+    st = store.index.view(exact=True)
+    st.damaged = True
+    store.index.heal(st)  # a snapshot now
+    keys = [(n, "F32", 32 * 32 * 4) for n in NAMES]
+    counting = Counting(store)
+    got = choose_base(store, "fam/new", keys, None)
+    snap = [p for p in counting.reads if p.endswith(".snap")]
+    assert snap == [] and any(p.endswith(".recent") for p in counting.reads)  # the header by a ranged read only
+    assert got == choose_base(off(store), "fam/new", keys, None)
+    assert got[0] is not None and got[0] != store.resolve("fam/base")  # the base is not among the 3 newest
