@@ -306,7 +306,10 @@ class StoreIndex:
         try:
             head = body = None
             if recent:  # the header only, then the recent part it names
-                first = self.backend.read_range(path, 0, _HEAD_BYTES).partition(b"\n")[0]
+                try:
+                    first = self.backend.read_range(path, 0, _HEAD_BYTES).partition(b"\n")[0]
+                except FileNotFoundError:
+                    raise _Restart(path) from None  # a concurrent compaction replaced it
                 h = decode_record(first, SNAP_FORMAT, (INDEX_VERSION,), f"index snapshot {path}", sealed_since=INDEX_VERSION)
                 if isinstance(h.get("recent"), str):
                     rpath = f"{PREFIX}/{h['recent']}"
