@@ -11,11 +11,14 @@ need below ``index/`` (docs/format.md, "Metadata index"):
   summary of every manifest they name (for ``ls`` and base choice);
 * ``index/<gen>-<hash>.chunks`` -- the chunk ids every such manifest needs (by the same
   rule as gc, :func:`~ckpt_store.storage.gc.referenced_chunks`) and the caller's detail
-  about them (for ``du`` and ``gc``); written before the snapshot that names it.
+  about them (for ``du`` and ``gc``); written before the snapshot that names it;
+* ``index/<gen>-<hash>.recent`` -- the :data:`RECENT` most recently updated live refs of
+  the snapshot and their summaries: all base choice reads, so a push costs the same
+  however many refs there are.
 
 Reading costs one listing of ``index/``, one or two GETs and the logs since the last
-snapshot (at most about :data:`COMPACT_AFTER`); a writer that finds that many folds them
-into a new snapshot.
+snapshot (at most about :data:`COMPACT_AFTER`, :data:`COMPACT_AFTER_REMOTE` on S3); a
+writer that finds that many folds them into a new snapshot.
 
 The index is a cache, **never trusted over refs and manifests**:
 
