@@ -65,6 +65,9 @@ class Settings:
     cache: bool = True
     cache_dir: str = ""
     cache_mb: int = 20480
+    # Keep the metadata index (storage/index.py): push, ls, du and gc then read a few
+    # objects instead of every ref and manifest. Off: they read the refs and manifests.
+    index: bool = True
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:

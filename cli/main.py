@@ -227,10 +227,7 @@ def ls(as_json: JsonOpt = False) -> None:
     A ref whose entry or checkpoint is damaged is named on stderr (in --json: a row with
     "error") and the others are listed; the exit code is then 1 (`ckpt verify` says more).
     """
-    from ckpt.store.maintenance import list_refs
-
-    store = _open()
-    _emit(rows := results.ls_rows(list_refs(store)), as_json, views.ls)
+    _emit(rows := results.ls_rows(_open().ls()), as_json, views.ls)
     _exit_if_damaged({r["ref"]: r["error"] for r in rows if "error" in r}, quiet=as_json)
 
 

@@ -44,6 +44,8 @@ def commit(objects: ObjectStore, refs: Refs, manifest: bytes, name: str | None) 
     objects.backend.flush()  # the chunks' names are durable before a manifest names them
     mid = objects.put_manifest(manifest)
     objects.backend.flush()
+    if refs.index is not None:
+        refs.index.note(mid, manifest)  # the ref's index record carries its summary (storage/index.py)
     entry = refs.set(name, mid) if name is not None else None
     objects.backend.flush()
     return mid, entry

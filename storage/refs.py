@@ -15,8 +15,9 @@ import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Protocol
 
-from ckpt_store.storage.backends.base import Backend
+from ckpt_store.storage.backends.base import Backend, Entry
 from ckpt_store.storage.errors import (
     InvalidNameError,
     RefConflictError,
@@ -94,11 +95,21 @@ class RefEntry:
         )
 
 
+class RefJournal(Protocol):
+    """What refs tell the metadata index (storage/index.py)."""
+
+    def note(self, mid: str, manifest: bytes) -> None: ...
+
+    def record(self, entry: RefEntry, size: int) -> None: ...
+
+
 class Refs:
     """Read and update refs below ``refs/`` of a store."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        # The store's metadata index (storage/index.py), told of every update after it lands.
+        self.index: RefJournal | None = None
 
     @staticmethod
     def _entry_path(name: str, seq: int) -> str:
@@ -142,7 +153,10 @@ class Refs:
             seqs = self._entry_seqs(name)
             seq = (seqs[-1] if seqs else 0) + 1
             entry = RefEntry(name, seq, target, time.time(), writer, alias)
-            if self.backend.create_exclusive(self._entry_path(name, seq), entry.to_json()):
+            data = entry.to_json()
+            if self.backend.create_exclusive(self._entry_path(name, seq), data):
+                if self.index is not None:
+                    self.index.record(entry, len(data))  # after the entry: a crash leaves the index stale, never ahead
                 return entry
             time.sleep(min(0.001 * 2**attempt, 0.1))  # another writer took seq: re-read
         raise RefConflictError(f"could not update ref {name}: other writers kept updating it", hint="retry")
@@ -158,16 +172,29 @@ class Refs:
         """Mark ``name`` as removed; its history stays readable with ``ckpt log``."""
         return self._append(name, None)
 
-    def all_entries(self, prefix: str = "") -> dict[str, list[RefEntry]]:
-        """Every ref ever written (under ``prefix``, a ref name's leading segments), with its history newest first."""
-        by_name: dict[str, list[int]] = defaultdict(list)
+    def listing(self, prefix: str = "") -> dict[str, dict[int, Entry]]:
+        """Every entry file below ``refs/`` (under ``prefix``, a ref name's leading segments)
+        by ref name and seq, as listed (nothing is read)."""
+        by_name: dict[str, dict[int, Entry]] = defaultdict(dict)
         if prefix:
             validate_ref_name(prefix.rstrip("/"))
         for e in self.backend.list(f"refs/{prefix.rstrip('/')}" if prefix else "refs"):
             parts = e.path.split("/")
             m = _ENTRY.match(parts[-1])
             if m and len(parts) >= 3:
-                by_name["/".join(parts[1:-1])].append(int(m.group(1)))
+                by_name["/".join(parts[1:-1])][int(m.group(1))] = e
+        return dict(by_name)
+
+    def entry_path(self, name: str, seq: int) -> str:
+        return self._entry_path(name, seq)
+
+    def read_entry(self, name: str, seq: int) -> RefEntry:
+        """Entry ``seq`` of ``name`` (raises StoreFormatError when damaged, FileNotFoundError when absent)."""
+        return self._read(name, seq)
+
+    def all_entries(self, prefix: str = "") -> dict[str, list[RefEntry]]:
+        """Every ref ever written (under ``prefix``), with its history newest first."""
+        by_name = self.listing(prefix)
         return {n: [self._read(n, s) for s in sorted(seqs, reverse=True)] for n, seqs in sorted(by_name.items())}
 
     def scan_histories(self) -> tuple[dict[str, list[RefEntry]], dict[str, tuple[StoreFormatError, str]]]:
@@ -179,15 +206,9 @@ class Refs:
         out: whether the damaged entry was a removal cannot be known, so neither can
         what they count for.
         """
-        by_name: dict[str, list[int]] = defaultdict(list)
-        for e in self.backend.list("refs"):
-            parts = e.path.split("/")
-            m = _ENTRY.match(parts[-1])
-            if m and len(parts) >= 3:
-                by_name["/".join(parts[1:-1])].append(int(m.group(1)))
         out: dict[str, list[RefEntry]] = {}
         damaged: dict[str, tuple[StoreFormatError, str]] = {}
-        for n, seqs in sorted(by_name.items()):
+        for n, seqs in sorted(self.listing().items()):
             entries: list[RefEntry] = []
             for s in sorted(seqs, reverse=True):
                 try:

@@ -186,7 +186,7 @@ class DistributedSnapshots:
     def _tiers_done(self, step: int, writer: Any, persist_to: SnapshotRun | None) -> SaveResult:
         """Local tiers: every rank gets the manifest, the replicas their chunks; then, if asked,
         the snapshot is persisted to ``persist_to``'s store."""
-        from ckpt_store.storage.gc import referenced_chunks
+        from ckpt_store.storage.chunk_lists import referenced_chunks
 
         peers = self.peers
         assert peers is not None

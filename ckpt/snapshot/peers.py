@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.dcp.checkpoint import Writer
 from ckpt.snapshot.tiers import MISSES, LocalTier, Tiers, describe, snapshot_step
+from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import RefNotFoundError
-from ckpt_store.storage.gc import referenced_chunks
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest

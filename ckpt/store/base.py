@@ -46,19 +46,48 @@ def choose_base(store: Store, name: str | None, tensors: list[tuple[str, str, in
     # Ties (a family of fine-tunes shares every tensor name) go to a checkpoint that is
     # not itself a delta - the base the others derive from - and then to the oldest:
     # a delta against a sibling fine-tune carries both fine-tunes' changes.
-    best, best_key = None, (0, False, 0.0)
-    live = sorted(store.refs_db.live().values(), key=lambda e: e.time, reverse=True)[:MAX_CANDIDATES]
-    seen: set[str] = set()
-    for entry in live:
-        if entry.target is None or entry.target in seen:
-            continue
-        seen.add(entry.target)
-        m = store.manifest(entry.target)
-        got = overlap(tensors, m)
-        key = (got, m.lineage.get("base") is None, -m.created)
-        if got > 0 and key > best_key:
-            best, best_key = entry.target, key
-    return best, parent
+    ranked = []
+    # Overlap per signature object: from the index, a family of fine-tunes shares one.
+    # The value keeps the object alive, so that its id cannot be reused by another.
+    overlaps: dict[int, tuple[object, int]] = {}
+    for target, sig, base, created in _candidates(store):
+        if id(sig) in overlaps:
+            got = overlaps[id(sig)][1]
+        else:
+            theirs = {_key(n, d, b) for n, d, b in sig}
+            got = sum(k[2] for k in tensors if k in theirs)
+            overlaps[id(sig)] = (sig, got)
+        if got > 0:
+            ranked.append(((got, base is None, -created), target))
+    ranked.sort(key=lambda r: r[0], reverse=True)  # stable: among equal keys the first found wins, as before
+    for _, target in ranked:
+        # A stale index may name a checkpoint gc has removed since: take the next.
+        if store.index is None or store.objects.has("manifests", target):
+            return target, parent
+    return None, parent
+
+
+def _candidates(store: Store) -> Iterable[tuple[str, list[tuple[str, str, int]], str | None, float]]:
+    """(manifest id, tensor signature, lineage base, created) of the targets of the most
+    recently updated live refs, newest first: from the metadata index when the store keeps
+    one (a stale index only makes a worse choice, never a wrong checkpoint: the base is
+    read and verified, and commit checks every chunk), else from the manifests."""
+    index = store.index
+    if index is None:
+        live = sorted(store.refs_db.live().values(), key=lambda e: e.time, reverse=True)[:MAX_CANDIDATES]
+        for target in dict.fromkeys(e.target for e in live if e.target is not None):
+            m = store.manifest(target)
+            yield target, [(t.name, t.dtype, t.nbytes) for t in m.tensors], m.lineage.get("base"), m.created
+        return
+    st = index.view(exact=False)
+    live = sorted(st.live().values(), key=lambda e: e.time, reverse=True)[:MAX_CANDIDATES]
+    targets = list(dict.fromkeys(e.target for e in live if e.target is not None))
+    gone = index.ensure(st, targets, strict=False)  # a stale index may name what gc removed since
+    index.heal(st)
+    for target in targets:
+        if target not in gone:
+            info = st.info[target]
+            yield target, st.signature(target) or [], info["base"], info["created"]
 
 
 def pair_tensors(base: Manifest | None) -> dict[tuple[str, str, int], TensorEntry]:

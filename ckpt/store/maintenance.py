@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ckpt.codecs.chunk import CODEC_NAMES
 from ckpt.format.manifest import Manifest
 from ckpt.progress import Progress, reporting
+from ckpt.store.catalog import Usage, live_manifests, live_usage, usage_of_manifest
 from ckpt.transfer.pipeline import fetch_chunk, run_parallel
 from ckpt_store.storage.config import read_config
 from ckpt_store.storage.errors import CkptError
@@ -16,7 +17,6 @@ from ckpt_store.storage.gc import Doomed, execute_gc, gc_roots, plan_gc, read_ro
 
 if TYPE_CHECKING:
     from ckpt.store.store import Store
-    from ckpt_store.storage.refs import RefEntry
 
 
 @dataclass
@@ -189,48 +189,16 @@ class StoreUsage:
         return self.unique - self.stored_chunks
 
 
-@dataclass(frozen=True)
-class RefSummary:
-    """One line of ``ckpt ls``: a live ref and what its checkpoint's manifest says."""
-
-    name: str
-    id: str
-    time: float
-    logical_bytes: int
-    tensors: int
-    message: str | None
-    source: str
-
-
-@dataclass(frozen=True)
-class RefListing:
-    refs: list[RefSummary]
-    damaged: dict[str, str]  # refs whose entry or manifest cannot be read -> the error
-
-
-def _live_manifests(store: Store) -> tuple[list[tuple[str, RefEntry, Manifest]], dict[str, str]]:
-    """Every live ref with its manifest; a damaged ref entry or manifest is set aside, not raised."""
-    live, bad = store.refs_db.scan()
-    damaged = {n: str(err) for n, (err, _) in bad.items()}
-    out = []
-    for name, entry in live.items():
-        assert entry.target is not None
+def _usages(store: Store) -> tuple[list[tuple[str, str, Usage]], dict[str, str]]:
+    """(ref, checkpoint id, usage) of every readable live ref, and the damaged ones with their error:
+    from the metadata index when it is whole, else read ref by ref."""
+    if store.index is not None:
         try:
-            out.append((name, entry, store.manifest(entry.target)))
-        except CkptError as e:  # one damaged checkpoint must not hide every other ref
-            damaged[name] = str(e)
-    return out, dict(sorted(damaged.items()))
-
-
-def list_refs(store: Store) -> RefListing:
-    """Every live ref, by name, with its checkpoint's size and message.
-
-    A ref whose entry or manifest cannot be read is listed in ``damaged`` with its
-    error instead of stopping the listing (``ckpt verify`` says more).
-    """
-    rows, damaged = _live_manifests(store)
-    return RefListing([RefSummary(n, e.target or "", e.time, m.logical_bytes, len(m.tensors), m.message, m.source)
-                       for n, e, m in rows], damaged)
+            return live_usage(store), {}
+        except CkptError:
+            pass  # a damaged ref or manifest: read them one by one, setting the damaged ones aside
+    rows, damaged = live_manifests(store)
+    return [(name, entry.target or "", usage_of_manifest(m)) for name, entry, m in rows], damaged
 
 
 def du(store: Store) -> StoreUsage:
@@ -244,28 +212,27 @@ def du(store: Store) -> StoreUsage:
     per_ref = []
     all_chunks: dict[str, int] = {}
     users: dict[str, int] = defaultdict(int)
-    rows, damaged = _live_manifests(store)
-    for name, entry, m in rows:
-        lengths = m.chunk_lengths()
+    usages, damaged = _usages(store)
+    for name, mid, u in usages:
+        lengths = u.lengths
         all_chunks.update(lengths)
         for c in lengths:
             users[c] += 1
-        per_ref.append((name, entry.target, m, lengths))
+        per_ref.append((name, mid, u, lengths))
     refs = [
         RefUsage(
-            name, mid, m.logical_bytes, sum(lengths.values()),
+            name, mid, u.logical, sum(lengths.values()),
             sum(chunk_sizes.get(c, 0) for c in lengths),
             sum(chunk_sizes.get(c, 0) for c in lengths if users[c] == 1),
         )
-        for name, mid, m, lengths in per_ref
+        for name, mid, u, lengths in per_ref
     ]
     logical = sum(r.logical for r in refs)
     stored_chunks = sum(chunk_sizes.get(c, 0) for c in all_chunks)
     codec_of: dict[str, str] = {}
-    for _, _, m, _ in per_ref:
-        for t in m.tensors:
-            for cid, codec in zip(t.chunks, t.codecs):
-                codec_of[cid] = CODEC_NAMES.get(codec, "?")
+    for _, _, u, _ in per_ref:
+        for cid, codec in u.codecs:
+            codec_of[cid] = CODEC_NAMES.get(codec, "?")
     by_codec: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for cid, n in all_chunks.items():
         acc = by_codec[codec_of.get(cid, "file data")]
@@ -296,7 +263,8 @@ class GcReport:
 
 
 def gc(store: Store, *, grace_s: float, dry_run: bool = False, keep_history: bool = True) -> GcReport:
-    plan = plan_gc(store.objects, store.refs_db, grace_s=grace_s, keep_history=keep_history, recover=not dry_run)
+    plan = plan_gc(store.objects, store.refs_db, grace_s=grace_s, keep_history=keep_history, recover=not dry_run,
+                   index=store.index)
     deleted = plan.delete if dry_run else list(execute_gc(store.objects, plan))
     return GcReport(dry_run, deleted, len(plan.delete), sum(d.size for d in deleted), plan.young, plan.live_manifests,
                     plan.live_chunks, plan.recovered)

@@ -27,6 +27,7 @@ from ckpt_store.storage.retry import RetryPolicy
 if TYPE_CHECKING:
     import torch
 
+    from ckpt.store.catalog import RefListing
     from ckpt.store.maintenance import GcReport, RepairReport, StoreUsage, VerifyReport
     from ckpt.store.push import PushResult
     from ckpt.store.reader import CheckpointReader
@@ -78,6 +79,10 @@ class Store:
         self.settings = settings
         self.objects = ObjectStore(backend, open_cache(backend, config, settings))
         self.refs_db = Refs(backend)
+        from ckpt.store.catalog import open_index
+
+        self.index = open_index(self)
+        self.refs_db.index = self.index
 
     # -- opening -------------------------------------------------------------
     @classmethod
@@ -190,7 +195,26 @@ class Store:
 
     def refs(self) -> dict[str, RefEntry]:
         """Every live ref and its current entry, by name."""
-        return self.refs_db.live()
+        from ckpt.store.catalog import live_refs
+
+        return live_refs(self)
+
+    def ls(self) -> RefListing:
+        """Every live ref with a summary of its checkpoint (size, tensors, message), by name,
+        and the refs that cannot be read (``damaged``, with the error) instead of raising.
+
+        Reads the store's metadata index, checked against the listing of refs, instead of
+        every manifest (storage/index.py).
+
+        >>> import torch, ckpt
+        >>> store = ckpt.Store.init("memory://doctest-ls")
+        >>> _ = store.push({"w": torch.zeros(4)}, "demo/a", message="first")
+        >>> [(r.name, r.logical_bytes, r.tensors, r.message) for r in store.ls().refs]
+        [('demo/a', 80, 1, 'first')]
+        """
+        from ckpt.store.catalog import list_refs
+
+        return list_refs(self)
 
     def log(self, name: str) -> list[RefEntry]:
         """History of ``name``, newest first (removals included, with ``target`` None)."""

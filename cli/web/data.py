@@ -21,7 +21,6 @@ import ckpt
 from ckpt.codecs.chunk import CODEC_NAMES
 from ckpt.errors import CkptError, RefNotFoundError
 from ckpt.format.manifest import Manifest
-from ckpt.store.maintenance import list_refs
 from ckpt_store.cli import results
 
 STEP_REF = re.compile(r"^(?P<run>.+)/step-(?P<step>\d+)$")
@@ -121,7 +120,7 @@ class StoreView:
         return {r["ref"]: r["error"] for r in self._listing() if "error" in r}
 
     def _listing(self) -> list[dict[str, Any]]:
-        return self.fresh("ls", lambda: results.ls_rows(list_refs(self.store)))
+        return self.fresh("ls", lambda: results.ls_rows(self.store.ls()))
 
     def overview_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """ls rows with what the overview adds: stored bytes, codec mix, version number."""

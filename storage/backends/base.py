@@ -46,6 +46,9 @@ class Backend(ABC):
     # True where touch() refreshes an object's modification time (and reports presence
     # in the same call); object stores cannot, and callers there ask presence in batches.
     touches: bool = False
+    # True where create_exclusive() can have only one winner among all writers (the
+    # metadata index relies on it: storage/index.py).
+    exact_creates: bool = False
 
     @classmethod
     def from_url(cls, url: str, *, storage_options: dict[str, Any] | None, fsync: bool,
@@ -104,6 +107,11 @@ class Backend(ABC):
     @abstractmethod
     def create_exclusive(self, path: str, data: bytes) -> bool:
         """Atomically create ``path`` only if absent. Returns False if it existed."""
+
+    def create_exclusive_cache(self, path: str, data: bytes) -> bool:
+        """:meth:`create_exclusive` for a record that is a cache (its reader detects damage
+        and falls back): it need not be durable on return (locally: no fsync)."""
+        return self.create_exclusive(path, data)
 
     @abstractmethod
     def exists(self, path: str) -> bool: ...

@@ -32,6 +32,9 @@ class FsspecBackend(Backend):
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url
+        # Check-then-write under a lock is exact only with one writing process: memory://.
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        self.exact_creates = "memory" in protocols
 
     @classmethod
     def from_url(cls, url: str, *, storage_options: dict[str, Any] | None, fsync: bool,

@@ -24,6 +24,7 @@ class LocalBackend(Backend):
     """A store in a local directory. ``fsync`` makes every write durable before it is visible."""
 
     touches = True
+    exact_creates = True  # link() of a written temp file
     prefetches = hasattr(os, "posix_fadvise")
 
     def __init__(self, root: str, *, fsync: bool = True) -> None:
@@ -55,7 +56,7 @@ class LocalBackend(Backend):
         with self._lock:
             self._made_dirs.add(d)
 
-    def _write_temp(self, final: str, data: Data) -> str:
+    def _write_temp(self, final: str, data: Data, sync: bool = True) -> str:
         d = os.path.dirname(final)
         self._ensure_dir(d)
         tmp = os.path.join(d, f".tmp-{uuid.uuid4().hex}")
@@ -66,7 +67,7 @@ class LocalBackend(Backend):
                 while view:
                     n = os.write(fd, view)
                     view = view[n:]
-            if self.fsync:
+            if self.fsync and sync:
                 os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -162,9 +163,16 @@ class LocalBackend(Backend):
                 os.close(fd)
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
+        return self._create(path, data, sync=True)
+
+    def create_exclusive_cache(self, path: str, data: bytes) -> bool:
+        # Not fsynced: a crash may leave it empty or partial, which its reader detects (a cache).
+        return self._create(path, data, sync=False)
+
+    def _create(self, path: str, data: bytes, sync: bool) -> bool:
         final = self._p(path)
         try:
-            tmp = self._write_temp(final, data)
+            tmp = self._write_temp(final, data, sync)
         except OSError as e:
             raise io_error("write", path, e) from e
         try:
@@ -189,6 +197,7 @@ class LocalBackend(Backend):
 
     def list(self, prefix: str) -> Iterator[Entry]:
         base = self._p(prefix) if prefix else self.root
+        cut = len(os.path.join(self.root, ""))  # every path found starts with it: slicing beats relpath
         stack = [base]
         while stack:
             d = stack.pop()
@@ -205,7 +214,7 @@ class LocalBackend(Backend):
                         st = e.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue  # deleted while we listed
-                    rel = os.path.relpath(e.path, self.root).replace(os.sep, "/")
+                    rel = e.path[cut:] if os.sep == "/" else e.path[cut:].replace(os.sep, "/")
                     yield Entry(rel, st.st_size, st.st_mtime)
 
     def delete(self, path: str) -> None:

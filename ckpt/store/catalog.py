@@ -1,0 +1,152 @@
+"""What ``ls``, ``du`` and base choice need to know of a checkpoint, kept in the store's
+metadata index (storage/index.py) so that they need not read every manifest.
+
+:func:`summarize` is the one place that turns a manifest into that summary; the commands
+use the same summary whether it came from the index or from the manifest just read, so
+their results are the same with and without the index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckpt.errors import CkptError
+from ckpt.format.manifest import Manifest
+from ckpt_store.storage.index import IndexState, StoreIndex, creates_are_exclusive
+from ckpt_store.storage.refs import RefEntry
+
+if TYPE_CHECKING:
+    from ckpt.store.store import Store
+
+
+def summarize(manifest: bytes, chunks: list[str]) -> tuple[dict[str, Any], Any, Any]:
+    """(info, tensor signature, detail) of a manifest whose chunk ids (gc's rule, sorted) are ``chunks``.
+
+    info: what ``ls`` shows and base choice ranks by; signature: (name, dtype, nbytes) of
+    every tensor; detail: per chunk its decoded length, and the codec each tensor chunk
+    was stored with, in tensor order (what ``du`` adds up).
+    """
+    m = Manifest.from_json(manifest, "manifest")
+    return _info(m), _signature(m), _detail(m, chunks)
+
+
+def _info(m: Manifest) -> dict[str, Any]:
+    return {"bytes": m.logical_bytes, "tensors": len(m.tensors), "message": m.message, "source": m.source,
+            "created": m.created, "base": m.lineage.get("base")}
+
+
+def _signature(m: Manifest) -> list[list[Any]]:
+    return [[t.name, t.dtype, t.nbytes] for t in m.tensors]
+
+
+def _detail(m: Manifest, chunks: list[str]) -> dict[str, Any]:
+    lengths = m.chunk_lengths()
+    pos = {c: i for i, c in enumerate(chunks)}
+    return {"lengths": [lengths.get(c, 0) for c in chunks],
+            "codecs": [[pos[cid], codec] for t in m.tensors for cid, codec in zip(t.chunks, t.codecs) if cid in pos]}
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What ``du`` needs of one checkpoint."""
+
+    logical: int
+    lengths: dict[str, int]  # chunk id -> decoded length (delta bases included)
+    codecs: list[tuple[str, int]]  # (chunk id, codec) of every tensor chunk, in tensor order
+
+
+def usage_of_manifest(m: Manifest) -> Usage:
+    return Usage(m.logical_bytes, m.chunk_lengths(),
+                 [(cid, codec) for t in m.tensors for cid, codec in zip(t.chunks, t.codecs)])
+
+
+def usage_from_index(st: IndexState, mid: str) -> Usage:
+    assert st.chunks is not None
+    chunks, detail = st.chunks[mid]
+    return Usage(st.info[mid]["bytes"], dict(zip(chunks, detail["lengths"], strict=True)),
+                 [(chunks[i], codec) for i, codec in detail["codecs"]])
+
+
+def open_index(store: Store) -> StoreIndex | None:
+    """The store's metadata index, or None where it is off (``CKPT_INDEX=0``) or unsafe."""
+    if not store.settings.index or not creates_are_exclusive(store.backend):
+        return None
+    return StoreIndex(store.objects, store.refs_db, summarize)
+
+
+def live_refs(store: Store) -> dict[str, RefEntry]:
+    """Every live ref and its current entry (the index checked against the listing of ``refs/``)."""
+    if store.index is None:
+        return store.refs_db.live()
+    st = store.index.view(exact=True)
+    store.index.heal(st)
+    return st.live()
+
+
+def live_usage(store: Store) -> list[tuple[str, str, Usage]]:
+    """(ref, checkpoint id, usage) of every live ref, by name: what ``du`` adds up."""
+    if store.index is None:
+        return [(n, e.target, usage_of_manifest(store.manifest(e.target)))
+                for n, e in store.refs_db.live().items() if e.target is not None]
+    st = store.index.view(exact=True, chunks=True)
+    live = st.live()
+    store.index.ensure(st, [e.target for e in live.values() if e.target is not None], chunks=True)
+    store.index.heal(st)
+    return [(n, e.target, usage_from_index(st, e.target)) for n, e in live.items() if e.target is not None]
+
+
+@dataclass(frozen=True)
+class RefSummary:
+    """One line of ``ckpt ls``: a live ref and what its checkpoint's manifest says."""
+
+    name: str
+    id: str
+    time: float
+    logical_bytes: int
+    tensors: int
+    message: str | None
+    source: str
+
+
+@dataclass(frozen=True)
+class RefListing:
+    refs: list[RefSummary]
+    damaged: dict[str, str]  # refs whose entry or manifest cannot be read -> the error
+
+
+def live_manifests(store: Store) -> tuple[list[tuple[str, RefEntry, Manifest]], dict[str, str]]:
+    """Every live ref with its manifest; a damaged ref entry or manifest is set aside, not raised."""
+    live, bad = store.refs_db.scan()
+    damaged = {n: str(err) for n, (err, _) in bad.items()}
+    out = []
+    for name, entry in live.items():
+        assert entry.target is not None
+        try:
+            out.append((name, entry, store.manifest(entry.target)))
+        except CkptError as e:  # one damaged checkpoint must not hide every other ref
+            damaged[name] = str(e)
+    return out, dict(sorted(damaged.items()))
+
+
+def list_refs(store: Store) -> RefListing:
+    """Every live ref, by name, with its checkpoint's size and message: from the metadata
+    index (checked against the listing of refs) when it is whole, else from the manifests.
+
+    A ref whose entry or manifest cannot be read is listed in ``damaged`` with its
+    error instead of stopping the listing (``ckpt verify`` says more).
+    """
+    if store.index is not None:
+        try:
+            st = store.index.view(exact=True)
+            live = st.live()
+            store.index.ensure(st, [e.target for e in live.values() if e.target is not None])
+            store.index.heal(st)
+            return RefListing([RefSummary(n, e.target or "", e.time, st.info[e.target]["bytes"], st.info[e.target]["tensors"],
+                                          st.info[e.target]["message"], st.info[e.target]["source"])
+                               for n, e in sorted(live.items())], {})
+        except CkptError:
+            pass  # a damaged ref or manifest: read them one by one, setting the damaged ones aside
+    rows, damaged = live_manifests(store)
+    return RefListing([RefSummary(n, e.target or "", e.time, m.logical_bytes, len(m.tensors), m.message, m.source)
+                       for n, e, m in rows], damaged)

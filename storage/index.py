@@ -1,0 +1,558 @@
+"""The metadata index: refs and per-checkpoint summaries in a few objects.
+
+Without it, choosing a base, ``ls``, ``du`` and ``gc`` read one ref entry and one
+manifest per ref: thousands of requests in a large S3 store. The index keeps what they
+need below ``index/`` (docs/format.md, "Metadata index"):
+
+* ``index/<gen>.log`` -- one ref update, written (exclusive create) right after its ref
+  entry, with a summary of the manifest it names when the writer has it;
+* ``index/<gen>-<hash>.snap`` -- everything known up to log ``gen``: every ref entry
+  (seq, target, time, writer, alias, and the entry file's size and mtime), and a small
+  summary of every manifest they name (for ``ls`` and base choice);
+* ``index/<gen>-<hash>.chunks`` -- the chunk ids every such manifest needs (by the same
+  rule as gc, :func:`~ckpt_store.storage.gc.referenced_chunks`) and the caller's detail
+  about them (for ``du`` and ``gc``); written before the snapshot that names it;
+* ``index/<gen>-<hash>.recent`` -- the :data:`RECENT` most recently updated live refs of
+  the snapshot and their summaries: all base choice reads, so a push costs the same
+  however many refs there are.
+
+Reading costs one listing of ``index/``, one or two GETs and the logs since the last
+snapshot (at most about :data:`COMPACT_AFTER`, :data:`COMPACT_AFTER_REMOTE` on S3); a
+writer that finds that many folds them into a new snapshot.
+
+The index is a cache, **never trusted over refs and manifests**:
+
+* A reader that must be exact (``ls``, ``du``, ``gc``) lists ``refs/`` (one request per
+  1000 entries on S3) and uses an index record only for an entry file the listing shows
+  with the recorded size and time; any other entry is read, and entries the listing does
+  not show are dropped. Ref entries are never modified (exclusive create), so a record
+  that matches the listing holds what the file holds. A manifest is immutable and named
+  by its hash, so a summary of it never goes stale. Anything the index lacks is read from
+  the manifests; a reader that had to read much writes a new snapshot (self-healing).
+* Base choice may use the index without that listing: a stale index can only make a
+  worse base choice, never a wrong checkpoint, because the base manifest is read and
+  verified, and ``commit`` checks every chunk the new manifest names.
+* Damage is detected: every record is sealed (storage/records.py) and each snapshot
+  names the BLAKE3 hash of its body; a damaged or missing snapshot means a rebuild from
+  the refs and manifests, a damaged log is skipped (its update is found by the listing).
+* Stores whose exclusive creates are not exact (S3 without conditional writes) get no
+  index: there a ref entry can be replaced, and only reading it tells which write won.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import blake3
+
+from ckpt_store.storage.backends.base import Backend, Entry
+from ckpt_store.storage.chunk_lists import referenced_chunks
+from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError, StoreFormatError
+from ckpt_store.storage.objects import ObjectStore
+from ckpt_store.storage.records import canonical_json, decode_record, require, sealed_json
+from ckpt_store.storage.refs import RefEntry, Refs
+
+log = logging.getLogger(__name__)
+
+SNAP_FORMAT = "ckpt-index"
+LOG_FORMAT = "ckpt-index-log"
+CHUNKS_FORMAT = "ckpt-index-chunks"
+INDEX_VERSION = 1
+PREFIX = "index"
+# A writer that finds this many logs after the newest snapshot writes a new snapshot.
+# Locally a log costs a reader a small file read and a snapshot a rewrite of the whole
+# index; on S3 each log is a GET, which costs about what a LIST does: fold them sooner.
+COMPACT_AFTER = 32
+COMPACT_AFTER_REMOTE = 8
+# Logs are deleted only this many generations behind the newest snapshot, so that a
+# writer whose listing was old still collides with an existing log name instead of
+# re-creating a deleted one below the snapshot (where readers would not look).
+PRUNE_LAG = 64
+# An exact reader writes a new snapshot when it had to read at least this many entries
+# or manifests the index lacked.
+HEAL_AFTER = 8
+
+# The part of a snapshot base choice reads: the live refs updated most recently (base
+# choice ranks at most 200 of them, ckpt/store/base.py), so that a push reads a bounded
+# amount however many refs the store holds. More than 200, so that removals logged since
+# the snapshot cannot push one of the 200 newest out of it.
+RECENT = 256
+RECENT_FORMAT = "ckpt-index-recent"
+_HEAD_BYTES = 4096  # a snapshot's header line fits in this
+
+_LOG = re.compile(r"^(\d{10})\.log$")
+_SNAP = re.compile(r"^(\d{10})-([0-9a-f]{16})\.snap$")
+_CHUNKS = re.compile(r"^(\d{10})-([0-9a-f]{16})\.(?:chunks|recent)$")
+
+# What the layer above knows about a manifest: (small info for ls and base choice,
+# tensor signature or None, detail aligned with the chunk list). JSON values only.
+Summarizer = Callable[[bytes, list[str]], tuple[dict[str, Any], Any, Any]]
+
+
+def creates_are_exclusive(backend: Backend) -> bool:
+    """True where an exclusive create can have only one winner (the index relies on it)."""
+    cw = getattr(backend, "conditional_writes", None)
+    if cw is not None:
+        return bool(cw)
+    return bool(getattr(backend, "exact_creates", False))
+
+
+@dataclass(frozen=True)
+class RefRec:
+    """The index's copy of one ref entry, with the size and mtime its file was listed with."""
+
+    seq: int
+    target: str | None
+    time: float
+    writer: str
+    alias: bool
+    size: int
+    mtime: float | None  # as listed; None when recorded by the writer (then ``time`` is compared)
+
+    def entry(self, name: str) -> RefEntry:
+        return RefEntry(name, self.seq, self.target, self.time, self.writer, self.alias)
+
+    def matches(self, listed: Entry) -> bool:
+        """Whether ``listed`` is the file this record was made from (else it is read again)."""
+        if listed.size != self.size:
+            return False
+        if self.mtime is not None:
+            # Local stores list nanosecond times; S3 lists whole (or milli-) seconds, and
+            # its HEAD (what a writer records) whole seconds.
+            fine = listed.mtime % 1 and self.mtime % 1
+            return abs(listed.mtime - self.mtime) < (1e-3 if fine else 1.0)
+        # Recorded without the file's time: the server's time is a moment after the entry's own.
+        return -1.5 <= listed.mtime - self.time <= 5.0
+
+    def to_obj(self) -> list[Any]:
+        return [self.seq, self.target, self.time, self.writer, self.alias, self.size, self.mtime]
+
+    @classmethod
+    def from_obj(cls, o: Any, what: str) -> RefRec:
+        if not isinstance(o, list) or len(o) != 7:
+            raise StoreFormatError(f"{what}: bad ref record")
+        seq, target, t, writer, alias, size, mtime = o
+        if not (isinstance(seq, int) and isinstance(writer, str) and isinstance(size, int) and isinstance(alias, bool)
+                and isinstance(t, (int, float)) and (target is None or isinstance(target, str))
+                and (mtime is None or isinstance(mtime, (int, float)))):
+            raise StoreFormatError(f"{what}: bad ref record")
+        return cls(seq, target, float(t), writer, alias, size, None if mtime is None else float(mtime))
+
+    @classmethod
+    def of(cls, entry: RefEntry, size: int, mtime: float | None) -> RefRec:
+        return cls(entry.seq, entry.target, entry.time, entry.writer, entry.alias, size, mtime)
+
+
+@dataclass
+class IndexState:
+    """What the index says: ref records by name and seq, manifest summaries, chunk lists."""
+
+    gen: int = 0  # everything up to this log generation is included
+    refs: dict[str, dict[int, RefRec]] = field(default_factory=dict)
+    info: dict[str, dict[str, Any]] = field(default_factory=dict)  # manifest id -> summary
+    sigs: dict[str, Any] = field(default_factory=dict)  # signature key -> signature
+    chunks: dict[str, list[Any]] | None = None  # manifest id -> [chunk ids, detail]; None: not loaded
+    max_gen: int = 0  # highest generation seen in the listing of index/
+    snap_gen: int = -1  # generation of the snapshot read (-1: none)
+    logs_read: int = 0
+    damaged: bool = False  # a record was unreadable: a fresh snapshot is due
+    read: int = 0  # entries and manifests read because the index lacked them
+    partial: bool = False  # only the recently updated refs (a base choice view): never written back
+
+    # -- changes ---------------------------------------------------------------
+    def add_manifest(self, mid: str, info: dict[str, Any], sig: Any, chunks: list[str], detail: Any) -> None:
+        info = dict(info)
+        if sig is not None:
+            key = blake3.blake3(canonical_json(sig)).hexdigest()[:16]
+            self.sigs.setdefault(key, sig)
+            info["sig"] = key
+        self.info[mid] = info
+        if self.chunks is not None:
+            self.chunks[mid] = [chunks, detail]
+
+    def apply_log(self, obj: dict[str, Any], what: str) -> None:
+        ref = obj.get("ref")
+        if not isinstance(ref, dict):
+            raise StoreFormatError(f"{what}: no ref")
+        name = require(ref, "name", str, what)
+        rec = RefRec.from_obj(require(ref, "rec", list, what), what)
+        self.refs.setdefault(name, {})[rec.seq] = rec
+        m = obj.get("manifest")
+        if isinstance(m, dict):
+            mid = require(m, "id", str, what)
+            chunks = require(m, "chunks", list, what)
+            self.add_manifest(mid, require(m, "info", dict, what), m.get("sig"), chunks, m.get("detail"))
+
+    # -- queries ---------------------------------------------------------------
+    def entries(self) -> dict[str, list[RefEntry]]:
+        """Every ref with its entries newest first, in name order (like :meth:`Refs.all_entries`)."""
+        return {n: [recs[s].entry(n) for s in sorted(recs, reverse=True)] for n, recs in sorted(self.refs.items()) if recs}
+
+    def live(self) -> dict[str, RefEntry]:
+        """Current entry of every ref that exists (like :meth:`Refs.live`)."""
+        out = {}
+        for n, recs in sorted(self.refs.items()):
+            if recs:
+                rec = recs[max(recs)]
+                if rec.target is not None:
+                    out[n] = rec.entry(n)
+        return out
+
+    def signature(self, mid: str) -> Any:
+        key = self.info.get(mid, {}).get("sig")
+        return self.sigs.get(key) if key is not None else None
+
+    # -- encoding --------------------------------------------------------------
+    def snap_body(self) -> bytes:
+        refs = {n: [r.to_obj() for _, r in sorted(recs.items())] for n, recs in self.refs.items() if recs}
+        used = {i.get("sig") for i in self.info.values()}
+        return canonical_json({"refs": refs, "info": self.info, "sigs": {k: v for k, v in self.sigs.items() if k in used}})
+
+    def recent_body(self) -> bytes:
+        live = sorted(self.live().values(), key=lambda e: e.time, reverse=True)[:RECENT]
+        refs = {e.name: [self.refs[e.name][e.seq].to_obj()] for e in live}
+        info = {e.target: self.info[e.target] for e in live if e.target in self.info}
+        used = {i.get("sig") for i in info.values()}
+        return canonical_json({"refs": refs, "info": info, "sigs": {k: v for k, v in self.sigs.items() if k in used}})
+
+    def chunks_body(self) -> bytes:
+        assert self.chunks is not None
+        return canonical_json({m: v for m, v in self.chunks.items() if m in self.info})
+
+
+def _blob(fmt: str, gen: int, body: bytes, **extra: Any) -> bytes:
+    """A sealed header line naming the body's hash, then the body: the hash is checked on read
+    without re-encoding the body (``check`` of a sealed record would need that)."""
+    head = sealed_json({"format": fmt, "version": INDEX_VERSION, "gen": gen, "body": blake3.blake3(body).hexdigest(),
+                        "length": len(body), **extra})
+    return head + b"\n" + body
+
+
+def _unblob(data: bytes, fmt: str, what: str) -> tuple[dict[str, Any], Any]:
+    head, sep, body = data.partition(b"\n")
+    if not sep:
+        raise StoreFormatError(f"{what} has no header line")
+    h = decode_record(head, fmt, (INDEX_VERSION,), what, sealed_since=INDEX_VERSION)
+    if h.get("length") != len(body) or h.get("body") != blake3.blake3(body).hexdigest():
+        raise StoreFormatError(f"{what} is damaged: its body does not match its hash")
+    try:
+        return h, json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise StoreFormatError(f"{what} is not valid JSON: {e}") from None
+
+
+class _Restart(Exception):
+    """An index object vanished while it was read (a concurrent compaction): read again."""
+
+
+class StoreIndex:
+    """The index of one store. ``summarize`` (from the layer that knows manifests) turns a
+    manifest into what ``ls``, ``du`` and base choice need; see the module docstring."""
+
+    def __init__(self, objects: ObjectStore, refs: Refs, summarize: Summarizer | None = None) -> None:
+        self.objects = objects
+        self.backend = objects.backend
+        self.refs = refs
+        self.summarize = summarize
+        self._noted: OrderedDict[str, bytes] = OrderedDict()  # manifests about to be referenced
+        self._lock = threading.Lock()
+        self._max_gen: int | None = None  # newest generation this process knows of
+        self._bad: set[str] = set()  # damaged snapshots seen: deleted by the next snapshot
+        self.compact_after = COMPACT_AFTER if self.backend.concurrency <= 1 else COMPACT_AFTER_REMOTE
+
+    # -- reading -----------------------------------------------------------------
+    def _listing(self) -> tuple[list[tuple[int, float, str]], dict[int, str], int]:
+        snaps, logs, top = [], {}, 0
+        for e in self.backend.list(PREFIX):
+            name = e.path[len(PREFIX) + 1:]
+            if m := _LOG.match(name):
+                logs[int(m.group(1))] = e.path
+                top = max(top, int(m.group(1)))
+            elif m := _SNAP.match(name):
+                snaps.append((int(m.group(1)), e.mtime, e.path))
+                top = max(top, int(m.group(1)))
+        snaps.sort()
+        return snaps, logs, top
+
+    def _get(self, path: str) -> bytes:
+        try:
+            return self.backend.read(path)
+        except FileNotFoundError:
+            raise _Restart(path) from None
+
+    def load(self, *, chunks: bool = False, recent: bool = False) -> IndexState | None:
+        """The index as stored (snapshot + later logs), or None when it has no usable snapshot.
+
+        ``recent``: only the refs updated most recently (:data:`RECENT`), for base choice.
+        """
+        for _ in range(4):
+            try:
+                return self._load(chunks, recent and not chunks)
+            except _Restart:
+                continue
+        return None
+
+    def _load(self, chunks: bool, recent: bool) -> IndexState | None:
+        snaps, logs, top = self._listing()
+        self._max_gen = top
+        if not snaps:
+            return None
+        gen, _, path = snaps[-1]
+        try:
+            head = body = None
+            if recent:  # the header only, then the recent part it names
+                try:
+                    first = self.backend.read_range(path, 0, _HEAD_BYTES).partition(b"\n")[0]
+                except FileNotFoundError:
+                    raise _Restart(path) from None  # a concurrent compaction replaced it
+                h = decode_record(first, SNAP_FORMAT, (INDEX_VERSION,), f"index snapshot {path}", sealed_since=INDEX_VERSION)
+                if isinstance(h.get("recent"), str):
+                    rpath = f"{PREFIX}/{h['recent']}"
+                    rh, body = _unblob(self._get(rpath), RECENT_FORMAT, f"index part {rpath}")
+                    if rh.get("body") != h.get("recent_hash"):
+                        raise StoreFormatError(f"index part {rpath} is not the one {path} names")
+                    head = h
+            if head is None:
+                head, body = _unblob(self._get(path), SNAP_FORMAT, f"index snapshot {path}")
+                recent = False
+            if head.get("gen") != gen or not isinstance(body, dict):
+                raise StoreFormatError(f"index snapshot {path} is not the one its name says")
+            st = IndexState(gen=gen, max_gen=top, snap_gen=gen, partial=recent)
+            for n, recs in require(body, "refs", dict, path).items():
+                st.refs[n] = {r.seq: r for r in (RefRec.from_obj(o, path) for o in recs)}
+            st.info = require(body, "info", dict, path)
+            st.sigs = require(body, "sigs", dict, path)
+            if chunks:
+                cpath = f"{PREFIX}/{require(head, 'chunks', str, path)}"
+                ch, cbody = _unblob(self._get(cpath), CHUNKS_FORMAT, f"index chunk lists {cpath}")
+                if ch.get("body") != head.get("chunks_hash") or not isinstance(cbody, dict):
+                    raise StoreFormatError(f"index chunk lists {cpath} are not the ones {path} names")
+                st.chunks = cbody
+        except StoreFormatError as e:
+            log.warning("ignoring the metadata index: %s", e)
+            self._bad.add(path)
+            return None
+        newer = sorted(g for g in logs if g > gen)
+        for g, data in zip(newer, self._read_many([logs[g] for g in newer]), strict=True):
+            what = f"index log {logs[g]}"
+            try:
+                obj = decode_record(data, LOG_FORMAT, (INDEX_VERSION,), what, sealed_since=INDEX_VERSION)
+                st.apply_log(obj, what)
+            except StoreFormatError as e:
+                log.warning("skipping a damaged index record: %s", e)
+                st.damaged = True
+            st.gen = g
+        st.logs_read = len(newer)
+        return st
+
+    def _read_many(self, paths: list[str]) -> list[bytes]:
+        if len(paths) <= 1 or self.backend.concurrency <= 1:
+            return [self._get(p) for p in paths]
+        with ThreadPoolExecutor(min(self.backend.concurrency, len(paths)), thread_name_prefix="ckpt-index") as pool:
+            return list(pool.map(self._get, paths))
+
+    def rebuild(self) -> IndexState:
+        """An empty state, to be filled from the refs (:meth:`view`) and manifests (:meth:`ensure`)."""
+        return IndexState(chunks={}, damaged=True, max_gen=self._max_gen or 0)
+
+    def view(self, *, exact: bool, history: bool = False, chunks: bool = False) -> IndexState:
+        """The index, brought up to date with ``refs/`` when ``exact``.
+
+        ``exact``: every ref entry listed under ``refs/`` is represented, from the index
+        where the file is the one recorded, else read (``history``: every entry, else only
+        each ref's newest). Not ``exact`` (base choice): the index as stored, rebuilt from
+        the refs only when missing or damaged.
+        """
+        st = self.load(chunks=chunks, recent=not exact)
+        if st is None:
+            st = self.rebuild()
+            exact, history = True, True
+        elif chunks and st.chunks is None:
+            st.chunks = {}
+        if exact:
+            self._reconcile(st, history)
+        return st
+
+    def _reconcile(self, st: IndexState, history: bool) -> None:
+        listing = self.refs.listing()
+        refs: dict[str, dict[int, RefRec]] = {}
+        for name, files in listing.items():
+            have = st.refs.get(name, {})
+            newest = max(files)
+            out: dict[int, RefRec] = {}
+            for seq, listed in files.items():
+                rec = have.get(seq)
+                if rec is not None and rec.mtime is None and rec.matches(listed):
+                    rec = RefRec(rec.seq, rec.target, rec.time, rec.writer, rec.alias, rec.size, listed.mtime)
+                if rec is None or not rec.matches(listed):
+                    if not history and seq != newest:
+                        continue  # older entries are read when someone needs them (gc)
+                    rec = RefRec.of(self.refs.read_entry(name, seq), listed.size, listed.mtime)
+                    st.read += 1
+                out[seq] = rec
+            refs[name] = out
+        st.refs = refs
+
+    def ensure(self, st: IndexState, mids: Iterable[str], *, chunks: bool = False, strict: bool = True) -> set[str]:
+        """Fill in the summaries (and chunk lists) of ``mids`` the index lacks, from the manifests.
+
+        ``strict``: raises what reading a manifest raises (absent, damaged), as the
+        commands do without the index; else such manifests are left out and returned.
+        """
+        if st.chunks is None and chunks:
+            st.chunks = {}
+        todo = [m for m in dict.fromkeys(mids) if m not in st.info or (chunks and m not in st.chunks)]  # type: ignore[operator]
+        failed: set[str] = set()
+
+        def read(mid: str) -> bytes | None:
+            try:
+                return self.objects.get_manifest(mid)
+            except (ObjectNotFoundError, StoreFormatError, CorruptObjectError):
+                if strict:
+                    raise
+                failed.add(mid)
+                return None
+
+        if len(todo) <= 1 or self.backend.concurrency <= 1:
+            blobs = [read(m) for m in todo]
+        else:
+            with ThreadPoolExecutor(min(self.backend.concurrency, len(todo)), thread_name_prefix="ckpt-index") as pool:
+                blobs = list(pool.map(read, todo))
+        for mid, data in zip(todo, blobs, strict=True):
+            if data is None:
+                continue
+            try:
+                self._add(st, mid, data)
+            except StoreFormatError:
+                if strict:
+                    raise
+                failed.add(mid)
+                continue
+            st.read += 1
+        return failed
+
+    def _summary(self, data: bytes) -> tuple[dict[str, Any], Any, list[str], Any]:
+        chunks = sorted(referenced_chunks(data))
+        if self.summarize is None:
+            return {}, None, chunks, None
+        info, sig, detail = self.summarize(data, chunks)
+        return info, sig, chunks, detail
+
+    def _add(self, st: IndexState, mid: str, data: bytes) -> None:
+        info, sig, chunks, detail = self._summary(data)
+        st.add_manifest(mid, info, sig, chunks, detail)
+
+    def heal(self, st: IndexState) -> None:
+        """Write ``st`` as a new snapshot if it is worth it (it had to read much, or is missing
+        or damaged, or many logs were read). Best effort: a failure only leaves the index stale."""
+        if st.partial:
+            return  # the recent refs only: a writer's compaction or an exact reader brings the index up to date
+        if not (st.damaged or st.read >= HEAL_AFTER or st.logs_read >= self.compact_after or st.snap_gen < 0):
+            return
+        if not st.refs and st.snap_gen < 0:
+            return  # nothing to keep yet (an empty store)
+        try:
+            if st.chunks is None:
+                full = self.load(chunks=True)
+                st.chunks = {}
+                if full is not None and full.chunks is not None:
+                    st.chunks.update(full.chunks)
+            missing = [m for m in st.info if m not in st.chunks]
+            if missing:
+                self.ensure(st, missing, chunks=True)
+            self.write_snapshot(st)
+        except Exception as e:  # noqa: BLE001 - the index is a cache: never fail the command over it
+            log.info("could not update the metadata index: %s", e)  # a read-only user, say: not their problem
+
+    # -- writing -----------------------------------------------------------------
+    def write_snapshot(self, st: IndexState) -> str:
+        """Write ``st`` as the snapshot of generation ``st.max_gen``: chunk lists first, then
+        the snapshot that names them; then delete what it supersedes."""
+        assert st.chunks is not None
+        gen = max(st.max_gen, st.gen)
+        cbody = st.chunks_body()
+        chash = blake3.blake3(cbody).hexdigest()
+        cname = f"{gen:010d}-{chash[:16]}.chunks"
+        self.backend.write(f"{PREFIX}/{cname}", _blob(CHUNKS_FORMAT, gen, cbody))
+        self.backend.flush()
+        rbody = st.recent_body()
+        rhash = blake3.blake3(rbody).hexdigest()
+        rname = f"{gen:010d}-{rhash[:16]}.recent"
+        self.backend.write(f"{PREFIX}/{rname}", _blob(RECENT_FORMAT, gen, rbody))
+        self.backend.flush()
+        body = st.snap_body()
+        blob = _blob(SNAP_FORMAT, gen, body, chunks=cname, chunks_hash=chash, recent=rname, recent_hash=rhash)
+        path = f"{PREFIX}/{gen:010d}-{blake3.blake3(blob).hexdigest()[:16]}.snap"
+        self.backend.write(path, blob)
+        self.backend.flush()
+        self._prune(gen, {path, f"{PREFIX}/{cname}", f"{PREFIX}/{rname}"})
+        for bad in self._bad - {path}:
+            self.backend.delete(bad)
+        self._bad.clear()
+        return path
+
+    def _prune(self, gen: int, keep: set[str]) -> None:
+        for e in list(self.backend.list(PREFIX)):
+            name = e.path[len(PREFIX) + 1:]
+            m = _LOG.match(name) or _SNAP.match(name) or _CHUNKS.match(name)
+            if m is None or e.path in keep:
+                continue
+            g = int(m.group(1))
+            if (_LOG.match(name) and g <= gen - PRUNE_LAG) or (not _LOG.match(name) and g < gen):
+                self.backend.delete(e.path)
+
+    def note(self, mid: str, manifest: bytes) -> None:
+        """``manifest`` (id ``mid``) is about to be referenced: its summary goes into the log."""
+        with self._lock:
+            self._noted[mid] = manifest
+            while len(self._noted) > 8:
+                self._noted.popitem(last=False)
+
+    def record(self, entry: RefEntry, size: int) -> None:
+        """Append ``entry`` (just created, ``size`` bytes) to the log. Best effort: on failure the
+        index is only stale, which exact readers detect."""
+        try:
+            self._record(entry, size)
+        except Exception as e:  # noqa: BLE001 - the ref landed; the index is a cache
+            log.warning("could not record %s#%d in the metadata index: %s", entry.name, entry.seq, e)
+
+    def _record(self, entry: RefEntry, size: int) -> None:
+        mtime: float | None = None
+        path = self.refs.entry_path(entry.name, entry.seq)
+        if self.backend.local_path(path) is not None:  # the entry file's time as listings show it: one stat
+            try:
+                mtime = self.backend.mtime(path) or None
+            except FileNotFoundError:
+                pass
+        # Elsewhere it would cost a request (a HEAD): the entry's own time stands in for it
+        # until an exact reader has listed the file (RefRec.matches).
+        rec: dict[str, Any] = {"ref": {"name": entry.name, "rec": RefRec.of(entry, size, mtime).to_obj()}, "manifest": None}
+        data = self._noted.get(entry.target) if entry.target else None
+        if data is not None:
+            info, sig, chunks, detail = self._summary(data)
+            rec["manifest"] = {"id": entry.target, "info": info, "sig": sig, "chunks": chunks, "detail": detail}
+        snaps, logs, gen = self._listing()  # listed each time: a long-lived writer's memory of it is stale
+        for _ in range(20):
+            gen += 1
+            body = sealed_json({"format": LOG_FORMAT, "version": INDEX_VERSION, "gen": gen, **rec})
+            if self.backend.create_exclusive_cache(f"{PREFIX}/{gen:010d}.log", body):
+                logs[gen] = ""
+                break
+            snaps, logs, top = self._listing()  # another writer took gen: look again
+            gen = max(gen, top)
+        else:
+            log.warning("metadata index: gave up appending %s#%d (busy)", entry.name, entry.seq)
+            return
+        newest = snaps[-1][0] if snaps else -1
+        if sum(1 for g in logs if g > newest) >= self.compact_after:
+            st = self.load(chunks=True)
+            if st is not None:
+                self.heal(st)

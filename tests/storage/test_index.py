@@ -1,0 +1,231 @@
+"""The metadata index (storage/index.py): the same answers as the refs and manifests, from a
+few objects; rebuilt when missing, damaged or stale; never trusted over the refs.
+
+Each test builds a small store (a base, fine-tunes, a removal, an alias, a ref with
+history), then compares what ``push`` (base choice), ``ls``, ``du``, ``log``, ``refs`` and
+``gc --dry-run`` say with the index and without it (``Settings(index=False)`` reads every
+ref and manifest, as before the index existed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.store.base import choose_base
+from ckpt_store.storage.index import COMPACT_AFTER, PREFIX
+
+NAMES = [f"l{i}.w" for i in range(3)]
+
+
+def base_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(32, 32, generator=g) for n in NAMES}
+
+
+def fine_tune(k: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + k)
+    return {n: t + 1e-3 * torch.randn(t.shape, generator=g) for n, t in base_tensors().items()}
+
+
+def build(store: ckpt.Store, n: int = 4) -> None:
+    store.push(base_tensors(), "fam/base", message="the base")
+    for k in range(n):
+        store.push(fine_tune(k), f"fam/ft{k}", message=f"ft {k}")
+    store.push(fine_tune(99), "fam/ft0", message="ft 0 again")  # history
+    store.remove("fam/ft1")
+    store.push({"other": torch.arange(10, dtype=torch.int64)}, "misc/other")
+    store.refs_db.set("fam/latest", store.resolve("fam/ft2"), alias=True)
+
+
+def off(store: ckpt.Store) -> ckpt.Store:
+    return ckpt.Store.open(store.url, settings=ckpt.Settings.from_env(index=False))
+
+
+def answers(store: ckpt.Store) -> dict:
+    g = store.gc(grace_s=0, dry_run=True)
+    names = list(store.refs_db.all_entries())
+    return {
+        "ls": store.ls(),
+        "refs": store.refs(),
+        "du": store.du(),
+        "log": {n: store.log(n) for n in names},
+        "gc": (sorted((d.kind, d.name) for d in g.deleted), g.live_manifests, g.live_chunks, g.young),
+        "base": choose_base(store, "fam/new", [(n, "F32", 32 * 32 * 4) for n in NAMES], None),
+    }
+
+
+def same_with_and_without(store: ckpt.Store) -> dict:
+    with_index = answers(store)
+    without = answers(off(store))
+    assert with_index == without
+    return with_index
+
+
+def index_files(store: ckpt.Store) -> list[str]:
+    return sorted(e.path for e in store.backend.list(PREFIX))
+
+
+class Counting:
+    """Counts the reads a backend serves, by top-level directory (instrumentation, not a mock)."""
+
+    def __init__(self, store: ckpt.Store) -> None:
+        self.reads: list[str] = []
+        real = store.backend.read
+
+        def read(path: str) -> bytes:
+            self.reads.append(path)
+            return real(path)
+
+        store.backend.read = read  # type: ignore[method-assign]
+
+    def of(self, prefix: str) -> list[str]:
+        return [p for p in self.reads if p.startswith(prefix)]
+
+
+def test_same_answers_with_and_without_the_index(store_url):
+    store = ckpt.Store.init(store_url)
+    build(store)
+    got = same_with_and_without(store)
+    assert [r.name for r in got["ls"]] == ["fam/base", "fam/ft0", "fam/ft2", "fam/ft3", "fam/latest", "misc/other"]
+    assert got["base"][0] == store.resolve("fam/base")  # the fine-tunes' base: not a delta, oldest
+    assert any(p.endswith(".log") for p in index_files(store))
+
+
+def test_commands_read_the_index_not_every_ref_and_manifest(tmp_path):
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    build(store, n=12)
+    store.ls()  # brings the index up to date (the alias was set without a manifest summary)
+    counting = Counting(store)
+    store.ls()
+    store.du()
+    store.gc(grace_s=0, dry_run=True)
+    choose_base(store, "fam/new", [(n, "F32", 32 * 32 * 4) for n in NAMES], None)
+    assert counting.of("objects/manifests") == [] and counting.of("refs/") == []
+    assert counting.of(PREFIX)  # ... what they read instead
+    # A push reads the one base manifest it deltas against, not every candidate's.
+    counting.reads.clear()
+    store.push(fine_tune(50), "fam/new")
+    assert len(counting.of("objects/manifests")) == 1 and counting.of("refs/") == []
+
+
+def test_index_rebuilt_when_deleted(store_url):
+    store = ckpt.Store.init(store_url)
+    build(store)
+    before = same_with_and_without(store)
+    for e in list(store.backend.list(PREFIX)):
+        store.backend.delete(e.path)
+    assert index_files(store) == []
+    assert same_with_and_without(store) == before
+    assert any(p.endswith(".snap") for p in index_files(store))  # written back
+
+
+@pytest.mark.parametrize("part", [".snap", ".chunks", ".log"])
+def test_damaged_index_is_ignored_and_replaced(tmp_path, part):
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    build(store)
+    store.ls()  # a snapshot exists
+    before = same_with_and_without(store)
+    if part == ".log":
+        store.push(fine_tune(7), "fam/ft7")
+        before = same_with_and_without(store)
+    victim = [p for p in index_files(store) if p.endswith(part)][-1]
+    path = Path(store.backend.local_path(victim))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x20  # one flipped bit, JSON still parses in most places
+    path.write_bytes(bytes(data))
+    assert same_with_and_without(store) == before
+    if part != ".log":  # the damaged snapshot was replaced, and deleted
+        assert victim not in index_files(store) or part == ".chunks"
+        assert same_with_and_without(store) == before
+
+
+def test_stale_index_catches_up_from_the_refs(tmp_path):
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    build(store)
+    store.ls()
+    # Updates the index never hears of: a writer without it (an older ckpt, say).
+    blind = off(store)
+    blind.push(fine_tune(8), "fam/ft8")
+    blind.remove("fam/ft2")
+    blind.push(fine_tune(9), "fam/ft0")
+    got = same_with_and_without(store)
+    names = [r.name for r in got["ls"]]
+    assert "fam/ft8" in names and "fam/ft2" not in names
+    assert got["refs"]["fam/ft0"].target == blind.resolve("fam/ft0")
+
+
+def test_a_recreated_ref_is_read_not_taken_from_the_index(tmp_path):
+    """The index recorded ref x#1 -> A; x's directory is deleted by hand and x#1 written
+    again, naming B, by a writer that does not update the index. gc must keep B."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    store.push({"w": torch.zeros(64)}, "x")
+    store.ls()
+    shutil.rmtree(os.path.join(store.backend.root, "refs", "x"))
+    want = torch.randn(64)
+    b = off(store).push({"w": want}, "x")
+    assert store.refs()["x"].target == b
+    store.gc(grace_s=0)
+    assert store.verify().ok
+    assert torch.equal(store.load("x")["w"], want)
+    assert same_with_and_without(store)["refs"]["x"].target == b
+
+
+def test_stale_index_base_choice_loses_nothing(tmp_path):
+    """The index still names a checkpoint whose ref was removed and whose data gc deleted:
+    a push that would have chosen it as its base still stores its data whole and right."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    store.push(base_tensors(), "fam/base")
+    store.ls()
+    blind = off(store)
+    blind.remove("fam/base")
+    blind.gc(grace_s=0)
+    assert list(blind.objects.list("manifests")) == []
+    ft = fine_tune(3)
+    mid = store.push(ft, "fam/ft3")
+    assert store.get_manifest(mid).lineage["base"] is None  # the stale candidate was skipped
+    assert store.verify().ok
+    got = store.load("fam/ft3")
+    assert all(torch.equal(got[n], ft[n]) for n in NAMES)
+
+
+def test_many_updates_fold_into_a_snapshot(tmp_path):
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    x = {"w": torch.zeros(4)}
+    for k in range(COMPACT_AFTER + 8):
+        x = {"w": x["w"] + 1}
+        store.push(x, f"r/{k % 5}")
+    files = index_files(store)
+    snaps = [p for p in files if p.endswith(".snap")]
+    assert len(snaps) == 1 and int(Path(snaps[0]).name[:10]) >= COMPACT_AFTER
+    same_with_and_without(store)
+
+
+def test_base_choice_reads_only_the_recent_refs(tmp_path, monkeypatch):
+    """A push reads the snapshot's part with the most recently updated refs, not all of them,
+    and chooses the same base as with every ref and manifest read."""
+    import ckpt.store.base as base_mod
+    import ckpt_store.storage.index as index_mod
+
+    monkeypatch.setattr(base_mod, "MAX_CANDIDATES", 3)
+    monkeypatch.setattr(index_mod, "RECENT", 5)
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    build(store, n=9)
+    for k in range(2):  # newer refs of another shape: the family's base falls out of the recent part
+        store.push({"other": torch.full((8,), float(k))}, f"misc/o{k}")
+    store.ls()
+    st = store.index.view(exact=True)
+    st.damaged = True
+    store.index.heal(st)  # a snapshot now
+    keys = [(n, "F32", 32 * 32 * 4) for n in NAMES]
+    counting = Counting(store)
+    got = choose_base(store, "fam/new", keys, None)
+    snap = [p for p in counting.reads if p.endswith(".snap")]
+    assert snap == [] and any(p.endswith(".recent") for p in counting.reads)  # the header by a ranged read only
+    assert got == choose_base(off(store), "fam/new", keys, None)
+    assert got[0] is not None and got[0] != store.resolve("fam/base")  # the base is not among the 3 newest
