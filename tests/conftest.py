@@ -143,3 +143,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# Stores shared by the web view's API and browser tests (tests/cli/test_web_*.py; built once per session: they take seconds).
+@pytest.fixture(scope="session")
+def web_store(tmp_path_factory):
+    from webstore import build
+
+    return build(str(tmp_path_factory.mktemp("web") / "store"))
+
+
+@pytest.fixture(scope="session")
+def wide_store(tmp_path_factory):
+    from webstore import build_wide
+
+    return build_wide(str(tmp_path_factory.mktemp("wide") / "store"))
