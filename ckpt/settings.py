@@ -94,7 +94,7 @@ class Settings:
         for name in overrides:
             origin[name] = name
         try:
-            s = replace(cls(), **env, **overrides)
+            s = replace(cls(), **{**env, **overrides})
         except TypeError as e:  # an unknown keyword
             raise ConfigError(f"unknown setting: {e}") from None
         types = {f.name: f.type for f in fields(cls)}

@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import ObjectNotFoundError, StoreFormatError
 from ckpt_store.storage.objects import ObjectStore
-from ckpt_store.storage.refs import Refs
+from ckpt_store.storage.refs import RefEntry, Refs
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Roots:
         return list(dict.fromkeys(r.ref for r in self.roots if r.version == 0))
 
 
-def gc_roots(refs: Refs, *, keep_history: bool = True) -> Roots:
+def gc_roots(refs: Refs, *, keep_history: bool = True, histories: dict[str, list[RefEntry]] | None = None) -> Roots:
     """What gc keeps alive: the current target of every live ref and, with ``keep_history``,
     its earlier targets back to its last removal (a name removed and pushed again does
     not revive what it held before). An alias (``RUN/latest``) keeps only its current
@@ -60,8 +60,13 @@ def gc_roots(refs: Refs, *, keep_history: bool = True) -> Roots:
 
     A history version whose manifest is no longer in the store was freed by an earlier
     ``gc --no-history`` and keeps nothing alive (:func:`read_root`).
+
+    ``histories`` (each ref's entries newest first, e.g. from the metadata index, checked
+    against the listing of refs) replaces reading every ref entry.
     """
-    histories, damaged = refs.scan_histories()
+    damaged: dict[str, Any] = {}
+    if histories is None:
+        histories, damaged = refs.scan_histories()
     out = Roots(damaged=damaged)
     for name, entries in histories.items():
         if not entries or entries[0].target is None:
@@ -129,17 +134,18 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     listed = {k: list(objects.list(k)) for k in ("manifests", "chunks")}
     temps = list(objects.list_temporaries(("objects", "refs")))
 
-    found = gc_roots(refs, keep_history=keep_history)
+    # With the metadata index, ref histories come from it (checked against the listing of
+    # refs), and a root manifest that is in the listing has its chunk lists read from it (a
+    # manifest's id is the hash of its bytes: what it names never changes); anything else
+    # is read and verified here.
+    view = index.view(exact=True, history=True, chunks=True) if index is not None else None
+    found = gc_roots(refs, keep_history=keep_history, histories=view.entries() if view is not None else None)
     if found.damaged:  # what a damaged ref entry keeps alive is unknown: delete nothing
         err, _ = next(iter(found.damaged.values()))
         raise err
     current = {r.target for r in found.roots if r.version == 0}
     roots: set[str] = set()
     live_chunks: set[str] = set()
-    # With the metadata index, a root manifest that is in the listing has its chunk lists
-    # read from the index (a manifest's id is the hash of its bytes: what it names never
-    # changes); anything else is read and verified here.
-    view = index.view(exact=True, history=True, chunks=True) if index is not None else None
     listed_m = {i.id for i in listed["manifests"]} if view is not None else set()
     indexed: list[str] = []
     for mid in dict.fromkeys(r.target for r in found.roots):

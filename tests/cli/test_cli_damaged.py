@@ -44,7 +44,10 @@ def test_verify_names_a_damaged_earlier_version(damaged, capsys):
     assert code == 1 and set(doc["damaged_refs"]) == {"a@1", "b"} and doc["versions_checked"] == 1
 
 
-def test_ls_and_du_go_on_past_a_damaged_ref(damaged, capsys):
+def test_ls_and_du_go_on_past_a_damaged_ref(damaged, capsys, monkeypatch):
+    """Without the metadata index, ls and du read every manifest: a damaged one is named
+    and the others are listed (exit 1)."""
+    monkeypatch.setenv("CKPT_INDEX", "0")
     code, out, err = run_main(capsys, "ls")
     assert code == 1
     assert [line.split()[0] for line in out.splitlines()[1:]] == ["a", "c"]
@@ -106,3 +109,15 @@ def test_gc_after_no_history_and_its_hint(tmp_path, monkeypatch, capsys):
     assert code == 0 and "y@1" in out and "gc --no-history" in out
     code, _, err = run_main(capsys, "pull", "y@1", str(tmp_path / "o.safetensors"))
     assert code == 1 and "freed it (gc --no-history frees earlier versions)" in err
+
+
+def test_with_the_index_ls_and_du_list_every_ref_and_verify_names_the_damage(damaged, capsys):
+    """With the metadata index, ls and du read the summaries recorded (from verified
+    manifests) at push time, so a manifest damaged since does not hide any ref; verify
+    reads the manifests and names it."""
+    code, out, _ = run_main(capsys, "ls", "--json")
+    assert code == 0 and [r["ref"] for r in json.loads(out)] == ["a", "b", "c"]
+    code, out, _ = run_main(capsys, "du", "--json")
+    assert code == 0 and [r["ref"] for r in json.loads(out)["refs"]] == ["a", "b", "c"]
+    code, _, err = run_main(capsys, "verify")
+    assert code == 1 and "DAMAGED b: manifest" in err
