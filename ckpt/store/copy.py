@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 from ckpt.codecs.chunk import decode_chunk, parse_header
 from ckpt.progress import Progress
 from ckpt.transfer.pipeline import fetch_chunk
+from ckpt_store.storage import copy as storage_copy
 from ckpt_store.storage.copy import ChunkCheck, CopyItem, CopyReport, copy_checkpoints
-from ckpt_store.storage.copy import copy_chunks as _copy_chunks
 from ckpt_store.storage.errors import CkptError, InvalidNameError, RefNotFoundError
 from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.refs import validate_ref_name
@@ -117,4 +117,4 @@ def _concurrency(src: Store, dst: Store) -> int:
 def copy_chunks(src: Store, dst: Store, ids: Iterable[str]) -> CopyReport:
     """Copy the chunks ``ids`` that ``dst`` lacks from ``src``, as stored (never re-encoded), each
     decoded and re-hashed first; bases of delta chunks come along. Nothing else is written."""
-    return _copy_chunks(src.objects, dst.objects, ids, check_chunk=chunk_checker(src, dst), concurrency=_concurrency(src, dst))
+    return storage_copy.copy_chunks(src.objects, dst.objects, ids, check_chunk=chunk_checker(src, dst), concurrency=_concurrency(src, dst))
