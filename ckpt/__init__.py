@@ -24,7 +24,7 @@ from ckpt._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-__all__ = ["CheckpointManager", "CheckpointReader", "CkptError", "KeepBest", "PerRank", "RNGState", "Settings", "Stateful", "Store", "TierWarning",
+__all__ = ["CheckpointManager", "CheckpointReader", "CkptError", "KeepBest", "PerRank", "RNGState", "ResumeWarning", "Settings", "Stateful", "Store", "TierWarning",
            "__version__", "diff", "load", "load_into", "merge", "remix"]
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from ckpt.settings import Settings
     from ckpt.snapshot.manager import CheckpointManager
     from ckpt.snapshot.retention import KeepBest
-    from ckpt.snapshot.run import TierWarning
+    from ckpt.snapshot.run import ResumeWarning, TierWarning
     from ckpt.snapshot.state import PerRank, RNGState, Stateful
     from ckpt.store.reader import CheckpointReader
     from ckpt.store.store import Store, load, load_into
@@ -53,6 +53,7 @@ _LAZY = {
     "KeepBest": "ckpt.snapshot.retention",
     "Stateful": "ckpt.snapshot.state",
     "TierWarning": "ckpt.snapshot.run",
+    "ResumeWarning": "ckpt.snapshot.run",
     "diff": "ckpt.diffing.compare",
     "merge": "ckpt.merging.combine",
     "remix": "ckpt.merging.remixing",

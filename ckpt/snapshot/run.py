@@ -31,6 +31,12 @@ class TierWarning(RuntimeWarning):
     save or restore; training goes on and the next save tries that tier again."""
 
 
+class ResumeWarning(RuntimeWarning):
+    """A restore was exact, but the run after it will not be bit-identical to an uninterrupted
+    one, for a reason outside the snapshot (e.g. DDP's gradient buckets, which every new
+    process lays out afresh)."""
+
+
 def modified_under_save(names: list[str]) -> SnapshotError:
     """The error of an overlapped save (``save_mode="overlap"``) whose tensors changed under it."""
     listed = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")

@@ -257,7 +257,7 @@ def manager(rank, world, tmp, store, kill_rank=None, signum=signal.SIGKILL, asyn
 
 
 # -- the README's training loop on DDP ranks: exact resume -----------------------------------
-def _ddp_state(rank, group=None):
+def _ddp_state(rank, group=None, find_unused=False):
     """The README's state on DDP: AdamW (no state until its first step), a scheduler, a grad
     scaler, per-rank RNG streams (torch, Python, NumPy) and a plain step counter."""
     import random
@@ -270,7 +270,7 @@ def _ddp_state(rank, group=None):
 
     torch.manual_seed(0)  # the same initial weights on every rank, as DDP expects
     net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.GELU(), torch.nn.Dropout(0.3), torch.nn.Linear(8, 3))
-    model = DistributedDataParallel(net, process_group=group)
+    model = DistributedDataParallel(net, process_group=group, find_unused_parameters=find_unused)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)  # its scale grows every 2 steps
@@ -320,16 +320,20 @@ def _ddp_bits(state):
             "step": state["step"]}
 
 
-def ddp_resume(rank, world, tmp, store, mode, steps, at=0):
+def ddp_resume(rank, world, tmp, store, mode, steps, at=0, find_unused=False):
     """``full``: train ``steps`` steps. ``crash``: snapshot every ``at`` steps with maybe_save, and
     once step ``at`` is durable train two more steps and SIGKILL this process. ``resume``: a fresh
-    process restores the latest snapshot and trains on to ``steps``. Returns per-step losses and
-    :func:`_ddp_bits` at the end."""
+    process restores the latest snapshot and trains on to ``steps``. Returns per-step losses,
+    :func:`_ddp_bits` at step ``at`` (``full``) or right after the restore (``resume``) and at the end,
+    and the warnings the restore gave."""
+    import warnings
+
     import torch.distributed as dist
 
     import ckpt
 
-    state = _ddp_state(rank)
+    state = _ddp_state(rank, find_unused=find_unused)
+    out = {}
     losses = {}
     mgr = None
     start = 0
@@ -337,11 +341,17 @@ def ddp_resume(rank, world, tmp, store, mode, steps, at=0):
         mgr = ckpt.CheckpointManager(store, "ddp", every_n_steps=at, keep_last=2, process_group=dist.group.WORLD,
                                      timeout_s=30)
     if mode == "resume":
-        start = mgr.restore_latest(state)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            start = mgr.restore_latest(state)
+        out["warnings"] = [f"{w.category.__name__}: {w.message} ({os.path.basename(w.filename)})" for w in caught]
+        out["bits_at"] = _ddp_bits(state)
         assert start == state["step"] == at, (start, state["step"])
     for step in range(start + 1, steps + 1):
         losses[step] = _ddp_step(state)
         state["step"] = step
+        if mode == "full" and step == at:
+            out["bits_at"] = _ddp_bits(state)
         if mode == "crash" and mgr.maybe_save(step, state) and step == at:
             mgr.wait()  # durable on every rank: the coordinator has committed
             _ddp_step(state)  # the live state moves on past the snapshot...
@@ -349,7 +359,7 @@ def ddp_resume(rank, world, tmp, store, mode, steps, at=0):
             os.kill(os.getpid(), signal.SIGKILL)  # ...and the process dies without any cleanup
     if mgr is not None:
         mgr.close()
-    return {"losses": losses, "bits": _ddp_bits(state)}
+    return {**out, "losses": losses, "bits": _ddp_bits(state)}
 
 
 def ddp_restore_in_place(rank, world, tmp, store, at=3):

@@ -282,8 +282,34 @@ def test_ddp_run_killed_and_resumed_is_bit_identical(tmp_path):
         assert sorted(map(int, r["losses"])) == list(range(k + 1, n + 1))
         assert {s: f["losses"][s] for s in r["losses"]} == r["losses"]  # float.hex: bit-identical
         assert r["bits"] == f["bits"]
+        assert r["warnings"] == []  # 2 ranks: DDP's sums do not depend on its bucket layout
     assert full[0]["losses"] != full[1]["losses"]  # per-rank data: the ranks really differ
     assert store.verify().ok
+
+
+def test_three_ddp_ranks_resume_exactly_and_say_when_ddp_will_not(tmp_path):
+    """3 DDP ranks. The restored state is exact either way. Whether the run after it is
+    bit-identical to an uninterrupted one depends on DDP: it rebuilds its gradient buckets after
+    the first step of each new process, and with 3 ranks the all-reduce's sums depend on that
+    layout. With ``find_unused_parameters=True`` (no rebuild) the resumed run is bit-identical;
+    with DDP's defaults the restore says so with a ResumeWarning, on every rank."""
+    n, k = 7, 4
+    full = W.run_ranks("ddp_resume", 3, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n, at=k,
+                       find_unused=True)
+    url = str(tmp_path / "s")
+    assert W.run_ranks("ddp_resume", 3, str(tmp_path), store=url, mode="crash", steps=n, at=k,
+                       find_unused=True) == [{"killed": True}] * 3
+    resumed = W.run_ranks("ddp_resume", 3, str(tmp_path), store=url, mode="resume", steps=n, at=k, find_unused=True)
+    defaults = W.run_ranks("ddp_resume", 3, str(tmp_path), store=url, mode="resume", steps=k, at=k)
+    for f, r, d in zip(full, resumed, defaults):
+        for out in (f, r, d):
+            assert "error" not in out, out.get("trace")
+        assert r["bits_at"] == f["bits_at"] == d["bits_at"]  # the restore is exact, whatever DDP does next
+        assert {s: f["losses"][s] for s in r["losses"]} == r["losses"] and list(r["losses"]) == ["5", "6", "7"]
+        assert r["bits"] == f["bits"] and r["warnings"] == []
+        assert len(d["warnings"]) == 1 and d["warnings"][0].startswith("ResumeWarning: 'model': the state was restored exactly")
+        assert "find_unused_parameters=True" in d["warnings"][0] and d["warnings"][0].endswith("(dcp_workers.py)")
+    assert len({f["losses"]["7"] for f in full}) == 3  # per-rank data
 
 
 def test_manager_refuses_what_it_cannot_restore_per_rank(tmp_path):
