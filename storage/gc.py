@@ -131,8 +131,8 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     recovered = objects.backend.recover_condemned("objects") if recover else 0
     now = time.time()
     cutoff = now - grace_s
-    listed = {k: list(objects.list(k)) for k in ("manifests", "chunks")}
-    temps = list(objects.list_temporaries(("objects", "refs")))
+    listed, temps = objects.inventory()
+    temps += objects.list_temporaries(("refs",))
 
     # With the metadata index, ref histories come from it (checked against the listing of
     # refs), and a root manifest that is in the listing has its chunk lists read from it (a

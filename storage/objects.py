@@ -125,6 +125,22 @@ class ObjectStore:
             if _ID.match(name):
                 yield ObjectInfo(kind, name, e.size, e.mtime)
 
+    def inventory(self) -> tuple[dict[str, list[ObjectInfo]], list[tuple[str, float]]]:
+        """One listing of ``objects/``: every stored object by kind, and the leftovers of
+        interrupted writes there as (path, mtime) -- what :meth:`list` for each kind and
+        :meth:`list_temporaries` give, in a single walk (a stat per object locally, a
+        request per 1,000 objects on S3)."""
+        found: dict[str, list[ObjectInfo]] = {k: [] for k in KINDS}
+        temps: list[tuple[str, float]] = []
+        for e in self.backend.list("objects"):
+            parts = e.path.split("/")
+            name = parts[-1]
+            if name.startswith(".tmp-"):
+                temps.append((e.path, e.mtime))
+            elif len(parts) == 4 and parts[1] in found and _ID.match(name):
+                found[parts[1]].append(ObjectInfo(parts[1], name, e.size, e.mtime))
+        return found, temps
+
     def list_temporaries(self, prefixes: tuple[str, ...] = ("objects",)) -> Iterator[tuple[str, float]]:
         """Leftovers of interrupted writes below ``prefixes``: (path, mtime)."""
         for prefix in prefixes:

@@ -207,8 +207,9 @@ def du(store: Store) -> StoreUsage:
     A ref whose entry or manifest cannot be read is left out of the figures and
     named in ``damaged``.
     """
-    chunk_sizes = {o.id: o.size for o in store.objects.list("chunks")}
-    manifest_bytes = sum(o.size for o in store.objects.list("manifests"))
+    listed, _ = store.objects.inventory()
+    chunk_sizes = {o.id: o.size for o in listed["chunks"]}
+    manifest_bytes = sum(o.size for o in listed["manifests"])
     per_ref = []
     all_chunks: dict[str, int] = {}
     users: dict[str, int] = defaultdict(int)

@@ -45,3 +45,20 @@ def test_find_manifests_by_prefix(tmp_path):
     objs = ObjectStore(open_backend(str(tmp_path)))
     ids = [objs.put_manifest(f'{{"n":{i}}}'.encode()) for i in range(5)]
     assert objs.find_manifests(ids[0][:10]) == [ids[0]]
+
+
+def test_inventory_is_every_listing_in_one_walk(store_url, tmp_path):
+    """gc and du take objects and temporaries from one walk of objects/: the same as listing
+    each kind and the temporaries apart, with names that are not objects left out."""
+    backend = open_backend(store_url)
+    objs = ObjectStore(backend)
+    chunks = [objs.put("chunks", object_id(bytes([i])), bytes([i]) * (i + 1)) and object_id(bytes([i])) for i in range(5)]
+    mid = objs.put_manifest(b'{"format":"x"}')
+    backend.write(f"objects/chunks/{chunks[0][:2]}/.tmp-leftover", b"half a chunk")
+    backend.write("objects/chunks/zz/not-an-id", b"?")
+    backend.write("objects/stray", b"?")
+    found, temps = objs.inventory()
+    assert sorted(o.id for o in found["chunks"]) == sorted(chunks) == sorted(o.id for o in objs.list("chunks"))
+    assert [(o.id, o.size) for o in found["chunks"] if o.id == chunks[4]] == [(chunks[4], 5)]
+    assert [o.id for o in found["manifests"]] == [mid] and found["manifests"][0].kind == "manifests"
+    assert [p for p, _ in temps] == [p for p, _ in objs.list_temporaries()] == [f"objects/chunks/{chunks[0][:2]}/.tmp-leftover"]
