@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ckpt_store.storage.backends.base import Data, data_size
 from ckpt_store.storage.chunk_lists import chunk_depths, referenced_chunks
 from ckpt_store.storage.errors import CorruptObjectError
 from ckpt_store.storage.objects import ObjectStore, object_id
@@ -35,6 +36,11 @@ log = logging.getLogger(__name__)
 ChunkCheck = Callable[[str, bytes], "str | None"]
 """``check(chunk_id, blob)``: decode and re-hash the blob, raising ``CorruptObjectError`` if it
 is not chunk ``chunk_id``; return the id of the base chunk its decoding needs (a delta), or None."""
+
+ChunkRecode = Callable[[str, bytes], Data]
+"""``recode(chunk_id, blob)``: what to write at the destination for a blob already checked --
+the same chunk (same id, same decoded bytes), stored another way (a raw blob compressed, say), or
+``blob`` itself. It may not make a delta: the destination would lack the base's record."""
 
 
 @dataclass
@@ -67,8 +73,9 @@ class _Sender:
     """Moves objects src -> dst on a bounded pool, verifying each, counting into one report."""
 
     def __init__(self, src: ObjectStore, dst: ObjectStore, check_chunk: ChunkCheck, concurrency: int,
-                 report: CopyReport, progress: Progress, weights: Mapping[str, int]) -> None:
-        self.src, self.dst, self.check_chunk = src, dst, check_chunk
+                 report: CopyReport, progress: Progress, weights: Mapping[str, int],
+                 recode: ChunkRecode | None = None) -> None:
+        self.src, self.dst, self.check_chunk, self.recode = src, dst, check_chunk, recode
         self.concurrency = max(1, concurrency)
         self.report, self.progress, self.weights = report, progress, weights
         self.lock = threading.Lock()
@@ -76,10 +83,11 @@ class _Sender:
     def _send_chunk(self, cid: str) -> str | None:
         blob = self.src.get("chunks", cid)
         base = self.check_chunk(cid, blob)
-        self.dst.backend.write(self.dst.path("chunks", cid), blob)
+        out = blob if self.recode is None else self.recode(cid, blob)
+        self.dst.backend.write(self.dst.path("chunks", cid), out)
         with self.lock:
             self.report.chunks_sent += 1
-            self.report.bytes_sent += len(blob)
+            self.report.bytes_sent += data_size(out)
         self.progress.advance(self.weights.get(cid, 0))
         return base
 
@@ -124,12 +132,14 @@ def copy_checkpoints(
     concurrency: int = 8,
     progress: Progress | None = None,
     weights: Mapping[str, int] | None = None,
+    recode: ChunkRecode | None = None,
 ) -> CopyReport:
     """Copy checkpoints with everything they need, then point refs at them, at ``dst``.
 
     Only objects the destination lacks travel; a ref already naming the checkpoint is
     left as it is (no new history entry), so running a copy again is cheap and changes
-    nothing. ``weights`` (decoded bytes per chunk id) drives ``progress``.
+    nothing. ``weights`` (decoded bytes per chunk id) drives ``progress``; ``recode`` (optional)
+    says how each chunk sent is stored at ``dst``.
     """
     items = list(items)
     for it in items:
@@ -154,7 +164,7 @@ def copy_checkpoints(
         dst.backend.touch(dst.path("chunks", cid))  # keep a concurrent gc at dst off them (local stores)
     missing = needed - present_c
     with reporting(progress, "copy", sum(weights.get(c, 0) for c in missing)) as p:
-        sender = _Sender(src, dst, check_chunk, concurrency, report, p, weights)
+        sender = _Sender(src, dst, check_chunk, concurrency, report, p, weights, recode)
         sender.chunks(missing, depth, present_c)
         sender.manifests(blobs)
     for it in items:
@@ -172,7 +182,7 @@ def copy_checkpoints(
 
 
 def copy_chunks(src: ObjectStore, dst: ObjectStore, ids: Iterable[str], *, check_chunk: ChunkCheck,
-                concurrency: int = 8) -> CopyReport:
+                concurrency: int = 8, recode: ChunkRecode | None = None) -> CopyReport:
     """Copy the chunks ``ids`` (and the bases their blobs name) that ``dst`` lacks, verified, as stored.
 
     For a writer about to commit a manifest at ``dst`` that names chunks it knows are in
@@ -185,8 +195,8 @@ def copy_chunks(src: ObjectStore, dst: ObjectStore, ids: Iterable[str], *, check
     report.chunks_present = len(present)
     for cid in present:
         dst.backend.touch(dst.path("chunks", cid))
-    _Sender(src, dst, check_chunk, concurrency, report, NullProgress(), {}).chunks(ids - present, {}, present)
+    _Sender(src, dst, check_chunk, concurrency, report, NullProgress(), {}, recode).chunks(ids - present, {}, present)
     return report
 
 
-__all__ = ["ChunkCheck", "CopyItem", "CopyReport", "copy_checkpoints", "copy_chunks"]
+__all__ = ["ChunkCheck", "ChunkRecode", "CopyItem", "CopyReport", "copy_checkpoints", "copy_chunks"]

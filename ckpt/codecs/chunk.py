@@ -463,6 +463,8 @@ def encode_chunk(
     n = len(view)
     if elem not in (1, 2, 4, 8) or n % elem:
         elem = 1
+    if min_saving >= 1.0:  # no encoding saves everything: stored raw, without trying any
+        return Encoded(_pack(RAW, elem, n, None, (view,)), RAW, None)
     # Each candidate encodes (data, base, plan) -> payload, so the same function scores
     # the sample and then encodes the whole chunk, following the plan the sample taught:
     # a plane found incompressible is stored raw without trying zstd on it (the low

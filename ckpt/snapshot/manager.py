@@ -167,9 +167,12 @@ class CheckpointManager:
     **Tiers** (``local=True`` or ``local=PATH``; README "Restart in seconds", docs/format.md
     "The local tier"): snapshots go to a local tier (an ordinary store in host memory under
     /dev/shm, or on local NVMe) every ``local_every_n_steps``, bounded by ``local_keep``
-    snapshots and ``local_max_bytes`` (:attr:`local_tier` says what it holds); every
-    ``every_n_steps`` (a multiple) one is persisted to ``store`` in the background by copying
-    the chunks it lacks, as stored (:attr:`last_persist`). :meth:`restore_latest` takes the
+    snapshots and ``local_max_bytes`` (:attr:`local_tier` says what it holds). The tier stores
+    chunks raw (a save hashes and writes, a restore reads and hashes: measured on a 311 MB
+    GPT + AdamW state, about half the background time of compressing them, for 1.26x the
+    memory); ``local_compress=True`` encodes them as the durable store does. Every
+    ``every_n_steps`` (a multiple) a snapshot is persisted to ``store`` in the background by
+    copying the chunks it lacks, raw ones compressed on the way (:attr:`last_persist`). :meth:`restore_latest` takes the
     newest snapshot of any tier, each chunk from the nearest tier holding it with a correct
     hash; :attr:`last_restore` is ``{"step", "local", "peer", "store"}`` (bytes per tier).
     With ``process_group`` each rank's tier is ``PATH/rank-R`` and ``replicas=K`` sends each
@@ -208,6 +211,7 @@ class CheckpointManager:
         local_every_n_steps: int | None = None,
         local_keep: int = 2,
         local_max_bytes: int | None = None,
+        local_compress: bool = False,
         replicas: int = 0,
         replica_stride: int = 1,
         replica_nodes: Sequence[Any] | None = None,
@@ -249,8 +253,12 @@ class CheckpointManager:
         self.last_restore: dict[str, int] | None = None
         self._durable = SnapshotRun(self.store, self.run, delta_vs_previous)
         self._distributed = process_group is not None
+        if not isinstance(local_compress, bool):
+            raise ValueError(f"local_compress must be True or False, not {local_compress!r}")
+        self._local_compress = local_compress
         self._local = self._local_tier(local, local_every_n_steps, local_keep, local_max_bytes, replicas, process_group)
-        self._target = SnapshotRun(self._local.store, self.run, delta_vs_previous) if self._local else self._durable
+        self._target = (SnapshotRun(self._local.store, self.run, delta_vs_previous and local_compress) if self._local
+                        else self._durable)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
         self._persist_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
         # One persist runs at a time; a snapshot due while one runs waits in a slot of one
@@ -312,7 +320,8 @@ class CheckpointManager:
             path = default_local_path(self.store.url, self.run, rank)
         else:
             path = os.fspath(local) if rank is None else os.path.join(os.fspath(local), f"rank-{rank}")
-        return LocalTier(path, self.run, keep=keep, max_bytes=max_bytes, settings=self.store.settings)
+        return LocalTier(path, self.run, keep=keep, max_bytes=max_bytes, settings=self.store.settings,
+                         compress=self._local_compress)
 
     @property
     def local_tier(self) -> LocalTierUsage | None:
@@ -460,7 +469,7 @@ class CheckpointManager:
         assert local is not None
         t0 = time.perf_counter()
         try:
-            report = copy_refs(local.store, self.store, [local.ref(step)])
+            report = copy_refs(local.store, self.store, [local.ref(step)], recode=not self._local_compress)
             with self._durable_lock:
                 try:
                     newest = snapshot_step(self.store.manifest(self._durable.latest))

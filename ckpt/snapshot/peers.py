@@ -197,7 +197,7 @@ class Peers:
         from ckpt_store.storage.commit import commit
 
         try:
-            copy_chunks(self.local.store, durable, own)
+            copy_chunks(self.local.store, durable, own, recode=not self.local.compress)
             problem = None
         except Exception as e:  # noqa: BLE001 - every rank learns of it below
             problem = f"rank {self.rank}: {describe(e)}"

@@ -72,17 +72,27 @@ class LocalTier:
     :meth:`prune` removes the oldest snapshots beyond either bound (the newest always
     stays, and so do ``pinned`` steps, e.g. one being persisted) and frees their data at
     once: nothing else writes into this store while the manager prunes it.
+
+    Chunks are written raw unless ``compress`` (then with ``settings``, as the durable store
+    writes them); persisting compresses raw ones on the way (``copy_refs(..., recode=True)``).
     """
 
     def __init__(self, path: str | os.PathLike[str], run: str, *, keep: int = 2, max_bytes: int | None = None,
-                 settings: Settings | None = None) -> None:
+                 settings: Settings | None = None, compress: bool = False) -> None:
+        from dataclasses import replace
+
+        from ckpt.settings import Settings
         from ckpt.store.store import Store
+
+        if not compress:  # raw: nothing is worth compressing (ckpt.codecs.chunk.encode_chunk)
+            settings = replace(settings or Settings.from_env(), min_saving=1.0)
 
         self.path = str(path)
         self.run = run
         self.keep = keep
         self.max_bytes = max_bytes
         os.makedirs(self.path, exist_ok=True)
+        self.compress = compress
         self.store = Store.init(self.path, settings=settings)
         self.pinned: set[int] = set()
         self._lock = threading.Lock()  # prune vs. the steps a persist pins

@@ -20,11 +20,12 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ckpt.codecs.chunk import decode_chunk, parse_header
+from ckpt.codecs.chunk import RAW, decode_chunk, encode_chunk, parse_header
 from ckpt.progress import Progress
 from ckpt.transfer.pipeline import fetch_chunk
 from ckpt_store.storage import copy as storage_copy
-from ckpt_store.storage.copy import ChunkCheck, CopyItem, CopyReport, copy_checkpoints
+from ckpt_store.storage.backends.base import Data
+from ckpt_store.storage.copy import ChunkCheck, ChunkRecode, CopyItem, CopyReport, copy_checkpoints
 from ckpt_store.storage.errors import CkptError, InvalidNameError, RefNotFoundError
 from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.refs import validate_ref_name
@@ -32,7 +33,7 @@ from ckpt_store.storage.refs import validate_ref_name
 if TYPE_CHECKING:
     from ckpt.store.store import Store
 
-__all__ = ["CopyReport", "chunk_checker", "copy_chunks", "copy_refs", "parse_copy_spec"]
+__all__ = ["CopyReport", "chunk_checker", "copy_chunks", "copy_refs", "parse_copy_spec", "raw_recoder"]
 
 _SPEC = re.compile(r"^([^:]+)(?::([^:]+))?$")
 
@@ -76,6 +77,22 @@ def chunk_checker(src: Store, dst: Store) -> ChunkCheck:
     return check
 
 
+def raw_recoder(dst: Store) -> ChunkRecode:
+    """Store a raw blob (a local tier written raw, say) as ``dst`` would have encoded it on a push
+    (without a delta); any other blob as it is. Same chunk id: the id is the hash of the decoded
+    bytes, which the blob's check has just verified."""
+    settings = dst.settings
+
+    def recode(cid: str, blob: bytes) -> Data:
+        h = parse_header(blob, cid)
+        if h.codec != RAW:
+            return blob
+        return encode_chunk(memoryview(blob)[h.size :], elem=h.elem, level=settings.zstd_level,
+                            min_saving=settings.min_saving).parts
+
+    return recode
+
+
 def _items(src: Store, specs: Iterable[str]) -> tuple[list[CopyItem], dict[str, int]]:
     items, weights = [], {}
     for spec in specs:
@@ -93,28 +110,33 @@ def _items(src: Store, specs: Iterable[str]) -> tuple[list[CopyItem], dict[str, 
     return items, weights
 
 
-def copy_refs(src: Store, dst: Store, refs: Iterable[str], *, progress: Progress | None = None) -> CopyReport:
+def copy_refs(src: Store, dst: Store, refs: Iterable[str], *, progress: Progress | None = None,
+              recode: bool = False) -> CopyReport:
     """Copy checkpoints ``refs`` from ``src`` to ``dst`` and point the same refs at them there.
 
     Each item is ``REF`` (a ref keeps its name; ``NAME@N`` or an id prefix copies the
     checkpoint without a ref) or ``REF:NAME`` (the ref to set at the destination). Only
     objects ``dst`` lacks travel -- a fine-tune whose base is there costs about its delta --
     chunks first, then manifests, then refs, each verified before it is written. An
-    interrupted copy, run again, sends only what is still missing.
+    interrupted copy, run again, sends only what is still missing. ``recode``: raw chunks are
+    compressed on the way (:func:`raw_recoder`); otherwise every chunk travels as stored.
     """
     refs = list(refs)
     if not refs:
         raise RefNotFoundError("nothing to copy", hint="name at least one ref")
     items, weights = _items(src, refs)
     return copy_checkpoints(src.objects, dst.objects, dst.refs_db, items, check_chunk=chunk_checker(src, dst),
-                            concurrency=_concurrency(src, dst), progress=progress, weights=weights)
+                            concurrency=_concurrency(src, dst), progress=progress, weights=weights,
+                            recode=raw_recoder(dst) if recode else None)
 
 
 def _concurrency(src: Store, dst: Store) -> int:
     return max(src.settings.workers, src.backend.concurrency, dst.backend.concurrency)
 
 
-def copy_chunks(src: Store, dst: Store, ids: Iterable[str]) -> CopyReport:
-    """Copy the chunks ``ids`` that ``dst`` lacks from ``src``, as stored (never re-encoded), each
-    decoded and re-hashed first; bases of delta chunks come along. Nothing else is written."""
-    return storage_copy.copy_chunks(src.objects, dst.objects, ids, check_chunk=chunk_checker(src, dst), concurrency=_concurrency(src, dst))
+def copy_chunks(src: Store, dst: Store, ids: Iterable[str], *, recode: bool = False) -> CopyReport:
+    """Copy the chunks ``ids`` that ``dst`` lacks from ``src``, as stored (``recode``: raw ones
+    compressed, :func:`raw_recoder`), each decoded and re-hashed first; bases of delta chunks come
+    along. Nothing else is written."""
+    return storage_copy.copy_chunks(src.objects, dst.objects, ids, check_chunk=chunk_checker(src, dst),
+                                    concurrency=_concurrency(src, dst), recode=raw_recoder(dst) if recode else None)

@@ -23,6 +23,12 @@ def joined(data: Data) -> bytes:
     """``data`` as one bytes object (for backends that send a single body)."""
     return b"".join(data) if isinstance(data, tuple) else bytes(data)
 
+
+def data_size(data: Data) -> int:
+    """Bytes in ``data`` (what :func:`joined` would return, without joining)."""
+    parts = data if isinstance(data, tuple) else (data,)
+    return sum(memoryview(p).nbytes for p in parts)
+
 # Prefix of an object gc is deleting (LocalBackend.delete_if_stale); it is a temporary.
 CONDEMNED = ".tmp-gc-"
 

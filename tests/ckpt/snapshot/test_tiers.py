@@ -160,6 +160,37 @@ def test_local_saves_persist_only_missing_chunks_and_the_tier_stays_bounded(tmp_
     mgr.close()
 
 
+def _codecs(store):
+    """Codec of every chunk blob in ``store``."""
+    from ckpt.codecs.chunk import CODEC_NAMES, parse_header
+
+    listed, _ = store.objects.inventory()
+    return [CODEC_NAMES[parse_header(store.objects.get("chunks", o.id), o.id).codec] for o in listed["chunks"]]
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_the_local_tier_is_raw_and_persisting_compresses(tmp_path, compress):
+    """By default the tier holds raw chunks (a save hashes and writes; a restore reads and hashes);
+    persisting compresses them as the durable store's own saves would, same chunk ids, and
+    both tiers restore bit for bit. ``local_compress=True`` compresses in the tier already."""
+    mgr, model, opt = _train(tmp_path, 2, every_n_steps=2, local_every_n_steps=1, local_compress=compress)
+    live = _bits(model), {k: v.numpy().tobytes() for st in opt.state_dict()["state"].values() for k, v in st.items()}
+    local = mgr._local.store  # noqa: SLF001 - the tier's own store, to read its blobs
+    assert mgr.last_persist.step == 2
+    assert (set(_codecs(local)) == {"raw"}) is not compress
+    assert set(_codecs(mgr.store)) > {"raw"}  # the second moments compress
+    assert local.resolve("run/step-2") == mgr.store.resolve("run/step-2")  # one snapshot, one id, in both tiers
+    assert mgr.store.du().stored_chunks < local.du().stored_chunks or compress
+    mgr.close()
+    for tier in ("local", "durable"):
+        fresh, m2, o2 = _fresh(tmp_path, **({} if tier == "local" else {"local": None}))
+        assert fresh.restore_latest({"model": m2, "optim": o2, "step": 0}) == 2
+        assert fresh.last_restore["store" if tier == "durable" else "local"] > 0
+        assert (_bits(m2), {k: v.numpy().tobytes() for st in o2.state_dict()["state"].values() for k, v in st.items()}) == live
+        fresh.close()
+    assert mgr.store.verify().ok and local.verify().ok
+
+
 def test_local_tier_bounded_by_bytes_keeps_the_newest_snapshot(tmp_path):
     mgr, _, _ = _train(tmp_path, 6, local_every_n_steps=1, local_keep=10, local_max_bytes=1)
     assert mgr.local_tier.steps == [6]  # over the byte bound: only the newest stays
@@ -228,7 +259,8 @@ def test_a_failed_persist_warns_and_the_next_save_persists_again(tmp_path, tiny_
 
 @pytest.mark.parametrize("bad", [dict(local_every_n_steps=2), dict(local_max_bytes=10), dict(replicas=1),
                                  dict(local=True, every_n_steps=5, local_every_n_steps=2),
-                                 dict(local=True, replicas=1), dict(local=True, local_keep=0)])
+                                 dict(local=True, replicas=1), dict(local=True, local_keep=0),
+                                 dict(local=True, local_compress="no")])
 def test_tier_settings_are_checked(tmp_path, bad):
     with pytest.raises(ValueError):
         ckpt.CheckpointManager(str(tmp_path / "d"), "run", **bad)
