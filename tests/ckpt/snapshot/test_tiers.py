@@ -175,7 +175,7 @@ def test_the_local_tier_is_raw_and_persisting_compresses(tmp_path, compress):
     both tiers restore bit for bit. ``local_compress=True`` compresses in the tier already."""
     mgr, model, opt = _train(tmp_path, 2, every_n_steps=2, local_every_n_steps=1, local_compress=compress)
     live = _bits(model), {k: v.numpy().tobytes() for st in opt.state_dict()["state"].values() for k, v in st.items()}
-    local = mgr._local.store  # noqa: SLF001 - the tier's own store, to read its blobs
+    local = ckpt.Store.open(mgr.local_tier.path)
     assert mgr.last_persist.step == 2
     assert (set(_codecs(local)) == {"raw"}) is not compress
     assert set(_codecs(mgr.store)) > {"raw"}  # the second moments compress
