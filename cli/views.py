@@ -11,22 +11,41 @@ from __future__ import annotations
 
 from typing import Any
 
-from rich.table import Table
+from rich.cells import cell_len
 from rich.text import Text
 
 from ckpt_store.cli.render import as_text, err, human_bytes, out, ratio, safe, when
 
 
-def _table(columns: tuple[str, ...], right: tuple[str, ...]) -> Table:
-    t = Table(box=None, pad_edge=False)
-    for c in columns:
-        t.add_column(c, justify="right" if c in right else "left")
-    return t
+class _Columns:
+    """Aligned text columns, two spaces apart, with a bold header: what a rich ``Table(box=None)``
+    drew, in one pass over the cells. Rich measured every cell: 1,000 refs took 1.5 s to draw,
+    longer than listing them. Cells are user text, made safe (:func:`safe`) and never markup;
+    widths are terminal cells (wide characters count 2); a long line is left to the terminal
+    to wrap, as ``ls -l`` does."""
 
+    def __init__(self, columns: tuple[str, ...], right: tuple[str, ...]) -> None:
+        self.columns = columns
+        self.right = [c in right for c in columns]
+        self.rows: list[list[str]] = []
 
-def _cells(*values: str) -> list[Text]:
-    """Table cells as plain Text: never parsed as markup, whatever the console does."""
-    return [Text(safe(v)) for v in values]
+    def add_row(self, values: tuple[str, ...]) -> None:
+        self.rows.append([safe(v) for v in values])
+
+    def print(self) -> None:
+        widths = [max([cell_len(h), *(cell_len(r[i]) for r in self.rows)]) for i, h in enumerate(self.columns)]
+        last = len(widths) - 1
+
+        def line(values: list[str] | tuple[str, ...]) -> str:
+            parts = []
+            for i, v in enumerate(values):
+                pad = " " * (widths[i] - cell_len(v))
+                parts.append(pad + v if self.right[i] else v if i == last else v + pad)
+            return "  ".join(parts)
+
+        out.print(Text(line(self.columns), style="bold"))
+        if self.rows:
+            out.print(Text("\n".join(line(r) for r in self.rows)))
 
 
 def init(v: dict[str, Any]) -> None:
@@ -52,10 +71,10 @@ def ls(rows: list[dict[str, Any]]) -> None:
     if not rows:
         out.print("no readable refs" if damaged else "no refs yet: `ckpt push FILE NAME` stores a checkpoint")
         return
-    t = _table(("REF", "ID", "SIZE", "TENSORS", "UPDATED", "MESSAGE"), ("SIZE", "TENSORS"))
+    t = _Columns(("REF", "ID", "SIZE", "TENSORS", "UPDATED", "MESSAGE"), ("SIZE", "TENSORS"))
     for r in rows:
-        t.add_row(*_cells(r["ref"], r["id"][:12], human_bytes(r["logical_bytes"]), str(r["tensors"]), when(r["time"]), r["message"] or ""))
-    out.print(t)
+        t.add_row((r["ref"], r["id"][:12], human_bytes(r["logical_bytes"]), str(r["tensors"]), when(r["time"]), r["message"] or ""))
+    t.print()
 
 
 def log(rows: list[dict[str, Any]], name: str) -> None:
@@ -82,12 +101,12 @@ def show(v: dict[str, Any]) -> None:
         _merge_record(v["lineage"]["merge"])
     if v["lineage"].get("base"):
         out.print(f"delta base {safe(str(v['lineage']['base'])[:12])} (delta-coded tensors show their chain depth)")
-    t = _table(("TENSOR", "DTYPE", "SHAPE", "BYTES", "STORED", "CODEC"), ("BYTES", "STORED"))
+    t = _Columns(("TENSOR", "DTYPE", "SHAPE", "BYTES", "STORED", "CODEC"), ("BYTES", "STORED"))
     for r in tensors:
         codec = "+".join(r["codecs"]) + (f" (depth {r['delta_depth']})" if r["delta_depth"] else "")
-        t.add_row(*_cells(r["name"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar", human_bytes(r["logical_bytes"]),
+        t.add_row((r["name"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar", human_bytes(r["logical_bytes"]),
                           human_bytes(r["stored_bytes"]), codec))
-    out.print(t)
+    t.print()
     others = [f for f in files if f["kind"] == "blob"]
     if others:
         out.print("other files: " + ", ".join(f"{safe(f['path'])} ({human_bytes(f['logical_bytes'])})" for f in others))
@@ -120,10 +139,10 @@ def _merge_record(rec: dict[str, Any]) -> None:
 
 
 def du(v: dict[str, Any]) -> None:
-    t = _table(("REF", "LOGICAL", "STORED", "ONLY THIS REF"), ("LOGICAL", "STORED", "ONLY THIS REF"))
+    t = _Columns(("REF", "LOGICAL", "STORED", "ONLY THIS REF"), ("LOGICAL", "STORED", "ONLY THIS REF"))
     for r in v["refs"]:
-        t.add_row(*_cells(r["ref"], human_bytes(r["logical_bytes"]), human_bytes(r["stored_bytes"]), human_bytes(r["exclusive_bytes"])))
-    out.print(t)
+        t.add_row((r["ref"], human_bytes(r["logical_bytes"]), human_bytes(r["stored_bytes"]), human_bytes(r["exclusive_bytes"])))
+    t.print()
     logical, stored = v["logical_bytes"], v["stored_bytes"]
     out.print(
         f"\ntotal: {human_bytes(logical)} in {len(v['refs'])} refs stored as {human_bytes(stored)} "
@@ -180,13 +199,13 @@ def _num(x: Any, spec: str = ".3e") -> str:
 
 def diff(report: Any, sort: str, top: int | None, plot: Any) -> None:
     """``diff``'s result is its typed :class:`DiffReport`; ``--json`` prints ``report.to_json``."""
-    t = _table(("TENSOR", "STATUS", "CHANGED", "REL CHANGE", "MAX |B-A|", "COSINE", "DELTA"),
+    t = _Columns(("TENSOR", "STATUS", "CHANGED", "REL CHANGE", "MAX |B-A|", "COSINE", "DELTA"),
                ("CHANGED", "REL CHANGE", "MAX |B-A|", "COSINE", "DELTA"))
     for r in report.select(sort, top):
         changed = "-" if r.changed_elements is None else f"{r.changed_elements}/{r.numel}"
-        t.add_row(*_cells(r.name, r.status + ("" if r.read else " *"), changed, _num(r.relative_change),
+        t.add_row((r.name, r.status + ("" if r.read else " *"), changed, _num(r.relative_change),
                           _num(r.max_abs_diff), _num(r.cosine, ".6f"), "-" if r.delta_bytes is None else human_bytes(r.delta_bytes)))
-    out.print(t)
+    t.print()
     s = report.summary
     out.print(
         f"\n{s.tensors} tensors: {s.changed} changed, {s.identical} identical ({s.identical_unread} by chunk ids, not read: *), "

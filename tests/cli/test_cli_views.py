@@ -140,3 +140,34 @@ def test_bad_settings_in_the_environment_are_one_line(env, capsys, monkeypatch, 
         code, out, err = run_main(capsys, *args)
         assert code == 1 and out == "", (args, out)
         assert err.count("\n") == 1 and err.startswith(f"error: {var}=") and "Traceback" not in err, err
+
+
+def test_tables_align_in_terminal_cells_and_draw_user_text_safely(env):
+    """Tables are aligned columns: in ls every row's SIZE ends where the header's does, and in
+    show every BYTES cell too, with wide-character tensor names (2 cells a character); user text
+    with control characters is drawn escaped."""
+    from rich.cells import cell_len
+
+    save_file({"模型.weight": torch.ones(64, 64), "b": torch.ones(3), "層/偏置": torch.ones(2, 2)}, env / "wide.safetensors")
+    for name, msg in (("a", "plain"), ("wide", "bell\x07 and\x1b[2J escape"), ("a-much-longer-ref-name", "")):
+        invoke("push", env / ("wide.safetensors" if name == "wide" else "a.safetensors"), name, "-m", msg)
+
+    def right_edges(text, column, cells):
+        lines = [line for line in text.splitlines() if line.strip()]
+        head = next(i for i, line in enumerate(lines) if line.split()[:1] == [column[0]])
+        edge = cell_len(lines[head][: lines[head].index(column[1]) + len(column[1])])
+        rows = lines[head + 1 : head + 1 + cells]
+        return edge, rows
+
+    edge, rows = right_edges(invoke("ls"), ("REF", "SIZE"), 3)
+    assert {r.split()[0] for r in rows} == {"a", "wide", "a-much-longer-ref-name"}
+    for row in rows:
+        size = " ".join(row.split()[2:4])  # e.g. "64.6 KiB"
+        assert cell_len(row[: row.index(size) + len(size)]) == edge
+    wide = next(r for r in rows if r.startswith("wide"))
+    assert "\x07" not in wide and "\x1b" not in wide and "\\x07" in wide
+    edge, rows = right_edges(invoke("show", "wide"), ("TENSOR", "BYTES"), 3)
+    assert {r.split()[0] for r in rows} == {"模型.weight", "b", "層/偏置"}
+    for row in rows:
+        nbytes = " ".join(row.split()[3:5])
+        assert cell_len(row[: row.index(nbytes) + len(nbytes)]) == edge, row
