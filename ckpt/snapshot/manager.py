@@ -396,21 +396,32 @@ class CheckpointManager:
                         result = job()
                 else:
                     result = job()
-            except SnapshotError:
-                if not self._distributed:
-                    raise  # the state itself (modified under an overlapped save): not a tier failure
-                self._tier_warning(f"local tiers: snapshot of step {step} not saved; the next save tries again")
+            except SnapshotError as e:
+                # One process: the state itself (modified under an overlapped save), not a tier failure.
+                # A group: a snapshot due to the durable store that no tier took (its direct save
+                # failed too, or a rank died) is raised as without tiers.
+                if not self._distributed or persist:
+                    raise
+                self._tier_warning(f"local tiers: snapshot of step {step} not saved ({e}); the next save tries again")
+                self._free_leftovers()
                 return None
             except Exception as e:  # noqa: BLE001 - the local tier failed; training goes on
                 self._tier_warning(f"local tier: snapshot of step {step} not saved ({describe(e)}); the next save tries again")
                 local.drop(step)
+                self._free_leftovers()
+                self._persist_pending = self._persist_pending or persist
                 return None
             if result.fell_back is not None:
                 self._tier_warning(f"local tier: snapshot of step {step} not saved ({result.fell_back}); "
                                    "it was written to the durable store directly")
                 self._persist_pending = False
-                self._retain()
+                self._free_leftovers()
+                if result.prunes:  # in a group, the coordinator alone
+                    self._retain()
                 return result
+            if result.tier_error is not None:
+                self._tier_warning(f"local tier: part of the snapshot of step {step} not kept ({result.tier_error}); "
+                                   "the next save tries again")
             if result.persist_error is not None:
                 self._persist_pending = True
                 self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed "
@@ -431,6 +442,16 @@ class CheckpointManager:
             return result
 
         return run
+
+    def _free_leftovers(self) -> None:
+        """Free what a failed local save left in the tier (chunks no snapshot names), so that a full
+        tier has room again for the next save."""
+        local = self._local
+        assert local is not None
+        try:
+            local.prune()
+        except Exception as e:  # noqa: BLE001
+            log.warning("local tier: could not free the leftovers of a failed save (%s)", describe(e))
 
     def _request_persist(self, step: int) -> None:
         local = self._local

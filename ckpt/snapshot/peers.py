@@ -138,20 +138,28 @@ class Peers:
         return got
 
     # -- saving -------------------------------------------------------------------------
-    def publish(self, published: tuple[str, bytes] | None) -> tuple[str, bytes]:
-        """Give every rank's tier the manifest the coordinator wrote (``published`` there): (id, bytes)."""
+    def publish(self, published: tuple[str, bytes] | None) -> tuple[str, bytes, str | None]:
+        """Give every rank's tier the manifest the coordinator wrote (``published`` there): (id, bytes,
+        why this rank's tier could not keep it, or None). A failing tier never leaves the collectives."""
         import torch.distributed as dist
 
         box = [published]
         dist.broadcast_object_list(box, src=self.ranks[0], group=self.group)
         assert box[0] is not None, "the coordinator published no manifest"
         mid, data = box[0]
-        self.local.store.objects.put_manifest(data)
-        return mid, data
+        try:
+            self.local.store.objects.put_manifest(data)
+        except Exception as e:  # noqa: BLE001 - a full tier, say: the step is not recorded here
+            return mid, data, f"manifest not kept ({describe(e)})"
+        return mid, data, None
 
-    def replicate(self, step: int, mid: str, data_ids: set[str]) -> tuple[set[str], int]:
+    def replicate(self, step: int, mid: str, data_ids: set[str], *, record: bool = True) -> tuple[set[str], int, str | None]:
         """Send this rank's chunks of the snapshot to its replicas where they lack them; keep what
-        others send. Returns (the chunks of the snapshot this rank held before, stored bytes it sent)."""
+        others send; then (``record``: this tier holds the manifest) name the step in this tier.
+        Returns (the chunks of the snapshot this rank held before, stored bytes it sent, why this
+        rank's tier failed to keep what it received or to record the step, or None). A tier that
+        fails (full, say) does so on its own: the collectives go on, and chunks received are stored
+        one by one, verified, only once all have arrived, so a partial transfer is never kept."""
         store = self.local.store
         own = store.objects.has_many("chunks", data_ids)
         held = self.gather(sorted(own))
@@ -166,11 +174,20 @@ class Peers:
                 if min(r for r in senders if cid in held_sets[r]) == self.rank:
                     sends.setdefault(dst, []).append((cid, store.objects.get("chunks", cid)))
         got = self.exchange(sends)
-        self._keep(got)
-        store.refs_db.set(self.local.ref(step), mid)
-        store.refs_db.set(f"{self.local.run}/latest", mid, alias=True)
-        store.objects.backend.flush()
-        return own, sum(len(b) for items in sends.values() for _, b in items)
+        problems = []
+        try:
+            self._keep(got)
+        except Exception as e:  # noqa: BLE001 - this tier lacks some of them; a restore reads them elsewhere
+            problems.append(f"chunks from peers not kept ({describe(e)})")
+        if record:
+            try:
+                store.refs_db.set(self.local.ref(step), mid)
+                store.refs_db.set(f"{self.local.run}/latest", mid, alias=True)
+                store.objects.backend.flush()
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"step not recorded ({describe(e)})")
+        sent = sum(len(b) for items in sends.values() for _, b in items)
+        return own, sent, "; ".join(problems) or None
 
     def _keep(self, blobs: dict[str, bytes]) -> int:
         """Verify and store chunks received from peers; a damaged one is dropped (the tier then lacks it)."""

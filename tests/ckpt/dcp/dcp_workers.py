@@ -564,6 +564,79 @@ def tiers_replication(rank, world, tmp, store):
     return out
 
 
+def _big_ddp_state(rank, seed=0):
+    """DDP over 1 MB of weights with AdamW (~3 MB of state: more than a tiny tier holds), per-rank RNG."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import ckpt
+
+    torch.manual_seed(seed)  # DDP broadcasts rank 0's weights anyway
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 8)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(100 + rank)
+    return {"model": model, "optim": opt, "rng": ckpt.RNGState(), "step": 0}
+
+
+def _big_step(state):
+    import torch
+
+    x = torch.randn(16, 512)
+    loss = state["model"](x).square().mean()
+    state["optim"].zero_grad()
+    loss.backward()
+    state["optim"].step()
+    return loss.item().hex()
+
+
+def _big_bits(state):
+    import torch
+
+    opt = state["optim"].state_dict()
+    return {"params": {k: bits(v) for k, v in state["model"].state_dict().items()},
+            "optim": {str(i): {k: bits(v) for k, v in st.items()} for i, st in opt["state"].items()},
+            "torch_rng": bits(torch.get_rng_state()), "step": state["step"]}
+
+
+def tiers_full(rank, world, tmp, store, mode, steps=8):
+    """Local tiers under ``tmp/local`` (the test mounts a tiny tmpfs as some rank's tier), one replica,
+    local snapshots every 2 steps, durable every 4. ``train``: train ``steps`` steps; returns the
+    TierWarnings this rank saw, the state's bits at each durable step and what each store holds.
+    ``restore``: a fresh state restores the latest snapshot, then step 4; returns their bits."""
+    import warnings
+
+    import torch.distributed as dist
+
+    import ckpt
+
+    state = _big_ddp_state(rank, seed=0 if mode == "train" else 1)
+    mgr = ckpt.CheckpointManager(store, "full", every_n_steps=4, local=os.path.join(tmp, "local"), local_every_n_steps=2,
+                                 replicas=1, process_group=dist.group.WORLD, timeout_s=30)
+    out: dict = {}
+    if mode == "restore":
+        out["latest"] = mgr.restore_latest(state)
+        out["restore"] = mgr.last_restore
+        out["bits"] = _big_bits(state)
+        out["step4"] = mgr.restore(state, 4)
+        out["bits4"] = _big_bits(state)
+        mgr.close()
+        return out
+    saved, losses = {}, {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, steps + 1):
+            losses[step] = _big_step(state)
+            state["step"] = step
+            if mgr.maybe_save(step, state) and step % 4 == 0:
+                saved[step] = _big_bits(state)  # what the save took: nothing changes before the next step
+        mgr.wait()
+    out = {"warnings": [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)],
+           "saved": saved, "losses": losses, "durable": mgr.steps(), "local_steps": mgr.local_tier.steps,
+           "last_tier": mgr.last_save.tier if mgr.last_save else None}
+    mgr.close()
+    return out
+
+
 def _flip_newest(path):
     """Flip the last byte of every chunk of the newest snapshot in the tier at ``path``; how many."""
     import ckpt
@@ -584,6 +657,6 @@ def _flip_newest(path):
     return n
 
 
-SCENARIOS = {"tiers_resume": tiers_resume, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
+SCENARIOS = {"tiers_resume": tiers_resume, "tiers_full": tiers_full, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state}

@@ -100,3 +100,35 @@ def test_damaged_local_chunks_come_from_a_peer_and_lost_replicas_fall_back_to_th
     _same_run(full, resumed, 4, n)
     for r in resumed:
         assert r["restore"]["step"] == 4 and r["restore"]["store"] > 0 and r["restore"]["local"] == 0
+
+
+@pytest.mark.parametrize("full", [0, 1])
+def test_a_full_local_tier_in_a_group_warns_and_training_and_durable_saves_go_on(tmp_path, tmpfs, full):
+    """Rank ``full``'s tier is a 1 MiB tmpfs; the state is ~3 MB. Rank 0 saves the shared state: its
+    tier fails every local save (ENOSPC), and the snapshots due to the durable store (4, 8) are written
+    there directly by all ranks. Rank 1's tier fills with rank 0's replica: that rank warns and its
+    tier holds what fits. Either way every step trains, the durable steps exist, and they restore
+    bit-exactly on every rank."""
+    tmpfs(tmp_path / "local" / f"rank-{full}", "1m")
+    url = str(tmp_path / "s")
+    trained = W.run_ranks("tiers_full", 2, str(tmp_path), store=url, mode="train")
+    for r in trained:
+        assert "error" not in r, r.get("trace")
+        assert sorted(map(int, r["losses"])) == list(range(1, 9))  # training went on
+        assert r["durable"] == [4, 8]
+    assert any("step 2" in m for m in trained[full]["warnings"]), trained[full]["warnings"]
+    if full == 0:  # no local snapshot anywhere: every rank was told, and 4 and 8 went to the store directly
+        for r in trained:
+            assert r["local_steps"] == [] and r["last_tier"] == "store"
+            for step in (2, 4, 6, 8):
+                assert any(f"step {step} not saved" in m for m in r["warnings"]), r["warnings"]
+            assert sum("durable store directly" in m for m in r["warnings"]) == 2
+    restored = W.run_ranks("tiers_full", 2, str(tmp_path), store=url, mode="restore")
+    for t, r in zip(trained, restored):
+        assert "error" not in r, r.get("trace")
+        assert r["latest"] == 8 and r["restore"]["step"] == 8 and r["step4"] == 4
+        assert r["bits"] == t["saved"]["8"] and r["bits4"] == t["saved"]["4"]  # bytes, every tensor and the RNG
+        if full == 0:
+            assert r["restore"]["store"] > 0 and r["restore"]["local"] == 0
+    assert ckpt.Store.open(url).verify().ok
+
