@@ -491,11 +491,14 @@ def fsdp_plain_state(rank, world, tmp, store):
             "params": [bits(p.full_tensor()) for p in model2.parameters()] == [bits(p.full_tensor()) for p in model.parameters()]}
 
 
-def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None):
+def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False):
     """:func:`ddp_resume` with local tiers: local snapshots every 2 steps, replicated to 1 peer
     rank, persisted every 4. ``resume`` first wipes the local tiers of the ranks in ``wipe`` (a
     replaced machine) and, on rank ``flip``, flips a byte of every chunk its tier holds of the
-    newest snapshot; then reports ``mgr.last_restore``."""
+    newest snapshot; then reports ``mgr.last_restore``. ``big``: the state also holds a 64 MB
+    tensor of zeros, shared by the ranks. ``killrep``: at step ``at`` that tensor becomes random
+    (so rank 0, which saves it, replicates 64 MB to rank 1) and rank 0 is SIGKILLed right after
+    posting that send, while it is in flight; rank 1 reports what its save and its tier made of it."""
     import shutil
 
     import torch.distributed as dist
@@ -504,6 +507,10 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None)
 
     local = os.path.join(tmp, "local")
     state = _ddp_state(rank)
+    if big:
+        import torch
+
+        state["big"] = torch.zeros(16 << 20)
     losses = {}
     mgr = None
     start = 0
@@ -524,7 +531,9 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None)
     for step in range(start + 1, steps + 1):
         losses[step] = _ddp_step(state)
         state["step"] = step
-        if mode == "crash" and mgr.maybe_save(step, state) and step == at:
+        if mode == "killrep" and step == at:
+            return _kill_in_replication(rank, state, mgr, step)
+        if mode in ("crash", "killrep") and mgr.maybe_save(step, state) and step == at:
             mgr.wait()
             _ddp_step(state)
             _ddp_step(state)
@@ -533,6 +542,98 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None)
         out["local_steps"] = mgr.local_tier.steps
         mgr.close()
     return {**out, "losses": losses, "bits": _ddp_bits(state)}
+
+
+def _kill_in_replication(rank, state, mgr, step):
+    """Save ``step`` with 64 MB of new shared data: rank 0 dies as soon as it has posted the send of it
+    to its replica; rank 1 returns its warnings and what its tier holds afterwards."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+
+    state["big"] = torch.randn(16 << 20, generator=torch.Generator().manual_seed(step))  # the same on every rank
+    if rank == 0:
+        real = dist.isend
+
+        def isend_then_die(tensor, *args, **kwargs):
+            work = real(tensor, *args, **kwargs)
+            if tensor.numel() > 32 << 20:  # the replication of the big tensor is under way
+                time.sleep(0.002)  # (part of it on the wire)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return work
+
+        dist.isend = isend_then_die
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr.maybe_save(step, state)
+        mgr.wait()
+    assert rank != 0, "rank 0 replicated its snapshot and lived"
+    from ckpt.store.copy import chunk_checker
+
+    tier = ckpt.Store.open(mgr.local_tier.path)
+    check, bad, n = chunk_checker(tier, tier), [], 0
+    for info in tier.objects.list("chunks"):  # every chunk this tier holds, whoever sent it, re-hashed
+        n += 1
+        try:
+            check(info.id, tier.objects.get("chunks", info.id))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            bad.append(f"{info.id[:12]}: {e}")
+    return {"warnings": [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)],
+            "local_steps": mgr.local_tier.steps, "tier_bytes": mgr.local_tier.bytes, "chunks": n, "bad": bad,
+            "temporaries": len(list(tier.objects.list_temporaries()))}
+
+
+def tiers_stall(rank, world, tmp, store, steps=4, at=2, timeout_s=5):
+    """Identical plain training on every rank (no DDP: nothing in the training step waits for a
+    peer), local snapshots every step, one replica, ``timeout_s``. At step ``at`` rank 1 stops
+    (SIGSTOP) as its replication begins, keeping its connections open: rank 0's save gives up after
+    ``timeout_s`` with a TierWarning and its training goes on to ``steps``."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt.snapshot.peers import Peers
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": opt, "step": 0}
+    mgr = ckpt.CheckpointManager(store, "stall", local=os.path.join(tmp, "local"), local_every_n_steps=1, replicas=1,
+                                 process_group=dist.group.WORLD, timeout_s=timeout_s)
+    if rank == 1:
+        real = Peers.exchange
+
+        def stall(self, sends):
+            if state["step"] == at:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real(self, sends)
+
+        Peers.exchange = stall
+    losses, waited = {}, None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, steps + 1):
+            torch.manual_seed(step)  # the same batch on every rank: the state stays identical
+            loss = model(torch.randn(8, 64)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[step] = loss.item().hex()
+            state["step"] = step
+            if step <= at:
+                t0 = time.monotonic()
+                mgr.save(step, state)
+                mgr.wait()
+                waited = time.monotonic() - t0
+    out = {"warnings": [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)],
+           "losses": losses, "local_steps": mgr.local_tier.steps, "waited": waited}
+    mgr.close()
+    return out
 
 
 def tiers_replication(rank, world, tmp, store):
@@ -657,6 +758,6 @@ def _flip_newest(path):
     return n
 
 
-SCENARIOS = {"tiers_resume": tiers_resume, "tiers_full": tiers_full, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
+SCENARIOS = {"tiers_resume": tiers_resume, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state}

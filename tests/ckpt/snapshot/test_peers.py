@@ -132,3 +132,37 @@ def test_a_full_local_tier_in_a_group_warns_and_training_and_durable_saves_go_on
             assert r["restore"]["store"] > 0 and r["restore"]["local"] == 0
     assert ckpt.Store.open(url).verify().ok
 
+
+def test_a_rank_killed_while_replicating_leaves_the_previous_step_restorable_and_nothing_half_received(tmp_path):
+    """(f) Step 8 holds 64 MB of new shared data; rank 0 is SIGKILLed right after posting its send to
+    rank 1, its replica, while it is in flight. Rank 1 warns and keeps nothing of it; the restarted
+    ranks restore step 6 (in the local tiers only: 8 was never persisted) bit-identically."""
+    n, k = 10, 8
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n)
+    url = str(tmp_path / "s")
+    killed, survivor = W.run_ranks("tiers_resume", 2, str(tmp_path), store=url, mode="killrep", steps=n, at=k, big=True)
+    assert killed == {"killed": True}
+    assert "error" not in survivor, survivor.get("trace")
+    assert any("step 8 not saved" in m for m in survivor["warnings"]), survivor["warnings"]
+    assert survivor["local_steps"] == [4, 6]  # step 8 never named in its tier
+    assert survivor["bad"] == [] and survivor["temporaries"] == 0  # every chunk it holds is whole and verified
+    assert survivor["tier_bytes"] < 4 << 20  # none of the 64 MB in flight was kept
+    assert ckpt.Store.open(url).manifest("ddp/latest").extra["snapshot"]["step"] == 4
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path), store=url, mode="resume", steps=n, at=k, big=True)
+    _same_run(full, resumed, 6, n)
+    for r in resumed:
+        assert r["restore"]["step"] == 6 and r["restore"]["store"] == 0 and r["restore"]["peer"] == 0
+
+
+def test_a_peer_that_does_not_answer_makes_the_save_warn_after_the_timeout_and_training_goes_on(tmp_path):
+    """Rank 1 stops (SIGSTOP, connections open) as it starts replicating step 2: rank 0's save gives
+    up after timeout_s with a TierWarning, step 2 is not named in its tier, step 1 stays, and its
+    training runs to the end."""
+    ranks = W.run_ranks("tiers_stall", 2, str(tmp_path), store=str(tmp_path / "s"), steps=4, at=2, timeout_s=5,
+                        stuck=(1,), deadline_s=120)
+    r0 = ranks[0]
+    assert "error" not in r0, r0.get("trace")
+    assert sorted(map(int, r0["losses"])) == [1, 2, 3, 4]
+    assert any("step 2 not saved" in m for m in r0["warnings"]), r0["warnings"]
+    assert 4 < r0["waited"] < 60  # it waited for the timeout, not forever
+    assert r0["local_steps"] == [1]
