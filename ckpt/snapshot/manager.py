@@ -44,6 +44,7 @@ from ckpt.snapshot.tiers import MISSES as TIER_MISSES
 from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe
 
 if TYPE_CHECKING:
+    from ckpt.snapshot.tiers import Tiers
     from ckpt.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -176,7 +177,7 @@ class CheckpointManager:
     rank's chunks to K peers (``replica_stride`` apart, or on other nodes of
     ``replica_nodes``); the ranks persist together in the save thread. A tier that fails
     warns (:class:`TierWarning`) and the next save tries again; a snapshot due to ``store``
-    whose local save failed is written there directly (one process).
+    whose local save failed is written there directly (in a group, by all ranks together).
 
     Settings are checked at construction (``ValueError`` naming the parameter):
     ``every_n_steps``, ``keep_last`` and ``keep_every`` are ints >= 1 (not bools) or
@@ -617,6 +618,7 @@ class CheckpointManager:
             _, mid, tiers = chosen
             step = self._path.restore(state, mid, tiers)
             self.last_restore = {"step": step, **tiers.served}
+            self._refill(step, mid, tiers)
             return step
         candidates = self._candidates()
         for i, (step, mid) in enumerate(candidates):
@@ -671,7 +673,17 @@ class CheckpointManager:
             tiers = Tiers(([("local", self._local.store)] if self._local else []) + [("store", self.store)])
         step = self._path.restore(state, mid, tiers)
         self.last_restore = {"step": step, **tiers.served}
+        if peers is not None:
+            self._refill(step, mid, tiers)
         return step
+
+    def _refill(self, step: int, mid: str, tiers: Tiers) -> None:
+        """This rank's tier keeps what the restore fetched from peers (a replaced machine's tier refills)."""
+        peers = getattr(self._path, "peers", None)
+        assert peers is not None
+        _, problem = peers.refill(step, mid, tiers)
+        if problem is not None:
+            self._tier_warning(f"local tier: the chunks of step {step} fetched from peers not kept ({problem})")
 
     # -- preemption ----------------------------------------------------------------
     def _install_signals(self, sigs: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1)) -> None:

@@ -15,6 +15,8 @@ newest step they can assemble (else the durable store's newest), learn which chu
 each rank's DCP load will read (a dry run of the load plan), and fetch the ones a
 rank's own tier lacks from a peer holding them, into an in-memory ``peer`` tier.
 Every chunk is verified where it is read: a bad copy falls through to the durable store.
+After the restore a rank keeps what it fetched in its own tier (:meth:`Peers.refill`): a
+replaced machine's tier holds the snapshot again.
 """
 
 from __future__ import annotations
@@ -189,12 +191,13 @@ class Peers:
         sent = sum(len(b) for items in sends.values() for _, b in items)
         return own, sent, "; ".join(problems) or None
 
-    def _keep(self, blobs: dict[str, bytes]) -> int:
-        """Verify and store chunks received from peers; a damaged one is dropped (the tier then lacks it)."""
+    def _keep(self, blobs: dict[str, bytes], source: Store | None = None) -> int:
+        """Verify and store chunks received from peers; a damaged one is dropped (the tier then lacks it).
+        ``source``: a store that may hold the bases of delta-encoded ones (besides this tier)."""
         from ckpt.store.copy import chunk_checker
 
         store = self.local.store
-        check = chunk_checker(store, store)
+        check = chunk_checker(source or store, store)
         n = 0
         for cid, blob in sorted(blobs.items()):
             try:
@@ -307,6 +310,32 @@ class Peers:
         if self.rank not in holders:
             peer.objects.put_manifest(box[0])
 
+    def refill(self, step: int, mid: str, tiers: Tiers) -> tuple[int, str | None]:
+        """Keep in this rank's tier what a restore of ``step`` fetched from peers, so that a replaced
+        machine's tier holds the snapshot again and a later failure finds a local copy: the chunks
+        (verified, each written atomically), then the manifest, then the step's ref. Not collective.
+        Returns (stored bytes kept, why the tier failed to keep them, or None)."""
+        peer = dict(tiers.stores)["peer"]
+        local = self.local.store
+        fetched = {info.id for info in peer.objects.list("chunks")}
+        if not fetched:
+            return 0, None
+        kept = 0
+        try:
+            missing = fetched - local.objects.has_many("chunks", fetched)
+            kept = self._keep({cid: peer.objects.get("chunks", cid) for cid in sorted(missing)}, source=peer)
+            if not local.objects.has("manifests", mid):
+                local.objects.put_manifest(_manifest_bytes(tiers, mid))
+                local.objects.backend.flush()
+            local.refs_db.set(self.local.ref(step), mid)
+            if step >= max(self.local.steps(), default=step):
+                local.refs_db.set(f"{self.local.run}/latest", mid, alias=True)
+            local.objects.backend.flush()
+            self.local.prune()
+        except Exception as e:  # noqa: BLE001 - a full tier, say: the restore itself succeeded
+            return kept, describe(e)
+        return kept, None
+
     def fetch(self, tiers: Tiers, needed: set[str], *, exclude_local: set[str]) -> int:
         """Fill the ``peer`` tier with the chunks of ``needed`` this rank's tier lacks (or holds
         damaged: ``exclude_local``), from peers that hold them (nearest rank first). Collective:
@@ -332,6 +361,18 @@ class Peers:
         for cid, blob in got.items():
             peer.objects.put("chunks", cid, blob)  # verified where it is read, like any tier
         return sum(len(b) for b in got.values())
+
+
+def _manifest_bytes(tiers: Tiers, mid: str) -> bytes:
+    """The stored bytes of manifest ``mid`` from the nearest tier holding it intact."""
+    last: Exception | None = None
+    for _, store in tiers.stores:
+        try:
+            return store.objects.get_manifest(mid)
+        except MISSES as e:
+            last = e
+    assert last is not None
+    raise last
 
 
 class NeedsRecorder(Tiers):

@@ -69,11 +69,16 @@ def test_all_ranks_killed_restore_from_local_tiers_then_a_replaced_machine_from_
     assert store.verify().ok
 
     url = _crash(tmp_path / "b", 2, n, k)
-    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "b"), store=url, mode="resume", steps=n, at=k, wipe=[1])
-    _same_run(full, resumed, k, n)
-    r0, r1 = (r["restore"] for r in resumed)
+    restored = W.run_ranks("tiers_resume", 2, str(tmp_path / "b"), store=url, mode="resume", steps=k, at=k, wipe=[1])
+    r0, r1 = (r["restore"] for r in restored)
     assert r0["step"] == r1["step"] == k and r0["store"] == r1["store"] == 0
     assert r1["local"] == 0 and r1["peer"] > 0  # everything rank 1 read came from rank 0
+    assert restored[1]["local_steps"] == [k]  # ...and its tier keeps it: the replaced machine's tier refilled
+    # (b') killed again before saving anything: rank 1 now restores step 6 from its own tier
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "b"), store=url, mode="resume", steps=n, at=k)
+    _same_run(full, resumed, k, n)
+    for r in resumed:
+        assert r["restore"]["step"] == k and r["restore"]["local"] > 0 and r["restore"]["peer"] == r["restore"]["store"] == 0
 
 
 
