@@ -527,7 +527,8 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the in-flight save is durable (and, with a local tier, its persist has
-        finished); raise the save's error if it failed."""
+        finished, or the tier has kept what a restore fetched from peers); raise the save's error
+        if it failed."""
         try:
             self._wait_save()
         finally:
@@ -678,12 +679,20 @@ class CheckpointManager:
         return step
 
     def _refill(self, step: int, mid: str, tiers: Tiers) -> None:
-        """This rank's tier keeps what the restore fetched from peers (a replaced machine's tier refills)."""
+        """This rank's tier keeps what the restore fetched from peers (a replaced machine's tier refills),
+        in the save thread: training starts at once, and the next save (or :meth:`wait`) waits for it."""
         peers = getattr(self._path, "peers", None)
         assert peers is not None
-        _, problem = peers.refill(step, mid, tiers)
-        if problem is not None:
-            self._tier_warning(f"local tier: the chunks of step {step} fetched from peers not kept ({problem})")
+
+        def run() -> None:
+            try:
+                _, problem = peers.refill(step, mid, tiers)
+            except Exception as e:  # noqa: BLE001 - the restore stands; the tier is only emptier
+                problem = describe(e)
+            if problem is not None:
+                self._tier_warning(f"local tier: the chunks of step {step} fetched from peers not kept ({problem})")
+
+        self._inflight = self._pool.submit(run)
 
     # -- preemption ----------------------------------------------------------------
     def _install_signals(self, sigs: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1)) -> None:

@@ -539,6 +539,7 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
             _ddp_step(state)
             os.kill(os.getpid(), signal.SIGKILL)
     if mgr is not None:
+        mgr.wait()  # (a restore's refill of the tier runs in the save thread)
         out["local_steps"] = mgr.local_tier.steps
         mgr.close()
     return {**out, "losses": losses, "bits": _ddp_bits(state)}
