@@ -281,10 +281,13 @@ class DistributedSnapshots:
         return step
 
     def _load_from_tiers(self, flat: dict[str, Any], mid: str, tiers: Tiers) -> Any:
-        """DCP loads through the tiers: a dry run of the load plan says which chunks this rank reads,
-        those its own tier lacks come from peers, then the load; a chunk that no tier served with
-        a correct hash (a damaged local copy of a step not yet persisted) is fetched from a peer
-        and the load runs once more. Returns the planner that holds the loaded values."""
+        """DCP loads through the tiers. Where every rank's tier names the snapshot, each rank first
+        reads from its own tier alone: a restart whose tiers are intact reads once, with no planning
+        pass before it. Where some rank's tier lacks it (a replaced machine), a dry run of the load
+        plan says which chunks each rank reads, and those its tier lacks come from peers first.
+        Either load is lenient: a chunk no tier served with a correct hash (missing, or a damaged
+        local copy) is noted, fetched from a peer that holds it, and all ranks load once more, each
+        chunk from the nearest tier with a correct hash. Returns the planner holding the values."""
         import torch.distributed.checkpoint as dcp
 
         from ckpt.dcp.checkpoint import Reader
@@ -292,20 +295,26 @@ class DistributedSnapshots:
 
         peers = self.peers
         assert peers is not None
-        recorder = NeedsRecorder(tiers)
-        dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=recorder), process_group=self.group,
-                 planner=values_planner())
-        peers.fetch(tiers, recorder.asked, exclude_local=set())
+        if tiers.every_rank_holds:  # (the same on every rank: from the gathered inventories)
+            tiers.reach = 1
+        else:
+            recorder = NeedsRecorder(tiers)
+            dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=recorder), process_group=self.group,
+                     planner=values_planner())
+            peers.fetch(tiers, recorder.asked, exclude_local=set())
         tiers.lenient = True
         planner = values_planner()
-        dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=tiers), process_group=self.group, planner=planner)
-        again = peers.gather(sorted(tiers.unserved))
-        if any(again):
-            peers.fetch(tiers, set(tiers.unserved), exclude_local=set(tiers.unserved))
-            tiers.lenient, tiers.unserved = False, set()
-            tiers.served.update(dict.fromkeys(tiers.served, 0))
-            planner = values_planner()
+        try:
             dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=tiers), process_group=self.group, planner=planner)
+        finally:
+            missed, tiers.unserved = set(tiers.unserved), set()
+            tiers.lenient, tiers.reach = False, None
+        if not any(peers.gather(bool(missed))):
+            return planner
+        peers.fetch(tiers, missed, exclude_local=missed)
+        tiers.served.update(dict.fromkeys(tiers.served, 0))
+        planner = values_planner()
+        dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=tiers), process_group=self.group, planner=planner)
         return planner
 
     def _plan_restore(self, state: dict[str, Any], mid: str, tiers: Tiers | None = None,

@@ -10,11 +10,14 @@ Replication (:meth:`Peers.replicate`): each rank sends the chunks it wrote that 
 ``K`` replica ranks (:func:`replica_ranks`) lack, point to point over the group (gloo);
 a chunk several ranks wrote (a replicated parameter) goes once, from the lowest of them.
 
-Restore (:meth:`Peers.choose`): the ranks gather what their tiers hold, agree on the
-newest step they can assemble (else the durable store's newest), learn which chunks
-each rank's DCP load will read (a dry run of the load plan), and fetch the ones a
-rank's own tier lacks from a peer holding them, into an in-memory ``peer`` tier.
-Every chunk is verified where it is read: a bad copy falls through to the durable store.
+Restore (:meth:`Peers.choose`): the ranks gather what their tiers hold and agree on the
+newest step they can assemble (else the durable store's newest). Where every rank's tier
+names that step, each rank's DCP load reads from its own tier alone, and only if some rank
+lacked chunks there (or found them damaged) are those fetched from a peer holding them
+(:meth:`Peers.fetch`), into an in-memory ``peer`` tier, for a second load. Where some
+rank's tier lacks the step (a replaced machine), a dry run of the load plan says which
+chunks each rank reads, and those its tier lacks are fetched before the load. Every chunk
+is verified where it is read: a bad copy falls through to the durable store.
 After the restore a rank keeps what it fetched in its own tier (:meth:`Peers.refill`): a
 replaced machine's tier holds the snapshot again.
 """
@@ -277,6 +280,7 @@ class Peers:
             chosen = (dstep, dmid)
         step, mid = chosen
         tiers = self.tiers(durable)
+        tiers.every_rank_holds = all(inv.get(step, ("",))[0] == mid for inv in inventories)  # the same on every rank
         self._share_manifest(mid, inventories, dict(tiers.stores)["peer"])
         return step, mid, tiers
 
@@ -379,7 +383,7 @@ class NeedsRecorder(Tiers):
     """Tiers that record which chunks a load asks for instead of reading them (a dry run of a DCP load)."""
 
     def __init__(self, tiers: Tiers) -> None:
-        super().__init__(tiers.stores)
+        super().__init__(tiers.stores, manifests=tiers.manifests)
         self.asked: set[str] = set()
 
     def get(self, tasks: list[Any], progress: Any) -> None:
