@@ -734,7 +734,7 @@ def tiers_full(rank, world, tmp, store, mode, steps=8):
         mgr.wait()
     out = {"warnings": [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)],
            "saved": saved, "losses": losses, "durable": mgr.steps(), "local_steps": mgr.local_tier.steps,
-           "last_tier": mgr.last_save.tier if mgr.last_save else None}
+           "tier_bytes": mgr.local_tier.bytes, "last_tier": mgr.last_save.tier if mgr.last_save else None}
     mgr.close()
     return out
 
