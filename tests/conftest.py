@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -143,6 +143,28 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def tmpfs() -> Iterator[Callable[[os.PathLike[str] | str, str], str]]:
+    """Mount a real tmpfs: ``tmpfs(path, "1m")`` (created if need be), unmounted after the test; a
+    store on it fills up with ENOSPC. Skips the test where this process may not mount."""
+    import subprocess
+
+    mounted: list[str] = []
+
+    def mount(path: os.PathLike[str] | str, size: str) -> str:
+        os.makedirs(path, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", f"ckpt-test-{uuid.uuid4().hex[:8]}", str(path)],
+                           capture_output=True, text=True, check=False)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounted.append(str(path))
+        return str(path)
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", path], check=False)
 
 
 # Stores shared by the web view's API and browser tests (tests/cli/test_web_*.py; built once per session: they take seconds).

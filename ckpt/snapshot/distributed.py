@@ -32,7 +32,6 @@ snapshot saved once for all ranks is refused rather than left at its current val
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +49,7 @@ from ckpt.snapshot.dcp_state import (
 )
 from ckpt.snapshot.run import SaveResult, SnapshotRun
 from ckpt.snapshot.state import Stateful, is_per_rank
+from ckpt.snapshot.tiers import describe
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -92,9 +92,6 @@ class DistributedSnapshots:
     # -- saving ------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], snapshot: dict[str, Any], *, background: bool,
              fallback: SnapshotRun | None = None, persist_to: SnapshotRun | None = None) -> SaveJob:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
         from ckpt.dcp.checkpoint import Writer
 
         prepared: dict[str, Any] = {}
@@ -118,21 +115,50 @@ class DistributedSnapshots:
         else:
             writer = Writer(self.run.store, self.run.ref(step), base=base, delta=base is not None, aliases=(self.run.latest,),
                             extra={"snapshot": record})
-        # Rank 0's copy of a replicated tensor, not whichever rank DCP's balancing picks:
-        # under DDP rank 0's buffers are the ones broadcast at the next forward.
-        planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         if background:
-            fut = dcp.async_save(prepared, storage_writer=writer, process_group=self.group, planner=planner)
-            return lambda: self._finish(fut, step, writer, persist_to)
+            # What dcp.async_save does (its default stager), but the copy stays ours: a snapshot
+            # due to the durable store whose local save fails is written there from it.
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        def save_now() -> SaveResult:
+            stager = DefaultStager(StagingOptions(False, False, False, False))
             try:
-                dcp.save(prepared, storage_writer=writer, process_group=self.group, planner=planner)
-            except _FAILURES as e:  # any failure of any rank: one clear error
-                raise self._error(step, e) from e
-            return self._done(step, writer, persist_to)
+                staged = stager.stage(prepared)
+            finally:
+                stager.close()
+            return lambda: self._write(step, staged, writer, record, persist_to)
+        return lambda: self._write(step, prepared, writer, record, persist_to)
 
-        return save_now
+    def _write(self, step: int, state: dict[str, Any], writer: Any, record: dict[str, Any],
+               persist_to: SnapshotRun | None) -> SaveResult:
+        """The collective save of ``state`` through ``writer``; with local tiers, a snapshot due to
+        ``persist_to`` whose local save failed on some rank (every rank learns it from DCP) is
+        written to the durable store directly, as without tiers (:attr:`SaveResult.fell_back`)."""
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            dcp.save(state, storage_writer=writer, process_group=self.group, planner=_planner())
+        except _FAILURES as e:  # any failure of any rank: one clear error
+            if self.peers is None or persist_to is None or not (isinstance(e, CheckpointException) and e.failures):
+                raise self._error(step, e) from e  # (no agreement: a rank died or hung; the durable save would too)
+            return self._write_durably(step, state, record, persist_to, e)
+        return self._done(step, writer, persist_to)
+
+    def _write_durably(self, step: int, state: dict[str, Any], record: dict[str, Any], run: SnapshotRun,
+                       cause: CheckpointException) -> SaveResult:
+        import torch.distributed.checkpoint as dcp
+
+        from ckpt.dcp.checkpoint import Writer
+
+        writer = Writer(run.store, run.ref(step), delta=False, aliases=(run.latest,), extra={"snapshot": record})
+        try:
+            dcp.save(state, storage_writer=writer, process_group=self.group, planner=_planner())
+        except _FAILURES as e:
+            raise self._error(step, e) from e
+        last = writer.last  # set on the coordinator, which committed the snapshot
+        rank, err = _first_failure(cause, self.rank)
+        return SaveResult(last.id if last else None, last.written_bytes if last else None,
+                          last.logical_bytes if last else None, prunes=self.rank == 0,
+                          fell_back=f"rank {rank}: {describe(err)}")
 
     def _check_identical(self, step: int, shared: dict[str, Any]) -> None:
         """Refuse (on every rank alike) shared state whose values or tensor shapes differ between ranks:
@@ -153,20 +179,12 @@ class DistributedSnapshots:
                 hint="make it identical on every rank, or wrap per-rank state in ckpt.snapshot.state.PerRank(...) "
                 "so that each rank saves and restores its own")
 
-    def _finish(self, fut: Future[Any], step: int, writer: Any, persist_to: SnapshotRun | None) -> SaveResult:
-        try:
-            fut.result()
-        except _FAILURES as e:
-            raise self._error(step, e) from e
-        return self._done(step, writer, persist_to)
-
     def _error(self, step: int, e: BaseException) -> Exception:
         from ckpt.snapshot.run import SnapshotError
 
-        where = ""
-        if isinstance(e, CheckpointException) and e.failures:  # DCP gathered the ranks' own errors
-            rank, (e, _) = next(iter(sorted(e.failures.items())))
-            where = f"on rank {rank}, "
+        rank, err = _first_failure(e, self.rank)
+        where = f"on rank {rank}, " if err is not e else ""
+        e = err
         first = (str(e).strip().splitlines() or [""])[0][:300]
         return SnapshotError(
             f"rank {self.rank}: distributed save of {self.run.ref(step)} failed ({where}{type(e).__name__}: {first}); "
@@ -190,10 +208,13 @@ class DistributedSnapshots:
 
         peers = self.peers
         assert peers is not None
-        mid, data = peers.publish(getattr(writer, "published", None))
-        own, sent = peers.replicate(step, mid, set(referenced_chunks(data)))
+        mid, data, unkept = peers.publish(getattr(writer, "published", None))
+        own, sent, failed = peers.replicate(step, mid, set(referenced_chunks(data)), record=unkept is None)
         self.last_id = mid
-        peers.local.prune()
+        try:
+            peers.local.prune()
+        except Exception as e:  # noqa: BLE001 - the next save prunes again
+            failed = "; ".join(filter(None, (failed, f"old snapshots not dropped ({describe(e)})")))
         problem = None
         if persist_to is not None:
             problem = peers.persist(step, mid, data, own, persist_to.store, persist_to.latest, persist_to.ref(step))
@@ -202,7 +223,7 @@ class DistributedSnapshots:
         return SaveResult(mid, last.written_bytes if last and coordinator else None,
                           last.logical_bytes if last and coordinator else None, prunes=coordinator,
                           persisted=persist_to is not None and problem is None, persist_error=problem,
-                          replicated_bytes=sent)
+                          replicated_bytes=sent, tier_error="; ".join(filter(None, (unkept, failed))) or None)
 
     def close(self) -> None:
         return None
@@ -261,10 +282,13 @@ class DistributedSnapshots:
         return step
 
     def _load_from_tiers(self, flat: dict[str, Any], mid: str, tiers: Tiers) -> Any:
-        """DCP loads through the tiers: a dry run of the load plan says which chunks this rank reads,
-        those its own tier lacks come from peers, then the load; a chunk that no tier served with
-        a correct hash (a damaged local copy of a step not yet persisted) is fetched from a peer
-        and the load runs once more. Returns the planner that holds the loaded values."""
+        """DCP loads through the tiers. Where every rank's tier names the snapshot, each rank first
+        reads from its own tier alone: a restart whose tiers are intact reads once, with no planning
+        pass before it. Where some rank's tier lacks it (a replaced machine), a dry run of the load
+        plan says which chunks each rank reads, and those its tier lacks come from peers first.
+        Either load is lenient: a chunk no tier served with a correct hash (missing, or a damaged
+        local copy) is noted, fetched from a peer that holds it, and all ranks load once more, each
+        chunk from the nearest tier with a correct hash. Returns the planner holding the values."""
         import torch.distributed.checkpoint as dcp
 
         from ckpt.dcp.checkpoint import Reader
@@ -272,20 +296,26 @@ class DistributedSnapshots:
 
         peers = self.peers
         assert peers is not None
-        recorder = NeedsRecorder(tiers)
-        dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=recorder), process_group=self.group,
-                 planner=values_planner())
-        peers.fetch(tiers, recorder.asked, exclude_local=set())
+        if tiers.every_rank_holds:  # (the same on every rank: from the gathered inventories)
+            tiers.reach = 1
+        else:
+            recorder = NeedsRecorder(tiers)
+            dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=recorder), process_group=self.group,
+                     planner=values_planner())
+            peers.fetch(tiers, recorder.asked, exclude_local=set())
         tiers.lenient = True
         planner = values_planner()
-        dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=tiers), process_group=self.group, planner=planner)
-        again = peers.gather(sorted(tiers.unserved))
-        if any(again):
-            peers.fetch(tiers, set(tiers.unserved), exclude_local=set(tiers.unserved))
-            tiers.lenient, tiers.unserved = False, set()
-            tiers.served.update(dict.fromkeys(tiers.served, 0))
-            planner = values_planner()
+        try:
             dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=tiers), process_group=self.group, planner=planner)
+        finally:
+            missed, tiers.unserved = set(tiers.unserved), set()
+            tiers.lenient, tiers.reach = False, None
+        if not any(peers.gather(bool(missed))):
+            return planner
+        peers.fetch(tiers, missed, exclude_local=missed)
+        tiers.served.update(dict.fromkeys(tiers.served, 0))
+        planner = values_planner()
+        dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=tiers), process_group=self.group, planner=planner)
         return planner
 
     def _plan_restore(self, state: dict[str, Any], mid: str, tiers: Tiers | None = None,
@@ -370,6 +400,22 @@ class DistributedSnapshots:
             if absent:
                 raise TensorMismatchError(f"{key}: not in snapshot of step {step}: {_listed(absent)}",
                                           hint="restore into the kind of object that was saved")
+
+
+def _planner() -> Any:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    # Rank 0's copy of a replicated tensor, not whichever rank DCP's balancing picks:
+    # under DDP rank 0's buffers are the ones broadcast at the next forward.
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+
+
+def _first_failure(e: BaseException, rank: int) -> tuple[int, BaseException]:
+    """The rank that failed first and its own error, where DCP gathered the ranks' errors; else (``rank``, ``e``)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        r, (err, _) = next(iter(sorted(e.failures.items())))
+        return r, err
+    return rank, e
 
 
 def _listed(names: list[str]) -> str:

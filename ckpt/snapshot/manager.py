@@ -44,6 +44,7 @@ from ckpt.snapshot.tiers import MISSES as TIER_MISSES
 from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe
 
 if TYPE_CHECKING:
+    from ckpt.snapshot.tiers import Tiers
     from ckpt.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ class CheckpointManager:
     rank's chunks to K peers (``replica_stride`` apart, or on other nodes of
     ``replica_nodes``); the ranks persist together in the save thread. A tier that fails
     warns (:class:`TierWarning`) and the next save tries again; a snapshot due to ``store``
-    whose local save failed is written there directly (one process).
+    whose local save failed is written there directly (in a group, by all ranks together).
 
     Settings are checked at construction (``ValueError`` naming the parameter):
     ``every_n_steps``, ``keep_last`` and ``keep_every`` are ints >= 1 (not bools) or
@@ -405,21 +406,32 @@ class CheckpointManager:
                         result = job()
                 else:
                     result = job()
-            except SnapshotError:
-                if not self._distributed:
-                    raise  # the state itself (modified under an overlapped save): not a tier failure
-                self._tier_warning(f"local tiers: snapshot of step {step} not saved; the next save tries again")
+            except SnapshotError as e:
+                # One process: the state itself (modified under an overlapped save), not a tier failure.
+                # A group: a snapshot due to the durable store that no tier took (its direct save
+                # failed too, or a rank died) is raised as without tiers.
+                if not self._distributed or persist:
+                    raise
+                self._tier_warning(f"local tiers: snapshot of step {step} not saved ({e}); the next save tries again")
+                self._free_leftovers()
                 return None
             except Exception as e:  # noqa: BLE001 - the local tier failed; training goes on
                 self._tier_warning(f"local tier: snapshot of step {step} not saved ({describe(e)}); the next save tries again")
                 local.drop(step)
+                self._free_leftovers()
+                self._persist_pending = self._persist_pending or persist
                 return None
             if result.fell_back is not None:
                 self._tier_warning(f"local tier: snapshot of step {step} not saved ({result.fell_back}); "
                                    "it was written to the durable store directly")
                 self._persist_pending = False
-                self._retain()
+                self._free_leftovers()
+                if result.prunes:  # in a group, the coordinator alone
+                    self._retain()
                 return result
+            if result.tier_error is not None:
+                self._tier_warning(f"local tier: part of the snapshot of step {step} not kept ({result.tier_error}); "
+                                   "the next save tries again")
             if result.persist_error is not None:
                 self._persist_pending = True
                 self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed "
@@ -440,6 +452,16 @@ class CheckpointManager:
             return result
 
         return run
+
+    def _free_leftovers(self) -> None:
+        """Free what a failed local save left in the tier (chunks no snapshot names), so that a full
+        tier has room again for the next save."""
+        local = self._local
+        assert local is not None
+        try:
+            local.prune()
+        except Exception as e:  # noqa: BLE001
+            log.warning("local tier: could not free the leftovers of a failed save (%s)", describe(e))
 
     def _request_persist(self, step: int) -> None:
         local = self._local
@@ -514,7 +536,8 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the in-flight save is durable (and, with a local tier, its persist has
-        finished); raise the save's error if it failed."""
+        finished, or the tier has kept what a restore fetched from peers); raise the save's error
+        if it failed."""
         try:
             self._wait_save()
         finally:
@@ -605,6 +628,7 @@ class CheckpointManager:
             _, mid, tiers = chosen
             step = self._path.restore(state, mid, tiers)
             self.last_restore = {"step": step, **tiers.served}
+            self._refill(step, mid, tiers)
             return step
         candidates = self._candidates()
         for i, (step, mid) in enumerate(candidates):
@@ -659,7 +683,25 @@ class CheckpointManager:
             tiers = Tiers(([("local", self._local.store)] if self._local else []) + [("store", self.store)])
         step = self._path.restore(state, mid, tiers)
         self.last_restore = {"step": step, **tiers.served}
+        if peers is not None:
+            self._refill(step, mid, tiers)
         return step
+
+    def _refill(self, step: int, mid: str, tiers: Tiers) -> None:
+        """This rank's tier keeps what the restore fetched from peers (a replaced machine's tier refills),
+        in the save thread: training starts at once, and the next save (or :meth:`wait`) waits for it."""
+        peers = getattr(self._path, "peers", None)
+        assert peers is not None
+
+        def run() -> None:
+            try:
+                _, problem = peers.refill(step, mid, tiers)
+            except Exception as e:  # noqa: BLE001 - the restore stands; the tier is only emptier
+                problem = describe(e)
+            if problem is not None:
+                self._tier_warning(f"local tier: the chunks of step {step} fetched from peers not kept ({problem})")
+
+        self._inflight = self._pool.submit(run)
 
     # -- preemption ----------------------------------------------------------------
     def _install_signals(self, sigs: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1)) -> None:

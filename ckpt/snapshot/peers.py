@@ -10,11 +10,16 @@ Replication (:meth:`Peers.replicate`): each rank sends the chunks it wrote that 
 ``K`` replica ranks (:func:`replica_ranks`) lack, point to point over the group (gloo);
 a chunk several ranks wrote (a replicated parameter) goes once, from the lowest of them.
 
-Restore (:meth:`Peers.choose`): the ranks gather what their tiers hold, agree on the
-newest step they can assemble (else the durable store's newest), learn which chunks
-each rank's DCP load will read (a dry run of the load plan), and fetch the ones a
-rank's own tier lacks from a peer holding them, into an in-memory ``peer`` tier.
-Every chunk is verified where it is read: a bad copy falls through to the durable store.
+Restore (:meth:`Peers.choose`): the ranks gather what their tiers hold and agree on the
+newest step they can assemble (else the durable store's newest). Where every rank's tier
+names that step, each rank's DCP load reads from its own tier alone, and only if some rank
+lacked chunks there (or found them damaged) are those fetched from a peer holding them
+(:meth:`Peers.fetch`), into an in-memory ``peer`` tier, for a second load. Where some
+rank's tier lacks the step (a replaced machine), a dry run of the load plan says which
+chunks each rank reads, and those its tier lacks are fetched before the load. Every chunk
+is verified where it is read: a bad copy falls through to the durable store.
+After the restore a rank keeps what it fetched in its own tier (:meth:`Peers.refill`): a
+replaced machine's tier holds the snapshot again.
 """
 
 from __future__ import annotations
@@ -138,20 +143,28 @@ class Peers:
         return got
 
     # -- saving -------------------------------------------------------------------------
-    def publish(self, published: tuple[str, bytes] | None) -> tuple[str, bytes]:
-        """Give every rank's tier the manifest the coordinator wrote (``published`` there): (id, bytes)."""
+    def publish(self, published: tuple[str, bytes] | None) -> tuple[str, bytes, str | None]:
+        """Give every rank's tier the manifest the coordinator wrote (``published`` there): (id, bytes,
+        why this rank's tier could not keep it, or None). A failing tier never leaves the collectives."""
         import torch.distributed as dist
 
         box = [published]
         dist.broadcast_object_list(box, src=self.ranks[0], group=self.group)
         assert box[0] is not None, "the coordinator published no manifest"
         mid, data = box[0]
-        self.local.store.objects.put_manifest(data)
-        return mid, data
+        try:
+            self.local.store.objects.put_manifest(data)
+        except Exception as e:  # noqa: BLE001 - a full tier, say: the step is not recorded here
+            return mid, data, f"manifest not kept ({describe(e)})"
+        return mid, data, None
 
-    def replicate(self, step: int, mid: str, data_ids: set[str]) -> tuple[set[str], int]:
+    def replicate(self, step: int, mid: str, data_ids: set[str], *, record: bool = True) -> tuple[set[str], int, str | None]:
         """Send this rank's chunks of the snapshot to its replicas where they lack them; keep what
-        others send. Returns (the chunks of the snapshot this rank held before, stored bytes it sent)."""
+        others send; then (``record``: this tier holds the manifest) name the step in this tier.
+        Returns (the chunks of the snapshot this rank held before, stored bytes it sent, why this
+        rank's tier failed to keep what it received or to record the step, or None). A tier that
+        fails (full, say) does so on its own: the collectives go on, and chunks received are stored
+        one by one, verified, only once all have arrived, so a partial transfer is never kept."""
         store = self.local.store
         own = store.objects.has_many("chunks", data_ids)
         held = self.gather(sorted(own))
@@ -166,18 +179,28 @@ class Peers:
                 if min(r for r in senders if cid in held_sets[r]) == self.rank:
                     sends.setdefault(dst, []).append((cid, store.objects.get("chunks", cid)))
         got = self.exchange(sends)
-        self._keep(got)
-        store.refs_db.set(self.local.ref(step), mid)
-        store.refs_db.set(f"{self.local.run}/latest", mid, alias=True)
-        store.objects.backend.flush()
-        return own, sum(len(b) for items in sends.values() for _, b in items)
+        problems = []
+        try:
+            self._keep(got)
+        except Exception as e:  # noqa: BLE001 - this tier lacks some of them; a restore reads them elsewhere
+            problems.append(f"chunks from peers not kept ({describe(e)})")
+        if record:
+            try:
+                store.refs_db.set(self.local.ref(step), mid)
+                store.refs_db.set(f"{self.local.run}/latest", mid, alias=True)
+                store.objects.backend.flush()
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"step not recorded ({describe(e)})")
+        sent = sum(len(b) for items in sends.values() for _, b in items)
+        return own, sent, "; ".join(problems) or None
 
-    def _keep(self, blobs: dict[str, bytes]) -> int:
-        """Verify and store chunks received from peers; a damaged one is dropped (the tier then lacks it)."""
+    def _keep(self, blobs: dict[str, bytes], source: Store | None = None) -> int:
+        """Verify and store chunks received from peers; a damaged one is dropped (the tier then lacks it).
+        ``source``: a store that may hold the bases of delta-encoded ones (besides this tier)."""
         from ckpt.store.copy import chunk_checker
 
         store = self.local.store
-        check = chunk_checker(store, store)
+        check = chunk_checker(source or store, store)
         n = 0
         for cid, blob in sorted(blobs.items()):
             try:
@@ -257,6 +280,7 @@ class Peers:
             chosen = (dstep, dmid)
         step, mid = chosen
         tiers = self.tiers(durable)
+        tiers.every_rank_holds = all(inv.get(step, ("",))[0] == mid for inv in inventories)  # the same on every rank
         self._share_manifest(mid, inventories, dict(tiers.stores)["peer"])
         return step, mid, tiers
 
@@ -290,6 +314,32 @@ class Peers:
         if self.rank not in holders:
             peer.objects.put_manifest(box[0])
 
+    def refill(self, step: int, mid: str, tiers: Tiers) -> tuple[int, str | None]:
+        """Keep in this rank's tier what a restore of ``step`` fetched from peers, so that a replaced
+        machine's tier holds the snapshot again and a later failure finds a local copy: the chunks
+        (verified, each written atomically), then the manifest, then the step's ref. Not collective.
+        Returns (stored bytes kept, why the tier failed to keep them, or None)."""
+        peer = dict(tiers.stores)["peer"]
+        local = self.local.store
+        fetched = {info.id for info in peer.objects.list("chunks")}
+        if not fetched:
+            return 0, None
+        kept = 0
+        try:
+            missing = fetched - local.objects.has_many("chunks", fetched)
+            kept = self._keep({cid: peer.objects.get("chunks", cid) for cid in sorted(missing)}, source=peer)
+            if not local.objects.has("manifests", mid):
+                local.objects.put_manifest(_manifest_bytes(tiers, mid))
+                local.objects.backend.flush()
+            local.refs_db.set(self.local.ref(step), mid)
+            if step >= max(self.local.steps(), default=step):
+                local.refs_db.set(f"{self.local.run}/latest", mid, alias=True)
+            local.objects.backend.flush()
+            self.local.prune()
+        except Exception as e:  # noqa: BLE001 - a full tier, say: the restore itself succeeded
+            return kept, describe(e)
+        return kept, None
+
     def fetch(self, tiers: Tiers, needed: set[str], *, exclude_local: set[str]) -> int:
         """Fill the ``peer`` tier with the chunks of ``needed`` this rank's tier lacks (or holds
         damaged: ``exclude_local``), from peers that hold them (nearest rank first). Collective:
@@ -317,11 +367,23 @@ class Peers:
         return sum(len(b) for b in got.values())
 
 
+def _manifest_bytes(tiers: Tiers, mid: str) -> bytes:
+    """The stored bytes of manifest ``mid`` from the nearest tier holding it intact."""
+    last: Exception | None = None
+    for _, store in tiers.stores:
+        try:
+            return store.objects.get_manifest(mid)
+        except MISSES as e:
+            last = e
+    assert last is not None
+    raise last
+
+
 class NeedsRecorder(Tiers):
     """Tiers that record which chunks a load asks for instead of reading them (a dry run of a DCP load)."""
 
     def __init__(self, tiers: Tiers) -> None:
-        super().__init__(tiers.stores)
+        super().__init__(tiers.stores, manifests=tiers.manifests)
         self.asked: set[str] = set()
 
     def get(self, tasks: list[Any], progress: Any) -> None:

@@ -78,6 +78,7 @@ class SaveResult:
     persisted: bool = False  # the path persisted it itself (``persist_to``)
     persist_error: str | None = None  # why persisting it failed
     replicated_bytes: int | None = None  # stored bytes this rank sent to its replicas (local tiers in a group)
+    tier_error: str | None = None  # what this rank's local tier failed to keep of a snapshot saved (a full tier)
 
 
 SaveJob = Callable[[], SaveResult]

@@ -157,17 +157,26 @@ class Tiers:
     # instead of raising, so that ranks can fetch it from peers and read again
     lenient: bool = False
     unserved: set[str] = field(default_factory=set)
+    # how many of the nearest stores chunks are read from (None: all); manifests come from any
+    reach: int | None = None
+    # (ranks of a group) every rank's own tier names the snapshot: each reads from it first
+    every_rank_holds: bool = True
+    # manifests parsed so far, by id (immutable: named by the hash of their bytes)
+    manifests: dict[str, Manifest] = field(default_factory=dict, repr=False)
 
     @property
     def nearest(self) -> Store:
         return self.stores[0][1]
 
     def get_manifest(self, mid: str) -> Manifest:
-        """The manifest ``mid`` from the nearest tier holding it intact."""
+        """The manifest ``mid`` from the nearest tier holding it intact (parsed once per restore)."""
+        if mid in self.manifests:
+            return self.manifests[mid]
         last: Exception | None = None
-        for name, store in self.stores:
+        for _, store in self.stores:
             try:
-                return store.manifest(mid)
+                m = self.manifests[mid] = store.manifest(mid)
+                return m
             except MISSES as e:
                 last = e
         assert last is not None
@@ -177,10 +186,11 @@ class Tiers:
         """Fetch every task's chunk into its buffer: each from the nearest tier holding it with a
         correct hash. The last tier runs the full pipeline and raises what it cannot serve."""
         remaining = tasks
-        for i, (name, store) in enumerate(self.stores):
+        stores = self.stores if self.reach is None else self.stores[: self.reach]
+        for i, (name, store) in enumerate(stores):
             if not remaining:
                 break
-            if i == len(self.stores) - 1 and not self.lenient:
+            if i == len(stores) - 1 and not self.lenient:
                 get_chunks(store.objects, remaining, store.settings, progress)
                 self.served[name] += sum(t.length for t in remaining)
                 return

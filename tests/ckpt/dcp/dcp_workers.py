@@ -501,11 +501,14 @@ def fsdp_plain_state(rank, world, tmp, store):
             "params": [bits(p.full_tensor()) for p in model2.parameters()] == [bits(p.full_tensor()) for p in model.parameters()]}
 
 
-def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None):
+def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False):
     """:func:`ddp_resume` with local tiers: local snapshots every 2 steps, replicated to 1 peer
     rank, persisted every 4. ``resume`` first wipes the local tiers of the ranks in ``wipe`` (a
     replaced machine) and, on rank ``flip``, flips a byte of every chunk its tier holds of the
-    newest snapshot; then reports ``mgr.last_restore``."""
+    newest snapshot; then reports ``mgr.last_restore``. ``big``: the state also holds a 64 MB
+    tensor of zeros, shared by the ranks. ``killrep``: at step ``at`` that tensor becomes random
+    (so rank 0, which saves it, replicates 64 MB to rank 1) and rank 0 is SIGKILLed right after
+    posting that send, while it is in flight; rank 1 reports what its save and its tier made of it."""
     import shutil
 
     import torch.distributed as dist
@@ -514,6 +517,10 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None)
 
     local = os.path.join(tmp, "local")
     state = _ddp_state(rank)
+    if big:
+        import torch
+
+        state["big"] = torch.zeros(16 << 20)
     losses = {}
     mgr = None
     start = 0
@@ -534,15 +541,110 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None)
     for step in range(start + 1, steps + 1):
         losses[step] = _ddp_step(state)
         state["step"] = step
-        if mode == "crash" and mgr.maybe_save(step, state) and step == at:
+        if mode == "killrep" and step == at:
+            return _kill_in_replication(rank, state, mgr, step)
+        if mode in ("crash", "killrep") and mgr.maybe_save(step, state) and step == at:
             mgr.wait()
             _ddp_step(state)
             _ddp_step(state)
             os.kill(os.getpid(), signal.SIGKILL)
     if mgr is not None:
+        mgr.wait()  # (a restore's refill of the tier runs in the save thread)
         out["local_steps"] = mgr.local_tier.steps
         mgr.close()
     return {**out, "losses": losses, "bits": _ddp_bits(state)}
+
+
+def _kill_in_replication(rank, state, mgr, step):
+    """Save ``step`` with 64 MB of new shared data: rank 0 dies as soon as it has posted the send of it
+    to its replica; rank 1 returns its warnings and what its tier holds afterwards."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+
+    state["big"] = torch.randn(16 << 20, generator=torch.Generator().manual_seed(step))  # the same on every rank
+    if rank == 0:
+        real = dist.isend
+
+        def isend_then_die(tensor, *args, **kwargs):
+            work = real(tensor, *args, **kwargs)
+            if tensor.numel() > 32 << 20:  # the replication of the big tensor is under way
+                time.sleep(0.002)  # (part of it on the wire)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return work
+
+        dist.isend = isend_then_die
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr.maybe_save(step, state)
+        mgr.wait()
+    assert rank != 0, "rank 0 replicated its snapshot and lived"
+    from ckpt.store.copy import chunk_checker
+
+    tier = ckpt.Store.open(mgr.local_tier.path)
+    check, bad, n = chunk_checker(tier, tier), [], 0
+    for info in tier.objects.list("chunks"):  # every chunk this tier holds, whoever sent it, re-hashed
+        n += 1
+        try:
+            check(info.id, tier.objects.get("chunks", info.id))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            bad.append(f"{info.id[:12]}: {e}")
+    return {"warnings": [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)],
+            "local_steps": mgr.local_tier.steps, "tier_bytes": mgr.local_tier.bytes, "chunks": n, "bad": bad,
+            "temporaries": len(list(tier.objects.list_temporaries()))}
+
+
+def tiers_stall(rank, world, tmp, store, steps=4, at=2, timeout_s=5):
+    """Identical plain training on every rank (no DDP: nothing in the training step waits for a
+    peer), local snapshots every step, one replica, ``timeout_s``. At step ``at`` rank 1 stops
+    (SIGSTOP) as its replication begins, keeping its connections open: rank 0's save gives up after
+    ``timeout_s`` with a TierWarning and its training goes on to ``steps``."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt.snapshot.peers import Peers
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": opt, "step": 0}
+    mgr = ckpt.CheckpointManager(store, "stall", local=os.path.join(tmp, "local"), local_every_n_steps=1, replicas=1,
+                                 process_group=dist.group.WORLD, timeout_s=timeout_s)
+    if rank == 1:
+        real = Peers.exchange
+
+        def stall(self, sends):
+            if state["step"] == at:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real(self, sends)
+
+        Peers.exchange = stall
+    losses, waited = {}, None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, steps + 1):
+            torch.manual_seed(step)  # the same batch on every rank: the state stays identical
+            loss = model(torch.randn(8, 64)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[step] = loss.item().hex()
+            state["step"] = step
+            if step <= at:
+                t0 = time.monotonic()
+                mgr.save(step, state)
+                mgr.wait()
+                waited = time.monotonic() - t0
+    out = {"warnings": [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)],
+           "losses": losses, "local_steps": mgr.local_tier.steps, "waited": waited}
+    mgr.close()
+    return out
 
 
 def tiers_replication(rank, world, tmp, store):
@@ -574,6 +676,79 @@ def tiers_replication(rank, world, tmp, store):
     return out
 
 
+def _big_ddp_state(rank, seed=0):
+    """DDP over 1 MB of weights with AdamW (~3 MB of state: more than a tiny tier holds), per-rank RNG."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    import ckpt
+
+    torch.manual_seed(seed)  # DDP broadcasts rank 0's weights anyway
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 8)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(100 + rank)
+    return {"model": model, "optim": opt, "rng": ckpt.RNGState(), "step": 0}
+
+
+def _big_step(state):
+    import torch
+
+    x = torch.randn(16, 512)
+    loss = state["model"](x).square().mean()
+    state["optim"].zero_grad()
+    loss.backward()
+    state["optim"].step()
+    return loss.item().hex()
+
+
+def _big_bits(state):
+    import torch
+
+    opt = state["optim"].state_dict()
+    return {"params": {k: bits(v) for k, v in state["model"].state_dict().items()},
+            "optim": {str(i): {k: bits(v) for k, v in st.items()} for i, st in opt["state"].items()},
+            "torch_rng": bits(torch.get_rng_state()), "step": state["step"]}
+
+
+def tiers_full(rank, world, tmp, store, mode, steps=8):
+    """Local tiers under ``tmp/local`` (the test mounts a tiny tmpfs as some rank's tier), one replica,
+    local snapshots every 2 steps, durable every 4. ``train``: train ``steps`` steps; returns the
+    TierWarnings this rank saw, the state's bits at each durable step and what each store holds.
+    ``restore``: a fresh state restores the latest snapshot, then step 4; returns their bits."""
+    import warnings
+
+    import torch.distributed as dist
+
+    import ckpt
+
+    state = _big_ddp_state(rank, seed=0 if mode == "train" else 1)
+    mgr = ckpt.CheckpointManager(store, "full", every_n_steps=4, local=os.path.join(tmp, "local"), local_every_n_steps=2,
+                                 replicas=1, process_group=dist.group.WORLD, timeout_s=30)
+    out: dict = {}
+    if mode == "restore":
+        out["latest"] = mgr.restore_latest(state)
+        out["restore"] = mgr.last_restore
+        out["bits"] = _big_bits(state)
+        out["step4"] = mgr.restore(state, 4)
+        out["bits4"] = _big_bits(state)
+        mgr.close()
+        return out
+    saved, losses = {}, {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, steps + 1):
+            losses[step] = _big_step(state)
+            state["step"] = step
+            if mgr.maybe_save(step, state) and step % 4 == 0:
+                saved[step] = _big_bits(state)  # what the save took: nothing changes before the next step
+        mgr.wait()
+    out = {"warnings": [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)],
+           "saved": saved, "losses": losses, "durable": mgr.steps(), "local_steps": mgr.local_tier.steps,
+           "tier_bytes": mgr.local_tier.bytes, "last_tier": mgr.last_save.tier if mgr.last_save else None}
+    mgr.close()
+    return out
+
+
 def _flip_newest(path):
     """Flip the last byte of every chunk of the newest snapshot in the tier at ``path``; how many."""
     import ckpt
@@ -594,6 +769,6 @@ def _flip_newest(path):
     return n
 
 
-SCENARIOS = {"tiers_resume": tiers_resume, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
+SCENARIOS = {"tiers_resume": tiers_resume, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state}

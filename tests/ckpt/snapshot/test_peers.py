@@ -69,11 +69,16 @@ def test_all_ranks_killed_restore_from_local_tiers_then_a_replaced_machine_from_
     assert store.verify().ok
 
     url = _crash(tmp_path / "b", 2, n, k)
-    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "b"), store=url, mode="resume", steps=n, at=k, wipe=[1])
-    _same_run(full, resumed, k, n)
-    r0, r1 = (r["restore"] for r in resumed)
+    restored = W.run_ranks("tiers_resume", 2, str(tmp_path / "b"), store=url, mode="resume", steps=k, at=k, wipe=[1])
+    r0, r1 = (r["restore"] for r in restored)
     assert r0["step"] == r1["step"] == k and r0["store"] == r1["store"] == 0
     assert r1["local"] == 0 and r1["peer"] > 0  # everything rank 1 read came from rank 0
+    assert restored[1]["local_steps"] == [k]  # ...and its tier keeps it: the replaced machine's tier refilled
+    # (b') killed again before saving anything: rank 1 now restores step 6 from its own tier
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "b"), store=url, mode="resume", steps=n, at=k)
+    _same_run(full, resumed, k, n)
+    for r in resumed:
+        assert r["restore"]["step"] == k and r["restore"]["local"] > 0 and r["restore"]["peer"] == r["restore"]["store"] == 0
 
 
 
@@ -100,3 +105,70 @@ def test_damaged_local_chunks_come_from_a_peer_and_lost_replicas_fall_back_to_th
     _same_run(full, resumed, 4, n)
     for r in resumed:
         assert r["restore"]["step"] == 4 and r["restore"]["store"] > 0 and r["restore"]["local"] == 0
+
+
+@pytest.mark.parametrize("full", [0, 1])
+def test_a_full_local_tier_in_a_group_warns_and_training_and_durable_saves_go_on(tmp_path, tmpfs, full):
+    """Rank ``full``'s tier is a 1 MiB tmpfs; the state is ~3 MB. Rank 0 saves the shared state: its
+    tier fails every local save (ENOSPC), and the snapshots due to the durable store (4, 8) are written
+    there directly by all ranks. Rank 1's tier fills with rank 0's replica: that rank warns and its
+    tier holds what fits. Either way every step trains, the durable steps exist, and they restore
+    bit-exactly on every rank."""
+    tmpfs(tmp_path / "local" / f"rank-{full}", "1m")
+    url = str(tmp_path / "s")
+    trained = W.run_ranks("tiers_full", 2, str(tmp_path), store=url, mode="train")
+    for r in trained:
+        assert "error" not in r, r.get("trace")
+        assert sorted(map(int, r["losses"])) == list(range(1, 9))  # training went on
+        assert r["durable"] == [4, 8]
+    assert any("step 2" in m for m in trained[full]["warnings"]), trained[full]["warnings"]
+    if full == 0:  # no local snapshot anywhere: every rank was told, and 4 and 8 went to the store directly
+        for r in trained:
+            assert r["local_steps"] == [] and r["last_tier"] == "store"
+            for step in (2, 4, 6, 8):
+                assert any(f"step {step} not saved" in m for m in r["warnings"]), r["warnings"]
+            assert sum("durable store directly" in m for m in r["warnings"]) == 2
+        assert trained[0]["tier_bytes"] < 64 << 10  # what each failed save left there was freed for the next
+    restored = W.run_ranks("tiers_full", 2, str(tmp_path), store=url, mode="restore")
+    for t, r in zip(trained, restored):
+        assert "error" not in r, r.get("trace")
+        assert r["latest"] == 8 and r["restore"]["step"] == 8 and r["step4"] == 4
+        assert r["bits"] == t["saved"]["8"] and r["bits4"] == t["saved"]["4"]  # bytes, every tensor and the RNG
+        if full == 0:
+            assert r["restore"]["store"] > 0 and r["restore"]["local"] == 0
+    assert ckpt.Store.open(url).verify().ok
+
+
+def test_a_rank_killed_while_replicating_leaves_the_previous_step_restorable_and_nothing_half_received(tmp_path):
+    """(f) Step 8 holds 64 MB of new shared data; rank 0 is SIGKILLed right after posting its send to
+    rank 1, its replica, while it is in flight. Rank 1 warns and keeps nothing of it; the restarted
+    ranks restore step 6 (in the local tiers only: 8 was never persisted) bit-identically."""
+    n, k = 10, 8
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n)
+    url = str(tmp_path / "s")
+    killed, survivor = W.run_ranks("tiers_resume", 2, str(tmp_path), store=url, mode="killrep", steps=n, at=k, big=True)
+    assert killed == {"killed": True}
+    assert "error" not in survivor, survivor.get("trace")
+    assert any("step 8 not saved" in m for m in survivor["warnings"]), survivor["warnings"]
+    assert survivor["local_steps"] == [4, 6]  # step 8 never named in its tier
+    assert survivor["bad"] == [] and survivor["temporaries"] == 0  # every chunk it holds is whole and verified
+    assert survivor["tier_bytes"] < 4 << 20  # none of the 64 MB in flight was kept
+    assert ckpt.Store.open(url).manifest("ddp/latest").extra["snapshot"]["step"] == 4
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path), store=url, mode="resume", steps=n, at=k, big=True)
+    _same_run(full, resumed, 6, n)
+    for r in resumed:
+        assert r["restore"]["step"] == 6 and r["restore"]["store"] == 0 and r["restore"]["peer"] == 0
+
+
+def test_a_peer_that_does_not_answer_makes_the_save_warn_after_the_timeout_and_training_goes_on(tmp_path):
+    """Rank 1 stops (SIGSTOP, connections open) as it starts replicating step 2: rank 0's save gives
+    up after timeout_s with a TierWarning, step 2 is not named in its tier, step 1 stays, and its
+    training runs to the end."""
+    ranks = W.run_ranks("tiers_stall", 2, str(tmp_path), store=str(tmp_path / "s"), steps=4, at=2, timeout_s=5,
+                        stuck=(1,), deadline_s=120)
+    r0 = ranks[0]
+    assert "error" not in r0, r0.get("trace")
+    assert sorted(map(int, r0["losses"])) == [1, 2, 3, 4]
+    assert any("step 2 not saved" in m for m in r0["warnings"]), r0["warnings"]
+    assert 4 < r0["waited"] < 60  # it waited for the timeout, not forever
+    assert r0["local_steps"] == [1]

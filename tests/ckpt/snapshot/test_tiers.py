@@ -11,7 +11,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import uuid
 import warnings
 
 import pytest
@@ -198,16 +197,9 @@ def test_local_tier_bounded_by_bytes_keeps_the_newest_snapshot(tmp_path):
 
 
 @pytest.fixture
-def tiny_tmpfs(tmp_path):
+def tiny_tmpfs(tmp_path, tmpfs):
     """A 1 MiB tmpfs: a local tier that fills (needs the right to mount)."""
-    path = tmp_path / "tmpfs"
-    path.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", f"ckpt-test-{uuid.uuid4().hex[:8]}", str(path)],
-                       capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    yield path
-    subprocess.run(["umount", "-l", str(path)], check=False)
+    return pathlib.Path(tmpfs(tmp_path / "tmpfs", "1m"))
 
 
 def test_a_full_local_tier_warns_and_training_and_durable_saves_go_on(tmp_path, tiny_tmpfs):
