@@ -152,7 +152,7 @@ def test_a_rank_killed_while_replicating_leaves_the_previous_step_restorable_and
     assert any("step 8 not saved" in m for m in survivor["warnings"]), survivor["warnings"]
     assert survivor["local_steps"] == [4, 6]  # step 8 never named in its tier
     assert survivor["bad"] == [] and survivor["temporaries"] == 0  # every chunk it holds is whole and verified
-    assert survivor["tier_bytes"] < 4 << 20  # none of the 64 MB in flight was kept
+    assert survivor["tier_bytes"] < 16 << 20  # none of the 64 MB in flight was kept (the tier is raw: ~4 MB of its own)
     assert ckpt.Store.open(url).manifest("ddp/latest").extra["snapshot"]["step"] == 4
     resumed = W.run_ranks("tiers_resume", 2, str(tmp_path), store=url, mode="resume", steps=n, at=k, big=True)
     _same_run(full, resumed, 6, n)
