@@ -206,8 +206,9 @@ class BlobBuffers:
         self._lock = threading.Lock()
 
     def take(self, n: int) -> memoryview:
-        """``n`` bytes of a buffer of this pool's (one of its own if ``n`` is larger)."""
-        if n <= self.size:
+        """``n`` bytes of a buffer of this pool's (one of its own if ``n`` is larger, or small:
+        a small blob in a whole buffer would cost more memory than its page faults cost time)."""
+        if _READ_INTO_MIN <= n <= self.size:
             with self._lock:
                 buf = self._free.pop() if self._free else None
             return memoryview(buf if buf is not None else bytearray(self.size))[:n]

@@ -147,21 +147,25 @@ def test_remote_reads_fetch_the_delta_chains_too(monkeypatch):
 
 
 def test_blob_buffers_are_reused_and_bounded():
-    pool = pipeline.BlobBuffers(1024, keep=2)
-    a = pool.take(1000)
-    assert len(a) == 1000
+    size = 1 << 20
+    pool = pipeline.BlobBuffers(size, keep=2)
+    a = pool.take(size - 100)
+    assert len(a) == size - 100
     first = a.obj
     pool.give(a)
-    b = pool.take(10)
-    assert b.obj is first and len(b) == 10  # the same memory again, no new allocation
-    big = pool.take(4096)
-    assert len(big) == 4096
+    b = pool.take(size // 2)
+    assert b.obj is first and len(b) == size // 2  # the same memory again, no new allocation
+    big = pool.take(2 * size)
+    assert len(big) == 2 * size
     pool.give(big)  # larger than the pool's buffers: not kept
+    small = pool.take(1000)
+    assert len(small.obj) == 1000  # a small blob gets memory of its own size
     pool.give(b"a blob from elsewhere")  # not the pool's: ignored
-    views = [pool.take(1024) for _ in range(4)]
+    views = [pool.take(size) for _ in range(4)]
     for v in views:
         pool.give(v)
-    assert len({id(pool.take(1).obj) for _ in range(3)}) == 3  # two kept, then a new one
+    again = [pool.take(size).obj for _ in range(3)]
+    assert again[0] is views[1].obj and again[1] is views[0].obj and all(again[2] is not v.obj for v in views)  # two kept, then a new one
 
 
 def test_a_sink_gets_each_chunk_right_while_buffers_are_reused(tmp_path):
