@@ -116,7 +116,10 @@ class ObjectReader:
 def _socket_reader(body: Any) -> Any:
     """The http.client response under botocore's ``StreamingBody`` and urllib3's response,
     when the body can be read from it directly: a plain (not chunked, not encoded) body of
-    which nothing has been read yet. Else None (then reads go through urllib3)."""
+    which nothing has been read yet, with no response checksum for botocore to check. Else
+    None (then reads go through urllib3)."""
+    if hasattr(body, "_checksum"):
+        return None  # botocore checks a response checksum on this body (config_kwargs asked for it): let it
     raw = getattr(body, "_raw_stream", None)
     fp = getattr(raw, "_fp", None)
     if not isinstance(fp, http.client.HTTPResponse) or fp.chunked or fp.length is None:

@@ -318,3 +318,19 @@ def test_push_and_pull_through_a_flaky_connection(s3_main, proxy, tmp_path):
     proxy.clear()
     assert (tmp_path / "out.safetensors").read_bytes() == src.read_bytes()
     assert store.verify().ok
+
+
+def test_a_response_checksum_asked_for_is_still_checked(s3_main):
+    """With response checksums on (config_kwargs), bodies go through botocore, which checks them."""
+    bucket = s3_main.new_bucket()
+    on = S3Backend(f"s3://{bucket}/store", s3_main.options(config_kwargs={
+        "response_checksum_validation": "when_supported", "request_checksum_calculation": "when_supported"}))
+    data = os.urandom(300 * 1024)
+    on.write("x", data)
+    body, _, _ = on._get("x")
+    body.close()
+    assert type(body).__name__ == "StreamingChecksumBody"  # the server returns a checksum botocore checks
+    buf = bytearray(len(data))
+    assert on.read_into("x", 0, memoryview(buf)) == len(data) and buf == data
+    head = on.read_split("x", 64, lambda first, n: memoryview(buf)[len(first):n])
+    assert head + buf[64:] == data
