@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -227,6 +228,7 @@ def main() -> None:
 
     global SERVER_PID
     server = None
+    conn = types.SimpleNamespace()  # this server's boto3 client and s3fs filesystem
     try:
         for srv in servers:
             if srv == "moto" and not args.moto_big:
@@ -237,8 +239,8 @@ def main() -> None:
             server = start_seaweedfs(tmp / srv) if srv == "seaweedfs" else s3support.start_server(srv, tmp / srv)
             SERVER_PID = server.proc.pid
             os.environ["AWS_ENDPOINT_URL"] = server.endpoint
-            client = boto3.client("s3", endpoint_url=server.endpoint, config=Config(max_pool_connections=32))
-            fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
+            conn.client = boto3.client("s3", endpoint_url=server.endpoint, config=Config(max_pool_connections=32))
+            conn.fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
             for rep in range(args.reps):
                 for ds in ("a", "b"):
                     if ds == "b" and rep >= max(1, args.reps - 1):
@@ -253,17 +255,17 @@ def main() -> None:
                     b_name, _, b_pfx = bucket.partition("/")
                     key = f"{b_pfx}/plain/f.safetensors"
                     out = tmp / "out.safetensors"
-                    rec(ds, "boto3 upload_file", timed(what="_last", fn=lambda: client.upload_file(str(src), b_name, key, Config=tc)))
-                    rec(ds, "boto3 download_file", timed(what="_last", fn=lambda: client.download_file(b_name, key, str(out), Config=tc)))
+                    rec(ds, "boto3 upload_file", timed(what="_last", fn=lambda: conn.client.upload_file(str(src), b_name, key, Config=tc)))
+                    rec(ds, "boto3 download_file", timed(what="_last", fn=lambda: conn.client.download_file(b_name, key, str(out), Config=tc)))
                     out.unlink()
                     rec(ds, "boto3 download_file + fsync", timed(what="_last", fn=lambda: (
-                        client.download_file(b_name, key, str(out), Config=tc), _fsync(out))))
+                        conn.client.download_file(b_name, key, str(out), Config=tc), _fsync(out))))
                     out.unlink()
-                    rec(ds, "boto3 download_file + load_file", timed(what="_last", fn=lambda: (client.download_file(b_name, key, str(out), Config=tc),
+                    rec(ds, "boto3 download_file + load_file", timed(what="_last", fn=lambda: (conn.client.download_file(b_name, key, str(out), Config=tc),
                                                                                load_file(str(out)))))
                     out.unlink()
-                    rec(ds, "s3fs put_file", timed(what="_last", fn=lambda: fs.put_file(str(src), f"{bucket}/s3fs/f.safetensors")))
-                    rec(ds, "s3fs get_file", timed(what="_last", fn=lambda: fs.get_file(f"{bucket}/s3fs/f.safetensors", str(out))))
+                    rec(ds, "s3fs put_file", timed(what="_last", fn=lambda: conn.fs.put_file(str(src), f"{bucket}/s3fs/f.safetensors")))
+                    rec(ds, "s3fs get_file", timed(what="_last", fn=lambda: conn.fs.get_file(f"{bucket}/s3fs/f.safetensors", str(out))))
                     out.unlink()
                     url = f"s3://{bucket}/store"
                     store = ckpt.Store.init(url, settings=settings(cache=False))
@@ -285,8 +287,8 @@ def main() -> None:
                     if ds == "a":  # (c): a fine-tune of (a), its base's chunks in the cache
                         ft = files["c"]
                         store.push(str(ft), "ft", base="m")
-                        rec("c", "boto3 upload_file", timed(what="_last", fn=lambda: client.upload_file(str(ft), b_name, key + ".ft", Config=tc)))
-                        rec("c", "boto3 download_file", timed(what="_last", fn=lambda: client.download_file(b_name, key + ".ft", str(out), Config=tc)))
+                        rec("c", "boto3 upload_file", timed(what="_last", fn=lambda: conn.client.upload_file(str(ft), b_name, key + ".ft", Config=tc)))
+                        rec("c", "boto3 download_file", timed(what="_last", fn=lambda: conn.client.download_file(b_name, key + ".ft", str(out), Config=tc)))
                         out.unlink()
                         rec("c", "ckpt pull (base cached)", timed(what="_last", fn=lambda: cached.pull("ft", str(out))))
                         assert out.read_bytes() == ft.read_bytes()
@@ -297,7 +299,7 @@ def main() -> None:
                     import shutil
 
                     shutil.rmtree(cache_dir, ignore_errors=True)
-                    fs.rm(bucket, recursive=True)
+                    conn.fs.rm(bucket, recursive=True)
 
             if srv != servers[0]:
                 server.stop()
