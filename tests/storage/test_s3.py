@@ -255,6 +255,30 @@ def test_reset_mid_download_is_retried(faulty, proxy):
     assert proxy.resets_fired == 2
 
 
+def test_reads_into_a_buffer_survive_resets_and_keep_their_connection(faulty, proxy, s3_main):
+    """Bodies read off the socket straight into the caller's buffer (not through urllib3's
+    copies): a reset mid-body is retried, whole bodies leave the connection for the next GET."""
+    data = os.urandom(3 * 1024 * 1024)
+    faulty.write("objects/big", data)
+    proxy.drop_all()
+    proxy.reset_dir, proxy.reset_after, proxy.reset_conns = "down", 512 * 1024, 2
+    buf = bytearray(len(data))
+    assert faulty.read_into("objects/big", 0, memoryview(buf)) == len(data)
+    assert proxy.resets_fired == 2 and buf == data
+    proxy.reset_conns = 1
+    got = bytearray(len(data))
+    head = faulty.read_split("objects/big", 100, lambda first, n: memoryview(got)[len(first):n])
+    assert proxy.resets_fired == 3 and head + got[100:] == data
+    proxy.clear()
+    before = proxy.connections
+    for start in (0, 1, 4096):
+        buf = bytearray(len(data) - start)
+        faulty.read_into("objects/big", start, memoryview(buf))
+        assert buf == data[start:]
+    if s3_main.kind == "seaweedfs":  # moto's server closes every connection after its response
+        assert proxy.connections == before  # each body was read to its end and its connection pooled
+
+
 def test_delays_are_tolerated(faulty, proxy):
     proxy.delay_s = 0.02
     faulty.write("a", b"1")
@@ -294,3 +318,19 @@ def test_push_and_pull_through_a_flaky_connection(s3_main, proxy, tmp_path):
     proxy.clear()
     assert (tmp_path / "out.safetensors").read_bytes() == src.read_bytes()
     assert store.verify().ok
+
+
+def test_a_response_checksum_asked_for_is_still_checked(s3_main):
+    """With response checksums on (config_kwargs), bodies go through botocore, which checks them."""
+    bucket = s3_main.new_bucket()
+    on = S3Backend(f"s3://{bucket}/store", s3_main.options(config_kwargs={
+        "response_checksum_validation": "when_supported", "request_checksum_calculation": "when_supported"}))
+    data = os.urandom(300 * 1024)
+    on.write("x", data)
+    body, _, _ = on._get("x")
+    body.close()
+    assert type(body).__name__ == "StreamingChecksumBody"  # the server returns a checksum botocore checks
+    buf = bytearray(len(data))
+    assert on.read_into("x", 0, memoryview(buf)) == len(data) and buf == data
+    head = on.read_split("x", 64, lambda first, n: memoryview(buf)[len(first):n])
+    assert head + buf[64:] == data
