@@ -41,7 +41,7 @@ from ckpt.snapshot.run import (
     modified_under_save,
 )
 from ckpt.snapshot.tiers import MISSES as TIER_MISSES
-from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe
+from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe, out_of_space
 
 if TYPE_CHECKING:
     from ckpt.snapshot.tiers import Tiers
@@ -258,6 +258,7 @@ class CheckpointManager:
             raise ValueError(f"local_compress must be True or False, not {local_compress!r}")
         self._local_compress = local_compress
         self._local = self._local_tier(local, local_every_n_steps, local_keep, local_max_bytes, replicas, process_group)
+        self._local_full = False  # the last local save ran out of space (one process): make room first
         self._target = (SnapshotRun(self._local.store, self.run, delta_vs_previous and local_compress) if self._local
                         else self._durable)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
@@ -375,6 +376,8 @@ class CheckpointManager:
             if persist is None:
                 persist = bool(self.every_n_steps) and step % self.every_n_steps == 0
             persist = persist or self._persist_pending
+            if self._local_full:
+                self._make_room(step)
             if self._distributed:  # the ranks persist together, in the save thread
                 saving = self._path.save(step, state, snapshot, background=background, persist_to=self._durable if persist else None)
             else:
@@ -419,6 +422,7 @@ class CheckpointManager:
                 self._tier_warning(f"local tier: snapshot of step {step} not saved ({describe(e)}); the next save tries again")
                 local.drop(step)
                 self._free_leftovers()
+                self._local_full = out_of_space(e)
                 self._persist_pending = self._persist_pending or persist
                 return None
             if result.fell_back is not None:
@@ -452,6 +456,22 @@ class CheckpointManager:
             return result
 
         return run
+
+    def _make_room(self, step: int) -> None:
+        """The last local save found the tier full with nothing left to prune (it keeps its newest
+        snapshot): drop that one too, so that the tier holds the newest step again instead of
+        refusing every save. Until this save lands, a restart restores from the durable store."""
+        local = self._local
+        assert local is not None
+        self._local_full = False
+        try:
+            dropped = local.make_room()
+        except Exception as e:  # noqa: BLE001
+            self._tier_warning(f"local tier: could not make room for step {step} ({describe(e)})")
+            return
+        if dropped:
+            self._tier_warning(f"local tier: full at its last save; dropped step(s) {', '.join(map(str, dropped))} "
+                               f"to make room for step {step}")
 
     def _free_leftovers(self) -> None:
         """Free what a failed local save left in the tier (chunks no snapshot names), so that a full

@@ -138,6 +138,24 @@ class LocalTier:
         # grace 0: this process is the tier's only writer, and it is not writing now
         self.store.gc(grace_s=0.0, keep_history=False)
 
+    def make_room(self) -> list[int]:
+        """Remove every snapshot but the pinned ones, the newest too, and free their data: for a
+        tier too small to take a new snapshot beside the newest (the new one is worth more).
+        The steps removed."""
+        with self._lock:
+            removed = [s for s in self.steps() if s not in self.pinned]
+            targets = {self.store.resolve(self.ref(s)) for s in removed}
+            for s in removed:
+                self.store.remove(self.ref(s))
+            latest = f"{self.run}/latest"
+            try:
+                if self.store.resolve(latest) in targets:
+                    self.store.remove(latest)  # it would keep the dropped newest alive
+            except CkptError:
+                pass  # no alias here
+            self._collect()
+            return removed
+
     def drop(self, step: int) -> None:
         """Remove one snapshot (a failed save's leftovers go with the next prune)."""
         try:
@@ -243,6 +261,19 @@ def chunk_ids(m: Manifest) -> set[str]:
 def snapshot_step(m: Manifest) -> int | None:
     snap = m.extra.get("snapshot")
     return int(snap["step"]) if isinstance(snap, dict) and isinstance(snap.get("step"), int) else None
+
+
+def out_of_space(e: BaseException | None) -> bool:
+    """Whether ``e``, or an error it was raised from, says the medium is full (ENOSPC, EDQUOT)."""
+    import errno
+
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def describe(e: BaseException) -> str:

@@ -221,6 +221,37 @@ def test_a_full_local_tier_warns_and_training_and_durable_saves_go_on(tmp_path, 
     mgr.close()
 
 
+def test_a_tier_with_room_for_one_snapshot_keeps_the_newest(tmp_path, tiny_tmpfs):
+    """A 1 MiB tmpfs holds one 640 KB snapshot, not two. The save of step 2 finds it full (ENOSPC)
+    and warns; the next save first drops step 1 (the tier keeps its newest, so pruning could not)
+    and lands: the tier holds the newest step again instead of refusing every later save."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(400, 400, bias=False)  # 640 KB of fp32, stored raw
+    state = {"layer": layer, "step": 0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", local=str(tiny_tmpfs / "tier"), local_every_n_steps=1)
+        kept, saved = [], {}
+        for step in range(1, 5):
+            with torch.no_grad():
+                layer.weight.add_(1.0)
+            state["step"] = step
+            saved[step] = layer.weight.detach().numpy().tobytes()
+            mgr.save(step, state)
+            mgr.wait()
+            kept.append(mgr.local_tier.steps)
+    messages = [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)]
+    assert kept == [[1], [1], [3], [3]], messages  # 2 and 4 found it full; 3 made room and landed
+    assert any("step 2 not saved" in m and "disk is full" in m for m in messages), messages
+    assert any("dropped step(s) 1 to make room for step 3" in m for m in messages), messages
+    mgr.close()
+    fresh = torch.nn.Linear(400, 400, bias=False)
+    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", local=str(tiny_tmpfs / "tier"))
+    assert mgr.restore_latest({"layer": fresh, "step": 0}) == 3 and mgr.last_restore["local"] > 0
+    assert fresh.weight.detach().numpy().tobytes() == saved[3]
+    mgr.close()
+
+
 def test_a_failed_persist_warns_and_the_next_save_persists_again(tmp_path, tiny_tmpfs):
     """The durable store on a 1 MiB tmpfs: persisting step 2 (~1.3 MB) fails with ENOSPC, training goes
     on; once the tmpfs has room again, the next local save (step 3, not due) is persisted in its place."""
