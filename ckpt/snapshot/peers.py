@@ -115,8 +115,10 @@ class Peers:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def exchange(self, sends: dict[int, list[tuple[str, bytes]]]) -> dict[str, bytes]:
-        """Send each ``sends[dst]`` (chunk id, blob) list to group rank ``dst``; return what this rank received."""
+    def exchange(self, sends: dict[int, list[tuple[str, bytes]]]) -> dict[str, memoryview]:
+        """Send each ``sends[dst]`` (chunk id, blob) list to group rank ``dst``; return what this rank
+        received: views into one buffer per sender (each blob is copied once into the send buffer,
+        and nothing is copied after it arrives)."""
         import torch
         import torch.distributed as dist
 
@@ -124,7 +126,11 @@ class Peers:
         ops, bufs = [], []
         for dst, items in sorted(sends.items()):
             if items:
-                data = torch.frombuffer(bytearray(b"".join(b for _, b in items)), dtype=torch.uint8)
+                data = torch.empty(sum(len(b) for _, b in items), dtype=torch.uint8)
+                out, pos = memoryview(data.numpy()), 0
+                for _, b in items:
+                    out[pos : pos + len(b)] = b
+                    pos += len(b)
                 ops.append(dist.isend(data, self.ranks[dst], group=self.group))
         for src, wanted in enumerate(plan):
             listed = wanted.get(self.rank) if src != self.rank else None
@@ -134,9 +140,9 @@ class Peers:
                 bufs.append((listed, buf))
         for op in ops:
             op.wait()
-        got: dict[str, bytes] = {}
+        got: dict[str, memoryview] = {}
         for listed, buf in bufs:
-            raw, pos = buf.numpy().tobytes(), 0
+            raw, pos = memoryview(buf.numpy()), 0  # the views keep the buffer alive
             for cid, n in listed:
                 got[cid] = raw[pos : pos + n]
                 pos += n
@@ -194,7 +200,7 @@ class Peers:
         sent = sum(len(b) for items in sends.values() for _, b in items)
         return own, sent, "; ".join(problems) or None
 
-    def _keep(self, blobs: dict[str, bytes], source: Store | None = None) -> int:
+    def _keep(self, blobs: dict[str, bytes] | dict[str, memoryview], source: Store | None = None) -> int:
         """Verify and store chunks received from peers; a damaged one is dropped (the tier then lacks it).
         ``source``: a store that may hold the bases of delta-encoded ones (besides this tier)."""
         from ckpt.store.copy import chunk_checker
@@ -285,8 +291,9 @@ class Peers:
         return step, mid, tiers
 
     def tiers(self, durable: Store) -> Tiers:
-        """This rank's tiers for one restore: its local tier, an empty in-memory one for chunks
-        fetched from peers, the durable store."""
+        """This rank's tiers for one restore: its local tier (chunks fetched from peers are written
+        there, and counted as the peers'), an empty in-memory one for those its tier cannot take
+        (full, say), the durable store."""
         from ckpt.store.store import Store
 
         peer = Store.init(f"memory://ckpt-peer-{uuid.uuid4().hex}")
@@ -322,12 +329,13 @@ class Peers:
         peer = dict(tiers.stores)["peer"]
         local = self.local.store
         fetched = {info.id for info in peer.objects.list("chunks")}
-        if not fetched:
+        if not fetched and not tiers.from_peers:
             return 0, None
         kept = 0
         try:
+            kept = self._verify_fetched(tiers.from_peers)
             missing = fetched - local.objects.has_many("chunks", fetched)
-            kept = self._keep({cid: peer.objects.get("chunks", cid) for cid in sorted(missing)}, source=peer)
+            kept += self._keep({cid: peer.objects.get("chunks", cid) for cid in sorted(missing)}, source=peer)
             if not local.objects.has("manifests", mid):
                 local.objects.put_manifest(_manifest_bytes(tiers, mid))
                 local.objects.backend.flush()
@@ -361,10 +369,36 @@ class Peers:
                         continue  # it went meanwhile: that rank reads it from the store
                     sends.setdefault(dst, []).append((cid, blob))
         got = self.exchange(sends)
-        peer = dict(tiers.stores)["peer"]
+        # Into this rank's tier, where the restore reads them as it reads its own (a damaged copy
+        # there is replaced); verified where they are read, like any tier, and again before the
+        # refill names them in a step. What the tier cannot take stays in memory for this restore.
+        objects = local.objects
         for cid, blob in got.items():
-            peer.objects.put("chunks", cid, blob)  # verified where it is read, like any tier
+            try:
+                objects.backend.write(objects.path("chunks", cid), blob)
+                tiers.from_peers.add(cid)
+            except Exception:  # noqa: BLE001 - a full tier: this restore keeps it in memory
+                dict(tiers.stores)["peer"].objects.put("chunks", cid, blob)
+        objects.backend.flush()
         return sum(len(b) for b in got.values())
+
+    def _verify_fetched(self, ids: set[str]) -> int:
+        """Re-read and check the chunks a restore fetched from peers into this tier; drop a damaged
+        one (the tier then lacks it). Their stored bytes."""
+        from ckpt.store.copy import chunk_checker
+
+        store = self.local.store
+        check = chunk_checker(store, store)
+        n = 0
+        for cid in sorted(ids):
+            try:
+                blob = store.objects.get("chunks", cid)
+                check(cid, blob)
+                n += len(blob)
+            except MISSES as e:
+                log.warning("chunk %s from a peer dropped: %s", cid[:12], describe(e))
+                store.objects.backend.delete(store.objects.path("chunks", cid))
+        return n
 
 
 def _manifest_bytes(tiers: Tiers, mid: str) -> bytes:

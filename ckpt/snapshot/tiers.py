@@ -181,6 +181,8 @@ class Tiers:
     every_rank_holds: bool = True
     # manifests parsed so far, by id (immutable: named by the hash of their bytes)
     manifests: dict[str, Manifest] = field(default_factory=dict, repr=False)
+    # chunks this restore fetched from peers into the local tier: served from there, counted as "peer"
+    from_peers: set[str] = field(default_factory=set)
 
     @property
     def nearest(self) -> Store:
@@ -210,7 +212,7 @@ class Tiers:
                 break
             if i == len(stores) - 1 and not self.lenient:
                 get_chunks(store.objects, remaining, store.settings, progress)
-                self.served[name] += sum(t.length for t in remaining)
+                self._credit(name, remaining)
                 return
             remaining = self._try(name, store, remaining, progress)
         self.unserved.update(t.id for t in remaining)
@@ -224,7 +226,7 @@ class Tiers:
             get_chunks(store.objects, held, store.settings, NullProgress())
         except MISSES:
             return self._each(name, store, tasks, progress)
-        self.served[name] += sum(t.length for t in held)
+        self._credit(name, held)
         progress.advance(sum(t.length for t in held))
         return [t for t in tasks if t.id not in present]
 
@@ -243,10 +245,20 @@ class Tiers:
                     missed.append(t)
 
         run_parallel(one, tasks, store.settings.workers, NullProgress(), lambda t: t.length, batch=BATCH_BYTES)
-        self.served[name] += sum(t.length for t in tasks) - sum(t.length for t in missed)
+        lost = {id(t) for t in missed}
+        self._credit(name, [t for t in tasks if id(t) not in lost])
         progress.advance(sum(t.length for t in tasks) - sum(t.length for t in missed))
         order = {id(t): i for i, t in enumerate(tasks)}
         return sorted(missed, key=lambda t: order[id(t)])
+
+    def _credit(self, name: str, served: list[GetTask]) -> None:
+        """Count what ``name`` served; what the local tier served of the chunks fetched from peers, as the peers'."""
+        if name == "local" and self.from_peers:
+            fetched = sum(t.length for t in served if t.id in self.from_peers)
+            self.served["peer"] += fetched
+            self.served[name] += sum(t.length for t in served) - fetched
+        else:
+            self.served[name] += sum(t.length for t in served)
 
     def fill(self, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]]) -> None:
         from ckpt.store.load import fill
