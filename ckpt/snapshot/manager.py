@@ -376,7 +376,19 @@ class CheckpointManager:
                 persist = bool(self.every_n_steps) and step % self.every_n_steps == 0
             persist = persist or self._persist_pending
             if self._distributed:  # the ranks persist together, in the save thread
-                saving = self._path.save(step, state, snapshot, background=background, persist_to=self._durable if persist else None)
+                from ckpt.snapshot.group import GroupUnavailable
+
+                try:
+                    saving = self._path.save(step, state, snapshot, background=background,
+                                             persist_to=self._durable if persist else None)
+                except GroupUnavailable as e:
+                    # The ranks could not agree on a working group: as for a tier failure, unless this
+                    # snapshot is due to the durable store (raised, as without tiers).
+                    self._persist_pending = persist
+                    if persist:
+                        raise
+                    self._tier_warning(f"local tiers: snapshot of step {step} not saved ({e}); the next save tries again")
+                    return
             else:
                 saving = self._path.save(step, state, snapshot, background=background, fallback=self._durable if persist else None)
             job = self._tiered(step, saving, persist)
@@ -622,7 +634,7 @@ class CheckpointManager:
             from ckpt.snapshot.distributed import DistributedSnapshots
 
             assert isinstance(self._path, DistributedSnapshots) and self._path.peers is not None
-            chosen = self._path.peers.choose(self.store, self._durable.latest)
+            chosen = self._path.choose(self.store, self._durable.latest)
             if chosen is None:
                 return None
             _, mid, tiers = chosen
