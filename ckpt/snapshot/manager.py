@@ -181,6 +181,10 @@ class CheckpointManager:
     ``replica_nodes``); the ranks persist together in the save thread. A tier that fails
     warns (:class:`TierWarning`) and the next save tries again; a snapshot due to ``store``
     whose local save failed is written there directly (in a group, by all ranks together).
+    A collective that failed (a peer that did not answer within ``timeout_s``) leaves the
+    checkpoint group unusable: at the next save the ranks agree to rebuild it
+    (ckpt/snapshot/group.py); where not every rank arrives within ``timeout_s``, a local save
+    warns and one due to ``store`` raises ``GroupUnavailable`` (a :class:`SnapshotError`).
 
     Settings are checked at construction (``ValueError`` naming the parameter):
     ``every_n_steps``, ``keep_last`` and ``keep_every`` are ints >= 1 (not bools) or
