@@ -6,7 +6,8 @@ With a process group, a snapshot is a DCP save through :class:`ckpt.dcp.Writer`
 the current layout. Checkpoint collectives run on a gloo group of their own, with
 its own timeout: an asynchronous save never interleaves with the training's
 collectives, and a rank that dies makes the others fail with
-:class:`~ckpt.snapshot.run.SnapshotError` after ``timeout_s`` instead of hanging.
+:class:`~ckpt.snapshot.run.SnapshotError` after ``timeout_s`` instead of hanging. A group
+whose collective failed is rebuilt by all ranks at the next save (ckpt/snapshot/group.py).
 
 What is per rank and what is shared (DCP saves a tensor that is not a DTensor once):
 
@@ -32,7 +33,6 @@ snapshot saved once for all ranks is refused rather than left at its current val
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -47,6 +47,7 @@ from ckpt.snapshot.dcp_state import (
     value_target,
     values_planner,
 )
+from ckpt.snapshot.group import CheckpointGroup
 from ckpt.snapshot.run import SaveResult, SnapshotRun
 from ckpt.snapshot.state import Stateful, is_per_rank
 from ckpt.snapshot.tiers import describe
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
     from ckpt.snapshot.peers import Peers
     from ckpt.snapshot.run import SaveJob
     from ckpt.snapshot.tiers import LocalTier, Tiers
+    from ckpt.store.store import Store
 
 _FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
 
@@ -75,14 +77,35 @@ class DistributedSnapshots:
         self.world = dist.get_world_size(process_group)
         self.timeout_s = timeout_s
         # Every member calls this in the same order (it is part of constructing the manager).
-        self.group = dist.new_group(dist.get_process_group_ranks(process_group), backend="gloo",
-                                    timeout=timedelta(seconds=timeout_s), use_local_synchronization=True)
+        self.checkpoint_group = CheckpointGroup(process_group, timeout_s)
         self.last_id: str | None = None
         self.peers: Peers | None = None
         if local is not None:
             from ckpt.snapshot.peers import Peers
 
             self.peers = Peers(local, self.group, replicas, stride=replica_stride, nodes=replica_nodes)
+
+    @property
+    def group(self) -> Any:
+        """The gloo group the checkpoint collectives run on (a new one after :meth:`agree` rebuilt it)."""
+        return self.checkpoint_group.pg
+
+    def agree(self, what: str) -> None:
+        """Before a save or restore (every rank alike): rebuild the group if a collective on it failed
+        on any rank. Raises :class:`~ckpt.snapshot.group.GroupUnavailable` when the ranks cannot."""
+        self.checkpoint_group.agree(what)
+        if self.peers is not None:
+            self.peers.group = self.group
+
+    def choose(self, durable: Store, latest: str) -> tuple[int, str, Tiers] | None:
+        """:meth:`Peers.choose <ckpt.snapshot.peers.Peers.choose>` on a group the ranks agreed on."""
+        assert self.peers is not None
+        self.agree("restore")
+        try:
+            return self.peers.choose(durable, latest)
+        except _FAILURES as e:
+            self.checkpoint_group.failed(e)
+            raise
 
     @property
     def tag(self) -> str:
@@ -94,6 +117,7 @@ class DistributedSnapshots:
              fallback: SnapshotRun | None = None, persist_to: SnapshotRun | None = None) -> SaveJob:
         from ckpt.dcp.checkpoint import Writer
 
+        self.agree(f"snapshot of step {step}")
         prepared: dict[str, Any] = {}
         per_rank = []
         for key, obj in state.items():
@@ -130,6 +154,14 @@ class DistributedSnapshots:
 
     def _write(self, step: int, state: dict[str, Any], writer: Any, record: dict[str, Any],
                persist_to: SnapshotRun | None) -> SaveResult:
+        try:
+            return self._write_collectively(step, state, writer, record, persist_to)
+        except _FAILURES as e:
+            self.checkpoint_group.failed(e)
+            raise
+
+    def _write_collectively(self, step: int, state: dict[str, Any], writer: Any, record: dict[str, Any],
+                            persist_to: SnapshotRun | None) -> SaveResult:
         """The collective save of ``state`` through ``writer``; with local tiers, a snapshot due to
         ``persist_to`` whose local save failed on some rank (every rank learns it from DCP) is
         written to the durable store directly, as without tiers (:attr:`SaveResult.fell_back`)."""
@@ -169,7 +201,15 @@ class DistributedSnapshots:
 
         mine = {key: fingerprint(key, value) for key, value in shared.items()}
         everyone: list[Any] = [None] * self.world
-        dist.all_gather_object(everyone, mine, group=self.group)
+        try:
+            dist.all_gather_object(everyone, mine, group=self.group)
+        except _FAILURES as e:  # a peer died or stalled since the ranks agreed on the group
+            from ckpt.snapshot.group import GroupUnavailable
+
+            self.checkpoint_group.failed(e)
+            raise GroupUnavailable(f"snapshot of step {step} not saved: {describe(e)}",
+                                   hint=f"a rank failed, died or took longer than timeout_s={self.timeout_s:g}; "
+                                   "the ranks rebuild the checkpoint group at the next save") from e
         keys = sorted(set().union(*everyone))
         differ = [k for k in keys if any(d.get(k) != everyone[0].get(k) for d in everyone)]
         if differ:
@@ -230,6 +270,14 @@ class DistributedSnapshots:
 
     # -- restoring -----------------------------------------------------------------------
     def restore(self, state: dict[str, Any], mid: str, tiers: Tiers | None = None) -> int:
+        self.agree("restore")
+        try:
+            return self._restore(state, mid, tiers)
+        except _FAILURES as e:
+            self.checkpoint_group.failed(e)
+            raise
+
+    def _restore(self, state: dict[str, Any], mid: str, tiers: Tiers | None = None) -> int:
         import torch
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp

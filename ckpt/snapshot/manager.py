@@ -181,6 +181,10 @@ class CheckpointManager:
     ``replica_nodes``); the ranks persist together in the save thread. A tier that fails
     warns (:class:`TierWarning`) and the next save tries again; a snapshot due to ``store``
     whose local save failed is written there directly (in a group, by all ranks together).
+    A collective that failed (a peer that did not answer within ``timeout_s``) leaves the
+    checkpoint group unusable: at the next save the ranks agree to rebuild it
+    (ckpt/snapshot/group.py); where not every rank arrives within ``timeout_s``, a local save
+    warns and one due to ``store`` raises ``GroupUnavailable`` (a :class:`SnapshotError`).
 
     Settings are checked at construction (``ValueError`` naming the parameter):
     ``every_n_steps``, ``keep_last`` and ``keep_every`` are ints >= 1 (not bools) or
@@ -379,7 +383,19 @@ class CheckpointManager:
             if self._local_full:
                 self._make_room(step)
             if self._distributed:  # the ranks persist together, in the save thread
-                saving = self._path.save(step, state, snapshot, background=background, persist_to=self._durable if persist else None)
+                from ckpt.snapshot.group import GroupUnavailable
+
+                try:
+                    saving = self._path.save(step, state, snapshot, background=background,
+                                             persist_to=self._durable if persist else None)
+                except GroupUnavailable as e:
+                    # The ranks could not agree on a working group: as for a tier failure, unless this
+                    # snapshot is due to the durable store (raised, as without tiers).
+                    self._persist_pending = persist
+                    if persist:
+                        raise
+                    self._tier_warning(f"local tiers: snapshot of step {step} not saved ({e}); the next save tries again")
+                    return
             else:
                 saving = self._path.save(step, state, snapshot, background=background, fallback=self._durable if persist else None)
             job = self._tiered(step, saving, persist)
@@ -642,7 +658,7 @@ class CheckpointManager:
             from ckpt.snapshot.distributed import DistributedSnapshots
 
             assert isinstance(self._path, DistributedSnapshots) and self._path.peers is not None
-            chosen = self._path.peers.choose(self.store, self._durable.latest)
+            chosen = self._path.choose(self.store, self._durable.latest)
             if chosen is None:
                 return None
             _, mid, tiers = chosen

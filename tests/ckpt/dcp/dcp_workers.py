@@ -647,6 +647,82 @@ def tiers_stall(rank, world, tmp, store, steps=4, at=2, timeout_s=5):
     return out
 
 
+def _stall_bits(state):
+    """Parameters and optimizer state (moments, step counts), bit for bit."""
+    opt = state["optim"].state_dict()
+    return {"params": {k: bits(v) for k, v in state["model"].state_dict().items()},
+            "optim": {str(i): {k: bits(v) for k, v in st.items()} for i, st in opt["state"].items()},
+            "step": state["step"]}
+
+
+def tiers_stall_recover(rank, world, tmp, store, mode, steps=8, at=2, timeout_s=5, gone=False):
+    """Identical plain training on every rank (AdamW, no DDP), local snapshots every step, one replica,
+    durable every 4 steps. ``train``: at step ``at`` rank 1 stops (SIGSTOP) as its replication begins;
+    rank 0's save gives up after ``timeout_s``, and rank 0 wakes rank 1 (SIGCONT) a second later.
+    Both train on to ``steps``, saving every step; returns each rank's TierWarnings and save errors,
+    and the state's bits at each durable step. ``gone``: rank 0 SIGKILLs rank 1 instead. ``restore``: a fresh process restores the latest
+    snapshot and the one of step 4; returns their bits."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt.snapshot.peers import Peers
+
+    torch.manual_seed(0 if mode == "train" else 1)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"model": model, "optim": opt, "step": 0}
+    mgr = ckpt.CheckpointManager(store, "stall", every_n_steps=4, local=os.path.join(tmp, "local"), local_every_n_steps=1,
+                                 replicas=1, process_group=dist.group.WORLD, timeout_s=timeout_s)
+    if mode == "restore":
+        out = {"latest": mgr.restore_latest(state), "restore": mgr.last_restore, "bits": _stall_bits(state)}
+        out["step4"] = mgr.restore(state, 4)
+        out["restore4"] = mgr.last_restore
+        out["bits4"] = _stall_bits(state)
+        out["durable"] = mgr.steps()
+        mgr.close()
+        return out
+    pids: list = [None] * world
+    dist.all_gather_object(pids, os.getpid())  # (the default group: not the manager's)
+    if rank == 1:
+        real = Peers.exchange
+
+        def stall(self, sends):
+            if state["step"] == at:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real(self, sends)
+
+        Peers.exchange = stall
+    losses, saved, errors = {}, {}, {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, steps + 1):
+            torch.manual_seed(step)  # the same batch on every rank: the state stays identical
+            loss = model(torch.randn(8, 64)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[step] = loss.item().hex()
+            state["step"] = step
+            try:
+                mgr.maybe_save(step, state)
+                mgr.wait()
+            except Exception as e:  # noqa: BLE001 - reported to the test: training itself goes on
+                errors[step] = f"{type(e).__name__}: {e}"
+            if step % 4 == 0:
+                saved[step] = _stall_bits(state)
+            if rank == 0 and step == at:
+                time.sleep(1)  # rank 1 has been stopped for longer than timeout_s
+                os.kill(pids[1], signal.SIGKILL if gone else signal.SIGCONT)
+    out = {"warnings": [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)],
+           "errors": errors, "losses": losses, "saved": saved, "local_steps": mgr.local_tier.steps,
+           "durable": mgr.steps()}
+    mgr.close()
+    return out
+
+
 def tiers_replication(rank, world, tmp, store):
     """Local tiers with one replica: a large frozen layer and a small trained one, saved twice.
     Returns the stored bytes each save sent to the replica."""
@@ -769,6 +845,6 @@ def _flip_newest(path):
     return n
 
 
-SCENARIOS = {"tiers_resume": tiers_resume, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
+SCENARIOS = {"tiers_resume": tiers_resume, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state}

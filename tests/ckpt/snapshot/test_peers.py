@@ -172,3 +172,47 @@ def test_a_peer_that_does_not_answer_makes_the_save_warn_after_the_timeout_and_t
     assert any("step 2 not saved" in m for m in r0["warnings"]), r0["warnings"]
     assert 4 < r0["waited"] < 60  # it waited for the timeout, not forever
     assert r0["local_steps"] == [1]
+
+
+def test_after_a_peer_timed_out_the_ranks_rebuild_their_group_and_later_saves_succeed(tmp_path):
+    """Rank 1 stops (SIGSTOP) as it starts replicating step 2, for longer than timeout_s; rank 0 warns,
+    then wakes it (SIGCONT). The timeout closed the connections of the checkpoint group: at the next
+    save the ranks agree to rebuild it, and every later save succeeds on both ranks. The durable steps
+    4 and 8 exist and restore bit-identically (parameters and AdamW state) in fresh processes."""
+    url = str(tmp_path / "s")
+    trained = W.run_ranks("tiers_stall_recover", 2, str(tmp_path), store=url, mode="train", steps=8, at=2, timeout_s=5,
+                          deadline_s=150)
+    for r in trained:
+        assert "error" not in r, r.get("trace")
+        assert r["errors"] == {}, r["errors"]  # no save raised: training never stopped
+        assert sorted(map(int, r["losses"])) == list(range(1, 9))
+        assert r["durable"] == [4, 8]
+        assert r["local_steps"] == [7, 8]
+    assert trained[0]["losses"] == trained[1]["losses"]
+    for r in trained:  # step 2 failed on both ranks (rank 1 learns it when it wakes); nothing after it did
+        assert any("step 2 not saved" in m for m in r["warnings"]), r["warnings"]
+        assert not any(f"step {s} " in m for m in r["warnings"] for s in range(3, 9)), r["warnings"]
+    restored = W.run_ranks("tiers_stall_recover", 2, str(tmp_path), store=url, mode="restore")
+    for t, r in zip(trained, restored):
+        assert "error" not in r, r.get("trace")
+        assert r["latest"] == 8 and r["restore"]["step"] == 8 and r["step4"] == 4
+        assert r["restore4"]["store"] > 0  # step 4 lives in the durable store only
+        assert r["bits"] == t["saved"]["8"] and r["bits4"] == t["saved"]["4"]
+        assert r["durable"] == [4, 8]
+    assert ckpt.Store.open(url).verify().ok
+
+
+def test_when_the_peer_is_gone_for_good_tier_saves_warn_and_durable_saves_raise(tmp_path):
+    """As above, but rank 0 kills rank 1 instead of waking it: no rank joins the agreement of the
+    next saves. Rank 0 waits timeout_s at each: the local save of step 3 warns, and the snapshot of
+    step 4, due to the durable store, raises (as a durable save does without tiers); training goes on."""
+    url = str(tmp_path / "s")
+    r0, r1 = W.run_ranks("tiers_stall_recover", 2, str(tmp_path), store=url, mode="train", steps=4, at=2, timeout_s=3,
+                         gone=True, deadline_s=120)
+    assert r1 == {"killed": True}
+    assert "error" not in r0, r0.get("trace")
+    assert sorted(map(int, r0["losses"])) == [1, 2, 3, 4]
+    assert any("step 2 not saved" in m for m in r0["warnings"]), r0["warnings"]
+    assert any("step 3 not saved" in m and "arrived within timeout_s=3" in m for m in r0["warnings"]), r0["warnings"]
+    assert list(r0["errors"]) == ["4"] and r0["errors"]["4"].startswith("GroupUnavailable: snapshot of step 4 not done")
+    assert r0["durable"] == [] and r0["local_steps"] == [1]

@@ -1,0 +1,143 @@
+"""The gloo group that checkpoint collectives run on, and its rebuilding after a failure.
+
+A collective that fails on a gloo group (a peer that did not answer within the timeout, a
+connection closed) leaves that group unusable: gloo closes its connections ("Application
+timeout caused pair closure"), and every later collective on it fails at once, on the rank
+that timed out and on a peer that was stalled and resumed alike. So a group that failed is
+never used again: before each save and restore the ranks agree, through the rendezvous store
+of the default group (a few store operations, no collective), whether any of them saw it
+fail since the last agreement; if one did, every rank creates a fresh group with the same
+timeout and the save goes on with it.
+
+Round ``k`` of the agreement (every rank counts its saves and restores alike):
+
+* each rank adds ``1 + world * failed`` (``failed``: 0 or 1) to the round's counter;
+* the rank whose addition completes the round (the counter becomes a multiple of ``world``)
+  publishes the verdict ``go:N`` (N ranks saw a failure) with compare-and-set, and deletes the
+  previous round's keys (every rank has left it);
+* the others wait up to ``timeout_s`` for the verdict. One that waited in vain sets it to
+  ``abandoned`` instead (compare-and-set: exactly one verdict wins), and a rank arriving later
+  reads that. Every rank of an abandoned round counts its group as failed, so the next round
+  rebuilds it, and the save of that round does not happen (:class:`GroupUnavailable`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from datetime import timedelta
+from typing import Any
+
+from ckpt.snapshot.run import SnapshotError
+
+log = logging.getLogger(__name__)
+
+
+class GroupUnavailable(SnapshotError):
+    """The ranks could not agree on a working checkpoint group (a peer did not answer within
+    ``timeout_s``, or the group could not be rebuilt): this save or restore did not happen."""
+
+    retryable = True  # the next save agrees again, and rebuilds the group with the ranks that answer
+
+
+class CheckpointGroup:
+    """The checkpoint collectives' own gloo group over the ranks of ``process_group``.
+
+    :meth:`agree` before each save or restore (every rank alike); :meth:`failed` when a collective
+    on :attr:`pg` fails. Every member calls the constructor in the same order (it creates a group)."""
+
+    def __init__(self, process_group: Any, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.ranks = dist.get_process_group_ranks(process_group)
+        self.world = len(self.ranks)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.pg = self._create()
+        self.broken = False  # a collective on pg failed since the last agreement
+        self.rebuilds = 0
+        self._round = 0
+        # Keys of the agreement, in the default group's store: named after the first group (the same
+        # on every member, unique per manager), fixed across rebuilds.
+        self._prefix = f"ckpt-group/{self.pg.group_name}"
+        self._store: Any = None
+
+    def _create(self) -> Any:
+        import torch.distributed as dist
+
+        # Never destroyed: torch names a group after the number of groups that exist, and a name used
+        # again would meet the rendezvous keys of the old group in the store.
+        return dist.new_group(self.ranks, backend="gloo", timeout=self.timeout, use_local_synchronization=True)
+
+    def failed(self, e: BaseException) -> None:
+        """Note that a save or restore on :attr:`pg` raised ``e``. Not a failure of the group: ckpt's
+        own error without a cause (a refusal the ranks agreed on through the group), or a DCP error
+        that gathered the ranks' own failures (it came through the group's collectives). Anything
+        else counts: a needless rebuild costs one group, a missed one every later save."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from ckpt.errors import CkptError
+
+        if isinstance(e, CkptError):
+            if e.__cause__ is None:
+                return
+            e = e.__cause__
+        if isinstance(e, CheckpointException) and e.failures:
+            return
+        if not self.broken:
+            log.warning("checkpoint group: a collective failed (%s: %s); the ranks rebuild the group at the next "
+                        "save", type(e).__name__, (str(e).strip().splitlines() or [""])[0][:200])
+        self.broken = True
+
+    def agree(self, what: str) -> None:
+        """One round of the agreement; rebuild the group if any rank saw it fail. Raises
+        :class:`GroupUnavailable` (``what``: the save or restore that does not happen) when a rank
+        did not arrive within the timeout or the group could not be rebuilt."""
+        if self.world == 1:
+            return
+        k, self._round = self._round, self._round + 1
+        try:
+            verdict = self._verdict(self._store_(), f"{self._prefix}/{k}", k)
+        except Exception as e:  # the rendezvous store itself failed
+            self.broken = True
+            raise GroupUnavailable(f"{what} not done: the ranks could not agree through the rendezvous store "
+                                   f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})") from e
+        if verdict == "abandoned":
+            self.broken = True
+            raise GroupUnavailable(
+                f"{what} not done: not every rank of the checkpoint group arrived within "
+                f"timeout_s={self.timeout.total_seconds():g} (a rank died, hangs, or is still failing an earlier save)",
+                hint="the ranks try again at the next save; see the other ranks' logs")
+        if verdict == "go:0":
+            return
+        try:
+            self.pg = self._create()
+        except Exception as e:  # a peer gone since it arrived: the next round tries again
+            self.broken = True
+            raise GroupUnavailable(f"{what} not done: the checkpoint group could not be rebuilt ({type(e).__name__}: "
+                                   f"{(str(e).strip().splitlines() or [''])[0][:200]})",
+                                   hint="the ranks try again at the next save; see the other ranks' logs") from e
+        self.broken = False
+        self.rebuilds += 1
+        log.warning("checkpoint group rebuilt (%s rank(s) saw it fail)", verdict[3:])
+
+    def _verdict(self, store: Any, key: str, k: int) -> str:
+        n = store.add(f"{key}/n", 1 + self.world * int(self.broken))
+        if n % self.world == 0:  # the last to arrive
+            verdict = store.compare_set(f"{key}/v", "", f"go:{n // self.world - 1}").decode()
+            if verdict != "abandoned" and k > 0:
+                for old in (f"{self._prefix}/{k - 1}/n", f"{self._prefix}/{k - 1}/v"):
+                    with contextlib.suppress(Exception):  # a store that cannot delete keeps a few bytes a round
+                        store.delete_key(old)
+            return verdict
+        try:
+            store.wait([f"{key}/v"], self.timeout)
+        except Exception:  # noqa: BLE001 - the store's timeout: abandon the round, unless the verdict came meanwhile
+            return store.compare_set(f"{key}/v", "", "abandoned").decode()
+        return store.get(f"{key}/v").decode()
+
+    def _store_(self) -> Any:
+        if self._store is None:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self._store = _get_default_store()
+        return self._store
