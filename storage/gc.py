@@ -132,7 +132,7 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     now = time.time()
     cutoff = now - grace_s
     listed, temps = objects.inventory()
-    temps += objects.list_temporaries(("refs",))
+    temps += objects.list_temporaries(("refs", "index"))
 
     # With the metadata index, ref histories come from it (checked against the listing of
     # refs), and a root manifest that is in the listing has its chunk lists read from it (a

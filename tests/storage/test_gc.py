@@ -90,15 +90,22 @@ def test_touched_objects_survive(tmp_path):
 
 
 def test_gc_removes_stale_temporaries(tmp_path):
+    """Leftovers of writes killed mid-way, below objects/, refs/ and index/ (a push killed while
+    it wrote the metadata index left one there), go once they are older than the grace period."""
     path = str(tmp_path / "s")
     store = ckpt.Store.init(path)
-    d = tmp_path / "s" / "objects" / "chunks" / "ab"
-    d.mkdir(parents=True)
-    (d / ".tmp-deadbeef").write_bytes(b"partial")
-    _age(path, 7200)
+    leftovers = [tmp_path / "s" / sub / ".tmp-deadbeef" for sub in ("objects/chunks/ab", "refs/run", "index")]
+    for f in leftovers:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"partial")
+    old = time.time() - 7200
+    for f in leftovers:
+        os.utime(f, (old, old))
+    young = tmp_path / "s" / "index" / ".tmp-young"
+    young.write_bytes(b"a write in progress")
     r = store.gc(grace_s=3600)
-    assert [x.kind for x in r.deleted] == ["temp"]
-    assert not (d / ".tmp-deadbeef").exists()
+    assert [x.kind for x in r.deleted] == ["temp"] * 3
+    assert not any(f.exists() for f in leftovers) and young.exists()
 
 
 # -- the delete protocol under a concurrent touch ---------------------------------------
