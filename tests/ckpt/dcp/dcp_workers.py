@@ -597,6 +597,32 @@ def _kill_in_replication(rank, state, mgr, step):
             "temporaries": len(list(tier.objects.list_temporaries()))}
 
 
+def _stop_when_replicating(state, at):
+    """SIGSTOP this process as its replication of step ``at`` begins (it keeps its connections open)."""
+    from ckpt.snapshot.peers import Peers
+
+    real = Peers.exchange
+
+    def stall(self, sends):
+        if state["step"] == at:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real(self, sends)
+
+    Peers.exchange = stall
+
+
+def _same_batch_step(model, opt, step):
+    """One step on a batch seeded by ``step`` (the same on every rank: the state stays identical); the loss as float.hex."""
+    import torch
+
+    torch.manual_seed(step)
+    loss = model(torch.randn(8, 64)).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item().hex()
+
+
 def tiers_stall(rank, world, tmp, store, steps=4, at=2, timeout_s=5):
     """Identical plain training on every rank (no DDP: nothing in the training step waits for a
     peer), local snapshots every step, one replica, ``timeout_s``. At step ``at`` rank 1 stops
@@ -608,8 +634,6 @@ def tiers_stall(rank, world, tmp, store, steps=4, at=2, timeout_s=5):
     import torch.distributed as dist
 
     import ckpt
-    from ckpt.snapshot.peers import Peers
-
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -617,24 +641,12 @@ def tiers_stall(rank, world, tmp, store, steps=4, at=2, timeout_s=5):
     mgr = ckpt.CheckpointManager(store, "stall", local=os.path.join(tmp, "local"), local_every_n_steps=1, replicas=1,
                                  process_group=dist.group.WORLD, timeout_s=timeout_s)
     if rank == 1:
-        real = Peers.exchange
-
-        def stall(self, sends):
-            if state["step"] == at:
-                os.kill(os.getpid(), signal.SIGSTOP)
-            return real(self, sends)
-
-        Peers.exchange = stall
+        _stop_when_replicating(state, at)
     losses, waited = {}, None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(1, steps + 1):
-            torch.manual_seed(step)  # the same batch on every rank: the state stays identical
-            loss = model(torch.randn(8, 64)).square().mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses[step] = loss.item().hex()
+            losses[step] = _same_batch_step(model, opt, step)
             state["step"] = step
             if step <= at:
                 t0 = time.monotonic()
@@ -668,7 +680,6 @@ def tiers_stall_recover(rank, world, tmp, store, mode, steps=8, at=2, timeout_s=
     import torch.distributed as dist
 
     import ckpt
-    from ckpt.snapshot.peers import Peers
 
     torch.manual_seed(0 if mode == "train" else 1)
     model = torch.nn.Linear(64, 64)
@@ -687,24 +698,12 @@ def tiers_stall_recover(rank, world, tmp, store, mode, steps=8, at=2, timeout_s=
     pids: list = [None] * world
     dist.all_gather_object(pids, os.getpid())  # (the default group: not the manager's)
     if rank == 1:
-        real = Peers.exchange
-
-        def stall(self, sends):
-            if state["step"] == at:
-                os.kill(os.getpid(), signal.SIGSTOP)
-            return real(self, sends)
-
-        Peers.exchange = stall
+        _stop_when_replicating(state, at)
     losses, saved, errors = {}, {}, {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(1, steps + 1):
-            torch.manual_seed(step)  # the same batch on every rank: the state stays identical
-            loss = model(torch.randn(8, 64)).square().mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses[step] = loss.item().hex()
+            losses[step] = _same_batch_step(model, opt, step)
             state["step"] = step
             try:
                 mgr.maybe_save(step, state)
