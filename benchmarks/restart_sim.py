@@ -22,7 +22,7 @@ What it assumes (every figure is a flag; the defaults are printed with the table
   large parallel file system or object store); a restart reads the whole state back from it.
 * **Local tier**: each GPU's shard written to host memory at ``--local-gbps`` per GPU and sent to
   ``--replicas`` peers at ``--peer-gbps`` per GPU (network). The defaults are the figures measured by
-  benchmarks/restart.py on a loaded 2-core VM (benchmarks/results/restart.md): far below a real
+  benchmarks/restart.py on a 2-core VM (benchmarks/results/restart.md, 1.2 GB state): far below a real
   node's memory and network bandwidth, so the checked-in results also show node-class figures.
   A restart reads from memory, a replaced node's ranks from a peer (the slower: it sets the restart).
   A failure that takes a rank and all its replicas (``--p-lost``) falls back to the durable store,
@@ -115,8 +115,8 @@ def main() -> None:
     ap.add_argument("--durable-gbps", default="100,1000", help="durable store, aggregate GB/s (write = read); a table for each")
     ap.add_argument("--stage-gbps", type=float, default=25.0, help="GPU -> pinned host copy, GB/s per GPU")
     # defaults: measured by benchmarks/restart.py on a loaded 2-core VM (311 MB: local tier 1.63 s, peer over loopback gloo 5.17 s)
-    ap.add_argument("--local-gbps", type=float, default=0.19, help="local tier write/read, GB/s per GPU")
-    ap.add_argument("--peer-gbps", type=float, default=0.06, help="replication/restore from a peer, GB/s per GPU")
+    ap.add_argument("--local-gbps", type=float, default=1.1, help="local tier write/read, GB/s per GPU")
+    ap.add_argument("--peer-gbps", type=float, default=0.17, help="replication/restore from a peer, GB/s per GPU")
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--p-lost", type=float, default=0.02, help="share of failures that take a rank and all its replicas")
     ap.add_argument("--restart-s", type=float, default=60.0, help="restart overhead besides reading the state")
