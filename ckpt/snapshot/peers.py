@@ -115,23 +115,30 @@ class Peers:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def exchange(self, sends: dict[int, list[tuple[str, bytes]]]) -> dict[str, memoryview]:
-        """Send each ``sends[dst]`` (chunk id, blob) list to group rank ``dst``; return what this rank
-        received: views into one buffer per sender (each blob is copied once into the send buffer,
-        and nothing is copied after it arrives)."""
+    def exchange(self, sends: dict[int, list[str]]) -> tuple[dict[str, memoryview], int]:
+        """Send the chunks ``sends[dst]`` of this rank's tier to group rank ``dst``; return what this
+        rank received (views into one buffer per sender: nothing is copied after it arrives) and the
+        stored bytes it sent. Blobs are read from the tier files straight into the send buffer."""
         import torch
         import torch.distributed as dist
 
-        plan = self.gather({dst: [(cid, len(b)) for cid, b in items] for dst, items in sends.items() if items})
+        objects = self.local.store.objects
+        sized: dict[int, list[tuple[str, int]]] = {}
+        for dst, cids in sends.items():
+            for cid in cids:
+                try:
+                    sized.setdefault(dst, []).append((cid, objects.backend.size(objects.path("chunks", cid))))
+                except OSError:
+                    continue  # it went meanwhile: that rank reads it from another tier
+        plan = self.gather(sized)
         ops, bufs = [], []
-        for dst, items in sorted(sends.items()):
-            if items:
-                data = torch.empty(sum(len(b) for _, b in items), dtype=torch.uint8)
-                out, pos = memoryview(data.numpy()), 0
-                for _, b in items:
-                    out[pos : pos + len(b)] = b
-                    pos += len(b)
-                ops.append(dist.isend(data, self.ranks[dst], group=self.group))
+        for dst, items in sorted(sized.items()):
+            data = torch.empty(sum(n for _, n in items), dtype=torch.uint8)
+            out, pos = memoryview(data.numpy()), 0
+            for cid, n in items:
+                self._read_into(cid, out[pos : pos + n])
+                pos += n
+            ops.append(dist.isend(data, self.ranks[dst], group=self.group))
         for src, wanted in enumerate(plan):
             listed = wanted.get(self.rank) if src != self.rank else None
             if listed:
@@ -146,7 +153,18 @@ class Peers:
             for cid, n in listed:
                 got[cid] = raw[pos : pos + n]
                 pos += n
-        return got
+        return got, sum(n for items in sized.values() for _, n in items)
+
+    def _read_into(self, cid: str, out: memoryview) -> None:
+        """Blob ``cid`` of this tier into ``out`` (its size, as listed). A blob that went or changed
+        meanwhile is sent as zeros: the receiver verifies every chunk and drops it."""
+        objects = self.local.store.objects
+        try:
+            if objects.backend.read_into(objects.path("chunks", cid), 0, out) == len(out):
+                return
+        except OSError:
+            pass
+        out[:] = bytes(len(out))
 
     # -- saving -------------------------------------------------------------------------
     def publish(self, published: tuple[str, bytes] | None) -> tuple[str, bytes, str | None]:
@@ -175,7 +193,7 @@ class Peers:
         own = store.objects.has_many("chunks", data_ids)
         held = self.gather(sorted(own))
         held_sets = [set(h) for h in held]
-        sends: dict[int, list[tuple[str, bytes]]] = {}
+        sends: dict[int, list[str]] = {}
         for dst in range(self.world):
             senders = [r for r in range(self.world) if dst in self.replicas[r]]
             if self.rank not in senders:
@@ -183,8 +201,8 @@ class Peers:
             for cid in sorted(own - held_sets[dst]):
                 # a chunk several senders hold goes once, from the lowest of them
                 if min(r for r in senders if cid in held_sets[r]) == self.rank:
-                    sends.setdefault(dst, []).append((cid, store.objects.get("chunks", cid)))
-        got = self.exchange(sends)
+                    sends.setdefault(dst, []).append(cid)
+        got, sent = self.exchange(sends)
         problems = []
         try:
             self._keep(got)
@@ -197,7 +215,6 @@ class Peers:
                 store.objects.backend.flush()
             except Exception as e:  # noqa: BLE001
                 problems.append(f"step not recorded ({describe(e)})")
-        sent = sum(len(b) for items in sends.values() for _, b in items)
         return own, sent, "; ".join(problems) or None
 
     def _keep(self, blobs: dict[str, bytes] | dict[str, memoryview], source: Store | None = None) -> int:
@@ -358,17 +375,13 @@ class Peers:
         mine = set(local.objects.has_many("chunks", set().union(*map(set, wants)))) if any(wants) else set()
         holds = self.gather(sorted(mine))
         hold_sets = [set(h) for h in holds]
-        sends: dict[int, list[tuple[str, bytes]]] = {}
+        sends: dict[int, list[str]] = {}
         for dst, cids in enumerate(wants):
             for cid in cids:
                 src = next((s for s in ((dst + i) % self.world for i in range(1, self.world)) if cid in hold_sets[s]), None)
                 if src == self.rank:
-                    try:
-                        blob = local.objects.get("chunks", cid)
-                    except MISSES:
-                        continue  # it went meanwhile: that rank reads it from the store
-                    sends.setdefault(dst, []).append((cid, blob))
-        got = self.exchange(sends)
+                    sends.setdefault(dst, []).append(cid)
+        got, _ = self.exchange(sends)
         # Into this rank's tier, where the restore reads them as it reads its own (a damaged copy
         # there is replaced); verified where they are read, like any tier, and again before the
         # refill names them in a step. What the tier cannot take stays in memory for this restore.
