@@ -29,6 +29,7 @@ from datetime import timedelta
 from typing import Any
 
 from ckpt.snapshot.run import SnapshotError
+from ckpt.snapshot.tiers import describe
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,8 @@ class CheckpointGroup:
         if isinstance(e, CheckpointException) and e.failures:
             return
         if not self.broken:
-            log.warning("checkpoint group: a collective failed (%s: %s); the ranks rebuild the group at the next "
-                        "save", type(e).__name__, (str(e).strip().splitlines() or [""])[0][:200])
+            log.warning("checkpoint group: a collective failed (%s); the ranks rebuild the group at the next save",
+                        describe(e))
         self.broken = True
 
     def agree(self, what: str) -> None:
@@ -100,7 +101,7 @@ class CheckpointGroup:
         except Exception as e:  # the rendezvous store itself failed
             self.broken = True
             raise GroupUnavailable(f"{what} not done: the ranks could not agree through the rendezvous store "
-                                   f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]})") from e
+                                   f"({describe(e)})") from e
         if verdict == "abandoned":
             self.broken = True
             raise GroupUnavailable(
@@ -113,8 +114,7 @@ class CheckpointGroup:
             self.pg = self._create()
         except Exception as e:  # a peer gone since it arrived: the next round tries again
             self.broken = True
-            raise GroupUnavailable(f"{what} not done: the checkpoint group could not be rebuilt ({type(e).__name__}: "
-                                   f"{(str(e).strip().splitlines() or [''])[0][:200]})",
+            raise GroupUnavailable(f"{what} not done: the checkpoint group could not be rebuilt ({describe(e)})",
                                    hint="the ranks try again at the next save; see the other ranks' logs") from e
         self.broken = False
         self.rebuilds += 1

@@ -731,7 +731,7 @@ class CheckpointManager:
 
         def run() -> None:
             try:
-                _, problem = peers.refill(step, mid, tiers)
+                problem = peers.refill(step, mid, tiers)
             except Exception as e:  # noqa: BLE001 - the restore stands; the tier is only emptier
                 problem = describe(e)
             if problem is not None:

@@ -338,21 +338,20 @@ class Peers:
         if self.rank not in holders:
             peer.objects.put_manifest(box[0])
 
-    def refill(self, step: int, mid: str, tiers: Tiers) -> tuple[int, str | None]:
+    def refill(self, step: int, mid: str, tiers: Tiers) -> str | None:
         """Keep in this rank's tier what a restore of ``step`` fetched from peers, so that a replaced
         machine's tier holds the snapshot again and a later failure finds a local copy: the chunks
-        (verified, each written atomically), then the manifest, then the step's ref. Not collective.
-        Returns (stored bytes kept, why the tier failed to keep them, or None)."""
+        (verified: by the restore that read them, or here; each written atomically), then the manifest,
+        then the step's ref. Not collective. Returns why the tier failed to keep them, or None."""
         peer = dict(tiers.stores)["peer"]
         local = self.local.store
         fetched = {info.id for info in peer.objects.list("chunks")}
         if not fetched and not tiers.from_peers:
-            return 0, None
-        kept = 0
+            return None
         try:
-            kept = self._verify_fetched(tiers.from_peers)
+            self._verify_fetched(tiers.from_peers - tiers.peer_verified)
             missing = fetched - local.objects.has_many("chunks", fetched)
-            kept += self._keep({cid: peer.objects.get("chunks", cid) for cid in sorted(missing)}, source=peer)
+            self._keep({cid: peer.objects.get("chunks", cid) for cid in sorted(missing)}, source=peer)
             if not local.objects.has("manifests", mid):
                 local.objects.put_manifest(_manifest_bytes(tiers, mid))
                 local.objects.backend.flush()
@@ -362,8 +361,8 @@ class Peers:
             local.objects.backend.flush()
             self.local.prune()
         except Exception as e:  # noqa: BLE001 - a full tier, say: the restore itself succeeded
-            return kept, describe(e)
-        return kept, None
+            return describe(e)
+        return None
 
     def fetch(self, tiers: Tiers, needed: set[str], *, exclude_local: set[str]) -> int:
         """Fill the ``peer`` tier with the chunks of ``needed`` this rank's tier lacks (or holds
@@ -395,23 +394,19 @@ class Peers:
         objects.backend.flush()
         return sum(len(b) for b in got.values())
 
-    def _verify_fetched(self, ids: set[str]) -> int:
-        """Re-read and check the chunks a restore fetched from peers into this tier; drop a damaged
-        one (the tier then lacks it). Their stored bytes."""
+    def _verify_fetched(self, ids: set[str]) -> None:
+        """Read and check chunks a restore fetched from peers into this tier and did not read back;
+        drop a damaged one (the tier then lacks it)."""
         from ckpt.store.copy import chunk_checker
 
         store = self.local.store
         check = chunk_checker(store, store)
-        n = 0
         for cid in sorted(ids):
             try:
-                blob = store.objects.get("chunks", cid)
-                check(cid, blob)
-                n += len(blob)
+                check(cid, store.objects.get("chunks", cid))
             except MISSES as e:
                 log.warning("chunk %s from a peer dropped: %s", cid[:12], describe(e))
                 store.objects.backend.delete(store.objects.path("chunks", cid))
-        return n
 
 
 def _manifest_bytes(tiers: Tiers, mid: str) -> bytes:

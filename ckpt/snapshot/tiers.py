@@ -181,8 +181,10 @@ class Tiers:
     every_rank_holds: bool = True
     # manifests parsed so far, by id (immutable: named by the hash of their bytes)
     manifests: dict[str, Manifest] = field(default_factory=dict, repr=False)
-    # chunks this restore fetched from peers into the local tier: served from there, counted as "peer"
+    # chunks this restore fetched from peers into the local tier: served from there, counted as "peer";
+    # those of them served with a correct hash (the refill need not hash them again)
     from_peers: set[str] = field(default_factory=set)
+    peer_verified: set[str] = field(default_factory=set)
 
     @property
     def nearest(self) -> Store:
@@ -254,9 +256,11 @@ class Tiers:
     def _credit(self, name: str, served: list[GetTask]) -> None:
         """Count what ``name`` served; what the local tier served of the chunks fetched from peers, as the peers'."""
         if name == "local" and self.from_peers:
-            fetched = sum(t.length for t in served if t.id in self.from_peers)
-            self.served["peer"] += fetched
-            self.served[name] += sum(t.length for t in served) - fetched
+            fetched = [t for t in served if t.id in self.from_peers]
+            self.peer_verified.update(t.id for t in fetched)  # every chunk served was hashed
+            peer_bytes = sum(t.length for t in fetched)
+            self.served["peer"] += peer_bytes
+            self.served[name] += sum(t.length for t in served) - peer_bytes
         else:
             self.served[name] += sum(t.length for t in served)
 
