@@ -9,12 +9,13 @@ hold every chunk its manifest names, or when the durable store holds it.
 Replication (:meth:`Peers.replicate`): each rank sends the chunks it wrote that its
 ``K`` replica ranks (:func:`replica_ranks`) lack, point to point over the group (gloo);
 a chunk several ranks wrote (a replicated parameter) goes once, from the lowest of them.
+Every transfer (:meth:`Peers.exchange`) goes in rounds through two reused buffers per peer.
 
 Restore (:meth:`Peers.choose`): the ranks gather what their tiers hold and agree on the
 newest step they can assemble (else the durable store's newest). Where every rank's tier
 names that step, each rank's DCP load reads from its own tier alone, and only if some rank
 lacked chunks there (or found them damaged) are those fetched from a peer holding them
-(:meth:`Peers.fetch`), into an in-memory ``peer`` tier, for a second load. Where some
+(:meth:`Peers.fetch`), into its own tier, for a second load. Where some
 rank's tier lacks the step (a replaced machine), a dry run of the load plan says which
 chunks each rank reads, and those its tier lacks are fetched before the load. Every chunk
 is verified where it is read: a bad copy falls through to the durable store.
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckpt.dcp.checkpoint import Writer
@@ -115,11 +116,19 @@ class Peers:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def exchange(self, sends: dict[int, list[str]]) -> tuple[dict[str, memoryview], int]:
-        """Send the chunks ``sends[dst]`` of this rank's tier to group rank ``dst``; return what this
-        rank received (views into one buffer per sender: nothing is copied after it arrives) and the
-        stored bytes it sent. Blobs are read from the tier files straight into the send buffer."""
-        import torch
+    def exchange(self, sends: dict[int, list[str]], sink: Callable[[dict[str, memoryview]], None] | None = None,
+                 round_bytes: int = 0) -> tuple[dict[str, memoryview], int]:
+        """Send the chunks ``sends[dst]`` of this rank's tier to group rank ``dst``, and receive what
+        the others send this rank. Returns (what was received, the stored bytes sent).
+
+        Transfers go in rounds of up to ``round_bytes`` (default :data:`ROUND_BYTES`; the same on
+        every rank) per pair of ranks, each blob read from
+        the tier file straight into one of two reused send buffers while the other is on the
+        wire, so a transfer of any size allocates (and faults in) a few rounds of memory, not
+        its whole size. Without ``sink``, what arrives lands in one buffer per sender and is
+        returned as views into it, all at once (a partial transfer is never seen). With
+        ``sink``, each round's blobs are handed to ``sink`` as they arrive, as views into a
+        reused buffer valid only during the call, and nothing is returned."""
         import torch.distributed as dist
 
         objects = self.local.store.objects
@@ -131,28 +140,55 @@ class Peers:
                 except OSError:
                     continue  # it went meanwhile: that rank reads it from another tier
         plan = self.gather(sized)
-        ops, bufs = [], []
-        for dst, items in sorted(sized.items()):
-            data = torch.empty(sum(n for _, n in items), dtype=torch.uint8)
-            out, pos = memoryview(data.numpy()), 0
-            for cid, n in items:
-                self._read_into(cid, out[pos : pos + n])
-                pos += n
-            ops.append(dist.isend(data, self.ranks[dst], group=self.group))
-        for src, wanted in enumerate(plan):
-            listed = wanted.get(self.rank) if src != self.rank else None
-            if listed:
-                buf = torch.empty(sum(n for _, n in listed), dtype=torch.uint8)
-                ops.append(dist.irecv(buf, self.ranks[src], group=self.group))
-                bufs.append((listed, buf))
-        for op in ops:
-            op.wait()
+        limit = round_bytes or ROUND_BYTES
+        outgoing = {dst: _rounds(items, limit) for dst, items in sorted(sized.items())}
+        incoming = {src: _rounds(wanted[self.rank], limit) for src, wanted in enumerate(plan)
+                    if src != self.rank and wanted.get(self.rank)}
+        # Two slots per peer and direction; round i uses slot i % 2. Receives land in a whole
+        # buffer per sender instead when there is no sink (nothing is handed out before the end).
+        send_slots = {dst: [_empty(max(_size(r) for r in rounds[i::2])) for i in range(min(2, len(rounds)))]
+                      for dst, rounds in outgoing.items()}
+        whole = {} if sink is not None else {src: _empty(sum(map(_size, rounds))) for src, rounds in incoming.items()}
+        recv_slots = {} if sink is None else {src: [_empty(max(_size(r) for r in rounds[i::2])) for i in range(min(2, len(rounds)))]
+                                              for src, rounds in incoming.items()}
+        offsets = {src: _starts(rounds) for src, rounds in incoming.items()}
+
+        def recv_buffer(src: int, i: int) -> Any:
+            n = _size(incoming[src][i])
+            if sink is None:
+                return whole[src][offsets[src][i] : offsets[src][i] + n]
+            return recv_slots[src][i % 2][:n]
+
+        sending: dict[int, Any] = {}
+        receiving: dict[int, Any] = {}
         got: dict[str, memoryview] = {}
-        for listed, buf in bufs:
-            raw, pos = memoryview(buf.numpy()), 0  # the views keep the buffer alive
-            for cid, n in listed:
-                got[cid] = raw[pos : pos + n]
-                pos += n
+        last = max([len(r) for r in outgoing.values()] + [len(r) for r in incoming.values()], default=0)
+        for i in range(last + 1):
+            # Post round i (its receives first: a peer's send completes only once it is received),
+            # then finish round i - 1. Every rank posts round i before it waits on round i - 1,
+            # so no two ranks wait on each other.
+            posted_recv, posted_send = {}, {}
+            for src, rounds in incoming.items():
+                if i < len(rounds):
+                    posted_recv[src] = dist.irecv(recv_buffer(src, i), self.ranks[src], group=self.group)
+            for dst, rounds in outgoing.items():
+                if i < len(rounds):
+                    buf = send_slots[dst][i % 2]
+                    out, pos = memoryview(buf.numpy()), 0
+                    for cid, n in rounds[i]:
+                        self._read_into(cid, out[pos : pos + n])
+                        pos += n
+                    posted_send[dst] = dist.isend(buf[:pos], self.ranks[dst], group=self.group)
+            for dst, op in sending.items():
+                op.wait()
+            for src, op in receiving.items():
+                op.wait()
+                views = _views(recv_buffer(src, i - 1), incoming[src][i - 1])
+                if sink is not None:
+                    sink(views)
+                else:
+                    got.update(views)
+            sending, receiving = posted_send, posted_recv
         return got, sum(n for items in sized.values() for _, n in items)
 
     def _read_into(self, cid: str, out: memoryview) -> None:
@@ -380,19 +416,27 @@ class Peers:
                 src = next((s for s in ((dst + i) % self.world for i in range(1, self.world)) if cid in hold_sets[s]), None)
                 if src == self.rank:
                     sends.setdefault(dst, []).append(cid)
-        got, _ = self.exchange(sends)
-        # Into this rank's tier, where the restore reads them as it reads its own (a damaged copy
-        # there is replaced); verified where they are read, like any tier, and again before the
-        # refill names them in a step. What the tier cannot take stays in memory for this restore.
+        # Into this rank's tier as each round arrives, where the restore reads them as it reads its
+        # own (a damaged copy there is replaced); verified where they are read, like any tier, and
+        # again before the refill names them in a step. What the tier cannot take stays in memory
+        # for this restore.
         objects = local.objects
-        for cid, blob in got.items():
-            try:
-                objects.backend.write(objects.path("chunks", cid), blob)
-                tiers.from_peers.add(cid)
-            except Exception:  # noqa: BLE001 - a full tier: this restore keeps it in memory
-                dict(tiers.stores)["peer"].objects.put("chunks", cid, blob)
+        peer = dict(tiers.stores)["peer"]
+        received = 0
+
+        def keep(blobs: dict[str, memoryview]) -> None:
+            nonlocal received
+            for cid, blob in blobs.items():
+                try:
+                    objects.backend.write(objects.path("chunks", cid), blob)
+                    tiers.from_peers.add(cid)
+                except Exception:  # noqa: BLE001 - a full tier: this restore keeps it in memory
+                    peer.objects.put("chunks", cid, bytes(blob))  # the round's buffer is reused
+                received += len(blob)
+
+        self.exchange(sends, sink=keep)
         objects.backend.flush()
-        return sum(len(b) for b in got.values())
+        return received
 
     def _verify_fetched(self, ids: set[str]) -> None:
         """Read and check chunks a restore fetched from peers into this tier and did not read back;
@@ -407,6 +451,50 @@ class Peers:
             except MISSES as e:
                 log.warning("chunk %s from a peer dropped: %s", cid[:12], describe(e))
                 store.objects.backend.delete(store.objects.path("chunks", cid))
+
+
+# Bytes per round of a peer transfer, per pair of ranks (a blob larger than this goes alone).
+ROUND_BYTES = 32 << 20
+
+
+def _rounds(items: list[tuple[str, int]], limit: int) -> list[list[tuple[str, int]]]:
+    """``items`` (blob id, size) cut into consecutive rounds of at most ``limit`` bytes (or one blob)."""
+    out: list[list[tuple[str, int]]] = []
+    total = 0
+    for item in items:
+        if not out or total + item[1] > limit:
+            out.append([])
+            total = 0
+        out[-1].append(item)
+        total += item[1]
+    return out
+
+
+def _size(round_: list[tuple[str, int]]) -> int:
+    return sum(n for _, n in round_)
+
+
+def _starts(rounds: list[list[tuple[str, int]]]) -> list[int]:
+    out, pos = [], 0
+    for r in rounds:
+        out.append(pos)
+        pos += _size(r)
+    return out
+
+
+def _empty(n: int) -> Any:
+    import torch
+
+    return torch.empty(max(n, 1), dtype=torch.uint8)
+
+
+def _views(buf: Any, round_: list[tuple[str, int]]) -> dict[str, memoryview]:
+    """The blobs of one received round, as views into ``buf`` (which they keep alive)."""
+    raw, pos, out = memoryview(buf.numpy()), 0, {}
+    for cid, n in round_:
+        out[cid] = raw[pos : pos + n]
+        pos += n
+    return out
 
 
 def _manifest_bytes(tiers: Tiers, mid: str) -> bytes:

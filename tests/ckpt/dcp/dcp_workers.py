@@ -556,8 +556,8 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
 
 
 def _kill_in_replication(rank, state, mgr, step):
-    """Save ``step`` with 64 MB of new shared data: rank 0 dies as soon as it has posted the send of it
-    to its replica; rank 1 returns its warnings and what its tier holds afterwards."""
+    """Save ``step`` with 64 MB of new shared data: rank 0 dies once it has posted over 40 MB of the
+    sends of it to its replica (a transfer goes in rounds of 32 MB: one has gone, the next is posted); rank 1 returns its warnings and what its tier holds afterwards."""
     import warnings
 
     import torch
@@ -567,11 +567,12 @@ def _kill_in_replication(rank, state, mgr, step):
 
     state["big"] = torch.randn(16 << 20, generator=torch.Generator().manual_seed(step))  # the same on every rank
     if rank == 0:
-        real = dist.isend
+        real, posted = dist.isend, [0]
 
         def isend_then_die(tensor, *args, **kwargs):
             work = real(tensor, *args, **kwargs)
-            if tensor.numel() > 32 << 20:  # the replication of the big tensor is under way
+            posted[0] += tensor.numel()
+            if posted[0] > 40 << 20:  # rounds of the big tensor have arrived, the rest is under way
                 time.sleep(0.002)  # (part of it on the wire)
                 os.kill(os.getpid(), signal.SIGKILL)
             return work
@@ -751,6 +752,40 @@ def tiers_replication(rank, world, tmp, store):
     return out
 
 
+def tiers_exchange(rank, world, tmp, round_bytes):
+    """Peers.exchange on its own: each rank holds blobs of sizes around ``round_bytes`` (some larger)
+    and sends all of them to the next rank and two to the one after, received whole and then
+    round by round through a sink. Returns what arrived (blob ids, checked against the bytes)."""
+    import random
+
+    import torch.distributed as dist
+
+    from ckpt.snapshot.peers import Peers
+    from ckpt.snapshot.tiers import LocalTier
+    from ckpt_store.storage.objects import object_id
+
+    tier = LocalTier(os.path.join(tmp, f"tier-{rank}"), "x")
+    objects = tier.store.objects
+    rng = random.Random(rank)
+    ids = []
+    for size in (10, round_bytes // 3, round_bytes // 2, 3 * round_bytes, 7, round_bytes, round_bytes + 1, 100)[: 5 + rank]:
+        blob = rng.randbytes(size)
+        ids.append(object_id(blob))
+        objects.backend.write(objects.path("chunks", ids[-1]), blob)
+    peers = Peers(tier, dist.group.WORLD, 1)
+    sends = {(rank + 1) % world: ids, (rank + 2) % world: ids[:2]}
+    got, sent = peers.exchange(sends, round_bytes=round_bytes)
+    whole = {cid: object_id(bytes(b)) == cid for cid, b in got.items()}
+    rounds, streamed = [], {}
+
+    def sink(blobs):
+        rounds.append([sum(len(b) for b in blobs.values()), len(blobs)])
+        streamed.update({cid: object_id(bytes(b)) == cid for cid, b in blobs.items()})
+
+    assert peers.exchange(sends, sink=sink, round_bytes=round_bytes)[0] == {}
+    return {"ids": ids, "sent": sent, "whole": whole, "streamed": streamed, "rounds": rounds}
+
+
 def _big_ddp_state(rank, seed=0):
     """DDP over 1 MB of weights with AdamW (~3 MB of state: more than a tiny tier holds), per-rank RNG."""
     import torch
@@ -844,6 +879,6 @@ def _flip_newest(path):
     return n
 
 
-SCENARIOS = {"tiers_resume": tiers_resume, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
+SCENARIOS = {"tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state}
