@@ -86,11 +86,14 @@ class RefConflictError(CkptError):
 
 
 class StorageIOError(CkptError):
-    """The backend failed to read or write; ``retryable`` tells whether to try again."""
+    """The backend failed to read or write; ``retryable`` tells whether to try again, ``errno``
+    (where an OS error caused it) what failed. Both travel with the error when it is pickled
+    (to another rank of a process group, say), unlike its ``__cause__``."""
 
-    def __init__(self, message: str, *, retryable: bool = False, hint: str | None = None) -> None:
+    def __init__(self, message: str, *, retryable: bool = False, hint: str | None = None, errno: int | None = None) -> None:
         super().__init__(message, hint=hint)
         self.retryable = retryable
+        self.errno = errno
 
 
 class MissingDependencyError(CkptError):

@@ -50,7 +50,7 @@ from ckpt.snapshot.dcp_state import (
 from ckpt.snapshot.group import CheckpointGroup
 from ckpt.snapshot.run import SaveResult, SnapshotRun
 from ckpt.snapshot.state import Stateful, is_per_rank
-from ckpt.snapshot.tiers import describe
+from ckpt.snapshot.tiers import describe, out_of_space
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -190,7 +190,7 @@ class DistributedSnapshots:
         rank, err = _first_failure(cause, self.rank)
         return SaveResult(last.id if last else None, last.written_bytes if last else None,
                           last.logical_bytes if last else None, prunes=self.rank == 0,
-                          fell_back=f"rank {rank}: {describe(err)}")
+                          fell_back=f"rank {rank}: {describe(err)}", tier_full=out_of_space(cause, self.rank))
 
     def _check_identical(self, step: int, shared: dict[str, Any]) -> None:
         """Refuse (on every rank alike) shared state whose values or tensor shapes differ between ranks:
@@ -263,7 +263,8 @@ class DistributedSnapshots:
         return SaveResult(mid, last.written_bytes if last and coordinator else None,
                           last.logical_bytes if last and coordinator else None, prunes=coordinator,
                           persisted=persist_to is not None and problem is None, persist_error=problem,
-                          replicated_bytes=sent, tier_error="; ".join(filter(None, (unkept, failed))) or None)
+                          replicated_bytes=sent, tier_error="; ".join(filter(None, (unkept, failed))) or None,
+                          tier_full=peers.tier_full)
 
     def close(self) -> None:
         return None

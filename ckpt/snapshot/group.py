@@ -65,9 +65,29 @@ class CheckpointGroup:
     def _create(self) -> Any:
         import torch.distributed as dist
 
-        # Never destroyed: torch names a group after the number of groups that exist, and a name used
-        # again would meet the rendezvous keys of the old group in the store.
-        return dist.new_group(self.ranks, backend="gloo", timeout=self.timeout, use_local_synchronization=True)
+        # Over every rank, torch numbers groups in the order all ranks create them, so a replaced
+        # one can be destroyed (its sockets and threads freed): no later group takes its name. A
+        # subgroup's name is a hash of its ranks and of how many groups exist; destroying one would
+        # give the next group the name of a live one, or one whose rendezvous keys are still in the
+        # store, so a replaced subgroup is kept (closed, a few sockets per rebuild).
+        return dist.new_group(self.ranks, backend="gloo", timeout=self.timeout,
+                              use_local_synchronization=not self._whole_world())
+
+    def _whole_world(self) -> bool:
+        import torch.distributed as dist
+
+        return self.ranks == list(range(dist.get_world_size()))
+
+    def _replace(self) -> None:
+        """A fresh group in place of :attr:`pg` (every member alike); the old one destroyed where it can be."""
+        import torch.distributed as dist
+
+        old, self.pg = self.pg, self._create()
+        if self._whole_world():
+            try:
+                dist.destroy_process_group(old)
+            except Exception as e:  # noqa: BLE001 - a group that cannot be destroyed only costs its sockets
+                log.warning("checkpoint group: the replaced group was not destroyed (%s)", describe(e))
 
     def failed(self, e: BaseException) -> None:
         """Note that a save or restore on :attr:`pg` raised ``e``. Not a failure of the group: ckpt's
@@ -111,7 +131,7 @@ class CheckpointGroup:
         if verdict == "go:0":
             return
         try:
-            self.pg = self._create()
+            self._replace()
         except Exception as e:  # a peer gone since it arrived: the next round tries again
             self.broken = True
             raise GroupUnavailable(f"{what} not done: the checkpoint group could not be rebuilt ({describe(e)})",

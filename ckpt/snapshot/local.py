@@ -236,7 +236,7 @@ class LocalSnapshots:
                          reuse: dict[str, TensorEntry], snapshot: dict[str, Any], live: LiveTensors | None) -> SaveResult:
         """The snapshot that could not be written to this path's store, written to ``run``'s instead:
         the chunks it reuses from this store's previous snapshot are copied over first (as stored)."""
-        from ckpt.snapshot.tiers import describe
+        from ckpt.snapshot.tiers import describe, out_of_space
         from ckpt.store.copy import copy_chunks
         from ckpt.store.push import push_source
         from ckpt.store.sources import from_tensors
@@ -251,7 +251,8 @@ class LocalSnapshots:
         # this path's store did not take the snapshot: its next one starts over (no reuse)
         self._last, self._keys, self._held = None, {}, {}
         return SaveResult(result.id, result.written_bytes, result.logical_bytes, len(staged), len(reuse),
-                          live.copied_bytes if live is not None else 0, fell_back=describe(error))
+                          live.copied_bytes if live is not None else 0, fell_back=describe(error),
+                          tier_full=out_of_space(error))
 
     def close(self) -> None:
         for handle in self._step_hooks.values():

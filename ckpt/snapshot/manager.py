@@ -262,7 +262,7 @@ class CheckpointManager:
             raise ValueError(f"local_compress must be True or False, not {local_compress!r}")
         self._local_compress = local_compress
         self._local = self._local_tier(local, local_every_n_steps, local_keep, local_max_bytes, replicas, process_group)
-        self._local_full = False  # the last local save ran out of space (one process): make room first
+        self._local_full = False  # the last local save ran out of space (on this rank): make room first
         self._target = (SnapshotRun(self._local.store, self.run, delta_vs_previous and local_compress) if self._local
                         else self._durable)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
@@ -433,6 +433,7 @@ class CheckpointManager:
                     raise
                 self._tier_warning(f"local tiers: snapshot of step {step} not saved ({e}); the next save tries again")
                 self._free_leftovers()
+                self._local_full = out_of_space(e, getattr(self._path, "rank", None))
                 return None
             except Exception as e:  # noqa: BLE001 - the local tier failed; training goes on
                 self._tier_warning(f"local tier: snapshot of step {step} not saved ({describe(e)}); the next save tries again")
@@ -441,6 +442,7 @@ class CheckpointManager:
                 self._local_full = out_of_space(e)
                 self._persist_pending = self._persist_pending or persist
                 return None
+            self._local_full = result.tier_full  # (a group: its path says so for this rank)
             if result.fell_back is not None:
                 self._tier_warning(f"local tier: snapshot of step {step} not saved ({result.fell_back}); "
                                    "it was written to the durable store directly")

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckpt.dcp.checkpoint import Writer
-from ckpt.snapshot.tiers import MISSES, LocalTier, Tiers, describe, snapshot_step
+from ckpt.snapshot.tiers import MISSES, LocalTier, Tiers, describe, out_of_space, snapshot_step
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import RefNotFoundError
 
@@ -107,6 +107,7 @@ class Peers:
         self.world = dist.get_world_size(group)
         self.ranks = dist.get_process_group_ranks(group)  # group rank -> global rank (p2p takes global ranks)
         self.replicas = {r: replica_ranks(r, self.world, replicas, stride=stride, nodes=nodes) for r in range(self.world)}
+        self.tier_full = False  # this rank's tier ran out of space in the current save (publish, replicate)
 
     # -- collectives --------------------------------------------------------------------
     def gather(self, obj: Any) -> list[Any]:
@@ -208,6 +209,7 @@ class Peers:
         why this rank's tier could not keep it, or None). A failing tier never leaves the collectives."""
         import torch.distributed as dist
 
+        self.tier_full = False
         box = [published]
         dist.broadcast_object_list(box, src=self.ranks[0], group=self.group)
         assert box[0] is not None, "the coordinator published no manifest"
@@ -215,6 +217,7 @@ class Peers:
         try:
             self.local.store.objects.put_manifest(data)
         except Exception as e:  # noqa: BLE001 - a full tier, say: the step is not recorded here
+            self.tier_full = out_of_space(e)
             return mid, data, f"manifest not kept ({describe(e)})"
         return mid, data, None
 
@@ -243,6 +246,7 @@ class Peers:
         try:
             self._keep(got)
         except Exception as e:  # noqa: BLE001 - this tier lacks some of them; a restore reads them elsewhere
+            self.tier_full = self.tier_full or out_of_space(e)
             problems.append(f"chunks from peers not kept ({describe(e)})")
         if record:
             try:
@@ -250,6 +254,7 @@ class Peers:
                 store.refs_db.set(f"{self.local.run}/latest", mid, alias=True)
                 store.objects.backend.flush()
             except Exception as e:  # noqa: BLE001
+                self.tier_full = self.tier_full or out_of_space(e)
                 problems.append(f"step not recorded ({describe(e)})")
         return own, sent, "; ".join(problems) or None
 

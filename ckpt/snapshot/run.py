@@ -79,6 +79,7 @@ class SaveResult:
     persist_error: str | None = None  # why persisting it failed
     replicated_bytes: int | None = None  # stored bytes this rank sent to its replicas (local tiers in a group)
     tier_error: str | None = None  # what this rank's local tier failed to keep of a snapshot saved (a full tier)
+    tier_full: bool = False  # this rank's local tier ran out of space in this save (the next one makes room)
 
 
 SaveJob = Callable[[], SaveResult]

@@ -279,15 +279,21 @@ def snapshot_step(m: Manifest) -> int | None:
     return int(snap["step"]) if isinstance(snap, dict) and isinstance(snap.get("step"), int) else None
 
 
-def out_of_space(e: BaseException | None) -> bool:
-    """Whether ``e``, or an error it was raised from, says the medium is full (ENOSPC, EDQUOT)."""
+def out_of_space(e: BaseException | None, rank: int | None = None) -> bool:
+    """Whether ``e``, or an error it was raised from, says the medium is full (ENOSPC, EDQUOT).
+    ``rank``: in a DCP ``CheckpointException`` met on the way, whether that rank's own failure
+    says so (the ranks' failures arrive pickled, without their causes: their ``errno`` tells)."""
     import errno
 
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
             return True
+        failures = getattr(e, "failures", None)
+        if rank is not None and isinstance(failures, dict) and rank in failures:
+            failed = failures[rank]
+            return out_of_space(failed[0] if isinstance(failed, tuple) else failed)
         e = e.__cause__ or e.__context__
     return False
 

@@ -218,7 +218,7 @@ def read_error(path: str, e: OSError) -> Exception:
 
 def io_error(op: str, path: str, e: OSError) -> StorageIOError:
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return StorageIOError(f"cannot {op} {path}: the store's disk is full", hint="free space and retry")
+        return StorageIOError(f"cannot {op} {path}: the store's disk is full", hint="free space and retry", errno=e.errno)
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return StorageIOError(f"cannot {op} {path}: permission denied ({e.strerror})")
-    return StorageIOError(f"cannot {op} {path}: {e.strerror or e}", retryable=True)
+        return StorageIOError(f"cannot {op} {path}: permission denied ({e.strerror})", errno=e.errno)
+    return StorageIOError(f"cannot {op} {path}: {e.strerror or e}", retryable=True, errno=e.errno)

@@ -698,6 +698,7 @@ def tiers_stall_recover(rank, world, tmp, store, mode, steps=8, at=2, timeout_s=
         return out
     pids: list = [None] * world
     dist.all_gather_object(pids, os.getpid())  # (the default group: not the manager's)
+    groups = len(dist.distributed_c10d._world.pg_map)  # process groups that exist (with their sockets)
     if rank == 1:
         _stop_when_replicating(state, at)
     losses, saved, errors = {}, {}, {}
@@ -718,7 +719,7 @@ def tiers_stall_recover(rank, world, tmp, store, mode, steps=8, at=2, timeout_s=
                 os.kill(pids[1], signal.SIGKILL if gone else signal.SIGCONT)
     out = {"warnings": [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)],
            "errors": errors, "losses": losses, "saved": saved, "local_steps": mgr.local_tier.steps,
-           "durable": mgr.steps()}
+           "durable": mgr.steps(), "groups": [groups, len(dist.distributed_c10d._world.pg_map)]}
     mgr.close()
     return out
 

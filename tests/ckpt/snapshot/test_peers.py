@@ -156,6 +156,30 @@ def test_a_full_local_tier_in_a_group_warns_and_training_and_durable_saves_go_on
     assert ckpt.Store.open(url).verify().ok
 
 
+def test_a_tier_with_room_for_one_snapshot_in_a_group_makes_room_and_keeps_the_newest(tmp_path, tmpfs):
+    """Rank 1's tier is a 5 MiB tmpfs: it holds one replica of rank 0's ~3 MB snapshot, not two. Step 4's
+    replica fills it (ENOSPC on rank 1 only, a warning); at the next local save rank 1 drops what its
+    tier holds and takes step 6 whole, so its tier keeps a recent step instead of step 2 forever. Training and
+    the durable steps go on, and the latest step restores bit-exactly."""
+    tmpfs(tmp_path / "local" / "rank-1", "5m")
+    url = str(tmp_path / "s")
+    r0, r1 = W.run_ranks("tiers_full", 2, str(tmp_path), store=url, mode="train")
+    for r in (r0, r1):
+        assert "error" not in r, r.get("trace")
+        assert sorted(map(int, r["losses"])) == list(range(1, 9)) and r["durable"] == [4, 8]
+    assert any("step 4" in m and "not kept" in m for m in r1["warnings"]), r1["warnings"]
+    # (step 4 was named in rank 1's tier without the chunks that did not fit: a restore assembles a
+    # step from every rank's tier, or passes it by)
+    assert any("dropped step(s) 2, 4 to make room for step 6" in m for m in r1["warnings"]), r1["warnings"]
+    assert r1["local_steps"] == [6, 8] and r0["local_steps"] == [6, 8]
+    assert not any("make room" in m for m in r0["warnings"]), r0["warnings"]
+    restored = W.run_ranks("tiers_full", 2, str(tmp_path), store=url, mode="restore")
+    for t, r in zip((r0, r1), restored):
+        assert "error" not in r, r.get("trace")
+        assert r["latest"] == 8 and r["bits"] == t["saved"]["8"] and r["bits4"] == t["saved"]["4"]
+    assert ckpt.Store.open(url).verify().ok
+
+
 def test_a_rank_killed_while_replicating_leaves_the_previous_step_restorable_and_nothing_half_received(tmp_path):
     """(f) Step 8 holds 64 MB of new shared data; rank 0 is SIGKILLed while sending it to rank 1, its
     replica, once a first round of it has gone and the next is posted. Rank 1 warns and keeps nothing of it; the restarted
@@ -194,7 +218,8 @@ def test_a_peer_that_does_not_answer_makes_the_save_warn_after_the_timeout_and_t
 def test_after_a_peer_timed_out_the_ranks_rebuild_their_group_and_later_saves_succeed(tmp_path):
     """Rank 1 stops (SIGSTOP) as it starts replicating step 2, for longer than timeout_s; rank 0 warns,
     then wakes it (SIGCONT). The timeout closed the connections of the checkpoint group: at the next
-    save the ranks agree to rebuild it, and every later save succeeds on both ranks. The durable steps
+    save the ranks agree to rebuild it (and destroy the old one), and every later save succeeds on both
+    ranks. The durable steps
     4 and 8 exist and restore bit-identically (parameters and AdamW state) in fresh processes."""
     url = str(tmp_path / "s")
     trained = W.run_ranks("tiers_stall_recover", 2, str(tmp_path), store=url, mode="train", steps=8, at=2, timeout_s=5,
@@ -205,6 +230,7 @@ def test_after_a_peer_timed_out_the_ranks_rebuild_their_group_and_later_saves_su
         assert sorted(map(int, r["losses"])) == list(range(1, 9))
         assert r["durable"] == [4, 8]
         assert r["local_steps"] == [7, 8]
+        assert r["groups"][1] == r["groups"][0]  # the replaced group was destroyed, not left open
     assert trained[0]["losses"] == trained[1]["losses"]
     for r in trained:  # step 2 failed on both ranks (rank 1 learns it when it wakes); nothing after it did
         assert any("step 2 not saved" in m for m in r["warnings"]), r["warnings"]

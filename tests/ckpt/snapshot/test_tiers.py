@@ -302,3 +302,32 @@ def test_local_true_picks_a_stable_path_under_dev_shm(tmp_path):
         import shutil
 
         shutil.rmtree(a.local_tier.path, ignore_errors=True)
+
+
+def test_out_of_space_is_recognised_after_the_error_crossed_to_another_rank():
+    """A full tier on one rank reaches the others (and itself) inside DCP's CheckpointException, pickled:
+    the cause chain is gone, the storage error's errno is not; only the rank that ran out of space makes room."""
+    import errno
+    import pickle
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckpt.snapshot.tiers import out_of_space
+    from ckpt_store.storage.backends.base import io_error
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as e:
+            raise io_error("write", "objects/chunks/ab", e) from e
+    except Exception as e:  # noqa: BLE001
+        full = e
+    assert out_of_space(full)
+    crossed = pickle.loads(pickle.dumps(full))
+    assert crossed.__cause__ is None and out_of_space(crossed)
+    denied = pickle.loads(pickle.dumps(io_error("write", "x", PermissionError(errno.EACCES, "denied"))))
+    assert not out_of_space(denied)
+    gathered = CheckpointException("save failed", {1: (crossed, None), 2: (denied, None)})
+    wrapped = RuntimeError("snapshot not saved")
+    wrapped.__cause__ = gathered
+    assert out_of_space(wrapped, rank=1) and not out_of_space(wrapped, rank=2) and not out_of_space(wrapped, rank=0)
