@@ -126,7 +126,7 @@ def _check(url: str, events: list[dict]) -> None:
         assert sorted(got) == sorted(want)
         for n, arr in want.items():
             assert got[n].numpy().tobytes() == arr.tobytes()
-        bases += store.get_manifest(e["id"]).lineage.get("base") is not None
+        bases += store.manifest(e["id"]).lineage.get("base") is not None
     assert bases > 0
 
 

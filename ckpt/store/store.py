@@ -190,7 +190,7 @@ class Store:
 
     def get_manifest(self, manifest_id: str) -> Manifest:
         """Deprecated: :meth:`manifest` takes a checkpoint id as well as a ref."""
-        deprecated("Store.manifest(id)", "Store.manifest(id)")
+        deprecated("Store.get_manifest(id)", "Store.manifest(id)")
         return self.manifest(manifest_id)
 
     def refs(self) -> dict[str, RefEntry]:

@@ -188,7 +188,7 @@ def test_stale_index_base_choice_loses_nothing(tmp_path):
     assert list(blind.objects.list("manifests")) == []
     ft = fine_tune(3)
     mid = store.push(ft, "fam/ft3")
-    assert store.get_manifest(mid).lineage["base"] is None  # the stale candidate was skipped
+    assert store.manifest(mid).lineage["base"] is None  # the stale candidate was skipped
     assert store.verify().ok
     got = store.load("fam/ft3")
     assert all(torch.equal(got[n], ft[n]) for n in NAMES)

@@ -867,7 +867,7 @@ def _flip_newest(path):
 
     tier = LocalTier(path, "ddp")
     store = tier.store
-    m = store.get_manifest(store.resolve(tier.ref(tier.steps()[-1])))
+    m = store.manifest(store.resolve(tier.ref(tier.steps()[-1])))
     n = 0
     for cid in sorted({c for t in m.tensors for c in t.chunks}):
         f = os.path.join(path, store.objects.path("chunks", cid))
