@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt.dcp.checkpoint import Writer
 from ckpt.snapshot.tiers import MISSES, LocalTier, Tiers, describe, out_of_space, snapshot_step
 from ckpt_store.storage.chunk_lists import referenced_chunks
-from ckpt_store.storage.errors import RefNotFoundError
+from ckpt_store.storage.errors import ObjectNotFoundError, RefNotFoundError
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
@@ -117,19 +117,17 @@ class Peers:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def exchange(self, sends: dict[int, list[str]], sink: Callable[[dict[str, memoryview]], None] | None = None,
-                 round_bytes: int = 0) -> tuple[dict[str, memoryview], int]:
-        """Send the chunks ``sends[dst]`` of this rank's tier to group rank ``dst``, and receive what
-        the others send this rank. Returns (what was received, the stored bytes sent).
+    def exchange(self, sends: dict[int, list[str]], sink: Callable[[dict[str, memoryview]], None],
+                 round_bytes: int = 0) -> int:
+        """Send the chunks ``sends[dst]`` of this rank's tier to group rank ``dst``, and hand what the
+        others send this rank to ``sink``; returns the stored bytes sent.
 
         Transfers go in rounds of up to ``round_bytes`` (default :data:`ROUND_BYTES`; the same on
-        every rank) per pair of ranks, each blob read from
-        the tier file straight into one of two reused send buffers while the other is on the
-        wire, so a transfer of any size allocates (and faults in) a few rounds of memory, not
-        its whole size. Without ``sink``, what arrives lands in one buffer per sender and is
-        returned as views into it, all at once (a partial transfer is never seen). With
-        ``sink``, each round's blobs are handed to ``sink`` as they arrive, as views into a
-        reused buffer valid only during the call, and nothing is returned."""
+        every rank) per pair of ranks, through two reused send and two reused receive buffers per
+        peer: each blob is read from the tier file straight into a send buffer while the other is
+        on the wire, and each round received is handed to ``sink`` as views into its buffer, valid
+        only during the call. So a transfer of any size holds a few rounds in memory. ``sink``
+        must not raise (the peers go on sending): it records what it could not keep."""
         import torch.distributed as dist
 
         objects = self.local.store.objects
@@ -145,33 +143,21 @@ class Peers:
         outgoing = {dst: _rounds(items, limit) for dst, items in sorted(sized.items())}
         incoming = {src: _rounds(wanted[self.rank], limit) for src, wanted in enumerate(plan)
                     if src != self.rank and wanted.get(self.rank)}
-        # Two slots per peer and direction; round i uses slot i % 2. Receives land in a whole
-        # buffer per sender instead when there is no sink (nothing is handed out before the end).
-        send_slots = {dst: [_empty(max(_size(r) for r in rounds[i::2])) for i in range(min(2, len(rounds)))]
-                      for dst, rounds in outgoing.items()}
-        whole = {} if sink is not None else {src: _empty(sum(map(_size, rounds))) for src, rounds in incoming.items()}
-        recv_slots = {} if sink is None else {src: [_empty(max(_size(r) for r in rounds[i::2])) for i in range(min(2, len(rounds)))]
-                                              for src, rounds in incoming.items()}
-        offsets = {src: _starts(rounds) for src, rounds in incoming.items()}
-
-        def recv_buffer(src: int, i: int) -> Any:
-            n = _size(incoming[src][i])
-            if sink is None:
-                return whole[src][offsets[src][i] : offsets[src][i] + n]
-            return recv_slots[src][i % 2][:n]
-
+        # Two slots per peer and direction: round i uses slot i % 2.
+        send_slots = {dst: _slots(rounds) for dst, rounds in outgoing.items()}
+        recv_slots = {src: _slots(rounds) for src, rounds in incoming.items()}
         sending: dict[int, Any] = {}
         receiving: dict[int, Any] = {}
-        got: dict[str, memoryview] = {}
         last = max([len(r) for r in outgoing.values()] + [len(r) for r in incoming.values()], default=0)
         for i in range(last + 1):
             # Post round i (its receives first: a peer's send completes only once it is received),
             # then finish round i - 1. Every rank posts round i before it waits on round i - 1,
-            # so no two ranks wait on each other.
+            # so no two ranks wait on each other; slot i % 2 was freed by round i - 2.
             posted_recv, posted_send = {}, {}
             for src, rounds in incoming.items():
                 if i < len(rounds):
-                    posted_recv[src] = dist.irecv(recv_buffer(src, i), self.ranks[src], group=self.group)
+                    buf = recv_slots[src][i % 2][: _size(rounds[i])]
+                    posted_recv[src] = dist.irecv(buf, self.ranks[src], group=self.group)
             for dst, rounds in outgoing.items():
                 if i < len(rounds):
                     buf = send_slots[dst][i % 2]
@@ -180,17 +166,14 @@ class Peers:
                         self._read_into(cid, out[pos : pos + n])
                         pos += n
                     posted_send[dst] = dist.isend(buf[:pos], self.ranks[dst], group=self.group)
-            for dst, op in sending.items():
+            for op in sending.values():
                 op.wait()
             for src, op in receiving.items():
                 op.wait()
-                views = _views(recv_buffer(src, i - 1), incoming[src][i - 1])
-                if sink is not None:
-                    sink(views)
-                else:
-                    got.update(views)
+                rounds = incoming[src]
+                sink(_views(recv_slots[src][(i - 1) % 2][: _size(rounds[i - 1])], rounds[i - 1]))
             sending, receiving = posted_send, posted_recv
-        return got, sum(n for items in sized.values() for _, n in items)
+        return sum(n for items in sized.values() for _, n in items)
 
     def _read_into(self, cid: str, out: memoryview) -> None:
         """Blob ``cid`` of this tier into ``out`` (its size, as listed). A blob that went or changed
@@ -241,10 +224,15 @@ class Peers:
                 # a chunk several senders hold goes once, from the lowest of them
                 if min(r for r in senders if cid in held_sets[r]) == self.rank:
                     sends.setdefault(dst, []).append(cid)
-        got, sent = self.exchange(sends)
+        staging = _Staging(store)
+        try:
+            sent = self.exchange(sends, staging.add)
+        except BaseException:
+            staging.drop()  # a transfer cut short: nothing of it is named
+            raise
         problems = []
         try:
-            self._keep(got)
+            staging.commit()
         except Exception as e:  # noqa: BLE001 - this tier lacks some of them; a restore reads them elsewhere
             self.tier_full = self.tier_full or out_of_space(e)
             problems.append(f"chunks from peers not kept ({describe(e)})")
@@ -439,7 +427,7 @@ class Peers:
                     peer.objects.put("chunks", cid, bytes(blob))  # the round's buffer is reused
                 received += len(blob)
 
-        self.exchange(sends, sink=keep)
+        self.exchange(sends, keep)
         objects.backend.flush()
         return received
 
@@ -456,6 +444,85 @@ class Peers:
             except MISSES as e:
                 log.warning("chunk %s from a peer dropped: %s", cid[:12], describe(e))
                 store.objects.backend.delete(store.objects.path("chunks", cid))
+
+
+class _Staging:
+    """Chunks a rank receives as replicas: each verified as its round arrives and written beside
+    its final name (``Backend.stage``), all named by :meth:`commit` once the whole transfer has
+    arrived, or none (:meth:`drop`). So a transfer of any size holds a few rounds in memory, and one
+    cut short (a peer killed) leaves nothing in the tier. A delta whose base is not in the tier yet
+    (it may come in the same transfer) is held in memory and checked again at the commit, once the
+    others are in place; a damaged chunk is dropped (the tier then lacks it)."""
+
+    def __init__(self, store: Store) -> None:
+        from ckpt.store.copy import chunk_checker
+
+        self.objects = store.objects
+        self.check = chunk_checker(store, store)
+        self.ready: list[Callable[[bool], None]] = []
+        self.waiting: dict[str, bytes] = {}  # deltas whose base is not in the tier yet
+        self.error: Exception | None = None  # the first failure to write (a full tier): raised by the commit
+
+    def add(self, blobs: dict[str, memoryview]) -> None:
+        for cid, blob in blobs.items():
+            if self.error is not None:
+                return  # the rounds still arrive (the peers are sending them), unkept
+            try:
+                self.check(cid, blob)
+            except ObjectNotFoundError:
+                self.waiting[cid] = bytes(blob)  # the round's buffer is reused
+                continue
+            except MISSES as e:
+                log.warning("chunk %s from a peer dropped: %s", cid[:12], describe(e))
+                continue
+            except Exception as e:  # noqa: BLE001 - never raised into the exchange: the commit raises it
+                self.error = e
+                return
+            try:
+                self.ready.append(self.objects.backend.stage(self.objects.path("chunks", cid), blob))
+            except Exception as e:  # noqa: BLE001 - a full tier, say
+                self.error = e
+
+    def commit(self) -> None:
+        """Name every verified chunk, then the waiting deltas whose base is now in place; raise the
+        first write failure (what was named stays: each of those chunks is whole and verified)."""
+        try:
+            for done in self.ready:
+                done(True)
+            self.ready = []
+            while self.waiting:
+                kept = {}
+                for cid, blob in self.waiting.items():
+                    try:
+                        self.check(cid, blob)
+                    except ObjectNotFoundError:
+                        continue
+                    except MISSES as e:
+                        log.warning("chunk %s from a peer dropped: %s", cid[:12], describe(e))
+                        kept[cid] = b""
+                        continue
+                    self.objects.put("chunks", cid, blob)
+                    kept[cid] = blob
+                if not kept:
+                    break
+                self.waiting = {c: b for c, b in self.waiting.items() if c not in kept}
+            for cid in self.waiting:
+                log.warning("chunk %s from a peer dropped: its base is in no tier", cid[:12])
+            self.waiting = {}
+        finally:
+            self.drop()
+        self.objects.backend.flush()
+        if self.error is not None:
+            raise self.error
+
+    def drop(self) -> None:
+        """Remove what is staged and not yet named."""
+        for done in self.ready:
+            try:
+                done(False)
+            except Exception as e:  # noqa: BLE001 - a leftover temporary is removed by the tier's next gc
+                log.debug("staged chunk not removed: %s", describe(e))
+        self.ready, self.waiting = [], {}
 
 
 # Bytes per round of a peer transfer, per pair of ranks (a blob larger than this goes alone).
@@ -479,12 +546,9 @@ def _size(round_: list[tuple[str, int]]) -> int:
     return sum(n for _, n in round_)
 
 
-def _starts(rounds: list[list[tuple[str, int]]]) -> list[int]:
-    out, pos = [], 0
-    for r in rounds:
-        out.append(pos)
-        pos += _size(r)
-    return out
+def _slots(rounds: list[list[tuple[str, int]]]) -> list[Any]:
+    """The (at most two) buffers a peer's rounds go through: slot k holds rounds k, k + 2, ..."""
+    return [_empty(max(_size(r) for r in rounds[k::2])) for k in range(min(2, len(rounds)))]
 
 
 def _empty(n: int) -> Any:

@@ -110,6 +110,21 @@ class Backend(ABC):
         ``data`` may be a tuple of buffers: the file is their concatenation (a chunk's
         header and payload are written without joining them first)."""
 
+    def stage(self, path: str, data: Data) -> Callable[[bool], None]:
+        """Prepare to :meth:`write` ``data`` at ``path`` without naming it yet; the function
+        returned puts it in place (``True``) or drops it (``False``), once. Until then ``path``
+        is untouched, so a batch can be named only once all of it has arrived.
+
+        This default keeps a copy of ``data`` in memory until then; a local backend writes it
+        now, under a temporary name beside ``path`` (a stale one is what gc removes)."""
+        held = b"".join(bytes(p) for p in data) if isinstance(data, tuple) else bytes(data)
+
+        def done(keep: bool) -> None:
+            if keep:
+                self.write(path, held)
+
+        return done
+
     @abstractmethod
     def create_exclusive(self, path: str, data: bytes) -> bool:
         """Atomically create ``path`` only if absent. Returns False if it existed."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ckpt_store.storage.backends.base import (
@@ -137,6 +137,26 @@ class LocalBackend(Backend):
         except OSError as e:
             raise io_error("write", path, e) from e
         self._renamed(final)
+
+    def stage(self, path: str, data: Data) -> Callable[[bool], None]:
+        final = self._p(path)
+        try:
+            tmp = self._write_temp(final, data)
+        except OSError as e:
+            raise io_error("write", path, e) from e
+
+        def done(keep: bool) -> None:
+            if not keep:
+                _unlink_quiet(tmp)
+                return
+            try:
+                os.replace(tmp, final)
+            except OSError as e:
+                _unlink_quiet(tmp)
+                raise io_error("write", path, e) from e
+            self._renamed(final)
+
+        return done
 
     def _renamed(self, final: str) -> None:
         if self.fsync:

@@ -32,6 +32,20 @@ def test_write_read_roundtrip(backend):
     assert backend.size("a/b/c.bin") == 5
 
 
+def test_staged_writes_are_named_only_when_kept(backend):
+    """``stage``: nothing is at the path until the write is kept; a dropped one leaves nothing (locally,
+    not even its temporary), and a kept one replaces what was there, whole."""
+    backend.write("s/old.bin", b"old")
+    keep, drop, over = (backend.stage("s/new.bin", (b"he", b"llo")), backend.stage("s/gone.bin", b"x"),
+                        backend.stage("s/old.bin", b"newer"))
+    assert not backend.exists("s/new.bin") and not backend.exists("s/gone.bin") and backend.read("s/old.bin") == b"old"
+    keep(True)
+    drop(False)
+    over(True)
+    assert backend.read("s/new.bin") == b"hello" and not backend.exists("s/gone.bin") and backend.read("s/old.bin") == b"newer"
+    assert sorted(e.path for e in backend.list("s")) == ["s/new.bin", "s/old.bin"]
+
+
 def test_missing_file_raises_file_not_found(backend):
     with pytest.raises(FileNotFoundError):
         backend.read("nope")

@@ -604,10 +604,10 @@ def _stop_when_replicating(state, at):
 
     real = Peers.exchange
 
-    def stall(self, sends):
+    def stall(self, sends, *args, **kwargs):
         if state["step"] == at:
             os.kill(os.getpid(), signal.SIGSTOP)
-        return real(self, sends)
+        return real(self, sends, *args, **kwargs)
 
     Peers.exchange = stall
 
@@ -755,13 +755,13 @@ def tiers_replication(rank, world, tmp, store):
 
 def tiers_exchange(rank, world, tmp, round_bytes):
     """Peers.exchange on its own: each rank holds blobs of sizes around ``round_bytes`` (some larger)
-    and sends all of them to the next rank and two to the one after, received whole and then
-    round by round through a sink. Returns what arrived (blob ids, checked against the bytes)."""
+    and sends all of them to the next rank and two to the one after. Returns what arrived (blob ids,
+    each checked against its bytes), the rounds handed over, and the buffers the transfer allocated."""
     import random
 
     import torch.distributed as dist
 
-    from ckpt.snapshot.peers import Peers
+    import ckpt.snapshot.peers as P
     from ckpt.snapshot.tiers import LocalTier
     from ckpt_store.storage.objects import object_id
 
@@ -773,18 +773,24 @@ def tiers_exchange(rank, world, tmp, round_bytes):
         blob = rng.randbytes(size)
         ids.append(object_id(blob))
         objects.backend.write(objects.path("chunks", ids[-1]), blob)
-    peers = Peers(tier, dist.group.WORLD, 1)
+    allocated = []
+    real_empty = P._empty
+
+    def recording(n):
+        allocated.append(n)
+        return real_empty(n)
+
+    P._empty = recording
+    peers = P.Peers(tier, dist.group.WORLD, 1)
     sends = {(rank + 1) % world: ids, (rank + 2) % world: ids[:2]}
-    got, sent = peers.exchange(sends, round_bytes=round_bytes)
-    whole = {cid: object_id(bytes(b)) == cid for cid, b in got.items()}
-    rounds, streamed = [], {}
+    rounds, got = [], {}
 
     def sink(blobs):
         rounds.append([sum(len(b) for b in blobs.values()), len(blobs)])
-        streamed.update({cid: object_id(bytes(b)) == cid for cid, b in blobs.items()})
+        got.update({cid: object_id(bytes(b)) == cid for cid, b in blobs.items()})
 
-    assert peers.exchange(sends, sink=sink, round_bytes=round_bytes)[0] == {}
-    return {"ids": ids, "sent": sent, "whole": whole, "streamed": streamed, "rounds": rounds}
+    sent = peers.exchange(sends, sink, round_bytes=round_bytes)
+    return {"ids": ids, "sent": sent, "got": got, "rounds": rounds, "allocated": allocated}
 
 
 def _big_ddp_state(rank, seed=0):
