@@ -73,6 +73,9 @@ class ChunkBlobCache:
         self.misses = 0
         self.dropped = 0  # damaged entries deleted
         self._size: int | None = None  # bytes in the whole cache root, counted on first put
+        self._added = 0  # bytes put since the running eviction's walk began
+        self._evicting = False  # one thread evicts at a time; others ask it to look again
+        self._again = False
         self._lock = threading.Lock()
 
     def _path(self, oid: str) -> str:
@@ -161,13 +164,44 @@ class ChunkBlobCache:
                 self._size = usage(self.root).bytes
             else:
                 self._size += n
+            self._added += n
             over = self._size > self.max_bytes
         if over:
             self.evict()
 
     def evict(self) -> int:
         """Delete least recently used entries (and stale temporaries) until the cache is
-        under 90% of its limit; returns the bytes freed."""
+        under 90% of its limit; returns the bytes freed.
+
+        One thread evicts at a time. Entries put while it walks the cache are counted on top
+        of what its walk found (a few twice: an early eviction, never an overfull cache), and
+        it walks again while another thread asked it to (it put an entry past the limit
+        meanwhile), or while the cache is over its limit and the last walk freed something."""
+        with self._lock:
+            if self._evicting:
+                self._again = True
+                return 0
+            self._evicting = True
+        freed = 0
+        try:
+            while True:
+                now = self._evict_once()
+                freed += now
+                with self._lock:
+                    again, self._again = self._again, False
+                    over = (self._size or 0) > self.max_bytes
+                    # Done unless entries came meanwhile, or it is still over and freeing works.
+                    if not again and (not over or not now):
+                        self._evicting = False
+                        return freed
+        except BaseException:
+            with self._lock:
+                self._evicting = False
+            raise
+
+    def _evict_once(self) -> int:
+        with self._lock:
+            self._added = 0
         files: list[tuple[float, int, str]] = []
         total = 0
         now = time.time()
@@ -193,7 +227,7 @@ class ChunkBlobCache:
             if _unlink(p):
                 freed += size
         with self._lock:
-            self._size = total - freed
+            self._size = total - freed + self._added
         return freed
 
 

@@ -62,3 +62,29 @@ def test_clear(tmp_path):
     c.put(A, (b"1",))
     assert clear(str(tmp_path)).entries == 1
     assert usage(str(tmp_path)).entries == 0 and c.get(A) is None
+
+
+def test_a_cache_filled_by_many_threads_at_once_ends_within_its_limit(tmp_path):
+    """16 threads put 20 KiB entries into a 1 MiB cache at once (a pull's transfer threads): entries
+    put while another thread evicts are counted, so the cache never ends over its limit."""
+    import random
+    import threading
+
+    limit = 1 << 20
+    cache = ChunkBlobCache(str(tmp_path), "s", limit)
+    rng = random.Random(0)
+    blobs = [rng.randbytes(20 << 10) for _ in range(16 * 40)]
+    start = threading.Barrier(16)
+
+    def fill(k: int) -> None:
+        start.wait()
+        for i in range(k, len(blobs), 16):
+            cache.put(f"{i:064x}", (blobs[i],))
+
+    threads = [threading.Thread(target=fill, args=(k,)) for k in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    u = usage(str(tmp_path))
+    assert 0 < u.bytes <= limit and u.entries >= limit * 0.5 // (20 << 10)  # full, not emptied
