@@ -259,7 +259,10 @@ def test_pull_interrupted_by_a_signal_leaves_no_partial_file(s3_main_url, s3_mai
     try:
         proxy.delay_s = 0.05  # a slow wire, two requests at a time: the pull takes seconds
         env = {**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint, "CKPT_CACHE": "0", "CKPT_TRANSFER_CONCURRENCY": "2"}
-        exe = [sys.executable, "-c", "from ckpt_store.cli.main import main; main()"]
+        # Ctrl-C as in a terminal: a runner that started the tests in the background (nohup, &)
+        # passes SIGINT on ignored, and the pull would finish instead.
+        exe = [sys.executable, "-c", "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+               "from ckpt_store.cli.main import main; main()"]
         proc = subprocess.Popen([*exe, "--store", s3_main_url, "pull", "m", str(dest / "out.safetensors")], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 60
