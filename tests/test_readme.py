@@ -95,6 +95,7 @@ def _needs(block: Block) -> list[str]:
 
 def _env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CKPT_")}
+    env["CKPT_LOCAL_DIR"] = str(tmp / "shm")  # local=True tiers: not left in /dev/shm after the test
     home = tmp / "home"
     home.mkdir(exist_ok=True)
     shim = tmp / "shim"

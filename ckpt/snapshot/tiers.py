@@ -46,10 +46,17 @@ MISSES = (ObjectNotFoundError, CorruptObjectError, StorageIOError, OSError)
 
 
 def default_local_path(store_url: str, run: str, rank: int | None = None) -> Path:
-    """Where a run's local tier lives unless given: under /dev/shm (host memory, survives a crash
-    of the training process but not of the machine), else the temp directory, keyed by the
-    durable store and the run so that a restarted process finds it again."""
-    root = Path("/dev/shm") if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+    """Where a run's local tier lives unless given: under ``$CKPT_LOCAL_DIR`` if set, else
+    /dev/shm (host memory, survives a crash of the training process but not of the machine),
+    else the temp directory; keyed by the durable store and the run so that a restarted
+    process finds it again."""
+    env = os.environ.get("CKPT_LOCAL_DIR")
+    if env:
+        root = Path(env)
+    elif os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        root = Path("/dev/shm")
+    else:
+        root = Path(tempfile.gettempdir())
     key = hashlib.blake2b(f"{store_url}\0{run}".encode(), digest_size=6).hexdigest()
     user = os.getuid() if hasattr(os, "getuid") else 0
     path = root / f"ckpt-local-{user}" / key

@@ -289,7 +289,8 @@ def test_tier_settings_are_checked(tmp_path, bad):
         ckpt.CheckpointManager(str(tmp_path / "d"), "run", **bad)
 
 
-def test_local_true_picks_a_stable_path_under_dev_shm(tmp_path):
+def test_local_true_picks_a_stable_path_under_dev_shm(tmp_path, monkeypatch):
+    monkeypatch.delenv("CKPT_LOCAL_DIR", raising=False)
     a = ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True, local_every_n_steps=1)
     b = ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True, local_every_n_steps=1)
     try:
@@ -302,6 +303,10 @@ def test_local_true_picks_a_stable_path_under_dev_shm(tmp_path):
         import shutil
 
         shutil.rmtree(a.local_tier.path, ignore_errors=True)
+    monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "nvme"))  # another default root
+    c = ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True, local_every_n_steps=1)
+    c.close()
+    assert c.local_tier.path.startswith(str(tmp_path / "nvme") + os.sep)
 
 
 def test_out_of_space_is_recognised_after_the_error_crossed_to_another_rank():
