@@ -28,10 +28,11 @@ from dataclasses import dataclass
 
 import blake3
 
+from ckpt_store.storage.backends.base import TEMPORARY
+
 log = logging.getLogger(__name__)
 
 TRAILER = 32  # bytes of BLAKE3 after each blob
-_TMP = ".tmp-"
 
 
 def default_cache_dir() -> str:
@@ -141,7 +142,7 @@ class ChunkBlobCache:
         if os.path.exists(path):
             return
         h = blake3.blake3()
-        tmp = os.path.join(self.dir, oid[:2], f"{_TMP}{uuid.uuid4().hex}")
+        tmp = os.path.join(self.dir, oid[:2], f"{TEMPORARY}{uuid.uuid4().hex}")
         n = TRAILER
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -212,7 +213,7 @@ class ChunkBlobCache:
                     st = os.stat(p)
                 except OSError:
                     continue
-                if name.startswith(_TMP):
+                if name.startswith(TEMPORARY):
                     if now - st.st_mtime > 3600:
                         _unlink(p)
                     continue
@@ -250,7 +251,7 @@ def usage(root: str) -> CacheUsage:
             n = b = 0
             for dirpath, _, names in os.walk(sdir):
                 for name in names:
-                    if name.startswith(_TMP):
+                    if name.startswith(TEMPORARY):
                         continue
                     try:
                         b += os.path.getsize(os.path.join(dirpath, name))

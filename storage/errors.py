@@ -7,6 +7,8 @@ only ``cli/`` turns them into exit codes and one-line messages.
 
 from __future__ import annotations
 
+import errno as _errno
+
 
 class CkptError(Exception):
     """Root of every error ckpt raises on purpose.
@@ -83,6 +85,9 @@ class RefConflictError(CkptError):
     """Another writer kept winning the race to update a ref."""
 
     retryable = True
+
+
+DISK_FULL = (_errno.ENOSPC, _errno.EDQUOT)  # errnos that say the medium is full
 
 
 class StorageIOError(CkptError):

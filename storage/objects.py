@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import blake3
 
-from ckpt_store.storage.backends.base import Backend
+from ckpt_store.storage.backends.base import TEMPORARY, Backend
 from ckpt_store.storage.cache import ChunkBlobCache
 from ckpt_store.storage.errors import (
     CorruptObjectError,
@@ -135,7 +135,7 @@ class ObjectStore:
         for e in self.backend.list("objects"):
             parts = e.path.split("/")
             name = parts[-1]
-            if name.startswith(".tmp-"):
+            if name.startswith(TEMPORARY):
                 temps.append((e.path, e.mtime))
             elif len(parts) == 4 and parts[1] in found and _ID.match(name):
                 found[parts[1]].append(ObjectInfo(parts[1], name, e.size, e.mtime))
@@ -145,7 +145,7 @@ class ObjectStore:
         """Leftovers of interrupted writes below ``prefixes``: (path, mtime)."""
         for prefix in prefixes:
             for e in self.backend.list(prefix):
-                if e.path.rsplit("/", 1)[-1].startswith(".tmp-"):
+                if e.path.rsplit("/", 1)[-1].startswith(TEMPORARY):
                     yield e.path, e.mtime
 
     # Manifests are verified here: their id is the hash of the bytes stored.

@@ -52,6 +52,7 @@ class CheckpointGroup:
 
         self.ranks = dist.get_process_group_ranks(process_group)
         self.world = len(self.ranks)
+        self._whole_world = self.ranks == list(range(dist.get_world_size()))
         self.timeout = timedelta(seconds=timeout_s)
         self.pg = self._create()
         self.broken = False  # a collective on pg failed since the last agreement
@@ -71,19 +72,14 @@ class CheckpointGroup:
         # give the next group the name of a live one, or one whose rendezvous keys are still in the
         # store, so a replaced subgroup is kept (closed, a few sockets per rebuild).
         return dist.new_group(self.ranks, backend="gloo", timeout=self.timeout,
-                              use_local_synchronization=not self._whole_world())
-
-    def _whole_world(self) -> bool:
-        import torch.distributed as dist
-
-        return self.ranks == list(range(dist.get_world_size()))
+                              use_local_synchronization=not self._whole_world)
 
     def _replace(self) -> None:
         """A fresh group in place of :attr:`pg` (every member alike); the old one destroyed where it can be."""
         import torch.distributed as dist
 
         old, self.pg = self.pg, self._create()
-        if self._whole_world():
+        if self._whole_world:
             try:
                 dist.destroy_process_group(old)
             except Exception as e:  # noqa: BLE001 - a group that cannot be destroyed only costs its sockets

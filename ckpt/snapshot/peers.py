@@ -246,25 +246,6 @@ class Peers:
                 problems.append(f"step not recorded ({describe(e)})")
         return own, sent, "; ".join(problems) or None
 
-    def _keep(self, blobs: dict[str, bytes] | dict[str, memoryview], source: Store | None = None) -> int:
-        """Verify and store chunks received from peers; a damaged one is dropped (the tier then lacks it).
-        ``source``: a store that may hold the bases of delta-encoded ones (besides this tier)."""
-        from ckpt.store.copy import chunk_checker
-
-        store = self.local.store
-        check = chunk_checker(source or store, store)
-        n = 0
-        for cid, blob in sorted(blobs.items()):
-            try:
-                check(cid, blob)
-            except MISSES as e:
-                log.warning("chunk %s from a peer dropped: %s", cid[:12], describe(e))
-                continue
-            store.objects.put("chunks", cid, blob)
-            n += len(blob)
-        store.objects.backend.flush()
-        return n
-
     def persist(self, step: int, mid: str, data: bytes, own: set[str], durable: Store, latest: str, ref: str) -> str | None:
         """Every rank copies the chunks it wrote that ``durable`` lacks; then the coordinator commits the
         manifest and refs there. None, or why it failed (the same on every rank)."""
@@ -380,7 +361,9 @@ class Peers:
         try:
             self._verify_fetched(tiers.from_peers - tiers.peer_verified)
             missing = fetched - local.objects.has_many("chunks", fetched)
-            self._keep({cid: peer.objects.get("chunks", cid) for cid in sorted(missing)}, source=peer)
+            staging = _Staging(local, source=peer)
+            staging.add({cid: memoryview(peer.objects.get("chunks", cid)) for cid in sorted(missing)})
+            staging.commit()
             if not local.objects.has("manifests", mid):
                 local.objects.put_manifest(_manifest_bytes(tiers, mid))
                 local.objects.backend.flush()
@@ -442,23 +425,24 @@ class Peers:
             try:
                 check(cid, store.objects.get("chunks", cid))
             except MISSES as e:
-                log.warning("chunk %s from a peer dropped: %s", cid[:12], describe(e))
+                _dropped(cid, describe(e))
                 store.objects.backend.delete(store.objects.path("chunks", cid))
 
 
 class _Staging:
-    """Chunks a rank receives as replicas: each verified as its round arrives and written beside
+    """Chunks a rank receives from peers (replicas; a restore's refill): each verified as it arrives and written beside
     its final name (``Backend.stage``), all named by :meth:`commit` once the whole transfer has
     arrived, or none (:meth:`drop`). So a transfer of any size holds a few rounds in memory, and one
     cut short (a peer killed) leaves nothing in the tier. A delta whose base is not in the tier yet
     (it may come in the same transfer) is held in memory and checked again at the commit, once the
     others are in place; a damaged chunk is dropped (the tier then lacks it)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, source: Store | None = None) -> None:
+        """``source``: a store that may hold the bases of delta-encoded chunks (besides ``store``)."""
         from ckpt.store.copy import chunk_checker
 
         self.objects = store.objects
-        self.check = chunk_checker(store, store)
+        self.check = chunk_checker(source or store, store)
         self.ready: list[Callable[[bool], None]] = []
         self.waiting: dict[str, bytes] = {}  # deltas whose base is not in the tier yet
         self.error: Exception | None = None  # the first failure to write (a full tier): raised by the commit
@@ -473,7 +457,7 @@ class _Staging:
                 self.waiting[cid] = bytes(blob)  # the round's buffer is reused
                 continue
             except MISSES as e:
-                log.warning("chunk %s from a peer dropped: %s", cid[:12], describe(e))
+                _dropped(cid, describe(e))
                 continue
             except Exception as e:  # noqa: BLE001 - never raised into the exchange: the commit raises it
                 self.error = e
@@ -498,7 +482,7 @@ class _Staging:
                     except ObjectNotFoundError:
                         continue
                     except MISSES as e:
-                        log.warning("chunk %s from a peer dropped: %s", cid[:12], describe(e))
+                        _dropped(cid, describe(e))
                         kept[cid] = b""
                         continue
                     self.objects.put("chunks", cid, blob)
@@ -507,7 +491,7 @@ class _Staging:
                     break
                 self.waiting = {c: b for c, b in self.waiting.items() if c not in kept}
             for cid in self.waiting:
-                log.warning("chunk %s from a peer dropped: its base is in no tier", cid[:12])
+                _dropped(cid, "its base is in no tier")
             self.waiting = {}
         finally:
             self.drop()
@@ -523,6 +507,10 @@ class _Staging:
             except Exception as e:  # noqa: BLE001 - a leftover temporary is removed by the tier's next gc
                 log.debug("staged chunk not removed: %s", describe(e))
         self.ready, self.waiting = [], {}
+
+
+def _dropped(cid: str, why: str) -> None:
+    log.warning("chunk %s from a peer dropped: %s", cid[:12], why)
 
 
 # Bytes per round of a peer transfer, per pair of ranks (a blob larger than this goes alone).

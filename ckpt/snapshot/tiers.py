@@ -290,12 +290,12 @@ def out_of_space(e: BaseException | None, rank: int | None = None) -> bool:
     """Whether ``e``, or an error it was raised from, says the medium is full (ENOSPC, EDQUOT).
     ``rank``: in a DCP ``CheckpointException`` met on the way, whether that rank's own failure
     says so (the ranks' failures arrive pickled, without their causes: their ``errno`` tells)."""
-    import errno
+    from ckpt_store.storage.errors import DISK_FULL
 
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        if getattr(e, "errno", None) in DISK_FULL:
             return True
         failures = getattr(e, "failures", None)
         if rank is not None and isinstance(failures, dict) and rank in failures:

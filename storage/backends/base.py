@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Union
 
-from ckpt_store.storage.errors import StorageIOError
+from ckpt_store.storage.errors import DISK_FULL, StorageIOError
 
 # What write() takes: bytes, or a tuple of buffers whose concatenation is the file.
 Data = Union[bytes, bytearray, memoryview, tuple[Any, ...]]
@@ -29,8 +29,10 @@ def data_size(data: Data) -> int:
     parts = data if isinstance(data, tuple) else (data,)
     return sum(memoryview(p).nbytes for p in parts)
 
+# Prefix of every file written but not yet renamed into place (what gc removes once stale).
+TEMPORARY = ".tmp-"
 # Prefix of an object gc is deleting (LocalBackend.delete_if_stale); it is a temporary.
-CONDEMNED = ".tmp-gc-"
+CONDEMNED = TEMPORARY + "gc-"
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ class Backend(ABC):
 
         This default keeps a copy of ``data`` in memory until then; a local backend writes it
         now, under a temporary name beside ``path`` (a stale one is what gc removes)."""
-        held = b"".join(bytes(p) for p in data) if isinstance(data, tuple) else bytes(data)
+        held = joined(data)
 
         def done(keep: bool) -> None:
             if keep:
@@ -232,7 +234,7 @@ def read_error(path: str, e: OSError) -> Exception:
 
 
 def io_error(op: str, path: str, e: OSError) -> StorageIOError:
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+    if e.errno in DISK_FULL:
         return StorageIOError(f"cannot {op} {path}: the store's disk is full", hint="free space and retry", errno=e.errno)
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return StorageIOError(f"cannot {op} {path}: permission denied ({e.strerror})", errno=e.errno)

@@ -12,6 +12,7 @@ from typing import Any
 
 from ckpt_store.storage.backends.base import (
     CONDEMNED,
+    TEMPORARY,
     Backend,
     Data,
     Entry,
@@ -59,7 +60,7 @@ class LocalBackend(Backend):
     def _write_temp(self, final: str, data: Data, sync: bool = True) -> str:
         d = os.path.dirname(final)
         self._ensure_dir(d)
-        tmp = os.path.join(d, f".tmp-{uuid.uuid4().hex}")
+        tmp = os.path.join(d, f"{TEMPORARY}{uuid.uuid4().hex}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             for part in data if isinstance(data, tuple) else (data,):
