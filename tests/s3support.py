@@ -158,6 +158,12 @@ def start_server(kind: str, tmp: Path) -> S3Server:
 # -- fault injection ------------------------------------------------------------------------
 
 
+_SLOW_DOWN_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+                   b"<Message>Please reduce your request rate.</Message></Error>")
+_SLOW_DOWN = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+              b"Content-Length: " + str(len(_SLOW_DOWN_BODY)).encode() + b"\r\n\r\n" + _SLOW_DOWN_BODY)
+
+
 def _rst(writer: asyncio.StreamWriter) -> None:
     sock = writer.get_extra_info("socket")
     if sock is not None:
@@ -176,6 +182,8 @@ class FaultProxy:
       pattern, e.g. ``b"HTTP/1.1 200"``), for the next ``reset_conns`` connections that hit
       it: both sides get a real RST and the chunk that hit is not relayed.
     * ``refuse``: accept, then reset at once. :meth:`drop_all` aborts live connections.
+    * ``busy``: the next ``busy`` GETs are answered by the proxy itself, as a throttling
+      server answers: ``503 SlowDown`` (S3's error XML), then the connection closes.
     * ``bytes_up`` / ``bytes_down`` count what was relayed (the benchmark's bytes on the wire).
 
     Knobs are read per chunk, not per connection, because aiohttp pools keep-alive
@@ -189,6 +197,7 @@ class FaultProxy:
     reset_match: bytes | None = None
     reset_conns: int = 0
     refuse: bool = False
+    busy: int = 0
     resets_fired: int = 0
     bytes_up: int = 0  # relayed client -> server (requests, bodies: what an upload costs on the wire)
     bytes_down: int = 0  # relayed server -> client
@@ -211,12 +220,20 @@ class FaultProxy:
         self.reset_after = self.reset_match = None
         self.reset_conns = 0
         self.refuse = False
+        self.busy = 0
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str,
                     peer: asyncio.StreamWriter) -> None:
         sent = 0
         try:
             while data := await reader.read(65536):
+                if direction == "up" and self.busy > 0 and data.startswith(b"GET "):
+                    self.busy -= 1
+                    peer.write(_SLOW_DOWN)
+                    await peer.drain()
+                    _rst(writer)
+                    peer.close()
+                    return
                 if direction == "down" and self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 if direction == self.reset_dir and self.reset_conns > 0:

@@ -50,6 +50,7 @@ from ckpt_store.storage.backends.s3_errors import (
     secrets_in_env,
     transient,
 )
+from ckpt_store.storage.backends.s3_get import DirectGet
 from ckpt_store.storage.errors import StorageIOError
 from ckpt_store.storage.retry import RetryPolicy, call_with_retries
 
@@ -111,6 +112,15 @@ class ObjectReader:
         if self._direct is not None and self._direct.isclosed() and raw is not None:
             raw.release_conn()  # read to its end: the connection goes back to the pool
         self._body.close()  # otherwise closes the connection: a body left half read cannot be reused
+
+
+def _direct_get(client: Any) -> DirectGet | None:
+    """Direct GETs for ``client`` (s3_get.py), unless this botocore lacks what they use."""
+    try:
+        return DirectGet(client)
+    except (AttributeError, ImportError) as e:
+        log.debug("direct S3 GETs unavailable: %s", e)
+        return None
 
 
 def _socket_reader(body: Any) -> Any:
@@ -188,6 +198,7 @@ class S3Backend(Backend):
             self.client = session.create_client("s3", config=Config(**cfg), **client_kw)
         except (TypeError, ValueError, KeyError) as e:
             raise StorageIOError(f"bad storage options for {url}: {self._redact(str(e))}") from None
+        self._gets = _direct_get(self.client)
         self._parts = None  # thread pool for the parts of multipart uploads, made on first use
         self._parts_lock = threading.Lock()
 
@@ -261,16 +272,37 @@ class S3Backend(Backend):
         return bool(next(iter(self._list_keys(""), None)))
 
     def _get(self, path: str, start: int = 0, length: int | None = None) -> tuple[Any, int, int]:
-        """(body, bytes in the body, size of the object) of a GET of ``path`` from ``start``."""
+        """(body, bytes in the body, size of the object) of a GET of ``path`` from ``start``.
+
+        Sent directly (storage/backends/s3_get.py) once the client has shown how; any
+        error answer is asked again through the client, which raises the usual errors."""
         kw: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(path)}
         if start or length is not None:
             kw["Range"] = f"bytes={start}-" + ("" if length is None else str(start + length - 1))
+        direct = self._gets
+        refused = False
+        if direct is not None and direct.ready():
+            r = direct.get(kw["Key"], kw.get("Range"))
+            if r.status_code in (200, 206):
+                n = int(r.headers["content-length"])
+                rng = r.headers.get("content-range")
+                return direct.body(r, n), n, int(rng.rsplit("/", 1)[1]) if rng else n
+            direct.refused(r)  # raises for a server error, to be retried
+            if r.status_code == 416:
+                return None, 0, self.size(path)
+            refused = True
+        elif direct is not None:
+            direct.expect(kw["Key"])
         try:
             r = self.client.get_object(**kw)
         except Exception as e:
             if (client_error(e) or ("", 0))[1] == 416:  # a range past the end: nothing there
                 return None, 0, self.size(path)
             raise
+        if direct is not None and refused:
+            direct.failed(client_succeeded=True)
+        elif direct is not None:
+            direct.learned()
         n = int(r["ContentLength"])
         rng = r.get("ContentRange")
         size = int(rng.rsplit("/", 1)[1]) if rng else n

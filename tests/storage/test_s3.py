@@ -334,3 +334,70 @@ def test_a_response_checksum_asked_for_is_still_checked(s3_main):
     assert on.read_into("x", 0, memoryview(buf)) == len(data) and buf == data
     head = on.read_split("x", 64, lambda first, n: memoryview(buf)[len(first):n])
     assert head + buf[64:] == data
+    assert on._gets.sent == 0  # never directly: botocore learned to ask for a checksum, which direct GETs do not check
+
+
+# -- direct GETs (storage/backends/s3_get.py) ----------------------------------------------
+
+# Keys that botocore must quote: the direct GETs quote and sign them the same way, or a
+# server that checks signatures (SeaweedFS) refuses them.
+AWKWARD = ["plain/key", "sp ace/ü-ñ+~/x", "odd/!$'()*,;=@&/y", "pct/%25/%2F/z"]
+
+
+def test_gets_after_the_first_go_out_directly_signed_as_botocore_signs_them(s3_server, monkeypatch):
+    bucket = s3_server.new_bucket()
+    b = S3Backend(f"s3://{bucket}/store", s3_server.options(), retry=FAST)
+    data = {k: os.urandom(70_000 + i) for i, k in enumerate(AWKWARD)}
+    for k, v in data.items():
+        b.write(k, v)
+    through_client = []
+    real = b.client.get_object
+    monkeypatch.setattr(b.client, "get_object", lambda **kw: through_client.append(kw["Key"]) or real(**kw))
+    assert b.read(AWKWARD[0]) == data[AWKWARD[0]]  # the first GET goes through botocore and teaches the rest
+    assert through_client == [b._key(AWKWARD[0])] and b._gets.ready()
+    for k, v in data.items():
+        assert b.read(k) == v
+        assert b.read_range(k, 1000, 5000) == v[1000:6000]
+        buf = bytearray(300)
+        assert b.read_into(k, len(v) - 100, memoryview(buf)) == len(v) and buf[:100] == v[-100:]
+        assert b.read_range(k, len(v) + 10, 5) == b""  # a range past the end: 416, nothing there
+        reader = b.open_read(k)
+        whole = bytearray(reader.size)
+        assert reader.readinto(memoryview(whole)) == len(v) and whole == v
+        reader.close()
+    with pytest.raises(FileNotFoundError):
+        b.read("no/such/object")  # refused directly, then asked of botocore: NoSuchKey
+    assert through_client == [b._key(AWKWARD[0]), b._key("no/such/object")]
+    assert b._gets.ready() and b._gets.sent == 5 * len(AWKWARD) + 1
+
+
+def test_a_direct_get_refused_where_botocore_succeeds_switches_direct_gets_off(s3_main, monkeypatch):
+    bucket = s3_main.new_bucket()
+    b = S3Backend(f"s3://{bucket}/store", s3_main.options(), retry=FAST)
+    b.write("a", b"1" * 1000)
+    b.write("b", b"2" * 1000)
+    assert b.read("a") == b"1" * 1000 and b._gets.ready()
+    b._gets.prefix = b._gets.prefix.replace(bucket.split("/")[0], "no-such-bucket-" + uuid.uuid4().hex[:8], 1)
+    assert b.read("b") == b"2" * 1000  # refused directly (no such bucket), answered through botocore
+    sent = b._gets.sent
+    assert not b._gets.ready()
+    assert b.read("a") == b"1" * 1000 and b._gets.sent == sent  # from now on, every GET through botocore
+
+
+def test_a_throttled_direct_get_is_retried_directly(faulty, proxy, monkeypatch):
+    """503 SlowDown on a direct GET: retried with backoff, directly again; not a reason to
+    leave direct GETs (the server refused nothing it would have served through botocore)."""
+    data = os.urandom(100_000)
+    faulty.write("objects/x", data)
+    assert faulty.read("objects/x") == data and faulty._gets.ready()  # learned
+    through_client = []
+    real = faulty.client.get_object
+    monkeypatch.setattr(faulty.client, "get_object", lambda **kw: through_client.append(kw["Key"]) or real(**kw))
+    sent = faulty._gets.sent
+    proxy.busy = 2
+    assert faulty.read("objects/x") == data
+    assert proxy.busy == 0 and faulty._gets.sent == sent + 3 and through_client == [] and faulty._gets.ready()
+    proxy.busy = 10  # more than the retries: a clear, retryable error that names the throttling
+    with pytest.raises(StorageIOError, match="SlowDown") as e:
+        faulty.read("objects/x")
+    assert e.value.retryable and faulty._gets.ready()
