@@ -50,7 +50,7 @@ from ckpt_store.storage.backends.s3_errors import (
     secrets_in_env,
     transient,
 )
-from ckpt_store.storage.backends.s3_get import DirectGet
+from ckpt_store.storage.backends.s3_direct import GET, LIST, DirectRequests
 from ckpt_store.storage.errors import StorageIOError
 from ckpt_store.storage.retry import RetryPolicy, call_with_retries
 
@@ -114,12 +114,12 @@ class ObjectReader:
         self._body.close()  # otherwise closes the connection: a body left half read cannot be reused
 
 
-def _direct_get(client: Any) -> DirectGet | None:
-    """Direct GETs for ``client`` (s3_get.py), unless this botocore lacks what they use."""
+def _direct_requests(client: Any) -> DirectRequests | None:
+    """Direct GETs and LISTs for ``client`` (s3_direct.py), unless this botocore lacks what they use."""
     try:
-        return DirectGet(client)
+        return DirectRequests(client)
     except (AttributeError, ImportError) as e:
-        log.debug("direct S3 GETs unavailable: %s", e)
+        log.debug("direct S3 requests unavailable: %s", e)
         return None
 
 
@@ -152,6 +152,7 @@ class S3Backend(Backend):
 
     streams = True
     caches = True
+    page_keys = 0  # keys a LIST page may hold; 0: the server's maximum (1,000 on S3). Tests page with fewer.
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, concurrency: int = 16,
                  retry: RetryPolicy | None = None, conditional_writes: bool = True) -> None:
@@ -198,7 +199,7 @@ class S3Backend(Backend):
             self.client = session.create_client("s3", config=Config(**cfg), **client_kw)
         except (TypeError, ValueError, KeyError) as e:
             raise StorageIOError(f"bad storage options for {url}: {self._redact(str(e))}") from None
-        self._gets = _direct_get(self.client)
+        self._direct = _direct_requests(self.client)
         self._parts = None  # thread pool for the parts of multipart uploads, made on first use
         self._parts_lock = threading.Lock()
 
@@ -274,14 +275,13 @@ class S3Backend(Backend):
     def _get(self, path: str, start: int = 0, length: int | None = None) -> tuple[Any, int, int]:
         """(body, bytes in the body, size of the object) of a GET of ``path`` from ``start``.
 
-        Sent directly (storage/backends/s3_get.py) once the client has shown how; any
-        error answer is asked again through the client, which raises the usual errors."""
+        Sent directly (storage/backends/s3_direct.py) once the client has shown how."""
         kw: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(path)}
         if start or length is not None:
             kw["Range"] = f"bytes={start}-" + ("" if length is None else str(start + length - 1))
-        direct = self._gets
+        direct = self._direct
         refused = False
-        if direct is not None and direct.ready():
+        if direct is not None and direct.ready(GET):
             r = direct.get(kw["Key"], kw.get("Range"))
             if r.status_code in (200, 206):
                 n = int(r.headers["content-length"])
@@ -302,7 +302,7 @@ class S3Backend(Backend):
         if direct is not None and refused:
             direct.failed(client_succeeded=True)
         elif direct is not None:
-            direct.learned()
+            direct.learned(GET)
         n = int(r["ContentLength"])
         rng = r.get("ContentRange")
         size = int(rng.rsplit("/", 1)[1]) if rng else n
@@ -468,11 +468,32 @@ class S3Backend(Backend):
 
     def _list_page(self, prefix: str, token: str | None, delimiter: str) -> dict[str, Any]:
         kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        if self.page_keys:
+            kw["MaxKeys"] = self.page_keys
         if token:
             kw["ContinuationToken"] = token
         if delimiter:
             kw["Delimiter"] = delimiter
-        return self._call("list", prefix, lambda: self.client.list_objects_v2(**kw))  # type: ignore[no-any-return]
+
+        def page() -> dict[str, Any]:
+            direct = self._direct
+            refused = False
+            if direct is not None and direct.ready(LIST):
+                r = direct.list(prefix, token, delimiter, self.page_keys)
+                if r.status_code == 200:
+                    return direct.page(r)
+                direct.refused(r)  # raises for a server error, to be retried
+                refused = True
+            elif direct is not None:
+                direct.expect()
+            answer: dict[str, Any] = self.client.list_objects_v2(**kw)
+            if direct is not None and refused:
+                direct.failed(client_succeeded=True)
+            elif direct is not None:
+                direct.learned(LIST)
+            return answer
+
+        return self._call("list", prefix, page)
 
     def _list_keys(self, prefix: str, delimiter: str = "") -> Iterator[Entry]:
         """Objects whose path starts with directory ``prefix`` (one LIST request per 1000)."""

@@ -334,10 +334,10 @@ def test_a_response_checksum_asked_for_is_still_checked(s3_main):
     assert on.read_into("x", 0, memoryview(buf)) == len(data) and buf == data
     head = on.read_split("x", 64, lambda first, n: memoryview(buf)[len(first):n])
     assert head + buf[64:] == data
-    assert on._gets.sent == 0  # never directly: botocore learned to ask for a checksum, which direct GETs do not check
+    assert on._direct.sent["GetObject"] == 0  # never directly: botocore learned to ask for a checksum, which direct GETs do not check
 
 
-# -- direct GETs (storage/backends/s3_get.py) ----------------------------------------------
+# -- direct GETs (storage/backends/s3_direct.py) ----------------------------------------------
 
 # Keys that botocore must quote: the direct GETs quote and sign them the same way, or a
 # server that checks signatures (SeaweedFS) refuses them.
@@ -354,7 +354,7 @@ def test_gets_after_the_first_go_out_directly_signed_as_botocore_signs_them(s3_s
     real = b.client.get_object
     monkeypatch.setattr(b.client, "get_object", lambda **kw: through_client.append(kw["Key"]) or real(**kw))
     assert b.read(AWKWARD[0]) == data[AWKWARD[0]]  # the first GET goes through botocore and teaches the rest
-    assert through_client == [b._key(AWKWARD[0])] and b._gets.ready()
+    assert through_client == [b._key(AWKWARD[0])] and b._direct.ready("GetObject")
     for k, v in data.items():
         assert b.read(k) == v
         assert b.read_range(k, 1000, 5000) == v[1000:6000]
@@ -368,7 +368,7 @@ def test_gets_after_the_first_go_out_directly_signed_as_botocore_signs_them(s3_s
     with pytest.raises(FileNotFoundError):
         b.read("no/such/object")  # refused directly, then asked of botocore: NoSuchKey
     assert through_client == [b._key(AWKWARD[0]), b._key("no/such/object")]
-    assert b._gets.ready() and b._gets.sent == 5 * len(AWKWARD) + 1
+    assert b._direct.ready("GetObject") and b._direct.sent["GetObject"] == 5 * len(AWKWARD) + 1
 
 
 def test_a_direct_get_refused_where_botocore_succeeds_switches_direct_gets_off(s3_main, monkeypatch):
@@ -376,28 +376,88 @@ def test_a_direct_get_refused_where_botocore_succeeds_switches_direct_gets_off(s
     b = S3Backend(f"s3://{bucket}/store", s3_main.options(), retry=FAST)
     b.write("a", b"1" * 1000)
     b.write("b", b"2" * 1000)
-    assert b.read("a") == b"1" * 1000 and b._gets.ready()
-    b._gets.prefix = b._gets.prefix.replace(bucket.split("/")[0], "no-such-bucket-" + uuid.uuid4().hex[:8], 1)
+    assert b.read("a") == b"1" * 1000 and b._direct.ready("GetObject")
+    b._direct._learned["GetObject"].url = b._direct._learned["GetObject"].url.replace(bucket.split("/")[0], "no-such-bucket-" + uuid.uuid4().hex[:8], 1)
     assert b.read("b") == b"2" * 1000  # refused directly (no such bucket), answered through botocore
-    sent = b._gets.sent
-    assert not b._gets.ready()
-    assert b.read("a") == b"1" * 1000 and b._gets.sent == sent  # from now on, every GET through botocore
+    sent = b._direct.sent["GetObject"]
+    assert not b._direct.ready("GetObject")
+    assert b.read("a") == b"1" * 1000 and b._direct.sent["GetObject"] == sent  # from now on, every GET through botocore
 
 
-def test_a_throttled_direct_get_is_retried_directly(faulty, proxy, monkeypatch):
+def test_a_throttled_direct_request_is_retried_directly(faulty, proxy, monkeypatch):
     """503 SlowDown on a direct GET: retried with backoff, directly again; not a reason to
     leave direct GETs (the server refused nothing it would have served through botocore)."""
     data = os.urandom(100_000)
     faulty.write("objects/x", data)
-    assert faulty.read("objects/x") == data and faulty._gets.ready()  # learned
+    assert faulty.read("objects/x") == data and faulty._direct.ready("GetObject")  # learned
     through_client = []
     real = faulty.client.get_object
     monkeypatch.setattr(faulty.client, "get_object", lambda **kw: through_client.append(kw["Key"]) or real(**kw))
-    sent = faulty._gets.sent
+    sent = faulty._direct.sent["GetObject"]
     proxy.busy = 2
     assert faulty.read("objects/x") == data
-    assert proxy.busy == 0 and faulty._gets.sent == sent + 3 and through_client == [] and faulty._gets.ready()
+    assert proxy.busy == 0 and faulty._direct.sent["GetObject"] == sent + 3 and through_client == [] and faulty._direct.ready("GetObject")
     proxy.busy = 10  # more than the retries: a clear, retryable error that names the throttling
     with pytest.raises(StorageIOError, match="SlowDown") as e:
         faulty.read("objects/x")
-    assert e.value.retryable and faulty._gets.ready()
+    assert e.value.retryable and faulty._direct.ready("GetObject")
+    proxy.busy = 0
+    assert [e.path for e in faulty.list("objects")] == ["objects/x"] and faulty._direct.ready("ListObjectsV2")
+    listed = faulty._direct.sent["ListObjectsV2"]
+    proxy.busy = 1  # LISTs too: retried, directly
+    assert [e.path for e in faulty.list("objects")] == ["objects/x"]
+    assert proxy.busy == 0 and faulty._direct.sent["ListObjectsV2"] == listed + 2
+
+
+def _botocore_listing(b, prefix: str, delimiter: str = "") -> tuple[list, list]:
+    """Every key (with size and time) and common prefix under ``prefix``, as botocore's own LIST reads them."""
+    keys, prefixes, token = [], [], None
+    while True:
+        kw = {"Bucket": b.bucket, "Prefix": b._key(prefix), "Delimiter": delimiter, "MaxKeys": 2}
+        page = b.client.list_objects_v2(**kw, **({"ContinuationToken": token} if token else {}))
+        keys += [(o["Key"], o["Size"], o["LastModified"]) for o in page.get("Contents", [])]
+        prefixes += [p["Prefix"] for p in page.get("CommonPrefixes", [])]
+        token = page.get("NextContinuationToken")
+        if not page.get("IsTruncated"):
+            return keys, prefixes
+
+
+def test_listings_after_the_first_go_out_directly_and_read_as_botocore_reads_them(s3_server, monkeypatch):
+    bucket = s3_server.new_bucket()
+    b = S3Backend(f"s3://{bucket}/store", s3_server.options(), retry=FAST)
+    b.page_keys = 2  # several pages, each continued with the token of the one before
+    names = [*AWKWARD, "d/a", "d/b", "d/e/f", "d/e/g", "dd/x"]
+    for i, k in enumerate(names):
+        b.write(k, b"x" * (i + 1))
+    through_client = []
+    real = b.client.list_objects_v2
+    monkeypatch.setattr(b.client, "list_objects_v2", lambda **kw: through_client.append(kw["Prefix"]) or real(**kw))
+    assert sorted(e.path for e in b.list("")) == sorted(names)  # the first page through botocore, the rest direct
+    assert len(through_client) == 1 and b._direct.ready("ListObjectsV2")
+    monkeypatch.setattr(b.client, "list_objects_v2", real)
+    for prefix in ("", "d", "sp ace", "odd/!$'()*,;=@&", "pct/%25"):
+        entries = list(b.list(prefix))
+        keys, _ = _botocore_listing(b, prefix.rstrip("/") + "/" if prefix else "")
+        assert [(b._key(e.path), e.size, e.mtime) for e in entries] == [(k, n, t.timestamp()) for k, n, t in keys]
+    assert {e.path for e in b._list_keys("d", delimiter="/")} == {"d/a", "d/b"}
+    assert b.list_all("d", 100) == {"d/a", "d/b", "d/e/f", "d/e/g"}
+    assert b._direct.sent["ListObjectsV2"] > 10 and len(through_client) == 1
+
+
+def test_a_list_answer_is_read_defensively():
+    from ckpt_store.storage.backends.s3_direct import parse_list
+
+    ns = 'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"'
+    page = parse_list(f"""<?xml version="1.0" encoding="UTF-8"?><ListBucketResult {ns}><Name>b</Name>
+        <EncodingType>url</EncodingType><IsTruncated>true</IsTruncated><NextContinuationToken>t+1</NextContinuationToken>
+        <Contents><Key>a%20b/c%2Bd+e</Key><LastModified>2026-12-05T01:02:03.456Z</LastModified><Size>7</Size></Contents>
+        <CommonPrefixes><Prefix>p%2F/</Prefix></CommonPrefixes></ListBucketResult>""".encode())
+    assert page["IsTruncated"] and page["NextContinuationToken"] == "t+1"
+    (entry,) = page["Contents"]
+    assert entry["Key"] == "a b/c+d e" and entry["Size"] == 7 and entry["LastModified"].timestamp() == 1796432523.456
+    assert page["CommonPrefixes"] == [{"Prefix": "p//"}]
+    for bad in (b"not xml", b"<Error><Code>x</Code></Error>",
+                f"<ListBucketResult {ns}><Contents><Size>1</Size></Contents></ListBucketResult>".encode(),
+                f"<ListBucketResult {ns}><Contents><Key>k</Key><Size>huge</Size></Contents></ListBucketResult>".encode()):
+        with pytest.raises(ValueError):
+            parse_list(bad)
