@@ -182,8 +182,9 @@ class FaultProxy:
       pattern, e.g. ``b"HTTP/1.1 200"``), for the next ``reset_conns`` connections that hit
       it: both sides get a real RST and the chunk that hit is not relayed.
     * ``refuse``: accept, then reset at once. :meth:`drop_all` aborts live connections.
-    * ``busy``: the next ``busy`` GETs are answered by the proxy itself, as a throttling
-      server answers: ``503 SlowDown`` (S3's error XML), then the connection closes.
+    * ``busy``: the next ``busy`` requests of method ``busy_method`` are answered by the
+      proxy itself, as a throttling server answers: ``503 SlowDown`` (S3's error XML),
+      then the connection closes.
     * ``bytes_up`` / ``bytes_down`` count what was relayed (the benchmark's bytes on the wire).
 
     Knobs are read per chunk, not per connection, because aiohttp pools keep-alive
@@ -198,6 +199,7 @@ class FaultProxy:
     reset_conns: int = 0
     refuse: bool = False
     busy: int = 0
+    busy_method: bytes = b"GET"
     resets_fired: int = 0
     bytes_up: int = 0  # relayed client -> server (requests, bodies: what an upload costs on the wire)
     bytes_down: int = 0  # relayed server -> client
@@ -227,7 +229,7 @@ class FaultProxy:
         sent = 0
         try:
             while data := await reader.read(65536):
-                if direction == "up" and self.busy > 0 and data.startswith(b"GET "):
+                if direction == "up" and self.busy > 0 and data.startswith(self.busy_method + b" "):
                     self.busy -= 1
                     peer.write(_SLOW_DOWN)
                     await peer.drain()

@@ -50,7 +50,7 @@ from ckpt_store.storage.backends.s3_errors import (
     secrets_in_env,
     transient,
 )
-from ckpt_store.storage.backends.s3_direct import GET, LIST, DirectRequests
+from ckpt_store.storage.backends.s3_direct import GET, LIST, PUT, DirectRequests
 from ckpt_store.storage.errors import StorageIOError
 from ckpt_store.storage.retry import RetryPolicy, call_with_retries
 
@@ -115,7 +115,7 @@ class ObjectReader:
 
 
 def _direct_requests(client: Any) -> DirectRequests | None:
-    """Direct GETs and LISTs for ``client`` (s3_direct.py), unless this botocore lacks what they use."""
+    """Direct GETs, PUTs and LISTs for ``client`` (s3_direct.py), unless this botocore lacks what they use."""
     try:
         return DirectRequests(client)
     except (AttributeError, ImportError) as e:
@@ -280,33 +280,26 @@ class S3Backend(Backend):
         if start or length is not None:
             kw["Range"] = f"bytes={start}-" + ("" if length is None else str(start + length - 1))
         direct = self._direct
-        refused = False
-        if direct is not None and direct.ready(GET):
-            r = direct.get(kw["Key"], kw.get("Range"))
-            if r.status_code in (200, 206):
-                n = int(r.headers["content-length"])
-                rng = r.headers.get("content-range")
-                return direct.body(r, n), n, int(rng.rsplit("/", 1)[1]) if rng else n
-            direct.refused(r)  # raises for a server error, to be retried
-            if r.status_code == 416:
-                return None, 0, self.size(path)
-            refused = True
-        elif direct is not None:
-            direct.expect(kw["Key"])
         try:
-            r = self.client.get_object(**kw)
+            if direct is None:
+                r, answer = None, self.client.get_object(**kw)
+            else:
+                r, answer = direct.call(GET, kw["Key"], lambda: direct.get(kw["Key"], kw.get("Range")), (200, 206, 416),
+                                        lambda: self.client.get_object(**kw))
         except Exception as e:
             if (client_error(e) or ("", 0))[1] == 416:  # a range past the end: nothing there
                 return None, 0, self.size(path)
             raise
-        if direct is not None and refused:
-            direct.failed(client_succeeded=True)
-        elif direct is not None:
-            direct.learned(GET)
-        n = int(r["ContentLength"])
-        rng = r.get("ContentRange")
-        size = int(rng.rsplit("/", 1)[1]) if rng else n
-        return r["Body"], n, size
+        if r is None:
+            n = int(answer["ContentLength"])
+            rng = answer.get("ContentRange")
+            return answer["Body"], n, int(rng.rsplit("/", 1)[1]) if rng else n
+        if r.status_code == 416:
+            r.raw.close()
+            return None, 0, self.size(path)
+        n = int(r.headers["content-length"])
+        rng = r.headers.get("content-range")
+        return direct.body(r, n), n, int(rng.rsplit("/", 1)[1]) if rng else n  # type: ignore[union-attr]
 
     def read(self, path: str) -> bytes:
         def get() -> bytes:
@@ -380,10 +373,17 @@ class S3Backend(Backend):
 
     def _put(self, path: str, blob: bytes, *, create: bool = False) -> None:
         cond = {"IfNoneMatch": "*"} if create else {}
-        if len(blob) < MULTIPART_THRESHOLD:
-            self.client.put_object(Bucket=self.bucket, Key=self._key(path), Body=blob, **cond)
-            return
         key = self._key(path)
+        direct = self._direct
+        if len(blob) < MULTIPART_THRESHOLD and (create or direct is None):
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=blob, **cond)  # a create: its 412 is botocore's to read
+            return
+        if len(blob) < MULTIPART_THRESHOLD:
+            r, _ = direct.call(PUT, key, lambda: direct.put(key, blob), (200,),  # type: ignore[union-attr]
+                               lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=blob))
+            if r is not None:
+                direct.finish(r)  # type: ignore[union-attr]
+            return
         part = MULTIPART_THRESHOLD // 2
         up = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
         view = memoryview(blob)
@@ -477,21 +477,11 @@ class S3Backend(Backend):
 
         def page() -> dict[str, Any]:
             direct = self._direct
-            refused = False
-            if direct is not None and direct.ready(LIST):
-                r = direct.list(prefix, token, delimiter, self.page_keys)
-                if r.status_code == 200:
-                    return direct.page(r)
-                direct.refused(r)  # raises for a server error, to be retried
-                refused = True
-            elif direct is not None:
-                direct.expect()
-            answer: dict[str, Any] = self.client.list_objects_v2(**kw)
-            if direct is not None and refused:
-                direct.failed(client_succeeded=True)
-            elif direct is not None:
-                direct.learned(LIST)
-            return answer
+            if direct is None:
+                return self.client.list_objects_v2(**kw)  # type: ignore[no-any-return]
+            r, answer = direct.call(LIST, "", lambda: direct.list(prefix, token, delimiter, self.page_keys), (200,),
+                                    lambda: self.client.list_objects_v2(**kw))
+            return direct.page(r) if r is not None else answer  # type: ignore[no-any-return]
 
         return self._call("list", prefix, page)
 

@@ -461,3 +461,43 @@ def test_a_list_answer_is_read_defensively():
                 f"<ListBucketResult {ns}><Contents><Key>k</Key><Size>huge</Size></Contents></ListBucketResult>".encode()):
         with pytest.raises(ValueError):
             parse_list(bad)
+
+
+def test_puts_after_the_first_go_out_directly_their_payload_signed(s3_server, monkeypatch):
+    """SeaweedFS checks a PUT's signature (a direct PUT signed wrongly is refused), though not
+    its payload hash: that is checked here, against the bytes sent."""
+    import hashlib
+
+    bucket = s3_server.new_bucket()
+    b = S3Backend(f"s3://{bucket}/store", s3_server.options(), retry=FAST)
+    through_client = []
+    real = b.client.put_object
+    monkeypatch.setattr(b.client, "put_object", lambda **kw: through_client.append(kw["Key"]) or real(**kw))
+    sent = []
+    http = b._direct._http
+
+    class Recording:
+        def send(self, request):
+            sent.append(request)
+            return http.send(request)
+
+    b._direct._http = Recording()
+    data = {k: os.urandom(50_000 + i) for i, k in enumerate(AWKWARD)}
+    for k, v in data.items():
+        b.write(k, (v[:1000], memoryview(v)[1000:]))  # Data: a tuple of buffers
+    assert through_client == [b._key(AWKWARD[0])] and b._direct.sent["PutObject"] == len(AWKWARD) - 1
+    assert [r.headers["X-Amz-Content-SHA256"] for r in sent] == [hashlib.sha256(v).hexdigest() for v in list(data.values())[1:]]
+    assert b.create_exclusive("refs/r/0000000001.ref", b"mine")  # a conditional create: always botocore's
+    assert not b.create_exclusive("refs/r/0000000001.ref", b"theirs")
+    assert len(through_client) == 3 and b._direct.sent["PutObject"] == len(AWKWARD) - 1
+    for k, v in data.items():  # read back through botocore itself
+        assert b.client.get_object(Bucket=b.bucket, Key=b._key(k))["Body"].read() == v
+
+
+def test_a_throttled_direct_put_is_retried(faulty, proxy):
+    faulty.write("objects/a", b"1" * 1000)
+    assert faulty._direct.ready("PutObject")
+    proxy.busy_method, proxy.busy = b"PUT", 2
+    data = os.urandom(200_000)
+    faulty.write("objects/b", data)
+    assert proxy.busy == 0 and faulty._direct.ready("PutObject") and faulty.read("objects/b") == data
