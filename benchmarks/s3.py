@@ -24,6 +24,8 @@ in the same run, configurations interleaved per repetition (medians):
   a pool of 32 connections), s3fs ``put_file`` / ``get_file``;
 * ckpt push (fresh store), pull with the cache off (cold), pull with the cache warm,
   load_into preallocated tensors (cache off) beside boto3 download + ``safetensors.torch.load_file``;
+* the cold pull, load_into and push again with every request through botocore
+  (``s3_direct=False``, ``CKPT_S3_DIRECT=0``): what direct requests (storage/backends/s3_direct.py) buy;
 * requests per second of the ckpt pull (GETs it made / seconds);
 * the 1 GB pull at several request windows (transfer_concurrency) and in-flight bounds;
 * peak RSS of a process loading the 1 GB checkpoint from S3 (``store.load``), from ``ru_maxrss``.
@@ -277,7 +279,15 @@ def main() -> None:
                     out.unlink()
                     target = load_file(str(src))  # preallocated, touched
                     rec(ds, "ckpt load_into (no cache)", timed(what="_last", fn=lambda: store.load_into("m", target)))
+                    # The same through botocore for every request (CKPT_S3_DIRECT=0): what direct requests buy.
+                    plain = ckpt.Store.open(url, settings=settings(cache=False, s3_direct=False))
+                    rec(ds, "ckpt load_into (no cache), botocore only", timed(what="_last", fn=lambda: plain.load_into("m", target)))
                     target = {}
+                    rec(ds, "ckpt pull (no cache), botocore only", timed(what="_last", fn=lambda: plain.pull("m", str(out))))
+                    assert out.read_bytes() == src.read_bytes()
+                    out.unlink()
+                    plain_push = ckpt.Store.init(f"s3://{server.new_bucket()}/store", settings=settings(cache=False, s3_direct=False))
+                    rec(ds, "ckpt push, botocore only", timed(what="_last", fn=lambda: plain_push.push(str(src), "m")))
                     cached = ckpt.Store.open(url, settings=settings(cache=True))
                     cached.pull("m", str(out))  # fills the cache
                     out.unlink()
@@ -296,6 +306,10 @@ def main() -> None:
                         fresh = ckpt.Store.init(f"s3://{server.new_bucket()}/store", settings=settings(cache=False))
                         fresh.push(str(files["a"]), "m")
                         rec("c", "ckpt push (base in the store)", timed(what="_last", fn=lambda: fresh.push(str(ft), "ft", base="m")))
+                        fresh = ckpt.Store.init(f"s3://{server.new_bucket()}/store", settings=settings(cache=False, s3_direct=False))
+                        fresh.push(str(files["a"]), "m")
+                        rec("c", "ckpt push (base in the store), botocore only",
+                            timed(what="_last", fn=lambda: fresh.push(str(ft), "ft", base="m")))
                     import shutil
 
                     shutil.rmtree(cache_dir, ignore_errors=True)
@@ -382,10 +396,14 @@ def main() -> None:
     ]
     for what, ref in (("boto3 download_file", None), ("boto3 download_file + fsync", "boto3 download_file"),
                       ("s3fs get_file", "boto3 download_file"),
-                      ("ckpt pull (no cache)", "boto3 download_file"), ("ckpt pull (cache warm)", "boto3 download_file"),
+                      ("ckpt pull (no cache)", "boto3 download_file"),
+                      ("ckpt pull (no cache), botocore only", "boto3 download_file"),
+                      ("ckpt pull (cache warm)", "boto3 download_file"),
                       ("boto3 download_file + load_file", None),
                       ("ckpt load_into (no cache)", "boto3 download_file + load_file"),
-                      ("boto3 upload_file", None), ("s3fs put_file", "boto3 upload_file"), ("ckpt push", "boto3 upload_file")):
+                      ("ckpt load_into (no cache), botocore only", "boto3 download_file + load_file"),
+                      ("boto3 upload_file", None), ("s3fs put_file", "boto3 upload_file"), ("ckpt push", "boto3 upload_file"),
+                      ("ckpt push, botocore only", "boto3 upload_file")):
         lines.append(f"| {what} | " + " | ".join(cell(sv, ds, what, ref) for sv, ds in cols) + " |")
     lines += [
         "",
@@ -401,7 +419,8 @@ def main() -> None:
             ("boto3 download_file of the whole fine-tune", "boto3 download_file", None),
             ("ckpt pull, the base's chunks in the local cache", "ckpt pull (base cached)", "boto3 download_file"),
             ("boto3 upload_file of the whole fine-tune", "boto3 upload_file", None),
-            ("ckpt push, the base in the store (deltas only)", "ckpt push (base in the store)", "boto3 upload_file"))],
+            ("ckpt push, the base in the store (deltas only)", "ckpt push (base in the store)", "boto3 upload_file"),
+            ("the same push, botocore only", "ckpt push (base in the store), botocore only", "boto3 upload_file"))],
         "",
         "## What bounds each figure: CPU seconds per operation (medians), client process and server process",
         "",

@@ -39,10 +39,10 @@ _FULL_ID = re.compile(r"^[0-9a-f]{64}$")
 
 
 def remote_options(settings: Settings) -> dict[str, Any]:
-    """What a remote backend (S3) takes from the settings: concurrency, retries, conditional writes."""
+    """What a remote backend (S3) takes from the settings: concurrency, retries, conditional writes, direct requests."""
     return {"concurrency": settings.transfer_concurrency,
             "retry": RetryPolicy(attempts=settings.retries + 1, base_delay=settings.retry_delay),
-            "conditional_writes": settings.conditional_writes}
+            "conditional_writes": settings.conditional_writes, "direct": settings.s3_direct}
 
 
 def open_cache(backend: Backend, config: StoreConfig, settings: Settings) -> ChunkBlobCache | None:

@@ -147,7 +147,8 @@ class S3Backend(Backend):
     ``concurrency`` bounds the requests in flight (connection pool, parallel existence
     checks, parts of one upload); ``retry`` says how often and how patiently to repeat a
     failed request; ``conditional_writes=False`` is the fallback for servers that ignore
-    or reject ``If-None-Match`` (docs/format.md says what it does and does not guarantee).
+    or reject ``If-None-Match`` (docs/format.md says what it does and does not guarantee);
+    ``direct=False`` sends every request through botocore (see s3_direct.py).
     """
 
     streams = True
@@ -155,7 +156,7 @@ class S3Backend(Backend):
     page_keys = 0  # keys a LIST page may hold; 0: the server's maximum (1,000 on S3). Tests page with fewer.
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, concurrency: int = 16,
-                 retry: RetryPolicy | None = None, conditional_writes: bool = True) -> None:
+                 retry: RetryPolicy | None = None, conditional_writes: bool = True, direct: bool = True) -> None:
         try:
             from botocore.config import Config
         except ImportError:
@@ -199,7 +200,7 @@ class S3Backend(Backend):
             self.client = session.create_client("s3", config=Config(**cfg), **client_kw)
         except (TypeError, ValueError, KeyError) as e:
             raise StorageIOError(f"bad storage options for {url}: {self._redact(str(e))}") from None
-        self._direct = _direct_requests(self.client)
+        self._direct = _direct_requests(self.client) if direct else None
         self._parts = None  # thread pool for the parts of multipart uploads, made on first use
         self._parts_lock = threading.Lock()
 

@@ -501,3 +501,15 @@ def test_a_throttled_direct_put_is_retried(faulty, proxy):
     data = os.urandom(200_000)
     faulty.write("objects/b", data)
     assert proxy.busy == 0 and faulty._direct.ready("PutObject") and faulty.read("objects/b") == data
+
+
+def test_direct_requests_can_be_switched_off(s3_main_url, monkeypatch):
+    import ckpt
+
+    monkeypatch.setenv("CKPT_S3_DIRECT", "0")
+    store = ckpt.Store.init(s3_main_url)
+    store.push({"w": __import__("torch").arange(10.0)}, "m")
+    assert store.backend._direct is None and store.load("m")["w"].tolist() == list(range(10))
+    monkeypatch.delenv("CKPT_S3_DIRECT")
+    on = ckpt.Store.open(s3_main_url)
+    assert on.load("m")["w"].tolist() == list(range(10)) and on.backend._direct.sent["GetObject"] > 0
