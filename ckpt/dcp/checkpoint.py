@@ -216,7 +216,8 @@ class Writer(StorageWriter):
             view = byte_view(t)
             match = paired.get((name, dtype, len(view)))
             start = len(tasks)
-            tasks += put_tasks(MemBytes(view, t).read, 0, len(view), cs, itemsize(dtype) or 1, match.chunks if match else ())
+            tasks += put_tasks(MemBytes(view, t).read, 0, len(view), cs, itemsize(dtype) or 1, match.chunks if match else (),
+                               match.chains() if match else ())
             shards.append((item, name, dtype, tuple(t.shape), len(view), start, len(tasks)))
         res = put_chunks(store.objects, tasks, store.settings)
         out = []

@@ -125,7 +125,7 @@ def push_source(
                 size = itemsize(t.dtype)
                 match = paired.get((t.name, t.dtype, t.nbytes))
                 tasks += put_tasks(t.src.read, t.offset, t.nbytes, cs, size if size in (1, 2, 4, 8) else 1,
-                                match.chunks if match is not None else ())
+                                match.chunks if match is not None else (), match.chains() if match is not None else ())
             spans.append((start, len(tasks)))
     with reporting(progress, "push", sum(t.length for t in tasks)) as p:
         results = put_chunks(store.objects, tasks, settings, p)

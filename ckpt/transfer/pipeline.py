@@ -101,12 +101,12 @@ class ChunkCache:
         self.budget = budget
         self.size = 0
         self.hits = 0  # lookups answered (tests read it)
-        self._items: OrderedDict[str, tuple[bytes | bytearray | memoryview, int]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[bytes | bytearray | memoryview, tuple[str, ...]]] = OrderedDict()
         self._seen: OrderedDict[str, str] = OrderedDict()  # ids asked for by one chunk (its id), not kept
         self._remember = remember
         self._lock = threading.Lock()
 
-    def get(self, cid: str) -> tuple[bytes | bytearray | memoryview, int] | None:
+    def get(self, cid: str) -> tuple[bytes | bytearray | memoryview, tuple[str, ...]] | None:
         with self._lock:
             item = self._items.get(cid)
             if item is None:
@@ -167,7 +167,7 @@ def base_cache(objects: ObjectStore, settings: Settings) -> ChunkCache | None:
 
 
 def fetch_base(objects: ObjectStore, cid: str, length: int, settings: Settings, by: str,
-               _depth: int = 0, blobs: Mapping[str, bytes] | None = None) -> tuple[bytes | bytearray | memoryview, int]:
+               _depth: int = 0, blobs: Mapping[str, bytes] | None = None) -> tuple[bytes | bytearray | memoryview, tuple[str, ...]]:
     """:func:`fetch_chunk` for a chunk wanted as the base of chunk ``by``: served from the
     store's decoded-base cache when it is there. (Chunks are named by their bytes, so a
     cached chunk is the chunk; whether it is still in the store is the caller's question.)
@@ -321,7 +321,7 @@ def _read_ahead(objects: ObjectStore, cid: str, length: int, settings: Settings,
 
 
 def _decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings, got: _Read, _depth: int = 0,
-                 out: memoryview | None = None) -> tuple[bytes | bytearray | memoryview, int]:
+                 out: memoryview | None = None) -> tuple[bytes | bytearray | memoryview, tuple[str, ...]]:
     """The CPU half of :func:`fetch_chunk`: verify (and decode) what :func:`_read_chunk` got."""
     if got.blob is None:
         assert out is not None
@@ -329,19 +329,20 @@ def _decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings
             raise CorruptObjectError("chunk", cid, f"raw blob of {got.into} bytes does not hold the {length} bytes the manifest says")
         if object_id(out) != cid:
             raise CorruptObjectError("chunk", cid, "decoded bytes do not match the chunk id")
-        return out, 0
+        return out, ()
     h = parse_header(got.blob, cid)
-    base, depth = None, 0
+    base, chain = None, ()
     if h.base is not None:
         base, below = fetch_base(objects, h.base, length, settings, cid, _depth + 1, got.bases)
-        depth = below + 1
-    return decode_chunk(got.blob, cid, length, max_length=settings.max_chunk_size, base=base, out=out), depth
+        chain = (h.base, *below)
+    return decode_chunk(got.blob, cid, length, max_length=settings.max_chunk_size, base=base, out=out), chain
 
 
 def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings, _depth: int = 0,
                 out: memoryview | None = None, blobs: Mapping[str, bytes] | None = None,
-                ) -> tuple[bytes | bytearray | memoryview, int]:
-    """Decoded, verified bytes of chunk ``cid`` and the length of its delta chain (0: no base).
+                ) -> tuple[bytes | bytearray | memoryview, tuple[str, ...]]:
+    """Decoded, verified bytes of chunk ``cid`` and its delta chain: the ids of every base its
+    decoding walked, nearest first (empty: no base).
 
     With ``out`` (``length`` writable bytes: a slice of a tensor's memory) the bytes
     land there: from a local store a raw chunk is read straight into it (its header
@@ -362,6 +363,30 @@ def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
         objects.cache.drop(cid)  # a damaged cache entry: never served, fetched again
         got = _read_remote(objects, cid, length, settings, out, use_cache=False)
         return _decode_read(objects, cid, length, settings, got, _depth, out)
+
+
+def _delta_base(objects: ObjectStore, task: PutTask, oid: str, settings: Settings
+                ) -> tuple[bytes | bytearray | memoryview | None, tuple[str, ...]]:
+    """The decoded bytes of ``task.base`` and its delta chain, when a delta of chunk ``oid``
+    against it keeps every chain within ``settings.max_delta_depth``; else ``(None, ())``.
+
+    A local store reads the base's headers first (cheap), and refreshes the base's time
+    so that a concurrent gc keeps it. A remote store would pay a request per header: there
+    the depth the base's manifest records (``task.base_depth``) decides whether to fetch
+    the base at all, and the chain recorded is the one its decoding walked, not the
+    manifest's (a wrong record only costs a fetch: the chunk is then stored whole).
+    """
+    limit = settings.max_delta_depth
+    if objects.backend.touches or task.base_depth < 0:
+        _, chain = stored_chain(objects, task.base)  # type: ignore[arg-type]
+        if len(chain) >= limit or (objects.backend.touches and not objects.refresh("chunks", task.base)):  # type: ignore[arg-type]
+            return None, ()
+        data, _ = fetch_base(objects, task.base, task.length, settings, oid)  # type: ignore[arg-type]
+        return data, chain
+    if task.base_depth >= limit:
+        return None, ()
+    data, chain = fetch_base(objects, task.base, task.length, settings, oid)  # type: ignore[arg-type]
+    return (data, chain) if len(chain) < limit else (None, ())
 
 
 def stored_chain(objects: ObjectStore, cid: str) -> tuple[int, tuple[str, ...]]:
@@ -391,6 +416,9 @@ class PutTask:
     length: int
     elem: int = 1
     base: str | None = None  # chunk to try a delta against (same length)
+    # The length of ``base``'s delta chain as its manifest records it (-1: unknown). A hint:
+    # a remote store then fetches a base only where a delta against it may be kept.
+    base_depth: int = -1
 
 
 @dataclass(frozen=True)
@@ -445,10 +473,8 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
         base_bytes, base_chain = None, ()
         if task.base is not None and task.base != oid and settings.max_delta_depth > 0:
             try:
-                codec_b, chain_b = stored_chain(objects, task.base)
-                if len(chain_b) < settings.max_delta_depth and (not objects.backend.touches or objects.refresh("chunks", task.base)):
-                    base_bytes, _ = fetch_base(objects, task.base, task.length, settings, oid)
-                    base_chain = (task.base, *chain_b)
+                base_bytes, chain_b = _delta_base(objects, task, oid, settings)
+                base_chain = (task.base, *chain_b) if base_bytes is not None else ()
             except ObjectNotFoundError:
                 base_bytes = None  # the base is gone (gc): store this chunk whole
         enc = encode_chunk(data, elem=task.elem, level=settings.zstd_level, min_saving=settings.min_saving,
@@ -490,13 +516,15 @@ def spans(chunks: Iterable[str], nbytes: int, chunk_size: int, base: int = 0) ->
 
 
 def put_tasks(read: Callable[[int, int], bytes | memoryview], offset: int, nbytes: int, chunk_size: int, elem: int,
-              bases: Sequence[str] = ()) -> list[PutTask]:
+              bases: Sequence[str] = (), chains: Sequence[tuple[str, ...]] = ()) -> list[PutTask]:
     """Tasks storing ``nbytes`` bytes that ``read(offset, length)`` returns, from ``offset``, as
-    chunks of ``chunk_size``; chunk i tries a delta against ``bases[i]`` where there is one."""
+    chunks of ``chunk_size``; chunk i tries a delta against ``bases[i]`` where there is one
+    (whose delta chain is ``chains[i]`` as its manifest records it, where given)."""
     out = []
     pos = offset
     for i, n in enumerate(split_lengths(nbytes, chunk_size)):
-        out.append(PutTask(lambda p=pos, n=n: read(p, n), n, elem, bases[i] if i < len(bases) else None))
+        out.append(PutTask(lambda p=pos, n=n: read(p, n), n, elem, bases[i] if i < len(bases) else None,
+                           len(chains[i]) if i < len(chains) else -1))
         pos += n
     return out
 

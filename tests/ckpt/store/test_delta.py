@@ -7,6 +7,7 @@ import torch
 import ckpt
 from ckpt.codecs.chunk import GSUB, SUB, XOR
 from ckpt.settings import Settings
+from ckpt.transfer.pipeline import PutTask, put_chunks, stored_chain
 
 
 def _bytes(t):
@@ -180,3 +181,50 @@ def test_a_family_decodes_its_base_chunks_at_most_twice(tmp_path):
     off = ckpt.Store.open(str(tmp_path / "s"), settings=Settings.from_env(chunk_size=128 * 1024, base_cache_mb=0))
     assert base_cache(off.objects, off.settings) is None
     assert all(_bytes(off.load("m/ft3")[k]) == _bytes(v) for k, v in fts["m/ft3"].items())
+
+
+def test_delta_chains_are_bounded_on_every_backend_and_remote_pushes_read_no_headers(store_url):
+    """Every backend keeps chains within max_delta_depth. A store without cheap header reads
+    (S3, memory) takes a base's depth from its manifest and its chain from decoding it: no
+    header request for a base chunk."""
+    store = ckpt.Store.init(store_url, settings=Settings.from_env(chunk_size=64 * 1024, max_delta_depth=2))
+    b = store.objects.backend
+    headers = []
+    real = b.read_range
+    if not b.touches:
+        b.read_range = lambda path, start, n: headers.append(path) or real(path, start, n)
+    sd = {"w": torch.randn(256, 256)}
+    states = []
+    for step in range(6):
+        sd = _finetune(sd, step, 1e-5)
+        states.append(sd)
+        store.push(sd, "run/latest")
+    chains = [store.manifest(f"run/latest@{5 - i}").tensors[0].chains() for i in range(6)]
+    assert max(len(c) for cs in chains for c in cs) == 2 and any(not any(cs) for cs in chains[1:])  # a keyframe
+    bases = {cid for cs in chains for c in cs for cid in c}
+    assert bases and not {p.rsplit("/", 1)[1] for p in headers} & bases  # (a chunk stored already has its header read)
+    for i, sd in enumerate(states):
+        assert _bytes(store.load(f"run/latest@{5 - i}")["w"]) == _bytes(sd["w"])
+    for cs in chains:  # the chains recorded are the chunks' real ones
+        for cid, chain in zip(store.manifest(f"run/latest@{5 - chains.index(cs)}").tensors[0].chunks, cs):
+            assert stored_chain(store.objects, cid)[1] == chain
+    assert store.verify().ok
+
+
+def test_a_wrong_depth_in_a_base_manifest_costs_a_fetch_never_a_longer_chain(tmp_path):
+    """The depth hint says the base is a keyframe, but it is two levels deep: the chunk is stored whole."""
+    store = _store(tmp_path, max_delta_depth=2)
+    sd = {"w": torch.randn(256, 256)}
+    for step in range(3):
+        sd = _finetune(sd, step, 1e-5)
+        store.push(sd, "run/latest")
+    m = store.manifest("run/latest")
+    deep = [(cid, chain) for cid, chain in zip(m.tensors[0].chunks, m.tensors[0].chains()) if len(chain) == 2]
+    assert deep
+    base, _ = deep[0]
+    new = _bytes(_finetune(sd, 9, 1e-5)["w"])[: 128 * 1024]
+    store.objects.backend.touches = False  # as a remote store decides (the hint first)
+    (r,) = put_chunks(store.objects, [PutTask(lambda: new, len(new), 4, base, base_depth=0)], store.settings)
+    assert r.bases == () and stored_chain(store.objects, r.id) == (r.codec, ())
+    (r,) = put_chunks(store.objects, [PutTask(lambda: new[::-1], len(new), 4, base, base_depth=2)], store.settings)
+    assert r.bases == () and r.stored > 0  # the hint alone keeps the base unfetched
