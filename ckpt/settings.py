@@ -57,7 +57,7 @@ class Settings:
     # Remote stores: exclusive creates (ref entries) use If-None-Match. Turn off only for
     # a server that lacks it; then one writer per ref is required (docs/format.md).
     conditional_writes: bool = True
-    # Remote stores (S3): GETs, chunk PUTs and LISTs after the first of each are signed and
+    # Remote stores (S3): GETs, HEADs, chunk PUTs and LISTs after the first of each are signed and
     # sent without botocore's per-request machinery (storage/backends/s3_direct.py). Off:
     # every request through botocore (for a server that misbehaves with them; benchmarks).
     s3_direct: bool = True

@@ -50,7 +50,7 @@ from ckpt_store.storage.backends.s3_errors import (
     secrets_in_env,
     transient,
 )
-from ckpt_store.storage.backends.s3_direct import GET, LIST, PUT, DirectRequests
+from ckpt_store.storage.backends.s3_direct import GET, HEAD, LIST, PUT, DirectRequests
 from ckpt_store.storage.errors import StorageIOError
 from ckpt_store.storage.retry import RetryPolicy, call_with_retries
 
@@ -115,7 +115,7 @@ class ObjectReader:
 
 
 def _direct_requests(client: Any) -> DirectRequests | None:
-    """Direct GETs, PUTs and LISTs for ``client`` (s3_direct.py), unless this botocore lacks what they use."""
+    """Direct GETs, HEADs, PUTs and LISTs for ``client`` (s3_direct.py), unless this botocore lacks what they use."""
     try:
         return DirectRequests(client)
     except (AttributeError, ImportError) as e:
@@ -259,13 +259,27 @@ class S3Backend(Backend):
         return StorageIOError(f"cannot {op} {where}: {detail}")
 
     def _head(self, path: str) -> dict[str, Any] | None:
-        def head() -> dict[str, Any] | None:
+        key = self._key(path)
+
+        def client() -> dict[str, Any] | None:
             try:
-                return self.client.head_object(Bucket=self.bucket, Key=self._key(path))  # type: ignore[no-any-return]
+                return self.client.head_object(Bucket=self.bucket, Key=key)  # type: ignore[no-any-return]
             except Exception as e:
                 if (client_error(e) or ("",))[0] in _MISSING:
                     return None
                 raise
+
+        def head() -> dict[str, Any] | None:
+            direct = self._direct
+            if direct is None:
+                return client()
+            r, answer = direct.call(HEAD, key, lambda: direct.head(key), (200, 404), client)
+            if r is None:
+                return answer
+            if r.status_code == 404:
+                direct.finish(r)
+                return None
+            return direct.headers(r)
 
         return self._call("check", path, head)
 

@@ -513,3 +513,23 @@ def test_direct_requests_can_be_switched_off(s3_main_url, monkeypatch):
     monkeypatch.delenv("CKPT_S3_DIRECT")
     on = ckpt.Store.open(s3_main_url)
     assert on.load("m")["w"].tolist() == list(range(10)) and on.backend._direct.sent["GetObject"] > 0
+
+
+def test_heads_after_the_first_go_out_directly_and_a_404_is_an_answer(s3_server, monkeypatch):
+    """Most HEADs ask about chunks a push is about to write: a missing object is answered
+    directly, not asked again through botocore."""
+    bucket = s3_server.new_bucket()
+    b = S3Backend(f"s3://{bucket}/store", s3_server.options(), retry=FAST)
+    for k in AWKWARD:
+        b.write(k, b"x" * 1234)
+    through_client = []
+    real = b.client.head_object
+    monkeypatch.setattr(b.client, "head_object", lambda **kw: through_client.append(kw["Key"]) or real(**kw))
+    assert b.exists(AWKWARD[0]) and b._direct.ready("HeadObject")  # learned from botocore's
+    for k in AWKWARD:
+        assert b.exists(k) and b.size(k) == 1234
+        assert b.mtime(k) == real(Bucket=b.bucket, Key=b._key(k))["LastModified"].timestamp()
+        assert not b.exists(k + ".missing")
+    assert through_client == [b._key(AWKWARD[0])] and b._direct.sent["HeadObject"] == 4 * len(AWKWARD)
+    with pytest.raises(FileNotFoundError):
+        b.size("no/such/object")
