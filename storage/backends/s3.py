@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ckpt_store.storage.backends.base import Backend, Data, Entry, joined
+from ckpt_store.storage.backends.s3_direct import GET, HEAD, LIST, PUT, ClientOnly, DirectRequests
 from ckpt_store.storage.backends.s3_errors import (
     ACCESS,
     chain,
@@ -50,7 +51,6 @@ from ckpt_store.storage.backends.s3_errors import (
     secrets_in_env,
     transient,
 )
-from ckpt_store.storage.backends.s3_direct import GET, HEAD, LIST, PUT, DirectRequests
 from ckpt_store.storage.errors import StorageIOError
 from ckpt_store.storage.retry import RetryPolicy, call_with_retries
 
@@ -114,13 +114,16 @@ class ObjectReader:
         self._body.close()  # otherwise closes the connection: a body left half read cannot be reused
 
 
-def _direct_requests(client: Any) -> DirectRequests | None:
-    """Direct GETs, HEADs, PUTs and LISTs for ``client`` (s3_direct.py), unless this botocore lacks what they use."""
+def _direct_requests(client: Any, on: bool) -> DirectRequests | ClientOnly:
+    """Direct GETs, HEADs, PUTs and LISTs for ``client`` (s3_direct.py), unless switched off or
+    this botocore lacks what they use."""
+    if not on:
+        return ClientOnly()
     try:
         return DirectRequests(client)
     except (AttributeError, ImportError) as e:
         log.debug("direct S3 requests unavailable: %s", e)
-        return None
+        return ClientOnly()
 
 
 def _socket_reader(body: Any) -> Any:
@@ -200,7 +203,7 @@ class S3Backend(Backend):
             self.client = session.create_client("s3", config=Config(**cfg), **client_kw)
         except (TypeError, ValueError, KeyError) as e:
             raise StorageIOError(f"bad storage options for {url}: {self._redact(str(e))}") from None
-        self._direct = _direct_requests(self.client) if direct else None
+        self._direct = _direct_requests(self.client, direct)
         self._parts = None  # thread pool for the parts of multipart uploads, made on first use
         self._parts_lock = threading.Lock()
 
@@ -271,8 +274,6 @@ class S3Backend(Backend):
 
         def head() -> dict[str, Any] | None:
             direct = self._direct
-            if direct is None:
-                return client()
             r, answer = direct.call(HEAD, key, lambda: direct.head(key), (200, 404), client)
             if r is None:
                 return answer
@@ -296,11 +297,8 @@ class S3Backend(Backend):
             kw["Range"] = f"bytes={start}-" + ("" if length is None else str(start + length - 1))
         direct = self._direct
         try:
-            if direct is None:
-                r, answer = None, self.client.get_object(**kw)
-            else:
-                r, answer = direct.call(GET, kw["Key"], lambda: direct.get(kw["Key"], kw.get("Range")), (200, 206, 416),
-                                        lambda: self.client.get_object(**kw))
+            r, answer = direct.call(GET, kw["Key"], lambda: direct.get(kw["Key"], kw.get("Range")), (200, 206, 416),
+                                    lambda: self.client.get_object(**kw))
         except Exception as e:
             if (client_error(e) or ("", 0))[1] == 416:  # a range past the end: nothing there
                 return None, 0, self.size(path)
@@ -314,7 +312,7 @@ class S3Backend(Backend):
             return None, 0, self.size(path)
         n = int(r.headers["content-length"])
         rng = r.headers.get("content-range")
-        return direct.body(r, n), n, int(rng.rsplit("/", 1)[1]) if rng else n  # type: ignore[union-attr]
+        return direct.body(r, n), n, int(rng.rsplit("/", 1)[1]) if rng else n
 
     def read(self, path: str) -> bytes:
         def get() -> bytes:
@@ -390,14 +388,14 @@ class S3Backend(Backend):
         cond = {"IfNoneMatch": "*"} if create else {}
         key = self._key(path)
         direct = self._direct
-        if len(blob) < MULTIPART_THRESHOLD and (create or direct is None):
+        if len(blob) < MULTIPART_THRESHOLD and create:
             self.client.put_object(Bucket=self.bucket, Key=key, Body=blob, **cond)  # a create: its 412 is botocore's to read
             return
         if len(blob) < MULTIPART_THRESHOLD:
-            r, _ = direct.call(PUT, key, lambda: direct.put(key, blob), (200,),  # type: ignore[union-attr]
+            r, _ = direct.call(PUT, key, lambda: direct.put(key, blob), (200,),
                                lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=blob))
             if r is not None:
-                direct.finish(r)  # type: ignore[union-attr]
+                direct.finish(r)
             return
         part = MULTIPART_THRESHOLD // 2
         up = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
@@ -492,8 +490,6 @@ class S3Backend(Backend):
 
         def page() -> dict[str, Any]:
             direct = self._direct
-            if direct is None:
-                return self.client.list_objects_v2(**kw)  # type: ignore[no-any-return]
             r, answer = direct.call(LIST, "", lambda: direct.list(prefix, token, delimiter, self.page_keys), (200,),
                                     lambda: self.client.list_objects_v2(**kw))
             return direct.page(r) if r is not None else answer  # type: ignore[no-any-return]

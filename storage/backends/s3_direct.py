@@ -43,9 +43,9 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections.abc import Callable
 from datetime import datetime
 from email.utils import parsedate_to_datetime
-from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import quote, unquote_plus
 from xml.etree import ElementTree
@@ -257,6 +257,22 @@ class DirectRequests:
         """A direct request was answered with an error; the client, asked the same, succeeded or not."""
         if client_succeeded:
             self._off("the server refused a direct request that it answered through the client")
+
+
+class ClientOnly:
+    """Every request through the client: direct requests switched off (``CKPT_S3_DIRECT=0``)
+    or not available with this botocore. Answers :meth:`DirectRequests.call` the same way."""
+
+    on = False
+
+    def __init__(self) -> None:
+        self.sent = {GET: 0, HEAD: 0, LIST: 0, PUT: 0}
+
+    def ready(self, op: str) -> bool:
+        return False
+
+    def call(self, op: str, key: str, send: Callable[[], Any], ok: tuple[int, ...], client: Callable[[], T]) -> tuple[Any, T | None]:
+        return None, client()
 
 
 def parse_list(data: bytes) -> dict[str, Any]:

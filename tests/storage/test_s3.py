@@ -509,7 +509,7 @@ def test_direct_requests_can_be_switched_off(s3_main_url, monkeypatch):
     monkeypatch.setenv("CKPT_S3_DIRECT", "0")
     store = ckpt.Store.init(s3_main_url)
     store.push({"w": __import__("torch").arange(10.0)}, "m")
-    assert store.backend._direct is None and store.load("m")["w"].tolist() == list(range(10))
+    assert not store.backend._direct.on and store.load("m")["w"].tolist() == list(range(10))
     monkeypatch.delenv("CKPT_S3_DIRECT")
     on = ckpt.Store.open(s3_main_url)
     assert on.load("m")["w"].tolist() == list(range(10)) and on.backend._direct.sent["GetObject"] > 0
