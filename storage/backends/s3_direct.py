@@ -83,8 +83,10 @@ class DirectRequests:
         from botocore.utils import percent_encode
 
         self._auth, self._request, self._body, self._quote = S3SigV4Auth, AWSRequest, StreamingBody, percent_encode
-        self._http = client._endpoint.http_session  # AttributeError: this botocore is not one we know
+        # AttributeError on any of these: a botocore whose insides are not the ones known here.
+        self._http = client._endpoint.http_session
         self._signer = client._request_signer
+        self._signer._credentials  # noqa: B018 - read when signing
         self._seen = threading.local()  # per thread: the key asked of the client, and its last outgoing request
         self._learned: dict[str, _Learned] = {}
         self.on = True

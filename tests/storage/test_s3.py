@@ -533,3 +533,14 @@ def test_heads_after_the_first_go_out_directly_and_a_404_is_an_answer(s3_server,
     assert through_client == [b._key(AWKWARD[0])] and b._direct.sent["HeadObject"] == 4 * len(AWKWARD)
     with pytest.raises(FileNotFoundError):
         b.size("no/such/object")
+
+
+def test_a_botocore_without_the_insides_direct_requests_use_falls_back_to_the_client():
+    from ckpt_store.storage.backends.s3 import _direct_requests
+    from ckpt_store.storage.backends.s3_direct import ClientOnly
+
+    class Client:  # a client of another botocore: no _endpoint, no _request_signer
+        pass
+
+    assert isinstance(_direct_requests(Client(), True), ClientOnly)
+    assert _direct_requests(Client(), True).call("GetObject", "k", lambda: 1 / 0, (200,), lambda: "answer") == (None, "answer")
