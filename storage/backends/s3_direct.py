@@ -59,6 +59,7 @@ GET, HEAD, LIST, PUT = "GetObject", "HeadObject", "ListObjectsV2", "PutObject"
 _KNOWN = {"host", "user-agent", "x-amz-date", "x-amz-content-sha256", "authorization", "x-amz-security-token",
           "amz-sdk-invocation-id", "amz-sdk-request", "range", "content-length", "accept-encoding", "connection",
           "expect"}
+_METHOD = {GET: "GET", HEAD: "HEAD", LIST: "GET", PUT: "PUT"}
 _ALGORITHM = "AWS4-HMAC-SHA256"
 _CODE = re.compile(r"<Code>([^<]{1,64})</Code>")
 # What a LIST answer may hold: one page is at most 1,000 keys (~250 KB of XML).
@@ -114,6 +115,7 @@ class DirectRequests:
         else:
             base, _, query = url.partition("?")
             shaped = "list-type=2" in query.split("&")
+        shaped = shaped and request.method == _METHOD[op]
         if not shaped or set(headers) - _KNOWN:
             self._off(f"a request this module does not reproduce: {url.split('?')[0]} {sorted(set(headers) - _KNOWN)}")
             return
