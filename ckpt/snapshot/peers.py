@@ -362,7 +362,8 @@ class Peers:
             self._verify_fetched(tiers.from_peers - tiers.peer_verified)
             missing = fetched - local.objects.has_many("chunks", fetched)
             staging = _Staging(local, source=peer)
-            staging.add({cid: memoryview(peer.objects.get("chunks", cid)) for cid in sorted(missing)})
+            for cid in sorted(missing):  # one at a time: no second copy of them all
+                staging.add({cid: memoryview(peer.objects.get("chunks", cid))})
             staging.commit()
             if not local.objects.has("manifests", mid):
                 local.objects.put_manifest(_manifest_bytes(tiers, mid))

@@ -365,9 +365,9 @@ def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
         return _decode_read(objects, cid, length, settings, got, _depth, out)
 
 
-def _delta_base(objects: ObjectStore, task: PutTask, oid: str, settings: Settings
+def _delta_base(objects: ObjectStore, base: str, task: PutTask, oid: str, settings: Settings
                 ) -> tuple[bytes | bytearray | memoryview | None, tuple[str, ...]]:
-    """The decoded bytes of ``task.base`` and its delta chain, when a delta of chunk ``oid``
+    """The decoded bytes of chunk ``base`` (``task``'s) and its delta chain, when a delta of chunk ``oid``
     against it keeps every chain within ``settings.max_delta_depth``; else ``(None, ())``.
 
     A local store reads the base's headers first (cheap), and refreshes the base's time
@@ -378,14 +378,14 @@ def _delta_base(objects: ObjectStore, task: PutTask, oid: str, settings: Setting
     """
     limit = settings.max_delta_depth
     if objects.backend.touches or task.base_depth < 0:
-        _, chain = stored_chain(objects, task.base)  # type: ignore[arg-type]
-        if len(chain) >= limit or (objects.backend.touches and not objects.refresh("chunks", task.base)):  # type: ignore[arg-type]
+        _, chain = stored_chain(objects, base)
+        if len(chain) >= limit or (objects.backend.touches and not objects.refresh("chunks", base)):
             return None, ()
-        data, _ = fetch_base(objects, task.base, task.length, settings, oid)  # type: ignore[arg-type]
+        data, _ = fetch_base(objects, base, task.length, settings, oid)
         return data, chain
     if task.base_depth >= limit:
         return None, ()
-    data, chain = fetch_base(objects, task.base, task.length, settings, oid)  # type: ignore[arg-type]
+    data, chain = fetch_base(objects, base, task.length, settings, oid)
     return (data, chain) if len(chain) < limit else (None, ())
 
 
@@ -473,7 +473,7 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
         base_bytes, base_chain = None, ()
         if task.base is not None and task.base != oid and settings.max_delta_depth > 0:
             try:
-                base_bytes, chain_b = _delta_base(objects, task, oid, settings)
+                base_bytes, chain_b = _delta_base(objects, task.base, task, oid, settings)
                 base_chain = (task.base, *chain_b) if base_bytes is not None else ()
             except ObjectNotFoundError:
                 base_bytes = None  # the base is gone (gc): store this chunk whole

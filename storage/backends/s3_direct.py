@@ -46,7 +46,7 @@ import threading
 from collections.abc import Callable
 from datetime import datetime
 from email.utils import parsedate_to_datetime
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import quote, unquote_plus
 from xml.etree import ElementTree
 
@@ -66,12 +66,13 @@ _CODE = re.compile(r"<Code>([^<]{1,64})</Code>")
 _MAX_LIST_BYTES = 64 << 20
 
 
-class _Learned:
+class _Learned(NamedTuple):
     """What one operation's requests look like: its URL (a GET's without the quoted key, a
     LIST's without the query), the signature's (region, service) or None, the user agent."""
 
-    def __init__(self, url: str, scope: tuple[str, str] | None, user_agent: str) -> None:
-        self.url, self.scope, self.user_agent = url, scope, user_agent
+    url: str
+    scope: tuple[str, str] | None
+    user_agent: str
 
 
 class DirectRequests:
@@ -96,11 +97,11 @@ class DirectRequests:
             client.meta.events.register(f"before-send.s3.{op}", self._record)
 
     # -- learning from the client -------------------------------------------------
-    def expect(self, key: str = "") -> None:
-        """The calling thread is about to send a request through the client (a GET of ``key``)."""
+    def _expect(self, key: str) -> None:
+        """The calling thread is about to send a request through the client (of ``key``; LIST: "")."""
         self._seen.key, self._seen.request = key, None
 
-    def learned(self, op: str) -> None:
+    def _learn(self, op: str) -> None:
         """The calling thread's request through the client succeeded: learn from it."""
         request, key = getattr(self._seen, "request", None), getattr(self._seen, "key", None)
         self._seen.key = self._seen.request = None
@@ -156,12 +157,12 @@ class DirectRequests:
             self.refused(r)  # raises for a server error, to be retried
             refused = True
         else:
-            self.expect(key)
+            self._expect(key)
         answer = client()
         if refused:
-            self.failed(client_succeeded=True)
+            self._off("the server refused a direct request that it answered through the client")
         else:
-            self.learned(op)
+            self._learn(op)
         return None, answer
 
     def get(self, key: str, range_header: str | None) -> Any:
@@ -256,11 +257,6 @@ class DirectRequests:
 
         raise ClientError({"Error": {"Code": code.group(1) if code else str(status), "Message": f"HTTP {status}"},
                            "ResponseMetadata": {"HTTPStatusCode": status}}, "Direct")
-
-    def failed(self, client_succeeded: bool) -> None:
-        """A direct request was answered with an error; the client, asked the same, succeeded or not."""
-        if client_succeeded:
-            self._off("the server refused a direct request that it answered through the client")
 
 
 class ClientOnly:

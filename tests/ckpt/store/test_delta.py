@@ -191,14 +191,20 @@ def test_delta_chains_are_bounded_on_every_backend_and_remote_pushes_read_no_hea
     assert bases and not {p.rsplit("/", 1)[1] for p in headers} & bases  # (a chunk stored already has its header read)
     for i, sd in enumerate(states):
         assert _bytes(store.load(f"run/latest@{5 - i}")["w"]) == _bytes(sd["w"])
-    for cs in chains:  # the chains recorded are the chunks' real ones
-        for cid, chain in zip(store.manifest(f"run/latest@{5 - chains.index(cs)}").tensors[0].chunks, cs):
+    for i, cs in enumerate(chains):  # the chains recorded are the chunks' real ones
+        for cid, chain in zip(store.manifest(f"run/latest@{5 - i}").tensors[0].chunks, cs):
             assert stored_chain(store.objects, cid)[1] == chain
     assert store.verify().ok
 
 
-def test_a_wrong_depth_in_a_base_manifest_costs_a_fetch_never_a_longer_chain(tmp_path):
-    """The depth hint says the base is a keyframe, but it is two levels deep: the chunk is stored whole."""
+def test_a_wrong_depth_in_a_base_manifest_costs_a_fetch_never_a_longer_chain(tmp_path, monkeypatch):
+    """The depth hint says the base is a keyframe, but it is two levels deep: the base is fetched,
+    and the chunk is stored whole. A hint of a full chain keeps the base unfetched."""
+    import ckpt.transfer.pipeline as pipeline
+
+    fetched = []
+    real = pipeline.fetch_base
+    monkeypatch.setattr(pipeline, "fetch_base", lambda objects, cid, *a, **k: fetched.append(cid) or real(objects, cid, *a, **k))
     store = _store(tmp_path, max_delta_depth=2)
     sd = {"w": torch.randn(256, 256)}
     for step in range(3):
@@ -210,7 +216,10 @@ def test_a_wrong_depth_in_a_base_manifest_costs_a_fetch_never_a_longer_chain(tmp
     base, _ = deep[0]
     new = _bytes(_finetune(sd, 9, 1e-5)["w"])[: 128 * 1024]
     store.objects.backend.touches = False  # as a remote store decides (the hint first)
+    fetched.clear()
     (r,) = put_chunks(store.objects, [PutTask(lambda: new, len(new), 4, base, base_depth=0)], store.settings)
     assert r.bases == () and stored_chain(store.objects, r.id) == (r.codec, ())
+    assert fetched and fetched[0] == base  # what the wrong hint cost
+    fetched.clear()
     (r,) = put_chunks(store.objects, [PutTask(lambda: new[::-1], len(new), 4, base, base_depth=2)], store.settings)
-    assert r.bases == () and r.stored > 0  # the hint alone keeps the base unfetched
+    assert r.bases == () and r.stored > 0 and fetched == []  # the hint alone keeps the base unfetched
