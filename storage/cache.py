@@ -4,12 +4,14 @@ Chunks are immutable and named by their content, so a blob fetched once can be s
 from local disk ever after: the second fine-tune of a family pulled on one machine
 fetches only its own chunks, and the bases of delta chains are fetched once per machine.
 
-Layout: ``<root>/<store id>/<id[:2]>/<id>``, one file per chunk blob as stored (a delta
-blob is only meaningful in the store that holds its base, hence one directory per store),
-followed by the 32-byte BLAKE3 of the blob. An entry is checked against that trailer on
-every read (BLAKE3 runs at ~6 GB/s per core here); a damaged or truncated entry is deleted
-and reported as a miss, never served -- and the chunk's own id is verified after decoding
-on top, as for any chunk. Entries are written to a temporary name and renamed, so a
+Layout: ``<root>/<store id>/<id[:2]>/<id>``, one file per chunk blob (a delta blob is only
+meaningful in the store that holds its base, hence one directory per store), followed by
+the 32-byte BLAKE3 of the blob. The blob is any valid blob of the chunk: the one stored, or
+(the caller's choice, see ckpt/transfer/pipeline.py) the chunk decoded, as a raw blob. This
+module knows only bytes. :meth:`ChunkBlobCache.get` checks an entry against its trailer
+(BLAKE3 runs at ~4-6 GB/s per core here); a damaged or truncated entry is deleted and
+reported as a miss, never served. :meth:`ChunkBlobCache.read_split` leaves the check to a
+caller that verifies the chunk's id after decoding anyway, and drops what fails. Entries are written to a temporary name and renamed, so a
 crash leaves at most a temporary file, swept by the next eviction.
 
 The cache holds at most ``max_bytes``: past that, the least recently used entries (by
@@ -23,7 +25,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import blake3
@@ -115,6 +117,34 @@ class ChunkBlobCache:
             self.hits += 1
         return blob
 
+    def read_split(self, oid: str, first: int, place: Callable[[bytes, int], memoryview]) -> bytes | None:
+        """The blob of chunk ``oid`` read as :meth:`Backend.read_split` reads an object: its first
+        ``first`` bytes, then the rest into ``place(those bytes, blob size)``'s buffer (a chunk kept
+        decoded goes straight into its destination). Returns the first bytes, or None when absent
+        or shorter than its trailer says. The trailer is not checked: the caller verifies the
+        decoded chunk against its id and :meth:`drop` s the entry if it is wrong."""
+        path = self._path(oid)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size - TRAILER
+                if size < 0:
+                    raise OSError("shorter than its trailer")
+                head = f.read(min(first, size))
+                buf = place(head, size)
+                if len(head) != min(first, size) or len(buf) != size - len(head) or f.readinto(buf) != len(buf):
+                    raise OSError("short read")
+        except OSError:
+            with self._lock:
+                self.misses += 1
+            return None
+        try:
+            os.utime(path)  # recently used: evicted last
+        except OSError:
+            pass
+        with self._lock:
+            self.hits += 1
+        return head
+
     def drop(self, oid: str) -> None:
         """Delete the entry of ``oid`` (a caller found it wrong after decoding)."""
         path = self._path(oid)
@@ -136,10 +166,16 @@ class ChunkBlobCache:
             if self._size is not None:
                 self._size -= n
 
-    def put(self, oid: str, parts: Iterable[bytes | bytearray | memoryview]) -> None:
-        """Keep the blob ``b"".join(parts)`` of chunk ``oid`` (a failure to write is only logged)."""
+    def put(self, oid: str, parts: Iterable[bytes | bytearray | memoryview], *, replace: bool = False) -> None:
+        """Keep the blob ``b"".join(parts)`` of chunk ``oid`` (a failure to write is only logged);
+        an entry already there stays unless ``replace`` (another blob of the same chunk: the
+        chunk decoded, say)."""
         path = self._path(oid)
-        if os.path.exists(path):
+        try:
+            old = os.path.getsize(path)
+        except OSError:
+            old = -1
+        if old >= 0 and not replace:
             return
         h = blake3.blake3()
         tmp = os.path.join(self.dir, oid[:2], f"{TEMPORARY}{uuid.uuid4().hex}")
@@ -164,7 +200,7 @@ class ChunkBlobCache:
             if self._size is None:
                 self._size = usage(self.root).bytes
             else:
-                self._size += n
+                self._size += n - max(old, 0)
             self._added += n
             over = self._size > self.max_bytes
         if over:

@@ -426,6 +426,12 @@ def _pack(codec: int, elem: int, length: int, base: str | None, payload: Parts) 
     return (head + (bytes.fromhex(base) if base else b""), *payload)
 
 
+def raw_header(elem: int, length: int) -> bytes:
+    """The header of a raw blob of ``length`` bytes of ``elem``-byte elements: with the bytes
+    after it, the blob of those bytes stored as they are."""
+    return bytes(_pack(RAW, elem, length, None, ())[0])
+
+
 def _size(parts: Parts) -> int:
     return sum(len(p) for p in parts)
 

@@ -112,6 +112,81 @@ def test_cache_serves_a_second_pull_and_refuses_damage(s3_url, tmp_path, monkeyp
     assert gets[0] == n_chunks
 
 
+def test_cache_keeps_whole_chunks_decoded_and_serves_them_without_decoding(s3_url, tmp_path, monkeypatch):
+    """A whole chunk its codec shrank by less than half is cached decoded (a raw blob): a warm pull
+    or load reads and hashes it, decoding nothing; one that shrank more (zeros) and a delta stay as
+    stored. A damaged decoded entry read straight into a tensor is dropped and fetched again."""
+    from safetensors.numpy import save_file
+
+    import ckpt.codecs.chunk as chunk_codec
+    from ckpt.codecs.chunk import RAW, parse_header
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(cache))
+    rng = np.random.default_rng(3)
+    # fp32 weights like a trained model's: the byte-plane codec shrinks them by ~10%.
+    tensors = {f"w{i}": (rng.standard_normal(CHUNK // 4, dtype=np.float32) * 0.02) for i in range(6)}
+    tensors["zeros"] = np.zeros(CHUNK // 4, dtype=np.float32)
+    src = tmp_path / "base.safetensors"
+    save_file(tensors, str(src))
+    ft = {k: (v + (1e-4 * rng.standard_normal(v.shape)).astype(v.dtype)) if k != "zeros" else v for k, v in tensors.items()}
+    ft_path = tmp_path / "ft.safetensors"
+    save_file(ft, str(ft_path))
+    writer = ckpt.Store.init(s3_url, settings=_settings(cache=False))
+    writer.push(str(src), "base")
+    writer.push(str(ft_path), "ft", base="base")
+    m, m_ft = writer.manifest("base"), writer.manifest("ft")
+    stored = {t.name: parse_header(writer.objects.backend.read(writer.objects.path("chunks", t.chunks[0]))) for t in m.tensors}
+    assert all(stored[f"w{i}"].codec != RAW for i in range(6)) and stored["zeros"].codec != RAW  # compressed in the store
+
+    first = ckpt.Store.open(s3_url, settings=_settings())
+    first.pull("ft", str(tmp_path / "ft-1.safetensors"))  # the fine-tune, and the base's chunks under its deltas
+    assert (tmp_path / "ft-1.safetensors").read_bytes() == ft_path.read_bytes()
+    entries = {p.name: parse_header(p.read_bytes()[:-32]) for p in cache.rglob("*") if p.is_file()}
+    by_name = {t.name: t.chunks[0] for t in m.tensors}
+    for i in range(6):
+        e = entries[by_name[f"w{i}"]]
+        assert e.codec == RAW and e.length == CHUNK  # kept decoded
+    deltas = {t.chunks[0] for t in m_ft.tensors if t.delta_bases and t.delta_bases[0]}
+    assert deltas and all(entries[c].base is not None for c in deltas)  # deltas as stored
+    first.pull("base", str(tmp_path / "b-1.safetensors"))
+    entries = {p.name: parse_header(p.read_bytes()[:-32]) for p in cache.rglob("*") if p.is_file()}
+    assert entries[by_name["zeros"]].codec != RAW  # shrank to almost nothing: as stored
+
+    decoded = [0]
+    real = chunk_codec._planes_decode
+
+    def counting(*a, **k):
+        decoded[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(chunk_codec, "_planes_decode", counting)
+    warm = ckpt.Store.open(s3_url, settings=_settings())
+    gets = _chunk_gets(warm)
+    warm.pull("base", str(tmp_path / "b-2.safetensors"))
+    assert (tmp_path / "b-2.safetensors").read_bytes() == src.read_bytes()
+    assert gets[0] == 0 and decoded[0] <= 1  # nothing fetched; at most the zeros chunk decoded
+    target = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in tensors.items()}
+    decoded[0] = 0
+    warm.load_into("base", target)
+    assert all(target[k].numpy().tobytes() == v.tobytes() for k, v in tensors.items())
+    assert gets[0] == 0 and decoded[0] <= 1
+
+    # Damage a decoded entry: loading straight into a tensor catches it by the chunk's id.
+    victim = next(p for p in cache.rglob(by_name["w2"]))
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x04
+    victim.write_bytes(bytes(raw))
+    again = ckpt.Store.open(s3_url, settings=_settings())
+    gets = _chunk_gets(again)
+    target = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in tensors.items()}
+    again.load_into("base", target)
+    assert all(target[k].numpy().tobytes() == v.tobytes() for k, v in tensors.items())
+    assert gets[0] == 1 and again.objects.cache.dropped == 1
+    assert parse_header(victim.read_bytes()[:-32]).codec == RAW  # fetched again, and kept decoded again
+    assert victim.read_bytes()[-32 - CHUNK:-32] == tensors["w2"].tobytes()
+
+
 def test_full_cache_stays_within_its_limit(s3_url, tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_CACHE_DIR", str(tmp_path / "cache"))
     src, _ = _file(tmp_path, n=40)  # ~5 MB of chunks
