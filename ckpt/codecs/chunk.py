@@ -111,6 +111,15 @@ _APPLY = {XOR: transforms.apply_xor, SUB: transforms.apply_sub, GSUB: transforms
 _UNDO = {XOR: transforms.undo_xor, SUB: transforms.undo_sub, GSUB: transforms.undo_gsub}
 
 
+def empty_buffer(n: int) -> memoryview:
+    """``n`` writable bytes, not zeroed: for a buffer that is written whole before it is read.
+    ``bytearray(n)`` zeroes its bytes holding the GIL, which faults fresh pages in there too:
+    a cold pull of MiniLM from S3 spent ~30 ms of its ~330 holding the GIL in it, while 16
+    threads waited to read responses (py-spy --gil). Here the first write faults the pages in,
+    in a socket read or a decoder that has released the GIL."""
+    return memoryview(np.empty(n, dtype=np.uint8))
+
+
 def thread_buffer(n: int, name: str = "split") -> memoryview:
     """Per-thread buffer ``name`` of at least ``n`` bytes, reused across chunks (fresh memory
     costs page faults); released with the thread. What it holds is valid until the same
@@ -120,8 +129,8 @@ def thread_buffer(n: int, name: str = "split") -> memoryview:
         bufs = _local.scratch = {}
     buf = bufs.get(name)
     if buf is None or len(buf) < n:
-        buf = bufs[name] = bytearray(n)
-    return memoryview(buf)[:n]
+        buf = bufs[name] = empty_buffer(n)
+    return buf[:n]
 
 
 def _bits(data: Any, out: Any, inverse: bool = False) -> Any:

@@ -15,11 +15,14 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
+
 from ckpt.codecs.chunk import (
     MAX_HEADER,
     RAW,
     ChunkHeader,
     decode_chunk,
+    empty_buffer,
     encode_chunk,
     parse_header,
     raw_header,
@@ -204,7 +207,7 @@ class BlobBuffers:
     def __init__(self, size: int, keep: int) -> None:
         self.size = size
         self.keep = keep
-        self._free: list[bytearray] = []
+        self._free: list[memoryview] = []
         self._lock = threading.Lock()
 
     def take(self, n: int) -> memoryview:
@@ -213,16 +216,16 @@ class BlobBuffers:
         if _READ_INTO_MIN <= n <= self.size:
             with self._lock:
                 buf = self._free.pop() if self._free else None
-            return memoryview(buf if buf is not None else bytearray(self.size))[:n]
-        return memoryview(bytearray(n))
+            return (buf if buf is not None else empty_buffer(self.size))[:n]
+        return empty_buffer(n)
 
     def give(self, blob: object) -> None:
         """Hand back a blob from :meth:`take`: its bytes are no longer used."""
         base = blob.obj if isinstance(blob, memoryview) else None
-        if isinstance(base, bytearray) and len(base) == self.size:
+        if isinstance(base, np.ndarray) and base.nbytes == self.size:
             with self._lock:
                 if len(self._free) < self.keep:
-                    self._free.append(base)
+                    self._free.append(memoryview(base))
 
 
 @dataclass(frozen=True)
@@ -257,7 +260,7 @@ def _read_remote(objects: ObjectStore, cid: str, length: int, settings: Settings
                 return out[k:]
         if size > settings.max_chunk_size + MAX_HEADER:
             raise CorruptObjectError("chunk", cid, f"blob of {size} bytes is larger than any chunk")
-        blob = got["blob"] = buffers.take(size) if buffers is not None else memoryview(bytearray(size))
+        blob = got["blob"] = buffers.take(size) if buffers is not None else empty_buffer(size)
         blob[: len(head)] = head
         return blob[len(head):]
 
