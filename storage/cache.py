@@ -84,25 +84,22 @@ class ChunkBlobCache:
     def _path(self, oid: str) -> str:
         return os.path.join(self.dir, oid[:2], oid)
 
-    def get(self, oid: str, *, check: bool = True) -> bytearray | None:
-        """The blob of chunk ``oid``, or None (absent, or damaged: then it is deleted).
-
-        ``check=False`` skips the trailer's hash, for a caller that verifies the decoded
-        chunk against its id anyway and :meth:`drop` s the entry if it is wrong (hashing
-        twice was 40% of the CPU of a cached pull here)."""
+    def get(self, oid: str) -> bytes | None:
+        """The blob of chunk ``oid``, checked against its trailer, or None (absent, or damaged:
+        then it is deleted). (:meth:`read_split` reads without the check.)"""
         path = self._path(oid)
         try:
             with open(path, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                # Read straight into the blob's own buffer (no copy of it afterwards).
-                blob = bytearray(max(0, size - TRAILER))
-                got = f.readinto(blob) if blob else 0
+                # Read straight into the blob's own bytes, neither zeroed first (bytearray(n)
+                # does that holding the GIL) nor copied afterwards.
+                blob = f.read(max(0, size - TRAILER))
                 trailer = f.read(TRAILER)
         except OSError:
             with self._lock:
                 self.misses += 1
             return None
-        if size < TRAILER or got != len(blob) or len(trailer) != TRAILER or (check and blake3.blake3(blob).digest() != trailer):
+        if size < TRAILER or len(blob) != size - TRAILER or len(trailer) != TRAILER or blake3.blake3(blob).digest() != trailer:
             log.warning("cached chunk %s is damaged: dropped, fetching it again", oid)
             self._drop(path, size)
             with self._lock:
