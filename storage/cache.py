@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import blake3
 
@@ -68,10 +70,11 @@ class ChunkBlobCache:
     True
     """
 
-    def __init__(self, root: str, store_id: str, max_bytes: int) -> None:
+    def __init__(self, root: str, store_id: str, max_bytes: int, max_entry: int = 1 << 40) -> None:
         self.root = root
         self.dir = os.path.join(root, store_id)
         self.max_bytes = max_bytes
+        self.max_entry = max_entry  # bytes of the largest blob an entry may hold: a larger one is damaged
         self.hits = 0
         self.misses = 0
         self.dropped = 0  # damaged entries deleted
@@ -84,28 +87,41 @@ class ChunkBlobCache:
     def _path(self, oid: str) -> str:
         return os.path.join(self.dir, oid[:2], oid)
 
+    def _open(self, path: str) -> tuple[Any, int]:
+        """The entry at ``path`` open for reading, and its size. Raises OSError unless it is a
+        regular file (not a link, a FIFO that would block, a device) of at most ``max_entry``
+        bytes past its trailer: anything else is not an entry this cache wrote."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        f = os.fdopen(fd, "rb", buffering=0)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or not TRAILER <= st.st_size <= self.max_entry + TRAILER:
+                raise OSError(f"{path}: not a cache entry")
+        except BaseException:
+            f.close()
+            raise
+        return f, st.st_size
+
     def get(self, oid: str) -> bytes | None:
         """The blob of chunk ``oid``, checked against its trailer, or None (absent, or damaged:
         then it is deleted). (:meth:`read_split` reads without the check.)"""
         path = self._path(oid)
+        size = -1
         try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
+            f, size = self._open(path)
+            with f:
                 # Read straight into the blob's own bytes, neither zeroed first (bytearray(n)
                 # does that holding the GIL) nor copied afterwards.
-                blob = f.read(max(0, size - TRAILER))
+                blob = f.read(size - TRAILER)
                 trailer = f.read(TRAILER)
         except OSError:
+            if size < 0 and os.path.lexists(path) and not os.path.isdir(path):
+                return self._damaged(path, oid)  # there, but not an entry this cache wrote
             with self._lock:
                 self.misses += 1
             return None
-        if size < TRAILER or len(blob) != size - TRAILER or len(trailer) != TRAILER or blake3.blake3(blob).digest() != trailer:
-            log.warning("cached chunk %s is damaged: dropped, fetching it again", oid)
-            self._drop(path, size)
-            with self._lock:
-                self.dropped += 1
-                self.misses += 1
-            return None
+        if len(blob) != size - TRAILER or len(trailer) != TRAILER or blake3.blake3(blob).digest() != trailer:
+            return self._damaged(path, oid)
         try:
             os.utime(path)  # recently used: evicted last
         except OSError:
@@ -114,6 +130,18 @@ class ChunkBlobCache:
             self.hits += 1
         return blob
 
+    def _damaged(self, path: str, oid: str) -> None:
+        """Delete a damaged entry (counted as dropped, and as a miss)."""
+        try:
+            size = os.lstat(path).st_size
+        except OSError:
+            size = 0
+        log.warning("cached chunk %s is damaged: dropped, fetching it again", oid)
+        self._drop(path, size)
+        with self._lock:
+            self.dropped += 1
+            self.misses += 1
+
     def read_split(self, oid: str, first: int, place: Callable[[bytes, int], memoryview]) -> bytes | None:
         """The blob of chunk ``oid`` read as :meth:`Backend.read_split` reads an object: its first
         ``first`` bytes, then the rest into ``place(those bytes, blob size)``'s buffer (a chunk kept
@@ -121,16 +149,19 @@ class ChunkBlobCache:
         or shorter than its trailer says. The trailer is not checked: the caller verifies the
         decoded chunk against its id and :meth:`drop` s the entry if it is wrong."""
         path = self._path(oid)
+        size = -1
         try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size - TRAILER
-                if size < 0:
-                    raise OSError("shorter than its trailer")
+            f, size = self._open(path)
+            with f:
+                size -= TRAILER
                 head = f.read(min(first, size))
                 buf = place(head, size)
                 if len(head) != min(first, size) or len(buf) != size - len(head) or f.readinto(buf) != len(buf):
                     raise OSError("short read")
         except OSError:
+            if os.path.lexists(path) and not os.path.isdir(path):
+                self._damaged(path, oid)  # there, but not an entry this cache wrote, or cut short
+                return None
             with self._lock:
                 self.misses += 1
             return None

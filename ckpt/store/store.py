@@ -49,7 +49,8 @@ def open_cache(backend: Backend, config: StoreConfig, settings: Settings) -> Chu
     """The local read-through chunk cache for a remote store (None for local stores, or with ``settings.cache`` off)."""
     if not backend.caches or not settings.cache or settings.cache_mb <= 0:
         return None
-    return ChunkBlobCache(settings.cache_dir or default_cache_dir(), config.store_id, settings.cache_mb << 20)
+    return ChunkBlobCache(settings.cache_dir or default_cache_dir(), config.store_id, settings.cache_mb << 20,
+                          max_entry=settings.max_chunk_size + 4096)  # a blob: its chunk's bytes at most, and a header
 
 
 def default_store_url() -> str:

@@ -88,3 +88,38 @@ def test_a_cache_filled_by_many_threads_at_once_ends_within_its_limit(tmp_path):
         t.join()
     u = usage(str(tmp_path))
     assert 0 < u.bytes <= limit and u.entries >= limit * 0.5 // (20 << 10)  # full, not emptied
+
+
+def test_entries_that_this_cache_did_not_write_are_dropped_never_followed(tmp_path):
+    """A link, a FIFO (whose open would block) or an entry larger than any chunk blob in the
+    cache's place: neither read nor followed, and dropped, by both readers."""
+    import threading
+
+    c = ChunkBlobCache(str(tmp_path / "cache"), "s", 1 << 20, max_entry=4096)
+    c.put(A, (b"a" * 100,))
+    d = tmp_path / "cache" / "s"
+    elsewhere = tmp_path / "precious.bin"
+    elsewhere.write_bytes((d / A[:2] / A).read_bytes())  # a well-formed entry, outside the cache
+    for oid in (B, C):
+        (d / oid[:2]).mkdir(exist_ok=True)
+    (d / B[:2] / B).symlink_to(elsewhere)
+    os.mkfifo(d / C[:2] / C)
+    big = "d" * 64
+    c.put(big, (b"z" * 5000,))  # past max_entry: written by an older setting, say
+
+    def place(head, size):
+        return memoryview(bytearray(size - len(head)))
+
+    for read in (lambda oid: c.get(oid), lambda oid: c.read_split(oid, 16, place)):
+        got = []
+        t = threading.Thread(target=lambda: got.extend([read(B), read(C), read(big)]), daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "a read blocked on the FIFO"
+        assert got == [None, None, None]
+        assert not (d / B[:2] / B).is_symlink() and not (d / C[:2] / C).exists() and not (d / big[:2] / big).exists()
+        assert elsewhere.read_bytes()[:100] == b"a" * 100  # the link's target is untouched
+        (d / B[:2] / B).symlink_to(elsewhere)
+        os.mkfifo(d / C[:2] / C)
+        c.put(big, (b"z" * 5000,))
+    assert c.get(A) == b"a" * 100  # a real entry still serves
