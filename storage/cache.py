@@ -87,6 +87,10 @@ class ChunkBlobCache:
     def _path(self, oid: str) -> str:
         return os.path.join(self.dir, oid[:2], oid)
 
+    def has(self, oid: str) -> bool:
+        """Whether an entry for ``oid`` is there (not whether it is sound: reading says that)."""
+        return os.path.isfile(self._path(oid))
+
     def _open(self, path: str) -> tuple[Any, int]:
         """The entry at ``path`` open for reading, and its size. Raises OSError unless it is a
         regular file (not a link, a FIFO that would block, a device) of at most ``max_entry``

@@ -325,9 +325,12 @@ def _read_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
 
 def _read_ahead(objects: ObjectStore, cid: str, length: int, settings: Settings, out: memoryview | None = None,
                 buffers: BlobBuffers | None = None) -> _Read:
-    """:func:`_read_chunk`, and the blobs of the delta chain below the chunk that the base
-    cache lacks (as deep as this store writes chains): on a remote store the reading
-    threads fetch them too, so a decoding thread does not wait on them request by request."""
+    """:func:`_read_chunk`, and the blobs of the delta chain below the chunk that neither the base
+    cache nor the local chunk cache holds (as deep as this store writes chains): on a remote store
+    the reading threads fetch them too, so a decoding thread does not wait on them request by
+    request. A base in the local chunk cache is left to the decoding thread, which reads it
+    straight into its buffer and hashes it once (read ahead, it would be read into fresh memory,
+    checked against its entry's trailer, then copied and hashed again)."""
     got = _read_chunk(objects, cid, length, settings, out, buffers)
     cache = base_cache(objects, settings)
     bases: dict[str, bytes] = {}
@@ -337,8 +340,9 @@ def _read_ahead(objects: ObjectStore, cid: str, length: int, settings: Settings,
             base = parse_header(blob, cid).base
         except CorruptObjectError:
             break  # the decoding thread reports it
-        if base is None or base in bases or (cache is not None and base in cache):
-            break
+        if base is None or base in bases or (cache is not None and base in cache) or \
+                (objects.cache is not None and objects.cache.has(base)):
+            break  # (a base in the local chunk cache is read by the decoding thread, straight into place)
         blob = bases[base] = objects.get("chunks", base)
     return _Read(got.blob, got.into, bases, got.cached)
 
