@@ -1,9 +1,9 @@
 """Which parts of a manifest name chunks: the format's one rule (docs/format.md).
 
-A manifest names chunks only inside the entries of its ``files`` and ``tensors``
-sections, under the keys ``chunks`` (the chunk of each piece, in order) and
-``delta_bases`` (for each chunk, the chain of bases it is a delta against, nearest
-first). Everything else in a manifest is user JSON (metadata, non-tensor state,
+A manifest names chunks only inside the entries of its ``files``, ``tensors`` and
+``bundles`` sections (the last: copies of small chunks for remote readers; optional),
+under the keys ``chunks`` (the chunk of each piece, in order) and ``delta_bases`` (for
+each chunk, the chain of bases it is a delta against, nearest first). Everything else in a manifest is user JSON (metadata, non-tensor state,
 lineage) and may hold a key named ``chunks`` without naming any chunk.
 
 gc (what is live), commit (what must be present before a manifest lands), copy (what
@@ -23,7 +23,7 @@ from ckpt_store.storage.objects import check_id
 # Keys in a manifest entry whose values are lists of chunk ids (or lists of them).
 CHUNK_LIST_KEYS = frozenset({"chunks", "delta_bases"})
 # The top-level lists of a manifest whose entries hold those keys.
-ENTRY_SECTIONS = ("files", "tensors")
+ENTRY_SECTIONS = ("files", "tensors", "bundles")
 
 
 def parse_manifest(manifest: bytes) -> dict[str, Any]:

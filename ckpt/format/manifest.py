@@ -160,6 +160,42 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class BundleEntry:
+    """Copies of a checkpoint's small chunks, concatenated and stored as chunks of their own,
+    so that a reader of a remote store fetches them in a request or two instead of one each
+    (all-MiniLM-L6-v2: 65 of its 118 chunks hold under 64 KiB, 131 KB in all). Only an
+    accelerator: every member is stored, and named by its tensor or file, as itself; a reader
+    that cannot use a bundle (missing, damaged, a member that does not hash to its id) reads
+    the members."""
+
+    nbytes: int
+    chunks: tuple[str, ...]  # the bundle's bytes, cut like a tensor's
+    members: tuple[tuple[str, int, int], ...]  # (chunk id, offset, length) in the bundle's bytes
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"nbytes": self.nbytes, "chunks": list(self.chunks), "members": [list(m) for m in self.members]}
+
+    @classmethod
+    def from_obj(cls, o: Any, chunk_size: int, what: str) -> BundleEntry:
+        if not isinstance(o, dict):
+            raise StoreFormatError(f"{what}: bundle entry is not an object")
+        nbytes = require(o, "nbytes", int, what)
+        chunks = tuple(check_id(c) for c in require(o, "chunks", list, what))
+        if nbytes < 0 or len(chunks) != chunk_count(nbytes, chunk_size):
+            raise StoreFormatError(f"{what}: a bundle has {len(chunks)} chunks for {nbytes} bytes")
+        members = []
+        for m in require(o, "members", list, what):
+            if not (isinstance(m, list) and len(m) == 3 and isinstance(m[0], str)
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in m[1:])):
+                raise StoreFormatError(f"{what}: a bundle member is not [chunk id, offset, length]")
+            cid, off, n = check_id(m[0]), m[1], m[2]
+            if off < 0 or n <= 0 or off + n > nbytes:
+                raise StoreFormatError(f"{what}: bundle member {cid[:12]} lies outside the bundle")
+            members.append((cid, off, n))
+        return cls(nbytes, chunks, tuple(members))
+
+
+@dataclass(frozen=True)
 class Manifest:
     """One checkpoint. Its id is the BLAKE3 of :meth:`to_json`."""
 
@@ -172,10 +208,13 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)  # user metadata
     extra: dict[str, Any] = field(default_factory=dict)  # non-tensor state (JSON)
     lineage: dict[str, Any] = field(default_factory=lambda: {"parent": None, "base": None, "merge": None})
+    bundles: tuple[BundleEntry, ...] = ()  # copies of its small chunks, for remote readers
 
     def to_json(self) -> bytes:
+        # "bundles" only where there are some: every manifest without keeps its bytes and id.
         return canonical_json(
             {
+                **({"bundles": [b.to_obj() for b in self.bundles]} if self.bundles else {}),
                 "format": MANIFEST_FORMAT,
                 "version": MANIFEST_VERSION,
                 "source": self.source,
@@ -204,6 +243,10 @@ class Manifest:
         for f in files:
             if len(f.chunks) != chunk_count(f.head_size if f.kind == "safetensors" else f.size, chunk_size):
                 raise StoreFormatError(f"{what}: file {f.path} has the wrong number of chunks")
+        raw_bundles = o.get("bundles", [])
+        if not isinstance(raw_bundles, list):
+            raise StoreFormatError(f"{what}: bundles must be a list")
+        bundles = tuple(BundleEntry.from_obj(b, chunk_size, what) for b in raw_bundles)
         msg = o.get("message")
         return cls(
             source=require(o, "source", str, what),
@@ -215,6 +258,7 @@ class Manifest:
             metadata=o.get("metadata") or {},
             extra=o.get("extra") or {},
             lineage=o.get("lineage") or {"parent": None, "base": None, "merge": None},
+            bundles=bundles,
         )
 
     @property
@@ -233,6 +277,8 @@ class Manifest:
                 out[cid] = n
                 for base in chain:  # a base has the length of the chunk it serves
                     out[base] = n
+        for b in self.bundles:
+            out.update(zip(b.chunks, split_lengths(b.nbytes, self.chunk_size), strict=True))
         return out
 
 

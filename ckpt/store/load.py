@@ -64,7 +64,7 @@ def load_manifest(store: Store, m: Manifest, include: list[str] | None, progress
     out = {t.name: empty_tensor(t) for t in chosen}
     tasks = into_tasks(m.chunk_size, [(t, out[t.name]) for t in chosen])
     with reporting(progress, "load", sum(t.length for t in tasks)) as p:
-        get_chunks(store.objects, tasks, store.settings, p)
+        get_chunks(store.objects, tasks, store.settings, p, manifest=m)
     return out
 
 
@@ -120,7 +120,7 @@ def fill(store: Store, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]
 
     def fetch(tasks: list[GetTask], p: Progress) -> None:
         if get is None:
-            get_chunks(store.objects, tasks, store.settings, p)
+            get_chunks(store.objects, tasks, store.settings, p, manifest=m)
         else:
             get(tasks, p)
 

@@ -57,7 +57,7 @@ def _write_files(store: Store, m: Manifest, files: list[tuple[FileEntry, str]], 
             out = stack.enter_context(OutputFile(path, f.size))
             tasks += tasks_for(out) if tasks_for else _file_tasks(m, f, out)
         with reporting(progress, "pull", sum(t.length for t in tasks)) as p:
-            get_chunks(store.objects, tasks, store.settings, p)
+            get_chunks(store.objects, tasks, store.settings, p, manifest=m)
 
 
 def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: bool = False, include: list[str] | None = None, progress: Progress | None = None) -> str:

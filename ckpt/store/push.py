@@ -8,12 +8,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ckpt.format.dtypes import itemsize
-from ckpt.format.manifest import FileEntry, Manifest, TensorEntry
+from ckpt.format.manifest import BundleEntry, FileEntry, Manifest, TensorEntry
 from ckpt.progress import Progress, reporting
 from ckpt.store.base import choose_base, pair_tensors
 from ckpt.store.sources import MemBytes, SourceIn, open_source
-from ckpt.transfer.pipeline import PutTask, put_chunks, put_tasks
+from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX, PutResult, PutTask, put_chunks, put_tasks
 from ckpt_store.storage.commit import commit
+from ckpt_store.storage.objects import object_id
 from ckpt_store.storage.records import canonical_json
 from ckpt_store.storage.refs import validate_ref_name
 
@@ -82,6 +83,39 @@ def push(
         src.close()
 
 
+BUNDLE_MIN = 8  # chunks in a bundle, at least
+
+
+def _bundle(store: Store, tasks: list[PutTask], results: list[PutResult]) -> tuple[tuple[BundleEntry, ...], list[PutResult]]:
+    """Copies of the pushed chunks of at most ``BUNDLE_CHUNK_MAX`` bytes and a quarter of a chunk
+    (each once), concatenated and stored as chunks of their own, for readers of this remote store
+    (see :class:`BundleEntry`); returns the bundle and what storing it did. None where it would
+    hold fewer than ``BUNDLE_MIN`` chunks (a request or two saved is not worth a write on every
+    push) or over a quarter of the bytes pushed (a model of small tensors only is not stored twice).
+    Each copy is read from the source again and checked against the id its chunk was stored
+    under: a source that changed meanwhile leaves that chunk out."""
+    small = min(BUNDLE_CHUNK_MAX, store.settings.chunk_size // 4)
+    picked = {r.id: task for task, r in zip(tasks, results, strict=True) if task.length <= small}
+    if len(picked) < BUNDLE_MIN or 4 * sum(t.length for t in picked.values()) > sum(t.length for t in tasks):
+        return (), []
+    members: list[tuple[str, int, int]] = []
+    parts: list[bytes | memoryview] = []
+    pos = 0
+    for cid, task in picked.items():
+        data = task.read()
+        if len(data) != task.length or object_id(data) != cid:
+            continue
+        members.append((cid, pos, task.length))
+        parts.append(data)
+        pos += task.length
+    if len(members) < BUNDLE_MIN:
+        return (), []
+    blob = b"".join(parts)
+    stored = put_chunks(store.objects, put_tasks(MemBytes(memoryview(blob)).read, 0, len(blob), store.settings.chunk_size, 1),
+                        store.settings)
+    return (BundleEntry(len(blob), tuple(r.id for r in stored), tuple(members)),), stored
+
+
 def push_source(
     store: Store,
     src: SourceIn,
@@ -129,6 +163,7 @@ def push_source(
             spans.append((start, len(tasks)))
     with reporting(progress, "push", sum(t.length for t in tasks)) as p:
         results = put_chunks(store.objects, tasks, settings, p)
+    bundles, bundled = _bundle(store, tasks, results) if store.objects.backend.streams else ((), [])
 
     groups = iter([results[a:b] for a, b in spans])
     files, tensors = [], []
@@ -157,7 +192,9 @@ def push_source(
         metadata=dict(metadata or {}),
         extra=src.extra,
         lineage=lineage or {"parent": None, "base": base_id, "merge": None},
+        bundles=bundles,
     )
+    results = results + bundled
     if not aliases:
         mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name)
     else:

@@ -7,6 +7,7 @@ when it runs, so memory in flight stays at about ``workers`` chunks.
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections import OrderedDict
@@ -29,11 +30,13 @@ from ckpt.codecs.chunk import (
     thread_buffer,
 )
 from ckpt.format.dtypes import byte_view
-from ckpt.format.manifest import TensorEntry, split_lengths
+from ckpt.format.manifest import Manifest, TensorEntry, split_lengths
 from ckpt.progress import NullProgress, Progress
 from ckpt.settings import Settings
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
 from ckpt_store.storage.objects import ObjectStore, object_id
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -608,7 +611,47 @@ def _decode_into(task: GetTask, got: _Read) -> memoryview | None:
     return thread_buffer(task.length, "sink")
 
 
-def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Settings, progress: Progress | None = None) -> GetStats:
+# Chunks of at most this many bytes are copied into a checkpoint's bundle when it is pushed to a
+# remote store (ckpt.format.manifest.BundleEntry): a request each costs more than their bytes.
+BUNDLE_CHUNK_MAX = 64 << 10
+
+
+def _from_bundles(objects: ObjectStore, todo: list[GetTask], manifest: Manifest, settings: Settings,
+                  progress: Progress) -> list[GetTask]:
+    """Serve the tasks of ``todo`` whose chunks a bundle of ``manifest`` holds from the bundle
+    (fetched, decoded and verified as chunks of its own), each member checked against its own
+    id; returns the tasks left. A bundle that cannot be read (missing, damaged) serves nothing:
+    its members are then fetched one by one, as without it."""
+    for b in manifest.bundles:
+        where = {cid: (off, n) for cid, off, n in b.members}
+        mine = [t for t in todo if t.id in where and where[t.id][1] == t.length]
+        if len(mine) < 2:
+            continue
+        buf = empty_buffer(b.nbytes)
+        pieces = [GetTask(cid, n, into=buf[pos : pos + n]) for cid, n, pos in spans(b.chunks, b.nbytes, manifest.chunk_size)]
+        try:
+            get_chunks(objects, pieces, settings)
+        except (ObjectNotFoundError, CorruptObjectError) as e:
+            log.warning("bundle of %d small chunks unreadable (%s): fetching them one by one", len(mine), e)
+            continue
+        served: set[int] = set()
+        for t in mine:
+            off, n = where[t.id]
+            piece = buf[off : off + n]
+            if object_id(piece) != t.id:
+                continue  # not what the manifest says it is: fetched on its own below
+            if t.into is not None:
+                t.into[:] = piece
+            if t.sink is not None:
+                t.sink(piece if t.into is None else t.into)
+            progress.advance(n)
+            served.add(id(t))
+        todo = [t for t in todo if id(t) not in served]
+    return todo
+
+
+def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Settings, progress: Progress | None = None,
+               manifest: Manifest | None = None) -> GetStats:
     """Fetch, decode (following delta chains) and verify chunks in parallel, into each task's
     ``into`` buffer and/or handing the bytes to its ``sink``.
 
@@ -630,8 +673,15 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     a decoding thread waits for), which bounds memory
     whichever side is slower. A chunk served by the local cache that fails to decode
     is dropped from the cache and fetched again.
+
+    ``manifest``: the checkpoint the tasks read. From a remote store, the small chunks its
+    bundles hold are served from them (:func:`_from_bundles`): a few requests, not one each.
     """
     todo = list(tasks)
+    progress = progress or NullProgress()
+    stats = GetStats(len(todo))
+    if manifest is not None and manifest.bundles and objects.backend.streams:
+        todo = _from_bundles(objects, todo, manifest, settings, progress)
     readers = max(settings.io_workers, objects.backend.concurrency)
     ahead = 2 * readers
     limit = settings.inflight_mb << 20
@@ -639,7 +689,6 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     reads: dict[int, Future[_Read]] = {}
     submitted = 0  # reads are submitted for todo[:submitted]
     inflight = 0  # bytes of chunks submitted and not yet taken for decoding
-    stats = GetStats(len(todo))
     hinted = objects.backend.prefetches
     io = None if hinted else ThreadPoolExecutor(max_workers=readers, thread_name_prefix="ckpt-read")
     # Blobs in flight: at most ``ahead`` read ahead and one per decoding thread.
@@ -687,7 +736,7 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
             buffers.give(got.blob)  # decoded and handed on: nothing refers to it any more
 
     try:
-        run_parallel(get, range(len(todo)), settings.workers, progress or NullProgress(), lambda i: todo[i].length,
+        run_parallel(get, range(len(todo)), settings.workers, progress, lambda i: todo[i].length,
                      batch=BATCH_BYTES)
     finally:
         if io is not None:

@@ -56,3 +56,30 @@ def test_malformed_manifests_are_format_errors(mutate):
 def test_file_paths_cannot_escape(bad):
     with pytest.raises(InvalidNameError):
         check_file_path(bad)
+
+
+def test_bundles_round_trip_and_are_checked():
+    """The optional bundles section: absent from the bytes when empty (the golden bytes above
+    hold), round-trips, names chunks for gc and copy, and a malformed one is a format error."""
+    from dataclasses import replace
+
+    from ckpt.format.manifest import BundleEntry
+    from ckpt_store.storage.chunk_lists import referenced_chunks
+
+    C = "c" * 64
+    m = replace(_manifest(), bundles=(BundleEntry(12, (C, C), ((A, 0, 8), (B, 8, 4))),))
+    data = m.to_json()
+    assert b'"bundles":[{"chunks":["' + C.encode() in data
+    assert Manifest.from_json(data) == m
+    assert C in referenced_chunks(data) and m.chunk_lengths()[C] == 4  # 12 bytes cut at 8: the last piece is 4
+    for bad in (
+        data.replace(b'"nbytes":12', b'"nbytes":20'),  # 3 chunks' worth, 2 named
+        data.replace(b'[["' + A.encode() + b'",0,8]', b'[["' + A.encode() + b'",8,8]'),  # past the end
+        data.replace(b'[["' + A.encode() + b'",0,8]', b'[["' + A.encode() + b'",-1,8]'),
+        data.replace(b'[["' + A.encode() + b'",0,8]', b'[["' + A.encode() + b'",0,true]'),
+        data.replace(b'[["' + A.encode() + b'",0,8]', b'[["../x",0,8]'),
+        data.replace(b'"bundles":[{', b'"bundles":{"x":[{').replace(b'"members"', b'"members"', 1).replace(b']}],"chunk_size"', b']}]},"chunk_size"'),
+    ):
+        assert bad != data
+        with pytest.raises((StoreFormatError, InvalidNameError)):
+            Manifest.from_json(bad)

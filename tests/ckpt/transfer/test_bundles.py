@@ -1,0 +1,140 @@
+"""Bundles: copies of a checkpoint's small chunks that a remote reader fetches in one request
+(ckpt.format.manifest.BundleEntry). Real models pushed to real S3 servers; every pull and load
+compared byte for byte; a bundle that is missing, damaged or wrong costs requests, never bytes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("botocore")
+torch = pytest.importorskip("torch")
+
+import ckpt  # noqa: E402
+from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX  # noqa: E402
+from ckpt_store.storage.commit import commit  # noqa: E402
+
+
+def _model_state() -> dict[str, torch.Tensor]:
+    """A small transformer: 256 KiB weight matrices (chunks of their own) and many biases and norms of 1-4 KiB."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=512, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
+    # As after training: no two tensors equal (fresh layers are copies, biases zeros, norms ones).
+    return {k: torch.randn_like(v) * 0.02 for k, v in model.state_dict().items()}
+
+
+def _chunk_gets(store):
+    n = [0]
+    real = store.backend._get
+
+    def counting(path, *a, **k):
+        if path.startswith("objects/chunks/"):
+            n[0] += 1
+        return real(path, *a, **k)
+
+    store.backend._get = counting
+    return n
+
+
+def _exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return set(got) == set(want) and all(got[k].numpy().tobytes() == want[k].numpy().tobytes() for k in want)
+
+
+def test_small_chunks_come_from_the_bundle_in_one_request(s3_url, tmp_path):
+    state = _model_state()
+    writer = ckpt.Store.init(s3_url, settings=ckpt.Settings.from_env(cache=False))
+    writer.push(state, "m")
+    m = writer.manifest("m")
+    assert len(m.bundles) == 1
+    (b,) = m.bundles
+    small = {cid: n for t in m.tensors for cid, n in zip(t.chunks, [min(m.chunk_size, t.nbytes)], strict=False) if n <= BUNDLE_CHUNK_MAX}
+    small.update({cid: n for cid, n in m.chunk_lengths().items() if cid not in b.chunks and n <= BUNDLE_CHUNK_MAX})
+    assert {cid for cid, _, _ in b.members} == set(small)  # every small chunk, each once
+    every = set(m.chunk_lengths()) - set(b.chunks)
+    assert len(every) - len(b.members) >= 9  # the weight matrices (and the header) stay out
+
+    reader = ckpt.Store.open(s3_url, settings=ckpt.Settings.from_env(cache=False))
+    gets = _chunk_gets(reader)
+    out = tmp_path / "m.safetensors"
+    reader.pull("m", str(out))
+    from safetensors.torch import load_file
+
+    assert _exact(load_file(str(out)), state)
+    assert gets[0] == len(every) - len(b.members) + len(b.chunks)  # one request for all the small ones
+    gets[0] = 0
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    reader.load_into("m", target)
+    assert _exact(target, state) and gets[0] == len(every) - len(b.members) + len(b.chunks)
+    gets[0] = 0
+    assert _exact(reader.load("m"), state) and gets[0] == len(every) - len(b.members) + len(b.chunks)
+
+    # None for a few small chunks (a request or two saved is not worth a write per push), nor for a
+    # model of small tensors only (it would be stored twice).
+    writer.push({"w": torch.randn(512, 512), "b": torch.randn(16)}, "few")
+    assert writer.manifest("few").bundles == ()
+    writer.push({f"b{i}": torch.randn(16) for i in range(40)}, "all-small")
+    assert writer.manifest("all-small").bundles == ()
+    # A local store gets none: reading a small file there costs little.
+    local = ckpt.Store.init(str(tmp_path / "local"))
+    local.push(state, "m")
+    assert local.manifest("m").bundles == ()
+
+
+def test_a_missing_or_damaged_or_lying_bundle_costs_requests_never_bytes(s3_url, tmp_path):
+    state = _model_state()
+    store = ckpt.Store.init(s3_url, settings=ckpt.Settings.from_env(cache=False))
+    store.push(state, "m")
+    m = store.manifest("m")
+    (b,) = m.bundles
+    every = set(m.chunk_lengths()) - set(b.chunks)
+
+    # A bundle whose members point at each other's bytes (a hostile or buggy writer): each member
+    # is checked against its own id, so the wrong ones are fetched on their own.
+    members = list(b.members)
+    (c0, o0, n0), (c1, o1, n1) = next((x, y) for x, y in zip(members, members[1:]) if x[2] == y[2])
+    i0 = members.index((c0, o0, n0))
+    members[i0], members[i0 + 1] = (c0, o1, n0), (c1, o0, n1)
+    lying = replace(m, bundles=(replace(b, members=tuple(members)),), message="lying bundle")
+    commit(store.objects, store.refs_db, lying.to_json(), "lying")
+    gets = _chunk_gets(store)
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    store.load_into("lying", target)
+    assert _exact(target, state)
+    assert gets[0] == len(every) - len(b.members) + len(b.chunks) + 2  # the two swapped members, fetched
+
+    # Damaged: another chunk's blob under the bundle chunk's name.
+    path = store.objects.path("chunks", b.chunks[0])
+    other = next(iter(every))
+    store.objects.backend.write(path, store.objects.backend.read(store.objects.path("chunks", other)))
+    gets[0] = 0
+    out = tmp_path / "d.safetensors"
+    store.pull("m", str(out))
+    from safetensors.torch import load_file
+
+    assert _exact(load_file(str(out)), state)
+    assert gets[0] == len(every) + len(b.chunks)  # the bundle tried, then every chunk on its own
+
+    # Missing (an older gc, which does not know bundles, removed it).
+    store.objects.backend.delete(path)
+    gets[0] = 0
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    store.load_into("m", target)
+    header = {c for f in m.files for c in f.chunks}  # read by a pull, not by a load
+    assert _exact(target, state) and gets[0] == len(every - header) + len(b.chunks)
+
+
+def test_gc_keeps_bundles_and_copy_carries_them(s3_url, tmp_path):
+    state = _model_state()
+    store = ckpt.Store.init(s3_url, settings=ckpt.Settings.from_env(cache=False))
+    store.push(state, "m")
+    (b,) = store.manifest("m").bundles
+    store.gc(grace_s=0)
+    assert all(store.objects.has("chunks", c) for c in b.chunks)
+    v = store.verify()
+    assert not v.problems and v.chunks_checked == len(store.manifest("m").chunk_lengths())  # the bundle's too
+    dest = ckpt.Store.init(str(tmp_path / "copy"))
+    store.copy_to(dest, ["m"])
+    assert all(dest.objects.has("chunks", c) for c in b.chunks)
+    assert dest.manifest("m").bundles == (b,)
