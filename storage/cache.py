@@ -126,13 +126,16 @@ class ChunkBlobCache:
             return None
         if len(blob) != size - TRAILER or len(trailer) != TRAILER or blake3.blake3(blob).digest() != trailer:
             return self._damaged(path, oid)
+        self._hit(path)
+        return blob
+
+    def _hit(self, path: str) -> None:
         try:
             os.utime(path)  # recently used: evicted last
         except OSError:
             pass
         with self._lock:
             self.hits += 1
-        return blob
 
     def _damaged(self, path: str, oid: str) -> None:
         """Delete a damaged entry (counted as dropped, and as a miss)."""
@@ -169,12 +172,7 @@ class ChunkBlobCache:
             with self._lock:
                 self.misses += 1
             return None
-        try:
-            os.utime(path)  # recently used: evicted last
-        except OSError:
-            pass
-        with self._lock:
-            self.hits += 1
+        self._hit(path)
         return head
 
     def drop(self, oid: str) -> None:

@@ -80,6 +80,20 @@ def client(endpoint: str, **config: Any) -> Any:
                         region_name="us-east-1", config=Config(retries={"max_attempts": 1}, **config))
 
 
+def chunk_gets(store: Any) -> list[int]:
+    """Count the GETs of chunk objects ``store``'s S3 backend makes from now on: ``[count]``."""
+    n = [0]
+    real = store.backend._get
+
+    def counting(path: str, *a: Any, **k: Any) -> Any:
+        if path.startswith("objects/chunks/"):
+            n[0] += 1
+        return real(path, *a, **k)
+
+    store.backend._get = counting
+    return n
+
+
 def wait_ready(endpoint: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     c = client(endpoint, connect_timeout=1, read_timeout=2)

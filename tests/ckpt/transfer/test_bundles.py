@@ -11,6 +11,8 @@ import pytest
 pytest.importorskip("botocore")
 torch = pytest.importorskip("torch")
 
+from s3support import chunk_gets  # noqa: E402
+
 import ckpt  # noqa: E402
 from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX  # noqa: E402
 from ckpt_store.storage.commit import commit  # noqa: E402
@@ -23,19 +25,6 @@ def _model_state() -> dict[str, torch.Tensor]:
     model = torch.nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
     # As after training: no two tensors equal (fresh layers are copies, biases zeros, norms ones).
     return {k: torch.randn_like(v) * 0.02 for k, v in model.state_dict().items()}
-
-
-def _chunk_gets(store):
-    n = [0]
-    real = store.backend._get
-
-    def counting(path, *a, **k):
-        if path.startswith("objects/chunks/"):
-            n[0] += 1
-        return real(path, *a, **k)
-
-    store.backend._get = counting
-    return n
 
 
 def _exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
@@ -56,7 +45,7 @@ def test_small_chunks_come_from_the_bundle_in_one_request(s3_url, tmp_path):
     assert len(every) - len(b.members) >= 9  # the weight matrices (and the header) stay out
 
     reader = ckpt.Store.open(s3_url, settings=ckpt.Settings.from_env(cache=False))
-    gets = _chunk_gets(reader)
+    gets = chunk_gets(reader)
     out = tmp_path / "m.safetensors"
     reader.pull("m", str(out))
     from safetensors.torch import load_file
@@ -98,7 +87,7 @@ def test_a_missing_or_damaged_or_lying_bundle_costs_requests_never_bytes(s3_url,
     members[i0], members[i0 + 1] = (c0, o1, n0), (c1, o0, n1)
     lying = replace(m, bundles=(replace(b, members=tuple(members)),), message="lying bundle")
     commit(store.objects, store.refs_db, lying.to_json(), "lying")
-    gets = _chunk_gets(store)
+    gets = chunk_gets(store)
     target = {k: torch.empty_like(v) for k, v in state.items()}
     store.load_into("lying", target)
     assert _exact(target, state)

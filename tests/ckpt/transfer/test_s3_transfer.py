@@ -14,6 +14,8 @@ pytest.importorskip("botocore")
 np = pytest.importorskip("numpy")
 torch = pytest.importorskip("torch")
 
+from s3support import chunk_gets  # noqa: E402
+
 import ckpt  # noqa: E402
 from ckpt.transfer.pipeline import GetTask, get_chunks  # noqa: E402
 from ckpt_store.storage.errors import StorageIOError  # noqa: E402
@@ -49,20 +51,6 @@ def _tasks(store, ref, sink=None):
     return tasks
 
 
-def _chunk_gets(store):
-    """Count GETs of chunk objects the store's backend makes."""
-    n = [0]
-    real = store.backend._get
-
-    def counting(path, *a, **k):
-        if path.startswith("objects/chunks/"):
-            n[0] += 1
-        return real(path, *a, **k)
-
-    store.backend._get = counting
-    return n
-
-
 def test_cache_serves_a_second_pull_and_refuses_damage(s3_url, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setenv("CKPT_CACHE_DIR", str(cache))
@@ -70,13 +58,13 @@ def test_cache_serves_a_second_pull_and_refuses_damage(s3_url, tmp_path, monkeyp
     ckpt.Store.init(s3_url, settings=_settings(cache=False)).push(str(src), "m")
 
     first = ckpt.Store.open(s3_url, settings=_settings())
-    gets = _chunk_gets(first)
+    gets = chunk_gets(first)
     first.pull("m", str(tmp_path / "a.safetensors"))
     n_chunks = len(first.manifest("m").chunk_lengths())
     assert gets[0] == n_chunks and first.objects.cache.misses == n_chunks  # cold: every chunk fetched once
 
     second = ckpt.Store.open(s3_url, settings=_settings())
-    gets = _chunk_gets(second)
+    gets = chunk_gets(second)
     second.pull("m", str(tmp_path / "b.safetensors"))
     assert gets[0] == 0 and second.objects.cache.hits == n_chunks  # warm: nothing fetched
     assert (tmp_path / "b.safetensors").read_bytes() == src.read_bytes()
@@ -95,19 +83,19 @@ def test_cache_serves_a_second_pull_and_refuses_damage(s3_url, tmp_path, monkeyp
     ChunkBlobCache(str(cache), entries[1].parent.parent.name, 1 << 30).put(victim, (other,))
 
     third = ckpt.Store.open(s3_url, settings=_settings())
-    gets = _chunk_gets(third)
+    gets = chunk_gets(third)
     third.pull("m", str(tmp_path / "c.safetensors"))
     assert (tmp_path / "c.safetensors").read_bytes() == src.read_bytes()  # never served wrong bytes
     assert gets[0] == 2 and third.objects.cache.dropped == 2  # both fetched again, the bad entries replaced
     fourth = ckpt.Store.open(s3_url, settings=_settings())
-    gets = _chunk_gets(fourth)
+    gets = chunk_gets(fourth)
     fourth.pull("m", str(tmp_path / "d.safetensors"))
     assert gets[0] == 0
 
     # --no-cache: nothing read from or written to the cache.
     off = ckpt.Store.open(s3_url, settings=_settings(cache=False))
     assert off.objects.cache is None
-    gets = _chunk_gets(off)
+    gets = chunk_gets(off)
     off.pull("m", str(tmp_path / "e.safetensors"))
     assert gets[0] == n_chunks
 
@@ -162,7 +150,7 @@ def test_cache_keeps_whole_chunks_decoded_and_serves_them_without_decoding(s3_ur
 
     monkeypatch.setattr(chunk_codec, "_planes_decode", counting)
     warm = ckpt.Store.open(s3_url, settings=_settings())
-    gets = _chunk_gets(warm)
+    gets = chunk_gets(warm)
     warm.pull("base", str(tmp_path / "b-2.safetensors"))
     assert (tmp_path / "b-2.safetensors").read_bytes() == src.read_bytes()
     assert gets[0] == 0 and decoded[0] <= 1  # nothing fetched; at most the zeros chunk decoded
@@ -178,7 +166,7 @@ def test_cache_keeps_whole_chunks_decoded_and_serves_them_without_decoding(s3_ur
     raw[len(raw) // 2] ^= 0x04
     victim.write_bytes(bytes(raw))
     again = ckpt.Store.open(s3_url, settings=_settings())
-    gets = _chunk_gets(again)
+    gets = chunk_gets(again)
     target = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in tensors.items()}
     again.load_into("base", target)
     assert all(target[k].numpy().tobytes() == v.tobytes() for k, v in tensors.items())
@@ -386,7 +374,7 @@ def test_fine_tune_pull_fetches_only_its_own_chunks_and_refetches_a_damaged_base
     entry.write_bytes(bytes(raw))
 
     again = ckpt.Store.open(s3_url, settings=_settings())
-    gets = _chunk_gets(again)
+    gets = chunk_gets(again)
     again.pull("ft", str(tmp_path / "ft-out.safetensors"))
     assert (tmp_path / "ft-out.safetensors").read_bytes() == ft_path.read_bytes()
     assert gets[0] == len(own) + 1  # its own chunks, and the damaged base once more
