@@ -620,9 +620,13 @@ def _from_bundles(objects: ObjectStore, todo: list[GetTask], manifest: Manifest,
                   progress: Progress) -> list[GetTask]:
     """Serve the tasks of ``todo`` whose chunks a bundle of ``manifest`` holds from the bundle
     (fetched, decoded and verified as chunks of its own), each member checked against its own
-    id; returns the tasks left. A bundle that cannot be read (missing, damaged) serves nothing:
-    its members are then fetched one by one, as without it."""
+    id; returns the tasks left. A bundle that cannot be read (missing, damaged), or that claims
+    more bytes than its members hold or than ``settings.inflight_mb`` (a manifest is outside
+    data: it must not make a reader allocate what it says), serves nothing: its members are then
+    fetched one by one, as without it."""
     for b in manifest.bundles:
+        if b.nbytes != sum(n for _, _, n in b.members) or b.nbytes > settings.inflight_mb << 20:
+            continue  # not as a push writes one (members back to back): its memory is not worth risking
         where = {cid: (off, n) for cid, off, n in b.members}
         mine = [t for t in todo if t.id in where and where[t.id][1] == t.length]
         if len(mine) < 2:
