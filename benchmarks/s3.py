@@ -369,7 +369,8 @@ def main() -> None:
     title = {sv: SERVER_TITLES[sv] for sv in servers}
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "ckpt", "storage", "cli", "benchmarks/s3.py"],
+                           capture_output=True, text=True,
                            cwd=REPO).stdout.strip()
     import botocore
 
