@@ -22,8 +22,10 @@ in the same run, configurations interleaved per repetition (medians):
 
 * boto3 TransferManager ``upload_file`` / ``download_file`` (max_concurrency 16, 8 MiB parts,
   a pool of 32 connections), s3fs ``put_file`` / ``get_file``;
-* ckpt push (fresh store), pull with the cache off (cold), pull with the cache warm,
-  load_into preallocated tensors (cache off) beside boto3 download + ``safetensors.torch.load_file``;
+* ckpt push (fresh store), pull with the cache off (cold), pull with the cache warm (beside the file
+  copied on this disk with an fsync: disk speed),
+  load_into preallocated tensors (cache off; for (c), the base cached) beside boto3 download +
+  ``safetensors.torch.load_file``;
 * the cold pull, load_into and push again with every request through botocore
   (``s3_direct=False``, ``CKPT_S3_DIRECT=0``): what direct requests (storage/backends/s3_direct.py) buy;
 * requests per second of the ckpt pull (GETs it made / seconds);
@@ -311,6 +313,19 @@ def main() -> None:
                         rec("c", "ckpt pull (base cached)", timed(what="_last", fn=lambda: cached.pull("ft", str(out))))
                         assert out.read_bytes() == ft.read_bytes()
                         out.unlink()
+                        # load_into with the same cache: the fine-tune's own chunks (which the pull cached) out
+                        # of it again (the cache's layout: <dir>/<id[:2]>/<id>), its base's in.
+                        own = set(store.manifest("ft").chunk_lengths()) - set(store.manifest("m").chunk_lengths())
+                        for cid in own:
+                            Path(cached.objects.cache.dir, cid[:2], cid).unlink(missing_ok=True)
+                        rec("c", "boto3 download_file + load_file", timed(what="_last", fn=lambda: (
+                            conn.client.download_file(b_name, key + ".ft", str(out), Config=tc), load_file(str(out)))))
+                        out.unlink()
+                        target = {k: v.clone() for k, v in load_file(str(ft)).items()}
+                        rec("c", "ckpt load_into (base cached)", timed(what="_last", fn=lambda: cached.load_into("ft", target)))
+                        want = load_file(str(ft))
+                        assert all(target[k].numpy().tobytes() == want[k].numpy().tobytes() for k in want)
+                        target = want = {}
                         fresh = ckpt.Store.init(f"s3://{server.new_bucket()}/store", settings=settings(cache=False))
                         fresh.push(str(files["a"]), "m")
                         rec("c", "ckpt push (base in the store)", timed(what="_last", fn=lambda: fresh.push(str(ft), "ft", base="m")))
@@ -334,7 +349,7 @@ def main() -> None:
             for conc, infl in ((4, 256), (16, 256), (32, 256), (64, 256), (16, 32), (16, 1024)):
                 store = ckpt.Store.open(url, settings=settings(cache=False, transfer_concurrency=conc, inflight_mb=infl))
                 out = tmp / "w.safetensors"
-                windows.append((conc, infl, timed(what="_last", fn=lambda: store.pull("m", str(out)))))
+                windows.append((conc, infl, timed(fn=lambda: store.pull("m", str(out)))))
                 out.unlink()
             log("peak RSS of a 1 GB load")
             r = subprocess.run([sys.executable, "-c", RSS_SCRIPT, url, "m"], capture_output=True, text=True, check=True,
@@ -425,6 +440,9 @@ def main() -> None:
         *[f"| {label} | " + " | ".join(cell(sv, "c", what, ref) for sv in ccols) + " |" for label, what, ref in (
             ("boto3 download_file of the whole fine-tune", "boto3 download_file", None),
             ("ckpt pull, the base's chunks in the local cache", "ckpt pull (base cached)", "boto3 download_file"),
+            ("boto3 download_file + load_file of the whole fine-tune", "boto3 download_file + load_file", None),
+            ("ckpt load_into, the base's chunks in the local cache", "ckpt load_into (base cached)",
+             "boto3 download_file + load_file"),
             ("boto3 upload_file of the whole fine-tune", "boto3 upload_file", None),
             ("ckpt push, the base in the store (deltas only)", "ckpt push (base in the store)", "boto3 upload_file"),
             ("the same push, botocore only", "ckpt push (base in the store), botocore only", "boto3 upload_file"))],
