@@ -11,8 +11,9 @@ the 32-byte BLAKE3 of the blob. The blob is any valid blob of the chunk: the one
 module knows only bytes. :meth:`ChunkBlobCache.get` checks an entry against its trailer
 (BLAKE3 runs at ~4-6 GB/s per core here); a damaged or truncated entry is deleted and
 reported as a miss, never served. :meth:`ChunkBlobCache.read_split` leaves the check to a
-caller that verifies the chunk's id after decoding anyway, and drops what fails. Entries are written to a temporary name and renamed, so a
-crash leaves at most a temporary file, swept by the next eviction.
+caller that verifies the chunk's id after decoding anyway, and drops what fails. Entries are
+written to a temporary name and renamed, so a crash leaves at most a temporary file, swept
+by the next eviction.
 
 The cache holds at most ``max_bytes``: past that, the least recently used entries (by
 modification time, refreshed on every hit) are deleted until it is under 90% of it.
@@ -110,7 +111,6 @@ class ChunkBlobCache:
         """The blob of chunk ``oid``, checked against its trailer, or None (absent, or damaged:
         then it is deleted). (:meth:`read_split` reads without the check.)"""
         path = self._path(oid)
-        size = -1
         try:
             f, size = self._open(path)
             with f:
@@ -119,11 +119,7 @@ class ChunkBlobCache:
                 blob = f.read(size - TRAILER)
                 trailer = f.read(TRAILER)
         except OSError:
-            if size < 0 and os.path.lexists(path) and not os.path.isdir(path):
-                return self._damaged(path, oid)  # there, but not an entry this cache wrote
-            with self._lock:
-                self.misses += 1
-            return None
+            return self._unreadable(path, oid)
         if len(blob) != size - TRAILER or len(trailer) != TRAILER or blake3.blake3(blob).digest() != trailer:
             return self._damaged(path, oid)
         self._hit(path)
@@ -137,8 +133,17 @@ class ChunkBlobCache:
         with self._lock:
             self.hits += 1
 
-    def _damaged(self, path: str, oid: str) -> None:
-        """Delete a damaged entry (counted as dropped, and as a miss)."""
+    def _unreadable(self, path: str, oid: str) -> None:
+        """An entry that could not be read: a miss; deleted if something is there (not an entry
+        this cache wrote, or one cut short)."""
+        if os.path.lexists(path) and not os.path.isdir(path):
+            return self._damaged(path, oid)
+        with self._lock:
+            self.misses += 1
+        return None
+
+    def _damaged(self, path: str, oid: str, *, miss: bool = True) -> None:
+        """Delete a damaged entry (counted as dropped, and as a miss unless it was read as a hit)."""
         try:
             size = os.lstat(path).st_size
         except OSError:
@@ -147,7 +152,7 @@ class ChunkBlobCache:
         self._drop(path, size)
         with self._lock:
             self.dropped += 1
-            self.misses += 1
+            self.misses += miss
 
     def read_split(self, oid: str, first: int, place: Callable[[bytes, int], memoryview]) -> bytes | None:
         """The blob of chunk ``oid`` read as :meth:`Backend.read_split` reads an object: its first
@@ -156,7 +161,6 @@ class ChunkBlobCache:
         or shorter than its trailer says. The trailer is not checked: the caller verifies the
         decoded chunk against its id and :meth:`drop` s the entry if it is wrong."""
         path = self._path(oid)
-        size = -1
         try:
             f, size = self._open(path)
             with f:
@@ -166,26 +170,15 @@ class ChunkBlobCache:
                 if len(head) != min(first, size) or len(buf) != size - len(head) or f.readinto(buf) != len(buf):
                     raise OSError("short read")
         except OSError:
-            if os.path.lexists(path) and not os.path.isdir(path):
-                self._damaged(path, oid)  # there, but not an entry this cache wrote, or cut short
-                return None
-            with self._lock:
-                self.misses += 1
-            return None
+            return self._unreadable(path, oid)
         self._hit(path)
         return head
 
     def drop(self, oid: str) -> None:
         """Delete the entry of ``oid`` (a caller found it wrong after decoding)."""
         path = self._path(oid)
-        try:
-            n = os.path.getsize(path)
-        except OSError:
-            return
-        log.warning("cached chunk %s is damaged: dropped, fetching it again", oid)
-        self._drop(path, n)
-        with self._lock:
-            self.dropped += 1
+        if os.path.lexists(path):
+            self._damaged(path, oid, miss=False)
 
     def _drop(self, path: str, n: int) -> None:
         try:

@@ -3,8 +3,9 @@
 A manifest names chunks only inside the entries of its ``files``, ``tensors`` and
 ``bundles`` sections (the last: copies of small chunks for remote readers; optional),
 under the keys ``chunks`` (the chunk of each piece, in order) and ``delta_bases`` (for
-each chunk, the chain of bases it is a delta against, nearest first). Everything else in a manifest is user JSON (metadata, non-tensor state,
-lineage) and may hold a key named ``chunks`` without naming any chunk.
+each chunk, the chain of bases it is a delta against, nearest first). Everything else in a
+manifest is user JSON (metadata, non-tensor state, lineage) and may hold a key named
+``chunks`` without naming any chunk.
 
 gc (what is live), commit (what must be present before a manifest lands), copy (what
 a checkpoint depends on, bases first) and the DCP format (which keys user state may

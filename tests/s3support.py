@@ -80,13 +80,14 @@ def client(endpoint: str, **config: Any) -> Any:
                         region_name="us-east-1", config=Config(retries={"max_attempts": 1}, **config))
 
 
-def chunk_gets(store: Any) -> list[int]:
-    """Count the GETs of chunk objects ``store``'s S3 backend makes from now on: ``[count]``."""
+def chunk_gets(store: Any, prefix: str = "objects/chunks/") -> list[int]:
+    """Count the GETs of objects under ``prefix`` (chunks; "": every object) that ``store``'s S3
+    backend makes from now on: ``[count]``."""
     n = [0]
     real = store.backend._get
 
     def counting(path: str, *a: Any, **k: Any) -> Any:
-        if path.startswith("objects/chunks/"):
+        if path.startswith(prefix):
             n[0] += 1
         return real(path, *a, **k)
 

@@ -287,22 +287,24 @@ def _read_remote(objects: ObjectStore, cid: str, length: int, settings: Settings
         if objects.cache is not None:
             objects.cache.put(cid, (head[: got["raw"]], out))
         return _Read(None, length)
-    if objects.cache is not None and _kept_decoded(got["blob"], cid) is None:
-        objects.cache.put(cid, (got["blob"],))  # (one kept decoded is put once decoded: _decode_read)
+    if objects.cache is not None:
+        try:
+            decoded_later = _kept_decoded(parse_header(got["blob"], cid), len(got["blob"]))
+        except CorruptObjectError:
+            decoded_later = False  # reported when it is decoded
+        if not decoded_later:
+            objects.cache.put(cid, (got["blob"],))  # (one kept decoded is put once decoded: _decode_read)
     return _Read(got["blob"])
 
 
-def _kept_decoded(blob: bytes | bytearray | memoryview, cid: str) -> ChunkHeader | None:
-    """The header of ``blob`` if the local chunk cache keeps its chunk decoded (as a raw blob)
-    rather than as stored: a whole chunk (not a delta) that its codec shrank by less than half.
-    A cached re-pull of it then costs a read and a hash instead of decoding it again (zstd
-    decodes ~1 GB/s per core here, and it was most of a warm pull's CPU), for at most twice
-    the disk. Deltas stay as stored: they are small, and their bases are kept decoded."""
-    try:
-        h = parse_header(blob, cid)
-    except CorruptObjectError:
-        return None
-    return h if h.codec != RAW and h.base is None and 2 * len(blob) >= h.length else None
+def _kept_decoded(h: ChunkHeader, stored: int) -> bool:
+    """Whether the local chunk cache keeps the chunk of a blob of ``stored`` bytes with header
+    ``h`` decoded (as a raw blob) rather than as stored: a whole chunk (not a delta) that its
+    codec shrank by less than half. A cached re-pull of it then costs a read and a hash instead
+    of decoding it again (zstd decodes ~1 GB/s per core here, and it was most of a warm pull's
+    CPU), for at most twice the disk. Deltas stay as stored: they are small, and their bases
+    are kept decoded."""
+    return h.codec != RAW and h.base is None and 2 * stored >= h.length
 
 
 def _read_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings, out: memoryview | None = None,
@@ -366,7 +368,7 @@ def _decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings
         base, below = fetch_base(objects, h.base, length, settings, cid, _depth + 1, got.bases)
         chain = (h.base, *below)
     data = decode_chunk(got.blob, cid, length, max_length=settings.max_chunk_size, base=base, out=out)
-    if objects.cache is not None and _kept_decoded(got.blob, cid) is not None:
+    if objects.cache is not None and _kept_decoded(h, len(got.blob)):
         # Replaces the blob as stored where the cache had it (read ahead as a base, or cached before).
         objects.cache.put(cid, (raw_header(h.elem, length), data), replace=True)
     return data, chain

@@ -10,8 +10,9 @@ object of the store. Conditional creates (ref entries) and multipart uploads alw
 through botocore: they are few, and their answers (412, upload ids) are botocore's to read.
 Measured on SeaweedFS on loopback: 200 GETs of 200 KB one after the other, 1.9 ms of CPU
 per GET through the client and 0.6 ms sent here; 300 HEADs of missing objects, 1.3-1.5 ms
-each through the client and 0.7 ms here; a listing of 2,500 keys, 0.33 s of CPU through the client (``benchmarks/results/s3.md`` and ``metadata.md`` have the effect on
-whole commands).
+each through the client and 0.7 ms here; a listing of 2,500 keys, 0.33 s of CPU through
+the client and 0.03 s here (``benchmarks/results/s3.md`` and ``metadata.md`` have the
+effect on whole commands).
 
 How a request stays what botocore would send: it is learned from botocore.
 
@@ -171,7 +172,7 @@ class DirectRequests:
         headers = {"User-Agent": how.user_agent}
         if range_header:
             headers["Range"] = range_header
-        return self._send(GET, how, how.url + self._quote(key, safe="/~"), headers)
+        return self._send(GET, how, self._url(how, key), headers)
 
     def list(self, prefix: str, token: str | None, delimiter: str, max_keys: int = 0) -> Any:
         """Send a LIST (ListObjectsV2) of keys under ``prefix``; the answer is read by :meth:`page`."""
@@ -189,7 +190,7 @@ class DirectRequests:
     def head(self, key: str) -> Any:
         """Send a HEAD of ``key``; :meth:`headers` reads a 200's answer."""
         how = self._learned[HEAD]
-        return self._send(HEAD, how, how.url + self._quote(key, safe="/~"), {"User-Agent": how.user_agent}, "HEAD")
+        return self._send(HEAD, how, self._url(how, key), {"User-Agent": how.user_agent}, "HEAD")
 
     def headers(self, response: Any) -> dict[str, Any]:
         """A HEAD's answer as botocore returns the fields read here: ``ContentLength``,
@@ -206,7 +207,11 @@ class DirectRequests:
         """Send a PUT of ``blob`` as object ``key`` (its payload signed as botocore signs it); read by :meth:`finish`."""
         how = self._learned[PUT]
         headers = {"User-Agent": how.user_agent, "Content-Length": str(len(blob))}
-        return self._send(PUT, how, how.url + self._quote(key, safe="/~"), headers, "PUT", blob)
+        return self._send(PUT, how, self._url(how, key), headers, "PUT", blob)
+
+    def _url(self, how: _Learned, key: str) -> str:
+        """The URL of object ``key``: the learned one with its key, quoted as botocore quotes it."""
+        return how.url + self._quote(key, safe="/~")
 
     def _send(self, op: str, how: _Learned, url: str, headers: dict[str, str], method: str = "GET",
               body: bytes | None = None) -> Any:
