@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -239,13 +240,15 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
 class OutputFile:
     """A new file of ``size`` bytes at ``path`` (a temporary name from :func:`write_files`),
     written at offsets from any number of threads. Created exclusively: nothing already at
-    ``path`` is ever written through. :meth:`close` fsyncs it (unless it failed)."""
+    ``path`` is ever written through. Leaving the ``with`` block fsyncs it (unless it failed);
+    a large file is flushed in the background while it is written (:class:`_Flusher`)."""
 
     def __init__(self, path: str, size: int) -> None:
         self.path = path
         self.fd = create_new(path)
         try:
             os.ftruncate(self.fd, size)
+            self.flusher = _Flusher(self.fd) if size >= 2 * FLUSH_EVERY else None
         except BaseException:
             os.close(self.fd)
             raise
@@ -257,6 +260,8 @@ class OutputFile:
             n = os.pwrite(self.fd, view, off)
             view, off = view[n:], off + n
         _start_writeback(self.fd, start, length)
+        if self.flusher is not None:
+            self.flusher.wrote(length)
 
     def sink_at(self, off: int) -> Callable[[bytes], None]:
         """A sink writing the bytes it receives at ``off``."""
@@ -267,10 +272,62 @@ class OutputFile:
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
         try:
+            if self.flusher is not None:
+                self.flusher.close()
             if exc_type is None:
                 os.fsync(self.fd)
         finally:
             os.close(self.fd)
+
+
+# Bytes written between two background flushes of a pulled file.
+FLUSH_EVERY = 16 << 20
+
+
+class _Flusher:
+    """Flushes a file being written to the disk in the background: an ``fdatasync`` each time
+    another :data:`FLUSH_EVERY` bytes were written, on a thread of its own (the flush waits on
+    the disk, not the CPU). The fsync that ends the file then has little left to wait for.
+
+    ``sync_file_range`` (:func:`_start_writeback`) only starts writing to the disk: this
+    VM's disk acknowledges that into a cache of its host's, and the final fsync waited ~0.07 s
+    for every 91 MB however early the writeback had started (a tiny file's fsync: 0.3 ms).
+    Flushed as it was written, the same file's final fsync took 0.004-0.011 s, and writing it
+    took no longer. The final fsync stays: it is what makes the file durable."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.unflushed = 0
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.closing = False
+        self.thread = threading.Thread(target=self._run, name="ckpt-flush", daemon=True)
+        self.thread.start()
+
+    def wrote(self, n: int) -> None:
+        with self.lock:
+            self.unflushed += n
+            if self.unflushed < FLUSH_EVERY:
+                return
+            self.unflushed = 0
+        self.wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self.wake.wait()
+            self.wake.clear()
+            if self.closing:
+                return
+            try:
+                os.fdatasync(self.fd)
+            except OSError:
+                return  # the final fsync reports the disk's error
+
+    def close(self) -> None:
+        """Stop (after a flush in progress): the caller then fsyncs or drops the file and closes it."""
+        self.closing = True
+        self.wake.set()
+        self.thread.join()
 
 
 def create_new(path: str) -> int:

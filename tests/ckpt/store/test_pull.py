@@ -239,3 +239,84 @@ def test_distributed_checkpoint_pull_follows_the_same_rule(tmp_path):
     got = torch.load(store.pull("dist/a", tmp_path / "out.pt"), weights_only=True)
     assert sorted(got) == ["t.ids", "t.rows"] and _bits(got["t.rows"]) == _bits(full["rows"])
     assert not [p for p in tmp_path.iterdir() if "ckpt-tmp" in p.name]
+
+
+def _flush_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "ckpt-flush"]
+
+
+
+def _recording(monkeypatch) -> list[tuple[str, int]]:
+    """Record every fdatasync and fsync (by fd), then do it."""
+    calls: list[tuple[str, int]] = []
+    for name in ("fdatasync", "fsync"):
+        real = getattr(os, name)
+
+        def call(fd: int, name: str = name, real=real) -> None:
+            calls.append((name, fd))
+            real(fd)
+
+        monkeypatch.setattr(os, name, call)
+    return calls
+
+
+def test_an_output_file_is_flushed_while_written_then_fsynced(tmp_path, monkeypatch):
+    """Each FLUSH_EVERY bytes written wake a thread that flushes the file to the disk (so
+    the final fsync has little left); leaving the block stops it, then fsyncs the file."""
+    import time
+
+    from ckpt.store import destination
+
+    monkeypatch.setattr(destination, "FLUSH_EVERY", 1 << 20)
+    calls = _recording(monkeypatch)
+    piece = os.urandom(1 << 20)
+    with destination.OutputFile(str(tmp_path / "f"), 4 << 20) as out:
+        fd = out.fd
+        for i in range(3):
+            out.write_at(piece, i << 20)
+        deadline = time.monotonic() + 10
+        while ("fdatasync", fd) not in calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ("fdatasync", fd) in calls and ("fsync", fd) not in calls
+    assert calls[-1] == ("fsync", fd)
+    assert not _flush_threads()
+    assert (tmp_path / "f").read_bytes() == piece * 3 + bytes(1 << 20)
+
+
+def test_a_large_pull_stops_its_flushing_whether_it_succeeds_or_fails(tmp_path, monkeypatch):
+    """A pulled file of several FLUSH_EVERY: its bytes are the source's, it was fsynced before
+    it was renamed into place, and no flushing thread outlives the pull, even a failed one."""
+    from ckpt.store import destination
+
+    monkeypatch.setattr(destination, "FLUSH_EVERY", 1 << 20)
+    store = ckpt.Store.init(str(tmp_path / "store"), settings=ckpt.Settings.from_env(chunk_size=1 << 20))
+    g = torch.Generator().manual_seed(3)
+    tensors = {f"w{i}": torch.randn(1 << 18, generator=g) for i in range(8)}  # 8 MiB, 8+ chunks
+    src = tmp_path / "src.safetensors"
+    save_file(tensors, str(src))
+    store.push(str(src), "big")
+    calls = _recording(monkeypatch)
+    real_replace = os.replace
+    fsynced_before_rename: list[bool] = []
+
+    def replace(a, b):
+        fsynced_before_rename.append(any(k == "fsync" for k, _ in calls))
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    out = tmp_path / "out.safetensors"
+    store.pull("big", out)
+    assert out.read_bytes() == src.read_bytes()
+    assert fsynced_before_rename == [True]
+    assert not _flush_threads()
+
+    cid = store.manifest("big").tensors[-1].chunks[0]
+    path = tmp_path / "store" / store.objects.path("chunks", cid)
+    path.chmod(0o644)
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(CorruptObjectError):
+        store.pull("big", tmp_path / "failed.safetensors")
+    assert not _flush_threads()
+    assert sorted(os.listdir(tmp_path)) == ["out.safetensors", "src.safetensors", "store"]
