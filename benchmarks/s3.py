@@ -206,7 +206,7 @@ def main() -> None:
     tc = TransferConfig(max_concurrency=16, multipart_chunksize=8 << 20, multipart_threshold=8 << 20)
     # Keyed by (server, data set, operation); CPU by "server|data set|operation".
     rows: dict[tuple[str, str, str], list[float]] = {}
-    gets: dict[tuple[str, str], int] = {}
+    gets: dict[tuple[str, str], list[int]] = {}  # (server, data set) -> [GETs, bytes of their bodies]
     srv = servers[0]
     skipped: list[str] = []
 
@@ -265,7 +265,7 @@ def main() -> None:
                     rec(ds, "ckpt push", timed(what="_last", fn=lambda: store.push(str(src), "m")))
                     n = s3support.chunk_gets(store, prefix="")  # every GET
                     rec(ds, "ckpt pull (no cache)", timed(what="_last", fn=lambda: store.pull("m", str(out))))
-                    gets[(srv, ds)] = n[0]
+                    gets[(srv, ds)] = list(n)  # (the counter goes on counting)
                     assert out.read_bytes() == src.read_bytes()
                     out.unlink()
                     # Preallocated and touched: private memory written once, so that neither load_into row
@@ -298,7 +298,9 @@ def main() -> None:
                         rec("c", "boto3 upload_file", timed(what="_last", fn=lambda: conn.client.upload_file(str(ft), b_name, key + ".ft", Config=tc)))
                         rec("c", "boto3 download_file", timed(what="_last", fn=lambda: conn.client.download_file(b_name, key + ".ft", str(out), Config=tc)))
                         out.unlink()
+                        n = s3support.chunk_gets(cached, prefix="")
                         rec("c", "ckpt pull (base cached)", timed(what="_last", fn=lambda: cached.pull("ft", str(out))))
+                        gets[(srv, "c")] = list(n)
                         assert out.read_bytes() == ft.read_bytes()
                         out.unlink()
                         # load_into with the same cache: the fine-tune's own chunks (which the pull cached) out
@@ -418,7 +420,8 @@ def main() -> None:
     lines += [
         "",
         "Requests: the uncached pull made " + "; ".join(
-            f"{gets[(sv, ds)]} GETs for ({ds}) on {title[sv]} ({gets[(sv, ds)] / med(sv, ds, 'ckpt pull (no cache)'):,.0f} requests/s)"
+            f"{gets[(sv, ds)][0]} GETs for ({ds}) on {title[sv]} ({gets[(sv, ds)][0] / med(sv, ds, 'ckpt pull (no cache)'):,.0f} "
+            f"requests/s), {gets[(sv, ds)][1] / MB:,.0f} MB of bodies against the file's {sizes[ds] / MB:,.0f} MB"
             for sv, ds in cols if (sv, ds) in gets) + ".",
         "",
         f"### {names['c']}",
@@ -434,6 +437,11 @@ def main() -> None:
             ("boto3 upload_file of the whole fine-tune", "boto3 upload_file", None),
             ("ckpt push, the base in the store (deltas only)", "ckpt push (base in the store)", "boto3 upload_file"),
             ("the same push, botocore only", "ckpt push (base in the store), botocore only", "boto3 upload_file"))],
+        "",
+        "Requests: the pull with the base's chunks cached made " + "; ".join(
+            f"{gets[(sv, 'c')][0]} GETs on {title[sv]}, {gets[(sv, 'c')][1] / MB:,.0f} MB of bodies (the fine-tune's own "
+            f"chunks, deltas against its base) against the {sizes['c'] / MB:,.0f} MB boto3 downloads"
+            for sv in ccols if (sv, "c") in gets) + ".",
         "",
         "## What bounds each figure: CPU seconds per operation (medians), client process and server process",
         "",

@@ -82,14 +82,16 @@ def client(endpoint: str, **config: Any) -> Any:
 
 def chunk_gets(store: Any, prefix: str = "objects/chunks/") -> list[int]:
     """Count the GETs of objects under ``prefix`` (chunks; "": every object) that ``store``'s S3
-    backend makes from now on: ``[count]``."""
-    n = [0]
+    backend makes from now on, and the bytes their bodies hold: ``[count, bytes]``."""
+    n = [0, 0]
     real = store.backend._get
 
     def counting(path: str, *a: Any, **k: Any) -> Any:
+        got = real(path, *a, **k)
         if path.startswith(prefix):
             n[0] += 1
-        return real(path, *a, **k)
+            n[1] += got[1]
+        return got
 
     store.backend._get = counting
     return n
