@@ -275,6 +275,8 @@ class OutputFile:
             if self.flusher is not None:
                 self.flusher.close()
             if exc_type is None:
+                if self.flusher is not None and self.flusher.error is not None:
+                    raise self.flusher.error
                 os.fsync(self.fd)
         finally:
             os.close(self.fd)
@@ -293,7 +295,11 @@ class _Flusher:
     VM's disk acknowledges that into a cache of its host's, and the final fsync waited ~0.07 s
     for every 91 MB however early the writeback had started (a tiny file's fsync: 0.3 ms).
     Flushed as it was written, the same file's final fsync took 0.004-0.011 s, and writing it
-    took no longer. The final fsync stays: it is what makes the file durable."""
+    took no longer. The final fsync stays: it is what makes the file durable.
+
+    A failed flush is kept and raised by the file's close, not left to the final fsync: Linux
+    reports a writeback error once per open file, so after the flush has seen it the fsync
+    would succeed over lost data."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -301,6 +307,7 @@ class _Flusher:
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.closing = False
+        self.error: OSError | None = None
         self.thread = threading.Thread(target=self._run, name="ckpt-flush", daemon=True)
         self.thread.start()
 
@@ -320,8 +327,9 @@ class _Flusher:
                 return
             try:
                 os.fdatasync(self.fd)
-            except OSError:
-                return  # the final fsync reports the disk's error
+            except OSError as e:
+                self.error = e
+                return
 
     def close(self) -> None:
         """Stop (after a flush in progress): the caller then fsyncs or drops the file and closes it."""

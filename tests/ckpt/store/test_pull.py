@@ -320,3 +320,40 @@ def test_a_large_pull_stops_its_flushing_whether_it_succeeds_or_fails(tmp_path, 
         store.pull("big", tmp_path / "failed.safetensors")
     assert not _flush_threads()
     assert sorted(os.listdir(tmp_path)) == ["out.safetensors", "src.safetensors", "store"]
+
+
+def test_a_failed_background_flush_fails_the_pull(tmp_path, monkeypatch):
+    """A flush that fails (the disk lost written data) fails the pull, and nothing is renamed
+    into place: the error is not left to the final fsync, which Linux lets succeed once an
+    earlier call on the same file has reported it."""
+    import errno
+    import time
+
+    from ckpt.store import destination
+
+    monkeypatch.setattr(destination, "FLUSH_EVERY", 1 << 20)
+    store = ckpt.Store.init(str(tmp_path / "store"), settings=ckpt.Settings.from_env(chunk_size=1 << 20))
+    g = torch.Generator().manual_seed(4)
+    store.push({f"w{i}": torch.randn(1 << 18, generator=g) for i in range(8)}, "big")
+    flushed = []
+
+    def failing(fd: int) -> None:
+        flushed.append(fd)
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    real_write_at = destination.OutputFile.write_at
+
+    def write_at(self, data, off):  # give the flusher time to run before the file is closed
+        real_write_at(self, data, off)
+        if self.flusher is not None and not flushed:
+            deadline = time.monotonic() + 10
+            while not flushed and time.monotonic() < deadline and self.flusher.unflushed == 0:
+                time.sleep(0.01)
+
+    monkeypatch.setattr(destination.OutputFile, "write_at", write_at)
+    with pytest.raises(DestinationError, match="Input/output error"):
+        store.pull("big", tmp_path / "out.safetensors")
+    assert flushed
+    assert sorted(os.listdir(tmp_path)) == ["store"]
+    assert not _flush_threads()
