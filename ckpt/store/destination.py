@@ -273,10 +273,8 @@ class OutputFile:
     def __exit__(self, exc_type: object, *rest: object) -> None:
         try:
             if self.flusher is not None:
-                self.flusher.close()
+                self.flusher.close(check=exc_type is None)
             if exc_type is None:
-                if self.flusher is not None and self.flusher.error is not None:
-                    raise self.flusher.error
                 os.fsync(self.fd)
         finally:
             os.close(self.fd)
@@ -331,11 +329,31 @@ class _Flusher:
                 self.error = e
                 return
 
-    def close(self) -> None:
-        """Stop (after a flush in progress): the caller then fsyncs or drops the file and closes it."""
+    def close(self, check: bool = True) -> None:
+        """Stop (after a flush in progress); with ``check``, raise the error of a failed flush.
+        The caller then fsyncs or drops the file and closes it."""
         self.closing = True
         self.wake.set()
         self.thread.join()
+        if check and self.error is not None:
+            raise self.error
+
+
+class _Flushing:
+    """A binary file's ``write`` and ``flush``, telling ``flusher`` what is written (for
+    writers that take a file object, such as ``torch.save``)."""
+
+    def __init__(self, f: Any, flusher: _Flusher) -> None:
+        self.f = f
+        self.flusher = flusher
+
+    def write(self, data: Any) -> int:
+        n = self.f.write(data)
+        self.flusher.wrote(n)
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def create_new(path: str) -> int:
@@ -393,10 +411,20 @@ def write_torch(target: str, tensors: dict[str, torch.Tensor], values: dict[str,
                                   hint="pull it as .safetensors (tensors only)")
     obj: dict[str, Any] = {**tensors, **values}
 
+    size = sum(t.nbytes for t in tensors.values())
+
     def fill(tmps: list[str]) -> None:
         with os.fdopen(create_new(tmps[0]), "wb") as f:
-            torch.save(obj, f)
-            f.flush()
+            flusher = _Flusher(f.fileno()) if size >= 2 * FLUSH_EVERY else None
+            try:
+                torch.save(obj, f if flusher is None else _Flushing(f, flusher))
+                f.flush()
+            except BaseException:
+                if flusher is not None:
+                    flusher.close(check=False)
+                raise
+            if flusher is not None:
+                flusher.close()
             os.fsync(f.fileno())
 
     write_files([target], fill)

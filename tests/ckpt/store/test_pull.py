@@ -322,10 +322,13 @@ def test_a_large_pull_stops_its_flushing_whether_it_succeeds_or_fails(tmp_path, 
     assert sorted(os.listdir(tmp_path)) == ["out.safetensors", "src.safetensors", "store"]
 
 
-def test_a_failed_background_flush_fails_the_pull(tmp_path, monkeypatch):
+
+@pytest.mark.parametrize("name", ["out.safetensors", "out.pt"])
+def test_a_failed_background_flush_fails_the_pull(tmp_path, monkeypatch, name):
     """A flush that fails (the disk lost written data) fails the pull, and nothing is renamed
     into place: the error is not left to the final fsync, which Linux lets succeed once an
-    earlier call on the same file has reported it."""
+    earlier call on the same file has reported it. The same for a torch file (``torch.save``
+    writes it through a file object)."""
     import errno
     import time
 
@@ -342,18 +345,17 @@ def test_a_failed_background_flush_fails_the_pull(tmp_path, monkeypatch):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(os, "fdatasync", failing)
-    real_write_at = destination.OutputFile.write_at
+    real_wrote = destination._Flusher.wrote
 
-    def write_at(self, data, off):  # give the flusher time to run before the file is closed
-        real_write_at(self, data, off)
-        if self.flusher is not None and not flushed:
-            deadline = time.monotonic() + 10
-            while not flushed and time.monotonic() < deadline and self.flusher.unflushed == 0:
-                time.sleep(0.01)
+    def wrote(self, n: int) -> None:  # once a flush is asked for, let it run before more is written
+        real_wrote(self, n)
+        deadline = time.monotonic() + 10
+        while not flushed and self.unflushed == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
 
-    monkeypatch.setattr(destination.OutputFile, "write_at", write_at)
+    monkeypatch.setattr(destination._Flusher, "wrote", wrote)
     with pytest.raises(DestinationError, match="Input/output error"):
-        store.pull("big", tmp_path / "out.safetensors")
+        store.pull("big", tmp_path / name)
     assert flushed
     assert sorted(os.listdir(tmp_path)) == ["store"]
     assert not _flush_threads()
