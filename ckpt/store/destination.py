@@ -292,8 +292,8 @@ class _Flusher:
     ``sync_file_range`` (:func:`_start_writeback`) only starts writing to the disk: this
     VM's disk acknowledges that into a cache of its host's, and the final fsync waited ~0.07 s
     for every 91 MB however early the writeback had started (a tiny file's fsync: 0.3 ms).
-    Flushed as it was written, the same file's final fsync took 0.004-0.011 s, and writing it
-    took no longer. The final fsync stays: it is what makes the file durable.
+    Flushed as it was written, the same file's final fsync took 0.003-0.02 s, and writing it
+    took no longer (a MiniLM pull from SeaweedFS: 0.37 -> 0.29 s). The final fsync stays: it is what makes the file durable.
 
     A failed flush is kept and raised by the file's close, not left to the final fsync: Linux
     reports a writeback error once per open file, so after the flush has seen it the fsync

@@ -117,16 +117,23 @@ def test_run_parallel_raises_the_first_error():
         pipeline.run_parallel(fn, list(range(20)), 2, NullProgress(), lambda i: 1, batch=3)
 
 
+def _tuned_pair(url: str, settings: Settings, tensors: int = 3, numel: int = 200_000, seed: int = 11,
+                ) -> tuple[ckpt.Store, dict[str, torch.Tensor]]:
+    """A store with ``base`` and ``tuned``, a fine-tune stored as deltas against it."""
+    store = ckpt.Store.init(url, settings=settings)
+    g = torch.Generator().manual_seed(seed)
+    base = {f"w{i}": torch.randn(numel, generator=g) for i in range(tensors)}
+    tuned = {k: v + torch.randn(v.shape, generator=g) * 1e-4 for k, v in base.items()}
+    store.push(base, "base")
+    store.push(tuned, "tuned", base="base")
+    return store, tuned
+
+
 def test_remote_reads_fetch_the_delta_chains_too(monkeypatch):
     """On a store without prefetch the reading threads also fetch the blobs of each chunk's
     delta chain, so no decoding thread waits on those requests one by one."""
     url = f"memory://pipeline-{uuid.uuid4().hex}"
-    store = ckpt.Store.init(url, settings=Settings.from_env(workers=2, io_workers=2))
-    g = torch.Generator().manual_seed(5)
-    base = {f"w{i}": torch.randn(100_000, generator=g) for i in range(6)}
-    tuned = {k: v + torch.randn(v.shape, generator=g) * 1e-4 for k, v in base.items()}
-    store.push(base, "base")
-    store.push(tuned, "tuned", base="base")
+    store, tuned = _tuned_pair(url, Settings.from_env(workers=2, io_workers=2), tensors=6, numel=100_000, seed=5)
     chunks = {c for t in store.manifest("tuned").tensors for c in t.chunks}
     assert all(store.objects.backend.read_range(store.objects.path("chunks", c), 0, 9)[4] == GSUB for c in chunks)
     reopened = ckpt.Store.open(url, settings=Settings.from_env(workers=2, io_workers=2))  # an empty base cache
@@ -195,21 +202,10 @@ def test_a_sink_gets_each_chunk_right_while_buffers_are_reused(tmp_path):
     assert b"".join(got[k] for k in sorted(got)) == want
 
 
-def _tuned_pair(url: str) -> tuple[ckpt.Store, dict[str, torch.Tensor]]:
-    """A store with ``base`` and ``tuned``, a fine-tune stored as deltas against it."""
-    store = ckpt.Store.init(url, settings=Settings.from_env(workers=2, base_cache_mb=0))
-    g = torch.Generator().manual_seed(11)
-    base = {f"w{i}": torch.randn(200_000, generator=g) for i in range(3)}
-    tuned = {k: v + torch.randn(v.shape, generator=g) * 1e-4 for k, v in base.items()}
-    store.push(base, "base")
-    store.push(tuned, "tuned", base="base")
-    return store, tuned
-
-
 def test_a_deltas_base_is_checked_through_the_deltas_result(tmp_path, monkeypatch):
     """A delta's result is hashed; its base, only an input, is not hashed once more (it
     cannot give the right result unless it is right): each chunk of the load is hashed once."""
-    store, tuned = _tuned_pair(str(tmp_path / "s"))
+    store, tuned = _tuned_pair(str(tmp_path / "s"), Settings.from_env(workers=2, base_cache_mb=0))
     hashed: list[int] = []
     real = pipeline.object_id
 
@@ -233,7 +229,7 @@ def test_a_wrong_base_that_decodes_is_found_and_named(tmp_path):
     from ckpt.codecs.chunk import raw_header
     from ckpt_store.storage.errors import CorruptObjectError
 
-    store, _ = _tuned_pair(str(tmp_path / "s"))
+    store, _ = _tuned_pair(str(tmp_path / "s"), Settings.from_env(workers=2, base_cache_mb=0))
     m = store.manifest("tuned")
     delta, base = m.tensors[0].chunks[0], m.tensors[0].chains()[0][0]
     length = m.chunk_lengths()[base]
