@@ -87,10 +87,11 @@ def chunk_gets(store: Any, prefix: str = "objects/chunks/") -> list[int]:
     real = store.backend._get
 
     def counting(path: str, *a: Any, **k: Any) -> Any:
+        if not path.startswith(prefix):
+            return real(path, *a, **k)
+        n[0] += 1  # (a GET that fails, of a missing object say, counts too)
         got = real(path, *a, **k)
-        if path.startswith(prefix):
-            n[0] += 1
-            n[1] += got[1]
+        n[1] += got[1]
         return got
 
     store.backend._get = counting
