@@ -248,7 +248,7 @@ class OutputFile:
         self.fd = create_new(path)
         try:
             os.ftruncate(self.fd, size)
-            self.flusher = _Flusher(self.fd) if size >= 2 * FLUSH_EVERY else None
+            self.flusher = _Flusher(self.fd, size) if size >= 2 * FLUSH_EVERY else None
         except BaseException:
             os.close(self.fd)
             raise
@@ -297,10 +297,14 @@ class _Flusher:
 
     A failed flush is kept and raised by the file's close, not left to the final fsync: Linux
     reports a writeback error once per open file, so after the flush has seen it the fsync
-    would succeed over lost data."""
+    would succeed over lost data.
 
-    def __init__(self, fd: int) -> None:
+    The thread ends once ``size`` bytes were written (the file is complete; its fsync is next):
+    a pull of many files, opened together, keeps a thread only for those still being written."""
+
+    def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
+        self.left = size  # bytes still to be written
         self.unflushed = 0
         self.lock = threading.Lock()
         self.wake = threading.Event()
@@ -311,10 +315,14 @@ class _Flusher:
 
     def wrote(self, n: int) -> None:
         with self.lock:
-            self.unflushed += n
-            if self.unflushed < FLUSH_EVERY:
-                return
-            self.unflushed = 0
+            self.left -= n
+            if self.left <= 0:
+                self.closing = True  # complete: the thread ends (close() joins it)
+            else:
+                self.unflushed += n
+                if self.unflushed < FLUSH_EVERY:
+                    return
+                self.unflushed = 0
         self.wake.set()
 
     def _run(self) -> None:
@@ -415,7 +423,7 @@ def write_torch(target: str, tensors: dict[str, torch.Tensor], values: dict[str,
 
     def fill(tmps: list[str]) -> None:
         with os.fdopen(create_new(tmps[0]), "wb") as f:
-            flusher = _Flusher(f.fileno()) if size >= 2 * FLUSH_EVERY else None
+            flusher = _Flusher(f.fileno(), size) if size >= 2 * FLUSH_EVERY else None
             try:
                 torch.save(obj, f if flusher is None else _Flushing(f, flusher))
                 f.flush()

@@ -264,7 +264,8 @@ def _recording(monkeypatch) -> list[tuple[str, int]]:
 
 def test_an_output_file_is_flushed_while_written_then_fsynced(tmp_path, monkeypatch):
     """Each FLUSH_EVERY bytes written wake a thread that flushes the file to the disk (so
-    the final fsync has little left); leaving the block stops it, then fsyncs the file."""
+    the final fsync has little left); the thread ends once the file is complete, and leaving
+    the block fsyncs the file."""
     import time
 
     from ckpt.store import destination
@@ -280,9 +281,11 @@ def test_an_output_file_is_flushed_while_written_then_fsynced(tmp_path, monkeypa
         while ("fdatasync", fd) not in calls and time.monotonic() < deadline:
             time.sleep(0.01)
         assert ("fdatasync", fd) in calls and ("fsync", fd) not in calls
+        out.write_at(piece, 3 << 20)  # the last bytes: the file is complete, its thread ends
+        out.flusher.thread.join(10)
+        assert not _flush_threads()
     assert calls[-1] == ("fsync", fd)
-    assert not _flush_threads()
-    assert (tmp_path / "f").read_bytes() == piece * 3 + bytes(1 << 20)
+    assert (tmp_path / "f").read_bytes() == piece * 4
 
 
 def test_a_large_pull_stops_its_flushing_whether_it_succeeds_or_fails(tmp_path, monkeypatch):
