@@ -264,8 +264,8 @@ def _recording(monkeypatch) -> list[tuple[str, int]]:
 
 def test_an_output_file_is_flushed_while_written_then_fsynced(tmp_path, monkeypatch):
     """Each FLUSH_EVERY bytes written wake a thread that flushes the file to the disk (so
-    the final fsync has little left); the thread ends once the file is complete, and leaving
-    the block fsyncs the file."""
+    the final fsync has little left); the thread starts with the first flush and ends once the
+    file is complete, and leaving the block fsyncs the file."""
     import time
 
     from ckpt.store import destination
@@ -275,6 +275,7 @@ def test_an_output_file_is_flushed_while_written_then_fsynced(tmp_path, monkeypa
     piece = os.urandom(1 << 20)
     with destination.OutputFile(str(tmp_path / "f"), 4 << 20) as out:
         fd = out.fd
+        assert not _flush_threads()  # none until there is something to flush
         for i in range(3):
             out.write_at(piece, i << 20)
         deadline = time.monotonic() + 10
