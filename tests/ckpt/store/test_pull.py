@@ -290,8 +290,9 @@ def test_an_output_file_is_flushed_while_written_then_fsynced(tmp_path, monkeypa
 
 
 def test_a_large_pull_stops_its_flushing_whether_it_succeeds_or_fails(tmp_path, monkeypatch):
-    """A pulled file of several FLUSH_EVERY: its bytes are the source's, it was fsynced before
-    it was renamed into place, and no flushing thread outlives the pull, even a failed one."""
+    """A pulled file of several FLUSH_EVERY (safetensors, then torch): its bytes are the
+    source's, it was fsynced before it was renamed into place, and no flushing thread outlives
+    the pull, even a failed one."""
     from ckpt.store import destination
 
     monkeypatch.setattr(destination, "FLUSH_EVERY", 1 << 20)
@@ -315,6 +316,14 @@ def test_a_large_pull_stops_its_flushing_whether_it_succeeds_or_fails(tmp_path, 
     assert out.read_bytes() == src.read_bytes()
     assert fsynced_before_rename == [True]
     assert not _flush_threads()
+    # A torch file: torch.save writes it through the flusher's wrapper.
+    calls.clear()
+    store.pull("big", tmp_path / "out.pt")
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert {k: v.numpy().tobytes() for k, v in got.items()} == {k: v.numpy().tobytes() for k, v in tensors.items()}
+    assert fsynced_before_rename == [True, True]
+    assert not _flush_threads()
+    (tmp_path / "out.pt").unlink()
 
     cid = store.manifest("big").tensors[-1].chunks[0]
     path = tmp_path / "store" / store.objects.path("chunks", cid)
