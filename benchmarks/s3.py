@@ -317,20 +317,21 @@ def main() -> None:
                         want = load_file(str(ft))
                         assert all(target[k].numpy().tobytes() == want[k].numpy().tobytes() for k in want)
                         target = want = {}
-                        fresh = ckpt.Store.init(f"s3://{server.new_bucket()}/store", settings=settings(cache=False))
-                        fresh.push(str(files["a"]), "m")
-                        rec("c", "ckpt push (base in the store)", timed(what="_last", fn=lambda: fresh.push(str(ft), "ft", base="m")))
-                        # As the issue has it for (c): the base's chunks in the local cache (this machine pulled
-                        # the base, then fine-tuned it), so the deltas are computed without fetching the base.
-                        warm = ckpt.Store.init(f"s3://{server.new_bucket()}/store", settings=settings(cache=True))
-                        warm.push(str(files["a"]), "m")
-                        warm.pull("m", str(out))
-                        out.unlink()
-                        rec("c", "ckpt push (base cached)", timed(what="_last", fn=lambda: warm.push(str(ft), "ft", base="m")))
-                        fresh = ckpt.Store.init(f"s3://{server.new_bucket()}/store", settings=settings(cache=False, s3_direct=False))
-                        fresh.push(str(files["a"]), "m")
-                        rec("c", "ckpt push (base in the store), botocore only",
-                            timed(what="_last", fn=lambda: fresh.push(str(ft), "ft", base="m")))
+
+                        def ft_push(what: str, cache: bool = False, **kw: object) -> None:
+                            """Time the fine-tune's push into a fresh store holding its base (``cache``: with
+                            the base's chunks in the local cache, as on the machine that pulled the base and
+                            fine-tuned it: the deltas are then computed without fetching the base)."""
+                            st = ckpt.Store.init(f"s3://{server.new_bucket()}/store", settings=settings(cache=cache, **kw))
+                            st.push(str(files["a"]), "m")
+                            if cache:
+                                st.pull("m", str(out))
+                                out.unlink()
+                            rec("c", what, timed(what="_last", fn=lambda: st.push(str(ft), "ft", base="m")))
+
+                        ft_push("ckpt push (base in the store)")
+                        ft_push("ckpt push (base cached)", cache=True)  # (c) as the issue has it
+                        ft_push("ckpt push (base in the store), botocore only", s3_direct=False)
                     shutil.rmtree(cache_dir, ignore_errors=True)
                     conn.fs.rm(bucket, recursive=True)
 

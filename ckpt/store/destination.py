@@ -248,7 +248,7 @@ class OutputFile:
         self.fd = create_new(path)
         try:
             os.ftruncate(self.fd, size)
-            self.flusher = _Flusher(self.fd, size) if size >= 2 * FLUSH_EVERY else None
+            self.flusher = _Flusher.for_file(self.fd, size)
         except BaseException:
             os.close(self.fd)
             raise
@@ -272,10 +272,7 @@ class OutputFile:
 
     def __exit__(self, exc_type: object, *rest: object) -> None:
         try:
-            if self.flusher is not None:
-                self.flusher.close(check=exc_type is None)
-            if exc_type is None:
-                os.fsync(self.fd)
+            _finish(self.fd, self.flusher, ok=exc_type is None)
         finally:
             os.close(self.fd)
 
@@ -303,6 +300,11 @@ class _Flusher:
     The thread starts with the first flush and ends once ``size`` bytes were written (the file
     is complete; its fsync is next): a pull of many files, opened together, has a thread only
     for those being written."""
+
+    @classmethod
+    def for_file(cls, fd: int, size: int) -> _Flusher | None:
+        """A flusher for a file of ``size`` bytes, or None for one too small to need it."""
+        return cls(fd, size) if size >= 2 * FLUSH_EVERY else None
 
     def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
@@ -352,6 +354,15 @@ class _Flusher:
             thread.join()
         if check and self.error is not None:
             raise self.error
+
+
+def _finish(fd: int, flusher: _Flusher | None, ok: bool) -> None:
+    """End writing a file: stop its flusher, and if the writing went well (``ok``) raise a failed
+    flush's error or fsync the file."""
+    if flusher is not None:
+        flusher.close(check=ok)
+    if ok:
+        os.fsync(fd)
 
 
 class _Flushing:
@@ -430,16 +441,13 @@ def write_torch(target: str, tensors: dict[str, torch.Tensor], values: dict[str,
 
     def fill(tmps: list[str]) -> None:
         with os.fdopen(create_new(tmps[0]), "wb") as f:
-            flusher = _Flusher(f.fileno(), size) if size >= 2 * FLUSH_EVERY else None
+            flusher = _Flusher.for_file(f.fileno(), size)
             try:
                 torch.save(obj, f if flusher is None else _Flushing(f, flusher))
                 f.flush()
             except BaseException:
-                if flusher is not None:
-                    flusher.close(check=False)
+                _finish(f.fileno(), flusher, ok=False)
                 raise
-            if flusher is not None:
-                flusher.close()
-            os.fsync(f.fileno())
+            _finish(f.fileno(), flusher, ok=True)
 
     write_files([target], fill)

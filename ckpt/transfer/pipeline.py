@@ -377,21 +377,23 @@ def _decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings
             raise CorruptObjectError("chunk", cid, "decoded bytes do not match the chunk id")
         return out, ()
     h = parse_header(got.blob, cid)
-    # A chunk the local chunk cache keeps decoded is checked before it is kept.
-    check = verify or (objects.cache is not None and _kept_decoded(h, len(got.blob)))
+    keep_decoded = objects.cache is not None and _kept_decoded(h, len(got.blob))
     base, chain = None, ()
     if h.base is not None:
         base, below = fetch_base(objects, h.base, length, settings, cid, _depth + 1, got.bases, verify=False)
         chain = (h.base, *below)
     try:
-        data = decode_chunk(got.blob, cid, length, max_length=settings.max_chunk_size, base=base, out=out, verify=check)
+        # (a chunk the local chunk cache keeps decoded is checked before it is kept)
+        data = decode_chunk(got.blob, cid, length, max_length=settings.max_chunk_size, base=base, out=out,
+                            verify=verify or keep_decoded)
     except CorruptObjectError:
         if h.base is None or not verify:
             raise  # (an unchecked base: the chunk above finds out and asks again, verified)
         base, below = fetch_base(objects, h.base, length, settings, cid, _depth + 1, got.bases)
         chain = (h.base, *below)
         data = decode_chunk(got.blob, cid, length, max_length=settings.max_chunk_size, base=base, out=out)
-    if objects.cache is not None and _kept_decoded(h, len(got.blob)):
+    if keep_decoded:
+        assert objects.cache is not None
         # Replaces the blob as stored where the cache had it (read ahead as a base, or cached before).
         objects.cache.put(cid, (raw_header(h.elem, length), data), replace=True)
     return data, chain
