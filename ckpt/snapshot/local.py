@@ -221,7 +221,7 @@ class LocalSnapshots:
             base = self._last[0] if (self._last and self.run.delta) else None
             result = push_source(self.store, src, self.run.ref(step), base_id=base, reuse=reuse,
                                  lineage={"parent": self._last[0] if self._last else None, "base": base, "merge": None},
-                                 aliases=(self.run.latest,))
+                                 aliases=(self.run.latest,), bundles=self.run.bundles)
             m = result.manifest
             assert m is not None
         except BaseException:

@@ -263,7 +263,10 @@ class CheckpointManager:
         self._local_compress = local_compress
         self._local = self._local_tier(local, local_every_n_steps, local_keep, local_max_bytes, replicas, process_group)
         self._local_full = False  # the last local save ran out of space (on this rank): make room first
-        self._target = (SnapshotRun(self._local.store, self.run, delta_vs_previous and local_compress) if self._local
+        # The local tier's snapshots carry bundles of their small chunks where the durable store is
+        # remote: persisting copies them as they are, so a restore from there makes a few requests.
+        self._target = (SnapshotRun(self._local.store, self.run, delta_vs_previous and local_compress,
+                                    bundles=self.store.objects.backend.streams) if self._local
                         else self._durable)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
         self._persist_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")

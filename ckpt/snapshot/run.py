@@ -49,11 +49,14 @@ def modified_under_save(names: list[str]) -> SnapshotError:
 @dataclass(frozen=True)
 class SnapshotRun:
     """Where a run's snapshots go: refs ``RUN/step-N`` and the alias ``RUN/latest`` in ``store``.
-    ``delta``: encode each snapshot against the previous one."""
+    ``delta``: encode each snapshot against the previous one. ``bundles``: whether snapshots carry
+    bundles of their small chunks (None: where ``store`` is remote; True for a local tier persisted
+    to a remote store, see :func:`ckpt.store.push.push_source`)."""
 
     store: Store
     name: str
     delta: bool = False
+    bundles: bool | None = None
 
     def ref(self, step: int) -> str:
         return f"{self.name}/step-{step}"

@@ -211,28 +211,30 @@ class Tiers:
         assert last is not None
         raise last
 
-    def get(self, tasks: list[GetTask], progress: Progress) -> None:
+    def get(self, tasks: list[GetTask], progress: Progress, manifest: Manifest | None = None) -> None:
         """Fetch every task's chunk into its buffer: each from the nearest tier holding it with a
-        correct hash. The last tier runs the full pipeline and raises what it cannot serve."""
+        correct hash. The last tier runs the full pipeline and raises what it cannot serve.
+        ``manifest``: the snapshot read, whose bundles serve its small chunks from a remote tier."""
         remaining = tasks
         stores = self.stores if self.reach is None else self.stores[: self.reach]
         for i, (name, store) in enumerate(stores):
             if not remaining:
                 break
             if i == len(stores) - 1 and not self.lenient:
-                get_chunks(store.objects, remaining, store.settings, progress)
+                get_chunks(store.objects, remaining, store.settings, progress, manifest=manifest)
                 self._credit(name, remaining)
                 return
-            remaining = self._try(name, store, remaining, progress)
+            remaining = self._try(name, store, remaining, progress, manifest)
         self.unserved.update(t.id for t in remaining)
 
-    def _try(self, name: str, store: Store, tasks: list[GetTask], progress: Progress) -> list[GetTask]:
+    def _try(self, name: str, store: Store, tasks: list[GetTask], progress: Progress,
+             manifest: Manifest | None = None) -> list[GetTask]:
         """Serve what ``store`` can; the tasks it could not. Those it holds go through the full read
         pipeline (read-ahead) first; only if one of them fails is each tried on its own."""
         present = store.objects.has_many("chunks", {t.id for t in tasks})
         held = [t for t in tasks if t.id in present]
         try:
-            get_chunks(store.objects, held, store.settings, NullProgress())
+            get_chunks(store.objects, held, store.settings, NullProgress(), manifest=manifest)
         except MISSES:
             return self._each(name, store, tasks, progress)
         self._credit(name, held)
@@ -274,7 +276,7 @@ class Tiers:
     def fill(self, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]]) -> None:
         from ckpt.store.load import fill
 
-        fill(self.nearest, m, pairs, get=self.get)
+        fill(self.nearest, m, pairs, get=lambda tasks, progress: self.get(tasks, progress, m))
 
 
 def chunk_ids(m: Manifest) -> set[str]:

@@ -128,6 +128,7 @@ def push_source(
     reuse: Mapping[str, TensorEntry] | None = None,
     aliases: tuple[str, ...] = (),
     progress: Progress | None = None,
+    bundles: bool | None = None,
 ) -> PushResult:
     """Write ``src`` as a checkpoint: chunks (deltas against ``base_id`` where smaller),
     manifest, then ref ``name``, then the ``aliases`` (refs like ``RUN/latest``).
@@ -135,6 +136,10 @@ def push_source(
     Tensors whose source is None take their entry from ``reuse`` unchanged: the
     caller knows their chunks are stored (the snapshot path, for tensors that did not
     change since the previous snapshot).
+
+    ``bundles``: whether the manifest carries a bundle of the small chunks (:func:`_bundle`);
+    None: where the store is remote. True for a store whose checkpoints are copied to a remote
+    one as they are (a snapshot tier persisted to S3): a copy keeps the manifest's bytes.
     """
     settings = store.settings
     cs = settings.chunk_size
@@ -163,7 +168,9 @@ def push_source(
             spans.append((start, len(tasks)))
     with reporting(progress, "push", sum(t.length for t in tasks)) as p:
         results = put_chunks(store.objects, tasks, settings, p)
-    bundles, bundled = _bundle(store, tasks, results) if store.objects.backend.streams else ((), [])
+    if bundles is None:
+        bundles = store.objects.backend.streams
+    bundle, bundled = _bundle(store, tasks, results) if bundles else ((), [])
 
     groups = iter([results[a:b] for a, b in spans])
     files, tensors = [], []
@@ -192,7 +199,7 @@ def push_source(
         metadata=dict(metadata or {}),
         extra=src.extra,
         lineage=lineage or {"parent": None, "base": base_id, "merge": None},
-        bundles=bundles,
+        bundles=bundle,
     )
     results = results + bundled
     if not aliases:
