@@ -24,7 +24,11 @@ restoring into them, and checking the result bit for bit against the saved state
 * ``ckpt peer (gloo)``: two ranks (``process_group``, ``replicas=1``) saved local snapshots;
   rank 1's tier is wiped (a replaced machine) and both restart: rank 1's time, all its bytes
   from rank 0 over gloo on this machine's loopback (until ``restore_latest`` returns: the
-  rank's tier then keeps what it fetched in the background, before its next save).
+  rank's tier then keeps what it fetched in the background, before its next save);
+* with ``--s3``, the durable store in S3 (SeaweedFS on 127.0.0.1, started here as the tests
+  start it, on the same cores): ``boto3 download + torch.load`` (TransferManager, 16 threads,
+  8 MiB parts, into a file on local disk, then as above) beside ``ckpt durable S3``, a restore
+  with an empty local tier and no chunk cache (a replaced machine), with the GETs it made.
 
 Saves: per tier, the time ``save`` blocks training and the background time per save, over
 ``--saves`` saves with one training step before each (local tier every step, persisted on
@@ -140,12 +144,26 @@ def child(args: argparse.Namespace) -> None:
         sd = torch.load(args.path, weights_only=True)
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["optim"])
+    elif args.mode == "boto3":
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+
+        bucket, _, key = args.path.removeprefix("s3://").partition("/")
+        tc = TransferConfig(max_concurrency=16, multipart_chunksize=8 << 20, multipart_threshold=8 << 20)
+        boto3.client("s3").download_file(bucket, key, args.local, Config=tc)
+        sd = torch.load(args.local, weights_only=True)
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+        os.unlink(args.local)
     elif args.mode in ("durable", "local"):
         mgr = ckpt.CheckpointManager(args.path, "bench", local=args.local if args.mode == "local" else None)
+        gets = _count_gets(mgr.store) if args.path.startswith("s3://") else None
         step = mgr.restore_latest({"model": model, "optim": opt})
         t_restored = time.time()
         assert step is not None
         report["tiers"] = mgr.last_restore
+        if gets is not None:
+            report["gets"] = gets[0]
         mgr.close()
     elif args.mode == "peer":
         import torch.distributed as dist
@@ -173,7 +191,48 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(report), flush=True)
 
 
-def spawn(args: argparse.Namespace, mode: str, path: Path, **kw) -> dict:
+def _count_gets(store) -> list[int]:
+    """Count the GETs ``store``'s S3 backend makes from now on (every object: refs, manifests, chunks)."""
+    n = [0]
+    real = store.objects.backend._get
+
+    def counting(*a, **k):
+        n[0] += 1
+        return real(*a, **k)
+
+    store.objects.backend._get = counting
+    return n
+
+
+def start_s3(work: Path, state: dict, torch_file: Path) -> tuple[object, str, str, int]:
+    """SeaweedFS on 127.0.0.1 (credentials and endpoint in this process's environment, which the
+    children inherit; no chunk cache), holding the state as a ckpt snapshot and as ``torch_file``.
+    Returns (the server, the store's URL, the torch file's URL, the snapshot's chunk count)."""
+    sys.path[:0] = [str(ROOT / "tests")]
+    import s3support
+
+    import ckpt
+    from benchmarks.s3 import start_seaweedfs
+
+    (work / "seaweedfs").mkdir()
+    server = start_seaweedfs(work / "seaweedfs")
+    os.environ.update(AWS_ACCESS_KEY_ID=s3support.KEY, AWS_SECRET_ACCESS_KEY=s3support.SECRET,
+                      AWS_ENDPOINT_URL=server.endpoint, AWS_DEFAULT_REGION="us-east-1",
+                      AWS_EC2_METADATA_DISABLED="true", CKPT_CACHE="0")
+    bucket = server.new_bucket()
+    url = f"s3://{bucket}/store"
+    mgr = ckpt.CheckpointManager(url, "bench")
+    mgr.save(1, state)
+    mgr.wait()
+    mgr.close()
+    name, _, prefix = bucket.partition("/")
+    key = f"{prefix}/state.pt" if prefix else "state.pt"
+    s3support.client(server.endpoint).upload_file(str(torch_file), name, key)
+    chunks = len(ckpt.Store.open(url).manifest("bench/latest").chunk_lengths())
+    return server, url, f"s3://{name}/{key}", chunks
+
+
+def spawn(args: argparse.Namespace, mode: str, path: Path | str, **kw) -> dict:
     cmd = [sys.executable, __file__, "--child", "--mode", mode, "--path", str(path), "--params-m", str(args.params_m),
            "--t0", repr(time.time())]
     for k, v in kw.items():
@@ -210,6 +269,7 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=4)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "restart.md"))
     ap.add_argument("--work", default=None)
+    ap.add_argument("--s3", action="store_true", help="also restore from a durable store in S3 (SeaweedFS on 127.0.0.1)")
     ap.add_argument("--child", action="store_true")
     for a in ("mode", "path", "t0", "local", "rank", "init", "phase"):
         ap.add_argument(f"--{a}")
@@ -256,6 +316,7 @@ def main() -> None:
     mgr.close()
     want = digest(model, opt)
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, work / "state.pt")
+    server, s3_store, s3_file, s3_chunks = start_s3(work, state, work / "state.pt") if args.s3 else (None, "", "", 0)
     evict(work / "state.pt")
     log("saved; restoring in fresh processes")
 
@@ -276,6 +337,11 @@ def main() -> None:
         warm(work / "durable")
         rec("ckpt durable warm", spawn(args, "durable", work / "durable"))
         rec("ckpt local tier", spawn(args, "local", work / "durable", local=shm / "tier"))
+        if server is not None:
+            rec("boto3 download + torch.load (S3)", spawn(args, "boto3", s3_file, local=work / "downloaded.pt"))
+            rec("ckpt durable S3", spawn(args, "durable", s3_store))
+    if server is not None:
+        server.stop()  # type: ignore[attr-defined]
     # peer: two ranks save once, then restart with rank 1's tier wiped
     peer_local = shm / "peer"
     peer_restore(args, work, peer_local, "save")
@@ -315,6 +381,11 @@ def main() -> None:
         tiers = results[name][-1].get("tiers")
         by = f"{tiers['local'] / MB:.0f} / {tiers['peer'] / MB:.0f} / {tiers['store'] / MB:.0f} MB" if tiers else "-"
         lines.append(f"| {name} | {r:.3f} | {med(name, 'total_s'):.3f} | {r / cold:.2f}x | {r / warm_:.2f}x | {by} |")
+    if server is not None:
+        gets = sorted({r["gets"] for r in results["ckpt durable S3"]})
+        lines += ["", f"S3: SeaweedFS on 127.0.0.1 (same cores), no chunk cache. `ckpt durable S3` made "
+                      f"{', '.join(map(str, gets))} GETs (refs, manifest, chunks) for a snapshot of {s3_chunks} chunks: "
+                      "its small chunks come from the snapshot's bundle."]
     p = saves["persist"][0]
     lines += [
         "",
