@@ -4,9 +4,13 @@ Chunks are immutable and named by their content, so a blob fetched once can be s
 from local disk ever after: the second fine-tune of a family pulled on one machine
 fetches only its own chunks, and the bases of delta chains are fetched once per machine.
 
-Layout: ``<root>/<store id>/<id[:2]>/<id>``, one file per chunk blob (a delta blob is only
+Layout: ``<root>/<store dir>/<id[:2]>/<id>``, one file per chunk blob (a delta blob is only
 meaningful in the store that holds its base, hence one directory per store), followed by
-the 32-byte BLAKE3 of the blob. The blob is any valid blob of the chunk: the one stored, or
+the 32-byte BLAKE3 of the blob. The store dir is the store's id (32 hex digits, as every
+store ckpt creates has) or a hash of it: a remote store's config is outside data, never a path.
+The cache deletes, counts and clears only files of that layout (entries and its own
+temporaries): a cache directory that also holds other files (``CKPT_CACHE_DIR=~/.cache``,
+say) keeps them. The blob is any valid blob of the chunk: the one stored, or
 (the caller's choice, see ckpt/transfer/pipeline.py) the chunk decoded, as a raw blob. This
 module knows only bytes. :meth:`ChunkBlobCache.get` checks an entry against its trailer
 (BLAKE3 runs at ~4-6 GB/s per core here); a damaged or truncated entry is deleted and
@@ -21,13 +25,15 @@ modification time, refreshed on every hit) are deleted until it is under 90% of 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +44,57 @@ from ckpt_store.storage.backends.base import TEMPORARY
 log = logging.getLogger(__name__)
 
 TRAILER = 32  # bytes of BLAKE3 after each blob
+# Names of what this cache writes: store dirs, their fan-out dirs, entries, temporaries.
+_STORE_DIR = re.compile(r"[0-9a-f]{32}")
+_FAN_OUT = re.compile(r"[0-9a-f]{2}")
+_ENTRY = re.compile(r"[0-9a-f]{64}")
+_TEMP = re.compile(re.escape(TEMPORARY) + r"[0-9a-f]{32}")
+
+
+def store_dir_name(store_id: str) -> str:
+    """The directory below the cache root of a store's entries: its id where that is 32 hex digits
+    (what :func:`storage.config.init_config` writes), else a hash of it, so that no id a remote
+    store's config holds (``../x``, ``/home``) names a path outside the cache.
+
+    >>> store_dir_name("0123456789abcdef" * 2) == "0123456789abcdef" * 2
+    True
+    >>> len(store_dir_name("../../home")), "/" in store_dir_name("../../home")
+    (32, False)
+    """
+    if _STORE_DIR.fullmatch(store_id):
+        return store_id
+    return hashlib.blake2b(store_id.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def _own_files(root: str) -> Iterator[tuple[str, str, os.stat_result, bool]]:
+    """(store dir, path, stat, whether a temporary) of each regular file below ``root`` that this
+    cache's layout names: ``<store dir>/<xx>/<64 hex digits starting xx>`` or its temporaries
+    there. Links are not followed; anything else (other programs' files) is not listed."""
+
+    def dirs(path: str, pattern: re.Pattern[str]) -> list[os.DirEntry[str]]:
+        try:
+            with os.scandir(path) as it:
+                return [e for e in it if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return []
+
+    for sdir in dirs(root, _STORE_DIR):
+        for fan in dirs(sdir.path, _FAN_OUT):
+            try:
+                with os.scandir(fan.path) as it:
+                    found = list(it)
+            except OSError:
+                continue
+            for e in found:
+                temp = _TEMP.fullmatch(e.name) is not None
+                if not temp and not (_ENTRY.fullmatch(e.name) and e.name.startswith(fan.name)):
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    yield sdir.name, e.path, st, temp
 
 
 def default_cache_dir() -> str:
@@ -73,7 +130,7 @@ class ChunkBlobCache:
 
     def __init__(self, root: str, store_id: str, max_bytes: int, max_entry: int = 1 << 40) -> None:
         self.root = root
-        self.dir = os.path.join(root, store_id)
+        self.dir = os.path.join(root, store_dir_name(store_id))
         self.max_bytes = max_bytes
         self.max_entry = max_entry  # bytes of the largest blob an entry may hold: a larger one is damaged
         self.hits = 0
@@ -265,19 +322,13 @@ class ChunkBlobCache:
         files: list[tuple[float, int, str]] = []
         total = 0
         now = time.time()
-        for dirpath, _, names in os.walk(self.root):
-            for name in names:
-                p = os.path.join(dirpath, name)
-                try:
-                    st = os.stat(p)
-                except OSError:
-                    continue
-                if name.startswith(TEMPORARY):
-                    if now - st.st_mtime > 3600:
-                        _unlink(p)
-                    continue
-                files.append((st.st_mtime, st.st_size, p))
-                total += st.st_size
+        for _, p, st, temp in _own_files(self.root):
+            if temp:
+                if now - st.st_mtime > 3600:
+                    _unlink(p)
+                continue
+            files.append((st.st_mtime, st.st_size, p))
+            total += st.st_size
         files.sort()
         freed = 0
         target = int(self.max_bytes * 0.9)
@@ -300,35 +351,30 @@ def _unlink(path: str) -> bool:
 
 
 def usage(root: str) -> CacheUsage:
-    """Entries and bytes in the cache at ``root`` (nothing if it does not exist)."""
+    """Entries and bytes in the cache at ``root`` (nothing if it does not exist): its own files only."""
     stores: dict[str, tuple[int, int]] = {}
-    if os.path.isdir(root):
-        for sid in sorted(os.listdir(root)):
-            sdir = os.path.join(root, sid)
-            if not os.path.isdir(sdir):
-                continue
-            n = b = 0
-            for dirpath, _, names in os.walk(sdir):
-                for name in names:
-                    if name.startswith(TEMPORARY):
-                        continue
-                    try:
-                        b += os.path.getsize(os.path.join(dirpath, name))
-                        n += 1
-                    except OSError:
-                        pass
-            stores[sid] = (n, b)
+    for sid, _, st, temp in _own_files(root):
+        if not temp:
+            n, b = stores.get(sid, (0, 0))
+            stores[sid] = (n + 1, b + st.st_size)
+    stores = dict(sorted(stores.items()))
     return CacheUsage(root, sum(n for n, _ in stores.values()), sum(b for _, b in stores.values()), stores)
 
 
 def clear(root: str) -> CacheUsage:
-    """Delete every entry of the cache at ``root``; returns what it held."""
-    import shutil
-
+    """Delete every entry (and temporary) of the cache at ``root``, and its directories left
+    empty; returns what it held. Other files there, and the directories holding them, stay."""
     before = usage(root)
-    for sid in before.stores:
-        shutil.rmtree(os.path.join(root, sid), ignore_errors=True)
+    emptied: set[str] = set()
+    for _, p, _, _ in list(_own_files(root)):
+        _unlink(p)
+        emptied.add(os.path.dirname(p))
+    for d in sorted(emptied | {os.path.dirname(d) for d in emptied}, key=len, reverse=True):
+        try:
+            os.rmdir(d)  # only if empty
+        except OSError:
+            pass
     return before
 
 
-__all__ = ["CacheUsage", "ChunkBlobCache", "clear", "default_cache_dir", "usage"]
+__all__ = ["CacheUsage", "ChunkBlobCache", "clear", "default_cache_dir", "store_dir_name", "usage"]

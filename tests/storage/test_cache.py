@@ -8,48 +8,50 @@ import time
 from ckpt_store.storage.cache import TRAILER, ChunkBlobCache, clear, usage
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
+# store ids as a store's config holds them (32 hex digits): the name of their directory in the cache
+S, S1, S2 = "5" * 32, "1" * 32, "2" * 32
 
 
 def test_hit_and_miss(tmp_path):
-    c = ChunkBlobCache(str(tmp_path), "store1", 1 << 20)
+    c = ChunkBlobCache(str(tmp_path), S1, 1 << 20)
     assert c.get(A) is None and c.misses == 1
     c.put(A, (b"head-", memoryview(b"payload")))
     assert c.get(A) == b"head-payload" and c.hits == 1
     # Another store's entries are its own: a delta blob only decodes against its own store's bases.
-    assert ChunkBlobCache(str(tmp_path), "store2", 1 << 20).get(A) is None
+    assert ChunkBlobCache(str(tmp_path), S2, 1 << 20).get(A) is None
     u = usage(str(tmp_path))
-    assert u.entries == 1 and u.bytes == len(b"head-payload") + TRAILER and list(u.stores) == ["store1"]
+    assert u.entries == 1 and u.bytes == len(b"head-payload") + TRAILER and list(u.stores) == [S1]
 
 
 def test_damaged_entry_is_dropped_never_served(tmp_path):
-    c = ChunkBlobCache(str(tmp_path), "s", 1 << 20)
+    c = ChunkBlobCache(str(tmp_path), S, 1 << 20)
     c.put(A, (b"x" * 1000,))
-    path = tmp_path / "s" / A[:2] / A
+    path = tmp_path / S / A[:2] / A
     raw = bytearray(path.read_bytes())
     raw[500] ^= 1  # one bit flipped on disk
     path.write_bytes(bytes(raw))
     assert c.get(A) is None and c.dropped == 1 and not path.exists()
     c.put(B, (b"y" * 1000,))
-    pb = tmp_path / "s" / B[:2] / B
+    pb = tmp_path / S / B[:2] / B
     pb.write_bytes(pb.read_bytes()[:10])  # truncated (a crash mid-write would leave only a temporary)
     assert c.get(B) is None and not pb.exists()
-    (tmp_path / "s" / C[:2]).mkdir(exist_ok=True)
-    (tmp_path / "s" / C[:2] / C).write_bytes(b"")  # empty
+    (tmp_path / S / C[:2]).mkdir(exist_ok=True)
+    (tmp_path / S / C[:2] / C).write_bytes(b"")  # empty
     assert c.get(C) is None
 
 
 def test_full_cache_evicts_least_recently_used(tmp_path):
     limit = 10_000
-    c = ChunkBlobCache(str(tmp_path), "s", limit)
+    c = ChunkBlobCache(str(tmp_path), S, limit)
     ids = [f"{i:064x}" for i in range(6)]
     for i, oid in enumerate(ids):
         c.put(oid, (bytes([i]) * 3000,))
-        p = tmp_path / "s" / oid[:2] / oid
+        p = tmp_path / S / oid[:2] / oid
         if p.exists():
             os.utime(p, (time.time() - 100 + i, time.time() - 100 + i))  # distinct ages
         if i == 1:
             assert c.get(ids[0]) is not None  # ids[0] used again: newest
-            os.utime(tmp_path / "s" / ids[0][:2] / ids[0], (time.time(), time.time()))
+            os.utime(tmp_path / S / ids[0][:2] / ids[0], (time.time(), time.time()))
     u = usage(str(tmp_path))
     assert u.bytes <= limit
     assert c.get(ids[-1]) == bytes([5]) * 3000  # the newest entry stays
@@ -58,7 +60,7 @@ def test_full_cache_evicts_least_recently_used(tmp_path):
 
 
 def test_clear(tmp_path):
-    c = ChunkBlobCache(str(tmp_path), "s", 1 << 20)
+    c = ChunkBlobCache(str(tmp_path), S, 1 << 20)
     c.put(A, (b"1",))
     assert clear(str(tmp_path)).entries == 1
     assert usage(str(tmp_path)).entries == 0 and c.get(A) is None
@@ -71,7 +73,7 @@ def test_a_cache_filled_by_many_threads_at_once_ends_within_its_limit(tmp_path):
     import threading
 
     limit = 1 << 20
-    cache = ChunkBlobCache(str(tmp_path), "s", limit)
+    cache = ChunkBlobCache(str(tmp_path), S, limit)
     rng = random.Random(0)
     blobs = [rng.randbytes(20 << 10) for _ in range(16 * 40)]
     start = threading.Barrier(16)
@@ -95,9 +97,9 @@ def test_entries_that_this_cache_did_not_write_are_dropped_never_followed(tmp_pa
     cache's place: neither read nor followed, and dropped, by both readers."""
     import threading
 
-    c = ChunkBlobCache(str(tmp_path / "cache"), "s", 1 << 20, max_entry=4096)
+    c = ChunkBlobCache(str(tmp_path / "cache"), S, 1 << 20, max_entry=4096)
     c.put(A, (b"a" * 100,))
-    d = tmp_path / "cache" / "s"
+    d = tmp_path / "cache" / S
     elsewhere = tmp_path / "precious.bin"
     elsewhere.write_bytes((d / A[:2] / A).read_bytes())  # a well-formed entry, outside the cache
     for oid in (B, C):
@@ -123,3 +125,45 @@ def test_entries_that_this_cache_did_not_write_are_dropped_never_followed(tmp_pa
         os.mkfifo(d / C[:2] / C)
         c.put(big, (b"z" * 5000,))
     assert c.get(A) == b"a" * 100  # a real entry still serves
+
+
+def _precious(root):
+    """Files another program keeps in a directory the cache is pointed at, older than any entry:
+    at its root, in a folder, in a folder named like a store's, and beside entries."""
+    old = time.time() - 86400
+    files = {root / "notes.txt": b"notes", root / "project" / "data" / "train.bin": os.urandom(300_000),
+             root / ("e" * 32) / "keep.txt": b"looks like a store dir", root / S / "ab" / "not-an-entry": b"x" * 5000,
+             root / S / "ab" / ("b" * 64): b"an entry name in the wrong fan-out dir"}
+    for p, data in files.items():
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+        os.utime(p, (old, old))
+    return files
+
+
+def test_eviction_usage_and_clear_touch_only_what_the_cache_wrote(tmp_path):
+    """CKPT_CACHE_DIR pointed at a folder that holds other files (~/.cache, a scratch dir): eviction,
+    `ckpt cache` and `ckpt cache clear` see only the cache's own entries; every other file stays."""
+    files = _precious(tmp_path)
+    c = ChunkBlobCache(str(tmp_path), S, 20_000)
+    for i in range(12):
+        c.put(f"{i:064x}", (bytes([i]) * 3000,))  # 36 KB into a 20 KB cache: evicts
+    u = usage(str(tmp_path))
+    assert 0 < u.bytes <= 20_000 and list(u.stores) == [S]
+    assert u.entries == sum(1 for i in range(12) if c.has(f"{i:064x}"))
+    assert all(p.read_bytes() == data for p, data in files.items())
+    assert clear(str(tmp_path)).entries == u.entries and usage(str(tmp_path)).entries == 0
+    assert all(p.read_bytes() == data for p, data in files.items())
+    assert not (tmp_path / S / "00").exists()  # its own folders, emptied, go
+
+
+def test_a_store_id_is_never_a_path(tmp_path):
+    """A remote store's config is outside data: an id like ``../x`` or ``/abs`` names a folder
+    inside the cache, never one outside it."""
+    root = tmp_path / "cache"
+    for sid in ("../outside", str(tmp_path / "abs"), "..", "a/b"):
+        c = ChunkBlobCache(str(root), sid, 1 << 20)
+        c.put(A, (b"blob",))
+        assert c.get(A) == b"blob"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
+    assert usage(str(root)).entries == 4
