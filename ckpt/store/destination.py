@@ -5,7 +5,9 @@ A destination may hold something precious, so a pull
 * writes only the checkpoint's own files: each under a temporary name in its final
   directory, fsynced, then renamed over its final name (all renames happen after every
   file is complete, so a failed pull leaves the destination as it was, temporaries
-  removed);
+  removed); a file replaced is first kept under a backup name, so that a rename failing
+  part way (a file made immutable, another user's in a sticky directory) puts back every
+  file already replaced;
 * never deletes or renames a directory, and never replaces something that is not a
   regular file or a symbolic link (a directory named like a checkpoint file is in the way);
 * replaces a symbolic link found at a file's name with the file, and never writes
@@ -24,6 +26,7 @@ else is there.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import threading
@@ -32,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import DestinationError, DestinationExistsError, StoreFormatError, TensorMismatchError
+from ckpt.store.limits import check_disk
 from ckpt.store.sources import STATE_DICT_SUFFIXES
 from ckpt_store.storage.config import enclosing_store
 
@@ -187,8 +191,7 @@ def write_files(targets: Sequence[str], fill: Callable[[list[str]], None]) -> No
             for t in targets:
                 _makedirs(os.path.dirname(t), made)
             fill(tmps)
-            for tmp, t in zip(tmps, targets):
-                os.replace(tmp, t)
+            _replace_all(tmps, targets)
             for d in sorted({os.path.dirname(t) for t in targets}):
                 _fsync_dir(d)
         except OSError as e:
@@ -196,13 +199,58 @@ def write_files(targets: Sequence[str], fill: Callable[[list[str]], None]) -> No
                                    hint="check the destination's permissions and free space") from None
     except BaseException:
         for tmp in tmps:
-            _remove_file(tmp)
+            _remove_quietly(tmp)
         for d in reversed(made):
             try:
                 os.rmdir(d)  # only if still empty: never anything that is not ours
             except OSError:
                 pass
         raise
+
+
+_OLD = ".ckpt-old-"
+
+
+def _replace_all(tmps: Sequence[str], targets: Sequence[str]) -> None:
+    """Rename each temporary over its target, all or none: a file (or link) at a target is first
+    kept under a backup name beside it (a hard link: the target stays in place meanwhile; a
+    rename where links are refused), so that a failure part way puts every target back as it
+    was, and the backups go once all are in place."""
+    done: list[tuple[str, str | None]] = []  # (target, where its old file is kept, or None: it had none)
+    try:
+        for tmp, t in zip(tmps, targets):
+            old = None
+            if os.path.lexists(t):
+                if os.path.isdir(t) and not os.path.islink(t):  # appeared since the checks: never moved
+                    raise IsADirectoryError(errno.EISDIR, "a directory is in the way", t)
+                d, base = os.path.split(t)
+                old = os.path.join(d, f".{base}{_OLD}{uuid.uuid4().hex[:8]}")
+                try:
+                    os.link(t, old, follow_symlinks=False)
+                except OSError:
+                    os.rename(t, old)
+                done.append((t, old))  # kept aside: put back on failure, whether or not replaced
+                os.replace(tmp, t)
+            else:
+                os.replace(tmp, t)
+                done.append((t, None))
+    except BaseException as e:
+        unrestored = []
+        for t, old in reversed(done):
+            try:
+                if old is not None:
+                    os.replace(old, t)
+                else:
+                    os.unlink(t)  # the new file where there was none
+            except OSError:
+                unrestored.append(f"{t} (kept as {old})" if old else t)
+        if unrestored and isinstance(e, OSError):
+            raise DestinationError(f"cannot write {e.filename or targets[0]}: {e.strerror or e}; and could not put "
+                                   f"back {', '.join(unrestored)}", hint="check the destination's permissions") from None
+        raise
+    for _, old in done:
+        if old is not None:
+            _remove_quietly(old)
 
 
 def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], None]) -> None:
@@ -366,16 +414,23 @@ def _finish(fd: int, flusher: _Flusher | None, ok: bool) -> None:
 
 
 class _Flushing:
-    """A binary file's ``write`` and ``flush``, telling ``flusher`` what is written (for
-    writers that take a file object, such as ``torch.save``)."""
+    """A binary file's ``write`` and ``flush``, telling ``flusher`` (if any) what is written, for
+    writers that take a file object, such as ``torch.save``. It keeps the first write error:
+    torch.save reports one as a RuntimeError that no longer says what failed (a full disk)."""
 
-    def __init__(self, f: Any, flusher: _Flusher) -> None:
+    def __init__(self, f: Any, flusher: _Flusher | None) -> None:
         self.f = f
         self.flusher = flusher
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
-        n = self.f.write(data)
-        self.flusher.wrote(n)
+        try:
+            n = self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+        if self.flusher is not None:
+            self.flusher.wrote(n)
         return n
 
     def flush(self) -> None:
@@ -412,11 +467,15 @@ def _start_writeback(fd: int, off: int, length: int) -> None:
         _SFR(fd, off, length, _SYNC_FILE_RANGE_WRITE)  # type: ignore[operator]
 
 
-def _remove_file(path: str) -> None:
+def _remove_quietly(path: str) -> None:
+    """Remove a file of ours while cleaning up after a failure: an error here (a read-only
+    filesystem, a parent that is not a directory) must neither hide the failure being
+    reported nor stop the rest of the cleanup."""
     try:
         os.unlink(path)
-    except FileNotFoundError:
+    except OSError:
         pass
+
 
 
 def is_torch_name(path: str) -> bool:
@@ -438,12 +497,19 @@ def write_torch(target: str, tensors: dict[str, torch.Tensor], values: dict[str,
     obj: dict[str, Any] = {**tensors, **values}
 
     size = sum(t.nbytes for t in tensors.values())
+    check_disk(size, target)
 
     def fill(tmps: list[str]) -> None:
         with os.fdopen(create_new(tmps[0]), "wb") as f:
             flusher = _Flusher.for_file(f.fileno(), size)
+            out = _Flushing(f, flusher)
             try:
-                torch.save(obj, f if flusher is None else _Flushing(f, flusher))
+                try:
+                    torch.save(obj, out)
+                except RuntimeError:
+                    if out.error is not None:
+                        raise out.error from None  # what failed (ENOSPC, EIO): a DestinationError
+                    raise
                 f.flush()
             except BaseException:
                 _finish(f.fileno(), flusher, ok=False)

@@ -372,3 +372,90 @@ def test_a_failed_background_flush_fails_the_pull(tmp_path, monkeypatch, name):
     assert flushed
     assert sorted(os.listdir(tmp_path)) == ["store"]
     assert not _flush_threads()
+
+
+def test_a_rename_failing_part_way_puts_back_every_file_already_replaced(tmp_path):
+    """The renames into place come last, and one may still fail (a file made immutable, another
+    user's file in a sticky directory; here a folder appears where the last file goes): every
+    file already replaced gets its old bytes back, a new one goes, and nothing of ours stays."""
+    from ckpt.store.destination import write_files
+
+    dest = tmp_path / "dest"
+    (dest / "sub").mkdir(parents=True)
+    (dest / "config.json").write_text("old config")
+    (dest / "model.safetensors").write_bytes(b"old weights")
+    (tmp_path / "elsewhere").write_text("a link's target")
+    (dest / "linked.json").symlink_to(tmp_path / "elsewhere")
+    (dest / "sub" / "tok.json").write_text("old tokenizer")
+    targets = [dest / "config.json", dest / "new.txt", dest / "model.safetensors", dest / "linked.json", dest / "sub" / "tok.json"]
+
+    def fill(tmps):
+        for tmp in tmps:
+            Path(tmp).write_bytes(b"new")
+        (dest / "sub" / "tok.json").unlink()  # in the way of the last rename, after every check
+        (dest / "sub" / "tok.json").mkdir()
+        (dest / "sub" / "tok.json" / "inside").write_text("someone's")
+
+    before = _tree(dest)
+    with pytest.raises(DestinationError, match="tok.json"):
+        write_files([str(t) for t in targets], fill)
+    del before["sub/tok.json"]
+    before["sub/tok.json/inside"] = b"someone's"
+    assert _tree(dest) == before  # old bytes back, the link a link again, no new.txt, no temporaries
+    assert (dest / "linked.json").is_symlink() and (tmp_path / "elsewhere").read_text() == "a link's target"
+
+
+def test_a_force_pull_onto_an_immutable_file_leaves_every_file_as_it_was(tmp_path, model_dir):
+    """The same through a pull, with the real obstacle: the last file of the checkpoint made
+    immutable (``chattr +i``; where this machine allows it)."""
+    import subprocess
+
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    store.push(model_dir, "two")
+    dest = tmp_path / "dest"
+    (dest / "sub").mkdir(parents=True)
+    for rel in ("config.json", "model.safetensors", "sub/tokenizer.json"):
+        (dest / rel).write_text(f"old {rel}")
+    locked = dest / "sub" / "tokenizer.json"
+    if subprocess.run(["chattr", "+i", str(locked)], capture_output=True).returncode:
+        pytest.skip("chattr +i is not allowed here")
+    try:
+        before = _tree(dest)
+        with pytest.raises(DestinationError):
+            store.pull("two", dest, overwrite=True)
+        assert _tree(dest) == before
+    finally:
+        subprocess.run(["chattr", "-i", str(locked)], check=False)
+
+
+def test_a_pull_under_a_file_says_so_and_leaves_it(store, tmp_path):
+    """A destination whose parent is a file: a DestinationError, not a traceback from the cleanup
+    (whose own removal of the temporary fails there too)."""
+    store.push({"w": torch.randn(16)}, "one")
+    (tmp_path / "afile").write_text("precious")
+    for name in ("out.safetensors", "out.pt"):
+        with pytest.raises(DestinationError):
+            store.pull("one", tmp_path / "afile" / name)
+    assert (tmp_path / "afile").read_text() == "precious"
+
+
+def test_a_torch_file_pull_to_a_full_disk_is_refused_or_fails_saying_so(tmp_path, tmpfs):
+    """A .pt pull larger than the free space is refused before anything is written, like a
+    safetensors one; and if the disk fills while torch.save writes (the free-space check passed),
+    the error says the disk is full rather than torch's 'unexpected pos'."""
+    from ckpt.errors import ResourceLimitError
+    from ckpt.store import destination
+
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    store.push({"w": torch.randn(1 << 20)}, "big")  # 4 MiB
+    small = tmpfs(tmp_path / "small", "1m")
+    with pytest.raises(ResourceLimitError):
+        store.pull("big", os.path.join(small, "out.pt"))
+    assert os.listdir(small) == []
+    destination.check_disk, real = (lambda need, path: None), destination.check_disk
+    try:
+        with pytest.raises(DestinationError, match="No space left"):
+            store.pull("big", os.path.join(small, "out.pt"))
+    finally:
+        destination.check_disk = real
+    assert os.listdir(small) == []
