@@ -519,10 +519,28 @@ def serve(
                local=_open(url=local_tier) if local_tier else None)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a job scheduler ending the job): unwound like Ctrl-C, so that a pull
+    removes its temporary files (full-size, hidden) instead of leaving them behind."""
+
+
+_terminated: list[bool] = []  # SIGTERM came (click reports the unwinding as an abort, code 130)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    _terminated.append(True)
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: ckpt errors become one line on stderr and exit code 1."""
+    import signal
+    import threading
+
     from ckpt.errors import CkptError
 
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         # Without standalone mode click returns the code of a typer.Exit instead of exiting.
         code = app(args=argv, standalone_mode=False)
@@ -531,15 +549,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except typer.Abort:
-        err.print("aborted")
-        sys.exit(130)
+    except typer.Abort:  # click's word for Ctrl-C (and SIGTERM, unwound the same way)
+        _end_interrupted("aborted")
     except BrokenPipeError:  # `ckpt show X | head`: the reader left; not an error worth a traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(141)
     except KeyboardInterrupt:
-        err.print("interrupted; the store is unchanged except for unreferenced objects that `ckpt gc` removes")
-        sys.exit(130)
+        _end_interrupted("interrupted; the store is unchanged except for unreferenced objects that `ckpt gc` removes")
     except typer.TyperException as e:  # usage errors: bad option, missing argument...
         show = getattr(e, "show", None)
         if show is None:
@@ -550,7 +566,19 @@ def main(argv: list[str] | None = None) -> None:
         show(file=buf)
         sys.stderr.write("".join(safe(line) + "\n" for line in buf.getvalue().splitlines()))
         sys.exit(getattr(e, "exit_code", 2))
+    if _terminated:  # (click returned the code of the abort its unwinding became)
+        _end_interrupted("")
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _end_interrupted(message: str) -> None:
+    """Exit after Ctrl-C (130) or SIGTERM (143), saying which."""
+    if _terminated:
+        err.print("terminated; the store is unchanged except for unreferenced objects that `ckpt gc` removes")
+        sys.exit(143)
+    if message:
+        err.print(message)
+    sys.exit(130)
 
 
 if __name__ == "__main__":
