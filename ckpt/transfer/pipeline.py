@@ -379,6 +379,8 @@ def _decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings
     h = parse_header(got.blob, cid)
     keep_decoded = objects.cache is not None and _kept_decoded(h, len(got.blob))
     base, chain = None, ()
+    if h.base == cid:
+        raise CorruptObjectError("chunk", cid, "stored as a delta against itself")
     if h.base is not None:
         base, below = fetch_base(objects, h.base, length, settings, cid, _depth + 1, got.bases, verify=False)
         chain = (h.base, *below)
@@ -423,8 +425,13 @@ def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
         if not got.cached or objects.cache is None:
             raise
         objects.cache.drop(cid)  # a damaged cache entry: never served, fetched again
-        got = _read_remote(objects, cid, length, settings, out, use_cache=False)
-        return _decode_read(objects, cid, length, settings, got, _depth, out, verify)
+        fresh = _read_remote(objects, cid, length, settings, out, use_cache=False)
+        if got.blob is not None and fresh.blob is not None and memoryview(fresh.blob) == memoryview(got.blob):
+            # The store holds what the cache held: decoding it again would fail again, and on
+            # a damaged chain each level above would retry too (2**depth decodes of a chain
+            # that names itself). The damage is in the store, or below this chunk.
+            raise
+        return _decode_read(objects, cid, length, settings, fresh, _depth, out, verify)
 
 
 def _delta_base(objects: ObjectStore, base: str, task: PutTask, oid: str, settings: Settings

@@ -18,7 +18,7 @@ from s3support import chunk_gets  # noqa: E402
 
 import ckpt  # noqa: E402
 from ckpt.transfer.pipeline import GetTask, get_chunks  # noqa: E402
-from ckpt_store.storage.errors import StorageIOError  # noqa: E402
+from ckpt_store.storage.errors import CorruptObjectError, StorageIOError  # noqa: E402
 
 CHUNK = 64 * 1024
 
@@ -380,3 +380,43 @@ def test_fine_tune_pull_fetches_only_its_own_chunks_and_refetches_a_damaged_base
     assert (tmp_path / "ft-out.safetensors").read_bytes() == ft_path.read_bytes()
     assert gets[0] == len(own) + 1  # its own chunks, and the damaged base once more
     assert again.objects.cache.dropped == 1
+
+
+@pytest.mark.parametrize("loop", ["itself", "two chunks"])
+def test_a_delta_chain_that_loops_fails_at_once_with_a_warm_cache(s3_url, tmp_path, monkeypatch, loop):
+    """A damaged remote store whose base chunk was overwritten with the blob of a delta against it
+    (a chain that names itself), or against its own delta (two chunks naming each other): the load
+    fails at once naming a chunk, with the chunk cache warm as cold. (Each of the 64 levels the
+    chain was followed retried its cached blob, and the fetch put it back in the cache: ~2**64
+    decodes, gigabytes of memory.)"""
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    store = ckpt.Store.init(s3_url, settings=_settings(cache=False))
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(CHUNK // 4, generator=g)
+    store.push({"w": w}, "base")
+    store.push({"w": w + torch.randn(CHUNK // 4, generator=g) * 1e-4}, "tuned", base="base")
+    store.push({"w": w + torch.randn(CHUNK // 4, generator=g) * 1e-4}, "tuned2", base="tuned")
+    d1, b = store.manifest("tuned").tensors[0].chunks[0], store.manifest("tuned").tensors[0].chains()[0][0]
+    d2, chain2 = store.manifest("tuned2").tensors[0].chunks[0], store.manifest("tuned2").tensors[0].chains()[0]
+    assert chain2 == (d1, b)  # tuned2's chunk: a delta against tuned's, itself one against base's
+    backend = store.objects.backend
+    # b := a blob that is a delta against b (tuned's), or against d1 (tuned2's), whose base is b
+    bad = backend.read(store.objects.path("chunks", d1 if loop == "itself" else d2))
+    backend.write(store.objects.path("chunks", b), bad)
+    for attempt in ("cold", "warm"):  # the first leaves the bad blob in the cache
+        reader = ckpt.Store.open(s3_url, settings=_settings())
+        gets = chunk_gets(reader)
+        failed: list[BaseException] = []
+
+        def load() -> None:
+            try:
+                reader.load("tuned")
+            except BaseException as e:  # noqa: BLE001 - what the load raised is the test's
+                failed.append(e)
+
+        t = threading.Thread(target=load, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), f"{attempt} cache: still loading after 60 s ({gets[0]} GETs)"
+        assert len(failed) == 1 and isinstance(failed[0], CorruptObjectError), failed
+        assert gets[0] < 200, (attempt, gets[0])  # a GET or two per level of the chain at most
