@@ -154,12 +154,12 @@ def _fill_staged(store: Store, m: Manifest, staged: list[tuple[TensorEntry, torc
     cuda = any(d.device.type == "cuda" for _, d in staged) and torch.cuda.is_available()
     # Two buffers: one is copied to the device while the other is filled.
     buffers: list[torch.Tensor | None] = [None, None]
-    events: list[Any] = [None, None]
+    events: list[list[Any]] = [[], []]  # per buffer: an event on each device its last copies went to
     for k, group in enumerate(groups):
         need = sum(_aligned(e.nbytes) for e, _ in group)
         slot = k % 2
-        if events[slot] is not None:
-            events[slot].synchronize()  # its previous copies are done: the buffer can be reused
+        for ev in events[slot]:
+            ev.synchronize()  # its previous copies are done: the buffer can be reused
         buf = buffers[slot]
         if buf is None or buf.numel() < need:
             buf = buffers[slot] = torch.empty(max(need, 1), dtype=torch.uint8, pin_memory=cuda)
@@ -174,9 +174,8 @@ def _fill_staged(store: Store, m: Manifest, staged: list[tuple[TensorEntry, torc
         with torch.no_grad():
             for (_, dst), tmp in zip(group, tmps):
                 dst.copy_(tmp, non_blocking=cuda and dst.device.type == "cuda")
-        if cuda:
-            ev = torch.cuda.Event()
-            ev.record()
-            events[slot] = ev
+        if cuda:  # (a model spread over GPUs: each device's stream has copies of its own to wait for)
+            devices = {dst.device for _, dst in group if dst.device.type == "cuda"}
+            events[slot] = [torch.cuda.current_stream(dev).record_event() for dev in devices]
     if cuda:
         torch.cuda.synchronize()

@@ -43,3 +43,18 @@ def test_cuda_snapshot_is_the_state_at_save_while_training_goes_on(tmp_path, ove
         assert mgr.restore_latest({"model": fresh, "optim": fresh_opt}) == 1
     assert fresh[0].weight.is_cuda
     assert _state_bits(fresh, fresh_opt) == want
+
+
+def test_load_into_device_tensors_through_pinned_buffers_in_groups(tmp_path):
+    """Store.load_into a model on the GPU (on two GPUs where there are two, as a model spread over
+    devices is): through pinned host buffers of at most CKPT_INFLIGHT_MB, reused group after group
+    once the copies from them are done; bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(1 << 18, generator=g) for i in range(12)}  # 1 MiB each
+    store = ckpt.Store.init(str(tmp_path / "s"), settings=ckpt.Settings.from_env(inflight_mb=2))
+    store.push(state, "m")
+    devices = [torch.device("cuda", i % torch.cuda.device_count()) for i in range(len(state))]
+    target = {k: torch.empty_like(v, device=d) for (k, v), d in zip(state.items(), devices)}
+    store.load_into("m", target)
+    torch.cuda.synchronize()
+    assert all(target[k].cpu().numpy().tobytes() == v.numpy().tobytes() for k, v in state.items())
