@@ -177,5 +177,5 @@ def _fill_staged(store: Store, m: Manifest, staged: list[tuple[TensorEntry, torc
         if cuda:  # (a model spread over GPUs: each device's stream has copies of its own to wait for)
             devices = {dst.device for _, dst in group if dst.device.type == "cuda"}
             events[slot] = [torch.cuda.current_stream(dev).record_event() for dev in devices]
-    if cuda:
-        torch.cuda.synchronize()
+    for ev in events[0] + events[1]:
+        ev.synchronize()  # every device's copies done: the tensors hold the checkpoint on return
