@@ -172,7 +172,9 @@ def copy_checkpoints(
             continue
         current = dst_refs.current(it.name)
         if current is None or current.target != it.manifest:
-            dst_refs.set(it.name, it.manifest, alias=it.alias)
+            # The source does not decide how the destination keeps a ref's history: a ref there
+            # stays what it is (an alias's earlier targets are not kept alive by gc).
+            dst_refs.set(it.name, it.manifest, alias=it.alias if current is None else current.alias)
             report.refs_set += 1
         report.refs[it.name] = it.manifest
     dst.backend.flush()

@@ -56,7 +56,9 @@ def gc_roots(refs: Refs, *, keep_history: bool = True, histories: dict[str, list
     """What gc keeps alive: the current target of every live ref and, with ``keep_history``,
     its earlier targets back to its last removal (a name removed and pushed again does
     not revive what it held before). An alias (``RUN/latest``) keeps only its current
-    target. Removed refs keep nothing. Versions are numbered as ``NAME@N`` counts them.
+    target. Removed refs keep nothing. Versions are numbered as ``NAME@N`` counts them. The
+    rule goes by entry: a ref whose newest entry is an alias but whose older ones are not (an
+    alias copied over a ref of the same name) keeps those older targets.
 
     A history version whose manifest is no longer in the store was freed by an earlier
     ``gc --no-history`` and keeps nothing alive (:func:`read_root`).
@@ -71,10 +73,11 @@ def gc_roots(refs: Refs, *, keep_history: bool = True, histories: dict[str, list
     for name, entries in histories.items():
         if not entries or entries[0].target is None:
             continue  # removed (or its newest entry is damaged): its history keeps nothing alive
-        for version, e in enumerate(entries if keep_history and not entries[0].alias else entries[:1]):
+        for version, e in enumerate(entries if keep_history else entries[:1]):
             if e.target is None:
                 break  # a removal: what the ref held before it is history of a removed ref
-            out.roots.append(Root(name, version, e.target))
+            if version == 0 or not e.alias:
+                out.roots.append(Root(name, version, e.target))
     return out
 
 

@@ -173,3 +173,20 @@ def test_corrupt_source_chunk_is_not_copied(source, tmp_path):
         copy_refs(source, dst, ["m/base"])
     assert not dst.objects.has("chunks", victim) and dst.refs() == {}
     assert not list(dst.objects.list("manifests"))
+
+
+def test_a_copied_alias_does_not_change_how_the_destination_keeps_a_ref(tmp_path):
+    """A source whose ``main`` is an alias (an alias's earlier targets are not kept alive) copied
+    onto a destination where ``main`` is a plain ref with a history: ``main`` stays plain there,
+    and the destination's gc keeps its earlier versions. A new name takes the source's kind."""
+    src, dst = _open(str(tmp_path / "src")), _open(str(tmp_path / "dst"))
+    dst.push({"w": torch.full((64,), 1.0)}, "main")
+    dst.push({"w": torch.full((64,), 2.0)}, "main")
+    other = src.push({"w": torch.full((64,), 3.0)}, "other")
+    src.refs_db.set("main", other, alias=True)
+    src.refs_db.set("run/latest", other, alias=True)
+    copy_refs(src, dst, ["main", "run/latest"])
+    assert dst.resolve("main") == other and not dst.refs_db.current("main").alias
+    assert dst.refs_db.current("run/latest").alias
+    dst.gc(grace_s=0)
+    assert torch.equal(dst.load("main@2")["w"], torch.full((64,), 1.0)) and dst.verify().ok

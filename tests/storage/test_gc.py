@@ -296,3 +296,17 @@ def test_gc_after_gc_no_history_runs(tmp_path):
     r = store.verify()
     assert r.ok and r.freed == ["a@1"]
     assert torch.equal(store.load("a")["x"], latest["x"])
+
+
+def test_an_alias_written_over_a_plain_ref_keeps_its_earlier_targets(tmp_path):
+    """History is kept by entry: a plain ref whose newest entry is an alias (another store's alias
+    copied over it, say) keeps its earlier, plain versions alive."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    a1 = store.push({"x": torch.full((10,), 1.0)}, "main")
+    a2 = store.push({"x": torch.full((10,), 2.0)}, "main")
+    other = store.push({"x": torch.full((10,), 3.0)}, "other")
+    store.refs_db.set("main", other, alias=True)
+    assert [r.target for r in gc_roots(store.refs_db).roots if r.ref == "main"] == [other, a2, a1]
+    _age(str(tmp_path / "s"), 7200)
+    store.gc(grace_s=0)
+    assert torch.equal(store.load("main@2")["x"], torch.full((10,), 1.0)) and store.verify().ok
