@@ -354,7 +354,7 @@ def _copy(refs: list[str], from_: str | None, to: str | None) -> dict[str, Any]:
             "bytes_sent": r.bytes_sent, "chunks_present": r.chunks_present, "manifests_present": r.manifests_present}
 
 
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
+_DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhd]?)\Z")
 
 
 def _seconds(text: str) -> float:

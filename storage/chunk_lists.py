@@ -14,12 +14,12 @@ not use) all read the rule from here.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
+from ckpt_store.storage.records import strict_loads
 
 # Keys in a manifest entry whose values are lists of chunk ids (or lists of them).
 CHUNK_LIST_KEYS = frozenset({"chunks", "delta_bases"})
@@ -30,7 +30,7 @@ ENTRY_SECTIONS = ("files", "tensors", "bundles")
 def parse_manifest(manifest: bytes) -> dict[str, Any]:
     """A manifest's JSON object, or :class:`StoreFormatError` saying why it is not one."""
     try:
-        obj = json.loads(manifest)
+        obj = strict_loads(manifest)
     except (ValueError, RecursionError) as e:
         raise StoreFormatError(f"manifest is not valid JSON: {e}") from None
     if not isinstance(obj, dict):

@@ -17,7 +17,7 @@ from ckpt_store.storage.errors import (
     StoreLocationError,
     StoreNotFoundError,
 )
-from ckpt_store.storage.records import decode_record, require, sealed_json
+from ckpt_store.storage.records import decode_record, finite_time, require, sealed_json
 
 CONFIG_PATH = "ckpt-store.json"
 STORE_FORMAT = "ckpt-store"
@@ -40,7 +40,7 @@ class StoreConfig:
         obj = decode_record(data, STORE_FORMAT, (1, STORE_VERSION), f"store config {CONFIG_PATH}", sealed_since=2)
         return cls(
             store_id=require(obj, "store_id", str, CONFIG_PATH),
-            created=float(require(obj, "created", (int, float), CONFIG_PATH)),
+            created=finite_time(require(obj, "created", (int, float), CONFIG_PATH), f"{CONFIG_PATH}: created"),
             version=obj["version"],
         )
 

@@ -41,7 +41,6 @@ The index is a cache, **never trusted over refs and manifests**:
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
@@ -57,7 +56,7 @@ from ckpt_store.storage.backends.base import Backend, Entry
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError, StoreFormatError
 from ckpt_store.storage.objects import ObjectStore
-from ckpt_store.storage.records import canonical_json, decode_record, require, sealed_json
+from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require, sealed_json, strict_loads
 from ckpt_store.storage.refs import RefEntry, Refs
 
 log = logging.getLogger(__name__)
@@ -88,9 +87,9 @@ RECENT = 256
 RECENT_FORMAT = "ckpt-index-recent"
 _HEAD_BYTES = 4096  # a snapshot's header line fits in this
 
-_LOG = re.compile(r"^(\d{10})\.log$")
-_SNAP = re.compile(r"^(\d{10})-([0-9a-f]{16})\.snap$")
-_CHUNKS = re.compile(r"^(\d{10})-([0-9a-f]{16})\.(?:chunks|recent)$")
+_LOG = re.compile(r"^([0-9]{10})\.log\Z")
+_SNAP = re.compile(r"^([0-9]{10})-([0-9a-f]{16})\.snap\Z")
+_CHUNKS = re.compile(r"^([0-9]{10})-([0-9a-f]{16})\.(?:chunks|recent)\Z")
 
 # What the layer above knows about a manifest: (small info for ls and base choice,
 # tensor signature or None, detail aligned with the chunk list). JSON values only.
@@ -144,7 +143,7 @@ class RefRec:
                 and isinstance(t, (int, float)) and (target is None or isinstance(target, str))
                 and (mtime is None or isinstance(mtime, (int, float)))):
             raise StoreFormatError(f"{what}: bad ref record")
-        return cls(seq, target, float(t), writer, alias, size, None if mtime is None else float(mtime))
+        return cls(seq, target, finite_time(t, what), writer, alias, size, None if mtime is None else finite_time(mtime, what))
 
     @classmethod
     def of(cls, entry: RefEntry, size: int, mtime: float | None) -> RefRec:
@@ -244,7 +243,7 @@ def _unblob(data: bytes, fmt: str, what: str) -> tuple[dict[str, Any], Any]:
     if h.get("length") != len(body) or h.get("body") != blake3.blake3(body).hexdigest():
         raise StoreFormatError(f"{what} is damaged: its body does not match its hash")
     try:
-        return h, json.loads(body)
+        return h, strict_loads(body)
     except (ValueError, RecursionError) as e:
         raise StoreFormatError(f"{what} is not valid JSON: {e}") from None
 

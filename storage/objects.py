@@ -22,7 +22,7 @@ from ckpt_store.storage.errors import (
 )
 
 KINDS = ("chunks", "manifests")
-_ID = re.compile(r"^[0-9a-f]{64}$")
+_ID = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 def object_id(data: bytes | memoryview) -> str:

@@ -29,6 +29,24 @@ def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if x in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is too large for a number here")
+    return x
+
+
+def strict_loads(data: bytes | str) -> Any:
+    """``json.loads`` for what a store holds: what :func:`canonical_json` can write, and nothing
+    else. NaN and Infinity (which Python's parser accepts) and numbers too large for a float are
+    refused (ValueError), so a record read back can always be encoded, sealed and checked."""
+    return json.loads(data, parse_constant=_no_constant, parse_float=_finite)
+
+
 def _checksum(obj: dict[str, Any]) -> str:
     return blake3.blake3(canonical_json({k: v for k, v in obj.items() if k != CHECK})).hexdigest()[:32]
 
@@ -48,8 +66,8 @@ def decode_record(data: bytes, fmt: str, versions: tuple[int, ...], what: str, *
     if len(data) > MAX_RECORD_BYTES:
         raise StoreFormatError(f"{what} is {len(data)} bytes, larger than any valid record")
     try:
-        obj = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        obj = strict_loads(data)
+    except (ValueError, RecursionError) as e:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
         raise StoreFormatError(f"{what} is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise StoreFormatError(f"{what} is not a JSON object")
@@ -75,3 +93,15 @@ def require(obj: dict[str, Any], key: str, typ: type | tuple[type, ...], what: s
     if not isinstance(val, typ) or (typ is int and isinstance(val, bool)):
         raise StoreFormatError(f"{what} field {key!r} has the wrong type ({type(val).__name__})")
     return val
+
+
+def finite_time(value: float, what: str) -> float:
+    """A timestamp read from a store: a number a date can be made of (a JSON integer may be
+    too large for a float)."""
+    try:
+        t = float(value)
+    except OverflowError:
+        raise StoreFormatError(f"{what} is not a time") from None
+    if not -1e12 < t < 1e12:  # about 30,000 years either way of 1970
+        raise StoreFormatError(f"{what} is not a time")
+    return t

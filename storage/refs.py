@@ -23,13 +23,13 @@ from ckpt_store.storage.errors import (
     RefConflictError,
     StoreFormatError,
 )
-from ckpt_store.storage.records import decode_record, require, sealed_json
+from ckpt_store.storage.records import decode_record, finite_time, require, sealed_json
 
 REF_FORMAT = "ckpt-ref"
 REF_VERSION = 2  # 2: sealed with a checksum (storage/records.py); 1 is still read
 MAX_NAME = 255
-_SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
-_ENTRY = re.compile(r"^(\d{10})\.ref$")
+_SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*\Z")
+_ENTRY = re.compile(r"^([0-9]{10})\.ref\Z")
 
 
 def validate_ref_name(name: str) -> str:
@@ -89,7 +89,7 @@ class RefEntry:
             name=require(obj, "name", str, what),
             seq=require(obj, "seq", int, what),
             target=target,
-            time=float(require(obj, "time", (int, float), what)),
+            time=finite_time(require(obj, "time", (int, float), what), f"{what}: time"),
             writer=require(obj, "writer", str, what),
             alias=obj.get("alias") is True,
         )

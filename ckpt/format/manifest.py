@@ -19,7 +19,7 @@ from typing import Any
 from ckpt.format.dtypes import itemsize
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
-from ckpt_store.storage.records import canonical_json, decode_record, require
+from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
 
 MANIFEST_FORMAT = "ckpt-manifest"
 MANIFEST_VERSION = 1
@@ -104,7 +104,7 @@ class TensorEntry:
             nbytes=require(o, "nbytes", int, what),
             chunks=tuple(check_id(c) for c in require(o, "chunks", list, what)),
             file=require(o, "file", str, what),
-            codecs=tuple(int(c) for c in o.get("codecs", ()) if isinstance(c, int)),
+            codecs=tuple(_ints(o.get("codecs", []), "codecs", what)),
             delta_bases=_chains(o.get("delta_bases", []), what),
         )
         size = itemsize(t.dtype)
@@ -149,12 +149,16 @@ class FileEntry:
             isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())
         ):
             raise StoreFormatError(f"{what}: bad safetensors metadata")
+        size = require(o, "size", int, what)
+        head_size = require(o, "head_size", int, what) if kind == "safetensors" else 0
+        if size < 0 or not 0 <= head_size <= size:
+            raise StoreFormatError(f"{what}: file of {size} bytes with a header of {head_size}")
         return cls(
             path=check_file_path(require(o, "path", str, what)),
             kind=kind,
-            size=require(o, "size", int, what),
+            size=size,
             chunks=tuple(check_id(c) for c in require(o, "chunks", list, what)),
-            head_size=o.get("head_size", 0) if kind == "safetensors" else 0,
+            head_size=head_size,
             metadata=meta,
         )
 
@@ -247,17 +251,18 @@ class Manifest:
         if not isinstance(raw_bundles, list):
             raise StoreFormatError(f"{what}: bundles must be a list")
         bundles = tuple(BundleEntry.from_obj(b, chunk_size, what) for b in raw_bundles)
+        _check_files_hold_their_tensors(files, tensors, what)
         msg = o.get("message")
         return cls(
             source=require(o, "source", str, what),
             chunk_size=chunk_size,
             files=files,
             tensors=tensors,
-            created=float(require(o, "created", (int, float), what)),
+            created=finite_time(require(o, "created", (int, float), what), f"{what}: created"),
             message=msg if isinstance(msg, str) else None,
-            metadata=o.get("metadata") or {},
-            extra=o.get("extra") or {},
-            lineage=o.get("lineage") or {"parent": None, "base": None, "merge": None},
+            metadata=_object(o, "metadata", what) or {},
+            extra=_object(o, "extra", what) or {},
+            lineage=_object(o, "lineage", what) or {"parent": None, "base": None, "merge": None},
             bundles=bundles,
         )
 
@@ -280,6 +285,39 @@ class Manifest:
         for b in self.bundles:
             out.update(zip(b.chunks, split_lengths(b.nbytes, self.chunk_size), strict=True))
         return out
+
+
+def _ints(raw: Any, key: str, what: str) -> list[int]:
+    if not isinstance(raw, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in raw):
+        raise StoreFormatError(f"{what}: {key} must be a list of integers")
+    return raw
+
+
+def _object(o: dict[str, Any], key: str, what: str) -> dict[str, Any] | None:
+    """``o[key]``: a JSON object, or None where it is absent or null."""
+    val = o.get(key)
+    if val is not None and not isinstance(val, dict):
+        raise StoreFormatError(f"{what}: {key} must be an object, not {type(val).__name__}")
+    return val
+
+
+def _check_files_hold_their_tensors(files: tuple[FileEntry, ...], tensors: tuple[TensorEntry, ...], what: str) -> None:
+    """Every tensor lies in a safetensors file of the checkpoint, once by name, and each such file's
+    size is its header and its tensors: a pull writes exactly the bytes it names, never zeros for
+    bytes no entry holds, nor a file longer or shorter than it says."""
+    held: dict[str, int] = {f.path: 0 for f in files if f.kind == "safetensors"}
+    names: dict[str, set[str]] = {}
+    for t in tensors:
+        if t.file not in held:
+            raise StoreFormatError(f"{what}: tensor {t.name} lies in {t.file!r}, not a safetensors file of this checkpoint")
+        if t.name in names.setdefault(t.file, set()):
+            raise StoreFormatError(f"{what}: tensor {t.name} is listed twice in {t.file}")
+        names[t.file].add(t.name)
+        held[t.file] += t.nbytes
+    for f in files:
+        if f.kind == "safetensors" and f.size != f.head_size + held[f.path]:
+            raise StoreFormatError(f"{what}: file {f.path} is {f.size} bytes, but its header and tensors are "
+                                   f"{f.head_size + held[f.path]}")
 
 
 def _chains(raw: Any, what: str) -> tuple[tuple[str, ...], ...]:

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from ckpt.store.store import Store
 
 log = logging.getLogger(__name__)
-_STEP = re.compile(r"^step-(\d+)$")
+_STEP = re.compile(r"^step-([0-9]+)\Z")
 SAVE_MODES = ("async", "sync", "overlap")
 UNCHANGED_BY = ("version", "hash")
 

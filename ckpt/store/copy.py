@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CopyReport", "chunk_checker", "copy_chunks", "copy_refs", "parse_copy_spec", "raw_recoder"]
 
-_SPEC = re.compile(r"^([^:]+)(?::([^:]+))?$")
+_SPEC = re.compile(r"^([^:]+)(?::([^:]+))?\Z")
 
 
 def parse_copy_spec(spec: str) -> tuple[str, str | None]:

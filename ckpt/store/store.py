@@ -33,9 +33,9 @@ if TYPE_CHECKING:
     from ckpt.store.reader import CheckpointReader
     from ckpt_store.storage.copy import CopyReport
 
-_HISTORY = re.compile(r"^(.*)@(\d+)$")
-_HEX = re.compile(r"^[0-9a-f]{4,64}$")
-_FULL_ID = re.compile(r"^[0-9a-f]{64}$")
+_HISTORY = re.compile(r"^(.*)@([0-9]+)\Z")
+_HEX = re.compile(r"^[0-9a-f]{4,64}\Z")
+_FULL_ID = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 def remote_options(settings: Settings) -> dict[str, Any]:

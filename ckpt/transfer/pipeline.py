@@ -415,6 +415,8 @@ def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
     """
     if _depth > MAX_CHAIN:
         raise CorruptObjectError("chunk", cid, f"delta chain longer than {MAX_CHAIN}")
+    if length > settings.max_chunk_size:
+        raise CorruptObjectError("chunk", cid, f"the checkpoint says {length} bytes, more than any chunk")
     if blobs and cid in blobs:
         got = _Read(blobs[cid], bases=blobs)
     else:
@@ -717,6 +719,10 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     bundles hold are served from them (:func:`_from_bundles`): a few requests, not one each.
     """
     todo = list(tasks)
+    for t in todo:  # a manifest is outside data: no buffer is sized by a claim no chunk can meet
+        if t.length > settings.max_chunk_size:
+            raise CorruptObjectError("chunk", t.id, f"the checkpoint says {t.length} bytes, more than any chunk "
+                                     f"({settings.max_chunk_size}, CKPT_MAX_CHUNK_SIZE)")
     progress = progress or NullProgress()
     stats = GetStats(len(todo))
     if manifest is not None and manifest.bundles and objects.backend.streams:

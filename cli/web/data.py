@@ -23,7 +23,7 @@ from ckpt.errors import CkptError, RefNotFoundError
 from ckpt.format.manifest import Manifest
 from ckpt_store.cli import results
 
-STEP_REF = re.compile(r"^(?P<run>.+)/step-(?P<step>\d+)$")
+STEP_REF = re.compile(r"^(?P<run>.+)/step-(?P<step>[0-9]+)\Z")
 MAX_PAGE = 1000  # the most rows one request returns, whatever it asks for
 T = TypeVar("T")
 

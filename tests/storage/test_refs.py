@@ -26,7 +26,8 @@ def test_valid_names(name):
 @pytest.mark.parametrize(
     "name",
     ["", "..", "../x", "a/../b", "/abs", "a//b", "a/", ".hidden", "a\x00b", "a\nb", "a\x01b", "x" * 256,
-     "a b", "a\\b", "c:/x", "a/0000000001.ref", "-flag"],
+     "a b", "a\\b", "c:/x", "a/0000000001.ref", "-flag",
+     "m\n", "team/model\n", "a\n/b", "a/\u0661\u0662\u0663\u0664\u0665\u0666\u0667\u0668\u0669\u0660.ref"],
 )
 def test_invalid_names_rejected(name):
     with pytest.raises(InvalidNameError):
@@ -95,3 +96,29 @@ def test_refs_on_memory_backend():
     r = Refs(open_backend(f"memory://refs-{uuid.uuid4().hex}"))
     r.set("m/x", A)
     assert r.current("m/x").target == A
+
+
+def test_a_stray_file_named_almost_like_an_entry_is_not_one(tmp_path):
+    """An entry is exactly ten ASCII digits and ".ref": a stray file named so with a trailing newline
+    or other digits (Arabic-Indic ones match Python's \\d) was taken for an entry, then could not be
+    read under the name its number gives, and every command that lists refs failed with a traceback."""
+    r = Refs(LocalBackend(str(tmp_path), fsync=False))
+    r.set("x", A)
+    (tmp_path / "refs" / "x" / "0000000002.ref\n").write_bytes(b"stray")
+    (tmp_path / "refs" / "x" / "\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0663.ref").write_bytes(b"stray")
+    assert r.current("x").target == A and list(r.live()) == ["x"] and [e.seq for e in r.all_entries()["x"]] == [1]
+
+
+@pytest.mark.parametrize("time", [b"NaN", b"Infinity", b"1e400", b"1" + b"0" * 400])
+def test_an_entry_whose_time_is_not_a_number_is_damaged(tmp_path, time):
+    """Python's JSON parser takes NaN, Infinity and integers no float holds; a ref entry's seal is
+    checked by encoding it again, which raised ValueError (a traceback from every command)."""
+    r = Refs(LocalBackend(str(tmp_path), fsync=False))
+    r.set("x", A)
+    path = tmp_path / "refs" / "x" / "0000000001.ref"
+    raw = path.read_bytes()
+    start = raw.index(b'"time":') + 7
+    end = raw.index(b",", start)
+    path.write_bytes(raw[:start] + time + raw[end:])
+    with pytest.raises(StoreFormatError):
+        r.current("x")

@@ -45,6 +45,24 @@ def test_roundtrip():
         lambda s: s.replace(B.encode(), b"../" + B[3:].encode(), 1),
         lambda s: s[:-3],
         lambda s: b"[]",
+        # What Python's JSON parser accepts and the format cannot hold (a manifest is named by the
+        # hash of its bytes: anyone can store any bytes as one); each broke commands with a traceback.
+        lambda s: s.replace(b'"created":1.0', b'"created":NaN'),
+        lambda s: s.replace(b'"created":1.0', b'"created":-Infinity'),
+        lambda s: s.replace(b'"created":1.0', b'"created":1e400'),
+        lambda s: s.replace(b'"created":1.0', b'"created":1' + b"0" * 400),
+        lambda s: s.replace(b'"head_size":8', b'"head_size":"8"'),
+        lambda s: s.replace(b'"head_size":8', b'"head_size":30'),
+        lambda s: s.replace(b'"name":"w"', b'"codecs":5,"name":"w"'),
+        lambda s: s.replace(b'"lineage":{"base":null,"merge":null,"parent":null}', b'"lineage":"x"'),
+        lambda s: s.replace(b'"metadata":{}', b'"metadata":[]'),
+        # A file that is not its header and its tensors: a pull wrote zeros for the bytes no entry
+        # held, or a file longer or shorter than it said, and exited 0.
+        lambda s: s.replace(b'"size":24', b'"size":32'),
+        lambda s: s.replace(b'"size":24', b'"size":20'),
+        lambda s: s.replace(b'"file":"model.safetensors"', b'"file":"other.safetensors"'),
+        lambda s: s.replace(b'"size":24', b'"size":40').replace(
+            b'"tensors":[', b'"tensors":[' + s[s.index(b'"tensors":[') + 11 : s.rindex(b"]")] + b","),  # listed twice
     ],
 )
 def test_malformed_manifests_are_format_errors(mutate):

@@ -240,3 +240,18 @@ def test_a_wrong_base_that_decodes_is_found_and_named(tmp_path):
     with pytest.raises(CorruptObjectError) as exc:
         reopened.load("tuned")
     assert base[:12] in str(exc.value) and delta[:12] not in str(exc.value)
+
+
+def test_a_chunk_claimed_larger_than_any_chunk_is_refused_before_anything_is_allocated(tmp_path):
+    """A manifest is outside data: a chunk it says holds 40 TB (a chunk_size and a tensor to match)
+    is refused by the reader before a buffer of that size is asked for."""
+    from ckpt.transfer.pipeline import GetTask, fetch_chunk, get_chunks
+    from ckpt_store.storage.errors import CorruptObjectError
+
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    store.push({"w": torch.randn(1000)}, "m")
+    cid = store.manifest("m").tensors[0].chunks[0]
+    with pytest.raises(CorruptObjectError, match="more than any chunk"):
+        get_chunks(store.objects, [GetTask(cid, 40 << 40, sink=lambda b: None)], store.settings)
+    with pytest.raises(CorruptObjectError, match="more than any chunk"):
+        fetch_chunk(store.objects, cid, 40 << 40, store.settings)
