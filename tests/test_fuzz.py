@@ -118,6 +118,7 @@ def test_a_manifest_claiming_a_terabyte_is_refused_before_allocating(tmp_path: P
     t = m["tensors"][0]
     m["chunk_size"] = 1 << 40
     t["shape"], t["nbytes"] = [1 << 38], 1 << 40
+    m["files"][0]["size"] = m["files"][0]["head_size"] + (1 << 40)  # consistent: its file says so too
     store.refs_db.set("bomb", store.objects.put_manifest(canonical_json(m)))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with pytest.raises(ResourceLimitError, match="needs 1,099,511,627,776 bytes"):

@@ -171,6 +171,7 @@ def push_source(
     if bundles is None:
         bundles = store.objects.backend.streams
     bundle, bundled = _bundle(store, tasks, results) if bundles else ((), [])
+    src.check_unchanged()  # every byte is read: from one version of each file, or no checkpoint
 
     groups = iter([results[a:b] for a, b in spans])
     files, tensors = [], []

@@ -70,6 +70,7 @@ class FileBytes:
     def __init__(self, path: str, fd: int | None = None) -> None:
         self.path = path
         self.fd = open_regular(path) if fd is None else fd
+        self._stamp = _stamp(os.fstat(self.fd))
 
     def read(self, offset: int, length: int) -> bytes:
         data = os.pread(self.fd, length, offset)
@@ -77,10 +78,22 @@ class FileBytes:
             raise InvalidSourceError(self.path, "file shrank while it was being pushed")
         return data
 
+    def check_unchanged(self) -> None:
+        """Raise :class:`InvalidSourceError` if the file was written since it was opened: bytes read
+        before and after a write in place (same size, as a writer rewriting it does) would make a
+        checkpoint of a file that never existed."""
+        if _stamp(os.fstat(self.fd)) != self._stamp:
+            raise InvalidSourceError(self.path, "file changed while it was being pushed",
+                                     hint="push it again once whatever writes it is done")
+
     def close(self) -> None:
         if self.fd >= 0:  # closing twice would close whatever reused the number
             os.close(self.fd)
             self.fd = -1
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 class MemBytes:
@@ -123,6 +136,11 @@ class SourceIn:
     def close(self) -> None:
         for f in self._open:
             f.close()
+
+    def check_unchanged(self) -> None:
+        """:meth:`FileBytes.check_unchanged` for every file this source reads."""
+        for f in self._open:
+            f.check_unchanged()
 
 
 def open_source(source: object, *, metadata: dict[str, str] | None = None) -> SourceIn:
@@ -263,8 +281,9 @@ def _from_state_dict_file(fb: FileBytes, metadata: dict[str, str] | None) -> Sou
     try:
         try:
             obj = _load(fb)
-        finally:
-            fb.close()  # torch holds its own mapping; the tensors need nothing of fb
+        except BaseException:
+            fb.close()  # (torch holds its own mapping; fb stays open only to see the file change)
+            raise
     except pickle.UnpicklingError as e:
         raise _refused(path, e) from None
     except MemoryError:
@@ -274,8 +293,14 @@ def _from_state_dict_file(fb: FileBytes, metadata: dict[str, str] | None) -> Sou
         raise InvalidSourceError(path, f"not a readable torch file: {show(first[:200])}") from None
     if not isinstance(obj, Mapping):
         raise InvalidSourceError(path, f"holds a {type(obj).__name__}, not a state dict")
-    tensors, extra = flatten_state_dict(obj, path)
-    return from_tensors(tensors, "state-dict", extra, metadata)
+    try:
+        tensors, extra = flatten_state_dict(obj, path)
+        src = from_tensors(tensors, "state-dict", extra, metadata)
+    except BaseException:
+        fb.close()
+        raise
+    src._open.append(fb)
+    return src
 
 def _check_safetensors_name(name: str) -> str:
     check_tensor_name(name)

@@ -581,3 +581,46 @@ def test_hugging_face_cache_snapshot_gets_a_hint(tmp_path, store):
         store.push(repo / "snapshots" / "abc", "x")
     assert "--local-dir" in e.value.hint and "model.safetensors" in _one_line(e)
     _nothing_stored(store)
+
+
+@pytest.mark.parametrize("name", ["m.safetensors", "m.pt", "dir"])
+def test_a_file_rewritten_in_place_while_it_is_pushed_is_refused(tmp_path, store, name, monkeypatch):
+    """Another process rewrites the file, same size, after the push has read part of it: the push
+    fails and records nothing (it recorded tensors of both versions, a file that never existed)."""
+    old = {f"t{i}": torch.full((1 << 16,), 1.0) for i in range(4)}
+    new = {f"t{i}": torch.full((1 << 16,), 2.0) for i in range(4)}
+    path = tmp_path / name
+    target = path / "model.safetensors" if name == "dir" else path
+    if name == "dir":
+        path.mkdir()
+    write = (lambda d: torch.save(d, target)) if name.endswith(".pt") else (lambda d: save_file(d, target))
+    write(new)
+    rewritten = target.read_bytes()
+    write(old)
+    assert len(rewritten) == target.stat().st_size
+    real = sources.FileBytes.read
+    done: list[bool] = []
+
+    def read(self, offset, length):  # the push's reads, with the other writer running after the first
+        data = real(self, offset, length)
+        if not done and offset > 0:
+            done.append(True)
+            with open(target, "r+b") as f:
+                f.write(rewritten)
+        return data
+
+    monkeypatch.setattr(sources.FileBytes, "read", read)
+    if name.endswith(".pt"):  # torch reads a .pt through its own mapping: the writer runs at the first chunk
+        real_from = sources.from_tensors
+
+        def from_tensors(*a, **k):
+            src = real_from(*a, **k)
+            with open(target, "r+b") as f:
+                f.write(rewritten)
+            done.append(True)
+            return src
+
+        monkeypatch.setattr(sources, "from_tensors", from_tensors)
+    with pytest.raises(InvalidSourceError, match="changed while it was being pushed"):
+        store.push(str(path), "m")
+    assert done and not store.refs()
