@@ -298,7 +298,7 @@ class CheckpointManager:
     def _local_tier(self, local: Any, every: int | None, keep: int, max_bytes: int | None, replicas: int,
                     process_group: Any) -> LocalTier | None:
         """Check the tier settings; the local tier, if asked for."""
-        from ckpt.snapshot.tiers import LocalTier, default_local_path
+        from ckpt.snapshot.tiers import LocalTier, default_local_path, private_root
 
         self.local_every_n_steps = count_setting("local_every_n_steps", every)
         count_setting("local_keep", keep)
@@ -327,10 +327,11 @@ class CheckpointManager:
             self.local_every_n_steps = self.every_n_steps
         if local is True:
             path = default_local_path(self.store.url, self.run, rank)
+            private_root(path.parent.parent if rank is not None else path.parent)
         else:
             path = os.fspath(local) if rank is None else os.path.join(os.fspath(local), f"rank-{rank}")
         return LocalTier(path, self.run, keep=keep, max_bytes=max_bytes, settings=self.store.settings,
-                         compress=self._local_compress)
+                         compress=self._local_compress, durable=self.store, reset_foreign=local is True)
 
     @property
     def local_tier(self) -> LocalTierUsage | None:

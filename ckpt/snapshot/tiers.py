@@ -17,10 +17,14 @@ next on a miss or a bad hash (:class:`Tiers`).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import shutil
+import stat
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,6 +67,28 @@ def default_local_path(store_url: str, run: str, rank: int | None = None) -> Pat
     return path / f"rank-{rank}" if rank is not None else path
 
 
+def private_root(path: Path) -> None:
+    """Make sure the per-user folder that holds the default local tiers (``ckpt-local-UID`` in a
+    shared folder such as /dev/shm) is this user's own: created mode 0700, else a real folder
+    (not a link) that this user owns and no one else may write. Another user could otherwise
+    plant a snapshot there for this run to resume from."""
+    from ckpt.snapshot.run import SnapshotError
+
+    os.makedirs(path.parent, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
+        raise SnapshotError(f"{path} is not a folder of this user's that only they may write; the local tier "
+                            "will not be kept (or read) there", hint="pass local=PATH, or set CKPT_LOCAL_DIR")
+
+
+TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is
+
+
 @dataclass(frozen=True)
 class LocalTierUsage:
     """What the local tier holds now: its snapshots' steps and the bytes it occupies
@@ -85,7 +111,8 @@ class LocalTier:
     """
 
     def __init__(self, path: str | os.PathLike[str], run: str, *, keep: int = 2, max_bytes: int | None = None,
-                 settings: Settings | None = None, compress: bool = False) -> None:
+                 settings: Settings | None = None, compress: bool = False, durable: Store | None = None,
+                 reset_foreign: bool = False) -> None:
         from dataclasses import replace
 
         from ckpt.settings import Settings
@@ -98,9 +125,14 @@ class LocalTier:
         self.run = run
         self.keep = keep
         self.max_bytes = max_bytes
+        marker = None
+        if durable is not None:
+            marker = _claim(self.path, run, durable, reset_foreign)
         os.makedirs(self.path, exist_ok=True)
         self.compress = compress
         self.store = Store.init(self.path, settings=settings)
+        if marker is not None:
+            self.store.backend.write(TIER_MARKER, marker)
         self.pinned: set[int] = set()
         self._lock = threading.Lock()  # prune vs. the steps a persist pins
 
@@ -169,6 +201,75 @@ class LocalTier:
             self.store.remove(self.ref(step))
         except CkptError:
             pass
+
+
+def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | None:
+    """Check that ``path`` may be the local tier of ``run`` of ``durable`` (whose snapshots the tier
+    prunes and collects without grace); returns the marker to write once the tier's store exists
+    (None: it is there already).
+
+    Refused: the durable store itself, a folder inside it or around it, a ckpt store that is not a
+    local tier (its history would be collected), and the tier of another store or run (it would be
+    resumed from). With ``reset_foreign`` (the default path, keyed by the store's URL and the run:
+    the store there was made anew) another store's tier is emptied instead, with a warning.
+    A store with no marker whose every ref is a snapshot of ``run`` is taken as this run's tier
+    (one kept before tiers had markers)."""
+    from ckpt.snapshot.run import SnapshotError
+    from ckpt_store.storage.config import CONFIG_PATH
+
+    real = os.path.realpath(path)
+    droot = durable.backend.local_path(".")
+    if droot is not None:
+        droot = os.path.realpath(droot)
+        if real == droot or real.startswith(droot.rstrip(os.sep) + os.sep) or droot.startswith(real.rstrip(os.sep) + os.sep):
+            raise SnapshotError(f"local={path} is the durable store {droot}, or lies in or around it",
+                                hint="give the local tier a path of its own (it prunes and collects what it holds)")
+    want = {"run": run, "store_id": durable.config.store_id}
+    marker = json.dumps(want, sort_keys=True).encode()
+    try:
+        with open(os.path.join(path, TIER_MARKER), "rb") as f:
+            have = json.loads(f.read(4096))
+    except FileNotFoundError:
+        have = None
+    except (OSError, ValueError):
+        have = {}  # damaged: someone's, not known to be this run's
+    if have == want:
+        return None
+    if have is None and not os.path.lexists(os.path.join(path, CONFIG_PATH)):
+        return marker  # a new tier
+    if have is None and _only_snapshots_of(path, run):
+        return marker
+    if have is None:
+        raise SnapshotError(f"local={path} is a ckpt store that is not a local tier; a tier prunes and collects "
+                            "what it holds", hint="give the local tier a path of its own")
+    if not reset_foreign:
+        raise SnapshotError(f"local={path} is the local tier of another run or store ({have!r:.120})",
+                            hint="give this run's local tier a path of its own, or remove that folder")
+    message = f"local tier {path} held snapshots of another store or run: emptied for this one"
+    log.warning("%s", message)
+    from ckpt.snapshot.run import TierWarning
+
+    warnings.warn(message, TierWarning, stacklevel=4)
+    for name in os.listdir(path):
+        p = os.path.join(path, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        else:
+            os.unlink(p)
+    return marker
+
+
+def _only_snapshots_of(path: str, run: str) -> bool:
+    """Whether the store at ``path`` names nothing but snapshots of ``run`` (RUN/step-N, RUN/latest)."""
+    from ckpt.store.store import Store
+
+    try:
+        refs = Store.open(path).refs()
+    except CkptError:
+        return False
+    prefix = f"{run}/"
+    return all(r.startswith(prefix) and (r[len(prefix):] == "latest" or (r[len(prefix):].startswith("step-")
+                                                                       and r[len(prefix) + 5:].isdigit())) for r in refs)
 
 
 @dataclass

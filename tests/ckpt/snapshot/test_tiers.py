@@ -393,3 +393,72 @@ def test_a_restore_from_s3_takes_the_small_chunks_from_the_snapshots_bundle(s3_u
     assert {k: v.numpy().tobytes() for k, v in _moments(opt).items()} == moments
     assert gets[0] == len(every) - len(b.members) + len(b.chunks)  # not one request per small chunk
     mgr.close()
+
+
+def _tiny_state():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    return model, {"model": model}
+
+
+@pytest.mark.parametrize("where", ["the store", "a link to it", "inside it", "around it"])
+def test_a_local_tier_is_never_the_durable_store(tmp_path, where):
+    """The tier prunes and collects what it holds without grace: pointed at the durable store (an
+    easy slip: local="./runs") it freed other refs' history there. Refused before anything is written."""
+    durable = ckpt.Store.init(str(tmp_path / "runs"))
+    durable.push({"w": torch.ones(4)}, "team/model")
+    durable.push({"w": torch.zeros(4)}, "team/model")
+    (tmp_path / "link").symlink_to(tmp_path / "runs")
+    path = {"the store": tmp_path / "runs", "a link to it": tmp_path / "link", "inside it": tmp_path / "runs" / "tier",
+            "around it": tmp_path}[where]
+    with pytest.raises(ckpt.CkptError, match="durable store"):
+        ckpt.CheckpointManager(durable, "run", local=str(path))
+    assert torch.equal(durable.load("team/model@1")["w"], torch.ones(4)) and not (tmp_path / "runs" / "tier").exists()
+
+
+def test_a_local_tier_is_not_another_store_nor_another_runs_tier(tmp_path):
+    durable = ckpt.Store.init(str(tmp_path / "d"))
+    other = ckpt.Store.init(str(tmp_path / "other"))
+    other.push({"w": torch.ones(4)}, "keep/me")
+    with pytest.raises(ckpt.CkptError, match="not a local tier"):
+        ckpt.CheckpointManager(durable, "run", local=str(tmp_path / "other"))
+    assert list(other.refs()) == ["keep/me"]
+    _, state = _tiny_state()
+    with ckpt.CheckpointManager(durable, "run", local=str(tmp_path / "tier"), local_every_n_steps=1) as mgr:
+        mgr.save(1, state)
+    with pytest.raises(ckpt.CkptError, match="another run or store"):  # another run's tier
+        ckpt.CheckpointManager(durable, "other-run", local=str(tmp_path / "tier"))
+    with pytest.raises(ckpt.CkptError, match="another run or store"):  # the tier of another durable store
+        ckpt.CheckpointManager(str(tmp_path / "d2"), "run", local=str(tmp_path / "tier"))
+    with ckpt.CheckpointManager(durable, "run", local=str(tmp_path / "tier")) as mgr:  # its own run: resumes
+        assert mgr.restore_latest(_tiny_state()[1]) == 1 and mgr.last_restore["local"] > 0
+
+
+def test_the_default_tier_of_a_store_made_anew_is_emptied_not_resumed(tmp_path, monkeypatch):
+    """`rm -rf runs` and start again: the default tier (keyed by the store's URL and the run) holds
+    the old store's snapshots. They are dropped with a warning, never resumed from."""
+    monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "shm"))
+    _, state = _tiny_state()
+    with ckpt.CheckpointManager(str(tmp_path / "runs"), "run", local=True, local_every_n_steps=1) as mgr:
+        mgr.save(510, state)
+        old = mgr.local_tier.path
+    import shutil
+
+    shutil.rmtree(tmp_path / "runs")
+    with pytest.warns(ckpt.TierWarning, match="another store"):
+        mgr = ckpt.CheckpointManager(str(tmp_path / "runs"), "run", local=True, local_every_n_steps=1)
+    with mgr:
+        assert mgr.local_tier.path == old and mgr.local_tier.steps == []
+        assert mgr.restore_latest(_tiny_state()[1]) is None
+
+
+def test_the_default_tiers_folder_must_be_the_users_own(tmp_path, monkeypatch):
+    """Another user could plant a snapshot in a shared /dev/shm for this run to resume from: the
+    folder of the default tiers is made private, and one that others may write is refused."""
+    monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "shm"))
+    mine = tmp_path / "shm" / f"ckpt-local-{os.getuid()}"
+    with ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True, local_every_n_steps=1):
+        assert mine.stat().st_mode & 0o777 == 0o700
+    mine.chmod(0o777)
+    with pytest.raises(ckpt.CkptError, match="only they may write"):
+        ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True, local_every_n_steps=1)
