@@ -264,8 +264,11 @@ class GcReport:
 
 
 def gc(store: Store, *, grace_s: float, dry_run: bool = False, keep_history: bool = True) -> GcReport:
+    # A dry run previews from the metadata index (a few requests however large the store). What
+    # deletes reads the refs and manifests themselves: the index is never trusted over them, and
+    # a wrong one (a bug's, or a forged log: it is sealed, not signed) would free live data.
     plan = plan_gc(store.objects, store.refs_db, grace_s=grace_s, keep_history=keep_history, recover=not dry_run,
-                   index=store.index)
+                   index=store.index if dry_run else None)
     deleted = plan.delete if dry_run else list(execute_gc(store.objects, plan))
     return GcReport(dry_run, deleted, len(plan.delete), sum(d.size for d in deleted), plan.young, plan.live_manifests,
                     plan.live_chunks, plan.recovered)

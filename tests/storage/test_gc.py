@@ -310,3 +310,24 @@ def test_an_alias_written_over_a_plain_ref_keeps_its_earlier_targets(tmp_path):
     _age(str(tmp_path / "s"), 7200)
     store.gc(grace_s=0)
     assert torch.equal(store.load("main@2")["x"], torch.full((10,), 1.0)) and store.verify().ok
+
+
+def test_gc_deletes_by_the_manifests_never_by_the_index(tmp_path):
+    """The metadata index is never trusted over refs and manifests: an index log (sealed, not
+    signed) that says a live manifest names no chunks made gc free all of them. A dry run may
+    preview from the index; what deletes reads the manifests."""
+    from ckpt_store.storage.records import sealed_json
+
+    path = tmp_path / "s"
+    store = ckpt.Store.init(str(path))
+    mid = store.push({"w": torch.randn(1000), "b": torch.randn(10)}, "base")
+    store.gc(grace_s=3600)  # the index now holds the manifest's chunk list
+    gen = max(int(n[:10]) for n in os.listdir(path / "index")) + 1
+    lie = {"format": "ckpt-index-log", "version": 1, "gen": gen,
+           "ref": {"name": "nobody", "rec": [1, None, 0.0, "w", False, 0, None]},
+           "manifest": {"id": mid, "info": {}, "sig": None, "chunks": [], "detail": None}}
+    (path / "index" / f"{gen:010d}.log").write_bytes(sealed_json(lie))
+    _age(str(path), 7200)
+    store = ckpt.Store.open(str(path))
+    store.gc(grace_s=0)
+    assert store.verify().ok and store.load("base")["b"].numel() == 10
