@@ -294,6 +294,8 @@ class LocalSnapshots:
                 pairs += [(entries[n], live[n]) for n in names]  # straight into the parameters
                 used.update(t.untyped_storage().data_ptr() for t in live.values() if t.numel())
                 continue
+            if kind == "stateful":
+                _check_param_groups(key, obj, value)  # before anything is written
             # An optimizer's (or any Stateful's) own tensors of the right shape and dtype are
             # written in place, and load_state_dict() then adopts them without a copy: no
             # fresh allocation (page faults) for the largest part of a training state.
@@ -321,6 +323,22 @@ class LocalSnapshots:
             else:
                 state[key] = restored
         return int(snap["step"])
+
+
+def _check_param_groups(key: str, obj: Any, saved: Any) -> None:
+    """An optimizer restored needs the snapshot's parameter groups (as many, as large): torch's
+    ``load_state_dict`` refuses others, and it runs last, after the rest of the state is written.
+    Checked first, so that a mismatch leaves everything as it was."""
+    import torch
+
+    if not isinstance(obj, torch.optim.Optimizer) or not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
+        return
+    want = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else None
+            for g in saved["param_groups"]]
+    have = [len(g["params"]) for g in obj.param_groups]
+    if want != have:
+        raise TensorMismatchError(f"{key}: the snapshot's optimizer has parameter groups of {want} parameters, "
+                                  f"this one of {have}", hint="build the optimizer over the parameters the saved run used")
 
 
 def _live_tensors(key: str, obj: Any) -> dict[str, Any]:

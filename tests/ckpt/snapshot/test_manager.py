@@ -410,3 +410,23 @@ def test_preempted_maybe_save_exits_with_the_configured_code(tmp_path, code):
         assert mgr.store.resolve("p/latest") == mgr.store.resolve("p/step-7")  # durable before the exit
     finally:
         mgr.close()
+
+
+def test_an_optimizer_with_other_parameter_groups_is_refused_before_anything_is_written(tmp_path):
+    """The snapshot's AdamW optimized the weight only; this one the weight and the bias. torch's
+    load_state_dict refuses that, but it ran after the model was already overwritten: now the
+    restore says so first, and the state is as it was."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW([m.weight], lr=1e-3)
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", save_mode="sync") as mgr:
+        mgr.save(1, {"model": m, "optim": opt})
+    m2 = torch.nn.Linear(4, 4)
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-3)
+    before = {k: v.clone() for k, v in m2.state_dict().items()}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        with pytest.raises(TensorMismatchError, match="parameter groups"):
+            mgr.restore_latest({"model": m2, "optim": opt2})
+    assert all(torch.equal(before[k], v) for k, v in m2.state_dict().items()) and not opt2.state
