@@ -98,6 +98,9 @@ class _Step:
     nbytes: int
     reuse: tuple[CheckpointReader, TensorEntry] | None  # take these chunks (or bytes) as they are
     average: tuple[CheckpointReader, ...] | None = None  # compute the plain average of these inputs
+    # not floating point, stored at other chunk sizes (ids not comparable): the inputs' bytes,
+    # which must then be equal (found when they are read)
+    equal: bool = False
 
 
 def _plan(method: MergeMethod, params: Mapping[str, Any], readers: list[CheckpointReader],
@@ -123,6 +126,10 @@ def _plan(method: MergeMethod, params: Mapping[str, Any], readers: list[Checkpoi
             in_base = base is not None and name in base
             if missing == "base" and in_base:
                 e = base.info(name)  # type: ignore[union-attr]
+                held = [e] + [r.info(name) for r in readers if name in r]  # the inputs that have it must agree
+                if len({(h.dtype, h.shape) for h in held}) > 1:
+                    problems.append(f"{name} differs in dtype/shape: " + ", ".join(f"{h.dtype}{list(h.shape)}" for h in held))
+                    continue
                 steps.append(_Step(name, e.dtype, e.shape, e.nbytes, (base, e)))
             elif new_tensors == "average" and not in_base:
                 step = _average_step(name, [r for r in readers if name in r], one_cut, problems)
@@ -140,8 +147,10 @@ def _plan(method: MergeMethod, params: Mapping[str, Any], readers: list[Checkpoi
         same = one_cut and len({e.chunks for e in entries}) == 1
         if same and (identity or first.dtype not in FLOAT_DTYPES):
             steps.append(_Step(name, first.dtype, first.shape, first.nbytes, (readers[0], first)))
+        elif first.dtype not in FLOAT_DTYPES and one_cut:
+            problems.append(_differs(name, first.dtype))
         elif first.dtype not in FLOAT_DTYPES:
-            problems.append(f"{name} is {first.dtype} and differs between inputs: only floating-point tensors can be merged")
+            steps.append(_Step(name, first.dtype, first.shape, first.nbytes, None, equal=True))
         else:
             steps.append(_Step(name, first.dtype, first.shape, first.nbytes, None))
     if problems:
@@ -165,10 +174,19 @@ def _average_step(name: str, holders: list[CheckpointReader], one_cut: bool, pro
         return None
     if one_cut and len({e.chunks for e in entries}) == 1:
         return _Step(name, first.dtype, first.shape, first.nbytes, (holders[0], first), tuple(holders))
-    if first.dtype not in FLOAT_DTYPES:
-        problems.append(f"{name} is {first.dtype} and differs between inputs: only floating-point tensors can be averaged")
+    if first.dtype not in FLOAT_DTYPES and one_cut:
+        problems.append(_differs(name, first.dtype))
         return None
-    return _Step(name, first.dtype, first.shape, first.nbytes, None, tuple(holders))
+    return _Step(name, first.dtype, first.shape, first.nbytes, None, tuple(holders), equal=first.dtype not in FLOAT_DTYPES)
+
+
+def _differs(name: str, dtype: str) -> str:
+    return f"{name} is {dtype} and differs between inputs: only floating-point tensors can be merged"
+
+
+def _all_equal(xs: list[torch.Tensor]) -> bool:
+    """Whether the tensors hold the same bytes (chunk ids say so only when cut alike)."""
+    return all(bit_identical(x, xs[0]) for x in xs[1:])
 
 
 class _LazyTensor:
@@ -234,6 +252,8 @@ def _read(readers: list[CheckpointReader], step: _Step) -> list[torch.Tensor]:
 
 def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], readers: list[CheckpointReader],
                 base: CheckpointReader | None) -> Callable[[], torch.Tensor]:
+    identity = method.identity(params)
+
     def compute() -> torch.Tensor:
         import torch
 
@@ -243,12 +263,24 @@ def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], rea
         _trim()
         if step.average is not None:  # a tensor the base lacks: the plain average, in input order
             xs = _read(list(step.average), step)
+            if step.equal or _all_equal(xs):  # as when the chunk ids say so: the inputs' bytes
+                if not _all_equal(xs):
+                    raise InvalidMergeError(_differs(step.name, step.dtype))
+                return xs[0]
             acc = xs[0].to(cd)
             for x in xs[1:]:
                 acc.add_(x.to(cd))
             del xs
             return acc.div_(len(step.average)).to(to_torch(step.dtype)).contiguous()
         xs = _read(readers + ([base] if method.needs_base and base is not None else []), step)
+        if step.equal or identity:
+            # Equal inputs give themselves, as when their chunk ids say so (inputs cut at other
+            # chunk sizes have ids that cannot be compared): one result whatever the cut.
+            same = _all_equal(xs)  # (the base too, where the method has one: as the chunk ids compare)
+            if step.equal and not same:
+                raise InvalidMergeError(_differs(step.name, step.dtype))
+            if same:
+                return xs[0]
         for i, x in enumerate(xs):
             xs[i] = x.to(cd)  # one at a time: an upcast copy replaces its source
         b = xs.pop() if method.needs_base and base is not None else None

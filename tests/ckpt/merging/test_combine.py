@@ -275,3 +275,35 @@ def test_merge_cli_new_tensors(store, family, monkeypatch, capsys):
     code, out, err = run("merge", "fam/ft0", "fam/ft1", "--method", "task-arithmetic", "-b", "cls/base", "-o", "cls/m",
                          "--new-tensors", "average")
     assert code == 0 and "1 the base lacks averaged" in out, err
+
+
+def test_inputs_cut_at_other_chunk_sizes_merge_as_those_cut_alike(store, monkeypatch):
+    """Chunk ids compare only between checkpoints cut at one chunk size: equal integer tensors
+    of inputs cut otherwise were refused as different, and equal float inputs went through the
+    float math (a last-bit difference) where inputs cut alike come back as they are."""
+    g = torch.Generator().manual_seed(0)
+    w, steps = torch.randn(300_000, generator=g), torch.tensor(7)
+    store.push({"w": w, "num_batches_tracked": steps}, "a")
+    monkeypatch.setenv("CKPT_CHUNK_SIZE", str(1 << 16))
+    ckpt.Store.open(store.url).push({"w": w.clone(), "num_batches_tracked": steps.clone()}, "a_small")
+    ckpt.Store.open(store.url).push({"w": w.clone(), "num_batches_tracked": torch.tensor(8)}, "a_other")
+    monkeypatch.delenv("CKPT_CHUNK_SIZE")
+    store = ckpt.Store.open(store.url)
+    for name, inputs in (("alike", ["a", "a"]), ("cut-otherwise", ["a", "a_small"])):
+        ckpt.merge(inputs, "linear", name=name, store=store, params={"weights": [1, 2]})
+    got, want = store.load("cut-otherwise"), store.load("alike")
+    assert {k: bits(v.reshape(-1)) for k, v in got.items()} == {k: bits(v.reshape(-1)) for k, v in want.items()}
+    assert bits(got["w"]) == bits(w) and bits(got["num_batches_tracked"].reshape(-1)) == bits(steps.reshape(-1))
+    with pytest.raises(InvalidMergeError, match="num_batches_tracked is I64 and differs"):
+        ckpt.merge(["a", "a_other"], "linear", name="x", store=store)
+    assert "x" not in store.refs()
+
+
+def test_a_tensor_taken_from_the_base_must_match_the_inputs_that_have_it(store):
+    """--fill-from-base: x is F32[4] in one input, missing from the other, F16[8] in the base. It
+    was taken from the base unchecked (the input's values silently dropped): now a mismatch."""
+    store.push({"x": torch.ones(4), "y": torch.ones(2)}, "in/a")
+    store.push({"y": torch.zeros(2)}, "in/b")
+    store.push({"x": torch.ones(8, dtype=torch.float16), "y": torch.ones(2)}, "in/base")
+    with pytest.raises(InvalidMergeError, match="x differs in dtype/shape"):
+        ckpt.merge(["in/a", "in/b"], "task-arithmetic", name="x", base="in/base", missing="base", store=store)
