@@ -139,7 +139,13 @@ def cache_clear(as_json: JsonOpt = False) -> None:
 
 @app.command()
 def init(as_json: JsonOpt = False) -> None:
-    """Create an empty store (a no-op if one exists). --storage-option applies."""
+    """Create an empty store (a no-op if one exists). --storage-option applies.
+
+    \b
+    Examples:
+      ckpt --store ./runs init
+      ckpt --store s3://team/store --storage-option endpoint_url=http://minio:9000 init
+    """
     from ckpt.errors import StoreNotFoundError
 
     try:
@@ -166,6 +172,12 @@ def push(
 
     With --to URL, SOURCE is a ref in this store, copied with everything it needs to the
     store at URL (only what is missing there travels).
+
+    \b
+    Examples:
+      ckpt push ./minilm m/base -m 'the base'          # a model folder
+      ckpt push ft.safetensors m/ft-legal --base m/base  # stored as a delta against it
+      ckpt push m/ft-legal --to s3://team/store
     """
     if to is not None:
         if message or base or no_delta:
@@ -204,6 +216,13 @@ def pull(
 
     With --from URL, REF is first copied from the store at URL into this store (like
     `ckpt copy REF --from URL`); DEST, if given, is then written from this store.
+
+    \b
+    Examples:
+      ckpt pull m/ft-legal ./ft-legal                   # a folder, or a file
+      ckpt pull m/ft-legal@1 old.pt                     # an earlier version, as a torch file
+      ckpt pull m/ft-legal ./ft-legal --force           # replace its files there, nothing else
+      ckpt pull m/ft-legal layer0.safetensors --from s3://team/store -i 'layers.0.*'
     """
     copied = None
     if from_ is not None:
@@ -226,6 +245,11 @@ def ls(as_json: JsonOpt = False) -> None:
 
     A ref whose entry or checkpoint is damaged is named on stderr (in --json: a row with
     "error") and the others are listed; the exit code is then 1 (`ckpt verify` says more).
+
+    \b
+    Examples:
+      ckpt ls
+      ckpt --store s3://team/store ls --json
     """
     _emit(rows := results.ls_rows(_open().ls()), as_json, views.ls)
     _exit_if_damaged({r["ref"]: r["error"] for r in rows if "error" in r}, quiet=as_json)
@@ -243,7 +267,13 @@ def _exit_if_damaged(damaged: dict[str, str], quiet: bool = False) -> None:
 
 @app.command()
 def log(name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name.")], as_json: JsonOpt = False) -> None:
-    """History of a ref, newest first: NAME@0 is the current version (of a removed ref: its last one), NAME@1 the one before..."""
+    """History of a ref, newest first: NAME@0 is the current version (of a removed ref: its last one), NAME@1 the one before...
+
+    \b
+    Examples:
+      ckpt log m/ft-legal
+      ckpt pull m/ft-legal@1 ./previous    # any version it lists
+    """
     store = _open()
     _emit(results.log_rows(store.log(name), store.manifest), as_json, views.log, name)
 
@@ -254,6 +284,11 @@ def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or 
 
     Stored bytes count this checkpoint's own chunks (delta bases included), sized one by
     one: showing a checkpoint never lists the whole store.
+
+    \b
+    Examples:
+      ckpt show m/ft-legal
+      ckpt show m/ft-legal@2 --json
     """
     store = _open()
     mid = store.resolve(ref)
@@ -269,6 +304,11 @@ def du(as_json: JsonOpt = False) -> None:
     the chunks no other ref uses, i.e. what `ckpt rm` + `ckpt gc` would free. A ref whose
     entry or checkpoint is damaged is left out, named on stderr (in --json: "damaged"),
     and the exit code is 1.
+
+    \b
+    Examples:
+      ckpt du
+      ckpt du --json
     """
     u = _open().du()
     _emit(results.du_doc(u), as_json, views.du)
@@ -291,6 +331,12 @@ def verify(
 
     Nothing is repaired unless you ask: with --repair-from, objects are copied from
     another store that holds them (a mirror, a backup, the S3 store a team pushes to).
+
+    \b
+    Examples:
+      ckpt verify                                # every ref and its history
+      ckpt verify m/base m/ft-legal --json
+      ckpt verify --repair-from s3://team/store   # put damaged objects back
     """
     store = _open()
     if repair_from is not None:
@@ -312,7 +358,12 @@ def verify(
 
 @app.command()
 def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Refs to remove.")], as_json: JsonOpt = False) -> None:
-    """Remove refs. History stays in `ckpt log`; data is freed by `ckpt gc`."""
+    """Remove refs. History stays in `ckpt log`; data is freed by `ckpt gc`.
+
+    \b
+    Examples:
+      ckpt rm m/ft-old m/ft-older && ckpt gc
+    """
     store = _open()
     removed: list[dict[str, Any]] = []
     try:
@@ -336,6 +387,12 @@ def copy(
     costs about its delta -- in the order chunks, manifests, refs, each verified before it
     is written. An interrupted copy, run again, sends only what is left. --storage-option
     applies to both stores.
+
+    \b
+    Examples:
+      ckpt copy m/ft-legal --to s3://team/store        # publish (the base goes once)
+      ckpt copy m/ft-legal:legal/v2 --to s3://team/store
+      ckpt copy m/ft-legal --from s3://team/store     # fetch into --store
     """
     if from_ is None and to is None:
         raise typer.BadParameter("give --from URL, --to URL or both (the other defaults to --store)")
@@ -371,7 +428,17 @@ def gc(
     no_history: Annotated[bool, typer.Option("--no-history", help="Also free earlier versions of live refs (NAME@1...).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Delete objects no ref needs: plan first, then delete (or just print with --dry-run)."""
+    """Delete objects no ref needs: plan first, then delete (or just print with --dry-run).
+
+    Earlier versions of live refs (NAME@1...) are kept unless --no-history; objects younger
+    than --grace are kept, so that a push in progress elsewhere loses nothing.
+
+    \b
+    Examples:
+      ckpt gc --dry-run              # what would go, and how much
+      ckpt gc --grace 10m --json
+      ckpt gc --no-history           # keep only what refs name now
+    """
     store = _open()
     r = store.gc(grace_s=_seconds(grace), dry_run=dry_run, keep_history=not no_history)
     # "bytes" is the old spelling of deleted_bytes, kept for scripts (README).
@@ -397,18 +464,34 @@ def diff(
 
     Tensors whose chunks are the same in both are reported identical without reading
     their data. The summary tells how many bytes storing B as a delta against A takes.
+
+    \b
+    Examples:
+      ckpt diff m/base m/ft-legal --sort relative_change --top 20
+      ckpt diff m/ft-legal@1 m/ft-legal -i 'layers.*' --json
+      ckpt diff m/base ./finetuned.safetensors --plot change.png
     """
     from ckpt.diffing.compare import SORT_KEYS
     from ckpt.diffing.compare import diff as run_diff
 
     if sort not in SORT_KEYS:
         raise typer.BadParameter(f"{sort!r} is not one of {', '.join(SORT_KEYS)}", param_hint="--sort")
+    if plot is not None:  # checked before the diff runs, not after
+        from ckpt.errors import DestinationError
+
+        if plot.suffix.lower() not in (".png", ".pdf", ".svg", ".jpg", ".jpeg"):
+            raise DestinationError(f"--plot {safe(str(plot))}: give a .png, .pdf, .svg or .jpg file")
+        if not plot.parent.is_dir():
+            raise DestinationError(f"--plot {safe(str(plot))}: {safe(str(plot.parent))} is not a folder")
     store = _open() if not (os.path.exists(a) and os.path.exists(b)) else None
     report = run_diff(a, b, store, include=include, exclude=exclude, estimate_delta=not no_estimate, progress=RichProgress())
     if plot is not None:
         from ckpt.diffing.plot import plot_report
 
-        plot_report(report, plot)
+        try:
+            plot_report(report, plot)
+        except OSError as e:
+            raise DestinationError(f"cannot write {safe(str(plot))}: {e.strerror or e}") from None
     # diff's one result is its typed report; --json prints report.to_json.
     if as_json:
         emit_json(report.to_json(sort, top))
@@ -442,6 +525,13 @@ def merge(
     float64 tensors) and is cast back; one tensor at a time is held per input. The
     result dedups and delta-encodes like any push; `ckpt show NAME` prints its
     lineage: inputs, method and every parameter value.
+
+    \b
+    Examples:
+      ckpt merge m/ft-a m/ft-b -o m/soup                     # the plain average
+      ckpt merge m/ft-a m/ft-b -w 0.7,0.3 -o m/mix
+      ckpt merge m/ft-a m/ft-b --method ties -b m/base -p density=0.3 -o m/ties
+      ckpt merge --list-methods
     """
     from ckpt.merging.methods import default_registry, describe
 
@@ -487,7 +577,13 @@ def remix(
     message: Annotated[Optional[str], typer.Option("--message", "-m", metavar="MSG", help="Note stored with the checkpoint.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Average the K best-scoring past fine-tunes into a starting point for a new fine-tune (Mashup Learning)."""
+    """Average the K best-scoring past fine-tunes into a starting point for a new fine-tune (Mashup Learning).
+
+    \b
+    Examples:
+      ckpt remix --scores scores.json -k 3 -o m/start          # scores: {"m/ft-a": 0.71, ...}
+      ckpt remix --scores losses.json --lower-is-better --weights proportional -o m/start
+    """
     from ckpt.merging.remixing import choose, read_scores, remix_scores
 
     table = read_scores(scores)
@@ -511,6 +607,11 @@ def serve(
 
     Pages and JSON (/api/refs, /api/lineage, /api/checkpoint/REF, /api/diff?a=REF&b=REF)
     carry what --json does. Needs the web extra: pip install 'ckpt-store[web]'.
+
+    \b
+    Examples:
+      ckpt serve                                  # http://127.0.0.1:8765/
+      ckpt serve --local-tier /dev/shm/ckpt-local-1000/abc123
     """
     from ckpt_store.cli.render import out
     from ckpt_store.cli.web.server import serve as run_server

@@ -10,6 +10,7 @@ write their clipboard (OSC 52) or break the layout. ``--json`` output keeps the 
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -18,6 +19,12 @@ from typing import Any
 from rich.console import Console
 
 from ckpt.progress import TerminalProgress
+
+# A command started with its output closed (`ckpt ls >&-`) has no sys.stdout: what it prints goes
+# nowhere, as a write to a closed descriptor would, instead of the command failing on import.
+for _name in ("stdout", "stderr"):
+    if getattr(sys, _name) is None:
+        setattr(sys, _name, open(os.devnull, "w"))  # noqa: SIM115 - for the life of the process
 
 # Wide when piped, so tables in logs and files do not wrap at 80 columns. markup and
 # emoji off: "[red]" and ":smile:" in a message are text, never styling (or a crash on "[/b]").

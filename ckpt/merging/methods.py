@@ -364,8 +364,24 @@ def _always(p: Mapping[str, Any]) -> bool:
     return True
 
 
+def _weight_sum(ws: Sequence[float]) -> float:
+    """``math.fsum`` of finite weights, or inf where the sum overflows (fsum raises there)."""
+    try:
+        return math.fsum(ws)
+    except OverflowError:
+        return math.inf
+
+
 def _check_linear(p: Mapping[str, Any]) -> str | None:
-    return "weights sum to 0 and cannot be normalised (pass normalize=false)" if p["normalize"] and math.fsum(p["weights"]) == 0 else None
+    total = _weight_sum(p["weights"])
+    if not math.isfinite(total):
+        return "the weights' sum is larger than any float: scale them down (only their ratios count when normalised)"
+    if not p["normalize"] and max(abs(w) for w in p["weights"]) > _F32_MAX:
+        return f"a weight beyond {_F32_MAX:.3g} makes every float32 element infinite: scale the weights down"
+    return "weights sum to 0 and cannot be normalised (pass normalize=false)" if p["normalize"] and total == 0 else None
+
+
+_F32_MAX = 3.4028234663852886e38
 
 
 def _check_dare(p: Mapping[str, Any]) -> str | None:
@@ -375,7 +391,7 @@ def _check_dare(p: Mapping[str, Any]) -> str | None:
 LINEAR = MergeMethod(
     "linear", "weighted average of the inputs",
     (_WEIGHTS, Param("normalize", "bool", True, "divide the weights by their sum")),
-    merge_linear, identity=lambda p: bool(p["normalize"]) or math.fsum(p["weights"]) == 1.0, min_inputs=1, check=_check_linear)
+    merge_linear, identity=lambda p: bool(p["normalize"]) or _weight_sum(p["weights"]) == 1.0, min_inputs=1, check=_check_linear)
 TASK_ARITHMETIC = MergeMethod(
     "task-arithmetic", "base + Σ λ_i (input_i − base)",
     (Param("weights", "floats", None, "λ_i: scale of each input's task vector"),),

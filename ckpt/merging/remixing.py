@@ -132,7 +132,11 @@ def choose(scores: Mapping[str, float], k: int = 2, *, weights: str = "equal",
     if any(scores[r] <= 0 for r in chosen):
         raise InvalidMergeError("proportional weights need positive scores",
                                 hint="use weights='equal', or a score where larger is better and above 0")
-    return chosen, [float(scores[r]) if higher_is_better else 1.0 / scores[r] for r in chosen]
+    ws = [float(scores[r]) if higher_is_better else 1.0 / scores[r] for r in chosen]
+    if not all(math.isfinite(w) for w in ws):
+        raise InvalidMergeError("a score is too close to 0 for proportional weights (1/score is not a finite number)",
+                                hint="use weights='equal'")
+    return chosen, ws
 
 
 def remix_scores(scores: Mapping[str, float], k: int = 2, *legacy: int, store: Store | None = None, weights: str = "equal",

@@ -313,3 +313,32 @@ def test_missing_store(tmp_path: Path, env: dict[str, str]) -> None:
     line = fails("ls", store=tmp_path / "nowhere", env=env)
     assert "no ckpt store" in line and "ckpt init" in line
     assert not (tmp_path / "nowhere").exists()
+
+
+def test_odd_output_and_arguments_end_in_one_line(env: dict[str, str], model_file: Path, tmp_path: Path) -> None:
+    """Found by trying to break the CLI: each of these ended in a traceback. Output closed (`>&-`):
+    the command runs and its output goes nowhere. A --plot path in no folder, or of a kind that
+    cannot be drawn: refused before the diff runs. Merge weights whose sum no float holds, and
+    weights that would make every float32 element infinite: refused."""
+    store = tmp_path / "odd"  # (not the shared store: these tests write)
+    ok("push", model_file, "odd/a", store=store, env=env)
+    ok("push", model_file, "odd/b", store=store, env=env)
+    closed = subprocess.run([*CMD, "--store", str(store), "ls"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env, timeout=120, preexec_fn=lambda: os.close(1))
+    assert closed.returncode == 0 and "Traceback" not in closed.stderr, closed.stderr
+    assert "--plot" in fails("diff", "odd/a", "odd/b", "--plot", tmp_path / "no" / "d.png", store=store, env=env)
+    assert "--plot" in fails("diff", "odd/a", "odd/b", "--plot", tmp_path / "d.xyz", store=store, env=env)
+    assert "larger than any float" in fails("merge", "odd/a", "odd/b", "-o", "odd/m", "-w", "1e308,1e308", store=store, env=env)
+    assert "infinite" in fails("merge", "odd/a", "odd/b", "-o", "odd/m", "-w", "1e39,1", "-p", "normalize=false",
+                               store=store, env=env)
+
+
+COMMANDS = ["init", "push", "pull", "ls", "log", "show", "du", "rm", "verify", "gc", "copy", "diff", "merge", "remix", "serve"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_commands_help_teaches_by_example(command: str, env: dict[str, str]) -> None:
+    """`ckpt COMMAND --help` ends its description with commands to copy, each a real use."""
+    text = ok(command, "--help", store=None, env=env).stdout
+    examples = text.split("Examples:", 1)[1].split("\n\n", 1)[0] if "Examples:" in text else ""
+    assert [line for line in examples.splitlines() if line.strip().startswith(f"ckpt ")], text
