@@ -26,9 +26,18 @@ for _name in ("stdout", "stderr"):
     if getattr(sys, _name) is None:
         setattr(sys, _name, open(os.devnull, "w"))  # noqa: SIM115 - for the life of the process
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader of a pipe left (`ckpt ls | head -1`): what is left to print goes nowhere and
+        the command ends with 141 (128 + SIGPIPE), as a shell pipeline expects (rich's exit is 1)."""
+        self.quiet = True
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141)
+
+
 # Wide when piped, so tables in logs and files do not wrap at 80 columns. markup and
 # emoji off: "[red]" and ":smile:" in a message are text, never styling (or a crash on "[/b]").
-out = Console(highlight=False, markup=False, emoji=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+out = _Console(highlight=False, markup=False, emoji=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True, highlight=False, markup=False, emoji=False, soft_wrap=True)
 
 # What a terminal may act on rather than show: C0 controls, DEL, C1 controls (U+009B is
@@ -89,7 +98,11 @@ def ratio(part: int, whole: int) -> str:
 
 def emit_json(obj: Any) -> None:
     """``--json``: the result as it is (exact text; JSON escapes any control character)."""
-    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    try:
+        sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        out.on_broken_pipe()
 
 
 class RichProgress(TerminalProgress):

@@ -342,3 +342,14 @@ def test_every_commands_help_teaches_by_example(command: str, env: dict[str, str
     text = ok(command, "--help", store=None, env=env).stdout
     examples = text.split("Examples:", 1)[1].split("\n\n", 1)[0] if "Examples:" in text else ""
     assert [line for line in examples.splitlines() if line.strip().startswith(f"ckpt ")], text
+
+
+@pytest.mark.parametrize("args", [["ls"], ["ls", "--json"], ["show", "demo/file"], ["show", "demo/file", "--json"]])
+def test_a_reader_that_leaves_the_pipe_ends_the_command_with_141(args: list[str], store: Path, env: dict[str, str]) -> None:
+    """`ckpt ls | head -1`: the reader is gone before the output is written. The command ends as
+    a shell pipeline expects, 128 + SIGPIPE, with nothing on stderr (it exited 1, silently)."""
+    p = subprocess.Popen([*CMD, "--store", str(store), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert p.stdout is not None
+    p.stdout.close()
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 141 and err == b"", (p.returncode, err)
