@@ -496,19 +496,47 @@ class S3Backend(Backend):
 
         return self._call("list", prefix, page)
 
+    def _pages(self, key_prefix: str, delimiter: str = "") -> Iterator[tuple[list[tuple[str, dict[str, Any]]], bool]]:
+        """The listing of ``key_prefix`` page by page: each page's (path in the store, object) pairs,
+        and whether more pages follow (the next is asked for only when the caller goes on).
+
+        A listing is the server's word, checked like any outside data: a key that is not below
+        ``key_prefix``, or whose path has an empty, ``.`` or ``..`` segment, is left out (a
+        server that ignores the prefix would otherwise hand this store another store's objects);
+        a continuation token given twice is an error (the listing would never end)."""
+        token: str | None = None
+        seen: set[str] = set()
+        while True:
+            page = self._list_page(key_prefix, token, delimiter)
+            found = []
+            for o in page.get("Contents", []):
+                key = o.get("Key")
+                if not isinstance(key, str) or not key.startswith(key_prefix):
+                    continue
+                rel = key[len(self.prefix) + 1 :] if self.prefix else key
+                if rel and not rel.endswith("/") and not any(p in ("", ".", "..") for p in rel.split("/")):
+                    found.append((rel, o))
+            token = page.get("NextContinuationToken")
+            more = bool(page.get("IsTruncated") and token)
+            yield found, more
+            if not more:
+                return
+            assert token is not None
+            if token in seen:
+                raise StorageIOError(f"list s3://{self.bucket}/{key_prefix} failed: the server gave the same "
+                                     "continuation token twice (its listing would never end)")
+            seen.add(token)
+
     def _list_keys(self, prefix: str, delimiter: str = "") -> Iterator[Entry]:
         """Objects whose path starts with directory ``prefix`` (one LIST request per 1000)."""
         key_prefix = self._key(prefix).rstrip("/") + "/" if (prefix or self.prefix) else ""
-        token: str | None = None
-        while True:
-            page = self._list_page(key_prefix, token, delimiter)
-            for o in page.get("Contents", []):
-                rel = o["Key"][len(self.prefix) + 1 :] if self.prefix else o["Key"]
-                if rel and not rel.endswith("/"):
+        for page, _ in self._pages(key_prefix, delimiter):
+            for rel, o in page:
+                try:
                     yield Entry(rel, int(o.get("Size", 0)), float(o["LastModified"].timestamp()))
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
-                return
+                except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
+                    raise StorageIOError(f"list s3://{self.bucket}/{key_prefix} failed: the server listed "
+                                         f"{rel!r} without a size and time") from None
 
     def list(self, prefix: str) -> Iterator[Entry]:
         yield from self._list_keys(prefix)
@@ -530,15 +558,11 @@ class S3Backend(Backend):
             return None
         key_prefix = self._key(prefix).rstrip("/") + "/" if (prefix or self.prefix) else ""
         found: set[str] = set()
-        token: str | None = None
-        for _ in range(max_pages):
-            page = self._list_page(key_prefix, token, "")
-            for o in page.get("Contents", []):
-                found.add(o["Key"][len(self.prefix) + 1 :] if self.prefix else o["Key"])
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
-                return found
-        return None
+        for n, (page, more) in enumerate(self._pages(key_prefix)):
+            found.update(rel for rel, _ in page)
+            if more and n + 1 == max_pages:
+                return None  # (before asking for the next page)
+        return found
 
     def exists_many(self, paths: Iterable[str]) -> set[str]:
         """The subset of ``paths`` that exists, asking S3 as little as possible.

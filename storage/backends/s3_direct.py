@@ -64,7 +64,7 @@ _METHOD = {GET: "GET", HEAD: "HEAD", LIST: "GET", PUT: "PUT"}
 _ALGORITHM = "AWS4-HMAC-SHA256"
 _CODE = re.compile(r"<Code>([^<]{1,64})</Code>")
 # What a LIST answer may hold: one page is at most 1,000 keys (~250 KB of XML).
-_MAX_LIST_BYTES = 64 << 20
+_MAX_LIST_BYTES = 8 << 20  # a page of 1,000 keys is ~250 KB; parsing costs ~20x its bytes in memory
 
 
 class _Learned(NamedTuple):

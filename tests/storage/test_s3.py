@@ -546,3 +546,38 @@ def test_a_botocore_without_the_insides_direct_requests_use_falls_back_to_the_cl
 
     assert isinstance(_direct_requests(Client(), True), ClientOnly)
     assert _direct_requests(Client(), True).call("GetObject", "k", lambda: 1 / 0, (200,), lambda: "answer") == (None, "answer")
+
+
+def test_a_listing_is_checked_like_any_outside_data(s3_main_url, monkeypatch):
+    """What a LIST answers is the server's word (a proxy, a broken server): keys outside the
+    store's prefix, or with ``..`` in them, are not the store's objects (a server ignoring the
+    prefix made a push take another store's chunks for its own); a continuation token given
+    twice ends in an error (the listing went on forever, growing memory)."""
+    import datetime
+
+    backend = open_backend(s3_main_url)
+    backend.write("objects/chunks/aa/" + "a" * 64, b"x")
+    real = backend._list_page
+    when = datetime.datetime.now(datetime.timezone.utc)
+
+    def foreign(prefix, token, delimiter):
+        page = real(prefix, token, delimiter)
+        other = backend.prefix.replace("store", "other") if backend.prefix else "other"
+        page["Contents"] = [*page.get("Contents", []),
+                            {"Key": f"{other}/objects/chunks/bb/{'b' * 64}", "Size": 1, "LastModified": when},
+                            {"Key": f"{prefix}../../x/y", "Size": 1, "LastModified": when}]
+        return page
+
+    monkeypatch.setattr(backend, "_list_page", foreign)
+    assert [e.path for e in backend.list("objects")] == ["objects/chunks/aa/" + "a" * 64]
+    assert backend.list_all("objects", 10_000) == {"objects/chunks/aa/" + "a" * 64}
+    pages = []
+
+    def endless(prefix, token, delimiter):
+        pages.append(token)
+        return {"Contents": [], "IsTruncated": True, "NextContinuationToken": "again"}
+
+    monkeypatch.setattr(backend, "_list_page", endless)
+    with pytest.raises(StorageIOError, match="never end"):
+        list(backend.list("objects"))
+    assert len(pages) == 2
