@@ -548,6 +548,10 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
                 base_chain = (task.base, *chain_b) if base_bytes is not None else ()
             except ObjectNotFoundError:
                 base_bytes = None  # the base is gone (gc): store this chunk whole
+            except CorruptObjectError as e:  # a damaged base must not stop every push of its shape
+                log.warning("chunk %s, chosen as a delta base, is damaged (%s): storing this chunk whole; "
+                            "`ckpt verify` names what needs it", task.base[:12], e)
+                base_bytes = None
         enc = encode_chunk(data, elem=task.elem, level=settings.zstd_level, min_saving=settings.min_saving,
                            base=base_bytes, base_id=task.base if base_bytes is not None else None)
         slots.acquire()
