@@ -304,15 +304,13 @@ class S3Backend(Backend):
                 return None, 0, self.size(path)
             raise
         if r is None:
-            n = int(answer["ContentLength"])
-            rng = answer.get("ContentRange")
-            return answer["Body"], n, int(rng.rsplit("/", 1)[1]) if rng else n
+            n, size = _sizes(path, answer.get("ContentLength"), answer.get("ContentRange"))
+            return answer["Body"], n, size
         if r.status_code == 416:
             r.raw.close()
             return None, 0, self.size(path)
-        n = int(r.headers["content-length"])
-        rng = r.headers.get("content-range")
-        return direct.body(r, n), n, int(rng.rsplit("/", 1)[1]) if rng else n
+        n, size = _sizes(path, r.headers.get("content-length"), r.headers.get("content-range"))
+        return direct.body(r, n), n, size
 
     def read(self, path: str) -> bytes:
         def get() -> bytes:
@@ -630,3 +628,18 @@ def _new_session(profile: str | None) -> Any:
 
 
 __all__ = ["MULTIPART_THRESHOLD", "ObjectReader", "S3Backend", "is_precondition_failed"]
+
+
+def _sizes(path: str, length: Any, content_range: Any) -> tuple[int, int]:
+    """(bytes in a GET's body, size of the object) from its Content-Length and Content-Range: the
+    server's word, so an answer without them, or with ones that are not numbers, is an error
+    saying so (a body is read by its length: one sent without it is refused, never guessed)."""
+    try:
+        n = int(length)
+        size = int(str(content_range).rsplit("/", 1)[1]) if content_range else n
+    except (TypeError, ValueError, IndexError):
+        raise StorageIOError(f"cannot read {path}: the server's answer has no usable Content-Length "
+                             f"({length!r}) or Content-Range ({content_range!r})", retryable=True) from None
+    if n < 0 or size < 0:
+        raise StorageIOError(f"cannot read {path}: the server's answer gives a negative size", retryable=True)
+    return n, size

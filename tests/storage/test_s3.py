@@ -581,3 +581,14 @@ def test_a_listing_is_checked_like_any_outside_data(s3_main_url, monkeypatch):
     with pytest.raises(StorageIOError, match="never end"):
         list(backend.list("objects"))
     assert len(pages) == 2
+
+
+@pytest.mark.parametrize("length, content_range", [(None, None), ("12", "bytes 0-11/garbage"), ("x", None), ("-5", None)])
+def test_a_get_answer_without_usable_sizes_is_a_clear_error(length, content_range):
+    """A GET answered with chunked encoding (no Content-Length) or a Content-Range that is not
+    numbers ended in "cannot read ...: 'content-length'" or int()'s message."""
+    from ckpt_store.storage.backends.s3 import _sizes
+
+    with pytest.raises(StorageIOError, match="usable Content-Length|negative size"):
+        _sizes("objects/chunks/aa/x", length, content_range)
+    assert _sizes("p", "12", "bytes 0-11/40") == (12, 40) and _sizes("p", 7, None) == (7, 7)
