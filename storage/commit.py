@@ -9,6 +9,7 @@ unreferenced objects, which ``gc`` removes after its grace period.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import ObjectNotFoundError
@@ -27,18 +28,22 @@ def _refresh(objects: ObjectStore, cid: str) -> bool:
     return False
 
 
+def missing_chunks(objects: ObjectStore, ids: Iterable[str]) -> list[str]:
+    """The chunks of ``ids`` not in the store, the others touched (where the backend can): a
+    concurrent gc sees every chunk about to be named as young from here until the ref lands
+    (docs/format.md). What a push's commit and a copy check before their refs move."""
+    needed = sorted(set(ids))
+    if objects.backend.touches:
+        return [cid for cid in needed if not _refresh(objects, cid)]
+    present = objects.has_many("chunks", needed)  # batched: one listing per directory on S3
+    return [cid for cid in needed if cid not in present]
+
+
 def commit(objects: ObjectStore, refs: Refs, manifest: bytes, name: str | None) -> tuple[str, RefEntry | None]:
     """Publish ``manifest`` and point ``name`` at it. Returns (manifest id, new ref entry)."""
     if name is not None:
         validate_ref_name(name)
-    needed = sorted(referenced_chunks(manifest))
-    if objects.backend.touches:
-        # Touched, not just checked: a concurrent gc must see every chunk this
-        # manifest names as young from here until the ref lands (docs/format.md).
-        missing = [cid for cid in needed if not _refresh(objects, cid)]
-    else:
-        present = objects.has_many("chunks", needed)  # batched: one listing per directory on S3
-        missing = [cid for cid in needed if cid not in present]
+    missing = missing_chunks(objects, referenced_chunks(manifest))
     if missing:
         raise ObjectNotFoundError("chunk", missing[0], hint="it vanished while pushing (a concurrent gc?); push again")
     objects.backend.flush()  # the chunks' names are durable before a manifest names them

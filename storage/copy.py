@@ -11,9 +11,11 @@ The order keeps the destination consistent at every instant, as a push does:
 
 Every object is verified before it is written: a manifest must hash to its id, and a
 chunk is decoded and re-hashed by ``check_chunk`` (the codecs live in ``ckpt/``; this
-module only moves bytes). An object already at the destination is not sent, and a
-manifest already there is taken to have its chunks (the write order guarantees it), so
-a copy that was interrupted sends, when run again, only what is still missing.
+module only moves bytes). An object already at the destination is not sent, so a copy
+that was interrupted sends, when run again, only what is still missing. A manifest already
+there proves nothing about its chunks (it may be unreferenced, half collected by a gc): before
+any ref moves, every chunk of every manifest copied is checked and touched, as a push's
+commit does, and one a concurrent gc took is sent again or, gone after that, an error.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from dataclasses import dataclass, field
 
 from ckpt_store.storage.backends.base import Data, data_size
 from ckpt_store.storage.chunk_lists import chunk_depths, referenced_chunks
-from ckpt_store.storage.errors import CorruptObjectError
+from ckpt_store.storage.commit import missing_chunks
+from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
 from ckpt_store.storage.objects import ObjectStore, object_id
 from ckpt_store.storage.progress import NullProgress, Progress, reporting
 from ckpt_store.storage.refs import Refs, validate_ref_name
@@ -149,24 +152,32 @@ def copy_checkpoints(
     progress = progress or NullProgress()
     weights = weights or {}
     mids = sorted({it.manifest for it in items})
-    present_m = dst.has_many("manifests", mids)
+    present_m = {m for m in dst.has_many("manifests", mids) if dst.refresh("manifests", m)}  # (touched: kept from gc)
     report.manifests_present = len(present_m)
-    blobs = {m: src.get_manifest(m) for m in mids if m not in present_m}  # verified against their ids
+    manifests = {m: src.get_manifest(m) for m in mids}  # verified against their ids
+    blobs = {m: data for m, data in manifests.items() if m not in present_m}
     needed: set[str] = set()
     depth: dict[str, int] = {}
-    for data in blobs.values():
+    for data in manifests.values():
         needed |= referenced_chunks(data)
         for cid, d in chunk_depths(data).items():
             depth[cid] = max(depth.get(cid, 0), d)
     present_c = dst.has_many("chunks", needed)
+    if dst.backend.touches:  # keep a concurrent gc at dst off them; one it took meanwhile is sent
+        present_c = {cid for cid in present_c if dst.backend.touch(dst.path("chunks", cid))}
     report.chunks_present = len(present_c)
-    for cid in present_c:
-        dst.backend.touch(dst.path("chunks", cid))  # keep a concurrent gc at dst off them (local stores)
     missing = needed - present_c
     with reporting(progress, "copy", sum(weights.get(c, 0) for c in missing)) as p:
         sender = _Sender(src, dst, check_chunk, concurrency, report, p, weights, recode)
         sender.chunks(missing, depth, present_c)
         sender.manifests(blobs)
+    # As a push's commit: every chunk is there and touched, and so is every manifest, before a ref
+    # names them (a gc that took one since the checks above would leave a ref that cannot load).
+    gone = missing_chunks(dst, needed)
+    gone_m = [m for m in mids if not dst.refresh("manifests", m)]
+    if gone or gone_m:
+        kind, oid = ("chunk", gone[0]) if gone else ("manifest", gone_m[0])
+        raise ObjectNotFoundError(kind, oid, hint="it vanished while copying (a concurrent gc?); copy again")
     for it in items:
         if it.name is None:
             continue

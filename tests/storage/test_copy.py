@@ -190,3 +190,38 @@ def test_a_copied_alias_does_not_change_how_the_destination_keeps_a_ref(tmp_path
     assert dst.refs_db.current("run/latest").alias
     dst.gc(grace_s=0)
     assert torch.equal(dst.load("main@2")["w"], torch.full((64,), 1.0)) and dst.verify().ok
+
+
+def test_a_copy_never_publishes_a_ref_whose_objects_a_gc_took(tmp_path, monkeypatch):
+    """Copying a checkpoint into a store that already holds its manifest, unreferenced and half
+    collected (a ref removed there, a gc under way), sent nothing and set the ref: it then could
+    not load. And a chunk found present, then taken by a concurrent gc before the copy touched it,
+    was taken as there. Now every chunk of every manifest copied is checked and touched before
+    the ref moves, and what is gone is sent."""
+    src, dst = _open(str(tmp_path / "src")), _open(str(tmp_path / "dst"))
+    model = _model()
+    src.push(model, "m")
+    mid = src.resolve("m")
+    copy_refs(src, dst, ["m"])
+    dst.remove("m")
+    cids = sorted(referenced_chunks(dst.objects.get_manifest(mid)))
+    for cid in cids[:2]:  # a gc that has deleted these chunks and not yet the manifest
+        (tmp_path / "dst" / dst.objects.path("chunks", cid)).unlink()
+    copy_refs(src, dst, ["m"])
+    got = dst.load("m")
+    assert all(got[k].view(torch.uint8).numpy().tobytes() == v.view(torch.uint8).numpy().tobytes() for k, v in model.items())
+
+    src.push(_finetune(model), "ft")
+    real = dst.backend.touch
+    taken: list[str] = []
+
+    def gc_was_faster(path: str) -> bool:  # a gc deletes each chunk between the copy's presence check and its touch
+        if path.startswith("objects/chunks/") and not taken:
+            taken.append(path)
+            (tmp_path / "dst" / path).unlink()
+        return real(path)
+
+    monkeypatch.setattr(dst.backend, "touch", gc_was_faster)
+    copy_refs(src, dst, ["ft"])
+    assert taken and dst.verify().ok
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dst.load("ft").values(), src.load("ft").values()))
