@@ -440,7 +440,11 @@ def gc(
       ckpt gc --no-history           # keep only what refs name now
     """
     store = _open()
-    r = store.gc(grace_s=_seconds(grace), dry_run=dry_run, keep_history=not no_history)
+    grace_s = _seconds(grace)
+    if grace_s < 60 and not dry_run:
+        err.print(f"warning: --grace {safe(grace)}: objects of a push or copy running now elsewhere may be "
+                  "deleted before its ref lands; use it only when nothing else writes to this store")
+    r = store.gc(grace_s=grace_s, dry_run=dry_run, keep_history=not no_history)
     # "bytes" is the old spelling of deleted_bytes, kept for scripts (README).
     _emit({"dry_run": r.dry_run, "deleted": len(r.deleted), "deleted_bytes": r.bytes, "bytes": r.bytes, "young_kept": r.young,
            "live_manifests": r.live_manifests, "live_chunks": r.live_chunks, "grace": grace,

@@ -281,7 +281,11 @@ class LocalBackend(Backend):
         except OSError as e:
             raise io_error("delete", path, e) from e
         try:
-            if os.stat(condemned).st_mtime >= cutoff:
+            try:
+                mtime = os.stat(condemned).st_mtime
+            except FileNotFoundError:
+                return False  # another gc's recovery put it back meanwhile (recover_condemned)
+            if mtime >= cutoff:
                 try:
                     os.link(condemned, final)
                 except FileExistsError:

@@ -23,7 +23,7 @@ def env(tmp_path, monkeypatch):
 def invoke(*args: str):
     result = CliRunner().invoke(app, list(args), catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    return result.output
+    return result.stdout  # (stderr apart: a warning there is not part of --json output)
 
 
 def run_main(capsys, *args: str) -> tuple[int, str, str]:
@@ -175,3 +175,16 @@ def test_hostile_push_sources_are_one_line_errors(env, capsys):
         assert code == 1 and err.startswith("error: ") and err.count("\n") == 1, (src, err)
         assert "Traceback" not in err and all(w in err for w in words), (src, err)
     assert json.loads(invoke("ls", "--json")) == []
+
+
+def test_gc_with_a_short_grace_warns_on_stderr(env):
+    """`gc --grace 0` deletes what a push or copy running elsewhere has written and not yet named:
+    it still runs (a user cleaning a store no one else writes), and says so on stderr."""
+    tmp, src = env
+    invoke("push", str(src), "g/x")
+    invoke("rm", "g/x")
+    result = CliRunner().invoke(app, ["gc", "--grace", "0", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0 and json.loads(result.stdout)["deleted"] > 0
+    assert "warning: --grace 0" in result.stderr
+    quiet = CliRunner().invoke(app, ["gc", "--grace", "1h", "--json"], catch_exceptions=False)
+    assert quiet.exit_code == 0 and quiet.stderr == ""

@@ -29,7 +29,7 @@ def env(tmp_path, monkeypatch):
 def invoke(*args: str) -> str:
     r = CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    return r.output
+    return r.stdout  # (stderr apart: a warning there is not part of --json output)
 
 
 def run_main(capsys, *args: str) -> tuple[int, str, str]:
