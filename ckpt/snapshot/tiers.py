@@ -81,9 +81,11 @@ def private_root(path: Path) -> None:
         pass
     st = os.lstat(path)
     uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
-        raise SnapshotError(f"{path} is not a folder of this user's that only they may write; the local tier "
-                            "will not be kept (or read) there", hint="pass local=PATH, or set CKPT_LOCAL_DIR")
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+        raise SnapshotError(f"{path} is not a folder of this user's; the local tier will not be kept (or read) "
+                            "there", hint="pass local=PATH, or set CKPT_LOCAL_DIR")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)  # this user's (made before tiers checked, under a umask of 002, say): made private
 
 
 TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is

@@ -216,7 +216,9 @@ def _replace_all(tmps: Sequence[str], targets: Sequence[str]) -> None:
     kept under a backup name beside it (a hard link: the target stays in place meanwhile; a
     rename where links are refused), so that a failure part way puts every target back as it
     was, and the backups go once all are in place."""
-    done: list[tuple[str, str | None]] = []  # (target, where its old file is kept, or None: it had none)
+    # (target, where its old file is kept or None, the temporary's inode): what a failure undoes is
+    # decided by what is on disk, so that a signal landing between two steps is undone too.
+    done: list[tuple[str, str | None, int]] = []
     try:
         for tmp, t in zip(tmps, targets):
             old = None
@@ -225,30 +227,33 @@ def _replace_all(tmps: Sequence[str], targets: Sequence[str]) -> None:
                     raise IsADirectoryError(errno.EISDIR, "a directory is in the way", t)
                 d, base = os.path.split(t)
                 old = os.path.join(d, f".{base}{_OLD}{uuid.uuid4().hex[:8]}")
+            done.append((t, old, os.lstat(tmp).st_ino))
+            if old is not None:
                 try:
                     os.link(t, old, follow_symlinks=False)
                 except OSError:
                     os.rename(t, old)
-                done.append((t, old))  # kept aside: put back on failure, whether or not replaced
-                os.replace(tmp, t)
-            else:
-                os.replace(tmp, t)
-                done.append((t, None))
+            os.replace(tmp, t)
     except BaseException as e:
         unrestored = []
-        for t, old in reversed(done):
+        for t, old, ino in reversed(done):
             try:
-                if old is not None:
-                    os.replace(old, t)
-                else:
-                    os.unlink(t)  # the new file where there was none
+                now = os.lstat(t).st_ino if os.path.lexists(t) else None
+                if old is None:
+                    if now == ino:
+                        os.unlink(t)  # the new file where there was none
+                elif os.path.lexists(old):
+                    if now == os.lstat(old).st_ino:
+                        os.unlink(old)  # t is the old file still; old is a link to it
+                    else:
+                        os.replace(old, t)  # the old file back in its place
             except OSError:
                 unrestored.append(f"{t} (kept as {old})" if old else t)
         if unrestored and isinstance(e, OSError):
             raise DestinationError(f"cannot write {e.filename or targets[0]}: {e.strerror or e}; and could not put "
                                    f"back {', '.join(unrestored)}", hint="check the destination's permissions") from None
         raise
-    for _, old in done:
+    for _, old, _ in done:
         if old is not None:
             _remove_quietly(old)
 

@@ -454,11 +454,25 @@ def test_the_default_tier_of_a_store_made_anew_is_emptied_not_resumed(tmp_path, 
 
 def test_the_default_tiers_folder_must_be_the_users_own(tmp_path, monkeypatch):
     """Another user could plant a snapshot in a shared /dev/shm for this run to resume from: the
-    folder of the default tiers is made private, and one that others may write is refused."""
+    folder of the default tiers is made private, one of this user's that others may write (made
+    under a umask of 002 before tiers checked) is made private again, and a link or another
+    user's folder is refused."""
     monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "shm"))
     mine = tmp_path / "shm" / f"ckpt-local-{os.getuid()}"
     with ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True, local_every_n_steps=1):
         assert mine.stat().st_mode & 0o777 == 0o700
-    mine.chmod(0o777)
-    with pytest.raises(ckpt.CkptError, match="only they may write"):
+    mine.chmod(0o775)
+    with ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True, local_every_n_steps=1):
+        assert mine.stat().st_mode & 0o777 == 0o700
+    import shutil
+
+    shutil.move(str(mine), str(tmp_path / "elsewhere"))
+    mine.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ckpt.CkptError, match="not a folder of this user's"):
         ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True, local_every_n_steps=1)
+    mine.unlink()
+    if os.getuid() == 0:  # (only root can give a folder away)
+        mine.mkdir(mode=0o700)
+        os.chown(mine, 12345, 12345)
+        with pytest.raises(ckpt.CkptError, match="not a folder of this user's"):
+            ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True, local_every_n_steps=1)

@@ -459,3 +459,30 @@ def test_a_torch_file_pull_to_a_full_disk_is_refused_or_fails_saying_so(tmp_path
     finally:
         destination.check_disk = real
     assert os.listdir(small) == []
+
+
+def test_a_rename_that_fails_after_the_backup_leaves_no_backup(tmp_path):
+    """The old file is kept as a hard link, then the rename over it fails (here: the temporary is
+    on another filesystem): the target is its old self and no `.NAME.ckpt-old-*` stays behind
+    (one did: renaming a link over itself does nothing, so the 'restore' kept both names)."""
+    import tempfile
+
+    from ckpt.store.destination import _replace_all
+
+    other = tempfile.mkdtemp(dir="/dev/shm") if os.path.isdir("/dev/shm") else None
+    if other is None or os.stat(other).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs a temporary on another filesystem than the destination")
+    try:
+        (tmp_path / "t.json").write_text("old")
+        (tmp_path / "u.json").write_text("old u")
+        new = Path(other) / "new"
+        new.write_text("new")
+        first = tmp_path / ".u.json.tmp"
+        first.write_text("new u")
+        with pytest.raises(OSError):
+            _replace_all([str(first), str(new)], [str(tmp_path / "u.json"), str(tmp_path / "t.json")])
+        assert _tree(tmp_path) == {"t.json": b"old", "u.json": b"old u"}
+    finally:
+        import shutil
+
+        shutil.rmtree(other, ignore_errors=True)
