@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ckpt_store.cli import results, views
-from ckpt_store.cli.render import RichProgress, emit_json, err, safe
+from ckpt_store.cli.render import RichProgress, emit_json, err, out, safe
 
 app = typer.Typer(
     name="ckpt",
@@ -57,7 +57,7 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
 
     if not pairs:
         return None
-    out: dict[str, Any] = {}
+    opts: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
@@ -67,14 +67,14 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
             value: Any = json.loads(raw)
         except ValueError:
             value = raw
-        node = out
+        node = opts
         *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise typer.BadParameter(f"{key}: {part} is both a value and a group", param_hint="--storage-option")
         node[leaf] = value
-    return out
+    return opts
 
 
 @app.callback()
@@ -617,24 +617,20 @@ def serve(
       ckpt serve                                  # http://127.0.0.1:8765/
       ckpt serve --local-tier /dev/shm/ckpt-local-1000/abc123
     """
-    from ckpt_store.cli.render import out
     from ckpt_store.cli.web.server import serve as run_server
 
     run_server(_open(url=store), host=host, port=port, token=token, announce=lambda line: out.print(line, markup=False),
                local=_open(url=local_tier) if local_tier else None)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (``kill``, a job scheduler ending the job): unwound like Ctrl-C, so that a pull
-    removes its temporary files (full-size, hidden) instead of leaving them behind."""
-
-
 _terminated: list[bool] = []  # SIGTERM came (click reports the unwinding as an abort, code 130)
 
 
 def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM (``kill``, a job scheduler ending the job) unwinds like Ctrl-C, so that a pull
+    removes its temporary files (full-size, hidden) instead of leaving them behind."""
     _terminated.append(True)
-    raise Terminated()
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -657,8 +653,7 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:  # click's word for Ctrl-C (and SIGTERM, unwound the same way)
         _end_interrupted("aborted")
     except BrokenPipeError:  # `ckpt show X | head`: the reader left; not an error worth a traceback
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(141)
+        out.on_broken_pipe()
     except KeyboardInterrupt:
         _end_interrupted("interrupted; the store is unchanged except for unreferenced objects that `ckpt gc` removes")
     except typer.TyperException as e:  # usage errors: bad option, missing argument...

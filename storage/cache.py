@@ -352,8 +352,12 @@ def _unlink(path: str) -> bool:
 
 def usage(root: str) -> CacheUsage:
     """Entries and bytes in the cache at ``root`` (nothing if it does not exist): its own files only."""
+    return _tally(root, list(_own_files(root)))
+
+
+def _tally(root: str, files: list[tuple[str, str, os.stat_result, bool]]) -> CacheUsage:
     stores: dict[str, tuple[int, int]] = {}
-    for sid, _, st, temp in _own_files(root):
+    for sid, _, st, temp in files:
         if not temp:
             n, b = stores.get(sid, (0, 0))
             stores[sid] = (n + 1, b + st.st_size)
@@ -364,9 +368,10 @@ def usage(root: str) -> CacheUsage:
 def clear(root: str) -> CacheUsage:
     """Delete every entry (and temporary) of the cache at ``root``, and its directories left
     empty; returns what it held. Other files there, and the directories holding them, stay."""
-    before = usage(root)
+    files = list(_own_files(root))
+    before = _tally(root, files)
     emptied: set[str] = set()
-    for _, p, _, _ in list(_own_files(root)):
+    for _, p, _, _ in files:
         _unlink(p)
         emptied.add(os.path.dirname(p))
     for d in sorted(emptied | {os.path.dirname(d) for d in emptied}, key=len, reverse=True):

@@ -152,7 +152,7 @@ def copy_checkpoints(
     progress = progress or NullProgress()
     weights = weights or {}
     mids = sorted({it.manifest for it in items})
-    present_m = {m for m in dst.has_many("manifests", mids) if dst.refresh("manifests", m)}  # (touched: kept from gc)
+    present_m = _present(dst, "manifests", mids)
     report.manifests_present = len(present_m)
     manifests = {m: src.get_manifest(m) for m in mids}  # verified against their ids
     blobs = {m: data for m, data in manifests.items() if m not in present_m}
@@ -162,9 +162,7 @@ def copy_checkpoints(
         needed |= referenced_chunks(data)
         for cid, d in chunk_depths(data).items():
             depth[cid] = max(depth.get(cid, 0), d)
-    present_c = dst.has_many("chunks", needed)
-    if dst.backend.touches:  # keep a concurrent gc at dst off them; one it took meanwhile is sent
-        present_c = {cid for cid in present_c if dst.backend.touch(dst.path("chunks", cid))}
+    present_c = _present(dst, "chunks", needed)
     report.chunks_present = len(present_c)
     missing = needed - present_c
     with reporting(progress, "copy", sum(weights.get(c, 0) for c in missing)) as p:
@@ -194,6 +192,15 @@ def copy_checkpoints(
     return report
 
 
+def _present(dst: ObjectStore, kind: str, ids: Iterable[str]) -> set[str]:
+    """The objects of ``ids`` at ``dst``, touched where the backend can (a concurrent gc then keeps
+    off them; one it took between the listing and the touch counts as absent, and is sent)."""
+    found = dst.has_many(kind, ids)
+    if dst.backend.touches:
+        found = {oid for oid in found if dst.refresh(kind, oid)}
+    return found
+
+
 def copy_chunks(src: ObjectStore, dst: ObjectStore, ids: Iterable[str], *, check_chunk: ChunkCheck,
                 concurrency: int = 8, recode: ChunkRecode | None = None) -> CopyReport:
     """Copy the chunks ``ids`` (and the bases their blobs name) that ``dst`` lacks, verified, as stored.
@@ -204,10 +211,8 @@ def copy_chunks(src: ObjectStore, dst: ObjectStore, ids: Iterable[str], *, check
     """
     ids = set(ids)
     report = CopyReport()
-    present = dst.has_many("chunks", ids)
+    present = _present(dst, "chunks", ids)
     report.chunks_present = len(present)
-    for cid in present:
-        dst.backend.touch(dst.path("chunks", cid))
     _Sender(src, dst, check_chunk, concurrency, report, NullProgress(), {}, recode).chunks(ids - present, {}, present)
     return report
 

@@ -98,9 +98,9 @@ class _Step:
     nbytes: int
     reuse: tuple[CheckpointReader, TensorEntry] | None  # take these chunks (or bytes) as they are
     average: tuple[CheckpointReader, ...] | None = None  # compute the plain average of these inputs
-    # not floating point, stored at other chunk sizes (ids not comparable): the inputs' bytes,
-    # which must then be equal (found when they are read)
-    equal: bool = False
+    # the inputs are cut at other chunk sizes: their chunk ids cannot say whether they are equal,
+    # so their bytes are compared when read (:func:`_inputs_themselves`)
+    cut_otherwise: bool = False
 
 
 def _plan(method: MergeMethod, params: Mapping[str, Any], readers: list[CheckpointReader],
@@ -149,10 +149,8 @@ def _plan(method: MergeMethod, params: Mapping[str, Any], readers: list[Checkpoi
             steps.append(_Step(name, first.dtype, first.shape, first.nbytes, (readers[0], first)))
         elif first.dtype not in FLOAT_DTYPES and one_cut:
             problems.append(_differs(name, first.dtype))
-        elif first.dtype not in FLOAT_DTYPES:
-            steps.append(_Step(name, first.dtype, first.shape, first.nbytes, None, equal=True))
         else:
-            steps.append(_Step(name, first.dtype, first.shape, first.nbytes, None))
+            steps.append(_Step(name, first.dtype, first.shape, first.nbytes, None, cut_otherwise=not one_cut))
     if problems:
         more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
         hints = []
@@ -177,16 +175,24 @@ def _average_step(name: str, holders: list[CheckpointReader], one_cut: bool, pro
     if first.dtype not in FLOAT_DTYPES and one_cut:
         problems.append(_differs(name, first.dtype))
         return None
-    return _Step(name, first.dtype, first.shape, first.nbytes, None, tuple(holders), equal=first.dtype not in FLOAT_DTYPES)
+    return _Step(name, first.dtype, first.shape, first.nbytes, None, tuple(holders), cut_otherwise=not one_cut)
 
 
 def _differs(name: str, dtype: str) -> str:
     return f"{name} is {dtype} and differs between inputs: only floating-point tensors can be merged"
 
 
-def _all_equal(xs: list[torch.Tensor]) -> bool:
-    """Whether the tensors hold the same bytes (chunk ids say so only when cut alike)."""
-    return all(bit_identical(x, xs[0]) for x in xs[1:])
+def _inputs_themselves(step: _Step, xs: list[torch.Tensor]) -> bool:
+    """For inputs cut at other chunk sizes (their chunk ids cannot be compared), whether their bytes
+    are equal: equal inputs then give themselves, as inputs cut alike do when their ids say so, so
+    the result does not depend on the cut; unequal ones that are not floating point cannot be
+    merged. Inputs cut alike were compared by their ids when planned: False, with no pass over them."""
+    if not step.cut_otherwise:
+        return False
+    same = all(bit_identical(x, xs[0]) for x in xs[1:])
+    if not same and step.dtype not in FLOAT_DTYPES:
+        raise InvalidMergeError(_differs(step.name, step.dtype))
+    return same
 
 
 class _LazyTensor:
@@ -263,9 +269,7 @@ def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], rea
         _trim()
         if step.average is not None:  # a tensor the base lacks: the plain average, in input order
             xs = _read(list(step.average), step)
-            if step.equal or _all_equal(xs):  # as when the chunk ids say so: the inputs' bytes
-                if not _all_equal(xs):
-                    raise InvalidMergeError(_differs(step.name, step.dtype))
+            if _inputs_themselves(step, xs):
                 return xs[0]
             acc = xs[0].to(cd)
             for x in xs[1:]:
@@ -273,14 +277,9 @@ def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], rea
             del xs
             return acc.div_(len(step.average)).to(to_torch(step.dtype)).contiguous()
         xs = _read(readers + ([base] if method.needs_base and base is not None else []), step)
-        if step.equal or identity:
-            # Equal inputs give themselves, as when their chunk ids say so (inputs cut at other
-            # chunk sizes have ids that cannot be compared): one result whatever the cut.
-            same = _all_equal(xs)  # (the base too, where the method has one: as the chunk ids compare)
-            if step.equal and not same:
-                raise InvalidMergeError(_differs(step.name, step.dtype))
-            if same:
-                return xs[0]
+        # (the base too, where the method has one: as the chunk ids are compared)
+        if (identity or step.dtype not in FLOAT_DTYPES) and _inputs_themselves(step, xs):
+            return xs[0]
         for i, x in enumerate(xs):
             xs[i] = x.to(cd)  # one at a time: an upcast copy replaces its source
         b = xs.pop() if method.needs_base and base is not None else None

@@ -364,6 +364,9 @@ def _always(p: Mapping[str, Any]) -> bool:
     return True
 
 
+_F32_MAX = 3.4028234663852886e38  # a weight past it makes every float32 element infinite
+
+
 def _weight_sum(ws: Sequence[float]) -> float:
     """``math.fsum`` of finite weights, or inf where the sum overflows (fsum raises there)."""
     try:
@@ -379,9 +382,6 @@ def _check_linear(p: Mapping[str, Any]) -> str | None:
     if not p["normalize"] and max(abs(w) for w in p["weights"]) > _F32_MAX:
         return f"a weight beyond {_F32_MAX:.3g} makes every float32 element infinite: scale the weights down"
     return "weights sum to 0 and cannot be normalised (pass normalize=false)" if p["normalize"] and total == 0 else None
-
-
-_F32_MAX = 3.4028234663852886e38
 
 
 def _check_dare(p: Mapping[str, Any]) -> str | None:

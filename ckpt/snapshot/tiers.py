@@ -88,6 +88,13 @@ def private_root(path: Path) -> None:
         os.chmod(path, 0o700)  # this user's (made before tiers checked, under a umask of 002, say): made private
 
 
+def step_of(run: str, ref: str) -> int | None:
+    """N for the ref ``RUN/step-N`` of ``run``, else None."""
+    prefix = f"{run}/step-"
+    tail = ref[len(prefix):] if ref.startswith(prefix) else ""
+    return int(tail) if tail.isascii() and tail.isdigit() else None
+
+
 TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is
 
 
@@ -143,12 +150,7 @@ class LocalTier:
 
     def steps(self) -> list[int]:
         """Steps of the snapshots in this tier, oldest first."""
-        prefix = f"{self.run}/step-"
-        out = []
-        for name in self.store.refs():
-            if name.startswith(prefix) and name[len(prefix):].isdigit():
-                out.append(int(name[len(prefix):]))
-        return sorted(out)
+        return sorted(step for name in self.store.refs() if (step := step_of(self.run, name)) is not None)
 
     def usage(self) -> LocalTierUsage:
         return LocalTierUsage(self.path, self.steps(), self.store.du().stored)
@@ -269,9 +271,7 @@ def _only_snapshots_of(path: str, run: str) -> bool:
         refs = Store.open(path).refs()
     except CkptError:
         return False
-    prefix = f"{run}/"
-    return all(r.startswith(prefix) and (r[len(prefix):] == "latest" or (r[len(prefix):].startswith("step-")
-                                                                       and r[len(prefix) + 5:].isdigit())) for r in refs)
+    return all(r == f"{run}/latest" or step_of(run, r) is not None for r in refs)
 
 
 @dataclass

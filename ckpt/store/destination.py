@@ -482,7 +482,6 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
-
 def is_torch_name(path: str) -> bool:
     """Whether ``path`` is named like a torch file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``)."""
     return path.lower().endswith(STATE_DICT_SUFFIXES)

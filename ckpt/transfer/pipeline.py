@@ -401,6 +401,13 @@ def _decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings
     return data, chain
 
 
+def _check_claim(cid: str, length: int, settings: Settings) -> None:
+    """A manifest is outside data: no buffer is sized by a length no chunk can have."""
+    if length > settings.max_chunk_size:
+        raise CorruptObjectError("chunk", cid, f"the checkpoint says {length} bytes, more than any chunk "
+                                 f"({settings.max_chunk_size}, CKPT_MAX_CHUNK_SIZE)")
+
+
 def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings, _depth: int = 0,
                 out: memoryview | None = None, blobs: Mapping[str, bytes] | None = None, verify: bool = True,
                 ) -> tuple[bytes | bytearray | memoryview, tuple[str, ...]]:
@@ -415,8 +422,7 @@ def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
     """
     if _depth > MAX_CHAIN:
         raise CorruptObjectError("chunk", cid, f"delta chain longer than {MAX_CHAIN}")
-    if length > settings.max_chunk_size:
-        raise CorruptObjectError("chunk", cid, f"the checkpoint says {length} bytes, more than any chunk")
+    _check_claim(cid, length, settings)
     if blobs and cid in blobs:
         got = _Read(blobs[cid], bases=blobs)
     else:
@@ -723,10 +729,8 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     bundles hold are served from them (:func:`_from_bundles`): a few requests, not one each.
     """
     todo = list(tasks)
-    for t in todo:  # a manifest is outside data: no buffer is sized by a claim no chunk can meet
-        if t.length > settings.max_chunk_size:
-            raise CorruptObjectError("chunk", t.id, f"the checkpoint says {t.length} bytes, more than any chunk "
-                                     f"({settings.max_chunk_size}, CKPT_MAX_CHUNK_SIZE)")
+    for t in todo:
+        _check_claim(t.id, t.length, settings)
     progress = progress or NullProgress()
     stats = GetStats(len(todo))
     if manifest is not None and manifest.bundles and objects.backend.streams:

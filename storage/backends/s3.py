@@ -627,9 +627,6 @@ def _new_session(profile: str | None) -> Any:
     return session
 
 
-__all__ = ["MULTIPART_THRESHOLD", "ObjectReader", "S3Backend", "is_precondition_failed"]
-
-
 def _sizes(path: str, length: Any, content_range: Any) -> tuple[int, int]:
     """(bytes in a GET's body, size of the object) from its Content-Length and Content-Range: the
     server's word, so an answer without them, or with ones that are not numbers, is an error
@@ -643,3 +640,6 @@ def _sizes(path: str, length: Any, content_range: Any) -> tuple[int, int]:
     if n < 0 or size < 0:
         raise StorageIOError(f"cannot read {path}: the server's answer gives a negative size", retryable=True)
     return n, size
+
+
+__all__ = ["MULTIPART_THRESHOLD", "ObjectReader", "S3Backend", "is_precondition_failed"]
