@@ -13,7 +13,8 @@ from collections.abc import Iterable
 
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import ObjectNotFoundError
-from ckpt_store.storage.objects import ObjectStore
+from ckpt_store.storage.leases import check_fresh, writer_lease
+from ckpt_store.storage.objects import ObjectStore, object_id
 from ckpt_store.storage.refs import RefEntry, Refs, validate_ref_name
 
 
@@ -43,14 +44,17 @@ def commit(objects: ObjectStore, refs: Refs, manifest: bytes, name: str | None) 
     """Publish ``manifest`` and point ``name`` at it. Returns (manifest id, new ref entry)."""
     if name is not None:
         validate_ref_name(name)
-    missing = missing_chunks(objects, referenced_chunks(manifest))
-    if missing:
-        raise ObjectNotFoundError("chunk", missing[0], hint="it vanished while pushing (a concurrent gc?); push again")
-    objects.backend.flush()  # the chunks' names are durable before a manifest names them
-    mid = objects.put_manifest(manifest)
-    objects.backend.flush()
-    if refs.index is not None:
-        refs.index.note(mid, manifest)  # the ref's index record carries its summary (storage/index.py)
-    entry = refs.set(name, mid) if name is not None else None
-    objects.backend.flush()
+    chunks = referenced_chunks(manifest)
+    with writer_lease(objects, chunks, [object_id(manifest)]) as lease:  # a gc elsewhere keeps off them
+        missing = missing_chunks(objects, chunks)
+        if missing:
+            raise ObjectNotFoundError("chunk", missing[0], hint="it vanished while pushing (a concurrent gc?); push again")
+        objects.backend.flush()  # the chunks' names are durable before a manifest names them
+        mid = objects.put_manifest(manifest)
+        objects.backend.flush()
+        if refs.index is not None:
+            refs.index.note(mid, manifest)  # the ref's index record carries its summary (storage/index.py)
+        check_fresh(lease, "push")
+        entry = refs.set(name, mid) if name is not None else None
+        objects.backend.flush()
     return mid, entry

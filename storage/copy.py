@@ -30,6 +30,7 @@ from ckpt_store.storage.backends.base import Data, data_size
 from ckpt_store.storage.chunk_lists import chunk_depths, referenced_chunks
 from ckpt_store.storage.commit import missing_chunks
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
+from ckpt_store.storage.leases import check_fresh, writer_lease
 from ckpt_store.storage.objects import ObjectStore, object_id
 from ckpt_store.storage.progress import NullProgress, Progress, reporting
 from ckpt_store.storage.refs import Refs, validate_ref_name
@@ -171,21 +172,23 @@ def copy_checkpoints(
         sender.manifests(blobs)
     # As a push's commit: every chunk is there and touched, and so is every manifest, before a ref
     # names them (a gc that took one since the checks above would leave a ref that cannot load).
-    gone = missing_chunks(dst, needed)
-    gone_m = [m for m in mids if not dst.refresh("manifests", m)]
-    if gone or gone_m:
-        kind, oid = ("chunk", gone[0]) if gone else ("manifest", gone_m[0])
-        raise ObjectNotFoundError(kind, oid, hint="it vanished while copying (a concurrent gc?); copy again")
-    for it in items:
-        if it.name is None:
-            continue
-        current = dst_refs.current(it.name)
-        if current is None or current.target != it.manifest:
-            # The source does not decide how the destination keeps a ref's history: a ref there
-            # stays what it is (an alias's earlier targets are not kept alive by gc).
-            dst_refs.set(it.name, it.manifest, alias=it.alias if current is None else current.alias)
-            report.refs_set += 1
-        report.refs[it.name] = it.manifest
+    with writer_lease(dst, needed, mids) as lease:  # a gc elsewhere keeps off them
+        gone = missing_chunks(dst, needed)
+        gone_m = [m for m in mids if not dst.refresh("manifests", m)]
+        if gone or gone_m:
+            kind, oid = ("chunk", gone[0]) if gone else ("manifest", gone_m[0])
+            raise ObjectNotFoundError(kind, oid, hint="it vanished while copying (a concurrent gc?); copy again")
+        for it in items:
+            if it.name is None:
+                continue
+            current = dst_refs.current(it.name)
+            if current is None or current.target != it.manifest:
+                # The source does not decide how the destination keeps a ref's history: a ref there
+                # stays what it is (an alias's earlier targets are not kept alive by gc).
+                check_fresh(lease, "copy")
+                dst_refs.set(it.name, it.manifest, alias=it.alias if current is None else current.alias)
+                report.refs_set += 1
+            report.refs[it.name] = it.manifest
     dst.backend.flush()
     log.info("copied %d chunks, %d manifests, %d refs (%d bytes)", report.chunks_sent, report.manifests_sent,
              report.refs_set, report.bytes_sent)

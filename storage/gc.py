@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import ObjectNotFoundError, StoreFormatError
+from ckpt_store.storage.leases import Lock, check_fresh, leased
 from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.refs import RefEntry, Refs
 
@@ -118,7 +119,7 @@ class GcPlan:
 
 
 def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: bool = True, recover: bool = True,
-            index: StoreIndex | None = None) -> GcPlan:
+            index: StoreIndex | None = None, lock: Lock | None = None) -> GcPlan:
     """What ``gc`` would delete now. Reads refs and manifests; deletes nothing.
 
     Roots are what :func:`gc_roots` names; a damaged ref entry, a missing current
@@ -129,9 +130,14 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     update is protected by its age (see module docstring). The age limit is fixed
     at the listing: however long the plan and its execution take, nothing modified
     within ``grace_s`` before the listing is deleted.
+
+    ``lock`` (:func:`~ckpt_store.storage.leases.gc_lock`, on a store that cannot touch
+    objects) is held by a gc that will delete: what writers' leases name is kept, read
+    before the listing (storage/leases.py says why in that order).
     """
     # Objects a killed gc left condemned go back first (not in a dry run, which writes nothing).
     recovered = objects.backend.recover_condemned("objects") if recover else 0
+    leased_ids = leased(lock) if lock is not None else set()
     now = time.time()
     cutoff = now - grace_s
     listed, temps = objects.inventory()
@@ -172,7 +178,7 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     plan = GcPlan(live_manifests=len(roots), live_chunks=len(live_chunks), cutoff=cutoff, recovered=recovered)
     for kind, live in (("manifests", roots), ("chunks", live_chunks)):
         for info in listed[kind]:
-            if info.id in live:
+            if info.id in live or info.id in leased_ids:
                 continue
             if info.mtime >= cutoff:
                 plan.young += 1
@@ -184,17 +190,19 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     return plan
 
 
-def execute_gc(objects: ObjectStore, plan: GcPlan, *, grace_s: float | None = None) -> Iterator[Doomed]:
+def execute_gc(objects: ObjectStore, plan: GcPlan, *, grace_s: float | None = None, lock: Lock | None = None) -> Iterator[Doomed]:
     """Delete what ``plan`` names, unless an object was touched since the plan's cutoff.
 
     Yields each object actually deleted. An object reused by a concurrent push
     (touched, so modified after ``plan.cutoff``) is kept; on a local store the
     check and the delete cannot miss a touch landing between them
     (``Backend.delete_if_stale``). ``grace_s`` is accepted for compatibility; the
-    plan's cutoff rules.
+    plan's cutoff rules. With ``lock`` (the plan's), it stops with an error once the lock
+    may have gone stale for writers (storage/leases.py).
     """
     backend = objects.backend
     for d in plan.delete:
+        check_fresh(lock, "gc")
         path = d.name if d.kind == "temp" else objects.path(d.kind, d.name)
         if backend.delete_if_stale(path, plan.cutoff):
             yield d

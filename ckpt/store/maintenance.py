@@ -14,6 +14,7 @@ from ckpt.transfer.pipeline import fetch_chunk, run_parallel
 from ckpt_store.storage.config import read_config
 from ckpt_store.storage.errors import CkptError
 from ckpt_store.storage.gc import Doomed, execute_gc, gc_roots, plan_gc, read_root
+from ckpt_store.storage.leases import gc_lock
 
 if TYPE_CHECKING:
     from ckpt.store.store import Store
@@ -267,8 +268,13 @@ def gc(store: Store, *, grace_s: float, dry_run: bool = False, keep_history: boo
     # A dry run previews from the metadata index (a few requests however large the store). What
     # deletes reads the refs and manifests themselves: the index is never trusted over them, and
     # a wrong one (a bug's, or a forged log: it is sealed, not signed) would free live data.
-    plan = plan_gc(store.objects, store.refs_db, grace_s=grace_s, keep_history=keep_history, recover=not dry_run,
-                   index=store.index if dry_run else None)
-    deleted = plan.delete if dry_run else list(execute_gc(store.objects, plan))
+    if dry_run:
+        plan = plan_gc(store.objects, store.refs_db, grace_s=grace_s, keep_history=keep_history, recover=False,
+                       index=store.index)
+        deleted = plan.delete
+    else:
+        with gc_lock(store.objects) as lock:  # writers elsewhere wait, or name what they reuse (S3)
+            plan = plan_gc(store.objects, store.refs_db, grace_s=grace_s, keep_history=keep_history, lock=lock)
+            deleted = list(execute_gc(store.objects, plan, lock=lock))
     return GcReport(dry_run, deleted, len(plan.delete), sum(d.size for d in deleted), plan.young, plan.live_manifests,
                     plan.live_chunks, plan.recovered)

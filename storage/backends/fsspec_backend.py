@@ -106,6 +106,6 @@ class FsspecBackend(Backend):
             pass
 
     def touch(self, path: str) -> bool:
-        # Object stores cannot update an object's time in place; gc relies on the
-        # grace period there (docs/format.md). Presence is still reported.
+        # Object stores cannot update an object's time in place; writers and gc keep
+        # off each other with leases there (storage/leases.py). Presence is still reported.
         return self.exists(path)

@@ -543,8 +543,8 @@ class S3Backend(Backend):
         self._call("delete", path, lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(path)))
 
     def touch(self, path: str) -> bool:
-        # S3 cannot refresh an object's time in place; gc relies on its grace period
-        # there (docs/format.md). Presence is still reported (one HEAD): hot paths check
+        # S3 cannot refresh an object's time in place; writers and gc keep off each
+        # other with leases there (storage/leases.py). Presence is still reported (one HEAD): hot paths check
         # ``touches`` and ask presence in batches instead.
         return self.exists(path)
 

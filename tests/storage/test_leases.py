@@ -1,0 +1,176 @@
+"""Writers and gc on a store that cannot touch objects (S3, fsspec): leases and gc locks.
+
+The race these tests stage: a chunk stored long ago whose ref was removed is reused by a
+new push; a gc that read the refs before the push's ref landed deletes it after the
+push checked it was there. Without the locks of storage/leases.py the push publishes a
+ref that cannot load (test_a_gc_between_plan_and_delete_cannot_break_a_push fails so).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import ckpt
+from ckpt_store.storage import leases
+from ckpt_store.storage.errors import ObjectNotFoundError, StorageIOError, StoreFormatError
+from ckpt_store.storage.gc import execute_gc, plan_gc
+from ckpt_store.storage.leases import gc_lock, writer_lease
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _files(tmp_path: Path) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randn(256, 256, generator=g)
+    a = tmp_path / "a.safetensors"
+    save_file({"w": shared, "a": torch.randn(16, generator=g)}, str(a))
+    b_tensors = {"w": shared, "b": torch.randn(16, generator=g)}
+    b = tmp_path / "b.safetensors"
+    save_file(b_tensors, str(b))
+    return a, b, b_tensors
+
+
+def _chunks_of(store: ckpt.Store, ref: str) -> set[str]:
+    from ckpt_store.storage.chunk_lists import referenced_chunks
+
+    return referenced_chunks(store.objects.get_manifest(store.resolve(ref)))
+
+
+def _locks(store: ckpt.Store) -> list[str]:
+    return [e.path for e in store.objects.backend.list(leases.LOCKS)]
+
+
+def _same(store: ckpt.Store, ref: str, tensors: dict[str, torch.Tensor]) -> None:
+    got = store.load(ref)
+    assert set(got) == set(tensors)
+    for k, t in tensors.items():
+        assert got[k].dtype == t.dtype and got[k].view(torch.uint8).equal(t.contiguous().view(torch.uint8)), k
+
+
+def test_a_gc_between_plan_and_delete_cannot_break_a_push_reusing_old_chunks(store_url, tmp_path):
+    store = ckpt.Store.init(store_url, settings=ckpt.Settings.from_env(chunk_size=64 * 1024))
+    a, b, b_tensors = _files(tmp_path)
+    store.push(str(a), "a", delta=False)
+    reused = _chunks_of(store, "a")
+    store.remove("a")  # its chunks are garbage now, old enough for a gc with no grace period
+
+    outcome: dict[str, object] = {}
+
+    def push() -> None:
+        try:
+            outcome["id"] = store.push(str(b), "b", delta=False)
+        except ObjectNotFoundError as e:  # the push saw the gc take its chunk: "push again"
+            outcome["error"] = e
+
+    with gc_lock(store.objects) as lock:
+        plan = plan_gc(store.objects, store.refs_db, grace_s=0, lock=lock)
+        assert reused & {d.name for d in plan.delete}  # the gc means to delete what b reuses
+        t = threading.Thread(target=push)
+        t.start()
+        deadline = time.monotonic() + 60
+        # The push either ends (a store that touches: the reused chunks are refreshed, the plan's
+        # deletes skip them) or waits for this gc with its lease written.
+        while t.is_alive() and not any("/write-" in p for p in _locks(store)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if lock is not None:
+            t.join(1.0)
+            assert t.is_alive(), "the push went on while a gc held its lock"
+        deleted = list(execute_gc(store.objects, plan, lock=lock))
+    t.join(60)
+    assert not t.is_alive()
+    if "error" in outcome:
+        assert {d.name for d in deleted} & reused
+        assert "b" not in store.refs()
+        store.push(str(b), "b", delta=False)  # pushed again: the chunk is written anew
+    _same(store, "b", b_tensors)
+    report = store.verify()
+    assert report.ok, report
+    assert _locks(store) == []
+
+
+def test_gc_keeps_what_a_writer_lease_names(s3_url, tmp_path):
+    store = ckpt.Store.init(s3_url, settings=ckpt.Settings.from_env(chunk_size=64 * 1024))
+    a, _, _ = _files(tmp_path)
+    store.push(str(a), "a", delta=False)
+    kept = _chunks_of(store, "a")
+    mid = store.resolve("a")
+    store.remove("a")
+    with writer_lease(store.objects, kept, [mid]) as lease:
+        assert lease is not None
+        r = store.gc(grace_s=0)
+        assert not {d.name for d in r.deleted} & (kept | {mid})
+        assert store.objects.has_many("chunks", kept) == kept
+    r = store.gc(grace_s=0)  # the writer is done and named nothing: garbage
+    assert kept <= {d.name for d in r.deleted}
+    assert _locks(store) == []
+
+
+def test_a_writer_goes_on_when_a_killed_gcs_lock_goes_stale(s3_url, tmp_path, monkeypatch, caplog):
+    """A gc killed while it held its lock: pushes wait for it only until it is stale."""
+    monkeypatch.setattr(leases, "STALE_S", 3.0)
+    monkeypatch.setattr(leases, "REFRESH_S", 0.5)
+    store = ckpt.Store.init(s3_url)
+    script = ("import sys, time, ckpt\n"
+              "from ckpt_store.storage.leases import gc_lock\n"
+              "store = ckpt.Store.open(sys.argv[1])\n"
+              "with gc_lock(store.objects):\n"
+              "    print('locked', flush=True)\n"
+              "    time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, s3_url], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert any("/gc-" in p for p in _locks(store))  # left behind by the killed gc
+    _, b, b_tensors = _files(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="ckpt_store.storage.leases"):
+        t0 = time.monotonic()
+        store.push(str(b), "b", delta=False)
+    assert time.monotonic() - t0 < 60
+    assert "waiting for a gc" in caplog.text
+    _same(store, "b", b_tensors)
+    store.gc(grace_s=0)  # removes the dead gc's lock
+    assert _locks(store) == []
+
+
+def test_a_gc_paused_past_its_lock_deletes_nothing(s3_url, tmp_path, monkeypatch):
+    monkeypatch.setattr(leases, "STALE_S", 1.0)  # refreshed every REFRESH_S (15 s): stale after 0.5 s
+    store = ckpt.Store.init(s3_url)
+    a, _, _ = _files(tmp_path)
+    store.push(str(a), "a", delta=False)
+    store.remove("a")
+    with gc_lock(store.objects) as lock:
+        plan = plan_gc(store.objects, store.refs_db, grace_s=0, lock=lock)
+        assert plan.delete
+        time.sleep(0.6)  # as if the process were stopped here: writers may take the lock for a dead one's
+        with pytest.raises(StorageIOError, match="not refreshed"):
+            list(execute_gc(store.objects, plan, lock=lock))
+    listed, _ = store.objects.inventory()
+    assert {d.name for d in plan.delete if d.kind == "chunks"} <= {i.id for i in listed["chunks"]}
+
+
+def test_a_lease_that_cannot_be_read_stops_gc(s3_url, tmp_path):
+    store = ckpt.Store.init(s3_url)
+    a, _, _ = _files(tmp_path)
+    store.push(str(a), "a", delta=False)
+    store.remove("a")
+    store.objects.backend.write(f"{leases.LOCKS}/write-0123.json", b'{"chunks": ["../../x"], "manifests": []}')
+    with pytest.raises(StoreFormatError, match="lease that cannot be read"):
+        store.gc(grace_s=0)
+    assert len(store.objects.inventory()[0]["chunks"]) > 0  # nothing deleted
+    exe = Path(sys.executable).parent / "ckpt"
+    r = subprocess.run([str(exe), "--store", s3_url, "gc", "--grace", "0s"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "lease that cannot be read" in r.stderr
