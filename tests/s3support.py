@@ -195,6 +195,8 @@ class FaultProxy:
     """A TCP relay on 127.0.0.1 between s3fs and the server; tests set its knobs while it runs.
 
     * ``delay_s``: sleep before relaying each server->client chunk.
+    * ``trickle``: relay server->client data in pieces of this many bytes, ``delay_s``
+      apart (a server that sends a little now and then: no single read ever times out).
     * ``reset_dir`` ("up": client->server, "down": server->client) with ``reset_after``
       (bytes relayed on one connection in that direction) or ``reset_match`` (a byte
       pattern, e.g. ``b"HTTP/1.1 200"``), for the next ``reset_conns`` connections that hit
@@ -211,6 +213,7 @@ class FaultProxy:
 
     target: tuple[str, int]
     delay_s: float = 0.0
+    trickle: int = 0
     reset_dir: str = "down"
     reset_after: int | None = None
     reset_match: bytes | None = None
@@ -237,6 +240,7 @@ class FaultProxy:
 
     def clear(self) -> None:
         self.delay_s = 0.0
+        self.trickle = 0
         self.reset_after = self.reset_match = None
         self.reset_conns = 0
         self.refuse = False
@@ -254,7 +258,7 @@ class FaultProxy:
                     _rst(writer)
                     peer.close()
                     return
-                if direction == "down" and self.delay_s:
+                if direction == "down" and self.delay_s and not self.trickle:
                     await asyncio.sleep(self.delay_s)
                 if direction == self.reset_dir and self.reset_conns > 0:
                     hit = (self.reset_match in data) if self.reset_match is not None else (
@@ -265,8 +269,14 @@ class FaultProxy:
                         _rst(writer)
                         _rst(peer)
                         return
-                writer.write(data)
-                await writer.drain()
+                if direction == "down" and self.trickle:
+                    for i in range(0, len(data), self.trickle):
+                        writer.write(data[i:i + self.trickle])
+                        await writer.drain()
+                        await asyncio.sleep(self.delay_s)
+                else:
+                    writer.write(data)
+                    await writer.drain()
                 sent += len(data)
                 if direction == "up":
                     self.bytes_up += len(data)

@@ -51,6 +51,7 @@ from ckpt_store.storage.backends.s3_errors import (
     secrets_in_env,
     transient,
 )
+from ckpt_store.storage.backends.watchdog import deadline, socket_of
 from ckpt_store.storage.errors import StorageIOError
 from ckpt_store.storage.retry import RetryPolicy, call_with_retries
 
@@ -69,6 +70,10 @@ LIST_COST = 10
 _IGNORED_OPTIONS = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_concurrency",
                     "default_block_size", "default_fill_cache", "version_aware", "cache_regions"}
 _MISSING = {"NoSuchKey", "404", "NotFound"}
+# A body that arrives slower than this, once the client's read timeout has passed, is a
+# server that stalls: botocore's read timeout is per read, and a server sending a byte now
+# and then would hold a GET (and a pull) for days. It times out and is retried (watchdog.py).
+MIN_BODY_RATE = 64 * 1024  # bytes per second
 
 
 class ObjectReader:
@@ -82,22 +87,38 @@ class ObjectReader:
     of client CPU through urllib3, 0.30 s this way.
     """
 
-    def __init__(self, body: Any, size: int) -> None:
+    def __init__(self, body: Any, size: int, patience: float = 60.0) -> None:
         self._body = body
         self.size = size
         self._direct = _socket_reader(body)
+        # The whole body by then, or its socket is shut down and the read reports a timeout.
+        self._limit = patience + size / MIN_BODY_RATE
+        sock = socket_of(getattr(getattr(body, "_raw_stream", None), "_fp", None))
+        self._watch = deadline(sock, self._limit)
+        self._expired = self._watch.__enter__()
 
     def readinto(self, buf: memoryview) -> int:
         """Fill ``buf`` from the body; returns the bytes read (short only at the end of the body)."""
         got = 0
         n = len(buf)
         read = self._body.readinto if self._direct is None else self._read_direct
-        while got < n:
-            k = read(buf[got:])
-            if not k:
-                break
-            got += k
+        try:
+            while got < n:
+                k = read(buf[got:])
+                if not k:
+                    break
+                got += k
+        except Exception:
+            self._timed_out()
+            raise
+        if got < n:
+            self._timed_out()
         return got
+
+    def _timed_out(self) -> None:
+        if self._expired[0]:
+            raise TimeoutError(f"a body of {self.size} bytes was not in after {self._limit:.1f} s "
+                               f"(it came slower than {MIN_BODY_RATE >> 10} KiB/s)")
 
     def _read_direct(self, buf: memoryview) -> int:
         try:
@@ -108,8 +129,9 @@ class ObjectReader:
             raise ConnectionResetError(f"reading the response body: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
+        self._watch.__exit__(None, None, None)
         raw = getattr(self._body, "_raw_stream", None)
-        if self._direct is not None and self._direct.isclosed() and raw is not None:
+        if self._direct is not None and self._direct.isclosed() and raw is not None and not self._expired[0]:
             raw.release_conn()  # read to its end: the connection goes back to the pool
         self._body.close()  # otherwise closes the connection: a body left half read cannot be reused
 
@@ -315,7 +337,7 @@ class S3Backend(Backend):
     def read(self, path: str) -> bytes:
         def get() -> bytes:
             body, n, _ = self._get(path)
-            return body.read() if body is not None else b""
+            return self._whole(body, n)
 
         return self._call("read", path, get)
 
@@ -325,9 +347,24 @@ class S3Backend(Backend):
 
         def get() -> bytes:
             body, n, _ = self._get(path, start, length)
-            return body.read() if body is not None else b""
+            return self._whole(body, n)
 
         return self._call("read", path, get)
+
+    def _reader(self, body: Any, n: int) -> ObjectReader:
+        return ObjectReader(body, n, patience=float(self.client.meta.config.read_timeout or 60))
+
+    def _whole(self, body: Any, n: int) -> bytes:
+        if body is None:
+            return b""
+        reader = self._reader(body, n)
+        try:
+            buf = bytearray(n)
+            if reader.readinto(memoryview(buf)) != n:
+                raise ConnectionResetError(f"short body: fewer than {n} bytes")
+            return bytes(buf)
+        finally:
+            reader.close()
 
     def read_into(self, path: str, start: int, buf: memoryview) -> int:
         """Fill ``buf`` with the object's bytes from ``start``, read off the socket into it; return the object's size."""
@@ -336,7 +373,7 @@ class S3Backend(Backend):
             body, n, size = self._get(path, start, len(buf) if len(buf) else None)
             if body is None:
                 return size
-            reader = ObjectReader(body, n)
+            reader = self._reader(body, n)
             try:
                 got = reader.readinto(buf[:n])
             finally:
@@ -355,7 +392,7 @@ class S3Backend(Backend):
             if body is None:
                 place(b"", 0)
                 return b""
-            reader = ObjectReader(body, n)
+            reader = self._reader(body, n)
             try:
                 head = bytearray(min(first, n))
                 if reader.readinto(memoryview(head)) != len(head):
@@ -374,7 +411,7 @@ class S3Backend(Backend):
 
         def get() -> ObjectReader:
             body, n, _ = self._get(path)
-            return ObjectReader(body, n)
+            return self._reader(body, n)
 
         return self._call("read", path, get)
 

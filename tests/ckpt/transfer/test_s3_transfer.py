@@ -260,6 +260,38 @@ def test_pull_survives_a_stalled_server(s3_main_url, s3_main, tmp_path):
         proxy.stop()
 
 
+def test_a_server_that_trickles_bodies_times_out_instead_of_hanging(s3_main_url, s3_main, tmp_path, monkeypatch):
+    """botocore's read timeout is per read: a server that sends a few bytes every 20 ms never
+    trips it, and a pull of 24 chunks at 5 KB/s would take minutes. A body must come at 64 KiB/s
+    once the read timeout has passed; slower, the GET times out and is retried, then the pull fails."""
+    monkeypatch.setenv("CKPT_RETRIES", "1")
+    src, _ = _file(tmp_path, n=4)
+    ckpt.Store.init(s3_main_url, settings=_settings(cache=False)).push(str(src), "m")
+    proxy, store = _through_proxy(s3_main_url, s3_main, config_kwargs={"read_timeout": 0.5})
+    try:
+        store.manifest("m")  # resolved before the server turns slow
+        dest = tmp_path / "dest"
+        dest.mkdir()
+        proxy.trickle, proxy.delay_s = 100, 0.02
+        done: dict[str, BaseException] = {}
+
+        def pull() -> None:
+            try:
+                store.pull("m", str(dest / "out.safetensors"))
+            except BaseException as e:  # noqa: BLE001 - looked at below
+                done["error"] = e
+
+        t = threading.Thread(target=pull, daemon=True)
+        t.start()
+        t.join(120)
+        assert not t.is_alive(), "the pull hangs on a trickling server"
+        assert isinstance(done.get("error"), StorageIOError) and "timeout" in str(done["error"]), done
+        assert done["error"].retryable
+        assert os.listdir(dest) == []
+    finally:
+        proxy.stop()
+
+
 def test_interrupted_pull_leaves_nothing(s3_main_url, s3_main, tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_RETRIES", "1")
     src, _ = _file(tmp_path)
