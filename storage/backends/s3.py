@@ -51,7 +51,7 @@ from ckpt_store.storage.backends.s3_errors import (
     secrets_in_env,
     transient,
 )
-from ckpt_store.storage.backends.watchdog import deadline, socket_of
+from ckpt_store.storage.backends.watchdog import MIN_RATE, allowed, deadline, socket_of
 from ckpt_store.storage.errors import StorageIOError
 from ckpt_store.storage.retry import RetryPolicy, call_with_retries
 
@@ -70,10 +70,6 @@ LIST_COST = 10
 _IGNORED_OPTIONS = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_concurrency",
                     "default_block_size", "default_fill_cache", "version_aware", "cache_regions"}
 _MISSING = {"NoSuchKey", "404", "NotFound"}
-# A body that arrives slower than this, once the client's read timeout has passed, is a
-# server that stalls: botocore's read timeout is per read, and a server sending a byte now
-# and then would hold a GET (and a pull) for days. It times out and is retried (watchdog.py).
-MIN_BODY_RATE = 64 * 1024  # bytes per second
 
 
 class ObjectReader:
@@ -92,7 +88,7 @@ class ObjectReader:
         self.size = size
         self._direct = _socket_reader(body)
         # The whole body by then, or its socket is shut down and the read reports a timeout.
-        self._limit = patience + size / MIN_BODY_RATE
+        self._limit = allowed(patience, size)
         sock = socket_of(getattr(getattr(body, "_raw_stream", None), "_fp", None))
         self._watch = deadline(sock, self._limit)
         self._expired = self._watch.__enter__()
@@ -118,7 +114,7 @@ class ObjectReader:
     def _timed_out(self) -> None:
         if self._expired[0]:
             raise TimeoutError(f"a body of {self.size} bytes was not in after {self._limit:.1f} s "
-                               f"(it came slower than {MIN_BODY_RATE >> 10} KiB/s)")
+                               f"(it came slower than {MIN_RATE >> 10} KiB/s)")
 
     def _read_direct(self, buf: memoryview) -> int:
         try:

@@ -51,6 +51,8 @@ from typing import Any, NamedTuple, TypeVar
 from urllib.parse import quote, unquote_plus
 from xml.etree import ElementTree
 
+from ckpt_store.storage.backends.watchdog import allowed, deadline, socket_of
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -88,6 +90,7 @@ class DirectRequests:
         self._auth, self._request, self._body, self._quote = S3SigV4Auth, AWSRequest, StreamingBody, percent_encode
         # AttributeError on any of these: a botocore whose insides are not the ones known here.
         self._http = client._endpoint.http_session
+        self._patience = float(client.meta.config.read_timeout or 60)  # see watchdog.py
         self._signer = client._request_signer
         self._signer._credentials  # noqa: B018 - read when signing
         self._seen = threading.local()  # per thread: the key asked of the client, and its last outgoing request
@@ -233,10 +236,21 @@ class DirectRequests:
     def finish(self, response: Any, limit: int = 64 * 1024) -> bytes:
         """Read a whole answer of at most ``limit`` bytes; its connection goes back to the pool."""
         try:
-            data = response.raw.read(limit + 1)
-        except BaseException:
+            size = min(limit, int(response.headers.get("content-length") or limit))
+        except ValueError:
+            size = limit
+        within = allowed(self._patience, size)
+        with deadline(socket_of(getattr(response.raw, "_fp", None)), within) as expired:
+            try:
+                data = response.raw.read(limit + 1)
+            except BaseException:
+                response.raw.close()
+                if expired[0]:
+                    raise TimeoutError(f"an answer was not in after {within:.1f} s") from None
+                raise
+        if expired[0]:
             response.raw.close()
-            raise
+            raise TimeoutError(f"an answer was not in after {within:.1f} s")
         if len(data) > limit:
             response.raw.close()  # unread bytes left: the connection cannot be reused
             raise ValueError(f"an answer of more than {limit} bytes")

@@ -18,6 +18,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+# A response that arrives slower than this, once the client's read timeout has passed, is a
+# server that stalls: botocore's read timeout is per read, and a server sending a byte now
+# and then would hold a GET (and a pull) for days. It times out and is retried.
+MIN_RATE = 64 * 1024  # bytes per second
+
+
+def allowed(patience: float, size: int) -> float:
+    """Seconds a response of ``size`` bytes may take: the read timeout, then :data:`MIN_RATE`."""
+    return patience + size / MIN_RATE
+
 
 class _Watchdog:
     def __init__(self) -> None:

@@ -292,6 +292,23 @@ def test_a_server_that_trickles_bodies_times_out_instead_of_hanging(s3_main_url,
         proxy.stop()
 
 
+def test_a_server_that_trickles_a_listing_times_out_instead_of_hanging(s3_main_url, s3_main, tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPT_RETRIES", "1")
+    src, _ = _file(tmp_path, n=1)
+    ckpt.Store.init(s3_main_url, settings=_settings(cache=False)).push(str(src), "m")
+    proxy, store = _through_proxy(s3_main_url, s3_main, config_kwargs={"read_timeout": 0.5})
+    try:
+        backend = store.objects.backend
+        assert [e.path for e in backend.list("refs")]  # the first LIST teaches the direct path
+        proxy.trickle, proxy.delay_s = 20, 0.05  # 400 bytes a second, never a pause of 0.5 s
+        t0 = time.monotonic()
+        with pytest.raises(StorageIOError, match="timeout"):
+            list(backend.list("refs"))
+        assert time.monotonic() - t0 < 60
+    finally:
+        proxy.stop()
+
+
 def test_interrupted_pull_leaves_nothing(s3_main_url, s3_main, tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_RETRIES", "1")
     src, _ = _file(tmp_path)
