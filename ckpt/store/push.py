@@ -172,6 +172,7 @@ def push_source(
         bundles = store.objects.backend.streams
     bundle, bundled = _bundle(store, tasks, results) if bundles else ((), [])
     src.check_unchanged()  # every byte is read: from one version of each file, or no checkpoint
+    src.close()  # and let go of the files: a writer waiting on a leased .pt goes on (sources.py)
 
     groups = iter([results[a:b] for a, b in spans])
     files, tensors = [], []

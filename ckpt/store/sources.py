@@ -26,11 +26,14 @@ folder, or waited on:
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import pickle
+import signal
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -71,6 +74,7 @@ class FileBytes:
         self.path = path
         self.fd = open_regular(path) if fd is None else fd
         self._stamp = _stamp(os.fstat(self.fd))
+        self._leased = False
 
     def read(self, offset: int, length: int) -> bytes:
         data = os.pread(self.fd, length, offset)
@@ -82,8 +86,41 @@ class FileBytes:
         """Raise :class:`InvalidSourceError` if the file was written since it was opened: bytes read
         before and after a write in place (same size, as a writer rewriting it does) would make a
         checkpoint of a file that never existed."""
+        self.check_lease()
         if _stamp(os.fstat(self.fd)) != self._stamp:
             raise InvalidSourceError(self.path, "file changed while it was being pushed",
+                                     hint="push it again once whatever writes it is done")
+
+    def lease(self) -> bool:
+        """Take a read lease on the file (Linux), for reading it through a memory mapping: a
+        mapped file that another process truncates kills the reader with SIGBUS. While the
+        lease is held, a process that opens the file for writing (``torch.save`` over it, say)
+        waits, and :meth:`check_lease` says so at once; the push stops, lets go, and the writer
+        goes on. Unanswered, the kernel lets the writer go after ``/proc/sys/fs/lease-break-time``
+        (45 s by default); :meth:`check_lease` then still refuses before another byte is read.
+
+        False where the file cannot be leased (another user's file, a filesystem without
+        leases, not Linux). Raises :class:`InvalidSourceError` where a process has it open
+        for writing now."""
+        if not hasattr(fcntl, "F_SETLEASE") or not hasattr(signal, "SIGURG"):
+            return False
+        try:
+            # The break is signalled to this process: SIGIO by default, whose default action kills
+            # it. SIGURG's is to ignore it; check_lease asks the kernel instead.
+            fcntl.fcntl(self.fd, fcntl.F_SETSIG, signal.SIGURG)
+            fcntl.fcntl(self.fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        except OSError as e:
+            if e.errno == errno.EAGAIN:
+                raise InvalidSourceError(self.path, "is open for writing by another process",
+                                         hint="push it once it is written (a training job saving it?)") from None
+            return False
+        self._leased = True
+        return True
+
+    def check_lease(self) -> None:
+        """Raise :class:`InvalidSourceError` once a writer has asked for the leased file."""
+        if self._leased and fcntl.fcntl(self.fd, fcntl.F_GETLEASE) != fcntl.F_RDLCK:
+            raise InvalidSourceError(self.path, "another process opened it for writing while it was being pushed",
                                      hint="push it again once whatever writes it is done")
 
     def close(self) -> None:
@@ -100,8 +137,12 @@ class MemBytes:
     def __init__(self, view: memoryview, keepalive: object = None) -> None:
         self.view = view
         self._keepalive = keepalive
+        # For memory that maps a file: raises once the file may change under the mapping.
+        self.guard: Callable[[], None] | None = None
 
     def read(self, offset: int, length: int) -> memoryview:
+        if self.guard is not None:
+            self.guard()
         return self.view[offset : offset + length]
 
 
@@ -263,16 +304,19 @@ def _torch_load(f: Any, mmap: bool) -> Any:
 def _load(fb: FileBytes) -> Any:
     """``torch.load`` of the file already opened and checked as ``fb``, not of its path
     again (which could have become a FIFO since): through /proc where there is one, so
-    it can still be memory-mapped."""
+    it can be memory-mapped. Mapped only under a read lease (:meth:`FileBytes.lease`), or
+    where it is too big to read into a quarter of memory: a mapped file truncated
+    meanwhile would kill the process."""
     proc = f"/proc/self/fd/{fb.fd}"
     if not os.path.exists(proc):
         with os.fdopen(os.dup(fb.fd), "rb") as f:
             return _torch_load(f, False)
-    try:
-        return _torch_load(proc, True)
-    except RuntimeError as e:
-        if "mmap" not in str(e):  # the legacy (non-zip) format cannot be memory-mapped
-            raise
+    if fb.lease() or os.fstat(fb.fd).st_size > (physical_memory() or 0) // 4:
+        try:
+            return _torch_load(proc, True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):  # the legacy (non-zip) format cannot be memory-mapped
+                raise
     return _torch_load(proc, False)
 
 
@@ -280,10 +324,17 @@ def _from_state_dict_file(fb: FileBytes, metadata: dict[str, str] | None) -> Sou
     path = fb.path
     try:
         try:
-            obj = _load(fb)
+            try:
+                obj = _load(fb)
+            except Exception:
+                fb.check_unchanged()  # bytes that changed while torch read them fail in any way: say that
+                raise
+            fb.check_unchanged()
         except BaseException:
             fb.close()  # (torch holds its own mapping; fb stays open only to see the file change)
             raise
+    except InvalidSourceError:
+        raise
     except pickle.UnpicklingError as e:
         raise _refused(path, e) from None
     except MemoryError:
@@ -299,6 +350,9 @@ def _from_state_dict_file(fb: FileBytes, metadata: dict[str, str] | None) -> Sou
     except BaseException:
         fb.close()
         raise
+    for t in src.files[0].tensors:
+        if isinstance(t.src, MemBytes):
+            t.src.guard = fb.check_lease  # every read of the mapping first asks whether a writer waits
     src._open.append(fb)
     return src
 

@@ -11,9 +11,11 @@ import pickle
 import shutil
 import socket
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import pytest
 import torch
@@ -610,17 +612,88 @@ def test_a_file_rewritten_in_place_while_it_is_pushed_is_refused(tmp_path, store
         return data
 
     monkeypatch.setattr(sources.FileBytes, "read", read)
-    if name.endswith(".pt"):  # torch reads a .pt through its own mapping: the writer runs at the first chunk
+    writers: list[subprocess.Popen[bytes]] = []
+    if name.endswith(".pt"):
+        # torch reads a .pt through its own mapping, under a read lease: another process that opens
+        # it for writing waits, and the push's next read stops it (a truncation under the mapping
+        # would kill the pusher with SIGBUS). The writer starts once torch has mapped the file.
         real_from = sources.from_tensors
 
         def from_tensors(*a, **k):
             src = real_from(*a, **k)
-            with open(target, "r+b") as f:
-                f.write(rewritten)
+            (tmp_path / "new.bin").write_bytes(rewritten)
+            code = f"open({str(target)!r}, 'r+b').write(open({str(tmp_path / 'new.bin')!r}, 'rb').read())"
+            writers.append(subprocess.Popen([sys.executable, "-c", code]))
+            _wait_for_lease_break(target)
             done.append(True)
             return src
 
         monkeypatch.setattr(sources, "from_tensors", from_tensors)
-    with pytest.raises(InvalidSourceError, match="changed while it was being pushed"):
+    with pytest.raises(InvalidSourceError, match="changed while it was being pushed|opened it for writing while"):
         store.push(str(path), "m")
     assert done and not store.refs()
+    for w in writers:  # let go of at once: the kernel would have held the writer 45 s
+        assert w.wait(timeout=30) == 0
+    if writers:
+        assert target.read_bytes() == rewritten
+
+
+def _wait_for_lease_break(path, timeout: float = 30.0) -> None:
+    """Until no descriptor of this process on ``path`` holds a read lease any more: a writer
+    elsewhere has asked for the file (the kernel answers F_GETLEASE with the lease's target)."""
+    import fcntl
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        held = False
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+                    held |= fcntl.fcntl(int(fd), fcntl.F_GETLEASE) == fcntl.F_RDLCK
+            except OSError:
+                continue
+        if not held:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no writer asked for {path}")
+
+
+def test_a_pt_truncated_while_it_is_pushed_is_refused_not_a_crash(tmp_path, store, monkeypatch):
+    """``torch.save`` over the file being pushed truncates it in place: without the read lease the
+    pusher, reading torch's mapping of it, died with SIGBUS (bus error, exit -7)."""
+    path = tmp_path / "m.pt"
+    torch.save({f"t{i}": torch.randn(1 << 18) for i in range(8)}, path)
+    real_from = sources.from_tensors
+    writers: list[subprocess.Popen[bytes]] = []
+
+    def from_tensors(*a, **k):
+        src = real_from(*a, **k)
+        code = f"import torch; torch.save({{'x': torch.zeros(4)}}, {str(path)!r})"
+        writers.append(subprocess.Popen([sys.executable, "-c", code]))
+        _wait_for_lease_break(path, timeout=60)
+        return src
+
+    monkeypatch.setattr(sources, "from_tensors", from_tensors)
+    with pytest.raises(InvalidSourceError, match="opened it for writing while"):
+        store.push(str(path), "m")
+    assert not store.refs()
+    assert writers[0].wait(timeout=60) == 0
+    assert torch.load(path, weights_only=True)["x"].equal(torch.zeros(4))
+
+
+def test_a_pt_open_for_writing_elsewhere_is_refused_before_it_is_read(tmp_path, store):
+    """A training job still writing its .pt: the push refuses at once, in one line, instead of
+    mapping a file that may be truncated under it."""
+    path = tmp_path / "m.pt"
+    torch.save({"w": torch.arange(1000, dtype=torch.float32)}, path)
+    holder = subprocess.Popen([sys.executable, "-c", f"import sys; f = open({str(path)!r}, 'r+b'); print(1, flush=True); "
+                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"1"
+        with pytest.raises(InvalidSourceError, match="open for writing by another process"):
+            store.push(str(path), "m")
+        assert not store.refs()
+    finally:
+        holder.communicate(b"")
+    store.push(str(path), "m")  # written and closed: pushed
+    assert store.load("m")["w"].equal(torch.arange(1000, dtype=torch.float32))
