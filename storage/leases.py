@@ -11,9 +11,10 @@ writes a small object under ``locks/`` before it looks for the other's:
   before it lists the objects and reads the refs, it reads every fresh writer lease and
   keeps alive what they name.
 * A writer about to name objects (a push's commit, a copy) writes
-  ``locks/write-<token>.json`` naming them, then lists ``locks/``: while a fresh gc lock
-  is there (that gc may have read the leases before this one was written), it waits;
-  then it checks its objects are present and writes manifest and ref, and drops its lease.
+  ``locks/write-<token>.json`` naming them, then lists ``locks/``: while a gc lock of
+  that listing is still there and fresh (that gc may have read the leases before this one
+  was written), it waits; a gc that starts later reads this lease. Then it checks its
+  objects are present, writes manifest and ref, and drops its lease.
 
 Each side writes before it looks, so at least one of them sees the other. A lock is
 *fresh* while it was written less than :data:`STALE_S` before the newest write of the
@@ -160,12 +161,16 @@ def writer_lease(objects: ObjectStore, chunks: Iterable[str], manifests: Iterabl
         yield None
         return
     with Lock(objects, "write", {"chunks": sorted(set(chunks)), "manifests": sorted(set(manifests))}) as lease:
+        # Only a gc whose lock was there when this lease was first listed may have read the leases
+        # before it: one that comes later reads this lease (so a gc run after gc cannot starve writers).
+        before = {e.path for e in lease.others()[0] if _kind(e) == "gc"}
         warned = False
-        while gcs := [e for e in lease.others()[0] if _kind(e) == "gc"]:
+        while before:
             if not warned:
-                log.warning("waiting for a gc running on this store elsewhere to finish (%s)", gcs[0].path)
+                log.warning("waiting for a gc running on this store elsewhere to finish (%s)", sorted(before)[0])
                 warned = True
             time.sleep(POLL_S)
+            before &= {e.path for e in lease.others()[0]}
         yield lease
 
 
