@@ -604,6 +604,8 @@ class CheckpointManager:
             self._persist_pool.shutdown(wait=True)
             self._restore_signals()
             self._path.close()
+            if self._local is not None:
+                self._local.close()
 
     def __enter__(self) -> CheckpointManager:
         return self

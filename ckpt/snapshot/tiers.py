@@ -16,6 +16,8 @@ next on a miss or a bad hash (:class:`Tiers`).
 
 from __future__ import annotations
 
+import fcntl
+import gc
 import hashlib
 import json
 import logging
@@ -24,7 +26,9 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -134,16 +138,28 @@ class LocalTier:
         self.run = run
         self.keep = keep
         self.max_bytes = max_bytes
-        marker = None
         if durable is not None:
-            marker = _claim(self.path, run, durable, reset_foreign)
+            _apart(self.path, durable)
         os.makedirs(self.path, exist_ok=True)
+        fd = _hold(self.path)  # before anything here is read or changed: one manager per tier
+        self._release = weakref.finalize(self, os.close, fd)
+        try:
+            marker = None
+            if durable is not None:
+                marker = _claim(self.path, run, durable, reset_foreign)
+        except BaseException:
+            self._release()
+            raise
         self.compress = compress
         self.store = Store.init(self.path, settings=settings)
         if marker is not None:
             self.store.backend.write(TIER_MARKER, marker)
         self.pinned: set[int] = set()
         self._lock = threading.Lock()  # prune vs. the steps a persist pins
+
+    def close(self) -> None:
+        """Let go of the tier (another manager may then take it)."""
+        self._release()
 
     def ref(self, step: int) -> str:
         return f"{self.run}/step-{step}"
@@ -207,19 +223,51 @@ class LocalTier:
             pass
 
 
-def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | None:
-    """Check that ``path`` may be the local tier of ``run`` of ``durable`` (whose snapshots the tier
-    prunes and collects without grace); returns the marker to write once the tier's store exists
-    (None: it is there already).
+LOCK_WAIT_S = 30.0  # how long a manager waits for a tier another process holds (one exiting, say)
 
-    Refused: the durable store itself, a folder inside it or around it, a ckpt store that is not a
-    local tier (its history would be collected), and the tier of another store or run (it would be
-    resumed from). With ``reset_foreign`` (the default path, keyed by the store's URL and the run:
-    the store there was made anew) another store's tier is emptied instead, with a warning.
-    A store with no marker whose every ref is a snapshot of ``run`` is taken as this run's tier
-    (one kept before tiers had markers)."""
+
+def _hold(path: str) -> int:
+    """An exclusive ``flock`` on the tier's folder, held while its manager lives (the descriptor).
+
+    Two managers on one tier would prune and collect each other's snapshots: a tier is
+    collected with no grace period because its manager is its only writer. A holder in
+    this process that is no longer referenced (a notebook cell run again) is collected
+    first; one elsewhere is waited for up to :data:`LOCK_WAIT_S` (a restarted job whose
+    old process is still exiting), then refused."""
     from ckpt.snapshot.run import SnapshotError
-    from ckpt_store.storage.config import CONFIG_PATH
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    deadline = time.monotonic() + LOCK_WAIT_S
+    collected = warned = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            pass
+        except OSError:
+            os.close(fd)
+            raise
+        if not collected:
+            gc.collect()  # an unreferenced earlier manager of this process lets go as it is freed
+            collected = True
+            continue
+        if time.monotonic() >= deadline:
+            os.close(fd)
+            raise SnapshotError(f"local tier {path} is in use by another CheckpointManager (in this process or "
+                                f"another) and was not let go within {LOCK_WAIT_S:.0f} s",
+                                hint="close the other manager (mgr.close(), or `with CheckpointManager(...)`), "
+                                     "or give this one a local=PATH of its own")
+        if not warned:
+            log.warning("waiting for local tier %s: another CheckpointManager holds it", path)
+            warned = True
+        time.sleep(0.1)
+
+
+def _apart(path: str, durable: Store) -> None:
+    """Refuse ``path`` as a tier where it is the durable store, or in or around it (checked
+    before the tier's folder is made)."""
+    from ckpt.snapshot.run import SnapshotError
 
     real = os.path.realpath(path)
     droot = durable.backend.local_path(".")
@@ -228,6 +276,22 @@ def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | 
         if real == droot or real.startswith(droot.rstrip(os.sep) + os.sep) or droot.startswith(real.rstrip(os.sep) + os.sep):
             raise SnapshotError(f"local={path} is the durable store {droot}, or lies in or around it",
                                 hint="give the local tier a path of its own (it prunes and collects what it holds)")
+
+
+def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | None:
+    """Check that ``path`` may be the local tier of ``run`` of ``durable`` (whose snapshots the tier
+    prunes and collects without grace); returns the marker to write once the tier's store exists
+    (None: it is there already).
+
+    Refused (beside what :func:`_apart` refuses): a ckpt store that is not a local tier (its
+    history would be collected), and the tier of another store or run (it would be resumed from).
+    With ``reset_foreign`` (the default path, keyed by the store's URL and the run: the store
+    there was made anew) another store's tier is emptied instead, with a warning.
+    A store with no marker whose every ref is a snapshot of ``run`` is taken as this run's tier
+    (one kept before tiers had markers)."""
+    from ckpt.snapshot.run import SnapshotError
+    from ckpt_store.storage.config import CONFIG_PATH
+
     want = {"run": run, "store_id": durable.config.store_id}
     marker = json.dumps(want, sort_keys=True).encode()
     try:

@@ -106,6 +106,7 @@ def test_a_damaged_local_chunk_is_read_from_the_durable_store_and_reported(tmp_p
     mgr.close()
     tier = LocalTier(tmp_path / "local", "run")
     _, nbytes = _flip_a_byte(tmp_path / "local", tier.store, 4, "model/0.weight")
+    tier.close()  # one manager per tier at a time
     mgr, model2, opt2 = _fresh(tmp_path, every_n_steps=2, local_every_n_steps=2)
     assert mgr.restore_latest({"model": model2, "optim": opt2, "step": 0}) == 4
     assert mgr.last_restore["store"] == nbytes  # that chunk, and only it, came from the durable store
@@ -123,6 +124,7 @@ def test_an_unpersisted_local_snapshot_with_a_damaged_chunk_falls_back_to_the_ne
     tier = LocalTier(tmp_path / "local", "run")
     assert tier.steps() == [2, 3]  # step 3 is in the local tier only
     _flip_a_byte(tmp_path / "local", tier.store, 3, "model/0.weight")
+    tier.close()
     mgr, model2, opt2 = _fresh(tmp_path, every_n_steps=2, local_every_n_steps=1)
     with pytest.warns(ckpt.TierWarning, match="step 3 cannot be assembled"):
         assert mgr.restore_latest({"model": model2, "optim": opt2, "step": 0}) == 2
@@ -292,21 +294,63 @@ def test_tier_settings_are_checked(tmp_path, bad):
 def test_local_true_picks_a_stable_path_under_dev_shm(tmp_path, monkeypatch):
     monkeypatch.delenv("CKPT_LOCAL_DIR", raising=False)
     a = ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True, local_every_n_steps=1)
+    first = a.local_tier.path
+    a.close()
     b = ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True, local_every_n_steps=1)
     try:
-        assert a.local_tier.path == b.local_tier.path
+        assert b.local_tier.path == first
         if os.path.isdir("/dev/shm"):
-            assert a.local_tier.path.startswith("/dev/shm/")
+            assert first.startswith("/dev/shm/")
     finally:
-        a.close()
         b.close()
         import shutil
 
-        shutil.rmtree(a.local_tier.path, ignore_errors=True)
+        shutil.rmtree(first, ignore_errors=True)
     monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "nvme"))  # another default root
     c = ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True, local_every_n_steps=1)
     c.close()
     assert c.local_tier.path.startswith(str(tmp_path / "nvme") + os.sep)
+
+
+def test_one_manager_per_local_tier(tmp_path, monkeypatch):
+    """Two managers on one tier would prune and collect each other's snapshots (a tier is collected
+    with no grace period): the second waits for the first to let go, then is refused in one line.
+    A first manager dropped without close() (a notebook cell run again) lets go as it is freed."""
+    import ckpt.snapshot.tiers as tiers
+
+    monkeypatch.setattr(tiers, "LOCK_WAIT_S", 0.5)
+    kw = {"local": str(tmp_path / "local"), "local_every_n_steps": 1}
+    a = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
+    with pytest.raises(ckpt.CkptError, match="in use by another CheckpointManager"):
+        ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
+    a.close()
+    b = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
+    b.save(1, {"w": torch.arange(4.0)})
+    del b  # not closed: its tier goes when it is freed
+    c = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
+    assert c.local_tier.steps == [1]
+    c.close()
+
+
+def test_a_local_tier_held_by_another_process_is_refused_until_it_dies(tmp_path, monkeypatch):
+    import ckpt.snapshot.tiers as tiers
+
+    monkeypatch.setattr(tiers, "LOCK_WAIT_S", 0.5)
+    script = ("import sys, time, ckpt\n"
+              "m = ckpt.CheckpointManager(sys.argv[1], 'run', local=sys.argv[2], local_every_n_steps=1)\n"
+              "print('held', flush=True)\n"
+              "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "d"), str(tmp_path / "local")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        with pytest.raises(ckpt.CkptError, match="in use by another CheckpointManager"):
+            ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=str(tmp_path / "local"), local_every_n_steps=1)
+    finally:
+        proc.kill()
+        proc.wait()
+    mgr = ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=str(tmp_path / "local"), local_every_n_steps=1)
+    mgr.close()
 
 
 def test_out_of_space_is_recognised_after_the_error_crossed_to_another_rank():
