@@ -340,6 +340,24 @@ def test_subclasses_and_lazy_views_push_their_own_bytes(tmp_path, store):
             assert torch.equal(back[n].view(torch.uint8), w.view(torch.uint8)), n
 
 
+def test_one_element_sliced_from_a_row_pushes_and_loads_into_place(tmp_path, store):
+    # w[:, 0] of a (1, 3) weight (a Linear with one output) is contiguous but has stride 3:
+    # push refused it and load_into such a target raised a bare RuntimeError.
+    w = torch.tensor([[1.5, -0.0, float("nan")]])
+    one, deep = w[:, 2], w.view(1, 1, 3)[:, :, 1]
+    assert one.is_contiguous() and one.stride() == (3,)
+    store.push({"one": one, "deep": deep}, "slices")
+    torch.save({"one": one}, tmp_path / "one.pt")
+    store.push(tmp_path / "one.pt", "pt")
+    for ref in ("slices", "pt"):
+        back = store.load(ref)
+        assert back["one"].view(torch.int32).tolist() == one.view(torch.int32).tolist()
+    assert store.load("slices")["deep"].view(torch.int32).tolist() == [[deep.view(torch.int32).item()]]
+    target = torch.zeros(1, 3)
+    store.load_into("slices", {"one": target[:, 1], "deep": target.view(1, 1, 3)[:, :, 0]})
+    assert target.view(torch.int32)[0].tolist() == [w.view(torch.int32)[0, 1].item(), w.view(torch.int32)[0, 2].item(), 0]
+
+
 def test_expanded_tensor_is_refused_before_allocating(tmp_path, store):
     # A .pt of a few hundred bytes can describe a tensor of 2**44 elements over one element
     # of storage (stride 0): densifying it would need 64 TiB.
