@@ -297,7 +297,7 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
           params: Mapping[str, Any] | None = None, base: str | None = None, missing: str = "error",
           new_tensors: str = "error", message: str | None = None, metadata: dict[str, Any] | None = None,
           registry: MethodRegistry | None = None, progress: Progress | None = None,
-          _remix: dict[str, Any] | None = None) -> MergeResult:
+          _remix: dict[str, Any] | None = None, _pinned: Sequence[str] | None = None) -> MergeResult:
     """Merge checkpoints ``inputs`` (refs) with ``method`` and store the result as ``name``.
 
     ``params`` are the method's parameters (see :mod:`ckpt.merging.methods` or ``ckpt merge
@@ -329,7 +329,9 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
         validate_ref_name(name)
     if metadata is not None:
         canonical_json(metadata)
-    readers = [store.reader(ref) for ref in inputs]
+    # _pinned: the checkpoint ids the inputs named when the caller judged them (remix scores
+    # them first): a ref moved since must not swap in a checkpoint nobody looked at.
+    readers = [store.reader(ref) for ref in (inputs if _pinned is None else _pinned)]
     base_reader = store.reader(base) if base is not None else None
     steps = _plan(m, bound, readers, base_reader, missing, list(inputs), base, new_tensors)
 
