@@ -263,9 +263,13 @@ def _torch_load(f: Any, mmap: bool) -> Any:
 def _load(fb: FileBytes) -> Any:
     """``torch.load`` of the file already opened and checked as ``fb``, not of its path
     again (which could have become a FIFO since): through /proc where there is one, so
-    it can still be memory-mapped."""
+    a file too big to read into half the memory can still be memory-mapped.
+
+    Read into memory otherwise: a mapped file that a writer truncates meanwhile (``torch.save``
+    over it opens it with O_TRUNC) kills the process with SIGBUS on the next read of a page
+    past its new end, where bytes in memory only make :meth:`FileBytes.check_unchanged` refuse it."""
     proc = f"/proc/self/fd/{fb.fd}"
-    if not os.path.exists(proc):
+    if not os.path.exists(proc) or os.fstat(fb.fd).st_size <= (physical_memory() or 0) // 2:
         with os.fdopen(os.dup(fb.fd), "rb") as f:
             return _torch_load(f, False)
     try:

@@ -11,6 +11,7 @@ import pickle
 import shutil
 import socket
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -642,3 +643,29 @@ def test_a_file_rewritten_in_place_while_it_is_pushed_is_refused(tmp_path, store
     with pytest.raises(InvalidSourceError, match="changed while it was being pushed"):
         store.push(str(path), "m")
     assert done and not store.refs()
+
+
+def test_a_pt_truncated_while_it_is_pushed_is_refused_not_a_crash(tmp_path):
+    """torch.save over a .pt being pushed opens it with O_TRUNC: push read the .pt through a
+    memory mapping, and the next read of a page past the new end killed it with SIGBUS."""
+    path = tmp_path / "latest.pt"
+    torch.save({"w": torch.randn(1 << 20)}, path)
+    script = (
+        "import sys, torch, ckpt\n"
+        "from ckpt.errors import CkptError\n"
+        "from ckpt.store.push import push_source\n"
+        "from ckpt.store.sources import open_source\n"
+        "store = ckpt.Store.init(sys.argv[2])\n"
+        "src = open_source(sys.argv[1])\n"
+        "with open(sys.argv[1], 'wb') as f:  # the training loop's torch.save starts over the file\n"
+        "    f.write(b'PK')\n"
+        "try:\n"
+        "    push_source(store, src, 'x')\n"
+        "except CkptError as e:\n"
+        "    print(e)\n"
+        "    sys.exit(3)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(path), str(tmp_path / "store")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 3, (out.returncode, out.stderr[-500:])
+    assert "changed while it was being pushed" in out.stdout
