@@ -46,6 +46,8 @@ def _header(obj) -> bytes:
         (lambda b: _header({"w": {"dtype": "F32", "shape": [1 << 30, 1 << 30], "data_offsets": [0, 4]}}) + b"\0" * 4, "needs"),
         (lambda b: _header({"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}) + b"\0" * 8, "gap"),
         (lambda b: _header({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}) + b"\0" * 4, "bad shape"),
+        (lambda b: _header({"w": {"dtype": "F32", "shape": [1 << 62, 1 << 62, 0], "data_offsets": [0, 0]}}), "overflows 64 bits"),
+        (lambda b: _header({"w": {"dtype": "Q4_K", "shape": [1 << 63], "data_offsets": [0, 0]}}), "overflows 64 bits"),
         (lambda b: _header({"__metadata__": {"a": 1}}), "__metadata__"),
         (lambda b: _header({"a\x00b": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}) + b"\0", "invalid tensor name"),
     ],
