@@ -132,15 +132,23 @@ class SourceIn:
     files: list[FileIn]
     extra: dict[str, Any] = field(default_factory=dict)
     _open: list[FileBytes] = field(default_factory=list)
+    # in-memory tensors read in place, and their version counters when the push began
+    _versions: dict[str, tuple[Any, int]] = field(default_factory=dict)
 
     def close(self) -> None:
         for f in self._open:
             f.close()
 
     def check_unchanged(self) -> None:
-        """:meth:`FileBytes.check_unchanged` for every file this source reads."""
+        """:meth:`FileBytes.check_unchanged` for every file this source reads; and refuse an
+        in-memory tensor written in place meanwhile (another thread training): its chunks
+        would be a tensor that never existed, part before and part after the write."""
         for f in self._open:
             f.check_unchanged()
+        for name, (t, version) in self._versions.items():
+            if t._version != version:
+                raise InvalidSourceError(repr(name), "was modified while it was being pushed",
+                                         hint="push a copy (t.clone()) or push when nothing writes it")
 
 
 def open_source(source: object, *, metadata: dict[str, str] | None = None) -> SourceIn:
@@ -338,6 +346,14 @@ def from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], m
         raise InvalidSourceError("metadata", "safetensors metadata must map strings to strings")
     head, order = build_header(specs, metadata)
     file = FileIn("model.safetensors", "safetensors", len(head), head, None, [], metadata)
+    versions = {}
+    for name, (_, dense) in views.items():
+        if sources is not None and name in sources:
+            continue  # read from there, which checks what it reads (a snapshot's live tensors)
+        try:
+            versions[name] = (dense, dense._version)
+        except RuntimeError:  # an inference-mode tensor has no version counter: it cannot be written in place
+            pass
     for i in order:
         name, dtype, shape, nbytes = specs[i]
         if sources is not None and name in sources:
@@ -346,4 +362,4 @@ def from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], m
             src = MemBytes(*views[name]) if name in views else None
         file.tensors.append(TensorIn(name, dtype, shape, nbytes, src, 0))
         file.size += nbytes
-    return SourceIn(kind, [file], extra)
+    return SourceIn(kind, [file], extra, _versions=versions)

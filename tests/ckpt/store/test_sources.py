@@ -671,3 +671,39 @@ def test_a_pt_truncated_while_it_is_pushed_is_refused_not_a_crash(tmp_path):
                          timeout=120)
     assert out.returncode == 3, (out.returncode, out.stderr[-500:])
     assert "changed while it was being pushed" in out.stdout
+
+
+def test_a_tensor_written_by_another_thread_while_pushed_is_refused_and_no_chunk_is_damaged(store):
+    """A careless async save: store.push(model.state_dict()) in a thread while training goes on.
+    Push hashed a chunk and encoded it in two reads of live memory, storing blobs whose bytes
+    are not their ids (a later push of those bytes dedups against the damage), and published a
+    ref whose tensor mixed two versions."""
+    from ckpt.codecs.chunk import parse_header
+    from ckpt.transfer.pipeline import fetch_chunk
+
+    w = torch.zeros(8 << 20)
+    stop, started = threading.Event(), threading.Event()
+
+    def train() -> None:
+        while not stop.is_set():
+            w.add_(1.0)
+            started.set()
+
+    t = threading.Thread(target=train)
+    t.start()
+    try:
+        started.wait(10)
+        with pytest.raises(InvalidSourceError, match="modified while it was being pushed") as e:
+            store.push({"w": w}, "x")
+        _one_line(e)
+    finally:
+        stop.set()
+        t.join()
+    assert store.refs() == {}
+    chunks = list(store.objects.list("chunks"))
+    assert chunks  # written before the change was seen: each must hold the bytes its id names
+    for info in chunks:
+        h = parse_header(store.objects.get("chunks", info.id))
+        fetch_chunk(store.objects, info.id, h.length, store.settings)  # raises CorruptObjectError otherwise
+    store.push({"w": w}, "x")  # nothing writes it now
+    assert torch.equal(store.load("x")["w"].view(torch.int32), w.view(torch.int32))
