@@ -26,7 +26,11 @@ dare (linear combine) and slerp, and (inputs + 3) × for ties and dare's ties co
 (benchmarks/results/merge.md and tests/ckpt/merging/test_combine.py measure it). The result is pushed like any checkpoint: its
 chunks dedup against the store and are delta-encoded against the base (else the
 first input), and its lineage records the inputs' ids, the method and every
-parameter value (``ckpt show`` prints it).
+parameter value (``ckpt show`` prints it). The weights go to one ``model.safetensors``
+with the first input's safetensors metadata; the first input's other files (a model
+folder's config.json, tokenizer files...) are carried over as they are, except weights
+in other formats (``.bin``, ``.pt``...) and shard indexes, which would describe weights
+the merge did not make.
 
 >>> import torch, ckpt
 >>> store = ckpt.Store.init("memory://merge-doctest")
@@ -88,6 +92,7 @@ class MergeResult:
     logical_bytes: int
     seconds: float
     averaged: tuple[str, ...] = ()  # tensors the base lacks, averaged over the inputs holding them
+    files: tuple[str, ...] = ()  # the first input's other files (config.json, tokenizer...), carried over
 
 
 @dataclass(frozen=True)
@@ -293,6 +298,35 @@ def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], rea
     return compute
 
 
+# Files of the first input a merge does not carry: weights it did not merge (other formats), and
+# shard indexes naming shards it does not write (the merge writes one model.safetensors).
+_NOT_CARRIED = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".pkl", ".npz", ".index.json")
+
+
+class _StoredFile:
+    """The bytes of a file of a stored checkpoint (verified, as any read), for a merge to carry over."""
+
+    def __init__(self, store: Store, chunk_size: int, entry: Any) -> None:
+        self._store, self._cs, self._entry = store, chunk_size, entry
+
+    def read(self, offset: int, length: int) -> bytes:
+        from ckpt.transfer.pipeline import fetch_chunk, spans
+
+        out = bytearray(length)
+        for cid, n, at in spans(self._entry.chunks, self._entry.size, self._cs):
+            lo, hi = max(offset, at), min(offset + length, at + n)
+            if lo < hi:
+                data, _ = fetch_chunk(self._store.objects, cid, n, self._store.settings)
+                out[lo - offset : hi - offset] = memoryview(data)[lo - at : hi - at]
+        return bytes(out)
+
+
+def _carried(reader: CheckpointReader, weights_file: str) -> list[Any]:
+    """The first input's files that are not weights: a merge of model folders stays a model folder."""
+    return [f for f in reader.manifest.files if f.kind == "blob" and not f.path.endswith(_NOT_CARRIED)
+            and f.path.split("/")[0] != weights_file]
+
+
 def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str | None, store: Store | None = None,
           params: Mapping[str, Any] | None = None, base: str | None = None, missing: str = "error",
           new_tensors: str = "error", message: str | None = None, metadata: dict[str, Any] | None = None,
@@ -312,7 +346,7 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     tensor data is read — and the errors of :meth:`Store.resolve` for unknown refs.
     """
     from ckpt.store.push import push_source
-    from ckpt.store.sources import from_tensors
+    from ckpt.store.sources import FileIn, from_tensors
 
     started = time.perf_counter()
     (inputs, method), store = positionals("merge", (inputs, method, *legacy), (None, "linear"), store)
@@ -339,6 +373,8 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     specs = {s.name: (s.dtype, s.shape, s.nbytes) for s in steps}
     st_meta = readers[0].metadata()
     src = from_tensors({}, "tensors", {}, st_meta, known=specs)
+    carried = _carried(readers[0], src.files[0].path)
+    src.files += [FileIn(f.path, "blob", f.size, src=_StoredFile(store, readers[0].manifest.chunk_size, f)) for f in carried]
     gate = threading.Lock()
     reuse: dict[str, TensorEntry] = {}
     by_name = {s.name: s for s in steps}
@@ -365,13 +401,15 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     }
     if averaged:  # recorded only when used: earlier merges' lineage (and ids) stay as they were
         record["new_tensors"] = {"mode": new_tensors, "averaged": list(averaged)}
+    if carried:  # recorded only when used, as above
+        record["files"] = {"from": readers[0].id, "paths": [f.path for f in carried]}
     if _remix is not None:
         record["remix"] = _remix
     result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
                          lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse, progress=progress)
     return MergeResult(result.id, name, m.name, bound, tuple(r.id for r in readers), record["base"], merged,
                        len(steps) - merged - len(from_base) - len(averaged), from_base, result.new_chunks, result.written_bytes,
-                       result.logical_bytes, time.perf_counter() - started, averaged)
+                       result.logical_bytes, time.perf_counter() - started, averaged, tuple(f.path for f in carried))
 
 
 def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str = "linear", *,
