@@ -334,3 +334,22 @@ def test_a_merge_of_model_folders_keeps_the_first_inputs_config_and_tokenizer(st
     assert load_file(out / "model.safetensors")["w"].tolist() == [2.0] * 4
     assert store.manifest("f/soup").lineage["merge"]["files"] == {"from": store.resolve("f/a"),
                                                                  "paths": ["config.json", "sub/vocab.txt"]}
+
+
+def test_folders_whose_files_share_a_tensor_name_are_refused_not_half_merged(store, tmp_path):
+    # A diffusers-like folder: unet/ and vae/ both hold a tensor 'w'. The merge (and the lazy
+    # reader) kept one of the two by name and silently dropped the other.
+    from safetensors.torch import save_file
+
+    from ckpt.errors import TensorMismatchError
+
+    for name, v in (("a", 1.0), ("b", 3.0)):
+        for part, n in (("unet", 2), ("vae", 3)):
+            (tmp_path / name / part).mkdir(parents=True)
+            save_file({"w": torch.full((n,), v)}, tmp_path / name / part / "model.safetensors")
+        store.push(tmp_path / name, f"d/{name}")
+    with pytest.raises(TensorMismatchError, match="'w' appears in two files .*unet/model.safetensors and vae/model.safetensors"):
+        ckpt.merge(["d/a", "d/b"], "linear", name="d/soup", store=store)
+    with pytest.raises(TensorMismatchError, match="appears in two files"):
+        store.reader("d/a").get_tensor("w")
+    assert "d/soup" not in store.refs()
