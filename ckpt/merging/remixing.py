@@ -72,7 +72,7 @@ def read_scores(path: str | os.PathLike[str]) -> dict[str, float]:
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f, object_pairs_hook=no_repeats)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: arrays nested past Python's stack
         raise InvalidMergeError(f"{os.fspath(path)}: cannot read scores ({e})") from None
     if isinstance(obj, list):
         try:
