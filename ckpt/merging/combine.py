@@ -217,7 +217,7 @@ class _LazyTensor:
             if self._view is None:
                 assert self._left > 0, "merged tensor read after its last chunk"
                 with self._gate:
-                    self._view = byte_view(self._compute())
+                    self._view = byte_view(self._compute()).toreadonly()  # private: the push need not copy it
             out = self._view[offset : offset + length]  # keeps the tensor alive until encoded
             self._left -= 1
             if self._left == 0:

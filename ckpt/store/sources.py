@@ -55,6 +55,7 @@ from ckpt.store.source_tensors import flatten_state_dict, physical_memory, plain
 
 INDEX_NAME = "model.safetensors.index.json"
 STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+PRIVATE_KINDS = ("state-dict", "snapshot")  # from_tensors kinds whose tensors no one else holds
 MAX_INDEX = 64 * 1024 * 1024  # real indexes are a few hundred KiB; the file is read whole
 
 
@@ -337,7 +338,9 @@ def from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], m
         _check_safetensors_name(name)
         dtype, shape, view, dense = plain_bytes(name, t, budget)
         specs.append((name, dtype, shape, len(view)))
-        views[name] = (view, dense)
+        # private bytes (a loaded .pt, a snapshot's staging copies) are handed on read-only: the
+        # pipeline copies only writable memory, which another thread may be writing
+        views[name] = (view.toreadonly() if kind in PRIVATE_KINDS else view, dense)
     for name, (dtype, shape, nbytes) in (known or {}).items():
         if name in views:
             raise InvalidSourceError(repr(name), "given both as a tensor and as one already stored")
