@@ -707,3 +707,23 @@ def test_a_tensor_written_by_another_thread_while_pushed_is_refused_and_no_chunk
         fetch_chunk(store.objects, info.id, h.length, store.settings)  # raises CorruptObjectError otherwise
     store.push({"w": w}, "x")  # nothing writes it now
     assert torch.equal(store.load("x")["w"].view(torch.int32), w.view(torch.int32))
+
+
+def test_a_folder_holding_the_store_pushed_to_is_refused(tmp_path):
+    # A store kept inside the project folder that is pushed: the first push stored the store's
+    # own files in the checkpoint; later ones failed every time, 'changed while it was being
+    # pushed', as the push touched the very chunk files it was reading.
+    import ckpt
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    save_file({"w": torch.randn(1 << 12)}, proj / "model.safetensors")
+    store = ckpt.Store.init(str(proj / ".ckpt"))
+    with pytest.raises(InvalidSourceError, match="holds the store at") as e:
+        store.push(proj, "m")
+    _one_line(e)
+    with pytest.raises(InvalidSourceError, match="is inside the store at"):
+        store.push(proj / ".ckpt", "m")
+    _nothing_stored(store)
+    store.push(proj / "model.safetensors", "m")  # a file beside the store is fine
+    assert store.manifest("m").files[0].path == "model.safetensors"
