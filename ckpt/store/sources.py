@@ -331,11 +331,17 @@ def from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], m
     ``sources``: where the bytes of some tensors are read from instead of their memory."""
     specs = []
     views: dict[str, tuple[memoryview, Any]] = {}
+    versions: dict[str, tuple[Any, int]] = {}  # a caller's tensors, which another thread may write
     budget = [physical_memory() or 1 << 62]
     for name, t in tensors.items():
         if not isinstance(name, str):
             raise InvalidSourceError("state dict", f"key {show(repr(name))[:80]} is not a string")
         _check_safetensors_name(name)
+        if kind not in PRIVATE_KINDS:
+            try:  # before its bytes are read, or copied (a non-contiguous view's copy can be torn too)
+                versions[name] = (t, t._version)
+            except (RuntimeError, AttributeError):  # an inference-mode tensor has no version counter
+                pass
         dtype, shape, view, dense = plain_bytes(name, t, budget)
         specs.append((name, dtype, shape, len(view)))
         # private bytes (a loaded .pt, a snapshot's staging copies) are handed on read-only: the
@@ -349,14 +355,6 @@ def from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], m
         raise InvalidSourceError("metadata", "safetensors metadata must map strings to strings")
     head, order = build_header(specs, metadata)
     file = FileIn("model.safetensors", "safetensors", len(head), head, None, [], metadata)
-    versions = {}
-    for name, (_, dense) in views.items():
-        if sources is not None and name in sources:
-            continue  # read from there, which checks what it reads (a snapshot's live tensors)
-        try:
-            versions[name] = (dense, dense._version)
-        except RuntimeError:  # an inference-mode tensor has no version counter: it cannot be written in place
-            pass
     for i in order:
         name, dtype, shape, nbytes = specs[i]
         if sources is not None and name in sources:

@@ -673,7 +673,8 @@ def test_a_pt_truncated_while_it_is_pushed_is_refused_not_a_crash(tmp_path):
     assert "changed while it was being pushed" in out.stdout
 
 
-def test_a_tensor_written_by_another_thread_while_pushed_is_refused_and_no_chunk_is_damaged(store):
+@pytest.mark.parametrize("view", ["itself", "transposed"])  # read in place; copied first (a copy can be torn too)
+def test_a_tensor_written_by_another_thread_while_pushed_is_refused_and_no_chunk_is_damaged(store, view):
     """A careless async save: store.push(model.state_dict()) in a thread while training goes on.
     Push hashed a chunk and encoded it in two reads of live memory, storing blobs whose bytes
     are not their ids (a later push of those bytes dedups against the damage), and published a
@@ -681,7 +682,7 @@ def test_a_tensor_written_by_another_thread_while_pushed_is_refused_and_no_chunk
     from ckpt.codecs.chunk import parse_header
     from ckpt.transfer.pipeline import fetch_chunk
 
-    w = torch.zeros(8 << 20)
+    w = torch.zeros(2048, 4096)
     stop, started = threading.Event(), threading.Event()
 
     def train() -> None:
@@ -694,7 +695,7 @@ def test_a_tensor_written_by_another_thread_while_pushed_is_refused_and_no_chunk
     try:
         started.wait(10)
         with pytest.raises(InvalidSourceError, match="modified while it was being pushed") as e:
-            store.push({"w": w}, "x")
+            store.push({"w": w if view == "itself" else w.t()}, "x")
         _one_line(e)
     finally:
         stop.set()
