@@ -58,6 +58,7 @@ from ckpt.format.manifest import TensorEntry, chunk_count
 from ckpt.merging.calls import positionals
 from ckpt.merging.methods import MergeMethod, MethodRegistry, default_registry
 from ckpt.progress import Progress
+from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX
 from ckpt_store.storage.records import canonical_json
 from ckpt_store.storage.refs import validate_ref_name
 
@@ -205,20 +206,27 @@ class _LazyTensor:
     and dropped after the last one is handed out. ``gate`` lets one tensor be computed
     at a time, which bounds memory whatever the number of push workers."""
 
-    def __init__(self, compute: Callable[[], torch.Tensor], chunks: int, gate: threading.Lock) -> None:
+    def __init__(self, compute: Callable[[], torch.Tensor], chunks: int, gate: threading.Lock, keep_small: int = 0) -> None:
         self._compute = compute
         self._left = chunks
         self._gate = gate
         self._lock = threading.Lock()
         self._view: memoryview | None = None
+        # A push to a remote store reads its chunks of at most ``keep_small`` bytes again, once all
+        # are stored, to bundle them: those are kept (they are copied into the bundle anyway).
+        self._keep_small = keep_small
+        self._small: dict[int, bytes] = {}
 
-    def read(self, offset: int, length: int) -> memoryview:
+    def read(self, offset: int, length: int) -> bytes | memoryview:
         with self._lock:
             if self._view is None:
-                assert self._left > 0, "merged tensor read after its last chunk"
+                if self._left <= 0:  # read again after the last chunk: only the bundle does that
+                    return self._small.get(offset, b"")  # (a chunk not kept is left out of the bundle)
                 with self._gate:
                     self._view = byte_view(self._compute()).toreadonly()  # private: the push need not copy it
             out = self._view[offset : offset + length]  # keeps the tensor alive until encoded
+            if length <= self._keep_small:
+                self._small[offset] = bytes(out)
             self._left -= 1
             if self._left == 0:
                 self._view = None
@@ -376,6 +384,7 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     carried = _carried(readers[0], src.files[0].path)
     src.files += [FileIn(f.path, "blob", f.size, src=_StoredFile(store, readers[0].manifest.chunk_size, f)) for f in carried]
     gate = threading.Lock()
+    keep_small = min(BUNDLE_CHUNK_MAX, cs // 4) if store.objects.backend.streams else 0  # as push's _bundle picks them
     reuse: dict[str, TensorEntry] = {}
     by_name = {s.name: s for s in steps}
     for t in src.files[0].tensors:
@@ -383,7 +392,7 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
         if s.reuse is not None and s.reuse[0].manifest.chunk_size == cs:
             reuse[t.name] = s.reuse[1]
         else:
-            t.src = _LazyTensor(_compute_fn(s, m, bound, readers, base_reader), chunk_count(s.nbytes, cs), gate)
+            t.src = _LazyTensor(_compute_fn(s, m, bound, readers, base_reader), chunk_count(s.nbytes, cs), gate, keep_small)
     merged = sum(1 for s in steps if s.reuse is None and s.average is None)
     from_base = tuple(s.name for s in steps if s.reuse is not None and s.reuse[0] is base_reader and base_reader is not None
                       and any(s.name not in r for r in readers))
