@@ -567,7 +567,7 @@ def merge(
                   new_tensors=new_tensors, message=message, progress=RichProgress())
     _emit({"id": r.id, "ref": output, "method": r.method, "params": r.params, "inputs": list(r.inputs),
            "base": r.base, "merged_tensors": r.merged, "reused_tensors": r.reused, "from_base": list(r.from_base),
-           "averaged": list(r.averaged), "new_chunks": r.new_chunks, "written_bytes": r.written_bytes,
+           "averaged": list(r.averaged), "files": list(r.files), "new_chunks": r.new_chunks, "written_bytes": r.written_bytes,
            "logical_bytes": r.logical_bytes, "seconds": r.seconds}, as_json, views.merge)
 
 

@@ -225,6 +225,7 @@ def diff(report: Any, sort: str, top: int | None, plot: Any) -> None:
 def merge(v: dict[str, Any]) -> None:
     from_base = f", {len(v['from_base'])} from the base" if v["from_base"] else ""
     from_base += f", {len(v['averaged'])} the base lacks averaged" if v.get("averaged") else ""
+    from_base += f", {len(v['files'])} other files of {safe(v['inputs'][0][:12])} carried over" if v.get("files") else ""
     out.print(f"{safe(v['ref'])} -> {v['id'][:12]}  {safe(v['method'])} of {len(v['inputs'])} inputs: {v['merged_tensors']} tensors merged, "
               f"{v['reused_tensors']} reused unread{from_base}; {human_bytes(v['logical_bytes'])}, "
               f"{human_bytes(v['written_bytes'])} written in {v['seconds']:.1f} s")

@@ -63,6 +63,8 @@ def byte_view(t: torch.Tensor) -> memoryview:
     import torch
 
     flat = t.reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:  # one element sliced out of a row (w[:, 0]): contiguous, yet view() refuses its stride
+        flat = flat.as_strided((1,), (1,))
     raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
     return memoryview(raw.numpy()).cast("B")
 

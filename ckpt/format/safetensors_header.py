@@ -17,6 +17,7 @@ from ckpt.format.dtypes import itemsize
 from ckpt.format.manifest import check_tensor_name
 
 MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself enforces
+MAX_ELEMENTS = (1 << 63) - 1  # torch counts elements in an int64
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,11 @@ def parse_header(head_prefix: bytes, read_rest: object, file_size: int, source: 
             and 0 <= offs[0] <= offs[1]
         ):
             raise InvalidSourceError(source, f"tensor {name!r}: bad data_offsets {offs!r}")
+        count = 1
+        for d in shape:  # as safetensors checks it: a running product past 64 bits (even one ending in 0) is refused
+            count *= d
+            if count > MAX_ELEMENTS:
+                raise InvalidSourceError(source, f"tensor {name!r}: shape {shape} overflows 64 bits; no reader can load it")
         size = itemsize(dtype)
         if size is not None and math.prod(shape) * size != offs[1] - offs[0]:
             raise InvalidSourceError(

@@ -26,7 +26,11 @@ dare (linear combine) and slerp, and (inputs + 3) × for ties and dare's ties co
 (benchmarks/results/merge.md and tests/ckpt/merging/test_combine.py measure it). The result is pushed like any checkpoint: its
 chunks dedup against the store and are delta-encoded against the base (else the
 first input), and its lineage records the inputs' ids, the method and every
-parameter value (``ckpt show`` prints it).
+parameter value (``ckpt show`` prints it). The weights go to one ``model.safetensors``
+with the first input's safetensors metadata; the first input's other files (a model
+folder's config.json, tokenizer files...) are carried over as they are, except weights
+in other formats (``.bin``, ``.pt``...) and shard indexes, which would describe weights
+the merge did not make.
 
 >>> import torch, ckpt
 >>> store = ckpt.Store.init("memory://merge-doctest")
@@ -54,6 +58,7 @@ from ckpt.format.manifest import TensorEntry, chunk_count
 from ckpt.merging.calls import positionals
 from ckpt.merging.methods import MergeMethod, MethodRegistry, default_registry
 from ckpt.progress import Progress
+from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX
 from ckpt_store.storage.records import canonical_json
 from ckpt_store.storage.refs import validate_ref_name
 
@@ -88,6 +93,7 @@ class MergeResult:
     logical_bytes: int
     seconds: float
     averaged: tuple[str, ...] = ()  # tensors the base lacks, averaged over the inputs holding them
+    files: tuple[str, ...] = ()  # the first input's other files (config.json, tokenizer...), carried over
 
 
 @dataclass(frozen=True)
@@ -200,20 +206,27 @@ class _LazyTensor:
     and dropped after the last one is handed out. ``gate`` lets one tensor be computed
     at a time, which bounds memory whatever the number of push workers."""
 
-    def __init__(self, compute: Callable[[], torch.Tensor], chunks: int, gate: threading.Lock) -> None:
+    def __init__(self, compute: Callable[[], torch.Tensor], chunks: int, gate: threading.Lock, keep_small: int = 0) -> None:
         self._compute = compute
         self._left = chunks
         self._gate = gate
         self._lock = threading.Lock()
         self._view: memoryview | None = None
+        # A push to a remote store reads its chunks of at most ``keep_small`` bytes again, once all
+        # are stored, to bundle them: those are kept (they are copied into the bundle anyway).
+        self._keep_small = keep_small
+        self._small: dict[int, bytes] = {}
 
-    def read(self, offset: int, length: int) -> memoryview:
+    def read(self, offset: int, length: int) -> bytes | memoryview:
         with self._lock:
             if self._view is None:
-                assert self._left > 0, "merged tensor read after its last chunk"
+                if self._left <= 0:  # read again after the last chunk: only the bundle does that
+                    return self._small.get(offset, b"")  # (a chunk not kept is left out of the bundle)
                 with self._gate:
-                    self._view = byte_view(self._compute())
+                    self._view = byte_view(self._compute()).toreadonly()  # private: the push need not copy it
             out = self._view[offset : offset + length]  # keeps the tensor alive until encoded
+            if length <= self._keep_small:
+                self._small[offset] = bytes(out)
             self._left -= 1
             if self._left == 0:
                 self._view = None
@@ -293,11 +306,40 @@ def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], rea
     return compute
 
 
+# Files of the first input a merge does not carry: weights it did not merge (other formats), and
+# shard indexes naming shards it does not write (the merge writes one model.safetensors).
+_NOT_CARRIED = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".pkl", ".npz", ".index.json")
+
+
+class _StoredFile:
+    """The bytes of a file of a stored checkpoint (verified, as any read), for a merge to carry over."""
+
+    def __init__(self, store: Store, chunk_size: int, entry: Any) -> None:
+        self._store, self._cs, self._entry = store, chunk_size, entry
+
+    def read(self, offset: int, length: int) -> bytes:
+        from ckpt.transfer.pipeline import fetch_chunk, spans
+
+        out = bytearray(length)
+        for cid, n, at in spans(self._entry.chunks, self._entry.size, self._cs):
+            lo, hi = max(offset, at), min(offset + length, at + n)
+            if lo < hi:
+                data, _ = fetch_chunk(self._store.objects, cid, n, self._store.settings)
+                out[lo - offset : hi - offset] = memoryview(data)[lo - at : hi - at]
+        return bytes(out)
+
+
+def _carried(reader: CheckpointReader, weights_file: str) -> list[Any]:
+    """The first input's files that are not weights: a merge of model folders stays a model folder."""
+    return [f for f in reader.manifest.files if f.kind == "blob" and not f.path.endswith(_NOT_CARRIED)
+            and f.path.split("/")[0] != weights_file]
+
+
 def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str | None, store: Store | None = None,
           params: Mapping[str, Any] | None = None, base: str | None = None, missing: str = "error",
           new_tensors: str = "error", message: str | None = None, metadata: dict[str, Any] | None = None,
           registry: MethodRegistry | None = None, progress: Progress | None = None,
-          _remix: dict[str, Any] | None = None) -> MergeResult:
+          _remix: dict[str, Any] | None = None, _pinned: Sequence[str] | None = None) -> MergeResult:
     """Merge checkpoints ``inputs`` (refs) with ``method`` and store the result as ``name``.
 
     ``params`` are the method's parameters (see :mod:`ckpt.merging.methods` or ``ckpt merge
@@ -312,7 +354,7 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     tensor data is read — and the errors of :meth:`Store.resolve` for unknown refs.
     """
     from ckpt.store.push import push_source
-    from ckpt.store.sources import from_tensors
+    from ckpt.store.sources import FileIn, from_tensors
 
     started = time.perf_counter()
     (inputs, method), store = positionals("merge", (inputs, method, *legacy), (None, "linear"), store)
@@ -329,7 +371,9 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
         validate_ref_name(name)
     if metadata is not None:
         canonical_json(metadata)
-    readers = [store.reader(ref) for ref in inputs]
+    # _pinned: the checkpoint ids the inputs named when the caller judged them (remix scores
+    # them first): a ref moved since must not swap in a checkpoint nobody looked at.
+    readers = [store.reader(ref) for ref in (inputs if _pinned is None else _pinned)]
     base_reader = store.reader(base) if base is not None else None
     steps = _plan(m, bound, readers, base_reader, missing, list(inputs), base, new_tensors)
 
@@ -337,7 +381,10 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     specs = {s.name: (s.dtype, s.shape, s.nbytes) for s in steps}
     st_meta = readers[0].metadata()
     src = from_tensors({}, "tensors", {}, st_meta, known=specs)
+    carried = _carried(readers[0], src.files[0].path)
+    src.files += [FileIn(f.path, "blob", f.size, src=_StoredFile(store, readers[0].manifest.chunk_size, f)) for f in carried]
     gate = threading.Lock()
+    keep_small = min(BUNDLE_CHUNK_MAX, cs // 4) if store.objects.backend.streams else 0  # as push's _bundle picks them
     reuse: dict[str, TensorEntry] = {}
     by_name = {s.name: s for s in steps}
     for t in src.files[0].tensors:
@@ -345,7 +392,7 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
         if s.reuse is not None and s.reuse[0].manifest.chunk_size == cs:
             reuse[t.name] = s.reuse[1]
         else:
-            t.src = _LazyTensor(_compute_fn(s, m, bound, readers, base_reader), chunk_count(s.nbytes, cs), gate)
+            t.src = _LazyTensor(_compute_fn(s, m, bound, readers, base_reader), chunk_count(s.nbytes, cs), gate, keep_small)
     merged = sum(1 for s in steps if s.reuse is None and s.average is None)
     from_base = tuple(s.name for s in steps if s.reuse is not None and s.reuse[0] is base_reader and base_reader is not None
                       and any(s.name not in r for r in readers))
@@ -363,13 +410,15 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     }
     if averaged:  # recorded only when used: earlier merges' lineage (and ids) stay as they were
         record["new_tensors"] = {"mode": new_tensors, "averaged": list(averaged)}
+    if carried:  # recorded only when used, as above
+        record["files"] = {"from": readers[0].id, "paths": [f.path for f in carried]}
     if _remix is not None:
         record["remix"] = _remix
     result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
                          lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse, progress=progress)
     return MergeResult(result.id, name, m.name, bound, tuple(r.id for r in readers), record["base"], merged,
                        len(steps) - merged - len(from_base) - len(averaged), from_base, result.new_chunks, result.written_bytes,
-                       result.logical_bytes, time.perf_counter() - started, averaged)
+                       result.logical_bytes, time.perf_counter() - started, averaged, tuple(f.path for f in carried))
 
 
 def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str = "linear", *,

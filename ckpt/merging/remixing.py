@@ -72,7 +72,7 @@ def read_scores(path: str | os.PathLike[str]) -> dict[str, float]:
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f, object_pairs_hook=no_repeats)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: arrays nested past Python's stack
         raise InvalidMergeError(f"{os.fspath(path)}: cannot read scores ({e})") from None
     if isinstance(obj, list):
         try:
@@ -97,8 +97,9 @@ def _unique(pairs: list[tuple[object, object]], path: str | os.PathLike[str], wh
     return out
 
 
-def _distinct_checkpoints(store: Store, refs: Sequence[str]) -> None:
-    """Refuse two refs naming one checkpoint: averaging it twice would silently double its weight."""
+def _distinct_checkpoints(store: Store, refs: Sequence[str]) -> dict[str, str]:
+    """Each ref's checkpoint id. Refuse two refs naming one checkpoint: averaging it twice
+    would silently double its weight."""
     seen: dict[str, str] = {}
     for ref in refs:
         cid = store.resolve(ref)
@@ -106,6 +107,7 @@ def _distinct_checkpoints(store: Store, refs: Sequence[str]) -> None:
             same = "given twice" if seen[cid] == ref else f"and {seen[cid]} name the same checkpoint ({cid[:12]})"
             raise InvalidMergeError(f"remix candidates: {ref} {same}", hint="list each checkpoint once")
         seen[cid] = ref
+    return {ref: cid for cid, ref in seen.items()}
 
 
 def choose(scores: Mapping[str, float], k: int = 2, *, weights: str = "equal",
@@ -141,21 +143,24 @@ def choose(scores: Mapping[str, float], k: int = 2, *, weights: str = "equal",
 
 def remix_scores(scores: Mapping[str, float], k: int = 2, *legacy: int, store: Store | None = None, weights: str = "equal",
                  higher_is_better: bool = True, name: str | None = None, message: str | None = None,
-                 progress: Progress | None = None) -> str:
-    """Average the best ``k`` of the scored refs into a new checkpoint ``name``; returns its id."""
+                 progress: Progress | None = None, _scored: Mapping[str, str] | None = None) -> str:
+    """Average the best ``k`` of the scored refs into a new checkpoint ``name``; returns its id.
+
+    ``_scored``: the checkpoint id each ref named when it was scored; those are averaged,
+    whatever the refs name by now."""
     from ckpt.merging.combine import merge
 
     (scores, k), store = positionals("remix_scores", (scores, k, *legacy), (None, 2), store)
     if name is not None:
         validate_ref_name(name)
     chosen, ws = choose(scores, k, weights=weights, higher_is_better=higher_is_better)
-    _distinct_checkpoints(store, list(scores))
+    ids = _distinct_checkpoints(store, list(scores)) if _scored is None else dict(_scored)
     if len(chosen) < k:
         log.warning("remix: %d candidates for k=%d; averaging all of them", len(chosen), k)
     note = {"k": k, "weights": weights, "higher_is_better": higher_is_better, "chosen": chosen,
             "scores": {ref: float(s) for ref, s in scores.items()}}
     return merge(chosen, "linear", name=name, store=store, params={"weights": ws}, message=message,
-                 progress=progress, _remix=note).id
+                 progress=progress, _remix=note, _pinned=[ids[ref] for ref in chosen]).id
 
 
 def remix(candidates: Sequence[str], score_fn: Callable[[dict[str, torch.Tensor]], float], k: int = 2,
@@ -174,10 +179,10 @@ def remix(candidates: Sequence[str], score_fn: Callable[[dict[str, torch.Tensor]
     if name is not None:
         validate_ref_name(name)
     _check(k, weights, len(candidates))  # before any (expensive) scoring
-    _distinct_checkpoints(store, candidates)
+    ids = _distinct_checkpoints(store, candidates)  # scored and averaged by id: a ref may move meanwhile
     scores: dict[str, float] = {}
     for ref in candidates:
-        sd = store.load(ref)
+        sd = store.load(ids[ref])
         raw = score_fn(sd)
         del sd
         try:
@@ -186,4 +191,4 @@ def remix(candidates: Sequence[str], score_fn: Callable[[dict[str, torch.Tensor]
             raise InvalidMergeError(f"score_fn returned {raw!r} for {ref}, not a number") from None
         log.info("remix: %s scores %s", ref, scores[ref])
     return remix_scores(scores, k, store=store, weights=weights, higher_is_better=higher_is_better, name=name,
-                        message=message, progress=progress)
+                        message=message, progress=progress, _scored=ids)

@@ -48,6 +48,18 @@ if TYPE_CHECKING:
     from ckpt.store.store import Store
 
 log = logging.getLogger(__name__)
+
+
+def _recorded(step: int, metrics: dict[str, float] | None) -> dict[str, Any]:
+    """The metrics a snapshot records. A NaN or infinite value (a diverged loss) is left out, with a
+    warning: JSON cannot hold it, and it must neither stop the training loop nor rank as the best."""
+    out: dict[str, Any] = {}
+    for name, v in (metrics or {}).items():
+        if isinstance(v, float) and not math.isfinite(v):
+            log.warning("step %d: metric %s is %s, not recorded: this snapshot never counts as the best", step, name, v)
+            continue
+        out[name] = v
+    return out
 _STEP = re.compile(r"^step-([0-9]+)\Z")
 SAVE_MODES = ("async", "sync", "overlap")
 UNCHANGED_BY = ("version", "hash")
@@ -376,7 +388,7 @@ class CheckpointManager:
             raise ValueError("step must be a non-negative int")
         self._wait_save()
         t0 = time.perf_counter()
-        snapshot = {"format": SNAPSHOT_FORMAT, "run": self.run, "step": step, "metrics": dict(metrics or {})}
+        snapshot = {"format": SNAPSHOT_FORMAT, "run": self.run, "step": step, "metrics": _recorded(step, metrics)}
         background = self.save_mode != "sync"
         if self._local is None:
             job = self._path.save(step, state, snapshot, background=background)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from ckpt.errors import InvalidSourceError
 from ckpt.format.dtypes import itemsize
 from ckpt.format.manifest import BundleEntry, FileEntry, Manifest, TensorEntry
 from ckpt.progress import Progress, reporting
 from ckpt.store.base import choose_base, pair_tensors
+from ckpt.store.source_files import show
 from ckpt.store.sources import MemBytes, SourceIn, open_source
 from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX, PutResult, PutTask, put_chunks, put_tasks
 from ckpt_store.storage.commit import commit
@@ -73,6 +76,7 @@ def push(
         validate_ref_name(name)  # before any I/O
     if metadata is not None:
         canonical_json(metadata)  # must be JSON; raises TypeError/ValueError early
+    _check_not_the_store(store, source)
     src = open_source(source)
     try:
         keys = [(t.name, t.dtype, t.nbytes) for f in src.files for t in f.tensors]
@@ -81,6 +85,27 @@ def push(
                            lineage={"parent": parent, "base": base_id, "merge": None}, progress=progress)
     finally:
         src.close()
+
+
+def _check_not_the_store(store: Store, source: object) -> None:
+    """Refuse a path inside the store pushed to, or a folder that holds it: the push would store
+    the store's own files, which it touches as it writes (so the push fails, every time, as
+    'changed while it was being pushed', leaving what it wrote for gc)."""
+    if not isinstance(source, (str, os.PathLike)):
+        return
+    root = store.backend.local_path(".")
+    if root is None:
+        return
+    try:
+        path, root = os.path.realpath(os.fspath(source)), os.path.realpath(root)
+    except (OSError, ValueError):
+        return  # open_source says what is wrong with the path
+    if path == root or path.startswith(root.rstrip(os.sep) + os.sep):
+        raise InvalidSourceError(show(os.fsdecode(os.fspath(source))), f"is inside the store at {show(root)}, which is being pushed to",
+                                 hint="push model files from outside the store")
+    if root.startswith(path.rstrip(os.sep) + os.sep):
+        raise InvalidSourceError(show(os.fsdecode(os.fspath(source))), f"holds the store at {show(root)}, which is being pushed to",
+                                 hint="keep the store outside the folder you push (set CKPT_STORE or --store), or push a subfolder")
 
 
 BUNDLE_MIN = 8  # chunks in a bundle, at least

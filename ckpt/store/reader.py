@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from ckpt.errors import TensorMismatchError
 from ckpt.format.manifest import Manifest, TensorEntry
 from ckpt.store.limits import check_memory
-from ckpt.store.load import empty_tensor
+from ckpt.store.load import check_unique, empty_tensor
 from ckpt.transfer.pipeline import get_chunks, into_tasks
 
 if TYPE_CHECKING:
@@ -32,6 +32,9 @@ class CheckpointReader:
         self.id = manifest_id
         self.manifest = manifest
         self._by_name = {t.name: t for t in manifest.tensors}
+        # names held by two files of a directory checkpoint (a diffusers folder's unet/ and vae/):
+        # either one, picked silently, would hide the other
+        self._twice = {t.name for t in manifest.tensors if self._by_name[t.name] is not t}
 
     def keys(self) -> list[str]:
         return [t.name for t in self.manifest.tensors]
@@ -46,6 +49,9 @@ class CheckpointReader:
         return len(self._by_name)
 
     def info(self, name: str) -> TensorEntry:
+        if name in self._twice:
+            check_unique([t for t in self.manifest.tensors if t.name == name],
+                         hint="pull it with `ckpt pull` to a directory, where each file keeps its own")
         try:
             return self._by_name[name]
         except KeyError:

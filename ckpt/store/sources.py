@@ -58,6 +58,7 @@ from ckpt.store.source_tensors import flatten_state_dict, physical_memory, plain
 
 INDEX_NAME = "model.safetensors.index.json"
 STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+PRIVATE_KINDS = ("state-dict", "snapshot")  # from_tensors kinds whose tensors no one else holds
 MAX_INDEX = 64 * 1024 * 1024  # real indexes are a few hundred KiB; the file is read whole
 
 
@@ -173,15 +174,23 @@ class SourceIn:
     files: list[FileIn]
     extra: dict[str, Any] = field(default_factory=dict)
     _open: list[FileBytes] = field(default_factory=list)
+    # in-memory tensors read in place, and their version counters when the push began
+    _versions: dict[str, tuple[Any, int]] = field(default_factory=dict)
 
     def close(self) -> None:
         for f in self._open:
             f.close()
 
     def check_unchanged(self) -> None:
-        """:meth:`FileBytes.check_unchanged` for every file this source reads."""
+        """:meth:`FileBytes.check_unchanged` for every file this source reads; and refuse an
+        in-memory tensor written in place meanwhile (another thread training): its chunks
+        would be a tensor that never existed, part before and part after the write."""
         for f in self._open:
             f.check_unchanged()
+        for name, (t, version) in self._versions.items():
+            if t._version != version:
+                raise InvalidSourceError(repr(name), "was modified while it was being pushed",
+                                         hint="push a copy (t.clone()) or push when nothing writes it")
 
 
 def open_source(source: object, *, metadata: dict[str, str] | None = None) -> SourceIn:
@@ -372,14 +381,22 @@ def from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], m
     ``sources``: where the bytes of some tensors are read from instead of their memory."""
     specs = []
     views: dict[str, tuple[memoryview, Any]] = {}
+    versions: dict[str, tuple[Any, int]] = {}  # a caller's tensors, which another thread may write
     budget = [physical_memory() or 1 << 62]
     for name, t in tensors.items():
         if not isinstance(name, str):
             raise InvalidSourceError("state dict", f"key {show(repr(name))[:80]} is not a string")
         _check_safetensors_name(name)
+        if kind not in PRIVATE_KINDS:
+            try:  # before its bytes are read, or copied (a non-contiguous view's copy can be torn too)
+                versions[name] = (t, t._version)
+            except (RuntimeError, AttributeError):  # an inference-mode tensor has no version counter
+                pass
         dtype, shape, view, dense = plain_bytes(name, t, budget)
         specs.append((name, dtype, shape, len(view)))
-        views[name] = (view, dense)
+        # private bytes (a loaded .pt, a snapshot's staging copies) are handed on read-only: the
+        # pipeline copies only writable memory, which another thread may be writing
+        views[name] = (view.toreadonly() if kind in PRIVATE_KINDS else view, dense)
     for name, (dtype, shape, nbytes) in (known or {}).items():
         if name in views:
             raise InvalidSourceError(repr(name), "given both as a tensor and as one already stored")
@@ -396,4 +413,4 @@ def from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], m
             src = MemBytes(*views[name]) if name in views else None
         file.tensors.append(TensorIn(name, dtype, shape, nbytes, src, 0))
         file.size += nbytes
-    return SourceIn(kind, [file], extra)
+    return SourceIn(kind, [file], extra, _versions=versions)

@@ -540,6 +540,11 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
 
     def put(task: PutTask) -> PutResult:
         data = task.read()
+        if isinstance(data, memoryview) and not data.readonly:
+            # Memory another thread may write (a live tensor): hashed, encoded and written
+            # from one copy, else the stored blob need not hold the bytes its id names, and
+            # every later push of those bytes would dedup against the damaged blob.
+            data = bytes(data)
         oid = object_id(data)
         path = objects.path("chunks", oid)
         # A local store refreshes a reused chunk's time (keeps a concurrent gc off it,

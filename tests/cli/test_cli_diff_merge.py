@@ -109,6 +109,9 @@ def test_remix_from_scores(fam, capsys):
     (tmp / "bad.json").write_text("[1, 2]")
     code, _, err = run_main(capsys, "remix", "--scores", str(tmp / "bad.json"), "-o", "m/s3")
     assert code == 1 and "ref" in err and err.count("\n") == 1
+    (tmp / "deep.json").write_text("[" * 100_000 + "]" * 100_000)  # nested past Python's stack: was a RecursionError traceback
+    code, _, err = run_main(capsys, "remix", "--scores", str(tmp / "deep.json"), "-o", "m/s3")
+    assert code == 1 and "cannot read scores" in err and err.count("\n") == 1
 
 
 def test_diff_top_below_one_is_rejected(fam, capsys):

@@ -307,3 +307,49 @@ def test_a_tensor_taken_from_the_base_must_match_the_inputs_that_have_it(store):
     store.push({"x": torch.ones(8, dtype=torch.float16), "y": torch.ones(2)}, "in/base")
     with pytest.raises(InvalidMergeError, match="x differs in dtype/shape"):
         ckpt.merge(["in/a", "in/b"], "task-arithmetic", name="x", base="in/base", missing="base", store=store)
+
+
+def test_a_merge_of_model_folders_keeps_the_first_inputs_config_and_tokenizer(store, tmp_path):
+    # The merge wrote model.safetensors alone: config.json and the tokenizer were silently
+    # dropped, so the pulled folder could not be loaded as the model it came from.
+    from safetensors.torch import save_file
+
+    for name, v in (("a", 1.0), ("b", 3.0)):
+        d = tmp_path / name
+        (d / "sub").mkdir(parents=True)
+        save_file({"w": torch.full((4,), v)}, d / "model.safetensors", metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps({"model_type": "bert", "from": name}))
+        (d / "sub" / "vocab.txt").write_bytes(b"[PAD]\n\xff" + name.encode())
+        save_file({"w": torch.full((4,), v)}, d / "pytorch_model.bin")  # weights the merge does not make
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "model.safetensors"}}))
+        store.push(d, f"f/{name}")
+    r = ckpt.merge(["f/a", "f/b"], "linear", name="f/soup", store=store)
+    assert r.files == ("config.json", "sub/vocab.txt")
+    store.pull("f/soup", tmp_path / "soup")
+    out = tmp_path / "soup"
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == [
+        "config.json", "model.safetensors", "sub/vocab.txt"]
+    for rel in ("config.json", "sub/vocab.txt"):
+        assert (out / rel).read_bytes() == (tmp_path / "a" / rel).read_bytes()
+    assert load_file(out / "model.safetensors")["w"].tolist() == [2.0] * 4
+    assert store.manifest("f/soup").lineage["merge"]["files"] == {"from": store.resolve("f/a"),
+                                                                 "paths": ["config.json", "sub/vocab.txt"]}
+
+
+def test_folders_whose_files_share_a_tensor_name_are_refused_not_half_merged(store, tmp_path):
+    # A diffusers-like folder: unet/ and vae/ both hold a tensor 'w'. The merge (and the lazy
+    # reader) kept one of the two by name and silently dropped the other.
+    from safetensors.torch import save_file
+
+    from ckpt.errors import TensorMismatchError
+
+    for name, v in (("a", 1.0), ("b", 3.0)):
+        for part, n in (("unet", 2), ("vae", 3)):
+            (tmp_path / name / part).mkdir(parents=True)
+            save_file({"w": torch.full((n,), v)}, tmp_path / name / part / "model.safetensors")
+        store.push(tmp_path / name, f"d/{name}")
+    with pytest.raises(TensorMismatchError, match="'w' appears in two files .*unet/model.safetensors and vae/model.safetensors"):
+        ckpt.merge(["d/a", "d/b"], "linear", name="d/soup", store=store)
+    with pytest.raises(TensorMismatchError, match="appears in two files"):
+        store.reader("d/a").get_tensor("w")
+    assert "d/soup" not in store.refs()

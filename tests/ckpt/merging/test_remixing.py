@@ -72,3 +72,20 @@ def test_remix_checks_before_scoring(store, past):
     assert calls == []
     with pytest.raises(InvalidMergeError, match="not a number"):
         ckpt.remix(list(past), lambda sd: "good", store=store)
+
+
+def test_remix_averages_what_it_scored_when_a_ref_moves_meanwhile(store, past):
+    # A training job pushes a new ft/b while remix scores the others: remix loaded refs to
+    # score them and merged the refs again, averaging a checkpoint nobody scored.
+    scored_ids = {ref: store.resolve(ref) for ref in past}
+
+    def score(sd):
+        v = float(sd["w"][0])
+        if v == 8.0:  # the last candidate, after ft/b was scored
+            store.push({"w": torch.full((3,), -100.0), "step": torch.tensor(9)}, "ft/b")
+        return v
+
+    cid = ckpt.remix(list(past), score, k=2, name="new/start", store=store)
+    assert store.load(cid)["w"].tolist() == [6.0, 6.0, 6.0]  # ft/d (8) and the scored ft/b (4)
+    rec = store.manifest(cid).lineage["merge"]
+    assert rec["inputs"] == [scored_ids["ft/d"], scored_ids["ft/b"]] and rec["input_refs"] == ["ft/d", "ft/b"]

@@ -430,3 +430,23 @@ def test_an_optimizer_with_other_parameter_groups_is_refused_before_anything_is_
         with pytest.raises(TensorMismatchError, match="parameter groups"):
             mgr.restore_latest({"model": m2, "optim": opt2})
     assert all(torch.equal(before[k], v) for k, v in m2.state_dict().items()) and not opt2.state
+
+
+def test_a_nan_metric_neither_stops_the_loop_nor_counts_as_best(tmp_path, caplog):
+    # A diverged loss (the Trainer and Lightning callbacks pass the last logged one): save raised
+    # a bare ValueError out of the training loop, and that snapshot was lost.
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "nan", keep_last=1, keep_best=ckpt.KeepBest("loss", "min")) as mgr:
+        for step, loss in ((1, 0.5), (2, 0.1), (3, float("nan")), (4, float("inf")), (5, 0.7)):
+            _train(model, opt)
+            mgr.save(step, {"model": model}, metrics={"loss": loss, "lr": 0.1})
+            mgr.wait()
+        assert mgr.steps() == [2, 5]  # the best by a real number, and the latest
+        store = mgr.store
+    assert store.manifest("nan/step-5").extra["snapshot"]["metrics"] == {"loss": 0.7, "lr": 0.1}
+    assert "metric loss is nan" in caplog.text
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "nan", keep_best=ckpt.KeepBest("loss", "min")) as mgr:
+        mgr.save(6, {"model": model}, metrics={"loss": float("nan")})
+        mgr.wait()
+        assert mgr.steps() == [2, 6]

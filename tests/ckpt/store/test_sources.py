@@ -47,6 +47,8 @@ def _header(obj) -> bytes:
         (lambda b: _header({"w": {"dtype": "F32", "shape": [1 << 30, 1 << 30], "data_offsets": [0, 4]}}) + b"\0" * 4, "needs"),
         (lambda b: _header({"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}) + b"\0" * 8, "gap"),
         (lambda b: _header({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}) + b"\0" * 4, "bad shape"),
+        (lambda b: _header({"w": {"dtype": "F32", "shape": [1 << 62, 1 << 62, 0], "data_offsets": [0, 0]}}), "overflows 64 bits"),
+        (lambda b: _header({"w": {"dtype": "Q4_K", "shape": [1 << 63], "data_offsets": [0, 0]}}), "overflows 64 bits"),
         (lambda b: _header({"__metadata__": {"a": 1}}), "__metadata__"),
         (lambda b: _header({"a\x00b": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}) + b"\0", "invalid tensor name"),
     ],
@@ -340,6 +342,24 @@ def test_subclasses_and_lazy_views_push_their_own_bytes(tmp_path, store):
         for n in names:
             w = want[n].as_subclass(torch.Tensor)
             assert torch.equal(back[n].view(torch.uint8), w.view(torch.uint8)), n
+
+
+def test_one_element_sliced_from_a_row_pushes_and_loads_into_place(tmp_path, store):
+    # w[:, 0] of a (1, 3) weight (a Linear with one output) is contiguous but has stride 3:
+    # push refused it and load_into such a target raised a bare RuntimeError.
+    w = torch.tensor([[1.5, -0.0, float("nan")]])
+    one, deep = w[:, 2], w.view(1, 1, 3)[:, :, 1]
+    assert one.is_contiguous() and one.stride() == (3,)
+    store.push({"one": one, "deep": deep}, "slices")
+    torch.save({"one": one}, tmp_path / "one.pt")
+    store.push(tmp_path / "one.pt", "pt")
+    for ref in ("slices", "pt"):
+        back = store.load(ref)
+        assert back["one"].view(torch.int32).tolist() == one.view(torch.int32).tolist()
+    assert store.load("slices")["deep"].view(torch.int32).tolist() == [[deep.view(torch.int32).item()]]
+    target = torch.zeros(1, 3)
+    store.load_into("slices", {"one": target[:, 1], "deep": target.view(1, 1, 3)[:, :, 0]})
+    assert target.view(torch.int32)[0].tolist() == [w.view(torch.int32)[0, 1].item(), w.view(torch.int32)[0, 2].item(), 0]
 
 
 def test_expanded_tensor_is_refused_before_allocating(tmp_path, store):
@@ -697,3 +717,60 @@ def test_a_pt_open_for_writing_elsewhere_is_refused_before_it_is_read(tmp_path, 
         holder.communicate(b"")
     store.push(str(path), "m")  # written and closed: pushed
     assert store.load("m")["w"].equal(torch.arange(1000, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("view", ["itself", "transposed"])  # read in place; copied first (a copy can be torn too)
+def test_a_tensor_written_by_another_thread_while_pushed_is_refused_and_no_chunk_is_damaged(store, view):
+    """A careless async save: store.push(model.state_dict()) in a thread while training goes on.
+    Push hashed a chunk and encoded it in two reads of live memory, storing blobs whose bytes
+    are not their ids (a later push of those bytes dedups against the damage), and published a
+    ref whose tensor mixed two versions."""
+    from ckpt.codecs.chunk import parse_header
+    from ckpt.transfer.pipeline import fetch_chunk
+
+    w = torch.zeros(2048, 4096)
+    stop, started = threading.Event(), threading.Event()
+
+    def train() -> None:
+        while not stop.is_set():
+            w.add_(1.0)
+            started.set()
+
+    t = threading.Thread(target=train)
+    t.start()
+    try:
+        started.wait(10)
+        with pytest.raises(InvalidSourceError, match="modified while it was being pushed") as e:
+            store.push({"w": w if view == "itself" else w.t()}, "x")
+        _one_line(e)
+    finally:
+        stop.set()
+        t.join()
+    assert store.refs() == {}
+    chunks = list(store.objects.list("chunks"))
+    assert chunks  # written before the change was seen: each must hold the bytes its id names
+    for info in chunks:
+        h = parse_header(store.objects.get("chunks", info.id))
+        fetch_chunk(store.objects, info.id, h.length, store.settings)  # raises CorruptObjectError otherwise
+    store.push({"w": w}, "x")  # nothing writes it now
+    assert torch.equal(store.load("x")["w"].view(torch.int32), w.view(torch.int32))
+
+
+def test_a_folder_holding_the_store_pushed_to_is_refused(tmp_path):
+    # A store kept inside the project folder that is pushed: the first push stored the store's
+    # own files in the checkpoint; later ones failed every time, 'changed while it was being
+    # pushed', as the push touched the very chunk files it was reading.
+    import ckpt
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    save_file({"w": torch.randn(1 << 12)}, proj / "model.safetensors")
+    store = ckpt.Store.init(str(proj / ".ckpt"))
+    with pytest.raises(InvalidSourceError, match="holds the store at") as e:
+        store.push(proj, "m")
+    _one_line(e)
+    with pytest.raises(InvalidSourceError, match="is inside the store at"):
+        store.push(proj / ".ckpt", "m")
+    _nothing_stored(store)
+    store.push(proj / "model.safetensors", "m")  # a file beside the store is fine
+    assert store.manifest("m").files[0].path == "model.safetensors"

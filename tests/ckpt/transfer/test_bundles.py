@@ -144,3 +144,22 @@ def test_gc_keeps_bundles_and_copy_carries_them(s3_url, tmp_path):
     store.copy_to(dest, ["m"])
     assert all(dest.objects.has("chunks", c) for c in b.chunks)
     assert dest.manifest("m").bundles == (b,)
+
+
+def test_a_merge_into_a_remote_store_bundles_its_small_merged_chunks(s3_url):
+    # The bundle re-reads each small chunk from its source; a merged tensor's source is computed
+    # once and dropped after its last chunk, so a merge into S3 failed with a bare AssertionError.
+    writer = ckpt.Store.init(s3_url, settings=ckpt.Settings.from_env(cache=False))
+    a = _model_state()
+    b = {k: v * 3 for k, v in a.items()}
+    writer.push(a, "m/a")
+    writer.push(b, "m/b")
+    r = ckpt.merge(["m/a", "m/b"], "linear", name="m/avg", store=writer)
+    assert r.merged == len(a)
+    m = writer.manifest("m/avg")
+    assert len(m.bundles) == 1 and len(m.bundles[0].members) >= 8
+    from ckpt.merging.combine import merge_state_dicts
+
+    want = merge_state_dicts([a, b])
+    reader = ckpt.Store.open(s3_url, settings=ckpt.Settings.from_env(cache=False))
+    assert _exact(reader.load("m/avg"), want)
