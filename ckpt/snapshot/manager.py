@@ -223,7 +223,8 @@ class CheckpointManager:
         **deprecated: Any,
     ) -> None:
         from ckpt.store.store import Store
-        from ckpt_store.storage.refs import validate_ref_name
+        from ckpt_store.storage.errors import InvalidNameError
+        from ckpt_store.storage.refs import MAX_NAME, validate_ref_name
 
         save_mode, unchanged_by, delta_vs_previous = _old_spellings(deprecated, save_mode, unchanged_by, delta_vs_previous)
         self.every_n_steps = count_setting("every_n_steps", every_n_steps)
@@ -248,8 +249,12 @@ class CheckpointManager:
             # (weights and first moments save ~17% and stay raw; second moments compress).
             # delta_vs_previous asks for bytes over restore speed: there 10%.
             settings = Settings.from_env(min_saving=0.10 if delta_vs_previous else 0.25)
+        validate_ref_name(run)
+        if len(f"{run}/step-{2**64}") > MAX_NAME:  # else every save fails (with a local tier, only warns)
+            raise InvalidNameError(f"run name is {len(run)} characters long; the limit is {MAX_NAME - len(f'/step-{2**64}')}, "
+                                   "so that its snapshot refs RUN/step-N fit in a ref name")
         self.store = store if isinstance(store, Store) else Store.init(store, settings=settings)
-        self.run = validate_ref_name(run)
+        self.run = run
         self.save_mode = save_mode
         self.preempt_exit_code = preempt_exit_code
         self.preempted = False

@@ -384,6 +384,19 @@ def test_invalid_settings_are_refused_at_construction(tmp_path, setting):
     assert not (tmp_path / "s").exists()  # refused before anything was created
 
 
+@pytest.mark.parametrize("local", [False, True], ids=["store", "local-tier"])
+def test_a_run_name_too_long_for_its_snapshot_refs_is_refused_at_construction(tmp_path, local):
+    """A run name of 250 characters is a valid ref name, but RUN/step-N is not: every save failed (with a
+    local tier only with a warning each, so training ran on without a single snapshot)."""
+    kw = {"local": str(tmp_path / "l")} if local else {}
+    with pytest.raises(CkptError, match="run name is 230 characters long; the limit is 229"):
+        ckpt.CheckpointManager(str(tmp_path / "s"), "r" * 230, **kw)
+    assert not (tmp_path / "s").exists()
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r" * 229, **kw) as mgr:
+        mgr.save(2**64 - 1, {"model": _model()}, persist=True if local else None)
+    assert ckpt.Store.open(str(tmp_path / "s")).resolve(f"{'r' * 229}/step-{2**64 - 1}")
+
+
 def test_valid_settings_are_kept(tmp_path):
     mgr = ckpt.CheckpointManager(str(tmp_path / "s"), "r", every_n_steps=1, keep_last=1, keep_every=1000,
                                  keep_best=ckpt.KeepBest("loss", "max", 2), preempt_exit_code=0)
