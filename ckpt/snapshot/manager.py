@@ -394,7 +394,7 @@ class CheckpointManager:
         else:
             if persist is None:
                 persist = bool(self.every_n_steps) and step % self.every_n_steps == 0
-            persist = persist or self._persist_pending or (not self._distributed and self._behind_durable(step))
+            persist = persist or self._persist_pending or self._behind_durable(step)
             self._saves += 1
             if self._local_full:
                 self._make_room(step)
@@ -495,6 +495,7 @@ class CheckpointManager:
                 self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed "
                                    f"({result.persist_error}); the next save persists again")
             elif result.persisted:
+                self._durable_step = step
                 self._persist_pending = False
                 if result.prunes:
                     self._retain()
