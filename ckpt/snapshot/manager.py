@@ -176,6 +176,9 @@ class CheckpointManager:
     copying the chunks it lacks, raw ones compressed on the way (:attr:`last_persist`). :meth:`restore_latest` takes the
     newest snapshot of any tier, each chunk from the nearest tier holding it with a correct
     hash; :attr:`last_restore` is ``{"step", "local", "peer", "store"}`` (bytes per tier).
+    A save of a step at or below the durable store's newest (the run was taken back to an earlier
+    snapshot, or begun anew under its name) is persisted whatever its step, and drops the later
+    steps from the local tier: a restart resumes that new timeline, not the abandoned one.
     With ``process_group`` each rank's tier is ``PATH/rank-R`` and ``replicas=K`` sends each
     rank's chunks to K peers (``replica_stride`` apart, or on other nodes of
     ``replica_nodes``); the ranks persist together in the save thread. A tier that fails
