@@ -54,6 +54,9 @@ class LocalSnapshots:
         self._held: dict[str, Any] = {}
         self._last: tuple[str, dict[str, TensorEntry]] | None = None  # previous snapshot: id, entries
         self._streams: dict[Any, Any] = {}  # CUDA device -> its copy stream
+        # The last write to this path's store failed (a full local tier): an overlapped save with a
+        # fallback stages copies instead, for the tensors the failed write read may have changed since.
+        self._failing = False
 
     # -- saving ------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], snapshot: dict[str, Any], *, background: bool,
@@ -63,7 +66,8 @@ class LocalSnapshots:
         the result then names the error (:attr:`SaveResult.fell_back`)."""
         tensors, tree = flatten(state)
         optimizers = optimizers_in(state)
-        defer = _optimizer_storages(optimizers) if self.overlap else frozenset()
+        overlap = self.overlap and not (fallback is not None and self._failing)
+        defer = _optimizer_storages(optimizers) if overlap else frozenset()
         staged, reuse, keys, pending, live = self._stage(
             tensors, trust=self.trust_version and not _has_fused_optimizer(optimizers), defer=defer)
         held = {n: t.detach() for n, t in tensors.items()}
@@ -89,13 +93,22 @@ class LocalSnapshots:
                 if pending:
                     self._copy_pending(pending, keys, ready)
                 try:
-                    return self._write(step, staged, reuse, keys, held, record, in_place)
+                    result = self._write(step, staged, reuse, keys, held, record, in_place)
+                    self._failing = False
+                    return result
+                except SnapshotError:
+                    raise  # the state changed under the save: not the store's doing
                 except Exception as e:
+                    self._failing = True
                     if fallback is None:
                         raise
-                    # (tensors read in place that the optimizer has stepped since are caught by
-                    # their version counters: that fallback fails rather than store new values)
-                    return self._write_elsewhere(fallback, e, step, staged, reuse, record, in_place)
+                    try:
+                        return self._write_elsewhere(fallback, e, step, staged, reuse, record, in_place)
+                    except SnapshotError as gone:
+                        # Tensors read in place that the optimizer has stepped since (caught by their
+                        # version counters: never stored with new values): the store's failure, not the
+                        # state's. The next save with a fallback stages copies (``_failing``).
+                        raise e from gone
             finally:
                 self._live = None  # the optimizer steps no longer wait on it; its copies go with it
 

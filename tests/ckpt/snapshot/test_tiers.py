@@ -250,6 +250,23 @@ def test_a_full_local_tier_warns_and_training_and_durable_saves_go_on(tmp_path, 
     mgr.close()
 
 
+def test_overlapped_saves_due_to_the_durable_store_land_there_when_the_local_tier_is_full(tmp_path, tiny_tmpfs):
+    """save_mode="overlap" and a local tier too small for the state: once the tier has failed, a save due to
+    the durable store stages copies and lands there directly. Before, it read the tensors in place again
+    after the failed local write, which the optimizer had mostly stepped by then: most such saves failed,
+    raised into the training loop as if the state had been modified under the save."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckpt.TierWarning)
+        mgr, model, _ = _train(tmp_path, 16, every_n_steps=2, local=str(tiny_tmpfs / "tier"), local_every_n_steps=1,
+                               save_mode="overlap")
+    assert mgr.steps() == list(range(2, 17, 2)) and mgr.local_tier.steps == []
+    want = _bits(model)
+    mgr.close()
+    mgr, model2, opt2 = _fresh(tmp_path, every_n_steps=2)
+    assert mgr.restore_latest({"model": model2, "optim": opt2, "step": 0}) == 16 and _bits(model2) == want
+    mgr.close()
+
+
 def test_a_tier_with_room_for_one_snapshot_keeps_the_newest(tmp_path, tiny_tmpfs):
     """A 1 MiB tmpfs holds one 640 KB snapshot, not two. The save of step 2 finds it full (ENOSPC)
     and warns; the next save first drops step 1 (the tier keeps its newest, so pruning could not)
