@@ -25,6 +25,7 @@ from ckpt.errors import TensorMismatchError
 from ckpt.format.manifest import TensorEntry
 from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveJob, SaveResult, SnapshotError, SnapshotRun, modified_under_save
 from ckpt.snapshot.state import Stateful, flatten, optimizers_in, tensor_refs, unflatten
+from ckpt.store.source_tensors import storable_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +66,8 @@ class LocalSnapshots:
         if writing it to this path's store fails (the durable store, when the local tier is full);
         the result then names the error (:attr:`SaveResult.fell_back`)."""
         tensors, tree = flatten(state)
+        for name, t in tensors.items():
+            storable_dtype(name, t)  # refused here, not in the background (where a local tier only warns)
         optimizers = optimizers_in(state)
         overlap = self.overlap and not (fallback is not None and self._failing)
         defer = _optimizer_storages(optimizers) if overlap else frozenset()

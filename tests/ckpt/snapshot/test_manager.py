@@ -397,6 +397,20 @@ def test_a_run_name_too_long_for_its_snapshot_refs_is_refused_at_construction(tm
     assert ckpt.Store.open(str(tmp_path / "s")).resolve(f"{'r' * 229}/step-{2**64 - 1}")
 
 
+@pytest.mark.parametrize("local", [False, True], ids=["store", "local-tier"])
+@pytest.mark.parametrize("tensor", [torch.zeros(3, dtype=torch.complex128), torch.eye(3).to_sparse()], ids=["complex128", "sparse"])
+def test_a_tensor_that_cannot_be_stored_is_refused_by_save_itself(tmp_path, local, tensor):
+    """Before, a dtype ckpt cannot store failed each save in the background (with a local tier only with a
+    TierWarning: training ran on without a snapshot), and a sparse tensor raised a RuntimeError from torch."""
+    kw = {"local": str(tmp_path / "l")} if local else {}
+    model = _model()
+    model.register_buffer("odd", tensor)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", every_n_steps=1, **kw) as mgr:
+        with pytest.raises(CkptError, match="'model/odd': (has dtype torch.complex128|is a sparse_coo)"):
+            mgr.save(1, {"model": model})
+    assert not ckpt.Store.open(str(tmp_path / "s")).refs()
+
+
 def test_valid_settings_are_kept(tmp_path):
     mgr = ckpt.CheckpointManager(str(tmp_path / "s"), "r", every_n_steps=1, keep_last=1, keep_every=1000,
                                  keep_best=ckpt.KeepBest("loss", "max", 2), preempt_exit_code=0)
