@@ -287,13 +287,21 @@ class LocalSnapshots:
         tiers = tiers or Tiers([("store", self.store)])
         m = tiers.get_manifest(mid)
         snap = m.extra.get("snapshot")
-        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or "tree" not in snap:
+        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or not isinstance(snap.get("tree"), dict):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")
         tree: dict[str, Any] = snap["tree"]
         missing = sorted(set(state) - set(tree))
         if missing:
             raise TensorMismatchError(f"snapshot of step {snap['step']} has no {missing}", hint="restore a subset of keys")
         entries = {t.name: t for t in m.tensors}
+        for key in state:  # a damaged (or foreign) record fails here, before anything is written
+            node = tree[key]
+            if not isinstance(node, dict) or node.get("kind") not in ("stateful", "value") or "value" not in node:
+                raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} is malformed")
+            unknown = [n for n in tensor_refs(node["value"]) if n not in entries]
+            if unknown:
+                raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} names tensors it does not "
+                                    f"hold ({', '.join(map(repr, unknown[:3]))})")
         pairs: list[tuple[TensorEntry, torch.Tensor]] = []
         decoded: dict[str, torch.Tensor] = {}
         loaders = []
