@@ -27,6 +27,19 @@ class CkptError(Exception):
     def __str__(self) -> str:
         return self.message if not self.hint else f"{self.message} ({self.hint})"
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # Rebuilt from its attributes, not by calling __init__ again (whose arguments differ in
+        # subclasses): an error pickled to another rank (DCP's failures) arrives as itself, not
+        # as a TypeError from unpickling it.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls: type[CkptError], args: tuple[object, ...], state: dict[str, object]) -> CkptError:
+    e = cls.__new__(cls, *args)
+    e.args = args
+    e.__dict__.update(state)
+    return e
+
 
 class StoreNotFoundError(CkptError):
     """No ckpt store exists at the given URL."""

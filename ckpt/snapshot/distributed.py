@@ -252,6 +252,7 @@ class DistributedSnapshots:
         own, sent, failed = peers.replicate(step, mid, set(referenced_chunks(data)), record=unkept is None)
         self.last_id = mid
         try:
+            peers.local.drop_after(step)  # a run taken back to an earlier step: its later ones are abandoned
             peers.local.prune()
         except Exception as e:  # noqa: BLE001 - the next save prunes again
             failed = "; ".join(filter(None, (failed, f"old snapshots not dropped ({describe(e)})")))

@@ -25,6 +25,7 @@ from ckpt.errors import TensorMismatchError
 from ckpt.format.manifest import TensorEntry
 from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveJob, SaveResult, SnapshotError, SnapshotRun, modified_under_save
 from ckpt.snapshot.state import Stateful, flatten, optimizers_in, tensor_refs, unflatten
+from ckpt.store.source_tensors import storable_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +55,9 @@ class LocalSnapshots:
         self._held: dict[str, Any] = {}
         self._last: tuple[str, dict[str, TensorEntry]] | None = None  # previous snapshot: id, entries
         self._streams: dict[Any, Any] = {}  # CUDA device -> its copy stream
+        # The last write to this path's store failed (a full local tier): an overlapped save with a
+        # fallback stages copies instead, for the tensors the failed write read may have changed since.
+        self._failing = False
 
     # -- saving ------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], snapshot: dict[str, Any], *, background: bool,
@@ -62,8 +66,11 @@ class LocalSnapshots:
         if writing it to this path's store fails (the durable store, when the local tier is full);
         the result then names the error (:attr:`SaveResult.fell_back`)."""
         tensors, tree = flatten(state)
+        for name, t in tensors.items():
+            storable_dtype(name, t)  # refused here, not in the background (where a local tier only warns)
         optimizers = optimizers_in(state)
-        defer = _optimizer_storages(optimizers) if self.overlap else frozenset()
+        overlap = self.overlap and not (fallback is not None and self._failing)
+        defer = _optimizer_storages(optimizers) if overlap else frozenset()
         staged, reuse, keys, pending, live = self._stage(
             tensors, trust=self.trust_version and not _has_fused_optimizer(optimizers), defer=defer)
         held = {n: t.detach() for n, t in tensors.items()}
@@ -89,13 +96,22 @@ class LocalSnapshots:
                 if pending:
                     self._copy_pending(pending, keys, ready)
                 try:
-                    return self._write(step, staged, reuse, keys, held, record, in_place)
+                    result = self._write(step, staged, reuse, keys, held, record, in_place)
+                    self._failing = False
+                    return result
+                except SnapshotError:
+                    raise  # the state changed under the save: not the store's doing
                 except Exception as e:
+                    self._failing = True
                     if fallback is None:
                         raise
-                    # (tensors read in place that the optimizer has stepped since are caught by
-                    # their version counters: that fallback fails rather than store new values)
-                    return self._write_elsewhere(fallback, e, step, staged, reuse, record, in_place)
+                    try:
+                        return self._write_elsewhere(fallback, e, step, staged, reuse, record, in_place)
+                    except SnapshotError as gone:
+                        # Tensors read in place that the optimizer has stepped since (caught by their
+                        # version counters: never stored with new values): the store's failure, not the
+                        # state's. The next save with a fallback stages copies (``_failing``).
+                        raise e from gone
             finally:
                 self._live = None  # the optimizer steps no longer wait on it; its copies go with it
 
@@ -271,13 +287,21 @@ class LocalSnapshots:
         tiers = tiers or Tiers([("store", self.store)])
         m = tiers.get_manifest(mid)
         snap = m.extra.get("snapshot")
-        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or "tree" not in snap:
+        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or not isinstance(snap.get("tree"), dict):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")
         tree: dict[str, Any] = snap["tree"]
         missing = sorted(set(state) - set(tree))
         if missing:
             raise TensorMismatchError(f"snapshot of step {snap['step']} has no {missing}", hint="restore a subset of keys")
         entries = {t.name: t for t in m.tensors}
+        for key in state:  # a damaged (or foreign) record fails here, before anything is written
+            node = tree[key]
+            if not isinstance(node, dict) or node.get("kind") not in ("stateful", "value") or "value" not in node:
+                raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} is malformed")
+            unknown = [n for n in tensor_refs(node["value"]) if n not in entries]
+            if unknown:
+                raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} names tensors it does not "
+                                    f"hold ({', '.join(map(repr, unknown[:3]))})")
         pairs: list[tuple[TensorEntry, torch.Tensor]] = []
         decoded: dict[str, torch.Tensor] = {}
         loaders = []

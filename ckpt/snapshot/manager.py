@@ -188,6 +188,9 @@ class CheckpointManager:
     copying the chunks it lacks, raw ones compressed on the way (:attr:`last_persist`). :meth:`restore_latest` takes the
     newest snapshot of any tier, each chunk from the nearest tier holding it with a correct
     hash; :attr:`last_restore` is ``{"step", "local", "peer", "store"}`` (bytes per tier).
+    A save of a step at or below the durable store's newest (the run was taken back to an earlier
+    snapshot, or begun anew under its name) is persisted whatever its step, and drops the later
+    steps from the local tier: a restart resumes that new timeline, not the abandoned one.
     With ``process_group`` each rank's tier is ``PATH/rank-R`` and ``replicas=K`` sends each
     rank's chunks to K peers (``replica_stride`` apart, or on other nodes of
     ``replica_nodes``); the ranks persist together in the save thread. A tier that fails
@@ -235,7 +238,8 @@ class CheckpointManager:
         **deprecated: Any,
     ) -> None:
         from ckpt.store.store import Store
-        from ckpt_store.storage.refs import validate_ref_name
+        from ckpt_store.storage.errors import InvalidNameError
+        from ckpt_store.storage.refs import MAX_NAME, validate_ref_name
 
         save_mode, unchanged_by, delta_vs_previous = _old_spellings(deprecated, save_mode, unchanged_by, delta_vs_previous)
         self.every_n_steps = count_setting("every_n_steps", every_n_steps)
@@ -260,8 +264,12 @@ class CheckpointManager:
             # (weights and first moments save ~17% and stay raw; second moments compress).
             # delta_vs_previous asks for bytes over restore speed: there 10%.
             settings = Settings.from_env(min_saving=0.10 if delta_vs_previous else 0.25)
+        validate_ref_name(run)
+        if len(f"{run}/step-{2**64}") > MAX_NAME:  # else every save fails (with a local tier, only warns)
+            raise InvalidNameError(f"run name is {len(run)} characters long; the limit is {MAX_NAME - len(f'/step-{2**64}')}, "
+                                   "so that its snapshot refs RUN/step-N fit in a ref name")
         self.store = store if isinstance(store, Store) else Store.init(store, settings=settings)
-        self.run = validate_ref_name(run)
+        self.run = run
         self.save_mode = save_mode
         self.preempt_exit_code = preempt_exit_code
         self.preempted = False
@@ -285,9 +293,15 @@ class CheckpointManager:
         # One persist runs at a time; a snapshot due while one runs waits in a slot of one
         # (a newer one takes its place: the older is never persisted), so training never waits.
         self._persisting: Future[None] | None = None
-        self._persist_slot: int | None = None
+        self._persist_slot: tuple[int, int] | None = None  # (step, save number)
         self._persist_lock = threading.Lock()
-        self._durable_lock = threading.Lock()  # moving RUN/latest in the durable store: never backwards
+        self._durable_lock = threading.Lock()  # moving RUN/latest in the durable store: never to an older save
+        # Saves are numbered in the order they are made: a persist moves RUN/latest only to a save newer
+        # than the one it names (its number; 0: a save of an earlier process), whatever their steps.
+        self._saves = 0
+        self._published = 0
+        self._durable_step: int | None = None  # the step RUN/latest names in the durable store,
+        self._durable_known = False  # once read (at the first save with a local tier)
         self._persist_pending = False  # a persist failed: the next save persists
         self._inflight: Future[None] | None = None
         self._metrics: dict[int, dict[str, float]] = {}
@@ -395,7 +409,8 @@ class CheckpointManager:
         else:
             if persist is None:
                 persist = bool(self.every_n_steps) and step % self.every_n_steps == 0
-            persist = persist or self._persist_pending
+            persist = persist or self._persist_pending or self._behind_durable(step)
+            self._saves += 1
             if self._local_full:
                 self._make_room(step)
             if self._distributed:  # the ranks persist together, in the save thread
@@ -414,7 +429,7 @@ class CheckpointManager:
                     return
             else:
                 saving = self._path.save(step, state, snapshot, background=background, fallback=self._durable if persist else None)
-            job = self._tiered(step, saving, persist)
+            job = self._tiered(step, saving, persist, self._saves)
         blocked = time.perf_counter() - t0
 
         def finish() -> None:
@@ -428,7 +443,25 @@ class CheckpointManager:
         else:
             finish()
 
-    def _tiered(self, step: int, job: SaveJob, persist: bool) -> Callable[[], SaveResult | None]:
+    def _behind_durable(self, step: int) -> bool:
+        """Whether the durable store's RUN/latest names a step at or after ``step``: this save begins a
+        new timeline (the run went back to an earlier snapshot, or began anew under its name). It is
+        persisted then, as every save is without a local tier: else a restart would take up the
+        abandoned timeline's newer step."""
+        from ckpt.snapshot.tiers import snapshot_step
+
+        if not self._durable_known:
+            try:
+                self._durable_step = snapshot_step(self.store.manifest(self._durable.latest))
+            except RefNotFoundError:
+                self._durable_step = None
+            except Exception as e:  # noqa: BLE001 - unreadable now: the persists due say more
+                log.warning("could not read %s in %s (%s)", self._durable.latest, self.store.url, describe(e))
+                return False
+            self._durable_known = True
+        return self._durable_step is not None and step <= self._durable_step
+
+    def _tiered(self, step: int, job: SaveJob, persist: bool, seq: int) -> Callable[[], SaveResult | None]:
         """``job`` (a save into the local tier), then the tier's bounds and the persist it asks for.
         A tier failure is a warning; a failed direct save to the durable store is raised."""
         local = self._local
@@ -439,6 +472,8 @@ class CheckpointManager:
                 if persist:  # the fallback may move RUN/latest in the durable store
                     with self._durable_lock:
                         result = job()
+                        if result.fell_back is not None:
+                            self._published, self._durable_step = seq, step
                 else:
                     result = job()
             except SnapshotError as e:
@@ -475,18 +510,20 @@ class CheckpointManager:
                 self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed "
                                    f"({result.persist_error}); the next save persists again")
             elif result.persisted:
+                self._durable_step = step
                 self._persist_pending = False
                 if result.prunes:
                     self._retain()
             if self._distributed:
                 return result  # the path pruned its tier and persisted
             try:
+                local.drop_after(step)
                 local.prune()
             except Exception as e:  # noqa: BLE001
                 self._tier_warning(f"local tier: could not drop old snapshots ({describe(e)})")
             if persist:
                 self._persist_pending = False
-                self._request_persist(step)
+                self._request_persist(step, seq)
             return result
 
         return run
@@ -517,28 +554,27 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001
             log.warning("local tier: could not free the leftovers of a failed save (%s)", describe(e))
 
-    def _request_persist(self, step: int) -> None:
+    def _request_persist(self, step: int, seq: int) -> None:
         local = self._local
         assert local is not None
         with self._persist_lock:
             local.pinned.add(step)
-            if self._persist_slot is not None:
-                local.pinned.discard(self._persist_slot)  # superseded before it started: never persisted
-            self._persist_slot = step
+            if self._persist_slot is not None and self._persist_slot[0] != step:
+                local.pinned.discard(self._persist_slot[0])  # superseded before it started: never persisted
+            self._persist_slot = (step, seq)
             if self._persisting is None or self._persisting.done():
                 self._persisting = self._persist_pool.submit(self._persist_loop)
 
     def _persist_loop(self) -> None:
         while True:
             with self._persist_lock:
-                step, self._persist_slot = self._persist_slot, None
-            if step is None:
+                slot, self._persist_slot = self._persist_slot, None
+            if slot is None:
                 return
-            self._persist(step)
+            self._persist(*slot)
 
-    def _persist(self, step: int) -> None:
+    def _persist(self, step: int, seq: int) -> None:
         """Copy the local snapshot of ``step`` to the durable store: only the chunks it lacks, as stored."""
-        from ckpt.snapshot.tiers import snapshot_step
         from ckpt.store.copy import copy_refs
 
         local = self._local
@@ -547,13 +583,10 @@ class CheckpointManager:
         try:
             report = copy_refs(local.store, self.store, [local.ref(step)], recode=not self._local_compress)
             with self._durable_lock:
-                try:
-                    newest = snapshot_step(self.store.manifest(self._durable.latest))
-                except RefNotFoundError:
-                    newest = None
-                if newest is None or newest <= step:
+                if seq > self._published:  # (a save made since may have gone there directly)
                     self.store.refs_db.set(self._durable.latest, report.refs[local.ref(step)], alias=True)
                     self.store.objects.backend.flush()
+                    self._published, self._durable_step = seq, step
             self.last_persist = PersistStats(step, time.perf_counter() - t0, report.chunks_sent, report.bytes_sent,
                                              report.chunks_present)
             self._retain()

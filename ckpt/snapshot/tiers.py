@@ -215,6 +215,16 @@ class LocalTier:
             self._collect()
             return removed
 
+    def drop_after(self, step: int) -> list[int]:
+        """Remove the snapshots of steps after ``step`` but pinned ones (their data goes with the next
+        :meth:`prune`): a save of ``step`` made after them begins a new timeline (the run went back to
+        an earlier snapshot), and as the newest steps they would be restored, and kept, before it."""
+        with self._lock:
+            later = [s for s in self.steps() if s > step and s not in self.pinned]
+            for s in later:
+                self.store.remove(self.ref(s))
+            return later
+
     def drop(self, step: int) -> None:
         """Remove one snapshot (a failed save's leftovers go with the next prune)."""
         try:

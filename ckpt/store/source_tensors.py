@@ -129,6 +129,23 @@ def _refuse_kind(name: str, t: Any) -> None:
         raise InvalidSourceError(repr(name), f"is {why}", hint=hint)
 
 
+def storable_dtype(name: str, t: Any) -> str:
+    """``t``'s dtype as stored; raises :class:`InvalidSourceError` if ``t`` cannot be stored (its kind
+    or dtype). For callers that stage tensors to write them later (a snapshot): refused at once."""
+    import contextlib
+
+    import torch
+
+    plain = getattr(torch._C, "DisableTorchFunctionSubclass", contextlib.nullcontext)
+    with plain():
+        _refuse_kind(name, t)
+        try:
+            return from_torch(t.dtype)
+        except InvalidSourceError:
+            raise InvalidSourceError(repr(name), f"has dtype {t.dtype}, which ckpt cannot store",
+                                     hint="cast it to a safetensors dtype first") from None
+
+
 def plain_bytes(name: str, t: Any, budget: list[int]) -> tuple[str, tuple[int, ...], memoryview, Any]:
     """``t``'s dtype, shape, bytes and the dense tensor that owns them. Subclasses are read
     through the plain tensor underneath (their ``__torch_function__`` could substitute
@@ -141,12 +158,7 @@ def plain_bytes(name: str, t: Any, budget: list[int]) -> tuple[str, tuple[int, .
         raise InvalidSourceError("state dict", f"{name!r} is a {type(t).__name__}, not a tensor")
     plain = getattr(torch._C, "DisableTorchFunctionSubclass", contextlib.nullcontext)
     with plain():
-        _refuse_kind(name, t)
-        try:
-            dtype = from_torch(t.dtype)
-        except InvalidSourceError:
-            raise InvalidSourceError(repr(name), f"has dtype {t.dtype}, which ckpt cannot store",
-                                     hint="cast it to a safetensors dtype first") from None
+        dtype = storable_dtype(name, t)
         copied = t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg()
         need = t.numel() * t.element_size() if copied else 0
         if need > budget[0]:  # a few bytes of .pt can describe a huge tensor over tiny storage (stride 0)

@@ -555,6 +555,47 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
     return {**out, "losses": losses, "bits": _ddp_bits(state)}
 
 
+def tiers_rollback(rank, world, tmp, store):
+    """Local tiers (every 2 steps, persisted every 4): train to 12, go back to step 4 and train on to 6
+    (a new timeline). A fresh manager's restore_latest must give step 6, bit for bit, not the abandoned
+    step 12: first with the local tiers, then with them wiped (from the durable store)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    import ckpt
+
+    local = os.path.join(tmp, "local")
+    state = _ddp_state(rank)
+
+    def manager():
+        return ckpt.CheckpointManager(store, "ddp", every_n_steps=4, local=local, local_every_n_steps=2, keep_last=1,
+                                      keep_every=4, process_group=dist.group.WORLD, timeout_s=30)
+
+    mgr = manager()
+    for step in range(1, 13):
+        _ddp_step(state)
+        state["step"] = step
+        mgr.maybe_save(step, state)
+    mgr.restore(state, 4)
+    for step in (5, 6):
+        _ddp_step(state)
+        state["step"] = step
+        mgr.maybe_save(step, state)
+    mgr.close()
+    want = _ddp_bits(state)
+    out = {}
+    for wipe in (False, True):
+        if wipe:
+            shutil.rmtree(os.path.join(local, f"rank-{rank}"))
+            dist.barrier()
+        fresh = _ddp_state(rank)
+        mgr = manager()
+        out[f"wiped={wipe}"] = [mgr.restore_latest(fresh), mgr.last_restore["store"] > 0, _ddp_bits(fresh) == want]
+        mgr.close()
+    return out
+
+
 def _kill_in_replication(rank, state, mgr, step):
     """Save ``step`` with 64 MB of new shared data: rank 0 dies once it has posted over 40 MB of the
     sends of it to its replica (a transfer goes in rounds of 32 MB: one has gone, the next is posted); rank 1 returns its warnings and what its tier holds afterwards."""
@@ -888,4 +929,4 @@ def _flip_newest(path):
 
 SCENARIOS = {"tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
-             "fsdp_plain_state": fsdp_plain_state}
+             "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback}

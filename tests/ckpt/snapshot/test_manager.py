@@ -384,6 +384,64 @@ def test_invalid_settings_are_refused_at_construction(tmp_path, setting):
     assert not (tmp_path / "s").exists()  # refused before anything was created
 
 
+@pytest.mark.parametrize("local", [False, True], ids=["store", "local-tier"])
+def test_a_run_name_too_long_for_its_snapshot_refs_is_refused_at_construction(tmp_path, local):
+    """A run name of 250 characters is a valid ref name, but RUN/step-N is not: every save failed (with a
+    local tier only with a warning each, so training ran on without a single snapshot)."""
+    kw = {"local": str(tmp_path / "l")} if local else {}
+    with pytest.raises(CkptError, match="run name is 230 characters long; the limit is 229"):
+        ckpt.CheckpointManager(str(tmp_path / "s"), "r" * 230, **kw)
+    assert not (tmp_path / "s").exists()
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r" * 229, **kw) as mgr:
+        mgr.save(2**64 - 1, {"model": _model()}, persist=True if local else None)
+    assert ckpt.Store.open(str(tmp_path / "s")).resolve(f"{'r' * 229}/step-{2**64 - 1}")
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["store", "local-tier"])
+@pytest.mark.parametrize("tensor", [torch.zeros(3, dtype=torch.complex128), torch.eye(3).to_sparse()], ids=["complex128", "sparse"])
+def test_a_tensor_that_cannot_be_stored_is_refused_by_save_itself(tmp_path, local, tensor):
+    """Before, a dtype ckpt cannot store failed each save in the background (with a local tier only with a
+    TierWarning: training ran on without a snapshot), and a sparse tensor raised a RuntimeError from torch."""
+    kw = {"local": str(tmp_path / "l")} if local else {}
+    model = _model()
+    model.register_buffer("odd", tensor)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", every_n_steps=1, **kw) as mgr:
+        with pytest.raises(CkptError, match="'model/odd': (has dtype torch.complex128|is a sparse_coo)"):
+            mgr.save(1, {"model": model})
+    assert not ckpt.Store.open(str(tmp_path / "s")).refs()
+
+
+@pytest.mark.parametrize("damage", ["kind", "tensor"])
+def test_a_snapshot_record_naming_what_it_lacks_is_refused_before_anything_is_written(tmp_path, damage):
+    """A snapshot manifest (content-addressed, so it verifies) whose record is damaged or foreign: a key
+    without its kind, or a tensor the manifest does not hold. Before, KeyError tracebacks."""
+    import copy
+    import dataclasses
+
+    from ckpt_store.storage.commit import commit
+
+    model, model2 = _model(), torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
+                                                  torch.nn.LayerNorm(64))
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        mgr.save(1, {"model": model, "optim": opt})
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    m = store.manifest("r/latest")
+    snap = copy.deepcopy(m.extra["snapshot"])
+    if damage == "kind":
+        del snap["tree"]["model"]["kind"]
+    else:
+        snap["tree"]["optim"]["value"]["state"]["__dict__"][0][1]["exp_avg"] = {"__tensor__": "optim/elsewhere"}
+    commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
+    opt2 = torch.optim.AdamW(model2.parameters())
+    before = _state_bits(model2, opt2)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        with pytest.raises(SnapshotError, match="record of '(model|optim)' (is malformed|names tensors it does not hold)"):
+            mgr.restore_latest({"model": model2, "optim": opt2})
+    assert _state_bits(model2, opt2) == before and not opt2.state
+
+
 def test_valid_settings_are_kept(tmp_path):
     mgr = ckpt.CheckpointManager(str(tmp_path / "s"), "r", every_n_steps=1, keep_last=1, keep_every=1000,
                                  keep_best=ckpt.KeepBest("loss", "max", 2), preempt_exit_code=0)

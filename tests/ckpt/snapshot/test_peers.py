@@ -124,6 +124,15 @@ def test_damaged_local_chunks_come_from_a_peer_and_lost_replicas_fall_back_to_th
         assert r["restore"]["step"] == 4 and r["restore"]["store"] > 0 and r["restore"]["local"] == 0
 
 
+def test_a_group_taken_back_to_an_earlier_snapshot_restarts_on_its_new_timeline(tmp_path):
+    """Trained to 12, taken back to 4 and trained to 6: a restart takes 6 from the local tiers, and with
+    the tiers wiped from the durable store. Before, both restored the abandoned step 12: the tiers pruned
+    the new steps first, as the oldest, and a save below the durable latest's step was not persisted."""
+    for r in W.run_ranks("tiers_rollback", 2, str(tmp_path), store=str(tmp_path / "s")):
+        assert "error" not in r, r.get("trace")
+        assert r == {"wiped=False": [6, False, True], "wiped=True": [6, True, True]}
+
+
 @pytest.mark.parametrize("full", [0, 1])
 def test_a_full_local_tier_in_a_group_warns_and_training_and_durable_saves_go_on(tmp_path, tmpfs, full):
     """Rank ``full``'s tier is a 1 MiB tmpfs; the state is ~3 MB. Rank 0 saves the shared state: its

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -132,6 +133,34 @@ def test_an_unpersisted_local_snapshot_with_a_damaged_chunk_falls_back_to_the_ne
     mgr.close()
 
 
+def test_a_run_taken_back_to_an_earlier_snapshot_restarts_on_its_new_timeline(tmp_path):
+    """Trained to step 20, taken back to step 8 (a loss spike, say) and trained on to 10: a restart must
+    resume at 10, with the local tier and without it, never at the abandoned step 20. Before, the local tier
+    pruned the new steps first, as the oldest, and the durable RUN/latest never moved back: both gave 20."""
+    kw = dict(every_n_steps=4, local_every_n_steps=2, keep_last=2, keep_every=8)
+    mgr, model, opt = _train(tmp_path, 20, **kw)
+    state = {"model": model, "optim": opt, "step": 0}
+    assert mgr.restore(state, 8) == 8
+    for step in (9, 10):
+        model(torch.randn(8, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] = step
+        mgr.maybe_save(step, state)
+    mgr.close()
+    want = _bits(model)
+    assert mgr.local_tier.steps == [10]
+    for wipe in (False, True):
+        if wipe:
+            shutil.rmtree(tmp_path / "local")
+        mgr, model2, opt2 = _fresh(tmp_path, **kw)
+        state2 = {"model": model2, "optim": opt2, "step": 0}
+        assert mgr.restore_latest(state2) == 10 and state2["step"] == 10
+        assert _bits(model2) == want and (mgr.last_restore["store"] > 0) == wipe
+        mgr.close()
+    assert ckpt.Store.open(str(tmp_path / "durable")).verify().ok
+
+
 def test_local_saves_persist_only_missing_chunks_and_the_tier_stays_bounded(tmp_path):
     torch.manual_seed(0)
     frozen = torch.nn.Linear(512, 512)  # never changes: persisted once
@@ -220,6 +249,23 @@ def test_a_full_local_tier_warns_and_training_and_durable_saves_go_on(tmp_path, 
     assert mgr.restore_latest({"model": model2, "optim": opt2, "step": 0}) == 8
     assert _bits(model2) == want and mgr.last_restore["store"] > 0
     assert mgr.store.verify().ok
+    mgr.close()
+
+
+def test_overlapped_saves_due_to_the_durable_store_land_there_when_the_local_tier_is_full(tmp_path, tiny_tmpfs):
+    """save_mode="overlap" and a local tier too small for the state: once the tier has failed, a save due to
+    the durable store stages copies and lands there directly. Before, it read the tensors in place again
+    after the failed local write, which the optimizer had mostly stepped by then: most such saves failed,
+    raised into the training loop as if the state had been modified under the save."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckpt.TierWarning)
+        mgr, model, _ = _train(tmp_path, 16, every_n_steps=2, local=str(tiny_tmpfs / "tier"), local_every_n_steps=1,
+                               save_mode="overlap")
+    assert mgr.steps() == list(range(2, 17, 2)) and mgr.local_tier.steps == []
+    want = _bits(model)
+    mgr.close()
+    mgr, model2, opt2 = _fresh(tmp_path, every_n_steps=2)
+    assert mgr.restore_latest({"model": model2, "optim": opt2, "step": 0}) == 16 and _bits(model2) == want
     mgr.close()
 
 
