@@ -281,6 +281,7 @@ class CheckpointManager:
         if not isinstance(local_compress, bool):
             raise ValueError(f"local_compress must be True or False, not {local_compress!r}")
         self._local_compress = local_compress
+        self._retaining = threading.Lock()  # see _retain
         self._local = self._local_tier(local, local_every_n_steps, local_keep, local_max_bytes, replicas, process_group)
         self._local_full = False  # the last local save ran out of space (on this rank): make room first
         # The local tier's snapshots carry bundles of their small chunks where the durable store is
@@ -684,12 +685,15 @@ class CheckpointManager:
     def _retain(self) -> None:
         if self.retention.keeps_all:
             return
-        steps = self.steps()
-        metrics = {s: self._metric(s) for s in steps} if self.retention.best else {}
-        keep = set(self.retention.keep(steps, metrics))
-        for s in steps:
-            if s not in keep:
-                self.store.remove(self.ref(s))
+        # One at a time: the persist thread and a direct save can both get here, and the second
+        # to remove a ref would raise RefNotFoundError out of save().
+        with self._retaining:
+            steps = self.steps()
+            metrics = {s: self._metric(s) for s in steps} if self.retention.best else {}
+            keep = set(self.retention.keep(steps, metrics))
+            for s in steps:
+                if s not in keep:
+                    self.store.remove(self.ref(s))
 
     # -- restoring -----------------------------------------------------------------
     def restore_latest(self, state: dict[str, Any]) -> int | None:
