@@ -315,3 +315,24 @@ def test_the_package_ships_every_template_and_asset():
     web = root / "cli" / "web"
     files = [p.relative_to(web).as_posix() for p in web.rglob("*") if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts]
     assert files and all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files), files
+
+
+
+def test_lineage_past_its_node_limit_draws_only_edges_between_its_nodes(tmp_path, monkeypatch):
+    """Refs naming more checkpoints than the graph keeps (2,000 by default; 2 here): a fine-tune
+    kept whose base was left out drew an edge from a box the page did not have, and /lineage
+    failed with a 500 for the whole store."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    g = torch.Generator().manual_seed(0)
+    base = {f"layer.{i}.w": torch.randn(8, generator=g) for i in range(3)}
+    store.push(base, "z/base")  # sorts after its fine-tunes: left out
+    for j in range(2):
+        store.push({**base, "layer.0.w": base["layer.0.w"] + j + 1}, f"a/ft{j}", base="z/base")
+    monkeypatch.setattr("ckpt_store.cli.web.graph.MAX_NODES", 2)
+    client = TestClient(create_app(store))
+    doc = client.get("/api/lineage").json()
+    ids = {n["id"] for n in doc["nodes"]}
+    assert doc["truncated"] and {n["label"] for n in doc["nodes"]} == {"a/ft0", "a/ft1"}
+    assert all(e["source"] in ids and e["target"] in ids for e in doc["edges"])
+    page = client.get("/lineage")
+    assert page.status_code == 200 and page.text.count('<g class="node ') == 2
