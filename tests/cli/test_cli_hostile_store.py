@@ -1,0 +1,73 @@
+"""A store folder handed over by someone else (crafted, or damaged), read through the real
+``ckpt`` command: every command ends, in bounded memory, with one line on stderr where it
+fails, and nothing it copies makes a good store unverifiable."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_cli_subprocess import fails, ok
+
+import ckpt
+from ckpt_store.storage.objects import object_id
+from ckpt_store.storage.records import canonical_json, sealed_json
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "CKPT_CACHE_DIR": str(tmp_path / "cache"), "NO_COLOR": "1"}
+
+
+@pytest.fixture
+def good(tmp_path: Path) -> Path:
+    """A store with ``base`` and its fine-tune ``ft/x`` (a delta of it), from a real torch model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "a.safetensors")
+    with torch.no_grad():
+        model[0].weight.add_(0.001)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "b.safetensors")
+    store = ckpt.Store.init(str(tmp_path / "good"))
+    store.push(str(tmp_path / "a.safetensors"), "base")
+    store.push(str(tmp_path / "b.safetensors"), "ft/x")
+    return tmp_path / "good"
+
+
+def republish(root: Path, ref: str, manifest: dict) -> str:
+    """Write ``manifest`` (a dict) into the store at ``root`` and a new, correctly sealed entry of
+    ``ref`` naming it: what anyone with write access to a store can do."""
+    data = canonical_json(manifest)
+    mid = object_id(data)
+    (root / "objects/manifests" / mid[:2]).mkdir(parents=True, exist_ok=True)
+    (root / "objects/manifests" / mid[:2] / mid).write_bytes(data)
+    entries = sorted((root / "refs" / ref).glob("*.ref"))
+    last = json.loads(entries[-1].read_bytes())
+    entry = {k: v for k, v in last.items() if k != "check"}
+    entry.update(seq=last["seq"] + 1, target=mid, time=time.time())
+    (root / "refs" / ref / f"{entry['seq']:010d}.ref").write_bytes(sealed_json(entry))
+    return mid
+
+
+def manifest_of(root: Path, ref: str) -> dict:
+    return json.loads(ckpt.Store.open(str(root)).objects.get_manifest(ckpt.Store.open(str(root)).resolve(ref)))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_fifo_or_a_device_in_the_store_folder_is_refused_not_read(kind, good, env):
+    """A ref entry that is a FIFO made every command wait forever for a writer; one that is a
+    symlink to /dev/zero made them read until memory ran out (a MemoryError traceback)."""
+    entry = good / "refs/ft/x/0000000002.ref"
+    if kind == "fifo":
+        os.mkfifo(entry)
+    else:
+        entry.symlink_to("/dev/zero")
+    for args in (["ls"], ["show", "ft/x"], ["log", "ft/x"], ["verify"], ["gc", "--dry-run"]):
+        line = fails(*args, store=good, env=env)
+        assert "not a regular file" in line and "0000000002.ref" in line, line
+    ok("show", "base", store=good, env=env)
