@@ -262,7 +262,7 @@ class Manifest:
             message=msg if isinstance(msg, str) else None,
             metadata=_object(o, "metadata", what) or {},
             extra=_object(o, "extra", what) or {},
-            lineage=_object(o, "lineage", what) or {"parent": None, "base": None, "merge": None},
+            lineage=_lineage(o, what),
             bundles=bundles,
         )
 
@@ -299,6 +299,46 @@ def _object(o: dict[str, Any], key: str, what: str) -> dict[str, Any] | None:
     if val is not None and not isinstance(val, dict):
         raise StoreFormatError(f"{what}: {key} must be an object, not {type(val).__name__}")
     return val
+
+
+_HEX_ID = re.compile(r"[0-9a-f]{64}")
+
+
+def _lineage(o: dict[str, Any], what: str) -> dict[str, Any]:
+    """``o["lineage"]`` with the fields readers follow checked: ``parent``, ``base`` and a merge's
+    ``inputs`` and ``base`` are checkpoint ids (or null), the merge record and its parts the JSON
+    types docs/format.md gives them. Readers (``show``, the web view's lineage graph) use them as
+    ids and lists; another type made them fail with a traceback."""
+    lin = _object(o, "lineage", what)
+    if lin is None:
+        return {"parent": None, "base": None, "merge": None}
+
+    def ids(rec: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+        for key in keys:
+            v = rec.get(key)
+            if v is not None and not (isinstance(v, str) and _HEX_ID.fullmatch(v)):
+                raise StoreFormatError(f"{what}: {where}{key} is not a checkpoint id")
+
+    ids(lin, ("parent", "base"), "lineage ")
+    merge = lin.get("merge")
+    if merge is None:
+        return lin
+    if not isinstance(merge, dict):
+        raise StoreFormatError(f"{what}: lineage merge must be an object")
+    ids(merge, ("base",), "merge ")
+    inputs = merge.get("inputs")
+    if inputs is not None and not (isinstance(inputs, list) and all(isinstance(i, str) and _HEX_ID.fullmatch(i) for i in inputs)):
+        raise StoreFormatError(f"{what}: merge inputs must be a list of checkpoint ids")
+    for key, typ in (("method", str), ("params", dict), ("input_refs", list), ("base_ref", str), ("remix", dict)):
+        if merge.get(key) is not None and not isinstance(merge[key], typ):
+            raise StoreFormatError(f"{what}: merge {key} must be a {'string' if typ is str else typ.__name__}")
+    if not all(r is None or isinstance(r, str) for r in merge.get("input_refs") or []):
+        raise StoreFormatError(f"{what}: merge input_refs must be a list of names")
+    remix = merge.get("remix") or {}
+    for key, typ in (("scores", dict), ("chosen", list)):
+        if remix.get(key) is not None and not isinstance(remix[key], typ):
+            raise StoreFormatError(f"{what}: remix {key} must be a {typ.__name__}")
+    return lin
 
 
 def _check_files_hold_their_tensors(files: tuple[FileEntry, ...], tensors: tuple[TensorEntry, ...], what: str) -> None:

@@ -71,3 +71,25 @@ def test_a_fifo_or_a_device_in_the_store_folder_is_refused_not_read(kind, good, 
         line = fails(*args, store=good, env=env)
         assert "not a regular file" in line and "0000000002.ref" in line, line
     ok("show", "base", store=good, env=env)
+
+
+@pytest.mark.parametrize("lineage", [
+    {"parent": None, "base": None, "merge": {"inputs": 5, "method": "linear"}},
+    {"parent": None, "base": {"a": 1}, "merge": None},
+    {"parent": 7, "base": None, "merge": None},
+    {"parent": None, "base": None, "merge": {"inputs": ["zz"], "base": [1], "params": "x"}},
+])
+def test_a_lineage_of_the_wrong_types_is_a_damaged_manifest(lineage, good, tmp_path, env):
+    """`ckpt show` of a manifest whose lineage held a number where ids go crashed with a
+    traceback, and copying it made a good store's web lineage page fail; it is now a damaged
+    manifest: one line from every command, and copy leaves the good store as it was."""
+    m = manifest_of(good, "ft/x")
+    m["lineage"] = lineage
+    republish(good, "ft/x", m)
+    for args in (["show", "ft/x"], ["show", "ft/x", "--json"], ["pull", "ft/x", tmp_path / "out.safetensors"]):
+        line = fails(*args, store=good, env=env)
+        assert "lineage" in line or "merge" in line, line
+    dest = tmp_path / "dest"
+    ckpt.Store.init(str(dest))
+    fails("copy", "--to", dest, "ft/x", store=good, env=env)
+    assert ckpt.Store.open(str(dest)).refs() == {} and not (tmp_path / "out.safetensors").exists()
