@@ -49,7 +49,10 @@ def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
     by_id: dict[str, list[str]] = defaultdict(list)
     aliases: set[str] = set()
     for name, entry in refs.items():
-        m = view.manifest(entry.target)
+        try:
+            m = view.manifest(entry.target)
+        except CkptError:  # damaged: left out here, named by the overview (as `ckpt ls` names it)
+            continue
         step = STEP_REF.match(name)
         if "snapshot" in m.extra and step:
             runs[step["run"]].append((int(step["step"]), name, entry.target))

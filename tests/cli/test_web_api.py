@@ -336,3 +336,27 @@ def test_lineage_past_its_node_limit_draws_only_edges_between_its_nodes(tmp_path
     assert all(e["source"] in ids and e["target"] in ids for e in doc["edges"])
     page = client.get("/lineage")
     assert page.status_code == 200 and page.text.count('<g class="node ') == 2
+
+
+def test_one_damaged_manifest_leaves_the_rest_of_the_store_viewable(tmp_path):
+    """A manifest damaged on disk (its ref listed from the metadata index): the overview, the
+    lineage graph and every other checkpoint's page failed with it; now only its own page does,
+    and the overview names the damage, as `ckpt ls` does."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    g = torch.Generator().manual_seed(0)
+    base = {f"layer.{i}.w": torch.randn(8, generator=g) for i in range(3)}
+    store.push(base, "base")
+    store.push({**base, "layer.0.w": base["layer.0.w"] + 1}, "ft/step-1")  # named like a run's snapshot
+    store.push({**base, "layer.1.w": base["layer.1.w"] + 1}, "other")
+    path = tmp_path / "store" / store.objects.path("manifests", store.resolve("ft/step-1"))
+    data = bytearray(path.read_bytes())
+    data[10] ^= 1
+    path.write_bytes(bytes(data))
+    client = TestClient(create_app(store))
+    overview = client.get("/")
+    assert overview.status_code == 200 and "damaged: manifest" in overview.text
+    assert client.get("/lineage").status_code == 200
+    assert {n["label"] for n in client.get("/api/lineage").json()["nodes"]} == {"base", "other"}
+    assert client.get("/checkpoint/base").status_code == 200
+    bad = client.get("/api/checkpoint/ft/step-1")
+    assert bad.status_code == 400 and "corrupt" in bad.json()["error"]
