@@ -253,7 +253,7 @@ class Manifest:
         bundles = tuple(BundleEntry.from_obj(b, chunk_size, what) for b in raw_bundles)
         _check_files_hold_their_tensors(files, tensors, what)
         msg = o.get("message")
-        return cls(
+        m = cls(
             source=require(o, "source", str, what),
             chunk_size=chunk_size,
             files=files,
@@ -265,6 +265,8 @@ class Manifest:
             lineage=_lineage(o, what),
             bundles=bundles,
         )
+        m._lengths(what)  # one length per chunk id
+        return m
 
     @property
     def logical_bytes(self) -> int:
@@ -273,16 +275,26 @@ class Manifest:
 
     def chunk_lengths(self) -> dict[str, int]:
         """Decoded length of every chunk this manifest names."""
+        return self._lengths("manifest")
+
+    def _lengths(self, what: str) -> dict[str, int]:
         out: dict[str, int] = {}
+
+        def claim(cid: str, n: int) -> None:
+            # An id is the hash of the chunk's bytes: a manifest that gives it two lengths is damaged
+            # (one of the places naming it would be written or read with the other's length).
+            if out.setdefault(cid, n) != n:
+                raise StoreFormatError(f"{what} gives chunk {cid[:12]} two lengths ({out[cid]} and {n} bytes)")
+
         for f in self.files:
             for cid, n in zip(f.chunks, split_lengths(f.head_size if f.kind == "safetensors" else f.size, self.chunk_size), strict=True):
-                out[cid] = n
+                claim(cid, n)
         for t in self.tensors:
             for cid, chain, n in zip(t.chunks, t.chains(), split_lengths(t.nbytes, self.chunk_size), strict=True):
-                out[cid] = n
+                claim(cid, n)
                 for base in chain:  # a base has the length of the chunk it serves
-                    out[base] = n
-        for b in self.bundles:
+                    claim(base, n)
+        for b in self.bundles:  # an accelerator only: a reader that finds a bundle lying reads its members
             out.update(zip(b.chunks, split_lengths(b.nbytes, self.chunk_size), strict=True))
         return out
 

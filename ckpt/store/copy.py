@@ -20,13 +20,14 @@ import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from ckpt.codecs.chunk import RAW, decode_chunk, encode_chunk, parse_header
+from ckpt.codecs.chunk import MAX_HEADER, RAW, decode_chunk, encode_chunk, parse_header
 from ckpt.progress import Progress
+from ckpt.store.load import check_headers
 from ckpt.transfer.pipeline import fetch_chunk
 from ckpt_store.storage import copy as storage_copy
 from ckpt_store.storage.backends.base import Data
 from ckpt_store.storage.copy import ChunkCheck, ChunkRecode, CopyItem, CopyReport, copy_checkpoints
-from ckpt_store.storage.errors import CkptError, InvalidNameError, RefNotFoundError
+from ckpt_store.storage.errors import CkptError, InvalidNameError, RefNotFoundError, StoreFormatError
 from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.refs import validate_ref_name
 
@@ -49,8 +50,10 @@ def parse_copy_spec(spec: str) -> tuple[str, str | None]:
     return src, dest
 
 
-def chunk_checker(src: Store, dst: Store) -> ChunkCheck:
+def chunk_checker(src: Store, dst: Store, lengths: dict[str, int] | None = None) -> ChunkCheck:
     """Decode and re-hash a chunk blob before it is written to ``dst``; return its base id.
+    ``lengths``: the decoded length of each chunk as the manifests copied give it (a chunk of
+    another length would make the checkpoint fail to load at ``dst``).
 
     A delta needs its base's bytes: read from the destination first when that is a local
     store (it is there already, or was sent in an earlier wave), else from the source.
@@ -70,11 +73,34 @@ def chunk_checker(src: Store, dst: Store) -> ChunkCheck:
 
     def check(cid: str, blob: bytes) -> str | None:
         h = parse_header(blob, cid)
+        if lengths is not None and lengths.get(cid, h.length) != h.length:
+            raise _wrong_length(cid, lengths[cid], h.length)
         base = base_bytes(h.base, h.length) if h.base is not None else None
         decode_chunk(blob, cid, h.length, max_length=settings.max_chunk_size, base=base)
         return h.base
 
     return check
+
+
+def _wrong_length(cid: str, claimed: int, held: int) -> StoreFormatError:
+    return StoreFormatError(f"a checkpoint to copy gives chunk {cid[:12]} {claimed} bytes, but it holds {held}: its manifest "
+                            "is damaged, and would not load at the destination", hint="run `ckpt verify` on the source")
+
+
+def _check_present(dst: Store, lengths: dict[str, int]) -> None:
+    """Chunks the destination holds already are not sent, so not checked on the way: on a local
+    destination each one's header (a small read) must give the length the manifests copied give
+    it. (A remote one would pay a request per chunk; there `ckpt verify` names such a checkpoint.)"""
+    if dst.backend.local_path("objects") is None:
+        return
+    for cid, n in lengths.items():
+        try:
+            head = dst.backend.read_range(dst.objects.path("chunks", cid), 0, MAX_HEADER)
+        except FileNotFoundError:
+            continue  # sent, and checked on the way
+        held = parse_header(head, cid).length
+        if held != n:
+            raise _wrong_length(cid, n, held)
 
 
 def raw_recoder(dst: Store) -> ChunkRecode:
@@ -106,7 +132,12 @@ def _items(src: Store, specs: Iterable[str]) -> tuple[list[CopyItem], dict[str, 
         if dest is None and entry is not None and entry.target == mid:
             dest = ref  # a plain ref keeps its name
         items.append(CopyItem(mid, dest, alias=bool(entry and entry.alias and dest == ref)))
-        weights.update(src.manifest(mid).chunk_lengths())
+        m = src.manifest(mid)
+        check_headers(src, m, f"checkpoint {ref}")  # what a pull writes at dst is what a load reads there
+        for cid, n in m.chunk_lengths().items():
+            if weights.setdefault(cid, n) != n:
+                raise StoreFormatError(f"the checkpoints to copy give chunk {cid[:12]} two lengths ({weights[cid]} and {n} "
+                                       f"bytes, the second in {ref}): one of them is damaged", hint="run `ckpt verify` on the source")
     return items, weights
 
 
@@ -125,7 +156,8 @@ def copy_refs(src: Store, dst: Store, refs: Iterable[str], *, progress: Progress
     if not refs:
         raise RefNotFoundError("nothing to copy", hint="name at least one ref")
     items, weights = _items(src, refs)
-    return copy_checkpoints(src.objects, dst.objects, dst.refs_db, items, check_chunk=chunk_checker(src, dst),
+    _check_present(dst, weights)
+    return copy_checkpoints(src.objects, dst.objects, dst.refs_db, items, check_chunk=chunk_checker(src, dst, weights),
                             concurrency=_concurrency(src, dst), progress=progress, weights=weights,
                             recode=raw_recoder(dst) if recode else None)
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_cli_subprocess import fails, ok
+from test_cli_subprocess import fails, ok, run
 
 import ckpt
 from ckpt_store.storage.objects import object_id
@@ -93,3 +94,53 @@ def test_a_lineage_of_the_wrong_types_is_a_damaged_manifest(lineage, good, tmp_p
     ckpt.Store.init(str(dest))
     fails("copy", "--to", dest, "ft/x", store=good, env=env)
     assert ckpt.Store.open(str(dest)).refs() == {} and not (tmp_path / "out.safetensors").exists()
+
+
+def _swap_chunks(m: dict) -> None:
+    """0.bias names 0.weight's chunks and back: every chunk intact, each given another's length."""
+    a, b = m["tensors"][0], m["tensors"][1]
+    assert a["nbytes"] != b["nbytes"]
+    a["chunks"], b["chunks"] = b["chunks"], a["chunks"]
+    for t in (a, b):
+        t.pop("delta_bases", None)
+        t.pop("codecs", None)
+
+
+def _one_chunk_twice(m: dict) -> None:
+    """0.weight names 0.bias's chunk: one chunk id given two lengths within one manifest."""
+    a, b = m["tensors"][0], m["tensors"][1]
+    b["chunks"] = list(a["chunks"])
+    for t in (a, b):
+        t.pop("delta_bases", None)
+        t.pop("codecs", None)
+
+
+def _swap_order(m: dict) -> None:
+    """The first two tensors listed the other way round: the file's stored header places them otherwise."""
+    m["tensors"][0], m["tensors"][1] = m["tensors"][1], m["tensors"][0]
+
+
+@pytest.mark.parametrize("damage", [_swap_chunks, _one_chunk_twice, _swap_order])
+def test_a_manifest_that_disagrees_with_its_chunks_is_named_by_verify_and_never_copied(damage, good, tmp_path, env):
+    """Intact chunks, a manifest (hashing to its id) that disagrees with them. Before: `ckpt verify`
+    said ok where another checkpoint gave the chunks their right lengths, `ckpt copy` put the
+    checkpoint into a good store that then held a ref that could not load, and with the tensors
+    listed out of order `ckpt pull` wrote, exit 0, a file whose tensors were not the ones
+    `ckpt load` and `ckpt diff` read."""
+    m = manifest_of(good, "ft/x")
+    damage(m)
+    republish(good, "ft/x", m)
+    r = run("verify", store=good, env=env)
+    assert r.returncode == 1 and "DAMAGED ft/x" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    fails("pull", "ft/x", tmp_path / "out.safetensors", store=good, env=env)
+    assert not (tmp_path / "out.safetensors").exists()
+    # into a store that has none of it, and into one that has every chunk already (base and ft/x@1)
+    empty, full = tmp_path / "empty", tmp_path / "full"
+    ckpt.Store.init(str(empty))
+    shutil.copytree(good, full)
+    shutil.rmtree(full / "refs/ft")
+    for dest, refs in ((empty, set()), (full, {"base"})):
+        fails("copy", "--to", dest, "ft/x", store=good, env=env)
+        assert set(ckpt.Store.open(str(dest)).refs()) == refs
+        ok("verify", store=dest, env=env)
+
