@@ -144,3 +144,21 @@ def test_a_manifest_that_disagrees_with_its_chunks_is_named_by_verify_and_never_
         assert set(ckpt.Store.open(str(dest)).refs()) == refs
         ok("verify", store=dest, env=env)
 
+
+@pytest.mark.parametrize("poison", ["info", "chunks"])
+def test_a_crafted_metadata_index_is_read_past_not_trusted(poison, good, env):
+    """The metadata index is a cache that anyone writing a store folder can write, sealed and hashed
+    as ckpt does. Summaries of the wrong shape made `ckpt ls` and `ckpt du` crash with a traceback
+    (and the web overview answer 500); they are read again from the manifests instead."""
+    store = ckpt.Store.open(str(good))
+    st = store.index.load(chunks=True)
+    for mid in st.info:
+        if poison == "info":
+            st.info[mid] = {"bytes": "x", "tensors": [1], "message": {"a": 1}, "created": "y", "source": 5, "base": {"q": 1}}
+        else:
+            st.chunks[mid] = [st.chunks[mid][0], {"lengths": "x", "codecs": 5}]
+    st.max_gen += 1
+    store.index.write_snapshot(st)
+    plain = {**env, "CKPT_INDEX": "0"}  # what the manifests say
+    for args in (["ls"], ["du"]):
+        assert json.loads(ok(*args, "--json", store=good, env=env).stdout) == json.loads(ok(*args, "--json", store=good, env=plain).stdout)
