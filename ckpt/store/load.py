@@ -13,6 +13,7 @@ from ckpt.format.safetensors_header import check_layout
 from ckpt.progress import Progress, reporting
 from ckpt.store.limits import check_memory
 from ckpt.transfer.pipeline import GetTask, fetch_chunk, get_chunks, into_tasks
+from ckpt_store.storage.errors import StoreFormatError
 
 if TYPE_CHECKING:
     import torch
@@ -30,9 +31,19 @@ def select(m: Manifest, include: list[str] | None) -> list[TensorEntry]:
 def check_headers(store: Store, m: Manifest, what: str, known: dict[str, bytes] | None = None) -> None:
     """Check every safetensors file's stored header against ``m``'s tensors
     (:func:`~ckpt.format.safetensors_header.check_layout`): its header chunks are read, verified,
-    unless ``known`` (chunk id -> decoded bytes already verified) has them."""
+    unless ``known`` (chunk id -> decoded bytes already verified) has them. A distributed (DCP)
+    checkpoint's file is assembled from its shards instead: they must cover each tensor once,
+    each the tensor entry it names (what a pull or a load of it checks)."""
     if m.source == "dcp":
-        return  # its files are assembled from shards, their headers built on the way
+        from ckpt.dcp.format import decode_layout
+
+        entries = {t.name: t for t in m.tensors}
+        for item in decode_layout(m.extra, what).tensors.values():
+            for s in item.shards:
+                e = entries.get(s.entry)
+                if e is None or e.shape != s.sizes or e.dtype != item.dtype:
+                    raise StoreFormatError(f"{what}: tensor {item.fqn}: shard {s.entry!r} is missing or does not match its entry")
+        return
     known = known or {}
     for f in m.files:
         if f.kind == "safetensors":

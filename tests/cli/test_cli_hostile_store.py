@@ -162,3 +162,36 @@ def test_a_crafted_metadata_index_is_read_past_not_trusted(poison, good, env):
     plain = {**env, "CKPT_INDEX": "0"}  # what the manifests say
     for args in (["ls"], ["du"]):
         assert json.loads(ok(*args, "--json", store=good, env=env).stdout) == json.loads(ok(*args, "--json", store=good, env=plain).stdout)
+
+
+def test_dcp_shards_that_overlap_are_refused_not_consolidated_from_uninitialised_memory(tmp_path, env):
+    """A distributed checkpoint whose two shards both hold rows 0-1 of a 4x4 tensor (their volumes add
+    up to the tensor's): pull wrote rows 2-3 from uninitialised memory, exit 0, load returned them,
+    verify said ok. Found by republishing a DCP manifest with overlapping shards."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt.dcp
+
+    root = tmp_path / "store"
+    store = ckpt.Store.init(str(root))
+    w = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP warns, and saves in this process
+        dcp.save({"w": w, "b": torch.ones(3)}, storage_writer=ckpt.dcp.Writer(str(root), "one/a"))
+    m = manifest_of(root, "one/a")
+    helper = json.loads(store.objects.get_manifest(store.push({"top": w[:2].contiguous()}, "helper")))
+    entry = next(t for t in m["tensors"] if t["name"] == "w")
+    m["tensors"] = [t for t in m["tensors"] if t["name"] != "w"]
+    for name in ("wa", "wb"):  # both hold rows 0-1; no shard holds rows 2-3
+        m["tensors"].append({**entry, "name": name, "shape": [2, 4], "nbytes": 32, "chunks": helper["tensors"][0]["chunks"],
+                             "codecs": helper["tensors"][0].get("codecs", [0]), "delta_bases": [[]]})
+    m["extra"]["dcp"]["items"]["w"]["shards"] = [{"entry": n, "offsets": [0, 0], "sizes": [2, 4]} for n in ("wa", "wb")]
+    republish(root, "one/a", m)
+    assert "exactly once" in fails("pull", "one/a", tmp_path / "out.safetensors", store=root, env=env)
+    assert not (tmp_path / "out.safetensors").exists()
+    r = run("verify", "one/a", store=root, env=env)
+    assert r.returncode == 1 and "exactly once" in r.stderr, r.stderr
+    with pytest.raises(ckpt.CkptError, match="exactly once"):
+        store.load("one/a")
