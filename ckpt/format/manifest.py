@@ -344,8 +344,9 @@ def _lineage(o: dict[str, Any], what: str) -> dict[str, Any]:
     for key, typ in (("method", str), ("params", dict), ("input_refs", list), ("base_ref", str), ("remix", dict)):
         if merge.get(key) is not None and not isinstance(merge[key], typ):
             raise StoreFormatError(f"{what}: merge {key} must be a {'string' if typ is str else typ.__name__}")
-    if not all(r is None or isinstance(r, str) for r in merge.get("input_refs") or []):
-        raise StoreFormatError(f"{what}: merge input_refs must be a list of names")
+    refs = merge.get("input_refs")
+    if refs is not None and (len(refs) != len(inputs or []) or not all(r is None or isinstance(r, str) for r in refs)):
+        raise StoreFormatError(f"{what}: merge input_refs must be a list of names, one per input")
     remix = merge.get("remix") or {}
     for key, typ in (("scores", dict), ("chosen", list)):
         if remix.get(key) is not None and not isinstance(remix[key], typ):

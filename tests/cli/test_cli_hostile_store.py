@@ -79,6 +79,7 @@ def test_a_fifo_or_a_device_in_the_store_folder_is_refused_not_read(kind, good, 
     {"parent": None, "base": {"a": 1}, "merge": None},
     {"parent": 7, "base": None, "merge": None},
     {"parent": None, "base": None, "merge": {"inputs": ["zz"], "base": [1], "params": "x"}},
+    {"parent": None, "base": None, "merge": {"inputs": ["a" * 64, "b" * 64], "input_refs": ["x"], "method": "linear"}},
 ])
 def test_a_lineage_of_the_wrong_types_is_a_damaged_manifest(lineage, good, tmp_path, env):
     """`ckpt show` of a manifest whose lineage held a number where ids go crashed with a
