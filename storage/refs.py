@@ -23,7 +23,7 @@ from ckpt_store.storage.errors import (
     RefConflictError,
     StoreFormatError,
 )
-from ckpt_store.storage.records import decode_record, finite_time, require, sealed_json
+from ckpt_store.storage.records import MAX_RECORD_BYTES, decode_record, finite_time, require, sealed_json
 
 REF_FORMAT = "ckpt-ref"
 REF_VERSION = 2  # 2: sealed with a checksum (storage/records.py); 1 is still read
@@ -127,7 +127,7 @@ class Refs:
 
     def _read(self, name: str, seq: int) -> RefEntry:
         path = self._entry_path(name, seq)
-        entry = RefEntry.from_json(self.backend.read(path), f"ref entry {path}")
+        entry = RefEntry.from_json(self.backend.read(path, MAX_RECORD_BYTES), f"ref entry {path}")
         if entry.name != name or entry.seq != seq:
             raise StoreFormatError(f"ref entry {path} names {entry.name}#{entry.seq}")
         return entry

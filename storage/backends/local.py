@@ -20,6 +20,7 @@ from ckpt_store.storage.backends.base import (
     Entry,
     io_error,
     read_error,
+    too_large,
 )
 from ckpt_store.storage.errors import StorageIOError
 
@@ -80,10 +81,12 @@ class LocalBackend(Backend):
         os.close(fd)
         return tmp
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: str, limit: int | None = None) -> bytes:
         fd = self._open_read(path)
         try:
             with open(fd, "rb") as f:
+                if limit is not None and (size := os.fstat(fd).st_size) > limit:
+                    raise too_large(path, size, limit)
                 return f.read()
         except OSError as e:
             raise read_error(path, e) from e

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_cli_subprocess import fails, ok, run
+from test_cli_subprocess import CMD, fails, ok, run
 
 import ckpt
 from ckpt_store.storage.objects import object_id
@@ -196,3 +198,37 @@ def test_dcp_shards_that_overlap_are_refused_not_consolidated_from_uninitialised
     assert r.returncode == 1 and "exactly once" in r.stderr, r.stderr
     with pytest.raises(ckpt.CkptError, match="exactly once"):
         store.load("one/a")
+
+
+def _limited(args: list[str | Path], store: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``ckpt --store STORE ARGS`` with its address space capped at 4 GiB (a read of a 50 GB file fails
+    fast with MemoryError instead of exhausting the machine)."""
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    return subprocess.run([*CMD, "--store", str(store), *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=120, preexec_fn=cap)
+
+
+@pytest.mark.parametrize("which", ["chunk", "manifest", "ref", "index"])
+def test_a_sparse_50_gb_file_in_a_store_folder_is_refused_by_its_size(which, good, tmp_path, env):
+    """A file of a store folder extended to 50 GB (sparse: it costs no disk) was read whole into memory
+    by every command that met it (a MemoryError traceback under a 4 GiB cap, the machine's memory
+    without one). Each read is now refused by the file's size, as damage."""
+    store = ckpt.Store.open(str(good))
+    path = {"chunk": lambda: good / store.objects.path("chunks", store.manifest("base").tensors[0].chunks[0]),
+            "manifest": lambda: good / store.objects.path("manifests", store.resolve("base")),
+            "ref": lambda: next((good / "refs/base").glob("*.ref")),
+            "index": lambda: next((good / "index").glob("*.snap"))}[which]()
+    os.truncate(path, 50 << 30)
+    for args in (["ls"], ["du"], ["verify"], ["show", "base"], ["pull", "base", tmp_path / "out.safetensors"],
+                 ["copy", "--to", tmp_path / "dest", "base"], ["gc", "--dry-run"]):
+        if args[0] == "copy":
+            ckpt.Store.init(str(tmp_path / "dest"))
+        r = _limited(args, good, env)
+        assert "Traceback" not in r.stderr and "MemoryError" not in r.stderr, (args, r.stderr[-2000:])
+        if which == "index":  # a cache: read as damaged, rebuilt from the refs and manifests
+            assert r.returncode == 0, (args, r.stderr)
+        else:
+            assert r.returncode in (0, 1) and (r.returncode == 0 or "more than any valid object" in r.stderr), (args, r.stderr)
+    assert _limited(["verify"], good, env).returncode == (0 if which == "index" else 1)
