@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from ckpt.codecs.chunk import MAX_HEADER, RAW, decode_chunk, encode_chunk, parse_header
 from ckpt.progress import Progress
 from ckpt.store.load import check_headers
-from ckpt.transfer.pipeline import fetch_chunk
+from ckpt.transfer.pipeline import fetch_chunk, stored_chain
 from ckpt_store.storage import copy as storage_copy
 from ckpt_store.storage.backends.base import Data
+from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.copy import ChunkCheck, ChunkRecode, CopyItem, CopyReport, copy_checkpoints
 from ckpt_store.storage.errors import CkptError, InvalidNameError, RefNotFoundError, StoreFormatError
 from ckpt_store.storage.objects import ObjectStore
@@ -87,20 +89,53 @@ def _wrong_length(cid: str, claimed: int, held: int) -> StoreFormatError:
                             "is damaged, and would not load at the destination", hint="run `ckpt verify` on the source")
 
 
-def _check_present(dst: Store, lengths: dict[str, int]) -> None:
-    """Chunks the destination holds already are not sent, so not checked on the way: on a local
-    destination each one's header (a small read) must give the length the manifests copied give
-    it. (A remote one would pay a request per chunk; there `ckpt verify` names such a checkpoint.)"""
-    if dst.backend.local_path("objects") is None:
-        return
-    for cid, n in lengths.items():
+def _check_present(dst: Store, lengths: dict[str, int], allowed: dict[str, frozenset[str]]) -> set[str]:
+    """Chunks the destination holds already are not sent, so not checked on the way. Each one's
+    header there (a small read, a request on S3, as a push pays for a chunk it reuses) must give
+    the length the manifests copied give it; and its blob there may be a delta against chunks the
+    copied manifests do not name. Those are returned, to be sent as the source stores them: else
+    a gc there, once the checkpoints that named those bases are removed, deletes what the copied
+    checkpoint cannot be read without."""
+
+    def look(cid: str) -> str | None:
         try:
             head = dst.backend.read_range(dst.objects.path("chunks", cid), 0, MAX_HEADER)
         except FileNotFoundError:
-            continue  # sent, and checked on the way
-        held = parse_header(head, cid).length
-        if held != n:
-            raise _wrong_length(cid, n, held)
+            return None  # sent, and checked on the way
+        h = parse_header(head, cid)
+        if h.length != lengths[cid]:
+            raise _wrong_length(cid, lengths[cid], h.length)
+        if h.base is None:
+            return None
+        try:
+            _, chain = stored_chain(dst.objects, cid)
+        except CkptError:  # a base missing or damaged there: send ours
+            return cid
+        return None if set(chain) <= allowed[cid] else cid
+
+    ids = sorted(lengths)
+    if dst.backend.concurrency <= 1 or len(ids) <= 1:
+        found = [look(c) for c in ids]
+    else:
+        with ThreadPoolExecutor(min(dst.backend.concurrency, len(ids)), thread_name_prefix="ckpt-copy") as pool:
+            found = list(pool.map(look, ids))
+    return {c for c in found if c is not None}
+
+
+def _whole_where_unnamed(src: Store, dst: Store, allowed: dict[str, frozenset[str]], inner: ChunkRecode | None) -> ChunkRecode:
+    """``inner`` (or the blob as it is), except that a delta against a chunk the copied manifests do
+    not name is written whole: a gc at the destination would not keep that base (see
+    :func:`_check_present`)."""
+    settings = dst.settings
+
+    def recode(cid: str, blob: bytes) -> Data:
+        h = parse_header(blob, cid)
+        if h.base is not None and h.base not in allowed.get(cid, frozenset()):
+            data, _ = fetch_chunk(src.objects, cid, h.length, src.settings)
+            return encode_chunk(data, elem=h.elem, level=settings.zstd_level, min_saving=settings.min_saving).parts
+        return blob if inner is None else inner(cid, blob)
+
+    return recode
 
 
 def raw_recoder(dst: Store) -> ChunkRecode:
@@ -119,8 +154,12 @@ def raw_recoder(dst: Store) -> ChunkRecode:
     return recode
 
 
-def _items(src: Store, specs: Iterable[str]) -> tuple[list[CopyItem], dict[str, int]]:
+def _items(src: Store, specs: Iterable[str]) -> tuple[list[CopyItem], dict[str, int], dict[str, frozenset[str]]]:
+    """The items to copy, the decoded length of every chunk they need, and for each such chunk what
+    a gc keeps alive for it as long as any of them lives: the chunks (delta bases included) of every
+    manifest naming it, in common (``referenced_chunks``, gc's rule)."""
     items, weights = [], {}
+    allowed: dict[str, frozenset[str]] = {}
     for spec in specs:
         ref, dest = parse_copy_spec(spec)
         mid = src.resolve(ref)
@@ -138,7 +177,10 @@ def _items(src: Store, specs: Iterable[str]) -> tuple[list[CopyItem], dict[str, 
             if weights.setdefault(cid, n) != n:
                 raise StoreFormatError(f"the checkpoints to copy give chunk {cid[:12]} two lengths ({weights[cid]} and {n} "
                                        f"bytes, the second in {ref}): one of them is damaged", hint="run `ckpt verify` on the source")
-    return items, weights
+        kept = frozenset(referenced_chunks(src.objects.get_manifest(mid)))
+        for cid in kept:
+            allowed[cid] = allowed[cid] & kept if cid in allowed else kept
+    return items, weights, allowed
 
 
 def copy_refs(src: Store, dst: Store, refs: Iterable[str], *, progress: Progress | None = None,
@@ -155,11 +197,11 @@ def copy_refs(src: Store, dst: Store, refs: Iterable[str], *, progress: Progress
     refs = list(refs)
     if not refs:
         raise RefNotFoundError("nothing to copy", hint="name at least one ref")
-    items, weights = _items(src, refs)
-    _check_present(dst, weights)
+    items, weights, allowed = _items(src, refs)
+    resend = _check_present(dst, weights, allowed)
     return copy_checkpoints(src.objects, dst.objects, dst.refs_db, items, check_chunk=chunk_checker(src, dst, weights),
                             concurrency=_concurrency(src, dst), progress=progress, weights=weights,
-                            recode=raw_recoder(dst) if recode else None)
+                            recode=_whole_where_unnamed(src, dst, allowed, raw_recoder(dst) if recode else None), resend=resend)
 
 
 def _concurrency(src: Store, dst: Store) -> int:

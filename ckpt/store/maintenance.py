@@ -12,6 +12,7 @@ from ckpt.progress import Progress, reporting
 from ckpt.store.catalog import Usage, live_manifests, live_usage, usage_of_manifest
 from ckpt.store.load import check_headers
 from ckpt.transfer.pipeline import fetch_chunk, run_parallel
+from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.config import read_config
 from ckpt_store.storage.errors import CkptError
 from ckpt_store.storage.gc import Doomed, execute_gc, gc_roots, plan_gc, read_root
@@ -75,6 +76,7 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
     # one per length where manifests disagree (all but one are wrong: a pull of theirs would fail)
     users: dict[tuple[str, int], set[str]] = defaultdict(set)
     parsed: dict[str, Manifest] = {}
+    allowed: dict[str, frozenset[str]] = {}  # chunk id -> the chunks every manifest naming it keeps alive
     for target, who in labels.items():
         try:
             data = read_root(store.objects, target, current=target in current)
@@ -91,6 +93,9 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
         parsed[target] = m
         for claim in m.chunk_lengths().items():
             users[claim].update(who)
+        kept = frozenset(referenced_chunks(data))  # what gc keeps for it: a chunk's delta bases must be in there
+        for cid in kept:
+            allowed[cid] = allowed[cid] & kept if cid in allowed else kept
 
     heads = {c for m in parsed.values() if m.source != "dcp" for f in m.files if f.kind == "safetensors" for c in f.chunks}
     known: dict[str, bytes] = {}  # header chunks, kept for the layout check below (small: a few KB each)
@@ -98,11 +103,16 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
     def check(claim: tuple[str, int]) -> tuple[str, str] | None:
         cid, n = claim
         try:
-            data, _ = fetch_chunk(store.objects, cid, n, store.settings)
+            data, chain = fetch_chunk(store.objects, cid, n, store.settings)
         except CkptError as e:  # the damaged object may be a base in cid's delta chain
             return str(e), getattr(e, "object_id", cid)
         if cid in heads:
             known[cid] = bytes(data)
+        unnamed = [b for b in chain if b not in allowed[cid]]
+        if unnamed:  # readable now; not once a gc, keeping what the manifests name, has deleted that base
+            return (f"chunk {cid} is stored as a delta against {unnamed[0][:12]}, which a checkpoint naming it does not "
+                    "name: a gc would delete that base (`ckpt verify --repair-from` a store holding the chunk writes "
+                    "it whole)"), cid
         return None
 
     claims = sorted(users)

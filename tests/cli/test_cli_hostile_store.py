@@ -1,6 +1,7 @@
 """A store folder handed over by someone else (crafted, or damaged), read through the real
 ``ckpt`` command: every command ends, in bounded memory, with one line on stderr where it
-fails, and nothing it copies makes a good store unverifiable."""
+fails, and nothing copied from it makes a good store unverifiable; and what a copy into a good
+store must send for the copy to stay readable there."""
 
 from __future__ import annotations
 
@@ -232,3 +233,43 @@ def test_a_sparse_50_gb_file_in_a_store_folder_is_refused_by_its_size(which, goo
         else:
             assert r.returncode in (0, 1) and (r.returncode == 0 or "more than any valid object" in r.stderr), (args, r.stderr)
     assert _limited(["verify"], good, env).returncode == (0 if which == "index" else 1)
+
+
+def test_a_copy_onto_chunks_stored_there_as_deltas_stays_readable_after_gc(good, tmp_path, env):
+    """The destination held the fine-tune's chunks as deltas against its base (pushed there); the
+    copied checkpoint (pushed elsewhere without a base, so it names no delta bases) was not sent
+    them. Once base and ft/x were removed there, gc deleted the bases and the copy could not be
+    read: data lost after ordinary commands, and verify had said ok. Found by copying, removing
+    and collecting."""
+    other = tmp_path / "other"
+    ckpt.Store.init(str(other))
+    ok("push", tmp_path / "b.safetensors", "mine", "-m", "pushed where the base is not", store=other, env=env)
+    ok("copy", "--to", good, "mine", store=other, env=env)
+    ok("verify", store=good, env=env)
+    ok("rm", "base", "ft/x", store=good, env=env)
+    ok("gc", "--grace", "0", store=good, env=env)
+    ok("verify", store=good, env=env)
+    ok("pull", "mine", tmp_path / "out.safetensors", store=good, env=env)
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def test_verify_names_a_delta_whose_base_no_manifest_naming_it_keeps(good, tmp_path, env):
+    """A store left that way by a copy before the fix above: verify names it while it is still
+    readable, and --repair-from writes the chunk whole, so that a gc can no longer break it."""
+    m = manifest_of(good, "ft/x")
+    for t in m["tensors"]:
+        t.pop("delta_bases", None)  # names ft/x's chunks, not the base chunks they are deltas of
+    m["message"] = "copied the old way"
+    store = ckpt.Store.open(str(good))
+    data = canonical_json(m)
+    store.refs_db.set("mine", store.objects.put_manifest(data))
+    r = run("verify", store=good, env=env)
+    assert r.returncode == 1 and "DAMAGED mine" in r.stderr and "a gc would delete that base" in r.stderr, r.stderr
+    source = tmp_path / "source"
+    ckpt.Store.init(str(source))
+    ok("push", tmp_path / "b.safetensors", "ft", store=source, env=env)
+    ok("verify", "--repair-from", source, store=good, env=env)
+    ok("rm", "base", "ft/x", store=good, env=env)
+    ok("gc", "--grace", "0", store=good, env=env)
+    ok("pull", "mine", tmp_path / "out.safetensors", store=good, env=env)
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
