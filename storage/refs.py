@@ -30,6 +30,7 @@ REF_VERSION = 2  # 2: sealed with a checksum (storage/records.py); 1 is still re
 MAX_NAME = 255
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*\Z")
 _ENTRY = re.compile(r"^([0-9]{10})\.ref\Z")
+MAX_SEQ = 10**10 - 1  # entries are named by 10 digits
 
 
 def validate_ref_name(name: str) -> str:
@@ -152,6 +153,9 @@ class Refs:
         for attempt in range(attempts):
             seqs = self._entry_seqs(name)
             seq = (seqs[-1] if seqs else 0) + 1
+            if seq > MAX_SEQ:  # an 11-digit entry name would be written, and never read: the update lost
+                raise StoreFormatError(f"ref {name} has an entry numbered {seqs[-1]}, the last there can be: it cannot be "
+                                       "updated", hint="a damaged or crafted entry? `ckpt log` shows it; use another name")
             entry = RefEntry(name, seq, target, time.time(), writer, alias)
             data = entry.to_json()
             if self.backend.create_exclusive(self._entry_path(name, seq), data):

@@ -273,3 +273,17 @@ def test_verify_names_a_delta_whose_base_no_manifest_naming_it_keeps(good, tmp_p
     ok("gc", "--grace", "0", store=good, env=env)
     ok("pull", "mine", tmp_path / "out.safetensors", store=good, env=env)
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def test_a_push_onto_a_ref_whose_last_entry_is_numbered_9999999999_fails_instead_of_vanishing(good, tmp_path, env):
+    """Entries are named by 10 digits: after a (crafted or damaged) entry 9999999999, a push wrote
+    entry 10000000000, which no reader lists. It said 'base -> ID' and exited 0; the ref did not
+    move, and the checkpoint pushed was left for gc to delete."""
+    last = json.loads((good / "refs/base/0000000001.ref").read_bytes())
+    entry = {k: v for k, v in last.items() if k != "check"}
+    entry.update(seq=9_999_999_999, time=time.time())
+    (good / "refs/base/9999999999.ref").write_bytes(sealed_json(entry))
+    before = ckpt.Store.open(str(good)).resolve("base")
+    assert "cannot be updated" in fails("push", tmp_path / "b.safetensors", "base", store=good, env=env)
+    assert ckpt.Store.open(str(good)).resolve("base") == before
+    assert sorted(p.name for p in (good / "refs/base").iterdir()) == ["0000000001.ref", "9999999999.ref"]
