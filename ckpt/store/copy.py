@@ -90,26 +90,24 @@ def _wrong_length(cid: str, claimed: int, held: int) -> StoreFormatError:
 
 
 def _check_present(dst: Store, lengths: dict[str, int], allowed: dict[str, frozenset[str]]) -> set[str]:
-    """Chunks the destination holds already are not sent, so not checked on the way. Each one's
-    header there (a small read, a request on S3, as a push pays for a chunk it reuses) must give
-    the length the manifests copied give it; and its blob there may be a delta against chunks the
-    copied manifests do not name. Those are returned, to be sent as the source stores them: else
-    a gc there, once the checkpoints that named those bases are removed, deletes what the copied
-    checkpoint cannot be read without."""
+    """The chunks the destination holds that must be sent all the same, as the source stores them
+    (each checked on the way, against the manifests' lengths too), replacing the blob there:
+    one whose header there (a small read; a request on S3, as a push pays for a chunk it reuses)
+    is damaged or gives another length than the manifests copied, and one stored there as a delta
+    against a chunk those manifests do not name -- else a gc there, once the checkpoints naming
+    that base are removed, deletes what the copied checkpoint cannot be read without."""
 
     def look(cid: str) -> str | None:
         try:
             head = dst.backend.read_range(dst.objects.path("chunks", cid), 0, MAX_HEADER)
         except FileNotFoundError:
             return None  # sent, and checked on the way
-        h = parse_header(head, cid)
-        if h.length != lengths[cid]:
-            raise _wrong_length(cid, lengths[cid], h.length)
-        if h.base is None:
-            return None
         try:
+            h = parse_header(head, cid)
+            if h.length != lengths[cid] or h.base is None:
+                return cid if h.length != lengths[cid] else None
             _, chain = stored_chain(dst.objects, cid)
-        except CkptError:  # a base missing or damaged there: send ours
+        except CkptError:  # damaged there, or a base missing or damaged there: send ours
             return cid
         return None if set(chain) <= allowed[cid] else cid
 

@@ -287,3 +287,18 @@ def test_a_push_onto_a_ref_whose_last_entry_is_numbered_9999999999_fails_instead
     assert "cannot be updated" in fails("push", tmp_path / "b.safetensors", "base", store=good, env=env)
     assert ckpt.Store.open(str(good)).resolve("base") == before
     assert sorted(p.name for p in (good / "refs/base").iterdir()) == ["0000000001.ref", "9999999999.ref"]
+
+
+def test_a_copy_replaces_a_chunk_whose_header_is_damaged_at_the_destination(good, tmp_path, env):
+    """A chunk the destination holds, its header damaged there: the copy sends the source's blob in
+    its place (checked on the way) instead of pointing a ref at a checkpoint it cannot read."""
+    dest = tmp_path / "dest"
+    shutil.copytree(good, dest)
+    shutil.rmtree(dest / "refs/ft")
+    store = ckpt.Store.open(str(dest))
+    chunk = dest / store.objects.path("chunks", store.manifest("base").tensors[1].chunks[0])
+    blob = bytearray(chunk.read_bytes())
+    blob[0] ^= 0xFF  # the magic
+    chunk.write_bytes(bytes(blob))
+    ok("copy", "--to", dest, "ft/x", store=good, env=env)
+    ok("verify", store=dest, env=env)
