@@ -120,15 +120,17 @@ def _check_present(dst: Store, lengths: dict[str, int], allowed: dict[str, froze
     return {c for c in found if c is not None}
 
 
-def _whole_where_unnamed(src: Store, dst: Store, allowed: dict[str, frozenset[str]], inner: ChunkRecode | None) -> ChunkRecode:
-    """``inner`` (or the blob as it is), except that a delta against a chunk the copied manifests do
-    not name is written whole: a gc at the destination would not keep that base (see
-    :func:`_check_present`)."""
+def _whole_where_unnamed(src: Store, dst: Store, allowed: dict[str, frozenset[str]], inner: ChunkRecode | None,
+                         replacing: set[str]) -> ChunkRecode:
+    """``inner`` (or the blob as it is), except that a delta is written whole where it is against a
+    chunk the copied manifests do not name (a gc at the destination would not keep that base: see
+    :func:`_check_present`) or replaces a blob there (``replacing``: the checkpoints there naming
+    it keep other chunks alive than this delta would need)."""
     settings = dst.settings
 
     def recode(cid: str, blob: bytes) -> Data:
         h = parse_header(blob, cid)
-        if h.base is not None and h.base not in allowed.get(cid, frozenset()):
+        if h.base is not None and (cid in replacing or h.base not in allowed.get(cid, frozenset())):
             data, _ = fetch_chunk(src.objects, cid, h.length, src.settings)
             return encode_chunk(data, elem=h.elem, level=settings.zstd_level, min_saving=settings.min_saving).parts
         return blob if inner is None else inner(cid, blob)
@@ -199,7 +201,8 @@ def copy_refs(src: Store, dst: Store, refs: Iterable[str], *, progress: Progress
     resend = _check_present(dst, weights, allowed)
     return copy_checkpoints(src.objects, dst.objects, dst.refs_db, items, check_chunk=chunk_checker(src, dst, weights),
                             concurrency=_concurrency(src, dst), progress=progress, weights=weights,
-                            recode=_whole_where_unnamed(src, dst, allowed, raw_recoder(dst) if recode else None), resend=resend)
+                            recode=_whole_where_unnamed(src, dst, allowed, raw_recoder(dst) if recode else None, resend),
+                            resend=resend)
 
 
 def _concurrency(src: Store, dst: Store) -> int:

@@ -302,3 +302,27 @@ def test_a_copy_replaces_a_chunk_whose_header_is_damaged_at_the_destination(good
     chunk.write_bytes(bytes(blob))
     ok("copy", "--to", dest, "ft/x", store=good, env=env)
     ok("verify", store=dest, env=env)
+
+
+def test_a_chunk_replaced_by_a_copy_is_written_whole_so_no_checkpoint_there_needs_more(good, tmp_path, env):
+    """ft/x's 0.weight is stored in `good` as a delta against base's, and in `other` as a delta against
+    another base: the copy replaces the chunk (its base there is not one the copied checkpoint names),
+    and must not make good's own ft/x depend on other's base, which only the copy names."""
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "a.safetensors"))
+    near = {**a, "0.weight": (a["0.weight"] + 0.0005).contiguous()}
+    save_file(near, tmp_path / "near.safetensors")
+    other = tmp_path / "other"
+    ckpt.Store.init(str(other))
+    ok("push", tmp_path / "near.safetensors", "near", store=other, env=env)
+    ok("push", tmp_path / "b.safetensors", "mine", "--base", "near", store=other, env=env)
+    theirs = ckpt.Store.open(str(other))
+    assert any(t.delta_bases and t.delta_bases[0] for t in theirs.manifest("mine").tensors)  # a delta there too
+    ok("copy", "--to", good, "mine", store=other, env=env)
+    ok("verify", store=good, env=env)
+    ok("rm", "mine", store=good, env=env)
+    ok("gc", "--grace", "0", "--no-history", store=good, env=env)
+    ok("verify", store=good, env=env)
+    ok("pull", "ft/x", tmp_path / "out.safetensors", store=good, env=env)
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
