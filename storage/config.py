@@ -17,7 +17,7 @@ from ckpt_store.storage.errors import (
     StoreLocationError,
     StoreNotFoundError,
 )
-from ckpt_store.storage.records import decode_record, finite_time, require, sealed_json
+from ckpt_store.storage.records import MAX_RECORD_BYTES, decode_record, finite_time, require, sealed_json
 
 CONFIG_PATH = "ckpt-store.json"
 STORE_FORMAT = "ckpt-store"
@@ -48,7 +48,7 @@ class StoreConfig:
 def read_config(backend: Backend) -> StoreConfig:
     """The config of the store at ``backend``; :class:`StoreNotFoundError` if there is none."""
     try:
-        data = backend.read(CONFIG_PATH)
+        data = backend.read(CONFIG_PATH, MAX_RECORD_BYTES)
     except FileNotFoundError:
         raise StoreNotFoundError(backend.url) from None
     except IsADirectoryError:

@@ -137,13 +137,16 @@ def copy_checkpoints(
     progress: Progress | None = None,
     weights: Mapping[str, int] | None = None,
     recode: ChunkRecode | None = None,
+    resend: Iterable[str] = (),
 ) -> CopyReport:
     """Copy checkpoints with everything they need, then point refs at them, at ``dst``.
 
     Only objects the destination lacks travel; a ref already naming the checkpoint is
     left as it is (no new history entry), so running a copy again is cheap and changes
     nothing. ``weights`` (decoded bytes per chunk id) drives ``progress``; ``recode`` (optional)
-    says how each chunk sent is stored at ``dst``.
+    says how each chunk sent is stored at ``dst``; ``resend``: chunks ``dst`` holds that are sent
+    all the same, replacing its blob (the same chunk, stored another way: a delta there against a
+    chunk these checkpoints do not name, say).
     """
     items = list(items)
     for it in items:
@@ -163,7 +166,8 @@ def copy_checkpoints(
         needed |= referenced_chunks(data)
         for cid, d in chunk_depths(data).items():
             depth[cid] = max(depth.get(cid, 0), d)
-    present_c = _present(dst, "chunks", needed)
+    resend = set(resend) & needed
+    present_c = _present(dst, "chunks", needed) - resend
     report.chunks_present = len(present_c)
     missing = needed - present_c
     with reporting(progress, "copy", sum(weights.get(c, 0) for c in missing)) as p:

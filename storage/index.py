@@ -86,6 +86,7 @@ HEAL_AFTER = 8
 RECENT = 256
 RECENT_FORMAT = "ckpt-index-recent"
 _HEAD_BYTES = 4096  # a snapshot's header line fits in this
+MAX_INDEX_BYTES = 4 << 30  # an index object larger than this is read as damaged (the index is then rebuilt)
 
 _LOG = re.compile(r"^([0-9]{10})\.log\Z")
 _SNAP = re.compile(r"^([0-9]{10})-([0-9a-f]{16})\.snap\Z")
@@ -283,9 +284,12 @@ class StoreIndex:
 
     def _get(self, path: str) -> bytes:
         try:
-            return self.backend.read(path)
+            return self.backend.read(path, MAX_INDEX_BYTES)
         except FileNotFoundError:
             raise _Restart(path) from None
+        except StoreFormatError as e:  # larger than any index object: read as damaged (skipped, or rebuilt)
+            log.warning("%s", e)
+            return b""
 
     def load(self, *, chunks: bool = False, recent: bool = False) -> IndexState | None:
         """The index as stored (snapshot + later logs), or None when it has no usable snapshot.

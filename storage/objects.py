@@ -19,7 +19,9 @@ from ckpt_store.storage.errors import (
     CorruptObjectError,
     InvalidNameError,
     ObjectNotFoundError,
+    StoreFormatError,
 )
+from ckpt_store.storage.records import MAX_RECORD_BYTES
 
 KINDS = ("chunks", "manifests")
 _ID = re.compile(r"^[0-9a-f]{64}\Z")
@@ -47,10 +49,13 @@ class ObjectInfo:
 class ObjectStore:
     """``objects/<kind>/<id[:2]>/<id>`` below the store root."""
 
-    def __init__(self, backend: Backend, cache: ChunkBlobCache | None = None) -> None:
+    def __init__(self, backend: Backend, cache: ChunkBlobCache | None = None, max_chunk_blob: int | None = None) -> None:
         self.backend = backend
         # Chunk blobs read from a remote store are kept here, and read from here first.
         self.cache = cache
+        # The largest chunk blob a read accepts (a chunk's bytes at most, and a header): a larger
+        # file is refused before it is read, not read into memory whatever its size.
+        self.max_chunk_blob = max_chunk_blob
 
     @staticmethod
     def path(kind: str, oid: str) -> str:
@@ -102,9 +107,11 @@ class ObjectStore:
             if blob is not None:
                 return blob
         try:
-            blob = self.backend.read(self.path(kind, oid))
+            blob = self.backend.read(self.path(kind, oid), self.max_chunk_blob if kind == "chunks" else MAX_RECORD_BYTES)
         except FileNotFoundError:
             raise ObjectNotFoundError(kind[:-1], oid) from None
+        except StoreFormatError as e:  # larger than any such object
+            raise CorruptObjectError(kind[:-1], oid, str(e)) from None
         if cache is not None:
             cache.put(oid, (blob,))
         return blob

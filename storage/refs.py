@@ -23,13 +23,14 @@ from ckpt_store.storage.errors import (
     RefConflictError,
     StoreFormatError,
 )
-from ckpt_store.storage.records import decode_record, finite_time, require, sealed_json
+from ckpt_store.storage.records import MAX_RECORD_BYTES, decode_record, finite_time, require, sealed_json
 
 REF_FORMAT = "ckpt-ref"
 REF_VERSION = 2  # 2: sealed with a checksum (storage/records.py); 1 is still read
 MAX_NAME = 255
 _SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*\Z")
 _ENTRY = re.compile(r"^([0-9]{10})\.ref\Z")
+MAX_SEQ = 10**10 - 1  # entries are named by 10 digits
 
 
 def validate_ref_name(name: str) -> str:
@@ -127,7 +128,7 @@ class Refs:
 
     def _read(self, name: str, seq: int) -> RefEntry:
         path = self._entry_path(name, seq)
-        entry = RefEntry.from_json(self.backend.read(path), f"ref entry {path}")
+        entry = RefEntry.from_json(self.backend.read(path, MAX_RECORD_BYTES), f"ref entry {path}")
         if entry.name != name or entry.seq != seq:
             raise StoreFormatError(f"ref entry {path} names {entry.name}#{entry.seq}")
         return entry
@@ -152,6 +153,9 @@ class Refs:
         for attempt in range(attempts):
             seqs = self._entry_seqs(name)
             seq = (seqs[-1] if seqs else 0) + 1
+            if seq > MAX_SEQ:  # an 11-digit entry name would be written, and never read: the update lost
+                raise StoreFormatError(f"ref {name} has an entry numbered {seqs[-1]}, the last there can be: it cannot be "
+                                       "updated", hint="a damaged or crafted entry? `ckpt log` shows it; use another name")
             entry = RefEntry(name, seq, target, time.time(), writer, alias)
             data = entry.to_json()
             if self.backend.create_exclusive(self._entry_path(name, seq), data):

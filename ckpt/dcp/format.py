@@ -161,6 +161,19 @@ def _ints(x: Any, what: str) -> tuple[int, ...]:
     return tuple(x)
 
 
+def _disjoint(shards: list[Shard]) -> bool:
+    """Whether no two shards (boxes of offsets and sizes) share an element: a sweep along the first
+    dimension, so a row-sharded tensor of thousands of shards costs a sort, not every pair."""
+    boxes = sorted((s.offsets, s.sizes) for s in shards if s.sizes and all(s.sizes))  # empty shards hold nothing
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for off, sz in boxes:
+        active = [(o, z) for o, z in active if o[0] + z[0] > off[0]]  # those still open where this one starts
+        if any(all(a < b + c and b < a + d for a, d, b, c in zip(off, sz, o, z)) for o, z in active):
+            return False
+        active.append((off, sz))
+    return True
+
+
 def decode_layout(extra: dict[str, Any], what: str) -> DcpLayout:
     """Parse and validate ``extra["dcp"]`` of a manifest (no torch needed)."""
     o = extra.get("dcp")
@@ -193,7 +206,10 @@ def decode_layout(extra: dict[str, Any], what: str) -> DcpLayout:
             if len(off) != len(size) or len(sz) != len(size) or any(a + b > d for a, b, d in zip(off, sz, size)):
                 raise StoreFormatError(f"{w}: shard {list(off)}+{list(sz)} lies outside the tensor {list(size)}")
             out.append(Shard(off, sz, check_tensor_name(s["entry"])))
-        if sum(math.prod(s.sizes) for s in out) != math.prod(size):
+        # Volumes that add up cover the tensor exactly once only if no two shards overlap: two
+        # copies of one region would leave another region unwritten (uninitialised memory, pulled
+        # and loaded without a word).
+        if sum(math.prod(s.sizes) for s in out) != math.prod(size) or not _disjoint(out):
             raise StoreFormatError(f"{w}: its shards do not cover the tensor exactly once")
         tensors[fqn] = TensorItem(fqn, dtype, size, tuple(out), bool(it.get("requires_grad", False)))
     pd = o.get("planner_data")

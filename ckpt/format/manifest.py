@@ -253,7 +253,7 @@ class Manifest:
         bundles = tuple(BundleEntry.from_obj(b, chunk_size, what) for b in raw_bundles)
         _check_files_hold_their_tensors(files, tensors, what)
         msg = o.get("message")
-        return cls(
+        m = cls(
             source=require(o, "source", str, what),
             chunk_size=chunk_size,
             files=files,
@@ -262,9 +262,11 @@ class Manifest:
             message=msg if isinstance(msg, str) else None,
             metadata=_object(o, "metadata", what) or {},
             extra=_object(o, "extra", what) or {},
-            lineage=_object(o, "lineage", what) or {"parent": None, "base": None, "merge": None},
+            lineage=_lineage(o, what),
             bundles=bundles,
         )
+        m._lengths(what)  # one length per chunk id
+        return m
 
     @property
     def logical_bytes(self) -> int:
@@ -273,16 +275,26 @@ class Manifest:
 
     def chunk_lengths(self) -> dict[str, int]:
         """Decoded length of every chunk this manifest names."""
+        return self._lengths("manifest")
+
+    def _lengths(self, what: str) -> dict[str, int]:
         out: dict[str, int] = {}
+
+        def claim(cid: str, n: int) -> None:
+            # An id is the hash of the chunk's bytes: a manifest that gives it two lengths is damaged
+            # (one of the places naming it would be written or read with the other's length).
+            if out.setdefault(cid, n) != n:
+                raise StoreFormatError(f"{what} gives chunk {cid[:12]} two lengths ({out[cid]} and {n} bytes)")
+
         for f in self.files:
             for cid, n in zip(f.chunks, split_lengths(f.head_size if f.kind == "safetensors" else f.size, self.chunk_size), strict=True):
-                out[cid] = n
+                claim(cid, n)
         for t in self.tensors:
             for cid, chain, n in zip(t.chunks, t.chains(), split_lengths(t.nbytes, self.chunk_size), strict=True):
-                out[cid] = n
+                claim(cid, n)
                 for base in chain:  # a base has the length of the chunk it serves
-                    out[base] = n
-        for b in self.bundles:
+                    claim(base, n)
+        for b in self.bundles:  # an accelerator only: a reader that finds a bundle lying reads its members
             out.update(zip(b.chunks, split_lengths(b.nbytes, self.chunk_size), strict=True))
         return out
 
@@ -299,6 +311,47 @@ def _object(o: dict[str, Any], key: str, what: str) -> dict[str, Any] | None:
     if val is not None and not isinstance(val, dict):
         raise StoreFormatError(f"{what}: {key} must be an object, not {type(val).__name__}")
     return val
+
+
+_HEX_ID = re.compile(r"[0-9a-f]{64}")
+
+
+def _lineage(o: dict[str, Any], what: str) -> dict[str, Any]:
+    """``o["lineage"]`` with the fields readers follow checked: ``parent``, ``base`` and a merge's
+    ``inputs`` and ``base`` are checkpoint ids (or null), the merge record and its parts the JSON
+    types docs/format.md gives them. Readers (``show``, the web view's lineage graph) use them as
+    ids and lists; another type made them fail with a traceback."""
+    lin = _object(o, "lineage", what)
+    if lin is None:
+        return {"parent": None, "base": None, "merge": None}
+
+    def ids(rec: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+        for key in keys:
+            v = rec.get(key)
+            if v is not None and not (isinstance(v, str) and _HEX_ID.fullmatch(v)):
+                raise StoreFormatError(f"{what}: {where}{key} is not a checkpoint id")
+
+    ids(lin, ("parent", "base"), "lineage ")
+    merge = lin.get("merge")
+    if merge is None:
+        return lin
+    if not isinstance(merge, dict):
+        raise StoreFormatError(f"{what}: lineage merge must be an object")
+    ids(merge, ("base",), "merge ")
+    inputs = merge.get("inputs")
+    if inputs is not None and not (isinstance(inputs, list) and all(isinstance(i, str) and _HEX_ID.fullmatch(i) for i in inputs)):
+        raise StoreFormatError(f"{what}: merge inputs must be a list of checkpoint ids")
+    for key, typ in (("method", str), ("params", dict), ("input_refs", list), ("base_ref", str), ("remix", dict)):
+        if merge.get(key) is not None and not isinstance(merge[key], typ):
+            raise StoreFormatError(f"{what}: merge {key} must be a {'string' if typ is str else typ.__name__}")
+    refs = merge.get("input_refs")
+    if refs is not None and (len(refs) != len(inputs or []) or not all(r is None or isinstance(r, str) for r in refs)):
+        raise StoreFormatError(f"{what}: merge input_refs must be a list of names, one per input")
+    remix = merge.get("remix") or {}
+    for key, typ in (("scores", dict), ("chosen", list)):
+        if remix.get(key) is not None and not isinstance(remix[key], typ):
+            raise StoreFormatError(f"{what}: remix {key} must be a {typ.__name__}")
+    return lin
 
 
 def _check_files_hold_their_tensors(files: tuple[FileEntry, ...], tensors: tuple[TensorEntry, ...], what: str) -> None:

@@ -12,9 +12,10 @@ import math
 import struct
 from dataclasses import dataclass
 
-from ckpt.errors import InvalidSourceError
+from ckpt.errors import CkptError, InvalidSourceError
 from ckpt.format.dtypes import itemsize
-from ckpt.format.manifest import check_tensor_name
+from ckpt.format.manifest import FileEntry, Manifest, check_tensor_name
+from ckpt_store.storage.errors import StoreFormatError
 
 MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself enforces
 MAX_ELEMENTS = (1 << 63) - 1  # torch counts elements in an int64
@@ -146,3 +147,31 @@ def build_header(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata:
     js = json.dumps(obj, separators=(",", ":")).encode()
     js += b" " * (-len(js) % 8)
     return struct.pack("<Q", len(js)) + js, order
+
+
+def check_layout(head: bytes, m: Manifest, f: FileEntry, what: str) -> None:
+    """Refuse checkpoint file ``f`` of ``m`` when its stored header (``head``, its bytes) does not
+    describe the tensors the manifest places after it, each by name, dtype, shape and offset.
+
+    A pull writes the header as stored and the manifest's tensors after it, while a load, a
+    diff or a merge reads the manifest's tensors by name: a manifest whose header disagrees
+    (one no ckpt writes) would make the file pulled hold other tensors than the ones loaded.
+    Raises :class:`StoreFormatError` naming ``what``.
+    """
+    try:
+        h = parse_header(head[:8], lambda n: head[8 : 8 + n], f.size, f.path)
+    except CkptError as e:
+        raise StoreFormatError(f"{what}: the stored header of {f.path} is not a safetensors header ({e})") from None
+    spans = {s.name: s for s in h.tensors}
+    pos, named = 0, 0
+    for t in m.tensors:
+        if t.file != f.path:
+            continue
+        s = spans.get(t.name)
+        if h.head_size != f.head_size or s is None or (s.dtype, s.shape, s.begin, s.end) != (t.dtype, t.shape, pos, pos + t.nbytes):
+            raise StoreFormatError(f"{what}: the stored header of {f.path} does not place tensor {t.name} where the manifest does",
+                                   hint="a pull would write other tensors than a load reads: the manifest is damaged")
+        pos += t.nbytes
+        named += 1
+    if named != len(spans):
+        raise StoreFormatError(f"{what}: the stored header of {f.path} names tensors the manifest does not")

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ckpt.format.manifest import Manifest, TensorEntry
+from ckpt.store.catalog import well_formed
 
 if TYPE_CHECKING:
     from ckpt.store.store import Store
@@ -82,7 +83,7 @@ def _candidates(store: Store) -> Iterable[tuple[str, list[tuple[str, str, int]],
     st = index.view(exact=False)
     live = sorted(st.live().values(), key=lambda e: e.time, reverse=True)[:MAX_CANDIDATES]
     targets = list(dict.fromkeys(e.target for e in live if e.target is not None))
-    gone = index.ensure(st, targets, strict=False)  # a stale index may name what gc removed since
+    gone = index.ensure(st, well_formed(st, targets), strict=False)  # a stale index may name what gc removed since
     index.heal(st)
     for target in targets:
         if target not in gone:

@@ -61,6 +61,47 @@ def usage_of_manifest(m: Manifest) -> Usage:
                  [(cid, codec) for t in m.tensors for cid, codec in zip(t.chunks, t.codecs)])
 
 
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _well_formed(st: IndexState, mid: str) -> bool:
+    """Whether the index's summary of ``mid`` (and its chunk list, where loaded) has the shape
+    :func:`summarize` gives it."""
+    info = st.info.get(mid)
+    if not (isinstance(info, dict) and _count(info.get("bytes")) and _count(info.get("tensors"))
+            and isinstance(info.get("message"), (str, type(None))) and isinstance(info.get("source"), str)
+            and isinstance(info.get("created"), (int, float)) and not isinstance(info.get("created"), bool)
+            and isinstance(info.get("base"), (str, type(None)))):
+        return False
+    sig = st.signature(mid)
+    if sig is not None and not (isinstance(sig, list) and all(
+            isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) and isinstance(x[1], str) and _count(x[2]) for x in sig)):
+        return False
+    if st.chunks is None or mid not in st.chunks:
+        return True
+    entry = st.chunks[mid]
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list) and isinstance(entry[1], dict)):
+        return False
+    n = len(entry[0])
+    lengths, codecs = entry[1].get("lengths"), entry[1].get("codecs")
+    return (isinstance(lengths, list) and len(lengths) == n and all(_count(x) for x in lengths) and isinstance(codecs, list)
+            and all(isinstance(c, list) and len(c) == 2 and _count(c[0]) and c[0] < n and _count(c[1]) for c in codecs))
+
+
+def well_formed(st: IndexState, mids: list[str]) -> list[str]:
+    """``mids``, after dropping from ``st`` the summaries of theirs that are not well formed, so that
+    :meth:`StoreIndex.ensure` reads those manifests again: the index is a cache, and a store folder
+    from elsewhere may hold a crafted one (sealed and hashed, as any writer can)."""
+    for mid in mids:
+        if mid in st.info and not _well_formed(st, mid):
+            del st.info[mid]
+            if st.chunks is not None:
+                st.chunks.pop(mid, None)
+            st.damaged = True  # the next exact reader writes a sound snapshot
+    return mids
+
+
 def usage_from_index(st: IndexState, mid: str) -> Usage:
     assert st.chunks is not None
     chunks, detail = st.chunks[mid]
@@ -91,7 +132,7 @@ def live_usage(store: Store) -> list[tuple[str, str, Usage]]:
                 for n, e in store.refs_db.live().items() if e.target is not None]
     st = store.index.view(exact=True, chunks=True)
     live = st.live()
-    store.index.ensure(st, [e.target for e in live.values() if e.target is not None], chunks=True)
+    store.index.ensure(st, well_formed(st, [e.target for e in live.values() if e.target is not None]), chunks=True)
     store.index.heal(st)
     return [(n, e.target, usage_from_index(st, e.target)) for n, e in live.items() if e.target is not None]
 
@@ -140,7 +181,7 @@ def list_refs(store: Store) -> RefListing:
         try:
             st = store.index.view(exact=True)
             live = st.live()
-            store.index.ensure(st, [e.target for e in live.values() if e.target is not None])
+            store.index.ensure(st, well_formed(st, [e.target for e in live.values() if e.target is not None]))
             store.index.heal(st)
             return RefListing([RefSummary(n, e.target or "", e.time, st.info[e.target]["bytes"], st.info[e.target]["tensors"],
                                           st.info[e.target]["message"], st.info[e.target]["source"])

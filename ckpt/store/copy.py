@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from ckpt.codecs.chunk import RAW, decode_chunk, encode_chunk, parse_header
+from ckpt.codecs.chunk import MAX_HEADER, RAW, decode_chunk, encode_chunk, parse_header
 from ckpt.progress import Progress
-from ckpt.transfer.pipeline import fetch_chunk
+from ckpt.store.load import check_headers
+from ckpt.transfer.pipeline import fetch_chunk, stored_chain
 from ckpt_store.storage import copy as storage_copy
 from ckpt_store.storage.backends.base import Data
+from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.copy import ChunkCheck, ChunkRecode, CopyItem, CopyReport, copy_checkpoints
-from ckpt_store.storage.errors import CkptError, InvalidNameError, RefNotFoundError
+from ckpt_store.storage.errors import CkptError, InvalidNameError, RefNotFoundError, StoreFormatError
 from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.refs import validate_ref_name
 
@@ -49,8 +52,10 @@ def parse_copy_spec(spec: str) -> tuple[str, str | None]:
     return src, dest
 
 
-def chunk_checker(src: Store, dst: Store) -> ChunkCheck:
+def chunk_checker(src: Store, dst: Store, lengths: dict[str, int] | None = None) -> ChunkCheck:
     """Decode and re-hash a chunk blob before it is written to ``dst``; return its base id.
+    ``lengths``: the decoded length of each chunk as the manifests copied give it (a chunk of
+    another length would make the checkpoint fail to load at ``dst``).
 
     A delta needs its base's bytes: read from the destination first when that is a local
     store (it is there already, or was sent in an earlier wave), else from the source.
@@ -70,11 +75,67 @@ def chunk_checker(src: Store, dst: Store) -> ChunkCheck:
 
     def check(cid: str, blob: bytes) -> str | None:
         h = parse_header(blob, cid)
+        if lengths is not None and lengths.get(cid, h.length) != h.length:
+            raise _wrong_length(cid, lengths[cid], h.length)
         base = base_bytes(h.base, h.length) if h.base is not None else None
         decode_chunk(blob, cid, h.length, max_length=settings.max_chunk_size, base=base)
         return h.base
 
     return check
+
+
+def _wrong_length(cid: str, claimed: int, held: int) -> StoreFormatError:
+    return StoreFormatError(f"a checkpoint to copy gives chunk {cid[:12]} {claimed} bytes, but it holds {held}: its manifest "
+                            "is damaged, and would not load at the destination", hint="run `ckpt verify` on the source")
+
+
+def _check_present(dst: Store, lengths: dict[str, int], allowed: dict[str, frozenset[str]]) -> set[str]:
+    """The chunks the destination holds that must be sent all the same, as the source stores them
+    (each checked on the way, against the manifests' lengths too), replacing the blob there:
+    one whose header there (a small read; a request on S3, as a push pays for a chunk it reuses)
+    is damaged or gives another length than the manifests copied, and one stored there as a delta
+    against a chunk those manifests do not name -- else a gc there, once the checkpoints naming
+    that base are removed, deletes what the copied checkpoint cannot be read without."""
+
+    def look(cid: str) -> str | None:
+        try:
+            head = dst.backend.read_range(dst.objects.path("chunks", cid), 0, MAX_HEADER)
+        except FileNotFoundError:
+            return None  # sent, and checked on the way
+        try:
+            h = parse_header(head, cid)
+            if h.length != lengths[cid] or h.base is None:
+                return cid if h.length != lengths[cid] else None
+            _, chain = stored_chain(dst.objects, cid)
+        except CkptError:  # damaged there, or a base missing or damaged there: send ours
+            return cid
+        return None if set(chain) <= allowed[cid] else cid
+
+    ids = sorted(dst.objects.has_many("chunks", lengths))  # only those there (one listing per directory on S3)
+    if dst.backend.concurrency <= 1 or len(ids) <= 1:
+        found = [look(c) for c in ids]
+    else:
+        with ThreadPoolExecutor(min(dst.backend.concurrency, len(ids)), thread_name_prefix="ckpt-copy") as pool:
+            found = list(pool.map(look, ids))
+    return {c for c in found if c is not None}
+
+
+def _whole_where_unnamed(src: Store, dst: Store, allowed: dict[str, frozenset[str]], inner: ChunkRecode | None,
+                         replacing: set[str]) -> ChunkRecode:
+    """``inner`` (or the blob as it is), except that a delta is written whole where it is against a
+    chunk the copied manifests do not name (a gc at the destination would not keep that base: see
+    :func:`_check_present`) or replaces a blob there (``replacing``: the checkpoints there naming
+    it keep other chunks alive than this delta would need)."""
+    settings = dst.settings
+
+    def recode(cid: str, blob: bytes) -> Data:
+        h = parse_header(blob, cid)
+        if h.base is not None and (cid in replacing or h.base not in allowed.get(cid, frozenset())):
+            data, _ = fetch_chunk(src.objects, cid, h.length, src.settings)
+            return encode_chunk(data, elem=h.elem, level=settings.zstd_level, min_saving=settings.min_saving).parts
+        return blob if inner is None else inner(cid, blob)
+
+    return recode
 
 
 def raw_recoder(dst: Store) -> ChunkRecode:
@@ -93,8 +154,12 @@ def raw_recoder(dst: Store) -> ChunkRecode:
     return recode
 
 
-def _items(src: Store, specs: Iterable[str]) -> tuple[list[CopyItem], dict[str, int]]:
+def _items(src: Store, specs: Iterable[str]) -> tuple[list[CopyItem], dict[str, int], dict[str, frozenset[str]]]:
+    """The items to copy, the decoded length of every chunk they need, and for each such chunk what
+    a gc keeps alive for it as long as any of them lives: the chunks (delta bases included) of every
+    manifest naming it, in common (``referenced_chunks``, gc's rule)."""
     items, weights = [], {}
+    allowed: dict[str, frozenset[str]] = {}
     for spec in specs:
         ref, dest = parse_copy_spec(spec)
         mid = src.resolve(ref)
@@ -106,8 +171,16 @@ def _items(src: Store, specs: Iterable[str]) -> tuple[list[CopyItem], dict[str, 
         if dest is None and entry is not None and entry.target == mid:
             dest = ref  # a plain ref keeps its name
         items.append(CopyItem(mid, dest, alias=bool(entry and entry.alias and dest == ref)))
-        weights.update(src.manifest(mid).chunk_lengths())
-    return items, weights
+        m = src.manifest(mid)
+        check_headers(src, m, f"checkpoint {ref}")  # what a pull writes at dst is what a load reads there
+        for cid, n in m.chunk_lengths().items():
+            if weights.setdefault(cid, n) != n:
+                raise StoreFormatError(f"the checkpoints to copy give chunk {cid[:12]} two lengths ({weights[cid]} and {n} "
+                                       f"bytes, the second in {ref}): one of them is damaged", hint="run `ckpt verify` on the source")
+        kept = frozenset(referenced_chunks(src.objects.get_manifest(mid)))
+        for cid in kept:
+            allowed[cid] = allowed[cid] & kept if cid in allowed else kept
+    return items, weights, allowed
 
 
 def copy_refs(src: Store, dst: Store, refs: Iterable[str], *, progress: Progress | None = None,
@@ -124,10 +197,12 @@ def copy_refs(src: Store, dst: Store, refs: Iterable[str], *, progress: Progress
     refs = list(refs)
     if not refs:
         raise RefNotFoundError("nothing to copy", hint="name at least one ref")
-    items, weights = _items(src, refs)
-    return copy_checkpoints(src.objects, dst.objects, dst.refs_db, items, check_chunk=chunk_checker(src, dst),
+    items, weights, allowed = _items(src, refs)
+    resend = _check_present(dst, weights, allowed)
+    return copy_checkpoints(src.objects, dst.objects, dst.refs_db, items, check_chunk=chunk_checker(src, dst, weights),
                             concurrency=_concurrency(src, dst), progress=progress, weights=weights,
-                            recode=raw_recoder(dst) if recode else None)
+                            recode=_whole_where_unnamed(src, dst, allowed, raw_recoder(dst) if recode else None, resend),
+                            resend=resend)
 
 
 def _concurrency(src: Store, dst: Store) -> int:

@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import ResourceLimitError, TensorMismatchError
 from ckpt.format.dtypes import to_torch
-from ckpt.format.manifest import Manifest, TensorEntry, name_selected
+from ckpt.format.manifest import Manifest, TensorEntry, name_selected, split_lengths
+from ckpt.format.safetensors_header import check_layout
 from ckpt.progress import Progress, reporting
 from ckpt.store.limits import check_memory
-from ckpt.transfer.pipeline import GetTask, get_chunks, into_tasks
+from ckpt.transfer.pipeline import GetTask, fetch_chunk, get_chunks, into_tasks
+from ckpt_store.storage.errors import StoreFormatError
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +26,30 @@ def select(m: Manifest, include: list[str] | None) -> list[TensorEntry]:
     if not include:
         return list(m.tensors)
     return [t for t in m.tensors if name_selected(t.name, include)]
+
+
+def check_headers(store: Store, m: Manifest, what: str, known: dict[str, bytes] | None = None) -> None:
+    """Check every safetensors file's stored header against ``m``'s tensors
+    (:func:`~ckpt.format.safetensors_header.check_layout`): its header chunks are read, verified,
+    unless ``known`` (chunk id -> decoded bytes already verified) has them. A distributed (DCP)
+    checkpoint's file is assembled from its shards instead: they must cover each tensor once,
+    each the tensor entry it names (what a pull or a load of it checks)."""
+    if m.source == "dcp":
+        from ckpt.dcp.format import decode_layout
+
+        entries = {t.name: t for t in m.tensors}
+        for item in decode_layout(m.extra, what).tensors.values():
+            for s in item.shards:
+                e = entries.get(s.entry)
+                if e is None or e.shape != s.sizes or e.dtype != item.dtype:
+                    raise StoreFormatError(f"{what}: tensor {item.fqn}: shard {s.entry!r} is missing or does not match its entry")
+        return
+    known = known or {}
+    for f in m.files:
+        if f.kind == "safetensors":
+            head = b"".join(known[cid] if cid in known else bytes(fetch_chunk(store.objects, cid, n, store.settings)[0])
+                            for cid, n in zip(f.chunks, split_lengths(f.head_size, m.chunk_size), strict=True))
+            check_layout(head, m, f, what)
 
 
 def check_unique(entries: Iterable[TensorEntry], hint: str) -> None:

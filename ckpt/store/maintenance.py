@@ -10,7 +10,9 @@ from ckpt.codecs.chunk import CODEC_NAMES
 from ckpt.format.manifest import Manifest
 from ckpt.progress import Progress, reporting
 from ckpt.store.catalog import Usage, live_manifests, live_usage, usage_of_manifest
+from ckpt.store.load import check_headers
 from ckpt.transfer.pipeline import fetch_chunk, run_parallel
+from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.config import read_config
 from ckpt_store.storage.errors import CkptError
 from ckpt_store.storage.gc import Doomed, execute_gc, gc_roots, plan_gc, read_root
@@ -71,8 +73,11 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
             labels[store.resolve(n)].append(n)
         current = set(labels)
         report.refs_checked = len(names)
-    users: dict[str, set[str]] = defaultdict(set)  # chunk id -> labels that need it
-    lengths: dict[str, int] = {}
+    # (chunk id, its length as a manifest gives it) -> labels that need it: one chunk normally, and
+    # one per length where manifests disagree (all but one are wrong: a pull of theirs would fail)
+    users: dict[tuple[str, int], set[str]] = defaultdict(set)
+    parsed: dict[str, Manifest] = {}
+    allowed: dict[str, frozenset[str]] = {}  # chunk id -> the chunks every manifest naming it keeps alive
     for target, who in labels.items():
         try:
             data = read_root(store.objects, target, current=target in current)
@@ -86,30 +91,57 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
                 report.damaged_refs.setdefault(name, []).append(str(e))
             report.damaged_objects[("manifest", getattr(e, "object_id", target))] = 0
             continue
-        for cid, n in m.chunk_lengths().items():
-            users[cid].update(who)
-            lengths[cid] = n
+        parsed[target] = m
+        for claim in m.chunk_lengths().items():
+            users[claim].update(who)
+        kept = frozenset(referenced_chunks(data))  # what gc keeps for it: a chunk's delta bases must be in there
+        for cid in kept:
+            allowed[cid] = allowed[cid] & kept if cid in allowed else kept
 
-    def check(cid: str) -> tuple[str, str] | None:
+    heads = {c for m in parsed.values() if m.source != "dcp" for f in m.files if f.kind == "safetensors" for c in f.chunks}
+    known: dict[str, bytes] = {}  # header chunks, kept for the layout check below (small: a few KB each)
+
+    def check(claim: tuple[str, int]) -> tuple[str, str] | None:
+        cid, n = claim
         try:
-            fetch_chunk(store.objects, cid, lengths[cid], store.settings)
+            data, chain = fetch_chunk(store.objects, cid, n, store.settings)
         except CkptError as e:  # the damaged object may be a base in cid's delta chain
             return str(e), getattr(e, "object_id", cid)
+        if cid in heads:
+            known[cid] = bytes(data)
+        unnamed = [b for b in chain if b not in allowed[cid]]
+        if unnamed:  # readable now; not once a gc, keeping what the manifests name, has deleted that base
+            return (f"chunk {cid} is stored as a delta against {unnamed[0][:12]}, which a checkpoint naming it does not "
+                    "name: a gc would delete that base (`ckpt verify --repair-from` a store holding the chunk writes "
+                    "it whole)"), cid
         return None
 
-    ids = sorted(lengths)
+    claims = sorted(users)
     workers = max(store.settings.workers, store.backend.concurrency)  # remote stores: requests in flight
-    with reporting(progress, "verify", sum(lengths.values())) as bar:
-        results = run_parallel(check, ids, workers, bar, lambda c: lengths[c])
-    for cid, problem in zip(ids, results, strict=True):
+    with reporting(progress, "verify", sum(n for _, n in claims)) as bar:
+        results = run_parallel(check, claims, workers, bar, lambda c: c[1])
+    for (cid, n), problem in zip(claims, results, strict=True):
         report.chunks_checked += 1
-        report.bytes_checked += lengths[cid]
+        report.bytes_checked += n
         if problem:
             text, bad = problem
             report.problems.append(text)
-            report.damaged_objects[("chunk", bad)] = lengths[cid]  # a base has its dependents' length
-            for name in sorted(users[cid]):
+            report.damaged_objects[("chunk", bad)] = n  # a base has its dependents' length
+            for name in sorted(users[(cid, n)]):
                 report.damaged_refs.setdefault(name, []).append(text)
+    # Each file's stored header must place the tensors where the manifest does (what a pull
+    # writes is what a load reads); where a header chunk is damaged, that was named above.
+    bad = {cid for kind, cid in report.damaged_objects if kind == "chunk"}
+    for target, m in parsed.items():
+        if any(c in bad for f in m.files for c in f.chunks):
+            continue
+        try:
+            check_headers(store, m, f"manifest {target}", known)
+        except CkptError as e:
+            report.problems.append(str(e))
+            report.damaged_objects[("manifest", target)] = 0
+            for name in labels[target]:
+                report.damaged_refs.setdefault(name, []).append(str(e))
     return report
 
 

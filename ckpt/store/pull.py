@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import TensorMismatchError
 from ckpt.format.manifest import FileEntry, Manifest
-from ckpt.format.safetensors_header import build_header
+from ckpt.format.safetensors_header import build_header, check_layout
 from ckpt.progress import Progress, reporting
 from ckpt.store.destination import (
     OutputFile,
@@ -48,7 +48,7 @@ def _file_tasks(m: Manifest, f: FileEntry, out: OutputFile) -> list[GetTask]:
 
 
 def _write_files(store: Store, m: Manifest, files: list[tuple[FileEntry, str]], progress: Progress | None,
-                 tasks_for: Callable[[OutputFile], list[GetTask]] | None = None) -> None:
+                 tasks_for: Callable[[OutputFile], list[GetTask]] | None = None, what: str = "checkpoint") -> None:
     """Write each (entry, temporary path) in parallel; tasks of all files share one pool."""
     check_disk(sum(f.size for f, _ in files), files[0][1])
     with ExitStack() as stack:
@@ -58,6 +58,13 @@ def _write_files(store: Store, m: Manifest, files: list[tuple[FileEntry, str]], 
             tasks += tasks_for(out) if tasks_for else _file_tasks(m, f, out)
         with reporting(progress, "pull", sum(t.length for t in tasks)) as p:
             get_chunks(store.objects, tasks, store.settings, p, manifest=m)
+    if tasks_for is None and m.source != "dcp":
+        # Before the files take their names: each stored header, as written, must place the tensors
+        # where the manifest does, so that the file holds what a load of the checkpoint reads.
+        for f, path in files:
+            if f.kind == "safetensors":
+                with open(path, "rb") as fh:
+                    check_layout(fh.read(f.head_size), m, f, what)
 
 
 def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: bool = False, include: list[str] | None = None, progress: Progress | None = None) -> str:
@@ -85,10 +92,10 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
         if is_torch_name(target):
             write_torch(target, load_manifest(store, m, None, progress, f"checkpoint {ref}"), _values(m))
         else:
-            write_files([target], lambda tmps: _write_files(store, m, [(m.files[0], tmps[0])], progress))
+            write_files([target], lambda tmps: _write_files(store, m, [(m.files[0], tmps[0])], progress, what=f"checkpoint {ref}"))
         return target
     root, targets = dir_targets(store, dest, [f.path for f in m.files], overwrite)
-    write_dir(root, targets, lambda paths: _write_files(store, m, list(zip(m.files, paths)), progress))
+    write_dir(root, targets, lambda paths: _write_files(store, m, list(zip(m.files, paths)), progress, what=f"checkpoint {ref}"))
     return root
 
 

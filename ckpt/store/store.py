@@ -78,7 +78,7 @@ class Store:
         self.backend = backend
         self.config = config
         self.settings = settings
-        self.objects = ObjectStore(backend, open_cache(backend, config, settings))
+        self.objects = ObjectStore(backend, open_cache(backend, config, settings), max_chunk_blob=settings.max_chunk_size + 4096)
         self.refs_db = Refs(backend)
         from ckpt.store.catalog import open_index
 

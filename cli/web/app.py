@@ -46,6 +46,7 @@ def _env() -> jinja2.Environment:
     env.filters["when"] = lambda ts: "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
     env.filters["short"] = lambda i: (i or "")[:12]
     env.filters["num"] = charts.fmt
+    env.filters["metric"] = charts.metric_text
     return env
 
 
@@ -72,7 +73,7 @@ class Guard:
         set_cookie = None
         if scope["method"] not in ("GET", "HEAD"):
             response: Response | None = PlainTextResponse("read-only: only GET and HEAD\n", status_code=405, headers={"Allow": "GET, HEAD"})
-        elif self.hosts is not None and headers.get("host", "").rsplit(":", 1)[0].strip("[]").lower() not in self.hosts:
+        elif self.hosts is not None and _host_name(headers.get("host", "")) not in self.hosts:
             # a page on another site whose name was re-pointed at 127.0.0.1 (DNS rebinding) gets nothing
             response = PlainTextResponse("unexpected Host header\n", status_code=400)
         elif self.token is not None:
@@ -86,7 +87,9 @@ class Guard:
                 if not scope["path"].startswith("/api/"):  # a page: drop the token from the address bar and history
                     rest = [(k, v) for k, v in parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
                             if k != "token"]
-                    response = RedirectResponse(scope["path"] + ("?" + urlencode(rest) if rest else ""), status_code=303)
+                    # one leading slash: "//evil.example/" would send the browser to another site
+                    path = "/" + scope["path"].lstrip("/")
+                    response = RedirectResponse(path + ("?" + urlencode(rest) if rest else ""), status_code=303)
             elif any(v is not None and _same(v, self.token) for v in (cookie, bearer)):
                 response = None
             else:
@@ -109,6 +112,13 @@ class Guard:
             await response(scope, receive, send_with_headers)
         else:
             await self.app(scope, receive, send_with_headers)
+
+
+def _host_name(host: str) -> str:
+    """The name of a Host header, without its port: ``[::1]:8765`` and ``[::1]`` give ``::1``."""
+    if host.startswith("["):
+        return host[1:].partition("]")[0].lower()
+    return host.rsplit(":", 1)[0].lower()
 
 
 def _same(a: str, b: str) -> bool:
@@ -183,9 +193,10 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         sort = request.query_params.get("sort", "order")
         if sort not in SORT_KEYS:
             raise CkptError(f"sort must be one of {', '.join(SORT_KEYS)}")
-        top = request.query_params.get("top")
+        top = request.query_params.get("top", "")
         estimate = request.query_params.get("estimate", "1") not in ("0", "false", "no")
-        return a, b, sort, int(top) if top and top.isdigit() else None, estimate
+        # ASCII digits only ("²" is a digit to isdigit, not to int), and few: more rows than that is all of them
+        return a, b, sort, int(top) if top.isascii() and top.isdigit() and len(top) <= 9 else None, estimate
 
     def api_diff(request: Request) -> Response:
         a, b, sort, top, estimate = diff_args(request)

@@ -113,12 +113,30 @@ def savings_bars(du: dict[str, Any], width: int = 520) -> dict[str, Any]:
     return {"bars": bars + saved_bars, "label_w": 230, "width": 230 + width + 220, "height": 30 + 28 * (len(bars) + len(saved_bars))}
 
 
+def _finite(v: Any) -> float | None:
+    """``v`` as a float, where it is a number a chart can place (not a bool, NaN, infinity, or an
+    integer too large for a float: a manifest's metrics are any JSON)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def metric_text(v: Any) -> str:
+    """A metric's value in a table cell: numbers to 6 significant digits, anything else as it is."""
+    f = _finite(v)
+    return format(f, ".6g") if f is not None else str(v)
+
+
 def run_chart(snapshots: list[dict[str, Any]], metric: str, width: int = 720, height: int = 180) -> dict[str, Any]:
     """Points (step, metric) of a run's snapshots; kept ones filled, removed ones hollow."""
-    pts = [s for s in snapshots if isinstance(s["metrics"].get(metric), (int, float)) and math.isfinite(s["metrics"][metric])]
+    pts = [(s, v) for s in snapshots if (v := _finite(s["metrics"].get(metric))) is not None]
     steps = [s["step"] for s in snapshots] or [0]
     x0, x1 = min(steps), max(steps)
-    vals = [s["metrics"][metric] for s in pts] or [0.0]
+    vals = [v for _, v in pts] or [0.0]
     y0, y1 = min(vals), max(vals)
     if x0 == x1:
         x1 = x0 + 1
@@ -132,8 +150,8 @@ def run_chart(snapshots: list[dict[str, Any]], metric: str, width: int = 720, he
     def py(v: float) -> float:
         return top + (height - top - bottom) * (1 - (v - y0) / (y1 - y0))
 
-    points = [{"x": round(px(s["step"]), 1), "y": round(py(s["metrics"][metric]), 1), "step": s["step"],
-               "value": s["metrics"][metric], "live": s["live"], "latest": s["latest"], "ref": s["ref"]} for s in pts]
+    points = [{"x": round(px(s["step"]), 1), "y": round(py(v), 1), "step": s["step"],
+               "value": s["metrics"][metric], "live": s["live"], "latest": s["latest"], "ref": s["ref"]} for s, v in pts]
     marks = [{"x": round(px(s["step"]), 1), "live": s["live"], "step": s["step"]} for s in snapshots]
     return {"metric": metric, "width": width, "height": height, "points": points, "marks": marks,
             "path": " ".join(f"{'M' if i == 0 else 'L'}{p['x']},{p['y']}" for i, p in enumerate(points)),

@@ -128,10 +128,15 @@ class StoreView:
         refs = self.refs()
         out = []
         for r in rows:
-            m = self.manifest(r["id"])
             entry = refs.get(r["ref"])
-            out.append({**r, "stored_bytes": stored_bytes(own_chunks(m), sizes), "codecs": codec_mix(m),
-                        "update_no": entry.seq if entry is not None else None,
+            row = {**r, "stored_bytes": None, "codecs": {}, "update_no": entry.seq if entry is not None else None, "run": None,
+                   "damaged": None}
+            try:  # listed from the metadata index, a ref's manifest may yet be damaged: the row says so
+                m = self.manifest(r["id"])
+            except CkptError as e:
+                out.append({**row, "damaged": str(e)})
+                continue
+            out.append({**row, "stored_bytes": stored_bytes(own_chunks(m), sizes), "codecs": codec_mix(m),
                         "run": (STEP_REF.match(r["ref"]) or {"run": None})["run"] if "snapshot" in m.extra else None})
         return out
 
@@ -235,6 +240,12 @@ class StoreView:
         found: set[str] = set()
         for name, entry in self.refs().items():
             m = STEP_REF.match(name)
-            if m and m["run"] not in found and "snapshot" in self.manifest(entry.target).extra:
+            if not m or m["run"] in found:
+                continue
+            try:
+                snapshot = "snapshot" in self.manifest(entry.target).extra
+            except CkptError:  # damaged: the overview names it, the other runs are listed
+                continue
+            if snapshot:
                 found.add(m["run"])
         return sorted(found)

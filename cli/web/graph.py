@@ -25,6 +25,7 @@ from ckpt.errors import CkptError
 from ckpt_store.cli.web.data import STEP_REF, StoreView, own_chunks, stored_bytes
 
 RUN_PREFIX = "run:"
+MAX_NODES = 2000  # checkpoints drawn at most; the rest are left out ("truncated")
 
 
 def _add_edge(edges: dict[tuple[str, str], dict[str, Any]], src: str, dst: str, kind: str, **extra: Any) -> None:
@@ -36,15 +37,22 @@ def _add_edge(edges: dict[tuple[str, str], dict[str, Any]], src: str, dst: str, 
             e[k] = v
 
 
-def lineage(view: StoreView, max_nodes: int = 2000) -> dict[str, Any]:
-    """``{"nodes": [...], "edges": [...], "truncated": bool}`` for the whole store (see the module doc)."""
+def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
+    """``{"nodes": [...], "edges": [...], "truncated": bool}`` for the whole store (see the module doc).
+
+    At most ``max_nodes`` checkpoints (default :data:`MAX_NODES`); every edge joins two nodes of the document.
+    """
+    max_nodes = MAX_NODES if max_nodes is None else max_nodes
     sizes = view.chunk_sizes()
     refs = view.refs()
     runs: dict[str, list[tuple[int, str, str]]] = defaultdict(list)
     by_id: dict[str, list[str]] = defaultdict(list)
     aliases: set[str] = set()
     for name, entry in refs.items():
-        m = view.manifest(entry.target)
+        try:
+            m = view.manifest(entry.target)
+        except CkptError:  # damaged: left out here, named by the overview (as `ckpt ls` names it)
+            continue
         step = STEP_REF.match(name)
         if "snapshot" in m.extra and step:
             runs[step["run"]].append((int(step["step"]), name, entry.target))
@@ -70,11 +78,14 @@ def lineage(view: StoreView, max_nodes: int = 2000) -> dict[str, Any]:
                     continue
                 todo.append(mid)
     truncated = len(manifests) + len(runs) > max_nodes
+    # Refs alone may name more than max_nodes checkpoints: those beyond are left out, and so
+    # are the edges from them (a page draws an edge between two boxes it has).
+    manifests = dict(list(manifests.items())[:max_nodes])
 
     chunks = {mid: own_chunks(m) for mid, m in manifests.items()}
     nodes: list[dict[str, Any]] = []
     edges: dict[tuple[str, str], dict[str, Any]] = {}
-    for mid, m in list(manifests.items())[:max_nodes]:
+    for mid, m in manifests.items():
         names = sorted(by_id.get(mid, []))
         merge = m.lineage.get("merge") if isinstance(m.lineage.get("merge"), dict) else None
         base = m.lineage.get("base") if m.lineage.get("base") in manifests else None

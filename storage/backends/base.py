@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Union
 
-from ckpt_store.storage.errors import DISK_FULL, StorageIOError
+from ckpt_store.storage.errors import DISK_FULL, StorageIOError, StoreFormatError
 
 # What write() takes: bytes, or a tuple of buffers whose concatenation is the file.
 Data = Union[bytes, bytearray, memoryview, tuple[Any, ...]]
@@ -66,8 +66,10 @@ class Backend(ABC):
         raise NotImplementedError(f"{cls.__name__} cannot be opened from a URL")
 
     @abstractmethod
-    def read(self, path: str) -> bytes:
-        """Whole file. Raises ``FileNotFoundError`` when absent."""
+    def read(self, path: str, limit: int | None = None) -> bytes:
+        """Whole file. Raises ``FileNotFoundError`` when absent. ``limit``: a file larger than that
+        is refused (:func:`too_large`) before its bytes are read where the backend can tell (a
+        file in a store folder from elsewhere may be of any size, a sparse one of terabytes)."""
 
     @abstractmethod
     def read_range(self, path: str, start: int, length: int) -> bytes:
@@ -220,6 +222,11 @@ def relative(full: str, root: str) -> str:
     return full_n
 
 
+
+
+def too_large(path: str, size: int, limit: int) -> StoreFormatError:
+    """The error of a :meth:`Backend.read` refused by its ``limit``."""
+    return StoreFormatError(f"{path} is {size} bytes, more than any valid object there ({limit})")
 
 
 def read_error(path: str, e: OSError) -> Exception:

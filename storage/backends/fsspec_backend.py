@@ -14,6 +14,7 @@ from ckpt_store.storage.backends.base import (
     io_error,
     joined,
     relative,
+    too_large,
 )
 
 
@@ -47,8 +48,11 @@ class FsspecBackend(Backend):
     def root_exists(self) -> bool:
         return bool(self.fs.exists(self.root))
 
-    def read(self, path: str) -> bytes:
-        return bytes(self.fs.cat_file(self._p(path)))
+    def read(self, path: str, limit: int | None = None) -> bytes:
+        data = bytes(self.fs.cat_file(self._p(path)))
+        if limit is not None and len(data) > limit:
+            raise too_large(path, len(data), limit)
+        return data
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
         return bytes(self.fs.cat_file(self._p(path), start=start, end=start + length))

@@ -4,7 +4,9 @@ filesystem."""
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,7 +20,9 @@ from ckpt_store.storage.backends.base import (
     Entry,
     io_error,
     read_error,
+    too_large,
 )
+from ckpt_store.storage.errors import StorageIOError
 
 
 class LocalBackend(Backend):
@@ -77,18 +81,36 @@ class LocalBackend(Backend):
         os.close(fd)
         return tmp
 
-    def read(self, path: str) -> bytes:
+    def read(self, path: str, limit: int | None = None) -> bytes:
+        fd = self._open_read(path)
         try:
-            with open(self._p(path), "rb") as f:
+            with open(fd, "rb") as f:
+                if limit is not None and (size := os.fstat(fd).st_size) > limit:
+                    raise too_large(path, size, limit)
                 return f.read()
         except OSError as e:
             raise read_error(path, e) from e
 
     def _open_read(self, path: str) -> int:
+        """A descriptor of the regular file at ``path``. Anything else a store folder may hold there
+        (a FIFO, or a symlink to a device such as /dev/zero) is refused: opening a FIFO waits for
+        a writer forever, and reading a device never ends."""
         try:
-            return os.open(self._p(path), os.O_RDONLY)
+            fd = os.open(self._p(path), os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once: fstat tells
         except OSError as e:
             raise read_error(path, e) from e
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError as e:
+            os.close(fd)
+            raise read_error(path, e) from e
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, "a directory, not an object", path)
+            raise StorageIOError(f"cannot read {path}: not a regular file (a FIFO, device or socket in the store folder)",
+                                 hint="remove it from the store folder")
+        return fd
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
         fd = self._open_read(path)
@@ -104,9 +126,9 @@ class LocalBackend(Backend):
         # one thread can keep many reads in flight (a queue deep enough for an SSD or a
         # network disk) without a thread per read.
         try:
-            fd = os.open(self._p(path), os.O_RDONLY)
-        except OSError:
-            return  # a missing chunk is reported by the read itself
+            fd = self._open_read(path)
+        except (OSError, StorageIOError):
+            return  # a missing or unreadable chunk is reported by the read itself
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         except OSError:

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ckpt_store.storage.backends.base import Backend, Data, Entry, joined
+from ckpt_store.storage.backends.base import Backend, Data, Entry, joined, too_large
 from ckpt_store.storage.backends.s3_direct import GET, HEAD, LIST, PUT, ClientOnly, DirectRequests
 from ckpt_store.storage.backends.s3_errors import (
     ACCESS,
@@ -330,12 +330,20 @@ class S3Backend(Backend):
         n, size = _sizes(path, r.headers.get("content-length"), r.headers.get("content-range"))
         return direct.body(r, n), n, size
 
-    def read(self, path: str) -> bytes:
-        def get() -> bytes:
+    def read(self, path: str, limit: int | None = None) -> bytes:
+        def get() -> tuple[bytes, int]:
             body, n, _ = self._get(path)
-            return self._whole(body, n)
+            if body is None:
+                return b"", 0
+            if limit is not None and n > limit:
+                body.close()  # refused on the size the response announces, before its body is read
+                return b"", n
+            return self._whole(body, n), n
 
-        return self._call("read", path, get)
+        data, n = self._call("read", path, get)
+        if limit is not None and n > limit:
+            raise too_large(path, n, limit)
+        return data
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
         if length <= 0:

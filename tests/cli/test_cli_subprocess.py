@@ -341,7 +341,7 @@ def test_every_commands_help_teaches_by_example(command: str, env: dict[str, str
     """`ckpt COMMAND --help` ends its description with commands to copy, each a real use."""
     text = ok(command, "--help", store=None, env=env).stdout
     examples = text.split("Examples:", 1)[1].split("\n\n", 1)[0] if "Examples:" in text else ""
-    assert [line for line in examples.splitlines() if line.strip().startswith(f"ckpt ")], text
+    assert [line for line in examples.splitlines() if line.strip().startswith("ckpt ")], text
 
 
 @pytest.mark.parametrize("args", [["ls"], ["ls", "--json"], ["show", "demo/file"], ["show", "demo/file", "--json"]])

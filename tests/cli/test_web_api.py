@@ -315,3 +315,84 @@ def test_the_package_ships_every_template_and_asset():
     web = root / "cli" / "web"
     files = [p.relative_to(web).as_posix() for p in web.rglob("*") if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts]
     assert files and all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files), files
+
+
+
+def test_lineage_past_its_node_limit_draws_only_edges_between_its_nodes(tmp_path, monkeypatch):
+    """Refs naming more checkpoints than the graph keeps (2,000 by default; 2 here): a fine-tune
+    kept whose base was left out drew an edge from a box the page did not have, and /lineage
+    failed with a 500 for the whole store."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    g = torch.Generator().manual_seed(0)
+    base = {f"layer.{i}.w": torch.randn(8, generator=g) for i in range(3)}
+    store.push(base, "z/base")  # sorts after its fine-tunes: left out
+    for j in range(2):
+        store.push({**base, "layer.0.w": base["layer.0.w"] + j + 1}, f"a/ft{j}", base="z/base")
+    monkeypatch.setattr("ckpt_store.cli.web.graph.MAX_NODES", 2)
+    client = TestClient(create_app(store))
+    doc = client.get("/api/lineage").json()
+    ids = {n["id"] for n in doc["nodes"]}
+    assert doc["truncated"] and {n["label"] for n in doc["nodes"]} == {"a/ft0", "a/ft1"}
+    assert all(e["source"] in ids and e["target"] in ids for e in doc["edges"])
+    page = client.get("/lineage")
+    assert page.status_code == 200 and page.text.count('<g class="node ') == 2
+
+
+def test_one_damaged_manifest_leaves_the_rest_of_the_store_viewable(tmp_path):
+    """A manifest damaged on disk (its ref listed from the metadata index): the overview, the
+    lineage graph and every other checkpoint's page failed with it; now only its own page does,
+    and the overview names the damage, as `ckpt ls` does."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    g = torch.Generator().manual_seed(0)
+    base = {f"layer.{i}.w": torch.randn(8, generator=g) for i in range(3)}
+    store.push(base, "base")
+    store.push({**base, "layer.0.w": base["layer.0.w"] + 1}, "ft/step-1")  # named like a run's snapshot
+    store.push({**base, "layer.1.w": base["layer.1.w"] + 1}, "other")
+    path = tmp_path / "store" / store.objects.path("manifests", store.resolve("ft/step-1"))
+    data = bytearray(path.read_bytes())
+    data[10] ^= 1
+    path.write_bytes(bytes(data))
+    client = TestClient(create_app(store))
+    overview = client.get("/")
+    assert overview.status_code == 200 and "damaged: manifest" in overview.text
+    assert client.get("/lineage").status_code == 200
+    assert {n["label"] for n in client.get("/api/lineage").json()["nodes"]} == {"base", "other"}
+    assert client.get("/checkpoint/base").status_code == 200
+    bad = client.get("/api/checkpoint/ft/step-1")
+    assert bad.status_code == 400 and "corrupt" in bad.json()["error"]
+
+
+def test_odd_queries_headers_and_paths_get_answers_not_500s(store):
+    """Found by probing a running view: top=² (a digit to isdigit, not to int) and a 5,000-digit top
+    answered 500; Host "[::1]" (IPv6, no port) was refused on a view bound to ::1; and the page a
+    token opens from "//evil.example/" redirected the browser to another site."""
+    c = TestClient(create_app(store))
+    whole = c.get("/api/diff", params={"a": "base", "b": "ft/top"}).json()
+    for top in ("²", "9" * 5000, "-1"):
+        r = c.get("/api/diff", params={"a": "base", "b": "ft/top", "top": top})
+        assert r.status_code == 200 and r.json() == whole
+    v6 = TestClient(create_app(store, hosts=["::1", "localhost"]), base_url="http://[::1]:8765")
+    assert v6.get("/api/refs", headers={"host": "[::1]"}).status_code == 200
+    assert v6.get("/api/refs", headers={"host": "[::1]:8765"}).status_code == 200
+    assert v6.get("/api/refs", headers={"host": "[::2]"}).status_code == 400
+    token = "t" * 24
+    t = TestClient(create_app(store, token=token), base_url="http://127.0.0.1:8765")
+    for path in ("//evil.example/", "///evil.example/x"):
+        r = t.get(path, params={"token": token}, follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"].startswith("/") and not r.headers["location"].startswith("//")
+
+
+def test_a_run_whose_metrics_are_any_json_is_drawn(tmp_path):
+    """A snapshot's metrics come from the manifest (any JSON): an integer too large for a float
+    made the run page answer 500 (the chart and the table formatted it as a float)."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    for step, loss in ((1, 10**400), (2, 0.5), (3, True), (4, "nan?")):
+        mid = store.push({"w": torch.full((4,), float(step))}, f"r/step-{step}")
+        doc = json.loads(store.objects.get_manifest(mid))
+        doc["extra"] = {"snapshot": {"step": step, "metrics": {"loss": loss}}}
+        data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        store.refs_db.set(f"r/step-{step}", store.objects.put_manifest(data))
+    c = TestClient(create_app(store))
+    page = c.get("/run/r")
+    assert page.status_code == 200 and "0.5" in page.text and str(10**400) in page.text
+    assert c.get("/api/run/r").json()["snapshots"][0]["metrics"]["loss"] == 10**400

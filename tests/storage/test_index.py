@@ -78,9 +78,9 @@ class Counting:
         self.reads: list[str] = []
         real = store.backend.read
 
-        def read(path: str) -> bytes:
+        def read(path: str, limit: int | None = None) -> bytes:
             self.reads.append(path)
-            return real(path)
+            return real(path, limit)
 
         store.backend.read = read  # type: ignore[method-assign]
 

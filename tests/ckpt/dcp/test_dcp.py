@@ -332,3 +332,14 @@ def test_manager_refuses_what_it_cannot_restore_per_rank(tmp_path):
     assert r0["other_world"].startswith("SnapshotError") and "for 2 ranks, this group has 1" in r0["other_world"]
     assert r0["other_world_shared"] == "ok" and r0["other_world_opt_exact"]  # shared state still reshards
     assert ckpt.Store.open(url).verify().ok
+
+
+def test_shards_cover_a_tensor_once_or_the_layout_is_refused():
+    """Volumes that add up are not enough: shards must not overlap (a sweep along dimension 0)."""
+    from ckpt.dcp.format import Shard, _disjoint
+
+    grid = [Shard((r, c), (2, 2), f"s{r}{c}") for r in (0, 2) for c in (0, 2)]
+    assert _disjoint(grid) and _disjoint([Shard((i,), (1,), f"r{i}") for i in range(1000)])
+    assert not _disjoint([Shard((0, 0), (2, 4), "a"), Shard((0, 0), (2, 4), "b")])
+    assert not _disjoint([Shard((0, 0), (3, 2), "a"), Shard((2, 1), (2, 3), "b")])  # a corner shared
+    assert _disjoint([Shard((0, 0), (0, 4), "empty"), Shard((0, 0), (4, 4), "all")])

@@ -48,8 +48,8 @@ def test_reads_handed_off_stay_within_the_bound(monkeypatch):
     held = {"now": 0, "max": 0}
     real_read = backend.read
 
-    def read(path: str) -> bytes:
-        data = real_read(path)
+    def read(path: str, limit: int | None = None) -> bytes:
+        data = real_read(path, limit)
         if "/chunks/" in path:
             with lock:
                 held["now"] += 1
@@ -141,10 +141,10 @@ def test_remote_reads_fetch_the_delta_chains_too(monkeypatch):
     readers: list[str] = []
     real_read = backend.read
 
-    def read(path: str) -> bytes:
+    def read(path: str, limit: int | None = None) -> bytes:
         if "/chunks/" in path:
             readers.append(threading.current_thread().name)
-        return real_read(path)
+        return real_read(path, limit)
 
     monkeypatch.setattr(backend, "read", read)
     got = reopened.load("tuned")

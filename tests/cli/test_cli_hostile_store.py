@@ -1,0 +1,328 @@
+"""A store folder handed over by someone else (crafted, or damaged), read through the real
+``ckpt`` command: every command ends, in bounded memory, with one line on stderr where it
+fails, and nothing copied from it makes a good store unverifiable; and what a copy into a good
+store must send for the copy to stay readable there."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_cli_subprocess import CMD, fails, ok, run
+
+import ckpt
+from ckpt_store.storage.objects import object_id
+from ckpt_store.storage.records import canonical_json, sealed_json
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "CKPT_CACHE_DIR": str(tmp_path / "cache"), "NO_COLOR": "1"}
+
+
+@pytest.fixture
+def good(tmp_path: Path) -> Path:
+    """A store with ``base`` and its fine-tune ``ft/x`` (a delta of it), from a real torch model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "a.safetensors")
+    with torch.no_grad():
+        model[0].weight.add_(0.001)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "b.safetensors")
+    store = ckpt.Store.init(str(tmp_path / "good"))
+    store.push(str(tmp_path / "a.safetensors"), "base")
+    store.push(str(tmp_path / "b.safetensors"), "ft/x")
+    return tmp_path / "good"
+
+
+def republish(root: Path, ref: str, manifest: dict) -> str:
+    """Write ``manifest`` (a dict) into the store at ``root`` and a new, correctly sealed entry of
+    ``ref`` naming it: what anyone with write access to a store can do."""
+    data = canonical_json(manifest)
+    mid = object_id(data)
+    (root / "objects/manifests" / mid[:2]).mkdir(parents=True, exist_ok=True)
+    (root / "objects/manifests" / mid[:2] / mid).write_bytes(data)
+    entries = sorted((root / "refs" / ref).glob("*.ref"))
+    last = json.loads(entries[-1].read_bytes())
+    entry = {k: v for k, v in last.items() if k != "check"}
+    entry.update(seq=last["seq"] + 1, target=mid, time=time.time())
+    (root / "refs" / ref / f"{entry['seq']:010d}.ref").write_bytes(sealed_json(entry))
+    return mid
+
+
+def manifest_of(root: Path, ref: str) -> dict:
+    return json.loads(ckpt.Store.open(str(root)).objects.get_manifest(ckpt.Store.open(str(root)).resolve(ref)))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_a_fifo_or_a_device_in_the_store_folder_is_refused_not_read(kind, good, env):
+    """A ref entry that is a FIFO made every command wait forever for a writer; one that is a
+    symlink to /dev/zero made them read until memory ran out (a MemoryError traceback)."""
+    entry = good / "refs/ft/x/0000000002.ref"
+    if kind == "fifo":
+        os.mkfifo(entry)
+    else:
+        entry.symlink_to("/dev/zero")
+    for args in (["ls"], ["show", "ft/x"], ["log", "ft/x"], ["verify"], ["gc", "--dry-run"]):
+        line = fails(*args, store=good, env=env)
+        assert "not a regular file" in line and "0000000002.ref" in line, line
+    ok("show", "base", store=good, env=env)
+
+
+@pytest.mark.parametrize("lineage", [
+    {"parent": None, "base": None, "merge": {"inputs": 5, "method": "linear"}},
+    {"parent": None, "base": {"a": 1}, "merge": None},
+    {"parent": 7, "base": None, "merge": None},
+    {"parent": None, "base": None, "merge": {"inputs": ["zz"], "base": [1], "params": "x"}},
+    {"parent": None, "base": None, "merge": {"inputs": ["a" * 64, "b" * 64], "input_refs": ["x"], "method": "linear"}},
+])
+def test_a_lineage_of_the_wrong_types_is_a_damaged_manifest(lineage, good, tmp_path, env):
+    """`ckpt show` of a manifest whose lineage held a number where ids go crashed with a
+    traceback, and copying it made a good store's web lineage page fail; it is now a damaged
+    manifest: one line from every command, and copy leaves the good store as it was."""
+    m = manifest_of(good, "ft/x")
+    m["lineage"] = lineage
+    republish(good, "ft/x", m)
+    for args in (["show", "ft/x"], ["show", "ft/x", "--json"], ["pull", "ft/x", tmp_path / "out.safetensors"]):
+        line = fails(*args, store=good, env=env)
+        assert "lineage" in line or "merge" in line, line
+    dest = tmp_path / "dest"
+    ckpt.Store.init(str(dest))
+    fails("copy", "--to", dest, "ft/x", store=good, env=env)
+    assert ckpt.Store.open(str(dest)).refs() == {} and not (tmp_path / "out.safetensors").exists()
+
+
+def _swap_chunks(m: dict) -> None:
+    """0.bias names 0.weight's chunks and back: every chunk intact, each given another's length."""
+    a, b = m["tensors"][0], m["tensors"][1]
+    assert a["nbytes"] != b["nbytes"]
+    a["chunks"], b["chunks"] = b["chunks"], a["chunks"]
+    for t in (a, b):
+        t.pop("delta_bases", None)
+        t.pop("codecs", None)
+
+
+def _one_chunk_twice(m: dict) -> None:
+    """0.weight names 0.bias's chunk: one chunk id given two lengths within one manifest."""
+    a, b = m["tensors"][0], m["tensors"][1]
+    b["chunks"] = list(a["chunks"])
+    for t in (a, b):
+        t.pop("delta_bases", None)
+        t.pop("codecs", None)
+
+
+def _swap_order(m: dict) -> None:
+    """The first two tensors listed the other way round: the file's stored header places them otherwise."""
+    m["tensors"][0], m["tensors"][1] = m["tensors"][1], m["tensors"][0]
+
+
+@pytest.mark.parametrize("damage", [_swap_chunks, _one_chunk_twice, _swap_order])
+def test_a_manifest_that_disagrees_with_its_chunks_is_named_by_verify_and_never_copied(damage, good, tmp_path, env):
+    """Intact chunks, a manifest (hashing to its id) that disagrees with them. Before: `ckpt verify`
+    said ok where another checkpoint gave the chunks their right lengths, `ckpt copy` put the
+    checkpoint into a good store that then held a ref that could not load, and with the tensors
+    listed out of order `ckpt pull` wrote, exit 0, a file whose tensors were not the ones
+    `ckpt load` and `ckpt diff` read."""
+    m = manifest_of(good, "ft/x")
+    damage(m)
+    republish(good, "ft/x", m)
+    r = run("verify", store=good, env=env)
+    assert r.returncode == 1 and "DAMAGED ft/x" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    fails("pull", "ft/x", tmp_path / "out.safetensors", store=good, env=env)
+    assert not (tmp_path / "out.safetensors").exists()
+    # into a store that has none of it, and into one that has every chunk already (base and ft/x@1)
+    empty, full = tmp_path / "empty", tmp_path / "full"
+    ckpt.Store.init(str(empty))
+    shutil.copytree(good, full)
+    shutil.rmtree(full / "refs/ft")
+    for dest, refs in ((empty, set()), (full, {"base"})):
+        fails("copy", "--to", dest, "ft/x", store=good, env=env)
+        assert set(ckpt.Store.open(str(dest)).refs()) == refs
+        ok("verify", store=dest, env=env)
+
+
+@pytest.mark.parametrize("poison", ["info", "chunks"])
+def test_a_crafted_metadata_index_is_read_past_not_trusted(poison, good, env):
+    """The metadata index is a cache that anyone writing a store folder can write, sealed and hashed
+    as ckpt does. Summaries of the wrong shape made `ckpt ls` and `ckpt du` crash with a traceback
+    (and the web overview answer 500); they are read again from the manifests instead."""
+    store = ckpt.Store.open(str(good))
+    st = store.index.load(chunks=True)
+    for mid in st.info:
+        if poison == "info":
+            st.info[mid] = {"bytes": "x", "tensors": [1], "message": {"a": 1}, "created": "y", "source": 5, "base": {"q": 1}}
+        else:
+            st.chunks[mid] = [st.chunks[mid][0], {"lengths": "x", "codecs": 5}]
+    st.max_gen += 1
+    store.index.write_snapshot(st)
+    plain = {**env, "CKPT_INDEX": "0"}  # what the manifests say
+    for args in (["ls"], ["du"]):
+        assert json.loads(ok(*args, "--json", store=good, env=env).stdout) == json.loads(ok(*args, "--json", store=good, env=plain).stdout)
+
+
+def test_dcp_shards_that_overlap_are_refused_not_consolidated_from_uninitialised_memory(tmp_path, env):
+    """A distributed checkpoint whose two shards both hold rows 0-1 of a 4x4 tensor (their volumes add
+    up to the tensor's): pull wrote rows 2-3 from uninitialised memory, exit 0, load returned them,
+    verify said ok. Found by republishing a DCP manifest with overlapping shards."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt.dcp
+
+    root = tmp_path / "store"
+    store = ckpt.Store.init(str(root))
+    w = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP warns, and saves in this process
+        dcp.save({"w": w, "b": torch.ones(3)}, storage_writer=ckpt.dcp.Writer(str(root), "one/a"))
+    m = manifest_of(root, "one/a")
+    helper = json.loads(store.objects.get_manifest(store.push({"top": w[:2].contiguous()}, "helper")))
+    entry = next(t for t in m["tensors"] if t["name"] == "w")
+    m["tensors"] = [t for t in m["tensors"] if t["name"] != "w"]
+    for name in ("wa", "wb"):  # both hold rows 0-1; no shard holds rows 2-3
+        m["tensors"].append({**entry, "name": name, "shape": [2, 4], "nbytes": 32, "chunks": helper["tensors"][0]["chunks"],
+                             "codecs": helper["tensors"][0].get("codecs", [0]), "delta_bases": [[]]})
+    m["extra"]["dcp"]["items"]["w"]["shards"] = [{"entry": n, "offsets": [0, 0], "sizes": [2, 4]} for n in ("wa", "wb")]
+    republish(root, "one/a", m)
+    assert "exactly once" in fails("pull", "one/a", tmp_path / "out.safetensors", store=root, env=env)
+    assert not (tmp_path / "out.safetensors").exists()
+    r = run("verify", "one/a", store=root, env=env)
+    assert r.returncode == 1 and "exactly once" in r.stderr, r.stderr
+    with pytest.raises(ckpt.CkptError, match="exactly once"):
+        store.load("one/a")
+
+
+def _limited(args: list[str | Path], store: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``ckpt --store STORE ARGS`` with its address space capped at 4 GiB (a read of a 50 GB file fails
+    fast with MemoryError instead of exhausting the machine)."""
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    return subprocess.run([*CMD, "--store", str(store), *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=120, preexec_fn=cap)
+
+
+@pytest.mark.parametrize("which", ["chunk", "manifest", "ref", "index"])
+def test_a_sparse_50_gb_file_in_a_store_folder_is_refused_by_its_size(which, good, tmp_path, env):
+    """A file of a store folder extended to 50 GB (sparse: it costs no disk) was read whole into memory
+    by every command that met it (a MemoryError traceback under a 4 GiB cap, the machine's memory
+    without one). Each read is now refused by the file's size, as damage."""
+    store = ckpt.Store.open(str(good))
+    path = {"chunk": lambda: good / store.objects.path("chunks", store.manifest("base").tensors[0].chunks[0]),
+            "manifest": lambda: good / store.objects.path("manifests", store.resolve("base")),
+            "ref": lambda: next((good / "refs/base").glob("*.ref")),
+            "index": lambda: next((good / "index").glob("*.snap"))}[which]()
+    os.truncate(path, 50 << 30)
+    for args in (["ls"], ["du"], ["verify"], ["show", "base"], ["pull", "base", tmp_path / "out.safetensors"],
+                 ["copy", "--to", tmp_path / "dest", "base"], ["gc", "--dry-run"]):
+        if args[0] == "copy":
+            ckpt.Store.init(str(tmp_path / "dest"))
+        r = _limited(args, good, env)
+        assert "Traceback" not in r.stderr and "MemoryError" not in r.stderr, (args, r.stderr[-2000:])
+        if which == "index":  # a cache: read as damaged, rebuilt from the refs and manifests
+            assert r.returncode == 0, (args, r.stderr)
+        else:
+            assert r.returncode in (0, 1) and (r.returncode == 0 or "more than any valid object" in r.stderr), (args, r.stderr)
+    assert _limited(["verify"], good, env).returncode == (0 if which == "index" else 1)
+
+
+def test_a_copy_onto_chunks_stored_there_as_deltas_stays_readable_after_gc(good, tmp_path, env):
+    """The destination held the fine-tune's chunks as deltas against its base (pushed there); the
+    copied checkpoint (pushed elsewhere without a base, so it names no delta bases) was not sent
+    them. Once base and ft/x were removed there, gc deleted the bases and the copy could not be
+    read: data lost after ordinary commands, and verify had said ok. Found by copying, removing
+    and collecting."""
+    other = tmp_path / "other"
+    ckpt.Store.init(str(other))
+    ok("push", tmp_path / "b.safetensors", "mine", "-m", "pushed where the base is not", store=other, env=env)
+    ok("copy", "--to", good, "mine", store=other, env=env)
+    ok("verify", store=good, env=env)
+    ok("rm", "base", "ft/x", store=good, env=env)
+    ok("gc", "--grace", "0", store=good, env=env)
+    ok("verify", store=good, env=env)
+    ok("pull", "mine", tmp_path / "out.safetensors", store=good, env=env)
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def test_verify_names_a_delta_whose_base_no_manifest_naming_it_keeps(good, tmp_path, env):
+    """A store left that way by a copy before the fix above: verify names it while it is still
+    readable, and --repair-from writes the chunk whole, so that a gc can no longer break it."""
+    m = manifest_of(good, "ft/x")
+    for t in m["tensors"]:
+        t.pop("delta_bases", None)  # names ft/x's chunks, not the base chunks they are deltas of
+    m["message"] = "copied the old way"
+    store = ckpt.Store.open(str(good))
+    data = canonical_json(m)
+    store.refs_db.set("mine", store.objects.put_manifest(data))
+    r = run("verify", store=good, env=env)
+    assert r.returncode == 1 and "DAMAGED mine" in r.stderr and "a gc would delete that base" in r.stderr, r.stderr
+    source = tmp_path / "source"
+    ckpt.Store.init(str(source))
+    ok("push", tmp_path / "b.safetensors", "ft", store=source, env=env)
+    ok("verify", "--repair-from", source, store=good, env=env)
+    ok("rm", "base", "ft/x", store=good, env=env)
+    ok("gc", "--grace", "0", store=good, env=env)
+    ok("pull", "mine", tmp_path / "out.safetensors", store=good, env=env)
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def test_a_push_onto_a_ref_whose_last_entry_is_numbered_9999999999_fails_instead_of_vanishing(good, tmp_path, env):
+    """Entries are named by 10 digits: after a (crafted or damaged) entry 9999999999, a push wrote
+    entry 10000000000, which no reader lists. It said 'base -> ID' and exited 0; the ref did not
+    move, and the checkpoint pushed was left for gc to delete."""
+    last = json.loads((good / "refs/base/0000000001.ref").read_bytes())
+    entry = {k: v for k, v in last.items() if k != "check"}
+    entry.update(seq=9_999_999_999, time=time.time())
+    (good / "refs/base/9999999999.ref").write_bytes(sealed_json(entry))
+    before = ckpt.Store.open(str(good)).resolve("base")
+    assert "cannot be updated" in fails("push", tmp_path / "b.safetensors", "base", store=good, env=env)
+    assert ckpt.Store.open(str(good)).resolve("base") == before
+    assert sorted(p.name for p in (good / "refs/base").iterdir()) == ["0000000001.ref", "9999999999.ref"]
+
+
+def test_a_copy_replaces_a_chunk_whose_header_is_damaged_at_the_destination(good, tmp_path, env):
+    """A chunk the destination holds, its header damaged there: the copy sends the source's blob in
+    its place (checked on the way) instead of pointing a ref at a checkpoint it cannot read."""
+    dest = tmp_path / "dest"
+    shutil.copytree(good, dest)
+    shutil.rmtree(dest / "refs/ft")
+    store = ckpt.Store.open(str(dest))
+    chunk = dest / store.objects.path("chunks", store.manifest("base").tensors[1].chunks[0])
+    blob = bytearray(chunk.read_bytes())
+    blob[0] ^= 0xFF  # the magic
+    chunk.write_bytes(bytes(blob))
+    ok("copy", "--to", dest, "ft/x", store=good, env=env)
+    ok("verify", store=dest, env=env)
+
+
+def test_a_chunk_replaced_by_a_copy_is_written_whole_so_no_checkpoint_there_needs_more(good, tmp_path, env):
+    """ft/x's 0.weight is stored in `good` as a delta against base's, and in `other` as a delta against
+    another base: the copy replaces the chunk (its base there is not one the copied checkpoint names),
+    and must not make good's own ft/x depend on other's base, which only the copy names."""
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "a.safetensors"))
+    near = {**a, "0.weight": (a["0.weight"] + 0.0005).contiguous()}
+    save_file(near, tmp_path / "near.safetensors")
+    other = tmp_path / "other"
+    ckpt.Store.init(str(other))
+    ok("push", tmp_path / "near.safetensors", "near", store=other, env=env)
+    ok("push", tmp_path / "b.safetensors", "mine", "--base", "near", store=other, env=env)
+    theirs = ckpt.Store.open(str(other))
+    assert any(t.delta_bases and t.delta_bases[0] for t in theirs.manifest("mine").tensors)  # a delta there too
+    ok("copy", "--to", good, "mine", store=other, env=env)
+    ok("verify", store=good, env=env)
+    ok("rm", "mine", store=good, env=env)
+    ok("gc", "--grace", "0", "--no-history", store=good, env=env)
+    ok("verify", store=good, env=env)
+    ok("pull", "ft/x", tmp_path / "out.safetensors", store=good, env=env)
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
