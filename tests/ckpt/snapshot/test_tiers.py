@@ -66,14 +66,20 @@ def _train(tmp_path, steps, **kw):
     state = {"model": model, "optim": opt, "step": 0}
     kw.setdefault("local", str(tmp_path / "local"))
     mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
-    for step in range(1, steps + 1):
+    _steps(mgr, state, range(1, steps + 1))
+    mgr.wait()
+    return mgr, model, opt
+
+
+def _steps(mgr, state, steps):
+    """Train ``state`` (model, optim) one step each of ``steps``, offering each to ``mgr``."""
+    model, opt = state["model"], state["optim"]
+    for step in steps:
         model(torch.randn(8, 256)).square().mean().backward()
         opt.step()
         opt.zero_grad()
         state["step"] = step
         mgr.maybe_save(step, state)
-    mgr.wait()
-    return mgr, model, opt
 
 
 def _fresh(tmp_path, **kw):
@@ -141,12 +147,7 @@ def test_a_run_taken_back_to_an_earlier_snapshot_restarts_on_its_new_timeline(tm
     mgr, model, opt = _train(tmp_path, 20, **kw)
     state = {"model": model, "optim": opt, "step": 0}
     assert mgr.restore(state, 8) == 8
-    for step in (9, 10):
-        model(torch.randn(8, 256)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        state["step"] = step
-        mgr.maybe_save(step, state)
+    _steps(mgr, state, (9, 10))
     mgr.close()
     want = _bits(model)
     assert mgr.local_tier.steps == [10]
