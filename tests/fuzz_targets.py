@@ -122,12 +122,12 @@ def seeds(target: str) -> list[bytes]:
 
     header = b'{"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},' \
              b'"b":{"dtype":"BF16","shape":[1,2],"data_offsets":[8,12]}}'
-    ids = ["ab" * 32, "cd" * 32, "ef" * 32]
+    ids = ["ab" * 32, "cd" * 32, "ef" * 32, "12" * 32]
     manifest = (
         '{"chunk_size":16,"created":1.5,"extra":{"step":3},"files":[{"chunks":["' + ids[0] + '"],"head_size":16,'
         '"kind":"safetensors","metadata":null,"path":"model.safetensors","size":40}],"format":"ckpt-manifest",'
         '"lineage":{"base":null,"merge":null,"parent":null},"message":"m","metadata":{},"source":"safetensors",'
-        '"tensors":[{"chunks":["' + ids[1] + '","' + ids[2] + '"],"codecs":[1,3],"delta_bases":[[],["' + ids[0] + '"]],'
+        '"tensors":[{"chunks":["' + ids[1] + '","' + ids[2] + '"],"codecs":[1,3],"delta_bases":[[],["' + ids[3] + '"]],'
         '"dtype":"F32","file":"model.safetensors","name":"w","nbytes":24,"shape":[2,3]}],"version":1}'
     ).encode()
     from ckpt.codecs.chunk import encode_chunk
