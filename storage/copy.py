@@ -209,8 +209,9 @@ def _present(dst: ObjectStore, kind: str, ids: Iterable[str]) -> set[str]:
 
 
 def copy_chunks(src: ObjectStore, dst: ObjectStore, ids: Iterable[str], *, check_chunk: ChunkCheck,
-                concurrency: int = 8, recode: ChunkRecode | None = None) -> CopyReport:
-    """Copy the chunks ``ids`` (and the bases their blobs name) that ``dst`` lacks, verified, as stored.
+                concurrency: int = 8, recode: ChunkRecode | None = None, resend: Iterable[str] = ()) -> CopyReport:
+    """Copy the chunks ``ids`` (and the bases their blobs name) that ``dst`` lacks, verified, as stored;
+    ``resend``: chunks ``dst`` holds that are sent all the same (see :func:`copy_checkpoints`).
 
     For a writer about to commit a manifest at ``dst`` that names chunks it knows are in
     ``src`` (a snapshot reusing chunks of a snapshot in another tier): call this first,
@@ -218,7 +219,7 @@ def copy_chunks(src: ObjectStore, dst: ObjectStore, ids: Iterable[str], *, check
     """
     ids = set(ids)
     report = CopyReport()
-    present = _present(dst, "chunks", ids)
+    present = _present(dst, "chunks", ids) - set(resend)
     report.chunks_present = len(present)
     _Sender(src, dst, check_chunk, concurrency, report, NullProgress(), {}, recode).chunks(ids - present, {}, present)
     return report

@@ -89,7 +89,7 @@ def _wrong_length(cid: str, claimed: int, held: int) -> StoreFormatError:
                             "is damaged, and would not load at the destination", hint="run `ckpt verify` on the source")
 
 
-def _check_present(dst: Store, lengths: dict[str, int], allowed: dict[str, frozenset[str]]) -> set[str]:
+def _check_present(dst: Store, lengths: dict[str, int | None], allowed: dict[str, frozenset[str]]) -> set[str]:
     """The chunks the destination holds that must be sent all the same, as the source stores them
     (each checked on the way, against the manifests' lengths too), replacing the blob there:
     one whose header there (a small read; a request on S3, as a push pays for a chunk it reuses)
@@ -104,8 +104,10 @@ def _check_present(dst: Store, lengths: dict[str, int], allowed: dict[str, froze
             return None  # sent, and checked on the way
         try:
             h = parse_header(head, cid)
-            if h.length != lengths[cid] or h.base is None:
-                return cid if h.length != lengths[cid] else None
+            if lengths[cid] is not None and h.length != lengths[cid]:
+                return cid
+            if h.base is None:
+                return None
             _, chain = stored_chain(dst.objects, cid)
         except CkptError:  # damaged there, or a base missing or damaged there: send ours
             return cid
@@ -209,9 +211,20 @@ def _concurrency(src: Store, dst: Store) -> int:
     return max(src.settings.workers, src.backend.concurrency, dst.backend.concurrency)
 
 
-def copy_chunks(src: Store, dst: Store, ids: Iterable[str], *, recode: bool = False) -> CopyReport:
+def copy_chunks(src: Store, dst: Store, ids: Iterable[str], *, recode: bool = False,
+                named: Iterable[str] | None = None) -> CopyReport:
     """Copy the chunks ``ids`` that ``dst`` lacks from ``src``, as stored (``recode``: raw ones
     compressed, :func:`raw_recoder`), each decoded and re-hashed first; bases of delta chunks come
-    along. Nothing else is written."""
+    along. Nothing else is written.
+
+    ``named``: every chunk the manifest about to be committed at ``dst`` names (delta bases
+    included: gc's rule). A chunk ``dst`` holds as a delta against a chunk outside it is sent
+    again, whole, and so is one sent that is such a delta (:func:`_check_present`); without
+    ``named``, every delta is."""
+    ids = set(ids)
+    keep = frozenset(named) if named is not None else frozenset()
+    allowed = dict.fromkeys(ids, keep)
+    resend = _check_present(dst, dict.fromkeys(ids), allowed)
     return storage_copy.copy_chunks(src.objects, dst.objects, ids, check_chunk=chunk_checker(src, dst),
-                                    concurrency=_concurrency(src, dst), recode=raw_recoder(dst) if recode else None)
+                                    concurrency=_concurrency(src, dst), resend=resend,
+                                    recode=_whole_where_unnamed(src, dst, allowed, raw_recoder(dst) if recode else None, resend))

@@ -225,3 +225,34 @@ def test_a_copy_never_publishes_a_ref_whose_objects_a_gc_took(tmp_path, monkeypa
     copy_refs(src, dst, ["ft"])
     assert taken and dst.verify().ok
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dst.load("ft").values(), src.load("ft").values()))
+
+
+def test_chunks_copied_before_a_commit_are_not_left_as_deltas_against_what_it_does_not_name(tmp_path):
+    """A snapshot persisted by ranks (copy_chunks, then the manifest committed): a chunk the durable
+    store already held as a delta against a chunk of another checkpoint was skipped as present.
+    Once that checkpoint was removed there, gc deleted the base and the snapshot could not load."""
+    import torch
+
+    from ckpt.store.copy import copy_chunks
+    from ckpt.transfer.pipeline import stored_chain
+    from ckpt_store.storage.commit import commit
+
+    settings = ckpt.Settings.from_env(chunk_size=64 * 1024)
+    g = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(256, 512, generator=g)}
+    tuned = {"w": base["w"] + 1e-3 * torch.randn(256, 512, generator=g)}
+    dst = ckpt.Store.init(str(tmp_path / "dst"), settings=settings)
+    dst.push(base, "base")
+    dst.push(tuned, "ft", base="base")
+    src = ckpt.Store.init(str(tmp_path / "src"), settings=settings)
+    mid = src.push(tuned, "ft", delta=False)
+    data = src.objects.get_manifest(mid)
+    ids = referenced_chunks(data)
+    assert any(stored_chain(dst.objects, c)[1] for c in ids)  # held at dst as deltas against base's chunks
+    copy_chunks(src, dst, ids, named=ids)
+    commit(dst.objects, dst.refs_db, data, "mine")
+    dst.remove("base")
+    dst.remove("ft")
+    dst.gc(grace_s=0)
+    assert dst.load("mine")["w"].view(torch.int32).equal(tuned["w"].view(torch.int32))
+    assert dst.verify().ok
