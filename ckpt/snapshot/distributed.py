@@ -314,7 +314,7 @@ class DistributedSnapshots:
                 rank, (err, _) = next(iter(sorted(e.failures.items())))
             first = (str(err).strip().splitlines() or [""])[0][:300]
             raise SnapshotError(f"restore of step {step} failed on rank {rank}: {type(err).__name__}: {first}",
-                                hint="the state was partly overwritten: restore again, or from another snapshot") from e
+                                hint="the state may be partly overwritten: restore again, or from another snapshot") from e
         for fqn, value in planner.values.items():  # tensors were read in place
             set_at(targets, paths[fqn], value)
         for key, obj in state.items():
