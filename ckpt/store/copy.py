@@ -108,10 +108,10 @@ def _check_present(dst: Store, lengths: dict[str, int | None], allowed: dict[str
                 return cid
             if h.base is None:
                 return None
-            _, chain = stored_chain(dst.objects, cid)
+            _, below = stored_chain(dst.objects, h.base)  # the header of cid itself is read already
         except CkptError:  # damaged there, or a base missing or damaged there: send ours
             return cid
-        return None if set(chain) <= allowed[cid] else cid
+        return None if {h.base, *below} <= allowed[cid] else cid
 
     ids = sorted(dst.objects.has_many("chunks", lengths))  # only those there (one listing per directory on S3)
     if dst.backend.concurrency <= 1 or len(ids) <= 1:

@@ -51,7 +51,7 @@ from ckpt_store.storage.backends.s3_errors import (
     secrets_in_env,
     transient,
 )
-from ckpt_store.storage.backends.watchdog import MIN_RATE, allowed, deadline, socket_of
+from ckpt_store.storage.backends.watchdog import MIN_RATE, allowed, socket_of, watch
 from ckpt_store.storage.errors import StorageIOError
 from ckpt_store.storage.retry import RetryPolicy, call_with_retries
 
@@ -89,9 +89,7 @@ class ObjectReader:
         self._direct = _socket_reader(body)
         # The whole body by then, or its socket is shut down and the read reports a timeout.
         self._limit = allowed(patience, size)
-        sock = socket_of(getattr(getattr(body, "_raw_stream", None), "_fp", None))
-        self._watch = deadline(sock, self._limit)
-        self._expired = self._watch.__enter__()
+        self._deadline = watch(socket_of(getattr(getattr(body, "_raw_stream", None), "_fp", None)), self._limit)
 
     def readinto(self, buf: memoryview) -> int:
         """Fill ``buf`` from the body; returns the bytes read (short only at the end of the body)."""
@@ -111,8 +109,20 @@ class ObjectReader:
             self._timed_out()
         return got
 
+    def read_all(self) -> bytes:
+        """The whole body, as botocore builds it (one copy off the socket); short is an error."""
+        try:
+            data = self._body.read()
+        except Exception:
+            self._timed_out()
+            raise
+        if len(data) != self.size:
+            self._timed_out()
+            raise ConnectionResetError(f"short body: {len(data)} of {self.size} bytes")
+        return data  # type: ignore[no-any-return]
+
     def _timed_out(self) -> None:
-        if self._expired[0]:
+        if self._deadline.fired:
             raise TimeoutError(f"a body of {self.size} bytes was not in after {self._limit:.1f} s "
                                f"(it came slower than {MIN_RATE >> 10} KiB/s)")
 
@@ -125,9 +135,9 @@ class ObjectReader:
             raise ConnectionResetError(f"reading the response body: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
-        self._watch.__exit__(None, None, None)
+        self._deadline.cancel()
         raw = getattr(self._body, "_raw_stream", None)
-        if self._direct is not None and self._direct.isclosed() and raw is not None and not self._expired[0]:
+        if self._direct is not None and self._direct.isclosed() and raw is not None and not self._deadline.fired:
             raw.release_conn()  # read to its end: the connection goes back to the pool
         self._body.close()  # otherwise closes the connection: a body left half read cannot be reused
 
@@ -363,10 +373,7 @@ class S3Backend(Backend):
             return b""
         reader = self._reader(body, n)
         try:
-            buf = bytearray(n)
-            if reader.readinto(memoryview(buf)) != n:
-                raise ConnectionResetError(f"short body: fewer than {n} bytes")
-            return bytes(buf)
+            return reader.read_all()
         finally:
             reader.close()
 

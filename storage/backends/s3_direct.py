@@ -51,7 +51,7 @@ from typing import Any, NamedTuple, TypeVar
 from urllib.parse import quote, unquote_plus
 from xml.etree import ElementTree
 
-from ckpt_store.storage.backends.watchdog import allowed, deadline, socket_of
+from ckpt_store.storage.backends.watchdog import allowed, socket_of, watch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -240,15 +240,17 @@ class DirectRequests:
         except ValueError:
             size = limit
         within = allowed(self._patience, size)
-        with deadline(socket_of(getattr(response.raw, "_fp", None)), within) as expired:
-            try:
-                data = response.raw.read(limit + 1)
-            except BaseException:
-                response.raw.close()
-                if expired[0]:
-                    raise TimeoutError(f"an answer was not in after {within:.1f} s") from None
-                raise
-        if expired[0]:
+        d = watch(socket_of(getattr(response.raw, "_fp", None)), within)
+        try:
+            data = response.raw.read(limit + 1)
+        except BaseException:
+            response.raw.close()
+            if d.fired:
+                raise TimeoutError(f"an answer was not in after {within:.1f} s") from None
+            raise
+        finally:
+            d.cancel()
+        if d.fired:
             response.raw.close()
             raise TimeoutError(f"an answer was not in after {within:.1f} s")
         if len(data) > limit:

@@ -2,7 +2,7 @@
 
 A read timeout bounds each ``recv``, not a response: a server that sends a few bytes
 every second never trips it, and would hold a GET (and the pull waiting on it) for days.
-:func:`deadline` registers a socket with one shared thread that shuts it down when its
+:func:`watch` registers a socket with one shared thread that shuts it down when its
 time is up; the blocked read then returns short or fails, and the caller reports a
 timeout (which is retried like any other).
 """
@@ -14,8 +14,7 @@ import itertools
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 # A response that arrives slower than this, once the client's read timeout has passed, is a
@@ -29,45 +28,52 @@ def allowed(patience: float, size: int) -> float:
     return patience + size / MIN_RATE
 
 
+@dataclass(eq=False)
+class Deadline:
+    """One response's deadline: :meth:`cancel` once it is read; ``fired`` says whether its socket
+    was shut down first (then whatever the read got failed because of it)."""
+
+    when: float
+    sock: socket.socket | None
+    fired: bool = False
+    done: bool = False
+
+    def cancel(self) -> None:
+        with _WATCHDOG.cond:
+            self.done = True  # the watchdog skips it (removed from its heap lazily)
+
+
 class _Watchdog:
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, socket.socket, list[bool]]] = []
+        self.cond = threading.Condition()
+        self._heap: list[tuple[float, int, Deadline]] = []
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
 
-    def add(self, when: float, sock: socket.socket) -> tuple[int, list[bool]]:
-        fired = [False]
-        with self._cond:
-            n = next(self._ids)
-            heapq.heappush(self._heap, (when, n, sock, fired))
+    def add(self, d: Deadline) -> None:
+        with self.cond:
+            heapq.heappush(self._heap, (d.when, next(self._ids), d))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ckpt-response-deadlines", daemon=True)
                 self._thread.start()
-            self._cond.notify()
-        return n, fired
-
-    def cancel(self, entry: tuple[int, list[bool]]) -> None:
-        with self._cond:
-            entry[1].append(True)  # marks it done: the thread skips it (removed lazily)
+            self.cond.notify()
 
     def _run(self) -> None:
-        with self._cond:
+        with self.cond:
             while True:
-                while self._heap and len(self._heap[0][3]) > 1:
-                    heapq.heappop(self._heap)  # done before its time
+                while self._heap and self._heap[0][2].done:
+                    heapq.heappop(self._heap)  # read before its time
                 if not self._heap:
-                    self._cond.wait()
+                    self.cond.wait()
                     continue
-                when, _, sock, fired = self._heap[0]
-                wait = when - time.monotonic()
+                wait = self._heap[0][0] - time.monotonic()
                 if wait > 0:
-                    self._cond.wait(wait)
+                    self.cond.wait(wait)
                     continue
-                heapq.heappop(self._heap)
-                fired[0] = True
+                _, _, d = heapq.heappop(self._heap)
+                d.fired = True
                 try:
-                    sock.shutdown(socket.SHUT_RDWR)
+                    d.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
                 except OSError:
                     pass
 
@@ -75,18 +81,13 @@ class _Watchdog:
 _WATCHDOG = _Watchdog()
 
 
-@contextmanager
-def deadline(sock: socket.socket | None, seconds: float) -> Iterator[list[bool]]:
-    """Shut ``sock`` down unless the block ends within ``seconds``. Yields a list whose first
-    item turns True if it was (then whatever the block read failed because of it)."""
-    if sock is None:
-        yield [False]
-        return
-    entry = _WATCHDOG.add(time.monotonic() + seconds, sock)
-    try:
-        yield entry[1]
-    finally:
-        _WATCHDOG.cancel(entry)
+def watch(sock: socket.socket | None, seconds: float) -> Deadline:
+    """Shut ``sock`` down unless the returned deadline is cancelled within ``seconds`` (nothing
+    to watch where the socket is not known)."""
+    d = Deadline(time.monotonic() + seconds, sock, done=sock is None)
+    if sock is not None:
+        _WATCHDOG.add(d)
+    return d
 
 
 def socket_of(response: Any) -> socket.socket | None:
