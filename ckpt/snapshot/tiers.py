@@ -278,12 +278,12 @@ def _apart(path: str, durable: Store) -> None:
     """Refuse ``path`` as a tier where it is the durable store, or in or around it (checked
     before the tier's folder is made)."""
     from ckpt.snapshot.run import SnapshotError
+    from ckpt.store.destination import inside, store_root
 
     real = os.path.realpath(path)
-    droot = durable.backend.local_path(".")
+    droot = store_root(durable)
     if droot is not None:
-        droot = os.path.realpath(droot)
-        if real == droot or real.startswith(droot.rstrip(os.sep) + os.sep) or droot.startswith(real.rstrip(os.sep) + os.sep):
+        if inside(real, droot) or inside(droot, real):
             raise SnapshotError(f"local={path} is the durable store {droot}, or lies in or around it",
                                 hint="give the local tier a path of its own (it prunes and collects what it holds)")
 

@@ -47,12 +47,14 @@ if TYPE_CHECKING:
 _TMP = ".ckpt-tmp-"
 
 
-def _store_root(store: Store) -> str | None:
+def store_root(store: Store) -> str | None:
+    """The real path of a local store's folder (None for a remote store)."""
     root = store.backend.local_path(".")
     return os.path.realpath(root) if root is not None else None
 
 
-def _inside(path: str, root: str) -> bool:
+def inside(path: str, root: str) -> bool:
+    """Whether real path ``path`` is ``root`` or lies below it."""
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
@@ -60,8 +62,8 @@ def _check_outside_stores(path: str, store: Store) -> None:
     """Refuse ``path`` (a file or directory to be written) inside any local store."""
     outer = enclosing_store(path)
     if outer is None:
-        root = _store_root(store)
-        if root is not None and _inside(os.path.realpath(path), root):
+        root = store_root(store)
+        if root is not None and inside(os.path.realpath(path), root):
             outer = root  # the store pulled from, even before its config is readable
     if outer is not None:
         raise DestinationError(f"{path} is inside the store at {outer}; a pull never writes there",
@@ -115,8 +117,8 @@ def dir_targets(store: Store, dest: str, paths: Sequence[str], overwrite: bool) 
             raise StoreFormatError(f"this checkpoint lists {p!r} twice, or as both a file and a directory")
         seen.add(p)
     _check_outside_stores(dest, store)
-    root = _store_root(store)
-    if root is not None and _inside(root, os.path.realpath(dest)):
+    root = store_root(store)
+    if root is not None and inside(root, os.path.realpath(dest)):
         raise DestinationError(f"{dest} holds the store at {root}; a pull never writes around a store",
                                hint="pull to a directory that does not contain the store")
     if os.path.lexists(dest) and not os.path.isdir(dest):

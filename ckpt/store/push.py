@@ -13,6 +13,7 @@ from ckpt.format.dtypes import itemsize
 from ckpt.format.manifest import BundleEntry, FileEntry, Manifest, TensorEntry
 from ckpt.progress import Progress, reporting
 from ckpt.store.base import choose_base, pair_tensors
+from ckpt.store.destination import inside, store_root
 from ckpt.store.source_files import show
 from ckpt.store.sources import MemBytes, SourceIn, open_source
 from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX, PutResult, PutTask, put_chunks, put_tasks
@@ -93,17 +94,17 @@ def _check_not_the_store(store: Store, source: object) -> None:
     'changed while it was being pushed', leaving what it wrote for gc)."""
     if not isinstance(source, (str, os.PathLike)):
         return
-    root = store.backend.local_path(".")
+    root = store_root(store)
     if root is None:
         return
     try:
-        path, root = os.path.realpath(os.fspath(source)), os.path.realpath(root)
+        path = os.path.realpath(os.fspath(source))
     except (OSError, ValueError):
         return  # open_source says what is wrong with the path
-    if path == root or path.startswith(root.rstrip(os.sep) + os.sep):
+    if inside(path, root):
         raise InvalidSourceError(show(os.fsdecode(os.fspath(source))), f"is inside the store at {show(root)}, which is being pushed to",
                                  hint="push model files from outside the store")
-    if root.startswith(path.rstrip(os.sep) + os.sep):
+    if inside(root, path):
         raise InvalidSourceError(show(os.fsdecode(os.fspath(source))), f"holds the store at {show(root)}, which is being pushed to",
                                  hint="keep the store outside the folder you push (set CKPT_STORE or --store), or push a subfolder")
 
