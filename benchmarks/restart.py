@@ -30,6 +30,10 @@ restoring into them, and checking the result bit for bit against the saved state
   8 MiB parts, into a file on local disk, then as above) beside ``ckpt durable S3``, a restore
   with an empty local tier and no chunk cache (a replaced machine), with the GETs it made.
 
+``--device cuda`` puts the model and AdamW on the GPU (saves stage through pinned host memory,
+restores copy into device tensors, ``torch.load`` maps to the device the tensors were saved on);
+its run has no peer row (two ranks would need a GPU each). ``benchmarks/gpu_check.sh`` runs it.
+
 Saves: per tier, the time ``save`` blocks training and the background time per save, over
 ``--saves`` saves with one training step before each (local tier every step, persisted on
 the last one: its persist time is the copy of the chunks the durable store lacked).
@@ -63,7 +67,7 @@ def log(msg: str) -> None:
 
 
 # -- the state (built the same way in every process) ------------------------------------------------
-def build(params_m: float):
+def build(params_m: float, device: str = "cpu"):
     import torch
 
     from benchmarks.models import GPTConfig, TinyGPT
@@ -71,7 +75,7 @@ def build(params_m: float):
     best = min(range(64, 2049, 64), key=lambda x: abs(_params(x) - params_m * 1e6))  # d_model, a multiple of 64
     cfg = GPTConfig(vocab_size=32000, d_model=best, n_layers=12, n_heads=best // 64, context=128)
     torch.manual_seed(0)
-    model = TinyGPT(cfg)
+    model = TinyGPT(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     return model, opt
 
@@ -85,7 +89,7 @@ def train_step(model, opt, seed: int) -> None:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 32000, (2, 65), generator=g)
+    tokens = torch.randint(0, 32000, (2, 65), generator=g).to(next(model.parameters()).device)
     logits = model(tokens[:, :-1])
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
     opt.zero_grad()
@@ -96,15 +100,36 @@ def train_step(model, opt, seed: int) -> None:
 def digest(model, opt) -> str:
     import hashlib
 
+    import torch
+
+    def raw(v) -> bytes:
+        return v.detach().cpu().contiguous().view(-1).view(dtype=torch.uint8).numpy().tobytes()
+
     h = hashlib.blake2b(digest_size=16)
     for k, v in sorted(model.state_dict().items()):
         h.update(k.encode())
-        h.update(v.contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+        h.update(raw(v))
     for i, st in sorted(opt.state_dict()["state"].items()):
         for k, v in sorted(st.items()):
             h.update(f"{i}.{k}".encode())
-            h.update(v.contiguous().view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+            h.update(raw(v))
     return h.hexdigest()
+
+
+def sync(device: str) -> None:
+    """Wait for ``device``'s queued work, so that a time taken after it counts the restore's copies."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return f"{device}: {torch.cuda.get_device_name(device)} (restores copy into device tensors; saves stage through pinned host memory)"
+    return "the CPU"
 
 
 def evict(path: Path) -> None:
@@ -136,7 +161,8 @@ def child(args: argparse.Namespace) -> None:
     import ckpt
 
     torch.set_num_threads(2)
-    model, opt = build(args.params_m)
+    model, opt = build(args.params_m, args.device)
+    sync(args.device)
     t_built = time.time()
     t_restored = None  # restore_latest returned: the state is restored (what follows is shutdown)
     report: dict = {}
@@ -159,6 +185,7 @@ def child(args: argparse.Namespace) -> None:
         mgr = ckpt.CheckpointManager(args.path, "bench", local=args.local if args.mode == "local" else None)
         gets = _count_gets(mgr.store) if args.path.startswith("s3://") else None
         step = mgr.restore_latest({"model": model, "optim": opt})
+        sync(args.device)
         t_restored = time.time()
         assert step is not None
         report["tiers"] = mgr.last_restore
@@ -186,6 +213,7 @@ def child(args: argparse.Namespace) -> None:
             report["tiers"] = mgr.last_restore
         mgr.close()
         dist.barrier()
+    sync(args.device)
     t_done = t_restored if t_restored is not None else time.time()
     report.update(restore_s=t_done - t_built, total_s=t_done - t_start, digest=digest(model, opt))
     print(json.dumps(report), flush=True)
@@ -234,7 +262,7 @@ def start_s3(work: Path, state: dict, torch_file: Path) -> tuple[object, str, st
 
 def spawn(args: argparse.Namespace, mode: str, path: Path | str, **kw) -> dict:
     cmd = [sys.executable, __file__, "--child", "--mode", mode, "--path", str(path), "--params-m", str(args.params_m),
-           "--t0", repr(time.time())]
+           "--device", args.device, "--t0", repr(time.time())]
     for k, v in kw.items():
         cmd += [f"--{k}", str(v)]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"}, timeout=1800)
@@ -270,6 +298,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "restart.md"))
     ap.add_argument("--work", default=None)
     ap.add_argument("--s3", action="store_true", help="also restore from a durable store in S3 (SeaweedFS on 127.0.0.1)")
+    ap.add_argument("--device", default="cpu", help="where the model and optimizer live: cpu, or cuda (saves stage through "
+                    "pinned host buffers, restores copy into device tensors; no peer rows: two ranks need a GPU each)")
     ap.add_argument("--child", action="store_true")
     for a in ("mode", "path", "t0", "local", "rank", "init", "phase"):
         ap.add_argument(f"--{a}")
@@ -287,7 +317,7 @@ def main() -> None:
     torch.set_num_threads(2)
     work = Path(args.work or tempfile.mkdtemp(prefix="ckpt-restart-", dir="/var/tmp"))
     shm = Path(tempfile.mkdtemp(prefix="ckpt-restart-", dir="/dev/shm"))
-    model, opt = build(args.params_m)
+    model, opt = build(args.params_m, args.device)
     nparams = sum(p.numel() for p in model.parameters())
     train_step(model, opt, 0)
     state = {"model": model, "optim": opt}
@@ -342,11 +372,12 @@ def main() -> None:
             rec("ckpt durable S3", spawn(args, "durable", s3_store))
     if server is not None:
         server.stop()  # type: ignore[attr-defined]
-    # peer: two ranks save once, then restart with rank 1's tier wiped
+    # peer: two ranks save once, then restart with rank 1's tier wiped (CPU state: with CUDA, each rank needs its own GPU)
     peer_local = shm / "peer"
-    peer_restore(args, work, peer_local, "save")
+    if args.device == "cpu":
+        peer_restore(args, work, peer_local, "save")
     peer_want = None
-    for _ in range(args.reps):
+    for _ in range(args.reps if args.device == "cpu" else 0):
         r0, r1 = peer_restore(args, work, peer_local, "restore")
         peer_want = peer_want or r0["digest"]
         assert r1["digest"] == r0["digest"] == peer_want and r1["tiers"]["peer"] > 0 and r1["tiers"]["store"] == 0
@@ -365,6 +396,7 @@ def main() -> None:
         f"Date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; whole run {time.time() - t_run:.0f} s",
         "",
         f"- nproc {os.cpu_count()}, {platform.platform()}; Python {platform.python_version()}, torch {torch.__version__}",
+        f"- model and optimizer on {device_name(args.device)}",
         f"- state: GPT decoder {nparams / 1e6:.1f}M params + AdamW, fp32: {state_bytes / MB:.0f} MB; durable store on local disk "
         f"({work}), local tier in /dev/shm; {args.reps} restores each in fresh processes, medians",
         "- *restore*: from the model and a fresh AdamW built to the state restored (what a restart adds to building "
