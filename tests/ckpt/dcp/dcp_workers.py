@@ -234,7 +234,7 @@ def manager(rank, world, tmp, store, kill_rank=None, signum=signal.SIGKILL, asyn
             def dying(self, plan, planner):
                 out = original(self, plan, planner)  # this rank's chunks are in the store...
                 if rank == kill_rank:
-                    os.kill(os.getpid(), signum)  # ...and it dies (or hangs) before reporting them
+                    halt(signum)  # ...and it dies (or hangs) before reporting them
                 return out
 
             ckpt.dcp.Writer.write_data = dying
@@ -639,6 +639,16 @@ def _kill_in_replication(rank, state, mgr, step):
             "temporaries": len(list(tier.objects.list_temporaries()))}
 
 
+def halt(signum):
+    """Send ``signum`` (SIGSTOP, SIGKILL) to this process and let it act before going on. Sent from
+    a thread other than the one the kernel acts on it in, ``os.kill`` returns and the thread runs on
+    for a moment before the process stops or dies (seen here under load: a replication ran to its
+    end, and the stopped rank's peer never waited); the sleep lets the signal act first. After a
+    SIGSTOP longer than the sleep and a SIGCONT, the sleep is already over."""
+    os.kill(os.getpid(), signum)
+    time.sleep(1.0)
+
+
 def _stop_when_replicating(state, at):
     """SIGSTOP this process as its replication of step ``at`` begins (it keeps its connections open)."""
     from ckpt.snapshot.peers import Peers
@@ -647,7 +657,7 @@ def _stop_when_replicating(state, at):
 
     def stall(self, sends, *args, **kwargs):
         if state["step"] == at:
-            os.kill(os.getpid(), signal.SIGSTOP)
+            halt(signal.SIGSTOP)
         return real(self, sends, *args, **kwargs)
 
     Peers.exchange = stall
