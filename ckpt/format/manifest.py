@@ -17,12 +17,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.format.dtypes import itemsize
+from ckpt.format.tagged_json import decode
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
 
 MANIFEST_FORMAT = "ckpt-manifest"
 MANIFEST_VERSION = 1
+# Version 2: as 1, but ``extra`` holds tagged JSON (ckpt/format/tagged_json.py): written only where a
+# value needs a tag (a tuple in a pushed .pt, say), so that a reader that knows only version 1 refuses
+# such a manifest instead of handing out ``{"__tuple__": ...}`` as the value.
+EXTRA_TAGGED_VERSION = 2
 MAX_NAME = 1024
 # Unicode's control characters (Cc): C0, DEL and C1 (U+009B is a terminal's CSI, like ESC [).
 _CTRL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -213,6 +218,7 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)  # non-tensor state (JSON)
     lineage: dict[str, Any] = field(default_factory=lambda: {"parent": None, "base": None, "merge": None})
     bundles: tuple[BundleEntry, ...] = ()  # copies of its small chunks, for remote readers
+    extra_tagged: bool = False  # ``extra`` is tagged JSON (version 2): :meth:`extra_values` decodes it
 
     def to_json(self) -> bytes:
         # "bundles" only where there are some: every manifest without keeps its bytes and id.
@@ -220,7 +226,7 @@ class Manifest:
             {
                 **({"bundles": [b.to_obj() for b in self.bundles]} if self.bundles else {}),
                 "format": MANIFEST_FORMAT,
-                "version": MANIFEST_VERSION,
+                "version": EXTRA_TAGGED_VERSION if self.extra_tagged else MANIFEST_VERSION,
                 "source": self.source,
                 "chunk_size": self.chunk_size,
                 "files": [f.to_obj() for f in self.files],
@@ -235,7 +241,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, what: str = "manifest") -> Manifest:
-        o = decode_record(data, MANIFEST_FORMAT, (MANIFEST_VERSION,), what)
+        o = decode_record(data, MANIFEST_FORMAT, (MANIFEST_VERSION, EXTRA_TAGGED_VERSION), what)
         chunk_size = require(o, "chunk_size", int, what)
         if chunk_size <= 0:
             raise StoreFormatError(f"{what}: bad chunk_size")
@@ -264,9 +270,19 @@ class Manifest:
             extra=_object(o, "extra", what) or {},
             lineage=_lineage(o, what),
             bundles=bundles,
+            extra_tagged=o["version"] == EXTRA_TAGGED_VERSION,
         )
         m._lengths(what)  # one length per chunk id
+        if m.extra_tagged:
+            m.extra_values(what)  # checked here, like every other field
         return m
+
+    def extra_values(self, what: str = "manifest") -> dict[str, Any]:
+        """``extra`` as the values it stands for: tuples, infinite floats and bytes come back as such
+        from a version-2 manifest (a pushed .pt); ``extra`` itself where it is plain JSON."""
+        if not self.extra_tagged:
+            return dict(self.extra)
+        return {k: decode(v, f"{what}: extra {k!r}") for k, v in self.extra.items()}
 
     @property
     def logical_bytes(self) -> int:

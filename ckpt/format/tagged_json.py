@@ -125,6 +125,25 @@ def tensor_refs(tree: Any) -> list[str]:
     return out
 
 
+def uses_tags(tree: Any) -> bool:
+    """Whether :func:`encode` needed a tag anywhere in ``tree`` (else ``tree`` is the value itself,
+    in plain JSON).
+
+    >>> uses_tags(encode([1, {"a": 2.5}], "x", unsupported=ValueError)), uses_tags(encode([(1,)], "x", unsupported=ValueError))
+    (False, True)
+    """
+    stack = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Mapping):
+            if any(k in TAGS for k in x):
+                return True
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return False
+
+
 def _is_tensor(x: Any) -> bool:
     import torch
 

@@ -101,7 +101,7 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
 
 def _values(m: Manifest) -> dict[str, Any]:
     """The non-tensor values of a checkpoint pushed from a ``.pt`` file (flat keys), else none."""
-    return dict(m.extra) if m.source == "state-dict" and isinstance(m.extra, dict) else {}
+    return m.extra_values() if m.source == "state-dict" else {}
 
 
 def _pull_selected(store: Store, m: Manifest, dest: str, include: list[str], overwrite: bool, progress: Progress | None) -> str:

@@ -226,6 +226,7 @@ def push_source(
         message=message,
         metadata=dict(metadata or {}),
         extra=src.extra,
+        extra_tagged=src.extra_tagged,
         lineage=lineage or {"parent": None, "base": base_id, "merge": None},
         bundles=bundle,
     )

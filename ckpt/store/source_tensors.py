@@ -14,7 +14,6 @@ the raw bytes of each tensor, or a clear error.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -22,18 +21,23 @@ from typing import Any
 from ckpt.errors import InvalidSourceError, ResourceLimitError
 from ckpt.format.dtypes import byte_view, from_torch
 from ckpt.format.manifest import MAX_NAME, check_tensor_name
+from ckpt.format.tagged_json import encode, uses_tags
 from ckpt.store.source_files import show
 
 
-def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Nested mappings as flat names (``{'a': {'b': x}}`` -> ``a.b``): tensors, and JSON values.
+def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """Nested mappings as flat names (``{'a': {'b': x}}`` -> ``a.b``): tensors, the other values
+    as tagged JSON (:mod:`ckpt.format.tagged_json`), and whether any of those needed a tag (a tuple,
+    an infinite float, bytes, a dict with int keys inside a list): plain JSON otherwise.
 
     Refused, never resolved by dropping one: two entries with the same name, keys other
-    than str or int, a mapping that contains itself, names past ``MAX_NAME``."""
+    than str or int, a mapping that contains itself, names past ``MAX_NAME``, values that
+    tagged JSON cannot hold (a tensor inside a list, an arbitrary object)."""
     import torch
 
     tensors: dict[str, Any] = {}
     extra: dict[str, Any] = {}
+    tagged = False
     spelled: dict[str, str] = {}  # flat name -> the keys it came from, to name both sides of a collision
     stack: list[tuple[Iterator[tuple[Any, Any]], str, str, int]] = [(iter(obj.items()), "", "", id(obj))]
     open_ids = {id(obj)}  # the mappings being walked: meeting one again is a cycle
@@ -72,28 +76,12 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
         if isinstance(v, Mapping):  # empty: kept, so that nothing the file holds is dropped
             extra[name] = {}
             continue
-        try:
-            json.dumps(v, allow_nan=False)
-            _check_json_keys(v)
-        except (TypeError, ValueError, RecursionError):
-            raise InvalidSourceError(path, f"entry {spell} is a {type(v).__name__}, neither a tensor nor JSON",
-                                     hint="other entries are kept as JSON: str, int, float (not NaN or infinity), bool, "
-                                     "None, and lists and str-keyed dicts of these") from None
-        extra[name] = v
-    return tensors, extra
-
-
-def _check_json_keys(v: Any) -> None:
-    """json.dumps turns int keys into strings: ``{1: a, '1': b}`` would become two equal keys."""
-    todo = [v]
-    while todo:
-        x = todo.pop()
-        if isinstance(x, Mapping):
-            if not all(isinstance(k, str) for k in x):
-                raise TypeError("a non-string key in a JSON value")
-            todo.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            todo.extend(x)
+        extra[name] = encode(v, spell, unsupported=lambda at, kind: InvalidSourceError(
+            path, f"entry {at[:120]} is {kind}, neither a tensor nor a plain value",
+            hint="other entries are kept as JSON: str, int, float, bool, None, bytes, and lists, tuples and dicts of "
+                 "these (tensors only as entries of their own)"))
+        tagged = tagged or uses_tags(extra[name])
+    return tensors, extra, tagged
 
 
 def physical_memory() -> int | None:

@@ -7,6 +7,8 @@ destination as it was, and a file named .pt is a torch file.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
 
@@ -191,6 +193,60 @@ def test_pt_named_pull_writes_a_weights_only_torch_file(store, tmp_path):
     assert set(load_file(store.pull("pt", tmp_path / "out.safetensors"))) == set(want)
     only = torch.load(store.pull("pt", tmp_path / "w.pth", include=["model.0.*"]), weights_only=True)
     assert sorted(only) == ["model.0.bias", "model.0.weight"] and _bits(only["model.0.weight"]) == _bits(sd["0.weight"])
+
+
+def test_pt_values_come_back_as_they_were_saved(store, tmp_path):
+    """An optimizer's param_groups hold tuples (AdamW's betas), a training script's state holds
+    inf (no best loss yet), int-keyed dicts inside lists and bytes: each comes back as itself, not as
+    the list or string JSON would make of it. A checkpoint with such values is written as a version-2
+    manifest (a reader that knows only version 1 refuses it); one without them keeps version 1."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    values = {"best_loss": float("inf"), "worst": float("-inf"), "shape": (2, 4), "tag": b"\x00\xff",
+              "hist": [{0: "a", 1: (1.5, None)}], "nan": float("nan"), "plain": [1, 2.0, True, None, "s"],
+              "looks_tagged": [{"__tuple__": [1]}], "size": torch.Size([3, 5])}
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), **values}, tmp_path / "sd.pt")
+    store.push(tmp_path / "sd.pt", "pt")
+    m = store.manifest("pt")
+    assert m.extra_tagged and json.loads(store.objects.get_manifest(store.resolve("pt")))["version"] == 2
+    got = torch.load(store.pull("pt", tmp_path / "out.pt"), weights_only=True)
+    groups = got["optim.param_groups"]
+    assert groups == opt.state_dict()["param_groups"] and type(groups[0]["betas"]) is tuple
+    for k, v in values.items():
+        if k == "nan":
+            assert math.isnan(got[k])
+        elif k == "size":
+            assert got[k] == (3, 5) and type(got[k]) is tuple  # a tuple (torch.Size is one)
+        else:
+            assert got[k] == v and type(got[k]) is type(v), k
+    assert type(got["hist"][0][1]) is tuple and list(got["hist"][0]) == [0, 1]
+    for k, v in opt.state_dict()["state"][0].items():
+        assert _bits(got[f"optim.state.0.{k}"]) == _bits(v), k
+    # A file of plain values keeps the version-1 manifest older readers know.
+    torch.save({"w": torch.ones(2), "epoch": 3, "lrs": [0.1]}, tmp_path / "plain.pt")
+    store.push(tmp_path / "plain.pt", "plain")
+    assert not store.manifest("plain").extra_tagged
+    assert json.loads(store.objects.get_manifest(store.resolve("plain")))["version"] == 1
+
+
+def test_a_version_2_manifest_with_a_bad_tag_is_refused(store, tmp_path):
+    """Tagged values are checked when the manifest is read, like its other fields: a hostile
+    ``{"__float__": "1e400"}`` is a damaged manifest, never a value."""
+    from ckpt.errors import StoreFormatError
+    from ckpt.format.manifest import Manifest
+
+    torch.save({"w": torch.ones(2), "t": (1, 2)}, tmp_path / "t.pt")
+    store.push(tmp_path / "t.pt", "t")
+    doc = json.loads(store.objects.get_manifest(store.resolve("t")))
+    assert doc["extra"]["t"] == {"__tuple__": [1, 2]}
+    doc["extra"]["t"] = {"__float__": "1e400"}
+    with pytest.raises(StoreFormatError, match="extra 't'"):
+        Manifest.from_json(json.dumps(doc).encode())
+    doc["version"] = 3
+    with pytest.raises(StoreFormatError, match="version 3; this ckpt reads versions 1, 2"):
+        Manifest.from_json(json.dumps(doc).encode())
 
 
 def test_include_refuses_tensors_of_one_name_in_two_files(store, tmp_path):

@@ -583,13 +583,23 @@ def test_reserved_metadata_name_is_refused(tmp_path, store):
     _nothing_stored(store)
 
 
-@pytest.mark.parametrize("value", [[{1: "a", "1": "b"}], [{"a": {2: 3}}], [float("inf")]])
-def test_json_values_that_would_change_are_refused(tmp_path, store, value):
-    # json.dumps would turn {1: 'a', '1': 'b'} into two equal keys, one of them lost on reading.
+def _nested(depth: int) -> list:
+    out = x = []
+    for _ in range(depth):
+        x.append([])
+        x = x[0]
+    return out
+
+
+@pytest.mark.parametrize("value", [[torch.zeros(2)], [1, (2, torch.ones(1))], [{"a": {1, 2}}], complex(1, 2), _nested(100)],
+                         ids=["tensor_in_list", "tensor_in_tuple", "set", "complex", "too_deep"])
+def test_values_that_cannot_be_stored_as_values_are_refused(tmp_path, store, value):
+    # A tensor inside a list (it has no name of its own), a value JSON has no form for, or one nested past
+    # any real one: refused, naming the entry.
     torch.save({"w": torch.zeros(2), "v": value}, tmp_path / "v.pt")
-    with pytest.raises(InvalidSourceError, match="neither a tensor nor JSON") as e:
+    with pytest.raises(InvalidSourceError, match="neither a tensor nor a plain value") as e:
         store.push(tmp_path / "v.pt", "x")
-    assert "'v'" in _one_line(e) and "str-keyed" in e.value.hint
+    assert "'v'" in _one_line(e) and "tensors only as entries of their own" in e.value.hint
     _nothing_stored(store)
 
 
