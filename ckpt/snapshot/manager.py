@@ -415,11 +415,15 @@ class CheckpointManager:
             if self._local_full:
                 self._make_room(step)
             if self._distributed:  # the ranks persist together, in the save thread
+                from ckpt.snapshot.distributed import DistributedSnapshots
                 from ckpt.snapshot.group import GroupUnavailable
 
+                path = self._path
+                assert isinstance(path, DistributedSnapshots)
                 try:
-                    saving = self._path.save(step, state, snapshot, background=background,
-                                             persist_to=self._durable if persist else None)
+                    saving = path.save(step, state, snapshot, background=background, persist_to=self._durable,
+                                       persist=persist)
+                    persist = path.persisting  # agreed: one rank alone may know the run went back, say
                 except GroupUnavailable as e:
                     # The ranks could not agree on a working group: as for a tier failure, unless this
                     # snapshot is due to the durable store (raised, as without tiers).

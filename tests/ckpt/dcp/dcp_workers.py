@@ -596,6 +596,54 @@ def tiers_rollback(rank, world, tmp, store):
     return out
 
 
+def tiers_rollback_unread(rank, world, tmp, store):
+    """Local tiers (every 2 steps, persisted every 4): train to 8; a fresh manager goes back to step 4
+    and trains on to 6, but rank 1's first read of the durable RUN/latest fails (a transient I/O
+    error), so only rank 0 sees that step 6 begins a new timeline. Returns the step the durable store's
+    RUN/latest names afterwards, and what a fresh manager restores (step, bit-identical to step 6)."""
+    import torch.distributed as dist
+
+    import ckpt
+
+    local = os.path.join(tmp, "local")
+    state = _ddp_state(rank)
+
+    def manager():
+        return ckpt.CheckpointManager(store, "ddp", every_n_steps=4, local=local, local_every_n_steps=2,
+                                      process_group=dist.group.WORLD, timeout_s=10)
+
+    mgr = manager()
+    for step in range(1, 9):
+        _ddp_step(state)
+        state["step"] = step
+        mgr.maybe_save(step, state)
+    mgr.close()
+    mgr = manager()
+    if rank == 1:
+        real, failed = mgr.store.manifest, []
+
+        def manifest(ref, *args, **kwargs):
+            if ref == "ddp/latest" and not failed:
+                failed.append(ref)
+                raise OSError(5, "Input/output error (injected)", ref)
+            return real(ref, *args, **kwargs)
+
+        mgr.store.manifest = manifest
+    mgr.restore(state, 4)
+    for step in (5, 6):
+        _ddp_step(state)
+        state["step"] = step
+        mgr.maybe_save(step, state)
+    mgr.close()
+    want = _ddp_bits(state)
+    latest = ckpt.Store.open(store).manifest("ddp/latest").extra["snapshot"]["step"]
+    fresh = _ddp_state(rank)
+    mgr = manager()
+    restored = mgr.restore_latest(fresh)
+    mgr.close()
+    return {"durable_latest": latest, "restored": restored, "exact": _ddp_bits(fresh) == want}
+
+
 def _kill_in_replication(rank, state, mgr, step):
     """Save ``step`` with 64 MB of new shared data: rank 0 dies once it has posted over 40 MB of the
     sends of it to its replica (a transfer goes in rounds of 32 MB: one has gone, the next is posted); rank 1 returns its warnings and what its tier holds afterwards."""
@@ -929,4 +977,5 @@ def _flip_newest(path):
 
 SCENARIOS = {"tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
-             "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback}
+             "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
+             "tiers_rollback_unread": tiers_rollback_unread}

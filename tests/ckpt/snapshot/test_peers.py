@@ -133,6 +133,18 @@ def test_a_group_taken_back_to_an_earlier_snapshot_restarts_on_its_new_timeline(
         assert r == {"wiped=False": [6, False, True], "wiped=True": [6, True, True]}
 
 
+def test_ranks_agree_to_persist_a_new_timeline_when_one_cannot_read_the_durable_store(tmp_path):
+    """Trained to 8, taken back to 4 and trained to 6 by a fresh manager, whose first read of the durable
+    RUN/latest fails on rank 1 only. Step 6 must still be persisted by both ranks (one rank's view is
+    enough to know the run went back), and a restart resumes it bit for bit. Before, each rank decided
+    from its own read: rank 0 persisted alone and waited in a collective rank 1 never joined, so the
+    durable store kept naming the abandoned step 8, which a restart resumed."""
+    out = W.run_ranks("tiers_rollback_unread", 2, str(tmp_path), store=str(tmp_path / "s"), deadline_s=120)
+    for r in out:
+        assert "error" not in r, r.get("trace")
+        assert r == {"durable_latest": 6, "restored": 6, "exact": True}
+
+
 @pytest.mark.parametrize("full", [0, 1])
 def test_a_full_local_tier_in_a_group_warns_and_training_and_durable_saves_go_on(tmp_path, tmpfs, full):
     """Rank ``full``'s tier is a 1 MiB tmpfs; the state is ~3 MB. Rank 0 saves the shared state: its
