@@ -201,8 +201,10 @@ class DistributedSnapshots:
 
     def _check_identical(self, step: int, shared: dict[str, Any], persist: bool) -> bool:
         """Refuse (on every rank alike) shared state whose values or tensor shapes differ between ranks:
-        DCP would save one rank's copy and restore it on all of them. Returns whether any rank asked to
-        ``persist`` (gathered with the state's fingerprints: no collective of its own)."""
+        DCP would save one rank's copy and restore it on all of them; and a save whose ``step`` differs
+        between ranks (a preemption signal that one rank saw before its ``maybe_save`` and another
+        after): it would record the coordinator's step over the other ranks' state. Returns whether
+        any rank asked to ``persist`` (gathered with the state's fingerprints: no collective of its own)."""
         import torch.distributed as dist
 
         from ckpt.snapshot.run import SnapshotError
@@ -210,7 +212,7 @@ class DistributedSnapshots:
         mine = {key: fingerprint(key, value) for key, value in shared.items()}
         gathered: list[Any] = [None] * self.world
         try:
-            dist.all_gather_object(gathered, (mine, persist), group=self.group)
+            dist.all_gather_object(gathered, (mine, persist, step), group=self.group)
         except _FAILURES as e:  # a peer died or stalled since the ranks agreed on the group
             from ckpt.snapshot.group import GroupUnavailable
 
@@ -218,7 +220,13 @@ class DistributedSnapshots:
             raise GroupUnavailable(f"snapshot of step {step} not saved: {describe(e)}",
                                    hint=f"a rank failed, died or took longer than timeout_s={self.timeout_s:g}; "
                                    "the ranks rebuild the checkpoint group at the next save") from e
-        everyone = [fingerprints for fingerprints, _ in gathered]
+        steps = sorted({s for _, _, s in gathered})
+        if len(steps) > 1:
+            raise SnapshotError(f"snapshot not saved: the ranks saved different steps ({', '.join(map(str, steps))}); "
+                                "a snapshot holds one step of every rank",
+                                hint="call save/maybe_save with the same step on every rank (after a preemption "
+                                "signal, at the same step everywhere)")
+        everyone = [fingerprints for fingerprints, _, _ in gathered]
         keys = sorted(set().union(*everyone))
         differ = [k for k in keys if any(d.get(k) != everyone[0].get(k) for d in everyone)]
         if differ:
@@ -227,7 +235,7 @@ class DistributedSnapshots:
                 "(non-tensor values, tensor shapes or keys); one rank's copy would be restored on all of them",
                 hint="make it identical on every rank, or wrap per-rank state in ckpt.snapshot.state.PerRank(...) "
                 "so that each rank saves and restores its own")
-        return any(asked for _, asked in gathered)
+        return any(asked for _, asked, _ in gathered)
 
     def _error(self, step: int, e: BaseException) -> Exception:
         from ckpt.snapshot.run import SnapshotError

@@ -434,6 +434,10 @@ def ddp_refusals(rank, world, tmp, store):
     with ckpt.CheckpointManager(store, "r", save_mode="sync", process_group=group, timeout_s=30) as mgr:
         res["differs"] = outcome(lambda: mgr.save(1, {"w": torch.ones(2), "pos": _Position(rank)}))
         res["differs_steps"] = mgr.steps()
+        # Ranks at different steps (a preemption signal seen by one rank before its maybe_save, by the
+        # other after it): the shared state is alike, but the snapshot would mix the two steps.
+        res["steps_differ"] = outcome(lambda: mgr.save(3 + rank, {"w": torch.ones(2), "rng": ckpt.RNGState()}))
+        res["steps_differ_steps"] = mgr.steps()
         state = _ddp_state(rank)
         _ddp_step(state)
         lazy = _Lazy()

@@ -321,6 +321,8 @@ def test_manager_refuses_what_it_cannot_restore_per_rank(tmp_path):
         assert "error" not in r, r.get("trace")
         assert r["differs"].startswith("SnapshotError") and "['pos']" in r["differs"] and "differs between ranks" in r["differs"]
         assert r["differs_steps"] == []  # nothing was saved
+        assert r["steps_differ"].startswith("SnapshotError") and "different steps (3, 4)" in r["steps_differ"], r["steps_differ"]
+        assert r["steps_differ_steps"] == []
         assert r["per_rank_save"] == r["per_rank_restore"] == "ok"
         assert r["note_exact"]  # a plain value comes back into a None template, int keys and tuples intact
         assert r["unplaced"].startswith("SnapshotError") and "lazy.rank-" in r["unplaced"] and "no place" in r["unplaced"]
