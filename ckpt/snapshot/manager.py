@@ -691,10 +691,16 @@ class CheckpointManager:
             return
         # One at a time: the persist thread and a direct save can both get here, and the second
         # to remove a ref would raise RefNotFoundError out of save().
+        from ckpt.snapshot.tiers import snapshot_step
+
         with self._retaining:
             steps = self.steps()
             metrics = {s: self._metric(s) for s in steps} if self.retention.best else {}
-            keep = set(self.retention.keep(steps, metrics))
+            try:  # below the newest step where the run went back: the last ones are counted up to it
+                latest = snapshot_step(self.store.manifest(self._durable.latest))
+            except RefNotFoundError:
+                latest = None
+            keep = set(self.retention.keep(steps, metrics, latest))
             for s in steps:
                 if s not in keep:
                     self.store.remove(self.ref(s))

@@ -179,6 +179,34 @@ def test_retention(tmp_path):
         store.load("ret/step-5")
 
 
+@pytest.mark.parametrize("local", [False, True], ids=["store", "local_tier"])
+def test_retention_after_going_back_keeps_the_new_timeline(tmp_path, local):
+    """Saved to 12 (keep_last=2, keep_every=4), taken back to 4 and saved 6 and 8 (a new timeline): the
+    last 2 are 6 and 8, the snapshot RUN/latest names and the one before it; the abandoned 10 and 12 are
+    left alone. Before, "the last 2" were the abandoned 10 and 12: the ref of the new 6 was removed as
+    soon as it was saved (mgr.restore(state, 6) failed; ckpt ls listed only the abandoned timeline)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    tier = {"local": str(tmp_path / "local"), "every_n_steps": 2} if local else {}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "back", keep_last=2, keep_every=4, **tier) as mgr:
+        for step in (2, 4, 6, 8, 10, 12):
+            _train(model, opt)
+            mgr.save(step, {"model": model, "optim": opt})
+            mgr.wait()  # (each persisted: none superseded by the next)
+        mgr.restore({"model": model, "optim": opt}, 4)
+        _train(model, opt)
+        mgr.save(6, {"model": model, "optim": opt})
+        mgr.wait()
+        want = _state_bits(model, opt)
+        _train(model, opt)
+        mgr.save(8, {"model": model, "optim": opt})
+        mgr.wait()
+        assert mgr.steps() == [4, 6, 8, 10, 12]
+        fresh = _model()
+        fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+        assert mgr.restore({"model": fresh, "optim": fresh_opt}, 6) == 6 and _state_bits(fresh, fresh_opt) == want
+
+
 def _weights(store, ref):
     return store.load(ref)
 
