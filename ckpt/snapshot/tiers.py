@@ -140,7 +140,13 @@ class LocalTier:
         self.max_bytes = max_bytes
         if durable is not None:
             _apart(self.path, durable)
-        os.makedirs(self.path, exist_ok=True)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as e:  # a file where the folder should be, say (FileExistsError, NotADirectoryError)
+            from ckpt.snapshot.run import SnapshotError
+
+            raise SnapshotError(f"local tier {self.path} cannot be made a folder ({describe(e)})",
+                                hint="give local=PATH a folder of its own (or a path where one can be made)") from e
         fd = _hold(self.path)  # before anything here is read or changed: one manager per tier
         self._release = weakref.finalize(self, os.close, fd)
         try:

@@ -507,6 +507,19 @@ def test_a_local_tier_is_never_the_durable_store(tmp_path, where):
     assert torch.equal(durable.load("team/model@1")["w"], torch.ones(4)) and not (tmp_path / "runs" / "tier").exists()
 
 
+@pytest.mark.parametrize("group", [False, True], ids=["path", "under_it"])
+def test_a_local_tier_path_that_is_a_file_is_refused_and_left_alone(tmp_path, group):
+    """local=PATH naming a file (a slip for a folder; in a group each rank's tier is PATH/rank-R, under
+    the file): a CkptError that says so, not a bare FileExistsError/NotADirectoryError, and the file intact."""
+    precious = tmp_path / "notes.txt"
+    precious.write_bytes(b"precious")
+    with pytest.raises(ckpt.CkptError, match="local tier .*notes.txt"):
+        LocalTier(precious / "rank-0" if group else precious, "run")
+    with pytest.raises(ckpt.CkptError, match="local tier .*notes.txt"):
+        ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=str(precious))
+    assert precious.read_bytes() == b"precious"
+
+
 def test_a_local_tier_is_not_another_store_nor_another_runs_tier(tmp_path):
     durable = ckpt.Store.init(str(tmp_path / "d"))
     other = ckpt.Store.init(str(tmp_path / "other"))
