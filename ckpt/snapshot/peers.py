@@ -287,12 +287,26 @@ class Peers:
         """Agree on the snapshot to restore and gather, for this rank, the chunks its tier lacks from
         peers. Returns (step, manifest id, the tiers to read it from), or None if there is none."""
 
-        inventories = self.gather(self.inventory())
-        try:
-            dmid = durable.resolve(latest)
-            dstep = snapshot_step(durable.manifest(dmid))
-        except RefNotFoundError:
-            dmid, dstep = None, None
+        # Rank 0 alone reads the durable store, and every rank chooses from what it read: ranks that
+        # each read it could see it differently (one read failing, or lagging) and choose apart.
+        view: Any = None
+        if self.rank == 0:
+            try:
+                dmid = durable.resolve(latest)
+                view = (dmid, snapshot_step(durable.manifest(dmid)))
+            except RefNotFoundError:
+                view = (None, None)
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                view = describe(e)
+        gathered = self.gather((self.inventory(), view))
+        inventories = [inv for inv, _ in gathered]
+        view = gathered[0][1]
+        if isinstance(view, str):
+            from ckpt.snapshot.run import SnapshotError
+
+            raise SnapshotError(f"restore not done: rank 0 could not read {latest} in {durable.url} ({view})",
+                                hint="restore again once the durable store answers; see rank 0's log")
+        dmid, dstep = view
         steps: dict[int, str] = {}
         for inv in inventories:
             for step, (mid, _) in inv.items():

@@ -648,6 +648,53 @@ def tiers_rollback_unread(rank, world, tmp, store):
     return {"durable_latest": latest, "restored": restored, "exact": _ddp_bits(fresh) == want}
 
 
+def tiers_restore_unread(rank, world, tmp, store, failing, missing=False):
+    """Local tiers (every 2 steps, persisted every 4): train to 9 (durable 4, 8; local 6, 8). A fresh
+    manager restores while rank ``failing``'s read of the durable RUN/latest fails: an I/O error, or with
+    ``missing`` a RefNotFoundError (a listing that lags). Returns the outcome, its seconds, and whether
+    the state is bit-identical to step 8's."""
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt_store.storage.errors import RefNotFoundError
+
+    local = os.path.join(tmp, "local")
+    state = _ddp_state(rank)
+
+    def manager():
+        return ckpt.CheckpointManager(store, "ddp", every_n_steps=4, local=local, local_every_n_steps=2, replicas=1,
+                                      process_group=dist.group.WORLD, timeout_s=20)
+
+    mgr = manager()
+    for step in range(1, 10):
+        _ddp_step(state)
+        state["step"] = step
+        mgr.maybe_save(step, state)
+        if step == 8:
+            mgr.wait()
+            want = _ddp_bits(state)
+    mgr.close()
+    mgr = manager()
+    if rank == failing:
+        real = mgr.store.resolve
+
+        def resolve(ref, *args, **kwargs):
+            if ref == "ddp/latest":
+                raise RefNotFoundError(ref) if missing else OSError(5, "Input/output error (injected)", ref)
+            return real(ref, *args, **kwargs)
+
+        mgr.store.resolve = resolve
+    fresh = _ddp_state(rank)
+    t0 = time.monotonic()
+    try:
+        outcome = mgr.restore_latest(fresh)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        outcome = f"{type(e).__name__}: {e}"
+    seconds = time.monotonic() - t0
+    mgr.close()
+    return {"outcome": outcome, "seconds": seconds, "exact": _ddp_bits(fresh) == want}
+
+
 def _kill_in_replication(rank, state, mgr, step):
     """Save ``step`` with 64 MB of new shared data: rank 0 dies once it has posted over 40 MB of the
     sends of it to its replica (a transfer goes in rounds of 32 MB: one has gone, the next is posted); rank 1 returns its warnings and what its tier holds afterwards."""
@@ -982,4 +1029,4 @@ def _flip_newest(path):
 SCENARIOS = {"tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
-             "tiers_rollback_unread": tiers_rollback_unread}
+             "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread}

@@ -145,6 +145,25 @@ def test_ranks_agree_to_persist_a_new_timeline_when_one_cannot_read_the_durable_
         assert r == {"durable_latest": 6, "restored": 6, "exact": True}
 
 
+@pytest.mark.parametrize("failing,missing", [(1, False), (1, True), (0, False)], ids=["rank1-io", "rank1-missing", "rank0-io"])
+def test_ranks_agree_on_the_snapshot_to_restore_when_one_cannot_read_the_durable_store(tmp_path, failing, missing):
+    """Trained to 9 (durable 4, 8; local 6, 8); a restart where one rank's read of the durable RUN/latest
+    fails. The ranks restore from one view of the durable store, read once: a failure of rank 1's read
+    changes nothing (step 8, bit for bit), and one of the read they use is raised on every rank. Before,
+    each rank read it and chose on its own: the rank whose read failed raised (or, reading no ref,
+    chose another step and ran other collectives) while the others waited in a collective for
+    timeout_s, then failed or diverged."""
+    out = W.run_ranks("tiers_restore_unread", 2, str(tmp_path), store=str(tmp_path / "s"), failing=failing,
+                      missing=missing, deadline_s=120)
+    for r in out:
+        assert "error" not in r, r.get("trace")
+        assert r["seconds"] < 10, r  # not timeout_s=20
+        if failing == 1:
+            assert r["outcome"] == 8 and r["exact"], r
+        else:
+            assert r["outcome"].startswith("SnapshotError") and "rank 0" in r["outcome"], r
+
+
 @pytest.mark.parametrize("full", [0, 1])
 def test_a_full_local_tier_in_a_group_warns_and_training_and_durable_saves_go_on(tmp_path, tmpfs, full):
     """Rank ``full``'s tier is a 1 MiB tmpfs; the state is ~3 MB. Rank 0 saves the shared state: its
