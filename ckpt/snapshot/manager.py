@@ -300,6 +300,7 @@ class CheckpointManager:
         # Saves are numbered in the order they are made: a persist moves RUN/latest only to a save newer
         # than the one it names (its number; 0: a save of an earlier process), whatever their steps.
         self._saves = 0
+        self._saved_step: int | None = None  # the step of the newest save (with a local tier)
         self._published = 0
         self._durable_step: int | None = None  # the step RUN/latest names in the durable store,
         self._durable_known = False  # once read (at the first save with a local tier)
@@ -412,6 +413,7 @@ class CheckpointManager:
                 persist = bool(self.every_n_steps) and step % self.every_n_steps == 0
             persist = persist or self._persist_pending or self._behind_durable(step)
             self._saves += 1
+            self._saved_step = step
             if self._local_full:
                 self._make_room(step)
             if self._distributed:  # the ranks persist together, in the save thread
@@ -565,7 +567,7 @@ class CheckpointManager:
         with self._persist_lock:
             local.pinned.add(step)
             if self._persist_slot is not None and self._persist_slot[0] != step:
-                local.pinned.discard(self._persist_slot[0])  # superseded before it started: never persisted
+                self._unpin(self._persist_slot[0])  # superseded before it started: never persisted
             self._persist_slot = (step, seq)
             if self._persisting is None or self._persisting.done():
                 self._persisting = self._persist_pool.submit(self._persist_loop)
@@ -601,7 +603,20 @@ class CheckpointManager:
                                "the next save persists again")
         finally:
             with self._persist_lock:
-                local.pinned.discard(step)
+                self._unpin(step)
+
+    def _unpin(self, step: int) -> None:
+        """Let the tier prune ``step`` again (under ``_persist_lock``). A save of an earlier step made
+        since began a new timeline: its ``drop_after`` kept ``step`` only because it was pinned, and as
+        the tier's newest step a restart would resume it. It goes now."""
+        local = self._local
+        assert local is not None
+        local.pinned.discard(step)
+        if self._saved_step is not None and step > self._saved_step:
+            try:
+                local.drop_after(self._saved_step)
+            except Exception as e:  # noqa: BLE001 - the next save of an earlier step drops it again
+                self._tier_warning(f"local tier: could not drop step {step} of the timeline the run left ({describe(e)})")
 
     def _tier_warning(self, message: str) -> None:
         log.warning("%s", message)

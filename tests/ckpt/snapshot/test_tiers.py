@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import warnings
 
 import pytest
@@ -160,6 +161,36 @@ def test_a_run_taken_back_to_an_earlier_snapshot_restarts_on_its_new_timeline(tm
         assert _bits(model2) == want and (mgr.last_restore["store"] > 0) == wipe
         mgr.close()
     assert ckpt.Store.open(str(tmp_path / "durable")).verify().ok
+
+
+def test_a_step_being_persisted_when_the_run_goes_back_is_dropped_from_the_tier_once_persisted(tmp_path, monkeypatch):
+    """Step 12 is still being persisted (held at its copy) when the run saves step 4 (begun again at an
+    earlier step, without restore(), which would wait for the persist): the save of 3 cannot drop 12 from
+    the tier while the persist reads it, so 12 goes once persisted. Before, it stayed: after wait()
+    returned, with RUN/latest at 4 in the durable store, a restart resumed the abandoned step 12."""
+    import ckpt.store.copy
+
+    mgr, model, opt = _train(tmp_path, 10, every_n_steps=2, save_mode="sync")
+    gate, real = threading.Event(), ckpt.store.copy.copy_refs
+
+    def held(*args, **kwargs):
+        gate.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt.store.copy, "copy_refs", held)
+    state = {"model": model, "optim": opt, "step": 0}
+    _steps(mgr, state, (12,))  # saved to the tier; its persist waits at the gate, step 12 pinned
+    _steps(mgr, state, (4,))  # (sync: returns once the tier holds 4 and its persist is asked for)
+    gate.set()
+    mgr.wait()
+    want = _bits(model)
+    assert mgr.local_tier.steps == [4]
+    assert mgr.store.manifest("run/latest").extra["snapshot"]["step"] == 4
+    mgr.close()
+    mgr, model2, opt2 = _fresh(tmp_path, every_n_steps=2)
+    state2 = {"model": model2, "optim": opt2, "step": 0}
+    assert mgr.restore_latest(state2) == 4 and state2["step"] == 4 and _bits(model2) == want
+    mgr.close()
 
 
 def test_local_saves_persist_only_missing_chunks_and_the_tier_stays_bounded(tmp_path):
