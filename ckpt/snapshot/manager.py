@@ -51,10 +51,28 @@ log = logging.getLogger(__name__)
 
 
 def _recorded(step: int, metrics: dict[str, float] | None) -> dict[str, Any]:
-    """The metrics a snapshot records. A NaN or infinite value (a diverged loss) is left out, with a
-    warning: JSON cannot hold it, and it must neither stop the training loop nor rank as the best."""
+    """The metrics a snapshot records, as Python numbers: a 0-dim tensor or a NumPy scalar (the loss a
+    training loop has at hand) is converted; anything else that is no number raises ValueError here,
+    before anything is saved (JSON cannot hold it, keep_best cannot rank it). A NaN or infinite value
+    (a diverged loss) is left out, with a warning: it must neither stop the training loop nor rank as
+    the best."""
+    import numbers
+
     out: dict[str, Any] = {}
     for name, v in (metrics or {}).items():
+        if type(v) not in (int, float, bool):
+            if isinstance(v, numbers.Integral):
+                v = int(v)
+            elif isinstance(v, numbers.Real):  # a NumPy float, say
+                v = float(v)
+            else:
+                try:
+                    v = v.item()  # a 0-dim tensor
+                except (AttributeError, TypeError, ValueError, RuntimeError):  # no number, or several
+                    v = None
+            if type(v) not in (int, float, bool):
+                raise ValueError(f"metric {name!r} of step {step} must be a number (or a 0-dim tensor, a NumPy "
+                                 f"scalar), not {type(metrics[name]).__name__}: {metrics[name]!r:.80}")
         if isinstance(v, float) and not math.isfinite(v):
             log.warning("step %d: metric %s is %s, not recorded: this snapshot never counts as the best", step, name, v)
             continue

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -536,3 +537,32 @@ def test_a_nan_metric_neither_stops_the_loop_nor_counts_as_best(tmp_path, caplog
         mgr.save(6, {"model": model}, metrics={"loss": float("nan")})
         mgr.wait()
         assert mgr.steps() == [2, 6]
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["store", "local_tier"])
+def test_metrics_as_tensors_or_numpy_scalars_are_recorded_and_others_refused_at_once(tmp_path, local):
+    """The loss as a 0-dim tensor or a NumPy float32 (what a training loop has at hand) is recorded as a
+    number and ranks for keep_best; a metric that is no number is refused by save() itself, before
+    anything is saved. Before, the manifest's JSON could not hold them: with no tier the snapshot was
+    lost and a bare TypeError came out of the next save; with a local tier every such snapshot, those
+    due to the durable store too, was skipped as a tier failure, with a warning: none was ever kept.
+    A string metric failed keep_best's ranking after the persist, which then said it had failed."""
+    import numpy as np
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tier = {"local": str(tmp_path / "local"), "every_n_steps": 1} if local else {}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "m", keep_last=1, keep_best=ckpt.KeepBest("loss"), **tier) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no TierWarning
+            for step, loss in ((1, torch.tensor(0.25)), (2, np.float32(0.125)), (3, torch.tensor(0.5, requires_grad=True))):
+                _train(model, opt)
+                mgr.save(step, {"model": model}, metrics={"loss": loss, "epoch": np.int64(step)})
+                mgr.wait()
+        assert mgr.steps() == [2, 3]  # the best and the latest
+        assert mgr.store.manifest("m/step-2").extra["snapshot"]["metrics"] == {"loss": 0.125, "epoch": 2}
+        for bad in ("0.1", None, torch.ones(2)):
+            with pytest.raises(ValueError, match="metric 'loss' of step 4"):
+                mgr.save(4, {"model": model}, metrics={"loss": bad})
+        mgr.wait()
+        assert mgr.steps() == [2, 3]
