@@ -53,7 +53,7 @@ from ckpt.snapshot.state import Stateful, is_per_rank
 from ckpt.snapshot.tiers import describe, out_of_space
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from ckpt.snapshot.peers import Peers
     from ckpt.snapshot.run import SaveJob
@@ -107,6 +107,36 @@ class DistributedSnapshots:
         except _FAILURES as e:
             self.checkpoint_group.failed(e)
             raise
+
+    def resolve(self, find: Callable[[], str]) -> str | None:
+        """The manifest id ``find()`` gives on rank 0 (None where it raises RefNotFoundError), the
+        same on every rank: ranks that each resolved a ref could see it apart (a shared file system's
+        stale listing, a read that failed) and load different snapshots, or one none. Another failure
+        of rank 0's is raised on every rank as a :class:`~ckpt.snapshot.run.SnapshotError`."""
+        import torch.distributed as dist
+
+        from ckpt.errors import RefNotFoundError
+        from ckpt.snapshot.run import SnapshotError
+
+        self.agree("restore")
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = ("id", find())
+            except RefNotFoundError:
+                box[0] = ("id", None)
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                box[0] = ("error", describe(e))
+        try:
+            dist.broadcast_object_list(box, src=self.checkpoint_group.ranks[0], group=self.group)
+        except _FAILURES as e:
+            self.checkpoint_group.failed(e)
+            raise
+        kind, value = box[0]
+        if kind == "error":
+            raise SnapshotError(f"restore not done: rank 0 could not resolve the snapshot ({value})",
+                                hint="restore again once the store answers; see rank 0's log")
+        return value
 
     @property
     def tag(self) -> str:

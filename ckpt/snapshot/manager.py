@@ -749,11 +749,8 @@ class CheckpointManager:
         :attr:`last_restore` says which step was restored and the bytes each tier served."""
         self.wait()
         if self._local is None:
-            try:
-                mid = self.store.resolve(self._durable.latest)
-            except RefNotFoundError:
-                return None
-            return self._restore(state, mid)
+            mid = self._resolve(lambda: self.store.resolve(self._durable.latest))
+            return None if mid is None else self._restore(state, mid)
         if self._distributed:
             from ckpt.snapshot.distributed import DistributedSnapshots
 
@@ -780,13 +777,33 @@ class CheckpointManager:
     def restore(self, state: dict[str, Any], step: int) -> int:
         """Restore the snapshot of ``step`` into ``state`` in place (from the nearest tier holding each chunk)."""
         self.wait()
-        mid = None
-        if self._local is not None:
-            try:
-                mid = self._local.store.resolve(self.ref(step))
-            except RefNotFoundError:
-                pass
-        return self._restore(state, mid or self.store.resolve(self.ref(step)))
+
+        def find() -> str:
+            if self._local is not None:
+                try:
+                    return self._local.store.resolve(self.ref(step))
+                except RefNotFoundError:
+                    pass
+            return self.store.resolve(self.ref(step))
+
+        if not self._distributed:
+            return self._restore(state, find())
+        mid = self._resolve(find)
+        if mid is None:  # (on every rank alike)
+            raise RefNotFoundError(f"no snapshot of step {step} in run {self.run!r}", hint="see mgr.steps() or `ckpt ls`")
+        return self._restore(state, mid)
+
+    def _resolve(self, find: Callable[[], str]) -> str | None:
+        """``find()``, None where it finds no ref; in a group rank 0's, the same on every rank."""
+        if self._distributed:
+            from ckpt.snapshot.distributed import DistributedSnapshots
+
+            assert isinstance(self._path, DistributedSnapshots)
+            return self._path.resolve(find)
+        try:
+            return find()
+        except RefNotFoundError:
+            return None
 
     def _candidates(self) -> list[tuple[int, str]]:
         """Snapshots to restore, newest first: (step, manifest id), from the local tier and the durable store."""

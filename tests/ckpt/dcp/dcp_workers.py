@@ -695,6 +695,52 @@ def tiers_restore_unread(rank, world, tmp, store, failing, missing=False):
     return {"outcome": outcome, "seconds": seconds, "exact": _ddp_bits(fresh) == want}
 
 
+def restore_stale_view(rank, world, tmp, store, view):
+    """DDP state saved at steps 1..4 (no tiers); a fresh manager restores the latest while rank 1 sees
+    the store's RUN/latest apart (a shared file system's stale listing): ``stale``, still naming step 3;
+    ``missing``, no ref at all (rank 1 then finds no step-4 either). Returns what restore_latest and
+    ``restore(state, 4)`` gave and whether each left the state bit-identical to step 4's."""
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt_store.storage.errors import RefNotFoundError
+
+    state = _ddp_state(rank)
+
+    def manager():
+        return ckpt.CheckpointManager(store, "ddp", save_mode="sync", process_group=dist.group.WORLD, timeout_s=20)
+
+    mgr = manager()
+    for step in range(1, 5):
+        _ddp_step(state)
+        state["step"] = step
+        mgr.save(step, state)
+    mgr.close()
+    want = _ddp_bits(state)
+    mgr = manager()
+    if rank == 1:
+        real = mgr.store.resolve
+
+        def resolve(ref, *args, **kwargs):
+            if ref == "ddp/latest" and view == "stale":
+                return real("ddp/step-3")
+            if view == "missing":
+                raise RefNotFoundError(ref)
+            return real(ref, *args, **kwargs)
+
+        mgr.store.resolve = resolve
+    fresh = _ddp_state(rank)
+    t0 = time.monotonic()
+    restored = mgr.restore_latest(fresh)
+    out = {"restored": restored, "exact": _ddp_bits(fresh) == want}
+    fresh = _ddp_state(rank)
+    out["restore_4"] = mgr.restore(fresh, 4)
+    out["exact_4"] = _ddp_bits(fresh) == want
+    out["seconds"] = time.monotonic() - t0
+    mgr.close()
+    return out
+
+
 def _kill_in_replication(rank, state, mgr, step):
     """Save ``step`` with 64 MB of new shared data: rank 0 dies once it has posted over 40 MB of the
     sends of it to its replica (a transfer goes in rounds of 32 MB: one has gone, the next is posted); rank 1 returns its warnings and what its tier holds afterwards."""
@@ -1029,4 +1075,5 @@ def _flip_newest(path):
 SCENARIOS = {"tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
-             "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread}
+             "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,
+             "restore_stale_view": restore_stale_view}
