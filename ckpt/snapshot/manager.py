@@ -812,16 +812,28 @@ class CheckpointManager:
         local = self._local
         assert local is not None
         found: dict[int, str] = {}
+        durable: tuple[int, str, float] | None = None  # the durable RUN/latest: step, id, made at
         try:
             mid = self.store.resolve(self._durable.latest)
-            step = snapshot_step(self.store.manifest(mid))
+            m = self.store.manifest(mid)
+            step = snapshot_step(m)
             if step is not None:
                 found[step] = mid
+                durable = (step, mid, m.created)
         except RefNotFoundError:
             pass
         for step in local.steps():
             try:
-                found[step] = local.store.resolve(local.ref(step))
+                mid = local.store.resolve(local.ref(step))
+                # A local snapshot at or after the durable newest's step, made before it, is of a timeline
+                # the run has left (taken back, or begun anew, on another node whose tier this is not):
+                # snapshots are made in step order along a timeline, and persisting keeps the time made.
+                if (durable is not None and step >= durable[0] and mid != durable[1]
+                        and local.store.manifest(mid).created < durable[2]):
+                    self._tier_warning(f"local tier: snapshot of step {step} predates the durable store's newest "
+                                       f"(step {durable[0]}): it is of a timeline the run left, not restored")
+                    continue
+                found[step] = mid
             except TIER_MISSES as e:
                 self._tier_warning(f"local tier: snapshot of step {step} unreadable ({describe(e)})")
         return sorted(found.items(), reverse=True)

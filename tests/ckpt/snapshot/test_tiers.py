@@ -193,6 +193,34 @@ def test_a_step_being_persisted_when_the_run_goes_back_is_dropped_from_the_tier_
     mgr.close()
 
 
+def test_a_nodes_tier_left_from_a_timeline_the_run_has_left_is_not_resumed(tmp_path):
+    """The run trains to 12 on node A (tier A: 10, 12), is begun anew under its name on node B (tier B),
+    which persists its step 2 (a save below the durable step) and trains to 8; the next restart lands on
+    node A. Tier A's 10 and 12 were made before the durable store's newest snapshot: they belong to the
+    timeline the run left, and are skipped with a TierWarning; the restart resumes step 2 from the
+    durable store, bit for bit. Before, node A resumed its own step 12 of the abandoned run."""
+    kw = dict(every_n_steps=10, local_every_n_steps=2)
+    mgr, _, _ = _train(tmp_path, 12, local=str(tmp_path / "node-a"), **kw)
+    assert mgr.local_tier.steps == [10, 12]
+    mgr.close()
+    mgr, model, opt = _fresh(tmp_path, local=str(tmp_path / "node-b"), **kw)
+    state = {"model": model, "optim": opt, "step": 0}
+    _steps(mgr, state, range(1, 3))
+    mgr.wait()  # (step 2 persisted: the steps after it are not, none being due)
+    want = _bits(model)
+    _steps(mgr, state, range(3, 9))
+    mgr.close()
+    assert mgr.store.manifest("run/latest").extra["snapshot"]["step"] == 2
+    mgr, model2, opt2 = _fresh(tmp_path, local=str(tmp_path / "node-a"), **kw)
+    state2 = {"model": model2, "optim": opt2, "step": 0}
+    with pytest.warns(ckpt.TierWarning) as caught:
+        assert mgr.restore_latest(state2) == 2
+    assert sorted(str(w.message).split()[5] for w in caught) == ["10", "12"]
+    assert all("timeline the run left" in str(w.message) for w in caught)
+    assert state2["step"] == 2 and _bits(model2) == want and mgr.last_restore["local"] == 0
+    mgr.close()
+
+
 def test_local_saves_persist_only_missing_chunks_and_the_tier_stays_bounded(tmp_path):
     torch.manual_seed(0)
     frozen = torch.nn.Linear(512, 512)  # never changes: persisted once
