@@ -807,7 +807,7 @@ class CheckpointManager:
 
     def _candidates(self) -> list[tuple[int, str]]:
         """Snapshots to restore, newest first: (step, manifest id), from the local tier and the durable store."""
-        from ckpt.snapshot.tiers import snapshot_step
+        from ckpt.snapshot.tiers import left_behind, snapshot_step
 
         local = self._local
         assert local is not None
@@ -825,11 +825,7 @@ class CheckpointManager:
         for step in local.steps():
             try:
                 mid = local.store.resolve(local.ref(step))
-                # A local snapshot at or after the durable newest's step, made before it, is of a timeline
-                # the run has left (taken back, or begun anew, on another node whose tier this is not):
-                # snapshots are made in step order along a timeline, and persisting keeps the time made.
-                if (durable is not None and step >= durable[0] and mid != durable[1]
-                        and local.store.manifest(mid).created < durable[2]):
+                if durable is not None and left_behind(step, mid, local.store.manifest(mid).created, durable):
                     self._tier_warning(f"local tier: snapshot of step {step} predates the durable store's newest "
                                        f"(step {durable[0]}): it is of a timeline the run left, not restored")
                     continue

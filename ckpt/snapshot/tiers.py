@@ -471,6 +471,14 @@ def snapshot_step(m: Manifest) -> int | None:
     return int(snap["step"]) if isinstance(snap, dict) and isinstance(snap.get("step"), int) else None
 
 
+def left_behind(step: int, mid: str, made: float, durable: tuple[int, str, float] | None) -> bool:
+    """Whether a local tier's snapshot (``step``, manifest ``mid`` made at ``made``) is of a timeline the
+    run has left, ``durable`` being the durable RUN/latest's (step, id, time made): at or after its step,
+    not it, and made before it (the run was taken back, or begun anew, where this tier was not). Along a
+    timeline snapshots are made in step order, and persisting copies a manifest as it is, with its time."""
+    return durable is not None and step >= durable[0] and mid != durable[1] and made < durable[2]
+
+
 def out_of_space(e: BaseException | None, rank: int | None = None) -> bool:
     """Whether ``e``, or an error it was raised from, says the medium is full (ENOSPC, EDQUOT).
     ``rank``: in a DCP ``CheckpointException`` met on the way, whether that rank's own failure

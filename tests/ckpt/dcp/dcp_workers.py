@@ -741,6 +741,45 @@ def restore_stale_view(rank, world, tmp, store, view):
     return out
 
 
+def tiers_left_timeline(rank, world, tmp, store):
+    """Local tiers (every 2 steps, persisted every 10): the run trains to 12 with its tiers on "node A",
+    is begun anew under its name with tiers on "node B" (its step 2 persisted: a save below the durable
+    step) and trains to 8; then restarts on node A. Returns what that restore gave, whether the state is
+    node B's step 2, bit for bit, and the TierWarnings."""
+    import warnings
+
+    import torch.distributed as dist
+
+    import ckpt
+
+    def manager(node):
+        return ckpt.CheckpointManager(store, "ddp", every_n_steps=10, local=os.path.join(tmp, node), local_every_n_steps=2,
+                                      replicas=1, process_group=dist.group.WORLD, timeout_s=20)
+
+    def train(mgr, state, steps):
+        for step in steps:
+            _ddp_step(state)
+            state["step"] = step
+            mgr.maybe_save(step, state)
+            mgr.wait()
+
+    mgr, state = manager("node-a"), _ddp_state(rank)
+    train(mgr, state, range(1, 13))
+    mgr.close()
+    mgr, state = manager("node-b"), _ddp_state(rank)
+    train(mgr, state, range(1, 3))
+    want = _ddp_bits(state)
+    train(mgr, state, range(3, 9))
+    mgr.close()
+    mgr, fresh = manager("node-a"), _ddp_state(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored = mgr.restore_latest(fresh)
+    mgr.close()
+    return {"restored": restored, "exact": _ddp_bits(fresh) == want,
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)]}
+
+
 def _kill_in_replication(rank, state, mgr, step):
     """Save ``step`` with 64 MB of new shared data: rank 0 dies once it has posted over 40 MB of the
     sends of it to its replica (a transfer goes in rounds of 32 MB: one has gone, the next is posted); rank 1 returns its warnings and what its tier holds afterwards."""
@@ -1076,4 +1115,4 @@ SCENARIOS = {"tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "ti
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
              "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,
-             "restore_stale_view": restore_stale_view}
+             "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline}

@@ -164,6 +164,18 @@ def test_ranks_agree_on_the_snapshot_to_restore_when_one_cannot_read_the_durable
             assert r["outcome"].startswith("SnapshotError") and "rank 0" in r["outcome"], r
 
 
+def test_a_nodes_tiers_left_from_a_timeline_the_run_has_left_are_not_resumed(tmp_path):
+    """Trained to 12 with the tiers of node A, begun anew under the run's name on node B (its step 2
+    persisted) and trained to 8, restarted on node A: node A's steps 10 and 12 predate the durable newest
+    and are skipped (a TierWarning on each rank); every rank resumes step 2, bit for bit. Before, the
+    ranks assembled node A's step 12 of the abandoned run and resumed it."""
+    out = W.run_ranks("tiers_left_timeline", 2, str(tmp_path), store=str(tmp_path / "s"), deadline_s=120)
+    for r in out:
+        assert "error" not in r, r.get("trace")
+        assert r["restored"] == 2 and r["exact"], r
+        assert any("step 12 predates" in m for m in r["warnings"]), r["warnings"]
+
+
 @pytest.mark.parametrize("full", [0, 1])
 def test_a_full_local_tier_in_a_group_warns_and_training_and_durable_saves_go_on(tmp_path, tmpfs, full):
     """Rank ``full``'s tier is a 1 MiB tmpfs; the state is ~3 MB. Rank 0 saves the shared state: its
