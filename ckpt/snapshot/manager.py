@@ -731,7 +731,9 @@ class CheckpointManager:
             metrics = {s: self._metric(s) for s in steps} if self.retention.best else {}
             try:  # below the newest step where the run went back: the last ones are counted up to it
                 latest = snapshot_step(self.store.manifest(self._durable.latest))
-            except RefNotFoundError:
+            except Exception as e:  # noqa: BLE001 - no ref, or unreadable now: every step counts, as before
+                if not isinstance(e, RefNotFoundError):
+                    log.warning("retention: could not read %s (%s); counting every step", self._durable.latest, describe(e))
                 latest = None
             keep = set(self.retention.keep(steps, metrics, latest))
             for s in steps:

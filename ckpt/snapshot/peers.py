@@ -540,6 +540,7 @@ class _Staging:
 
 
 def _left(path: str, step: int, dstep: int) -> None:
+    """Warn that this rank's tier holds ``step`` of a timeline the run left (not restored)."""
     import warnings
 
     from ckpt.snapshot.run import TierWarning

@@ -566,3 +566,25 @@ def test_metrics_as_tensors_or_numpy_scalars_are_recorded_and_others_refused_at_
                 mgr.save(4, {"model": model}, metrics={"loss": bad})
         mgr.wait()
         assert mgr.steps() == [2, 3]
+
+
+def test_retention_goes_on_when_the_latest_snapshot_cannot_be_read(tmp_path, monkeypatch):
+    """Retention reads RUN/latest's step (the run may have gone back); where that read fails (a
+    transient I/O error) it counts every step, as without the read, and the save does not fail."""
+    from ckpt_store.storage.errors import StorageIOError
+
+    model = _model()
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", keep_last=1) as mgr:
+        mgr.save(1, {"model": model})
+        mgr.wait()
+        real = mgr.store.manifest
+
+        def manifest(ref, *args, **kwargs):
+            if ref == "r/latest":
+                raise StorageIOError("reading r/latest failed (injected)")
+            return real(ref, *args, **kwargs)
+
+        monkeypatch.setattr(mgr.store, "manifest", manifest)
+        mgr.save(2, {"model": model})
+        mgr.wait()
+        assert mgr.steps() == [2]
