@@ -53,7 +53,7 @@ from ckpt.snapshot.state import Stateful, is_per_rank
 from ckpt.snapshot.tiers import describe, out_of_space
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from ckpt.snapshot.peers import Peers
     from ckpt.snapshot.run import SaveJob
@@ -79,6 +79,7 @@ class DistributedSnapshots:
         # Every member calls this in the same order (it is part of constructing the manager).
         self.checkpoint_group = CheckpointGroup(process_group, timeout_s)
         self.last_id: str | None = None
+        self.persisting = False  # whether the save last prepared persists (the ranks' agreed decision)
         self.peers: Peers | None = None
         if local is not None:
             from ckpt.snapshot.peers import Peers
@@ -107,6 +108,36 @@ class DistributedSnapshots:
             self.checkpoint_group.failed(e)
             raise
 
+    def resolve(self, find: Callable[[], str]) -> str | None:
+        """The manifest id ``find()`` gives on rank 0 (None where it raises RefNotFoundError), the
+        same on every rank: ranks that each resolved a ref could see it apart (a shared file system's
+        stale listing, a read that failed) and load different snapshots, or one none. Another failure
+        of rank 0's is raised on every rank as a :class:`~ckpt.snapshot.run.SnapshotError`."""
+        import torch.distributed as dist
+
+        from ckpt.errors import RefNotFoundError
+        from ckpt.snapshot.run import SnapshotError
+
+        self.agree("restore")
+        box: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                box[0] = ("id", find())
+            except RefNotFoundError:
+                box[0] = ("id", None)
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                box[0] = ("error", describe(e))
+        try:
+            dist.broadcast_object_list(box, src=self.checkpoint_group.ranks[0], group=self.group)
+        except _FAILURES as e:
+            self.checkpoint_group.failed(e)
+            raise
+        kind, value = box[0]
+        if kind == "error":
+            raise SnapshotError(f"restore not done: rank 0 could not resolve the snapshot ({value})",
+                                hint="restore again once the store answers; see rank 0's log")
+        return value
+
     @property
     def tag(self) -> str:
         """The key under which this rank's copy of per-rank state is saved."""
@@ -114,7 +145,11 @@ class DistributedSnapshots:
 
     # -- saving ------------------------------------------------------------------------
     def save(self, step: int, state: dict[str, Any], snapshot: dict[str, Any], *, background: bool,
-             fallback: SnapshotRun | None = None, persist_to: SnapshotRun | None = None) -> SaveJob:
+             fallback: SnapshotRun | None = None, persist_to: SnapshotRun | None = None, persist: bool = True) -> SaveJob:
+        """The ranks persist the snapshot to ``persist_to`` if any of them asks to (``persist``): each
+        decides from what it alone knows (its own read of the durable store, its own failed persist), and
+        a rank that persisted alone would wait for the others in a collective they never join. The
+        decision is :attr:`persisting`, the same on every rank."""
         from ckpt.dcp.checkpoint import Writer
 
         self.agree(f"snapshot of step {step}")
@@ -128,7 +163,9 @@ class DistributedSnapshots:
                 prepared[key] = obj.state_dict()
             else:
                 prepared[key] = obj
-        self._check_identical(step, {k: v for k, v in prepared.items() if k not in per_rank})
+        self.persisting = self._check_identical(step, {k: v for k, v in prepared.items() if k not in per_rank},
+                                                persist and persist_to is not None)
+        persist_to = persist_to if self.persisting else None
         record = {**snapshot, "ranks": True, "world": self.world, "keys": sorted(state), "per_rank": sorted(per_rank)}
         base = self.last_id if self.run.delta else None
         if self.peers is not None:
@@ -192,17 +229,20 @@ class DistributedSnapshots:
                           last.logical_bytes if last else None, prunes=self.rank == 0,
                           fell_back=f"rank {rank}: {describe(err)}", tier_full=out_of_space(cause, self.rank))
 
-    def _check_identical(self, step: int, shared: dict[str, Any]) -> None:
+    def _check_identical(self, step: int, shared: dict[str, Any], persist: bool) -> bool:
         """Refuse (on every rank alike) shared state whose values or tensor shapes differ between ranks:
-        DCP would save one rank's copy and restore it on all of them."""
+        DCP would save one rank's copy and restore it on all of them; and a save whose ``step`` differs
+        between ranks (a preemption signal that one rank saw before its ``maybe_save`` and another
+        after): it would record the coordinator's step over the other ranks' state. Returns whether
+        any rank asked to ``persist`` (gathered with the state's fingerprints: no collective of its own)."""
         import torch.distributed as dist
 
         from ckpt.snapshot.run import SnapshotError
 
         mine = {key: fingerprint(key, value) for key, value in shared.items()}
-        everyone: list[Any] = [None] * self.world
+        gathered: list[Any] = [None] * self.world
         try:
-            dist.all_gather_object(everyone, mine, group=self.group)
+            dist.all_gather_object(gathered, (mine, persist, step), group=self.group)
         except _FAILURES as e:  # a peer died or stalled since the ranks agreed on the group
             from ckpt.snapshot.group import GroupUnavailable
 
@@ -210,6 +250,13 @@ class DistributedSnapshots:
             raise GroupUnavailable(f"snapshot of step {step} not saved: {describe(e)}",
                                    hint=f"a rank failed, died or took longer than timeout_s={self.timeout_s:g}; "
                                    "the ranks rebuild the checkpoint group at the next save") from e
+        steps = sorted({s for _, _, s in gathered})
+        if len(steps) > 1:
+            raise SnapshotError(f"snapshot not saved: the ranks saved different steps ({', '.join(map(str, steps))}); "
+                                "a snapshot holds one step of every rank",
+                                hint="call save/maybe_save with the same step on every rank (after a preemption "
+                                "signal, at the same step everywhere)")
+        everyone = [fingerprints for fingerprints, _, _ in gathered]
         keys = sorted(set().union(*everyone))
         differ = [k for k in keys if any(d.get(k) != everyone[0].get(k) for d in everyone)]
         if differ:
@@ -218,6 +265,7 @@ class DistributedSnapshots:
                 "(non-tensor values, tensor shapes or keys); one rank's copy would be restored on all of them",
                 hint="make it identical on every rank, or wrap per-rank state in ckpt.snapshot.state.PerRank(...) "
                 "so that each rank saves and restores its own")
+        return any(asked for _, asked, _ in gathered)
 
     def _error(self, step: int, e: BaseException) -> Exception:
         from ckpt.snapshot.run import SnapshotError

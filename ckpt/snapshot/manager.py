@@ -51,10 +51,28 @@ log = logging.getLogger(__name__)
 
 
 def _recorded(step: int, metrics: dict[str, float] | None) -> dict[str, Any]:
-    """The metrics a snapshot records. A NaN or infinite value (a diverged loss) is left out, with a
-    warning: JSON cannot hold it, and it must neither stop the training loop nor rank as the best."""
+    """The metrics a snapshot records, as Python numbers: a 0-dim tensor or a NumPy scalar (the loss a
+    training loop has at hand) is converted; anything else that is no number raises ValueError here,
+    before anything is saved (JSON cannot hold it, keep_best cannot rank it). A NaN or infinite value
+    (a diverged loss) is left out, with a warning: it must neither stop the training loop nor rank as
+    the best."""
+    import numbers
+
     out: dict[str, Any] = {}
     for name, v in (metrics or {}).items():
+        if type(v) not in (int, float, bool):
+            if isinstance(v, numbers.Integral):
+                v = int(v)
+            elif isinstance(v, numbers.Real):  # a NumPy float, say
+                v = float(v)
+            else:
+                try:
+                    v = v.item()  # a 0-dim tensor
+                except (AttributeError, TypeError, ValueError, RuntimeError):  # no number, or several
+                    v = None
+            if type(v) not in (int, float, bool):
+                raise ValueError(f"metric {name!r} of step {step} must be a number (or a 0-dim tensor, a NumPy "
+                                 f"scalar), not {type(metrics[name]).__name__}: {metrics[name]!r:.80}")
         if isinstance(v, float) and not math.isfinite(v):
             log.warning("step %d: metric %s is %s, not recorded: this snapshot never counts as the best", step, name, v)
             continue
@@ -300,6 +318,7 @@ class CheckpointManager:
         # Saves are numbered in the order they are made: a persist moves RUN/latest only to a save newer
         # than the one it names (its number; 0: a save of an earlier process), whatever their steps.
         self._saves = 0
+        self._saved_step: int | None = None  # the step of the newest save (with a local tier)
         self._published = 0
         self._durable_step: int | None = None  # the step RUN/latest names in the durable store,
         self._durable_known = False  # once read (at the first save with a local tier)
@@ -412,14 +431,19 @@ class CheckpointManager:
                 persist = bool(self.every_n_steps) and step % self.every_n_steps == 0
             persist = persist or self._persist_pending or self._behind_durable(step)
             self._saves += 1
+            self._saved_step = step
             if self._local_full:
                 self._make_room(step)
             if self._distributed:  # the ranks persist together, in the save thread
+                from ckpt.snapshot.distributed import DistributedSnapshots
                 from ckpt.snapshot.group import GroupUnavailable
 
+                path = self._path
+                assert isinstance(path, DistributedSnapshots)
                 try:
-                    saving = self._path.save(step, state, snapshot, background=background,
-                                             persist_to=self._durable if persist else None)
+                    saving = path.save(step, state, snapshot, background=background, persist_to=self._durable,
+                                       persist=persist)
+                    persist = path.persisting  # agreed: one rank alone may know the run went back, say
                 except GroupUnavailable as e:
                     # The ranks could not agree on a working group: as for a tier failure, unless this
                     # snapshot is due to the durable store (raised, as without tiers).
@@ -561,7 +585,7 @@ class CheckpointManager:
         with self._persist_lock:
             local.pinned.add(step)
             if self._persist_slot is not None and self._persist_slot[0] != step:
-                local.pinned.discard(self._persist_slot[0])  # superseded before it started: never persisted
+                self._unpin(self._persist_slot[0])  # superseded before it started: never persisted
             self._persist_slot = (step, seq)
             if self._persisting is None or self._persisting.done():
                 self._persisting = self._persist_pool.submit(self._persist_loop)
@@ -597,7 +621,20 @@ class CheckpointManager:
                                "the next save persists again")
         finally:
             with self._persist_lock:
-                local.pinned.discard(step)
+                self._unpin(step)
+
+    def _unpin(self, step: int) -> None:
+        """Let the tier prune ``step`` again (under ``_persist_lock``). A save of an earlier step made
+        since began a new timeline: its ``drop_after`` kept ``step`` only because it was pinned, and as
+        the tier's newest step a restart would resume it. It goes now."""
+        local = self._local
+        assert local is not None
+        local.pinned.discard(step)
+        if self._saved_step is not None and step > self._saved_step:
+            try:
+                local.drop_after(self._saved_step)
+            except Exception as e:  # noqa: BLE001 - the next save of an earlier step drops it again
+                self._tier_warning(f"local tier: could not drop step {step} of the timeline the run left ({describe(e)})")
 
     def _tier_warning(self, message: str) -> None:
         log.warning("%s", message)
@@ -687,10 +724,18 @@ class CheckpointManager:
             return
         # One at a time: the persist thread and a direct save can both get here, and the second
         # to remove a ref would raise RefNotFoundError out of save().
+        from ckpt.snapshot.tiers import snapshot_step
+
         with self._retaining:
             steps = self.steps()
             metrics = {s: self._metric(s) for s in steps} if self.retention.best else {}
-            keep = set(self.retention.keep(steps, metrics))
+            try:  # below the newest step where the run went back: the last ones are counted up to it
+                latest = snapshot_step(self.store.manifest(self._durable.latest))
+            except Exception as e:  # noqa: BLE001 - no ref, or unreadable now: every step counts, as before
+                if not isinstance(e, RefNotFoundError):
+                    log.warning("retention: could not read %s (%s); counting every step", self._durable.latest, describe(e))
+                latest = None
+            keep = set(self.retention.keep(steps, metrics, latest))
             for s in steps:
                 if s not in keep:
                     self.store.remove(self.ref(s))
@@ -706,11 +751,8 @@ class CheckpointManager:
         :attr:`last_restore` says which step was restored and the bytes each tier served."""
         self.wait()
         if self._local is None:
-            try:
-                mid = self.store.resolve(self._durable.latest)
-            except RefNotFoundError:
-                return None
-            return self._restore(state, mid)
+            mid = self._resolve(lambda: self.store.resolve(self._durable.latest))
+            return None if mid is None else self._restore(state, mid)
         if self._distributed:
             from ckpt.snapshot.distributed import DistributedSnapshots
 
@@ -737,31 +779,59 @@ class CheckpointManager:
     def restore(self, state: dict[str, Any], step: int) -> int:
         """Restore the snapshot of ``step`` into ``state`` in place (from the nearest tier holding each chunk)."""
         self.wait()
-        mid = None
-        if self._local is not None:
-            try:
-                mid = self._local.store.resolve(self.ref(step))
-            except RefNotFoundError:
-                pass
-        return self._restore(state, mid or self.store.resolve(self.ref(step)))
+
+        def find() -> str:
+            if self._local is not None:
+                try:
+                    return self._local.store.resolve(self.ref(step))
+                except RefNotFoundError:
+                    pass
+            return self.store.resolve(self.ref(step))
+
+        if not self._distributed:
+            return self._restore(state, find())
+        mid = self._resolve(find)
+        if mid is None:  # (on every rank alike)
+            raise RefNotFoundError(f"no snapshot of step {step} in run {self.run!r}", hint="see mgr.steps() or `ckpt ls`")
+        return self._restore(state, mid)
+
+    def _resolve(self, find: Callable[[], str]) -> str | None:
+        """``find()``, None where it finds no ref; in a group rank 0's, the same on every rank."""
+        if self._distributed:
+            from ckpt.snapshot.distributed import DistributedSnapshots
+
+            assert isinstance(self._path, DistributedSnapshots)
+            return self._path.resolve(find)
+        try:
+            return find()
+        except RefNotFoundError:
+            return None
 
     def _candidates(self) -> list[tuple[int, str]]:
         """Snapshots to restore, newest first: (step, manifest id), from the local tier and the durable store."""
-        from ckpt.snapshot.tiers import snapshot_step
+        from ckpt.snapshot.tiers import left_behind, snapshot_step
 
         local = self._local
         assert local is not None
         found: dict[int, str] = {}
+        durable: tuple[int, str, float] | None = None  # the durable RUN/latest: step, id, made at
         try:
             mid = self.store.resolve(self._durable.latest)
-            step = snapshot_step(self.store.manifest(mid))
+            m = self.store.manifest(mid)
+            step = snapshot_step(m)
             if step is not None:
                 found[step] = mid
+                durable = (step, mid, m.created)
         except RefNotFoundError:
             pass
         for step in local.steps():
             try:
-                found[step] = local.store.resolve(local.ref(step))
+                mid = local.store.resolve(local.ref(step))
+                if durable is not None and left_behind(step, mid, local.store.manifest(mid).created, durable):
+                    self._tier_warning(f"local tier: snapshot of step {step} predates the durable store's newest "
+                                       f"(step {durable[0]}): it is of a timeline the run left, not restored")
+                    continue
+                found[step] = mid
             except TIER_MISSES as e:
                 self._tier_warning(f"local tier: snapshot of step {step} unreadable ({describe(e)})")
         return sorted(found.items(), reverse=True)

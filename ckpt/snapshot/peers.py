@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckpt.dcp.checkpoint import Writer
-from ckpt.snapshot.tiers import MISSES, LocalTier, Tiers, describe, out_of_space, snapshot_step
+from ckpt.snapshot.tiers import MISSES, LocalTier, Tiers, describe, left_behind, out_of_space, snapshot_step
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import ObjectNotFoundError, RefNotFoundError
 
@@ -287,12 +287,40 @@ class Peers:
         """Agree on the snapshot to restore and gather, for this rank, the chunks its tier lacks from
         peers. Returns (step, manifest id, the tiers to read it from), or None if there is none."""
 
-        inventories = self.gather(self.inventory())
-        try:
-            dmid = durable.resolve(latest)
-            dstep = snapshot_step(durable.manifest(dmid))
-        except RefNotFoundError:
-            dmid, dstep = None, None
+        # Rank 0 alone reads the durable store, and every rank chooses from what it read: ranks that
+        # each read it could see it differently (one read failing, or lagging) and choose apart.
+        view: Any = None
+        if self.rank == 0:
+            try:
+                dmid = durable.resolve(latest)
+                dm = durable.manifest(dmid)
+                view = (dmid, snapshot_step(dm), dm.created)
+            except RefNotFoundError:
+                view = (None, None, None)
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                view = describe(e)
+        inventory, made = self.inventory(), {}
+        for step, (mid, _) in inventory.items():
+            try:
+                made[step] = self.local.store.manifest(mid).created
+            except MISSES:
+                pass  # (gone meanwhile: a restore finds it missing)
+        gathered = self.gather((inventory, made, view))
+        view = gathered[0][2]
+        if isinstance(view, str):
+            from ckpt.snapshot.run import SnapshotError
+
+            raise SnapshotError(f"restore not done: rank 0 could not read {latest} in {durable.url} ({view})",
+                                hint="restore again once the durable store answers; see rank 0's log")
+        dmid, dstep, dmade = view
+        inventories = [inv for inv, _, _ in gathered]
+        if dmid is not None and dstep is not None:  # steps of a timeline the run left are no candidates
+            for r, (inv, made_r, _) in enumerate(gathered):
+                for step, (mid, _) in list(inv.items()):
+                    if step in made_r and left_behind(step, mid, made_r[step], (dstep, dmid, dmade)):
+                        del inv[step]
+                        if r == self.rank:
+                            _left(self.local.path, step, dstep)
         steps: dict[int, str] = {}
         for inv in inventories:
             for step, (mid, _) in inv.items():
@@ -509,6 +537,18 @@ class _Staging:
             except Exception as e:  # noqa: BLE001 - a leftover temporary is removed by the tier's next gc
                 log.debug("staged chunk not removed: %s", describe(e))
         self.ready, self.waiting = [], {}
+
+
+def _left(path: str, step: int, dstep: int) -> None:
+    """Warn that this rank's tier holds ``step`` of a timeline the run left (not restored)."""
+    import warnings
+
+    from ckpt.snapshot.run import TierWarning
+
+    message = (f"local tier {path}: snapshot of step {step} predates the durable store's newest (step {dstep}): "
+               "it is of a timeline the run left, not restored")
+    log.warning("%s", message)
+    warnings.warn(message, TierWarning, stacklevel=2)
 
 
 def _dropped(cid: str, why: str) -> None:

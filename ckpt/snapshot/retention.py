@@ -56,7 +56,7 @@ class KeepBest:
 @dataclass(frozen=True)
 class Retention:
     """Keep the last ``last`` snapshots, every one whose step is a multiple of ``every``, and the
-    ``best`` ones. The newest is always kept (``RUN/latest`` names it). All None: keep everything."""
+    ``best`` ones. The one ``RUN/latest`` names is always kept. All None: keep everything."""
 
     last: int | None = None
     every: int | None = None
@@ -70,11 +70,24 @@ class Retention:
     def keeps_all(self) -> bool:
         return self.last is None and self.every is None and self.best is None
 
-    def keep(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, float]]) -> list[int]:
-        """The steps of ``steps`` to keep, ascending (``metrics``: each step's metrics, where known)."""
+    def keep(self, steps: Sequence[int], metrics: Mapping[int, Mapping[str, float]], latest: int | None = None,
+             ) -> list[int]:
+        """The steps of ``steps`` to keep, ascending (``metrics``: each step's metrics, where known).
+
+        ``latest``: the step ``RUN/latest`` names. Steps after it are of a timeline the run left (it
+        went back to an earlier snapshot and saved from there): they are kept, and the rules apply
+        to the steps up to it, so that the last ones are the run's newest, not the abandoned ones.
+
+        >>> Retention(last=2).keep([4, 6, 8, 10, 12], {}, latest=6)
+        [4, 6, 8, 10, 12]
+        >>> Retention(last=1).keep([4, 6, 8, 10, 12], {}, latest=8)
+        [8, 10, 12]
+        """
         steps = sorted(steps)
         if self.keeps_all:
             return steps
+        left = [s for s in steps if latest is not None and s > latest]
+        steps = steps[: len(steps) - len(left)]
         keep = set(steps[-self.last:]) if self.last else set()
         if self.every:
             keep |= {s for s in steps if s % self.every == 0}
@@ -86,4 +99,4 @@ class Retention:
             keep |= {s for _, s in scored[: self.best.count]}
         if steps:
             keep.add(steps[-1])
-        return sorted(keep)
+        return sorted(keep | set(left))

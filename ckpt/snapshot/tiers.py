@@ -140,7 +140,13 @@ class LocalTier:
         self.max_bytes = max_bytes
         if durable is not None:
             _apart(self.path, durable)
-        os.makedirs(self.path, exist_ok=True)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as e:  # a file where the folder should be, say (FileExistsError, NotADirectoryError)
+            from ckpt.snapshot.run import SnapshotError
+
+            raise SnapshotError(f"local tier {self.path} cannot be made a folder ({describe(e)})",
+                                hint="give local=PATH a folder of its own (or a path where one can be made)") from e
         fd = _hold(self.path)  # before anything here is read or changed: one manager per tier
         self._release = weakref.finalize(self, os.close, fd)
         try:
@@ -463,6 +469,14 @@ def chunk_ids(m: Manifest) -> set[str]:
 def snapshot_step(m: Manifest) -> int | None:
     snap = m.extra.get("snapshot")
     return int(snap["step"]) if isinstance(snap, dict) and isinstance(snap.get("step"), int) else None
+
+
+def left_behind(step: int, mid: str, made: float, durable: tuple[int, str, float] | None) -> bool:
+    """Whether a local tier's snapshot (``step``, manifest ``mid`` made at ``made``) is of a timeline the
+    run has left, ``durable`` being the durable RUN/latest's (step, id, time made): at or after its step,
+    not it, and made before it (the run was taken back, or begun anew, where this tier was not). Along a
+    timeline snapshots are made in step order, and persisting copies a manifest as it is, with its time."""
+    return durable is not None and step >= durable[0] and mid != durable[1] and made < durable[2]
 
 
 def out_of_space(e: BaseException | None, rank: int | None = None) -> bool:

@@ -434,6 +434,10 @@ def ddp_refusals(rank, world, tmp, store):
     with ckpt.CheckpointManager(store, "r", save_mode="sync", process_group=group, timeout_s=30) as mgr:
         res["differs"] = outcome(lambda: mgr.save(1, {"w": torch.ones(2), "pos": _Position(rank)}))
         res["differs_steps"] = mgr.steps()
+        # Ranks at different steps (a preemption signal seen by one rank before its maybe_save, by the
+        # other after it): the shared state is alike, but the snapshot would mix the two steps.
+        res["steps_differ"] = outcome(lambda: mgr.save(3 + rank, {"w": torch.ones(2), "rng": ckpt.RNGState()}))
+        res["steps_differ_steps"] = mgr.steps()
         state = _ddp_state(rank)
         _ddp_step(state)
         lazy = _Lazy()
@@ -594,6 +598,186 @@ def tiers_rollback(rank, world, tmp, store):
         out[f"wiped={wipe}"] = [mgr.restore_latest(fresh), mgr.last_restore["store"] > 0, _ddp_bits(fresh) == want]
         mgr.close()
     return out
+
+
+def tiers_rollback_unread(rank, world, tmp, store):
+    """Local tiers (every 2 steps, persisted every 4): train to 8; a fresh manager goes back to step 4
+    and trains on to 6, but rank 1's first read of the durable RUN/latest fails (a transient I/O
+    error), so only rank 0 sees that step 6 begins a new timeline. Returns the step the durable store's
+    RUN/latest names afterwards, and what a fresh manager restores (step, bit-identical to step 6)."""
+    import torch.distributed as dist
+
+    import ckpt
+
+    local = os.path.join(tmp, "local")
+    state = _ddp_state(rank)
+
+    def manager():
+        return ckpt.CheckpointManager(store, "ddp", every_n_steps=4, local=local, local_every_n_steps=2,
+                                      process_group=dist.group.WORLD, timeout_s=10)
+
+    mgr = manager()
+    for step in range(1, 9):
+        _ddp_step(state)
+        state["step"] = step
+        mgr.maybe_save(step, state)
+    mgr.close()
+    mgr = manager()
+    if rank == 1:
+        real, failed = mgr.store.manifest, []
+
+        def manifest(ref, *args, **kwargs):
+            if ref == "ddp/latest" and not failed:
+                failed.append(ref)
+                raise OSError(5, "Input/output error (injected)", ref)
+            return real(ref, *args, **kwargs)
+
+        mgr.store.manifest = manifest
+    mgr.restore(state, 4)
+    for step in (5, 6):
+        _ddp_step(state)
+        state["step"] = step
+        mgr.maybe_save(step, state)
+    mgr.close()
+    want = _ddp_bits(state)
+    latest = ckpt.Store.open(store).manifest("ddp/latest").extra["snapshot"]["step"]
+    fresh = _ddp_state(rank)
+    mgr = manager()
+    restored = mgr.restore_latest(fresh)
+    mgr.close()
+    return {"durable_latest": latest, "restored": restored, "exact": _ddp_bits(fresh) == want}
+
+
+def tiers_restore_unread(rank, world, tmp, store, failing, missing=False):
+    """Local tiers (every 2 steps, persisted every 4): train to 9 (durable 4, 8; local 6, 8). A fresh
+    manager restores while rank ``failing``'s read of the durable RUN/latest fails: an I/O error, or with
+    ``missing`` a RefNotFoundError (a listing that lags). Returns the outcome, its seconds, and whether
+    the state is bit-identical to step 8's."""
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt_store.storage.errors import RefNotFoundError
+
+    local = os.path.join(tmp, "local")
+    state = _ddp_state(rank)
+
+    def manager():
+        return ckpt.CheckpointManager(store, "ddp", every_n_steps=4, local=local, local_every_n_steps=2, replicas=1,
+                                      process_group=dist.group.WORLD, timeout_s=20)
+
+    mgr = manager()
+    for step in range(1, 10):
+        _ddp_step(state)
+        state["step"] = step
+        mgr.maybe_save(step, state)
+        if step == 8:
+            mgr.wait()
+            want = _ddp_bits(state)
+    mgr.close()
+    mgr = manager()
+    if rank == failing:
+        real = mgr.store.resolve
+
+        def resolve(ref, *args, **kwargs):
+            if ref == "ddp/latest":
+                raise RefNotFoundError(ref) if missing else OSError(5, "Input/output error (injected)", ref)
+            return real(ref, *args, **kwargs)
+
+        mgr.store.resolve = resolve
+    fresh = _ddp_state(rank)
+    t0 = time.monotonic()
+    try:
+        outcome = mgr.restore_latest(fresh)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        outcome = f"{type(e).__name__}: {e}"
+    seconds = time.monotonic() - t0
+    mgr.close()
+    return {"outcome": outcome, "seconds": seconds, "exact": _ddp_bits(fresh) == want}
+
+
+def restore_stale_view(rank, world, tmp, store, view):
+    """DDP state saved at steps 1..4 (no tiers); a fresh manager restores the latest while rank 1 sees
+    the store's RUN/latest apart (a shared file system's stale listing): ``stale``, still naming step 3;
+    ``missing``, no ref at all (rank 1 then finds no step-4 either). Returns what restore_latest and
+    ``restore(state, 4)`` gave and whether each left the state bit-identical to step 4's."""
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt_store.storage.errors import RefNotFoundError
+
+    state = _ddp_state(rank)
+
+    def manager():
+        return ckpt.CheckpointManager(store, "ddp", save_mode="sync", process_group=dist.group.WORLD, timeout_s=20)
+
+    mgr = manager()
+    for step in range(1, 5):
+        _ddp_step(state)
+        state["step"] = step
+        mgr.save(step, state)
+    mgr.close()
+    want = _ddp_bits(state)
+    mgr = manager()
+    if rank == 1:
+        real = mgr.store.resolve
+
+        def resolve(ref, *args, **kwargs):
+            if ref == "ddp/latest" and view == "stale":
+                return real("ddp/step-3")
+            if view == "missing":
+                raise RefNotFoundError(ref)
+            return real(ref, *args, **kwargs)
+
+        mgr.store.resolve = resolve
+    fresh = _ddp_state(rank)
+    t0 = time.monotonic()
+    restored = mgr.restore_latest(fresh)
+    out = {"restored": restored, "exact": _ddp_bits(fresh) == want}
+    fresh = _ddp_state(rank)
+    out["restore_4"] = mgr.restore(fresh, 4)
+    out["exact_4"] = _ddp_bits(fresh) == want
+    out["seconds"] = time.monotonic() - t0
+    mgr.close()
+    return out
+
+
+def tiers_left_timeline(rank, world, tmp, store):
+    """Local tiers (every 2 steps, persisted every 10): the run trains to 12 with its tiers on "node A",
+    is begun anew under its name with tiers on "node B" (its step 2 persisted: a save below the durable
+    step) and trains to 8; then restarts on node A. Returns what that restore gave, whether the state is
+    node B's step 2, bit for bit, and the TierWarnings."""
+    import warnings
+
+    import torch.distributed as dist
+
+    import ckpt
+
+    def manager(node):
+        return ckpt.CheckpointManager(store, "ddp", every_n_steps=10, local=os.path.join(tmp, node), local_every_n_steps=2,
+                                      replicas=1, process_group=dist.group.WORLD, timeout_s=20)
+
+    def train(mgr, state, steps):
+        for step in steps:
+            _ddp_step(state)
+            state["step"] = step
+            mgr.maybe_save(step, state)
+            mgr.wait()
+
+    mgr, state = manager("node-a"), _ddp_state(rank)
+    train(mgr, state, range(1, 13))
+    mgr.close()
+    mgr, state = manager("node-b"), _ddp_state(rank)
+    train(mgr, state, range(1, 3))
+    want = _ddp_bits(state)
+    train(mgr, state, range(3, 9))
+    mgr.close()
+    mgr, fresh = manager("node-a"), _ddp_state(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored = mgr.restore_latest(fresh)
+    mgr.close()
+    return {"restored": restored, "exact": _ddp_bits(fresh) == want,
+            "warnings": [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)]}
 
 
 def _kill_in_replication(rank, state, mgr, step):
@@ -939,4 +1123,6 @@ def _flip_newest(path):
 
 SCENARIOS = {"tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
-             "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback}
+             "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
+             "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,
+             "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline}

@@ -321,6 +321,8 @@ def test_manager_refuses_what_it_cannot_restore_per_rank(tmp_path):
         assert "error" not in r, r.get("trace")
         assert r["differs"].startswith("SnapshotError") and "['pos']" in r["differs"] and "differs between ranks" in r["differs"]
         assert r["differs_steps"] == []  # nothing was saved
+        assert r["steps_differ"].startswith("SnapshotError") and "different steps (3, 4)" in r["steps_differ"], r["steps_differ"]
+        assert r["steps_differ_steps"] == []
         assert r["per_rank_save"] == r["per_rank_restore"] == "ok"
         assert r["note_exact"]  # a plain value comes back into a None template, int keys and tuples intact
         assert r["unplaced"].startswith("SnapshotError") and "lazy.rank-" in r["unplaced"] and "no place" in r["unplaced"]
@@ -332,6 +334,20 @@ def test_manager_refuses_what_it_cannot_restore_per_rank(tmp_path):
     assert r0["other_world"].startswith("SnapshotError") and "for 2 ranks, this group has 1" in r0["other_world"]
     assert r0["other_world_shared"] == "ok" and r0["other_world_opt_exact"]  # shared state still reshards
     assert ckpt.Store.open(url).verify().ok
+
+
+@pytest.mark.parametrize("view", ["stale", "missing"])
+def test_ranks_restore_the_snapshot_rank_0_resolves_whatever_the_others_see(tmp_path, view):
+    """Saved at steps 1..4; at the restart rank 1 sees RUN/latest apart (a shared file system's stale
+    listing: still step 3, or no ref at all). Every rank restores step 4, bit for bit, from the one id
+    rank 0 resolved. Before, each rank resolved the ref on its own: rank 1 loaded step 3's snapshot (its
+    RNG streams and step counter of step 3, beside rank 0's step 4: a torn resume, silently), or found
+    none and started afresh while rank 0 restored."""
+    out = W.run_ranks("restore_stale_view", 2, str(tmp_path), store=str(tmp_path / "s"), view=view, deadline_s=120)
+    for r in out:
+        assert "error" not in r, r.get("trace")
+        assert r == {**r, "restored": 4, "exact": True, "restore_4": 4, "exact_4": True}, r
+        assert r["seconds"] < 15
 
 
 def test_shards_cover_a_tensor_once_or_the_layout_is_refused():

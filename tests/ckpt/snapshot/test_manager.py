@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -177,6 +178,34 @@ def test_retention(tmp_path):
     assert sorted(store.refs()) == ["ret/latest", "ret/step-10", "ret/step-15", "ret/step-20", "ret/step-25", "ret/step-30"]
     with pytest.raises(CkptError):
         store.load("ret/step-5")
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["store", "local_tier"])
+def test_retention_after_going_back_keeps_the_new_timeline(tmp_path, local):
+    """Saved to 12 (keep_last=2, keep_every=4), taken back to 4 and saved 6 and 8 (a new timeline): the
+    last 2 are 6 and 8, the snapshot RUN/latest names and the one before it; the abandoned 10 and 12 are
+    left alone. Before, "the last 2" were the abandoned 10 and 12: the ref of the new 6 was removed as
+    soon as it was saved (mgr.restore(state, 6) failed; ckpt ls listed only the abandoned timeline)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    tier = {"local": str(tmp_path / "local"), "every_n_steps": 2} if local else {}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "back", keep_last=2, keep_every=4, **tier) as mgr:
+        for step in (2, 4, 6, 8, 10, 12):
+            _train(model, opt)
+            mgr.save(step, {"model": model, "optim": opt})
+            mgr.wait()  # (each persisted: none superseded by the next)
+        mgr.restore({"model": model, "optim": opt}, 4)
+        _train(model, opt)
+        mgr.save(6, {"model": model, "optim": opt})
+        mgr.wait()
+        want = _state_bits(model, opt)
+        _train(model, opt)
+        mgr.save(8, {"model": model, "optim": opt})
+        mgr.wait()
+        assert mgr.steps() == [4, 6, 8, 10, 12]
+        fresh = _model()
+        fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+        assert mgr.restore({"model": fresh, "optim": fresh_opt}, 6) == 6 and _state_bits(fresh, fresh_opt) == want
 
 
 def _weights(store, ref):
@@ -508,3 +537,54 @@ def test_a_nan_metric_neither_stops_the_loop_nor_counts_as_best(tmp_path, caplog
         mgr.save(6, {"model": model}, metrics={"loss": float("nan")})
         mgr.wait()
         assert mgr.steps() == [2, 6]
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["store", "local_tier"])
+def test_metrics_as_tensors_or_numpy_scalars_are_recorded_and_others_refused_at_once(tmp_path, local):
+    """The loss as a 0-dim tensor or a NumPy float32 (what a training loop has at hand) is recorded as a
+    number and ranks for keep_best; a metric that is no number is refused by save() itself, before
+    anything is saved. Before, the manifest's JSON could not hold them: with no tier the snapshot was
+    lost and a bare TypeError came out of the next save; with a local tier every such snapshot, those
+    due to the durable store too, was skipped as a tier failure, with a warning: none was ever kept.
+    A string metric failed keep_best's ranking after the persist, which then said it had failed."""
+    import numpy as np
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tier = {"local": str(tmp_path / "local"), "every_n_steps": 1} if local else {}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "m", keep_last=1, keep_best=ckpt.KeepBest("loss"), **tier) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no TierWarning
+            for step, loss in ((1, torch.tensor(0.25)), (2, np.float32(0.125)), (3, torch.tensor(0.5, requires_grad=True))):
+                _train(model, opt)
+                mgr.save(step, {"model": model}, metrics={"loss": loss, "epoch": np.int64(step)})
+                mgr.wait()
+        assert mgr.steps() == [2, 3]  # the best and the latest
+        assert mgr.store.manifest("m/step-2").extra["snapshot"]["metrics"] == {"loss": 0.125, "epoch": 2}
+        for bad in ("0.1", None, torch.ones(2)):
+            with pytest.raises(ValueError, match="metric 'loss' of step 4"):
+                mgr.save(4, {"model": model}, metrics={"loss": bad})
+        mgr.wait()
+        assert mgr.steps() == [2, 3]
+
+
+def test_retention_goes_on_when_the_latest_snapshot_cannot_be_read(tmp_path, monkeypatch):
+    """Retention reads RUN/latest's step (the run may have gone back); where that read fails (a
+    transient I/O error) it counts every step, as without the read, and the save does not fail."""
+    from ckpt_store.storage.errors import StorageIOError
+
+    model = _model()
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", keep_last=1) as mgr:
+        mgr.save(1, {"model": model})
+        mgr.wait()
+        real = mgr.store.manifest
+
+        def manifest(ref, *args, **kwargs):
+            if ref == "r/latest":
+                raise StorageIOError("reading r/latest failed (injected)")
+            return real(ref, *args, **kwargs)
+
+        monkeypatch.setattr(mgr.store, "manifest", manifest)
+        mgr.save(2, {"model": model})
+        mgr.wait()
+        assert mgr.steps() == [2]

@@ -133,6 +133,49 @@ def test_a_group_taken_back_to_an_earlier_snapshot_restarts_on_its_new_timeline(
         assert r == {"wiped=False": [6, False, True], "wiped=True": [6, True, True]}
 
 
+def test_ranks_agree_to_persist_a_new_timeline_when_one_cannot_read_the_durable_store(tmp_path):
+    """Trained to 8, taken back to 4 and trained to 6 by a fresh manager, whose first read of the durable
+    RUN/latest fails on rank 1 only. Step 6 must still be persisted by both ranks (one rank's view is
+    enough to know the run went back), and a restart resumes it bit for bit. Before, each rank decided
+    from its own read: rank 0 persisted alone and waited in a collective rank 1 never joined, so the
+    durable store kept naming the abandoned step 8, which a restart resumed."""
+    out = W.run_ranks("tiers_rollback_unread", 2, str(tmp_path), store=str(tmp_path / "s"), deadline_s=120)
+    for r in out:
+        assert "error" not in r, r.get("trace")
+        assert r == {"durable_latest": 6, "restored": 6, "exact": True}
+
+
+@pytest.mark.parametrize("failing,missing", [(1, False), (1, True), (0, False)], ids=["rank1-io", "rank1-missing", "rank0-io"])
+def test_ranks_agree_on_the_snapshot_to_restore_when_one_cannot_read_the_durable_store(tmp_path, failing, missing):
+    """Trained to 9 (durable 4, 8; local 6, 8); a restart where one rank's read of the durable RUN/latest
+    fails. The ranks restore from one view of the durable store, read once: a failure of rank 1's read
+    changes nothing (step 8, bit for bit), and one of the read they use is raised on every rank. Before,
+    each rank read it and chose on its own: the rank whose read failed raised (or, reading no ref,
+    chose another step and ran other collectives) while the others waited in a collective for
+    timeout_s, then failed or diverged."""
+    out = W.run_ranks("tiers_restore_unread", 2, str(tmp_path), store=str(tmp_path / "s"), failing=failing,
+                      missing=missing, deadline_s=120)
+    for r in out:
+        assert "error" not in r, r.get("trace")
+        assert r["seconds"] < 10, r  # not timeout_s=20
+        if failing == 1:
+            assert r["outcome"] == 8 and r["exact"], r
+        else:
+            assert r["outcome"].startswith("SnapshotError") and "rank 0" in r["outcome"], r
+
+
+def test_a_nodes_tiers_left_from_a_timeline_the_run_has_left_are_not_resumed(tmp_path):
+    """Trained to 12 with the tiers of node A, begun anew under the run's name on node B (its step 2
+    persisted) and trained to 8, restarted on node A: node A's steps 10 and 12 predate the durable newest
+    and are skipped (a TierWarning on each rank); every rank resumes step 2, bit for bit. Before, the
+    ranks assembled node A's step 12 of the abandoned run and resumed it."""
+    out = W.run_ranks("tiers_left_timeline", 2, str(tmp_path), store=str(tmp_path / "s"), deadline_s=120)
+    for r in out:
+        assert "error" not in r, r.get("trace")
+        assert r["restored"] == 2 and r["exact"], r
+        assert any("step 12 predates" in m for m in r["warnings"]), r["warnings"]
+
+
 @pytest.mark.parametrize("full", [0, 1])
 def test_a_full_local_tier_in_a_group_warns_and_training_and_durable_saves_go_on(tmp_path, tmpfs, full):
     """Rank ``full``'s tier is a 1 MiB tmpfs; the state is ~3 MB. Rank 0 saves the shared state: its

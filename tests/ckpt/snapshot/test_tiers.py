@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import warnings
 
 import pytest
@@ -160,6 +161,64 @@ def test_a_run_taken_back_to_an_earlier_snapshot_restarts_on_its_new_timeline(tm
         assert _bits(model2) == want and (mgr.last_restore["store"] > 0) == wipe
         mgr.close()
     assert ckpt.Store.open(str(tmp_path / "durable")).verify().ok
+
+
+def test_a_step_being_persisted_when_the_run_goes_back_is_dropped_from_the_tier_once_persisted(tmp_path, monkeypatch):
+    """Step 12 is still being persisted (held at its copy) when the run saves step 4 (begun again at an
+    earlier step, without restore(), which would wait for the persist): the save of 3 cannot drop 12 from
+    the tier while the persist reads it, so 12 goes once persisted. Before, it stayed: after wait()
+    returned, with RUN/latest at 4 in the durable store, a restart resumed the abandoned step 12."""
+    import ckpt.store.copy
+
+    mgr, model, opt = _train(tmp_path, 10, every_n_steps=2, save_mode="sync")
+    gate, real = threading.Event(), ckpt.store.copy.copy_refs
+
+    def held(*args, **kwargs):
+        gate.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt.store.copy, "copy_refs", held)
+    state = {"model": model, "optim": opt, "step": 0}
+    _steps(mgr, state, (12,))  # saved to the tier; its persist waits at the gate, step 12 pinned
+    _steps(mgr, state, (4,))  # (sync: returns once the tier holds 4 and its persist is asked for)
+    gate.set()
+    mgr.wait()
+    want = _bits(model)
+    assert mgr.local_tier.steps == [4]
+    assert mgr.store.manifest("run/latest").extra["snapshot"]["step"] == 4
+    mgr.close()
+    mgr, model2, opt2 = _fresh(tmp_path, every_n_steps=2)
+    state2 = {"model": model2, "optim": opt2, "step": 0}
+    assert mgr.restore_latest(state2) == 4 and state2["step"] == 4 and _bits(model2) == want
+    mgr.close()
+
+
+def test_a_nodes_tier_left_from_a_timeline_the_run_has_left_is_not_resumed(tmp_path):
+    """The run trains to 12 on node A (tier A: 10, 12), is begun anew under its name on node B (tier B),
+    which persists its step 2 (a save below the durable step) and trains to 8; the next restart lands on
+    node A. Tier A's 10 and 12 were made before the durable store's newest snapshot: they belong to the
+    timeline the run left, and are skipped with a TierWarning; the restart resumes step 2 from the
+    durable store, bit for bit. Before, node A resumed its own step 12 of the abandoned run."""
+    kw = dict(every_n_steps=10, local_every_n_steps=2)
+    mgr, _, _ = _train(tmp_path, 12, local=str(tmp_path / "node-a"), **kw)
+    assert mgr.local_tier.steps == [10, 12]
+    mgr.close()
+    mgr, model, opt = _fresh(tmp_path, local=str(tmp_path / "node-b"), **kw)
+    state = {"model": model, "optim": opt, "step": 0}
+    _steps(mgr, state, range(1, 3))
+    mgr.wait()  # (step 2 persisted: the steps after it are not, none being due)
+    want = _bits(model)
+    _steps(mgr, state, range(3, 9))
+    mgr.close()
+    assert mgr.store.manifest("run/latest").extra["snapshot"]["step"] == 2
+    mgr, model2, opt2 = _fresh(tmp_path, local=str(tmp_path / "node-a"), **kw)
+    state2 = {"model": model2, "optim": opt2, "step": 0}
+    with pytest.warns(ckpt.TierWarning) as caught:
+        assert mgr.restore_latest(state2) == 2
+    assert sorted(str(w.message).split()[5] for w in caught) == ["10", "12"]
+    assert all("timeline the run left" in str(w.message) for w in caught)
+    assert state2["step"] == 2 and _bits(model2) == want and mgr.last_restore["local"] == 0
+    mgr.close()
 
 
 def test_local_saves_persist_only_missing_chunks_and_the_tier_stays_bounded(tmp_path):
@@ -505,6 +564,19 @@ def test_a_local_tier_is_never_the_durable_store(tmp_path, where):
     with pytest.raises(ckpt.CkptError, match="durable store"):
         ckpt.CheckpointManager(durable, "run", local=str(path))
     assert torch.equal(durable.load("team/model@1")["w"], torch.ones(4)) and not (tmp_path / "runs" / "tier").exists()
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["path", "under_it"])
+def test_a_local_tier_path_that_is_a_file_is_refused_and_left_alone(tmp_path, group):
+    """local=PATH naming a file (a slip for a folder; in a group each rank's tier is PATH/rank-R, under
+    the file): a CkptError that says so, not a bare FileExistsError/NotADirectoryError, and the file intact."""
+    precious = tmp_path / "notes.txt"
+    precious.write_bytes(b"precious")
+    with pytest.raises(ckpt.CkptError, match="local tier .*notes.txt"):
+        LocalTier(precious / "rank-0" if group else precious, "run")
+    with pytest.raises(ckpt.CkptError, match="local tier .*notes.txt"):
+        ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=str(precious))
+    assert precious.read_bytes() == b"precious"
 
 
 def test_a_local_tier_is_not_another_store_nor_another_runs_tier(tmp_path):
