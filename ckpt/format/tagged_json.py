@@ -38,7 +38,11 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
     when given, receives each tensor, which becomes ``{"__tensor__": path}``; without
     it a tensor is unsupported. A dict with a key in ``reserved`` (or a tag) is written
     in the ``__dict__`` form so that it cannot be misread. Anything else raises
-    ``unsupported(path, "a module.Type")``.
+    ``unsupported(path, "a module.Type")``, and so does a dict subclass with defaults for
+    missing keys (``defaultdict``, ``Counter``): decoded as a plain dict, it would raise
+    ``KeyError`` where the original gave a default. (Other dict subclasses, such as the
+    ``OrderedDict`` of a module's ``state_dict()``, come back as plain dicts; records are
+    canonical JSON, so string keys come back sorted.)
     """
 
     def enc(x: Any, path: str, depth: int) -> Any:
@@ -57,6 +61,9 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
         if isinstance(x, list):
             return [enc(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]
         if isinstance(x, dict):
+            if hasattr(type(x), "__missing__"):  # it would come back a plain dict, raising KeyError where it gave a default
+                return _raise(unsupported(path, f"a {type(x).__module__}.{type(x).__name__} (a dict with defaults for missing "
+                                                "keys, which would come back as a plain dict)"))
             if all(isinstance(k, str) and k not in TAGS and k not in reserved for k in x):
                 return {k: enc(v, f"{path}/{k}", depth + 1) for k, v in x.items()}
             return {"__dict__": [[enc(k, f"{path}/k{i}", depth + 1), enc(v, f"{path}/{k}", depth + 1)]

@@ -440,6 +440,25 @@ def test_a_tensor_that_cannot_be_stored_is_refused_by_save_itself(tmp_path, loca
     assert not ckpt.Store.open(str(tmp_path / "s")).refs()
 
 
+@pytest.mark.parametrize("value", ["defaultdict", "counter", "nested"])
+def test_dicts_with_defaults_are_refused_not_restored_as_plain_dicts(tmp_path, value):
+    """A defaultdict (or Counter) in the state came back a plain dict: the resumed loop's
+    ``counts[new_key] += 1`` raised KeyError. save() refuses it, naming where it is; an
+    OrderedDict (a module's state_dict) is a dict to its reader and still saves."""
+    import collections
+
+    made = {"defaultdict": collections.defaultdict(int, a=1), "counter": collections.Counter("aab"),
+            "nested": {"seen": [collections.defaultdict(list)]}}[value]
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        with pytest.raises(CkptError, match="a dict with defaults for missing keys") as e:
+            mgr.save(1, {"model": _model(), "counts": made})
+        assert "counts" in str(e.value)
+        mgr.save(2, {"model": _model(), "order": collections.OrderedDict(b=1, a=2)})
+        state = {"model": _model(), "order": None}
+        assert mgr.restore_latest(state) == 2 and state["order"] == {"a": 2, "b": 1}
+    assert [r for r in ckpt.Store.open(str(tmp_path / "s")).refs() if "step-1" in r] == []
+
+
 @pytest.mark.parametrize("damage", ["kind", "tensor"])
 def test_a_snapshot_record_naming_what_it_lacks_is_refused_before_anything_is_written(tmp_path, damage):
     """A snapshot manifest (content-addressed, so it verifies) whose record is damaged or foreign: a key
