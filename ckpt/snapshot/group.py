@@ -136,6 +136,20 @@ class CheckpointGroup:
         self.rebuilds += 1
         log.warning("checkpoint group rebuilt (%s rank(s) saw it fail)", verdict[3:])
 
+    def final_step(self, step: int, preempted: bool) -> int | None:
+        """The step at which every rank takes the final snapshot of a preempted run, once some rank
+        has seen a preemption signal; else None. A rank that has (``preempted``) names ``step + 1``
+        in the rendezvous store unless another named one first (compare-and-set: one name wins);
+        the others look there at each ``maybe_save``. The next step, not this one: a rank whose
+        signal came just after its own ``maybe_save(step)`` may be past it already, waiting for this
+        one in the next step's collectives (DDP's gradient all-reduce)."""
+        if self.world == 1:
+            return step if preempted else None
+        store, key = self._store_(), f"{self._prefix}/final"
+        if preempted:
+            return int(store.compare_set(key, "", str(step + 1)).decode())
+        return int(store.get(key).decode()) if store.check([key]) else None
+
     def _verdict(self, store: Any, key: str, k: int) -> str:
         n = store.add(f"{key}/n", 1 + self.world * int(self.broken))
         if n % self.world == 0:  # the last to arrive

@@ -177,7 +177,10 @@ class CheckpointManager:
     ``SystemExit(preempt_exit_code)``. The default, 143 (128 + SIGTERM), is the status
     the signal itself would have ended the process with: schedulers (SLURM, Kubernetes,
     torchrun's elastic agent) read it as "killed, requeue or restart", where 0 reads as
-    "finished" and ends the job.
+    "finished" and ends the job. In a process group the signal reaches each rank at its own
+    moment: the first rank to see it names the next step in the rendezvous store, and every
+    rank takes the final snapshot at that step (one store lookup per ``maybe_save``; the ranks
+    must step together, as DDP and FSDP make them).
 
     **Distributed**: with ``process_group`` (e.g. ``torch.distributed.group.WORLD``)
     every rank calls the same ``save``/``restore_latest``: snapshots are saved and
@@ -291,6 +294,7 @@ class CheckpointManager:
         self.save_mode = save_mode
         self.preempt_exit_code = preempt_exit_code
         self.preempted = False
+        self._final_step: int | None = None  # in a group: the step of the final snapshot the ranks agreed on
         self.last_save: SaveStats | None = None
         self.last_persist: PersistStats | None = None
         self.last_restore: dict[str, int] | None = None
@@ -396,7 +400,7 @@ class CheckpointManager:
         After a preemption signal (``handle_signals=True``) it saves whatever the step,
         waits until that snapshot is durable, closes the manager and raises
         ``SystemExit(preempt_exit_code)``."""
-        if self.preempted:
+        if self._final_snapshot_due(step):
             self.save(step, state, metrics, persist=True)
             self.close()
             log.warning("preempted: snapshot of step %d is durable; exiting with %d", step, self.preempt_exit_code)
@@ -867,6 +871,25 @@ class CheckpointManager:
         self._inflight = self._pool.submit(run)
 
     # -- preemption ----------------------------------------------------------------
+    def _final_snapshot_due(self, step: int) -> bool:
+        """Whether ``maybe_save(step)`` takes the final snapshot of a preempted run: once a preemption
+        signal came. In a group every rank takes it at the step the first rank to see a signal named
+        (:meth:`~ckpt.snapshot.group.CheckpointGroup.final_step`; a store lookup per ``maybe_save`` until
+        then, with ``handle_signals`` only): each rank's signal comes at its own moment, and a rank
+        that saved step 7 alone would wait in the save for one already training step 8, which waits
+        for it in the gradient all-reduce, until ``timeout_s``, the final snapshot lost."""
+        if not self._distributed or not self._old_handlers:
+            return self.preempted
+        if self._final_step is None:
+            from ckpt.snapshot.distributed import DistributedSnapshots
+
+            assert isinstance(self._path, DistributedSnapshots)
+            self._final_step = self._path.checkpoint_group.final_step(step, self.preempted)
+        if self._final_step is None:
+            return False
+        self.preempted = True
+        return step >= self._final_step
+
     def _install_signals(self, sigs: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1)) -> None:
         def handler(signum: int, frame: object) -> None:
             log.warning("signal %d: finishing the in-flight snapshot; the next maybe_save takes a final one", signum)

@@ -280,6 +280,51 @@ def _ddp_state(rank, group=None, find_unused=False):
     return {"model": model, "optim": opt, "sched": sched, "scaler": scaler, "rng": ckpt.RNGState(), "step": 0}
 
 
+def preempt_ddp(rank, world, tmp, store, signal_at=7):
+    """DDP training with ``handle_signals``: the preemption signal reaches rank 0 just before its
+    ``maybe_save(signal_at)`` and the other ranks just after theirs (each raises it itself, at that
+    point). Returns the step at which each rank's ``maybe_save`` ended the run, its exit code, the
+    seconds that took from the signal, the durable steps and the state's bits at the final save."""
+    import torch.distributed as dist
+
+    import ckpt
+
+    state = _ddp_state(rank)
+    mgr = ckpt.CheckpointManager(store, "pre", every_n_steps=1000, process_group=dist.group.WORLD, timeout_s=30,
+                                 handle_signals=True)
+    out: dict = {}
+    t0 = None
+    for step in range(1, 30):
+        _ddp_step(state)
+        state["step"] = step
+        if step == signal_at and rank == 0:
+            t0 = time.monotonic()
+            signal.raise_signal(signal.SIGTERM)
+        try:
+            mgr.maybe_save(step, state)
+        except SystemExit as e:
+            out.update(final=step, code=e.code, bits=_ddp_bits(state), waited=time.monotonic() - (t0 or time.monotonic()))
+            break
+        if step == signal_at and rank != 0:
+            t0 = time.monotonic()
+            signal.raise_signal(signal.SIGTERM)
+    with ckpt.CheckpointManager(store, "pre") as check:
+        out["durable"] = check.steps()
+    return out
+
+
+def ddp_restore_bits(rank, world, tmp, store, run):
+    """A fresh DDP state restored from run ``run``'s latest snapshot: the step and the state's bits."""
+    import torch.distributed as dist
+
+    import ckpt
+
+    state = _ddp_state(rank)
+    with ckpt.CheckpointManager(store, run, process_group=dist.group.WORLD, timeout_s=30) as mgr:
+        step = mgr.restore_latest(state)
+    return {"step": step, "bits": _ddp_bits(state)}
+
+
 def _ddp_step(state):
     """One step on this rank's own batch; its local loss as float.hex."""
     import random
@@ -1121,7 +1166,7 @@ def _flip_newest(path):
     return n
 
 
-SCENARIOS = {"tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
+SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
              "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,

@@ -259,6 +259,23 @@ def test_manager_restores_optimizer_and_per_rank_rng_on_every_rank(tmp_path):
     assert ckpt.Store.open(str(tmp_path / "s")).verify().ok
 
 
+def test_a_preemption_signal_reaching_the_ranks_at_different_steps_ends_them_at_one_step(tmp_path):
+    """SIGTERM reaches rank 0 before its maybe_save(7) and rank 1 just after its own: rank 0 used to
+    take its final snapshot at 7 and wait in the save for rank 1, which waited in step 8's gradient
+    all-reduce for rank 0, until timeout_s; the final snapshot was lost. The ranks now agree on step 8
+    through the rendezvous store: both save it, durably, and exit with 143 at once."""
+    url = str(tmp_path / "s")
+    r0, r1 = W.run_ranks("preempt_ddp", 2, str(tmp_path), store=url, deadline_s=120)
+    for r in (r0, r1):
+        assert "error" not in r, r.get("trace")
+        assert r["final"] == 8 and r["code"] == 143 and r["durable"] == [8]
+        assert r["waited"] < 20  # not the checkpoint group's timeout (30 s)
+    restored = W.run_ranks("ddp_restore_bits", 2, str(tmp_path), store=url, run="pre")
+    for got, want in zip(restored, (r0, r1)):
+        assert "error" not in got, got.get("trace")
+        assert got["step"] == 8 and got["bits"] == want["bits"]
+
+
 def test_manager_restores_an_fsdp_optimizer_into_a_fresh_one(tmp_path):
     for r in W.run_ranks("fsdp_plain_state", 2, str(tmp_path), store=str(tmp_path / "s")):
         assert "error" not in r, r.get("trace")
