@@ -41,8 +41,9 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
     ``unsupported(path, "a module.Type")``, and so does a dict subclass with defaults for
     missing keys (``defaultdict``, ``Counter``): decoded as a plain dict, it would raise
     ``KeyError`` where the original gave a default. (Other dict subclasses, such as the
-    ``OrderedDict`` of a module's ``state_dict()``, come back as plain dicts; records are
-    canonical JSON, so string keys come back sorted.)
+    ``OrderedDict`` of a module's ``state_dict()``, come back as plain dicts.) A dict keeps
+    its key order: records are canonical JSON, whose objects have their keys sorted, so a
+    dict whose keys are not in sorted order is written in the ``__dict__`` form.
     """
 
     def enc(x: Any, path: str, depth: int) -> Any:
@@ -64,7 +65,9 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
             if hasattr(type(x), "__missing__"):  # it would come back a plain dict, raising KeyError where it gave a default
                 return _raise(unsupported(path, f"a {type(x).__module__}.{type(x).__name__} (a dict with defaults for missing "
                                                 "keys, which would come back as a plain dict)"))
-            if all(isinstance(k, str) and k not in TAGS and k not in reserved for k in x):
+            # Records are canonical JSON, which writes an object's keys sorted: a dict in any other
+            # order (a module's state_dict, a data loader's sources) is written as pairs, in its order.
+            if all(isinstance(k, str) and k not in TAGS and k not in reserved for k in x) and _sorted(list(x)):
                 return {k: enc(v, f"{path}/{k}", depth + 1) for k, v in x.items()}
             return {"__dict__": [[enc(k, f"{path}/k{i}", depth + 1), enc(v, f"{path}/{k}", depth + 1)]
                                  for i, (k, v) in enumerate(x.items())]}
@@ -149,6 +152,10 @@ def uses_tags(tree: Any) -> bool:
         elif isinstance(x, list):
             stack.extend(x)
     return False
+
+
+def _sorted(keys: list[str]) -> bool:
+    return all(a < b for a, b in zip(keys, keys[1:]))
 
 
 def _is_tensor(x: Any) -> bool:

@@ -355,7 +355,15 @@ def _check_param_groups(key: str, obj: Any, saved: Any) -> None:
     Checked first, so that a mismatch leaves everything as it was."""
     import torch
 
-    if not isinstance(obj, torch.optim.Optimizer) or not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
+    from ckpt.errors import CkptError
+
+    if not isinstance(obj, torch.optim.Optimizer):
+        return
+    try:  # the saved state dict's structure (its tensors are not read here)
+        saved = unflatten(saved, _Nothing())
+    except CkptError:
+        return  # a malformed record: the restore refuses it when it decodes it
+    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
         return
     want = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else None
             for g in saved["param_groups"]]
@@ -363,6 +371,13 @@ def _check_param_groups(key: str, obj: Any, saved: Any) -> None:
     if want != have:
         raise TensorMismatchError(f"{key}: the snapshot's optimizer has parameter groups of {want} parameters, "
                                   f"this one of {have}", hint="build the optimizer over the parameters the saved run used")
+
+
+class _Nothing(dict):
+    """Tensors for :func:`unflatten` when only a record's structure is wanted: None for each."""
+
+    def __missing__(self, name: str) -> None:
+        return None
 
 
 def _live_tensors(key: str, obj: Any) -> dict[str, Any]:

@@ -201,7 +201,7 @@ def test_optimizer_int_keys_are_named_in_decimal(tmp_path, store):
     store.push(tmp_path / "train.pt", "train")
     m = store.manifest("train")
     assert {"optim.state.0.exp_avg", "optim.state.1.exp_avg_sq", "model.weight"} <= {t.name for t in m.tensors}
-    assert m.extra["optim.param_groups"][0]["params"] == [0, 1]
+    assert m.extra_values()["optim.param_groups"][0]["params"] == [0, 1]
     store.pull("train", str(tmp_path / "out.safetensors"))
     back = load_file(tmp_path / "out.safetensors")
     want = sd["optim"]["state"][0]["exp_avg"]
