@@ -623,7 +623,8 @@ def serve(
                local=_open(url=local_tier) if local_tier else None)
 
 
-_terminated: list[bool] = []  # SIGTERM came (click reports the unwinding as an abort, code 130)
+_terminated: list[bool] = []  # SIGTERM came (typer reports the unwinding as exit code 130)
+_INTERRUPTED = "interrupted; the store is unchanged except for unreferenced objects that `ckpt gc` removes"
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -655,7 +656,7 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:  # `ckpt show X | head`: the reader left; not an error worth a traceback
         out.on_broken_pipe()
     except KeyboardInterrupt:
-        _end_interrupted("interrupted; the store is unchanged except for unreferenced objects that `ckpt gc` removes")
+        _end_interrupted(_INTERRUPTED)
     except typer.TyperException as e:  # usage errors: bad option, missing argument...
         show = getattr(e, "show", None)
         if show is None:
@@ -666,8 +667,8 @@ def main(argv: list[str] | None = None) -> None:
         show(file=buf)
         sys.stderr.write("".join(safe(line) + "\n" for line in buf.getvalue().splitlines()))
         sys.exit(getattr(e, "exit_code", 2))
-    if _terminated:  # (click returned the code of the abort its unwinding became)
-        _end_interrupted("")
+    if _terminated or code == 130:  # typer returns Ctrl-C inside a command (or SIGTERM, unwound alike) as code 130, silently
+        _end_interrupted(_INTERRUPTED)
     sys.exit(code if isinstance(code, int) else 0)
 
 

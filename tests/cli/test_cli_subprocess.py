@@ -353,3 +353,62 @@ def test_a_reader_that_leaves_the_pipe_ends_the_command_with_141(args: list[str]
     p.stdout.close()
     _, err = p.communicate(timeout=120)
     assert p.returncode == 141 and err == b"", (p.returncode, err)
+
+
+# -- interruptions: Ctrl-C and SIGTERM in the middle of a long command ----------------------
+
+
+@pytest.fixture(scope="module")
+def big_store(root: Path) -> Path:
+    """A store holding big/a: 128 MiB of random float32, long enough to be interrupted."""
+    import ckpt
+
+    g = torch.Generator().manual_seed(2)
+    src = root / "big.safetensors"
+    save_file({f"layers.{i}.weight": torch.randn(4 << 20, generator=g) for i in range(8)}, str(src))
+    s = root / "big-store"
+    ckpt.Store.init(str(s)).push(str(src), "big/a")
+    src.unlink()
+    return s
+
+
+def interrupted(args: list[str | Path], sig: int, started: Any, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run ``ckpt ARGS``, stop it once ``started()`` (the command is mid-way), send ``sig``, let it go on.
+
+    SIGINT is a terminal's Ctrl-C: a runner that started the tests in the background passes it
+    on ignored, so the child restores Python's handler first."""
+    import signal
+    import time
+
+    exe = [sys.executable, "-c", "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "from ckpt_store.cli.main import main; main()"]
+    proc = subprocess.Popen([*exe, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 60
+    while not started() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGSTOP)  # frozen mid-way: the signal lands there, whatever the machine's load
+    assert proc.poll() is None and started(), "the command ended before it could be interrupted"
+    proc.send_signal(sig)
+    proc.send_signal(signal.SIGCONT)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_pull_force_keeps_the_old_file_and_says_so(sig: str, big_store: Path, env: dict[str, str],
+                                                                    tmp_path: Path) -> None:
+    """Ctrl-C (or SIGTERM) while `pull --force` writes: the file it would replace is as it was, no
+    temporary is left, and the command ends 130 (143) with one line saying what happened (Ctrl-C
+    ended it with 130 and nothing at all on stderr)."""
+    import signal
+
+    dest = tmp_path / "model.safetensors"
+    dest.write_bytes(b"precious")
+    r = interrupted(["--store", big_store, "pull", "big/a", dest, "--force"], getattr(signal, sig),
+                    lambda: len(os.listdir(tmp_path)) > 1, env)
+    assert r.returncode == {"SIGINT": 130, "SIGTERM": 143}[sig], r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    lines = r.stderr.strip("\n").splitlines()
+    assert len(lines) == 1 and lines[0].startswith({"SIGINT": "interrupted", "SIGTERM": "terminated"}[sig]), r.stderr
+    assert os.listdir(tmp_path) == ["model.safetensors"] and dest.read_bytes() == b"precious"
+    assert ok_json("verify", store=big_store, env=env)["ok"] is True
