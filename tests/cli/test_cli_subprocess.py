@@ -315,6 +315,23 @@ def test_missing_store(tmp_path: Path, env: dict[str, str]) -> None:
     assert not (tmp_path / "nowhere").exists()
 
 
+@pytest.mark.parametrize(("url", "words"), [
+    ("nosuch://x", "no backend knows nosuch://"),            # a typo in the scheme
+    ("gs://bucket/x", "gs:// stores need a package"),        # fsspec knows it; gcsfs is not installed
+    ("http://127.0.0.1:1/x", "cannot read ckpt-store.json"),  # a server that refuses the connection
+])
+def test_store_urls_that_cannot_open_end_in_one_line(url: str, words: str, env: dict[str, str], store: Path) -> None:
+    """Store URLs served by fsspec: an unknown scheme, a missing implementation and a refused
+    connection each ended in a traceback (ValueError, ImportError, aiohttp's error)."""
+    import importlib.util
+
+    if url.startswith("gs:") and importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed")
+    assert words in fails("--store", url, "ls", store=None, env=env)
+    assert words in fails("copy", "demo/file", "--to", url, store=store, env=env)
+    assert refs_of(store) == {"demo/file", "demo/hf"}
+
+
 def test_odd_output_and_arguments_end_in_one_line(env: dict[str, str], model_file: Path, tmp_path: Path) -> None:
     """Found by trying to break the CLI: each of these ended in a traceback. Output closed (`>&-`):
     the command runs and its output goes nowhere. A --plot path in no folder, or of a kind that
