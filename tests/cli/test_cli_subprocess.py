@@ -376,25 +376,31 @@ def test_a_reader_that_leaves_the_pipe_ends_the_command_with_141(args: list[str]
 
 
 @pytest.fixture(scope="module")
-def big_store(root: Path) -> Path:
-    """A store holding big/a: 128 MiB of random float32, long enough to be interrupted."""
-    import ckpt
-
+def big_file(root: Path) -> Path:
+    """128 MiB of random float32: long enough to be interrupted."""
     g = torch.Generator().manual_seed(2)
     src = root / "big.safetensors"
     save_file({f"layers.{i}.weight": torch.randn(4 << 20, generator=g) for i in range(8)}, str(src))
+    return src
+
+
+@pytest.fixture(scope="module")
+def big_store(root: Path, big_file: Path) -> Path:
+    """A store holding big/a (:func:`big_file`)."""
+    import ckpt
+
     s = root / "big-store"
-    ckpt.Store.init(str(s)).push(str(src), "big/a")
-    src.unlink()
+    ckpt.Store.init(str(s)).push(str(big_file), "big/a")
     return s
 
 
 def interrupted(args: list[str | Path], sig: int, started: Any, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """Run ``ckpt ARGS``, stop it once ``started()`` (the command is mid-way), send ``sig``, let it go on.
+    """Run ``ckpt ARGS`` and send it ``sig`` as soon as ``started()`` (the command is mid-way).
 
     SIGINT is a terminal's Ctrl-C: a runner that started the tests in the background passes it
-    on ignored, so the child restores Python's handler first."""
-    import signal
+    on ignored, so the child restores Python's handler first. (Not frozen with SIGSTOP meanwhile:
+    a signal sent to a stopped process goes to whichever thread wakes first, and one that a
+    worker thread takes reaches Python's handler in the main thread only once that wakes.)"""
     import time
 
     exe = [sys.executable, "-c", "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
@@ -403,10 +409,8 @@ def interrupted(args: list[str | Path], sig: int, started: Any, env: dict[str, s
     deadline = time.monotonic() + 60
     while not started() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.002)
-    proc.send_signal(signal.SIGSTOP)  # frozen mid-way: the signal lands there, whatever the machine's load
     assert proc.poll() is None and started(), "the command ended before it could be interrupted"
     proc.send_signal(sig)
-    proc.send_signal(signal.SIGCONT)
     out, err = proc.communicate(timeout=120)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
@@ -429,3 +433,27 @@ def test_an_interrupted_pull_force_keeps_the_old_file_and_says_so(sig: str, big_
     assert len(lines) == 1 and lines[0].startswith({"SIGINT": "interrupted", "SIGTERM": "terminated"}[sig]), r.stderr
     assert os.listdir(tmp_path) == ["model.safetensors"] and dest.read_bytes() == b"precious"
     assert ok_json("verify", store=big_store, env=env)["ok"] is True
+
+
+def test_an_interrupted_push_stops_writing(big_file: Path, env: dict[str, str], tmp_path: Path) -> None:
+    """Ctrl-C in a push stops it: the chunks not yet started are never written. The thread pool's
+    shutdown ran every queued chunk first, so an interrupted push (or merge) went on silently to
+    the end, writing the whole model, however large, before it exited."""
+    import signal
+
+    store = tmp_path / "store"
+    ok("init", store=store, env=env)
+    chunks = store / "objects" / "chunks"
+
+    def written() -> int:
+        return sum(1 for p in chunks.rglob("*") if p.is_file() and not p.name.startswith(".")) if chunks.is_dir() else 0
+
+    small = {**env, "CKPT_CHUNK_SIZE": str(1 << 20)}  # 129 chunks: 128 of tensor data and the file's header
+    r = interrupted(["--store", store, "push", big_file, "big/a"], signal.SIGINT, lambda: written() > 0, small)
+    assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
+    n = written()
+    assert 0 < n < 64, n  # the chunks being encoded and those queued for writing, no more
+    assert ok_json("ls", store=store, env=env) == []
+    assert ok_json("verify", store=store, env=env)["ok"] is True
+    again = ok_json("push", big_file, "big/a", store=store, env=small)  # run again: the rest
+    assert again["chunks"] == 129 and again["new_chunks"] == 129 - n
