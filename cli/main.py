@@ -110,7 +110,11 @@ def _open(create: bool = False, url: str | None = None) -> Any:
     return connect(url or _state["store"], storage_options=_state["options"], settings=_settings())
 
 
-cache_app = typer.Typer(help="The local cache of chunks read from remote stores: show what it holds, or clear it.",
+cache_app = typer.Typer(help=("The local cache of chunks read from remote stores: show what it holds, or clear it.\n\n"
+                              "\b\nExamples:\n"
+                              "  ckpt cache                # where it is, what it holds per store, its size limit\n"
+                              "  ckpt cache --json\n"
+                              "  ckpt cache clear          # remote stores are untouched"),
                         no_args_is_help=False, invoke_without_command=True)
 app.add_typer(cache_app, name="cache")
 
@@ -130,7 +134,13 @@ def cache_show(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 @cache_app.command("clear")
 def cache_clear(as_json: JsonOpt = False) -> None:
-    """Delete every cached chunk (remote stores are untouched; chunks are fetched again when needed)."""
+    """Delete every cached chunk (remote stores are untouched; chunks are fetched again when needed).
+
+    \b
+    Examples:
+      ckpt cache clear
+      ckpt --no-cache pull m/ft-legal ./ft-legal   # or read without the cache, leaving it as it is
+    """
     from ckpt.store.cache import clear_cache
 
     u = clear_cache(_settings())

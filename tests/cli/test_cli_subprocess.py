@@ -350,13 +350,14 @@ def test_odd_output_and_arguments_end_in_one_line(env: dict[str, str], model_fil
                                store=store, env=env)
 
 
-COMMANDS = ["init", "push", "pull", "ls", "log", "show", "du", "rm", "verify", "gc", "copy", "diff", "merge", "remix", "serve"]
+COMMANDS = ["init", "push", "pull", "ls", "log", "show", "du", "rm", "verify", "gc", "copy", "diff", "merge", "remix", "serve",
+            "cache", "cache clear"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_commands_help_teaches_by_example(command: str, env: dict[str, str]) -> None:
     """`ckpt COMMAND --help` ends its description with commands to copy, each a real use."""
-    text = ok(command, "--help", store=None, env=env).stdout
+    text = ok(*command.split(), "--help", store=None, env=env).stdout
     examples = text.split("Examples:", 1)[1].split("\n\n", 1)[0] if "Examples:" in text else ""
     assert [line for line in examples.splitlines() if line.strip().startswith("ckpt ")], text
 
