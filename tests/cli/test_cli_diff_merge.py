@@ -53,6 +53,22 @@ def test_diff_json_table_and_plot(fam):
     assert (tmp / "d.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plot_replaces_a_link_at_its_name_and_never_writes_through_it(fam):
+    """--plot NAME where NAME is a symbolic link: savefig opened the link and overwrote the file it
+    pointed to (a file anywhere). Now the plot is written like a pulled file, beside the name and
+    renamed over it: the link is replaced, the file it named is as it was."""
+    pytest.importorskip("matplotlib")
+    tmp = fam[0]
+    precious = tmp / "precious.pdf"
+    precious.write_bytes(b"mine")
+    link = tmp / "change.pdf"
+    link.symlink_to(precious)
+    assert "plot written" in invoke("diff", "m/base", "m/ft0", "--plot", str(link))
+    assert precious.read_bytes() == b"mine"
+    assert not link.is_symlink() and link.read_bytes()[:5] == b"%PDF-"
+    assert not [p for p in tmp.iterdir() if ".ckpt-" in p.name]  # no temporary left
+
+
 def test_merge_show_and_pull(fam):
     tmp, base, fts = fam
     r = json.loads(invoke("merge", "m/ft0", "m/ft1", "--method", "ties", "-b", "m/base", "-p", "density=0.5",
