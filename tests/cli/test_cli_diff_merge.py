@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -128,6 +129,22 @@ def test_remix_from_scores(fam, capsys):
     (tmp / "deep.json").write_text("[" * 100_000 + "]" * 100_000)  # nested past Python's stack: was a RecursionError traceback
     code, _, err = run_main(capsys, "remix", "--scores", str(tmp / "deep.json"), "-o", "m/s3")
     assert code == 1 and "cannot read scores" in err and err.count("\n") == 1
+
+
+def test_remix_reads_a_bounded_amount_of_a_scores_file(fam, capsys):
+    """--scores naming something that is not a scores file -- a model, /dev/zero, a pipe that
+    never ends -- was read whole into memory (/dev/zero: until MemoryError, as a traceback, or the
+    OOM killer). It is refused after 16 MiB, before any merge."""
+    tmp, _, _ = fam
+    big = tmp / "big.json"
+    with open(big, "w") as f:  # valid JSON, and far larger than any table of scores
+        f.write(" " * (17 << 20) + json.dumps({"m/ft0": 0.9, "m/ft1": 0.7}))
+    code, out, err = run_main(capsys, "remix", "--scores", str(big), "-k", "2", "-o", "m/start")
+    assert code == 1 and err.count("\n") == 1 and "too large to be a scores file" in err, err
+    assert run_main(capsys, "show", "m/start")[0] == 1  # nothing was stored
+    if os.path.exists("/dev/zero"):
+        code, out, err = run_main(capsys, "remix", "--scores", "/dev/zero", "-k", "2", "-o", "m/start")
+        assert code == 1 and "too large to be a scores file" in err, err
 
 
 def test_diff_top_below_one_is_rejected(fam, capsys):
