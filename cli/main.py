@@ -206,7 +206,8 @@ def push(
 @app.command()
 def pull(
     ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or id prefix.")],
-    dest: Annotated[Optional[Path], typer.Argument(metavar="DEST", help="Output file (single-file checkpoints) or directory (model directories). Optional with --from.", show_default=False)] = None,
+    # A str, not a Path: a Path drops the trailing slash of "out/", which says "a directory".
+    dest: Annotated[Optional[str], typer.Argument(metavar="DEST", help="Output file (single-file checkpoints) or directory (model directories). Optional with --from.", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace the checkpoint's own files in DEST if they exist; nothing else in DEST is touched.")] = False,
     include: Annotated[Optional[list[str]], typer.Option("--include", "-i", metavar="GLOB", help="Only tensors matching this glob (repeatable); writes one safetensors (or, named .pt, torch) file.")] = None,
     from_: Annotated[Optional[str], typer.Option("--from", metavar="URL", help="First copy REF from the store at URL into this store (only what is missing here travels).", show_default=False)] = None,

@@ -175,3 +175,22 @@ def test_pull_to_names_as_long_as_the_filesystem_allows(tmp_path, capsys):
         assert code == 0, err
         assert dest.read_bytes() == src.read_bytes()
     assert sorted(os.listdir(out)) == sorted(["a" * 243 + ".safetensors", "é" * 121 + ".safetensors"])
+
+
+def test_a_trailing_slash_means_a_directory(tmp_path, capsys):
+    """DEST was a pathlib.Path, which drops a trailing slash: `pull one new/` wrote a file named
+    `new`, and `pull one notes.txt/ --force` replaced the file notes.txt. A single-file checkpoint
+    pulled to a slash-ended path that is not a directory is refused, as the library does."""
+    save_file({"w": torch.randn(3)}, tmp_path / "one.safetensors")
+    store = str(tmp_path / "store")
+    assert run(capsys, "--store", store, "push", str(tmp_path / "one.safetensors"), "one")[0] == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for dest in (str(out / "new") + os.sep, str(out / "notes.txt") + os.sep):
+        code, _, err = run(capsys, "--store", store, "pull", "one", dest, "--force")
+        one_line_error(code, err, "is not a directory")
+    assert tree(out) == {"notes.txt": b"mine"}
+    code, _, err = run(capsys, "--store", store, "pull", "one", str(out) + os.sep)  # a directory: the file goes in it
+    assert code == 0, err
+    assert tree(out) == {"notes.txt": b"mine", "one.safetensors": (tmp_path / "one.safetensors").read_bytes()}
