@@ -48,7 +48,17 @@ OptionsOpt = Annotated[
 # The global -o used to mean --storage-option; -o now means --output (merge, remix), and
 # the old spelling still works for one release with a warning.
 OldOptionsOpt = Annotated[Optional[list[str]], typer.Option("-o", hidden=True, show_default=False)]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+
+
+def _json_requested(value: bool) -> bool:
+    """--json was given: an error then prints {"error": MESSAGE} on stdout too (main)."""
+    if value:
+        _state["json"] = True
+    return value
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", callback=_json_requested,
+                                       help='Machine-readable JSON on stdout; an error too, as {"error": MESSAGE}.')]
 
 
 def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
@@ -98,9 +108,15 @@ def _settings() -> Any:
 def _emit(result: Any, as_json: bool, render: Any, *args: Any) -> None:
     """Print a command's one result: as JSON with --json, else drawn by ``render`` (cli/views.py)."""
     if as_json:
-        emit_json(result)
+        _emit_json(result)
     else:
         render(result, *args)
+
+
+def _emit_json(doc: Any) -> None:
+    """Print ``doc`` as --json's document (noted: an error after it adds no second document)."""
+    _state["json_written"] = True
+    emit_json(doc)
 
 
 def _open(create: bool = False, url: str | None = None) -> Any:
@@ -509,7 +525,7 @@ def diff(
             raise DestinationError(f"cannot write {safe(str(plot))}: {e.strerror or e}") from None
     # diff's one result is its typed report; --json prints report.to_json.
     if as_json:
-        emit_json(report.to_json(sort, top))
+        _emit_json(report.to_json(sort, top))
     else:
         views.diff(report, sort, top, plot)
 
@@ -552,7 +568,7 @@ def merge(
 
     if list_methods:
         if as_json:
-            emit_json([{"name": m.name, "summary": m.summary, "min_inputs": m.min_inputs, "max_inputs": m.max_inputs,
+            _emit_json([{"name": m.name, "summary": m.summary, "min_inputs": m.min_inputs, "max_inputs": m.max_inputs,
                         "needs_base": m.needs_base,
                         "params": [{"name": p.name, "type": p.kind, "default": p.default, "range": p.range_text(), "help": p.help}
                                    for p in m.params]} for m in default_registry()])
@@ -654,11 +670,13 @@ def main(argv: list[str] | None = None) -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
+    _state["json"] = _state["json_written"] = False
     try:
         # Without standalone mode click returns the code of a typer.Exit instead of exiting.
         code = app(args=argv, standalone_mode=False)
     except CkptError as e:
         err.print(f"error: {safe(str(e))}")
+        _json_error(str(e))
         sys.exit(1)
     except typer.Exit as e:
         sys.exit(e.exit_code)
@@ -677,10 +695,18 @@ def main(argv: list[str] | None = None) -> None:
         buf = io.StringIO()  # click echoes the offending argument as typed: escape it like any user text
         show(file=buf)
         sys.stderr.write("".join(safe(line) + "\n" for line in buf.getvalue().splitlines()))
+        _json_error(e.format_message())
         sys.exit(getattr(e, "exit_code", 2))
     if _terminated or code == 130:  # typer returns Ctrl-C inside a command (or SIGTERM, unwound alike) as code 130, silently
         _end_interrupted(_INTERRUPTED)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _json_error(message: str) -> None:
+    """With --json, an error is a document too, as the web view's /api/ answers one: {"error": MESSAGE}
+    on stdout (exact text), unless the command printed its document already (`ls` naming damage)."""
+    if _state.get("json") and not _state.get("json_written"):
+        _emit_json({"error": message})
 
 
 def _end_interrupted(message: str) -> None:

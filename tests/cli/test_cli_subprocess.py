@@ -233,6 +233,25 @@ def test_invalid_ref_name_on_pull(store: Path, env: dict[str, str], tmp_path: Pa
     assert not (tmp_path / "x.safetensors").exists()
 
 
+@pytest.mark.parametrize("args", [["show", "no/such-ref"], ["pull", "no/such-ref", "x.safetensors"], ["verify", "no/such-ref"],
+                                  ["push", "missing.safetensors", "demo/x"], ["diff", "demo/file", "no/such-ref"]])
+def test_errors_are_json_too_with_json(args: list[str], store: Path, env: dict[str, str], tmp_path: Path) -> None:
+    """With --json an error printed one line on stderr and nothing on stdout, so a script reading
+    the document got no JSON at all; it now also gets {"error": MESSAGE} there, the document the
+    web view's /api/ answers with (and the same code, and line on stderr)."""
+    args = [str(tmp_path / a) if a.endswith(".safetensors") else a for a in args]
+    line = fails(*args, store=store, env=env)
+    assert run(*args, store=store, env=env).stdout == ""  # without --json: nothing on stdout
+    r = run(*args, "--json", store=store, env=env)
+    assert r.returncode == 1 and r.stderr.strip("\n") == line
+    assert json.loads(r.stdout) == {"error": line.removeprefix("error: ")}
+    usage = run("gc", "--grace", "soon", "--json", store=store, env=env)  # refused by the command: its words
+    assert usage.returncode == 2 and json.loads(usage.stdout) == {"error": "Invalid value: 'soon' is not a duration like 30s, 10m, 1h or 2d"}
+    partial = run("rm", "no/such-ref", "--json", store=store, env=env)  # its own document, already printed, says what was done
+    assert partial.returncode == 1 and json.loads(partial.stdout) == {"removed": []}
+    assert refs_of(store) == {"demo/file", "demo/hf"}
+
+
 @pytest.mark.parametrize("keep", ["half", "header-cut"])
 def test_truncated_safetensors(keep: str, store: Path, env: dict[str, str], model_file: Path, tmp_path: Path) -> None:
     bad = tmp_path / "truncated.safetensors"
