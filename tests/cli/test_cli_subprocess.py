@@ -461,18 +461,29 @@ def test_an_interrupted_push_stops_writing(big_file: Path, env: dict[str, str], 
     the end, writing the whole model, however large, before it exited."""
     import signal
 
-    store = tmp_path / "store"
-    ok("init", store=store, env=env)
-    chunks = store / "objects" / "chunks"
-
-    def written() -> int:
-        return sum(1 for p in chunks.rglob("*") if p.is_file() and not p.name.startswith(".")) if chunks.is_dir() else 0
-
     small = {**env, "CKPT_CHUNK_SIZE": str(1 << 20)}  # 129 chunks: 128 of tensor data and the file's header
-    r = interrupted(["--store", store, "push", big_file, "big/a"], signal.SIGINT, lambda: written() > 0, small)
-    assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
+    for attempt in range(3):  # on a busy machine the push may race ahead of the signal: try again
+        store = tmp_path / f"store{attempt}"
+        ok("init", store=store, env=env)
+        chunks = store / "objects" / "chunks"
+
+        def written() -> int:
+            return sum(1 for p in chunks.rglob("*") if p.is_file() and not p.name.startswith(".")) if chunks.is_dir() else 0
+
+        seen: list[int] = []  # chunks written when the signal went
+
+        def started() -> bool:
+            seen.append(written())
+            return seen[-1] > 0
+
+        r = interrupted(["--store", store, "push", big_file, "big/a"], signal.SIGINT, started, small)
+        assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
+        if seen[-1] <= 32:
+            break
+    else:
+        pytest.skip("the machine was too busy to interrupt the push early")
     n = written()
-    assert 0 < n < 64, n  # the chunks being encoded and those queued for writing, no more
+    assert 0 < n < 129 - 32, (seen[-1], n)  # those being encoded or queued for writing when it came, no more
     assert ok_json("ls", store=store, env=env) == []
     assert ok_json("verify", store=store, env=env)["ok"] is True
     again = ok_json("push", big_file, "big/a", store=store, env=small)  # run again: the rest
