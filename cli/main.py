@@ -48,7 +48,17 @@ OptionsOpt = Annotated[
 # The global -o used to mean --storage-option; -o now means --output (merge, remix), and
 # the old spelling still works for one release with a warning.
 OldOptionsOpt = Annotated[Optional[list[str]], typer.Option("-o", hidden=True, show_default=False)]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+
+
+def _json_requested(value: bool) -> bool:
+    """--json was given: an error then prints {"error": MESSAGE} on stdout too (main)."""
+    if value:
+        _state["json"] = True
+    return value
+
+
+JsonOpt = Annotated[bool, typer.Option("--json", callback=_json_requested,
+                                       help='Machine-readable JSON on stdout; an error too, as {"error": MESSAGE}.')]
 
 
 def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
@@ -98,9 +108,15 @@ def _settings() -> Any:
 def _emit(result: Any, as_json: bool, render: Any, *args: Any) -> None:
     """Print a command's one result: as JSON with --json, else drawn by ``render`` (cli/views.py)."""
     if as_json:
-        emit_json(result)
+        _emit_json(result)
     else:
         render(result, *args)
+
+
+def _emit_json(doc: Any) -> None:
+    """Print ``doc`` as --json's document (noted: an error after it adds no second document)."""
+    _state["json_written"] = True
+    emit_json(doc)
 
 
 def _open(create: bool = False, url: str | None = None) -> Any:
@@ -110,7 +126,11 @@ def _open(create: bool = False, url: str | None = None) -> Any:
     return connect(url or _state["store"], storage_options=_state["options"], settings=_settings())
 
 
-cache_app = typer.Typer(help="The local cache of chunks read from remote stores: show what it holds, or clear it.",
+cache_app = typer.Typer(help=("The local cache of chunks read from remote stores: show what it holds, or clear it.\n\n"
+                              "\b\nExamples:\n"
+                              "  ckpt cache                # where it is, what it holds per store, its size limit\n"
+                              "  ckpt cache --json\n"
+                              "  ckpt cache clear          # remote stores are untouched"),
                         no_args_is_help=False, invoke_without_command=True)
 app.add_typer(cache_app, name="cache")
 
@@ -130,7 +150,13 @@ def cache_show(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 @cache_app.command("clear")
 def cache_clear(as_json: JsonOpt = False) -> None:
-    """Delete every cached chunk (remote stores are untouched; chunks are fetched again when needed)."""
+    """Delete every cached chunk (remote stores are untouched; chunks are fetched again when needed).
+
+    \b
+    Examples:
+      ckpt cache clear
+      ckpt --no-cache pull m/ft-legal ./ft-legal   # or read without the cache, leaving it as it is
+    """
     from ckpt.store.cache import clear_cache
 
     u = clear_cache(_settings())
@@ -196,7 +222,8 @@ def push(
 @app.command()
 def pull(
     ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or id prefix.")],
-    dest: Annotated[Optional[Path], typer.Argument(metavar="DEST", help="Output file (single-file checkpoints) or directory (model directories). Optional with --from.", show_default=False)] = None,
+    # A str, not a Path: a Path drops the trailing slash of "out/", which says "a directory".
+    dest: Annotated[Optional[str], typer.Argument(metavar="DEST", help="Output file (single-file checkpoints) or directory (model directories). Optional with --from.", show_default=False)] = None,
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace the checkpoint's own files in DEST if they exist; nothing else in DEST is touched.")] = False,
     include: Annotated[Optional[list[str]], typer.Option("--include", "-i", metavar="GLOB", help="Only tensors matching this glob (repeatable); writes one safetensors (or, named .pt, torch) file.")] = None,
     from_: Annotated[Optional[str], typer.Option("--from", metavar="URL", help="First copy REF from the store at URL into this store (only what is missing here travels).", show_default=False)] = None,
@@ -498,7 +525,7 @@ def diff(
             raise DestinationError(f"cannot write {safe(str(plot))}: {e.strerror or e}") from None
     # diff's one result is its typed report; --json prints report.to_json.
     if as_json:
-        emit_json(report.to_json(sort, top))
+        _emit_json(report.to_json(sort, top))
     else:
         views.diff(report, sort, top, plot)
 
@@ -541,7 +568,7 @@ def merge(
 
     if list_methods:
         if as_json:
-            emit_json([{"name": m.name, "summary": m.summary, "min_inputs": m.min_inputs, "max_inputs": m.max_inputs,
+            _emit_json([{"name": m.name, "summary": m.summary, "min_inputs": m.min_inputs, "max_inputs": m.max_inputs,
                         "needs_base": m.needs_base,
                         "params": [{"name": p.name, "type": p.kind, "default": p.default, "range": p.range_text(), "help": p.help}
                                    for p in m.params]} for m in default_registry()])
@@ -623,7 +650,8 @@ def serve(
                local=_open(url=local_tier) if local_tier else None)
 
 
-_terminated: list[bool] = []  # SIGTERM came (click reports the unwinding as an abort, code 130)
+_terminated: list[bool] = []  # SIGTERM came (typer reports the unwinding as exit code 130)
+_INTERRUPTED = "interrupted; the store is unchanged except for unreferenced objects that `ckpt gc` removes"
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -642,11 +670,13 @@ def main(argv: list[str] | None = None) -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
+    _state["json"] = _state["json_written"] = False
     try:
         # Without standalone mode click returns the code of a typer.Exit instead of exiting.
         code = app(args=argv, standalone_mode=False)
     except CkptError as e:
         err.print(f"error: {safe(str(e))}")
+        _json_error(str(e))
         sys.exit(1)
     except typer.Exit as e:
         sys.exit(e.exit_code)
@@ -655,7 +685,7 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:  # `ckpt show X | head`: the reader left; not an error worth a traceback
         out.on_broken_pipe()
     except KeyboardInterrupt:
-        _end_interrupted("interrupted; the store is unchanged except for unreferenced objects that `ckpt gc` removes")
+        _end_interrupted(_INTERRUPTED)
     except typer.TyperException as e:  # usage errors: bad option, missing argument...
         show = getattr(e, "show", None)
         if show is None:
@@ -665,10 +695,18 @@ def main(argv: list[str] | None = None) -> None:
         buf = io.StringIO()  # click echoes the offending argument as typed: escape it like any user text
         show(file=buf)
         sys.stderr.write("".join(safe(line) + "\n" for line in buf.getvalue().splitlines()))
+        _json_error(e.format_message())
         sys.exit(getattr(e, "exit_code", 2))
-    if _terminated:  # (click returned the code of the abort its unwinding became)
-        _end_interrupted("")
+    if _terminated or code == 130:  # typer returns Ctrl-C inside a command (or SIGTERM, unwound alike) as code 130, silently
+        _end_interrupted(_INTERRUPTED)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _json_error(message: str) -> None:
+    """With --json, an error is a document too, as the web view's /api/ answers one: {"error": MESSAGE}
+    on stdout (exact text), unless the command printed its document already (`ls` naming damage)."""
+    if _state.get("json") and not _state.get("json_written"):
+        _emit_json({"error": message})
 
 
 def _end_interrupted(message: str) -> None:

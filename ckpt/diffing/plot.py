@@ -47,8 +47,9 @@ def _fmt(v: float | None) -> str:
 
 
 def plot_report(report: DiffReport, path: str | os.PathLike[str]) -> str:
-    """Write the chart to ``path`` (PNG); returns the path. Raises
-    :class:`MissingDependencyError` without matplotlib."""
+    """Write the chart to ``path`` (PNG, or the kind its suffix names); returns the path. Raises
+    :class:`MissingDependencyError` without matplotlib, :class:`DestinationError` when it cannot
+    be written."""
     try:
         import matplotlib
 
@@ -131,7 +132,21 @@ def plot_report(report: DiffReport, path: str | os.PathLike[str]) -> str:
             ax.set_title("tensors outside the layer stack", fontsize=9)
     if image is not None:
         fig.colorbar(image, ax=axes[0].tolist(), label="‖B−A‖/‖A‖ (log)", shrink=0.9)
+    from ckpt.store.destination import create_new, write_files
+
     path = os.fspath(path)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    kind = os.path.splitext(path)[1][1:].lower()  # the temporary's name ends otherwise
+
+    def fill(tmps: list[str]) -> None:
+        with os.fdopen(create_new(tmps[0]), "wb") as f:
+            fig.savefig(f, dpi=110, bbox_inches="tight", format=kind)
+            f.flush()
+            os.fsync(f.fileno())
+
+    try:
+        # As a pull writes a file: whole or not at all (Ctrl-C while drawing leaves no half image
+        # under the name), and a symbolic link at the name is replaced, never written through.
+        write_files([path], fill)
+    finally:
+        plt.close(fig)
     return path

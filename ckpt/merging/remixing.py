@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WEIGHTINGS = ("equal", "proportional")
+# A scores file larger than this is not one (a model named by mistake, /dev/zero): refused
+# after reading this much, never read whole into memory.
+MAX_SCORES_BYTES = 16 << 20
 
 
 def _check(k: int, weights: str, candidates: int) -> None:
@@ -70,8 +73,12 @@ def read_scores(path: str | os.PathLike[str]) -> dict[str, float]:
         return _unique(pairs, path, "key")
 
     try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f, object_pairs_hook=no_repeats)
+        with open(path, "rb") as f:
+            data = f.read(MAX_SCORES_BYTES + 1)
+        if len(data) > MAX_SCORES_BYTES:
+            raise InvalidMergeError(f"{os.fspath(path)}: more than {MAX_SCORES_BYTES >> 20} MiB, too large to be "
+                                    "a scores file", hint='give a JSON file like {"REF": score, ...}')
+        obj = json.loads(data.decode("utf-8"), object_pairs_hook=no_repeats)
     except (OSError, ValueError, RecursionError) as e:  # RecursionError: arrays nested past Python's stack
         raise InvalidMergeError(f"{os.fspath(path)}: cannot read scores ({e})") from None
     if isinstance(obj, list):

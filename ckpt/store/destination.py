@@ -150,10 +150,13 @@ def dir_targets(store: Store, dest: str, paths: Sequence[str], overwrite: bool) 
     return dest, targets
 
 
-def temp_name(final: str) -> str:
-    """A temporary name in ``final``'s directory (so the rename into place is atomic)."""
+def temp_name(final: str, tag: str = _TMP) -> str:
+    """A temporary name in ``final``'s directory (so the rename into place is atomic).
+
+    It starts with (at most the first 200 bytes of) ``final``'s own name, so that a file name
+    as long as a filesystem allows (255 bytes) still leaves room for the rest."""
     d, base = os.path.split(final)
-    return os.path.join(d, f".{base}{_TMP}{uuid.uuid4().hex[:8]}")
+    return os.path.join(d, f".{os.fsdecode(os.fsencode(base)[:200])}{tag}{uuid.uuid4().hex[:8]}")
 
 
 def _fsync_dir(d: str) -> None:
@@ -227,8 +230,7 @@ def _replace_all(tmps: Sequence[str], targets: Sequence[str]) -> None:
             if os.path.lexists(t):
                 if os.path.isdir(t) and not os.path.islink(t):  # appeared since the checks: never moved
                     raise IsADirectoryError(errno.EISDIR, "a directory is in the way", t)
-                d, base = os.path.split(t)
-                old = os.path.join(d, f".{base}{_OLD}{uuid.uuid4().hex[:8]}")
+                old = temp_name(t, _OLD)
             done.append((t, old, os.lstat(tmp).st_ino))
             if old is not None:
                 try:

@@ -73,14 +73,17 @@ def run_parallel(fn: Callable[[T], R], items: Sequence[T], workers: int, progres
         return out
 
     with ThreadPoolExecutor(max_workers=min(workers, len(groups)), thread_name_prefix="ckpt") as pool:
-        futures: list[Future[list[R]]] = [pool.submit(run, g) for g in groups]
-        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in pending:
-            f.cancel()
-        for f in futures:
-            if f.done() and not f.cancelled() and f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
-        return [r for f in futures for r in f.result()]
+        try:
+            futures: list[Future[list[R]]] = [pool.submit(run, g) for g in groups]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:
+                if f.done() and not f.cancelled() and f.exception() is not None:
+                    raise f.exception()  # type: ignore[misc]
+            return [r for f in futures for r in f.result()]
+        finally:
+            # The first error, or Ctrl-C (SIGTERM) in this thread, starts no further group: the
+            # running ones end, the rest are dropped (leaving the ``with`` alone ran every one).
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 # Items handed to a worker thread at once by push and pull: up to this many bytes of
@@ -582,7 +585,7 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
             f.result()  # durable, or the first write error
         return results
     finally:
-        io.shutdown(wait=True)
+        io.shutdown(wait=True, cancel_futures=True)  # after an error or Ctrl-C: no write queued behind it
 
 
 @dataclass(frozen=True)

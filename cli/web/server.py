@@ -64,9 +64,12 @@ def serve(store: Any, host: str = "127.0.0.1", port: int = 8765, token: str | No
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, server_header=False)
     server = uvicorn.Server(config)
     try:
-        sock = config.bind_socket()
-        sock.listen(config.backlog)  # listening before the address is printed: it can be opened at once
-    except OSError as e:
-        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}", hint="pick another --port") from None
+        # Bound here, not by uvicorn's Config.bind_socket, which logs a failure and exits 3 itself;
+        # listening before the address is printed: it can be opened at once.
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                    backlog=config.backlog)
+    except (OSError, OverflowError) as e:  # in use, no such address or name; a port past 65535
+        raise ServeError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}",
+                         hint="pick another --port or --host") from None
     announce(f"ckpt serve: {address(host, port, token)}  (read-only view of {store.url}; Ctrl-C stops)")
     server.run(sockets=[sock])

@@ -13,9 +13,11 @@ from ckpt_store.storage.backends.base import (
     Entry,
     io_error,
     joined,
+    read_error,
     relative,
     too_large,
 )
+from ckpt_store.storage.errors import MissingDependencyError, StorageIOError, StoreLocationError
 
 
 class FsspecBackend(Backend):
@@ -29,7 +31,21 @@ class FsspecBackend(Backend):
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         import fsspec
 
-        fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        scheme = url.split("://", 1)[0]
+        try:
+            try:
+                fsspec.get_filesystem_class(scheme)
+            except ValueError:
+                raise StoreLocationError(f"{url}: no backend knows {scheme}:// URLs",
+                                         hint="give a local path, s3://BUCKET/PREFIX or another fsspec URL (memory://, gs://...)") from None
+            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except ImportError as e:  # fsspec's own words name the package: "Please install gcsfs to access Google Storage"
+            raise MissingDependencyError(f"{scheme}:// stores need a package that is not installed ({e})",
+                                         hint="pip install the package it names") from None
+        except (TypeError, ValueError) as e:  # options the filesystem does not take, or lacks
+            raise StorageIOError(f"bad storage options for {url}: {e}") from None
+        except OSError as e:  # filesystems that connect when made (ftp://, sftp://)
+            raise io_error("open", url, e) from e
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url
@@ -49,7 +65,10 @@ class FsspecBackend(Backend):
         return bool(self.fs.exists(self.root))
 
     def read(self, path: str, limit: int | None = None) -> bytes:
-        data = bytes(self.fs.cat_file(self._p(path)))
+        try:
+            data = bytes(self.fs.cat_file(self._p(path)))
+        except OSError as e:  # an unreachable server (http://) fails here first
+            raise read_error(path, e) from e
         if limit is not None and len(data) > limit:
             raise too_large(path, len(data), limit)
         return data

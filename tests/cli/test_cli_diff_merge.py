@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -51,6 +52,22 @@ def test_diff_json_table_and_plot(fam):
     pytest.importorskip("matplotlib")
     assert "plot written" in invoke("diff", "m/base", "m/ft0", "--plot", str(tmp / "d.png"))
     assert (tmp / "d.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_replaces_a_link_at_its_name_and_never_writes_through_it(fam):
+    """--plot NAME where NAME is a symbolic link: savefig opened the link and overwrote the file it
+    pointed to (a file anywhere). Now the plot is written like a pulled file, beside the name and
+    renamed over it: the link is replaced, the file it named is as it was."""
+    pytest.importorskip("matplotlib")
+    tmp = fam[0]
+    precious = tmp / "precious.pdf"
+    precious.write_bytes(b"mine")
+    link = tmp / "change.pdf"
+    link.symlink_to(precious)
+    assert "plot written" in invoke("diff", "m/base", "m/ft0", "--plot", str(link))
+    assert precious.read_bytes() == b"mine"
+    assert not link.is_symlink() and link.read_bytes()[:5] == b"%PDF-"
+    assert not [p for p in tmp.iterdir() if ".ckpt-" in p.name]  # no temporary left
 
 
 def test_merge_show_and_pull(fam):
@@ -112,6 +129,22 @@ def test_remix_from_scores(fam, capsys):
     (tmp / "deep.json").write_text("[" * 100_000 + "]" * 100_000)  # nested past Python's stack: was a RecursionError traceback
     code, _, err = run_main(capsys, "remix", "--scores", str(tmp / "deep.json"), "-o", "m/s3")
     assert code == 1 and "cannot read scores" in err and err.count("\n") == 1
+
+
+def test_remix_reads_a_bounded_amount_of_a_scores_file(fam, capsys):
+    """--scores naming something that is not a scores file -- a model, /dev/zero, a pipe that
+    never ends -- was read whole into memory (/dev/zero: until MemoryError, as a traceback, or the
+    OOM killer). It is refused after 16 MiB, before any merge."""
+    tmp, _, _ = fam
+    big = tmp / "big.json"
+    with open(big, "w") as f:  # valid JSON, and far larger than any table of scores
+        f.write(" " * (17 << 20) + json.dumps({"m/ft0": 0.9, "m/ft1": 0.7}))
+    code, out, err = run_main(capsys, "remix", "--scores", str(big), "-k", "2", "-o", "m/start")
+    assert code == 1 and err.count("\n") == 1 and "too large to be a scores file" in err, err
+    assert run_main(capsys, "show", "m/start")[0] == 1  # nothing was stored
+    if os.path.exists("/dev/zero"):
+        code, out, err = run_main(capsys, "remix", "--scores", "/dev/zero", "-k", "2", "-o", "m/start")
+        assert code == 1 and "too large to be a scores file" in err, err
 
 
 def test_diff_top_below_one_is_rejected(fam, capsys):

@@ -154,3 +154,43 @@ def test_store_path_that_is_a_file_or_empty(tmp_path, capsys, monkeypatch):
     code, _, err = run(capsys, "--store", "", "init")
     one_line_error(code, err, "empty store URL")
     assert not (tmp_path / "ckpt-store.json").exists()
+
+
+def test_pull_to_names_as_long_as_the_filesystem_allows(tmp_path, capsys):
+    """A file name of 255 bytes (the most a filesystem allows) is a valid destination: the
+    temporary and backup names beside it, which added 19 bytes to the whole name, failed with
+    'File name too long'. Multi-byte names are cut at bytes, and still land under their name."""
+    src = tmp_path / "one.safetensors"
+    save_file({"w": torch.randn(3)}, src)
+    store = str(tmp_path / "store")
+    assert run(capsys, "--store", store, "push", str(src), "one")[0] == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("a" * 243 + ".safetensors", "é" * 121 + ".safetensors"):  # 255 and 254 bytes
+        dest = out / name
+        code, _, err = run(capsys, "--store", store, "pull", "one", str(dest))
+        assert code == 0, err
+        dest.write_bytes(b"old")
+        code, _, err = run(capsys, "--store", store, "pull", "one", str(dest), "--force")  # replaced: a backup beside it
+        assert code == 0, err
+        assert dest.read_bytes() == src.read_bytes()
+    assert sorted(os.listdir(out)) == sorted(["a" * 243 + ".safetensors", "é" * 121 + ".safetensors"])
+
+
+def test_a_trailing_slash_means_a_directory(tmp_path, capsys):
+    """DEST was a pathlib.Path, which drops a trailing slash: `pull one new/` wrote a file named
+    `new`, and `pull one notes.txt/ --force` replaced the file notes.txt. A single-file checkpoint
+    pulled to a slash-ended path that is not a directory is refused, as the library does."""
+    save_file({"w": torch.randn(3)}, tmp_path / "one.safetensors")
+    store = str(tmp_path / "store")
+    assert run(capsys, "--store", store, "push", str(tmp_path / "one.safetensors"), "one")[0] == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for dest in (str(out / "new") + os.sep, str(out / "notes.txt") + os.sep):
+        code, _, err = run(capsys, "--store", store, "pull", "one", dest, "--force")
+        one_line_error(code, err, "is not a directory")
+    assert tree(out) == {"notes.txt": b"mine"}
+    code, _, err = run(capsys, "--store", store, "pull", "one", str(out) + os.sep)  # a directory: the file goes in it
+    assert code == 0, err
+    assert tree(out) == {"notes.txt": b"mine", "one.safetensors": (tmp_path / "one.safetensors").read_bytes()}

@@ -233,6 +233,25 @@ def test_invalid_ref_name_on_pull(store: Path, env: dict[str, str], tmp_path: Pa
     assert not (tmp_path / "x.safetensors").exists()
 
 
+@pytest.mark.parametrize("args", [["show", "no/such-ref"], ["pull", "no/such-ref", "x.safetensors"], ["verify", "no/such-ref"],
+                                  ["push", "missing.safetensors", "demo/x"], ["diff", "demo/file", "no/such-ref"]])
+def test_errors_are_json_too_with_json(args: list[str], store: Path, env: dict[str, str], tmp_path: Path) -> None:
+    """With --json an error printed one line on stderr and nothing on stdout, so a script reading
+    the document got no JSON at all; it now also gets {"error": MESSAGE} there, the document the
+    web view's /api/ answers with (and the same code, and line on stderr)."""
+    args = [str(tmp_path / a) if a.endswith(".safetensors") else a for a in args]
+    line = fails(*args, store=store, env=env)
+    assert run(*args, store=store, env=env).stdout == ""  # without --json: nothing on stdout
+    r = run(*args, "--json", store=store, env=env)
+    assert r.returncode == 1 and r.stderr.strip("\n") == line
+    assert json.loads(r.stdout) == {"error": line.removeprefix("error: ")}
+    usage = run("gc", "--grace", "soon", "--json", store=store, env=env)  # refused by the command: its words
+    assert usage.returncode == 2 and json.loads(usage.stdout) == {"error": "Invalid value: 'soon' is not a duration like 30s, 10m, 1h or 2d"}
+    partial = run("rm", "no/such-ref", "--json", store=store, env=env)  # its own document, already printed, says what was done
+    assert partial.returncode == 1 and json.loads(partial.stdout) == {"removed": []}
+    assert refs_of(store) == {"demo/file", "demo/hf"}
+
+
 @pytest.mark.parametrize("keep", ["half", "header-cut"])
 def test_truncated_safetensors(keep: str, store: Path, env: dict[str, str], model_file: Path, tmp_path: Path) -> None:
     bad = tmp_path / "truncated.safetensors"
@@ -315,6 +334,23 @@ def test_missing_store(tmp_path: Path, env: dict[str, str]) -> None:
     assert not (tmp_path / "nowhere").exists()
 
 
+@pytest.mark.parametrize(("url", "words"), [
+    ("nosuch://x", "no backend knows nosuch://"),            # a typo in the scheme
+    ("gs://bucket/x", "gs:// stores need a package"),        # fsspec knows it; gcsfs is not installed
+    ("http://127.0.0.1:1/x", "cannot read ckpt-store.json"),  # a server that refuses the connection
+])
+def test_store_urls_that_cannot_open_end_in_one_line(url: str, words: str, env: dict[str, str], store: Path) -> None:
+    """Store URLs served by fsspec: an unknown scheme, a missing implementation and a refused
+    connection each ended in a traceback (ValueError, ImportError, aiohttp's error)."""
+    import importlib.util
+
+    if url.startswith("gs:") and importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed")
+    assert words in fails("--store", url, "ls", store=None, env=env)
+    assert words in fails("copy", "demo/file", "--to", url, store=store, env=env)
+    assert refs_of(store) == {"demo/file", "demo/hf"}
+
+
 def test_odd_output_and_arguments_end_in_one_line(env: dict[str, str], model_file: Path, tmp_path: Path) -> None:
     """Found by trying to break the CLI: each of these ended in a traceback. Output closed (`>&-`):
     the command runs and its output goes nowhere. A --plot path in no folder, or of a kind that
@@ -333,13 +369,14 @@ def test_odd_output_and_arguments_end_in_one_line(env: dict[str, str], model_fil
                                store=store, env=env)
 
 
-COMMANDS = ["init", "push", "pull", "ls", "log", "show", "du", "rm", "verify", "gc", "copy", "diff", "merge", "remix", "serve"]
+COMMANDS = ["init", "push", "pull", "ls", "log", "show", "du", "rm", "verify", "gc", "copy", "diff", "merge", "remix", "serve",
+            "cache", "cache clear"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_commands_help_teaches_by_example(command: str, env: dict[str, str]) -> None:
     """`ckpt COMMAND --help` ends its description with commands to copy, each a real use."""
-    text = ok(command, "--help", store=None, env=env).stdout
+    text = ok(*command.split(), "--help", store=None, env=env).stdout
     examples = text.split("Examples:", 1)[1].split("\n\n", 1)[0] if "Examples:" in text else ""
     assert [line for line in examples.splitlines() if line.strip().startswith("ckpt ")], text
 
@@ -353,3 +390,101 @@ def test_a_reader_that_leaves_the_pipe_ends_the_command_with_141(args: list[str]
     p.stdout.close()
     _, err = p.communicate(timeout=120)
     assert p.returncode == 141 and err == b"", (p.returncode, err)
+
+
+# -- interruptions: Ctrl-C and SIGTERM in the middle of a long command ----------------------
+
+
+@pytest.fixture(scope="module")
+def big_file(root: Path) -> Path:
+    """128 MiB of random float32: long enough to be interrupted."""
+    g = torch.Generator().manual_seed(2)
+    src = root / "big.safetensors"
+    save_file({f"layers.{i}.weight": torch.randn(4 << 20, generator=g) for i in range(8)}, str(src))
+    return src
+
+
+@pytest.fixture(scope="module")
+def big_store(root: Path, big_file: Path) -> Path:
+    """A store holding big/a (:func:`big_file`)."""
+    import ckpt
+
+    s = root / "big-store"
+    ckpt.Store.init(str(s)).push(str(big_file), "big/a")
+    return s
+
+
+def interrupted(args: list[str | Path], sig: int, started: Any, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run ``ckpt ARGS`` and send it ``sig`` as soon as ``started()`` (the command is mid-way).
+
+    SIGINT is a terminal's Ctrl-C: a runner that started the tests in the background passes it
+    on ignored, so the child restores Python's handler first. (Not frozen with SIGSTOP meanwhile:
+    a signal sent to a stopped process goes to whichever thread wakes first, and one that a
+    worker thread takes reaches Python's handler in the main thread only once that wakes.)"""
+    import time
+
+    exe = [sys.executable, "-c", "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+           "from ckpt_store.cli.main import main; main()"]
+    proc = subprocess.Popen([*exe, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 60
+    while not started() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert proc.poll() is None and started(), "the command ended before it could be interrupted"
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_pull_force_keeps_the_old_file_and_says_so(sig: str, big_store: Path, env: dict[str, str],
+                                                                    tmp_path: Path) -> None:
+    """Ctrl-C (or SIGTERM) while `pull --force` writes: the file it would replace is as it was, no
+    temporary is left, and the command ends 130 (143) with one line saying what happened (Ctrl-C
+    ended it with 130 and nothing at all on stderr)."""
+    import signal
+
+    dest = tmp_path / "model.safetensors"
+    dest.write_bytes(b"precious")
+    r = interrupted(["--store", big_store, "pull", "big/a", dest, "--force"], getattr(signal, sig),
+                    lambda: len(os.listdir(tmp_path)) > 1, env)
+    assert r.returncode == {"SIGINT": 130, "SIGTERM": 143}[sig], r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    lines = r.stderr.strip("\n").splitlines()
+    assert len(lines) == 1 and lines[0].startswith({"SIGINT": "interrupted", "SIGTERM": "terminated"}[sig]), r.stderr
+    assert os.listdir(tmp_path) == ["model.safetensors"] and dest.read_bytes() == b"precious"
+    assert ok_json("verify", store=big_store, env=env)["ok"] is True
+
+
+def test_an_interrupted_push_stops_writing(big_file: Path, env: dict[str, str], tmp_path: Path) -> None:
+    """Ctrl-C in a push stops it: the chunks not yet started are never written. The thread pool's
+    shutdown ran every queued chunk first, so an interrupted push (or merge) went on silently to
+    the end, writing the whole model, however large, before it exited."""
+    import signal
+
+    small = {**env, "CKPT_CHUNK_SIZE": str(1 << 20)}  # 129 chunks: 128 of tensor data and the file's header
+    for attempt in range(3):  # on a busy machine the push may race ahead of the signal: try again
+        store = tmp_path / f"store{attempt}"
+        ok("init", store=store, env=env)
+        chunks = store / "objects" / "chunks"
+
+        def written() -> int:
+            return sum(1 for p in chunks.rglob("*") if p.is_file() and not p.name.startswith(".")) if chunks.is_dir() else 0
+
+        seen: list[int] = []  # chunks written when the signal went
+
+        def started() -> bool:
+            seen.append(written())
+            return seen[-1] > 0
+
+        r = interrupted(["--store", store, "push", big_file, "big/a"], signal.SIGINT, started, small)
+        assert r.returncode == 130 and "Traceback" not in r.stderr, r.stderr
+        if seen[-1] <= 32:
+            break
+    else:
+        pytest.skip("the machine was too busy to interrupt the push early")
+    n = written()
+    assert 0 < n < 129 - 32, (seen[-1], n)  # those being encoded or queued for writing when it came, no more
+    assert ok_json("ls", store=store, env=env) == []
+    assert ok_json("verify", store=store, env=env)["ok"] is True
+    again = ok_json("push", big_file, "big/a", store=store, env=small)  # run again: the rest
+    assert again["chunks"] == 129 and again["new_chunks"] == 129 - n

@@ -244,6 +244,19 @@ def test_binding_beyond_loopback_needs_a_token(store, capsys):
     assert code == 1 and err.count("\n") == 1 and "needs --token" in err and "Traceback" not in err
 
 
+def test_serve_on_an_address_it_cannot_listen_on_is_one_line(store, capsys):
+    """A port in use, one past 65535 and an address not on this machine: uvicorn's own bind
+    logged 'ERROR: [Errno 98] ...' and exited 3 (the port out of range: an OverflowError traceback)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        for args in (["--port", str(port)], ["--port", "70000"], ["--host", "192.0.2.1", "--token", "x" * 24]):
+            code, out, err = run_main(capsys, "--store", store.url, "serve", *args)
+            assert code == 1 and err.startswith("error: cannot listen on ") and err.count("\n") == 1, (code, err)
+            assert out == ""
+
+
 def test_host_header_is_checked_on_loopback(store):
     c = TestClient(create_app(store, hosts=["127.0.0.1", "localhost"]), base_url="http://127.0.0.1:8765")
     assert c.get("/api/refs").status_code == 200
