@@ -254,7 +254,7 @@ def _hold(path: str) -> int:
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     deadline = time.monotonic() + LOCK_WAIT_S
-    collected = warned = False
+    collected, warned = 0.0, False
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -264,14 +264,16 @@ def _hold(path: str) -> int:
         except OSError:
             os.close(fd)
             raise
-        if not collected:
-            gc.collect()  # an unreferenced earlier manager of this process lets go as it is freed
-            collected = True
+        if time.monotonic() - collected >= 1.0:
+            # An unreferenced earlier manager of this process lets go as it is freed: at once, or once
+            # the save it had in flight (which holds it) is done.
+            gc.collect()
+            collected = time.monotonic()
             continue
         if time.monotonic() >= deadline:
             os.close(fd)
             raise SnapshotError(f"local tier {path} is in use by another CheckpointManager (in this process or "
-                                f"another) and was not let go within {LOCK_WAIT_S:.0f} s",
+                                f"another) and was not let go within {LOCK_WAIT_S:g} s",
                                 hint="close the other manager (mgr.close(), or `with CheckpointManager(...)`), "
                                      "or give this one a local=PATH of its own")
         if not warned:

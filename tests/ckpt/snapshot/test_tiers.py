@@ -432,6 +432,7 @@ def test_one_manager_per_local_tier(tmp_path, monkeypatch):
     a.close()
     b = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
     b.save(1, {"w": torch.arange(4.0)})
+    b.wait()  # (a save in flight holds the manager until it is done: slower than LOCK_WAIT_S on a busy machine)
     del b  # not closed: its tier goes when it is freed
     c = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
     assert c.local_tier.steps == [1]
