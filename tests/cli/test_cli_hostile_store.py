@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_cli_subprocess import CMD, fails, ok, run
+from test_cli_subprocess import CMD, fails, ok, run, same_tree
 
 import ckpt
 from ckpt_store.storage.objects import object_id
@@ -326,3 +326,33 @@ def test_a_chunk_replaced_by_a_copy_is_written_whole_so_no_checkpoint_there_need
     ok("verify", store=good, env=env)
     ok("pull", "ft/x", tmp_path / "out.safetensors", store=good, env=env)
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("link", ["index", "refs/ft", "objects/manifests"])
+def test_a_folder_of_the_store_that_is_a_symlink_is_never_written_or_deleted_through(link, good, tmp_path, env):
+    """A store folder whose ``index/`` was a symbolic link to a folder elsewhere: every push wrote its
+    index log there, `ckpt ls` wrote a snapshot there and deleted the files there named like older
+    ones, and `ckpt gc` deleted the stale temporaries there. The same held for any folder of the
+    store (``refs/ft``, ``objects/manifests``). Writes and deletes there are now refused with one
+    line; reads may follow the link (what they read is verified)."""
+    outside = tmp_path / "outside"
+    (good / link).rename(outside)
+    (good / link).symlink_to(outside, target_is_directory=True)
+    for snap in outside.glob("*.snap"):
+        snap.unlink()  # so that `ls` rebuilds the index (and prunes older index files)
+    (outside / "0000000000-0123456789abcdef.snap").write_bytes(b"precious, named like an old index snapshot")
+    (outside / ".tmp-precious").write_bytes(b"precious, named like a temporary")
+    old = time.time() - 3 * 86400
+    for p in outside.rglob("*"):
+        os.utime(p, (old, old))
+    before = tmp_path / "before"
+    shutil.copytree(outside, before)
+    r = run("push", tmp_path / "b.safetensors", "ft/y", store=good, env=env)
+    assert (r.returncode == 0) == (link == "index"), r.stderr  # the index is a cache: the ref lands without it
+    ok("ls", store=good, env=env)
+    gc = run("gc", "--grace", "1m", store=good, env=env)  # a link the listing does not follow lists nothing to delete
+    assert (gc.returncode == 0) == (link != "index"), gc.stderr
+    for r in (r, gc):
+        assert "Traceback" not in r.stderr and (r.returncode == 0 or f"{link} in the store folder" in r.stderr), r.stderr
+    same_tree(outside, before)
+    assert sorted(p.name for p in outside.rglob("*")) == sorted(p.name for p in before.rglob("*"))
