@@ -45,7 +45,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +56,15 @@ from ckpt_store.storage.backends.base import Backend, Entry
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError, StoreFormatError
 from ckpt_store.storage.objects import ObjectStore
-from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require, sealed_json, strict_loads
+from ckpt_store.storage.records import (
+    MAX_RECORD_BYTES,
+    canonical_json,
+    decode_record,
+    finite_time,
+    require,
+    sealed_json,
+    strict_loads,
+)
 from ckpt_store.storage.refs import RefEntry, Refs
 
 log = logging.getLogger(__name__)
@@ -282,9 +290,9 @@ class StoreIndex:
         snaps.sort()
         return snaps, logs, top
 
-    def _get(self, path: str) -> bytes:
+    def _get(self, path: str, limit: int = MAX_INDEX_BYTES) -> bytes:
         try:
-            return self.backend.read(path, MAX_INDEX_BYTES)
+            return self.backend.read(path, limit)
         except FileNotFoundError:
             raise _Restart(path) from None
         except StoreFormatError as e:  # larger than any index object: read as damaged (skipped, or rebuilt)
@@ -344,7 +352,7 @@ class StoreIndex:
             self._bad.add(path)
             return None
         newer = sorted(g for g in logs if g > gen)
-        for g, data in zip(newer, self._read_many([logs[g] for g in newer]), strict=True):
+        for g, data in zip(newer, self._read_logs([logs[g] for g in newer]), strict=True):
             what = f"index log {logs[g]}"
             try:
                 obj = decode_record(data, LOG_FORMAT, (INDEX_VERSION,), what, sealed_since=INDEX_VERSION)
@@ -356,11 +364,20 @@ class StoreIndex:
         st.logs_read = len(newer)
         return st
 
-    def _read_many(self, paths: list[str]) -> list[bytes]:
+    def _read_logs(self, paths: list[str]) -> Iterator[bytes]:
+        """The logs at ``paths``, in order, no more than a pool's worth held at once: a store folder
+        from elsewhere may hold any number of them, each as large as a record may be (a sparse file
+        costs no disk). A log is one record: a larger one is read as damaged, never read whole."""
+        def get(p: str) -> bytes:
+            return self._get(p, MAX_RECORD_BYTES)
+
         if len(paths) <= 1 or self.backend.concurrency <= 1:
-            return [self._get(p) for p in paths]
-        with ThreadPoolExecutor(min(self.backend.concurrency, len(paths)), thread_name_prefix="ckpt-index") as pool:
-            return list(pool.map(self._get, paths))
+            yield from map(get, paths)
+            return
+        n = min(self.backend.concurrency, len(paths))
+        with ThreadPoolExecutor(n, thread_name_prefix="ckpt-index") as pool:
+            for i in range(0, len(paths), n):
+                yield from pool.map(get, paths[i:i + n])
 
     def rebuild(self) -> IndexState:
         """An empty state, to be filled from the refs (:meth:`view`) and manifests (:meth:`ensure`)."""
