@@ -54,8 +54,8 @@ import blake3
 
 from ckpt_store.storage.backends.base import Backend, Entry
 from ckpt_store.storage.chunk_lists import referenced_chunks
-from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError, StoreFormatError
-from ckpt_store.storage.objects import ObjectStore
+from ckpt_store.storage.errors import CorruptObjectError, InvalidNameError, ObjectNotFoundError, StoreFormatError
+from ckpt_store.storage.objects import ObjectStore, check_id
 from ckpt_store.storage.records import (
     MAX_RECORD_BYTES,
     canonical_json,
@@ -152,6 +152,11 @@ class RefRec:
                 and isinstance(t, (int, float)) and (target is None or isinstance(target, str))
                 and (mtime is None or isinstance(mtime, (int, float)))):
             raise StoreFormatError(f"{what}: bad ref record")
+        if target is not None:  # as a ref entry's (a target that is not an id made every push fail: base choice read it)
+            try:
+                check_id(target)
+            except InvalidNameError:
+                raise StoreFormatError(f"{what}: bad ref record (target {target[:80]!r} is not an object id)") from None
         return cls(seq, target, finite_time(t, what), writer, alias, size, None if mtime is None else finite_time(mtime, what))
 
     @classmethod

@@ -374,3 +374,26 @@ def test_many_large_index_logs_are_read_one_at_a_time_and_no_larger_than_a_recor
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
     plain = {**env, "CKPT_INDEX": "0"}  # what the manifests say
     assert json.loads(r.stdout) == json.loads(ok(command, "--json", store=good, env=plain).stdout)
+
+
+@pytest.mark.parametrize("where", ["log", "snapshot"])
+def test_an_index_record_whose_target_is_not_an_object_id_is_skipped_not_fatal(where, good, tmp_path, env):
+    """The metadata index (sealed, not signed) named a ref whose target was '../../../etc/passwd':
+    every push failed ("is not an object id") because base choice asked the object store for it,
+    though the index is a cache. Such a record is now damage, read past like any other."""
+    from ckpt_store.storage.index import RefRec
+
+    store = ckpt.Store.open(str(good))
+    rec = RefRec(1, "../../../etc/passwd", time.time() + 1000, "w", False, 0, None)
+    if where == "log":
+        gen = max(int(p.name[:10]) for p in (good / "index").iterdir()) + 1
+        (good / "index" / f"{gen:010d}.log").write_bytes(sealed_json(
+            {"format": "ckpt-index-log", "version": 1, "gen": gen, "ref": {"name": "evil", "rec": rec.to_obj()}, "manifest": None}))
+    else:
+        st = store.index.load(chunks=True)
+        st.refs["evil"] = {1: rec}
+        st.max_gen += 1
+        store.index.write_snapshot(st)
+    ok("push", tmp_path / "b.safetensors", "ft/new", store=good, env=env)
+    assert [r["ref"] for r in json.loads(ok("ls", "--json", store=good, env=env).stdout)] == ["base", "ft/new", "ft/x"]
+    ok("verify", store=good, env=env)
