@@ -183,6 +183,7 @@ class IndexState:
     # -- changes ---------------------------------------------------------------
     def add_manifest(self, mid: str, info: dict[str, Any], sig: Any, chunks: list[str], detail: Any) -> None:
         info = dict(info)
+        info.pop("sig", None)  # only ever the key of ``sig``: a log's own "sig" (a list, say) made readers crash
         if sig is not None:
             key = blake3.blake3(canonical_json(sig)).hexdigest()[:16]
             self.sigs.setdefault(key, sig)
@@ -343,9 +344,14 @@ class StoreIndex:
                 raise StoreFormatError(f"index snapshot {path} is not the one its name says")
             st = IndexState(gen=gen, max_gen=top, snap_gen=gen, partial=recent)
             for n, recs in require(body, "refs", dict, path).items():
+                if not isinstance(recs, list):
+                    raise StoreFormatError(f"{path}: bad ref records")
                 st.refs[n] = {r.seq: r for r in (RefRec.from_obj(o, path) for o in recs)}
             st.info = require(body, "info", dict, path)
             st.sigs = require(body, "sigs", dict, path)
+            # The shape this module gives a summary (add_manifest): what the layer above checks is its own.
+            if not all(isinstance(i, dict) and isinstance(i.get("sig", ""), str) for i in st.info.values()):
+                raise StoreFormatError(f"{path}: bad manifest summaries")
             if chunks:
                 cpath = f"{PREFIX}/{require(head, 'chunks', str, path)}"
                 ch, cbody = _unblob(self._get(cpath), CHUNKS_FORMAT, f"index chunk lists {cpath}")

@@ -397,3 +397,53 @@ def test_an_index_record_whose_target_is_not_an_object_id_is_skipped_not_fatal(w
     ok("push", tmp_path / "b.safetensors", "ft/new", store=good, env=env)
     assert [r["ref"] for r in json.loads(ok("ls", "--json", store=good, env=env).stdout)] == ["base", "ft/new", "ft/x"]
     ok("verify", store=good, env=env)
+
+
+def _reseal(path: Path, change, **head) -> str:
+    """Rewrite the index object at ``path`` (a sealed header line naming its body's hash, then the
+    body: docs/format.md) with ``change(body)`` as its body and ``head`` in its header, sealed and
+    hashed as ckpt does. Returns the new body's hash."""
+    import blake3
+
+    first, _, body = path.read_bytes().partition(b"\n")
+    new = canonical_json(change(json.loads(body)))
+    h = {k: v for k, v in json.loads(first).items() if k != "check"}
+    h.update(body=blake3.blake3(new).hexdigest(), length=len(new), **head)
+    path.write_bytes(sealed_json(h) + b"\n" + new)
+    return h["body"]
+
+
+@pytest.mark.parametrize("where", ["log", "snapshot", "recent", "ref records"])
+def test_an_index_of_the_wrong_shape_is_read_past_not_a_traceback(where, good, tmp_path, env):
+    """A manifest summary in the index whose "sig" (the key of its tensor signature) was a list, or a
+    snapshot whose records of a ref were a number: `ckpt ls`, `ckpt du` and `ckpt push` crashed
+    with a traceback (unhashable type: 'list'; 'int' object is not iterable)."""
+    store = ckpt.Store.open(str(good))
+    store.ls()  # a snapshot naming both manifests
+    mid = store.resolve("ft/x")
+
+    def poison(body: dict) -> dict:
+        if where == "ref records":
+            body["refs"]["ft/x"] = 5
+        for info in body["info"].values():
+            info["sig"] = [1] if where != "ref records" else info["sig"]
+        return body
+
+    if where == "log":
+        gen = max(int(p.name[:10]) for p in (good / "index").iterdir()) + 1
+        rec = json.loads((good / "refs/ft/x/0000000001.ref").read_bytes())
+        log = {"format": "ckpt-index-log", "version": 1, "gen": gen, "ref": {"name": "ft/x", "rec": [
+            1, mid, rec["time"], rec["writer"], False, (good / "refs/ft/x/0000000001.ref").stat().st_size, None]},
+            "manifest": {"id": mid, "info": {**store.index.load().info[mid], "sig": [1]}, "sig": None, "chunks": [], "detail": None}}
+        (good / "index" / f"{gen:010d}.log").write_bytes(sealed_json(log))
+    else:
+        snap = max((good / "index").glob("*.snap"))
+        if where in ("snapshot", "ref records"):
+            _reseal(snap, poison)
+        else:  # the part base choice reads, named by the snapshot with its body's hash
+            recent = good / "index" / json.loads(snap.read_bytes().partition(b"\n")[0])["recent"]
+            _reseal(snap, lambda body: body, recent_hash=_reseal(recent, poison))
+    plain = {**env, "CKPT_INDEX": "0"}  # what the manifests say
+    for args in (["ls"], ["du"]):
+        assert json.loads(ok(*args, "--json", store=good, env=env).stdout) == json.loads(ok(*args, "--json", store=good, env=plain).stdout)
+    ok("push", tmp_path / "b.safetensors", "ft/new", store=good, env=env)
