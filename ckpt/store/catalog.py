@@ -81,7 +81,8 @@ def _well_formed(st: IndexState, mid: str) -> bool:
     if st.chunks is None or mid not in st.chunks:
         return True
     entry = st.chunks[mid]
-    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list) and isinstance(entry[1], dict)):
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list) and isinstance(entry[1], dict)
+            and all(isinstance(c, str) for c in entry[0])):
         return False
     n = len(entry[0])
     lengths, codecs = entry[1].get("lengths"), entry[1].get("codecs")

@@ -413,11 +413,12 @@ def _reseal(path: Path, change, **head) -> str:
     return h["body"]
 
 
-@pytest.mark.parametrize("where", ["log", "snapshot", "recent", "ref records"])
+@pytest.mark.parametrize("where", ["log", "snapshot", "recent", "ref records", "chunk lists"])
 def test_an_index_of_the_wrong_shape_is_read_past_not_a_traceback(where, good, tmp_path, env):
-    """A manifest summary in the index whose "sig" (the key of its tensor signature) was a list, or a
-    snapshot whose records of a ref were a number: `ckpt ls`, `ckpt du` and `ckpt push` crashed
-    with a traceback (unhashable type: 'list'; 'int' object is not iterable)."""
+    """A manifest summary in the index whose "sig" (the key of its tensor signature) was a list, a
+    snapshot whose records of a ref were a number, chunk lists naming a list or a number as a chunk:
+    `ckpt ls`, `ckpt du` and `ckpt push` crashed with a traceback (unhashable type: 'list'; 'int'
+    object is not iterable), or `ckpt du` added up other figures than the manifests give."""
     store = ckpt.Store.open(str(good))
     store.ls()  # a snapshot naming both manifests
     mid = store.resolve("ft/x")
@@ -440,9 +441,11 @@ def test_an_index_of_the_wrong_shape_is_read_past_not_a_traceback(where, good, t
         snap = max((good / "index").glob("*.snap"))
         if where in ("snapshot", "ref records"):
             _reseal(snap, poison)
-        else:  # the part base choice reads, named by the snapshot with its body's hash
-            recent = good / "index" / json.loads(snap.read_bytes().partition(b"\n")[0])["recent"]
-            _reseal(snap, lambda body: body, recent_hash=_reseal(recent, poison))
+        else:  # a part, named by the snapshot with its body's hash
+            key = "recent" if where == "recent" else "chunks"
+            part = good / "index" / json.loads(snap.read_bytes().partition(b"\n")[0])[key]
+            change = poison if where == "recent" else lambda body: {m: [[[1], 7, *c[0][2:]], c[1]] for m, c in body.items()}
+            _reseal(snap, lambda body: body, **{f"{key}_hash": _reseal(part, change)})
     plain = {**env, "CKPT_INDEX": "0"}  # what the manifests say
     for args in (["ls"], ["du"]):
         assert json.loads(ok(*args, "--json", store=good, env=env).stdout) == json.loads(ok(*args, "--json", store=good, env=plain).stdout)
