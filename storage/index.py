@@ -263,6 +263,15 @@ def _unblob(data: bytes, fmt: str, what: str) -> tuple[dict[str, Any], Any]:
         raise StoreFormatError(f"{what} is not valid JSON: {e}") from None
 
 
+def _part(head: dict[str, Any], key: str, what: str) -> str:
+    """The path of the part (``.chunks`` or ``.recent``) a snapshot's header names under ``key``:
+    a name in ``index/``, never a path (``../../x`` made readers open files outside the store)."""
+    name = require(head, key, str, what)
+    if not _CHUNKS.match(name):
+        raise StoreFormatError(f"{what} names {name[:80]!r} as its {key} part, which is not an index object name")
+    return f"{PREFIX}/{name}"
+
+
 class _Restart(Exception):
     """An index object vanished while it was read (a concurrent compaction): read again."""
 
@@ -332,7 +341,7 @@ class StoreIndex:
                     raise _Restart(path) from None  # a concurrent compaction replaced it
                 h = decode_record(first, SNAP_FORMAT, (INDEX_VERSION,), f"index snapshot {path}", sealed_since=INDEX_VERSION)
                 if isinstance(h.get("recent"), str):
-                    rpath = f"{PREFIX}/{h['recent']}"
+                    rpath = _part(h, "recent", path)
                     rh, body = _unblob(self._get(rpath), RECENT_FORMAT, f"index part {rpath}")
                     if rh.get("body") != h.get("recent_hash"):
                         raise StoreFormatError(f"index part {rpath} is not the one {path} names")
@@ -353,7 +362,7 @@ class StoreIndex:
             if not all(isinstance(i, dict) and isinstance(i.get("sig", ""), str) for i in st.info.values()):
                 raise StoreFormatError(f"{path}: bad manifest summaries")
             if chunks:
-                cpath = f"{PREFIX}/{require(head, 'chunks', str, path)}"
+                cpath = _part(head, "chunks", path)
                 ch, cbody = _unblob(self._get(cpath), CHUNKS_FORMAT, f"index chunk lists {cpath}")
                 if ch.get("body") != head.get("chunks_hash") or not isinstance(cbody, dict):
                     raise StoreFormatError(f"index chunk lists {cpath} are not the ones {path} names")

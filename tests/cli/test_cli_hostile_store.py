@@ -450,3 +450,17 @@ def test_an_index_of_the_wrong_shape_is_read_past_not_a_traceback(where, good, t
     for args in (["ls"], ["du"]):
         assert json.loads(ok(*args, "--json", store=good, env=env).stdout) == json.loads(ok(*args, "--json", store=good, env=plain).stdout)
     ok("push", tmp_path / "b.safetensors", "ft/new", store=good, env=env)
+
+
+@pytest.mark.parametrize("part", ["recent", "chunks"])
+def test_an_index_snapshot_naming_a_part_outside_index_is_not_followed(part, good, tmp_path, env):
+    """A snapshot's header names its parts (``.recent``, ``.chunks``) by name; one naming
+    '../../fifo' made ckpt open that path outside the store (here a FIFO there, so a push failed:
+    'cannot read index/../../fifo'). Such a snapshot is damage: the index is rebuilt."""
+    store = ckpt.Store.open(str(good))
+    store.ls()
+    os.mkfifo(tmp_path / "fifo")
+    _reseal(max((good / "index").glob("*.snap")), lambda body: body, **{part: "../../fifo"})
+    assert ckpt.Store.open(str(good)).index.load(chunks=part == "chunks", recent=part == "recent") is None
+    r = run("push", tmp_path / "b.safetensors", "ft/new", store=good, env=env)
+    assert r.returncode == 0 and "cannot read" not in r.stderr, r.stderr
