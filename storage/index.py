@@ -96,6 +96,7 @@ RECENT_FORMAT = "ckpt-index-recent"
 _HEAD_BYTES = 4096  # a snapshot's header line fits in this
 MAX_INDEX_BYTES = 4 << 30  # an index object larger than this is read as damaged (the index is then rebuilt)
 
+MAX_GEN = 10**10 - 1  # index objects are named by 10 digits
 _LOG = re.compile(r"^([0-9]{10})\.log\Z")
 _SNAP = re.compile(r"^([0-9]{10})-([0-9a-f]{16})\.snap\Z")
 _CHUNKS = re.compile(r"^([0-9]{10})-([0-9a-f]{16})\.(?:chunks|recent)\Z")
@@ -582,6 +583,11 @@ class StoreIndex:
         snaps, logs, gen = self._listing()  # listed each time: a long-lived writer's memory of it is stale
         for _ in range(20):
             gen += 1
+            if gen > MAX_GEN:  # an 11-digit name would be written, never listed, and never pruned
+                log.warning("metadata index: not recording %s#%d: index/ holds generation %d, the last there can be "
+                            "(a damaged or crafted index object?); delete the store's index/ folder to rebuild it",
+                            entry.name, entry.seq, MAX_GEN)
+                return
             body = sealed_json({"format": LOG_FORMAT, "version": INDEX_VERSION, "gen": gen, **rec})
             if self.backend.create_exclusive_cache(f"{PREFIX}/{gen:010d}.log", body):
                 logs[gen] = ""

@@ -464,3 +464,18 @@ def test_an_index_snapshot_naming_a_part_outside_index_is_not_followed(part, goo
     assert ckpt.Store.open(str(good)).index.load(chunks=part == "chunks", recent=part == "recent") is None
     r = run("push", tmp_path / "b.safetensors", "ft/new", store=good, env=env)
     assert r.returncode == 0 and "cannot read" not in r.stderr, r.stderr
+
+
+def test_an_index_log_numbered_9999999999_leaves_no_unlisted_logs_behind(good, tmp_path, env):
+    """Index objects are named by 10 digits: after a (crafted or damaged) log 9999999999, every push
+    wrote an 11-digit log, which no reader lists and no compaction deletes (one more file in index/
+    per update, for ever). Such an update is now not recorded (the index is a cache: exact readers
+    read the refs), with a warning that says to delete index/."""
+    index = good / "index"
+    shutil.copy(max(index.glob("*.log")), index / "9999999999.log")
+    for k in range(3):
+        r = ok("push", tmp_path / "b.safetensors", f"ft/n{k}", store=good, env=env)
+        assert "delete the store's index/ folder" in r.stderr, r.stderr
+    assert all(len(p.name.split(".")[0].split("-")[0]) == 10 for p in index.iterdir()), sorted(p.name for p in index.iterdir())
+    plain = {**env, "CKPT_INDEX": "0"}  # what the manifests say
+    assert json.loads(ok("ls", "--json", store=good, env=env).stdout) == json.loads(ok("ls", "--json", store=good, env=plain).stdout)
