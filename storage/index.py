@@ -290,6 +290,7 @@ class StoreIndex:
         self._lock = threading.Lock()
         self._max_gen: int | None = None  # newest generation this process knows of
         self._bad: set[str] = set()  # damaged snapshots seen: deleted by the next snapshot
+        self._newer = False  # the newest snapshot is of a newer index version: write no snapshot over it
         self.compact_after = COMPACT_AFTER if self.backend.concurrency <= 1 else COMPACT_AFTER_REMOTE
 
     # -- reading -----------------------------------------------------------------
@@ -370,7 +371,10 @@ class StoreIndex:
                 st.chunks = cbody
         except StoreFormatError as e:
             log.warning("ignoring the metadata index: %s", e)
-            self._bad.add(path)
+            if self._of_newer_version(path):
+                self._newer = True  # not damaged: a newer ckpt's, which this one must not replace or delete
+            else:
+                self._bad.add(path)
             return None
         newer = sorted(g for g in logs if g > gen)
         for g, data in zip(newer, self._read_logs([logs[g] for g in newer]), strict=True):
@@ -384,6 +388,14 @@ class StoreIndex:
             st.gen = g
         st.logs_read = len(newer)
         return st
+
+    def _of_newer_version(self, path: str) -> bool:
+        """Whether the snapshot at ``path`` says it is of a newer index version than this ckpt reads."""
+        try:
+            v = strict_loads(self.backend.read_range(path, 0, _HEAD_BYTES).partition(b"\n")[0]).get("version")
+        except Exception:  # noqa: BLE001 - unreadable: damaged, not newer
+            return False
+        return isinstance(v, int) and v > INDEX_VERSION
 
     def _read_logs(self, paths: list[str]) -> Iterator[bytes]:
         """The logs at ``paths``, in order, no more than a pool's worth held at once: a store folder
@@ -494,8 +506,9 @@ class StoreIndex:
     def heal(self, st: IndexState) -> None:
         """Write ``st`` as a new snapshot if it is worth it (it had to read much, or is missing
         or damaged, or many logs were read). Best effort: a failure only leaves the index stale."""
-        if st.partial:
-            return  # the recent refs only: a writer's compaction or an exact reader brings the index up to date
+        if st.partial or self._newer:
+            return  # the recent refs only (a writer's compaction or an exact reader brings the index up to
+            # date), or a newer ckpt's index (a snapshot of this version would delete it: _prune)
         if not (st.damaged or st.read >= HEAL_AFTER or st.logs_read >= self.compact_after or st.snap_gen < 0):
             return
         if not st.refs and st.snap_gen < 0:

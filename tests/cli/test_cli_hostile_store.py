@@ -479,3 +479,22 @@ def test_an_index_log_numbered_9999999999_leaves_no_unlisted_logs_behind(good, t
     assert all(len(p.name.split(".")[0].split("-")[0]) == 10 for p in index.iterdir()), sorted(p.name for p in index.iterdir())
     plain = {**env, "CKPT_INDEX": "0"}  # what the manifests say
     assert json.loads(ok("ls", "--json", store=good, env=env).stdout) == json.loads(ok("ls", "--json", store=good, env=plain).stdout)
+
+
+def test_an_index_snapshot_of_a_newer_version_is_ignored_and_left_in_place(good, tmp_path, env):
+    """A newer ckpt's index snapshot (version 2) was read as damage: `ckpt ls` or a push by this
+    ckpt rebuilt the index and deleted the newer snapshot, so that users of two versions kept
+    deleting each other's index. It is now ignored (the commands read the refs and manifests)
+    and left for the ckpt that can read it."""
+    index = good / "index"
+    top = max(int(p.name[:10]) for p in index.iterdir())
+    head = {"format": "ckpt-index", "version": 2, "gen": top + 1, "body": "0" * 64, "length": 2, "layout": "new"}
+    newer = index / f"{top + 1:010d}-0123456789abcdef.snap"
+    newer.write_bytes(sealed_json(head) + b"\n{}")
+    plain = {**env, "CKPT_INDEX": "0"}  # what the manifests say
+    for k in range(3):
+        ok("push", tmp_path / "b.safetensors", f"ft/n{k}", store=good, env=env)
+        for args in (["ls"], ["du"]):
+            got = json.loads(ok(*args, "--json", store=good, env=env).stdout)
+            assert got == json.loads(ok(*args, "--json", store=good, env=plain).stdout)
+    assert newer.exists() and max(index.glob("*.snap")) == newer
