@@ -228,3 +228,18 @@ def test_base_choice_reads_only_the_recent_refs(tmp_path, monkeypatch):
     assert snap == [] and any(p.endswith(".recent") for p in counting.reads)  # the header by a ranged read only
     assert got == choose_base(off(store), "fam/new", keys, None)
     assert got[0] is not None and got[0] != store.resolve("fam/base")  # the base is not among the 3 newest
+
+
+def test_a_live_checkpoint_whose_manifest_is_gone_is_damaged_with_the_index_too(store_url):
+    """The index keeps a summary of every live manifest. When one was deleted (by hand, or the store
+    copied without it), `ls` and `du` listed its ref from the summary as whole, where without the
+    index they name it damaged. Each live target is now checked to exist (one batch of checks)."""
+    store = ckpt.Store.init(store_url)
+    build(store)
+    store.ls()
+    gone = store.resolve("fam/ft2")
+    store.backend.delete(store.objects.path("manifests", gone))
+    plain = off(store)
+    listing, usage = store.ls(), store.du()
+    assert listing == plain.ls() and usage == plain.du()
+    assert set(listing.damaged) == {"fam/ft2", "fam/latest"} and set(usage.damaged) == {"fam/ft2", "fam/latest"}
