@@ -140,7 +140,8 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     leased_ids = leased(lock) if lock is not None else set()
     now = time.time()
     cutoff = now - grace_s
-    listed, temps = objects.inventory()
+    # A dry run puts nothing back, so it plans with what the real run's recovery will find.
+    listed, temps = objects.inventory(as_recovered=not recover and objects.backend.recovers_condemned)
     temps += objects.list_temporaries(("refs", "index"))
 
     found = gc_roots(refs, keep_history=keep_history)

@@ -18,6 +18,7 @@ from ckpt_store.storage.backends.base import (
     Backend,
     Data,
     Entry,
+    condemned_original,
     io_error,
     read_error,
     too_large,
@@ -29,6 +30,7 @@ class LocalBackend(Backend):
     """A store in a local directory. ``fsync`` makes every write durable before it is visible."""
 
     touches = True
+    recovers_condemned = True
     exact_creates = True  # link() of a written temp file
     prefetches = hasattr(os, "posix_fadvise")
 
@@ -353,9 +355,7 @@ class LocalBackend(Backend):
         n = 0
         for e in list(self.list(prefix)):
             head, _, name = e.path.rpartition("/")
-            if not name.startswith(CONDEMNED):
-                continue
-            original = name[len(CONDEMNED) :].partition("-")[2]
+            original = condemned_original(name)
             if original:
                 src = self._p(e.path)
                 self._check_inside(os.path.dirname(src))

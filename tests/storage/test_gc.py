@@ -359,3 +359,37 @@ def test_a_dry_run_lists_what_gc_deletes_whatever_the_index_says(tmp_path):
     assert sorted(dry.deleted, key=str) == sorted(real.deleted, key=str) and gone in {d.name for d in real.deleted}
     assert (dry.live_manifests, dry.live_chunks) == (real.live_manifests, real.live_chunks)
     assert store.verify().ok and store.load("base")["b"].numel() == 10
+
+
+def test_a_dry_run_plans_with_what_a_killed_gc_left_condemned_as_the_real_run_will(tmp_path):
+    """A gc killed mid-delete leaves objects renamed ``.tmp-gc-<hex>-<id>``; the next gc puts them back
+    first, but a dry run (which writes nothing) listed them as stale temporaries to delete: a live
+    chunk among them was shown as deleted, and a condemned unreferenced chunk as a temporary. The
+    dry run now plans with them as the objects the real run's recovery will find."""
+    from ckpt_store.storage.backends.base import CONDEMNED
+
+    path = str(tmp_path / "s")
+    store = ckpt.Store.init(path)
+    store.push({"w": torch.randn(1000)}, "live")
+    store.push({"own": torch.randn(500) + 5}, "gone")
+    gone = store.manifest("gone").tensors[0].chunks[0]
+    store.remove("gone")
+
+    def condemn(cid: str, tag: str, keep: bool = False) -> None:
+        p = os.path.join(path, store.objects.path("chunks", cid))
+        head, name = os.path.split(p)
+        os.link(p, os.path.join(head, f"{CONDEMNED}{tag * 32}-{name}"))
+        if not keep:
+            os.unlink(p)
+
+    live = store.manifest("live").tensors[0].chunks[0]
+    condemn(live, "a")
+    condemn(gone, "b")
+    other = sorted(referenced_chunks(store.objects.get_manifest(store.resolve("live"))) - {live})[0]
+    condemn(other, "c", keep=True)  # its name taken: dropped on recovery
+    _age(path, 7200)
+    dry = store.gc(grace_s=3600, dry_run=True)
+    real = store.gc(grace_s=3600)
+    assert sorted(dry.deleted, key=str) == sorted(real.deleted, key=str) and gone in {d.name for d in real.deleted}
+    assert (dry.live_chunks, dry.young) == (real.live_chunks, real.young)
+    assert store.verify().ok
