@@ -427,7 +427,7 @@ class StoreIndex:
         st = self.load(chunks=chunks, recent=not exact)
         if st is None:
             st = self.rebuild()
-            exact, history = True, True
+            exact, history = True, not self._newer  # a snapshot to write needs every entry; none is written over a newer index
         elif chunks and st.chunks is None:
             st.chunks = {}
         if exact:

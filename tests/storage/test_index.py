@@ -243,3 +243,23 @@ def test_a_live_checkpoint_whose_manifest_is_gone_is_damaged_with_the_index_too(
     listing, usage = store.ls(), store.du()
     assert listing == plain.ls() and usage == plain.du()
     assert set(listing.damaged) == {"fam/ft2", "fam/latest"} and set(usage.damaged) == {"fam/ft2", "fam/latest"}
+
+
+def test_beside_a_newer_index_ls_reads_each_refs_newest_entry_only(tmp_path):
+    """Beside a newer ckpt's index snapshot (left in place, never written over), ls rebuilt the index
+    in memory from every entry of every ref (for a snapshot it would not write), each time: the
+    history of a ref cost a read per version. It reads what it does without the index."""
+    from ckpt_store.storage.records import sealed_json
+
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    for k in range(10):
+        store.push({"w": torch.full((8,), float(k))}, "r")
+    store.push({"w": torch.zeros(8)}, "q")
+    store.ls()
+    top = max(int(Path(p).name[:10]) for p in index_files(store))
+    head = {"format": "ckpt-index", "version": 2, "gen": top + 1, "body": "0" * 64, "length": 2}
+    (tmp_path / "s" / PREFIX / f"{top + 1:010d}-0123456789abcdef.snap").write_bytes(sealed_json(head) + b"\n{}")
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    counting = Counting(store)
+    assert [r.name for r in store.ls().refs] == ["q", "r"]
+    assert sorted(counting.of("refs/")) == ["refs/q/0000000001.ref", "refs/r/0000000010.ref"]
