@@ -54,7 +54,13 @@ import blake3
 
 from ckpt_store.storage.backends.base import Backend, Entry
 from ckpt_store.storage.chunk_lists import referenced_chunks
-from ckpt_store.storage.errors import CorruptObjectError, InvalidNameError, ObjectNotFoundError, StoreFormatError
+from ckpt_store.storage.errors import (
+    CorruptObjectError,
+    InvalidNameError,
+    ObjectNotFoundError,
+    StorageIOError,
+    StoreFormatError,
+)
 from ckpt_store.storage.objects import ObjectStore, check_id
 from ckpt_store.storage.records import (
     MAX_RECORD_BYTES,
@@ -307,12 +313,18 @@ class StoreIndex:
         snaps.sort()
         return snaps, logs, top
 
-    def _get(self, path: str, limit: int = MAX_INDEX_BYTES) -> bytes:
+    def _get(self, path: str, limit: int = MAX_INDEX_BYTES, *, head: bool = False) -> bytes:
+        """The object at ``path`` (``head``: its first bytes, where a snapshot's header line is); b""
+        (read as damaged: skipped, or rebuilt) where it cannot be an index object."""
         try:
-            return self.backend.read(path, limit)
+            return self.backend.read_range(path, 0, _HEAD_BYTES) if head else self.backend.read(path, limit)
         except FileNotFoundError:
-            raise _Restart(path) from None
-        except StoreFormatError as e:  # larger than any index object: read as damaged (skipped, or rebuilt)
+            raise _Restart(path) from None  # a concurrent compaction replaced it
+        except (StoreFormatError, IsADirectoryError, StorageIOError) as e:
+            # Larger than any index object, a folder, a FIFO or a device: the index is a cache, and
+            # such a thing in index/ (a damaged or crafted store) must not fail the command.
+            if isinstance(e, StorageIOError) and e.retryable:
+                raise
             log.warning("%s", e)
             return b""
 
@@ -337,10 +349,7 @@ class StoreIndex:
         try:
             head = body = None
             if recent:  # the header only, then the recent part it names
-                try:
-                    first = self.backend.read_range(path, 0, _HEAD_BYTES).partition(b"\n")[0]
-                except FileNotFoundError:
-                    raise _Restart(path) from None  # a concurrent compaction replaced it
+                first = self._get(path, head=True).partition(b"\n")[0]
                 h = decode_record(first, SNAP_FORMAT, (INDEX_VERSION,), f"index snapshot {path}", sealed_since=INDEX_VERSION)
                 if isinstance(h.get("recent"), str):
                     rpath = _part(h, "recent", path)

@@ -498,3 +498,23 @@ def test_an_index_snapshot_of_a_newer_version_is_ignored_and_left_in_place(good,
             got = json.loads(ok(*args, "--json", store=good, env=env).stdout)
             assert got == json.loads(ok(*args, "--json", store=good, env=plain).stdout)
     assert newer.exists() and max(index.glob("*.snap")) == newer
+
+
+@pytest.mark.parametrize("what", ["recent", "chunks", "log"])
+def test_a_folder_or_a_fifo_in_place_of_an_index_object_is_damage_not_a_failure(what, good, tmp_path, env):
+    """A folder where a snapshot's .recent or .chunks part should be made `ckpt push` and `ckpt du`
+    crash with a traceback (IsADirectoryError); a FIFO named like an index log made every push fail
+    ('not a regular file'), though the index is a cache. Both are now read as damage."""
+    store = ckpt.Store.open(str(good))
+    store.ls()
+    index = good / "index"
+    if what == "log":
+        os.mkfifo(index / f"{max(int(p.name[:10]) for p in index.iterdir()) + 1:010d}.log")
+    else:
+        part = index / json.loads(max(index.glob("*.snap")).read_bytes().partition(b"\n")[0])[what]
+        part.unlink()
+        part.mkdir()
+    ok("push", tmp_path / "b.safetensors", "ft/new", store=good, env=env)
+    plain = {**env, "CKPT_INDEX": "0"}  # what the manifests say
+    for args in (["ls"], ["du"]):
+        assert json.loads(ok(*args, "--json", store=good, env=env).stdout) == json.loads(ok(*args, "--json", store=good, env=plain).stdout)
