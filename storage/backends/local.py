@@ -4,7 +4,6 @@ filesystem."""
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 import threading
@@ -136,9 +135,10 @@ class LocalBackend(Backend):
             raise read_error(path, e) from e
         if not stat.S_ISREG(mode):
             os.close(fd)
-            if stat.S_ISDIR(mode):
-                raise IsADirectoryError(errno.EISDIR, "a directory, not an object", path)
-            raise StorageIOError(f"cannot read {path}: not a regular file (a FIFO, device or socket in the store folder)",
+            # A folder where an object should be (a damaged or crafted store folder) is refused like a
+            # FIFO: an IsADirectoryError escaped every command that read it as a traceback.
+            what = "a folder" if stat.S_ISDIR(mode) else "a FIFO, device or socket"
+            raise StorageIOError(f"cannot read {path}: not a regular file ({what} in the store folder)",
                                  hint="remove it from the store folder")
         return fd
 

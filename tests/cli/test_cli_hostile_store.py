@@ -518,3 +518,25 @@ def test_a_folder_or_a_fifo_in_place_of_an_index_object_is_damage_not_a_failure(
     plain = {**env, "CKPT_INDEX": "0"}  # what the manifests say
     for args in (["ls"], ["du"]):
         assert json.loads(ok(*args, "--json", store=good, env=env).stdout) == json.loads(ok(*args, "--json", store=good, env=plain).stdout)
+
+
+@pytest.mark.parametrize("which", ["manifest", "chunk"])
+def test_a_folder_in_place_of_an_object_is_refused_in_one_line(which, good, tmp_path, env):
+    """A folder where a manifest or chunk should be: `ckpt verify`, `ckpt show`, `ckpt gc --dry-run`
+    and `ckpt load` ended in an IsADirectoryError traceback, `ckpt pull` said it could not *write*
+    the chunk. It is refused like a FIFO there, in one line naming it."""
+    store = ckpt.Store.open(str(good))
+    path = good / (store.objects.path("manifests", store.resolve("base")) if which == "manifest"
+                   else store.objects.path("chunks", store.manifest("base").tensors[0].chunks[0]))
+    path.unlink()
+    path.mkdir()
+    plain = {**env, "CKPT_INDEX": "0"}
+    for args in (["show", "base"], ["pull", "base", tmp_path / "out.safetensors"], ["gc", "--dry-run"]):
+        if which == "chunk" and args[0] != "pull":
+            continue
+        line = fails(*args, store=good, env=plain)
+        assert "not a regular file (a folder" in line and path.name in line, line
+    r = run("verify", store=good, env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "a folder" in r.stderr, r.stderr
+    with pytest.raises(ckpt.CkptError, match="a folder"):
+        store.load("base")
