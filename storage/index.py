@@ -1,6 +1,6 @@
 """The metadata index: refs and per-checkpoint summaries in a few objects.
 
-Without it, choosing a base, ``ls``, ``du`` and ``gc`` read one ref entry and one
+Without it, choosing a base, ``ls`` and ``du`` read one ref entry and one
 manifest per ref: thousands of requests in a large S3 store. The index keeps what they
 need below ``index/`` (docs/format.md, "Metadata index"):
 
@@ -11,7 +11,7 @@ need below ``index/`` (docs/format.md, "Metadata index"):
   summary of every manifest they name (for ``ls`` and base choice);
 * ``index/<gen>-<hash>.chunks`` -- the chunk ids every such manifest needs (by the same
   rule as gc, :func:`~ckpt_store.storage.gc.referenced_chunks`) and the caller's detail
-  about them (for ``du`` and ``gc``); written before the snapshot that names it;
+  about them (for ``du``); written before the snapshot that names it;
 * ``index/<gen>-<hash>.recent`` -- the :data:`RECENT` most recently updated live refs of
   the snapshot and their summaries: all base choice reads, so a push costs the same
   however many refs there are.
@@ -22,7 +22,7 @@ writer that finds that many folds them into a new snapshot.
 
 The index is a cache, **never trusted over refs and manifests**:
 
-* A reader that must be exact (``ls``, ``du``, ``gc``) lists ``refs/`` (one request per
+* A reader that must be exact (``ls``, ``du``) lists ``refs/`` (one request per
   1000 entries on S3) and uses an index record only for an entry file the listing shows
   with the recorded size and time; any other entry is read, and entries the listing does
   not show are dropped. Ref entries are never modified (exclusive create), so a record
@@ -45,7 +45,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,9 +54,23 @@ import blake3
 
 from ckpt_store.storage.backends.base import Backend, Entry
 from ckpt_store.storage.chunk_lists import referenced_chunks
-from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError, StoreFormatError
-from ckpt_store.storage.objects import ObjectStore
-from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require, sealed_json, strict_loads
+from ckpt_store.storage.errors import (
+    CorruptObjectError,
+    InvalidNameError,
+    ObjectNotFoundError,
+    StorageIOError,
+    StoreFormatError,
+)
+from ckpt_store.storage.objects import ObjectStore, check_id
+from ckpt_store.storage.records import (
+    MAX_RECORD_BYTES,
+    canonical_json,
+    decode_record,
+    finite_time,
+    require,
+    sealed_json,
+    strict_loads,
+)
 from ckpt_store.storage.refs import RefEntry, Refs
 
 log = logging.getLogger(__name__)
@@ -88,6 +102,7 @@ RECENT_FORMAT = "ckpt-index-recent"
 _HEAD_BYTES = 4096  # a snapshot's header line fits in this
 MAX_INDEX_BYTES = 4 << 30  # an index object larger than this is read as damaged (the index is then rebuilt)
 
+MAX_GEN = 10**10 - 1  # index objects are named by 10 digits
 _LOG = re.compile(r"^([0-9]{10})\.log\Z")
 _SNAP = re.compile(r"^([0-9]{10})-([0-9a-f]{16})\.snap\Z")
 _CHUNKS = re.compile(r"^([0-9]{10})-([0-9a-f]{16})\.(?:chunks|recent)\Z")
@@ -144,6 +159,11 @@ class RefRec:
                 and isinstance(t, (int, float)) and (target is None or isinstance(target, str))
                 and (mtime is None or isinstance(mtime, (int, float)))):
             raise StoreFormatError(f"{what}: bad ref record")
+        if target is not None:  # as a ref entry's (a target that is not an id made every push fail: base choice read it)
+            try:
+                check_id(target)
+            except InvalidNameError:
+                raise StoreFormatError(f"{what}: bad ref record (target {target[:80]!r} is not an object id)") from None
         return cls(seq, target, finite_time(t, what), writer, alias, size, None if mtime is None else finite_time(mtime, what))
 
     @classmethod
@@ -170,6 +190,7 @@ class IndexState:
     # -- changes ---------------------------------------------------------------
     def add_manifest(self, mid: str, info: dict[str, Any], sig: Any, chunks: list[str], detail: Any) -> None:
         info = dict(info)
+        info.pop("sig", None)  # only ever the key of ``sig``: a log's own "sig" (a list, say) made readers crash
         if sig is not None:
             key = blake3.blake3(canonical_json(sig)).hexdigest()[:16]
             self.sigs.setdefault(key, sig)
@@ -249,6 +270,15 @@ def _unblob(data: bytes, fmt: str, what: str) -> tuple[dict[str, Any], Any]:
         raise StoreFormatError(f"{what} is not valid JSON: {e}") from None
 
 
+def _part(head: dict[str, Any], key: str, what: str) -> str:
+    """The path of the part (``.chunks`` or ``.recent``) a snapshot's header names under ``key``:
+    a name in ``index/``, never a path (``../../x`` made readers open files outside the store)."""
+    name = require(head, key, str, what)
+    if not _CHUNKS.match(name):
+        raise StoreFormatError(f"{what} names {name[:80]!r} as its {key} part, which is not an index object name")
+    return f"{PREFIX}/{name}"
+
+
 class _Restart(Exception):
     """An index object vanished while it was read (a concurrent compaction): read again."""
 
@@ -266,6 +296,7 @@ class StoreIndex:
         self._lock = threading.Lock()
         self._max_gen: int | None = None  # newest generation this process knows of
         self._bad: set[str] = set()  # damaged snapshots seen: deleted by the next snapshot
+        self._newer = False  # the newest snapshot is of a newer index version: write no snapshot over it
         self.compact_after = COMPACT_AFTER if self.backend.concurrency <= 1 else COMPACT_AFTER_REMOTE
 
     # -- reading -----------------------------------------------------------------
@@ -282,12 +313,18 @@ class StoreIndex:
         snaps.sort()
         return snaps, logs, top
 
-    def _get(self, path: str) -> bytes:
+    def _get(self, path: str, limit: int = MAX_INDEX_BYTES, *, head: bool = False) -> bytes:
+        """The object at ``path`` (``head``: its first bytes, where a snapshot's header line is); b""
+        (read as damaged: skipped, or rebuilt) where it cannot be an index object."""
         try:
-            return self.backend.read(path, MAX_INDEX_BYTES)
+            return self.backend.read_range(path, 0, _HEAD_BYTES) if head else self.backend.read(path, limit)
         except FileNotFoundError:
-            raise _Restart(path) from None
-        except StoreFormatError as e:  # larger than any index object: read as damaged (skipped, or rebuilt)
+            raise _Restart(path) from None  # a concurrent compaction replaced it
+        except (StoreFormatError, IsADirectoryError, StorageIOError) as e:
+            # Larger than any index object, a folder, a FIFO or a device: the index is a cache, and
+            # such a thing in index/ (a damaged or crafted store) must not fail the command.
+            if isinstance(e, StorageIOError) and e.retryable:
+                raise
             log.warning("%s", e)
             return b""
 
@@ -312,13 +349,10 @@ class StoreIndex:
         try:
             head = body = None
             if recent:  # the header only, then the recent part it names
-                try:
-                    first = self.backend.read_range(path, 0, _HEAD_BYTES).partition(b"\n")[0]
-                except FileNotFoundError:
-                    raise _Restart(path) from None  # a concurrent compaction replaced it
+                first = self._get(path, head=True).partition(b"\n")[0]
                 h = decode_record(first, SNAP_FORMAT, (INDEX_VERSION,), f"index snapshot {path}", sealed_since=INDEX_VERSION)
                 if isinstance(h.get("recent"), str):
-                    rpath = f"{PREFIX}/{h['recent']}"
+                    rpath = _part(h, "recent", path)
                     rh, body = _unblob(self._get(rpath), RECENT_FORMAT, f"index part {rpath}")
                     if rh.get("body") != h.get("recent_hash"):
                         raise StoreFormatError(f"index part {rpath} is not the one {path} names")
@@ -330,21 +364,29 @@ class StoreIndex:
                 raise StoreFormatError(f"index snapshot {path} is not the one its name says")
             st = IndexState(gen=gen, max_gen=top, snap_gen=gen, partial=recent)
             for n, recs in require(body, "refs", dict, path).items():
+                if not isinstance(recs, list):
+                    raise StoreFormatError(f"{path}: bad ref records")
                 st.refs[n] = {r.seq: r for r in (RefRec.from_obj(o, path) for o in recs)}
             st.info = require(body, "info", dict, path)
             st.sigs = require(body, "sigs", dict, path)
+            # The shape this module gives a summary (add_manifest): what the layer above checks is its own.
+            if not all(isinstance(i, dict) and isinstance(i.get("sig", ""), str) for i in st.info.values()):
+                raise StoreFormatError(f"{path}: bad manifest summaries")
             if chunks:
-                cpath = f"{PREFIX}/{require(head, 'chunks', str, path)}"
+                cpath = _part(head, "chunks", path)
                 ch, cbody = _unblob(self._get(cpath), CHUNKS_FORMAT, f"index chunk lists {cpath}")
                 if ch.get("body") != head.get("chunks_hash") or not isinstance(cbody, dict):
                     raise StoreFormatError(f"index chunk lists {cpath} are not the ones {path} names")
                 st.chunks = cbody
         except StoreFormatError as e:
             log.warning("ignoring the metadata index: %s", e)
-            self._bad.add(path)
+            if self._of_newer_version(path):
+                self._newer = True  # not damaged: a newer ckpt's, which this one must not replace or delete
+            else:
+                self._bad.add(path)
             return None
         newer = sorted(g for g in logs if g > gen)
-        for g, data in zip(newer, self._read_many([logs[g] for g in newer]), strict=True):
+        for g, data in zip(newer, self._read_logs([logs[g] for g in newer]), strict=True):
             what = f"index log {logs[g]}"
             try:
                 obj = decode_record(data, LOG_FORMAT, (INDEX_VERSION,), what, sealed_since=INDEX_VERSION)
@@ -356,11 +398,28 @@ class StoreIndex:
         st.logs_read = len(newer)
         return st
 
-    def _read_many(self, paths: list[str]) -> list[bytes]:
+    def _of_newer_version(self, path: str) -> bool:
+        """Whether the snapshot at ``path`` says it is of a newer index version than this ckpt reads."""
+        try:
+            v = strict_loads(self.backend.read_range(path, 0, _HEAD_BYTES).partition(b"\n")[0]).get("version")
+        except Exception:  # noqa: BLE001 - unreadable: damaged, not newer
+            return False
+        return isinstance(v, int) and v > INDEX_VERSION
+
+    def _read_logs(self, paths: list[str]) -> Iterator[bytes]:
+        """The logs at ``paths``, in order, no more than a pool's worth held at once: a store folder
+        from elsewhere may hold any number of them, each as large as a record may be (a sparse file
+        costs no disk). A log is one record: a larger one is read as damaged, never read whole."""
+        def get(p: str) -> bytes:
+            return self._get(p, MAX_RECORD_BYTES)
+
         if len(paths) <= 1 or self.backend.concurrency <= 1:
-            return [self._get(p) for p in paths]
-        with ThreadPoolExecutor(min(self.backend.concurrency, len(paths)), thread_name_prefix="ckpt-index") as pool:
-            return list(pool.map(self._get, paths))
+            yield from map(get, paths)
+            return
+        n = min(self.backend.concurrency, len(paths))
+        with ThreadPoolExecutor(n, thread_name_prefix="ckpt-index") as pool:
+            for i in range(0, len(paths), n):
+                yield from pool.map(get, paths[i:i + n])
 
     def rebuild(self) -> IndexState:
         """An empty state, to be filled from the refs (:meth:`view`) and manifests (:meth:`ensure`)."""
@@ -377,7 +436,7 @@ class StoreIndex:
         st = self.load(chunks=chunks, recent=not exact)
         if st is None:
             st = self.rebuild()
-            exact, history = True, True
+            exact, history = True, not self._newer  # a snapshot to write needs every entry; none is written over a newer index
         elif chunks and st.chunks is None:
             st.chunks = {}
         if exact:
@@ -456,8 +515,9 @@ class StoreIndex:
     def heal(self, st: IndexState) -> None:
         """Write ``st`` as a new snapshot if it is worth it (it had to read much, or is missing
         or damaged, or many logs were read). Best effort: a failure only leaves the index stale."""
-        if st.partial:
-            return  # the recent refs only: a writer's compaction or an exact reader brings the index up to date
+        if st.partial or self._newer:
+            return  # the recent refs only (a writer's compaction or an exact reader brings the index up to
+            # date), or a newer ckpt's index (a snapshot of this version would delete it: _prune)
         if not (st.damaged or st.read >= HEAL_AFTER or st.logs_read >= self.compact_after or st.snap_gen < 0):
             return
         if not st.refs and st.snap_gen < 0:
@@ -545,6 +605,11 @@ class StoreIndex:
         snaps, logs, gen = self._listing()  # listed each time: a long-lived writer's memory of it is stale
         for _ in range(20):
             gen += 1
+            if gen > MAX_GEN:  # an 11-digit name would be written, never listed, and never pruned
+                log.warning("metadata index: not recording %s#%d: index/ holds generation %d, the last there can be "
+                            "(a damaged or crafted index object?); delete the store's index/ folder to rebuild it",
+                            entry.name, entry.seq, MAX_GEN)
+                return
             body = sealed_json({"format": LOG_FORMAT, "version": INDEX_VERSION, "gen": gen, **rec})
             if self.backend.create_exclusive_cache(f"{PREFIX}/{gen:010d}.log", body):
                 logs[gen] = ""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import blake3
 
-from ckpt_store.storage.backends.base import TEMPORARY, Backend
+from ckpt_store.storage.backends.base import TEMPORARY, Backend, condemned_original
 from ckpt_store.storage.cache import ChunkBlobCache
 from ckpt_store.storage.errors import (
     CorruptObjectError,
@@ -132,21 +132,36 @@ class ObjectStore:
             if _ID.match(name):
                 yield ObjectInfo(kind, name, e.size, e.mtime)
 
-    def inventory(self) -> tuple[dict[str, list[ObjectInfo]], list[tuple[str, float]]]:
+    def inventory(self, *, as_recovered: bool = False) -> tuple[dict[str, list[ObjectInfo]], list[tuple[str, float]]]:
         """One listing of ``objects/``: every stored object by kind, and the leftovers of
         interrupted writes there as (path, mtime) -- what :meth:`list` for each kind and
         :meth:`list_temporaries` give, in a single walk (a stat per object locally, a
-        request per 1,000 objects on S3)."""
-        found: dict[str, list[ObjectInfo]] = {k: [] for k in KINDS}
+        request per 1,000 objects on S3).
+
+        ``as_recovered``: objects a killed gc condemned are listed as the objects
+        :meth:`Backend.recover_condemned` would put back (one whose name is taken is dropped,
+        as it would be), not as temporaries: what a gc's dry run plans with."""
+        found: dict[str, dict[str, ObjectInfo]] = {k: {} for k in KINDS}
+        back: list[ObjectInfo] = []
         temps: list[tuple[str, float]] = []
         for e in self.backend.list("objects"):
             parts = e.path.split("/")
             name = parts[-1]
-            if name.startswith(TEMPORARY):
+            original = condemned_original(name) if as_recovered else None
+            if original is not None:
+                name = original
+            elif name.startswith(TEMPORARY):
                 temps.append((e.path, e.mtime))
-            elif len(parts) == 4 and parts[1] in found and _ID.match(name):
-                found[parts[1]].append(ObjectInfo(parts[1], name, e.size, e.mtime))
-        return found, temps
+                continue
+            if len(parts) == 4 and parts[1] in found and _ID.match(name):
+                info = ObjectInfo(parts[1], name, e.size, e.mtime)
+                if original is None:
+                    found[parts[1]][name] = info
+                else:
+                    back.append(info)
+        for info in back:
+            found[info.kind].setdefault(info.id, info)
+        return {k: list(v.values()) for k, v in found.items()}, temps
 
     def list_temporaries(self, prefixes: tuple[str, ...] = ("objects",)) -> Iterator[tuple[str, float]]:
         """Leftovers of interrupted writes below ``prefixes``: (path, mtime)."""

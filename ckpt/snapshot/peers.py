@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt.dcp.checkpoint import Writer
 from ckpt.snapshot.tiers import MISSES, LocalTier, Tiers, describe, left_behind, out_of_space, snapshot_step
 from ckpt_store.storage.chunk_lists import referenced_chunks
-from ckpt_store.storage.errors import ObjectNotFoundError, RefNotFoundError
+from ckpt_store.storage.errors import ObjectNotFoundError, RefNotFoundError, StorageIOError
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
@@ -182,7 +182,7 @@ class Peers:
         try:
             if objects.backend.read_into(objects.path("chunks", cid), 0, out) == len(out):
                 return
-        except OSError:
+        except (OSError, StorageIOError):  # gone, or not a file (a folder or FIFO there): zeros, dropped there
             pass
         out[:] = bytes(len(out))
 

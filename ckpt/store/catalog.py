@@ -81,7 +81,8 @@ def _well_formed(st: IndexState, mid: str) -> bool:
     if st.chunks is None or mid not in st.chunks:
         return True
     entry = st.chunks[mid]
-    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list) and isinstance(entry[1], dict)):
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list) and isinstance(entry[1], dict)
+            and all(isinstance(c, str) for c in entry[0])):
         return False
     n = len(entry[0])
     lengths, codecs = entry[1].get("lengths"), entry[1].get("codecs")
@@ -99,6 +100,21 @@ def well_formed(st: IndexState, mids: list[str]) -> list[str]:
             if st.chunks is not None:
                 st.chunks.pop(mid, None)
             st.damaged = True  # the next exact reader writes a sound snapshot
+    return mids
+
+
+def stored(store: Store, st: IndexState, mids: list[str]) -> list[str]:
+    """``mids``, after dropping from ``st`` the summaries of those the store does not hold, so that
+    :meth:`StoreIndex.ensure` fails on them as the commands do without the index: a summary outlives
+    its manifest where the manifest was deleted, or the store copied without it. One batch of
+    existence checks (a stat each locally; on S3 a listing where that is cheaper)."""
+    known = [m for m in dict.fromkeys(mids) if m in st.info]
+    present = store.objects.has_many("manifests", known)
+    for mid in known:
+        if mid not in present:
+            del st.info[mid]
+            if st.chunks is not None:
+                st.chunks.pop(mid, None)
     return mids
 
 
@@ -132,7 +148,8 @@ def live_usage(store: Store) -> list[tuple[str, str, Usage]]:
                 for n, e in store.refs_db.live().items() if e.target is not None]
     st = store.index.view(exact=True, chunks=True)
     live = st.live()
-    store.index.ensure(st, well_formed(st, [e.target for e in live.values() if e.target is not None]), chunks=True)
+    targets = [e.target for e in live.values() if e.target is not None]
+    store.index.ensure(st, stored(store, st, well_formed(st, targets)), chunks=True)
     store.index.heal(st)
     return [(n, e.target, usage_from_index(st, e.target)) for n, e in live.items() if e.target is not None]
 
@@ -181,7 +198,8 @@ def list_refs(store: Store) -> RefListing:
         try:
             st = store.index.view(exact=True)
             live = st.live()
-            store.index.ensure(st, well_formed(st, [e.target for e in live.values() if e.target is not None]))
+            targets = [e.target for e in live.values() if e.target is not None]
+            store.index.ensure(st, stored(store, st, well_formed(st, targets)))
             store.index.heal(st)
             return RefListing([RefSummary(n, e.target or "", e.time, st.info[e.target]["bytes"], st.info[e.target]["tensors"],
                                           st.info[e.target]["message"], st.info[e.target]["source"])

@@ -35,6 +35,14 @@ TEMPORARY = ".tmp-"
 CONDEMNED = TEMPORARY + "gc-"
 
 
+def condemned_original(name: str) -> str | None:
+    """The name of the object a gc condemned as ``name`` (``.tmp-gc-<hex>-<its name>``), which
+    :meth:`Backend.recover_condemned` puts back; None for any other name."""
+    if not name.startswith(CONDEMNED):
+        return None
+    return name[len(CONDEMNED):].partition("-")[2] or None
+
+
 @dataclass(frozen=True)
 class Entry:
     """One file found by :meth:`Backend.list`: its path relative to the root, size and mtime."""
@@ -170,6 +178,10 @@ class Backend(ABC):
         Returns False when ``path`` does not exist (a caller that meant to reuse it must
         write it again).
         """
+
+    # True where recover_condemned() puts objects back (a gc's dry run, which writes nothing,
+    # plans for them as the real run will find them: ObjectStore.inventory).
+    recovers_condemned: bool = False
 
     def recover_condemned(self, prefix: str) -> int:
         """Undo what a killed :meth:`delete_if_stale` left half done (nothing by default)."""

@@ -4,7 +4,6 @@ filesystem."""
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 import threading
@@ -18,6 +17,7 @@ from ckpt_store.storage.backends.base import (
     Backend,
     Data,
     Entry,
+    condemned_original,
     io_error,
     read_error,
     too_large,
@@ -29,6 +29,7 @@ class LocalBackend(Backend):
     """A store in a local directory. ``fsync`` makes every write durable before it is visible."""
 
     touches = True
+    recovers_condemned = True
     exact_creates = True  # link() of a written temp file
     prefetches = hasattr(os, "posix_fadvise")
 
@@ -37,6 +38,7 @@ class LocalBackend(Backend):
         self.url = self.root
         self.fsync = fsync
         self._made_dirs: set[str] = set()
+        self._inside: set[str] = set()  # directories found to be real folders below the root (no link on the way)
         self._dirty_dirs: set[str] = set()  # directories with renames not yet fsynced
         self._lock = threading.Lock()
 
@@ -57,9 +59,36 @@ class LocalBackend(Backend):
     def _ensure_dir(self, d: str) -> None:
         if d in self._made_dirs:
             return
+        self._check_inside(d)
         os.makedirs(d, exist_ok=True)
         with self._lock:
             self._made_dirs.add(d)
+
+    def _check_inside(self, d: str) -> None:
+        """Refuse to write or delete in directory ``d`` when a folder on its way down from the
+        root is a symbolic link. A store folder from elsewhere may hold one (``index/`` leading to
+        the user's home, say): ckpt writes and deletes only inside the store. Reads may follow
+        one (what is read is verified); the root itself may be a link."""
+        if d in self._inside:
+            return
+        here = self.root
+        for part in os.path.relpath(d, self.root).split(os.sep):
+            if part == os.curdir:
+                continue
+            here = os.path.join(here, part)
+            try:
+                mode = os.lstat(here).st_mode
+            except FileNotFoundError:
+                return  # created below as real folders
+            except OSError as e:
+                raise io_error("write in", os.path.relpath(d, self.root), e) from e
+            if stat.S_ISLNK(mode):
+                rel = os.path.relpath(here, self.root).replace(os.sep, "/")
+                raise StorageIOError(f"{rel} in the store folder {self.root} is a symbolic link (to {os.readlink(here)!r}): "
+                                     "ckpt writes and deletes only inside the store",
+                                     hint=f"replace {rel} by the folder it leads to, or remove it")
+        with self._lock:
+            self._inside.add(d)
 
     def _write_temp(self, final: str, data: Data, sync: bool = True) -> str:
         d = os.path.dirname(final)
@@ -106,9 +135,10 @@ class LocalBackend(Backend):
             raise read_error(path, e) from e
         if not stat.S_ISREG(mode):
             os.close(fd)
-            if stat.S_ISDIR(mode):
-                raise IsADirectoryError(errno.EISDIR, "a directory, not an object", path)
-            raise StorageIOError(f"cannot read {path}: not a regular file (a FIFO, device or socket in the store folder)",
+            # A folder where an object should be (a damaged or crafted store folder) is refused like a
+            # FIFO: an IsADirectoryError escaped every command that read it as a traceback.
+            what = "a folder" if stat.S_ISDIR(mode) else "a FIFO, device or socket"
+            raise StorageIOError(f"cannot read {path}: not a regular file ({what} in the store folder)",
                                  hint="remove it from the store folder")
         return fd
 
@@ -261,7 +291,9 @@ class LocalBackend(Backend):
                     yield Entry(rel, st.st_size, st.st_mtime)
 
     def delete(self, path: str) -> None:
-        _unlink_quiet(self._p(path))
+        final = self._p(path)
+        self._check_inside(os.path.dirname(final))
+        _unlink_quiet(final)
 
     def touch(self, path: str) -> bool:
         p = self._p(path)
@@ -288,6 +320,7 @@ class LocalBackend(Backend):
         commit retries its presence check across it (storage/commit.py).
         """
         final = self._p(path)
+        self._check_inside(os.path.dirname(final))
         try:
             if os.stat(final).st_mtime >= cutoff:
                 return False  # touched since the plan: the cheap check first
@@ -322,11 +355,10 @@ class LocalBackend(Backend):
         n = 0
         for e in list(self.list(prefix)):
             head, _, name = e.path.rpartition("/")
-            if not name.startswith(CONDEMNED):
-                continue
-            original = name[len(CONDEMNED) :].partition("-")[2]
+            original = condemned_original(name)
             if original:
                 src = self._p(e.path)
+                self._check_inside(os.path.dirname(src))
                 try:
                     os.link(src, self._p(f"{head}/{original}" if head else original))
                     n += 1

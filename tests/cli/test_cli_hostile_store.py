@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_cli_subprocess import CMD, fails, ok, run
+from test_cli_subprocess import CMD, fails, ok, run, same_tree
 
 import ckpt
 from ckpt_store.storage.objects import object_id
@@ -326,3 +326,217 @@ def test_a_chunk_replaced_by_a_copy_is_written_whole_so_no_checkpoint_there_need
     ok("verify", store=good, env=env)
     ok("pull", "ft/x", tmp_path / "out.safetensors", store=good, env=env)
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("link", ["index", "refs/ft", "objects/manifests"])
+def test_a_folder_of_the_store_that_is_a_symlink_is_never_written_or_deleted_through(link, good, tmp_path, env):
+    """A store folder whose ``index/`` was a symbolic link to a folder elsewhere: every push wrote its
+    index log there, `ckpt ls` wrote a snapshot there and deleted the files there named like older
+    ones, and `ckpt gc` deleted the stale temporaries there. The same held for any folder of the
+    store (``refs/ft``, ``objects/manifests``). Writes and deletes there are now refused with one
+    line; reads may follow the link (what they read is verified)."""
+    outside = tmp_path / "outside"
+    (good / link).rename(outside)
+    (good / link).symlink_to(outside, target_is_directory=True)
+    for snap in outside.glob("*.snap"):
+        snap.unlink()  # so that `ls` rebuilds the index (and prunes older index files)
+    (outside / "0000000000-0123456789abcdef.snap").write_bytes(b"precious, named like an old index snapshot")
+    (outside / ".tmp-precious").write_bytes(b"precious, named like a temporary")
+    old = time.time() - 3 * 86400
+    for p in outside.rglob("*"):
+        os.utime(p, (old, old))
+    before = tmp_path / "before"
+    shutil.copytree(outside, before)
+    r = run("push", tmp_path / "b.safetensors", "ft/y", store=good, env=env)
+    assert (r.returncode == 0) == (link == "index"), r.stderr  # the index is a cache: the ref lands without it
+    ok("ls", store=good, env=env)
+    gc = run("gc", "--grace", "1m", store=good, env=env)  # a link the listing does not follow lists nothing to delete
+    assert (gc.returncode == 0) == (link != "index"), gc.stderr
+    for r in (r, gc):
+        assert "Traceback" not in r.stderr and (r.returncode == 0 or f"{link} in the store folder" in r.stderr), r.stderr
+    same_tree(outside, before)
+    assert sorted(p.name for p in outside.rglob("*")) == sorted(p.name for p in before.rglob("*"))
+
+
+@pytest.mark.parametrize("command", ["ls", "du"])
+def test_many_large_index_logs_are_read_one_at_a_time_and_no_larger_than_a_record(command, good, env):
+    """Index logs after the snapshot, extended to 200 MiB and 1 GiB (sparse: they cost no disk). Every
+    log was read whole (up to the 4 GiB allowed an index snapshot, though a log is one record) and all
+    were held at once before any was decoded: `ckpt ls` and `ckpt du` needed the sum of their sizes
+    in memory (a MemoryError under a 4 GiB cap). Logs are now read one after another, each refused
+    beyond a record's size, and skipped as damaged."""
+    index = good / "index"
+    top = max(int(p.name[:10]) for p in index.iterdir())
+    for k in range(1, 15):
+        with open(index / f"{top + k:010d}.log", "wb") as f:
+            f.truncate((1 << 30) if k % 7 == 0 else (200 << 20))
+    r = _limited([command, "--json"], good, env)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    plain = {**env, "CKPT_INDEX": "0"}  # what the manifests say
+    assert json.loads(r.stdout) == json.loads(ok(command, "--json", store=good, env=plain).stdout)
+
+
+@pytest.mark.parametrize("where", ["log", "snapshot"])
+def test_an_index_record_whose_target_is_not_an_object_id_is_skipped_not_fatal(where, good, tmp_path, env):
+    """The metadata index (sealed, not signed) named a ref whose target was '../../../etc/passwd':
+    every push failed ("is not an object id") because base choice asked the object store for it,
+    though the index is a cache. Such a record is now damage, read past like any other."""
+    from ckpt_store.storage.index import RefRec
+
+    store = ckpt.Store.open(str(good))
+    rec = RefRec(1, "../../../etc/passwd", time.time() + 1000, "w", False, 0, None)
+    if where == "log":
+        gen = max(int(p.name[:10]) for p in (good / "index").iterdir()) + 1
+        (good / "index" / f"{gen:010d}.log").write_bytes(sealed_json(
+            {"format": "ckpt-index-log", "version": 1, "gen": gen, "ref": {"name": "evil", "rec": rec.to_obj()}, "manifest": None}))
+    else:
+        st = store.index.load(chunks=True)
+        st.refs["evil"] = {1: rec}
+        st.max_gen += 1
+        store.index.write_snapshot(st)
+    ok("push", tmp_path / "b.safetensors", "ft/new", store=good, env=env)
+    assert [r["ref"] for r in json.loads(ok("ls", "--json", store=good, env=env).stdout)] == ["base", "ft/new", "ft/x"]
+    ok("verify", store=good, env=env)
+
+
+def _reseal(path: Path, change, **head) -> str:
+    """Rewrite the index object at ``path`` (a sealed header line naming its body's hash, then the
+    body: docs/format.md) with ``change(body)`` as its body and ``head`` in its header, sealed and
+    hashed as ckpt does. Returns the new body's hash."""
+    import blake3
+
+    first, _, body = path.read_bytes().partition(b"\n")
+    new = canonical_json(change(json.loads(body)))
+    h = {k: v for k, v in json.loads(first).items() if k != "check"}
+    h.update(body=blake3.blake3(new).hexdigest(), length=len(new), **head)
+    path.write_bytes(sealed_json(h) + b"\n" + new)
+    return h["body"]
+
+
+@pytest.mark.parametrize("where", ["log", "snapshot", "recent", "ref records", "chunk lists"])
+def test_an_index_of_the_wrong_shape_is_read_past_not_a_traceback(where, good, tmp_path, env):
+    """A manifest summary in the index whose "sig" (the key of its tensor signature) was a list, a
+    snapshot whose records of a ref were a number, chunk lists naming a list or a number as a chunk:
+    `ckpt ls`, `ckpt du` and `ckpt push` crashed with a traceback (unhashable type: 'list'; 'int'
+    object is not iterable), or `ckpt du` added up other figures than the manifests give."""
+    store = ckpt.Store.open(str(good))
+    store.ls()  # a snapshot naming both manifests
+    mid = store.resolve("ft/x")
+
+    def poison(body: dict) -> dict:
+        if where == "ref records":
+            body["refs"]["ft/x"] = 5
+        for info in body["info"].values():
+            info["sig"] = [1] if where != "ref records" else info["sig"]
+        return body
+
+    if where == "log":
+        gen = max(int(p.name[:10]) for p in (good / "index").iterdir()) + 1
+        rec = json.loads((good / "refs/ft/x/0000000001.ref").read_bytes())
+        log = {"format": "ckpt-index-log", "version": 1, "gen": gen, "ref": {"name": "ft/x", "rec": [
+            1, mid, rec["time"], rec["writer"], False, (good / "refs/ft/x/0000000001.ref").stat().st_size, None]},
+            "manifest": {"id": mid, "info": {**store.index.load().info[mid], "sig": [1]}, "sig": None, "chunks": [], "detail": None}}
+        (good / "index" / f"{gen:010d}.log").write_bytes(sealed_json(log))
+    else:
+        snap = max((good / "index").glob("*.snap"))
+        if where in ("snapshot", "ref records"):
+            _reseal(snap, poison)
+        else:  # a part, named by the snapshot with its body's hash
+            key = "recent" if where == "recent" else "chunks"
+            part = good / "index" / json.loads(snap.read_bytes().partition(b"\n")[0])[key]
+            change = poison if where == "recent" else lambda body: {m: [[[1], 7, *c[0][2:]], c[1]] for m, c in body.items()}
+            _reseal(snap, lambda body: body, **{f"{key}_hash": _reseal(part, change)})
+    plain = {**env, "CKPT_INDEX": "0"}  # what the manifests say
+    for args in (["ls"], ["du"]):
+        assert json.loads(ok(*args, "--json", store=good, env=env).stdout) == json.loads(ok(*args, "--json", store=good, env=plain).stdout)
+    ok("push", tmp_path / "b.safetensors", "ft/new", store=good, env=env)
+
+
+@pytest.mark.parametrize("part", ["recent", "chunks"])
+def test_an_index_snapshot_naming_a_part_outside_index_is_not_followed(part, good, tmp_path, env):
+    """A snapshot's header names its parts (``.recent``, ``.chunks``) by name; one naming
+    '../../fifo' made ckpt open that path outside the store (here a FIFO there, so a push failed:
+    'cannot read index/../../fifo'). Such a snapshot is damage: the index is rebuilt."""
+    store = ckpt.Store.open(str(good))
+    store.ls()
+    os.mkfifo(tmp_path / "fifo")
+    _reseal(max((good / "index").glob("*.snap")), lambda body: body, **{part: "../../fifo"})
+    assert ckpt.Store.open(str(good)).index.load(chunks=part == "chunks", recent=part == "recent") is None
+    r = run("push", tmp_path / "b.safetensors", "ft/new", store=good, env=env)
+    assert r.returncode == 0 and "cannot read" not in r.stderr, r.stderr
+
+
+def test_an_index_log_numbered_9999999999_leaves_no_unlisted_logs_behind(good, tmp_path, env):
+    """Index objects are named by 10 digits: after a (crafted or damaged) log 9999999999, every push
+    wrote an 11-digit log, which no reader lists and no compaction deletes (one more file in index/
+    per update, for ever). Such an update is now not recorded (the index is a cache: exact readers
+    read the refs), with a warning that says to delete index/."""
+    index = good / "index"
+    shutil.copy(max(index.glob("*.log")), index / "9999999999.log")
+    for k in range(3):
+        r = ok("push", tmp_path / "b.safetensors", f"ft/n{k}", store=good, env=env)
+        assert "delete the store's index/ folder" in r.stderr, r.stderr
+    assert all(len(p.name.split(".")[0].split("-")[0]) == 10 for p in index.iterdir()), sorted(p.name for p in index.iterdir())
+    plain = {**env, "CKPT_INDEX": "0"}  # what the manifests say
+    assert json.loads(ok("ls", "--json", store=good, env=env).stdout) == json.loads(ok("ls", "--json", store=good, env=plain).stdout)
+
+
+def test_an_index_snapshot_of_a_newer_version_is_ignored_and_left_in_place(good, tmp_path, env):
+    """A newer ckpt's index snapshot (version 2) was read as damage: `ckpt ls` or a push by this
+    ckpt rebuilt the index and deleted the newer snapshot, so that users of two versions kept
+    deleting each other's index. It is now ignored (the commands read the refs and manifests)
+    and left for the ckpt that can read it."""
+    index = good / "index"
+    top = max(int(p.name[:10]) for p in index.iterdir())
+    head = {"format": "ckpt-index", "version": 2, "gen": top + 1, "body": "0" * 64, "length": 2, "layout": "new"}
+    newer = index / f"{top + 1:010d}-0123456789abcdef.snap"
+    newer.write_bytes(sealed_json(head) + b"\n{}")
+    plain = {**env, "CKPT_INDEX": "0"}  # what the manifests say
+    for k in range(3):
+        ok("push", tmp_path / "b.safetensors", f"ft/n{k}", store=good, env=env)
+        for args in (["ls"], ["du"]):
+            got = json.loads(ok(*args, "--json", store=good, env=env).stdout)
+            assert got == json.loads(ok(*args, "--json", store=good, env=plain).stdout)
+    assert newer.exists() and max(index.glob("*.snap")) == newer
+
+
+@pytest.mark.parametrize("what", ["recent", "chunks", "log"])
+def test_a_folder_or_a_fifo_in_place_of_an_index_object_is_damage_not_a_failure(what, good, tmp_path, env):
+    """A folder where a snapshot's .recent or .chunks part should be made `ckpt push` and `ckpt du`
+    crash with a traceback (IsADirectoryError); a FIFO named like an index log made every push fail
+    ('not a regular file'), though the index is a cache. Both are now read as damage."""
+    store = ckpt.Store.open(str(good))
+    store.ls()
+    index = good / "index"
+    if what == "log":
+        os.mkfifo(index / f"{max(int(p.name[:10]) for p in index.iterdir()) + 1:010d}.log")
+    else:
+        part = index / json.loads(max(index.glob("*.snap")).read_bytes().partition(b"\n")[0])[what]
+        part.unlink()
+        part.mkdir()
+    ok("push", tmp_path / "b.safetensors", "ft/new", store=good, env=env)
+    plain = {**env, "CKPT_INDEX": "0"}  # what the manifests say
+    for args in (["ls"], ["du"]):
+        assert json.loads(ok(*args, "--json", store=good, env=env).stdout) == json.loads(ok(*args, "--json", store=good, env=plain).stdout)
+
+
+@pytest.mark.parametrize("which", ["manifest", "chunk"])
+def test_a_folder_in_place_of_an_object_is_refused_in_one_line(which, good, tmp_path, env):
+    """A folder where a manifest or chunk should be: `ckpt verify`, `ckpt show`, `ckpt gc --dry-run`
+    and `ckpt load` ended in an IsADirectoryError traceback, `ckpt pull` said it could not *write*
+    the chunk. It is refused like a FIFO there, in one line naming it."""
+    store = ckpt.Store.open(str(good))
+    path = good / (store.objects.path("manifests", store.resolve("base")) if which == "manifest"
+                   else store.objects.path("chunks", store.manifest("base").tensors[0].chunks[0]))
+    path.unlink()
+    path.mkdir()
+    plain = {**env, "CKPT_INDEX": "0"}
+    for args in (["show", "base"], ["pull", "base", tmp_path / "out.safetensors"], ["gc", "--dry-run"]):
+        if which == "chunk" and args[0] != "pull":
+            continue
+        line = fails(*args, store=good, env=plain)
+        assert "not a regular file (a folder" in line and path.name in line, line
+    r = run("verify", store=good, env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "a folder" in r.stderr, r.stderr
+    with pytest.raises(ckpt.CkptError, match="a folder"):
+        store.load("base")

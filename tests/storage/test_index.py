@@ -3,7 +3,7 @@ few objects; rebuilt when missing, damaged or stale; never trusted over the refs
 
 Each test builds a small store (a base, fine-tunes, a removal, an alias, a ref with
 history), then compares what ``push`` (base choice), ``ls``, ``du``, ``log``, ``refs`` and
-``gc --dry-run`` say with the index and without it (``Settings(index=False)`` reads every
+``gc --dry-run`` (which reads the manifests either way) say with the index and without it (``Settings(index=False)`` reads every
 ref and manifest, as before the index existed).
 """
 
@@ -104,7 +104,6 @@ def test_commands_read_the_index_not_every_ref_and_manifest(tmp_path):
     counting = Counting(store)
     store.ls()
     store.du()
-    store.gc(grace_s=0, dry_run=True)
     choose_base(store, "fam/new", [(n, "F32", 32 * 32 * 4) for n in NAMES], None)
     assert counting.of("objects/manifests") == [] and counting.of("refs/") == []
     assert counting.of(PREFIX)  # ... what they read instead
@@ -229,3 +228,38 @@ def test_base_choice_reads_only_the_recent_refs(tmp_path, monkeypatch):
     assert snap == [] and any(p.endswith(".recent") for p in counting.reads)  # the header by a ranged read only
     assert got == choose_base(off(store), "fam/new", keys, None)
     assert got[0] is not None and got[0] != store.resolve("fam/base")  # the base is not among the 3 newest
+
+
+def test_a_live_checkpoint_whose_manifest_is_gone_is_damaged_with_the_index_too(store_url):
+    """The index keeps a summary of every live manifest. When one was deleted (by hand, or the store
+    copied without it), `ls` and `du` listed its ref from the summary as whole, where without the
+    index they name it damaged. Each live target is now checked to exist (one batch of checks)."""
+    store = ckpt.Store.init(store_url)
+    build(store)
+    store.ls()
+    gone = store.resolve("fam/ft2")
+    store.backend.delete(store.objects.path("manifests", gone))
+    plain = off(store)
+    listing, usage = store.ls(), store.du()
+    assert listing == plain.ls() and usage == plain.du()
+    assert set(listing.damaged) == {"fam/ft2", "fam/latest"} and set(usage.damaged) == {"fam/ft2", "fam/latest"}
+
+
+def test_beside_a_newer_index_ls_reads_each_refs_newest_entry_only(tmp_path):
+    """Beside a newer ckpt's index snapshot (left in place, never written over), ls rebuilt the index
+    in memory from every entry of every ref (for a snapshot it would not write), each time: the
+    history of a ref cost a read per version. It reads what it does without the index."""
+    from ckpt_store.storage.records import sealed_json
+
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    for k in range(10):
+        store.push({"w": torch.full((8,), float(k))}, "r")
+    store.push({"w": torch.zeros(8)}, "q")
+    store.ls()
+    top = max(int(Path(p).name[:10]) for p in index_files(store))
+    head = {"format": "ckpt-index", "version": 2, "gen": top + 1, "body": "0" * 64, "length": 2}
+    (tmp_path / "s" / PREFIX / f"{top + 1:010d}-0123456789abcdef.snap").write_bytes(sealed_json(head) + b"\n{}")
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    counting = Counting(store)
+    assert [r.name for r in store.ls().refs] == ["q", "r"]
+    assert sorted(counting.of("refs/")) == ["refs/q/0000000001.ref", "refs/r/0000000010.ref"]
