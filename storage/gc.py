@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import ObjectNotFoundError, StoreFormatError
@@ -34,6 +34,10 @@ class Root:
     def label(self) -> str:
         """The name commands accept for it: ``ref`` or ``ref@N`` (see ``Store.resolve``)."""
         return self.ref if self.version == 0 else f"{self.ref}@{self.version}"
+
+
+if TYPE_CHECKING:
+    from ckpt_store.storage.index import StoreIndex
 
 
 @dataclass
@@ -115,12 +119,8 @@ class GcPlan:
 
 
 def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: bool = True, recover: bool = True,
-            lock: Lock | None = None) -> GcPlan:
+            index: StoreIndex | None = None, lock: Lock | None = None) -> GcPlan:
     """What ``gc`` would delete now. Reads refs and manifests; deletes nothing.
-
-    A dry run is this plan, printed: it is computed the same way as the one executed, never
-    from the metadata index (a cache, sealed but not signed: a stale or forged one would make
-    the preview differ from what gc deletes).
 
     Roots are what :func:`gc_roots` names; a damaged ref entry, a missing current
     manifest or any damaged root manifest stops the plan (:func:`read_root`).
@@ -144,19 +144,37 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     listed, temps = objects.inventory(as_recovered=not recover and objects.backend.recovers_condemned)
     temps += objects.list_temporaries(("refs", "index"))
 
-    found = gc_roots(refs, keep_history=keep_history)
+    # With the metadata index, ref histories come from it (checked against the listing of
+    # refs), and a root manifest that is in the listing has its chunk lists read from it (a
+    # manifest's id is the hash of its bytes: what it names never changes); anything else
+    # is read and verified here.
+    view = index.view(exact=True, history=True, chunks=True) if index is not None else None
+    found = gc_roots(refs, keep_history=keep_history, histories=view.entries() if view is not None else None)
     if found.damaged:  # what a damaged ref entry keeps alive is unknown: delete nothing
         err, _ = next(iter(found.damaged.values()))
         raise err
     current = {r.target for r in found.roots if r.version == 0}
     roots: set[str] = set()
     live_chunks: set[str] = set()
+    listed_m = {i.id for i in listed["manifests"]} if view is not None else set()
+    indexed: list[str] = []
     for mid in dict.fromkeys(r.target for r in found.roots):
+        if mid in listed_m:
+            roots.add(mid)
+            indexed.append(mid)
+            continue
         # A live manifest that cannot be read stops the plan: nothing is deleted.
         data = read_root(objects, mid, current=mid in current)
         if data is not None:
             roots.add(mid)
             live_chunks |= referenced_chunks(data)
+    if index is not None and view is not None:
+        index.ensure(view, indexed, chunks=True)  # a live manifest the index lacks is read (and must be readable)
+        assert view.chunks is not None
+        for mid in indexed:
+            live_chunks.update(view.chunks[mid][0])
+        if recover:  # not in a dry run, which writes nothing
+            index.heal(view)
 
     plan = GcPlan(live_manifests=len(roots), live_chunks=len(live_chunks), cutoff=cutoff, recovered=recovered)
     for kind, live in (("manifests", roots), ("chunks", live_chunks)):

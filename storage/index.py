@@ -1,6 +1,6 @@
 """The metadata index: refs and per-checkpoint summaries in a few objects.
 
-Without it, choosing a base, ``ls`` and ``du`` read one ref entry and one
+Without it, choosing a base, ``ls``, ``du`` and ``gc`` read one ref entry and one
 manifest per ref: thousands of requests in a large S3 store. The index keeps what they
 need below ``index/`` (docs/format.md, "Metadata index"):
 
@@ -11,7 +11,7 @@ need below ``index/`` (docs/format.md, "Metadata index"):
   summary of every manifest they name (for ``ls`` and base choice);
 * ``index/<gen>-<hash>.chunks`` -- the chunk ids every such manifest needs (by the same
   rule as gc, :func:`~ckpt_store.storage.gc.referenced_chunks`) and the caller's detail
-  about them (for ``du``); written before the snapshot that names it;
+  about them (for ``du`` and ``gc``); written before the snapshot that names it;
 * ``index/<gen>-<hash>.recent`` -- the :data:`RECENT` most recently updated live refs of
   the snapshot and their summaries: all base choice reads, so a push costs the same
   however many refs there are.
@@ -22,7 +22,7 @@ writer that finds that many folds them into a new snapshot.
 
 The index is a cache, **never trusted over refs and manifests**:
 
-* A reader that must be exact (``ls``, ``du``) lists ``refs/`` (one request per
+* A reader that must be exact (``ls``, ``du``, ``gc``) lists ``refs/`` (one request per
   1000 entries on S3) and uses an index record only for an entry file the listing shows
   with the recorded size and time; any other entry is read, and entries the listing does
   not show are dropped. Ref entries are never modified (exclusive create), so a record

@@ -297,11 +297,12 @@ class GcReport:
 
 
 def gc(store: Store, *, grace_s: float, dry_run: bool = False, keep_history: bool = True) -> GcReport:
-    # One plan, from the refs and manifests themselves, whether it is printed or executed: the
-    # index is never trusted over them (a wrong one, a bug's or a forged log's, sealed but not
-    # signed, would free live data), and a preview made from it could list what gc would not delete.
+    # A dry run previews from the metadata index (a few requests however large the store). What
+    # deletes reads the refs and manifests themselves: the index is never trusted over them, and
+    # a wrong one (a bug's, or a forged log: it is sealed, not signed) would free live data.
     if dry_run:
-        plan = plan_gc(store.objects, store.refs_db, grace_s=grace_s, keep_history=keep_history, recover=False)
+        plan = plan_gc(store.objects, store.refs_db, grace_s=grace_s, keep_history=keep_history, recover=False,
+                       index=store.index)
         deleted = plan.delete
     else:
         with gc_lock(store.objects) as lock:  # writers elsewhere wait, or name what they reuse (S3)
