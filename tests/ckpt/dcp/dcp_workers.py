@@ -325,6 +325,14 @@ def ddp_restore_bits(rank, world, tmp, store, run):
     return {"step": step, "bits": _ddp_bits(state)}
 
 
+def _ddp_train(mgr, state, steps):
+    """Train ``steps`` (step numbers), offering each to ``mgr.maybe_save``."""
+    for step in steps:
+        _ddp_step(state)
+        state["step"] = step
+        mgr.maybe_save(step, state)
+
+
 def _ddp_step(state):
     """One step on this rank's own batch; its local loss as float.hex."""
     import random
@@ -622,15 +630,9 @@ def tiers_rollback(rank, world, tmp, store):
                                       keep_every=4, process_group=dist.group.WORLD, timeout_s=30)
 
     mgr = manager()
-    for step in range(1, 13):
-        _ddp_step(state)
-        state["step"] = step
-        mgr.maybe_save(step, state)
+    _ddp_train(mgr, state, range(1, 13))
     mgr.restore(state, 4)
-    for step in (5, 6):
-        _ddp_step(state)
-        state["step"] = step
-        mgr.maybe_save(step, state)
+    _ddp_train(mgr, state, (5, 6))
     mgr.close()
     want = _ddp_bits(state)
     out = {}
@@ -662,10 +664,7 @@ def tiers_rollback_unread(rank, world, tmp, store):
                                       process_group=dist.group.WORLD, timeout_s=10)
 
     mgr = manager()
-    for step in range(1, 9):
-        _ddp_step(state)
-        state["step"] = step
-        mgr.maybe_save(step, state)
+    _ddp_train(mgr, state, range(1, 9))
     mgr.close()
     mgr = manager()
     if rank == 1:
@@ -679,10 +678,7 @@ def tiers_rollback_unread(rank, world, tmp, store):
 
         mgr.store.manifest = manifest
     mgr.restore(state, 4)
-    for step in (5, 6):
-        _ddp_step(state)
-        state["step"] = step
-        mgr.maybe_save(step, state)
+    _ddp_train(mgr, state, (5, 6))
     mgr.close()
     want = _ddp_bits(state)
     latest = ckpt.Store.open(store).manifest("ddp/latest").extra["snapshot"]["step"]
@@ -711,13 +707,10 @@ def tiers_restore_unread(rank, world, tmp, store, failing, missing=False):
                                       process_group=dist.group.WORLD, timeout_s=20)
 
     mgr = manager()
-    for step in range(1, 10):
-        _ddp_step(state)
-        state["step"] = step
-        mgr.maybe_save(step, state)
-        if step == 8:
-            mgr.wait()
-            want = _ddp_bits(state)
+    _ddp_train(mgr, state, range(1, 9))
+    mgr.wait()
+    want = _ddp_bits(state)
+    _ddp_train(mgr, state, [9])
     mgr.close()
     mgr = manager()
     if rank == failing:
@@ -803,9 +796,7 @@ def tiers_left_timeline(rank, world, tmp, store):
 
     def train(mgr, state, steps):
         for step in steps:
-            _ddp_step(state)
-            state["step"] = step
-            mgr.maybe_save(step, state)
+            _ddp_train(mgr, state, [step])
             mgr.wait()
 
     mgr, state = manager("node-a"), _ddp_state(rank)
