@@ -651,14 +651,31 @@ def serve(
 
 
 _terminated: list[bool] = []  # SIGTERM came (typer reports the unwinding as exit code 130)
+_signals: list[int] = []  # Ctrl-C and SIGTERM received, in order
 _INTERRUPTED = "interrupted; the store is unchanged except for unreferenced objects that `ckpt gc` removes"
 
 
-def _terminate(signum: int, frame: object) -> None:
-    """SIGTERM (``kill``, a job scheduler ending the job) unwinds like Ctrl-C, so that a pull
-    removes its temporary files (full-size, hidden) instead of leaving them behind."""
-    _terminated.append(True)
-    raise KeyboardInterrupt
+def _interrupt(signum: int, frame: object) -> None:
+    """Ctrl-C (SIGINT) or SIGTERM (``kill``, a job scheduler ending the job). The first unwinds
+    (KeyboardInterrupt), so that a pull removes its temporary files (full-size, hidden) and puts
+    back what ``--force`` had begun to replace; that waits for the requests in flight, which a
+    server that stopped answering holds until their timeouts and retries (minutes). A second one
+    while that goes on ends the process at once, once this process's temporaries are removed
+    (:func:`~ckpt.store.destination.abandon`); while files are being renamed into place or back
+    (moments) it is ignored."""
+    import signal
+
+    _signals.append(signum)
+    if signum == signal.SIGTERM:
+        _terminated.append(True)
+    if len(_signals) == 1:
+        raise KeyboardInterrupt
+    from ckpt.store.destination import abandon
+
+    if abandon():
+        os.write(2, b"interrupted again: stopped at once, without waiting for requests in flight; the store is "
+                    b"unchanged except for unreferenced objects that `ckpt gc` removes\n")
+        os._exit(143 if _terminated else 130)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -666,10 +683,23 @@ def main(argv: list[str] | None = None) -> None:
     import signal
     import threading
 
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    _signals.clear()
+    _terminated.clear()
+    # (a SIGINT the parent ignores, a job started in the background, stays ignored)
+    handled = [s for s in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(s) is not signal.SIG_IGN]
+    before = {s: signal.signal(s, _interrupt) for s in handled}
+    try:
+        _main(argv)
+    finally:  # (an in-process caller, a test, gets its own handlers back)
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def _main(argv: list[str] | None) -> None:
     from ckpt.errors import CkptError
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
     _state["json"] = _state["json_written"] = False
     try:
         # Without standalone mode click returns the code of a typer.Exit instead of exiting.

@@ -205,6 +205,9 @@ class FaultProxy:
     * ``busy``: the next ``busy`` requests of method ``busy_method`` are answered by the
       proxy itself, as a throttling server answers: ``503 SlowDown`` (S3's error XML),
       then the connection closes.
+    * ``stall_after``: once this many bytes went server->client (all connections), relay nothing
+      more to clients until it is cleared: a server that stopped answering mid-transfer, with
+      its connections open.
     * ``bytes_up`` / ``bytes_down`` count what was relayed (the benchmark's bytes on the wire).
 
     Knobs are read per chunk, not per connection, because aiohttp pools keep-alive
@@ -221,6 +224,7 @@ class FaultProxy:
     refuse: bool = False
     busy: int = 0
     busy_method: bytes = b"GET"
+    stall_after: int | None = None
     resets_fired: int = 0
     bytes_up: int = 0  # relayed client -> server (requests, bodies: what an upload costs on the wire)
     bytes_down: int = 0  # relayed server -> client
@@ -245,6 +249,7 @@ class FaultProxy:
         self.reset_conns = 0
         self.refuse = False
         self.busy = 0
+        self.stall_after = None
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, direction: str,
                     peer: asyncio.StreamWriter) -> None:
@@ -260,6 +265,8 @@ class FaultProxy:
                     return
                 if direction == "down" and self.delay_s and not self.trickle:
                     await asyncio.sleep(self.delay_s)
+                while direction == "down" and self.stall_after is not None and self.bytes_down >= self.stall_after:
+                    await asyncio.sleep(0.05)
                 if direction == self.reset_dir and self.reset_conns > 0:
                     hit = (self.reset_match in data) if self.reset_match is not None else (
                         self.reset_after is not None and sent + len(data) > self.reset_after)

@@ -46,6 +46,12 @@ if TYPE_CHECKING:
 
 _TMP = ".ckpt-tmp-"
 
+# This process's temporaries in destinations (files and folders not yet renamed into place or
+# removed), and how many renames into place are under way: what a process ending at once
+# removes (:func:`abandon`), and when it must not end.
+_pending: set[str] = set()
+_placing = [0]
+
 
 def store_root(store: Store) -> str | None:
     """The real path of a local store's folder (None for a remote store)."""
@@ -191,12 +197,14 @@ def write_files(targets: Sequence[str], fill: Callable[[list[str]], None]) -> No
     """
     made: list[str] = []
     tmps = [temp_name(t) for t in targets]
+    _pending.update(tmps)
     try:
         try:
             for t in targets:
                 _makedirs(os.path.dirname(t), made)
             fill(tmps)
-            _replace_all(tmps, targets)
+            with _placing_files():
+                _replace_all(tmps, targets)
             for d in sorted({os.path.dirname(t) for t in targets}):
                 _fsync_dir(d)
         except OSError as e:
@@ -211,6 +219,34 @@ def write_files(targets: Sequence[str], fill: Callable[[list[str]], None]) -> No
             except OSError:
                 pass
         raise
+    finally:
+        _pending.difference_update(tmps)
+
+
+class _placing_files:
+    """Renames into place (and their undoing) under way: :func:`abandon` waits them out."""
+
+    def __enter__(self) -> None:
+        _placing[0] += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _placing[0] -= 1
+
+
+def abandon() -> bool:
+    """Remove this process's temporary files and folders in destinations, for a process that is
+    about to end at once (a second Ctrl-C while the first is still waiting for transfers in flight:
+    ``cli/main.py``); its worker threads may be writing them still, and end with it. Returns False,
+    removing nothing, while files are being renamed into place or back: that takes moments, and a
+    process ending in the middle of it could leave some targets new and others moved aside."""
+    if _placing[0]:
+        return False
+    for path in list(_pending):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)  # our own temporary folder (write_dir)
+        else:
+            _remove_quietly(path)
+    return True
 
 
 _OLD = ".ckpt-old-"
@@ -272,6 +308,7 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
     tmp_dir = temp_name(dest)
     inner = [os.path.join(tmp_dir, os.path.relpath(t, dest)) for t in targets]
     made: list[str] = []
+    _pending.add(tmp_dir)
     try:
         try:
             _makedirs(os.path.dirname(os.path.abspath(dest)), made)
@@ -279,7 +316,9 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
             for t in inner:
                 os.makedirs(os.path.dirname(t), exist_ok=True)
             fill(inner)
-            os.rename(tmp_dir, dest)  # fails (and nothing is lost) if dest appeared meanwhile, unless empty
+            with _placing_files():
+                os.rename(tmp_dir, dest)  # fails (and nothing is lost) if dest appeared meanwhile, unless empty
+                _pending.discard(tmp_dir)  # (it is dest now)
             _fsync_dir(os.path.dirname(os.path.abspath(dest)))
         except OSError as e:
             raise DestinationError(f"cannot write {e.filename or dest}: {e.strerror or e}",
@@ -292,6 +331,8 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
             except OSError:
                 pass
         raise
+    finally:
+        _pending.discard(tmp_dir)
 
 
 class OutputFile:

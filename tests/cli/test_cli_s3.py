@@ -183,3 +183,51 @@ def test_bad_endpoint_error_never_shows_the_secret(ckpt_cli, env):
 def test_bad_storage_option_is_a_usage_error(ckpt_cli):
     code, _, err = ckpt_cli("--store", "s3://b/x", "--storage-option", f"no-equals-sign-{SECRET}", "ls")
     assert code == 2 and "KEY=VALUE" in err and SECRET not in err
+
+
+def test_a_second_interrupt_ends_a_pull_that_a_stalled_server_holds(s3_main, env, tmp_path):
+    """The server stops answering in the middle of a `pull --force` (its connections open). The first
+    Ctrl-C waits for the requests in flight, which read timeouts and retries hold for minutes (a pull
+    was still running 600 s after Ctrl-C). A second Ctrl-C ends it at once: 130, a line saying so, the
+    file it would have replaced as it was and no temporary left beside it."""
+    import signal
+
+    from s3support import FaultProxy
+
+    g = torch.Generator().manual_seed(3)
+    src = tmp_path / "src.safetensors"
+    save_file({f"w{i}": torch.randn(1 << 20, generator=g) for i in range(6)}, str(src))  # 24 MB: 6 chunks
+    url = f"s3://{s3_main.new_bucket()}/s"
+    cli = [sys.executable, "-c", "from ckpt_store.cli.main import main; main()", "--store", url]
+    subprocess.run([*cli, "push", str(src), "m"], env=env, check=True, capture_output=True, timeout=120)
+    host, port = s3_main.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy((host, int(port))).start()
+    dest = tmp_path / "out"
+    dest.mkdir()
+    (dest / "model.safetensors").write_bytes(b"precious")
+    proc = None
+    try:
+        proxy.stall_after = 300_000  # the ref and manifest come, then a few chunk bytes, then nothing
+        proc = subprocess.Popen([*cli, "pull", "m", str(dest / "model.safetensors"), "--force"], text=True,
+                                env={**env, "AWS_ENDPOINT_URL": proxy.endpoint, "CKPT_CACHE": "0"},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while proxy.bytes_down < proxy.stall_after and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.5)
+        assert proc.poll() is None  # the first interrupt waits for the stalled requests
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+        assert time.monotonic() - t0 < 10
+        assert proc.returncode == 130 and out == "" and "Traceback" not in err, err
+        assert err.strip().splitlines()[-1].startswith("interrupted again: stopped at once"), err
+        assert os.listdir(dest) == ["model.safetensors"] and (dest / "model.safetensors").read_bytes() == b"precious"
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proxy.stop()
