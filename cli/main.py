@@ -652,7 +652,10 @@ def serve(
 
 _terminated: list[bool] = []  # SIGTERM came (typer reports the unwinding as exit code 130)
 _signals: list[int] = []  # Ctrl-C and SIGTERM received, in order
-_INTERRUPTED = "interrupted; the store is unchanged except for unreferenced objects that `ckpt gc` removes"
+# True of every command: a ref is written or removed whole, and a removal (`rm`, `gc`) done before
+# the interruption stays done ("the store is unchanged" was wrong for an interrupted rm or gc).
+_AFTER = "nothing is half-written: what was done before it is complete, unreferenced objects left behind go with `ckpt gc`"
+_INTERRUPTED = f"interrupted; {_AFTER}"
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -673,8 +676,7 @@ def _interrupt(signum: int, frame: object) -> None:
     from ckpt.store.destination import abandon
 
     if abandon():
-        os.write(2, b"interrupted again: stopped at once, without waiting for requests in flight; the store is "
-                    b"unchanged except for unreferenced objects that `ckpt gc` removes\n")
+        os.write(2, f"interrupted again: stopped at once, without waiting for requests in flight; {_AFTER}\n".encode())
         os._exit(143 if _terminated else 130)
 
 
@@ -742,7 +744,7 @@ def _json_error(message: str) -> None:
 def _end_interrupted(message: str) -> None:
     """Exit after Ctrl-C (130) or SIGTERM (143), saying which."""
     if _terminated:
-        err.print("terminated; the store is unchanged except for unreferenced objects that `ckpt gc` removes")
+        err.print(f"terminated; {_AFTER}")
         sys.exit(143)
     if message:
         err.print(message)
