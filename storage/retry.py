@@ -22,6 +22,10 @@ from ckpt_store.storage.errors import StorageIOError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# A failed attempt that took this long is retried with a warning, not a debug note: whoever waits
+# (a command that seems to hang on a server that stopped answering) learns why, and what comes.
+SLOW_ATTEMPT_S = 10.0
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
@@ -57,6 +61,7 @@ def call_with_retries(
     failed, how often, and the last reason.
     """
     for attempt in range(1, policy.attempts + 1):
+        began = time.monotonic()
         try:
             return fn()
         except Exception as e:
@@ -70,7 +75,10 @@ def call_with_retries(
                     hint="the store is unreachable or overloaded; check the endpoint and network, then retry",
                 ) from None
             wait = policy.delay(attempt)
-            log.info("%s: %s; retry %d of %d in %.2fs", what, reason, attempt, policy.attempts - 1, wait)
+            took = time.monotonic() - began
+            level = logging.WARNING if took >= SLOW_ATTEMPT_S else logging.INFO
+            log.log(level, "%s: %s after %.1f s; retry %d of %d in %.2f s", what, reason, took, attempt,
+                    policy.attempts - 1, wait)
             sleep(wait)
     raise AssertionError("unreachable")  # pragma: no cover
 

@@ -5,6 +5,7 @@ interrupted pulls that leave nothing behind."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 
@@ -246,7 +247,15 @@ def test_pull_survives_resets_mid_transfer(s3_main_url, s3_main, tmp_path):
         proxy.stop()
 
 
-def test_pull_survives_a_stalled_server(s3_main_url, s3_main, tmp_path):
+def test_pull_survives_a_stalled_server(s3_main_url, s3_main, tmp_path, monkeypatch, caplog):
+    """...and says so: a retry after an attempt that waited long is a warning (a command that seems
+    to hang on a server that stopped answering says why), a quick one a debug note."""
+    import logging
+
+    from ckpt_store.storage import retry
+
+    monkeypatch.setattr(retry, "SLOW_ATTEMPT_S", 0.4)  # the read timeout here is 0.5 s (60 s by default)
+    caplog.set_level(logging.INFO, logger=retry.__name__)
     src, _ = _file(tmp_path, n=8)
     ckpt.Store.init(s3_main_url, settings=_settings(cache=False)).push(str(src), "m")
     proxy, store = _through_proxy(s3_main_url, s3_main, config_kwargs={"read_timeout": 0.5, "connect_timeout": 1})
@@ -256,6 +265,11 @@ def test_pull_survives_a_stalled_server(s3_main_url, s3_main, tmp_path):
         out = tmp_path / "out.safetensors"
         store.pull("m", str(out))
         assert out.read_bytes() == src.read_bytes()
+        slow = [r.getMessage() for r in caplog.records if r.name == retry.__name__ and r.levelno == logging.WARNING]
+        assert slow, caplog.text
+        for m in slow:  # each after an attempt that waited (about) its read timeout
+            took = re.search(r" after ([0-9.]+) s; retry [0-9]+ of [0-9]+ in ", m)
+            assert took and float(took.group(1)) >= 0.4, m
     finally:
         proxy.stop()
 
