@@ -135,7 +135,7 @@ def plot_report(report: DiffReport, path: str | os.PathLike[str]) -> str:
     from ckpt.store.destination import create_new, write_files
 
     path = os.fspath(path)
-    kind = os.path.splitext(path)[1][1:].lower()  # the temporary's name ends otherwise
+    kind = os.path.splitext(path)[1][1:].lower() or "png"  # the temporary's name ends otherwise
 
     def fill(tmps: list[str]) -> None:
         with os.fdopen(create_new(tmps[0]), "wb") as f:

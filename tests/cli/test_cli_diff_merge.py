@@ -52,6 +52,13 @@ def test_diff_json_table_and_plot(fam):
     pytest.importorskip("matplotlib")
     assert "plot written" in invoke("diff", "m/base", "m/ft0", "--plot", str(tmp / "d.png"))
     assert (tmp / "d.png").read_bytes()[:4] == b"\x89PNG"
+    # Through the library, a name without a suffix is a PNG, as savefig made it (the temporary
+    # written first has no suffix to go by); the CLI asks for one.
+    from ckpt.diffing.compare import diff
+    from ckpt.diffing.plot import plot_report
+
+    plot_report(diff(str(tmp / "base.safetensors"), str(tmp / "ft0.safetensors")), tmp / "chart")
+    assert (tmp / "chart").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_plot_replaces_a_link_at_its_name_and_never_writes_through_it(fam):
