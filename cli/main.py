@@ -650,7 +650,6 @@ def serve(
                local=_open(url=local_tier) if local_tier else None)
 
 
-_terminated: list[bool] = []  # SIGTERM came (typer reports the unwinding as exit code 130)
 _signals: list[int] = []  # Ctrl-C and SIGTERM received, in order
 # True of every command: a ref is written or removed whole, and a removal (`rm`, `gc`) done before
 # the interruption stays done ("the store is unchanged" was wrong for an interrupted rm or gc).
@@ -666,18 +665,21 @@ def _interrupt(signum: int, frame: object) -> None:
     while that goes on ends the process at once, once this process's temporaries are removed
     (:func:`~ckpt.store.destination.abandon`); while files are being renamed into place or back
     (moments) it is ignored."""
-    import signal
-
     _signals.append(signum)
-    if signum == signal.SIGTERM:
-        _terminated.append(True)
     if len(_signals) == 1:
         raise KeyboardInterrupt
     from ckpt.store.destination import abandon
 
     if abandon():
         os.write(2, f"interrupted again: stopped at once, without waiting for requests in flight; {_AFTER}\n".encode())
-        os._exit(143 if _terminated else 130)
+        os._exit(143 if _terminated() else 130)
+
+
+def _terminated() -> bool:
+    """Whether SIGTERM came (typer reports its unwinding, as Ctrl-C's, as exit code 130)."""
+    import signal
+
+    return signal.SIGTERM in _signals
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -688,7 +690,6 @@ def main(argv: list[str] | None = None) -> None:
     if threading.current_thread() is not threading.main_thread():
         return _main(argv)
     _signals.clear()
-    _terminated.clear()
     # (a SIGINT the parent ignores, a job started in the background, stays ignored)
     handled = [s for s in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(s) is not signal.SIG_IGN]
     before = {s: signal.signal(s, _interrupt) for s in handled}
@@ -729,7 +730,7 @@ def _main(argv: list[str] | None) -> None:
         sys.stderr.write("".join(safe(line) + "\n" for line in buf.getvalue().splitlines()))
         _json_error(e.format_message())
         sys.exit(getattr(e, "exit_code", 2))
-    if _terminated or code == 130:  # typer returns Ctrl-C inside a command (or SIGTERM, unwound alike) as code 130, silently
+    if _terminated() or code == 130:  # typer returns Ctrl-C inside a command (or SIGTERM, unwound alike) as code 130, silently
         _end_interrupted(_INTERRUPTED)
     sys.exit(code if isinstance(code, int) else 0)
 
@@ -743,11 +744,10 @@ def _json_error(message: str) -> None:
 
 def _end_interrupted(message: str) -> None:
     """Exit after Ctrl-C (130) or SIGTERM (143), saying which."""
-    if _terminated:
+    if _terminated():
         err.print(f"terminated; {_AFTER}")
         sys.exit(143)
-    if message:
-        err.print(message)
+    err.print(message)
     sys.exit(130)
 
 

@@ -44,6 +44,7 @@ from ckpt.snapshot.tiers import MISSES as TIER_MISSES
 from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe, out_of_space
 
 if TYPE_CHECKING:
+    from ckpt.snapshot.distributed import DistributedSnapshots
     from ckpt.snapshot.tiers import Tiers
     from ckpt.store.store import Store
 
@@ -439,15 +440,12 @@ class CheckpointManager:
             if self._local_full:
                 self._make_room(step)
             if self._distributed:  # the ranks persist together, in the save thread
-                from ckpt.snapshot.distributed import DistributedSnapshots
                 from ckpt.snapshot.group import GroupUnavailable
 
-                path = self._path
-                assert isinstance(path, DistributedSnapshots)
                 try:
-                    saving = path.save(step, state, snapshot, background=background, persist_to=self._durable,
-                                       persist=persist)
-                    persist = path.persisting  # agreed: one rank alone may know the run went back, say
+                    saving = self._group_path.save(step, state, snapshot, background=background, persist_to=self._durable,
+                                                   persist=persist)
+                    persist = self._group_path.persisting  # agreed: one rank alone may know the run went back, say
                 except GroupUnavailable as e:
                     # The ranks could not agree on a working group: as for a tier failure, unless this
                     # snapshot is due to the durable store (raised, as without tiers).
@@ -758,14 +756,13 @@ class CheckpointManager:
             mid = self._resolve(lambda: self.store.resolve(self._durable.latest))
             return None if mid is None else self._restore(state, mid)
         if self._distributed:
-            from ckpt.snapshot.distributed import DistributedSnapshots
-
-            assert isinstance(self._path, DistributedSnapshots) and self._path.peers is not None
-            chosen = self._path.choose(self.store, self._durable.latest)
+            path = self._group_path
+            assert path.peers is not None
+            chosen = path.choose(self.store, self._durable.latest)
             if chosen is None:
                 return None
             _, mid, tiers = chosen
-            step = self._path.restore(state, mid, tiers)
+            step = path.restore(state, mid, tiers)
             self.last_restore = {"step": step, **tiers.served}
             self._refill(step, mid, tiers)
             return step
@@ -799,13 +796,18 @@ class CheckpointManager:
             raise RefNotFoundError(f"no snapshot of step {step} in run {self.run!r}", hint="see mgr.steps() or `ckpt ls`")
         return self._restore(state, mid)
 
+    @property
+    def _group_path(self) -> DistributedSnapshots:
+        """The snapshot path of a manager with a process group."""
+        from ckpt.snapshot.distributed import DistributedSnapshots
+
+        assert isinstance(self._path, DistributedSnapshots)
+        return self._path
+
     def _resolve(self, find: Callable[[], str]) -> str | None:
         """``find()``, None where it finds no ref; in a group rank 0's, the same on every rank."""
         if self._distributed:
-            from ckpt.snapshot.distributed import DistributedSnapshots
-
-            assert isinstance(self._path, DistributedSnapshots)
-            return self._path.resolve(find)
+            return self._group_path.resolve(find)
         try:
             return find()
         except RefNotFoundError:
@@ -813,7 +815,7 @@ class CheckpointManager:
 
     def _candidates(self) -> list[tuple[int, str]]:
         """Snapshots to restore, newest first: (step, manifest id), from the local tier and the durable store."""
-        from ckpt.snapshot.tiers import left_behind, snapshot_step
+        from ckpt.snapshot.tiers import left_behind, left_behind_message, snapshot_step
 
         local = self._local
         assert local is not None
@@ -832,8 +834,7 @@ class CheckpointManager:
             try:
                 mid = local.store.resolve(local.ref(step))
                 if durable is not None and left_behind(step, mid, local.store.manifest(mid).created, durable):
-                    self._tier_warning(f"local tier: snapshot of step {step} predates the durable store's newest "
-                                       f"(step {durable[0]}): it is of a timeline the run left, not restored")
+                    self._tier_warning(left_behind_message("local tier", step, durable[0]))
                     continue
                 found[step] = mid
             except TIER_MISSES as e:
@@ -881,10 +882,7 @@ class CheckpointManager:
         if not self._distributed or not self._old_handlers:
             return self.preempted
         if self._final_step is None:
-            from ckpt.snapshot.distributed import DistributedSnapshots
-
-            assert isinstance(self._path, DistributedSnapshots)
-            self._final_step = self._path.checkpoint_group.final_step(step, self.preempted)
+            self._final_step = self._group_path.checkpoint_group.final_step(step, self.preempted)
         if self._final_step is None:
             return False
         self.preempted = True

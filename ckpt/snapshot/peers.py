@@ -31,7 +31,16 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckpt.dcp.checkpoint import Writer
-from ckpt.snapshot.tiers import MISSES, LocalTier, Tiers, describe, left_behind, out_of_space, snapshot_step
+from ckpt.snapshot.tiers import (
+    MISSES,
+    LocalTier,
+    Tiers,
+    describe,
+    left_behind,
+    left_behind_message,
+    out_of_space,
+    snapshot_step,
+)
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import ObjectNotFoundError, RefNotFoundError, StorageIOError
 
@@ -545,8 +554,7 @@ def _left(path: str, step: int, dstep: int) -> None:
 
     from ckpt.snapshot.run import TierWarning
 
-    message = (f"local tier {path}: snapshot of step {step} predates the durable store's newest (step {dstep}): "
-               "it is of a timeline the run left, not restored")
+    message = left_behind_message(f"local tier {path}", step, dstep)
     log.warning("%s", message)
     warnings.warn(message, TierWarning, stacklevel=2)
 

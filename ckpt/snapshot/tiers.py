@@ -481,6 +481,12 @@ def left_behind(step: int, mid: str, made: float, durable: tuple[int, str, float
     return durable is not None and step >= durable[0] and mid != durable[1] and made < durable[2]
 
 
+def left_behind_message(where: str, step: int, durable_step: int) -> str:
+    """What a tier says of a snapshot :func:`left_behind` skips."""
+    return (f"{where}: snapshot of step {step} predates the durable store's newest (step {durable_step}): "
+            "it is of a timeline the run left, not restored")
+
+
 def out_of_space(e: BaseException | None, rank: int | None = None) -> bool:
     """Whether ``e``, or an error it was raised from, says the medium is full (ENOSPC, EDQUOT).
     ``rank``: in a DCP ``CheckpointException`` met on the way, whether that rank's own failure

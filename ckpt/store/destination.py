@@ -26,12 +26,13 @@ else is there.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import DestinationError, DestinationExistsError, StoreFormatError, TensorMismatchError
@@ -50,7 +51,7 @@ _TMP = ".ckpt-tmp-"
 # removed), and how many renames into place are under way: what a process ending at once
 # removes (:func:`abandon`), and when it must not end.
 _pending: set[str] = set()
-_placing = [0]
+_placing = 0
 
 
 def store_root(store: Store) -> str | None:
@@ -223,14 +224,15 @@ def write_files(targets: Sequence[str], fill: Callable[[list[str]], None]) -> No
         _pending.difference_update(tmps)
 
 
-class _placing_files:
+@contextlib.contextmanager
+def _placing_files() -> Iterator[None]:
     """Renames into place (and their undoing) under way: :func:`abandon` waits them out."""
-
-    def __enter__(self) -> None:
-        _placing[0] += 1
-
-    def __exit__(self, *exc: object) -> None:
-        _placing[0] -= 1
+    global _placing
+    _placing += 1
+    try:
+        yield
+    finally:
+        _placing -= 1
 
 
 def abandon() -> bool:
@@ -239,7 +241,7 @@ def abandon() -> bool:
     ``cli/main.py``); its worker threads may be writing them still, and end with it. Returns False,
     removing nothing, while files are being renamed into place or back: that takes moments, and a
     process ending in the middle of it could leave some targets new and others moved aside."""
-    if _placing[0]:
+    if _placing:
         return False
     for path in list(_pending):
         if os.path.isdir(path) and not os.path.islink(path):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt.errors import InvalidSourceError
 from ckpt.format.dtypes import itemsize
 from ckpt.format.manifest import BundleEntry, FileEntry, Manifest, TensorEntry
+from ckpt.format.tagged_json import uses_tags
 from ckpt.progress import Progress, reporting
 from ckpt.store.base import choose_base, pair_tensors
 from ckpt.store.destination import inside, store_root
@@ -226,7 +227,7 @@ def push_source(
         message=message,
         metadata=dict(metadata or {}),
         extra=src.extra,
-        extra_tagged=src.extra_tagged,
+        extra_tagged=src.kind == "state-dict" and uses_tags(src.extra),  # a pushed .pt's values (docs/format.md)
         lineage=lineage or {"parent": None, "base": base_id, "merge": None},
         bundles=bundle,
     )

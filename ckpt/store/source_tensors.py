@@ -21,14 +21,13 @@ from typing import Any
 from ckpt.errors import InvalidSourceError, ResourceLimitError
 from ckpt.format.dtypes import byte_view, from_torch
 from ckpt.format.manifest import MAX_NAME, check_tensor_name
-from ckpt.format.tagged_json import encode, uses_tags
+from ckpt.format.tagged_json import encode
 from ckpt.store.source_files import show
 
 
-def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any], dict[str, Any], bool]:
-    """Nested mappings as flat names (``{'a': {'b': x}}`` -> ``a.b``): tensors, the other values
-    as tagged JSON (:mod:`ckpt.format.tagged_json`), and whether any of those needed a tag (a tuple,
-    an infinite float, bytes, a dict with int keys inside a list): plain JSON otherwise.
+def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Nested mappings as flat names (``{'a': {'b': x}}`` -> ``a.b``): tensors, and the other values
+    as tagged JSON (:mod:`ckpt.format.tagged_json`; plain JSON where no value needs a tag).
 
     Refused, never resolved by dropping one: two entries with the same name, keys other
     than str or int, a mapping that contains itself, names past ``MAX_NAME``, values that
@@ -37,7 +36,6 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
 
     tensors: dict[str, Any] = {}
     extra: dict[str, Any] = {}
-    tagged = False
     spelled: dict[str, str] = {}  # flat name -> the keys it came from, to name both sides of a collision
     stack: list[tuple[Iterator[tuple[Any, Any]], str, str, int]] = [(iter(obj.items()), "", "", id(obj))]
     open_ids = {id(obj)}  # the mappings being walked: meeting one again is a cycle
@@ -80,8 +78,7 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
             path, f"entry {at[:120]} is {kind}, neither a tensor nor a plain value",
             hint="other entries are kept as JSON: str, int, float, bool, None, bytes, and lists, tuples and dicts of "
                  "these (tensors only as entries of their own)"))
-        tagged = tagged or uses_tags(extra[name])
-    return tensors, extra, tagged
+    return tensors, extra
 
 
 def physical_memory() -> int | None:

@@ -173,7 +173,6 @@ class SourceIn:
     kind: str
     files: list[FileIn]
     extra: dict[str, Any] = field(default_factory=dict)
-    extra_tagged: bool = False  # ``extra`` is tagged JSON (some value needed a tag): a version-2 manifest
     _open: list[FileBytes] = field(default_factory=list)
     # in-memory tensors read in place, and their version counters when the push began
     _versions: dict[str, tuple[Any, int]] = field(default_factory=dict)
@@ -355,9 +354,8 @@ def _from_state_dict_file(fb: FileBytes, metadata: dict[str, str] | None) -> Sou
     if not isinstance(obj, Mapping):
         raise InvalidSourceError(path, f"holds a {type(obj).__name__}, not a state dict")
     try:
-        tensors, extra, tagged = flatten_state_dict(obj, path)
+        tensors, extra = flatten_state_dict(obj, path)
         src = from_tensors(tensors, "state-dict", extra, metadata)
-        src.extra_tagged = tagged
     except BaseException:
         fb.close()
         raise
