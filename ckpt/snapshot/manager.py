@@ -44,6 +44,7 @@ from ckpt.snapshot.tiers import MISSES as TIER_MISSES
 from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe, out_of_space
 
 if TYPE_CHECKING:
+    from ckpt.format.manifest import Manifest
     from ckpt.snapshot.distributed import DistributedSnapshots
     from ckpt.snapshot.tiers import Tiers
     from ckpt.store.store import Store
@@ -766,10 +767,10 @@ class CheckpointManager:
             self.last_restore = {"step": step, **tiers.served}
             self._refill(step, mid, tiers)
             return step
-        candidates = self._candidates()
+        candidates, parsed = self._candidates()
         for i, (step, mid) in enumerate(candidates):
             try:
-                return self._restore(state, mid)
+                return self._restore(state, mid, parsed)
             except TIER_MISSES as e:
                 if i == len(candidates) - 1:
                     raise
@@ -813,35 +814,43 @@ class CheckpointManager:
         except RefNotFoundError:
             return None
 
-    def _candidates(self) -> list[tuple[int, str]]:
-        """Snapshots to restore, newest first: (step, manifest id), from the local tier and the durable store."""
+    def _candidates(self) -> tuple[list[tuple[int, str]], dict[str, Manifest]]:
+        """Snapshots to restore, newest first: (step, manifest id), from the local tier and the durable
+        store; and the manifests parsed to choose them, by id (the restore reads one of them)."""
         from ckpt.snapshot.tiers import left_behind, left_behind_message, snapshot_step
 
         local = self._local
         assert local is not None
         found: dict[int, str] = {}
+        parsed: dict[str, Manifest] = {}
         durable: tuple[int, str, float] | None = None  # the durable RUN/latest: step, id, made at
         try:
             mid = self.store.resolve(self._durable.latest)
-            m = self.store.manifest(mid)
+            m = parsed[mid] = self.store.manifest(mid)
             step = snapshot_step(m)
             if step is not None:
                 found[step] = mid
                 durable = (step, mid, m.created)
         except RefNotFoundError:
             pass
+
+        def made(mid: str) -> float:
+            m = parsed[mid] = local.store.manifest(mid)
+            return m.created
+
         for step in local.steps():
             try:
                 mid = local.store.resolve(local.ref(step))
-                if durable is not None and left_behind(step, mid, local.store.manifest(mid).created, durable):
+                if durable is not None and left_behind(step, mid, lambda mid=mid: made(mid), durable):
                     self._tier_warning(left_behind_message("local tier", step, durable[0]))
                     continue
                 found[step] = mid
             except TIER_MISSES as e:
                 self._tier_warning(f"local tier: snapshot of step {step} unreadable ({describe(e)})")
-        return sorted(found.items(), reverse=True)
+        return sorted(found.items(), reverse=True), parsed
 
-    def _restore(self, state: dict[str, Any], mid: str) -> int:
+    def _restore(self, state: dict[str, Any], mid: str, parsed: dict[str, Manifest] | None = None) -> int:
+        """Restore ``mid`` from this manager's tiers; ``parsed``: manifests already read, by id."""
         from ckpt.snapshot.tiers import Tiers
 
         peers = getattr(self._path, "peers", None)
@@ -849,6 +858,8 @@ class CheckpointManager:
             tiers = peers.tiers(self.store)
         else:
             tiers = Tiers(([("local", self._local.store)] if self._local else []) + [("store", self.store)])
+        if parsed and mid in parsed:
+            tiers.manifests[mid] = parsed[mid]
         step = self._path.restore(state, mid, tiers)
         self.last_restore = {"step": step, **tiers.served}
         if peers is not None:

@@ -326,7 +326,7 @@ class Peers:
         if dmid is not None and dstep is not None:  # steps of a timeline the run left are no candidates
             for r, (inv, made_r, _) in enumerate(gathered):
                 for step, (mid, _) in list(inv.items()):
-                    if step in made_r and left_behind(step, mid, made_r[step], (dstep, dmid, dmade)):
+                    if step in made_r and left_behind(step, mid, lambda t=made_r[step]: t, (dstep, dmid, dmade)):
                         del inv[step]
                         if r == self.rank:
                             _left(self.local.path, step, dstep)

@@ -39,6 +39,8 @@ from ckpt.transfer.pipeline import BATCH_BYTES, GetTask, fetch_chunk, get_chunks
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError, StorageIOError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from ckpt.format.manifest import Manifest, TensorEntry
@@ -473,12 +475,13 @@ def snapshot_step(m: Manifest) -> int | None:
     return int(snap["step"]) if isinstance(snap, dict) and isinstance(snap.get("step"), int) else None
 
 
-def left_behind(step: int, mid: str, made: float, durable: tuple[int, str, float] | None) -> bool:
-    """Whether a local tier's snapshot (``step``, manifest ``mid`` made at ``made``) is of a timeline the
+def left_behind(step: int, mid: str, made: Callable[[], float], durable: tuple[int, str, float] | None) -> bool:
+    """Whether a local tier's snapshot (``step``, manifest ``mid`` made at ``made()``) is of a timeline the
     run has left, ``durable`` being the durable RUN/latest's (step, id, time made): at or after its step,
     not it, and made before it (the run was taken back, or begun anew, where this tier was not). Along a
-    timeline snapshots are made in step order, and persisting copies a manifest as it is, with its time."""
-    return durable is not None and step >= durable[0] and mid != durable[1] and made < durable[2]
+    timeline snapshots are made in step order, and persisting copies a manifest as it is, with its time.
+    ``made`` is asked only when the rest leaves the answer open (it may read and parse a manifest)."""
+    return durable is not None and step >= durable[0] and mid != durable[1] and made() < durable[2]
 
 
 def left_behind_message(where: str, step: int, durable_step: int) -> str:
