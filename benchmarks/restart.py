@@ -314,6 +314,12 @@ def main() -> None:
     import ckpt
 
     t_run = time.time()
+    # ckpt's bytecode written once, as an installed package's is: where PYTHONDONTWRITEBYTECODE is set
+    # (this environment sets it), every fresh process would otherwise compile the modules it imports
+    import compileall
+
+    for d in ("ckpt", "storage"):
+        compileall.compile_dir(str(ROOT / d), quiet=1)
     torch.set_num_threads(2)
     work = Path(args.work or tempfile.mkdtemp(prefix="ckpt-restart-", dir="/var/tmp"))
     shm = Path(tempfile.mkdtemp(prefix="ckpt-restart-", dir="/dev/shm"))
@@ -402,6 +408,7 @@ def main() -> None:
         "- *restore*: from the model and a fresh AdamW built to the state restored (what a restart adds to building "
         "the model); *from process start*: includes the interpreter, `import torch` and building",
         "- every restore checked bit for bit against the saved state (parameters and optimizer moments)",
+        "- ckpt's bytecode is compiled before the restores (`compileall`), as an installed package's is; torch's is in site-packages",
         "",
         "## Restore",
         "",
