@@ -94,7 +94,7 @@ class LocalBackend(Backend):
         d = os.path.dirname(final)
         self._ensure_dir(d)
         tmp = os.path.join(d, f"{TEMPORARY}{uuid.uuid4().hex}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as open() does: the umask decides (a team store: 002)
         try:
             for part in data if isinstance(data, tuple) else (data,):
                 view = memoryview(part).cast("B")
