@@ -222,3 +222,41 @@ def test_a_teammate_reuses_and_collects_objects_another_user_wrote(tmp_path):
         os.umask(old)
     got = ckpt.Store.open(url).load("ft")
     assert all(got[k].view(torch.uint8).equal(ft[k].view(torch.uint8)) for k in ft)
+
+
+def test_two_pushes_storing_one_chunk_differently_keep_every_checkpoint_whole(tmp_path, monkeypatch):
+    """Push A stores a fine-tune whole; push B, which looked for its chunks before A wrote them,
+    stores the same chunks as deltas against a base. The first blob stays and B records it: with
+    B's blob renamed over A's, A's manifest named no base for a chunk that needed one, and once B
+    and the base were removed, gc freed that base and A could no longer load."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(128, 512, generator=g)}
+    ft = {"w": base["w"] + 1e-3 * torch.randn(128, 512, generator=g)}
+    save_file(ft, str(tmp_path / "ft.safetensors"))
+    store = ckpt.Store.init(str(tmp_path / "store"), settings=ckpt.Settings.from_env(chunk_size=64 * 1024))
+    store.push(base, "base")
+    a = store.push(str(tmp_path / "ft.safetensors"), "a/ft", delta=False)
+    assert a.manifest is not None
+    backend = store.objects.backend
+    written_by_a = {store.objects.path("chunks", c) for c in a.manifest.tensors[0].chunks}
+    real_touch, looked = backend.touch, set()
+
+    def touch_as_before_a_wrote(path: str) -> bool:  # B's first look at A's chunks came before A wrote them
+        if path in written_by_a and path not in looked:
+            looked.add(path)
+            return False
+        return real_touch(path)
+
+    monkeypatch.setattr(backend, "touch", touch_as_before_a_wrote)
+    store.push(str(tmp_path / "ft.safetensors"), "b/ft", base="base")
+    assert looked == written_by_a  # B encoded A's chunks as deltas of its own
+    monkeypatch.undo()
+    for ref in ("b/ft", "base"):
+        store.remove(ref)
+    store.gc(grace_s=0)
+    got = ckpt.Store.open(str(tmp_path / "store")).load("a/ft")
+    assert got["w"].view(torch.uint8).equal(ft["w"].view(torch.uint8))
+    report = store.verify()
+    assert report.ok, report

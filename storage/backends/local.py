@@ -235,14 +235,14 @@ class LocalBackend(Backend):
             finally:
                 os.close(fd)
 
-    def create_exclusive(self, path: str, data: bytes) -> bool:
+    def create_exclusive(self, path: str, data: Data) -> bool:
         return self._create(path, data, sync=True)
 
     def create_exclusive_cache(self, path: str, data: bytes) -> bool:
         # Not fsynced: a crash may leave it empty or partial, which its reader detects (a cache).
         return self._create(path, data, sync=False)
 
-    def _create(self, path: str, data: bytes, sync: bool) -> bool:
+    def _create(self, path: str, data: Data, sync: bool) -> bool:
         final = self._p(path)
         try:
             tmp = self._write_temp(final, data, sync)
