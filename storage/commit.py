@@ -9,7 +9,7 @@ unreferenced objects, which ``gc`` removes after its grace period.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import ObjectNotFoundError
@@ -40,10 +40,16 @@ def missing_chunks(objects: ObjectStore, ids: Iterable[str]) -> list[str]:
     return [cid for cid in needed if cid not in present]
 
 
-def commit(objects: ObjectStore, refs: Refs, manifest: bytes, name: str | None) -> tuple[str, RefEntry | None]:
-    """Publish ``manifest`` and point ``name`` at it. Returns (manifest id, new ref entry)."""
-    if name is not None:
-        validate_ref_name(name)
+def commit(objects: ObjectStore, refs: Refs, manifest: bytes, name: str | None,
+           aliases: Sequence[str] = ()) -> tuple[str, RefEntry | None]:
+    """Publish ``manifest`` and point ``name`` at it, after the ``aliases`` (refs like
+    ``RUN/latest``, moved first). Returns (manifest id, new ref entry of ``name``).
+
+    Every ref moves while the writer's lease is held: on a store that cannot touch objects,
+    a ref moved after it is dropped could name chunks a concurrent gc has just deleted.
+    """
+    for n in (*aliases, *([name] if name is not None else [])):
+        validate_ref_name(n)
     chunks = referenced_chunks(manifest)
     mid = object_id(manifest)
     with writer_lease(objects, chunks, [mid]) as lease:  # a gc elsewhere keeps off them
@@ -56,6 +62,8 @@ def commit(objects: ObjectStore, refs: Refs, manifest: bytes, name: str | None) 
         if refs.index is not None:
             refs.index.note(mid, manifest)  # the ref's index record carries its summary (storage/index.py)
         check_fresh(lease, "push")
+        for alias in aliases:
+            refs.set(alias, mid, alias=True)
         entry = refs.set(name, mid) if name is not None else None
         objects.backend.flush()
     return mid, entry

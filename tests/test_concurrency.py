@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections import defaultdict
@@ -186,3 +187,76 @@ def _race(store_url: str, tmp_path: Path, extra_env: dict[str, str]) -> None:
     assert gc_stats["deleted"] > 0, gc_stats
     print(f"\nconcurrency: {sum(r['rounds'] for r in results)} pushes by {PUSHERS} processes, {removes} removes, "
           f"gc {gc_stats['runs']} runs deleted {gc_stats['deleted']} objects; {checked} ref versions checked")
+
+
+def test_a_teammate_reuses_and_collects_objects_another_user_wrote(tmp_path):
+    """A team store on a shared disk (a group-writable folder, umask 002): objects follow the
+    umask, so another user's push can touch the chunks it reuses (gc's protection) and another
+    user's gc can condemn and put them back. With objects always 0644, a teammate's push that
+    reused one failed with "cannot touch ...: permission denied"."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(256, 256, generator=g), "b": torch.randn(64, generator=g)}
+    ft = {"w": base["w"], "b": base["b"] + 1}  # reuses w's chunk
+    save_file(base, str(tmp_path / "base.safetensors"))
+    save_file(ft, str(tmp_path / "ft.safetensors"))
+    url = str(tmp_path / "store")
+    old = os.umask(0o002)
+    try:
+        ckpt.Store.init(url).push(str(tmp_path / "base.safetensors"), "base")
+        objects = [p for p in (tmp_path / "store" / "objects").rglob("*") if p.is_file()]
+        assert objects and all(p.stat().st_mode & 0o777 == 0o664 for p in objects)
+        if os.geteuid() != 0 or not shutil.which("setpriv"):
+            return  # what follows needs another user: root giving up its powers over others' files
+        for p in objects:
+            os.chown(p, 65534, -1)  # written by someone else, of the same group
+        exe = str(Path(sys.executable).parent / "ckpt")
+        caps = "-dac_override,-fowner,-dac_read_search"
+        as_teammate = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", exe, "--store", url]
+        for args in (["push", str(tmp_path / "ft.safetensors"), "ft", "--base", "base"], ["rm", "base"],
+                     ["gc", "--grace", "0s"], ["verify"]):
+            r = subprocess.run(as_teammate + args, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, (args, r.stderr)
+    finally:
+        os.umask(old)
+    got = ckpt.Store.open(url).load("ft")
+    assert all(got[k].view(torch.uint8).equal(ft[k].view(torch.uint8)) for k in ft)
+
+
+def test_two_pushes_storing_one_chunk_differently_keep_every_checkpoint_whole(tmp_path, monkeypatch):
+    """Push A stores a fine-tune whole; push B, which looked for its chunks before A wrote them,
+    stores the same chunks as deltas against a base. The first blob stays and B records it: with
+    B's blob renamed over A's, A's manifest named no base for a chunk that needed one, and once B
+    and the base were removed, gc freed that base and A could no longer load."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(128, 512, generator=g)}
+    ft = {"w": base["w"] + 1e-3 * torch.randn(128, 512, generator=g)}
+    save_file(ft, str(tmp_path / "ft.safetensors"))
+    store = ckpt.Store.init(str(tmp_path / "store"), settings=ckpt.Settings.from_env(chunk_size=64 * 1024))
+    store.push(base, "base")
+    a = store.push(str(tmp_path / "ft.safetensors"), "a/ft", delta=False)
+    assert a.manifest is not None
+    backend = store.objects.backend
+    written_by_a = {store.objects.path("chunks", c) for c in a.manifest.tensors[0].chunks}
+    real_touch, looked = backend.touch, set()
+
+    def touch_as_before_a_wrote(path: str) -> bool:  # B's first look at A's chunks came before A wrote them
+        if path in written_by_a and path not in looked:
+            looked.add(path)
+            return False
+        return real_touch(path)
+
+    monkeypatch.setattr(backend, "touch", touch_as_before_a_wrote)
+    store.push(str(tmp_path / "ft.safetensors"), "b/ft", base="base")
+    assert looked == written_by_a  # B encoded A's chunks as deltas of its own
+    monkeypatch.undo()
+    for ref in ("b/ft", "base"):
+        store.remove(ref)
+    store.gc(grace_s=0)
+    got = ckpt.Store.open(str(tmp_path / "store")).load("a/ft")
+    assert got["w"].view(torch.uint8).equal(ft["w"].view(torch.uint8))
+    report = store.verify()
+    assert report.ok, report

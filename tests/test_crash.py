@@ -546,7 +546,7 @@ def test_gc_after_random_crashes_frees_garbage_and_keeps_refs(campaign: Campaign
 # (os function, path fragment, nth matching call, before/after the call, pushes committed)
 INJECTIONS = {
     "torn-chunk-temp": ("write", "/objects/chunks/", 1, "during", 0),
-    "after-3rd-chunk-lands": ("replace", "/objects/chunks/", 3, "after", 0),
+    "after-3rd-chunk-lands": ("link", "/objects/chunks/", 3, "after", 0),  # a chunk takes its name by link()
     "before-2nd-manifest": ("replace", "/objects/manifests/", 2, "before", 1),
     "after-2nd-manifest": ("replace", "/objects/manifests/", 2, "after", 1),
     "before-2nd-ref-link": ("link", "/refs/", 2, "before", 1),

@@ -89,3 +89,40 @@ def test_processes_pushing_at_once_lose_nothing(workers, pushes, s3_main, tmp_pa
     chunk_sets = [{c for t in store.manifest(cid).tensors if t.name == "common" for c in t.chunks}
                   for ids in results for cid in ids]
     assert all(s == chunk_sets[0] for s in chunk_sets)
+
+
+def test_two_pushes_storing_one_chunk_differently_keep_every_checkpoint_whole(s3_url, tmp_path, monkeypatch):
+    """As tests/test_concurrency.py's test of that name, on S3: push B looked for its chunks
+    before push A wrote them and stores them as deltas. A's blobs stay (If-None-Match) and B
+    records them; with B's PUTs landing last, A could no longer load once B and its base went."""
+    import torch
+    from safetensors.torch import save_file
+
+    import ckpt
+
+    g = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(128, 512, generator=g)}
+    ft = {"w": base["w"] + 1e-3 * torch.randn(128, 512, generator=g)}
+    save_file(ft, str(tmp_path / "ft.safetensors"))
+    store = ckpt.Store.init(s3_url, settings=ckpt.Settings.from_env(chunk_size=64 * 1024))
+    store.push(base, "base")
+    a = store.push(str(tmp_path / "ft.safetensors"), "a/ft", delta=False)
+    assert a.manifest is not None
+    written_by_a = set(a.manifest.tensors[0].chunks)
+    real_presence, looked = store.objects.presence, set()
+
+    def presence_as_before_a_wrote(kind, lookups):  # B's look at A's chunks came before A wrote them
+        stored = real_presence(kind, lookups)
+        return lambda oid: False if oid in written_by_a and not looked.add(oid) else stored(oid)
+
+    monkeypatch.setattr(store.objects, "presence", presence_as_before_a_wrote)
+    store.push(str(tmp_path / "ft.safetensors"), "b/ft", base="base")
+    assert looked == written_by_a  # B encoded A's chunks as deltas of its own
+    monkeypatch.setattr(store.objects, "presence", real_presence)
+    for ref in ("b/ft", "base"):
+        store.remove(ref)
+    store.gc(grace_s=0)
+    got = ckpt.Store.open(s3_url).load("a/ft")
+    assert got["w"].view(torch.uint8).equal(ft["w"].view(torch.uint8))
+    report = store.verify()
+    assert report.ok, report

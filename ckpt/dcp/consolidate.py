@@ -206,7 +206,7 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
     items = _selected(m, include)
     target = file_target(store, dest, "model.safetensors", overwrite)
     if is_torch_name(target):
-        write_torch(target, load_dcp(store, m, include, progress), {})
+        write_torch(target, load_dcp(store, m, include, progress), {}, overwrite)
         return target
     meta = m.files[0].metadata if m.files else None
     head, order = build_header([(t.fqn, t.dtype, t.size, t.nbytes) for t in items], meta)
@@ -240,5 +240,5 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
                     size = 0
             flush()
 
-    write_files([target], fill)
+    write_files([target], fill, overwrite)
     return target

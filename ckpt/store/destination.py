@@ -188,9 +188,11 @@ def _makedirs(d: str, made: list[str]) -> None:
     made.append(d)
 
 
-def write_files(targets: Sequence[str], fill: Callable[[list[str]], None]) -> None:
+def write_files(targets: Sequence[str], fill: Callable[[list[str]], None], overwrite: bool = True) -> None:
     """Write ``targets`` all or nothing: ``fill`` writes (and fsyncs) each file under the
-    temporary name given for it; then every temporary is renamed over its target.
+    temporary name given for it; then every temporary is renamed over its target. Without
+    ``overwrite`` a temporary takes its target's name only if nothing is there (another
+    program may have made a file there since the checks): else :class:`DestinationExistsError`.
 
     On any failure (an error, a corrupt chunk, Ctrl-C) the temporaries and the
     directories made for them are removed and the targets are as they were. A target
@@ -205,7 +207,7 @@ def write_files(targets: Sequence[str], fill: Callable[[list[str]], None]) -> No
                 _makedirs(os.path.dirname(t), made)
             fill(tmps)
             with _placing_files():
-                _replace_all(tmps, targets)
+                _replace_all(tmps, targets, overwrite)
             for d in sorted({os.path.dirname(t) for t in targets}):
                 _fsync_dir(d)
         except OSError as e:
@@ -254,7 +256,21 @@ def abandon() -> bool:
 _OLD = ".ckpt-old-"
 
 
-def _replace_all(tmps: Sequence[str], targets: Sequence[str]) -> None:
+def _link_new(tmp: str, target: str) -> bool:
+    """Give ``tmp``'s file the name ``target`` only if nothing has that name: True once done (the
+    temporary's name removed); False where the filesystem refuses links (then a rename does it).
+    Raises :class:`DestinationExistsError` when something took the name first."""
+    try:
+        os.link(tmp, target, follow_symlinks=False)
+    except FileExistsError:
+        raise DestinationExistsError(f"{target} exists (made while this pull ran)", hint="pass --force to replace it") from None
+    except OSError:
+        return False
+    _remove_quietly(tmp)
+    return True
+
+
+def _replace_all(tmps: Sequence[str], targets: Sequence[str], overwrite: bool = True) -> None:
     """Rename each temporary over its target, all or none: a file (or link) at a target is first
     kept under a backup name beside it (a hard link: the target stays in place meanwhile; a
     rename where links are refused), so that a failure part way puts every target back as it
@@ -268,8 +284,12 @@ def _replace_all(tmps: Sequence[str], targets: Sequence[str]) -> None:
             if os.path.lexists(t):
                 if os.path.isdir(t) and not os.path.islink(t):  # appeared since the checks: never moved
                     raise IsADirectoryError(errno.EISDIR, "a directory is in the way", t)
+                if not overwrite:  # appeared since the checks
+                    raise DestinationExistsError(f"{t} exists (made while this pull ran)", hint="pass --force to replace it")
                 old = temp_name(t, _OLD)
             done.append((t, old, os.lstat(tmp).st_ino))
+            if not overwrite and _link_new(tmp, t):
+                continue
             if old is not None:
                 try:
                     os.link(t, old, follow_symlinks=False)
@@ -300,12 +320,12 @@ def _replace_all(tmps: Sequence[str], targets: Sequence[str]) -> None:
             _remove_quietly(old)
 
 
-def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], None]) -> None:
+def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], None], overwrite: bool = True) -> None:
     """Write a directory checkpoint's files. A new ``dest`` is built beside it and renamed
     into place (it appears only when complete); an existing one is written into with
     :func:`write_files`."""
     if os.path.isdir(dest):
-        write_files(targets, fill)
+        write_files(targets, fill, overwrite)
         return
     tmp_dir = temp_name(dest)
     inner = [os.path.join(tmp_dir, os.path.relpath(t, dest)) for t in targets]
@@ -534,7 +554,7 @@ def is_torch_name(path: str) -> bool:
     return path.lower().endswith(STATE_DICT_SUFFIXES)
 
 
-def write_torch(target: str, tensors: dict[str, torch.Tensor], values: dict[str, Any]) -> None:
+def write_torch(target: str, tensors: dict[str, torch.Tensor], values: dict[str, Any], overwrite: bool = True) -> None:
     """Write ``tensors`` and JSON ``values`` as one flat dict to torch file ``target``, atomically.
 
     Everything in it (tensors and JSON types) loads with ``torch.load(weights_only=True)``.
@@ -567,4 +587,4 @@ def write_torch(target: str, tensors: dict[str, torch.Tensor], values: dict[str,
                 raise
             _finish(f.fileno(), flusher, ok=True)
 
-    write_files([target], fill)
+    write_files([target], fill, overwrite)

@@ -90,12 +90,14 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
     if m.source != "hf-dir" and len(m.files) == 1:
         target = file_target(store, dest, os.path.basename(m.files[0].path), overwrite)
         if is_torch_name(target):
-            write_torch(target, load_manifest(store, m, None, progress, f"checkpoint {ref}"), _values(m))
+            write_torch(target, load_manifest(store, m, None, progress, f"checkpoint {ref}"), _values(m), overwrite)
         else:
-            write_files([target], lambda tmps: _write_files(store, m, [(m.files[0], tmps[0])], progress, what=f"checkpoint {ref}"))
+            write_files([target], lambda tmps: _write_files(store, m, [(m.files[0], tmps[0])], progress, what=f"checkpoint {ref}"),
+                        overwrite)
         return target
     root, targets = dir_targets(store, dest, [f.path for f in m.files], overwrite)
-    write_dir(root, targets, lambda paths: _write_files(store, m, list(zip(m.files, paths)), progress, what=f"checkpoint {ref}"))
+    write_dir(root, targets, lambda paths: _write_files(store, m, list(zip(m.files, paths)), progress, what=f"checkpoint {ref}"),
+              overwrite)
     return root
 
 
@@ -112,7 +114,7 @@ def _pull_selected(store: Store, m: Manifest, dest: str, include: list[str], ove
     check_unique(tensors, "pull without --include: each file is written as it was pushed")
     target = file_target(store, dest, "model.safetensors", overwrite)
     if is_torch_name(target):
-        write_torch(target, load_manifest(store, m, include, progress, "the selected tensors"), {})
+        write_torch(target, load_manifest(store, m, include, progress, "the selected tensors"), {}, overwrite)
         return target
     meta = next((f.metadata for f in m.files if f.kind == "safetensors" and f.metadata), None)
     head, order = build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in tensors], meta)
@@ -129,5 +131,5 @@ def _pull_selected(store: Store, m: Manifest, dest: str, include: list[str], ove
         return found
 
     entry = FileEntry("selected.safetensors", "safetensors", size, (), len(head), meta)
-    write_files([target], lambda tmps: _write_files(store, m, [(entry, tmps[0])], progress, tasks))
+    write_files([target], lambda tmps: _write_files(store, m, [(entry, tmps[0])], progress, tasks), overwrite)
     return target

@@ -232,20 +232,10 @@ def push_source(
         bundles=bundle,
     )
     results = results + bundled
-    if not aliases:
-        mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name)
-    else:
-        # Aliases (RUN/latest) first: a process killed between the two ref writes then
-        # leaves latest naming the newest durable snapshot, only its step ref missing,
-        # rather than latest lagging one snapshot behind (found by tests/test_crash_more.py).
-        if name is not None:
-            validate_ref_name(name)
-        mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), None)
-        for alias in aliases:
-            store.refs_db.set(alias, mid, alias=True)
-        if name is not None:
-            store.refs_db.set(name, mid)
-        store.objects.backend.flush()
+    # Aliases (RUN/latest) first: a process killed between the two ref writes then leaves
+    # latest naming the newest durable snapshot, only its step ref missing, rather than
+    # latest lagging one snapshot behind (found by tests/test_crash_more.py).
+    mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name, aliases)
     return PushResult(
         id=mid,
         chunks=len(results),

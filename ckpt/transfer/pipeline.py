@@ -34,6 +34,7 @@ from ckpt.format.manifest import Manifest, TensorEntry, split_lengths
 from ckpt.progress import NullProgress, Progress
 from ckpt.settings import Settings
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
+from ckpt_store.storage.index import creates_are_exclusive
 from ckpt_store.storage.objects import ObjectStore, object_id
 
 log = logging.getLogger(__name__)
@@ -532,10 +533,20 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
     slots = threading.BoundedSemaphore(max(2, min(2 * io_workers, (settings.inflight_mb << 20) // settings.chunk_size)))
     writes: list[Future[None]] = []
     writes_lock = threading.Lock()
+    # Two pushes may encode one new chunk differently (against other bases, or whole) at once.
+    # Where creates are exclusive (a local store: link(); S3: If-None-Match), the first blob stays
+    # and the other push records the stored blob's chain: with the last write winning, a manifest
+    # could name a chain its blob does not decode with, and gc would free the base the blob needs.
+    exclusive = objects.backend.touches or creates_are_exclusive(objects.backend)
+    lost: set[str] = set()
 
-    def write(path: str, blob: tuple[bytes | memoryview, ...]) -> None:
+    def write(path: str, oid: str, blob: tuple[bytes | memoryview, ...]) -> None:
         try:
-            objects.backend.write(path, blob)
+            if not exclusive:
+                objects.backend.write(path, blob)
+            elif not objects.backend.create_exclusive(path, blob):
+                with writes_lock:
+                    lost.add(oid)
         finally:
             slots.release()
 
@@ -570,7 +581,7 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
                            base=base_bytes, base_id=task.base if base_bytes is not None else None)
         slots.acquire()
         try:
-            fut = io.submit(write, path, enc.parts)
+            fut = io.submit(write, path, oid, enc.parts)
         except BaseException:
             slots.release()
             raise
@@ -583,6 +594,10 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
                                batch=BATCH_BYTES)
         for f in writes:
             f.result()  # durable, or the first write error
+        for i, r in enumerate(results):
+            if r.id in lost:  # another writer's blob is the one stored
+                codec, chain = stored_chain(objects, r.id)
+                results[i] = PutResult(r.id, r.length, 0, codec, chain)
         return results
     finally:
         io.shutdown(wait=True, cancel_futures=True)  # after an error or Ctrl-C: no write queued behind it

@@ -138,7 +138,7 @@ class Backend(ABC):
         return done
 
     @abstractmethod
-    def create_exclusive(self, path: str, data: bytes) -> bool:
+    def create_exclusive(self, path: str, data: Data) -> bool:
         """Atomically create ``path`` only if absent. Returns False if it existed."""
 
     def create_exclusive_cache(self, path: str, data: bytes) -> bool:

@@ -86,7 +86,8 @@ class FsspecBackend(Backend):
     # lock makes it exact across that process's threads.
     _create_lock = threading.Lock()
 
-    def create_exclusive(self, path: str, data: bytes) -> bool:
+    def create_exclusive(self, path: str, data: Data) -> bool:
+        data = joined(data)
         p = self._p(path)
         with self._create_lock:
             if self.fs.exists(p):

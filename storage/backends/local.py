@@ -94,7 +94,7 @@ class LocalBackend(Backend):
         d = os.path.dirname(final)
         self._ensure_dir(d)
         tmp = os.path.join(d, f"{TEMPORARY}{uuid.uuid4().hex}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as open() does: the umask decides (a team store: 002)
         try:
             for part in data if isinstance(data, tuple) else (data,):
                 view = memoryview(part).cast("B")
@@ -235,14 +235,14 @@ class LocalBackend(Backend):
             finally:
                 os.close(fd)
 
-    def create_exclusive(self, path: str, data: bytes) -> bool:
+    def create_exclusive(self, path: str, data: Data) -> bool:
         return self._create(path, data, sync=True)
 
     def create_exclusive_cache(self, path: str, data: bytes) -> bool:
         # Not fsynced: a crash may leave it empty or partial, which its reader detects (a cache).
         return self._create(path, data, sync=False)
 
-    def _create(self, path: str, data: bytes, sync: bool) -> bool:
+    def _create(self, path: str, data: Data, sync: bool) -> bool:
         final = self._p(path)
         try:
             tmp = self._write_temp(final, data, sync)

@@ -463,13 +463,14 @@ class S3Backend(Backend):
                 log.debug("abort of multipart upload %s failed", up)
             raise
 
-    def create_exclusive(self, path: str, data: bytes) -> bool:
+    def create_exclusive(self, path: str, data: Data) -> bool:
         """Create ``path`` only if absent (``If-None-Match: *``); True if this call created it.
 
         A 412 is read back: the object may be ours, from an attempt whose success
         response was lost before the retry that got the 412. ``data`` must be unique to
         this call for that to tell the two apart (ref entries carry a writer token).
         """
+        data = joined(data)
         if not self.conditional_writes:
             return self._create_unconditional(path, data)
 

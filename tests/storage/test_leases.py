@@ -174,3 +174,37 @@ def test_a_lease_that_cannot_be_read_stops_gc(s3_url, tmp_path):
     exe = Path(sys.executable).parent / "ckpt"
     r = subprocess.run([str(exe), "--store", s3_url, "gc", "--grace", "0s"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "lease that cannot be read" in r.stderr
+
+
+def test_a_gc_before_an_alias_moves_cannot_break_a_snapshot_reusing_old_chunks(s3_url, tmp_path, monkeypatch):
+    """A snapshot push moves RUN/latest and its step ref: a gc run between the manifest and those
+    refs (here, in another process, just before the first ref moves) must keep what it reuses."""
+    from ckpt.store.push import push_source
+    from ckpt.store.sources import from_tensors
+
+    store = ckpt.Store.init(s3_url, settings=ckpt.Settings.from_env(chunk_size=64 * 1024))
+    a, _, b_tensors = _files(tmp_path)
+    store.push(str(a), "a", delta=False)
+    reused = _chunks_of(store, "a")
+    store.remove("a")  # its chunks are garbage now, old enough for a gc with no grace period
+    tensors = {"w": b_tensors["w"]}  # stored whole in a
+    real_set = store.refs_db.set
+    gcs: list[subprocess.CompletedProcess[str]] = []
+
+    def set_after_a_gc(*args: object, **kwargs: object) -> object:
+        if not gcs:
+            exe = Path(sys.executable).parent / "ckpt"
+            gcs.append(subprocess.run([str(exe), "--store", s3_url, "gc", "--grace", "0s"], capture_output=True,
+                                      text=True, timeout=120))
+        return real_set(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store.refs_db, "set", set_after_a_gc)
+    src = from_tensors(tensors, "snapshot", {}, None, {}, None)
+    push_source(store, src, "run/step-1", aliases=("run/latest",))
+    assert gcs and gcs[0].returncode == 0, gcs
+    assert reused & _chunks_of(store, "run/latest")  # the snapshot did reuse the removed ref's chunks
+    for ref in ("run/latest", "run/step-1"):
+        _same(ckpt.Store.open(s3_url), ref, tensors)
+    report = store.verify()
+    assert report.ok, report
+    assert _locks(store) == []

@@ -359,14 +359,16 @@ def test_a_large_pull_stops_its_flushing_whether_it_succeeds_or_fails(tmp_path, 
     save_file(tensors, str(src))
     store.push(str(src), "big")
     calls = _recording(monkeypatch)
-    real_replace = os.replace
     fsynced_before_rename: list[bool] = []
 
-    def replace(a, b):
-        fsynced_before_rename.append(any(k == "fsync" for k, _ in calls))
-        real_replace(a, b)
+    def placing(real):  # a file takes its name by a rename, or by a link where none may be replaced
+        def place(a, b, **kwargs):
+            fsynced_before_rename.append(any(k == "fsync" for k, _ in calls))
+            real(a, b, **kwargs)
+        return place
 
-    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "replace", placing(os.replace))
+    monkeypatch.setattr(os, "link", placing(os.link))
     out = tmp_path / "out.safetensors"
     store.pull("big", out)
     assert out.read_bytes() == src.read_bytes()
@@ -542,3 +544,40 @@ def test_a_rename_that_fails_after_the_backup_leaves_no_backup(tmp_path):
         import shutil
 
         shutil.rmtree(other, ignore_errors=True)
+
+
+@pytest.mark.parametrize("what", ["file", "pt", "dir"])
+def test_a_file_made_at_the_destination_while_a_pull_runs_is_kept(store, model_dir, tmp_path, monkeypatch, what):
+    """Without --force a pull checks its destination first, then writes for as long as the
+    transfer takes: a file another program makes there meanwhile is not replaced (it was, by
+    the rename into place), and the pull fails saying so, leaving nothing of its own."""
+    import ckpt.store.pull as pull_module
+
+    if what == "dir":
+        store.push(model_dir, "ref")
+        dest = tmp_path / "dest"
+        dest.mkdir()
+        target = dest / "config.json"
+    else:
+        store.push(model_dir / "model.safetensors", "ref")
+        dest = target = tmp_path / ("out.pt" if what == "pt" else "out.safetensors")
+    real_write, real_torch = pull_module._write_files, pull_module.write_torch
+
+    def made_meanwhile() -> None:
+        target.write_bytes(b"written by someone else while the pull ran")
+
+    def write_files_then_another_program(*args, **kwargs):
+        real_write(*args, **kwargs)
+        made_meanwhile()
+
+    def write_torch_after_another_program(*args, **kwargs):
+        made_meanwhile()
+        real_torch(*args, **kwargs)
+
+    monkeypatch.setattr(pull_module, "_write_files", write_files_then_another_program)
+    monkeypatch.setattr(pull_module, "write_torch", write_torch_after_another_program)
+    with pytest.raises(DestinationExistsError, match="while this pull ran"):
+        store.pull("ref", dest)
+    assert target.read_bytes() == b"written by someone else while the pull ran"
+    left = sorted(p.name for p in target.parent.iterdir())
+    assert left == (["config.json"] if what == "dir" else sorted(["model", "store", target.name]))
