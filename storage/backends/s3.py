@@ -434,14 +434,13 @@ class S3Backend(Backend):
         cond = {"IfNoneMatch": "*"} if create else {}
         key = self._key(path)
         direct = self._direct
-        if len(blob) < MULTIPART_THRESHOLD and create:
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=blob, **cond)  # a create: its 412 is botocore's to read
-            return
         if len(blob) < MULTIPART_THRESHOLD:
-            r, _ = direct.call(PUT, key, lambda: direct.put(key, blob), (200,),
-                               lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=blob))
+            r, _ = direct.call(PUT, key, lambda: direct.put(key, blob, create=create), (200, 412) if create else (200,),
+                               lambda: self.client.put_object(Bucket=self.bucket, Key=key, Body=blob, **cond))
             if r is not None:
                 direct.finish(r)
+                if r.status_code == 412:  # (a create of an object that exists: as the client would raise it)
+                    raise FileExistsError(errno.EEXIST, "the object exists (HTTP 412)", path)
             return
         part = MULTIPART_THRESHOLD // 2
         up = self.client.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]

@@ -488,9 +488,13 @@ def test_puts_after_the_first_go_out_directly_their_payload_signed(s3_server, mo
         b.write(k, (v[:1000], memoryview(v)[1000:]))  # Data: a tuple of buffers
     assert through_client == [b._key(AWKWARD[0])] and b._direct.sent["PutObject"] == len(AWKWARD) - 1
     assert [r.headers["X-Amz-Content-SHA256"] for r in sent] == [hashlib.sha256(v).hexdigest() for v in list(data.values())[1:]]
-    assert b.create_exclusive("refs/r/0000000001.ref", b"mine")  # a conditional create: always botocore's
+    # a conditional create (a new chunk, a ref entry) goes directly too, its 412 read here
+    assert b.create_exclusive("refs/r/0000000001.ref", b"mine")
     assert not b.create_exclusive("refs/r/0000000001.ref", b"theirs")
-    assert len(through_client) == 3 and b._direct.sent["PutObject"] == len(AWKWARD) - 1
+    assert b.read("refs/r/0000000001.ref") == b"mine"
+    assert through_client == [b._key(AWKWARD[0])] and b._direct.sent["PutObject"] == len(AWKWARD) + 1
+    puts = [r for r in sent if r.method == "PUT"]
+    assert [r.headers.get("If-None-Match") for r in puts] == [None] * (len(AWKWARD) - 1) + ["*", "*"]
     for k, v in data.items():  # read back through botocore itself
         assert b.client.get_object(Bucket=b.bucket, Key=b._key(k))["Body"].read() == v
 
