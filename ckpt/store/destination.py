@@ -28,9 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import logging
 import os
+import re
 import shutil
+import stat
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -45,13 +50,23 @@ if TYPE_CHECKING:
 
     from ckpt.store.store import Store
 
+log = logging.getLogger(__name__)
+
 _TMP = ".ckpt-tmp-"
+_TMP_TAIL = re.compile(r"[0-9a-f]{8}")  # what temp_name adds after the tag
 
 # This process's temporaries in destinations (files and folders not yet renamed into place or
 # removed), and how many renames into place are under way: what a process ending at once
 # removes (:func:`abandon`), and when it must not end.
 _pending: set[str] = set()
 _placing = 0
+# A temporary is locked (flock) by the process writing it, from its creation until it is renamed
+# into place or removed: one no process holds was left by a pull that was killed, and the next
+# pull to the same name removes it (:func:`sweep_left`). Path -> a descriptor holding the lock.
+_locks: dict[str, int] = {}
+_locks_guard = threading.Lock()
+# A temporary younger than this is never swept: it may be between its creation and its lock.
+_SWEEP_MIN_AGE_S = 10.0
 
 
 def store_root(store: Store) -> str | None:
@@ -157,6 +172,68 @@ def dir_targets(store: Store, dest: str, paths: Sequence[str], overwrite: bool) 
     return dest, targets
 
 
+def _lock_temp(path: str, fd: int) -> None:
+    """Hold ``fd``'s file (a temporary just created, or its folder) locked until :func:`_unlock_temps`."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (new: nobody else holds it)
+    except OSError:
+        return  # a filesystem without locks: nothing there is ever swept either
+    with _locks_guard:
+        _locks[path] = os.dup(fd)  # the lock lives as long as any descriptor of the file stays open
+
+
+def _unlock_temps(paths: Sequence[str]) -> None:
+    with _locks_guard:
+        fds = [_locks.pop(p) for p in paths if p in _locks]
+    for fd in fds:
+        os.close(fd)
+
+
+def sweep_left(final: str) -> None:
+    """Remove what killed pulls left beside ``final``: temporaries of its name (files, or a
+    directory checkpoint's folder) that no live process holds locked. A pull removes its own on
+    any failure it lives through; a SIGKILL, a crash or a power cut leaves them, as large as
+    the file had grown, under a hidden name no later pull would otherwise touch. Only names
+    :func:`temp_name` makes for ``final`` are considered; links, other kinds of file, and
+    anything locked or younger than a few seconds are left alone."""
+    d, base = os.path.split(final)
+    prefix = f".{os.fsdecode(os.fsencode(base)[:200])}{_TMP}"
+    try:
+        names = [n for n in os.listdir(d or ".") if n.startswith(prefix) and _TMP_TAIL.fullmatch(n[len(prefix):])]
+    except OSError:
+        return  # (no such folder yet, say: nothing left there)
+    for n in names:
+        path = os.path.join(d, n)
+        with _locks_guard:
+            if path in _locks:
+                continue  # this process's own
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError:
+            continue  # a link (ELOOP), gone meanwhile, unreadable: not ours to remove
+        try:
+            st = os.fstat(fd)
+            folder = stat.S_ISDIR(st.st_mode)
+            if not (folder or stat.S_ISREG(st.st_mode)) or time.time() - st.st_mtime < _SWEEP_MIN_AGE_S:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a pull under way holds it
+            try:
+                if folder:
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+            except OSError as e:
+                log.warning("could not remove %s, left by an interrupted pull: %s", path, e.strerror or e)
+                continue
+            log.warning("removed %s, left by an interrupted pull (%s)", path,
+                        "a folder" if folder else f"{st.st_size:,} bytes")
+        finally:
+            os.close(fd)
+
+
 def temp_name(final: str, tag: str = _TMP) -> str:
     """A temporary name in ``final``'s directory (so the rename into place is atomic).
 
@@ -205,6 +282,7 @@ def write_files(targets: Sequence[str], fill: Callable[[list[str]], None], overw
         try:
             for t in targets:
                 _makedirs(os.path.dirname(t), made)
+                sweep_left(t)
             fill(tmps)
             with _placing_files():
                 _replace_all(tmps, targets, overwrite)
@@ -224,6 +302,7 @@ def write_files(targets: Sequence[str], fill: Callable[[list[str]], None], overw
         raise
     finally:
         _pending.difference_update(tmps)
+        _unlock_temps(tmps)
 
 
 @contextlib.contextmanager
@@ -334,7 +413,13 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
     try:
         try:
             _makedirs(os.path.dirname(os.path.abspath(dest)), made)
+            sweep_left(dest)
             os.mkdir(tmp_dir)
+            fd = os.open(tmp_dir, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                _lock_temp(tmp_dir, fd)
+            finally:
+                os.close(fd)
             for t in inner:
                 os.makedirs(os.path.dirname(t), exist_ok=True)
             fill(inner)
@@ -355,6 +440,7 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
         raise
     finally:
         _pending.discard(tmp_dir)
+        _unlock_temps([tmp_dir, *inner])
 
 
 class OutputFile:
@@ -510,8 +596,15 @@ class _Flushing:
 
 
 def create_new(path: str) -> int:
-    """Open a new file for writing; an error if anything (file, link, FIFO) is already there."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    """Open a new file for writing (a temporary of :func:`write_files`, locked as this process's until
+    it is renamed into place or removed); an error if anything (file, link, FIFO) is already there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        _lock_temp(path, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _sync_file_range() -> object:

@@ -581,3 +581,110 @@ def test_a_file_made_at_the_destination_while_a_pull_runs_is_kept(store, model_d
     assert target.read_bytes() == b"written by someone else while the pull ran"
     left = sorted(p.name for p in target.parent.iterdir())
     assert left == (["config.json"] if what == "dir" else sorted(["model", "store", target.name]))
+
+
+# -- what a killed pull leaves -------------------------------------------------------------
+_KILLED_PULL = """
+import os, signal, sys
+import ckpt, ckpt.store.destination as destination
+def killed():  # the files are complete under their temporary names, about to be renamed into place
+    os.kill(os.getpid(), signal.SIGKILL)
+destination._placing_files = killed
+ckpt.Store.open(sys.argv[1]).pull(sys.argv[2], sys.argv[3], overwrite=sys.argv[4] == "1")
+"""
+
+
+def _left_temporaries(d: Path) -> list[Path]:
+    return sorted(p for p in d.iterdir() if ".ckpt-tmp-" in p.name)
+
+
+def _age(p: Path, seconds: float = 60.0) -> None:
+    t = os.lstat(p).st_mtime - seconds
+    os.utime(p, (t, t), follow_symlinks=False)
+
+
+@pytest.mark.parametrize("what", ["file", "folder", "file over an old one"])
+def test_the_next_pull_removes_what_a_killed_pull_left(store, model_dir, tmp_path, what):
+    """A SIGKILLed pull leaves its complete temporaries under hidden names (as large as the
+    checkpoint); the next pull to the same name removes them, and only them."""
+    import subprocess
+    import sys
+
+    if what == "folder":
+        store.push(model_dir, "ref")
+        dest = tmp_path / "out"
+    else:
+        store.push(model_dir / "model.safetensors", "ref")
+        dest = tmp_path / "out" / "model.safetensors"
+        dest.parent.mkdir()
+        if what == "file over an old one":
+            dest.write_bytes(b"the old file")
+    (dest.parent / "keep.txt").write_text("precious")
+    (dest.parent / f".{dest.name}.ckpt-old-12345678").write_text("a backup: never swept")
+    killed = subprocess.run([sys.executable, "-c", _KILLED_PULL, str(store.url), "ref", str(dest),
+                             "1" if what == "file over an old one" else "0"], capture_output=True)
+    assert killed.returncode == -9, killed.stderr.decode()
+    (left,) = _left_temporaries(dest.parent)
+    assert left.is_dir() == (what == "folder")
+    if what == "file over an old one":
+        assert dest.read_bytes() == b"the old file"
+    else:
+        assert not dest.exists()
+    store.pull("ref", dest, overwrite=True)  # the temporary is a few seconds old at most: kept
+    assert left.exists()
+    _age(left)
+    (dest.parent / "keep.txt").write_text("precious")
+    _remove(dest)
+    store.pull("ref", dest)
+    assert not left.exists() and _left_temporaries(dest.parent) == []
+    assert (dest.parent / "keep.txt").read_text() == "precious"
+    assert (dest.parent / f".{dest.name}.ckpt-old-12345678").read_text() == "a backup: never swept"
+    src = model_dir if what == "folder" else model_dir / "model.safetensors"
+    if what == "folder":
+        assert _tree(dest) == _tree(src)
+    else:
+        assert dest.read_bytes() == src.read_bytes()
+
+
+def _remove(p: Path) -> None:
+    import shutil
+
+    if p.is_dir():
+        shutil.rmtree(p)
+    else:
+        p.unlink()
+
+
+def test_a_temporary_a_live_pull_holds_is_never_swept(tmp_path):
+    """Only temporaries no process holds are removed: a pull under way keeps its own, however
+    old; links and other kinds of file named like temporaries are left alone too."""
+    import subprocess
+    import sys
+
+    from ckpt.store.destination import sweep_left, temp_name
+
+    target = str(tmp_path / "model.safetensors")
+    live = temp_name(target)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time, ckpt.store.destination as d\n"
+        f"fd = d.create_new({live!r}); print('ready', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline() == b"ready\n"
+        Path(live).write_bytes(b"half a model")
+        _age(Path(live))
+        link = Path(temp_name(target))
+        link.symlink_to(tmp_path / "elsewhere")
+        (tmp_path / "elsewhere").write_text("not a temporary")
+        _age(link)
+        fifo = temp_name(target)
+        os.mkfifo(fifo)
+        _age(Path(fifo))
+        sweep_left(target)
+        assert Path(live).read_bytes() == b"half a model" and link.is_symlink() and Path(fifo).exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    sweep_left(target)  # its process is gone: the temporary is swept, the rest stays
+    assert not os.path.lexists(live) and link.is_symlink() and Path(fifo).exists()
+    assert (tmp_path / "elsewhere").read_text() == "not a temporary"
