@@ -260,7 +260,12 @@ class LocalBackend(Backend):
             _unlink_quiet(tmp)
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(self._p(path))
+        # A regular file only (a link to one may be read: _open_read): a folder or a FIFO in
+        # place of an object cannot be read, so ls and du must not take the object as held.
+        try:
+            return stat.S_ISREG(os.stat(self._p(path)).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
 
     def size(self, path: str) -> int:
         return os.stat(self._p(path)).st_size
