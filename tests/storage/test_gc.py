@@ -365,3 +365,31 @@ def test_a_dry_run_plans_with_what_a_killed_gc_left_condemned_as_the_real_run_wi
     assert sorted(dry.deleted, key=str) == sorted(real.deleted, key=str) and gone in {d.name for d in real.deleted}
     assert (dry.live_chunks, dry.young) == (real.live_chunks, real.young)
     assert store.verify().ok
+
+
+@pytest.mark.parametrize("index", ["1", "0"])
+@pytest.mark.parametrize("version", ["current", "history"])
+def test_a_dry_run_reads_a_root_manifest_a_killed_gc_left_condemned(version, index, tmp_path, monkeypatch):
+    """A gc killed mid-delete may leave a *root manifest* condemned (``.tmp-gc-<hex>-<id>``): the real
+    run puts it back first and keeps what it names, but the dry run, which writes nothing, looked for it
+    under its name: it failed ("manifest ... is missing") for a current target, and for a history
+    version planned to delete it and its chunks. It now reads it where the recovery will find it."""
+    from ckpt_store.storage.backends.base import CONDEMNED
+
+    monkeypatch.setenv("CKPT_INDEX", index)
+    path = str(tmp_path / "s")
+    store = ckpt.Store.init(path)
+    torch.manual_seed(0)
+    store.push({"w": torch.randn(1000)}, "r")
+    store.push({"w": torch.randn(1000)}, "r")
+    store.ls()  # the index summarises the current target only
+    mid = store.resolve("r" if version == "current" else "r@1")
+    p = os.path.join(path, store.objects.path("manifests", mid))
+    os.rename(p, os.path.join(os.path.dirname(p), f"{CONDEMNED}{'a' * 32}-{mid}"))
+    _age(path, 7200)
+    store = ckpt.Store.open(path)
+    dry = store.gc(grace_s=3600, dry_run=True)
+    real = store.gc(grace_s=3600)
+    assert real.deleted == [] and os.path.exists(p)
+    assert (dry.deleted, dry.live_manifests, dry.live_chunks) == (real.deleted, real.live_manifests, real.live_chunks)
+    assert store.verify().ok
