@@ -41,7 +41,8 @@ _FULL_ID = re.compile(r"^[0-9a-f]{64}\Z")
 def remote_options(settings: Settings) -> dict[str, Any]:
     """What a remote backend (S3) takes from the settings: concurrency, retries, conditional writes, direct requests."""
     return {"concurrency": settings.transfer_concurrency,
-            "retry": RetryPolicy(attempts=settings.retries + 1, base_delay=settings.retry_delay),
+            "retry": RetryPolicy(attempts=settings.retries + 1, base_delay=settings.retry_delay,
+                                 deadline=settings.request_deadline),
             "conditional_writes": settings.conditional_writes, "direct": settings.s3_direct}
 
 
