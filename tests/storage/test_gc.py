@@ -132,6 +132,42 @@ def test_delete_if_stale_deletes_old_and_keeps_touched(tmp_path):
     assert list(b.list("objects")) and not [e for e in b.list("objects") if ".tmp-" in e.path]
 
 
+@pytest.mark.parametrize("when", ["after the rename", "before the link back"])
+def test_a_gc_interrupted_while_an_object_is_condemned_leaves_it_to_be_put_back(when, tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM (both unwind as KeyboardInterrupt in the CLI) landing after gc renamed an
+    object to its condemned name, before it decided, ran the cleanup that unlinks the condemned
+    name: an object a writer had just touched (live from then on) was deleted, where a gc killed
+    there leaves it for the next one to put back. Interrupted, it is now left the same way."""
+    import ckpt_store.storage.backends.local as local
+
+    b = _backend(tmp_path)
+    b.write("objects/chunks/ab/obj", b"data")
+    past = time.time() - 100
+    os.utime(tmp_path / "objects/chunks/ab/obj", (past, past))
+    real_rename, real_stat = os.rename, os.stat
+
+    def rename(src, dst):
+        real_rename(src, dst)
+        os.utime(dst)  # a writer's touch that landed just before the rename: the object is live
+
+    def stat(path, *a, **kw):
+        if when == "after the rename" and ".tmp-gc-" in os.fspath(path):
+            raise KeyboardInterrupt
+        return real_stat(path, *a, **kw)
+
+    def link(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(local.os, "rename", rename)
+    monkeypatch.setattr(local.os, "stat", stat)
+    monkeypatch.setattr(local.os, "link", link)
+    with pytest.raises(KeyboardInterrupt):
+        b.delete_if_stale("objects/chunks/ab/obj", time.time() - 50)
+    monkeypatch.undo()
+    assert b.recover_condemned("objects") == 1
+    assert b.read("objects/chunks/ab/obj") == b"data"
+
+
 def test_a_touch_racing_the_delete_is_never_lost(tmp_path):
     """A writer that touched an object successfully may rely on it: the gc racing it keeps it.
 
