@@ -113,12 +113,22 @@ class ObjectStore:
         try:
             blob = self.backend.read(at or self.path(kind, oid), self.max_chunk_blob if kind == "chunks" else MAX_RECORD_BYTES)
         except FileNotFoundError:
-            raise ObjectNotFoundError(kind[:-1], oid) from None
+            raise self._missing(kind, oid) from None
         except StoreFormatError as e:  # larger than any such object
             raise CorruptObjectError(kind[:-1], oid, str(e)) from None
         if cache is not None:
             cache.put(oid, (blob,))
         return blob
+
+    def _missing(self, kind: str, oid: str) -> ObjectNotFoundError:
+        """The error for an absent object. One a gc stopped part way left condemned is not lost:
+        the error says what puts it back (the next gc's first step), not to look for damage."""
+        hint = None
+        if self.backend.recovers_condemned:
+            where = self.path(kind, oid).rpartition("/")[0]
+            if any(condemned_original(e.path.rpartition("/")[2]) == oid for e in self.backend.list(where)):
+                hint = "a gc stopped part way left it set aside; the next `ckpt gc` puts it back first"
+        return ObjectNotFoundError(kind[:-1], oid, hint=hint)
 
     def size(self, kind: str, oid: str) -> int:
         try:

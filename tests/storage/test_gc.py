@@ -429,3 +429,31 @@ def test_a_dry_run_reads_a_root_manifest_a_killed_gc_left_condemned(version, ind
     assert real.deleted == [] and os.path.exists(p)
     assert (dry.deleted, dry.live_manifests, dry.live_chunks) == (real.deleted, real.live_manifests, real.live_chunks)
     assert store.verify().ok
+
+
+def test_an_object_a_stopped_gc_left_condemned_is_reported_as_set_aside_not_lost(tmp_path):
+    """Until the next gc puts them back, reading a manifest or chunk a stopped gc left condemned said
+    it "is missing from the store" and to run `ckpt verify`, which called the ref damaged: nothing
+    said the data was there, and that `ckpt gc` brings it back. The error now says so."""
+    from ckpt_store.storage.backends.base import CONDEMNED
+    from ckpt_store.storage.errors import ObjectNotFoundError
+
+    path = str(tmp_path / "s")
+    store = ckpt.Store.init(path)
+    torch.manual_seed(0)
+    store.push({"w": torch.randn(1000)}, "r")
+    store.push({"v": torch.randn(10)}, "gone")
+    mid, gone = store.resolve("r"), store.resolve("gone")
+    p = os.path.join(path, store.objects.path("manifests", mid))
+    os.rename(p, os.path.join(os.path.dirname(p), f"{CONDEMNED}{'a' * 32}-{mid}"))
+    os.unlink(os.path.join(path, store.objects.path("manifests", gone)))
+    store = ckpt.Store.open(path)
+    with pytest.raises(ObjectNotFoundError) as e:
+        store.manifest("r")
+    assert "`ckpt gc` puts it back" in str(e.value.hint)
+    with pytest.raises(ObjectNotFoundError) as e:
+        store.manifest("gone")
+    assert "ckpt verify" in str(e.value.hint)  # truly missing: as before
+    store.remove("gone")
+    store.gc(grace_s=3600)
+    assert store.verify().ok and store.manifest("r").tensors[0].name == "w"
