@@ -428,7 +428,10 @@ def copy(
 
 def _copy(refs: list[str], from_: str | None, to: str | None) -> dict[str, Any]:
     """Copy ``refs`` between stores; the copy's result (what --json prints)."""
+    from ckpt.store.copy import check_copy_specs
+
     src = _open(url=from_)
+    check_copy_specs(src, refs)  # a copy that cannot start leaves no new store at --to
     dst = _open(create=True, url=to)
     if src.url == dst.url:
         raise typer.BadParameter("source and destination are the same store")

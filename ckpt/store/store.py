@@ -331,9 +331,10 @@ class Store:
         Only objects ``dest`` lacks travel, verified, in the order chunks, manifests,
         refs; see :func:`ckpt.store.copy.copy_refs`.
         """
-        from ckpt.store.copy import copy_refs
+        from ckpt.store.copy import check_copy_specs, copy_refs
 
         if not isinstance(dest, Store):
+            check_copy_specs(self, refs)  # before a new store is made there
             dest = Store.init(dest, storage_options=storage_options, settings=self.settings)
         return copy_refs(self, dest, refs, progress=progress)
 
