@@ -54,6 +54,10 @@ class Settings:
     # dropped connections, with exponential backoff from retry_delay seconds (full jitter).
     retries: int = 5
     retry_delay: float = 0.2
+    # Remote stores: seconds a request may go without progress (an answer, body bytes), across
+    # its retries: a server that accepts connections and never answers fails after this long,
+    # not after retries x the read timeout; a slow transfer that moves on is never cut by it.
+    request_deadline: float = 60.0
     # Remote stores: exclusive creates (ref entries) use If-None-Match. Turn off only for
     # a server that lacks it; then one writer per ref is required (docs/format.md).
     conditional_writes: bool = True
@@ -152,6 +156,7 @@ def _bounds(s: Settings) -> dict[str, tuple[float | None, float | None]]:
         "base_cache_mb": (0, None),
         "retries": (0, None),
         "retry_delay": (0.0, None),
+        "request_deadline": (0.1, None),
         "inflight_mb": (1, None),
         "cache_mb": (0, None),
     }

@@ -428,7 +428,10 @@ def copy(
 
 def _copy(refs: list[str], from_: str | None, to: str | None) -> dict[str, Any]:
     """Copy ``refs`` between stores; the copy's result (what --json prints)."""
+    from ckpt.store.copy import check_copy_specs
+
     src = _open(url=from_)
+    check_copy_specs(src, refs)  # a copy that cannot start leaves no new store at --to
     dst = _open(create=True, url=to)
     if src.url == dst.url:
         raise typer.BadParameter("source and destination are the same store")
@@ -515,12 +518,16 @@ def diff(
         if not plot.parent.is_dir():
             raise DestinationError(f"--plot {safe(str(plot))}: {safe(str(plot.parent))} is not a folder")
     store = _open() if not (os.path.exists(a) and os.path.exists(b)) else None
+    if plot is not None:  # not inside a store (checked again as it is written)
+        from ckpt.store.destination import check_outside_stores
+
+        check_outside_stores(str(plot), store, "a plot")
     report = run_diff(a, b, store, include=include, exclude=exclude, estimate_delta=not no_estimate, progress=RichProgress())
     if plot is not None:
         from ckpt.diffing.plot import plot_report
 
         try:
-            plot_report(report, plot)
+            plot_report(report, plot, store)
         except OSError as e:
             raise DestinationError(f"cannot write {safe(str(plot))}: {e.strerror or e}") from None
     # diff's one result is its typed report; --json prints report.to_json.

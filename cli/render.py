@@ -97,9 +97,15 @@ def ratio(part: int, whole: int) -> str:
 
 
 def emit_json(obj: Any) -> None:
-    """``--json``: the result as it is (exact text; JSON escapes any control character)."""
+    """``--json``: the result as it is (exact text; JSON escapes any control character), every
+    string valid Unicode (:func:`~ckpt_store.cli.results.strict_json`)."""
+    text = json.dumps(obj, indent=2, sort_keys=True)
+    if "\\ud" in text:  # a surrogate: a lone one (strict_json's work), or half of an escaped pair
+        from ckpt_store.cli.results import strict_json
+
+        text = json.dumps(strict_json(obj), indent=2, sort_keys=True)
     try:
-        sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        sys.stdout.write(text + "\n")
         sys.stdout.flush()
     except BrokenPipeError:
         out.on_broken_pipe()

@@ -7,6 +7,8 @@ can serve them from its cache); none reads a store itself.
 
 from __future__ import annotations
 
+import base64
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -76,3 +78,42 @@ def du_doc(u: Any) -> dict[str, Any]:
         "codecs": {k: {"decoded_bytes": d, "stored_bytes": st} for k, (d, st) in u.by_codec.items()},
         "damaged": u.damaged,
     }
+
+
+_LONE = re.compile("[\ud800-\udfff]")  # in a str from Python: a surrogate that pairs with nothing
+
+
+def _name_bytes(text: str) -> bytes:
+    """The bytes a string that is not valid Unicode stands for: UTF-8, with each U+DC80..U+DCFF (a
+    byte that was not UTF-8, as Python decodes file names and arguments) as that byte, and any other
+    lone surrogate (a \\udXXX escape in a file's JSON header) in its three-byte form."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return b"".join(c.encode("utf-8", "surrogateescape" if 0xDC80 <= ord(c) <= 0xDCFF else "surrogatepass")
+                        for c in text)
+
+
+def strict_json(doc: Any) -> Any:
+    r"""``doc`` (a ``--json`` or ``/api/`` document) with every string valid Unicode, as strict JSON
+    parsers (jq, Go, serde) require: in a name that is not (a file, tensor or folder name from a
+    hostile file, a path given in bytes that are not UTF-8) each lone surrogate becomes U+FFFD, and,
+    as an object's member ``KEY``, the exact bytes go beside it as ``KEY_b64`` (base64). Object keys
+    and array items keep only the replaced text (README, "--json").
+
+    >>> strict_json({"name": "w\udcff"}) == {"name": "w\ufffd", "name_b64": "d/8="}
+    True
+    """
+    if isinstance(doc, str):
+        return _LONE.sub("\ufffd", doc)
+    if isinstance(doc, (list, tuple)):
+        return [strict_json(x) for x in doc]
+    if not isinstance(doc, dict):
+        return doc
+    out: dict[Any, Any] = {}
+    for key, value in doc.items():
+        key = strict_json(key)
+        out[key] = strict_json(value)
+        if isinstance(value, str) and _LONE.search(value) and f"{key}_b64" not in doc:
+            out[f"{key}_b64"] = base64.b64encode(_name_bytes(value)).decode("ascii")
+    return out

@@ -157,14 +157,21 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     roots: set[str] = set()
     live_chunks: set[str] = set()
     listed_m = {i.id for i in listed["manifests"]} if view is not None else set()
+    # In a dry run, a manifest a killed gc left condemned is read where the real run's recovery
+    # finds it (neither the index nor its own name may have it yet).
+    condemned = {i.id: i.condemned for i in listed["manifests"] if i.condemned is not None}
     indexed: list[str] = []
     for mid in dict.fromkeys(r.target for r in found.roots):
-        if mid in listed_m:
+        if mid in listed_m and mid not in condemned:
             roots.add(mid)
             indexed.append(mid)
             continue
+        try:
+            data = objects.get_manifest(mid, at=condemned[mid]) if mid in condemned else None
+        except ObjectNotFoundError:  # put back meanwhile by a gc running now
+            data = None
         # A live manifest that cannot be read stops the plan: nothing is deleted.
-        data = read_root(objects, mid, current=mid in current)
+        data = data if data is not None else read_root(objects, mid, current=mid in current)
         if data is not None:
             roots.add(mid)
             live_chunks |= referenced_chunks(data)

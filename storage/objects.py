@@ -44,6 +44,9 @@ class ObjectInfo:
     id: str
     size: int
     mtime: float
+    # Where a killed gc left it condemned, if it is listed as the object recovery will put back
+    # (inventory's ``as_recovered``): a dry run reads it from there (get_manifest's ``at``).
+    condemned: str | None = None
 
 
 class ObjectStore:
@@ -100,21 +103,32 @@ class ObjectStore:
         self.backend.write(p, blob)
         return True
 
-    def get(self, kind: str, oid: str) -> bytes:
-        cache = self.cache if kind == "chunks" else None
+    def get(self, kind: str, oid: str, *, at: str | None = None) -> bytes:
+        """Object ``oid``, from its own path or from ``at`` (:attr:`ObjectInfo.condemned`)."""
+        cache = self.cache if kind == "chunks" and at is None else None
         if cache is not None:
             blob = cache.get(oid)
             if blob is not None:
                 return blob
         try:
-            blob = self.backend.read(self.path(kind, oid), self.max_chunk_blob if kind == "chunks" else MAX_RECORD_BYTES)
+            blob = self.backend.read(at or self.path(kind, oid), self.max_chunk_blob if kind == "chunks" else MAX_RECORD_BYTES)
         except FileNotFoundError:
-            raise ObjectNotFoundError(kind[:-1], oid) from None
+            raise self._missing(kind, oid) from None
         except StoreFormatError as e:  # larger than any such object
             raise CorruptObjectError(kind[:-1], oid, str(e)) from None
         if cache is not None:
             cache.put(oid, (blob,))
         return blob
+
+    def _missing(self, kind: str, oid: str) -> ObjectNotFoundError:
+        """The error for an absent object. One a gc stopped part way left condemned is not lost:
+        the error says what puts it back (the next gc's first step), not to look for damage."""
+        hint = None
+        if self.backend.recovers_condemned:
+            where = self.path(kind, oid).rpartition("/")[0]
+            if any(condemned_original(e.path.rpartition("/")[2]) == oid for e in self.backend.list(where)):
+                hint = "a gc stopped part way left it set aside; the next `ckpt gc` puts it back first"
+        return ObjectNotFoundError(kind[:-1], oid, hint=hint)
 
     def size(self, kind: str, oid: str) -> int:
         try:
@@ -154,7 +168,7 @@ class ObjectStore:
                 temps.append((e.path, e.mtime))
                 continue
             if len(parts) == 4 and parts[1] in found and _ID.match(name):
-                info = ObjectInfo(parts[1], name, e.size, e.mtime)
+                info = ObjectInfo(parts[1], name, e.size, e.mtime, None if original is None else e.path)
                 if original is None:
                     found[parts[1]][name] = info
                 else:
@@ -176,8 +190,8 @@ class ObjectStore:
         self.put("manifests", oid, data)
         return oid
 
-    def get_manifest(self, oid: str) -> bytes:
-        data = self.get("manifests", oid)
+    def get_manifest(self, oid: str, *, at: str | None = None) -> bytes:
+        data = self.get("manifests", oid, at=at)
         if object_id(data) != oid:
             raise CorruptObjectError("manifest", oid, "content does not match its id")
         return data

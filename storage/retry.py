@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,12 @@ class RetryPolicy:
     attempts: int = 6
     base_delay: float = 0.2
     max_delay: float = 10.0
+    # Seconds a request may spend in attempts that get nothing from the server (and the waits
+    # between them), across its retries (None: no limit): a server that accepts connections and
+    # never answers fails after about this long, not after attempts x the read timeout. An attempt
+    # that made progress (:func:`progressed`) starts the count again, so a transfer that moved on
+    # before it broke is retried as before, whatever its size.
+    deadline: float | None = None
 
     def delay(self, retry: int) -> float:
         """Sleep before retry number ``retry`` (1 = the first retry)."""
@@ -43,6 +50,14 @@ class RetryPolicy:
 
 
 NO_RETRY = RetryPolicy(attempts=1)
+
+_progress = threading.local()
+
+
+def progressed() -> None:
+    """Note that the request under way in this thread made progress (the server answered, or sent
+    or took part of a body): its attempt does not count towards :attr:`RetryPolicy.deadline`."""
+    _progress.at = time.monotonic()
 
 
 def call_with_retries(
@@ -57,9 +72,10 @@ def call_with_retries(
     reason such as ``"connection reset"``, or None for an error that repeating cannot fix,
     which propagates at once).
 
-    When the attempts run out, raises a retryable :class:`StorageIOError` that says what
-    failed, how often, and the last reason.
+    When the attempts run out, or the policy's deadline passes without progress, raises a
+    retryable :class:`StorageIOError` that says what failed, how often, and the last reason.
     """
+    quiet = 0.0  # seconds in attempts without progress since the last one with some, and waits
     for attempt in range(1, policy.attempts + 1):
         began = time.monotonic()
         try:
@@ -75,12 +91,23 @@ def call_with_retries(
                     hint="the store is unreachable or overloaded; check the endpoint and network, then retry",
                 ) from None
             wait = policy.delay(attempt)
-            took = time.monotonic() - began
+            now = time.monotonic()
+            took = now - began
+            quiet = 0.0 if getattr(_progress, "at", began) > began else quiet + took
+            if policy.deadline is not None and quiet + wait >= policy.deadline:
+                raise StorageIOError(
+                    f"{what} failed: no answer in {quiet:.0f} s ({attempt} attempt{'s' if attempt > 1 else ''}); "
+                    f"last error: {reason}",
+                    retryable=True,
+                    hint="the store does not answer: check the endpoint and network, then retry; "
+                         f"CKPT_REQUEST_DEADLINE (now {policy.deadline:g} s) is how long a request may wait",
+                ) from None
             level = logging.WARNING if took >= SLOW_ATTEMPT_S else logging.INFO
             log.log(level, "%s: %s after %.1f s; retry %d of %d in %.2f s", what, reason, took, attempt,
                     policy.attempts - 1, wait)
             sleep(wait)
+            quiet += wait
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-__all__ = ["NO_RETRY", "RetryPolicy", "call_with_retries"]
+__all__ = ["NO_RETRY", "RetryPolicy", "call_with_retries", "progressed"]

@@ -416,8 +416,9 @@ def _estimate(ta: torch.Tensor | None, tb: torch.Tensor, ids_a: Sequence[str] | 
                        level=settings.zstd_level, min_saving=settings.min_saving, workers=settings.workers)
 
 
-def plot(report: DiffReport, path: str | os.PathLike[str]) -> str:
-    """Draw the relative change of every tensor to ``path`` (PNG): see :mod:`ckpt.diffing.plot`."""
+def plot(report: DiffReport, path: str | os.PathLike[str], store: Store | None = None) -> str:
+    """Draw the relative change of every tensor to ``path`` (PNG): see :mod:`ckpt.diffing.plot`.
+    ``path`` may not lie inside a local store (``store``, the one diffed from, or any other)."""
     from ckpt.diffing.plot import plot_report
 
-    return plot_report(report, path)
+    return plot_report(report, path, store)

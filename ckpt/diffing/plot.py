@@ -18,6 +18,7 @@ from ckpt.errors import MissingDependencyError
 
 if TYPE_CHECKING:
     from ckpt.diffing.compare import DiffReport, TensorDiff
+    from ckpt.store.store import Store
 
 
 def layer_key(name: str) -> tuple[str, int | None, str]:
@@ -46,10 +47,15 @@ def _fmt(v: float | None) -> str:
     return f"{v:.1e}".replace("e-0", "e-").replace("e+0", "e")
 
 
-def plot_report(report: DiffReport, path: str | os.PathLike[str]) -> str:
+def plot_report(report: DiffReport, path: str | os.PathLike[str], store: Store | None = None) -> str:
     """Write the chart to ``path`` (PNG, or the kind its suffix names); returns the path. Raises
     :class:`MissingDependencyError` without matplotlib, :class:`DestinationError` when it cannot
-    be written."""
+    be written or lies inside a local store (``store``, the one diffed from, or any other)."""
+    from ckpt.store.destination import check_outside_stores, create_new, write_files
+
+    path = os.fspath(path)
+    # A file in a store's folder is garbage to its gc, or read as one of its objects or refs.
+    check_outside_stores(path, store, "a plot")
     try:
         import matplotlib
 
@@ -132,9 +138,6 @@ def plot_report(report: DiffReport, path: str | os.PathLike[str]) -> str:
             ax.set_title("tensors outside the layer stack", fontsize=9)
     if image is not None:
         fig.colorbar(image, ax=axes[0].tolist(), label="‖B−A‖/‖A‖ (log)", shrink=0.9)
-    from ckpt.store.destination import create_new, write_files
-
-    path = os.fspath(path)
     kind = os.path.splitext(path)[1][1:].lower() or "png"  # the temporary's name ends otherwise
 
     def fill(tmps: list[str]) -> None:

@@ -52,6 +52,17 @@ def parse_copy_spec(spec: str) -> tuple[str, str | None]:
     return src, dest
 
 
+def check_copy_specs(src: Store, specs: Iterable[str]) -> None:
+    """Raise what :func:`copy_refs` raises for ``specs`` themselves (none, one not ``REF`` or
+    ``REF:NAME``, a ref ``src`` lacks): checked before a destination is created, so that a copy
+    that cannot start leaves no new store behind."""
+    specs = list(specs)
+    if not specs:
+        raise RefNotFoundError("nothing to copy", hint="name at least one ref")
+    for spec in specs:
+        src.resolve(parse_copy_spec(spec)[0])
+
+
 def chunk_checker(src: Store, dst: Store, lengths: dict[str, int] | None = None) -> ChunkCheck:
     """Decode and re-hash a chunk blob before it is written to ``dst``; return its base id.
     ``lengths``: the decoded length of each chunk as the manifests copied give it (a chunk of

@@ -80,16 +80,17 @@ def inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def _check_outside_stores(path: str, store: Store) -> None:
-    """Refuse ``path`` (a file or directory to be written) inside any local store."""
+def check_outside_stores(path: str, store: Store | None, what: str = "a pull") -> None:
+    """Refuse ``path`` (a file or directory ``what`` writes) inside any local store, or inside
+    ``store`` (the one the command opened)."""
     outer = enclosing_store(path)
-    if outer is None:
+    if outer is None and store is not None:
         root = store_root(store)
         if root is not None and inside(os.path.realpath(path), root):
             outer = root  # the store pulled from, even before its config is readable
     if outer is not None:
-        raise DestinationError(f"{path} is inside the store at {outer}; a pull never writes there",
-                               hint="pull to a path outside the store")
+        raise DestinationError(f"{path} is inside the store at {outer}; {what} never writes there",
+                               hint="give a path outside the store")
 
 
 def _check_entry(path: str, overwrite: bool) -> None:
@@ -115,7 +116,7 @@ def file_target(store: Store, dest: str, name: str, overwrite: bool) -> str:
     target = os.path.join(dest, name) if os.path.isdir(dest) else dest
     if target.endswith(os.sep) or os.path.basename(target) in ("", ".", ".."):
         raise DestinationError(f"{dest} is not a directory", hint="create it, or give a file name")
-    _check_outside_stores(target, store)
+    check_outside_stores(target, store)
     _check_entry(target, overwrite)
     return target
 
@@ -138,7 +139,7 @@ def dir_targets(store: Store, dest: str, paths: Sequence[str], overwrite: bool) 
         if p in dirs or p in seen:
             raise StoreFormatError(f"this checkpoint lists {p!r} twice, or as both a file and a directory")
         seen.add(p)
-    _check_outside_stores(dest, store)
+    check_outside_stores(dest, store)
     root = store_root(store)
     if root is not None and inside(root, os.path.realpath(dest)):
         raise DestinationError(f"{dest} holds the store at {root}; a pull never writes around a store",
@@ -158,7 +159,7 @@ def dir_targets(store: Store, dest: str, paths: Sequence[str], overwrite: bool) 
                                        hint="remove the link or pull elsewhere")
             if os.path.lexists(d) and not os.path.isdir(d):
                 raise DestinationError(f"{d} is a file where this checkpoint has a directory", hint="move it away or pull elsewhere")
-        _check_outside_stores(target, store)  # a store somewhere below dest
+        check_outside_stores(target, store)  # a store somewhere below dest
         _check_entry(target, True)
     if not overwrite:
         present = sorted(os.listdir(dest))

@@ -41,7 +41,8 @@ _FULL_ID = re.compile(r"^[0-9a-f]{64}\Z")
 def remote_options(settings: Settings) -> dict[str, Any]:
     """What a remote backend (S3) takes from the settings: concurrency, retries, conditional writes, direct requests."""
     return {"concurrency": settings.transfer_concurrency,
-            "retry": RetryPolicy(attempts=settings.retries + 1, base_delay=settings.retry_delay),
+            "retry": RetryPolicy(attempts=settings.retries + 1, base_delay=settings.retry_delay,
+                                 deadline=settings.request_deadline),
             "conditional_writes": settings.conditional_writes, "direct": settings.s3_direct}
 
 
@@ -330,9 +331,10 @@ class Store:
         Only objects ``dest`` lacks travel, verified, in the order chunks, manifests,
         refs; see :func:`ckpt.store.copy.copy_refs`.
         """
-        from ckpt.store.copy import copy_refs
+        from ckpt.store.copy import check_copy_specs, copy_refs
 
         if not isinstance(dest, Store):
+            check_copy_specs(self, refs)  # before a new store is made there
             dest = Store.init(dest, storage_options=storage_options, settings=self.settings)
         return copy_refs(self, dest, refs, progress=progress)
 

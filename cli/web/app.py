@@ -26,6 +26,7 @@ from starlette.routing import Route
 import ckpt
 from ckpt.diffing.compare import SORT_KEYS
 from ckpt.errors import AmbiguousRefError, CkptError, InvalidNameError, RefNotFoundError
+from ckpt_store.cli.results import strict_json
 from ckpt_store.cli.web import charts
 from ckpt_store.cli.web.data import MAX_PAGE, STEP_REF, StoreView, own_chunks, page, stored_bytes
 from ckpt_store.cli.web.graph import NODE_H, NODE_W, layout, lineage
@@ -133,6 +134,17 @@ def _cookie(header: str, name: str) -> str | None:
     return None
 
 
+class StrictJSONResponse(JSONResponse):
+    """An ``/api/`` document, every string valid Unicode as ``--json`` has it (cli/results.py:
+    strict_json); a lone surrogate in a name made the response fail to encode (a 500)."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return super().render(strict_json(content))
+
+
 def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] | None = None,
                local: ckpt.Store | None = None) -> Any:
     """The ASGI application for ``store``. ``token``: every request must carry it (query
@@ -143,7 +155,8 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
     env = _env()
 
     def render(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
-        return HTMLResponse(env.get_template(name).render(store_url=view.url, **ctx), status_code=status)
+        # Names that are not valid Unicode are shown with U+FFFD (they cannot be encoded as UTF-8).
+        return HTMLResponse(strict_json(env.get_template(name).render(store_url=view.url, **ctx)), status_code=status)
 
     def failed(e: Exception, api: bool) -> Response:
         if isinstance(e, (RefNotFoundError, InvalidNameError, AmbiguousRefError)):
@@ -153,7 +166,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         else:
             log.exception("ckpt serve: request failed")
             status, e = 500, RuntimeError("internal error (logged by the server)")
-        return JSONResponse({"error": str(e)}, status_code=status) if api else render("error.html", status, error=str(e))
+        return StrictJSONResponse({"error": str(e)}, status_code=status) if api else render("error.html", status, error=str(e))
 
     def guarded(fn: Any, api: bool) -> Any:
         def endpoint(request: Request) -> Response:
@@ -166,13 +179,13 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
     # -- API -------------------------------------------------------------------------
     def api_refs(request: Request) -> Response:
         rows, pg = page(view.ls(), _int(request, "offset", 0), _int(request, "limit", 100))
-        return JSONResponse({"refs": rows, "page": pg})
+        return StrictJSONResponse({"refs": rows, "page": pg})
 
     def graph() -> dict[str, Any]:  # the whole store's lineage, shared by the pages for a few seconds
         return view.fresh("lineage", lambda: lineage(view))
 
     def api_lineage(request: Request) -> Response:
-        return JSONResponse(graph())
+        return StrictJSONResponse(graph())
 
     def checkpoint_doc(request: Request, ref: str) -> dict[str, Any]:
         doc = view.show(ref)
@@ -185,7 +198,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         return doc
 
     def api_checkpoint(request: Request) -> Response:
-        return JSONResponse(checkpoint_doc(request, request.path_params["ref"]))
+        return StrictJSONResponse(checkpoint_doc(request, request.path_params["ref"]))
 
     def diff_args(request: Request) -> tuple[str, str, str, int | None, bool]:
         """a, b, sort, top and estimate (``estimate=0`` is the CLI's --no-estimate: no delta size, faster)."""
@@ -202,15 +215,15 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         a, b, sort, top, estimate = diff_args(request)
         if not a or not b:
             raise CkptError("give both sides: /api/diff?a=REF&b=REF")
-        return JSONResponse(view.diff(a, b, estimate).to_json(sort, top))
+        return StrictJSONResponse(view.diff(a, b, estimate).to_json(sort, top))
 
     def api_du(request: Request) -> Response:
-        return JSONResponse(view.du())
+        return StrictJSONResponse(view.du())
 
     def api_run(request: Request) -> Response:
         doc = view.run(request.path_params["name"])
         doc["snapshots"], doc["page"] = page(doc["snapshots"], _int(request, "offset", 0), _int(request, "limit", MAX_PAGE))
-        return JSONResponse(doc)
+        return StrictJSONResponse(doc)
 
     # -- pages -------------------------------------------------------------------------
     def overview(request: Request) -> Response:
@@ -286,7 +299,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
 
     def not_found(request: Request, exc: Exception) -> Response:
         if request.url.path.startswith("/api/"):
-            return JSONResponse({"error": "no such API path"}, status_code=404)
+            return StrictJSONResponse({"error": "no such API path"}, status_code=404)
         return render("error.html", 404, error="no such page")
 
     routes = [

@@ -147,7 +147,9 @@ class Backend(ABC):
         return self.create_exclusive(path, data)
 
     @abstractmethod
-    def exists(self, path: str) -> bool: ...
+    def exists(self, path: str) -> bool:
+        """Whether an object (a file :meth:`read` can read) is at ``path``: a folder, a FIFO or a
+        device there is not one."""
 
     def exists_many(self, paths: Iterable[str]) -> set[str]:
         """The subset of ``paths`` that exists. Remote backends batch this (one listing

@@ -96,7 +96,7 @@ class FsspecBackend(Backend):
         return True
 
     def exists(self, path: str) -> bool:
-        return bool(self.fs.exists(self._p(path)))
+        return bool(self.fs.isfile(self._p(path)))  # a folder there is not an object
 
     def size(self, path: str) -> int:
         return int(self.fs.size(self._p(path)))

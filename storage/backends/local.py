@@ -260,7 +260,12 @@ class LocalBackend(Backend):
             _unlink_quiet(tmp)
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(self._p(path))
+        # A regular file only (a link to one may be read: _open_read): a folder or a FIFO in
+        # place of an object cannot be read, so ls and du must not take the object as held.
+        try:
+            return stat.S_ISREG(os.stat(self._p(path)).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
 
     def size(self, path: str) -> int:
         return os.stat(self._p(path)).st_size
@@ -336,19 +341,21 @@ class LocalBackend(Backend):
         except OSError as e:
             raise io_error("delete", path, e) from e
         try:
+            mtime = os.stat(condemned).st_mtime
+        except FileNotFoundError:
+            return False  # another gc's recovery put it back meanwhile (recover_condemned)
+        # Anything raised before the decision below (Ctrl-C or SIGTERM unwinding, a failing link)
+        # leaves the object condemned, as a gc killed here does, for the next one to put back:
+        # it may have been touched, so unlinking it on the way out could lose a live object.
+        if mtime >= cutoff:
             try:
-                mtime = os.stat(condemned).st_mtime
-            except FileNotFoundError:
-                return False  # another gc's recovery put it back meanwhile (recover_condemned)
-            if mtime >= cutoff:
-                try:
-                    os.link(condemned, final)
-                except FileExistsError:
-                    pass  # a writer put it back already: same name, same bytes
-                return False
-            return True
-        finally:
+                os.link(condemned, final)
+            except FileExistsError:
+                pass  # a writer put it back already: same name, same bytes
             _unlink_quiet(condemned)
+            return False
+        _unlink_quiet(condemned)
+        return True
 
     def recover_condemned(self, prefix: str) -> int:
         """Put back objects a killed gc left condemned below ``prefix``. Returns how many."""

@@ -49,11 +49,12 @@ from ckpt_store.storage.backends.s3_errors import (
     is_precondition_failed,
     secrets_in,
     secrets_in_env,
+    timed_out,
     transient,
 )
 from ckpt_store.storage.backends.watchdog import MIN_RATE, allowed, socket_of, watch
 from ckpt_store.storage.errors import StorageIOError
-from ckpt_store.storage.retry import RetryPolicy, call_with_retries
+from ckpt_store.storage.retry import RetryPolicy, call_with_retries, progressed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -102,6 +103,7 @@ class ObjectReader:
                 if not k:
                     break
                 got += k
+                progressed()  # a slow body that moves on is no server that stopped answering
         except Exception:
             self._timed_out()
             raise
@@ -224,6 +226,9 @@ class S3Backend(Backend):
                 raise TypeError(f"unknown option(s) {', '.join(sorted(opts))}")
             cfg.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})  # one attempt: we retry (storage/retry.py)
             cfg.setdefault("max_pool_connections", max(10, self.concurrency))
+            if self.retry.deadline is not None:  # one wait never outlasts the request's deadline (botocore: 60 s)
+                cfg.setdefault("connect_timeout", min(60.0, self.retry.deadline))
+                cfg.setdefault("read_timeout", min(60.0, self.retry.deadline))
             # Every chunk is verified by its BLAKE3 id on read; a CRC32 per request on top buys nothing.
             cfg.setdefault("request_checksum_calculation", "when_required")
             cfg.setdefault("response_checksum_validation", "when_required")
@@ -269,6 +274,8 @@ class S3Backend(Backend):
 
     def _transient(self, e: BaseException) -> str | None:
         reason = transient(e)
+        if reason is not None and not timed_out(e):
+            progressed()  # the server answered (5xx, throttling) or the connection broke: not silence
         return self._redact(reason) if reason is not None else None
 
     def _error(self, op: str, path: str, e: BaseException) -> Exception:
@@ -452,7 +459,10 @@ class S3Backend(Backend):
                 return {"PartNumber": i + 1, "ETag": r["ETag"]}
 
             with ThreadPoolExecutor(max_workers=max(1, min(8, self.concurrency)), thread_name_prefix="ckpt-s3-part") as pool:
-                parts = list(pool.map(send, range(math.ceil(len(blob) / part))))
+                parts = []
+                for done in pool.map(send, range(math.ceil(len(blob) / part))):
+                    parts.append(done)
+                    progressed()  # a large upload that moves on is retried as before
             self.client.complete_multipart_upload(Bucket=self.bucket, Key=key, UploadId=up,
                                                   MultipartUpload={"Parts": parts}, **cond)
         except BaseException:

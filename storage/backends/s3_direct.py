@@ -53,6 +53,7 @@ from urllib.parse import quote, unquote_plus
 from xml.etree import ElementTree
 
 from ckpt_store.storage.backends.watchdog import allowed, socket_of, watch
+from ckpt_store.storage.retry import progressed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -157,6 +158,7 @@ class DirectRequests:
         refused = False
         if self.ready(op):
             r = send()
+            progressed()  # an answer began (its body is watched on its own: watchdog.py)
             if r.status_code in ok:
                 return r, None
             self.refused(r)  # raises for a server error, to be retried
@@ -164,6 +166,7 @@ class DirectRequests:
         else:
             self._expect(key)
         answer = client()
+        progressed()
         if refused:
             self._off("the server refused a direct request that it answered through the client")
         else:
@@ -297,7 +300,9 @@ class ClientOnly:
         return False
 
     def call(self, op: str, key: str, send: Callable[[], Any], ok: tuple[int, ...], client: Callable[[], T]) -> tuple[Any, T | None]:
-        return None, client()
+        answer = client()
+        progressed()  # an answer began (a GET's body is read after)
+        return None, answer
 
 
 def parse_list(data: bytes) -> dict[str, Any]:

@@ -99,6 +99,12 @@ def transient(e: BaseException) -> str | None:
     return None
 
 
+def timed_out(e: BaseException) -> bool:
+    """Whether ``e`` is a wait that ran out (connect or read timeout): the server answered nothing."""
+    return any(isinstance(x, (asyncio.TimeoutError, TimeoutError, socket.timeout)) or "Timeout" in type(x).__name__
+               for x in chain(e))
+
+
 def secrets_in(opts: Any) -> set[str]:
     """Every credential value in ``storage_options`` (also nested, e.g. in ``client_kwargs``)."""
     out: set[str] = set()

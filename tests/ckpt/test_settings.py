@@ -23,6 +23,7 @@ from ckpt.settings import Settings
     ("CKPT_ZSTD_LEVEL", "23", "CKPT_ZSTD_LEVEL=23"),
     ("CKPT_FSYNC", "maybe", "CKPT_FSYNC='maybe' is not a boolean"),
     ("CKPT_CONDITIONAL_WRITES", "2", "CKPT_CONDITIONAL_WRITES='2' is not a boolean"),
+    ("CKPT_REQUEST_DEADLINE", "0", "CKPT_REQUEST_DEADLINE=0.0: request_deadline must be a number of at least 0.1"),
 ])
 def test_bad_environment_values_name_the_variable(monkeypatch, var, value, says):
     monkeypatch.setenv(var, value)
@@ -38,6 +39,7 @@ def test_bad_environment_values_name_the_variable(monkeypatch, var, value, says)
     ("CKPT_FSYNC", "YES", "fsync", True),
     ("CKPT_RETRY_DELAY", "0", "retry_delay", 0.0),
     ("CKPT_ZSTD_LEVEL", "-3", "zstd_level", -3),
+    ("CKPT_REQUEST_DEADLINE", "2.5", "request_deadline", 2.5),
 ])
 def test_good_environment_values(monkeypatch, var, value, field, expected):
     monkeypatch.setenv(var, value)

@@ -77,6 +77,31 @@ def test_plot_replaces_a_link_at_its_name_and_never_writes_through_it(fam):
     assert not [p for p in tmp.iterdir() if ".ckpt-" in p.name]  # no temporary left
 
 
+@pytest.mark.parametrize("where", ["objects/x.png", "refs/m/base/plot.png", "index", "other"])
+def test_a_plot_is_never_written_inside_a_store(where, fam, capsys):
+    """--plot PATH inside a local store's folder (objects/, refs/, ...) wrote the image there: garbage
+    to gc, or, under a name the store reads, damage. It is refused before the diff runs, in one line
+    (here inside the store diffed from, or inside any other), and the library refuses it too."""
+    pytest.importorskip("matplotlib")
+    from ckpt.diffing.compare import diff
+    from ckpt.diffing.plot import plot_report
+    from ckpt.errors import DestinationError
+
+    tmp = fam[0]
+    if where == "other":
+        invoke("--store", str(tmp / "other"), "init")
+        target = tmp / "other" / "x.png"
+    else:
+        target = tmp / "store" / (where if where != "index" else "index/x.svg")
+    before = sorted(p for p in tmp.rglob("*"))
+    code, out, err = run_main(capsys, "diff", "m/base", "m/ft0", "--plot", str(target))
+    assert code == 1 and "inside the store at" in err and "Traceback" not in err and out == "", err
+    with pytest.raises(DestinationError, match="inside the store"):
+        plot_report(diff(str(tmp / "base.safetensors"), str(tmp / "ft0.safetensors")), target)
+    assert sorted(p for p in tmp.rglob("*")) == before
+    assert json.loads(invoke("verify", "--json"))["ok"]
+
+
 def test_merge_show_and_pull(fam):
     tmp, base, fts = fam
     r = json.loads(invoke("merge", "m/ft0", "m/ft1", "--method", "ties", "-b", "m/base", "-p", "density=0.5",

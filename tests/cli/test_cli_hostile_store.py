@@ -540,3 +540,20 @@ def test_a_folder_in_place_of_an_object_is_refused_in_one_line(which, good, tmp_
     assert r.returncode == 1 and "Traceback" not in r.stderr and "a folder" in r.stderr, r.stderr
     with pytest.raises(ckpt.CkptError, match="a folder"):
         store.load("base")
+
+
+@pytest.mark.parametrize("what", ["folder", "fifo"])
+def test_a_folder_or_a_fifo_in_place_of_a_live_manifest_is_damage_in_ls_and_du(what, good, env):
+    """With the metadata index, `ls` and `du` check that live manifests exist in one batch: a folder
+    or a FIFO in place of one counted as present, so the ref was shown whole though nothing can read
+    it. Both now report it damaged, as they do without the index."""
+    store = ckpt.Store.open(str(good))
+    store.ls()  # the index holds the summaries
+    path = good / store.objects.path("manifests", store.resolve("base"))
+    path.unlink()
+    path.mkdir() if what == "folder" else os.mkfifo(path)
+    plain = {**env, "CKPT_INDEX": "0"}
+    for args in (["ls"], ["du"]):
+        r, want = run(*args, "--json", store=good, env=env), run(*args, "--json", store=good, env=plain)
+        assert r.returncode == want.returncode == 1 and json.loads(r.stdout) == json.loads(want.stdout), r.stdout
+        assert "not a regular file" in r.stdout and "Traceback" not in r.stderr, r.stdout

@@ -351,6 +351,25 @@ def test_store_urls_that_cannot_open_end_in_one_line(url: str, words: str, env: 
     assert refs_of(store) == {"demo/file", "demo/hf"}
 
 
+def test_a_copy_that_cannot_start_leaves_no_new_store_at_its_destination(env: dict[str, str], store: Path,
+                                                                         tmp_path: Path) -> None:
+    """`ckpt copy NOSUCHREF --to DIR` (and `push --to`, `pull --from`) created the destination store
+    before it looked the refs up: the failed copy left DIR a store, and every later pull into DIR was
+    refused as "inside the store" (`--to .` made the working folder one). The refs are now looked up
+    first."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    for args in (["copy", "nosuch/ref", "--to", mine], ["copy", "demo/file", "nosuch", "--to", mine],
+                 ["copy", "demo/file:-bad", "--to", mine], ["push", "nosuch/ref", "--to", mine]):
+        r = run(*args, store=store, env=env)
+        assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+        assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"], args
+    r = run("--store", mine, "pull", "nosuch/ref", "--from", store, store=None, env=env)
+    assert r.returncode != 0 and not (mine / "ckpt-store.json").exists()
+    ok("pull", "demo/file", mine / "out.safetensors", store=store, env=env)  # not "inside the store"
+
+
 def test_odd_output_and_arguments_end_in_one_line(env: dict[str, str], model_file: Path, tmp_path: Path) -> None:
     """Found by trying to break the CLI: each of these ended in a traceback. Output closed (`>&-`):
     the command runs and its output goes nowhere. A --plot path in no folder, or of a kind that

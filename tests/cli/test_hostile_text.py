@@ -224,3 +224,70 @@ def test_safe_makes_each_class_inert(name, text):
 def test_safe_shows_undecodable_bytes_as_bytes():
     assert safe(b"a\x9bb\x1b".decode("utf-8", "surrogateescape")) == "a\\x9bb\\x1b"
     assert safe(None) == "" and safe(3) == "3"
+
+
+def _lone_surrogates(doc) -> list[str]:
+    """Every string in ``doc`` (keys too) that a strict parser rejects: one with a lone surrogate."""
+    if isinstance(doc, dict):
+        return [s for k, v in doc.items() for s in _lone_surrogates(k) + _lone_surrogates(v)]
+    if isinstance(doc, list):
+        return [s for x in doc for s in _lone_surrogates(x)]
+    return [doc] if isinstance(doc, str) and re.search("[\ud800-\udfff]", doc) else []
+
+
+def test_names_that_are_not_utf8_are_strict_json_with_their_exact_bytes(tmp_path):
+    """A tensor name from a hostile safetensors header ("\\udcff" escapes), a file name in a model
+    folder and a path given in bytes that are not UTF-8 came out of --json as lone surrogate escapes,
+    which jq, Go and serde reject, and made the web view's /api/ answer 500. Now every document is
+    valid UTF-8: such a name has U+FFFD in place of each bad byte and its exact bytes in NAME_b64."""
+    import base64
+    import struct
+
+    def header_file(path: bytes, names: list[str]) -> None:
+        head = json.dumps({n: {"dtype": "F32", "shape": [2], "data_offsets": [8 * i, 8 * i + 8]}
+                           for i, n in enumerate(names)}).encode()  # ensure_ascii: "\udcff" escapes
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(head)) + head + torch.arange(2 * len(names), dtype=torch.float32).numpy().tobytes())
+
+    root = os.fsencode(tmp_path)
+    header_file(root + b"/a.safetensors", ["w\udcff", "ok", "x\ud800y"])
+    header_file(root + b"/b\xff.safetensors", ["w\udcff", "ok", "x\ud800y"])
+    os.mkdir(root + b"/hf")
+    header_file(root + b"/hf/model.safetensors", ["k"])
+    (tmp_path / "hf/config.json").write_text("{}")
+    with open(root + b"/hf/notes\xff.txt", "wb") as f:
+        f.write(b"mine")
+    env = {**os.environ, "CKPT_STORE": str(tmp_path / "s"), "CKPT_CACHE_DIR": str(tmp_path / "cache")}
+
+    def ckpt_json(*args: bytes | str) -> object:
+        exe = Path(sys.executable).parent / "ckpt"
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "ckpt_store.cli.main"]
+        r = subprocess.run([*cmd, *args, "--json"], capture_output=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout.decode("utf-8"))  # strict: raises on bytes that are not UTF-8
+        assert _lone_surrogates(doc) == [], _lone_surrogates(doc)
+        return doc
+
+    ckpt_json("init")
+    ckpt_json("push", root + b"/a.safetensors", "a")
+    ckpt_json("push", root + b"/hf", "hf")
+    tensors = {t["name"]: t.get("name_b64") for t in ckpt_json("show", "a")["tensors"]}
+    assert tensors == {"w\ufffd": base64.b64encode(b"w\xff").decode(), "ok": None,
+                       "x\ufffdy": base64.b64encode(b"x\xed\xa0\x80y").decode()}
+    files = {f["path"]: f.get("path_b64") for f in ckpt_json("show", "hf")["files"]}
+    assert base64.b64decode(files["notes\ufffd.txt"]) == b"notes\xff.txt"
+    d = ckpt_json("diff", root + b"/a.safetensors", root + b"/b\xff.safetensors")
+    assert base64.b64decode(d["b"]["ref_b64"]) == root + b"/b\xff.safetensors" and "ref_b64" not in d["a"], d
+    pytest.importorskip("starlette")
+    pytest.importorskip("httpx")
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    client = TestClient(create_app(ckpt.Store.open(str(tmp_path / "s"))))
+    for url in ("/api/checkpoint/a", "/api/checkpoint/hf", "/api/diff?a=a&b=hf", "/checkpoint/a"):
+        r = client.get(url)
+        assert r.status_code == 200, (url, r.text)
+        if url.startswith("/api/"):
+            assert _lone_surrogates(json.loads(r.content.decode("utf-8"))) == []
+    assert [t.get("name_b64") for t in client.get("/api/checkpoint/a").json()["tensors"]] == list(tensors.values())

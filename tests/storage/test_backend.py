@@ -95,6 +95,18 @@ def test_exists_many(backend):
     assert backend.exists_many([]) == set()
 
 
+def test_a_folder_or_a_fifo_is_not_an_object(backend):
+    """``exists`` and ``exists_many`` (what ``ls`` and ``du`` ask of live manifests, in one batch)
+    name only objects a read can read: a folder there, or a FIFO in a local store, is not one (a
+    folder in place of a manifest was shown by ``ls`` as a whole ref)."""
+    backend.write("f/x/inside", b"1")
+    local = backend.local_path("f/fifo")
+    if local is not None:
+        os.mkfifo(local)
+    assert not backend.exists("f/x") and not backend.exists("f/fifo") and backend.exists("f/x/inside")
+    assert backend.exists_many(["f/x", "f/fifo", "f/x/inside"]) == {"f/x/inside"}
+
+
 def test_mtime_is_recent(backend):
     import time
 

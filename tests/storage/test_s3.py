@@ -596,3 +596,107 @@ def test_a_get_answer_without_usable_sizes_is_a_clear_error(length, content_rang
     with pytest.raises(StorageIOError, match="usable Content-Length|negative size"):
         _sizes("objects/chunks/aa/x", length, content_range)
     assert _sizes("p", "12", "bytes 0-11/40") == (12, 40) and _sizes("p", 7, None) == (7, 7)
+
+
+class _Server:
+    """An HTTP server on a real loopback socket that answers request *n* (counted from 1) with
+    ``answer(n)``: None never answers (the connection stays open, silent); else (status line and
+    headers, the body bytes to send, whether to stall after them instead of going on)."""
+
+    def __init__(self, answer):
+        import socket
+        import threading
+
+        self.answer, self.requests, self.connections, self._held = answer, 0, 0, []
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        import threading
+
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            self._held.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn):
+        data = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in data:
+                    more = conn.recv(65536)
+                    if not more:
+                        return
+                    data += more
+                data = data.partition(b"\r\n\r\n")[2]  # (no request here has a body)
+                self.requests += 1
+                reply = self.answer(self.requests)
+                if reply is None:
+                    return  # silent: held open until close()
+                head, body, stall = reply
+                conn.sendall(head + body)
+                if stall:
+                    return
+        except OSError:
+            return
+
+    def close(self):
+        self._sock.close()
+        for c in self._held:
+            c.close()
+
+
+def _backend(server, deadline, **config):
+    opts = {"endpoint_url": server.url, "key": "k", "secret": "s", "config_kwargs": config}
+    return S3Backend("s3://bucket/x", opts, retry=RetryPolicy(attempts=6, base_delay=0.01, max_delay=0.05, deadline=deadline))
+
+
+def test_a_server_that_never_answers_fails_a_request_at_its_deadline_not_after_every_retry():
+    """An endpoint that accepts connections and never answers held `ckpt ls` for its six attempts of
+    a 60 s read timeout each (about 6 minutes). A request now fails once it has gone its deadline
+    (CKPT_REQUEST_DEADLINE) without an answer, saying so; the read timeout defaults to no more than
+    the deadline."""
+    server = _Server(lambda n: None)
+    try:
+        b = _backend(server, 1.0, read_timeout=1, connect_timeout=1)
+        with pytest.raises(StorageIOError, match="no answer in 1 s \\(1 attempt\\)") as e:
+            b.exists("objects/x")
+        assert e.value.retryable and "CKPT_REQUEST_DEADLINE" in str(e.value.hint)
+        assert server.connections == 1  # not one per retry
+        assert _backend(server, 5.0).client.meta.config.read_timeout == 5.0
+        assert _backend(server, None).client.meta.config.read_timeout == 60
+        from ckpt.settings import Settings
+        from ckpt.store.store import remote_options
+
+        assert remote_options(Settings(request_deadline=7.0))["retry"].deadline == 7.0  # CKPT_REQUEST_DEADLINE
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("how", ["read", "read_into"])
+def test_an_answer_that_stalls_midway_is_retried_past_the_deadline(how):
+    """The deadline counts attempts that got nothing: a GET whose answer began and then stalled (a
+    connection dropped mid-body) made progress, and is retried as before, however long it took."""
+    body = bytes(range(256)) * 64
+
+    def answer(n):
+        head = (b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+                b"Content-Length: %d\r\nLast-Modified: Sun, 06 Dec 2026 00:00:00 GMT\r\nETag: \"e\"\r\n\r\n" % len(body))
+        return (head, body[:1000], True) if n <= 2 else (head, body, False)
+
+    server = _Server(answer)
+    try:
+        b = _backend(server, 1.0)
+        if how == "read":
+            assert b.read("objects/x") == body
+        else:
+            buf = bytearray(len(body))
+            assert b.read_into("objects/x", 0, memoryview(buf)) == len(body) and bytes(buf) == body
+        assert server.requests == 3
+    finally:
+        server.close()

@@ -212,3 +212,16 @@ def test_merge_and_remix_take_the_store_as_a_keyword_and_the_old_order_warns(tmp
     assert store.load("r/old")["w"].tolist() == store.load("r/new")["w"].tolist() == [1.5] * 4 and a and b
     with pytest.raises(TypeError, match="both"):
         ckpt.merge(store, ["ft/0"], name="x", store=store)
+
+
+def test_copy_to_a_path_checks_the_refs_before_it_makes_a_store_there(tmp_path):
+    """Store.copy_to(PATH, refs) made a store at PATH before it looked the refs up: a copy of a ref
+    that does not exist left a new, empty store behind."""
+    src = ckpt.Store.init(str(tmp_path / "src"))
+    src.push({"w": torch.ones(4)}, "a")
+    for refs in (["nosuch"], [], ["a:-bad"]):
+        with pytest.raises(ckpt.CkptError):
+            src.copy_to(str(tmp_path / "dst"), refs)
+        assert not (tmp_path / "dst").exists()
+    src.copy_to(str(tmp_path / "dst"), ["a"])
+    assert ckpt.Store.open(str(tmp_path / "dst")).resolve("a") == src.resolve("a")
