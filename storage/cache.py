@@ -140,6 +140,7 @@ class ChunkBlobCache:
         self._added = 0  # bytes put since the running eviction's walk began
         self._evicting = False  # one thread evicts at a time; others ask it to look again
         self._again = False
+        self._put_failed = False  # a put failed: later failures are logged at debug level only
         self._lock = threading.Lock()
 
     def _path(self, oid: str) -> str:
@@ -270,7 +271,12 @@ class ChunkBlobCache:
                 f.write(h.digest())
             os.replace(tmp, path)
         except OSError as e:
-            log.warning("cannot cache chunk %s in %s: %s", oid, self.root, e)
+            # Once per cache: a cache folder that cannot take entries (read-only, full) fails every put,
+            # and a load puts every chunk it fetches.
+            with self._lock:
+                first, self._put_failed = not self._put_failed, True
+            log.log(logging.WARNING if first else logging.DEBUG, "cannot cache chunk %s in %s: %s%s", oid, self.root, e,
+                    " (further chunks that cannot be cached are not reported)" if first else "")
             try:
                 os.unlink(tmp)
             except OSError:

@@ -167,3 +167,19 @@ def test_a_store_id_is_never_a_path(tmp_path):
         assert c.get(A) == b"blob"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
     assert usage(str(root)).entries == 4
+
+
+def test_a_cache_that_cannot_take_entries_says_so_once(tmp_path, caplog):
+    """A cache folder that refuses writes (read-only, full, not a folder) fails every put, and a
+    load puts every chunk it fetches: one warning, not one per chunk."""
+    import logging
+
+    (tmp_path / "not-a-folder").write_text("a file where the cache's folder should be")
+    c = ChunkBlobCache(str(tmp_path / "not-a-folder"), S1, 1 << 20)
+    with caplog.at_level(logging.DEBUG, logger="ckpt_store.storage.cache"):
+        for oid in (A, B, C):
+            c.put(oid, (b"blob",))
+    assert c.get(A) is None
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "cannot cache chunk" in warned[0].getMessage()
+    assert sum("cannot cache chunk" in r.getMessage() for r in caplog.records) == 3
