@@ -30,6 +30,7 @@ from ckpt_store.storage.backends.base import Data, data_size
 from ckpt_store.storage.chunk_lists import chunk_depths, referenced_chunks
 from ckpt_store.storage.commit import missing_chunks
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
+from ckpt_store.storage.index import creates_are_exclusive
 from ckpt_store.storage.leases import check_fresh, writer_lease
 from ckpt_store.storage.objects import ObjectStore, object_id
 from ckpt_store.storage.progress import NullProgress, Progress, reporting
@@ -40,6 +41,12 @@ log = logging.getLogger(__name__)
 ChunkCheck = Callable[[str, bytes], "str | None"]
 """``check(chunk_id, blob)``: decode and re-hash the blob, raising ``CorruptObjectError`` if it
 is not chunk ``chunk_id``; return the id of the base chunk its decoding needs (a delta), or None."""
+
+ChunkTaken = Callable[[str], bool]
+"""``taken(chunk_id)``: another writer (a push, another copy) stored the chunk at the destination
+while this copy was sending it; whether the blob it stored must be replaced -- a delta against
+a chunk the copied manifests do not name, which a gc there would not keep for them. What
+replaces it is ``recode``'s (which must then write the chunk whole)."""
 
 ChunkRecode = Callable[[str, bytes], Data]
 """``recode(chunk_id, blob)``: what to write at the destination for a blob already checked --
@@ -78,17 +85,33 @@ class _Sender:
 
     def __init__(self, src: ObjectStore, dst: ObjectStore, check_chunk: ChunkCheck, concurrency: int,
                  report: CopyReport, progress: Progress, weights: Mapping[str, int],
-                 recode: ChunkRecode | None = None) -> None:
+                 recode: ChunkRecode | None = None, resend: Iterable[str] = (), taken: ChunkTaken | None = None) -> None:
         self.src, self.dst, self.check_chunk, self.recode = src, dst, check_chunk, recode
         self.concurrency = max(1, concurrency)
         self.report, self.progress, self.weights = report, progress, weights
         self.lock = threading.Lock()
+        self.resend = frozenset(resend)  # replace the blob there: written over it
+        # A chunk not there when the copy looked is created exclusively where creates are exclusive, as a
+        # push creates one: a writer storing it meanwhile in another encoding (against other bases) is
+        # not overwritten, or its manifest would name a delta chain its blob no longer decodes with.
+        exclusive = dst.backend.touches or creates_are_exclusive(dst.backend)
+        self.taken = taken if exclusive else None
 
     def _send_chunk(self, cid: str) -> str | None:
         blob = self.src.get("chunks", cid)
         base = self.check_chunk(cid, blob)
         out = blob if self.recode is None else self.recode(cid, blob)
-        self.dst.backend.write(self.dst.path("chunks", cid), out)
+        path = self.dst.path("chunks", cid)
+        if self.taken is None or cid in self.resend:
+            self.dst.backend.write(path, out)
+        elif not self.dst.backend.create_exclusive(path, out):
+            if not self.taken(cid):  # theirs serves the copied checkpoints: its chain is there and named
+                with self.lock:
+                    self.report.chunks_present += 1
+                self.progress.advance(self.weights.get(cid, 0))
+                return None
+            out = blob if self.recode is None else self.recode(cid, blob)  # (now written whole)
+            self.dst.backend.write(path, out)
         with self.lock:
             self.report.chunks_sent += 1
             self.report.bytes_sent += data_size(out)
@@ -138,6 +161,7 @@ def copy_checkpoints(
     weights: Mapping[str, int] | None = None,
     recode: ChunkRecode | None = None,
     resend: Iterable[str] = (),
+    taken: ChunkTaken | None = None,
 ) -> CopyReport:
     """Copy checkpoints with everything they need, then point refs at them, at ``dst``.
 
@@ -146,7 +170,8 @@ def copy_checkpoints(
     nothing. ``weights`` (decoded bytes per chunk id) drives ``progress``; ``recode`` (optional)
     says how each chunk sent is stored at ``dst``; ``resend``: chunks ``dst`` holds that are sent
     all the same, replacing its blob (the same chunk, stored another way: a delta there against a
-    chunk these checkpoints do not name, say).
+    chunk these checkpoints do not name, say); ``taken``: see :data:`ChunkTaken` (None: another
+    writer's blob of a chunk sent meanwhile is overwritten, as where creates are not exclusive).
     """
     items = list(items)
     for it in items:
@@ -171,7 +196,7 @@ def copy_checkpoints(
     report.chunks_present = len(present_c)
     missing = needed - present_c
     with reporting(progress, "copy", sum(weights.get(c, 0) for c in missing)) as p:
-        sender = _Sender(src, dst, check_chunk, concurrency, report, p, weights, recode)
+        sender = _Sender(src, dst, check_chunk, concurrency, report, p, weights, recode, resend, taken)
         sender.chunks(missing, depth, present_c)
         sender.manifests(blobs)
     # As a push's commit: every chunk is there and touched, and so is every manifest, before a ref
@@ -209,9 +234,10 @@ def _present(dst: ObjectStore, kind: str, ids: Iterable[str]) -> set[str]:
 
 
 def copy_chunks(src: ObjectStore, dst: ObjectStore, ids: Iterable[str], *, check_chunk: ChunkCheck,
-                concurrency: int = 8, recode: ChunkRecode | None = None, resend: Iterable[str] = ()) -> CopyReport:
+                concurrency: int = 8, recode: ChunkRecode | None = None, resend: Iterable[str] = (),
+                taken: ChunkTaken | None = None) -> CopyReport:
     """Copy the chunks ``ids`` (and the bases their blobs name) that ``dst`` lacks, verified, as stored;
-    ``resend``: chunks ``dst`` holds that are sent all the same (see :func:`copy_checkpoints`).
+    ``resend``: chunks ``dst`` holds that are sent all the same; ``taken``: as for :func:`copy_checkpoints`.
 
     For a writer about to commit a manifest at ``dst`` that names chunks it knows are in
     ``src`` (a snapshot reusing chunks of a snapshot in another tier): call this first,
@@ -221,8 +247,8 @@ def copy_chunks(src: ObjectStore, dst: ObjectStore, ids: Iterable[str], *, check
     report = CopyReport()
     present = _present(dst, "chunks", ids) - set(resend)
     report.chunks_present = len(present)
-    _Sender(src, dst, check_chunk, concurrency, report, NullProgress(), {}, recode).chunks(ids - present, {}, present)
+    _Sender(src, dst, check_chunk, concurrency, report, NullProgress(), {}, recode, resend, taken).chunks(ids - present, {}, present)
     return report
 
 
-__all__ = ["ChunkCheck", "ChunkRecode", "CopyItem", "CopyReport", "copy_checkpoints", "copy_chunks"]
+__all__ = ["ChunkCheck", "ChunkRecode", "ChunkTaken", "CopyItem", "CopyReport", "copy_checkpoints", "copy_chunks"]

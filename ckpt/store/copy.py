@@ -28,7 +28,7 @@ from ckpt.transfer.pipeline import fetch_chunk, stored_chain
 from ckpt_store.storage import copy as storage_copy
 from ckpt_store.storage.backends.base import Data
 from ckpt_store.storage.chunk_lists import referenced_chunks
-from ckpt_store.storage.copy import ChunkCheck, ChunkRecode, CopyItem, CopyReport, copy_checkpoints
+from ckpt_store.storage.copy import ChunkCheck, ChunkRecode, ChunkTaken, CopyItem, CopyReport, copy_checkpoints
 from ckpt_store.storage.errors import CkptError, InvalidNameError, RefNotFoundError, StoreFormatError
 from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.refs import validate_ref_name
@@ -107,30 +107,51 @@ def _check_present(dst: Store, lengths: dict[str, int | None], allowed: dict[str
     is damaged or gives another length than the manifests copied, and one stored there as a delta
     against a chunk those manifests do not name -- else a gc there, once the checkpoints naming
     that base are removed, deletes what the copied checkpoint cannot be read without."""
+    ids = sorted(dst.objects.has_many("chunks", lengths))  # only those there (one listing per directory on S3)
 
     def look(cid: str) -> str | None:
-        try:
-            head = dst.backend.read_range(dst.objects.path("chunks", cid), 0, MAX_HEADER)
-        except FileNotFoundError:
-            return None  # sent, and checked on the way
-        try:
-            h = parse_header(head, cid)
-            if lengths[cid] is not None and h.length != lengths[cid]:
-                return cid
-            if h.base is None:
-                return None
-            _, below = stored_chain(dst.objects, h.base)  # the header of cid itself is read already
-        except CkptError:  # damaged there, or a base missing or damaged there: send ours
-            return cid
-        return None if {h.base, *below} <= allowed[cid] else cid
+        return cid if _stored_otherwise(dst, cid, lengths[cid], allowed[cid]) else None
 
-    ids = sorted(dst.objects.has_many("chunks", lengths))  # only those there (one listing per directory on S3)
     if dst.backend.concurrency <= 1 or len(ids) <= 1:
         found = [look(c) for c in ids]
     else:
         with ThreadPoolExecutor(min(dst.backend.concurrency, len(ids)), thread_name_prefix="ckpt-copy") as pool:
             found = list(pool.map(look, ids))
     return {c for c in found if c is not None}
+
+
+def _stored_otherwise(dst: Store, cid: str, length: int | None, allowed: frozenset[str]) -> bool:
+    """Whether chunk ``cid`` at the destination must be replaced for checkpoints that keep ``allowed``
+    alive there (see :func:`_check_present`); False where it is not there (it is sent, and checked)."""
+    try:
+        head = dst.backend.read_range(dst.objects.path("chunks", cid), 0, MAX_HEADER)
+    except FileNotFoundError:
+        return False
+    try:
+        h = parse_header(head, cid)
+        if length is not None and h.length != length:
+            return True
+        if h.base is None:
+            return False
+        _, below = stored_chain(dst.objects, h.base)  # the header of cid itself is read already
+    except CkptError:  # damaged there, or a base missing or damaged there: send ours
+        return True
+    return not {h.base, *below} <= allowed
+
+
+def _taken(dst: Store, lengths: dict[str, int | None], allowed: dict[str, frozenset[str]],
+           replacing: set[str]) -> ChunkTaken:
+    """What a copy does with a chunk another writer stored at ``dst`` while it was sending it: keeps
+    theirs where it serves the copied checkpoints, else replaces it whole (``replacing`` is the set
+    :func:`_whole_where_unnamed` writes whole)."""
+
+    def taken(cid: str) -> bool:
+        if not _stored_otherwise(dst, cid, lengths.get(cid), allowed.get(cid, frozenset())):
+            return False
+        replacing.add(cid)
+        return True
+
+    return taken
 
 
 def _whole_where_unnamed(src: Store, dst: Store, allowed: dict[str, frozenset[str]], inner: ChunkRecode | None,
@@ -212,10 +233,11 @@ def copy_refs(src: Store, dst: Store, refs: Iterable[str], *, progress: Progress
         raise RefNotFoundError("nothing to copy", hint="name at least one ref")
     items, weights, allowed = _items(src, refs)
     resend = _check_present(dst, weights, allowed)
+    replacing = set(resend)
     return copy_checkpoints(src.objects, dst.objects, dst.refs_db, items, check_chunk=chunk_checker(src, dst, weights),
                             concurrency=_concurrency(src, dst), progress=progress, weights=weights,
-                            recode=_whole_where_unnamed(src, dst, allowed, raw_recoder(dst) if recode else None, resend),
-                            resend=resend)
+                            recode=_whole_where_unnamed(src, dst, allowed, raw_recoder(dst) if recode else None, replacing),
+                            resend=resend, taken=_taken(dst, weights, allowed, replacing))
 
 
 def _concurrency(src: Store, dst: Store) -> int:
@@ -235,7 +257,10 @@ def copy_chunks(src: Store, dst: Store, ids: Iterable[str], *, recode: bool = Fa
     ids = set(ids)
     keep = frozenset(named) if named is not None else frozenset()
     allowed = dict.fromkeys(ids, keep)
-    resend = _check_present(dst, dict.fromkeys(ids), allowed)
+    lengths: dict[str, int | None] = dict.fromkeys(ids)
+    resend = _check_present(dst, lengths, allowed)
+    replacing = set(resend)
     return storage_copy.copy_chunks(src.objects, dst.objects, ids, check_chunk=chunk_checker(src, dst),
                                     concurrency=_concurrency(src, dst), resend=resend,
-                                    recode=_whole_where_unnamed(src, dst, allowed, raw_recoder(dst) if recode else None, resend))
+                                    recode=_whole_where_unnamed(src, dst, allowed, raw_recoder(dst) if recode else None, replacing),
+                                    taken=_taken(dst, lengths, allowed, replacing))

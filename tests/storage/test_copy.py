@@ -122,6 +122,8 @@ def test_order_chunks_then_manifests_then_refs(source, tmp_path):
         if path.startswith("refs/"):
             assert dst.objects.has("manifests", json.loads(data)["target"])
             seen.append("refs")
+        elif path.startswith("objects/chunks/"):  # (a chunk the destination lacks: created exclusively)
+            seen.append("chunks")
         return real_create(path, data)
 
     dst.backend.write = write  # type: ignore[method-assign]
@@ -140,20 +142,25 @@ def test_delta_bases_go_first():
 
 def test_interrupted_copy_resumes_with_what_is_left(source, dest_url):
     dst = _open(dest_url)
-    real = dst.backend.write
+    real_write, real_create = dst.backend.write, dst.backend.create_exclusive
     written: list[str] = []
 
-    def flaky(path, data):
-        if path.startswith("objects/chunks/") and len(written) >= 3:
-            raise StorageIOError("connection lost (injected)", retryable=True)
-        real(path, data)
-        written.append(path)
+    def flaky(real):
+        def write(path, data):
+            if path.startswith("objects/chunks/") and len(written) >= 3:
+                raise StorageIOError("connection lost (injected)", retryable=True)
+            done = real(path, data)
+            written.append(path)
+            return done
 
-    dst.backend.write = flaky  # type: ignore[method-assign]
+        return write
+
+    # (a chunk the destination lacks is created exclusively where creates are exclusive: both ways fail)
+    dst.backend.write, dst.backend.create_exclusive = flaky(real_write), flaky(real_create)  # type: ignore[method-assign]
     with pytest.raises(StorageIOError):
         copy_refs(source, dst, ["m/ft"])
     assert dst.refs() == {} and not list(dst.objects.list("manifests"))  # nothing names the partial data
-    dst.backend.write = real  # type: ignore[method-assign]
+    dst.backend.write, dst.backend.create_exclusive = real_write, real_create  # type: ignore[method-assign]
     total = len(source.manifest(source.resolve("m/ft")).chunk_lengths())
     r = copy_refs(source, dst, ["m/ft"])
     assert r.chunks_present == len(written) and r.chunks_sent == total - len(written)
@@ -255,4 +262,57 @@ def test_chunks_copied_before_a_commit_are_not_left_as_deltas_against_what_it_do
     dst.remove("ft")
     dst.gc(grace_s=0)
     assert dst.load("mine")["w"].view(torch.int32).equal(tuned["w"].view(torch.int32))
+    assert dst.verify().ok
+
+
+@pytest.mark.parametrize("first", ["push", "push against another base", "copy"])
+def test_a_copy_and_a_push_storing_one_new_chunk_at_once_leave_both_loadable(tmp_path, monkeypatch, first):
+    """A copy (chunks stored as deltas against a base it brings) and a push of the same tensors
+    into one store at once, both finding the chunks missing: the copy overwrote the push's blobs
+    with its deltas, so once the copied refs were removed and collected, the push's checkpoint named
+    chunks whose bases were gone. Now the second writer of a chunk keeps the first one's blob where
+    its manifests name that blob's chain (the push records it), and a copy replaces it whole where
+    they do not (a delta against a checkpoint of the destination the copy knows nothing of)."""
+    settings = ckpt.Settings.from_env(**SMALL)
+    src, dst = _open(str(tmp_path / "src")), _open(str(tmp_path / "dst"))
+    base = _model()
+    tuned = _finetune(base)
+    src.push(base, "base")
+    src.push(tuned, "ft", base="base")
+    pusher = ckpt.Store.open(str(tmp_path / "dst"), settings=settings)  # another process's view of dst
+    if first == "push against another base":
+        pusher.push(_finetune(base, seed=7), "other")
+    ft_chunks = referenced_chunks(src.objects.get_manifest(src.resolve("ft")))
+    base_chunks = referenced_chunks(src.objects.get_manifest(src.resolve("base")))
+    real_get = src.objects.get
+    raced: list[str] = []
+
+    def push(**how) -> None:
+        pusher.push(tuned, "pushed", **how)
+
+    def get_while_someone_pushes(kind: str, oid: str, *a, **k):
+        blob = real_get(kind, oid, *a, **k)
+        if kind == "chunks" and not raced and oid in ft_chunks and oid not in base_chunks:
+            raced.append(oid)  # the push stores the fine-tune's chunks before the copy writes them
+            if first == "push":
+                push(delta=False)
+            elif first == "push against another base":
+                push(base="other")
+        return blob
+
+    monkeypatch.setattr(src.objects, "get", get_while_someone_pushes)
+    copy_refs(src, dst, ["base", "ft"])
+    if first == "copy":
+        push(delta=False)  # finds the copy's deltas there: records their chain
+    assert raced
+    if first == "push against another base":  # the push's delta replaced by the chunk whole
+        from ckpt.transfer.pipeline import stored_chain
+
+        assert stored_chain(dst.objects, raced[0])[1] == ()
+    gone, kept = (["other", "pushed"], "ft") if first == "push against another base" else (["base", "ft"], "pushed")
+    for ref in gone:
+        dst.remove(ref)
+    dst.gc(grace_s=0)
+    got = dst.load(kept)
+    assert all(got[k].view(torch.uint8).equal(v.view(torch.uint8)) for k, v in tuned.items())
     assert dst.verify().ok
