@@ -53,9 +53,11 @@ from torch.distributed.checkpoint.storage import (
 )
 from torch.futures import Future
 
-from ckpt.dcp.consolidate import Copy, run_copies
+from ckpt.dcp.consolidate import Copy, run_copies, shard_entry
 from ckpt.dcp.format import (
     DCP_SOURCE,
+    Shard,
+    TensorItem,
     UnsupportedStateError,
     decode_layout,
     encode_metadata,
@@ -335,6 +337,7 @@ class Reader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self._manifest: tuple[str, Manifest] | None = None
         self._values: dict[str, Any] = {}
+        self._shards: dict[tuple[str, tuple[int, ...]], tuple[TensorItem, Shard]] = {}  # (fqn, offsets) -> its shard
         self._storage: dict[Any, str | None] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -359,6 +362,7 @@ class Reader(StorageReader):
                             hint="load it with Store.load / load_into, or push it again through dcp.save")
         layout = decode_layout(m.extra, f"manifest {mid}")
         self._manifest, self._values = (mid, m), layout.values
+        self._shards = {(t.fqn, s.offsets): (t, s) for t in layout.tensors.values() for s in t.shards}
         md = to_metadata(layout, mid)
         md.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
         return md
@@ -391,10 +395,10 @@ class Reader(StorageReader):
                 buf.seek(0)
                 planner.load_bytes(req, buf)
                 continue
-            name = self._storage.get(req.storage_index)
-            if name not in entries:
+            found = self._shards.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+            if found is None or self._storage.get(req.storage_index) != found[1].entry:
                 raise StoreFormatError(f"manifest {mid}: no stored shard for {req.storage_index.fqn} at {list(req.storage_index.offset or ())}")
-            copies.append(Copy(entries[name], tuple(req.storage_offsets), tuple(req.lengths), planner.resolve_tensor(req).detach(),
+            copies.append(Copy(shard_entry(*found, entries), tuple(req.storage_offsets), tuple(req.lengths), planner.resolve_tensor(req).detach(),
                                lambda t, r=req: planner.commit_tensor(r, t)))
         run_copies(store, m, copies, get=self.tiers.get if self.tiers is not None else None)
         fut: Future[None] = Future()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpt.dcp.format import DCP_SOURCE, TensorItem, decode_layout
+from ckpt.dcp.format import DCP_SOURCE, Shard, TensorItem, decode_layout
 from ckpt.errors import TensorMismatchError
 from ckpt.format.dtypes import byte_view, itemsize, to_torch
 from ckpt.format.manifest import Manifest, TensorEntry, name_selected, split_lengths
@@ -137,11 +137,17 @@ def shard_copies(item: TensorItem, full: torch.Tensor, entries: dict[str, Tensor
     """Copies that fill ``full`` (the whole tensor ``item``) from its stored shards."""
     out = []
     for s in item.shards:
-        e = entries.get(s.entry)
-        if e is None or e.shape != s.sizes or e.dtype != item.dtype:
-            raise StoreFormatError(f"tensor {item.fqn}: shard {s.entry!r} is missing or does not match its entry")
-        out.append(Copy(e, (0,) * len(s.sizes), s.sizes, narrow(full, s.offsets, s.sizes)))
+        out.append(Copy(shard_entry(item, s, entries), (0,) * len(s.sizes), s.sizes, narrow(full, s.offsets, s.sizes)))
     return out
+
+
+def shard_entry(item: TensorItem, shard: Shard, entries: dict[str, TensorEntry]) -> TensorEntry:
+    """The manifest entry holding ``shard`` of ``item``: one of the shard's shape and the item's dtype,
+    else a :class:`StoreFormatError` (a region read from an entry of another shape is wrong data)."""
+    e = entries.get(shard.entry)
+    if e is None or e.shape != shard.sizes or e.dtype != item.dtype:
+        raise StoreFormatError(f"tensor {item.fqn}: shard {shard.entry!r} is missing or does not match its entry")
+    return e
 
 
 def _selected(m: Manifest, include: list[str] | None) -> list[TensorItem]:

@@ -376,3 +376,44 @@ def test_shards_cover_a_tensor_once_or_the_layout_is_refused():
     assert not _disjoint([Shard((0, 0), (2, 4), "a"), Shard((0, 0), (2, 4), "b")])
     assert not _disjoint([Shard((0, 0), (3, 2), "a"), Shard((2, 1), (2, 3), "b")])  # a corner shared
     assert _disjoint([Shard((0, 0), (0, 4), "empty"), Shard((0, 0), (4, 4), "all")])
+
+
+def _forged(url: str, ref: str, name: str, edit) -> str:
+    """Commit a copy of ``ref``'s manifest whose ``extra["dcp"]["items"]`` ``edit`` changed, as ref ``name``."""
+    from ckpt.format.manifest import Manifest
+    from ckpt_store.storage.commit import commit
+
+    store = ckpt.Store.open(url)
+    raw = json.loads(store.manifest(ref).to_json())
+    edit(raw["extra"]["dcp"]["items"])
+    commit(store.objects, store.refs_db, Manifest.from_json(json.dumps(raw).encode(), "forged").to_json(), name)
+    return name
+
+
+@pytest.mark.parametrize("edit", ["other_entry", "dtype"])
+def test_a_shard_whose_entry_disagrees_with_the_layout_is_refused_by_every_reader(tmp_path, edit):
+    """A manifest whose layout names, for a shard, an entry of another shape or dtype (forged, or
+    written by a broken tool). ``Store.load`` refused it, but ``dcp.load`` read a region of the
+    larger entry ("a" got the first rows of "big") or read it whatever dtype the layout claimed:
+    wrong data without a word. Every reader now checks each shard against its entry."""
+    from ckpt_store.storage.errors import StoreFormatError
+
+    url = str(tmp_path / "s")
+    state = {"a": torch.arange(16.0).reshape(4, 4), "big": torch.arange(100.0, 132.0).reshape(8, 4)}
+    dcp.save(state, storage_writer=ckpt.dcp.Writer(url, "x/a"))
+
+    def change(items):
+        if edit == "other_entry":
+            items["a"]["shards"][0]["entry"] = "big"
+        else:
+            items["a"]["dtype"] = "I32"
+
+    ref = _forged(url, "x/a", "x/forged", change)
+    into = {"a": torch.full((4, 4), -1.0)}
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(into, storage_reader=ckpt.dcp.Reader(url, ref))
+    err = next(iter(e.value.failures.values()))[0]
+    assert isinstance(err, StoreFormatError) and "does not match its entry" in str(err), err
+    assert _bits_equal(into["a"], torch.full((4, 4), -1.0))  # nothing was written into it
+    with pytest.raises(StoreFormatError):
+        ckpt.Store.open(url).load(ref)
