@@ -417,3 +417,23 @@ def test_a_shard_whose_entry_disagrees_with_the_layout_is_refused_by_every_reade
     assert _bits_equal(into["a"], torch.full((4, 4), -1.0))  # nothing was written into it
     with pytest.raises(StoreFormatError):
         ckpt.Store.open(url).load(ref)
+
+
+@pytest.mark.parametrize("size", [[0, 2**62, 2**62], [0, 2**70]])
+def test_a_size_past_64_bits_is_refused_with_a_clear_error(tmp_path, size):
+    """An empty tensor whose other dimensions overflow torch's int64 strides (a forged layout: it
+    needs no chunks). ``Store.load`` and ``ckpt pull`` died in ``torch.empty`` with a RuntimeError
+    ("Stride calculation overflowed") or a TypeError: a traceback, not an error naming the manifest."""
+    from typer.testing import CliRunner
+
+    from ckpt_store.cli.main import app
+    from ckpt_store.storage.errors import StoreFormatError
+
+    url = str(tmp_path / "s")
+    dcp.save({"e": torch.zeros(0, 3), "w": torch.ones(2)}, storage_writer=ckpt.dcp.Writer(url, "x/a"))
+    ref = _forged(url, "x/a", "x/forged", lambda items: items["e"].update(size=size, shards=[]))
+    with pytest.raises(StoreFormatError, match="overflows 64 bits"):
+        ckpt.Store.open(url).load(ref)
+    r = CliRunner().invoke(app, ["--store", url, "pull", ref, str(tmp_path / "out.safetensors")])
+    assert isinstance(r.exception, StoreFormatError) and "overflows 64 bits" in str(r.exception)  # cli/main: one line, exit 1
+    assert not (tmp_path / "out.safetensors").exists()
