@@ -65,7 +65,7 @@ from ckpt.dcp.format import (
     shard_name,
     to_metadata,
 )
-from ckpt.errors import CkptError
+from ckpt.errors import CkptError, TensorMismatchError
 from ckpt.format.dtypes import byte_view, from_torch, itemsize
 from ckpt.format.manifest import FileEntry, Manifest, TensorEntry
 from ckpt.settings import Settings
@@ -173,9 +173,25 @@ class Writer(StorageWriter):
         self.is_coordinator, self.rank = is_coordinator, int(kwargs.get("rank") or 0)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        # What this rank saves under each name, for the coordinator to compare (prepare_global_plan).
+        saved = {(i.index.fqn, tuple(i.index.offset or ())): (list(td.size), str(td.properties.dtype).removeprefix("torch."),
+                                                              list(td.chunk.sizes))
+                 for i in plan.items if (td := i.tensor_data) is not None}
+        return dataclasses.replace(plan, storage_data=saved)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # DCP saves one rank's copy of a tensor that several ranks save (one that is not a DTensor is
+        # assumed replicated) and drops the others unseen: ranks that disagree on its size or dtype
+        # would leave a checkpoint holding one rank's tensor, silently. Refused here, on every rank.
+        first: dict[tuple[str, tuple[int, ...]], tuple[int, Any]] = {}
+        for rank, p in enumerate(plans):
+            for key, desc in (p.storage_data if isinstance(p.storage_data, dict) else {}).items():
+                r0, d0 = first.setdefault(key, (rank, desc))
+                if d0 != desc:
+                    raise TensorMismatchError(f"{key[0]}: rank {r0} saves a {d0[1]} tensor of size {d0[0]}, rank {rank} a {desc[1]} "
+                                    f"tensor of size {desc[0]}" + (f" (shards {d0[2]} and {desc[2]})" if d0[:2] == desc[:2] else ""),
+                                    hint="a tensor that is not a DTensor/ShardedTensor must be identical on every rank; "
+                                    "give per-rank tensors per-rank names")
         store = self._holder.store(create=True)
         current = store.refs_db.current(self.name)  # type: ignore[arg-type]
         parent = current.target if current is not None else None

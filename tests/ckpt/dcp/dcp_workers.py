@@ -1157,8 +1157,33 @@ def _flip_newest(path):
     return n
 
 
+
+def ranks_disagree(rank, world, tmp, store):
+    """Plain (not DTensor) tensors that the ranks save under one name with different sizes or dtypes:
+    each save's error (or the checkpoint id) and its seconds. Different names per rank are fine."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt.dcp
+
+    cases = {"size": {"a": torch.arange(4.0 + 2 * rank)}, "dtype": {"a": torch.ones(3, dtype=(torch.float32, torch.float16)[rank])},
+             "names": {"a": torch.ones(3), f"own{rank}": torch.full((2,), float(rank))}}
+    out = {}
+    for case, state in cases.items():
+        t0 = time.monotonic()
+        try:
+            out[case] = dcp.save(state, storage_writer=ckpt.dcp.Writer(store, f"{case}/x")).storage_meta.checkpoint_id
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            failures = getattr(e, "failures", None) or {rank: (e, None)}
+            err = next(iter(failures.values()))[0]
+            out[case] = f"{type(err).__name__}: {err}"
+        out[f"{case}_s"] = time.monotonic() - t0
+    return out
+
+
 SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
              "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,
-             "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline}
+             "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline,
+             "ranks_disagree": ranks_disagree}

@@ -437,3 +437,22 @@ def test_a_size_past_64_bits_is_refused_with_a_clear_error(tmp_path, size):
     r = CliRunner().invoke(app, ["--store", url, "pull", ref, str(tmp_path / "out.safetensors")])
     assert isinstance(r.exception, StoreFormatError) and "overflows 64 bits" in str(r.exception)  # cli/main: one line, exit 1
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_ranks_saving_one_name_with_different_sizes_or_dtypes_are_refused_on_every_rank(tmp_path):
+    """DCP saves one rank's copy of a plain tensor every rank saves and drops the others unseen: rank 0
+    saving "a" as 4 floats and rank 1 as 6 (or as float16) committed rank 0's, and rank 1's next
+    restore of it failed, or loaded another rank's data. The coordinator now compares what every
+    rank saves under each name and refuses on every rank at once; ranks saving different names
+    (their own tensors) still save."""
+    url = str(tmp_path / "s")
+    r0, r1 = W.run_ranks("ranks_disagree", 2, str(tmp_path), store=url)
+    for r in (r0, r1):
+        assert "error" not in r, r.get("trace")
+        assert r["size"].startswith("TensorMismatchError: a: rank 0 saves a float32 tensor of size [4], rank 1 a float32 tensor of size [6] (")
+        assert r["dtype"].startswith("TensorMismatchError: a: rank 0 saves a float32 tensor of size [3], rank 1 a float16")
+        assert r["size_s"] < 20 and r["dtype_s"] < 20  # at once, not after the group's timeout
+    store = ckpt.Store.open(url)
+    assert sorted(store.refs()) == ["names/x"] and r0["names"] == r1["names"] == store.resolve("names/x")
+    got = store.load("names/x")
+    assert _bits_equal(got["own0"], torch.zeros(2)) and _bits_equal(got["own1"], torch.ones(2))
