@@ -184,8 +184,13 @@ class Writer(StorageWriter):
         # assumed replicated) and drops the others unseen: ranks that disagree on its size or dtype
         # would leave a checkpoint holding one rank's tensor, silently. Refused here, on every rank.
         first: dict[tuple[str, tuple[int, ...]], tuple[int, Any]] = {}
+        names: dict[str, str] = {}  # manifest entry -> the key it stores
         for rank, p in enumerate(plans):
             for key, desc in (p.storage_data if isinstance(p.storage_data, dict) else {}).items():
+                name = shard_name(key[0], key[1], tuple(desc[2]), tuple(desc[0]))
+                if names.setdefault(name, key[0]) != key[0]:  # a key named like another's shard: one entry for two
+                    raise UnsupportedStateError(f"state dict keys {names[name]!r} and {key[0]!r} would both be stored as {name!r}",
+                                                hint="rename the key that is written like a shard (NAME[a:b,...])")
                 r0, d0 = first.setdefault(key, (rank, desc))
                 if d0 != desc:
                     raise TensorMismatchError(f"{key[0]}: rank {r0} saves a {d0[1]} tensor of size {d0[0]}, rank {rank} a {desc[1]} "

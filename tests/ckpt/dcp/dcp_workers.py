@@ -1168,6 +1168,10 @@ def ranks_disagree(rank, world, tmp, store):
 
     cases = {"size": {"a": torch.arange(4.0 + 2 * rank)}, "dtype": {"a": torch.ones(3, dtype=(torch.float32, torch.float16)[rank])},
              "names": {"a": torch.ones(3), f"own{rank}": torch.full((2,), float(rank))}}
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    # a key named like a shard of another: same bytes, another dtype (once: one entry, a checkpoint that never loaded)
+    cases["shard_named"] = {"x": distribute_tensor(torch.zeros(4), _mesh(world), [Shard(0)]), "x[0:2]": torch.zeros(2, dtype=torch.int32)}
     out = {}
     for case, state in cases.items():
         t0 = time.monotonic()
