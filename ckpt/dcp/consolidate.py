@@ -203,7 +203,8 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
     Tensors are assembled in memory a batch (about :data:`BATCH_BYTES`) at a time and
     written at their offsets; the file appears only when complete. The destination
     follows :mod:`ckpt.store.destination`'s rule, as every pull does; a target named like a
-    torch file gets a torch file of the whole tensors (see :func:`ckpt.store.pull.pull`)."""
+    torch file gets a torch file of the whole tensors and (without ``include``) the non-tensor
+    values, each under its flat DCP name (see :func:`ckpt.store.pull.pull`)."""
     import torch
 
     from ckpt.format.safetensors_header import build_header
@@ -211,8 +212,9 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
 
     items = _selected(m, include)
     target = file_target(store, dest, "model.safetensors", overwrite)
-    if is_torch_name(target):
-        write_torch(target, load_dcp(store, m, include, progress), {})
+    if is_torch_name(target):  # non-tensor state (a step, a scheduler) too, under its flat key, as DCP saved it
+        values = {} if include else decode_layout(m.extra, "manifest").values
+        write_torch(target, load_dcp(store, m, include, progress), values)
         return target
     meta = m.files[0].metadata if m.files else None
     head, order = build_header([(t.fqn, t.dtype, t.size, t.nbytes) for t in items], meta)

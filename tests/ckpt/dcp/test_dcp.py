@@ -458,3 +458,22 @@ def test_ranks_saving_one_name_with_different_sizes_or_dtypes_are_refused_on_eve
     assert sorted(store.refs()) == ["names/x"] and r0["names"] == r1["names"] == store.resolve("names/x")
     got = store.load("names/x")
     assert _bits_equal(got["own0"], torch.zeros(2)) and _bits_equal(got["own1"], torch.ones(2))
+
+
+def test_a_torch_file_pulled_from_a_distributed_checkpoint_keeps_its_values(tmp_path):
+    """`ckpt pull REF out.pt` of a DCP checkpoint wrote the tensors only: the step, the scheduler's
+    and optimizer's plain values that dcp.load gives back were dropped without a word (a .pt pushed
+    and pulled keeps them). They now come back under their flat DCP names, exactly, loadable with
+    weights_only=True; with --include, as for any checkpoint, only the selected tensors."""
+    url = str(tmp_path / "s")
+    full = W.full_tensors()
+    values = {"step": 5, "opt": {"betas": (0.9, 0.999), "best": float("-inf"), "raw": b"\x00\xff", "names": ["a", None]}}
+    dcp.save({"t": full, **values}, storage_writer=ckpt.dcp.Writer(url, "one/a"))
+    store = ckpt.Store.open(url)
+    got = torch.load(store.pull("one/a", str(tmp_path / "out.pt")), weights_only=True)
+    assert sorted(got) == sorted([f"t.{k}" for k in full] + ["step", "opt.betas", "opt.best", "opt.raw", "opt.names"])
+    assert all(_bits_equal(got[f"t.{k}"], v) for k, v in full.items())
+    assert got["step"] == 5 and got["opt.betas"] == (0.9, 0.999) and got["opt.best"] == float("-inf")
+    assert got["opt.raw"] == b"\x00\xff" and got["opt.names"] == ["a", None]
+    only = torch.load(store.pull("one/a", str(tmp_path / "rows.pt"), include=["t.rows"]), weights_only=True)
+    assert list(only) == ["t.rows"] and _bits_equal(only["t.rows"], full["rows"])
