@@ -1185,9 +1185,40 @@ def ranks_disagree(rank, world, tmp, store):
     return out
 
 
+
+def forged_key_path(rank, world, tmp, store):
+    """A snapshot whose record of key paths (DCP's planner_data) was edited to put a list item at
+    index ``i``: the restore's outcome for each ``i`` (one rank)."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt.format.manifest import Manifest
+    from ckpt_store.storage.commit import commit
+
+    out = {}
+    with ckpt.CheckpointManager(store, "run", save_mode="sync", process_group=dist.group.WORLD, timeout_s=20) as mgr:
+        mgr.save(1, {"pos": {"a": [torch.ones(2), 3]}, "step": 1})
+        s = ckpt.Store.open(store)
+        raw = json.loads(s.manifest("run/step-1").to_json())
+        for step, i in ((2, 10**12), (3, -1)):
+            raw["extra"]["dcp"]["planner_data"]["pos.a.1"] = ["pos", "a", i]
+            raw["extra"]["snapshot"]["step"] = step
+            mid, _ = commit(s.objects, s.refs_db, Manifest.from_json(json.dumps(raw).encode(), "forged").to_json(), f"run/step-{step}")
+            s.refs_db.set("run/latest", mid, alias=True)
+            state = {"pos": None, "step": 0}
+            try:
+                out[str(i)] = f"restored {mgr.restore_latest(state)}: {state!r}"
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out[str(i)] = f"{type(e).__name__}: {e}"
+    return out
+
+
 SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
              "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,
              "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline,
-             "ranks_disagree": ranks_disagree}
+             "ranks_disagree": ranks_disagree, "forged_key_path": forged_key_path}

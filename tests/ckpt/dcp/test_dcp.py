@@ -477,3 +477,14 @@ def test_a_torch_file_pulled_from_a_distributed_checkpoint_keeps_its_values(tmp_
     assert got["opt.raw"] == b"\x00\xff" and got["opt.names"] == ["a", None]
     only = torch.load(store.pull("one/a", str(tmp_path / "rows.pt"), include=["t.rows"]), weights_only=True)
     assert list(only) == ["t.rows"] and _bits_equal(only["t.rows"], full["rows"])
+
+
+def test_a_forged_list_index_in_a_snapshots_key_paths_is_refused_not_allocated(tmp_path):
+    """A restore builds the saved structure from the snapshot's record of key paths: a list item's
+    path ends in its index, and the list was padded with None up to it. A forged index of 10**12 had
+    the restore allocate a list that long (MemoryError here; 10**9 takes 8 GB), and -1 raised an
+    IndexError. An index past the items saved under the key is now a StoreFormatError."""
+    (r,) = W.run_ranks("forged_key_path", 1, str(tmp_path), store=str(tmp_path / "s"))
+    assert "error" not in r, r.get("trace")
+    for i in (str(10**12), "-1"):
+        assert r[i].startswith("StoreFormatError: manifest ") and "past the 2 items saved under 'pos'" in r[i], r[i]
