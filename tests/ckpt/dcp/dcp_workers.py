@@ -1216,9 +1216,33 @@ def forged_key_path(rank, world, tmp, store):
     return out
 
 
+
+def save_fine_tunes(rank, world, tmp, store):
+    """A base and two fine-tunes of one tensor, saved row-sharded over the ranks as d/base, d/ft1, d/ft2."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import ckpt.dcp
+
+    mesh = _mesh(world)
+    for name, t in fine_tunes().items():
+        dcp.save({"w": distribute_tensor(t, mesh, [Shard(0)])}, storage_writer=ckpt.dcp.Writer(store, f"d/{name}"))
+    return {}
+
+
+def fine_tunes():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 32, generator=g)
+    return {"base": base, "ft1": base + 0.01 * torch.randn(64, 32, generator=g), "ft2": base + 0.01 * torch.randn(64, 32, generator=g)}
+
+
 SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
              "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,
              "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline,
-             "ranks_disagree": ranks_disagree, "forged_key_path": forged_key_path}
+             "ranks_disagree": ranks_disagree, "forged_key_path": forged_key_path,
+             "save_fine_tunes": save_fine_tunes}

@@ -488,3 +488,25 @@ def test_a_forged_list_index_in_a_snapshots_key_paths_is_refused_not_allocated(t
     assert "error" not in r, r.get("trace")
     for i in (str(10**12), "-1"):
         assert r[i].startswith("StoreFormatError: manifest ") and "past the 2 items saved under 'pos'" in r[i], r[i]
+
+
+def test_merge_refuses_a_checkpoint_stored_as_shards_and_merges_one_saved_whole(tmp_path):
+    """The entries of a sharded DCP checkpoint are its shards ("w[0:32,0:32]"): `ckpt merge` of two
+    fine-tunes saved on 2 ranks merged shard by shard, and ties (which trims by magnitude over the
+    whole tensor) gave another result than the same merge of the whole tensors, stored as a plain
+    checkpoint of shards that no longer loaded into the model. It is now refused, naming the tensor
+    and how to consolidate; a DCP checkpoint saved by one process (every tensor whole) still merges."""
+    from ckpt.errors import InvalidMergeError
+
+    url = str(tmp_path / "s")
+    assert W.run_ranks("save_fine_tunes", 2, str(tmp_path), store=url) == [{}, {}]
+    store = ckpt.Store.open(url)
+    with pytest.raises(InvalidMergeError, match=r"d/ft1 is a distributed \(DCP\) checkpoint that stores 'w' as shards") as e:
+        ckpt.merge(["d/ft1", "d/ft2"], "ties", base="d/base", params={"density": 0.3}, name="d/merged", store=store)
+    assert "ckpt pull d/ft1" in e.value.hint and "d/merged" not in store.refs()
+    for name, t in W.fine_tunes().items():
+        dcp.save({"w": t}, storage_writer=ckpt.dcp.Writer(url, f"one/{name}"))
+        store.push({"w": t}, f"plain/{name}")
+    got = {k: ckpt.merge([f"{k}/ft1", f"{k}/ft2"], "ties", base=f"{k}/base", params={"density": 0.3}, name=f"{k}/merged",
+                         store=store) for k in ("one", "plain")}
+    assert _bits_equal(store.load(got["one"].id)["w"], store.load(got["plain"].id)["w"])
