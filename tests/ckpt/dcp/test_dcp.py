@@ -510,3 +510,26 @@ def test_merge_refuses_a_checkpoint_stored_as_shards_and_merges_one_saved_whole(
     got = {k: ckpt.merge([f"{k}/ft1", f"{k}/ft2"], "ties", base=f"{k}/base", params={"density": 0.3}, name=f"{k}/merged",
                          store=store) for k in ("one", "plain")}
     assert _bits_equal(store.load(got["one"].id)["w"], store.load(got["plain"].id)["w"])
+
+
+def test_diff_compares_the_tensors_of_distributed_checkpoints_not_their_shards(tmp_path):
+    """`ckpt diff` read a DCP checkpoint through its entries, which are the shards: the same tensor
+    saved by 2 ranks and by 1 process showed as "w[0:32,0:32]", "w[32:64,0:32]" removed and "w" added,
+    and two 2-rank fine-tunes were compared shard by shard (a cosine per shard). Each side is now its
+    whole tensors, as Store.load gives them: the report equals that of the same tensors pushed."""
+    url = str(tmp_path / "s")
+    assert W.run_ranks("save_fine_tunes", 2, str(tmp_path), store=url) == [{}, {}]
+    store = ckpt.Store.open(url)
+    for name, t in W.fine_tunes().items():
+        dcp.save({"w": t}, storage_writer=ckpt.dcp.Writer(url, f"one/{name}"))
+        store.push({"w": t}, f"plain/{name}")
+    same = ckpt.diff("d/ft1", "one/ft1", store=store)
+    assert [(r.name, r.status) for r in same.tensors] == [("w", "identical")]
+    assert [(r.name, r.status, r.read) for r in ckpt.diff("one/ft1", "plain/ft1", store=store).tensors] == [("w", "identical", False)]
+
+    def rows(a, b):
+        return [(r.name, r.status, r.changed_elements, r.relative_change, r.max_abs_diff, r.cosine)
+                for r in ckpt.diff(a, b, store=store).tensors]
+
+    assert rows("d/base", "d/ft1") == rows("plain/base", "plain/ft1") and rows("d/base", "d/ft1")[0][1] == "changed"
+    assert rows("d/ft2", "one/ft1") == rows("plain/ft2", "plain/ft1")
