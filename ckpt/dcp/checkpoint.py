@@ -112,6 +112,12 @@ class _StoreHolder:
 
 
 @dataclasses.dataclass(frozen=True)
+class _LocalPlan:
+    name: str | None  # the ref this rank saves to
+    saved: dict[tuple[str, tuple[int, ...]], Any]  # (fqn, offsets) -> [size, dtype, shard sizes] of each tensor item
+
+
+@dataclasses.dataclass(frozen=True)
 class _RankPlan:
     base: str | None  # manifest whose same-named shards new chunks are delta-encoded against
 
@@ -177,7 +183,7 @@ class Writer(StorageWriter):
         saved = {(i.index.fqn, tuple(i.index.offset or ())): (list(td.size), str(td.properties.dtype).removeprefix("torch."),
                                                               list(td.chunk.sizes))
                  for i in plan.items if (td := i.tensor_data) is not None}
-        return dataclasses.replace(plan, storage_data=saved)
+        return dataclasses.replace(plan, storage_data=_LocalPlan(self.name, saved))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # DCP saves one rank's copy of a tensor that several ranks save (one that is not a DTensor is
@@ -185,8 +191,14 @@ class Writer(StorageWriter):
         # would leave a checkpoint holding one rank's tensor, silently. Refused here, on every rank.
         first: dict[tuple[str, tuple[int, ...]], tuple[int, Any]] = {}
         names: dict[str, str] = {}  # manifest entry -> the key it stores
-        for rank, p in enumerate(plans):
-            for key, desc in (p.storage_data if isinstance(p.storage_data, dict) else {}).items():
+        local = [(rank, p.storage_data) for rank, p in enumerate(plans) if isinstance(p.storage_data, _LocalPlan)]
+        other = next(((rank, lp.name) for rank, lp in local if lp.name != self.name), None)
+        if other is not None:  # the coordinator's name would be committed over the others' shards: a torn checkpoint
+            raise CkptError(f"the ranks save to different refs: rank {self.rank} to {self.name!r}, rank {other[0]} to {other[1]!r}",
+                            hint="give every rank's Writer (or dcp.save's checkpoint_id) the same name: with a step in it, "
+                            "the same step on every rank")
+        for rank, lp in local:
+            for key, desc in lp.saved.items():
                 name = shard_name(key[0], key[1], tuple(desc[2]), tuple(desc[0]))
                 if names.setdefault(name, key[0]) != key[0]:  # a key named like another's shard: one entry for two
                     raise UnsupportedStateError(f"state dict keys {names[name]!r} and {key[0]!r} would both be stored as {name!r}",

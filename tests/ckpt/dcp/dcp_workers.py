@@ -1172,11 +1172,13 @@ def ranks_disagree(rank, world, tmp, store):
 
     # a key named like a shard of another: same bytes, another dtype (once: one entry, a checkpoint that never loaded)
     cases["shard_named"] = {"x": distribute_tensor(torch.zeros(4), _mesh(world), [Shard(0)]), "x[0:2]": torch.zeros(2, dtype=torch.int32)}
+    cases["steps"] = {"x": distribute_tensor(torch.arange(4.0), _mesh(world), [Shard(0)])}
     out = {}
     for case, state in cases.items():
         t0 = time.monotonic()
         try:
-            out[case] = dcp.save(state, storage_writer=ckpt.dcp.Writer(store, f"{case}/x")).storage_meta.checkpoint_id
+            name = f"{case}/x" if case != "steps" else f"steps/step-{7 + rank}"  # each rank its own step
+            out[case] = dcp.save(state, storage_writer=ckpt.dcp.Writer(store, name)).storage_meta.checkpoint_id
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
             failures = getattr(e, "failures", None) or {rank: (e, None)}
             err = next(iter(failures.values()))[0]

@@ -445,7 +445,9 @@ def test_ranks_saving_one_name_with_different_sizes_or_dtypes_are_refused_on_eve
     restore of it failed, or loaded another rank's data. The coordinator now compares what every
     rank saves under each name and refuses on every rank at once; ranks saving different names
     (their own tensors) still save. A key written like another's shard ("x[0:2]" beside a sharded
-    "x") is refused too: both were stored as one entry, and the committed manifest never loaded."""
+    "x") is refused too: both were stored as one entry, and the committed manifest never loaded. So
+    are ranks saving to different refs (a step counter apart): rank 1's shards of step 8 were
+    committed as rank 0's step 7, and rank 1 was told its save succeeded."""
     url = str(tmp_path / "s")
     r0, r1 = W.run_ranks("ranks_disagree", 2, str(tmp_path), store=url)
     for r in (r0, r1):
@@ -454,6 +456,7 @@ def test_ranks_saving_one_name_with_different_sizes_or_dtypes_are_refused_on_eve
         assert r["dtype"].startswith("TensorMismatchError: a: rank 0 saves a float32 tensor of size [3], rank 1 a float16")
         assert r["size_s"] < 20 and r["dtype_s"] < 20  # at once, not after the group's timeout
         assert r["shard_named"].startswith("UnsupportedStateError: state dict keys 'x' and 'x[0:2]' would both be stored as 'x[0:2]'")
+        assert r["steps"].startswith("CkptError: the ranks save to different refs: rank 0 to 'steps/step-7', rank 1 to 'steps/step-8'")
     store = ckpt.Store.open(url)
     assert sorted(store.refs()) == ["names/x"] and r0["names"] == r1["names"] == store.resolve("names/x")
     got = store.load("names/x")
