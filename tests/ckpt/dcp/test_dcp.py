@@ -536,3 +536,29 @@ def test_diff_compares_the_tensors_of_distributed_checkpoints_not_their_shards(t
 
     assert rows("d/base", "d/ft1") == rows("plain/base", "plain/ft1") and rows("d/base", "d/ft1")[0][1] == "changed"
     assert rows("d/ft2", "one/ft1") == rows("plain/ft2", "plain/ft1")
+
+
+def test_a_tensor_named_like_the_safetensors_metadata_is_refused_not_pulled_into_a_broken_file(tmp_path):
+    """A state dict key "__metadata__" (the name safetensors reserves for its header's metadata) was
+    saved, and `ckpt pull` wrote a .safetensors file whose header no reader parses, without an error.
+    The save is now refused, nothing committed; a stored checkpoint holding such a tensor is refused
+    when pulled as safetensors, and pulls as a .pt file."""
+    from ckpt_store.storage.errors import InvalidNameError
+
+    url = str(tmp_path / "s")
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({"__metadata__": torch.ones(2), "w": torch.zeros(1)}, storage_writer=ckpt.dcp.Writer(url, "x/bad"))
+    assert isinstance(next(iter(e.value.failures.values()))[0], InvalidNameError)
+    dcp.save({"m": torch.ones(2), "w": torch.zeros(1)}, storage_writer=ckpt.dcp.Writer(url, "x/a"))
+    store = ckpt.Store.open(url)
+    assert "x/bad" not in store.refs()
+
+    def rename(items):
+        items["__metadata__"] = items.pop("m")
+
+    ref = _forged(url, "x/a", "x/forged", rename)  # as a ckpt before this fix stored it
+    with pytest.raises(InvalidNameError, match="reserved by safetensors"):
+        store.pull(ref, str(tmp_path / "out.safetensors"))
+    assert not (tmp_path / "out.safetensors").exists()
+    got = torch.load(store.pull(ref, str(tmp_path / "out.pt")), weights_only=True)
+    assert _bits_equal(got["__metadata__"], torch.ones(2)) and _bits_equal(got["w"], torch.zeros(1))
