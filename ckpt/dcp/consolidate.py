@@ -155,7 +155,18 @@ def _selected(m: Manifest, include: list[str] | None) -> list[TensorItem]:
     items = [t for t in layout.tensors.values() if name_selected(t.fqn, include)]
     if include and not items:
         raise TensorMismatchError(f"no tensor matches {' '.join(include)}", hint="see the names with `ckpt show --json` (extra.dcp.items)")
+    check_entries(m, items)
     return items
+
+
+def check_entries(m: Manifest, items: Iterable[TensorItem]) -> None:
+    """Every shard of ``items`` against its entry of ``m`` (:func:`shard_entry`), before anything is
+    allocated for them: a layout's size is checked only against its shards, and a forged one of
+    terabytes would be allocated (or preallocated as a pulled file) before its entries told it apart."""
+    entries = {t.name: t for t in m.tensors}
+    for t in items:
+        for sh in t.shards:
+            shard_entry(t, sh, entries)
 
 
 def is_dcp(m: Manifest) -> bool:

@@ -1205,8 +1205,12 @@ def forged_key_path(rank, world, tmp, store):
         mgr.save(1, {"pos": {"a": [torch.ones(2), 3]}, "step": 1})
         s = ckpt.Store.open(store)
         raw = json.loads(s.manifest("run/step-1").to_json())
-        for step, i in ((2, 10**12), (3, -1)):
-            raw["extra"]["dcp"]["planner_data"]["pos.a.1"] = ["pos", "a", i]
+        for step, i in ((2, 10**12), (3, -1), (4, "size")):
+            if i == "size":  # a sane key path, and a tensor of 4 TiB whose one shard names the real entry
+                raw["extra"]["dcp"]["planner_data"]["pos.a.1"] = ["pos", "a", 1]
+                raw["extra"]["dcp"]["items"]["pos.a.0"].update(size=[2**40], shards=[{"offsets": [0], "sizes": [2**40], "entry": "pos.a.0"}])
+            else:
+                raw["extra"]["dcp"]["planner_data"]["pos.a.1"] = ["pos", "a", i]
             raw["extra"]["snapshot"]["step"] = step
             mid, _ = commit(s.objects, s.refs_db, Manifest.from_json(json.dumps(raw).encode(), "forged").to_json(), f"run/step-{step}")
             s.refs_db.set("run/latest", mid, alias=True)

@@ -491,6 +491,30 @@ def test_a_forged_list_index_in_a_snapshots_key_paths_is_refused_not_allocated(t
     assert "error" not in r, r.get("trace")
     for i in (str(10**12), "-1"):
         assert r[i].startswith("StoreFormatError: manifest ") and "past the 2 items saved under 'pos'" in r[i], r[i]
+    # (a layout of 4 TiB over a 2-element entry: RuntimeError "can't allocate memory" before the entry was looked at)
+    assert r["size"] == "StoreFormatError: tensor pos.a.0: shard 'pos.a.0' is missing or does not match its entry", r["size"]
+
+
+def test_a_layout_larger_than_its_entries_is_refused_before_anything_is_allocated(tmp_path):
+    """A forged layout gives a tensor 2**40 rows in one shard that names its real (4x4) entry: the
+    volumes agree, so the decoder let it through. Store.load allocated it first (RuntimeError "can't
+    allocate memory: you tried to allocate 17592186044416 bytes") and `ckpt pull` preallocated the
+    file ("cannot write ...: File too large", blaming the destination). Both now check every shard
+    against its entry first: a StoreFormatError naming the tensor, and no file."""
+    from typer.testing import CliRunner
+
+    from ckpt_store.cli.main import app
+    from ckpt_store.storage.errors import StoreFormatError
+
+    url = str(tmp_path / "s")
+    dcp.save({"a": torch.arange(16.0).reshape(4, 4)}, storage_writer=ckpt.dcp.Writer(url, "x/a"))
+    big = {"size": [2**40, 4], "shards": [{"offsets": [0, 0], "sizes": [2**40, 4], "entry": "a"}]}
+    ref = _forged(url, "x/a", "x/forged", lambda items: items["a"].update(big))
+    with pytest.raises(StoreFormatError, match="shard 'a' is missing or does not match its entry"):
+        ckpt.Store.open(url).load(ref)
+    r = CliRunner().invoke(app, ["--store", url, "pull", ref, str(tmp_path / "out.safetensors")])
+    assert isinstance(r.exception, StoreFormatError) and "does not match its entry" in str(r.exception)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
 
 
 def test_merge_refuses_a_checkpoint_stored_as_shards_and_merges_one_saved_whole(tmp_path):
