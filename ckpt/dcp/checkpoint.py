@@ -179,6 +179,13 @@ class Writer(StorageWriter):
         self.is_coordinator, self.rank = is_coordinator, int(kwargs.get("rank") or 0)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        import torch
+
+        for i in plan.items:  # what cannot be stored is refused before anything is written
+            td = i.tensor_data
+            if td is not None and td.properties.layout != torch.strided:  # (a sparse one failed in .contiguous())
+                raise UnsupportedStateError(f"{i.index.fqn}: tensors of layout {td.properties.layout} are not supported (strided only)",
+                                            hint="save t.to_dense() instead")
         # What this rank saves under each name, for the coordinator to compare (prepare_global_plan).
         saved = {(i.index.fqn, tuple(i.index.offset or ())): (list(td.size), str(td.properties.dtype).removeprefix("torch."),
                                                               list(td.chunk.sizes))

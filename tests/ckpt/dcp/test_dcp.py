@@ -586,3 +586,15 @@ def test_a_tensor_named_like_the_safetensors_metadata_is_refused_not_pulled_into
     assert not (tmp_path / "out.safetensors").exists()
     got = torch.load(store.pull(ref, str(tmp_path / "out.pt")), weights_only=True)
     assert _bits_equal(got["__metadata__"], torch.ones(2)) and _bits_equal(got["w"], torch.zeros(1))
+
+
+def test_a_sparse_tensor_is_refused_by_name_before_anything_is_written(tmp_path):
+    """A sparse tensor in the state failed deep in the write with torch's "unsupported memory format
+    option Contiguous" (no key named, after the other tensors' chunks were written); the layout check
+    that names it ran only at the commit. It is now refused when the rank plans its save."""
+    url = str(tmp_path / "s")
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({"a": torch.ones(3), "w": torch.eye(3).to_sparse()}, storage_writer=ckpt.dcp.Writer(url, "x/a"))
+    err = next(iter(e.value.failures.values()))[0]
+    assert isinstance(err, UnsupportedStateError) and str(err).startswith("w: tensors of layout torch.sparse_coo"), err
+    assert "to_dense" in err.hint and not (tmp_path / "s").exists()  # nothing written, not even the store
