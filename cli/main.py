@@ -239,7 +239,8 @@ def pull(
 
     DEST named .pt/.pth/.bin/.ckpt gets a torch file (torch.load(weights_only=True)):
     a flat dict of the tensors, bit-identical, plus the non-tensor values of a
-    checkpoint pushed from a .pt file, under their flat (dotted) keys.
+    checkpoint pushed from a .pt file or saved through torch.distributed.checkpoint,
+    under their flat (dotted) keys.
 
     With --from URL, REF is first copied from the store at URL into this store (like
     `ckpt copy REF --from URL`); DEST, if given, is then written from this store.

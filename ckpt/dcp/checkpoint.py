@@ -53,9 +53,11 @@ from torch.distributed.checkpoint.storage import (
 )
 from torch.futures import Future
 
-from ckpt.dcp.consolidate import Copy, run_copies
+from ckpt.dcp.consolidate import Copy, run_copies, shard_entry
 from ckpt.dcp.format import (
     DCP_SOURCE,
+    Shard,
+    TensorItem,
     UnsupportedStateError,
     decode_layout,
     encode_metadata,
@@ -63,7 +65,7 @@ from ckpt.dcp.format import (
     shard_name,
     to_metadata,
 )
-from ckpt.errors import CkptError
+from ckpt.errors import CkptError, TensorMismatchError
 from ckpt.format.dtypes import byte_view, from_torch, itemsize
 from ckpt.format.manifest import FileEntry, Manifest, TensorEntry
 from ckpt.settings import Settings
@@ -107,6 +109,12 @@ class _StoreHolder:
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_store": None}
+
+
+@dataclasses.dataclass(frozen=True)
+class _LocalPlan:
+    name: str | None  # the ref this rank saves to
+    saved: dict[tuple[str, tuple[int, ...]], Any]  # (fqn, offsets) -> [size, dtype, shard sizes] of each tensor item
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,9 +179,43 @@ class Writer(StorageWriter):
         self.is_coordinator, self.rank = is_coordinator, int(kwargs.get("rank") or 0)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        import torch
+
+        for i in plan.items:  # what cannot be stored is refused before anything is written
+            td = i.tensor_data
+            if td is not None and td.properties.layout != torch.strided:  # (a sparse one failed in .contiguous())
+                raise UnsupportedStateError(f"{i.index.fqn}: tensors of layout {td.properties.layout} are not supported (strided only)",
+                                            hint="save t.to_dense() instead")
+        # What this rank saves under each name, for the coordinator to compare (prepare_global_plan).
+        saved = {(i.index.fqn, tuple(i.index.offset or ())): (list(td.size), str(td.properties.dtype).removeprefix("torch."),
+                                                              list(td.chunk.sizes))
+                 for i in plan.items if (td := i.tensor_data) is not None}
+        return dataclasses.replace(plan, storage_data=_LocalPlan(self.name, saved))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # DCP saves one rank's copy of a tensor that several ranks save (one that is not a DTensor is
+        # assumed replicated) and drops the others unseen: ranks that disagree on its size or dtype
+        # would leave a checkpoint holding one rank's tensor, silently. Refused here, on every rank.
+        first: dict[tuple[str, tuple[int, ...]], tuple[int, Any]] = {}
+        names: dict[str, str] = {}  # manifest entry -> the key it stores
+        local = [(rank, p.storage_data) for rank, p in enumerate(plans) if isinstance(p.storage_data, _LocalPlan)]
+        other = next(((rank, lp.name) for rank, lp in local if lp.name != self.name), None)
+        if other is not None:  # the coordinator's name would be committed over the others' shards: a torn checkpoint
+            raise CkptError(f"the ranks save to different refs: rank {self.rank} to {self.name!r}, rank {other[0]} to {other[1]!r}",
+                            hint="give every rank's Writer (or dcp.save's checkpoint_id) the same name: with a step in it, "
+                            "the same step on every rank")
+        for rank, lp in local:
+            for key, desc in lp.saved.items():
+                name = shard_name(key[0], key[1], tuple(desc[2]), tuple(desc[0]))
+                if names.setdefault(name, key[0]) != key[0]:  # a key named like another's shard: one entry for two
+                    raise UnsupportedStateError(f"state dict keys {names[name]!r} and {key[0]!r} would both be stored as {name!r}",
+                                                hint="rename the key that is written like a shard (NAME[a:b,...])")
+                r0, d0 = first.setdefault(key, (rank, desc))
+                if d0 != desc:
+                    raise TensorMismatchError(f"{key[0]}: rank {r0} saves a {d0[1]} tensor of size {d0[0]}, rank {rank} a {desc[1]} "
+                                    f"tensor of size {desc[0]}" + (f" (shards {d0[2]} and {desc[2]})" if d0[:2] == desc[:2] else ""),
+                                    hint="a tensor that is not a DTensor/ShardedTensor must be identical on every rank; "
+                                    "give per-rank tensors per-rank names")
         store = self._holder.store(create=True)
         current = store.refs_db.current(self.name)  # type: ignore[arg-type]
         parent = current.target if current is not None else None
@@ -335,6 +377,7 @@ class Reader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self._manifest: tuple[str, Manifest] | None = None
         self._values: dict[str, Any] = {}
+        self._shards: dict[tuple[str, tuple[int, ...]], tuple[TensorItem, Shard]] = {}  # (fqn, offsets) -> its shard
         self._storage: dict[Any, str | None] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -359,6 +402,7 @@ class Reader(StorageReader):
                             hint="load it with Store.load / load_into, or push it again through dcp.save")
         layout = decode_layout(m.extra, f"manifest {mid}")
         self._manifest, self._values = (mid, m), layout.values
+        self._shards = {(t.fqn, s.offsets): (t, s) for t in layout.tensors.values() for s in t.shards}
         md = to_metadata(layout, mid)
         md.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
         return md
@@ -391,10 +435,10 @@ class Reader(StorageReader):
                 buf.seek(0)
                 planner.load_bytes(req, buf)
                 continue
-            name = self._storage.get(req.storage_index)
-            if name not in entries:
+            found = self._shards.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
+            if found is None or self._storage.get(req.storage_index) != found[1].entry:
                 raise StoreFormatError(f"manifest {mid}: no stored shard for {req.storage_index.fqn} at {list(req.storage_index.offset or ())}")
-            copies.append(Copy(entries[name], tuple(req.storage_offsets), tuple(req.lengths), planner.resolve_tensor(req).detach(),
+            copies.append(Copy(shard_entry(*found, entries), tuple(req.storage_offsets), tuple(req.lengths), planner.resolve_tensor(req).detach(),
                                lambda t, r=req: planner.commit_tensor(r, t)))
         run_copies(store, m, copies, get=self.tiers.get if self.tiers is not None else None)
         fut: Future[None] = Future()

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpt.dcp.format import DCP_SOURCE, TensorItem, decode_layout
+from ckpt.dcp.format import DCP_SOURCE, Shard, TensorItem, decode_layout
 from ckpt.errors import TensorMismatchError
 from ckpt.format.dtypes import byte_view, itemsize, to_torch
 from ckpt.format.manifest import Manifest, TensorEntry, name_selected, split_lengths
@@ -137,11 +137,17 @@ def shard_copies(item: TensorItem, full: torch.Tensor, entries: dict[str, Tensor
     """Copies that fill ``full`` (the whole tensor ``item``) from its stored shards."""
     out = []
     for s in item.shards:
-        e = entries.get(s.entry)
-        if e is None or e.shape != s.sizes or e.dtype != item.dtype:
-            raise StoreFormatError(f"tensor {item.fqn}: shard {s.entry!r} is missing or does not match its entry")
-        out.append(Copy(e, (0,) * len(s.sizes), s.sizes, narrow(full, s.offsets, s.sizes)))
+        out.append(Copy(shard_entry(item, s, entries), (0,) * len(s.sizes), s.sizes, narrow(full, s.offsets, s.sizes)))
     return out
+
+
+def shard_entry(item: TensorItem, shard: Shard, entries: dict[str, TensorEntry]) -> TensorEntry:
+    """The manifest entry holding ``shard`` of ``item``: one of the shard's shape and the item's dtype,
+    else a :class:`StoreFormatError` (a region read from an entry of another shape is wrong data)."""
+    e = entries.get(shard.entry)
+    if e is None or e.shape != shard.sizes or e.dtype != item.dtype:
+        raise StoreFormatError(f"tensor {item.fqn}: shard {shard.entry!r} is missing or does not match its entry")
+    return e
 
 
 def _selected(m: Manifest, include: list[str] | None) -> list[TensorItem]:
@@ -149,7 +155,18 @@ def _selected(m: Manifest, include: list[str] | None) -> list[TensorItem]:
     items = [t for t in layout.tensors.values() if name_selected(t.fqn, include)]
     if include and not items:
         raise TensorMismatchError(f"no tensor matches {' '.join(include)}", hint="see the names with `ckpt show --json` (extra.dcp.items)")
+    check_entries(m, items)
     return items
+
+
+def check_entries(m: Manifest, items: Iterable[TensorItem]) -> None:
+    """Every shard of ``items`` against its entry of ``m`` (:func:`shard_entry`), before anything is
+    allocated for them: a layout's size is checked only against its shards, and a forged one of
+    terabytes would be allocated (or preallocated as a pulled file) before its entries told it apart."""
+    entries = {t.name: t for t in m.tensors}
+    for t in items:
+        for sh in t.shards:
+            shard_entry(t, sh, entries)
 
 
 def is_dcp(m: Manifest) -> bool:
@@ -197,7 +214,8 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
     Tensors are assembled in memory a batch (about :data:`BATCH_BYTES`) at a time and
     written at their offsets; the file appears only when complete. The destination
     follows :mod:`ckpt.store.destination`'s rule, as every pull does; a target named like a
-    torch file gets a torch file of the whole tensors (see :func:`ckpt.store.pull.pull`)."""
+    torch file gets a torch file of the whole tensors and (without ``include``) the non-tensor
+    values, each under its flat DCP name (see :func:`ckpt.store.pull.pull`)."""
     import torch
 
     from ckpt.format.safetensors_header import build_header
@@ -205,8 +223,9 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
 
     items = _selected(m, include)
     target = file_target(store, dest, "model.safetensors", overwrite)
-    if is_torch_name(target):
-        write_torch(target, load_dcp(store, m, include, progress), {}, overwrite)
+    if is_torch_name(target):  # non-tensor state (a step, a scheduler) too, under its flat key, as DCP saved it
+        values = {} if include else decode_layout(m.extra, "manifest").values
+        write_torch(target, load_dcp(store, m, include, progress), values, overwrite)
         return target
     meta = m.files[0].metadata if m.files else None
     head, order = build_header([(t.fqn, t.dtype, t.size, t.nbytes) for t in items], meta)

@@ -28,6 +28,7 @@ from ckpt.errors import CkptError
 from ckpt.format import tagged_json
 from ckpt.format.dtypes import DTYPES, itemsize
 from ckpt.format.manifest import check_tensor_name
+from ckpt.format.safetensors_header import MAX_ELEMENTS
 from ckpt_store.storage.chunk_lists import CHUNK_LIST_KEYS
 from ckpt_store.storage.errors import StoreFormatError
 
@@ -198,6 +199,8 @@ def decode_layout(extra: dict[str, Any], what: str) -> DcpLayout:
         dtype, size, shards = it.get("dtype"), _ints(it.get("size"), w), it.get("shards")
         if dtype not in DTYPES or not isinstance(shards, list):
             raise StoreFormatError(f"{w}: bad dtype or shards")
+        if math.prod(d for d in size if d) > MAX_ELEMENTS:  # torch's strides and storage size are int64
+            raise StoreFormatError(f"{w}: size {list(size)} overflows 64 bits; no reader can load it")
         out = []
         for s in shards:
             if not isinstance(s, dict) or not isinstance(s.get("entry"), str):

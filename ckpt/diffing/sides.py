@@ -69,6 +69,37 @@ class RefSide:
         pass
 
 
+class DcpSide(RefSide):
+    """A stored distributed (DCP) checkpoint: its tensors whole, assembled from their shards as
+    ``Store.load`` gives them (its entries are the shards, named and cut by the saving ranks)."""
+
+    def __init__(self, reader: CheckpointReader, label: str) -> None:
+        from ckpt.dcp.format import decode_layout
+
+        self.reader = reader
+        self.label = label
+        self.id = reader.id
+        self.chunk_size = reader.manifest.chunk_size
+        self.items = decode_layout(reader.manifest.extra, f"checkpoint {label}").tensors
+        self.entries = {t.name: t for t in reader.manifest.tensors}
+        self.meta = {n: TensorMeta(t.dtype, t.size, t.nbytes) for n, t in self.items.items()}
+
+    def chunk_ids(self, name: str, chunk_size: int) -> tuple[str, ...] | None:
+        t = self.items[name]  # a tensor saved whole is one entry; one in shards has no chunk ids of its own
+        whole = [s.sizes for s in t.shards] == [t.size]
+        return self.entries[t.shards[0].entry].chunks if whole and chunk_size == self.chunk_size else None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        import torch
+
+        from ckpt.dcp.consolidate import run_copies, shard_copies
+
+        t = self.items[name]
+        full = torch.empty(t.size, dtype=to_torch(t.dtype))
+        run_copies(self.reader.store, self.reader.manifest, shard_copies(t, full, self.entries))
+        return full
+
+
 class SourceSide:
     """A local file, directory or dict of tensors, as ``push`` would read it."""
 
@@ -142,7 +173,10 @@ def open_side(x: object, store: Store | None, refs_only: bool = False) -> tuple[
         from ckpt.store.store import Store
 
         store = Store.open()
-    return RefSide(store.reader(x), x), store
+    reader = store.reader(x)
+    if reader.manifest.source == "dcp":  # (ckpt.dcp.format.DCP_SOURCE)
+        return DcpSide(reader, x), store
+    return RefSide(reader, x), store
 
 
-Side = Union[RefSide, SourceSide]
+Side = Union[RefSide, DcpSide, SourceSide]

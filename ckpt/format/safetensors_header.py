@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ckpt.errors import CkptError, InvalidSourceError
 from ckpt.format.dtypes import itemsize
 from ckpt.format.manifest import FileEntry, Manifest, check_tensor_name
-from ckpt_store.storage.errors import StoreFormatError
+from ckpt_store.storage.errors import InvalidNameError, StoreFormatError
 
 MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself enforces
 MAX_ELEMENTS = (1 << 63) - 1  # torch counts elements in an int64
@@ -133,8 +133,12 @@ def build_header(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata:
 
     Tensors are laid out the way safetensors does it (larger elements first,
     then by name), so the result loads with any safetensors reader. Returns the
-    header and the order (indices into ``tensors``) of the data section.
+    header and the order (indices into ``tensors``) of the data section. A tensor named
+    ``__metadata__`` (the header's metadata) is an :class:`InvalidNameError`: its file would not load.
     """
+    if any(t[0] == "__metadata__" for t in tensors):
+        raise InvalidNameError("tensor name '__metadata__' is reserved by safetensors for metadata",
+                               hint="rename the tensor; a checkpoint that holds one pulls as a .pt file")
     order = sorted(range(len(tensors)), key=lambda i: (-(itemsize(tensors[i][1]) or 1), tensors[i][0]))
     obj: dict[str, object] = {}
     if metadata:

@@ -329,6 +329,23 @@ class _StoredFile:
         return bytes(out)
 
 
+def _whole_tensors(ref: str, reader: CheckpointReader) -> None:
+    """Refuse a distributed (DCP) checkpoint that stores a tensor as several shards: its entries are
+    the shards, and merging shard by shard is not merging the tensors (ties and dare trim by magnitude,
+    slerp interpolates by angle, each over the whole tensor), nor is the result the model's layout."""
+    from ckpt.dcp.format import DCP_SOURCE, decode_layout
+
+    m = reader.manifest
+    if m.source != DCP_SOURCE:
+        return
+    split = [t.fqn for t in decode_layout(m.extra, f"checkpoint {ref}").tensors.values() if [s.sizes for s in t.shards] != [t.size]]
+    if split:
+        raise InvalidMergeError(f"{ref} is a distributed (DCP) checkpoint that stores {split[0]!r}"
+                                f"{f' and {len(split) - 1} more' if len(split) > 1 else ''} as shards: merge combines whole tensors",
+                                hint=f"consolidate it first (ckpt pull {ref} model.safetensors; ckpt push model.safetensors NAME) "
+                                "and merge that")
+
+
 def _carried(reader: CheckpointReader, weights_file: str) -> list[Any]:
     """The first input's files that are not weights: a merge of model folders stays a model folder."""
     return [f for f in reader.manifest.files if f.kind == "blob" and not f.path.endswith(_NOT_CARRIED)
@@ -350,8 +367,9 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     fine-tunes added) or that some inputs lack and the base cannot supply is the plain
     average of the inputs that hold it; by default it is an error naming it. Raises
     :class:`InvalidMergeError` for an unknown method, a bad parameter, a wrong number of
-    inputs, or tensors that do not line up (names, dtypes, shapes) — all before any
-    tensor data is read — and the errors of :meth:`Store.resolve` for unknown refs.
+    inputs, tensors that do not line up (names, dtypes, shapes) or are stored as the shards
+    of a distributed checkpoint — all before any tensor data is read — and the errors of
+    :meth:`Store.resolve` for unknown refs.
     """
     from ckpt.store.push import push_source
     from ckpt.store.sources import FileIn, from_tensors
@@ -375,6 +393,9 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     # them first): a ref moved since must not swap in a checkpoint nobody looked at.
     readers = [store.reader(ref) for ref in (inputs if _pinned is None else _pinned)]
     base_reader = store.reader(base) if base is not None else None
+    for ref, r in zip([*inputs, base], [*readers, base_reader]):
+        if r is not None:
+            _whole_tensors(ref, r)
     steps = _plan(m, bound, readers, base_reader, missing, list(inputs), base, new_tensors)
 
     cs = store.settings.chunk_size

@@ -78,6 +78,13 @@ def saved_paths(layout: DcpLayout, mid: str) -> dict[str, dict[str, Path]]:
             raise StoreFormatError(f"manifest {mid}: no key path for item {fqn!r}",
                                    hint="restore it with dcp.load into a state dict of your own")
         out.setdefault(str(path[0]), {})[fqn] = tuple(path)
+    # A list index is at most the items below it (a restore builds the list up to it): a larger one is
+    # no state dict's (a forged record: 10**12 would have the restore allocate a list of that length).
+    for key, items in out.items():
+        for fqn, path in items.items():
+            if any(isinstance(p, int) and not 0 <= p < len(items) for p in path):
+                raise StoreFormatError(f"manifest {mid}: item {fqn!r} has the key path {str(list(path))[:120]}, "
+                                       f"past the {len(items)} items saved under {key!r}")
     return out
 
 

@@ -423,6 +423,7 @@ class DistributedSnapshots:
         import torch
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
+        from ckpt.dcp.consolidate import check_entries
         from ckpt.dcp.format import decode_layout
         from ckpt.snapshot.run import SNAPSHOT_FORMAT, SnapshotError
 
@@ -433,6 +434,7 @@ class DistributedSnapshots:
                                 hint="restore it with a CheckpointManager made without a process group")
         step = int(snap["step"])
         layout = decode_layout(m.extra, f"manifest {mid}")
+        check_entries(m, layout.tensors.values())  # before a target is allocated from the layout's sizes
         saved = saved_paths(layout, mid)
         self._check_keys(state, snap, saved, step)
         targets: dict[str, Any] = {}

@@ -75,8 +75,8 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
     torch file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``) gets what the name promises: a
     file ``torch.load(weights_only=True)`` reads, holding a flat dict of the tensors
     (bit-identical, keys as stored: a nested state dict's keys joined with ``.``) and,
-    for a checkpoint pushed from a ``.pt`` file, its non-tensor values under their
-    flat keys. Raises :class:`DestinationError` / :class:`DestinationExistsError`
+    for a checkpoint pushed from a ``.pt`` file or saved through DCP, its non-tensor values
+    under their flat keys. Raises :class:`DestinationError` / :class:`DestinationExistsError`
     before anything is written.
     """
     m = store.manifest(ref)

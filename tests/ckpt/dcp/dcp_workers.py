@@ -1157,8 +1157,98 @@ def _flip_newest(path):
     return n
 
 
+
+def ranks_disagree(rank, world, tmp, store):
+    """Plain (not DTensor) tensors that the ranks save under one name with different sizes or dtypes:
+    each save's error (or the checkpoint id) and its seconds. Different names per rank are fine."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt.dcp
+
+    cases = {"size": {"a": torch.arange(4.0 + 2 * rank)}, "dtype": {"a": torch.ones(3, dtype=(torch.float32, torch.float16)[rank])},
+             "names": {"a": torch.ones(3), f"own{rank}": torch.full((2,), float(rank))}}
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    # a key named like a shard of another: same bytes, another dtype (once: one entry, a checkpoint that never loaded)
+    cases["shard_named"] = {"x": distribute_tensor(torch.zeros(4), _mesh(world), [Shard(0)]), "x[0:2]": torch.zeros(2, dtype=torch.int32)}
+    cases["steps"] = {"x": distribute_tensor(torch.arange(4.0), _mesh(world), [Shard(0)])}
+    out = {}
+    for case, state in cases.items():
+        t0 = time.monotonic()
+        try:
+            name = f"{case}/x" if case != "steps" else f"steps/step-{7 + rank}"  # each rank its own step
+            out[case] = dcp.save(state, storage_writer=ckpt.dcp.Writer(store, name)).storage_meta.checkpoint_id
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            failures = getattr(e, "failures", None) or {rank: (e, None)}
+            err = next(iter(failures.values()))[0]
+            out[case] = f"{type(err).__name__}: {err}"
+        out[f"{case}_s"] = time.monotonic() - t0
+    return out
+
+
+
+def forged_key_path(rank, world, tmp, store):
+    """A snapshot whose record of key paths (DCP's planner_data) was edited to put a list item at
+    index ``i``: the restore's outcome for each ``i`` (one rank)."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt.format.manifest import Manifest
+    from ckpt_store.storage.commit import commit
+
+    out = {}
+    with ckpt.CheckpointManager(store, "run", save_mode="sync", process_group=dist.group.WORLD, timeout_s=20) as mgr:
+        mgr.save(1, {"pos": {"a": [torch.ones(2), 3]}, "step": 1})
+        s = ckpt.Store.open(store)
+        raw = json.loads(s.manifest("run/step-1").to_json())
+        for step, i in ((2, 10**12), (3, -1), (4, "size")):
+            if i == "size":  # a sane key path, and a tensor of 4 TiB whose one shard names the real entry
+                raw["extra"]["dcp"]["planner_data"]["pos.a.1"] = ["pos", "a", 1]
+                raw["extra"]["dcp"]["items"]["pos.a.0"].update(size=[2**40], shards=[{"offsets": [0], "sizes": [2**40], "entry": "pos.a.0"}])
+            else:
+                raw["extra"]["dcp"]["planner_data"]["pos.a.1"] = ["pos", "a", i]
+            raw["extra"]["snapshot"]["step"] = step
+            mid, _ = commit(s.objects, s.refs_db, Manifest.from_json(json.dumps(raw).encode(), "forged").to_json(), f"run/step-{step}")
+            s.refs_db.set("run/latest", mid, alias=True)
+            state = {"pos": None, "step": 0}
+            try:
+                out[str(i)] = f"restored {mgr.restore_latest(state)}: {state!r}"
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out[str(i)] = f"{type(e).__name__}: {e}"
+    return out
+
+
+
+def save_fine_tunes(rank, world, tmp, store):
+    """A base and two fine-tunes of one tensor, saved row-sharded over the ranks as d/base, d/ft1, d/ft2."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import ckpt.dcp
+
+    mesh = _mesh(world)
+    for name, t in fine_tunes().items():
+        dcp.save({"w": distribute_tensor(t, mesh, [Shard(0)])}, storage_writer=ckpt.dcp.Writer(store, f"d/{name}"))
+    return {}
+
+
+def fine_tunes():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 32, generator=g)
+    return {"base": base, "ft1": base + 0.01 * torch.randn(64, 32, generator=g), "ft2": base + 0.01 * torch.randn(64, 32, generator=g)}
+
+
 SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
              "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,
-             "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline}
+             "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline,
+             "ranks_disagree": ranks_disagree, "forged_key_path": forged_key_path,
+             "save_fine_tunes": save_fine_tunes}

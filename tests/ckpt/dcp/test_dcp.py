@@ -376,3 +376,225 @@ def test_shards_cover_a_tensor_once_or_the_layout_is_refused():
     assert not _disjoint([Shard((0, 0), (2, 4), "a"), Shard((0, 0), (2, 4), "b")])
     assert not _disjoint([Shard((0, 0), (3, 2), "a"), Shard((2, 1), (2, 3), "b")])  # a corner shared
     assert _disjoint([Shard((0, 0), (0, 4), "empty"), Shard((0, 0), (4, 4), "all")])
+
+
+def _forged(url: str, ref: str, name: str, edit) -> str:
+    """Commit a copy of ``ref``'s manifest whose ``extra["dcp"]["items"]`` ``edit`` changed, as ref ``name``."""
+    from ckpt.format.manifest import Manifest
+    from ckpt_store.storage.commit import commit
+
+    store = ckpt.Store.open(url)
+    raw = json.loads(store.manifest(ref).to_json())
+    edit(raw["extra"]["dcp"]["items"])
+    commit(store.objects, store.refs_db, Manifest.from_json(json.dumps(raw).encode(), "forged").to_json(), name)
+    return name
+
+
+@pytest.mark.parametrize("edit", ["other_entry", "dtype"])
+def test_a_shard_whose_entry_disagrees_with_the_layout_is_refused_by_every_reader(tmp_path, edit):
+    """A manifest whose layout names, for a shard, an entry of another shape or dtype (forged, or
+    written by a broken tool). ``Store.load`` refused it, but ``dcp.load`` read a region of the
+    larger entry ("a" got the first rows of "big") or read it whatever dtype the layout claimed:
+    wrong data without a word. Every reader now checks each shard against its entry."""
+    from ckpt_store.storage.errors import StoreFormatError
+
+    url = str(tmp_path / "s")
+    state = {"a": torch.arange(16.0).reshape(4, 4), "big": torch.arange(100.0, 132.0).reshape(8, 4)}
+    dcp.save(state, storage_writer=ckpt.dcp.Writer(url, "x/a"))
+
+    def change(items):
+        if edit == "other_entry":
+            items["a"]["shards"][0]["entry"] = "big"
+        else:
+            items["a"]["dtype"] = "I32"
+
+    ref = _forged(url, "x/a", "x/forged", change)
+    into = {"a": torch.full((4, 4), -1.0)}
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(into, storage_reader=ckpt.dcp.Reader(url, ref))
+    err = next(iter(e.value.failures.values()))[0]
+    assert isinstance(err, StoreFormatError) and "does not match its entry" in str(err), err
+    assert _bits_equal(into["a"], torch.full((4, 4), -1.0))  # nothing was written into it
+    with pytest.raises(StoreFormatError):
+        ckpt.Store.open(url).load(ref)
+
+
+@pytest.mark.parametrize("size", [[0, 2**62, 2**62], [0, 2**70]])
+def test_a_size_past_64_bits_is_refused_with_a_clear_error(tmp_path, size):
+    """An empty tensor whose other dimensions overflow torch's int64 strides (a forged layout: it
+    needs no chunks). ``Store.load`` and ``ckpt pull`` died in ``torch.empty`` with a RuntimeError
+    ("Stride calculation overflowed") or a TypeError: a traceback, not an error naming the manifest."""
+    from typer.testing import CliRunner
+
+    from ckpt_store.cli.main import app
+    from ckpt_store.storage.errors import StoreFormatError
+
+    url = str(tmp_path / "s")
+    dcp.save({"e": torch.zeros(0, 3), "w": torch.ones(2)}, storage_writer=ckpt.dcp.Writer(url, "x/a"))
+    ref = _forged(url, "x/a", "x/forged", lambda items: items["e"].update(size=size, shards=[]))
+    with pytest.raises(StoreFormatError, match="overflows 64 bits"):
+        ckpt.Store.open(url).load(ref)
+    r = CliRunner().invoke(app, ["--store", url, "pull", ref, str(tmp_path / "out.safetensors")])
+    assert isinstance(r.exception, StoreFormatError) and "overflows 64 bits" in str(r.exception)  # cli/main: one line, exit 1
+    assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_ranks_saving_one_name_with_different_sizes_or_dtypes_are_refused_on_every_rank(tmp_path):
+    """DCP saves one rank's copy of a plain tensor every rank saves and drops the others unseen: rank 0
+    saving "a" as 4 floats and rank 1 as 6 (or as float16) committed rank 0's, and rank 1's next
+    restore of it failed, or loaded another rank's data. The coordinator now compares what every
+    rank saves under each name and refuses on every rank at once; ranks saving different names
+    (their own tensors) still save. A key written like another's shard ("x[0:2]" beside a sharded
+    "x") is refused too: both were stored as one entry, and the committed manifest never loaded. So
+    are ranks saving to different refs (a step counter apart): rank 1's shards of step 8 were
+    committed as rank 0's step 7, and rank 1 was told its save succeeded."""
+    url = str(tmp_path / "s")
+    r0, r1 = W.run_ranks("ranks_disagree", 2, str(tmp_path), store=url)
+    for r in (r0, r1):
+        assert "error" not in r, r.get("trace")
+        assert r["size"].startswith("TensorMismatchError: a: rank 0 saves a float32 tensor of size [4], rank 1 a float32 tensor of size [6] (")
+        assert r["dtype"].startswith("TensorMismatchError: a: rank 0 saves a float32 tensor of size [3], rank 1 a float16")
+        assert r["size_s"] < 20 and r["dtype_s"] < 20  # at once, not after the group's timeout
+        assert r["shard_named"].startswith("UnsupportedStateError: state dict keys 'x' and 'x[0:2]' would both be stored as 'x[0:2]'")
+        assert r["steps"].startswith("CkptError: the ranks save to different refs: rank 0 to 'steps/step-7', rank 1 to 'steps/step-8'")
+    store = ckpt.Store.open(url)
+    assert sorted(store.refs()) == ["names/x"] and r0["names"] == r1["names"] == store.resolve("names/x")
+    got = store.load("names/x")
+    assert _bits_equal(got["own0"], torch.zeros(2)) and _bits_equal(got["own1"], torch.ones(2))
+
+
+def test_a_torch_file_pulled_from_a_distributed_checkpoint_keeps_its_values(tmp_path):
+    """`ckpt pull REF out.pt` of a DCP checkpoint wrote the tensors only: the step, the scheduler's
+    and optimizer's plain values that dcp.load gives back were dropped without a word (a .pt pushed
+    and pulled keeps them). They now come back under their flat DCP names, exactly, loadable with
+    weights_only=True; with --include, as for any checkpoint, only the selected tensors."""
+    url = str(tmp_path / "s")
+    full = W.full_tensors()
+    values = {"step": 5, "opt": {"betas": (0.9, 0.999), "best": float("-inf"), "raw": b"\x00\xff", "names": ["a", None]}}
+    dcp.save({"t": full, **values}, storage_writer=ckpt.dcp.Writer(url, "one/a"))
+    store = ckpt.Store.open(url)
+    got = torch.load(store.pull("one/a", str(tmp_path / "out.pt")), weights_only=True)
+    assert sorted(got) == sorted([f"t.{k}" for k in full] + ["step", "opt.betas", "opt.best", "opt.raw", "opt.names"])
+    assert all(_bits_equal(got[f"t.{k}"], v) for k, v in full.items())
+    assert got["step"] == 5 and got["opt.betas"] == (0.9, 0.999) and got["opt.best"] == float("-inf")
+    assert got["opt.raw"] == b"\x00\xff" and got["opt.names"] == ["a", None]
+    only = torch.load(store.pull("one/a", str(tmp_path / "rows.pt"), include=["t.rows"]), weights_only=True)
+    assert list(only) == ["t.rows"] and _bits_equal(only["t.rows"], full["rows"])
+
+
+def test_a_forged_list_index_in_a_snapshots_key_paths_is_refused_not_allocated(tmp_path):
+    """A restore builds the saved structure from the snapshot's record of key paths: a list item's
+    path ends in its index, and the list was padded with None up to it. A forged index of 10**12 had
+    the restore allocate a list that long (MemoryError here; 10**9 takes 8 GB), and -1 raised an
+    IndexError. An index past the items saved under the key is now a StoreFormatError."""
+    (r,) = W.run_ranks("forged_key_path", 1, str(tmp_path), store=str(tmp_path / "s"))
+    assert "error" not in r, r.get("trace")
+    for i in (str(10**12), "-1"):
+        assert r[i].startswith("StoreFormatError: manifest ") and "past the 2 items saved under 'pos'" in r[i], r[i]
+    # (a layout of 4 TiB over a 2-element entry: RuntimeError "can't allocate memory" before the entry was looked at)
+    assert r["size"] == "StoreFormatError: tensor pos.a.0: shard 'pos.a.0' is missing or does not match its entry", r["size"]
+
+
+def test_a_layout_larger_than_its_entries_is_refused_before_anything_is_allocated(tmp_path):
+    """A forged layout gives a tensor 2**40 rows in one shard that names its real (4x4) entry: the
+    volumes agree, so the decoder let it through. Store.load allocated it first (RuntimeError "can't
+    allocate memory: you tried to allocate 17592186044416 bytes") and `ckpt pull` preallocated the
+    file ("cannot write ...: File too large", blaming the destination). Both now check every shard
+    against its entry first: a StoreFormatError naming the tensor, and no file."""
+    from typer.testing import CliRunner
+
+    from ckpt_store.cli.main import app
+    from ckpt_store.storage.errors import StoreFormatError
+
+    url = str(tmp_path / "s")
+    dcp.save({"a": torch.arange(16.0).reshape(4, 4)}, storage_writer=ckpt.dcp.Writer(url, "x/a"))
+    big = {"size": [2**40, 4], "shards": [{"offsets": [0, 0], "sizes": [2**40, 4], "entry": "a"}]}
+    ref = _forged(url, "x/a", "x/forged", lambda items: items["a"].update(big))
+    with pytest.raises(StoreFormatError, match="shard 'a' is missing or does not match its entry"):
+        ckpt.Store.open(url).load(ref)
+    r = CliRunner().invoke(app, ["--store", url, "pull", ref, str(tmp_path / "out.safetensors")])
+    assert isinstance(r.exception, StoreFormatError) and "does not match its entry" in str(r.exception)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+def test_merge_refuses_a_checkpoint_stored_as_shards_and_merges_one_saved_whole(tmp_path):
+    """The entries of a sharded DCP checkpoint are its shards ("w[0:32,0:32]"): `ckpt merge` of two
+    fine-tunes saved on 2 ranks merged shard by shard, and ties (which trims by magnitude over the
+    whole tensor) gave another result than the same merge of the whole tensors, stored as a plain
+    checkpoint of shards that no longer loaded into the model. It is now refused, naming the tensor
+    and how to consolidate; a DCP checkpoint saved by one process (every tensor whole) still merges."""
+    from ckpt.errors import InvalidMergeError
+
+    url = str(tmp_path / "s")
+    assert W.run_ranks("save_fine_tunes", 2, str(tmp_path), store=url) == [{}, {}]
+    store = ckpt.Store.open(url)
+    with pytest.raises(InvalidMergeError, match=r"d/ft1 is a distributed \(DCP\) checkpoint that stores 'w' as shards") as e:
+        ckpt.merge(["d/ft1", "d/ft2"], "ties", base="d/base", params={"density": 0.3}, name="d/merged", store=store)
+    assert "ckpt pull d/ft1" in e.value.hint and "d/merged" not in store.refs()
+    for name, t in W.fine_tunes().items():
+        dcp.save({"w": t}, storage_writer=ckpt.dcp.Writer(url, f"one/{name}"))
+        store.push({"w": t}, f"plain/{name}")
+    got = {k: ckpt.merge([f"{k}/ft1", f"{k}/ft2"], "ties", base=f"{k}/base", params={"density": 0.3}, name=f"{k}/merged",
+                         store=store) for k in ("one", "plain")}
+    assert _bits_equal(store.load(got["one"].id)["w"], store.load(got["plain"].id)["w"])
+
+
+def test_diff_compares_the_tensors_of_distributed_checkpoints_not_their_shards(tmp_path):
+    """`ckpt diff` read a DCP checkpoint through its entries, which are the shards: the same tensor
+    saved by 2 ranks and by 1 process showed as "w[0:32,0:32]", "w[32:64,0:32]" removed and "w" added,
+    and two 2-rank fine-tunes were compared shard by shard (a cosine per shard). Each side is now its
+    whole tensors, as Store.load gives them: the report equals that of the same tensors pushed."""
+    url = str(tmp_path / "s")
+    assert W.run_ranks("save_fine_tunes", 2, str(tmp_path), store=url) == [{}, {}]
+    store = ckpt.Store.open(url)
+    for name, t in W.fine_tunes().items():
+        dcp.save({"w": t}, storage_writer=ckpt.dcp.Writer(url, f"one/{name}"))
+        store.push({"w": t}, f"plain/{name}")
+    same = ckpt.diff("d/ft1", "one/ft1", store=store)
+    assert [(r.name, r.status) for r in same.tensors] == [("w", "identical")]
+    assert [(r.name, r.status, r.read) for r in ckpt.diff("one/ft1", "plain/ft1", store=store).tensors] == [("w", "identical", False)]
+
+    def rows(a, b):
+        return [(r.name, r.status, r.changed_elements, r.relative_change, r.max_abs_diff, r.cosine)
+                for r in ckpt.diff(a, b, store=store).tensors]
+
+    assert rows("d/base", "d/ft1") == rows("plain/base", "plain/ft1") and rows("d/base", "d/ft1")[0][1] == "changed"
+    assert rows("d/ft2", "one/ft1") == rows("plain/ft2", "plain/ft1")
+
+
+def test_a_tensor_named_like_the_safetensors_metadata_is_refused_not_pulled_into_a_broken_file(tmp_path):
+    """A state dict key "__metadata__" (the name safetensors reserves for its header's metadata) was
+    saved, and `ckpt pull` wrote a .safetensors file whose header no reader parses, without an error.
+    The save is now refused, nothing committed; a stored checkpoint holding such a tensor is refused
+    when pulled as safetensors, and pulls as a .pt file."""
+    from ckpt_store.storage.errors import InvalidNameError
+
+    url = str(tmp_path / "s")
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({"__metadata__": torch.ones(2), "w": torch.zeros(1)}, storage_writer=ckpt.dcp.Writer(url, "x/bad"))
+    assert isinstance(next(iter(e.value.failures.values()))[0], InvalidNameError)
+    dcp.save({"m": torch.ones(2), "w": torch.zeros(1)}, storage_writer=ckpt.dcp.Writer(url, "x/a"))
+    store = ckpt.Store.open(url)
+    assert "x/bad" not in store.refs()
+
+    def rename(items):
+        items["__metadata__"] = items.pop("m")
+
+    ref = _forged(url, "x/a", "x/forged", rename)  # as a ckpt before this fix stored it
+    with pytest.raises(InvalidNameError, match="reserved by safetensors"):
+        store.pull(ref, str(tmp_path / "out.safetensors"))
+    assert not (tmp_path / "out.safetensors").exists()
+    got = torch.load(store.pull(ref, str(tmp_path / "out.pt")), weights_only=True)
+    assert _bits_equal(got["__metadata__"], torch.ones(2)) and _bits_equal(got["w"], torch.zeros(1))
+
+
+def test_a_sparse_tensor_is_refused_by_name_before_anything_is_written(tmp_path):
+    """A sparse tensor in the state failed deep in the write with torch's "unsupported memory format
+    option Contiguous" (no key named, after the other tensors' chunks were written); the layout check
+    that names it ran only at the commit. It is now refused when the rank plans its save."""
+    url = str(tmp_path / "s")
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({"a": torch.ones(3), "w": torch.eye(3).to_sparse()}, storage_writer=ckpt.dcp.Writer(url, "x/a"))
+    err = next(iter(e.value.failures.values()))[0]
+    assert isinstance(err, UnsupportedStateError) and str(err).startswith("w: tensors of layout torch.sparse_coo"), err
+    assert "to_dense" in err.hint and not (tmp_path / "s").exists()  # nothing written, not even the store
