@@ -356,12 +356,11 @@ def main() -> None:
             rss_before, rss_peak, loaded = (int(x) for x in r.stdout.split())
             server.stop()
             server = None
+        sizes = {k: p.stat().st_size for k, p in files.items()}
     finally:
         if server is not None:
             server.stop()
-
-    sizes = {k: p.stat().st_size for k, p in files.items()}
-    shutil.rmtree(tmp, ignore_errors=True)  # GBs of data, server volumes and cache
+        shutil.rmtree(tmp, ignore_errors=True)  # GBs of data, server volumes and cache: also after a failure
     names = {"a": f"(a) MiniLM, {sizes['a'] / MB:.0f} MB", "b": f"(b) fp32 checkpoint, {sizes['b'] / MB:.0f} MB",
              "c": f"(c) MiniLM fine-tune, {sizes['c'] / MB:.0f} MB, base in the cache"}
 
