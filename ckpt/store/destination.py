@@ -16,7 +16,9 @@ A destination may hold something precious, so a pull
 * never writes inside a local store (the one pulled from or any other: symbolic links
   resolved), and never into a directory that holds the store pulled from;
 * replaces an existing file of the checkpoint's only with ``overwrite`` (``--force``);
-  files that are not the checkpoint's are left as they are.
+  files that are not the checkpoint's are left as they are;
+* removes what a killed pull of the same name left (its temporaries, which no live process
+  holds locked: :func:`sweep_left`), and nothing else.
 
 A directory checkpoint pulled to a new path is built beside it and renamed into place, so
 the directory appears only when complete. Pulled into an existing directory, it needs that
