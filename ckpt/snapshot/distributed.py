@@ -50,7 +50,7 @@ from ckpt.snapshot.dcp_state import (
 from ckpt.snapshot.group import CheckpointGroup
 from ckpt.snapshot.run import SaveResult, SnapshotRun
 from ckpt.snapshot.state import Stateful, is_per_rank
-from ckpt.snapshot.tiers import describe, out_of_space
+from ckpt.snapshot.tiers import describe, out_of_space, snapshot_step
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -432,7 +432,9 @@ class DistributedSnapshots:
         if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or not snap.get("ranks"):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a distributed snapshot of this ckpt version",
                                 hint="restore it with a CheckpointManager made without a process group")
-        step = int(snap["step"])
+        step = snapshot_step(m)
+        if step is None:
+            raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of its step is malformed")
         layout = decode_layout(m.extra, f"manifest {mid}")
         check_entries(m, layout.tensors.values())  # before a target is allocated from the layout's sizes
         saved = saved_paths(layout, mid)

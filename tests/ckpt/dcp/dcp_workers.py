@@ -1204,8 +1204,19 @@ def forged_key_path(rank, world, tmp, store):
     with ckpt.CheckpointManager(store, "run", save_mode="sync", process_group=dist.group.WORLD, timeout_s=20) as mgr:
         mgr.save(1, {"pos": {"a": [torch.ones(2), 3]}, "step": 1})
         s = ckpt.Store.open(store)
-        raw = json.loads(s.manifest("run/step-1").to_json())
-        for step, i in ((2, 10**12), (3, -1), (4, "size")):
+        saved = s.manifest("run/step-1").to_json()
+        raw = json.loads(saved)
+        for step, i in ((2, 10**12), (3, -1), (4, "size"), (5, "step")):
+            if i == "step":  # the snapshot's record of its step is not a number
+                raw = json.loads(saved)
+                raw["extra"]["snapshot"]["step"] = "five"
+                mid, _ = commit(s.objects, s.refs_db, Manifest.from_json(json.dumps(raw).encode(), "forged").to_json(), "run/step-5")
+                s.refs_db.set("run/latest", mid, alias=True)
+                try:
+                    out[i] = f"restored {mgr.restore_latest({'pos': None, 'step': 0})}"
+                except Exception as e:  # noqa: BLE001 - reported to the test
+                    out[i] = f"{type(e).__name__}: {e}"
+                continue
             if i == "size":  # a sane key path, and a tensor of 4 TiB whose one shard names the real entry
                 raw["extra"]["dcp"]["planner_data"]["pos.a.1"] = ["pos", "a", 1]
                 raw["extra"]["dcp"]["items"]["pos.a.0"].update(size=[2**40], shards=[{"offsets": [0], "sizes": [2**40], "entry": "pos.a.0"}])

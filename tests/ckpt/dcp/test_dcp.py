@@ -493,6 +493,8 @@ def test_a_forged_list_index_in_a_snapshots_key_paths_is_refused_not_allocated(t
         assert r[i].startswith("StoreFormatError: manifest ") and "past the 2 items saved under 'pos'" in r[i], r[i]
     # (a layout of 4 TiB over a 2-element entry: RuntimeError "can't allocate memory" before the entry was looked at)
     assert r["size"] == "StoreFormatError: tensor pos.a.0: shard 'pos.a.0' is missing or does not match its entry", r["size"]
+    # (a step recorded as "five": ValueError from int() before)
+    assert r["step"].startswith("SnapshotError: checkpoint ") and "record of its step" in r["step"], r["step"]
 
 
 def test_a_layout_larger_than_its_entries_is_refused_before_anything_is_allocated(tmp_path):
