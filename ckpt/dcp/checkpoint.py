@@ -224,6 +224,12 @@ class Writer(StorageWriter):
         return [dataclasses.replace(p, storage_data=_RankPlan(base)) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if getattr(planner, "_enable_plan_caching", False):
+            # A cached plan is the first save's, with the storage data this writer gave it then: every
+            # later save would be delta-encoded against that save's parent, or not at all, and the
+            # checks of what the ranks save (prepare_global_plan) would not run again.
+            raise CkptError("ckpt.dcp.Writer does not support a planner with enable_plan_caching=True",
+                            hint="use DefaultSavePlanner() without plan caching: ckpt plans each save against the ref's newest version")
         store = self._holder.store(create=True)
         info = plan.storage_data if isinstance(plan.storage_data, _RankPlan) else _RankPlan(None)
         base_m = store.manifest(info.base) if info.base else None

@@ -88,6 +88,22 @@ def test_second_save_dedups_and_deltas(tmp_path):
     assert not _bits_equal(first_back["trained"], state["trained"])
 
 
+def test_a_planner_that_caches_its_plans_is_refused_before_anything_is_written(tmp_path):
+    """With DefaultSavePlanner(enable_plan_caching=True) DCP reuses the first save's plan, and with it
+    the storage data the writer gave it: later saves were never delta-encoded, their base pinned to
+    the first save's parent, and the checks of what the ranks save skipped. Refused instead."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    url = str(tmp_path / "s")
+    state = {"w": torch.randn(64, 64)}
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(state, storage_writer=ckpt.dcp.Writer(url, "ft/x"), planner=DefaultSavePlanner(enable_plan_caching=True))
+    assert "enable_plan_caching" in str(e.value.failures[0][0])
+    assert not ckpt.Store.open(url).refs()
+    dcp.save(state, storage_writer=ckpt.dcp.Writer(url, "ft/x"), planner=DefaultSavePlanner())
+    assert list(ckpt.Store.open(url).refs()) == ["ft/x"]
+
+
 def test_refuses_values_json_cannot_hold(tmp_path):
     class Opaque:
         pass
