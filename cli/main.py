@@ -213,6 +213,9 @@ def push(
         return
     if name is None:
         raise typer.BadParameter("NAME is required (the ref to point at the new checkpoint)", param_hint="NAME")
+    from ckpt.store.sources import stat_source
+
+    stat_source(os.fsdecode(source))  # a SOURCE that is not there creates no store
     store = _open(create=True)
     r = store.push(str(source), name, message, base=base, delta=not no_delta, progress=RichProgress())
     _emit({"id": r.id, "ref": name, "chunks": r.chunks, "new_chunks": r.new_chunks,

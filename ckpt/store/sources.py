@@ -193,6 +193,15 @@ class SourceIn:
                                          hint="push a copy (t.clone()) or push when nothing writes it")
 
 
+def stat_source(path: str) -> os.stat_result:
+    """The status of ``path``, a file or folder to push (links followed: the path itself is the user's
+    explicit choice); :class:`InvalidSourceError` saying what is wrong where it cannot be read."""
+    try:
+        return os.stat(path)
+    except (OSError, ValueError) as e:
+        raise os_error(show(path), e) from None
+
+
 def open_source(source: object, *, metadata: dict[str, str] | None = None) -> SourceIn:
     """Describe ``source`` (a path or a mapping of tensors) as files of byte ranges.
 
@@ -203,10 +212,7 @@ def open_source(source: object, *, metadata: dict[str, str] | None = None) -> So
     if not isinstance(source, (str, os.PathLike)):
         raise InvalidSourceError(repr(source)[:80], "push takes a file, a directory or a dict of tensors")
     path = os.fsdecode(os.fspath(source))
-    try:
-        st = os.stat(path)  # follows links: the path itself is the user's explicit choice
-    except (OSError, ValueError) as e:
-        raise os_error(show(path), e) from None
+    st = stat_source(path)
     if stat.S_ISDIR(st.st_mode):
         return _from_hf_dir(path)
     fb = FileBytes(show(path), open_regular(path))

@@ -367,6 +367,8 @@ def test_a_copy_that_cannot_start_leaves_no_new_store_at_its_destination(env: di
         assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"], args
     r = run("--store", mine, "pull", "nosuch/ref", "--from", store, store=None, env=env)
     assert r.returncode != 0 and not (mine / "ckpt-store.json").exists()
+    r = run("--store", mine, "push", tmp_path / "nosuch.safetensors", "m/a", store=None, env=env)  # a typo in SOURCE
+    assert r.returncode == 1 and "no such file or directory" in r.stderr and not (mine / "ckpt-store.json").exists()
     ok("pull", "demo/file", mine / "out.safetensors", store=store, env=env)  # not "inside the store"
 
 
