@@ -211,9 +211,12 @@ def sweep_left(final: str) -> None:
             if path in _locks:
                 continue  # this process's own
         try:
+            mode = os.lstat(path).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                continue  # a link, a FIFO, a device: never opened
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
         except OSError:
-            continue  # a link (ELOOP), gone meanwhile, unreadable: not ours to remove
+            continue  # gone meanwhile, unreadable, a link swapped in since (ELOOP): not ours to remove
         try:
             st = os.fstat(fd)
             folder = stat.S_ISDIR(st.st_mode)
