@@ -148,11 +148,20 @@ class Store:
             versions = [e for e in history if e.target is not None]
             if back >= len(versions):
                 raise RefNotFoundError(f"{name} has {len(versions)} versions; {ref} does not exist", hint=f"see `ckpt log {name}`")
-            target: str = versions[back].target  # type: ignore[assignment]
+            entry = versions[back]
+            target: str = entry.target  # type: ignore[assignment]
             if (history[0].target is None or back > 0) and not self.objects.has("manifests", target):
-                # Not the current version: gc may have freed it on purpose. (A current version
-                # whose manifest is missing is damage, which `ckpt verify` reports.)
-                why = f"{name} was removed" if history[0].target is None else "gc --no-history frees earlier versions"
+                # Not the current version: gc may have freed it on purpose (gc_roots says which
+                # versions it keeps). A current version whose manifest is missing is damage,
+                # which `ckpt verify` reports.
+                if history[0].target is None:
+                    why = f"{name} was removed"
+                elif any(e.target is None for e in history[:history.index(entry)]):
+                    why = f"{name} was removed, then pushed again"
+                elif entry.alias:
+                    why = f"{name} is an alias: gc keeps only its current version"
+                else:
+                    why = "gc --no-history frees earlier versions"
                 raise RefNotFoundError(f"{ref} (checkpoint {target[:12]}) is no longer in the store: `ckpt gc` freed it ({why})")
             return target
         try:

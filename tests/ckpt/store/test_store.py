@@ -78,6 +78,30 @@ def test_versions_gc_freed_say_so(tmp_path):
     assert r.ok and r.freed == ["y@1"]
 
 
+def test_versions_gc_freed_name_the_real_reason(tmp_path):
+    """A version gc freed because the ref was removed and pushed again since, or because it was an
+    earlier target of an alias (RUN/latest), was said freed by `gc --no-history`, which was never run:
+    the message sent the user looking for a gc option nobody used."""
+    path = tmp_path / "s"
+    store = ckpt.Store.init(str(path))
+    store.push({"w": torch.ones(3)}, "x")
+    store.remove("x")
+    store.push({"w": torch.zeros(3)}, "x")
+    a = store.push({"w": torch.ones(4)}, "run/step-1")
+    b = store.push({"w": torch.ones(5)}, "run/step-2")
+    store.refs_db.set("run/latest", a, alias=True)
+    store.refs_db.set("run/latest", b, alias=True)
+    store.remove("run/step-1")
+    _age(path)
+    store.gc(grace_s=0)
+    with pytest.raises(RefNotFoundError, match=r"x@1 .* freed it \(x was removed, then pushed again\)"):
+        store.resolve("x@1")
+    with pytest.raises(RefNotFoundError, match=r"run/latest@1 .* freed it \(run/latest is an alias: gc keeps only its "
+                                               r"current version\)"):
+        store.resolve("run/latest@1")
+    assert store.verify().ok
+
+
 def _age(path, seconds=100):
     import time
 
