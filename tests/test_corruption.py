@@ -159,6 +159,25 @@ def test_repair_reports_what_the_source_lacks(pristine, tmp_path: Path) -> None:
     assert not r.after.ok and set(r.after.damaged_refs) == {"a", "b"}
 
 
+def test_repair_goes_on_past_an_object_it_cannot_write(pristine, tmp_path: Path) -> None:
+    """A folder in place of one damaged chunk made `ckpt verify --repair-from` stop at that chunk
+    with "cannot write ...: Is a directory": every other damaged object, which the source held,
+    was left damaged, and nothing said what had been put back. The folder is now listed as not
+    repairable (left as it is: ckpt never deletes what it did not write) and the rest is repaired."""
+    store, url = _copy(pristine, tmp_path / "damaged")
+    targets = _targets(store, "chunk")
+    first, second = targets["delta chunk"][0], targets["base chunk"][0]
+    os.unlink(Path(url) / first)
+    (Path(url) / first).mkdir()
+    os.unlink(Path(url) / second)
+    r = store.repair(pristine[0])
+    assert r.repaired == [("chunk", second.rsplit("/", 1)[-1])]
+    assert [(k, i) for k, i, _ in r.unavailable] == [("chunk", first.rsplit("/", 1)[-1])]
+    assert "a folder" in r.unavailable[0][2] or "directory" in r.unavailable[0][2], r.unavailable
+    assert (Path(url) / first).is_dir() and (Path(url) / second).is_file()
+    assert not r.after.ok and all(first.rsplit("/", 1)[-1] in p for p in r.after.problems), r.after.problems
+
+
 @pytest.mark.parametrize("how", ["flip@0.0", "flip@0.5", "flip@0.99", "truncate-half", "append"])
 def test_raw_chunk_read_in_place_is_verified(how: str, tmp_path: Path) -> None:
     """Incompressible chunks are stored raw and read straight into the destination tensor:

@@ -180,10 +180,11 @@ def repair(store: Store, source: Store, names: list[str] | None = None, progress
                 else:
                     data, _ = fetch_chunk(source.objects, oid, length, source.settings)
                     blob = encode_chunk(data, elem=1, level=store.settings.zstd_level, min_saving=store.settings.min_saving).blob
+                # What cannot be written here (a folder in its place) is listed, and the rest repaired.
+                store.backend.write(store.objects.path(f"{kind}s", oid), blob)
             except CkptError as e:
                 out.unavailable.append((kind, oid, str(e)))
                 continue
-            store.backend.write(store.objects.path(f"{kind}s", oid), blob)
             out.repaired.append((kind, oid))
         store.backend.flush()
         report = verify(store, names, progress)
