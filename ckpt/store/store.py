@@ -135,7 +135,9 @@ class Store:
 
         ``name@N`` is the N-th newest version ``name`` pointed at (removals do not count),
         as ``ckpt log`` labels them: ``name@0`` is the current version, or, once the ref
-        is removed, the last one it had. An earlier version that ``gc`` has freed (every
+        is removed, the last one it had. A full 64-digit id of a checkpoint in the store names
+        that checkpoint even where a ref is named so (reach the ref as ``name@0``); a shorter
+        id prefix yields to a ref of that name. An earlier version that ``gc`` has freed (every
         version of a removed ref; earlier versions with ``--no-history``) raises
         :class:`RefNotFoundError` saying so.
         """
@@ -164,6 +166,10 @@ class Store:
                     why = "gc --no-history frees earlier versions"
                 raise RefNotFoundError(f"{ref} (checkpoint {target[:12]}) is no longer in the store: `ckpt gc` freed it ({why})")
             return target
+        if _FULL_ID.match(ref) and self.objects.has("manifests", ref):
+            # A full id names its checkpoint, as in `manifest`, even where a ref is named so (the
+            # ref is still NAME@0): each command must take the same checkpoint for one name.
+            return ref
         try:
             entry = self.refs_db.current(ref)
         except InvalidNameError:

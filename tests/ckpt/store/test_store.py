@@ -78,6 +78,21 @@ def test_versions_gc_freed_say_so(tmp_path):
     assert r.ok and r.freed == ["y@1"]
 
 
+def test_a_ref_named_as_a_checkpoint_id_names_one_checkpoint_everywhere(store):
+    """A ref named with the 64 hex digits of another checkpoint's id: `ckpt show`, `ckpt copy` and
+    the reader (through resolve) took the ref's checkpoint, while `ckpt pull` and `load` (through
+    manifest) took the checkpoint of that id, and `ckpt pull --json` reported the ref's id for the
+    other checkpoint's bytes. A full id now names its checkpoint in every command."""
+    first = {"w": torch.ones(3)}
+    cid = store.push(first, "other")
+    store.push({"w": torch.zeros(5)}, cid)
+    assert store.resolve(cid) == cid
+    reader = store.reader(cid)
+    assert reader.id == cid and [tuple(t.shape) for t in reader.manifest.tensors] == [(3,)]
+    got = store.load(cid)
+    assert got["w"].numpy().tobytes() == first["w"].numpy().tobytes()
+    assert store.resolve(f"{cid}@0") != cid  # the ref itself stays reachable as NAME@N
+
 def test_versions_gc_freed_name_the_real_reason(tmp_path):
     """A version gc freed because the ref was removed and pushed again since, or because it was an
     earlier target of an alias (RUN/latest), was said freed by `gc --no-history`, which was never run:
