@@ -198,3 +198,31 @@ def test_raw_chunk_read_in_place_is_verified(how: str, tmp_path: Path) -> None:
         store.load_into("n", live)
     with pytest.raises(CkptError, match=entry.chunks[0][:12]):
         store.load("n")
+
+
+def test_verify_of_a_remote_store_checks_the_store_not_the_local_chunk_cache(s3_main_url, tmp_path: Path) -> None:
+    """On an S3 store read once before (so its chunks were in the local chunk cache), a chunk deleted
+    from the bucket, or damaged there, was read from the cache: `ckpt verify` said ok, and
+    `--repair-from` found nothing to put back, while every reader without that cache (another
+    machine, `--no-cache`) failed. verify now reads the store itself."""
+    g = torch.Generator().manual_seed(5)
+    want = {"w": torch.randn(256, 256, generator=g), "v": torch.randn(300, generator=g)}
+    store = ckpt.Store.init(s3_main_url)
+    store.push(want, "m")
+    backup = ckpt.Store.init(str(tmp_path / "backup"))
+    backup.push(want, "m")
+    store = ckpt.Store.open(s3_main_url)
+    store.load("m")  # fills the local chunk cache
+    gone, damaged = (t.chunks[0] for t in store.manifest("m").tensors)
+    store.backend.delete(store.objects.path("chunks", gone))
+    path = store.objects.path("chunks", damaged)
+    blob = bytearray(store.backend.read(path))
+    blob[-1] ^= 1
+    store.backend.write(path, bytes(blob))
+    report = ckpt.Store.open(s3_main_url).verify()
+    assert not report.ok and set(report.damaged_refs) == {"m"}
+    assert {oid for _, oid in report.damaged_objects} == {gone, damaged}
+    r = ckpt.Store.open(s3_main_url).repair(backup)
+    assert sorted(oid for _, oid in r.repaired) == sorted([gone, damaged]) and r.after.ok
+    fresh = ckpt.Store.open(s3_main_url, settings=ckpt.Settings.from_env(cache=False))
+    assert {k: _bits(v) for k, v in fresh.load("m").items()} == {k: _bits(v) for k, v in want.items()}
