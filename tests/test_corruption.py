@@ -226,3 +226,35 @@ def test_verify_of_a_remote_store_checks_the_store_not_the_local_chunk_cache(s3_
     assert sorted(oid for _, oid in r.repaired) == sorted([gone, damaged]) and r.after.ok
     fresh = ckpt.Store.open(s3_main_url, settings=ckpt.Settings.from_env(cache=False))
     assert {k: _bits(v) for k, v in fresh.load("m").items()} == {k: _bits(v) for k, v in want.items()}
+
+
+def test_repair_does_not_claim_a_repair_that_left_the_object_damaged(tmp_path: Path) -> None:
+    """A manifest whose bytes match its id but whose content is invalid (a lineage naming no
+    checkpoint: what anyone who can write a store can publish) is damaged in every copy. `ckpt
+    verify --repair-from` a mirror wrote the mirror's identical bytes over it and said "repaired
+    manifest ...", then reported the same manifest damaged. It is now listed as not repairable."""
+    import json
+    import time
+
+    from ckpt_store.storage.objects import object_id
+    from ckpt_store.storage.records import canonical_json, sealed_json
+
+    root = tmp_path / "store"
+    store = ckpt.Store.init(str(root))
+    store.push({"w": torch.ones(3)}, "m")
+    m = json.loads(store.objects.get_manifest(store.resolve("m")))
+    m["lineage"] = {"parent": 7, "base": None, "merge": None}
+    data = canonical_json(m)
+    mid = object_id(data)
+    store.backend.write(store.objects.path("manifests", mid), data)
+    last = json.loads((root / "refs/m/0000000001.ref").read_bytes())
+    entry = {k: v for k, v in last.items() if k != "check"}
+    entry.update(seq=2, target=mid, time=time.time())
+    (root / "refs/m/0000000002.ref").write_bytes(sealed_json(entry))
+    shutil.copytree(root, tmp_path / "mirror")
+
+    r = store.repair(str(tmp_path / "mirror"))
+    assert r.repaired == []
+    assert [(k, i) for k, i, _ in r.unavailable] == [("manifest", mid)]
+    assert "no copy" in r.unavailable[0][2], r.unavailable
+    assert not r.after.ok and set(r.after.damaged_refs) == {"m"}

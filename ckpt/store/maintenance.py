@@ -193,6 +193,12 @@ def repair(store: Store, source: Store, names: list[str] | None = None, progress
             out.repaired.append((kind, oid))
         store.backend.flush()
         report = verify(store, names, progress)
+    # Put back, and still damaged: the source held the same (verified) object, so the damage is in
+    # what the checkpoint says (a manifest whose content is invalid), which no copy repairs.
+    still = [k for k in out.repaired if k in report.damaged_objects]
+    out.repaired = [k for k in out.repaired if k not in report.damaged_objects]
+    out.unavailable += [(kind, oid, "the source's copy is damaged the same way: the checkpoint itself is, and no copy "
+                         "repairs it (see the problems verify names)") for kind, oid in still]
     out.after = report
     return out
 
