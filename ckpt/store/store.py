@@ -178,14 +178,14 @@ class Store:
                 raise
         if entry is not None:
             return entry.target  # type: ignore[return-value]
-        if not _HEX.match(ref) and self.refs_db.history(ref):
-            raise RefNotFoundError(f"ref {ref} was removed", hint=f"its last version is {ref}@0; history: `ckpt log {ref}`")
-        if _HEX.match(ref):
+        if _HEX.match(ref):  # a removed ref named with hex digits yields to an id prefix, if one matches
             found = self.objects.find_manifests(ref)
             if len(found) == 1:
                 return found[0]
             if len(found) > 1:
                 raise AmbiguousRefError(f"{ref} matches {len(found)} checkpoints", hint="give more digits")
+        if self.refs_db.history(ref):
+            raise RefNotFoundError(f"ref {ref} was removed", hint=f"its last version is {ref}@0; history: `ckpt log {ref}`")
         raise RefNotFoundError(f"no ref or checkpoint named {ref!r}", hint="see `ckpt ls`")
 
     def manifest(self, ref: str) -> Manifest:

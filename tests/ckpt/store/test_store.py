@@ -93,6 +93,16 @@ def test_a_ref_named_as_a_checkpoint_id_names_one_checkpoint_everywhere(store):
     assert got["w"].numpy().tobytes() == first["w"].numpy().tobytes()
     assert store.resolve(f"{cid}@0") != cid  # the ref itself stays reachable as NAME@N
 
+def test_a_removed_ref_named_with_hex_digits_is_said_removed(store):
+    """`rm` of a ref named with hex digits (a commit hash, say): resolving it said "no ref or
+    checkpoint named ..." while `ckpt log` listed its history, instead of "was removed" and where
+    its last version is."""
+    store.push({"w": torch.ones(3)}, "cafe1234")
+    store.remove("cafe1234")
+    with pytest.raises(RefNotFoundError, match=r"ref cafe1234 was removed \(its last version is cafe1234@0"):
+        store.resolve("cafe1234")
+    assert store.manifest("cafe1234@0").tensors[0].shape == (3,)
+
 def test_versions_gc_freed_name_the_real_reason(tmp_path):
     """A version gc freed because the ref was removed and pushed again since, or because it was an
     earlier target of an alias (RUN/latest), was said freed by `gc --no-history`, which was never run:
