@@ -128,6 +128,11 @@ class Refs:
 
     def _read(self, name: str, seq: int) -> RefEntry:
         path = self._entry_path(name, seq)
+        try:  # a folder of a store from elsewhere: a name no command accepts (m@1) is not a ref
+            validate_ref_name(name)
+        except InvalidNameError:
+            raise StoreFormatError(f"ref entry {path} is under refs/{name}/, which is not a valid ref name",
+                                   hint="no command can name that ref: rename or remove that folder") from None
         entry = RefEntry.from_json(self.backend.read(path, MAX_RECORD_BYTES), f"ref entry {path}")
         if entry.name != name or entry.seq != seq:
             raise StoreFormatError(f"ref entry {path} names {entry.name}#{entry.seq}")
