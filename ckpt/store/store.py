@@ -146,9 +146,12 @@ class Store:
         m = _HISTORY.match(ref)
         if m:
             name, back = m.group(1), int(m.group(2))
-            history = self.refs_db.history(name)
+            # Versions newer than a damaged entry are known; what lies beyond it is not.
+            history, damaged = self.refs_db.readable_history(name)
             versions = [e for e in history if e.target is not None]
             if back >= len(versions):
+                if damaged is not None:
+                    raise damaged
                 raise RefNotFoundError(f"{name} has {len(versions)} versions; {ref} does not exist", hint=f"see `ckpt log {name}`")
             entry = versions[back]
             target: str = entry.target  # type: ignore[assignment]

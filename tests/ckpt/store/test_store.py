@@ -103,6 +103,22 @@ def test_a_removed_ref_named_with_hex_digits_is_said_removed(store):
         store.resolve("cafe1234")
     assert store.manifest("cafe1234@0").tensors[0].shape == (3,)
 
+def test_versions_newer_than_a_damaged_ref_entry_still_resolve(tmp_path):
+    """One damaged old entry of a ref (a flipped bit in refs/m/0000000001.ref) made every NAME@N of
+    it fail, `m@0` included, though `m` itself pulled: the versions newer than the damaged entry
+    are numbered from the newest and are known. Beyond it, the damage is the answer."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    ids = [store.push({"w": torch.full((3,), float(i))}, "m") for i in range(3)]
+    path = tmp_path / "s/refs/m/0000000001.ref"
+    raw = bytearray(path.read_bytes())
+    raw[40] ^= 1
+    path.write_bytes(raw)
+    assert store.resolve("m@0") == ids[2] == store.resolve("m") and store.resolve("m@1") == ids[1]
+    with pytest.raises(ckpt.CkptError, match="0000000001.ref is damaged"):
+        store.resolve("m@2")
+    with pytest.raises(ckpt.CkptError, match="0000000001.ref is damaged"):
+        store.resolve("m@7")
+
 def test_versions_gc_freed_name_the_real_reason(tmp_path):
     """A version gc freed because the ref was removed and pushed again since, or because it was an
     earlier target of an alias (RUN/latest), was said freed by `gc --no-history`, which was never run:
