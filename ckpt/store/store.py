@@ -164,7 +164,7 @@ class Store:
                 elif any(e.target is None for e in history[:history.index(entry)]):
                     why = f"{name} was removed, then pushed again"
                 elif entry.alias:
-                    why = f"{name} is an alias: gc keeps only its current version"
+                    why = f"{ref} was set as an alias (like RUN/latest): gc keeps only the current version of an alias"
                 else:
                     why = "gc --no-history frees earlier versions"
                 raise RefNotFoundError(f"{ref} (checkpoint {target[:12]}) is no longer in the store: `ckpt gc` freed it ({why})")

@@ -137,9 +137,23 @@ def test_versions_gc_freed_name_the_real_reason(tmp_path):
     store.gc(grace_s=0)
     with pytest.raises(RefNotFoundError, match=r"x@1 .* freed it \(x was removed, then pushed again\)"):
         store.resolve("x@1")
-    with pytest.raises(RefNotFoundError, match=r"run/latest@1 .* freed it \(run/latest is an alias: gc keeps only its "
-                                               r"current version\)"):
+    with pytest.raises(RefNotFoundError, match=r"run/latest@1 .* freed it \(run/latest@1 was set as an alias \(like "
+                                               r"RUN/latest\): gc keeps only the current version of an alias\)"):
         store.resolve("run/latest@1")
+    # A plain ref whose older entry was an alias's (an alias copied over it, then a push): that
+    # version is the alias's, not the ref's
+    c = store.push({"w": torch.ones(6)}, "y")
+    store.refs_db.set("y", b, alias=True)
+    store.push({"w": torch.ones(7)}, "y")
+    _age(path)
+    store.gc(grace_s=0)
+    assert store.resolve("y@1") == b and store.resolve("y@2") == c  # b is run/step-2's: still there
+    store.remove("run/step-2")
+    store.refs_db.set("run/latest", c, alias=True)
+    _age(path)
+    store.gc(grace_s=0)
+    with pytest.raises(RefNotFoundError, match=r"y@1 .* \(y@1 was set as an alias"):
+        store.resolve("y@1")
     assert store.verify().ok
 
 
