@@ -14,6 +14,7 @@ import re
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -128,6 +129,11 @@ class Refs:
 
     def _read(self, name: str, seq: int) -> RefEntry:
         path = self._entry_path(name, seq)
+        try:  # a folder of a store from elsewhere: a name no command accepts (m@1) is not a ref
+            validate_ref_name(name)
+        except InvalidNameError:
+            raise StoreFormatError(f"ref entry {path} is under refs/{name}/, which is not a valid ref name",
+                                   hint="no command can name that ref: rename or remove that folder") from None
         entry = RefEntry.from_json(self.backend.read(path, MAX_RECORD_BYTES), f"ref entry {path}")
         if entry.name != name or entry.seq != seq:
             raise StoreFormatError(f"ref entry {path} names {entry.name}#{entry.seq}")
@@ -213,15 +219,26 @@ class Refs:
         out: dict[str, list[RefEntry]] = {}
         damaged: dict[str, tuple[StoreFormatError, str]] = {}
         for n, seqs in sorted(self.listing().items()):
-            entries: list[RefEntry] = []
-            for s in sorted(seqs, reverse=True):
-                try:
-                    entries.append(self._read(n, s))
-                except StoreFormatError as err:
-                    damaged[n] = (err, self._entry_path(n, s))
-                    break
-            out[n] = entries
+            out[n], bad = self._readable(n, seqs)
+            if bad is not None:
+                damaged[n] = bad
         return out, damaged
+
+    def readable_history(self, name: str) -> tuple[list[RefEntry], StoreFormatError | None]:
+        """:meth:`history` down to (not including) the newest entry that cannot be read, and the
+        error of that entry (None when every entry is readable)."""
+        validate_ref_name(name)
+        entries, bad = self._readable(name, self._entry_seqs(name))
+        return entries, bad[0] if bad is not None else None
+
+    def _readable(self, name: str, seqs: Iterable[int]) -> tuple[list[RefEntry], tuple[StoreFormatError, str] | None]:
+        entries: list[RefEntry] = []
+        for s in sorted(seqs, reverse=True):
+            try:
+                entries.append(self._read(name, s))
+            except StoreFormatError as err:
+                return entries, (err, self._entry_path(name, s))
+        return entries, None
 
     def live(self) -> dict[str, RefEntry]:
         """Current entry of every ref that exists now (not removed). A damaged entry raises."""

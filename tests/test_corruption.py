@@ -159,6 +159,25 @@ def test_repair_reports_what_the_source_lacks(pristine, tmp_path: Path) -> None:
     assert not r.after.ok and set(r.after.damaged_refs) == {"a", "b"}
 
 
+def test_repair_goes_on_past_an_object_it_cannot_write(pristine, tmp_path: Path) -> None:
+    """A folder in place of one damaged chunk made `ckpt verify --repair-from` stop at that chunk
+    with "cannot write ...: Is a directory": every other damaged object, which the source held,
+    was left damaged, and nothing said what had been put back. The folder is now listed as not
+    repairable (left as it is: ckpt never deletes what it did not write) and the rest is repaired."""
+    store, url = _copy(pristine, tmp_path / "damaged")
+    targets = _targets(store, "chunk")
+    first, second = targets["delta chunk"][0], targets["base chunk"][0]
+    os.unlink(Path(url) / first)
+    (Path(url) / first).mkdir()
+    os.unlink(Path(url) / second)
+    r = store.repair(pristine[0])
+    assert r.repaired == [("chunk", second.rsplit("/", 1)[-1])]
+    assert [(k, i) for k, i, _ in r.unavailable] == [("chunk", first.rsplit("/", 1)[-1])]
+    assert "a folder" in r.unavailable[0][2] or "directory" in r.unavailable[0][2], r.unavailable
+    assert (Path(url) / first).is_dir() and (Path(url) / second).is_file()
+    assert not r.after.ok and all(first.rsplit("/", 1)[-1] in p for p in r.after.problems), r.after.problems
+
+
 @pytest.mark.parametrize("how", ["flip@0.0", "flip@0.5", "flip@0.99", "truncate-half", "append"])
 def test_raw_chunk_read_in_place_is_verified(how: str, tmp_path: Path) -> None:
     """Incompressible chunks are stored raw and read straight into the destination tensor:
@@ -179,3 +198,63 @@ def test_raw_chunk_read_in_place_is_verified(how: str, tmp_path: Path) -> None:
         store.load_into("n", live)
     with pytest.raises(CkptError, match=entry.chunks[0][:12]):
         store.load("n")
+
+
+def test_verify_of_a_remote_store_checks_the_store_not_the_local_chunk_cache(s3_main_url, tmp_path: Path) -> None:
+    """On an S3 store read once before (so its chunks were in the local chunk cache), a chunk deleted
+    from the bucket, or damaged there, was read from the cache: `ckpt verify` said ok, and
+    `--repair-from` found nothing to put back, while every reader without that cache (another
+    machine, `--no-cache`) failed. verify now reads the store itself."""
+    g = torch.Generator().manual_seed(5)
+    want = {"w": torch.randn(256, 256, generator=g), "v": torch.randn(300, generator=g)}
+    store = ckpt.Store.init(s3_main_url)
+    store.push(want, "m")
+    backup = ckpt.Store.init(str(tmp_path / "backup"))
+    backup.push(want, "m")
+    store = ckpt.Store.open(s3_main_url)
+    store.load("m")  # fills the local chunk cache
+    gone, damaged = (t.chunks[0] for t in store.manifest("m").tensors)
+    store.backend.delete(store.objects.path("chunks", gone))
+    path = store.objects.path("chunks", damaged)
+    blob = bytearray(store.backend.read(path))
+    blob[-1] ^= 1
+    store.backend.write(path, bytes(blob))
+    report = ckpt.Store.open(s3_main_url).verify()
+    assert not report.ok and set(report.damaged_refs) == {"m"}
+    assert {oid for _, oid in report.damaged_objects} == {gone, damaged}
+    r = ckpt.Store.open(s3_main_url).repair(backup)
+    assert sorted(oid for _, oid in r.repaired) == sorted([gone, damaged]) and r.after.ok
+    fresh = ckpt.Store.open(s3_main_url, settings=ckpt.Settings.from_env(cache=False))
+    assert {k: _bits(v) for k, v in fresh.load("m").items()} == {k: _bits(v) for k, v in want.items()}
+
+
+def test_repair_does_not_claim_a_repair_that_left_the_object_damaged(tmp_path: Path) -> None:
+    """A manifest whose bytes match its id but whose content is invalid (a lineage naming no
+    checkpoint: what anyone who can write a store can publish) is damaged in every copy. `ckpt
+    verify --repair-from` a mirror wrote the mirror's identical bytes over it and said "repaired
+    manifest ...", then reported the same manifest damaged. It is now listed as not repairable."""
+    import json
+    import time
+
+    from ckpt_store.storage.objects import object_id
+    from ckpt_store.storage.records import canonical_json, sealed_json
+
+    root = tmp_path / "store"
+    store = ckpt.Store.init(str(root))
+    store.push({"w": torch.ones(3)}, "m")
+    m = json.loads(store.objects.get_manifest(store.resolve("m")))
+    m["lineage"] = {"parent": 7, "base": None, "merge": None}
+    data = canonical_json(m)
+    mid = object_id(data)
+    store.backend.write(store.objects.path("manifests", mid), data)
+    last = json.loads((root / "refs/m/0000000001.ref").read_bytes())
+    entry = {k: v for k, v in last.items() if k != "check"}
+    entry.update(seq=2, target=mid, time=time.time())
+    (root / "refs/m/0000000002.ref").write_bytes(sealed_json(entry))
+    shutil.copytree(root, tmp_path / "mirror")
+
+    r = store.repair(str(tmp_path / "mirror"))
+    assert r.repaired == []
+    assert [(k, i) for k, i, _ in r.unavailable] == [("manifest", mid)]
+    assert "no copy" in r.unavailable[0][2], r.unavailable
+    assert not r.after.ok and set(r.after.damaged_refs) == {"m"}

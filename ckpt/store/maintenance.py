@@ -17,6 +17,7 @@ from ckpt_store.storage.config import read_config
 from ckpt_store.storage.errors import CkptError
 from ckpt_store.storage.gc import Doomed, execute_gc, gc_roots, plan_gc, read_root
 from ckpt_store.storage.leases import gc_lock
+from ckpt_store.storage.objects import ObjectStore
 
 if TYPE_CHECKING:
     from ckpt.store.store import Store
@@ -43,7 +44,8 @@ class VerifyReport:
 
 
 def verify(store: Store, names: list[str] | None = None, progress: Progress | None = None) -> VerifyReport:
-    """Check every object reachable from ``names``: present, decodable, re-hashing to its id.
+    """Check every object reachable from ``names``: present, decodable, re-hashing to its id, as the
+    store holds it (a remote store's local chunk cache is not read).
 
     Without ``names``: everything ``gc`` keeps alive (:func:`~ckpt_store.storage.gc.gc_roots`),
     i.e. every live ref and its earlier versions (``NAME@1``...), each damaged one named
@@ -98,13 +100,16 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
         for cid in kept:
             allowed[cid] = allowed[cid] & kept if cid in allowed else kept
 
+    # The store itself is checked: a remote store's local chunk cache would answer for chunks
+    # that are gone from, or damaged in, the store (a hit never reaches it).
+    objects = ObjectStore(store.backend, None, store.objects.max_chunk_blob)
     heads = {c for m in parsed.values() if m.source != "dcp" for f in m.files if f.kind == "safetensors" for c in f.chunks}
     known: dict[str, bytes] = {}  # header chunks, kept for the layout check below (small: a few KB each)
 
     def check(claim: tuple[str, int]) -> tuple[str, str] | None:
         cid, n = claim
         try:
-            data, chain = fetch_chunk(store.objects, cid, n, store.settings)
+            data, chain = fetch_chunk(objects, cid, n, store.settings)
         except CkptError as e:  # the damaged object may be a base in cid's delta chain
             return str(e), getattr(e, "object_id", cid)
         if cid in heads:
@@ -180,13 +185,20 @@ def repair(store: Store, source: Store, names: list[str] | None = None, progress
                 else:
                     data, _ = fetch_chunk(source.objects, oid, length, source.settings)
                     blob = encode_chunk(data, elem=1, level=store.settings.zstd_level, min_saving=store.settings.min_saving).blob
+                # What cannot be written here (a folder in its place) is listed, and the rest repaired.
+                store.backend.write(store.objects.path(f"{kind}s", oid), blob)
             except CkptError as e:
                 out.unavailable.append((kind, oid, str(e)))
                 continue
-            store.backend.write(store.objects.path(f"{kind}s", oid), blob)
             out.repaired.append((kind, oid))
         store.backend.flush()
         report = verify(store, names, progress)
+    # Put back, and still damaged: the source held the same (verified) object, so the damage is in
+    # what the checkpoint says (a manifest whose content is invalid), which no copy repairs.
+    still = [k for k in out.repaired if k in report.damaged_objects]
+    out.repaired = [k for k in out.repaired if k not in report.damaged_objects]
+    out.unavailable += [(kind, oid, "the source's copy is damaged the same way: the checkpoint itself is, and no copy "
+                         "repairs it (see the problems verify names)") for kind, oid in still]
     out.after = report
     return out
 

@@ -135,7 +135,9 @@ class Store:
 
         ``name@N`` is the N-th newest version ``name`` pointed at (removals do not count),
         as ``ckpt log`` labels them: ``name@0`` is the current version, or, once the ref
-        is removed, the last one it had. An earlier version that ``gc`` has freed (every
+        is removed, the last one it had. A full 64-digit id of a checkpoint in the store names
+        that checkpoint even where a ref is named so (reach the ref as ``name@0``); a shorter
+        id prefix yields to a ref of that name. An earlier version that ``gc`` has freed (every
         version of a removed ref; earlier versions with ``--no-history``) raises
         :class:`RefNotFoundError` saying so.
         """
@@ -144,17 +146,33 @@ class Store:
         m = _HISTORY.match(ref)
         if m:
             name, back = m.group(1), int(m.group(2))
-            history = self.refs_db.history(name)
+            # Versions newer than a damaged entry are known; what lies beyond it is not.
+            history, damaged = self.refs_db.readable_history(name)
             versions = [e for e in history if e.target is not None]
             if back >= len(versions):
+                if damaged is not None:
+                    raise damaged
                 raise RefNotFoundError(f"{name} has {len(versions)} versions; {ref} does not exist", hint=f"see `ckpt log {name}`")
-            target: str = versions[back].target  # type: ignore[assignment]
+            entry = versions[back]
+            target: str = entry.target  # type: ignore[assignment]
             if (history[0].target is None or back > 0) and not self.objects.has("manifests", target):
-                # Not the current version: gc may have freed it on purpose. (A current version
-                # whose manifest is missing is damage, which `ckpt verify` reports.)
-                why = f"{name} was removed" if history[0].target is None else "gc --no-history frees earlier versions"
+                # Not the current version: gc may have freed it on purpose (gc_roots says which
+                # versions it keeps). A current version whose manifest is missing is damage,
+                # which `ckpt verify` reports.
+                if history[0].target is None:
+                    why = f"{name} was removed"
+                elif any(e.target is None for e in history[:history.index(entry)]):
+                    why = f"{name} was removed, then pushed again"
+                elif entry.alias:
+                    why = f"{ref} was set as an alias (like RUN/latest): gc keeps only the current version of an alias"
+                else:
+                    why = "gc --no-history frees earlier versions"
                 raise RefNotFoundError(f"{ref} (checkpoint {target[:12]}) is no longer in the store: `ckpt gc` freed it ({why})")
             return target
+        if _FULL_ID.match(ref) and self.objects.has("manifests", ref):
+            # A full id names its checkpoint, as in `manifest`, even where a ref is named so (the
+            # ref is still NAME@0): each command must take the same checkpoint for one name.
+            return ref
         try:
             entry = self.refs_db.current(ref)
         except InvalidNameError:
@@ -163,14 +181,14 @@ class Store:
                 raise
         if entry is not None:
             return entry.target  # type: ignore[return-value]
-        if not _HEX.match(ref) and self.refs_db.history(ref):
-            raise RefNotFoundError(f"ref {ref} was removed", hint=f"its last version is {ref}@0; history: `ckpt log {ref}`")
-        if _HEX.match(ref):
+        if _HEX.match(ref):  # a removed ref named with hex digits yields to an id prefix, if one matches
             found = self.objects.find_manifests(ref)
             if len(found) == 1:
                 return found[0]
             if len(found) > 1:
                 raise AmbiguousRefError(f"{ref} matches {len(found)} checkpoints", hint="give more digits")
+        if self.refs_db.history(ref):
+            raise RefNotFoundError(f"ref {ref} was removed", hint=f"its last version is {ref}@0; history: `ckpt log {ref}`")
         raise RefNotFoundError(f"no ref or checkpoint named {ref!r}", hint="see `ckpt ls`")
 
     def manifest(self, ref: str) -> Manifest:

@@ -186,8 +186,12 @@ class LocalBackend(Backend):
         final = self._p(path)
         try:
             tmp = self._write_temp(final, data)
+        except OSError as e:
+            raise io_error("write", path, e) from e
+        try:
             os.replace(tmp, final)
         except OSError as e:
+            _unlink_quiet(tmp)  # as stage does: a temporary that cannot take its name is not kept
             raise io_error("write", path, e) from e
         self._renamed(final)
 

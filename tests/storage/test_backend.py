@@ -148,6 +148,17 @@ def test_local_write_leaves_no_temporaries(tmp_path):
     assert sorted(os.listdir(tmp_path / "o")) == ["x", "y"]
 
 
+
+def test_a_local_write_that_cannot_take_its_name_leaves_no_temporary(tmp_path):
+    """A write over a folder (`verify --repair-from` putting back a chunk where a folder stands)
+    failed at the rename and left its full-size .tmp- file beside it, one per attempt, until a gc
+    an hour later."""
+    b = LocalBackend(str(tmp_path))
+    (tmp_path / "o" / "x").mkdir(parents=True)
+    with pytest.raises(StorageIOError, match="cannot write o/x"):
+        b.write("o/x", b"data" * 1000)
+    assert os.listdir(tmp_path / "o") == ["x"]
+
 @pytest.mark.parametrize(
     "err, words, retryable",
     [(errno.ENOSPC, "disk is full", False), (errno.EROFS, "permission denied", False), (errno.EIO, "write", True)],

@@ -122,3 +122,29 @@ def test_an_entry_whose_time_is_not_a_number_is_damaged(tmp_path, time):
     path.write_bytes(raw[:start] + time + raw[end:])
     with pytest.raises(StoreFormatError):
         r.current("x")
+
+
+@pytest.mark.parametrize("name", ["m@1", "-x", ".hidden", "a/0000000003.ref/b"])
+def test_a_ref_folder_no_command_can_name_is_damage_not_a_ref(tmp_path, name):
+    """A store folder holding refs/m@1/ (a sealed entry naming "m@1": anyone who writes a store can
+    make one) had `ckpt ls` list a ref m@1 pointing at one checkpoint while `ckpt show m@1` showed
+    another (version 1 of m), and `verify` and `gc` counted it a live ref that no command could
+    reach or remove. An entry under a name that is not a valid ref name is now damage."""
+    import time
+
+    from ckpt_store.storage.gc import gc_roots
+    from ckpt_store.storage.refs import RefEntry
+
+    r = Refs(LocalBackend(str(tmp_path), fsync=False))
+    r.set("m", A)
+    r.set("m", B)
+    folder = tmp_path / "refs" / name
+    folder.mkdir(parents=True)
+    (folder / "0000000001.ref").write_bytes(RefEntry(name, 1, A, time.time(), "w").to_json())
+    live, damaged = r.scan()
+    assert list(live) == ["m"] and list(damaged) == [name]
+    assert "not a valid ref name" in str(damaged[name][0])
+    histories, damaged = r.scan_histories()
+    assert list(damaged) == [name] and histories[name] == []
+    found = gc_roots(r)
+    assert [x.label for x in found.roots] == ["m", "m@1"] and list(found.damaged) == [name]

@@ -78,6 +78,85 @@ def test_versions_gc_freed_say_so(tmp_path):
     assert r.ok and r.freed == ["y@1"]
 
 
+def test_a_ref_named_as_a_checkpoint_id_names_one_checkpoint_everywhere(store):
+    """A ref named with the 64 hex digits of another checkpoint's id: `ckpt show`, `ckpt copy` and
+    the reader (through resolve) took the ref's checkpoint, while `ckpt pull` and `load` (through
+    manifest) took the checkpoint of that id, and `ckpt pull --json` reported the ref's id for the
+    other checkpoint's bytes. A full id now names its checkpoint in every command."""
+    first = {"w": torch.ones(3)}
+    cid = store.push(first, "other")
+    store.push({"w": torch.zeros(5)}, cid)
+    assert store.resolve(cid) == cid
+    reader = store.reader(cid)
+    assert reader.id == cid and [tuple(t.shape) for t in reader.manifest.tensors] == [(3,)]
+    got = store.load(cid)
+    assert got["w"].numpy().tobytes() == first["w"].numpy().tobytes()
+    assert store.resolve(f"{cid}@0") != cid  # the ref itself stays reachable as NAME@N
+
+def test_a_removed_ref_named_with_hex_digits_is_said_removed(store):
+    """`rm` of a ref named with hex digits (a commit hash, say): resolving it said "no ref or
+    checkpoint named ..." while `ckpt log` listed its history, instead of "was removed" and where
+    its last version is."""
+    store.push({"w": torch.ones(3)}, "cafe1234")
+    store.remove("cafe1234")
+    with pytest.raises(RefNotFoundError, match=r"ref cafe1234 was removed \(its last version is cafe1234@0"):
+        store.resolve("cafe1234")
+    assert store.manifest("cafe1234@0").tensors[0].shape == (3,)
+
+def test_versions_newer_than_a_damaged_ref_entry_still_resolve(tmp_path):
+    """One damaged old entry of a ref (a flipped bit in refs/m/0000000001.ref) made every NAME@N of
+    it fail, `m@0` included, though `m` itself pulled: the versions newer than the damaged entry
+    are numbered from the newest and are known. Beyond it, the damage is the answer."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    ids = [store.push({"w": torch.full((3,), float(i))}, "m") for i in range(3)]
+    path = tmp_path / "s/refs/m/0000000001.ref"
+    raw = bytearray(path.read_bytes())
+    raw[40] ^= 1
+    path.write_bytes(raw)
+    assert store.resolve("m@0") == ids[2] == store.resolve("m") and store.resolve("m@1") == ids[1]
+    with pytest.raises(ckpt.CkptError, match="0000000001.ref is damaged"):
+        store.resolve("m@2")
+    with pytest.raises(ckpt.CkptError, match="0000000001.ref is damaged"):
+        store.resolve("m@7")
+
+def test_versions_gc_freed_name_the_real_reason(tmp_path):
+    """A version gc freed because the ref was removed and pushed again since, or because it was an
+    earlier target of an alias (RUN/latest), was said freed by `gc --no-history`, which was never run:
+    the message sent the user looking for a gc option nobody used."""
+    path = tmp_path / "s"
+    store = ckpt.Store.init(str(path))
+    store.push({"w": torch.ones(3)}, "x")
+    store.remove("x")
+    store.push({"w": torch.zeros(3)}, "x")
+    a = store.push({"w": torch.ones(4)}, "run/step-1")
+    b = store.push({"w": torch.ones(5)}, "run/step-2")
+    store.refs_db.set("run/latest", a, alias=True)
+    store.refs_db.set("run/latest", b, alias=True)
+    store.remove("run/step-1")
+    _age(path)
+    store.gc(grace_s=0)
+    with pytest.raises(RefNotFoundError, match=r"x@1 .* freed it \(x was removed, then pushed again\)"):
+        store.resolve("x@1")
+    with pytest.raises(RefNotFoundError, match=r"run/latest@1 .* freed it \(run/latest@1 was set as an alias \(like "
+                                               r"RUN/latest\): gc keeps only the current version of an alias\)"):
+        store.resolve("run/latest@1")
+    # A plain ref whose older entry was an alias's (an alias copied over it, then a push): that
+    # version is the alias's, not the ref's
+    c = store.push({"w": torch.ones(6)}, "y")
+    store.refs_db.set("y", b, alias=True)
+    store.push({"w": torch.ones(7)}, "y")
+    _age(path)
+    store.gc(grace_s=0)
+    assert store.resolve("y@1") == b and store.resolve("y@2") == c  # b is run/step-2's: still there
+    store.remove("run/step-2")
+    store.refs_db.set("run/latest", c, alias=True)
+    _age(path)
+    store.gc(grace_s=0)
+    with pytest.raises(RefNotFoundError, match=r"y@1 .* \(y@1 was set as an alias"):
+        store.resolve("y@1")
+    assert store.verify().ok
+
+
 def _age(path, seconds=100):
     import time
 
