@@ -6,7 +6,10 @@
 >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])   # doctest: +SKIP
 >>> trainer.train(resume_from_checkpoint=cb.resume_dir(trainer))   # None: no snapshot, start fresh   # doctest: +SKIP
 
-A snapshot (taken in ``on_step_end``, after the optimizer and scheduler stepped)
+A snapshot of step N is taken where the Trainer would write its own checkpoint: after
+the step's logging and evaluation (which draw from the RNG and update callback states
+such as early stopping's), at the next ``on_step_begin``/``on_epoch_begin`` or, for the
+last step, at the final log, before ``load_best_model_at_end`` swaps the weights. It
 holds the model, the optimizer, the LR scheduler, the AMP grad scaler if any, the
 RNG states and the ``TrainerState`` (global step, epoch, log history, callback
 states) as JSON. No ``.pt`` file is written or read: nothing is pickled.
@@ -76,6 +79,7 @@ class CkptCallback(TrainerCallback):
         self._trainer: Any = None
         self._pending_rng: int | None = None  # step whose RNG state is still to be restored
         self._pending_restore = False  # resume_dir ran: on_train_begin restores optimizer and scheduler
+        self._save_due = False  # on_step_end found a snapshot due: taken once the step's log and evaluation ran
 
     # -- resuming ------------------------------------------------------------------
     def resume_dir(self, trainer: Any, dest: str | os.PathLike[str] | None = None, step: int | None = None) -> str | None:
@@ -137,11 +141,13 @@ class CkptCallback(TrainerCallback):
             self.manager.restore({"rng": RNGState()}, step)
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self._save_if_due(state, control, **kw)  # before the new epoch's dataloader draws its order
         # Resuming at an epoch boundary: the Trainer loads RNG before the epoch's first batch.
         if self._pending_rng is not None and float(state.epoch or 0).is_integer():
             self._restore_rng()
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self._save_if_due(state, control, **kw)
         # Mid-epoch: after the skipped batches have been fetched, as the Trainer does.
         self._restore_rng()
 
@@ -150,7 +156,19 @@ class CkptCallback(TrainerCallback):
                     model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kw: Any) -> None:
         step = state.global_step
         due = step % self.every_n_steps == 0 if self.every_n_steps else control.should_save
-        if due and step != self.restored_step:
+        # Not yet: the Trainer logs and evaluates this step after on_step_end, drawing from the
+        # RNG (the eval dataloader's seed) and updating callback states, as a resumed run won't.
+        self._save_due = due and step != self.restored_step
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kw: Any) -> None:
+        if logs and "train_runtime" in logs:  # the end of training, before load_best_model_at_end
+            self._save_if_due(state, control, **kw)
+
+    def _save_if_due(self, state: TrainerState, control: TrainerControl, model: Any = None, optimizer: Any = None,
+                     lr_scheduler: Any = None, **kw: Any) -> None:
+        if self._save_due:
+            self._save_due = False
             self.save(state, control, model, optimizer, lr_scheduler)
 
     def save(self, state: TrainerState, control: TrainerControl, model: Any, optimizer: Any, lr_scheduler: Any) -> None:
@@ -175,6 +193,7 @@ class CkptCallback(TrainerCallback):
         return out
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self._save_if_due(state, control, **kw)
         self.manager.wait()
 
     def close(self) -> None:

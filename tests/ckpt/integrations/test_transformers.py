@@ -84,3 +84,26 @@ def test_resume_after_sigkill(uninterrupted, tmp_path):
     store = str(tmp_path / "store")
     run_script("hf_script", store, tmp_path / "crash", "crash", N, 6, expect=-signal.SIGKILL)
     _check(store, 6, uninterrupted, run_script("hf_script", store, tmp_path / "resume", "resume", N))
+
+
+def test_evaluation_between_snapshots_resumes_exactly(script, tmp_path):
+    """The Trainer logs and evaluates a step after ``on_step_end``: the eval dataloader draws its seed
+    from the torch RNG and the eval loss is what ``keep_best`` records. A snapshot taken in
+    ``on_step_end`` resumed one RNG draw behind (other dropout masks from there on) and recorded
+    the previous evaluation's loss with each step."""
+    d = tmp_path / "full"
+    full = script.train(str(d / "store"), str(d), "full", N, evaluate=True)
+    store = str(tmp_path / "store")
+    script.train(store, str(tmp_path / "stop"), "stop", N, 6, evaluate=True)
+    losses, tensors = script.train(store, str(tmp_path / "resume"), "resume", N, evaluate=True)
+    assert losses.pop("restored") == 6
+    assert losses == {s: v for s, v in full[0].items() if s > 6}
+    assert_same_bits(full[1], tensors)
+    manager = script.CkptCallback(store, "hf", every_n_steps=2).manager
+    for step in manager.steps():
+        values = {"trainer_state": None}
+        manager.restore(values, step)
+        (logged,) = [h["eval_loss"] for h in values["trainer_state"]["log_history"] if h.get("step") == step and "eval_loss" in h]
+        recorded = ckpt.Store.open(store).manifest(f"hf/step-{step}").extra["snapshot"]["metrics"]
+        assert recorded == {"eval_loss": logged}
+    manager.close()
