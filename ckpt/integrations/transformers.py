@@ -87,7 +87,8 @@ class CkptCallback(TrainerCallback):
 
         Returns the directory to pass as ``trainer.train(resume_from_checkpoint=...)``
         (default ``<output_dir>/ckpt-resume``), or None when the run has no snapshot.
-        Raises :class:`ckpt.errors.TensorMismatchError` if the model does not fit it.
+        Raises :class:`ckpt.errors.TensorMismatchError` if the model does not fit it, and
+        :class:`ckpt.snapshot.manager.SnapshotError` if it was trained with another batch size.
         """
         self._trainer = trainer
         if step is None:
@@ -98,8 +99,15 @@ class CkptCallback(TrainerCallback):
             step = int((m.extra.get("snapshot") or {}).get("step", -1))
             if step < 0:
                 raise SnapshotError(f"{self.manager.run}/latest is not a snapshot")
-        values = {"model": trainer.model, "trainer_state": None}
-        self.manager.restore(values, step)  # the model in place; the TrainerState as JSON
+        values: dict[str, Any] = {"trainer_state": None}
+        self.manager.restore(values, step)  # the TrainerState as JSON, checked before the model is touched
+        saved, now = values["trainer_state"].get("train_batch_size"), trainer.args.train_batch_size
+        if saved is not None and saved != now and not trainer.args.auto_find_batch_size:
+            # The Trainer finds its place in the data as global_step batches of today's size.
+            raise SnapshotError(f"the snapshot of step {step} of {self.manager.run!r} was trained with batch size {saved}, "
+                                f"this Trainer's is {now}: it would resume at another place in the data",
+                                hint=f"resume with per_device_train_batch_size={saved}, or start a new run name")
+        self.manager.restore({"model": trainer.model}, step)  # in place
         out = os.fspath(dest) if dest is not None else os.path.join(trainer.args.output_dir, "ckpt-resume")
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "trainer_state.json"), "w") as f:

@@ -70,7 +70,8 @@ def test_resume_dir_without_resume_from_checkpoint_is_refused(script, tmp_path):
     cb = script.CkptCallback(store, "hf", every_n_steps=2)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (4, 12))]
     trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True,
-                                                          max_steps=1, disable_tqdm=True), train_dataset=data, callbacks=[cb])
+                                                          max_steps=1, disable_tqdm=True, per_device_train_batch_size=4),
+                      train_dataset=data, callbacks=[cb])
     assert cb.resume_dir(trainer) == str(tmp_path / "out" / "ckpt-resume") and cb.restored_step == 2
     snap = ckpt.Store.open(store).load("hf/step-2", include=["model/*"])
     assert all(torch.equal(v, snap[f"model/{k}"]) for k, v in model.state_dict().items())  # restored in place
@@ -107,3 +108,28 @@ def test_evaluation_between_snapshots_resumes_exactly(script, tmp_path):
         recorded = ckpt.Store.open(store).manifest(f"hf/step-{step}").extra["snapshot"]["metrics"]
         assert recorded == {"eval_loss": logged}
     manager.close()
+
+
+def test_resume_with_another_batch_size_is_refused(script, tmp_path):
+    """The Trainer places a resumed run in its data by counting steps in batches of today's size: with
+    another batch size it skipped to another place (a whole epoch later here) and trained on, with no
+    error. Refused before the model is touched."""
+    from transformers import Trainer, TrainingArguments
+
+    from ckpt.snapshot.manager import SnapshotError
+
+    store = str(tmp_path / "store")
+    script.train(store, str(tmp_path / "stop"), "stop", N, 6)  # batch size 4
+    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cb = script.CkptCallback(store, "hf", every_n_steps=2)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (16, 12))]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=N,
+                             per_device_train_batch_size=8, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+    with pytest.raises(SnapshotError, match="batch size 4") as e:
+        cb.resume_dir(trainer)
+    assert "per_device_train_batch_size=4" in str(e.value.hint)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
+    assert cb.restored_step is None and not (tmp_path / "out" / "ckpt-resume").exists()
+    cb.close()
