@@ -133,6 +133,10 @@ class CkptCallback(TrainerCallback):
         if args.world_size > 1:
             raise SnapshotError(f"CkptCallback runs in one process; this run has {args.world_size}",
                                 hint="use ckpt.CheckpointManager(process_group=...) in a custom loop")
+        if self.every_n_steps is None and args.save_strategy == "no":
+            raise SnapshotError("CkptCallback(every_n_steps=None) follows the Trainer's save schedule, and this "
+                                "Trainer's save_strategy is 'no': no snapshot would ever be taken",
+                                hint="pass every_n_steps=N (and keep save_strategy='no' for no pickled checkpoint-N/ folders)")
         if not self._pending_restore:
             return
         self._pending_restore = False

@@ -133,3 +133,22 @@ def test_resume_with_another_batch_size_is_refused(script, tmp_path):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
     assert cb.restored_step is None and not (tmp_path / "out" / "ckpt-resume").exists()
     cb.close()
+
+
+def test_following_save_strategy_no_is_refused(script, tmp_path):
+    """``every_n_steps=None`` follows ``save_strategy``; with the README's ``save_strategy="no"`` the run
+    trained to the end with no snapshot at all, and no word about it."""
+    from transformers import Trainer, TrainingArguments
+
+    from ckpt.snapshot.manager import SnapshotError
+
+    cb = script.CkptCallback(str(tmp_path / "store"), "hf")
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 12))]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=4, save_strategy="no",
+                             per_device_train_batch_size=4, disable_tqdm=True)
+    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=1, n_head=1, n_embd=8, vocab_size=64, n_positions=16))
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+    with pytest.raises(SnapshotError, match="save_strategy") as e:
+        trainer.train()
+    assert "every_n_steps=N" in str(e.value.hint) and trainer.state.global_step == 0
+    cb.close()
