@@ -52,6 +52,8 @@ from ckpt.snapshot.state import RNGState
 
 log = logging.getLogger(__name__)
 
+_MARKER = ".ckpt-resume"  # in a directory resume_dir wrote: it may write there again
+
 
 class CkptCallback(TrainerCallback):
     """Save a ``Trainer`` run to ``store`` as snapshots ``RUN/step-N``; resume with :meth:`resume_dir`.
@@ -86,11 +88,14 @@ class CkptCallback(TrainerCallback):
         """Prepare ``trainer`` to resume from the run's latest snapshot (or ``step``).
 
         Returns the directory to pass as ``trainer.train(resume_from_checkpoint=...)``
-        (default ``<output_dir>/ckpt-resume``), or None when the run has no snapshot.
+        (default ``<output_dir>/ckpt-resume``; new, empty or written by resume_dir before),
+        or None when the run has no snapshot.
         Raises :class:`ckpt.errors.TensorMismatchError` if the model does not fit it, and
-        :class:`ckpt.snapshot.manager.SnapshotError` if it was trained with another batch size.
+        :class:`ckpt.snapshot.manager.SnapshotError` if it was trained with another batch size
+        or ``dest`` holds files that resume_dir did not write.
         """
         self._trainer = trainer
+        out = os.fspath(dest) if dest is not None else os.path.join(trainer.args.output_dir, "ckpt-resume")
         if step is None:
             try:
                 m = self.manager.store.manifest(f"{self.manager.run}/latest")
@@ -99,6 +104,11 @@ class CkptCallback(TrainerCallback):
             step = int((m.extra.get("snapshot") or {}).get("step", -1))
             if step < 0:
                 raise SnapshotError(f"{self.manager.run}/latest is not a snapshot")
+        if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, _MARKER)):
+            # save_pretrained deletes stale-looking model-0000i-of-0000n shards there, and the Trainer
+            # would unpickle an optimizer.pt or rng_state.pth it finds (the latter over our RNG state).
+            raise SnapshotError(f"{out} holds files that resume_dir did not write",
+                                hint="pass resume_dir(trainer, dest=...) an empty or new directory")
         values: dict[str, Any] = {"trainer_state": None}
         self.manager.restore(values, step)  # the TrainerState as JSON, checked before the model is touched
         saved, now = values["trainer_state"].get("train_batch_size"), trainer.args.train_batch_size
@@ -108,8 +118,8 @@ class CkptCallback(TrainerCallback):
                                 f"this Trainer's is {now}: it would resume at another place in the data",
                                 hint=f"resume with per_device_train_batch_size={saved}, or start a new run name")
         self.manager.restore({"model": trainer.model}, step)  # in place
-        out = os.fspath(dest) if dest is not None else os.path.join(trainer.args.output_dir, "ckpt-resume")
         os.makedirs(out, exist_ok=True)
+        open(os.path.join(out, _MARKER), "w").close()
         with open(os.path.join(out, "trainer_state.json"), "w") as f:
             json.dump(values["trainer_state"], f, indent=2, sort_keys=True)
         if hasattr(trainer.model, "save_pretrained"):  # tied weights written as the Trainer expects them

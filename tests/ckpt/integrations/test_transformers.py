@@ -152,3 +152,32 @@ def test_following_save_strategy_no_is_refused(script, tmp_path):
         trainer.train()
     assert "every_n_steps=N" in str(e.value.hint) and trainer.state.global_step == 0
     cb.close()
+
+
+def test_resume_dir_into_a_folder_of_other_files_is_refused(script, tmp_path):
+    """``save_pretrained`` deleted model-0000i-of-0000n shards it found in ``dest`` (a model the user
+    kept there), and the Trainer would unpickle an optimizer.pt or rng_state.pth found there. A folder
+    resume_dir wrote itself is reused."""
+    from transformers import Trainer, TrainingArguments
+
+    from ckpt.snapshot.manager import SnapshotError
+
+    store = str(tmp_path / "store")
+    script.train(store, str(tmp_path / "stop"), "stop", N, 2)
+    dest = tmp_path / "my-model"
+    dest.mkdir()
+    shard = dest / "model-00001-of-00002.safetensors"
+    shard.write_bytes(b"precious")
+    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cb = script.CkptCallback(store, "hf", every_n_steps=2)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=N,
+                             per_device_train_batch_size=4, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=[], callbacks=[cb])
+    with pytest.raises(SnapshotError, match="did not write"):
+        cb.resume_dir(trainer, dest)
+    assert shard.read_bytes() == b"precious" and sorted(p.name for p in dest.iterdir()) == [shard.name]
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and cb.restored_step is None
+    out = cb.resume_dir(trainer)
+    assert cb.resume_dir(trainer) == out and cb.restored_step == 2  # its own folder again
+    cb.close()
