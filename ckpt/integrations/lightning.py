@@ -13,9 +13,11 @@ scaler), the fit loop's progress (global step, epoch, batch position, and the st
 of resumable dataloaders) and the other callbacks' ``state_dict()`` — plus the RNG
 states, which Lightning's checkpoints leave out. It is taken at the same point as
 ``ModelCheckpoint(every_n_train_steps=N)`` (``on_train_batch_end``), so Lightning's
-own restart logic picks up at the next batch. Resuming happens in ``on_fit_start``:
-after the strategy has built the optimizers and moved the model, before the first
-batch; tensors are decoded straight into the live parameters and optimizer state.
+own restart logic picks up at the next batch. On SIGTERM (preemption), which Lightning
+turns into the end of ``fit`` after the current batch, that batch's step is saved too.
+Resuming happens in ``on_fit_start``: after the strategy has built the optimizers and
+moved the model, before the first batch; tensors are decoded straight into the live
+parameters and optimizer state.
 
 Exact resume mid-epoch needs what it needs with Lightning's own checkpoints: a
 dataloader that can resume (``state_dict``/``load_state_dict``, e.g.
@@ -101,6 +103,7 @@ class CkptCallback(pl.Callback):
         self.manager: CheckpointManager | None = None
         self.restored_step: int | None = None
         self._last_saved: int | None = None
+        self._batch_start_step: int | None = None
 
     def _state(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         state: dict[str, Any] = {"model": pl_module}
@@ -131,11 +134,17 @@ class CkptCallback(pl.Callback):
             log.info("resumed %s from step %d", self.run, self.restored_step)
         self._last_saved = trainer.global_step
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_start_step = trainer.global_step
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
+        # Preempted (SIGTERM): Lightning ends fit after this batch; save it too, if the optimizer
+        # stepped in it (mid-accumulation the partial gradients could not be resumed).
+        final = trainer.received_sigterm and step != self._batch_start_step
         # Several batches share a global step under gradient accumulation: save once.
-        if step % self.every_n_steps == 0 and step != self._last_saved:
+        if (step % self.every_n_steps == 0 or final) and step != self._last_saved:
             self.save(trainer, pl_module)
 
     def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

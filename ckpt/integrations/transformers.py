@@ -6,7 +6,10 @@
 >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[cb])   # doctest: +SKIP
 >>> trainer.train(resume_from_checkpoint=cb.resume_dir(trainer))   # None: no snapshot, start fresh   # doctest: +SKIP
 
-A snapshot (taken in ``on_step_end``, after the optimizer and scheduler stepped)
+A snapshot of step N is taken where the Trainer would write its own checkpoint: after
+the step's logging and evaluation (which draw from the RNG and update callback states
+such as early stopping's), at the next ``on_step_begin``/``on_epoch_begin`` or, for the
+last step, at the final log, before ``load_best_model_at_end`` swaps the weights. It
 holds the model, the optimizer, the LR scheduler, the AMP grad scaler if any, the
 RNG states and the ``TrainerState`` (global step, epoch, log history, callback
 states) as JSON. No ``.pt`` file is written or read: nothing is pickled.
@@ -49,6 +52,8 @@ from ckpt.snapshot.state import RNGState
 
 log = logging.getLogger(__name__)
 
+_MARKER = ".ckpt-resume"  # in a directory resume_dir wrote: it may write there again
+
 
 class CkptCallback(TrainerCallback):
     """Save a ``Trainer`` run to ``store`` as snapshots ``RUN/step-N``; resume with :meth:`resume_dir`.
@@ -76,16 +81,21 @@ class CkptCallback(TrainerCallback):
         self._trainer: Any = None
         self._pending_rng: int | None = None  # step whose RNG state is still to be restored
         self._pending_restore = False  # resume_dir ran: on_train_begin restores optimizer and scheduler
+        self._save_due = False  # on_step_end found a snapshot due: taken once the step's log and evaluation ran
 
     # -- resuming ------------------------------------------------------------------
     def resume_dir(self, trainer: Any, dest: str | os.PathLike[str] | None = None, step: int | None = None) -> str | None:
         """Prepare ``trainer`` to resume from the run's latest snapshot (or ``step``).
 
         Returns the directory to pass as ``trainer.train(resume_from_checkpoint=...)``
-        (default ``<output_dir>/ckpt-resume``), or None when the run has no snapshot.
-        Raises :class:`ckpt.errors.TensorMismatchError` if the model does not fit it.
+        (default ``<output_dir>/ckpt-resume``; new, empty or written by resume_dir before),
+        or None when the run has no snapshot.
+        Raises :class:`ckpt.errors.TensorMismatchError` if the model does not fit it, and
+        :class:`ckpt.snapshot.manager.SnapshotError` if it was trained with another batch size
+        or ``dest`` holds files that resume_dir did not write.
         """
         self._trainer = trainer
+        out = os.fspath(dest) if dest is not None else os.path.join(trainer.args.output_dir, "ckpt-resume")
         if step is None:
             try:
                 m = self.manager.store.manifest(f"{self.manager.run}/latest")
@@ -94,10 +104,22 @@ class CkptCallback(TrainerCallback):
             step = int((m.extra.get("snapshot") or {}).get("step", -1))
             if step < 0:
                 raise SnapshotError(f"{self.manager.run}/latest is not a snapshot")
-        values = {"model": trainer.model, "trainer_state": None}
-        self.manager.restore(values, step)  # the model in place; the TrainerState as JSON
-        out = os.fspath(dest) if dest is not None else os.path.join(trainer.args.output_dir, "ckpt-resume")
+        if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, _MARKER)):
+            # save_pretrained deletes stale-looking model-0000i-of-0000n shards there, and the Trainer
+            # would unpickle an optimizer.pt or rng_state.pth it finds (the latter over our RNG state).
+            raise SnapshotError(f"{out} holds files that resume_dir did not write",
+                                hint="pass resume_dir(trainer, dest=...) an empty or new directory")
+        values: dict[str, Any] = {"trainer_state": None}
+        self.manager.restore(values, step)  # the TrainerState as JSON, checked before the model is touched
+        saved, now = values["trainer_state"].get("train_batch_size"), trainer.args.train_batch_size
+        if saved is not None and saved != now and not trainer.args.auto_find_batch_size:
+            # The Trainer finds its place in the data as global_step batches of today's size.
+            raise SnapshotError(f"the snapshot of step {step} of {self.manager.run!r} was trained with batch size {saved}, "
+                                f"this Trainer's is {now}: it would resume at another place in the data",
+                                hint=f"resume with per_device_train_batch_size={saved}, or start a new run name")
+        self.manager.restore({"model": trainer.model}, step)  # in place
         os.makedirs(out, exist_ok=True)
+        open(os.path.join(out, _MARKER), "w").close()
         with open(os.path.join(out, "trainer_state.json"), "w") as f:
             json.dump(values["trainer_state"], f, indent=2, sort_keys=True)
         if hasattr(trainer.model, "save_pretrained"):  # tied weights written as the Trainer expects them
@@ -121,6 +143,10 @@ class CkptCallback(TrainerCallback):
         if args.world_size > 1:
             raise SnapshotError(f"CkptCallback runs in one process; this run has {args.world_size}",
                                 hint="use ckpt.CheckpointManager(process_group=...) in a custom loop")
+        if self.every_n_steps is None and args.save_strategy == "no":
+            raise SnapshotError("CkptCallback(every_n_steps=None) follows the Trainer's save schedule, and this "
+                                "Trainer's save_strategy is 'no': no snapshot would ever be taken",
+                                hint="pass every_n_steps=N (and keep save_strategy='no' for no pickled checkpoint-N/ folders)")
         if not self._pending_restore:
             return
         self._pending_restore = False
@@ -137,11 +163,13 @@ class CkptCallback(TrainerCallback):
             self.manager.restore({"rng": RNGState()}, step)
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self._save_if_due(state, control, **kw)  # before the new epoch's dataloader draws its order
         # Resuming at an epoch boundary: the Trainer loads RNG before the epoch's first batch.
         if self._pending_rng is not None and float(state.epoch or 0).is_integer():
             self._restore_rng()
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self._save_if_due(state, control, **kw)
         # Mid-epoch: after the skipped batches have been fetched, as the Trainer does.
         self._restore_rng()
 
@@ -150,7 +178,19 @@ class CkptCallback(TrainerCallback):
                     model: Any = None, optimizer: Any = None, lr_scheduler: Any = None, **kw: Any) -> None:
         step = state.global_step
         due = step % self.every_n_steps == 0 if self.every_n_steps else control.should_save
-        if due and step != self.restored_step:
+        # Not yet: the Trainer logs and evaluates this step after on_step_end, drawing from the
+        # RNG (the eval dataloader's seed) and updating callback states, as a resumed run won't.
+        self._save_due = due and step != self.restored_step
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **kw: Any) -> None:
+        if logs and "train_runtime" in logs:  # the end of training, before load_best_model_at_end
+            self._save_if_due(state, control, **kw)
+
+    def _save_if_due(self, state: TrainerState, control: TrainerControl, model: Any = None, optimizer: Any = None,
+                     lr_scheduler: Any = None, **kw: Any) -> None:
+        if self._save_due:
+            self._save_due = False
             self.save(state, control, model, optimizer, lr_scheduler)
 
     def save(self, state: TrainerState, control: TrainerControl, model: Any, optimizer: Any, lr_scheduler: Any) -> None:
@@ -175,6 +215,7 @@ class CkptCallback(TrainerCallback):
         return out
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self._save_if_due(state, control, **kw)
         self.manager.wait()
 
     def close(self) -> None:

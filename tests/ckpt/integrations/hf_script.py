@@ -8,6 +8,7 @@ MODE ``full``: train STEPS steps, no snapshots. ``crash``: snapshot every 2 step
 SIGKILL ourselves one step after the snapshot of step KILL_AT is durable. ``stop``:
 the same without the kill, stopping at KILL_AT + 1 (in-process tests). ``resume``:
 a fresh model (other initial weights) and Trainer resumed from the store, to STEPS.
+``evaluate=True`` (in-process only) evaluates every 2 steps and keeps the best eval loss.
 :func:`train` returns per-step losses (float.hex) and the final tensors; the script
 writes them to OUTDIR/result.json and OUTDIR/result.safetensors.
 """
@@ -20,6 +21,7 @@ import signal
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
+from ckpt import KeepBest
 from ckpt.integrations.transformers import CkptCallback
 
 EVERY = 2
@@ -38,16 +40,16 @@ class Record(TrainerCallback):
     def on_step_end(self, args, state, control, **kw):
         (self.losses[state.global_step],) = self.pending
         self.pending.clear()
-        if self.cb is not None and state.global_step == self.kill_at:
-            self.cb.manager.wait()  # the snapshot of KILL_AT is durable...
         if self.cb is not None and self.kill_at > 0 and state.global_step == self.kill_at + 1:
+            self.cb.manager.wait()  # the snapshot of KILL_AT (taken as this step began) is durable...
             if self.stop_only:
                 control.should_training_stop = True  # in-process: the Trainer object is dropped here
             else:
                 os.kill(os.getpid(), signal.SIGKILL)  # ...and the live state has moved past it
 
 
-def train(store: str, outdir: str, mode: str, steps: int, kill_at: int = -1, overlap: bool = False) -> tuple[dict, dict]:
+def train(store: str, outdir: str, mode: str, steps: int, kill_at: int = -1, overlap: bool = False,
+          evaluate: bool = False) -> tuple[dict, dict]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -59,10 +61,12 @@ def train(store: str, outdir: str, mode: str, steps: int, kill_at: int = -1, ove
                                  per_device_train_batch_size=4, learning_rate=5e-3, warmup_steps=3,
                                  lr_scheduler_type="linear", weight_decay=0.01, optim="adamw_torch", save_strategy="no",
                                  report_to=[], disable_tqdm=True, use_cpu=True, seed=7, logging_steps=1,
-                                 dataloader_num_workers=0)
-        cb = CkptCallback(store, "hf", every_n_steps=EVERY, keep_last=2, save_mode="overlap" if overlap else "async") if mode != "full" else None
+                                 dataloader_num_workers=0, eval_strategy="steps" if evaluate else "no", eval_steps=EVERY)
+        cb = CkptCallback(store, "hf", every_n_steps=EVERY, keep_last=2, save_mode="overlap" if overlap else "async",
+                          keep_best=KeepBest("eval_loss", "min", 1) if evaluate else None) if mode != "full" else None
         record = Record(model, cb if mode in ("crash", "stop") else None, kill_at, mode == "stop")
-        trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[c for c in (cb, record) if c])
+        trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4] if evaluate else None,
+                          callbacks=[c for c in (cb, record) if c])
         resume = cb.resume_dir(trainer) if mode == "resume" else None
         trainer.train(resume_from_checkpoint=resume)
         if cb is not None:

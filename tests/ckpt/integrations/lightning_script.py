@@ -6,7 +6,8 @@ An MLP with dropout, AdamW and a per-step StepLR; 4 batches per epoch, shuffled 
 plain DataLoader (so snapshots resume exactly at epoch boundaries, see the module
 docstring of ckpt.integrations.lightning). MODE ``full``: train STEPS optimizer
 steps, no snapshots. ``crash``: snapshot every 4 steps through CkptCallback and
-SIGKILL ourselves two steps after the snapshot of step KILL_AT is durable. ``stop``:
+SIGKILL ourselves two steps after the snapshot of step KILL_AT is durable. ``term``:
+SIGTERM ourselves during the batch of step KILL_AT (exit status 143). ``stop``:
 the same, but stop the Trainer instead (in-process tests). ``resume``: a fresh model
 (other initial weights) and Trainer, resumed by CkptCallback from the store, to STEPS.
 :func:`train` returns per-step losses (float.hex) and the final tensors; the script
@@ -49,13 +50,18 @@ class Record(pl.Callback):
     def __init__(self, ckpt_cb: CkptCallback | None, kill_at: int, stop_only: bool) -> None:
         self.losses: dict[int, str] = {}
         self.ckpt_cb, self.kill_at, self.stop_only = ckpt_cb, kill_at, stop_only
+        self.term = stop_only is None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.term and trainer.global_step == self.kill_at - 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # preempted during the batch that makes step KILL_AT
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = trainer.global_step
         self.losses[step] = outputs["loss"].item().hex()
         if self.ckpt_cb is not None and step == self.kill_at:
             self.ckpt_cb.manager.wait()  # the snapshot of KILL_AT is durable...
-        if self.ckpt_cb is not None and step == self.kill_at + 2:
+        if self.ckpt_cb is not None and not self.term and step == self.kill_at + 2:
             if self.stop_only:
                 trainer.should_stop = True  # in-process: this Trainer is dropped after fit returns
             else:
@@ -73,12 +79,16 @@ def train(store: str, outdir: str, mode: str, steps: int, kill_at: int = -1) -> 
         data = torch.utils.data.TensorDataset(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g))
         loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)  # order drawn from the torch RNG
         ckpt_cb = CkptCallback(store, "lit", every_n_steps=EVERY, keep_last=2) if mode != "full" else None
-        record = Record(ckpt_cb if mode in ("crash", "stop") else None, kill_at, mode == "stop")
+        record = Record(ckpt_cb if mode in ("crash", "stop", "term") else None, kill_at,
+                        None if mode == "term" else mode == "stop")
         trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                              default_root_dir=outdir, callbacks=[c for c in (ckpt_cb, record) if c])
         torch.manual_seed(1234)
-        trainer.fit(module, loader)
+        try:
+            trainer.fit(module, loader)
+        except SystemExit:  # Lightning's SIGTERMException, which exits with status 0
+            raise SystemExit(143) from None
         losses: dict = dict(record.losses)
         if mode == "resume":
             assert ckpt_cb is not None and ckpt_cb.restored_step is not None

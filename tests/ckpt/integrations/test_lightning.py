@@ -62,3 +62,18 @@ def test_resume_after_sigkill(uninterrupted, tmp_path):
     store = str(tmp_path / "store")
     run_script("lightning_script", store, tmp_path / "crash", "crash", N, 8, expect=-signal.SIGKILL)
     _check(store, 8, uninterrupted, run_script("lightning_script", store, tmp_path / "resume", "resume", N))
+
+
+def test_sigterm_saves_the_step_it_came_in(script, tmp_path):
+    """Lightning turns SIGTERM into the end of ``fit`` after the current batch: the callback saved
+    nothing then, and a preempted run lost every step since the last multiple of every_n_steps."""
+    store = str(tmp_path / "store")
+    run_script("lightning_script", store, tmp_path / "term", "term", N, 10, expect=143)
+    s = ckpt.Store.open(store)
+    assert s.resolve("lit/latest") == s.resolve("lit/step-10") and s.verify().ok
+    _, at10 = script.train(str(tmp_path / "full-store"), str(tmp_path / "full"), "full", 10)
+    snap = s.load("lit/step-10", include=["model/*"])
+    assert_same_bits({k: v for k, v in at10.items() if k.startswith("model.")},
+                     {f"model.{k[len('model/'):]}": v for k, v in snap.items()})
+    losses, tensors = run_script("lightning_script", store, tmp_path / "resume", "resume", N)
+    assert losses["restored"] == 10 and int(tensors["global_step"]) == N

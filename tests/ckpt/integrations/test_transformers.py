@@ -70,7 +70,8 @@ def test_resume_dir_without_resume_from_checkpoint_is_refused(script, tmp_path):
     cb = script.CkptCallback(store, "hf", every_n_steps=2)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (4, 12))]
     trainer = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True,
-                                                          max_steps=1, disable_tqdm=True), train_dataset=data, callbacks=[cb])
+                                                          max_steps=1, disable_tqdm=True, per_device_train_batch_size=4),
+                      train_dataset=data, callbacks=[cb])
     assert cb.resume_dir(trainer) == str(tmp_path / "out" / "ckpt-resume") and cb.restored_step == 2
     snap = ckpt.Store.open(store).load("hf/step-2", include=["model/*"])
     assert all(torch.equal(v, snap[f"model/{k}"]) for k, v in model.state_dict().items())  # restored in place
@@ -84,3 +85,99 @@ def test_resume_after_sigkill(uninterrupted, tmp_path):
     store = str(tmp_path / "store")
     run_script("hf_script", store, tmp_path / "crash", "crash", N, 6, expect=-signal.SIGKILL)
     _check(store, 6, uninterrupted, run_script("hf_script", store, tmp_path / "resume", "resume", N))
+
+
+def test_evaluation_between_snapshots_resumes_exactly(script, tmp_path):
+    """The Trainer logs and evaluates a step after ``on_step_end``: the eval dataloader draws its seed
+    from the torch RNG and the eval loss is what ``keep_best`` records. A snapshot taken in
+    ``on_step_end`` resumed one RNG draw behind (other dropout masks from there on) and recorded
+    the previous evaluation's loss with each step."""
+    d = tmp_path / "full"
+    full = script.train(str(d / "store"), str(d), "full", N, evaluate=True)
+    store = str(tmp_path / "store")
+    script.train(store, str(tmp_path / "stop"), "stop", N, 6, evaluate=True)
+    losses, tensors = script.train(store, str(tmp_path / "resume"), "resume", N, evaluate=True)
+    assert losses.pop("restored") == 6
+    assert losses == {s: v for s, v in full[0].items() if s > 6}
+    assert_same_bits(full[1], tensors)
+    manager = script.CkptCallback(store, "hf", every_n_steps=2).manager
+    for step in manager.steps():
+        values = {"trainer_state": None}
+        manager.restore(values, step)
+        (logged,) = [h["eval_loss"] for h in values["trainer_state"]["log_history"] if h.get("step") == step and "eval_loss" in h]
+        recorded = ckpt.Store.open(store).manifest(f"hf/step-{step}").extra["snapshot"]["metrics"]
+        assert recorded == {"eval_loss": logged}
+    manager.close()
+
+
+def test_resume_with_another_batch_size_is_refused(script, tmp_path):
+    """The Trainer places a resumed run in its data by counting steps in batches of today's size: with
+    another batch size it skipped to another place (a whole epoch later here) and trained on, with no
+    error. Refused before the model is touched."""
+    from transformers import Trainer, TrainingArguments
+
+    from ckpt.snapshot.manager import SnapshotError
+
+    store = str(tmp_path / "store")
+    script.train(store, str(tmp_path / "stop"), "stop", N, 6)  # batch size 4
+    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cb = script.CkptCallback(store, "hf", every_n_steps=2)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (16, 12))]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=N,
+                             per_device_train_batch_size=8, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+    with pytest.raises(SnapshotError, match="batch size 4") as e:
+        cb.resume_dir(trainer)
+    assert "per_device_train_batch_size=4" in str(e.value.hint)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
+    assert cb.restored_step is None and not (tmp_path / "out" / "ckpt-resume").exists()
+    cb.close()
+
+
+def test_following_save_strategy_no_is_refused(script, tmp_path):
+    """``every_n_steps=None`` follows ``save_strategy``; with the README's ``save_strategy="no"`` the run
+    trained to the end with no snapshot at all, and no word about it."""
+    from transformers import Trainer, TrainingArguments
+
+    from ckpt.snapshot.manager import SnapshotError
+
+    cb = script.CkptCallback(str(tmp_path / "store"), "hf")
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 12))]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=4, save_strategy="no",
+                             per_device_train_batch_size=4, disable_tqdm=True)
+    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=1, n_head=1, n_embd=8, vocab_size=64, n_positions=16))
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+    with pytest.raises(SnapshotError, match="save_strategy") as e:
+        trainer.train()
+    assert "every_n_steps=N" in str(e.value.hint) and trainer.state.global_step == 0
+    cb.close()
+
+
+def test_resume_dir_into_a_folder_of_other_files_is_refused(script, tmp_path):
+    """``save_pretrained`` deleted model-0000i-of-0000n shards it found in ``dest`` (a model the user
+    kept there), and the Trainer would unpickle an optimizer.pt or rng_state.pth found there. A folder
+    resume_dir wrote itself is reused."""
+    from transformers import Trainer, TrainingArguments
+
+    from ckpt.snapshot.manager import SnapshotError
+
+    store = str(tmp_path / "store")
+    script.train(store, str(tmp_path / "stop"), "stop", N, 2)
+    dest = tmp_path / "my-model"
+    dest.mkdir()
+    shard = dest / "model-00001-of-00002.safetensors"
+    shard.write_bytes(b"precious")
+    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cb = script.CkptCallback(store, "hf", every_n_steps=2)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=N,
+                             per_device_train_batch_size=4, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=[], callbacks=[cb])
+    with pytest.raises(SnapshotError, match="did not write"):
+        cb.resume_dir(trainer, dest)
+    assert shard.read_bytes() == b"precious" and sorted(p.name for p in dest.iterdir()) == [shard.name]
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and cb.restored_step is None
+    out = cb.resume_dir(trainer)
+    assert cb.resume_dir(trainer) == out and cb.restored_step == 2  # its own folder again
+    cb.close()
