@@ -66,17 +66,23 @@ class CkptCallback(TrainerCallback):
     ``save_mode="overlap"`` fits the Trainer's loop: between a snapshot (taken after the
     step) and the next optimizer step only gradients change, so the parameters and
     Adam moments are read while the next batch's forward and backward run.
+
+    ``handle_signals=True`` (preemption; the Trainer installs no handler of its own): after a
+    SIGTERM or SIGUSR1 the step under way finishes, is snapshotted where a periodic snapshot
+    would be (after its logging and evaluation), and once that snapshot is durable the process
+    exits with status 143, so that a scheduler requeues the job; a resume continues from it.
     """
 
     def __init__(self, store: Any, run: str, *, every_n_steps: int | None = None, keep_last: int | None = None,
                  keep_every: int | None = None, keep_best: KeepBest | None = None, save_mode: str = "async",
-                 **deprecated: Any) -> None:
+                 handle_signals: bool = False, **deprecated: Any) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1 (or None to follow save_steps)")
         self.every_n_steps = every_n_steps
         self.keep_best = KeepBest.coerce(keep_best)
         self.manager = CheckpointManager(store, run, keep_last=keep_last, keep_every=keep_every,
-                                         keep_best=self.keep_best, save_mode=save_mode, **deprecated)
+                                         keep_best=self.keep_best, save_mode=save_mode, handle_signals=handle_signals,
+                                         **deprecated)
         self.restored_step: int | None = None
         self._trainer: Any = None
         self._pending_rng: int | None = None  # step whose RNG state is still to be restored
@@ -189,12 +195,15 @@ class CkptCallback(TrainerCallback):
 
     def _save_if_due(self, state: TrainerState, control: TrainerControl, model: Any = None, optimizer: Any = None,
                      lr_scheduler: Any = None, **kw: Any) -> None:
-        if self._save_due:
+        # Preempted (handle_signals): the last finished step is snapshotted here whatever the schedule,
+        # and save() exits once it is durable.
+        if self._save_due or (self.manager.preempted and state.global_step > 0):
             self._save_due = False
             self.save(state, control, model, optimizer, lr_scheduler)
 
     def save(self, state: TrainerState, control: TrainerControl, model: Any, optimizer: Any, lr_scheduler: Any) -> None:
-        """Snapshot now as step ``state.global_step`` (returns once staged)."""
+        """Snapshot now as step ``state.global_step`` (returns once staged; after a preemption signal,
+        once durable, by raising ``SystemExit(143)``)."""
         snapshot = {"model": model, **self._rest(optimizer, lr_scheduler), "rng": RNGState(),
                     "trainer_state": self._trainer_state(state, control)}
         metrics: dict[str, float] = {}
@@ -203,6 +212,8 @@ class CkptCallback(TrainerCallback):
             logged = [h[name] for h in state.log_history if name in h]
             if logged:
                 metrics[name] = float(logged[-1])
+        if self.manager.preempted:
+            self.manager.maybe_save(state.global_step, snapshot, metrics)  # the final snapshot: durable, then exits
         self.manager.save(state.global_step, snapshot, metrics)
 
     def _trainer_state(self, state: TrainerState, control: TrainerControl) -> dict[str, Any]:

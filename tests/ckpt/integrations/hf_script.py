@@ -5,7 +5,8 @@
 A 2-layer GPT-2 built from a config (no download) on synthetic tokens, with dropout,
 AdamW and a linear warmup/decay schedule; 4 optimizer steps per epoch, shuffled.
 MODE ``full``: train STEPS steps, no snapshots. ``crash``: snapshot every 2 steps and
-SIGKILL ourselves one step after the snapshot of step KILL_AT is durable. ``stop``:
+SIGKILL ourselves one step after the snapshot of step KILL_AT is durable. ``preempt``: the
+callback handles signals, and we SIGTERM ourselves in step KILL_AT (expect exit 143). ``stop``:
 the same without the kill, stopping at KILL_AT + 1 (in-process tests). ``resume``:
 a fresh model (other initial weights) and Trainer resumed from the store, to STEPS.
 ``evaluate=True`` (in-process only) evaluates every 2 steps and keeps the best eval loss.
@@ -30,8 +31,9 @@ EVERY = 2
 class Record(TrainerCallback):
     """Exact per-step losses (the Trainer only logs rounded averages) and the crash trigger."""
 
-    def __init__(self, model: torch.nn.Module, cb: CkptCallback | None, kill_at: int, stop_only: bool) -> None:
-        self.stop_only = stop_only
+    def __init__(self, model: torch.nn.Module, cb: CkptCallback | None, kill_at: int, stop_only: bool,
+                 preempt: bool = False) -> None:
+        self.stop_only, self.preempt = stop_only, preempt
         self.pending: list[str] = []
         self.losses: dict[int, str] = {}
         self.cb, self.kill_at = cb, kill_at
@@ -40,7 +42,9 @@ class Record(TrainerCallback):
     def on_step_end(self, args, state, control, **kw):
         (self.losses[state.global_step],) = self.pending
         self.pending.clear()
-        if self.cb is not None and self.kill_at > 0 and state.global_step == self.kill_at + 1:
+        if self.preempt and state.global_step == self.kill_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # preempted in this step: the callback snapshots it, then exits 143
+        elif self.cb is not None and self.kill_at > 0 and state.global_step == self.kill_at + 1:
             self.cb.manager.wait()  # the snapshot of KILL_AT (taken as this step began) is durable...
             if self.stop_only:
                 control.should_training_stop = True  # in-process: the Trainer object is dropped here
@@ -63,8 +67,9 @@ def train(store: str, outdir: str, mode: str, steps: int, kill_at: int = -1, ove
                                  report_to=[], disable_tqdm=True, use_cpu=True, seed=7, logging_steps=1,
                                  dataloader_num_workers=0, eval_strategy="steps" if evaluate else "no", eval_steps=EVERY)
         cb = CkptCallback(store, "hf", every_n_steps=EVERY, keep_last=2, save_mode="overlap" if overlap else "async",
-                          keep_best=KeepBest("eval_loss", "min", 1) if evaluate else None) if mode != "full" else None
-        record = Record(model, cb if mode in ("crash", "stop") else None, kill_at, mode == "stop")
+                          keep_best=KeepBest("eval_loss", "min", 1) if evaluate else None,
+                          handle_signals=mode == "preempt") if mode != "full" else None
+        record = Record(model, cb if mode in ("crash", "stop", "preempt") else None, kill_at, mode == "stop", mode == "preempt")
         trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4] if evaluate else None,
                           callbacks=[c for c in (cb, record) if c])
         resume = cb.resume_dir(trainer) if mode == "resume" else None

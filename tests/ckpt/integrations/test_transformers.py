@@ -87,6 +87,16 @@ def test_resume_after_sigkill(uninterrupted, tmp_path):
     _check(store, 6, uninterrupted, run_script("hf_script", store, tmp_path / "resume", "resume", N))
 
 
+def test_preemption_snapshots_the_step_it_came_in_and_exits_143(uninterrupted, tmp_path):
+    """The Trainer installs no signal handler: a SIGTERM killed the process, losing every step since
+    the last periodic snapshot. With handle_signals=True the step it came in (7: off the every-2
+    schedule) is snapshotted once its logging ran, the process exits 143, and a resume is exact."""
+    store = str(tmp_path / "store")
+    run_script("hf_script", store, tmp_path / "preempt", "preempt", N, 7, expect=143)
+    assert "hf/step-7" in ckpt.Store.open(store).refs()
+    _check(store, 7, uninterrupted, run_script("hf_script", store, tmp_path / "resume", "resume", N))
+
+
 def test_evaluation_between_snapshots_resumes_exactly(script, tmp_path):
     """The Trainer logs and evaluates a step after ``on_step_end``: the eval dataloader draws its seed
     from the torch RNG and the eval loss is what ``keep_best`` records. A snapshot taken in
