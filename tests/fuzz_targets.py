@@ -15,7 +15,9 @@ a hang, an allocation the size of a claim in the input — is a bug. Used two wa
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import struct
 import sys
 import tempfile
@@ -68,6 +70,7 @@ def _hf_index(data: bytes) -> None:
 
     if not _HF_DIR:
         d = tempfile.mkdtemp(prefix="ckpt-fuzz-hf-")
+        atexit.register(shutil.rmtree, d, True)  # (one per process: no folder left in /tmp per run)
         header = b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
         with open(os.path.join(d, "model-00001-of-00001.safetensors"), "wb") as f:
             f.write(struct.pack("<Q", len(header)) + header + bytes(8))
