@@ -30,7 +30,6 @@ from ckpt_store.storage.backends.base import Data, data_size
 from ckpt_store.storage.chunk_lists import chunk_depths, referenced_chunks
 from ckpt_store.storage.commit import missing_chunks
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
-from ckpt_store.storage.index import creates_are_exclusive
 from ckpt_store.storage.leases import check_fresh, writer_lease
 from ckpt_store.storage.objects import ObjectStore, object_id
 from ckpt_store.storage.progress import NullProgress, Progress, reporting
@@ -94,7 +93,7 @@ class _Sender:
         # A chunk not there when the copy looked is created exclusively where creates are exclusive, as a
         # push creates one: a writer storing it meanwhile in another encoding (against other bases) is
         # not overwritten, or its manifest would name a delta chain its blob no longer decodes with.
-        exclusive = dst.backend.touches or creates_are_exclusive(dst.backend)
+        exclusive = dst.backend.touches  # (not on S3: its own PUT keeps the chunk young for gc, as a push's)
         self.taken = taken if exclusive else None
 
     def _send_chunk(self, cid: str) -> str | None:

@@ -34,7 +34,6 @@ from ckpt.format.manifest import Manifest, TensorEntry, split_lengths
 from ckpt.progress import NullProgress, Progress
 from ckpt.settings import Settings
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
-from ckpt_store.storage.index import creates_are_exclusive
 from ckpt_store.storage.objects import ObjectStore, object_id
 
 log = logging.getLogger(__name__)
@@ -534,10 +533,13 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
     writes: list[Future[None]] = []
     writes_lock = threading.Lock()
     # Two pushes may encode one new chunk differently (against other bases, or whole) at once.
-    # Where creates are exclusive (a local store: link(); S3: If-None-Match), the first blob stays
+    # On a local store (link(): creates are exclusive, objects touched) the first blob stays
     # and the other push records the stored blob's chain: with the last write winning, a manifest
     # could name a chain its blob does not decode with, and gc would free the base the blob needs.
-    exclusive = objects.backend.touches or creates_are_exclusive(objects.backend)
+    # Not on stores that cannot touch (S3): there a push's own PUT of a new chunk is what keeps it young
+    # for gc's grace until the commit's lease names it; a create that finds another writer's blob would
+    # leave it as old as that write, and a gc could take it first (the race stays open there).
+    exclusive = objects.backend.touches
     lost: set[str] = set()
 
     def write(path: str, oid: str, blob: tuple[bytes | memoryview, ...]) -> None:
