@@ -90,11 +90,10 @@ class _Sender:
         self.report, self.progress, self.weights = report, progress, weights
         self.lock = threading.Lock()
         self.resend = frozenset(resend)  # replace the blob there: written over it
-        # A chunk not there when the copy looked is created exclusively where creates are exclusive, as a
-        # push creates one: a writer storing it meanwhile in another encoding (against other bases) is
-        # not overwritten, or its manifest would name a delta chain its blob no longer decodes with.
-        exclusive = dst.backend.touches  # (not on S3: its own PUT keeps the chunk young for gc, as a push's)
-        self.taken = taken if exclusive else None
+        # A chunk not there when the copy looked is created as a push creates one: a writer storing it
+        # meanwhile in another encoding (against other bases) is not overwritten where creates are
+        # exclusive, or its manifest would name a delta chain its blob no longer decodes with.
+        self.taken = taken if dst.creates_chunks_exclusively else None
 
     def _send_chunk(self, cid: str) -> str | None:
         blob = self.src.get("chunks", cid)

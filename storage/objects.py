@@ -60,6 +60,15 @@ class ObjectStore:
         # file is refused before it is read, not read into memory whatever its size.
         self.max_chunk_blob = max_chunk_blob
 
+    @property
+    def creates_chunks_exclusively(self) -> bool:
+        """Whether a new chunk is created only if absent (a push or copy that finds another writer's
+        blob keeps it and names its chain): where objects can be touched (a local store: ``link()``).
+        Not where they cannot (S3): there a writer's own write of a new chunk is what keeps it young
+        for gc's grace until its commit's lease names it; a create that found another writer's blob
+        would leave it as old as that write, and a gc could take it first (that race stays open there)."""
+        return self.backend.touches
+
     @staticmethod
     def path(kind: str, oid: str) -> str:
         assert kind in KINDS, kind

@@ -213,8 +213,9 @@ class CkptCallback(TrainerCallback):
             if logged:
                 metrics[name] = float(logged[-1])
         if self.manager.preempted:
-            self.manager.maybe_save(state.global_step, snapshot, metrics)  # the final snapshot: durable, then exits
-        self.manager.save(state.global_step, snapshot, metrics)
+            self.manager.maybe_save(state.global_step, snapshot, metrics)  # the final snapshot: durable, then SystemExit
+        else:
+            self.manager.save(state.global_step, snapshot, metrics)
 
     def _trainer_state(self, state: TrainerState, control: TrainerControl) -> dict[str, Any]:
         """``TrainerState`` as the Trainer writes ``trainer_state.json``, callback states brought up to date."""

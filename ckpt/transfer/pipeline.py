@@ -532,14 +532,11 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
     slots = threading.BoundedSemaphore(max(2, min(2 * io_workers, (settings.inflight_mb << 20) // settings.chunk_size)))
     writes: list[Future[None]] = []
     writes_lock = threading.Lock()
-    # Two pushes may encode one new chunk differently (against other bases, or whole) at once.
-    # On a local store (link(): creates are exclusive, objects touched) the first blob stays
-    # and the other push records the stored blob's chain: with the last write winning, a manifest
-    # could name a chain its blob does not decode with, and gc would free the base the blob needs.
-    # Not on stores that cannot touch (S3): there a push's own PUT of a new chunk is what keeps it young
-    # for gc's grace until the commit's lease names it; a create that finds another writer's blob would
-    # leave it as old as that write, and a gc could take it first (the race stays open there).
-    exclusive = objects.backend.touches
+    # Two pushes may encode one new chunk differently (against other bases, or whole) at once: where
+    # creates are exclusive the first blob stays and the other push records the stored blob's chain
+    # (with the last write winning, a manifest could name a chain its blob does not decode with, and
+    # gc would free the base the blob needs).
+    exclusive = objects.creates_chunks_exclusively
     lost: set[str] = set()
 
     def write(path: str, oid: str, blob: tuple[bytes | memoryview, ...]) -> None:
