@@ -8,14 +8,17 @@ unreferenced objects, which ``gc`` removes after its grace period.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import ObjectNotFoundError
 from ckpt_store.storage.leases import check_fresh, writer_lease
 from ckpt_store.storage.objects import ObjectStore, object_id
 from ckpt_store.storage.refs import RefEntry, Refs, validate_ref_name
+
+log = logging.getLogger(__name__)
 
 
 def _refresh(objects: ObjectStore, cid: str) -> bool:
@@ -41,12 +44,19 @@ def missing_chunks(objects: ObjectStore, ids: Iterable[str]) -> list[str]:
 
 
 def commit(objects: ObjectStore, refs: Refs, manifest: bytes, name: str | None,
-           aliases: Sequence[str] = ()) -> tuple[str, RefEntry | None]:
+           aliases: Sequence[str] = (), restore: Callable[[list[str]], None] | None = None) -> tuple[str, RefEntry | None]:
     """Publish ``manifest`` and point ``name`` at it, after the ``aliases`` (refs like
     ``RUN/latest``, moved first). Returns (manifest id, new ref entry of ``name``).
 
     Every ref moves while the writer's lease is held: on a store that cannot touch objects,
     a ref moved after it is dropped could name chunks a concurrent gc has just deleted.
+
+    ``restore``: called under the lease with the chunks found missing, to write again those
+    it can (each decodable on its own: the manifest is already fixed). On a store that
+    cannot touch, a push that found a chunk present long before its lease (a chunk of a
+    removed ref, say) may see a gc delete it meanwhile; written again under the lease, no
+    gc deletes it (a gc that started earlier is done, one that starts later reads the
+    lease). What is still missing then raises :class:`ObjectNotFoundError`.
     """
     for n in (*aliases, *([name] if name is not None else [])):
         validate_ref_name(n)
@@ -54,6 +64,10 @@ def commit(objects: ObjectStore, refs: Refs, manifest: bytes, name: str | None,
     mid = object_id(manifest)
     with writer_lease(objects, chunks, [mid]) as lease:  # a gc elsewhere keeps off them
         missing = missing_chunks(objects, chunks)
+        if missing and restore is not None:
+            log.info("%d chunks vanished while pushing (a concurrent gc?): writing them again", len(missing))
+            restore(missing)
+            missing = missing_chunks(objects, missing)
         if missing:
             raise ObjectNotFoundError("chunk", missing[0], hint="it vanished while pushing (a concurrent gc?); push again")
         objects.backend.flush()  # the chunks' names are durable before a manifest names them

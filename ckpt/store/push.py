@@ -17,7 +17,7 @@ from ckpt.store.base import choose_base, pair_tensors
 from ckpt.store.destination import inside, store_root
 from ckpt.store.source_files import show
 from ckpt.store.sources import MemBytes, SourceIn, open_source
-from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX, PutResult, PutTask, put_chunks, put_tasks
+from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX, PutResult, PutTask, put_chunks, put_tasks, rewrite_whole
 from ckpt_store.storage.commit import commit
 from ckpt_store.storage.objects import object_id
 from ckpt_store.storage.records import canonical_json
@@ -113,18 +113,20 @@ def _check_not_the_store(store: Store, source: object) -> None:
 BUNDLE_MIN = 8  # chunks in a bundle, at least
 
 
-def _bundle(store: Store, tasks: list[PutTask], results: list[PutResult]) -> tuple[tuple[BundleEntry, ...], list[PutResult]]:
+def _bundle(store: Store, tasks: list[PutTask],
+            results: list[PutResult]) -> tuple[tuple[BundleEntry, ...], list[PutTask], list[PutResult]]:
     """Copies of the pushed chunks of at most ``BUNDLE_CHUNK_MAX`` bytes and a quarter of a chunk
     (each once), concatenated and stored as chunks of their own, for readers of this remote store
     (see :class:`BundleEntry`); returns the bundle and what storing it did. None where it would
     hold fewer than ``BUNDLE_MIN`` chunks (a request or two saved is not worth a write on every
     push) or over a quarter of the bytes pushed (a model of small tensors only is not stored twice).
+    Also returns the tasks that stored it (to write a chunk of it again, :func:`push_source`).
     Each copy is read from the source again and checked against the id its chunk was stored
     under: a source that changed meanwhile leaves that chunk out."""
     small = min(BUNDLE_CHUNK_MAX, store.settings.chunk_size // 4)
     picked = {r.id: task for task, r in zip(tasks, results, strict=True) if task.length <= small}
     if len(picked) < BUNDLE_MIN or 4 * sum(t.length for t in picked.values()) > sum(t.length for t in tasks):
-        return (), []
+        return (), [], []
     members: list[tuple[str, int, int]] = []
     parts: list[bytes | memoryview] = []
     pos = 0
@@ -136,11 +138,11 @@ def _bundle(store: Store, tasks: list[PutTask], results: list[PutResult]) -> tup
         parts.append(data)
         pos += task.length
     if len(members) < BUNDLE_MIN:
-        return (), []
+        return (), [], []
     blob = b"".join(parts)
-    stored = put_chunks(store.objects, put_tasks(MemBytes(memoryview(blob)).read, 0, len(blob), store.settings.chunk_size, 1),
-                        store.settings)
-    return (BundleEntry(len(blob), tuple(r.id for r in stored), tuple(members)),), stored
+    bundle_tasks = put_tasks(MemBytes(memoryview(blob)).read, 0, len(blob), store.settings.chunk_size, 1)
+    stored = put_chunks(store.objects, bundle_tasks, store.settings)
+    return (BundleEntry(len(blob), tuple(r.id for r in stored), tuple(members)),), bundle_tasks, stored
 
 
 def push_source(
@@ -197,9 +199,13 @@ def push_source(
         results = put_chunks(store.objects, tasks, settings, p)
     if bundles is None:
         bundles = store.objects.backend.streams
-    bundle, bundled = _bundle(store, tasks, results) if bundles else ((), [])
+    bundle, bundle_tasks, bundled = _bundle(store, tasks, results) if bundles else ((), [], [])
     src.check_unchanged()  # every byte is read: from one version of each file, or no checkpoint
-    src.close()  # and let go of the files: a writer waiting on a leased .pt goes on (sources.py)
+    # On a store that cannot touch, a chunk found present may vanish (a gc) before the commit's
+    # lease: the source stays open until then, to write such chunks again (storage/commit.py).
+    touches = store.objects.backend.touches
+    if touches:
+        src.close()  # and let go of the files: a writer waiting on a leased .pt goes on (sources.py)
 
     groups = iter([results[a:b] for a, b in spans])
     files, tensors = [], []
@@ -235,7 +241,17 @@ def push_source(
     # Aliases (RUN/latest) first: a process killed between the two ref writes then leaves
     # latest naming the newest durable snapshot, only its step ref missing, rather than
     # latest lagging one snapshot behind (found by tests/test_crash_more.py).
-    mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name, aliases)
+    by_id = {r.id: t for t, r in zip(tasks + bundle_tasks, results, strict=True)}
+
+    def restore(missing: list[str]) -> None:
+        rewrite_whole(store.objects, {cid: by_id[cid] for cid in missing if cid in by_id}, settings)
+        src.check_unchanged()  # what was read again is what the manifest names
+
+    try:
+        mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name, aliases,
+                        restore=None if touches else restore)
+    finally:
+        src.close()
     return PushResult(
         id=mid,
         chunks=len(results),
