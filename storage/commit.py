@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 from ckpt_store.storage.chunk_lists import referenced_chunks
-from ckpt_store.storage.errors import ObjectNotFoundError
+from ckpt_store.storage.errors import ChunksVanishedError
 from ckpt_store.storage.leases import check_fresh, writer_lease
 from ckpt_store.storage.objects import ObjectStore, object_id
 from ckpt_store.storage.refs import RefEntry, Refs, validate_ref_name
@@ -56,7 +56,7 @@ def commit(objects: ObjectStore, refs: Refs, manifest: bytes, name: str | None,
     cannot touch, a push that found a chunk present long before its lease (a chunk of a
     removed ref, say) may see a gc delete it meanwhile; written again under the lease, no
     gc deletes it (a gc that started earlier is done, one that starts later reads the
-    lease). What is still missing then raises :class:`ObjectNotFoundError`.
+    lease). What is still missing then raises :class:`ChunksVanishedError`.
     """
     for n in (*aliases, *([name] if name is not None else [])):
         validate_ref_name(n)
@@ -69,7 +69,7 @@ def commit(objects: ObjectStore, refs: Refs, manifest: bytes, name: str | None,
             restore(missing)
             missing = missing_chunks(objects, missing)
         if missing:
-            raise ObjectNotFoundError("chunk", missing[0], hint="it vanished while pushing (a concurrent gc?); push again")
+            raise ChunksVanishedError(missing)
         objects.backend.flush()  # the chunks' names are durable before a manifest names them
         objects.put("manifests", mid, manifest)  # (put_manifest would hash it again)
         objects.backend.flush()

@@ -73,6 +73,15 @@ class ObjectNotFoundError(CkptError):
         self.object_id = object_id
 
 
+class ChunksVanishedError(ObjectNotFoundError):
+    """Chunks a push found in the store were gone when its commit came to name them (a concurrent
+    gc, on a store that cannot touch objects); ``ids``: all of them. Pushing again is safe."""
+
+    def __init__(self, ids: list[str]) -> None:
+        super().__init__("chunk", ids[0], hint="it vanished while pushing (a concurrent gc?); push again")
+        self.ids = ids
+
+
 class CorruptObjectError(CkptError):
     """An object's bytes do not match its id or cannot be decoded."""
 

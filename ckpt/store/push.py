@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -19,12 +20,15 @@ from ckpt.store.source_files import show
 from ckpt.store.sources import MemBytes, SourceIn, open_source
 from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX, PutResult, PutTask, put_chunks, put_tasks, rewrite_whole
 from ckpt_store.storage.commit import commit
+from ckpt_store.storage.errors import ChunksVanishedError
 from ckpt_store.storage.objects import object_id
 from ckpt_store.storage.records import canonical_json
 from ckpt_store.storage.refs import validate_ref_name
 
 if TYPE_CHECKING:
     from ckpt.store.store import Store
+
+log = logging.getLogger(__name__)
 
 
 class PushResult(str):
@@ -207,49 +211,71 @@ def push_source(
     if touches:
         src.close()  # and let go of the files: a writer waiting on a leased .pt goes on (sources.py)
 
-    groups = iter([results[a:b] for a, b in spans])
-    files, tensors = [], []
-    for f in src.files:
-        rs = next(groups)
-        files.append(
-            FileEntry(f.path, f.kind, f.size, tuple(r.id for r in rs), len(f.head) if f.kind == "safetensors" else 0,
-                      f.metadata if f.kind == "safetensors" else None)
-        )
-        for t in f.tensors:
+    created = time.time()
+
+    def build(results: list[PutResult]) -> Manifest:
+        groups = iter([results[a:b] for a, b in spans])
+        files, tensors = [], []
+        for f in src.files:
             rs = next(groups)
-            if t.src is None:
-                tensors.append(replace(reuse[t.name], file=f.path))
-                continue
-            chains = tuple(r.bases for r in rs)
-            tensors.append(TensorEntry(t.name, t.dtype, t.shape, t.nbytes, tuple(r.id for r in rs), f.path,
-                                       codecs=tuple(r.codec for r in rs),
-                                       delta_bases=chains if any(chains) else ()))
-    manifest = Manifest(
-        source=src.kind,
-        chunk_size=cs,
-        files=tuple(files),
-        tensors=tuple(tensors),
-        created=time.time(),
-        message=message,
-        metadata=dict(metadata or {}),
-        extra=src.extra,
-        extra_tagged=src.kind == "state-dict" and uses_tags(src.extra),  # a pushed .pt's values (docs/format.md)
-        lineage=lineage or {"parent": None, "base": base_id, "merge": None},
-        bundles=bundle,
-    )
+            files.append(
+                FileEntry(f.path, f.kind, f.size, tuple(r.id for r in rs), len(f.head) if f.kind == "safetensors" else 0,
+                          f.metadata if f.kind == "safetensors" else None)
+            )
+            for t in f.tensors:
+                rs = next(groups)
+                if t.src is None:
+                    tensors.append(replace(reuse[t.name], file=f.path))
+                    continue
+                chains = tuple(r.bases for r in rs)
+                tensors.append(TensorEntry(t.name, t.dtype, t.shape, t.nbytes, tuple(r.id for r in rs), f.path,
+                                           codecs=tuple(r.codec for r in rs),
+                                           delta_bases=chains if any(chains) else ()))
+        return Manifest(
+            source=src.kind,
+            chunk_size=cs,
+            files=tuple(files),
+            tensors=tuple(tensors),
+            created=created,
+            message=message,
+            metadata=dict(metadata or {}),
+            extra=src.extra,
+            extra_tagged=src.kind == "state-dict" and uses_tags(src.extra),  # a pushed .pt's values (docs/format.md)
+            lineage=lineage or {"parent": None, "base": base_id, "merge": None},
+            bundles=bundle,
+        )
+
     results = results + bundled
-    # Aliases (RUN/latest) first: a process killed between the two ref writes then leaves
-    # latest naming the newest durable snapshot, only its step ref missing, rather than
-    # latest lagging one snapshot behind (found by tests/test_crash_more.py).
-    by_id = {r.id: t for t, r in zip(tasks + bundle_tasks, results, strict=True)}
+    all_tasks = tasks + bundle_tasks
+    by_id = {r.id: t for t, r in zip(all_tasks, results, strict=True)}
 
     def restore(missing: list[str]) -> None:
         rewrite_whole(store.objects, {cid: by_id[cid] for cid in missing if cid in by_id}, settings)
         src.check_unchanged()  # what was read again is what the manifest names
 
     try:
-        mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name, aliases,
-                        restore=None if touches else restore)
+        for attempt in range(3):
+            manifest = build(results)
+            try:
+                # Aliases (RUN/latest) first: a process killed between the two ref writes then leaves
+                # latest naming the newest durable snapshot, only its step ref missing, rather than
+                # latest lagging one snapshot behind (found by tests/test_crash_more.py).
+                mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name, aliases,
+                                restore=None if touches else restore)
+                break
+            except ChunksVanishedError as e:
+                # What restore cannot write again: a base of the delta chain of a chunk another writer
+                # had stored (this push found it present and named its chain), gone with it. Such
+                # chunks are written whole, and the next manifest names no chain for them.
+                gone = set(e.ids)
+                redo = {r.id: all_tasks[i] for i, r in enumerate(results) if gone & set(r.bases)}
+                if touches or not redo or attempt == 2:
+                    raise
+                log.info("%d delta bases vanished while pushing (a concurrent gc?): storing %d chunks whole",
+                         len(gone), len(redo))
+                rewritten = rewrite_whole(store.objects, redo, settings)
+                src.check_unchanged()
+                results = [rewritten.get(r.id, r) for r in results]
     finally:
         src.close()
     return PushResult(

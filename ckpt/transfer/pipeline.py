@@ -602,21 +602,23 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
         io.shutdown(wait=True, cancel_futures=True)  # after an error or Ctrl-C: no write queued behind it
 
 
-def rewrite_whole(objects: ObjectStore, tasks: Mapping[str, PutTask], settings: Settings) -> None:
+def rewrite_whole(objects: ObjectStore, tasks: Mapping[str, PutTask], settings: Settings) -> dict[str, PutResult]:
     """Write again, each whole (decodable without a base), the chunks ``tasks`` maps from their
-    ids: chunks a push named that vanished before its commit (storage/commit.py). A task whose
-    bytes no longer hash to its id (its source changed) is left out: the commit then finds that
-    chunk missing and says so."""
-    def one(item: tuple[str, PutTask]) -> None:
+    ids: chunks a push named that vanished before its commit (storage/commit.py). Returns what
+    storing each did. A task whose bytes no longer hash to its id (its source changed) is left
+    out: the commit then finds that chunk missing and says so."""
+    def one(item: tuple[str, PutTask]) -> PutResult | None:
         cid, task = item
         data = task.read()
         if len(data) != task.length or object_id(data) != cid:
-            return
+            return None
         enc = encode_chunk(data, elem=task.elem, level=settings.zstd_level, min_saving=settings.min_saving)
         objects.backend.write(objects.path("chunks", cid), enc.parts)
+        return PutResult(cid, task.length, enc.size, enc.codec, ())
 
-    run_parallel(one, list(tasks.items()), max(settings.workers, min(objects.backend.concurrency, 8)), NullProgress(),
-                 lambda item: item[1].length)
+    done = run_parallel(one, list(tasks.items()), max(settings.workers, min(objects.backend.concurrency, 8)), NullProgress(),
+                        lambda item: item[1].length)
+    return {r.id: r for r in done if r is not None}
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,56 @@ def test_a_gc_between_plan_and_delete_cannot_break_a_push_reusing_old_chunks(sto
     assert _locks(store) == []
 
 
+def test_a_push_reusing_old_delta_chunks_whose_bases_a_gc_took_stores_them_whole(s3_url, tmp_path):
+    """The chunk a push finds present may be another writer's delta: the push names its chain. A gc
+    that takes the chunk and its base before the commit leaves the base beyond this push's reach
+    (its bytes are not in this push): the chunk is written whole and the manifest names no chain."""
+    from ckpt_store.storage.chunk_lists import chunk_depths
+
+    store = ckpt.Store.init(s3_url, settings=ckpt.Settings.from_env(chunk_size=64 * 1024))
+    g = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(128, 512, generator=g)}
+    ft = {"w": base["w"] + 1e-3 * torch.randn(128, 512, generator=g)}
+    store.push(base, "base")
+    store.push(ft, "ft1", base="base")
+    deltas = {c for c, d in chunk_depths(store.objects.get_manifest(store.resolve("ft1"))).items() if d > 0}
+    assert deltas, "the fine-tune is stored as deltas against the base"
+    garbage = _chunks_of(store, "ft1") | _chunks_of(store, "base")
+    store.remove("ft1")
+    store.remove("base")
+    save_file(ft, str(tmp_path / "ft.safetensors"))
+    outcome: dict[str, object] = {}
+
+    def push() -> None:
+        try:
+            outcome["id"] = store.push(str(tmp_path / "ft.safetensors"), "ft2", delta=False)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            outcome["error"] = e
+
+    with gc_lock(store.objects) as lock:
+        assert lock is not None
+        plan = plan_gc(store.objects, store.refs_db, grace_s=0, lock=lock)
+        assert garbage <= {d.name for d in plan.delete}
+        t = threading.Thread(target=push)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not any("/write-" in p for p in _locks(store)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        t.join(1.0)
+        assert t.is_alive(), "the push went on while a gc held its lock"
+        deleted = {d.name for d in execute_gc(store.objects, plan, lock=lock)}
+    t.join(60)
+    assert not t.is_alive()
+    assert "error" not in outcome, outcome
+    assert garbage <= deleted
+    m = store.objects.get_manifest(store.resolve("ft2"))
+    assert deltas <= _chunks_of(store, "ft2") and not any(chunk_depths(m).values())  # stored whole now
+    _same(ckpt.Store.open(s3_url), "ft2", ft)
+    report = store.verify()
+    assert report.ok, report
+    assert _locks(store) == []
+
+
 def test_a_gc_between_plan_and_delete_cannot_break_a_copy_reusing_old_chunks(s3_url, tmp_path):
     """The same race for a copy into S3: what the gc took after the copy found it present is sent
     again under the copy's lease, and the copied ref loads."""
