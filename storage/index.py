@@ -52,7 +52,7 @@ from typing import Any
 
 import blake3
 
-from ckpt_store.storage.backends.base import Backend, Entry
+from ckpt_store.storage.backends.base import Entry
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import (
     CorruptObjectError,
@@ -110,14 +110,6 @@ _CHUNKS = re.compile(r"^([0-9]{10})-([0-9a-f]{16})\.(?:chunks|recent)\Z")
 # What the layer above knows about a manifest: (small info for ls and base choice,
 # tensor signature or None, detail aligned with the chunk list). JSON values only.
 Summarizer = Callable[[bytes, list[str]], tuple[dict[str, Any], Any, Any]]
-
-
-def creates_are_exclusive(backend: Backend) -> bool:
-    """True where an exclusive create can have only one winner (the index relies on it)."""
-    cw = getattr(backend, "conditional_writes", None)
-    if cw is not None:
-        return bool(cw)
-    return bool(getattr(backend, "exact_creates", False))
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import blake3
 
-from ckpt_store.storage.backends.base import TEMPORARY, Backend, condemned_original
+from ckpt_store.storage.backends.base import TEMPORARY, Backend, condemned_original, creates_are_exclusive
 from ckpt_store.storage.cache import ChunkBlobCache
 from ckpt_store.storage.errors import (
     CorruptObjectError,
@@ -62,12 +62,12 @@ class ObjectStore:
 
     @property
     def creates_chunks_exclusively(self) -> bool:
-        """Whether a new chunk is created only if absent (a push or copy that finds another writer's
-        blob keeps it and names its chain): where objects can be touched (a local store: ``link()``).
-        Not where they cannot (S3): there a writer's own write of a new chunk is what keeps it young
-        for gc's grace until its commit's lease names it; a create that found another writer's blob
-        would leave it as old as that write, and a gc could take it first (that race stays open there)."""
-        return self.backend.touches
+        """Whether a new chunk is created only if absent, so that a push or copy that finds another
+        writer's blob keeps it and names its chain: on a local store (``link()``) and on S3
+        (``If-None-Match``). A chunk found so is not made young where objects cannot be touched
+        (S3): a gc may take it before the writer's commit, which then writes it again under its
+        lease (storage/commit.py)."""
+        return self.backend.touches or creates_are_exclusive(self.backend)
 
     @staticmethod
     def path(kind: str, oid: str) -> str:

@@ -91,8 +91,6 @@ def test_processes_pushing_at_once_lose_nothing(workers, pushes, s3_main, tmp_pa
     assert all(s == chunk_sets[0] for s in chunk_sets)
 
 
-@pytest.mark.xfail(strict=True, reason="open on S3: a push's own PUT of a new chunk is what keeps it young for gc "
-                   "until its commit, so new chunks are not created exclusively there (docs/format.md)")
 def test_two_pushes_storing_one_chunk_differently_keep_every_checkpoint_whole(s3_url, tmp_path, monkeypatch):
     """As tests/test_concurrency.py's test of that name, on S3: push B looked for its chunks
     before push A wrote them and stores them as deltas. A's blobs stay (If-None-Match) and B

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import CkptError
 from ckpt.format.manifest import Manifest
-from ckpt_store.storage.index import IndexState, StoreIndex, creates_are_exclusive
+from ckpt_store.storage.backends.base import creates_are_exclusive
+from ckpt_store.storage.index import IndexState, StoreIndex
 from ckpt_store.storage.refs import RefEntry
 
 if TYPE_CHECKING:

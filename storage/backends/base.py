@@ -260,3 +260,12 @@ def io_error(op: str, path: str, e: OSError) -> StorageIOError:
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return StorageIOError(f"cannot {op} {path}: permission denied ({e.strerror})", errno=e.errno)
     return StorageIOError(f"cannot {op} {path}: {e.strerror or e}", retryable=True, errno=e.errno)
+
+
+def creates_are_exclusive(backend: Backend) -> bool:
+    """True where an exclusive create can have only one winner (the metadata index
+    relies on it; new chunks are created so where it is true)."""
+    cw = getattr(backend, "conditional_writes", None)
+    if cw is not None:
+        return bool(cw)
+    return bool(getattr(backend, "exact_creates", False))
