@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -149,6 +149,66 @@ def _bundle(store: Store, tasks: list[PutTask],
     return (BundleEntry(len(blob), tuple(r.id for r in stored), tuple(members)),), bundle_tasks, stored
 
 
+def _manifest(src: SourceIn, spans: list[tuple[int, int]], results: list[PutResult], reuse: Mapping[str, TensorEntry],
+              fields: dict[str, Any]) -> Manifest:
+    """The manifest of ``src`` whose chunks ``results`` stored (``spans``: each file's, then each
+    tensor's range of them)."""
+    groups = iter([results[a:b] for a, b in spans])
+    files, tensors = [], []
+    for f in src.files:
+        rs = next(groups)
+        files.append(
+            FileEntry(f.path, f.kind, f.size, tuple(r.id for r in rs), len(f.head) if f.kind == "safetensors" else 0,
+                      f.metadata if f.kind == "safetensors" else None)
+        )
+        for t in f.tensors:
+            rs = next(groups)
+            if t.src is None:
+                tensors.append(replace(reuse[t.name], file=f.path))
+                continue
+            chains = tuple(r.bases for r in rs)
+            tensors.append(TensorEntry(t.name, t.dtype, t.shape, t.nbytes, tuple(r.id for r in rs), f.path,
+                                       codecs=tuple(r.codec for r in rs),
+                                       delta_bases=chains if any(chains) else ()))
+    return Manifest(files=tuple(files), tensors=tuple(tensors), **fields)
+
+
+def _commit(store: Store, src: SourceIn, manifest_of: Callable[[list[PutResult]], Manifest], tasks: list[PutTask],
+            results: list[PutResult], name: str | None, aliases: tuple[str, ...]) -> tuple[str, Manifest, list[PutResult]]:
+    """Commit the manifest of ``results`` (what storing ``tasks`` did); returns its id, it and the
+    results it names. Where objects cannot be touched (S3), a chunk a gc took after the push found
+    it present is written again from ``src`` (still open) under the commit's lease; a delta whose
+    base went with it (another writer's bytes, beyond this push) is stored whole and the manifest
+    made again without that chain (docs/format.md, "Garbage collection")."""
+    touches = store.objects.backend.touches
+    by_id = {r.id: t for t, r in zip(tasks, results, strict=True)}
+
+    def restore(missing: list[str]) -> None:
+        rewrite_whole(store.objects, {cid: by_id[cid] for cid in missing if cid in by_id}, store.settings)
+        src.check_unchanged()  # what was read again is what the manifest names
+
+    for attempt in range(3):
+        manifest = manifest_of(results)
+        try:
+            # Aliases (RUN/latest) first: a process killed between the two ref writes then leaves
+            # latest naming the newest durable snapshot, only its step ref missing, rather than
+            # latest lagging one snapshot behind (found by tests/test_crash_more.py).
+            mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name, aliases,
+                            restore=None if touches else restore)
+            return mid, manifest, results
+        except ChunksVanishedError as e:
+            gone = set(e.ids)
+            redo = {r.id: by_id[r.id] for r in results if gone & set(r.bases)}
+            if touches or not redo or attempt == 2:
+                raise
+            log.info("%d delta bases vanished while pushing (a concurrent gc?): storing %d chunks whole",
+                     len(gone), len(redo))
+            rewritten = rewrite_whole(store.objects, redo, store.settings)
+            src.check_unchanged()
+            results = [rewritten.get(r.id, r) for r in results]
+    raise AssertionError("unreachable")
+
+
 def push_source(
     store: Store,
     src: SourceIn,
@@ -207,75 +267,17 @@ def push_source(
     src.check_unchanged()  # every byte is read: from one version of each file, or no checkpoint
     # On a store that cannot touch, a chunk found present may vanish (a gc) before the commit's
     # lease: the source stays open until then, to write such chunks again (storage/commit.py).
-    touches = store.objects.backend.touches
-    if touches:
+    if store.objects.backend.touches:
         src.close()  # and let go of the files: a writer waiting on a leased .pt goes on (sources.py)
 
-    created = time.time()
-
-    def build(results: list[PutResult]) -> Manifest:
-        groups = iter([results[a:b] for a, b in spans])
-        files, tensors = [], []
-        for f in src.files:
-            rs = next(groups)
-            files.append(
-                FileEntry(f.path, f.kind, f.size, tuple(r.id for r in rs), len(f.head) if f.kind == "safetensors" else 0,
-                          f.metadata if f.kind == "safetensors" else None)
-            )
-            for t in f.tensors:
-                rs = next(groups)
-                if t.src is None:
-                    tensors.append(replace(reuse[t.name], file=f.path))
-                    continue
-                chains = tuple(r.bases for r in rs)
-                tensors.append(TensorEntry(t.name, t.dtype, t.shape, t.nbytes, tuple(r.id for r in rs), f.path,
-                                           codecs=tuple(r.codec for r in rs),
-                                           delta_bases=chains if any(chains) else ()))
-        return Manifest(
-            source=src.kind,
-            chunk_size=cs,
-            files=tuple(files),
-            tensors=tuple(tensors),
-            created=created,
-            message=message,
-            metadata=dict(metadata or {}),
-            extra=src.extra,
-            extra_tagged=src.kind == "state-dict" and uses_tags(src.extra),  # a pushed .pt's values (docs/format.md)
-            lineage=lineage or {"parent": None, "base": base_id, "merge": None},
-            bundles=bundle,
-        )
-
+    fields: dict[str, Any] = dict(source=src.kind, chunk_size=cs, created=time.time(), message=message, metadata=dict(metadata or {}),
+                  extra=src.extra,
+                  extra_tagged=src.kind == "state-dict" and uses_tags(src.extra),  # a pushed .pt's values (docs/format.md)
+                  lineage=lineage or {"parent": None, "base": base_id, "merge": None}, bundles=bundle)
     results = results + bundled
-    all_tasks = tasks + bundle_tasks
-    by_id = {r.id: t for t, r in zip(all_tasks, results, strict=True)}
-
-    def restore(missing: list[str]) -> None:
-        rewrite_whole(store.objects, {cid: by_id[cid] for cid in missing if cid in by_id}, settings)
-        src.check_unchanged()  # what was read again is what the manifest names
-
     try:
-        for attempt in range(3):
-            manifest = build(results)
-            try:
-                # Aliases (RUN/latest) first: a process killed between the two ref writes then leaves
-                # latest naming the newest durable snapshot, only its step ref missing, rather than
-                # latest lagging one snapshot behind (found by tests/test_crash_more.py).
-                mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name, aliases,
-                                restore=None if touches else restore)
-                break
-            except ChunksVanishedError as e:
-                # What restore cannot write again: a base of the delta chain of a chunk another writer
-                # had stored (this push found it present and named its chain), gone with it. Such
-                # chunks are written whole, and the next manifest names no chain for them.
-                gone = set(e.ids)
-                redo = {r.id: all_tasks[i] for i, r in enumerate(results) if gone & set(r.bases)}
-                if touches or not redo or attempt == 2:
-                    raise
-                log.info("%d delta bases vanished while pushing (a concurrent gc?): storing %d chunks whole",
-                         len(gone), len(redo))
-                rewritten = rewrite_whole(store.objects, redo, settings)
-                src.check_unchanged()
-                results = [rewritten.get(r.id, r) for r in results]
+        mid, manifest, results = _commit(store, src, lambda rs: _manifest(src, spans, rs, reuse, fields), tasks + bundle_tasks,
+                                         results, name, aliases)
     finally:
         src.close()
     return PushResult(
