@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from safetensors.torch import save_file
 
 import ckpt
 from ckpt_store.storage import leases
-from ckpt_store.storage.errors import ObjectNotFoundError, StorageIOError, StoreFormatError
+from ckpt_store.storage.errors import StorageIOError, StoreFormatError
 from ckpt_store.storage.gc import execute_gc, plan_gc
 from ckpt_store.storage.leases import gc_lock, writer_lease
 
@@ -58,41 +59,49 @@ def _same(store: ckpt.Store, ref: str, tensors: dict[str, torch.Tensor]) -> None
         assert got[k].dtype == t.dtype and got[k].view(torch.uint8).equal(t.contiguous().view(torch.uint8)), k
 
 
+def _under_a_gc(store: ckpt.Store, garbage: set[str], write: Callable[[], object]) -> tuple[dict[str, object], set[str], bool]:
+    """Run ``write`` (a push, a copy) in a thread while a gc with no grace period, holding its lock,
+    has planned to delete ``garbage`` and deletes it once the writer waits for it with its lease
+    written (a store that touches: once the writer is done). Returns what ``write`` returned
+    ("value") or raised ("error"), what the gc deleted, and whether it held a lock."""
+    outcome: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = write()
+        except Exception as e:  # noqa: BLE001 - the caller's assertions report it
+            outcome["error"] = e
+
+    with gc_lock(store.objects) as lock:
+        plan = plan_gc(store.objects, store.refs_db, grace_s=0, lock=lock)
+        assert garbage <= {d.name for d in plan.delete}  # the gc means to delete what the writer reuses
+        t = threading.Thread(target=run)
+        t.start()
+        deadline = time.monotonic() + 60
+        # The writer either ends (a store that touches: the reused chunks are refreshed, the plan's
+        # deletes skip them) or waits for this gc with its lease written.
+        while t.is_alive() and not any("/write-" in p for p in _locks(store)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if lock is not None:
+            t.join(1.0)
+            assert t.is_alive(), "the writer went on while a gc held its lock"
+        deleted = {d.name for d in execute_gc(store.objects, plan, lock=lock)}
+    t.join(60)
+    assert not t.is_alive()
+    return outcome, deleted, lock is not None
+
+
 def test_a_gc_between_plan_and_delete_cannot_break_a_push_reusing_old_chunks(store_url, tmp_path):
     store = ckpt.Store.init(store_url, settings=ckpt.Settings.from_env(chunk_size=64 * 1024))
     a, b, b_tensors = _files(tmp_path)
     store.push(str(a), "a", delta=False)
     reused = _chunks_of(store, "a")
     store.remove("a")  # its chunks are garbage now, old enough for a gc with no grace period
-
-    outcome: dict[str, object] = {}
-
-    def push() -> None:
-        try:
-            outcome["id"] = store.push(str(b), "b", delta=False)
-        except ObjectNotFoundError as e:  # the push saw the gc take its chunk: "push again"
-            outcome["error"] = e
-
-    with gc_lock(store.objects) as lock:
-        plan = plan_gc(store.objects, store.refs_db, grace_s=0, lock=lock)
-        assert reused & {d.name for d in plan.delete}  # the gc means to delete what b reuses
-        t = threading.Thread(target=push)
-        t.start()
-        deadline = time.monotonic() + 60
-        # The push either ends (a store that touches: the reused chunks are refreshed, the plan's
-        # deletes skip them) or waits for this gc with its lease written.
-        while t.is_alive() and not any("/write-" in p for p in _locks(store)) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if lock is not None:
-            t.join(1.0)
-            assert t.is_alive(), "the push went on while a gc held its lock"
-        deleted = list(execute_gc(store.objects, plan, lock=lock))
-    t.join(60)
-    assert not t.is_alive()
+    outcome, deleted, locked = _under_a_gc(store, reused, lambda: store.push(str(b), "b", delta=False))
     # Where nothing can be touched the gc did take chunks the push had found present; the push,
     # waiting with its lease written, wrote them again before its ref moved (storage/commit.py).
     assert "error" not in outcome, outcome
-    assert bool({d.name for d in deleted} & reused & _chunks_of(store, "b")) == (lock is not None)
+    assert bool(deleted & reused & _chunks_of(store, "b")) == locked
     _same(store, "b", b_tensors)
     report = store.verify()
     assert report.ok, report
@@ -117,29 +126,9 @@ def test_a_push_reusing_old_delta_chunks_whose_bases_a_gc_took_stores_them_whole
     store.remove("ft1")
     store.remove("base")
     save_file(ft, str(tmp_path / "ft.safetensors"))
-    outcome: dict[str, object] = {}
-
-    def push() -> None:
-        try:
-            outcome["id"] = store.push(str(tmp_path / "ft.safetensors"), "ft2", delta=False)
-        except Exception as e:  # noqa: BLE001 - reported by the assertion below
-            outcome["error"] = e
-
-    with gc_lock(store.objects) as lock:
-        assert lock is not None
-        plan = plan_gc(store.objects, store.refs_db, grace_s=0, lock=lock)
-        assert garbage <= {d.name for d in plan.delete}
-        t = threading.Thread(target=push)
-        t.start()
-        deadline = time.monotonic() + 60
-        while not any("/write-" in p for p in _locks(store)) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        t.join(1.0)
-        assert t.is_alive(), "the push went on while a gc held its lock"
-        deleted = {d.name for d in execute_gc(store.objects, plan, lock=lock)}
-    t.join(60)
-    assert not t.is_alive()
-    assert "error" not in outcome, outcome
+    outcome, deleted, locked = _under_a_gc(store, garbage,
+                                           lambda: store.push(str(tmp_path / "ft.safetensors"), "ft2", delta=False))
+    assert locked and "error" not in outcome, outcome
     assert garbage <= deleted
     m = store.objects.get_manifest(store.resolve("ft2"))
     assert deltas <= _chunks_of(store, "ft2") and not any(chunk_depths(m).values())  # stored whole now
@@ -163,29 +152,8 @@ def test_a_gc_between_plan_and_delete_cannot_break_a_copy_reusing_old_chunks(s3_
     reused = _chunks_of(dst, "a") & _chunks_of(src, "b")
     assert reused
     dst.remove("a")
-    outcome: dict[str, object] = {}
-
-    def copy() -> None:
-        try:
-            outcome["report"] = copy_refs(src, dst, ["b"])
-        except Exception as e:  # noqa: BLE001 - reported by the assertion below
-            outcome["error"] = e
-
-    with gc_lock(dst.objects) as lock:
-        assert lock is not None
-        plan = plan_gc(dst.objects, dst.refs_db, grace_s=0, lock=lock)
-        assert reused <= {d.name for d in plan.delete}
-        t = threading.Thread(target=copy)
-        t.start()
-        deadline = time.monotonic() + 60
-        while not any("/write-" in p for p in _locks(dst)) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        t.join(1.0)
-        assert t.is_alive(), "the copy went on while a gc held its lock"
-        deleted = {d.name for d in execute_gc(dst.objects, plan, lock=lock)}
-    t.join(60)
-    assert not t.is_alive()
-    assert "error" not in outcome, outcome
+    outcome, deleted, locked = _under_a_gc(dst, reused, lambda: copy_refs(src, dst, ["b"]))
+    assert locked and "error" not in outcome, outcome
     assert reused <= deleted  # taken after the copy found them present, and sent again
     _same(ckpt.Store.open(s3_url), "b", b_tensors)
     report = dst.verify()
