@@ -173,17 +173,17 @@ def _manifest(src: SourceIn, spans: list[tuple[int, int]], results: list[PutResu
     return Manifest(files=tuple(files), tensors=tuple(tensors), **fields)
 
 
-def _commit(store: Store, src: SourceIn, manifest_of: Callable[[list[PutResult]], Manifest], tasks: list[PutTask],
+def _commit(store: Store, src: SourceIn | None, manifest_of: Callable[[list[PutResult]], Manifest], tasks: list[PutTask],
             results: list[PutResult], name: str | None, aliases: tuple[str, ...]) -> tuple[str, Manifest, list[PutResult]]:
     """Commit the manifest of ``results`` (what storing ``tasks`` did); returns its id, it and the
-    results it names. Where objects cannot be touched (S3), a chunk a gc took after the push found
-    it present is written again from ``src`` (still open) under the commit's lease; a delta whose
-    base went with it (another writer's bytes, beyond this push) is stored whole and the manifest
-    made again without that chain (docs/format.md, "Garbage collection")."""
-    touches = store.objects.backend.touches
+    results it names. With ``src`` (still open, on a store that cannot touch: S3), a chunk a gc took
+    after the push found it present is written again from it under the commit's lease; a delta
+    whose base went with it (another writer's bytes, beyond this push) is stored whole and the
+    manifest made again without that chain (docs/format.md, "Garbage collection")."""
     by_id = {r.id: t for t, r in zip(tasks, results, strict=True)}
 
     def restore(missing: list[str]) -> None:
+        assert src is not None
         rewrite_whole(store.objects, {cid: by_id[cid] for cid in missing if cid in by_id}, store.settings)
         src.check_unchanged()  # what was read again is what the manifest names
 
@@ -194,12 +194,12 @@ def _commit(store: Store, src: SourceIn, manifest_of: Callable[[list[PutResult]]
             # latest naming the newest durable snapshot, only its step ref missing, rather than
             # latest lagging one snapshot behind (found by tests/test_crash_more.py).
             mid, _ = commit(store.objects, store.refs_db, manifest.to_json(), name, aliases,
-                            restore=None if touches else restore)
+                            restore=None if src is None else restore)
             return mid, manifest, results
         except ChunksVanishedError as e:
             gone = set(e.ids)
             redo = {r.id: by_id[r.id] for r in results if gone & set(r.bases)}
-            if touches or not redo or attempt == 2:
+            if src is None or not redo or attempt == 2:
                 raise
             log.info("%d delta bases vanished while pushing (a concurrent gc?): storing %d chunks whole",
                      len(gone), len(redo))
@@ -266,8 +266,10 @@ def push_source(
     bundle, bundle_tasks, bundled = _bundle(store, tasks, results) if bundles else ((), [], [])
     src.check_unchanged()  # every byte is read: from one version of each file, or no checkpoint
     # On a store that cannot touch, a chunk found present may vanish (a gc) before the commit's
-    # lease: the source stays open until then, to write such chunks again (storage/commit.py).
-    if store.objects.backend.touches:
+    # lease: the source stays open until then, to write such chunks again (storage/commit.py);
+    # not a leased file, whose writer would wait as long as the commit does (for a gc, say).
+    held = not (store.objects.backend.touches or src.holds_writers)
+    if not held:
         src.close()  # and let go of the files: a writer waiting on a leased .pt goes on (sources.py)
 
     fields: dict[str, Any] = dict(source=src.kind, chunk_size=cs, created=time.time(), message=message, metadata=dict(metadata or {}),
@@ -276,8 +278,8 @@ def push_source(
                   lineage=lineage or {"parent": None, "base": base_id, "merge": None}, bundles=bundle)
     results = results + bundled
     try:
-        mid, manifest, results = _commit(store, src, lambda rs: _manifest(src, spans, rs, reuse, fields), tasks + bundle_tasks,
-                                         results, name, aliases)
+        mid, manifest, results = _commit(store, src if held else None, lambda rs: _manifest(src, spans, rs, reuse, fields),
+                                         tasks + bundle_tasks, results, name, aliases)
     finally:
         src.close()
     return PushResult(

@@ -124,6 +124,11 @@ class FileBytes:
             raise InvalidSourceError(self.path, "another process opened it for writing while it was being pushed",
                                      hint="push it again once whatever writes it is done")
 
+    @property
+    def leased(self) -> bool:
+        """Whether this file is read under a lease (:meth:`lease`): a writer waits while it is open."""
+        return self._leased
+
     def close(self) -> None:
         if self.fd >= 0:  # closing twice would close whatever reused the number
             os.close(self.fd)
@@ -180,6 +185,12 @@ class SourceIn:
     def close(self) -> None:
         for f in self._open:
             f.close()
+
+    @property
+    def holds_writers(self) -> bool:
+        """Whether a process opening one of the files for writing waits while this source is open
+        (a memory-mapped ``.pt`` is read under a lease, :meth:`FileBytes.lease`)."""
+        return any(f.leased for f in self._open)
 
     def check_unchanged(self) -> None:
         """:meth:`FileBytes.check_unchanged` for every file this source reads; and refuse an

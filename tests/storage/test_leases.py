@@ -161,6 +161,39 @@ def test_a_gc_between_plan_and_delete_cannot_break_a_copy_reusing_old_chunks(s3_
     assert _locks(dst) == []
 
 
+def test_a_pt_pushed_to_s3_is_let_go_before_the_commit_waits_for_a_gc(s3_url, tmp_path):
+    """A .pt is read under a lease (a writer waits while the push holds it open). On S3 a push keeps
+    its source open until the commit, to write again what a gc takes, but not a leased file: a
+    commit waiting for a gc would hold up the training job saving over it."""
+    path = tmp_path / "m.pt"
+    tensors = {f"t{i}": torch.randn(1 << 16) for i in range(4)}
+    torch.save(tensors, path)
+    store = ckpt.Store.init(s3_url, settings=ckpt.Settings.from_env(chunk_size=64 * 1024))
+
+    def open_here() -> bool:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+                    return True
+            except OSError:
+                continue
+        return False
+
+    seen: dict[str, bool] = {}
+    with gc_lock(store.objects) as lock:
+        assert lock is not None
+        t = threading.Thread(target=lambda: seen.update(id=bool(store.push(str(path), "m", delta=False))))
+        t.start()
+        deadline = time.monotonic() + 60
+        while not any("/write-" in p for p in _locks(store)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert t.is_alive()  # waiting for this gc, its lease written
+        seen["open while waiting"] = open_here()
+    t.join(60)
+    assert seen == {"id": True, "open while waiting": False}
+    _same(store, "m", tensors)
+
+
 def test_gc_keeps_what_a_writer_lease_names(s3_url, tmp_path):
     store = ckpt.Store.init(s3_url, settings=ckpt.Settings.from_env(chunk_size=64 * 1024))
     a, _, _ = _files(tmp_path)
