@@ -1256,10 +1256,36 @@ def fine_tunes():
     return {"base": base, "ft1": base + 0.01 * torch.randn(64, 32, generator=g), "ft2": base + 0.01 * torch.randn(64, 32, generator=g)}
 
 
+def load_missing(rank, world, tmp, store):
+    """dcp.load of a ref that does not exist, named to the Reader and as checkpoint_id: each error's
+    type, message and seconds; then a collective on the group, which every rank reaches at once."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt.dcp
+
+    out = {}
+    for case, load in {"reader": lambda: dcp.load({"w": torch.zeros(3)}, storage_reader=ckpt.dcp.Reader(store, "no/such")),
+                       "checkpoint_id": lambda: dcp.load({"w": torch.zeros(3)}, checkpoint_id="no/such",
+                                                         storage_reader=ckpt.dcp.Reader(store))}.items():
+        t0 = time.monotonic()
+        try:
+            load()
+            out[case] = "loaded"
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            out[case] = f"{type(e).__name__}: {e}"
+        out[f"{case}_s"] = time.monotonic() - t0
+    got = [None] * world
+    dist.all_gather_object(got, rank)
+    out["gathered"] = got
+    return out
+
+
 SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
              "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,
              "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline,
              "ranks_disagree": ranks_disagree, "forged_key_path": forged_key_path,
-             "save_fine_tunes": save_fine_tunes}
+             "save_fine_tunes": save_fine_tunes, "load_missing": load_missing}

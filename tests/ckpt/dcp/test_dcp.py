@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ckpt
 import ckpt.dcp
 from ckpt.dcp.format import UnsupportedStateError
-from ckpt.errors import TensorMismatchError
+from ckpt.errors import RefNotFoundError, StoreNotFoundError, TensorMismatchError
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import dcp_workers as W  # noqa: E402
@@ -165,6 +165,23 @@ def test_reader_refuses_a_plain_checkpoint(tmp_path):
     ckpt.Store.init(url).push({"w": torch.ones(3)}, "plain/x")
     with pytest.raises(CheckpointException, match="not a distributed one"):
         dcp.load({"w": torch.zeros(3)}, storage_reader=ckpt.dcp.Reader(url, "plain/x"))
+
+
+def test_a_missing_ref_or_store_is_refused_by_name_before_dcp_starts(tmp_path):
+    """DCP caught the RefNotFoundError of read_metadata, logged it and raised its own AssertionError
+    ("metadata is None"), wrapped in a CheckpointException: the reader now checks the name first."""
+    url = str(tmp_path / "s")
+    ckpt.Store.init(url).push({"w": torch.ones(3)}, "plain/x")
+    with pytest.raises(RefNotFoundError, match="no/such"):
+        dcp.load({"w": torch.zeros(3)}, storage_reader=ckpt.dcp.Reader(url, "no/such"))
+    with pytest.raises(RefNotFoundError, match="no/such"):
+        dcp.load({"w": torch.zeros(3)}, checkpoint_id="no/such", storage_reader=ckpt.dcp.Reader(url))
+    with pytest.raises(StoreNotFoundError):
+        dcp.load({"w": torch.zeros(3)}, storage_reader=ckpt.dcp.Reader(str(tmp_path / "none"), "plain/x"))
+    for r in W.run_ranks("load_missing", 2, str(tmp_path), store=url, deadline_s=60):
+        assert "error" not in r, r.get("trace")
+        assert r["reader"].startswith("RefNotFoundError") and r["checkpoint_id"].startswith("RefNotFoundError"), r
+        assert r["reader_s"] < 20 and r["checkpoint_id_s"] < 20 and r["gathered"] == [0, 1]
 
 
 def test_two_ranks_save_reshard_async_and_consolidate(tmp_path):
