@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckpt.diffing.sides import Side, open_side
-from ckpt.format.dtypes import bit_pattern, byte_view, itemsize
+from ckpt.format.dtypes import bit_identical, bit_pattern, byte_view, itemsize
 from ckpt.format.manifest import name_selected, split_lengths
 from ckpt.progress import NullProgress, Progress, reporting
 from ckpt.transfer.pipeline import run_parallel
@@ -401,6 +401,11 @@ def _compare(name: str, side_a: Side, side_b: Side, cs: int,
                        side_b.chunk_ids(name, cs), cs, elem, known, settings, estimate)
     if ma.shape != mb.shape:
         return row("shape_changed", numel, dbytes=dbytes), None
+    if itemsize(ma.dtype) is None or itemsize(mb.dtype) is None:
+        # A dtype ckpt does not know (both sides read as bytes): equal or not by bytes; no values to compare.
+        if ma.dtype != mb.dtype:
+            return row("dtype_changed", numel, dbytes=dbytes), None
+        return row("identical" if bit_identical(ta, tb) else "changed", numel, dbytes=dbytes), None
     stats = tensor_stats(ta, tb)
     if ma.dtype != mb.dtype:
         return row("dtype_changed", numel, stats, dbytes), stats

@@ -3,7 +3,8 @@ reader, or a local file, directory or dict of tensors, read as ``push`` reads it
 
 Both answer the same questions: tensor names with dtype, shape and size; the chunk
 ids of a tensor when cut at a given chunk size (a stored checkpoint knows them from
-its manifest, a local tensor is hashed piece by piece); and the tensor itself.
+its manifest, a local tensor is hashed piece by piece); and the tensor itself (one of
+a dtype ckpt does not know, stored as opaque bytes, as its bytes: uint8, flat).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
 from ckpt.errors import TensorMismatchError
-from ckpt.format.dtypes import byte_view, to_torch
+from ckpt.format.dtypes import byte_view, itemsize, to_torch
 from ckpt.format.manifest import split_lengths
 from ckpt_store.storage.objects import object_id
 
@@ -63,7 +64,20 @@ class RefSide:
         return {c for t in self.reader.manifest.tensors for c in t.chunks} if chunk_size == self.chunk_size else set()
 
     def tensor(self, name: str) -> torch.Tensor:
-        return self.reader.get_tensor(name)
+        """The tensor; one of a dtype ckpt does not know as its bytes (uint8, flat)."""
+        import torch
+
+        from ckpt.store.limits import check_memory
+        from ckpt.transfer.pipeline import get_chunks, into_tasks
+
+        entry = self.reader.info(name)
+        if itemsize(entry.dtype) is not None:
+            return self.reader.get_tensor(name)
+        check_memory([entry], f"tensor {name!r}")
+        out = torch.empty(entry.nbytes, dtype=torch.uint8)
+        store = self.reader.store
+        get_chunks(store.objects, into_tasks(self.reader.manifest.chunk_size, [(entry, out)]), store.settings)
+        return out
 
     def close(self) -> None:
         pass
@@ -137,7 +151,8 @@ class SourceSide:
 
         t = self._by_name[name]
         assert t.src is not None
-        out = torch.empty(t.shape, dtype=to_torch(t.dtype))
+        # a dtype ckpt does not know: its bytes (uint8, flat), as RefSide gives them
+        out = torch.empty(t.shape, dtype=to_torch(t.dtype)) if itemsize(t.dtype) is not None else torch.empty(t.nbytes, dtype=torch.uint8)
         view = byte_view(out)
         step = 64 << 20
         for pos in range(0, t.nbytes, step):

@@ -235,6 +235,45 @@ def test_two_local_files_need_no_store(tmp_path):
     assert r.summary.changed == 1 and r.summary.identical_unread == 3 and r.a_id is None
 
 
+def _safetensors(path, tensors):
+    """A safetensors file written by hand: ``(name, dtype, shape, raw bytes)``, any dtype name."""
+    import json
+    import struct
+
+    head, pos = {}, 0
+    for name, dtype, shape, raw in tensors:
+        head[name] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + len(raw)]}
+        pos += len(raw)
+    h = json.dumps(head).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(t[3] for t in tensors))
+    return str(path)
+
+
+def test_a_dtype_ckpt_does_not_know_compares_by_bytes_both_ways_round(store, tmp_path):
+    """F4 (4-bit floats, stored as opaque bytes): a diff read it through torch and failed ("no torch
+    equivalent") wherever it had to read it, so a tensor only B held failed as 'added' and passed as
+    'removed' the other way round. Now both ways agree: same or changed by its bytes, no statistics."""
+    one = ("y", "F32", [1], torch.ones(1).numpy().tobytes())
+    a = _safetensors(tmp_path / "a.safetensors", [("x", "F4", [8], bytes(range(4))), one])
+    b = _safetensors(tmp_path / "b.safetensors", [("x", "F4", [8], bytes([0, 1, 2, 9])), one, ("only_b", "F4", [2], b"\x01"),
+                                                  ("typed", "F4", [4], b"\x01\x02")])
+    a2 = _safetensors(tmp_path / "a2.safetensors", [("x", "F4", [8], bytes(range(4))), one, ("typed", "U8", [4], b"\x01\x02\x03\x04")])
+    store.push(a, "u/a")
+    store.push(b, "u/b")
+    store.push(a2, "u/a2")
+    for x, y, b_second, typed in (("u/a", "u/b", True, "added"), ("u/b", "u/a", False, "removed"), (a, b, True, "added"),
+                                  (b, a, False, "removed"), (a, "u/b", True, "added"), ("u/b", a, False, "removed"),
+                                  ("u/a2", "u/b", True, "dtype_changed"), ("u/b", a2, False, "dtype_changed")):
+        rows = {t.name: t for t in ckpt.diff(x, y, store=store).tensors}
+        assert rows["x"].status == "changed" and rows["x"].read and rows["x"].changed_elements is None, (x, y)
+        assert rows["x"].relative_change is None and rows["x"].delta_bytes and rows["y"].status == "identical"
+        assert rows["only_b"].status == ("added" if b_second else "removed")
+        assert rows["typed"].status == typed and rows["typed"].changed_elements is None
+    same = ckpt.diff(b, "u/b", store=store)  # read (a local file): identical by bytes
+    assert {t.name: t.status for t in same.tensors} == dict.fromkeys(["x", "y", "only_b", "typed"], "identical")
+
+
 def test_plot(store, tmp_path):
     pytest.importorskip("matplotlib")
     a, b = two_checkpoints()
