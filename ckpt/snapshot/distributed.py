@@ -91,12 +91,14 @@ class DistributedSnapshots:
         """The gloo group the checkpoint collectives run on (a new one after :meth:`agree` rebuilt it)."""
         return self.checkpoint_group.pg
 
-    def agree(self, what: str) -> None:
+    def agree(self, what: str, persist: bool = False) -> bool:
         """Before a save or restore (every rank alike): rebuild the group if a collective on it failed
-        on any rank. Raises :class:`~ckpt.snapshot.group.GroupUnavailable` when the ranks cannot."""
-        self.checkpoint_group.agree(what)
+        on any rank. Returns whether any rank asked to ``persist`` the save. Raises
+        :class:`~ckpt.snapshot.group.GroupUnavailable` when the ranks cannot."""
+        asked = self.checkpoint_group.agree(what, persist)
         if self.peers is not None:
             self.peers.group = self.group
+        return asked
 
     def choose(self, durable: Store, latest: str) -> tuple[int, str, Tiers] | None:
         """:meth:`Peers.choose <ckpt.snapshot.peers.Peers.choose>` on a group the ranks agreed on."""
@@ -152,7 +154,7 @@ class DistributedSnapshots:
         decision is :attr:`persisting`, the same on every rank."""
         from ckpt.dcp.checkpoint import Writer
 
-        self.agree(f"snapshot of step {step}")
+        persist = self.agree(f"snapshot of step {step}", persist and persist_to is not None)
         prepared: dict[str, Any] = {}
         per_rank = []
         for key, obj in state.items():
@@ -163,8 +165,7 @@ class DistributedSnapshots:
                 prepared[key] = obj.state_dict()
             else:
                 prepared[key] = obj
-        self.persisting = self._check_identical(step, {k: v for k, v in prepared.items() if k not in per_rank},
-                                                persist and persist_to is not None)
+        self.persisting = self._check_identical(step, {k: v for k, v in prepared.items() if k not in per_rank}, persist)
         persist_to = persist_to if self.persisting else None
         record = {**snapshot, "ranks": True, "world": self.world, "keys": sorted(state), "per_rank": sorted(per_rank)}
         base = self.last_id if self.run.delta else None
@@ -249,7 +250,7 @@ class DistributedSnapshots:
             self.checkpoint_group.failed(e)
             raise GroupUnavailable(f"snapshot of step {step} not saved: {describe(e)}",
                                    hint=f"a rank failed, died or took longer than timeout_s={self.timeout_s:g}; "
-                                   "the ranks rebuild the checkpoint group at the next save") from e
+                                   "the ranks rebuild the checkpoint group at the next save", persist=persist) from e
         steps = sorted({s for _, _, s in gathered})
         if len(steps) > 1:
             raise SnapshotError(f"snapshot not saved: the ranks saved different steps ({', '.join(map(str, steps))}); "

@@ -1256,6 +1256,45 @@ def fine_tunes():
     return {"base": base, "ft1": base + 0.01 * torch.randn(64, 32, generator=g), "ft2": base + 0.01 * torch.randn(64, 32, generator=g)}
 
 
+def tiers_late_rank_asks(rank, world, tmp, store, asker, late, timeout_s=3):
+    """Local tiers on every rank, no durable schedule. Step 1 is saved; at step 2 rank ``asker`` asks
+    for the snapshot to be persisted (``save(2, persist=True)``), and rank ``late`` arrives after the
+    others gave up waiting (``timeout_s``): the agreement round is abandoned. Returns, per step, what
+    each save did ("ok", or the error or TierWarning), and the durable store's steps at the end."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    state = {"model": model, "step": 0}
+    mgr = ckpt.CheckpointManager(store, "late", local=os.path.join(tmp, "local"), local_every_n_steps=1,
+                                 process_group=dist.group.WORLD, timeout_s=timeout_s)
+    done = {}
+    for step in (1, 2, 3):
+        state["step"] = step
+        if step == 2 and rank == late:
+            time.sleep(timeout_s + 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                mgr.save(step, state, persist=True if step == 2 and rank == asker else None)
+                mgr.wait()
+                done[step] = "ok"
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                done[step] = f"{type(e).__name__}: {e}"
+        warned = [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)]
+        if warned and done[step] == "ok":
+            done[step] = f"TierWarning: {warned[0]}"
+        dist.barrier()  # (the default group: not the manager's) the ranks begin the next step together
+    out = {"done": done, "durable": mgr.steps()}
+    mgr.close()
+    return out
+
+
 def load_missing(rank, world, tmp, store):
     """dcp.load of a ref that does not exist, named to the Reader and as checkpoint_id: each error's
     type, message and seconds; then a collective on the group, which every rank reaches at once."""
@@ -1288,4 +1327,5 @@ SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "
              "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,
              "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline,
              "ranks_disagree": ranks_disagree, "forged_key_path": forged_key_path,
-             "save_fine_tunes": save_fine_tunes, "load_missing": load_missing}
+             "save_fine_tunes": save_fine_tunes, "load_missing": load_missing,
+             "tiers_late_rank_asks": tiers_late_rank_asks}
