@@ -597,6 +597,36 @@ def test_diff_compares_the_tensors_of_distributed_checkpoints_not_their_shards(t
     assert rows("d/ft2", "one/ft1") == rows("plain/ft2", "plain/ft1")
 
 
+def test_the_lazy_reader_and_show_list_the_tensors_of_a_distributed_checkpoint_not_its_shards(tmp_path):
+    """Store.reader and `ckpt show` listed a 2-rank checkpoint's entries, the shards "w[0:32,0:32]" and
+    "w[32:64,0:32]": reader.get_tensor("w") raised 'no tensor', although Store.load and pull give "w".
+    They now list the whole tensors; the reader assembles one from its shards, bit for bit."""
+    from typer.testing import CliRunner
+
+    from ckpt_store.cli.main import app
+
+    url = str(tmp_path / "s")
+    assert W.run_ranks("save_fine_tunes", 2, str(tmp_path), store=url) == [{}, {}]
+    store = ckpt.Store.open(url)
+    dcp.save({"w": W.fine_tunes()["ft1"], "step": 3}, storage_writer=ckpt.dcp.Writer(url, "one/ft1"))
+    reader = store.reader("d/ft1")
+    assert reader.keys() == ["w"] and "w" in reader and "w[0:32,0:32]" not in reader and len(reader) == 1
+    assert _bits_equal(reader.get_tensor("w"), W.fine_tunes()["ft1"])
+    with pytest.raises(TensorMismatchError, match="2 shards"):
+        reader.info("w")
+    whole = store.reader("one/ft1")  # saved by one process: one entry, as before
+    assert whole.keys() == ["w"] and whole.info("w").shape == (64, 32) and _bits_equal(whole.get_tensor("w"), W.fine_tunes()["ft1"])
+    r = CliRunner().invoke(app, ["--store", url, "show", "d/ft1", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    entries = store.manifest("d/ft1").tensors
+    assert [(t["name"], t["shape"], t["shards"], t["logical_bytes"], t["chunks"]) for t in doc["tensors"]] == [
+        ("w", [64, 32], 2, 64 * 32 * 4, sum(len(e.chunks) for e in entries))]
+    assert doc["tensors"][0]["stored_bytes"] == sum(store.stored_sizes({c for e in entries for c in e.chunks}).values())
+    text = CliRunner().invoke(app, ["--store", url, "show", "d/ft1"]).output
+    assert "1 tensors" in text and "w[0:32" not in text and "64x32" in text
+
+
 def test_a_tensor_named_like_the_safetensors_metadata_is_refused_not_pulled_into_a_broken_file(tmp_path):
     """A state dict key "__metadata__" (the name safetensors reserves for its header's metadata) was
     saved, and `ckpt pull` wrote a .safetensors file whose header no reader parses, without an error.
