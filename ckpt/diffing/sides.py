@@ -88,6 +88,7 @@ class DcpSide(RefSide):
     ``Store.load`` gives them (its entries are the shards, named and cut by the saving ranks)."""
 
     def __init__(self, reader: CheckpointReader, label: str) -> None:
+        from ckpt.dcp.consolidate import check_entries
         from ckpt.dcp.format import decode_layout
 
         self.reader = reader
@@ -95,6 +96,9 @@ class DcpSide(RefSide):
         self.id = reader.id
         self.chunk_size = reader.manifest.chunk_size
         self.items = decode_layout(reader.manifest.extra, f"checkpoint {label}").tensors
+        # Every shard against its entry first: a shard naming no entry was a KeyError, and a layout
+        # whose size its entries do not back (forged) was allocated whole before anything was read.
+        check_entries(reader.manifest, self.items.values())
         self.entries = {t.name: t for t in reader.manifest.tensors}
         self.meta = {n: TensorMeta(t.dtype, t.size, t.nbytes) for n, t in self.items.items()}
 

@@ -552,6 +552,24 @@ def test_a_layout_larger_than_its_entries_is_refused_before_anything_is_allocate
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
 
 
+@pytest.mark.parametrize("edit", ["no_entry", "too_big"])
+def test_diff_checks_every_shard_against_its_entry_before_reading(tmp_path, edit):
+    """`ckpt diff` of a forged layout: a shard naming no entry failed with a bare KeyError, and one of
+    2**40 rows backed by a 4x4 entry was allocated whole (RuntimeError "can't allocate memory"). Both
+    ways round it is now the StoreFormatError every other reader gives, before anything is read."""
+    from ckpt_store.storage.errors import StoreFormatError
+
+    url = str(tmp_path / "s")
+    dcp.save({"a": torch.arange(16.0).reshape(4, 4)}, storage_writer=ckpt.dcp.Writer(url, "x/a"))
+    big = {"size": [2**40, 4], "shards": [{"offsets": [0, 0], "sizes": [2**40, 4], "entry": "a"}]}
+    change = (lambda items: items["a"]["shards"][0].update(entry="nope")) if edit == "no_entry" else (lambda items: items["a"].update(big))
+    ref = _forged(url, "x/a", "x/forged", change)
+    store = ckpt.Store.open(url)
+    for a, b in (("x/a", ref), (ref, "x/a")):
+        with pytest.raises(StoreFormatError, match="is missing or does not match its entry"):
+            ckpt.diff(a, b, store=store)
+
+
 def test_merge_refuses_a_checkpoint_stored_as_shards_and_merges_one_saved_whole(tmp_path):
     """The entries of a sharded DCP checkpoint are its shards ("w[0:32,0:32]"): `ckpt merge` of two
     fine-tunes saved on 2 ranks merged shard by shard, and ties (which trims by magnitude over the
