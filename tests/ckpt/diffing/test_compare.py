@@ -286,6 +286,23 @@ def test_plot(store, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+def test_plot_of_names_with_odd_digits_draws_every_tensor(store, tmp_path):
+    """A name segment "²" is a digit to str.isdigit() that int() refuses: --plot raised ValueError. And
+    "layer.03.w" or "layer.٣.w" took layer 3's cell beside "layer.3.w", one tensor drawn over the other.
+    Only a number as int() writes it is a layer index now; the others are drawn as tensors of their own."""
+    pytest.importorskip("matplotlib")
+    from ckpt.diffing.plot import layer_key
+
+    assert layer_key("layer.3.w") == ("layer", 3, "w")
+    assert [layer_key(n)[1] for n in ("layer.².w", "layer.03.w", "layer.٣.w", "layer.0.w")] == [None, None, None, 0]
+    a = {n: torch.ones(4) for n in ("layer.3.w", "layer.03.w", "layer.².w", "layer.٣.w")}
+    b = {n: t * (i + 2) for i, (n, t) in enumerate(a.items())}
+    from ckpt.diffing.compare import plot
+
+    out = plot(ckpt.diff(a, b, store=store), tmp_path / "odd.png")
+    assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plot_without_matplotlib(store, tmp_path, monkeypatch):
     import sys
 
