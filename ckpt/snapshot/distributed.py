@@ -107,8 +107,12 @@ class DistributedSnapshots:
         try:
             return self.peers.choose(durable, latest)
         except _FAILURES as e:
+            from ckpt.errors import CkptError
+
             self.checkpoint_group.failed(e)
-            raise
+            if isinstance(e, CkptError):
+                raise
+            raise self._restore_error(e) from e
 
     def resolve(self, find: Callable[[], str]) -> str | None:
         """The manifest id ``find()`` gives on rank 0 (None where it raises RefNotFoundError), the
@@ -133,7 +137,7 @@ class DistributedSnapshots:
             dist.broadcast_object_list(box, src=self.checkpoint_group.ranks[0], group=self.group)
         except _FAILURES as e:
             self.checkpoint_group.failed(e)
-            raise
+            raise self._restore_error(e) from e
         kind, value = box[0]
         if kind == "error":
             raise SnapshotError(f"restore not done: rank 0 could not resolve the snapshot ({value})",
@@ -320,6 +324,15 @@ class DistributedSnapshots:
         return None
 
     # -- restoring -----------------------------------------------------------------------
+    def _restore_error(self, e: BaseException) -> Exception:
+        """The SnapshotError a restore raises (from ``e``) where a collective failed: a peer died, or
+        did not answer within timeout_s (gloo raises a RuntimeError)."""
+        from ckpt.snapshot.run import SnapshotError
+
+        return SnapshotError(f"rank {self.rank}: restore not done: the ranks could not exchange what they restore "
+                             f"({describe(e)})", hint=f"another rank failed, died or took longer than "
+                             f"timeout_s={self.timeout_s:g}; see its log; nothing was restored")
+
     def restore(self, state: dict[str, Any], mid: str, tiers: Tiers | None = None) -> int:
         self.agree("restore")
         try:
@@ -344,7 +357,10 @@ class DistributedSnapshots:
         # The ranks agree before the collective load: a rank that refuses must not leave the
         # others waiting in it for timeout_s.
         verdicts: list[Any] = [None] * self.world
-        dist.all_gather_object(verdicts, None if problem is None else f"{type(problem).__name__}: {problem}", group=self.group)
+        try:
+            dist.all_gather_object(verdicts, None if problem is None else f"{type(problem).__name__}: {problem}", group=self.group)
+        except _FAILURES as e:
+            raise self._restore_error(e) from e
         if problem is not None:
             raise problem
         refused = next(((r, v) for r, v in enumerate(verdicts) if v is not None), None)

@@ -1295,6 +1295,35 @@ def tiers_late_rank_asks(rank, world, tmp, store, asker, late, timeout_s=3):
     return out
 
 
+def restore_peer_dies(rank, world, tmp, store, timeout_s=10):
+    """Steps 1 and 2 saved by every rank; then a restore in which the last rank dies (SIGKILL) as it
+    plans its part, after the ranks agreed on the snapshot: what the others' restore_latest raised,
+    and after how many seconds."""
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt.snapshot.distributed import DistributedSnapshots
+
+    torch.manual_seed(0)
+    state = {"model": torch.nn.Linear(8, 8), "step": 0}
+    mgr = ckpt.CheckpointManager(store, "dies", save_mode="sync", process_group=dist.group.WORLD, timeout_s=timeout_s)
+    for step in (1, 2):
+        state["step"] = step
+        mgr.save(step, state)
+    if rank == world - 1:
+        def die(self, *args, **kwargs):
+            halt(signal.SIGKILL)
+
+        DistributedSnapshots._plan_restore = die
+    t0 = time.monotonic()
+    try:
+        got = f"restored {mgr.restore_latest(state)}"
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        got = f"{type(e).__name__}: {e}"
+    return {"restore": got, "seconds": time.monotonic() - t0, "is_ckpt_error": got.split(":")[0] in ("SnapshotError", "GroupUnavailable")}
+
+
 def load_missing(rank, world, tmp, store):
     """dcp.load of a ref that does not exist, named to the Reader and as checkpoint_id: each error's
     type, message and seconds; then a collective on the group, which every rank reaches at once."""
@@ -1328,4 +1357,4 @@ SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "
              "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline,
              "ranks_disagree": ranks_disagree, "forged_key_path": forged_key_path,
              "save_fine_tunes": save_fine_tunes, "load_missing": load_missing,
-             "tiers_late_rank_asks": tiers_late_rank_asks}
+             "tiers_late_rank_asks": tiers_late_rank_asks, "restore_peer_dies": restore_peer_dies}

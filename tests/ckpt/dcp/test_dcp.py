@@ -386,6 +386,17 @@ def test_manager_refuses_what_it_cannot_restore_per_rank(tmp_path):
     assert ckpt.Store.open(url).verify().ok
 
 
+def test_a_rank_dying_during_a_restore_is_a_snapshot_error_on_the_others(tmp_path):
+    """Rank 1 dies as it plans its part of a restore, after the ranks agreed on the snapshot: rank 0's
+    restore_latest raised gloo's RuntimeError ("Connection closed by peer"), which no caller catching
+    ckpt's errors expects. It is now a SnapshotError saying nothing was restored, at once."""
+    r0, r1 = W.run_ranks("restore_peer_dies", 2, str(tmp_path), store=str(tmp_path / "s"), deadline_s=90)
+    assert r1 == {"killed": True}
+    assert "error" not in r0, r0.get("trace")
+    assert r0["restore"].startswith("SnapshotError: rank 0: restore not done") and r0["is_ckpt_error"], r0
+    assert "nothing was restored" in r0["restore"] and r0["seconds"] < 20
+
+
 @pytest.mark.parametrize("view", ["stale", "missing"])
 def test_ranks_restore_the_snapshot_rank_0_resolves_whatever_the_others_see(tmp_path, view):
     """Saved at steps 1..4; at the restart rank 1 sees RUN/latest apart (a shared file system's stale
