@@ -210,12 +210,12 @@ class DistributedSnapshots:
         import torch.distributed.checkpoint as dcp
 
         try:
-            dcp.save(state, storage_writer=writer, process_group=self.group, planner=_planner())
+            md = dcp.save(state, storage_writer=writer, process_group=self.group, planner=_planner())
         except _FAILURES as e:  # any failure of any rank: one clear error
             if self.peers is None or persist_to is None or not (isinstance(e, CheckpointException) and e.failures):
                 raise self._error(step, e) from e  # (no agreement: a rank died or hung; the durable save would too)
             return self._write_durably(step, state, record, persist_to, e)
-        return self._done(step, writer, persist_to)
+        return self._done(step, writer, persist_to, md.storage_meta.checkpoint_id if md.storage_meta else None)
 
     def _write_durably(self, step: int, state: dict[str, Any], record: dict[str, Any], run: SnapshotRun,
                        cause: CheckpointException) -> SaveResult:
@@ -285,11 +285,14 @@ class DistributedSnapshots:
             hint=f"another rank failed, died or took longer than timeout_s={self.timeout_s:g}; see its log",
         )
 
-    def _done(self, step: int, writer: Any, persist_to: SnapshotRun | None = None) -> SaveResult:
+    def _done(self, step: int, writer: Any, persist_to: SnapshotRun | None = None, saved_id: str | None = None) -> SaveResult:
+        """``saved_id``: the checkpoint id dcp.save returned, the coordinator's commit on every rank. (A
+        rank that read the ref instead could fail where its view of the store lags, alone, after the
+        save succeeded everywhere.)"""
         if self.peers is not None:
             return self._tiers_done(step, writer, persist_to)
         last = writer.last  # set on the coordinator, which committed the snapshot
-        self.last_id = self.run.store.resolve(self.run.ref(step)) if last is None else last.id
+        self.last_id = last.id if last is not None else saved_id
         if last is None:
             return SaveResult(self.last_id, prunes=False)
         return SaveResult(last.id, last.written_bytes, last.logical_bytes)

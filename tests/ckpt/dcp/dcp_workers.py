@@ -1324,6 +1324,42 @@ def restore_peer_dies(rank, world, tmp, store, timeout_s=10):
     return {"restore": got, "seconds": time.monotonic() - t0, "is_ckpt_error": got.split(":")[0] in ("SnapshotError", "GroupUnavailable")}
 
 
+def save_stale_view(rank, world, tmp, store):
+    """Steps 1..3 saved (no tiers) while the last rank's view of the store lags (a shared file system's
+    stale listing): the refs a save just moved are not there yet for it. What each save gave, and
+    the snapshot ids each rank's manager holds afterwards."""
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt_store.storage.errors import RefNotFoundError
+
+    torch.manual_seed(0)
+    state = {"model": torch.nn.Linear(8, 8), "step": 0}
+    mgr = ckpt.CheckpointManager(store, "lag", save_mode="sync", process_group=dist.group.WORLD, timeout_s=20)
+    if rank == world - 1:
+        real = mgr.store.resolve
+
+        def resolve(ref, *args, **kwargs):
+            if ref.startswith("lag/"):
+                raise RefNotFoundError(ref)
+            return real(ref, *args, **kwargs)
+
+        mgr.store.resolve = resolve
+    done = {}
+    for step in (1, 2, 3):
+        state["step"] = step
+        try:
+            mgr.save(step, state)
+            done[step] = "ok"
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            done[step] = f"{type(e).__name__}: {e}"
+        dist.barrier()  # (the default group) the next step begins together, whatever this one did
+    out = {"done": done, "last_id": mgr._path.last_id}
+    mgr.close()
+    return out
+
+
 def load_missing(rank, world, tmp, store):
     """dcp.load of a ref that does not exist, named to the Reader and as checkpoint_id: each error's
     type, message and seconds; then a collective on the group, which every rank reaches at once."""
@@ -1357,4 +1393,5 @@ SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "
              "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline,
              "ranks_disagree": ranks_disagree, "forged_key_path": forged_key_path,
              "save_fine_tunes": save_fine_tunes, "load_missing": load_missing,
-             "tiers_late_rank_asks": tiers_late_rank_asks, "restore_peer_dies": restore_peer_dies}
+             "tiers_late_rank_asks": tiers_late_rank_asks, "restore_peer_dies": restore_peer_dies,
+             "save_stale_view": save_stale_view}

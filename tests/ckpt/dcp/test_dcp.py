@@ -397,6 +397,18 @@ def test_a_rank_dying_during_a_restore_is_a_snapshot_error_on_the_others(tmp_pat
     assert "nothing was restored" in r0["restore"] and r0["seconds"] < 20
 
 
+def test_a_rank_whose_view_of_the_store_lags_saves_as_the_others_do(tmp_path):
+    """Rank 1 does not see the refs a save just moved (a shared file system's stale listing). Its part
+    of every save succeeded, then it read RUN/step-N back to learn the new id and raised RefNotFoundError,
+    alone: rank 0 went on, rank 1's loop stopped. It now takes the id dcp.save returns (rank 0's commit)."""
+    url = str(tmp_path / "s")
+    r0, r1 = W.run_ranks("save_stale_view", 2, str(tmp_path), store=url, deadline_s=90)
+    for r in (r0, r1):
+        assert "error" not in r, r.get("trace")
+        assert r["done"] == {"1": "ok", "2": "ok", "3": "ok"}, r["done"]
+    assert r0["last_id"] == r1["last_id"] == ckpt.Store.open(url).resolve("lag/latest")
+
+
 @pytest.mark.parametrize("view", ["stale", "missing"])
 def test_ranks_restore_the_snapshot_rank_0_resolves_whatever_the_others_see(tmp_path, view):
     """Saved at steps 1..4; at the restart rank 1 sees RUN/latest apart (a shared file system's stale
