@@ -455,6 +455,10 @@ class DistributedSnapshots:
         step = snapshot_step(m)
         if step is None:
             raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of its step is malformed")
+        for field in ("keys", "per_rank"):  # lists of state keys, compared as sets (_check_keys)
+            names = snap.get(field)
+            if names is not None and not (isinstance(names, list) and all(isinstance(k, str) for k in names)):
+                raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of its {field} is malformed")
         layout = decode_layout(m.extra, f"manifest {mid}")
         check_entries(m, layout.tensors.values())  # before a target is allocated from the layout's sizes
         saved = saved_paths(layout, mid)

@@ -551,6 +551,10 @@ def test_a_forged_list_index_in_a_snapshots_key_paths_is_refused_not_allocated(t
     assert r["size"] == "StoreFormatError: tensor pos.a.0: shard 'pos.a.0' is missing or does not match its entry", r["size"]
     # (a step recorded as "five": ValueError from int() before)
     assert r["step"].startswith("SnapshotError: checkpoint ") and "record of its step" in r["step"], r["step"]
+    # (keys or per-rank keys recorded as lists of lists: TypeError "unhashable type: 'list'" before, and
+    # the checkpoint group counted as failed)
+    for field in ("keys", "per_rank"):
+        assert r[field].startswith("SnapshotError: checkpoint ") and f"record of its {field} is malformed" in r[field], r[field]
 
 
 def test_a_layout_larger_than_its_entries_is_refused_before_anything_is_allocated(tmp_path):
