@@ -1234,6 +1234,45 @@ def forged_key_path(rank, world, tmp, store):
 
 
 
+def forged_optimizer_path(rank, world, tmp, store):
+    """A snapshot of an AdamW optimizer whose record of key paths (planner_data) names its state's
+    parameter index otherwise: "²" (a digit to str.isdigit that int() refuses) or "x", for a tensor
+    (exp_avg) and for a value (step). The restore's outcome for each (one rank)."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt.format.manifest import Manifest
+    from ckpt_store.storage.commit import commit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, capturable=False)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    out = {}
+    with ckpt.CheckpointManager(store, "opt", save_mode="sync", process_group=dist.group.WORLD, timeout_s=20) as mgr:
+        mgr.save(1, {"opt": opt})
+        s = ckpt.Store.open(store)
+        saved = s.manifest("opt/step-1").to_json()
+        for step, (item, index) in enumerate([("exp_avg", "²"), ("exp_avg", "x"), ("step", "²"), ("step", "x")], start=2):
+            raw = json.loads(saved)
+            pd = raw["extra"]["dcp"]["planner_data"]
+            fqn = next(f for f, path in pd.items() if path[1:2] == ["state"] and path[-1] == item)
+            pd[fqn] = [*pd[fqn][:2], index, *pd[fqn][3:]]
+            raw["extra"]["snapshot"]["step"] = step
+            mid, _ = commit(s.objects, s.refs_db, Manifest.from_json(json.dumps(raw).encode(), "forged").to_json(), f"opt/step-{step}")
+            s.refs_db.set("opt/latest", mid, alias=True)
+            fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
+            try:
+                out[f"{item}/{index}"] = f"restored {mgr.restore_latest({'opt': fresh})}"
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out[f"{item}/{index}"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def save_fine_tunes(rank, world, tmp, store):
     """A base and two fine-tunes of one tensor, saved row-sharded over the ranks as d/base, d/ft1, d/ft2."""
     import torch
@@ -1394,4 +1433,4 @@ SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "
              "ranks_disagree": ranks_disagree, "forged_key_path": forged_key_path,
              "save_fine_tunes": save_fine_tunes, "load_missing": load_missing,
              "tiers_late_rank_asks": tiers_late_rank_asks, "restore_peer_dies": restore_peer_dies,
-             "save_stale_view": save_stale_view}
+             "save_stale_view": save_stale_view, "forged_optimizer_path": forged_optimizer_path}

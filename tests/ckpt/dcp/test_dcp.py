@@ -557,6 +557,16 @@ def test_a_forged_list_index_in_a_snapshots_key_paths_is_refused_not_allocated(t
         assert r[field].startswith("SnapshotError: checkpoint ") and f"record of its {field} is malformed" in r[field], r[field]
 
 
+def test_a_forged_parameter_index_in_an_optimizers_key_paths_is_a_snapshot_error(tmp_path):
+    """An AdamW snapshot whose key paths name its state's parameter "²" (a digit to str.isdigit, refused
+    by int()): the restore raised ValueError, and counted it as a failed collective. Now it is the
+    SnapshotError that any other index this optimizer lacks gives ("x" did already)."""
+    (r,) = W.run_ranks("forged_optimizer_path", 1, str(tmp_path), store=str(tmp_path / "s"))
+    assert "error" not in r, r.get("trace")
+    for case in ("exp_avg/²", "exp_avg/x", "step/²", "step/x"):
+        assert r[case].startswith("SnapshotError: state['opt']: the snapshot of step ") and "has optimizer state for parameter" in r[case], r
+
+
 def test_a_layout_larger_than_its_entries_is_refused_before_anything_is_allocated(tmp_path):
     """A forged layout gives a tensor 2**40 rows in one shard that names its real (4x4) entry: the
     volumes agree, so the decoder let it through. Store.load allocated it first (RuntimeError "can't
