@@ -389,12 +389,16 @@ def _compare(name: str, side_a: Side, side_b: Side, cs: int,
     elem = itemsize(mb.dtype) or 1
     elem = elem if elem in (1, 2, 4, 8) else 1
     if ma is None:
+        if not estimate:  # nothing to compare: its data is read only for the estimate
+            return row("added", numel, read=False), None
         tb = side_b.tensor(name)
         return row("added", numel, dbytes=_estimate(None, tb, None, side_b.chunk_ids(name, cs), cs, elem, known, settings, estimate)), None
     if ma.dtype == mb.dtype and ma.shape == mb.shape:
         ids_a, ids_b = side_a.chunk_ids(name, cs), side_b.chunk_ids(name, cs)
         if ids_a is not None and ids_a == ids_b:
             return row("identical", numel, dbytes=0, read=False), None  # equal hashes: equal bytes
+    if ma.shape != mb.shape and not estimate:
+        return row("shape_changed", numel, read=False), None
     ta, tb = side_a.tensor(name), side_b.tensor(name)
     ids_a = side_a.chunk_ids(name, cs) if ma.nbytes == mb.nbytes else None
     dbytes = _estimate(ta if ma.dtype == mb.dtype and ma.nbytes == mb.nbytes else None, tb, ids_a,

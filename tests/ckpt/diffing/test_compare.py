@@ -211,6 +211,28 @@ def test_identical_tensors_are_not_read(tmp_path):
     assert report.summary.identical_unread == 3 and report.summary.changed == 1
 
 
+def test_without_the_estimate_added_and_reshaped_tensors_are_not_read(tmp_path):
+    """An added or reshaped tensor has no statistics: its data serves only the delta estimate. Without
+    the estimate a diff read it anyway (the whole tensor, from a remote store too), and failed where it
+    could not. Delete their chunks from the store: the diff without the estimate works, unread."""
+    a, b = two_checkpoints()
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    store.push(a, "x/a")
+    store.push(b, "x/b")
+    unread = {"new", "reshaped"}
+    doomed = {c for mm in (store.manifest("x/a"), store.manifest("x/b")) for t in mm.tensors if t.name in unread for c in t.chunks}
+    others = {c for mm in (store.manifest("x/a"), store.manifest("x/b")) for t in mm.tensors if t.name not in unread for c in t.chunks}
+    assert doomed and not doomed & others
+    for c in doomed:
+        (tmp_path / "store" / "objects" / "chunks" / c[:2] / c).unlink()
+    report = ckpt.diff("x/a", "x/b", store=store, estimate_delta=False)
+    rows = {t.name: t for t in report.tensors}
+    assert (rows["new"].status, rows["new"].read, rows["reshaped"].status, rows["reshaped"].read) == ("added", False, "shape_changed", False)
+    assert report.summary.changed == 1 and report.summary.delta_bytes is None
+    with pytest.raises(ObjectNotFoundError):  # the estimate does read them
+        ckpt.diff("x/a", "x/b", store=store)
+
+
 def test_delta_estimate_is_what_a_push_writes(store):
     g = torch.Generator().manual_seed(3)
     a = {f"w{i}": torch.randn(512, 512, generator=g) for i in range(3)}
