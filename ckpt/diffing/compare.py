@@ -109,6 +109,10 @@ def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> Te
     if tuple(a.shape) != tuple(b.shape):
         raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
     same_dtype = a.dtype == b.dtype
+    if a.is_complex() != b.is_complex():
+        # A real tensor against a complex one (x against x + 0j): as complex both, or their real views
+        # (two numbers per complex element) would not line up.
+        a, b = a.to(torch.complex128), b.to(torch.complex128)
     if same_dtype:
         changed = int((bit_pattern(a) != bit_pattern(b)).sum())
     else:

@@ -65,6 +65,23 @@ def test_property_stats_match_numpy(data):
         assert same.cosine == pytest.approx(1.0, abs=1e-12)
 
 
+def test_a_real_tensor_retyped_as_complex_compares_by_value_both_ways_round(store):
+    """F32 against C64 of the same shape ("dtype_changed"): the statistics lined up the complex tensor's
+    real view (two numbers per element) against the real one and raised RuntimeError ("The size of
+    tensor a (8) must match the size of tensor b (4)"), either way round. Both compare as complex now."""
+    real = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    cplx = torch.tensor([1 + 0j, 2 + 1j, 3 + 0j, 4 + 0j], dtype=torch.complex64)
+    s = tensor_stats(real, cplx)
+    assert (s.changed_elements, s.max_abs_diff, s.norm_diff) == (1, 1.0, 1.0)
+    assert s.norm_a == math.sqrt(30) and s.norm_b == math.sqrt(31)
+    assert tensor_stats(cplx, real).changed_elements == 1
+    for x, y in ((real, cplx), (cplx, real)):
+        (row,) = ckpt.diff({"t": x}, {"t": y}, store=store).tensors
+        assert (row.status, row.changed_elements, row.max_abs_diff) == ("dtype_changed", 1, 1.0)
+    (row,) = ckpt.diff({"t": real}, {"t": real.to(torch.complex64)}, store=store).tensors
+    assert (row.status, row.changed_elements) == ("dtype_changed", 0)
+
+
 def test_nan_and_inf_changes_are_reported_as_such():
     """Issue 15 item 6: max(0.0, nan) made a weight turned NaN look unchanged (0.0), and inf printed as '-'."""
     a = torch.linspace(-1, 1, 10)
