@@ -257,8 +257,10 @@ class Writer(StorageWriter):
         for item in items:
             td = item.tensor_data
             t = planner.resolve_data(item).detach()
-            if t.device.type != "cpu" or not t.is_contiguous():
-                t = t.cpu().contiguous()  # only the projection the plan names is saved
+            if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+                # only the projection the plan names is saved; a lazy conjugate or negative view as its
+                # values (its bytes are the unconjugated ones, and view() refuses it)
+                t = t.cpu().resolve_conj().resolve_neg().contiguous()
             fqn, offsets, sizes = item.index.fqn, tuple(td.chunk.offsets), tuple(td.chunk.sizes)
             name, dtype = shard_name(fqn, offsets, sizes, tuple(td.size)), from_torch(t.dtype)
             view = byte_view(t)

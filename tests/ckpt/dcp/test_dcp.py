@@ -708,6 +708,22 @@ def test_a_tensor_named_like_the_safetensors_metadata_is_refused_not_pulled_into
     assert _bits_equal(got["__metadata__"], torch.ones(2)) and _bits_equal(got["w"], torch.zeros(1))
 
 
+def test_a_lazy_conjugate_or_negative_view_is_saved_as_its_values(tmp_path):
+    """t.conj() of a complex tensor (and .imag of that, a negative view) is a lazy view: its bytes are
+    the unconjugated ones, and view(uint8) refuses it, so the save failed (RuntimeError in a
+    CheckpointException) where `push` stores its values. The writer now saves its values, as push does."""
+    url = str(tmp_path / "s")
+    c = torch.tensor([1 + 2j, 3 - 4j, -0.5 + 0j], dtype=torch.complex64).conj()
+    n = c.imag
+    assert c.is_conj() and n.is_neg()
+    dcp.save({"c": c, "n": n}, storage_writer=ckpt.dcp.Writer(url, "v/x"))
+    into = {"c": torch.zeros(3, dtype=torch.complex64), "n": torch.zeros(3)}
+    dcp.load(into, storage_reader=ckpt.dcp.Reader(url, "v/x"))
+    want = {"c": c.resolve_conj(), "n": n.resolve_neg().contiguous()}
+    assert all(_bits_equal(into[k], v) for k, v in want.items())
+    assert all(_bits_equal(got, want[k]) for k, got in ckpt.Store.open(url).load("v/x").items())
+
+
 def test_a_sparse_tensor_is_refused_by_name_before_anything_is_written(tmp_path):
     """A sparse tensor in the state failed deep in the write with torch's "unsupported memory format
     option Contiguous" (no key named, after the other tensors' chunks were written); the layout check
