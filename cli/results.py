@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt.errors import CkptError, ObjectNotFoundError
 
 if TYPE_CHECKING:
-    from ckpt.format.manifest import Manifest
+    from ckpt.format.manifest import Manifest, TensorEntry
 
 # "bytes" is the old spelling of logical_bytes, kept in ls, show and gc for scripts (README).
 
@@ -53,12 +53,23 @@ def show_doc(mid: str, m: Manifest, sizes: Mapping[str, int]) -> dict[str, Any]:
     """The document of ``ckpt show REF --json``. ``sizes``: stored bytes of the chunks the
     checkpoint reads (its own and their delta bases); chunks absent from it are missing."""
     from ckpt.codecs.chunk import CODEC_NAMES
+    from ckpt.dcp.format import DCP_SOURCE, decode_layout
 
     needed = m.chunk_lengths()
-    tensors = [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "logical_bytes": t.nbytes, "bytes": t.nbytes,
-                "file": t.file, "stored_bytes": sum(sizes.get(c, 0) for c in t.chunks), "chunks": len(t.chunks),
-                "codecs": sorted({CODEC_NAMES.get(c, str(c)) for c in t.codecs}),
-                "delta_depth": max((len(c) for c in t.delta_bases), default=0)} for t in m.tensors]
+
+    def row(name: str, dtype: str, shape: Iterable[int], nbytes: int, parts: list[TensorEntry]) -> dict[str, Any]:
+        return {"name": name, "dtype": dtype, "shape": list(shape), "logical_bytes": nbytes, "bytes": nbytes,
+                "file": parts[0].file if parts else None, "stored_bytes": sum(sizes.get(c, 0) for t in parts for c in t.chunks),
+                "chunks": sum(len(t.chunks) for t in parts),
+                "codecs": sorted({CODEC_NAMES.get(c, str(c)) for t in parts for c in t.codecs}),
+                "delta_depth": max((len(c) for t in parts for c in t.delta_bases), default=0)}
+
+    if m.source == DCP_SOURCE:  # a distributed checkpoint: its tensors whole, each over the shards the ranks saved
+        entries = {t.name: t for t in m.tensors}
+        tensors = [{**row(i.fqn, i.dtype, i.size, i.nbytes, [entries[s.entry] for s in i.shards if s.entry in entries]),
+                    "shards": len(i.shards)} for i in decode_layout(m.extra, f"checkpoint {mid[:12]}").tensors.values()]
+    else:
+        tensors = [row(t.name, t.dtype, t.shape, t.nbytes, [t]) for t in m.tensors]
     files = [{"path": f.path, "kind": f.kind, "logical_bytes": f.size, "bytes": f.size,
               "stored_bytes": sum(sizes.get(c, 0) for c in f.chunks), "metadata": f.metadata} for f in m.files]
     return {"id": mid, "source": m.source, "created": m.created, "message": m.message, "metadata": m.metadata,

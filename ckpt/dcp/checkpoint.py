@@ -257,8 +257,10 @@ class Writer(StorageWriter):
         for item in items:
             td = item.tensor_data
             t = planner.resolve_data(item).detach()
-            if t.device.type != "cpu" or not t.is_contiguous():
-                t = t.cpu().contiguous()  # only the projection the plan names is saved
+            if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
+                # only the projection the plan names is saved; a lazy conjugate or negative view as its
+                # values (its bytes are the unconjugated ones, and view() refuses it)
+                t = t.cpu().resolve_conj().resolve_neg().contiguous()
             fqn, offsets, sizes = item.index.fqn, tuple(td.chunk.offsets), tuple(td.chunk.sizes)
             name, dtype = shard_name(fqn, offsets, sizes, tuple(td.size)), from_torch(t.dtype)
             view = byte_view(t)
@@ -380,6 +382,7 @@ class Reader(StorageReader):
         # snapshot tiers (ckpt/snapshot/tiers.py): ``ref`` is a manifest id, read with its chunks
         # from the nearest tier holding each; ``store`` is then not read
         self.tiers = tiers
+        self._check_ref()
         self.load_id = uuid.uuid4().hex
         self._manifest: tuple[str, Manifest] | None = None
         self._values: dict[str, Any] = {}
@@ -389,8 +392,16 @@ class Reader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.ref = os.fspath(checkpoint_id)
+            self._check_ref()
         self.load_id = uuid.uuid4().hex
         self._manifest = None
+
+    def _check_ref(self) -> None:
+        """Raise :class:`~ckpt.errors.RefNotFoundError` (or StoreNotFoundError) now, before DCP starts:
+        from ``read_metadata`` DCP would log it and raise its own AssertionError (CheckpointException
+        across ranks) in its place. Each rank checks its own Reader, so none enters a collective alone."""
+        if self.ref is not None and self.tiers is None:
+            self._holder.store(create=False).resolve(self.ref)
 
     def read_metadata(self) -> Metadata:
         """DCP's metadata, rebuilt from the manifest's JSON (no pickle)."""

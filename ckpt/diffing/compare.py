@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckpt.diffing.sides import Side, open_side
-from ckpt.format.dtypes import bit_pattern, byte_view, itemsize
+from ckpt.format.dtypes import bit_identical, bit_pattern, byte_view, itemsize
 from ckpt.format.manifest import name_selected, split_lengths
 from ckpt.progress import NullProgress, Progress, reporting
 from ckpt.transfer.pipeline import run_parallel
@@ -109,6 +109,10 @@ def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> Te
     if tuple(a.shape) != tuple(b.shape):
         raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
     same_dtype = a.dtype == b.dtype
+    if a.is_complex() != b.is_complex():
+        # A real tensor against a complex one (x against x + 0j): as complex both, or their real views
+        # (two numbers per complex element) would not line up.
+        a, b = a.to(torch.complex128), b.to(torch.complex128)
     if same_dtype:
         changed = int((bit_pattern(a) != bit_pattern(b)).sum())
     else:
@@ -389,18 +393,27 @@ def _compare(name: str, side_a: Side, side_b: Side, cs: int,
     elem = itemsize(mb.dtype) or 1
     elem = elem if elem in (1, 2, 4, 8) else 1
     if ma is None:
+        if not estimate:  # nothing to compare: its data is read only for the estimate
+            return row("added", numel, read=False), None
         tb = side_b.tensor(name)
         return row("added", numel, dbytes=_estimate(None, tb, None, side_b.chunk_ids(name, cs), cs, elem, known, settings, estimate)), None
     if ma.dtype == mb.dtype and ma.shape == mb.shape:
         ids_a, ids_b = side_a.chunk_ids(name, cs), side_b.chunk_ids(name, cs)
         if ids_a is not None and ids_a == ids_b:
             return row("identical", numel, dbytes=0, read=False), None  # equal hashes: equal bytes
+    if ma.shape != mb.shape and not estimate:
+        return row("shape_changed", numel, read=False), None
     ta, tb = side_a.tensor(name), side_b.tensor(name)
     ids_a = side_a.chunk_ids(name, cs) if ma.nbytes == mb.nbytes else None
     dbytes = _estimate(ta if ma.dtype == mb.dtype and ma.nbytes == mb.nbytes else None, tb, ids_a,
                        side_b.chunk_ids(name, cs), cs, elem, known, settings, estimate)
     if ma.shape != mb.shape:
         return row("shape_changed", numel, dbytes=dbytes), None
+    if itemsize(ma.dtype) is None or itemsize(mb.dtype) is None:
+        # A dtype ckpt does not know (both sides read as bytes): equal or not by bytes; no values to compare.
+        if ma.dtype != mb.dtype:
+            return row("dtype_changed", numel, dbytes=dbytes), None
+        return row("identical" if bit_identical(ta, tb) else "changed", numel, dbytes=dbytes), None
     stats = tensor_stats(ta, tb)
     if ma.dtype != mb.dtype:
         return row("dtype_changed", numel, stats, dbytes), stats

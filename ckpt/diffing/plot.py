@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 
 def layer_key(name: str) -> tuple[str, int | None, str]:
-    """(stack, layer index, module type) of a tensor name: its first all-digit segment
-    is the layer index; what precedes it names the stack, what follows the module type.
+    """(stack, layer index, module type) of a tensor name: its first segment that is a number
+    (ASCII digits, no leading zero) is the layer index; what precedes it names the stack, what follows the module type.
 
     >>> layer_key("encoder.layer.3.attention.self.query.weight")
     ('encoder.layer', 3, 'attention.self.query.weight')
@@ -32,7 +32,9 @@ def layer_key(name: str) -> tuple[str, int | None, str]:
     """
     parts = name.split(".")
     for i, p in enumerate(parts):
-        if p.isdigit():
+        # ASCII digits written as int() writes them: "²" is a digit int() refuses, and "03" or "٣" would
+        # share layer 3's cell with "3", one tensor drawn over the other
+        if p.isascii() and p.isdigit() and p == str(int(p)):
             return ".".join(parts[:i]), int(p), ".".join(parts[i + 1 :]) or "(tensor)"
     return "", None, name
 

@@ -3,7 +3,8 @@ reader, or a local file, directory or dict of tensors, read as ``push`` reads it
 
 Both answer the same questions: tensor names with dtype, shape and size; the chunk
 ids of a tensor when cut at a given chunk size (a stored checkpoint knows them from
-its manifest, a local tensor is hashed piece by piece); and the tensor itself.
+its manifest, a local tensor is hashed piece by piece); and the tensor itself (one of
+a dtype ckpt does not know, stored as opaque bytes, as its bytes: uint8, flat).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
 from ckpt.errors import TensorMismatchError
-from ckpt.format.dtypes import byte_view, to_torch
+from ckpt.format.dtypes import byte_view, itemsize, to_torch
 from ckpt.format.manifest import split_lengths
 from ckpt_store.storage.objects import object_id
 
@@ -63,7 +64,20 @@ class RefSide:
         return {c for t in self.reader.manifest.tensors for c in t.chunks} if chunk_size == self.chunk_size else set()
 
     def tensor(self, name: str) -> torch.Tensor:
-        return self.reader.get_tensor(name)
+        """The tensor; one of a dtype ckpt does not know as its bytes (uint8, flat)."""
+        import torch
+
+        from ckpt.store.limits import check_memory
+        from ckpt.transfer.pipeline import get_chunks, into_tasks
+
+        entry = self.reader.info(name)
+        if itemsize(entry.dtype) is not None:
+            return self.reader.get_tensor(name)
+        check_memory([entry], f"tensor {name!r}")
+        out = torch.empty(entry.nbytes, dtype=torch.uint8)
+        store = self.reader.store
+        get_chunks(store.objects, into_tasks(self.reader.manifest.chunk_size, [(entry, out)]), store.settings)
+        return out
 
     def close(self) -> None:
         pass
@@ -74,6 +88,7 @@ class DcpSide(RefSide):
     ``Store.load`` gives them (its entries are the shards, named and cut by the saving ranks)."""
 
     def __init__(self, reader: CheckpointReader, label: str) -> None:
+        from ckpt.dcp.consolidate import check_entries
         from ckpt.dcp.format import decode_layout
 
         self.reader = reader
@@ -81,6 +96,9 @@ class DcpSide(RefSide):
         self.id = reader.id
         self.chunk_size = reader.manifest.chunk_size
         self.items = decode_layout(reader.manifest.extra, f"checkpoint {label}").tensors
+        # Every shard against its entry first: a shard naming no entry was a KeyError, and a layout
+        # whose size its entries do not back (forged) was allocated whole before anything was read.
+        check_entries(reader.manifest, self.items.values())
         self.entries = {t.name: t for t in reader.manifest.tensors}
         self.meta = {n: TensorMeta(t.dtype, t.size, t.nbytes) for n, t in self.items.items()}
 
@@ -137,7 +155,8 @@ class SourceSide:
 
         t = self._by_name[name]
         assert t.src is not None
-        out = torch.empty(t.shape, dtype=to_torch(t.dtype))
+        # a dtype ckpt does not know: its bytes (uint8, flat), as RefSide gives them
+        out = torch.empty(t.shape, dtype=to_torch(t.dtype)) if itemsize(t.dtype) is not None else torch.empty(t.nbytes, dtype=torch.uint8)
         view = byte_view(out)
         step = 64 << 20
         for pos in range(0, t.nbytes, step):

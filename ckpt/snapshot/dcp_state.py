@@ -137,7 +137,7 @@ def optimizer_target(key: str, opt: Any, saved: dict[str, Path], layout: DcpLayo
         dtype, size = to_torch(item.dtype), tuple(item.size)
         param, existing = None, None
         if len(rel) >= 3 and rel[0] == "state":
-            index = int(rel[1]) if str(rel[1]).isdigit() else -1
+            index = int(rel[1]) if str(rel[1]).isascii() and str(rel[1]).isdigit() else -1  # ("²" is a digit int() refuses)
             if not 0 <= index < len(params):
                 raise SnapshotError(f"state[{key!r}]: the snapshot of step {step} has optimizer state for parameter "
                                     f"{rel[1]}; this optimizer has {len(params)} parameters",

@@ -91,12 +91,14 @@ class DistributedSnapshots:
         """The gloo group the checkpoint collectives run on (a new one after :meth:`agree` rebuilt it)."""
         return self.checkpoint_group.pg
 
-    def agree(self, what: str) -> None:
+    def agree(self, what: str, persist: bool = False) -> bool:
         """Before a save or restore (every rank alike): rebuild the group if a collective on it failed
-        on any rank. Raises :class:`~ckpt.snapshot.group.GroupUnavailable` when the ranks cannot."""
-        self.checkpoint_group.agree(what)
+        on any rank. Returns whether any rank asked to ``persist`` the save. Raises
+        :class:`~ckpt.snapshot.group.GroupUnavailable` when the ranks cannot."""
+        asked = self.checkpoint_group.agree(what, persist)
         if self.peers is not None:
             self.peers.group = self.group
+        return asked
 
     def choose(self, durable: Store, latest: str) -> tuple[int, str, Tiers] | None:
         """:meth:`Peers.choose <ckpt.snapshot.peers.Peers.choose>` on a group the ranks agreed on."""
@@ -105,8 +107,12 @@ class DistributedSnapshots:
         try:
             return self.peers.choose(durable, latest)
         except _FAILURES as e:
+            from ckpt.errors import CkptError
+
             self.checkpoint_group.failed(e)
-            raise
+            if isinstance(e, CkptError):
+                raise
+            raise self._restore_error(e) from e
 
     def resolve(self, find: Callable[[], str]) -> str | None:
         """The manifest id ``find()`` gives on rank 0 (None where it raises RefNotFoundError), the
@@ -131,7 +137,7 @@ class DistributedSnapshots:
             dist.broadcast_object_list(box, src=self.checkpoint_group.ranks[0], group=self.group)
         except _FAILURES as e:
             self.checkpoint_group.failed(e)
-            raise
+            raise self._restore_error(e) from e
         kind, value = box[0]
         if kind == "error":
             raise SnapshotError(f"restore not done: rank 0 could not resolve the snapshot ({value})",
@@ -152,7 +158,7 @@ class DistributedSnapshots:
         decision is :attr:`persisting`, the same on every rank."""
         from ckpt.dcp.checkpoint import Writer
 
-        self.agree(f"snapshot of step {step}")
+        persist = self.agree(f"snapshot of step {step}", persist and persist_to is not None)
         prepared: dict[str, Any] = {}
         per_rank = []
         for key, obj in state.items():
@@ -163,8 +169,7 @@ class DistributedSnapshots:
                 prepared[key] = obj.state_dict()
             else:
                 prepared[key] = obj
-        self.persisting = self._check_identical(step, {k: v for k, v in prepared.items() if k not in per_rank},
-                                                persist and persist_to is not None)
+        self.persisting = self._check_identical(step, {k: v for k, v in prepared.items() if k not in per_rank}, persist)
         persist_to = persist_to if self.persisting else None
         record = {**snapshot, "ranks": True, "world": self.world, "keys": sorted(state), "per_rank": sorted(per_rank)}
         base = self.last_id if self.run.delta else None
@@ -205,12 +210,12 @@ class DistributedSnapshots:
         import torch.distributed.checkpoint as dcp
 
         try:
-            dcp.save(state, storage_writer=writer, process_group=self.group, planner=_planner())
+            md = dcp.save(state, storage_writer=writer, process_group=self.group, planner=_planner())
         except _FAILURES as e:  # any failure of any rank: one clear error
             if self.peers is None or persist_to is None or not (isinstance(e, CheckpointException) and e.failures):
                 raise self._error(step, e) from e  # (no agreement: a rank died or hung; the durable save would too)
             return self._write_durably(step, state, record, persist_to, e)
-        return self._done(step, writer, persist_to)
+        return self._done(step, writer, persist_to, md.storage_meta.checkpoint_id if md.storage_meta else None)
 
     def _write_durably(self, step: int, state: dict[str, Any], record: dict[str, Any], run: SnapshotRun,
                        cause: CheckpointException) -> SaveResult:
@@ -249,7 +254,7 @@ class DistributedSnapshots:
             self.checkpoint_group.failed(e)
             raise GroupUnavailable(f"snapshot of step {step} not saved: {describe(e)}",
                                    hint=f"a rank failed, died or took longer than timeout_s={self.timeout_s:g}; "
-                                   "the ranks rebuild the checkpoint group at the next save") from e
+                                   "the ranks rebuild the checkpoint group at the next save", persist=persist) from e
         steps = sorted({s for _, _, s in gathered})
         if len(steps) > 1:
             raise SnapshotError(f"snapshot not saved: the ranks saved different steps ({', '.join(map(str, steps))}); "
@@ -280,11 +285,14 @@ class DistributedSnapshots:
             hint=f"another rank failed, died or took longer than timeout_s={self.timeout_s:g}; see its log",
         )
 
-    def _done(self, step: int, writer: Any, persist_to: SnapshotRun | None = None) -> SaveResult:
+    def _done(self, step: int, writer: Any, persist_to: SnapshotRun | None = None, saved_id: str | None = None) -> SaveResult:
+        """``saved_id``: the checkpoint id dcp.save returned, the coordinator's commit on every rank. (A
+        rank that read the ref instead could fail where its view of the store lags, alone, after the
+        save succeeded everywhere.)"""
         if self.peers is not None:
             return self._tiers_done(step, writer, persist_to)
         last = writer.last  # set on the coordinator, which committed the snapshot
-        self.last_id = self.run.store.resolve(self.run.ref(step)) if last is None else last.id
+        self.last_id = last.id if last is not None else saved_id
         if last is None:
             return SaveResult(self.last_id, prunes=False)
         return SaveResult(last.id, last.written_bytes, last.logical_bytes)
@@ -319,6 +327,15 @@ class DistributedSnapshots:
         return None
 
     # -- restoring -----------------------------------------------------------------------
+    def _restore_error(self, e: BaseException) -> Exception:
+        """The SnapshotError a restore raises (from ``e``) where a collective failed: a peer died, or
+        did not answer within timeout_s (gloo raises a RuntimeError)."""
+        from ckpt.snapshot.run import SnapshotError
+
+        return SnapshotError(f"rank {self.rank}: restore not done: the ranks could not exchange what they restore "
+                             f"({describe(e)})", hint=f"another rank failed, died or took longer than "
+                             f"timeout_s={self.timeout_s:g}; see its log; nothing was restored")
+
     def restore(self, state: dict[str, Any], mid: str, tiers: Tiers | None = None) -> int:
         self.agree("restore")
         try:
@@ -343,7 +360,10 @@ class DistributedSnapshots:
         # The ranks agree before the collective load: a rank that refuses must not leave the
         # others waiting in it for timeout_s.
         verdicts: list[Any] = [None] * self.world
-        dist.all_gather_object(verdicts, None if problem is None else f"{type(problem).__name__}: {problem}", group=self.group)
+        try:
+            dist.all_gather_object(verdicts, None if problem is None else f"{type(problem).__name__}: {problem}", group=self.group)
+        except _FAILURES as e:
+            raise self._restore_error(e) from e
         if problem is not None:
             raise problem
         refused = next(((r, v) for r, v in enumerate(verdicts) if v is not None), None)
@@ -435,6 +455,10 @@ class DistributedSnapshots:
         step = snapshot_step(m)
         if step is None:
             raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of its step is malformed")
+        for field in ("keys", "per_rank"):  # lists of state keys, compared as sets (_check_keys)
+            names = snap.get(field)
+            if names is not None and not (isinstance(names, list) and all(isinstance(k, str) for k in names)):
+                raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of its {field} is malformed")
         layout = decode_layout(m.extra, f"manifest {mid}")
         check_entries(m, layout.tensors.values())  # before a target is allocated from the layout's sizes
         saved = saved_paths(layout, mid)

@@ -11,14 +11,20 @@ timeout and the save goes on with it.
 
 Round ``k`` of the agreement (every rank counts its saves and restores alike):
 
-* each rank adds ``1 + world * failed`` (``failed``: 0 or 1) to the round's counter;
+* each rank adds ``1 + world * (failed + (world + 1) * asks)`` (``failed``: 0 or 1; ``asks``: 1 if
+  it asks for the save to be persisted) to the round's counter, so that the counter says how
+  many ranks arrived (modulo ``world``), saw a failure and asked;
 * the rank whose addition completes the round (the counter becomes a multiple of ``world``)
-  publishes the verdict ``go:N`` (N ranks saw a failure) with compare-and-set, and deletes the
-  previous round's keys (every rank has left it);
+  publishes the verdict ``go:N:P`` (N ranks saw a failure, P: whether any asked) with
+  compare-and-set, and deletes the previous round's keys (every rank has left it);
 * the others wait up to ``timeout_s`` for the verdict. One that waited in vain sets it to
-  ``abandoned`` instead (compare-and-set: exactly one verdict wins), and a rank arriving later
-  reads that. Every rank of an abandoned round counts its group as failed, so the next round
-  rebuilds it, and the save of that round does not happen (:class:`GroupUnavailable`).
+  ``abandoned:P`` instead (P: whether any rank arrived so far asked; compare-and-set: exactly one
+  verdict wins), and a rank arriving later reads that. Every rank of an abandoned round counts
+  its group as failed, so the next round rebuilds it, and the save of that round does not happen
+  (:class:`GroupUnavailable`).
+
+Every rank that reads the verdict takes P from it, not from its own wish: whether the save that
+did not happen raises or warns (ckpt/snapshot/manager.py) is then decided alike on every rank.
 """
 
 from __future__ import annotations
@@ -36,9 +42,15 @@ log = logging.getLogger(__name__)
 
 class GroupUnavailable(SnapshotError):
     """The ranks could not agree on a working checkpoint group (a peer did not answer within
-    ``timeout_s``, or the group could not be rebuilt): this save or restore did not happen."""
+    ``timeout_s``, or the group could not be rebuilt): this save or restore did not happen.
+    ``persist``: whether the ranks asked for the save to be persisted, as they agreed (the same
+    on every rank that read the round's verdict; this rank's own wish where none could be read)."""
 
     retryable = True  # the next save agrees again, and rebuilds the group with the ranks that answer
+
+    def __init__(self, message: str, *, hint: str | None = None, persist: bool = False) -> None:
+        super().__init__(message, hint=hint)
+        self.persist = persist
 
 
 class CheckpointGroup:
@@ -105,36 +117,41 @@ class CheckpointGroup:
                         describe(e))
         self.broken = True
 
-    def agree(self, what: str) -> None:
-        """One round of the agreement; rebuild the group if any rank saw it fail. Raises
-        :class:`GroupUnavailable` (``what``: the save or restore that does not happen) when a rank
-        did not arrive within the timeout or the group could not be rebuilt."""
+    def agree(self, what: str, persist: bool = False) -> bool:
+        """One round of the agreement; rebuild the group if any rank saw it fail. Returns whether
+        any rank asked to ``persist`` the save. Raises :class:`GroupUnavailable` (``what``: the save
+        or restore that does not happen; its ``persist`` as agreed) when a rank did not arrive within
+        the timeout or the group could not be rebuilt."""
         if self.world == 1:
-            return
+            return persist
         k, self._round = self._round, self._round + 1
         try:
-            verdict = self._verdict(self._store_(), f"{self._prefix}/{k}", k)
+            verdict = self._verdict(self._store_(), f"{self._prefix}/{k}", k, persist)
         except Exception as e:  # the rendezvous store itself failed
             self.broken = True
             raise GroupUnavailable(f"{what} not done: the ranks could not agree through the rendezvous store "
-                                   f"({describe(e)})") from e
-        if verdict == "abandoned":
+                                   f"({describe(e)})", persist=persist) from e
+        kind, *counts = verdict.split(":")
+        asked = counts[-1:] == ["1"]
+        if kind == "abandoned":
             self.broken = True
             raise GroupUnavailable(
                 f"{what} not done: not every rank of the checkpoint group arrived within "
                 f"timeout_s={self.timeout.total_seconds():g} (a rank died, hangs, or is still failing an earlier save)",
-                hint="the ranks try again at the next save; see the other ranks' logs")
-        if verdict == "go:0":
-            return
+                hint="the ranks try again at the next save; see the other ranks' logs", persist=asked)
+        if counts[0] == "0":
+            return asked
         try:
             self._replace()
         except Exception as e:  # a peer gone since it arrived: the next round tries again
             self.broken = True
             raise GroupUnavailable(f"{what} not done: the checkpoint group could not be rebuilt ({describe(e)})",
-                                   hint="the ranks try again at the next save; see the other ranks' logs") from e
+                                   hint="the ranks try again at the next save; see the other ranks' logs",
+                                   persist=asked) from e
         self.broken = False
         self.rebuilds += 1
-        log.warning("checkpoint group rebuilt (%s rank(s) saw it fail)", verdict[3:])
+        log.warning("checkpoint group rebuilt (%s rank(s) saw it fail)", counts[0])
+        return asked
 
     def final_step(self, step: int, preempted: bool) -> int | None:
         """The step at which every rank takes the final snapshot of a preempted run, once some rank
@@ -150,11 +167,13 @@ class CheckpointGroup:
             return int(store.compare_set(key, "", str(step + 1)).decode())
         return int(store.get(key).decode()) if store.check([key]) else None
 
-    def _verdict(self, store: Any, key: str, k: int) -> str:
-        n = store.add(f"{key}/n", 1 + self.world * int(self.broken))
-        if n % self.world == 0:  # the last to arrive
-            verdict = store.compare_set(f"{key}/v", "", f"go:{n // self.world - 1}").decode()
-            if verdict != "abandoned" and k > 0:
+    def _verdict(self, store: Any, key: str, k: int, persist: bool) -> str:
+        w = self.world
+        n = store.add(f"{key}/n", 1 + w * (int(self.broken) + (w + 1) * int(persist)))
+        if n % w == 0:  # the last to arrive: n = w + w * (failed + (w + 1) * asked), counted over the ranks
+            asked, failed = divmod(n // w - 1, w + 1)
+            verdict = store.compare_set(f"{key}/v", "", f"go:{failed}:{int(asked > 0)}").decode()
+            if not verdict.startswith("abandoned") and k > 0:
                 for old in (f"{self._prefix}/{k - 1}/n", f"{self._prefix}/{k - 1}/v"):
                     with contextlib.suppress(Exception):  # a store that cannot delete keeps a few bytes a round
                         store.delete_key(old)
@@ -162,7 +181,11 @@ class CheckpointGroup:
         try:
             store.wait([f"{key}/v"], self.timeout)
         except Exception:  # noqa: BLE001 - the store's timeout: abandon the round, unless the verdict came meanwhile
-            return store.compare_set(f"{key}/v", "", "abandoned").decode()
+            # Whether a rank that arrived so far asked: n = arrived + w * (failed + (w + 1) * asked), failed <= w
+            # (arrived = w, if the last came meanwhile, counts as w + w * 0: see above).
+            n = store.add(f"{key}/n", 0)
+            asked = (n // w - (n % w == 0)) // (w + 1)
+            return store.compare_set(f"{key}/v", "", f"abandoned:{int(asked > 0)}").decode()
         return store.get(f"{key}/v").decode()
 
     def _store_(self) -> Any:

@@ -449,9 +449,11 @@ class CheckpointManager:
                     persist = self._group_path.persisting  # agreed: one rank alone may know the run went back, say
                 except GroupUnavailable as e:
                     # The ranks could not agree on a working group: as for a tier failure, unless this
-                    # snapshot is due to the durable store (raised, as without tiers).
-                    self._persist_pending = persist
-                    if persist:
+                    # snapshot is due to the durable store (raised, as without tiers). Due as the ranks
+                    # agreed (e.persist), not by this rank's own view: a rank that raised while the others
+                    # went on training would leave them waiting for it in their next collective.
+                    self._persist_pending = persist or e.persist
+                    if e.persist:
                         raise
                     self._tier_warning(f"local tiers: snapshot of step {step} not saved ({e}); the next save tries again")
                     return

@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from ckpt.dcp.consolidate import shard_entry
+from ckpt.dcp.format import DCP_SOURCE, TensorItem
 from ckpt.errors import TensorMismatchError
+from ckpt.format.dtypes import to_torch
 from ckpt.format.manifest import Manifest, TensorEntry
 from ckpt.store.limits import check_memory
 from ckpt.store.load import check_unique, empty_tensor
@@ -19,6 +22,9 @@ if TYPE_CHECKING:
 
 class CheckpointReader:
     """Read single tensors of a stored checkpoint without fetching the others.
+
+    A distributed (DCP) checkpoint lists and reads its tensors whole, each assembled from the
+    shards the ranks saved (as ``Store.load`` gives them), not the shards themselves.
 
     >>> reader = store.reader("minilm/base")          # doctest: +SKIP
     >>> reader.keys()[:1]                             # doctest: +SKIP
@@ -35,20 +41,37 @@ class CheckpointReader:
         # names held by two files of a directory checkpoint (a diffusers folder's unet/ and vae/):
         # either one, picked silently, would hide the other
         self._twice = {t.name for t in manifest.tensors if self._by_name[t.name] is not t}
+        self._items: dict[str, TensorItem] | None = None  # a distributed checkpoint's whole tensors
+        if manifest.source == DCP_SOURCE:
+            from ckpt.dcp.format import decode_layout
+
+            self._items = decode_layout(manifest.extra, f"checkpoint {manifest_id[:12]}").tensors
 
     def keys(self) -> list[str]:
+        if self._items is not None:
+            return list(self._items)
         return [t.name for t in self.manifest.tensors]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())
 
     def __contains__(self, name: object) -> bool:
-        return name in self._by_name
+        return name in (self._items if self._items is not None else self._by_name)
 
     def __len__(self) -> int:
-        return len(self._by_name)
+        return len(self._items if self._items is not None else self._by_name)
 
     def info(self, name: str) -> TensorEntry:
+        """The manifest entry of tensor ``name``. A tensor of a distributed checkpoint stored as
+        several shards has none: :class:`TensorMismatchError` (``get_tensor`` reads it whole)."""
+        if self._items is not None:
+            item = self._items.get(name)
+            if item is None:
+                raise TensorMismatchError(f"no tensor {name!r} in checkpoint {self.id[:12]}")
+            if [sh.sizes for sh in item.shards] != [item.size]:
+                raise TensorMismatchError(f"tensor {name!r} of distributed checkpoint {self.id[:12]} is stored as "
+                                          f"{len(item.shards)} shards, not one entry", hint="read it whole with get_tensor")
+            return shard_entry(item, item.shards[0], self._by_name)
         if name in self._twice:
             check_unique([t for t in self.manifest.tensors if t.name == name],
                          hint="pull it with `ckpt pull` to a directory, where each file keeps its own")
@@ -62,10 +85,24 @@ class CheckpointReader:
         return next((f.metadata for f in self.manifest.files if f.kind == "safetensors" and f.metadata), None)
 
     def get_tensor(self, name: str) -> torch.Tensor:
+        if self._items is not None and name in self._items:
+            return self._whole(self._items[name])
         entry = self.info(name)
         check_memory([entry], f"tensor {name!r}")
         out = empty_tensor(entry)
         get_chunks(self.store.objects, into_tasks(self.manifest.chunk_size, [(entry, out)]), self.store.settings)
+        return out
+
+    def _whole(self, item: TensorItem) -> torch.Tensor:
+        """A distributed checkpoint's tensor, assembled from its shards (each checked against its entry)."""
+        import torch
+
+        from ckpt.dcp.consolidate import run_copies, shard_copies
+
+        entries = [shard_entry(item, sh, self._by_name) for sh in item.shards]  # before anything is allocated
+        check_memory(entries, f"tensor {item.fqn!r}")
+        out = torch.empty(item.size, dtype=to_torch(item.dtype))
+        run_copies(self.store, self.manifest, shard_copies(item, out, self._by_name))
         return out
 
     def __enter__(self) -> CheckpointReader:

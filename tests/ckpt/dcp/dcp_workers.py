@@ -1206,10 +1206,10 @@ def forged_key_path(rank, world, tmp, store):
         s = ckpt.Store.open(store)
         saved = s.manifest("run/step-1").to_json()
         raw = json.loads(saved)
-        for step, i in ((2, 10**12), (3, -1), (4, "size"), (5, "step")):
-            if i == "step":  # the snapshot's record of its step is not a number
+        for step, i in ((2, 10**12), (3, -1), (4, "size"), (5, "step"), (6, "keys"), (7, "per_rank")):
+            if i in ("step", "keys", "per_rank"):  # the snapshot's record of its step, keys or per-rank keys is malformed
                 raw = json.loads(saved)
-                raw["extra"]["snapshot"]["step"] = "five"
+                raw["extra"]["snapshot"].update({"step": "five"} if i == "step" else {"step": step, i: [["pos"]]})
                 mid, _ = commit(s.objects, s.refs_db, Manifest.from_json(json.dumps(raw).encode(), "forged").to_json(), "run/step-5")
                 s.refs_db.set("run/latest", mid, alias=True)
                 try:
@@ -1234,6 +1234,45 @@ def forged_key_path(rank, world, tmp, store):
 
 
 
+def forged_optimizer_path(rank, world, tmp, store):
+    """A snapshot of an AdamW optimizer whose record of key paths (planner_data) names its state's
+    parameter index otherwise: "²" (a digit to str.isdigit that int() refuses) or "x", for a tensor
+    (exp_avg) and for a value (step). The restore's outcome for each (one rank)."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt.format.manifest import Manifest
+    from ckpt_store.storage.commit import commit
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, capturable=False)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    out = {}
+    with ckpt.CheckpointManager(store, "opt", save_mode="sync", process_group=dist.group.WORLD, timeout_s=20) as mgr:
+        mgr.save(1, {"opt": opt})
+        s = ckpt.Store.open(store)
+        saved = s.manifest("opt/step-1").to_json()
+        for step, (item, index) in enumerate([("exp_avg", "²"), ("exp_avg", "x"), ("step", "²"), ("step", "x")], start=2):
+            raw = json.loads(saved)
+            pd = raw["extra"]["dcp"]["planner_data"]
+            fqn = next(f for f, path in pd.items() if path[1:2] == ["state"] and path[-1] == item)
+            pd[fqn] = [*pd[fqn][:2], index, *pd[fqn][3:]]
+            raw["extra"]["snapshot"]["step"] = step
+            mid, _ = commit(s.objects, s.refs_db, Manifest.from_json(json.dumps(raw).encode(), "forged").to_json(), f"opt/step-{step}")
+            s.refs_db.set("opt/latest", mid, alias=True)
+            fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
+            try:
+                out[f"{item}/{index}"] = f"restored {mgr.restore_latest({'opt': fresh})}"
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out[f"{item}/{index}"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def save_fine_tunes(rank, world, tmp, store):
     """A base and two fine-tunes of one tensor, saved row-sharded over the ranks as d/base, d/ft1, d/ft2."""
     import torch
@@ -1256,10 +1295,142 @@ def fine_tunes():
     return {"base": base, "ft1": base + 0.01 * torch.randn(64, 32, generator=g), "ft2": base + 0.01 * torch.randn(64, 32, generator=g)}
 
 
+def tiers_late_rank_asks(rank, world, tmp, store, asker, late, timeout_s=3):
+    """Local tiers on every rank, no durable schedule. Step 1 is saved; at step 2 rank ``asker`` asks
+    for the snapshot to be persisted (``save(2, persist=True)``), and rank ``late`` arrives after the
+    others gave up waiting (``timeout_s``): the agreement round is abandoned. Returns, per step, what
+    each save did ("ok", or the error or TierWarning), and the durable store's steps at the end."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    state = {"model": model, "step": 0}
+    mgr = ckpt.CheckpointManager(store, "late", local=os.path.join(tmp, "local"), local_every_n_steps=1,
+                                 process_group=dist.group.WORLD, timeout_s=timeout_s)
+    done = {}
+    for step in (1, 2, 3):
+        state["step"] = step
+        if step == 2 and rank == late:
+            time.sleep(timeout_s + 2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                mgr.save(step, state, persist=True if step == 2 and rank == asker else None)
+                mgr.wait()
+                done[step] = "ok"
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                done[step] = f"{type(e).__name__}: {e}"
+        warned = [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)]
+        if warned and done[step] == "ok":
+            done[step] = f"TierWarning: {warned[0]}"
+        dist.barrier()  # (the default group: not the manager's) the ranks begin the next step together
+    out = {"done": done, "durable": mgr.steps()}
+    mgr.close()
+    return out
+
+
+def restore_peer_dies(rank, world, tmp, store, timeout_s=10):
+    """Steps 1 and 2 saved by every rank; then a restore in which the last rank dies (SIGKILL) as it
+    plans its part, after the ranks agreed on the snapshot: what the others' restore_latest raised,
+    and after how many seconds."""
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt.snapshot.distributed import DistributedSnapshots
+
+    torch.manual_seed(0)
+    state = {"model": torch.nn.Linear(8, 8), "step": 0}
+    mgr = ckpt.CheckpointManager(store, "dies", save_mode="sync", process_group=dist.group.WORLD, timeout_s=timeout_s)
+    for step in (1, 2):
+        state["step"] = step
+        mgr.save(step, state)
+    if rank == world - 1:
+        def die(self, *args, **kwargs):
+            halt(signal.SIGKILL)
+
+        DistributedSnapshots._plan_restore = die
+    t0 = time.monotonic()
+    try:
+        got = f"restored {mgr.restore_latest(state)}"
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        got = f"{type(e).__name__}: {e}"
+    return {"restore": got, "seconds": time.monotonic() - t0, "is_ckpt_error": got.split(":")[0] in ("SnapshotError", "GroupUnavailable")}
+
+
+def save_stale_view(rank, world, tmp, store):
+    """Steps 1..3 saved (no tiers) while the last rank's view of the store lags (a shared file system's
+    stale listing): the refs a save just moved are not there yet for it. What each save gave, and
+    the snapshot ids each rank's manager holds afterwards."""
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt_store.storage.errors import RefNotFoundError
+
+    torch.manual_seed(0)
+    state = {"model": torch.nn.Linear(8, 8), "step": 0}
+    mgr = ckpt.CheckpointManager(store, "lag", save_mode="sync", process_group=dist.group.WORLD, timeout_s=20)
+    if rank == world - 1:
+        real = mgr.store.resolve
+
+        def resolve(ref, *args, **kwargs):
+            if ref.startswith("lag/"):
+                raise RefNotFoundError(ref)
+            return real(ref, *args, **kwargs)
+
+        mgr.store.resolve = resolve
+    done = {}
+    for step in (1, 2, 3):
+        state["step"] = step
+        try:
+            mgr.save(step, state)
+            done[step] = "ok"
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            done[step] = f"{type(e).__name__}: {e}"
+        dist.barrier()  # (the default group) the next step begins together, whatever this one did
+    out = {"done": done, "last_id": mgr._path.last_id}
+    mgr.close()
+    return out
+
+
+def load_missing(rank, world, tmp, store):
+    """dcp.load of a ref that does not exist, named to the Reader and as checkpoint_id: each error's
+    type, message and seconds; then a collective on the group, which every rank reaches at once."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt.dcp
+
+    out = {}
+    for case, load in {"reader": lambda: dcp.load({"w": torch.zeros(3)}, storage_reader=ckpt.dcp.Reader(store, "no/such")),
+                       "checkpoint_id": lambda: dcp.load({"w": torch.zeros(3)}, checkpoint_id="no/such",
+                                                         storage_reader=ckpt.dcp.Reader(store))}.items():
+        t0 = time.monotonic()
+        try:
+            load()
+            out[case] = "loaded"
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            out[case] = f"{type(e).__name__}: {e}"
+        out[f"{case}_s"] = time.monotonic() - t0
+    got = [None] * world
+    dist.all_gather_object(got, rank)
+    out["gathered"] = got
+    return out
+
+
 SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
              "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,
              "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline,
              "ranks_disagree": ranks_disagree, "forged_key_path": forged_key_path,
-             "save_fine_tunes": save_fine_tunes}
+             "save_fine_tunes": save_fine_tunes, "load_missing": load_missing,
+             "tiers_late_rank_asks": tiers_late_rank_asks, "restore_peer_dies": restore_peer_dies,
+             "save_stale_view": save_stale_view, "forged_optimizer_path": forged_optimizer_path}

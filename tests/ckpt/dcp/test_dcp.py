@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import ckpt
 import ckpt.dcp
 from ckpt.dcp.format import UnsupportedStateError
-from ckpt.errors import TensorMismatchError
+from ckpt.errors import RefNotFoundError, StoreNotFoundError, TensorMismatchError
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import dcp_workers as W  # noqa: E402
@@ -165,6 +165,23 @@ def test_reader_refuses_a_plain_checkpoint(tmp_path):
     ckpt.Store.init(url).push({"w": torch.ones(3)}, "plain/x")
     with pytest.raises(CheckpointException, match="not a distributed one"):
         dcp.load({"w": torch.zeros(3)}, storage_reader=ckpt.dcp.Reader(url, "plain/x"))
+
+
+def test_a_missing_ref_or_store_is_refused_by_name_before_dcp_starts(tmp_path):
+    """DCP caught the RefNotFoundError of read_metadata, logged it and raised its own AssertionError
+    ("metadata is None"), wrapped in a CheckpointException: the reader now checks the name first."""
+    url = str(tmp_path / "s")
+    ckpt.Store.init(url).push({"w": torch.ones(3)}, "plain/x")
+    with pytest.raises(RefNotFoundError, match="no/such"):
+        dcp.load({"w": torch.zeros(3)}, storage_reader=ckpt.dcp.Reader(url, "no/such"))
+    with pytest.raises(RefNotFoundError, match="no/such"):
+        dcp.load({"w": torch.zeros(3)}, checkpoint_id="no/such", storage_reader=ckpt.dcp.Reader(url))
+    with pytest.raises(StoreNotFoundError):
+        dcp.load({"w": torch.zeros(3)}, storage_reader=ckpt.dcp.Reader(str(tmp_path / "none"), "plain/x"))
+    for r in W.run_ranks("load_missing", 2, str(tmp_path), store=url, deadline_s=60):
+        assert "error" not in r, r.get("trace")
+        assert r["reader"].startswith("RefNotFoundError") and r["checkpoint_id"].startswith("RefNotFoundError"), r
+        assert r["reader_s"] < 20 and r["checkpoint_id_s"] < 20 and r["gathered"] == [0, 1]
 
 
 def test_two_ranks_save_reshard_async_and_consolidate(tmp_path):
@@ -369,6 +386,29 @@ def test_manager_refuses_what_it_cannot_restore_per_rank(tmp_path):
     assert ckpt.Store.open(url).verify().ok
 
 
+def test_a_rank_dying_during_a_restore_is_a_snapshot_error_on_the_others(tmp_path):
+    """Rank 1 dies as it plans its part of a restore, after the ranks agreed on the snapshot: rank 0's
+    restore_latest raised gloo's RuntimeError ("Connection closed by peer"), which no caller catching
+    ckpt's errors expects. It is now a SnapshotError saying nothing was restored, at once."""
+    r0, r1 = W.run_ranks("restore_peer_dies", 2, str(tmp_path), store=str(tmp_path / "s"), deadline_s=90)
+    assert r1 == {"killed": True}
+    assert "error" not in r0, r0.get("trace")
+    assert r0["restore"].startswith("SnapshotError: rank 0: restore not done") and r0["is_ckpt_error"], r0
+    assert "nothing was restored" in r0["restore"] and r0["seconds"] < 20
+
+
+def test_a_rank_whose_view_of_the_store_lags_saves_as_the_others_do(tmp_path):
+    """Rank 1 does not see the refs a save just moved (a shared file system's stale listing). Its part
+    of every save succeeded, then it read RUN/step-N back to learn the new id and raised RefNotFoundError,
+    alone: rank 0 went on, rank 1's loop stopped. It now takes the id dcp.save returns (rank 0's commit)."""
+    url = str(tmp_path / "s")
+    r0, r1 = W.run_ranks("save_stale_view", 2, str(tmp_path), store=url, deadline_s=90)
+    for r in (r0, r1):
+        assert "error" not in r, r.get("trace")
+        assert r["done"] == {"1": "ok", "2": "ok", "3": "ok"}, r["done"]
+    assert r0["last_id"] == r1["last_id"] == ckpt.Store.open(url).resolve("lag/latest")
+
+
 @pytest.mark.parametrize("view", ["stale", "missing"])
 def test_ranks_restore_the_snapshot_rank_0_resolves_whatever_the_others_see(tmp_path, view):
     """Saved at steps 1..4; at the restart rank 1 sees RUN/latest apart (a shared file system's stale
@@ -511,6 +551,20 @@ def test_a_forged_list_index_in_a_snapshots_key_paths_is_refused_not_allocated(t
     assert r["size"] == "StoreFormatError: tensor pos.a.0: shard 'pos.a.0' is missing or does not match its entry", r["size"]
     # (a step recorded as "five": ValueError from int() before)
     assert r["step"].startswith("SnapshotError: checkpoint ") and "record of its step" in r["step"], r["step"]
+    # (keys or per-rank keys recorded as lists of lists: TypeError "unhashable type: 'list'" before, and
+    # the checkpoint group counted as failed)
+    for field in ("keys", "per_rank"):
+        assert r[field].startswith("SnapshotError: checkpoint ") and f"record of its {field} is malformed" in r[field], r[field]
+
+
+def test_a_forged_parameter_index_in_an_optimizers_key_paths_is_a_snapshot_error(tmp_path):
+    """An AdamW snapshot whose key paths name its state's parameter "²" (a digit to str.isdigit, refused
+    by int()): the restore raised ValueError, and counted it as a failed collective. Now it is the
+    SnapshotError that any other index this optimizer lacks gives ("x" did already)."""
+    (r,) = W.run_ranks("forged_optimizer_path", 1, str(tmp_path), store=str(tmp_path / "s"))
+    assert "error" not in r, r.get("trace")
+    for case in ("exp_avg/²", "exp_avg/x", "step/²", "step/x"):
+        assert r[case].startswith("SnapshotError: state['opt']: the snapshot of step ") and "has optimizer state for parameter" in r[case], r
 
 
 def test_a_layout_larger_than_its_entries_is_refused_before_anything_is_allocated(tmp_path):
@@ -533,6 +587,24 @@ def test_a_layout_larger_than_its_entries_is_refused_before_anything_is_allocate
     r = CliRunner().invoke(app, ["--store", url, "pull", ref, str(tmp_path / "out.safetensors")])
     assert isinstance(r.exception, StoreFormatError) and "does not match its entry" in str(r.exception)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+@pytest.mark.parametrize("edit", ["no_entry", "too_big"])
+def test_diff_checks_every_shard_against_its_entry_before_reading(tmp_path, edit):
+    """`ckpt diff` of a forged layout: a shard naming no entry failed with a bare KeyError, and one of
+    2**40 rows backed by a 4x4 entry was allocated whole (RuntimeError "can't allocate memory"). Both
+    ways round it is now the StoreFormatError every other reader gives, before anything is read."""
+    from ckpt_store.storage.errors import StoreFormatError
+
+    url = str(tmp_path / "s")
+    dcp.save({"a": torch.arange(16.0).reshape(4, 4)}, storage_writer=ckpt.dcp.Writer(url, "x/a"))
+    big = {"size": [2**40, 4], "shards": [{"offsets": [0, 0], "sizes": [2**40, 4], "entry": "a"}]}
+    change = (lambda items: items["a"]["shards"][0].update(entry="nope")) if edit == "no_entry" else (lambda items: items["a"].update(big))
+    ref = _forged(url, "x/a", "x/forged", change)
+    store = ckpt.Store.open(url)
+    for a, b in (("x/a", ref), (ref, "x/a")):
+        with pytest.raises(StoreFormatError, match="is missing or does not match its entry"):
+            ckpt.diff(a, b, store=store)
 
 
 def test_merge_refuses_a_checkpoint_stored_as_shards_and_merges_one_saved_whole(tmp_path):
@@ -580,6 +652,36 @@ def test_diff_compares_the_tensors_of_distributed_checkpoints_not_their_shards(t
     assert rows("d/ft2", "one/ft1") == rows("plain/ft2", "plain/ft1")
 
 
+def test_the_lazy_reader_and_show_list_the_tensors_of_a_distributed_checkpoint_not_its_shards(tmp_path):
+    """Store.reader and `ckpt show` listed a 2-rank checkpoint's entries, the shards "w[0:32,0:32]" and
+    "w[32:64,0:32]": reader.get_tensor("w") raised 'no tensor', although Store.load and pull give "w".
+    They now list the whole tensors; the reader assembles one from its shards, bit for bit."""
+    from typer.testing import CliRunner
+
+    from ckpt_store.cli.main import app
+
+    url = str(tmp_path / "s")
+    assert W.run_ranks("save_fine_tunes", 2, str(tmp_path), store=url) == [{}, {}]
+    store = ckpt.Store.open(url)
+    dcp.save({"w": W.fine_tunes()["ft1"], "step": 3}, storage_writer=ckpt.dcp.Writer(url, "one/ft1"))
+    reader = store.reader("d/ft1")
+    assert reader.keys() == ["w"] and "w" in reader and "w[0:32,0:32]" not in reader and len(reader) == 1
+    assert _bits_equal(reader.get_tensor("w"), W.fine_tunes()["ft1"])
+    with pytest.raises(TensorMismatchError, match="2 shards"):
+        reader.info("w")
+    whole = store.reader("one/ft1")  # saved by one process: one entry, as before
+    assert whole.keys() == ["w"] and whole.info("w").shape == (64, 32) and _bits_equal(whole.get_tensor("w"), W.fine_tunes()["ft1"])
+    r = CliRunner().invoke(app, ["--store", url, "show", "d/ft1", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    entries = store.manifest("d/ft1").tensors
+    assert [(t["name"], t["shape"], t["shards"], t["logical_bytes"], t["chunks"]) for t in doc["tensors"]] == [
+        ("w", [64, 32], 2, 64 * 32 * 4, sum(len(e.chunks) for e in entries))]
+    assert doc["tensors"][0]["stored_bytes"] == sum(store.stored_sizes({c for e in entries for c in e.chunks}).values())
+    text = CliRunner().invoke(app, ["--store", url, "show", "d/ft1"]).output
+    assert "1 tensors" in text and "w[0:32" not in text and "64x32" in text
+
+
 def test_a_tensor_named_like_the_safetensors_metadata_is_refused_not_pulled_into_a_broken_file(tmp_path):
     """A state dict key "__metadata__" (the name safetensors reserves for its header's metadata) was
     saved, and `ckpt pull` wrote a .safetensors file whose header no reader parses, without an error.
@@ -604,6 +706,22 @@ def test_a_tensor_named_like_the_safetensors_metadata_is_refused_not_pulled_into
     assert not (tmp_path / "out.safetensors").exists()
     got = torch.load(store.pull(ref, str(tmp_path / "out.pt")), weights_only=True)
     assert _bits_equal(got["__metadata__"], torch.ones(2)) and _bits_equal(got["w"], torch.zeros(1))
+
+
+def test_a_lazy_conjugate_or_negative_view_is_saved_as_its_values(tmp_path):
+    """t.conj() of a complex tensor (and .imag of that, a negative view) is a lazy view: its bytes are
+    the unconjugated ones, and view(uint8) refuses it, so the save failed (RuntimeError in a
+    CheckpointException) where `push` stores its values. The writer now saves its values, as push does."""
+    url = str(tmp_path / "s")
+    c = torch.tensor([1 + 2j, 3 - 4j, -0.5 + 0j], dtype=torch.complex64).conj()
+    n = c.imag
+    assert c.is_conj() and n.is_neg()
+    dcp.save({"c": c, "n": n}, storage_writer=ckpt.dcp.Writer(url, "v/x"))
+    into = {"c": torch.zeros(3, dtype=torch.complex64), "n": torch.zeros(3)}
+    dcp.load(into, storage_reader=ckpt.dcp.Reader(url, "v/x"))
+    want = {"c": c.resolve_conj(), "n": n.resolve_neg().contiguous()}
+    assert all(_bits_equal(into[k], v) for k, v in want.items())
+    assert all(_bits_equal(got, want[k]) for k, got in ckpt.Store.open(url).load("v/x").items())
 
 
 def test_a_sparse_tensor_is_refused_by_name_before_anything_is_written(tmp_path):

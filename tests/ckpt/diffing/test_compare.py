@@ -65,6 +65,23 @@ def test_property_stats_match_numpy(data):
         assert same.cosine == pytest.approx(1.0, abs=1e-12)
 
 
+def test_a_real_tensor_retyped_as_complex_compares_by_value_both_ways_round(store):
+    """F32 against C64 of the same shape ("dtype_changed"): the statistics lined up the complex tensor's
+    real view (two numbers per element) against the real one and raised RuntimeError ("The size of
+    tensor a (8) must match the size of tensor b (4)"), either way round. Both compare as complex now."""
+    real = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    cplx = torch.tensor([1 + 0j, 2 + 1j, 3 + 0j, 4 + 0j], dtype=torch.complex64)
+    s = tensor_stats(real, cplx)
+    assert (s.changed_elements, s.max_abs_diff, s.norm_diff) == (1, 1.0, 1.0)
+    assert s.norm_a == math.sqrt(30) and s.norm_b == math.sqrt(31)
+    assert tensor_stats(cplx, real).changed_elements == 1
+    for x, y in ((real, cplx), (cplx, real)):
+        (row,) = ckpt.diff({"t": x}, {"t": y}, store=store).tensors
+        assert (row.status, row.changed_elements, row.max_abs_diff) == ("dtype_changed", 1, 1.0)
+    (row,) = ckpt.diff({"t": real}, {"t": real.to(torch.complex64)}, store=store).tensors
+    assert (row.status, row.changed_elements) == ("dtype_changed", 0)
+
+
 def test_nan_and_inf_changes_are_reported_as_such():
     """Issue 15 item 6: max(0.0, nan) made a weight turned NaN look unchanged (0.0), and inf printed as '-'."""
     a = torch.linspace(-1, 1, 10)
@@ -211,6 +228,28 @@ def test_identical_tensors_are_not_read(tmp_path):
     assert report.summary.identical_unread == 3 and report.summary.changed == 1
 
 
+def test_without_the_estimate_added_and_reshaped_tensors_are_not_read(tmp_path):
+    """An added or reshaped tensor has no statistics: its data serves only the delta estimate. Without
+    the estimate a diff read it anyway (the whole tensor, from a remote store too), and failed where it
+    could not. Delete their chunks from the store: the diff without the estimate works, unread."""
+    a, b = two_checkpoints()
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    store.push(a, "x/a")
+    store.push(b, "x/b")
+    unread = {"new", "reshaped"}
+    doomed = {c for mm in (store.manifest("x/a"), store.manifest("x/b")) for t in mm.tensors if t.name in unread for c in t.chunks}
+    others = {c for mm in (store.manifest("x/a"), store.manifest("x/b")) for t in mm.tensors if t.name not in unread for c in t.chunks}
+    assert doomed and not doomed & others
+    for c in doomed:
+        (tmp_path / "store" / "objects" / "chunks" / c[:2] / c).unlink()
+    report = ckpt.diff("x/a", "x/b", store=store, estimate_delta=False)
+    rows = {t.name: t for t in report.tensors}
+    assert (rows["new"].status, rows["new"].read, rows["reshaped"].status, rows["reshaped"].read) == ("added", False, "shape_changed", False)
+    assert report.summary.changed == 1 and report.summary.delta_bytes is None
+    with pytest.raises(ObjectNotFoundError):  # the estimate does read them
+        ckpt.diff("x/a", "x/b", store=store)
+
+
 def test_delta_estimate_is_what_a_push_writes(store):
     g = torch.Generator().manual_seed(3)
     a = {f"w{i}": torch.randn(512, 512, generator=g) for i in range(3)}
@@ -235,6 +274,45 @@ def test_two_local_files_need_no_store(tmp_path):
     assert r.summary.changed == 1 and r.summary.identical_unread == 3 and r.a_id is None
 
 
+def _safetensors(path, tensors):
+    """A safetensors file written by hand: ``(name, dtype, shape, raw bytes)``, any dtype name."""
+    import json
+    import struct
+
+    head, pos = {}, 0
+    for name, dtype, shape, raw in tensors:
+        head[name] = {"dtype": dtype, "shape": shape, "data_offsets": [pos, pos + len(raw)]}
+        pos += len(raw)
+    h = json.dumps(head).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(t[3] for t in tensors))
+    return str(path)
+
+
+def test_a_dtype_ckpt_does_not_know_compares_by_bytes_both_ways_round(store, tmp_path):
+    """F4 (4-bit floats, stored as opaque bytes): a diff read it through torch and failed ("no torch
+    equivalent") wherever it had to read it, so a tensor only B held failed as 'added' and passed as
+    'removed' the other way round. Now both ways agree: same or changed by its bytes, no statistics."""
+    one = ("y", "F32", [1], torch.ones(1).numpy().tobytes())
+    a = _safetensors(tmp_path / "a.safetensors", [("x", "F4", [8], bytes(range(4))), one])
+    b = _safetensors(tmp_path / "b.safetensors", [("x", "F4", [8], bytes([0, 1, 2, 9])), one, ("only_b", "F4", [2], b"\x01"),
+                                                  ("typed", "F4", [4], b"\x01\x02")])
+    a2 = _safetensors(tmp_path / "a2.safetensors", [("x", "F4", [8], bytes(range(4))), one, ("typed", "U8", [4], b"\x01\x02\x03\x04")])
+    store.push(a, "u/a")
+    store.push(b, "u/b")
+    store.push(a2, "u/a2")
+    for x, y, b_second, typed in (("u/a", "u/b", True, "added"), ("u/b", "u/a", False, "removed"), (a, b, True, "added"),
+                                  (b, a, False, "removed"), (a, "u/b", True, "added"), ("u/b", a, False, "removed"),
+                                  ("u/a2", "u/b", True, "dtype_changed"), ("u/b", a2, False, "dtype_changed")):
+        rows = {t.name: t for t in ckpt.diff(x, y, store=store).tensors}
+        assert rows["x"].status == "changed" and rows["x"].read and rows["x"].changed_elements is None, (x, y)
+        assert rows["x"].relative_change is None and rows["x"].delta_bytes and rows["y"].status == "identical"
+        assert rows["only_b"].status == ("added" if b_second else "removed")
+        assert rows["typed"].status == typed and rows["typed"].changed_elements is None
+    same = ckpt.diff(b, "u/b", store=store)  # read (a local file): identical by bytes
+    assert {t.name: t.status for t in same.tensors} == dict.fromkeys(["x", "y", "only_b", "typed"], "identical")
+
+
 def test_plot(store, tmp_path):
     pytest.importorskip("matplotlib")
     a, b = two_checkpoints()
@@ -245,6 +323,23 @@ def test_plot(store, tmp_path):
     out = plot(ckpt.diff("x/a", "x/b", store=store), tmp_path / "d.png")
     data = open(out, "rb").read()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_plot_of_names_with_odd_digits_draws_every_tensor(store, tmp_path):
+    """A name segment "²" is a digit to str.isdigit() that int() refuses: --plot raised ValueError. And
+    "layer.03.w" or "layer.٣.w" took layer 3's cell beside "layer.3.w", one tensor drawn over the other.
+    Only a number as int() writes it is a layer index now; the others are drawn as tensors of their own."""
+    pytest.importorskip("matplotlib")
+    from ckpt.diffing.plot import layer_key
+
+    assert layer_key("layer.3.w") == ("layer", 3, "w")
+    assert [layer_key(n)[1] for n in ("layer.².w", "layer.03.w", "layer.٣.w", "layer.0.w")] == [None, None, None, 0]
+    a = {n: torch.ones(4) for n in ("layer.3.w", "layer.03.w", "layer.².w", "layer.٣.w")}
+    b = {n: t * (i + 2) for i, (n, t) in enumerate(a.items())}
+    from ckpt.diffing.compare import plot
+
+    out = plot(ckpt.diff(a, b, store=store), tmp_path / "odd.png")
+    assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_without_matplotlib(store, tmp_path, monkeypatch):

@@ -313,6 +313,25 @@ def test_when_the_peer_is_gone_for_good_tier_saves_warn_and_durable_saves_raise(
     assert r0["durable"] == [] and r0["local_steps"] == [1]
 
 
+@pytest.mark.parametrize("asker", [0, 1])
+def test_ranks_that_could_not_agree_on_a_group_raise_or_warn_alike(tmp_path, asker):
+    """At step 2 one rank asks for the snapshot to be persisted and rank 1 arrives after rank 0 gave up
+    waiting for it (timeout_s): GroupUnavailable on both. Whether it raises (a snapshot due to the
+    durable store) or warns was each rank's own view: the asker raised and the other warned, so a loop
+    that stops on an error left the other rank training on, waiting for it in its next collective.
+    The ranks now decide alike, from what the ranks that arrived asked (rank 0 had asked: both raise;
+    only the late rank had: both warn); step 3 saves on both, and is persisted."""
+    url = str(tmp_path / "s")
+    r0, r1 = W.run_ranks("tiers_late_rank_asks", 2, str(tmp_path), store=url, asker=asker, late=1, deadline_s=120)
+    for r in (r0, r1):
+        assert "error" not in r, r.get("trace")
+        assert r["done"]["1"] == "ok" and r["done"]["3"] == "ok", r["done"]
+    kinds = [r["done"]["2"].split(":")[0] for r in (r0, r1)]
+    assert kinds == (["GroupUnavailable"] * 2 if asker == 0 else ["TierWarning"] * 2), (r0["done"], r1["done"])
+    assert r0["durable"] == r1["durable"] == [3]  # the persist asked for at step 2 is made at the next save
+    assert ckpt.Store.open(url).verify().ok
+
+
 def test_replicas_are_staged_beside_the_tier_and_named_only_at_the_commit(tmp_path):
     """What a rank receives as replicas (ckpt/snapshot/peers.py: _Staging), without processes: blobs are
     verified as they arrive and written beside their final names; nothing is named before the commit,
