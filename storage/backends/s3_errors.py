@@ -40,7 +40,7 @@ def client_error(e: BaseException) -> tuple[str, int] | None:
         resp = getattr(x, "response", None)
         if isinstance(resp, dict) and "Error" in resp:
             code = str(resp.get("Error", {}).get("Code", ""))
-            status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or (code if code.isdigit() else 0))
+            status = int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or (code if code.isascii() and code.isdigit() else 0))
             return code, status
     return None
 

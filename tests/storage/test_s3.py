@@ -54,6 +54,20 @@ def test_what_is_retried(code, status, retry):
     assert (transient(e) is not None) is retry
 
 
+@pytest.mark.parametrize("code", ["\u00b2", "\u0663", "412x", ""])
+def test_an_odd_error_code_without_a_status_is_not_a_crash(code):
+    """A server's error code decides the status only where the response has none, and only where
+    it is a plain ASCII number: "\u00b2".isdigit() is True and int() of it raised ValueError."""
+    from botocore.exceptions import ClientError
+
+    from ckpt_store.storage.backends.s3_errors import client_error
+
+    e = ClientError({"Error": {"Code": code, "Message": "m"}}, "GetObject")
+    assert client_error(e) == (code, 0)
+    assert transient(e) is None and not is_precondition_failed(e)
+    assert client_error(ClientError({"Error": {"Code": "503"}}, "GetObject")) == ("503", 503)
+
+
 def test_network_errors_are_retried():
     import aiohttp
     from botocore.exceptions import ConnectionClosedError, EndpointConnectionError
