@@ -452,6 +452,11 @@ class StoreIndex:
             out: dict[int, RefRec] = {}
             for seq, listed in files.items():
                 rec = have.get(seq)
+                if listed is None:  # not a file (a folder): damage, whatever the index recorded
+                    if not history and seq != newest:
+                        continue
+                    self.refs.read_entry(name, seq, is_file=False)
+                    continue
                 if rec is not None and rec.mtime is None and rec.matches(listed):
                     rec = RefRec(rec.seq, rec.target, rec.time, rec.writer, rec.alias, rec.size, listed.mtime)
                 if rec is None or not rec.matches(listed):

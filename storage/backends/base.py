@@ -169,6 +169,12 @@ class Backend(ABC):
     def list(self, prefix: str) -> Iterator[Entry]:
         """Every file below directory ``prefix`` (recursively); nothing if it does not exist."""
 
+    def folders(self, prefix: str) -> Iterator[str]:
+        """Every folder below directory ``prefix`` (recursively), empty ones included, which
+        :meth:`list` does not show. Nothing by default: an object store has no folders (a
+        prefix holding objects shows in :meth:`list`)."""
+        return iter(())
+
     @abstractmethod
     def delete(self, path: str) -> None:
         """Remove ``path``; absent is not an error."""

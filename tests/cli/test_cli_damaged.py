@@ -121,3 +121,32 @@ def test_with_the_index_ls_and_du_list_every_ref_and_verify_names_the_damage(dam
     assert code == 0 and [r["ref"] for r in json.loads(out)["refs"]] == ["a", "b", "c"]
     code, _, err = run_main(capsys, "verify")
     assert code == 1 and "DAMAGED b: manifest" in err
+
+
+@pytest.mark.parametrize("index", ["1", "0"])
+def test_a_folder_in_place_of_the_newest_ref_entry_is_damage(tmp_path, monkeypatch, capsys, index):
+    """An empty folder named like a ref's newest entry made the ref silently name its previous
+    version: ls listed it, pull wrote the old checkpoint, and push retried that entry's name for
+    seconds, then failed saying other writers kept updating the ref."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "store"
+    monkeypatch.setenv("CKPT_STORE", str(path))
+    monkeypatch.setenv("CKPT_INDEX", index)
+    store = ckpt.Store.init(str(path))
+    store.push({"w": torch.ones(3)}, "m")
+    store.push({"w": torch.zeros(3)}, "m")
+    store.push({"w": torch.ones(4)}, "other")
+    entry = path / "refs" / "m" / "0000000002.ref"
+    entry.unlink()
+    entry.mkdir()
+    code, out, err = run_main(capsys, "ls")
+    assert code == 1 and "DAMAGED m: ref entry refs/m/0000000002.ref is not a file" in err
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ["other"]
+    code, _, err = run_main(capsys, "pull", "m", str(tmp_path / "o.safetensors"))
+    assert code == 1 and "is not a file" in err and not (tmp_path / "o.safetensors").exists()
+    save_file({"w": torch.ones(5)}, tmp_path / "new.safetensors")
+    code, _, err = run_main(capsys, "push", str(tmp_path / "new.safetensors"), "m")
+    assert code == 1 and "is not a file" in err and "other writers" not in err
+    assert sorted(os.listdir(path / "refs" / "m")) == ["0000000001.ref", "0000000002.ref"]
+    assert run_main(capsys, "verify")[0] == 1 and run_main(capsys, "gc", "--dry-run")[0] == 1
