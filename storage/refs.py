@@ -162,6 +162,19 @@ class Refs:
         validate_ref_name(name)
         return [self._read(name, s, f is not None) for s, f in sorted(self._entry_seqs(name).items(), reverse=True)]
 
+    def log(self, name: str) -> tuple[list[RefEntry], dict[int, StoreFormatError]]:
+        """Like :meth:`history`, but an entry that cannot be read is reported, not raised: every
+        readable entry of ``name``, newest first, and the error of each other one by seq."""
+        validate_ref_name(name)
+        entries: list[RefEntry] = []
+        damaged: dict[int, StoreFormatError] = {}
+        for s, f in sorted(self._entry_seqs(name).items(), reverse=True):
+            try:
+                entries.append(self._read(name, s, f is not None))
+            except StoreFormatError as err:
+                damaged[s] = err
+        return entries, damaged
+
     def current(self, name: str) -> RefEntry | None:
         """The newest entry of ``name``, or None when it never existed or was removed."""
         validate_ref_name(name)

@@ -243,6 +243,16 @@ class Store:
             raise RefNotFoundError(f"no ref named {name!r}", hint="see `ckpt ls`")
         return history
 
+    def readable_log(self, name: str) -> tuple[list[RefEntry], dict[int, str]]:
+        """:meth:`log`, going on past entries that cannot be read: the readable entries, newest
+        first, and the error of each damaged one by its number (``seq``). Versions older than a
+        damaged entry have no ``NAME@N`` (whether it was a removal is unknown); their ids name them.
+        """
+        history, damaged = self.refs_db.log(name)
+        if not history and not damaged:
+            raise RefNotFoundError(f"no ref named {name!r}", hint="see `ckpt ls`")
+        return history, {s: str(e) for s, e in damaged.items()}
+
     def ref_history(self, prefix: str = "") -> dict[str, list[RefEntry]]:
         """Every ref ever written whose name starts with the segments ``prefix`` (all refs when
         empty), removed ones included, each with its history newest first (as :meth:`log`).

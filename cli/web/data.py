@@ -155,7 +155,8 @@ class StoreView:
 
     def log(self, name: str) -> list[dict[str, Any]]:
         """The rows of ``ckpt log NAME --json``."""
-        return results.log_rows(self.store.log(name), self.manifest)
+        entries, damaged = self.store.readable_log(name)
+        return results.log_rows(entries, self.manifest, damaged)
 
     def is_ref_name(self, ref: str) -> bool:
         """Whether ``ref`` is a ref's name (so it has a log), not NAME@N or an id prefix."""

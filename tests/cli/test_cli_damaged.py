@@ -150,3 +150,39 @@ def test_a_folder_in_place_of_the_newest_ref_entry_is_damage(tmp_path, monkeypat
     assert code == 1 and "is not a file" in err and "other writers" not in err
     assert sorted(os.listdir(path / "refs" / "m")) == ["0000000001.ref", "0000000002.ref"]
     assert run_main(capsys, "verify")[0] == 1 and run_main(capsys, "gc", "--dry-run")[0] == 1
+
+
+@pytest.mark.parametrize("damage", ["entry", "folder", "manifest", "current manifest missing"])
+def test_log_lists_every_readable_entry_past_damage(tmp_path, monkeypatch, capsys, damage):
+    """One damaged old entry made `ckpt log NAME` fail as a whole (the error, nothing listed), and a
+    damaged checkpoint was listed with exit 0 (a missing current one as 'freed by `ckpt gc`'). Now
+    every readable entry is listed, the damage is a row with "error", named on stderr, exit 1."""
+    path = tmp_path / "store"
+    monkeypatch.setenv("CKPT_STORE", str(path))
+    store = ckpt.Store.init(str(path))
+    ids = [store.push({"w": torch.full((3,), float(i))}, "m", message=f"v{i}") for i in range(3)]
+    entry = path / "refs" / "m" / "0000000002.ref"
+    if damage == "entry":
+        entry.write_bytes(b"x")
+    elif damage == "folder":
+        entry.unlink()
+        entry.mkdir()
+    elif damage == "manifest":
+        (path / store.objects.path("manifests", ids[1])).write_bytes(b"x")
+    else:
+        os.remove(path / store.objects.path("manifests", ids[2]))
+    code, out, err = run_main(capsys, "log", "m")
+    lines = out.splitlines()
+    assert code == 1 and len(lines) == 3 and err.count("\n") == 1 and err.startswith("DAMAGED m")
+    code, out, json_err = run_main(capsys, "log", "m", "--json")
+    rows = json.loads(out)
+    assert code == 1 and json_err == "" and [r["seq"] for r in rows] == [3, 2, 1]
+    assert [("error" in r) for r in rows] == [damage == "current manifest missing", damage != "current manifest missing", False]
+    if damage in ("entry", "folder"):
+        assert "m entry #2" in err and "DAMAGED entry" in lines[1] and "m@?" in lines[2]
+        assert rows[1]["id"] is None and [r["version"] for r in rows] == [0, None, None]
+        assert [r["id"] for r in (rows[0], rows[2])] == [ids[2], ids[0]] and rows[2]["message"] == "v0"
+    else:
+        version = 1 if damage == "manifest" else 0
+        assert f"DAMAGED m@{version}: manifest" in err and "ckpt verify --repair-from URL" in lines[version]
+        assert "freed" not in out and [r["version"] for r in rows] == [0, 1, 2]

@@ -409,3 +409,26 @@ def test_a_run_whose_metrics_are_any_json_is_drawn(tmp_path):
     page = c.get("/run/r")
     assert page.status_code == 200 and "0.5" in page.text and str(10**400) in page.text
     assert c.get("/api/run/r").json()["snapshots"][0]["metrics"]["loss"] == 10**400
+
+
+def test_a_checkpoint_page_shows_its_history_past_a_damaged_entry(tmp_path):
+    """The page and /api/checkpoint of a ref with one damaged old entry failed as a whole (the
+    history was read with every entry required); they now carry `ckpt log --json`'s rows."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    for i in range(3):
+        store.push({"w": torch.full((3,), float(i))}, "m")
+    (tmp_path / "s" / "refs" / "m" / "0000000002.ref").write_bytes(b"x")
+    client = TestClient(create_app(store))
+    doc = client.get("/api/checkpoint/m").json()
+    assert [r["seq"] for r in doc["log"]] == [3, 2, 1] and "error" in doc["log"][1]
+    assert doc["log"] == json.loads(run_main_json(store, "log", "m"))
+    page = client.get("/checkpoint/m")
+    assert page.status_code == 200 and "damaged entry" in page.text and "m@?" in page.text
+
+
+def run_main_json(store, *args: str) -> str:
+    """--json output of a command that exits 1 (damage reported), as a string."""
+    proc = subprocess.run([sys.executable, "-m", "ckpt_store.cli.main", "--store", store.url, *args, "--json"],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 1, proc.stderr
+    return proc.stdout
