@@ -186,3 +186,26 @@ def test_log_lists_every_readable_entry_past_damage(tmp_path, monkeypatch, capsy
         version = 1 if damage == "manifest" else 0
         assert f"DAMAGED m@{version}: manifest" in err and "ckpt verify --repair-from URL" in lines[version]
         assert "freed" not in out and [r["version"] for r in rows] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_gc_stopped_by_a_damaged_checkpoint_names_the_versions_and_the_way_on(damaged, capsys, dry_run):
+    """A damaged root manifest stops gc (what it keeps alive is unknown); the error said only
+    "manifest ... is corrupt (run `ckpt verify` ...)", not which ref or version needs it, nor how to
+    get gc running again. Following what it says must work."""
+    root = damaged.backend.local_path(".")
+    before = {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if "index" not in d}
+    code, _, err = run_main(capsys, "gc", "--grace", "0s", *dry_run)
+    if not dry_run:  # a deleting gc with a short grace warns first
+        assert err.startswith("warning: --grace 0s")
+        err = err.split("\n", 1)[1]
+    assert code == 1 and err.count("\n") == 1 and err.startswith("error: gc deleted nothing: the checkpoint of ")
+    assert ("of a@1 cannot" in err) != ("of b cannot" in err)  # the first one found, named as commands accept it
+    assert "`ckpt verify --repair-from URL`" in err
+    assert ("`ckpt gc --no-history`" in err) if "a@1" in err else ("`ckpt rm b`" in err)
+    assert before <= {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs}
+    assert run_main(capsys, "rm", "b")[0] == 0
+    code, _, err = run_main(capsys, "gc", "--grace", "0s", *dry_run)
+    assert code == 1 and "of a@1 cannot be read" in err and "`ckpt gc --no-history`" in err and "ckpt rm" not in err
+    code, _, err = run_main(capsys, "gc", "--grace", "0s", "--no-history", *dry_run)
+    assert code == 0, err
