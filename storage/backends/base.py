@@ -211,7 +211,8 @@ class Backend(ABC):
         return True
 
     def mtime(self, path: str) -> float:
-        """Modification time (seconds since the epoch); 0.0 when the backend cannot tell."""
+        """Modification time (seconds since the epoch); 0.0 when the backend cannot tell.
+        Raises ``FileNotFoundError`` when absent (where the backend can tell)."""
         return 0.0
 
     def flush(self) -> None:
