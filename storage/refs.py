@@ -22,6 +22,7 @@ from ckpt_store.storage.backends.base import Backend, Entry
 from ckpt_store.storage.errors import (
     InvalidNameError,
     RefConflictError,
+    StorageIOError,
     StoreFormatError,
 )
 from ckpt_store.storage.records import MAX_RECORD_BYTES, decode_record, finite_time, require, sealed_json
@@ -152,7 +153,13 @@ class Refs:
             raise StoreFormatError(f"ref entry {path} is not a file (a folder is there): what {name} named then "
                                    "is unknown", hint=f"put the entry file back from a backup of the store, or remove the folder "
                                    f"(then {name} names what it named before)")
-        entry = RefEntry.from_json(self.backend.read(path, MAX_RECORD_BYTES), f"ref entry {path}")
+        try:
+            data = self.backend.read(path, MAX_RECORD_BYTES)
+        except StorageIOError as e:  # a FIFO or device in its place, or a file no one may read: damage to
+            if e.retryable:  # report beside the other refs (what may pass on a retry is not)
+                raise
+            raise StoreFormatError(e.message, hint=e.hint) from None
+        entry = RefEntry.from_json(data, f"ref entry {path}")
         if entry.name != name or entry.seq != seq:
             raise StoreFormatError(f"ref entry {path} names {entry.name}#{entry.seq}")
         return entry

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -198,3 +199,26 @@ def test_an_object_store_prefix_in_place_of_an_entry_is_damage():
     with pytest.raises(StoreFormatError, match="0000000002.ref is not a file"):
         r.current("m")
     assert list(r.scan()[1]) == ["m"]
+
+
+@pytest.mark.parametrize("thing", ["fifo", "link to a device"])
+def test_a_fifo_or_device_in_place_of_an_entry_is_damage_beside_the_other_refs(tmp_path, thing):
+    """A FIFO (or a link to /dev/zero) named like a ref's entry was refused as 'not a regular file'
+    with an error that stopped the whole listing: `ckpt ls` and `du` showed no ref at all, and
+    `ckpt log` nothing. It is damage to that ref, reported beside the others like a damaged entry."""
+    r = Refs(LocalBackend(str(tmp_path), fsync=False))
+    r.set("m", A)
+    r.set("m", B)
+    r.set("other", A)
+    path = tmp_path / "refs" / "m" / "0000000002.ref"
+    path.unlink()
+    if thing == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    live, damaged = r.scan()
+    assert list(live) == ["other"] and list(damaged) == ["m"] and "not a regular file" in str(damaged["m"][0])
+    entries, bad = r.log("m")
+    assert [e.seq for e in entries] == [1] and list(bad) == [2]
+    with pytest.raises(StoreFormatError, match="not a regular file"):
+        r.current("m")
