@@ -108,4 +108,4 @@ def check_location(backend: Backend, *, create: bool) -> None:
         if held:
             raise StoreLocationError(f"{root} is not empty and holds no store (it has {len(held)} entries, such as "
                                      f"{held[0]!r}); a new store is created only in a new or empty folder",
-                                     hint="give --store a new folder, e.g. a subfolder of this one")
+                                     hint="give a new folder (a subfolder of this one, say)")
