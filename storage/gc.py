@@ -97,6 +97,15 @@ def read_root(objects: ObjectStore, target: str, *, current: bool) -> bytes | No
         return None
 
 
+def _stopped_by_entry(err: StoreFormatError) -> StoreFormatError:
+    """``err``, raised reading a ref entry, saying that gc deleted nothing and how to go on."""
+    err.message = f"gc deleted nothing: what a damaged ref entry keeps alive is unknown: {err.message}"
+    if err.hint is None:  # no command rewrites an entry: it goes back, or out of the way
+        err.hint = ("put the entry file back from a backup of the store, or move it out of the store folder "
+                    "(gc then frees what only that entry named)")
+    return err
+
+
 def _stopped_by(err: CkptError, found: Roots) -> CkptError:
     """``err``, raised reading a root manifest, naming the versions that need it and how to go on."""
     roots = [r for r in found.roots if r.target == getattr(err, "object_id", None)]
@@ -163,11 +172,14 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     # refs), and a root manifest that is in the listing has its chunk lists read from it (a
     # manifest's id is the hash of its bytes: what it names never changes); anything else
     # is read and verified here.
-    view = index.view(exact=True, history=True, chunks=True) if index is not None else None
+    try:
+        view = index.view(exact=True, history=True, chunks=True) if index is not None else None  # reads ref entries
+    except StoreFormatError as e:
+        raise _stopped_by_entry(e) from None
     found = gc_roots(refs, keep_history=keep_history, histories=view.entries() if view is not None else None)
     if found.damaged:  # what a damaged ref entry keeps alive is unknown: delete nothing
         err, _ = next(iter(found.damaged.values()))
-        raise err
+        raise _stopped_by_entry(err)
     current = {r.target for r in found.roots if r.version == 0}
     roots: set[str] = set()
     live_chunks: set[str] = set()

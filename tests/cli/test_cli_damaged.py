@@ -209,3 +209,22 @@ def test_gc_stopped_by_a_damaged_checkpoint_names_the_versions_and_the_way_on(da
     assert code == 1 and "of a@1 cannot be read" in err and "`ckpt gc --no-history`" in err and "ckpt rm" not in err
     code, _, err = run_main(capsys, "gc", "--grace", "0s", "--no-history", *dry_run)
     assert code == 0, err
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_gc_stopped_by_a_damaged_ref_entry_says_how_to_go_on(tmp_path, monkeypatch, capsys, dry_run):
+    """A damaged ref entry stops gc (what it keeps alive is unknown) with only the parse error: no
+    word that nothing was deleted, nor of what gets gc running again (no command rewrites an entry)."""
+    path = tmp_path / "store"
+    monkeypatch.setenv("CKPT_STORE", str(path))
+    store = ckpt.Store.init(str(path))
+    for i in range(3):
+        store.push({"w": torch.full((3,), float(i))}, "m")
+    assert run_main(capsys, "ls")[0] == 0  # with an index snapshot, as a store in use has
+    entry = path / "refs" / "m" / "0000000002.ref"
+    entry.write_bytes(b"{")
+    code, _, err = run_main(capsys, "gc", "--grace", "1h", *dry_run)
+    assert code == 1 and err.count("\n") == 1 and err.startswith("error: gc deleted nothing: ")
+    assert "refs/m/0000000002.ref" in err and "move it out of the store folder" in err
+    entry.rename(tmp_path / "aside.ref")
+    assert run_main(capsys, "gc", "--grace", "1h", *dry_run)[0] == 0
