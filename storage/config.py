@@ -105,7 +105,8 @@ def check_location(backend: Backend, *, create: bool) -> None:
             held = sorted(n for n in os.listdir(root) if not n.startswith(".tmp-"))
         except OSError:  # not there yet (or unreadable: creating the config then fails, saying why)
             held = []
-        if held:
+        # Checked again after the listing: a store another process made meanwhile (its config comes first) is one.
+        if held and not os.path.isfile(os.path.join(root, CONFIG_PATH)):
             raise StoreLocationError(f"{root} is not empty and holds no store (it has {len(held)} entries, such as "
                                      f"{held[0]!r}); a new store is created only in a new or empty folder",
                                      hint="give a new folder (a subfolder of this one, say)")
