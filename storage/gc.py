@@ -97,12 +97,23 @@ def read_root(objects: ObjectStore, target: str, *, current: bool) -> bytes | No
         return None
 
 
-def _stopped_by_entry(err: StoreFormatError) -> StoreFormatError:
-    """``err``, raised reading a ref entry, saying that gc deleted nothing and how to go on."""
+def _newest_readable(refs: Refs, name: str) -> bool:
+    try:
+        refs.current(name)
+        return True
+    except StoreFormatError:
+        return False
+
+
+def _stopped_by_entry(err: StoreFormatError, *, older: bool) -> StoreFormatError:
+    """``err``, raised reading a ref entry, saying that gc deleted nothing and how to go on
+    (``older``: the entry is not its ref's newest, which ``gc --no-history`` does not need)."""
     err.message = f"gc deleted nothing: what a damaged ref entry keeps alive is unknown: {err.message}"
     if err.hint is None:  # no command rewrites an entry: it goes back, or out of the way
         err.hint = ("put the entry file back from a backup of the store, or move it out of the store folder "
                     "(gc then frees what only that entry named)")
+    if older:
+        err.hint += "; or `ckpt gc --no-history` runs without it, freeing the earlier versions (NAME@1...) of every ref"
     return err
 
 
@@ -173,13 +184,16 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     # manifest's id is the hash of its bytes: what it names never changes); anything else
     # is read and verified here.
     try:
-        view = index.view(exact=True, history=True, chunks=True) if index is not None else None  # reads ref entries
-    except StoreFormatError as e:
-        raise _stopped_by_entry(e) from None
+        view = index.view(exact=True, history=keep_history, chunks=True) if index is not None else None
+    except StoreFormatError:
+        view = None  # a damaged ref entry: the refs themselves are read, and name it (gc_roots)
     found = gc_roots(refs, keep_history=keep_history, histories=view.entries() if view is not None else None)
-    if found.damaged:  # what a damaged ref entry keeps alive is unknown: delete nothing
-        err, _ = next(iter(found.damaged.values()))
-        raise _stopped_by_entry(err)
+    # What a damaged ref entry keeps alive is unknown: delete nothing. Without history only each
+    # ref's newest entry counts, and a damaged older one hides nothing.
+    blocking = {n: d for n, d in found.damaged.items() if keep_history or not _newest_readable(refs, n)}
+    if blocking:
+        name, (err, _) = next(iter(blocking.items()))
+        raise _stopped_by_entry(err, older=keep_history and _newest_readable(refs, name))
     current = {r.target for r in found.roots if r.version == 0}
     roots: set[str] = set()
     live_chunks: set[str] = set()

@@ -225,6 +225,11 @@ def test_gc_stopped_by_a_damaged_ref_entry_says_how_to_go_on(tmp_path, monkeypat
     entry.write_bytes(b"{")
     code, _, err = run_main(capsys, "gc", "--grace", "1h", *dry_run)
     assert code == 1 and err.count("\n") == 1 and err.startswith("error: gc deleted nothing: ")
-    assert "refs/m/0000000002.ref" in err and "move it out of the store folder" in err
+    assert "refs/m/0000000002.ref" in err and "move it out of the store folder" in err and "`ckpt gc --no-history`" in err
+    assert run_main(capsys, "gc", "--grace", "1h", "--no-history", *dry_run)[0] == 0  # needs only m's newest entry
     entry.rename(tmp_path / "aside.ref")
     assert run_main(capsys, "gc", "--grace", "1h", *dry_run)[0] == 0
+    (path / "refs" / "m" / "0000000003.ref").write_bytes(b"{")  # the newest: m's current version is unknown
+    for args in ([], ["--no-history"]):
+        code, _, err = run_main(capsys, "gc", "--grace", "1h", *args, *dry_run)
+        assert code == 1 and "gc deleted nothing" in err and "0000000003.ref" in err and "--no-history" not in err
