@@ -155,6 +155,10 @@ class Refs:
                                    f"(then {name} names what it named before)")
         try:
             data = self.backend.read(path, MAX_RECORD_BYTES)
+        except FileNotFoundError:  # listed, yet nothing to read: a symbolic link to nothing, say
+            raise StoreFormatError(f"ref entry {path} is listed but cannot be read: nothing is there (a symbolic "
+                                   "link to nothing?)", hint="put the entry file back from a backup of the store, "
+                                   "or remove it") from None
         except StorageIOError as e:  # a FIFO or device in its place, or a file no one may read: damage to
             if e.retryable:  # report beside the other refs (what may pass on a retry is not)
                 raise
@@ -232,8 +236,8 @@ class Refs:
         return self._entry_path(name, seq)
 
     def read_entry(self, name: str, seq: int, is_file: bool = True) -> RefEntry:
-        """Entry ``seq`` of ``name`` (raises StoreFormatError when damaged or, ``is_file`` False, not
-        a file, FileNotFoundError when absent)."""
+        """Entry ``seq`` of ``name`` (raises StoreFormatError when damaged, absent or, ``is_file``
+        False, not a file)."""
         return self._read(name, seq, is_file)
 
     def all_entries(self, prefix: str = "") -> dict[str, list[RefEntry]]:

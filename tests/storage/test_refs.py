@@ -222,3 +222,24 @@ def test_a_fifo_or_device_in_place_of_an_entry_is_damage_beside_the_other_refs(t
     assert [e.seq for e in entries] == [1] and list(bad) == [2]
     with pytest.raises(StoreFormatError, match="not a regular file"):
         r.current("m")
+
+
+def test_a_symbolic_link_to_nothing_in_place_of_an_entry_is_damage(tmp_path):
+    """A dangling symbolic link named like a ref's entry is listed, then cannot be opened: the
+    FileNotFoundError escaped every command that lists refs (ls, log, verify, gc) as a traceback."""
+    from ckpt_store.storage.gc import gc_roots
+
+    r = Refs(LocalBackend(str(tmp_path), fsync=False))
+    r.set("m", A)
+    r.set("m", B)
+    r.set("other", A)
+    path = tmp_path / "refs" / "m" / "0000000002.ref"
+    path.unlink()
+    path.symlink_to(tmp_path / "nowhere")
+    live, damaged = r.scan()
+    assert list(live) == ["other"] and list(damaged) == ["m"] and "cannot be read" in str(damaged["m"][0])
+    entries, bad = r.log("m")
+    assert [e.seq for e in entries] == [1] and list(bad) == [2]
+    assert list(gc_roots(r).damaged) == ["m"]
+    with pytest.raises(StoreFormatError, match="a symbolic link to nothing"):
+        r.current("m")
