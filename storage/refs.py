@@ -246,7 +246,7 @@ class Refs:
         return {n: [self._read(n, s, f is not None) for s, f in sorted(seqs.items(), reverse=True)]
                 for n, seqs in sorted(by_name.items())}
 
-    def scan_histories(self) -> tuple[dict[str, list[RefEntry]], dict[str, tuple[StoreFormatError, str]]]:
+    def scan_histories(self, prefix: str = "") -> tuple[dict[str, list[RefEntry]], dict[str, tuple[StoreFormatError, str]]]:
         """Like :meth:`all_entries`, but an entry that cannot be read is reported, not raised.
 
         Returns (histories, damaged): each ref's entries newest first, down to (not
@@ -257,7 +257,7 @@ class Refs:
         """
         out: dict[str, list[RefEntry]] = {}
         damaged: dict[str, tuple[StoreFormatError, str]] = {}
-        for n, seqs in sorted(self.listing().items()):
+        for n, seqs in sorted(self.listing(prefix).items()):
             out[n], bad = self._readable(n, seqs)
             if bad is not None:
                 damaged[n] = bad

@@ -265,6 +265,12 @@ class Store:
         """
         return self.refs_db.all_entries(prefix)
 
+    def readable_ref_history(self, prefix: str = "") -> tuple[dict[str, list[RefEntry]], dict[str, str]]:
+        """:meth:`ref_history`, going on past entries that cannot be read: each ref's entries down to
+        (not including) its newest damaged one, and the error of that one by ref name."""
+        histories, damaged = self.refs_db.scan_histories(prefix)
+        return histories, {n: str(err) for n, (err, _) in damaged.items()}
+
     def chunk_sizes(self) -> dict[str, int]:
         """Stored (encoded) bytes of every chunk in the store, by chunk id: one listing, no reads."""
         return {o.id: o.size for o in self.objects.list("chunks")}
