@@ -287,14 +287,15 @@ class Refs:
             raise err
         return out
 
-    def scan(self) -> tuple[dict[str, RefEntry], dict[str, tuple[StoreFormatError, str]]]:
+    def scan(self, prefix: str = "") -> tuple[dict[str, RefEntry], dict[str, tuple[StoreFormatError, str]]]:
         """Like :meth:`live`, but a ref whose newest entry cannot be read is reported, not raised.
 
-        Returns (live refs, damaged refs: name -> (the error, the entry's path)).
+        Returns (live refs, damaged refs: name -> (the error, the entry's path)), under ``prefix``
+        (a ref name's leading segments) when given.
         """
         out: dict[str, RefEntry] = {}
         damaged: dict[str, tuple[StoreFormatError, str]] = {}
-        for n, seqs in sorted(self.listing().items()):
+        for n, seqs in sorted(self.listing(prefix).items()):
             s = max(seqs)
             try:
                 entry = self._read(n, s, seqs[s] is not None)
