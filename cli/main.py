@@ -300,13 +300,20 @@ def _exit_if_damaged(damaged: dict[str, str], quiet: bool = False) -> None:
 def log(name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name.")], as_json: JsonOpt = False) -> None:
     """History of a ref, newest first: NAME@0 is the current version (of a removed ref: its last one), NAME@1 the one before...
 
+    A damaged entry or checkpoint is named on stderr (in --json: a row with "error") and
+    the rest is listed; the exit code is then 1. Versions older than a damaged entry show
+    NAME@? (whether it was a removal is unknown): name them by id.
+
     \b
     Examples:
       ckpt log m/ft-legal
       ckpt pull m/ft-legal@1 ./previous    # any version it lists
     """
     store = _open()
-    _emit(results.log_rows(store.log(name), store.manifest), as_json, views.log, name)
+    entries, damaged = store.readable_log(name)
+    _emit(rows := results.log_rows(entries, store.manifest, damaged), as_json, views.log, name)
+    _exit_if_damaged({(f"{name}@{r['version']}" if r["version"] is not None else f"{name} entry #{r['seq']}"): r["error"]
+                      for r in rows if "error" in r}, quiet=as_json)
 
 
 @app.command()

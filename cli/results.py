@@ -29,22 +29,46 @@ def ls_rows(listing: Any) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["ref"])
 
 
-def log_rows(entries: Iterable[Any], manifest: Callable[[str], Manifest]) -> list[dict[str, Any]]:
-    """The rows of ``ckpt log NAME --json``, newest first; ``version`` N is what ``NAME@N`` names."""
-    rows = []
-    version = 0
-    for e in entries:
-        msg = None
+def log_rows(entries: Iterable[Any], manifest: Callable[[str], Manifest],
+             damaged: Mapping[int, str] | None = None) -> list[dict[str, Any]]:
+    """The rows of ``ckpt log NAME --json``, newest first; ``version`` N is what ``NAME@N`` names.
+
+    A row with ``"error"`` is damage: an entry that cannot be read (``damaged``: its seq -> the
+    error; its other fields null), or a checkpoint that cannot be read (the current one of a live
+    ref also when missing: only an earlier one can have been freed by ``ckpt gc``). Versions
+    older than a damaged entry have ``version`` null: whether that entry was a removal is unknown.
+    """
+    bad = dict(damaged or {})
+    merged: list[tuple[int, Any]] = sorted([(e.seq, e) for e in entries] + [(s, None) for s in bad],
+                                           key=lambda x: x[0], reverse=True)
+    live = bool(merged) and merged[0][1] is not None and merged[0][1].target is not None
+    rows: list[dict[str, Any]] = []
+    version: int | None = 0
+    for seq, e in merged:
+        if e is None:
+            rows.append({"seq": seq, "version": None, "id": None, "time": None, "message": None, "removed": None,
+                         "error": bad[seq]})
+            version = None
+            continue
+        msg, error = None, None
         if e.target is not None:
             try:
                 msg = manifest(e.target).message
-            except ObjectNotFoundError:  # a collected manifest still has a history line
-                msg = "(no longer in the store: freed by `ckpt gc`)"
-            except CkptError:
-                msg = "(damaged: see `ckpt verify`)"
-        rows.append({"seq": e.seq, "version": None if e.target is None else version, "id": e.target,
-                     "time": e.time, "message": msg, "removed": e.target is None})
-        if e.target is not None:
+            except ObjectNotFoundError as err:
+                if live and version == 0:
+                    error = str(err)
+                else:  # a collected manifest still has a history line
+                    msg = "(no longer in the store: freed by `ckpt gc`)"
+            except CkptError as err:
+                error = str(err)
+            if error is not None:
+                msg = "(damaged: `ckpt verify` names it; `ckpt verify --repair-from URL` puts it back from a store holding it)"
+        row = {"seq": e.seq, "version": None if e.target is None else version, "id": e.target,
+               "time": e.time, "message": msg, "removed": e.target is None}
+        if error is not None:
+            row["error"] = error
+        rows.append(row)
+        if e.target is not None and version is not None:
             version += 1
     return rows
 

@@ -78,8 +78,14 @@ def ls(rows: list[dict[str, Any]]) -> None:
 
 
 def log(rows: list[dict[str, Any]], name: str) -> None:
+    """History rows; damaged ones (with "error") are named by the caller on stderr."""
     for r in rows:
-        label = "removed" if r["removed"] else f"{safe(name)}@{r['version']}  {r['id'][:12]}"
+        if r["time"] is None:  # an entry that cannot be read
+            out.print(f"#{r['seq']:<4} {'-':<19}  DAMAGED entry (named below): older versions show {safe(name)}@?, "
+                      "name them by id")
+            continue
+        version = "?" if r["version"] is None else r["version"]  # past a damaged entry: no NAME@N
+        label = "removed" if r["removed"] else f"{safe(name)}@{version}  {r['id'][:12]}"
         out.print(f"#{r['seq']:<4} {when(r['time'])}  {label}  {safe(r['message'])}".rstrip())
 
 

@@ -84,7 +84,8 @@ def check_location(backend: Backend, *, create: bool) -> None:
     """Refuse a local store path that cannot hold a store, saying what the path is.
 
     A file is not a store directory; and a new store inside another one (say in its
-    ``refs/``) would be read by the outer store as damage, so creating one there is refused.
+    ``refs/``) would be read by the outer store as damage, so creating one there is refused,
+    as is creating one in a folder that already holds anything else.
     """
     root = backend.local_path(".")
     if root is None:
@@ -97,3 +98,15 @@ def check_location(backend: Backend, *, create: bool) -> None:
         if outer is not None:
             raise StoreLocationError(f"{root} is inside the store at {outer}; a store cannot hold another",
                                      hint=f"choose a path outside {outer}")
+        # A new store goes to a new or empty folder: a folder of someone's work (a model, a
+        # project) would have the store's folders written among its files (and gc run in it).
+        # A ".tmp-" file is an interrupted write of the config, which creating it again finishes.
+        try:
+            held = sorted(n for n in os.listdir(root) if not n.startswith(".tmp-"))
+        except OSError:  # not there yet (or unreadable: creating the config then fails, saying why)
+            held = []
+        # Checked again after the listing: a store another process made meanwhile (its config comes first) is one.
+        if held and not os.path.isfile(os.path.join(root, CONFIG_PATH)):
+            raise StoreLocationError(f"{root} is not empty and holds no store (it has {len(held)} entries, such as "
+                                     f"{held[0]!r}); a new store is created only in a new or empty folder",
+                                     hint="give a new folder (a subfolder of this one, say)")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckpt_store.storage.chunk_lists import referenced_chunks
-from ckpt_store.storage.errors import ObjectNotFoundError, StoreFormatError
+from ckpt_store.storage.errors import CkptError, ObjectNotFoundError, StoreFormatError
 from ckpt_store.storage.leases import Lock, check_fresh, leased
 from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.refs import RefEntry, Refs
@@ -97,6 +97,41 @@ def read_root(objects: ObjectStore, target: str, *, current: bool) -> bytes | No
         return None
 
 
+def _newest_readable(refs: Refs, name: str) -> bool:
+    try:
+        refs.current(name)
+        return True
+    except StoreFormatError:
+        return False
+
+
+def _stopped_by_entry(err: StoreFormatError, *, older: bool) -> StoreFormatError:
+    """``err``, raised reading a ref entry, saying that gc deleted nothing and how to go on
+    (``older``: the entry is not its ref's newest, which ``gc --no-history`` does not need)."""
+    err.message = f"gc deleted nothing: what a damaged ref entry keeps alive is unknown: {err.message}"
+    if err.hint is None:  # no command rewrites an entry: it goes back, or out of the way
+        err.hint = ("put the entry file back from a backup of the store, or move it out of the store folder "
+                    "(gc then frees what only that entry named)")
+    if older:
+        err.hint += "; or `ckpt gc --no-history` runs without it, freeing the earlier versions (NAME@1...) of every ref"
+    return err
+
+
+def _stopped_by(err: CkptError, found: Roots) -> CkptError:
+    """``err``, raised reading a root manifest, naming the versions that need it and how to go on."""
+    roots = [r for r in found.roots if r.target == getattr(err, "object_id", None)]
+    if not roots or err.retryable:
+        return err
+    err.message = (f"gc deleted nothing: the checkpoint of {', '.join(r.label for r in roots)} cannot be read, so what "
+                   f"it keeps alive is unknown: {err.message}")
+    ways = ["`ckpt verify --repair-from URL` puts it back from a store that holds it"]
+    ways += [f"`ckpt rm {r.ref}` gives up {r.ref} (and its earlier versions)" for r in roots if r.version == 0]
+    if any(r.version > 0 for r in roots):
+        ways.append("`ckpt gc --no-history` runs without it, freeing the earlier versions (NAME@1...) of every ref")
+    err.hint = "; else ".join(ways)
+    return err
+
+
 @dataclass(frozen=True)
 class Doomed:
     kind: str  # "chunks", "manifests" or "temp"
@@ -148,11 +183,17 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     # refs), and a root manifest that is in the listing has its chunk lists read from it (a
     # manifest's id is the hash of its bytes: what it names never changes); anything else
     # is read and verified here.
-    view = index.view(exact=True, history=True, chunks=True) if index is not None else None
+    try:
+        view = index.view(exact=True, history=keep_history, chunks=True) if index is not None else None
+    except StoreFormatError:
+        view = None  # a damaged ref entry: the refs themselves are read, and name it (gc_roots)
     found = gc_roots(refs, keep_history=keep_history, histories=view.entries() if view is not None else None)
-    if found.damaged:  # what a damaged ref entry keeps alive is unknown: delete nothing
-        err, _ = next(iter(found.damaged.values()))
-        raise err
+    # What a damaged ref entry keeps alive is unknown: delete nothing. Without history only each
+    # ref's newest entry counts, and a damaged older one hides nothing.
+    blocking = {n: d for n, d in found.damaged.items() if keep_history or not _newest_readable(refs, n)}
+    if blocking:
+        name, (err, _) = next(iter(blocking.items()))
+        raise _stopped_by_entry(err, older=keep_history and _newest_readable(refs, name))
     current = {r.target for r in found.roots if r.version == 0}
     roots: set[str] = set()
     live_chunks: set[str] = set()
@@ -171,12 +212,18 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
         except ObjectNotFoundError:  # put back meanwhile by a gc running now
             data = None
         # A live manifest that cannot be read stops the plan: nothing is deleted.
-        data = data if data is not None else read_root(objects, mid, current=mid in current)
+        try:
+            data = data if data is not None else read_root(objects, mid, current=mid in current)
+        except CkptError as e:
+            raise _stopped_by(e, found) from None
         if data is not None:
             roots.add(mid)
             live_chunks |= referenced_chunks(data)
     if index is not None and view is not None:
-        index.ensure(view, indexed, chunks=True)  # a live manifest the index lacks is read (and must be readable)
+        try:
+            index.ensure(view, indexed, chunks=True)  # a live manifest the index lacks is read (and must be readable)
+        except CkptError as e:
+            raise _stopped_by(e, found) from None
         assert view.chunks is not None
         for mid in indexed:
             live_chunks.update(view.chunks[mid][0])

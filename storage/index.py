@@ -426,16 +426,19 @@ class StoreIndex:
         the refs only when missing or damaged.
         """
         st = self.load(chunks=chunks, recent=not exact)
+        asked = history
         if st is None:
             st = self.rebuild()
             exact, history = True, not self._newer  # a snapshot to write needs every entry; none is written over a newer index
         elif chunks and st.chunks is None:
             st.chunks = {}
         if exact:
-            self._reconcile(st, history)
+            self._reconcile(st, history, asked)
         return st
 
-    def _reconcile(self, st: IndexState, history: bool) -> None:
+    def _reconcile(self, st: IndexState, history: bool, asked: bool = True) -> None:
+        """``asked``: the caller needs every entry (else older ones are read only for a snapshot to
+        write, and one that cannot be read leaves the view unwritten instead of failing the caller)."""
         listing = self.refs.listing()
         refs: dict[str, dict[int, RefRec]] = {}
         for name, files in listing.items():
@@ -444,12 +447,20 @@ class StoreIndex:
             out: dict[int, RefRec] = {}
             for seq, listed in files.items():
                 rec = have.get(seq)
-                if rec is not None and rec.mtime is None and rec.matches(listed):
+                if rec is not None and listed is not None and rec.mtime is None and rec.matches(listed):
                     rec = RefRec(rec.seq, rec.target, rec.time, rec.writer, rec.alias, rec.size, listed.mtime)
-                if rec is None or not rec.matches(listed):
+                if rec is None or listed is None or not rec.matches(listed):  # None: not a file, damage
                     if not history and seq != newest:
                         continue  # older entries are read when someone needs them (gc)
-                    rec = RefRec.of(self.refs.read_entry(name, seq), listed.size, listed.mtime)
+                    try:
+                        entry = self.refs.read_entry(name, seq, is_file=listed is not None)
+                    except StoreFormatError:
+                        if asked or seq == newest:
+                            raise
+                        st.partial = True  # a snapshot must hold every entry: this view is never written
+                        continue
+                    assert listed is not None
+                    rec = RefRec.of(entry, listed.size, listed.mtime)
                     st.read += 1
                 out[seq] = rec
             refs[name] = out

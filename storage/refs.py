@@ -14,7 +14,7 @@ import re
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,6 +22,7 @@ from ckpt_store.storage.backends.base import Backend, Entry
 from ckpt_store.storage.errors import (
     InvalidNameError,
     RefConflictError,
+    StorageIOError,
     StoreFormatError,
 )
 from ckpt_store.storage.records import MAX_RECORD_BYTES, decode_record, finite_time, require, sealed_json
@@ -117,24 +118,52 @@ class Refs:
     def _entry_path(name: str, seq: int) -> str:
         return f"refs/{name}/{seq:010d}.ref"
 
-    def _entry_seqs(self, name: str) -> list[int]:
-        prefix = f"refs/{name}/"
-        seqs = []
-        for e in self.backend.list(f"refs/{name}"):
-            rest = e.path[len(prefix) :]
-            m = _ENTRY.match(rest)  # direct children only: "a/b" entries are not "a"'s
-            if m:
-                seqs.append(int(m.group(1)))
-        return sorted(seqs)
+    def _entry_seqs(self, name: str) -> dict[int, Entry | None]:
+        return self._listed(f"refs/{name}").get(name, {})  # direct children only: "a/b" entries are not "a"'s
 
-    def _read(self, name: str, seq: int) -> RefEntry:
+    def _listed(self, folder: str) -> dict[str, dict[int, Entry | None]]:
+        """Every entry below ``folder`` by ref name and seq, as listed (nothing is read); None for
+        something named like an entry that is not a file (a folder, empty or not, or an object
+        store's prefix holding objects): damage, which must not be skipped, or the ref would
+        silently name its previous version."""
+        by_name: dict[str, dict[int, Entry | None]] = defaultdict(dict)
+
+        def add(path: str, entry: Entry | None) -> None:
+            parts = path.split("/")
+            for i in range(2, len(parts)):  # no segment of a ref name is named like an entry
+                m = _ENTRY.match(parts[i])
+                if m:
+                    by_name["/".join(parts[1:i])][int(m.group(1))] = entry if i == len(parts) - 1 else None
+                    return
+
+        for e in self.backend.list(folder):
+            add(e.path, e)
+        for path in self.backend.folders(folder):
+            add(path, None)
+        return dict(by_name)
+
+    def _read(self, name: str, seq: int, is_file: bool = True) -> RefEntry:
         path = self._entry_path(name, seq)
         try:  # a folder of a store from elsewhere: a name no command accepts (m@1) is not a ref
             validate_ref_name(name)
         except InvalidNameError:
             raise StoreFormatError(f"ref entry {path} is under refs/{name}/, which is not a valid ref name",
                                    hint="no command can name that ref: rename or remove that folder") from None
-        entry = RefEntry.from_json(self.backend.read(path, MAX_RECORD_BYTES), f"ref entry {path}")
+        if not is_file:
+            raise StoreFormatError(f"ref entry {path} is not a file (a folder is there): what {name} named then "
+                                   "is unknown", hint=f"put the entry file back from a backup of the store, or remove the folder "
+                                   f"(then {name} names what it named before)")
+        try:
+            data = self.backend.read(path, MAX_RECORD_BYTES)
+        except FileNotFoundError:  # listed, yet nothing to read: a symbolic link to nothing, say
+            raise StoreFormatError(f"ref entry {path} is listed but cannot be read: nothing is there (a symbolic "
+                                   "link to nothing?)", hint="put the entry file back from a backup of the store, "
+                                   "or remove it") from None
+        except StorageIOError as e:  # a FIFO or device in its place, or a file no one may read: damage to
+            if e.retryable:  # report beside the other refs (what may pass on a retry is not)
+                raise
+            raise StoreFormatError(e.message, hint=e.hint) from None
+        entry = RefEntry.from_json(data, f"ref entry {path}")
         if entry.name != name or entry.seq != seq:
             raise StoreFormatError(f"ref entry {path} names {entry.name}#{entry.seq}")
         return entry
@@ -142,7 +171,20 @@ class Refs:
     def history(self, name: str) -> list[RefEntry]:
         """Every entry of ``name``, newest first (empty if the ref never existed)."""
         validate_ref_name(name)
-        return [self._read(name, s) for s in reversed(self._entry_seqs(name))]
+        return [self._read(name, s, f is not None) for s, f in sorted(self._entry_seqs(name).items(), reverse=True)]
+
+    def log(self, name: str) -> tuple[list[RefEntry], dict[int, StoreFormatError]]:
+        """Like :meth:`history`, but an entry that cannot be read is reported, not raised: every
+        readable entry of ``name``, newest first, and the error of each other one by seq."""
+        validate_ref_name(name)
+        entries: list[RefEntry] = []
+        damaged: dict[int, StoreFormatError] = {}
+        for s, f in sorted(self._entry_seqs(name).items(), reverse=True):
+            try:
+                entries.append(self._read(name, s, f is not None))
+            except StoreFormatError as err:
+                damaged[s] = err
+        return entries, damaged
 
     def current(self, name: str) -> RefEntry | None:
         """The newest entry of ``name``, or None when it never existed or was removed."""
@@ -150,17 +192,17 @@ class Refs:
         seqs = self._entry_seqs(name)
         if not seqs:
             return None
-        entry = self._read(name, seqs[-1])
+        newest = max(seqs)
+        entry = self._read(name, newest, seqs[newest] is not None)
         return entry if entry.target is not None else None
 
     def _append(self, name: str, target: str | None, alias: bool = False, attempts: int = 50) -> RefEntry:
         validate_ref_name(name)
         writer = uuid.uuid4().hex
         for attempt in range(attempts):
-            seqs = self._entry_seqs(name)
-            seq = (seqs[-1] if seqs else 0) + 1
+            seq = max(self._entry_seqs(name), default=0) + 1
             if seq > MAX_SEQ:  # an 11-digit entry name would be written, and never read: the update lost
-                raise StoreFormatError(f"ref {name} has an entry numbered {seqs[-1]}, the last there can be: it cannot be "
+                raise StoreFormatError(f"ref {name} has an entry numbered {seq - 1}, the last there can be: it cannot be "
                                        "updated", hint="a damaged or crafted entry? `ckpt log` shows it; use another name")
             entry = RefEntry(name, seq, target, time.time(), writer, alias)
             data = entry.to_json()
@@ -182,32 +224,29 @@ class Refs:
         """Mark ``name`` as removed; its history stays readable with ``ckpt log``."""
         return self._append(name, None)
 
-    def listing(self, prefix: str = "") -> dict[str, dict[int, Entry]]:
+    def listing(self, prefix: str = "") -> dict[str, dict[int, Entry | None]]:
         """Every entry file below ``refs/`` (under ``prefix``, a ref name's leading segments)
-        by ref name and seq, as listed (nothing is read)."""
-        by_name: dict[str, dict[int, Entry]] = defaultdict(dict)
+        by ref name and seq, as listed (nothing is read); None where what is there is not a file
+        (:meth:`read_entry` with ``is_file`` False raises the damage)."""
         if prefix:
             validate_ref_name(prefix.rstrip("/"))
-        for e in self.backend.list(f"refs/{prefix.rstrip('/')}" if prefix else "refs"):
-            parts = e.path.split("/")
-            m = _ENTRY.match(parts[-1])
-            if m and len(parts) >= 3:
-                by_name["/".join(parts[1:-1])][int(m.group(1))] = e
-        return dict(by_name)
+        return self._listed(f"refs/{prefix.rstrip('/')}" if prefix else "refs")
 
     def entry_path(self, name: str, seq: int) -> str:
         return self._entry_path(name, seq)
 
-    def read_entry(self, name: str, seq: int) -> RefEntry:
-        """Entry ``seq`` of ``name`` (raises StoreFormatError when damaged, FileNotFoundError when absent)."""
-        return self._read(name, seq)
+    def read_entry(self, name: str, seq: int, is_file: bool = True) -> RefEntry:
+        """Entry ``seq`` of ``name`` (raises StoreFormatError when damaged, absent or, ``is_file``
+        False, not a file)."""
+        return self._read(name, seq, is_file)
 
     def all_entries(self, prefix: str = "") -> dict[str, list[RefEntry]]:
         """Every ref ever written (under ``prefix``), with its history newest first."""
         by_name = self.listing(prefix)
-        return {n: [self._read(n, s) for s in sorted(seqs, reverse=True)] for n, seqs in sorted(by_name.items())}
+        return {n: [self._read(n, s, f is not None) for s, f in sorted(seqs.items(), reverse=True)]
+                for n, seqs in sorted(by_name.items())}
 
-    def scan_histories(self) -> tuple[dict[str, list[RefEntry]], dict[str, tuple[StoreFormatError, str]]]:
+    def scan_histories(self, prefix: str = "") -> tuple[dict[str, list[RefEntry]], dict[str, tuple[StoreFormatError, str]]]:
         """Like :meth:`all_entries`, but an entry that cannot be read is reported, not raised.
 
         Returns (histories, damaged): each ref's entries newest first, down to (not
@@ -218,7 +257,7 @@ class Refs:
         """
         out: dict[str, list[RefEntry]] = {}
         damaged: dict[str, tuple[StoreFormatError, str]] = {}
-        for n, seqs in sorted(self.listing().items()):
+        for n, seqs in sorted(self.listing(prefix).items()):
             out[n], bad = self._readable(n, seqs)
             if bad is not None:
                 damaged[n] = bad
@@ -231,11 +270,11 @@ class Refs:
         entries, bad = self._readable(name, self._entry_seqs(name))
         return entries, bad[0] if bad is not None else None
 
-    def _readable(self, name: str, seqs: Iterable[int]) -> tuple[list[RefEntry], tuple[StoreFormatError, str] | None]:
+    def _readable(self, name: str, seqs: Mapping[int, Entry | None]) -> tuple[list[RefEntry], tuple[StoreFormatError, str] | None]:
         entries: list[RefEntry] = []
-        for s in sorted(seqs, reverse=True):
+        for s, f in sorted(seqs.items(), reverse=True):
             try:
-                entries.append(self._read(name, s))
+                entries.append(self._read(name, s, f is not None))
             except StoreFormatError as err:
                 return entries, (err, self._entry_path(name, s))
         return entries, None
@@ -248,23 +287,18 @@ class Refs:
             raise err
         return out
 
-    def scan(self) -> tuple[dict[str, RefEntry], dict[str, tuple[StoreFormatError, str]]]:
+    def scan(self, prefix: str = "") -> tuple[dict[str, RefEntry], dict[str, tuple[StoreFormatError, str]]]:
         """Like :meth:`live`, but a ref whose newest entry cannot be read is reported, not raised.
 
-        Returns (live refs, damaged refs: name -> (the error, the entry's path)).
+        Returns (live refs, damaged refs: name -> (the error, the entry's path)), under ``prefix``
+        (a ref name's leading segments) when given.
         """
-        by_name: dict[str, int] = {}
-        for e in self.backend.list("refs"):
-            parts = e.path.split("/")
-            m = _ENTRY.match(parts[-1])
-            if m and len(parts) >= 3:
-                n = "/".join(parts[1:-1])
-                by_name[n] = max(by_name.get(n, 0), int(m.group(1)))
         out: dict[str, RefEntry] = {}
         damaged: dict[str, tuple[StoreFormatError, str]] = {}
-        for n, s in sorted(by_name.items()):
+        for n, seqs in sorted(self.listing(prefix).items()):
+            s = max(seqs)
             try:
-                entry = self._read(n, s)
+                entry = self._read(n, s, seqs[s] is not None)
             except StoreFormatError as err:
                 damaged[n] = (err, self._entry_path(n, s))
                 continue

@@ -41,7 +41,7 @@ from ckpt.snapshot.run import (
     modified_under_save,
 )
 from ckpt.snapshot.tiers import MISSES as TIER_MISSES
-from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe, out_of_space
+from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe, live_refs_of, out_of_space
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
@@ -712,7 +712,7 @@ class CheckpointManager:
         """Steps of the run's live snapshots, oldest first."""
         prefix = f"{self.run}/"
         out = []
-        for name in self.store.refs():
+        for name in live_refs_of(self.store, self.run):
             m = _STEP.match(name[len(prefix):]) if name.startswith(prefix) else None
             if m:
                 out.append(int(m.group(1)))

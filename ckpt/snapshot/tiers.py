@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from ckpt.errors import CkptError
 from ckpt.progress import NullProgress, Progress
 from ckpt.transfer.pipeline import BATCH_BYTES, GetTask, fetch_chunk, get_chunks, run_parallel
-from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError, StorageIOError
+from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError, StorageIOError, StoreFormatError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -99,6 +99,16 @@ def step_of(run: str, ref: str) -> int | None:
     prefix = f"{run}/step-"
     tail = ref[len(prefix):] if ref.startswith(prefix) else ""
     return int(tail) if tail.isascii() and tail.isdigit() else None
+
+
+def live_refs_of(store: Store, run: str) -> list[str]:
+    """Names of the live refs of ``store`` (from its index), or, where some ref there cannot be
+    read, of the live refs under ``run`` alone: a damaged ref of another run, or anyone's, must not
+    stop this run's saves and retention. A damaged ref of the run is left out (kept, not pruned)."""
+    try:
+        return list(store.refs())
+    except StoreFormatError:
+        return list(store.refs_db.scan(run)[0])
 
 
 TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is
@@ -174,7 +184,7 @@ class LocalTier:
 
     def steps(self) -> list[int]:
         """Steps of the snapshots in this tier, oldest first."""
-        return sorted(step for name in self.store.refs() if (step := step_of(self.run, name)) is not None)
+        return sorted(step for name in live_refs_of(self.store, self.run) if (step := step_of(self.run, name)) is not None)
 
     def usage(self) -> LocalTierUsage:
         return LocalTierUsage(self.path, self.steps(), self.store.du().stored)

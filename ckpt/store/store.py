@@ -243,6 +243,16 @@ class Store:
             raise RefNotFoundError(f"no ref named {name!r}", hint="see `ckpt ls`")
         return history
 
+    def readable_log(self, name: str) -> tuple[list[RefEntry], dict[int, str]]:
+        """:meth:`log`, going on past entries that cannot be read: the readable entries, newest
+        first, and the error of each damaged one by its number (``seq``). Versions older than a
+        damaged entry have no ``NAME@N`` (whether it was a removal is unknown); their ids name them.
+        """
+        history, damaged = self.refs_db.log(name)
+        if not history and not damaged:
+            raise RefNotFoundError(f"no ref named {name!r}", hint="see `ckpt ls`")
+        return history, {s: str(e) for s, e in damaged.items()}
+
     def ref_history(self, prefix: str = "") -> dict[str, list[RefEntry]]:
         """Every ref ever written whose name starts with the segments ``prefix`` (all refs when
         empty), removed ones included, each with its history newest first (as :meth:`log`).
@@ -254,6 +264,12 @@ class Store:
         [('run/step-1', [True, False])]
         """
         return self.refs_db.all_entries(prefix)
+
+    def readable_ref_history(self, prefix: str = "") -> tuple[dict[str, list[RefEntry]], dict[str, str]]:
+        """:meth:`ref_history`, going on past entries that cannot be read: each ref's entries down to
+        (not including) its newest damaged one, and the error of that one by ref name."""
+        histories, damaged = self.refs_db.scan_histories(prefix)
+        return histories, {n: str(err) for n, (err, _) in damaged.items()}
 
     def chunk_sizes(self) -> dict[str, int]:
         """Stored (encoded) bytes of every chunk in the store, by chunk id: one listing, no reads."""

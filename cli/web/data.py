@@ -155,7 +155,8 @@ class StoreView:
 
     def log(self, name: str) -> list[dict[str, Any]]:
         """The rows of ``ckpt log NAME --json``."""
-        return results.log_rows(self.store.log(name), self.manifest)
+        entries, damaged = self.store.readable_log(name)
+        return results.log_rows(entries, self.manifest, damaged)
 
     def is_ref_name(self, ref: str) -> bool:
         """Whether ``ref`` is a ref's name (so it has a log), not NAME@N or an id prefix."""
@@ -193,16 +194,20 @@ class StoreView:
         sizes: dict[str, int] = {}
         for tier, store in reversed(tiers):  # the durable store's sizes win where both hold a chunk
             sizes.update(store.chunk_sizes() if store is not self.store else self.chunk_sizes())
-            for ref, entries in store.ref_history(name).items():
+            histories, damaged = store.readable_ref_history(name)  # one damaged step must not hide the run
+            for ref, entries in histories.items():
                 m = STEP_REF.match(ref)
-                if not m or m["run"] != name:
+                if not m or m["run"] != name or not (entries or ref in damaged):
                     continue
                 step = int(m["step"])
-                live = entries[0].target is not None
+                live = bool(entries) and entries[0].target is not None
                 target = next((e.target for e in entries if e.target is not None), None)
                 row = found.setdefault(step, {"step": step, "ref": ref, "id": target, "live": False, "removed_at": None,
                                               "saved_at": None, "metrics": {}, "logical_bytes": None, "new_bytes": None,
-                                              "latest": False, "tiers": [], "tier": "", "available": False})
+                                              "latest": False, "tiers": [], "tier": "", "available": False, "damaged": None})
+                if not entries:  # its newest entry cannot be read: whether it is kept is unknown
+                    row["damaged"] = row["damaged"] or f"{tier}: {damaged[ref]}"
+                    continue
                 if live:
                     row["live"] = True
                     row["tiers"] = sorted({*row["tiers"], tier})  # "durable" sorts before "local"
@@ -224,7 +229,7 @@ class StoreView:
         previous: set[str] = set()
         for r in rows:
             r["removed_at"] = None if r["live"] else r["removed_at"]
-            r["tier"] = " + ".join(r["tiers"]) if r["live"] else "removed"
+            r["tier"] = " + ".join(r["tiers"]) if r["live"] else "damaged" if r["damaged"] else "removed"
             chunks = r.pop("_chunks", None)
             if chunks is not None:
                 r["new_bytes"] = stored_bytes(chunks - previous, sizes)

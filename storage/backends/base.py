@@ -169,6 +169,12 @@ class Backend(ABC):
     def list(self, prefix: str) -> Iterator[Entry]:
         """Every file below directory ``prefix`` (recursively); nothing if it does not exist."""
 
+    def folders(self, prefix: str) -> Iterator[str]:
+        """Every folder below directory ``prefix`` (recursively), empty ones included, which
+        :meth:`list` does not show. Nothing by default: an object store has no folders (a
+        prefix holding objects shows in :meth:`list`)."""
+        return iter(())
+
     @abstractmethod
     def delete(self, path: str) -> None:
         """Remove ``path``; absent is not an error."""
@@ -205,7 +211,8 @@ class Backend(ABC):
         return True
 
     def mtime(self, path: str) -> float:
-        """Modification time (seconds since the epoch); 0.0 when the backend cannot tell."""
+        """Modification time (seconds since the epoch); 0.0 when the backend cannot tell.
+        Raises ``FileNotFoundError`` when absent (where the backend can tell)."""
         return 0.0
 
     def flush(self) -> None:

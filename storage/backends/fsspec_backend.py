@@ -105,6 +105,8 @@ class FsspecBackend(Backend):
         try:
             m = self.fs.modified(self._p(path))
             return float(m.timestamp())
+        except FileNotFoundError:
+            raise  # absent is not "old": gc would delete nothing and report it deleted
         except (NotImplementedError, AttributeError, OSError):
             return 0.0
 

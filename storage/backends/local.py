@@ -299,6 +299,13 @@ class LocalBackend(Backend):
                     rel = e.path[cut:] if os.sep == "/" else e.path[cut:].replace(os.sep, "/")
                     yield Entry(rel, st.st_size, st.st_mtime)
 
+    def folders(self, prefix: str) -> Iterator[str]:
+        cut = len(os.path.join(self.root, ""))
+        for d, subdirs, _ in os.walk(self._p(prefix) if prefix else self.root):
+            for s in subdirs:  # a symbolic link to a folder among them (os.walk does not enter it)
+                rel = os.path.join(d, s)[cut:]
+                yield rel if os.sep == "/" else rel.replace(os.sep, "/")
+
     def delete(self, path: str) -> None:
         final = self._p(path)
         self._check_inside(os.path.dirname(final))

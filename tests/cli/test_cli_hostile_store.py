@@ -65,15 +65,21 @@ def manifest_of(root: Path, ref: str) -> dict:
 @pytest.mark.parametrize("kind", ["fifo", "device"])
 def test_a_fifo_or_a_device_in_the_store_folder_is_refused_not_read(kind, good, env):
     """A ref entry that is a FIFO made every command wait forever for a writer; one that is a
-    symlink to /dev/zero made them read until memory ran out (a MemoryError traceback)."""
+    symlink to /dev/zero made them read until memory ran out (a MemoryError traceback). It is
+    damage to that ref: ls, log and verify name it (DAMAGED, exit 1) beside what they can read."""
     entry = good / "refs/ft/x/0000000002.ref"
     if kind == "fifo":
         os.mkfifo(entry)
     else:
         entry.symlink_to("/dev/zero")
-    for args in (["ls"], ["show", "ft/x"], ["log", "ft/x"], ["verify"], ["gc", "--dry-run"]):
+    for args in (["show", "ft/x"], ["gc", "--dry-run"]):
         line = fails(*args, store=good, env=env)
         assert "not a regular file" in line and "0000000002.ref" in line, line
+    for args in (["ls"], ["log", "ft/x"], ["verify"]):
+        r = run(*args, store=good, env=env)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "DAMAGED ft/x" in r.stderr and "not a regular file" in r.stderr and "0000000002.ref" in r.stderr
+    assert "base" in run("ls", store=good, env=env).stdout
     ok("show", "base", store=good, env=env)
 
 

@@ -144,6 +144,26 @@ def test_init_refuses_a_store_inside_a_store(tmp_path, capsys):
         assert code == 0, (args, err)
 
 
+def test_init_and_push_refuse_a_folder_of_other_files(tmp_path, capsys):
+    """`ckpt --store DIR init` (or a push creating the store) in a folder of someone's work wrote
+    the store's config and folders among its files; a new store needs a new or empty folder."""
+    work = tmp_path / "work"
+    (work / "src").mkdir(parents=True)
+    (work / "notes.txt").write_text("mine")
+    save_file({"w": torch.randn(3)}, work / "one.safetensors")
+    before = tree(work)
+    for args in (["init"], ["push", str(work / "one.safetensors"), "one"]):
+        code, _, err = run(capsys, "--store", str(work), *args)
+        one_line_error(code, err, "not empty", "new or empty folder")
+        assert tree(work) == before and sorted(os.listdir(work)) == ["notes.txt", "one.safetensors", "src"]
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / ".tmp-config-left-by-a-crash").write_bytes(b"")
+    for st in (tmp_path / "empty", tmp_path / "new"):  # empty, or not there yet: created
+        assert run(capsys, "--store", str(st), "init")[0] == 0
+        assert run(capsys, "--store", str(st), "init")[0] == 0  # a store already: a no-op
+        assert (st / "ckpt-store.json").is_file()
+
+
 def test_store_path_that_is_a_file_or_empty(tmp_path, capsys, monkeypatch):
     (tmp_path / "afile").write_text("mine")
     for cmd in ("init", "ls"):

@@ -409,3 +409,51 @@ def test_a_run_whose_metrics_are_any_json_is_drawn(tmp_path):
     page = c.get("/run/r")
     assert page.status_code == 200 and "0.5" in page.text and str(10**400) in page.text
     assert c.get("/api/run/r").json()["snapshots"][0]["metrics"]["loss"] == 10**400
+
+
+def test_a_checkpoint_page_shows_its_history_past_a_damaged_entry(tmp_path):
+    """The page and /api/checkpoint of a ref with one damaged old entry failed as a whole (the
+    history was read with every entry required); they now carry `ckpt log --json`'s rows."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    for i in range(3):
+        store.push({"w": torch.full((3,), float(i))}, "m")
+    (tmp_path / "s" / "refs" / "m" / "0000000002.ref").write_bytes(b"x")
+    client = TestClient(create_app(store))
+    doc = client.get("/api/checkpoint/m").json()
+    assert [r["seq"] for r in doc["log"]] == [3, 2, 1] and "error" in doc["log"][1]
+    assert doc["log"] == json.loads(run_main_json(store, "log", "m"))
+    page = client.get("/checkpoint/m")
+    assert page.status_code == 200 and "damaged entry" in page.text and "m@?" in page.text
+
+
+def run_main_json(store, *args: str) -> str:
+    """--json output of a command that exits 1 (damage reported), as a string."""
+    proc = subprocess.run([sys.executable, "-m", "ckpt_store.cli.main", "--store", store.url, *args, "--json"],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 1, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("which", [2, 1])
+def test_a_run_page_goes_on_past_a_damaged_snapshot_ref(tmp_path, which):
+    """One damaged entry of one step's ref (RUN/step-N) made the whole run page and /api/run fail
+    (every entry of every step was read, each required); the other steps are listed, and a step
+    whose newest entry is damaged is a row that says so."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    for step in (1, 2, 3):
+        mid = store.push({"w": torch.full((4,), float(step))}, f"r/step-{step}")
+        doc = json.loads(store.objects.get_manifest(mid))
+        doc["extra"] = {"snapshot": {"step": step, "metrics": {"loss": 1.0 / step}}}
+        data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        store.refs_db.set(f"r/step-{step}", store.objects.put_manifest(data))
+    (tmp_path / "store" / "refs" / "r" / "step-2" / f"{which:010d}.ref").write_bytes(b"{")
+    c = TestClient(create_app(store))
+    doc = c.get("/api/run/r").json()
+    assert [s["step"] for s in doc["snapshots"]] == [1, 2, 3]
+    two = doc["snapshots"][1]
+    if which == 2:  # the newest entry: whether step 2 is kept is unknown
+        assert two["tier"] == "damaged" and "0000000002.ref" in two["damaged"] and not two["live"]
+    else:
+        assert two["live"] and two["damaged"] is None and two["metrics"] == {"loss": 0.5}
+    page = c.get("/run/r")
+    assert page.status_code == 200 and ("damaged" in page.text) == (which == 2)

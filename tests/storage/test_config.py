@@ -65,3 +65,26 @@ def test_check_location_says_what_the_path_is(tmp_path):
     for url in ("", "  ", "file://"):
         with pytest.raises(StoreLocationError, match="empty store URL"):
             open_backend(url)
+
+
+def test_a_store_made_meanwhile_by_another_process_is_opened_not_refused(tmp_path, monkeypatch):
+    """Creating a store refuses a folder holding anything else; a folder that became a store between
+    the check for its config and the listing (another rank or process initialising it at once, then
+    pushing) was refused as 'not empty'."""
+    import os
+
+    import ckpt
+
+    root = tmp_path / "st"
+    real = os.listdir
+
+    def racing(path):
+        if os.path.realpath(path) == os.path.realpath(root) and not (root / CONFIG_PATH).exists():
+            init_config(open_backend(str(root)))  # the other process: config first, then its objects
+            (root / "objects").mkdir()
+        return real(path)
+
+    root.mkdir()
+    monkeypatch.setattr(os, "listdir", racing)
+    store = ckpt.Store.init(str(root))
+    assert store.config == read_config(open_backend(str(root)))

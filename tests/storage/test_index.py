@@ -264,3 +264,25 @@ def test_beside_a_newer_index_ls_reads_each_refs_newest_entry_only(tmp_path):
     counting = Counting(store)
     assert [r.name for r in store.ls().refs] == ["q", "r"]
     assert sorted(counting.of("refs/")) == ["refs/q/0000000001.ref", "refs/r/0000000010.ref"]
+
+
+@pytest.mark.parametrize("damage", ["file", "folder"])
+def test_a_damaged_old_entry_does_not_fail_live_refs_while_the_index_is_rebuilt(tmp_path, damage):
+    """Rebuilding the index reads every entry, for the snapshot it writes: one damaged old entry
+    made Store.refs() (the web view's ref list and every checkpoint page) fail, though live refs
+    need only each ref's newest entry. Such a view is used and never written as a snapshot."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    ids = [store.push({"w": torch.full((3,), float(i))}, "m") for i in range(3)]
+    store.push({"w": torch.ones(4)}, "other")
+    shutil.rmtree(tmp_path / "s" / PREFIX)
+    entry = tmp_path / "s" / "refs" / "m" / "0000000002.ref"
+    if damage == "file":
+        entry.write_bytes(b"x")
+    else:
+        entry.unlink()
+        entry.mkdir()
+    for _ in range(2):
+        assert {n: e.target for n, e in store.refs().items()} == {"m": ids[2], "other": store.resolve("other")}
+    assert not any(p.endswith(".snap") for p in index_files(store))  # a view lacking an entry is not written
+    with pytest.raises(ckpt.CkptError, match="0000000002.ref"):
+        store.gc(grace_s=0, dry_run=True)  # what gc keeps alive needs every entry: it stops

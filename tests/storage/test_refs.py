@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -124,7 +125,7 @@ def test_an_entry_whose_time_is_not_a_number_is_damaged(tmp_path, time):
         r.current("x")
 
 
-@pytest.mark.parametrize("name", ["m@1", "-x", ".hidden", "a/0000000003.ref/b"])
+@pytest.mark.parametrize("name", ["m@1", "-x", ".hidden"])
 def test_a_ref_folder_no_command_can_name_is_damage_not_a_ref(tmp_path, name):
     """A store folder holding refs/m@1/ (a sealed entry naming "m@1": anyone who writes a store can
     make one) had `ckpt ls` list a ref m@1 pointing at one checkpoint while `ckpt show m@1` showed
@@ -148,3 +149,97 @@ def test_a_ref_folder_no_command_can_name_is_damage_not_a_ref(tmp_path, name):
     assert list(damaged) == [name] and histories[name] == []
     found = gc_roots(r)
     assert [x.label for x in found.roots] == ["m", "m@1"] and list(found.damaged) == [name]
+
+
+@pytest.mark.parametrize("inside", [None, "x", "b/0000000001.ref"])
+@pytest.mark.parametrize("seq", [3, 2])
+def test_a_folder_in_place_of_an_entry_is_damage_not_skipped(tmp_path, seq, inside):
+    """A folder named like a ref's entry (empty, or holding anything) was not listed: with it in place
+    of the newest entry, the ref silently named its previous version (resolve, pull and push went on
+    from there), and in place of an older one, NAME@N named another version. It is damage, as a
+    damaged entry file is: entries newer than it are known, the rest is not."""
+    from ckpt_store.storage.gc import gc_roots
+
+    r = Refs(LocalBackend(str(tmp_path), fsync=False))
+    for target in (A, B, A):
+        r.set("m", target)
+    r.set("other", B)
+    path = tmp_path / "refs" / "m" / f"{seq:010d}.ref"
+    path.unlink()
+    path.mkdir()
+    if inside is not None:
+        (path / inside).parent.mkdir(parents=True, exist_ok=True)
+        (path / inside).write_bytes(b"x")
+    live, damaged = r.scan()
+    if seq == 3:
+        with pytest.raises(StoreFormatError, match="0000000003.ref is not a file"):
+            r.current("m")
+        assert list(live) == ["other"] and list(damaged) == ["m"]
+    else:
+        assert r.current("m").target == A and list(live) == ["m", "other"] and not damaged
+    with pytest.raises(StoreFormatError, match="is not a file"):
+        r.history("m")
+    entries, err = r.readable_history("m")
+    assert [e.seq for e in entries] == list(range(3, seq, -1)) and "is not a file" in str(err)
+    histories, damaged = r.scan_histories()
+    assert list(damaged) == ["m"] and [e.seq for e in histories["m"]] == list(range(3, seq, -1))
+    assert list(gc_roots(r).damaged) == ["m"]
+    assert r.set("m", B).seq == 4  # a new entry goes after it, as after a damaged entry file
+
+
+def test_an_object_store_prefix_in_place_of_an_entry_is_damage():
+    """On an object store a "folder" is a prefix holding objects (refs/m/0000000002.ref/x): it was
+    skipped as no entry at all, and m named its previous version."""
+    import uuid
+
+    backend = open_backend(f"memory://refs-{uuid.uuid4().hex}")
+    r = Refs(backend)
+    r.set("m", A)
+    backend.write("refs/m/0000000002.ref/x", b"x")
+    with pytest.raises(StoreFormatError, match="0000000002.ref is not a file"):
+        r.current("m")
+    assert list(r.scan()[1]) == ["m"]
+
+
+@pytest.mark.parametrize("thing", ["fifo", "link to a device"])
+def test_a_fifo_or_device_in_place_of_an_entry_is_damage_beside_the_other_refs(tmp_path, thing):
+    """A FIFO (or a link to /dev/zero) named like a ref's entry was refused as 'not a regular file'
+    with an error that stopped the whole listing: `ckpt ls` and `du` showed no ref at all, and
+    `ckpt log` nothing. It is damage to that ref, reported beside the others like a damaged entry."""
+    r = Refs(LocalBackend(str(tmp_path), fsync=False))
+    r.set("m", A)
+    r.set("m", B)
+    r.set("other", A)
+    path = tmp_path / "refs" / "m" / "0000000002.ref"
+    path.unlink()
+    if thing == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    live, damaged = r.scan()
+    assert list(live) == ["other"] and list(damaged) == ["m"] and "not a regular file" in str(damaged["m"][0])
+    entries, bad = r.log("m")
+    assert [e.seq for e in entries] == [1] and list(bad) == [2]
+    with pytest.raises(StoreFormatError, match="not a regular file"):
+        r.current("m")
+
+
+def test_a_symbolic_link_to_nothing_in_place_of_an_entry_is_damage(tmp_path):
+    """A dangling symbolic link named like a ref's entry is listed, then cannot be opened: the
+    FileNotFoundError escaped every command that lists refs (ls, log, verify, gc) as a traceback."""
+    from ckpt_store.storage.gc import gc_roots
+
+    r = Refs(LocalBackend(str(tmp_path), fsync=False))
+    r.set("m", A)
+    r.set("m", B)
+    r.set("other", A)
+    path = tmp_path / "refs" / "m" / "0000000002.ref"
+    path.unlink()
+    path.symlink_to(tmp_path / "nowhere")
+    live, damaged = r.scan()
+    assert list(live) == ["other"] and list(damaged) == ["m"] and "cannot be read" in str(damaged["m"][0])
+    entries, bad = r.log("m")
+    assert [e.seq for e in entries] == [1] and list(bad) == [2]
+    assert list(gc_roots(r).damaged) == ["m"]
+    with pytest.raises(StoreFormatError, match="a symbolic link to nothing"):
+        r.current("m")

@@ -180,6 +180,27 @@ def test_retention(tmp_path):
         store.load("ret/step-5")
 
 
+@pytest.mark.parametrize("index", ["1", "0"])
+def test_a_damaged_ref_of_someone_else_does_not_stop_a_runs_saves(tmp_path, monkeypatch, index):
+    """Retention lists the run's snapshots through every live ref of the store: one damaged ref
+    entry of another run or person in a shared store (here: other/x) made every save of this run
+    fail ('ref entry refs/other/x/... is not valid JSON'). A damaged snapshot ref of the run itself
+    is kept, not pruned (whether it is live is unknown)."""
+    monkeypatch.setenv("CKPT_INDEX", index)
+    model = _model()
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    store.push({"w": torch.ones(3)}, "other/x")
+    with ckpt.CheckpointManager(store, "ret", keep_last=1, save_mode="sync") as mgr:
+        mgr.save(1, {"model": model})
+        mgr.save(2, {"model": model})
+        (tmp_path / "s" / "refs" / "other" / "x" / "0000000001.ref").write_bytes(b"{")
+        (tmp_path / "s" / "refs" / "ret" / "step-2" / "0000000001.ref").write_bytes(b"{")
+        for step in (3, 4):
+            mgr.save(step, {"model": model})
+        assert mgr.steps() == [4]
+    assert sorted(os.listdir(tmp_path / "s" / "refs" / "ret" / "step-2")) == ["0000000001.ref"]  # not removed
+
+
 @pytest.mark.parametrize("local", [False, True], ids=["store", "local_tier"])
 def test_retention_after_going_back_keeps_the_new_timeline(tmp_path, local):
     """Saved to 12 (keep_last=2, keep_every=4), taken back to 4 and saved 6 and 8 (a new timeline): the
