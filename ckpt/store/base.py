@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from ckpt.errors import CkptError, StoreFormatError
 from ckpt.format.manifest import Manifest, TensorEntry
 from ckpt.store.catalog import well_formed
 
@@ -74,13 +75,22 @@ def _candidates(store: Store) -> Iterable[tuple[str, list[tuple[str, str, int]],
     one (a stale index only makes a worse choice, never a wrong checkpoint: the base is
     read and verified, and commit checks every chunk), else from the manifests."""
     index = store.index
-    if index is None:
-        live = sorted(store.refs_db.live().values(), key=lambda e: e.time, reverse=True)[:MAX_CANDIDATES]
+    st = None
+    if index is not None:
+        try:
+            st = index.view(exact=False)
+        except StoreFormatError:  # a damaged ref entry, met rebuilding the index: read the refs below
+            pass
+    if st is None:
+        # A damaged ref or checkpoint is no candidate: it must not fail every push to the store.
+        live = sorted(store.refs_db.scan()[0].values(), key=lambda e: e.time, reverse=True)[:MAX_CANDIDATES]
         for target in dict.fromkeys(e.target for e in live if e.target is not None):
-            m = store.manifest(target)
+            try:
+                m = store.manifest(target)
+            except CkptError:
+                continue
             yield target, [(t.name, t.dtype, t.nbytes) for t in m.tensors], m.lineage.get("base"), m.created
         return
-    st = index.view(exact=False)
     live = sorted(st.live().values(), key=lambda e: e.time, reverse=True)[:MAX_CANDIDATES]
     targets = list(dict.fromkeys(e.target for e in live if e.target is not None))
     gone = index.ensure(st, well_formed(st, targets), strict=False)  # a stale index may name what gc removed since

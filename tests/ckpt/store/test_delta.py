@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import ckpt
@@ -241,3 +242,28 @@ def test_a_damaged_base_does_not_stop_the_pushes_of_its_shape(tmp_path, caplog):
     assert "storing this chunk whole" in caplog.text
     got = store.load("new")
     assert all(got[k].numpy().tobytes() == v.numpy().tobytes() for k, v in new.items())
+
+
+@pytest.mark.parametrize("index", ["0", "1"])
+@pytest.mark.parametrize("damage", ["entry", "manifest"])
+def test_a_damaged_ref_elsewhere_does_not_stop_every_push(tmp_path, monkeypatch, damage, index):
+    """Base choice read the newest entry and the checkpoint of every live ref, each required: one
+    damaged ref or checkpoint anywhere in the store made every push of a new name fail, wherever
+    the metadata index is not used (an object store without conditional writes, CKPT_INDEX=0, or
+    the index being rebuilt). A damaged candidate is now no candidate."""
+    import shutil
+
+    monkeypatch.setenv("CKPT_INDEX", index)
+    root = tmp_path / "s"
+    store = ckpt.Store.init(str(root))
+    store.push({"w": torch.arange(100_000, dtype=torch.float32)}, "base")
+    store.push({"v": torch.ones(10)}, "other")
+    if damage == "entry":
+        (root / "refs" / "other" / "0000000001.ref").write_bytes(b"{")
+    else:
+        (root / store.objects.path("manifests", store.resolve("other"))).write_bytes(b"x")
+    shutil.rmtree(root / "index", ignore_errors=True)  # rebuilt by the push: from the refs
+    new = {"w": torch.arange(100_000, dtype=torch.float32) + 1}
+    mid = store.push(new, "new")
+    assert store.manifest(mid).lineage["base"] == store.resolve("base")
+    assert store.load("new")["w"].numpy().tobytes() == new["w"].numpy().tobytes()
