@@ -88,8 +88,14 @@ def check_location(backend: Backend, *, create: bool) -> None:
     as is creating one in a folder that already holds anything else.
     """
     root = backend.local_path(".")
-    if root is None:
-        return  # remote stores have no ancestors to check
+    if root is None:  # a remote store has no ancestors to check; its prefix must be new or empty
+        if create and not backend.exists(CONFIG_PATH):
+            held = next((e.path for e in backend.list("") if not e.path.rsplit("/", 1)[-1].startswith(".tmp-")), None)
+            if held is not None and not backend.exists(CONFIG_PATH):
+                raise StoreLocationError(f"{backend.url} is not empty and holds no store (it holds {held!r}, say); "
+                                         "a new store is created only where nothing is",
+                                         hint="give a new prefix (below this one, say)")
+        return
     root = os.path.normpath(root)
     if os.path.exists(root) and not os.path.isdir(root):
         raise StoreLocationError(f"{root} is a file, not a store directory", hint="give --store a directory path")

@@ -88,3 +88,20 @@ def test_a_store_made_meanwhile_by_another_process_is_opened_not_refused(tmp_pat
     monkeypatch.setattr(os, "listdir", racing)
     store = ckpt.Store.init(str(root))
     assert store.config == read_config(open_backend(str(root)))
+
+
+def test_a_new_store_is_not_created_among_other_objects_anywhere(store_url):
+    """As a local folder of someone's work, a bucket prefix (or memory:// path) already holding other
+    objects does not become a store: its gc would run among them. An empty one, or a store, opens."""
+    import ckpt
+    from ckpt_store.storage.errors import StoreLocationError
+
+    theirs = open_backend(store_url)
+    theirs.write("results/run-1.csv", b"step,loss\n1,2.0\n")
+    with pytest.raises(StoreLocationError, match="not empty and holds no store"):
+        ckpt.Store.init(store_url)
+    assert not theirs.exists(CONFIG_PATH)
+    assert [e.path for e in theirs.list("")] == ["results/run-1.csv"]
+    fresh = store_url.rstrip("/") + "/sub"
+    ckpt.Store.init(fresh)  # below it: new, so empty
+    ckpt.Store.init(fresh)  # and a store, so opened
