@@ -97,6 +97,9 @@ def check_location(backend: Backend, *, create: bool) -> None:
                                          hint="give a new prefix (below this one, say)")
         return
     root = os.path.normpath(root)
+    if os.path.islink(root) and not os.path.exists(root):
+        raise StoreLocationError(f"{root} is a symbolic link to {os.readlink(root)!r}, which does not exist",
+                                 hint="create what it points to, or give --store another path")
     if os.path.exists(root) and not os.path.isdir(root):
         raise StoreLocationError(f"{root} is a file, not a store directory", hint="give --store a directory path")
     if create and not os.path.isfile(os.path.join(root, CONFIG_PATH)):

@@ -62,6 +62,10 @@ def test_check_location_says_what_the_path_is(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(StoreLocationError, match="is a file"):
         check_location(open_backend(str(tmp_path / "f")), create=False)
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")  # said as such, not "cannot write ckpt-store.json: File exists"
+    for create in (True, False):
+        with pytest.raises(StoreLocationError, match="symbolic link to .*nowhere.*which does not exist"):
+            check_location(open_backend(str(tmp_path / "gone")), create=create)
     for url in ("", "  ", "file://"):
         with pytest.raises(StoreLocationError, match="empty store URL"):
             open_backend(url)
