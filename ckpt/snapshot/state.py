@@ -122,6 +122,28 @@ def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, tree
 
 
+def autograd_flags(tensors: dict[str, Any]) -> dict[str, list[str]]:
+    """What the bytes of :func:`flatten`'s tensors do not say and a restore must give back: the names
+    of those that require grad and of those that are ``nn.Parameter`` objects (a learnable temperature kept
+    as a plain value, say; a module's ``state_dict()`` hands out neither). Empty entries are left out.
+    """
+    import torch
+
+    flags = {"requires_grad": sorted(n for n, t in tensors.items() if t.requires_grad),
+             "parameters": sorted(n for n, t in tensors.items() if isinstance(t, torch.nn.Parameter))}
+    return {k: v for k, v in flags.items() if v}
+
+
+def with_autograd_flags(name: str, t: Any, flags: dict[str, Any]) -> Any:
+    """``t``, a fresh tensor restored as ``name``, with the flags :func:`autograd_flags` recorded for it."""
+    import torch
+
+    grad = name in flags.get("requires_grad", ())
+    if name in flags.get("parameters", ()):
+        return torch.nn.Parameter(t, requires_grad=grad)
+    return t.requires_grad_(grad) if grad else t
+
+
 def unflatten(tree: Any, tensors: dict[str, Any]) -> Any:
     """Inverse of the encoding in :func:`flatten` for one value."""
     return tagged_json.decode(tree, "snapshot state", tensor=tensors.__getitem__)
