@@ -14,7 +14,10 @@ of resumable dataloaders) and the other callbacks' ``state_dict()`` — plus the
 states, which Lightning's checkpoints leave out. It is taken at the same point as
 ``ModelCheckpoint(every_n_train_steps=N)`` (``on_train_batch_end``), so Lightning's
 own restart logic picks up at the next batch. On SIGTERM (preemption), which Lightning
-turns into the end of ``fit`` after the current batch, that batch's step is saved too.
+turns into the end of ``fit`` after the current batch (its ``SIGTERMException``, a
+``SystemExit`` of status 0), that batch's step is saved too, and once that snapshot is
+durable the exception carries status 143 (``preempt_exit_code``): a scheduler reads the
+job as killed and requeues it, where 0 would read as finished.
 Resuming happens in ``on_fit_start``: after the strategy has built the optimizers and
 moved the model, before the first batch; tensors are decoded straight into the live
 parameters and optimizer state.
@@ -34,6 +37,7 @@ from typing import Any
 
 try:
     import pytorch_lightning as pl
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("ckpt.integrations.lightning needs PyTorch Lightning: pip install 'ckpt-store[lightning]'") from e
 
@@ -83,14 +87,18 @@ class CkptCallback(pl.Callback):
     ``trainer.callback_metrics`` to record with each snapshot (for ``keep_best``).
     With ``resume=False`` the run starts fresh even if the store has snapshots of it.
     After ``fit``, :attr:`restored_step` is the step resumed from (None if none) and
-    every snapshot taken is durable.
+    every snapshot taken is durable, also when ``fit`` raised. Preempted (SIGTERM), ``fit``
+    raises Lightning's ``SIGTERMException`` (a ``SystemExit``) with status
+    ``preempt_exit_code`` (default 143, as the signal itself would have ended the process;
+    an int in 0..255) once the final snapshot is durable.
 
     Raises :class:`ckpt.snapshot.manager.SnapshotError` under a multi-process strategy.
     """
 
     def __init__(self, store: Any, run: str, *, every_n_steps: int, keep_last: int | None = None,
                  keep_every: int | None = None, keep_best: KeepBest | None = None,
-                 metrics: tuple[str, ...] = (), save_mode: str = "async", resume: bool = True, **deprecated: Any) -> None:
+                 metrics: tuple[str, ...] = (), save_mode: str = "async", resume: bool = True,
+                 preempt_exit_code: int = 143, **deprecated: Any) -> None:
         if every_n_steps < 1:
             raise ValueError("every_n_steps must be >= 1")
         self.store, self.run = store, run
@@ -99,7 +107,8 @@ class CkptCallback(pl.Callback):
         self.metrics = tuple(metrics) + ((keep_best.metric,) if keep_best and keep_best.metric not in metrics else ())
         self.resume = resume
         self._manager_kwargs: dict[str, Any] = {"keep_last": keep_last, "keep_every": keep_every,
-                                                "keep_best": keep_best, "save_mode": save_mode, **deprecated}
+                                                "keep_best": keep_best, "save_mode": save_mode,
+                                                "preempt_exit_code": preempt_exit_code, **deprecated}
         self.manager: CheckpointManager | None = None
         self.restored_step: int | None = None
         self._last_saved: int | None = None
@@ -157,6 +166,21 @@ class CkptCallback(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.manager is not None:
             self.manager.wait()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # Lightning calls no teardown hook when fit raises: the in-flight snapshot is finished here.
+        if self.manager is None:
+            return
+        manager, self.manager = self.manager, None
+        try:
+            manager.close()
+        except Exception:  # noqa: BLE001 - do not mask the exception that ends fit
+            log.exception("in-flight snapshot of %s failed while fit ended with %r", self.run, exception)
+        if isinstance(exception, SIGTERMException):
+            # Lightning's preemption exit has status 0, which a scheduler reads as "finished" (never requeued).
+            exception.code = manager.preempt_exit_code
+            log.warning("preempted at step %d, every snapshot taken durable: exiting with %d", trainer.global_step,
+                        manager.preempt_exit_code)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.manager is not None:

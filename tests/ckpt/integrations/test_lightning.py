@@ -66,7 +66,10 @@ def test_resume_after_sigkill(uninterrupted, tmp_path):
 
 def test_sigterm_saves_the_step_it_came_in(script, tmp_path):
     """Lightning turns SIGTERM into the end of ``fit`` after the current batch: the callback saved
-    nothing then, and a preempted run lost every step since the last multiple of every_n_steps."""
+    nothing then, and a preempted run lost every step since the last multiple of every_n_steps.
+    The process then exited with status 0 (Lightning's SIGTERMException), which a scheduler reads
+    as "finished": the job was never requeued. The script does nothing about it: the callback
+    makes it 143 once the final snapshot is durable."""
     store = str(tmp_path / "store")
     run_script("lightning_script", store, tmp_path / "term", "term", N, 10, expect=143)
     s = ckpt.Store.open(store)
@@ -77,3 +80,25 @@ def test_sigterm_saves_the_step_it_came_in(script, tmp_path):
                      {f"model.{k[len('model/'):]}": v for k, v in snap.items()})
     losses, tensors = run_script("lightning_script", store, tmp_path / "resume", "resume", N)
     assert losses["restored"] == 10 and int(tensors["global_step"]) == N
+
+
+def test_fit_that_raises_finishes_the_snapshot_in_flight(script, tmp_path):
+    """Lightning calls no teardown hook when ``fit`` raises: the manager was left open, its in-flight
+    snapshot unwaited (an error in it never reported). on_exception finishes and closes it."""
+    import torch
+
+    class Boom(script.pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 6:
+                raise RuntimeError("boom")
+
+    store = str(tmp_path / "store")
+    cb = script.CkptCallback(store, "lit", every_n_steps=4, save_mode="async")
+    trainer = script.pl.Trainer(max_steps=10, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[cb, Boom()])
+    data = torch.utils.data.TensorDataset(torch.randn(32, 16), torch.randint(0, 4, (32,)))
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(script.TinyModule(), torch.utils.data.DataLoader(data, batch_size=8))
+    assert cb.manager is None  # closed: the snapshot of step 4 is durable
+    s = ckpt.Store.open(store)
+    assert s.resolve("lit/latest") == s.resolve("lit/step-4") and s.verify().ok
