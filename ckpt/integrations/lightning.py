@@ -25,7 +25,11 @@ parameters and optimizer state.
 Exact resume mid-epoch needs what it needs with Lightning's own checkpoints: a
 dataloader that can resume (``state_dict``/``load_state_dict``, e.g.
 ``torchdata``'s ``StatefulDataLoader``); a plain DataLoader restarts its epoch.
-Snapshots at epoch boundaries resume exactly with any dataloader.
+Snapshots at epoch boundaries resume exactly with any dataloader. Lightning finds its
+place in an epoch by counting batches: a snapshot taken mid-epoch records the batch size
+and the batches per epoch, and resuming it with others is refused (``SnapshotError`` at
+``on_train_start``, before the first batch) instead of silently resuming at another
+sample.
 Not stored: anything a LightningModule adds in ``on_save_checkpoint`` (give it a
 ``Stateful`` attribute instead) and logger state. Single process only.
 """
@@ -113,6 +117,7 @@ class CkptCallback(pl.Callback):
         self.restored_step: int | None = None
         self._last_saved: int | None = None
         self._batch_start_step: int | None = None
+        self._restored_data: Any = None  # the data position recorded with the snapshot resumed from
 
     def _state(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         state: dict[str, Any] = {"model": pl_module}
@@ -124,8 +129,28 @@ class CkptCallback(pl.Callback):
         state["loops"] = _FitLoop(trainer)
         state["callbacks"] = _Callbacks(trainer, self)
         state["rng"] = RNGState()
-        state["trainer"] = {"global_step": trainer.global_step, "epoch": trainer.current_epoch}
+        # Not restored into the trainer: kept to check that a resume lands where the run stopped.
+        state["trainer"] = {"global_step": trainer.global_step, "epoch": trainer.current_epoch,
+                            "data": _data_position(trainer)}
         return state
+
+    def _check_data_position(self, trainer: pl.Trainer) -> None:
+        """Refuse to go on from a mid-epoch snapshot with another batch size or epoch length: the loop's
+        position is a count of batches, which would then name other samples than the run had reached."""
+        saved, self._restored_data = self._restored_data, None
+        if not isinstance(saved, dict) or not saved.get("batch_in_epoch"):
+            return  # at an epoch boundary (or a snapshot of an earlier release)
+        if saved["batch_in_epoch"] >= (saved.get("batches_per_epoch") or float("inf")):
+            return
+        now = _data_position(trainer)
+        if (saved.get("batch_sizes"), saved.get("batches_per_epoch")) == (now["batch_sizes"], now["batches_per_epoch"]):
+            return
+        raise SnapshotError(
+            f"the snapshot of step {self.restored_step} of {self.run!r} was taken {saved['batch_in_epoch']} batches into "
+            f"an epoch of {saved.get('batches_per_epoch')} batches of size {_sizes(saved.get('batch_sizes'))}; this "
+            f"trainer's epochs are {now['batches_per_epoch']} batches of size {_sizes(now['batch_sizes'])}: it would "
+            "resume at another place in the data",
+            hint="resume with the batch size and data the run was trained with, or start a new run name")
 
     # -- hooks -------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -138,10 +163,15 @@ class CkptCallback(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.manager is not None
-        self.restored_step = self.manager.restore_latest(self._state(trainer, pl_module)) if self.resume else None
+        state = self._state(trainer, pl_module)
+        self.restored_step = self.manager.restore_latest(state) if self.resume else None
         if self.restored_step is not None:
             log.info("resumed %s from step %d", self.run, self.restored_step)
+            self._restored_data = state["trainer"].get("data")  # the snapshot's (restore replaced the value)
         self._last_saved = trainer.global_step
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_data_position(trainer)  # once the train dataloader is set up, before its first batch
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_start_step = trainer.global_step
@@ -186,3 +216,26 @@ class CkptCallback(pl.Callback):
         if stage == "fit" and self.manager is not None:
             manager, self.manager = self.manager, None
             manager.close()
+
+
+def _data_position(trainer: pl.Trainer) -> dict[str, Any]:
+    """What the fit loop's place in the data depends on: the batch size of each training dataloader
+    (None where it cannot say), the batches in an epoch (None: unknown) and how many of this epoch's ran."""
+    from torch.utils.data import DataLoader
+
+    def sizes(loaders: Any) -> list[Any]:
+        if isinstance(loaders, dict):
+            return [b for v in loaders.values() for b in sizes(v)]
+        if isinstance(loaders, (list, tuple)):
+            return [b for v in loaders for b in sizes(v)]
+        if isinstance(loaders, DataLoader) and loaders.batch_size is None:
+            return [getattr(loaders.batch_sampler, "batch_size", None)]
+        return [getattr(loaders, "batch_size", None)]
+
+    n = trainer.num_training_batches
+    return {"batch_sizes": sizes(trainer.train_dataloader), "batches_per_epoch": int(n) if n != float("inf") else None,
+            "batch_in_epoch": trainer.fit_loop.epoch_loop.batch_progress.current.ready}
+
+
+def _sizes(sizes: Any) -> str:
+    return ", ".join(map(str, sizes)) if isinstance(sizes, list) else str(sizes)

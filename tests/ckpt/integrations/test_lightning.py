@@ -102,3 +102,39 @@ def test_fit_that_raises_finishes_the_snapshot_in_flight(script, tmp_path):
     assert cb.manager is None  # closed: the snapshot of step 4 is durable
     s = ckpt.Store.open(store)
     assert s.resolve("lit/latest") == s.resolve("lit/step-4") and s.verify().ok
+
+
+def _fit(script, store, tmp_path, batch_size, max_steps, stop_at=None):
+    """A Trainer over 32 samples in batches of ``batch_size``, snapshots every 2 steps, stopped at ``stop_at``."""
+    import torch
+
+    class Stop(script.pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            trainer.should_stop = trainer.global_step == stop_at
+
+    cb = script.CkptCallback(store, "lit", every_n_steps=2)
+    trainer = script.pl.Trainer(max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[cb, Stop()])
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))
+    trainer.fit(script.TinyModule(), torch.utils.data.DataLoader(data, batch_size=batch_size))
+    return cb, trainer
+
+
+def test_resume_mid_epoch_with_another_batch_size_is_refused(script, tmp_path):
+    """Lightning finds its place in an epoch by counting batches: a snapshot taken 2 batches of 8 into an
+    epoch, resumed with batches of 4, went on from sample 8 instead of 16 (with a resumable dataloader;
+    a plain one restarts the epoch anyway), with no error. Refused before the first batch; at an epoch
+    boundary the batch size may change."""
+    from ckpt.snapshot.manager import SnapshotError
+
+    store = str(tmp_path / "store")
+    _fit(script, store, tmp_path, 8, 20, stop_at=6)  # 4 batches an epoch: step 6 is 2 batches into the second
+    with pytest.raises(SnapshotError, match="2 batches into an epoch of 4 batches of size 8; this trainer's epochs "
+                                            "are 8 batches of size 4") as e:
+        _fit(script, store, tmp_path, 4, 20)
+    assert "batch size" in e.value.hint
+    cb, trainer = _fit(script, store, tmp_path, 8, 8)  # the same batches: resumed
+    assert cb.restored_step == 6 and trainer.global_step == 8
+    cb, trainer = _fit(script, store, tmp_path, 4, 10)  # from step 8, the end of an epoch: any batch size
+    assert cb.restored_step == 8 and trainer.global_step == 10
