@@ -45,7 +45,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("ckpt.integrations.transformers needs transformers: pip install 'ckpt-store[transformers]'") from e
 
-from ckpt.errors import RefNotFoundError
+from ckpt.errors import RefNotFoundError, TensorMismatchError
 from ckpt.snapshot.manager import CheckpointManager, SnapshotError
 from ckpt.snapshot.retention import KeepBest
 from ckpt.snapshot.state import RNGState
@@ -88,6 +88,8 @@ class CkptCallback(TrainerCallback):
         self._pending_rng: int | None = None  # step whose RNG state is still to be restored
         self._pending_restore = False  # resume_dir ran: on_train_begin restores optimizer and scheduler
         self._save_due = False  # on_step_end found a snapshot due: taken once the step's log and evaluation ran
+        self._data: dict[str, Any] = {}  # what the Trainer's place in the data depends on, recorded with each snapshot
+        self._restored_data: dict[str, Any] = {}  # the same, recorded with the snapshot resume_dir restored
 
     # -- resuming ------------------------------------------------------------------
     def resume_dir(self, trainer: Any, dest: str | os.PathLike[str] | None = None, step: int | None = None) -> str | None:
@@ -97,8 +99,11 @@ class CkptCallback(TrainerCallback):
         (default ``<output_dir>/ckpt-resume``; new, empty or written by resume_dir before),
         or None when the run has no snapshot.
         Raises :class:`ckpt.errors.TensorMismatchError` if the model does not fit it, and
-        :class:`ckpt.snapshot.manager.SnapshotError` if it was trained with another batch size
-        or ``dest`` holds files that resume_dir did not write.
+        :class:`ckpt.snapshot.manager.SnapshotError` if it was trained with another batch size or
+        ``gradient_accumulation_steps`` (the Trainer would resume at another place in the data:
+        it counts steps in batches of today's size and accumulation; ``train`` refuses in the same
+        way a dataset of another number of batches; with ``ignore_data_skip=True`` the Trainer skips nothing
+        and both may change), or ``dest`` holds files that resume_dir did not write.
         """
         self._trainer = trainer
         out = os.fspath(dest) if dest is not None else os.path.join(trainer.args.output_dir, "ckpt-resume")
@@ -115,8 +120,22 @@ class CkptCallback(TrainerCallback):
             # would unpickle an optimizer.pt or rng_state.pth it finds (the latter over our RNG state).
             raise SnapshotError(f"{out} holds files that resume_dir did not write",
                                 hint="pass resume_dir(trainer, dest=...) an empty or new directory")
-        values: dict[str, Any] = {"trainer_state": None}
-        self.manager.restore(values, step)  # the TrainerState as JSON, checked before the model is touched
+        values: dict[str, Any] = {"trainer_state": None, "data": None}
+        try:  # the TrainerState and the data position as JSON, checked before the model is touched
+            self.manager.restore(values, step)
+        except TensorMismatchError:  # a snapshot of an earlier release, which recorded no data position
+            del values["data"]
+            self.manager.restore(values, step)
+        data = values.get("data") or {}
+        saved, now = data.get("gradient_accumulation_steps"), trainer.args.gradient_accumulation_steps
+        if saved is not None and saved != now and not trainer.args.ignore_data_skip:
+            # The Trainer skips global_step * gradient_accumulation_steps batches (and counts epochs
+            # in steps of that many batches) with today's value.
+            raise SnapshotError(f"the snapshot of step {step} of {self.manager.run!r} was trained with "
+                                f"gradient_accumulation_steps={saved}, this Trainer's is {now}: it would resume at "
+                                "another place in the data",
+                                hint=f"resume with gradient_accumulation_steps={saved}, or pass ignore_data_skip=True "
+                                     "to go on from the start of an epoch")
         saved, now = values["trainer_state"].get("train_batch_size"), trainer.args.train_batch_size
         if saved is not None and saved != now and not trainer.args.auto_find_batch_size:
             # The Trainer finds its place in the data as global_step batches of today's size.
@@ -135,6 +154,7 @@ class CkptCallback(TrainerCallback):
 
             save_model(trainer.model, os.path.join(out, "model.safetensors"))
         self.restored_step, self._pending_restore = step, True
+        self._restored_data = data
         return out
 
     def _rest(self, optimizer: Any, lr_scheduler: Any) -> dict[str, Any]:
@@ -153,12 +173,26 @@ class CkptCallback(TrainerCallback):
             raise SnapshotError("CkptCallback(every_n_steps=None) follows the Trainer's save schedule, and this "
                                 "Trainer's save_strategy is 'no': no snapshot would ever be taken",
                                 hint="pass every_n_steps=N (and keep save_strategy='no' for no pickled checkpoint-N/ folders)")
+        loader = kw.get("train_dataloader")
+        try:
+            batches = len(loader) if loader is not None else None
+        except TypeError:  # an iterable dataset: no epochs to place a step in
+            batches = None
+        self._data = {"gradient_accumulation_steps": args.gradient_accumulation_steps, "batches_per_epoch": batches}
         if not self._pending_restore:
             return
         self._pending_restore = False
         if state.global_step != self.restored_step:
             raise SnapshotError(f"the Trainer resumed at step {state.global_step}, not at the snapshot's "
                                 f"{self.restored_step}", hint="pass resume_dir(trainer) to trainer.train(resume_from_checkpoint=...)")
+        saved = self._restored_data.get("batches_per_epoch")
+        if saved is not None and batches is not None and saved != batches and not args.ignore_data_skip:
+            # The Trainer counts the epochs trained and the batches to skip in this epoch with today's number.
+            raise SnapshotError(f"the snapshot of step {self.restored_step} of {self.manager.run!r} was trained with "
+                                f"{saved} batches an epoch, this Trainer's dataset makes {batches}: it would resume at "
+                                "another place in the data",
+                                hint="resume with the dataset the run was trained with, or pass ignore_data_skip=True "
+                                     "to go on from the start of an epoch")
         assert self.restored_step is not None
         self.manager.restore(self._rest(optimizer, lr_scheduler), self.restored_step)
         self._pending_rng = self.restored_step
@@ -205,7 +239,7 @@ class CkptCallback(TrainerCallback):
         """Snapshot now as step ``state.global_step`` (returns once staged; after a preemption signal,
         once durable, by raising ``SystemExit(143)``)."""
         snapshot = {"model": model, **self._rest(optimizer, lr_scheduler), "rng": RNGState(),
-                    "trainer_state": self._trainer_state(state, control)}
+                    "trainer_state": self._trainer_state(state, control), "data": self._data}
         metrics: dict[str, float] = {}
         if self.keep_best:
             name = self.keep_best.metric

@@ -145,6 +145,47 @@ def test_resume_with_another_batch_size_is_refused(script, tmp_path):
     cb.close()
 
 
+def test_resume_with_another_accumulation_or_dataset_is_refused(script, tmp_path):
+    """The Trainer skips global_step * gradient_accumulation_steps batches of an epoch of today's
+    length: resumed with another accumulation (or a dataset of another number of batches) it went on
+    at another place in the data (here at the start of the fourth epoch, not 2 batches into the second),
+    with no error. Refused: another accumulation before the model is touched, another dataset when
+    ``train`` starts, before the first step; ``ignore_data_skip=True`` (skip nothing) lets both change."""
+    from transformers import Trainer, TrainingArguments
+
+    from ckpt.snapshot.manager import SnapshotError
+
+    store = str(tmp_path / "store")
+    script.train(store, str(tmp_path / "stop"), "stop", N, 6)  # 16 samples, batches of 4, no accumulation
+
+    def trainer_for(samples, **kw):
+        model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
+        cb = script.CkptCallback(store, "hf", every_n_steps=2)
+        data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (samples, 12))]
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=N,
+                                 per_device_train_batch_size=4, disable_tqdm=True, save_strategy="no", **kw)
+        return Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]), cb, model
+
+    trainer, cb, model = trainer_for(16, gradient_accumulation_steps=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(SnapshotError, match="gradient_accumulation_steps=1, this Trainer's is 2") as e:
+        cb.resume_dir(trainer)
+    assert "gradient_accumulation_steps=1" in e.value.hint
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
+    assert cb.restored_step is None and not (tmp_path / "out" / "ckpt-resume").exists()
+    cb.close()
+
+    trainer, cb, _ = trainer_for(24)  # 6 batches an epoch, not 4
+    with pytest.raises(SnapshotError, match="4 batches an epoch, this Trainer's dataset makes 6"):
+        trainer.train(resume_from_checkpoint=cb.resume_dir(trainer))
+    assert trainer.state.global_step == 6  # not one step trained
+    cb.close()
+
+    trainer, cb, _ = trainer_for(16, gradient_accumulation_steps=2, ignore_data_skip=True)
+    assert cb.resume_dir(trainer) is not None and cb.restored_step == 6
+    cb.close()
+
+
 def test_following_save_strategy_no_is_refused(script, tmp_path):
     """``every_n_steps=None`` follows ``save_strategy``; with the README's ``save_strategy="no"`` the run
     trained to the end with no snapshot at all, and no word about it."""
