@@ -67,6 +67,11 @@ class CkptCallback(TrainerCallback):
     step) and the next optimizer step only gradients change, so the parameters and
     Adam moments are read while the next batch's forward and backward run.
 
+    Pass ``resume_dir(trainer)`` to ``trainer.train(resume_from_checkpoint=...)`` on every run, the first
+    too (it returns None there): the states of the Trainer's other callbacks (early stopping) and its AMP
+    scaler are reached through the Trainer it is given, and ``train`` refuses to start where there are
+    such states and the callback was not given the Trainer.
+
     ``handle_signals=True`` (preemption; the Trainer installs no handler of its own): after a
     SIGTERM or SIGUSR1 the step under way finishes, is snapshotted where a periodic snapshot
     would be (after its logging and evaluation), and once that snapshot is durable the process
@@ -173,6 +178,15 @@ class CkptCallback(TrainerCallback):
             raise SnapshotError("CkptCallback(every_n_steps=None) follows the Trainer's save schedule, and this "
                                 "Trainer's save_strategy is 'no': no snapshot would ever be taken",
                                 hint="pass every_n_steps=N (and keep save_strategy='no' for no pickled checkpoint-N/ folders)")
+        others = set(state.stateful_callbacks or {}) - {type(control).__name__}
+        if self._trainer is None and (others or getattr(optimizer, "scaler", None) is not None):
+            # The callbacks' live states and the scaler are reached through the Trainer, which no callback
+            # hook is given: without it each snapshot held their states as they were when train() began.
+            what = f"the states of {', '.join(sorted(others))}" if others else "the AMP grad scaler"
+            raise SnapshotError(f"CkptCallback cannot snapshot {what}: it reaches them through the Trainer, "
+                                "which it learns from resume_dir(trainer)",
+                                hint="call trainer.train(resume_from_checkpoint=cb.resume_dir(trainer)) on a first run "
+                                     "too: resume_dir returns None when there is nothing to resume")
         loader = kw.get("train_dataloader")
         try:
             batches = len(loader) if loader is not None else None

@@ -186,6 +186,45 @@ def test_resume_with_another_accumulation_or_dataset_is_refused(script, tmp_path
     cb.close()
 
 
+def test_callback_states_need_the_trainer(script, tmp_path):
+    """No callback hook is given the Trainer: a run started with ``trainer.train()`` (no resume_dir)
+    snapshotted the other callbacks' states as they were when training began (early stopping's
+    patience counter 0 where it had counted 2), so a resume stopped later than the run would have.
+    Refused before the first step; with resume_dir (None on a first run) the live states are saved."""
+    from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
+
+    from ckpt.snapshot.manager import SnapshotError
+
+    def run(out, first_resume_dir):
+        torch.manual_seed(0)
+        model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=1, n_head=1, n_embd=8, vocab_size=16, n_positions=16))
+        data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 16, (16, 8))]
+        args = TrainingArguments(output_dir=str(out), max_steps=6, per_device_train_batch_size=4, report_to=[],
+                                 use_cpu=True, eval_strategy="steps", eval_steps=2, save_strategy="no", disable_tqdm=True,
+                                 metric_for_best_model="eval_loss", greater_is_better=True)  # every eval is "worse"
+        cb = script.CkptCallback(str(out / "store"), "hf", every_n_steps=2)
+        stopper = EarlyStoppingCallback(early_stopping_patience=10)
+        trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4], callbacks=[cb, stopper])
+        try:
+            trainer.train(resume_from_checkpoint=cb.resume_dir(trainer) if first_resume_dir else None)
+        finally:
+            cb.close()
+        return cb, stopper, trainer
+
+    with pytest.raises(SnapshotError, match="cannot snapshot the states of EarlyStoppingCallback") as e:
+        run(tmp_path / "a", False)
+    assert "resume_dir(trainer)" in e.value.hint
+    assert not ckpt.Store.open(str(tmp_path / "a" / "store")).refs()
+
+    _, stopper, trainer = run(tmp_path / "b", True)
+    assert stopper.early_stopping_patience_counter == 2 and trainer.state.global_step == 6
+    values = {"trainer_state": None}
+    with ckpt.CheckpointManager(str(tmp_path / "b" / "store"), "hf") as manager:
+        manager.restore(values, 6)
+    assert values["trainer_state"]["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"] == \
+        {"early_stopping_patience_counter": 2}
+
+
 def test_following_save_strategy_no_is_refused(script, tmp_path):
     """``every_n_steps=None`` follows ``save_strategy``; with the README's ``save_strategy="no"`` the run
     trained to the end with no snapshot at all, and no word about it."""
