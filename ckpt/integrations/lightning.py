@@ -89,7 +89,8 @@ class CkptCallback(pl.Callback):
     ``keep_last``, ``keep_every``, ``keep_best`` and ``save_mode`` are those of
     :class:`ckpt.CheckpointManager`; ``metrics`` names entries of
     ``trainer.callback_metrics`` to record with each snapshot (for ``keep_best``).
-    With ``resume=False`` the run starts fresh even if the store has snapshots of it.
+    With ``resume=False`` the run starts fresh even if the store has snapshots of it (or from
+    ``trainer.fit(ckpt_path=...)``, which is refused where a snapshot would be resumed too).
     After ``fit``, :attr:`restored_step` is the step resumed from (None if none) and
     every snapshot taken is durable, also when ``fit`` raised. Preempted (SIGTERM), ``fit``
     raises Lightning's ``SIGTERMException`` (a ``SystemExit``) with status
@@ -165,6 +166,13 @@ class CkptCallback(pl.Callback):
         assert self.manager is not None
         state = self._state(trainer, pl_module)
         self.restored_step = self.manager.restore_latest(state) if self.resume else None
+        if self.restored_step is not None and trainer.ckpt_path is not None:
+            # Lightning restored the module from it before this hook and restores the optimizers, schedulers
+            # and loop position from it after: the run would go on with the snapshot's weights and the rest of it.
+            raise SnapshotError(f"trainer.fit(ckpt_path={trainer.ckpt_path!r}) resumes from that checkpoint, and this "
+                                f"callback from step {self.restored_step} of {self.run!r}: the run would mix the two",
+                                hint="pass CkptCallback(..., resume=False) to resume from the Lightning checkpoint, "
+                                     "its next snapshots going to the store; or leave out ckpt_path")
         if self.restored_step is not None:
             log.info("resumed %s from step %d", self.run, self.restored_step)
             self._restored_data = state["trainer"].get("data")  # the snapshot's (restore replaced the value)

@@ -104,7 +104,7 @@ def test_fit_that_raises_finishes_the_snapshot_in_flight(script, tmp_path):
     assert s.resolve("lit/latest") == s.resolve("lit/step-4") and s.verify().ok
 
 
-def _fit(script, store, tmp_path, batch_size, max_steps, stop_at=None):
+def _fit(script, store, tmp_path, batch_size, max_steps, stop_at=None, ckpt_path=None, resume=True):
     """A Trainer over 32 samples in batches of ``batch_size``, snapshots every 2 steps, stopped at ``stop_at``."""
     import torch
 
@@ -112,12 +112,12 @@ def _fit(script, store, tmp_path, batch_size, max_steps, stop_at=None):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             trainer.should_stop = trainer.global_step == stop_at
 
-    cb = script.CkptCallback(store, "lit", every_n_steps=2)
+    cb = script.CkptCallback(store, "lit", every_n_steps=2, resume=resume)
     trainer = script.pl.Trainer(max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                                 enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[cb, Stop()])
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))
-    trainer.fit(script.TinyModule(), torch.utils.data.DataLoader(data, batch_size=batch_size))
+    trainer.fit(script.TinyModule(), torch.utils.data.DataLoader(data, batch_size=batch_size), ckpt_path=ckpt_path)
     return cb, trainer
 
 
@@ -138,3 +138,24 @@ def test_resume_mid_epoch_with_another_batch_size_is_refused(script, tmp_path):
     assert cb.restored_step == 6 and trainer.global_step == 8
     cb, trainer = _fit(script, store, tmp_path, 4, 10)  # from step 8, the end of an epoch: any batch size
     assert cb.restored_step == 8 and trainer.global_step == 10
+
+
+def test_fit_from_a_lightning_checkpoint_and_a_snapshot_is_refused(script, tmp_path):
+    """``trainer.fit(ckpt_path=...)`` restores the module before on_fit_start and the optimizers and loop
+    position after it: with a snapshot resumed too, the run went on from step 4's loop and optimizer with
+    step 6's weights, silently. Refused; resume=False resumes from the Lightning checkpoint, and a run
+    with no snapshot yet (moving to ckpt) starts from it."""
+    from ckpt.snapshot.manager import SnapshotError
+
+    lightning_ckpt = str(tmp_path / "step4.ckpt")
+    _, trainer = _fit(script, str(tmp_path / "other"), tmp_path, 8, 4)
+    trainer.save_checkpoint(lightning_ckpt)
+    store = str(tmp_path / "store")
+    cb, trainer = _fit(script, store, tmp_path, 8, 5, ckpt_path=lightning_ckpt)  # no snapshot yet: Lightning's
+    assert cb.restored_step is None and trainer.global_step == 5
+    _fit(script, store, tmp_path, 8, 6)  # snapshot of step 6
+    with pytest.raises(SnapshotError, match="resumes from that checkpoint, and this callback from step 6") as e:
+        _fit(script, store, tmp_path, 8, 8, ckpt_path=lightning_ckpt)
+    assert "resume=False" in e.value.hint
+    cb, trainer = _fit(script, store, tmp_path, 8, 5, ckpt_path=lightning_ckpt, resume=False)
+    assert cb.restored_step is None and trainer.global_step == 5
