@@ -120,6 +120,8 @@ class CkptCallback(TrainerCallback):
             step = int((m.extra.get("snapshot") or {}).get("step", -1))
             if step < 0:
                 raise SnapshotError(f"{self.manager.run}/latest is not a snapshot")
+        if os.path.lexists(out) and not os.path.isdir(out):
+            raise SnapshotError(f"{out} exists and is not a directory", hint="pass resume_dir(trainer, dest=...) a new or empty directory")
         if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, _MARKER)):
             # save_pretrained deletes stale-looking model-0000i-of-0000n shards there, and the Trainer
             # would unpickle an optimizer.pt or rng_state.pth it finds (the latter over our RNG state).

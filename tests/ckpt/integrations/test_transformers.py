@@ -268,6 +268,12 @@ def test_resume_dir_into_a_folder_of_other_files_is_refused(script, tmp_path):
         cb.resume_dir(trainer, dest)
     assert shard.read_bytes() == b"precious" and sorted(p.name for p in dest.iterdir()) == [shard.name]
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and cb.restored_step is None
+    for path in (tmp_path / "a-file", tmp_path / "dangling"):  # a raw FileExistsError came after the model was restored
+        path.write_bytes(b"precious") if path.name == "a-file" else path.symlink_to(tmp_path / "nowhere")
+        with pytest.raises(SnapshotError, match="exists and is not a directory"):
+            cb.resume_dir(trainer, path)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and cb.restored_step is None
+    assert (tmp_path / "a-file").read_bytes() == b"precious" and not (tmp_path / "nowhere").exists()
     out = cb.resume_dir(trainer)
     assert cb.resume_dir(trainer) == out and cb.restored_step == 2  # its own folder again
     cb.close()
