@@ -247,6 +247,13 @@ class CkptCallback(TrainerCallback):
                      lr_scheduler: Any = None, **kw: Any) -> None:
         # Preempted (handle_signals): the last finished step is snapshotted here whatever the schedule,
         # and save() exits once it is durable.
+        if self.manager.preempted and self._pending_rng is not None:
+            # Nothing has run since the restore: the snapshot of this step is the one restored, and taking
+            # it again now would replace it with the RNG state of this process, not yet restored.
+            self.manager.close()
+            log.warning("preempted before the first step after resuming step %d; exiting with %d",
+                        state.global_step, self.manager.preempt_exit_code)
+            raise SystemExit(self.manager.preempt_exit_code)
         if self._save_due or (self.manager.preempted and state.global_step > 0):
             self._save_due = False
             self.save(state, control, model, optimizer, lr_scheduler)

@@ -97,6 +97,20 @@ def test_preemption_snapshots_the_step_it_came_in_and_exits_143(uninterrupted, t
     _check(store, 7, uninterrupted, run_script("hf_script", store, tmp_path / "resume", "resume", N))
 
 
+def test_preempted_again_before_the_first_resumed_step_keeps_the_snapshot(uninterrupted, tmp_path):
+    """A SIGTERM that came before the first step of a resumed run took the final snapshot of the step
+    just restored again, with this process's RNG state (restored only as that step begins): step 6's
+    snapshot was replaced by one whose resume was no longer exact. It is kept as it is, and the process
+    still exits 143."""
+    store = str(tmp_path / "store")
+    run_script("hf_script", store, tmp_path / "crash", "crash", N, 6, expect=-signal.SIGKILL)  # 6: mid-epoch
+    s = ckpt.Store.open(store)
+    before = s.resolve("hf/step-6")
+    run_script("hf_script", store, tmp_path / "again", "resume-preempt", N, expect=143)
+    assert s.resolve("hf/step-6") == before == s.resolve("hf/latest")
+    _check(store, 6, uninterrupted, run_script("hf_script", store, tmp_path / "resume", "resume", N))
+
+
 def test_evaluation_between_snapshots_resumes_exactly(script, tmp_path):
     """The Trainer logs and evaluates a step after ``on_step_end``: the eval dataloader draws its seed
     from the torch RNG and the eval loss is what ``keep_best`` records. A snapshot taken in
