@@ -238,6 +238,12 @@ class CkptCallback(TrainerCallback):
         # RNG (the eval dataloader's seed) and updating callback states, as a resumed run won't.
         self._save_due = due and step != self.restored_step
 
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        # Following the Trainer's schedule, save_strategy "epoch" and "best" decide after on_step_end (at the
+        # epoch's end, after an evaluation): the Trainer has just written its checkpoint of this step.
+        if self.every_n_steps is None and state.global_step != self.restored_step:
+            self._save_due = True
+
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, Any] | None = None, **kw: Any) -> None:
         if logs and "train_runtime" in logs:  # the end of training, before load_best_model_at_end

@@ -258,6 +258,26 @@ def test_following_save_strategy_no_is_refused(script, tmp_path):
     cb.close()
 
 
+@pytest.mark.parametrize("strategy", ["epoch", "best"])
+def test_following_an_epoch_or_best_save_strategy_snapshots_where_the_trainer_saves(script, tmp_path, strategy):
+    """``every_n_steps=None`` read ``control.should_save`` in on_step_end, but the Trainer decides an
+    "epoch" save in on_epoch_end and a "best" one after evaluating, both later: such a run wrote its own
+    checkpoint-N folders and not one snapshot. A snapshot is now taken wherever the Trainer saves."""
+    from transformers import Trainer, TrainingArguments
+
+    cb = script.CkptCallback(str(tmp_path / "store"), "hf")
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (16, 12))]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=10,
+                             save_strategy=strategy, eval_strategy="epoch", metric_for_best_model="loss",
+                             per_device_train_batch_size=4, disable_tqdm=True)
+    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=1, n_head=1, n_embd=8, vocab_size=64, n_positions=16))
+    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4], callbacks=[cb])
+    trainer.train(resume_from_checkpoint=cb.resume_dir(trainer))
+    cb.close()
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").iterdir() if p.name.startswith("checkpoint-"))
+    assert saved and cb.manager.steps() == saved  # the Trainer's own checkpoints: 4, 8 (epoch ends or new bests), 10
+
+
 def test_resume_dir_into_a_folder_of_other_files_is_refused(script, tmp_path):
     """``save_pretrained`` deleted model-0000i-of-0000n shards it found in ``dest`` (a model the user
     kept there), and the Trainer would unpickle an optimizer.pt or rng_state.pth found there. A folder
