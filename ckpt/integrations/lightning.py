@@ -236,9 +236,10 @@ def _data_position(trainer: pl.Trainer) -> dict[str, Any]:
             return [b for v in loaders.values() for b in sizes(v)]
         if isinstance(loaders, (list, tuple)):
             return [b for v in loaders for b in sizes(v)]
-        if isinstance(loaders, DataLoader) and loaders.batch_size is None:
-            return [getattr(loaders.batch_sampler, "batch_size", None)]
-        return [getattr(loaders, "batch_size", None)]
+        size = getattr(loaders, "batch_size", None)
+        if isinstance(loaders, DataLoader) and size is None:
+            size = getattr(loaders.batch_sampler, "batch_size", None)
+        return [size if isinstance(size, int) else None]  # recorded as JSON: whatever else a loader has is unknown
 
     n = trainer.num_training_batches
     return {"batch_sizes": sizes(trainer.train_dataloader), "batches_per_epoch": int(n) if n != float("inf") else None,

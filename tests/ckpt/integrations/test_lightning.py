@@ -159,3 +159,28 @@ def test_fit_from_a_lightning_checkpoint_and_a_snapshot_is_refused(script, tmp_p
     assert "resume=False" in e.value.hint
     cb, trainer = _fit(script, store, tmp_path, 8, 5, ckpt_path=lightning_ckpt, resume=False)
     assert cb.restored_step is None and trainer.global_step == 5
+
+
+def test_a_loader_whose_batch_size_is_not_a_number_still_snapshots(script, tmp_path):
+    """Any iterable trains under Lightning: one whose ``batch_size`` is not an int (here an object JSON cannot
+    hold) is recorded as of unknown batch size, not refused by the snapshot's data position."""
+    import torch
+
+    class Batches:
+        batch_size = object()
+
+        def __init__(self):
+            g = torch.Generator().manual_seed(1)
+            self.data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(4)]
+
+        def __iter__(self):
+            return iter(self.data)
+
+        def __len__(self):
+            return len(self.data)
+
+    cb = script.CkptCallback(str(tmp_path / "store"), "lit", every_n_steps=2)
+    trainer = script.pl.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[cb])
+    trainer.fit(script.TinyModule(), Batches())
+    assert cb.manager is None and sorted(ckpt.Store.open(str(tmp_path / "store")).refs()) == ["lit/latest", "lit/step-2"]
