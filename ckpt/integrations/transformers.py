@@ -133,7 +133,16 @@ class CkptCallback(TrainerCallback):
         except TensorMismatchError:  # a snapshot of an earlier release, which recorded no data position
             del values["data"]
             self.manager.restore(values, step)
-        data = values.get("data") or {}
+        state, data = values["trainer_state"], values.get("data") or {}
+        if not isinstance(state, dict) or not isinstance(data, dict):
+            raise SnapshotError(f"the snapshot of step {step} of {self.manager.run!r} is malformed: its trainer state or "
+                                "data position is not a record", hint="resume from another snapshot (resume_dir(trainer, step=N))")
+        # The Trainer reads trainer_state.json as TrainerState(**fields): a field it lacks raises a TypeError there.
+        unknown = sorted(str(k) for k in set(state) - {f.name for f in dataclasses.fields(TrainerState)})
+        if unknown:
+            raise SnapshotError(f"the snapshot of step {step} of {self.manager.run!r} has trainer state fields this "
+                                f"transformers does not know: {', '.join(unknown[:5])}",
+                                hint="resume with the transformers version that saved it")
         saved, now = data.get("gradient_accumulation_steps"), trainer.args.gradient_accumulation_steps
         if saved is not None and saved != now and not trainer.args.ignore_data_skip:
             # The Trainer skips global_step * gradient_accumulation_steps batches (and counts epochs
@@ -143,7 +152,7 @@ class CkptCallback(TrainerCallback):
                                 "another place in the data",
                                 hint=f"resume with gradient_accumulation_steps={saved}, or pass ignore_data_skip=True "
                                      "to go on from the start of an epoch")
-        saved, now = values["trainer_state"].get("train_batch_size"), trainer.args.train_batch_size
+        saved, now = state.get("train_batch_size"), trainer.args.train_batch_size
         if saved is not None and saved != now and not trainer.args.auto_find_batch_size:
             # The Trainer finds its place in the data as global_step batches of today's size.
             raise SnapshotError(f"the snapshot of step {step} of {self.manager.run!r} was trained with batch size {saved}, "

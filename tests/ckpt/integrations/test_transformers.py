@@ -239,6 +239,33 @@ def test_callback_states_need_the_trainer(script, tmp_path):
         {"early_stopping_patience_counter": 2}
 
 
+@pytest.mark.parametrize(("trainer_state", "data", "error"), [
+    ([1, 2], None, "is malformed"), ({"global_step": 2}, ["x"], "is malformed"),
+    ({"global_step": 2, "no_such_field": 1}, None, "fields this transformers does not know: no_such_field")],
+    ids=["state-not-a-record", "data-not-a-record", "unknown-field"])
+def test_a_malformed_snapshot_is_refused_before_the_model_is_touched(script, tmp_path, trainer_state, data, error):
+    """A snapshot read from a store is outside data: a trainer state that is not a record raised a raw
+    AttributeError, and one with a field TrainerState lacks a TypeError inside ``train`` (the model
+    already overwritten)."""
+    from transformers import Trainer, TrainingArguments
+
+    from ckpt.snapshot.manager import SnapshotError
+
+    store = str(tmp_path / "store")
+    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=1, n_head=1, n_embd=8, vocab_size=64, n_positions=16))
+    with ckpt.CheckpointManager(store, "hf", save_mode="sync") as mgr:
+        mgr.save(2, {"model": model, "trainer_state": trainer_state, "data": data})
+    torch.nn.init.zeros_(model.transformer.wte.weight)
+    cb = script.CkptCallback(store, "hf", every_n_steps=2)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=4,
+                             per_device_train_batch_size=4, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=[], callbacks=[cb])
+    with pytest.raises(SnapshotError, match=error):
+        cb.resume_dir(trainer)
+    assert not model.transformer.wte.weight.any() and cb.restored_step is None
+    cb.close()
+
+
 def test_following_save_strategy_no_is_refused(script, tmp_path):
     """``every_n_steps=None`` follows ``save_strategy``; with the README's ``save_strategy="no"`` the run
     trained to the end with no snapshot at all, and no word about it."""
