@@ -139,10 +139,14 @@ class CkptCallback(pl.Callback):
         """Refuse to go on from a mid-epoch snapshot with another batch size or epoch length: the loop's
         position is a count of batches, which would then name other samples than the run had reached."""
         saved, self._restored_data = self._restored_data, None
-        if not isinstance(saved, dict) or not saved.get("batch_in_epoch"):
-            return  # at an epoch boundary (or a snapshot of an earlier release)
-        if saved["batch_in_epoch"] >= (saved.get("batches_per_epoch") or float("inf")):
-            return
+        if saved is None:
+            return  # a snapshot of an earlier release
+        at, per_epoch = (saved.get("batch_in_epoch"), saved.get("batches_per_epoch")) if isinstance(saved, dict) else (None, None)
+        if not isinstance(at, int) or not isinstance(per_epoch, (int, type(None))) or not isinstance(saved.get("batch_sizes"), list):
+            raise SnapshotError(f"the snapshot of step {self.restored_step} of {self.run!r} is malformed: its record of the "
+                                "data position is not one this callback writes", hint="resume from another snapshot")
+        if not at or at >= (per_epoch or float("inf")):
+            return  # at an epoch boundary
         now = _data_position(trainer)
         if (saved.get("batch_sizes"), saved.get("batches_per_epoch")) == (now["batch_sizes"], now["batches_per_epoch"]):
             return
@@ -175,7 +179,8 @@ class CkptCallback(pl.Callback):
                                      "its next snapshots going to the store; or leave out ckpt_path")
         if self.restored_step is not None:
             log.info("resumed %s from step %d", self.run, self.restored_step)
-            self._restored_data = state["trainer"].get("data")  # the snapshot's (restore replaced the value)
+            recorded = state["trainer"]  # the snapshot's (restore replaced the value)
+            self._restored_data = recorded.get("data") if isinstance(recorded, dict) else None
         self._last_saved = trainer.global_step
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

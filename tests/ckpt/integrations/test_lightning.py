@@ -184,3 +184,20 @@ def test_a_loader_whose_batch_size_is_not_a_number_still_snapshots(script, tmp_p
                                 enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[cb])
     trainer.fit(script.TinyModule(), Batches())
     assert cb.manager is None and sorted(ckpt.Store.open(str(tmp_path / "store")).refs()) == ["lit/latest", "lit/step-2"]
+
+
+@pytest.mark.parametrize("recorded", [{"batch_in_epoch": "2", "batches_per_epoch": 4, "batch_sizes": [8]},
+                                      {"batch_in_epoch": 2, "batches_per_epoch": [4], "batch_sizes": [8]}, ["not", "a", "record"]],
+                         ids=["position", "epoch-length", "not-a-record"])
+def test_a_malformed_data_position_is_refused(script, tmp_path, monkeypatch, recorded):
+    """A snapshot read from a store is outside data: a data position of the wrong types raised a raw TypeError
+    (comparing them) or AttributeError at on_train_start."""
+    import ckpt.integrations.lightning as integration
+    from ckpt.snapshot.manager import SnapshotError
+
+    store = str(tmp_path / "store")
+    with monkeypatch.context() as m:
+        m.setattr(integration, "_data_position", lambda trainer: recorded)
+        _fit(script, store, tmp_path, 8, 20, stop_at=6)
+    with pytest.raises(SnapshotError, match="is malformed"):
+        _fit(script, store, tmp_path, 8, 20)
