@@ -49,7 +49,7 @@ from ckpt.snapshot.dcp_state import (
 )
 from ckpt.snapshot.group import CheckpointGroup
 from ckpt.snapshot.run import SaveResult, SnapshotRun
-from ckpt.snapshot.state import Stateful, autograd_flags, is_per_rank, with_autograd_flags
+from ckpt.snapshot.state import Stateful, autograd_flags, autograd_flags_valid, is_per_rank, with_autograd_flags
 from ckpt.snapshot.tiers import describe, out_of_space, snapshot_step
 
 if TYPE_CHECKING:
@@ -434,6 +434,7 @@ class DistributedSnapshots:
 
         from ckpt.dcp.consolidate import check_entries
         from ckpt.dcp.format import decode_layout
+        from ckpt.format.dtypes import to_torch
         from ckpt.snapshot.run import SNAPSHOT_FORMAT, SnapshotError
 
         m = tiers.get_manifest(mid) if tiers is not None else self.run.store.manifest(mid)
@@ -447,7 +448,7 @@ class DistributedSnapshots:
         layout = decode_layout(m.extra, f"manifest {mid}")
         check_entries(m, layout.tensors.values())  # before a target is allocated from the layout's sizes
         flags = snap.get("autograd", {})
-        if not isinstance(flags, dict) or not all(isinstance(v, list) for v in flags.values()):
+        if not autograd_flags_valid(flags, {n: to_torch(item.dtype) for n, item in layout.tensors.items()}):
             raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of autograd flags is malformed")
         saved = saved_paths(layout, mid)
         self._check_keys(state, snap, saved, step)

@@ -27,6 +27,7 @@ from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveJob, SaveResult, SnapshotErro
 from ckpt.snapshot.state import (
     Stateful,
     autograd_flags,
+    autograd_flags_valid,
     flatten,
     optimizers_in,
     tensor_refs,
@@ -300,12 +301,12 @@ class LocalSnapshots:
             raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")
         tree: dict[str, Any] = snap["tree"]
         flags = snap.get("autograd", {})
-        if not isinstance(flags, dict) or not all(isinstance(v, list) for v in flags.values()):
+        entries = {t.name: t for t in m.tensors}
+        if not autograd_flags_valid(flags, {n: to_torch(e.dtype) for n, e in entries.items()}):
             raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of autograd flags is malformed")
         missing = sorted(set(state) - set(tree))
         if missing:
             raise TensorMismatchError(f"snapshot of step {snap['step']} has no {missing}", hint="restore a subset of keys")
-        entries = {t.name: t for t in m.tensors}
         for key in state:  # a damaged (or foreign) record fails here, before anything is written
             node = tree[key]
             if not isinstance(node, dict) or node.get("kind") not in ("stateful", "value") or "value" not in node:

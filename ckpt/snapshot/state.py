@@ -134,6 +134,14 @@ def autograd_flags(tensors: dict[str, Any]) -> dict[str, list[str]]:
     return {k: v for k, v in flags.items() if v}
 
 
+def autograd_flags_valid(flags: Any, dtypes: dict[str, Any]) -> bool:
+    """Whether ``flags``, read from a snapshot's record, are what :func:`autograd_flags` writes: lists of
+    names, and those that require grad of a floating point or complex dtype (``dtypes``: the saved ones by name)."""
+    if not isinstance(flags, dict) or not all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in flags.values()):
+        return False
+    return all(n not in dtypes or dtypes[n].is_floating_point or dtypes[n].is_complex for n in flags.get("requires_grad", ()))
+
+
 def with_autograd_flags(name: str, t: Any, flags: dict[str, Any]) -> Any:
     """``t``, a fresh tensor restored as ``name``, with the flags :func:`autograd_flags` recorded for it."""
     import torch

@@ -497,6 +497,32 @@ def test_plain_value_tensors_keep_requires_grad_and_parameter(tmp_path, local):
     assert got["temp"].grad.tolist() == [2.0, 2.0]
 
 
+@pytest.mark.parametrize("flags", [{"requires_grad": ["extra/steps"]}, {"requires_grad": "extra/temp"},
+                                   {"parameters": [["extra/temp"]]}], ids=["int-tensor", "not-a-list", "not-a-name"])
+def test_a_malformed_record_of_autograd_flags_is_refused_before_anything_is_written(tmp_path, flags):
+    """The flags come from a store (outside data): an integer tensor marked as requiring grad made the restore
+    fail with torch's RuntimeError once every tensor was written, and flags of the wrong types with a TypeError."""
+    import copy
+    import dataclasses
+
+    from ckpt_store.storage.commit import commit
+
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        mgr.save(1, {"model": _model(), "extra": {"temp": torch.ones(2, requires_grad=True), "steps": torch.arange(3)}})
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    m = store.manifest("r/latest")
+    snap = copy.deepcopy(m.extra["snapshot"])
+    assert snap["autograd"] == {"requires_grad": ["extra/temp"]}
+    snap["autograd"] = flags
+    commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
+    model = _model()
+    before = {k: _bits(v) for k, v in model.state_dict().items()}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        with pytest.raises(SnapshotError, match="record of autograd flags is malformed"):
+            mgr.restore_latest({"model": model, "extra": None})
+    assert {k: _bits(v) for k, v in model.state_dict().items()} == before
+
+
 @pytest.mark.parametrize("value", ["defaultdict", "counter", "nested"])
 def test_dicts_with_defaults_are_refused_not_restored_as_plain_dicts(tmp_path, value):
     """A defaultdict (or Counter) in the state came back a plain dict: the resumed loop's
