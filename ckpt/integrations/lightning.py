@@ -26,10 +26,10 @@ Exact resume mid-epoch needs what it needs with Lightning's own checkpoints: a
 dataloader that can resume (``state_dict``/``load_state_dict``, e.g.
 ``torchdata``'s ``StatefulDataLoader``); a plain DataLoader restarts its epoch.
 Snapshots at epoch boundaries resume exactly with any dataloader. Lightning finds its
-place in an epoch by counting batches: a snapshot taken mid-epoch records the batch size
-and the batches per epoch, and resuming it with others is refused (``SnapshotError`` at
-``on_train_start``, before the first batch) instead of silently resuming at another
-sample.
+place in an epoch by counting batches: a snapshot records the batch size and the batches
+per epoch, and resuming it with others is refused (``SnapshotError`` at ``on_train_start``,
+before the first batch) where that count would name another sample: mid-epoch, or at the
+end of an epoch shorter than the new ones (Lightning would go on with it).
 Not stored: anything a LightningModule adds in ``on_save_checkpoint`` (give it a
 ``Stateful`` attribute instead) and logger state. Single process only.
 """
@@ -136,8 +136,9 @@ class CkptCallback(pl.Callback):
         return state
 
     def _check_data_position(self, trainer: pl.Trainer) -> None:
-        """Refuse to go on from a mid-epoch snapshot with another batch size or epoch length: the loop's
-        position is a count of batches, which would then name other samples than the run had reached."""
+        """Refuse to go on from a snapshot with another batch size or epoch length where the loop's place in
+        its epoch, a count of batches, would name other samples than the run had reached: mid-epoch, or at
+        the end of an epoch shorter than the new ones (Lightning then goes on with that epoch)."""
         saved, self._restored_data = self._restored_data, None
         if saved is None:
             return  # a snapshot of an earlier release
@@ -145,11 +146,13 @@ class CkptCallback(pl.Callback):
         if not isinstance(at, int) or not isinstance(per_epoch, (int, type(None))) or not isinstance(saved.get("batch_sizes"), list):
             raise SnapshotError(f"the snapshot of step {self.restored_step} of {self.run!r} is malformed: its record of the "
                                 "data position is not one this callback writes", hint="resume from another snapshot")
-        if not at or at >= (per_epoch or float("inf")):
-            return  # at an epoch boundary
+        if not at:
+            return  # at the start of an epoch
         now = _data_position(trainer)
-        if (saved.get("batch_sizes"), saved.get("batches_per_epoch")) == (now["batch_sizes"], now["batches_per_epoch"]):
+        if (saved["batch_sizes"], per_epoch) == (now["batch_sizes"], now["batches_per_epoch"]):
             return
+        if at >= (per_epoch or float("inf")) and at >= (now["batches_per_epoch"] or float("inf")):
+            return  # the epoch had ended, and has here too: the next one starts afresh
         raise SnapshotError(
             f"the snapshot of step {self.restored_step} of {self.run!r} was taken {saved['batch_in_epoch']} batches into "
             f"an epoch of {saved.get('batches_per_epoch')} batches of size {_sizes(saved.get('batch_sizes'))}; this "

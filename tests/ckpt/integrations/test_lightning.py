@@ -124,8 +124,8 @@ def _fit(script, store, tmp_path, batch_size, max_steps, stop_at=None, ckpt_path
 def test_resume_mid_epoch_with_another_batch_size_is_refused(script, tmp_path):
     """Lightning finds its place in an epoch by counting batches: a snapshot taken 2 batches of 8 into an
     epoch, resumed with batches of 4, went on from sample 8 instead of 16 (with a resumable dataloader;
-    a plain one restarts the epoch anyway), with no error. Refused before the first batch; at an epoch
-    boundary the batch size may change."""
+    a plain one restarts the epoch anyway), with no error. Refused before the first batch; at an epoch's
+    end the batch size may change where the new epochs are no longer."""
     from ckpt.snapshot.manager import SnapshotError
 
     store = str(tmp_path / "store")
@@ -136,7 +136,12 @@ def test_resume_mid_epoch_with_another_batch_size_is_refused(script, tmp_path):
     assert "batch size" in e.value.hint
     cb, trainer = _fit(script, store, tmp_path, 8, 8)  # the same batches: resumed
     assert cb.restored_step == 6 and trainer.global_step == 8
-    cb, trainer = _fit(script, store, tmp_path, 4, 10)  # from step 8, the end of an epoch: any batch size
+    # From step 8, the end of an epoch of 4 batches: in batches of 4 (8 an epoch) Lightning went on with that
+    # epoch from its 5th batch, where the run would have begun a new one. In batches of 16 the epoch has ended.
+    with pytest.raises(SnapshotError, match="4 batches into an epoch of 4 batches of size 8; this trainer's epochs "
+                                            "are 8 batches of size 4"):
+        _fit(script, store, tmp_path, 4, 10)
+    cb, trainer = _fit(script, store, tmp_path, 16, 10)
     assert cb.restored_step == 8 and trainer.global_step == 10
 
 
