@@ -45,7 +45,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("ckpt.integrations.transformers needs transformers: pip install 'ckpt-store[transformers]'") from e
 
-from ckpt.errors import RefNotFoundError
+from ckpt.errors import RefNotFoundError, TensorMismatchError
 from ckpt.snapshot.manager import CheckpointManager, SnapshotError
 from ckpt.snapshot.retention import KeepBest
 from ckpt.snapshot.state import RNGState
@@ -66,6 +66,11 @@ class CkptCallback(TrainerCallback):
     ``save_mode="overlap"`` fits the Trainer's loop: between a snapshot (taken after the
     step) and the next optimizer step only gradients change, so the parameters and
     Adam moments are read while the next batch's forward and backward run.
+
+    Pass ``resume_dir(trainer)`` to ``trainer.train(resume_from_checkpoint=...)`` on every run, the first
+    too (it returns None there): the states of the Trainer's other callbacks (early stopping) and its AMP
+    scaler are reached through the Trainer it is given, and ``train`` refuses to start where there are
+    such states and the callback was not given the Trainer.
 
     ``handle_signals=True`` (preemption; the Trainer installs no handler of its own): after a
     SIGTERM or SIGUSR1 the step under way finishes, is snapshotted where a periodic snapshot
@@ -88,6 +93,8 @@ class CkptCallback(TrainerCallback):
         self._pending_rng: int | None = None  # step whose RNG state is still to be restored
         self._pending_restore = False  # resume_dir ran: on_train_begin restores optimizer and scheduler
         self._save_due = False  # on_step_end found a snapshot due: taken once the step's log and evaluation ran
+        self._data: dict[str, Any] = {}  # what the Trainer's place in the data depends on, recorded with each snapshot
+        self._restored_data: dict[str, Any] = {}  # the same, recorded with the snapshot resume_dir restored
 
     # -- resuming ------------------------------------------------------------------
     def resume_dir(self, trainer: Any, dest: str | os.PathLike[str] | None = None, step: int | None = None) -> str | None:
@@ -97,8 +104,11 @@ class CkptCallback(TrainerCallback):
         (default ``<output_dir>/ckpt-resume``; new, empty or written by resume_dir before),
         or None when the run has no snapshot.
         Raises :class:`ckpt.errors.TensorMismatchError` if the model does not fit it, and
-        :class:`ckpt.snapshot.manager.SnapshotError` if it was trained with another batch size
-        or ``dest`` holds files that resume_dir did not write.
+        :class:`ckpt.snapshot.manager.SnapshotError` if it was trained with another batch size or
+        ``gradient_accumulation_steps`` (the Trainer would resume at another place in the data:
+        it counts steps in batches of today's size and accumulation; ``train`` refuses in the same
+        way a dataset of another number of batches; with ``ignore_data_skip=True`` the Trainer skips nothing
+        and both may change), or ``dest`` holds files that resume_dir did not write.
         """
         self._trainer = trainer
         out = os.fspath(dest) if dest is not None else os.path.join(trainer.args.output_dir, "ckpt-resume")
@@ -110,14 +120,39 @@ class CkptCallback(TrainerCallback):
             step = int((m.extra.get("snapshot") or {}).get("step", -1))
             if step < 0:
                 raise SnapshotError(f"{self.manager.run}/latest is not a snapshot")
+        if os.path.lexists(out) and not os.path.isdir(out):
+            raise SnapshotError(f"{out} exists and is not a directory", hint="pass resume_dir(trainer, dest=...) a new or empty directory")
         if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, _MARKER)):
             # save_pretrained deletes stale-looking model-0000i-of-0000n shards there, and the Trainer
             # would unpickle an optimizer.pt or rng_state.pth it finds (the latter over our RNG state).
             raise SnapshotError(f"{out} holds files that resume_dir did not write",
                                 hint="pass resume_dir(trainer, dest=...) an empty or new directory")
-        values: dict[str, Any] = {"trainer_state": None}
-        self.manager.restore(values, step)  # the TrainerState as JSON, checked before the model is touched
-        saved, now = values["trainer_state"].get("train_batch_size"), trainer.args.train_batch_size
+        values: dict[str, Any] = {"trainer_state": None, "data": None}
+        try:  # the TrainerState and the data position as JSON, checked before the model is touched
+            self.manager.restore(values, step)
+        except TensorMismatchError:  # a snapshot of an earlier release, which recorded no data position
+            del values["data"]
+            self.manager.restore(values, step)
+        state, data = values["trainer_state"], values.get("data") or {}
+        if not isinstance(state, dict) or not isinstance(data, dict):
+            raise SnapshotError(f"the snapshot of step {step} of {self.manager.run!r} is malformed: its trainer state or "
+                                "data position is not a record", hint="resume from another snapshot (resume_dir(trainer, step=N))")
+        # The Trainer reads trainer_state.json as TrainerState(**fields): a field it lacks raises a TypeError there.
+        unknown = sorted(str(k) for k in set(state) - {f.name for f in dataclasses.fields(TrainerState)})
+        if unknown:
+            raise SnapshotError(f"the snapshot of step {step} of {self.manager.run!r} has trainer state fields this "
+                                f"transformers does not know: {', '.join(unknown[:5])}",
+                                hint="resume with the transformers version that saved it")
+        saved, now = data.get("gradient_accumulation_steps"), trainer.args.gradient_accumulation_steps
+        if saved is not None and saved != now and not trainer.args.ignore_data_skip:
+            # The Trainer skips global_step * gradient_accumulation_steps batches (and counts epochs
+            # in steps of that many batches) with today's value.
+            raise SnapshotError(f"the snapshot of step {step} of {self.manager.run!r} was trained with "
+                                f"gradient_accumulation_steps={saved}, this Trainer's is {now}: it would resume at "
+                                "another place in the data",
+                                hint=f"resume with gradient_accumulation_steps={saved}, or pass ignore_data_skip=True "
+                                     "to go on from the start of an epoch")
+        saved, now = state.get("train_batch_size"), trainer.args.train_batch_size
         if saved is not None and saved != now and not trainer.args.auto_find_batch_size:
             # The Trainer finds its place in the data as global_step batches of today's size.
             raise SnapshotError(f"the snapshot of step {step} of {self.manager.run!r} was trained with batch size {saved}, "
@@ -135,6 +170,7 @@ class CkptCallback(TrainerCallback):
 
             save_model(trainer.model, os.path.join(out, "model.safetensors"))
         self.restored_step, self._pending_restore = step, True
+        self._restored_data = data
         return out
 
     def _rest(self, optimizer: Any, lr_scheduler: Any) -> dict[str, Any]:
@@ -153,12 +189,35 @@ class CkptCallback(TrainerCallback):
             raise SnapshotError("CkptCallback(every_n_steps=None) follows the Trainer's save schedule, and this "
                                 "Trainer's save_strategy is 'no': no snapshot would ever be taken",
                                 hint="pass every_n_steps=N (and keep save_strategy='no' for no pickled checkpoint-N/ folders)")
+        others = set(state.stateful_callbacks or {}) - {type(control).__name__}
+        if self._trainer is None and (others or getattr(optimizer, "scaler", None) is not None):
+            # The callbacks' live states and the scaler are reached through the Trainer, which no callback
+            # hook is given: without it each snapshot held their states as they were when train() began.
+            what = f"the states of {', '.join(sorted(others))}" if others else "the AMP grad scaler"
+            raise SnapshotError(f"CkptCallback cannot snapshot {what}: it reaches them through the Trainer, "
+                                "which it learns from resume_dir(trainer)",
+                                hint="call trainer.train(resume_from_checkpoint=cb.resume_dir(trainer)) on a first run "
+                                     "too: resume_dir returns None when there is nothing to resume")
+        loader = kw.get("train_dataloader")
+        try:
+            batches = len(loader) if loader is not None else None
+        except TypeError:  # an iterable dataset: no epochs to place a step in
+            batches = None
+        self._data = {"gradient_accumulation_steps": args.gradient_accumulation_steps, "batches_per_epoch": batches}
         if not self._pending_restore:
             return
         self._pending_restore = False
         if state.global_step != self.restored_step:
             raise SnapshotError(f"the Trainer resumed at step {state.global_step}, not at the snapshot's "
                                 f"{self.restored_step}", hint="pass resume_dir(trainer) to trainer.train(resume_from_checkpoint=...)")
+        saved = self._restored_data.get("batches_per_epoch")
+        if saved is not None and batches is not None and saved != batches and not args.ignore_data_skip:
+            # The Trainer counts the epochs trained and the batches to skip in this epoch with today's number.
+            raise SnapshotError(f"the snapshot of step {self.restored_step} of {self.manager.run!r} was trained with "
+                                f"{saved} batches an epoch, this Trainer's dataset makes {batches}: it would resume at "
+                                "another place in the data",
+                                hint="resume with the dataset the run was trained with, or pass ignore_data_skip=True "
+                                     "to go on from the start of an epoch")
         assert self.restored_step is not None
         self.manager.restore(self._rest(optimizer, lr_scheduler), self.restored_step)
         self._pending_rng = self.restored_step
@@ -188,6 +247,12 @@ class CkptCallback(TrainerCallback):
         # RNG (the eval dataloader's seed) and updating callback states, as a resumed run won't.
         self._save_due = due and step != self.restored_step
 
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        # Following the Trainer's schedule, save_strategy "epoch" and "best" decide after on_step_end (at the
+        # epoch's end, after an evaluation): the Trainer has just written its checkpoint of this step.
+        if self.every_n_steps is None and state.global_step != self.restored_step:
+            self._save_due = True
+
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, Any] | None = None, **kw: Any) -> None:
         if logs and "train_runtime" in logs:  # the end of training, before load_best_model_at_end
@@ -197,6 +262,13 @@ class CkptCallback(TrainerCallback):
                      lr_scheduler: Any = None, **kw: Any) -> None:
         # Preempted (handle_signals): the last finished step is snapshotted here whatever the schedule,
         # and save() exits once it is durable.
+        if self.manager.preempted and self._pending_rng is not None:
+            # Nothing has run since the restore: the snapshot of this step is the one restored, and taking
+            # it again now would replace it with the RNG state of this process, not yet restored.
+            self.manager.close()
+            log.warning("preempted before the first step after resuming step %d; exiting with %d",
+                        state.global_step, self.manager.preempt_exit_code)
+            raise SystemExit(self.manager.preempt_exit_code)
         if self._save_due or (self.manager.preempted and state.global_step > 0):
             self._save_due = False
             self.save(state, control, model, optimizer, lr_scheduler)
@@ -205,7 +277,7 @@ class CkptCallback(TrainerCallback):
         """Snapshot now as step ``state.global_step`` (returns once staged; after a preemption signal,
         once durable, by raising ``SystemExit(143)``)."""
         snapshot = {"model": model, **self._rest(optimizer, lr_scheduler), "rng": RNGState(),
-                    "trainer_state": self._trainer_state(state, control)}
+                    "trainer_state": self._trainer_state(state, control), "data": self._data}
         metrics: dict[str, float] = {}
         if self.keep_best:
             name = self.keep_best.metric

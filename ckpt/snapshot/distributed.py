@@ -49,7 +49,7 @@ from ckpt.snapshot.dcp_state import (
 )
 from ckpt.snapshot.group import CheckpointGroup
 from ckpt.snapshot.run import SaveResult, SnapshotRun
-from ckpt.snapshot.state import Stateful, is_per_rank
+from ckpt.snapshot.state import Stateful, autograd_flags, autograd_flags_valid, is_per_rank, with_autograd_flags
 from ckpt.snapshot.tiers import describe, out_of_space, snapshot_step
 
 if TYPE_CHECKING:
@@ -171,7 +171,9 @@ class DistributedSnapshots:
                 prepared[key] = obj
         self.persisting = self._check_identical(step, {k: v for k, v in prepared.items() if k not in per_rank}, persist)
         persist_to = persist_to if self.persisting else None
-        record = {**snapshot, "ranks": True, "world": self.world, "keys": sorted(state), "per_rank": sorted(per_rank)}
+        flags = _autograd_flags({k: v for k, v in prepared.items() if k not in per_rank})
+        record = {**snapshot, "ranks": True, "world": self.world, "keys": sorted(state), "per_rank": sorted(per_rank),
+                  **({"autograd": flags} if flags else {})}
         base = self.last_id if self.run.delta else None
         if self.peers is not None:
             from ckpt.snapshot.peers import TierWriter
@@ -353,7 +355,7 @@ class DistributedSnapshots:
         from ckpt.snapshot.run import SnapshotError
 
         try:
-            step, targets, flat, paths = self._plan_restore(state, mid, tiers)
+            step, targets, flat, paths, flags = self._plan_restore(state, mid, tiers)
             problem = None
         except Exception as e:  # noqa: BLE001 - every rank learns of it below, then raises
             problem = e
@@ -385,6 +387,12 @@ class DistributedSnapshots:
                                 hint="the state may be partly overwritten: restore again, or from another snapshot") from e
         for fqn, value in planner.values.items():  # tensors were read in place
             set_at(targets, paths[fqn], value)
+        for fqn in {*flags.get("requires_grad", ()), *flags.get("parameters", ())} & set(paths):
+            t = flat[fqn]  # flagged once written (a Parameter wraps the tensor DCP wrote)
+            param = fqn in flags.get("parameters", ())
+            if isinstance(t, torch.Tensor) and (not t.requires_grad and fqn in flags.get("requires_grad", ())
+                                                or isinstance(t, torch.nn.Parameter) != param):
+                set_at(targets, paths[fqn], with_autograd_flags(fqn, t.detach(), flags))
         for key, obj in state.items():
             got = targets[key]
             if is_per_rank(obj):
@@ -437,14 +445,16 @@ class DistributedSnapshots:
         return planner
 
     def _plan_restore(self, state: dict[str, Any], mid: str, tiers: Tiers | None = None,
-                      ) -> tuple[int, dict[str, Any], dict[str, Any], dict[str, Path]]:
+                      ) -> tuple[int, dict[str, Any], dict[str, Any], dict[str, Path], dict[str, Any]]:
         """Check the snapshot against ``state`` and build what DCP loads into: (step, the targets
-        by state key, the same flattened by DCP name, each name's key path)."""
+        by state key, the same flattened by DCP name, each name's key path, and the snapshot's
+        record of which tensors require grad or are Parameters, by DCP name)."""
         import torch
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
         from ckpt.dcp.consolidate import check_entries
         from ckpt.dcp.format import decode_layout
+        from ckpt.format.dtypes import to_torch
         from ckpt.snapshot.run import SNAPSHOT_FORMAT, SnapshotError
 
         m = tiers.get_manifest(mid) if tiers is not None else self.run.store.manifest(mid)
@@ -461,6 +471,9 @@ class DistributedSnapshots:
                 raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of its {field} is malformed")
         layout = decode_layout(m.extra, f"manifest {mid}")
         check_entries(m, layout.tensors.values())  # before a target is allocated from the layout's sizes
+        flags = snap.get("autograd", {})
+        if not autograd_flags_valid(flags, {n: to_torch(item.dtype) for n, item in layout.tensors.items()}):
+            raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of autograd flags is malformed")
         saved = saved_paths(layout, mid)
         self._check_keys(state, snap, saved, step)
         targets: dict[str, Any] = {}
@@ -476,7 +489,7 @@ class DistributedSnapshots:
         # DCP's own (private) flattening: the names must be exactly those it gave the items when saving
         flat, paths = flatten_state_dict(targets)
         self._check_placed(state, saved, paths, step)
-        return step, targets, flat, paths
+        return step, targets, flat, paths, flags
 
     def _check_keys(self, state: dict[str, Any], snap: dict[str, Any], saved: dict[str, dict[str, Path]], step: int) -> None:
         """Every key is in the snapshot, and per-rank state meets per-rank state saved by as many ranks."""
@@ -598,3 +611,12 @@ def _outside_ckpt() -> int:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root + os.sep):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _autograd_flags(state: dict[str, Any]) -> dict[str, list[str]]:
+    """:func:`~ckpt.snapshot.state.autograd_flags` of the tensors in ``state``, by their DCP names."""
+    import torch
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(state)
+    return autograd_flags({n: t for n, t in flat.items() if isinstance(t, torch.Tensor)})

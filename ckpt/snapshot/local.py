@@ -24,7 +24,16 @@ from typing import TYPE_CHECKING, Any
 from ckpt.errors import TensorMismatchError
 from ckpt.format.manifest import TensorEntry
 from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveJob, SaveResult, SnapshotError, SnapshotRun, modified_under_save
-from ckpt.snapshot.state import Stateful, flatten, optimizers_in, tensor_refs, unflatten
+from ckpt.snapshot.state import (
+    Stateful,
+    autograd_flags,
+    autograd_flags_valid,
+    flatten,
+    optimizers_in,
+    tensor_refs,
+    unflatten,
+    with_autograd_flags,
+)
 from ckpt.store.source_tensors import storable_dtype
 
 if TYPE_CHECKING:
@@ -89,7 +98,8 @@ class LocalSnapshots:
 
                 # the copies start after the work queued so far on each device, not later work
                 ready = {d: torch.cuda.current_stream(d).record_event() for d in devices}
-        record = {**snapshot, "tree": tree}
+        flags = autograd_flags(tensors)
+        record = {**snapshot, "tree": tree, **({"autograd": flags} if flags else {})}
 
         def job() -> SaveResult:
             try:
@@ -290,10 +300,13 @@ class LocalSnapshots:
         if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or not isinstance(snap.get("tree"), dict):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")
         tree: dict[str, Any] = snap["tree"]
+        flags = snap.get("autograd", {})
+        entries = {t.name: t for t in m.tensors}
+        if not autograd_flags_valid(flags, {n: to_torch(e.dtype) for n, e in entries.items()}):
+            raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of autograd flags is malformed")
         missing = sorted(set(state) - set(tree))
         if missing:
             raise TensorMismatchError(f"snapshot of step {snap['step']} has no {missing}", hint="restore a subset of keys")
-        entries = {t.name: t for t in m.tensors}
         for key in state:  # a damaged (or foreign) record fails here, before anything is written
             node = tree[key]
             if not isinstance(node, dict) or node.get("kind") not in ("stateful", "value") or "value" not in node:
@@ -304,6 +317,7 @@ class LocalSnapshots:
                                     f"hold ({', '.join(map(repr, unknown[:3]))})")
         pairs: list[tuple[TensorEntry, torch.Tensor]] = []
         decoded: dict[str, torch.Tensor] = {}
+        fresh: list[str] = []  # tensors made for the restore: they get the saved autograd flags
         loaders = []
         used: set[int] = set()  # storages already written by this restore: never two writers
         for key, obj in state.items():
@@ -327,8 +341,12 @@ class LocalSnapshots:
             for n in names:
                 e = entries[n]
                 t = live_t.get(n)
-                if t is None or tuple(t.shape) != e.shape or t.dtype != to_torch(e.dtype) or t.untyped_storage().data_ptr() in used:
+                if (t is None or tuple(t.shape) != e.shape or t.dtype != to_torch(e.dtype)
+                        or t.untyped_storage().data_ptr() in used
+                        or t.requires_grad != (n in flags.get("requires_grad", ()))
+                        or isinstance(t, torch.nn.Parameter) != (n in flags.get("parameters", ()))):
                     t = torch.empty(e.shape, dtype=to_torch(e.dtype))
+                    fresh.append(n)
                 elif t.numel():
                     used.add(t.untyped_storage().data_ptr())
                 decoded[n] = t
@@ -340,6 +358,8 @@ class LocalSnapshots:
         # the next snapshot's parent (and delta base): only one this path's store holds
         self._last = (mid, entries) if self.store.objects.has_many("manifests", [mid]) else None
         tiers.fill(m, pairs)
+        for n in fresh:  # flagged once written (a Parameter wraps the tensor the fill wrote)
+            decoded[n] = with_autograd_flags(n, decoded[n], flags)
         for key, obj, kind, value in loaders:
             restored = unflatten(value, decoded)
             if kind == "stateful" and isinstance(obj, Stateful):

@@ -122,6 +122,36 @@ def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, tree
 
 
+def autograd_flags(tensors: dict[str, Any]) -> dict[str, list[str]]:
+    """What the bytes of :func:`flatten`'s tensors do not say and a restore must give back: the names
+    of those that require grad and of those that are ``nn.Parameter`` objects (a learnable temperature kept
+    as a plain value, say; a module's ``state_dict()`` hands out neither). Empty entries are left out.
+    """
+    import torch
+
+    flags = {"requires_grad": sorted(n for n, t in tensors.items() if t.requires_grad),
+             "parameters": sorted(n for n, t in tensors.items() if isinstance(t, torch.nn.Parameter))}
+    return {k: v for k, v in flags.items() if v}
+
+
+def autograd_flags_valid(flags: Any, dtypes: dict[str, Any]) -> bool:
+    """Whether ``flags``, read from a snapshot's record, are what :func:`autograd_flags` writes: lists of
+    names, and those that require grad of a floating point or complex dtype (``dtypes``: the saved ones by name)."""
+    if not isinstance(flags, dict) or not all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in flags.values()):
+        return False
+    return all(n not in dtypes or dtypes[n].is_floating_point or dtypes[n].is_complex for n in flags.get("requires_grad", ()))
+
+
+def with_autograd_flags(name: str, t: Any, flags: dict[str, Any]) -> Any:
+    """``t``, a fresh tensor restored as ``name``, with the flags :func:`autograd_flags` recorded for it."""
+    import torch
+
+    grad = name in flags.get("requires_grad", ())
+    if name in flags.get("parameters", ()):
+        return torch.nn.Parameter(t, requires_grad=grad)
+    return t.requires_grad_(grad) if grad else t
+
+
 def unflatten(tree: Any, tensors: dict[str, Any]) -> Any:
     """Inverse of the encoding in :func:`flatten` for one value."""
     return tagged_json.decode(tree, "snapshot state", tensor=tensors.__getitem__)

@@ -1425,6 +1425,24 @@ def load_missing(rank, world, tmp, store):
     return out
 
 
+def plain_grad_values(rank, world, tmp, store):
+    """Tensors kept as plain values (a learnable temperature, say), restored through a process group:
+    each comes back with the requires_grad and the class it was saved with, bit for bit."""
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+
+    saved = {"temp": torch.tensor([0.25, -1.5], requires_grad=True), "scale": torch.nn.Parameter(torch.tensor(3.0)),
+             "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False), "plain": torch.arange(3.0)}
+    with ckpt.CheckpointManager(store, "grad", save_mode="sync", process_group=dist.group.WORLD, timeout_s=30) as mgr:
+        mgr.save(1, {"model": plain_model(), "extra": saved})
+        state = {"model": plain_model(), "extra": None}
+        mgr.restore_latest(state)
+    return {"got": {k: [type(v).__name__, v.requires_grad, v.is_leaf, bits(v)] for k, v in state["extra"].items()},
+            "want": {k: [type(v).__name__, v.requires_grad, v.is_leaf, bits(v)] for k, v in saved.items()}}
+
+
 SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
@@ -1433,4 +1451,5 @@ SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "
              "ranks_disagree": ranks_disagree, "forged_key_path": forged_key_path,
              "save_fine_tunes": save_fine_tunes, "load_missing": load_missing,
              "tiers_late_rank_asks": tiers_late_rank_asks, "restore_peer_dies": restore_peer_dies,
-             "save_stale_view": save_stale_view, "forged_optimizer_path": forged_optimizer_path}
+             "save_stale_view": save_stale_view, "forged_optimizer_path": forged_optimizer_path,
+             "plain_grad_values": plain_grad_values}

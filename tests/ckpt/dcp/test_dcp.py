@@ -237,6 +237,15 @@ def test_manager_with_process_group(tmp_path):
     assert store.verify().ok
 
 
+def test_plain_value_tensors_keep_requires_grad_and_parameter_on_every_rank(tmp_path):
+    """A learnable tensor kept as a plain value came back from a distributed snapshot as a tensor that
+    no longer required grad (and an nn.Parameter as a plain tensor), as it did in one process."""
+    for r in W.run_ranks("plain_grad_values", 2, str(tmp_path), store=str(tmp_path / "s")):
+        assert "error" not in r, r.get("trace")
+        assert r["got"] == r["want"]
+        assert r["want"]["temp"][:2] == ["Tensor", True] and r["want"]["scale"][:2] == ["Parameter", True]
+
+
 def test_rank_killed_mid_save(tmp_path):
     """A rank dies after writing its chunks: the others raise within the timeout, latest stays put."""
     url = str(tmp_path / "s")

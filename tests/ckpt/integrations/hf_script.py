@@ -9,6 +9,7 @@ SIGKILL ourselves one step after the snapshot of step KILL_AT is durable. ``pree
 callback handles signals, and we SIGTERM ourselves in step KILL_AT (expect exit 143). ``stop``:
 the same without the kill, stopping at KILL_AT + 1 (in-process tests). ``resume``:
 a fresh model (other initial weights) and Trainer resumed from the store, to STEPS.
+``resume-preempt``: the same with signals handled, SIGTERMed before its first step (expect exit 143).
 ``evaluate=True`` (in-process only) evaluates every 2 steps and keeps the best eval loss.
 :func:`train` returns per-step losses (float.hex) and the final tensors; the script
 writes them to OUTDIR/result.json and OUTDIR/result.safetensors.
@@ -57,7 +58,7 @@ def train(store: str, outdir: str, mode: str, steps: int, kill_at: int = -1, ove
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        torch.manual_seed(99 if mode == "resume" else 0)  # a resumed model must get its weights from the store
+        torch.manual_seed(99 if mode.startswith("resume") else 0)  # a resumed model must get its weights from the store
         model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
         g = torch.Generator().manual_seed(1)
         data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (16, 12), generator=g)]
@@ -68,11 +69,13 @@ def train(store: str, outdir: str, mode: str, steps: int, kill_at: int = -1, ove
                                  dataloader_num_workers=0, eval_strategy="steps" if evaluate else "no", eval_steps=EVERY)
         cb = CkptCallback(store, "hf", every_n_steps=EVERY, keep_last=2, save_mode="overlap" if overlap else "async",
                           keep_best=KeepBest("eval_loss", "min", 1) if evaluate else None,
-                          handle_signals=mode == "preempt") if mode != "full" else None
+                          handle_signals=mode in ("preempt", "resume-preempt")) if mode != "full" else None
         record = Record(model, cb if mode in ("crash", "stop", "preempt") else None, kill_at, mode == "stop", mode == "preempt")
         trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4] if evaluate else None,
                           callbacks=[c for c in (cb, record) if c])
-        resume = cb.resume_dir(trainer) if mode == "resume" else None
+        resume = cb.resume_dir(trainer) if mode in ("resume", "resume-preempt") else None
+        if mode == "resume-preempt":
+            os.kill(os.getpid(), signal.SIGTERM)  # preempted again before the first resumed step
         trainer.train(resume_from_checkpoint=resume)
         if cb is not None:
             cb.close()

@@ -7,7 +7,8 @@ plain DataLoader (so snapshots resume exactly at epoch boundaries, see the modul
 docstring of ckpt.integrations.lightning). MODE ``full``: train STEPS optimizer
 steps, no snapshots. ``crash``: snapshot every 4 steps through CkptCallback and
 SIGKILL ourselves two steps after the snapshot of step KILL_AT is durable. ``term``:
-SIGTERM ourselves during the batch of step KILL_AT (exit status 143). ``stop``:
+SIGTERM ourselves during the batch of step KILL_AT (nothing else: the callback makes the
+exit status 143). ``stop``:
 the same, but stop the Trainer instead (in-process tests). ``resume``: a fresh model
 (other initial weights) and Trainer, resumed by CkptCallback from the store, to STEPS.
 :func:`train` returns per-step losses (float.hex) and the final tensors; the script
@@ -59,7 +60,7 @@ class Record(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = trainer.global_step
         self.losses[step] = outputs["loss"].item().hex()
-        if self.ckpt_cb is not None and step == self.kill_at:
+        if self.ckpt_cb is not None and not self.term and step == self.kill_at:
             self.ckpt_cb.manager.wait()  # the snapshot of KILL_AT is durable...
         if self.ckpt_cb is not None and not self.term and step == self.kill_at + 2:
             if self.stop_only:
@@ -85,10 +86,7 @@ def train(store: str, outdir: str, mode: str, steps: int, kill_at: int = -1) -> 
                              enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                              default_root_dir=outdir, callbacks=[c for c in (ckpt_cb, record) if c])
         torch.manual_seed(1234)
-        try:
-            trainer.fit(module, loader)
-        except SystemExit:  # Lightning's SIGTERMException, which exits with status 0
-            raise SystemExit(143) from None
+        trainer.fit(module, loader)  # preempted (mode term): CkptCallback makes Lightning's SystemExit status 143
         losses: dict = dict(record.losses)
         if mode == "resume":
             assert ckpt_cb is not None and ckpt_cb.restored_step is not None

@@ -66,7 +66,10 @@ def test_resume_after_sigkill(uninterrupted, tmp_path):
 
 def test_sigterm_saves_the_step_it_came_in(script, tmp_path):
     """Lightning turns SIGTERM into the end of ``fit`` after the current batch: the callback saved
-    nothing then, and a preempted run lost every step since the last multiple of every_n_steps."""
+    nothing then, and a preempted run lost every step since the last multiple of every_n_steps.
+    The process then exited with status 0 (Lightning's SIGTERMException), which a scheduler reads
+    as "finished": the job was never requeued. The script does nothing about it: the callback
+    makes it 143 once the final snapshot is durable."""
     store = str(tmp_path / "store")
     run_script("lightning_script", store, tmp_path / "term", "term", N, 10, expect=143)
     s = ckpt.Store.open(store)
@@ -77,3 +80,129 @@ def test_sigterm_saves_the_step_it_came_in(script, tmp_path):
                      {f"model.{k[len('model/'):]}": v for k, v in snap.items()})
     losses, tensors = run_script("lightning_script", store, tmp_path / "resume", "resume", N)
     assert losses["restored"] == 10 and int(tensors["global_step"]) == N
+
+
+def test_fit_that_raises_finishes_the_snapshot_in_flight(script, tmp_path):
+    """Lightning calls no teardown hook when ``fit`` raises: the manager was left open, its in-flight
+    snapshot unwaited (an error in it never reported). on_exception finishes and closes it."""
+    import torch
+
+    class Boom(script.pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 6:
+                raise RuntimeError("boom")
+
+    store = str(tmp_path / "store")
+    cb = script.CkptCallback(store, "lit", every_n_steps=4, save_mode="async")
+    trainer = script.pl.Trainer(max_steps=10, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[cb, Boom()])
+    data = torch.utils.data.TensorDataset(torch.randn(32, 16), torch.randint(0, 4, (32,)))
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(script.TinyModule(), torch.utils.data.DataLoader(data, batch_size=8))
+    assert cb.manager is None  # closed: the snapshot of step 4 is durable
+    s = ckpt.Store.open(store)
+    assert s.resolve("lit/latest") == s.resolve("lit/step-4") and s.verify().ok
+
+
+def _fit(script, store, tmp_path, batch_size, max_steps, stop_at=None, ckpt_path=None, resume=True):
+    """A Trainer over 32 samples in batches of ``batch_size``, snapshots every 2 steps, stopped at ``stop_at``."""
+    import torch
+
+    class Stop(script.pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            trainer.should_stop = trainer.global_step == stop_at
+
+    cb = script.CkptCallback(store, "lit", every_n_steps=2, resume=resume)
+    trainer = script.pl.Trainer(max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[cb, Stop()])
+    g = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))
+    trainer.fit(script.TinyModule(), torch.utils.data.DataLoader(data, batch_size=batch_size), ckpt_path=ckpt_path)
+    return cb, trainer
+
+
+def test_resume_mid_epoch_with_another_batch_size_is_refused(script, tmp_path):
+    """Lightning finds its place in an epoch by counting batches: a snapshot taken 2 batches of 8 into an
+    epoch, resumed with batches of 4, went on from sample 8 instead of 16 (with a resumable dataloader;
+    a plain one restarts the epoch anyway), with no error. Refused before the first batch; at an epoch's
+    end the batch size may change where the new epochs are no longer."""
+    from ckpt.snapshot.manager import SnapshotError
+
+    store = str(tmp_path / "store")
+    _fit(script, store, tmp_path, 8, 20, stop_at=6)  # 4 batches an epoch: step 6 is 2 batches into the second
+    with pytest.raises(SnapshotError, match="2 batches into an epoch of 4 batches of size 8; this trainer's epochs "
+                                            "are 8 batches of size 4") as e:
+        _fit(script, store, tmp_path, 4, 20)
+    assert "batch size" in e.value.hint
+    cb, trainer = _fit(script, store, tmp_path, 8, 8)  # the same batches: resumed
+    assert cb.restored_step == 6 and trainer.global_step == 8
+    # From step 8, the end of an epoch of 4 batches: in batches of 4 (8 an epoch) Lightning went on with that
+    # epoch from its 5th batch, where the run would have begun a new one. In batches of 16 the epoch has ended.
+    with pytest.raises(SnapshotError, match="4 batches into an epoch of 4 batches of size 8; this trainer's epochs "
+                                            "are 8 batches of size 4"):
+        _fit(script, store, tmp_path, 4, 10)
+    cb, trainer = _fit(script, store, tmp_path, 16, 10)
+    assert cb.restored_step == 8 and trainer.global_step == 10
+
+
+def test_fit_from_a_lightning_checkpoint_and_a_snapshot_is_refused(script, tmp_path):
+    """``trainer.fit(ckpt_path=...)`` restores the module before on_fit_start and the optimizers and loop
+    position after it: with a snapshot resumed too, the run went on from step 4's loop and optimizer with
+    step 6's weights, silently. Refused; resume=False resumes from the Lightning checkpoint, and a run
+    with no snapshot yet (moving to ckpt) starts from it."""
+    from ckpt.snapshot.manager import SnapshotError
+
+    lightning_ckpt = str(tmp_path / "step4.ckpt")
+    _, trainer = _fit(script, str(tmp_path / "other"), tmp_path, 8, 4)
+    trainer.save_checkpoint(lightning_ckpt)
+    store = str(tmp_path / "store")
+    cb, trainer = _fit(script, store, tmp_path, 8, 5, ckpt_path=lightning_ckpt)  # no snapshot yet: Lightning's
+    assert cb.restored_step is None and trainer.global_step == 5
+    _fit(script, store, tmp_path, 8, 6)  # snapshot of step 6
+    with pytest.raises(SnapshotError, match="resumes from that checkpoint, and this callback from step 6") as e:
+        _fit(script, store, tmp_path, 8, 8, ckpt_path=lightning_ckpt)
+    assert "resume=False" in e.value.hint
+    cb, trainer = _fit(script, store, tmp_path, 8, 5, ckpt_path=lightning_ckpt, resume=False)
+    assert cb.restored_step is None and trainer.global_step == 5
+
+
+def test_a_loader_whose_batch_size_is_not_a_number_still_snapshots(script, tmp_path):
+    """Any iterable trains under Lightning: one whose ``batch_size`` is not an int (here an object JSON cannot
+    hold) is recorded as of unknown batch size, not refused by the snapshot's data position."""
+    import torch
+
+    class Batches:
+        batch_size = object()
+
+        def __init__(self):
+            g = torch.Generator().manual_seed(1)
+            self.data = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(4)]
+
+        def __iter__(self):
+            return iter(self.data)
+
+        def __len__(self):
+            return len(self.data)
+
+    cb = script.CkptCallback(str(tmp_path / "store"), "lit", every_n_steps=2)
+    trainer = script.pl.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[cb])
+    trainer.fit(script.TinyModule(), Batches())
+    assert cb.manager is None and sorted(ckpt.Store.open(str(tmp_path / "store")).refs()) == ["lit/latest", "lit/step-2"]
+
+
+@pytest.mark.parametrize("recorded", [{"batch_in_epoch": "2", "batches_per_epoch": 4, "batch_sizes": [8]},
+                                      {"batch_in_epoch": 2, "batches_per_epoch": [4], "batch_sizes": [8]}, ["not", "a", "record"]],
+                         ids=["position", "epoch-length", "not-a-record"])
+def test_a_malformed_data_position_is_refused(script, tmp_path, monkeypatch, recorded):
+    """A snapshot read from a store is outside data: a data position of the wrong types raised a raw TypeError
+    (comparing them) or AttributeError at on_train_start."""
+    import ckpt.integrations.lightning as integration
+    from ckpt.snapshot.manager import SnapshotError
+
+    store = str(tmp_path / "store")
+    with monkeypatch.context() as m:
+        m.setattr(integration, "_data_position", lambda trainer: recorded)
+        _fit(script, store, tmp_path, 8, 20, stop_at=6)
+    with pytest.raises(SnapshotError, match="is malformed"):
+        _fit(script, store, tmp_path, 8, 20)

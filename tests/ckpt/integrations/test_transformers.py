@@ -97,6 +97,20 @@ def test_preemption_snapshots_the_step_it_came_in_and_exits_143(uninterrupted, t
     _check(store, 7, uninterrupted, run_script("hf_script", store, tmp_path / "resume", "resume", N))
 
 
+def test_preempted_again_before_the_first_resumed_step_keeps_the_snapshot(uninterrupted, tmp_path):
+    """A SIGTERM that came before the first step of a resumed run took the final snapshot of the step
+    just restored again, with this process's RNG state (restored only as that step begins): step 6's
+    snapshot was replaced by one whose resume was no longer exact. It is kept as it is, and the process
+    still exits 143."""
+    store = str(tmp_path / "store")
+    run_script("hf_script", store, tmp_path / "crash", "crash", N, 6, expect=-signal.SIGKILL)  # 6: mid-epoch
+    s = ckpt.Store.open(store)
+    before = s.resolve("hf/step-6")
+    run_script("hf_script", store, tmp_path / "again", "resume-preempt", N, expect=143)
+    assert s.resolve("hf/step-6") == before == s.resolve("hf/latest")
+    _check(store, 6, uninterrupted, run_script("hf_script", store, tmp_path / "resume", "resume", N))
+
+
 def test_evaluation_between_snapshots_resumes_exactly(script, tmp_path):
     """The Trainer logs and evaluates a step after ``on_step_end``: the eval dataloader draws its seed
     from the torch RNG and the eval loss is what ``keep_best`` records. A snapshot taken in
@@ -145,6 +159,113 @@ def test_resume_with_another_batch_size_is_refused(script, tmp_path):
     cb.close()
 
 
+def test_resume_with_another_accumulation_or_dataset_is_refused(script, tmp_path):
+    """The Trainer skips global_step * gradient_accumulation_steps batches of an epoch of today's
+    length: resumed with another accumulation (or a dataset of another number of batches) it went on
+    at another place in the data (here at the start of the fourth epoch, not 2 batches into the second),
+    with no error. Refused: another accumulation before the model is touched, another dataset when
+    ``train`` starts, before the first step; ``ignore_data_skip=True`` (skip nothing) lets both change."""
+    from transformers import Trainer, TrainingArguments
+
+    from ckpt.snapshot.manager import SnapshotError
+
+    store = str(tmp_path / "store")
+    script.train(store, str(tmp_path / "stop"), "stop", N, 6)  # 16 samples, batches of 4, no accumulation
+
+    def trainer_for(samples, **kw):
+        model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
+        cb = script.CkptCallback(store, "hf", every_n_steps=2)
+        data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (samples, 12))]
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=N,
+                                 per_device_train_batch_size=4, disable_tqdm=True, save_strategy="no", **kw)
+        return Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]), cb, model
+
+    trainer, cb, model = trainer_for(16, gradient_accumulation_steps=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(SnapshotError, match="gradient_accumulation_steps=1, this Trainer's is 2") as e:
+        cb.resume_dir(trainer)
+    assert "gradient_accumulation_steps=1" in e.value.hint
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
+    assert cb.restored_step is None and not (tmp_path / "out" / "ckpt-resume").exists()
+    cb.close()
+
+    trainer, cb, _ = trainer_for(24)  # 6 batches an epoch, not 4
+    with pytest.raises(SnapshotError, match="4 batches an epoch, this Trainer's dataset makes 6"):
+        trainer.train(resume_from_checkpoint=cb.resume_dir(trainer))
+    assert trainer.state.global_step == 6  # not one step trained
+    cb.close()
+
+    trainer, cb, _ = trainer_for(16, gradient_accumulation_steps=2, ignore_data_skip=True)
+    assert cb.resume_dir(trainer) is not None and cb.restored_step == 6
+    cb.close()
+
+
+def test_callback_states_need_the_trainer(script, tmp_path):
+    """No callback hook is given the Trainer: a run started with ``trainer.train()`` (no resume_dir)
+    snapshotted the other callbacks' states as they were when training began (early stopping's
+    patience counter 0 where it had counted 2), so a resume stopped later than the run would have.
+    Refused before the first step; with resume_dir (None on a first run) the live states are saved."""
+    from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
+
+    from ckpt.snapshot.manager import SnapshotError
+
+    def run(out, first_resume_dir):
+        torch.manual_seed(0)
+        model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=1, n_head=1, n_embd=8, vocab_size=16, n_positions=16))
+        data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 16, (16, 8))]
+        args = TrainingArguments(output_dir=str(out), max_steps=6, per_device_train_batch_size=4, report_to=[],
+                                 use_cpu=True, eval_strategy="steps", eval_steps=2, save_strategy="no", disable_tqdm=True,
+                                 metric_for_best_model="eval_loss", greater_is_better=True)  # every eval is "worse"
+        cb = script.CkptCallback(str(out / "store"), "hf", every_n_steps=2)
+        stopper = EarlyStoppingCallback(early_stopping_patience=10)
+        trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4], callbacks=[cb, stopper])
+        try:
+            trainer.train(resume_from_checkpoint=cb.resume_dir(trainer) if first_resume_dir else None)
+        finally:
+            cb.close()
+        return cb, stopper, trainer
+
+    with pytest.raises(SnapshotError, match="cannot snapshot the states of EarlyStoppingCallback") as e:
+        run(tmp_path / "a", False)
+    assert "resume_dir(trainer)" in e.value.hint
+    assert not ckpt.Store.open(str(tmp_path / "a" / "store")).refs()
+
+    _, stopper, trainer = run(tmp_path / "b", True)
+    assert stopper.early_stopping_patience_counter == 2 and trainer.state.global_step == 6
+    values = {"trainer_state": None}
+    with ckpt.CheckpointManager(str(tmp_path / "b" / "store"), "hf") as manager:
+        manager.restore(values, 6)
+    assert values["trainer_state"]["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"] == \
+        {"early_stopping_patience_counter": 2}
+
+
+@pytest.mark.parametrize(("trainer_state", "data", "error"), [
+    ([1, 2], None, "is malformed"), ({"global_step": 2}, ["x"], "is malformed"),
+    ({"global_step": 2, "no_such_field": 1}, None, "fields this transformers does not know: no_such_field")],
+    ids=["state-not-a-record", "data-not-a-record", "unknown-field"])
+def test_a_malformed_snapshot_is_refused_before_the_model_is_touched(script, tmp_path, trainer_state, data, error):
+    """A snapshot read from a store is outside data: a trainer state that is not a record raised a raw
+    AttributeError, and one with a field TrainerState lacks a TypeError inside ``train`` (the model
+    already overwritten)."""
+    from transformers import Trainer, TrainingArguments
+
+    from ckpt.snapshot.manager import SnapshotError
+
+    store = str(tmp_path / "store")
+    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=1, n_head=1, n_embd=8, vocab_size=64, n_positions=16))
+    with ckpt.CheckpointManager(store, "hf", save_mode="sync") as mgr:
+        mgr.save(2, {"model": model, "trainer_state": trainer_state, "data": data})
+    torch.nn.init.zeros_(model.transformer.wte.weight)
+    cb = script.CkptCallback(store, "hf", every_n_steps=2)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=4,
+                             per_device_train_batch_size=4, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=[], callbacks=[cb])
+    with pytest.raises(SnapshotError, match=error):
+        cb.resume_dir(trainer)
+    assert not model.transformer.wte.weight.any() and cb.restored_step is None
+    cb.close()
+
+
 def test_following_save_strategy_no_is_refused(script, tmp_path):
     """``every_n_steps=None`` follows ``save_strategy``; with the README's ``save_strategy="no"`` the run
     trained to the end with no snapshot at all, and no word about it."""
@@ -162,6 +283,26 @@ def test_following_save_strategy_no_is_refused(script, tmp_path):
         trainer.train()
     assert "every_n_steps=N" in str(e.value.hint) and trainer.state.global_step == 0
     cb.close()
+
+
+@pytest.mark.parametrize("strategy", ["epoch", "best"])
+def test_following_an_epoch_or_best_save_strategy_snapshots_where_the_trainer_saves(script, tmp_path, strategy):
+    """``every_n_steps=None`` read ``control.should_save`` in on_step_end, but the Trainer decides an
+    "epoch" save in on_epoch_end and a "best" one after evaluating, both later: such a run wrote its own
+    checkpoint-N folders and not one snapshot. A snapshot is now taken wherever the Trainer saves."""
+    from transformers import Trainer, TrainingArguments
+
+    cb = script.CkptCallback(str(tmp_path / "store"), "hf")
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (16, 12))]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=10,
+                             save_strategy=strategy, eval_strategy="epoch", metric_for_best_model="loss",
+                             per_device_train_batch_size=4, disable_tqdm=True)
+    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=1, n_head=1, n_embd=8, vocab_size=64, n_positions=16))
+    trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4], callbacks=[cb])
+    trainer.train(resume_from_checkpoint=cb.resume_dir(trainer))
+    cb.close()
+    saved = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "out").iterdir() if p.name.startswith("checkpoint-"))
+    assert saved and cb.manager.steps() == saved  # the Trainer's own checkpoints: 4, 8 (epoch ends or new bests), 10
 
 
 def test_resume_dir_into_a_folder_of_other_files_is_refused(script, tmp_path):
@@ -188,6 +329,12 @@ def test_resume_dir_into_a_folder_of_other_files_is_refused(script, tmp_path):
         cb.resume_dir(trainer, dest)
     assert shard.read_bytes() == b"precious" and sorted(p.name for p in dest.iterdir()) == [shard.name]
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and cb.restored_step is None
+    for path in (tmp_path / "a-file", tmp_path / "dangling"):  # a raw FileExistsError came after the model was restored
+        path.write_bytes(b"precious") if path.name == "a-file" else path.symlink_to(tmp_path / "nowhere")
+        with pytest.raises(SnapshotError, match="exists and is not a directory"):
+            cb.resume_dir(trainer, path)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and cb.restored_step is None
+    assert (tmp_path / "a-file").read_bytes() == b"precious" and not (tmp_path / "nowhere").exists()
     out = cb.resume_dir(trainer)
     assert cb.resume_dir(trainer) == out and cb.restored_step == 2  # its own folder again
     cb.close()

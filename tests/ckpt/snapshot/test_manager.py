@@ -478,6 +478,72 @@ def test_dicts_come_back_in_their_key_order(tmp_path, local):
     assert type(got["arxiv"][0]["a"]) is tuple
 
 
+class _Temperature:
+    """A Stateful whose state_dict hands out its learnable tensor itself (restored in place when it can be)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def state_dict(self):
+        return {"t": self.t}
+
+    def load_state_dict(self, sd):
+        self.t = sd["t"]
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["store", "local-tier"])
+def test_plain_value_tensors_keep_requires_grad_and_parameter(tmp_path, local):
+    """A learnable temperature kept as a plain value (not a module's parameter) came back as a tensor
+    that no longer required grad (and an nn.Parameter as a plain tensor): the resumed run stopped
+    training it, silently. Restore gives back the flags and the class, bit for bit, as saved."""
+    kw = {"local": str(tmp_path / "l")} if local else {}
+    saved = {"temp": torch.tensor([0.25, -1.5], requires_grad=True), "scale": torch.nn.Parameter(torch.tensor(3.0)),
+             "frozen": torch.nn.Parameter(torch.ones(2), requires_grad=False), "plain": torch.arange(3.0)}
+    learnable = _Temperature(torch.tensor([0.5], requires_grad=True))
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", **kw) as mgr:
+        mgr.save(1, {"model": _model(), "extra": saved, "stateful": learnable}, persist=True if local else None)
+        # the stateful's own tensor is written in place where it matches; not one of another shape, or without grad
+        for live in (torch.zeros(1, requires_grad=True), torch.zeros(2, requires_grad=True), torch.zeros(1)):
+            into = _Temperature(live)
+            state = {"model": _model(), "extra": None, "stateful": into}
+            assert mgr.restore_latest(state) == 1
+            assert into.t.requires_grad and into.t.is_leaf and _bits(into.t) == _bits(learnable.t)
+    got = state["extra"]
+    assert got["temp"].requires_grad and got["temp"].is_leaf and type(got["temp"]) is torch.Tensor
+    assert type(got["scale"]) is torch.nn.Parameter and got["scale"].requires_grad
+    assert type(got["frozen"]) is torch.nn.Parameter and not got["frozen"].requires_grad
+    assert type(got["plain"]) is torch.Tensor and not got["plain"].requires_grad
+    assert {k: _bits(v) for k, v in got.items()} == {k: _bits(v) for k, v in saved.items()}
+    (got["temp"] * 2).sum().backward()  # a leaf of the resumed graph, as before the restart
+    assert got["temp"].grad.tolist() == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("flags", [{"requires_grad": ["extra/steps"]}, {"requires_grad": "extra/temp"},
+                                   {"parameters": [["extra/temp"]]}], ids=["int-tensor", "not-a-list", "not-a-name"])
+def test_a_malformed_record_of_autograd_flags_is_refused_before_anything_is_written(tmp_path, flags):
+    """The flags come from a store (outside data): an integer tensor marked as requiring grad made the restore
+    fail with torch's RuntimeError once every tensor was written, and flags of the wrong types with a TypeError."""
+    import copy
+    import dataclasses
+
+    from ckpt_store.storage.commit import commit
+
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        mgr.save(1, {"model": _model(), "extra": {"temp": torch.ones(2, requires_grad=True), "steps": torch.arange(3)}})
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    m = store.manifest("r/latest")
+    snap = copy.deepcopy(m.extra["snapshot"])
+    assert snap["autograd"] == {"requires_grad": ["extra/temp"]}
+    snap["autograd"] = flags
+    commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
+    model = _model()
+    before = {k: _bits(v) for k, v in model.state_dict().items()}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        with pytest.raises(SnapshotError, match="record of autograd flags is malformed"):
+            mgr.restore_latest({"model": model, "extra": None})
+    assert {k: _bits(v) for k, v in model.state_dict().items()} == before
+
+
 @pytest.mark.parametrize("value", ["defaultdict", "counter", "nested"])
 def test_dicts_with_defaults_are_refused_not_restored_as_plain_dicts(tmp_path, value):
     """A defaultdict (or Counter) in the state came back a plain dict: the resumed loop's
