@@ -179,7 +179,9 @@ class CkptCallback(pl.Callback):
             raise SnapshotError(f"trainer.fit(ckpt_path={trainer.ckpt_path!r}) resumes from that checkpoint, and this "
                                 f"callback from step {self.restored_step} of {self.run!r}: the run would mix the two",
                                 hint="pass CkptCallback(..., resume=False) to resume from the Lightning checkpoint, "
-                                     "its next snapshots going to the store; or leave out ckpt_path")
+                                     "its next snapshots going to the store; or leave out ckpt_path (on SLURM, "
+                                     "Lightning's auto-requeue sets it to its hpc checkpoint: pass "
+                                     "plugins=[SLURMEnvironment(auto_requeue=False)], this callback handles preemption)")
         if self.restored_step is not None:
             log.info("resumed %s from step %d", self.run, self.restored_step)
             recorded = state["trainer"]  # the snapshot's (restore replaced the value)
