@@ -89,6 +89,31 @@ def _nan_max(x: float, y: float) -> float:
     return math.nan if math.isnan(x) or math.isnan(y) else max(x, y)
 
 
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not dtype.is_floating_point and not dtype.is_complex
+
+
+def _values_differ(xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+    """Per element, whether ``xa`` and ``xb`` (real, of different dtypes) hold different values,
+    exactly: integers compare as integers and against floats only where the float is a whole
+    number (float64 holds integers exactly only to 2**53: 2**53 + 1 against 2.0**53 read as the
+    same). NaN against NaN is no change (bits cannot be compared across dtypes)."""
+    import torch
+
+    ia, ib = _is_integer(xa.dtype), _is_integer(xb.dtype)
+    if torch.uint64 not in (xa.dtype, xb.dtype):
+        if ia and ib:
+            return xa.to(torch.int64) != xb.to(torch.int64)
+        if ia != ib:
+            i, f = (xa, xb) if ia else (xb, xa)
+            f = f.to(torch.float64)  # exact for every float dtype
+            same = torch.isfinite(f) & (f == f.trunc()) & (f.abs() < 2.0**63)
+            same[same.clone()] = f[same].to(torch.int64) == i[same].to(torch.int64)
+            return ~same
+    da, db = xa.to(torch.float64), xb.to(torch.float64)
+    return (da != db) & ~(da.isnan() & db.isnan())
+
+
 def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> TensorStats:
     """Change statistics of ``b`` against ``a`` (same shape; dtypes may differ).
 
@@ -116,20 +141,24 @@ def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> Te
     if same_dtype:
         changed = int((bit_pattern(a) != bit_pattern(b)).sum())
     else:
-        # Values compare; NaN against NaN is no change (bits cannot be compared across dtypes).
-        xa, xb = _as_real(a).double(), _as_real(b).double()
-        differs = (xa != xb) & ~(xa.isnan() & xb.isnan())
+        differs = _values_differ(_as_real(a), _as_real(b))
         changed = int(differs.reshape(a.numel(), -1).any(dim=1).sum()) if a.numel() else 0
-        del xa, xb, differs
+        del differs
     fa, fb = _as_real(a), _as_real(b)
+    # Same integer dtype: differences taken in int64, exact (float64 holds integers to 2**53 only,
+    # and a change of 1 in a larger one read as none), where no value is near int64's limits.
+    exact = same_dtype and _is_integer(a.dtype) and a.dtype != torch.uint64
     ssa, ssb, ssd, mad, nonfinite = [], [], [], 0.0, 0
     for i in range(0, fa.numel(), block):
         ra, rb = fa[i : i + block], fb[i : i + block]
         da = ra.to(torch.float64)
-        db = rb.to(torch.float64)
+        db = rb.to(torch.float64, copy=True)  # a scratch copy: it is changed in place below (b is the caller's)
         ssa.append(float(torch.dot(da, da)))
         ssb.append(float(torch.dot(db, db)))
-        db.sub_(da)
+        if exact and ra.numel() and max(float(da.abs().max()), float(db.abs().max())) < 2.0**62:
+            db = (rb.to(torch.int64) - ra.to(torch.int64)).to(torch.float64)
+        else:
+            db.sub_(da)
         sd = float(torch.dot(db, db))
         if not math.isfinite(sd):
             # Rare path: a NaN or inf in the block. Unchanged elements (NaN - NaN, inf - inf)

@@ -82,6 +82,40 @@ def test_a_real_tensor_retyped_as_complex_compares_by_value_both_ways_round(stor
     assert (row.status, row.changed_elements) == ("dtype_changed", 0)
 
 
+def test_stats_leave_float64_inputs_as_they_were():
+    """The statistics pass took b's float64 copy as scratch and subtracted into it; for a float64 b
+    that "copy" was b itself (``.to`` returns the tensor when the dtype is already float64), so
+    tensor_stats overwrote the caller's tensor with b - a."""
+    a = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    b = torch.tensor([1.5, 2.0, -4.0], dtype=torch.float64)
+    before_a, before_b = a.clone(), b.clone()
+    s = tensor_stats(a, b)
+    assert (s.changed_elements, s.max_abs_diff) == (2, 7.0)
+    assert a.view(torch.uint8).equal(before_a.view(torch.uint8)) and b.view(torch.uint8).equal(before_b.view(torch.uint8))
+    assert tensor_stats(a, b) == s
+
+
+def test_integers_past_2_53_compare_exactly(store):
+    """float64 holds integers exactly only to 2**53: a change of 1 in a larger int64 was counted
+    (bit patterns) but read as max diff 0.0, and int64 2**53 + 1 against float64 2.0**53 read as no
+    change at all. Integers now differ in int64, and against floats only where the float is whole."""
+    big = 2**53
+    s = tensor_stats(torch.tensor([big + 1, 5, 2**60]), torch.tensor([big, 5, 2**60 + 7]))
+    assert (s.changed_elements, s.max_abs_diff, s.norm_diff) == (2, 7.0, math.sqrt(50))
+    as_float = torch.tensor([2.0**53, 5.0, 2.5, math.nan], dtype=torch.float64)
+    as_int = torch.tensor([big + 1, 5, 2, 0])
+    for x, y in ((as_int, as_float), (as_float, as_int)):
+        assert tensor_stats(x, y).changed_elements == 3  # 2**53+1, 2 against 2.5, 0 against NaN
+    assert tensor_stats(torch.tensor([big, 5]), torch.tensor([2.0**53, 5.0], dtype=torch.float64)).changed_elements == 0
+    assert tensor_stats(torch.tensor([3, -4], dtype=torch.int8), torch.tensor([3, -4], dtype=torch.int64)).changed_elements == 0
+    for x, y in ((torch.tensor([big + 1]), torch.tensor([float(big)], dtype=torch.float64)),
+                 (torch.tensor([float(big)], dtype=torch.float64), torch.tensor([big + 1]))):
+        (row,) = ckpt.diff({"t": x}, {"t": y}, store=store).tensors
+        assert (row.status, row.changed_elements) == ("dtype_changed", 1)
+    (row,) = ckpt.diff({"t": torch.tensor([big + 1])}, {"t": torch.tensor([big])}, store=store).tensors
+    assert (row.status, row.changed_elements, row.max_abs_diff) == ("changed", 1, 1.0)
+
+
 def test_nan_and_inf_changes_are_reported_as_such():
     """Issue 15 item 6: max(0.0, nan) made a weight turned NaN look unchanged (0.0), and inf printed as '-'."""
     a = torch.linspace(-1, 1, 10)
