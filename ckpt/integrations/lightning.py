@@ -206,7 +206,9 @@ class CkptCallback(pl.Callback):
 
     def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Snapshot now as step ``trainer.global_step`` (returns once staged)."""
-        assert self.manager is not None, "the callback saves once trainer.fit has set it up"
+        if self.manager is None:
+            raise SnapshotError("CkptCallback.save() is called from within trainer.fit (which sets the callback up)",
+                                hint="call it from a hook or the module's training code while fit runs")
         metrics = {k: float(trainer.callback_metrics[k]) for k in self.metrics if k in trainer.callback_metrics}
         self.manager.save(trainer.global_step, self._state(trainer, pl_module), metrics)
         self._last_saved = trainer.global_step

@@ -56,6 +56,17 @@ def test_resume_false_starts_over(script, tmp_path):
     assert cb.restored_step is None and trainer.global_step == 1
 
 
+def test_save_outside_fit_is_a_clear_error(script, tmp_path):
+    """The callback's public save() before fit set it up failed with a bare AssertionError."""
+    from ckpt.snapshot.manager import SnapshotError
+
+    cb = script.CkptCallback(str(tmp_path / "store"), "lit", every_n_steps=1)
+    trainer = script.pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[cb])
+    with pytest.raises(SnapshotError, match="from within trainer.fit"):
+        cb.save(trainer, script.TinyModule())
+
+
 @pytest.mark.slow
 def test_resume_after_sigkill(uninterrupted, tmp_path):
     """The same across processes: the training process is SIGKILLed two steps after a durable snapshot."""
