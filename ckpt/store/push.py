@@ -181,10 +181,11 @@ def _commit(store: Store, src: SourceIn | None, manifest_of: Callable[[list[PutR
     whose base went with it (another writer's bytes, beyond this push) is stored whole and the
     manifest made again without that chain (docs/format.md, "Garbage collection")."""
     by_id = {r.id: t for t, r in zip(tasks, results, strict=True)}
+    restored: dict[str, PutResult] = {}  # what restore wrote again (whole)
 
     def restore(missing: list[str]) -> None:
         assert src is not None
-        rewrite_whole(store.objects, {cid: by_id[cid] for cid in missing if cid in by_id}, store.settings)
+        restored.update(rewrite_whole(store.objects, {cid: by_id[cid] for cid in missing if cid in by_id}, store.settings))
         src.check_unchanged()  # what was read again is what the manifest names
 
     for attempt in range(3):
@@ -203,7 +204,8 @@ def _commit(store: Store, src: SourceIn | None, manifest_of: Callable[[list[PutR
                 raise
             log.info("%d delta bases vanished while pushing (a concurrent gc?): storing %d chunks whole",
                      len(gone), len(redo))
-            rewritten = rewrite_whole(store.objects, redo, store.settings)
+            rewritten = {cid: restored[cid] for cid in redo if cid in restored}  # stored whole already
+            rewritten |= rewrite_whole(store.objects, {c: t for c, t in redo.items() if c not in restored}, store.settings)
             src.check_unchanged()
             results = [rewritten.get(r.id, r) for r in results]
     raise AssertionError("unreachable")
