@@ -159,7 +159,7 @@ def du(v: dict[str, Any]) -> None:
     for codec, c in v["codecs"].items():
         decoded, st = c["decoded_bytes"], c["stored_bytes"]
         out.print(f"    {safe(codec):<10} {human_bytes(decoded):>10} stored as {human_bytes(st):>10} "
-                  f"(saved {human_bytes(decoded - st)}, {ratio(st, decoded)} of its input)")
+                  f"(saved {human_bytes(decoded - st)}, {ratio(decoded - st, decoded)} of its input)")
 
 
 def verify(v: dict[str, Any]) -> None:

@@ -120,6 +120,12 @@ def test_push_base_and_show_codecs(env):
     assert json.loads(invoke("show", "m/ft2", "--json"))["lineage"]["base"] is None
     du = json.loads(invoke("du", "--json"))
     assert {"planes"} <= set(du["codecs"]) and any(c in du["codecs"] for c in ("gsub", "sub", "xor"))
+    # Each codec's line says what share of its input it saved (it said the share it kept, after "saved").
+    text = invoke("du")
+    for codec, c in du["codecs"].items():
+        saved = 100.0 * (c["decoded_bytes"] - c["stored_bytes"]) / c["decoded_bytes"]
+        line = next(x for x in text.splitlines() if x.strip().startswith(codec + " "))
+        assert line.endswith(f", {saved:.1f}% of its input)"), line
 
 
 def test_verify_repair_from(env, capsys):
