@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from typing import TYPE_CHECKING, Any, Iterable
 
 from ckpt._deprecation import deprecated
-from ckpt.errors import AmbiguousRefError, ObjectNotFoundError, RefNotFoundError
+from ckpt.errors import AmbiguousRefError, CkptError, ObjectNotFoundError, RefNotFoundError
 from ckpt.format.manifest import Manifest
 from ckpt.progress import Progress
 from ckpt.settings import Settings
@@ -61,6 +62,15 @@ def default_store_url() -> str:
         return env
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return os.path.join(base, "ckpt", "store")
+
+
+def _nameable(name: str) -> bool:
+    """Whether a ref folder's name is one a command can name (a damaged store's may not be)."""
+    try:
+        validate_ref_name(name)
+    except InvalidNameError:
+        return False
+    return True
 
 
 class Store:
@@ -189,7 +199,22 @@ class Store:
                 raise AmbiguousRefError(f"{ref} matches {len(found)} checkpoints", hint="give more digits")
         if self.refs_db.history(ref):
             raise RefNotFoundError(f"ref {ref} was removed", hint=f"its last version is {ref}@0; history: `ckpt log {ref}`")
-        raise RefNotFoundError(f"no ref or checkpoint named {ref!r}", hint="see `ckpt ls`")
+        raise RefNotFoundError(f"no ref or checkpoint named {ref!r}", hint=self._near_names(ref))
+
+    def _near_names(self, ref: str) -> str:
+        """The hint for a name that names nothing: the refs below it (``minilm`` for
+        ``minilm/base``), else those spelled most like it (a typo), then where to look. One
+        listing of ``refs/``, on this error path only."""
+        try:
+            names = sorted(n for n in self.refs_db.listing() if _nameable(n))
+        except (CkptError, OSError):  # the error being raised is the one worth seeing
+            names = []
+        below = [n for n in names if n.startswith(ref.rstrip("/") + "/")]
+        if below:
+            more = f" and {len(below) - 3} more" if len(below) > 3 else ""
+            return f"refs below it: {', '.join(repr(n) for n in below[:3])}{more}; see `ckpt ls`"
+        close = difflib.get_close_matches(ref, names, n=3, cutoff=0.75)
+        return ("did you mean " + " or ".join(repr(n) for n in close) + "? " if close else "") + "see `ckpt ls`"
 
     def manifest(self, ref: str) -> Manifest:
         """The manifest of ``ref``: a checkpoint id (read directly, one request), or

@@ -87,6 +87,27 @@ def test_errors_are_one_line(env, capsys):
     assert code == 2 and "duration" in err
 
 
+def test_a_name_that_names_nothing_gets_the_names_near_it(env, capsys):
+    """A typo or a folder of refs given as a ref: the error names the refs the user likely meant."""
+    tmp, src = env
+    for name in ("minilm/base", "minilm/ft-top", "minilm/ft-x", "minilm/v2"):
+        invoke("push", str(src), name)
+    code, _, err = run_main(capsys, "pull", "minilm/ft-tpo", str(tmp / "o"))
+    assert code == 1 and err.count("\n") == 1
+    assert err.startswith("error: no ref or checkpoint named 'minilm/ft-tpo' (did you mean 'minilm/ft-top'")
+    code, _, err = run_main(capsys, "show", "minilm")
+    assert code == 1 and "(refs below it: 'minilm/base', 'minilm/ft-top', 'minilm/ft-x' and 1 more; see `ckpt ls`)" in err
+    # A damaged store's folder under refs/ whose name no command can name is not offered.
+    bad = tmp / "store" / "refs" / "minilm" / "ft-\x1b[31m"
+    bad.mkdir()
+    (bad / "0000000001.ref").write_bytes(next((tmp / "store" / "refs" / "minilm" / "v2").iterdir()).read_bytes())
+    code, _, err = run_main(capsys, "show", "minilm/ft-x1b-31m")
+    assert code == 1 and "(did you mean 'minilm/ft-x'? see `ckpt ls`)" in err and "x1b[" not in err
+    code, _, err = run_main(capsys, "show", "zzz")
+    assert code == 1 and err == "error: no ref or checkpoint named 'zzz' (see `ckpt ls`)\n"
+    assert not (tmp / "o").exists()
+
+
 def test_verify_exit_code_on_damage(env, capsys):
     import os
 
