@@ -243,7 +243,9 @@ def pull(
     DEST named .pt/.pth/.bin/.ckpt gets a torch file (torch.load(weights_only=True)):
     a flat dict of the tensors, bit-identical, plus the non-tensor values of a
     checkpoint pushed from a .pt file or saved through torch.distributed.checkpoint,
-    under their flat (dotted) keys.
+    under their flat (dotted) keys. A model directory is not pulled to a DEST named like
+    one file (.safetensors or a torch name) unless --include '*' asks for its tensors
+    as that one file.
 
     With --from URL, REF is first copied from the store at URL into this store (like
     `ckpt copy REF --from URL`); DEST, if given, is then written from this store.

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
-from ckpt.errors import TensorMismatchError
+from ckpt.errors import DestinationError, TensorMismatchError
 from ckpt.format.manifest import FileEntry, Manifest
 from ckpt.format.safetensors_header import build_header, check_layout
 from ckpt.progress import Progress, reporting
@@ -76,8 +76,10 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
     file ``torch.load(weights_only=True)`` reads, holding a flat dict of the tensors
     (bit-identical, keys as stored: a nested state dict's keys joined with ``.``) and,
     for a checkpoint pushed from a ``.pt`` file or saved through DCP, its non-tensor values
-    under their flat keys. Raises :class:`DestinationError` / :class:`DestinationExistsError`
-    before anything is written.
+    under their flat keys. A checkpoint of several files (a model directory) is not pulled
+    to a ``dest`` named like one file unless that is an existing directory (``include=["*"]``
+    writes its tensors as that file). Raises :class:`DestinationError` /
+    :class:`DestinationExistsError` before anything is written.
     """
     m = store.manifest(ref)
     dest = os.fspath(dest)
@@ -95,6 +97,10 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
             write_files([target], lambda tmps: _write_files(store, m, [(m.files[0], tmps[0])], progress, what=f"checkpoint {ref}"),
                         overwrite)
         return target
+    if not os.path.isdir(dest) and (is_torch_name(dest) or dest.lower().endswith(".safetensors")):
+        # A folder's files would go into a new directory named like one file: not what was asked.
+        raise DestinationError(f"{ref} is a folder of {len(m.files)} files; {dest} is named like one file",
+                               hint="pull it into a directory, or with --include '*' to write its tensors as that one file")
     root, targets = dir_targets(store, dest, [f.path for f in m.files], overwrite)
     write_dir(root, targets, lambda paths: _write_files(store, m, list(zip(m.files, paths)), progress, what=f"checkpoint {ref}"),
               overwrite)

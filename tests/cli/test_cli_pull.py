@@ -214,3 +214,22 @@ def test_a_trailing_slash_means_a_directory(tmp_path, capsys):
     code, _, err = run(capsys, "--store", store, "pull", "one", str(out) + os.sep)  # a directory: the file goes in it
     assert code == 0, err
     assert tree(out) == {"notes.txt": b"mine", "one.safetensors": (tmp_path / "one.safetensors").read_bytes()}
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.pt", "weights.BIN"])
+def test_a_folder_pulled_to_a_file_name_is_refused(sandbox, capsys, tmp_path, name):
+    """A model folder pulled to DEST named like one tensor file made a *directory* of that name
+    (`out.safetensors/config.json`), which no loader of that name reads. It is refused with the
+    two ways to get what was meant; `--include '*'` writes the tensors as that one file, and an
+    existing directory of that name is a directory the user chose."""
+    _, store = sandbox
+    dest = tmp_path / name
+    code, _, err = run(capsys, "--store", store, "pull", "two", str(dest))
+    one_line_error(code, err, "two is a folder of 2 files", "named like one file", "--include '*'")
+    assert not dest.exists()
+    code, _, err = run(capsys, "--store", store, "pull", "two", str(dest), "--include", "*")
+    assert code == 0 and dest.is_file(), err
+    dest.unlink()
+    dest.mkdir()
+    code, _, err = run(capsys, "--store", store, "pull", "two", str(dest))
+    assert code == 0 and sorted(os.listdir(dest)) == ["config.json", "model.safetensors"], err
