@@ -162,7 +162,7 @@ class Store:
             if back >= len(versions):
                 if damaged is not None:
                     raise damaged
-                raise RefNotFoundError(f"{name} has {len(versions)} versions; {ref} does not exist", hint=f"see `ckpt log {name}`")
+                raise RefNotFoundError(f"{name} has {len(versions)} version{'s' if len(versions) != 1 else ''}; {ref} does not exist", hint=f"see `ckpt log {name}`")
             entry = versions[back]
             target: str = entry.target  # type: ignore[assignment]
             if (history[0].target is None or back > 0) and not self.objects.has("manifests", target):
@@ -206,7 +206,7 @@ class Store:
         ``minilm/base``), else those spelled most like it (a typo), then where to look. One
         listing of ``refs/``, on this error path only."""
         try:
-            names = sorted(n for n in self.refs_db.listing() if _nameable(n))
+            names = sorted(n for n in self.refs_db.listing() if n != ref and _nameable(n))  # (``ref`` itself: removed)
         except (CkptError, OSError):  # the error being raised is the one worth seeing
             names = []
         below = [n for n in names if n.startswith(ref.rstrip("/") + "/")]
@@ -265,7 +265,7 @@ class Store:
         """History of ``name``, newest first (removals included, with ``target`` None)."""
         history = self.refs_db.history(name)
         if not history:
-            raise RefNotFoundError(f"no ref named {name!r}", hint="see `ckpt ls`")
+            raise RefNotFoundError(f"no ref named {name!r}", hint=self._near_names(name))
         return history
 
     def readable_log(self, name: str) -> tuple[list[RefEntry], dict[int, str]]:
@@ -275,7 +275,7 @@ class Store:
         """
         history, damaged = self.refs_db.log(name)
         if not history and not damaged:
-            raise RefNotFoundError(f"no ref named {name!r}", hint="see `ckpt ls`")
+            raise RefNotFoundError(f"no ref named {name!r}", hint=self._near_names(name))
         return history, {s: str(e) for s, e in damaged.items()}
 
     def ref_history(self, prefix: str = "") -> dict[str, list[RefEntry]]:
@@ -304,7 +304,7 @@ class Store:
         """Remove ref ``name`` (its data is freed by a later ``gc``)."""
         validate_ref_name(name)
         if self.refs_db.current(name) is None:
-            raise RefNotFoundError(f"no ref named {name!r}", hint="see `ckpt ls`")
+            raise RefNotFoundError(f"no ref named {name!r}", hint=self._near_names(name))
         return self.refs_db.remove(name)
 
     # -- data ----------------------------------------------------------------

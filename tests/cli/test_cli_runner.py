@@ -105,6 +105,13 @@ def test_a_name_that_names_nothing_gets_the_names_near_it(env, capsys):
     assert code == 1 and "(did you mean 'minilm/ft-x'? see `ckpt ls`)" in err and "x1b[" not in err
     code, _, err = run_main(capsys, "show", "zzz")
     assert code == 1 and err == "error: no ref or checkpoint named 'zzz' (see `ckpt ls`)\n"
+    code, _, err = run_main(capsys, "log", "minilm/ft-tp")
+    assert code == 1 and "no ref named 'minilm/ft-tp' (did you mean 'minilm/ft-top' or 'minilm/ft-x'?" in err
+    invoke("rm", "minilm/v2")
+    code, _, err = run_main(capsys, "rm", "minilm/v2")  # removed already: not offered as its own correction
+    assert code == 1 and err == "error: no ref named 'minilm/v2' (see `ckpt ls`)\n"
+    code, _, err = run_main(capsys, "show", "minilm/base@1")
+    assert code == 1 and "minilm/base has 1 version; minilm/base@1 does not exist" in err
     assert not (tmp / "o").exists()
 
 
