@@ -5,7 +5,10 @@ the raw bytes of each tensor, or a clear error.
   is keyed by parameter index) are written in decimal; other key types are refused, and
   so are two entries that end up with the same name (``{'a': {'b': x}, 'a.b': y}``,
   ``{0: x, '0': y}``), naming both: one of them would otherwise be lost. Empty mappings
-  are kept as JSON ``{}``.
+  are kept as JSON ``{}``. A list or tuple that holds a tensor (at any depth) is
+  flattened as the mapping of its indexes: a Lightning checkpoint's
+  ``optimizer_states[0]['state'][0]['exp_avg']`` is ``optimizer_states.0.state.0.exp_avg``.
+  Other lists and tuples are values, kept whole as JSON.
 * Tensors must have plain bytes: sparse, meta, quantized and nested tensors and wrapper
   subclasses (DTensor...) are refused with a hint saying how to convert them. Lazy
   conjugate/negative views are resolved; other subclasses are read through the plain
@@ -29,11 +32,14 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
     """Nested mappings as flat names (``{'a': {'b': x}}`` -> ``a.b``): tensors, and the other values
     as tagged JSON (:mod:`ckpt.format.tagged_json`; plain JSON where no value needs a tag).
 
+    Lists and tuples that hold a tensor are walked as mappings of their indexes.
+
     Refused, never resolved by dropping one: two entries with the same name, keys other
-    than str or int, a mapping that contains itself, names past ``MAX_NAME``, values that
-    tagged JSON cannot hold (a tensor inside a list, an arbitrary object)."""
+    than str or int, a mapping or list that contains itself, names past ``MAX_NAME``, values
+    that tagged JSON cannot hold (an arbitrary object)."""
     import torch
 
+    holders = _tensor_holders(obj, torch.Tensor)
     tensors: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     spelled: dict[str, str] = {}  # flat name -> the keys it came from, to name both sides of a collision
@@ -57,10 +63,10 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
         if len(name) > MAX_NAME:
             raise InvalidSourceError(path, f"entry {spell[:120]}... has a name longer than {MAX_NAME} characters "
                                      "(nested too deeply, or keys too long)")
-        if isinstance(v, Mapping) and v:
+        if (isinstance(v, Mapping) and v) or id(v) in holders:
             if id(v) in open_ids:
                 raise InvalidSourceError(path, f"entry {spell} contains itself (a reference cycle)")
-            stack.append((iter(v.items()), name + ".", spell, id(v)))
+            stack.append((iter(v.items() if isinstance(v, Mapping) else enumerate(v)), name + ".", spell, id(v)))
             open_ids.add(id(v))
             continue
         if name in spelled:
@@ -77,8 +83,34 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
         extra[name] = encode(v, spell, unsupported=lambda at, kind: InvalidSourceError(
             path, f"entry {at[:120]} is {kind}, neither a tensor nor a plain value",
             hint="other entries are kept as JSON: str, int, float, bool, None, bytes, and lists, tuples and dicts of "
-                 "these (tensors only as entries of their own)"))
+                 "these"))
     return tensors, extra
+
+
+def _tensor_holders(obj: Any, tensor: type) -> set[int]:
+    """The ids of the mappings, lists and tuples within ``obj`` that hold a ``tensor`` at any
+    depth: one walk, each container once, children before parents (not recursive: nesting
+    depth is the file's choice). A container met again through a cycle counts as what was
+    known of it then; the flattening refuses the cycle."""
+    def children(x: Any) -> list[Any]:
+        return list(x.values() if isinstance(x, Mapping) else x)
+
+    holds: set[int] = set()
+    seen: dict[int, Any] = {}  # id -> the container (kept alive, so that no id is reused meanwhile)
+    stack: list[tuple[Any, list[Any] | None]] = [(obj, None)]
+    while stack:
+        x, kids = stack.pop()
+        if kids is not None:  # its children are done
+            if any(isinstance(c, tensor) or id(c) in holds for c in kids):
+                holds.add(id(x))
+            continue
+        if id(x) in seen:
+            continue
+        seen[id(x)] = x
+        kids = children(x)
+        stack.append((x, kids))
+        stack.extend((c, None) for c in kids if isinstance(c, (Mapping, list, tuple)) and id(c) not in seen)
+    return holds
 
 
 def physical_memory() -> int | None:
