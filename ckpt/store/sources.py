@@ -31,6 +31,7 @@ import fcntl
 import json
 import os
 import pickle
+import re
 import signal
 import stat
 from collections.abc import Callable, Mapping
@@ -306,9 +307,18 @@ def _check_index(root: str, src: SourceIn) -> None:
             raise InvalidSourceError(where, f"tensor {show(repr(name))} is not in shard {show(shard)}")
 
 
+_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
 def _refused(path: str, e: Exception) -> UnsafeInputError:
     lines = str(e).strip().splitlines()
     why = next((ln.strip() for ln in lines if ln.strip().startswith("WeightsUnpickler error")), lines[0] if lines else "")
+    found = _GLOBAL.search(why)
+    if found:  # the usual case, said whole: which object it would have to build
+        what = found.group(1)
+        why = f"it holds a pickled {what}"
+        if what.startswith("torch.nn.modules."):
+            why += ", a whole module (torch.save(model)): save model.state_dict() instead"
     return UnsafeInputError(
         path,
         f"refused: this file can only be loaded by running code stored in it ({show(why[:160])})",

@@ -93,6 +93,17 @@ def test_pickle_payload_is_refused_without_running(tmp_path, store):
     assert store.refs() == {}
 
 
+def test_a_whole_pickled_module_is_refused_saying_what_to_save_instead(tmp_path, store):
+    """torch.save(model), the common mistake: the error was cut mid-sentence out of torch's
+    ("... Please use `torch.serialization.add_safe"); it names the class and the fix."""
+    torch.save(torch.nn.Linear(3, 3), tmp_path / "full.pt")
+    with pytest.raises(UnsafeInputError) as e:
+        store.push(tmp_path / "full.pt", "x")
+    assert "it holds a pickled torch.nn.modules.linear.Linear, a whole module (torch.save(model)): " \
+           "save model.state_dict() instead" in _one_line(e)
+    assert store.refs() == {}
+
+
 def test_pt_that_is_not_a_dict(tmp_path, store):
     p = tmp_path / "t.pt"
     torch.save(torch.zeros(3), p)
