@@ -94,7 +94,7 @@ def load_manifest(store: Store, m: Manifest, include: list[str] | None, progress
     return out
 
 
-def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, progress: Progress | None = None) -> None:
+def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, prefix: str = "", progress: Progress | None = None) -> None:
     """See :meth:`Store.load_into`."""
     import torch
 
@@ -102,19 +102,43 @@ def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, progr
     live: dict[str, torch.Tensor] = dict(target.state_dict()) if isinstance(target, torch.nn.Module) else dict(target)
     if m.source == "dcp":  # a distributed checkpoint: whole tensors assembled from its shards
         from ckpt.dcp.consolidate import fill_dcp
+        from ckpt.dcp.format import decode_layout
 
-        return fill_dcp(store, m, live, strict, progress)
+        stored = [t.fqn for t in decode_layout(m.extra, "manifest").tensors.values()]
+        return fill_dcp(store, m, pair_names(live, stored, strict, prefix), False, progress)
     by_name = {t.name: t for t in m.tensors}
     check_unique(m.tensors, "load it with store.load(ref) and pick the tensors")
-    missing = sorted(set(live) - set(by_name))
-    unexpected = sorted(set(by_name) - set(live))
+    paired = pair_names(live, by_name, strict, prefix)
+    fill(store, m, [(by_name[n], dst) for n, dst in paired.items()], progress)
+
+
+def pair_names(live: dict[str, Any], stored: Iterable[str], strict: bool, prefix: str = "") -> dict[str, Any]:
+    """``live``'s tensors by the stored name each loads from (``prefix`` + its name), those the
+    checkpoint has. ``strict``: the checkpoint's tensors under ``prefix`` and ``live`` must match
+    one to one, else :class:`TensorMismatchError`, whose hint names the prefix that would match
+    where one does (a Lightning checkpoint's ``state_dict.``, a pushed ``{"model": ...}``'s ``model.``)."""
+    stored = set(stored)
+    want = {prefix + k: v for k, v in live.items()}
+    missing = sorted(set(want) - stored)
+    unexpected = sorted(n for n in stored - set(want) if n.startswith(prefix))
     if strict and (missing or unexpected):
+        hint = "pass strict=False to load the common tensors"
+        guess = _prefix_that_matches(list(live), stored) if missing else None
+        if guess is not None and guess != prefix:
+            hint = f"the checkpoint holds them under {guess!r}: pass prefix={guess!r}; or " + hint
         raise TensorMismatchError(
             f"checkpoint and target differ: missing in checkpoint {missing[:10]}, not in target {unexpected[:10]}"
-            + (" ..." if len(missing) > 10 or len(unexpected) > 10 else ""),
-            hint="pass strict=False to load the common tensors",
-        )
-    fill(store, m, [(by_name[n], dst) for n, dst in live.items() if n in by_name], progress)
+            + (" ..." if len(missing) > 10 or len(unexpected) > 10 else ""), hint=hint)
+    return {n: t for n, t in want.items() if n in stored}
+
+
+def _prefix_that_matches(names: list[str], stored: set[str]) -> str | None:
+    """The shortest prefix under which ``stored`` holds every one of ``names``, if any."""
+    if not names:
+        return None
+    first = min(names)
+    found = sorted({s[: len(s) - len(first)] for s in stored if s.endswith(first)}, key=len)
+    return next((p for p in found if all(p + n in stored for n in names)), None)
 
 
 def fill(store: Store, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]], progress: Progress | None = None,

@@ -220,7 +220,14 @@ def open_source(source: object, *, metadata: dict[str, str] | None = None) -> So
     Raises :class:`InvalidSourceError` (with a hint) for anything it will not read: see
     the module docstring for what is refused and why."""
     if isinstance(source, Mapping):
-        return from_tensors(source, "tensors", {}, metadata)
+        import torch
+
+        if all(isinstance(v, torch.Tensor) for v in source.values()):
+            return from_tensors(source, "tensors", {}, metadata)
+        # A nested state dict ({"model": ..., "optim": ...}) or one with plain values: flattened and
+        # kept as a pushed .pt file's would be, its tensors still the caller's (not private).
+        tensors, extra = flatten_state_dict(source, "state dict")
+        return from_tensors(tensors, "state-dict", extra, metadata, private=False)
     if not isinstance(source, (str, os.PathLike)):
         raise InvalidSourceError(repr(source)[:80], "push takes a file, a directory or a dict of tensors")
     path = os.fsdecode(os.fspath(source))
@@ -402,10 +409,13 @@ def _check_safetensors_name(name: str) -> str:
 
 def from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], metadata: dict[str, str] | None,
                   known: Mapping[str, tuple[str, tuple[int, ...], int]] | None = None,
-                  sources: Mapping[str, ByteSource] | None = None) -> SourceIn:
+                  sources: Mapping[str, ByteSource] | None = None, private: bool | None = None) -> SourceIn:
     """One safetensors file of ``tensors``. Names in ``known`` (dtype, shape, nbytes) are
     laid out in the file too but carry no data: the caller already has their chunks.
-    ``sources``: where the bytes of some tensors are read from instead of their memory."""
+    ``sources``: where the bytes of some tensors are read from instead of their memory.
+    ``private``: whether no one else holds the tensors (default: by ``kind``, :data:`PRIVATE_KINDS`)."""
+    if private is None:
+        private = kind in PRIVATE_KINDS
     specs = []
     views: dict[str, tuple[memoryview, Any]] = {}
     versions: dict[str, tuple[Any, int]] = {}  # a caller's tensors, which another thread may write
@@ -414,7 +424,7 @@ def from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], m
         if not isinstance(name, str):
             raise InvalidSourceError("state dict", f"key {show(repr(name))[:80]} is not a string")
         _check_safetensors_name(name)
-        if kind not in PRIVATE_KINDS:
+        if not private:
             try:  # before its bytes are read, or copied (a non-contiguous view's copy can be torn too)
                 versions[name] = (t, t._version)
             except (RuntimeError, AttributeError):  # an inference-mode tensor has no version counter
@@ -423,7 +433,7 @@ def from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], m
         specs.append((name, dtype, shape, len(view)))
         # private bytes (a loaded .pt, a snapshot's staging copies) are handed on read-only: the
         # pipeline copies only writable memory, which another thread may be writing
-        views[name] = (view.toreadonly() if kind in PRIVATE_KINDS else view, dense)
+        views[name] = (view.toreadonly() if private else view, dense)
     for name, (dtype, shape, nbytes) in (known or {}).items():
         if name in views:
             raise InvalidSourceError(repr(name), "given both as a tensor and as one already stored")

@@ -162,7 +162,8 @@ class Store:
             if back >= len(versions):
                 if damaged is not None:
                     raise damaged
-                raise RefNotFoundError(f"{name} has {len(versions)} version{'s' if len(versions) != 1 else ''}; {ref} does not exist", hint=f"see `ckpt log {name}`")
+                plural = "" if len(versions) == 1 else "s"
+                raise RefNotFoundError(f"{name} has {len(versions)} version{plural}; {ref} does not exist", hint=f"see `ckpt log {name}`")
             entry = versions[back]
             target: str = entry.target  # type: ignore[assignment]
             if (history[0].target is None or back > 0) and not self.objects.has("manifests", target):
@@ -363,17 +364,21 @@ class Store:
 
         return load(self, ref, include=include, progress=as_progress(progress))
 
-    def load_into(self, ref: str, target: Any, *, strict: bool = True, progress: Progress | bool | None = None) -> None:
+    def load_into(self, ref: str, target: Any, *, strict: bool = True, prefix: str = "",
+                  progress: Progress | bool | None = None) -> None:
         """Decode ``ref`` straight into the tensors of ``target`` (``nn.Module`` or dict), in place.
 
-        From a remote store (``s3://...``) the chunks stream into the tensors with no local
-        file; CUDA tensors are filled through pinned host buffers of at most
-        ``settings.inflight_mb``. ``progress=True``: a bar on a terminal.
+        ``prefix``: the checkpoint's names of ``target``'s tensors start with it (``"state_dict."``
+        in a Lightning checkpoint, ``"model."`` in a pushed ``{"model": ..., "optim": ...}``);
+        ``strict`` then compares ``target`` with the tensors under it. From a remote store
+        (``s3://...``) the chunks stream into the tensors with no local file; CUDA tensors are
+        filled through pinned host buffers of at most ``settings.inflight_mb``.
+        ``progress=True``: a bar on a terminal.
         """
         from ckpt.progress import as_progress
         from ckpt.store.load import load_into
 
-        load_into(self, ref, target, strict=strict, progress=as_progress(progress))
+        load_into(self, ref, target, strict=strict, prefix=prefix, progress=as_progress(progress))
 
     def reader(self, ref: str) -> CheckpointReader:
         """A lazy reader that fetches one tensor at a time."""
@@ -481,7 +486,7 @@ def load(store: Store | str | os.PathLike[str], ref: str, *, include: list[str] 
     return s.load(ref, include=include, progress=progress)
 
 
-def load_into(store: Store | str | os.PathLike[str], ref: str, target: Any, *, strict: bool = True,
+def load_into(store: Store | str | os.PathLike[str], ref: str, target: Any, *, strict: bool = True, prefix: str = "",
               storage_options: dict[str, Any] | None = None, progress: Progress | bool | None = None) -> None:
     """Decode checkpoint ``ref`` of ``store`` (a :class:`Store` or its URL) into ``target``'s tensors
     (``nn.Module`` or dict), in place; see :meth:`Store.load_into`.
@@ -494,4 +499,4 @@ def load_into(store: Store | str | os.PathLike[str], ref: str, target: Any, *, s
     4.0
     """
     s = store if isinstance(store, Store) else Store.open(store, storage_options=storage_options)
-    s.load_into(ref, target, strict=strict, progress=progress)
+    s.load_into(ref, target, strict=strict, prefix=prefix, progress=progress)

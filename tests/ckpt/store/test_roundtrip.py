@@ -138,6 +138,46 @@ def test_load_into_reports_mismatches(small_chunks):
     assert torch.equal(target["w"], torch.zeros(3, 4))
 
 
+def test_load_into_under_a_prefix(small_chunks, tmp_path):
+    """A model's tensors stored under a prefix (a Lightning checkpoint's ``state_dict.``, a pushed
+    ``{"model": ..., "optim": ...}``'s ``model.``): ``prefix=`` loads them, strict compares only
+    the tensors under it, and a strict mismatch names the prefix that would have matched."""
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    opt = torch.optim.AdamW(src.parameters())
+    src(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    torch.save({"model": src.state_dict(), "optim": opt.state_dict(), "epoch": 1}, tmp_path / "run.pt")
+    small_chunks.push(tmp_path / "run.pt", "run")
+    dst = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    with pytest.raises(ckpt.errors.TensorMismatchError) as e:
+        small_chunks.load_into("run", dst)
+    assert "the checkpoint holds them under 'model.': pass prefix='model.'" in e.value.hint
+    small_chunks.load_into("run", dst, prefix="model.")
+    _same(src.state_dict(), dst.state_dict())
+    with pytest.raises(ckpt.errors.TensorMismatchError, match=r"not in target \['model.1.bias'"):
+        small_chunks.load_into("run", {"0.weight": torch.zeros(8, 8), "0.bias": torch.zeros(8), "1.weight": torch.zeros(8)},
+                               prefix="model.")
+    part = {"0.bias": torch.zeros(8)}
+    ckpt.load_into(small_chunks, "run", part, prefix="model.", strict=False)
+    _same({"0.bias": src.state_dict()["0.bias"]}, part)
+
+
+def test_load_into_a_dcp_checkpoint_under_a_prefix(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    url = str(tmp_path / "s")
+    torch.manual_seed(0)
+    src = torch.nn.Linear(6, 4)
+    dcp.save({"model": src.state_dict(), "step": 3}, storage_writer=ckpt.dcp.Writer(url, "d"))
+    dst = torch.nn.Linear(6, 4)
+    with pytest.raises(ckpt.errors.TensorMismatchError) as e:
+        ckpt.load_into(url, "d", dst)
+    assert "pass prefix='model.'" in e.value.hint
+    ckpt.load_into(url, "d", dst, prefix="model.")
+    _same(src.state_dict(), dst.state_dict())
+
+
 def test_reader_fetches_one_tensor(small_chunks, tmp_path):
     tensors = {"a": torch.randn(500, 500), "b": torch.randn(10)}
     small_chunks.push(tensors, "r")

@@ -135,9 +135,29 @@ def test_bad_ref_names_rejected_before_io(tmp_path, store, name):
     assert list(store.objects.list("chunks")) == []
 
 
-def test_non_tensor_values(store):
-    with pytest.raises(InvalidSourceError, match="not a tensor"):
-        store.push({"w": [1, 2]}, "x")
+def test_a_nested_state_dict_in_memory_pushes_as_its_pt_file_would(store, tmp_path):
+    """store.push({"model": ..., "optim": ..., "epoch": 3}) was refused ("'model' is a OrderedDict,
+    not a tensor") while the same dict saved with torch.save pushed: both now store the same
+    names, bytes and values. Values JSON cannot hold are still refused."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sd = {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 3, "w": [1, 2]}
+    store.push(sd, "mem")
+    torch.save(sd, tmp_path / "sd.pt")
+    store.push(tmp_path / "sd.pt", "file")
+    mem, file = store.manifest("mem"), store.manifest("file")
+    assert [(t.name, t.dtype, t.shape, t.chunks) for t in mem.tensors] == [(t.name, t.dtype, t.shape, t.chunks) for t in file.tensors]
+    assert mem.extra_values() == file.extra_values() and mem.extra_values()["epoch"] == 3
+    assert mem.extra_values()["optim.param_groups"][0]["betas"] == (0.9, 0.999)
+    store.pull("mem", str(tmp_path / "back.pt"))
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert back["w"] == [1, 2] and _raw(back["optim.state.0.exp_avg"]) == _raw(opt.state_dict()["state"][0]["exp_avg"])
+    with pytest.raises(InvalidSourceError, match="neither a tensor nor a plain value"):
+        store.push({"w": torch.zeros(2), "s": {1, 2}}, "x")
+    assert "x" not in store.refs()
 
 
 
