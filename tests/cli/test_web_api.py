@@ -19,7 +19,7 @@ pytest.importorskip("httpx", reason="starlette's TestClient needs httpx")
 
 from starlette.testclient import TestClient  # noqa: E402
 from test_cli_runner import invoke, run_main  # noqa: E402
-from webstore import XSS, XSS_META, XSS_TENSOR  # noqa: E402
+from webstore import XSS, XSS_META, XSS_TENSOR, Tiny  # noqa: E402
 
 import ckpt  # noqa: E402
 from ckpt_store.cli.web.app import create_app  # noqa: E402
@@ -457,3 +457,30 @@ def test_a_run_page_goes_on_past_a_damaged_snapshot_ref(tmp_path, which):
         assert two["live"] and two["damaged"] is None and two["metrics"] == {"loss": 0.5}
     page = c.get("/run/r")
     assert page.status_code == 200 and ("damaged" in page.text) == (which == 2)
+
+
+def test_a_diff_with_a_diverged_tensor_is_drawn(tmp_path):
+    """A fine-tune whose layer went NaN (and one whose bias went to inf): the diff's JSON carries
+    those changes as the strings "nan" and "inf" (as `ckpt diff --json` does), which the heatmap
+    compared with numbers and formatted as floats: the diff page answered 500 for the very
+    diff that shows training diverged. It now labels them as `ckpt diff --plot` does."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    torch.manual_seed(0)
+    base = {k: v.detach().clone() for k, v in Tiny().state_dict().items()}
+    store.push(base, "base")
+    bad = {k: v.clone() for k, v in base.items()}
+    bad["layer.1.attention.weight"][0, :3] = float("nan")
+    bad["layer.2.output.weight"] += 0.01
+    bad["head.bias"][0] = float("inf")
+    store.push(bad, "ft/diverged")
+    c = TestClient(create_app(store))
+    doc = c.get("/api/diff", params={"a": "base", "b": "ft/diverged"}).json()
+    rel = {t["name"]: t["relative_change"] for t in doc["tensors"]}
+    assert rel["layer.1.attention.weight"] == "nan" and rel["head.bias"] == "inf" and rel["layer.2.output.weight"] > 0
+    for sort in ("order", "relative_change", "name"):
+        page = c.get("/diff", params={"a": "base", "b": "ft/diverged", "sort": sort})
+        assert page.status_code == 200, page.text[-300:]
+        cell = re.search(r'<g class="cell" data-name="layer.1.attention.weight".*?</g>', page.text, re.S).group(0)
+        assert ">nan</text>" in cell
+        assert re.search(r'<g class="cell" data-name="head.bias".*?>inf</text></g>', page.text, re.S)
+        assert 'id="s-rel">nan<' in page.text
