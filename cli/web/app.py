@@ -28,7 +28,7 @@ from ckpt.diffing.compare import SORT_KEYS
 from ckpt.errors import AmbiguousRefError, CkptError, InvalidNameError, RefNotFoundError
 from ckpt_store.cli.results import strict_json
 from ckpt_store.cli.web import charts
-from ckpt_store.cli.web.data import MAX_PAGE, STEP_REF, StoreView, own_chunks, page, stored_bytes
+from ckpt_store.cli.web.data import MAX_PAGE, STEP_REF, StoreView, own_chunks, page, snapshot_metrics, stored_bytes
 from ckpt_store.cli.web.graph import NODE_H, NODE_W, layout, lineage
 
 log = logging.getLogger(__name__)
@@ -272,7 +272,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         by_id = {n["id"]: n for n in g["nodes"]}
         children = [{**by_id[e["target"]], "edge": e} for e in g["edges"] if e["source"] == doc["id"]]
         return render("checkpoint.html", ref=ref, doc=doc, merge=merge, run=run, diff_base=diff_base, names=names, adds=adds,
-                      children=children,
+                      children=children, metrics=snapshot_metrics(doc["extra"]),
                       q=request.query_params.get("q", ""), stored=sum(t["stored_bytes"] for t in doc["tensors"]))
 
     def diff_page(request: Request) -> Response:

@@ -58,6 +58,13 @@ def codec_mix(m: Manifest) -> dict[str, int]:
     return dict(sorted(mix.items()))
 
 
+def snapshot_metrics(extra: dict[str, Any]) -> dict[str, Any]:
+    """The metrics a snapshot manifest's ``extra`` records: ``{}`` where its ``snapshot`` or their
+    ``metrics`` are not JSON objects (a manifest's ``extra`` is any JSON)."""
+    snap = extra.get("snapshot") if isinstance(extra.get("snapshot"), dict) else {}
+    return snap.get("metrics") if isinstance(snap.get("metrics"), dict) else {}
+
+
 class StoreView:
     """Read-only access to one store for the pages and the API, with the caches described above."""
 
@@ -219,9 +226,7 @@ class StoreView:
                         mf = self.manifest(target, store)
                     except CkptError:  # removed and collected: the history line is all there is
                         continue
-                    snap = mf.extra.get("snapshot") if isinstance(mf.extra.get("snapshot"), dict) else {}
-                    metrics = snap.get("metrics") if isinstance(snap.get("metrics"), dict) else {}
-                    row.update(saved_at=mf.created, metrics=metrics, logical_bytes=mf.logical_bytes, available=True,
+                    row.update(saved_at=mf.created, metrics=snapshot_metrics(mf.extra), logical_bytes=mf.logical_bytes, available=True,
                                _chunks=own_chunks(mf))
         if not found:
             raise RefNotFoundError(f"no training run named {name!r}", hint="runs are the refs RUN/step-N of a CheckpointManager")

@@ -484,3 +484,21 @@ def test_a_diff_with_a_diverged_tensor_is_drawn(tmp_path):
         assert ">nan</text>" in cell
         assert re.search(r'<g class="cell" data-name="head.bias".*?>inf</text></g>', page.text, re.S)
         assert 'id="s-rel">nan<' in page.text
+
+
+@pytest.mark.parametrize("snapshot", ["not an object", {"step": 1, "metrics": [0.5]}, {"step": 1, "metrics": {"loss": 0.5}}])
+def test_a_snapshot_page_whose_snapshot_record_is_any_json_renders(tmp_path, snapshot):
+    """A manifest's extra is any JSON: a RUN/step-N checkpoint whose extra.snapshot was a string,
+    or whose metrics were a list, made its checkpoint page answer 500 (the template read
+    .metrics of a string, dictsort of a list); the run page already treated them as no metrics."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    mid = store.push({"w": torch.ones(4)}, "r/step-1")
+    doc = json.loads(store.objects.get_manifest(mid))
+    doc["extra"] = {"snapshot": snapshot}
+    store.refs_db.set("r/step-1", store.objects.put_manifest(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()))
+    c = TestClient(create_app(store))
+    page = c.get("/checkpoint/r/step-1")
+    assert page.status_code == 200 and 'href="/run/r"' in page.text
+    shown = isinstance(snapshot, dict) and isinstance(snapshot["metrics"], dict)
+    assert ("loss=0.5" in page.text) == shown
+    assert c.get("/run/r").status_code == 200
