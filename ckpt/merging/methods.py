@@ -123,12 +123,15 @@ class Param:
             x = typ(value.strip()) if isinstance(value, str) else typ(value)
         except (TypeError, ValueError):
             raise InvalidMergeError(f"{where} must be {'an integer' if typ is int else 'a number'}, got {value!r}", hint=_HINT) from None
-        if not math.isfinite(x):
+        except OverflowError:  # float() of an integer past any float (10**400)
+            raise InvalidMergeError(f"{where} must be finite, got a number too large for a float", hint=_HINT) from None
+        if typ is float and not math.isfinite(x):  # (an int is finite however large: isfinite() of 10**400 overflows)
             raise InvalidMergeError(f"{where} must be finite, got {value!r}", hint=_HINT)
         below = self.low is not None and (x <= self.low if self.low_open else x < self.low)
         above = self.high is not None and (x >= self.high if self.high_open else x > self.high)
         if below or above:
-            raise InvalidMergeError(f"{where} must be in {self.range_text().removesuffix(', one per input')}, got {x:g}", hint=_HINT)
+            got = f"{x:g}" if typ is float else str(x)  # (an int past any float cannot be formatted with :g)
+            raise InvalidMergeError(f"{where} must be in {self.range_text().removesuffix(', one per input')}, got {got}", hint=_HINT)
         return x
 
 

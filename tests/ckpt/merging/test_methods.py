@@ -303,6 +303,10 @@ def run_with(reg: MethodRegistry, name: str) -> list[float]:
     ("slerp", {}, 3, False, "takes 2 inputs, got 3"),
     ("slerp", {"t": "1.5"}, 2, False, r"t must be in \[0, 1\]"),
     ("task-arithmetic", {"weights": "nan,1"}, 2, True, "finite"),
+    # integers past any float: float() and math.isfinite() raised OverflowError (a traceback)
+    ("linear", {"weights": [10**400, 1]}, 2, False, "weights must be finite, got a number too large for a float"),
+    ("slerp", {"t": 10**400}, 2, False, "t must be finite"),
+    ("dare", {"seed": -(10**400)}, 2, True, r"seed must be in \[0, inf\), got -1000"),
 ])
 def test_bad_parameters_are_rejected(method, params, n, base, match):
     with pytest.raises(InvalidMergeError, match=match):
@@ -313,6 +317,7 @@ def test_parameters_parse_cli_strings_and_fill_defaults():
     dare = default_registry().get("dare")
     p = dare.bind({"density": "0.3", "seed": "4", "combine": "ties", "weights": "1, 0.5"}, 2, True)
     assert p == {"density": 0.3, "combine": "ties", "weights": [1.0, 0.5], "lambda": 1.0, "seed": 4}
+    assert dare.bind({"seed": "1" + "0" * 400}, 2, True)["seed"] == 10**400  # any integer seeds (isfinite() of it overflowed)
     text = describe(dare)
     assert "density (float, (0, 1]; default 0.5)" in text and "seed (int, [0, inf); default 0)" in text
     assert Param("x", "floats", None, "").default_text() == "1.0 each"
