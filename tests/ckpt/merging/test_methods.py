@@ -321,3 +321,29 @@ def test_parameters_parse_cli_strings_and_fill_defaults():
     text = describe(dare)
     assert "density (float, (0, 1]; default 0.5)" in text and "seed (int, [0, inf); default 0)" in text
     assert Param("x", "floats", None, "").default_text() == "1.0 each"
+
+
+def test_merge_state_dicts_refuses_a_base_or_inputs_that_do_not_line_up():
+    """merge_state_dicts with the base of another model (nn.Linear(4, 1) for fine-tunes of
+    nn.Linear(4, 3)) broadcast the base's [1, 4] weight and [1] bias into every input and returned
+    a result; a tensor of the second input only was dropped without a word, and one of the first
+    input only raised a bare KeyError. ckpt.merge refuses all three (its plan compares the base
+    too); so does merge_state_dicts now, before any math."""
+    torch.manual_seed(0)
+    fts = [{k: v.detach().clone() for k, v in torch.nn.Linear(4, 3).state_dict().items()} for _ in range(2)]
+    other = {k: v.detach().clone() for k, v in torch.nn.Linear(4, 1).state_dict().items()}
+    for method in ("task-arithmetic", "ties", "dare"):
+        with pytest.raises(InvalidMergeError, match=r"weight differs in dtype/shape between the inputs \(torch.float32\[3, 4\]\) "
+                                                    r"and the base \(torch.float32\[1, 4\]\)"):
+            merge_state_dicts(fts, method, base=other)
+    with pytest.raises(InvalidMergeError, match="differs in dtype/shape between the inputs"):
+        merge_state_dicts(fts, "task-arithmetic", base={k: v.double() for k, v in fts[0].items()})
+    head = torch.ones(2)
+    with pytest.raises(InvalidMergeError, match="head is in input 1 and not in input 0"):
+        merge_state_dicts([fts[0], {**fts[1], "head": head}])
+    with pytest.raises(InvalidMergeError, match="head is in input 0 and not in input 1"):
+        merge_state_dicts([{**fts[0], "head": head}, fts[1]])
+    base = {k: v.detach().clone() for k, v in torch.nn.Linear(4, 3).state_dict().items()}
+    out = merge_state_dicts(fts, "task-arithmetic", base=base)  # lined up: as before
+    want = (fts[0]["weight"] - base["weight"]).mul(1.0).add((fts[1]["weight"] - base["weight"]).mul(1.0)).add(base["weight"])
+    assert torch.equal(out["weight"], want)
