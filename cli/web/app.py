@@ -208,8 +208,9 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
             raise CkptError(f"sort must be one of {', '.join(SORT_KEYS)}")
         top = request.query_params.get("top", "")
         estimate = request.query_params.get("estimate", "1") not in ("0", "false", "no")
-        # ASCII digits only ("²" is a digit to isdigit, not to int), and few: more rows than that is all of them
-        return a, b, sort, int(top) if top.isascii() and top.isdigit() and len(top) <= 9 else None, estimate
+        # ASCII digits only ("²" is a digit to isdigit, not to int), and few: more rows than that is all of them;
+        # 0 (which select refuses) is all of them too, as a negative number is
+        return a, b, sort, (int(top) or None) if top.isascii() and top.isdigit() and len(top) <= 9 else None, estimate
 
     def api_diff(request: Request) -> Response:
         a, b, sort, top, estimate = diff_args(request)

@@ -381,9 +381,10 @@ def test_odd_queries_headers_and_paths_get_answers_not_500s(store):
     token opens from "//evil.example/" redirected the browser to another site."""
     c = TestClient(create_app(store))
     whole = c.get("/api/diff", params={"a": "base", "b": "ft/top"}).json()
-    for top in ("²", "9" * 5000, "-1"):
+    for top in ("²", "9" * 5000, "-1", "0", "000"):  # top=0 answered 500 (DiffReport.select refuses it)
         r = c.get("/api/diff", params={"a": "base", "b": "ft/top", "top": top})
         assert r.status_code == 200 and r.json() == whole
+        assert c.get("/diff", params={"a": "base", "b": "ft/top", "top": top}).status_code == 200
     v6 = TestClient(create_app(store, hosts=["::1", "localhost"]), base_url="http://[::1]:8765")
     assert v6.get("/api/refs", headers={"host": "[::1]"}).status_code == 200
     assert v6.get("/api/refs", headers={"host": "[::1]:8765"}).status_code == 200
