@@ -67,9 +67,7 @@ def heatmap(tensors: list[dict[str, Any]], cell_w: int = 46, cell_h: int = 22) -
     labels = [f"{s}.*.{m}" if len(stacks) > 1 else m for s, m in grid] + [t["name"] for t in flat]
     label_w = 16 + 7 * min(40, max((len(x) for x in labels), default=10))  # labels are cut at 40 characters
 
-    def cell(t: dict[str, Any] | None) -> dict[str, Any]:
-        if t is None:
-            return {"fill": "#ffffff", "text": "", "title": "", "name": None, "dark": False}
+    def cell(t: dict[str, Any]) -> dict[str, Any]:
         v = t.get("relative_change")
         if v is None:
             return {"fill": "#dddddd", "text": "n/a", "title": f"{t['name']}: {t['status']}", "name": t["name"], "dark": False}
@@ -83,10 +81,13 @@ def heatmap(tensors: list[dict[str, Any]], cell_w: int = 46, cell_h: int = 22) -
                 "name": t["name"], "dark": f < 0.6, "value": v}
 
     rows = []
+    column = {layer: c for c, layer in enumerate(layers)}
     for r, ((stack, module), by_layer) in enumerate(grid.items()):
         label = f"{stack}.*.{module}" if len(stacks) > 1 else module
+        # the cells of its tensors only: rows x layers of them, mostly empty, grew as the square of the
+        # tensors where module names differ from layer to layer (10,000 such tensors: 10^8 cells, many GB)
         rows.append({"label": label, "y": 24 + r * cell_h,
-                     "cells": [{"x": label_w + c * cell_w, **cell(by_layer.get(layer))} for c, layer in enumerate(layers)]})
+                     "cells": [{"x": label_w + column[layer] * cell_w, **cell(t)} for layer, t in sorted(by_layer.items())]})
     bars = []
     for k, t in enumerate(flat):
         c = cell(t)

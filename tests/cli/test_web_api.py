@@ -503,3 +503,25 @@ def test_a_snapshot_page_whose_snapshot_record_is_any_json_renders(tmp_path, sna
     shown = isinstance(snapshot, dict) and isinstance(snapshot["metrics"], dict)
     assert ("loss=0.5" in page.text) == shown
     assert c.get("/run/r").status_code == 200
+
+
+def test_a_diff_heatmap_holds_one_cell_per_tensor(tmp_path):
+    """The heatmap built a cell for every (module row, layer column) pair, mostly empty ones: where
+    module names differ from layer to layer (block.i.proj_i) that is the square of the tensors --
+    400 tensors, 160,000 cells; 10,000 (a hostile store's checkpoint), 10^8 cells and many GB for one
+    diff page. It now holds the cells of the tensors only, each in its layer's column."""
+    from ckpt_store.cli.web.charts import heatmap
+
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    g = torch.Generator().manual_seed(0)
+    a = {f"block.{i}.proj{i}.weight": torch.randn(4, generator=g) for i in range(400)}
+    store.push(a, "a")
+    store.push({k: v + 1 for k, v in a.items()}, "b")
+    c = TestClient(create_app(store))
+    heat = heatmap(c.get("/api/diff", params={"a": "a", "b": "b"}).json()["tensors"])
+    cells = [(row["label"], cell["x"]) for row in heat["rows"] for cell in row["cells"]]
+    assert len(cells) == 400 and len(heat["layers"]) == 400
+    column = {layer["label"]: layer["x"] for layer in heat["layers"]}
+    assert all(x == column[int(label.removeprefix("proj").removesuffix(".weight"))] for label, x in cells)
+    page = c.get("/diff", params={"a": "a", "b": "b"})
+    assert page.status_code == 200 and page.text.count('<g class="cell" data-name="block.') == 400
