@@ -285,6 +285,23 @@ def test_ckpt_serve_command_serves_the_store(store):
         p.wait(timeout=20)
 
 
+def test_ckpt_serve_on_port_0_prints_the_port_it_listens_on(store):
+    """--port 0 lets the system choose a free port; the printed address said port 0, which no
+    browser can open. It now names the port chosen."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "ckpt_store.cli.main", "--store", store.url, "serve", "--port", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = p.stdout.readline()
+        m = re.match(r"ckpt serve: (http://127\.0\.0\.1:([0-9]+)/) ", line)
+        assert m and m[2] != "0", (line, p.stderr.read() if p.poll() is not None else "")
+        with urllib.request.urlopen(m[1] + "api/refs", timeout=10) as r:
+            assert {x["ref"] for x in json.load(r)["refs"]} == set(store.refs())
+    finally:
+        p.terminate()
+        p.wait(timeout=20)
+
+
 def test_lineage_stays_readable_at_200_nodes(wide_store):
     """A base, 150 fine-tunes, 40 merges and 9 further versions: every node drawn, none overlapping."""
     client = TestClient(create_app(wide_store))
