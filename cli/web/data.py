@@ -110,8 +110,16 @@ class StoreView:
         return self.fresh("chunk_sizes", self.store.chunk_sizes)
 
     def refs(self) -> dict[str, Any]:
-        """The live refs (name -> entry), listed again after ``ttl_s``: on S3 a listing is a request per ref."""
-        return self.fresh("refs", self.store.refs)
+        """The live refs (name -> entry), listed again after ``ttl_s``: on S3 a listing is a request per ref.
+        Refs whose current entry cannot be read are left out (``damaged()`` names them)."""
+
+        def make() -> dict[str, Any]:
+            try:
+                return self.store.refs()
+            except CkptError:  # one damaged ref entry made every page fail: read them one by one, as `ckpt ls` does
+                return self.store.refs_db.scan()[0]
+
+        return self.fresh("refs", make)
 
     @property
     def url(self) -> str:

@@ -542,3 +542,30 @@ def test_a_diff_heatmap_holds_one_cell_per_tensor(tmp_path):
     assert all(x == column[int(label.removeprefix("proj").removesuffix(".weight"))] for label, x in cells)
     page = c.get("/diff", params={"a": "a", "b": "b"})
     assert page.status_code == 200 and page.text.count('<g class="cell" data-name="block.') == 400
+
+
+def test_one_damaged_ref_entry_leaves_the_rest_of_the_store_viewable(tmp_path):
+    """The current entry of one ref damaged (a flipped byte): every page -- the overview, the lineage,
+    the page and diffs of every other ref -- answered 400 with that ref's error, since each listed the
+    live refs with the call that raises on the first damaged one. The refs are now read one by one
+    there as `ckpt ls` reads them, and the overview names the damaged ref with its error."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    torch.manual_seed(0)
+    base = {k: v.detach().clone() for k, v in Tiny().state_dict().items()}
+    store.push(base, "base")
+    store.push({**base, "head.bias": base["head.bias"] + 1}, "ft/a")
+    store.push({**base, "head.weight": base["head.weight"] * 2}, "ft/b")
+    entry = tmp_path / "store" / "refs" / "ft" / "a" / "0000000001.ref"
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2] ^= 1
+    entry.write_bytes(bytes(data))
+    c = TestClient(create_app(store))
+    overview = c.get("/")
+    assert overview.status_code == 200 and '<li data-ref="ft/a"><b>ft/a</b>: <span class="error damaged">damaged: ref entry' in overview.text
+    assert re.findall(r'<tr data-ref="([^"]+)">', overview.text) == ["base", "ft/b"]
+    for path in ("/lineage", "/api/lineage", "/checkpoint/base", "/checkpoint/ft/b", "/diff?a=base&b=ft/b", "/api/diff?a=base&b=ft/b",
+                 "/diff"):
+        assert c.get(path).status_code == 200, path
+    assert {n["label"] for n in c.get("/api/lineage").json()["nodes"]} == {"base", "ft/b"}
+    bad = c.get("/api/checkpoint/ft/a")
+    assert bad.status_code == 400 and "refs/ft/a/0000000001.ref is damaged" in bad.json()["error"]
