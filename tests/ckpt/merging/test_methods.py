@@ -307,6 +307,12 @@ def run_with(reg: MethodRegistry, name: str) -> list[float]:
     ("linear", {"weights": [10**400, 1]}, 2, False, "weights must be finite, got a number too large for a float"),
     ("slerp", {"t": 10**400}, 2, False, "t must be finite"),
     ("dare", {"seed": -(10**400)}, 2, True, r"seed must be in \[0, inf\), got -1000"),
+    # past float32's range: ties raised torch's bare RuntimeError, task-arithmetic and dare returned inf and NaN
+    ("ties", {"weights": "1e39,1e39"}, 2, True, r"weights' magnitudes add up to 2e\+39, beyond float32's largest number \(3.4e\+38\)"),
+    ("ties", {"lambda": "1e39"}, 2, True, r"lambda 1e\+39 is beyond float32's largest"),
+    ("task-arithmetic", {"weights": "1,-1e39"}, 2, True, r"add up to 1e\+39"),
+    ("dare", {"weights": "1e39,1", "combine": "ties"}, 2, True, "add up to 1e\\+39"),
+    ("dare", {"lambda": "1e39"}, 2, True, "lambda 1e\\+39 is beyond"),
 ])
 def test_bad_parameters_are_rejected(method, params, n, base, match):
     with pytest.raises(InvalidMergeError, match=match):
@@ -321,6 +327,23 @@ def test_parameters_parse_cli_strings_and_fill_defaults():
     text = describe(dare)
     assert "density (float, (0, 1]; default 0.5)" in text and "seed (int, [0, inf); default 0)" in text
     assert Param("x", "floats", None, "").default_text() == "1.0 each"
+
+
+def test_weights_past_float32_are_refused_not_merged_into_inf():
+    """What test_bad_parameters_are_rejected checks of bind(), through merge_state_dicts: the
+    merge gave inf and NaN (task-arithmetic, dare) or a RuntimeError (ties) for weights within
+    float64's range but past float32's, the compute dtype."""
+    torch.manual_seed(0)
+    base = {k: v.detach().clone() for k, v in torch.nn.Linear(4, 3).state_dict().items()}
+    fts = [{k: v + 0.01 * torch.randn(v.shape) for k, v in base.items()} for _ in range(2)]
+    for method in ("task-arithmetic", "ties", "dare"):
+        with pytest.raises(InvalidMergeError, match="beyond float32's largest"):
+            merge_state_dicts(fts, method, params={"weights": [3.5e38, 3.5e38]}, base=base)
+    # each weight within range, their sum (ties divides by it) not: every task vector came out 0, the base itself
+    with pytest.raises(InvalidMergeError, match="add up to 6e\\+38"):
+        merge_state_dicts(fts, "ties", params={"weights": [3e38, 3e38], "density": 1.0}, base=base)
+    tied = merge_state_dicts(fts, "ties", params={"weights": [1e38, 1e38], "density": 1.0}, base=base)  # within range
+    assert all(not torch.equal(tied[k], base[k]) for k in base) and all(torch.isfinite(v).all() for v in tied.values())
 
 
 def test_merge_state_dicts_refuses_a_base_or_inputs_that_do_not_line_up():
