@@ -204,6 +204,8 @@ def remix(candidates: Sequence[str], score_fn: Callable[[dict[str, torch.Tensor]
             scores[ref] = float(raw)
         except (TypeError, ValueError):
             raise InvalidMergeError(f"score_fn returned {raw!r} for {ref}, not a number") from None
+        except OverflowError:  # an integer past any float
+            raise InvalidMergeError(f"score_fn returned a number too large for a float for {ref}, not a finite number") from None
         log.info("remix: %s scores %s", ref, scores[ref])
     return remix_scores(scores, k, store=store, weights=weights, higher_is_better=higher_is_better, name=name,
                         message=message, progress=progress, _scored=ids)

@@ -74,6 +74,8 @@ def test_remix_checks_before_scoring(store, past):
     assert calls == []
     with pytest.raises(InvalidMergeError, match="not a number"):
         ckpt.remix(list(past), lambda sd: "good", store=store)
+    with pytest.raises(InvalidMergeError, match="too large for a float for ft/a"):  # was float()'s bare OverflowError
+        ckpt.remix(list(past), lambda sd: 10**400, store=store)
 
 
 def test_remix_averages_what_it_scored_when_a_ref_moves_meanwhile(store, past):
