@@ -10,6 +10,7 @@ assets are a fixed set of files of this package, looked up by name in a dict.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import time
@@ -65,6 +66,9 @@ class Guard:
         self.app = app
         self.token = token
         self.hosts = {h.lower() for h in hosts} if hosts else None
+        # A cookie is the host's, whatever the port: two views on one machine (two stores, two ports) with
+        # one cookie name replaced each other's token, and the first view answered 401 from then on.
+        self.cookie = f"{COOKIE}_{hashlib.sha256(token.encode()).hexdigest()[:16]}" if token is not None else COOKIE
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -79,11 +83,11 @@ class Guard:
             response = PlainTextResponse("unexpected Host header\n", status_code=400)
         elif self.token is not None:
             given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [None])[0]
-            cookie = _cookie(headers.get("cookie", ""), COOKIE)
+            cookie = _cookie(headers.get("cookie", ""), self.cookie)
             auth = headers.get("authorization", "")
             bearer = auth[7:] if auth.lower().startswith("bearer ") else None
             if given is not None and _same(given, self.token):
-                set_cookie = f"{COOKIE}={self.token}; Path=/; HttpOnly; SameSite=Strict"
+                set_cookie = f"{self.cookie}={self.token}; Path=/; HttpOnly; SameSite=Strict"
                 response = None
                 if not scope["path"].startswith("/api/"):  # a page: drop the token from the address bar and history
                     rest = [(k, v) for k, v in parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)

@@ -231,6 +231,22 @@ def test_token_is_required_everywhere(store):
     assert fresh.get("/api/refs", headers={"Authorization": "Bearer nope"}).status_code == 401
 
 
+def test_two_views_on_one_host_keep_their_own_token_cookies(store):
+    """A browser keeps one cookie per host and name, whatever the port: two `ckpt serve --token`
+    on one machine (two stores, ports 8765 and 8766) set the same cookie name, the second login
+    replaced the first one's token, and the first view answered 401 from then on."""
+    jar: dict[str, str] = {}  # what a browser keeps for the host: name -> value, a later one replacing
+    apps = {t: TestClient(create_app(store, token=t), base_url="http://node1:8765") for t in ("first-token-0123456789", "other-token-0123456789")}
+    for token, c in apps.items():
+        r = c.get("/api/refs", params={"token": token})
+        name, _, value = r.headers["set-cookie"].split(";")[0].partition("=")
+        jar[name] = value
+    cookie = "; ".join(f"{k}={v}" for k, v in jar.items())
+    for c in apps.values():
+        c.cookies.clear()
+        assert c.get("/api/refs", headers={"cookie": cookie}).status_code == 200
+
+
 def test_binding_beyond_loopback_needs_a_token(store, capsys):
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and not is_loopback("0.0.0.0")
     check_access("127.0.0.1", None)
