@@ -182,7 +182,8 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
 
     # -- API -------------------------------------------------------------------------
     def api_refs(request: Request) -> Response:
-        rows, pg = page(view.ls(), _int(request, "offset", 0), _int(request, "limit", 100))
+        # the damaged refs too, as --json has them: a script must not take a damaged store for a sound one
+        rows, pg = page(view.ls_json(), _int(request, "offset", 0), _int(request, "limit", 100))
         return StrictJSONResponse({"refs": rows, "page": pg})
 
     def graph() -> dict[str, Any]:  # the whole store's lineage, shared by the pages for a few seconds

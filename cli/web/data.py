@@ -130,6 +130,10 @@ class StoreView:
         """The rows of ``ckpt ls --json`` (readable refs; damaged ones are in ``damaged()``)."""
         return [r for r in self._listing() if "error" not in r]
 
+    def ls_json(self) -> list[dict[str, Any]]:
+        """Every row of ``ckpt ls --json``: the readable refs and ``{"ref", "error"}`` for each damaged one."""
+        return self._listing()
+
     def damaged(self) -> dict[str, str]:
         """Refs that cannot be read, with the error (as ``ckpt ls`` names them)."""
         return {r["ref"]: r["error"] for r in self._listing() if "error" in r}

@@ -585,3 +585,6 @@ def test_one_damaged_ref_entry_leaves_the_rest_of_the_store_viewable(tmp_path):
     assert {n["label"] for n in c.get("/api/lineage").json()["nodes"]} == {"base", "ft/b"}
     bad = c.get("/api/checkpoint/ft/a")
     assert bad.status_code == 400 and "refs/ft/a/0000000001.ref is damaged" in bad.json()["error"]
+    # /api/refs carries the rows of `ckpt ls --json`, the damaged ref's {"ref", "error"} included (it left it out)
+    refs = c.get("/api/refs").json()["refs"]
+    assert refs == json.loads(run_main_json(store, "ls")) and [r["ref"] for r in refs] == ["base", "ft/a", "ft/b"]
