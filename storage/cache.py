@@ -238,7 +238,20 @@ class ChunkBlobCache:
         if os.path.lexists(path):
             self._damaged(path, oid, miss=False)
 
+    def _in_own_dirs(self, path: str) -> bool:
+        """Whether the store dir and fan-out dir holding ``path`` are directories, not links: through
+        a link (a hostile or mistaken cache folder) the cache would delete and write another's files."""
+        for d in (self.dir, os.path.dirname(path)):
+            try:
+                if not stat.S_ISDIR(os.lstat(d).st_mode):
+                    return False
+            except OSError:
+                return False
+        return True
+
     def _drop(self, path: str, n: int) -> None:
+        if not self._in_own_dirs(path):
+            return
         try:
             os.unlink(path)
         except OSError:
@@ -263,6 +276,8 @@ class ChunkBlobCache:
         n = TRAILER
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
+            if not self._in_own_dirs(path):
+                raise OSError(f"{os.path.dirname(path)} is reached through a link, not a folder of this cache")
             with open(tmp, "wb") as f:
                 for p in parts:
                     f.write(p)

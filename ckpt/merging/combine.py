@@ -458,11 +458,22 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
 
     m = (registry or default_registry()).get(method)
     bound = m.bind(params, len(inputs), base is not None)
+    for i, sd in enumerate(inputs[1:], 1):  # a tensor of one input only was dropped, or a KeyError
+        odd = sorted(set(sd).symmetric_difference(inputs[0]))
+        if odd:
+            where = "input 0" if odd[0] in inputs[0] else f"input {i}"
+            raise InvalidMergeError(f"{odd[0]} is in {where} and not in input {i if where == 'input 0' else 0}"
+                                    + (f" (and {len(odd) - 1} more differ)" if len(odd) > 1 else ""),
+                                    hint="the inputs must hold the same tensors")
     out: dict[str, torch.Tensor] = {}
     for name, first in inputs[0].items():
         xs = [sd[name] for sd in inputs]
         if any(x.dtype != first.dtype or x.shape != first.shape for x in xs):
             raise InvalidMergeError(f"{name} differs in dtype/shape between inputs")
+        if base is not None and m.needs_base and name in base and (base[name].dtype != first.dtype or base[name].shape != first.shape):
+            # a base of another shape broadcast into the inputs: a result, and a wrong one
+            raise InvalidMergeError(f"{name} differs in dtype/shape between the inputs ({first.dtype}{list(first.shape)}) "
+                                    f"and the base ({base[name].dtype}{list(base[name].shape)})")
         if not first.is_floating_point():
             if any(not torch.equal(x, first) for x in xs):
                 raise InvalidMergeError(f"{name} is {first.dtype} and differs between inputs")

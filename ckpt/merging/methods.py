@@ -123,12 +123,15 @@ class Param:
             x = typ(value.strip()) if isinstance(value, str) else typ(value)
         except (TypeError, ValueError):
             raise InvalidMergeError(f"{where} must be {'an integer' if typ is int else 'a number'}, got {value!r}", hint=_HINT) from None
-        if not math.isfinite(x):
+        except OverflowError:  # float() of an integer past any float (10**400)
+            raise InvalidMergeError(f"{where} must be finite, got a number too large for a float", hint=_HINT) from None
+        if typ is float and not math.isfinite(x):  # (an int is finite however large: isfinite() of 10**400 overflows)
             raise InvalidMergeError(f"{where} must be finite, got {value!r}", hint=_HINT)
         below = self.low is not None and (x <= self.low if self.low_open else x < self.low)
         above = self.high is not None and (x >= self.high if self.high_open else x > self.high)
         if below or above:
-            raise InvalidMergeError(f"{where} must be in {self.range_text().removesuffix(', one per input')}, got {x:g}", hint=_HINT)
+            got = f"{x:g}" if typ is float else str(x)  # (an int past any float cannot be formatted with :g)
+            raise InvalidMergeError(f"{where} must be in {self.range_text().removesuffix(', one per input')}, got {got}", hint=_HINT)
         return x
 
 
@@ -384,8 +387,21 @@ def _check_linear(p: Mapping[str, Any]) -> str | None:
     return "weights sum to 0 and cannot be normalised (pass normalize=false)" if p["normalize"] and total == 0 else None
 
 
+def _check_scale(p: Mapping[str, Any]) -> str | None:
+    """Weights and lambda within float32's range (the compute dtype), and so the weights' sum, which ties
+    divides by: past it a task vector scaled by a weight is inf (every element inf or NaN, or ties' bare
+    RuntimeError), and ties' sum of weights inf (every task vector divided down to 0: the base comes back)."""
+    total = _weight_sum([abs(w) for w in p["weights"]])
+    if total > _F32_MAX:
+        return f"the weights' magnitudes add up to {total:g}, beyond float32's largest number ({_F32_MAX:.3g}): scale them down"
+    lam = p.get("lambda", 1.0)
+    return f"lambda {lam:g} is beyond float32's largest number ({_F32_MAX:.3g}): scale it down" if abs(lam) > _F32_MAX else None
+
+
 def _check_dare(p: Mapping[str, Any]) -> str | None:
-    return "the ties combine needs weights > 0" if p["combine"] == "ties" and min(p["weights"]) <= 0 else None
+    if p["combine"] == "ties" and min(p["weights"]) <= 0:
+        return "the ties combine needs weights > 0"
+    return _check_scale(p)
 
 
 LINEAR = MergeMethod(
@@ -395,14 +411,14 @@ LINEAR = MergeMethod(
 TASK_ARITHMETIC = MergeMethod(
     "task-arithmetic", "base + Σ λ_i (input_i − base)",
     (Param("weights", "floats", None, "λ_i: scale of each input's task vector"),),
-    merge_task_arithmetic, identity=_always, needs_base=True, min_inputs=1)
+    merge_task_arithmetic, identity=_always, needs_base=True, min_inputs=1, check=_check_scale)
 TIES = MergeMethod(
     "ties", "TIES: trim each task vector to its largest entries, elect a sign per element, average the agreeing ones",
     (Param("density", "float", 0.2, "fraction of each task vector kept (largest magnitudes)", low=0.0, high=1.0, low_open=True),
      Param("weights", "floats", None, "weight of each input's task vector", low=0.0, low_open=True),
      Param("normalize", "bool", True, "divide by the weights of the agreeing inputs (a mean) rather than sum"),
      _LAMBDA),
-    merge_ties, identity=_always, needs_base=True, min_inputs=1)
+    merge_ties, identity=_always, needs_base=True, min_inputs=1, check=_check_scale)
 DARE = MergeMethod(
     "dare", "DARE: drop task-vector entries at random (keep with probability density), rescale by 1/density, combine",
     (Param("density", "float", 0.5, "probability of keeping each entry", low=0.0, high=1.0, low_open=True),

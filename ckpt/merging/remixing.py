@@ -117,6 +117,14 @@ def _distinct_checkpoints(store: Store, refs: Sequence[str]) -> dict[str, str]:
     return {ref: cid for cid, ref in seen.items()}
 
 
+def _float(s: float) -> float:
+    """``s`` as a float: inf for an integer past any float (a JSON scores file may hold 10**400)."""
+    try:
+        return float(s)
+    except OverflowError:
+        return math.inf
+
+
 def choose(scores: Mapping[str, float], k: int = 2, *, weights: str = "equal",
            higher_is_better: bool = True) -> tuple[list[str], list[float]]:
     """The best ``k`` candidates (ties keep the candidates' order) and their merge weights.
@@ -131,7 +139,7 @@ def choose(scores: Mapping[str, float], k: int = 2, *, weights: str = "equal",
     """
     _check(k, weights, len(scores))
     for ref, s in scores.items():
-        if not isinstance(s, (int, float)) or isinstance(s, bool) or not math.isfinite(s):
+        if not isinstance(s, (int, float)) or isinstance(s, bool) or not math.isfinite(_float(s)):
             raise InvalidMergeError(f"score of {ref} is {s!r}, not a finite number")
     order = {ref: i for i, ref in enumerate(scores)}
     ranked = sorted(scores, key=lambda r: (-scores[r] if higher_is_better else scores[r], order[r]))
@@ -196,6 +204,8 @@ def remix(candidates: Sequence[str], score_fn: Callable[[dict[str, torch.Tensor]
             scores[ref] = float(raw)
         except (TypeError, ValueError):
             raise InvalidMergeError(f"score_fn returned {raw!r} for {ref}, not a number") from None
+        except OverflowError:  # an integer past any float
+            raise InvalidMergeError(f"score_fn returned a number too large for a float for {ref}, not a finite number") from None
         log.info("remix: %s scores %s", ref, scores[ref])
     return remix_scores(scores, k, store=store, weights=weights, higher_is_better=higher_is_better, name=name,
                         message=message, progress=progress, _scored=ids)

@@ -22,7 +22,7 @@ from ckpt_store.storage.config import (
 )
 from ckpt_store.storage.errors import InvalidNameError, StoreNotFoundError
 from ckpt_store.storage.objects import ObjectStore
-from ckpt_store.storage.refs import RefEntry, Refs, validate_ref_name
+from ckpt_store.storage.refs import MAX_SEQ, RefEntry, Refs, validate_ref_name
 from ckpt_store.storage.retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -155,7 +155,9 @@ class Store:
             raise RefNotFoundError("empty ref")
         m = _HISTORY.match(ref)
         if m:
-            name, back = m.group(1), int(m.group(2))
+            name, digits = m.group(1), m.group(2).lstrip("0") or "0"
+            # A ref has at most MAX_SEQ versions; a longer number names none (and int() refuses 4,300 digits).
+            back = int(digits) if len(digits) <= len(str(MAX_SEQ)) else MAX_SEQ + 1
             # Versions newer than a damaged entry are known; what lies beyond it is not.
             history, damaged = self.refs_db.readable_history(name)
             versions = [e for e in history if e.target is not None]

@@ -10,6 +10,7 @@ assets are a fixed set of files of this package, looked up by name in a dict.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import time
@@ -28,7 +29,7 @@ from ckpt.diffing.compare import SORT_KEYS
 from ckpt.errors import AmbiguousRefError, CkptError, InvalidNameError, RefNotFoundError
 from ckpt_store.cli.results import strict_json
 from ckpt_store.cli.web import charts
-from ckpt_store.cli.web.data import MAX_PAGE, STEP_REF, StoreView, own_chunks, page, stored_bytes
+from ckpt_store.cli.web.data import MAX_PAGE, STEP_REF, StoreView, own_chunks, page, snapshot_metrics, stored_bytes
 from ckpt_store.cli.web.graph import NODE_H, NODE_W, layout, lineage
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ class Guard:
         self.app = app
         self.token = token
         self.hosts = {h.lower() for h in hosts} if hosts else None
+        # A cookie is the host's, whatever the port: two views on one machine (two stores, two ports) with
+        # one cookie name replaced each other's token, and the first view answered 401 from then on.
+        self.cookie = f"{COOKIE}_{hashlib.sha256(token.encode()).hexdigest()[:16]}" if token is not None else COOKIE
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -79,11 +83,11 @@ class Guard:
             response = PlainTextResponse("unexpected Host header\n", status_code=400)
         elif self.token is not None:
             given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token", [None])[0]
-            cookie = _cookie(headers.get("cookie", ""), COOKIE)
+            cookie = _cookie(headers.get("cookie", ""), self.cookie)
             auth = headers.get("authorization", "")
             bearer = auth[7:] if auth.lower().startswith("bearer ") else None
             if given is not None and _same(given, self.token):
-                set_cookie = f"{COOKIE}={self.token}; Path=/; HttpOnly; SameSite=Strict"
+                set_cookie = f"{self.cookie}={self.token}; Path=/; HttpOnly; SameSite=Strict"
                 response = None
                 if not scope["path"].startswith("/api/"):  # a page: drop the token from the address bar and history
                     rest = [(k, v) for k, v in parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
@@ -178,7 +182,8 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
 
     # -- API -------------------------------------------------------------------------
     def api_refs(request: Request) -> Response:
-        rows, pg = page(view.ls(), _int(request, "offset", 0), _int(request, "limit", 100))
+        # the damaged refs too, as --json has them: a script must not take a damaged store for a sound one
+        rows, pg = page(view.ls_json(), _int(request, "offset", 0), _int(request, "limit", 100))
         return StrictJSONResponse({"refs": rows, "page": pg})
 
     def graph() -> dict[str, Any]:  # the whole store's lineage, shared by the pages for a few seconds
@@ -208,8 +213,9 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
             raise CkptError(f"sort must be one of {', '.join(SORT_KEYS)}")
         top = request.query_params.get("top", "")
         estimate = request.query_params.get("estimate", "1") not in ("0", "false", "no")
-        # ASCII digits only ("²" is a digit to isdigit, not to int), and few: more rows than that is all of them
-        return a, b, sort, int(top) if top.isascii() and top.isdigit() and len(top) <= 9 else None, estimate
+        # ASCII digits only ("²" is a digit to isdigit, not to int), and few: more rows than that is all of them;
+        # 0 (which select refuses) is all of them too, as a negative number is
+        return a, b, sort, (int(top) or None) if top.isascii() and top.isdigit() and len(top) <= 9 else None, estimate
 
     def api_diff(request: Request) -> Response:
         a, b, sort, top, estimate = diff_args(request)
@@ -230,7 +236,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         rows, pg = page(view.ls(), _int(request, "offset", 0), _int(request, "limit", 100))
         du = view.du()
         return render("overview.html", refs=view.overview_rows(rows), page=pg, du=du, bars=charts.savings_bars(du),
-                      runs=view.runs())
+                      runs=view.runs(), damaged=view.damaged())
 
     def lineage_page(request: Request) -> Response:
         doc = graph()
@@ -272,7 +278,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         by_id = {n["id"]: n for n in g["nodes"]}
         children = [{**by_id[e["target"]], "edge": e} for e in g["edges"] if e["source"] == doc["id"]]
         return render("checkpoint.html", ref=ref, doc=doc, merge=merge, run=run, diff_base=diff_base, names=names, adds=adds,
-                      children=children,
+                      children=children, metrics=snapshot_metrics(doc["extra"]),
                       q=request.query_params.get("q", ""), stored=sum(t["stored_bytes"] for t in doc["tensors"]))
 
     def diff_page(request: Request) -> Response:

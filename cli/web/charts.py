@@ -26,9 +26,11 @@ def color(t: float) -> str:
     return "#fde725"
 
 
-def fmt(v: float | None) -> str:
+def fmt(v: float | str | None) -> str:
     if v is None:
         return "n/a"
+    if isinstance(v, str):  # "nan", "inf", "-inf": how a diff's JSON carries a diverged tensor's change
+        return v
     if v == 0:
         return "0"
     return f"{v:.1e}".replace("e-0", "e-").replace("e+0", "e")
@@ -57,7 +59,7 @@ def heatmap(tensors: list[dict[str, Any]], cell_w: int = 46, cell_h: int = 22) -
             grid.setdefault((stack, module), {})[idx] = t
     layers = sorted({i for row in grid.values() for i in row})
     stacks = {s for s, _ in grid}
-    values = [t["relative_change"] for t in tensors if t.get("relative_change")]
+    values = [v for t in tensors if (v := _finite(t.get("relative_change")))]  # not "nan"/"inf" (diverged)
     lo, hi = (min(values), max(values)) if values else (1e-6, 1.0)
     if lo == hi:
         lo, hi = lo / 10, hi * 10
@@ -65,28 +67,32 @@ def heatmap(tensors: list[dict[str, Any]], cell_w: int = 46, cell_h: int = 22) -
     labels = [f"{s}.*.{m}" if len(stacks) > 1 else m for s, m in grid] + [t["name"] for t in flat]
     label_w = 16 + 7 * min(40, max((len(x) for x in labels), default=10))  # labels are cut at 40 characters
 
-    def cell(t: dict[str, Any] | None) -> dict[str, Any]:
-        if t is None:
-            return {"fill": "#ffffff", "text": "", "title": "", "name": None, "dark": False}
+    def cell(t: dict[str, Any]) -> dict[str, Any]:
         v = t.get("relative_change")
         if v is None:
             return {"fill": "#dddddd", "text": "n/a", "title": f"{t['name']}: {t['status']}", "name": t["name"], "dark": False}
         if v == 0:
             return {"fill": "#eeeeee", "text": "0", "title": f"{t['name']}: identical", "name": t["name"], "dark": False}
+        if _finite(v) is None:  # "nan" / "inf": labelled, in the grey of what cannot be placed on the scale
+            return {"fill": "#dddddd", "text": fmt(v), "title": f"{t['name']}: {t['status']}, relative change {v}",
+                    "name": t["name"], "dark": False}
         f = (math.log10(v) - math.log10(lo)) / span
         return {"fill": color(f), "text": fmt(v), "title": f"{t['name']}: {t['status']}, relative change {v:.4g}",
                 "name": t["name"], "dark": f < 0.6, "value": v}
 
     rows = []
+    column = {layer: c for c, layer in enumerate(layers)}
     for r, ((stack, module), by_layer) in enumerate(grid.items()):
         label = f"{stack}.*.{module}" if len(stacks) > 1 else module
+        # the cells of its tensors only: rows x layers of them, mostly empty, grew as the square of the
+        # tensors where module names differ from layer to layer (10,000 such tensors: 10^8 cells, many GB)
         rows.append({"label": label, "y": 24 + r * cell_h,
-                     "cells": [{"x": label_w + c * cell_w, **cell(by_layer.get(layer))} for c, layer in enumerate(layers)]})
+                     "cells": [{"x": label_w + column[layer] * cell_w, **cell(t)} for layer, t in sorted(by_layer.items())]})
     bars = []
     for k, t in enumerate(flat):
         c = cell(t)
         v = t.get("relative_change")
-        w = 0 if not v else max(2.0, 200 * (math.log10(v) - math.log10(lo)) / span + 8)
+        w = 0 if not _finite(v) else max(2.0, 200 * (math.log10(v) - math.log10(lo)) / span + 8)
         bars.append({"label": t["name"], "y": 4 + k * cell_h, "w": w, **c})
     return {"layers": [{"x": label_w + c * cell_w, "label": layer} for c, layer in enumerate(layers)], "rows": rows,
             "cell_w": cell_w, "cell_h": cell_h - 2, "label_w": label_w,

@@ -58,6 +58,13 @@ def codec_mix(m: Manifest) -> dict[str, int]:
     return dict(sorted(mix.items()))
 
 
+def snapshot_metrics(extra: dict[str, Any]) -> dict[str, Any]:
+    """The metrics a snapshot manifest's ``extra`` records: ``{}`` where its ``snapshot`` or their
+    ``metrics`` are not JSON objects (a manifest's ``extra`` is any JSON)."""
+    snap = extra.get("snapshot") if isinstance(extra.get("snapshot"), dict) else {}
+    return snap.get("metrics") if isinstance(snap.get("metrics"), dict) else {}
+
+
 class StoreView:
     """Read-only access to one store for the pages and the API, with the caches described above."""
 
@@ -103,8 +110,16 @@ class StoreView:
         return self.fresh("chunk_sizes", self.store.chunk_sizes)
 
     def refs(self) -> dict[str, Any]:
-        """The live refs (name -> entry), listed again after ``ttl_s``: on S3 a listing is a request per ref."""
-        return self.fresh("refs", self.store.refs)
+        """The live refs (name -> entry), listed again after ``ttl_s``: on S3 a listing is a request per ref.
+        Refs whose current entry cannot be read are left out (``damaged()`` names them)."""
+
+        def make() -> dict[str, Any]:
+            try:
+                return self.store.refs()
+            except CkptError:  # one damaged ref entry made every page fail: read them one by one, as `ckpt ls` does
+                return self.store.refs_db.scan()[0]
+
+        return self.fresh("refs", make)
 
     @property
     def url(self) -> str:
@@ -114,6 +129,10 @@ class StoreView:
     def ls(self) -> list[dict[str, Any]]:
         """The rows of ``ckpt ls --json`` (readable refs; damaged ones are in ``damaged()``)."""
         return [r for r in self._listing() if "error" not in r]
+
+    def ls_json(self) -> list[dict[str, Any]]:
+        """Every row of ``ckpt ls --json``: the readable refs and ``{"ref", "error"}`` for each damaged one."""
+        return self._listing()
 
     def damaged(self) -> dict[str, str]:
         """Refs that cannot be read, with the error (as ``ckpt ls`` names them)."""
@@ -219,9 +238,7 @@ class StoreView:
                         mf = self.manifest(target, store)
                     except CkptError:  # removed and collected: the history line is all there is
                         continue
-                    snap = mf.extra.get("snapshot") if isinstance(mf.extra.get("snapshot"), dict) else {}
-                    metrics = snap.get("metrics") if isinstance(snap.get("metrics"), dict) else {}
-                    row.update(saved_at=mf.created, metrics=metrics, logical_bytes=mf.logical_bytes, available=True,
+                    row.update(saved_at=mf.created, metrics=snapshot_metrics(mf.extra), logical_bytes=mf.logical_bytes, available=True,
                                _chunks=own_chunks(mf))
         if not found:
             raise RefNotFoundError(f"no training run named {name!r}", hint="runs are the refs RUN/step-N of a CheckpointManager")

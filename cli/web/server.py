@@ -71,5 +71,6 @@ def serve(store: Any, host: str = "127.0.0.1", port: int = 8765, token: str | No
     except (OSError, OverflowError) as e:  # in use, no such address or name; a port past 65535
         raise ServeError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}",
                          hint="pick another --port or --host") from None
+    port = sock.getsockname()[1]  # --port 0: the port the system chose, which is the one to open
     announce(f"ckpt serve: {address(host, port, token)}  (read-only view of {store.url}; Ctrl-C stops)")
     server.run(sockets=[sock])

@@ -19,7 +19,7 @@ pytest.importorskip("httpx", reason="starlette's TestClient needs httpx")
 
 from starlette.testclient import TestClient  # noqa: E402
 from test_cli_runner import invoke, run_main  # noqa: E402
-from webstore import XSS, XSS_META, XSS_TENSOR  # noqa: E402
+from webstore import XSS, XSS_META, XSS_TENSOR, Tiny  # noqa: E402
 
 import ckpt  # noqa: E402
 from ckpt_store.cli.web.app import create_app  # noqa: E402
@@ -231,6 +231,22 @@ def test_token_is_required_everywhere(store):
     assert fresh.get("/api/refs", headers={"Authorization": "Bearer nope"}).status_code == 401
 
 
+def test_two_views_on_one_host_keep_their_own_token_cookies(store):
+    """A browser keeps one cookie per host and name, whatever the port: two `ckpt serve --token`
+    on one machine (two stores, ports 8765 and 8766) set the same cookie name, the second login
+    replaced the first one's token, and the first view answered 401 from then on."""
+    jar: dict[str, str] = {}  # what a browser keeps for the host: name -> value, a later one replacing
+    apps = {t: TestClient(create_app(store, token=t), base_url="http://node1:8765") for t in ("first-token-0123456789", "other-token-0123456789")}
+    for token, c in apps.items():
+        r = c.get("/api/refs", params={"token": token})
+        name, _, value = r.headers["set-cookie"].split(";")[0].partition("=")
+        jar[name] = value
+    cookie = "; ".join(f"{k}={v}" for k, v in jar.items())
+    for c in apps.values():
+        c.cookies.clear()
+        assert c.get("/api/refs", headers={"cookie": cookie}).status_code == 200
+
+
 def test_binding_beyond_loopback_needs_a_token(store, capsys):
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost") and not is_loopback("0.0.0.0")
     check_access("127.0.0.1", None)
@@ -279,6 +295,23 @@ def test_ckpt_serve_command_serves_the_store(store):
         line = p.stdout.readline()
         assert line.startswith(f"ckpt serve: http://127.0.0.1:{port}/"), (line, p.stderr.read() if p.poll() is not None else "")
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/refs", timeout=10) as r:
+            assert {x["ref"] for x in json.load(r)["refs"]} == set(store.refs())
+    finally:
+        p.terminate()
+        p.wait(timeout=20)
+
+
+def test_ckpt_serve_on_port_0_prints_the_port_it_listens_on(store):
+    """--port 0 lets the system choose a free port; the printed address said port 0, which no
+    browser can open. It now names the port chosen."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "ckpt_store.cli.main", "--store", store.url, "serve", "--port", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = p.stdout.readline()
+        m = re.match(r"ckpt serve: (http://127\.0\.0\.1:([0-9]+)/) ", line)
+        assert m and m[2] != "0", (line, p.stderr.read() if p.poll() is not None else "")
+        with urllib.request.urlopen(m[1] + "api/refs", timeout=10) as r:
             assert {x["ref"] for x in json.load(r)["refs"]} == set(store.refs())
     finally:
         p.terminate()
@@ -381,9 +414,10 @@ def test_odd_queries_headers_and_paths_get_answers_not_500s(store):
     token opens from "//evil.example/" redirected the browser to another site."""
     c = TestClient(create_app(store))
     whole = c.get("/api/diff", params={"a": "base", "b": "ft/top"}).json()
-    for top in ("²", "9" * 5000, "-1"):
+    for top in ("²", "9" * 5000, "-1", "0", "000"):  # top=0 answered 500 (DiffReport.select refuses it)
         r = c.get("/api/diff", params={"a": "base", "b": "ft/top", "top": top})
         assert r.status_code == 200 and r.json() == whole
+        assert c.get("/diff", params={"a": "base", "b": "ft/top", "top": top}).status_code == 200
     v6 = TestClient(create_app(store, hosts=["::1", "localhost"]), base_url="http://[::1]:8765")
     assert v6.get("/api/refs", headers={"host": "[::1]"}).status_code == 200
     assert v6.get("/api/refs", headers={"host": "[::1]:8765"}).status_code == 200
@@ -457,3 +491,100 @@ def test_a_run_page_goes_on_past_a_damaged_snapshot_ref(tmp_path, which):
         assert two["live"] and two["damaged"] is None and two["metrics"] == {"loss": 0.5}
     page = c.get("/run/r")
     assert page.status_code == 200 and ("damaged" in page.text) == (which == 2)
+
+
+def test_a_diff_with_a_diverged_tensor_is_drawn(tmp_path):
+    """A fine-tune whose layer went NaN (and one whose bias went to inf): the diff's JSON carries
+    those changes as the strings "nan" and "inf" (as `ckpt diff --json` does), which the heatmap
+    compared with numbers and formatted as floats: the diff page answered 500 for the very
+    diff that shows training diverged. It now labels them as `ckpt diff --plot` does."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    torch.manual_seed(0)
+    base = {k: v.detach().clone() for k, v in Tiny().state_dict().items()}
+    store.push(base, "base")
+    bad = {k: v.clone() for k, v in base.items()}
+    bad["layer.1.attention.weight"][0, :3] = float("nan")
+    bad["layer.2.output.weight"] += 0.01
+    bad["head.bias"][0] = float("inf")
+    store.push(bad, "ft/diverged")
+    c = TestClient(create_app(store))
+    doc = c.get("/api/diff", params={"a": "base", "b": "ft/diverged"}).json()
+    rel = {t["name"]: t["relative_change"] for t in doc["tensors"]}
+    assert rel["layer.1.attention.weight"] == "nan" and rel["head.bias"] == "inf" and rel["layer.2.output.weight"] > 0
+    for sort in ("order", "relative_change", "name"):
+        page = c.get("/diff", params={"a": "base", "b": "ft/diverged", "sort": sort})
+        assert page.status_code == 200, page.text[-300:]
+        cell = re.search(r'<g class="cell" data-name="layer.1.attention.weight".*?</g>', page.text, re.S).group(0)
+        assert ">nan</text>" in cell
+        assert re.search(r'<g class="cell" data-name="head.bias".*?>inf</text></g>', page.text, re.S)
+        assert 'id="s-rel">nan<' in page.text
+
+
+@pytest.mark.parametrize("snapshot", ["not an object", {"step": 1, "metrics": [0.5]}, {"step": 1, "metrics": {"loss": 0.5}}])
+def test_a_snapshot_page_whose_snapshot_record_is_any_json_renders(tmp_path, snapshot):
+    """A manifest's extra is any JSON: a RUN/step-N checkpoint whose extra.snapshot was a string,
+    or whose metrics were a list, made its checkpoint page answer 500 (the template read
+    .metrics of a string, dictsort of a list); the run page already treated them as no metrics."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    mid = store.push({"w": torch.ones(4)}, "r/step-1")
+    doc = json.loads(store.objects.get_manifest(mid))
+    doc["extra"] = {"snapshot": snapshot}
+    store.refs_db.set("r/step-1", store.objects.put_manifest(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()))
+    c = TestClient(create_app(store))
+    page = c.get("/checkpoint/r/step-1")
+    assert page.status_code == 200 and 'href="/run/r"' in page.text
+    shown = isinstance(snapshot, dict) and isinstance(snapshot["metrics"], dict)
+    assert ("loss=0.5" in page.text) == shown
+    assert c.get("/run/r").status_code == 200
+
+
+def test_a_diff_heatmap_holds_one_cell_per_tensor(tmp_path):
+    """The heatmap built a cell for every (module row, layer column) pair, mostly empty ones: where
+    module names differ from layer to layer (block.i.proj_i) that is the square of the tensors --
+    400 tensors, 160,000 cells; 10,000 (a hostile store's checkpoint), 10^8 cells and many GB for one
+    diff page. It now holds the cells of the tensors only, each in its layer's column."""
+    from ckpt_store.cli.web.charts import heatmap
+
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    g = torch.Generator().manual_seed(0)
+    a = {f"block.{i}.proj{i}.weight": torch.randn(4, generator=g) for i in range(400)}
+    store.push(a, "a")
+    store.push({k: v + 1 for k, v in a.items()}, "b")
+    c = TestClient(create_app(store))
+    heat = heatmap(c.get("/api/diff", params={"a": "a", "b": "b"}).json()["tensors"])
+    cells = [(row["label"], cell["x"]) for row in heat["rows"] for cell in row["cells"]]
+    assert len(cells) == 400 and len(heat["layers"]) == 400
+    column = {layer["label"]: layer["x"] for layer in heat["layers"]}
+    assert all(x == column[int(label.removeprefix("proj").removesuffix(".weight"))] for label, x in cells)
+    page = c.get("/diff", params={"a": "a", "b": "b"})
+    assert page.status_code == 200 and page.text.count('<g class="cell" data-name="block.') == 400
+
+
+def test_one_damaged_ref_entry_leaves_the_rest_of_the_store_viewable(tmp_path):
+    """The current entry of one ref damaged (a flipped byte): every page -- the overview, the lineage,
+    the page and diffs of every other ref -- answered 400 with that ref's error, since each listed the
+    live refs with the call that raises on the first damaged one. The refs are now read one by one
+    there as `ckpt ls` reads them, and the overview names the damaged ref with its error."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    torch.manual_seed(0)
+    base = {k: v.detach().clone() for k, v in Tiny().state_dict().items()}
+    store.push(base, "base")
+    store.push({**base, "head.bias": base["head.bias"] + 1}, "ft/a")
+    store.push({**base, "head.weight": base["head.weight"] * 2}, "ft/b")
+    entry = tmp_path / "store" / "refs" / "ft" / "a" / "0000000001.ref"
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2] ^= 1
+    entry.write_bytes(bytes(data))
+    c = TestClient(create_app(store))
+    overview = c.get("/")
+    assert overview.status_code == 200 and '<li data-ref="ft/a"><b>ft/a</b>: <span class="error damaged">damaged: ref entry' in overview.text
+    assert re.findall(r'<tr data-ref="([^"]+)">', overview.text) == ["base", "ft/b"]
+    for path in ("/lineage", "/api/lineage", "/checkpoint/base", "/checkpoint/ft/b", "/diff?a=base&b=ft/b", "/api/diff?a=base&b=ft/b",
+                 "/diff"):
+        assert c.get(path).status_code == 200, path
+    assert {n["label"] for n in c.get("/api/lineage").json()["nodes"]} == {"base", "ft/b"}
+    bad = c.get("/api/checkpoint/ft/a")
+    assert bad.status_code == 400 and "refs/ft/a/0000000001.ref is damaged" in bad.json()["error"]
+    # /api/refs carries the rows of `ckpt ls --json`, the damaged ref's {"ref", "error"} included (it left it out)
+    refs = c.get("/api/refs").json()["refs"]
+    assert refs == json.loads(run_main_json(store, "ls")) and [r["ref"] for r in refs] == ["base", "ft/a", "ft/b"]

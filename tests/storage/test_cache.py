@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 from ckpt_store.storage.cache import TRAILER, ChunkBlobCache, clear, usage
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
@@ -183,3 +185,38 @@ def test_a_cache_that_cannot_take_entries_says_so_once(tmp_path, caplog):
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "cannot cache chunk" in warned[0].getMessage()
     assert sum("cannot cache chunk" in r.getMessage() for r in caplog.records) == 3
+
+
+@pytest.mark.parametrize("linked", ["store dir", "fan-out dir"])
+def test_a_folder_of_the_cache_that_is_a_link_leads_nowhere_outside_it(tmp_path, linked):
+    """A cache folder whose store dir (or fan-out dir) is a link to a folder elsewhere, holding files
+    named like entries (another store's chunks, say): a read found such a file "damaged" (no
+    trailer) and deleted it, and a put wrote entries there. Now neither deletes nor writes through a
+    link; the reads are misses and the files stay as they were."""
+    root, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
+    precious = {A: os.urandom(3000), B: b"not a cache entry at all"}
+    for oid, data in precious.items():
+        target = elsewhere / (oid[:2] if linked == "store dir" else "") / oid
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    (root / S).parent.mkdir(parents=True)
+    if linked == "store dir":
+        (root / S).symlink_to(elsewhere)
+    else:
+        (root / S).mkdir()
+        for oid in precious:
+            (root / S / oid[:2]).symlink_to(elsewhere)
+    c = ChunkBlobCache(str(root), S, 1 << 20)
+
+    def place(head, size):
+        return memoryview(bytearray(size - len(head)))
+
+    assert c.get(A) is None and c.read_split(B, 8, place) is None
+    c.drop(A)
+    c.put(C, (b"c" * 100,))
+    c.put(B, (b"b" * 100,), replace=True)
+    files = {str(p.relative_to(elsewhere)): p.read_bytes() for p in elsewhere.rglob("*") if p.is_file()}
+    assert files == {str(p.relative_to(elsewhere)): d for p, d in
+                     ((elsewhere / (o[:2] if linked == "store dir" else "") / o, d) for o, d in precious.items())}
+    assert c.get(C) == (None if linked == "store dir" else b"c" * 100)  # its own fan-out dir holds C
+    assert clear(str(root)).entries == (linked == "fan-out dir") and all(p.exists() for p in elsewhere.rglob("*"))

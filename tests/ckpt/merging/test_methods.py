@@ -303,6 +303,16 @@ def run_with(reg: MethodRegistry, name: str) -> list[float]:
     ("slerp", {}, 3, False, "takes 2 inputs, got 3"),
     ("slerp", {"t": "1.5"}, 2, False, r"t must be in \[0, 1\]"),
     ("task-arithmetic", {"weights": "nan,1"}, 2, True, "finite"),
+    # integers past any float: float() and math.isfinite() raised OverflowError (a traceback)
+    ("linear", {"weights": [10**400, 1]}, 2, False, "weights must be finite, got a number too large for a float"),
+    ("slerp", {"t": 10**400}, 2, False, "t must be finite"),
+    ("dare", {"seed": -(10**400)}, 2, True, r"seed must be in \[0, inf\), got -1000"),
+    # past float32's range: ties raised torch's bare RuntimeError, task-arithmetic and dare returned inf and NaN
+    ("ties", {"weights": "1e39,1e39"}, 2, True, r"weights' magnitudes add up to 2e\+39, beyond float32's largest number \(3.4e\+38\)"),
+    ("ties", {"lambda": "1e39"}, 2, True, r"lambda 1e\+39 is beyond float32's largest"),
+    ("task-arithmetic", {"weights": "1,-1e39"}, 2, True, r"add up to 1e\+39"),
+    ("dare", {"weights": "1e39,1", "combine": "ties"}, 2, True, "add up to 1e\\+39"),
+    ("dare", {"lambda": "1e39"}, 2, True, "lambda 1e\\+39 is beyond"),
 ])
 def test_bad_parameters_are_rejected(method, params, n, base, match):
     with pytest.raises(InvalidMergeError, match=match):
@@ -313,6 +323,50 @@ def test_parameters_parse_cli_strings_and_fill_defaults():
     dare = default_registry().get("dare")
     p = dare.bind({"density": "0.3", "seed": "4", "combine": "ties", "weights": "1, 0.5"}, 2, True)
     assert p == {"density": 0.3, "combine": "ties", "weights": [1.0, 0.5], "lambda": 1.0, "seed": 4}
+    assert dare.bind({"seed": "1" + "0" * 400}, 2, True)["seed"] == 10**400  # any integer seeds (isfinite() of it overflowed)
     text = describe(dare)
     assert "density (float, (0, 1]; default 0.5)" in text and "seed (int, [0, inf); default 0)" in text
     assert Param("x", "floats", None, "").default_text() == "1.0 each"
+
+
+def test_weights_past_float32_are_refused_not_merged_into_inf():
+    """What test_bad_parameters_are_rejected checks of bind(), through merge_state_dicts: the
+    merge gave inf and NaN (task-arithmetic, dare) or a RuntimeError (ties) for weights within
+    float64's range but past float32's, the compute dtype."""
+    torch.manual_seed(0)
+    base = {k: v.detach().clone() for k, v in torch.nn.Linear(4, 3).state_dict().items()}
+    fts = [{k: v + 0.01 * torch.randn(v.shape) for k, v in base.items()} for _ in range(2)]
+    for method in ("task-arithmetic", "ties", "dare"):
+        with pytest.raises(InvalidMergeError, match="beyond float32's largest"):
+            merge_state_dicts(fts, method, params={"weights": [3.5e38, 3.5e38]}, base=base)
+    # each weight within range, their sum (ties divides by it) not: every task vector came out 0, the base itself
+    with pytest.raises(InvalidMergeError, match="add up to 6e\\+38"):
+        merge_state_dicts(fts, "ties", params={"weights": [3e38, 3e38], "density": 1.0}, base=base)
+    tied = merge_state_dicts(fts, "ties", params={"weights": [1e38, 1e38], "density": 1.0}, base=base)  # within range
+    assert all(not torch.equal(tied[k], base[k]) for k in base) and all(torch.isfinite(v).all() for v in tied.values())
+
+
+def test_merge_state_dicts_refuses_a_base_or_inputs_that_do_not_line_up():
+    """merge_state_dicts with the base of another model (nn.Linear(4, 1) for fine-tunes of
+    nn.Linear(4, 3)) broadcast the base's [1, 4] weight and [1] bias into every input and returned
+    a result; a tensor of the second input only was dropped without a word, and one of the first
+    input only raised a bare KeyError. ckpt.merge refuses all three (its plan compares the base
+    too); so does merge_state_dicts now, before any math."""
+    torch.manual_seed(0)
+    fts = [{k: v.detach().clone() for k, v in torch.nn.Linear(4, 3).state_dict().items()} for _ in range(2)]
+    other = {k: v.detach().clone() for k, v in torch.nn.Linear(4, 1).state_dict().items()}
+    for method in ("task-arithmetic", "ties", "dare"):
+        with pytest.raises(InvalidMergeError, match=r"weight differs in dtype/shape between the inputs \(torch.float32\[3, 4\]\) "
+                                                    r"and the base \(torch.float32\[1, 4\]\)"):
+            merge_state_dicts(fts, method, base=other)
+    with pytest.raises(InvalidMergeError, match="differs in dtype/shape between the inputs"):
+        merge_state_dicts(fts, "task-arithmetic", base={k: v.double() for k, v in fts[0].items()})
+    head = torch.ones(2)
+    with pytest.raises(InvalidMergeError, match="head is in input 1 and not in input 0"):
+        merge_state_dicts([fts[0], {**fts[1], "head": head}])
+    with pytest.raises(InvalidMergeError, match="head is in input 0 and not in input 1"):
+        merge_state_dicts([{**fts[0], "head": head}, fts[1]])
+    base = {k: v.detach().clone() for k, v in torch.nn.Linear(4, 3).state_dict().items()}
+    out = merge_state_dicts(fts, "task-arithmetic", base=base)  # lined up: as before
+    want = (fts[0]["weight"] - base["weight"]).mul(1.0).add((fts[1]["weight"] - base["weight"]).mul(1.0)).add(base["weight"])
+    assert torch.equal(out["weight"], want)

@@ -19,7 +19,9 @@ def test_choose():
     assert choose({"a": 0.1, "b": 0.9}, 5) == (["b", "a"], [1.0, 1.0])  # fewer candidates than k: all of them
     assert choose({"a": 3.0, "b": 1.0, "c": 2.0}, 2, higher_is_better=False) == (["b", "c"], [1.0, 1.0])
     assert choose({"a": 0.2, "b": 0.6}, 2, weights="proportional") == (["b", "a"], [0.6, 0.2])
-    for bad, match in (({"a": float("nan")}, "finite"), ({"a": "high"}, "finite"), ({}, "no candidates")):
+    # {"a": 10**400}: a JSON integer past any float (isfinite() of it raised OverflowError, a traceback)
+    for bad, match in (({"a": float("nan")}, "finite"), ({"a": "high"}, "finite"), ({}, "no candidates"),
+                       ({"a": 10**400, "b": 0.5}, "score of a is 1000.* not a finite number")):
         with pytest.raises(InvalidMergeError, match=match):
             choose(bad, 1)
     with pytest.raises(InvalidMergeError, match="positive"):
@@ -72,6 +74,8 @@ def test_remix_checks_before_scoring(store, past):
     assert calls == []
     with pytest.raises(InvalidMergeError, match="not a number"):
         ckpt.remix(list(past), lambda sd: "good", store=store)
+    with pytest.raises(InvalidMergeError, match="too large for a float for ft/a"):  # was float()'s bare OverflowError
+        ckpt.remix(list(past), lambda sd: 10**400, store=store)
 
 
 def test_remix_averages_what_it_scored_when_a_ref_moves_meanwhile(store, past):

@@ -45,6 +45,12 @@ def test_ref_forms(store):
     assert store.resolve(first[:10]) == first
     with pytest.raises(RefNotFoundError, match="2 versions"):
         store.resolve("m/a@2")
+    # a version number past what int() reads (4,300 digits) raised ValueError: a traceback in
+    # `ckpt show`, a 500 in `ckpt serve` (/checkpoint/m/a@999...)
+    for many in ("9" * 5000, "1" + "0" * 20):
+        with pytest.raises(RefNotFoundError, match="2 versions"):
+            store.resolve(f"m/a@{many}")
+    assert store.resolve("m/a@" + "0" * 5000 + "1") == first
     with pytest.raises(RefNotFoundError):
         store.resolve("nope")
     store.remove("m/a")
