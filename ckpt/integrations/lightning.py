@@ -135,6 +135,19 @@ class CkptCallback(pl.Callback):
                             "data": _data_position(trainer)}
         return state
 
+    def _latest(self) -> str | None:
+        """What ``restore_latest`` would resume, in words ("step 6"), or None where the run has no snapshot."""
+        from ckpt.errors import RefNotFoundError
+        from ckpt.snapshot.tiers import snapshot_step
+
+        assert self.manager is not None
+        try:
+            m = self.manager.store.manifest(f"{self.run}/latest")
+        except RefNotFoundError:
+            return None
+        step = snapshot_step(m)
+        return f"step {step}" if step is not None else "its latest snapshot"
+
     def _check_data_position(self, trainer: pl.Trainer) -> None:
         """Refuse to go on from a snapshot with another batch size or epoch length where the loop's place in
         its epoch, a count of batches, would name other samples than the run had reached: mid-epoch, or at
@@ -171,17 +184,19 @@ class CkptCallback(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.manager is not None
-        state = self._state(trainer, pl_module)
-        self.restored_step = self.manager.restore_latest(state) if self.resume else None
-        if self.restored_step is not None and trainer.ckpt_path is not None:
+        latest = self._latest() if self.resume and trainer.ckpt_path is not None else None
+        if latest is not None:
             # Lightning restored the module from it before this hook and restores the optimizers, schedulers
             # and loop position from it after: the run would go on with the snapshot's weights and the rest of it.
+            # Refused before the snapshot is restored: the module keeps what Lightning gave it, the RNG its state.
             raise SnapshotError(f"trainer.fit(ckpt_path={trainer.ckpt_path!r}) resumes from that checkpoint, and this "
-                                f"callback from step {self.restored_step} of {self.run!r}: the run would mix the two",
+                                f"callback from {latest} of {self.run!r}: the run would mix the two",
                                 hint="pass CkptCallback(..., resume=False) to resume from the Lightning checkpoint, "
                                      "its next snapshots going to the store; or leave out ckpt_path (on SLURM, "
                                      "Lightning's auto-requeue sets it to its hpc checkpoint: pass "
                                      "plugins=[SLURMEnvironment(auto_requeue=False)], this callback handles preemption)")
+        state = self._state(trainer, pl_module)
+        self.restored_step = self.manager.restore_latest(state) if self.resume else None
         if self.restored_step is not None:
             log.info("resumed %s from step %d", self.run, self.restored_step)
             recorded = state["trainer"]  # the snapshot's (restore replaced the value)
