@@ -294,8 +294,8 @@ class CkptCallback(TrainerCallback):
         out: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(state)))
         handler = getattr(self._trainer, "callback_handler", None)
         stateful = [cb for cb in (handler.callbacks if handler else []) if isinstance(cb, ExportableState)]
-        for cb in [*stateful, control]:
-            out.setdefault("stateful_callbacks", {})[type(cb).__name__] = cb.state()
+        # As the Trainer records them (TrainerState builds the record): several callbacks of one class as a list.
+        out.setdefault("stateful_callbacks", {}).update(TrainerState(stateful_callbacks=[*stateful, control]).stateful_callbacks)
         return out
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
