@@ -341,7 +341,9 @@ class LocalSnapshots:
             for n in names:
                 e = entries[n]
                 t = live_t.get(n)
-                if (t is None or tuple(t.shape) != e.shape or t.dtype != to_torch(e.dtype)
+                # (only a contiguous tensor: one that is a view, broadcast say, may share memory between
+                # its elements, which torch refuses to copy into)
+                if (t is None or tuple(t.shape) != e.shape or t.dtype != to_torch(e.dtype) or not t.is_contiguous()
                         or t.untyped_storage().data_ptr() in used
                         or t.requires_grad != (n in flags.get("requires_grad", ()))
                         or isinstance(t, torch.nn.Parameter) != (n in flags.get("parameters", ()))):

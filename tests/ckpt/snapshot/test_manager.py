@@ -518,6 +518,34 @@ def test_plain_value_tensors_keep_requires_grad_and_parameter(tmp_path, local):
     assert got["temp"].grad.tolist() == [2.0, 2.0]
 
 
+class _Views:
+    """A Stateful whose state_dict hands out views of one storage: one broadcast (every element the same
+    memory), one transposed, and one that overlaps the transposed one."""
+
+    def __init__(self, base: torch.Tensor) -> None:
+        self.base = base
+
+    def state_dict(self):
+        return {"bias": self.base[:1].expand(6), "grid": self.base[:12].view(3, 4).t(), "tail": self.base[8:]}
+
+    def load_state_dict(self, sd):
+        self.loaded = sd
+
+
+def test_a_stateful_of_overlapping_views_restores(tmp_path):
+    """The restore wrote a Stateful's own tensors in place where shape and dtype matched: into a broadcast
+    view (an expanded tensor, whose elements share one memory location) torch refuses to copy, and the
+    restore failed with its RuntimeError once the model had been written. Only contiguous tensors are
+    written in place; the others get new ones, bit for bit."""
+    saved = _Views(torch.arange(16.0))
+    model = _model()
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", save_mode="sync") as mgr:
+        mgr.save(1, {"model": model, "views": saved})
+        into = _Views(torch.zeros(16))
+        assert mgr.restore_latest({"model": _model(), "views": into}) == 1
+    assert {k: _bits(v) for k, v in into.loaded.items()} == {k: _bits(v) for k, v in saved.state_dict().items()}
+
+
 @pytest.mark.parametrize("flags", [{"requires_grad": ["extra/steps"]}, {"requires_grad": "extra/temp"},
                                    {"parameters": [["extra/temp"]]}], ids=["int-tensor", "not-a-list", "not-a-name"])
 def test_a_malformed_record_of_autograd_flags_is_refused_before_anything_is_written(tmp_path, flags):
