@@ -93,6 +93,23 @@ def test_sigterm_saves_the_step_it_came_in(script, tmp_path):
     assert losses["restored"] == 10 and int(tensors["global_step"]) == N
 
 
+def test_sigterm_during_validation_saves_the_step_before_it(script, tmp_path):
+    """A SIGTERM during the validation that follows a training step came after that step's
+    on_train_batch_end: Lightning ended fit from the validation loop and the callback saved nothing, so the
+    steps since the last periodic snapshot were lost (here step 8, snapshots every 3 steps: the run went
+    back to 6). The step is saved as fit ends, and the run resumed from it goes on bit for bit as the
+    uninterrupted one (Lightning skips the rest of that validation on resuming)."""
+    store = str(tmp_path / "store")
+    run_script("lightning_script", store, tmp_path / "term", "val-term", N, 8, expect=143)
+    s = ckpt.Store.open(store)
+    assert s.resolve("lit/latest") == s.resolve("lit/step-8") and s.verify().ok
+    full = script.train(str(tmp_path / "full-store"), str(tmp_path / "full"), "val-full", N)
+    losses, tensors = run_script("lightning_script", store, tmp_path / "resume", "val-resume", N)
+    assert losses.pop("restored") == 8
+    assert losses == {k: v for k, v in full[0].items() if k > 8}  # every loss after step 8, bit for bit
+    assert_same_bits(full[1], tensors)
+
+
 def test_fit_that_raises_finishes_the_snapshot_in_flight(script, tmp_path):
     """Lightning calls no teardown hook when ``fit`` raises: the manager was left open, its in-flight
     snapshot unwaited (an error in it never reported). on_exception finishes and closes it."""
