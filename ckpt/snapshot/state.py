@@ -33,6 +33,12 @@ class RNGState:
     Put one in the state (``{"rng": ckpt.RNGState()}``) to make resumption exact.
     Every rank's generators differ: a distributed snapshot keeps one copy per rank
     (:class:`PerRank`) and gives each rank its own back.
+
+    Restored on a machine with fewer GPUs than the one that saved it (or none), the generators
+    of the GPUs it lacks are left out where they were never drawn from since they were seeded
+    (a GPU the run did not use): the resumed run is exact all the same. Where one was drawn
+    from, the run cannot go on here as it would have, and :class:`~ckpt.snapshot.run.SnapshotError`
+    says so before any generator is set.
     """
 
     def state_dict(self) -> dict[str, Any]:
@@ -51,12 +57,35 @@ class RNGState:
         import numpy as np
         import torch
 
+        cuda = _cuda_states(state.get("cuda", []))  # checked before any generator is set
         random.setstate(_as_tuples(state["python"]))
         torch.set_rng_state(state["torch"])
         n = state["numpy"]
         np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(state["cuda"]))
+        for i, s in enumerate(cuda):
+            torch.cuda.set_rng_state(s, i)
+
+
+def _cuda_states(saved: Any) -> list[Any]:
+    """The saved CUDA generator states this machine has devices for; :class:`SnapshotError` where a
+    device it lacks had its generator drawn from (its state is seed and offset, 8 bytes each: the
+    offset is 0 until the first draw after seeding; a state of another layout counts as drawn from)."""
+    import torch
+
+    from ckpt.snapshot.run import SnapshotError
+
+    if not isinstance(saved, list) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in saved):
+        raise SnapshotError("the snapshot's record of the CUDA random number generators is malformed",
+                            hint="restore from another snapshot, or leave the RNGState out of the state")
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    drawn = [i for i, t in enumerate(saved[have:], have) if t.numel() != 16 or t[8:].any()]
+    if drawn:
+        raise SnapshotError(f"the snapshot's RNG state is of a machine with {len(saved)} GPUs, whose generator on "
+                            f"GPU {', '.join(map(str, drawn[:8]))} had been drawn from; this one has {have}: the run "
+                            "cannot go on here as it would have",
+                            hint=f"resume on a machine with {drawn[-1] + 1} GPUs or more; or, to go on without exact "
+                                 "randomness, restore the state without its RNGState")
+    return saved[:have]
 
 
 class PerRank:
