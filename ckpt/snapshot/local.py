@@ -28,8 +28,11 @@ from ckpt.snapshot.state import (
     Stateful,
     autograd_flags,
     autograd_flags_valid,
+    device_here,
     flatten,
     optimizers_in,
+    recorded_devices,
+    tensor_devices,
     tensor_refs,
     unflatten,
     with_autograd_flags,
@@ -74,6 +77,8 @@ class LocalSnapshots:
         """See :class:`~ckpt.snapshot.run.SnapshotPath`. ``fallback``: where to write the snapshot
         if writing it to this path's store fails (the durable store, when the local tier is full);
         the result then names the error (:attr:`SaveResult.fell_back`)."""
+        import torch
+
         tensors, tree = flatten(state)
         for name, t in tensors.items():
             storable_dtype(name, t)  # refused here, not in the background (where a local tier only warns)
@@ -99,7 +104,9 @@ class LocalSnapshots:
                 # the copies start after the work queued so far on each device, not later work
                 ready = {d: torch.cuda.current_stream(d).record_event() for d in devices}
         flags = autograd_flags(tensors)
-        record = {**snapshot, "tree": tree, **({"autograd": flags} if flags else {})}
+        # where the tensors a restore makes anew go (a module's are written in place, wherever they are)
+        devices = tensor_devices({n: t for n, t in tensors.items() if not isinstance(state[n.split("/")[0]], torch.nn.Module)})
+        record = {**snapshot, "tree": tree, **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {})}
 
         def job() -> SaveResult:
             try:
@@ -304,6 +311,7 @@ class LocalSnapshots:
         entries = {t.name: t for t in m.tensors}
         if not autograd_flags_valid(flags, {n: to_torch(e.dtype) for n, e in entries.items()}):
             raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of autograd flags is malformed")
+        devices = recorded_devices(snap.get("devices", {}))
         missing = sorted(set(state) - set(tree))
         if missing:
             raise TensorMismatchError(f"snapshot of step {snap['step']} has no {missing}", hint="restore a subset of keys")
@@ -347,7 +355,7 @@ class LocalSnapshots:
                         or t.untyped_storage().data_ptr() in used
                         or t.requires_grad != (n in flags.get("requires_grad", ()))
                         or isinstance(t, torch.nn.Parameter) != (n in flags.get("parameters", ()))):
-                    t = torch.empty(e.shape, dtype=to_torch(e.dtype))
+                    t = torch.empty(e.shape, dtype=to_torch(e.dtype), device=device_here(n, devices.get(n)))
                     fresh.append(n)
                 elif t.numel():
                     used.add(t.untyped_storage().data_ptr())

@@ -171,6 +171,56 @@ def autograd_flags_valid(flags: Any, dtypes: dict[str, Any]) -> bool:
     return all(n not in dtypes or dtypes[n].is_floating_point or dtypes[n].is_complex for n in flags.get("requires_grad", ()))
 
 
+def tensor_devices(tensors: dict[str, Any]) -> dict[str, list[str]]:
+    """The devices of :func:`flatten`'s tensors that are not on the CPU: names by device (``"cuda:0"``),
+    which a restore gives back to the tensors it makes (a plain value that lived on a GPU goes back there)."""
+    out: dict[str, list[str]] = {}
+    for n, t in sorted(tensors.items()):
+        if t.device.type != "cpu":
+            out.setdefault(str(t.device), []).append(n)
+    return out
+
+
+def recorded_devices(recorded: Any) -> dict[str, str]:
+    """The device of each tensor named in :func:`tensor_devices`' record, read from a snapshot;
+    :class:`~ckpt.snapshot.run.SnapshotError` where it is not what that function writes."""
+    from ckpt.snapshot.run import SnapshotError
+
+    if not isinstance(recorded, dict) or not all(isinstance(d, str) and isinstance(v, list) and all(isinstance(n, str) for n in v)
+                                                 for d, v in recorded.items()):
+        raise SnapshotError("the snapshot's record of tensor devices is malformed", hint="restore from another snapshot")
+    return {n: d for d, names in recorded.items() for n in names}
+
+
+def device_here(name: str, where: str | None) -> Any:
+    """The device to make tensor ``name`` on, saved from ``where`` (None: the CPU);
+    :class:`~ckpt.snapshot.run.SnapshotError` where this machine has no such device."""
+    import torch
+
+    from ckpt.snapshot.run import SnapshotError
+
+    if where is None:
+        return torch.device("cpu")
+    try:
+        device = torch.device(where)
+    except (RuntimeError, TypeError, ValueError):
+        raise SnapshotError(f"the snapshot's record of tensor devices is malformed: {where!r} is no device",
+                            hint="restore from another snapshot") from None
+    if device.type == "cuda":
+        present = torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+    elif device.type in ("cpu", "meta"):
+        present = device.type == "cpu"  # (a meta tensor holds no data to restore)
+    else:
+        try:
+            present = torch.empty(0, device=device) is not None
+        except (RuntimeError, AssertionError):
+            present = False
+    if not present:
+        raise SnapshotError(f"{name} was saved from {device}, which this machine lacks",
+                            hint=f"restore on a machine with {device}, or leave {name.split('/')[0]!r} out of the state")
+    return device
+
+
 def with_autograd_flags(name: str, t: Any, flags: dict[str, Any]) -> Any:
     """``t``, a fresh tensor restored as ``name``, with the flags :func:`autograd_flags` recorded for it."""
     import torch

@@ -572,6 +572,38 @@ def test_a_malformed_record_of_autograd_flags_is_refused_before_anything_is_writ
     assert {k: _bits(v) for k, v in model.state_dict().items()} == before
 
 
+@pytest.mark.parametrize("recorded", ["absent", "malformed", "not-a-device"])
+def test_a_tensor_from_a_device_this_machine_lacks_is_refused_before_anything_is_written(tmp_path, recorded):
+    """A plain-value tensor that lived on a GPU came back on the CPU (its device was not recorded), and the
+    resumed run mixed devices. Its device is recorded (CPU tensors are not: such a record has none) and the
+    restore makes it there; a device this machine lacks (here cuda:N, N its GPU count) is refused with a
+    SnapshotError naming it, as is a malformed record, before the model is touched."""
+    import copy
+    import dataclasses
+
+    from ckpt_store.storage.commit import commit
+
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        mgr.save(1, {"model": _model(), "extra": {"t": torch.arange(4.0), "n": 3}})
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    m = store.manifest("r/latest")
+    snap = copy.deepcopy(m.extra["snapshot"])
+    assert "devices" not in snap
+    lacking = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+    snap["devices"] = {"absent": {lacking: ["extra/t"]}, "malformed": {lacking: "extra/t"},
+                       "not-a-device": {"no such device": ["extra/t"]}}[recorded]
+    commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
+    model = _model()
+    torch.nn.init.zeros_(model[0].weight)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        with pytest.raises(SnapshotError, match=f"extra/t was saved from {lacking}, which this machine lacks"
+                           if recorded == "absent" else "record of tensor devices is malformed") as e:
+            mgr.restore_latest({"model": model, "extra": None})
+    assert not model[0].weight.any()
+    if recorded == "absent":
+        assert lacking in e.value.hint and "'extra'" in e.value.hint
+
+
 @pytest.mark.parametrize("value", ["defaultdict", "counter", "nested"])
 def test_dicts_with_defaults_are_refused_not_restored_as_plain_dicts(tmp_path, value):
     """A defaultdict (or Counter) in the state came back a plain dict: the resumed loop's
