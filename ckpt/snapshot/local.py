@@ -21,7 +21,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ckpt.errors import TensorMismatchError
+from ckpt.errors import CkptError, TensorMismatchError
 from ckpt.format.manifest import TensorEntry
 from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveJob, SaveResult, SnapshotError, SnapshotRun, modified_under_save
 from ckpt.snapshot.state import (
@@ -307,6 +307,9 @@ class LocalSnapshots:
         if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or not isinstance(snap.get("tree"), dict):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")
         tree: dict[str, Any] = snap["tree"]
+        step = snap.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's step ({step!r:.40}) is malformed")
         flags = snap.get("autograd", {})
         entries = {t.name: t for t in m.tensors}
         if not autograd_flags_valid(flags, {n: to_torch(e.dtype) for n, e in entries.items()}):
@@ -314,15 +317,19 @@ class LocalSnapshots:
         devices = recorded_devices(snap.get("devices", {}))
         missing = sorted(set(state) - set(tree))
         if missing:
-            raise TensorMismatchError(f"snapshot of step {snap['step']} has no {missing}", hint="restore a subset of keys")
+            raise TensorMismatchError(f"snapshot of step {step} has no {missing}", hint="restore a subset of keys")
         for key in state:  # a damaged (or foreign) record fails here, before anything is written
             node = tree[key]
             if not isinstance(node, dict) or node.get("kind") not in ("stateful", "value") or "value" not in node:
                 raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} is malformed")
-            unknown = [n for n in tensor_refs(node["value"]) if n not in entries]
+            unknown = [n for n in tensor_refs(node["value"]) if not isinstance(n, str) or n not in entries]
             if unknown:
                 raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} names tensors it does not "
-                                    f"hold ({', '.join(map(repr, unknown[:3]))})")
+                                    f"hold ({', '.join(repr(n)[:80] for n in unknown[:3])})")
+            try:  # its structure (decoded again, with the tensors, once they are written)
+                unflatten(node["value"], _Nothing())
+            except CkptError as e:
+                raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} is malformed ({e})") from None
         pairs: list[tuple[TensorEntry, torch.Tensor]] = []
         decoded: dict[str, torch.Tensor] = {}
         fresh: list[str] = []  # tensors made for the restore: they get the saved autograd flags
@@ -376,7 +383,7 @@ class LocalSnapshots:
                 obj.load_state_dict(restored)
             else:
                 state[key] = restored
-        return int(snap["step"])
+        return step
 
 
 def _check_param_groups(key: str, obj: Any, saved: Any) -> None:

@@ -623,10 +623,13 @@ def test_dicts_with_defaults_are_refused_not_restored_as_plain_dicts(tmp_path, v
     assert [r for r in ckpt.Store.open(str(tmp_path / "s")).refs() if "step-1" in r] == []
 
 
-@pytest.mark.parametrize("damage", ["kind", "tensor"])
+@pytest.mark.parametrize("damage", ["kind", "tensor", "tensor-name", "tag", "step-missing", "step-text", "step-float"])
 def test_a_snapshot_record_naming_what_it_lacks_is_refused_before_anything_is_written(tmp_path, damage):
     """A snapshot manifest (content-addressed, so it verifies) whose record is damaged or foreign: a key
-    without its kind, or a tensor the manifest does not hold. Before, KeyError tracebacks."""
+    without its kind, or a tensor the manifest does not hold. Before, KeyError tracebacks. Also a tensor
+    named by something else than a string (a raw TypeError), a tagged value that does not decode (its
+    StoreFormatError came once every tensor was written) and a step that is no int (KeyError, ValueError
+    or TypeError once every tensor was written, and 1.5 was restored as step 1)."""
     import copy
     import dataclasses
 
@@ -641,17 +644,25 @@ def test_a_snapshot_record_naming_what_it_lacks_is_refused_before_anything_is_wr
     store = ckpt.Store.open(str(tmp_path / "s"))
     m = store.manifest("r/latest")
     snap = copy.deepcopy(m.extra["snapshot"])
+    text = json.dumps(snap)
+    assert text.count('{"__tensor__": "optim/state/0/exp_avg"}') == 1
     if damage == "kind":
         del snap["tree"]["model"]["kind"]
+    elif damage in ("tensor", "tensor-name"):
+        other = '"optim/elsewhere"' if damage == "tensor" else '["optim/state/0/exp_avg"]'
+        snap = json.loads(text.replace('{"__tensor__": "optim/state/0/exp_avg"}', '{"__tensor__": %s}' % other))
+    elif damage == "tag":
+        snap["tree"]["optim"]["value"]["param_groups"] = {"__tuple__": 5}
+    elif damage == "step-missing":
+        del snap["step"]
     else:
-        text = json.dumps(snap)
-        assert text.count('{"__tensor__": "optim/state/0/exp_avg"}') == 1
-        snap = json.loads(text.replace('{"__tensor__": "optim/state/0/exp_avg"}', '{"__tensor__": "optim/elsewhere"}'))
+        snap["step"] = "1" if damage == "step-text" else 1.5
     commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
     opt2 = torch.optim.AdamW(model2.parameters())
     before = _state_bits(model2, opt2)
     with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
-        with pytest.raises(SnapshotError, match="record of '(model|optim)' (is malformed|names tensors it does not hold)"):
+        with pytest.raises(SnapshotError, match="record of '(model|optim)' (is malformed|names tensors it does not hold)"
+                           if not damage.startswith("step") else "the snapshot's step .* is malformed"):
             mgr.restore_latest({"model": model2, "optim": opt2})
     assert _state_bits(model2, opt2) == before and not opt2.state
 
