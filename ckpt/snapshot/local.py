@@ -322,6 +322,13 @@ class LocalSnapshots:
             node = tree[key]
             if not isinstance(node, dict) or node.get("kind") not in ("stateful", "value") or "value" not in node:
                 raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} is malformed")
+            obj = state[key]
+            if node["kind"] == "value" and isinstance(obj, Stateful) and not isinstance(obj, (type, torch.nn.Module)):
+                # A plain value restored replaces the entry of the state dict: this object would be left as it is.
+                raise TensorMismatchError(f"snapshot of step {step} holds {key!r} as a plain value, not as the state of an "
+                                          f"object with state_dict()/load_state_dict(): this {type(obj).__name__} would "
+                                          "not be restored", hint=f"pass {key!r}: None to get the value back, and load it "
+                                                                  "into the object yourself; or save the object itself")
             unknown = [n for n in tensor_refs(node["value"]) if not isinstance(n, str) or n not in entries]
             if unknown:
                 raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} names tensors it does not "

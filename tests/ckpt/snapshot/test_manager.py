@@ -667,6 +667,30 @@ def test_a_snapshot_record_naming_what_it_lacks_is_refused_before_anything_is_wr
     assert _state_bits(model2, opt2) == before and not opt2.state
 
 
+def test_an_object_given_for_a_value_the_snapshot_holds_is_refused(tmp_path):
+    """Saved as ``{"optim": opt.state_dict()}`` (a plain value) and restored into ``{"optim": opt}``: the restore
+    replaced the optimizer in the caller's dict with the saved dict and left the optimizer itself fresh, without
+    a word (the training loop holds the optimizer, not the dict). Refused before anything is written."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        mgr.save(1, {"model": model, "optim": opt.state_dict()})
+    model2 = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    opt2 = torch.optim.AdamW(model2.parameters())
+    before = _state_bits(model2, opt2)
+    state = {"model": model2, "optim": opt2}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        with pytest.raises(TensorMismatchError, match="holds 'optim' as a plain value.*this AdamW would not be restored") as e:
+            mgr.restore_latest(state)
+        assert "None" in e.value.hint
+        assert state["optim"] is opt2 and _state_bits(model2, opt2) == before
+        state = {"model": model2, "optim": None}  # the value itself, as the hint says
+        assert mgr.restore_latest(state) == 1
+    opt2.load_state_dict(state["optim"])
+    assert _state_bits(model2, opt2) == _state_bits(model, opt)
+
+
 def test_valid_settings_are_kept(tmp_path):
     mgr = ckpt.CheckpointManager(str(tmp_path / "s"), "r", every_n_steps=1, keep_last=1, keep_every=1000,
                                  keep_best=ckpt.KeepBest("loss", "max", 2), preempt_exit_code=0)
