@@ -57,11 +57,24 @@ class RNGState:
         import numpy as np
         import torch
 
+        from ckpt.snapshot.run import SnapshotError
+
+        if not isinstance(state, dict):
+            raise SnapshotError("the snapshot's RNG state is malformed: not a record", hint="restore from another snapshot")
         cuda = _cuda_states(state.get("cuda", []))  # checked before any generator is set
-        random.setstate(_as_tuples(state["python"]))
+        try:  # each state is tried on a generator of its own first: a damaged one sets none of them
+            python = _as_tuples(state["python"])
+            random.Random().setstate(python)
+            torch.Generator().set_state(state["torch"])
+            n = state["numpy"]
+            np_state = (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
+            np.random.RandomState().set_state(np_state)
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+            raise SnapshotError(f"the snapshot's RNG state is malformed ({type(e).__name__}: {e})",
+                                hint="restore from another snapshot") from None
+        random.setstate(python)
         torch.set_rng_state(state["torch"])
-        n = state["numpy"]
-        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+        np.random.set_state(np_state)
         for i, s in enumerate(cuda):
             torch.cuda.set_rng_state(s, i)
 

@@ -138,3 +138,34 @@ def test_rng_state_of_a_machine_with_more_gpus(tmp_path, monkeypatch, offsets):
         else:
             assert mgr.restore_latest({"rng": RNGState()}) == 1
             assert torch.equal(torch.rand(3), want)
+
+
+@pytest.mark.parametrize("damage", ["python", "numpy-kind", "numpy-missing", "torch", "not-a-record"])
+def test_a_damaged_rng_state_is_refused_and_sets_no_generator(damage):
+    """An RNG state read from a store is outside data: a damaged one raised raw ValueError, KeyError or
+    AttributeError from random/NumPy/torch, after setting the generators before it (Python's set, NumPy's
+    not). SnapshotError, and every generator as it was."""
+    import random
+
+    from ckpt.snapshot.manager import SnapshotError
+
+    tensors, tree = flatten({"rng": RNGState()})
+    state = unflatten(tree["rng"]["value"], tensors)
+    if damage == "python":
+        state["python"] = (1, (2,), None)
+    elif damage == "numpy-kind":
+        state["numpy"]["kind"] = "PCG64"
+    elif damage == "numpy-missing":
+        del state["numpy"]
+    elif damage == "torch":
+        state["torch"] = state["torch"][:100]
+    else:
+        state = [state]
+    random.seed(3)
+    np.random.seed(3)
+    torch.manual_seed(3)
+    before = (random.getstate(), np.random.get_state()[1].tobytes(), torch.get_rng_state())
+    with pytest.raises(SnapshotError, match="RNG state is malformed"):
+        RNGState().load_state_dict(state)
+    assert random.getstate() == before[0] and np.random.get_state()[1].tobytes() == before[1]
+    assert torch.equal(torch.get_rng_state(), before[2])
