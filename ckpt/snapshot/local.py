@@ -351,6 +351,13 @@ class LocalSnapshots:
                 if extra or absent:
                     raise TensorMismatchError(f"{key}: snapshot and module differ: not in module {extra[:10]}, "
                                               f"not in snapshot {absent[:10]}")
+                # a broadcast view (expand()): its elements share memory, which torch refuses to copy into
+                shared = [n for n, t in live.items() if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape))]
+                if shared:
+                    raise TensorMismatchError(f"{key}: {', '.join(shared[:3])} {'is a view' if len(shared) == 1 else 'are views'}"
+                                              " whose elements share memory (expand()): nothing can be restored into it",
+                                              hint="give the module a tensor of its own there (.clone()), as torch's "
+                                                   "load_state_dict needs too")
                 pairs += [(entries[n], live[n]) for n in names]  # straight into the parameters
                 used.update(t.untyped_storage().data_ptr() for t in live.values() if t.numel())
                 continue

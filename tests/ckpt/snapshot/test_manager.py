@@ -546,6 +546,25 @@ def test_a_stateful_of_overlapping_views_restores(tmp_path):
     assert {k: _bits(v) for k, v in into.loaded.items()} == {k: _bits(v) for k, v in saved.state_dict().items()}
 
 
+def test_a_module_with_a_broadcast_buffer_is_refused_before_anything_is_written(tmp_path):
+    """A module whose buffer is a broadcast view (``expand()``: every element one memory location) cannot be
+    restored into, by torch's load_state_dict either: the restore raised torch's RuntimeError once the other
+    tensors had been written. Refused first, naming the buffer."""
+
+    class Broadcast(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.ones(1).expand(8))
+
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", save_mode="sync") as mgr:
+        mgr.save(1, {"model": _model(), "broadcast": Broadcast()})
+        model = _model()
+        torch.nn.init.zeros_(model[0].weight)
+        with pytest.raises(TensorMismatchError, match="broadcast/scale is a view whose elements share memory"):
+            mgr.restore_latest({"model": model, "broadcast": Broadcast()})
+    assert not model[0].weight.any()
+
+
 @pytest.mark.parametrize("flags", [{"requires_grad": ["extra/steps"]}, {"requires_grad": "extra/temp"},
                                    {"parameters": [["extra/temp"]]}], ids=["int-tensor", "not-a-list", "not-a-name"])
 def test_a_malformed_record_of_autograd_flags_is_refused_before_anything_is_written(tmp_path, flags):
