@@ -394,7 +394,15 @@ class LocalSnapshots:
         for key, obj, kind, value in loaders:
             restored = unflatten(value, decoded)
             if kind == "stateful" and isinstance(obj, Stateful):
-                obj.load_state_dict(restored)
+                try:
+                    obj.load_state_dict(restored)
+                except CkptError:
+                    raise
+                except Exception as e:  # a record that does not fit the object (damaged, or of another kind of object)
+                    raise SnapshotError(f"checkpoint {mid[:12]}: {key!r} ({type(obj).__name__}) did not take the snapshot's "
+                                        f"state: its load_state_dict raised {type(e).__name__}: {str(e)[:200]}",
+                                        hint="restore into objects like those saved, or from another snapshot; what "
+                                             "was restored before it has been written") from e
             else:
                 state[key] = restored
         return step

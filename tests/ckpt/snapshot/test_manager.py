@@ -710,6 +710,31 @@ def test_an_object_given_for_a_value_the_snapshot_holds_is_refused(tmp_path):
     assert _state_bits(model2, opt2) == _state_bits(model, opt)
 
 
+def test_a_record_that_an_objects_load_state_dict_rejects_is_a_snapshot_error(tmp_path):
+    """A scheduler's record damaged into another JSON value (it decodes, so the pre-check passes it): its
+    load_state_dict raised a raw TypeError. A SnapshotError names the key and the object, from the error."""
+    import copy
+    import dataclasses
+
+    from ckpt_store.storage.commit import commit
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        mgr.save(1, {"model": model, "optim": opt, "sched": sched})
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    m = store.manifest("r/latest")
+    snap = copy.deepcopy(m.extra["snapshot"])
+    snap["tree"]["sched"]["value"] = [1, 2]
+    commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        with pytest.raises(SnapshotError, match="'sched' \\(StepLR\\) did not take the snapshot's state: its "
+                                                "load_state_dict raised TypeError") as e:
+            mgr.restore_latest({"model": model, "optim": opt, "sched": sched})
+    assert isinstance(e.value.__cause__, TypeError)
+
+
 def test_valid_settings_are_kept(tmp_path):
     mgr = ckpt.CheckpointManager(str(tmp_path / "s"), "r", every_n_steps=1, keep_last=1, keep_every=1000,
                                  keep_best=ckpt.KeepBest("loss", "max", 2), preempt_exit_code=0)
