@@ -299,6 +299,37 @@ def test_a_malformed_snapshot_is_refused_before_the_model_is_touched(script, tmp
     cb.close()
 
 
+@pytest.mark.parametrize("step", ["2", None, 2.5, -1], ids=["text", "null", "float", "negative"])
+def test_a_latest_snapshot_whose_step_is_no_step_is_refused(script, tmp_path, step):
+    """resume_dir read RUN/latest's step with int(): text raised a raw ValueError, null a TypeError, and
+    2.5 resumed as step 2. SnapshotError, the model untouched."""
+    import copy
+    import dataclasses
+
+    from transformers import Trainer, TrainingArguments
+
+    from ckpt.snapshot.manager import SnapshotError
+    from ckpt_store.storage.commit import commit
+
+    store = str(tmp_path / "store")
+    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=1, n_head=1, n_embd=8, vocab_size=64, n_positions=16))
+    with ckpt.CheckpointManager(store, "hf", save_mode="sync") as mgr:
+        mgr.save(2, {"model": model, "trainer_state": {"global_step": 2}, "data": {}})
+    s = ckpt.Store.open(store)
+    m = s.manifest("hf/latest")
+    snap = {**copy.deepcopy(m.extra["snapshot"]), "step": step}
+    commit(s.objects, s.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "hf/latest")
+    torch.nn.init.zeros_(model.transformer.wte.weight)
+    cb = script.CkptCallback(store, "hf", every_n_steps=2)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=4,
+                             per_device_train_batch_size=4, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=[], callbacks=[cb])
+    with pytest.raises(SnapshotError, match="hf/latest is not a snapshot"):
+        cb.resume_dir(trainer)
+    assert not model.transformer.wte.weight.any() and cb.restored_step is None
+    cb.close()
+
+
 def test_following_save_strategy_no_is_refused(script, tmp_path):
     """``every_n_steps=None`` follows ``save_strategy``; with the README's ``save_strategy="no"`` the run
     trained to the end with no snapshot at all, and no word about it."""
