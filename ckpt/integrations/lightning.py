@@ -17,7 +17,14 @@ own restart logic picks up at the next batch. On SIGTERM (preemption), which Lig
 turns into the end of ``fit`` after the current batch (its ``SIGTERMException``, a
 ``SystemExit`` of status 0), that batch's step is saved too, and once that snapshot is
 durable the exception carries status 143 (``preempt_exit_code``): a scheduler reads the
-job as killed and requeues it, where 0 would read as finished.
+job as killed and requeues it, where 0 would read as finished. A SIGTERM that comes after
+the batch's end (during the validation that follows it, or at the end of the epoch) ends
+``fit`` there; that step is saved then, as it stood when its batch ended: the loop position
+and RNG states are those taken at ``on_train_batch_end`` (a few small copies per batch), the
+rest has not changed since. The state in the middle of validation cannot be resumed exactly:
+Lightning would resume it as a run that had finished the step's validation, and at an
+epoch's end it then draws one more shuffle from the RNG than the uninterrupted run does.
+Resumed, the step's validation is skipped, as for every snapshot taken at a batch's end.
 Resuming happens in ``on_fit_start``: after the strategy has built the optimizers and
 moved the model, before the first batch; tensors are decoded straight into the live
 parameters and optimizer state.
@@ -36,6 +43,7 @@ Not stored: anything a LightningModule adds in ``on_save_checkpoint`` (give it a
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -53,16 +61,27 @@ log = logging.getLogger(__name__)
 
 
 class _FitLoop:
-    """The fit loop's progress counters as a Stateful (Lightning's ``checkpoint["loops"]["fit_loop"]``)."""
+    """The fit loop's progress counters as a Stateful (Lightning's ``checkpoint["loops"]["fit_loop"]``);
+    ``saved``: those taken earlier, saved instead of the loop's own now."""
 
-    def __init__(self, trainer: pl.Trainer) -> None:
-        self.trainer = trainer
+    def __init__(self, trainer: pl.Trainer, saved: dict[str, Any] | None = None) -> None:
+        self.trainer, self.saved = trainer, saved
 
     def state_dict(self) -> dict[str, Any]:
-        return self.trainer.fit_loop.state_dict()
+        return self.saved if self.saved is not None else self.trainer.fit_loop.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.trainer.fit_loop.load_state_dict(state)
+
+
+class _RNGTaken(RNGState):
+    """The RNG states taken earlier (a snapshot of them), saved as an RNGState's."""
+
+    def __init__(self, taken: dict[str, Any]) -> None:
+        self.taken = taken
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.taken
 
 
 class _Callbacks:
@@ -118,22 +137,39 @@ class CkptCallback(pl.Callback):
         self.restored_step: int | None = None
         self._last_saved: int | None = None
         self._batch_start_step: int | None = None
+        # (step, fit loop state, RNG states) as the last training batch that stepped the optimizer ended: what a
+        # final snapshot records when the SIGTERM comes after that (during validation, at the epoch's end)
+        self._batch_end: tuple[int, dict[str, Any], dict[str, Any]] | None = None
         self._restored_data: Any = None  # the data position recorded with the snapshot resumed from
 
-    def _state(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    def _state(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_end: bool = False) -> dict[str, Any]:
         state: dict[str, Any] = {"model": pl_module}
         for i, opt in enumerate(trainer.optimizers):
             state[f"optimizer{i}"] = opt
         for i, config in enumerate(trainer.lr_scheduler_configs):
             state[f"scheduler{i}"] = config.scheduler
         state["precision"] = trainer.precision_plugin
-        state["loops"] = _FitLoop(trainer)
+        taken = self._batch_end if batch_end else None
+        state["loops"] = _FitLoop(trainer, taken[1] if taken else None)
         state["callbacks"] = _Callbacks(trainer, self)
-        state["rng"] = RNGState()
+        state["rng"] = _RNGTaken(taken[2]) if taken else RNGState()
         # Not restored into the trainer: kept to check that a resume lands where the run stopped.
         state["trainer"] = {"global_step": trainer.global_step, "epoch": trainer.current_epoch,
                             "data": _data_position(trainer)}
         return state
+
+    def _latest(self) -> str | None:
+        """What ``restore_latest`` would resume, in words ("step 6"), or None where the run has no snapshot."""
+        from ckpt.errors import RefNotFoundError
+        from ckpt.snapshot.tiers import snapshot_step
+
+        assert self.manager is not None
+        try:
+            m = self.manager.store.manifest(f"{self.run}/latest")
+        except RefNotFoundError:
+            return None
+        step = snapshot_step(m)
+        return f"step {step}" if step is not None else "its latest snapshot"
 
     def _check_data_position(self, trainer: pl.Trainer) -> None:
         """Refuse to go on from a snapshot with another batch size or epoch length where the loop's place in
@@ -171,17 +207,19 @@ class CkptCallback(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.manager is not None
-        state = self._state(trainer, pl_module)
-        self.restored_step = self.manager.restore_latest(state) if self.resume else None
-        if self.restored_step is not None and trainer.ckpt_path is not None:
+        latest = self._latest() if self.resume and trainer.ckpt_path is not None else None
+        if latest is not None:
             # Lightning restored the module from it before this hook and restores the optimizers, schedulers
             # and loop position from it after: the run would go on with the snapshot's weights and the rest of it.
+            # Refused before the snapshot is restored: the module keeps what Lightning gave it, the RNG its state.
             raise SnapshotError(f"trainer.fit(ckpt_path={trainer.ckpt_path!r}) resumes from that checkpoint, and this "
-                                f"callback from step {self.restored_step} of {self.run!r}: the run would mix the two",
+                                f"callback from {latest} of {self.run!r}: the run would mix the two",
                                 hint="pass CkptCallback(..., resume=False) to resume from the Lightning checkpoint, "
                                      "its next snapshots going to the store; or leave out ckpt_path (on SLURM, "
                                      "Lightning's auto-requeue sets it to its hpc checkpoint: pass "
                                      "plugins=[SLURMEnvironment(auto_requeue=False)], this callback handles preemption)")
+        state = self._state(trainer, pl_module)
+        self.restored_step = self.manager.restore_latest(state) if self.resume else None
         if self.restored_step is not None:
             log.info("resumed %s from step %d", self.run, self.restored_step)
             recorded = state["trainer"]  # the snapshot's (restore replaced the value)
@@ -197,20 +235,26 @@ class CkptCallback(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
+        stepped = step != self._batch_start_step
         # Preempted (SIGTERM): Lightning ends fit after this batch; save it too, if the optimizer
         # stepped in it (mid-accumulation the partial gradients could not be resumed).
-        final = trainer.received_sigterm and step != self._batch_start_step
+        final = trainer.received_sigterm and stepped
         # Several batches share a global step under gradient accumulation: save once.
         if (step % self.every_n_steps == 0 or final) and step != self._last_saved:
             self.save(trainer, pl_module)
+        elif stepped:
+            self._batch_end = (step, copy.deepcopy(trainer.fit_loop.state_dict()), RNGState().state_dict())
 
     def save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Snapshot now as step ``trainer.global_step`` (returns once staged)."""
+        self._save(trainer, pl_module)
+
+    def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_end: bool = False) -> None:
         if self.manager is None:
             raise SnapshotError("CkptCallback.save() is called from within trainer.fit (which sets the callback up)",
                                 hint="call it from a hook or the module's training code while fit runs")
         metrics = {k: float(trainer.callback_metrics[k]) for k in self.metrics if k in trainer.callback_metrics}
-        self.manager.save(trainer.global_step, self._state(trainer, pl_module), metrics)
+        self.manager.save(trainer.global_step, self._state(trainer, pl_module, batch_end), metrics)
         self._last_saved = trainer.global_step
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -221,6 +265,14 @@ class CkptCallback(pl.Callback):
         # Lightning calls no teardown hook when fit raises: the in-flight snapshot is finished here.
         if self.manager is None:
             return
+        step = trainer.global_step
+        if isinstance(exception, SIGTERMException) and self._batch_end is not None and self._batch_end[0] == step != self._last_saved:
+            # The signal came after the step's on_train_batch_end (during validation, at the epoch's end), and
+            # Lightning ended fit from there: the step is saved now, as its batch ended (see the module docstring).
+            try:
+                self._save(trainer, pl_module, batch_end=True)
+            except Exception:  # noqa: BLE001 - do not mask the exception that ends fit
+                log.exception("final snapshot of %s at step %d failed", self.run, step)
         manager, self.manager = self.manager, None
         try:
             manager.close()

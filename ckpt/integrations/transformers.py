@@ -49,6 +49,7 @@ from ckpt.errors import RefNotFoundError, TensorMismatchError
 from ckpt.snapshot.manager import CheckpointManager, SnapshotError
 from ckpt.snapshot.retention import KeepBest
 from ckpt.snapshot.state import RNGState
+from ckpt.snapshot.tiers import snapshot_step
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,10 @@ class CkptCallback(TrainerCallback):
                 m = self.manager.store.manifest(f"{self.manager.run}/latest")
             except RefNotFoundError:
                 return None
-            step = int((m.extra.get("snapshot") or {}).get("step", -1))
-            if step < 0:
-                raise SnapshotError(f"{self.manager.run}/latest is not a snapshot")
+            found = snapshot_step(m)
+            if found is None or found < 0:  # (a record read from the store: anything but a step is refused)
+                raise SnapshotError(f"{self.manager.run}/latest is not a snapshot", hint="resume_dir(trainer, step=N)")
+            step = found
         if os.path.lexists(out) and not os.path.isdir(out):
             raise SnapshotError(f"{out} exists and is not a directory", hint="pass resume_dir(trainer, dest=...) a new or empty directory")
         if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, _MARKER)):
@@ -294,8 +296,8 @@ class CkptCallback(TrainerCallback):
         out: dict[str, Any] = json.loads(json.dumps(dataclasses.asdict(state)))
         handler = getattr(self._trainer, "callback_handler", None)
         stateful = [cb for cb in (handler.callbacks if handler else []) if isinstance(cb, ExportableState)]
-        for cb in [*stateful, control]:
-            out.setdefault("stateful_callbacks", {})[type(cb).__name__] = cb.state()
+        # As the Trainer records them (TrainerState builds the record): several callbacks of one class as a list.
+        out.setdefault("stateful_callbacks", {}).update(TrainerState(stateful_callbacks=[*stateful, control]).stateful_callbacks)
         return out
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:

@@ -21,15 +21,18 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ckpt.errors import TensorMismatchError
+from ckpt.errors import CkptError, TensorMismatchError
 from ckpt.format.manifest import TensorEntry
 from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveJob, SaveResult, SnapshotError, SnapshotRun, modified_under_save
 from ckpt.snapshot.state import (
     Stateful,
     autograd_flags,
     autograd_flags_valid,
+    device_here,
     flatten,
     optimizers_in,
+    recorded_devices,
+    tensor_devices,
     tensor_refs,
     unflatten,
     with_autograd_flags,
@@ -74,6 +77,8 @@ class LocalSnapshots:
         """See :class:`~ckpt.snapshot.run.SnapshotPath`. ``fallback``: where to write the snapshot
         if writing it to this path's store fails (the durable store, when the local tier is full);
         the result then names the error (:attr:`SaveResult.fell_back`)."""
+        import torch
+
         tensors, tree = flatten(state)
         for name, t in tensors.items():
             storable_dtype(name, t)  # refused here, not in the background (where a local tier only warns)
@@ -99,7 +104,9 @@ class LocalSnapshots:
                 # the copies start after the work queued so far on each device, not later work
                 ready = {d: torch.cuda.current_stream(d).record_event() for d in devices}
         flags = autograd_flags(tensors)
-        record = {**snapshot, "tree": tree, **({"autograd": flags} if flags else {})}
+        # where the tensors a restore makes anew go (a module's are written in place, wherever they are)
+        devices = tensor_devices({n: t for n, t in tensors.items() if not isinstance(state[n.split("/")[0]], torch.nn.Module)})
+        record = {**snapshot, "tree": tree, **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {})}
 
         def job() -> SaveResult:
             try:
@@ -300,21 +307,36 @@ class LocalSnapshots:
         if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or not isinstance(snap.get("tree"), dict):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")
         tree: dict[str, Any] = snap["tree"]
+        step = snap.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's step ({step!r:.40}) is malformed")
         flags = snap.get("autograd", {})
         entries = {t.name: t for t in m.tensors}
         if not autograd_flags_valid(flags, {n: to_torch(e.dtype) for n, e in entries.items()}):
             raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of autograd flags is malformed")
+        devices = recorded_devices(snap.get("devices", {}))
         missing = sorted(set(state) - set(tree))
         if missing:
-            raise TensorMismatchError(f"snapshot of step {snap['step']} has no {missing}", hint="restore a subset of keys")
+            raise TensorMismatchError(f"snapshot of step {step} has no {missing}", hint="restore a subset of keys")
         for key in state:  # a damaged (or foreign) record fails here, before anything is written
             node = tree[key]
             if not isinstance(node, dict) or node.get("kind") not in ("stateful", "value") or "value" not in node:
                 raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} is malformed")
-            unknown = [n for n in tensor_refs(node["value"]) if n not in entries]
+            obj = state[key]
+            if node["kind"] == "value" and isinstance(obj, Stateful) and not isinstance(obj, (type, torch.nn.Module)):
+                # A plain value restored replaces the entry of the state dict: this object would be left as it is.
+                raise TensorMismatchError(f"snapshot of step {step} holds {key!r} as a plain value, not as the state of an "
+                                          f"object with state_dict()/load_state_dict(): this {type(obj).__name__} would "
+                                          "not be restored", hint=f"pass {key!r}: None to get the value back, and load it "
+                                                                  "into the object yourself; or save the object itself")
+            unknown = [n for n in tensor_refs(node["value"]) if not isinstance(n, str) or n not in entries]
             if unknown:
                 raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} names tensors it does not "
-                                    f"hold ({', '.join(map(repr, unknown[:3]))})")
+                                    f"hold ({', '.join(repr(n)[:80] for n in unknown[:3])})")
+            try:  # its structure (decoded again, with the tensors, once they are written)
+                unflatten(node["value"], _Nothing())
+            except CkptError as e:
+                raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} is malformed ({e})") from None
         pairs: list[tuple[TensorEntry, torch.Tensor]] = []
         decoded: dict[str, torch.Tensor] = {}
         fresh: list[str] = []  # tensors made for the restore: they get the saved autograd flags
@@ -329,6 +351,13 @@ class LocalSnapshots:
                 if extra or absent:
                     raise TensorMismatchError(f"{key}: snapshot and module differ: not in module {extra[:10]}, "
                                               f"not in snapshot {absent[:10]}")
+                # a broadcast view (expand()): its elements share memory, which torch refuses to copy into
+                shared = [n for n, t in live.items() if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape))]
+                if shared:
+                    raise TensorMismatchError(f"{key}: {', '.join(shared[:3])} {'is a view' if len(shared) == 1 else 'are views'}"
+                                              " whose elements share memory (expand()): nothing can be restored into it",
+                                              hint="give the module a tensor of its own there (.clone()), as torch's "
+                                                   "load_state_dict needs too")
                 pairs += [(entries[n], live[n]) for n in names]  # straight into the parameters
                 used.update(t.untyped_storage().data_ptr() for t in live.values() if t.numel())
                 continue
@@ -341,11 +370,13 @@ class LocalSnapshots:
             for n in names:
                 e = entries[n]
                 t = live_t.get(n)
-                if (t is None or tuple(t.shape) != e.shape or t.dtype != to_torch(e.dtype)
+                # (only a contiguous tensor: one that is a view, broadcast say, may share memory between
+                # its elements, which torch refuses to copy into)
+                if (t is None or tuple(t.shape) != e.shape or t.dtype != to_torch(e.dtype) or not t.is_contiguous()
                         or t.untyped_storage().data_ptr() in used
                         or t.requires_grad != (n in flags.get("requires_grad", ()))
                         or isinstance(t, torch.nn.Parameter) != (n in flags.get("parameters", ()))):
-                    t = torch.empty(e.shape, dtype=to_torch(e.dtype))
+                    t = torch.empty(e.shape, dtype=to_torch(e.dtype), device=device_here(n, devices.get(n)))
                     fresh.append(n)
                 elif t.numel():
                     used.add(t.untyped_storage().data_ptr())
@@ -363,10 +394,18 @@ class LocalSnapshots:
         for key, obj, kind, value in loaders:
             restored = unflatten(value, decoded)
             if kind == "stateful" and isinstance(obj, Stateful):
-                obj.load_state_dict(restored)
+                try:
+                    obj.load_state_dict(restored)
+                except CkptError:
+                    raise
+                except Exception as e:  # a record that does not fit the object (damaged, or of another kind of object)
+                    raise SnapshotError(f"checkpoint {mid[:12]}: {key!r} ({type(obj).__name__}) did not take the snapshot's "
+                                        f"state: its load_state_dict raised {type(e).__name__}: {str(e)[:200]}",
+                                        hint="restore into objects like those saved, or from another snapshot; what "
+                                             "was restored before it has been written") from e
             else:
                 state[key] = restored
-        return int(snap["step"])
+        return step
 
 
 def _check_param_groups(key: str, obj: Any, saved: Any) -> None:

@@ -33,6 +33,12 @@ class RNGState:
     Put one in the state (``{"rng": ckpt.RNGState()}``) to make resumption exact.
     Every rank's generators differ: a distributed snapshot keeps one copy per rank
     (:class:`PerRank`) and gives each rank its own back.
+
+    Restored on a machine with fewer GPUs than the one that saved it (or none), the generators
+    of the GPUs it lacks are left out where they were never drawn from since they were seeded
+    (a GPU the run did not use): the resumed run is exact all the same. Where one was drawn
+    from, the run cannot go on here as it would have, and :class:`~ckpt.snapshot.run.SnapshotError`
+    says so before any generator is set.
     """
 
     def state_dict(self) -> dict[str, Any]:
@@ -51,12 +57,48 @@ class RNGState:
         import numpy as np
         import torch
 
-        random.setstate(_as_tuples(state["python"]))
+        from ckpt.snapshot.run import SnapshotError
+
+        if not isinstance(state, dict):
+            raise SnapshotError("the snapshot's RNG state is malformed: not a record", hint="restore from another snapshot")
+        cuda = _cuda_states(state.get("cuda", []))  # checked before any generator is set
+        try:  # each state is tried on a generator of its own first: a damaged one sets none of them
+            python = _as_tuples(state["python"])
+            random.Random().setstate(python)
+            torch.Generator().set_state(state["torch"])
+            n = state["numpy"]
+            np_state = (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
+            np.random.RandomState().set_state(np_state)
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+            raise SnapshotError(f"the snapshot's RNG state is malformed ({type(e).__name__}: {e})",
+                                hint="restore from another snapshot") from None
+        random.setstate(python)
         torch.set_rng_state(state["torch"])
-        n = state["numpy"]
-        np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(state["cuda"]))
+        np.random.set_state(np_state)
+        for i, s in enumerate(cuda):
+            torch.cuda.set_rng_state(s, i)
+
+
+def _cuda_states(saved: Any) -> list[Any]:
+    """The saved CUDA generator states this machine has devices for; :class:`SnapshotError` where a
+    device it lacks had its generator drawn from (its state is seed and offset, 8 bytes each: the
+    offset is 0 until the first draw after seeding; a state of another layout counts as drawn from)."""
+    import torch
+
+    from ckpt.snapshot.run import SnapshotError
+
+    if not isinstance(saved, list) or not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in saved):
+        raise SnapshotError("the snapshot's record of the CUDA random number generators is malformed",
+                            hint="restore from another snapshot, or leave the RNGState out of the state")
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    drawn = [i for i, t in enumerate(saved[have:], have) if t.numel() != 16 or t[8:].any()]
+    if drawn:
+        raise SnapshotError(f"the snapshot's RNG state is of a machine with {len(saved)} GPUs, whose generator on "
+                            f"GPU {', '.join(map(str, drawn[:8]))} had been drawn from; this one has {have}: the run "
+                            "cannot go on here as it would have",
+                            hint=f"resume on a machine with {drawn[-1] + 1} GPUs or more; or, to go on without exact "
+                                 "randomness, restore the state without its RNGState")
+    return saved[:have]
 
 
 class PerRank:
@@ -140,6 +182,56 @@ def autograd_flags_valid(flags: Any, dtypes: dict[str, Any]) -> bool:
     if not isinstance(flags, dict) or not all(isinstance(v, list) and all(isinstance(n, str) for n in v) for v in flags.values()):
         return False
     return all(n not in dtypes or dtypes[n].is_floating_point or dtypes[n].is_complex for n in flags.get("requires_grad", ()))
+
+
+def tensor_devices(tensors: dict[str, Any]) -> dict[str, list[str]]:
+    """The devices of :func:`flatten`'s tensors that are not on the CPU: names by device (``"cuda:0"``),
+    which a restore gives back to the tensors it makes (a plain value that lived on a GPU goes back there)."""
+    out: dict[str, list[str]] = {}
+    for n, t in sorted(tensors.items()):
+        if t.device.type != "cpu":
+            out.setdefault(str(t.device), []).append(n)
+    return out
+
+
+def recorded_devices(recorded: Any) -> dict[str, str]:
+    """The device of each tensor named in :func:`tensor_devices`' record, read from a snapshot;
+    :class:`~ckpt.snapshot.run.SnapshotError` where it is not what that function writes."""
+    from ckpt.snapshot.run import SnapshotError
+
+    if not isinstance(recorded, dict) or not all(isinstance(d, str) and isinstance(v, list) and all(isinstance(n, str) for n in v)
+                                                 for d, v in recorded.items()):
+        raise SnapshotError("the snapshot's record of tensor devices is malformed", hint="restore from another snapshot")
+    return {n: d for d, names in recorded.items() for n in names}
+
+
+def device_here(name: str, where: str | None) -> Any:
+    """The device to make tensor ``name`` on, saved from ``where`` (None: the CPU);
+    :class:`~ckpt.snapshot.run.SnapshotError` where this machine has no such device."""
+    import torch
+
+    from ckpt.snapshot.run import SnapshotError
+
+    if where is None:
+        return torch.device("cpu")
+    try:
+        device = torch.device(where)
+    except (RuntimeError, TypeError, ValueError):
+        raise SnapshotError(f"the snapshot's record of tensor devices is malformed: {where!r} is no device",
+                            hint="restore from another snapshot") from None
+    if device.type == "cuda":
+        present = torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+    elif device.type in ("cpu", "meta"):
+        present = device.type == "cpu"  # (a meta tensor holds no data to restore)
+    else:
+        try:
+            present = torch.empty(0, device=device) is not None
+        except (RuntimeError, AssertionError):
+            present = False
+    if not present:
+        raise SnapshotError(f"{name} was saved from {device}, which this machine lacks",
+                            hint=f"restore on a machine with {device}, or leave {name.split('/')[0]!r} out of the state")
+    return device
 
 
 def with_autograd_flags(name: str, t: Any, flags: dict[str, Any]) -> Any:

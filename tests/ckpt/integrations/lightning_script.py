@@ -11,6 +11,9 @@ SIGTERM ourselves during the batch of step KILL_AT (nothing else: the callback m
 exit status 143). ``stop``:
 the same, but stop the Trainer instead (in-process tests). ``resume``: a fresh model
 (other initial weights) and Trainer, resumed by CkptCallback from the store, to STEPS.
+A MODE prefixed ``val-`` validates every 2 batches (2 batches of validation data) and
+snapshots every 3 steps; ``val-term`` SIGTERMs itself during the first batch of the
+validation after step KILL_AT.
 :func:`train` returns per-step losses (float.hex) and the final tensors; the script
 writes them to OUTDIR/result.json and OUTDIR/result.safetensors.
 """
@@ -45,17 +48,28 @@ class TinyModule(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class ValModule(TinyModule):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y))
+
+
 class Record(pl.Callback):
     """Exact per-step losses, and the crash (or in-process stop) two steps after KILL_AT's snapshot is durable."""
 
-    def __init__(self, ckpt_cb: CkptCallback | None, kill_at: int, stop_only: bool) -> None:
+    def __init__(self, ckpt_cb: CkptCallback | None, kill_at: int, stop_only: bool, in_validation: bool = False) -> None:
         self.losses: dict[int, str] = {}
         self.ckpt_cb, self.kill_at, self.stop_only = ckpt_cb, kill_at, stop_only
         self.term = stop_only is None
+        self.in_validation = in_validation
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.term and trainer.global_step == self.kill_at - 1:
+        if self.term and not self.in_validation and trainer.global_step == self.kill_at - 1:
             os.kill(os.getpid(), signal.SIGTERM)  # preempted during the batch that makes step KILL_AT
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if self.term and self.in_validation and trainer.global_step == self.kill_at and batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # preempted during validation (mode val-term)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         step = trainer.global_step
@@ -72,21 +86,26 @@ class Record(pl.Callback):
 def train(store: str, outdir: str, mode: str, steps: int, kill_at: int = -1) -> tuple[dict, dict]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    validate = mode.startswith("val-")
+    mode = mode.removeprefix("val-")
     try:
         torch.manual_seed(99 if mode == "resume" else 0)  # a resumed model must get its weights from the store
-        module = TinyModule()
+        module = ValModule() if validate else TinyModule()
         g = torch.Generator().manual_seed(1)
         n = 8 * BATCHES_PER_EPOCH
         data = torch.utils.data.TensorDataset(torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g))
         loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)  # order drawn from the torch RNG
-        ckpt_cb = CkptCallback(store, "lit", every_n_steps=EVERY, keep_last=2) if mode != "full" else None
+        every = 3 if validate else EVERY
+        ckpt_cb = CkptCallback(store, "lit", every_n_steps=every, keep_last=2) if mode != "full" else None
         record = Record(ckpt_cb if mode in ("crash", "stop", "term") else None, kill_at,
-                        None if mode == "term" else mode == "stop")
+                        None if mode == "term" else mode == "stop", validate)
         trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                             default_root_dir=outdir, callbacks=[c for c in (ckpt_cb, record) if c])
+                             default_root_dir=outdir, callbacks=[c for c in (ckpt_cb, record) if c],
+                             val_check_interval=2 if validate else None)
+        val = torch.utils.data.DataLoader(torch.utils.data.Subset(data, range(16)), batch_size=8) if validate else None
         torch.manual_seed(1234)
-        trainer.fit(module, loader)  # preempted (mode term): CkptCallback makes Lightning's SystemExit status 143
+        trainer.fit(module, loader, val)  # preempted (mode term): CkptCallback makes Lightning's SystemExit status 143
         losses: dict = dict(record.losses)
         if mode == "resume":
             assert ckpt_cb is not None and ckpt_cb.restored_step is not None

@@ -93,6 +93,23 @@ def test_sigterm_saves_the_step_it_came_in(script, tmp_path):
     assert losses["restored"] == 10 and int(tensors["global_step"]) == N
 
 
+def test_sigterm_during_validation_saves_the_step_before_it(script, tmp_path):
+    """A SIGTERM during the validation that follows a training step came after that step's
+    on_train_batch_end: Lightning ended fit from the validation loop and the callback saved nothing, so the
+    steps since the last periodic snapshot were lost (here step 8, snapshots every 3 steps: the run went
+    back to 6). The step is saved as fit ends, and the run resumed from it goes on bit for bit as the
+    uninterrupted one (Lightning skips the rest of that validation on resuming)."""
+    store = str(tmp_path / "store")
+    run_script("lightning_script", store, tmp_path / "term", "val-term", N, 8, expect=143)
+    s = ckpt.Store.open(store)
+    assert s.resolve("lit/latest") == s.resolve("lit/step-8") and s.verify().ok
+    full = script.train(str(tmp_path / "full-store"), str(tmp_path / "full"), "val-full", N)
+    losses, tensors = run_script("lightning_script", store, tmp_path / "resume", "val-resume", N)
+    assert losses.pop("restored") == 8
+    assert losses == {k: v for k, v in full[0].items() if k > 8}  # every loss after step 8, bit for bit
+    assert_same_bits(full[1], tensors)
+
+
 def test_fit_that_raises_finishes_the_snapshot_in_flight(script, tmp_path):
     """Lightning calls no teardown hook when ``fit`` raises: the manager was left open, its in-flight
     snapshot unwaited (an error in it never reported). on_exception finishes and closes it."""
@@ -115,7 +132,7 @@ def test_fit_that_raises_finishes_the_snapshot_in_flight(script, tmp_path):
     assert s.resolve("lit/latest") == s.resolve("lit/step-4") and s.verify().ok
 
 
-def _fit(script, store, tmp_path, batch_size, max_steps, stop_at=None, ckpt_path=None, resume=True):
+def _fit(script, store, tmp_path, batch_size, max_steps, stop_at=None, ckpt_path=None, resume=True, module=None):
     """A Trainer over 32 samples in batches of ``batch_size``, snapshots every 2 steps, stopped at ``stop_at``."""
     import torch
 
@@ -128,7 +145,8 @@ def _fit(script, store, tmp_path, batch_size, max_steps, stop_at=None, ckpt_path
                                 enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[cb, Stop()])
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))
-    trainer.fit(script.TinyModule(), torch.utils.data.DataLoader(data, batch_size=batch_size), ckpt_path=ckpt_path)
+    module = script.TinyModule() if module is None else module
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=batch_size), ckpt_path=ckpt_path)
     return cb, trainer
 
 
@@ -160,19 +178,28 @@ def test_fit_from_a_lightning_checkpoint_and_a_snapshot_is_refused(script, tmp_p
     """``trainer.fit(ckpt_path=...)`` restores the module before on_fit_start and the optimizers and loop
     position after it: with a snapshot resumed too, the run went on from step 4's loop and optimizer with
     step 6's weights, silently. Refused; resume=False resumes from the Lightning checkpoint, and a run
-    with no snapshot yet (moving to ckpt) starts from it."""
+    with no snapshot yet (moving to ckpt) starts from it. The refusal came after the snapshot had been
+    restored into the module and the RNG: refused first, the module holds what Lightning restored."""
+    import torch
+    from integration_util import tensor_bits
+
     from ckpt.snapshot.manager import SnapshotError
 
     lightning_ckpt = str(tmp_path / "step4.ckpt")
     _, trainer = _fit(script, str(tmp_path / "other"), tmp_path, 8, 4)
     trainer.save_checkpoint(lightning_ckpt)
+    at4 = {k: tensor_bits(v) for k, v in trainer.lightning_module.state_dict().items()}
     store = str(tmp_path / "store")
     cb, trainer = _fit(script, store, tmp_path, 8, 5, ckpt_path=lightning_ckpt)  # no snapshot yet: Lightning's
     assert cb.restored_step is None and trainer.global_step == 5
     _fit(script, store, tmp_path, 8, 6)  # snapshot of step 6
+    module = script.TinyModule()
+    rng = torch.get_rng_state()
     with pytest.raises(SnapshotError, match="resumes from that checkpoint, and this callback from step 6") as e:
-        _fit(script, store, tmp_path, 8, 8, ckpt_path=lightning_ckpt)
+        _fit(script, store, tmp_path, 8, 8, ckpt_path=lightning_ckpt, module=module)
     assert "resume=False" in e.value.hint
+    assert {k: tensor_bits(v) for k, v in module.state_dict().items()} == at4  # Lightning's step 4, not step 6
+    assert torch.equal(torch.get_rng_state(), rng)  # the snapshot's RNG state was not restored either
     cb, trainer = _fit(script, store, tmp_path, 8, 5, ckpt_path=lightning_ckpt, resume=False)
     assert cb.restored_step is None and trainer.global_step == 5
 

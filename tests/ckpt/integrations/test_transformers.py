@@ -239,6 +239,39 @@ def test_callback_states_need_the_trainer(script, tmp_path):
         {"early_stopping_patience_counter": 2}
 
 
+def test_two_stateful_callbacks_of_one_class_keep_both_states(script, tmp_path):
+    """The Trainer records several stateful callbacks of one class as a list of their states; the snapshot
+    kept one (the last, by class name), so a resume gave both stoppers the second one's patience and count."""
+    from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
+
+    def run(steps):
+        torch.manual_seed(0)
+        model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=1, n_head=1, n_embd=8, vocab_size=16, n_positions=16))
+        data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 16, (16, 8))]
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=4,
+                                 report_to=[], use_cpu=True, eval_strategy="steps", eval_steps=2, save_strategy="no",
+                                 disable_tqdm=True, metric_for_best_model="eval_loss", greater_is_better=True,
+                                 restore_callback_states_from_checkpoint=True)
+        cb = script.CkptCallback(str(tmp_path / "store"), "hf", every_n_steps=2)
+        stoppers = [EarlyStoppingCallback(early_stopping_patience=10), EarlyStoppingCallback(early_stopping_patience=20)]
+        trainer = Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4], callbacks=[cb, *stoppers])
+        try:
+            trainer.train(resume_from_checkpoint=cb.resume_dir(trainer))
+        finally:
+            cb.close()
+        return sorted((c.early_stopping_patience, c.early_stopping_patience_counter)
+                      for c in trainer.callback_handler.callbacks if isinstance(c, EarlyStoppingCallback))
+
+    assert run(4) == [(10, 1), (20, 1)]
+    values = {"trainer_state": None}
+    with ckpt.CheckpointManager(str(tmp_path / "store"), "hf") as manager:
+        manager.restore(values, 4)
+    saved = values["trainer_state"]["stateful_callbacks"]["EarlyStoppingCallback"]
+    assert [(s["args"]["early_stopping_patience"], s["attributes"]["early_stopping_patience_counter"]) for s in saved] == \
+        [(10, 1), (20, 1)]
+    assert run(6) == [(10, 2), (20, 2)]  # resumed from step 4: each stopper its own patience and count
+
+
 @pytest.mark.parametrize(("trainer_state", "data", "error"), [
     ([1, 2], None, "is malformed"), ({"global_step": 2}, ["x"], "is malformed"),
     ({"global_step": 2, "no_such_field": 1}, None, "fields this transformers does not know: no_such_field")],
@@ -261,6 +294,37 @@ def test_a_malformed_snapshot_is_refused_before_the_model_is_touched(script, tmp
                              per_device_train_batch_size=4, disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=[], callbacks=[cb])
     with pytest.raises(SnapshotError, match=error):
+        cb.resume_dir(trainer)
+    assert not model.transformer.wte.weight.any() and cb.restored_step is None
+    cb.close()
+
+
+@pytest.mark.parametrize("step", ["2", None, 2.5, -1], ids=["text", "null", "float", "negative"])
+def test_a_latest_snapshot_whose_step_is_no_step_is_refused(script, tmp_path, step):
+    """resume_dir read RUN/latest's step with int(): text raised a raw ValueError, null a TypeError, and
+    2.5 resumed as step 2. SnapshotError, the model untouched."""
+    import copy
+    import dataclasses
+
+    from transformers import Trainer, TrainingArguments
+
+    from ckpt.snapshot.manager import SnapshotError
+    from ckpt_store.storage.commit import commit
+
+    store = str(tmp_path / "store")
+    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=1, n_head=1, n_embd=8, vocab_size=64, n_positions=16))
+    with ckpt.CheckpointManager(store, "hf", save_mode="sync") as mgr:
+        mgr.save(2, {"model": model, "trainer_state": {"global_step": 2}, "data": {}})
+    s = ckpt.Store.open(store)
+    m = s.manifest("hf/latest")
+    snap = {**copy.deepcopy(m.extra["snapshot"]), "step": step}
+    commit(s.objects, s.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "hf/latest")
+    torch.nn.init.zeros_(model.transformer.wte.weight)
+    cb = script.CkptCallback(store, "hf", every_n_steps=2)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=4,
+                             per_device_train_batch_size=4, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=[], callbacks=[cb])
+    with pytest.raises(SnapshotError, match="hf/latest is not a snapshot"):
         cb.resume_dir(trainer)
     assert not model.transformer.wte.weight.any() and cb.restored_step is None
     cb.close()

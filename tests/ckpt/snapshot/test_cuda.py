@@ -58,3 +58,30 @@ def test_load_into_device_tensors_through_pinned_buffers_in_groups(tmp_path):
     store.load_into("m", target)
     torch.cuda.synchronize()
     assert all(target[k].cpu().numpy().tobytes() == v.numpy().tobytes() for k, v in state.items())
+
+
+def test_plain_value_tensors_come_back_on_their_device(tmp_path):
+    """A tensor in the state that is not a module's (a plain value, or one a Stateful hands out and that the
+    restore cannot write in place) came back on the CPU: its device is recorded and it is made there."""
+
+    class Holder:
+        def __init__(self, t):
+            self.t = t
+
+        def state_dict(self):
+            return {"t": self.t}
+
+        def load_state_dict(self, sd):
+            self.t = sd["t"]
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    g = torch.Generator().manual_seed(0)
+    value, held = torch.randn(5, generator=g).to(device), torch.randn(3, generator=g).to(device)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "cuda", save_mode="sync") as mgr:
+        mgr.save(1, {"value": {"v": value}, "holder": Holder(held)})
+        into = Holder(None)
+        state = {"value": None, "holder": into}
+        assert mgr.restore_latest(state) == 1
+    assert state["value"]["v"].device == device and into.t.device == device
+    assert state["value"]["v"].cpu().numpy().tobytes() == value.cpu().numpy().tobytes()
+    assert into.t.cpu().numpy().tobytes() == held.cpu().numpy().tobytes()

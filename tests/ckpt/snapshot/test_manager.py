@@ -518,6 +518,53 @@ def test_plain_value_tensors_keep_requires_grad_and_parameter(tmp_path, local):
     assert got["temp"].grad.tolist() == [2.0, 2.0]
 
 
+class _Views:
+    """A Stateful whose state_dict hands out views of one storage: one broadcast (every element the same
+    memory), one transposed, and one that overlaps the transposed one."""
+
+    def __init__(self, base: torch.Tensor) -> None:
+        self.base = base
+
+    def state_dict(self):
+        return {"bias": self.base[:1].expand(6), "grid": self.base[:12].view(3, 4).t(), "tail": self.base[8:]}
+
+    def load_state_dict(self, sd):
+        self.loaded = sd
+
+
+def test_a_stateful_of_overlapping_views_restores(tmp_path):
+    """The restore wrote a Stateful's own tensors in place where shape and dtype matched: into a broadcast
+    view (an expanded tensor, whose elements share one memory location) torch refuses to copy, and the
+    restore failed with its RuntimeError once the model had been written. Only contiguous tensors are
+    written in place; the others get new ones, bit for bit."""
+    saved = _Views(torch.arange(16.0))
+    model = _model()
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", save_mode="sync") as mgr:
+        mgr.save(1, {"model": model, "views": saved})
+        into = _Views(torch.zeros(16))
+        assert mgr.restore_latest({"model": _model(), "views": into}) == 1
+    assert {k: _bits(v) for k, v in into.loaded.items()} == {k: _bits(v) for k, v in saved.state_dict().items()}
+
+
+def test_a_module_with_a_broadcast_buffer_is_refused_before_anything_is_written(tmp_path):
+    """A module whose buffer is a broadcast view (``expand()``: every element one memory location) cannot be
+    restored into, by torch's load_state_dict either: the restore raised torch's RuntimeError once the other
+    tensors had been written. Refused first, naming the buffer."""
+
+    class Broadcast(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", torch.ones(1).expand(8))
+
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", save_mode="sync") as mgr:
+        mgr.save(1, {"model": _model(), "broadcast": Broadcast()})
+        model = _model()
+        torch.nn.init.zeros_(model[0].weight)
+        with pytest.raises(TensorMismatchError, match="broadcast/scale is a view whose elements share memory"):
+            mgr.restore_latest({"model": model, "broadcast": Broadcast()})
+    assert not model[0].weight.any()
+
+
 @pytest.mark.parametrize("flags", [{"requires_grad": ["extra/steps"]}, {"requires_grad": "extra/temp"},
                                    {"parameters": [["extra/temp"]]}], ids=["int-tensor", "not-a-list", "not-a-name"])
 def test_a_malformed_record_of_autograd_flags_is_refused_before_anything_is_written(tmp_path, flags):
@@ -544,6 +591,38 @@ def test_a_malformed_record_of_autograd_flags_is_refused_before_anything_is_writ
     assert {k: _bits(v) for k, v in model.state_dict().items()} == before
 
 
+@pytest.mark.parametrize("recorded", ["absent", "malformed", "not-a-device"])
+def test_a_tensor_from_a_device_this_machine_lacks_is_refused_before_anything_is_written(tmp_path, recorded):
+    """A plain-value tensor that lived on a GPU came back on the CPU (its device was not recorded), and the
+    resumed run mixed devices. Its device is recorded (CPU tensors are not: such a record has none) and the
+    restore makes it there; a device this machine lacks (here cuda:N, N its GPU count) is refused with a
+    SnapshotError naming it, as is a malformed record, before the model is touched."""
+    import copy
+    import dataclasses
+
+    from ckpt_store.storage.commit import commit
+
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        mgr.save(1, {"model": _model(), "extra": {"t": torch.arange(4.0), "n": 3}})
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    m = store.manifest("r/latest")
+    snap = copy.deepcopy(m.extra["snapshot"])
+    assert "devices" not in snap
+    lacking = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+    snap["devices"] = {"absent": {lacking: ["extra/t"]}, "malformed": {lacking: "extra/t"},
+                       "not-a-device": {"no such device": ["extra/t"]}}[recorded]
+    commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
+    model = _model()
+    torch.nn.init.zeros_(model[0].weight)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        with pytest.raises(SnapshotError, match=f"extra/t was saved from {lacking}, which this machine lacks"
+                           if recorded == "absent" else "record of tensor devices is malformed") as e:
+            mgr.restore_latest({"model": model, "extra": None})
+    assert not model[0].weight.any()
+    if recorded == "absent":
+        assert lacking in e.value.hint and "'extra'" in e.value.hint
+
+
 @pytest.mark.parametrize("value", ["defaultdict", "counter", "nested"])
 def test_dicts_with_defaults_are_refused_not_restored_as_plain_dicts(tmp_path, value):
     """A defaultdict (or Counter) in the state came back a plain dict: the resumed loop's
@@ -563,10 +642,13 @@ def test_dicts_with_defaults_are_refused_not_restored_as_plain_dicts(tmp_path, v
     assert [r for r in ckpt.Store.open(str(tmp_path / "s")).refs() if "step-1" in r] == []
 
 
-@pytest.mark.parametrize("damage", ["kind", "tensor"])
+@pytest.mark.parametrize("damage", ["kind", "tensor", "tensor-name", "tag", "step-missing", "step-text", "step-float"])
 def test_a_snapshot_record_naming_what_it_lacks_is_refused_before_anything_is_written(tmp_path, damage):
     """A snapshot manifest (content-addressed, so it verifies) whose record is damaged or foreign: a key
-    without its kind, or a tensor the manifest does not hold. Before, KeyError tracebacks."""
+    without its kind, or a tensor the manifest does not hold. Before, KeyError tracebacks. Also a tensor
+    named by something else than a string (a raw TypeError), a tagged value that does not decode (its
+    StoreFormatError came once every tensor was written) and a step that is no int (KeyError, ValueError
+    or TypeError once every tensor was written, and 1.5 was restored as step 1)."""
     import copy
     import dataclasses
 
@@ -581,19 +663,76 @@ def test_a_snapshot_record_naming_what_it_lacks_is_refused_before_anything_is_wr
     store = ckpt.Store.open(str(tmp_path / "s"))
     m = store.manifest("r/latest")
     snap = copy.deepcopy(m.extra["snapshot"])
+    text = json.dumps(snap)
+    assert text.count('{"__tensor__": "optim/state/0/exp_avg"}') == 1
     if damage == "kind":
         del snap["tree"]["model"]["kind"]
+    elif damage in ("tensor", "tensor-name"):
+        other = '"optim/elsewhere"' if damage == "tensor" else '["optim/state/0/exp_avg"]'
+        snap = json.loads(text.replace('{"__tensor__": "optim/state/0/exp_avg"}', '{"__tensor__": %s}' % other))
+    elif damage == "tag":
+        snap["tree"]["optim"]["value"]["param_groups"] = {"__tuple__": 5}
+    elif damage == "step-missing":
+        del snap["step"]
     else:
-        text = json.dumps(snap)
-        assert text.count('{"__tensor__": "optim/state/0/exp_avg"}') == 1
-        snap = json.loads(text.replace('{"__tensor__": "optim/state/0/exp_avg"}', '{"__tensor__": "optim/elsewhere"}'))
+        snap["step"] = "1" if damage == "step-text" else 1.5
     commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
     opt2 = torch.optim.AdamW(model2.parameters())
     before = _state_bits(model2, opt2)
     with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
-        with pytest.raises(SnapshotError, match="record of '(model|optim)' (is malformed|names tensors it does not hold)"):
+        with pytest.raises(SnapshotError, match="record of '(model|optim)' (is malformed|names tensors it does not hold)"
+                           if not damage.startswith("step") else "the snapshot's step .* is malformed"):
             mgr.restore_latest({"model": model2, "optim": opt2})
     assert _state_bits(model2, opt2) == before and not opt2.state
+
+
+def test_an_object_given_for_a_value_the_snapshot_holds_is_refused(tmp_path):
+    """Saved as ``{"optim": opt.state_dict()}`` (a plain value) and restored into ``{"optim": opt}``: the restore
+    replaced the optimizer in the caller's dict with the saved dict and left the optimizer itself fresh, without
+    a word (the training loop holds the optimizer, not the dict). Refused before anything is written."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        mgr.save(1, {"model": model, "optim": opt.state_dict()})
+    model2 = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    opt2 = torch.optim.AdamW(model2.parameters())
+    before = _state_bits(model2, opt2)
+    state = {"model": model2, "optim": opt2}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        with pytest.raises(TensorMismatchError, match="holds 'optim' as a plain value.*this AdamW would not be restored") as e:
+            mgr.restore_latest(state)
+        assert "None" in e.value.hint
+        assert state["optim"] is opt2 and _state_bits(model2, opt2) == before
+        state = {"model": model2, "optim": None}  # the value itself, as the hint says
+        assert mgr.restore_latest(state) == 1
+    opt2.load_state_dict(state["optim"])
+    assert _state_bits(model2, opt2) == _state_bits(model, opt)
+
+
+def test_a_record_that_an_objects_load_state_dict_rejects_is_a_snapshot_error(tmp_path):
+    """A scheduler's record damaged into another JSON value (it decodes, so the pre-check passes it): its
+    load_state_dict raised a raw TypeError. A SnapshotError names the key and the object, from the error."""
+    import copy
+    import dataclasses
+
+    from ckpt_store.storage.commit import commit
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        mgr.save(1, {"model": model, "optim": opt, "sched": sched})
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    m = store.manifest("r/latest")
+    snap = copy.deepcopy(m.extra["snapshot"])
+    snap["tree"]["sched"]["value"] = [1, 2]
+    commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        with pytest.raises(SnapshotError, match="'sched' \\(StepLR\\) did not take the snapshot's state: its "
+                                                "load_state_dict raised TypeError") as e:
+            mgr.restore_latest({"model": model, "optim": opt, "sched": sched})
+    assert isinstance(e.value.__cause__, TypeError)
 
 
 def test_valid_settings_are_kept(tmp_path):
