@@ -364,6 +364,20 @@ def _lookup_value(planner: SavePlanner, item: Any) -> Any:
     return encode_value(lookup(item.index), item.index.fqn)
 
 
+def _gather_failures(err: BaseException | None, group: Any) -> list[tuple[int, CkptError]]:
+    """Every rank's failure (``err``: this rank's, or None) as ``[(rank, error), ...]``, gathered over
+    ``group`` (None: the default group) where torch.distributed is initialized; [] otherwise."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
+        return []
+    # What crosses to the other ranks must unpickle there: ckpt's errors do (CkptError.__reduce__), others are described.
+    sent = None if err is None else err if isinstance(err, CkptError) else CkptError(f"{type(err).__name__}: {err}")
+    got: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, sent, group=group)
+    return [(r, e) for r, e in enumerate(got) if e is not None]
+
+
 class Reader(StorageReader):
     """A DCP ``StorageReader`` for checkpoint ``ref`` (a ref, ``NAME@N`` or id prefix) of a ckpt store.
 
@@ -371,14 +385,22 @@ class Reader(StorageReader):
     (a save moved it meanwhile) the load fails before reading, asking for an id.
     Any DCP resharding works: each rank reads only the chunks of the shard regions
     its own layout needs, verified as always.
+
+    Where the ref is named (here or as ``checkpoint_id``) the ranks of ``process_group``
+    (``dcp.load``'s; default: every rank, once torch.distributed is initialized) agree
+    whether each of them found it, in one small collective: if one did not (its view
+    of the store lags), every rank raises its error at once, before DCP starts. A Reader
+    made on one rank alone in a larger job needs a group of that rank only (or
+    ``Store.load``).
     """
 
     def __init__(self, store: str | os.PathLike[str] | Store, ref: str | None = None, *,
                  storage_options: dict[str, Any] | None = None, settings: Settings | None = None,
-                 tiers: Tiers | None = None) -> None:
+                 tiers: Tiers | None = None, process_group: Any = None) -> None:
         super().__init__()
         self._holder = _StoreHolder(store, storage_options, settings)
         self.ref = ref
+        self.process_group = process_group
         # snapshot tiers (ckpt/snapshot/tiers.py): ``ref`` is a manifest id, read with its chunks
         # from the nearest tier holding each; ``store`` is then not read
         self.tiers = tiers
@@ -399,9 +421,27 @@ class Reader(StorageReader):
     def _check_ref(self) -> None:
         """Raise :class:`~ckpt.errors.RefNotFoundError` (or StoreNotFoundError) now, before DCP starts:
         from ``read_metadata`` DCP would log it and raise its own AssertionError (CheckpointException
-        across ranks) in its place. Each rank checks its own Reader, so none enters a collective alone."""
-        if self.ref is not None and self.tiers is None:
+        across ranks) in its place. The ranks agree first: a rank that raised alone would leave the
+        others waiting in DCP's first collective for the group's timeout (or, where it goes on to
+        another collective, matched against the wrong one)."""
+        if self.ref is None or self.tiers is not None:
+            return
+        try:
             self._holder.store(create=False).resolve(self.ref)
+            err: BaseException | None = None
+        except Exception as e:  # noqa: BLE001 - any failure, told to the other ranks before it is raised
+            err = e
+        failed = _gather_failures(err, self.process_group)
+        if err is not None:
+            raise err
+        if failed:
+            rank, e = failed[0]
+            e.message = f"rank {rank}: {e.message}"
+            e.args = (e.message,)
+            e.hint = (f"this rank finds {self.ref!r}, rank(s) {', '.join(str(r) for r, _ in failed)} do not: their view of "
+                      "the store lags (a shared file system's stale listing?) or names another store; retry once every "
+                      "rank sees it")
+            raise e
 
     def read_metadata(self) -> Metadata:
         """DCP's metadata, rebuilt from the manifest's JSON (no pickle)."""

@@ -1425,6 +1425,32 @@ def load_missing(rank, world, tmp, store):
     return out
 
 
+def load_lagging_view(rank, world, tmp, store, lagging):
+    """dcp.load of a ref every rank but ``lagging`` finds: that rank is given a store where it is missing
+    (a view of the store that lags). The ref named to the Reader and as checkpoint_id: each error's type
+    and message; then a collective on the group, which every rank reaches together."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt.dcp
+
+    url = os.path.join(tmp, "lagging") if rank == lagging else store
+    out = {}
+    for case, load in {"reader": lambda: dcp.load({"w": torch.zeros(3)}, storage_reader=ckpt.dcp.Reader(url, "lag/x")),
+                       "checkpoint_id": lambda: dcp.load({"w": torch.zeros(3)}, checkpoint_id="lag/x",
+                                                         storage_reader=ckpt.dcp.Reader(url))}.items():
+        try:
+            load()
+            out[case] = "loaded"
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            out[case] = f"{type(e).__name__}: {e}"
+    got = [None] * world
+    dist.all_gather_object(got, rank)
+    out["gathered"] = got
+    return out
+
+
 def plain_grad_values(rank, world, tmp, store):
     """Tensors kept as plain values (a learnable temperature, say), restored through a process group:
     each comes back with the requires_grad and the class it was saved with, bit for bit."""
@@ -1452,4 +1478,4 @@ SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "
              "save_fine_tunes": save_fine_tunes, "load_missing": load_missing,
              "tiers_late_rank_asks": tiers_late_rank_asks, "restore_peer_dies": restore_peer_dies,
              "save_stale_view": save_stale_view, "forged_optimizer_path": forged_optimizer_path,
-             "plain_grad_values": plain_grad_values}
+             "plain_grad_values": plain_grad_values, "load_lagging_view": load_lagging_view}

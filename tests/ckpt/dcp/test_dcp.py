@@ -184,6 +184,23 @@ def test_a_missing_ref_or_store_is_refused_by_name_before_dcp_starts(tmp_path):
         assert r["reader_s"] < 20 and r["checkpoint_id_s"] < 20 and r["gathered"] == [0, 1]
 
 
+def test_a_rank_that_does_not_find_the_ref_makes_every_rank_refuse_the_load_at_once(tmp_path):
+    """Rank 1's view of the store lags: the ref the others load is missing for it. It raised
+    RefNotFoundError alone, before DCP, while rank 0 entered DCP's first collective and waited for the
+    group's timeout (or, with rank 1 gone on to another collective, was matched against that one).
+    The ranks now agree first: every rank raises RefNotFoundError at once, rank 0's naming rank 1."""
+    url = str(tmp_path / "s")
+    dcp.save({"w": torch.arange(3.0)}, storage_writer=ckpt.dcp.Writer(url, "lag/x"))
+    ckpt.Store.init(str(tmp_path / "lagging"))
+    r0, r1 = W.run_ranks("load_lagging_view", 2, str(tmp_path), store=url, lagging=1, deadline_s=45, pg_timeout_s=120)
+    for r in (r0, r1):
+        assert "error" not in r, r.get("trace")
+        assert r["gathered"] == [0, 1], r
+    for case in ("reader", "checkpoint_id"):
+        assert r1[case].startswith("RefNotFoundError") and "lag/x" in r1[case], r1
+        assert r0[case].startswith("RefNotFoundError: rank 1: ") and "lag/x" in r0[case] and "lags" in r0[case], r0
+
+
 def test_two_ranks_save_reshard_async_and_consolidate(tmp_path):
     """2 ranks save (DTensor rows/cols + FSDP2 model/optimizer); reload in another layout on 2 ranks,
     in 1 process (DCP and consolidated), as one safetensors file; 1 process saves, 2 ranks load."""
