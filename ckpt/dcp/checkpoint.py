@@ -65,7 +65,7 @@ from ckpt.dcp.format import (
     shard_name,
     to_metadata,
 )
-from ckpt.errors import CkptError, TensorMismatchError
+from ckpt.errors import CkptError, InvalidSourceError, TensorMismatchError
 from ckpt.format.dtypes import byte_view, from_torch, itemsize
 from ckpt.format.manifest import FileEntry, Manifest, TensorEntry
 from ckpt.settings import Settings
@@ -186,6 +186,14 @@ class Writer(StorageWriter):
             if td is not None and td.properties.layout != torch.strided:  # (a sparse one failed in .contiguous())
                 raise UnsupportedStateError(f"{i.index.fqn}: tensors of layout {td.properties.layout} are not supported (strided only)",
                                             hint="save t.to_dense() instead")
+            if td is not None:  # (one failed in write_data, after the batches before it were written)
+                try:
+                    from_torch(td.properties.dtype)
+                except InvalidSourceError:
+                    raise UnsupportedStateError(f"{i.index.fqn}: tensors of dtype {td.properties.dtype} are not supported "
+                                                "(ckpt stores the dtypes safetensors names)",
+                                                hint="convert it (a quantized tensor: t.dequantize() or t.int_repr()), "
+                                                "or save its bytes, t.view(torch.uint8)") from None
         # What this rank saves under each name, for the coordinator to compare (prepare_global_plan).
         saved = {(i.index.fqn, tuple(i.index.offset or ())): (list(td.size), str(td.properties.dtype).removeprefix("torch."),
                                                               list(td.chunk.sizes))
