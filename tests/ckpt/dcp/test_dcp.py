@@ -825,3 +825,18 @@ def test_a_tensor_of_a_dtype_ckpt_cannot_store_is_refused_before_anything_is_wri
     err = next(iter(e.value.failures.values()))[0]
     assert isinstance(err, UnsupportedStateError) and str(err).startswith(f"z: tensors of dtype torch.{dtype} are not supported"), err
     assert "t.view(torch.uint8)" in err.hint and not (tmp_path / "s").exists()  # nothing written, not even the store
+
+
+@pytest.mark.parametrize("key", ["__metadata__", "a\x00b", "k" * 2000])
+def test_a_key_ckpt_cannot_store_is_refused_before_anything_is_written(tmp_path, monkeypatch, key):
+    """A state dict key ckpt refuses (safetensors' "__metadata__", a control character, past 1024
+    characters) was refused only when the coordinator wrote the manifest, after every rank had written
+    all its chunks (left for gc). It is now refused when the rank plans its save."""
+    import ckpt.dcp.checkpoint
+    from ckpt_store.storage.errors import InvalidNameError
+
+    monkeypatch.setattr(ckpt.dcp.checkpoint, "BATCH_BYTES", 1)
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({"a": torch.ones(1000), key: torch.zeros(2)}, storage_writer=ckpt.dcp.Writer(str(tmp_path / "s"), "x/a"))
+    assert isinstance(next(iter(e.value.failures.values()))[0], InvalidNameError)
+    assert not (tmp_path / "s").exists()  # nothing written, not even the store
