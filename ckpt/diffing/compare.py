@@ -93,25 +93,55 @@ def _is_integer(dtype: torch.dtype) -> bool:
     return not dtype.is_floating_point and not dtype.is_complex
 
 
-def _values_differ(xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
-    """Per element, whether ``xa`` and ``xb`` (real, of different dtypes) hold different values,
-    exactly: integers compare as integers and against floats only where the float is a whole
-    number (float64 holds integers exactly only to 2**53: 2**53 + 1 against 2.0**53 read as the
-    same). NaN against NaN is no change (bits cannot be compared across dtypes)."""
+def _int64_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each element of real ``x`` as int64 where it is an integer that int64 holds (any element of an
+    integer dtype but a uint64 past 2**63 - 1, a whole float in range), and a mask of where it is."""
     import torch
 
-    ia, ib = _is_integer(xa.dtype), _is_integer(xb.dtype)
-    if torch.uint64 not in (xa.dtype, xb.dtype):
-        if ia and ib:
-            return xa.to(torch.int64) != xb.to(torch.int64)
-        if ia != ib:
-            i, f = (xa, xb) if ia else (xb, xa)
-            f = f.to(torch.float64)  # exact for every float dtype
-            same = torch.isfinite(f) & (f == f.trunc()) & (f.abs() < 2.0**63)
-            same[same.clone()] = f[same].to(torch.int64) == i[same].to(torch.int64)
-            return ~same
+    if x.dtype == torch.uint64:  # (uint64 has no comparisons: its bits as int64 are its value below 2**63)
+        v = x.view(torch.int64)
+        return v, v >= 0
+    if _is_integer(x.dtype):
+        return x.to(torch.int64), torch.ones(x.shape, dtype=torch.bool)
+    f = x.to(torch.float64)  # exact for every float dtype
+    ok = torch.isfinite(f) & (f == f.trunc()) & (f >= -(2.0**63)) & (f < 2.0**63)
+    return torch.where(ok, f, 0.0).to(torch.int64), ok
+
+
+def _values_differ(xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+    """Per element, whether ``xa`` and ``xb`` (real, of different dtypes) hold different values,
+    exactly: integers compare as integers, against floats where the float is a whole number, in int64
+    (float64 holds integers exactly only to 2**53: 2**53 + 1 against 2.0**53, or against a uint64
+    2**53, read as the same). NaN against NaN is no change (bits cannot be compared across dtypes)."""
+    import torch
+
     da, db = xa.to(torch.float64), xb.to(torch.float64)
-    return (da != db) & ~(da.isnan() & db.isnan())
+    out = (da != db) & ~(da.isnan() & db.isnan())
+    va, oka = _int64_values(xa)
+    vb, okb = _int64_values(xb)
+    both = oka & okb
+    out[both] = va[both] != vb[both]
+    for x, ok, other in ((xa, oka, okb), (xb, okb, oka)):
+        if _is_integer(x.dtype):  # a uint64 past int64 against an integer within it
+            out |= ~ok & other
+    return out
+
+
+def _difference(ra: torch.Tensor, rb: torch.Tensor) -> torch.Tensor:
+    """``rb - ra`` in float64, a fresh tensor. Where an integer dtype takes part, integers (and whole
+    floats) are subtracted in int64 wherever that cannot overflow: in float64 a change of 1 in an
+    integer past 2**53 read as none. (Two floats need not: float64 holds both exactly, and the
+    difference of two distinct floats is never 0.)"""
+    import torch
+
+    d = rb.to(torch.float64) - ra.to(torch.float64)
+    if _is_integer(ra.dtype) or _is_integer(rb.dtype):
+        va, oka = _int64_values(ra)
+        vb, okb = _int64_values(rb)
+        small = (va > -(2**62)) & (va < 2**62) & (vb > -(2**62)) & (vb < 2**62)
+        m = oka & okb & (((va >= 0) == (vb >= 0)) | small)  # same sign, or both small: no overflow
+        d[m] = (vb[m] - va[m]).to(torch.float64)
+    return d
 
 
 def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> TensorStats:
@@ -145,25 +175,17 @@ def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> Te
         changed = int(differs.reshape(a.numel(), -1).any(dim=1).sum()) if a.numel() else 0
         del differs
     fa, fb = _as_real(a), _as_real(b)
-    # Same integer dtype: differences taken in int64, exact (float64 holds integers to 2**53 only,
-    # and a change of 1 in a larger one read as none), where no value is near int64's limits.
-    exact = same_dtype and _is_integer(a.dtype) and a.dtype != torch.uint64
     ssa, ssb, ssd, mad, nonfinite = [], [], [], 0.0, 0
     for i in range(0, fa.numel(), block):
         ra, rb = fa[i : i + block], fb[i : i + block]
-        da = ra.to(torch.float64)
-        db = rb.to(torch.float64, copy=True)  # a scratch copy: it is changed in place below (b is the caller's)
+        da, xb = ra.to(torch.float64), rb.to(torch.float64)
         ssa.append(float(torch.dot(da, da)))
-        ssb.append(float(torch.dot(db, db)))
-        if exact and ra.numel() and max(float(da.abs().max()), float(db.abs().max())) < 2.0**62:
-            db = (rb.to(torch.int64) - ra.to(torch.int64)).to(torch.float64)
-        else:
-            db.sub_(da)
+        ssb.append(float(torch.dot(xb, xb)))
+        db = _difference(ra, rb)  # a fresh tensor: it is changed in place below (b is the caller's)
         sd = float(torch.dot(db, db))
         if not math.isfinite(sd):
             # Rare path: a NaN or inf in the block. Unchanged elements (NaN - NaN, inf - inf)
             # are no change; the changed ones that involve NaN/inf are counted and kept.
-            xb = rb.to(torch.float64)
             same = (bit_pattern(ra) == bit_pattern(rb)) if same_dtype else ((da == xb) | (da.isnan() & xb.isnan()))
             db.masked_fill_(same, 0.0)
             bad = ~(torch.isfinite(da) & torch.isfinite(xb))

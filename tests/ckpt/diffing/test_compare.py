@@ -116,6 +116,30 @@ def test_integers_past_2_53_compare_exactly(store):
     assert (row.status, row.changed_elements, row.max_abs_diff) == ("changed", 1, 1.0)
 
 
+def test_integers_against_floats_or_uint64_show_the_change_they_count(store):
+    """Mixed dtypes: int64 2**53 + 1 against float64 2.0**53 was counted as changed (values compared
+    as integers) but its difference taken in float64, so max diff, norm of the change and relative
+    change read 0; int64 against a uint64 compared in float64 and counted 2**53 + 1 against 2**53 as
+    no change; a change of 1 in a uint64 past 2**53 read max diff 0. Each now reads its change exactly."""
+    big = 2**53
+    ints, floats = torch.tensor([big + 1, -big - 3, 7, 2**62 + 1]), torch.tensor([2.0**53, -(2.0**53), 7.5, 2.0**62], dtype=torch.float64)
+    for x, y in ((ints, floats), (floats, ints)):
+        s = tensor_stats(x, y)
+        assert (s.changed_elements, s.max_abs_diff, s.norm_diff) == (4, 3.0, math.sqrt(1 + 9 + 0.25 + 1)), s
+        assert s.relative_change > 0
+    u = torch.tensor([big, 5, 2**60], dtype=torch.uint64)
+    for x, y in ((torch.tensor([big + 1, 5, 2**60]), u), (u, torch.tensor([big + 1, 5, 2**60]))):
+        s = tensor_stats(x, y)
+        assert (s.changed_elements, s.max_abs_diff) == (1, 1.0), s
+    s = tensor_stats(u, torch.tensor([big, 5, 2**60 + 1], dtype=torch.uint64))
+    assert (s.changed_elements, s.max_abs_diff) == (1, 1.0), s
+    extremes = torch.tensor([-(2**63), 2**63 - 1, -(2**63), 2**62])  # no overflow where signs differ
+    s = tensor_stats(extremes, torch.tensor([2**63 - 1, -(2**63), -(2**63) + 1, -(2**62)]))
+    assert (s.changed_elements, s.max_abs_diff) == (4, 2.0**64 - 1), s
+    (row,) = ckpt.diff({"t": torch.tensor([big + 1])}, {"t": torch.tensor([2.0**53], dtype=torch.float64)}, store=store).tensors
+    assert (row.status, row.changed_elements, row.max_abs_diff) == ("dtype_changed", 1, 1.0)
+
+
 def test_nan_and_inf_changes_are_reported_as_such():
     """Issue 15 item 6: max(0.0, nan) made a weight turned NaN look unchanged (0.0), and inf printed as '-'."""
     a = torch.linspace(-1, 1, 10)
