@@ -3,7 +3,7 @@
 One mechanism serves every reader: a :class:`Copy` names a region of a stored
 shard and the tensor view it goes to. A region that is the whole shard and a
 contiguous CPU destination is decoded straight into the destination; any other
-region is decoded into a buffer (only the chunks that overlap it are fetched)
+region is decoded into a buffer of the shard rows it spans (only the chunks that overlap it are fetched)
 and copied from there. The DCP :class:`~ckpt.dcp.Reader` (resharding on load),
 ``Store.load`` and ``load_into`` of a distributed checkpoint (whole tensors) and ``ckpt pull``
 (one consolidated safetensors file) all go through :func:`run_copies`.
@@ -91,8 +91,8 @@ def _run_batch(store: Store, m: Manifest, copies: list[Copy], progress: Progress
 
     cs = m.chunk_size
     tasks: list[GetTask] = []
-    post: list[tuple[torch.Tensor | None, Copy]] = []
-    buffers: dict[str, tuple[torch.Tensor, set[int]]] = {}
+    post: list[tuple[str | None, Copy]] = []
+    regions: dict[str, list[Copy]] = {}  # entry -> the regions read from it through a buffer
     for c in copies:
         e = c.entry
         if tuple(c.dst.shape) != c.lengths or c.dst.dtype != to_torch(e.dtype):
@@ -108,28 +108,52 @@ def _run_batch(store: Store, m: Manifest, copies: list[Copy], progress: Progress
             tasks += [GetTask(cid, n, into=view[i * cs : i * cs + n]) for i, (cid, n) in enumerate(zip(e.chunks, lengths))]
             post.append((None, c))
             continue
-        if e.name not in buffers:
-            buffers[e.name] = (torch.empty(e.shape, dtype=to_torch(e.dtype)), set())
-        buf, want = buffers[e.name]
-        lo, hi = _byte_range(e.shape, c.src_off, c.lengths, itemsize(e.dtype) or 1)
-        want.update(range(lo // cs, (hi - 1) // cs + 1))
-        post.append((buf, c))
-    entries = {c.entry.name: c.entry for c in copies}
-    for name, (buf, want) in buffers.items():
-        e = entries[name]
-        view = byte_view(buf)
-        lengths = split_lengths(e.nbytes, cs)
-        tasks += [GetTask(e.chunks[i], lengths[i], into=view[i * cs : i * cs + lengths[i]]) for i in sorted(want)]
+        regions.setdefault(e.name, []).append(c)
+        post.append((e.name, c))
+    slabs: dict[str, tuple[torch.Tensor, int]] = {}  # entry -> (its rows that the regions span, the first one)
+    for name, cs_ in regions.items():
+        e = cs_[0].entry
+        slab, first, buf_tasks = _slab(e, cs_, cs)
+        slabs[name] = (slab, first)
+        tasks += buf_tasks
     if get is not None:
         get(tasks, progress or NullProgress())
     else:
         get_chunks(store.objects, tasks, store.settings, progress or NullProgress())
     with torch.no_grad():
-        for buf, c in post:
-            if buf is not None:
-                c.dst.copy_(narrow(buf, c.src_off, c.lengths))
+        for name, c in post:
+            if name is not None:
+                slab, first = slabs[name]
+                c.dst.copy_(narrow(slab, (c.src_off[0] - first, *c.src_off[1:]) if c.src_off else (), c.lengths))
             if c.done is not None:
                 c.done(c.dst)
+
+
+def _slab(e: TensorEntry, regions: list[Copy], cs: int) -> tuple[torch.Tensor, int, list[GetTask]]:
+    """A buffer for ``regions`` of stored shard ``e``: the rows (along its first dimension) that they
+    span, as a tensor, with the first row's index, and the tasks that fetch into it the chunks
+    holding the regions' bytes. Not the whole shard: a tensor stored column-sharded and loaded
+    row-sharded reads a few rows of each shard on each rank."""
+    import torch
+
+    elem = itemsize(e.dtype) or 1
+    row = math.prod(e.shape[1:]) * elem
+    first = min(c.src_off[0] for c in regions) if e.shape else 0
+    end = max(c.src_off[0] + c.lengths[0] for c in regions) if e.shape else 1  # (a scalar: one row)
+    want: set[int] = set()
+    for c in regions:
+        lo, hi = _byte_range(e.shape, c.src_off, c.lengths, elem)
+        want.update(range(lo // cs, (hi - 1) // cs + 1))
+    lengths = split_lengths(e.nbytes, cs)
+    # bytes [start, stop) of the shard: its rows first..end and the chunks that hold the regions (which
+    # may begin before the first row or end after the last), from an element boundary
+    start = min(first * row, min(want) * cs) // elem * elem
+    stop = -(-max(end * row, max(i * cs + lengths[i] for i in want)) // elem) * elem
+    buf = torch.empty((stop - start) // elem, dtype=to_torch(e.dtype))
+    view = byte_view(buf)
+    tasks = [GetTask(e.chunks[i], lengths[i], into=view[i * cs - start : i * cs - start + lengths[i]]) for i in sorted(want)]
+    slab = buf[(first * row - start) // elem : (end * row - start) // elem].view(*e.shape[:1] and (end - first,), *e.shape[1:])
+    return slab, first, tasks
 
 
 # -- whole tensors -------------------------------------------------------------------

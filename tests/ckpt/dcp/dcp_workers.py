@@ -1451,6 +1451,42 @@ def load_lagging_view(rank, world, tmp, store, lagging):
     return out
 
 
+def column_shards_to_rows(rank, world, tmp, store, chunk_size):
+    """A 512x1024 tensor saved column-sharded, loaded row-sharded: whether each rank's rows came back
+    bit for bit, the largest buffer the read allocated (ckpt/dcp/consolidate.py) and the bytes of the
+    region this rank reads from each stored shard."""
+    import sys
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import ckpt.dcp
+    from ckpt.settings import Settings
+
+    mesh = _mesh(world)
+    full = torch.randn(512, 1024, generator=torch.Generator().manual_seed(3))
+    dcp.save({"w": distribute_tensor(full, mesh, [Shard(1)])},
+             storage_writer=ckpt.dcp.Writer(store, "cols/x", settings=Settings(chunk_size=chunk_size)))
+    into = {"w": distribute_tensor(torch.zeros(512, 1024), mesh, [Shard(0)])}
+    real, sizes = torch.empty, []
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        if sys._getframe(1).f_code.co_filename.endswith(os.path.join("dcp", "consolidate.py")):
+            sizes.append(t.numel() * t.element_size())
+        return t
+
+    torch.empty = empty
+    try:
+        dcp.load(into, storage_reader=ckpt.dcp.Reader(store, "cols/x"))
+    finally:
+        torch.empty = real
+    rows = 512 // world
+    return {"exact": bits(into["w"].to_local()) == bits(full[rank * rows:(rank + 1) * rows]), "buffers": sizes,
+            "region_bytes": rows * (1024 // world) * 4}
+
+
 def plain_grad_values(rank, world, tmp, store):
     """Tensors kept as plain values (a learnable temperature, say), restored through a process group:
     each comes back with the requires_grad and the class it was saved with, bit for bit."""
@@ -1478,4 +1514,5 @@ SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "
              "save_fine_tunes": save_fine_tunes, "load_missing": load_missing,
              "tiers_late_rank_asks": tiers_late_rank_asks, "restore_peer_dies": restore_peer_dies,
              "save_stale_view": save_stale_view, "forged_optimizer_path": forged_optimizer_path,
-             "plain_grad_values": plain_grad_values, "load_lagging_view": load_lagging_view}
+             "plain_grad_values": plain_grad_values, "load_lagging_view": load_lagging_view,
+             "column_shards_to_rows": column_shards_to_rows}

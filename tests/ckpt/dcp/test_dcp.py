@@ -203,6 +203,18 @@ def test_a_rank_that_does_not_find_the_ref_makes_every_rank_refuse_the_load_at_o
         assert r0[case].startswith("RefNotFoundError: rank 1: ") and "lag/x" in r0[case] and "lags" in r0[case], r0
 
 
+def test_a_rank_reading_rows_of_column_shards_buffers_those_rows_not_the_shards(tmp_path):
+    """A tensor saved column-sharded on 4 ranks and loaded row-sharded: each rank needs a quarter of the
+    rows of every stored shard, fetched only those chunks, yet allocated a buffer of the whole shard for
+    each (4x the memory it reads; at scale, a whole layer per rank). It now buffers the rows it reads."""
+    chunk = 64 * 1024
+    out = W.run_ranks("column_shards_to_rows", 4, str(tmp_path), store=str(tmp_path / "s"), chunk_size=chunk, deadline_s=120)
+    for r in out:
+        assert "error" not in r, r.get("trace")
+        assert r["exact"] and len(r["buffers"]) == 4, r
+        assert max(r["buffers"]) <= r["region_bytes"] + 2 * chunk, r  # its rows of a shard, and the chunks around them
+
+
 def test_two_ranks_save_reshard_async_and_consolidate(tmp_path):
     """2 ranks save (DTensor rows/cols + FSDP2 model/optimizer); reload in another layout on 2 ranks,
     in 1 process (DCP and consolidated), as one safetensors file; 1 process saves, 2 ranks load."""
