@@ -163,12 +163,15 @@ def _ints(x: Any, what: str) -> tuple[int, ...]:
     return tuple(x)
 
 
-CORNER_BUDGET = 1 << 20  # corners a layout's check may count (memory and time: about a second)
+# Corners of one shard the cover check counts: 2 ** (dimensions along which the shard ends inside the
+# tensor), 2 or 4 for a mesh's layouts. A bound per shard keeps the check's cost in proportion to the
+# manifest's size (a budget per tensor let a few forged shards of many dimensions cost a second each).
+MAX_CORNERS = 256
 
 
 def _covers_once(shards: list[Shard], size: tuple[int, ...]) -> bool | None:
     """Whether ``shards`` (boxes inside a tensor of ``size``) cover each of its elements exactly once;
-    None if the layout has more corners to count than :data:`CORNER_BUDGET`.
+    None if a shard has more than :data:`MAX_CORNERS` corners to count.
 
     Exact, and linear in the shards: the number of shards over each element (a function on the
     tensor's elements) is the tensor's indicator function exactly when their differences along every
@@ -179,7 +182,7 @@ def _covers_once(shards: list[Shard], size: tuple[int, ...]) -> bool | None:
     if not all(size):
         return True  # an empty tensor: nothing to cover (and every shard inside it is empty)
     boxes = [(s.offsets, s.sizes) for s in shards if all(s.sizes)]  # empty shards hold nothing
-    if sum(1 << sum(o + z < n for o, z, n in zip(off, sz, size)) for off, sz in boxes) > CORNER_BUDGET:
+    if any(1 << sum(o + z < n for o, z, n in zip(off, sz, size)) > MAX_CORNERS for off, sz in boxes):
         return None
     count: dict[tuple[int, ...], int] = {(0,) * len(size): -1}
     for off, sz in boxes:
@@ -228,7 +231,8 @@ def decode_layout(extra: dict[str, Any], what: str) -> DcpLayout:
         # region unwritten (uninitialised memory, pulled and loaded without a word).
         covered = _covers_once(out, size)
         if covered is None:
-            raise StoreFormatError(f"{w}: its {len(out)} shards split it too finely to check that they cover it exactly once")
+            raise StoreFormatError(f"{w}: a shard ends inside it along more than {MAX_CORNERS.bit_length() - 1} dimensions: "
+                                   "too many to check that the shards cover it exactly once")
         if not covered:
             raise StoreFormatError(f"{w}: its shards do not cover the tensor exactly once")
         tensors[fqn] = TensorItem(fqn, dtype, size, tuple(out), bool(it.get("requires_grad", False)))

@@ -474,8 +474,25 @@ def test_shards_cover_a_tensor_once_or_the_layout_is_refused():
     assert _covers_once([Shard((0, 0), (0, 4), "empty"), Shard((0, 0), (4, 4), "all")], (4, 4))
     assert _covers_once([Shard((), (), "s")], ()) and not _covers_once([Shard((), (), "s"), Shard((), (), "t")], ())
     assert _covers_once([Shard((0, 0), (0, 3), "e")], (0, 3)) and not _covers_once([], (2,))
-    # a layout with more corners than it may count is neither accepted nor refused as overlapping
-    assert _covers_once([Shard((0,) * 21, (1,) * 21, "a"), Shard((1,) * 21, (1,) * 21, "b")], (2,) * 21) is None
+    # a shard with more corners than the check counts is neither accepted nor refused as overlapping
+    assert _covers_once([Shard((0,) * 9, (1,) * 9, "a"), Shard((1,) * 9, (1,) * 9, "b")], (2,) * 9) is None
+    assert _covers_once([Shard((0,) * 9, (1,) * 8 + (2,), "a"), Shard((1,) * 9, (1,) * 9, "b")], (2,) * 9) is False
+
+
+def test_a_forged_layout_of_shards_split_in_many_dimensions_costs_in_proportion_to_its_size():
+    """Tensors of 19 dimensions covered exactly by 20 shards each (one corner cell, and a staircase of
+    slabs around it): a million corners to count per tensor, a second and a half each, from 2 KB of
+    manifest. A shard that ends inside its tensor along more than 8 dimensions is now refused at once."""
+    from ckpt.dcp.format import decode_layout
+    from ckpt_store.storage.errors import StoreFormatError
+
+    d = 19
+    shards = [{"offsets": [0] * d, "sizes": [1] * d, "entry": "cell"}]
+    for i in range(d):  # [0,1) along the first i dimensions, [1,2) along dimension i, whole after it
+        shards.append({"offsets": [0] * i + [1] + [0] * (d - i - 1), "sizes": [1] * (i + 1) + [2] * (d - i - 1), "entry": f"slab{i}"})
+    items = {f"t{k}": {"kind": "tensor", "dtype": "U8", "size": [2] * d, "shards": shards} for k in range(3)}
+    with pytest.raises(StoreFormatError, match="more than 8 dimensions"):
+        decode_layout({"dcp": {"format": "ckpt-dcp", "version": 1, "items": items}}, "m")
 
 
 @given(st.integers(0, 3).flatmap(lambda d: st.tuples(
