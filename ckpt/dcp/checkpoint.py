@@ -244,6 +244,10 @@ class Writer(StorageWriter):
             # checks of what the ranks save (prepare_global_plan) would not run again.
             raise CkptError("ckpt.dcp.Writer does not support a planner with enable_plan_caching=True",
                             hint="use DefaultSavePlanner() without plan caching: ckpt plans each save against the ref's newest version")
+        for item in plan.items:  # before any batch is written: a tensor with no data fails only as it is copied
+            if item.type != WriteItemType.BYTE_IO and planner.resolve_data(item).is_meta:
+                raise UnsupportedStateError(f"{item.index.fqn}: a tensor on the meta device has no data to save",
+                                            hint="materialize the model first (to_empty() and its initialization, or a load)")
         store = self._holder.store(create=True)
         info = plan.storage_data if isinstance(plan.storage_data, _RankPlan) else _RankPlan(None)
         base_m = store.manifest(info.base) if info.base else None

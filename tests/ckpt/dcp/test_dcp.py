@@ -869,3 +869,17 @@ def test_a_key_ckpt_cannot_store_is_refused_before_anything_is_written(tmp_path,
         dcp.save({"a": torch.ones(1000), key: torch.zeros(2)}, storage_writer=ckpt.dcp.Writer(str(tmp_path / "s"), "x/a"))
     assert isinstance(next(iter(e.value.failures.values()))[0], InvalidNameError)
     assert not (tmp_path / "s").exists()  # nothing written, not even the store
+
+
+def test_a_tensor_on_the_meta_device_is_refused_by_name_before_anything_is_written(tmp_path, monkeypatch):
+    """A model built on the meta device and saved before it was materialized failed with torch's
+    "Cannot copy out of meta tensor" (no key named) after the batches before it were written (chunks
+    left for gc). The writer now refuses it by name before it writes any chunk."""
+    import ckpt.dcp.checkpoint
+
+    monkeypatch.setattr(ckpt.dcp.checkpoint, "BATCH_BYTES", 1)
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({"a": torch.ones(1000), "z": torch.empty(3, device="meta")}, storage_writer=ckpt.dcp.Writer(str(tmp_path / "s"), "x/a"))
+    err = next(iter(e.value.failures.values()))[0]
+    assert isinstance(err, UnsupportedStateError) and str(err).startswith("z: a tensor on the meta device"), err
+    assert not [p for p in (tmp_path / "s").rglob("*") if p.is_file() and "objects" in p.parts]  # no chunk written
