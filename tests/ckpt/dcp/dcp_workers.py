@@ -1451,9 +1451,10 @@ def load_lagging_view(rank, world, tmp, store, lagging):
     return out
 
 
-def column_shards_to_rows(rank, world, tmp, store, chunk_size):
-    """A 512x1024 tensor saved column-sharded, loaded row-sharded: whether each rank's rows came back
-    bit for bit, the largest buffer the read allocated (ckpt/dcp/consolidate.py) and the bytes of the
+def column_shards_to_rows(rank, world, tmp, store, chunk_size, saved=1, loaded=0, batch_bytes=None, piece_bytes=None):
+    """A 512x1024 tensor saved sharded along dimension ``saved``, loaded sharded along ``loaded``:
+    whether each rank's part came back bit for bit, the buffers the read allocated
+    (ckpt/dcp/consolidate.py, with BATCH_BYTES and PIECE_BYTES as given) and the bytes of the
     region this rank reads from each stored shard."""
     import sys
 
@@ -1462,13 +1463,16 @@ def column_shards_to_rows(rank, world, tmp, store, chunk_size):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import ckpt.dcp
+    import ckpt.dcp.consolidate
     from ckpt.settings import Settings
 
+    if batch_bytes is not None:
+        ckpt.dcp.consolidate.BATCH_BYTES, ckpt.dcp.consolidate.PIECE_BYTES = batch_bytes, piece_bytes
     mesh = _mesh(world)
     full = torch.randn(512, 1024, generator=torch.Generator().manual_seed(3))
-    dcp.save({"w": distribute_tensor(full, mesh, [Shard(1)])},
+    dcp.save({"w": distribute_tensor(full, mesh, [Shard(saved)])},
              storage_writer=ckpt.dcp.Writer(store, "cols/x", settings=Settings(chunk_size=chunk_size)))
-    into = {"w": distribute_tensor(torch.zeros(512, 1024), mesh, [Shard(0)])}
+    into = {"w": distribute_tensor(torch.zeros(512, 1024), mesh, [Shard(loaded)])}
     real, sizes = torch.empty, []
 
     def empty(*args, **kwargs):
@@ -1482,9 +1486,9 @@ def column_shards_to_rows(rank, world, tmp, store, chunk_size):
         dcp.load(into, storage_reader=ckpt.dcp.Reader(store, "cols/x"))
     finally:
         torch.empty = real
-    rows = 512 // world
-    return {"exact": bits(into["w"].to_local()) == bits(full[rank * rows:(rank + 1) * rows]), "buffers": sizes,
-            "region_bytes": rows * (1024 // world) * 4}
+    part = full.size(loaded) // world
+    return {"exact": bits(into["w"].to_local()) == bits(full.narrow(loaded, rank * part, part)), "buffers": sizes,
+            "region_bytes": 512 * 1024 * 4 // world // world}
 
 
 def plain_grad_values(rank, world, tmp, store):

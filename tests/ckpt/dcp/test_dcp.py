@@ -215,6 +215,20 @@ def test_a_rank_reading_rows_of_column_shards_buffers_those_rows_not_the_shards(
         assert max(r["buffers"]) <= r["region_bytes"] + 2 * chunk, r  # its rows of a shard, and the chunks around them
 
 
+def test_a_rank_reading_columns_of_row_shards_buffers_a_batch_of_rows_at_a_time(tmp_path):
+    """The other way round: saved row-sharded, loaded column-sharded, each rank's region of a stored
+    shard spans all its rows, and the shard was buffered whole, however far past BATCH_BYTES (at scale,
+    a whole layer per rank). It is now read PIECE_BYTES of rows at a time, within BATCH_BYTES a pass
+    (here 64 KiB and 16 KiB, of shards of 512 KiB)."""
+    chunk, batch, piece = 64 * 1024, 64 * 1024, 16 * 1024
+    out = W.run_ranks("column_shards_to_rows", 4, str(tmp_path), store=str(tmp_path / "s"), chunk_size=chunk, saved=0, loaded=1,
+                      batch_bytes=batch, piece_bytes=piece, deadline_s=120)
+    for r in out:
+        assert "error" not in r, r.get("trace")
+        assert r["exact"] and len(r["buffers"]) > 4, r
+        assert max(r["buffers"]) <= batch + piece + 2 * chunk < 512 * 1024, r  # a pass of pieces, and the chunks around them
+
+
 def test_two_ranks_save_reshard_async_and_consolidate(tmp_path):
     """2 ranks save (DTensor rows/cols + FSDP2 model/optimizer); reload in another layout on 2 ranks,
     in 1 process (DCP and consolidated), as one safetensors file; 1 process saves, 2 ranks load."""
