@@ -93,55 +93,68 @@ def _is_integer(dtype: torch.dtype) -> bool:
     return not dtype.is_floating_point and not dtype.is_complex
 
 
-def _int64_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each element of real ``x`` as int64 where it is an integer that int64 holds (any element of an
-    integer dtype but a uint64 past 2**63 - 1, a whole float in range), and a mask of where it is."""
+def _int_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each element of real ``x`` that is an integer in [-2**63, 2**64] (any element of an integer
+    dtype, a whole float in range) as int64 bits equal to it modulo 2**64, and a mask of where it is."""
     import torch
 
-    if x.dtype == torch.uint64:  # (uint64 has no comparisons: its bits as int64 are its value below 2**63)
-        v = x.view(torch.int64)
-        return v, v >= 0
+    if x.dtype == torch.uint64:
+        return x.view(torch.int64), torch.ones(x.shape, dtype=torch.bool)
     if _is_integer(x.dtype):
         return x.to(torch.int64), torch.ones(x.shape, dtype=torch.bool)
     f = x.to(torch.float64)  # exact for every float dtype
-    ok = torch.isfinite(f) & (f == f.trunc()) & (f >= -(2.0**63)) & (f < 2.0**63)
-    return torch.where(ok, f, 0.0).to(torch.int64), ok
+    ok = torch.isfinite(f) & (f == f.trunc()) & (f >= -(2.0**63)) & (f <= 2.0**64)
+    f = torch.where(ok, f, 0.0)
+    return torch.where(f >= 2.0**63, f - 2.0**64, f).to(torch.int64), ok  # (f - 2**64 is exact there)
+
+
+def _integer_difference(xa: torch.Tensor, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``xb - xa`` in float64, exact before its one rounding wherever both values are integers
+    (:func:`_int_bits`), so never 0 for two that differ; of the float64 values elsewhere. With a mask
+    of where both are integers."""
+    import torch
+
+    da, db = xa.to(torch.float64), xb.to(torch.float64)
+    d = db - da
+    sa, oka = _int_bits(xa)
+    sb, okb = _int_bits(xb)
+    # The bits' difference in two halves (no overflow): the values' difference modulo 2**64, and so the
+    # values' own give or take multiples of 2**64, which the float64 difference (off by far less)
+    # decides; added to the high half, so that the sum is rounded once.
+    high, low = (sb >> 32).sub(sa >> 32), (sb & 0xFFFFFFFF).sub(sa & 0xFFFFFFFF).to(torch.float64)
+    wraps = torch.round((d - (high.to(torch.float64) * 2.0**32 + low)) / 2.0**64).to(torch.int64)
+    exact = high.add(wraps * 2**32).to(torch.float64) * 2.0**32 + low
+    both = oka & okb
+    d[both] = exact[both]
+    return d, both
 
 
 def _values_differ(xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
     """Per element, whether ``xa`` and ``xb`` (real, of different dtypes) hold different values,
-    exactly: integers compare as integers, against floats where the float is a whole number, in int64
+    exactly: integers compare as integers, and against floats where the float is a whole number
     (float64 holds integers exactly only to 2**53: 2**53 + 1 against 2.0**53, or against a uint64
     2**53, read as the same). NaN against NaN is no change (bits cannot be compared across dtypes)."""
     import torch
 
-    da, db = xa.to(torch.float64), xb.to(torch.float64)
-    out = (da != db) & ~(da.isnan() & db.isnan())
-    va, oka = _int64_values(xa)
-    vb, okb = _int64_values(xb)
-    both = oka & okb
-    out[both] = va[both] != vb[both]
-    for x, ok, other in ((xa, oka, okb), (xb, okb, oka)):
-        if _is_integer(x.dtype):  # a uint64 past int64 against an integer within it
-            out |= ~ok & other
-    return out
+    if not (_is_integer(xa.dtype) or _is_integer(xb.dtype)):
+        da, db = xa.to(torch.float64), xb.to(torch.float64)
+        return (da != db) & ~(da.isnan() & db.isnan())
+    d, both = _integer_difference(xa, xb)
+    # Elsewhere an integer stands against a value that is none (a fraction, inf, NaN, a float past
+    # the integers, which float64 may round an integer up to): different.
+    return ~both | (d != 0)
 
 
 def _difference(ra: torch.Tensor, rb: torch.Tensor) -> torch.Tensor:
-    """``rb - ra`` in float64, a fresh tensor. Where an integer dtype takes part, integers (and whole
-    floats) are subtracted in int64 wherever that cannot overflow: in float64 a change of 1 in an
-    integer past 2**53 read as none. (Two floats need not: float64 holds both exactly, and the
-    difference of two distinct floats is never 0.)"""
+    """``rb - ra`` in float64, a fresh tensor, never 0 where the values differ: where an integer dtype
+    takes part, by :func:`_integer_difference` (in float64 a change of 1 in an integer past 2**53 read
+    as none). Two floats need no more: float64 holds both exactly, and the difference of two distinct
+    floats is never 0."""
     import torch
 
-    d = rb.to(torch.float64) - ra.to(torch.float64)
     if _is_integer(ra.dtype) or _is_integer(rb.dtype):
-        va, oka = _int64_values(ra)
-        vb, okb = _int64_values(rb)
-        small = (va > -(2**62)) & (va < 2**62) & (vb > -(2**62)) & (vb < 2**62)
-        m = oka & okb & (((va >= 0) == (vb >= 0)) | small)  # same sign, or both small: no overflow
-        d[m] = (vb[m] - va[m]).to(torch.float64)
-    return d
+        return _integer_difference(ra, rb)[0]
+    return rb.to(torch.float64) - ra.to(torch.float64)
 
 
 def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> TensorStats:

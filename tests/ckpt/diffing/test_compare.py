@@ -140,6 +140,49 @@ def test_integers_against_floats_or_uint64_show_the_change_they_count(store):
     assert (row.status, row.changed_elements, row.max_abs_diff) == ("dtype_changed", 1, 1.0)
 
 
+_INT_RANGES = {torch.int64: (-(2**63), 2**63 - 1), torch.uint64: (0, 2**64 - 1), torch.int32: (-(2**31), 2**31 - 1),
+               torch.uint8: (0, 255)}
+
+
+def _value(draw, dtype):
+    if dtype in _INT_RANGES:
+        lo, hi = _INT_RANGES[dtype]
+        v = draw(st.one_of(st.integers(lo, hi), st.sampled_from([lo, hi, lo + 1, hi - 1, 0, 2**53 + 1, 2**63 - 1, 2**63, 2**63 + 1])
+                           .filter(lambda x: lo <= x <= hi)))
+        return torch.tensor([v], dtype=dtype), v
+    v = draw(st.one_of(st.floats(allow_nan=True, allow_infinity=True),
+                       st.sampled_from([2.0**53, 2.0**63, -(2.0**63), 2.0**64, 2.0**64 - 2048, 0.5, -0.0])))
+    return torch.tensor([v], dtype=torch.float64), v
+
+
+@given(st.data())
+@settings(max_examples=600, deadline=None)
+def test_one_element_of_any_two_dtypes_compares_exactly(data):
+    """Each element's change (counted, and its size: max diff) against exact arithmetic, for integers
+    of every width, uint64 past int64, whole floats near 2**53, 2**63 and 2**64, fractions, inf, NaN."""
+    from fractions import Fraction
+
+    dtypes = [*_INT_RANGES, torch.float64]
+    (ta, a), (tb, b) = (_value(data.draw, data.draw(st.sampled_from(dtypes))) for _ in range(2))
+    s = tensor_stats(ta, tb)
+    if ta.dtype == tb.dtype:
+        assert s.changed_elements == int(not ta.view(torch.uint8).equal(tb.view(torch.uint8)))
+        if ta.dtype.is_floating_point:
+            return  # (bit patterns: -0.0 against 0.0, NaN payloads; tested elsewhere)
+    nan = [isinstance(x, float) and math.isnan(x) for x in (a, b)]
+    if any(nan):
+        assert s.changed_elements == int(not all(nan))
+        return
+    changed = a != b
+    assert s.changed_elements == int(changed), (a, b, s)
+    if changed and not any(isinstance(x, float) and math.isinf(x) for x in (a, b)):
+        exact = float(abs(Fraction(b) - Fraction(a)))
+        if all(float(x).is_integer() for x in (a, b)):  # two integers: their difference rounded once
+            assert s.max_abs_diff == exact, (a, b, s)
+        else:  # a fraction: float64 arithmetic, never 0
+            assert s.max_abs_diff > 0 and math.isclose(s.max_abs_diff, exact, rel_tol=1e-15), (a, b, s)
+
+
 def test_nan_and_inf_changes_are_reported_as_such():
     """Issue 15 item 6: max(0.0, nan) made a weight turned NaN look unchanged (0.0), and inf printed as '-'."""
     a = torch.linspace(-1, 1, 10)
