@@ -443,6 +443,21 @@ def test_plot_of_names_with_odd_digits_draws_every_tensor(store, tmp_path):
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_plot_with_too_many_cells_is_refused_before_drawing(store, tmp_path):
+    """Tensors named so that each has a layer and a module type of its own ("s.7.m7") made the heatmap
+    a grid of tensors x tensors, every cell drawn and labelled: 300 tensors took three minutes, a few
+    thousand hung --plot (or ended in matplotlib's error on an image too large). Refused at once now,
+    saying how to plot fewer, with nothing written."""
+    pytest.importorskip("matplotlib")
+    from ckpt.diffing.plot import plot_report
+
+    a = {f"s.{i}.m{i}": torch.ones(2) for i in range(150)}
+    report = ckpt.diff(a, {k: v * 2 for k, v in a.items()}, store=store)
+    with pytest.raises(ckpt.CkptError, match="150 module types x 150 layers") as e:
+        plot_report(report, tmp_path / "big.png")
+    assert "--include" in e.value.hint and not (tmp_path / "big.png").exists()
+
+
 def test_plot_without_matplotlib(store, tmp_path, monkeypatch):
     import sys
 
