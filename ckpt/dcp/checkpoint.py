@@ -65,9 +65,9 @@ from ckpt.dcp.format import (
     shard_name,
     to_metadata,
 )
-from ckpt.errors import CkptError, TensorMismatchError
+from ckpt.errors import CkptError, InvalidNameError, InvalidSourceError, TensorMismatchError
 from ckpt.format.dtypes import byte_view, from_torch, itemsize
-from ckpt.format.manifest import FileEntry, Manifest, TensorEntry
+from ckpt.format.manifest import FileEntry, Manifest, TensorEntry, check_tensor_name
 from ckpt.settings import Settings
 from ckpt.store.base import pair_tensors
 from ckpt.store.push import PushResult
@@ -183,9 +183,23 @@ class Writer(StorageWriter):
 
         for i in plan.items:  # what cannot be stored is refused before anything is written
             td = i.tensor_data
+            check_tensor_name(i.index.fqn, "state dict key")  # (checked again, with the rest of the layout, in finish)
+            if td is not None:
+                check_tensor_name(shard_name(i.index.fqn, tuple(td.chunk.offsets), tuple(td.chunk.sizes), tuple(td.size)))
+                if i.index.fqn == "__metadata__":  # as build_header refuses it in finish: the pulled file would not parse
+                    raise InvalidNameError("tensor name '__metadata__' is reserved by safetensors for metadata",
+                                           hint="rename the tensor; a checkpoint that holds one pulls as a .pt file")
             if td is not None and td.properties.layout != torch.strided:  # (a sparse one failed in .contiguous())
                 raise UnsupportedStateError(f"{i.index.fqn}: tensors of layout {td.properties.layout} are not supported (strided only)",
                                             hint="save t.to_dense() instead")
+            if td is not None:  # (one failed in write_data, after the batches before it were written)
+                try:
+                    from_torch(td.properties.dtype)
+                except InvalidSourceError:
+                    raise UnsupportedStateError(f"{i.index.fqn}: tensors of dtype {td.properties.dtype} are not supported "
+                                                "(ckpt stores the dtypes safetensors names)",
+                                                hint="convert it (a quantized tensor: t.dequantize() or t.int_repr()), "
+                                                "or save its bytes, t.view(torch.uint8)") from None
         # What this rank saves under each name, for the coordinator to compare (prepare_global_plan).
         saved = {(i.index.fqn, tuple(i.index.offset or ())): (list(td.size), str(td.properties.dtype).removeprefix("torch."),
                                                               list(td.chunk.sizes))
@@ -230,6 +244,10 @@ class Writer(StorageWriter):
             # checks of what the ranks save (prepare_global_plan) would not run again.
             raise CkptError("ckpt.dcp.Writer does not support a planner with enable_plan_caching=True",
                             hint="use DefaultSavePlanner() without plan caching: ckpt plans each save against the ref's newest version")
+        for item in plan.items:  # before any batch is written: a tensor with no data fails only as it is copied
+            if item.type != WriteItemType.BYTE_IO and planner.resolve_data(item).is_meta:
+                raise UnsupportedStateError(f"{item.index.fqn}: a tensor on the meta device has no data to save",
+                                            hint="materialize the model first (to_empty() and its initialization, or a load)")
         store = self._holder.store(create=True)
         info = plan.storage_data if isinstance(plan.storage_data, _RankPlan) else _RankPlan(None)
         base_m = store.manifest(info.base) if info.base else None
@@ -364,6 +382,20 @@ def _lookup_value(planner: SavePlanner, item: Any) -> Any:
     return encode_value(lookup(item.index), item.index.fqn)
 
 
+def _gather_failures(err: BaseException | None, group: Any) -> list[tuple[int, CkptError]]:
+    """Every rank's failure (``err``: this rank's, or None) as ``[(rank, error), ...]``, gathered over
+    ``group`` (None: the default group) where torch.distributed is initialized; [] otherwise."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
+        return []
+    # What crosses to the other ranks must unpickle there: ckpt's errors do (CkptError.__reduce__), others are described.
+    sent = None if err is None else err if isinstance(err, CkptError) else CkptError(f"{type(err).__name__}: {err}")
+    got: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(got, sent, group=group)
+    return [(r, e) for r, e in enumerate(got) if e is not None]
+
+
 class Reader(StorageReader):
     """A DCP ``StorageReader`` for checkpoint ``ref`` (a ref, ``NAME@N`` or id prefix) of a ckpt store.
 
@@ -371,14 +403,22 @@ class Reader(StorageReader):
     (a save moved it meanwhile) the load fails before reading, asking for an id.
     Any DCP resharding works: each rank reads only the chunks of the shard regions
     its own layout needs, verified as always.
+
+    Where the ref is named (here or as ``checkpoint_id``) the ranks of ``process_group``
+    (``dcp.load``'s; default: every rank, once torch.distributed is initialized) agree
+    whether each of them found it, in one small collective: if one did not (its view
+    of the store lags), every rank raises its error at once, before DCP starts. A Reader
+    made on one rank alone in a larger job needs a group of that rank only (or
+    ``Store.load``).
     """
 
     def __init__(self, store: str | os.PathLike[str] | Store, ref: str | None = None, *,
                  storage_options: dict[str, Any] | None = None, settings: Settings | None = None,
-                 tiers: Tiers | None = None) -> None:
+                 tiers: Tiers | None = None, process_group: Any = None) -> None:
         super().__init__()
         self._holder = _StoreHolder(store, storage_options, settings)
         self.ref = ref
+        self.process_group = process_group
         # snapshot tiers (ckpt/snapshot/tiers.py): ``ref`` is a manifest id, read with its chunks
         # from the nearest tier holding each; ``store`` is then not read
         self.tiers = tiers
@@ -399,9 +439,27 @@ class Reader(StorageReader):
     def _check_ref(self) -> None:
         """Raise :class:`~ckpt.errors.RefNotFoundError` (or StoreNotFoundError) now, before DCP starts:
         from ``read_metadata`` DCP would log it and raise its own AssertionError (CheckpointException
-        across ranks) in its place. Each rank checks its own Reader, so none enters a collective alone."""
-        if self.ref is not None and self.tiers is None:
+        across ranks) in its place. The ranks agree first: a rank that raised alone would leave the
+        others waiting in DCP's first collective for the group's timeout (or, where it goes on to
+        another collective, matched against the wrong one)."""
+        if self.ref is None or self.tiers is not None:
+            return
+        try:
             self._holder.store(create=False).resolve(self.ref)
+            err: BaseException | None = None
+        except Exception as e:  # noqa: BLE001 - any failure, told to the other ranks before it is raised
+            err = e
+        failed = _gather_failures(err, self.process_group)
+        if err is not None:
+            raise err
+        if failed:
+            rank, e = failed[0]
+            e.message = f"rank {rank}: {e.message}"
+            e.args = (e.message,)
+            e.hint = (f"this rank finds {self.ref!r}, rank(s) {', '.join(str(r) for r, _ in failed)} do not: their view of "
+                      "the store lags (a shared file system's stale listing?) or names another store; retry once every "
+                      "rank sees it")
+            raise e
 
     def read_metadata(self) -> Metadata:
         """DCP's metadata, rebuilt from the manifest's JSON (no pickle)."""

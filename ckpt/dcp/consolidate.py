@@ -3,8 +3,9 @@
 One mechanism serves every reader: a :class:`Copy` names a region of a stored
 shard and the tensor view it goes to. A region that is the whole shard and a
 contiguous CPU destination is decoded straight into the destination; any other
-region is decoded into a buffer (only the chunks that overlap it are fetched)
-and copied from there. The DCP :class:`~ckpt.dcp.Reader` (resharding on load),
+region is decoded into a buffer of the shard rows it spans, a piece of at most
+:data:`PIECE_BYTES` at a time (only the chunks that overlap it are fetched), and
+copied from there. The DCP :class:`~ckpt.dcp.Reader` (resharding on load),
 ``Store.load`` and ``load_into`` of a distributed checkpoint (whole tensors) and ``ckpt pull``
 (one consolidated safetensors file) all go through :func:`run_copies`.
 """
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
 
 # Bytes decoded per parallel pass: bounds the buffers (and, for a pull, the tensors) held at once.
 BATCH_BYTES = 256 * 1024 * 1024
+# Rows of a stored shard buffered for one piece of a region read through a buffer (one row at least):
+# a region that needs every row of a large shard (stored row-sharded, loaded column-sharded) is read
+# a piece at a time, not into a buffer of the whole shard.
+PIECE_BYTES = BATCH_BYTES // 4
 
 
 @dataclass
@@ -63,8 +68,37 @@ def _byte_range(shape: tuple[int, ...], off: tuple[int, ...], lengths: tuple[int
     return flat(off) * elem, (flat(last) + 1) * elem
 
 
+def _direct(c: Copy) -> bool:
+    """Whether ``c`` is decoded straight into its destination (the whole shard, a contiguous CPU tensor)."""
+    return not any(c.src_off) and c.lengths == c.entry.shape and c.dst.device.type == "cpu" and c.dst.is_contiguous()
+
+
+def _row_bytes(e: TensorEntry) -> int:
+    return math.prod(e.shape[1:]) * (itemsize(e.dtype) or 1)
+
+
 def _copy_bytes(c: Copy) -> int:
-    return math.prod(c.lengths) * (itemsize(c.entry.dtype) or 1)
+    """Memory the copy takes in a pass: its region, or the shard rows buffered for it."""
+    if _direct(c) or not c.lengths:
+        return math.prod(c.lengths) * (itemsize(c.entry.dtype) or 1)
+    return c.lengths[0] * _row_bytes(c.entry)
+
+
+def _pieces(c: Copy) -> list[Copy]:
+    """``c`` as copies of at most :data:`PIECE_BYTES` of its shard's rows each where it goes through a
+    buffer; the last one calls ``c.done`` with the whole destination."""
+    if _direct(c) or not c.lengths or math.prod(c.lengths) == 0 or tuple(c.dst.shape) != c.lengths:
+        return [c]  # (a destination that does not fit is refused as it is, by _run_batch)
+    rows = max(1, PIECE_BYTES // max(1, _row_bytes(c.entry)))
+    n = c.lengths[0]
+    if n <= rows:
+        return [c]
+    out = [Copy(c.entry, (c.src_off[0] + i, *c.src_off[1:]), (min(rows, n - i), *c.lengths[1:]), c.dst.narrow(0, i, min(rows, n - i)))
+           for i in range(0, n, rows)]
+    if c.done is not None:
+        done, dst = c.done, c.dst
+        out[-1].done = lambda _piece: done(dst)
+    return out
 
 
 def run_copies(store: Store, m: Manifest, copies: list[Copy], progress: Progress | None = None,
@@ -75,7 +109,7 @@ def run_copies(store: Store, m: Manifest, copies: list[Copy], progress: Progress
     ``get(tasks, progress)`` fetches chunks instead of ``store`` (snapshot tiers)."""
     batch: list[Copy] = []
     size = 0
-    for c in copies:
+    for c in (p for c in copies for p in _pieces(c)):
         batch.append(c)
         size += _copy_bytes(c)
         if size >= BATCH_BYTES:
@@ -91,8 +125,8 @@ def _run_batch(store: Store, m: Manifest, copies: list[Copy], progress: Progress
 
     cs = m.chunk_size
     tasks: list[GetTask] = []
-    post: list[tuple[torch.Tensor | None, Copy]] = []
-    buffers: dict[str, tuple[torch.Tensor, set[int]]] = {}
+    post: list[tuple[str | None, Copy]] = []
+    regions: dict[str, list[Copy]] = {}  # entry -> the regions read from it through a buffer
     for c in copies:
         e = c.entry
         if tuple(c.dst.shape) != c.lengths or c.dst.dtype != to_torch(e.dtype):
@@ -101,35 +135,58 @@ def _run_batch(store: Store, m: Manifest, copies: list[Copy], progress: Progress
         if math.prod(c.lengths) == 0:
             post.append((None, c))
             continue
-        whole = not any(c.src_off) and c.lengths == e.shape
-        if whole and c.dst.device.type == "cpu" and c.dst.is_contiguous():
+        if _direct(c):
             view = byte_view(c.dst)
             lengths = split_lengths(e.nbytes, cs)
             tasks += [GetTask(cid, n, into=view[i * cs : i * cs + n]) for i, (cid, n) in enumerate(zip(e.chunks, lengths))]
             post.append((None, c))
             continue
-        if e.name not in buffers:
-            buffers[e.name] = (torch.empty(e.shape, dtype=to_torch(e.dtype)), set())
-        buf, want = buffers[e.name]
-        lo, hi = _byte_range(e.shape, c.src_off, c.lengths, itemsize(e.dtype) or 1)
-        want.update(range(lo // cs, (hi - 1) // cs + 1))
-        post.append((buf, c))
-    entries = {c.entry.name: c.entry for c in copies}
-    for name, (buf, want) in buffers.items():
-        e = entries[name]
-        view = byte_view(buf)
-        lengths = split_lengths(e.nbytes, cs)
-        tasks += [GetTask(e.chunks[i], lengths[i], into=view[i * cs : i * cs + lengths[i]]) for i in sorted(want)]
+        regions.setdefault(e.name, []).append(c)
+        post.append((e.name, c))
+    slabs: dict[str, tuple[torch.Tensor, int]] = {}  # entry -> (its rows that the regions span, the first one)
+    for name, cs_ in regions.items():
+        e = cs_[0].entry
+        slab, first, buf_tasks = _slab(e, cs_, cs)
+        slabs[name] = (slab, first)
+        tasks += buf_tasks
     if get is not None:
         get(tasks, progress or NullProgress())
     else:
         get_chunks(store.objects, tasks, store.settings, progress or NullProgress())
     with torch.no_grad():
-        for buf, c in post:
-            if buf is not None:
-                c.dst.copy_(narrow(buf, c.src_off, c.lengths))
+        for name, c in post:
+            if name is not None:
+                slab, first = slabs[name]
+                c.dst.copy_(narrow(slab, (c.src_off[0] - first, *c.src_off[1:]) if c.src_off else (), c.lengths))
             if c.done is not None:
                 c.done(c.dst)
+
+
+def _slab(e: TensorEntry, regions: list[Copy], cs: int) -> tuple[torch.Tensor, int, list[GetTask]]:
+    """A buffer for ``regions`` of stored shard ``e``: the rows (along its first dimension) that they
+    span, as a tensor, with the first row's index, and the tasks that fetch into it the chunks
+    holding the regions' bytes. Not the whole shard: a tensor stored column-sharded and loaded
+    row-sharded reads a few rows of each shard on each rank."""
+    import torch
+
+    elem = itemsize(e.dtype) or 1
+    row = math.prod(e.shape[1:]) * elem
+    first = min(c.src_off[0] for c in regions) if e.shape else 0
+    end = max(c.src_off[0] + c.lengths[0] for c in regions) if e.shape else 1  # (a scalar: one row)
+    want: set[int] = set()
+    for c in regions:
+        lo, hi = _byte_range(e.shape, c.src_off, c.lengths, elem)
+        want.update(range(lo // cs, (hi - 1) // cs + 1))
+    lengths = split_lengths(e.nbytes, cs)
+    # bytes [start, stop) of the shard: its rows first..end and the chunks that hold the regions (which
+    # may begin before the first row or end after the last), from an element boundary
+    start = min(first * row, min(want) * cs) // elem * elem
+    stop = -(-max(end * row, max(i * cs + lengths[i] for i in want)) // elem) * elem
+    buf = torch.empty((stop - start) // elem, dtype=to_torch(e.dtype))
+    view = byte_view(buf)
+    tasks = [GetTask(e.chunks[i], lengths[i], into=view[i * cs - start : i * cs - start + lengths[i]]) for i in sorted(want)]
+    slab = buf[(first * row - start) // elem : (end * row - start) // elem].view(*e.shape[:1] and (end - first,), *e.shape[1:])
+    return slab, first, tasks
 
 
 # -- whole tensors -------------------------------------------------------------------

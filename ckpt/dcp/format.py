@@ -20,6 +20,7 @@ Only what this module writes is accepted when loading. No key here is named
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -162,17 +163,34 @@ def _ints(x: Any, what: str) -> tuple[int, ...]:
     return tuple(x)
 
 
-def _disjoint(shards: list[Shard]) -> bool:
-    """Whether no two shards (boxes of offsets and sizes) share an element: a sweep along the first
-    dimension, so a row-sharded tensor of thousands of shards costs a sort, not every pair."""
-    boxes = sorted((s.offsets, s.sizes) for s in shards if s.sizes and all(s.sizes))  # empty shards hold nothing
-    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+# Corners of one shard the cover check counts: 2 ** (dimensions along which the shard ends inside the
+# tensor), 2 or 4 for a mesh's layouts. A bound per shard keeps the check's cost in proportion to the
+# manifest's size (a budget per tensor let a few forged shards of many dimensions cost a second each).
+MAX_CORNERS = 256
+
+
+def _covers_once(shards: list[Shard], size: tuple[int, ...]) -> bool | None:
+    """Whether ``shards`` (boxes inside a tensor of ``size``) cover each of its elements exactly once;
+    None if a shard has more than :data:`MAX_CORNERS` corners to count.
+
+    Exact, and linear in the shards: the number of shards over each element (a function on the
+    tensor's elements) is the tensor's indicator function exactly when their differences along every
+    dimension (``g(x) - g(x - 1)``, undone by a prefix sum) are. A shard's difference is a signed
+    point at each corner made of its starts and those of its ends that fall inside the tensor; the
+    tensor's own is one point, its origin. So a row- or column-sharded tensor costs two points a shard,
+    however its shards line up."""
+    if not all(size):
+        return True  # an empty tensor: nothing to cover (and every shard inside it is empty)
+    boxes = [(s.offsets, s.sizes) for s in shards if all(s.sizes)]  # empty shards hold nothing
+    if any(1 << sum(o + z < n for o, z, n in zip(off, sz, size)) > MAX_CORNERS for off, sz in boxes):
+        return None
+    count: dict[tuple[int, ...], int] = {(0,) * len(size): -1}
     for off, sz in boxes:
-        active = [(o, z) for o, z in active if o[0] + z[0] > off[0]]  # those still open where this one starts
-        if any(all(a < b + c and b < a + d for a, d, b, c in zip(off, sz, o, z)) for o, z in active):
-            return False
-        active.append((off, sz))
-    return True
+        choices = [((o, 1), (o + z, -1)) if o + z < n else ((o, 1),) for o, z, n in zip(off, sz, size)]
+        for corner in itertools.product(*choices):
+            key = tuple(c for c, _ in corner)
+            count[key] = count.get(key, 0) + math.prod(sign for _, sign in corner)
+    return not any(count.values())
 
 
 def decode_layout(extra: dict[str, Any], what: str) -> DcpLayout:
@@ -209,10 +227,13 @@ def decode_layout(extra: dict[str, Any], what: str) -> DcpLayout:
             if len(off) != len(size) or len(sz) != len(size) or any(a + b > d for a, b, d in zip(off, sz, size)):
                 raise StoreFormatError(f"{w}: shard {list(off)}+{list(sz)} lies outside the tensor {list(size)}")
             out.append(Shard(off, sz, check_tensor_name(s["entry"])))
-        # Volumes that add up cover the tensor exactly once only if no two shards overlap: two
-        # copies of one region would leave another region unwritten (uninitialised memory, pulled
-        # and loaded without a word).
-        if sum(math.prod(s.sizes) for s in out) != math.prod(size) or not _disjoint(out):
+        # The shards must cover the tensor exactly once: two copies of one region would leave another
+        # region unwritten (uninitialised memory, pulled and loaded without a word).
+        covered = _covers_once(out, size)
+        if covered is None:
+            raise StoreFormatError(f"{w}: a shard ends inside it along more than {MAX_CORNERS.bit_length() - 1} dimensions: "
+                                   "too many to check that the shards cover it exactly once")
+        if not covered:
             raise StoreFormatError(f"{w}: its shards do not cover the tensor exactly once")
         tensors[fqn] = TensorItem(fqn, dtype, size, tuple(out), bool(it.get("requires_grad", False)))
     pd = o.get("planner_data")

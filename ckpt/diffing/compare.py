@@ -93,25 +93,68 @@ def _is_integer(dtype: torch.dtype) -> bool:
     return not dtype.is_floating_point and not dtype.is_complex
 
 
-def _values_differ(xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
-    """Per element, whether ``xa`` and ``xb`` (real, of different dtypes) hold different values,
-    exactly: integers compare as integers and against floats only where the float is a whole
-    number (float64 holds integers exactly only to 2**53: 2**53 + 1 against 2.0**53 read as the
-    same). NaN against NaN is no change (bits cannot be compared across dtypes)."""
+def _int_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each element of real ``x`` that is an integer in [-2**63, 2**64] (any element of an integer
+    dtype, a whole float in range) as int64 bits equal to it modulo 2**64, and a mask of where it is."""
     import torch
 
-    ia, ib = _is_integer(xa.dtype), _is_integer(xb.dtype)
-    if torch.uint64 not in (xa.dtype, xb.dtype):
-        if ia and ib:
-            return xa.to(torch.int64) != xb.to(torch.int64)
-        if ia != ib:
-            i, f = (xa, xb) if ia else (xb, xa)
-            f = f.to(torch.float64)  # exact for every float dtype
-            same = torch.isfinite(f) & (f == f.trunc()) & (f.abs() < 2.0**63)
-            same[same.clone()] = f[same].to(torch.int64) == i[same].to(torch.int64)
-            return ~same
+    if x.dtype == torch.uint64:
+        return x.view(torch.int64), torch.ones(x.shape, dtype=torch.bool)
+    if _is_integer(x.dtype):
+        return x.to(torch.int64), torch.ones(x.shape, dtype=torch.bool)
+    f = x.to(torch.float64)  # exact for every float dtype
+    ok = torch.isfinite(f) & (f == f.trunc()) & (f >= -(2.0**63)) & (f <= 2.0**64)
+    f = torch.where(ok, f, 0.0)
+    return torch.where(f >= 2.0**63, f - 2.0**64, f).to(torch.int64), ok  # (f - 2**64 is exact there)
+
+
+def _integer_difference(xa: torch.Tensor, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``xb - xa`` in float64, exact before its one rounding wherever both values are integers
+    (:func:`_int_bits`), so never 0 for two that differ; of the float64 values elsewhere. With a mask
+    of where both are integers."""
+    import torch
+
     da, db = xa.to(torch.float64), xb.to(torch.float64)
-    return (da != db) & ~(da.isnan() & db.isnan())
+    d = db - da
+    sa, oka = _int_bits(xa)
+    sb, okb = _int_bits(xb)
+    # The bits' difference in two halves (no overflow): the values' difference modulo 2**64, and so the
+    # values' own give or take multiples of 2**64, which the float64 difference (off by far less)
+    # decides; added to the high half, so that the sum is rounded once.
+    high, low = (sb >> 32).sub(sa >> 32), (sb & 0xFFFFFFFF).sub(sa & 0xFFFFFFFF).to(torch.float64)
+    wraps = torch.round((d - (high.to(torch.float64) * 2.0**32 + low)) / 2.0**64).to(torch.int64)
+    exact = high.add(wraps * 2**32).to(torch.float64) * 2.0**32 + low
+    both = oka & okb
+    d[both] = exact[both]
+    return d, both
+
+
+def _values_differ(xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
+    """Per element, whether ``xa`` and ``xb`` (real, of different dtypes) hold different values,
+    exactly: integers compare as integers, and against floats where the float is a whole number
+    (float64 holds integers exactly only to 2**53: 2**53 + 1 against 2.0**53, or against a uint64
+    2**53, read as the same). NaN against NaN is no change (bits cannot be compared across dtypes)."""
+    import torch
+
+    if not (_is_integer(xa.dtype) or _is_integer(xb.dtype)):
+        da, db = xa.to(torch.float64), xb.to(torch.float64)
+        return (da != db) & ~(da.isnan() & db.isnan())
+    d, both = _integer_difference(xa, xb)
+    # Elsewhere an integer stands against a value that is none (a fraction, inf, NaN, a float past
+    # the integers, which float64 may round an integer up to): different.
+    return ~both | (d != 0)
+
+
+def _difference(ra: torch.Tensor, rb: torch.Tensor) -> torch.Tensor:
+    """``rb - ra`` in float64, a fresh tensor, never 0 where the values differ: where an integer dtype
+    takes part, by :func:`_integer_difference` (in float64 a change of 1 in an integer past 2**53 read
+    as none). Two floats need no more: float64 holds both exactly, and the difference of two distinct
+    floats is never 0."""
+    import torch
+
+    if _is_integer(ra.dtype) or _is_integer(rb.dtype):
+        return _integer_difference(ra, rb)[0]
+    return rb.to(torch.float64) - ra.to(torch.float64)
 
 
 def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> TensorStats:
@@ -145,25 +188,17 @@ def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> Te
         changed = int(differs.reshape(a.numel(), -1).any(dim=1).sum()) if a.numel() else 0
         del differs
     fa, fb = _as_real(a), _as_real(b)
-    # Same integer dtype: differences taken in int64, exact (float64 holds integers to 2**53 only,
-    # and a change of 1 in a larger one read as none), where no value is near int64's limits.
-    exact = same_dtype and _is_integer(a.dtype) and a.dtype != torch.uint64
     ssa, ssb, ssd, mad, nonfinite = [], [], [], 0.0, 0
     for i in range(0, fa.numel(), block):
         ra, rb = fa[i : i + block], fb[i : i + block]
-        da = ra.to(torch.float64)
-        db = rb.to(torch.float64, copy=True)  # a scratch copy: it is changed in place below (b is the caller's)
+        da, xb = ra.to(torch.float64), rb.to(torch.float64)
         ssa.append(float(torch.dot(da, da)))
-        ssb.append(float(torch.dot(db, db)))
-        if exact and ra.numel() and max(float(da.abs().max()), float(db.abs().max())) < 2.0**62:
-            db = (rb.to(torch.int64) - ra.to(torch.int64)).to(torch.float64)
-        else:
-            db.sub_(da)
+        ssb.append(float(torch.dot(xb, xb)))
+        db = _difference(ra, rb)  # a fresh tensor: it is changed in place below (b is the caller's)
         sd = float(torch.dot(db, db))
         if not math.isfinite(sd):
             # Rare path: a NaN or inf in the block. Unchanged elements (NaN - NaN, inf - inf)
             # are no change; the changed ones that involve NaN/inf are counted and kept.
-            xb = rb.to(torch.float64)
             same = (bit_pattern(ra) == bit_pattern(rb)) if same_dtype else ((da == xb) | (da.isnan() & xb.isnan()))
             db.masked_fill_(same, 0.0)
             bad = ~(torch.isfinite(da) & torch.isfinite(xb))

@@ -14,11 +14,19 @@ import math
 import os
 from typing import TYPE_CHECKING
 
-from ckpt.errors import MissingDependencyError
+from ckpt.errors import CkptError, MissingDependencyError
 
 if TYPE_CHECKING:
     from ckpt.diffing.compare import DiffReport, TensorDiff
     from ckpt.store.store import Store
+
+
+# What one chart can hold: every cell of the heatmap is drawn and labelled (a millisecond each), and an
+# image past 2**16 pixels a side cannot be saved. Names that put each tensor in a layer and a module
+# type of its own ("s.7.m7") made the grid quadratic in the tensors: 300 of them took three minutes.
+MAX_CELLS = 20_000  # module types x layers
+MAX_ROWS = 1_500  # module types, or tensors outside the stack
+MAX_LAYERS = 600
 
 
 def layer_key(name: str) -> tuple[str, int | None, str]:
@@ -81,6 +89,10 @@ def plot_report(report: DiffReport, path: str | os.PathLike[str], store: Store |
             layered.setdefault((stack, module), {})[idx] = t
     layers = sorted({i for row in layered.values() for i in row})
     rows = list(layered)  # first appearance: the model's own order of module types
+    if len(rows) * len(layers) > MAX_CELLS or max(len(rows), len(flat)) > MAX_ROWS or len(layers) > MAX_LAYERS:
+        raise CkptError(f"too many tensors for one chart: {len(rows)} module types x {len(layers)} layers, "
+                        f"{len(flat)} tensors outside the stack (at most {MAX_CELLS:,} cells, {MAX_ROWS:,} rows, "
+                        f"{MAX_LAYERS} layers)", hint="plot fewer tensors: ckpt diff --include 'PATTERN' ... --plot")
     values = [t.relative_change for t in report.tensors if t.relative_change and math.isfinite(t.relative_change)]
     lo, hi = (min(values), max(values)) if values else (1e-6, 1.0)
     if lo == hi:

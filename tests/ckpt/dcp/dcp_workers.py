@@ -1425,6 +1425,72 @@ def load_missing(rank, world, tmp, store):
     return out
 
 
+def load_lagging_view(rank, world, tmp, store, lagging):
+    """dcp.load of a ref every rank but ``lagging`` finds: that rank is given a store where it is missing
+    (a view of the store that lags). The ref named to the Reader and as checkpoint_id: each error's type
+    and message; then a collective on the group, which every rank reaches together."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt.dcp
+
+    url = os.path.join(tmp, "lagging") if rank == lagging else store
+    out = {}
+    for case, load in {"reader": lambda: dcp.load({"w": torch.zeros(3)}, storage_reader=ckpt.dcp.Reader(url, "lag/x")),
+                       "checkpoint_id": lambda: dcp.load({"w": torch.zeros(3)}, checkpoint_id="lag/x",
+                                                         storage_reader=ckpt.dcp.Reader(url))}.items():
+        try:
+            load()
+            out[case] = "loaded"
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            out[case] = f"{type(e).__name__}: {e}"
+    got = [None] * world
+    dist.all_gather_object(got, rank)
+    out["gathered"] = got
+    return out
+
+
+def column_shards_to_rows(rank, world, tmp, store, chunk_size, saved=1, loaded=0, batch_bytes=None, piece_bytes=None):
+    """A 512x1024 tensor saved sharded along dimension ``saved``, loaded sharded along ``loaded``:
+    whether each rank's part came back bit for bit, the buffers the read allocated
+    (ckpt/dcp/consolidate.py, with BATCH_BYTES and PIECE_BYTES as given) and the bytes of the
+    region this rank reads from each stored shard."""
+    import sys
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import ckpt.dcp
+    import ckpt.dcp.consolidate
+    from ckpt.settings import Settings
+
+    if batch_bytes is not None:
+        ckpt.dcp.consolidate.BATCH_BYTES, ckpt.dcp.consolidate.PIECE_BYTES = batch_bytes, piece_bytes
+    mesh = _mesh(world)
+    full = torch.randn(512, 1024, generator=torch.Generator().manual_seed(3))
+    dcp.save({"w": distribute_tensor(full, mesh, [Shard(saved)])},
+             storage_writer=ckpt.dcp.Writer(store, "cols/x", settings=Settings(chunk_size=chunk_size)))
+    into = {"w": distribute_tensor(torch.zeros(512, 1024), mesh, [Shard(loaded)])}
+    real, sizes = torch.empty, []
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        if sys._getframe(1).f_code.co_filename.endswith(os.path.join("dcp", "consolidate.py")):
+            sizes.append(t.numel() * t.element_size())
+        return t
+
+    torch.empty = empty
+    try:
+        dcp.load(into, storage_reader=ckpt.dcp.Reader(store, "cols/x"))
+    finally:
+        torch.empty = real
+    part = full.size(loaded) // world
+    return {"exact": bits(into["w"].to_local()) == bits(full.narrow(loaded, rank * part, part)), "buffers": sizes,
+            "region_bytes": 512 * 1024 * 4 // world // world}
+
+
 def plain_grad_values(rank, world, tmp, store):
     """Tensors kept as plain values (a learnable temperature, say), restored through a process group:
     each comes back with the requires_grad and the class it was saved with, bit for bit."""
@@ -1452,4 +1518,5 @@ SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "
              "save_fine_tunes": save_fine_tunes, "load_missing": load_missing,
              "tiers_late_rank_asks": tiers_late_rank_asks, "restore_peer_dies": restore_peer_dies,
              "save_stale_view": save_stale_view, "forged_optimizer_path": forged_optimizer_path,
-             "plain_grad_values": plain_grad_values}
+             "plain_grad_values": plain_grad_values, "load_lagging_view": load_lagging_view,
+             "column_shards_to_rows": column_shards_to_rows}

@@ -12,6 +12,8 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -182,6 +184,49 @@ def test_a_missing_ref_or_store_is_refused_by_name_before_dcp_starts(tmp_path):
         assert "error" not in r, r.get("trace")
         assert r["reader"].startswith("RefNotFoundError") and r["checkpoint_id"].startswith("RefNotFoundError"), r
         assert r["reader_s"] < 20 and r["checkpoint_id_s"] < 20 and r["gathered"] == [0, 1]
+
+
+def test_a_rank_that_does_not_find_the_ref_makes_every_rank_refuse_the_load_at_once(tmp_path):
+    """Rank 1's view of the store lags: the ref the others load is missing for it. It raised
+    RefNotFoundError alone, before DCP, while rank 0 entered DCP's first collective and waited for the
+    group's timeout (or, with rank 1 gone on to another collective, was matched against that one).
+    The ranks now agree first: every rank raises RefNotFoundError at once, rank 0's naming rank 1."""
+    url = str(tmp_path / "s")
+    dcp.save({"w": torch.arange(3.0)}, storage_writer=ckpt.dcp.Writer(url, "lag/x"))
+    ckpt.Store.init(str(tmp_path / "lagging"))
+    r0, r1 = W.run_ranks("load_lagging_view", 2, str(tmp_path), store=url, lagging=1, deadline_s=45, pg_timeout_s=120)
+    for r in (r0, r1):
+        assert "error" not in r, r.get("trace")
+        assert r["gathered"] == [0, 1], r
+    for case in ("reader", "checkpoint_id"):
+        assert r1[case].startswith("RefNotFoundError") and "lag/x" in r1[case], r1
+        assert r0[case].startswith("RefNotFoundError: rank 1: ") and "lag/x" in r0[case] and "lags" in r0[case], r0
+
+
+def test_a_rank_reading_rows_of_column_shards_buffers_those_rows_not_the_shards(tmp_path):
+    """A tensor saved column-sharded on 4 ranks and loaded row-sharded: each rank needs a quarter of the
+    rows of every stored shard, fetched only those chunks, yet allocated a buffer of the whole shard for
+    each (4x the memory it reads; at scale, a whole layer per rank). It now buffers the rows it reads."""
+    chunk = 64 * 1024
+    out = W.run_ranks("column_shards_to_rows", 4, str(tmp_path), store=str(tmp_path / "s"), chunk_size=chunk, deadline_s=120)
+    for r in out:
+        assert "error" not in r, r.get("trace")
+        assert r["exact"] and len(r["buffers"]) == 4, r
+        assert max(r["buffers"]) <= r["region_bytes"] + 2 * chunk, r  # its rows of a shard, and the chunks around them
+
+
+def test_a_rank_reading_columns_of_row_shards_buffers_a_batch_of_rows_at_a_time(tmp_path):
+    """The other way round: saved row-sharded, loaded column-sharded, each rank's region of a stored
+    shard spans all its rows, and the shard was buffered whole, however far past BATCH_BYTES (at scale,
+    a whole layer per rank). It is now read PIECE_BYTES of rows at a time, within BATCH_BYTES a pass
+    (here 64 KiB and 16 KiB, of shards of 512 KiB)."""
+    chunk, batch, piece = 64 * 1024, 64 * 1024, 16 * 1024
+    out = W.run_ranks("column_shards_to_rows", 4, str(tmp_path), store=str(tmp_path / "s"), chunk_size=chunk, saved=0, loaded=1,
+                      batch_bytes=batch, piece_bytes=piece, deadline_s=120)
+    for r in out:
+        assert "error" not in r, r.get("trace")
+        assert r["exact"] and len(r["buffers"]) > 4, r
+        assert max(r["buffers"]) <= batch + piece + 2 * chunk < 512 * 1024, r  # a pass of pieces, and the chunks around them
 
 
 def test_two_ranks_save_reshard_async_and_consolidate(tmp_path):
@@ -433,14 +478,77 @@ def test_ranks_restore_the_snapshot_rank_0_resolves_whatever_the_others_see(tmp_
 
 
 def test_shards_cover_a_tensor_once_or_the_layout_is_refused():
-    """Volumes that add up are not enough: shards must not overlap (a sweep along dimension 0)."""
-    from ckpt.dcp.format import Shard, _disjoint
+    """Volumes that add up are not enough: shards must not overlap."""
+    from ckpt.dcp.format import Shard, _covers_once
 
     grid = [Shard((r, c), (2, 2), f"s{r}{c}") for r in (0, 2) for c in (0, 2)]
-    assert _disjoint(grid) and _disjoint([Shard((i,), (1,), f"r{i}") for i in range(1000)])
-    assert not _disjoint([Shard((0, 0), (2, 4), "a"), Shard((0, 0), (2, 4), "b")])
-    assert not _disjoint([Shard((0, 0), (3, 2), "a"), Shard((2, 1), (2, 3), "b")])  # a corner shared
-    assert _disjoint([Shard((0, 0), (0, 4), "empty"), Shard((0, 0), (4, 4), "all")])
+    assert _covers_once(grid, (4, 4)) and _covers_once([Shard((i,), (1,), f"r{i}") for i in range(1000)], (1000,))
+    assert not _covers_once([Shard((0, 0), (2, 4), "a"), Shard((0, 0), (2, 4), "b")], (4, 4))
+    assert not _covers_once([Shard((0, 0), (3, 2), "a"), Shard((2, 1), (2, 3), "b"), Shard((0, 2), (2, 2), "c")], (4, 4))
+    assert _covers_once([Shard((0, 0), (0, 4), "empty"), Shard((0, 0), (4, 4), "all")], (4, 4))
+    assert _covers_once([Shard((), (), "s")], ()) and not _covers_once([Shard((), (), "s"), Shard((), (), "t")], ())
+    assert _covers_once([Shard((0, 0), (0, 3), "e")], (0, 3)) and not _covers_once([], (2,))
+    # a shard with more corners than the check counts is neither accepted nor refused as overlapping
+    assert _covers_once([Shard((0,) * 9, (1,) * 9, "a"), Shard((1,) * 9, (1,) * 9, "b")], (2,) * 9) is None
+    assert _covers_once([Shard((0,) * 9, (1,) * 8 + (2,), "a"), Shard((1,) * 9, (1,) * 9, "b")], (2,) * 9) is False
+
+
+def test_a_forged_layout_of_shards_split_in_many_dimensions_costs_in_proportion_to_its_size():
+    """Tensors of 19 dimensions covered exactly by 20 shards each (one corner cell, and a staircase of
+    slabs around it): a million corners to count per tensor, a second and a half each, from 2 KB of
+    manifest. A shard that ends inside its tensor along more than 8 dimensions is now refused at once."""
+    from ckpt.dcp.format import decode_layout
+    from ckpt_store.storage.errors import StoreFormatError
+
+    d = 19
+    shards = [{"offsets": [0] * d, "sizes": [1] * d, "entry": "cell"}]
+    for i in range(d):  # [0,1) along the first i dimensions, [1,2) along dimension i, whole after it
+        shards.append({"offsets": [0] * i + [1] + [0] * (d - i - 1), "sizes": [1] * (i + 1) + [2] * (d - i - 1), "entry": f"slab{i}"})
+    items = {f"t{k}": {"kind": "tensor", "dtype": "U8", "size": [2] * d, "shards": shards} for k in range(3)}
+    with pytest.raises(StoreFormatError, match="more than 8 dimensions"):
+        decode_layout({"dcp": {"format": "ckpt-dcp", "version": 1, "items": items}}, "m")
+
+
+@given(st.integers(0, 3).flatmap(lambda d: st.tuples(
+    st.tuples(*[st.integers(0, 4)] * d),
+    st.lists(st.tuples(*[st.tuples(st.integers(0, 4), st.integers(0, 4))] * d), max_size=6))))
+@settings(max_examples=400, deadline=None)
+def test_the_cover_check_agrees_with_counting_every_element(case):
+    import itertools
+
+    from ckpt.dcp.format import Shard, _covers_once
+
+    size, raw = case
+    shards = []
+    for box in raw:  # offsets and sizes clipped into the tensor, as decode_layout requires
+        off = tuple(min(o, n) for (o, _), n in zip(box, size))
+        shards.append(Shard(off, tuple(min(z, n - o) for (_, z), o, n in zip(box, off, size)), "s"))
+    if size and all(size) and len(raw) % 2:  # often a real tiling too: the tensor cut in two along one dimension
+        k, cut = len(raw) % len(size), size[len(raw) % len(size)] // 2
+        shards = [Shard((0,) * len(size), tuple(cut if i == k else n for i, n in enumerate(size)), "a"),
+                  Shard(tuple(cut if i == k else 0 for i in range(len(size))), tuple(n - cut if i == k else n for i, n in enumerate(size)), "b"),
+                  *shards[:len(raw) % 3 - 1]]
+    count: dict[tuple[int, ...], int] = {}
+    for s in shards:
+        for idx in itertools.product(*[range(o, o + z) for o, z in zip(s.offsets, s.sizes)]):
+            count[idx] = count.get(idx, 0) + 1
+    everywhere = list(itertools.product(*[range(n) for n in size]))
+    assert _covers_once(shards, size) == (all(count.get(i) == 1 for i in everywhere) and len(count) == len(everywhere))
+
+
+def test_a_tensor_of_many_column_shards_is_checked_without_comparing_every_pair():
+    """Shards that all start at row 0 (a column-sharded tensor, or a forged layout) stayed open together
+    in the sweep along dimension 0, so the overlap check compared every pair: 8000 shards took 49 s, and a
+    forged manifest of 50000 made every load, pull and show spin for half an hour. It now counts corners."""
+    import subprocess
+
+    code = ("from ckpt.dcp.format import decode_layout\n"
+            "n = 50000\n"
+            "shards = [{'offsets': [0, i], 'sizes': [4, 1], 'entry': f'w[0:4,{i}:{i + 1}]'} for i in range(n)]\n"
+            "items = {'w': {'kind': 'tensor', 'dtype': 'F32', 'size': [4, n], 'shards': shards}}\n"
+            "print(len(decode_layout({'dcp': {'format': 'ckpt-dcp', 'version': 1, 'items': items}}, 'm').tensors['w'].shards))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "50000", out.stderr
 
 
 def _forged(url: str, ref: str, name: str, edit) -> str:
@@ -743,3 +851,49 @@ def test_a_sparse_tensor_is_refused_by_name_before_anything_is_written(tmp_path)
     err = next(iter(e.value.failures.values()))[0]
     assert isinstance(err, UnsupportedStateError) and str(err).startswith("w: tensors of layout torch.sparse_coo"), err
     assert "to_dense" in err.hint and not (tmp_path / "s").exists()  # nothing written, not even the store
+
+
+@pytest.mark.parametrize("dtype", ["complex32", "quint8", "bits8"])
+def test_a_tensor_of_a_dtype_ckpt_cannot_store_is_refused_before_anything_is_written(tmp_path, monkeypatch, dtype):
+    """A complex32, quantized or bits tensor failed in write_data (InvalidSourceError, or a TypeError
+    from DCP's size of a bits tensor), after the batches before it were written: chunks left in the
+    store for gc, and the error told nothing to do. It is now refused by name when the rank plans its save."""
+    import ckpt.dcp.checkpoint
+
+    monkeypatch.setattr(ckpt.dcp.checkpoint, "BATCH_BYTES", 1)  # one tensor a batch: "a" is written before "z"
+    url = str(tmp_path / "s")
+    t = torch.quantize_per_tensor(torch.ones(4), 0.5, 0, torch.quint8) if dtype == "quint8" else torch.zeros(4, dtype=getattr(torch, dtype))
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({"a": torch.ones(1000), "z": t}, storage_writer=ckpt.dcp.Writer(url, "x/a"))
+    err = next(iter(e.value.failures.values()))[0]
+    assert isinstance(err, UnsupportedStateError) and str(err).startswith(f"z: tensors of dtype torch.{dtype} are not supported"), err
+    assert "t.view(torch.uint8)" in err.hint and not (tmp_path / "s").exists()  # nothing written, not even the store
+
+
+@pytest.mark.parametrize("key", ["__metadata__", "a\x00b", "k" * 2000])
+def test_a_key_ckpt_cannot_store_is_refused_before_anything_is_written(tmp_path, monkeypatch, key):
+    """A state dict key ckpt refuses (safetensors' "__metadata__", a control character, past 1024
+    characters) was refused only when the coordinator wrote the manifest, after every rank had written
+    all its chunks (left for gc). It is now refused when the rank plans its save."""
+    import ckpt.dcp.checkpoint
+    from ckpt_store.storage.errors import InvalidNameError
+
+    monkeypatch.setattr(ckpt.dcp.checkpoint, "BATCH_BYTES", 1)
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({"a": torch.ones(1000), key: torch.zeros(2)}, storage_writer=ckpt.dcp.Writer(str(tmp_path / "s"), "x/a"))
+    assert isinstance(next(iter(e.value.failures.values()))[0], InvalidNameError)
+    assert not (tmp_path / "s").exists()  # nothing written, not even the store
+
+
+def test_a_tensor_on_the_meta_device_is_refused_by_name_before_anything_is_written(tmp_path, monkeypatch):
+    """A model built on the meta device and saved before it was materialized failed with torch's
+    "Cannot copy out of meta tensor" (no key named) after the batches before it were written (chunks
+    left for gc). The writer now refuses it by name before it writes any chunk."""
+    import ckpt.dcp.checkpoint
+
+    monkeypatch.setattr(ckpt.dcp.checkpoint, "BATCH_BYTES", 1)
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({"a": torch.ones(1000), "z": torch.empty(3, device="meta")}, storage_writer=ckpt.dcp.Writer(str(tmp_path / "s"), "x/a"))
+    err = next(iter(e.value.failures.values()))[0]
+    assert isinstance(err, UnsupportedStateError) and str(err).startswith("z: a tensor on the meta device"), err
+    assert not [p for p in (tmp_path / "s").rglob("*") if p.is_file() and "objects" in p.parts]  # no chunk written

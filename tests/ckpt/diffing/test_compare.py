@@ -116,6 +116,73 @@ def test_integers_past_2_53_compare_exactly(store):
     assert (row.status, row.changed_elements, row.max_abs_diff) == ("changed", 1, 1.0)
 
 
+def test_integers_against_floats_or_uint64_show_the_change_they_count(store):
+    """Mixed dtypes: int64 2**53 + 1 against float64 2.0**53 was counted as changed (values compared
+    as integers) but its difference taken in float64, so max diff, norm of the change and relative
+    change read 0; int64 against a uint64 compared in float64 and counted 2**53 + 1 against 2**53 as
+    no change; a change of 1 in a uint64 past 2**53 read max diff 0. Each now reads its change exactly."""
+    big = 2**53
+    ints, floats = torch.tensor([big + 1, -big - 3, 7, 2**62 + 1]), torch.tensor([2.0**53, -(2.0**53), 7.5, 2.0**62], dtype=torch.float64)
+    for x, y in ((ints, floats), (floats, ints)):
+        s = tensor_stats(x, y)
+        assert (s.changed_elements, s.max_abs_diff, s.norm_diff) == (4, 3.0, math.sqrt(1 + 9 + 0.25 + 1)), s
+        assert s.relative_change > 0
+    u = torch.tensor([big, 5, 2**60], dtype=torch.uint64)
+    for x, y in ((torch.tensor([big + 1, 5, 2**60]), u), (u, torch.tensor([big + 1, 5, 2**60]))):
+        s = tensor_stats(x, y)
+        assert (s.changed_elements, s.max_abs_diff) == (1, 1.0), s
+    s = tensor_stats(u, torch.tensor([big, 5, 2**60 + 1], dtype=torch.uint64))
+    assert (s.changed_elements, s.max_abs_diff) == (1, 1.0), s
+    extremes = torch.tensor([-(2**63), 2**63 - 1, -(2**63), 2**62])  # no overflow where signs differ
+    s = tensor_stats(extremes, torch.tensor([2**63 - 1, -(2**63), -(2**63) + 1, -(2**62)]))
+    assert (s.changed_elements, s.max_abs_diff) == (4, 2.0**64 - 1), s
+    (row,) = ckpt.diff({"t": torch.tensor([big + 1])}, {"t": torch.tensor([2.0**53], dtype=torch.float64)}, store=store).tensors
+    assert (row.status, row.changed_elements, row.max_abs_diff) == ("dtype_changed", 1, 1.0)
+
+
+_INT_RANGES = {torch.int64: (-(2**63), 2**63 - 1), torch.uint64: (0, 2**64 - 1), torch.int32: (-(2**31), 2**31 - 1),
+               torch.uint8: (0, 255)}
+
+
+def _value(draw, dtype):
+    if dtype in _INT_RANGES:
+        lo, hi = _INT_RANGES[dtype]
+        v = draw(st.one_of(st.integers(lo, hi), st.sampled_from([lo, hi, lo + 1, hi - 1, 0, 2**53 + 1, 2**63 - 1, 2**63, 2**63 + 1])
+                           .filter(lambda x: lo <= x <= hi)))
+        return torch.tensor([v], dtype=dtype), v
+    v = draw(st.one_of(st.floats(allow_nan=True, allow_infinity=True),
+                       st.sampled_from([2.0**53, 2.0**63, -(2.0**63), 2.0**64, 2.0**64 - 2048, 0.5, -0.0])))
+    return torch.tensor([v], dtype=torch.float64), v
+
+
+@given(st.data())
+@settings(max_examples=600, deadline=None)
+def test_one_element_of_any_two_dtypes_compares_exactly(data):
+    """Each element's change (counted, and its size: max diff) against exact arithmetic, for integers
+    of every width, uint64 past int64, whole floats near 2**53, 2**63 and 2**64, fractions, inf, NaN."""
+    from fractions import Fraction
+
+    dtypes = [*_INT_RANGES, torch.float64]
+    (ta, a), (tb, b) = (_value(data.draw, data.draw(st.sampled_from(dtypes))) for _ in range(2))
+    s = tensor_stats(ta, tb)
+    if ta.dtype == tb.dtype:
+        assert s.changed_elements == int(not ta.view(torch.uint8).equal(tb.view(torch.uint8)))
+        if ta.dtype.is_floating_point:
+            return  # (bit patterns: -0.0 against 0.0, NaN payloads; tested elsewhere)
+    nan = [isinstance(x, float) and math.isnan(x) for x in (a, b)]
+    if any(nan):
+        assert s.changed_elements == int(not all(nan))
+        return
+    changed = a != b
+    assert s.changed_elements == int(changed), (a, b, s)
+    if changed and not any(isinstance(x, float) and math.isinf(x) for x in (a, b)):
+        exact = float(abs(Fraction(b) - Fraction(a)))
+        if all(float(x).is_integer() for x in (a, b)):  # two integers: their difference rounded once
+            assert s.max_abs_diff == exact, (a, b, s)
+        else:  # a fraction: float64 arithmetic, never 0
+            assert s.max_abs_diff > 0 and math.isclose(s.max_abs_diff, exact, rel_tol=1e-15), (a, b, s)
+
+
 def test_nan_and_inf_changes_are_reported_as_such():
     """Issue 15 item 6: max(0.0, nan) made a weight turned NaN look unchanged (0.0), and inf printed as '-'."""
     a = torch.linspace(-1, 1, 10)
@@ -374,6 +441,21 @@ def test_plot_of_names_with_odd_digits_draws_every_tensor(store, tmp_path):
 
     out = plot(ckpt.diff(a, b, store=store), tmp_path / "odd.png")
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_plot_with_too_many_cells_is_refused_before_drawing(store, tmp_path):
+    """Tensors named so that each has a layer and a module type of its own ("s.7.m7") made the heatmap
+    a grid of tensors x tensors, every cell drawn and labelled: 300 tensors took three minutes, a few
+    thousand hung --plot (or ended in matplotlib's error on an image too large). Refused at once now,
+    saying how to plot fewer, with nothing written."""
+    pytest.importorskip("matplotlib")
+    from ckpt.diffing.plot import plot_report
+
+    a = {f"s.{i}.m{i}": torch.ones(2) for i in range(150)}
+    report = ckpt.diff(a, {k: v * 2 for k, v in a.items()}, store=store)
+    with pytest.raises(ckpt.CkptError, match="150 module types x 150 layers") as e:
+        plot_report(report, tmp_path / "big.png")
+    assert "--include" in e.value.hint and not (tmp_path / "big.png").exists()
 
 
 def test_plot_without_matplotlib(store, tmp_path, monkeypatch):
