@@ -384,7 +384,7 @@ def _lookup_value(planner: SavePlanner, item: Any) -> Any:
 
 def _gather_failures(err: BaseException | None, group: Any) -> list[tuple[int, CkptError]]:
     """Every rank's failure (``err``: this rank's, or None) as ``[(rank, error), ...]``, gathered over
-    ``group`` (None: the default group) where torch.distributed is initialized; [] otherwise."""
+    ``group`` where torch.distributed is initialized; [] otherwise."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
@@ -404,12 +404,14 @@ class Reader(StorageReader):
     Any DCP resharding works: each rank reads only the chunks of the shard regions
     its own layout needs, verified as always.
 
-    Where the ref is named (here or as ``checkpoint_id``) the ranks of ``process_group``
-    (``dcp.load``'s; default: every rank, once torch.distributed is initialized) agree
-    whether each of them found it, in one small collective: if one did not (its view
-    of the store lags), every rank raises its error at once, before DCP starts. A Reader
-    made on one rank alone in a larger job needs a group of that rank only (or
-    ``Store.load``).
+    Given ``process_group`` (the group ``dcp.load`` runs on: ``dist.group.WORLD`` for every
+    rank), the ranks agree, where the ref is named (here or as ``checkpoint_id``), whether
+    each of them found it, in one small collective: if one did not (its view of the store
+    lags, as a shared file system's listing can), every rank raises its error at once,
+    before DCP starts. Without it each rank checks alone, so that a Reader made on some
+    ranks only (``dcp.load(..., no_dist=True)`` on rank 0, a subgroup's load) never waits
+    for ranks that do not load; a rank whose view lags then raises alone while the others
+    wait in DCP for the group's timeout.
     """
 
     def __init__(self, store: str | os.PathLike[str] | Store, ref: str | None = None, *,
@@ -441,7 +443,8 @@ class Reader(StorageReader):
         from ``read_metadata`` DCP would log it and raise its own AssertionError (CheckpointException
         across ranks) in its place. The ranks agree first: a rank that raised alone would leave the
         others waiting in DCP's first collective for the group's timeout (or, where it goes on to
-        another collective, matched against the wrong one)."""
+        another collective, matched against the wrong one). Agreed over ``process_group`` where one
+        is given (see the class docstring)."""
         if self.ref is None or self.tiers is not None:
             return
         try:
@@ -449,7 +452,8 @@ class Reader(StorageReader):
             err: BaseException | None = None
         except Exception as e:  # noqa: BLE001 - any failure, told to the other ranks before it is raised
             err = e
-        failed = _gather_failures(err, self.process_group)
+        # Only where the caller named the group: ranks that do not load must not be waited for.
+        failed = _gather_failures(err, self.process_group) if self.process_group is not None else []
         if err is not None:
             raise err
         if failed:

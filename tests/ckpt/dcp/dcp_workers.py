@@ -1437,9 +1437,10 @@ def load_lagging_view(rank, world, tmp, store, lagging):
 
     url = os.path.join(tmp, "lagging") if rank == lagging else store
     out = {}
-    for case, load in {"reader": lambda: dcp.load({"w": torch.zeros(3)}, storage_reader=ckpt.dcp.Reader(url, "lag/x")),
+    group = dist.group.WORLD
+    for case, load in {"reader": lambda: dcp.load({"w": torch.zeros(3)}, storage_reader=ckpt.dcp.Reader(url, "lag/x", process_group=group)),
                        "checkpoint_id": lambda: dcp.load({"w": torch.zeros(3)}, checkpoint_id="lag/x",
-                                                         storage_reader=ckpt.dcp.Reader(url))}.items():
+                                                         storage_reader=ckpt.dcp.Reader(url, process_group=group))}.items():
         try:
             load()
             out[case] = "loaded"
@@ -1491,6 +1492,30 @@ def column_shards_to_rows(rank, world, tmp, store, chunk_size, saved=1, loaded=0
             "region_bytes": 512 * 1024 * 4 // world // world}
 
 
+def load_on_one_rank(rank, world, tmp, store):
+    """Rank 0 alone loads (``no_dist=True``, the group initialized; rank 1 does not load): it must not
+    wait for rank 1 in an agreement rank 1 never joins. Then a collective every rank reaches."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt.dcp
+
+    out = {}
+    if rank == 0:
+        into = {"w": torch.zeros(3)}
+        dcp.load(into, storage_reader=ckpt.dcp.Reader(store, "one/x"), no_dist=True)
+        out["w"] = into["w"].tolist()
+        try:
+            dcp.load(into, storage_reader=ckpt.dcp.Reader(store, "one/missing"), no_dist=True)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            out["missing"] = type(e).__name__
+    got = [None] * world
+    dist.all_gather_object(got, rank)
+    out["gathered"] = got
+    return out
+
+
 def plain_grad_values(rank, world, tmp, store):
     """Tensors kept as plain values (a learnable temperature, say), restored through a process group:
     each comes back with the requires_grad and the class it was saved with, bit for bit."""
@@ -1519,4 +1544,4 @@ SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "
              "tiers_late_rank_asks": tiers_late_rank_asks, "restore_peer_dies": restore_peer_dies,
              "save_stale_view": save_stale_view, "forged_optimizer_path": forged_optimizer_path,
              "plain_grad_values": plain_grad_values, "load_lagging_view": load_lagging_view,
-             "column_shards_to_rows": column_shards_to_rows}
+             "column_shards_to_rows": column_shards_to_rows, "load_on_one_rank": load_on_one_rank}

@@ -190,7 +190,8 @@ def test_a_rank_that_does_not_find_the_ref_makes_every_rank_refuse_the_load_at_o
     """Rank 1's view of the store lags: the ref the others load is missing for it. It raised
     RefNotFoundError alone, before DCP, while rank 0 entered DCP's first collective and waited for the
     group's timeout (or, with rank 1 gone on to another collective, was matched against that one).
-    The ranks now agree first: every rank raises RefNotFoundError at once, rank 0's naming rank 1."""
+    Given the group (process_group=), the ranks now agree first: every rank raises RefNotFoundError at
+    once, rank 0's naming rank 1."""
     url = str(tmp_path / "s")
     dcp.save({"w": torch.arange(3.0)}, storage_writer=ckpt.dcp.Writer(url, "lag/x"))
     ckpt.Store.init(str(tmp_path / "lagging"))
@@ -227,6 +228,19 @@ def test_a_rank_reading_columns_of_row_shards_buffers_a_batch_of_rows_at_a_time(
         assert "error" not in r, r.get("trace")
         assert r["exact"] and len(r["buffers"]) > 4, r
         assert max(r["buffers"]) <= batch + piece + 2 * chunk < 512 * 1024, r  # a pass of pieces, and the chunks around them
+
+
+def test_a_reader_on_one_rank_of_a_job_does_not_wait_for_the_others(tmp_path):
+    """Without process_group the Reader checks its ref alone: rank 0 loading with no_dist=True while
+    rank 1 does not load returns (an agreement over every rank hung until the group's timeout), and
+    a missing ref is its own RefNotFoundError."""
+    url = str(tmp_path / "s")
+    dcp.save({"w": torch.arange(3.0)}, storage_writer=ckpt.dcp.Writer(url, "one/x"))
+    r0, r1 = W.run_ranks("load_on_one_rank", 2, str(tmp_path), store=url, deadline_s=45, pg_timeout_s=120)
+    for r in (r0, r1):
+        assert "error" not in r, r.get("trace")
+        assert r["gathered"] == [0, 1], r
+    assert r0["w"] == [0.0, 1.0, 2.0] and r0["missing"] == "RefNotFoundError"
 
 
 def test_two_ranks_save_reshard_async_and_consolidate(tmp_path):
