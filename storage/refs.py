@@ -10,6 +10,7 @@ history entry is ever lost, and nothing is modified in place.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import uuid
@@ -121,12 +122,31 @@ class Refs:
     def _entry_seqs(self, name: str) -> dict[int, Entry | None]:
         return self._listed(f"refs/{name}").get(name, {})  # direct children only: "a/b" entries are not "a"'s
 
+    def _link(self, folder: str) -> str | None:
+        """The target of ``folder`` (a path below ``refs/``) when it is a symbolic link to a folder, else None."""
+        local = self.backend.local_path(folder)
+        return os.readlink(local) if local is not None and os.path.islink(local) and os.path.isdir(local) else None
+
+    def _link_above(self, folder: str) -> str | None:
+        """The first folder from ``refs/`` down to ``folder`` (itself included, ``refs`` not) that is
+        a symbolic link, else None."""
+        parts = folder.split("/")
+        return next((f for i in range(2, len(parts) + 1) if self._link(f := "/".join(parts[:i])) is not None), None)
+
     def _listed(self, folder: str) -> dict[str, dict[int, Entry | None]]:
         """Every entry below ``folder`` by ref name and seq, as listed (nothing is read); None for
         something named like an entry that is not a file (a folder, empty or not, or an object
         store's prefix holding objects): damage, which must not be skipped, or the ref would
-        silently name its previous version."""
+        silently name its previous version.
+
+        A folder below ``refs/`` that is a symbolic link is not entered (a listing of the whole
+        store does not enter it, and it may lead anywhere): it is damage to the ref of its name
+        (listed as its entry 0, not a file), as to every ref asked for through it. Its refs would
+        otherwise resolve while ``ls`` and gc did not see them, and a gc would free a checkpoint
+        a user can still name."""
         by_name: dict[str, dict[int, Entry | None]] = defaultdict(dict)
+        if folder != "refs" and self._link_above(folder) is not None:
+            return {folder[len("refs/"):]: {0: None}}
 
         def add(path: str, entry: Entry | None) -> None:
             parts = path.split("/")
@@ -139,7 +159,10 @@ class Refs:
         for e in self.backend.list(folder):
             add(e.path, e)
         for path in self.backend.folders(folder):
-            add(path, None)
+            if self._link(path) is not None and not any(_ENTRY.match(p) for p in path.split("/")[2:]):
+                by_name[path[len("refs/"):]] = {0: None}
+            else:
+                add(path, None)
         return dict(by_name)
 
     def _read(self, name: str, seq: int, is_file: bool = True) -> RefEntry:
@@ -149,6 +172,11 @@ class Refs:
         except InvalidNameError:
             raise StoreFormatError(f"ref entry {path} is under refs/{name}/, which is not a valid ref name",
                                    hint="no command can name that ref: rename or remove that folder") from None
+        if not is_file and (link := self._link_above(f"refs/{name}")) is not None:
+            raise StoreFormatError(f"{link} in the store folder is a symbolic link (to {self._link(link)!r}): ckpt does "
+                                   "not follow it, so what the refs there name is unknown",
+                                   hint=f"replace {link} by the folder it leads to, or remove the link: gc then frees what "
+                                   "only its refs named")
         if not is_file:
             raise StoreFormatError(f"ref entry {path} is not a file (a folder is there): what {name} named then "
                                    "is unknown", hint=f"put the entry file back from a backup of the store, or remove the folder "

@@ -228,3 +228,44 @@ def test_a_non_file_in_place_of_an_entry_is_damage_beside_the_other_refs(tmp_pat
     assert list(gc_roots(r).damaged) == ["m"]
     with pytest.raises(StoreFormatError, match=said):
         r.current("m")
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+@pytest.mark.parametrize("link", ["ft", "ft/x"])
+def test_a_ref_folder_that_is_a_symlink_is_damage_to_every_reader(tmp_path, link, where):
+    """refs/ft moved elsewhere (outside the store, or within refs/) and replaced by a symbolic link
+    to it: `ckpt pull ft/x` followed the link and worked, while the listing of refs/ (`ls`, gc's
+    roots) did not enter it, so a gc deleted the chunks of a checkpoint a user could still name.
+    Such a folder is now damage to the refs through it, for every reader; gc stops, with or without
+    history."""
+    import time
+
+    from ckpt_store.storage.gc import gc_roots, plan_gc
+    from ckpt_store.storage.objects import ObjectStore
+
+    store = tmp_path / "store"
+    backend = LocalBackend(str(store), fsync=False)
+    r = Refs(backend)
+    r.set("keep", A)
+    r.set("ft/x", A)
+    r.set("ft/x", B)
+    moved = tmp_path / "elsewhere" if where == "outside" else store / "refs" / "moved"
+    (store / "refs" / link).rename(moved)
+    (store / "refs" / link).symlink_to(moved, target_is_directory=True)
+    live, damaged = r.scan()
+    assert "keep" in live and link in damaged and "ft/x" not in live
+    assert f"refs/{link} in the store folder is a symbolic link" in str(damaged[link][0])
+    said = f"refs/{link} in the store folder is a symbolic link"
+    for read in (r.current, r.history):
+        with pytest.raises(StoreFormatError, match=said):
+            read("ft/x")
+    entries, err = r.readable_history("ft/x")
+    assert entries == [] and said in str(err)
+    assert r.log("ft/x")[0] == [] and list(r.log("ft/x")[1]) == [0]
+    assert link in gc_roots(r).damaged
+    old = time.time() - 86400
+    for p in (store / "objects").rglob("*"):
+        os.utime(p, (old, old))
+    for keep_history in (True, False):
+        with pytest.raises(StoreFormatError, match=f"gc deleted nothing: .*{said}"):
+            plan_gc(ObjectStore(backend, None), r, grace_s=0, keep_history=keep_history)
