@@ -239,9 +239,9 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
                 plan.young += 1
             else:
                 plan.delete.append(Doomed(kind, info.id, info.size))
-    for path, mtime in temps:
+    for path, mtime, size in temps:
         if mtime < cutoff:
-            plan.delete.append(Doomed("temp", path, 0))
+            plan.delete.append(Doomed("temp", path, size))
     return plan
 
 

@@ -108,6 +108,24 @@ def test_gc_removes_stale_temporaries(tmp_path):
     assert not any(f.exists() for f in leftovers) and young.exists()
 
 
+def test_gc_reports_the_size_of_the_temporaries_it_deletes(tmp_path):
+    """Stale temporaries were reported as 0 bytes freed (`ckpt gc` said "0 B" after deleting a
+    killed push's half-written 3 MB chunk): each is reported with its size, as objects are."""
+    path = str(tmp_path / "s")
+    store = ckpt.Store.init(path)
+    sizes = {"objects/chunks/ab/.tmp-1": 3 << 20, "refs/run/.tmp-2": 321, "index/.tmp-3": 7}
+    old = time.time() - 7200
+    for rel, n in sizes.items():
+        f = tmp_path / "s" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(os.urandom(n))
+        os.utime(f, (old, old))
+    dry = store.gc(grace_s=3600, dry_run=True)
+    r = store.gc(grace_s=3600)
+    assert {d.name: d.size for d in dry.deleted} == {d.name: d.size for d in r.deleted} == sizes
+    assert dry.bytes == r.bytes == sum(sizes.values())
+
+
 # -- the delete protocol under a concurrent touch ---------------------------------------
 
 
