@@ -109,9 +109,9 @@ def _stopped_by_entry(err: StoreFormatError, *, older: bool) -> StoreFormatError
     """``err``, raised reading a ref entry, saying that gc deleted nothing and how to go on
     (``older``: the entry is not its ref's newest, which ``gc --no-history`` does not need)."""
     err.message = f"gc deleted nothing: what a damaged ref entry keeps alive is unknown: {err.message}"
-    if err.hint is None:  # no command rewrites an entry: it goes back, or out of the way
-        err.hint = ("put the entry file back from a backup of the store, or move it out of the store folder "
-                    "(gc then frees what only that entry named)")
+    if err.hint is None:  # no command rewrites an entry: it goes back, or out of the way (with the older ones: a gap is damage)
+        err.hint = (f"put the entry file back from a backup of the store, or move it{' and the entries older than it' if older else ''} "
+                    "out of the store folder (gc then frees what only they named)")
     if older:
         err.hint += "; or `ckpt gc --no-history` runs without it, freeing the earlier versions (NAME@1...) of every ref"
     return err

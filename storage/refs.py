@@ -143,7 +143,12 @@ class Refs:
         store does not enter it, and it may lead anywhere): it is damage to the ref of its name
         (listed as its entry 0, not a file), as to every ref asked for through it. Its refs would
         otherwise resolve while ``ls`` and gc did not see them, and a gc would free a checkpoint
-        a user can still name."""
+        a user can still name.
+
+        Entries are numbered with no gap (nothing deletes one): the newest number missing between
+        a ref's oldest and newest entries is listed as None too. A deleted entry file must not
+        renumber ``NAME@N`` below it (whether it was a version or a removal is unknown), nor let gc
+        free what it named. (Entries missing below the oldest renumber nothing: a history cut short.)"""
         by_name: dict[str, dict[int, Entry | None]] = defaultdict(dict)
         if folder != "refs" and self._link_above(folder) is not None:
             return {folder[len("refs/"):]: {0: None}}
@@ -163,7 +168,20 @@ class Refs:
                 by_name[path[len("refs/"):]] = {0: None}
             else:
                 add(path, None)
+        for seqs in by_name.values():
+            gap = max(seqs) - 1
+            while gap in seqs:
+                gap -= 1
+            if gap > min(seqs):
+                seqs[gap] = None
         return dict(by_name)
+
+    def _missing(self, path: str) -> bool:
+        """Whether nothing at all is at ``path`` (not even a folder: an object store's prefix holding objects)."""
+        local = self.backend.local_path(path)
+        if local is not None:
+            return not os.path.lexists(local)
+        return next(iter(self.backend.list(path)), None) is None
 
     def _read(self, name: str, seq: int, is_file: bool = True) -> RefEntry:
         path = self._entry_path(name, seq)
@@ -177,6 +195,11 @@ class Refs:
                                    "not follow it, so what the refs there name is unknown",
                                    hint=f"replace {link} by the folder it leads to, or remove the link: gc then frees what "
                                    "only its refs named")
+        if not is_file and self._missing(path):
+            raise StoreFormatError(f"ref entry {path} is missing, with entries of {name} before and after it: what "
+                                   f"{name} named then is unknown, and so is which version {name}@N names beyond it",
+                                   hint="put the entry file back from a backup of the store, or move the entries older "
+                                   "than it out of the store folder too (gc then frees what only they named)")
         if not is_file:
             raise StoreFormatError(f"ref entry {path} is not a file (a folder is there): what {name} named then "
                                    "is unknown", hint=f"put the entry file back from a backup of the store, or remove the folder "

@@ -269,3 +269,32 @@ def test_a_ref_folder_that_is_a_symlink_is_damage_to_every_reader(tmp_path, link
     for keep_history in (True, False):
         with pytest.raises(StoreFormatError, match=f"gc deleted nothing: .*{said}"):
             plan_gc(ObjectStore(backend, None), r, grace_s=0, keep_history=keep_history)
+
+
+def test_a_deleted_entry_file_is_a_gap_not_a_renumbering(tmp_path):
+    """Entry 2 of 4 deleted: m@2 named entry 1's checkpoint (m@3's), silently, and a gc freed the
+    checkpoint only entry 2 named. A number missing between a ref's oldest and newest entries is
+    damage: the versions newer than it keep their NAME@N, the older ones have none, gc stops. A
+    history cut short below (entry 1 deleted too) renumbers nothing and is not damage."""
+    from ckpt_store.storage.gc import gc_roots
+
+    r = Refs(LocalBackend(str(tmp_path), fsync=False))
+    targets = [c * 64 for c in "abcd"]
+    for t in targets:
+        r.set("m", t)
+    r.set("other", A)
+    (tmp_path / "refs" / "m" / "0000000002.ref").unlink()
+    said = "0000000002.ref is missing, with entries of m before and after it"
+    entries, err = r.readable_history("m")
+    assert [e.target for e in entries] == targets[:1:-1] and said in str(err)
+    found = gc_roots(r)
+    assert [x.label for x in found.roots if x.ref == "m"] == ["m", "m@1"] and said in str(found.damaged["m"][0])
+    assert r.current("m").target == targets[3] and list(r.scan()[0]) == ["m", "other"]
+    logged, damaged = r.log("m")
+    assert [e.seq for e in logged] == [4, 3, 1] and list(damaged) == [2]
+    with pytest.raises(StoreFormatError, match=said):
+        r.history("m")
+    assert r.set("m", A).seq == 5
+    (tmp_path / "refs" / "m" / "0000000001.ref").unlink()  # the history cut short below the gap: no gap left
+    entries, err = r.readable_history("m")
+    assert [e.seq for e in entries] == [5, 4, 3] and err is None and not gc_roots(r).damaged
