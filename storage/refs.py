@@ -152,6 +152,12 @@ class Refs:
         by_name: dict[str, dict[int, Entry | None]] = defaultdict(dict)
         if folder != "refs" and self._link_above(folder) is not None:
             return {folder[len("refs/"):]: {0: None}}
+        local = self.backend.local_path("refs")
+        if local is not None and os.path.lexists(local) and not os.path.isdir(local):
+            # A file, a FIFO or a link to nothing (an unmounted disk) lists as no ref at all: every
+            # checkpoint would look unreferenced, and a gc would delete them all.
+            raise StoreFormatError(f"{local}, the store's refs folder, is not a folder: its refs cannot be listed",
+                                   hint="put the refs folder back from a backup of the store, or mount the disk the link leads to")
 
         def add(path: str, entry: Entry | None) -> None:
             parts = path.split("/")

@@ -493,3 +493,31 @@ def test_gc_reports_only_what_it_deleted(store_url):
         store.backend.delete(store.objects.path(d.kind, d.name))
     assert list(execute_gc(store.objects, plan)) == kept
     assert not any(store.objects.has(d.kind, d.name) for d in plan.delete)
+
+
+@pytest.mark.parametrize("what", ["file", "fifo", "link to nothing"])
+def test_a_refs_folder_that_is_not_a_folder_stops_gc(tmp_path, what):
+    """refs/ replaced by a file, a FIFO, or a symbolic link to a disk that is not mounted listed as
+    no ref at all: `ckpt ls` said the store was empty, and a gc deleted every checkpoint in it.
+    The refs cannot be listed: every command that needs them says so, and gc deletes nothing."""
+    import shutil
+
+    from ckpt.errors import StoreFormatError
+
+    path = tmp_path / "s"
+    store = ckpt.Store.init(str(path))
+    store.push({"w": torch.randn(1000)}, "a")
+    _age(path, 86400)
+    before = sorted(p for p in (path / "objects").rglob("*") if p.is_file())
+    shutil.rmtree(path / "refs")
+    if what == "file":
+        (path / "refs").write_bytes(b"x")
+    elif what == "fifo":
+        os.mkfifo(path / "refs")
+    else:
+        (path / "refs").symlink_to(tmp_path / "unmounted" / "refs")
+    store = ckpt.Store.open(str(path))
+    for call in (lambda: store.gc(grace_s=60), lambda: store.gc(grace_s=60, dry_run=True), store.ls, store.du):
+        with pytest.raises(StoreFormatError, match="the store's refs folder, is not a folder"):
+            call()
+    assert sorted(p for p in (path / "objects").rglob("*") if p.is_file()) == before
