@@ -123,9 +123,12 @@ class Refs:
         return self._listed(f"refs/{name}").get(name, {})  # direct children only: "a/b" entries are not "a"'s
 
     def _link(self, folder: str) -> str | None:
-        """The target of ``folder`` (a path below ``refs/``) when it is a symbolic link to a folder, else None."""
+        """The target of ``folder`` (a path below ``refs/``) when it is a symbolic link to a folder or
+        to nothing (a folder on a disk not mounted, say), else None."""
         local = self.backend.local_path(folder)
-        return os.readlink(local) if local is not None and os.path.islink(local) and os.path.isdir(local) else None
+        if local is None or not os.path.islink(local) or not (os.path.isdir(local) or not os.path.exists(local)):
+            return None
+        return os.readlink(local)
 
     def _link_above(self, folder: str) -> str | None:
         """The first folder from ``refs/`` down to ``folder`` (itself included, ``refs`` not) that is
@@ -139,7 +142,7 @@ class Refs:
         store's prefix holding objects): damage, which must not be skipped, or the ref would
         silently name its previous version.
 
-        A folder below ``refs/`` that is a symbolic link is not entered (a listing of the whole
+        A folder below ``refs/`` that is a symbolic link (or a link to nothing) is not entered (a listing of the whole
         store does not enter it, and it may lead anywhere): it is damage to the ref of its name
         (listed as its entry 0, not a file), as to every ref asked for through it. Its refs would
         otherwise resolve while ``ls`` and gc did not see them, and a gc would free a checkpoint
@@ -167,12 +170,17 @@ class Refs:
                     by_name["/".join(parts[1:i])][int(m.group(1))] = entry if i == len(parts) - 1 else None
                     return
 
-        for e in self.backend.list(folder):
-            add(e.path, e)
+        def linked(path: str) -> bool:
+            if any(_ENTRY.match(p) for p in path.split("/")[2:]) or self._link(path) is None:
+                return False
+            by_name[path[len("refs/"):]] = {0: None}
+            return True
+
+        for e in self.backend.list(folder):  # a link (to a folder, or to nothing) is listed as a file
+            if not linked(e.path):
+                add(e.path, e)
         for path in self.backend.folders(folder):
-            if self._link(path) is not None and not any(_ENTRY.match(p) for p in path.split("/")[2:]):
-                by_name[path[len("refs/"):]] = {0: None}
-            else:
+            if not linked(path):
                 add(path, None)
         for seqs in by_name.values():
             gap = max(seqs) - 1

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 
 import pytest
@@ -230,7 +231,7 @@ def test_a_non_file_in_place_of_an_entry_is_damage_beside_the_other_refs(tmp_pat
         r.current("m")
 
 
-@pytest.mark.parametrize("where", ["outside", "inside"])
+@pytest.mark.parametrize("where", ["outside", "inside", "unmounted"])
 @pytest.mark.parametrize("link", ["ft", "ft/x"])
 def test_a_ref_folder_that_is_a_symlink_is_damage_to_every_reader(tmp_path, link, where):
     """refs/ft moved elsewhere (outside the store, or within refs/) and replaced by a symbolic link
@@ -249,8 +250,10 @@ def test_a_ref_folder_that_is_a_symlink_is_damage_to_every_reader(tmp_path, link
     r.set("keep", A)
     r.set("ft/x", A)
     r.set("ft/x", B)
-    moved = tmp_path / "elsewhere" if where == "outside" else store / "refs" / "moved"
+    moved = tmp_path / "elsewhere" if where != "inside" else store / "refs" / "moved"
     (store / "refs" / link).rename(moved)
+    if where == "unmounted":  # a link to a folder on a disk that is not mounted now: a link to nothing
+        shutil.rmtree(moved)
     (store / "refs" / link).symlink_to(moved, target_is_directory=True)
     live, damaged = r.scan()
     assert "keep" in live and link in damaged and "ft/x" not in live
