@@ -142,9 +142,9 @@ class Refs:
         store's prefix holding objects): damage, which must not be skipped, or the ref would
         silently name its previous version.
 
-        A folder below ``refs/`` that is a symbolic link (or a link to nothing) is not entered (a listing of the whole
-        store does not enter it, and it may lead anywhere): it is damage to the ref of its name
-        (listed as its entry 0, not a file), as to every ref asked for through it. Its refs would
+        A folder below ``refs/`` that is a symbolic link (or a link to nothing) is not entered (a
+        listing of the whole store does not enter it, and it may lead anywhere): it is damage to
+        the ref of its name (listed as its entry 0, not a file), as to every ref asked for through it. Its refs would
         otherwise resolve while ``ls`` and gc did not see them, and a gc would free a checkpoint
         a user can still name.
 
