@@ -301,3 +301,22 @@ def test_a_deleted_entry_file_is_a_gap_not_a_renumbering(tmp_path):
     (tmp_path / "refs" / "m" / "0000000001.ref").unlink()  # the history cut short below the gap: no gap left
     entries, err = r.readable_history("m")
     assert [e.seq for e in entries] == [5, 4, 3] and err is None and not gc_roots(r).damaged
+
+
+def test_an_entry_a_listing_missed_is_read_not_called_damage(tmp_path):
+    """A directory is listed in several reads while it changes: a listing of a ref with thousands of
+    entries (RUN/latest) can miss entry N and show N+1, written meanwhile by a concurrent update.
+    Such a number, a gap in the listing, was reported as damage (a folder in its place) though the
+    file is there: resolve NAME@K and gc failed during a training run. What is a file when read is
+    read; a folder there, or nothing, is damage."""
+    r = Refs(LocalBackend(str(tmp_path), fsync=False))
+    for t in (A, B, A):
+        r.set("m", t)
+    assert r.read_entry("m", 2, is_file=False).target == B  # listed as a gap, there when read
+    path = tmp_path / "refs" / "m" / "0000000002.ref"
+    path.unlink()
+    with pytest.raises(StoreFormatError, match="0000000002.ref is missing"):
+        r.read_entry("m", 2, is_file=False)
+    path.mkdir()
+    with pytest.raises(StoreFormatError, match="0000000002.ref is not a file"):
+        r.read_entry("m", 2, is_file=False)
