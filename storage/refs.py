@@ -209,13 +209,13 @@ class Refs:
                                    "not follow it, so what the refs there name is unknown",
                                    hint=f"replace {link} by the folder it leads to, or remove the link: gc then frees what "
                                    "only its refs named")
-        if not is_file and self._missing(path):
+        # Listed as no file, yet one now: an entry a listing missed while a concurrent update wrote the
+        # next (a directory is listed in several reads as it changes), read as any other.
+        if not is_file and not self.backend.exists(path) and self._missing(path):
             raise StoreFormatError(f"ref entry {path} is missing, with entries of {name} before and after it: what "
                                    f"{name} named then is unknown, and so is which version {name}@N names beyond it",
                                    hint="put the entry file back from a backup of the store, or move the entries older "
                                    "than it out of the store folder too (gc then frees what only they named)")
-        # Else, an entry file now: one a listing missed while a concurrent update wrote the next (a
-        # directory is listed in several reads as it changes), read as any other.
         if not is_file and not self.backend.exists(path):
             raise StoreFormatError(f"ref entry {path} is not a file (a folder is there): what {name} named then "
                                    "is unknown", hint=f"put the entry file back from a backup of the store, or remove the folder "
