@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckpt_store.storage.chunk_lists import referenced_chunks
-from ckpt_store.storage.errors import CkptError, ObjectNotFoundError, StoreFormatError
+from ckpt_store.storage.errors import CkptError, InvalidNameError, ObjectNotFoundError, StoreFormatError
 from ckpt_store.storage.leases import Lock, check_fresh, leased
 from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.refs import RefEntry, Refs
@@ -101,7 +101,7 @@ def _newest_readable(refs: Refs, name: str) -> bool:
     try:
         refs.current(name)
         return True
-    except StoreFormatError:
+    except (StoreFormatError, InvalidNameError):  # a folder no command can name (refs/m@1/): damage, not a typo
         return False
 
 

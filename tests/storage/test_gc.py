@@ -521,3 +521,22 @@ def test_a_refs_folder_that_is_not_a_folder_stops_gc(tmp_path, what):
         with pytest.raises(StoreFormatError, match="the store's refs folder, is not a folder"):
             call()
     assert sorted(p for p in (path / "objects").rglob("*") if p.is_file()) == before
+
+
+@pytest.mark.parametrize("history", [True, False])
+def test_gc_beside_a_ref_folder_no_command_can_name_says_what_is_damaged(tmp_path, history):
+    """refs/m@1/ holding a sealed entry (no command can name it: m@1 is version 1 of m) is damage,
+    but gc failed with "invalid ref name 'm@1' (use segments of letters...)", as if the user had
+    typed it: checking whether that ref's newest entry could be read validated its name. gc now
+    says that it deleted nothing and which folder to rename or remove."""
+    from ckpt.errors import StoreFormatError
+    from ckpt_store.storage.refs import RefEntry
+
+    path = tmp_path / "s"
+    store = ckpt.Store.init(str(path))
+    mid = store.push({"w": torch.randn(100)}, "m")
+    (path / "refs" / "m@1").mkdir()
+    (path / "refs" / "m@1" / "0000000001.ref").write_bytes(RefEntry("m@1", 1, mid, time.time(), "w").to_json())
+    for dry_run in (True, False):
+        with pytest.raises(StoreFormatError, match=r"gc deleted nothing: .*refs/m@1/, which is not a valid ref name"):
+            store.gc(grace_s=60, dry_run=dry_run, keep_history=history)
