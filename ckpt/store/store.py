@@ -145,9 +145,7 @@ class Store:
             raise RefNotFoundError("empty ref")
         m = _HISTORY.match(ref)
         if m:
-            # More digits than any count of versions is beyond it (and beyond what int() converts: a traceback).
-            digits = m.group(2).lstrip("0") or "0"
-            name, back = m.group(1), int(digits) if len(digits) <= 20 else 10**20
+            name, back = m.group(1), int(m.group(2))
             # Versions newer than a damaged entry are known; what lies beyond it is not.
             history, damaged = self.refs_db.readable_history(name)
             versions = [e for e in history if e.target is not None]
