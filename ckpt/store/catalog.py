@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpt.errors import CkptError, StoreFormatError
+from ckpt.errors import CkptError
 from ckpt.format.manifest import Manifest
 from ckpt_store.storage.backends.base import creates_are_exclusive
 from ckpt_store.storage.index import IndexState, StoreIndex
@@ -140,17 +140,6 @@ def live_refs(store: Store) -> dict[str, RefEntry]:
     st = store.index.view(exact=True)
     store.index.heal(st)
     return st.live()
-
-
-def readable_live_refs(store: Store) -> tuple[dict[str, RefEntry], dict[str, str]]:
-    """:func:`live_refs`, with the refs whose newest entry cannot be read set aside (name -> the error)."""
-    if store.index is not None:
-        try:
-            return live_refs(store), {}
-        except StoreFormatError:
-            pass  # a damaged ref entry: read the refs one by one, setting the damaged ones aside
-    live, bad = store.refs_db.scan()
-    return live, {n: str(err) for n, (err, _) in bad.items()}
 
 
 def live_usage(store: Store) -> list[tuple[str, str, Usage]]:

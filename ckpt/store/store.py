@@ -219,14 +219,6 @@ class Store:
 
         return live_refs(self)
 
-    def readable_refs(self) -> tuple[dict[str, RefEntry], dict[str, str]]:
-        """:meth:`refs`, going on past refs whose newest entry cannot be read: every readable live
-        ref with its current entry, by name, and the error of each damaged ref by name (where
-        :meth:`refs` raises: one damaged ref must not hide every other)."""
-        from ckpt.store.catalog import readable_live_refs
-
-        return readable_live_refs(self)
-
     def ls(self) -> RefListing:
         """Every live ref with a summary of its checkpoint (size, tensors, message), by name,
         and the refs that cannot be read (``damaged``, with the error) instead of raising.

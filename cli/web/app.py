@@ -230,7 +230,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         rows, pg = page(view.ls(), _int(request, "offset", 0), _int(request, "limit", 100))
         du = view.du()
         return render("overview.html", refs=view.overview_rows(rows), page=pg, du=du, bars=charts.savings_bars(du),
-                      runs=view.runs(), damaged=view.damaged())
+                      runs=view.runs())
 
     def lineage_page(request: Request) -> Response:
         doc = graph()

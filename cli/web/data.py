@@ -103,9 +103,8 @@ class StoreView:
         return self.fresh("chunk_sizes", self.store.chunk_sizes)
 
     def refs(self) -> dict[str, Any]:
-        """The readable live refs (name -> entry), listed again after ``ttl_s``: on S3 a listing is a request
-        per ref. A damaged ref is left out (the overview names it, as ``ckpt ls`` does): it must not fail every page."""
-        return self.fresh("refs", lambda: self.store.readable_refs()[0])
+        """The live refs (name -> entry), listed again after ``ttl_s``: on S3 a listing is a request per ref."""
+        return self.fresh("refs", self.store.refs)
 
     @property
     def url(self) -> str:
