@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckpt_store.storage.chunk_lists import referenced_chunks
-from ckpt_store.storage.errors import CkptError, ObjectNotFoundError, StoreFormatError
+from ckpt_store.storage.errors import CkptError, InvalidNameError, ObjectNotFoundError, StoreFormatError
 from ckpt_store.storage.leases import Lock, check_fresh, leased
 from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.refs import RefEntry, Refs
@@ -101,7 +101,7 @@ def _newest_readable(refs: Refs, name: str) -> bool:
     try:
         refs.current(name)
         return True
-    except StoreFormatError:
+    except (StoreFormatError, InvalidNameError):  # a folder no command can name (refs/m@1/): damage, not a typo
         return False
 
 
@@ -109,9 +109,9 @@ def _stopped_by_entry(err: StoreFormatError, *, older: bool) -> StoreFormatError
     """``err``, raised reading a ref entry, saying that gc deleted nothing and how to go on
     (``older``: the entry is not its ref's newest, which ``gc --no-history`` does not need)."""
     err.message = f"gc deleted nothing: what a damaged ref entry keeps alive is unknown: {err.message}"
-    if err.hint is None:  # no command rewrites an entry: it goes back, or out of the way
-        err.hint = ("put the entry file back from a backup of the store, or move it out of the store folder "
-                    "(gc then frees what only that entry named)")
+    if err.hint is None:  # no command rewrites an entry: it goes back, or out of the way (with the older ones: a gap is damage)
+        err.hint = (f"put the entry file back from a backup of the store, or move it{' and the entries older than it' if older else ''} "
+                    "out of the store folder (gc then frees what only they named)")
     if older:
         err.hint += "; or `ckpt gc --no-history` runs without it, freeing the earlier versions (NAME@1...) of every ref"
     return err
@@ -239,9 +239,9 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
                 plan.young += 1
             else:
                 plan.delete.append(Doomed(kind, info.id, info.size))
-    for path, mtime in temps:
+    for path, mtime, size in temps:
         if mtime < cutoff:
-            plan.delete.append(Doomed("temp", path, 0))
+            plan.delete.append(Doomed("temp", path, size))
     return plan
 
 

@@ -459,7 +459,10 @@ class StoreIndex:
                             raise
                         st.partial = True  # a snapshot must hold every entry: this view is never written
                         continue
-                    assert listed is not None
+                    if listed is None:  # written after the listing missed it (Refs.read_entry): no size to record
+                        out[seq] = RefRec.of(entry, -1, None)
+                        st.partial = True  # so this view is never written as a snapshot
+                        continue
                     rec = RefRec.of(entry, listed.size, listed.mtime)
                     st.read += 1
                 out[seq] = rec

@@ -155,9 +155,9 @@ class ObjectStore:
             if _ID.match(name):
                 yield ObjectInfo(kind, name, e.size, e.mtime)
 
-    def inventory(self, *, as_recovered: bool = False) -> tuple[dict[str, list[ObjectInfo]], list[tuple[str, float]]]:
+    def inventory(self, *, as_recovered: bool = False) -> tuple[dict[str, list[ObjectInfo]], list[tuple[str, float, int]]]:
         """One listing of ``objects/``: every stored object by kind, and the leftovers of
-        interrupted writes there as (path, mtime) -- what :meth:`list` for each kind and
+        interrupted writes there as (path, mtime, size) -- what :meth:`list` for each kind and
         :meth:`list_temporaries` give, in a single walk (a stat per object locally, a
         request per 1,000 objects on S3).
 
@@ -166,7 +166,7 @@ class ObjectStore:
         as it would be), not as temporaries: what a gc's dry run plans with."""
         found: dict[str, dict[str, ObjectInfo]] = {k: {} for k in KINDS}
         back: list[ObjectInfo] = []
-        temps: list[tuple[str, float]] = []
+        temps: list[tuple[str, float, int]] = []
         for e in self.backend.list("objects"):
             parts = e.path.split("/")
             name = parts[-1]
@@ -174,7 +174,7 @@ class ObjectStore:
             if original is not None:
                 name = original
             elif name.startswith(TEMPORARY):
-                temps.append((e.path, e.mtime))
+                temps.append((e.path, e.mtime, e.size))
                 continue
             if len(parts) == 4 and parts[1] in found and _ID.match(name):
                 info = ObjectInfo(parts[1], name, e.size, e.mtime, None if original is None else e.path)
@@ -186,12 +186,12 @@ class ObjectStore:
             found[info.kind].setdefault(info.id, info)
         return {k: list(v.values()) for k, v in found.items()}, temps
 
-    def list_temporaries(self, prefixes: tuple[str, ...] = ("objects",)) -> Iterator[tuple[str, float]]:
-        """Leftovers of interrupted writes below ``prefixes``: (path, mtime)."""
+    def list_temporaries(self, prefixes: tuple[str, ...] = ("objects",)) -> Iterator[tuple[str, float, int]]:
+        """Leftovers of interrupted writes below ``prefixes``: (path, mtime, size)."""
         for prefix in prefixes:
             for e in self.backend.list(prefix):
                 if e.path.rsplit("/", 1)[-1].startswith(TEMPORARY):
-                    yield e.path, e.mtime
+                    yield e.path, e.mtime, e.size
 
     # Manifests are verified here: their id is the hash of the bytes stored.
     def put_manifest(self, data: bytes) -> str:

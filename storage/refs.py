@@ -10,6 +10,7 @@ history entry is ever lost, and nothing is modified in place.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import uuid
@@ -121,12 +122,45 @@ class Refs:
     def _entry_seqs(self, name: str) -> dict[int, Entry | None]:
         return self._listed(f"refs/{name}").get(name, {})  # direct children only: "a/b" entries are not "a"'s
 
+    def _link(self, folder: str) -> str | None:
+        """The target of ``folder`` (a path below ``refs/``) when it is a symbolic link to a folder or
+        to nothing (a folder on a disk not mounted, say), else None."""
+        local = self.backend.local_path(folder)
+        if local is None or not os.path.islink(local) or not (os.path.isdir(local) or not os.path.exists(local)):
+            return None
+        return os.readlink(local)
+
+    def _link_above(self, folder: str) -> str | None:
+        """The first folder from ``refs/`` down to ``folder`` (itself included, ``refs`` not) that is
+        a symbolic link, else None."""
+        parts = folder.split("/")
+        return next((f for i in range(2, len(parts) + 1) if self._link(f := "/".join(parts[:i])) is not None), None)
+
     def _listed(self, folder: str) -> dict[str, dict[int, Entry | None]]:
         """Every entry below ``folder`` by ref name and seq, as listed (nothing is read); None for
         something named like an entry that is not a file (a folder, empty or not, or an object
         store's prefix holding objects): damage, which must not be skipped, or the ref would
-        silently name its previous version."""
+        silently name its previous version.
+
+        A folder below ``refs/`` that is a symbolic link (or a link to nothing) is not entered (a
+        listing of the whole store does not enter it, and it may lead anywhere): it is damage to
+        the ref of its name (listed as its entry 0, not a file), as to every ref asked for through it. Its refs would
+        otherwise resolve while ``ls`` and gc did not see them, and a gc would free a checkpoint
+        a user can still name.
+
+        Entries are numbered with no gap (nothing deletes one): the newest number missing between
+        a ref's oldest and newest entries is listed as None too. A deleted entry file must not
+        renumber ``NAME@N`` below it (whether it was a version or a removal is unknown), nor let gc
+        free what it named. (Entries missing below the oldest renumber nothing: a history cut short.)"""
         by_name: dict[str, dict[int, Entry | None]] = defaultdict(dict)
+        if folder != "refs" and self._link_above(folder) is not None:
+            return {folder[len("refs/"):]: {0: None}}
+        local = self.backend.local_path("refs")
+        if local is not None and os.path.lexists(local) and not os.path.isdir(local):
+            # A file, a FIFO or a link to nothing (an unmounted disk) lists as no ref at all: every
+            # checkpoint would look unreferenced, and a gc would delete them all.
+            raise StoreFormatError(f"{local}, the store's refs folder, is not a folder: its refs cannot be listed",
+                                   hint="put the refs folder back from a backup of the store, or mount the disk the link leads to")
 
         def add(path: str, entry: Entry | None) -> None:
             parts = path.split("/")
@@ -136,11 +170,32 @@ class Refs:
                     by_name["/".join(parts[1:i])][int(m.group(1))] = entry if i == len(parts) - 1 else None
                     return
 
-        for e in self.backend.list(folder):
-            add(e.path, e)
+        def linked(path: str) -> bool:
+            if any(_ENTRY.match(p) for p in path.split("/")[2:]) or self._link(path) is None:
+                return False
+            by_name[path[len("refs/"):]] = {0: None}
+            return True
+
+        for e in self.backend.list(folder):  # a link (to a folder, or to nothing) is listed as a file
+            if not linked(e.path):
+                add(e.path, e)
         for path in self.backend.folders(folder):
-            add(path, None)
+            if not linked(path):
+                add(path, None)
+        for seqs in by_name.values():
+            gap = max(seqs) - 1
+            while gap in seqs:
+                gap -= 1
+            if gap > min(seqs):
+                seqs[gap] = None
         return dict(by_name)
+
+    def _missing(self, path: str) -> bool:
+        """Whether nothing at all is at ``path`` (not even a folder: an object store's prefix holding objects)."""
+        local = self.backend.local_path(path)
+        if local is not None:
+            return not os.path.lexists(local)
+        return next(iter(self.backend.list(path)), None) is None
 
     def _read(self, name: str, seq: int, is_file: bool = True) -> RefEntry:
         path = self._entry_path(name, seq)
@@ -149,7 +204,19 @@ class Refs:
         except InvalidNameError:
             raise StoreFormatError(f"ref entry {path} is under refs/{name}/, which is not a valid ref name",
                                    hint="no command can name that ref: rename or remove that folder") from None
-        if not is_file:
+        if not is_file and (link := self._link_above(f"refs/{name}")) is not None:
+            raise StoreFormatError(f"{link} in the store folder is a symbolic link (to {self._link(link)!r}): ckpt does "
+                                   "not follow it, so what the refs there name is unknown",
+                                   hint=f"replace {link} by the folder it leads to, or remove the link: gc then frees what "
+                                   "only its refs named")
+        # Listed as no file, yet one now: an entry a listing missed while a concurrent update wrote the
+        # next (a directory is listed in several reads as it changes), read as any other.
+        if not is_file and not self.backend.exists(path) and self._missing(path):
+            raise StoreFormatError(f"ref entry {path} is missing, with entries of {name} before and after it: what "
+                                   f"{name} named then is unknown, and so is which version {name}@N names beyond it",
+                                   hint="put the entry file back from a backup of the store, or move the entries older "
+                                   "than it out of the store folder too (gc then frees what only they named)")
+        if not is_file and not self.backend.exists(path):
             raise StoreFormatError(f"ref entry {path} is not a file (a folder is there): what {name} named then "
                                    "is unknown", hint=f"put the entry file back from a backup of the store, or remove the folder "
                                    f"(then {name} names what it named before)")

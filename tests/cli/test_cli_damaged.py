@@ -225,9 +225,15 @@ def test_gc_stopped_by_a_damaged_ref_entry_says_how_to_go_on(tmp_path, monkeypat
     entry.write_bytes(b"{")
     code, _, err = run_main(capsys, "gc", "--grace", "1h", *dry_run)
     assert code == 1 and err.count("\n") == 1 and err.startswith("error: gc deleted nothing: ")
-    assert "refs/m/0000000002.ref" in err and "move it out of the store folder" in err and "`ckpt gc --no-history`" in err
+    assert "refs/m/0000000002.ref" in err and "`ckpt gc --no-history`" in err
+    assert "move it and the entries older than it out of the store folder" in err
     assert run_main(capsys, "gc", "--grace", "1h", "--no-history", *dry_run)[0] == 0  # needs only m's newest entry
-    entry.rename(tmp_path / "aside.ref")
+    entry.rename(tmp_path / "aside.ref")  # a gap: it must not renumber m@1 (entry 1 is m@2), nor free what 2 named
+    code, _, err = run_main(capsys, "gc", "--grace", "1h", *dry_run)
+    assert code == 1 and "0000000002.ref is missing" in err and "move the entries older than it out" in err
+    code, _, err = run_main(capsys, "show", "m@1")
+    assert code != 0 and "0000000002.ref is missing" in err
+    (path / "refs" / "m" / "0000000001.ref").rename(tmp_path / "aside-1.ref")
     assert run_main(capsys, "gc", "--grace", "1h", *dry_run)[0] == 0
     (path / "refs" / "m" / "0000000003.ref").write_bytes(b"{")  # the newest: m's current version is unknown
     for args in ([], ["--no-history"]):

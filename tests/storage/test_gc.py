@@ -108,6 +108,24 @@ def test_gc_removes_stale_temporaries(tmp_path):
     assert not any(f.exists() for f in leftovers) and young.exists()
 
 
+def test_gc_reports_the_size_of_the_temporaries_it_deletes(tmp_path):
+    """Stale temporaries were reported as 0 bytes freed (`ckpt gc` said "0 B" after deleting a
+    killed push's half-written 3 MB chunk): each is reported with its size, as objects are."""
+    path = str(tmp_path / "s")
+    store = ckpt.Store.init(path)
+    sizes = {"objects/chunks/ab/.tmp-1": 3 << 20, "refs/run/.tmp-2": 321, "index/.tmp-3": 7}
+    old = time.time() - 7200
+    for rel, n in sizes.items():
+        f = tmp_path / "s" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(os.urandom(n))
+        os.utime(f, (old, old))
+    dry = store.gc(grace_s=3600, dry_run=True)
+    r = store.gc(grace_s=3600)
+    assert {d.name: d.size for d in dry.deleted} == {d.name: d.size for d in r.deleted} == sizes
+    assert dry.bytes == r.bytes == sum(sizes.values())
+
+
 # -- the delete protocol under a concurrent touch ---------------------------------------
 
 
@@ -475,3 +493,50 @@ def test_gc_reports_only_what_it_deleted(store_url):
         store.backend.delete(store.objects.path(d.kind, d.name))
     assert list(execute_gc(store.objects, plan)) == kept
     assert not any(store.objects.has(d.kind, d.name) for d in plan.delete)
+
+
+@pytest.mark.parametrize("what", ["file", "fifo", "link to nothing"])
+def test_a_refs_folder_that_is_not_a_folder_stops_gc(tmp_path, what):
+    """refs/ replaced by a file, a FIFO, or a symbolic link to a disk that is not mounted listed as
+    no ref at all: `ckpt ls` said the store was empty, and a gc deleted every checkpoint in it.
+    The refs cannot be listed: every command that needs them says so, and gc deletes nothing."""
+    import shutil
+
+    from ckpt.errors import StoreFormatError
+
+    path = tmp_path / "s"
+    store = ckpt.Store.init(str(path))
+    store.push({"w": torch.randn(1000)}, "a")
+    _age(path, 86400)
+    before = sorted(p for p in (path / "objects").rglob("*") if p.is_file())
+    shutil.rmtree(path / "refs")
+    if what == "file":
+        (path / "refs").write_bytes(b"x")
+    elif what == "fifo":
+        os.mkfifo(path / "refs")
+    else:
+        (path / "refs").symlink_to(tmp_path / "unmounted" / "refs")
+    store = ckpt.Store.open(str(path))
+    for call in (lambda: store.gc(grace_s=60), lambda: store.gc(grace_s=60, dry_run=True), store.ls, store.du):
+        with pytest.raises(StoreFormatError, match="the store's refs folder, is not a folder"):
+            call()
+    assert sorted(p for p in (path / "objects").rglob("*") if p.is_file()) == before
+
+
+@pytest.mark.parametrize("history", [True, False])
+def test_gc_beside_a_ref_folder_no_command_can_name_says_what_is_damaged(tmp_path, history):
+    """refs/m@1/ holding a sealed entry (no command can name it: m@1 is version 1 of m) is damage,
+    but gc failed with "invalid ref name 'm@1' (use segments of letters...)", as if the user had
+    typed it: checking whether that ref's newest entry could be read validated its name. gc now
+    says that it deleted nothing and which folder to rename or remove."""
+    from ckpt.errors import StoreFormatError
+    from ckpt_store.storage.refs import RefEntry
+
+    path = tmp_path / "s"
+    store = ckpt.Store.init(str(path))
+    mid = store.push({"w": torch.randn(100)}, "m")
+    (path / "refs" / "m@1").mkdir()
+    (path / "refs" / "m@1" / "0000000001.ref").write_bytes(RefEntry("m@1", 1, mid, time.time(), "w").to_json())
+    for dry_run in (True, False):
+        with pytest.raises(StoreFormatError, match=r"gc deleted nothing: .*refs/m@1/, which is not a valid ref name"):
+            store.gc(grace_s=60, dry_run=dry_run, keep_history=history)

@@ -61,4 +61,4 @@ def test_inventory_is_every_listing_in_one_walk(store_url, tmp_path):
     assert sorted(o.id for o in found["chunks"]) == sorted(chunks) == sorted(o.id for o in objs.list("chunks"))
     assert [(o.id, o.size) for o in found["chunks"] if o.id == chunks[4]] == [(chunks[4], 5)]
     assert [o.id for o in found["manifests"]] == [mid] and found["manifests"][0].kind == "manifests"
-    assert [p for p, _ in temps] == [p for p, _ in objs.list_temporaries()] == [f"objects/chunks/{chunks[0][:2]}/.tmp-leftover"]
+    assert [p for p, _, _ in temps] == [p for p, _, _ in objs.list_temporaries()] == [f"objects/chunks/{chunks[0][:2]}/.tmp-leftover"]

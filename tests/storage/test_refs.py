@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 
 import pytest
@@ -228,3 +229,94 @@ def test_a_non_file_in_place_of_an_entry_is_damage_beside_the_other_refs(tmp_pat
     assert list(gc_roots(r).damaged) == ["m"]
     with pytest.raises(StoreFormatError, match=said):
         r.current("m")
+
+
+@pytest.mark.parametrize("where", ["outside", "inside", "unmounted"])
+@pytest.mark.parametrize("link", ["ft", "ft/x"])
+def test_a_ref_folder_that_is_a_symlink_is_damage_to_every_reader(tmp_path, link, where):
+    """refs/ft moved elsewhere (outside the store, or within refs/) and replaced by a symbolic link
+    to it: `ckpt pull ft/x` followed the link and worked, while the listing of refs/ (`ls`, gc's
+    roots) did not enter it, so a gc deleted the chunks of a checkpoint a user could still name.
+    Such a folder is now damage to the refs through it, for every reader; gc stops, with or without
+    history."""
+    import time
+
+    from ckpt_store.storage.gc import gc_roots, plan_gc
+    from ckpt_store.storage.objects import ObjectStore
+
+    store = tmp_path / "store"
+    backend = LocalBackend(str(store), fsync=False)
+    r = Refs(backend)
+    r.set("keep", A)
+    r.set("ft/x", A)
+    r.set("ft/x", B)
+    moved = tmp_path / "elsewhere" if where != "inside" else store / "refs" / "moved"
+    (store / "refs" / link).rename(moved)
+    if where == "unmounted":  # a link to a folder on a disk that is not mounted now: a link to nothing
+        shutil.rmtree(moved)
+    (store / "refs" / link).symlink_to(moved, target_is_directory=True)
+    live, damaged = r.scan()
+    assert "keep" in live and link in damaged and "ft/x" not in live
+    assert f"refs/{link} in the store folder is a symbolic link" in str(damaged[link][0])
+    said = f"refs/{link} in the store folder is a symbolic link"
+    for read in (r.current, r.history):
+        with pytest.raises(StoreFormatError, match=said):
+            read("ft/x")
+    entries, err = r.readable_history("ft/x")
+    assert entries == [] and said in str(err)
+    assert r.log("ft/x")[0] == [] and list(r.log("ft/x")[1]) == [0]
+    assert link in gc_roots(r).damaged
+    old = time.time() - 86400
+    for p in (store / "objects").rglob("*"):
+        os.utime(p, (old, old))
+    for keep_history in (True, False):
+        with pytest.raises(StoreFormatError, match=f"gc deleted nothing: .*{said}"):
+            plan_gc(ObjectStore(backend, None), r, grace_s=0, keep_history=keep_history)
+
+
+def test_a_deleted_entry_file_is_a_gap_not_a_renumbering(tmp_path):
+    """Entry 2 of 4 deleted: m@2 named entry 1's checkpoint (m@3's), silently, and a gc freed the
+    checkpoint only entry 2 named. A number missing between a ref's oldest and newest entries is
+    damage: the versions newer than it keep their NAME@N, the older ones have none, gc stops. A
+    history cut short below (entry 1 deleted too) renumbers nothing and is not damage."""
+    from ckpt_store.storage.gc import gc_roots
+
+    r = Refs(LocalBackend(str(tmp_path), fsync=False))
+    targets = [c * 64 for c in "abcd"]
+    for t in targets:
+        r.set("m", t)
+    r.set("other", A)
+    (tmp_path / "refs" / "m" / "0000000002.ref").unlink()
+    said = "0000000002.ref is missing, with entries of m before and after it"
+    entries, err = r.readable_history("m")
+    assert [e.target for e in entries] == targets[:1:-1] and said in str(err)
+    found = gc_roots(r)
+    assert [x.label for x in found.roots if x.ref == "m"] == ["m", "m@1"] and said in str(found.damaged["m"][0])
+    assert r.current("m").target == targets[3] and list(r.scan()[0]) == ["m", "other"]
+    logged, damaged = r.log("m")
+    assert [e.seq for e in logged] == [4, 3, 1] and list(damaged) == [2]
+    with pytest.raises(StoreFormatError, match=said):
+        r.history("m")
+    assert r.set("m", A).seq == 5
+    (tmp_path / "refs" / "m" / "0000000001.ref").unlink()  # the history cut short below the gap: no gap left
+    entries, err = r.readable_history("m")
+    assert [e.seq for e in entries] == [5, 4, 3] and err is None and not gc_roots(r).damaged
+
+
+def test_an_entry_a_listing_missed_is_read_not_called_damage(tmp_path):
+    """A directory is listed in several reads while it changes: a listing of a ref with thousands of
+    entries (RUN/latest) can miss entry N and show N+1, written meanwhile by a concurrent update.
+    Such a number, a gap in the listing, was reported as damage (a folder in its place) though the
+    file is there: resolve NAME@K and gc failed during a training run. What is a file when read is
+    read; a folder there, or nothing, is damage."""
+    r = Refs(LocalBackend(str(tmp_path), fsync=False))
+    for t in (A, B, A):
+        r.set("m", t)
+    assert r.read_entry("m", 2, is_file=False).target == B  # listed as a gap, there when read
+    path = tmp_path / "refs" / "m" / "0000000002.ref"
+    path.unlink()
+    with pytest.raises(StoreFormatError, match="0000000002.ref is missing"):
+        r.read_entry("m", 2, is_file=False)
+    path.mkdir()
+    with pytest.raises(StoreFormatError, match="0000000002.ref is not a file"):
+        r.read_entry("m", 2, is_file=False)

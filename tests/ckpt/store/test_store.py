@@ -310,3 +310,19 @@ def test_copy_to_a_path_checks_the_refs_before_it_makes_a_store_there(tmp_path):
         assert not (tmp_path / "dst").exists()
     src.copy_to(str(tmp_path / "dst"), ["a"])
     assert ckpt.Store.open(str(tmp_path / "dst")).resolve("a") == src.resolve("a")
+
+
+def test_a_deleted_entry_stops_numbering_on_every_backend(store_url):
+    """A ref entry deleted from the store (on S3: an object deleted by hand) silently renumbered
+    NAME@N below it. On every backend the gap is damage: newer versions resolve, older ones and gc
+    say which entry is missing; an entry a listing missed but that is there is read."""
+    store = ckpt.Store.init(store_url)
+    ids = [store.push({"w": torch.full((3,), float(i))}, "m") for i in range(3)]
+    store.backend.delete(store.refs_db.entry_path("m", 2))
+    assert store.resolve("m@0") == ids[2]
+    for label in ("m@1", "m@2"):
+        with pytest.raises(ckpt.CkptError, match="0000000002.ref is missing"):
+            store.resolve(label)
+    with pytest.raises(ckpt.CkptError, match="gc deleted nothing: .*0000000002.ref is missing"):
+        store.gc(grace_s=0, dry_run=True)
+    assert store.refs_db.read_entry("m", 3, is_file=False).target == ids[2]
