@@ -1206,10 +1206,12 @@ def forged_key_path(rank, world, tmp, store):
         s = ckpt.Store.open(store)
         saved = s.manifest("run/step-1").to_json()
         raw = json.loads(saved)
-        for step, i in ((2, 10**12), (3, -1), (4, "size"), (5, "step"), (6, "keys"), (7, "per_rank")):
-            if i in ("step", "keys", "per_rank"):  # the snapshot's record of its step, keys or per-rank keys is malformed
+        damaged_steps = {"step": "five", "step=-1": -1, "step=True": True}  # (True is an int to Python)
+        for step, i in ((2, 10**12), (3, -1), (4, "size"), (5, "step"), (5, "step=-1"), (5, "step=True"), (6, "keys"),
+                        (7, "per_rank")):
+            if i in (*damaged_steps, "keys", "per_rank"):  # the snapshot's record of its step, keys or per-rank keys is malformed
                 raw = json.loads(saved)
-                raw["extra"]["snapshot"].update({"step": "five"} if i == "step" else {"step": step, i: [["pos"]]})
+                raw["extra"]["snapshot"].update({"step": damaged_steps[i]} if i in damaged_steps else {"step": step, i: [["pos"]]})
                 mid, _ = commit(s.objects, s.refs_db, Manifest.from_json(json.dumps(raw).encode(), "forged").to_json(), "run/step-5")
                 s.refs_db.set("run/latest", mid, alias=True)
                 try:
