@@ -25,7 +25,7 @@ import ckpt  # noqa: E402
 from ckpt_store.cli.web.app import create_app  # noqa: E402
 from ckpt_store.cli.web.data import MAX_PAGE  # noqa: E402
 from ckpt_store.cli.web.graph import layout  # noqa: E402
-from ckpt_store.cli.web.server import ServeError, check_access, is_loopback  # noqa: E402
+from ckpt_store.cli.web.server import ServeError, check_access, is_loopback, serve  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +258,39 @@ def test_binding_beyond_loopback_needs_a_token(store, capsys):
     check_access("0.0.0.0", "x" * 24)
     code, out, err = run_main(capsys, "--store", store.url, "serve", "--host", "0.0.0.0", "--port", "1")
     assert code == 1 and err.count("\n") == 1 and "needs --token" in err and "Traceback" not in err
+
+
+def test_a_host_name_is_resolved_once_and_the_address_checked_is_the_one_bound(store, monkeypatch):
+    """is_loopback trusted "localhost" without resolving it, while the bind resolved it: a hosts file that
+    points localhost elsewhere had the store served to the network without a token. And a name was
+    resolved for the check, then again for the bind: one that answered a loopback address and then
+    another (DNS rebinding) was bound where nobody checked. serve resolves the name once, checks that
+    address and binds to it. (The name service is replaced here: this machine's hosts file is not ours.)"""
+    real, asked = socket.getaddrinfo, []
+
+    def name_service(name, *args, **kw):
+        asked.append(name)
+        if name == "localhost":
+            return real("192.0.2.1", *args, **kw)
+        if name == "flip.test":  # loopback the first time, a network address after
+            return real("127.0.0.1" if asked.count(name) == 1 else "192.0.2.1", *args, **kw)
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", name_service)
+    assert not is_loopback("localhost") and is_loopback("127.0.0.1")
+    with pytest.raises(ServeError, match=r"binding to localhost \(192\.0\.2\.1\) makes the store readable .* needs --token"):
+        serve(store, host="localhost", port=0)
+    asked.clear()
+
+    class Listening(Exception):
+        pass
+
+    def announce(line):
+        raise Listening(line)  # bound and listening: stop before serving
+
+    with pytest.raises(Listening, match=r"ckpt serve: http://flip\.test:[0-9]+/ "):
+        serve(store, host="flip.test", port=0, announce=announce)
+    assert asked == ["flip.test"]
 
 
 def test_serve_on_an_address_it_cannot_listen_on_is_one_line(store, capsys):
