@@ -38,7 +38,8 @@ def resolve(host: str) -> tuple[socket.AddressFamily, str]:
     Raises OSError where it names none."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        infos = socket.getaddrinfo(host.strip("[]"), None, family, socket.SOCK_STREAM)
+        # ("" is every interface, as a bind takes it: AI_PASSIVE gives that address for no name)
+        infos = socket.getaddrinfo(host.strip("[]") or None, 0, family, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
     except UnicodeError as e:  # (a name too long or malformed for IDNA)
         raise OSError(f"bad host name ({e})") from None
     return family, str(infos[0][4][0])
@@ -52,7 +53,7 @@ def check_access(host: str, token: str | None, address: str | None = None) -> No
         raise ServeError("--token must be at least 16 characters of letters, digits, '-', '_', '.' or '~'",
                          hint=f"for example --token {secrets.token_urlsafe(24)}")
     if not is_loopback(host if address is None else address) and token is None:
-        shown = host if address is None or address == host else f"{host} ({address})"
+        shown = host if address is None or address == host else f"{host} ({address})" if host else address
         raise ServeError(f"binding to {shown} makes the store readable from the network: it needs --token",
                          hint=f"for example --token {secrets.token_urlsafe(24)} (or --host 127.0.0.1)")
 

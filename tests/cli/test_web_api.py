@@ -377,6 +377,9 @@ def test_a_host_name_is_resolved_once_and_the_address_checked_is_the_one_bound(s
     with pytest.raises(Listening, match=r"ckpt serve: http://flip\.test:[0-9]+/ "):
         serve(store, host="flip.test", port=0, announce=announce)
     assert asked == ["flip.test"]
+    monkeypatch.undo()
+    with pytest.raises(ServeError, match=r"binding to 0\.0\.0\.0 makes the store readable"):  # "": every interface
+        serve(store, host="", port=0)
 
 
 def test_serve_on_an_address_it_cannot_listen_on_is_one_line(store, capsys):
