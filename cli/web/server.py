@@ -59,7 +59,7 @@ def check_access(host: str, token: str | None, address: str | None = None) -> No
 
 
 def address(host: str, port: int, token: str | None) -> str:
-    shown = f"[{host}]" if ":" in host else host
+    shown = f"[{host.strip('[]')}]" if ":" in host else host  # (--host [::1] is bound as ::1)
     return f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
 
 

@@ -380,6 +380,9 @@ def test_a_host_name_is_resolved_once_and_the_address_checked_is_the_one_bound(s
     monkeypatch.undo()
     with pytest.raises(ServeError, match=r"binding to 0\.0\.0\.0 makes the store readable"):  # "": every interface
         serve(store, host="", port=0)
+    if socket.has_ipv6:  # brackets, as in a URL: bound as ::1 and printed once bracketed (it was [[::1]])
+        with pytest.raises(Listening, match=r"ckpt serve: http://\[::1\]:[0-9]+/ "):
+            serve(store, host="[::1]", port=0, announce=announce)
 
 
 def test_serve_on_an_address_it_cannot_listen_on_is_one_line(store, capsys):
