@@ -30,8 +30,10 @@ def ls_rows(listing: Any) -> list[dict[str, Any]]:
 
 
 def log_rows(entries: Iterable[Any], manifest: Callable[[str], Manifest],
-             damaged: Mapping[int, str] | None = None) -> list[dict[str, Any]]:
+             damaged: Mapping[int, str] | None = None, offset: int = 0, limit: int | None = None) -> list[dict[str, Any]]:
     """The rows of ``ckpt log NAME --json``, newest first; ``version`` N is what ``NAME@N`` names.
+    ``offset``, ``limit``: only rows ``offset .. offset+limit`` (the rows of the whole log there, their
+    versions counted over every newer entry), reading the manifests of those alone.
 
     A row with ``"error"`` is damage: an entry that cannot be read (``damaged``: its seq -> the
     error; its other fields null), or a checkpoint that cannot be read (the current one of a live
@@ -44,7 +46,16 @@ def log_rows(entries: Iterable[Any], manifest: Callable[[str], Manifest],
     live = bool(merged) and merged[0][1] is not None and merged[0][1].target is not None
     rows: list[dict[str, Any]] = []
     version: int | None = 0
-    for seq, e in merged:
+    end = len(merged) if limit is None else offset + limit
+    for i, (seq, e) in enumerate(merged):
+        if i >= end:
+            break
+        if i < offset:  # before the window: only what the rows in it need (their version)
+            if e is None:
+                version = None
+            elif e.target is not None and version is not None:
+                version += 1
+            continue
         if e is None:
             rows.append({"seq": seq, "version": None, "id": None, "time": None, "message": None, "removed": None,
                          "error": bad[seq]})

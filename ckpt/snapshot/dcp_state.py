@@ -101,20 +101,30 @@ def from_snapshot(saved: dict[str, Path], layout: DcpLayout, tensor_for: Callabl
     return root
 
 
-def value_target(obj: Any, saved: dict[str, Path], layout: DcpLayout) -> Any:
+def value_target(obj: Any, saved: dict[str, Path], layout: DcpLayout, devices: dict[str, str] | None = None) -> Any:
     """A plain value is replaced by the saved one: without tensors of its own to read into,
-    any template will do (``"pos": None``), so the target is the snapshot's own structure."""
+    any template will do (``"pos": None``), so the target is the snapshot's own structure,
+    each tensor made on the device ``devices`` names for it (the snapshot's record; else the CPU):
+    :class:`~ckpt.snapshot.run.SnapshotError` where this machine lacks it."""
     import torch
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     from ckpt.format.dtypes import to_torch
+    from ckpt.snapshot.state import device_here
 
     flat, _ = flatten_state_dict({"v": obj})
     if any(isinstance(v, torch.Tensor) for v in flat.values()):
         return obj  # its tensors are read in place, and must match the snapshot's
     if not saved:
         return {}  # an empty dict has no items of its own (an empty list is a value)
-    return from_snapshot(saved, layout, lambda rel, item: torch.empty(tuple(item.size), dtype=to_torch(item.dtype)))
+    devices = devices or {}
+    key = str(next(iter(saved.values()))[0])
+
+    def tensor_for(rel: Path, item: Any) -> Any:  # (named as a single-process snapshot names it: key/a/0)
+        where = device_here("/".join((key, *map(str, rel))), devices.get(item.fqn))
+        return torch.empty(tuple(item.size), dtype=to_torch(item.dtype), device=where)
+
+    return from_snapshot(saved, layout, tensor_for)
 
 
 def optimizer_target(key: str, opt: Any, saved: dict[str, Path], layout: DcpLayout, step: int) -> Any:

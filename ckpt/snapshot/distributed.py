@@ -49,7 +49,15 @@ from ckpt.snapshot.dcp_state import (
 )
 from ckpt.snapshot.group import CheckpointGroup
 from ckpt.snapshot.run import SaveResult, SnapshotRun
-from ckpt.snapshot.state import Stateful, autograd_flags, autograd_flags_valid, is_per_rank, with_autograd_flags
+from ckpt.snapshot.state import (
+    Stateful,
+    autograd_flags,
+    autograd_flags_valid,
+    is_per_rank,
+    recorded_devices,
+    tensor_devices,
+    with_autograd_flags,
+)
 from ckpt.snapshot.tiers import describe, out_of_space, snapshot_step
 
 if TYPE_CHECKING:
@@ -172,8 +180,10 @@ class DistributedSnapshots:
         self.persisting = self._check_identical(step, {k: v for k, v in prepared.items() if k not in per_rank}, persist)
         persist_to = persist_to if self.persisting else None
         flags = _autograd_flags({k: v for k, v in prepared.items() if k not in per_rank})
+        # A plain value's tensors come back as new tensors (value_target): where they lived is recorded
+        devices = tensor_devices(_tensors({k: v for k, v in prepared.items() if not isinstance(state[k], Stateful)}))
         record = {**snapshot, "ranks": True, "world": self.world, "keys": sorted(state), "per_rank": sorted(per_rank),
-                  **({"autograd": flags} if flags else {})}
+                  **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {})}
         base = self.last_id if self.run.delta else None
         if self.peers is not None:
             from ckpt.snapshot.peers import TierWriter
@@ -474,6 +484,7 @@ class DistributedSnapshots:
         flags = snap.get("autograd", {})
         if not autograd_flags_valid(flags, {n: to_torch(item.dtype) for n, item in layout.tensors.items()}):
             raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of autograd flags is malformed")
+        devices = recorded_devices(snap.get("devices", {}))
         saved = saved_paths(layout, mid)
         self._check_keys(state, snap, saved, step)
         targets: dict[str, Any] = {}
@@ -485,7 +496,7 @@ class DistributedSnapshots:
             elif isinstance(obj, Stateful) and not isinstance(obj, type):
                 targets[key] = obj.state_dict()
             else:
-                targets[key] = value_target(obj, saved.get(key, {}), layout)
+                targets[key] = value_target(obj, saved.get(key, {}), layout, devices)
         # DCP's own (private) flattening: the names must be exactly those it gave the items when saving
         flat, paths = flatten_state_dict(targets)
         self._check_placed(state, saved, paths, step)
@@ -615,8 +626,13 @@ def _outside_ckpt() -> int:
 
 def _autograd_flags(state: dict[str, Any]) -> dict[str, list[str]]:
     """:func:`~ckpt.snapshot.state.autograd_flags` of the tensors in ``state``, by their DCP names."""
+    return autograd_flags(_tensors(state))
+
+
+def _tensors(state: dict[str, Any]) -> dict[str, Any]:
+    """The tensors in ``state``, by their DCP names."""
     import torch
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     flat, _ = flatten_state_dict(state)
-    return autograd_flags({n: t for n, t in flat.items() if isinstance(t, torch.Tensor)})
+    return {n: t for n, t in flat.items() if isinstance(t, torch.Tensor)}

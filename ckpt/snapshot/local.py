@@ -299,7 +299,7 @@ class LocalSnapshots:
         import torch
 
         from ckpt.format.dtypes import to_torch
-        from ckpt.snapshot.tiers import Tiers
+        from ckpt.snapshot.tiers import Tiers, snapshot_step
 
         tiers = tiers or Tiers([("store", self.store)])
         m = tiers.get_manifest(mid)
@@ -307,9 +307,9 @@ class LocalSnapshots:
         if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or not isinstance(snap.get("tree"), dict):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")
         tree: dict[str, Any] = snap["tree"]
-        step = snap.get("step")
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's step ({step!r:.40}) is malformed")
+        step = snapshot_step(m)
+        if step is None:
+            raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's step ({snap.get('step')!r:.40}) is malformed")
         flags = snap.get("autograd", {})
         entries = {t.name: t for t in m.tensors}
         if not autograd_flags_valid(flags, {n: to_torch(e.dtype) for n, e in entries.items()}):

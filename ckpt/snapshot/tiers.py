@@ -481,8 +481,11 @@ def chunk_ids(m: Manifest) -> set[str]:
 
 
 def snapshot_step(m: Manifest) -> int | None:
+    """The step a snapshot's record holds: a non-negative int, else None (no snapshot, or a damaged
+    record: a bool is no step, though Python counts True as the int 1)."""
     snap = m.extra.get("snapshot")
-    return int(snap["step"]) if isinstance(snap, dict) and isinstance(snap.get("step"), int) else None
+    step = snap.get("step") if isinstance(snap, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
 def left_behind(step: int, mid: str, made: Callable[[], float], durable: tuple[int, str, float] | None) -> bool:

@@ -29,7 +29,16 @@ from ckpt.diffing.compare import SORT_KEYS
 from ckpt.errors import AmbiguousRefError, CkptError, InvalidNameError, RefNotFoundError
 from ckpt_store.cli.results import strict_json
 from ckpt_store.cli.web import charts
-from ckpt_store.cli.web.data import MAX_PAGE, STEP_REF, StoreView, own_chunks, page, snapshot_metrics, stored_bytes
+from ckpt_store.cli.web.data import (
+    HISTORY_PAGE,
+    MAX_PAGE,
+    STEP_REF,
+    StoreView,
+    own_chunks,
+    page,
+    snapshot_metrics,
+    stored_bytes,
+)
 from ckpt_store.cli.web.graph import NODE_H, NODE_W, layout, lineage
 
 log = logging.getLogger(__name__)
@@ -199,7 +208,9 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         if q:
             tensors = [t for t in tensors if q in t["name"].lower()]
         doc["tensors"], doc["tensors_page"] = page(tensors, _int(request, "offset", 0), _int(request, "limit", MAX_PAGE))
-        doc["log"] = view.log(ref) if view.is_ref_name(ref) else None
+        # a page of the ref's history (log_offset, log_limit): a run's latest may have thousands of entries
+        doc["log"], doc["log_page"] = (view.log(ref, _int(request, "log_offset", 0), _int(request, "log_limit", HISTORY_PAGE))
+                                       if view.is_ref_name(ref) else (None, None))
         return doc
 
     def api_checkpoint(request: Request) -> Response:
@@ -227,9 +238,8 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         return StrictJSONResponse(view.du())
 
     def api_run(request: Request) -> Response:
-        doc = view.run(request.path_params["name"])
-        doc["snapshots"], doc["page"] = page(doc["snapshots"], _int(request, "offset", 0), _int(request, "limit", MAX_PAGE))
-        return StrictJSONResponse(doc)
+        return StrictJSONResponse(view.run(request.path_params["name"], _int(request, "offset", 0),
+                                           _int(request, "limit", HISTORY_PAGE)))
 
     # -- pages -------------------------------------------------------------------------
     def overview(request: Request) -> Response:
@@ -292,8 +302,8 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
 
     def run_page(request: Request) -> Response:
         name = request.path_params["name"]
-        doc = view.run(name)
-        rows, pg = page(doc["snapshots"], _int(request, "offset", 0), _int(request, "limit", MAX_PAGE))
+        doc = view.run(name, _int(request, "offset", 0), _int(request, "limit", HISTORY_PAGE))
+        rows, pg = doc["snapshots"], doc["page"]
         chart_metrics = doc["metrics"][:4]
         return render("run.html", doc=doc, rows=rows, page=pg, local_url=local.url if local is not None else None, charts=[charts.run_chart(rows, k) for k in chart_metrics])
 

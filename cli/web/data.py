@@ -25,6 +25,7 @@ from ckpt_store.cli import results
 
 STEP_REF = re.compile(r"^(?P<run>.+)/step-(?P<step>[0-9]+)\Z")
 MAX_PAGE = 1000  # the most rows one request returns, whatever it asks for
+HISTORY_PAGE = 100  # rows of a history (a ref's log, a run's snapshots) a request returns unless it asks: one manifest read each
 T = TypeVar("T")
 
 
@@ -172,10 +173,13 @@ class StoreView:
             sizes.update(self.store.stored_sizes(late))
         return results.show_doc(mid, m, sizes)
 
-    def log(self, name: str) -> list[dict[str, Any]]:
-        """The rows of ``ckpt log NAME --json``."""
+    def log(self, name: str, offset: int = 0, limit: int = HISTORY_PAGE) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Rows ``offset .. offset+limit`` of ``ckpt log NAME --json`` (those rows of it, as it has them) and the
+        paging record: a ref saved to thousands of times (a run's ``latest``) has as many entries, and
+        each row reads its manifest (a request on S3), so a page reads only its own."""
         entries, damaged = self.store.readable_log(name)
-        return results.log_rows(entries, self.manifest, damaged)
+        window, pg = page(range(len(entries) + len(damaged)), offset, limit)
+        return results.log_rows(entries, self.manifest, damaged, pg["offset"], len(window)), pg
 
     def is_ref_name(self, ref: str) -> bool:
         """Whether ``ref`` is a ref's name (so it has a log), not NAME@N or an id prefix."""
@@ -203,11 +207,15 @@ class StoreView:
                 self._diffs.popitem(last=False)
         return report
 
-    def run(self, name: str) -> dict[str, Any]:
+    def run(self, name: str, offset: int = 0, limit: int = HISTORY_PAGE) -> dict[str, Any]:
         """A training run: every snapshot ref ``NAME/step-N`` ever written, live or removed
         (by retention or ``ckpt rm``), with its metrics, what it added to the store, and the
         tiers holding it: this store ("durable") and, when the view has one, the run's local
-        tier ("local", an ordinary store at another path: see the snapshot manager's tiers)."""
+        tier ("local", an ordinary store at another path: see the snapshot manager's tiers).
+        ``snapshots`` holds rows ``offset .. offset+limit`` by step (``page``: the paging record,
+        ``kept``: how many of all are live, ``metrics``: the names in those rows): a run saved
+        thousands of times has as many snapshots, and a row's metrics and sizes are read from its
+        manifest (a request on S3), so only those of the page's rows (and the one before) are read."""
         tiers = [("durable", self.store)] + ([("local", self.local)] if self.local is not None else [])
         found: dict[int, dict[str, Any]] = {}
         sizes: dict[str, int] = {}
@@ -233,29 +241,49 @@ class StoreView:
                     row["id"] = target
                 elif not row["live"]:
                     row["removed_at"] = entries[0].time
-                if target is not None and not row["available"]:
-                    try:
-                        mf = self.manifest(target, store)
-                    except CkptError:  # removed and collected: the history line is all there is
-                        continue
-                    row.update(saved_at=mf.created, metrics=snapshot_metrics(mf.extra), logical_bytes=mf.logical_bytes, available=True,
-                               _chunks=own_chunks(mf))
+                if target is not None:  # where its manifest can be read: the first of these that answers
+                    row.setdefault("_sources", []).append((target, store))
         if not found:
             raise RefNotFoundError(f"no training run named {name!r}", hint="runs are the refs RUN/step-N of a CheckpointManager")
         rows = [found[s] for s in sorted(found)]
-        previous: set[str] = set()
+        shown, pg = page(rows, offset, limit)
+        start = pg["offset"]
+        # What the page's first snapshot is new against: the readable one before it, looked for among as many
+        # rows as a page holds (a run whose old snapshots were collected would have each one asked for, in vain);
+        # not found there, it is unknown (None), unless that search went back to the run's first snapshot.
+        previous: set[str] | None = set() if start <= pg["limit"] else None
+        for r in reversed(rows[max(0, start - pg["limit"]):start]):
+            chunks = self._snapshot_chunks(r)
+            if chunks is not None:
+                previous = chunks
+                break
+        for r in shown:
+            chunks = self._snapshot_chunks(r)
+            if chunks is not None:
+                r["new_bytes"] = None if previous is None else stored_bytes(chunks - previous, sizes)
+                previous = chunks
         for r in rows:
+            r.pop("_sources", None)
             r["removed_at"] = None if r["live"] else r["removed_at"]
             r["tier"] = " + ".join(r["tiers"]) if r["live"] else "damaged" if r["damaged"] else "removed"
-            chunks = r.pop("_chunks", None)
-            if chunks is not None:
-                r["new_bytes"] = stored_bytes(chunks - previous, sizes)
-                previous = chunks
         live = [r for r in rows if r["live"]]
         if live:
             live[-1]["latest"] = True  # a restore takes the newest snapshot any tier holds
-        keys = sorted({k for r in rows for k in r["metrics"]})
-        return {"run": name, "latest": live[-1]["id"] if live else None, "metrics": keys, "snapshots": rows}
+        keys = sorted({k for r in shown for k in r["metrics"]})
+        return {"run": name, "latest": live[-1]["id"] if live else None, "metrics": keys, "snapshots": shown, "page": pg,
+                "kept": len(live)}
+
+    def _snapshot_chunks(self, row: dict[str, Any]) -> set[str] | None:
+        """Fill a :meth:`run` row from its manifest (metrics, time saved, sizes); its own chunks, None where
+        it cannot be read (removed and collected: the history line is all there is)."""
+        for target, store in row.get("_sources", ()):
+            try:
+                mf = self.manifest(target, store)
+            except CkptError:
+                continue
+            row.update(saved_at=mf.created, metrics=snapshot_metrics(mf.extra), logical_bytes=mf.logical_bytes, available=True)
+            return own_chunks(mf)
+        return None
 
     def runs(self) -> list[str]:
         """Names of the training runs among the live refs (RUN/step-N of snapshot manifests)."""

@@ -20,39 +20,58 @@ class ServeError(CkptError):
 
 
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` binds to this machine only (127.0.0.0/8, ::1, localhost)."""
-    if host.lower() == "localhost":
-        return True
+    """Whether ``host`` binds to this machine only (127.0.0.0/8, ::1): an address, or a name (``localhost``
+    too: the hosts file says where it points) every address of which is loopback."""
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(host.strip("[]").split("%")[0]).is_loopback
     except ValueError:
         try:  # a name: loopback only if every address it resolves to is
             addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
-        except OSError:
+        except (OSError, UnicodeError):
             return False
         return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
 
 
-def check_access(host: str, token: str | None) -> None:
-    """Binding beyond loopback needs a token: anyone who can reach the port could read every checkpoint."""
+def resolve(host: str) -> tuple[socket.AddressFamily, str]:
+    """(family, address): the one address ``host`` names, looked up once, which :func:`serve` checks and
+    binds to. (Looked up twice, a name could point at loopback for the check and elsewhere for the bind.)
+    Raises OSError where it names none."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        # ("" is every interface, as a bind takes it: AI_PASSIVE gives that address for no name)
+        infos = socket.getaddrinfo(host.strip("[]") or None, 0, family, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    except UnicodeError as e:  # (a name too long or malformed for IDNA)
+        raise OSError(f"bad host name ({e})") from None
+    return family, str(infos[0][4][0])
+
+
+def check_access(host: str, token: str | None, address: str | None = None) -> None:
+    """Binding beyond loopback needs a token: anyone who can reach the port could read every checkpoint.
+    ``address``: the one ``host`` was resolved to and is bound (:func:`resolve`), checked in its place."""
     if token is not None and not TOKEN.fullmatch(token):
         # it travels in a URL and a cookie: URL-safe characters only, and long enough not to be guessed
         raise ServeError("--token must be at least 16 characters of letters, digits, '-', '_', '.' or '~'",
                          hint=f"for example --token {secrets.token_urlsafe(24)}")
-    if not is_loopback(host) and token is None:
-        raise ServeError(f"binding to {host} makes the store readable from the network: it needs --token",
+    if not is_loopback(host if address is None else address) and token is None:
+        shown = host if address is None or address == host else f"{host} ({address})" if host else address
+        raise ServeError(f"binding to {shown} makes the store readable from the network: it needs --token",
                          hint=f"for example --token {secrets.token_urlsafe(24)} (or --host 127.0.0.1)")
 
 
 def address(host: str, port: int, token: str | None) -> str:
-    shown = f"[{host}]" if ":" in host else host
+    shown = f"[{host.strip('[]')}]" if ":" in host else host  # (--host [::1] is bound as ::1)
     return f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
 
 
 def serve(store: Any, host: str = "127.0.0.1", port: int = 8765, token: str | None = None,
           announce: Callable[[str], None] = print, local: Any = None) -> None:
     """Serve ``store`` read-only at ``host:port`` until interrupted (``local``: a run's local tier, shown beside it)."""
-    check_access(host, token)
+    try:
+        family, bound = resolve(host)
+    except OSError as e:  # no such name
+        raise ServeError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}",
+                         hint="pick another --port or --host") from None
+    check_access(host, token, bound)
     try:
         import uvicorn
 
@@ -66,8 +85,7 @@ def serve(store: Any, host: str = "127.0.0.1", port: int = 8765, token: str | No
     try:
         # Bound here, not by uvicorn's Config.bind_socket, which logs a failure and exits 3 itself;
         # listening before the address is printed: it can be opened at once.
-        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                    backlog=config.backlog)
+        sock = socket.create_server((bound, port), family=family, backlog=config.backlog)  # the address checked
     except (OSError, OverflowError) as e:  # in use, no such address or name; a port past 65535
         raise ServeError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}",
                          hint="pick another --port or --host") from None

@@ -25,7 +25,7 @@ import ckpt  # noqa: E402
 from ckpt_store.cli.web.app import create_app  # noqa: E402
 from ckpt_store.cli.web.data import MAX_PAGE  # noqa: E402
 from ckpt_store.cli.web.graph import layout  # noqa: E402
-from ckpt_store.cli.web.server import ServeError, check_access, is_loopback  # noqa: E402
+from ckpt_store.cli.web.server import ServeError, check_access, is_loopback, serve  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +52,11 @@ def test_refs_are_ls_json(client, store):
 def test_checkpoint_is_show_json_plus_log(client, store):
     for ref in ("ft/top", "merged/avg", "train/run1/latest", "base@0"):
         doc = client.get(f"/api/checkpoint/{ref}").json()
-        page, history = doc.pop("tensors_page"), doc.pop("log")
+        page, history, log_page = doc.pop("tensors_page"), doc.pop("log"), doc.pop("log_page")
         assert doc == cli_json(store, "show", ref)
         assert page["total"] == len(doc["tensors"]) and page["next_offset"] is None
         assert history == (cli_json(store, "log", ref) if "@" not in ref else None)
+        assert log_page is None if "@" in ref else log_page == {"total": len(history), "offset": 0, "limit": 100, "next_offset": None}
     # by id prefix, like the CLI
     cid = client.get("/api/checkpoint/base").json()["id"]
     assert client.get(f"/api/checkpoint/{cid[:10]}").json()["id"] == cid
@@ -132,6 +133,91 @@ def test_run_with_its_local_tier(web_store, tmp_path):
     page = c.get("/run/train/run1").text
     assert local.url in page and "durable + local" in page
     assert TestClient(create_app(web_store)).get("/api/run/train/run1").json()["snapshots"][-1]["tier"] == "durable"
+
+
+def test_a_long_history_is_paged_and_a_page_reads_only_its_own_manifests(tmp_path, monkeypatch):
+    """A run's latest after thousands of saves: the checkpoint page and /api/checkpoint listed its whole
+    history, reading one manifest per entry (a request each on S3), and the run page read every snapshot's
+    manifest, however few rows it showed. Both are paged now (log_offset/log_limit and offset/limit, 100 rows
+    unless asked, with links and the paging record's next_offset), and a page reads the manifests of its own
+    rows (and, on a run page, of the snapshot before them): the rows of ckpt log --json it shows, as they are."""
+    import dataclasses
+
+    from ckpt_store.storage.refs import Refs
+
+    n = 2000
+    store = ckpt.Store.init(tmp_path / "s")
+    with ckpt.CheckpointManager(store, "run", save_mode="sync") as mgr:
+        mgr.save(0, {"model": torch.nn.Linear(4, 2)}, metrics={"loss": 1.0})
+    m = store.manifest("run/step-0")
+    refs = Refs(store.refs_db.backend)  # (the metadata index is told of nothing: writing thousands of entries stays fast)
+    for step in range(1, n):
+        snap = {**m.extra["snapshot"], "step": step, "metrics": {"loss": 1.0 / (step + 1)}}
+        mid = store.objects.put_manifest(dataclasses.replace(m, message=f"step {step}", extra={**m.extra, "snapshot": snap}).to_json())
+        refs.set(f"run/step-{step}", mid)
+        refs.set("run/latest", mid, alias=True)
+    full_log = cli_json(store, "log", "run/latest")
+    assert len(full_log) == n
+    reads = []
+    real = store.manifest
+    monkeypatch.setattr(store, "manifest", lambda mid: reads.append(mid) or real(mid))
+    c = TestClient(create_app(store))
+
+    doc = c.get("/api/checkpoint/run/latest").json()
+    assert doc["log"] == full_log[:100] and doc["log_page"] == {"total": n, "offset": 0, "limit": 100, "next_offset": 100}
+    assert len(set(reads)) <= 110, len(set(reads))  # every one of the 2,000 before
+    reads.clear()
+    doc = c.get("/api/checkpoint/run/latest", params={"log_offset": 1950, "log_limit": 100}).json()
+    assert doc["log"] == full_log[1950:] and doc["log_page"]["next_offset"] is None and len(set(reads)) <= 60
+    page = c.get("/checkpoint/run/latest").text
+    history = page.split('id="log-table"')[1].split('id="log-pager"')[1].split("</p>")[0]
+    assert page.count("<tr><td data-v=") == 100 and "log_offset=100&log_limit=100" in history, history
+    assert "1–100 of 2000 entries" in page
+
+    reads.clear()
+    run = c.get("/api/run/run").json()
+    assert [s["step"] for s in run["snapshots"]] == list(range(100)) and len(set(reads)) <= 110, len(set(reads))
+    assert run["page"] == {"total": n, "offset": 0, "limit": 100, "next_offset": 100} and run["kept"] == n
+    assert run["metrics"] == ["loss"] and all(s["available"] and s["metrics"] for s in run["snapshots"])
+    # a page's rows are those of a page begun earlier: the bytes new against the snapshot before them too
+    later = c.get("/api/run/run", params={"offset": 1950, "limit": 100}).json()["snapshots"]
+    wider = c.get("/api/run/run", params={"offset": 1000, "limit": 1000}).json()["snapshots"]
+    assert later == wider[950:] and later[-1]["latest"] and later[0]["new_bytes"] == 0
+    assert c.get("/api/run/run").json()["snapshots"][0]["new_bytes"] > 0  # the first: all of it new
+    page = c.get("/run/run").text
+    assert page.count("<tr data-step=") == 100 and "?offset=100&limit=100" in page and f'id="n-live">{n}<' in page
+
+
+def test_a_run_page_of_a_long_run_whose_old_snapshots_were_collected_reads_about_a_page(tmp_path, monkeypatch):
+    """Retention and gc leave a long run's old snapshots as history lines whose manifests are gone: the
+    run page asked for every one of them (a failed request each on S3) to show a page. A page reads its
+    own rows and, for what its first snapshot is new against, at most as many rows before it; none of
+    them readable, that is unknown (None) rather than a guess."""
+    import dataclasses
+
+    from ckpt_store.storage.refs import Refs
+
+    n = 250
+    store = ckpt.Store.init(tmp_path / "s")
+    with ckpt.CheckpointManager(store, "run", save_mode="sync") as mgr:
+        mgr.save(0, {"model": torch.nn.Linear(4, 2)}, metrics={"loss": 1.0})
+    m = store.manifest("run/step-0")
+    refs = Refs(store.refs_db.backend)
+    for step in range(1, n):
+        snap = {**m.extra["snapshot"], "step": step, "metrics": {"loss": 1.0 / (step + 1)}}
+        refs.set(f"run/step-{step}", store.objects.put_manifest(dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json()))
+    for step in range(n - 3):  # retention kept the last three
+        refs.remove(f"run/step-{step}")
+    store.gc(grace_s=0, keep_history=False)
+    reads = []
+    real = store.manifest
+    monkeypatch.setattr(store, "manifest", lambda mid: reads.append(mid) or real(mid))
+    doc = TestClient(create_app(store)).get("/api/run/run", params={"offset": 200, "limit": 50}).json()
+    rows = doc["snapshots"]
+    assert [r["step"] for r in rows] == list(range(200, n)) and doc["kept"] == 3 and rows[-1]["latest"]
+    assert [r["available"] for r in rows] == [False] * 47 + [True] * 3
+    assert [r["new_bytes"] for r in rows[-3:]] == [None, 0, 0]  # the first kept one: against what, unknown
+    assert len(reads) <= 100, len(reads)  # (every one of the 250 snapshots' manifests before)
 
 
 def test_a_checkpoint_page_lists_what_was_made_from_it(client):
@@ -258,6 +344,45 @@ def test_binding_beyond_loopback_needs_a_token(store, capsys):
     check_access("0.0.0.0", "x" * 24)
     code, out, err = run_main(capsys, "--store", store.url, "serve", "--host", "0.0.0.0", "--port", "1")
     assert code == 1 and err.count("\n") == 1 and "needs --token" in err and "Traceback" not in err
+
+
+def test_a_host_name_is_resolved_once_and_the_address_checked_is_the_one_bound(store, monkeypatch):
+    """is_loopback trusted "localhost" without resolving it, while the bind resolved it: a hosts file that
+    points localhost elsewhere had the store served to the network without a token. And a name was
+    resolved for the check, then again for the bind: one that answered a loopback address and then
+    another (DNS rebinding) was bound where nobody checked. serve resolves the name once, checks that
+    address and binds to it. (The name service is replaced here: this machine's hosts file is not ours.)"""
+    real, asked = socket.getaddrinfo, []
+
+    def name_service(name, *args, **kw):
+        asked.append(name)
+        if name == "localhost":
+            return real("192.0.2.1", *args, **kw)
+        if name == "flip.test":  # loopback the first time, a network address after
+            return real("127.0.0.1" if asked.count(name) == 1 else "192.0.2.1", *args, **kw)
+        return real(name, *args, **kw)
+
+    monkeypatch.setattr(socket, "getaddrinfo", name_service)
+    assert not is_loopback("localhost") and is_loopback("127.0.0.1")
+    with pytest.raises(ServeError, match=r"binding to localhost \(192\.0\.2\.1\) makes the store readable .* needs --token"):
+        serve(store, host="localhost", port=0)
+    asked.clear()
+
+    class Listening(Exception):
+        pass
+
+    def announce(line):
+        raise Listening(line)  # bound and listening: stop before serving
+
+    with pytest.raises(Listening, match=r"ckpt serve: http://flip\.test:[0-9]+/ "):
+        serve(store, host="flip.test", port=0, announce=announce)
+    assert asked == ["flip.test"]
+    monkeypatch.undo()
+    with pytest.raises(ServeError, match=r"binding to 0\.0\.0\.0 makes the store readable"):  # "": every interface
+        serve(store, host="", port=0)
+    if socket.has_ipv6:  # brackets, as in a URL: bound as ::1 and printed once bracketed (it was [[::1]])
+        with pytest.raises(Listening, match=r"ckpt serve: http://\[::1\]:[0-9]+/ "):
+            serve(store, host="[::1]", port=0, announce=announce)
 
 
 def test_serve_on_an_address_it_cannot_listen_on_is_one_line(store, capsys):

@@ -1206,10 +1206,12 @@ def forged_key_path(rank, world, tmp, store):
         s = ckpt.Store.open(store)
         saved = s.manifest("run/step-1").to_json()
         raw = json.loads(saved)
-        for step, i in ((2, 10**12), (3, -1), (4, "size"), (5, "step"), (6, "keys"), (7, "per_rank")):
-            if i in ("step", "keys", "per_rank"):  # the snapshot's record of its step, keys or per-rank keys is malformed
+        damaged_steps = {"step": "five", "step=-1": -1, "step=True": True}  # (True is an int to Python)
+        for step, i in ((2, 10**12), (3, -1), (4, "size"), (5, "step"), (5, "step=-1"), (5, "step=True"), (6, "keys"),
+                        (7, "per_rank")):
+            if i in (*damaged_steps, "keys", "per_rank"):  # the snapshot's record of its step, keys or per-rank keys is malformed
                 raw = json.loads(saved)
-                raw["extra"]["snapshot"].update({"step": "five"} if i == "step" else {"step": step, i: [["pos"]]})
+                raw["extra"]["snapshot"].update({"step": damaged_steps[i]} if i in damaged_steps else {"step": step, i: [["pos"]]})
                 mid, _ = commit(s.objects, s.refs_db, Manifest.from_json(json.dumps(raw).encode(), "forged").to_json(), "run/step-5")
                 s.refs_db.set("run/latest", mid, alias=True)
                 try:
@@ -1534,6 +1536,52 @@ def plain_grad_values(rank, world, tmp, store):
             "want": {k: [type(v).__name__, v.requires_grad, v.is_leaf, bits(v)] for k, v in saved.items()}}
 
 
+def plain_value_devices(rank, world, tmp, store, device="cpu"):
+    """A plain value's tensors (``device``) saved through a process group, restored into ``None``; then the
+    snapshot's record of their devices forged (a device this machine lacks, malformed records) and restored
+    into a zeroed model: what each restore gave, and whether the model was touched."""
+    import copy
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt_store.storage.commit import commit
+
+    value = {"t": torch.arange(4.0, device=device), "nested": [torch.tensor([0.5, -2.0], device=device), 3]}
+    out = {}
+    with ckpt.CheckpointManager(store, "dev", save_mode="sync", process_group=dist.group.WORLD, timeout_s=20) as mgr:
+        mgr.save(1, {"model": plain_model(), "extra": value})
+        state = {"model": plain_model(), "extra": None}
+        mgr.restore_latest(state)
+        got = state["extra"]
+        out["restored"] = [str(got["t"].device), bits(got["t"].cpu()), str(got["nested"][0].device),
+                           bits(got["nested"][0].cpu()), got["nested"][1]]
+        out["saved"] = [device, bits(value["t"].cpu()), device, bits(value["nested"][0].cpu()), 3]
+        s = ckpt.Store.open(store)
+        m = s.manifest("dev/step-1")
+        out["recorded"] = m.extra["snapshot"].get("devices")
+        lacking = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+        for step, (case, devices) in enumerate({"absent": {lacking: ["extra.t"]}, "malformed": {lacking: "extra.t"},
+                                                "not-a-device": {"no such device": ["extra.t"]}}.items(), start=2):
+            snap = {**copy.deepcopy(m.extra["snapshot"]), "step": step, "devices": devices}
+            if rank == 0:
+                mid, _ = commit(s.objects, s.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(),
+                                f"dev/step-{step}")
+                s.refs_db.set("dev/latest", mid, alias=True)
+            dist.barrier()
+            model = plain_model()
+            torch.nn.init.zeros_(model[0].weight)
+            try:
+                out[case] = f"restored {mgr.restore_latest({'model': model, 'extra': None})}"
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out[case] = f"{type(e).__name__}: {e} ({getattr(e, 'hint', '')})"
+            out[f"{case}_touched"] = bool(model[0].weight.any())
+    out["lacking"] = lacking
+    return out
+
+
 SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
@@ -1544,4 +1592,5 @@ SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "
              "tiers_late_rank_asks": tiers_late_rank_asks, "restore_peer_dies": restore_peer_dies,
              "save_stale_view": save_stale_view, "forged_optimizer_path": forged_optimizer_path,
              "plain_grad_values": plain_grad_values, "load_lagging_view": load_lagging_view,
-             "column_shards_to_rows": column_shards_to_rows, "load_on_one_rank": load_on_one_rank}
+             "column_shards_to_rows": column_shards_to_rows, "load_on_one_rank": load_on_one_rank,
+             "plain_value_devices": plain_value_devices}

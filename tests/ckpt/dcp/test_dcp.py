@@ -305,6 +305,31 @@ def test_plain_value_tensors_keep_requires_grad_and_parameter_on_every_rank(tmp_
         assert r["want"]["temp"][:2] == ["Tensor", True] and r["want"]["scale"][:2] == ["Parameter", True]
 
 
+def test_a_plain_value_tensor_from_a_device_this_machine_lacks_is_refused_on_every_rank(tmp_path):
+    """The single-process restore records the device of a plain value's tensors and makes them there; a
+    distributed one recorded nothing, made every such tensor on the CPU (a GPU tensor came back on the
+    CPU), and let any record through. It records them now (none for CPU tensors) and refuses a device this
+    machine lacks, or a malformed record, with a SnapshotError on every rank, before the model is touched."""
+    for r in W.run_ranks("plain_value_devices", 2, str(tmp_path), store=str(tmp_path / "s")):
+        assert "error" not in r, r.get("trace")
+        assert r["restored"] == r["saved"] and r["recorded"] is None
+        lacking = r["lacking"]
+        assert r["absent"].startswith(f"SnapshotError: extra/t was saved from {lacking}, which this machine lacks"), r["absent"]
+        assert "leave 'extra' out of the state" in r["absent"]
+        for case in ("malformed", "not-a-device"):
+            assert r[case].startswith("SnapshotError: ") and "record of tensor devices is malformed" in r[case], r[case]
+        assert not any(r[f"{case}_touched"] for case in ("absent", "malformed", "not-a-device"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_plain_value_tensor_on_a_gpu_comes_back_there_on_every_rank(tmp_path):
+    """A plain value's GPU tensors came back from a distributed snapshot on the CPU: they are made on
+    the device recorded for them, bit for bit."""
+    for r in W.run_ranks("plain_value_devices", 2, str(tmp_path), store=str(tmp_path / "s"), device="cuda:0"):
+        assert "error" not in r, r.get("trace")
+        assert r["restored"] == r["saved"] and r["recorded"] == {"cuda:0": ["extra.nested.0", "extra.t"]}
+
+
 def test_rank_killed_mid_save(tmp_path):
     """A rank dies after writing its chunks: the others raise within the timeout, latest stays put."""
     url = str(tmp_path / "s")
@@ -680,8 +705,9 @@ def test_a_forged_list_index_in_a_snapshots_key_paths_is_refused_not_allocated(t
         assert r[i].startswith("StoreFormatError: manifest ") and "past the 2 items saved under 'pos'" in r[i], r[i]
     # (a layout of 4 TiB over a 2-element entry: RuntimeError "can't allocate memory" before the entry was looked at)
     assert r["size"] == "StoreFormatError: tensor pos.a.0: shard 'pos.a.0' is missing or does not match its entry", r["size"]
-    # (a step recorded as "five": ValueError from int() before)
-    assert r["step"].startswith("SnapshotError: checkpoint ") and "record of its step" in r["step"], r["step"]
+    # (a step recorded as "five": ValueError from int() before; -1 and True were restored as steps -1 and 1)
+    for case in ("step", "step=-1", "step=True"):
+        assert r[case].startswith("SnapshotError: checkpoint ") and "record of its step" in r[case], r[case]
     # (keys or per-rank keys recorded as lists of lists: TypeError "unhashable type: 'list'" before, and
     # the checkpoint group counted as failed)
     for field in ("keys", "per_rank"):

@@ -443,18 +443,19 @@ def test_plot_of_names_with_odd_digits_draws_every_tensor(store, tmp_path):
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_plot_with_too_many_cells_is_refused_before_drawing(store, tmp_path):
-    """Tensors named so that each has a layer and a module type of its own ("s.7.m7") made the heatmap
-    a grid of tensors x tensors, every cell drawn and labelled: 300 tensors took three minutes, a few
-    thousand hung --plot (or ended in matplotlib's error on an image too large). Refused at once now,
-    saying how to plot fewer, with nothing written."""
+def test_a_plot_with_too_many_cells_is_refused_before_drawing(store, tmp_path, monkeypatch):
+    """Each tensor drawn costs a cell (names that gave each tensor a layer and a module type of its own,
+    "s.7.m7", once made the grid tensors x tensors: 300 took three minutes; cells are now drawn only
+    where a tensor is, see the next test). Past MAX_CELLS tensors (lowered here, so that the test stays
+    small) a chart is refused at once, saying how to plot fewer, with nothing written."""
     pytest.importorskip("matplotlib")
-    from ckpt.diffing.plot import plot_report
+    from ckpt.diffing import plot as plot_module
 
+    monkeypatch.setattr(plot_module, "MAX_CELLS", 100)
     a = {f"s.{i}.m{i}": torch.ones(2) for i in range(150)}
     report = ckpt.diff(a, {k: v * 2 for k, v in a.items()}, store=store)
-    with pytest.raises(ckpt.CkptError, match="150 module types x 150 layers") as e:
-        plot_report(report, tmp_path / "big.png")
+    with pytest.raises(ckpt.CkptError, match="too many tensors for one chart: 150 ") as e:
+        plot_module.plot_report(report, tmp_path / "big.png")
     assert "--include" in e.value.hint and not (tmp_path / "big.png").exists()
 
 
@@ -470,3 +471,45 @@ def test_plot_without_matplotlib(store, tmp_path, monkeypatch):
 
     with pytest.raises(MissingDependencyError, match=r"pip install 'ckpt-store\[plot\]'"):
         plot(report, tmp_path / "d.png")
+
+
+def _png_size(path) -> tuple[int, int]:
+    import struct
+
+    data = open(path, "rb").read(24)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_plot_draws_a_cell_per_tensor_not_per_module_type_and_layer(store, tmp_path, monkeypatch):
+    """--plot built a rows x layers grid (a NumPy array, a list of labels and one ax.text per cell, empty
+    ones included): where module names differ from layer to layer (block.{i}.proj{i}.weight) that is the
+    square of the tensors (120: 14,400 cells; 10,000: 10^8, many GB), and a figure of 0.8 inch per layer
+    (10,000: 8,000 inches, past what Agg draws). Only the cells holding a tensor are drawn now, each
+    with its value, and the figure's sides are bounded; a normal model's plot shows what it showed."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from ckpt.diffing.compare import plot
+
+    written: list[str] = []
+    real = Axes.text
+    monkeypatch.setattr(Axes, "text", lambda self, x, y, s, *a, **k: written.append(s) or real(self, x, y, s, *a, **k))
+
+    def report(names):
+        g = torch.Generator().manual_seed(0)
+        a = {n: torch.randn(4, generator=g) for n in names}
+        return ckpt.diff(a, {n: t * (1 + i % 5) for i, (n, t) in enumerate(a.items())}, store=store)
+
+    normal = report([f"layers.{i}.{m}" for i in range(3) for m in ("attn.weight", "mlp.weight")] + ["head.weight"])
+    plot(normal, tmp_path / "normal.png")
+    assert sorted(written) == sorted(["0", "1.0e0", "2.0e0", "3.0e0", "4.0e0", "0", "1.0e0"])  # six cells, one bar
+    written.clear()
+    plot(report([f"block.{i}.proj{i}.weight" for i in range(120)]), tmp_path / "spread.png")
+    assert len(written) == 120  # one cell per tensor, each with its value (14,400 before)
+    written.clear()
+    from ckpt.diffing.plot import MAX_INCHES
+
+    width, height = _png_size(plot(report([f"block.{i}.proj{i}.weight" for i in range(330)]), tmp_path / "many.png"))
+    assert height <= MAX_INCHES * 110 + 200 and width <= (MAX_INCHES + 3.5) * 110 + 200, (width, height)
+    assert not written  # rows too thin for a value: none written over each other

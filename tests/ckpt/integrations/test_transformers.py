@@ -299,7 +299,7 @@ def test_a_malformed_snapshot_is_refused_before_the_model_is_touched(script, tmp
     cb.close()
 
 
-@pytest.mark.parametrize("step", ["2", None, 2.5, -1], ids=["text", "null", "float", "negative"])
+@pytest.mark.parametrize("step", ["2", None, 2.5, -1, True], ids=["text", "null", "float", "negative", "bool"])
 def test_a_latest_snapshot_whose_step_is_no_step_is_refused(script, tmp_path, step):
     """resume_dir read RUN/latest's step with int(): text raised a raw ValueError, null a TypeError, and
     2.5 resumed as step 2. SnapshotError, the model untouched."""

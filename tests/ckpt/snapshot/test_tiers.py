@@ -640,3 +640,20 @@ def test_the_default_tiers_folder_must_be_the_users_own(tmp_path, monkeypatch):
         os.chown(mine, 12345, 12345)
         with pytest.raises(ckpt.CkptError, match="not a folder of this user's"):
             ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True, local_every_n_steps=1)
+
+
+@pytest.mark.parametrize("step", [True, False, -1, 2.0, "3", None])
+def test_snapshot_step_is_a_non_negative_int_or_nothing(tmp_path, step):
+    """snapshot_step (what the restore, the tiers, retention and the integrations read a snapshot's step
+    with) took a bool for a step (True is the int 1 to Python) and a negative one as they were: a record
+    whose step was damaged to true was restored as step 1. Only a non-negative int is a step."""
+    import dataclasses
+
+    from ckpt.snapshot.tiers import snapshot_step
+
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", save_mode="sync") as mgr:
+        mgr.save(3, {"model": torch.nn.Linear(2, 2)})
+    m = ckpt.Store.open(str(tmp_path / "s")).manifest("r/latest")
+    assert snapshot_step(m) == 3
+    damaged = dataclasses.replace(m, extra={**m.extra, "snapshot": {**m.extra["snapshot"], "step": step}})
+    assert snapshot_step(damaged) is None
