@@ -116,10 +116,15 @@ def pair_names(live: dict[str, Any], stored: Iterable[str], strict: bool, prefix
     """``live``'s tensors by the stored name each loads from (``prefix`` + its name), those the
     checkpoint has. ``strict``: the checkpoint's tensors under ``prefix`` and ``live`` must match
     one to one, else :class:`TensorMismatchError`, whose hint names the prefix that would match
-    where one does (a Lightning checkpoint's ``state_dict.``, a pushed ``{"model": ...}``'s ``model.``)."""
+    where one does (a Lightning checkpoint's ``state_dict.``, a pushed ``{"model": ...}``'s ``model.``).
+    A tensor of ``live`` the checkpoint lacks but that is the same memory as one it holds (tied
+    weights, which ``save_pretrained`` writes once) is not missing: it is filled through that one."""
     stored = set(stored)
     want = {prefix + k: v for k, v in live.items()}
     missing = sorted(set(want) - stored)
+    if missing:  # a tied weight (lm_head sharing the embedding) is filled through the one the checkpoint has
+        filled = {_alias_key(v) for n, v in want.items() if n in stored} - {None}
+        missing = [n for n in missing if _alias_key(want[n]) not in filled]
     unexpected = sorted(n for n in stored - set(want) if n.startswith(prefix))
     if strict and (missing or unexpected):
         hint = "pass strict=False to load the common tensors"
@@ -130,6 +135,17 @@ def pair_names(live: dict[str, Any], stored: Iterable[str], strict: bool, prefix
             f"checkpoint and target differ: missing in checkpoint {missing[:10]}, not in target {unexpected[:10]}"
             + (" ..." if len(missing) > 10 or len(unexpected) > 10 else ""), hint=hint)
     return {n: t for n, t in want.items() if n in stored}
+
+
+def _alias_key(t: Any) -> tuple[Any, ...] | None:
+    """What makes two tensors the same memory (tied weights: one Parameter under two names, as a
+    Hugging Face model's ``lm_head.weight`` and embedding); None for one that holds no bytes."""
+    try:
+        if t.numel() == 0 or t.data_ptr() == 0:
+            return None
+        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+    except (AttributeError, RuntimeError, TypeError):
+        return None
 
 
 def _prefix_that_matches(names: list[str], stored: set[str]) -> str | None:

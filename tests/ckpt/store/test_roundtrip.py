@@ -163,6 +163,29 @@ def test_load_into_under_a_prefix(small_chunks, tmp_path):
     _same({"0.bias": src.state_dict()["0.bias"]}, part)
 
 
+def test_load_into_a_model_with_tied_weights_from_its_hf_folder(small_chunks, tmp_path):
+    """save_pretrained writes tied weights once (GPT-2's lm_head.weight is the embedding): a strict
+    load_into of that folder into the same model fills lm_head through the embedding, bit for bit.
+    It was refused ('missing in checkpoint [lm_head.weight]'), and strict=False was the only way."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
+    torch.manual_seed(0)
+    src = transformers.GPT2LMHeadModel(cfg)
+    src.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    small_chunks.push(tmp_path / "hf", "gpt2")
+    assert "lm_head.weight" not in small_chunks.load("gpt2")
+    torch.manual_seed(1)
+    dst = transformers.GPT2LMHeadModel(cfg)
+    small_chunks.load_into("gpt2", dst)
+    _same(src.state_dict(), dst.state_dict())
+    assert dst.lm_head.weight.data_ptr() == dst.transformer.wte.weight.data_ptr()
+    # a tensor that is missing and tied to nothing is still refused
+    untied = {n: torch.zeros_like(t) for n, t in src.state_dict().items()}
+    with pytest.raises(ckpt.errors.TensorMismatchError, match=r"missing in checkpoint \['lm_head.weight'\]"):
+        small_chunks.load_into("gpt2", untied)
+
+
 def test_load_into_a_dcp_checkpoint_under_a_prefix(tmp_path):
     import torch.distributed.checkpoint as dcp
 
