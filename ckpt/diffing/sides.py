@@ -173,16 +173,20 @@ _FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
 
 def open_side(x: object, store: Store | None, refs_only: bool = False) -> tuple[Side, Store | None]:
     """``x`` as a side: a dict of tensors or an existing path (or one named like a weights
-    file) is read as ``push`` would read it; anything else is a ref of ``store`` (default:
-    the default store, opened only when needed). With ``refs_only``, ``x`` is always a ref
-    (a string naming a file is never opened: for callers whose input is untrusted)."""
+    file that is not a ref of the store) is read as ``push`` would read it; anything else is a ref
+    of ``store`` (default: the default store, opened only when needed). With ``refs_only``, ``x``
+    is always a ref (a string naming a file is never opened: for callers whose input is untrusted)."""
     from ckpt.store.sources import open_source
 
     if not refs_only:
         if isinstance(x, Mapping):
             return SourceSide(open_source(x), "<tensors>"), store
-        if isinstance(x, os.PathLike) or (isinstance(x, str) and (os.path.exists(x) or x.endswith(_FILE_SUFFIXES))):
-            return SourceSide(open_source(x), os.fspath(x)), store  # a missing file: "no such file", not "no ref"
+        if isinstance(x, str) and not os.path.exists(x) and x.endswith(_FILE_SUFFIXES):
+            named, store = _is_ref(x, store)  # a ref pushed as `ckpt push best.ckpt run/best.ckpt`
+            if not named:
+                return SourceSide(open_source(x), x), store  # a missing file: "no such file", not "no ref"
+        elif isinstance(x, os.PathLike) or (isinstance(x, str) and os.path.exists(x)):
+            return SourceSide(open_source(x), os.fspath(x)), store
     if not isinstance(x, str):
         from ckpt.errors import InvalidSourceError
 
@@ -196,6 +200,21 @@ def open_side(x: object, store: Store | None, refs_only: bool = False) -> tuple[
     if reader.manifest.source == "dcp":  # (ckpt.dcp.format.DCP_SOURCE)
         return DcpSide(reader, x), store
     return RefSide(reader, x), store
+
+
+def _is_ref(x: str, store: Store | None) -> tuple[bool, Store | None]:
+    """Whether ``x`` names a checkpoint of ``store`` (the default store, if it exists, when None)."""
+    from ckpt.errors import CkptError
+
+    try:
+        if store is None:
+            from ckpt.store.store import Store
+
+            store = Store.open()
+        store.resolve(x)
+    except CkptError:
+        return False, store
+    return True, store
 
 
 Side = Union[RefSide, DcpSide, SourceSide]

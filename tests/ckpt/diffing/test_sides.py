@@ -37,3 +37,23 @@ def test_refs_only_never_opens_a_file(store, tmp_path, monkeypatch):
     with pytest.raises(InvalidSourceError, match="only refs"):
         diff("m/a", {"w": torch.ones(4)}, store, refs_only=True)
     assert diff("m/a", "m/a", store, refs_only=True).summary.identical == 1
+
+
+def test_a_ref_named_like_a_weights_file_is_the_ref(store, tmp_path, monkeypatch):
+    """`ckpt push best.ckpt run/best.ckpt` makes a ref diff could not name: a string ending in .pt,
+    .ckpt... that was no existing path was read as a missing file ('no such file or directory'),
+    though pull, show and load take the ref. It is the ref now; an existing path still wins, and a
+    name that is neither is still 'no such file'."""
+    from ckpt.errors import InvalidSourceError
+
+    monkeypatch.chdir(tmp_path)
+    torch.save({"w": torch.zeros(4)}, tmp_path / "a.pt")
+    torch.save({"w": torch.ones(4)}, tmp_path / "b.ckpt")
+    store.push(tmp_path / "a.pt", "run/a.pt")
+    store.push(tmp_path / "b.ckpt", "run/b.ckpt")
+    r = diff("run/a.pt", "run/b.ckpt", store)
+    assert (r.a_id, r.b_id) == (store.resolve("run/a.pt"), store.resolve("run/b.ckpt"))
+    assert r.summary.changed == 1
+    assert diff("run/a.pt", "a.pt", store).summary.identical == 1
+    with pytest.raises(InvalidSourceError, match="no such file"):
+        diff("run/a.pt", "run/c.pt", store)
