@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpt.errors import InvalidMergeError
+from ckpt.errors import InvalidMergeError, TensorMismatchError
 from ckpt.format.dtypes import bit_identical, byte_view, to_torch
 from ckpt.format.manifest import TensorEntry, chunk_count
 from ckpt.merging.calls import positionals
@@ -346,6 +346,21 @@ def _whole_tensors(ref: str, reader: CheckpointReader) -> None:
                                 "and merge that")
 
 
+def _one_model(ref: str, reader: CheckpointReader) -> None:
+    """Refuse a folder of several models whose files share tensor names (a diffusers pipeline's
+    unet/, text_encoder/, vae/): merge pairs tensors by name, so it can only merge one model; say
+    how to merge the components one by one."""
+    seen: dict[str, str] = {}
+    for t in reader.manifest.tensors:
+        if seen.setdefault(t.name, t.file) != t.file:
+            part = t.file.split("/")[0] if "/" in t.file else "FOLDER"
+            raise TensorMismatchError(
+                f"{ref}: tensor {t.name!r} appears in two files ({seen[t.name]} and {t.file}): it holds several models "
+                "(a diffusers pipeline?), and merge combines the tensors of one model by name",
+                hint=f"merge each model on its own: push its folder from every input (ckpt push PIPELINE/{part} "
+                f"NAME/{part}; `ckpt pull {ref} DIR` writes a stored one back) and merge those refs")
+
+
 def _carried(reader: CheckpointReader, weights_file: str) -> list[Any]:
     """The first input's files that are not weights: a merge of model folders stays a model folder."""
     return [f for f in reader.manifest.files if f.kind == "blob" and not f.path.endswith(_NOT_CARRIED)
@@ -396,6 +411,7 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     for ref, r in zip([*inputs, base], [*readers, base_reader]):
         if r is not None:
             _whole_tensors(ref, r)
+            _one_model(ref, r)
     steps = _plan(m, bound, readers, base_reader, missing, list(inputs), base, new_tensors)
 
     cs = store.settings.chunk_size

@@ -348,8 +348,16 @@ def test_folders_whose_files_share_a_tensor_name_are_refused_not_half_merged(sto
             (tmp_path / name / part).mkdir(parents=True)
             save_file({"w": torch.full((n,), v)}, tmp_path / name / part / "model.safetensors")
         store.push(tmp_path / name, f"d/{name}")
-    with pytest.raises(TensorMismatchError, match="'w' appears in two files .*unet/model.safetensors and vae/model.safetensors"):
+    with pytest.raises(TensorMismatchError, match="'w' appears in two files .*unet/model.safetensors and vae/model.safetensors") as e:
         ckpt.merge(["d/a", "d/b"], "linear", name="d/soup", store=store)
+    # the refusal says what to do: merge the components one by one (it said to pull the folder)
+    assert "d/a: " in str(e.value) and "merge combines the tensors of one model" in str(e.value)
+    assert "merge each model on its own" in e.value.hint and "ckpt push PIPELINE/vae NAME/vae" in e.value.hint
+    for part in ("unet", "vae"):  # which works, and merges what the user expects
+        for name in ("a", "b"):
+            store.push(tmp_path / name / part, f"d/{name}/{part}")
+        ckpt.merge([f"d/a/{part}", f"d/b/{part}"], "linear", name=f"d/soup/{part}", store=store)
+        assert store.load(f"d/soup/{part}")["w"].tolist() == [2.0] * (2 if part == "unet" else 3)
     with pytest.raises(TensorMismatchError, match="appears in two files"):
         store.reader("d/a").get_tensor("w")
     assert "d/soup" not in store.refs()
