@@ -260,7 +260,17 @@ def _from_hf_dir(root: str) -> SourceIn:
             raise changed_error(shown)  # links are judged against root_real: it must be the folder opened
         paths = walk_folder(root, root_fd, root_real)
         if not any(rel.endswith(".safetensors") for rel, _ in paths):
-            raise InvalidSourceError(shown, "directory holds no .safetensors files", hint="push a .pt/.bin file directly")
+            pickled = [rel for rel, _ in paths if rel.endswith(STATE_DICT_SUFFIXES)]
+            if not pickled:
+                raise InvalidSourceError(shown, "directory holds no .safetensors files", hint="push a .pt/.bin file directly")
+            # a model saved with safe_serialization=False (pytorch_model-0000N-of-0000M.bin and its
+            # index): pushing each shard alone would scatter one model over many refs, without its config
+            listed = ", ".join(show(r) for r in pickled[:3]) + (f" and {len(pickled) - 3} more" if len(pickled) > 3 else "")
+            raise InvalidSourceError(
+                shown, f"directory holds no .safetensors files; its weights are torch pickle files ({listed})",
+                hint="a folder is pushed with its weights as safetensors: convert it (transformers: "
+                "AutoModel.from_pretrained(DIR).save_pretrained(OUT), which writes safetensors) and push OUT"
+                + ("; a single .pt/.bin file can also be pushed on its own" if len(pickled) == 1 else ""))
         for rel, parts in paths:
             fb = FileBytes(show(f"{root.rstrip('/')}/{rel}"), open_under(root_fd, parts, root))
             src._open.append(fb)

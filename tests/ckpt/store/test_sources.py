@@ -119,6 +119,28 @@ def test_missing_and_empty_sources(tmp_path, store):
         store.push(tmp_path / "emptydir", "x")
 
 
+def test_a_folder_of_pytorch_model_bin_shards_is_refused_with_a_way_forward(tmp_path, store):
+    """A Hugging Face model saved with safe_serialization=False: pytorch_model-0000N-of-0000M.bin
+    and pytorch_model.bin.index.json. The refusal said 'push a .pt/.bin file directly', which
+    scatters one model over a ref per shard with no config; it names the shards and says to
+    convert the folder to safetensors."""
+    d = tmp_path / "m"
+    d.mkdir()
+    weight_map = {}
+    for i in range(4):
+        name = f"pytorch_model-{i + 1:05d}-of-00004.bin"
+        torch.save({f"layer{i}.weight": torch.randn(3, 3)}, d / name)
+        weight_map[f"layer{i}.weight"] = name
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (d / "config.json").write_text("{}")
+    with pytest.raises(InvalidSourceError, match=r"no .safetensors files; its weights are torch pickle files "
+                       r"\(pytorch_model-00001-of-00004.bin, pytorch_model-00002-of-00004.bin, "
+                       r"pytorch_model-00003-of-00004.bin and 1 more\)") as e:
+        store.push(d, "x")
+    assert "save_pretrained(OUT)" in e.value.hint and "push a .pt/.bin file directly" not in e.value.hint
+    assert store.refs() == {}
+
+
 def test_hf_index_must_match_shards(tmp_path, store):
     d = tmp_path / "m"
     d.mkdir()
