@@ -3,7 +3,7 @@ own tensors (:func:`load_into`, :func:`fill`), every byte verified on the way.""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import ResourceLimitError, TensorMismatchError
@@ -96,10 +96,8 @@ def load_manifest(store: Store, m: Manifest, include: list[str] | None, progress
 
 def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, prefix: str = "", progress: Progress | None = None) -> None:
     """See :meth:`Store.load_into`."""
-    import torch
-
+    live = _live_tensors(target)
     m = store.manifest(ref)
-    live: dict[str, torch.Tensor] = dict(target.state_dict()) if isinstance(target, torch.nn.Module) else dict(target)
     if m.source == "dcp":  # a distributed checkpoint: whole tensors assembled from its shards
         from ckpt.dcp.consolidate import fill_dcp
         from ckpt.dcp.format import decode_layout
@@ -110,6 +108,26 @@ def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, prefi
     check_unique(m.tensors, "load it with store.load(ref) and pick the tensors")
     paired = pair_names(live, by_name, strict, prefix)
     fill(store, m, [(by_name[n], dst) for n, dst in paired.items()], progress)
+
+
+def _live_tensors(target: Any) -> dict[str, torch.Tensor]:
+    """The tensors ``load_into`` fills: a module's state dict, or a mapping of tensors; anything else
+    (an optimizer, a list, a mapping holding other values) is a :class:`TensorMismatchError`."""
+    import torch
+
+    if isinstance(target, torch.nn.Module):
+        live = dict(target.state_dict())
+    elif isinstance(target, Mapping):
+        live = dict(target)
+    else:
+        raise TensorMismatchError(f"load_into fills a torch.nn.Module or a dict of tensors, not a {type(target).__name__}",
+                                  hint="for anything else (an optimizer...), read the tensors with store.load(ref) "
+                                  "and hand them to its own load_state_dict")
+    odd = [repr(k) for k in live if not isinstance(k, str)]
+    if odd:
+        raise TensorMismatchError(f"the target's keys {', '.join(odd[:5])}{' ...' if len(odd) > 5 else ''} are not "
+                                  "strings: a checkpoint's tensors are named by strings", hint="name them by strings")
+    return live
 
 
 def pair_names(live: dict[str, Any], stored: Iterable[str], strict: bool, prefix: str = "") -> dict[str, Any]:
@@ -170,8 +188,11 @@ def fill(store: Store, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]
     ``get(tasks, progress)`` fetches the chunks instead of ``store`` (several tiers, say).
     """
 
+    import torch
+
     bad = [f"{e.name}: checkpoint {e.dtype}{list(e.shape)} vs target {d.dtype}{list(d.shape)}"
-           for e, d in pairs if tuple(d.shape) != e.shape or d.dtype != to_torch(e.dtype)]
+           if isinstance(d, torch.Tensor) else f"{e.name}: checkpoint {e.dtype}{list(e.shape)} vs target a {type(d).__name__}"
+           for e, d in pairs if not isinstance(d, torch.Tensor) or tuple(d.shape) != e.shape or d.dtype != to_torch(e.dtype)]
     if bad:
         raise TensorMismatchError("shape or dtype mismatch: " + "; ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
     direct = []

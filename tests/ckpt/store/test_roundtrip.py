@@ -138,6 +138,25 @@ def test_load_into_reports_mismatches(small_chunks):
     assert torch.equal(target["w"], torch.zeros(3, 4))
 
 
+def test_load_into_a_target_that_is_not_a_module_or_dict_of_tensors(small_chunks):
+    """An optimizer (a Lightning checkpoint holds its state too), None, a tensor, a dict holding a
+    non-tensor where the checkpoint has a tensor: each was a raw TypeError, AttributeError or
+    ValueError from inside load_into; each is a TensorMismatchError saying what load_into fills."""
+    small_chunks.push({"w": torch.zeros(3), "b": torch.ones(2)}, "m")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    for target in (opt, None, torch.zeros(3), "w"):
+        with pytest.raises(ckpt.errors.TensorMismatchError, match="fills a torch.nn.Module or a dict of tensors, not a") as e:
+            small_chunks.load_into("m", target)
+        assert "store.load(ref)" in e.value.hint
+    with pytest.raises(ckpt.errors.TensorMismatchError, match=r"w: checkpoint F32\[3\] vs target a int"):
+        small_chunks.load_into("m", {"w": 3, "b": torch.zeros(2)})
+    with pytest.raises(ckpt.errors.TensorMismatchError, match="keys 0 are not strings"):
+        small_chunks.load_into("m", {0: torch.zeros(3)}, strict=False)
+    target = {"w": torch.ones(3), "epoch": 3}  # a value the checkpoint does not hold is left alone, as before
+    small_chunks.load_into("m", target, strict=False)
+    assert target["w"].tolist() == [0.0, 0.0, 0.0] and target["epoch"] == 3
+
+
 def test_load_into_under_a_prefix(small_chunks, tmp_path):
     """A model's tensors stored under a prefix (a Lightning checkpoint's ``state_dict.``, a pushed
     ``{"model": ..., "optim": ...}``'s ``model.``): ``prefix=`` loads them, strict compares only
