@@ -149,6 +149,8 @@ def pair_names(live: dict[str, Any], stored: Iterable[str], strict: bool, prefix
         guess = _prefix_that_matches(list(live), stored) if missing else None
         if guess is not None and guess != prefix:
             hint = f"the checkpoint holds them under {guess!r}: pass prefix={guess!r}; or " + hint
+        elif missing:
+            hint = _unwrap_hint(list(live), stored) + hint
         raise TensorMismatchError(
             f"checkpoint and target differ: missing in checkpoint {missing[:10]}, not in target {unexpected[:10]}"
             + (" ..." if len(missing) > 10 or len(unexpected) > 10 else ""), hint=hint)
@@ -164,6 +166,21 @@ def _alias_key(t: Any) -> tuple[Any, ...] | None:
         return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
     except (AttributeError, RuntimeError, TypeError):
         return None
+
+
+# What wraps a model and prefixes its state dict's names: the target can be the model inside.
+_WRAPPERS = {"_orig_mod.": "a torch.compile'd model", "module.": "a DistributedDataParallel (or DataParallel) model"}
+
+
+def _unwrap_hint(names: list[str], stored: set[str]) -> str:
+    """Where every one of ``names`` carries a wrapper's prefix and the checkpoint holds the names
+    without it (under some prefix): how to load into the wrapped model instead; else ''."""
+    for wrap, what in _WRAPPERS.items():
+        if names and all(n.startswith(wrap) for n in names):
+            inner = _prefix_that_matches([n[len(wrap):] for n in names], stored)
+            if inner is not None:
+                return f"the target is {what}: load into model.{wrap[:-1]}" + (f" with prefix={inner!r}" if inner else "") + "; or "
+    return ""
 
 
 def _prefix_that_matches(names: list[str], stored: set[str]) -> str | None:

@@ -205,6 +205,29 @@ def test_load_into_a_model_with_tied_weights_from_its_hf_folder(small_chunks, tm
         small_chunks.load_into("gpt2", untied)
 
 
+def test_load_into_a_wrapped_model_says_to_load_into_the_model_inside(small_chunks):
+    """A torch.compile'd target names its tensors '_orig_mod.*', a DataParallel/DDP one 'module.*': a
+    plain checkpoint (or a DDP one) loaded into it was refused with only 'pass strict=False', which
+    loads nothing. The hint says to load into model._orig_mod / model.module (with the prefix that matches)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    small_chunks.push(net.state_dict(), "plain")
+    small_chunks.push({"module." + k: v for k, v in net.state_dict().items()}, "ddp")
+    compiled = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)))
+    parallel = torch.nn.DataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)))
+    for ref, target, says in (("plain", compiled, "the target is a torch.compile'd model: load into model._orig_mod; "),
+                              ("ddp", compiled, "load into model._orig_mod with prefix='module.'; "),
+                              ("plain", parallel, "the target is a DistributedDataParallel (or DataParallel) model: "
+                                                  "load into model.module; ")):
+        with pytest.raises(ckpt.errors.TensorMismatchError) as e:
+            small_chunks.load_into(ref, target)
+        assert says in e.value.hint
+    small_chunks.load_into("ddp", compiled._orig_mod, prefix="module.")
+    small_chunks.load_into("plain", parallel.module)
+    _same(net.state_dict(), compiled._orig_mod.state_dict())
+    _same(net.state_dict(), parallel.module.state_dict())
+
+
 def test_load_into_a_dcp_checkpoint_under_a_prefix(tmp_path):
     import torch.distributed.checkpoint as dcp
 
