@@ -144,17 +144,29 @@ def pair_names(live: dict[str, Any], stored: Iterable[str], strict: bool, prefix
         filled = {_alias_key(v) for n, v in want.items() if n in stored} - {None}
         missing = [n for n in missing if _alias_key(want[n]) not in filled]
     unexpected = sorted(n for n in stored - set(want) if n.startswith(prefix))
+    paired = {n: t for n, t in want.items() if n in stored}
+    common = "pass strict=False to load the common tensors"
     if strict and (missing or unexpected):
-        hint = "pass strict=False to load the common tensors"
-        guess = _prefix_that_matches(list(live), stored) if missing else None
-        if guess is not None and guess != prefix:
-            hint = f"the checkpoint holds them under {guess!r}: pass prefix={guess!r}; or " + hint
-        elif missing:
-            hint = _unwrap_hint(list(live), stored) + hint
+        hint = _where_they_are(live, stored, prefix) + common if missing else common
         raise TensorMismatchError(
             f"checkpoint and target differ: missing in checkpoint {missing[:10]}, not in target {unexpected[:10]}"
-            + (" ..." if len(missing) > 10 or len(unexpected) > 10 else ""), hint=hint)
-    return {n: t for n, t in want.items() if n in stored}
+            + (" ..." if len(missing) > 10 or len(unexpected) > 10 else ""),
+            hint=hint if paired else hint.removesuffix(common).removesuffix("; or "))
+    if want and not paired:  # strict=False that would load nothing: the model left as it was, silently
+        raise TensorMismatchError(
+            f"no tensor of the target is in the checkpoint{f' under {prefix!r}' if prefix else ''} (the target's "
+            f"{sorted(want)[:3]}{' ...' if len(want) > 3 else ''}): nothing would be loaded",
+            hint=_where_they_are(live, stored, prefix).removesuffix("; or ") or "check the ref and the target's names")
+    return paired
+
+
+def _where_they_are(live: dict[str, Any], stored: set[str], prefix: str) -> str:
+    """A hint (ending '; or ') naming the prefix, or the wrapped model, under which the checkpoint
+    holds ``live``'s names; '' where there is none."""
+    guess = _prefix_that_matches(list(live), stored)
+    if guess is not None and guess != prefix:
+        return f"the checkpoint holds them under {guess!r}: pass prefix={guess!r}; or "
+    return _unwrap_hint(list(live), stored)
 
 
 def _alias_key(t: Any) -> tuple[Any, ...] | None:

@@ -215,10 +215,10 @@ def test_load_into_a_wrapped_model_says_to_load_into_the_model_inside(small_chun
     small_chunks.push({"module." + k: v for k, v in net.state_dict().items()}, "ddp")
     compiled = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)))
     parallel = torch.nn.DataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)))
-    for ref, target, says in (("plain", compiled, "the target is a torch.compile'd model: load into model._orig_mod; "),
-                              ("ddp", compiled, "load into model._orig_mod with prefix='module.'; "),
+    for ref, target, says in (("plain", compiled, "the target is a torch.compile'd model: load into model._orig_mod"),
+                              ("ddp", compiled, "load into model._orig_mod with prefix='module.'"),
                               ("plain", parallel, "the target is a DistributedDataParallel (or DataParallel) model: "
-                                                  "load into model.module; ")):
+                                                  "load into model.module")):
         with pytest.raises(ckpt.errors.TensorMismatchError) as e:
             small_chunks.load_into(ref, target)
         assert says in e.value.hint
@@ -226,6 +226,29 @@ def test_load_into_a_wrapped_model_says_to_load_into_the_model_inside(small_chun
     small_chunks.load_into("plain", parallel.module)
     _same(net.state_dict(), compiled._orig_mod.state_dict())
     _same(net.state_dict(), parallel.module.state_dict())
+
+
+def test_load_into_with_strict_false_that_would_load_nothing_is_refused(small_chunks):
+    """strict=False loads the common tensors; with none in common (a wrapped model, a forgotten
+    prefix, another model's ref) it returned having loaded nothing, the model still at its random
+    init, and the strict error's hint suggested exactly that. Both now say where the tensors are."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2)
+    small_chunks.push({"model": net.state_dict(), "epoch": 1}, "run")
+    dst = torch.nn.Linear(4, 2)
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    with pytest.raises(ckpt.errors.TensorMismatchError, match="no tensor of the target is in the checkpoint") as e:
+        small_chunks.load_into("run", dst, strict=False)
+    assert e.value.hint == "the checkpoint holds them under 'model.': pass prefix='model.'"
+    with pytest.raises(ckpt.errors.TensorMismatchError, match="checkpoint and target differ") as e:
+        small_chunks.load_into("run", dst)
+    assert "strict=False" not in e.value.hint and "prefix='model.'" in e.value.hint
+    with pytest.raises(ckpt.errors.TensorMismatchError, match="in the checkpoint under 'optim.'"):
+        small_chunks.load_into("run", dst, prefix="optim.", strict=False)
+    _same(before, dst.state_dict())
+    small_chunks.load_into("run", {"weight": dst.weight}, prefix="model.", strict=False)  # one in common: loaded
+    assert _bytes(dst.weight) == _bytes(net.weight) and _bytes(dst.bias) == _bytes(before["bias"])
+    small_chunks.load_into("run", {}, strict=False)  # nothing asked, nothing to refuse
 
 
 def test_load_into_a_dcp_checkpoint_under_a_prefix(tmp_path):
