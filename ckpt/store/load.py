@@ -107,7 +107,27 @@ def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, prefi
     by_name = {t.name: t for t in m.tensors}
     check_unique(m.tensors, "load it with store.load(ref) and pick the tensors")
     paired = pair_names(live, by_name, strict, prefix)
-    fill(store, m, [(by_name[n], dst) for n, dst in paired.items()], progress)
+    pairs = [(by_name[n], dst) for n, dst in paired.items()]
+    _one_value_per_tensor(pairs)
+    fill(store, m, pairs, progress)
+
+
+def _one_value_per_tensor(pairs: list[tuple[TensorEntry, Any]]) -> None:
+    """Refuse two different stored tensors bound for one target tensor (weights the target ties,
+    as an embedding and lm_head, that the checkpoint holds untied): one would silently overwrite
+    the other. Equal ones (a tied model's own checkpoint) load as one."""
+    first: dict[tuple[Any, ...], TensorEntry] = {}
+    for e, dst in pairs:
+        key = _alias_key(dst)
+        if key is None:
+            continue
+        other = first.setdefault(key, e)
+        if other is not e and (other.chunks, other.dtype) != (e.chunks, e.dtype):
+            raise TensorMismatchError(
+                f"the checkpoint's {other.name!r} and {e.name!r} differ, but the target holds them in one tensor "
+                "(tied weights): loading both would keep only one",
+                hint="untie them in the target to load both (transformers: tie_word_embeddings=False), or load "
+                "the one you want into it by itself")
 
 
 def _live_tensors(target: Any) -> dict[str, torch.Tensor]:

@@ -251,6 +251,30 @@ def test_load_into_with_strict_false_that_would_load_nothing_is_refused(small_ch
     small_chunks.load_into("run", {}, strict=False)  # nothing asked, nothing to refuse
 
 
+def test_load_into_a_tied_target_from_a_checkpoint_with_them_untied_is_refused(small_chunks):
+    """A fine-tune that untied its head (lm_head != embedding) loaded into a model that ties them:
+    both were written to the one tensor, one silently lost. Refused before anything is written;
+    a checkpoint holding the tied pair equal (torch.save of a tied model) still loads."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight  # tied, as a language model's lm_head
+    tied = torch.nn.ModuleDict({"emb": emb, "head": head})
+    small_chunks.push(tied.state_dict(), "tied")  # both names, equal bytes
+    untied = {"emb.weight": torch.randn(10, 4), "head.weight": torch.randn(10, 4)}
+    small_chunks.push(untied, "untied")
+    before = emb.weight.detach().clone()
+    with pytest.raises(ckpt.errors.TensorMismatchError, match="'emb.weight' and 'head.weight' differ, but the target "
+                       "holds them in one tensor") as e:
+        small_chunks.load_into("untied", tied)
+    assert "tie_word_embeddings=False" in e.value.hint
+    assert _bytes(emb.weight) == _bytes(before)
+    fresh = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10, bias=False)})
+    fresh["head"].weight = fresh["emb"].weight
+    small_chunks.load_into("tied", fresh)
+    _same(tied.state_dict(), fresh.state_dict())
+
+
 def test_load_into_a_dcp_checkpoint_under_a_prefix(tmp_path):
     import torch.distributed.checkpoint as dcp
 
