@@ -373,8 +373,13 @@ def _load(fb: FileBytes) -> Any:
     return _torch_load(proc, False)
 
 
+# How torch.save(..., _use_new_zipfile_serialization=False) begins: its magic number, pickled.
+_LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
+
+
 def _from_state_dict_file(fb: FileBytes, metadata: dict[str, str] | None) -> SourceIn:
     path = fb.path
+    legacy = os.pread(fb.fd, len(_LEGACY_MAGIC), 0) == _LEGACY_MAGIC
     try:
         try:
             try:
@@ -394,7 +399,10 @@ def _from_state_dict_file(fb: FileBytes, metadata: dict[str, str] | None) -> Sou
         raise ResourceLimitError(f"{path}: not enough memory to load it") from None
     except Exception as e:  # any failure to parse hostile bytes is "unreadable", never a traceback
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise InvalidSourceError(path, f"not a readable torch file: {show(first[:200])}") from None
+        raise InvalidSourceError(path, f"not a readable torch file: {show(first[:200])}", hint=(
+            "it is in torch's legacy format (_use_new_zipfile_serialization=False), which torch cannot read back "
+            "for every dtype (float8, uint16...): save the tensors again with the default torch.save, or with "
+            "safetensors, and push that") if legacy else None) from None
     if not isinstance(obj, Mapping):
         raise InvalidSourceError(path, f"holds a {type(obj).__name__}, not a state dict")
     try:

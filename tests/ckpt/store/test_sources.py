@@ -104,6 +104,33 @@ def test_a_whole_pickled_module_is_refused_saying_what_to_save_instead(tmp_path,
     assert store.refs() == {}
 
 
+def test_a_legacy_format_file_torch_cannot_read_says_what_to_do(tmp_path, store):
+    """torch.save(..., _use_new_zipfile_serialization=False) writes float8 and uint16 tensors that
+    torch.load cannot read back ('UntypedStorage' has no attribute 'dtype'): that was the whole
+    message. The refusal now says the file is in the legacy format and how to save it again; a
+    legacy file torch reads (views of one storage included) pushes and loads bit for bit."""
+    p = tmp_path / "old.pt"
+    torch.save({"w": torch.randn(4, 3).to(torch.float8_e4m3fn)}, p, _use_new_zipfile_serialization=False)
+    with pytest.raises(InvalidSourceError, match="not a readable torch file") as e:
+        store.push(p, "x")
+    assert "legacy format (_use_new_zipfile_serialization=False)" in e.value.hint
+    assert "default torch.save" in e.value.hint
+    base = torch.randn(6, 4)
+    sd = {"base": base, "rows": base[1:4], "t": base.t(), "h": torch.randn(3).half(), "bf": torch.randn(3).bfloat16()}
+    torch.save(sd, p, _use_new_zipfile_serialization=False)
+    store.push(p, "x")
+    got = store.load("x")
+    for k, v in sd.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape
+        assert got[k].view(-1).view(torch.uint8).tolist() == v.contiguous().view(-1).view(torch.uint8).tolist(), k
+    torch.save({"w": torch.zeros(2)}, p)  # the zip format, broken: no legacy hint
+    with open(p, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(InvalidSourceError, match="not a readable torch file") as e:
+        store.push(p, "y")
+    assert e.value.hint is None or "legacy" not in e.value.hint
+
+
 def test_pt_that_is_not_a_dict(tmp_path, store):
     p = tmp_path / "t.pt"
     torch.save(torch.zeros(3), p)
