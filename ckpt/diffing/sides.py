@@ -148,6 +148,11 @@ class SourceSide:
         return self._ids[key]
 
     def all_chunk_ids(self, chunk_size: int) -> set[str]:
+        """Every chunk id of this side cut at ``chunk_size``, as a stored side's manifest lists them:
+        each tensor hashed once (and kept for :meth:`chunk_ids`). It was only those hashed so far,
+        none when asked first, so that B's chunks held elsewhere in a local A counted as new bytes."""
+        for name in self._by_name:
+            self.chunk_ids(name, chunk_size)
         return {c for (_, cs), ids in self._ids.items() if cs == chunk_size for c in ids}
 
     def tensor(self, name: str) -> torch.Tensor:
