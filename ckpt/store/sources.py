@@ -336,11 +336,18 @@ def _refused(path: str, e: Exception) -> UnsafeInputError:
         why = f"it holds a pickled {what}"
         if what.startswith("torch.nn.modules."):
             why += ", a whole module (torch.save(model)): save model.state_dict() instead"
+    folder = os.path.dirname(path) or "."
+    try:  # a Trainer checkpoint-N's training_args.bin, rng_state.pth...: pushed with their folder, kept as bytes
+        in_model_folder = any(n.endswith(".safetensors") for n in os.listdir(folder))
+    except (OSError, ValueError):
+        in_model_folder = False
     return UnsafeInputError(
         path,
         f"refused: this file can only be loaded by running code stored in it ({show(why[:160])})",
         hint="ckpt reads .pt files only with torch.load(weights_only=True); if you trust the file, "
-        "re-save its tensors with safetensors and push that",
+        "re-save its tensors with safetensors and push that"
+        + (f"; or push its whole folder ({show(folder)}), where files other than weights are stored as bytes, "
+           "never loaded" if in_model_folder else ""),
     )
 
 

@@ -93,6 +93,32 @@ def test_pickle_payload_is_refused_without_running(tmp_path, store):
     assert store.refs() == {}
 
 
+def test_a_trainer_checkpoints_pickled_file_is_refused_saying_to_push_the_folder(tmp_path, store):
+    """A transformers Trainer checkpoint-N holds training_args.bin (a pickled TrainingArguments, no
+    tensors) beside model.safetensors. Pushed alone it is refused, and the hint only said to re-save
+    its tensors (it has none); it now says the folder push keeps it as bytes, never unpickled,
+    which the folder push does, bit for bit."""
+    import argparse
+
+    ckpt_dir = tmp_path / "checkpoint-500"
+    ckpt_dir.mkdir()
+    save_file({"w": torch.randn(4, 4)}, ckpt_dir / "model.safetensors")
+    torch.save(argparse.Namespace(learning_rate=5e-5, output_dir="out"), ckpt_dir / "training_args.bin")
+    torch.save({"state": {}, "param_groups": [{"lr": 5e-5, "params": [0]}]}, ckpt_dir / "optimizer.pt")
+    with pytest.raises(UnsafeInputError, match="it holds a pickled argparse.Namespace") as e:
+        store.push(ckpt_dir / "training_args.bin", "x")
+    assert f"or push its whole folder ({ckpt_dir})" in e.value.hint
+    store.push(ckpt_dir, "run/checkpoint-500")
+    store.pull("run/checkpoint-500", tmp_path / "back")
+    for name in ("model.safetensors", "training_args.bin", "optimizer.pt"):
+        assert (tmp_path / "back" / name).read_bytes() == (ckpt_dir / name).read_bytes()
+    (tmp_path / "alone").mkdir()  # no model beside it: no folder advice
+    torch.save(argparse.Namespace(x=1), tmp_path / "alone" / "args.bin")
+    with pytest.raises(UnsafeInputError) as e:
+        store.push(tmp_path / "alone" / "args.bin", "y")
+    assert "whole folder" not in e.value.hint
+
+
 def test_a_whole_pickled_module_is_refused_saying_what_to_save_instead(tmp_path, store):
     """torch.save(model), the common mistake: the error was cut mid-sentence out of torch's
     ("... Please use `torch.serialization.add_safe"); it names the class and the fix."""
