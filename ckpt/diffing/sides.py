@@ -1,7 +1,8 @@
 """The two things ``ckpt diff`` compares: a stored checkpoint, read through the lazy
 reader, or a local file, directory or dict of tensors, read as ``push`` reads it.
 
-Both answer the same questions: tensor names with dtype, shape and size; the chunk
+Both answer the same questions (a side whose weights lie in several folders, a diffusers
+pipeline, names each tensor FOLDER/NAME: see :func:`_keys`): tensor names with dtype, shape and size; the chunk
 ids of a tensor when cut at a given chunk size (a stored checkpoint knows them from
 its manifest, a local tensor is hashed piece by piece); and the tensor itself (one of
 a dtype ckpt does not know, stored as opaque bytes, as its bytes: uint8, flat).
@@ -27,16 +28,23 @@ if TYPE_CHECKING:
     from ckpt.store.store import Store
 
 
-def _one_per_name(names: Iterable[tuple[str, str]], label: str) -> None:
-    """Refuse a side whose files hold two tensors of one name: diff pairs tensors by name,
-    and comparing either one silently would hide the other."""
+def _keys(names: Iterable[tuple[str, str]], label: str) -> list[str]:
+    """The name diff pairs each tensor by, given (its name, its file). Where a side's weights lie in
+    several folders (a diffusers pipeline's unet/, text_encoder/, vae/: several models, which share
+    names), a tensor of a subfolder's file is named ``FOLDER/NAME``, so that each model's tensors pair
+    with the same model's. Refuses two tensors of one name left (two files of one folder): comparing
+    either one silently would hide the other."""
+    names = list(names)
+    several = len({file.rpartition("/")[0] for _, file in names}) > 1
+    keys = [f"{file.rpartition('/')[0]}/{name}" if several and "/" in file else name for name, file in names]
     seen: dict[str, str] = {}
-    for name, file in names:
-        if name in seen:
+    for key, (_, file) in zip(keys, names):
+        if key in seen:
             raise TensorMismatchError(
-                f"{label}: tensor {name!r} appears in two files ({seen[name]} and {file}); diff pairs tensors by name",
+                f"{label}: tensor {key!r} appears in two files ({seen[key]} and {file}); diff pairs tensors by name",
                 hint="diff the files one by one; `ckpt pull` a stored checkpoint to a directory first")
-        seen[name] = file
+        seen[key] = file
+    return keys
 
 
 @dataclass(frozen=True)
@@ -54,11 +62,12 @@ class RefSide:
         self.label = label
         self.id: str | None = reader.id
         self.chunk_size: int | None = reader.manifest.chunk_size
-        _one_per_name(((t.name, t.file) for t in reader.manifest.tensors), label)
-        self.meta = {t.name: TensorMeta(t.dtype, t.shape, t.nbytes) for t in reader.manifest.tensors}
+        tensors = reader.manifest.tensors
+        self._entries = dict(zip(_keys(((t.name, t.file) for t in tensors), label), tensors))
+        self.meta = {k: TensorMeta(t.dtype, t.shape, t.nbytes) for k, t in self._entries.items()}
 
     def chunk_ids(self, name: str, chunk_size: int) -> tuple[str, ...] | None:
-        return self.reader.info(name).chunks if chunk_size == self.chunk_size else None
+        return self._entries[name].chunks if chunk_size == self.chunk_size else None
 
     def all_chunk_ids(self, chunk_size: int) -> set[str]:
         return {c for t in self.reader.manifest.tensors for c in t.chunks} if chunk_size == self.chunk_size else set()
@@ -68,13 +77,12 @@ class RefSide:
         import torch
 
         from ckpt.store.limits import check_memory
+        from ckpt.store.load import empty_tensor
         from ckpt.transfer.pipeline import get_chunks, into_tasks
 
-        entry = self.reader.info(name)
-        if itemsize(entry.dtype) is not None:
-            return self.reader.get_tensor(name)
+        entry = self._entries[name]
         check_memory([entry], f"tensor {name!r}")
-        out = torch.empty(entry.nbytes, dtype=torch.uint8)
+        out = empty_tensor(entry) if itemsize(entry.dtype) is not None else torch.empty(entry.nbytes, dtype=torch.uint8)
         store = self.reader.store
         get_chunks(store.objects, into_tasks(self.reader.manifest.chunk_size, [(entry, out)]), store.settings)
         return out
@@ -127,12 +135,12 @@ class SourceSide:
         self.id: str | None = None
         self.chunk_size: int | None = None
         try:
-            _one_per_name(((t.name, f.path) for f in src.files for t in f.tensors), label)
+            keys = _keys(((t.name, f.path) for f in src.files for t in f.tensors), label)
         except BaseException:
             src.close()  # the caller never gets this side to close
             raise
-        self._by_name: dict[str, TensorIn] = {t.name: t for f in src.files for t in f.tensors}
-        self.meta = {t.name: TensorMeta(t.dtype, t.shape, t.nbytes) for t in self._by_name.values()}
+        self._by_name: dict[str, TensorIn] = dict(zip(keys, (t for f in src.files for t in f.tensors)))
+        self.meta = {k: TensorMeta(t.dtype, t.shape, t.nbytes) for k, t in self._by_name.items()}
         self._ids: dict[tuple[str, int], tuple[str, ...]] = {}
 
     def chunk_ids(self, name: str, chunk_size: int) -> tuple[str, ...] | None:

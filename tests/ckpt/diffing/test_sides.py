@@ -57,3 +57,28 @@ def test_a_ref_named_like_a_weights_file_is_the_ref(store, tmp_path, monkeypatch
     assert diff("run/a.pt", "a.pt", store).summary.identical == 1
     with pytest.raises(InvalidSourceError, match="no such file"):
         diff("run/a.pt", "run/c.pt", store)
+
+
+def test_a_pipeline_folder_is_compared_model_by_model(store, tmp_path):
+    """A diffusers pipeline: unet/, text_encoder/ and vae/ each a model, sharing names ('w'). diff
+    refused it ('w' appears in two files), so two fine-tunes of one pipeline could not be compared
+    at all. Where a side's weights lie in several folders its tensors are named FOLDER/NAME, each
+    paired with the same model's in the other side; stored or on disk alike."""
+    for name, scale in (("a", 1.0), ("b", 2.0)):
+        for part, n in (("unet", 3), ("text_encoder", 2), ("vae", 4)):
+            (tmp_path / name / part).mkdir(parents=True)
+            w = torch.arange(n, dtype=torch.float32) * (scale if part == "unet" else 1.0)
+            save_file({"w": w, "b": torch.ones(n)}, tmp_path / name / part / "diffusion_pytorch_model.safetensors")
+        (tmp_path / name / "model_index.json").write_text("{}")
+        store.push(tmp_path / name, f"sd/{name}")
+    for a, b in (("sd/a", "sd/b"), (str(tmp_path / "a"), "sd/b"), ("sd/a", str(tmp_path / "b"))):
+        r = diff(a, b, store)
+        rows = {t.name: t.status for t in r.tensors}
+        assert rows == {"text_encoder/b": "identical", "text_encoder/w": "identical", "unet/b": "identical",
+                        "unet/w": "changed", "vae/b": "identical", "vae/w": "identical"}, (a, b)
+        assert r.summary.changed_elements == 2  # unet/w: [0, 1, 2] -> [0, 2, 4]
+    assert [t.name for t in diff("sd/a", "sd/b", store, include=["unet/*"]).tensors] == ["unet/b", "unet/w"]
+    single = tmp_path / "unet-only"  # one model: names as they are
+    single.mkdir()
+    save_file({"w": torch.zeros(3)}, single / "model.safetensors")
+    assert [t.name for t in diff(str(single), str(single), store).tensors] == ["w"]
