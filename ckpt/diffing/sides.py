@@ -1,7 +1,7 @@
 """The two things ``ckpt diff`` compares: a stored checkpoint, read through the lazy
 reader, or a local file, directory or dict of tensors, read as ``push`` reads it.
 
-Both answer the same questions (a side whose weights lie in several folders, a diffusers
+Both answer the same questions (a side whose folders share tensor names, a diffusers
 pipeline, names each tensor FOLDER/NAME: see :func:`_keys`): tensor names with dtype, shape and size; the chunk
 ids of a tensor when cut at a given chunk size (a stored checkpoint knows them from
 its manifest, a local tensor is hashed piece by piece); and the tensor itself (one of
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Union
 
 from ckpt.errors import TensorMismatchError
 from ckpt.format.dtypes import byte_view, itemsize, to_torch
-from ckpt.format.manifest import split_lengths
+from ckpt.format.manifest import folder_names, split_lengths
 from ckpt_store.storage.objects import object_id
 
 if TYPE_CHECKING:
@@ -29,14 +29,12 @@ if TYPE_CHECKING:
 
 
 def _keys(names: Iterable[tuple[str, str]], label: str) -> list[str]:
-    """The name diff pairs each tensor by, given (its name, its file). Where a side's weights lie in
-    several folders (a diffusers pipeline's unet/, text_encoder/, vae/: several models, which share
-    names), a tensor of a subfolder's file is named ``FOLDER/NAME``, so that each model's tensors pair
-    with the same model's. Refuses two tensors of one name left (two files of one folder): comparing
-    either one silently would hide the other."""
+    """The name diff pairs each tensor by, given (its name, its file): ``FOLDER/NAME`` where files in
+    several folders share names (a diffusers pipeline, :func:`~ckpt.format.manifest.folder_names`),
+    so that each model's tensors pair with the same model's. Refuses two tensors of one name left
+    (two files of one folder): comparing either one silently would hide the other."""
     names = list(names)
-    several = len({file.rpartition("/")[0] for _, file in names}) > 1
-    keys = [f"{file.rpartition('/')[0]}/{name}" if several and "/" in file else name for name, file in names]
+    keys = folder_names(names)
     seen: dict[str, str] = {}
     for key, (_, file) in zip(keys, names):
         if key in seen:

@@ -62,8 +62,8 @@ def test_a_ref_named_like_a_weights_file_is_the_ref(store, tmp_path, monkeypatch
 def test_a_pipeline_folder_is_compared_model_by_model(store, tmp_path):
     """A diffusers pipeline: unet/, text_encoder/ and vae/ each a model, sharing names ('w'). diff
     refused it ('w' appears in two files), so two fine-tunes of one pipeline could not be compared
-    at all. Where a side's weights lie in several folders its tensors are named FOLDER/NAME, each
-    paired with the same model's in the other side; stored or on disk alike."""
+    at all. Where a side's folders share names its tensors are named FOLDER/NAME, each paired with
+    the same model's in the other side; stored or on disk alike."""
     for name, scale in (("a", 1.0), ("b", 2.0)):
         for part, n in (("unet", 3), ("text_encoder", 2), ("vae", 4)):
             (tmp_path / name / part).mkdir(parents=True)
@@ -82,3 +82,8 @@ def test_a_pipeline_folder_is_compared_model_by_model(store, tmp_path):
     single.mkdir()
     save_file({"w": torch.zeros(3)}, single / "model.safetensors")
     assert [t.name for t in diff(str(single), str(single), store).tensors] == ["w"]
+    apart = tmp_path / "apart"  # folders whose names differ (most real pipelines): paired as they always were
+    for part, name in (("unet", "conv_in.weight"), ("vae", "encoder.conv_in.weight")):
+        (apart / part).mkdir(parents=True)
+        save_file({name: torch.zeros(2)}, apart / part / "diffusion_pytorch_model.safetensors")
+    assert [t.name for t in diff(str(apart), str(apart), store).tensors] == ["conv_in.weight", "encoder.conv_in.weight"]
