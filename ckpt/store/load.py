@@ -4,11 +4,12 @@ own tensors (:func:`load_into`, :func:`fill`), every byte verified on the way.""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import ResourceLimitError, TensorMismatchError
 from ckpt.format.dtypes import to_torch
-from ckpt.format.manifest import Manifest, TensorEntry, name_selected, split_lengths
+from ckpt.format.manifest import Manifest, TensorEntry, folder_names, name_selected, split_lengths
 from ckpt.format.safetensors_header import check_layout
 from ckpt.progress import Progress, reporting
 from ckpt.store.limits import check_memory
@@ -73,6 +74,16 @@ def empty_tensor(entry: TensorEntry, **kwargs: Any) -> Any:
         raise ResourceLimitError(f"cannot allocate tensor {entry.name!r} ({entry.nbytes:,} bytes): {str(e)[:200]}") from None
 
 
+def named_entries(m: Manifest) -> list[tuple[str, TensorEntry]]:
+    """``m``'s tensors with the name load and load_into give each: its name, or ``FOLDER/NAME``
+    where folders of the checkpoint share names (a diffusers pipeline: :func:`folder_names`)."""
+    return list(zip(folder_names([(t.name, t.file) for t in m.tensors]), m.tensors))
+
+
+def _as_named(named: list[tuple[str, TensorEntry]]) -> list[TensorEntry]:
+    return [t if k == t.name else replace(t, name=k) for k, t in named]
+
+
 def load(store: Store, ref: str, *, include: list[str] | None = None, progress: Progress | None = None) -> dict[str, torch.Tensor]:
     """See :meth:`Store.load`."""
     return load_manifest(store, store.manifest(ref), include, progress, f"checkpoint {ref}")
@@ -84,11 +95,12 @@ def load_manifest(store: Store, m: Manifest, include: list[str] | None, progress
         from ckpt.dcp.consolidate import load_dcp
 
         return load_dcp(store, m, include, progress)
-    chosen = select(m, include)
-    check_unique(chosen, "use `ckpt pull`")
+    named = [(k, t) for k, t in named_entries(m) if not include or name_selected(k, include)]
+    check_unique(_as_named(named), "use `ckpt pull`")
+    chosen = [t for _, t in named]
     check_memory(chosen, what)
-    out = {t.name: empty_tensor(t) for t in chosen}
-    tasks = into_tasks(m.chunk_size, [(t, out[t.name]) for t in chosen])
+    out = {k: empty_tensor(t) for k, t in named}
+    tasks = into_tasks(m.chunk_size, [(t, out[k]) for k, t in named])
     with reporting(progress, "load", sum(t.length for t in tasks)) as p:
         get_chunks(store.objects, tasks, store.settings, p, manifest=m)
     return out
@@ -104,8 +116,9 @@ def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, prefi
 
         stored = [t.fqn for t in decode_layout(m.extra, "manifest").tensors.values()]
         return fill_dcp(store, m, pair_names(live, stored, strict, prefix), False, progress)
-    by_name = {t.name: t for t in m.tensors}
-    check_unique(m.tensors, "load it with store.load(ref) and pick the tensors")
+    named = named_entries(m)
+    check_unique(_as_named(named), "load it with store.load(ref) and pick the tensors")
+    by_name = dict(named)
     paired = pair_names(live, by_name, strict, prefix)
     pairs = [(by_name[n], dst) for n, dst in paired.items()]
     _one_value_per_tensor(pairs)

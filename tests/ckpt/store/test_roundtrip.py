@@ -275,6 +275,43 @@ def test_load_into_a_tied_target_from_a_checkpoint_with_them_untied_is_refused(s
     _same(tied.state_dict(), fresh.state_dict())
 
 
+def test_load_and_load_into_a_pipeline_whose_models_share_names(small_chunks, tmp_path):
+    """A diffusers-style pipeline: unet/ and text_encoder/ are two models that both hold
+    'proj.weight'. Store.load and load_into refused the whole checkpoint ('appears in two files;
+    use ckpt pull'), so no model of it could be loaded from Python. Their tensors are now named
+    FOLDER/NAME (as diff names them): load(include=['unet/*']) and load_into(model, prefix='unet/')
+    work, bit for bit; a strict mismatch hints the prefix. A pipeline whose names never collide
+    keeps its plain names."""
+    torch.manual_seed(0)
+    unet = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 3))
+    text = torch.nn.Sequential(torch.nn.Linear(6, 6))
+    for part, model in (("unet", unet), ("text_encoder", text)):
+        (tmp_path / "pipe" / part).mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                  tmp_path / "pipe" / part / "diffusion_pytorch_model.safetensors")
+        (tmp_path / "pipe" / part / "config.json").write_text("{}")
+    small_chunks.push(tmp_path / "pipe", "sd")
+    got = small_chunks.load("sd")
+    assert sorted(got) == ["text_encoder/0.bias", "text_encoder/0.weight", "unet/0.bias", "unet/0.weight",
+                           "unet/1.bias", "unet/1.weight"]
+    _same({f"unet/{k}": v for k, v in unet.state_dict().items()}, small_chunks.load("sd", include=["unet/*"]))
+    dst = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 3))
+    with pytest.raises(ckpt.errors.TensorMismatchError) as e:
+        small_chunks.load_into("sd", dst)
+    assert "pass prefix='unet/'" in e.value.hint
+    small_chunks.load_into("sd", dst, prefix="unet/")
+    _same(unet.state_dict(), dst.state_dict())
+    dst_text = torch.nn.Sequential(torch.nn.Linear(6, 6))
+    small_chunks.load_into("sd", dst_text, prefix="text_encoder/")
+    _same(text.state_dict(), dst_text.state_dict())
+    apart = tmp_path / "apart"
+    for part, name in (("unet", "conv_in.weight"), ("vae", "encoder.conv_in.weight")):
+        (apart / part).mkdir(parents=True)
+        save_file({name: torch.ones(2)}, apart / part / "diffusion_pytorch_model.safetensors")
+    small_chunks.push(apart, "apart")
+    assert sorted(small_chunks.load("apart")) == ["conv_in.weight", "encoder.conv_in.weight"]
+
+
 def test_load_into_a_dcp_checkpoint_under_a_prefix(tmp_path):
     import torch.distributed.checkpoint as dcp
 
