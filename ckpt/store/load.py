@@ -184,7 +184,7 @@ def pair_names(live: dict[str, Any], stored: Iterable[str], strict: bool, prefix
         raise TensorMismatchError(
             f"checkpoint and target differ: missing in checkpoint {missing[:10]}, not in target {unexpected[:10]}"
             + (" ..." if len(missing) > 10 or len(unexpected) > 10 else ""),
-            hint=hint if paired else hint.removesuffix(common).removesuffix("; or "))
+            hint=(hint if paired else hint.removesuffix(common).removesuffix("; or ")) or None)
     if want and not paired:  # strict=False that would load nothing: the model left as it was, silently
         raise TensorMismatchError(
             f"no tensor of the target is in the checkpoint{f' under {prefix!r}' if prefix else ''} (the target's "

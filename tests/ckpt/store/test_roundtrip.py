@@ -249,6 +249,9 @@ def test_load_into_with_strict_false_that_would_load_nothing_is_refused(small_ch
     small_chunks.load_into("run", {"weight": dst.weight}, prefix="model.", strict=False)  # one in common: loaded
     assert _bytes(dst.weight) == _bytes(net.weight) and _bytes(dst.bias) == _bytes(before["bias"])
     small_chunks.load_into("run", {}, strict=False)  # nothing asked, nothing to refuse
+    with pytest.raises(ckpt.errors.TensorMismatchError, match=r"not in target \['model.bias'") as e:
+        small_chunks.load_into("run", {})
+    assert e.value.hint is None  # (not an empty one)
 
 
 def test_load_into_a_tied_target_from_a_checkpoint_with_them_untied_is_refused(small_chunks):
