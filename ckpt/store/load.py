@@ -23,10 +23,9 @@ if TYPE_CHECKING:
 
 
 def select(m: Manifest, include: list[str] | None) -> list[TensorEntry]:
-    """The tensors of ``m`` whose names match one of the ``include`` globs (all without)."""
-    if not include:
-        return list(m.tensors)
-    return [t for t in m.tensors if name_selected(t.name, include)]
+    """The tensors of ``m`` whose names match one of the ``include`` globs (all without), each
+    entry named as :func:`load` names it (``FOLDER/NAME`` where folders share names: :func:`named_entries`)."""
+    return _as_named([(k, t) for k, t in named_entries(m) if not include or name_selected(k, include)])
 
 
 def check_headers(store: Store, m: Manifest, what: str, known: dict[str, bytes] | None = None) -> None:
