@@ -107,11 +107,17 @@ def show(v: dict[str, Any]) -> None:
         _merge_record(v["lineage"]["merge"])
     if v["lineage"].get("base"):
         out.print(f"delta base {safe(str(v['lineage']['base'])[:12])} (delta-coded tensors show their chain depth)")
-    t = _Columns(("TENSOR", "DTYPE", "SHAPE", "BYTES", "STORED", "CODEC"), ("BYTES", "STORED"))
+    # A folder of several models (a diffusers pipeline's unet/, vae/...) may hold one name in each:
+    # each row then says which file it is.
+    names = [r["name"] for r in tensors]
+    by_file = len(set(names)) < len(names) or len({(r.get("file") or "").rpartition("/")[0] for r in tensors}) > 1
+    head = ("TENSOR", "FILE") if by_file else ("TENSOR",)
+    t = _Columns((*head, "DTYPE", "SHAPE", "BYTES", "STORED", "CODEC"), ("BYTES", "STORED"))
     for r in tensors:
         codec = "+".join(r["codecs"]) + (f" (depth {r['delta_depth']})" if r["delta_depth"] else "")
-        t.add_row((r["name"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar", human_bytes(r["logical_bytes"]),
-                          human_bytes(r["stored_bytes"]), codec))
+        t.add_row((r["name"], *((r.get("file") or "",) if by_file else ()), r["dtype"],
+                   "x".join(map(str, r["shape"])) or "scalar", human_bytes(r["logical_bytes"]), human_bytes(r["stored_bytes"]),
+                   codec))
     t.print()
     others = [f for f in files if f["kind"] == "blob"]
     if others:

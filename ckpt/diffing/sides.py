@@ -1,7 +1,8 @@
 """The two things ``ckpt diff`` compares: a stored checkpoint, read through the lazy
 reader, or a local file, directory or dict of tensors, read as ``push`` reads it.
 
-Both answer the same questions: tensor names with dtype, shape and size; the chunk
+Both answer the same questions (a side whose folders share tensor names, a diffusers
+pipeline, names each tensor FOLDER/NAME: see :func:`_keys`): tensor names with dtype, shape and size; the chunk
 ids of a tensor when cut at a given chunk size (a stored checkpoint knows them from
 its manifest, a local tensor is hashed piece by piece); and the tensor itself (one of
 a dtype ckpt does not know, stored as opaque bytes, as its bytes: uint8, flat).
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Union
 
 from ckpt.errors import TensorMismatchError
 from ckpt.format.dtypes import byte_view, itemsize, to_torch
-from ckpt.format.manifest import split_lengths
+from ckpt.format.manifest import folder_names, split_lengths
 from ckpt_store.storage.objects import object_id
 
 if TYPE_CHECKING:
@@ -27,16 +28,21 @@ if TYPE_CHECKING:
     from ckpt.store.store import Store
 
 
-def _one_per_name(names: Iterable[tuple[str, str]], label: str) -> None:
-    """Refuse a side whose files hold two tensors of one name: diff pairs tensors by name,
-    and comparing either one silently would hide the other."""
+def _keys(names: Iterable[tuple[str, str]], label: str) -> list[str]:
+    """The name diff pairs each tensor by, given (its name, its file): ``FOLDER/NAME`` where files in
+    several folders share names (a diffusers pipeline, :func:`~ckpt.format.manifest.folder_names`),
+    so that each model's tensors pair with the same model's. Refuses two tensors of one name left
+    (two files of one folder): comparing either one silently would hide the other."""
+    names = list(names)
+    keys = folder_names(names)
     seen: dict[str, str] = {}
-    for name, file in names:
-        if name in seen:
+    for key, (_, file) in zip(keys, names):
+        if key in seen:
             raise TensorMismatchError(
-                f"{label}: tensor {name!r} appears in two files ({seen[name]} and {file}); diff pairs tensors by name",
+                f"{label}: tensor {key!r} appears in two files ({seen[key]} and {file}); diff pairs tensors by name",
                 hint="diff the files one by one; `ckpt pull` a stored checkpoint to a directory first")
-        seen[name] = file
+        seen[key] = file
+    return keys
 
 
 @dataclass(frozen=True)
@@ -54,11 +60,12 @@ class RefSide:
         self.label = label
         self.id: str | None = reader.id
         self.chunk_size: int | None = reader.manifest.chunk_size
-        _one_per_name(((t.name, t.file) for t in reader.manifest.tensors), label)
-        self.meta = {t.name: TensorMeta(t.dtype, t.shape, t.nbytes) for t in reader.manifest.tensors}
+        tensors = reader.manifest.tensors
+        self._entries = dict(zip(_keys(((t.name, t.file) for t in tensors), label), tensors))
+        self.meta = {k: TensorMeta(t.dtype, t.shape, t.nbytes) for k, t in self._entries.items()}
 
     def chunk_ids(self, name: str, chunk_size: int) -> tuple[str, ...] | None:
-        return self.reader.info(name).chunks if chunk_size == self.chunk_size else None
+        return self._entries[name].chunks if chunk_size == self.chunk_size else None
 
     def all_chunk_ids(self, chunk_size: int) -> set[str]:
         return {c for t in self.reader.manifest.tensors for c in t.chunks} if chunk_size == self.chunk_size else set()
@@ -68,13 +75,12 @@ class RefSide:
         import torch
 
         from ckpt.store.limits import check_memory
+        from ckpt.store.load import empty_tensor
         from ckpt.transfer.pipeline import get_chunks, into_tasks
 
-        entry = self.reader.info(name)
-        if itemsize(entry.dtype) is not None:
-            return self.reader.get_tensor(name)
+        entry = self._entries[name]
         check_memory([entry], f"tensor {name!r}")
-        out = torch.empty(entry.nbytes, dtype=torch.uint8)
+        out = empty_tensor(entry) if itemsize(entry.dtype) is not None else torch.empty(entry.nbytes, dtype=torch.uint8)
         store = self.reader.store
         get_chunks(store.objects, into_tasks(self.reader.manifest.chunk_size, [(entry, out)]), store.settings)
         return out
@@ -127,12 +133,12 @@ class SourceSide:
         self.id: str | None = None
         self.chunk_size: int | None = None
         try:
-            _one_per_name(((t.name, f.path) for f in src.files for t in f.tensors), label)
+            keys = _keys(((t.name, f.path) for f in src.files for t in f.tensors), label)
         except BaseException:
             src.close()  # the caller never gets this side to close
             raise
-        self._by_name: dict[str, TensorIn] = {t.name: t for f in src.files for t in f.tensors}
-        self.meta = {t.name: TensorMeta(t.dtype, t.shape, t.nbytes) for t in self._by_name.values()}
+        self._by_name: dict[str, TensorIn] = dict(zip(keys, (t for f in src.files for t in f.tensors)))
+        self.meta = {k: TensorMeta(t.dtype, t.shape, t.nbytes) for k, t in self._by_name.items()}
         self._ids: dict[tuple[str, int], tuple[str, ...]] = {}
 
     def chunk_ids(self, name: str, chunk_size: int) -> tuple[str, ...] | None:
@@ -148,6 +154,11 @@ class SourceSide:
         return self._ids[key]
 
     def all_chunk_ids(self, chunk_size: int) -> set[str]:
+        """Every chunk id of this side cut at ``chunk_size``, as a stored side's manifest lists them:
+        each tensor hashed once (and kept for :meth:`chunk_ids`). It was only those hashed so far,
+        none when asked first, so that B's chunks held elsewhere in a local A counted as new bytes."""
+        for name in self._by_name:
+            self.chunk_ids(name, chunk_size)
         return {c for (_, cs), ids in self._ids.items() if cs == chunk_size for c in ids}
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -173,16 +184,20 @@ _FILE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
 
 def open_side(x: object, store: Store | None, refs_only: bool = False) -> tuple[Side, Store | None]:
     """``x`` as a side: a dict of tensors or an existing path (or one named like a weights
-    file) is read as ``push`` would read it; anything else is a ref of ``store`` (default:
-    the default store, opened only when needed). With ``refs_only``, ``x`` is always a ref
-    (a string naming a file is never opened: for callers whose input is untrusted)."""
+    file that is not a ref of the store) is read as ``push`` would read it; anything else is a ref
+    of ``store`` (default: the default store, opened only when needed). With ``refs_only``, ``x``
+    is always a ref (a string naming a file is never opened: for callers whose input is untrusted)."""
     from ckpt.store.sources import open_source
 
     if not refs_only:
         if isinstance(x, Mapping):
             return SourceSide(open_source(x), "<tensors>"), store
-        if isinstance(x, os.PathLike) or (isinstance(x, str) and (os.path.exists(x) or x.endswith(_FILE_SUFFIXES))):
-            return SourceSide(open_source(x), os.fspath(x)), store  # a missing file: "no such file", not "no ref"
+        if isinstance(x, str) and not os.path.exists(x) and x.endswith(_FILE_SUFFIXES):
+            named, store = _is_ref(x, store)  # a ref pushed as `ckpt push best.ckpt run/best.ckpt`
+            if not named:
+                return SourceSide(open_source(x), x), store  # a missing file: "no such file", not "no ref"
+        elif isinstance(x, os.PathLike) or (isinstance(x, str) and os.path.exists(x)):
+            return SourceSide(open_source(x), os.fspath(x)), store
     if not isinstance(x, str):
         from ckpt.errors import InvalidSourceError
 
@@ -196,6 +211,21 @@ def open_side(x: object, store: Store | None, refs_only: bool = False) -> tuple[
     if reader.manifest.source == "dcp":  # (ckpt.dcp.format.DCP_SOURCE)
         return DcpSide(reader, x), store
     return RefSide(reader, x), store
+
+
+def _is_ref(x: str, store: Store | None) -> tuple[bool, Store | None]:
+    """Whether ``x`` names a checkpoint of ``store`` (the default store, if it exists, when None)."""
+    from ckpt.errors import CkptError
+
+    try:
+        if store is None:
+            from ckpt.store.store import Store
+
+            store = Store.open()
+        store.resolve(x)
+    except CkptError:
+        return False, store
+    return True, store
 
 
 Side = Union[RefSide, DcpSide, SourceSide]

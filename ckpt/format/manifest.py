@@ -12,7 +12,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,26 @@ def name_selected(name: str, include: Sequence[str] | None = None, exclude: Sequ
     if include and not any(fnmatch.fnmatchcase(name, p) for p in include):
         return False
     return not (exclude and any(fnmatch.fnmatchcase(name, p) for p in exclude))
+
+
+def folder_names(tensors: Iterable[tuple[str, str]]) -> list[str]:
+    """The name each tensor, given as (its name, its file), goes by when a checkpoint is read as one
+    set of tensors (load, load_into, diff): its name; or, where files in several folders hold one
+    name (a diffusers pipeline's unet/, text_encoder/, vae/, each a model), ``FOLDER/NAME`` for
+    every tensor of a file in a subfolder, so that each model's tensors keep apart. Two files of one
+    folder holding one name still give it twice: callers refuse that.
+
+    >>> folder_names([("w", "unet/m.safetensors"), ("w", "vae/m.safetensors"), ("x", "vae/m.safetensors")])
+    ['unet/w', 'vae/w', 'vae/x']
+    >>> folder_names([("a", "unet/m.safetensors"), ("b", "vae/m.safetensors")])
+    ['a', 'b']
+    """
+    pairs = list(tensors)
+    folders: dict[str, set[str]] = {}
+    for name, file in pairs:
+        folders.setdefault(name, set()).add(file.rpartition("/")[0])
+    split = any(len(f) > 1 for f in folders.values())
+    return [f"{file.rpartition('/')[0]}/{name}" if split and "/" in file else name for name, file in pairs]
 
 
 def check_tensor_name(name: str, what: str = "tensor name") -> str:

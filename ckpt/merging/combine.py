@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpt.errors import InvalidMergeError
+from ckpt.errors import InvalidMergeError, TensorMismatchError
 from ckpt.format.dtypes import bit_identical, byte_view, to_torch
 from ckpt.format.manifest import TensorEntry, chunk_count
 from ckpt.merging.calls import positionals
@@ -346,6 +346,28 @@ def _whole_tensors(ref: str, reader: CheckpointReader) -> None:
                                 "and merge that")
 
 
+def _one_model(ref: str, reader: CheckpointReader) -> None:
+    """Refuse a folder of several models (a diffusers pipeline's unet/, text_encoder/, vae/): merge
+    pairs tensors by name and writes one model.safetensors, so names two files share would be lost,
+    and weights from several folders would land in one file beside configs left without theirs.
+    Say how to merge the components one by one."""
+    def refuse(why: str, part: str) -> TensorMismatchError:
+        return TensorMismatchError(
+            f"{ref}: {why}: it holds several models (a diffusers pipeline?), and merge combines the tensors of one model",
+            hint=f"merge each model on its own: push its folder from every input (ckpt push PIPELINE/{part} "
+            f"NAME/{part}; `ckpt pull {ref} DIR` writes a stored one back) and merge those refs")
+
+    seen: dict[str, str] = {}
+    for t in reader.manifest.tensors:
+        if seen.setdefault(t.name, t.file) != t.file:
+            raise refuse(f"tensor {t.name!r} appears in two files ({seen[t.name]} and {t.file})",
+                         t.file.rpartition("/")[0] or "FOLDER")
+    folders = sorted({f.path.rpartition("/")[0] for f in reader.manifest.files if f.kind == "safetensors"})
+    if len(folders) > 1:
+        shown = ", ".join(f"{d}/" if d else "./" for d in folders[:4]) + (" ..." if len(folders) > 4 else "")
+        raise refuse(f"its weights are in {len(folders)} folders ({shown})", folders[-1] or "FOLDER")
+
+
 def _carried(reader: CheckpointReader, weights_file: str) -> list[Any]:
     """The first input's files that are not weights: a merge of model folders stays a model folder."""
     return [f for f in reader.manifest.files if f.kind == "blob" and not f.path.endswith(_NOT_CARRIED)
@@ -368,8 +390,9 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     average of the inputs that hold it; by default it is an error naming it. Raises
     :class:`InvalidMergeError` for an unknown method, a bad parameter, a wrong number of
     inputs, tensors that do not line up (names, dtypes, shapes) or are stored as the shards
-    of a distributed checkpoint — all before any tensor data is read — and the errors of
-    :meth:`Store.resolve` for unknown refs.
+    of a distributed checkpoint — all before any tensor data is read —, :class:`TensorMismatchError`
+    for an input holding several models (weights in several folders: a diffusers pipeline), and
+    the errors of :meth:`Store.resolve` for unknown refs.
     """
     from ckpt.store.push import push_source
     from ckpt.store.sources import FileIn, from_tensors
@@ -396,6 +419,7 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     for ref, r in zip([*inputs, base], [*readers, base_reader]):
         if r is not None:
             _whole_tensors(ref, r)
+            _one_model(ref, r)
     steps = _plan(m, bound, readers, base_reader, missing, list(inputs), base, new_tensors)
 
     cs = store.settings.chunk_size

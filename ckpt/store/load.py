@@ -3,12 +3,13 @@ own tensors (:func:`load_into`, :func:`fill`), every byte verified on the way.""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import ResourceLimitError, TensorMismatchError
 from ckpt.format.dtypes import to_torch
-from ckpt.format.manifest import Manifest, TensorEntry, name_selected, split_lengths
+from ckpt.format.manifest import Manifest, TensorEntry, folder_names, name_selected, split_lengths
 from ckpt.format.safetensors_header import check_layout
 from ckpt.progress import Progress, reporting
 from ckpt.store.limits import check_memory
@@ -22,10 +23,9 @@ if TYPE_CHECKING:
 
 
 def select(m: Manifest, include: list[str] | None) -> list[TensorEntry]:
-    """The tensors of ``m`` whose names match one of the ``include`` globs (all without)."""
-    if not include:
-        return list(m.tensors)
-    return [t for t in m.tensors if name_selected(t.name, include)]
+    """The tensors of ``m`` whose names match one of the ``include`` globs (all without), each
+    entry named as :func:`load` names it (``FOLDER/NAME`` where folders share names: :func:`named_entries`)."""
+    return _as_named([(k, t) for k, t in named_entries(m) if not include or name_selected(k, include)])
 
 
 def check_headers(store: Store, m: Manifest, what: str, known: dict[str, bytes] | None = None) -> None:
@@ -73,6 +73,16 @@ def empty_tensor(entry: TensorEntry, **kwargs: Any) -> Any:
         raise ResourceLimitError(f"cannot allocate tensor {entry.name!r} ({entry.nbytes:,} bytes): {str(e)[:200]}") from None
 
 
+def named_entries(m: Manifest) -> list[tuple[str, TensorEntry]]:
+    """``m``'s tensors with the name load and load_into give each: its name, or ``FOLDER/NAME``
+    where folders of the checkpoint share names (a diffusers pipeline: :func:`folder_names`)."""
+    return list(zip(folder_names([(t.name, t.file) for t in m.tensors]), m.tensors))
+
+
+def _as_named(named: list[tuple[str, TensorEntry]]) -> list[TensorEntry]:
+    return [t if k == t.name else replace(t, name=k) for k, t in named]
+
+
 def load(store: Store, ref: str, *, include: list[str] | None = None, progress: Progress | None = None) -> dict[str, torch.Tensor]:
     """See :meth:`Store.load`."""
     return load_manifest(store, store.manifest(ref), include, progress, f"checkpoint {ref}")
@@ -84,11 +94,12 @@ def load_manifest(store: Store, m: Manifest, include: list[str] | None, progress
         from ckpt.dcp.consolidate import load_dcp
 
         return load_dcp(store, m, include, progress)
-    chosen = select(m, include)
-    check_unique(chosen, "use `ckpt pull`")
+    named = [(k, t) for k, t in named_entries(m) if not include or name_selected(k, include)]
+    check_unique(_as_named(named), "use `ckpt pull`")
+    chosen = [t for _, t in named]
     check_memory(chosen, what)
-    out = {t.name: empty_tensor(t) for t in chosen}
-    tasks = into_tasks(m.chunk_size, [(t, out[t.name]) for t in chosen])
+    out = {k: empty_tensor(t) for k, t in named}
+    tasks = into_tasks(m.chunk_size, [(t, out[k]) for k, t in named])
     with reporting(progress, "load", sum(t.length for t in tasks)) as p:
         get_chunks(store.objects, tasks, store.settings, p, manifest=m)
     return out
@@ -96,40 +107,124 @@ def load_manifest(store: Store, m: Manifest, include: list[str] | None, progress
 
 def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, prefix: str = "", progress: Progress | None = None) -> None:
     """See :meth:`Store.load_into`."""
-    import torch
-
+    live = _live_tensors(target)
     m = store.manifest(ref)
-    live: dict[str, torch.Tensor] = dict(target.state_dict()) if isinstance(target, torch.nn.Module) else dict(target)
     if m.source == "dcp":  # a distributed checkpoint: whole tensors assembled from its shards
         from ckpt.dcp.consolidate import fill_dcp
         from ckpt.dcp.format import decode_layout
 
         stored = [t.fqn for t in decode_layout(m.extra, "manifest").tensors.values()]
         return fill_dcp(store, m, pair_names(live, stored, strict, prefix), False, progress)
-    by_name = {t.name: t for t in m.tensors}
-    check_unique(m.tensors, "load it with store.load(ref) and pick the tensors")
+    named = named_entries(m)
+    check_unique(_as_named(named), "load it with store.load(ref) and pick the tensors")
+    by_name = dict(named)
     paired = pair_names(live, by_name, strict, prefix)
-    fill(store, m, [(by_name[n], dst) for n, dst in paired.items()], progress)
+    pairs = [(by_name[n], dst) for n, dst in paired.items()]
+    _one_value_per_tensor(pairs)
+    fill(store, m, pairs, progress)
+
+
+def _one_value_per_tensor(pairs: list[tuple[TensorEntry, Any]]) -> None:
+    """Refuse two different stored tensors bound for one target tensor (weights the target ties,
+    as an embedding and lm_head, that the checkpoint holds untied): one would silently overwrite
+    the other. Equal ones (a tied model's own checkpoint) load as one."""
+    first: dict[tuple[Any, ...], TensorEntry] = {}
+    for e, dst in pairs:
+        key = _alias_key(dst)
+        if key is None:
+            continue
+        other = first.setdefault(key, e)
+        if other is not e and (other.chunks, other.dtype) != (e.chunks, e.dtype):
+            raise TensorMismatchError(
+                f"the checkpoint's {other.name!r} and {e.name!r} differ, but the target holds them in one tensor "
+                "(tied weights): loading both would keep only one",
+                hint="untie them in the target to load both (transformers: tie_word_embeddings=False), or load "
+                "the one you want into it by itself")
+
+
+def _live_tensors(target: Any) -> dict[str, torch.Tensor]:
+    """The tensors ``load_into`` fills: a module's state dict, or a mapping of tensors; anything else
+    (an optimizer, a list, a mapping holding other values) is a :class:`TensorMismatchError`."""
+    import torch
+
+    if isinstance(target, torch.nn.Module):
+        live = dict(target.state_dict())
+    elif isinstance(target, Mapping):
+        live = dict(target)
+    else:
+        raise TensorMismatchError(f"load_into fills a torch.nn.Module or a dict of tensors, not a {type(target).__name__}",
+                                  hint="for anything else (an optimizer...), read the tensors with store.load(ref) "
+                                  "and hand them to its own load_state_dict")
+    odd = [repr(k) for k in live if not isinstance(k, str)]
+    if odd:
+        raise TensorMismatchError(f"the target's keys {', '.join(odd[:5])}{' ...' if len(odd) > 5 else ''} are not "
+                                  "strings: a checkpoint's tensors are named by strings", hint="name them by strings")
+    return live
 
 
 def pair_names(live: dict[str, Any], stored: Iterable[str], strict: bool, prefix: str = "") -> dict[str, Any]:
     """``live``'s tensors by the stored name each loads from (``prefix`` + its name), those the
     checkpoint has. ``strict``: the checkpoint's tensors under ``prefix`` and ``live`` must match
     one to one, else :class:`TensorMismatchError`, whose hint names the prefix that would match
-    where one does (a Lightning checkpoint's ``state_dict.``, a pushed ``{"model": ...}``'s ``model.``)."""
+    where one does (a Lightning checkpoint's ``state_dict.``, a pushed ``{"model": ...}``'s ``model.``).
+    A tensor of ``live`` the checkpoint lacks but that is the same memory as one it holds (tied
+    weights, which ``save_pretrained`` writes once) is not missing: it is filled through that one."""
     stored = set(stored)
     want = {prefix + k: v for k, v in live.items()}
     missing = sorted(set(want) - stored)
+    if missing:  # a tied weight (lm_head sharing the embedding) is filled through the one the checkpoint has
+        filled = {_alias_key(v) for n, v in want.items() if n in stored} - {None}
+        missing = [n for n in missing if _alias_key(want[n]) not in filled]
     unexpected = sorted(n for n in stored - set(want) if n.startswith(prefix))
+    paired = {n: t for n, t in want.items() if n in stored}
+    common = "pass strict=False to load the common tensors"
     if strict and (missing or unexpected):
-        hint = "pass strict=False to load the common tensors"
-        guess = _prefix_that_matches(list(live), stored) if missing else None
-        if guess is not None and guess != prefix:
-            hint = f"the checkpoint holds them under {guess!r}: pass prefix={guess!r}; or " + hint
+        hint = _where_they_are(live, stored, prefix) + common if missing else common
         raise TensorMismatchError(
             f"checkpoint and target differ: missing in checkpoint {missing[:10]}, not in target {unexpected[:10]}"
-            + (" ..." if len(missing) > 10 or len(unexpected) > 10 else ""), hint=hint)
-    return {n: t for n, t in want.items() if n in stored}
+            + (" ..." if len(missing) > 10 or len(unexpected) > 10 else ""),
+            hint=(hint if paired else hint.removesuffix(common).removesuffix("; or ")) or None)
+    if want and not paired:  # strict=False that would load nothing: the model left as it was, silently
+        raise TensorMismatchError(
+            f"no tensor of the target is in the checkpoint{f' under {prefix!r}' if prefix else ''} (the target's "
+            f"{sorted(want)[:3]}{' ...' if len(want) > 3 else ''}): nothing would be loaded",
+            hint=_where_they_are(live, stored, prefix).removesuffix("; or ") or "check the ref and the target's names")
+    return paired
+
+
+def _where_they_are(live: dict[str, Any], stored: set[str], prefix: str) -> str:
+    """A hint (ending '; or ') naming the prefix, or the wrapped model, under which the checkpoint
+    holds ``live``'s names; '' where there is none."""
+    guess = _prefix_that_matches(list(live), stored)
+    if guess is not None and guess != prefix:
+        return f"the checkpoint holds them under {guess!r}: pass prefix={guess!r}; or "
+    return _unwrap_hint(list(live), stored)
+
+
+def _alias_key(t: Any) -> tuple[Any, ...] | None:
+    """What makes two tensors the same memory (tied weights: one Parameter under two names, as a
+    Hugging Face model's ``lm_head.weight`` and embedding); None for one that holds no bytes."""
+    try:
+        if t.numel() == 0 or t.data_ptr() == 0:
+            return None
+        return (t.device, t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
+# What wraps a model and prefixes its state dict's names: the target can be the model inside.
+_WRAPPERS = {"_orig_mod.": "a torch.compile'd model", "module.": "a DistributedDataParallel (or DataParallel) model"}
+
+
+def _unwrap_hint(names: list[str], stored: set[str]) -> str:
+    """Where every one of ``names`` carries a wrapper's prefix and the checkpoint holds the names
+    without it (under some prefix): how to load into the wrapped model instead; else ''."""
+    for wrap, what in _WRAPPERS.items():
+        if names and all(n.startswith(wrap) for n in names):
+            inner = _prefix_that_matches([n[len(wrap):] for n in names], stored)
+            if inner is not None:
+                return f"the target is {what}: load into model.{wrap[:-1]}" + (f" with prefix={inner!r}" if inner else "") + "; or "
+    return ""
 
 
 def _prefix_that_matches(names: list[str], stored: set[str]) -> str | None:
@@ -154,8 +249,11 @@ def fill(store: Store, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]
     ``get(tasks, progress)`` fetches the chunks instead of ``store`` (several tiers, say).
     """
 
+    import torch
+
     bad = [f"{e.name}: checkpoint {e.dtype}{list(e.shape)} vs target {d.dtype}{list(d.shape)}"
-           for e, d in pairs if tuple(d.shape) != e.shape or d.dtype != to_torch(e.dtype)]
+           if isinstance(d, torch.Tensor) else f"{e.name}: checkpoint {e.dtype}{list(e.shape)} vs target a {type(d).__name__}"
+           for e, d in pairs if not isinstance(d, torch.Tensor) or tuple(d.shape) != e.shape or d.dtype != to_torch(e.dtype)]
     if bad:
         raise TensorMismatchError("shape or dtype mismatch: " + "; ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
     direct = []

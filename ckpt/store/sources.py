@@ -260,7 +260,17 @@ def _from_hf_dir(root: str) -> SourceIn:
             raise changed_error(shown)  # links are judged against root_real: it must be the folder opened
         paths = walk_folder(root, root_fd, root_real)
         if not any(rel.endswith(".safetensors") for rel, _ in paths):
-            raise InvalidSourceError(shown, "directory holds no .safetensors files", hint="push a .pt/.bin file directly")
+            pickled = [rel for rel, _ in paths if rel.endswith(STATE_DICT_SUFFIXES)]
+            if not pickled:
+                raise InvalidSourceError(shown, "directory holds no .safetensors files", hint="push a .pt/.bin file directly")
+            # a model saved with safe_serialization=False (pytorch_model-0000N-of-0000M.bin and its
+            # index): pushing each shard alone would scatter one model over many refs, without its config
+            listed = ", ".join(show(r) for r in pickled[:3]) + (f" and {len(pickled) - 3} more" if len(pickled) > 3 else "")
+            raise InvalidSourceError(
+                shown, f"directory holds no .safetensors files; its weights are torch pickle files ({listed})",
+                hint="a folder is pushed with its weights as safetensors: convert it (transformers: "
+                "AutoModel.from_pretrained(DIR).save_pretrained(OUT), which writes safetensors) and push OUT"
+                + ("; a single .pt/.bin file can also be pushed on its own" if len(pickled) == 1 else ""))
         for rel, parts in paths:
             fb = FileBytes(show(f"{root.rstrip('/')}/{rel}"), open_under(root_fd, parts, root))
             src._open.append(fb)
@@ -326,11 +336,18 @@ def _refused(path: str, e: Exception) -> UnsafeInputError:
         why = f"it holds a pickled {what}"
         if what.startswith("torch.nn.modules."):
             why += ", a whole module (torch.save(model)): save model.state_dict() instead"
+    folder = os.path.dirname(path) or "."
+    try:  # a Trainer checkpoint-N's training_args.bin, rng_state.pth...: pushed with their folder, kept as bytes
+        in_model_folder = any(n.endswith(".safetensors") for n in os.listdir(folder))
+    except (OSError, ValueError):
+        in_model_folder = False
     return UnsafeInputError(
         path,
         f"refused: this file can only be loaded by running code stored in it ({show(why[:160])})",
         hint="ckpt reads .pt files only with torch.load(weights_only=True); if you trust the file, "
-        "re-save its tensors with safetensors and push that",
+        "re-save its tensors with safetensors and push that"
+        + (f"; or push its whole folder ({show(folder)}), where files other than weights are stored as bytes, "
+           "never loaded" if in_model_folder else ""),
     )
 
 
@@ -363,8 +380,13 @@ def _load(fb: FileBytes) -> Any:
     return _torch_load(proc, False)
 
 
+# How torch.save(..., _use_new_zipfile_serialization=False) begins: its magic number, pickled.
+_LEGACY_MAGIC = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
+
+
 def _from_state_dict_file(fb: FileBytes, metadata: dict[str, str] | None) -> SourceIn:
     path = fb.path
+    legacy = os.pread(fb.fd, len(_LEGACY_MAGIC), 0) == _LEGACY_MAGIC
     try:
         try:
             try:
@@ -384,7 +406,10 @@ def _from_state_dict_file(fb: FileBytes, metadata: dict[str, str] | None) -> Sou
         raise ResourceLimitError(f"{path}: not enough memory to load it") from None
     except Exception as e:  # any failure to parse hostile bytes is "unreadable", never a traceback
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise InvalidSourceError(path, f"not a readable torch file: {show(first[:200])}") from None
+        raise InvalidSourceError(path, f"not a readable torch file: {show(first[:200])}", hint=(
+            "it is in torch's legacy format (_use_new_zipfile_serialization=False), which torch cannot read back "
+            "for every dtype (float8, uint16...): save the tensors again with the default torch.save, or with "
+            "safetensors, and push that") if legacy else None) from None
     if not isinstance(obj, Mapping):
         raise InvalidSourceError(path, f"holds a {type(obj).__name__}, not a state dict")
     try:

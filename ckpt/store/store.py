@@ -358,6 +358,10 @@ class Store:
     def load(self, ref: str, *, include: list[str] | None = None, progress: Progress | bool | None = None) -> dict[str, torch.Tensor]:
         """All tensors of ``ref`` (or those matching ``include`` globs) as CPU tensors.
 
+        Where folders of the checkpoint share tensor names (a diffusers pipeline's unet/ and
+        text_encoder/), each such tensor is named ``FOLDER/NAME``: ``include=["unet/*"]`` picks one
+        model, and ``load_into(ref, unet, prefix="unet/")`` loads it.
+
         From a remote store the chunks stream into the new tensors (no local file), at most
         ``settings.inflight_mb`` fetched ahead of decoding. ``progress=True``: a bar on a terminal.
         """

@@ -171,3 +171,22 @@ def test_tables_align_in_terminal_cells_and_draw_user_text_safely(env):
     for row in rows:
         nbytes = " ".join(row.split()[3:5])
         assert cell_len(row[: row.index(nbytes) + len(nbytes)]) == edge, row
+
+
+def test_show_says_which_file_each_tensor_is_in_when_a_folder_holds_several_models(env):
+    """A diffusers-style folder: unet/ and vae/ each hold 'w' and 'b'. show listed 'b', 'w', 'b', 'w'
+    with nothing to tell them apart; a FILE column now says which file each is in. A one-folder
+    model (shards included) keeps the table it had."""
+    pipe = env / "pipe"
+    for part, n in (("unet", 2), ("vae", 3)):
+        (pipe / part).mkdir(parents=True)
+        save_file({"w": torch.ones(n, n), "b": torch.ones(n)}, pipe / part / "diffusion_pytorch_model.safetensors")
+    invoke("push", pipe, "sd")
+    lines = invoke("show", "sd").splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("TENSOR"))
+    assert lines[head].split() == ["TENSOR", "FILE", "DTYPE", "SHAPE", "BYTES", "STORED", "CODEC"]
+    assert [line.split()[:3] for line in lines[head + 1 : head + 5]] == [
+        ["b", "unet/diffusion_pytorch_model.safetensors", "F32"], ["w", "unet/diffusion_pytorch_model.safetensors", "F32"],
+        ["b", "vae/diffusion_pytorch_model.safetensors", "F32"], ["w", "vae/diffusion_pytorch_model.safetensors", "F32"]]
+    invoke("push", env / "a.safetensors", "one")
+    assert "FILE" not in invoke("show", "one")

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import ckpt
 from ckpt.diffing.compare import STATUSES, tensor_stats
@@ -349,6 +349,27 @@ def test_without_the_estimate_added_and_reshaped_tensors_are_not_read(tmp_path):
     assert report.summary.changed == 1 and report.summary.delta_bytes is None
     with pytest.raises(ObjectNotFoundError):  # the estimate does read them
         ckpt.diff("x/a", "x/b", store=store)
+
+
+def test_delta_estimate_from_a_local_side_counts_its_chunks_as_a_stored_side_does(store, tmp_path):
+    """A Hugging Face folder (tied lm_head written once) against its .pt export, where lm_head.weight
+    is the embedding's bytes under a second name: from the stored folder the added tensor costs
+    nothing (its chunks are A's); from the folder on disk it was counted whole, as if new. Both
+    estimates now agree with what pushing the .pt on top of the folder writes."""
+    g = torch.Generator().manual_seed(5)
+    emb = torch.randn(300, 64, generator=g)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({"wte.weight": emb, "h.0.weight": torch.randn(64, 64, generator=g)}, folder / "model.safetensors")
+    (folder / "config.json").write_text("{}")
+    export = {"wte.weight": emb, "h.0.weight": load_file(folder / "model.safetensors")["h.0.weight"], "lm_head.weight": emb}
+    torch.save(export, tmp_path / "model.pt")
+    store.push(folder, "m/hf")
+    from_ref = ckpt.diff("m/hf", str(tmp_path / "model.pt"), store=store)
+    from_disk = ckpt.diff(str(folder), str(tmp_path / "model.pt"), store=store)
+    assert [r.status for r in from_disk.tensors] == ["identical", "identical", "added"]
+    assert from_ref.summary.delta_bytes == from_disk.summary.delta_bytes == 0
+    assert store.push(tmp_path / "model.pt", "m/pt").new_chunks == 1  # its safetensors header alone
 
 
 def test_delta_estimate_is_what_a_push_writes(store):

@@ -336,6 +336,38 @@ def test_a_merge_of_model_folders_keeps_the_first_inputs_config_and_tokenizer(st
                                                                  "paths": ["config.json", "sub/vocab.txt"]}
 
 
+def test_a_pipeline_folder_whose_models_share_no_name_is_refused_not_flattened(store, tmp_path):
+    """A real diffusers pipeline's unet/, text_encoder/ and vae/ mostly share no tensor name. The
+    merge made one root model.safetensors of all their tensors and carried unet/config.json,
+    vae/config.json... beside it with no weights of their own: a pipeline no loader can open. It is
+    refused, saying to merge the components one by one; a sharded model (weights in one folder) still merges."""
+    from safetensors.torch import save_file
+
+    from ckpt.errors import TensorMismatchError
+
+    parts = {"unet": ["conv_in.weight"], "text_encoder": ["text_model.embeddings.weight"], "vae": ["encoder.conv_in.weight"]}
+    for name, v in (("a", 1.0), ("b", 3.0)):
+        for part, names in parts.items():
+            (tmp_path / name / part).mkdir(parents=True)
+            save_file({n: torch.full((4,), v) for n in names}, tmp_path / name / part / "diffusion_pytorch_model.safetensors")
+            (tmp_path / name / part / "config.json").write_text('{"_class_name": "%s"}' % part)
+        (tmp_path / name / "model_index.json").write_text("{}")
+        store.push(tmp_path / name, f"p/{name}")
+    with pytest.raises(TensorMismatchError, match=r"p/a: its weights are in 3 folders \(text_encoder/, unet/, vae/\)") as e:
+        ckpt.merge(["p/a", "p/b"], "linear", name="p/soup", store=store)
+    assert "ckpt push PIPELINE/vae NAME/vae" in e.value.hint
+    assert "p/soup" not in store.refs()
+    for name in ("a", "b"):  # shards of one model, in one folder: merged as before
+        d = tmp_path / f"sharded-{name}"
+        d.mkdir()
+        for i, part in enumerate(parts):
+            save_file({n: torch.full((4,), 1.0 if name == "a" else 3.0) for n in parts[part]},
+                      d / f"model-{i + 1:05d}-of-00003.safetensors")
+        store.push(d, f"s/{name}")
+    ckpt.merge(["s/a", "s/b"], "linear", name="s/soup", store=store)
+    assert {k: v.tolist() for k, v in store.load("s/soup").items()} == {n: [2.0] * 4 for ns in parts.values() for n in ns}
+
+
 def test_folders_whose_files_share_a_tensor_name_are_refused_not_half_merged(store, tmp_path):
     # A diffusers-like folder: unet/ and vae/ both hold a tensor 'w'. The merge (and the lazy
     # reader) kept one of the two by name and silently dropped the other.
@@ -348,8 +380,16 @@ def test_folders_whose_files_share_a_tensor_name_are_refused_not_half_merged(sto
             (tmp_path / name / part).mkdir(parents=True)
             save_file({"w": torch.full((n,), v)}, tmp_path / name / part / "model.safetensors")
         store.push(tmp_path / name, f"d/{name}")
-    with pytest.raises(TensorMismatchError, match="'w' appears in two files .*unet/model.safetensors and vae/model.safetensors"):
+    with pytest.raises(TensorMismatchError, match="'w' appears in two files .*unet/model.safetensors and vae/model.safetensors") as e:
         ckpt.merge(["d/a", "d/b"], "linear", name="d/soup", store=store)
+    # the refusal says what to do: merge the components one by one (it said to pull the folder)
+    assert "d/a: " in str(e.value) and "merge combines the tensors of one model" in str(e.value)
+    assert "merge each model on its own" in e.value.hint and "ckpt push PIPELINE/vae NAME/vae" in e.value.hint
+    for part in ("unet", "vae"):  # which works, and merges what the user expects
+        for name in ("a", "b"):
+            store.push(tmp_path / name / part, f"d/{name}/{part}")
+        ckpt.merge([f"d/a/{part}", f"d/b/{part}"], "linear", name=f"d/soup/{part}", store=store)
+        assert store.load(f"d/soup/{part}")["w"].tolist() == [2.0] * (2 if part == "unet" else 3)
     with pytest.raises(TensorMismatchError, match="appears in two files"):
         store.reader("d/a").get_tensor("w")
     assert "d/soup" not in store.refs()

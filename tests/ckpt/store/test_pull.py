@@ -688,3 +688,26 @@ def test_a_temporary_a_live_pull_holds_is_never_swept(tmp_path):
     sweep_left(target)  # its process is gone: the temporary is swept, the rest stays
     assert not os.path.lexists(live) and link.is_symlink() and Path(fifo).exists()
     assert (tmp_path / "elsewhere").read_text() == "not a temporary"
+
+
+def test_pull_include_picks_one_model_of_a_pipeline_whose_models_share_names(store, tmp_path):
+    """A diffusers-style pipeline whose unet/ and text_encoder/ both hold '0.weight': `ckpt pull REF
+    unet.safetensors -i 'unet/*'` said 'no tensor matches', and -i '0.*' refused ('appears in two
+    files'), while store.load names them FOLDER/NAME. pull -i now takes the names load gives: one
+    model's tensors, as a safetensors or a torch file, bit for bit."""
+    parts = {"unet": {"0.weight": torch.randn(4, 4), "0.bias": torch.randn(4)},
+             "text_encoder": {"0.weight": torch.randn(2, 2)}}
+    for part, sd in parts.items():
+        (tmp_path / "pipe" / part).mkdir(parents=True)
+        save_file(sd, tmp_path / "pipe" / part / "model.safetensors")
+    store.push(tmp_path / "pipe", "sd")
+    want = {f"unet/{k}": v for k, v in parts["unet"].items()}
+    for name in ("unet.safetensors", "unet.pt"):
+        out = tmp_path / name
+        store.pull("sd", out, include=["unet/*"])
+        got = load_file(out) if name.endswith(".safetensors") else torch.load(out, weights_only=True)
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            assert got[k].dtype == v.dtype and got[k].numpy().tobytes() == v.numpy().tobytes()
+    with pytest.raises(TensorMismatchError, match="no tensor matches"):
+        store.pull("sd", tmp_path / "none.safetensors", include=["0.*"])

@@ -138,6 +138,25 @@ def test_load_into_reports_mismatches(small_chunks):
     assert torch.equal(target["w"], torch.zeros(3, 4))
 
 
+def test_load_into_a_target_that_is_not_a_module_or_dict_of_tensors(small_chunks):
+    """An optimizer (a Lightning checkpoint holds its state too), None, a tensor, a dict holding a
+    non-tensor where the checkpoint has a tensor: each was a raw TypeError, AttributeError or
+    ValueError from inside load_into; each is a TensorMismatchError saying what load_into fills."""
+    small_chunks.push({"w": torch.zeros(3), "b": torch.ones(2)}, "m")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1)
+    for target in (opt, None, torch.zeros(3), "w"):
+        with pytest.raises(ckpt.errors.TensorMismatchError, match="fills a torch.nn.Module or a dict of tensors, not a") as e:
+            small_chunks.load_into("m", target)
+        assert "store.load(ref)" in e.value.hint
+    with pytest.raises(ckpt.errors.TensorMismatchError, match=r"w: checkpoint F32\[3\] vs target a int"):
+        small_chunks.load_into("m", {"w": 3, "b": torch.zeros(2)})
+    with pytest.raises(ckpt.errors.TensorMismatchError, match="keys 0 are not strings"):
+        small_chunks.load_into("m", {0: torch.zeros(3)}, strict=False)
+    target = {"w": torch.ones(3), "epoch": 3}  # a value the checkpoint does not hold is left alone, as before
+    small_chunks.load_into("m", target, strict=False)
+    assert target["w"].tolist() == [0.0, 0.0, 0.0] and target["epoch"] == 3
+
+
 def test_load_into_under_a_prefix(small_chunks, tmp_path):
     """A model's tensors stored under a prefix (a Lightning checkpoint's ``state_dict.``, a pushed
     ``{"model": ..., "optim": ...}``'s ``model.``): ``prefix=`` loads them, strict compares only
@@ -161,6 +180,139 @@ def test_load_into_under_a_prefix(small_chunks, tmp_path):
     part = {"0.bias": torch.zeros(8)}
     ckpt.load_into(small_chunks, "run", part, prefix="model.", strict=False)
     _same({"0.bias": src.state_dict()["0.bias"]}, part)
+
+
+def test_load_into_a_model_with_tied_weights_from_its_hf_folder(small_chunks, tmp_path):
+    """save_pretrained writes tied weights once (GPT-2's lm_head.weight is the embedding): a strict
+    load_into of that folder into the same model fills lm_head through the embedding, bit for bit.
+    It was refused ('missing in checkpoint [lm_head.weight]'), and strict=False was the only way."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=16)
+    torch.manual_seed(0)
+    src = transformers.GPT2LMHeadModel(cfg)
+    src.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    small_chunks.push(tmp_path / "hf", "gpt2")
+    assert "lm_head.weight" not in small_chunks.load("gpt2")
+    torch.manual_seed(1)
+    dst = transformers.GPT2LMHeadModel(cfg)
+    small_chunks.load_into("gpt2", dst)
+    _same(src.state_dict(), dst.state_dict())
+    assert dst.lm_head.weight.data_ptr() == dst.transformer.wte.weight.data_ptr()
+    # a tensor that is missing and tied to nothing is still refused
+    untied = {n: torch.zeros_like(t) for n, t in src.state_dict().items()}
+    with pytest.raises(ckpt.errors.TensorMismatchError, match=r"missing in checkpoint \['lm_head.weight'\]"):
+        small_chunks.load_into("gpt2", untied)
+
+
+def test_load_into_a_wrapped_model_says_to_load_into_the_model_inside(small_chunks):
+    """A torch.compile'd target names its tensors '_orig_mod.*', a DataParallel/DDP one 'module.*': a
+    plain checkpoint (or a DDP one) loaded into it was refused with only 'pass strict=False', which
+    loads nothing. The hint says to load into model._orig_mod / model.module (with the prefix that matches)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    small_chunks.push(net.state_dict(), "plain")
+    small_chunks.push({"module." + k: v for k, v in net.state_dict().items()}, "ddp")
+    compiled = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)))
+    parallel = torch.nn.DataParallel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)))
+    for ref, target, says in (("plain", compiled, "the target is a torch.compile'd model: load into model._orig_mod"),
+                              ("ddp", compiled, "load into model._orig_mod with prefix='module.'"),
+                              ("plain", parallel, "the target is a DistributedDataParallel (or DataParallel) model: "
+                                                  "load into model.module")):
+        with pytest.raises(ckpt.errors.TensorMismatchError) as e:
+            small_chunks.load_into(ref, target)
+        assert says in e.value.hint
+    small_chunks.load_into("ddp", compiled._orig_mod, prefix="module.")
+    small_chunks.load_into("plain", parallel.module)
+    _same(net.state_dict(), compiled._orig_mod.state_dict())
+    _same(net.state_dict(), parallel.module.state_dict())
+
+
+def test_load_into_with_strict_false_that_would_load_nothing_is_refused(small_chunks):
+    """strict=False loads the common tensors; with none in common (a wrapped model, a forgotten
+    prefix, another model's ref) it returned having loaded nothing, the model still at its random
+    init, and the strict error's hint suggested exactly that. Both now say where the tensors are."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2)
+    small_chunks.push({"model": net.state_dict(), "epoch": 1}, "run")
+    dst = torch.nn.Linear(4, 2)
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    with pytest.raises(ckpt.errors.TensorMismatchError, match="no tensor of the target is in the checkpoint") as e:
+        small_chunks.load_into("run", dst, strict=False)
+    assert e.value.hint == "the checkpoint holds them under 'model.': pass prefix='model.'"
+    with pytest.raises(ckpt.errors.TensorMismatchError, match="checkpoint and target differ") as e:
+        small_chunks.load_into("run", dst)
+    assert "strict=False" not in e.value.hint and "prefix='model.'" in e.value.hint
+    with pytest.raises(ckpt.errors.TensorMismatchError, match="in the checkpoint under 'optim.'"):
+        small_chunks.load_into("run", dst, prefix="optim.", strict=False)
+    _same(before, dst.state_dict())
+    small_chunks.load_into("run", {"weight": dst.weight}, prefix="model.", strict=False)  # one in common: loaded
+    assert _bytes(dst.weight) == _bytes(net.weight) and _bytes(dst.bias) == _bytes(before["bias"])
+    small_chunks.load_into("run", {}, strict=False)  # nothing asked, nothing to refuse
+    with pytest.raises(ckpt.errors.TensorMismatchError, match=r"not in target \['model.bias'") as e:
+        small_chunks.load_into("run", {})
+    assert e.value.hint is None  # (not an empty one)
+
+
+def test_load_into_a_tied_target_from_a_checkpoint_with_them_untied_is_refused(small_chunks):
+    """A fine-tune that untied its head (lm_head != embedding) loaded into a model that ties them:
+    both were written to the one tensor, one silently lost. Refused before anything is written;
+    a checkpoint holding the tied pair equal (torch.save of a tied model) still loads."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight  # tied, as a language model's lm_head
+    tied = torch.nn.ModuleDict({"emb": emb, "head": head})
+    small_chunks.push(tied.state_dict(), "tied")  # both names, equal bytes
+    untied = {"emb.weight": torch.randn(10, 4), "head.weight": torch.randn(10, 4)}
+    small_chunks.push(untied, "untied")
+    before = emb.weight.detach().clone()
+    with pytest.raises(ckpt.errors.TensorMismatchError, match="'emb.weight' and 'head.weight' differ, but the target "
+                       "holds them in one tensor") as e:
+        small_chunks.load_into("untied", tied)
+    assert "tie_word_embeddings=False" in e.value.hint
+    assert _bytes(emb.weight) == _bytes(before)
+    fresh = torch.nn.ModuleDict({"emb": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10, bias=False)})
+    fresh["head"].weight = fresh["emb"].weight
+    small_chunks.load_into("tied", fresh)
+    _same(tied.state_dict(), fresh.state_dict())
+
+
+def test_load_and_load_into_a_pipeline_whose_models_share_names(small_chunks, tmp_path):
+    """A diffusers-style pipeline: unet/ and text_encoder/ are two models that both hold
+    'proj.weight'. Store.load and load_into refused the whole checkpoint ('appears in two files;
+    use ckpt pull'), so no model of it could be loaded from Python. Their tensors are now named
+    FOLDER/NAME (as diff names them): load(include=['unet/*']) and load_into(model, prefix='unet/')
+    work, bit for bit; a strict mismatch hints the prefix. A pipeline whose names never collide
+    keeps its plain names."""
+    torch.manual_seed(0)
+    unet = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 3))
+    text = torch.nn.Sequential(torch.nn.Linear(6, 6))
+    for part, model in (("unet", unet), ("text_encoder", text)):
+        (tmp_path / "pipe" / part).mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                  tmp_path / "pipe" / part / "diffusion_pytorch_model.safetensors")
+        (tmp_path / "pipe" / part / "config.json").write_text("{}")
+    small_chunks.push(tmp_path / "pipe", "sd")
+    got = small_chunks.load("sd")
+    assert sorted(got) == ["text_encoder/0.bias", "text_encoder/0.weight", "unet/0.bias", "unet/0.weight",
+                           "unet/1.bias", "unet/1.weight"]
+    _same({f"unet/{k}": v for k, v in unet.state_dict().items()}, small_chunks.load("sd", include=["unet/*"]))
+    dst = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Linear(6, 3))
+    with pytest.raises(ckpt.errors.TensorMismatchError) as e:
+        small_chunks.load_into("sd", dst)
+    assert "pass prefix='unet/'" in e.value.hint
+    small_chunks.load_into("sd", dst, prefix="unet/")
+    _same(unet.state_dict(), dst.state_dict())
+    dst_text = torch.nn.Sequential(torch.nn.Linear(6, 6))
+    small_chunks.load_into("sd", dst_text, prefix="text_encoder/")
+    _same(text.state_dict(), dst_text.state_dict())
+    apart = tmp_path / "apart"
+    for part, name in (("unet", "conv_in.weight"), ("vae", "encoder.conv_in.weight")):
+        (apart / part).mkdir(parents=True)
+        save_file({name: torch.ones(2)}, apart / part / "diffusion_pytorch_model.safetensors")
+    small_chunks.push(apart, "apart")
+    assert sorted(small_chunks.load("apart")) == ["conv_in.weight", "encoder.conv_in.weight"]
 
 
 def test_load_into_a_dcp_checkpoint_under_a_prefix(tmp_path):

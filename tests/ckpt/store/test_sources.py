@@ -93,6 +93,32 @@ def test_pickle_payload_is_refused_without_running(tmp_path, store):
     assert store.refs() == {}
 
 
+def test_a_trainer_checkpoints_pickled_file_is_refused_saying_to_push_the_folder(tmp_path, store):
+    """A transformers Trainer checkpoint-N holds training_args.bin (a pickled TrainingArguments, no
+    tensors) beside model.safetensors. Pushed alone it is refused, and the hint only said to re-save
+    its tensors (it has none); it now says the folder push keeps it as bytes, never unpickled,
+    which the folder push does, bit for bit."""
+    import argparse
+
+    ckpt_dir = tmp_path / "checkpoint-500"
+    ckpt_dir.mkdir()
+    save_file({"w": torch.randn(4, 4)}, ckpt_dir / "model.safetensors")
+    torch.save(argparse.Namespace(learning_rate=5e-5, output_dir="out"), ckpt_dir / "training_args.bin")
+    torch.save({"state": {}, "param_groups": [{"lr": 5e-5, "params": [0]}]}, ckpt_dir / "optimizer.pt")
+    with pytest.raises(UnsafeInputError, match="it holds a pickled argparse.Namespace") as e:
+        store.push(ckpt_dir / "training_args.bin", "x")
+    assert f"or push its whole folder ({ckpt_dir})" in e.value.hint
+    store.push(ckpt_dir, "run/checkpoint-500")
+    store.pull("run/checkpoint-500", tmp_path / "back")
+    for name in ("model.safetensors", "training_args.bin", "optimizer.pt"):
+        assert (tmp_path / "back" / name).read_bytes() == (ckpt_dir / name).read_bytes()
+    (tmp_path / "alone").mkdir()  # no model beside it: no folder advice
+    torch.save(argparse.Namespace(x=1), tmp_path / "alone" / "args.bin")
+    with pytest.raises(UnsafeInputError) as e:
+        store.push(tmp_path / "alone" / "args.bin", "y")
+    assert "whole folder" not in e.value.hint
+
+
 def test_a_whole_pickled_module_is_refused_saying_what_to_save_instead(tmp_path, store):
     """torch.save(model), the common mistake: the error was cut mid-sentence out of torch's
     ("... Please use `torch.serialization.add_safe"); it names the class and the fix."""
@@ -102,6 +128,33 @@ def test_a_whole_pickled_module_is_refused_saying_what_to_save_instead(tmp_path,
     assert "it holds a pickled torch.nn.modules.linear.Linear, a whole module (torch.save(model)): " \
            "save model.state_dict() instead" in _one_line(e)
     assert store.refs() == {}
+
+
+def test_a_legacy_format_file_torch_cannot_read_says_what_to_do(tmp_path, store):
+    """torch.save(..., _use_new_zipfile_serialization=False) writes float8 and uint16 tensors that
+    torch.load cannot read back ('UntypedStorage' has no attribute 'dtype'): that was the whole
+    message. The refusal now says the file is in the legacy format and how to save it again; a
+    legacy file torch reads (views of one storage included) pushes and loads bit for bit."""
+    p = tmp_path / "old.pt"
+    torch.save({"w": torch.randn(4, 3).to(torch.float8_e4m3fn)}, p, _use_new_zipfile_serialization=False)
+    with pytest.raises(InvalidSourceError, match="not a readable torch file") as e:
+        store.push(p, "x")
+    assert "legacy format (_use_new_zipfile_serialization=False)" in e.value.hint
+    assert "default torch.save" in e.value.hint
+    base = torch.randn(6, 4)
+    sd = {"base": base, "rows": base[1:4], "t": base.t(), "h": torch.randn(3).half(), "bf": torch.randn(3).bfloat16()}
+    torch.save(sd, p, _use_new_zipfile_serialization=False)
+    store.push(p, "x")
+    got = store.load("x")
+    for k, v in sd.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape
+        assert got[k].view(-1).view(torch.uint8).tolist() == v.contiguous().view(-1).view(torch.uint8).tolist(), k
+    torch.save({"w": torch.zeros(2)}, p)  # the zip format, broken: no legacy hint
+    with open(p, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(InvalidSourceError, match="not a readable torch file") as e:
+        store.push(p, "y")
+    assert e.value.hint is None or "legacy" not in e.value.hint
 
 
 def test_pt_that_is_not_a_dict(tmp_path, store):
@@ -117,6 +170,28 @@ def test_missing_and_empty_sources(tmp_path, store):
     (tmp_path / "emptydir").mkdir()
     with pytest.raises(InvalidSourceError, match="no .safetensors"):
         store.push(tmp_path / "emptydir", "x")
+
+
+def test_a_folder_of_pytorch_model_bin_shards_is_refused_with_a_way_forward(tmp_path, store):
+    """A Hugging Face model saved with safe_serialization=False: pytorch_model-0000N-of-0000M.bin
+    and pytorch_model.bin.index.json. The refusal said 'push a .pt/.bin file directly', which
+    scatters one model over a ref per shard with no config; it names the shards and says to
+    convert the folder to safetensors."""
+    d = tmp_path / "m"
+    d.mkdir()
+    weight_map = {}
+    for i in range(4):
+        name = f"pytorch_model-{i + 1:05d}-of-00004.bin"
+        torch.save({f"layer{i}.weight": torch.randn(3, 3)}, d / name)
+        weight_map[f"layer{i}.weight"] = name
+    (d / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (d / "config.json").write_text("{}")
+    with pytest.raises(InvalidSourceError, match=r"no .safetensors files; its weights are torch pickle files "
+                       r"\(pytorch_model-00001-of-00004.bin, pytorch_model-00002-of-00004.bin, "
+                       r"pytorch_model-00003-of-00004.bin and 1 more\)") as e:
+        store.push(d, "x")
+    assert "save_pretrained(OUT)" in e.value.hint and "push a .pt/.bin file directly" not in e.value.hint
+    assert store.refs() == {}
 
 
 def test_hf_index_must_match_shards(tmp_path, store):
