@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import ckpt
+import ckpt.dcp
 from ckpt.settings import Settings
 
 DTYPES = [
