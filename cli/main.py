@@ -236,7 +236,8 @@ def pull(
 
     Each file appears only when complete (written under a temporary name, then renamed).
     A model directory goes to a new or empty DEST; into a DEST holding other files only
-    with --force, which replaces the checkpoint's own files and leaves the rest. A pull
+    with --force, which replaces the checkpoint's own files and leaves the rest (but not
+    beside weights files that are not the checkpoint's: a loader would read those too). A pull
     never writes inside a store or into a directory holding the store, and replaces a
     symbolic link at a file's name rather than writing through it.
 

@@ -172,7 +172,38 @@ def dir_targets(store: Store, dest: str, paths: Sequence[str], overwrite: bool) 
             raise DestinationExistsError(
                 f"{dest} exists and is not empty ({shown} {'is' if len(clash) == 1 else 'are'} in the way)",
                 hint="pass --force to write the checkpoint's files into it, replacing only files of the same names")
+    else:
+        _check_no_stale_weights(dest, paths)
     return dest, targets
+
+
+_WEIGHTS = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth", ".ckpt")
+
+
+def _check_no_stale_weights(dest: str, paths: Sequence[str]) -> None:
+    """Refuse a --force pull beside weights files that are not the checkpoint's, in a folder where it
+    writes weights: left in place (a pull removes nothing of the user's), a loader would read them with
+    or instead of the new ones -- transformers prefers a ``model.safetensors`` to the shards and index
+    of a sharded model pulled over it, and loads the old weights without a word."""
+    mine: dict[str, set[str]] = {}
+    for p in paths:
+        folder, _, name = p.rpartition("/")
+        mine.setdefault(folder, set()).add(name)
+    for folder, names in sorted(mine.items()):
+        if not any(n.endswith(_WEIGHTS) for n in names):
+            continue
+        d = os.path.join(dest, *folder.split("/")) if folder else dest
+        try:
+            present = os.listdir(d)
+        except OSError:  # not there yet (made by the pull) or unreadable (the write will say)
+            continue
+        stale = sorted(n for n in present if n.endswith(_WEIGHTS) and n not in names and os.path.isfile(os.path.join(d, n)))
+        if stale:
+            shown = ", ".join(stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+            raise DestinationError(
+                f"{d} holds weights this checkpoint does not have ({shown}): beside its own, a loader would read "
+                "them too or instead (transformers prefers model.safetensors to a sharded model's index)",
+                hint="remove or move them, or pull into a new directory; --force replaces only the checkpoint's own files")
 
 
 def _lock_temp(path: str, fd: int) -> None:

@@ -233,3 +233,36 @@ def test_a_folder_pulled_to_a_file_name_is_refused(sandbox, capsys, tmp_path, na
     dest.mkdir()
     code, _, err = run(capsys, "--store", store, "pull", "two", str(dest))
     assert code == 0 and sorted(os.listdir(dest)) == ["config.json", "model.safetensors"], err
+
+
+def test_force_pull_beside_weights_that_are_not_the_checkpoints_is_refused(tmp_path, capsys):
+    """A single-file model pulled into DIR, then a sharded one over it with --force: the old
+    model.safetensors stayed beside the new shards and index (a pull removes nothing of the user's),
+    and transformers, which prefers model.safetensors, loaded the old weights silently. Such a pull
+    is refused, touching nothing; weights in folders the checkpoint writes no weights to, and other
+    files, do not count."""
+    one, sharded = tmp_path / "one", tmp_path / "sharded"
+    one.mkdir()
+    sharded.mkdir()
+    save_file({"w": torch.zeros(4)}, one / "model.safetensors")
+    (one / "config.json").write_text("{}")
+    save_file({"w": torch.ones(4)}, sharded / "model-00001-of-00001.safetensors")
+    (sharded / "model.safetensors.index.json").write_text('{"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}')
+    (sharded / "config.json").write_text('{"v": 2}')
+    store = str(tmp_path / "store")
+    for src, name in ((one, "m/one"), (sharded, "m/sharded")):
+        code, _, err = run(capsys, "--store", store, "push", str(src), name)
+        assert code == 0, err
+    dest = tmp_path / "dest"
+    assert run(capsys, "--store", store, "pull", "m/one", str(dest))[0] == 0
+    (dest / "notes.txt").write_text("mine")
+    before = tree(dest)
+    code, _, err = run(capsys, "--store", store, "pull", "m/sharded", str(dest), "--force")
+    one_line_error(code, err, "holds weights this checkpoint does not have (model.safetensors)", "pull into a new directory")
+    assert tree(dest) == before
+    (dest / "model.safetensors").unlink()
+    code, _, err = run(capsys, "--store", store, "pull", "m/sharded", str(dest), "--force")
+    assert code == 0, err
+    assert sorted(os.listdir(dest)) == ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "notes.txt"]
+    # The same pull again over itself (its own files only): still fine.
+    assert run(capsys, "--store", store, "pull", "m/sharded", str(dest), "--force")[0] == 0
