@@ -628,5 +628,8 @@ class StoreIndex:
         newest = snaps[-1][0] if snaps else -1
         if sum(1 for g in logs if g > newest) >= self.compact_after:
             st = self.load(chunks=True)
-            if st is not None:
-                self.heal(st)
+            if st is None:  # no snapshot yet (no exact reader ran: a training run's own store): the first one is
+                # built from the refs and manifests, once, as `ckpt ls` would; else the logs grew with every update
+                # and each update listed them all
+                st = self.view(exact=True, chunks=True)
+            self.heal(st)

@@ -114,6 +114,9 @@ class Refs:
         self.backend = backend
         # The store's metadata index (storage/index.py), told of every update after it lands.
         self.index: RefJournal | None = None
+        # The entry number each ref's next update from here is likely to take (one past the last this
+        # object wrote): tried first, so that a long-lived ref (RUN/latest) is not listed whole each update.
+        self._next: dict[str, int] = {}
 
     @staticmethod
     def _entry_path(name: str, seq: int) -> str:
@@ -267,13 +270,21 @@ class Refs:
         validate_ref_name(name)
         writer = uuid.uuid4().hex
         for attempt in range(attempts):
-            seq = max(self._entry_seqs(name), default=0) + 1
+            # The guess stands where entry guess-1 is there: entries are numbered with no gap and each writer
+            # creates one past the newest it sees, so if guess is free (the create is exclusive) nothing newer
+            # exists. Checked, because the ref may have been removed from the folder and begun again since.
+            guess = self._next.pop(name, None) if attempt == 0 else None
+            seq = guess if guess is not None and self.backend.exists(self._entry_path(name, guess - 1)) else \
+                max(self._entry_seqs(name), default=0) + 1
             if seq > MAX_SEQ:  # an 11-digit entry name would be written, and never read: the update lost
                 raise StoreFormatError(f"ref {name} has an entry numbered {seq - 1}, the last there can be: it cannot be "
                                        "updated", hint="a damaged or crafted entry? `ckpt log` shows it; use another name")
             entry = RefEntry(name, seq, target, time.time(), writer, alias)
             data = entry.to_json()
             if self.backend.create_exclusive(self._entry_path(name, seq), data):
+                if len(self._next) >= 1024:  # a run's step-N refs are each updated once: keep few
+                    self._next.clear()
+                self._next[name] = seq + 1
                 if self.index is not None:
                     self.index.record(entry, len(data))  # after the entry: a crash leaves the index stale, never ahead
                 return entry

@@ -18,7 +18,7 @@ import torch
 
 import ckpt
 from ckpt.store.base import choose_base
-from ckpt_store.storage.index import COMPACT_AFTER, PREFIX
+from ckpt_store.storage.index import COMPACT_AFTER, PREFIX, PRUNE_LAG
 
 NAMES = [f"l{i}.w" for i in range(3)]
 
@@ -312,3 +312,52 @@ def test_an_entry_the_listing_of_refs_missed_is_read_and_no_snapshot_written(tmp
     st = store.index.view(exact=True, history=True)
     assert st.entries()["fam/ft0"] == expected and st.partial
     assert store.gc(grace_s=0, dry_run=True).live_manifests == off(store).gc(grace_s=0, dry_run=True).live_manifests
+
+
+def test_a_long_lived_ref_is_updated_without_listing_its_history_or_the_growing_index(store_url):
+    """A training run's RUN/latest gets an entry per save. Each update listed the ref's whole history
+    to number the next entry, and told the index by a log the index never folded while it had no
+    snapshot (one is written only by an exact reader, ls/du/gc, which a run's own store may never
+    see): both listings grew with every save (1,000 updates of one ref: 10.6 s, the last ones
+    17 ms each, index/ holding 1,000 logs). Now an update tries one past its own last entry (checked
+    there), and a writer that finds many logs and no snapshot builds the first one."""
+    store = ckpt.Store.init(store_url)
+    store.push({"w": torch.zeros(4)}, "x")
+    mid = store.resolve("x")
+    listed: list[str] = []
+    real = store.backend.list
+
+    def counting_list(prefix: str):
+        listed.append(prefix)
+        return real(prefix)
+
+    store.backend.list = counting_list  # type: ignore[method-assign]  (instrumentation, not a mock)
+    n = PRUNE_LAG + 3 * COMPACT_AFTER
+    for i in range(n):
+        store.refs_db.set("run/latest", mid, alias=True)
+        if i == 1:
+            listed.clear()
+    assert not [p for p in listed if p.startswith("refs/run")]  # after the first two: not one listing of the ref
+    assert listed.count("refs") <= 1  # the refs of the store, listed once to build the index's first snapshot
+    store.backend.list = real  # type: ignore[method-assign]
+    files = index_files(store)
+    assert any(p.endswith(".snap") for p in files) and sum(p.endswith(".log") for p in files) <= PRUNE_LAG + COMPACT_AFTER
+    assert [e.seq for e in store.log("run/latest")] == list(range(n, 0, -1))
+    assert store.resolve("run/latest") == mid and store.resolve(f"run/latest@{n - 1}") == mid
+    same_with_and_without(store)
+
+
+def test_a_ref_begun_again_elsewhere_is_numbered_from_its_entries_not_from_memory(tmp_path):
+    """The next entry number a writer remembers is checked: a ref whose folder was removed and begun
+    again by another process gets its next entry after the new ones, not past the old ones (a gap,
+    which is damage)."""
+    url = str(tmp_path / "s")
+    a = ckpt.Store.init(url)
+    a.push({"w": torch.zeros(4)}, "x")
+    mid = a.resolve("x")
+    for _ in range(3):
+        a.refs_db.set("r", mid)
+    shutil.rmtree(tmp_path / "s" / "refs" / "r")
+    ckpt.Store.open(url).refs_db.set("r", mid)  # another writer begins it again: entry 1
+    a.refs_db.set("r", mid)
+    assert [e.seq for e in a.log("r")] == [2, 1] and a.resolve("r@1") == mid
