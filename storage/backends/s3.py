@@ -71,6 +71,8 @@ LIST_COST = 10
 _IGNORED_OPTIONS = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_concurrency",
                     "default_block_size", "default_fill_cache", "version_aware", "cache_regions"}
 _MISSING = {"NoSuchKey", "404", "NotFound"}
+# Operations whose 404 is no missing object: a listing, a write (S3 answers neither with 404).
+_NOT_OF_ONE_OBJECT = ("write", "create", "list")
 
 
 class ObjectReader:
@@ -262,13 +264,13 @@ class S3Backend(Backend):
             e.message = self._redact(e.message)
             raise
         except FileNotFoundError as e:
-            if op in ("write", "create"):
+            if op in _NOT_OF_ONE_OBJECT:
                 raise self._error(op, path, e) from None
             raise FileNotFoundError(errno.ENOENT, "no such object", path) from None
         except Exception as e:  # noqa: BLE001 - every client error becomes a StorageIOError
-            code = (client_error(e) or ("",))[0]
-            if code in _MISSING or (code == "NoSuchBucket" and op == "read"):
-                if op not in ("write", "create"):
+            code, status = client_error(e) or ("", 0)
+            if code in _MISSING or (not code and status == 404) or (code == "NoSuchBucket" and op == "read"):
+                if op not in _NOT_OF_ONE_OBJECT:
                     raise FileNotFoundError(errno.ENOENT, "no such object", path) from None
             raise self._error(op, path, e) from None
 
@@ -293,6 +295,14 @@ class S3Backend(Backend):
             return StorageIOError(f"cannot {op} {where}: access denied ({code or 'HTTP 403'})",
                                   hint="check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE) "
                                        "and the endpoint (AWS_ENDPOINT_URL or --storage-option endpoint_url=...)")
+        if code in _MISSING or (ce and ce[1] == 404):
+            # S3 answers a listing of a bucket that exists, or a write into one, never with 404 (and a
+            # missing bucket with NoSuchBucket): this endpoint is no S3 server, or not the one meant.
+            endpoint = self._redact(str(self.client.meta.endpoint_url))
+            return StorageIOError(f"cannot {op} {where}: {endpoint} answered 404 Not Found (error code "
+                                  f"{code or 'none'}), which no S3 server answers to a {op}",
+                                  hint=f"check that {endpoint} is the S3 endpoint (AWS_ENDPOINT_URL or --storage-option "
+                                       f"endpoint_url=...) and that bucket {self.bucket} exists there")
         detail = self._redact(str(e).strip() or type(e).__name__)
         return StorageIOError(f"cannot {op} {where}: {detail}")
 
@@ -550,7 +560,8 @@ class S3Backend(Backend):
                                     lambda: self.client.list_objects_v2(**kw))
             return direct.page(r) if r is not None else answer  # type: ignore[no-any-return]
 
-        return self._call("list", prefix, page)
+        where = prefix[len(self.prefix):] if self.prefix else prefix  # (errors name the store's URL and this below it)
+        return self._call("list", where.strip("/"), page)
 
     def _pages(self, key_prefix: str, delimiter: str = "") -> Iterator[tuple[list[tuple[str, dict[str, Any]]], bool]]:
         """The listing of ``key_prefix`` page by page: each page's (path in the store, object) pairs,

@@ -180,6 +180,19 @@ def test_bad_endpoint_error_never_shows_the_secret(ckpt_cli, env):
     assert "127.0.0.1:1" in line
 
 
+def test_an_endpoint_that_is_no_s3_server_is_one_line(ckpt_cli, env, files):
+    """AWS_ENDPOINT_URL naming a web server (404 and HTML to everything): `init` and `push` ended in
+    a traceback (FileNotFoundError from the listing of the store's prefix)."""
+    from s3support import web_server
+
+    base, _, _ = files
+    with web_server(404) as url:
+        e = {**env, "AWS_ENDPOINT_URL": url, "CKPT_RETRIES": "1"}
+        for args in (["init"], ["push", base, "m"]):
+            line = ckpt_cli.fails("--store", "s3://bucket/s", *args, env=e)
+            assert "404" in line and url in line and "s3://bucket/s" in line
+
+
 def test_bad_storage_option_is_a_usage_error(ckpt_cli):
     code, _, err = ckpt_cli("--store", "s3://b/x", "--storage-option", f"no-equals-sign-{SECRET}", "ls")
     assert code == 2 and "KEY=VALUE" in err and SECRET not in err

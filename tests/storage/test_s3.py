@@ -167,6 +167,24 @@ def test_no_such_bucket_is_clear(s3_main):
     assert not e.value.retryable
 
 
+def test_an_endpoint_that_is_no_s3_server_is_a_clear_error():
+    """An endpoint that is a plain web server (a typo in the port, a proxy's page) answers a LIST
+    with 404 and HTML: that came out as FileNotFoundError ("no such object: 's/'"), a traceback
+    from `ckpt init` and `ckpt push`. It is an error saying what the server answered, naming the
+    store (once: "s3://b/s/s/" named the prefix twice)."""
+    from s3support import web_server
+
+    with web_server(404) as url:
+        b = S3Backend("s3://bucket/s", {"endpoint_url": url, "key": "k", "secret": "s"}, retry=FAST)
+        with pytest.raises(StorageIOError, match="404") as e:
+            list(b.list(""))
+        assert "s3://bucket/s:" in str(e.value) and "endpoint" in str(e.value.hint) and not e.value.retryable
+        with pytest.raises(StorageIOError, match="s3://bucket/s/objects:"):
+            b.list_all("objects", 100)
+        with pytest.raises(FileNotFoundError):
+            b.read("ckpt-store.json")  # (an object: its 404 is a missing object, as on S3)
+
+
 def test_missing_store_on_s3(s3_main_url):
     import ckpt
     from ckpt.errors import StoreNotFoundError
