@@ -194,6 +194,7 @@ class S3Backend(Backend):
                  retry: RetryPolicy | None = None, conditional_writes: bool = True, direct: bool = True) -> None:
         try:
             from botocore.config import Config
+            from botocore.exceptions import BotoCoreError
         except ImportError:
             raise StorageIOError(f"{url} needs botocore", hint="install it: pip install 'ckpt-store[s3]'") from None
         opts = dict(storage_options or {})
@@ -236,8 +237,13 @@ class S3Backend(Backend):
             cfg.setdefault("response_checksum_validation", "when_required")
             client_kw.setdefault("region_name", session.get_config_variable("region") or "us-east-1")
             self.client = session.create_client("s3", config=Config(**cfg), **client_kw)
-        except (TypeError, ValueError, KeyError) as e:
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise StorageIOError(f"bad storage options for {url}: {self._redact(str(e))}") from None
+        except BotoCoreError as e:  # a profile not found, a config file that does not parse, a key without its secret
+            raise StorageIOError(f"cannot open {url}: {self._redact(str(e))}",
+                                 hint="check the AWS configuration: AWS_PROFILE, AWS_CONFIG_FILE, "
+                                      "AWS_SHARED_CREDENTIALS_FILE, and the key, secret and profile given "
+                                      "with --storage-option") from None
         self._direct = _direct_requests(self.client, direct)
         self._parts = None  # thread pool for the parts of multipart uploads, made on first use
         self._parts_lock = threading.Lock()

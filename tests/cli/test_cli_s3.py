@@ -193,6 +193,12 @@ def test_an_endpoint_that_is_no_s3_server_is_one_line(ckpt_cli, env, files):
             assert "404" in line and url in line and "s3://bucket/s" in line
 
 
+def test_a_profile_that_does_not_exist_is_one_line(ckpt_cli, env):
+    """AWS_PROFILE or --storage-option profile= naming no profile: a ProfileNotFound traceback."""
+    assert "nosuch" in ckpt_cli.fails("--store", "s3://bucket/s", "ls", env={**env, "AWS_PROFILE": "nosuch"})
+    assert "nosuch" in ckpt_cli.fails("--store", "s3://bucket/s", "--storage-option", "profile=nosuch", "ls")
+
+
 def test_bad_storage_option_is_a_usage_error(ckpt_cli):
     code, _, err = ckpt_cli("--store", "s3://b/x", "--storage-option", f"no-equals-sign-{SECRET}", "ls")
     assert code == 2 and "KEY=VALUE" in err and SECRET not in err

@@ -185,6 +185,28 @@ def test_an_endpoint_that_is_no_s3_server_is_a_clear_error():
             b.read("ckpt-store.json")  # (an object: its 404 is a missing object, as on S3)
 
 
+@pytest.mark.parametrize("env, opts, says", [
+    ({"AWS_PROFILE": "no-such-profile"}, {}, "no-such-profile"),
+    ({"AWS_CONFIG_FILE": "GARBAGE"}, {}, "parse config file"),
+    ({"AWS_SHARED_CREDENTIALS_FILE": "GARBAGE"}, {}, "parse config file"),
+    ({}, {"profile": "no-such-profile"}, "no-such-profile"),
+    ({}, {"key": "only-a-key"}, "missing: aws_secret_access_key"),
+    ({}, {"config_kwargs": {"retries": 3}}, "bad storage options"),
+])
+def test_a_broken_aws_configuration_is_a_clear_error(env, opts, says, tmp_path, monkeypatch):
+    """A profile that does not exist (AWS_PROFILE, --storage-option profile=), an AWS config or
+    credentials file that does not parse, a key without its secret, config_kwargs.retries=3: each
+    ended every command in a botocore traceback (ProfileNotFound, ConfigParseError,
+    PartialCredentialsError, AttributeError) raised while the client was made."""
+    garbage = tmp_path / "aws-config"
+    garbage.write_bytes(b"\x00\xff not an ini file [[[\n= =\n")
+    for k, v in env.items():
+        monkeypatch.setenv(k, str(garbage) if v == "GARBAGE" else v)
+    with pytest.raises(StorageIOError, match=says) as e:
+        S3Backend("s3://bucket/x", {"endpoint_url": "http://127.0.0.1:1", **opts}, retry=FAST)
+    assert "s3://bucket/x" in str(e.value) and not e.value.retryable
+
+
 def test_missing_store_on_s3(s3_main_url):
     import ckpt
     from ckpt.errors import StoreNotFoundError
