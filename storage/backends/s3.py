@@ -53,7 +53,7 @@ from ckpt_store.storage.backends.s3_errors import (
     transient,
 )
 from ckpt_store.storage.backends.watchdog import MIN_RATE, allowed, socket_of, watch
-from ckpt_store.storage.errors import StorageIOError
+from ckpt_store.storage.errors import StorageIOError, StoreLocationError
 from ckpt_store.storage.retry import RetryPolicy, call_with_retries, progressed
 
 log = logging.getLogger(__name__)
@@ -209,6 +209,13 @@ class S3Backend(Backend):
         self.prefix = self.prefix.strip("/")
         if not self.bucket:
             raise StorageIOError(f"{url} names no bucket", hint="use s3://BUCKET/PREFIX")
+        parts = self.prefix.split("/") if self.prefix else []
+        if any(p in ("", ".", "..") for p in parts) or any(ord(c) < 32 or c == "\x7f" for c in self.prefix):
+            # S3 keys are not paths: SeaweedFS folds a//b into a/b and refuses . and .., AWS keeps them as
+            # they are; a store written under one reading and listed under the other loses its objects.
+            plain = "/".join(q for q in ("".join(c for c in p if c.isprintable()) for p in parts) if q not in ("", ".", ".."))
+            raise StoreLocationError(f"{url!r}: the prefix has an empty, '.' or '..' segment or a control character, "
+                                     "which S3 servers read differently", hint=f"write it plainly: s3://{self.bucket}/{plain}")
         try:
             session = _new_session(opts.pop("profile", None))
             client_kw = dict(opts.pop("client_kwargs", None) or {})

@@ -207,6 +207,24 @@ def test_a_broken_aws_configuration_is_a_clear_error(env, opts, says, tmp_path, 
     assert "s3://bucket/x" in str(e.value) and not e.value.retryable
 
 
+@pytest.mark.parametrize("tail", ["/a//b", "/a/./b", "/a/../b", "/..", "/.", "/a\nb", "/a\x00b", "/a\x7fb"])
+def test_a_prefix_that_servers_read_differently_is_refused(s3_server, tail):
+    """S3 keys are not paths: SeaweedFS folds ``a//b`` into ``a/b`` and refuses ``.`` and ``..``
+    segments, AWS and moto keep them as they are. A push to s3://b/a//b on SeaweedFS wrote its
+    config and chunks under a/b/, then listed its own lock under a/b/ and failed ("vanished while
+    it was held"), leaving chunks and a store without refs; ``.``, ``..`` and control characters
+    ended in "400 Bad Request". Such a prefix is refused before any request, saying how to write it."""
+    import ckpt
+    from ckpt_store.storage.errors import StoreLocationError
+
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}{tail}"
+    with pytest.raises(StoreLocationError, match="prefix") as e:
+        ckpt.Store.init(url, storage_options=s3_server.options())
+    assert "s3://" in str(e.value.hint)
+    assert not list(open_backend(f"s3://{bucket}", storage_options=s3_server.options()).list(""))  # nothing written
+
+
 def test_missing_store_on_s3(s3_main_url):
     import ckpt
     from ckpt.errors import StoreNotFoundError
