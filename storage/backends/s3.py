@@ -216,6 +216,13 @@ class S3Backend(Backend):
             plain = "/".join(q for q in ("".join(c for c in p if c.isprintable()) for p in parts) if q not in ("", ".", ".."))
             raise StoreLocationError(f"{url!r}: the prefix has an empty, '.' or '..' segment or a control character, "
                                      "which S3 servers read differently", hint=f"write it plainly: s3://{self.bucket}/{plain}")
+        for k in ("key", "secret", "token", "endpoint_url", "region_name", "profile"):
+            if opts.get(k) is not None and not isinstance(opts[k], str):  # (its value unshown: it may be a credential)
+                raise StorageIOError(f"bad storage options for {url}: {k} must be text, not a {type(opts[k]).__name__}",
+                                     hint=f"--storage-option takes a value that reads as JSON (a number, say) as "
+                                          f"JSON: quote it, --storage-option '{k}=\"...\"'")
+        if not isinstance(opts.get("anon", False), bool):  # "maybe" or "false" is no reason to drop the credentials
+            raise StorageIOError(f"bad storage options for {url}: anon must be true or false, not {opts['anon']!r}")
         try:
             session = _new_session(opts.pop("profile", None))
             client_kw = dict(opts.pop("client_kwargs", None) or {})

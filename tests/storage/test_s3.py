@@ -225,6 +225,23 @@ def test_a_prefix_that_servers_read_differently_is_refused(s3_server, tail):
     assert not list(open_backend(f"s3://{bucket}", storage_options=s3_server.options()).list(""))  # nothing written
 
 
+@pytest.mark.parametrize("opts, says", [
+    ({"anon": "maybe"}, "anon must be true or false"),
+    ({"anon": "false"}, "anon must be true or false"),
+    ({"key": 12345, "secret": "s" * 8}, "key must be text"),
+    ({"key": "k" * 8, "secret": 100000.0}, "secret must be text"),
+    ({"endpoint_url": 8333}, "endpoint_url must be text"),
+])
+def test_storage_options_of_the_wrong_type_are_refused(opts, says):
+    """--storage-option values are JSON where they parse: anon=maybe (a typo) and anon="false" were
+    truthy, so the store was read anonymously; secret=1e5 arrived as 100000.0 and key=12345 as a
+    number, and the first request failed with "sequence item 0: expected str instance, int found"."""
+    with pytest.raises(StorageIOError, match=says) as e:
+        S3Backend("s3://bucket/x", {"endpoint_url": "http://127.0.0.1:1", **opts}, retry=FAST)
+    assert "100000" not in str(e.value) and "12345" not in str(e.value)  # a credential's value is never shown
+    assert S3Backend("s3://bucket/x", {"anon": True}).client.meta.config.signature_version is not None
+
+
 def test_missing_store_on_s3(s3_main_url):
     import ckpt
     from ckpt.errors import StoreNotFoundError
