@@ -88,8 +88,12 @@ def check_location(backend: Backend, *, create: bool) -> None:
     as is creating one in a folder that already holds anything else.
     """
     root = backend.local_path(".")
-    if root is None:  # a remote store has no ancestors to check; its prefix must be new or empty
+    if root is None:  # a remote store: its prefix must be new or empty, and below no other store's
         if create and not backend.exists(CONFIG_PATH):
+            outer = backend.outer_store(CONFIG_PATH)
+            if outer is not None:
+                raise StoreLocationError(f"{backend.url} is inside the store at {outer}; a store cannot hold another",
+                                         hint=f"choose a prefix outside {outer}")
             held = next((e.path for e in backend.list("") if not e.path.rsplit("/", 1)[-1].startswith(".tmp-")), None)
             if held is not None and not backend.exists(CONFIG_PATH):
                 raise StoreLocationError(f"{backend.url} is not empty and holds no store (it holds {held!r}, say); "

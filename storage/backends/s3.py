@@ -28,6 +28,7 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import http.client
 import logging
@@ -630,6 +631,21 @@ class S3Backend(Backend):
 
     def delete(self, path: str) -> None:
         self._call("delete", path, lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(path)))
+
+    def outer_store(self, config: str) -> str | None:
+        """The nearest prefix above this one (up to the bucket's root) that holds ``config``; one HEAD each."""
+        parts = self.prefix.split("/") if self.prefix else []
+        scheme = self.url.split("://", 1)[0] if "://" in self.url else "s3"
+        for n in range(len(parts) - 1, -1, -1):
+            above = copy.copy(self)  # (the same client and bucket, another prefix)
+            above.prefix = "/".join(parts[:n])
+            above.url = f"{scheme}://{self.bucket}/{above.prefix}".rstrip("/")
+            try:
+                if above.exists(config):
+                    return above.url
+            except StorageIOError as e:  # a user allowed only below some prefix may not look above it
+                log.debug("cannot look for a store at %s: %s", above.url, e)
+        return None
 
     def touch(self, path: str) -> bool:
         # S3 cannot refresh an object's time in place; writers and gc keep off each

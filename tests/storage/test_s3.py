@@ -242,6 +242,46 @@ def test_storage_options_of_the_wrong_type_are_refused(opts, says):
     assert S3Backend("s3://bucket/x", {"anon": True}).client.meta.config.signature_version is not None
 
 
+@pytest.mark.parametrize("inner", ["refs/m/inner", "objects/x", "ckpt-store.json", "a/b/c"])
+def test_a_store_is_not_created_inside_another_on_s3(s3_server, inner, tmp_path):
+    """As on a local disk, a store cannot hold another: `ckpt push FILE n --store s3://b/team/refs/m/x`
+    created a store whose objects the outer one read as its own (a ref "m/x/refs/n" that names no
+    checkpoint: every `ls`, `verify` and `gc` of the team's store failed until someone removed keys
+    by hand). Creating one anywhere below a store's prefix is refused; nothing is written."""
+    import ckpt
+    from ckpt_store.storage.errors import StoreLocationError
+
+    where = s3_server.new_bucket()
+    outer = ckpt.Store.init(f"s3://{where}/team", storage_options=s3_server.options())
+    src = tmp_path / "w.safetensors"
+    _save_small(src)
+    outer.push(str(src), "m")
+    before = sorted(e.path for e in outer.backend.list(""))
+    with pytest.raises(StoreLocationError, match=f"inside the store at s3://{where}/team"):
+        ckpt.Store.init(f"s3://{where}/team/{inner}", storage_options=s3_server.options())
+    assert sorted(e.path for e in outer.backend.list("")) == before
+    listing = outer.ls()
+    assert [r.name for r in listing.refs] == ["m"] and not listing.damaged and outer.verify().ok
+    ckpt.Store.init(f"s3://{where}/elsewhere", storage_options=s3_server.options())  # a sibling is fine
+
+
+def test_prefixes_a_user_may_not_look_at_hold_no_store_for_them():
+    """A user allowed only below their own prefix is denied the HEADs above it: that is no store
+    around theirs (refusing would keep them from creating any store)."""
+    from s3support import web_server
+
+    with web_server(403) as url:
+        b = S3Backend("s3://bucket/team/me", {"endpoint_url": url, "key": "k", "secret": "s"}, retry=FAST)
+        assert b.outer_store("ckpt-store.json") is None
+
+
+def _save_small(path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.arange(64, dtype=np.float32)}, str(path))
+
+
 def test_missing_store_on_s3(s3_main_url):
     import ckpt
     from ckpt.errors import StoreNotFoundError
