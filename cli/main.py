@@ -380,7 +380,7 @@ def verify(
     """
     store = _open()
     if repair_from is not None:
-        rr = store.repair(repair_from, refs or None, progress=RichProgress())
+        rr = store.repair(_open(url=repair_from), refs or None, progress=RichProgress())  # with --storage-option
         r = rr.after
     else:
         r = store.verify(refs or None, progress=RichProgress())

@@ -156,6 +156,26 @@ def test_storage_options_on_the_command_line(s3_main, ckpt_cli, env, files):
     assert [r["ref"] for r in ckpt_cli.json("--store", url, *opts, "ls", env=e)] == ["m/base"]
 
 
+def test_verify_repair_from_s3_honours_storage_options(s3_main, ckpt_cli, env, files, tmp_path):
+    """`verify --repair-from s3://...` opened the source without --storage-option: with the endpoint
+    and credentials given only that way (as the docs show for every command), the repair failed
+    ("no S3 credentials found") and the damaged store stayed damaged."""
+    base, _, _ = files
+    e = {k: v for k, v in env.items() if not k.startswith("AWS_") or k == "AWS_EC2_METADATA_DISABLED"}
+    url = f"s3://{s3_main.new_bucket()}/s"
+    opts = ["--storage-option", f"endpoint_url={s3_main.endpoint}", "--storage-option", f"key={KEY}",
+            "--storage-option", f"secret={SECRET}"]
+    ckpt_cli.ok("--store", url, *opts, "push", base, "m", env=e)
+    local = tmp_path / "local"
+    ckpt_cli.ok("--store", local, "push", base, "m", env=e)
+    chunks = sorted((local / "objects" / "chunks").rglob("*"))
+    victim = next(p for p in chunks if p.is_file())
+    victim.unlink()
+    ckpt_cli("--store", local, "verify", env=e)
+    doc = ckpt_cli.json("--store", local, *opts, "verify", "--repair-from", url, env=e)
+    assert doc["ok"] is True and victim.exists()
+
+
 def test_init_honours_storage_options(s3_main, ckpt_cli, env):
     """`init` opens the store with --storage-option like every other command (it ignored them before)."""
     e = {k: v for k, v in env.items() if not k.startswith("AWS_") or k == "AWS_EC2_METADATA_DISABLED"}
