@@ -119,11 +119,28 @@ def _emit_json(doc: Any) -> None:
     emit_json(doc)
 
 
-def _open(create: bool = False, url: str | None = None) -> Any:
-    from ckpt.store.store import Store
+def _named(argv: list[str]) -> list[str]:
+    """The words of a command line but the storage options' values (an endpoint_url=http://... names no store)."""
+    words, skip = [], False
+    for a in argv:
+        if not skip and a not in ("--storage-option", "-o") and not a.startswith(("--storage-option=", "-o=")):
+            words.append(a)
+        skip = a in ("--storage-option", "-o")
+    return words
 
+
+def _open(create: bool = False, url: str | None = None) -> Any:
+    from ckpt.store.store import Store, is_local_url
+
+    target = url or _state["store"]
+    if _state["options"] and is_local_url(target):
+        # Options dropped in silence where s3:// was forgotten: the push would land in a local folder.
+        if all(is_local_url(a) for a in _named(_state.get("argv", []))):  # (no other store of the command is remote)
+            raise typer.BadParameter(f"{target or 'the default store'} is a local folder, and every store this command "
+                                     "names is: storage options are for remote stores (s3://BUCKET/PREFIX...)",
+                                     param_hint="--storage-option")
     connect = Store.init if create else Store.open
-    return connect(url or _state["store"], storage_options=_state["options"], settings=_settings())
+    return connect(target, storage_options=_state["options"], settings=_settings())
 
 
 cache_app = typer.Typer(help=("The local cache of chunks read from remote stores: show what it holds, or clear it.\n\n"
@@ -724,6 +741,7 @@ def _main(argv: list[str] | None) -> None:
     from ckpt.errors import CkptError
 
     _state["json"] = _state["json_written"] = False
+    _state["argv"] = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
     try:
         # Without standalone mode click returns the code of a typer.Exit instead of exiting.
         code = app(args=argv, standalone_mode=False)

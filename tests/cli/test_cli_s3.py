@@ -176,6 +176,28 @@ def test_verify_repair_from_s3_honours_storage_options(s3_main, ckpt_cli, env, f
     assert doc["ok"] is True and victim.exists()
 
 
+def test_storage_options_for_a_command_on_local_stores_only_are_refused(s3_main, ckpt_cli, env, files, tmp_path,
+                                                                          monkeypatch):
+    """`--store team/store --storage-option endpoint_url=...` (s3:// forgotten) pushed into a local
+    folder ./team/store and said nothing of the options it dropped: the team's store never saw the
+    checkpoint. Options where every store a command names is a local folder are a usage error,
+    and nothing is created; with an S3 store among them (copy, pull --from) they apply as before."""
+    base, _, _ = files
+    monkeypatch.chdir(tmp_path)
+    e = {k: v for k, v in env.items() if not k.startswith("AWS_") or k == "AWS_EC2_METADATA_DISABLED"}
+    opts = ["--storage-option", f"endpoint_url={s3_main.endpoint}", "--storage-option", f"key={KEY}",
+            "--storage-option", f"secret={SECRET}"]
+    for before, after in ((["--store", "team/store"], ["push", base, "m"]), (["--store", "team/store"], ["init"]),
+                          ([], ["copy", "m", "--from", tmp_path / "a", "--to", tmp_path / "b"])):
+        code, _, err = ckpt_cli(*before, *opts, *after, env=e)
+        assert code == 2 and "--storage-option" in err and "local" in err and "Traceback" not in err, err
+    assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in files[:2]) + ["hf"]
+    url = f"s3://{s3_main.new_bucket()}/s"
+    ckpt_cli.ok("--store", url, *opts, "push", base, "m", env=e)
+    ckpt_cli.ok("--store", tmp_path / "laptop", *opts, "pull", "m", tmp_path / "out.safetensors", "--from", url, env=e)
+    assert (tmp_path / "out.safetensors").read_bytes() == base.read_bytes()
+
+
 def test_init_honours_storage_options(s3_main, ckpt_cli, env):
     """`init` opens the store with --storage-option like every other command (it ignored them before)."""
     e = {k: v for k, v in env.items() if not k.startswith("AWS_") or k == "AWS_EC2_METADATA_DISABLED"}
