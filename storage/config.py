@@ -53,7 +53,16 @@ def read_config(backend: Backend) -> StoreConfig:
         raise StoreNotFoundError(backend.url) from None
     except IsADirectoryError:
         raise StoreFormatError(f"{backend.url}/{CONFIG_PATH} is a directory, not a store config") from None
-    return StoreConfig.from_json(data)
+    try:
+        return StoreConfig.from_json(data)
+    except StoreFormatError as e:
+        if backend.local_path(".") is not None:
+            raise
+        # A remote endpoint that is no object store (a web page answering 200 to every request) lands here too.
+        raise StoreFormatError(f"{backend.url}: {e.message}",
+                               hint=e.hint or "check that the endpoint is the object store's (AWS_ENDPOINT_URL or "
+                                              "--storage-option endpoint_url=...); if it is, restore "
+                                              f"{CONFIG_PATH} from a backup") from None
 
 
 def init_config(backend: Backend) -> tuple[StoreConfig, bool]:

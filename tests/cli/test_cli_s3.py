@@ -224,7 +224,9 @@ def test_bad_endpoint_error_never_shows_the_secret(ckpt_cli, env):
 
 def test_an_endpoint_that_is_no_s3_server_is_one_line(ckpt_cli, env, files):
     """AWS_ENDPOINT_URL naming a web server (404 and HTML to everything): `init` and `push` ended in
-    a traceback (FileNotFoundError from the listing of the store's prefix)."""
+    a traceback (FileNotFoundError from the listing of the store's prefix). One answering 200 with
+    a page to everything: "store config ckpt-store.json is not valid JSON", naming neither the
+    store nor the endpoint, as if the store were damaged."""
     from s3support import web_server
 
     base, _, _ = files
@@ -233,6 +235,11 @@ def test_an_endpoint_that_is_no_s3_server_is_one_line(ckpt_cli, env, files):
         for args in (["init"], ["push", base, "m"]):
             line = ckpt_cli.fails("--store", "s3://bucket/s", *args, env=e)
             assert "404" in line and url in line and "s3://bucket/s" in line
+    with web_server(200) as url:  # a page for every request: its HTML is read as the store's config
+        e = {**env, "AWS_ENDPOINT_URL": url, "CKPT_RETRIES": "1"}
+        for args in (["init"], ["ls"], ["push", base, "m"]):
+            line = ckpt_cli.fails("--store", "s3://bucket/s", *args, env=e)
+            assert "s3://bucket/s" in line and "endpoint" in line, line  # not only "ckpt-store.json is not valid JSON"
 
 
 def test_a_profile_that_does_not_exist_is_one_line(ckpt_cli, env):
