@@ -34,6 +34,7 @@ import http.client
 import logging
 import math
 import posixpath
+import re
 import threading
 import time
 from collections import defaultdict
@@ -72,6 +73,8 @@ LIST_COST = 10
 _IGNORED_OPTIONS = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_concurrency",
                     "default_block_size", "default_fill_cache", "version_aware", "cache_regions"}
 _MISSING = {"NoSuchKey", "404", "NotFound"}
+# What botocore accepts as a bucket name (AWS itself is stricter: it answers for those).
+_BUCKET = re.compile(r"[A-Za-z0-9._-]{1,255}")
 # Operations whose 404 is no missing object: a listing, a write (S3 answers neither with 404).
 _NOT_OF_ONE_OBJECT = ("write", "create", "list")
 
@@ -210,6 +213,14 @@ class S3Backend(Backend):
         self.prefix = self.prefix.strip("/")
         if not self.bucket:
             raise StorageIOError(f"{url} names no bucket", hint="use s3://BUCKET/PREFIX")
+        if "@" in self.bucket:  # s3://KEY:SECRET@bucket: never shown, not even in botocore's "Invalid bucket name"
+            raise StorageIOError(f"s3://...@{self.bucket.rsplit('@', 1)[1]}: a store URL carries no credentials "
+                                 "(what came before '@' is not shown)",
+                                 hint="give them in AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
+                                      "or --storage-option key=... --storage-option secret=...")
+        if not _BUCKET.fullmatch(self.bucket):
+            raise StorageIOError(f"{url}: {self.bucket!r} is not a bucket name",
+                                 hint="a bucket name has letters, digits, '.', '-' and '_' only: s3://BUCKET/PREFIX")
         parts = self.prefix.split("/") if self.prefix else []
         if any(p in ("", ".", "..") for p in parts) or any(ord(c) < 32 or c == "\x7f" for c in self.prefix):
             # S3 keys are not paths: SeaweedFS folds a//b into a/b and refuses . and .., AWS keeps them as

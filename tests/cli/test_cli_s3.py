@@ -248,6 +248,16 @@ def test_a_profile_that_does_not_exist_is_one_line(ckpt_cli, env):
     assert "nosuch" in ckpt_cli.fails("--store", "s3://bucket/s", "--storage-option", "profile=nosuch", "ls")
 
 
+def test_credentials_in_the_store_url_are_never_shown(ckpt_cli, env, files):
+    """s3://KEY:SECRET@bucket/x (as some tools take them) was echoed in botocore's "Invalid bucket name
+    ..." message, the secret twice; it is refused, naming what to use instead, the secret unshown
+    (Cli checks that it appears in no output)."""
+    for args in (["ls"], ["push", files[0], "m"], ["init", "--json"]):
+        line = ckpt_cli.fails("--store", f"s3://{KEY}:{SECRET}@bucket/x", *args)
+        assert "no credentials" in line and "AWS_ACCESS_KEY_ID" in line and KEY not in line
+    assert "not a bucket name" in ckpt_cli.fails("--store", "s3://my bucket/x", "ls")
+
+
 def test_bad_storage_option_is_a_usage_error(ckpt_cli):
     code, _, err = ckpt_cli("--store", "s3://b/x", "--storage-option", f"no-equals-sign-{SECRET}", "ls")
     assert code == 2 and "KEY=VALUE" in err and SECRET not in err
