@@ -103,6 +103,9 @@ def check_location(backend: Backend, *, create: bool) -> None:
             if outer is not None:
                 raise StoreLocationError(f"{backend.url} is inside the store at {outer}; a store cannot hold another",
                                          hint=f"choose a prefix outside {outer}")
+            if backend.root_is_object():
+                raise StoreLocationError(f"{backend.url} is an object (a file), not a place for a store",
+                                         hint="give --store a prefix that names no object (the one it is in, say)")
             held = next((e.path for e in backend.list("") if not e.path.rsplit("/", 1)[-1].startswith(".tmp-")), None)
             if held is not None and not backend.exists(CONFIG_PATH):
                 raise StoreLocationError(f"{backend.url} is not empty and holds no store (it holds {held!r}, say); "

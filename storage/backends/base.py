@@ -226,6 +226,11 @@ class Backend(ABC):
         """The OS path of ``path`` when the store is a local directory, else None."""
         return None
 
+    def root_is_object(self) -> bool:
+        """Whether the root itself names an object (a file), which holds no store (False where
+        the backend cannot tell; local directories are checked by path: storage/config.py)."""
+        return False
+
     def outer_store(self, config: str) -> str | None:
         """The URL of the nearest place above this root that holds ``config``: a store this one
         would sit inside. None if there is none, or the backend cannot look above its root

@@ -643,14 +643,29 @@ class S3Backend(Backend):
     def delete(self, path: str) -> None:
         self._call("delete", path, lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(path)))
 
+    def _at(self, prefix: str) -> S3Backend:
+        """This backend at another prefix of its bucket (the same client)."""
+        other = copy.copy(self)
+        other.prefix = prefix
+        other.url = f"{self.url.split('://', 1)[0]}://{self.bucket}/{prefix}".rstrip("/")
+        return other
+
+    def root_is_object(self) -> bool:
+        """Whether the prefix itself is an object's key (s3://b/models/w.safetensors); one HEAD."""
+        if not self.prefix:
+            return False
+        parent, _, name = self.prefix.rpartition("/")
+        try:
+            return self._at(parent).exists(name)
+        except StorageIOError as e:  # a user allowed only below the prefix may not look at it
+            log.debug("cannot look for an object at %s: %s", self.url, e)
+            return False
+
     def outer_store(self, config: str) -> str | None:
         """The nearest prefix above this one (up to the bucket's root) that holds ``config``; one HEAD each."""
         parts = self.prefix.split("/") if self.prefix else []
-        scheme = self.url.split("://", 1)[0] if "://" in self.url else "s3"
         for n in range(len(parts) - 1, -1, -1):
-            above = copy.copy(self)  # (the same client and bucket, another prefix)
-            above.prefix = "/".join(parts[:n])
-            above.url = f"{scheme}://{self.bucket}/{above.prefix}".rstrip("/")
+            above = self._at("/".join(parts[:n]))
             try:
                 if above.exists(config):
                     return above.url

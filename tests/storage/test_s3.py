@@ -265,6 +265,27 @@ def test_a_store_is_not_created_inside_another_on_s3(s3_server, inner, tmp_path)
     ckpt.Store.init(f"s3://{where}/elsewhere", storage_options=s3_server.options())  # a sibling is fine
 
 
+def test_a_store_is_not_created_at_a_prefix_that_is_an_object(s3_server, tmp_path):
+    """`--store s3://b/models/w.safetensors` naming an object (a file someone uploaded): push and init
+    made a store under "models/w.safetensors/", beside the object, where a local path that is a file
+    is refused ("is a file, not a store directory"). Refused alike, nothing written; a store that
+    already lives at such a prefix still opens."""
+    import ckpt
+    from ckpt_store.storage.errors import StoreLocationError
+
+    where = s3_server.new_bucket()
+    top = open_backend(f"s3://{where}", storage_options=s3_server.options())
+    top.write("models/w.safetensors", b"a file")
+    with pytest.raises(StoreLocationError, match="is an object"):
+        ckpt.Store.init(f"s3://{where}/models/w.safetensors", storage_options=s3_server.options())
+    assert [e.path for e in top.list("")] == ["models/w.safetensors"]
+    config = ckpt.Store.init(f"s3://{where}/other", storage_options=s3_server.options()).backend.read("ckpt-store.json")
+    top.write("s", b"an object")
+    top.write("s/ckpt-store.json", config)  # a store made beside an object before this check
+    for connect in (ckpt.Store.open, ckpt.Store.init):
+        connect(f"s3://{where}/s", storage_options=s3_server.options())
+
+
 def test_prefixes_a_user_may_not_look_at_hold_no_store_for_them():
     """A user allowed only below their own prefix is denied the HEADs above it: that is no store
     around theirs (refusing would keep them from creating any store)."""
@@ -272,7 +293,7 @@ def test_prefixes_a_user_may_not_look_at_hold_no_store_for_them():
 
     with web_server(403) as url:
         b = S3Backend("s3://bucket/team/me", {"endpoint_url": url, "key": "k", "secret": "s"}, retry=FAST)
-        assert b.outer_store("ckpt-store.json") is None
+        assert b.outer_store("ckpt-store.json") is None and not b.root_is_object()
 
 
 def _save_small(path):
