@@ -95,6 +95,7 @@ def _main(store: StoreOpt = None, storage_option: OptionsOpt = None, old_storage
         err.print("warning: `ckpt -o KEY=VALUE` is deprecated, write `ckpt --storage-option KEY=VALUE` "
                   "(-o means --output, the name of what merge and remix make)")
     _state["store"] = store
+    _state["argv"] = _state.pop("next_argv", None)  # this command's line, when main() runs it (not CliRunner)
     _state["options"] = parse_storage_options((storage_option or []) + (old_storage_option or []))
     _state["no_cache"] = no_cache
 
@@ -135,7 +136,8 @@ def _open(create: bool = False, url: str | None = None) -> Any:
     target = url or _state["store"]
     if _state["options"] and is_local_url(target):
         # Options dropped in silence where s3:// was forgotten: the push would land in a local folder.
-        if all(is_local_url(a) for a in _named(_state.get("argv", []))):  # (no other store of the command is remote)
+        argv = _state.get("argv")
+        if argv is not None and all(is_local_url(a) for a in _named(argv)):  # (no other store of the command is remote)
             raise typer.BadParameter(f"{target or 'the default store'} is a local folder, and every store this command "
                                      "names is: storage options are for remote stores (s3://BUCKET/PREFIX...)",
                                      param_hint="--storage-option")
@@ -741,7 +743,7 @@ def _main(argv: list[str] | None) -> None:
     from ckpt.errors import CkptError
 
     _state["json"] = _state["json_written"] = False
-    _state["argv"] = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    _state["next_argv"] = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # (the app callback hands it to _open)
     try:
         # Without standalone mode click returns the code of a typer.Exit instead of exiting.
         code = app(args=argv, standalone_mode=False)
