@@ -163,3 +163,34 @@ def test_verify_while_a_gc_frees_earlier_versions_reports_no_damage(moved, s3_ur
     store.backend.delete(store.objects.path("chunks", current))
     report = store.verify()
     assert not report.ok and "m" in report.damaged_refs
+
+
+def test_verify_while_a_ref_is_removed_and_collected_reports_no_damage(s3_url, monkeypatch):
+    """As above, one step earlier: verify listed the refs, then `ckpt rm x` and a gc elsewhere
+    deleted x's checkpoint before verify read its manifest: "manifest ... is missing", exit 1,
+    for a ref that no longer exists in a sound store."""
+    import torch
+
+    import ckpt
+    import ckpt.store.maintenance as maintenance
+
+    g = torch.Generator().manual_seed(2)
+    store = ckpt.Store.init(s3_url)
+    store.push({"w": torch.randn(64, 64, generator=g)}, "keep")
+    store.push({"w": torch.randn(64, 64, generator=g)}, "x")
+    other = ckpt.Store.open(s3_url)
+    real = maintenance.gc_roots
+
+    def removed_meanwhile(*args, **kwargs):  # once the refs are read, before any manifest is
+        found = real(*args, **kwargs)
+        if "x" in other.refs():
+            other.remove("x")
+            other.gc(grace_s=0)
+        return found
+
+    monkeypatch.setattr(maintenance, "gc_roots", removed_meanwhile)
+    report = store.verify()
+    assert report.ok and not report.damaged_refs and not report.freed, report.problems
+    store.backend.delete(store.objects.path("manifests", store.resolve("keep")))
+    report = store.verify()  # a current manifest missing, its ref still there: damage, as before
+    assert not report.ok and "keep" in report.damaged_refs

@@ -80,6 +80,13 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
     users: dict[tuple[str, int], set[str]] = defaultdict(set)
     parsed: dict[str, Manifest] = {}
     allowed: dict[str, frozenset[str]] = {}  # chunk id -> the chunks every manifest naming it keeps alive
+    def damaged_manifest(target: str, who: list[str], e: CkptError) -> None:
+        report.problems.append(str(e))
+        for name in who:
+            report.damaged_refs.setdefault(name, []).append(str(e))
+        report.damaged_objects[("manifest", getattr(e, "object_id", target))] = 0
+
+    vanished: list[tuple[str, list[str], CkptError]] = []  # current manifests missing: perhaps freed meanwhile
     for target, who in labels.items():
         try:
             data = read_root(store.objects, target, current=target in current)
@@ -87,11 +94,14 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
                 report.freed.extend(who)
                 continue
             m = Manifest.from_json(data, f"manifest {target}")
+        except ObjectNotFoundError as e:
+            if names is None:
+                vanished.append((target, who, e))
+            else:
+                damaged_manifest(target, who, e)
+            continue
         except CkptError as e:
-            report.problems.append(str(e))
-            for name in who:
-                report.damaged_refs.setdefault(name, []).append(str(e))
-            report.damaged_objects[("manifest", getattr(e, "object_id", target))] = 0
+            damaged_manifest(target, who, e)
             continue
         parsed[target] = m
         for claim in m.chunk_lengths().items():
@@ -99,6 +109,12 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
         kept = frozenset(referenced_chunks(data))  # what gc keeps for it: a chunk's delta bases must be in there
         for cid in kept:
             allowed[cid] = allowed[cid] & kept if cid in allowed else kept
+
+    # A ref removed and its checkpoint collected (rm, then gc elsewhere) since the refs were read: no damage.
+    gone = _freed_meanwhile(store, {t for t, _, _ in vanished}) if vanished else set()
+    for target, who, e in vanished:
+        if target not in gone:
+            damaged_manifest(target, who, e)
 
     # The store itself is checked: a remote store's local chunk cache would answer for chunks
     # that are gone from, or damaged in, the store (a hit never reaches it).
