@@ -95,6 +95,7 @@ def _main(store: StoreOpt = None, storage_option: OptionsOpt = None, old_storage
         err.print("warning: `ckpt -o KEY=VALUE` is deprecated, write `ckpt --storage-option KEY=VALUE` "
                   "(-o means --output, the name of what merge and remix make)")
     _state["store"] = store
+    _state["argv"] = _state.pop("next_argv", None)  # this command's line, when main() runs it (not CliRunner)
     _state["options"] = parse_storage_options((storage_option or []) + (old_storage_option or []))
     _state["no_cache"] = no_cache
 
@@ -119,11 +120,29 @@ def _emit_json(doc: Any) -> None:
     emit_json(doc)
 
 
-def _open(create: bool = False, url: str | None = None) -> Any:
-    from ckpt.store.store import Store
+def _named(argv: list[str]) -> list[str]:
+    """The words of a command line but the storage options' values (an endpoint_url=http://... names no store)."""
+    words, skip = [], False
+    for a in argv:
+        if not skip and a not in ("--storage-option", "-o") and not a.startswith(("--storage-option=", "-o=")):
+            words.append(a)
+        skip = a in ("--storage-option", "-o")
+    return words
 
+
+def _open(create: bool = False, url: str | None = None) -> Any:
+    from ckpt.store.store import Store, is_local_url
+
+    target = url or _state["store"]
+    if _state["options"] and is_local_url(target):
+        # Options dropped in silence where s3:// was forgotten: the push would land in a local folder.
+        argv = _state.get("argv")
+        if argv is not None and all(is_local_url(a) for a in _named(argv)):  # (no other store of the command is remote)
+            raise typer.BadParameter(f"{target or 'the default store'} is a local folder, and every store this command "
+                                     "names is: storage options are for remote stores (s3://BUCKET/PREFIX...)",
+                                     param_hint="--storage-option")
     connect = Store.init if create else Store.open
-    return connect(url or _state["store"], storage_options=_state["options"], settings=_settings())
+    return connect(target, storage_options=_state["options"], settings=_settings())
 
 
 cache_app = typer.Typer(help=("The local cache of chunks read from remote stores: show what it holds, or clear it.\n\n"
@@ -381,7 +400,7 @@ def verify(
     """
     store = _open()
     if repair_from is not None:
-        rr = store.repair(repair_from, refs or None, progress=RichProgress())
+        rr = store.repair(_open(url=repair_from), refs or None, progress=RichProgress())  # with --storage-option
         r = rr.after
     else:
         r = store.verify(refs or None, progress=RichProgress())
@@ -725,6 +744,7 @@ def _main(argv: list[str] | None) -> None:
     from ckpt.errors import CkptError
 
     _state["json"] = _state["json_written"] = False
+    _state["next_argv"] = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # (the app callback hands it to _open)
     try:
         # Without standalone mode click returns the code of a typer.Exit instead of exiting.
         code = app(args=argv, standalone_mode=False)

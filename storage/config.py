@@ -53,7 +53,16 @@ def read_config(backend: Backend) -> StoreConfig:
         raise StoreNotFoundError(backend.url) from None
     except IsADirectoryError:
         raise StoreFormatError(f"{backend.url}/{CONFIG_PATH} is a directory, not a store config") from None
-    return StoreConfig.from_json(data)
+    try:
+        return StoreConfig.from_json(data)
+    except StoreFormatError as e:
+        if backend.local_path(".") is not None:
+            raise
+        # A remote endpoint that is no object store (a web page answering 200 to every request) lands here too.
+        raise StoreFormatError(f"{backend.url}: {e.message}",
+                               hint=e.hint or "check that the endpoint is the object store's (AWS_ENDPOINT_URL or "
+                                              "--storage-option endpoint_url=...); if it is, restore "
+                                              f"{CONFIG_PATH} from a backup") from None
 
 
 def init_config(backend: Backend) -> tuple[StoreConfig, bool]:
@@ -88,8 +97,15 @@ def check_location(backend: Backend, *, create: bool) -> None:
     as is creating one in a folder that already holds anything else.
     """
     root = backend.local_path(".")
-    if root is None:  # a remote store has no ancestors to check; its prefix must be new or empty
+    if root is None:  # a remote store: its prefix must be new or empty, and below no other store's
         if create and not backend.exists(CONFIG_PATH):
+            outer = backend.outer_store(CONFIG_PATH)
+            if outer is not None:
+                raise StoreLocationError(f"{backend.url} is inside the store at {outer}; a store cannot hold another",
+                                         hint=f"choose a prefix outside {outer}")
+            if backend.root_is_object():
+                raise StoreLocationError(f"{backend.url} is an object (a file), not a place for a store",
+                                         hint="give --store a prefix that names no object (the one it is in, say)")
             held = next((e.path for e in backend.list("") if not e.path.rsplit("/", 1)[-1].startswith(".tmp-")), None)
             if held is not None and not backend.exists(CONFIG_PATH):
                 raise StoreLocationError(f"{backend.url} is not empty and holds no store (it holds {held!r}, say); "

@@ -351,3 +351,37 @@ class FaultProxy:
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
             self._thread.join(10)
+
+
+@contextlib.contextmanager
+def web_server(status: int) -> Any:
+    """A plain web server on 127.0.0.1, no S3: every request (any method) is answered ``status``
+    with an HTML page, as a site or a proxy's login page would answer. Yields its URL."""
+    import http.server
+
+    page = b"<!DOCTYPE html><html><body><h1>Welcome</h1></body></html>"
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(page)
+
+        do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = answer
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer((LOOPBACK, 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://{LOOPBACK}:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)

@@ -126,3 +126,71 @@ def test_two_pushes_storing_one_chunk_differently_keep_every_checkpoint_whole(s3
     assert got["w"].view(torch.uint8).equal(ft["w"].view(torch.uint8))
     report = store.verify()
     assert report.ok, report
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_verify_while_a_gc_frees_earlier_versions_reports_no_damage(moved, s3_url, tmp_path, monkeypatch):
+    """`ckpt verify` read the manifests of a ref's earlier versions, then a `gc --no-history` run
+    elsewhere deleted them and their chunks before verify fetched the chunks: verify said "chunk ...
+    is missing from the store" and exited 1 for a sound store (seen with one process pushing, one
+    running gc --no-history, one verify, on S3). A version freed meanwhile is freed, not damaged;
+    so is a version that was current when verify began, moved on by a push and freed since
+    (``moved``). A chunk missing that the current version needs is still damage."""
+    import torch
+
+    import ckpt
+    import ckpt.store.maintenance as maintenance
+
+    g = torch.Generator().manual_seed(1)
+    store = ckpt.Store.init(s3_url, settings=ckpt.Settings.from_env(chunk_size=64 * 1024))
+    for _ in range(3):
+        store.push({"w": torch.randn(128, 256, generator=g)}, "m")
+    other = ckpt.Store.open(s3_url)  # another process's view: it pushes and collects
+    real = maintenance.run_parallel
+
+    def gc_meanwhile(*args, **kwargs):  # once every manifest is read, before any chunk is fetched
+        if moved:
+            other.push({"w": torch.randn(128, 256, generator=g)}, "m")
+        other.gc(grace_s=0, keep_history=False)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(maintenance, "run_parallel", gc_meanwhile)
+    report = store.verify()
+    assert report.ok, report.problems
+    assert sorted(report.freed) == ["m@1", "m@2"]  # (the labels as verify began)
+    monkeypatch.setattr(maintenance, "run_parallel", real)
+    current = store.manifest("m").tensors[0].chunks[0]
+    store.backend.delete(store.objects.path("chunks", current))
+    report = store.verify()
+    assert not report.ok and "m" in report.damaged_refs
+
+
+def test_verify_while_a_ref_is_removed_and_collected_reports_no_damage(s3_url, monkeypatch):
+    """As above, one step earlier: verify listed the refs, then `ckpt rm x` and a gc elsewhere
+    deleted x's checkpoint before verify read its manifest: "manifest ... is missing", exit 1,
+    for a ref that no longer exists in a sound store."""
+    import torch
+
+    import ckpt
+    import ckpt.store.maintenance as maintenance
+
+    g = torch.Generator().manual_seed(2)
+    store = ckpt.Store.init(s3_url)
+    store.push({"w": torch.randn(64, 64, generator=g)}, "keep")
+    store.push({"w": torch.randn(64, 64, generator=g)}, "x")
+    other = ckpt.Store.open(s3_url)
+    real = maintenance.gc_roots
+
+    def removed_meanwhile(*args, **kwargs):  # once the refs are read, before any manifest is
+        found = real(*args, **kwargs)
+        if "x" in other.refs():
+            other.remove("x")
+            other.gc(grace_s=0)
+        return found
+
+    monkeypatch.setattr(maintenance, "gc_roots", removed_meanwhile)
+    report = store.verify()
+    assert report.ok and not report.damaged_refs and not report.freed, report.problems
+    store.backend.delete(store.objects.path("manifests", store.resolve("keep")))
+    report = store.verify()  # a current manifest missing, its ref still there: damage, as before
+    assert not report.ok and "keep" in report.damaged_refs

@@ -14,7 +14,7 @@ from ckpt.store.load import check_headers
 from ckpt.transfer.pipeline import fetch_chunk, run_parallel
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.config import read_config
-from ckpt_store.storage.errors import CkptError
+from ckpt_store.storage.errors import CkptError, ObjectNotFoundError
 from ckpt_store.storage.gc import Doomed, execute_gc, gc_roots, plan_gc, read_root
 from ckpt_store.storage.leases import gc_lock
 from ckpt_store.storage.objects import ObjectStore
@@ -80,6 +80,13 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
     users: dict[tuple[str, int], set[str]] = defaultdict(set)
     parsed: dict[str, Manifest] = {}
     allowed: dict[str, frozenset[str]] = {}  # chunk id -> the chunks every manifest naming it keeps alive
+    def damaged_manifest(target: str, who: list[str], e: CkptError) -> None:
+        report.problems.append(str(e))
+        for name in who:
+            report.damaged_refs.setdefault(name, []).append(str(e))
+        report.damaged_objects[("manifest", getattr(e, "object_id", target))] = 0
+
+    vanished: list[tuple[str, list[str], CkptError]] = []  # current manifests missing: perhaps freed meanwhile
     for target, who in labels.items():
         try:
             data = read_root(store.objects, target, current=target in current)
@@ -87,11 +94,14 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
                 report.freed.extend(who)
                 continue
             m = Manifest.from_json(data, f"manifest {target}")
+        except ObjectNotFoundError as e:
+            if names is None:
+                vanished.append((target, who, e))
+            else:
+                damaged_manifest(target, who, e)
+            continue
         except CkptError as e:
-            report.problems.append(str(e))
-            for name in who:
-                report.damaged_refs.setdefault(name, []).append(str(e))
-            report.damaged_objects[("manifest", getattr(e, "object_id", target))] = 0
+            damaged_manifest(target, who, e)
             continue
         parsed[target] = m
         for claim in m.chunk_lengths().items():
@@ -99,6 +109,12 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
         kept = frozenset(referenced_chunks(data))  # what gc keeps for it: a chunk's delta bases must be in there
         for cid in kept:
             allowed[cid] = allowed[cid] & kept if cid in allowed else kept
+
+    # A ref removed and its checkpoint collected (rm, then gc elsewhere) since the refs were read: no damage.
+    gone = _freed_meanwhile(store, {t for t, _, _ in vanished}) if vanished else set()
+    for target, who, e in vanished:
+        if target not in gone:
+            damaged_manifest(target, who, e)
 
     # The store itself is checked: a remote store's local chunk cache would answer for chunks
     # that are gone from, or damaged in, the store (a hit never reaches it).
@@ -110,6 +126,9 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
         cid, n = claim
         try:
             data, chain = fetch_chunk(objects, cid, n, store.settings)
+        except ObjectNotFoundError as e:  # (perhaps freed meanwhile: see below)
+            missing.add(claim)
+            return str(e), getattr(e, "object_id", cid)
         except CkptError as e:  # the damaged object may be a base in cid's delta chain
             return str(e), getattr(e, "object_id", cid)
         if cid in heads:
@@ -122,9 +141,22 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
         return None
 
     claims = sorted(users)
+    missing: set[tuple[str, int]] = set()
     workers = max(store.settings.workers, store.backend.concurrency)  # remote stores: requests in flight
     with reporting(progress, "verify", sum(n for _, n in claims)) as bar:
         results = run_parallel(check, claims, workers, bar, lambda c: c[1])
+    if names is None and missing:
+        # A gc --no-history run meanwhile deletes a version's manifest, then its chunks: one whose
+        # manifest was read above and whose chunks went since is freed, not damaged.
+        gone = _freed_meanwhile(store, {t for t, who in labels.items() if t in parsed
+                                        and any(users[c] & set(who) for c in missing)})
+        for t in gone:
+            del parsed[t]
+            if t not in current:  # (one current as verify began, since moved on and freed, is no earlier version of it)
+                report.freed.extend(labels[t])
+        freed = {label for t in gone for label in labels[t]}
+        results = [None if claim in missing and users[claim] <= freed else problem
+                   for claim, problem in zip(claims, results, strict=True)]
     for (cid, n), problem in zip(claims, results, strict=True):
         report.chunks_checked += 1
         report.bytes_checked += n
@@ -148,6 +180,15 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
             for name in labels[target]:
                 report.damaged_refs.setdefault(name, []).append(str(e))
     return report
+
+
+def _freed_meanwhile(store: Store, targets: set[str]) -> set[str]:
+    """Of ``targets`` (manifests this verify read), those freed since: gone from the store, and
+    no ref's current checkpoint now (a missing current manifest is damage)."""
+    gone = {t for t in targets if not store.objects.has("manifests", t)}
+    if not gone:
+        return set()
+    return gone - {r.target for r in gc_roots(store.refs_db, keep_history=False).roots}
 
 
 @dataclass

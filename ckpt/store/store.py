@@ -12,7 +12,7 @@ from ckpt.errors import AmbiguousRefError, CkptError, ObjectNotFoundError, RefNo
 from ckpt.format.manifest import Manifest
 from ckpt.progress import Progress
 from ckpt.settings import Settings
-from ckpt_store.storage.backends import Backend, open_backend
+from ckpt_store.storage.backends import Backend, open_backend, scheme_of
 from ckpt_store.storage.cache import ChunkBlobCache, default_cache_dir
 from ckpt_store.storage.config import (
     StoreConfig,
@@ -53,6 +53,11 @@ def open_cache(backend: Backend, config: StoreConfig, settings: Settings) -> Chu
         return None
     return ChunkBlobCache(settings.cache_dir or default_cache_dir(), config.store_id, settings.cache_mb << 20,
                           max_entry=settings.max_chunk_size + 4096)  # a blob: its chunk's bytes at most, and a header
+
+
+def is_local_url(url: str | os.PathLike[str] | None) -> bool:
+    """Whether ``url`` (None: :func:`default_store_url`) names a store in a local folder, which takes no storage options."""
+    return scheme_of(os.fspath(url) if url is not None else default_store_url()) == "file"
 
 
 def default_store_url() -> str:

@@ -10,6 +10,7 @@ is an error, never a silent overwrite.
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,17 @@ _REGISTRY: dict[str, BackendSpec] = {
 }
 # Every scheme not in the table: fsspec knows memory://, gs://, az://, hdfs:// and more.
 _FALLBACK = BackendSpec(f"{_PKG}.fsspec_backend", "FsspecBackend")
+
+
+_FSSPEC_REMOTE = {"gs", "gcs", "az", "abfs", "abfss", "adl", "hdfs", "webhdfs", "memory", "http", "https", "ftp",
+                  "sftp", "ssh", "oss", "hf"}
+# A scheme (two letters or more: "c:" is a Windows drive) and ':' without the '//' after it.
+_SLASH_MISSING = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):(?!//)/?")
+
+
+def _remote_schemes() -> set[str]:
+    """Schemes of stores that are no local folder: ours, and the common ones fsspec serves."""
+    return {s for s in _REGISTRY if s != "file"} | _FSSPEC_REMOTE
 
 
 def register_backend(scheme: str, spec: BackendSpec) -> None:
@@ -71,6 +83,12 @@ def open_backend(url: str, *, storage_options: dict[str, Any] | None = None, fsy
     if not url.strip() or url.strip() == "file://":
         # An empty --store would otherwise mean the current directory, silently.
         raise StoreLocationError("empty store URL", hint="give a path or URL, e.g. --store ./ckpt-store")
+    typo = _SLASH_MISSING.match(url)
+    if typo and typo.group(1).lower() in _remote_schemes():
+        # s3:/bucket/store would otherwise be a local folder named "s3:": a push the team never sees.
+        scheme, rest = typo.group(1), url[typo.end():]
+        raise StoreLocationError(f"{url!r} looks like a {scheme}:// URL with a slash missing",
+                                 hint=f"write {scheme}://{rest.lstrip('/')}, or ./{url} for a local folder of that name")
     return backend_class(scheme_of(url)).from_url(url, storage_options=storage_options, fsync=fsync, remote=remote)
 
 

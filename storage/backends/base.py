@@ -226,6 +226,17 @@ class Backend(ABC):
         """The OS path of ``path`` when the store is a local directory, else None."""
         return None
 
+    def root_is_object(self) -> bool:
+        """Whether the root itself names an object (a file), which holds no store (False where
+        the backend cannot tell; local directories are checked by path: storage/config.py)."""
+        return False
+
+    def outer_store(self, config: str) -> str | None:
+        """The URL of the nearest place above this root that holds ``config``: a store this one
+        would sit inside. None if there is none, or the backend cannot look above its root
+        (local directories are checked by path: storage/config.py)."""
+        return None
+
     # Whether prefetch() makes later reads cheaper: then a reader reads in its own
     # thread, having hinted what comes next, instead of handing reads to a pool.
     prefetches: bool = False

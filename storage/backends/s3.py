@@ -28,11 +28,13 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import http.client
 import logging
 import math
 import posixpath
+import re
 import threading
 import time
 from collections import defaultdict
@@ -53,7 +55,7 @@ from ckpt_store.storage.backends.s3_errors import (
     transient,
 )
 from ckpt_store.storage.backends.watchdog import MIN_RATE, allowed, socket_of, watch
-from ckpt_store.storage.errors import StorageIOError
+from ckpt_store.storage.errors import StorageIOError, StoreLocationError
 from ckpt_store.storage.retry import RetryPolicy, call_with_retries, progressed
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,10 @@ LIST_COST = 10
 _IGNORED_OPTIONS = {"skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_concurrency",
                     "default_block_size", "default_fill_cache", "version_aware", "cache_regions"}
 _MISSING = {"NoSuchKey", "404", "NotFound"}
+# What botocore accepts as a bucket name (AWS itself is stricter: it answers for those).
+_BUCKET = re.compile(r"[A-Za-z0-9._-]{1,255}")
+# Operations whose 404 is no missing object: a listing, a write (S3 answers neither with 404).
+_NOT_OF_ONE_OBJECT = ("write", "create", "list")
 
 
 class ObjectReader:
@@ -192,6 +198,7 @@ class S3Backend(Backend):
                  retry: RetryPolicy | None = None, conditional_writes: bool = True, direct: bool = True) -> None:
         try:
             from botocore.config import Config
+            from botocore.exceptions import BotoCoreError
         except ImportError:
             raise StorageIOError(f"{url} needs botocore", hint="install it: pip install 'ckpt-store[s3]'") from None
         opts = dict(storage_options or {})
@@ -206,6 +213,28 @@ class S3Backend(Backend):
         self.prefix = self.prefix.strip("/")
         if not self.bucket:
             raise StorageIOError(f"{url} names no bucket", hint="use s3://BUCKET/PREFIX")
+        if "@" in self.bucket:  # s3://KEY:SECRET@bucket: never shown, not even in botocore's "Invalid bucket name"
+            raise StorageIOError(f"s3://...@{self.bucket.rsplit('@', 1)[1]}: a store URL carries no credentials "
+                                 "(what came before '@' is not shown)",
+                                 hint="give them in AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, "
+                                      "or --storage-option key=... --storage-option secret=...")
+        if not _BUCKET.fullmatch(self.bucket):
+            raise StorageIOError(f"{url}: {self.bucket!r} is not a bucket name",
+                                 hint="a bucket name has letters, digits, '.', '-' and '_' only: s3://BUCKET/PREFIX")
+        parts = self.prefix.split("/") if self.prefix else []
+        if any(p in ("", ".", "..") for p in parts) or any(ord(c) < 32 or c == "\x7f" for c in self.prefix):
+            # S3 keys are not paths: SeaweedFS folds a//b into a/b and refuses . and .., AWS keeps them as
+            # they are; a store written under one reading and listed under the other loses its objects.
+            plain = "/".join(q for q in ("".join(c for c in p if c.isprintable()) for p in parts) if q not in ("", ".", ".."))
+            raise StoreLocationError(f"{url!r}: the prefix has an empty, '.' or '..' segment or a control character, "
+                                     "which S3 servers read differently", hint=f"write it plainly: s3://{self.bucket}/{plain}")
+        for k in ("key", "secret", "token", "endpoint_url", "region_name", "profile"):
+            if opts.get(k) is not None and not isinstance(opts[k], str):  # (its value unshown: it may be a credential)
+                raise StorageIOError(f"bad storage options for {url}: {k} must be text, not a {type(opts[k]).__name__}",
+                                     hint=f"--storage-option takes a value that reads as JSON (a number, say) as "
+                                          f"JSON: quote it, --storage-option '{k}=\"...\"'")
+        if not isinstance(opts.get("anon", False), bool):  # "maybe" or "false" is no reason to drop the credentials
+            raise StorageIOError(f"bad storage options for {url}: anon must be true or false, not {opts['anon']!r}")
         try:
             session = _new_session(opts.pop("profile", None))
             client_kw = dict(opts.pop("client_kwargs", None) or {})
@@ -234,8 +263,13 @@ class S3Backend(Backend):
             cfg.setdefault("response_checksum_validation", "when_required")
             client_kw.setdefault("region_name", session.get_config_variable("region") or "us-east-1")
             self.client = session.create_client("s3", config=Config(**cfg), **client_kw)
-        except (TypeError, ValueError, KeyError) as e:
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise StorageIOError(f"bad storage options for {url}: {self._redact(str(e))}") from None
+        except BotoCoreError as e:  # a profile not found, a config file that does not parse, a key without its secret
+            raise StorageIOError(f"cannot open {url}: {self._redact(str(e))}",
+                                 hint="check the AWS configuration: AWS_PROFILE, AWS_CONFIG_FILE, "
+                                      "AWS_SHARED_CREDENTIALS_FILE, and the key, secret and profile given "
+                                      "with --storage-option") from None
         self._direct = _direct_requests(self.client, direct)
         self._parts = None  # thread pool for the parts of multipart uploads, made on first use
         self._parts_lock = threading.Lock()
@@ -262,13 +296,13 @@ class S3Backend(Backend):
             e.message = self._redact(e.message)
             raise
         except FileNotFoundError as e:
-            if op in ("write", "create"):
+            if op in _NOT_OF_ONE_OBJECT:
                 raise self._error(op, path, e) from None
             raise FileNotFoundError(errno.ENOENT, "no such object", path) from None
         except Exception as e:  # noqa: BLE001 - every client error becomes a StorageIOError
-            code = (client_error(e) or ("",))[0]
-            if code in _MISSING or (code == "NoSuchBucket" and op == "read"):
-                if op not in ("write", "create"):
+            code, status = client_error(e) or ("", 0)
+            if code in _MISSING or (not code and status == 404) or (code == "NoSuchBucket" and op == "read"):
+                if op not in _NOT_OF_ONE_OBJECT:
                     raise FileNotFoundError(errno.ENOENT, "no such object", path) from None
             raise self._error(op, path, e) from None
 
@@ -293,6 +327,14 @@ class S3Backend(Backend):
             return StorageIOError(f"cannot {op} {where}: access denied ({code or 'HTTP 403'})",
                                   hint="check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE) "
                                        "and the endpoint (AWS_ENDPOINT_URL or --storage-option endpoint_url=...)")
+        if code in _MISSING or (ce and ce[1] == 404):
+            # S3 answers a listing of a bucket that exists, or a write into one, never with 404 (and a
+            # missing bucket with NoSuchBucket): this endpoint is no S3 server, or not the one meant.
+            endpoint = self._redact(str(self.client.meta.endpoint_url))
+            return StorageIOError(f"cannot {op} {where}: {endpoint} answered 404 Not Found (error code "
+                                  f"{code or 'none'}), which no S3 server answers to a {op}",
+                                  hint=f"check that {endpoint} is the S3 endpoint (AWS_ENDPOINT_URL or --storage-option "
+                                       f"endpoint_url=...) and that bucket {self.bucket} exists there")
         detail = self._redact(str(e).strip() or type(e).__name__)
         return StorageIOError(f"cannot {op} {where}: {detail}")
 
@@ -550,7 +592,8 @@ class S3Backend(Backend):
                                     lambda: self.client.list_objects_v2(**kw))
             return direct.page(r) if r is not None else answer  # type: ignore[no-any-return]
 
-        return self._call("list", prefix, page)
+        where = prefix[len(self.prefix):] if self.prefix else prefix  # (errors name the store's URL and this below it)
+        return self._call("list", where.strip("/"), page)
 
     def _pages(self, key_prefix: str, delimiter: str = "") -> Iterator[tuple[list[tuple[str, dict[str, Any]]], bool]]:
         """The listing of ``key_prefix`` page by page: each page's (path in the store, object) pairs,
@@ -599,6 +642,36 @@ class S3Backend(Backend):
 
     def delete(self, path: str) -> None:
         self._call("delete", path, lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(path)))
+
+    def _at(self, prefix: str) -> S3Backend:
+        """This backend at another prefix of its bucket (the same client)."""
+        other = copy.copy(self)
+        other.prefix = prefix
+        other.url = f"{self.url.split('://', 1)[0]}://{self.bucket}/{prefix}".rstrip("/")
+        return other
+
+    def root_is_object(self) -> bool:
+        """Whether the prefix itself is an object's key (s3://b/models/w.safetensors); one HEAD."""
+        if not self.prefix:
+            return False
+        parent, _, name = self.prefix.rpartition("/")
+        try:
+            return self._at(parent).exists(name)
+        except StorageIOError as e:  # a user allowed only below the prefix may not look at it
+            log.debug("cannot look for an object at %s: %s", self.url, e)
+            return False
+
+    def outer_store(self, config: str) -> str | None:
+        """The nearest prefix above this one (up to the bucket's root) that holds ``config``; one HEAD each."""
+        parts = self.prefix.split("/") if self.prefix else []
+        for n in range(len(parts) - 1, -1, -1):
+            above = self._at("/".join(parts[:n]))
+            try:
+                if above.exists(config):
+                    return above.url
+            except StorageIOError as e:  # a user allowed only below some prefix may not look above it
+                log.debug("cannot look for a store at %s: %s", above.url, e)
+        return None
 
     def touch(self, path: str) -> bool:
         # S3 cannot refresh an object's time in place; writers and gc keep off each

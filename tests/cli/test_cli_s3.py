@@ -156,6 +156,48 @@ def test_storage_options_on_the_command_line(s3_main, ckpt_cli, env, files):
     assert [r["ref"] for r in ckpt_cli.json("--store", url, *opts, "ls", env=e)] == ["m/base"]
 
 
+def test_verify_repair_from_s3_honours_storage_options(s3_main, ckpt_cli, env, files, tmp_path):
+    """`verify --repair-from s3://...` opened the source without --storage-option: with the endpoint
+    and credentials given only that way (as the docs show for every command), the repair failed
+    ("no S3 credentials found") and the damaged store stayed damaged."""
+    base, _, _ = files
+    e = {k: v for k, v in env.items() if not k.startswith("AWS_") or k == "AWS_EC2_METADATA_DISABLED"}
+    url = f"s3://{s3_main.new_bucket()}/s"
+    opts = ["--storage-option", f"endpoint_url={s3_main.endpoint}", "--storage-option", f"key={KEY}",
+            "--storage-option", f"secret={SECRET}"]
+    ckpt_cli.ok("--store", url, *opts, "push", base, "m", env=e)
+    local = tmp_path / "local"
+    ckpt_cli.ok("--store", local, "push", base, "m", env=e)
+    chunks = sorted((local / "objects" / "chunks").rglob("*"))
+    victim = next(p for p in chunks if p.is_file())
+    victim.unlink()
+    ckpt_cli("--store", local, "verify", env=e)
+    doc = ckpt_cli.json("--store", local, *opts, "verify", "--repair-from", url, env=e)
+    assert doc["ok"] is True and victim.exists()
+
+
+def test_storage_options_for_a_command_on_local_stores_only_are_refused(s3_main, ckpt_cli, env, files, tmp_path,
+                                                                          monkeypatch):
+    """`--store team/store --storage-option endpoint_url=...` (s3:// forgotten) pushed into a local
+    folder ./team/store and said nothing of the options it dropped: the team's store never saw the
+    checkpoint. Options where every store a command names is a local folder are a usage error,
+    and nothing is created; with an S3 store among them (copy, pull --from) they apply as before."""
+    base, _, _ = files
+    monkeypatch.chdir(tmp_path)
+    e = {k: v for k, v in env.items() if not k.startswith("AWS_") or k == "AWS_EC2_METADATA_DISABLED"}
+    opts = ["--storage-option", f"endpoint_url={s3_main.endpoint}", "--storage-option", f"key={KEY}",
+            "--storage-option", f"secret={SECRET}"]
+    for before, after in ((["--store", "team/store"], ["push", base, "m"]), (["--store", "team/store"], ["init"]),
+                          ([], ["copy", "m", "--from", tmp_path / "a", "--to", tmp_path / "b"])):
+        code, _, err = ckpt_cli(*before, *opts, *after, env=e)
+        assert code == 2 and "--storage-option" in err and "local" in err and "Traceback" not in err, err
+    assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in files[:2]) + ["hf"]
+    url = f"s3://{s3_main.new_bucket()}/s"
+    ckpt_cli.ok("--store", url, *opts, "push", base, "m", env=e)
+    ckpt_cli.ok("--store", tmp_path / "laptop", *opts, "pull", "m", tmp_path / "out.safetensors", "--from", url, env=e)
+    assert (tmp_path / "out.safetensors").read_bytes() == base.read_bytes()
+
+
 def test_init_honours_storage_options(s3_main, ckpt_cli, env):
     """`init` opens the store with --storage-option like every other command (it ignored them before)."""
     e = {k: v for k, v in env.items() if not k.startswith("AWS_") or k == "AWS_EC2_METADATA_DISABLED"}
@@ -178,6 +220,42 @@ def test_bad_endpoint_error_never_shows_the_secret(ckpt_cli, env):
     # with the secret in the environment instead
     line = ckpt_cli.fails("--store", "s3://bucket/x", "ls", env={**e, "AWS_ENDPOINT_URL": "http://127.0.0.1:1"})
     assert "127.0.0.1:1" in line
+
+
+def test_an_endpoint_that_is_no_s3_server_is_one_line(ckpt_cli, env, files):
+    """AWS_ENDPOINT_URL naming a web server (404 and HTML to everything): `init` and `push` ended in
+    a traceback (FileNotFoundError from the listing of the store's prefix). One answering 200 with
+    a page to everything: "store config ckpt-store.json is not valid JSON", naming neither the
+    store nor the endpoint, as if the store were damaged."""
+    from s3support import web_server
+
+    base, _, _ = files
+    with web_server(404) as url:
+        e = {**env, "AWS_ENDPOINT_URL": url, "CKPT_RETRIES": "1"}
+        for args in (["init"], ["push", base, "m"]):
+            line = ckpt_cli.fails("--store", "s3://bucket/s", *args, env=e)
+            assert "404" in line and url in line and "s3://bucket/s" in line
+    with web_server(200) as url:  # a page for every request: its HTML is read as the store's config
+        e = {**env, "AWS_ENDPOINT_URL": url, "CKPT_RETRIES": "1"}
+        for args in (["init"], ["ls"], ["push", base, "m"]):
+            line = ckpt_cli.fails("--store", "s3://bucket/s", *args, env=e)
+            assert "s3://bucket/s" in line and "endpoint" in line, line  # not only "ckpt-store.json is not valid JSON"
+
+
+def test_a_profile_that_does_not_exist_is_one_line(ckpt_cli, env):
+    """AWS_PROFILE or --storage-option profile= naming no profile: a ProfileNotFound traceback."""
+    assert "nosuch" in ckpt_cli.fails("--store", "s3://bucket/s", "ls", env={**env, "AWS_PROFILE": "nosuch"})
+    assert "nosuch" in ckpt_cli.fails("--store", "s3://bucket/s", "--storage-option", "profile=nosuch", "ls")
+
+
+def test_credentials_in_the_store_url_are_never_shown(ckpt_cli, env, files):
+    """s3://KEY:SECRET@bucket/x (as some tools take them) was echoed in botocore's "Invalid bucket name
+    ..." message, the secret twice; it is refused, naming what to use instead, the secret unshown
+    (Cli checks that it appears in no output)."""
+    for args in (["ls"], ["push", files[0], "m"], ["init", "--json"]):
+        line = ckpt_cli.fails("--store", f"s3://{KEY}:{SECRET}@bucket/x", *args)
+        assert "no credentials" in line and "AWS_ACCESS_KEY_ID" in line and KEY not in line
+    assert "not a bucket name" in ckpt_cli.fails("--store", "s3://my bucket/x", "ls")
 
 
 def test_bad_storage_option_is_a_usage_error(ckpt_cli):

@@ -71,6 +71,24 @@ def test_check_location_says_what_the_path_is(tmp_path):
             open_backend(url)
 
 
+@pytest.mark.parametrize("url", ["s3:/bucket/store", "s3:bucket/store", "S3:/bucket", "s3a:/b/x", "memory:/x", "gs:b/x"])
+def test_a_url_with_a_slash_missing_is_no_local_folder(url, tmp_path, monkeypatch):
+    """`--store s3:/bucket/store` (one slash) was taken for a local path: the push went into a folder
+    named "s3:" in the working folder, and the team's store never saw it. A known scheme followed by
+    ':' without '//' is refused, saying how to write it either way."""
+    import os
+
+    from ckpt_store.storage.errors import StoreLocationError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StoreLocationError, match="slash") as e:
+        open_backend(url)
+    assert "://" in str(e.value.hint) and "./" in str(e.value.hint)
+    assert os.listdir(tmp_path) == []
+    open_backend(f"./{url}")  # a local folder of that name, said plainly, is one
+    open_backend("c:/x")  # (one letter: a Windows drive, not a scheme)
+
+
 def test_a_store_made_meanwhile_by_another_process_is_opened_not_refused(tmp_path, monkeypatch):
     """Creating a store refuses a folder holding anything else; a folder that became a store between
     the check for its config and the listing (another rank or process initialising it at once, then

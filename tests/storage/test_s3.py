@@ -167,6 +167,142 @@ def test_no_such_bucket_is_clear(s3_main):
     assert not e.value.retryable
 
 
+def test_an_endpoint_that_is_no_s3_server_is_a_clear_error():
+    """An endpoint that is a plain web server (a typo in the port, a proxy's page) answers a LIST
+    with 404 and HTML: that came out as FileNotFoundError ("no such object: 's/'"), a traceback
+    from `ckpt init` and `ckpt push`. It is an error saying what the server answered, naming the
+    store (once: "s3://b/s/s/" named the prefix twice)."""
+    from s3support import web_server
+
+    with web_server(404) as url:
+        b = S3Backend("s3://bucket/s", {"endpoint_url": url, "key": "k", "secret": "s"}, retry=FAST)
+        with pytest.raises(StorageIOError, match="404") as e:
+            list(b.list(""))
+        assert "s3://bucket/s:" in str(e.value) and "endpoint" in str(e.value.hint) and not e.value.retryable
+        with pytest.raises(StorageIOError, match="s3://bucket/s/objects:"):
+            b.list_all("objects", 100)
+        with pytest.raises(FileNotFoundError):
+            b.read("ckpt-store.json")  # (an object: its 404 is a missing object, as on S3)
+
+
+@pytest.mark.parametrize("env, opts, says", [
+    ({"AWS_PROFILE": "no-such-profile"}, {}, "no-such-profile"),
+    ({"AWS_CONFIG_FILE": "GARBAGE"}, {}, "parse config file"),
+    ({"AWS_SHARED_CREDENTIALS_FILE": "GARBAGE"}, {}, "parse config file"),
+    ({}, {"profile": "no-such-profile"}, "no-such-profile"),
+    ({}, {"key": "only-a-key"}, "missing: aws_secret_access_key"),
+    ({}, {"config_kwargs": {"retries": 3}}, "bad storage options"),
+])
+def test_a_broken_aws_configuration_is_a_clear_error(env, opts, says, tmp_path, monkeypatch):
+    """A profile that does not exist (AWS_PROFILE, --storage-option profile=), an AWS config or
+    credentials file that does not parse, a key without its secret, config_kwargs.retries=3: each
+    ended every command in a botocore traceback (ProfileNotFound, ConfigParseError,
+    PartialCredentialsError, AttributeError) raised while the client was made."""
+    garbage = tmp_path / "aws-config"
+    garbage.write_bytes(b"\x00\xff not an ini file [[[\n= =\n")
+    for k, v in env.items():
+        monkeypatch.setenv(k, str(garbage) if v == "GARBAGE" else v)
+    with pytest.raises(StorageIOError, match=says) as e:
+        S3Backend("s3://bucket/x", {"endpoint_url": "http://127.0.0.1:1", **opts}, retry=FAST)
+    assert "s3://bucket/x" in str(e.value) and not e.value.retryable
+
+
+@pytest.mark.parametrize("tail", ["/a//b", "/a/./b", "/a/../b", "/..", "/.", "/a\nb", "/a\x00b", "/a\x7fb"])
+def test_a_prefix_that_servers_read_differently_is_refused(s3_server, tail):
+    """S3 keys are not paths: SeaweedFS folds ``a//b`` into ``a/b`` and refuses ``.`` and ``..``
+    segments, AWS and moto keep them as they are. A push to s3://b/a//b on SeaweedFS wrote its
+    config and chunks under a/b/, then listed its own lock under a/b/ and failed ("vanished while
+    it was held"), leaving chunks and a store without refs; ``.``, ``..`` and control characters
+    ended in "400 Bad Request". Such a prefix is refused before any request, saying how to write it."""
+    import ckpt
+    from ckpt_store.storage.errors import StoreLocationError
+
+    bucket = s3_server.new_bucket()
+    url = f"s3://{bucket}{tail}"
+    with pytest.raises(StoreLocationError, match="prefix") as e:
+        ckpt.Store.init(url, storage_options=s3_server.options())
+    assert "s3://" in str(e.value.hint)
+    assert not list(open_backend(f"s3://{bucket}", storage_options=s3_server.options()).list(""))  # nothing written
+
+
+@pytest.mark.parametrize("opts, says", [
+    ({"anon": "maybe"}, "anon must be true or false"),
+    ({"anon": "false"}, "anon must be true or false"),
+    ({"key": 12345, "secret": "s" * 8}, "key must be text"),
+    ({"key": "k" * 8, "secret": 100000.0}, "secret must be text"),
+    ({"endpoint_url": 8333}, "endpoint_url must be text"),
+])
+def test_storage_options_of_the_wrong_type_are_refused(opts, says):
+    """--storage-option values are JSON where they parse: anon=maybe (a typo) and anon="false" were
+    truthy, so the store was read anonymously; secret=1e5 arrived as 100000.0 and key=12345 as a
+    number, and the first request failed with "sequence item 0: expected str instance, int found"."""
+    with pytest.raises(StorageIOError, match=says) as e:
+        S3Backend("s3://bucket/x", {"endpoint_url": "http://127.0.0.1:1", **opts}, retry=FAST)
+    assert "100000" not in str(e.value) and "12345" not in str(e.value)  # a credential's value is never shown
+    assert S3Backend("s3://bucket/x", {"anon": True}).client.meta.config.signature_version is not None
+
+
+@pytest.mark.parametrize("inner", ["refs/m/inner", "objects/x", "ckpt-store.json", "a/b/c"])
+def test_a_store_is_not_created_inside_another_on_s3(s3_server, inner, tmp_path):
+    """As on a local disk, a store cannot hold another: `ckpt push FILE n --store s3://b/team/refs/m/x`
+    created a store whose objects the outer one read as its own (a ref "m/x/refs/n" that names no
+    checkpoint: every `ls`, `verify` and `gc` of the team's store failed until someone removed keys
+    by hand). Creating one anywhere below a store's prefix is refused; nothing is written."""
+    import ckpt
+    from ckpt_store.storage.errors import StoreLocationError
+
+    where = s3_server.new_bucket()
+    outer = ckpt.Store.init(f"s3://{where}/team", storage_options=s3_server.options())
+    src = tmp_path / "w.safetensors"
+    _save_small(src)
+    outer.push(str(src), "m")
+    before = sorted(e.path for e in outer.backend.list(""))
+    with pytest.raises(StoreLocationError, match=f"inside the store at s3://{where}/team"):
+        ckpt.Store.init(f"s3://{where}/team/{inner}", storage_options=s3_server.options())
+    assert sorted(e.path for e in outer.backend.list("")) == before
+    listing = outer.ls()
+    assert [r.name for r in listing.refs] == ["m"] and not listing.damaged and outer.verify().ok
+    ckpt.Store.init(f"s3://{where}/elsewhere", storage_options=s3_server.options())  # a sibling is fine
+
+
+def test_a_store_is_not_created_at_a_prefix_that_is_an_object(s3_server, tmp_path):
+    """`--store s3://b/models/w.safetensors` naming an object (a file someone uploaded): push and init
+    made a store under "models/w.safetensors/", beside the object, where a local path that is a file
+    is refused ("is a file, not a store directory"). Refused alike, nothing written; a store that
+    already lives at such a prefix still opens."""
+    import ckpt
+    from ckpt_store.storage.errors import StoreLocationError
+
+    where = s3_server.new_bucket()
+    top = open_backend(f"s3://{where}", storage_options=s3_server.options())
+    top.write("models/w.safetensors", b"a file")
+    with pytest.raises(StoreLocationError, match="is an object"):
+        ckpt.Store.init(f"s3://{where}/models/w.safetensors", storage_options=s3_server.options())
+    assert [e.path for e in top.list("")] == ["models/w.safetensors"]
+    config = ckpt.Store.init(f"s3://{where}/other", storage_options=s3_server.options()).backend.read("ckpt-store.json")
+    top.write("s", b"an object")
+    top.write("s/ckpt-store.json", config)  # a store made beside an object before this check
+    for connect in (ckpt.Store.open, ckpt.Store.init):
+        connect(f"s3://{where}/s", storage_options=s3_server.options())
+
+
+def test_prefixes_a_user_may_not_look_at_hold_no_store_for_them():
+    """A user allowed only below their own prefix is denied the HEADs above it: that is no store
+    around theirs (refusing would keep them from creating any store)."""
+    from s3support import web_server
+
+    with web_server(403) as url:
+        b = S3Backend("s3://bucket/team/me", {"endpoint_url": url, "key": "k", "secret": "s"}, retry=FAST)
+        assert b.outer_store("ckpt-store.json") is None and not b.root_is_object()
+
+
+def _save_small(path):
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.arange(64, dtype=np.float32)}, str(path))
+
+
 def test_missing_store_on_s3(s3_main_url):
     import ckpt
     from ckpt.errors import StoreNotFoundError
