@@ -744,7 +744,8 @@ def _main(argv: list[str] | None) -> None:
     from ckpt.errors import CkptError
 
     _state["json"] = _state["json_written"] = False
-    _state["next_argv"] = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # (the app callback hands it to _open)
+    words = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    _state["next_argv"] = words  # (the app callback hands it to _open)
     try:
         # Without standalone mode click returns the code of a typer.Exit instead of exiting.
         code = app(args=argv, standalone_mode=False)
@@ -769,6 +770,10 @@ def _main(argv: list[str] | None) -> None:
         buf = io.StringIO()  # click echoes the offending argument as typed: escape it like any user text
         show(file=buf)
         sys.stderr.write("".join(safe(line) + "\n" for line in buf.getvalue().splitlines()))
+        if "--json" in words[: words.index("--") if "--" in words else len(words)]:
+            # Refused before --json was read (an unknown option, a bad value ahead of it, a bad
+            # --storage-option): the script that asked for JSON still gets its document.
+            _state["json"] = True
         _json_error(e.format_message())
         sys.exit(getattr(e, "exit_code", 2))
     if _terminated() or code == 130:  # typer returns Ctrl-C inside a command (or SIGTERM, unwound alike) as code 130, silently

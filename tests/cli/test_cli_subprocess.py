@@ -252,6 +252,20 @@ def test_errors_are_json_too_with_json(args: list[str], store: Path, env: dict[s
     assert refs_of(store) == {"demo/file", "demo/hf"}
 
 
+@pytest.mark.parametrize("args", [["ls", "--json", "--bogus"], ["ls", "--bogus", "--json"], ["diff", "a", "b", "--top", "0", "--json"],
+                                  ["--storage-option", "nokey", "ls", "--json"]])
+def test_usage_errors_before_json_is_read_are_json_too(args: list[str], store: Path, env: dict[str, str]) -> None:
+    """A usage error that click raises before it reads --json (an unknown option, a bad value given
+    ahead of --json, a bad --storage-option of the group) left stdout empty: a script that asked
+    for JSON got nothing to parse. It now gets {"error": MESSAGE} there too, with exit code 2."""
+    r = run(*args, store=store, env=env)
+    assert r.returncode == 2 and "Error:" in r.stderr
+    doc = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(c))
+    assert list(doc) == ["error"] and doc["error"] in r.stderr
+    assert run(*[a for a in args if a != "--json"], store=store, env=env).stdout == ""  # without --json: nothing
+    assert run("log", "--bogus", "--", "--json", store=store, env=env).stdout == ""  # after --: an argument, not the flag
+
+
 @pytest.mark.parametrize("keep", ["half", "header-cut"])
 def test_truncated_safetensors(keep: str, store: Path, env: dict[str, str], model_file: Path, tmp_path: Path) -> None:
     bad = tmp_path / "truncated.safetensors"
