@@ -424,14 +424,19 @@ def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Refs 
     Examples:
       ckpt rm m/ft-old m/ft-older && ckpt gc
     """
+    from ckpt.errors import CkptError
+
     store = _open()
-    removed: list[dict[str, Any]] = []
+    doc: dict[str, Any] = {"removed": []}
     try:
         for name in names:
             entry = store.remove(name)
-            removed.append({"ref": name, "seq": entry.seq})
+            doc["removed"].append({"ref": name, "seq": entry.seq})
+    except CkptError as e:  # the document printed below is the only one: it says why, as {"error"} would
+        doc["error"] = str(e)
+        raise
     finally:  # a name that fails stops the command; the ones removed before it are still reported
-        _emit({"removed": removed}, as_json, views.rm)
+        _emit(doc, as_json, views.rm)
 
 
 @app.command()

@@ -247,8 +247,8 @@ def test_errors_are_json_too_with_json(args: list[str], store: Path, env: dict[s
     assert json.loads(r.stdout) == {"error": line.removeprefix("error: ")}
     usage = run("gc", "--grace", "soon", "--json", store=store, env=env)  # refused by the command: its words
     assert usage.returncode == 2 and json.loads(usage.stdout) == {"error": "Invalid value: 'soon' is not a duration like 30s, 10m, 1h or 2d"}
-    partial = run("rm", "no/such-ref", "--json", store=store, env=env)  # its own document, already printed, says what was done
-    assert partial.returncode == 1 and json.loads(partial.stdout) == {"removed": []}
+    partial = run("rm", "no/such-ref", "--json", store=store, env=env)  # its own document says what was done, and why it stopped
+    assert partial.returncode == 1 and json.loads(partial.stdout) == {"removed": [], "error": partial.stderr.strip().removeprefix("error: ")}
     assert refs_of(store) == {"demo/file", "demo/hf"}
 
 
