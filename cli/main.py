@@ -794,12 +794,14 @@ def _json_error(message: str) -> None:
 
 
 def _end_interrupted(message: str) -> None:
-    """Exit after Ctrl-C (130) or SIGTERM (143), saying which."""
+    """Exit after Ctrl-C (130) or SIGTERM (143), saying which (with --json, as its document too)."""
     if _terminated():
-        err.print(f"terminated; {_AFTER}")
-        sys.exit(143)
+        message, code = f"terminated; {_AFTER}", 143
+    else:
+        code = 130
     err.print(message)
-    sys.exit(130)
+    _json_error(message)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -490,6 +490,20 @@ def test_an_interrupted_pull_force_keeps_the_old_file_and_says_so(sig: str, big_
     assert ok_json("verify", store=big_store, env=env)["ok"] is True
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_command_with_json_says_so_in_json(sig: str, big_store: Path, env: dict[str, str], tmp_path: Path) -> None:
+    """Ctrl-C (or SIGTERM) in a command run with --json left stdout empty: the script that asked
+    for one JSON document, as every error gives, had nothing to parse. It now gets {"error": ...}
+    with the line stderr shows, and the exit code stays 130 (143)."""
+    import signal
+
+    r = interrupted(["--store", big_store, "pull", "big/a", tmp_path / "m.safetensors", "--json"], getattr(signal, sig),
+                    lambda: len(os.listdir(tmp_path)) > 0, env)
+    assert r.returncode == {"SIGINT": 130, "SIGTERM": 143}[sig], r.stderr
+    assert json.loads(r.stdout, parse_constant=lambda c: pytest.fail(c)) == {"error": r.stderr.strip("\n")}
+    assert r.stderr.startswith({"SIGINT": "interrupted", "SIGTERM": "terminated"}[sig]) and os.listdir(tmp_path) == []
+
+
 def test_an_interrupted_push_stops_writing(big_file: Path, env: dict[str, str], tmp_path: Path) -> None:
     """Ctrl-C in a push stops it: the chunks not yet started are never written. The thread pool's
     shutdown ran every queued chunk first, so an interrupted push (or merge) went on silently to
