@@ -343,7 +343,8 @@ def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or 
     """A checkpoint's files and tensors: dtype, shape, logical and stored bytes.
 
     Stored bytes count this checkpoint's own chunks (delta bases included), sized one by
-    one: showing a checkpoint never lists the whole store.
+    one: showing a checkpoint never lists the whole store. Chunks missing from the store
+    are counted ("missing_chunks" in --json) and named on stderr; the exit code is then 1.
 
     \b
     Examples:
@@ -353,7 +354,10 @@ def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or 
     store = _open()
     mid = store.resolve(ref)
     m = store.manifest(mid)
-    _emit(results.show_doc(mid, m, store.stored_sizes(m.chunk_lengths())), as_json, views.show)
+    _emit(doc := results.show_doc(mid, m, store.stored_sizes(m.chunk_lengths())), as_json, views.show)
+    if doc["missing_chunks"]:  # damage, as in ls, du and log: shown, and exit code 1
+        _exit_if_damaged({ref: f"{doc['missing_chunks']} of its chunks are not in the store (`ckpt verify` says more)"},
+                         quiet=as_json)
 
 
 @app.command()
