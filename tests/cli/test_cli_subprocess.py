@@ -266,6 +266,20 @@ def test_usage_errors_before_json_is_read_are_json_too(args: list[str], store: P
     assert run("log", "--bogus", "--", "--json", store=store, env=env).stdout == ""  # after --: an argument, not the flag
 
 
+def test_text_output_in_an_encoding_that_cannot_hold_a_name(model_file: Path, env: dict[str, str], tmp_path: Path) -> None:
+    """Text output to a stdout whose encoding lacks a character of a message or name (an ASCII or
+    legacy locale, a Windows code page, PYTHONIOENCODING=ascii) failed with a UnicodeEncodeError
+    traceback, exit 1, after printing part of a table. It now shows such characters as escapes
+    (\\xe9, \\u65e5), as Python writes stderr; --json is unchanged (ASCII already)."""
+    store = tmp_path / "store"
+    ok("push", model_file, "u/x", "-m", "h\u00e9llo \u65e5\u672c", store=store, env=env)
+    ascii_env = {**env, "PYTHONIOENCODING": "ascii"}
+    for args in (["ls"], ["log", "u/x"], ["show", "u/x"]):
+        r = ok(*args, store=store, env=ascii_env)
+        assert "h\\xe9llo \\u65e5\\u672c" in r.stdout, r.stdout
+    assert ok_json("show", "u/x", store=store, env=ascii_env)["message"] == "h\u00e9llo \u65e5\u672c"
+
+
 @pytest.mark.parametrize("keep", ["half", "header-cut"])
 def test_truncated_safetensors(keep: str, store: Path, env: dict[str, str], model_file: Path, tmp_path: Path) -> None:
     bad = tmp_path / "truncated.safetensors"
