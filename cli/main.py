@@ -343,7 +343,8 @@ def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or 
     """A checkpoint's files and tensors: dtype, shape, logical and stored bytes.
 
     Stored bytes count this checkpoint's own chunks (delta bases included), sized one by
-    one: showing a checkpoint never lists the whole store.
+    one: showing a checkpoint never lists the whole store. Chunks missing from the store
+    are counted ("missing_chunks" in --json) and named on stderr; the exit code is then 1.
 
     \b
     Examples:
@@ -353,7 +354,10 @@ def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or 
     store = _open()
     mid = store.resolve(ref)
     m = store.manifest(mid)
-    _emit(results.show_doc(mid, m, store.stored_sizes(m.chunk_lengths())), as_json, views.show)
+    _emit(doc := results.show_doc(mid, m, store.stored_sizes(m.chunk_lengths())), as_json, views.show)
+    if doc["missing_chunks"]:  # damage, as in ls, du and log: shown, and exit code 1
+        _exit_if_damaged({ref: f"{doc['missing_chunks']} of its chunks are not in the store (`ckpt verify` says more)"},
+                         quiet=as_json)
 
 
 @app.command()
@@ -424,14 +428,19 @@ def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Refs 
     Examples:
       ckpt rm m/ft-old m/ft-older && ckpt gc
     """
+    from ckpt.errors import CkptError
+
     store = _open()
-    removed: list[dict[str, Any]] = []
+    doc: dict[str, Any] = {"removed": []}
     try:
         for name in names:
             entry = store.remove(name)
-            removed.append({"ref": name, "seq": entry.seq})
+            doc["removed"].append({"ref": name, "seq": entry.seq})
+    except CkptError as e:  # the document printed below is the only one: it says why, as {"error"} would
+        doc["error"] = str(e)
+        raise
     finally:  # a name that fails stops the command; the ones removed before it are still reported
-        _emit({"removed": removed}, as_json, views.rm)
+        _emit(doc, as_json, views.rm)
 
 
 @app.command()
@@ -744,7 +753,8 @@ def _main(argv: list[str] | None) -> None:
     from ckpt.errors import CkptError
 
     _state["json"] = _state["json_written"] = False
-    _state["next_argv"] = [str(a) for a in (sys.argv[1:] if argv is None else argv)]  # (the app callback hands it to _open)
+    words = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    _state["next_argv"] = words  # (the app callback hands it to _open)
     try:
         # Without standalone mode click returns the code of a typer.Exit instead of exiting.
         code = app(args=argv, standalone_mode=False)
@@ -769,6 +779,10 @@ def _main(argv: list[str] | None) -> None:
         buf = io.StringIO()  # click echoes the offending argument as typed: escape it like any user text
         show(file=buf)
         sys.stderr.write("".join(safe(line) + "\n" for line in buf.getvalue().splitlines()))
+        if "--json" in words[: words.index("--") if "--" in words else len(words)]:
+            # Refused before --json was read (an unknown option, a bad value ahead of it, a bad
+            # --storage-option): the script that asked for JSON still gets its document.
+            _state["json"] = True
         _json_error(e.format_message())
         sys.exit(getattr(e, "exit_code", 2))
     if _terminated() or code == 130:  # typer returns Ctrl-C inside a command (or SIGTERM, unwound alike) as code 130, silently
@@ -784,12 +798,14 @@ def _json_error(message: str) -> None:
 
 
 def _end_interrupted(message: str) -> None:
-    """Exit after Ctrl-C (130) or SIGTERM (143), saying which."""
+    """Exit after Ctrl-C (130) or SIGTERM (143), saying which (with --json, as its document too)."""
     if _terminated():
-        err.print(f"terminated; {_AFTER}")
-        sys.exit(143)
+        message, code = f"terminated; {_AFTER}", 143
+    else:
+        code = 130
     err.print(message)
-    sys.exit(130)
+    _json_error(message)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,11 @@ from ckpt.progress import TerminalProgress
 for _name in ("stdout", "stderr"):
     if getattr(sys, _name) is None:
         setattr(sys, _name, open(os.devnull, "w"))  # noqa: SIM115 - for the life of the process
+# Output in an encoding that cannot hold every character of a name or message (PYTHONIOENCODING=ascii,
+# a legacy locale, a Windows code page) gets \xe9-style escapes, as Python writes stderr, instead of
+# failing with a UnicodeEncodeError traceback. (--json output is ASCII: JSON escapes the rest.)
+if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
+    sys.stdout.reconfigure(errors="backslashreplace")
 
 class _Console(Console):
     def on_broken_pipe(self) -> None:

@@ -74,6 +74,28 @@ def test_help_teaches():
     assert "weights_only" in invoke("push", "--help")
 
 
+def test_readme_names_every_command_that_takes_json():
+    """The README's list of the commands that take --json left out `cache` and `cache clear`, which
+    do: a script writer reading it could not know their output has a contract."""
+    import re
+    from pathlib import Path
+
+    import typer.main
+
+    def with_json(group, prefix=""):
+        cmd = typer.main.get_command(group) if not hasattr(group, "commands") else group
+        for name, sub in cmd.commands.items():
+            if any(p.name == "as_json" for p in sub.params):
+                yield prefix + name
+            if hasattr(sub, "commands"):
+                yield from with_json(sub, prefix + name + " ")
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    listed = re.search(r"Every command that reports something \(([^)]*)\) takes `--json`", readme)
+    assert listed is not None
+    assert set(re.findall(r"`([a-z ]+)`", listed.group(1))) == set(with_json(app))
+
+
 def test_errors_are_one_line(env, capsys):
     tmp, src = env
     code, _, err = run_main(capsys, "pull", "x", str(tmp / "o"))

@@ -247,9 +247,37 @@ def test_errors_are_json_too_with_json(args: list[str], store: Path, env: dict[s
     assert json.loads(r.stdout) == {"error": line.removeprefix("error: ")}
     usage = run("gc", "--grace", "soon", "--json", store=store, env=env)  # refused by the command: its words
     assert usage.returncode == 2 and json.loads(usage.stdout) == {"error": "Invalid value: 'soon' is not a duration like 30s, 10m, 1h or 2d"}
-    partial = run("rm", "no/such-ref", "--json", store=store, env=env)  # its own document, already printed, says what was done
-    assert partial.returncode == 1 and json.loads(partial.stdout) == {"removed": []}
+    partial = run("rm", "no/such-ref", "--json", store=store, env=env)  # its own document says what was done, and why it stopped
+    assert partial.returncode == 1 and json.loads(partial.stdout) == {"removed": [], "error": partial.stderr.strip().removeprefix("error: ")}
     assert refs_of(store) == {"demo/file", "demo/hf"}
+
+
+@pytest.mark.parametrize("args", [["ls", "--json", "--bogus"], ["ls", "--bogus", "--json"], ["diff", "a", "b", "--top", "0", "--json"],
+                                  ["--storage-option", "nokey", "ls", "--json"]])
+def test_usage_errors_before_json_is_read_are_json_too(args: list[str], store: Path, env: dict[str, str]) -> None:
+    """A usage error that click raises before it reads --json (an unknown option, a bad value given
+    ahead of --json, a bad --storage-option of the group) left stdout empty: a script that asked
+    for JSON got nothing to parse. It now gets {"error": MESSAGE} there too, with exit code 2."""
+    r = run(*args, store=store, env=env)
+    assert r.returncode == 2 and "Error:" in r.stderr
+    doc = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(c))
+    assert list(doc) == ["error"] and doc["error"] in r.stderr
+    assert run(*[a for a in args if a != "--json"], store=store, env=env).stdout == ""  # without --json: nothing
+    assert run("log", "--bogus", "--", "--json", store=store, env=env).stdout == ""  # after --: an argument, not the flag
+
+
+def test_text_output_in_an_encoding_that_cannot_hold_a_name(model_file: Path, env: dict[str, str], tmp_path: Path) -> None:
+    """Text output to a stdout whose encoding lacks a character of a message or name (an ASCII or
+    legacy locale, a Windows code page, PYTHONIOENCODING=ascii) failed with a UnicodeEncodeError
+    traceback, exit 1, after printing part of a table. It now shows such characters as escapes
+    (\\xe9, \\u65e5), as Python writes stderr; --json is unchanged (ASCII already)."""
+    store = tmp_path / "store"
+    ok("push", model_file, "u/x", "-m", "h\u00e9llo \u65e5\u672c", store=store, env=env)
+    ascii_env = {**env, "PYTHONIOENCODING": "ascii"}
+    for args in (["ls"], ["log", "u/x"], ["show", "u/x"]):
+        r = ok(*args, store=store, env=ascii_env)
+        assert "h\\xe9llo \\u65e5\\u672c" in r.stdout, r.stdout
+    assert ok_json("show", "u/x", store=store, env=ascii_env)["message"] == "h\u00e9llo \u65e5\u672c"
 
 
 @pytest.mark.parametrize("keep", ["half", "header-cut"])
@@ -474,6 +502,20 @@ def test_an_interrupted_pull_force_keeps_the_old_file_and_says_so(sig: str, big_
     assert len(lines) == 1 and lines[0].startswith({"SIGINT": "interrupted", "SIGTERM": "terminated"}[sig]), r.stderr
     assert os.listdir(tmp_path) == ["model.safetensors"] and dest.read_bytes() == b"precious"
     assert ok_json("verify", store=big_store, env=env)["ok"] is True
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupted_command_with_json_says_so_in_json(sig: str, big_store: Path, env: dict[str, str], tmp_path: Path) -> None:
+    """Ctrl-C (or SIGTERM) in a command run with --json left stdout empty: the script that asked
+    for one JSON document, as every error gives, had nothing to parse. It now gets {"error": ...}
+    with the line stderr shows, and the exit code stays 130 (143)."""
+    import signal
+
+    r = interrupted(["--store", big_store, "pull", "big/a", tmp_path / "m.safetensors", "--json"], getattr(signal, sig),
+                    lambda: len(os.listdir(tmp_path)) > 0, env)
+    assert r.returncode == {"SIGINT": 130, "SIGTERM": 143}[sig], r.stderr
+    assert json.loads(r.stdout, parse_constant=lambda c: pytest.fail(c)) == {"error": r.stderr.strip("\n")}
+    assert r.stderr.startswith({"SIGINT": "interrupted", "SIGTERM": "terminated"}[sig]) and os.listdir(tmp_path) == []
 
 
 def test_an_interrupted_push_stops_writing(big_file: Path, env: dict[str, str], tmp_path: Path) -> None:

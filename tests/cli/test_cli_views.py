@@ -84,7 +84,7 @@ def test_one_spelling_for_logical_bytes(env):
     assert gc["deleted_bytes"] == gc["bytes"]
 
 
-def test_show_sizes_its_own_chunks_without_listing_the_store(env, monkeypatch):
+def test_show_sizes_its_own_chunks_without_listing_the_store(env, monkeypatch, capsys):
     invoke("push", env / "a.safetensors", "m/a")
     invoke("push", env / "b.safetensors", "m/b")  # delta-coded against m/a: its stored size counts its bases too
     du = {r["ref"]: r for r in json.loads(invoke("du", "--json"))["refs"]}
@@ -105,9 +105,14 @@ def test_show_sizes_its_own_chunks_without_listing_the_store(env, monkeypatch):
     shown = json.loads(invoke("show", "m/a", "--json"))
     lost = next(p for p in (env / "store" / "objects" / "chunks").rglob("*") if p.is_file() and p.name == shown_chunk(env, "m/a"))
     lost.unlink()
-    after = json.loads(invoke("show", "m/a", "--json"))
-    assert after["missing_chunks"] == 1 and after["stored_bytes"] < shown["stored_bytes"]
-    assert "missing    1 of its chunks are not in the store" in invoke("show", "m/a")
+    # ... and, as ls, du and log do for damage they list, exits 1 (it exited 0: a script's
+    # `ckpt show REF --json && use REF` went on with a checkpoint that cannot be pulled)
+    code, out, err = run_main(capsys, "show", "m/a", "--json")
+    after = json.loads(out)
+    assert code == 1 and after["missing_chunks"] == 1 and after["stored_bytes"] < shown["stored_bytes"] and err == ""
+    code, out, err = run_main(capsys, "show", "m/a")
+    assert code == 1 and "missing    1 of its chunks are not in the store" in out
+    assert err == "DAMAGED m/a: 1 of its chunks are not in the store (`ckpt verify` says more)\n"
 
 
 def shown_chunk(env, ref: str) -> str:
