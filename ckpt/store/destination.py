@@ -82,9 +82,19 @@ def inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
+# The system's own folders: a pull there (`ckpt pull m /dev/stdout --force`, as root) would replace
+# the system's links and devices with a file, never write through them.
+_SYSTEM_FOLDERS = ("/dev", "/proc", "/sys")
+
+
 def check_outside_stores(path: str, store: Store | None, what: str = "a pull") -> None:
     """Refuse ``path`` (a file or directory ``what`` writes) inside any local store, or inside
-    ``store`` (the one the command opened)."""
+    ``store`` (the one the command opened), or in the system's /dev, /proc or /sys."""
+    parent = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    system = next((d for d in _SYSTEM_FOLDERS if inside(parent, d)), None)
+    if system is not None:
+        raise DestinationError(f"{path} is in {system}, the system's; {what} writes regular files of its own, "
+                               "never there (not to a device or a stream either)", hint="give a path in a folder of yours")
     outer = enclosing_store(path)
     if outer is None and store is not None:
         root = store_root(store)

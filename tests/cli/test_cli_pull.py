@@ -266,3 +266,17 @@ def test_force_pull_beside_weights_that_are_not_the_checkpoints_is_refused(tmp_p
     assert sorted(os.listdir(dest)) == ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "notes.txt"]
     # The same pull again over itself (its own files only): still fine.
     assert run(capsys, "--store", store, "pull", "m/sharded", str(dest), "--force")[0] == 0
+
+
+@pytest.mark.parametrize("dest", ["/dev/stdout", "/dev/null", "/proc/self/fd/1", "/dev/shm/../stdout"])
+def test_pull_into_the_systems_folders_is_refused(sandbox, capsys, dest):
+    """`ckpt pull REF /dev/stdout --force` (to stream it, say) replaced the link /dev/stdout with a
+    file, as root (a pull replaces a link at a file's name, never writing through it): the system's
+    folders are refused, whatever the flags. (A pull's temporary would be made there first.)"""
+    _, store = sandbox
+    save = tree(__import__("pathlib").Path("/dev/shm")) if os.path.isdir("/dev/shm") else None
+    for force in ([], ["--force"]):
+        code, _, err = run(capsys, "--store", store, "pull", "two", dest, "--include", "*", *force)
+        one_line_error(code, err, "the system's", "a folder of yours")
+    assert os.path.islink("/dev/stdout") or not os.path.exists("/dev/stdout")
+    assert save is None or tree(__import__("pathlib").Path("/dev/shm")) == save

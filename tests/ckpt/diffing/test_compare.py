@@ -177,8 +177,12 @@ def test_one_element_of_any_two_dtypes_compares_exactly(data):
     assert s.changed_elements == int(changed), (a, b, s)
     if changed and not any(isinstance(x, float) and math.isinf(x) for x in (a, b)):
         exact = float(abs(Fraction(b) - Fraction(a)))
-        if all(float(x).is_integer() for x in (a, b)):  # two integers: their difference rounded once
-            assert s.max_abs_diff == exact, (a, b, s)
+        if all(float(x).is_integer() for x in (a, b)) and all(-(2**63) <= x < 2**63 for x in (a, b)):
+            assert s.max_abs_diff == exact, (a, b, s)  # two integers within int64: their difference rounded once
+        elif all(float(x).is_integer() for x in (a, b)):  # past int64 (uint64 against a whole float64): taken in
+            # float64, rounded twice, within an ulp (uint64 2**64-1024 against -5.578679835571096e19 read
+            # 7.423354242942052e19 for 7.42335424294205e19; found by hunt9-h); the count above stays exact
+            assert s.max_abs_diff > 0 and math.isclose(s.max_abs_diff, exact, rel_tol=2**-51), (a, b, s)
         else:  # a fraction: float64 arithmetic, never 0
             assert s.max_abs_diff > 0 and math.isclose(s.max_abs_diff, exact, rel_tol=1e-15), (a, b, s)
 
