@@ -181,16 +181,18 @@ def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> Te
         # A real tensor against a complex one (x against x + 0j): as complex both, or their real views
         # (two numbers per complex element) would not line up.
         a, b = a.to(torch.complex128), b.to(torch.complex128)
-    if same_dtype:
-        changed = int((bit_pattern(a) != bit_pattern(b)).sum())
-    else:
-        differs = _values_differ(_as_real(a), _as_real(b))
-        changed = int(differs.reshape(a.numel(), -1).any(dim=1).sum()) if a.numel() else 0
-        del differs
-    fa, fb = _as_real(a), _as_real(b)
-    ssa, ssb, ssd, mad, nonfinite = [], [], [], 0.0, 0
-    for i in range(0, fa.numel(), block):
-        ra, rb = fa[i : i + block], fb[i : i + block]
+    # Counted block by block too: a whole-tensor comparison sums a bool tensor through an int64 copy
+    # (8 bytes per element: twice a float32 tensor) and across dtypes holds float64 copies of both.
+    ea, eb = a.reshape(-1), b.reshape(-1)
+    pa, pb = (bit_pattern(ea), bit_pattern(eb)) if same_dtype else (ea, eb)
+    changed, ssa, ssb, ssd, mad, nonfinite = 0, [], [], [], 0.0, 0
+    for i in range(0, ea.numel(), block):
+        if same_dtype:
+            changed += int((pa[i : i + block] != pb[i : i + block]).sum())
+        else:
+            xa, xb = ea[i : i + block], eb[i : i + block]
+            changed += int(_values_differ(_as_real(xa), _as_real(xb)).reshape(xa.numel(), -1).any(dim=1).sum())
+        ra, rb = _as_real(ea[i : i + block]), _as_real(eb[i : i + block])
         da, xb = ra.to(torch.float64), rb.to(torch.float64)
         ssa.append(float(torch.dot(da, da)))
         ssb.append(float(torch.dot(xb, xb)))

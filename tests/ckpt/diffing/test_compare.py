@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -538,3 +543,37 @@ def test_plot_draws_a_cell_per_tensor_not_per_module_type_and_layer(store, tmp_p
     width, height = _png_size(plot(report([f"block.{i}.proj{i}.weight" for i in range(330)]), tmp_path / "many.png"))
     assert height <= MAX_INCHES * 110 + 200 and width <= (MAX_INCHES + 3.5) * 110 + 200, (width, height)
     assert not written  # rows too thin for a value: none written over each other
+
+
+STATS_MEMORY_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    from ckpt.diffing.compare import tensor_stats
+
+    def status(key):  # kB -> bytes, from this process's own memory map
+        return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+
+    a = torch.randint(-128, 127, (64 << 20,), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    b = a.clone()
+    b[::3] += 1
+    other = b.to(torch.int16)  # the same values in another dtype
+    tensor_stats(a[: 1 << 20], b[: 1 << 20])  # warm torch's allocator and thread pool before the baseline
+    peaks = []
+    for x, y in ((a, b), (a, other)):
+        open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+        before = status("VmRSS:")
+        s = tensor_stats(x, y)
+        assert s.changed_elements == len(range(0, 64 << 20, 3)), s
+        peaks.append(status("VmHWM:") - before)
+    print(json.dumps(peaks))
+""")
+
+
+def test_stats_scratch_memory_is_a_few_blocks_whatever_the_tensor_size():
+    """Counting the changed elements held a bool tensor summed through an int64 copy (8 bytes per
+    element: 512 MiB for a 64 MiB int8 tensor) and, across dtypes, float64 copies of both sides."""
+    out = subprocess.run([sys.executable, "-c", STATS_MEMORY_SCRIPT], capture_output=True, text=True,
+                         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "524288"}, check=True, timeout=300)
+    for peak in json.loads(out.stdout):
+        # blocks of 1 Mi elements: the 8 MiB float64/int64 scratch arrays of one block (integers take
+        # a dozen, _integer_difference); measured 115 MiB, the old code 0.5 and 5.7 GiB
+        assert peak < 192 * 2**20, f"peak {peak / 2**20:.1f} MiB"
