@@ -284,9 +284,17 @@ def pull(
         raise typer.BadParameter("DEST is required (or --from URL to copy REF into this store)", param_hint="DEST")
     result: dict[str, Any] = {"ref": ref, "id": None, "path": None, "copy": copied}
     if dest is not None:
-        store = _open()
-        result["id"] = store.resolve(ref)  # what REF names as the pull starts
-        result["path"] = store.pull(ref, str(dest), overwrite=force, include=include or None, progress=RichProgress())
+        from ckpt.errors import CkptError
+
+        try:
+            store = _open()
+            result["id"] = store.resolve(ref)  # what REF names as the pull starts
+            result["path"] = store.pull(ref, str(dest), overwrite=force, include=include or None, progress=RichProgress())
+        except CkptError as e:
+            if copied is not None and as_json:  # the copy landed: the document says so, beside why the pull did not
+                result["error"] = str(e)
+                _emit(result, as_json, views.pull)
+            raise
     elif copied is not None:
         result["id"] = next(iter(copied["refs"].values()), None)
     _emit(result, as_json, views.pull)

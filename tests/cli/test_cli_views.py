@@ -64,6 +64,19 @@ def test_pull_from_another_store_as_json(env):
     assert doc["path"] is None and doc["copy"]["refs"] == {"m/a": doc["id"]} and doc["copy"]["chunks_sent"] > 0
 
 
+def test_pull_from_that_copies_then_cannot_write_says_both(env, capsys):
+    """`pull REF DEST --from URL --json` whose copy landed and whose pull then failed (DEST there,
+    no --force) printed only {"error"}: a script could not tell that REF is now in this store."""
+    other = env / "other"
+    invoke("--store", other, "push", env / "a.safetensors", "m/a")
+    (env / "out.safetensors").write_text("mine")
+    code, out, err = run_main(capsys, "pull", "m/a", str(env / "out.safetensors"), "--from", str(other), "--json")
+    doc = json.loads(out)
+    assert code == 1 and "exists" in doc["error"] and doc["path"] is None and doc["copy"]["refs"] == {"m/a": doc["id"]}
+    assert err.startswith("error: ") and (env / "out.safetensors").read_text() == "mine"
+    assert json.loads(invoke("ls", "--json"))[0]["ref"] == "m/a"
+
+
 def test_rm_reports_what_it_removed_before_a_failure(env, capsys):
     invoke("push", env / "a.safetensors", "m/a")
     code, out, err = run_main(capsys, "rm", "m/a", "m/nope")
