@@ -187,7 +187,7 @@ def dir_targets(store: Store, dest: str, paths: Sequence[str], overwrite: bool) 
     return dest, targets
 
 
-_WEIGHTS = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth", ".ckpt")
+_WEIGHTS = (".safetensors", ".safetensors.index.json", ".bin.index.json", *STATE_DICT_SUFFIXES)
 
 
 def _check_no_stale_weights(dest: str, paths: Sequence[str]) -> None:
