@@ -95,7 +95,6 @@ def _main(store: StoreOpt = None, storage_option: OptionsOpt = None, old_storage
         err.print("warning: `ckpt -o KEY=VALUE` is deprecated, write `ckpt --storage-option KEY=VALUE` "
                   "(-o means --output, the name of what merge and remix make)")
     _state["store"] = store
-    _state["argv"] = _state.pop("next_argv", None)  # this command's line, when main() runs it (not CliRunner)
     _state["options"] = parse_storage_options((storage_option or []) + (old_storage_option or []))
     _state["no_cache"] = no_cache
 
@@ -762,7 +761,7 @@ def _main(argv: list[str] | None) -> None:
 
     _state["json"] = _state["json_written"] = False
     words = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
-    _state["next_argv"] = words  # (the app callback hands it to _open)
+    _state["argv"] = words  # this command's line, for _open (None for an app invoked otherwise: CliRunner)
     try:
         # Without standalone mode click returns the code of a typer.Exit instead of exiting.
         code = app(args=argv, standalone_mode=False)
@@ -793,6 +792,8 @@ def _main(argv: list[str] | None) -> None:
             _state["json"] = True
         _json_error(e.format_message())
         sys.exit(getattr(e, "exit_code", 2))
+    finally:
+        _state["argv"] = None
     if _terminated() or code == 130:  # typer returns Ctrl-C inside a command (or SIGTERM, unwound alike) as code 130, silently
         _end_interrupted(_INTERRUPTED)
     sys.exit(code if isinstance(code, int) else 0)

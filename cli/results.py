@@ -47,38 +47,32 @@ def log_rows(entries: Iterable[Any], manifest: Callable[[str], Manifest],
     rows: list[dict[str, Any]] = []
     version: int | None = 0
     end = len(merged) if limit is None else offset + limit
-    for i, (seq, e) in enumerate(merged):
-        if i >= end:
-            break
-        if i < offset:  # before the window: only what the rows in it need (their version)
-            if e is None:
-                version = None
-            elif e.target is not None and version is not None:
-                version += 1
-            continue
+    for i, (seq, e) in enumerate(merged[:end]):
         if e is None:
-            rows.append({"seq": seq, "version": None, "id": None, "time": None, "message": None, "removed": None,
-                         "error": bad[seq]})
+            if i >= offset:
+                rows.append({"seq": seq, "version": None, "id": None, "time": None, "message": None, "removed": None,
+                             "error": bad[seq]})
             version = None
             continue
-        msg, error = None, None
-        if e.target is not None:
-            try:
-                msg = manifest(e.target).message
-            except ObjectNotFoundError as err:
-                if live and version == 0:
+        if i >= offset:  # (before the window only the version counts: the rows in it need theirs)
+            msg, error = None, None
+            if e.target is not None:
+                try:
+                    msg = manifest(e.target).message
+                except ObjectNotFoundError as err:
+                    if live and version == 0:
+                        error = str(err)
+                    else:  # a collected manifest still has a history line
+                        msg = "(no longer in the store: freed by `ckpt gc`)"
+                except CkptError as err:
                     error = str(err)
-                else:  # a collected manifest still has a history line
-                    msg = "(no longer in the store: freed by `ckpt gc`)"
-            except CkptError as err:
-                error = str(err)
+                if error is not None:
+                    msg = "(damaged: `ckpt verify` names it; `ckpt verify --repair-from URL` puts it back from a store holding it)"
+            row = {"seq": e.seq, "version": None if e.target is None else version, "id": e.target,
+                   "time": e.time, "message": msg, "removed": e.target is None}
             if error is not None:
-                msg = "(damaged: `ckpt verify` names it; `ckpt verify --repair-from URL` puts it back from a store holding it)"
-        row = {"seq": e.seq, "version": None if e.target is None else version, "id": e.target,
-               "time": e.time, "message": msg, "removed": e.target is None}
-        if error is not None:
-            row["error"] = error
-        rows.append(row)
+                row["error"] = error
+            rows.append(row)
         if e.target is not None and version is not None:
             version += 1
     return rows

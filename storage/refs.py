@@ -214,12 +214,12 @@ class Refs:
                                    "only its refs named")
         # Listed as no file, yet one now: an entry a listing missed while a concurrent update wrote the
         # next (a directory is listed in several reads as it changes), read as any other.
-        if not is_file and not self.backend.exists(path) and self._missing(path):
-            raise StoreFormatError(f"ref entry {path} is missing, with entries of {name} before and after it: what "
-                                   f"{name} named then is unknown, and so is which version {name}@N names beyond it",
-                                   hint="put the entry file back from a backup of the store, or move the entries older "
-                                   "than it out of the store folder too (gc then frees what only they named)")
         if not is_file and not self.backend.exists(path):
+            if self._missing(path):
+                raise StoreFormatError(f"ref entry {path} is missing, with entries of {name} before and after it: what "
+                                       f"{name} named then is unknown, and so is which version {name}@N names beyond it",
+                                       hint="put the entry file back from a backup of the store, or move the entries "
+                                       "older than it out of the store folder too (gc then frees what only they named)")
             raise StoreFormatError(f"ref entry {path} is not a file (a folder is there): what {name} named then "
                                    "is unknown", hint=f"put the entry file back from a backup of the store, or remove the folder "
                                    f"(then {name} names what it named before)")
