@@ -158,18 +158,6 @@ class CkptCallback(pl.Callback):
                             "data": _data_position(trainer)}
         return state
 
-    def _latest(self) -> str | None:
-        """What ``restore_latest`` would resume, in words ("step 6"), or None where the run has no snapshot."""
-        from ckpt.errors import RefNotFoundError
-        from ckpt.snapshot.tiers import snapshot_step
-
-        assert self.manager is not None
-        try:
-            m = self.manager.store.manifest(f"{self.run}/latest")
-        except RefNotFoundError:
-            return None
-        step = snapshot_step(m)
-        return f"step {step}" if step is not None else "its latest snapshot"
 
     def _check_data_position(self, trainer: pl.Trainer) -> None:
         """Refuse to go on from a snapshot with another batch size or epoch length where the loop's place in
@@ -207,13 +195,14 @@ class CkptCallback(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self.manager is not None
-        latest = self._latest() if self.resume and trainer.ckpt_path is not None else None
+        # What restore_latest would resume (the newest of every tier), asked before anything is restored.
+        latest = self.manager.latest_step() if self.resume and trainer.ckpt_path is not None else None
         if latest is not None:
             # Lightning restored the module from it before this hook and restores the optimizers, schedulers
             # and loop position from it after: the run would go on with the snapshot's weights and the rest of it.
             # Refused before the snapshot is restored: the module keeps what Lightning gave it, the RNG its state.
             raise SnapshotError(f"trainer.fit(ckpt_path={trainer.ckpt_path!r}) resumes from that checkpoint, and this "
-                                f"callback from {latest} of {self.run!r}: the run would mix the two",
+                                f"callback from step {latest} of {self.run!r}: the run would mix the two",
                                 hint="pass CkptCallback(..., resume=False) to resume from the Lightning checkpoint, "
                                      "its next snapshots going to the store; or leave out ckpt_path (on SLURM, "
                                      "Lightning's auto-requeue sets it to its hpc checkpoint: pass "

@@ -118,10 +118,9 @@ class CkptCallback(TrainerCallback):
                 m = self.manager.store.manifest(f"{self.manager.run}/latest")
             except RefNotFoundError:
                 return None
-            found = snapshot_step(m)
-            if found is None or found < 0:  # (a record read from the store: anything but a step is refused)
+            step = snapshot_step(m)  # (a record read from the store: anything but a step is refused)
+            if step is None:
                 raise SnapshotError(f"{self.manager.run}/latest is not a snapshot", hint="resume_dir(trainer, step=N)")
-            step = found
         if os.path.lexists(out) and not os.path.isdir(out):
             raise SnapshotError(f"{out} exists and is not a directory", hint="pass resume_dir(trainer, dest=...) a new or empty directory")
         if os.path.isdir(out) and os.listdir(out) and not os.path.exists(os.path.join(out, _MARKER)):

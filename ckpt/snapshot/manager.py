@@ -780,6 +780,21 @@ class CheckpointManager:
                                    f"restoring step {candidates[i + 1][0]} instead")
         return None
 
+    def latest_step(self) -> int | None:
+        """The step :meth:`restore_latest` would restore first, without restoring it; None if the run
+        has no snapshot in any tier. In a group the ranks choose it together, as a restore does."""
+        from ckpt.snapshot.tiers import snapshot_step
+
+        self.wait()
+        if self._local is None:
+            mid = self._resolve(lambda: self.store.resolve(self._durable.latest))
+            return None if mid is None else snapshot_step(self.store.manifest(mid))
+        if self._distributed:
+            chosen = self._group_path.choose(self.store, self._durable.latest)
+            return None if chosen is None else chosen[0]
+        candidates, _ = self._candidates()
+        return candidates[0][0] if candidates else None
+
     def restore(self, state: dict[str, Any], step: int) -> int:
         """Restore the snapshot of ``step`` into ``state`` in place (from the nearest tier holding each chunk)."""
         self.wait()

@@ -204,6 +204,31 @@ def test_fit_from_a_lightning_checkpoint_and_a_snapshot_is_refused(script, tmp_p
     assert cb.restored_step is None and trainer.global_step == 5
 
 
+def test_fit_from_a_lightning_checkpoint_beside_a_snapshot_only_in_the_local_tier_is_refused(script, tmp_path):
+    """The refusal above looked only at the durable store's RUN/latest, while restore_latest takes the
+    newest snapshot of every tier: a snapshot in the local tier alone (not persisted yet) was resumed
+    on top of Lightning's checkpoint, the mix the refusal is there to stop (found in review)."""
+    import torch
+
+    from ckpt.errors import RefNotFoundError
+    from ckpt.snapshot.manager import SnapshotError
+
+    def fit(steps, ckpt_path=None):
+        cb = script.CkptCallback(str(tmp_path / "store"), "lit", every_n_steps=1, local=str(tmp_path / "local"))
+        trainer = script.pl.Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                    enable_model_summary=False, default_root_dir=str(tmp_path), callbacks=[cb])
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))
+        trainer.fit(script.TinyModule(), torch.utils.data.DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+        return trainer
+
+    fit(1).save_checkpoint(tmp_path / "l.ckpt")  # step 1: a snapshot in the local tier only
+    with pytest.raises(RefNotFoundError):
+        ckpt.Store.open(str(tmp_path / "store")).resolve("lit/latest")
+    with pytest.raises(SnapshotError, match="resumes from that checkpoint, and this callback from step 1"):
+        fit(3, ckpt_path=str(tmp_path / "l.ckpt"))
+
+
 def test_a_loader_whose_batch_size_is_not_a_number_still_snapshots(script, tmp_path):
     """Any iterable trains under Lightning: one whose ``batch_size`` is not an int (here an object JSON cannot
     hold) is recorded as of unknown batch size, not refused by the snapshot's data position."""
