@@ -210,18 +210,30 @@ class Store:
         raise RefNotFoundError(f"no ref or checkpoint named {ref!r}", hint=self._near_names(ref))
 
     def _near_names(self, ref: str) -> str:
-        """The hint for a name that names nothing: the refs below it (``minilm`` for
+        """The hint for a name that names nothing: the live refs below it (``minilm`` for
         ``minilm/base``), else those spelled most like it (a typo), then where to look. One
-        listing of ``refs/``, on this error path only."""
+        listing of ``refs/`` and the newest entries of the refs offered (a removed one is not),
+        on this error path only."""
+        def live(name: str) -> bool:
+            try:
+                return self.refs_db.current(name) is not None
+            except (CkptError, OSError):
+                return False
+
         try:
-            names = sorted(n for n in self.refs_db.listing() if n != ref and _nameable(n))  # (``ref`` itself: removed)
+            names = sorted(n for n in self.refs_db.listing() if n != ref and _nameable(n))
         except (CkptError, OSError):  # the error being raised is the one worth seeing
             names = []
         below = [n for n in names if n.startswith(ref.rstrip("/") + "/")]
         if below:
+            try:
+                below = sorted(self.refs_db.scan(ref.rstrip("/"))[0])
+            except (CkptError, OSError):
+                below = []
+        if below:
             more = f" and {len(below) - 3} more" if len(below) > 3 else ""
             return f"refs below it: {', '.join(repr(n) for n in below[:3])}{more}; see `ckpt ls`"
-        close = difflib.get_close_matches(ref, names, n=3, cutoff=0.75)
+        close = [n for n in difflib.get_close_matches(ref, names, n=6, cutoff=0.75) if live(n)][:3]
         return ("did you mean " + " or ".join(repr(n) for n in close) + "? " if close else "") + "see `ckpt ls`"
 
     def manifest(self, ref: str) -> Manifest:

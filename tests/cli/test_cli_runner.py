@@ -132,6 +132,11 @@ def test_a_name_that_names_nothing_gets_the_names_near_it(env, capsys):
     invoke("rm", "minilm/v2")
     code, _, err = run_main(capsys, "rm", "minilm/v2")  # removed already: not offered as its own correction
     assert code == 1 and err == "error: no ref named 'minilm/v2' (see `ckpt ls`)\n"
+    invoke("rm", "minilm/ft-x")  # a removed ref is offered neither as a spelling nor below a folder
+    code, _, err = run_main(capsys, "log", "minilm/ft-tp")
+    assert code == 1 and "(did you mean 'minilm/ft-top'? see `ckpt ls`)" in err
+    code, _, err = run_main(capsys, "show", "minilm")
+    assert code == 1 and "(refs below it: 'minilm/base', 'minilm/ft-top'; see `ckpt ls`)" in err
     code, _, err = run_main(capsys, "show", "minilm/base@1")
     assert code == 1 and "minilm/base has 1 version; minilm/base@1 does not exist" in err
     assert not (tmp / "o").exists()
