@@ -179,9 +179,10 @@ class DistributedSnapshots:
                 prepared[key] = obj
         self.persisting = self._check_identical(step, {k: v for k, v in prepared.items() if k not in per_rank}, persist)
         persist_to = persist_to if self.persisting else None
-        flags = _autograd_flags({k: v for k, v in prepared.items() if k not in per_rank})
+        tensors = _tensors(prepared)  # (DCP name -> (tensor, its state key)), flattened once for both records
+        flags = autograd_flags({n: t for n, (t, key) in tensors.items() if key not in per_rank})
         # A plain value's tensors come back as new tensors (value_target): where they lived is recorded
-        devices = tensor_devices(_tensors({k: v for k, v in prepared.items() if not isinstance(state[k], Stateful)}))
+        devices = tensor_devices({n: t for n, (t, key) in tensors.items() if not isinstance(state[key], Stateful)})
         record = {**snapshot, "ranks": True, "world": self.world, "keys": sorted(state), "per_rank": sorted(per_rank),
                   **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {})}
         base = self.last_id if self.run.delta else None
@@ -624,15 +625,10 @@ def _outside_ckpt() -> int:
     return level
 
 
-def _autograd_flags(state: dict[str, Any]) -> dict[str, list[str]]:
-    """:func:`~ckpt.snapshot.state.autograd_flags` of the tensors in ``state``, by their DCP names."""
-    return autograd_flags(_tensors(state))
-
-
-def _tensors(state: dict[str, Any]) -> dict[str, Any]:
-    """The tensors in ``state``, by their DCP names."""
+def _tensors(state: dict[str, Any]) -> dict[str, tuple[Any, str]]:
+    """The tensors in ``state``, by their DCP names, each with the key of ``state`` it is under."""
     import torch
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    flat, _ = flatten_state_dict(state)
-    return {n: t for n, t in flat.items() if isinstance(t, torch.Tensor)}
+    flat, paths = flatten_state_dict(state)
+    return {n: (t, str(paths[n][0])) for n, t in flat.items() if isinstance(t, torch.Tensor)}

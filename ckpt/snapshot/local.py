@@ -97,12 +97,10 @@ class LocalSnapshots:
             in_place = self._live = LiveTensors(live, {n: keys[n][1] for n in live})
         if pending:
             self._copied.clear()
-            devices = {t.device for _, _, t in pending if t.device.type == "cuda"}
-            if devices:
-                import torch
-
+            gpus = {t.device for _, _, t in pending if t.device.type == "cuda"}
+            if gpus:
                 # the copies start after the work queued so far on each device, not later work
-                ready = {d: torch.cuda.current_stream(d).record_event() for d in devices}
+                ready = {d: torch.cuda.current_stream(d).record_event() for d in gpus}
         flags = autograd_flags(tensors)
         # where the tensors a restore makes anew go (a module's are written in place, wherever they are)
         devices = tensor_devices({n: t for n, t in tensors.items() if not isinstance(state[n.split("/")[0]], torch.nn.Module)})

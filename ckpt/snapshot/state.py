@@ -75,8 +75,8 @@ class RNGState:
         random.setstate(python)
         torch.set_rng_state(state["torch"])
         np.random.set_state(np_state)
-        for i, s in enumerate(cuda):
-            torch.cuda.set_rng_state(s, i)
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def _cuda_states(saved: Any) -> list[Any]:
