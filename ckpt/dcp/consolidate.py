@@ -247,13 +247,14 @@ def load_dcp(store: Store, m: Manifest, include: list[str] | None = None, progre
     return out
 
 
-def fill_dcp(store: Store, m: Manifest, live: dict[str, Any], strict: bool, progress: Progress | None = None) -> None:
-    """Decode a distributed checkpoint's whole tensors into ``live`` (name -> tensor, any device), in place."""
+def fill_dcp(store: Store, m: Manifest, live: dict[str, Any], strict: bool, prefix: str = "",
+             progress: Progress | None = None) -> None:
+    """Decode a distributed checkpoint's whole tensors into ``live`` (name -> tensor, any device), in
+    place; names matched as :func:`~ckpt.store.load.pair_names` matches them (``prefix``, ``strict``)."""
+    from ckpt.store.load import pair_names
+
     items = {t.fqn: t for t in _selected(m, None)}
-    missing, unexpected = sorted(set(live) - set(items)), sorted(set(items) - set(live))
-    if strict and (missing or unexpected):
-        raise TensorMismatchError(f"checkpoint and target differ: missing in checkpoint {missing[:10]}, "
-                                  f"not in target {unexpected[:10]}", hint="pass strict=False to load the common tensors")
+    live = pair_names(live, items, strict, prefix)
     entries = {t.name: t for t in m.tensors}
     copies: list[Copy] = []
     for name in sorted(set(live) & set(items)):

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def select(m: Manifest, include: list[str] | None) -> list[TensorEntry]:
     """The tensors of ``m`` whose names match one of the ``include`` globs (all without), each
     entry named as :func:`load` names it (``FOLDER/NAME`` where folders share names: :func:`named_entries`)."""
-    return _as_named([(k, t) for k, t in named_entries(m) if not include or name_selected(k, include)])
+    return [t for t in named_entries(m) if not include or name_selected(t.name, include)]
 
 
 def check_headers(store: Store, m: Manifest, what: str, known: dict[str, bytes] | None = None) -> None:
@@ -73,14 +73,11 @@ def empty_tensor(entry: TensorEntry, **kwargs: Any) -> Any:
         raise ResourceLimitError(f"cannot allocate tensor {entry.name!r} ({entry.nbytes:,} bytes): {str(e)[:200]}") from None
 
 
-def named_entries(m: Manifest) -> list[tuple[str, TensorEntry]]:
-    """``m``'s tensors with the name load and load_into give each: its name, or ``FOLDER/NAME``
-    where folders of the checkpoint share names (a diffusers pipeline: :func:`folder_names`)."""
-    return list(zip(folder_names([(t.name, t.file) for t in m.tensors]), m.tensors))
-
-
-def _as_named(named: list[tuple[str, TensorEntry]]) -> list[TensorEntry]:
-    return [t if k == t.name else replace(t, name=k) for k, t in named]
+def named_entries(m: Manifest) -> list[TensorEntry]:
+    """``m``'s tensors named as load and load_into name each: its name, or ``FOLDER/NAME`` where
+    folders of the checkpoint share names (a diffusers pipeline: :func:`folder_names`)."""
+    names = folder_names([(t.name, t.file) for t in m.tensors])
+    return [t if k == t.name else replace(t, name=k) for k, t in zip(names, m.tensors)]
 
 
 def load(store: Store, ref: str, *, include: list[str] | None = None, progress: Progress | None = None) -> dict[str, torch.Tensor]:
@@ -94,12 +91,11 @@ def load_manifest(store: Store, m: Manifest, include: list[str] | None, progress
         from ckpt.dcp.consolidate import load_dcp
 
         return load_dcp(store, m, include, progress)
-    named = [(k, t) for k, t in named_entries(m) if not include or name_selected(k, include)]
-    check_unique(_as_named(named), "use `ckpt pull`")
-    chosen = [t for _, t in named]
+    chosen = select(m, include)
+    check_unique(chosen, "use `ckpt pull`")
     check_memory(chosen, what)
-    out = {k: empty_tensor(t) for k, t in named}
-    tasks = into_tasks(m.chunk_size, [(t, out[k]) for k, t in named])
+    out = {t.name: empty_tensor(t) for t in chosen}
+    tasks = into_tasks(m.chunk_size, [(t, out[t.name]) for t in chosen])
     with reporting(progress, "load", sum(t.length for t in tasks)) as p:
         get_chunks(store.objects, tasks, store.settings, p, manifest=m)
     return out
@@ -111,13 +107,11 @@ def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, prefi
     m = store.manifest(ref)
     if m.source == "dcp":  # a distributed checkpoint: whole tensors assembled from its shards
         from ckpt.dcp.consolidate import fill_dcp
-        from ckpt.dcp.format import decode_layout
 
-        stored = [t.fqn for t in decode_layout(m.extra, "manifest").tensors.values()]
-        return fill_dcp(store, m, pair_names(live, stored, strict, prefix), False, progress)
-    named = named_entries(m)
-    check_unique(_as_named(named), "load it with store.load(ref) and pick the tensors")
-    by_name = dict(named)
+        return fill_dcp(store, m, live, strict, prefix, progress)
+    entries = named_entries(m)
+    check_unique(entries, "load it with store.load(ref) and pick the tensors")
+    by_name = {t.name: t for t in entries}
     paired = pair_names(live, by_name, strict, prefix)
     pairs = [(by_name[n], dst) for n, dst in paired.items()]
     _one_value_per_tensor(pairs)
@@ -177,27 +171,26 @@ def pair_names(live: dict[str, Any], stored: Iterable[str], strict: bool, prefix
         missing = [n for n in missing if _alias_key(want[n]) not in filled]
     unexpected = sorted(n for n in stored - set(want) if n.startswith(prefix))
     paired = {n: t for n, t in want.items() if n in stored}
-    common = "pass strict=False to load the common tensors"
     if strict and (missing or unexpected):
-        hint = _where_they_are(live, stored, prefix) + common if missing else common
+        hints = [_where_they_are(live, stored, prefix) if missing else "",
+                 "pass strict=False to load the common tensors" if paired else ""]
         raise TensorMismatchError(
             f"checkpoint and target differ: missing in checkpoint {missing[:10]}, not in target {unexpected[:10]}"
-            + (" ..." if len(missing) > 10 or len(unexpected) > 10 else ""),
-            hint=(hint if paired else hint.removesuffix(common).removesuffix("; or ")) or None)
+            + (" ..." if len(missing) > 10 or len(unexpected) > 10 else ""), hint="; or ".join(filter(None, hints)) or None)
     if want and not paired:  # strict=False that would load nothing: the model left as it was, silently
         raise TensorMismatchError(
             f"no tensor of the target is in the checkpoint{f' under {prefix!r}' if prefix else ''} (the target's "
             f"{sorted(want)[:3]}{' ...' if len(want) > 3 else ''}): nothing would be loaded",
-            hint=_where_they_are(live, stored, prefix).removesuffix("; or ") or "check the ref and the target's names")
+            hint=_where_they_are(live, stored, prefix) or "check the ref and the target's names")
     return paired
 
 
 def _where_they_are(live: dict[str, Any], stored: set[str], prefix: str) -> str:
-    """A hint (ending '; or ') naming the prefix, or the wrapped model, under which the checkpoint
-    holds ``live``'s names; '' where there is none."""
+    """A hint naming the prefix, or the wrapped model, under which the checkpoint holds ``live``'s
+    names; '' where there is none."""
     guess = _prefix_that_matches(list(live), stored)
     if guess is not None and guess != prefix:
-        return f"the checkpoint holds them under {guess!r}: pass prefix={guess!r}; or "
+        return f"the checkpoint holds them under {guess!r}: pass prefix={guess!r}"
     return _unwrap_hint(list(live), stored)
 
 
@@ -223,7 +216,7 @@ def _unwrap_hint(names: list[str], stored: set[str]) -> str:
         if names and all(n.startswith(wrap) for n in names):
             inner = _prefix_that_matches([n[len(wrap):] for n in names], stored)
             if inner is not None:
-                return f"the target is {what}: load into model.{wrap[:-1]}" + (f" with prefix={inner!r}" if inner else "") + "; or "
+                return f"the target is {what}: load into model.{wrap[:-1]}" + (f" with prefix={inner!r}" if inner else "")
     return ""
 
 
