@@ -59,7 +59,6 @@ from ckpt.store.source_tensors import flatten_state_dict, physical_memory, plain
 
 INDEX_NAME = "model.safetensors.index.json"
 STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-PRIVATE_KINDS = ("state-dict", "snapshot")  # from_tensors kinds whose tensors no one else holds
 MAX_INDEX = 64 * 1024 * 1024  # real indexes are a few hundred KiB; the file is read whole
 
 
@@ -227,7 +226,7 @@ def open_source(source: object, *, metadata: dict[str, str] | None = None) -> So
         # A nested state dict ({"model": ..., "optim": ...}) or one with plain values: flattened and
         # kept as a pushed .pt file's would be, its tensors still the caller's (not private).
         tensors, extra = flatten_state_dict(source, "state dict")
-        return from_tensors(tensors, "state-dict", extra, metadata, private=False)
+        return from_tensors(tensors, "state-dict", extra, metadata)
     if not isinstance(source, (str, os.PathLike)):
         raise InvalidSourceError(repr(source)[:80], "push takes a file, a directory or a dict of tensors")
     path = os.fsdecode(os.fspath(source))
@@ -414,7 +413,7 @@ def _from_state_dict_file(fb: FileBytes, metadata: dict[str, str] | None) -> Sou
         raise InvalidSourceError(path, f"holds a {type(obj).__name__}, not a state dict")
     try:
         tensors, extra = flatten_state_dict(obj, path)
-        src = from_tensors(tensors, "state-dict", extra, metadata)
+        src = from_tensors(tensors, "state-dict", extra, metadata, private=True)  # torch.load's: no one else's
     except BaseException:
         fb.close()
         raise
@@ -434,13 +433,12 @@ def _check_safetensors_name(name: str) -> str:
 
 def from_tensors(tensors: Mapping[str, Any], kind: str, extra: dict[str, Any], metadata: dict[str, str] | None,
                   known: Mapping[str, tuple[str, tuple[int, ...], int]] | None = None,
-                  sources: Mapping[str, ByteSource] | None = None, private: bool | None = None) -> SourceIn:
+                  sources: Mapping[str, ByteSource] | None = None, private: bool = False) -> SourceIn:
     """One safetensors file of ``tensors``. Names in ``known`` (dtype, shape, nbytes) are
     laid out in the file too but carry no data: the caller already has their chunks.
     ``sources``: where the bytes of some tensors are read from instead of their memory.
-    ``private``: whether no one else holds the tensors (default: by ``kind``, :data:`PRIVATE_KINDS`)."""
-    if private is None:
-        private = kind in PRIVATE_KINDS
+    ``private``: no one else holds the tensors (a loaded .pt's, a snapshot's staging copies): their
+    bytes are handed on read-only and not watched for writes."""
     specs = []
     views: dict[str, tuple[memoryview, Any]] = {}
     versions: dict[str, tuple[Any, int]] = {}  # a caller's tensors, which another thread may write
