@@ -108,13 +108,12 @@ def _int_bits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(f >= 2.0**63, f - 2.0**64, f).to(torch.int64), ok  # (f - 2**64 is exact there)
 
 
-def _integer_difference(xa: torch.Tensor, xb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``xb - xa`` in float64, exact before its one rounding wherever both values are integers
-    (:func:`_int_bits`), so never 0 for two that differ; of the float64 values elsewhere. With a mask
-    of where both are integers."""
+def _integer_difference(xa: torch.Tensor, xb: torch.Tensor, da: torch.Tensor, db: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``xb - xa`` in float64 (``da``, ``db``: their float64 values), exact before its one rounding
+    wherever both values are integers (:func:`_int_bits`), so never 0 for two that differ; of the
+    float64 values elsewhere. With a mask of where both are integers."""
     import torch
 
-    da, db = xa.to(torch.float64), xb.to(torch.float64)
     d = db - da
     sa, oka = _int_bits(xa)
     sb, okb = _int_bits(xb)
@@ -127,34 +126,6 @@ def _integer_difference(xa: torch.Tensor, xb: torch.Tensor) -> tuple[torch.Tenso
     both = oka & okb
     d[both] = exact[both]
     return d, both
-
-
-def _values_differ(xa: torch.Tensor, xb: torch.Tensor) -> torch.Tensor:
-    """Per element, whether ``xa`` and ``xb`` (real, of different dtypes) hold different values,
-    exactly: integers compare as integers, and against floats where the float is a whole number
-    (float64 holds integers exactly only to 2**53: 2**53 + 1 against 2.0**53, or against a uint64
-    2**53, read as the same). NaN against NaN is no change (bits cannot be compared across dtypes)."""
-    import torch
-
-    if not (_is_integer(xa.dtype) or _is_integer(xb.dtype)):
-        da, db = xa.to(torch.float64), xb.to(torch.float64)
-        return (da != db) & ~(da.isnan() & db.isnan())
-    d, both = _integer_difference(xa, xb)
-    # Elsewhere an integer stands against a value that is none (a fraction, inf, NaN, a float past
-    # the integers, which float64 may round an integer up to): different.
-    return ~both | (d != 0)
-
-
-def _difference(ra: torch.Tensor, rb: torch.Tensor) -> torch.Tensor:
-    """``rb - ra`` in float64, a fresh tensor, never 0 where the values differ: where an integer dtype
-    takes part, by :func:`_integer_difference` (in float64 a change of 1 in an integer past 2**53 read
-    as none). Two floats need no more: float64 holds both exactly, and the difference of two distinct
-    floats is never 0."""
-    import torch
-
-    if _is_integer(ra.dtype) or _is_integer(rb.dtype):
-        return _integer_difference(ra, rb)[0]
-    return rb.to(torch.float64) - ra.to(torch.float64)
 
 
 def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> TensorStats:
@@ -187,16 +158,24 @@ def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> Te
     pa, pb = (bit_pattern(ea), bit_pattern(eb)) if same_dtype else (ea, eb)
     changed, ssa, ssb, ssd, mad, nonfinite = 0, [], [], [], 0.0, 0
     for i in range(0, ea.numel(), block):
+        n = ea[i : i + block].numel()
+        ra, rb = _as_real(ea[i : i + block]), _as_real(eb[i : i + block])
+        da, xb = ra.to(torch.float64), rb.to(torch.float64)  # (exact for every float dtype)
+        # rb - ra, a fresh tensor (changed in place below: b is the caller's), never 0 where the values
+        # differ: where an integer dtype takes part, exact before its one rounding (in float64 a change
+        # of 1 in an integer past 2**53 read as none); two floats need no more (float64 holds both exactly).
+        integers = _is_integer(ra.dtype) or _is_integer(rb.dtype)
+        db, both = _integer_difference(ra, rb, da, xb) if integers else (xb - da, None)
         if same_dtype:
             changed += int((pa[i : i + block] != pb[i : i + block]).sum())
-        else:
-            xa, xb = ea[i : i + block], eb[i : i + block]
-            changed += int(_values_differ(_as_real(xa), _as_real(xb)).reshape(xa.numel(), -1).any(dim=1).sum())
-        ra, rb = _as_real(ea[i : i + block]), _as_real(eb[i : i + block])
-        da, xb = ra.to(torch.float64), rb.to(torch.float64)
+        else:  # values, exactly (integers as integers, and against floats where the float is whole)
+            # elsewhere an integer stands against a value that is none (a fraction, inf, NaN, a float past
+            # the integers, which float64 may round an integer up to): different; NaN against NaN is no
+            # change (bits cannot be compared across dtypes)
+            differs = ~both | (db != 0) if both is not None else (da != xb) & ~(da.isnan() & xb.isnan())
+            changed += int(differs.reshape(n, -1).any(dim=1).sum())
         ssa.append(float(torch.dot(da, da)))
         ssb.append(float(torch.dot(xb, xb)))
-        db = _difference(ra, rb)  # a fresh tensor: it is changed in place below (b is the caller's)
         sd = float(torch.dot(db, db))
         if not math.isfinite(sd):
             # Rare path: a NaN or inf in the block. Unchanged elements (NaN - NaN, inf - inf)
