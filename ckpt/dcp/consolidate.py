@@ -170,7 +170,7 @@ def _slab(e: TensorEntry, regions: list[Copy], cs: int) -> tuple[torch.Tensor, i
     import torch
 
     elem = itemsize(e.dtype) or 1
-    row = math.prod(e.shape[1:]) * elem
+    row = _row_bytes(e)
     first = min(c.src_off[0] for c in regions) if e.shape else 0
     end = max(c.src_off[0] + c.lengths[0] for c in regions) if e.shape else 1  # (a scalar: one row)
     want: set[int] = set()

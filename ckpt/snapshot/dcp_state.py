@@ -101,7 +101,7 @@ def from_snapshot(saved: dict[str, Path], layout: DcpLayout, tensor_for: Callabl
     return root
 
 
-def value_target(obj: Any, saved: dict[str, Path], layout: DcpLayout, devices: dict[str, str] | None = None) -> Any:
+def value_target(key: str, obj: Any, saved: dict[str, Path], layout: DcpLayout, devices: dict[str, str] | None = None) -> Any:
     """A plain value is replaced by the saved one: without tensors of its own to read into,
     any template will do (``"pos": None``), so the target is the snapshot's own structure,
     each tensor made on the device ``devices`` names for it (the snapshot's record; else the CPU):
@@ -118,7 +118,6 @@ def value_target(obj: Any, saved: dict[str, Path], layout: DcpLayout, devices: d
     if not saved:
         return {}  # an empty dict has no items of its own (an empty list is a value)
     devices = devices or {}
-    key = str(next(iter(saved.values()))[0])
 
     def tensor_for(rel: Path, item: Any) -> Any:  # (named as a single-process snapshot names it: key/a/0)
         where = device_here("/".join((key, *map(str, rel))), devices.get(item.fqn))

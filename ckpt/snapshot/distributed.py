@@ -497,7 +497,7 @@ class DistributedSnapshots:
             elif isinstance(obj, Stateful) and not isinstance(obj, type):
                 targets[key] = obj.state_dict()
             else:
-                targets[key] = value_target(obj, saved.get(key, {}), layout, devices)
+                targets[key] = value_target(key, obj, saved.get(key, {}), layout, devices)
         # DCP's own (private) flattening: the names must be exactly those it gave the items when saving
         flat, paths = flatten_state_dict(targets)
         self._check_placed(state, saved, paths, step)

@@ -87,14 +87,18 @@ def inside(path: str, root: str) -> bool:
 _SYSTEM_FOLDERS = ("/dev", "/proc", "/sys")
 
 
-def check_outside_stores(path: str, store: Store | None, what: str = "a pull") -> None:
-    """Refuse ``path`` (a file or directory ``what`` writes) inside any local store, or inside
-    ``store`` (the one the command opened), or in the system's /dev, /proc or /sys."""
+def check_outside_system(path: str, what: str = "a pull") -> None:
+    """Refuse ``path`` (a file or directory ``what`` writes) in the system's /dev, /proc or /sys."""
     parent = os.path.realpath(os.path.dirname(os.path.abspath(path)))
     system = next((d for d in _SYSTEM_FOLDERS if inside(parent, d)), None)
     if system is not None:
         raise DestinationError(f"{path} is in {system}, the system's; {what} writes regular files of its own, "
                                "never there (not to a device or a stream either)", hint="give a path in a folder of yours")
+
+
+def check_outside_stores(path: str, store: Store | None, what: str = "a pull") -> None:
+    """Refuse ``path`` (a file or directory ``what`` writes) inside any local store, or inside
+    ``store`` (the one the command opened)."""
     outer = enclosing_store(path)
     if outer is None and store is not None:
         root = store_root(store)
@@ -128,6 +132,7 @@ def file_target(store: Store, dest: str, name: str, overwrite: bool) -> str:
     target = os.path.join(dest, name) if os.path.isdir(dest) else dest
     if target.endswith(os.sep) or os.path.basename(target) in ("", ".", ".."):
         raise DestinationError(f"{dest} is not a directory", hint="create it, or give a file name")
+    check_outside_system(target)
     check_outside_stores(target, store)
     _check_entry(target, overwrite)
     return target
@@ -151,6 +156,7 @@ def dir_targets(store: Store, dest: str, paths: Sequence[str], overwrite: bool) 
         if p in dirs or p in seen:
             raise StoreFormatError(f"this checkpoint lists {p!r} twice, or as both a file and a directory")
         seen.add(p)
+    check_outside_system(os.path.join(dest, "x"))  # (the files go in dest, and below: where their links were checked)
     check_outside_stores(dest, store)
     root = store_root(store)
     if root is not None and inside(root, os.path.realpath(dest)):
