@@ -247,14 +247,13 @@ def load_dcp(store: Store, m: Manifest, include: list[str] | None = None, progre
     return out
 
 
-def fill_dcp(store: Store, m: Manifest, live: dict[str, Any], strict: bool, prefix: str = "",
+def fill_dcp(store: Store, m: Manifest, pair: Callable[[Iterable[str]], dict[str, Any]],
              progress: Progress | None = None) -> None:
-    """Decode a distributed checkpoint's whole tensors into ``live`` (name -> tensor, any device), in
-    place; names matched as :func:`~ckpt.store.load.pair_names` matches them (``prefix``, ``strict``)."""
-    from ckpt.store.load import pair_names
-
+    """Decode a distributed checkpoint's whole tensors, in place, into the tensors (any device) that
+    ``pair`` gives by the stored names each loads from, given the names the checkpoint holds
+    (:func:`~ckpt.store.load.pair_names`, which refuses a mismatch)."""
     items = {t.fqn: t for t in _selected(m, None)}
-    live = pair_names(live, items, strict, prefix)
+    live = pair(items)
     entries = {t.name: t for t in m.tensors}
     copies: list[Copy] = []
     for name in sorted(set(live) & set(items)):

@@ -108,7 +108,7 @@ def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, prefi
     if m.source == "dcp":  # a distributed checkpoint: whole tensors assembled from its shards
         from ckpt.dcp.consolidate import fill_dcp
 
-        return fill_dcp(store, m, live, strict, prefix, progress)
+        return fill_dcp(store, m, lambda stored: pair_names(live, stored, strict, prefix), progress)
     entries = named_entries(m)
     check_unique(entries, "load it with store.load(ref) and pick the tensors")
     by_name = {t.name: t for t in entries}
