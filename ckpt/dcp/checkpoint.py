@@ -65,9 +65,10 @@ from ckpt.dcp.format import (
     shard_name,
     to_metadata,
 )
-from ckpt.errors import CkptError, InvalidNameError, InvalidSourceError, TensorMismatchError
+from ckpt.errors import CkptError, InvalidSourceError, TensorMismatchError
 from ckpt.format.dtypes import byte_view, from_torch, itemsize
 from ckpt.format.manifest import FileEntry, Manifest, TensorEntry, check_tensor_name
+from ckpt.format.safetensors_header import check_not_reserved
 from ckpt.settings import Settings
 from ckpt.store.base import pair_tensors
 from ckpt.store.push import PushResult
@@ -186,9 +187,7 @@ class Writer(StorageWriter):
             check_tensor_name(i.index.fqn, "state dict key")  # (checked again, with the rest of the layout, in finish)
             if td is not None:
                 check_tensor_name(shard_name(i.index.fqn, tuple(td.chunk.offsets), tuple(td.chunk.sizes), tuple(td.size)))
-                if i.index.fqn == "__metadata__":  # as build_header refuses it in finish: the pulled file would not parse
-                    raise InvalidNameError("tensor name '__metadata__' is reserved by safetensors for metadata",
-                                           hint="rename the tensor; a checkpoint that holds one pulls as a .pt file")
+                check_not_reserved(i.index.fqn)  # as build_header refuses it in finish: the pulled file would not parse
             if td is not None and td.properties.layout != torch.strided:  # (a sparse one failed in .contiguous())
                 raise UnsupportedStateError(f"{i.index.fqn}: tensors of layout {td.properties.layout} are not supported (strided only)",
                                             hint="save t.to_dense() instead")

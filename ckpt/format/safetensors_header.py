@@ -128,6 +128,13 @@ def parse_header(head_prefix: bytes, read_rest: object, file_size: int, source: 
     return Header(bytes(head_prefix[:8]) + bytes(raw), tuple(spans), meta)
 
 
+def check_not_reserved(name: str, hint: str = "rename the tensor; a checkpoint that holds one pulls as a .pt file") -> None:
+    """A tensor named ``__metadata__`` (the header's metadata) is an :class:`InvalidNameError`: a
+    safetensors file holding it would not load (it would overwrite the metadata, or be read as it)."""
+    if name == "__metadata__":
+        raise InvalidNameError("tensor name '__metadata__' is reserved by safetensors for metadata", hint=hint)
+
+
 def build_header(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None) -> tuple[bytes, list[int]]:
     """Header bytes (length prefix included) for tensors ``(name, dtype, shape, nbytes)``.
 
@@ -136,9 +143,8 @@ def build_header(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata:
     header and the order (indices into ``tensors``) of the data section. A tensor named
     ``__metadata__`` (the header's metadata) is an :class:`InvalidNameError`: its file would not load.
     """
-    if any(t[0] == "__metadata__" for t in tensors):
-        raise InvalidNameError("tensor name '__metadata__' is reserved by safetensors for metadata",
-                               hint="rename the tensor; a checkpoint that holds one pulls as a .pt file")
+    for t in tensors:
+        check_not_reserved(t[0])
     order = sorted(range(len(tensors)), key=lambda i: (-(itemsize(tensors[i][1]) or 1), tensors[i][0]))
     obj: dict[str, object] = {}
     if metadata:

@@ -39,13 +39,12 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ckpt.errors import (
-    InvalidNameError,
     InvalidSourceError,
     ResourceLimitError,
     UnsafeInputError,
 )
 from ckpt.format.manifest import check_file_path, check_tensor_name
-from ckpt.format.safetensors_header import build_header, parse_header
+from ckpt.format.safetensors_header import build_header, check_not_reserved, parse_header
 from ckpt.store.source_files import (
     CLOEXEC,
     changed_error,
@@ -425,9 +424,7 @@ def _from_state_dict_file(fb: FileBytes, metadata: dict[str, str] | None) -> Sou
 
 def _check_safetensors_name(name: str) -> str:
     check_tensor_name(name)
-    if name == "__metadata__":  # a tensor of that name would overwrite the header's metadata, or be read as it
-        raise InvalidNameError("tensor name '__metadata__' is reserved by safetensors for metadata",
-                               hint="rename the tensor")
+    check_not_reserved(name, hint="rename the tensor")
     return name
 
 
