@@ -189,12 +189,13 @@ def open_side(x: object, store: Store | None, refs_only: bool = False) -> tuple[
     is always a ref (a string naming a file is never opened: for callers whose input is untrusted)."""
     from ckpt.store.sources import open_source
 
+    named: str | None = None  # the checkpoint a ref named like a weights file resolved to
     if not refs_only:
         if isinstance(x, Mapping):
             return SourceSide(open_source(x), "<tensors>"), store
         if isinstance(x, str) and not os.path.exists(x) and x.endswith(_FILE_SUFFIXES):
             named, store = _is_ref(x, store)  # a ref pushed as `ckpt push best.ckpt run/best.ckpt`
-            if not named:
+            if named is None:
                 return SourceSide(open_source(x), x), store  # a missing file: "no such file", not "no ref"
         elif isinstance(x, os.PathLike) or (isinstance(x, str) and os.path.exists(x)):
             return SourceSide(open_source(x), os.fspath(x)), store
@@ -207,14 +208,14 @@ def open_side(x: object, store: Store | None, refs_only: bool = False) -> tuple[
         from ckpt.store.store import Store
 
         store = Store.open()
-    reader = store.reader(x)
+    reader = store.reader(named or x)  # (a ref resolved above is read as that checkpoint: one lookup)
     if reader.manifest.source == "dcp":  # (ckpt.dcp.format.DCP_SOURCE)
         return DcpSide(reader, x), store
     return RefSide(reader, x), store
 
 
-def _is_ref(x: str, store: Store | None) -> tuple[bool, Store | None]:
-    """Whether ``x`` names a checkpoint of ``store`` (the default store, if it exists, when None)."""
+def _is_ref(x: str, store: Store | None) -> tuple[str | None, Store | None]:
+    """The checkpoint id ``x`` names in ``store`` (the default store, if it exists, when None), or None."""
     from ckpt.errors import CkptError
 
     try:
@@ -222,10 +223,9 @@ def _is_ref(x: str, store: Store | None) -> tuple[bool, Store | None]:
             from ckpt.store.store import Store
 
             store = Store.open()
-        store.resolve(x)
+        return store.resolve(x), store
     except CkptError:
-        return False, store
-    return True, store
+        return None, store
 
 
 Side = Union[RefSide, DcpSide, SourceSide]
