@@ -61,8 +61,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", callback=_json_requested,
                                        help='Machine-readable JSON on stdout; an error too, as {"error": MESSAGE}.')]
 
 
-def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
-    """``["a=1", "b.c=x"]`` -> ``{"a": 1, "b": {"c": "x"}}``: values are JSON when they parse, else strings."""
+def parse_storage_options(pairs: list[str] | None, option: str = "--storage-option") -> dict[str, Any] | None:
+    """``["a=1", "b.c=x"]`` -> ``{"a": 1, "b": {"c": "x"}}``: values are JSON when they parse, else strings
+    (a later pair overrides an earlier one). ``option``: the option they came from, for errors."""
     import json
 
     if not pairs:
@@ -72,7 +73,7 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
         key, sep, raw = pair.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
             # Never echo the pair itself: it may hold a credential.
-            raise typer.BadParameter("expected KEY=VALUE", param_hint="--storage-option")
+            raise typer.BadParameter("expected KEY=VALUE", param_hint=option)
         try:
             value: Any = json.loads(raw)
         except ValueError:
@@ -82,7 +83,7 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise typer.BadParameter(f"{key}: {part} is both a value and a group", param_hint="--storage-option")
+                raise typer.BadParameter(f"{key}: {part} is both a value and a group", param_hint=option)
         node[leaf] = value
     return opts
 
@@ -95,7 +96,8 @@ def _main(store: StoreOpt = None, storage_option: OptionsOpt = None, old_storage
         err.print("warning: `ckpt -o KEY=VALUE` is deprecated, write `ckpt --storage-option KEY=VALUE` "
                   "(-o means --output, the name of what merge and remix make)")
     _state["store"] = store
-    _state["options"] = parse_storage_options((storage_option or []) + (old_storage_option or []))
+    _state["option_pairs"] = (storage_option or []) + (old_storage_option or [])
+    _state["options"] = parse_storage_options(_state["option_pairs"])
     _state["no_cache"] = no_cache
 
 
@@ -119,21 +121,32 @@ def _emit_json(doc: Any) -> None:
     emit_json(doc)
 
 
+_OPTION_FLAGS = ("--storage-option", "-o", "--from-option", "--to-option")
+
+
 def _named(argv: list[str]) -> list[str]:
     """The words of a command line but the storage options' values (an endpoint_url=http://... names no store)."""
     words, skip = [], False
     for a in argv:
-        if not skip and a not in ("--storage-option", "-o") and not a.startswith(("--storage-option=", "-o=")):
+        if not skip and a not in _OPTION_FLAGS and not a.startswith(tuple(f"{f}=" for f in _OPTION_FLAGS)):
             words.append(a)
-        skip = a in ("--storage-option", "-o")
+        skip = a in _OPTION_FLAGS
     return words
 
 
-def _open(create: bool = False, url: str | None = None) -> Any:
+def _open(create: bool = False, url: str | None = None, own: list[str] | None = None, flag: str = "") -> Any:
+    """The store at ``url`` (None: --store), with --storage-option and then ``own``, the options
+    given for this store alone (by ``flag``: copy's --from-option, say), which override them."""
     from ckpt.store.store import Store, is_local_url
 
     target = url or _state["store"]
-    if _state["options"] and is_local_url(target):
+    options = _state["options"]
+    if own:
+        if is_local_url(target):
+            raise typer.BadParameter(f"{target or 'the default store'} is a local folder: storage options are for "
+                                     "remote stores (s3://BUCKET/PREFIX...)", param_hint=flag)
+        options = parse_storage_options(_state.get("option_pairs", []) + own, f"--storage-option or {flag}")
+    elif options and is_local_url(target):
         # Options dropped in silence where s3:// was forgotten: the push would land in a local folder.
         argv = _state.get("argv")
         if argv is not None and all(is_local_url(a) for a in _named(argv)):  # (no other store of the command is remote)
@@ -141,7 +154,7 @@ def _open(create: bool = False, url: str | None = None) -> Any:
                                      "names is: storage options are for remote stores (s3://BUCKET/PREFIX...)",
                                      param_hint="--storage-option")
     connect = Store.init if create else Store.open
-    return connect(target, storage_options=_state["options"], settings=_settings())
+    return connect(target, storage_options=options, settings=_settings())
 
 
 cache_app = typer.Typer(help=("The local cache of chunks read from remote stores: show what it holds, or clear it.\n\n"
@@ -455,6 +468,12 @@ def copy(
     refs: Annotated[list[str], typer.Argument(metavar="REF...", help="Refs to copy; REF:NAME sets NAME at the destination; NAME@N or an id prefix copies the checkpoint only.")],
     from_: Annotated[Optional[str], typer.Option("--from", metavar="URL", help="Source store (default: --store).", show_default=False)] = None,
     to: Annotated[Optional[str], typer.Option("--to", metavar="URL", help="Destination store, created if needed (default: --store).", show_default=False)] = None,
+    from_option: Annotated[Optional[list[str]], typer.Option(
+        "--from-option", metavar="KEY=VALUE", show_default=False,
+        help="A storage option for the source store only (repeatable), over --storage-option: endpoint_url=..., profile=NAME.")] = None,
+    to_option: Annotated[Optional[list[str]], typer.Option(
+        "--to-option", metavar="KEY=VALUE", show_default=False,
+        help="A storage option for the destination store only (repeatable), over --storage-option.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Copy checkpoints between stores (local <-> S3, S3 <-> S3, local <-> local).
@@ -462,27 +481,30 @@ def copy(
     Only objects the destination lacks travel -- a fine-tune whose base is already there
     costs about its delta -- in the order chunks, manifests, refs, each verified before it
     is written. An interrupted copy, run again, sends only what is left. --storage-option
-    applies to both stores.
+    applies to both stores; --from-option and --to-option to one (two S3 servers, or two
+    accounts: profile=NAME).
 
     \b
     Examples:
       ckpt copy m/ft-legal --to s3://team/store        # publish (the base goes once)
       ckpt copy m/ft-legal:legal/v2 --to s3://team/store
       ckpt copy m/ft-legal --from s3://team/store     # fetch into --store
+      ckpt copy m/ft --from s3://a/store --from-option endpoint_url=http://minio:9000 --to s3://b/store
     """
     if from_ is None and to is None:
         raise typer.BadParameter("give --from URL, --to URL or both (the other defaults to --store)")
-    _emit(_copy(refs, from_, to), as_json, views.copy)
+    _emit(_copy(refs, from_, to, from_option, to_option), as_json, views.copy)
 
 
-def _copy(refs: list[str], from_: str | None, to: str | None) -> dict[str, Any]:
+def _copy(refs: list[str], from_: str | None, to: str | None, from_option: list[str] | None = None,
+          to_option: list[str] | None = None) -> dict[str, Any]:
     """Copy ``refs`` between stores; the copy's result (what --json prints)."""
     from ckpt.store.copy import check_copy_specs
 
-    src = _open(url=from_)
+    src = _open(url=from_, own=from_option, flag="--from-option")
     check_copy_specs(src, refs)  # a copy that cannot start leaves no new store at --to
-    dst = _open(create=True, url=to)
-    if src.url == dst.url:
+    dst = _open(create=True, url=to, own=to_option, flag="--to-option")
+    if src.url == dst.url and (from_option or []) == (to_option or []):  # (one URL on two servers is two stores)
         raise typer.BadParameter("source and destination are the same store")
     r = src.copy_to(dst, refs, progress=RichProgress())
     return {"from": src.url, "to": dst.url, "refs": r.refs, "chunks_sent": r.chunks_sent,

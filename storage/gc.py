@@ -10,11 +10,14 @@ objects are young until its ref lands (docs/format.md, "Garbage collection").
 
 from __future__ import annotations
 
+import logging
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ckpt_store.storage.backends.base import TEMPORARY, Backend
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import CkptError, InvalidNameError, ObjectNotFoundError, StoreFormatError
 from ckpt_store.storage.leases import Lock, check_fresh, leased
@@ -38,6 +41,12 @@ class Root:
 
 if TYPE_CHECKING:
     from ckpt_store.storage.index import StoreIndex
+
+log = logging.getLogger(__name__)
+
+# How far the store's clock may read behind the time it stamps: S3 gives whole seconds.
+CLOCK_RESOLUTION_S = 1.0
+SKEW_WARNING_S = 2.0  # a clock ahead of the store's by more than this is reported
 
 
 @dataclass
@@ -153,6 +162,31 @@ class GcPlan:
         return sum(d.size for d in self.delete)
 
 
+def store_now(backend: Backend) -> float:
+    """Now, by the clock that stamps the store's objects (an S3 server's, an NFS server's), to
+    within its resolution; never later than this machine's clock.
+
+    Objects' ages are their server's times: judged by a clock that runs ahead of it (a machine
+    without NTP), a chunk a push wrote a second ago would look older than the grace period. So
+    gc writes a marker (a ``.tmp-`` name below ``objects/``, which a later gc sweeps if this one
+    dies) and reads back the time the store gave it. A clock that runs behind only keeps objects
+    longer, and is taken as it is.
+    """
+    here = time.time()
+    marker = f"objects/{TEMPORARY}clock-{uuid.uuid4().hex}"
+    backend.write(marker, b"")
+    try:
+        stamped = backend.mtime(marker)
+    finally:
+        backend.delete(marker)
+    if not stamped:  # a backend that cannot tell: its objects' times are this machine's, or none
+        return here
+    if here - stamped > SKEW_WARNING_S:
+        log.warning("this machine's clock is %.0f s ahead of the clock of the store at %s; gc judges ages by "
+                    "the store's (set this machine's clock: NTP)", here - stamped, backend.url)
+    return min(here, stamped + CLOCK_RESOLUTION_S)
+
+
 def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: bool = True, recover: bool = True,
             index: StoreIndex | None = None, lock: Lock | None = None) -> GcPlan:
     """What ``gc`` would delete now. Reads refs and manifests; deletes nothing.
@@ -169,11 +203,14 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     ``lock`` (:func:`~ckpt_store.storage.leases.gc_lock`, on a store that cannot touch
     objects) is held by a gc that will delete: what writers' leases name is kept, read
     before the listing (storage/leases.py says why in that order).
+
+    Ages are judged by the store's clock (:func:`store_now`), except in a dry run (``recover``
+    False), which writes nothing and takes this machine's.
     """
     # Objects a killed gc left condemned go back first (not in a dry run, which writes nothing).
     recovered = objects.backend.recover_condemned("objects") if recover else 0
     leased_ids = leased(lock) if lock is not None else set()
-    now = time.time()
+    now = store_now(objects.backend) if recover else time.time()
     cutoff = now - grace_s
     # A dry run puts nothing back, so it plans with what the real run's recovery will find.
     listed, temps = objects.inventory(as_recovered=not recover and objects.backend.recovers_condemned)

@@ -156,6 +156,47 @@ def test_storage_options_on_the_command_line(s3_main, ckpt_cli, env, files):
     assert [r["ref"] for r in ckpt_cli.json("--store", url, *opts, "ls", env=e)] == ["m/base"]
 
 
+@pytest.fixture
+def second_s3(tmp_path):
+    """A second S3 server (moto, on its own port): another site's, with its own endpoint."""
+    from s3support import start_server
+
+    (tmp_path / "second-s3").mkdir()
+    server = start_server("moto", tmp_path / "second-s3")
+    yield server
+    server.stop()
+
+
+def test_copy_between_two_s3_servers(s3_main, second_s3, ckpt_cli, env, files, tmp_path):
+    """A copy between stores on two S3 servers could not be said: --storage-option (or
+    AWS_ENDPOINT_URL) applies to both stores, so the destination's endpoint was the source's.
+    --from-option and --to-option give each store its own, over --storage-option; and one URL
+    on two servers is two stores, not "the same store"."""
+    from s3support import client
+
+    base, ft, _ = files
+    e = {k: v for k, v in env.items() if k != "AWS_ENDPOINT_URL"}  # keys in the environment, endpoints per store
+    url = f"s3://{s3_main.new_bucket()}/s"
+    client(second_s3.endpoint).create_bucket(Bucket=url[5:].split("/")[0])  # the same bucket name there
+    here, there = [f"endpoint_url={s3_main.endpoint}"], [f"endpoint_url={second_s3.endpoint}"]
+    common = ["--storage-option", "config_kwargs.connect_timeout=3"]
+    ckpt_cli.ok("--store", url, "--storage-option", here[0], "push", base, "m/base", env=e)
+    ckpt_cli.ok("--store", url, "--storage-option", here[0], "push", ft, "m/ft", env=e)
+    doc = ckpt_cli.json(*common, "copy", "m/ft", "m/base:mirror/base", "--from", url, "--from-option", here[0],
+                        "--to", url, "--to-option", there[0], env=e)
+    assert doc["refs_set"] == 2 and doc["chunks_sent"] > 0
+    s = ["--store", url, "--storage-option", there[0]]
+    assert sorted(r["ref"] for r in ckpt_cli.json(*s, "ls", env=e)) == ["m/ft", "mirror/base"]
+    assert ckpt_cli.json(*s, "verify", env=e)["ok"] is True
+    out = tmp_path / "ft-there.safetensors"
+    ckpt_cli.ok(*s, "pull", "m/ft", out, env=e)
+    assert out.read_bytes() == ft.read_bytes()
+    # A per-store option on a local folder is refused, as --storage-option is where it would be dropped.
+    code, _, err = ckpt_cli("copy", "m/ft", "--from", url, "--from-option", here[0], "--to", tmp_path / "local",
+                            "--to-option", there[0], env=e)
+    assert code == 2 and "--to-option" in err and "local" in err and not (tmp_path / "local").exists(), err
+
+
 def test_verify_repair_from_s3_honours_storage_options(s3_main, ckpt_cli, env, files, tmp_path):
     """`verify --repair-from s3://...` opened the source without --storage-option: with the endpoint
     and credentials given only that way (as the docs show for every command), the repair failed

@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+import types
 
 import pytest
 import torch
@@ -540,3 +543,67 @@ def test_gc_beside_a_ref_folder_no_command_can_name_says_what_is_damaged(tmp_pat
     for dry_run in (True, False):
         with pytest.raises(StoreFormatError, match=r"gc deleted nothing: .*refs/m@1/, which is not a valid ref name"):
             store.gc(grace_s=60, dry_run=dry_run, keep_history=history)
+
+
+# -- ages by the store's clock ---------------------------------------------------------
+
+# A gc on a machine whose clock runs 2 h ahead of the store's (a container without NTP): test-only,
+# the process's time.time is moved, not the system clock.
+_SKEWED_GC = ("import sys, time\n"
+              "real = time.time\n"
+              "time.time = lambda: real() + 7200\n"
+              "from ckpt_store.cli.main import main\n"
+              "main(sys.argv[1:])\n")
+
+
+def _in_progress(url: str) -> set[str]:
+    """What a push in progress has written, its ref not yet landed: objects a second old."""
+    store = ckpt.Store.init(url)
+    store.push({"w": torch.arange(1000, dtype=torch.float32)}, "b")
+    store.remove("b")  # (the push's objects, referenced by no ref, as before its commit)
+    return {e.path for e in store.backend.list("objects")}
+
+
+def _skewed_gc_keeps_what_is_young(url: str) -> None:
+    written = _in_progress(url)
+    r = subprocess.run([sys.executable, "-c", _SKEWED_GC, "--store", url, "gc", "--grace", "1h"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "deleted 0 objects" in r.stdout and "3 recent unreferenced objects" in r.stdout
+    assert "this machine's clock is 720" in r.stderr and "s ahead of the clock of the store" in r.stderr
+    assert {e.path for e in ckpt.Store.open(url).backend.list("objects")} == written  # and no marker left
+
+
+def test_a_gc_whose_clock_runs_ahead_keeps_what_is_younger_than_the_grace_by_the_stores_clock(tmp_path):
+    """Objects are stamped by the store (an S3 server, an NFS server) and gc compared those times
+    with its own clock: on a machine 2 h ahead, `ckpt gc --grace 1h` took the chunks a push had
+    written a second before (here 3 objects), under the running push. gc now reads the store's
+    clock from a marker it writes, and says how far this machine's is off."""
+    _skewed_gc_keeps_what_is_young(str(tmp_path / "s"))
+
+
+def test_a_gc_whose_clock_runs_ahead_of_the_s3_servers_keeps_what_is_young(s3_url):
+    """The same on S3, whose LastModified is the server's clock (there a push's commit writes again
+    under its lease what a gc took, but a DCP save or a rank's persist fails: "push again")."""
+    _skewed_gc_keeps_what_is_young(s3_url)
+
+
+def test_a_gc_whose_clock_runs_ahead_cannot_break_a_push_it_races(tmp_path, monkeypatch):
+    """The loss that skew made: on a shared folder (NFS) a push's commit touches every chunk it
+    names, so a gc that read the refs before the ref landed sees them young and keeps them -- by the
+    file server's clock. A gc 2 h ahead took them all the same, and the pushed ref could not load."""
+    from ckpt_store.storage import gc as gcmod
+
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    t = {"x": torch.randn(100)}
+    store.push(t, "a")
+    store.remove("a")
+    _age(str(tmp_path / "s"), 600)  # garbage, 10 minutes old
+    real = time.time
+    monkeypatch.setattr(gcmod, "time", types.SimpleNamespace(time=lambda: real() + 7200))  # this gc's clock only
+    plan = gcmod.plan_gc(store.objects, store.refs_db, grace_s=3600)
+    assert plan.young == 3  # 10 minutes old by the store's clock: kept
+    store.push(t, "b")  # reuses (touches) the same chunks, and its ref lands
+    assert list(gcmod.execute_gc(store.objects, plan)) == []
+    assert store.verify().ok
+    assert torch.equal(store.load("b")["x"], t["x"])
