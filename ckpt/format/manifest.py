@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.format.dtypes import itemsize
-from ckpt.format.tagged_json import decode
+from ckpt.format.tagged_json import DTYPE, decode, uses_tags
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
@@ -28,6 +28,9 @@ MANIFEST_VERSION = 1
 # value needs a tag (a tuple in a pushed .pt, say), so that a reader that knows only version 1 refuses
 # such a manifest instead of handing out ``{"__tuple__": ...}`` as the value.
 EXTRA_TAGGED_VERSION = 2
+# Version 3: as 2, where ``extra`` uses a tag that version 2 does not know (``__dtype__``), which a
+# version-2 reader would hand out as a plain dict: it refuses version 3 instead.
+EXTRA_DTYPE_VERSION = 3
 MAX_NAME = 1024
 # Unicode's control characters (Cc): C0, DEL and C1 (U+009B is a terminal's CSI, like ESC [).
 _CTRL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -246,7 +249,7 @@ class Manifest:
             {
                 **({"bundles": [b.to_obj() for b in self.bundles]} if self.bundles else {}),
                 "format": MANIFEST_FORMAT,
-                "version": EXTRA_TAGGED_VERSION if self.extra_tagged else MANIFEST_VERSION,
+                "version": self._version(),
                 "source": self.source,
                 "chunk_size": self.chunk_size,
                 "files": [f.to_obj() for f in self.files],
@@ -261,7 +264,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, what: str = "manifest") -> Manifest:
-        o = decode_record(data, MANIFEST_FORMAT, (MANIFEST_VERSION, EXTRA_TAGGED_VERSION), what)
+        o = decode_record(data, MANIFEST_FORMAT, (MANIFEST_VERSION, EXTRA_TAGGED_VERSION, EXTRA_DTYPE_VERSION), what)
         chunk_size = require(o, "chunk_size", int, what)
         if chunk_size <= 0:
             raise StoreFormatError(f"{what}: bad chunk_size")
@@ -290,12 +293,17 @@ class Manifest:
             extra=_object(o, "extra", what) or {},
             lineage=_lineage(o, what),
             bundles=bundles,
-            extra_tagged=o["version"] == EXTRA_TAGGED_VERSION,
+            extra_tagged=o["version"] != MANIFEST_VERSION,
         )
         m._lengths(what)  # one length per chunk id
         if m.extra_tagged:
             m.extra_values(what)  # checked here, like every other field
         return m
+
+    def _version(self) -> int:
+        if not self.extra_tagged:
+            return MANIFEST_VERSION
+        return EXTRA_DTYPE_VERSION if uses_tags(self.extra, (DTYPE,)) else EXTRA_TAGGED_VERSION
 
     def extra_values(self, what: str = "manifest") -> dict[str, Any]:
         """``extra`` as the values it stands for: tuples, infinite floats and bytes come back as such

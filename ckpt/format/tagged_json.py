@@ -3,8 +3,10 @@
 Plain JSON values stay as they are. What JSON cannot say is a one-key object whose key
 is a tag: ``{"__tuple__": [...]}``, ``{"__dict__": [[k, v], ...]}`` for a dict whose
 keys are not all plain strings (an optimizer's state is keyed by int),
-``{"__float__": "inf"}`` for inf/-inf/nan, ``{"__bytes__": "<hex>"}``, and
-``{"__tensor__": NAME}`` where a snapshot's tree points at a stored tensor.
+``{"__float__": "inf"}`` for inf/-inf/nan, ``{"__bytes__": "<hex>"}``,
+``{"__dtype__": "bfloat16"}`` for a ``torch.dtype`` (which ``torch.load(weights_only=True)``
+allows, so some configs save one), and ``{"__tensor__": NAME}`` where a tree points at a
+stored tensor.
 
 Snapshots (``ckpt.snapshot.state``) and distributed checkpoints (``ckpt.dcp.format``)
 both write and read values through this module: one encoder, one strict decoder.
@@ -25,7 +27,8 @@ from typing import Any
 from ckpt_store.storage.errors import StoreFormatError
 
 TENSOR = "__tensor__"
-TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", TENSOR)
+DTYPE = "__dtype__"
+TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", DTYPE, TENSOR)
 MAX_DEPTH = 64
 
 
@@ -71,6 +74,8 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
                 return {k: enc(v, f"{path}/{k}", depth + 1) for k, v in x.items()}
             return {"__dict__": [[enc(k, f"{path}/k{i}", depth + 1), enc(v, f"{path}/{k}", depth + 1)]
                                  for i, (k, v) in enumerate(x.items())]}
+        if _is_dtype(x):
+            return {DTYPE: str(x).removeprefix("torch.")}
         if tensor is not None and _is_tensor(x):
             tensor(path, x)
             return {TENSOR: path}
@@ -96,7 +101,13 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None) -> 
             return [dec(v, depth + 1) for v in x]
         if not isinstance(x, dict):
             raise StoreFormatError(f"{what}: bad value")
-        tags = [k for k in x if k in TAGS]
+        if DTYPE in x and len(x) == 1 and isinstance(x[DTYPE], str):
+            dtype = _dtypes().get(x[DTYPE])
+            if dtype is None:
+                raise StoreFormatError(f"{what}: bad {DTYPE} value")
+            return dtype
+        # Any other dict holding DTYPE is what versions before that tag wrote as a plain dict.
+        tags = [k for k in x if k in TAGS and k != DTYPE]
         if not tags:
             return {k: dec(v, depth + 1) for k, v in x.items()}
         tag, v = tags[0], x[tags[0]]
@@ -135,9 +146,9 @@ def tensor_refs(tree: Any) -> list[str]:
     return out
 
 
-def uses_tags(tree: Any) -> bool:
-    """Whether :func:`encode` needed a tag anywhere in ``tree`` (else ``tree`` is the value itself,
-    in plain JSON).
+def uses_tags(tree: Any, tags: Collection[str] = TAGS) -> bool:
+    """Whether :func:`encode` needed a tag (one of ``tags``) anywhere in ``tree`` (else ``tree`` is
+    the value itself, in plain JSON).
 
     >>> uses_tags(encode([1, {"a": 2.5}], "x", unsupported=ValueError)), uses_tags(encode([(1,)], "x", unsupported=ValueError))
     (False, True)
@@ -146,7 +157,7 @@ def uses_tags(tree: Any) -> bool:
     while stack:
         x = stack.pop()
         if isinstance(x, Mapping):
-            if any(k in TAGS for k in x):
+            if any(k in tags for k in x):
                 return True
             stack.extend(x.values())
         elif isinstance(x, list):
@@ -156,6 +167,20 @@ def uses_tags(tree: Any) -> bool:
 
 def _sorted(keys: list[str]) -> bool:
     return all(a < b for a, b in zip(keys, keys[1:]))
+
+
+def _is_dtype(x: Any) -> bool:
+    import torch
+
+    return isinstance(x, torch.dtype)
+
+
+def _dtypes() -> dict[str, Any]:
+    """Every ``torch.dtype`` by its name (``bfloat16``): looked up in this table, never by
+    ``getattr(torch, name)``, which could import any submodule a stored name chose."""
+    import torch
+
+    return {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 
 def _is_tensor(x: Any) -> bool:
@@ -168,4 +193,4 @@ def _raise(e: Exception) -> Any:
     raise e
 
 
-__all__ = ["MAX_DEPTH", "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]
+__all__ = ["DTYPE", "MAX_DEPTH", "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]

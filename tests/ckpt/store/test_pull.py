@@ -244,9 +244,31 @@ def test_a_version_2_manifest_with_a_bad_tag_is_refused(store, tmp_path):
     doc["extra"]["t"] = {"__float__": "1e400"}
     with pytest.raises(StoreFormatError, match="extra 't'"):
         Manifest.from_json(json.dumps(doc).encode())
-    doc["version"] = 3
-    with pytest.raises(StoreFormatError, match="version 3; this ckpt reads versions 1, 2"):
+    doc["version"] = 4
+    with pytest.raises(StoreFormatError, match="version 4; this ckpt reads versions 1, 2, 3"):
         Manifest.from_json(json.dumps(doc).encode())
+
+
+def test_pt_dtype_values_round_trip(store, tmp_path):
+    """``torch.load(weights_only=True)`` reads a ``torch.dtype`` (a config's ``{"dtype": torch.bfloat16}``):
+    a push refused such a file. It is the ``__dtype__`` tag, in a version-3 manifest (a version-2 reader
+    would hand the tag out as a plain dict); a stored name that is no dtype makes the manifest damaged."""
+    from ckpt.errors import StoreFormatError
+    from ckpt.format.manifest import Manifest
+
+    values = {"dtype": torch.bfloat16, "dtypes": [(torch.float8_e4m3fn, torch.half), {0: torch.int64}],
+              "looks_tagged": [{"__dtype__": "float32"}]}
+    torch.save({"w": torch.ones(2), **values}, tmp_path / "d.pt")
+    store.push(tmp_path / "d.pt", "d")
+    doc = json.loads(store.objects.get_manifest(store.resolve("d")))
+    assert doc["version"] == 3 and doc["extra"]["dtype"] == {"__dtype__": "bfloat16"}
+    got = torch.load(store.pull("d", tmp_path / "out.pt"), weights_only=True)
+    assert {k: got[k] for k in values} == values and type(got["dtypes"][0]) is tuple
+    assert got["looks_tagged"] == [{"__dtype__": "float32"}]  # a user's dict, not a dtype
+    for bad in ("_dynamo", "Tensor", "float99"):  # never looked up as an attribute of torch
+        doc["extra"]["dtype"] = {"__dtype__": bad}
+        with pytest.raises(StoreFormatError, match="extra 'dtype': bad __dtype__ value"):
+            Manifest.from_json(json.dumps(doc).encode())
 
 
 def test_include_refuses_tensors_of_one_name_in_two_files(store, tmp_path):
