@@ -33,13 +33,13 @@ MAX_DEPTH = 64
 
 
 def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
-           tensor: Callable[[str, Any], None] | None = None, reserved: Collection[str] = ()) -> Any:
+           tensor: Callable[[str, Any], str | None] | None = None, reserved: Collection[str] = ()) -> Any:
     """``x`` as tagged JSON.
 
     ``path`` names ``x``; nested values get ``path/i`` (list and tuple items),
     ``path/KEY`` (dict values) and ``path/kI`` (non-string dict keys). ``tensor(path, t)``,
-    when given, receives each tensor, which becomes ``{"__tensor__": path}``; without
-    it a tensor is unsupported. A dict with a key in ``reserved`` (or a tag) is written
+    when given, receives each tensor, which becomes ``{"__tensor__": NAME}``, NAME being what
+    it returns, or ``path`` where it returns None; without it a tensor is unsupported. A dict with a key in ``reserved`` (or a tag) is written
     in the ``__dict__`` form so that it cannot be misread. Anything else raises
     ``unsupported(path, "a module.Type")``, and so does a dict subclass with defaults for
     missing keys (``defaultdict``, ``Counter``): decoded as a plain dict, it would raise
@@ -77,8 +77,8 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
         if _is_dtype(x):
             return {DTYPE: str(x).removeprefix("torch.")}
         if tensor is not None and _is_tensor(x):
-            tensor(path, x)
-            return {TENSOR: path}
+            name = tensor(path, x)
+            return {TENSOR: path if name is None else name}
         if type(x).__module__ == "numpy" and getattr(x, "shape", None) == ():  # numpy scalars
             return enc(x.item(), path, depth + 1)
         return _raise(unsupported(path, f"a {type(x).__module__}.{type(x).__name__}"))

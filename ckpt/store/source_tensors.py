@@ -8,7 +8,9 @@ the raw bytes of each tensor, or a clear error.
   are kept as JSON ``{}``. A list or tuple that holds a tensor (at any depth) is
   flattened as the mapping of its indexes: a Lightning checkpoint's
   ``optimizer_states[0]['state'][0]['exp_avg']`` is ``optimizer_states.0.state.0.exp_avg``.
-  Other lists and tuples are values, kept whole as JSON.
+  Other lists and tuples are values, kept whole as JSON. Where the flat names are not the whole
+  story (a nested dict, a list, an int key), the structure itself is kept too, under
+  ``extra[STRUCTURE]``, so that a pull to a torch file gives it back (docs/format.md).
 * Tensors must have plain bytes: sparse, meta, quantized and nested tensors and wrapper
   subclasses (DTensor...) are refused with a hint saying how to convert them. Lazy
   conjugate/negative views are resolved; other subclasses are read through the plain
@@ -17,15 +19,18 @@ the raw bytes of each tensor, or a clear error.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ckpt.errors import InvalidSourceError, ResourceLimitError
 from ckpt.format.dtypes import byte_view, from_torch
-from ckpt.format.manifest import MAX_NAME, check_tensor_name
+from ckpt.format.manifest import MAX_NAME, STRUCTURE, check_tensor_name
 from ckpt.format.tagged_json import encode
 from ckpt.store.source_files import show
+
+logger = logging.getLogger(__name__)
 
 
 def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -45,6 +50,7 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
     spelled: dict[str, str] = {}  # flat name -> the keys it came from, to name both sides of a collision
     stack: list[tuple[Iterator[tuple[Any, Any]], str, str, int]] = [(iter(obj.items()), "", "", id(obj))]
     open_ids = {id(obj)}  # the mappings being walked: meeting one again is a cycle
+    flat = all(isinstance(k, str) for k in obj)  # then its flat names are its keys: no structure to keep
     while stack:  # not recursive: nesting depth is the file's choice
         items, prefix, keys, oid = stack[-1]
         item = next(items, None)
@@ -68,6 +74,7 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
                 raise InvalidSourceError(path, f"entry {spell} contains itself (a reference cycle)")
             stack.append((iter(v.items() if isinstance(v, Mapping) else enumerate(v)), name + ".", spell, id(v)))
             open_ids.add(id(v))
+            flat = False
             continue
         if name in spelled:
             raise InvalidSourceError(path, f"entries {spelled[name]} and {spell} both flatten to the name {name!r}",
@@ -84,7 +91,35 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
             path, f"entry {at[:120]} is {kind}, neither a tensor nor a plain value",
             hint="other entries are kept as JSON: str, int, float, bool, None, bytes, torch.dtype, and lists, tuples "
                  "and dicts of these"))
+    tree = None if flat else _structure(obj, path, tensors)
+    if tree is not None:
+        extra[STRUCTURE] = tree
     return tensors, extra
+
+
+class _NoStructure(Exception):
+    pass
+
+
+def _structure(obj: Mapping[Any, Any], path: str, tensors: dict[str, Any]) -> Any | None:
+    """``obj`` as tagged JSON, each tensor as ``{"__tensor__": its flat name}`` (``tensors``, in the
+    order the flattening met them); None where tagged JSON cannot hold it (nested deeper than
+    ``MAX_DEPTH``, a mapping that is not a dict): such a checkpoint pulls flat."""
+    order = iter(tensors.items())
+
+    def named(at: str, t: Any) -> str:
+        name, mine = next(order, ("", None))
+        if mine is not t:  # both walks go depth first in the same order; anything else would misname a tensor
+            raise _NoStructure
+        return name
+
+    try:
+        tree = encode(obj, path, unsupported=lambda at, kind: _NoStructure(), tensor=named)
+    except _NoStructure:
+        logger.info("%s: its structure is not kept (not a tree of dicts, lists and tuples tagged JSON holds); "
+                    "it pulls as a flat dict", path)
+        return None
+    return tree if next(order, None) is None else None
 
 
 def _tensor_holders(obj: Any, tensor: type) -> set[int]:
