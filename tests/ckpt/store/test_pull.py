@@ -784,6 +784,24 @@ def test_a_pulled_pt_file_has_the_structure_that_was_pushed(store, tmp_path):
     assert store.verify().ok
 
 
+def test_load_gives_the_pushed_structure_only_when_asked(store, tmp_path):
+    """``store.load(ref)`` still gives the dict of tensors by flat name; ``structure=True`` gives the
+    object pushed (what a pull to a .pt writes), or that same dict where no structure was recorded."""
+    model, opt = _trained()
+    saved = {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 3}
+    torch.save(saved, tmp_path / "train.pt")
+    store.push(tmp_path / "train.pt", "run")
+    flat = store.load("run")
+    assert all(isinstance(v, torch.Tensor) for v in flat.values()) and "optim.state.0.exp_avg" in flat
+    assert_same_tree(saved, store.load("run", structure=True))
+    assert_same_tree(saved, ckpt.load(store.url, "run", structure=True))
+    assert _resume_one_step(store.load("run", structure=True)) == _resume_one_step(saved)
+    store.push({"w": torch.ones(2)}, "plain")
+    assert_same_tree({"w": torch.ones(2)}, store.load("plain", structure=True))
+    with pytest.raises(TensorMismatchError, match="include"):
+        store.load("run", include=["model.*"], structure=True)
+
+
 def _nested(depth: int, leaf: object) -> object:
     for _ in range(depth):
         leaf = {"n": leaf}
