@@ -36,6 +36,9 @@ EXTRA_DTYPE_VERSION = 3
 # The key of ``extra`` holding a pushed .pt's structure (docs/format.md): no entry of a state dict is
 # named by the empty string (check_tensor_name refuses it), so it is never one of its values.
 STRUCTURE = ""
+# A structure repeats the values ``extra`` holds by name: past this size (values of millions of
+# numbers) it is not kept, so that it never doubles a manifest towards what readers accept.
+MAX_STRUCTURE_BYTES = 16 << 20
 MAX_NAME = 1024
 # Unicode's control characters (Cc): C0, DEL and C1 (U+009B is a terminal's CSI, like ESC [).
 _CTRL = re.compile(r"[\x00-\x1f\x7f-\x9f]")

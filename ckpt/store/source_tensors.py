@@ -26,9 +26,10 @@ from typing import Any
 
 from ckpt.errors import InvalidSourceError, ResourceLimitError
 from ckpt.format.dtypes import byte_view, from_torch
-from ckpt.format.manifest import MAX_NAME, STRUCTURE, check_tensor_name
+from ckpt.format.manifest import MAX_NAME, MAX_STRUCTURE_BYTES, STRUCTURE, check_tensor_name
 from ckpt.format.tagged_json import encode
 from ckpt.store.source_files import show
+from ckpt_store.storage.records import canonical_json
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,8 @@ class _NoStructure(Exception):
 def _structure(obj: Mapping[Any, Any], path: str, tensors: dict[str, Any]) -> Any | None:
     """``obj`` as tagged JSON, each tensor as ``{"__tensor__": its flat name}`` (``tensors``, in the
     order the flattening met them); None where tagged JSON cannot hold it (nested deeper than
-    ``MAX_DEPTH``, a mapping that is not a dict): such a checkpoint pulls flat."""
+    ``MAX_DEPTH``, a mapping that is not a dict) or it is past ``MAX_STRUCTURE_BYTES``: such a
+    checkpoint pulls flat."""
     order = iter(tensors.items())
 
     def named(at: str, t: Any) -> str:
@@ -119,7 +121,13 @@ def _structure(obj: Mapping[Any, Any], path: str, tensors: dict[str, Any]) -> An
         logger.info("%s: its structure is not kept (not a tree of dicts, lists and tuples tagged JSON holds); "
                     "it pulls as a flat dict", path)
         return None
-    return tree if next(order, None) is None else None
+    if next(order, None) is not None:
+        return None
+    if len(canonical_json(tree)) > MAX_STRUCTURE_BYTES:
+        logger.info("%s: its structure is not kept (its values are past %d bytes); it pulls as a flat dict",
+                    path, MAX_STRUCTURE_BYTES)
+        return None
+    return tree
 
 
 def _tensor_holders(obj: Any, tensor: type) -> set[int]:

@@ -819,6 +819,25 @@ def test_structures_that_tagged_json_cannot_hold_pull_flat(store, tmp_path):
     assert sorted(back) == ["deep" + ".n" * (MAX_DEPTH + 5), "w"]
 
 
+def test_a_structure_is_not_kept_past_its_bound(store, tmp_path, monkeypatch):
+    """The structure repeats the values ``extra`` holds by flat name: a .pt whose values are huge (a
+    sampler's permutation of millions of indexes) had its manifest doubled, towards the size no reader
+    accepts. Past MAX_STRUCTURE_BYTES (lowered here) it is not kept, and the checkpoint pulls flat."""
+    from ckpt.store import source_tensors
+
+    monkeypatch.setattr(source_tensors, "MAX_STRUCTURE_BYTES", 4096)
+    saved = {"model": {"w": torch.ones(2)}, "order": list(range(2000))}
+    torch.save(saved, tmp_path / "big.pt")
+    store.push(tmp_path / "big.pt", "big")
+    doc = json.loads(store.objects.get_manifest(store.resolve("big")))
+    assert "" not in doc["extra"] and doc["version"] == 1 and doc["extra"]["order"] == saved["order"]
+    back = torch.load(store.pull("big", tmp_path / "back.pt"), weights_only=True)
+    assert sorted(back) == ["model.w", "order"] and back["order"] == saved["order"]
+    torch.save({"model": {"w": torch.ones(2)}, "order": list(range(20))}, tmp_path / "small.pt")
+    store.push(tmp_path / "small.pt", "small")
+    assert list(torch.load(store.pull("small", tmp_path / "s.pt"), weights_only=True)) == ["model", "order"]
+
+
 def _forge(store, ref: str, change) -> str:
     """A copy of ``ref``'s manifest with ``change(doc)`` applied, stored and named ``forged``."""
     doc = json.loads(store.objects.get_manifest(store.resolve(ref)))
