@@ -4,8 +4,8 @@ Plain JSON values stay as they are. What JSON cannot say is a one-key object who
 is a tag: ``{"__tuple__": [...]}``, ``{"__dict__": [[k, v], ...]}`` for a dict whose
 keys are not all plain strings (an optimizer's state is keyed by int),
 ``{"__float__": "inf"}`` for inf/-inf/nan, ``{"__bytes__": "<hex>"}``,
-``{"__dtype__": "bfloat16"}`` for a ``torch.dtype`` (which ``torch.load(weights_only=True)``
-allows, so some configs save one), and ``{"__tensor__": NAME}`` where a tree points at a
+``{"__dtype__": "bfloat16"}`` for a ``torch.dtype`` and ``{"__device__": "cuda:0"}`` for a
+``torch.device`` (which ``torch.load(weights_only=True)`` allows, so some configs save them), and ``{"__tensor__": NAME}`` where a tree points at a
 stored tensor.
 
 Snapshots (``ckpt.snapshot.state``) and distributed checkpoints (``ckpt.dcp.format``)
@@ -21,6 +21,7 @@ both write and read values through this module: one encoder, one strict decoder.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -28,7 +29,9 @@ from ckpt_store.storage.errors import StoreFormatError
 
 TENSOR = "__tensor__"
 DTYPE = "__dtype__"
-TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", DTYPE, TENSOR)
+DEVICE = "__device__"
+TORCH_TAGS = (DTYPE, DEVICE)  # tags of torch values, added after the others (docs/format.md: manifest version 3)
+TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", DTYPE, DEVICE, TENSOR)
 MAX_DEPTH = 64
 
 
@@ -76,6 +79,8 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
                                  for i, (k, v) in enumerate(x.items())]}
         if _is_dtype(x):
             return {DTYPE: str(x).removeprefix("torch.")}
+        if _is_device(x):
+            return {DEVICE: str(x)}
         if tensor is not None and _is_tensor(x):
             name = tensor(path, x)
             return {TENSOR: path if name is None else name}
@@ -101,13 +106,14 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None) -> 
             return [dec(v, depth + 1) for v in x]
         if not isinstance(x, dict):
             raise StoreFormatError(f"{what}: bad value")
-        if DTYPE in x and len(x) == 1 and isinstance(x[DTYPE], str):
-            dtype = _dtypes().get(x[DTYPE])
-            if dtype is None:
-                raise StoreFormatError(f"{what}: bad {DTYPE} value")
-            return dtype
-        # Any other dict holding DTYPE is what versions before that tag wrote as a plain dict.
-        tags = [k for k in x if k in TAGS and k != DTYPE]
+        if len(x) == 1 and next(iter(x)) in TORCH_TAGS and isinstance(next(iter(x.values())), str):
+            tag, v = next(iter(x.items()))
+            value = _dtypes().get(v) if tag == DTYPE else _device(v)
+            if value is None:
+                raise StoreFormatError(f"{what}: bad {tag} value")
+            return value
+        # Any other dict holding one of TORCH_TAGS is what versions before those tags wrote as a plain dict.
+        tags = [k for k in x if k in TAGS and k not in TORCH_TAGS]
         if not tags:
             return {k: dec(v, depth + 1) for k, v in x.items()}
         tag, v = tags[0], x[tags[0]]
@@ -183,6 +189,28 @@ def _dtypes() -> dict[str, Any]:
     return {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
 
 
+def _is_device(x: Any) -> bool:
+    import torch
+
+    return isinstance(x, torch.device)
+
+
+_DEVICE = re.compile(r"[a-z][a-z0-9_]{0,31}(:[0-9]{1,9})?")
+
+
+def _device(name: str) -> Any:
+    """The ``torch.device`` ``name`` spells (``cuda:0``), or None: torch parses only a plain
+    ``type[:index]``, and refuses types it does not know."""
+    import torch
+
+    if not _DEVICE.fullmatch(name):
+        return None
+    try:
+        return torch.device(name)
+    except (RuntimeError, ValueError):
+        return None
+
+
 def _is_tensor(x: Any) -> bool:
     import torch
 
@@ -193,4 +221,4 @@ def _raise(e: Exception) -> Any:
     raise e
 
 
-__all__ = ["DTYPE", "MAX_DEPTH", "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]
+__all__ = ["DEVICE", "DTYPE", "MAX_DEPTH", "TORCH_TAGS", "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]

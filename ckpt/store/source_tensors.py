@@ -90,8 +90,8 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
             continue
         extra[name] = encode(v, spell, unsupported=lambda at, kind: InvalidSourceError(
             path, f"entry {at[:120]} is {kind}, neither a tensor nor a plain value",
-            hint="other entries are kept as JSON: str, int, float, bool, None, bytes, torch.dtype, and lists, tuples "
-                 "and dicts of these"))
+            hint="other entries are kept as JSON: str, int, float, bool, None, bytes, torch.dtype, torch.device, "
+                 "and lists, tuples and dicts of these"))
     tree = None if flat else _structure(obj, path, tensors)
     if tree is not None:
         extra[STRUCTURE] = tree

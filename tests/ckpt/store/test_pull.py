@@ -244,6 +244,27 @@ def test_a_version_2_manifest_with_a_bad_tag_is_refused(store, tmp_path):
         Manifest.from_json(json.dumps(doc).encode())
 
 
+def test_pt_device_values_round_trip(store, tmp_path):
+    """A ``torch.device`` (a config's ``{"device": torch.device("cuda", 0)}``), which
+    ``torch.load(weights_only=True)`` reads, was refused at push, as a dtype was: it is the ``__device__``
+    tag (version 3); one that is not a device torch knows makes the manifest damaged."""
+    from ckpt.errors import StoreFormatError
+    from ckpt.format.manifest import Manifest
+
+    values = {"device": torch.device("cuda", 1), "devices": [torch.device("cpu"), (torch.device("meta"),)],
+              "looks_tagged": [{"__device__": "cpu", "n": 1}]}
+    torch.save({"w": torch.ones(2), **values}, tmp_path / "d.pt")
+    store.push(tmp_path / "d.pt", "d")
+    doc = json.loads(store.objects.get_manifest(store.resolve("d")))
+    assert doc["version"] == 3 and doc["extra"]["device"] == {"__device__": "cuda:1"}
+    got = torch.load(store.pull("d", tmp_path / "out.pt"), weights_only=True)
+    assert {k: got[k] for k in values} == values and type(got["devices"][1]) is tuple
+    for bad in ("npu", "cuda:x", "cuda:1:2", "CUDA", "", "cpu " * 100):
+        doc["extra"]["device"] = {"__device__": bad}
+        with pytest.raises(StoreFormatError, match="extra 'device': bad __device__ value"):
+            Manifest.from_json(json.dumps(doc).encode())
+
+
 def test_pt_dtype_values_round_trip(store, tmp_path):
     """``torch.load(weights_only=True)`` reads a ``torch.dtype`` (a config's ``{"dtype": torch.bfloat16}``):
     a push refused such a file. It is the ``__dtype__`` tag, in a version-3 manifest (a version-2 reader
