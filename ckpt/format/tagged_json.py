@@ -33,10 +33,37 @@ DEVICE = "__device__"
 TORCH_TAGS = (DTYPE, DEVICE)  # tags of torch values, added after the others (docs/format.md: manifest version 3)
 TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", DTYPE, DEVICE, TENSOR)
 MAX_DEPTH = 64
+MAX_EXPANSION = 8
+
+
+class ExpansionGuard:
+    """Counts the items of the lists, tuples and dicts a walk enters (and the bytes of long strings)
+    against those of the distinct objects among them. Pickle shares objects: a .pt of 2 KB can hold a
+    list that holds itself twice, 40 times over, and one of a few MB a list of a million numbers under
+    a thousand keys; a walk entering each reference expands them to 2**40 or 10**9 entries (hours, and
+    all memory). Sharing a few (one state dict under two keys) stays far below ``MAX_EXPANSION``
+    times what there is."""
+
+    def __init__(self) -> None:
+        self.walked = 0
+        self.held = 0
+        self._seen: set[int] = set()  # ids of objects the walked object keeps alive meanwhile
+
+    def enter(self, x: Any) -> bool:
+        """Count entering ``x``; False once the walk has entered far more than there is."""
+        n = len(x)
+        if isinstance(x, (str, bytes)) and n < 1024:  # short ones: a key shared by every parameter's state
+            return True
+        self.walked += n
+        if id(x) not in self._seen:
+            self._seen.add(id(x))
+            self.held += n
+        return self.walked <= MAX_EXPANSION * self.held + 4096
 
 
 def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
-           tensor: Callable[[str, Any], str | None] | None = None, reserved: Collection[str] = ()) -> Any:
+           tensor: Callable[[str, Any], str | None] | None = None, reserved: Collection[str] = (),
+           guard: ExpansionGuard | None = None) -> Any:
     """``x`` as tagged JSON.
 
     ``path`` names ``x``; nested values get ``path/i`` (list and tuple items),
@@ -49,12 +76,18 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
     ``KeyError`` where the original gave a default. (Other dict subclasses, such as the
     ``OrderedDict`` of a module's ``state_dict()``, come back as plain dicts.) A dict keeps
     its key order: records are canonical JSON, whose objects have their keys sorted, so a
-    dict whose keys are not in sorted order is written in the ``__dict__`` form.
+    dict whose keys are not in sorted order is written in the ``__dict__`` form. A value whose
+    shared lists, dicts and long strings would expand it far past what it holds is unsupported too
+    (``guard``, one :class:`ExpansionGuard` for a walk over several values, or its own).
     """
+    walk = guard if guard is not None else ExpansionGuard()
 
     def enc(x: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
             return _raise(unsupported(path, "value nested too deeply"))
+        if isinstance(x, (tuple, list, dict, str, bytes)) and not walk.enter(x):
+            return _raise(unsupported(path, "a value whose lists, dicts or strings are shared so often that it expands "
+                                            "to far more than it holds"))
         if x is None or isinstance(x, (bool, str)):
             return x
         if isinstance(x, int):
@@ -221,4 +254,4 @@ def _raise(e: Exception) -> Any:
     raise e
 
 
-__all__ = ["DEVICE", "DTYPE", "MAX_DEPTH", "TORCH_TAGS", "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]
+__all__ = ["DEVICE", "DTYPE", "MAX_DEPTH", "MAX_EXPANSION", "ExpansionGuard", "TORCH_TAGS", "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]

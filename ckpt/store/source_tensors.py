@@ -27,7 +27,7 @@ from typing import Any
 from ckpt.errors import InvalidSourceError, ResourceLimitError
 from ckpt.format.dtypes import byte_view, from_torch
 from ckpt.format.manifest import MAX_NAME, MAX_STRUCTURE_BYTES, STRUCTURE, check_tensor_name
-from ckpt.format.tagged_json import encode
+from ckpt.format.tagged_json import ExpansionGuard, encode
 from ckpt.store.source_files import show
 from ckpt_store.storage.records import canonical_json
 
@@ -51,6 +51,8 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
     spelled: dict[str, str] = {}  # flat name -> the keys it came from, to name both sides of a collision
     stack: list[tuple[Iterator[tuple[Any, Any]], str, str, int]] = [(iter(obj.items()), "", "", id(obj))]
     open_ids = {id(obj)}  # the mappings being walked: meeting one again is a cycle
+    guard = ExpansionGuard()  # meeting one again elsewhere is sharing, walked again, within bounds
+    guard.enter(obj)
     flat = all(isinstance(k, str) for k in obj)  # then its flat names are its keys: no structure to keep
     while stack:  # not recursive: nesting depth is the file's choice
         items, prefix, keys, oid = stack[-1]
@@ -73,6 +75,10 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
         if (isinstance(v, Mapping) and v) or id(v) in holders:
             if id(v) in open_ids:
                 raise InvalidSourceError(path, f"entry {spell} contains itself (a reference cycle)")
+            if not guard.enter(v):
+                raise InvalidSourceError(path, f"entry {spell[:120]} is reached through so many shared lists and dicts "
+                                         f"that the file would flatten to far more entries than it holds ({guard.walked:,} "
+                                         f"items walked, {guard.held:,} distinct)", hint="save each list or dict once")
             stack.append((iter(v.items() if isinstance(v, Mapping) else enumerate(v)), name + ".", spell, id(v)))
             open_ids.add(id(v))
             flat = False
@@ -88,7 +94,7 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
         if isinstance(v, Mapping):  # empty: kept, so that nothing the file holds is dropped
             extra[name] = {}
             continue
-        extra[name] = encode(v, spell, unsupported=lambda at, kind: InvalidSourceError(
+        extra[name] = encode(v, spell, guard=guard, unsupported=lambda at, kind: InvalidSourceError(
             path, f"entry {at[:120]} is {kind}, neither a tensor nor a plain value",
             hint="other entries are kept as JSON: str, int, float, bool, None, bytes, torch.dtype, torch.device, "
                  "and lists, tuples and dicts of these"))

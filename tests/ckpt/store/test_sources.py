@@ -949,3 +949,38 @@ def test_a_folder_holding_the_store_pushed_to_is_refused(tmp_path):
     _nothing_stored(store)
     store.push(proj / "model.safetensors", "m")  # a file beside the store is fine
     assert store.manifest("m").files[0].path == "model.safetensors"
+
+
+def _doubled(depth: int, leaf: object) -> list:
+    """A list holding the same list twice, ``depth`` times over: a few hundred bytes of pickle (which
+    shares objects) that a walk entering every reference expands to 2**depth leaves."""
+    x: list = [leaf]
+    for _ in range(depth):
+        x = [x, x]
+    return x
+
+
+@pytest.mark.parametrize("value", [_doubled(16, torch.ones(1)), _doubled(20, 1), {f"k{i}": list(range(20_000)) for i in range(64)},
+                                   {f"k{i}": "s" * 100_000 for i in range(64)}],
+                         ids=["shared_lists_of_tensors", "shared_lists_of_values", "a_list_under_many_keys", "a_string_under_many_keys"])
+def test_a_file_whose_shared_objects_expand_without_bound_is_refused(tmp_path, store, value):
+    """Pickle shares objects, and torch.load(weights_only=True) keeps them shared: a .pt of a few
+    hundred bytes can hold a list that holds itself twice, 40 times over. The flattening (and the
+    encoding of values) entered every reference: 2**40 entries, a push that ran for hours and took all
+    memory. A file that expands far past what it holds is refused at once, naming the entry; sharing a
+    few objects (one state dict under two keys) still pushes, and pulls back as it was saved."""
+    if isinstance(value, dict):
+        v = dict(value)
+        value = {k: v["k0"] for k in v}  # each key the same object: what pickle's memo rebuilds
+    torch.save({"w": torch.zeros(2), "v": value}, tmp_path / "bomb.pt")
+    assert os.path.getsize(tmp_path / "bomb.pt") < 3_000_000
+    with pytest.raises(InvalidSourceError, match="shared") as e:
+        store.push(tmp_path / "bomb.pt", "x")
+    assert "['v']" in _one_line(e)
+    _nothing_stored(store)
+    sd = torch.nn.Linear(3, 2).state_dict()
+    shared = {"model": sd, "ema": sd, "order": list(range(1000)), "again": None}
+    shared["again"] = shared["order"]
+    torch.save(shared, tmp_path / "shared.pt")
+    store.push(tmp_path / "shared.pt", "shared")
+    assert_same_tree(shared, torch.load(store.pull("shared", tmp_path / "back.pt"), weights_only=True))
