@@ -273,9 +273,11 @@ def pull(
     symbolic link at a file's name rather than writing through it.
 
     DEST named .pt/.pth/.bin/.ckpt gets a torch file (torch.load(weights_only=True)):
-    a flat dict of the tensors, bit-identical, plus the non-tensor values of a
-    checkpoint pushed from a .pt file or saved through torch.distributed.checkpoint,
-    under their flat (dotted) keys. A model directory is not pulled to a DEST named like
+    for a checkpoint pushed from a nested .pt/.ckpt, the object that was pushed, as
+    it was (a Lightning checkpoint resumes from it); otherwise a flat dict of the
+    tensors, bit-identical, plus the non-tensor values of a checkpoint pushed from a
+    .pt file or saved through torch.distributed.checkpoint, under their flat (dotted)
+    keys. A model directory is not pulled to a DEST named like
     one file (.safetensors or a torch name) unless --include '*' asks for its tensors
     as that one file.
 

@@ -53,6 +53,11 @@ class StoreFormatError(CkptError):
     """The store's config is missing, unreadable, or of a version this ckpt cannot read."""
 
 
+class RecordTooLargeError(CkptError):
+    """A record (a manifest) larger than any reader accepts (``MAX_RECORD_BYTES``): refused before it
+    is written, since no checkpoint it named could ever be read back."""
+
+
 class StoreLocationError(CkptError):
     """A store URL that cannot hold a store: empty, a file, or a directory inside another store."""
 

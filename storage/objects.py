@@ -19,6 +19,7 @@ from ckpt_store.storage.errors import (
     CorruptObjectError,
     InvalidNameError,
     ObjectNotFoundError,
+    RecordTooLargeError,
     StoreFormatError,
 )
 from ckpt_store.storage.records import MAX_RECORD_BYTES
@@ -104,8 +105,14 @@ class ObjectStore:
         """Store ``blob`` under ``oid`` unless it exists. Returns True when written.
 
         An existing object is touched instead, so that a concurrent ``gc`` sees
-        it as in use (docs/format.md, "Garbage collection").
+        it as in use (docs/format.md, "Garbage collection"). A manifest larger than :meth:`get`
+        reads (``MAX_RECORD_BYTES``) is a :class:`RecordTooLargeError`: written, it would name a
+        checkpoint no reader can open.
         """
+        if kind == "manifests" and len(blob) > MAX_RECORD_BYTES:
+            raise RecordTooLargeError(f"manifest {oid[:12]} is {len(blob):,} bytes, more than the {MAX_RECORD_BYTES:,} "
+                                      "a store's readers accept", hint="a checkpoint's non-tensor values are kept in its manifest: "
+                                      "save large ones (a list of millions of numbers) as tensors")
         p = self.path(kind, oid)
         if self.backend.touch(p):
             return False

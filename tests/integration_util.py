@@ -59,6 +59,25 @@ def assert_same_bits(expected: dict[str, torch.Tensor], got: dict[str, torch.Ten
         assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), name
 
 
+def assert_same_tree(want: object, got: object, at: str = "") -> None:
+    """``got`` is ``want`` exactly: the same dicts (keys of the same types, in the same order; an
+    OrderedDict compares as a dict), lists and tuples, values equal and of the same type, tensors
+    of the same dtype, shape and bytes."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and (got.dtype, got.shape) == (want.dtype, want.shape), at
+        assert tensor_bits(got) == tensor_bits(want), at
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and [(type(k), k) for k in got] == [(type(k), k) for k in want], at
+        for k, v in want.items():
+            assert_same_tree(v, got[k], f"{at}[{k!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), at
+        for i, (w, g) in enumerate(zip(want, got)):
+            assert_same_tree(w, g, f"{at}[{i}]")
+    else:
+        assert type(got) is type(want) and (got == want or (got != got and want != want)), at  # nan is itself
+
+
 def script_main(train: object) -> None:
     """The command line of a training script: ``SCRIPT STORE OUTDIR MODE STEPS [KILL_AT]``.
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.format.dtypes import itemsize
-from ckpt.format.tagged_json import decode
+from ckpt.format.tagged_json import TORCH_TAGS, decode, tensor_refs, uses_tags
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
@@ -28,6 +29,16 @@ MANIFEST_VERSION = 1
 # value needs a tag (a tuple in a pushed .pt, say), so that a reader that knows only version 1 refuses
 # such a manifest instead of handing out ``{"__tuple__": ...}`` as the value.
 EXTRA_TAGGED_VERSION = 2
+# Version 3: as 2, where ``extra`` uses a tag that version 2 does not know (``__dtype__``, ``__device__``),
+# which a version-2 reader would hand out as a plain dict, or holds a pushed .pt's structure
+# (``STRUCTURE``), which a version-2 reader would refuse as a damaged value: it refuses version 3 instead.
+EXTRA_DTYPE_VERSION = 3
+# The key of ``extra`` holding a pushed .pt's structure (docs/format.md): no entry of a state dict is
+# named by the empty string (check_tensor_name refuses it), so it is never one of its values.
+STRUCTURE = ""
+# A structure repeats the values ``extra`` holds by name: past this size (values of millions of
+# numbers) it is not kept, so that it never doubles a manifest towards what readers accept.
+MAX_STRUCTURE_BYTES = 16 << 20
 MAX_NAME = 1024
 # Unicode's control characters (Cc): C0, DEL and C1 (U+009B is a terminal's CSI, like ESC [).
 _CTRL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
@@ -246,7 +257,7 @@ class Manifest:
             {
                 **({"bundles": [b.to_obj() for b in self.bundles]} if self.bundles else {}),
                 "format": MANIFEST_FORMAT,
-                "version": EXTRA_TAGGED_VERSION if self.extra_tagged else MANIFEST_VERSION,
+                "version": self._version(),
                 "source": self.source,
                 "chunk_size": self.chunk_size,
                 "files": [f.to_obj() for f in self.files],
@@ -261,7 +272,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, what: str = "manifest") -> Manifest:
-        o = decode_record(data, MANIFEST_FORMAT, (MANIFEST_VERSION, EXTRA_TAGGED_VERSION), what)
+        o = decode_record(data, MANIFEST_FORMAT, (MANIFEST_VERSION, EXTRA_TAGGED_VERSION, EXTRA_DTYPE_VERSION), what)
         chunk_size = require(o, "chunk_size", int, what)
         if chunk_size <= 0:
             raise StoreFormatError(f"{what}: bad chunk_size")
@@ -290,19 +301,48 @@ class Manifest:
             extra=_object(o, "extra", what) or {},
             lineage=_lineage(o, what),
             bundles=bundles,
-            extra_tagged=o["version"] == EXTRA_TAGGED_VERSION,
+            extra_tagged=o["version"] != MANIFEST_VERSION,
         )
         m._lengths(what)  # one length per chunk id
         if m.extra_tagged:
             m.extra_values(what)  # checked here, like every other field
+        if m._has_structure():
+            _check_structure(m, what)
         return m
+
+    def _version(self) -> int:
+        if not self.extra_tagged:
+            return MANIFEST_VERSION
+        new = uses_tags(self.extra, TORCH_TAGS) or (self.source == "state-dict" and STRUCTURE in self.extra)
+        return EXTRA_DTYPE_VERSION if new else EXTRA_TAGGED_VERSION
+
+    def _has_structure(self) -> bool:
+        return self.source == "state-dict" and STRUCTURE in self.extra and self._version() == EXTRA_DTYPE_VERSION
 
     def extra_values(self, what: str = "manifest") -> dict[str, Any]:
         """``extra`` as the values it stands for: tuples, infinite floats and bytes come back as such
-        from a version-2 manifest (a pushed .pt); ``extra`` itself where it is plain JSON."""
+        from a version-2 manifest (a pushed .pt); ``extra`` itself where it is plain JSON. A pushed
+        .pt's structure is not one of them (:meth:`structure`)."""
         if not self.extra_tagged:
             return dict(self.extra)
-        return {k: decode(v, f"{what}: extra {k!r}") for k, v in self.extra.items()}
+        return {k: decode(v, f"{what}: extra {k!r}") for k, v in self.extra.items()
+                if not (k == STRUCTURE and self._has_structure())}
+
+    def structure(self, tensors: Mapping[str, Any], what: str = "manifest") -> Any | None:
+        """The object a pushed ``.pt`` file (or nested dict) held, as it was: its dicts, lists and
+        tuples, int and str keys in their order, its values where they were, and each tensor taken
+        from ``tensors`` by its stored name. None where the manifest records no structure (a flat
+        state dict, a manifest older than version 3): the flat names are the structure then.
+        Raises :class:`StoreFormatError` where it names a tensor that ``tensors`` lacks."""
+        if not self._has_structure():
+            return None
+
+        def tensor(name: str) -> Any:
+            if name not in tensors:
+                raise StoreFormatError(f"{what}: its structure names tensor {name!r}, which it does not hold")
+            return tensors[name]
+
+        return decode(self.extra[STRUCTURE], f"{what}: extra structure", tensor=tensor)
 
     @property
     def logical_bytes(self) -> int:
@@ -333,6 +373,26 @@ class Manifest:
         for b in self.bundles:  # an accelerator only: a reader that finds a bundle lying reads its members
             out.update(zip(b.chunks, split_lengths(b.nbytes, self.chunk_size), strict=True))
         return out
+
+
+def _check_structure(m: Manifest, what: str) -> None:
+    """A pushed .pt's structure is a dict that names each of ``m``'s tensors once, and nothing else:
+    one that does not would pull a file holding other tensors than the checkpoint."""
+    names = Counter(t.name for t in m.tensors)
+    tree = m.structure(names, what)
+    if not isinstance(tree, dict):
+        raise StoreFormatError(f"{what}: its structure is a {type(tree).__name__}, not the dict a pushed file holds")
+    if Counter(tensor_refs(m.extra[STRUCTURE])) != names:
+        raise StoreFormatError(f"{what}: its structure does not name each of its tensors once")
+    stack: list[Any] = [m.extra[STRUCTURE]]
+    while stack:  # (decoded above, so well formed) a tensor is never a dict key in a state dict pushed
+        x = stack.pop()
+        if isinstance(x, dict) and list(x) == ["__dict__"]:
+            if any(tensor_refs(k) for k, _ in x["__dict__"]):
+                raise StoreFormatError(f"{what}: its structure has a tensor as a dict key")
+            stack.extend(v for _, v in x["__dict__"])
+        elif isinstance(x, (dict, list)):
+            stack.extend(x.values() if isinstance(x, dict) else x)
 
 
 def _ints(raw: Any, key: str, what: str) -> list[int]:

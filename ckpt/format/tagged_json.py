@@ -3,8 +3,10 @@
 Plain JSON values stay as they are. What JSON cannot say is a one-key object whose key
 is a tag: ``{"__tuple__": [...]}``, ``{"__dict__": [[k, v], ...]}`` for a dict whose
 keys are not all plain strings (an optimizer's state is keyed by int),
-``{"__float__": "inf"}`` for inf/-inf/nan, ``{"__bytes__": "<hex>"}``, and
-``{"__tensor__": NAME}`` where a snapshot's tree points at a stored tensor.
+``{"__float__": "inf"}`` for inf/-inf/nan, ``{"__bytes__": "<hex>"}``,
+``{"__dtype__": "bfloat16"}`` for a ``torch.dtype`` and ``{"__device__": "cuda:0"}`` for a
+``torch.device`` (which ``torch.load(weights_only=True)`` allows, so some configs save them), and ``{"__tensor__": NAME}`` where a tree points at a
+stored tensor.
 
 Snapshots (``ckpt.snapshot.state``) and distributed checkpoints (``ckpt.dcp.format``)
 both write and read values through this module: one encoder, one strict decoder.
@@ -19,36 +21,73 @@ both write and read values through this module: one encoder, one strict decoder.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ckpt_store.storage.errors import StoreFormatError
 
 TENSOR = "__tensor__"
-TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", TENSOR)
+DTYPE = "__dtype__"
+DEVICE = "__device__"
+TORCH_TAGS = (DTYPE, DEVICE)  # tags of torch values, added after the others (docs/format.md: manifest version 3)
+TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", DTYPE, DEVICE, TENSOR)
 MAX_DEPTH = 64
+MAX_EXPANSION = 8
+
+
+class ExpansionGuard:
+    """Counts the items of the lists, tuples and dicts a walk enters (and the bytes of long strings)
+    against those of the distinct objects among them. Pickle shares objects: a .pt of 2 KB can hold a
+    list that holds itself twice, 40 times over, and one of a few MB a list of a million numbers under
+    a thousand keys; a walk entering each reference expands them to 2**40 or 10**9 entries (hours, and
+    all memory). Sharing a few (one state dict under two keys) stays far below ``MAX_EXPANSION``
+    times what there is."""
+
+    def __init__(self) -> None:
+        self.walked = 0
+        self.held = 0
+        self._seen: set[int] = set()  # ids of objects the walked object keeps alive meanwhile
+
+    def enter(self, x: Any) -> bool:
+        """Count entering ``x``; False once the walk has entered far more than there is."""
+        n = len(x)
+        if isinstance(x, (str, bytes)) and n < 1024:  # short ones: a key shared by every parameter's state
+            return True
+        self.walked += n
+        if id(x) not in self._seen:
+            self._seen.add(id(x))
+            self.held += n
+        return self.walked <= MAX_EXPANSION * self.held + 4096
 
 
 def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
-           tensor: Callable[[str, Any], None] | None = None, reserved: Collection[str] = ()) -> Any:
+           tensor: Callable[[str, Any], str | None] | None = None, reserved: Collection[str] = (),
+           guard: ExpansionGuard | None = None) -> Any:
     """``x`` as tagged JSON.
 
     ``path`` names ``x``; nested values get ``path/i`` (list and tuple items),
     ``path/KEY`` (dict values) and ``path/kI`` (non-string dict keys). ``tensor(path, t)``,
-    when given, receives each tensor, which becomes ``{"__tensor__": path}``; without
-    it a tensor is unsupported. A dict with a key in ``reserved`` (or a tag) is written
+    when given, receives each tensor, which becomes ``{"__tensor__": NAME}``, NAME being what
+    it returns, or ``path`` where it returns None; without it a tensor is unsupported. A dict with a key in ``reserved`` (or a tag) is written
     in the ``__dict__`` form so that it cannot be misread. Anything else raises
     ``unsupported(path, "a module.Type")``, and so does a dict subclass with defaults for
     missing keys (``defaultdict``, ``Counter``): decoded as a plain dict, it would raise
     ``KeyError`` where the original gave a default. (Other dict subclasses, such as the
     ``OrderedDict`` of a module's ``state_dict()``, come back as plain dicts.) A dict keeps
     its key order: records are canonical JSON, whose objects have their keys sorted, so a
-    dict whose keys are not in sorted order is written in the ``__dict__`` form.
+    dict whose keys are not in sorted order is written in the ``__dict__`` form. A value whose
+    shared lists, dicts and long strings would expand it far past what it holds is unsupported too
+    (``guard``, one :class:`ExpansionGuard` for a walk over several values, or its own).
     """
+    walk = guard if guard is not None else ExpansionGuard()
 
     def enc(x: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
             return _raise(unsupported(path, "value nested too deeply"))
+        if isinstance(x, (tuple, list, dict, str, bytes)) and not walk.enter(x):
+            return _raise(unsupported(path, "a value whose lists, dicts or strings are shared so often that it expands "
+                                            "to far more than it holds"))
         if x is None or isinstance(x, (bool, str)):
             return x
         if isinstance(x, int):
@@ -71,9 +110,13 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
                 return {k: enc(v, f"{path}/{k}", depth + 1) for k, v in x.items()}
             return {"__dict__": [[enc(k, f"{path}/k{i}", depth + 1), enc(v, f"{path}/{k}", depth + 1)]
                                  for i, (k, v) in enumerate(x.items())]}
+        if _is_dtype(x):
+            return {DTYPE: str(x).removeprefix("torch.")}
+        if _is_device(x):
+            return {DEVICE: str(x)}
         if tensor is not None and _is_tensor(x):
-            tensor(path, x)
-            return {TENSOR: path}
+            name = tensor(path, x)
+            return {TENSOR: path if name is None else name}
         if type(x).__module__ == "numpy" and getattr(x, "shape", None) == ():  # numpy scalars
             return enc(x.item(), path, depth + 1)
         return _raise(unsupported(path, f"a {type(x).__module__}.{type(x).__name__}"))
@@ -96,7 +139,14 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None) -> 
             return [dec(v, depth + 1) for v in x]
         if not isinstance(x, dict):
             raise StoreFormatError(f"{what}: bad value")
-        tags = [k for k in x if k in TAGS]
+        if len(x) == 1 and next(iter(x)) in TORCH_TAGS and isinstance(next(iter(x.values())), str):
+            tag, v = next(iter(x.items()))
+            value = _dtypes().get(v) if tag == DTYPE else _device(v)
+            if value is None:
+                raise StoreFormatError(f"{what}: bad {tag} value")
+            return value
+        # Any other dict holding one of TORCH_TAGS is what versions before those tags wrote as a plain dict.
+        tags = [k for k in x if k in TAGS and k not in TORCH_TAGS]
         if not tags:
             return {k: dec(v, depth + 1) for k, v in x.items()}
         tag, v = tags[0], x[tags[0]]
@@ -135,9 +185,9 @@ def tensor_refs(tree: Any) -> list[str]:
     return out
 
 
-def uses_tags(tree: Any) -> bool:
-    """Whether :func:`encode` needed a tag anywhere in ``tree`` (else ``tree`` is the value itself,
-    in plain JSON).
+def uses_tags(tree: Any, tags: Collection[str] = TAGS) -> bool:
+    """Whether :func:`encode` needed a tag (one of ``tags``) anywhere in ``tree`` (else ``tree`` is
+    the value itself, in plain JSON).
 
     >>> uses_tags(encode([1, {"a": 2.5}], "x", unsupported=ValueError)), uses_tags(encode([(1,)], "x", unsupported=ValueError))
     (False, True)
@@ -146,7 +196,7 @@ def uses_tags(tree: Any) -> bool:
     while stack:
         x = stack.pop()
         if isinstance(x, Mapping):
-            if any(k in TAGS for k in x):
+            if any(k in tags for k in x):
                 return True
             stack.extend(x.values())
         elif isinstance(x, list):
@@ -156,6 +206,42 @@ def uses_tags(tree: Any) -> bool:
 
 def _sorted(keys: list[str]) -> bool:
     return all(a < b for a, b in zip(keys, keys[1:]))
+
+
+def _is_dtype(x: Any) -> bool:
+    import torch
+
+    return isinstance(x, torch.dtype)
+
+
+def _dtypes() -> dict[str, Any]:
+    """Every ``torch.dtype`` by its name (``bfloat16``): looked up in this table, never by
+    ``getattr(torch, name)``, which could import any submodule a stored name chose."""
+    import torch
+
+    return {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+
+
+def _is_device(x: Any) -> bool:
+    import torch
+
+    return isinstance(x, torch.device)
+
+
+_DEVICE = re.compile(r"[a-z][a-z0-9_]{0,31}(:[0-9]{1,9})?")
+
+
+def _device(name: str) -> Any:
+    """The ``torch.device`` ``name`` spells (``cuda:0``), or None: torch parses only a plain
+    ``type[:index]``, and refuses types it does not know."""
+    import torch
+
+    if not _DEVICE.fullmatch(name):
+        return None
+    try:
+        return torch.device(name)
+    except (RuntimeError, ValueError):
+        return None
 
 
 def _is_tensor(x: Any) -> bool:
@@ -168,4 +254,4 @@ def _raise(e: Exception) -> Any:
     raise e
 
 
-__all__ = ["MAX_DEPTH", "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]
+__all__ = ["DEVICE", "DTYPE", "MAX_DEPTH", "MAX_EXPANSION", "ExpansionGuard", "TORCH_TAGS", "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]

@@ -700,18 +700,20 @@ def is_torch_name(path: str) -> bool:
     return path.lower().endswith(STATE_DICT_SUFFIXES)
 
 
-def write_torch(target: str, tensors: dict[str, torch.Tensor], values: dict[str, Any], overwrite: bool = True) -> None:
-    """Write ``tensors`` and JSON ``values`` as one flat dict to torch file ``target``, atomically.
+def write_torch(target: str, tensors: dict[str, torch.Tensor], values: dict[str, Any], overwrite: bool = True,
+                tree: Any = None) -> None:
+    """Write ``tensors`` and JSON ``values`` as one flat dict to torch file ``target``, atomically;
+    or, where ``tree`` is given (a pushed .pt's structure, holding ``tensors``), that object.
 
     Everything in it (tensors and JSON types) loads with ``torch.load(weights_only=True)``.
     """
     import torch
 
-    clash = sorted(set(tensors) & set(values))
+    clash = sorted(set(tensors) & set(values)) if tree is None else []
     if clash:
         raise TensorMismatchError(f"{clash[0]!r} names both a tensor and a value of this checkpoint",
                                   hint="pull it as .safetensors (tensors only)")
-    obj: dict[str, Any] = {**tensors, **values}
+    obj: Any = {**tensors, **values} if tree is None else tree
 
     size = sum(t.nbytes for t in tensors.values())
     check_disk(size, target)

@@ -80,9 +80,16 @@ def named_entries(m: Manifest) -> list[TensorEntry]:
     return [t if k == t.name else replace(t, name=k) for k, t in zip(names, m.tensors)]
 
 
-def load(store: Store, ref: str, *, include: list[str] | None = None, progress: Progress | None = None) -> dict[str, torch.Tensor]:
+def load(store: Store, ref: str, *, include: list[str] | None = None, progress: Progress | None = None,
+         structure: bool = False) -> Any:
     """See :meth:`Store.load`."""
-    return load_manifest(store, store.manifest(ref), include, progress, f"checkpoint {ref}")
+    if structure and include:
+        raise TensorMismatchError("structure=True gives the whole checkpoint as it was pushed; include= picks tensors by "
+                                  "their flat names", hint="pass one of them")
+    m = store.manifest(ref)
+    tensors = load_manifest(store, m, include, progress, f"checkpoint {ref}")
+    tree = m.structure(tensors, f"checkpoint {ref}") if structure else None
+    return tensors if tree is None else tree
 
 
 def load_manifest(store: Store, m: Manifest, include: list[str] | None, progress: Progress | None, what: str) -> dict[str, torch.Tensor]:

@@ -73,10 +73,13 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
     Where and how it writes (never inside a store, only the checkpoint's own files,
     each atomically) is :mod:`ckpt.store.destination`'s rule. A one-file target named like a
     torch file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``) gets what the name promises: a
-    file ``torch.load(weights_only=True)`` reads, holding a flat dict of the tensors
-    (bit-identical, keys as stored: a nested state dict's keys joined with ``.``) and,
-    for a checkpoint pushed from a ``.pt`` file or saved through DCP, its non-tensor values
-    under their flat keys. A checkpoint of several files (a model directory) is not pulled
+    file ``torch.load(weights_only=True)`` reads. For a checkpoint pushed from a ``.pt`` file
+    (or a nested dict) it holds what was pushed, as it was: its nested dicts, lists and tuples,
+    keys and their order, and values, the tensors bit-identical (a Lightning checkpoint pulled
+    is one ``Trainer.fit(ckpt_path=...)`` resumes from). Otherwise, and for a checkpoint pushed
+    before ckpt kept that structure, it is a flat dict of the tensors (bit-identical, keys as
+    stored: a nested state dict's keys joined with ``.``) and, for one pushed from a ``.pt``
+    file or saved through DCP, its non-tensor values under their flat keys. A checkpoint of several files (a model directory) is not pulled
     to a ``dest`` named like one file unless that is an existing directory (``include=["*"]``
     writes its tensors as that file). Raises :class:`DestinationError` /
     :class:`DestinationExistsError` before anything is written.
@@ -92,7 +95,8 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
     if m.source != "hf-dir" and len(m.files) == 1:
         target = file_target(store, dest, os.path.basename(m.files[0].path), overwrite)
         if is_torch_name(target):
-            write_torch(target, load_manifest(store, m, None, progress, f"checkpoint {ref}"), _values(m), overwrite)
+            tensors = load_manifest(store, m, None, progress, f"checkpoint {ref}")
+            write_torch(target, tensors, _values(m), overwrite, m.structure(tensors, f"checkpoint {ref}"))
         else:
             write_files([target], lambda tmps: _write_files(store, m, [(m.files[0], tmps[0])], progress, what=f"checkpoint {ref}"),
                         overwrite)

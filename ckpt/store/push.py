@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import InvalidSourceError
 from ckpt.format.dtypes import itemsize
-from ckpt.format.manifest import BundleEntry, FileEntry, Manifest, TensorEntry
+from ckpt.format.manifest import STRUCTURE, BundleEntry, FileEntry, Manifest, TensorEntry
 from ckpt.format.tagged_json import uses_tags
 from ckpt.progress import Progress, reporting
 from ckpt.store.base import choose_base, pair_tensors
@@ -276,7 +276,8 @@ def push_source(
 
     fields: dict[str, Any] = dict(source=src.kind, chunk_size=cs, created=time.time(), message=message, metadata=dict(metadata or {}),
                   extra=src.extra,
-                  extra_tagged=src.kind == "state-dict" and uses_tags(src.extra),  # a pushed .pt's values (docs/format.md)
+                  # a pushed .pt's values and structure (docs/format.md)
+                  extra_tagged=src.kind == "state-dict" and (uses_tags(src.extra) or STRUCTURE in src.extra),
                   lineage=lineage or {"parent": None, "base": base_id, "merge": None}, bundles=bundle)
     results = results + bundled
     try:

@@ -8,7 +8,9 @@ the raw bytes of each tensor, or a clear error.
   are kept as JSON ``{}``. A list or tuple that holds a tensor (at any depth) is
   flattened as the mapping of its indexes: a Lightning checkpoint's
   ``optimizer_states[0]['state'][0]['exp_avg']`` is ``optimizer_states.0.state.0.exp_avg``.
-  Other lists and tuples are values, kept whole as JSON.
+  Other lists and tuples are values, kept whole as JSON. Where the flat names are not the whole
+  story (a nested dict, a list, an int key), the structure itself is kept too, under
+  ``extra[STRUCTURE]``, so that a pull to a torch file gives it back (docs/format.md).
 * Tensors must have plain bytes: sparse, meta, quantized and nested tensors and wrapper
   subclasses (DTensor...) are refused with a hint saying how to convert them. Lazy
   conjugate/negative views are resolved; other subclasses are read through the plain
@@ -17,15 +19,19 @@ the raw bytes of each tensor, or a clear error.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ckpt.errors import InvalidSourceError, ResourceLimitError
 from ckpt.format.dtypes import byte_view, from_torch
-from ckpt.format.manifest import MAX_NAME, check_tensor_name
-from ckpt.format.tagged_json import encode
+from ckpt.format.manifest import MAX_NAME, MAX_STRUCTURE_BYTES, STRUCTURE, check_tensor_name
+from ckpt.format.tagged_json import ExpansionGuard, encode
 from ckpt.store.source_files import show
+from ckpt_store.storage.records import canonical_json
+
+logger = logging.getLogger(__name__)
 
 
 def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -45,6 +51,9 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
     spelled: dict[str, str] = {}  # flat name -> the keys it came from, to name both sides of a collision
     stack: list[tuple[Iterator[tuple[Any, Any]], str, str, int]] = [(iter(obj.items()), "", "", id(obj))]
     open_ids = {id(obj)}  # the mappings being walked: meeting one again is a cycle
+    guard = ExpansionGuard()  # meeting one again elsewhere is sharing, walked again, within bounds
+    guard.enter(obj)
+    flat = all(isinstance(k, str) for k in obj)  # then its flat names are its keys: no structure to keep
     while stack:  # not recursive: nesting depth is the file's choice
         items, prefix, keys, oid = stack[-1]
         item = next(items, None)
@@ -66,8 +75,13 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
         if (isinstance(v, Mapping) and v) or id(v) in holders:
             if id(v) in open_ids:
                 raise InvalidSourceError(path, f"entry {spell} contains itself (a reference cycle)")
+            if not guard.enter(v):
+                raise InvalidSourceError(path, f"entry {spell[:120]} is reached through so many shared lists and dicts "
+                                         f"that the file would flatten to far more entries than it holds ({guard.walked:,} "
+                                         f"items walked, {guard.held:,} distinct)", hint="save each list or dict once")
             stack.append((iter(v.items() if isinstance(v, Mapping) else enumerate(v)), name + ".", spell, id(v)))
             open_ids.add(id(v))
+            flat = False
             continue
         if name in spelled:
             raise InvalidSourceError(path, f"entries {spelled[name]} and {spell} both flatten to the name {name!r}",
@@ -80,11 +94,46 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
         if isinstance(v, Mapping):  # empty: kept, so that nothing the file holds is dropped
             extra[name] = {}
             continue
-        extra[name] = encode(v, spell, unsupported=lambda at, kind: InvalidSourceError(
+        extra[name] = encode(v, spell, guard=guard, unsupported=lambda at, kind: InvalidSourceError(
             path, f"entry {at[:120]} is {kind}, neither a tensor nor a plain value",
-            hint="other entries are kept as JSON: str, int, float, bool, None, bytes, and lists, tuples and dicts of "
-                 "these"))
+            hint="other entries are kept as JSON: str, int, float, bool, None, bytes, torch.dtype, torch.device, "
+                 "and lists, tuples and dicts of these"))
+    tree = None if flat else _structure(obj, path, tensors)
+    if tree is not None:
+        extra[STRUCTURE] = tree
     return tensors, extra
+
+
+class _NoStructure(Exception):
+    pass
+
+
+def _structure(obj: Mapping[Any, Any], path: str, tensors: dict[str, Any]) -> Any | None:
+    """``obj`` as tagged JSON, each tensor as ``{"__tensor__": its flat name}`` (``tensors``, in the
+    order the flattening met them); None where tagged JSON cannot hold it (nested deeper than
+    ``MAX_DEPTH``, a mapping that is not a dict) or it is past ``MAX_STRUCTURE_BYTES``: such a
+    checkpoint pulls flat."""
+    order = iter(tensors.items())
+
+    def named(at: str, t: Any) -> str:
+        name, mine = next(order, ("", None))
+        if mine is not t:  # both walks go depth first in the same order; anything else would misname a tensor
+            raise _NoStructure
+        return name
+
+    try:
+        tree = encode(obj, path, unsupported=lambda at, kind: _NoStructure(), tensor=named)
+    except _NoStructure:
+        logger.info("%s: its structure is not kept (not a tree of dicts, lists and tuples tagged JSON holds); "
+                    "it pulls as a flat dict", path)
+        return None
+    if next(order, None) is not None:
+        return None
+    if len(canonical_json(tree)) > MAX_STRUCTURE_BYTES:
+        logger.info("%s: its structure is not kept (its values are past %d bytes); it pulls as a flat dict",
+                    path, MAX_STRUCTURE_BYTES)
+        return None
+    return tree
 
 
 def _tensor_holders(obj: Any, tensor: type) -> set[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Literal, overload
 
 from ckpt._deprecation import deprecated
 from ckpt.errors import AmbiguousRefError, CkptError, ObjectNotFoundError, RefNotFoundError
@@ -372,8 +372,22 @@ class Store:
 
         return pull(self, ref, dest, overwrite=overwrite, include=include, progress=progress)
 
-    def load(self, ref: str, *, include: list[str] | None = None, progress: Progress | bool | None = None) -> dict[str, torch.Tensor]:
-        """All tensors of ``ref`` (or those matching ``include`` globs) as CPU tensors.
+    @overload
+    def load(self, ref: str, *, include: list[str] | None = None, progress: Progress | bool | None = None,
+             structure: Literal[False] = False) -> dict[str, torch.Tensor]: ...
+
+    @overload
+    def load(self, ref: str, *, include: list[str] | None = None, progress: Progress | bool | None = None,
+             structure: bool) -> Any: ...
+
+    def load(self, ref: str, *, include: list[str] | None = None, progress: Progress | bool | None = None,
+             structure: bool = False) -> Any:
+        """All tensors of ``ref`` (or those matching ``include`` globs) as CPU tensors, by name.
+
+        ``structure=True``: for a checkpoint pushed from a nested ``.pt`` file or dict, the object
+        that was pushed, as it was (nested dicts, lists and tuples, its non-tensor values; what a
+        pull to a ``.pt`` name writes); for any other checkpoint the same dict of tensors as without
+        it. Not with ``include``.
 
         Where folders of the checkpoint share tensor names (a diffusers pipeline's unet/ and
         text_encoder/), each such tensor is named ``FOLDER/NAME``: ``include=["unet/*"]`` picks one
@@ -385,7 +399,7 @@ class Store:
         from ckpt.progress import as_progress
         from ckpt.store.load import load
 
-        return load(self, ref, include=include, progress=as_progress(progress))
+        return load(self, ref, include=include, progress=as_progress(progress), structure=structure)
 
     def load_into(self, ref: str, target: Any, *, strict: bool = True, prefix: str = "",
                   progress: Progress | bool | None = None) -> None:
@@ -495,18 +509,34 @@ class Store:
                 found = list(pool.map(size, ids))
         return {cid: n for cid, n in zip(ids, found) if n is not None}
 
+@overload
 def load(store: Store | str | os.PathLike[str], ref: str, *, include: list[str] | None = None,
-         storage_options: dict[str, Any] | None = None, progress: Progress | bool | None = None) -> dict[str, torch.Tensor]:
+         storage_options: dict[str, Any] | None = None, progress: Progress | bool | None = None,
+         structure: Literal[False] = False) -> dict[str, torch.Tensor]: ...
+
+
+@overload
+def load(store: Store | str | os.PathLike[str], ref: str, *, include: list[str] | None = None,
+         storage_options: dict[str, Any] | None = None, progress: Progress | bool | None = None, structure: bool) -> Any: ...
+
+
+def load(store: Store | str | os.PathLike[str], ref: str, *, include: list[str] | None = None,
+         storage_options: dict[str, Any] | None = None, progress: Progress | bool | None = None, structure: bool = False) -> Any:
     """The tensors of checkpoint ``ref`` in ``store`` (a :class:`Store` or its URL, ``s3://...`` too)
-    as CPU tensors, streamed from the store with no local file.
+    as CPU tensors, streamed from the store with no local file. ``structure=True``: a checkpoint
+    pushed from a nested ``.pt`` file or dict as it was pushed (see :meth:`Store.load`).
 
     >>> import torch, ckpt
-    >>> _ = ckpt.Store.init("memory://load-doctest").push({"w": torch.ones(3)}, "m")
+    >>> _ = ckpt.Store.init("memory://load-doctest").push({"w": torch.ones(3), "opt": {"state": {0: [torch.zeros(1)]}}}, "m")
     >>> ckpt.load("memory://load-doctest", "m")["w"].tolist()
     [1.0, 1.0, 1.0]
+    >>> sorted(ckpt.load("memory://load-doctest", "m"))
+    ['opt.state.0.0', 'w']
+    >>> ckpt.load("memory://load-doctest", "m", structure=True)["opt"]
+    {'state': {0: [tensor([0.])]}}
     """
     s = store if isinstance(store, Store) else Store.open(store, storage_options=storage_options)
-    return s.load(ref, include=include, progress=progress)
+    return s.load(ref, include=include, progress=progress, structure=structure)
 
 
 def load_into(store: Store | str | os.PathLike[str], ref: str, target: Any, *, strict: bool = True, prefix: str = "",

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("pytorch_lightning", reason="needs PyTorch Lightning: pip install 'ckpt-store[lightning]'")
 
-from integration_util import assert_same_bits, load_script, run_script
+from integration_util import assert_same_bits, assert_same_tree, load_script, run_script, state_bits
 
 import ckpt
 
@@ -269,3 +269,46 @@ def test_a_malformed_data_position_is_refused(script, tmp_path, monkeypatch, rec
         _fit(script, store, tmp_path, 8, 20, stop_at=6)
     with pytest.raises(SnapshotError, match="is malformed"):
         _fit(script, store, tmp_path, 8, 20)
+
+
+def test_a_pulled_checkpoint_resumes_fit_as_the_original(script, tmp_path):
+    """`ckpt push run.ckpt` then `ckpt pull REF back.ckpt` wrote a flat dict (``state_dict.net.0.weight``,
+    ``optimizer_states.0.state.0.exp_avg``...) that ``Trainer.fit(ckpt_path=...)`` cannot resume from.
+    The pulled file is now the checkpoint as Lightning saved it, and fit resumes from it exactly as from
+    the original: the same weights, optimizer moments and scheduler restored, the same run after them."""
+    import torch
+
+    pl = script.pl
+
+    class Restored(pl.Callback):
+        def on_train_start(self, trainer, pl_module):  # what fit restored, before any step
+            self.state = (state_bits(pl_module, trainer.optimizers[0]), trainer.global_step,
+                          trainer.lr_scheduler_configs[0].scheduler.state_dict())
+
+    def fit(steps: int, ckpt_path: str | None = None) -> tuple[object, ...]:
+        torch.manual_seed(99 if ckpt_path else 0)  # resumed: the weights must come from the file
+        module = script.TinyModule()
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))
+        restored = Restored()
+        trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
+                             callbacks=[restored])
+        torch.manual_seed(1234)
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+        if ckpt_path is None:
+            trainer.save_checkpoint(tmp_path / "run.ckpt")
+        return restored.state, state_bits(module, trainer.optimizers[0]), trainer.global_step
+
+    fit(6)
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    store.push(str(tmp_path / "run.ckpt"), "run")
+    pulled = store.pull("run", str(tmp_path / "pulled.ckpt"))
+    original = torch.load(tmp_path / "run.ckpt", weights_only=True)
+    assert_same_tree(original, torch.load(pulled, weights_only=True))
+    from_original, from_pulled = fit(10, str(tmp_path / "run.ckpt")), fit(10, pulled)
+    assert from_pulled == from_original
+    (weights, moments), step, _ = from_pulled[0]
+    assert step == 6 and from_pulled[2] == 10
+    assert weights == {k: bytes(v.reshape(-1).view(torch.uint8).numpy()) for k, v in original["state_dict"].items()}
+    assert moments and moments.keys() == original["optimizer_states"][0]["state"].keys()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from integration_util import assert_same_tree
 from safetensors.torch import load_file, save_file
 
 import ckpt
@@ -182,15 +183,9 @@ def test_pt_named_pull_writes_a_weights_only_torch_file(store, tmp_path):
     torch.save({"model": sd, **values}, tmp_path / "sd.pt")
     store.push(tmp_path / "sd.pt", "pt")
     out = store.pull("pt", tmp_path / "out.pt")
-    got = torch.load(out, weights_only=True)
-    want = {f"model.{k}": v for k, v in sd.items()}
-    assert {k for k, v in got.items() if isinstance(v, torch.Tensor)} == set(want)
-    for k, v in want.items():
-        assert got[k].dtype == v.dtype and got[k].shape == v.shape and _bits(got[k]) == _bits(v), k
-    assert {k: v for k, v in got.items() if not isinstance(v, torch.Tensor)} == {
-        "epoch": 3, "note": "ok", "lrs": [0.1, 0.01], "sched.gamma": 0.5}
+    assert_same_tree({"model": sd, **values}, torch.load(out, weights_only=True))  # as saved, nested
     # A safetensors name still gets the safetensors file, and --include honours the suffix too.
-    assert set(load_file(store.pull("pt", tmp_path / "out.safetensors"))) == set(want)
+    assert set(load_file(store.pull("pt", tmp_path / "out.safetensors"))) == {f"model.{k}" for k in sd}
     only = torch.load(store.pull("pt", tmp_path / "w.pth", include=["model.0.*"]), weights_only=True)
     assert sorted(only) == ["model.0.bias", "model.0.weight"] and _bits(only["model.0.weight"]) == _bits(sd["0.weight"])
 
@@ -210,9 +205,9 @@ def test_pt_values_come_back_as_they_were_saved(store, tmp_path):
     torch.save({"model": model.state_dict(), "optim": opt.state_dict(), **values}, tmp_path / "sd.pt")
     store.push(tmp_path / "sd.pt", "pt")
     m = store.manifest("pt")
-    assert m.extra_tagged and json.loads(store.objects.get_manifest(store.resolve("pt")))["version"] == 2
+    assert m.extra_tagged and json.loads(store.objects.get_manifest(store.resolve("pt")))["version"] == 3  # (its structure)
     got = torch.load(store.pull("pt", tmp_path / "out.pt"), weights_only=True)
-    groups = got["optim.param_groups"]
+    groups = got["optim"]["param_groups"]
     assert groups == opt.state_dict()["param_groups"] and type(groups[0]["betas"]) is tuple
     for k, v in values.items():
         if k == "nan":
@@ -223,7 +218,7 @@ def test_pt_values_come_back_as_they_were_saved(store, tmp_path):
             assert got[k] == v and type(got[k]) is type(v), k
     assert type(got["hist"][0][1]) is tuple and list(got["hist"][0]) == [0, 1]
     for k, v in opt.state_dict()["state"][0].items():
-        assert _bits(got[f"optim.state.0.{k}"]) == _bits(v), k
+        assert _bits(got["optim"]["state"][0][k]) == _bits(v), k
     # A file of plain values keeps the version-1 manifest older readers know.
     torch.save({"w": torch.ones(2), "epoch": 3, "lrs": [0.1]}, tmp_path / "plain.pt")
     store.push(tmp_path / "plain.pt", "plain")
@@ -244,9 +239,52 @@ def test_a_version_2_manifest_with_a_bad_tag_is_refused(store, tmp_path):
     doc["extra"]["t"] = {"__float__": "1e400"}
     with pytest.raises(StoreFormatError, match="extra 't'"):
         Manifest.from_json(json.dumps(doc).encode())
-    doc["version"] = 3
-    with pytest.raises(StoreFormatError, match="version 3; this ckpt reads versions 1, 2"):
+    doc["version"] = 4
+    with pytest.raises(StoreFormatError, match="version 4; this ckpt reads versions 1, 2, 3"):
         Manifest.from_json(json.dumps(doc).encode())
+
+
+def test_pt_device_values_round_trip(store, tmp_path):
+    """A ``torch.device`` (a config's ``{"device": torch.device("cuda", 0)}``), which
+    ``torch.load(weights_only=True)`` reads, was refused at push, as a dtype was: it is the ``__device__``
+    tag (version 3); one that is not a device torch knows makes the manifest damaged."""
+    from ckpt.errors import StoreFormatError
+    from ckpt.format.manifest import Manifest
+
+    values = {"device": torch.device("cuda", 1), "devices": [torch.device("cpu"), (torch.device("meta"),)],
+              "looks_tagged": [{"__device__": "cpu", "n": 1}]}
+    torch.save({"w": torch.ones(2), **values}, tmp_path / "d.pt")
+    store.push(tmp_path / "d.pt", "d")
+    doc = json.loads(store.objects.get_manifest(store.resolve("d")))
+    assert doc["version"] == 3 and doc["extra"]["device"] == {"__device__": "cuda:1"}
+    got = torch.load(store.pull("d", tmp_path / "out.pt"), weights_only=True)
+    assert {k: got[k] for k in values} == values and type(got["devices"][1]) is tuple
+    for bad in ("npu", "cuda:x", "cuda:1:2", "CUDA", "", "cpu " * 100):
+        doc["extra"]["device"] = {"__device__": bad}
+        with pytest.raises(StoreFormatError, match="extra 'device': bad __device__ value"):
+            Manifest.from_json(json.dumps(doc).encode())
+
+
+def test_pt_dtype_values_round_trip(store, tmp_path):
+    """``torch.load(weights_only=True)`` reads a ``torch.dtype`` (a config's ``{"dtype": torch.bfloat16}``):
+    a push refused such a file. It is the ``__dtype__`` tag, in a version-3 manifest (a version-2 reader
+    would hand the tag out as a plain dict); a stored name that is no dtype makes the manifest damaged."""
+    from ckpt.errors import StoreFormatError
+    from ckpt.format.manifest import Manifest
+
+    values = {"dtype": torch.bfloat16, "dtypes": [(torch.float8_e4m3fn, torch.half), {0: torch.int64}],
+              "looks_tagged": [{"__dtype__": "float32"}]}
+    torch.save({"w": torch.ones(2), **values}, tmp_path / "d.pt")
+    store.push(tmp_path / "d.pt", "d")
+    doc = json.loads(store.objects.get_manifest(store.resolve("d")))
+    assert doc["version"] == 3 and doc["extra"]["dtype"] == {"__dtype__": "bfloat16"}
+    got = torch.load(store.pull("d", tmp_path / "out.pt"), weights_only=True)
+    assert {k: got[k] for k in values} == values and type(got["dtypes"][0]) is tuple
+    assert got["looks_tagged"] == [{"__dtype__": "float32"}]  # a user's dict, not a dtype
+    for bad in ("_dynamo", "Tensor", "float99"):  # never looked up as an attribute of torch
+        doc["extra"]["dtype"] = {"__dtype__": bad}
+        with pytest.raises(StoreFormatError, match="extra 'dtype': bad __dtype__ value"):
+            Manifest.from_json(json.dumps(doc).encode())
 
 
 def test_include_refuses_tensors_of_one_name_in_two_files(store, tmp_path):
@@ -711,3 +749,181 @@ def test_pull_include_picks_one_model_of_a_pipeline_whose_models_share_names(sto
             assert got[k].dtype == v.dtype and got[k].numpy().tobytes() == v.numpy().tobytes()
     with pytest.raises(TensorMismatchError, match="no tensor matches"):
         store.pull("sd", tmp_path / "none.safetensors", include=["0.*"])
+
+
+def _trained(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.9))
+    for _ in range(2):
+        model(torch.randn(4, 6)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _resume_one_step(saved: dict) -> tuple[dict, dict]:
+    """A fresh model and optimizer loaded from ``saved`` (as a training script does), stepped once."""
+    model, opt = _trained(seed=1)  # other weights and moments: everything must come from ``saved``
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optim"])
+    torch.manual_seed(2)
+    model(torch.randn(4, 6)).square().sum().backward()
+    opt.step()
+    return ({k: _bits(v) for k, v in model.state_dict().items()},
+            {i: {k: _bits(v) for k, v in st.items()} for i, st in opt.state_dict()["state"].items()})
+
+
+def test_a_pulled_pt_file_has_the_structure_that_was_pushed(store, tmp_path):
+    """A pull to a .pt name wrote a flat dict (``model.0.weight``, ``optim.state.0.exp_avg``...), which
+    ``opt.load_state_dict`` cannot take: a training script's ``{"model", "optim", "epoch"}`` pushed and
+    pulled is now the object saved, exactly (nested dicts, int keys, key order, lists and tuples of
+    tensors, values where they were), and training resumes from it as from the original file."""
+    model, opt = _trained()
+    saved = {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 3, 7: {"b": 1, "a": (torch.ones(2), None)},
+             "caches": [torch.arange(3), {0: torch.zeros(1, dtype=torch.bfloat16)}], "empty": {}, "dtype": torch.float16}
+    torch.save(saved, tmp_path / "train.pt")
+    store.push(tmp_path / "train.pt", "run")
+    pulled = tmp_path / "pulled.pt"
+    store.pull("run", pulled)
+    back = torch.load(pulled, weights_only=True)
+    assert_same_tree(saved, back)
+    assert _resume_one_step(back) == _resume_one_step(torch.load(tmp_path / "train.pt", weights_only=True))
+    # The same dict pushed from memory keeps its structure too; load, --include and safetensors stay flat.
+    store.push(saved, "mem")
+    assert_same_tree(saved, torch.load(store.pull("mem", tmp_path / "mem.pt"), weights_only=True))
+    assert "optim.state.0.exp_avg" in store.load("run") and "optim" not in store.load("run")
+    only = torch.load(store.pull("run", tmp_path / "only.pt", include=["optim.*"]), weights_only=True)
+    assert sorted(only) == sorted(k for k in store.load("run") if k.startswith("optim."))
+    # A flat state dict needs no structure (its manifest keeps the version it had); its tensors come
+    # back in the order they are stored.
+    torch.save(model.state_dict(), tmp_path / "flat.pt")
+    store.push(tmp_path / "flat.pt", "flat")
+    assert json.loads(store.objects.get_manifest(store.resolve("flat")))["version"] == 1
+    flat = torch.load(store.pull("flat", tmp_path / "f.pt"), weights_only=True)
+    assert_same_tree(dict(sorted(model.state_dict().items())), dict(sorted(flat.items())))
+    assert store.verify().ok
+
+
+def test_load_gives_the_pushed_structure_only_when_asked(store, tmp_path):
+    """``store.load(ref)`` still gives the dict of tensors by flat name; ``structure=True`` gives the
+    object pushed (what a pull to a .pt writes), or that same dict where no structure was recorded."""
+    model, opt = _trained()
+    saved = {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 3}
+    torch.save(saved, tmp_path / "train.pt")
+    store.push(tmp_path / "train.pt", "run")
+    flat = store.load("run")
+    assert all(isinstance(v, torch.Tensor) for v in flat.values()) and "optim.state.0.exp_avg" in flat
+    assert_same_tree(saved, store.load("run", structure=True))
+    assert_same_tree(saved, ckpt.load(store.url, "run", structure=True))
+    assert _resume_one_step(store.load("run", structure=True)) == _resume_one_step(saved)
+    store.push({"w": torch.ones(2)}, "plain")
+    assert_same_tree({"w": torch.ones(2)}, store.load("plain", structure=True))
+    with pytest.raises(TensorMismatchError, match="include"):
+        store.load("run", include=["model.*"], structure=True)
+
+
+def _nested(depth: int, leaf: object) -> object:
+    for _ in range(depth):
+        leaf = {"n": leaf}
+    return leaf
+
+
+def test_structures_that_tagged_json_cannot_hold_pull_flat(store, tmp_path):
+    """A state dict nested deeper than tagged JSON's MAX_DEPTH pushes as before (by flat names) and
+    pulls flat, as every checkpoint pushed before structures were kept does."""
+    from ckpt.format.tagged_json import MAX_DEPTH
+
+    torch.save({"deep": _nested(MAX_DEPTH + 5, torch.ones(2)), "w": torch.zeros(1)}, tmp_path / "deep.pt")
+    store.push(tmp_path / "deep.pt", "deep")
+    back = torch.load(store.pull("deep", tmp_path / "back.pt"), weights_only=True)
+    assert sorted(back) == ["deep" + ".n" * (MAX_DEPTH + 5), "w"]
+
+
+def test_a_structure_is_not_kept_past_its_bound(store, tmp_path, monkeypatch):
+    """The structure repeats the values ``extra`` holds by flat name: a .pt whose values are huge (a
+    sampler's permutation of millions of indexes) had its manifest doubled, towards the size no reader
+    accepts. Past MAX_STRUCTURE_BYTES (lowered here) it is not kept, and the checkpoint pulls flat."""
+    from ckpt.store import source_tensors
+
+    monkeypatch.setattr(source_tensors, "MAX_STRUCTURE_BYTES", 4096)
+    saved = {"model": {"w": torch.ones(2)}, "order": list(range(2000))}
+    torch.save(saved, tmp_path / "big.pt")
+    store.push(tmp_path / "big.pt", "big")
+    doc = json.loads(store.objects.get_manifest(store.resolve("big")))
+    assert "" not in doc["extra"] and doc["version"] == 1 and doc["extra"]["order"] == saved["order"]
+    back = torch.load(store.pull("big", tmp_path / "back.pt"), weights_only=True)
+    assert sorted(back) == ["model.w", "order"] and back["order"] == saved["order"]
+    torch.save({"model": {"w": torch.ones(2)}, "order": list(range(20))}, tmp_path / "small.pt")
+    store.push(tmp_path / "small.pt", "small")
+    assert list(torch.load(store.pull("small", tmp_path / "s.pt"), weights_only=True)) == ["model", "order"]
+
+
+def _forge(store, ref: str, change) -> str:
+    """A copy of ``ref``'s manifest with ``change(doc)`` applied, stored and named ``forged``."""
+    doc = json.loads(store.objects.get_manifest(store.resolve(ref)))
+    change(doc)
+    store.refs_db.set("forged", store.objects.put_manifest(json.dumps(doc).encode()))
+    return "forged"
+
+
+def test_a_checkpoint_pushed_before_structures_were_kept_pulls_flat(store, tmp_path):
+    """An older manifest (version 2, no structure) still pulls as the flat dict it always did."""
+    model, opt = _trained()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 3}, tmp_path / "train.pt")
+    store.push(tmp_path / "train.pt", "run")
+
+    def older(doc: dict) -> None:
+        del doc["extra"][""]
+        doc["version"] = 2
+
+    back = torch.load(store.pull(_forge(store, "run", older), tmp_path / "old.pt"), weights_only=True)
+    assert_same_tree({**store.load("run"), "epoch": 3, "optim.param_groups": opt.state_dict()["param_groups"]},
+                     {k: back[k] for k in sorted(back, key=lambda k: (k in ("epoch", "optim.param_groups"), k))})
+
+
+def _model_pairs(doc: dict) -> list:
+    return doc["extra"][""]["__dict__"][0][1]["__dict__"]  # [["weight", {"__tensor__": "model.weight"}], ["bias", ...]]
+
+
+def _epoch(doc: dict, value: object) -> None:
+    doc["extra"][""]["__dict__"][1][1] = value
+
+
+def _deep(depth: int) -> object:
+    x: list = []
+    for _ in range(depth):
+        x = [x]
+    return x
+
+
+@pytest.mark.parametrize("forge", [
+    lambda d: _model_pairs(d)[0].__setitem__(1, {"__tensor__": "model.nope"}),
+    lambda d: _model_pairs(d).pop(0),
+    lambda d: _model_pairs(d)[1].__setitem__(1, {"__tensor__": "model.weight"}),
+    lambda d: d["extra"][""]["__dict__"].append(["again", {"__tensor__": "model.weight"}]),
+    lambda d: _model_pairs(d).__setitem__(0, [{"__tensor__": "model.weight"}, 0]),
+    lambda d: _epoch(d, {"__tuple__": 5}),
+    lambda d: _epoch(d, {"__dtype__": "_dynamo"}),
+    lambda d: _epoch(d, {"__tensor__": 1}),
+    lambda d: _epoch(d, _deep(70)),
+    lambda d: d["extra"].__setitem__("", [{"__tensor__": "model.weight"}, {"__tensor__": "model.bias"}]),
+], ids=["missing_tensor", "tensor_left_out", "tensor_twice", "tensor_named_twice", "tensor_as_key", "bad_tuple",
+        "bad_dtype", "bad_tensor_ref", "too_deep", "not_a_dict"])
+def test_a_forged_structure_is_a_damaged_manifest(store, tmp_path, forge, capsys):
+    """A structure that names a tensor the checkpoint lacks, leaves one out or names one twice, uses a
+    tag that does not decode, nests past MAX_DEPTH or is not a dict: the manifest is damaged (a clear
+    StoreFormatError, one line at the CLI), never a traceback or a file holding other tensors."""
+    from ckpt.errors import StoreFormatError
+    from ckpt_store.cli.main import main
+
+    torch.save({"model": torch.nn.Linear(2, 2).state_dict(), "epoch": 3}, tmp_path / "m.pt")
+    store.push(tmp_path / "m.pt", "m")
+    ref = _forge(store, "m", forge)
+    with pytest.raises(StoreFormatError, match="structure"):
+        store.pull(ref, tmp_path / "out.pt")
+    with pytest.raises(SystemExit) as e:
+        main(["--store", store.url, "pull", ref, str(tmp_path / "cli.pt")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code != 0 and "structure" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out.pt").exists() and not (tmp_path / "cli.pt").exists()

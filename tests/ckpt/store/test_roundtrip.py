@@ -114,7 +114,7 @@ def test_pt_state_dict_roundtrip(small_chunks, tmp_path):
     small_chunks.push(tmp_path / "sd.pt", "pt")
     loaded = small_chunks.load("pt")
     _same({f"model.{k}": v for k, v in sd.items()}, loaded)
-    assert small_chunks.manifest("pt").extra == {"epoch": 3, "note": "ok"}
+    assert small_chunks.manifest("pt").extra_values() == {"epoch": 3, "note": "ok"}
 
 
 def test_load_into_module_in_place(small_chunks):

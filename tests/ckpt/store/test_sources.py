@@ -19,6 +19,7 @@ import time
 
 import pytest
 import torch
+from integration_util import assert_same_tree
 from safetensors.torch import load_file, save_file
 
 from ckpt.errors import InvalidNameError, InvalidSourceError, ResourceLimitError, UnsafeInputError
@@ -229,7 +230,7 @@ def test_a_nested_state_dict_in_memory_pushes_as_its_pt_file_would(store, tmp_pa
     assert mem.extra_values()["optim.param_groups"][0]["betas"] == (0.9, 0.999)
     store.pull("mem", str(tmp_path / "back.pt"))
     back = torch.load(tmp_path / "back.pt", weights_only=True)
-    assert back["w"] == [1, 2] and _raw(back["optim.state.0.exp_avg"]) == _raw(opt.state_dict()["state"][0]["exp_avg"])
+    assert_same_tree(sd, back)
     with pytest.raises(InvalidSourceError, match="neither a tensor nor a plain value"):
         store.push({"w": torch.zeros(2), "s": {1, 2}}, "x")
     assert "x" not in store.refs()
@@ -725,11 +726,7 @@ def test_tensors_inside_lists_and_tuples_are_named_by_their_index(tmp_path, stor
     assert sorted(t.name for t in m.tensors) == ["caches.0", "caches.1.k.1", "pair.0", "w"]
     assert m.extra_values() == {"caches.1.k.0": 1, "caches.2": "x", "pair.1": None, "plain": [1, (2, 3)], "empty": []}
     store.pull("l", str(tmp_path / "back.pt"))
-    back = torch.load(tmp_path / "back.pt", weights_only=True)
-    for name, want in {"caches.0": a, "caches.1.k.1": b, "pair.0": c}.items():
-        assert back[name].dtype == want.dtype and back[name].shape == want.shape
-        assert _raw(back[name]) == _raw(want)
-    assert back["plain"] == [1, (2, 3)] and back["caches.2"] == "x"
+    assert_same_tree(sd, torch.load(tmp_path / "back.pt", weights_only=True))
     # A list holding itself beside a tensor is a cycle, refused as a mapping's is.
     loop: list = [torch.zeros(1)]
     loop.append(loop)
@@ -767,13 +764,8 @@ def test_a_lightning_checkpoint_pushes_and_pulls_bit_for_bit(tmp_path, store):
     store.pull("run", str(tmp_path / "back.pt"))
     back = torch.load(tmp_path / "back.pt", weights_only=True)
     want = torch.load(tmp_path / "run.ckpt", weights_only=True)
-    for key, state in want["optimizer_states"][0]["state"].items():
-        for k, t in state.items():
-            got = back[f"optimizer_states.0.state.{key}.{k}"]
-            assert got.dtype == t.dtype and got.shape == t.shape and _raw(got) == _raw(t)
-    w = want["state_dict"]["layer.weight"]
-    assert back["state_dict.layer.weight"].numpy().tobytes() == w.numpy().tobytes()
-    assert back["global_step"] == want["global_step"] == 2
+    assert_same_tree(want, back)
+    assert back["global_step"] == 2
 
 
 def test_hugging_face_cache_snapshot_gets_a_hint(tmp_path, store):
@@ -957,3 +949,38 @@ def test_a_folder_holding_the_store_pushed_to_is_refused(tmp_path):
     _nothing_stored(store)
     store.push(proj / "model.safetensors", "m")  # a file beside the store is fine
     assert store.manifest("m").files[0].path == "model.safetensors"
+
+
+def _doubled(depth: int, leaf: object) -> list:
+    """A list holding the same list twice, ``depth`` times over: a few hundred bytes of pickle (which
+    shares objects) that a walk entering every reference expands to 2**depth leaves."""
+    x: list = [leaf]
+    for _ in range(depth):
+        x = [x, x]
+    return x
+
+
+@pytest.mark.parametrize("value", [_doubled(16, torch.ones(1)), _doubled(20, 1), {f"k{i}": list(range(20_000)) for i in range(64)},
+                                   {f"k{i}": "s" * 100_000 for i in range(64)}],
+                         ids=["shared_lists_of_tensors", "shared_lists_of_values", "a_list_under_many_keys", "a_string_under_many_keys"])
+def test_a_file_whose_shared_objects_expand_without_bound_is_refused(tmp_path, store, value):
+    """Pickle shares objects, and torch.load(weights_only=True) keeps them shared: a .pt of a few
+    hundred bytes can hold a list that holds itself twice, 40 times over. The flattening (and the
+    encoding of values) entered every reference: 2**40 entries, a push that ran for hours and took all
+    memory. A file that expands far past what it holds is refused at once, naming the entry; sharing a
+    few objects (one state dict under two keys) still pushes, and pulls back as it was saved."""
+    if isinstance(value, dict):
+        v = dict(value)
+        value = {k: v["k0"] for k in v}  # each key the same object: what pickle's memo rebuilds
+    torch.save({"w": torch.zeros(2), "v": value}, tmp_path / "bomb.pt")
+    assert os.path.getsize(tmp_path / "bomb.pt") < 3_000_000
+    with pytest.raises(InvalidSourceError, match="shared") as e:
+        store.push(tmp_path / "bomb.pt", "x")
+    assert "['v']" in _one_line(e)
+    _nothing_stored(store)
+    sd = torch.nn.Linear(3, 2).state_dict()
+    shared = {"model": sd, "ema": sd, "order": list(range(1000)), "again": None}
+    shared["again"] = shared["order"]
+    torch.save(shared, tmp_path / "shared.pt")
+    store.push(tmp_path / "shared.pt", "shared")
+    assert_same_tree(shared, torch.load(store.pull("shared", tmp_path / "back.pt"), weights_only=True))

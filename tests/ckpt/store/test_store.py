@@ -326,3 +326,23 @@ def test_a_deleted_entry_stops_numbering_on_every_backend(store_url):
     with pytest.raises(ckpt.CkptError, match="gc deleted nothing: .*0000000002.ref is missing"):
         store.gc(grace_s=0, dry_run=True)
     assert store.refs_db.read_entry("m", 3, is_file=False).target == ids[2]
+
+
+def test_a_manifest_no_reader_accepts_is_never_written(tmp_path, monkeypatch):
+    """A .pt whose non-tensor values made a manifest past MAX_RECORD_BYTES (a sampler's permutation of
+    millions of indexes) pushed "successfully": the ref then named a checkpoint no command could read
+    ("corrupt: ... more than any valid object"). The push is refused before the manifest is written:
+    no ref moves, and the store stays whole. (The limit is lowered here so as to need kilobytes, not
+    hundreds of megabytes.)"""
+    from ckpt.errors import RecordTooLargeError
+    from ckpt_store.storage import objects
+
+    monkeypatch.setattr(objects, "MAX_RECORD_BYTES", 1 << 16)
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    torch.save({"w": torch.ones(2), "order": list(range(20_000))}, tmp_path / "big.pt")
+    with pytest.raises(RecordTooLargeError, match="more than the 65,536"):
+        store.push(str(tmp_path / "big.pt"), "big")
+    assert store.refs() == {} and list(store.objects.list("manifests")) == []
+    torch.save({"w": torch.ones(2), "order": list(range(100))}, tmp_path / "small.pt")
+    store.push(str(tmp_path / "small.pt"), "small")
+    assert store.load("small")["w"].tolist() == [1.0, 1.0] and store.verify().ok
