@@ -79,7 +79,9 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
     # one per length where manifests disagree (all but one are wrong: a pull of theirs would fail)
     users: dict[tuple[str, int], set[str]] = defaultdict(set)
     parsed: dict[str, Manifest] = {}
-    allowed: dict[str, frozenset[str]] = {}  # chunk id -> the chunks every manifest naming it keeps alive
+    # chunk id -> what each manifest naming it keeps alive (those sets themselves, shared: intersecting
+    # them per chunk made a set per shared chunk, quadratic in the size of checkpoints sharing chunks)
+    allowed: dict[str, list[frozenset[str]]] = {}
     def damaged_manifest(target: str, who: list[str], e: CkptError) -> None:
         report.problems.append(str(e))
         for name in who:
@@ -108,7 +110,7 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
             users[claim].update(who)
         kept = frozenset(referenced_chunks(data))  # what gc keeps for it: a chunk's delta bases must be in there
         for cid in kept:
-            allowed[cid] = allowed[cid] & kept if cid in allowed else kept
+            allowed.setdefault(cid, []).append(kept)
 
     # A ref removed and its checkpoint collected (rm, then gc elsewhere) since the refs were read: no damage.
     gone = _freed_meanwhile(store, {t for t, _, _ in vanished}) if vanished else set()
@@ -133,7 +135,7 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
             return str(e), getattr(e, "object_id", cid)
         if cid in heads:
             known[cid] = bytes(data)
-        unnamed = [b for b in chain if b not in allowed[cid]]
+        unnamed = [b for b in chain if any(b not in k for k in allowed[cid])]
         if unnamed:  # readable now; not once a gc, keeping what the manifests name, has deleted that base
             return (f"chunk {cid} is stored as a delta against {unnamed[0][:12]}, which a checkpoint naming it does not "
                     "name: a gc would delete that base (`ckpt verify --repair-from` a store holding the chunk writes "

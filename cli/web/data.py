@@ -25,6 +25,7 @@ from ckpt_store.cli import results
 
 STEP_REF = re.compile(r"^(?P<run>.+)/step-(?P<step>[0-9]+)\Z")
 MAX_PAGE = 1000  # the most rows one request returns, whatever it asks for
+CACHE_TENSORS = 1_000_000  # tensors the view's caches hold (a parsed manifest: ~600 bytes a tensor)
 HISTORY_PAGE = 100  # rows of a history (a ref's log, a run's snapshots) a request returns unless it asks: one manifest read each
 T = TypeVar("T")
 
@@ -70,7 +71,7 @@ class StoreView:
     """Read-only access to one store for the pages and the API, with the caches described above."""
 
     def __init__(self, store: ckpt.Store, local: ckpt.Store | None = None, ttl_s: float = 5.0, cache_manifests: int = 4096,
-                 cache_diffs: int = 16) -> None:
+                 cache_diffs: int = 16, cache_tensors: int = CACHE_TENSORS) -> None:
         self.store = store
         self.local = local  # a training run's local tier, shown on run pages beside this (durable) store
         self.ttl_s = ttl_s
@@ -79,6 +80,12 @@ class StoreView:
         self._max_manifests = cache_manifests
         self._diffs: OrderedDict[tuple[str, str, str, str, bool], Any] = OrderedDict()
         self._max_diffs = cache_diffs
+        # Both caches hold at most ``cache_tensors`` tensors (entries of the manifests, rows of the diffs)
+        # besides the newest item: counted in items alone, 4096 manifests of a mixture-of-experts model
+        # (90,000 tensors, ~50 MB parsed) were hundreds of GB.
+        self._max_tensors = cache_tensors
+        self._manifest_tensors = 0
+        self._diff_tensors = 0
         self._timed: dict[str, tuple[float, Any]] = {}
 
     # -- caches ---------------------------------------------------------------------
@@ -91,9 +98,12 @@ class StoreView:
                 return m
         m = (store or self.store).manifest(mid)
         with self._lock:
-            self._manifests[mid] = m
-            while len(self._manifests) > self._max_manifests:
-                self._manifests.popitem(last=False)
+            if mid not in self._manifests:
+                self._manifests[mid] = m
+                self._manifest_tensors += len(m.tensors)
+            while len(self._manifests) > 1 and (len(self._manifests) > self._max_manifests
+                                                or self._manifest_tensors > self._max_tensors):
+                self._manifest_tensors -= len(self._manifests.popitem(last=False)[1].tensors)
         return m
 
     def fresh(self, key: str, make: Callable[[], T]) -> T:
@@ -202,9 +212,11 @@ class StoreView:
             return hit
         report = ckpt.diff(a, b, store=self.store, estimate_delta=estimate, refs_only=True)
         with self._lock:
-            self._diffs[key] = report
-            while len(self._diffs) > self._max_diffs:
-                self._diffs.popitem(last=False)
+            if key not in self._diffs:
+                self._diffs[key] = report
+                self._diff_tensors += len(report.tensors)
+            while len(self._diffs) > 1 and (len(self._diffs) > self._max_diffs or self._diff_tensors > self._max_tensors):
+                self._diff_tensors -= len(self._diffs.popitem(last=False)[1].tensors)
         return report
 
     def run(self, name: str, offset: int = 0, limit: int = HISTORY_PAGE) -> dict[str, Any]:

@@ -135,6 +135,31 @@ def test_run_with_its_local_tier(web_store, tmp_path):
     assert TestClient(create_app(web_store)).get("/api/run/train/run1").json()["snapshots"][-1]["tier"] == "durable"
 
 
+def test_the_views_caches_hold_a_bounded_number_of_tensors_not_only_of_manifests(tmp_path, monkeypatch):
+    """The view cached 4096 manifests and 16 diffs whatever their size: a parsed manifest of a
+    mixture-of-experts model (90,000 tensors) is ~50 MB, so a server browsing such checkpoints grew
+    toward hundreds of GB. Both caches now also stop at a number of tensors (the newest item stays)."""
+    from ckpt_store.cli.web.data import CACHE_TENSORS, StoreView
+
+    assert CACHE_TENSORS <= 1_000_000
+    store = ckpt.Store.init(tmp_path / "s")
+    g = torch.Generator().manual_seed(1)
+    ids = [store.push({f"experts.{i}.w": torch.randn(4, generator=g) for i in range(600)}, f"m/{k}").id for k in range(4)]
+    reads = []
+    real = store.manifest
+    monkeypatch.setattr(store, "manifest", lambda mid: reads.append(mid) or real(mid))
+    view = StoreView(store, cache_tensors=1500)
+    for mid in ids + ids[-2:]:
+        assert view.manifest(mid).tensors == real(mid).tensors
+    assert reads == ids  # the last two were still cached
+    assert view.manifest(ids[0]) and reads[-1] == ids[0]  # the first was not
+    assert sum(len(m.tensors) for m in view._manifests.values()) <= 1500
+    reports = [view.diff("m/0", f"m/{k}", estimate=False) for k in (1, 2, 3)]
+    assert view.diff("m/0", "m/3", estimate=False) is reports[-1] and view.diff("m/0", "m/1", estimate=False) is not reports[0]
+    big = StoreView(store, cache_tensors=10**9)
+    assert [big.manifest(mid) for mid in ids] and len(big._manifests) == 4  # within the budget, as before
+
+
 def test_a_long_history_is_paged_and_a_page_reads_only_its_own_manifests(tmp_path, monkeypatch):
     """A run's latest after thousands of saves: the checkpoint page and /api/checkpoint listed its whole
     history, reading one manifest per entry (a request each on S3), and the run page read every snapshot's

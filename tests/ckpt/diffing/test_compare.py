@@ -397,6 +397,46 @@ def test_delta_estimate_is_what_a_push_writes(store):
     assert ckpt.diff("x/a", b, store=store, estimate_delta=False).summary.delta_bytes is None
 
 
+def test_thousands_of_small_tensors_are_read_in_batches_with_each_record_exact(tmp_path, monkeypatch):
+    """A mixture-of-experts model has 10^4-10^5 tensors. Each was read on its own, one pass of the
+    read pipeline per side and tensor (20,000 for 10,000 changed tensors; on S3 one request waited
+    for at a time). They are read in batches now; every record is what the tensors give alone, a
+    large tensor among them included, and those the chunk ids decide are still not read."""
+    from ckpt.diffing.compare import delta_bytes
+    from ckpt.transfer import pipeline
+
+    g = torch.Generator().manual_seed(9)
+    a = {f"experts.{i}.w": torch.randn(16, generator=g) for i in range(1000)}
+    a["experts.700.big"] = torch.randn(400_000, generator=g)  # over a batch's bytes: alone
+    a["gone"] = torch.randn(4, generator=g)
+    b = {k: (v + 0.01 if i % 3 == 0 else v) for i, (k, v) in enumerate(a.items()) if k != "gone"}
+    b["experts.5.w"] = torch.randn(4, 4, generator=g)  # reshaped
+    b["new"] = torch.randn(8, generator=g)
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    store.push(a, "a")
+    store.push(b, "b")
+    calls = []
+    real = pipeline.get_chunks
+    monkeypatch.setattr(pipeline, "get_chunks", lambda objects, tasks, *x, **k: (calls.append(len(tasks)), real(objects, tasks, *x, **k))[1])
+    report = ckpt.diff("a", "b", store=store)
+    assert len(calls) <= 12, len(calls)  # was one per side and tensor read: 671
+    rows = {t.name: t for t in report.tensors}
+    assert [t.name for t in report.tensors] == [t.name for t in store.manifest("a").tensors] + ["new"]
+    changed = [k for i, k in enumerate(a) if i % 3 == 0 and k != "experts.5.w"]
+    for k in changed:
+        s = tensor_stats(a[k], b[k])
+        r = rows[k]
+        assert (r.status, r.changed_elements, r.relative_change, r.max_abs_diff, r.cosine, r.read) == (
+            "changed", s.changed_elements, s.relative_change, s.max_abs_diff, s.cosine, True), k
+        assert r.delta_bytes == delta_bytes(a[k].numpy().tobytes(), b[k].numpy().tobytes(), chunk_size=store.settings.chunk_size,
+                                            elem=4, level=store.settings.zstd_level, min_saving=store.settings.min_saving), k
+    assert {k for k, r in rows.items() if r.status == "identical" and not r.read} == {
+        k for i, k in enumerate(a) if i % 3 and k not in ("experts.5.w", "gone")}
+    assert (rows["gone"].status, rows["new"].status, rows["experts.5.w"].status) == ("removed", "added", "shape_changed")
+    assert rows["new"].delta_bytes > 0 and rows["experts.5.w"].delta_bytes > 0
+    assert report.summary.changed == len(changed) and report.summary.delta_bytes == sum(r.delta_bytes for r in report.tensors)
+
+
 def test_two_local_files_need_no_store(tmp_path):
     a, b = two_checkpoints()
     save_file(a, str(tmp_path / "a.safetensors"))

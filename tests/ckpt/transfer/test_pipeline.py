@@ -105,6 +105,28 @@ def test_run_parallel_batches_small_items_and_keeps_order(batch):
         assert len(set(threads.values())) == 1
 
 
+def test_little_work_runs_in_the_calling_thread_not_a_pool_per_call(tmp_path, monkeypatch):
+    """run_parallel started (and joined) a pool thread for every call, however little its work: a
+    diff of 10,000 small tensors calls it three times per tensor (each side's read, the estimate),
+    and those threads were most of its 16 s. The results stay exact."""
+    store = ckpt.Store.init(str(tmp_path / "s"), settings=Settings.from_env(workers=2))
+    g = torch.Generator().manual_seed(5)
+    a = {f"experts.{i}.w": torch.randn(16, generator=g) for i in range(300)}
+    b = {k: v + 0.01 for k, v in a.items()}
+    store.push(a, "a")
+    store.push(b, "b")
+    started = []
+    start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), start(self))[1])
+    report = ckpt.diff("a", "b", store=store)
+    loaded = store.load("b")
+    assert len(started) < 10, started[:5]  # was 3 per tensor
+    assert report.summary.changed == 300 and report.summary.changed_elements == 300 * 16
+    assert all(_bits(loaded[k]) == _bits(v) for k, v in b.items())
+    assert pipeline.run_parallel(lambda i: threading.current_thread(), [1, 2], 2, pipeline.NullProgress(),
+                                 lambda i: 1, batch=2) == [threading.current_thread()] * 2
+
+
 def test_run_parallel_raises_the_first_error():
     from ckpt.progress import NullProgress
 
