@@ -306,6 +306,16 @@ class LocalBackend(Backend):
                 rel = os.path.join(d, s)[cut:]
                 yield rel if os.sep == "/" else rel.replace(os.sep, "/")
 
+    def children(self, prefix: str, after: str = "") -> Iterator[tuple[list[tuple[str, bool]], bool]]:
+        # One directory read, names only: no stat per name (a folder, or a link to one, is a folder, as
+        # folders() lists it; anything else, a link to nothing included, is listed as a file, as by list()).
+        try:
+            with os.scandir(self._p(prefix) if prefix else self.root) as it:
+                found = [(e.name, not e.is_dir()) for e in it if e.name > after]
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        yield sorted(found), False
+
     def delete(self, path: str) -> None:
         final = self._p(path)
         self._check_inside(os.path.dirname(final))

@@ -714,8 +714,8 @@ def test_a_listing_is_checked_like_any_outside_data(s3_main_url, monkeypatch):
     real = backend._list_page
     when = datetime.datetime.now(datetime.timezone.utc)
 
-    def foreign(prefix, token, delimiter):
-        page = real(prefix, token, delimiter)
+    def foreign(prefix, token, delimiter, *rest):
+        page = real(prefix, token, delimiter, *rest)
         other = backend.prefix.replace("store", "other") if backend.prefix else "other"
         page["Contents"] = [*page.get("Contents", []),
                             {"Key": f"{other}/objects/chunks/bb/{'b' * 64}", "Size": 1, "LastModified": when},
@@ -727,7 +727,7 @@ def test_a_listing_is_checked_like_any_outside_data(s3_main_url, monkeypatch):
     assert backend.list_all("objects", 10_000) == {"objects/chunks/aa/" + "a" * 64}
     pages = []
 
-    def endless(prefix, token, delimiter):
+    def endless(prefix, token, delimiter, *rest):
         pages.append(token)
         return {"Contents": [], "IsTruncated": True, "NextContinuationToken": "again"}
 
