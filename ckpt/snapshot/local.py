@@ -26,8 +26,8 @@ from ckpt.format.manifest import TensorEntry
 from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveJob, SaveResult, SnapshotError, SnapshotRun, modified_under_save
 from ckpt.snapshot.state import (
     Stateful,
+    autograd_flag_sets,
     autograd_flags,
-    autograd_flags_valid,
     device_here,
     flatten,
     optimizers_in,
@@ -308,9 +308,9 @@ class LocalSnapshots:
         step = snapshot_step(m)
         if step is None:
             raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's step ({snap.get('step')!r:.40}) is malformed")
-        flags = snap.get("autograd", {})
         entries = {t.name: t for t in m.tensors}
-        if not autograd_flags_valid(flags, {n: to_torch(e.dtype) for n, e in entries.items()}):
+        flags = autograd_flag_sets(snap.get("autograd", {}), {n: to_torch(e.dtype) for n, e in entries.items()})
+        if flags is None:
             raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of autograd flags is malformed")
         devices = recorded_devices(snap.get("devices", {}))
         missing = sorted(set(state) - set(tree))
