@@ -656,8 +656,9 @@ class S3Backend(Backend):
         cut = len(prefix.rstrip("/")) + 1 if prefix else 0
         for page, more in self._pages(key_prefix, "/", key_prefix + after if after else "", prefixes=True):
             names: dict[str, bool] = {}
-            for rel, o in page:
-                names[rel[cut:]] = names.get(rel[cut:], True) and o is not None
+            for rel, o in page:  # (a key below a name, from a server that ignores the delimiter, makes it a folder too)
+                name, _, below = rel[cut:].partition("/")
+                names[name] = names.get(name, True) and o is not None and not below
             yield sorted(names.items()), more
 
     def delete(self, path: str) -> None:
