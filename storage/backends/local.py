@@ -94,7 +94,13 @@ class LocalBackend(Backend):
         d = os.path.dirname(final)
         self._ensure_dir(d)
         tmp = os.path.join(d, f"{TEMPORARY}{uuid.uuid4().hex}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as open() does: the umask decides (a team store: 002)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as open() does: the umask decides (a team store: 002)
+        except FileNotFoundError:  # the folder was removed since this backend made it (a ref's, by another process)
+            with self._lock:
+                self._made_dirs.discard(d)
+            self._ensure_dir(d)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             for part in data if isinstance(data, tuple) else (data,):
                 view = memoryview(part).cast("B")

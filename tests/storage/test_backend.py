@@ -158,6 +158,20 @@ def test_exclusive_create_race_has_one_winner(backend):
         assert backend.read(f"race/{round_}").startswith(f"writer-{wins[0]}-".encode())
 
 
+def test_a_local_folder_removed_after_a_write_is_made_again(tmp_path):
+    """A backend remembers the folders it made: one removed since (a ref's folder, by another process
+    or by hand) made every later write there fail, "No such file or directory", retried in vain."""
+    import shutil
+
+    b = LocalBackend(str(tmp_path), fsync=False)
+    b.write("refs/m/0000000001.ref", b"1")
+    shutil.rmtree(tmp_path / "refs" / "m")
+    assert b.create_exclusive("refs/m/0000000001.ref", b"2") and b.read("refs/m/0000000001.ref") == b"2"
+    shutil.rmtree(tmp_path / "refs")
+    b.write("refs/m/0000000002.ref", b"3")
+    assert b.read("refs/m/0000000002.ref") == b"3" and sorted(os.listdir(tmp_path / "refs" / "m")) == ["0000000002.ref"]
+
+
 def test_local_write_leaves_no_temporaries(tmp_path):
     b = LocalBackend(str(tmp_path))
     b.write("o/x", b"data")
