@@ -320,19 +320,20 @@ class StoreIndex:
             log.warning("%s", e)
             return b""
 
-    def load(self, *, chunks: bool = False, recent: bool = False) -> IndexState | None:
+    def load(self, *, chunks: bool = False, recent: bool = False, logs: bool = True) -> IndexState | None:
         """The index as stored (snapshot + later logs), or None when it has no usable snapshot.
 
         ``recent``: only the refs updated most recently (:data:`RECENT`), for base choice.
+        ``logs``: False for the snapshot alone (what it says is then older still).
         """
         for _ in range(4):
             try:
-                return self._load(chunks, recent and not chunks)
+                return self._load(chunks, recent and not chunks, logs)
             except _Restart:
                 continue
         return None
 
-    def _load(self, chunks: bool, recent: bool) -> IndexState | None:
+    def _load(self, chunks: bool, recent: bool, with_logs: bool = True) -> IndexState | None:
         snaps, logs, top = self._listing()
         self._max_gen = top
         if not snaps:
@@ -377,7 +378,7 @@ class StoreIndex:
             else:
                 self._bad.add(path)
             return None
-        newer = sorted(g for g in logs if g > gen)
+        newer = sorted(g for g in logs if g > gen) if with_logs else []
         for g, data in zip(newer, self._read_logs([logs[g] for g in newer]), strict=True):
             what = f"index log {logs[g]}"
             try:
@@ -389,6 +390,19 @@ class StoreIndex:
             st.gen = g
         st.logs_read = len(newer)
         return st
+
+    def newest_seq(self, name: str) -> int | None:
+        """The newest entry number of ref ``name`` the index's newest snapshot records (a listing of
+        index/ and two reads: its header and recent part, which holds the refs updated most recently),
+        or None: where :class:`Refs` starts listing a long history. A hint only, a few updates old (the
+        logs after the snapshot are not read): what the listing shows from there decides."""
+        try:
+            st = self.load(recent=True, logs=False)
+        except Exception as e:  # noqa: BLE001 - a cache: the ref's history is listed whole instead
+            log.debug("no hint from the metadata index for %s: %s", name, e)
+            return None
+        recs = st.refs.get(name) if st is not None else None
+        return max(recs) if recs else None
 
     def _of_newer_version(self, path: str) -> bool:
         """Whether the snapshot at ``path`` says it is of a newer index version than this ckpt reads."""

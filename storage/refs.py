@@ -106,6 +106,8 @@ class RefJournal(Protocol):
 
     def record(self, entry: RefEntry, size: int) -> None: ...
 
+    def newest_seq(self, name: str) -> int | None: ...
+
 
 class Refs:
     """Read and update refs below ``refs/`` of a store."""
@@ -117,6 +119,8 @@ class Refs:
         # The entry number each ref's next update from here is likely to take (one past the last this
         # object wrote): tried first, so that a long-lived ref (RUN/latest) is not listed whole each update.
         self._next: dict[str, int] = {}
+        # The newest entry number of each ref this object read: where a listing for the newest entry starts.
+        self._seen: dict[str, int] = {}
 
     @staticmethod
     def _entry_path(name: str, seq: int) -> str:
@@ -158,12 +162,7 @@ class Refs:
         by_name: dict[str, dict[int, Entry | None]] = defaultdict(dict)
         if folder != "refs" and self._link_above(folder) is not None:
             return {folder[len("refs/"):]: {0: None}}
-        local = self.backend.local_path("refs")
-        if local is not None and os.path.lexists(local) and not os.path.isdir(local):
-            # A file, a FIFO or a link to nothing (an unmounted disk) lists as no ref at all: every
-            # checkpoint would look unreferenced, and a gc would delete them all.
-            raise StoreFormatError(f"{local}, the store's refs folder, is not a folder: its refs cannot be listed",
-                                   hint="put the refs folder back from a backup of the store, or mount the disk the link leads to")
+        self._check_refs_folder()
 
         def add(path: str, entry: Entry | None) -> None:
             parts = path.split("/")
@@ -192,6 +191,66 @@ class Refs:
             if gap > min(seqs):
                 seqs[gap] = None
         return dict(by_name)
+
+    def _check_refs_folder(self) -> None:
+        local = self.backend.local_path("refs")
+        if local is not None and os.path.lexists(local) and not os.path.isdir(local):
+            # A file, a FIFO or a link to nothing (an unmounted disk) lists as no ref at all: every
+            # checkpoint would look unreferenced, and a gc would delete them all.
+            raise StoreFormatError(f"{local}, the store's refs folder, is not a folder: its refs cannot be listed",
+                                   hint="put the refs folder back from a backup of the store, or mount the disk the link leads to")
+
+    def _newest(self, name: str) -> tuple[int, bool] | None:
+        """The newest entry of ``name`` as :meth:`_listed` lists it: (its seq, whether a file is there),
+        or None when it has none. Read in time that does not grow with the ref's history (a run's
+        RUN/latest gains an entry per save): the listing starts at a hint (the newest entry this object
+        wrote or read, else, past the first page, the metadata index's), and the whole history is
+        listed only where nothing is found from there (the ref was removed from the folder and begun
+        again, say). Nothing below a listed entry can be newer, so the answer is the full listing's."""
+        folder = f"refs/{name}"
+        if self._link_above(folder) is not None:
+            return 0, False  # damage to the ref, which _read raises
+        self._check_refs_folder()
+        hint = max(self._next.get(name, 1) - 1, self._seen.get(name, 0))
+        found = self._entries_from(name, hint) if hint > 0 else {}
+        if not found:
+            hinted = False
+            for page, more in self.backend.children(folder):
+                self._add_entries(found, page)
+                if more and not hinted and self.index is not None:  # a long history: start from the index's word
+                    hinted = True
+                    if (at := self.index.newest_seq(name)) and (past := self._entries_from(name, at)):
+                        found = past
+                        break
+            self._drop_empty(name, found)
+        if not found:
+            return None
+        newest = max(found)
+        if len(self._seen) >= 1024:
+            self._seen.clear()
+        self._seen[name] = newest
+        return newest, found[newest]
+
+    def _entries_from(self, name: str, seq: int) -> dict[int, bool]:
+        """The entries of ``name`` numbered ``seq`` or more, as listed (seq: whether a file is there)."""
+        found: dict[int, bool] = {}
+        for page, _ in self.backend.children(f"refs/{name}", f"{seq:010d}"):
+            self._add_entries(found, page)
+        return self._drop_empty(name, found)
+
+    def _drop_empty(self, name: str, found: dict[int, bool]) -> dict[int, bool]:
+        """``found`` less its newest names that hold nothing: an object store may list an empty folder
+        (SeaweedFS keeps one where objects below a name were deleted) that its listing of objects,
+        as :meth:`_listed` reads it, does not show."""
+        while found and not found[newest := max(found)] and self._missing(self._entry_path(name, newest)):
+            del found[newest]
+        return found
+
+    @staticmethod
+    def _add_entries(found: dict[int, bool], page: list[tuple[str, bool]]) -> None:
+        for child, is_file in page:
+            if m := _ENTRY.match(child):
+                found[int(m.group(1))] = found.get(int(m.group(1)), True) and is_file
 
     def _missing(self, path: str) -> bool:
         """Whether nothing at all is at ``path`` (not even a folder: an object store's prefix holding objects)."""
@@ -259,11 +318,10 @@ class Refs:
     def current(self, name: str) -> RefEntry | None:
         """The newest entry of ``name``, or None when it never existed or was removed."""
         validate_ref_name(name)
-        seqs = self._entry_seqs(name)
-        if not seqs:
+        newest = self._newest(name)
+        if newest is None:
             return None
-        newest = max(seqs)
-        entry = self._read(name, newest, seqs[newest] is not None)
+        entry = self._read(name, *newest)
         return entry if entry.target is not None else None
 
     def _append(self, name: str, target: str | None, alias: bool = False, attempts: int = 50) -> RefEntry:
@@ -275,7 +333,7 @@ class Refs:
             # exists. Checked, because the ref may have been removed from the folder and begun again since.
             guess = self._next.pop(name, None) if attempt == 0 else None
             seq = guess if guess is not None and self.backend.exists(self._entry_path(name, guess - 1)) else \
-                max(self._entry_seqs(name), default=0) + 1
+                (self._newest(name) or (0, True))[0] + 1
             if seq > MAX_SEQ:  # an 11-digit entry name would be written, and never read: the update lost
                 raise StoreFormatError(f"ref {name} has an entry numbered {seq - 1}, the last there can be: it cannot be "
                                        "updated", hint="a damaged or crafted entry? `ckpt log` shows it; use another name")

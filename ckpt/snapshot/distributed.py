@@ -51,8 +51,8 @@ from ckpt.snapshot.group import CheckpointGroup
 from ckpt.snapshot.run import SaveResult, SnapshotRun
 from ckpt.snapshot.state import (
     Stateful,
+    autograd_flag_sets,
     autograd_flags,
-    autograd_flags_valid,
     is_per_rank,
     recorded_devices,
     tensor_devices,
@@ -482,8 +482,8 @@ class DistributedSnapshots:
                 raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of its {field} is malformed")
         layout = decode_layout(m.extra, f"manifest {mid}")
         check_entries(m, layout.tensors.values())  # before a target is allocated from the layout's sizes
-        flags = snap.get("autograd", {})
-        if not autograd_flags_valid(flags, {n: to_torch(item.dtype) for n, item in layout.tensors.items()}):
+        flags = autograd_flag_sets(snap.get("autograd", {}), {n: to_torch(item.dtype) for n, item in layout.tensors.items()})
+        if flags is None:
             raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of autograd flags is malformed")
         devices = recorded_devices(snap.get("devices", {}))
         saved = saved_paths(layout, mid)

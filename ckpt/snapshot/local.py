@@ -26,14 +26,13 @@ from ckpt.format.manifest import TensorEntry
 from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveJob, SaveResult, SnapshotError, SnapshotRun, modified_under_save
 from ckpt.snapshot.state import (
     Stateful,
+    autograd_flag_sets,
     autograd_flags,
-    autograd_flags_valid,
     device_here,
     flatten,
     optimizers_in,
     recorded_devices,
     tensor_devices,
-    tensor_refs,
     unflatten,
     with_autograd_flags,
 )
@@ -308,14 +307,15 @@ class LocalSnapshots:
         step = snapshot_step(m)
         if step is None:
             raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's step ({snap.get('step')!r:.40}) is malformed")
-        flags = snap.get("autograd", {})
         entries = {t.name: t for t in m.tensors}
-        if not autograd_flags_valid(flags, {n: to_torch(e.dtype) for n, e in entries.items()}):
+        flags = autograd_flag_sets(snap.get("autograd", {}), {n: to_torch(e.dtype) for n, e in entries.items()})
+        if flags is None:
             raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of autograd flags is malformed")
         devices = recorded_devices(snap.get("devices", {}))
         missing = sorted(set(state) - set(tree))
         if missing:
             raise TensorMismatchError(f"snapshot of step {step} has no {missing}", hint="restore a subset of keys")
+        records: dict[str, tuple[list[str], Any]] = {}  # each key's tensor names and structure, read once
         for key in state:  # a damaged (or foreign) record fails here, before anything is written
             node = tree[key]
             if not isinstance(node, dict) or node.get("kind") not in ("stateful", "value") or "value" not in node:
@@ -327,14 +327,16 @@ class LocalSnapshots:
                                           f"object with state_dict()/load_state_dict(): this {type(obj).__name__} would "
                                           "not be restored", hint=f"pass {key!r}: None to get the value back, and load it "
                                                                   "into the object yourself; or save the object itself")
-            unknown = [n for n in tensor_refs(node["value"]) if not isinstance(n, str) or n not in entries]
+            found = _Nothing()
+            try:  # its structure and the tensors it names, in one pass (decoded again, with the tensors, once written)
+                structure = unflatten(node["value"], found)
+            except CkptError as e:
+                raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} is malformed ({e})") from None
+            unknown = [n for n in found.names if n not in entries]
             if unknown:
                 raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} names tensors it does not "
                                     f"hold ({', '.join(repr(n)[:80] for n in unknown[:3])})")
-            try:  # its structure (decoded again, with the tensors, once they are written)
-                unflatten(node["value"], _Nothing())
-            except CkptError as e:
-                raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} is malformed ({e})") from None
+            records[key] = found.names, structure
         pairs: list[tuple[TensorEntry, torch.Tensor]] = []
         decoded: dict[str, torch.Tensor] = {}
         fresh: list[str] = []  # tensors made for the restore: they get the saved autograd flags
@@ -342,7 +344,7 @@ class LocalSnapshots:
         used: set[int] = set()  # storages already written by this restore: never two writers
         for key, obj in state.items():
             kind, value = tree[key]["kind"], tree[key]["value"]
-            names = tensor_refs(value)
+            names, structure = records[key]
             if isinstance(obj, torch.nn.Module):
                 live = {f"{key}/{k}": v for k, v in obj.state_dict().items()}
                 extra, absent = sorted(set(names) - set(live)), sorted(set(live) - set(names))
@@ -360,7 +362,7 @@ class LocalSnapshots:
                 used.update(t.untyped_storage().data_ptr() for t in live.values() if t.numel())
                 continue
             if kind == "stateful":
-                _check_param_groups(key, obj, value)  # before anything is written
+                _check_param_groups(key, obj, structure)  # before anything is written
             # An optimizer's (or any Stateful's) own tensors of the right shape and dtype are
             # written in place, and load_state_dict() then adopts them without a copy: no
             # fresh allocation (page faults) for the largest part of a training state.
@@ -409,17 +411,12 @@ class LocalSnapshots:
 def _check_param_groups(key: str, obj: Any, saved: Any) -> None:
     """An optimizer restored needs the snapshot's parameter groups (as many, as large): torch's
     ``load_state_dict`` refuses others, and it runs last, after the rest of the state is written.
-    Checked first, so that a mismatch leaves everything as it was."""
+    Checked first, so that a mismatch leaves everything as it was. ``saved``: the saved state dict's
+    structure (None for each tensor)."""
     import torch
-
-    from ckpt.errors import CkptError
 
     if not isinstance(obj, torch.optim.Optimizer):
         return
-    try:  # the saved state dict's structure (its tensors are not read here)
-        saved = unflatten(saved, _Nothing())
-    except CkptError:
-        return  # a malformed record: the restore refuses it when it decodes it
     if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
         return
     want = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else None
@@ -431,9 +428,15 @@ def _check_param_groups(key: str, obj: Any, saved: Any) -> None:
 
 
 class _Nothing(dict):
-    """Tensors for :func:`unflatten` when only a record's structure is wanted: None for each."""
+    """Tensors for :func:`unflatten` when only a record's structure is wanted: None for each, its name
+    noted in ``names`` (in the order the record names them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
 
     def __missing__(self, name: str) -> None:
+        self.names.append(name)
         return None
 
 

@@ -184,6 +184,15 @@ def autograd_flags_valid(flags: Any, dtypes: dict[str, Any]) -> bool:
     return all(n not in dtypes or dtypes[n].is_floating_point or dtypes[n].is_complex for n in flags.get("requires_grad", ()))
 
 
+def autograd_flag_sets(flags: Any, dtypes: dict[str, Any]) -> dict[str, frozenset[str]] | None:
+    """The flags :func:`autograd_flags` recorded, read from a snapshot's record, as a set of names per
+    flag (a restore looks up each tensor's: in the lists, that grew as tensors times parameters), or
+    None where they are not what it writes (:func:`autograd_flags_valid`)."""
+    if not autograd_flags_valid(flags, dtypes):
+        return None
+    return {k: frozenset(v) for k, v in flags.items()}
+
+
 def tensor_devices(tensors: dict[str, Any]) -> dict[str, list[str]]:
     """The devices of :func:`flatten`'s tensors that are not on the CPU: names by device (``"cuda:0"``),
     which a restore gives back to the tensors it makes (a plain value that lived on a GPU goes back there)."""

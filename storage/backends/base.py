@@ -175,6 +175,22 @@ class Backend(ABC):
         prefix holding objects shows in :meth:`list`)."""
         return iter(())
 
+    def children(self, prefix: str, after: str = "") -> Iterator[tuple[list[tuple[str, bool]], bool]]:
+        """The names directly below directory ``prefix`` that sort after ``after``, in order, page by
+        page: each page's (name, whether a file is there: False for a folder, or an object store's
+        prefix holding objects) pairs, and whether more pages follow (the next is asked for only when
+        the caller goes on). A ref's newest entry is found from the pages at and past a hint, not from
+        a listing of its whole history (storage/refs.py). This default derives them from :meth:`list`
+        and :meth:`folders`, in one page."""
+        cut = len(prefix.rstrip("/")) + 1
+        found: dict[str, bool] = {}
+        for e in self.list(prefix):
+            name, _, below = e.path[cut:].partition("/")
+            found[name] = found.get(name, True) and not below  # (an object store's key and prefix alike: a prefix)
+        for path in self.folders(prefix):
+            found[path[cut:].partition("/")[0]] = False
+        yield sorted((n, f) for n, f in found.items() if n > after), False
+
     @abstractmethod
     def delete(self, path: str) -> None:
         """Remove ``path``; absent is not an error."""

@@ -94,7 +94,13 @@ class LocalBackend(Backend):
         d = os.path.dirname(final)
         self._ensure_dir(d)
         tmp = os.path.join(d, f"{TEMPORARY}{uuid.uuid4().hex}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as open() does: the umask decides (a team store: 002)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # as open() does: the umask decides (a team store: 002)
+        except FileNotFoundError:  # the folder was removed since this backend made it (a ref's, by another process)
+            with self._lock:
+                self._made_dirs.discard(d)
+            self._ensure_dir(d)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             for part in data if isinstance(data, tuple) else (data,):
                 view = memoryview(part).cast("B")
@@ -305,6 +311,16 @@ class LocalBackend(Backend):
             for s in subdirs:  # a symbolic link to a folder among them (os.walk does not enter it)
                 rel = os.path.join(d, s)[cut:]
                 yield rel if os.sep == "/" else rel.replace(os.sep, "/")
+
+    def children(self, prefix: str, after: str = "") -> Iterator[tuple[list[tuple[str, bool]], bool]]:
+        # One directory read, names only: no stat per name (a folder, or a link to one, is a folder, as
+        # folders() lists it; anything else, a link to nothing included, is listed as a file, as by list()).
+        try:
+            with os.scandir(self._p(prefix) if prefix else self.root) as it:
+                found = [(e.name, not e.is_dir()) for e in it if e.name > after]
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        yield sorted(found), False
 
     def delete(self, path: str) -> None:
         final = self._p(path)

@@ -577,8 +577,10 @@ class S3Backend(Backend):
             raise FileNotFoundError(errno.ENOENT, "no such object", path)
         return float(h["LastModified"].timestamp())
 
-    def _list_page(self, prefix: str, token: str | None, delimiter: str) -> dict[str, Any]:
+    def _list_page(self, prefix: str, token: str | None, delimiter: str, start_after: str = "") -> dict[str, Any]:
         kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        if start_after:
+            kw["StartAfter"] = start_after
         if self.page_keys:
             kw["MaxKeys"] = self.page_keys
         if token:
@@ -588,16 +590,19 @@ class S3Backend(Backend):
 
         def page() -> dict[str, Any]:
             direct = self._direct
-            r, answer = direct.call(LIST, "", lambda: direct.list(prefix, token, delimiter, self.page_keys), (200,),
+            r, answer = direct.call(LIST, "", lambda: direct.list(prefix, token, delimiter, self.page_keys, start_after), (200,),
                                     lambda: self.client.list_objects_v2(**kw))
             return direct.page(r) if r is not None else answer  # type: ignore[no-any-return]
 
         where = prefix[len(self.prefix):] if self.prefix else prefix  # (errors name the store's URL and this below it)
         return self._call("list", where.strip("/"), page)
 
-    def _pages(self, key_prefix: str, delimiter: str = "") -> Iterator[tuple[list[tuple[str, dict[str, Any]]], bool]]:
+    def _pages(self, key_prefix: str, delimiter: str = "", start_after: str = "",
+               prefixes: bool = False) -> Iterator[tuple[list[tuple[str, dict[str, Any] | None]], bool]]:
         """The listing of ``key_prefix`` page by page: each page's (path in the store, object) pairs,
-        and whether more pages follow (the next is asked for only when the caller goes on).
+        and whether more pages follow (the next is asked for only when the caller goes on). Keys from
+        after ``start_after`` only, where given; ``prefixes``: each common prefix too (the path
+        without its trailing delimiter), with None for its object.
 
         A listing is the server's word, checked like any outside data: a key that is not below
         ``key_prefix``, or whose path has an empty, ``.`` or ``..`` segment, is left out (a
@@ -606,13 +611,17 @@ class S3Backend(Backend):
         token: str | None = None
         seen: set[str] = set()
         while True:
-            page = self._list_page(key_prefix, token, delimiter)
-            found = []
-            for o in page.get("Contents", []):
-                key = o.get("Key")
+            page = self._list_page(key_prefix, token, delimiter, "" if token else start_after)
+            found: list[tuple[str, dict[str, Any] | None]] = []
+            listed = [(o.get("Key"), o) for o in page.get("Contents", [])]
+            if prefixes:
+                listed += [(p.get("Prefix"), None) for p in page.get("CommonPrefixes", []) if isinstance(p, dict)]
+            for key, o in listed:
                 if not isinstance(key, str) or not key.startswith(key_prefix):
                     continue
                 rel = key[len(self.prefix) + 1 :] if self.prefix else key
+                if o is None and rel.endswith(delimiter):
+                    rel = rel[: -len(delimiter)]
                 if rel and not rel.endswith("/") and not any(p in ("", ".", "..") for p in rel.split("/")):
                     found.append((rel, o))
             token = page.get("NextContinuationToken")
@@ -639,6 +648,18 @@ class S3Backend(Backend):
 
     def list(self, prefix: str) -> Iterator[Entry]:
         yield from self._list_keys(prefix)
+
+    def children(self, prefix: str, after: str = "") -> Iterator[tuple[list[tuple[str, bool]], bool]]:
+        # One LIST page per 1000 names, from the first after ``after`` (StartAfter): a key below a name
+        # rolls up into that name's common prefix (a "folder").
+        key_prefix = self._key(prefix).rstrip("/") + "/" if (prefix or self.prefix) else ""
+        cut = len(prefix.rstrip("/")) + 1 if prefix else 0
+        for page, more in self._pages(key_prefix, "/", key_prefix + after if after else "", prefixes=True):
+            names: dict[str, bool] = {}
+            for rel, o in page:  # (a key below a name, from a server that ignores the delimiter, makes it a folder too)
+                name, _, below = rel[cut:].partition("/")
+                names[name] = names.get(name, True) and o is not None and not below
+            yield sorted(names.items()), more
 
     def delete(self, path: str) -> None:
         self._call("delete", path, lambda: self.client.delete_object(Bucket=self.bucket, Key=self._key(path)))

@@ -181,12 +181,15 @@ class DirectRequests:
             headers["Range"] = range_header
         return self._send(GET, how, self._url(how, key), headers)
 
-    def list(self, prefix: str, token: str | None, delimiter: str, max_keys: int = 0) -> Any:
-        """Send a LIST (ListObjectsV2) of keys under ``prefix``; the answer is read by :meth:`page`."""
+    def list(self, prefix: str, token: str | None, delimiter: str, max_keys: int = 0, start_after: str = "") -> Any:
+        """Send a LIST (ListObjectsV2) of keys under ``prefix`` (after ``start_after``, where given); the
+        answer is read by :meth:`page`."""
         how = self._learned[LIST]
         params = {"list-type": "2", "prefix": prefix, "encoding-type": "url"}
         if token:
             params["continuation-token"] = token
+        if start_after:
+            params["start-after"] = start_after
         if delimiter:
             params["delimiter"] = delimiter
         if max_keys:

@@ -67,6 +67,24 @@ def test_list_is_recursive_and_relative(backend):
     assert sizes["d/e/2"] == 5
 
 
+def test_children_are_the_names_directly_below_from_a_name_on(backend):
+    """``children``: what refs read to find a ref's newest entry without listing its whole history
+    (storage/refs.py): names directly below, in order, a folder (an object store's prefix holding
+    objects) as not a file, from after a given name, page by page on S3."""
+    for p in ("d/01", "d/02", "d/03/x", "d/04", "d/05/y/z", "d/06", "dd/07", "d/08"):
+        backend.write(p, b"x")
+    if hasattr(backend, "page_keys"):
+        backend.page_keys = 2
+    pages = list(backend.children("d"))
+    assert [n for page, _ in pages for n in page] == [("01", True), ("02", True), ("03", False), ("04", True),
+                                                       ("05", False), ("06", True), ("08", True)]
+    assert [more for _, more in pages] == [True] * (len(pages) - 1) + [False]
+    assert [n for page, _ in backend.children("d", "04") for n, _ in page] == ["05", "06", "08"]
+    assert [n for page, _ in backend.children("d", "041") for n, _ in page] == ["05", "06", "08"]
+    assert [n for page, _ in backend.children("d", "08") for n in page] == []
+    assert list(backend.children("absent")) in ([], [([], False)])
+
+
 def test_delete_is_idempotent(backend):
     backend.write("z", b"1")
     backend.delete("z")
@@ -138,6 +156,20 @@ def test_exclusive_create_race_has_one_winner(backend):
             t.join()
         assert len(wins) == 1
         assert backend.read(f"race/{round_}").startswith(f"writer-{wins[0]}-".encode())
+
+
+def test_a_local_folder_removed_after_a_write_is_made_again(tmp_path):
+    """A backend remembers the folders it made: one removed since (a ref's folder, by another process
+    or by hand) made every later write there fail, "No such file or directory", retried in vain."""
+    import shutil
+
+    b = LocalBackend(str(tmp_path), fsync=False)
+    b.write("refs/m/0000000001.ref", b"1")
+    shutil.rmtree(tmp_path / "refs" / "m")
+    assert b.create_exclusive("refs/m/0000000001.ref", b"2") and b.read("refs/m/0000000001.ref") == b"2"
+    shutil.rmtree(tmp_path / "refs")
+    b.write("refs/m/0000000002.ref", b"3")
+    assert b.read("refs/m/0000000002.ref") == b"3" and sorted(os.listdir(tmp_path / "refs" / "m")) == ["0000000002.ref"]
 
 
 def test_local_write_leaves_no_temporaries(tmp_path):

@@ -320,3 +320,128 @@ def test_an_entry_a_listing_missed_is_read_not_called_damage(tmp_path):
     path.mkdir()
     with pytest.raises(StoreFormatError, match="0000000002.ref is not a file"):
         r.read_entry("m", 2, is_file=False)
+
+
+def _as_listed(r: Refs, name: str) -> object:
+    """What the current entry of ``name`` is by a listing of its whole history: the entry, None, or the error."""
+    seqs = r._entry_seqs(name)
+    if not seqs:
+        return None
+    try:
+        entry = r.read_entry(name, max(seqs), seqs[max(seqs)] is not None)
+    except StoreFormatError as e:
+        return str(e)
+    return entry if entry.target is not None else None
+
+
+def _current(r: Refs, name: str) -> object:
+    try:
+        return r.current(name)
+    except StoreFormatError as e:
+        return str(e)
+
+
+def test_the_current_entry_of_a_long_history_is_found_without_listing_it_locally(tmp_path):
+    """A run's RUN/latest gains an entry per save, and a restart resolves it: current() listed the
+    ref's whole history (a stat per entry, and a walk of its folder) to read the newest. It now reads
+    the folder's names once (no stat each) and the newest entry: the same answer."""
+    w = Refs(LocalBackend(str(tmp_path), fsync=False))
+    for i in range(3000):
+        w.set("run/latest", A if i % 2 else B, alias=True)
+    r = Refs(LocalBackend(str(tmp_path), fsync=False))  # a restarted process: no hint
+    calls: list[tuple[str, str]] = []
+    for op in ("list", "folders", "children", "read", "exists"):
+        real = getattr(r.backend, op)
+        setattr(r.backend, op, lambda path, *a, real=real, op=op: calls.append((op, path)) or real(path, *a))
+    assert r.current("run/latest").seq == 3000 and r.current("run/latest").target == A
+    assert calls == [("children", "refs/run/latest"), ("read", "refs/run/latest/0000003000.ref")] * 2
+    assert _as_listed(r, "run/latest") == r.current("run/latest")
+
+
+def test_the_current_entry_of_a_long_history_is_found_in_a_few_requests_on_s3(s3_url):
+    """On S3 current() listed the ref's whole history, one LIST page per 1,000 entries, before reading
+    the newest (here pages of 5 stand for them). Now a history longer than a page is listed from the
+    newest entry the metadata index's snapshot records (two small reads of index/), and a reader that
+    has read the ref lists from the entry it read: a fixed number of requests however long the history."""
+    import ckpt
+
+    store = ckpt.Store.init(s3_url)
+    for i in range(60):
+        store.refs_db.set("run/latest", A if i % 2 else B, alias=True)
+    fresh = ckpt.Store.open(s3_url)  # a restarted process
+    b = fresh.backend
+    b.page_keys = 5
+    pages, gets = [], []
+    real_page, real_get = b._list_page, b._get
+    b._list_page = lambda prefix, *a: pages.append(prefix[len(b.prefix) + 1:]) or real_page(prefix, *a)
+    b._get = lambda path, *a, **k: gets.append(path) or real_get(path, *a, **k)
+    assert fresh.refs_db.current("run/latest").seq == 60
+    assert pages.count("refs/run/latest/") == 2  # the first page (more follow), then the page from the hint on
+    assert gets[-1] == "refs/run/latest/0000000060.ref" and len([g for g in gets if g.startswith("index/")]) == 2
+    pages.clear(), gets.clear()
+    fresh.refs_db.set("run/latest", A, alias=True)  # another update, from elsewhere
+    store.refs_db.set("run/latest", B, alias=True)
+    assert fresh.refs_db.current("run/latest").seq == 62
+    assert [p for p in pages if p.startswith("refs/")] == ["refs/run/latest/"] * 2  # the update's, and this
+    assert _as_listed(fresh.refs_db, "run/latest") == fresh.refs_db.current("run/latest")
+
+
+def test_the_current_entry_found_from_a_hint_is_the_one_a_full_listing_gives(store_url):
+    """current() starts listing at a hint (the entry its Refs last wrote or read, or the index's):
+    whatever happened to the ref since, its answer is the full listing's, or the same error. Three
+    readers: the writer, one that read the ref before, and a restarted one (on S3 with pages of 4, so
+    that the index's hint is taken)."""
+    import ckpt
+
+    store = ckpt.Store.init(store_url)
+    w = store.refs_db
+    for i in range(24):
+        w.set("m", A if i % 2 else B)
+    reader = ckpt.Store.open(store_url).refs_db
+    assert reader.current("m").seq == 24
+    b = store.backend
+    path = w.entry_path
+
+    def check(expected: object) -> None:
+        readers = [w, reader, ckpt.Store.open(store_url).refs_db]
+        for r in readers:
+            if hasattr(r.backend, "page_keys"):
+                r.backend.page_keys = 4
+        for r in readers:
+            got = _current(r, "m")
+            assert got == _as_listed(readers[2], "m")
+            if isinstance(expected, str):
+                assert isinstance(got, str) and got.startswith(expected)
+            else:
+                assert getattr(got, "seq", got) == expected
+
+    other = ckpt.Store.open(store_url).refs_db
+    for _ in range(5):
+        other.set("m", A)  # a concurrent updater
+    check(29)
+    b.delete(path("m", 27))  # a gap above where the readers start
+    check(29)
+    for s in range(1, 11):  # a history cut short
+        b.delete(path("m", s))
+    check(29)
+    b.write(path("m", 30), b'{"format": "ckpt-ref", "na')  # half written
+    check(f"ref entry {path('m', 30)} is not valid JSON")
+    b.delete(path("m", 30))
+    b.write(path("m", 9999999999), b.read(path("m", 29)))  # a forged entry far past the others
+    check(f"ref entry {path('m', 9999999999)} names m#29")
+    b.delete(path("m", 9999999999))
+    other.remove("m")
+    check(None)
+    b.write(path("m", 31) + "/x", b"")  # a folder (an object store's prefix) in the entry's place
+    check(f"ref entry {path('m', 31)} is not a file (a folder is there): what m named then is unknown")
+    if b.local_path("refs") is not None:  # the ref removed from the store, then begun again
+        shutil.rmtree(b.local_path("refs/m"))
+    elif hasattr(b, "fs"):
+        b.fs.rm(b._p("refs/m"), recursive=True)
+    else:
+        for e in list(b.list("refs/m")):
+            b.delete(e.path)
+    check(None)
+    for _ in range(3):  # by the writer that wrote there before (locally: it had made the folder)
+        other.set("m", B)
+    check(3)

@@ -565,6 +565,59 @@ def test_a_module_with_a_broadcast_buffer_is_refused_before_anything_is_written(
     assert not model[0].weight.any()
 
 
+def test_the_autograd_flags_of_many_tensors_are_looked_up_in_sets(tmp_path, monkeypatch):
+    """A plain value holding many parameters (an EMA copy, say) is recorded with the names that
+    require grad and are parameters, which a restore looks up for each tensor: in the record's
+    lists, a restore grew as tensors times parameters (20,000 parameters: 6.8 s against 2.1 s).
+    They are sets once read; what comes back is as saved, flags and class included."""
+    import ckpt.snapshot.local as local_path
+
+    saved = [torch.nn.Parameter(torch.randn(3)) for _ in range(2000)] + [torch.randn(2, requires_grad=True)]
+    saved[7].requires_grad_(False)
+    looked_up = []
+    real = local_path.with_autograd_flags
+
+    def recording(name, t, flags):
+        looked_up.append({type(v) for v in flags.values()})
+        return real(name, t, flags)
+
+    monkeypatch.setattr(local_path, "with_autograd_flags", recording)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", save_mode="sync") as mgr:
+        mgr.save(1, {"ema": saved})
+        state = {"ema": None}
+        assert mgr.restore_latest(state) == 1
+    got = state["ema"]
+    assert len(looked_up) == len(saved) and all(kinds == {frozenset} for kinds in looked_up)
+    assert [(type(t), t.requires_grad, _bits(t)) for t in got] == [(type(t), t.requires_grad, _bits(t)) for t in saved]
+
+
+def test_a_restore_walks_each_record_once_before_writing_and_once_with_the_tensors(tmp_path, monkeypatch):
+    """A restore read each key's record four or five times: the tensor names, the structure (to refuse
+    a malformed record before anything is written), the names again, an optimizer's structure again
+    for its parameter groups, then the value with its tensors. The names are noted while the structure
+    is decoded, and the structure serves the parameter groups' check: two walks, the checks as they were."""
+    import ckpt.snapshot.local as local_path
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    _train(model, opt)
+    walks: list[int] = []
+    real = local_path.unflatten
+    monkeypatch.setattr(local_path, "unflatten", lambda value, tensors: walks.append(1) or real(value, tensors))
+    if hasattr(local_path, "tensor_refs"):
+        real_refs = local_path.tensor_refs
+        monkeypatch.setattr(local_path, "tensor_refs", lambda tree: walks.append(1) or real_refs(tree))
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", save_mode="sync") as mgr:
+        mgr.save(1, {"model": model, "optim": opt, "extra": {"lr": 0.5, "ema": [torch.ones(2)]}})
+        model2 = _model()
+        opt2 = torch.optim.AdamW(model2.parameters())
+        walks.clear()
+        state = {"model": model2, "optim": opt2, "extra": None}
+        assert mgr.restore_latest(state) == 1
+    assert len(walks) == 1 + 2 + 2  # the module's record once (its tensors go straight in), the others twice
+    assert _state_bits(model2, opt2) == _state_bits(model, opt) and state["extra"]["lr"] == 0.5
+
+
 @pytest.mark.parametrize("flags", [{"requires_grad": ["extra/steps"]}, {"requires_grad": "extra/temp"},
                                    {"parameters": [["extra/temp"]]}], ids=["int-tensor", "not-a-list", "not-a-name"])
 def test_a_malformed_record_of_autograd_flags_is_refused_before_anything_is_written(tmp_path, flags):
