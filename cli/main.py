@@ -276,6 +276,11 @@ def pull(
       ckpt pull m/ft-legal ./ft-legal --force           # replace its files there, nothing else
       ckpt pull m/ft-legal layer0.safetensors --from s3://team/store -i 'layers.0.*'
     """
+    if dest == "-":  # the usual word for standard output: it would be a file named "-" in the current folder
+        from ckpt.errors import DestinationError
+
+        raise DestinationError("DEST - would be a file named '-': a pull writes files, never to standard output",
+                               hint="give a file or folder; ./- for a file of that name")
     copied = None
     if from_ is not None:
         copied = _copy([ref], from_, None)

@@ -87,6 +87,24 @@ def test_pull_dot_force(sandbox, capsys, tmp_path, monkeypatch):
     assert sorted(os.listdir(work)) == ["config.json", "model.safetensors", "notes.txt"]
 
 
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_pull_to_dash_is_refused_not_written_as_a_file_named_dash(sandbox, capsys, tmp_path, monkeypatch, force):
+    """`ckpt pull REF - | consumer` (the usual word for standard output) wrote the checkpoint to a
+    file named "-" in the current folder, reported it as written ("path": "-") and sent the
+    consumer nothing: "-" is refused, naming the way to write a file of that name."""
+    _, store = sandbox
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for args in (["pull", "two", "-", "--include", "*", *force], ["pull", "two", "-", *force], ["pull", "two", "-", "--json", *force]):
+        code, out, err = run(capsys, "--store", store, *args)
+        one_line_error(code, err, "standard output", "./-")
+        assert os.listdir(work) == []
+    assert out.startswith("{") and "standard output" in __import__("json").loads(out)["error"]
+    assert run(capsys, "--store", store, "pull", "two", "./-", "--include", "*")[0] == 0  # a file named "-", asked for so
+    assert os.listdir(work) == ["-"]
+
+
 @pytest.mark.parametrize("args", [["one", "store"], ["one", "store/ckpt-store.json"], ["one", "store/refs", "-i", "w"]])
 def test_file_pull_into_the_store_is_refused(tmp_path, capsys, args):
     save_file({"w": torch.randn(3)}, tmp_path / "one.safetensors")
