@@ -518,6 +518,36 @@ def test_an_interrupted_command_with_json_says_so_in_json(sig: str, big_store: P
     assert r.stderr.startswith({"SIGINT": "interrupted", "SIGTERM": "terminated"}[sig]) and os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_while_the_cli_is_imported_is_one_line_not_a_traceback(sig: str, env: dict[str, str], tmp_path: Path) -> None:
+    """Ctrl-C in the first tenth of a second (longer on a busy machine), while the console script
+    imports the CLI (typer, rich...), printed a KeyboardInterrupt traceback of whatever import was
+    under way; SIGTERM then killed it without a word. It ends as any interruption does: 130 (143),
+    one line, and with --json the document; nothing was done (here: no store made)."""
+    code = ("import builtins, os, signal, sys\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # (a background runner ignores it)
+            "real = builtins.__import__\n"
+            "def imp(name, *a, **k):\n"
+            "    if name == 'typer':\n"  # the signal lands while the CLI is being imported
+            f"        os.kill(os.getpid(), signal.{sig})\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = imp\n"
+            "sys.argv[0] = 'ckpt'\n"
+            "from ckpt_store.cli.entry import main\n"
+            "main()\n")
+    store = tmp_path / "store"
+    r = subprocess.run([sys.executable, "-c", code, "--store", str(store), "init", "--json"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == {"SIGINT": 130, "SIGTERM": 143}[sig], (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip("\n").splitlines()
+    assert len(lines) == 1 and lines[0].startswith({"SIGINT": "interrupted", "SIGTERM": "terminated"}[sig]), r.stderr
+    assert json.loads(r.stdout) == {"error": lines[0]}
+    assert not store.exists()
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text().splitlines()
+    assert 'ckpt = "ckpt_store.cli.entry:main"' in pyproject  # the console script is this one
+
+
 def test_an_interrupted_push_stops_writing(big_file: Path, env: dict[str, str], tmp_path: Path) -> None:
     """Ctrl-C in a push stops it: the chunks not yet started are never written. The thread pool's
     shutdown ran every queued chunk first, so an interrupted push (or merge) went on silently to
