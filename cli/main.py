@@ -132,7 +132,7 @@ def _named(argv: list[str]) -> list[str]:
 def _open(create: bool = False, url: str | None = None) -> Any:
     from ckpt.store.store import Store, is_local_url
 
-    target = url or _state["store"]
+    target = _state["store"] if url is None else url  # (an empty --from "$UNSET" is no store, not the default one)
     if _state["options"] and is_local_url(target):
         # Options dropped in silence where s3:// was forgotten: the push would land in a local folder.
         argv = _state.get("argv")
@@ -708,7 +708,7 @@ def serve(
     from ckpt_store.cli.web.server import serve as run_server
 
     run_server(_open(url=store), host=host, port=port, token=token, announce=lambda line: out.print(line, markup=False),
-               local=_open(url=local_tier) if local_tier else None)
+               local=_open(url=local_tier) if local_tier is not None else None)
 
 
 _signals: list[int] = []  # Ctrl-C and SIGTERM received, in order

@@ -194,6 +194,23 @@ def test_store_path_that_is_a_file_or_empty(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "ckpt-store.json").exists()
 
 
+def test_an_empty_store_url_in_an_option_is_refused_not_taken_for_the_default_store(sandbox, capsys, tmp_path, monkeypatch):
+    """`ckpt copy m --from "$MIRROR" --to s3://team/store` with MIRROR unset copied from the default
+    store ($CKPT_STORE, --store) instead; `verify --repair-from ""` "repaired" a store from itself and
+    `serve --store ""` served the default store. An empty --from, --to, --repair-from, --store or
+    --local-tier is refused as an empty --store is, before anything is written."""
+    _, store = sandbox
+    monkeypatch.setenv("CKPT_STORE", store)
+    dest = tmp_path / "dest"
+    for args in (["copy", "two", "--from", "", "--to", str(dest)], ["copy", "two", "--to", ""], ["pull", "two", "--from", ""],
+                 ["push", "two", "--to", ""], ["verify", "--repair-from", ""], ["serve", "--store", "", "--port", "0"],
+                 ["serve", "--local-tier", "", "--port", "0"]):
+        code, _, err = run(capsys, *args)
+        one_line_error(code, err, "empty store URL")
+    assert not dest.exists()
+    assert run(capsys, "copy", "two", "--to", str(dest))[0] == 0  # (the store is as it was)
+
+
 def test_pull_to_names_as_long_as_the_filesystem_allows(tmp_path, capsys):
     """A file name of 255 bytes (the most a filesystem allows) is a valid destination: the
     temporary and backup names beside it, which added 19 bytes to the whole name, failed with
