@@ -83,6 +83,8 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, Any] | None:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise typer.BadParameter(f"{key}: {part} is both a value and a group", param_hint="--storage-option")
+        if isinstance(node.get(leaf), dict):  # (a group given first, then a value in its place)
+            raise typer.BadParameter(f"{key}: {key} is both a value and a group", param_hint="--storage-option")
         node[leaf] = value
     return opts
 
