@@ -159,6 +159,7 @@ app.add_typer(cache_app, name="cache")
 def cache_show(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """Where the cache is, how much it holds (per store), and its size limit."""
     if ctx.invoked_subcommand is not None:
+        ctx.obj = {"json": as_json}  # `ckpt cache --json clear`: asked for before the subcommand, for it
         return
     from ckpt.store.cache import cache_usage
 
@@ -169,7 +170,7 @@ def cache_show(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 
 @cache_app.command("clear")
-def cache_clear(as_json: JsonOpt = False) -> None:
+def cache_clear(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """Delete every cached chunk (remote stores are untouched; chunks are fetched again when needed).
 
     \b
@@ -180,7 +181,8 @@ def cache_clear(as_json: JsonOpt = False) -> None:
     from ckpt.store.cache import clear_cache
 
     u = clear_cache(_settings())
-    _emit({"dir": u.root, "entries_deleted": u.entries, "bytes_deleted": u.bytes}, as_json, views.cache_clear)
+    _emit({"dir": u.root, "entries_deleted": u.entries, "bytes_deleted": u.bytes}, as_json or (ctx.obj or {}).get("json", False),
+          views.cache_clear)
 
 
 @app.command()
