@@ -638,7 +638,7 @@ def merge(
                         "params": [{"name": p.name, "type": p.kind, "default": p.default, "range": p.range_text(), "help": p.help}
                                    for p in m.params]} for m in default_registry()])
         else:
-            sys.stdout.write("\n\n".join(describe(m) for m in default_registry()) + "\n")
+            out.print("\n\n".join(describe(m) for m in default_registry()))  # (a reader that left: 141, as every view)
         return
     if not refs:
         raise typer.BadParameter("give the checkpoints to merge", param_hint="REF...")
