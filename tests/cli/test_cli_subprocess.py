@@ -442,6 +442,21 @@ def test_a_reader_that_leaves_the_pipe_ends_the_command_with_141(args: list[str]
     assert p.returncode == 141 and err == b"", (p.returncode, err)
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["ls"], ["ls", "--json"], ["show", "demo/file"], ["show", "nope/none", "--json"]])
+def test_output_to_a_full_disk_ends_in_one_line_not_a_traceback(args: list[str], store: Path, env: dict[str, str]) -> None:
+    """`ckpt ls --json > ls.json` on a full disk (here /dev/full): the write failed with an OSError
+    traceback (ENOSPC) from deep in rich or json output. It ends with exit 1 and a line saying
+    the output could not be written (after the command's own error, if it had one)."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([*CMD, "--store", str(store), *args], stdout=full, stderr=subprocess.PIPE, text=True, env=env,
+                           timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "Exception" not in r.stderr, r.stderr
+    lines = r.stderr.strip("\n").splitlines()
+    assert lines[-1] == "error: cannot write the output: No space left on device", r.stderr
+    assert len(lines) == (2 if "nope/none" in args else 1) and all(line.startswith("error: ") for line in lines), r.stderr
+
+
 # -- interruptions: Ctrl-C and SIGTERM in the middle of a long command ----------------------
 
 
