@@ -455,6 +455,9 @@ def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Refs 
     except CkptError as e:  # the document printed below is the only one: it says why, as {"error"} would
         doc["error"] = str(e)
         raise
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM between two names: said as any interrupted command's document says it
+        doc["error"] = f"terminated; {_AFTER}" if _terminated() else _INTERRUPTED
+        raise
     finally:  # a name that fails stops the command; the ones removed before it are still reported
         _emit(doc, as_json, views.rm)
 
