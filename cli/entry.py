@@ -23,7 +23,8 @@ def _before_start(signum: int, frame: object) -> None:
 
 
 def main() -> None:
-    """Run ``ckpt`` (:func:`ckpt_store.cli.main.main`), which handles the signals itself once imported."""
+    """Run ``ckpt`` (:func:`ckpt_store.cli.main.main`), which handles the signals itself once imported
+    and until it is done."""
     handled = [s for s in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(s) is not signal.SIG_IGN]
     before = {s: signal.signal(s, _before_start) for s in handled}
     try:
@@ -31,4 +32,13 @@ def main() -> None:
     finally:  # (main puts its own in place at once, and these back when it is done)
         for s, h in before.items():
             signal.signal(s, h)
-    run()
+    try:
+        run()
+    except SystemExit as e:
+        # Done, its result printed: a signal while Python runs the exit handlers and joins threads (a
+        # pool waiting on a request) ends it at once with the command's own status, not as interrupted.
+        # (Python puts the default handlers back after that, for the last moments of its teardown.)
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        for s in handled:
+            signal.signal(s, lambda signum, frame: os._exit(status))
+        raise

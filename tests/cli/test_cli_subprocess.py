@@ -564,6 +564,24 @@ def test_an_interrupt_while_the_cli_is_imported_is_one_line_not_a_traceback(sig:
     assert 'ckpt = "ckpt_store.cli.entry:main"' in pyproject  # the console script is this one
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_after_the_command_is_done_keeps_its_exit_status(sig: str, store: Path, env: dict[str, str]) -> None:
+    """Ctrl-C (or SIGTERM) once the command had done its work and printed its result, while Python
+    ran its exit handlers and joined threads (a pool waiting on a request that does not end, say):
+    a KeyboardInterrupt traceback (SIGTERM: the process died of it, a shell's 143, "terminated"),
+    for a command that had succeeded. It ends at once with the command's own exit status."""
+    code = ("import atexit, os, signal, sys, time\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # (a background runner ignores it)
+            f"atexit.register(lambda: (os.kill(os.getpid(), signal.{sig}), time.sleep(5)))\n"  # lands in the teardown
+            "sys.argv[0] = 'ckpt'\n"
+            "from ckpt_store.cli.entry import main\n"
+            "main()\n")
+    r = subprocess.run([sys.executable, "-c", code, "--store", str(store), "ls", "--json"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", (r.returncode, r.stderr)
+    assert {row["ref"] for row in json.loads(r.stdout)} == {"demo/file", "demo/hf"}
+
+
 def test_an_interrupted_push_stops_writing(big_file: Path, env: dict[str, str], tmp_path: Path) -> None:
     """Ctrl-C in a push stops it: the chunks not yet started are never written. The thread pool's
     shutdown ran every queued chunk first, so an interrupted push (or merge) went on silently to
