@@ -211,6 +211,33 @@ def test_an_empty_store_url_in_an_option_is_refused_not_taken_for_the_default_st
     assert run(capsys, "copy", "two", "--to", str(dest))[0] == 0  # (the store is as it was)
 
 
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_a_folder_made_at_dest_while_a_folder_pull_runs_is_named_and_kept(sandbox, capsys, tmp_path, monkeypatch, force):
+    """Two pulls of a model folder to one new DEST at once (two terminals, a retried job): the one
+    that came second failed with "cannot write .../.dest.ckpt-tmp-1a2b3c4d: Directory not empty
+    (check the destination's permissions and free space)", naming a temporary that was gone and a
+    cause that was not. It says DEST was made while it ran, as a one-file pull does; what the
+    other made is kept, and nothing of this one is left."""
+    import ckpt.store.pull as pull_module
+
+    _, store = sandbox
+    dest = tmp_path / "dest"
+    real = pull_module.get_chunks
+
+    def other_pull_lands_meanwhile(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if not dest.exists():
+            dest.mkdir()
+            (dest / "model.safetensors").write_bytes(b"the other pull's")
+        return out
+
+    monkeypatch.setattr(pull_module, "get_chunks", other_pull_lands_meanwhile)
+    code, _, err = run(capsys, "--store", store, "pull", "two", str(dest), *force)
+    one_line_error(code, err, f"{dest} exists (made while this pull ran)")
+    assert "ckpt-tmp" not in err and tree(dest) == {"model.safetensors": b"the other pull's"}
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []  # (no temporary folder left beside it)
+
+
 def test_pull_to_names_as_long_as_the_filesystem_allows(tmp_path, capsys):
     """A file name of 255 bytes (the most a filesystem allows) is a valid destination: the
     temporary and backup names beside it, which added 19 bytes to the whole name, failed with
