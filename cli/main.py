@@ -84,6 +84,8 @@ def parse_storage_options(pairs: list[str] | None, option: str = "--storage-opti
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise typer.BadParameter(f"{key}: {part} is both a value and a group", param_hint=option)
+        if isinstance(node.get(leaf), dict):  # (a group given first, then a value in its place)
+            raise typer.BadParameter(f"{key}: {key} is both a value and a group", param_hint=option)
         node[leaf] = value
     return opts
 
@@ -139,10 +141,10 @@ def _open(create: bool = False, url: str | None = None, own: list[str] | None = 
     given for this store alone (by ``flag``: copy's --from-option, say), which override them."""
     from ckpt.store.store import Store, is_local_url
 
-    target = url or _state["store"]
+    target = _state["store"] if url is None else url  # (an empty --from "$UNSET" is no store, not the default one)
     options = _state["options"]
     if own:
-        if is_local_url(target):
+        if target != "" and is_local_url(target):  # ("" is refused by the open below: "empty store URL")
             raise typer.BadParameter(f"{target or 'the default store'} is a local folder: storage options are for "
                                      "remote stores (s3://BUCKET/PREFIX...)", param_hint=flag)
         options = parse_storage_options(_state.get("option_pairs", []) + own, f"--storage-option or {flag}")
@@ -170,6 +172,7 @@ app.add_typer(cache_app, name="cache")
 def cache_show(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """Where the cache is, how much it holds (per store), and its size limit."""
     if ctx.invoked_subcommand is not None:
+        ctx.obj = {"json": as_json}  # `ckpt cache --json clear`: asked for before the subcommand, for it
         return
     from ckpt.store.cache import cache_usage
 
@@ -180,7 +183,7 @@ def cache_show(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 
 @cache_app.command("clear")
-def cache_clear(as_json: JsonOpt = False) -> None:
+def cache_clear(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     """Delete every cached chunk (remote stores are untouched; chunks are fetched again when needed).
 
     \b
@@ -191,7 +194,8 @@ def cache_clear(as_json: JsonOpt = False) -> None:
     from ckpt.store.cache import clear_cache
 
     u = clear_cache(_settings())
-    _emit({"dir": u.root, "entries_deleted": u.entries, "bytes_deleted": u.bytes}, as_json, views.cache_clear)
+    _emit({"dir": u.root, "entries_deleted": u.entries, "bytes_deleted": u.bytes}, as_json or (ctx.obj or {}).get("json", False),
+          views.cache_clear)
 
 
 @app.command()
@@ -291,6 +295,11 @@ def pull(
       ckpt pull m/ft-legal ./ft-legal --force           # replace its files there, nothing else
       ckpt pull m/ft-legal layer0.safetensors --from s3://team/store -i 'layers.0.*'
     """
+    if dest == "-":  # the usual word for standard output: it would be a file named "-" in the current folder
+        from ckpt.errors import DestinationError
+
+        raise DestinationError("DEST - would be a file named '-': a pull writes files, never to standard output",
+                               hint="give a file or folder; ./- for a file of that name")
     copied = None
     if from_ is not None:
         copied = _copy([ref], from_, None)
@@ -460,6 +469,9 @@ def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Refs 
             doc["removed"].append({"ref": name, "seq": entry.seq})
     except CkptError as e:  # the document printed below is the only one: it says why, as {"error"} would
         doc["error"] = str(e)
+        raise
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM between two names: said as any interrupted command's document says it
+        doc["error"] = f"terminated; {_AFTER}" if _terminated() else _INTERRUPTED
         raise
     finally:  # a name that fails stops the command; the ones removed before it are still reported
         _emit(doc, as_json, views.rm)
@@ -653,7 +665,7 @@ def merge(
                         "params": [{"name": p.name, "type": p.kind, "default": p.default, "range": p.range_text(), "help": p.help}
                                    for p in m.params]} for m in default_registry()])
         else:
-            sys.stdout.write("\n\n".join(describe(m) for m in default_registry()) + "\n")
+            out.print("\n\n".join(describe(m) for m in default_registry()))  # (a reader that left: 141, as every view)
         return
     if not refs:
         raise typer.BadParameter("give the checkpoints to merge", param_hint="REF...")
@@ -727,7 +739,7 @@ def serve(
     from ckpt_store.cli.web.server import serve as run_server
 
     run_server(_open(url=store), host=host, port=port, token=token, announce=lambda line: out.print(line, markup=False),
-               local=_open(url=local_tier) if local_tier else None)
+               local=_open(url=local_tier) if local_tier is not None else None)
 
 
 _signals: list[int] = []  # Ctrl-C and SIGTERM received, in order

@@ -39,6 +39,27 @@ class _Console(Console):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(141)
 
+    def _check_buffer(self) -> None:
+        """Write what is buffered (rich's own step, which hands a broken pipe to :meth:`on_broken_pipe`);
+        any other failure to write ends the command as :func:`output_failed` says."""
+        try:
+            super()._check_buffer()
+        except OSError as e:
+            output_failed(e)
+
+
+def output_failed(e: OSError) -> None:
+    """Standard output did not take what a command printed (a full disk behind `ckpt ls --json >
+    ls.json`, an I/O error): one line on stderr and exit 1, never a traceback, so that a script knows
+    its file is cut short. What is left to print goes nowhere (the exit's own flush included)."""
+    out.quiet = True
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # (a stdout that is no file: a test's capture)
+        pass
+    err.print(f"error: cannot write the output: {e.strerror or e}")
+    raise SystemExit(1)
+
 
 # Wide when piped, so tables in logs and files do not wrap at 80 columns. markup and
 # emoji off: "[red]" and ":smile:" in a message are text, never styling (or a crash on "[/b]").
@@ -114,6 +135,8 @@ def emit_json(obj: Any) -> None:
         sys.stdout.flush()
     except BrokenPipeError:
         out.on_broken_pipe()
+    except OSError as e:
+        output_failed(e)
 
 
 class RichProgress(TerminalProgress):

@@ -46,7 +46,9 @@ class RetryPolicy:
 
     def delay(self, retry: int) -> float:
         """Sleep before retry number ``retry`` (1 = the first retry)."""
-        return random.uniform(0.0, min(self.max_delay, self.base_delay * 2 ** (retry - 1)))
+        # (doublings capped: 2**1024 is no float, and far fewer reach any max_delay; too large a
+        # product is inf, which min() turns into max_delay)
+        return random.uniform(0.0, min(self.max_delay, self.base_delay * 2.0 ** min(retry - 1, 1000)))
 
 
 NO_RETRY = RetryPolicy(attempts=1)

@@ -477,7 +477,13 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
                 os.makedirs(os.path.dirname(t), exist_ok=True)
             fill(inner)
             with _placing_files():
-                os.rename(tmp_dir, dest)  # fails (and nothing is lost) if dest appeared meanwhile, unless empty
+                try:
+                    os.rename(tmp_dir, dest)  # fails (and nothing is lost) if dest appeared meanwhile, unless empty
+                except OSError as e:
+                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                        raise
+                    raise DestinationExistsError(f"{dest} exists (made while this pull ran)",
+                                                 hint="pull again: it is then checked as any destination is") from None
                 _pending.discard(tmp_dir)  # (it is dest now)
             _fsync_dir(os.path.dirname(os.path.abspath(dest)))
         except OSError as e:

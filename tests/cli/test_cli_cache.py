@@ -38,3 +38,24 @@ def test_cache_show_clear_and_no_cache(s3_main_url, tmp_path, monkeypatch):
     assert "cleared" in invoke("cache", "clear")
     assert json.loads(invoke("cache", "--json"))["entries"] == 0
     assert (tmp_path / "b.safetensors").read_bytes() == src.read_bytes()
+
+
+def test_json_given_before_cache_clear_is_json(tmp_path, monkeypatch, capsys):
+    """`ckpt cache --json clear`: the --json before the subcommand was read by `cache` and dropped,
+    and `clear` printed its text to the script that asked for one JSON document."""
+    from ckpt_store.cli.main import main
+
+    cache = tmp_path / "cache"
+    entry = cache / ("ab" * 16) / "cd" / ("cd" + "0" * 62)
+    entry.parent.mkdir(parents=True)
+    entry.write_bytes(b"x" * 10)
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(cache))
+    for args in (["cache", "--json", "clear"], ["cache", "clear", "--json"]):
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        out = capsys.readouterr().out
+        assert e.value.code == 0 and json.loads(out)["dir"] == str(cache), out
+    assert not entry.exists()
+    with pytest.raises(SystemExit):
+        main(["cache", "clear"])
+    assert capsys.readouterr().out.startswith("cleared")  # (and without it, text)

@@ -87,6 +87,24 @@ def test_pull_dot_force(sandbox, capsys, tmp_path, monkeypatch):
     assert sorted(os.listdir(work)) == ["config.json", "model.safetensors", "notes.txt"]
 
 
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_pull_to_dash_is_refused_not_written_as_a_file_named_dash(sandbox, capsys, tmp_path, monkeypatch, force):
+    """`ckpt pull REF - | consumer` (the usual word for standard output) wrote the checkpoint to a
+    file named "-" in the current folder, reported it as written ("path": "-") and sent the
+    consumer nothing: "-" is refused, naming the way to write a file of that name."""
+    _, store = sandbox
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for args in (["pull", "two", "-", "--include", "*", *force], ["pull", "two", "-", *force], ["pull", "two", "-", "--json", *force]):
+        code, out, err = run(capsys, "--store", store, *args)
+        one_line_error(code, err, "standard output", "./-")
+        assert os.listdir(work) == []
+    assert out.startswith("{") and "standard output" in __import__("json").loads(out)["error"]
+    assert run(capsys, "--store", store, "pull", "two", "./-", "--include", "*")[0] == 0  # a file named "-", asked for so
+    assert os.listdir(work) == ["-"]
+
+
 @pytest.mark.parametrize("args", [["one", "store"], ["one", "store/ckpt-store.json"], ["one", "store/refs", "-i", "w"]])
 def test_file_pull_into_the_store_is_refused(tmp_path, capsys, args):
     save_file({"w": torch.randn(3)}, tmp_path / "one.safetensors")
@@ -174,6 +192,50 @@ def test_store_path_that_is_a_file_or_empty(tmp_path, capsys, monkeypatch):
     code, _, err = run(capsys, "--store", "", "init")
     one_line_error(code, err, "empty store URL")
     assert not (tmp_path / "ckpt-store.json").exists()
+
+
+def test_an_empty_store_url_in_an_option_is_refused_not_taken_for_the_default_store(sandbox, capsys, tmp_path, monkeypatch):
+    """`ckpt copy m --from "$MIRROR" --to s3://team/store` with MIRROR unset copied from the default
+    store ($CKPT_STORE, --store) instead; `verify --repair-from ""` "repaired" a store from itself and
+    `serve --store ""` served the default store. An empty --from, --to, --repair-from, --store or
+    --local-tier is refused as an empty --store is, before anything is written."""
+    _, store = sandbox
+    monkeypatch.setenv("CKPT_STORE", store)
+    dest = tmp_path / "dest"
+    for args in (["copy", "two", "--from", "", "--to", str(dest)], ["copy", "two", "--to", ""], ["pull", "two", "--from", ""],
+                 ["push", "two", "--to", ""], ["verify", "--repair-from", ""], ["serve", "--store", "", "--port", "0"],
+                 ["serve", "--local-tier", "", "--port", "0"]):
+        code, _, err = run(capsys, *args)
+        one_line_error(code, err, "empty store URL")
+    assert not dest.exists()
+    assert run(capsys, "copy", "two", "--to", str(dest))[0] == 0  # (the store is as it was)
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_a_folder_made_at_dest_while_a_folder_pull_runs_is_named_and_kept(sandbox, capsys, tmp_path, monkeypatch, force):
+    """Two pulls of a model folder to one new DEST at once (two terminals, a retried job): the one
+    that came second failed with "cannot write .../.dest.ckpt-tmp-1a2b3c4d: Directory not empty
+    (check the destination's permissions and free space)", naming a temporary that was gone and a
+    cause that was not. It says DEST was made while it ran, as a one-file pull does; what the
+    other made is kept, and nothing of this one is left."""
+    import ckpt.store.pull as pull_module
+
+    _, store = sandbox
+    dest = tmp_path / "dest"
+    real = pull_module.get_chunks
+
+    def other_pull_lands_meanwhile(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if not dest.exists():
+            dest.mkdir()
+            (dest / "model.safetensors").write_bytes(b"the other pull's")
+        return out
+
+    monkeypatch.setattr(pull_module, "get_chunks", other_pull_lands_meanwhile)
+    code, _, err = run(capsys, "--store", store, "pull", "two", str(dest), *force)
+    one_line_error(code, err, f"{dest} exists (made while this pull ran)")
+    assert "ckpt-tmp" not in err and tree(dest) == {"model.safetensors": b"the other pull's"}
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []  # (no temporary folder left beside it)
 
 
 def test_pull_to_names_as_long_as_the_filesystem_allows(tmp_path, capsys):

@@ -249,3 +249,27 @@ def test_gc_with_a_short_grace_warns_on_stderr(env):
     assert "warning: --grace 0" in result.stderr
     quiet = CliRunner().invoke(app, ["gc", "--grace", "1h", "--json"], catch_exceptions=False)
     assert quiet.exit_code == 0 and quiet.stderr == ""
+
+
+def test_rm_interrupted_between_names_says_so_in_its_json(env, capsys, monkeypatch):
+    """Ctrl-C during `ckpt rm a b c --json`, after a was removed: the document rm prints (the names
+    it removed) had no "error", as if the command had done all it was asked, while it exited 130;
+    every other interrupted command's document says it was interrupted."""
+    import ckpt
+
+    tmp, src = env
+    for name in ("a", "b", "c"):
+        invoke("push", str(src), name)
+    real = ckpt.Store.remove
+
+    def remove(self, name):
+        if name == "b":
+            raise KeyboardInterrupt  # the signal lands here (the handler of cli/main.py raises it)
+        return real(self, name)
+
+    monkeypatch.setattr(ckpt.Store, "remove", remove)
+    code, out, err = run_main(capsys, "rm", "a", "b", "c", "--json")
+    doc = json.loads(out)
+    assert code == 130 and [r["ref"] for r in doc["removed"]] == ["a"], (code, out, err)
+    assert doc["error"] == err.strip() and err.startswith("interrupted") and err.count("\n") == 1
+    assert [r["ref"] for r in json.loads(invoke("ls", "--json"))] == ["b", "c"]

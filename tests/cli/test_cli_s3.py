@@ -304,6 +304,17 @@ def test_bad_storage_option_is_a_usage_error(ckpt_cli):
     assert code == 2 and "KEY=VALUE" in err and SECRET not in err
 
 
+@pytest.mark.parametrize("pairs", [["config_kwargs.connect_timeout=5", "config_kwargs=3"],
+                                   ["config_kwargs=3", "config_kwargs.connect_timeout=5"]])
+def test_an_option_given_as_a_group_and_as_a_value_is_a_usage_error_in_either_order(ckpt_cli, pairs):
+    """`--storage-option config_kwargs.connect_timeout=5 --storage-option config_kwargs=3`: the value
+    silently replaced the group, and the store failed to open with "'int' object is not iterable";
+    the other order was already refused as a usage error naming the option."""
+    args = [a for p in pairs for a in ("--storage-option", p)]
+    code, _, err = ckpt_cli("--store", "s3://b/x", *args, "ls")
+    assert code == 2 and "config_kwargs is both a value and a group" in err, err
+
+
 def test_a_second_interrupt_ends_a_pull_that_a_stalled_server_holds(s3_main, env, tmp_path):
     """The server stops answering in the middle of a `pull --force` (its connections open). The first
     Ctrl-C waits for the requests in flight, which read timeouts and retries hold for minutes (a pull

@@ -430,7 +430,8 @@ def test_every_commands_help_teaches_by_example(command: str, env: dict[str, str
     assert [line for line in examples.splitlines() if line.strip().startswith("ckpt ")], text
 
 
-@pytest.mark.parametrize("args", [["ls"], ["ls", "--json"], ["show", "demo/file"], ["show", "demo/file", "--json"]])
+@pytest.mark.parametrize("args", [["ls"], ["ls", "--json"], ["show", "demo/file"], ["show", "demo/file", "--json"],
+                                  ["merge", "--list-methods"]])  # (this one exited 1: its text went past the console)
 def test_a_reader_that_leaves_the_pipe_ends_the_command_with_141(args: list[str], store: Path, env: dict[str, str]) -> None:
     """`ckpt ls | head -1`: the reader is gone before the output is written. The command ends as
     a shell pipeline expects, 128 + SIGPIPE, with nothing on stderr (it exited 1, silently)."""
@@ -439,6 +440,21 @@ def test_a_reader_that_leaves_the_pipe_ends_the_command_with_141(args: list[str]
     p.stdout.close()
     _, err = p.communicate(timeout=120)
     assert p.returncode == 141 and err == b"", (p.returncode, err)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["ls"], ["ls", "--json"], ["show", "demo/file"], ["show", "nope/none", "--json"]])
+def test_output_to_a_full_disk_ends_in_one_line_not_a_traceback(args: list[str], store: Path, env: dict[str, str]) -> None:
+    """`ckpt ls --json > ls.json` on a full disk (here /dev/full): the write failed with an OSError
+    traceback (ENOSPC) from deep in rich or json output. It ends with exit 1 and a line saying
+    the output could not be written (after the command's own error, if it had one)."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([*CMD, "--store", str(store), *args], stdout=full, stderr=subprocess.PIPE, text=True, env=env,
+                           timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "Exception" not in r.stderr, r.stderr
+    lines = r.stderr.strip("\n").splitlines()
+    assert lines[-1] == "error: cannot write the output: No space left on device", r.stderr
+    assert len(lines) == (2 if "nope/none" in args else 1) and all(line.startswith("error: ") for line in lines), r.stderr
 
 
 # -- interruptions: Ctrl-C and SIGTERM in the middle of a long command ----------------------
@@ -516,6 +532,54 @@ def test_an_interrupted_command_with_json_says_so_in_json(sig: str, big_store: P
     assert r.returncode == {"SIGINT": 130, "SIGTERM": 143}[sig], r.stderr
     assert json.loads(r.stdout, parse_constant=lambda c: pytest.fail(c)) == {"error": r.stderr.strip("\n")}
     assert r.stderr.startswith({"SIGINT": "interrupted", "SIGTERM": "terminated"}[sig]) and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_while_the_cli_is_imported_is_one_line_not_a_traceback(sig: str, env: dict[str, str], tmp_path: Path) -> None:
+    """Ctrl-C in the first tenth of a second (longer on a busy machine), while the console script
+    imports the CLI (typer, rich...), printed a KeyboardInterrupt traceback of whatever import was
+    under way; SIGTERM then killed it without a word. It ends as any interruption does: 130 (143),
+    one line, and with --json the document; nothing was done (here: no store made)."""
+    code = ("import builtins, os, signal, sys\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # (a background runner ignores it)
+            "real = builtins.__import__\n"
+            "def imp(name, *a, **k):\n"
+            "    if name == 'typer':\n"  # the signal lands while the CLI is being imported
+            f"        os.kill(os.getpid(), signal.{sig})\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = imp\n"
+            "sys.argv[0] = 'ckpt'\n"
+            "from ckpt_store.cli.entry import main\n"
+            "main()\n")
+    store = tmp_path / "store"
+    r = subprocess.run([sys.executable, "-c", code, "--store", str(store), "init", "--json"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == {"SIGINT": 130, "SIGTERM": 143}[sig], (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip("\n").splitlines()
+    assert len(lines) == 1 and lines[0].startswith({"SIGINT": "interrupted", "SIGTERM": "terminated"}[sig]), r.stderr
+    assert json.loads(r.stdout) == {"error": lines[0]}
+    assert not store.exists()
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text().splitlines()
+    assert 'ckpt = "ckpt_store.cli.entry:main"' in pyproject  # the console script is this one
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_after_the_command_is_done_keeps_its_exit_status(sig: str, store: Path, env: dict[str, str]) -> None:
+    """Ctrl-C (or SIGTERM) once the command had done its work and printed its result, while Python
+    ran its exit handlers and joined threads (a pool waiting on a request that does not end, say):
+    a KeyboardInterrupt traceback (SIGTERM: the process died of it, a shell's 143, "terminated"),
+    for a command that had succeeded. It ends at once with the command's own exit status."""
+    code = ("import atexit, os, signal, sys, time\n"
+            "signal.signal(signal.SIGINT, signal.default_int_handler)\n"  # (a background runner ignores it)
+            f"atexit.register(lambda: (os.kill(os.getpid(), signal.{sig}), time.sleep(5)))\n"  # lands in the teardown
+            "sys.argv[0] = 'ckpt'\n"
+            "from ckpt_store.cli.entry import main\n"
+            "main()\n")
+    r = subprocess.run([sys.executable, "-c", code, "--store", str(store), "ls", "--json"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", (r.returncode, r.stderr)
+    assert {row["ref"] for row in json.loads(r.stdout)} == {"demo/file", "demo/hf"}
 
 
 def test_an_interrupted_push_stops_writing(big_file: Path, env: dict[str, str], tmp_path: Path) -> None:

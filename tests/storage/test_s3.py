@@ -23,7 +23,7 @@ from ckpt_store.storage.backends.s3 import S3Backend  # noqa: E402
 from ckpt_store.storage.backends.s3_errors import is_precondition_failed, transient  # noqa: E402
 from ckpt_store.storage.errors import StorageIOError  # noqa: E402
 from ckpt_store.storage.refs import Refs  # noqa: E402
-from ckpt_store.storage.retry import RetryPolicy  # noqa: E402
+from ckpt_store.storage.retry import RetryPolicy, call_with_retries  # noqa: E402
 
 FAST = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.05)
 
@@ -77,6 +77,25 @@ def test_network_errors_are_retried():
     assert transient(aiohttp.ClientPayloadError("reset"))
     assert transient(ConnectionResetError())
     assert transient(FileNotFoundError()) is None
+
+
+def test_a_request_retried_more_than_a_thousand_times_still_waits_and_succeeds():
+    """CKPT_RETRIES=5000 with a long CKPT_REQUEST_DEADLINE (a job told to ride out an outage): retry
+    1025 computed its wait as base_delay * 2**1024, an int no float holds, and the request failed with
+    "int too large to convert to float" (shown as `cannot read ...ckpt-store.json: int too large...`)
+    once the server was back. Past the doublings that reach max_delay, every wait is at most max_delay."""
+    calls, waits = [0], []
+
+    def fn() -> str:
+        calls[0] += 1
+        if calls[0] <= 1100:
+            raise ConnectionResetError("reset")
+        return "answer"
+
+    policy = RetryPolicy(attempts=5001, base_delay=0.2, max_delay=10.0)
+    assert call_with_retries(fn, what="GET x", policy=policy, transient=transient, sleep=waits.append) == "answer"
+    assert len(waits) == 1100 and all(0.0 <= w <= 10.0 for w in waits)
+    assert 0.0 <= RetryPolicy(base_delay=1e308, max_delay=10.0).delay(2000) <= 10.0
 
 
 def test_settings_reach_the_backend(s3_main_url, monkeypatch):
