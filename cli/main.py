@@ -310,9 +310,14 @@ def pull(
         from ckpt.errors import CkptError
 
         try:
+            from ckpt.store.pull import pull as pull_checkpoint
+
             store = _open()
-            result["id"] = store.resolve(ref)  # what REF names as the pull starts
-            result["path"] = store.pull(ref, str(dest), overwrite=force, include=include or None, progress=RichProgress())
+            # What REF names as the pull starts is what it writes and reports (a ref moved meanwhile, as a
+            # run's `latest` does at every save, would make the document name another checkpoint).
+            result["id"] = store.resolve(ref)
+            result["path"] = pull_checkpoint(store, result["id"], str(dest), overwrite=force, include=include or None,
+                                             progress=RichProgress(), label=ref)
         except CkptError as e:
             if copied is not None and as_json:  # the copy landed: the document says so, beside why the pull did not
                 result["error"] = str(e)

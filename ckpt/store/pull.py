@@ -67,7 +67,8 @@ def _write_files(store: Store, m: Manifest, files: list[tuple[FileEntry, str]], 
                     check_layout(fh.read(f.head_size), m, f, what)
 
 
-def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: bool = False, include: list[str] | None = None, progress: Progress | None = None) -> str:
+def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: bool = False, include: list[str] | None = None, progress: Progress | None = None,
+         label: str | None = None) -> str:
     """Write checkpoint ``ref`` to ``dest``; returns the path written. See :meth:`Store.pull`.
 
     Where and how it writes (never inside a store, only the checkpoint's own files,
@@ -85,6 +86,7 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
     :class:`DestinationExistsError` before anything is written.
     """
     m = store.manifest(ref)
+    label = label or ref  # what messages call it: the ref a caller resolved to the id it gives as ``ref``
     dest = os.fspath(dest)
     if m.source == "dcp":  # a distributed checkpoint: its shards consolidated into one file
         from ckpt.dcp.consolidate import pull_dcp
@@ -95,18 +97,18 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
     if m.source != "hf-dir" and len(m.files) == 1:
         target = file_target(store, dest, os.path.basename(m.files[0].path), overwrite)
         if is_torch_name(target):
-            tensors = load_manifest(store, m, None, progress, f"checkpoint {ref}")
-            write_torch(target, tensors, _values(m), overwrite, m.structure(tensors, f"checkpoint {ref}"))
+            tensors = load_manifest(store, m, None, progress, f"checkpoint {label}")
+            write_torch(target, tensors, _values(m), overwrite, m.structure(tensors, f"checkpoint {label}"))
         else:
-            write_files([target], lambda tmps: _write_files(store, m, [(m.files[0], tmps[0])], progress, what=f"checkpoint {ref}"),
+            write_files([target], lambda tmps: _write_files(store, m, [(m.files[0], tmps[0])], progress, what=f"checkpoint {label}"),
                         overwrite)
         return target
     if not os.path.isdir(dest) and (is_torch_name(dest) or dest.lower().endswith(".safetensors")):
         # A folder's files would go into a new directory named like one file: not what was asked.
-        raise DestinationError(f"{ref} is a folder of {len(m.files)} files; {dest} is named like one file",
+        raise DestinationError(f"{label} is a folder of {len(m.files)} files; {dest} is named like one file",
                                hint="pull it into a directory, or with --include '*' to write its tensors as that one file")
     root, targets = dir_targets(store, dest, [f.path for f in m.files], overwrite)
-    write_dir(root, targets, lambda paths: _write_files(store, m, list(zip(m.files, paths)), progress, what=f"checkpoint {ref}"),
+    write_dir(root, targets, lambda paths: _write_files(store, m, list(zip(m.files, paths)), progress, what=f"checkpoint {label}"),
               overwrite)
     return root
 

@@ -342,3 +342,34 @@ def test_pull_into_the_systems_folders_is_refused(sandbox, capsys, dest):
         one_line_error(code, err, "the system's", "a folder of yours")
     assert os.path.islink("/dev/stdout") or not os.path.exists("/dev/stdout")
     assert save is None or tree(__import__("pathlib").Path("/dev/shm")) == save
+
+
+def test_pull_json_names_the_checkpoint_it_wrote_when_the_ref_moves_meanwhile(tmp_path, capsys, monkeypatch):
+    """`pull REF --json` resolved REF for the document's "id" and the pull resolved it again: a push
+    moving REF in between (a run's `latest`, updated at every save) wrote one checkpoint and named
+    another. The push is staged right after the CLI's resolve, as a concurrent saver would land it."""
+    import json
+
+    import ckpt
+    from ckpt.store.store import Store
+
+    store_url = str(tmp_path / "store")
+    store = ckpt.Store.init(store_url)
+    first = store.push({"w": torch.full((4,), 1.0)}, "run/latest")
+    resolve = Store.resolve
+    moved: list[str] = []
+
+    def resolve_then_a_save_lands(self, ref):
+        got = resolve(self, ref)
+        if not moved and ref == "run/latest":
+            moved.append(ckpt.Store.open(store_url).push({"w": torch.full((4,), 2.0)}, "run/latest"))
+        return got
+
+    monkeypatch.setattr(Store, "resolve", resolve_then_a_save_lands)
+    code, out, err = run(capsys, "--store", store_url, "pull", "run/latest", str(tmp_path / "out.safetensors"), "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert moved and moved[0] != first and doc["id"] == first
+    from safetensors.torch import load_file
+
+    assert load_file(tmp_path / "out.safetensors")["w"].tolist() == [1.0] * 4  # the checkpoint the document names
