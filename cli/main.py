@@ -45,6 +45,18 @@ OptionsOpt = Annotated[
                       "profile=NAME, anon=true, config_kwargs.connect_timeout=5. Credentials are better left to the "
                       "AWS environment variables or config files, which are used by default."),
 ]
+# Options for one store of a command that names two (copy's, push --to's, pull --from's), over --storage-option.
+FromOptionOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--from-option", metavar="KEY=VALUE", show_default=False,
+                 help="A storage option for the --from store only (repeatable), over --storage-option: "
+                      "endpoint_url=..., profile=NAME."),
+]
+ToOptionOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--to-option", metavar="KEY=VALUE", show_default=False,
+                 help="A storage option for the --to store only (repeatable), over --storage-option."),
+]
 # The global -o used to mean --storage-option; -o now means --output (merge, remix), and
 # the old spelling still works for one release with a warning.
 OldOptionsOpt = Annotated[Optional[list[str]], typer.Option("-o", hidden=True, show_default=False)]
@@ -224,6 +236,7 @@ def push(
     base: Annotated[Optional[str], typer.Option("--base", "-b", metavar="REF", help="Delta-encode against this checkpoint (default: NAME's previous version, else the stored checkpoint sharing the most tensors).")] = None,
     no_delta: Annotated[bool, typer.Option("--no-delta", help="Store new chunks whole, without a base.")] = False,
     to: Annotated[Optional[str], typer.Option("--to", metavar="URL", help="Push REF from this store to the store at URL instead (same as `ckpt copy REF --to URL`).", show_default=False)] = None,
+    to_option: ToOptionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Store a checkpoint and point NAME at it. Only chunks the store lacks are written.
@@ -239,12 +252,14 @@ def push(
       ckpt push ./minilm m/base -m 'the base'          # a model folder
       ckpt push ft.safetensors m/ft-legal --base m/base  # stored as a delta against it
       ckpt push m/ft-legal --to s3://team/store
+      ckpt push m/ft-legal --to s3://team/store --to-option endpoint_url=http://minio:9000
     """
+    _only_with(to, to_option, "--to")
     if to is not None:
         if message or base or no_delta:
             raise typer.BadParameter("--message, --base and --no-delta do not apply to --to (a copy keeps the checkpoint as it is)")
         spec = str(source) if name is None else f"{source}:{name}"
-        _emit(_copy([spec], None, to), as_json, views.copy)
+        _emit(_copy([spec], None, to, None, to_option), as_json, views.copy)
         return
     if name is None:
         raise typer.BadParameter("NAME is required (the ref to point at the new checkpoint)", param_hint="NAME")
@@ -265,6 +280,7 @@ def pull(
     force: Annotated[bool, typer.Option("--force", "-f", help="Replace the checkpoint's own files in DEST if they exist; nothing else in DEST is touched.")] = False,
     include: Annotated[Optional[list[str]], typer.Option("--include", "-i", metavar="GLOB", help="Only tensors matching this glob (repeatable); writes one safetensors (or, named .pt, torch) file.")] = None,
     from_: Annotated[Optional[str], typer.Option("--from", metavar="URL", help="First copy REF from the store at URL into this store (only what is missing here travels).", show_default=False)] = None,
+    from_option: FromOptionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Write a checkpoint back out, bit-identical to what was pushed, verifying every chunk.
@@ -295,6 +311,7 @@ def pull(
       ckpt pull m/ft-legal ./ft-legal --force           # replace its files there, nothing else
       ckpt pull m/ft-legal layer0.safetensors --from s3://team/store -i 'layers.0.*'
     """
+    _only_with(from_, from_option, "--from")
     if dest == "-":  # the usual word for standard output: it would be a file named "-" in the current folder
         from ckpt.errors import DestinationError
 
@@ -302,7 +319,7 @@ def pull(
                                hint="give a file or folder; ./- for a file of that name")
     copied = None
     if from_ is not None:
-        copied = _copy([ref], from_, None)
+        copied = _copy([ref], from_, None, from_option)
     elif dest is None:
         raise typer.BadParameter("DEST is required (or --from URL to copy REF into this store)", param_hint="DEST")
     result: dict[str, Any] = {"ref": ref, "id": None, "path": None, "copy": copied}
@@ -487,12 +504,8 @@ def copy(
     refs: Annotated[list[str], typer.Argument(metavar="REF...", help="Refs to copy; REF:NAME sets NAME at the destination; NAME@N or an id prefix copies the checkpoint only.")],
     from_: Annotated[Optional[str], typer.Option("--from", metavar="URL", help="Source store (default: --store).", show_default=False)] = None,
     to: Annotated[Optional[str], typer.Option("--to", metavar="URL", help="Destination store, created if needed (default: --store).", show_default=False)] = None,
-    from_option: Annotated[Optional[list[str]], typer.Option(
-        "--from-option", metavar="KEY=VALUE", show_default=False,
-        help="A storage option for the source store only (repeatable), over --storage-option: endpoint_url=..., profile=NAME.")] = None,
-    to_option: Annotated[Optional[list[str]], typer.Option(
-        "--to-option", metavar="KEY=VALUE", show_default=False,
-        help="A storage option for the destination store only (repeatable), over --storage-option.")] = None,
+    from_option: FromOptionOpt = None,
+    to_option: ToOptionOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Copy checkpoints between stores (local <-> S3, S3 <-> S3, local <-> local).
@@ -513,6 +526,13 @@ def copy(
     if from_ is None and to is None:
         raise typer.BadParameter("give --from URL, --to URL or both (the other defaults to --store)")
     _emit(_copy(refs, from_, to, from_option, to_option), as_json, views.copy)
+
+
+def _only_with(url: str | None, own: list[str] | None, flag: str) -> None:
+    """Refuse ``flag``-option (the options of the store at ``flag`` URL) without ``flag``: they would be dropped."""
+    if own and url is None:
+        raise typer.BadParameter(f"it gives options for the store at {flag} URL, and no {flag} is given "
+                                 "(--storage-option is for --store)", param_hint=f"{flag}-option")
 
 
 def _copy(refs: list[str], from_: str | None, to: str | None, from_option: list[str] | None = None,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt_store.storage.backends.base import TEMPORARY, Backend
 from ckpt_store.storage.chunk_lists import referenced_chunks
+from ckpt_store.storage.config import CONFIG_PATH
 from ckpt_store.storage.errors import CkptError, InvalidNameError, ObjectNotFoundError, StoreFormatError
 from ckpt_store.storage.leases import Lock, check_fresh, leased
 from ckpt_store.storage.objects import ObjectStore
@@ -162,23 +163,28 @@ class GcPlan:
         return sum(d.size for d in self.delete)
 
 
-def store_now(backend: Backend) -> float:
+def store_now(backend: Backend, *, write: bool = True) -> float:
     """Now, by the clock that stamps the store's objects (an S3 server's, an NFS server's), to
     within its resolution; never later than this machine's clock.
 
     Objects' ages are their server's times: judged by a clock that runs ahead of it (a machine
     without NTP), a chunk a push wrote a second ago would look older than the grace period. So
     gc writes a marker (a ``.tmp-`` name below ``objects/``, which a later gc sweeps if this one
-    dies) and reads back the time the store gave it. A clock that runs behind only keeps objects
-    longer, and is taken as it is.
+    dies) and reads back the time the store gave it. Without ``write`` (a dry run, which writes
+    nothing) the time is read from an answer of the store (:meth:`Backend.clock`: S3's ``Date``);
+    a local folder gives none, and this machine's clock is taken (the store's, but on NFS). A clock
+    that runs behind only keeps objects longer, and is taken as it is.
     """
     here = time.time()
-    marker = f"objects/{TEMPORARY}clock-{uuid.uuid4().hex}"
-    backend.write(marker, b"")
-    try:
-        stamped = backend.mtime(marker)
-    finally:
-        backend.delete(marker)
+    if write:
+        marker = f"objects/{TEMPORARY}clock-{uuid.uuid4().hex}"
+        backend.write(marker, b"")
+        try:
+            stamped = backend.mtime(marker)
+        finally:
+            backend.delete(marker)
+    else:
+        stamped = backend.clock(CONFIG_PATH)
     if not stamped:  # a backend that cannot tell: its objects' times are this machine's, or none
         return here
     if here - stamped > SKEW_WARNING_S:
@@ -204,13 +210,13 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     objects) is held by a gc that will delete: what writers' leases name is kept, read
     before the listing (storage/leases.py says why in that order).
 
-    Ages are judged by the store's clock (:func:`store_now`), except in a dry run (``recover``
-    False), which writes nothing and takes this machine's.
+    Ages are judged by the store's clock (:func:`store_now`; in a dry run, ``recover`` False, which
+    writes nothing, as far as the store tells it without a write).
     """
     # Objects a killed gc left condemned go back first (not in a dry run, which writes nothing).
     recovered = objects.backend.recover_condemned("objects") if recover else 0
     leased_ids = leased(lock) if lock is not None else set()
-    now = store_now(objects.backend) if recover else time.time()
+    now = store_now(objects.backend, write=recover)
     cutoff = now - grace_s
     # A dry run puts nothing back, so it plans with what the real run's recovery will find.
     listed, temps = objects.inventory(as_recovered=not recover and objects.backend.recovers_condemned)

@@ -67,7 +67,8 @@ _placing = 0
 # pull to the same name removes it (:func:`sweep_left`). Path -> a descriptor holding the lock.
 _locks: dict[str, int] = {}
 _locks_guard = threading.Lock()
-# A temporary younger than this is never swept: it may be between its creation and its lock.
+# A temporary younger than this is never swept: it may be between its creation and its lock. Its
+# age is judged by the clock that stamps the folder's files (a file server's: :func:`_folder_now`).
 _SWEEP_MIN_AGE_S = 10.0
 
 
@@ -252,6 +253,7 @@ def sweep_left(final: str) -> None:
         names = [n for n in os.listdir(d or ".") if n.startswith(prefix) and _TMP_TAIL.fullmatch(n[len(prefix):])]
     except OSError:
         return  # (no such folder yet, say: nothing left there)
+    now: float | None = None  # by the folder's clock, read at the first temporary found
     for n in names:
         path = os.path.join(d, n)
         with _locks_guard:
@@ -267,7 +269,10 @@ def sweep_left(final: str) -> None:
         try:
             st = os.fstat(fd)
             folder = stat.S_ISDIR(st.st_mode)
-            if not (folder or stat.S_ISREG(st.st_mode)) or time.time() - st.st_mtime < _SWEEP_MIN_AGE_S:
+            if not (folder or stat.S_ISREG(st.st_mode)):
+                continue
+            now = _folder_now(final) if now is None else now
+            if now - st.st_mtime < _SWEEP_MIN_AGE_S:
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -285,6 +290,25 @@ def sweep_left(final: str) -> None:
                         "a folder" if folder else f"{st.st_size:,} bytes")
         finally:
             os.close(fd)
+
+
+def _folder_now(final: str) -> float:
+    """Now by the clock that stamps files in ``final``'s folder: the mtime of a temporary made there
+    and removed at once. On NFS that is the file server's clock, which stamps other clients' files;
+    against this machine's, a clock ahead would see another pull's temporary a moment old as older
+    than :data:`_SWEEP_MIN_AGE_S`, before that pull locked it. This machine's clock if none can be
+    made (then nothing can be written there either)."""
+    probe = temp_name(final)  # (a name a later sweep removes, if this process dies before it does)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError:
+        return time.time()
+    try:
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
 
 
 def temp_name(final: str, tag: str = _TMP) -> str:

@@ -231,6 +231,14 @@ class Backend(ABC):
         Raises ``FileNotFoundError`` when absent (where the backend can tell)."""
         return 0.0
 
+    def clock(self, path: str) -> float:
+        """Now by the clock that stamps this store's objects, read without writing anything, from
+        the answer to a request about ``path`` (one that should be there; absent is no error): what
+        a ``gc --dry-run`` judges ages by (storage/gc.py ``store_now``). 0.0 where the backend cannot
+        tell that way. A local folder cannot: it is this machine's clock, unless the folder is on
+        NFS, whose server stamps files but answers no read with its time."""
+        return 0.0
+
     def flush(self) -> None:
         """Make the names of everything written so far durable (a no-op where writes already are)."""
         return None

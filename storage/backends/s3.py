@@ -40,6 +40,8 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timezone
+from email.utils import parsedate_to_datetime
 from typing import Any, TypeVar
 
 from ckpt_store.storage.backends.base import Backend, Data, Entry, joined, too_large
@@ -576,6 +578,36 @@ class S3Backend(Backend):
         if h is None:
             raise FileNotFoundError(errno.ENOENT, "no such object", path)
         return float(h["LastModified"].timestamp())
+
+    def clock(self, path: str) -> float:
+        """The server's time, from the ``Date`` header of its answer to a HEAD of ``path`` (a 404
+        has one too), through the client or sent directly; 0.0 if the answer has none that parses.
+        Whole seconds, rounded down, as ``LastModified`` is."""
+        key = self._key(path)
+
+        def client() -> Any:
+            try:
+                answer = self.client.head_object(Bucket=self.bucket, Key=key)
+            except Exception as e:
+                if (client_error(e) or ("",))[0] not in _MISSING:
+                    raise
+                answer = next((x.response for x in chain(e) if isinstance(getattr(x, "response", None), dict)), {})
+            return (answer.get("ResponseMetadata") or {}).get("HTTPHeaders", {}).get("date")
+
+        def head() -> Any:
+            direct = self._direct
+            r, answer = direct.call(HEAD, key, lambda: direct.head(key), (200, 404), client)
+            if r is None:
+                return answer
+            direct.finish(r)
+            return r.headers.get("date")
+
+        date = self._call("check", path, head)
+        try:
+            when = parsedate_to_datetime(date)
+            return when.replace(tzinfo=when.tzinfo or timezone.utc).timestamp()  # (HTTP dates are GMT)
+        except (TypeError, ValueError, OverflowError):
+            return 0.0
 
     def _list_page(self, prefix: str, token: str | None, delimiter: str, start_after: str = "") -> dict[str, Any]:
         kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}

@@ -197,6 +197,35 @@ def test_copy_between_two_s3_servers(s3_main, second_s3, ckpt_cli, env, files, t
     assert code == 2 and "--to-option" in err and "local" in err and not (tmp_path / "local").exists(), err
 
 
+def test_push_to_and_pull_from_a_second_s3_server(s3_main, second_s3, ckpt_cli, env, files, tmp_path):
+    """`ckpt push REF --to URL` and `ckpt pull REF --from URL` took no options of their own, so the
+    other store was opened with --store's (--storage-option, AWS_ENDPOINT_URL): a second S3 server
+    could not be named. --to-option and --from-option are copy's, for the one store they name."""
+    from s3support import client
+
+    base, ft, _ = files
+    e = {k: v for k, v in env.items() if k != "AWS_ENDPOINT_URL"}  # keys in the environment, endpoints per store
+    url = f"s3://{s3_main.new_bucket()}/s"
+    client(second_s3.endpoint).create_bucket(Bucket=url[5:].split("/")[0])  # the same bucket name there
+    here, there = f"endpoint_url={s3_main.endpoint}", f"endpoint_url={second_s3.endpoint}"
+    s = ["--store", url, "--storage-option", here]
+    ckpt_cli.ok(*s, "push", ft, "m/ft", env=e)
+    doc = ckpt_cli.json(*s, "push", "m/ft", "mirror/ft", "--to", url, "--to-option", there, env=e)
+    assert doc["refs_set"] == 1 and doc["chunks_sent"] > 0
+    assert [r["ref"] for r in ckpt_cli.json("--store", url, "--storage-option", there, "ls", env=e)] == ["mirror/ft"]
+    laptop = tmp_path / "laptop"
+    out = tmp_path / "ft-pulled.safetensors"
+    ckpt_cli.ok("--store", laptop, "pull", "mirror/ft", out, "--from", url, "--from-option", there, env=e)
+    assert out.read_bytes() == ft.read_bytes()
+    assert ckpt_cli.json("--store", laptop, "verify", env=e)["ok"] is True
+    # Without the URL they are for, the options would be dropped: a usage error, nothing done.
+    code, _, err = ckpt_cli(*s, "push", base, "m/base", "--to-option", there, env=e)
+    assert code == 2 and "--to-option" in err, err
+    code, _, err = ckpt_cli(*s, "pull", "m/ft", tmp_path / "x.safetensors", "--from-option", there, env=e)
+    assert code == 2 and "--from-option" in err and not (tmp_path / "x.safetensors").exists(), err
+    assert [r["ref"] for r in ckpt_cli.json(*s, "ls", env=e)] == ["m/ft"]
+
+
 def test_verify_repair_from_s3_honours_storage_options(s3_main, ckpt_cli, env, files, tmp_path):
     """`verify --repair-from s3://...` opened the source without --storage-option: with the endpoint
     and credentials given only that way (as the docs show for every command), the repair failed

@@ -564,12 +564,13 @@ def _in_progress(url: str) -> set[str]:
     return {e.path for e in store.backend.list("objects")}
 
 
-def _skewed_gc_keeps_what_is_young(url: str) -> None:
+def _skewed_gc_keeps_what_is_young(url: str, *flags: str, env: dict[str, str] | None = None) -> None:
     written = _in_progress(url)
-    r = subprocess.run([sys.executable, "-c", _SKEWED_GC, "--store", url, "gc", "--grace", "1h"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", _SKEWED_GC, "--store", url, "gc", "--grace", "1h", *flags],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
     assert r.returncode == 0, r.stderr
-    assert "deleted 0 objects" in r.stdout and "3 recent unreferenced objects" in r.stdout
+    verb = "would delete" if "--dry-run" in flags else "deleted"
+    assert f"{verb} 0 objects" in r.stdout and "3 recent unreferenced objects" in r.stdout, r.stdout
     assert "this machine's clock is 720" in r.stderr and "s ahead of the clock of the store" in r.stderr
     assert {e.path for e in ckpt.Store.open(url).backend.list("objects")} == written  # and no marker left
 
@@ -586,6 +587,14 @@ def test_a_gc_whose_clock_runs_ahead_of_the_s3_servers_keeps_what_is_young(s3_ur
     """The same on S3, whose LastModified is the server's clock (there a push's commit writes again
     under its lease what a gc took, but a DCP save or a rank's persist fails: "push again")."""
     _skewed_gc_keeps_what_is_young(s3_url)
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_a_dry_run_whose_clock_runs_ahead_of_the_s3_servers_plans_what_the_real_run_does(s3_url, direct):
+    """A dry run writes nothing, so it kept its own clock: 2 h ahead, `ckpt gc --dry-run --grace 1h`
+    listed a push's second-old chunks as deleted, which the real run keeps. It now reads the
+    server's time from the Date of an answer (a request sent directly or through botocore)."""
+    _skewed_gc_keeps_what_is_young(s3_url, "--dry-run", env={"CKPT_S3_DIRECT": direct})
 
 
 def test_a_gc_whose_clock_runs_ahead_cannot_break_a_push_it_races(tmp_path, monkeypatch):

@@ -710,6 +710,20 @@ def test_heads_after_the_first_go_out_directly_and_a_404_is_an_answer(s3_server,
         b.size("no/such/object")
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_servers_clock_is_read_without_a_write_through_the_client_and_directly(s3_server, direct):
+    """A gc --dry-run writes nothing, so it cannot stamp a marker to learn the server's time: it
+    reads the Date of a HEAD's answer (200 or 404), the clock that stamps LastModified."""
+    b = S3Backend(f"s3://{s3_server.new_bucket()}/store", s3_server.options(), retry=FAST, direct=direct)
+    b.write("there", b"x")
+    times = [b.clock("there")]  # through the client, which teaches the direct path HEADs
+    stamped = b.mtime("there")
+    times += [b.clock(path) for path in ("missing", "there", "missing")]
+    assert all(stamped - 1 <= t <= time.time() + 1 for t in times), (stamped, times)  # (whole seconds; server here)
+    assert b._direct.sent["HeadObject"] == (4 if direct else 0)
+    assert [e.path for e in b.list("")] == ["there"]  # nothing written
+
+
 def test_a_botocore_without_the_insides_direct_requests_use_falls_back_to_the_client():
     from ckpt_store.storage.backends.s3 import _direct_requests
     from ckpt_store.storage.backends.s3_direct import ClientOnly

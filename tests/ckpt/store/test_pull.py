@@ -728,6 +728,32 @@ def test_a_temporary_a_live_pull_holds_is_never_swept(tmp_path):
     assert (tmp_path / "elsewhere").read_text() == "not a temporary"
 
 
+@pytest.mark.parametrize("skew", [7200, -7200])
+def test_a_temporary_is_judged_young_or_old_by_its_folders_clock(tmp_path, monkeypatch, skew):
+    """A temporary is protected for a few seconds after its creation, before its pull locks it.
+    Its age was this machine's clock less the file's mtime, which a file server stamps (NFS): on a
+    client whose clock runs 2 h ahead, another client's temporary a moment old was swept under its
+    pull; on one 2 h behind, a killed pull's an hour old was never swept. Ages are now read against
+    the mtime of a file the sweep makes in that folder (and removes)."""
+    import time
+    import types
+
+    from ckpt.store import destination
+    from ckpt.store.destination import sweep_left, temp_name
+
+    target = str(tmp_path / "model.safetensors")
+    fresh, old = Path(temp_name(target)), Path(temp_name(target))
+    fresh.write_bytes(b"another pull's, not yet locked")
+    old.write_bytes(b"a killed pull's")
+    _age(old, 3600)
+    (tmp_path / "keep.txt").write_text("precious")
+    real = time.time
+    monkeypatch.setattr(destination, "time", types.SimpleNamespace(time=lambda: real() + skew))  # this sweep's clock only
+    sweep_left(target)
+    assert fresh.read_bytes() == b"another pull's, not yet locked" and not old.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([fresh.name, "keep.txt"])  # nothing else made or left
+
+
 def test_pull_include_picks_one_model_of_a_pipeline_whose_models_share_names(store, tmp_path):
     """A diffusers-style pipeline whose unet/ and text_encoder/ both hold '0.weight': `ckpt pull REF
     unet.safetensors -i 'unet/*'` said 'no tensor matches', and -i '0.*' refused ('appears in two
