@@ -125,10 +125,10 @@ def test_pull_to_pt_writes_a_torch_file_with_the_values(tmp_path, capsys):
     code, _, err = run(capsys, "--store", store, "pull", "sd", str(tmp_path / "out.pt"))
     assert code == 0, err
     got = torch.load(tmp_path / "out.pt", weights_only=True)
-    assert sorted(got) == ["model.n", "model.w", "opt.lr", "step"]
-    assert got["step"] == 12 and got["opt.lr"] == 0.5
-    assert torch.equal(got["model.w"].view(torch.int32), sd["model"]["w"].view(torch.int32))
-    assert got["model.n"].dtype == torch.int64 and int(got["model.n"]) == 7
+    assert list(got) == ["model", "step", "opt"] and list(got["model"]) == ["w", "n"]  # as pushed: nested, in order
+    assert got["step"] == 12 and got["opt"] == {"lr": 0.5}
+    assert torch.equal(got["model"]["w"].view(torch.int32), sd["model"]["w"].view(torch.int32))
+    assert got["model"]["n"].dtype == torch.int64 and int(got["model"]["n"]) == 7
 
 
 def test_include_and_diff_refuse_one_name_in_two_files(tmp_path, capsys):
