@@ -23,6 +23,7 @@ from ckpt_store.storage.backends.base import Backend, Entry
 from ckpt_store.storage.errors import (
     InvalidNameError,
     RefConflictError,
+    RefNotFoundError,
     StorageIOError,
     StoreFormatError,
 )
@@ -325,15 +326,24 @@ class Refs:
         return entry if entry.target is not None else None
 
     def _append(self, name: str, target: str | None, alias: bool = False, attempts: int = 50) -> RefEntry:
+        """Write entry ``target`` one past the newest of ``name``. A removal (``target`` None) is written
+        only past a live entry, read in the same step: two removals racing, one refuses."""
         validate_ref_name(name)
         writer = uuid.uuid4().hex
         for attempt in range(attempts):
-            # The guess stands where entry guess-1 is there: entries are numbered with no gap and each writer
-            # creates one past the newest it sees, so if guess is free (the create is exclusive) nothing newer
-            # exists. Checked, because the ref may have been removed from the folder and begun again since.
-            guess = self._next.pop(name, None) if attempt == 0 else None
-            seq = guess if guess is not None and self.backend.exists(self._entry_path(name, guess - 1)) else \
-                (self._newest(name) or (0, True))[0] + 1
+            if target is None:
+                newest = self._newest(name)
+                if newest is None or self._read(name, *newest).target is None:
+                    raise RefNotFoundError(f"no ref named {name!r}" if newest is None else
+                                           f"ref {name!r} is removed (by another process, if it was there a moment ago)")
+                seq = newest[0] + 1
+            else:
+                # The guess stands where entry guess-1 is there: entries are numbered with no gap and each writer
+                # creates one past the newest it sees, so if guess is free (the create is exclusive) nothing newer
+                # exists. Checked, because the ref may have been removed from the folder and begun again since.
+                guess = self._next.pop(name, None) if attempt == 0 else None
+                seq = guess if guess is not None and self.backend.exists(self._entry_path(name, guess - 1)) else \
+                    (self._newest(name) or (0, True))[0] + 1
             if seq > MAX_SEQ:  # an 11-digit entry name would be written, and never read: the update lost
                 raise StoreFormatError(f"ref {name} has an entry numbered {seq - 1}, the last there can be: it cannot be "
                                        "updated", hint="a damaged or crafted entry? `ckpt log` shows it; use another name")
@@ -357,7 +367,8 @@ class Refs:
         return self._append(name, target, alias)
 
     def remove(self, name: str) -> RefEntry:
-        """Mark ``name`` as removed; its history stays readable with ``ckpt log``."""
+        """Mark ``name`` as removed; its history stays readable with ``ckpt log``. Raises
+        :class:`RefNotFoundError` where it has no live entry, also where another remover got there first."""
         return self._append(name, None)
 
     def listing(self, prefix: str = "") -> dict[str, dict[int, Entry | None]]:

@@ -323,9 +323,10 @@ class Store:
     def remove(self, name: str) -> RefEntry:
         """Remove ref ``name`` (its data is freed by a later ``gc``)."""
         validate_ref_name(name)
-        if self.refs_db.current(name) is None:
-            raise RefNotFoundError(f"no ref named {name!r}", hint=self._near_names(name))
-        return self.refs_db.remove(name)
+        try:
+            return self.refs_db.remove(name)  # checks the ref is live as it writes the removal
+        except RefNotFoundError as e:
+            raise RefNotFoundError(e.message, hint=self._near_names(name)) from None
 
     # -- data ----------------------------------------------------------------
     def push(self, source: object, name: str | None = None, message: str | None = None,

@@ -367,3 +367,32 @@ def test_verify_of_checkpoints_sharing_thousands_of_chunks_holds_no_set_per_chun
         tracemalloc.stop()
     assert report.ok and report.chunks_checked == 1003  # 1001 tensors and the two files' headers
     assert peak < 16 << 20, peak  # 1000 sets of 1000 ids each: 37 MB
+
+
+def test_two_removals_racing_write_one_removal_and_the_other_is_refused(tmp_path, monkeypatch):
+    """`ckpt rm X` checked that X was live, then appended a removal: two racing both succeeded and X's
+    history showed "removed" twice. The removal is written only past a live entry read in the same
+    step; the second remover (staged to land right after the first one's read) is refused."""
+    from ckpt.errors import RefNotFoundError
+    from ckpt_store.storage.refs import Refs
+
+    url = str(tmp_path / "s")
+    store = ckpt.Store.init(url)
+    store.push({"w": torch.ones(2)}, "x")
+    read = Refs._read
+    other: list[object] = []
+
+    def read_then_another_removes(self, name, *args):
+        entry = read(self, name, *args)
+        if not other and name == "x" and entry.target is not None:
+            other.append("staged")  # (before: the other remover reads through this too)
+            ckpt.Store.open(url).remove("x")
+        return entry
+
+    monkeypatch.setattr(Refs, "_read", read_then_another_removes)
+    with pytest.raises(RefNotFoundError, match="removed"):
+        store.remove("x")
+    monkeypatch.setattr(Refs, "_read", read)
+    assert other and [e.target is None for e in store.refs_db.history("x")] == [True, False]  # one removal
+    with pytest.raises(RefNotFoundError, match="no ref named 'x'|removed"):
+        store.remove("x")
