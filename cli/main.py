@@ -438,6 +438,10 @@ def verify(
     repair_from: Annotated[Optional[str], typer.Option("--repair-from", metavar="URL",
                            help="Put back damaged or missing chunks and manifests from the store at URL "
                                 "(each verified there first), then verify again.")] = None,
+    repair_option: Annotated[Optional[list[str]], typer.Option(
+        "--repair-option", metavar="KEY=VALUE", show_default=False,
+        help="A storage option for the --repair-from store only (repeatable), over --storage-option: "
+             "a mirror on another S3 server, endpoint_url=..., profile=NAME.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Re-read and re-hash every object the refs need; name each damaged ref. Exit 1 if any.
@@ -454,10 +458,14 @@ def verify(
       ckpt verify                                # every ref and its history
       ckpt verify m/base m/ft-legal --json
       ckpt verify --repair-from s3://team/store   # put damaged objects back
+      ckpt --store s3://team/store verify --repair-from s3://backup/store --repair-option endpoint_url=http://minio:9000
     """
+    _only_with(repair_from, repair_option, "--repair-from")
     store = _open()
     if repair_from is not None:
-        rr = store.repair(_open(url=repair_from), refs or None, progress=RichProgress())  # with --storage-option
+        # --storage-option, then --repair-option over it
+        rr = store.repair(_open(url=repair_from, own=repair_option, flag="--repair-option"), refs or None,
+                          progress=RichProgress())
         r = rr.after
     else:
         r = store.verify(refs or None, progress=RichProgress())
@@ -531,8 +539,9 @@ def copy(
 def _only_with(url: str | None, own: list[str] | None, flag: str) -> None:
     """Refuse ``flag``-option (the options of the store at ``flag`` URL) without ``flag``: they would be dropped."""
     if own and url is None:
+        hint = f"{flag}-option" if flag != "--repair-from" else "--repair-option"
         raise typer.BadParameter(f"it gives options for the store at {flag} URL, and no {flag} is given "
-                                 "(--storage-option is for --store)", param_hint=f"{flag}-option")
+                                 "(--storage-option is for --store)", param_hint=hint)
 
 
 def _copy(refs: list[str], from_: str | None, to: str | None, from_option: list[str] | None = None,

@@ -246,6 +246,29 @@ def test_verify_repair_from_s3_honours_storage_options(s3_main, ckpt_cli, env, f
     assert doc["ok"] is True and victim.exists()
 
 
+def test_verify_repairs_from_a_mirror_on_a_second_s3_server(s3_main, second_s3, ckpt_cli, env, files, tmp_path):
+    """`verify --repair-from URL` opened the mirror with --store's options: a mirror on another S3
+    server (another endpoint) could not be named, and the damaged store stayed damaged.
+    --repair-option gives the mirror's own options, as --from-option does for copy."""
+    from s3support import client
+
+    base, _, _ = files
+    e = {k: v for k, v in env.items() if k != "AWS_ENDPOINT_URL"}
+    url = f"s3://{s3_main.new_bucket()}/s"
+    client(second_s3.endpoint).create_bucket(Bucket=url[5:].split("/")[0])  # the same bucket name there
+    there = f"endpoint_url={second_s3.endpoint}"
+    ckpt_cli.ok("--store", url, "--storage-option", there, "push", base, "m", env=e)  # the mirror
+    local = tmp_path / "local"
+    ckpt_cli.ok("--store", local, "push", base, "m", env=e)
+    victim = next(p for p in sorted((local / "objects" / "chunks").rglob("*")) if p.is_file())
+    victim.unlink()
+    code, _, err = ckpt_cli("--store", local, "verify", "--repair-option", there, env=e)
+    assert code == 2 and "--repair-option" in err and not victim.exists(), err  # no mirror named: nothing done
+    doc = ckpt_cli.json("--store", local, "verify", "--repair-from", url, "--repair-option", there, env=e)
+    assert doc["ok"] is True and victim.exists()
+    assert ckpt_cli.json("--store", local, "verify", env=e)["ok"] is True
+
+
 def test_storage_options_for_a_command_on_local_stores_only_are_refused(s3_main, ckpt_cli, env, files, tmp_path,
                                                                           monkeypatch):
     """`--store team/store --storage-option endpoint_url=...` (s3:// forgotten) pushed into a local
