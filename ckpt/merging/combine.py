@@ -58,7 +58,7 @@ from ckpt.format.manifest import TensorEntry, chunk_count
 from ckpt.merging.calls import positionals
 from ckpt.merging.methods import MergeMethod, MethodRegistry, default_registry
 from ckpt.progress import Progress
-from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX
+from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX, ReadPool
 from ckpt_store.storage.records import canonical_json
 from ckpt_store.storage.refs import validate_ref_name
 
@@ -253,8 +253,9 @@ def _trim() -> None:
         _MALLOC_TRIM(0)
 
 
-def _read(readers: list[CheckpointReader], step: _Step) -> list[torch.Tensor]:
-    """Tensor ``step.name`` of every reader, fetched in one parallel pass (verified, as any read)."""
+def _read(readers: list[CheckpointReader], step: _Step, pool: ReadPool) -> list[torch.Tensor]:
+    """Tensor ``step.name`` of every reader, fetched in one parallel pass (verified, as any read)
+    by the reading threads of ``pool`` (the merge's: a pool per read started a thread per input per tensor)."""
     import torch
 
     from ckpt.transfer.pipeline import get_chunks, into_tasks
@@ -265,12 +266,12 @@ def _read(readers: list[CheckpointReader], step: _Step) -> list[torch.Tensor]:
         tasks += into_tasks(r.manifest.chunk_size, [(r.info(step.name), t)])
         out.append(t)
     store = readers[0].store
-    get_chunks(store.objects, tasks, store.settings)
+    get_chunks(store.objects, tasks, store.settings, pool=pool)
     return out
 
 
 def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], readers: list[CheckpointReader],
-                base: CheckpointReader | None) -> Callable[[], torch.Tensor]:
+                base: CheckpointReader | None, pool: ReadPool) -> Callable[[], torch.Tensor]:
     identity = method.identity(params)
 
     def compute() -> torch.Tensor:
@@ -281,7 +282,7 @@ def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], rea
         cd = torch.float64 if step.dtype == "F64" else torch.float32
         _trim()
         if step.average is not None:  # a tensor the base lacks: the plain average, in input order
-            xs = _read(list(step.average), step)
+            xs = _read(list(step.average), step, pool)
             if _inputs_themselves(step, xs):
                 return xs[0]
             acc = xs[0].to(cd)
@@ -289,7 +290,7 @@ def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], rea
                 acc.add_(x.to(cd))
             del xs
             return acc.div_(len(step.average)).to(to_torch(step.dtype)).contiguous()
-        xs = _read(readers + ([base] if method.needs_base and base is not None else []), step)
+        xs = _read(readers + ([base] if method.needs_base and base is not None else []), step, pool)
         # (the base too, where the method has one: as the chunk ids are compared)
         if (identity or step.dtype not in FLOAT_DTYPES) and _inputs_themselves(step, xs):
             return xs[0]
@@ -432,12 +433,13 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     keep_small = min(BUNDLE_CHUNK_MAX, cs // 4) if store.objects.backend.streams else 0  # as push's _bundle picks them
     reuse: dict[str, TensorEntry] = {}
     by_name = {s.name: s for s in steps}
+    pool = ReadPool()
     for t in src.files[0].tensors:
         s = by_name[t.name]
         if s.reuse is not None and s.reuse[0].manifest.chunk_size == cs:
             reuse[t.name] = s.reuse[1]
         else:
-            t.src = _LazyTensor(_compute_fn(s, m, bound, readers, base_reader), chunk_count(s.nbytes, cs), gate, keep_small)
+            t.src = _LazyTensor(_compute_fn(s, m, bound, readers, base_reader, pool), chunk_count(s.nbytes, cs), gate, keep_small)
     merged = sum(1 for s in steps if s.reuse is None and s.average is None)
     from_base = tuple(s.name for s in steps if s.reuse is not None and s.reuse[0] is base_reader and base_reader is not None
                       and any(s.name not in r for r in readers))
@@ -459,8 +461,9 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
         record["files"] = {"from": readers[0].id, "paths": [f.path for f in carried]}
     if _remix is not None:
         record["remix"] = _remix
-    result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
-                         lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse, progress=progress)
+    with pool:
+        result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
+                             lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse, progress=progress)
     return MergeResult(result.id, name, m.name, bound, tuple(r.id for r in readers), record["base"], merged,
                        len(steps) - merged - len(from_base) - len(averaged), from_base, result.new_chunks, result.written_bytes,
                        result.logical_bytes, time.perf_counter() - started, averaged, tuple(f.path for f in carried))
