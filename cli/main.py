@@ -679,7 +679,8 @@ def merge(
     """Merge checkpoints tensor by tensor into a new checkpoint NAME (-o).
 
     Parameters are checked before any work. The math runs in float32 (float64 for
-    float64 tensors) and is cast back; one tensor at a time is held per input. The
+    float64 tensors) and is cast back; one tensor at a time is held per input (or a
+    batch of small ones, up to 1 MiB per input, read together). The
     result dedups and delta-encodes like any push; `ckpt show NAME` prints its
     lineage: inputs, method and every parameter value.
 

@@ -19,8 +19,10 @@ base), and each tensor is either
   names it and this option.
 
 Merged tensors are computed lazily, one at a time, when push's workers first ask
-for one of their chunks, and dropped once their last chunk is handed on. Memory
-therefore stays near (inputs + 2) × the largest tensor for linear, task-arithmetic,
+for one of their chunks, and dropped once their last chunk is handed on. Their inputs
+are read one tensor at a time per input, or a batch of small ones (the next tensors
+to merge, together at most ``BATCH_BYTES``, 1 MiB, per input): see :class:`_Inputs`. Memory
+therefore stays near (inputs + 2) × the largest tensor (or 1 MiB) for linear, task-arithmetic,
 dare (linear combine) and slerp, and (inputs + 3) × for ties and dare's ties combine
 (their masks and sums), plus a few chunks of the push pipeline; never whole models
 (benchmarks/results/merge.md and tests/ckpt/merging/test_combine.py measure it). The result is pushed like any checkpoint: its
@@ -253,24 +255,81 @@ def _trim() -> None:
         _MALLOC_TRIM(0)
 
 
-def _read(readers: list[CheckpointReader], step: _Step) -> list[torch.Tensor]:
-    """Tensor ``step.name`` of every reader, fetched in one parallel pass (verified, as any read)."""
-    import torch
+# The inputs of small tensors are read in batches: up to this many bytes (and tensors) of each input
+# at once, the next tensors to merge with the one asked for; a tensor larger than that is read alone.
+BATCH_BYTES = 1 << 20
+BATCH_TENSORS = 256
 
-    from ckpt.transfer.pipeline import get_chunks, into_tasks
 
-    out, tasks = [], []
-    for r in readers:
-        t = torch.empty(step.shape, dtype=to_torch(step.dtype))
-        tasks += into_tasks(r.manifest.chunk_size, [(r.info(step.name), t)])
-        out.append(t)
-    store = readers[0].store
-    get_chunks(store.objects, tasks, store.settings)
-    return out
+class _Inputs:
+    """Reads the inputs of the merged tensors, in one pool of reading threads for the whole merge.
+    A tensor of at most ``BATCH_BYTES`` is read with the next small ones in push order, each read
+    with all its inputs in one parallel pass (from S3, 1,000 tiny tensors read one by one waited
+    for 1,000 rounds of requests); the inputs read ahead are held until their tensor is computed,
+    at most ``BATCH_BYTES`` per input. ``order``: the steps that read their inputs, in push order."""
+
+    def __init__(self, order: list[_Step], sources: Callable[[_Step], list[CheckpointReader]]) -> None:
+        from ckpt.transfer.pipeline import ReadPool
+
+        self._order = order
+        self._at = {s.name: i for i, s in enumerate(order)}
+        self._sources = sources
+        self._ahead: dict[str, list[torch.Tensor]] = {}
+        self._ahead_bytes = 0
+        self._lock = threading.Lock()
+        self.pool = ReadPool()
+
+    def read(self, step: _Step) -> list[torch.Tensor]:
+        """Tensor ``step.name`` of each of its inputs (verified, as any read)."""
+        with self._lock:
+            xs = self._ahead.pop(step.name, None)
+            if xs is not None:
+                self._ahead_bytes -= step.nbytes
+                return xs
+            batch = [step]
+            if step.nbytes <= BATCH_BYTES and step.name in self._at:
+                size = step.nbytes + self._ahead_bytes
+                for s in self._order[self._at[step.name] + 1:]:
+                    if s.name in self._ahead:
+                        continue
+                    if len(batch) == BATCH_TENSORS or size + s.nbytes > BATCH_BYTES:
+                        break
+                    batch.append(s)
+                    size += s.nbytes
+            got = self._fetch(batch)
+            for s in batch[1:]:
+                self._ahead[s.name] = got[s.name]
+                self._ahead_bytes += s.nbytes
+            return got[step.name]
+
+    def _fetch(self, steps: list[_Step]) -> dict[str, list[torch.Tensor]]:
+        import torch
+
+        from ckpt.transfer.pipeline import get_chunks, into_tasks
+
+        out: dict[str, list[torch.Tensor]] = {}
+        tasks = []
+        for step in steps:
+            out[step.name] = []
+            for r in self._sources(step):
+                t = torch.empty(step.shape, dtype=to_torch(step.dtype))
+                tasks += into_tasks(r.manifest.chunk_size, [(r.info(step.name), t)])
+                out[step.name].append(t)
+        store = self._sources(steps[0])[0].store
+        get_chunks(store.objects, tasks, store.settings, pool=self.pool)
+        return out
+
+
+def _sources_fn(method: MergeMethod, readers: list[CheckpointReader], base: CheckpointReader | None,
+                ) -> Callable[[_Step], list[CheckpointReader]]:
+    """The checkpoints a computed step reads: the holders of an averaged tensor; else the inputs and,
+    where the method has one, the base (as the chunk ids are compared)."""
+    both = readers + ([base] if method.needs_base and base is not None else [])
+    return lambda step: list(step.average) if step.average is not None else both
 
 
 def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], readers: list[CheckpointReader],
-                base: CheckpointReader | None) -> Callable[[], torch.Tensor]:
+                base: CheckpointReader | None, reads: _Inputs) -> Callable[[], torch.Tensor]:
     identity = method.identity(params)
 
     def compute() -> torch.Tensor:
@@ -281,7 +340,7 @@ def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], rea
         cd = torch.float64 if step.dtype == "F64" else torch.float32
         _trim()
         if step.average is not None:  # a tensor the base lacks: the plain average, in input order
-            xs = _read(list(step.average), step)
+            xs = reads.read(step)
             if _inputs_themselves(step, xs):
                 return xs[0]
             acc = xs[0].to(cd)
@@ -289,8 +348,7 @@ def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], rea
                 acc.add_(x.to(cd))
             del xs
             return acc.div_(len(step.average)).to(to_torch(step.dtype)).contiguous()
-        xs = _read(readers + ([base] if method.needs_base and base is not None else []), step)
-        # (the base too, where the method has one: as the chunk ids are compared)
+        xs = reads.read(step)  # (the base too, where the method has one: see _sources_fn)
         if (identity or step.dtype not in FLOAT_DTYPES) and _inputs_themselves(step, xs):
             return xs[0]
         for i, x in enumerate(xs):
@@ -432,12 +490,15 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     keep_small = min(BUNDLE_CHUNK_MAX, cs // 4) if store.objects.backend.streams else 0  # as push's _bundle picks them
     reuse: dict[str, TensorEntry] = {}
     by_name = {s.name: s for s in steps}
+    reads = _Inputs([by_name[t.name] for t in src.files[0].tensors if by_name[t.name].reuse is None],
+                     _sources_fn(m, readers, base_reader))
     for t in src.files[0].tensors:
         s = by_name[t.name]
         if s.reuse is not None and s.reuse[0].manifest.chunk_size == cs:
             reuse[t.name] = s.reuse[1]
         else:
-            t.src = _LazyTensor(_compute_fn(s, m, bound, readers, base_reader), chunk_count(s.nbytes, cs), gate, keep_small)
+            t.src = _LazyTensor(_compute_fn(s, m, bound, readers, base_reader, reads), chunk_count(s.nbytes, cs), gate,
+                                keep_small)
     merged = sum(1 for s in steps if s.reuse is None and s.average is None)
     from_base = tuple(s.name for s in steps if s.reuse is not None and s.reuse[0] is base_reader and base_reader is not None
                       and any(s.name not in r for r in readers))
@@ -459,8 +520,9 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
         record["files"] = {"from": readers[0].id, "paths": [f.path for f in carried]}
     if _remix is not None:
         record["remix"] = _remix
-    result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
-                         lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse, progress=progress)
+    with reads.pool:
+        result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
+                             lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse, progress=progress)
     return MergeResult(result.id, name, m.name, bound, tuple(r.id for r in readers), record["base"], merged,
                        len(steps) - merged - len(from_base) - len(averaged), from_base, result.new_chunks, result.written_bytes,
                        result.logical_bytes, time.perf_counter() - started, averaged, tuple(f.path for f in carried))

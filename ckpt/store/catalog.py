@@ -26,7 +26,8 @@ def summarize(manifest: bytes, chunks: list[str]) -> tuple[dict[str, Any], Any, 
 
     info: what ``ls`` shows and base choice ranks by; signature: (name, dtype, nbytes) of
     every tensor; detail: per chunk its decoded length, and the codec each tensor chunk
-    was stored with, in tensor order (what ``du`` adds up).
+    was stored with, in tensor order (what ``du`` adds up); the chunks the checkpoint's
+    files name and whether it is a snapshot (what the web view's overview adds up).
     """
     m = Manifest.from_json(manifest, "manifest")
     return _info(m), _signature(m), _detail(m, chunks)
@@ -45,7 +46,8 @@ def _detail(m: Manifest, chunks: list[str]) -> dict[str, Any]:
     lengths = m.chunk_lengths()
     pos = {c: i for i, c in enumerate(chunks)}
     return {"lengths": [lengths.get(c, 0) for c in chunks],
-            "codecs": [[pos[cid], codec] for t in m.tensors for cid, codec in zip(t.chunks, t.codecs) if cid in pos]}
+            "codecs": [[pos[cid], codec] for t in m.tensors for cid, codec in zip(t.chunks, t.codecs) if cid in pos],
+            "files": sorted({pos[cid] for f in m.files for cid in f.chunks if cid in pos}), "snapshot": "snapshot" in m.extra}
 
 
 @dataclass(frozen=True)
@@ -87,8 +89,10 @@ def _well_formed(st: IndexState, mid: str) -> bool:
         return False
     n = len(entry[0])
     lengths, codecs = entry[1].get("lengths"), entry[1].get("codecs")
+    files, snapshot = entry[1].get("files", []), entry[1].get("snapshot", False)  # (absent from older summaries)
     return (isinstance(lengths, list) and len(lengths) == n and all(_count(x) for x in lengths) and isinstance(codecs, list)
-            and all(isinstance(c, list) and len(c) == 2 and _count(c[0]) and c[0] < n and _count(c[1]) for c in codecs))
+            and all(isinstance(c, list) and len(c) == 2 and _count(c[0]) and c[0] < n and _count(c[1]) for c in codecs)
+            and isinstance(files, list) and all(_count(i) and i < n for i in files) and isinstance(snapshot, bool))
 
 
 def well_formed(st: IndexState, mids: list[str]) -> list[str]:
@@ -124,6 +128,47 @@ def usage_from_index(st: IndexState, mid: str) -> Usage:
     chunks, detail = st.chunks[mid]
     return Usage(st.info[mid]["bytes"], dict(zip(chunks, detail["lengths"], strict=True)),
                  [(chunks[i], codec) for i, codec in detail["codecs"]])
+
+
+@dataclass(frozen=True)
+class Overview:
+    """What the web view's overview shows of one checkpoint, besides what ``ls`` does."""
+
+    own: set[str]  # chunk ids the checkpoint names itself (its files' and tensors'; not their delta bases)
+    mix: dict[int, int]  # codec -> decoded tensor bytes stored with it (as found at push time)
+    snapshot: bool  # a snapshot manager's (its ``extra`` has ``snapshot``)
+
+
+def overviews(store: Store, mids: list[str], checked: set[str]) -> dict[str, Overview]:
+    """The :class:`Overview` of those of checkpoints ``mids`` whose summary the metadata index holds
+    (one read of its chunk lists, not a manifest parsed each: a 10,000-tensor manifest takes ~0.3 s);
+    the others (an index off or unsafe, summaries written before these fields, a manifest missing
+    or damaged) are left out, for the caller to read from their manifests and name the damage. A
+    summary is a manifest's by id, so any snapshot of the index holding one is as good as the
+    newest; the manifest's bytes are still checked against its id (a hash, not a parse), once for
+    the ids the caller keeps in ``checked`` (those found sound are added)."""
+    st = store.index.load(chunks=True) if store.index is not None else None
+    if st is None or st.chunks is None:
+        return {}
+    out = {}
+    for mid in well_formed(st, [m for m in dict.fromkeys(mids) if m in st.info and m in st.chunks]):
+        if mid not in st.chunks:
+            continue  # not well formed: dropped
+        chunks, detail = st.chunks[mid]
+        if "files" not in detail or "snapshot" not in detail:
+            continue
+        if mid not in checked:
+            try:
+                store.objects.get_manifest(mid)
+            except CkptError:
+                continue
+            checked.add(mid)
+        mix: dict[int, int] = {}
+        for i, codec in detail["codecs"]:
+            mix[codec] = mix.get(codec, 0) + detail["lengths"][i]
+        out[mid] = Overview({chunks[i] for i, _ in detail["codecs"]} | {chunks[i] for i in detail["files"]}, mix,
+                            detail["snapshot"])
+    return out
 
 
 def open_index(store: Store) -> StoreIndex | None:

@@ -747,8 +747,41 @@ def _from_bundles(objects: ObjectStore, todo: list[GetTask], manifest: Manifest,
     return todo
 
 
+class ReadPool:
+    """The reading threads of one operation of many :func:`get_chunks` calls (a merge reads each
+    input once per tensor or batch): started once, at the first call that needs them, instead of
+    a pool per call (a thread start per input per tensor), and ended by :meth:`close` (a ``with``
+    block). Threads left by a pool that is never closed end when it is garbage-collected."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._workers = 0
+        self._lock = threading.Lock()
+
+    def executor(self, workers: int) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None or self._workers < workers:  # (more readers asked for: a larger pool)
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False)  # its running reads end; their callers wait for them
+                self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-read")
+                self._workers = workers
+            return self._pool
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> ReadPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Settings, progress: Progress | None = None,
-               manifest: Manifest | None = None) -> GetStats:
+               manifest: Manifest | None = None, pool: ReadPool | None = None) -> GetStats:
     """Fetch, decode (following delta chains) and verify chunks in parallel, into each task's
     ``into`` buffer and/or handing the bytes to its ``sink``.
 
@@ -773,6 +806,8 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
 
     ``manifest``: the checkpoint the tasks read. From a remote store, the small chunks its
     bundles hold are served from them (:func:`_from_bundles`): a few requests, not one each.
+    ``pool``: the reading threads to use (a caller's :class:`ReadPool`, kept between calls);
+    by default a pool of this call's own, ended before it returns.
     """
     todo = list(tasks)
     for t in todo:
@@ -789,7 +824,8 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     submitted = 0  # reads are submitted for todo[:submitted]
     inflight = 0  # bytes of chunks submitted and not yet taken for decoding
     hinted = objects.backend.prefetches
-    io = None if hinted else ThreadPoolExecutor(max_workers=readers, thread_name_prefix="ckpt-read")
+    own = None if hinted or pool is not None else ThreadPoolExecutor(max_workers=readers, thread_name_prefix="ckpt-read")
+    io = None if hinted else own if own is not None else pool.executor(readers)  # type: ignore[union-attr]
     # Blobs in flight: at most ``ahead`` read ahead and one per decoding thread.
     buffers = None if hinted else BlobBuffers(settings.chunk_size + MAX_HEADER, ahead + settings.workers)
 
@@ -838,6 +874,10 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
         run_parallel(get, range(len(todo)), settings.workers, progress, lambda i: todo[i].length,
                      batch=BATCH_BYTES)
     finally:
-        if io is not None:
-            io.shutdown(wait=True, cancel_futures=True)
+        if own is not None:
+            own.shutdown(wait=True, cancel_futures=True)
+        elif reads:  # after an error: this call's reads queued in the shared pool are dropped, running ones ended
+            for f in reads.values():
+                f.cancel()
+            wait(list(reads.values()))
     return stats

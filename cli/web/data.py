@@ -21,6 +21,7 @@ import ckpt
 from ckpt.codecs.chunk import CODEC_NAMES
 from ckpt.errors import CkptError, RefNotFoundError
 from ckpt.format.manifest import Manifest
+from ckpt.store import catalog
 from ckpt_store.cli import results
 
 STEP_REF = re.compile(r"^(?P<run>.+)/step-(?P<step>[0-9]+)\Z")
@@ -87,6 +88,7 @@ class StoreView:
         self._manifest_tensors = 0
         self._diff_tensors = 0
         self._timed: dict[str, tuple[float, Any]] = {}
+        self._checked: set[str] = set()  # manifests whose bytes were found to match their ids (the overview's)
 
     # -- caches ---------------------------------------------------------------------
     def manifest(self, mid: str, store: ckpt.Store | None = None) -> Manifest:
@@ -156,11 +158,28 @@ class StoreView:
         """ls rows with what the overview adds: stored bytes, codec mix, version number."""
         sizes = self.chunk_sizes()
         refs = self.refs()
+        # From the metadata index where it summarizes the checkpoint: parsing every listed manifest took
+        # ~0.3 s per 10,000 tensors. The same numbers as from the manifest (catalog.summarize).
+        with self._lock:
+            checked = set(self._checked)
+        indexed = catalog.overviews(self.store, [r["id"] for r in rows], checked)
+        with self._lock:
+            if len(self._checked) > CACHE_TENSORS // 10:  # ids, ~100 bytes each: bounded
+                self._checked.clear()
+            self._checked |= checked
         out = []
         for r in rows:
             entry = refs.get(r["ref"])
             row = {**r, "stored_bytes": None, "codecs": {}, "update_no": entry.seq if entry is not None else None, "run": None,
                    "damaged": None}
+            o = indexed.get(r["id"])
+            if o is not None:
+                mix: dict[str, int] = {}
+                for codec, n in o.mix.items():
+                    mix[CODEC_NAMES.get(codec, "?")] = mix.get(CODEC_NAMES.get(codec, "?"), 0) + n
+                out.append({**row, "stored_bytes": stored_bytes(o.own, sizes), "codecs": dict(sorted(mix.items())),
+                            "run": (STEP_REF.match(r["ref"]) or {"run": None})["run"] if o.snapshot else None})
+                continue
             try:  # listed from the metadata index, a ref's manifest may yet be damaged: the row says so
                 m = self.manifest(r["id"])
             except CkptError as e:
