@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import CkptError, TensorMismatchError
 from ckpt.format.manifest import TensorEntry
-from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveJob, SaveResult, SnapshotError, SnapshotRun, modified_under_save
+from ckpt.format.tagged_json import TORCH_TAGS, uses_tags
+from ckpt.snapshot.run import SNAPSHOT_FORMATS, SNAPSHOT_TORCH_FORMAT, SaveJob, SaveResult, SnapshotError, SnapshotRun, modified_under_save
 from ckpt.snapshot.state import (
     Stateful,
     autograd_flags,
@@ -104,7 +105,8 @@ class LocalSnapshots:
         flags = autograd_flags(tensors)
         # where the tensors a restore makes anew go (a module's are written in place, wherever they are)
         devices = tensor_devices({n: t for n, t in tensors.items() if not isinstance(state[n.split("/")[0]], torch.nn.Module)})
-        record = {**snapshot, "tree": tree, **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {})}
+        record = {**snapshot, **({"format": SNAPSHOT_TORCH_FORMAT} if uses_tags(tree, TORCH_TAGS) else {}), "tree": tree,
+                  **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {})}
 
         def job() -> SaveResult:
             try:
@@ -302,7 +304,7 @@ class LocalSnapshots:
         tiers = tiers or Tiers([("store", self.store)])
         m = tiers.get_manifest(mid)
         snap = m.extra.get("snapshot")
-        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or not isinstance(snap.get("tree"), dict):
+        if not isinstance(snap, dict) or snap.get("format") not in SNAPSHOT_FORMATS or not isinstance(snap.get("tree"), dict):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")
         tree: dict[str, Any] = snap["tree"]
         step = snapshot_step(m)

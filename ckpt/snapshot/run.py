@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     from ckpt.store.store import Store
 
 SNAPSHOT_FORMAT = 1  # the "snapshot" record in a snapshot manifest's extra (docs/format.md)
+# Format 2: as 1, where the state's tree holds a torch.dtype or torch.device (tagged_json.TORCH_TAGS), which a
+# reader of format 1 would hand out as the dict {"__dtype__": ...}: it refuses format 2 instead.
+SNAPSHOT_TORCH_FORMAT = 2
+SNAPSHOT_FORMATS = (SNAPSHOT_FORMAT, SNAPSHOT_TORCH_FORMAT)
 
 
 class SnapshotError(CkptError):
