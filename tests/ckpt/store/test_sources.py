@@ -237,6 +237,23 @@ def test_a_nested_state_dict_in_memory_pushes_as_its_pt_file_would(store, tmp_pa
 
 
 
+def test_a_dict_of_tensors_with_int_keys_in_memory_pushes_as_its_pt_file_would(store, tmp_path):
+    """store.push({0: t}) was refused ("key 0 is not a string") while the same dict saved with
+    torch.save pushed (as the flat name "0", its int key kept in the structure): both now do the same."""
+    sd = {0: torch.arange(4, dtype=torch.float32), "w": torch.ones(2, dtype=torch.bfloat16)}
+    store.push(sd, "mem")
+    torch.save(sd, tmp_path / "sd.pt")
+    store.push(tmp_path / "sd.pt", "file")
+    mem, file = store.manifest("mem"), store.manifest("file")
+    assert [(t.name, t.dtype, t.shape, t.chunks) for t in mem.tensors] == [(t.name, t.dtype, t.shape, t.chunks) for t in file.tensors]
+    assert mem.extra == file.extra and mem.source == file.source
+    store.pull("mem", str(tmp_path / "back.pt"))
+    assert_same_tree(sd, torch.load(tmp_path / "back.pt", weights_only=True))
+    with pytest.raises(InvalidSourceError, match="only str and int keys"):
+        store.push({1.5: torch.zeros(2)}, "x")
+    assert "x" not in store.refs()
+
+
 def _nothing_stored(store) -> None:
     assert store.refs() == {}
     assert list(store.objects.list("chunks")) == []
