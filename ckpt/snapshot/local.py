@@ -24,7 +24,16 @@ from typing import TYPE_CHECKING, Any
 from ckpt.errors import CkptError, TensorMismatchError
 from ckpt.format.manifest import TensorEntry
 from ckpt.format.tagged_json import TORCH_TAGS, uses_tags
-from ckpt.snapshot.run import SNAPSHOT_FORMATS, SNAPSHOT_TORCH_FORMAT, SaveJob, SaveResult, SnapshotError, SnapshotRun, modified_under_save
+from ckpt.snapshot.run import (
+    SNAPSHOT_FORMATS,
+    SNAPSHOT_SOURCE,
+    SNAPSHOT_TORCH_FORMAT,
+    SaveJob,
+    SaveResult,
+    SnapshotError,
+    SnapshotRun,
+    modified_under_save,
+)
 from ckpt.snapshot.state import (
     Stateful,
     autograd_flags,
@@ -250,7 +259,7 @@ class LocalSnapshots:
             known = {n: (e.dtype, e.shape, e.nbytes) for n, e in reuse.items()}
             # tensors read in place until the optimizer steps come from ``live``
             in_place = {n: live.source(n) for n in live.names} if live is not None else None
-            src = from_tensors(staged, "snapshot", {"snapshot": snapshot}, None, known, in_place, private=True)
+            src = from_tensors(staged, SNAPSHOT_SOURCE, {"snapshot": snapshot}, None, known, in_place, private=True)
             base = self._last[0] if (self._last and self.run.delta) else None
             result = push_source(self.store, src, self.run.ref(step), base_id=base, reuse=reuse,
                                  lineage={"parent": self._last[0] if self._last else None, "base": base, "merge": None},
@@ -278,7 +287,7 @@ class LocalSnapshots:
             copy_chunks(self.store, run.store, {c for e in reuse.values() for c in e.chunks})
         known = {n: (e.dtype, e.shape, e.nbytes) for n, e in reuse.items()}
         in_place = {n: live.source(n) for n in live.names} if live is not None else None
-        src = from_tensors(staged, "snapshot", {"snapshot": snapshot}, None, known, in_place, private=True)
+        src = from_tensors(staged, SNAPSHOT_SOURCE, {"snapshot": snapshot}, None, known, in_place, private=True)
         result = push_source(run.store, src, run.ref(step), reuse=reuse, aliases=(run.latest,),
                              lineage={"parent": None, "base": None, "merge": None})
         # this path's store did not take the snapshot: its next one starts over (no reuse)
