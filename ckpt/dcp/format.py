@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 DCP_SOURCE = "dcp"  # Manifest.source of a distributed checkpoint
 DCP_FORMAT = "ckpt-dcp"
 DCP_VERSION = 1
-# Version 2: as 1, where a value holds a torch.dtype or torch.device (tagged_json.TORCH_TAGS), which a
+# Version 2: as 1, where a value uses a tag added later (tagged_json.LATER_TAGS: a torch.dtype, a set...), which a
 # version-1 reader would hand out as the dict {"__dtype__": ...}: it refuses version 2 instead.
 DCP_TORCH_VERSION = 2
 
@@ -156,7 +156,7 @@ def encode_metadata(md: Metadata, entries: dict[tuple[str, tuple[int, ...]], str
             raise UnsupportedStateError("this planner's planner_data is not supported (only key paths of str/int)",
                                         hint="use DefaultSavePlanner, or a planner whose planner_data is None")
         planner = {k: list(v) for k, v in pd.items()}
-    tagged = any(tagged_json.uses_tags(it["value"], tagged_json.TORCH_TAGS) for it in items.values() if it["kind"] == "value")
+    tagged = any(tagged_json.uses_tags(it["value"], tagged_json.LATER_TAGS) for it in items.values() if it["kind"] == "value")
     return {"format": DCP_FORMAT, "version": DCP_TORCH_VERSION if tagged else DCP_VERSION, "dcp_version": md.version, "items": items,
             "planner_data": planner}
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.format.dtypes import itemsize
-from ckpt.format.tagged_json import TORCH_TAGS, decode, tensor_refs, uses_tags
+from ckpt.format.tagged_json import LATER_TAGS, decode, tensor_refs, uses_tags
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
@@ -29,7 +29,7 @@ MANIFEST_VERSION = 1
 # value needs a tag (a tuple in a pushed .pt, say), so that a reader that knows only version 1 refuses
 # such a manifest instead of handing out ``{"__tuple__": ...}`` as the value.
 EXTRA_TAGGED_VERSION = 2
-# Version 3: as 2, where ``extra`` uses a tag that version 2 does not know (``__dtype__``, ``__device__``),
+# Version 3: as 2, where ``extra`` uses a tag that version 2 does not know (``LATER_TAGS``: ``__dtype__``, ``__set__``...),
 # which a version-2 reader would hand out as a plain dict, or holds a pushed .pt's structure
 # (``STRUCTURE``), which a version-2 reader would refuse as a damaged value: it refuses version 3 instead.
 EXTRA_DTYPE_VERSION = 3
@@ -313,7 +313,7 @@ class Manifest:
     def _version(self) -> int:
         if not self.extra_tagged:
             return MANIFEST_VERSION
-        new = uses_tags(self.extra, TORCH_TAGS) or (self.source == "state-dict" and STRUCTURE in self.extra)
+        new = uses_tags(self.extra, LATER_TAGS) or (self.source == "state-dict" and STRUCTURE in self.extra)
         return EXTRA_DTYPE_VERSION if new else EXTRA_TAGGED_VERSION
 
     def _has_structure(self) -> bool:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import CkptError, TensorMismatchError
 from ckpt.format.manifest import TensorEntry
-from ckpt.format.tagged_json import TORCH_TAGS, uses_tags
+from ckpt.format.tagged_json import LATER_TAGS, uses_tags
 from ckpt.snapshot.run import (
     SNAPSHOT_FORMATS,
     SNAPSHOT_SOURCE,
@@ -114,7 +114,7 @@ class LocalSnapshots:
         flags = autograd_flags(tensors)
         # where the tensors a restore makes anew go (a module's are written in place, wherever they are)
         devices = tensor_devices({n: t for n, t in tensors.items() if not isinstance(state[n.split("/")[0]], torch.nn.Module)})
-        record = {**snapshot, **({"format": SNAPSHOT_TORCH_FORMAT} if uses_tags(tree, TORCH_TAGS) else {}), "tree": tree,
+        record = {**snapshot, **({"format": SNAPSHOT_TORCH_FORMAT} if uses_tags(tree, LATER_TAGS) else {}), "tree": tree,
                   **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {})}
 
         def job() -> SaveResult:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 SNAPSHOT_SOURCE = "snapshot"  # Manifest.source of a single process's snapshot (a process group's is "dcp")
 SNAPSHOT_FORMAT = 1  # the "snapshot" record in a snapshot manifest's extra (docs/format.md)
-# Format 2: as 1, where the state's tree holds a torch.dtype or torch.device (tagged_json.TORCH_TAGS), which a
+# Format 2: as 1, where the state's tree uses a tag added later (tagged_json.LATER_TAGS: a torch.dtype, a set...), which a
 # reader of format 1 would hand out as the dict {"__dtype__": ...}: it refuses format 2 instead.
 SNAPSHOT_TORCH_FORMAT = 2
 SNAPSHOT_FORMATS = (SNAPSHOT_FORMAT, SNAPSHOT_TORCH_FORMAT)
