@@ -103,9 +103,10 @@ def encode_value(x: Any, where: str) -> Any:
     return tagged_json.encode(x, where, unsupported=unsupported, reserved=CHUNK_LIST_KEYS)
 
 
-def decode_value(x: Any, what: str) -> Any:
-    """Inverse of :func:`encode_value`; a :class:`StoreFormatError` for anything it would not write."""
-    return tagged_json.decode(x, what)
+def decode_value(x: Any, what: str, *, later: bool = True) -> Any:
+    """Inverse of :func:`encode_value`; a :class:`StoreFormatError` for anything it would not write.
+    ``later``: the record is of a version with the tags added after version 1 (``DCP_TORCH_VERSION``)."""
+    return tagged_json.decode(x, what, later=later)
 
 
 # -- metadata --------------------------------------------------------------------------
@@ -217,7 +218,7 @@ def decode_layout(extra: dict[str, Any], what: str) -> DcpLayout:
         if not isinstance(it, dict) or it.get("kind") not in ("tensor", "value"):
             raise StoreFormatError(f"{w} is neither a tensor nor a value")
         if it["kind"] == "value":
-            values[fqn] = decode_value(it.get("value"), w)
+            values[fqn] = decode_value(it.get("value"), w, later=o["version"] == DCP_TORCH_VERSION)
             continue
         dtype, size, shards = it.get("dtype"), _ints(it.get("size"), w), it.get("shards")
         if dtype not in DTYPES or not isinstance(shards, list):

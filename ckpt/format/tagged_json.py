@@ -144,10 +144,12 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
     return enc(x, path, 0)
 
 
-def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None) -> Any:
+def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, later: bool = True) -> Any:
     """Inverse of :func:`encode`; :class:`StoreFormatError` for anything it would not write.
 
     ``tensor(name)`` resolves ``{"__tensor__": name}``; without it such a value is an error.
+    ``later``: whether the record is of a version that has ``LATER_TAGS``; in one before them
+    (``False``) a dict holding such a key is the plain dict that version wrote.
     """
 
     def dec(x: Any, depth: int) -> Any:
@@ -159,7 +161,7 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None) -> 
             return [dec(v, depth + 1) for v in x]
         if not isinstance(x, dict):
             raise StoreFormatError(f"{what}: bad value")
-        if len(x) == 1 and isinstance(next(iter(x.values())), _LATER_SHAPE.get(next(iter(x)), ())):
+        if later and len(x) == 1 and isinstance(next(iter(x.values())), _LATER_SHAPE.get(next(iter(x)), ())):
             tag, v = next(iter(x.items()))
             value = _later(tag, v, lambda e: dec(e, depth + 1))
             if value is None:

@@ -316,6 +316,7 @@ class LocalSnapshots:
         if not isinstance(snap, dict) or snap.get("format") not in SNAPSHOT_FORMATS or not isinstance(snap.get("tree"), dict):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")
         tree: dict[str, Any] = snap["tree"]
+        later = snap["format"] == SNAPSHOT_TORCH_FORMAT  # (format 1 has no later tags: a dict holding such a key is a dict)
         step = snapshot_step(m)
         if step is None:
             raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's step ({snap.get('step')!r:.40}) is malformed")
@@ -343,7 +344,7 @@ class LocalSnapshots:
                 raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} names tensors it does not "
                                     f"hold ({', '.join(repr(n)[:80] for n in unknown[:3])})")
             try:  # its structure (decoded again, with the tensors, once they are written)
-                unflatten(node["value"], _Nothing())
+                unflatten(node["value"], _Nothing(), later=later)
             except CkptError as e:
                 raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} is malformed ({e})") from None
         pairs: list[tuple[TensorEntry, torch.Tensor]] = []
@@ -371,7 +372,7 @@ class LocalSnapshots:
                 used.update(t.untyped_storage().data_ptr() for t in live.values() if t.numel())
                 continue
             if kind == "stateful":
-                _check_param_groups(key, obj, value)  # before anything is written
+                _check_param_groups(key, obj, value, later)  # before anything is written
             # An optimizer's (or any Stateful's) own tensors of the right shape and dtype are
             # written in place, and load_state_dict() then adopts them without a copy: no
             # fresh allocation (page faults) for the largest part of a training state.
@@ -401,7 +402,7 @@ class LocalSnapshots:
         for n in fresh:  # flagged once written (a Parameter wraps the tensor the fill wrote)
             decoded[n] = with_autograd_flags(n, decoded[n], flags)
         for key, obj, kind, value in loaders:
-            restored = unflatten(value, decoded)
+            restored = unflatten(value, decoded, later=later)
             if kind == "stateful" and isinstance(obj, Stateful):
                 try:
                     obj.load_state_dict(restored)
@@ -417,7 +418,7 @@ class LocalSnapshots:
         return step
 
 
-def _check_param_groups(key: str, obj: Any, saved: Any) -> None:
+def _check_param_groups(key: str, obj: Any, saved: Any, later: bool) -> None:
     """An optimizer restored needs the snapshot's parameter groups (as many, as large): torch's
     ``load_state_dict`` refuses others, and it runs last, after the rest of the state is written.
     Checked first, so that a mismatch leaves everything as it was."""
@@ -428,7 +429,7 @@ def _check_param_groups(key: str, obj: Any, saved: Any) -> None:
     if not isinstance(obj, torch.optim.Optimizer):
         return
     try:  # the saved state dict's structure (its tensors are not read here)
-        saved = unflatten(saved, _Nothing())
+        saved = unflatten(saved, _Nothing(), later=later)
     except CkptError:
         return  # a malformed record: the restore refuses it when it decodes it
     if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):

@@ -293,6 +293,31 @@ def test_pt_complex_set_and_bytearray_values_round_trip(store, tmp_path):
         store.push(tmp_path / "t.pt", "t")
 
 
+def test_a_dict_an_older_ckpt_wrote_with_a_key_now_a_tag_reads_as_that_dict(store, tmp_path):
+    """Before the tags of torch values, sets... existed, {"__dtype__": "float32"} was a plain dict, written as it
+    is in a version-2 manifest (a snapshot of format 1, a ckpt-dcp record of version 1): it read back as
+    torch.float32, silently, and the manifest re-encoded as version 3 (other bytes, another id). Those tags
+    are tags only in the records whose version has them."""
+    from ckpt.dcp.format import decode_layout
+    from ckpt.format.manifest import Manifest
+    from ckpt.snapshot.state import unflatten
+
+    torch.save({"w": torch.ones(2), "t": (1, 2)}, tmp_path / "t.pt")
+    store.push(tmp_path / "t.pt", "t")
+    doc = json.loads(store.objects.get_manifest(store.resolve("t")))
+    assert doc["version"] == 2
+    old = [{"__dtype__": "float32"}, {"__set__": [1]}, {"__bytearray__": "00"}, {"__complex__": [1.0, 2.0]}]
+    doc["extra"]["opts"] = old
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    m = Manifest.from_json(raw)
+    assert m.extra_values()["opts"] == old and m.to_json() == raw
+    assert unflatten(old, {}, later=False) == old and unflatten(old, {})[0] is torch.float32
+    layout = {"dcp": {"format": "ckpt-dcp", "version": 1, "planner_data": None, "items": {"v": {"kind": "value", "value": old}}}}
+    assert decode_layout(layout, "m").values["v"] == old
+    layout["dcp"]["version"] = 2
+    assert decode_layout(layout, "m").values["v"][0] is torch.float32
+
+
 def test_pt_dtype_values_round_trip(store, tmp_path):
     """``torch.load(weights_only=True)`` reads a ``torch.dtype`` (a config's ``{"dtype": torch.bfloat16}``):
     a push refused such a file. It is the ``__dtype__`` tag, in a version-3 manifest (a version-2 reader
