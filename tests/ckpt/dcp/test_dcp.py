@@ -136,6 +136,21 @@ def test_values_holding_a_dtype_or_device_make_a_layout_readers_before_those_tag
     assert into["cfg"] == cfg and into["cfg"]["dtype"] is torch.bfloat16
 
 
+def test_a_writer_whose_metadata_no_manifest_can_hold_is_refused_before_any_data(tmp_path, monkeypatch):
+    """Metadata or extra past what a manifest may hold (MAX_RECORD_BYTES, lowered here) failed the save only at
+    its commit, after every rank had written its chunks (left for gc): the Writer now refuses it when made."""
+    from ckpt.errors import RecordTooLargeError
+    from ckpt_store.storage import objects
+
+    monkeypatch.setattr(objects, "MAX_RECORD_BYTES", 1 << 16)
+    url = str(tmp_path / "s")
+    ckpt.Store.init(url)
+    with pytest.raises(RecordTooLargeError, match="more than the 65,536"):
+        dcp.save({"w": torch.ones(4)}, storage_writer=ckpt.dcp.Writer(url, "big/x", extra={"notes": "x" * 70_000}))
+    store = ckpt.Store.open(url)
+    assert store.refs() == {} and list(store.objects.list("chunks")) == []
+
+
 def test_values_never_look_like_chunk_lists(tmp_path):
     """A value holding a dict keyed "chunks" must not be read by gc as chunk ids (docs/format.md)."""
     from ckpt.dcp.format import decode_value, encode_value
