@@ -28,6 +28,15 @@ KINDS = ("chunks", "manifests")
 _ID = re.compile(r"^[0-9a-f]{64}\Z")
 
 
+def check_manifest_size(nbytes: int, what: str) -> None:
+    """:class:`RecordTooLargeError` where ``what`` (a manifest, or part of one) is ``nbytes`` bytes, past
+    what :meth:`ObjectStore.get` reads of a manifest (``MAX_RECORD_BYTES``): no reader could open it."""
+    if nbytes > MAX_RECORD_BYTES:
+        raise RecordTooLargeError(f"{what} is {nbytes:,} bytes, more than the {MAX_RECORD_BYTES:,} a store's readers accept",
+                                  hint="a checkpoint's non-tensor values are kept in its manifest: "
+                                  "save large ones (a list of millions of numbers) as tensors")
+
+
 def object_id(data: bytes | memoryview) -> str:
     """BLAKE3 of ``data`` as 64 lowercase hex digits: the name of every object."""
     return blake3.blake3(data).hexdigest()
@@ -109,10 +118,8 @@ class ObjectStore:
         reads (``MAX_RECORD_BYTES``) is a :class:`RecordTooLargeError`: written, it would name a
         checkpoint no reader can open.
         """
-        if kind == "manifests" and len(blob) > MAX_RECORD_BYTES:
-            raise RecordTooLargeError(f"manifest {oid[:12]} is {len(blob):,} bytes, more than the {MAX_RECORD_BYTES:,} "
-                                      "a store's readers accept", hint="a checkpoint's non-tensor values are kept in its manifest: "
-                                      "save large ones (a list of millions of numbers) as tensors")
+        if kind == "manifests":
+            check_manifest_size(len(blob), f"manifest {oid[:12]}")
         p = self.path(kind, oid)
         if self.backend.touch(p):
             return False

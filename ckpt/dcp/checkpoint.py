@@ -76,6 +76,7 @@ from ckpt.store.sources import MemBytes
 from ckpt.transfer.pipeline import PutTask, put_chunks, put_tasks
 from ckpt_store.storage.commit import commit
 from ckpt_store.storage.errors import StoreFormatError
+from ckpt_store.storage.objects import check_manifest_size
 from ckpt_store.storage.records import canonical_json
 from ckpt_store.storage.refs import validate_ref_name
 
@@ -156,7 +157,9 @@ class Writer(StorageWriter):
         self.name = validate_ref_name(name) if name is not None else None
         self.message, self.base, self.delta = message, base, delta
         self.aliases = tuple(validate_ref_name(a) for a in aliases)
-        canonical_json([metadata or {}, extra or {}])  # JSON or an error now, not after the data is written
+        # JSON, and within what the manifest may hold, or an error now, not after the data is written
+        check_manifest_size(len(canonical_json([metadata or {}, extra or {}, message])),
+                            "the JSON of the checkpoint's metadata, extra and message")
         if extra and "dcp" in extra:
             raise ValueError("extra['dcp'] is reserved for DCP's metadata")
         self.metadata, self.extra = dict(metadata or {}), dict(extra or {})

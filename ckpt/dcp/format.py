@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 DCP_SOURCE = "dcp"  # Manifest.source of a distributed checkpoint
 DCP_FORMAT = "ckpt-dcp"
 DCP_VERSION = 1
+# Version 2: as 1, where a value uses a tag added later (tagged_json.LATER_TAGS: a torch.dtype, a set...), which a
+# version-1 reader would hand out as the dict {"__dtype__": ...}: it refuses version 2 instead.
+DCP_TORCH_VERSION = 2
 
 
 class UnsupportedStateError(CkptError):
@@ -100,9 +103,10 @@ def encode_value(x: Any, where: str) -> Any:
     return tagged_json.encode(x, where, unsupported=unsupported, reserved=CHUNK_LIST_KEYS)
 
 
-def decode_value(x: Any, what: str) -> Any:
-    """Inverse of :func:`encode_value`; a :class:`StoreFormatError` for anything it would not write."""
-    return tagged_json.decode(x, what)
+def decode_value(x: Any, what: str, *, later: bool = True) -> Any:
+    """Inverse of :func:`encode_value`; a :class:`StoreFormatError` for anything it would not write.
+    ``later``: the record is of a version with the tags added after version 1 (``DCP_TORCH_VERSION``)."""
+    return tagged_json.decode(x, what, later=later)
 
 
 # -- metadata --------------------------------------------------------------------------
@@ -153,7 +157,8 @@ def encode_metadata(md: Metadata, entries: dict[tuple[str, tuple[int, ...]], str
             raise UnsupportedStateError("this planner's planner_data is not supported (only key paths of str/int)",
                                         hint="use DefaultSavePlanner, or a planner whose planner_data is None")
         planner = {k: list(v) for k, v in pd.items()}
-    return {"format": DCP_FORMAT, "version": DCP_VERSION, "dcp_version": md.version, "items": items,
+    tagged = any(tagged_json.uses_tags(it["value"], tagged_json.LATER_TAGS) for it in items.values() if it["kind"] == "value")
+    return {"format": DCP_FORMAT, "version": DCP_TORCH_VERSION if tagged else DCP_VERSION, "dcp_version": md.version, "items": items,
             "planner_data": planner}
 
 
@@ -198,8 +203,9 @@ def decode_layout(extra: dict[str, Any], what: str) -> DcpLayout:
     o = extra.get("dcp")
     if not isinstance(o, dict) or o.get("format") != DCP_FORMAT:
         raise StoreFormatError(f"{what} is not a distributed (DCP) checkpoint")
-    if o.get("version") != DCP_VERSION:
-        raise StoreFormatError(f"{what}: ckpt-dcp version {o.get('version')!r}; this ckpt reads version {DCP_VERSION}",
+    if o.get("version") not in (DCP_VERSION, DCP_TORCH_VERSION):
+        raise StoreFormatError(f"{what}: ckpt-dcp version {o.get('version')!r}; this ckpt reads versions {DCP_VERSION}, "
+                               f"{DCP_TORCH_VERSION}",
                                hint="upgrade ckpt to read it")
     items = o.get("items")
     if not isinstance(items, dict):
@@ -212,7 +218,7 @@ def decode_layout(extra: dict[str, Any], what: str) -> DcpLayout:
         if not isinstance(it, dict) or it.get("kind") not in ("tensor", "value"):
             raise StoreFormatError(f"{w} is neither a tensor nor a value")
         if it["kind"] == "value":
-            values[fqn] = decode_value(it.get("value"), w)
+            values[fqn] = decode_value(it.get("value"), w, later=o["version"] == DCP_TORCH_VERSION)
             continue
         dtype, size, shards = it.get("dtype"), _ints(it.get("size"), w), it.get("shards")
         if dtype not in DTYPES or not isinstance(shards, list):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.format.dtypes import itemsize
-from ckpt.format.tagged_json import TORCH_TAGS, decode, tensor_refs, uses_tags
+from ckpt.format.tagged_json import LATER_TAGS, decode, tensor_refs, uses_tags
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
@@ -29,7 +29,7 @@ MANIFEST_VERSION = 1
 # value needs a tag (a tuple in a pushed .pt, say), so that a reader that knows only version 1 refuses
 # such a manifest instead of handing out ``{"__tuple__": ...}`` as the value.
 EXTRA_TAGGED_VERSION = 2
-# Version 3: as 2, where ``extra`` uses a tag that version 2 does not know (``__dtype__``, ``__device__``),
+# Version 3: as 2, where ``extra`` uses a tag that version 2 does not know (``LATER_TAGS``: ``__dtype__``, ``__set__``...),
 # which a version-2 reader would hand out as a plain dict, or holds a pushed .pt's structure
 # (``STRUCTURE``), which a version-2 reader would refuse as a damaged value: it refuses version 3 instead.
 EXTRA_DTYPE_VERSION = 3
@@ -250,6 +250,9 @@ class Manifest:
     lineage: dict[str, Any] = field(default_factory=lambda: {"parent": None, "base": None, "merge": None})
     bundles: tuple[BundleEntry, ...] = ()  # copies of its small chunks, for remote readers
     extra_tagged: bool = False  # ``extra`` is tagged JSON (version 2): :meth:`extra_values` decodes it
+    # The version it was read with; None where it is made here (then it follows from its content, :meth:`_version`):
+    # a version-2 manifest may hold a plain dict with a key that is a tag in version 3, and stays version 2.
+    read_version: int | None = field(default=None, compare=False)
 
     def to_json(self) -> bytes:
         # "bundles" only where there are some: every manifest without keeps its bytes and id.
@@ -302,6 +305,7 @@ class Manifest:
             lineage=_lineage(o, what),
             bundles=bundles,
             extra_tagged=o["version"] != MANIFEST_VERSION,
+            read_version=o["version"],
         )
         m._lengths(what)  # one length per chunk id
         if m.extra_tagged:
@@ -311,9 +315,11 @@ class Manifest:
         return m
 
     def _version(self) -> int:
+        if self.read_version is not None:
+            return self.read_version
         if not self.extra_tagged:
             return MANIFEST_VERSION
-        new = uses_tags(self.extra, TORCH_TAGS) or (self.source == "state-dict" and STRUCTURE in self.extra)
+        new = uses_tags(self.extra, LATER_TAGS) or (self.source == "state-dict" and STRUCTURE in self.extra)
         return EXTRA_DTYPE_VERSION if new else EXTRA_TAGGED_VERSION
 
     def _has_structure(self) -> bool:
@@ -325,7 +331,8 @@ class Manifest:
         .pt's structure is not one of them (:meth:`structure`)."""
         if not self.extra_tagged:
             return dict(self.extra)
-        return {k: decode(v, f"{what}: extra {k!r}") for k, v in self.extra.items()
+        later = self._version() == EXTRA_DTYPE_VERSION
+        return {k: decode(v, f"{what}: extra {k!r}", later=later) for k, v in self.extra.items()
                 if not (k == STRUCTURE and self._has_structure())}
 
     def structure(self, tensors: Mapping[str, Any], what: str = "manifest") -> Any | None:

@@ -5,7 +5,9 @@ is a tag: ``{"__tuple__": [...]}``, ``{"__dict__": [[k, v], ...]}`` for a dict w
 keys are not all plain strings (an optimizer's state is keyed by int),
 ``{"__float__": "inf"}`` for inf/-inf/nan, ``{"__bytes__": "<hex>"}``,
 ``{"__dtype__": "bfloat16"}`` for a ``torch.dtype`` and ``{"__device__": "cuda:0"}`` for a
-``torch.device`` (which ``torch.load(weights_only=True)`` allows, so some configs save them), and ``{"__tensor__": NAME}`` where a tree points at a
+``torch.device`` (which ``torch.load(weights_only=True)`` allows, so some configs save them),
+``{"__complex__": [real, imag]}``, ``{"__set__": [items in the order of their JSON]}`` and
+``{"__bytearray__": "<hex>"}`` (which it allows too), and ``{"__tensor__": NAME}`` where a tree points at a
 stored tensor.
 
 Snapshots (``ckpt.snapshot.state``) and distributed checkpoints (``ckpt.dcp.format``)
@@ -26,12 +28,20 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ckpt_store.storage.errors import StoreFormatError
+from ckpt_store.storage.records import canonical_json
 
 TENSOR = "__tensor__"
 DTYPE = "__dtype__"
 DEVICE = "__device__"
-TORCH_TAGS = (DTYPE, DEVICE)  # tags of torch values, added after the others (docs/format.md: manifest version 3)
-TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", DTYPE, DEVICE, TENSOR)
+COMPLEX = "__complex__"
+SET = "__set__"
+BYTEARRAY = "__bytearray__"
+TORCH_TAGS = (DTYPE, DEVICE)  # tags of torch values
+# Tags added after the others: a record using one is of a version older readers refuse (docs/format.md:
+# manifest version 3, snapshot format 2, ckpt-dcp version 2), and a dict an earlier version wrote with
+# such a key, in any other shape than the tag's, still reads as that dict.
+LATER_TAGS = (*TORCH_TAGS, COMPLEX, SET, BYTEARRAY)
+TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", *LATER_TAGS, TENSOR)
 MAX_DEPTH = 64
 MAX_EXPANSION = 8
 
@@ -52,7 +62,7 @@ class ExpansionGuard:
     def enter(self, x: Any) -> bool:
         """Count entering ``x``; False once the walk has entered far more than there is."""
         n = len(x)
-        if isinstance(x, (str, bytes)) and n < 1024:  # short ones: a key shared by every parameter's state
+        if isinstance(x, (str, bytes, bytearray)) and n < 1024:  # short ones: a key shared by every parameter's state
             return True
         self.walked += n
         if id(x) not in self._seen:
@@ -85,7 +95,7 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
     def enc(x: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
             return _raise(unsupported(path, "value nested too deeply"))
-        if isinstance(x, (tuple, list, dict, str, bytes)) and not walk.enter(x):
+        if isinstance(x, (tuple, list, dict, set, str, bytes, bytearray)) and not walk.enter(x):
             return _raise(unsupported(path, "a value whose lists, dicts or strings are shared so often that it expands "
                                             "to far more than it holds"))
         if x is None or isinstance(x, (bool, str)):
@@ -94,8 +104,18 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
             return int(x)
         if isinstance(x, float):
             return float(x) if math.isfinite(x) else {"__float__": repr(float(x))}
+        if isinstance(x, complex):
+            return {COMPLEX: [enc(x.real, path, depth + 1), enc(x.imag, path, depth + 1)]}
         if isinstance(x, bytes):
             return {"__bytes__": x.hex()}
+        if isinstance(x, bytearray):
+            return {BYTEARRAY: x.hex()}
+        if isinstance(x, set):
+            items = [enc(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]
+            if uses_tags(items, (TENSOR,)):
+                return _raise(unsupported(path, "a set holding a tensor"))
+            # in the order of their JSON, not of the set's (which differs between processes): one id per content
+            return {SET: sorted(items, key=canonical_json)}
         if isinstance(x, tuple):
             return {"__tuple__": [enc(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]}
         if isinstance(x, list):
@@ -124,10 +144,12 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
     return enc(x, path, 0)
 
 
-def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None) -> Any:
+def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, later: bool = True) -> Any:
     """Inverse of :func:`encode`; :class:`StoreFormatError` for anything it would not write.
 
     ``tensor(name)`` resolves ``{"__tensor__": name}``; without it such a value is an error.
+    ``later``: whether the record is of a version that has ``LATER_TAGS``; in one before them
+    (``False``) a dict holding such a key is the plain dict that version wrote.
     """
 
     def dec(x: Any, depth: int) -> Any:
@@ -139,14 +161,14 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None) -> 
             return [dec(v, depth + 1) for v in x]
         if not isinstance(x, dict):
             raise StoreFormatError(f"{what}: bad value")
-        if len(x) == 1 and next(iter(x)) in TORCH_TAGS and isinstance(next(iter(x.values())), str):
+        if later and len(x) == 1 and isinstance(next(iter(x.values())), _LATER_SHAPE.get(next(iter(x)), ())):
             tag, v = next(iter(x.items()))
-            value = _dtypes().get(v) if tag == DTYPE else _device(v)
+            value = _later(tag, v, lambda e: dec(e, depth + 1))
             if value is None:
                 raise StoreFormatError(f"{what}: bad {tag} value")
             return value
-        # Any other dict holding one of TORCH_TAGS is what versions before those tags wrote as a plain dict.
-        tags = [k for k in x if k in TAGS and k not in TORCH_TAGS]
+        # Any other dict holding one of LATER_TAGS is what versions before those tags wrote as a plain dict.
+        tags = [k for k in x if k in TAGS and k not in LATER_TAGS]
         if not tags:
             return {k: dec(v, depth + 1) for k, v in x.items()}
         tag, v = tags[0], x[tags[0]]
@@ -167,6 +189,27 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None) -> 
         raise StoreFormatError(f"{what}: bad {tag} value")
 
     return dec(x, 0)
+
+
+_LATER_SHAPE: dict[str, type] = {DTYPE: str, DEVICE: str, BYTEARRAY: str, COMPLEX: list, SET: list}
+
+
+def _later(tag: str, v: Any, dec: Callable[[Any], Any]) -> Any:
+    """The value of one of LATER_TAGS (``v`` of its shape), or None where ``v`` is not what :func:`encode` writes."""
+    if tag == DTYPE:
+        return _dtypes().get(v)
+    if tag == DEVICE:
+        return _device(v)
+    try:
+        if tag == BYTEARRAY:
+            return bytearray.fromhex(v)
+        items = [dec(e) for e in v]
+        if tag == COMPLEX:
+            return complex(*items) if len(items) == 2 and all(type(e) is float for e in items) else None
+        out = set(items)  # (TypeError: an item a set cannot hold, such as a list)
+        return out if len(out) == len(items) else None
+    except (TypeError, ValueError):
+        return None
 
 
 def tensor_refs(tree: Any) -> list[str]:
@@ -254,4 +297,5 @@ def _raise(e: Exception) -> Any:
     raise e
 
 
-__all__ = ["DEVICE", "DTYPE", "MAX_DEPTH", "MAX_EXPANSION", "ExpansionGuard", "TORCH_TAGS", "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]
+__all__ = ["BYTEARRAY", "COMPLEX", "DEVICE", "DTYPE", "LATER_TAGS", "MAX_DEPTH", "MAX_EXPANSION", "SET", "ExpansionGuard", "TORCH_TAGS",
+           "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]

@@ -23,7 +23,17 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import CkptError, TensorMismatchError
 from ckpt.format.manifest import TensorEntry
-from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveJob, SaveResult, SnapshotError, SnapshotRun, modified_under_save
+from ckpt.format.tagged_json import LATER_TAGS, uses_tags
+from ckpt.snapshot.run import (
+    SNAPSHOT_FORMATS,
+    SNAPSHOT_SOURCE,
+    SNAPSHOT_TORCH_FORMAT,
+    SaveJob,
+    SaveResult,
+    SnapshotError,
+    SnapshotRun,
+    modified_under_save,
+)
 from ckpt.snapshot.state import (
     Stateful,
     autograd_flag_sets,
@@ -103,7 +113,8 @@ class LocalSnapshots:
         flags = autograd_flags(tensors)
         # where the tensors a restore makes anew go (a module's are written in place, wherever they are)
         devices = tensor_devices({n: t for n, t in tensors.items() if not isinstance(state[n.split("/")[0]], torch.nn.Module)})
-        record = {**snapshot, "tree": tree, **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {})}
+        record = {**snapshot, **({"format": SNAPSHOT_TORCH_FORMAT} if uses_tags(tree, LATER_TAGS) else {}), "tree": tree,
+                  **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {})}
 
         def job() -> SaveResult:
             try:
@@ -247,7 +258,7 @@ class LocalSnapshots:
             known = {n: (e.dtype, e.shape, e.nbytes) for n, e in reuse.items()}
             # tensors read in place until the optimizer steps come from ``live``
             in_place = {n: live.source(n) for n in live.names} if live is not None else None
-            src = from_tensors(staged, "snapshot", {"snapshot": snapshot}, None, known, in_place, private=True)
+            src = from_tensors(staged, SNAPSHOT_SOURCE, {"snapshot": snapshot}, None, known, in_place, private=True)
             base = self._last[0] if (self._last and self.run.delta) else None
             result = push_source(self.store, src, self.run.ref(step), base_id=base, reuse=reuse,
                                  lineage={"parent": self._last[0] if self._last else None, "base": base, "merge": None},
@@ -275,7 +286,7 @@ class LocalSnapshots:
             copy_chunks(self.store, run.store, {c for e in reuse.values() for c in e.chunks})
         known = {n: (e.dtype, e.shape, e.nbytes) for n, e in reuse.items()}
         in_place = {n: live.source(n) for n in live.names} if live is not None else None
-        src = from_tensors(staged, "snapshot", {"snapshot": snapshot}, None, known, in_place, private=True)
+        src = from_tensors(staged, SNAPSHOT_SOURCE, {"snapshot": snapshot}, None, known, in_place, private=True)
         result = push_source(run.store, src, run.ref(step), reuse=reuse, aliases=(run.latest,),
                              lineage={"parent": None, "base": None, "merge": None})
         # this path's store did not take the snapshot: its next one starts over (no reuse)
@@ -301,9 +312,10 @@ class LocalSnapshots:
         tiers = tiers or Tiers([("store", self.store)])
         m = tiers.get_manifest(mid)
         snap = m.extra.get("snapshot")
-        if not isinstance(snap, dict) or snap.get("format") != SNAPSHOT_FORMAT or not isinstance(snap.get("tree"), dict):
+        if not isinstance(snap, dict) or snap.get("format") not in SNAPSHOT_FORMATS or not isinstance(snap.get("tree"), dict):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")
         tree: dict[str, Any] = snap["tree"]
+        later = snap["format"] == SNAPSHOT_TORCH_FORMAT  # (format 1 has no later tags: a dict holding such a key is a dict)
         step = snapshot_step(m)
         if step is None:
             raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's step ({snap.get('step')!r:.40}) is malformed")
@@ -329,7 +341,7 @@ class LocalSnapshots:
                                                                   "into the object yourself; or save the object itself")
             found = _Nothing()
             try:  # its structure and the tensors it names, in one pass (decoded again, with the tensors, once written)
-                structure = unflatten(node["value"], found)
+                structure = unflatten(node["value"], found, later=later)
             except CkptError as e:
                 raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} is malformed ({e})") from None
             unknown = [n for n in found.names if n not in entries]
@@ -392,7 +404,7 @@ class LocalSnapshots:
         for n in fresh:  # flagged once written (a Parameter wraps the tensor the fill wrote)
             decoded[n] = with_autograd_flags(n, decoded[n], flags)
         for key, obj, kind, value in loaders:
-            restored = unflatten(value, decoded)
+            restored = unflatten(value, decoded, later=later)
             if kind == "stateful" and isinstance(obj, Stateful):
                 try:
                     obj.load_state_dict(restored)

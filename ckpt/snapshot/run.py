@@ -16,10 +16,25 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ckpt.errors import CkptError
 
 if TYPE_CHECKING:
+    from ckpt.format.manifest import Manifest
     from ckpt.snapshot.tiers import Tiers
     from ckpt.store.store import Store
 
+SNAPSHOT_SOURCE = "snapshot"  # Manifest.source of a single process's snapshot (a process group's is "dcp")
 SNAPSHOT_FORMAT = 1  # the "snapshot" record in a snapshot manifest's extra (docs/format.md)
+# Format 2: as 1, where the state's tree uses a tag added later (tagged_json.LATER_TAGS: a torch.dtype, a set...), which a
+# reader of format 1 would hand out as the dict {"__dtype__": ...}: it refuses format 2 instead.
+SNAPSHOT_TORCH_FORMAT = 2
+SNAPSHOT_FORMATS = (SNAPSHOT_FORMAT, SNAPSHOT_TORCH_FORMAT)
+
+
+def is_snapshot(m: Manifest) -> bool:
+    """Whether ``m`` is a snapshot a :class:`~ckpt.snapshot.manager.CheckpointManager` wrote: told by what
+    wrote it (its source), never by a key of ``extra`` alone, which a pushed ``.pt`` fills with its entries
+    (a top-level entry named ``snapshot``). A damaged snapshot record is still a snapshot."""
+    from ckpt.dcp.format import DCP_SOURCE
+
+    return m.source == SNAPSHOT_SOURCE or (m.source == DCP_SOURCE and "snapshot" in m.extra)
 
 
 class SnapshotError(CkptError):

@@ -253,9 +253,10 @@ def with_autograd_flags(name: str, t: Any, flags: dict[str, Any]) -> Any:
     return t.requires_grad_(grad) if grad else t
 
 
-def unflatten(tree: Any, tensors: dict[str, Any]) -> Any:
-    """Inverse of the encoding in :func:`flatten` for one value."""
-    return tagged_json.decode(tree, "snapshot state", tensor=tensors.__getitem__)
+def unflatten(tree: Any, tensors: dict[str, Any], *, later: bool = True) -> Any:
+    """Inverse of the encoding in :func:`flatten` for one value; ``later``: the snapshot is of a format
+    with the tags added after format 1 (:data:`ckpt.snapshot.run.SNAPSHOT_TORCH_FORMAT`)."""
+    return tagged_json.decode(tree, "snapshot state", tensor=tensors.__getitem__, later=later)
 
 
 def tensor_refs(tree: Any) -> list[str]:

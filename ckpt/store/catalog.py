@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import CkptError
 from ckpt.format.manifest import Manifest
+from ckpt.snapshot.run import is_snapshot
 from ckpt_store.storage.backends.base import creates_are_exclusive
 from ckpt_store.storage.index import IndexState, StoreIndex
 from ckpt_store.storage.refs import RefEntry
@@ -47,7 +48,7 @@ def _detail(m: Manifest, chunks: list[str]) -> dict[str, Any]:
     pos = {c: i for i, c in enumerate(chunks)}
     return {"lengths": [lengths.get(c, 0) for c in chunks],
             "codecs": [[pos[cid], codec] for t in m.tensors for cid, codec in zip(t.chunks, t.codecs) if cid in pos],
-            "files": sorted({pos[cid] for f in m.files for cid in f.chunks if cid in pos}), "snapshot": "snapshot" in m.extra}
+            "files": sorted({pos[cid] for f in m.files for cid in f.chunks if cid in pos}), "snapshot": is_snapshot(m)}
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ class Overview:
 
     own: set[str]  # chunk ids the checkpoint names itself (its files' and tensors'; not their delta bases)
     mix: dict[int, int]  # codec -> decoded tensor bytes stored with it (as found at push time)
-    snapshot: bool  # a snapshot manager's (its ``extra`` has ``snapshot``)
+    snapshot: bool  # a snapshot manager's (:func:`ckpt.snapshot.run.is_snapshot`)
 
 
 def overviews(store: Store, mids: list[str], checked: set[str]) -> dict[str, Overview]:

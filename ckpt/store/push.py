@@ -21,7 +21,7 @@ from ckpt.store.sources import MemBytes, SourceIn, open_source
 from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX, PutResult, PutTask, put_chunks, put_tasks, rewrite_whole
 from ckpt_store.storage.commit import commit
 from ckpt_store.storage.errors import ChunksVanishedError
-from ckpt_store.storage.objects import object_id
+from ckpt_store.storage.objects import check_manifest_size, object_id
 from ckpt_store.storage.records import canonical_json
 from ckpt_store.storage.refs import validate_ref_name
 
@@ -236,6 +236,10 @@ def push_source(
     None: where the store is remote. True for a store whose checkpoints are copied to a remote
     one as they are (a snapshot tier persisted to S3): a copy keeps the manifest's bytes.
     """
+    # What the manifest will hold beside its tensors, measured before a chunk is written: past what
+    # readers accept, the commit would refuse it after the upload, leaving every chunk for gc.
+    check_manifest_size(len(canonical_json([src.extra, metadata or {}, message])),
+                        "the JSON of the checkpoint's non-tensor values, metadata and message")
     settings = store.settings
     cs = settings.chunk_size
     reuse = reuse or {}

@@ -96,7 +96,7 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
             continue
         extra[name] = encode(v, spell, guard=guard, unsupported=lambda at, kind: InvalidSourceError(
             path, f"entry {at[:120]} is {kind}, neither a tensor nor a plain value",
-            hint="other entries are kept as JSON: str, int, float, bool, None, bytes, torch.dtype, torch.device, "
+            hint="other entries are kept as JSON: str, int, float, complex, bool, None, bytes, bytearray, torch.dtype, torch.device, "
                  "and lists, tuples and dicts of these"))
     tree = None if flat else _structure(obj, path, tensors)
     if tree is not None:

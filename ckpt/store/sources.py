@@ -220,10 +220,10 @@ def open_source(source: object, *, metadata: dict[str, str] | None = None) -> So
     if isinstance(source, Mapping):
         import torch
 
-        if all(isinstance(v, torch.Tensor) for v in source.values()):
+        if all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in source.items()):
             return from_tensors(source, "tensors", {}, metadata)
-        # A nested state dict ({"model": ..., "optim": ...}) or one with plain values: flattened and
-        # kept as a pushed .pt file's would be, its tensors still the caller's (not private).
+        # A nested state dict ({"model": ..., "optim": ...}), one with plain values or int keys: flattened
+        # and kept as a pushed .pt file's would be, its tensors still the caller's (not private).
         tensors, extra = flatten_state_dict(source, "state dict")
         return from_tensors(tensors, "state-dict", extra, metadata)
     if not isinstance(source, (str, os.PathLike)):

@@ -27,6 +27,7 @@ from starlette.routing import Route
 import ckpt
 from ckpt.diffing.compare import SORT_KEYS
 from ckpt.errors import AmbiguousRefError, CkptError, InvalidNameError, RefNotFoundError
+from ckpt.snapshot.run import is_snapshot
 from ckpt_store.cli.results import strict_json
 from ckpt_store.cli.web import charts
 from ckpt_store.cli.web.data import (
@@ -270,7 +271,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         merge = lin.get("merge") if isinstance(lin.get("merge"), dict) else None
         run = None
         m = STEP_REF.match(ref)
-        if m and "snapshot" in doc["extra"]:
+        if m and is_snapshot(view.manifest(doc["id"])):
             run = m["run"]
         names: dict[str, str] = {}
         for n, e in sorted(view.refs().items(), reverse=True):  # the first name (sorted) wins

@@ -21,6 +21,7 @@ import ckpt
 from ckpt.codecs.chunk import CODEC_NAMES
 from ckpt.errors import CkptError, RefNotFoundError
 from ckpt.format.manifest import Manifest
+from ckpt.snapshot.run import is_snapshot
 from ckpt.store import catalog
 from ckpt_store.cli import results
 
@@ -186,7 +187,7 @@ class StoreView:
                 out.append({**row, "damaged": str(e)})
                 continue
             out.append({**row, "stored_bytes": stored_bytes(own_chunks(m), sizes), "codecs": codec_mix(m),
-                        "run": (STEP_REF.match(r["ref"]) or {"run": None})["run"] if "snapshot" in m.extra else None})
+                        "run": (STEP_REF.match(r["ref"]) or {"run": None})["run"] if is_snapshot(m) else None})
         return out
 
     def show(self, ref: str) -> dict[str, Any]:
@@ -324,7 +325,7 @@ class StoreView:
             if not m or m["run"] in found:
                 continue
             try:
-                snapshot = "snapshot" in self.manifest(entry.target).extra
+                snapshot = is_snapshot(self.manifest(entry.target))
             except CkptError:  # damaged: the overview names it, the other runs are listed
                 continue
             if snapshot:

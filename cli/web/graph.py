@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt.errors import CkptError
+from ckpt.snapshot.run import is_snapshot
 from ckpt_store.cli.web.data import STEP_REF, StoreView, own_chunks, stored_bytes
 
 RUN_PREFIX = "run:"
@@ -54,7 +55,7 @@ def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
         except CkptError:  # damaged: left out here, named by the overview (as `ckpt ls` names it)
             continue
         step = STEP_REF.match(name)
-        if "snapshot" in m.extra and step:
+        if step and is_snapshot(m):
             runs[step["run"]].append((int(step["step"]), name, entry.target))
         elif entry.alias and name.endswith("/latest"):
             aliases.add(name)  # RUN/latest: shown as its run

@@ -678,7 +678,7 @@ def test_a_snapshot_page_whose_snapshot_record_is_any_json_renders(tmp_path, sna
     store = ckpt.Store.init(str(tmp_path / "store"))
     mid = store.push({"w": torch.ones(4)}, "r/step-1")
     doc = json.loads(store.objects.get_manifest(mid))
-    doc["extra"] = {"snapshot": snapshot}
+    doc["extra"], doc["source"] = {"snapshot": snapshot}, "snapshot"
     store.refs_db.set("r/step-1", store.objects.put_manifest(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()))
     c = TestClient(create_app(store))
     page = c.get("/checkpoint/r/step-1")
@@ -686,6 +686,28 @@ def test_a_snapshot_page_whose_snapshot_record_is_any_json_renders(tmp_path, sna
     shown = isinstance(snapshot, dict) and isinstance(snapshot["metrics"], dict)
     assert ("loss=0.5" in page.text) == shown
     assert c.get("/run/r").status_code == 200
+
+
+def test_a_pushed_file_with_a_snapshot_entry_is_no_run(tmp_path):
+    """The view took any manifest whose extra has a key "snapshot" for a snapshot: a .pt with a top-level
+    entry "snapshot" (a plain value), pushed as run/step-1, was listed as a training run, its graph node
+    folded into a run and its page linked to one. What marks a snapshot is the manifest's source."""
+    from ckpt_store.cli.web.data import StoreView
+    from ckpt_store.cli.web.graph import lineage
+
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    torch.save({"w": torch.ones(4), "snapshot": [1, 2]}, tmp_path / "f.pt")
+    store.push(str(tmp_path / "f.pt"), "run/step-1")
+    with ckpt.CheckpointManager(store.url, "real", save_mode="sync") as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+    view = StoreView(store)
+    assert view.runs() == ["real"]
+    nodes = lineage(view)["nodes"]
+    assert [n for n in nodes if n["kind"] == "run"] == [n for n in nodes if n["kind"] == "run" and n["refs"] == ["real/latest"]]
+    assert any("run/step-1" in n["refs"] for n in nodes if n["kind"] != "run")
+    c = TestClient(create_app(store))
+    assert 'href="/run/run"' not in c.get("/checkpoint/run/step-1").text
+    assert 'href="/run/real"' in c.get("/checkpoint/real/step-1").text
 
 
 def test_a_diff_heatmap_holds_one_cell_per_tensor(tmp_path):

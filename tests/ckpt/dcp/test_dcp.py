@@ -122,6 +122,35 @@ def test_refuses_values_json_cannot_hold(tmp_path):
         encode_value(Opaque(), "x")
 
 
+def test_values_holding_a_dtype_or_device_make_a_layout_readers_before_those_tags_refuse(tmp_path):
+    """ckpt-dcp version 1 readers would hand out {"__dtype__": "bfloat16"} as a dict: a layout whose values
+    hold a torch.dtype or torch.device is version 2; one without stays version 1."""
+    url = str(tmp_path / "s")
+    cfg = {"dtype": torch.bfloat16, "device": torch.device("cpu")}
+    dcp.save({"w": torch.ones(2), "cfg": cfg}, storage_writer=ckpt.dcp.Writer(url, "one/tags"))
+    dcp.save({"w": torch.ones(2), "cfg": {"dtype": "bfloat16"}}, storage_writer=ckpt.dcp.Writer(url, "one/plain"))
+    store = ckpt.Store.open(url)
+    assert [store.manifest(f"one/{r}").extra["dcp"]["version"] for r in ("tags", "plain")] == [2, 1]
+    into = {"w": torch.zeros(2), "cfg": {"dtype": None, "device": None}}
+    dcp.load(into, storage_reader=ckpt.dcp.Reader(url, "one/tags"))
+    assert into["cfg"] == cfg and into["cfg"]["dtype"] is torch.bfloat16
+
+
+def test_a_writer_whose_metadata_no_manifest_can_hold_is_refused_before_any_data(tmp_path, monkeypatch):
+    """Metadata or extra past what a manifest may hold (MAX_RECORD_BYTES, lowered here) failed the save only at
+    its commit, after every rank had written its chunks (left for gc): the Writer now refuses it when made."""
+    from ckpt.errors import RecordTooLargeError
+    from ckpt_store.storage import objects
+
+    monkeypatch.setattr(objects, "MAX_RECORD_BYTES", 1 << 16)
+    url = str(tmp_path / "s")
+    ckpt.Store.init(url)
+    with pytest.raises(RecordTooLargeError, match="more than the 65,536"):
+        dcp.save({"w": torch.ones(4)}, storage_writer=ckpt.dcp.Writer(url, "big/x", extra={"notes": "x" * 70_000}))
+    store = ckpt.Store.open(url)
+    assert store.refs() == {} and list(store.objects.list("chunks")) == []
+
+
 def test_values_never_look_like_chunk_lists(tmp_path):
     """A value holding a dict keyed "chunks" must not be read by gc as chunk ids (docs/format.md)."""
     from ckpt.dcp.format import decode_value, encode_value
@@ -154,7 +183,7 @@ def test_layout_decoder_refuses_what_it_would_not_write():
         layout(shards=[{"offsets": [3, 0], "sizes": [2, 2], "entry": "a"}]),  # outside the tensor
         layout(shards=[{"offsets": [0, 0], "sizes": [2, 2], "entry": "a"}]),  # does not cover it
         layout(dtype="F33", shards=[]),
-        {"dcp": {**ok["dcp"], "version": 2}},
+        {"dcp": {**ok["dcp"], "version": 3}},
         {"dcp": {**ok["dcp"], "items": {"v": {"kind": "value", "value": {"__tensor__": "w"}}}}},
     ]
     for b in bad:

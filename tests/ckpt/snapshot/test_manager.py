@@ -115,6 +115,25 @@ def test_restore_in_place_and_subset(tmp_path):
         assert mgr.restore_latest({}) == 3
 
 
+def test_a_snapshot_holding_a_dtype_or_device_is_refused_by_readers_before_those_tags(tmp_path):
+    """A torch.dtype or torch.device among plain values is a tag that a ckpt reading snapshot format 1
+    would hand out as the dict {"__dtype__": ...}: such a snapshot is format 2, which that reader refuses
+    ("not a snapshot of this ckpt version"); one without keeps format 1."""
+    model = _model()
+    cfg = {"dtype": torch.bfloat16, "device": torch.device("cpu"), "plain": {"__dtype__": "x", "n": 1}}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", save_mode="sync") as mgr:
+        mgr.save(1, {"model": model, "cfg": cfg})
+        mgr.save(2, {"model": model, "cfg": {"dtype": "bfloat16", "plain": {"__dtype__": "x", "n": 1}}})
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    assert [store.manifest(f"r/step-{s}").extra["snapshot"]["format"] for s in (1, 2)] == [2, 1]
+    state = {"model": _model(), "cfg": None}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        mgr.restore(state, 1)
+        assert state["cfg"] == cfg and state["cfg"]["dtype"] is torch.bfloat16
+        mgr.restore(state, 2)
+        assert state["cfg"] == {"dtype": "bfloat16", "plain": {"__dtype__": "x", "n": 1}}
+
+
 def test_optimizer_state_is_restored_into_its_own_tensors(tmp_path):
     """A live optimizer with state keeps its tensor objects; they receive the snapshot's bytes."""
     model = _model()

@@ -265,6 +265,59 @@ def test_pt_device_values_round_trip(store, tmp_path):
             Manifest.from_json(json.dumps(doc).encode())
 
 
+def test_pt_complex_set_and_bytearray_values_round_trip(store, tmp_path):
+    """``torch.load(weights_only=True)`` reads complex numbers, sets and bytearrays, which a push refused:
+    they are the ``__complex__``, ``__set__`` (items in the order of their JSON, not the set's, which
+    differs between processes) and ``__bytearray__`` tags, in a version-3 manifest like ``__dtype__`` (a
+    version-2 reader would hand the tag out as a plain dict); a malformed one makes the manifest damaged."""
+    from ckpt.errors import InvalidSourceError, StoreFormatError
+    from ckpt.format.manifest import Manifest
+
+    values = {"z": complex(1.5, float("-inf")), "zs": [1j, (complex(0, float("nan")),)], "tags": {"b", "a", (1, "c")},
+              "empty": set(), "raw": bytearray(b"\x00\xff"), "mixed": {1, "1", 2.5, None, b"x"},
+              "looks_tagged": [{"__set__": [1], "n": 1}]}
+    torch.save({"w": torch.ones(2), **values}, tmp_path / "v.pt")
+    store.push(tmp_path / "v.pt", "v")
+    doc = json.loads(store.objects.get_manifest(store.resolve("v")))
+    assert doc["version"] == 3 and doc["extra"]["tags"] == {"__set__": ["a", "b", {"__tuple__": [1, "c"]}]}
+    got = torch.load(store.pull("v", tmp_path / "out.pt"), weights_only=True)
+    for k, v in values.items():  # (nan != nan: the others by repr)
+        assert (got[k] == v if isinstance(v, set) else repr(got[k]) == repr(v)) and type(got[k]) is type(v), k
+    assert store.manifest("v").extra_values()["mixed"] == values["mixed"]
+    for key, bad in (("z", {"__complex__": [1.0]}), ("z", {"__complex__": ["1", 2.0]}), ("tags", {"__set__": [[1]]}),
+                     ("tags", {"__set__": [1, 1]}), ("raw", {"__bytearray__": "zz"})):
+        with pytest.raises(StoreFormatError, match=f"extra '{key}': bad"):
+            Manifest.from_json(json.dumps({**doc, "extra": {**doc["extra"], key: bad}}).encode())
+    torch.save({"w": torch.ones(2), "s": {torch.ones(1)}}, tmp_path / "t.pt")
+    with pytest.raises(InvalidSourceError, match="neither a tensor nor a plain value"):
+        store.push(tmp_path / "t.pt", "t")
+
+
+def test_a_dict_an_older_ckpt_wrote_with_a_key_now_a_tag_reads_as_that_dict(store, tmp_path):
+    """Before the tags of torch values, sets... existed, {"__dtype__": "float32"} was a plain dict, written as it
+    is in a version-2 manifest (a snapshot of format 1, a ckpt-dcp record of version 1): it read back as
+    torch.float32, silently, and the manifest re-encoded as version 3 (other bytes, another id). Those tags
+    are tags only in the records whose version has them."""
+    from ckpt.dcp.format import decode_layout
+    from ckpt.format.manifest import Manifest
+    from ckpt.snapshot.state import unflatten
+
+    torch.save({"w": torch.ones(2), "t": (1, 2)}, tmp_path / "t.pt")
+    store.push(tmp_path / "t.pt", "t")
+    doc = json.loads(store.objects.get_manifest(store.resolve("t")))
+    assert doc["version"] == 2
+    old = [{"__dtype__": "float32"}, {"__set__": [1]}, {"__bytearray__": "00"}, {"__complex__": [1.0, 2.0]}]
+    doc["extra"]["opts"] = old
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    m = Manifest.from_json(raw)
+    assert m.extra_values()["opts"] == old and m.to_json() == raw
+    assert unflatten(old, {}, later=False) == old and unflatten(old, {})[0] is torch.float32
+    layout = {"dcp": {"format": "ckpt-dcp", "version": 1, "planner_data": None, "items": {"v": {"kind": "value", "value": old}}}}
+    assert decode_layout(layout, "m").values["v"] == old
+    layout["dcp"]["version"] = 2
+    assert decode_layout(layout, "m").values["v"][0] is torch.float32
+
+
 def test_pt_dtype_values_round_trip(store, tmp_path):
     """``torch.load(weights_only=True)`` reads a ``torch.dtype`` (a config's ``{"dtype": torch.bfloat16}``):
     a push refused such a file. It is the ``__dtype__`` tag, in a version-3 manifest (a version-2 reader

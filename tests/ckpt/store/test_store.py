@@ -332,8 +332,9 @@ def test_a_manifest_no_reader_accepts_is_never_written(tmp_path, monkeypatch):
     """A .pt whose non-tensor values made a manifest past MAX_RECORD_BYTES (a sampler's permutation of
     millions of indexes) pushed "successfully": the ref then named a checkpoint no command could read
     ("corrupt: ... more than any valid object"). The push is refused before the manifest is written:
-    no ref moves, and the store stays whole. (The limit is lowered here so as to need kilobytes, not
-    hundreds of megabytes.)"""
+    no ref moves, and the store stays whole. Nor is any chunk uploaded first (left for gc): the values
+    and metadata the manifest will hold are measured before anything is written. (The limit is lowered
+    here so as to need kilobytes, not hundreds of megabytes.)"""
     from ckpt.errors import RecordTooLargeError
     from ckpt_store.storage import objects
 
@@ -342,7 +343,9 @@ def test_a_manifest_no_reader_accepts_is_never_written(tmp_path, monkeypatch):
     torch.save({"w": torch.ones(2), "order": list(range(20_000))}, tmp_path / "big.pt")
     with pytest.raises(RecordTooLargeError, match="more than the 65,536"):
         store.push(str(tmp_path / "big.pt"), "big")
-    assert store.refs() == {} and list(store.objects.list("manifests")) == []
+    with pytest.raises(RecordTooLargeError, match="more than the 65,536"):
+        store.push({"w": torch.ones(2)}, "big", metadata={"notes": "x" * 70_000})
+    assert store.refs() == {} and list(store.objects.list("manifests")) == [] and list(store.objects.list("chunks")) == []
     torch.save({"w": torch.ones(2), "order": list(range(100))}, tmp_path / "small.pt")
     store.push(str(tmp_path / "small.pt"), "small")
     assert store.load("small")["w"].tolist() == [1.0, 1.0] and store.verify().ok
