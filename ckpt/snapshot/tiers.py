@@ -219,8 +219,8 @@ class LocalTier:
         for name in refs.listing(self.run):
             try:
                 refs.cut_history(name)
-            except StoreFormatError:
-                pass  # damaged: left as it is (gc refuses to delete what it may name)
+            except CkptError:
+                pass  # damaged, or no ref name (m@1): left as it is, to the gc below (which reports it)
         # grace 0: this process is the tier's only writer, and it is not writing now
         self.store.gc(grace_s=0.0, keep_history=False)
 

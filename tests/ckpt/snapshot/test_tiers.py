@@ -273,6 +273,22 @@ def test_the_local_tiers_refs_hold_the_kept_snapshots_not_every_step_saved(tmp_p
     mgr2.close()
 
 
+def test_a_folder_of_no_ref_name_in_the_tier_is_reported_as_gc_reports_it(tmp_path):
+    """Cutting the tier's histories met a folder no ref can be named (bad@1) and raised a bare
+    'invalid ref name' at every save; it is left to the tier's gc, which says what to do with it."""
+    model = torch.nn.Linear(4, 4)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "run", local=str(tmp_path / "tier"), local_every_n_steps=1,
+                                every_n_steps=100, keep_last=2, save_mode="sync") as mgr:
+        mgr.save(1, {"model": model})
+        bad = tmp_path / "tier" / "refs" / "run" / "bad@1"
+        bad.mkdir()
+        shutil.copy(tmp_path / "tier" / "refs" / "run" / "step-1" / "0000000001.ref", bad)
+        with pytest.warns(ckpt.TierWarning, match="rename or remove that folder"):
+            for step in (2, 3, 4):
+                mgr.save(step, {"model": model})
+        assert mgr.local_tier.steps == [3, 4]
+
+
 def _codecs(store):
     """Codec of every chunk blob in ``store``."""
     from ckpt.codecs.chunk import CODEC_NAMES, parse_header
