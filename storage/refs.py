@@ -371,6 +371,28 @@ class Refs:
         :class:`RefNotFoundError` where it has no live entry, also where another remover got there first."""
         return self._append(name, None)
 
+    def cut_history(self, name: str) -> None:
+        """Delete the entries of ``name`` older than its newest, and the newest too (then its folder)
+        where it marks the ref removed: only for a private store whose past no one reads, a run's
+        local tier (docs/format.md), whose saves and restarts would otherwise list a folder per step
+        ever saved there. Oldest first: a crash between deletes leaves a history cut short that
+        names what the ref named (never a gap, never an older version)."""
+        validate_ref_name(name)
+        listed = self._entry_seqs(name)
+        seqs = sorted(listed)
+        if not seqs:
+            return
+        newest = self._read(name, seqs[-1], listed[seqs[-1]] is not None)
+        self._next.pop(name, None), self._seen.pop(name, None)
+        for seq in seqs[:-1] if newest.target is not None else seqs:
+            self.backend.delete(self._entry_path(name, seq))
+        local = self.backend.local_path(f"refs/{name}")
+        if newest.target is None and local is not None:
+            try:
+                os.rmdir(local)
+            except OSError:
+                pass  # not empty (a ref below it, or an entry written since): listed as before
+
     def listing(self, prefix: str = "") -> dict[str, dict[int, Entry | None]]:
         """Every entry file below ``refs/`` (under ``prefix``, a ref name's leading segments)
         by ref name and seq, as listed (nothing is read); None where what is there is not a file

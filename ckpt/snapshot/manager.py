@@ -306,6 +306,9 @@ class CheckpointManager:
             raise ValueError(f"local_compress must be True or False, not {local_compress!r}")
         self._local_compress = local_compress
         self._retaining = threading.Lock()  # see _retain
+        # The durable steps retention counts: the run's, listed once (at the first retention), then each
+        # one saved there; a hint, each checked against the store at every retention (see _retain).
+        self._retained: set[int] | None = None
         self._local = self._local_tier(local, local_every_n_steps, local_keep, local_max_bytes, replicas, process_group)
         self._local_full = False  # the last local save ran out of space (on this rank): make room first
         # The local tier's snapshots carry bundles of their small chunks where the durable store is
@@ -530,7 +533,7 @@ class CheckpointManager:
                 self._persist_pending = False
                 self._free_leftovers()
                 if result.prunes:  # in a group, the coordinator alone
-                    self._retain()
+                    self._retain(step)
                 return result
             if result.tier_error is not None:
                 self._tier_warning(f"local tier: part of the snapshot of step {step} not kept ({result.tier_error}); "
@@ -543,7 +546,7 @@ class CheckpointManager:
                 self._durable_step = step
                 self._persist_pending = False
                 if result.prunes:
-                    self._retain()
+                    self._retain(step)
             if self._distributed:
                 return result  # the path pruned its tier and persisted
             try:
@@ -619,7 +622,7 @@ class CheckpointManager:
                     self._published, self._durable_step = seq, step
             self.last_persist = PersistStats(step, time.perf_counter() - t0, report.chunks_sent, report.bytes_sent,
                                              report.chunks_present)
-            self._retain()
+            self._retain(step)
         except Exception as e:  # noqa: BLE001 - the durable store still holds the previous snapshot
             self._persist_pending = True
             self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed ({describe(e)}); "
@@ -651,7 +654,7 @@ class CheckpointManager:
         self.last_save = SaveStats(step, blocked, background, r.written_bytes, r.logical_bytes, r.staged_tensors,
                                    r.reused_tensors, r.copied_at_step_bytes, tier, r.replicated_bytes)
         if r.prunes and self._local is None:  # in a group the coordinator alone prunes, so that ranks never race to remove a ref
-            self._retain()
+            self._retain(step)
 
     @property
     def step_wait_s(self) -> float:
@@ -724,15 +727,35 @@ class CheckpointManager:
             self._metrics[step] = (m.extra.get("snapshot") or {}).get("metrics") or {}
         return self._metrics[step]
 
-    def _retain(self) -> None:
+    def _retain(self, saved: int) -> None:
+        """Apply the retention rules after the snapshot of step ``saved`` landed in the durable store.
+
+        The steps counted are those this manager knows of (the run's, listed at its first retention,
+        and each saved since), each checked against the store: a save costs requests per step kept,
+        not a listing of every step the run ever saved. One another process saved meanwhile is not
+        counted, which only keeps more (each rule keeps a step where fewer others compete with it);
+        one removed meanwhile is not counted either (counted, it would take the place of one to keep)."""
         if self.retention.keeps_all:
             return
         # One at a time: the persist thread and a direct save can both get here, and the second
         # to remove a ref would raise RefNotFoundError out of save().
         from ckpt.snapshot.tiers import snapshot_step
+        from ckpt_store.storage.errors import StoreFormatError
 
         with self._retaining:
-            steps = self.steps()
+            if self._retained is None:
+                self._retained = set(self.steps())
+            self._retained.add(saved)
+            steps = []
+            for s in sorted(self._retained):
+                try:
+                    live = self.store.refs_db.current(self.ref(s)) is not None
+                except StoreFormatError:  # damaged: not counted, never removed (as steps() leaves it out)
+                    continue
+                if live:
+                    steps.append(s)
+                else:
+                    self._retained.discard(s)
             metrics = {s: self._metric(s) for s in steps} if self.retention.best else {}
             try:  # below the newest step where the run went back: the last ones are counted up to it
                 latest = snapshot_step(self.store.manifest(self._durable.latest))
@@ -743,7 +766,11 @@ class CheckpointManager:
             keep = set(self.retention.keep(steps, metrics, latest))
             for s in steps:
                 if s not in keep:
-                    self.store.remove(self.ref(s))
+                    self._retained.discard(s)
+                    try:
+                        self.store.remove(self.ref(s))
+                    except RefNotFoundError:
+                        pass  # removed meanwhile, by another process
 
     # -- restoring -----------------------------------------------------------------
     def restore_latest(self, state: dict[str, Any]) -> int | None:

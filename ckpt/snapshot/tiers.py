@@ -212,6 +212,15 @@ class LocalTier:
         return None
 
     def _collect(self) -> None:
+        # The tier's past is read by no one: each ref's older entries and a removed step's folder go
+        # (docs/format.md, "The local tier"), so that its steps, gc and a restart's choice list the
+        # snapshots kept, not a folder and an entry per step ever saved.
+        refs = self.store.refs_db
+        for name in refs.listing(self.run):
+            try:
+                refs.cut_history(name)
+            except CkptError:
+                pass  # damaged, or no ref name (m@1): left as it is, to the gc below (which reports it)
         # grace 0: this process is the tier's only writer, and it is not writing now
         self.store.gc(grace_s=0.0, keep_history=False)
 

@@ -445,3 +445,28 @@ def test_the_current_entry_found_from_a_hint_is_the_one_a_full_listing_gives(sto
     for _ in range(3):  # by the writer that wrote there before (locally: it had made the folder)
         other.set("m", B)
     check(3)
+
+
+def test_cut_history_keeps_the_newest_entry_and_drops_a_removed_ref_whole(refs, tmp_path):
+    """For a run's local tier (docs/format.md): a ref's older entries go, oldest first, and a removed
+    ref goes with its folder; the current values are as before, and a name cut away begins again at 1."""
+    for target in (A, B, A):
+        refs.set("run/latest", target, alias=True)
+    refs.set("run/step-1", A)
+    refs.set("run/step-1/x", B)  # a ref below a removed one's folder stays
+    refs.set("run/step-2", B)
+    refs.remove("run/step-1")
+    refs.remove("run/step-2")
+    deleted = []
+    real = refs.backend.delete
+    refs.backend.delete = lambda path: deleted.append(path) or real(path)
+    for name in ("run/latest", "run/step-1", "run/step-2", "run/step-9"):
+        refs.cut_history(name)
+    assert deleted == [f"refs/run/latest/{1:010d}.ref", f"refs/run/latest/{2:010d}.ref",
+                       f"refs/run/step-1/{1:010d}.ref", f"refs/run/step-1/{2:010d}.ref",
+                       f"refs/run/step-2/{1:010d}.ref", f"refs/run/step-2/{2:010d}.ref"]
+    assert not (tmp_path / "refs" / "run" / "step-2").exists()
+    assert sorted(refs.listing()) == ["run/latest", "run/step-1/x"]
+    assert refs.current("run/latest").seq == 3 and refs.current("run/latest").target == A
+    assert refs.current("run/step-1/x").target == B and refs.current("run/step-2") is None
+    assert refs.set("run/step-2", A).seq == 1 and refs.set("run/latest", B, alias=True).seq == 4

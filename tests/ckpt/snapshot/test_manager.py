@@ -199,6 +199,37 @@ def test_retention(tmp_path):
         store.load("ret/step-5")
 
 
+@pytest.fixture(params=["local", "s3"])
+def durable_url(request, tmp_path):
+    return str(tmp_path / "s") if request.param == "local" else request.getfixturevalue("s3_main_url")
+
+
+def test_retention_costs_requests_per_step_kept_not_a_listing_of_every_step_saved(durable_url):
+    """Every save's retention listed every ref of the store, the run's removed RUN/step-N ones (an
+    entry each, and their removal) included: on S3 a LIST page per 1,000 entries, about 30 at 10,000
+    saves. It now checks the steps it knows of (listed once, then each saved) against the store: a
+    few requests per step kept. Another process's removal of a kept step is seen (counted, the step
+    would take the place of one to keep)."""
+    model = torch.nn.Linear(4, 4)
+    with ckpt.CheckpointManager(durable_url, "run", keep_last=2, save_mode="sync") as mgr:
+        for step in range(1, 25):
+            mgr.save(step, {"model": model})
+        backend = mgr.store.backend
+        listed = []
+        for op in ("list", "folders", "children"):
+            real = getattr(backend, op)
+            setattr(backend, op, lambda prefix, *a, real=real: listed.append(prefix.rstrip("/")) or real(prefix, *a))
+        mgr.save(25, {"model": model})
+        refs_listed = [p for p in listed if p.startswith("refs")]
+        assert "refs" not in refs_listed and "refs/run" not in refs_listed
+        assert set(refs_listed) <= {"refs/run/latest", "refs/run/step-23", "refs/run/step-24", "refs/run/step-25"}
+        ckpt.Store.open(durable_url).remove("run/step-25")  # another process
+        mgr.save(26, {"model": model})
+        assert mgr.steps() == [24, 26]
+        assert ckpt.Store.open(durable_url).verify().ok
+        assert _bits(ckpt.Store.open(durable_url).load("run/step-24")["model/weight"]) == _bits(model.weight)
+
+
 @pytest.mark.parametrize("index", ["1", "0"])
 def test_a_damaged_ref_of_someone_else_does_not_stop_a_runs_saves(tmp_path, monkeypatch, index):
     """Retention lists the run's snapshots through every live ref of the store: one damaged ref

@@ -250,6 +250,45 @@ def test_local_saves_persist_only_missing_chunks_and_the_tier_stays_bounded(tmp_
     mgr.close()
 
 
+def test_the_local_tiers_refs_hold_the_kept_snapshots_not_every_step_saved(tmp_path):
+    """A tier's pruned RUN/step-N refs were marked removed and their folders stayed, and RUN/latest
+    gained an entry per save: every save's prune and gc, and a restart's choice of the newest step,
+    listed (and stat'ed) an entry per step ever saved there. The tier's past is read by no one: its
+    refs now hold the kept snapshots' entries alone, and a restart lists a few files."""
+    mgr, model, _ = _train(tmp_path, 24, local_every_n_steps=1, every_n_steps=8, keep_last=2, save_mode="sync")
+    mgr.close()
+    refs = tmp_path / "local" / "refs" / "run"
+    assert sorted(str(p.relative_to(refs)) for p in refs.rglob("*")) == [
+        "latest", f"latest/{24:010d}.ref", "step-23", "step-23/0000000001.ref", "step-24", "step-24/0000000001.ref"]
+    mgr2, fresh, _ = _fresh(tmp_path, save_mode="sync")
+    backend = mgr2._local.store.backend
+    listed = []
+    for op in ("list", "folders"):
+        real = getattr(backend, op)
+        setattr(backend, op, lambda prefix, real=real: (listed.append(x) or x for x in real(prefix)))
+    assert mgr2.restore_latest({"model": fresh}) == 24
+    assert len([p for p in listed if "refs/" in str(p)]) <= 8  # 70 before
+    assert _bits(fresh) == _bits(model)
+    assert mgr2.local_tier.steps == [23, 24] and mgr2.steps() == [16, 24]
+    mgr2.close()
+
+
+def test_a_folder_of_no_ref_name_in_the_tier_is_reported_as_gc_reports_it(tmp_path):
+    """Cutting the tier's histories met a folder no ref can be named (bad@1) and raised a bare
+    'invalid ref name' at every save; it is left to the tier's gc, which says what to do with it."""
+    model = torch.nn.Linear(4, 4)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "run", local=str(tmp_path / "tier"), local_every_n_steps=1,
+                                every_n_steps=100, keep_last=2, save_mode="sync") as mgr:
+        mgr.save(1, {"model": model})
+        bad = tmp_path / "tier" / "refs" / "run" / "bad@1"
+        bad.mkdir()
+        shutil.copy(tmp_path / "tier" / "refs" / "run" / "step-1" / "0000000001.ref", bad)
+        with pytest.warns(ckpt.TierWarning, match="rename or remove that folder"):
+            for step in (2, 3, 4):
+                mgr.save(step, {"model": model})
+        assert mgr.local_tier.steps == [3, 4]
+
+
 def _codecs(store):
     """Codec of every chunk blob in ``store``."""
     from ckpt.codecs.chunk import CODEC_NAMES, parse_header
