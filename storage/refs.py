@@ -334,8 +334,7 @@ class Refs:
             if target is None:
                 newest = self._newest(name)
                 if newest is None or self._read(name, *newest).target is None:
-                    raise RefNotFoundError(f"no ref named {name!r}" if newest is None else
-                                           f"ref {name!r} is removed (by another process, if it was there a moment ago)")
+                    raise RefNotFoundError(f"no ref named {name!r}")  # (never, or removed: by another remover meanwhile)
                 seq = newest[0] + 1
             else:
                 # The guess stands where entry guess-1 is there: entries are numbered with no gap and each writer
