@@ -61,6 +61,7 @@ from ckpt_store.storage.errors import (
     StorageIOError,
     StoreFormatError,
 )
+from ckpt_store.storage.gc import gc_roots
 from ckpt_store.storage.objects import ObjectStore, check_id
 from ckpt_store.storage.records import (
     MAX_RECORD_BYTES,
@@ -224,10 +225,12 @@ class IndexState:
         return self.sigs.get(key) if key is not None else None
 
     # -- encoding --------------------------------------------------------------
-    def snap_body(self) -> bytes:
+    def snap_body(self, keep: set[str]) -> bytes:
+        """``keep``: the manifests whose summaries it holds (:meth:`StoreIndex.kept`)."""
         refs = {n: [r.to_obj() for _, r in sorted(recs.items())] for n, recs in self.refs.items() if recs}
-        used = {i.get("sig") for i in self.info.values()}
-        return canonical_json({"refs": refs, "info": self.info, "sigs": {k: v for k, v in self.sigs.items() if k in used}})
+        info = {m: i for m, i in self.info.items() if m in keep}
+        used = {i.get("sig") for i in info.values()}
+        return canonical_json({"refs": refs, "info": info, "sigs": {k: v for k, v in self.sigs.items() if k in used}})
 
     def recent_body(self) -> bytes:
         live = sorted(self.live().values(), key=lambda e: e.time, reverse=True)[:RECENT]
@@ -236,9 +239,9 @@ class IndexState:
         used = {i.get("sig") for i in info.values()}
         return canonical_json({"refs": refs, "info": info, "sigs": {k: v for k, v in self.sigs.items() if k in used}})
 
-    def chunks_body(self) -> bytes:
+    def chunks_body(self, keep: set[str]) -> bytes:
         assert self.chunks is not None
-        return canonical_json({m: v for m, v in self.chunks.items() if m in self.info})
+        return canonical_json({m: v for m, v in self.chunks.items() if m in self.info and m in keep})
 
 
 def _blob(fmt: str, gen: int, body: bytes, **extra: Any) -> bytes:
@@ -548,7 +551,8 @@ class StoreIndex:
                 st.chunks = {}
                 if full is not None and full.chunks is not None:
                     st.chunks.update(full.chunks)
-            missing = [m for m in st.info if m not in st.chunks]
+            keep = self.kept(st)
+            missing = [m for m in st.info if m not in st.chunks and m in keep]
             if missing:
                 self.ensure(st, missing, chunks=True)
             self.write_snapshot(st)
@@ -556,12 +560,22 @@ class StoreIndex:
             log.info("could not update the metadata index: %s", e)  # a read-only user, say: not their problem
 
     # -- writing -----------------------------------------------------------------
+    def kept(self, st: IndexState) -> set[str]:
+        """The manifests a snapshot of ``st`` summarises: those its refs keep alive by gc's rule
+        (:func:`~ckpt_store.storage.gc.gc_roots`, with history), which holds every checkpoint a reader
+        of the index asks about (``ls``, ``du``, base choice and the web view: live targets; ``gc
+        --dry-run``: its roots). Not those of removed refs or that an alias named before (a training
+        run's removed steps): kept, each save's compaction rewrote all of them. One asked for again
+        is read from its manifest, as any summary the index lacks."""
+        return {r.target for r in gc_roots(self.refs, histories=st.entries()).roots}
+
     def write_snapshot(self, st: IndexState) -> str:
         """Write ``st`` as the snapshot of generation ``st.max_gen``: chunk lists first, then
         the snapshot that names them; then delete what it supersedes."""
         assert st.chunks is not None
         gen = max(st.max_gen, st.gen)
-        cbody = st.chunks_body()
+        keep = self.kept(st)
+        cbody = st.chunks_body(keep)
         chash = blake3.blake3(cbody).hexdigest()
         cname = f"{gen:010d}-{chash[:16]}.chunks"
         self.backend.write(f"{PREFIX}/{cname}", _blob(CHUNKS_FORMAT, gen, cbody))
@@ -571,7 +585,7 @@ class StoreIndex:
         rname = f"{gen:010d}-{rhash[:16]}.recent"
         self.backend.write(f"{PREFIX}/{rname}", _blob(RECENT_FORMAT, gen, rbody))
         self.backend.flush()
-        body = st.snap_body()
+        body = st.snap_body(keep)
         blob = _blob(SNAP_FORMAT, gen, body, chunks=cname, chunks_hash=chash, recent=rname, recent_hash=rhash)
         path = f"{PREFIX}/{gen:010d}-{blake3.blake3(blob).hexdigest()[:16]}.snap"
         self.backend.write(path, blob)
