@@ -6,9 +6,9 @@ need below ``index/`` (docs/format.md, "Metadata index"):
 
 * ``index/<gen>.log`` -- one ref update, written (exclusive create) right after its ref
   entry, with a summary of the manifest it names when the writer has it;
-* ``index/<gen>-<hash>.snap`` -- everything known up to log ``gen``: every ref entry
-  (seq, target, time, writer, alias, and the entry file's size and mtime), and a small
-  summary of every manifest they name (for ``ls`` and base choice);
+* ``index/<gen>-<hash>.snap`` -- everything known up to log ``gen``: every ref entry back to
+  its ref's newest removal (seq, target, time, writer, alias, and the entry file's size and
+  mtime), and a small summary of every manifest they keep alive (for ``ls`` and base choice);
 * ``index/<gen>-<hash>.chunks`` -- the chunk ids every such manifest needs (by the same
   rule as gc, :func:`~ckpt_store.storage.gc.referenced_chunks`) and the caller's detail
   about them (for ``du`` and ``gc``); written before the snapshot that names it;
@@ -226,8 +226,16 @@ class IndexState:
 
     # -- encoding --------------------------------------------------------------
     def snap_body(self, keep: set[str]) -> bytes:
-        """``keep``: the manifests whose summaries it holds (:meth:`StoreIndex.kept`)."""
-        refs = {n: [r.to_obj() for _, r in sorted(recs.items())] for n, recs in self.refs.items() if recs}
+        """``keep``: the manifests whose summaries it holds (:meth:`StoreIndex.kept`). Of each ref, the
+        records back to its newest removal: what is older keeps nothing alive (gc_roots stops there) and
+        is in no reader's answer (``ckpt log`` reads refs/), and :meth:`StoreIndex._reconcile` does not
+        read it again; kept, a run's removed steps made every compaction rewrite their whole histories."""
+        refs = {}
+        for n, recs in self.refs.items():
+            seqs = sorted(recs)
+            gone = max((s for s in seqs if recs[s].target is None), default=seqs[0] if seqs else 0)
+            if recs:
+                refs[n] = [recs[s].to_obj() for s in seqs if s >= gone]
         info = {m: i for m, i in self.info.items() if m in keep}
         used = {i.get("sig") for i in info.values()}
         return canonical_json({"refs": refs, "info": info, "sigs": {k: v for k, v in self.sigs.items() if k in used}})
@@ -438,8 +446,8 @@ class StoreIndex:
         """The index, brought up to date with ``refs/`` when ``exact``.
 
         ``exact``: every ref entry listed under ``refs/`` is represented, from the index
-        where the file is the one recorded, else read (``history``: every entry, else only
-        each ref's newest). Not ``exact`` (base choice): the index as stored, rebuilt from
+        where the file is the one recorded, else read (``history``: every entry back to the newest
+        removal the index records, else only each ref's newest). Not ``exact`` (base choice): the index as stored, rebuilt from
         the refs only when missing or damaged.
         """
         st = self.load(chunks=chunks, recent=not exact)
@@ -461,8 +469,14 @@ class StoreIndex:
         for name, files in listing.items():
             have = st.refs.get(name, {})
             newest = max(files)
+            # The newest removal the index records, where the listing shows that file: what is older
+            # keeps nothing alive (gc_roots stops at a removal), and a snapshot keeps no record of it.
+            gone = max((s for s, r in have.items() if r.target is None and files.get(s) is not None
+                        and r.matches(files[s])), default=-1)  # type: ignore[arg-type]
             out: dict[int, RefRec] = {}
             for seq, listed in files.items():
+                if seq < gone:
+                    continue
                 rec = have.get(seq)
                 if rec is not None and listed is not None and rec.mtime is None and rec.matches(listed):
                     rec = RefRec(rec.seq, rec.target, rec.time, rec.writer, rec.alias, rec.size, listed.mtime)

@@ -413,3 +413,32 @@ def test_a_training_runs_index_keeps_no_summaries_of_its_removed_steps(tmp_path)
     (chunks,) = [p for p in index_files(store) if p.endswith(".chunks")]
     assert len(json.loads(store.backend.read(chunks).partition(b"\n")[2])) <= 3  # the steps kept, and the one saving
     same_with_and_without(store)
+
+
+def snapshot_refs(store: ckpt.Store) -> dict[str, list]:
+    (snap,) = [p for p in index_files(store) if p.endswith(".snap")]
+    return json.loads(store.backend.read(snap).partition(b"\n")[2])["refs"]
+
+
+def test_a_snapshot_keeps_no_history_behind_a_removal(tmp_path):
+    """A snapshot kept every entry of every ref ever written: a run's removed steps (each its save
+    and its removal) made every compaction rewrite them all. Behind a removal nothing is kept alive
+    (gc's rule) and no reader of the index answers with it (``ckpt log`` reads refs/): a snapshot keeps
+    each ref's entries back to its newest removal, and gc --dry-run does not read the older ones."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    x = torch.zeros(4)
+    for k in range(COMPACT_AFTER):
+        for _ in range(2):
+            x = x + 1
+            store.push({"w": x}, f"run/step-{k}")
+        store.remove(f"run/step-{k}")
+    store.push({"w": x + 1}, "run/step-0")  # begun again: its entries after the removal count
+    shutil.rmtree(tmp_path / "s" / PREFIX)
+    store.ls()  # rebuilds the index, every entry read
+    recs = snapshot_refs(store)
+    assert [len(recs[f"run/step-{k}"]) for k in range(COMPACT_AFTER)] == [2] + [1] * (COMPACT_AFTER - 1)
+    counting = Counting(store)
+    store.gc(grace_s=0, dry_run=True)
+    assert counting.of("refs/") == []
+    got = same_with_and_without(store)
+    assert [r.name for r in got["ls"]] == ["run/step-0"] and len(got["log"]["run/step-1"]) == 3
