@@ -6,9 +6,9 @@ need below ``index/`` (docs/format.md, "Metadata index"):
 
 * ``index/<gen>.log`` -- one ref update, written (exclusive create) right after its ref
   entry, with a summary of the manifest it names when the writer has it;
-* ``index/<gen>-<hash>.snap`` -- everything known up to log ``gen``: every ref entry
-  (seq, target, time, writer, alias, and the entry file's size and mtime), and a small
-  summary of every manifest they name (for ``ls`` and base choice);
+* ``index/<gen>-<hash>.snap`` -- everything known up to log ``gen``: every ref entry back to
+  its ref's newest removal (seq, target, time, writer, alias, and the entry file's size and
+  mtime), and a small summary of every manifest they keep alive (for ``ls`` and base choice);
 * ``index/<gen>-<hash>.chunks`` -- the chunk ids every such manifest needs (by the same
   rule as gc, :func:`~ckpt_store.storage.gc.referenced_chunks`) and the caller's detail
   about them (for ``du`` and ``gc``); written before the snapshot that names it;
@@ -61,6 +61,7 @@ from ckpt_store.storage.errors import (
     StorageIOError,
     StoreFormatError,
 )
+from ckpt_store.storage.gc import gc_roots
 from ckpt_store.storage.objects import ObjectStore, check_id
 from ckpt_store.storage.records import (
     MAX_RECORD_BYTES,
@@ -224,10 +225,20 @@ class IndexState:
         return self.sigs.get(key) if key is not None else None
 
     # -- encoding --------------------------------------------------------------
-    def snap_body(self) -> bytes:
-        refs = {n: [r.to_obj() for _, r in sorted(recs.items())] for n, recs in self.refs.items() if recs}
-        used = {i.get("sig") for i in self.info.values()}
-        return canonical_json({"refs": refs, "info": self.info, "sigs": {k: v for k, v in self.sigs.items() if k in used}})
+    def snap_body(self, keep: set[str]) -> bytes:
+        """``keep``: the manifests whose summaries it holds (:meth:`StoreIndex.kept`). Of each ref, the
+        records back to its newest removal: what is older keeps nothing alive (gc_roots stops there) and
+        is in no reader's answer (``ckpt log`` reads refs/), and :meth:`StoreIndex._reconcile` does not
+        read it again; kept, a run's removed steps made every compaction rewrite their whole histories."""
+        refs = {}
+        for n, recs in self.refs.items():
+            seqs = sorted(recs)
+            gone = max((s for s in seqs if recs[s].target is None), default=seqs[0] if seqs else 0)
+            if recs:
+                refs[n] = [recs[s].to_obj() for s in seqs if s >= gone]
+        info = {m: i for m, i in self.info.items() if m in keep}
+        used = {i.get("sig") for i in info.values()}
+        return canonical_json({"refs": refs, "info": info, "sigs": {k: v for k, v in self.sigs.items() if k in used}})
 
     def recent_body(self) -> bytes:
         live = sorted(self.live().values(), key=lambda e: e.time, reverse=True)[:RECENT]
@@ -236,9 +247,9 @@ class IndexState:
         used = {i.get("sig") for i in info.values()}
         return canonical_json({"refs": refs, "info": info, "sigs": {k: v for k, v in self.sigs.items() if k in used}})
 
-    def chunks_body(self) -> bytes:
+    def chunks_body(self, keep: set[str]) -> bytes:
         assert self.chunks is not None
-        return canonical_json({m: v for m, v in self.chunks.items() if m in self.info})
+        return canonical_json({m: v for m, v in self.chunks.items() if m in self.info and m in keep})
 
 
 def _blob(fmt: str, gen: int, body: bytes, **extra: Any) -> bytes:
@@ -435,8 +446,8 @@ class StoreIndex:
         """The index, brought up to date with ``refs/`` when ``exact``.
 
         ``exact``: every ref entry listed under ``refs/`` is represented, from the index
-        where the file is the one recorded, else read (``history``: every entry, else only
-        each ref's newest). Not ``exact`` (base choice): the index as stored, rebuilt from
+        where the file is the one recorded, else read (``history``: every entry back to the newest
+        removal the index records, else only each ref's newest). Not ``exact`` (base choice): the index as stored, rebuilt from
         the refs only when missing or damaged.
         """
         st = self.load(chunks=chunks, recent=not exact)
@@ -458,8 +469,14 @@ class StoreIndex:
         for name, files in listing.items():
             have = st.refs.get(name, {})
             newest = max(files)
+            # The newest removal the index records, where the listing shows that file: what is older
+            # keeps nothing alive (gc_roots stops at a removal), and a snapshot keeps no record of it.
+            gone = max((s for s, r in have.items() if r.target is None and files.get(s) is not None
+                        and r.matches(files[s])), default=-1)  # type: ignore[arg-type]
             out: dict[int, RefRec] = {}
             for seq, listed in files.items():
+                if seq < gone:
+                    continue
                 rec = have.get(seq)
                 if rec is not None and listed is not None and rec.mtime is None and rec.matches(listed):
                     rec = RefRec(rec.seq, rec.target, rec.time, rec.writer, rec.alias, rec.size, listed.mtime)
@@ -548,7 +565,8 @@ class StoreIndex:
                 st.chunks = {}
                 if full is not None and full.chunks is not None:
                     st.chunks.update(full.chunks)
-            missing = [m for m in st.info if m not in st.chunks]
+            keep = self.kept(st)
+            missing = [m for m in st.info if m not in st.chunks and m in keep]
             if missing:
                 self.ensure(st, missing, chunks=True)
             self.write_snapshot(st)
@@ -556,12 +574,22 @@ class StoreIndex:
             log.info("could not update the metadata index: %s", e)  # a read-only user, say: not their problem
 
     # -- writing -----------------------------------------------------------------
+    def kept(self, st: IndexState) -> set[str]:
+        """The manifests a snapshot of ``st`` summarises: those its refs keep alive by gc's rule
+        (:func:`~ckpt_store.storage.gc.gc_roots`, with history), which holds every checkpoint a reader
+        of the index asks about (``ls``, ``du``, base choice and the web view: live targets; ``gc
+        --dry-run``: its roots). Not those of removed refs or that an alias named before (a training
+        run's removed steps): kept, each save's compaction rewrote all of them. One asked for again
+        is read from its manifest, as any summary the index lacks."""
+        return {r.target for r in gc_roots(self.refs, histories=st.entries()).roots}
+
     def write_snapshot(self, st: IndexState) -> str:
         """Write ``st`` as the snapshot of generation ``st.max_gen``: chunk lists first, then
         the snapshot that names them; then delete what it supersedes."""
         assert st.chunks is not None
         gen = max(st.max_gen, st.gen)
-        cbody = st.chunks_body()
+        keep = self.kept(st)
+        cbody = st.chunks_body(keep)
         chash = blake3.blake3(cbody).hexdigest()
         cname = f"{gen:010d}-{chash[:16]}.chunks"
         self.backend.write(f"{PREFIX}/{cname}", _blob(CHUNKS_FORMAT, gen, cbody))
@@ -571,7 +599,7 @@ class StoreIndex:
         rname = f"{gen:010d}-{rhash[:16]}.recent"
         self.backend.write(f"{PREFIX}/{rname}", _blob(RECENT_FORMAT, gen, rbody))
         self.backend.flush()
-        body = st.snap_body()
+        body = st.snap_body(keep)
         blob = _blob(SNAP_FORMAT, gen, body, chunks=cname, chunks_hash=chash, recent=rname, recent_hash=rhash)
         path = f"{PREFIX}/{gen:010d}-{blake3.blake3(blob).hexdigest()[:16]}.snap"
         self.backend.write(path, blob)

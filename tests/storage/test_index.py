@@ -9,6 +9,7 @@ ref and manifest, as before the index existed).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -361,3 +362,83 @@ def test_a_ref_begun_again_elsewhere_is_numbered_from_its_entries_not_from_memor
     ckpt.Store.open(url).refs_db.set("r", mid)  # another writer begins it again: entry 1
     a.refs_db.set("r", mid)
     assert [e.seq for e in a.log("r")] == [2, 1] and a.resolve("r@1") == mid
+
+
+class CountingWrites:
+    """Bytes written below ``index/`` by a store's backend (instrumentation, not a mock)."""
+
+    def __init__(self, store: ckpt.Store) -> None:
+        self.written: dict[str, int] = {}
+        real = store.backend.write
+
+        def write(path: str, data) -> None:
+            if path.startswith(PREFIX + "/"):
+                ext = path.rsplit(".", 1)[-1]
+                self.written[ext] = self.written.get(ext, 0) + len(data)
+            real(path, data)
+
+        store.backend.write = write  # type: ignore[method-assign]
+
+    def take(self) -> dict[str, int]:
+        out, self.written = self.written, {}
+        return out
+
+
+def saves(mgr: ckpt.CheckpointManager, model: torch.nn.Module, steps: range) -> None:
+    for step in steps:
+        with torch.no_grad():
+            model.weight[0, 0] = step  # every save a new checkpoint (one chunk changed)
+        mgr.save(step, {"model": model})
+
+
+def test_a_training_runs_index_keeps_no_summaries_of_its_removed_steps(tmp_path):
+    """A run saves RUN/step-N, removes old steps (retention) and updates RUN/latest at every save.
+    Each compaction (every 32 saves) rewrote the summary and chunk list of every checkpoint the
+    run ever saved, removed steps included, which no reader of the index asks about: 64 saves
+    after 100 wrote 0.4 MB of chunk lists, after 400 1.5 MB. A snapshot now summarises what its
+    refs keep alive (gc's roots), so a save costs the same however long the run has been going."""
+    model = torch.nn.Linear(16, 16)
+    mgr = ckpt.CheckpointManager(str(tmp_path / "s"), "run", keep_last=2, save_mode="sync")
+    counting = CountingWrites(mgr.store)
+    saves(mgr, model, range(1, COMPACT_AFTER + 1))
+    counting.take()
+    saves(mgr, model, range(COMPACT_AFTER + 1, 2 * COMPACT_AFTER + 1))
+    early = counting.take()
+    saves(mgr, model, range(2 * COMPACT_AFTER + 1, 5 * COMPACT_AFTER + 1))
+    counting.take()
+    saves(mgr, model, range(5 * COMPACT_AFTER + 1, 6 * COMPACT_AFTER + 1))
+    late = counting.take()
+    assert 0 < late["chunks"] < 1.25 * early["chunks"]  # before: 3.5 times as much
+    store = mgr.store
+    (chunks,) = [p for p in index_files(store) if p.endswith(".chunks")]
+    assert len(json.loads(store.backend.read(chunks).partition(b"\n")[2])) <= 3  # the steps kept, and the one saving
+    same_with_and_without(store)
+
+
+def snapshot_refs(store: ckpt.Store) -> dict[str, list]:
+    (snap,) = [p for p in index_files(store) if p.endswith(".snap")]
+    return json.loads(store.backend.read(snap).partition(b"\n")[2])["refs"]
+
+
+def test_a_snapshot_keeps_no_history_behind_a_removal(tmp_path):
+    """A snapshot kept every entry of every ref ever written: a run's removed steps (each its save
+    and its removal) made every compaction rewrite them all. Behind a removal nothing is kept alive
+    (gc's rule) and no reader of the index answers with it (``ckpt log`` reads refs/): a snapshot keeps
+    each ref's entries back to its newest removal, and gc --dry-run does not read the older ones."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    x = torch.zeros(4)
+    for k in range(COMPACT_AFTER):
+        for _ in range(2):
+            x = x + 1
+            store.push({"w": x}, f"run/step-{k}")
+        store.remove(f"run/step-{k}")
+    store.push({"w": x + 1}, "run/step-0")  # begun again: its entries after the removal count
+    shutil.rmtree(tmp_path / "s" / PREFIX)
+    store.ls()  # rebuilds the index, every entry read
+    recs = snapshot_refs(store)
+    assert [len(recs[f"run/step-{k}"]) for k in range(COMPACT_AFTER)] == [2] + [1] * (COMPACT_AFTER - 1)
+    counting = Counting(store)
+    store.gc(grace_s=0, dry_run=True)
+    assert counting.of("refs/") == []
+    got = same_with_and_without(store)
+    assert [r.name for r in got["ls"]] == ["run/step-0"] and len(got["log"]["run/step-1"]) == 3
