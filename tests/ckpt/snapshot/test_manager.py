@@ -182,6 +182,29 @@ def test_background_error_is_raised_not_lost(tmp_path):
     mgr._pool.shutdown()
 
 
+def test_a_checkpoint_pushed_under_a_run_step_is_no_snapshot(tmp_path, caplog):
+    """A user's .pt with a top-level entry named "snapshot", pushed as run/step-N: retention counted it
+    as one of the run's snapshots and removed it (a user's checkpoint lost), and with keep_best its
+    "metrics" were read off its entry (an int: AttributeError out of save()). Restoring it said "not
+    a snapshot of this ckpt version". Retention now neither counts nor removes it, with a warning;
+    restoring it is refused as a pushed checkpoint."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    torch.save({"w": torch.arange(4.0), "snapshot": 7}, tmp_path / "user.pt")
+    for step in (0, 9):
+        store.push(str(tmp_path / "user.pt"), f"run/step-{step}")
+    pushed = [store.resolve("run/step-0"), store.resolve("run/step-9")]
+    model = _model()
+    with ckpt.CheckpointManager(store, "run", keep_last=1, keep_best=ckpt.KeepBest("loss", "min"), save_mode="sync") as mgr:
+        for step, loss in ((1, 0.5), (2, 0.4), (3, 0.3)):
+            mgr.save(step, {"model": model}, metrics={"loss": loss})
+        with pytest.raises(SnapshotError, match="not a snapshot: it was pushed"):
+            mgr.restore({"model": model}, 0)
+    assert sorted(store.refs()) == ["run/latest", "run/step-0", "run/step-3", "run/step-9"]
+    assert [store.resolve("run/step-0"), store.resolve("run/step-9")] == pushed
+    assert "run/step-0 is not a snapshot" in caplog.text
+    assert store.verify().ok
+
+
 def test_retention(tmp_path):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
