@@ -334,6 +334,7 @@ class CheckpointManager:
         self._durable_known = False  # once read (at the first save with a local tier)
         self._persist_pending = False  # a persist failed: the next save persists
         self._inflight: Future[None] | None = None
+        # keep_best's metrics of the steps retention counts (a step's manifest holds them too): those it removes are dropped
         self._metrics: dict[int, dict[str, float]] = {}
         self._snapshot_ids: dict[int, tuple[str, bool]] = {}  # retention: step -> (manifest id, whether a snapshot)
         self._old_handlers: dict[int, Any] = {}
@@ -651,7 +652,8 @@ class CheckpointManager:
         warnings.warn(message, TierWarning, stacklevel=2)
 
     def _saved(self, step: int, metrics: dict[str, float], r: SaveResult, blocked: float, background: float) -> None:
-        self._metrics[step] = metrics
+        if self.retention.best:  # (nothing else reads them)
+            self._metrics[step] = metrics
         tier = "local" if self._local is not None and r.fell_back is None else "store"
         self.last_save = SaveStats(step, blocked, background, r.written_bytes, r.logical_bytes, r.staged_tensors,
                                    r.reused_tensors, r.copied_at_step_bytes, tier, r.replicated_bytes)
@@ -785,6 +787,8 @@ class CheckpointManager:
                     log.warning("retention: could not read %s (%s); counting every step", self._durable.latest, describe(e))
                 latest = None
             keep = set(self.retention.keep(steps, metrics, latest))
+            for s in [s for s in list(self._metrics) if s not in keep]:  # (a step not yet counted is read again)
+                self._metrics.pop(s, None)
             for s in steps:
                 if s not in keep:
                     self._retained.discard(s)

@@ -205,6 +205,22 @@ def test_a_checkpoint_pushed_under_a_run_step_is_no_snapshot(tmp_path, caplog):
     assert store.verify().ok
 
 
+@pytest.mark.parametrize(("retention", "kept", "held"), [
+    ({}, list(range(1, 41)), 0), ({"keep_last": 2}, [39, 40], 0),
+    ({"keep_last": 2, "keep_best": ckpt.KeepBest("loss", "min")}, [2, 39, 40], 3)], ids=["keep-all", "keep-last", "keep-best"])
+def test_the_metrics_a_manager_holds_stay_bounded(tmp_path, retention, kept, held):
+    """CheckpointManager kept every save's metrics in memory for the life of the process (one dict per
+    save, forever), though only keep_best reads them and a step's manifest holds them too. It keeps
+    them with keep_best alone, for the steps retention keeps; what retention keeps is unchanged."""
+    model = _model()
+    losses = [0.5, 0.1, *[0.9 - i / 100 for i in range(38)]]  # the best is step 2
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "run", save_mode="sync", **retention) as mgr:
+        for step, loss in enumerate(losses, 1):
+            mgr.save(step, {"model": model}, metrics={"loss": loss})
+            assert len(mgr._metrics) <= held
+        assert mgr.steps() == kept
+
+
 def test_retention(tmp_path):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
