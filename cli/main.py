@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ckpt_store.cli import results, views
-from ckpt_store.cli.render import RichProgress, emit_json, err, out, safe
+from ckpt_store.cli.render import GuardedStdout, RichProgress, emit_json, err, out, safe
 
 app = typer.Typer(
     name="ckpt",
@@ -833,6 +833,7 @@ def _main(argv: list[str] | None) -> None:
     _state["json"] = _state["json_written"] = False
     words = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
     _state["argv"] = words  # this command's line, for _open (None for an app invoked otherwise: CliRunner)
+    stdout, sys.stdout = sys.stdout, GuardedStdout(sys.stdout)  # (click prints --help there while it parses)
     try:
         # Without standalone mode click returns the code of a typer.Exit instead of exiting.
         code = app(args=argv, standalone_mode=False)
@@ -865,6 +866,7 @@ def _main(argv: list[str] | None) -> None:
         sys.exit(getattr(e, "exit_code", 2))
     finally:
         _state["argv"] = None
+        sys.stdout = stdout
     if _terminated() or code == 130:  # typer returns Ctrl-C inside a command (or SIGTERM, unwound alike) as code 130, silently
         _end_interrupted(_INTERRUPTED)
     sys.exit(code if isinstance(code, int) else 0)

@@ -61,6 +61,37 @@ def output_failed(e: OSError) -> None:
     raise SystemExit(1)
 
 
+class GuardedStdout:
+    """``sys.stdout`` while a command line is parsed and run: what click writes there itself (the help,
+    printed while it parses, outside any command) fails as every other output does: a closed pipe
+    ends the command with 141 (:meth:`_Console.on_broken_pipe`), any other failure to write with one
+    line and 1 (:func:`output_failed`), never a traceback or click's silent 1. Only stdout's own
+    errors are turned so; the rest of the stream is the one it wraps."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except BrokenPipeError:
+            out.on_broken_pipe()
+        except OSError as e:
+            output_failed(e)
+        return 0  # (not reached: both end the command)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            out.on_broken_pipe()
+        except OSError as e:
+            output_failed(e)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 # Wide when piped, so tables in logs and files do not wrap at 80 columns. markup and
 # emoji off: "[red]" and ":smile:" in a message are text, never styling (or a crash on "[/b]").
 out = _Console(highlight=False, markup=False, emoji=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)

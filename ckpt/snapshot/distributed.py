@@ -466,9 +466,11 @@ class DistributedSnapshots:
         from ckpt.dcp.consolidate import check_entries
         from ckpt.dcp.format import decode_layout
         from ckpt.format.dtypes import to_torch
-        from ckpt.snapshot.run import SNAPSHOT_FORMATS, SnapshotError
+        from ckpt.snapshot.run import SNAPSHOT_FORMATS, SnapshotError, is_snapshot, not_a_snapshot
 
         m = tiers.get_manifest(mid) if tiers is not None else self.run.store.manifest(mid)
+        if not is_snapshot(m):
+            raise not_a_snapshot(mid, m)
         snap = m.extra.get("snapshot")
         if not isinstance(snap, dict) or snap.get("format") not in SNAPSHOT_FORMATS or not snap.get("ranks"):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a distributed snapshot of this ckpt version",

@@ -32,7 +32,9 @@ from ckpt.snapshot.run import (
     SaveResult,
     SnapshotError,
     SnapshotRun,
+    is_snapshot,
     modified_under_save,
+    not_a_snapshot,
 )
 from ckpt.snapshot.state import (
     Stateful,
@@ -311,6 +313,8 @@ class LocalSnapshots:
 
         tiers = tiers or Tiers([("store", self.store)])
         m = tiers.get_manifest(mid)
+        if not is_snapshot(m):
+            raise not_a_snapshot(mid, m)
         snap = m.extra.get("snapshot")
         if not isinstance(snap, dict) or snap.get("format") not in SNAPSHOT_FORMATS or not isinstance(snap.get("tree"), dict):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")

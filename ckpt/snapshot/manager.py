@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpt._deprecation import deprecated
-from ckpt.errors import RefNotFoundError
+from ckpt.errors import CkptError, RefNotFoundError
 from ckpt.settings import Settings
 from ckpt.snapshot.retention import KeepBest, Retention, count_setting
 from ckpt.snapshot.run import (
@@ -38,6 +38,7 @@ from ckpt.snapshot.run import (
     SnapshotPath,
     SnapshotRun,
     TierWarning,
+    is_snapshot,
     modified_under_save,
 )
 from ckpt.snapshot.tiers import MISSES as TIER_MISSES
@@ -333,7 +334,9 @@ class CheckpointManager:
         self._durable_known = False  # once read (at the first save with a local tier)
         self._persist_pending = False  # a persist failed: the next save persists
         self._inflight: Future[None] | None = None
+        # keep_best's metrics of the steps retention counts (a step's manifest holds them too): those it removes are dropped
         self._metrics: dict[int, dict[str, float]] = {}
+        self._snapshot_ids: dict[int, tuple[str, bool]] = {}  # retention: step -> (manifest id, whether a snapshot)
         self._old_handlers: dict[int, Any] = {}
         self._path: SnapshotPath
         if process_group is not None:
@@ -649,7 +652,8 @@ class CheckpointManager:
         warnings.warn(message, TierWarning, stacklevel=2)
 
     def _saved(self, step: int, metrics: dict[str, float], r: SaveResult, blocked: float, background: float) -> None:
-        self._metrics[step] = metrics
+        if self.retention.best:  # (nothing else reads them)
+            self._metrics[step] = metrics
         tier = "local" if self._local is not None and r.fell_back is None else "store"
         self.last_save = SaveStats(step, blocked, background, r.written_bytes, r.logical_bytes, r.staged_tensors,
                                    r.reused_tensors, r.copied_at_step_bytes, tier, r.replicated_bytes)
@@ -724,8 +728,26 @@ class CheckpointManager:
     def _metric(self, step: int) -> dict[str, float]:
         if step not in self._metrics:
             m = self.store.manifest(self.ref(step))
-            self._metrics[step] = (m.extra.get("snapshot") or {}).get("metrics") or {}
+            snap = m.extra.get("snapshot")
+            self._metrics[step] = (snap.get("metrics") if isinstance(snap, dict) else None) or {}
         return self._metrics[step]
+
+    def _snapshot_id(self, step: int, mid: str) -> bool:
+        """Whether ``mid``, which RUN/step-``step`` names, is a snapshot (:func:`~ckpt.snapshot.run.is_snapshot`),
+        read once per step and id. A checkpoint pushed under the run's name is not (with a warning): retention
+        neither counts nor removes it. One that cannot be read is left alone too (the next save reads again)."""
+        seen = self._snapshot_ids.get(step)
+        if seen is not None and seen[0] == mid:
+            return seen[1]
+        try:
+            known = is_snapshot(self.store.manifest(mid))
+        except CkptError as e:
+            log.warning("retention: %s unreadable (%s): not counted, kept", self.ref(step), describe(e))
+            return False
+        self._snapshot_ids[step] = (mid, known)
+        if not known:
+            log.warning("retention: %s is not a snapshot (pushed under the run's name): not counted, kept", self.ref(step))
+        return known
 
     def _retain(self, saved: int) -> None:
         """Apply the retention rules after the snapshot of step ``saved`` landed in the durable store.
@@ -749,13 +771,14 @@ class CheckpointManager:
             steps = []
             for s in sorted(self._retained):
                 try:
-                    live = self.store.refs_db.current(self.ref(s)) is not None
+                    entry = self.store.refs_db.current(self.ref(s))
                 except StoreFormatError:  # damaged: not counted, never removed (as steps() leaves it out)
                     continue
-                if live:
-                    steps.append(s)
-                else:
+                if entry is None:
                     self._retained.discard(s)
+                    self._snapshot_ids.pop(s, None)
+                elif self._snapshot_id(s, entry.target):  # a checkpoint pushed under the name is not counted, never removed
+                    steps.append(s)
             metrics = {s: self._metric(s) for s in steps} if self.retention.best else {}
             try:  # below the newest step where the run went back: the last ones are counted up to it
                 latest = snapshot_step(self.store.manifest(self._durable.latest))
@@ -764,9 +787,12 @@ class CheckpointManager:
                     log.warning("retention: could not read %s (%s); counting every step", self._durable.latest, describe(e))
                 latest = None
             keep = set(self.retention.keep(steps, metrics, latest))
+            for s in [s for s in list(self._metrics) if s not in keep]:  # (a step not yet counted is read again)
+                self._metrics.pop(s, None)
             for s in steps:
                 if s not in keep:
                     self._retained.discard(s)
+                    self._snapshot_ids.pop(s, None)
                     try:
                         self.store.remove(self.ref(s))
                     except RefNotFoundError:

@@ -52,6 +52,13 @@ class ResumeWarning(RuntimeWarning):
     process lays out afresh)."""
 
 
+def not_a_snapshot(mid: str, m: Manifest) -> SnapshotError:
+    """The error of a restore of ``m`` (manifest ``mid``), which no snapshot manager wrote (:func:`is_snapshot`):
+    a checkpoint pushed under a run's ref name (``RUN/step-N``, ``RUN/latest``) is never restored as training state."""
+    return SnapshotError(f"checkpoint {mid[:12]} is not a snapshot: it was pushed ({m.source}), not saved by a CheckpointManager",
+                         hint="push it under a name outside the run and `ckpt rm` this one, or restore another step")
+
+
 def modified_under_save(names: list[str]) -> SnapshotError:
     """The error of an overlapped save (``save_mode="overlap"``) whose tensors changed under it."""
     listed = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")

@@ -491,7 +491,13 @@ def chunk_ids(m: Manifest) -> set[str]:
 
 def snapshot_step(m: Manifest) -> int | None:
     """The step a snapshot's record holds: a non-negative int, else None (no snapshot, or a damaged
-    record: a bool is no step, though Python counts True as the int 1)."""
+    record: a bool is no step, though Python counts True as the int 1). A checkpoint that a snapshot
+    manager did not write (:func:`~ckpt.snapshot.run.is_snapshot`) has no step, whatever its ``extra``
+    holds: a pushed ``.pt`` with an entry named ``snapshot`` is no snapshot."""
+    from ckpt.snapshot.run import is_snapshot
+
+    if not is_snapshot(m):
+        return None
     snap = m.extra.get("snapshot")
     step = snap.get("step") if isinstance(snap, dict) else None
     return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None

@@ -230,6 +230,9 @@ class S3Backend(Backend):
             plain = "/".join(q for q in ("".join(c for c in p if c.isprintable()) for p in parts) if q not in ("", ".", ".."))
             raise StoreLocationError(f"{url!r}: the prefix has an empty, '.' or '..' segment or a control character, "
                                      "which S3 servers read differently", hint=f"write it plainly: s3://{self.bucket}/{plain}")
+        # The store's own name, one for each spelling of it (s3://b/st/, s3://b//st): what tells two stores apart.
+        scheme = url.split("://", 1)[0].lower() if "://" in url else "s3"
+        self.url = f"{scheme}://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
         for k in ("key", "secret", "token", "endpoint_url", "region_name", "profile"):
             if opts.get(k) is not None and not isinstance(opts[k], str):  # (its value unshown: it may be a credential)
                 raise StorageIOError(f"bad storage options for {url}: {k} must be text, not a {type(opts[k]).__name__}",

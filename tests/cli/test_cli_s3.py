@@ -197,6 +197,19 @@ def test_copy_between_two_s3_servers(s3_main, second_s3, ckpt_cli, env, files, t
     assert code == 2 and "--to-option" in err and "local" in err and not (tmp_path / "local").exists(), err
 
 
+def test_copy_to_the_same_s3_store_spelled_with_a_trailing_slash_is_refused(s3_main, ckpt_cli, env, files):
+    """`ckpt copy --from s3://bkt/st --to s3://bkt/st/` (or `s3://bkt//st`): the check compared the URLs as
+    typed, so one store was copied onto itself. The stores' URLs, as opened, are compared."""
+    base, _, _ = files
+    url = f"s3://{s3_main.new_bucket()}/st"
+    ckpt_cli.ok("--store", url, "push", base, "m/base")
+    bucket, prefix = url[5:].split("/")
+    for to in (url + "/", url + "//", f"s3://{bucket}//{prefix}"):
+        code, _, err = ckpt_cli("copy", "m/base:m/again", "--from", url, "--to", to)
+        assert code == 2 and "same store" in err, (to, code, err)
+    assert [r["ref"] for r in ckpt_cli.json("--store", url, "ls")] == ["m/base"]
+
+
 def test_push_to_and_pull_from_a_second_s3_server(s3_main, second_s3, ckpt_cli, env, files, tmp_path):
     """`ckpt push REF --to URL` and `ckpt pull REF --from URL` took no options of their own, so the
     other store was opened with --store's (--storage-option, AWS_ENDPOINT_URL): a second S3 server

@@ -431,7 +431,8 @@ def test_every_commands_help_teaches_by_example(command: str, env: dict[str, str
 
 
 @pytest.mark.parametrize("args", [["ls"], ["ls", "--json"], ["show", "demo/file"], ["show", "demo/file", "--json"],
-                                  ["merge", "--list-methods"]])  # (this one exited 1: its text went past the console)
+                                  ["merge", "--list-methods"],  # (this one exited 1: its text went past the console)
+                                  ["--help"], ["ls", "--help"]])  # (click prints help while parsing: it exited 1)
 def test_a_reader_that_leaves_the_pipe_ends_the_command_with_141(args: list[str], store: Path, env: dict[str, str]) -> None:
     """`ckpt ls | head -1`: the reader is gone before the output is written. The command ends as
     a shell pipeline expects, 128 + SIGPIPE, with nothing on stderr (it exited 1, silently)."""
@@ -443,7 +444,8 @@ def test_a_reader_that_leaves_the_pipe_ends_the_command_with_141(args: list[str]
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-@pytest.mark.parametrize("args", [["ls"], ["ls", "--json"], ["show", "demo/file"], ["show", "nope/none", "--json"]])
+@pytest.mark.parametrize("args", [["ls"], ["ls", "--json"], ["show", "demo/file"], ["show", "nope/none", "--json"],
+                                  ["--help"], ["ls", "--help"]])  # (help: an OSError traceback from click's echo)
 def test_output_to_a_full_disk_ends_in_one_line_not_a_traceback(args: list[str], store: Path, env: dict[str, str]) -> None:
     """`ckpt ls --json > ls.json` on a full disk (here /dev/full): the write failed with an OSError
     traceback (ENOSPC) from deep in rich or json output. It ends with exit 1 and a line saying

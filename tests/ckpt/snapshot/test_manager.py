@@ -182,6 +182,45 @@ def test_background_error_is_raised_not_lost(tmp_path):
     mgr._pool.shutdown()
 
 
+def test_a_checkpoint_pushed_under_a_run_step_is_no_snapshot(tmp_path, caplog):
+    """A user's .pt with a top-level entry named "snapshot", pushed as run/step-N: retention counted it
+    as one of the run's snapshots and removed it (a user's checkpoint lost), and with keep_best its
+    "metrics" were read off its entry (an int: AttributeError out of save()). Restoring it said "not
+    a snapshot of this ckpt version". Retention now neither counts nor removes it, with a warning;
+    restoring it is refused as a pushed checkpoint."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    torch.save({"w": torch.arange(4.0), "snapshot": 7}, tmp_path / "user.pt")
+    for step in (0, 9):
+        store.push(str(tmp_path / "user.pt"), f"run/step-{step}")
+    pushed = [store.resolve("run/step-0"), store.resolve("run/step-9")]
+    model = _model()
+    with ckpt.CheckpointManager(store, "run", keep_last=1, keep_best=ckpt.KeepBest("loss", "min"), save_mode="sync") as mgr:
+        for step, loss in ((1, 0.5), (2, 0.4), (3, 0.3)):
+            mgr.save(step, {"model": model}, metrics={"loss": loss})
+        with pytest.raises(SnapshotError, match="not a snapshot: it was pushed"):
+            mgr.restore({"model": model}, 0)
+    assert sorted(store.refs()) == ["run/latest", "run/step-0", "run/step-3", "run/step-9"]
+    assert [store.resolve("run/step-0"), store.resolve("run/step-9")] == pushed
+    assert "run/step-0 is not a snapshot" in caplog.text
+    assert store.verify().ok
+
+
+@pytest.mark.parametrize(("retention", "kept", "held"), [
+    ({}, list(range(1, 41)), 0), ({"keep_last": 2}, [39, 40], 0),
+    ({"keep_last": 2, "keep_best": ckpt.KeepBest("loss", "min")}, [2, 39, 40], 3)], ids=["keep-all", "keep-last", "keep-best"])
+def test_the_metrics_a_manager_holds_stay_bounded(tmp_path, retention, kept, held):
+    """CheckpointManager kept every save's metrics in memory for the life of the process (one dict per
+    save, forever), though only keep_best reads them and a step's manifest holds them too. It keeps
+    them with keep_best alone, for the steps retention keeps; what retention keeps is unchanged."""
+    model = _model()
+    losses = [0.5, 0.1, *[0.9 - i / 100 for i in range(38)]]  # the best is step 2
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "run", save_mode="sync", **retention) as mgr:
+        for step, loss in enumerate(losses, 1):
+            mgr.save(step, {"model": model}, metrics={"loss": loss})
+            assert len(mgr._metrics) <= held
+        assert mgr.steps() == kept
+
+
 def test_retention(tmp_path):
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

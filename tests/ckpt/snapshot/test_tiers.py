@@ -696,3 +696,17 @@ def test_snapshot_step_is_a_non_negative_int_or_nothing(tmp_path, step):
     assert snapshot_step(m) == 3
     damaged = dataclasses.replace(m, extra={**m.extra, "snapshot": {**m.extra["snapshot"], "step": step}})
     assert snapshot_step(damaged) is None
+
+
+def test_snapshot_step_of_a_checkpoint_no_manager_wrote_is_none(tmp_path):
+    """snapshot_step read the step of any manifest whose extra held a "snapshot" record, which a pushed
+    checkpoint's entries fill: pushed under RUN/latest, the manager took it for the run's newest
+    snapshot (latest_step, the local tier's timeline, retention). It decides by the source now."""
+    import dataclasses
+
+    from ckpt.snapshot.tiers import snapshot_step
+
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r", save_mode="sync") as mgr:
+        mgr.save(3, {"model": torch.nn.Linear(2, 2)})
+    m = ckpt.Store.open(str(tmp_path / "s")).manifest("r/latest")
+    assert snapshot_step(dataclasses.replace(m, source="state-dict")) is None
