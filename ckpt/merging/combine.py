@@ -521,8 +521,14 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     if _remix is not None:
         record["remix"] = _remix
     with reads.pool:
-        result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
-                             lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse, progress=progress)
+        try:
+            result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
+                                 lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse,
+                                 progress=progress)
+        finally:  # the readers' own reading threads (a tensor copied whole at another chunk size)
+            for r in (*readers, base_reader):
+                if r is not None:
+                    r.close()
     return MergeResult(result.id, name, m.name, bound, tuple(r.id for r in readers), record["base"], merged,
                        len(steps) - merged - len(from_base) - len(averaged), from_base, result.new_chunks, result.written_bytes,
                        result.logical_bytes, time.perf_counter() - started, averaged, tuple(f.path for f in carried))
