@@ -103,8 +103,9 @@ class CheckpointReader:
 
     def fetch(self, tasks: list[GetTask], progress: Progress | None = None) -> None:
         """Fetch chunks of this checkpoint into ``tasks`` (see :func:`~ckpt.transfer.pipeline.get_chunks`),
-        through this reader's pool of reading threads."""
-        get_chunks(self.store.objects, tasks, self.store.settings, progress, pool=self.pool)
+        through this reader's pool of reading threads; from S3, small chunks from the checkpoint's
+        bundles, each fetched once for the reader's life (its pool keeps it)."""
+        get_chunks(self.store.objects, tasks, self.store.settings, progress, manifest=self.manifest, pool=self.pool)
 
     def _whole(self, item: TensorItem) -> torch.Tensor:
         """A distributed checkpoint's tensor, assembled from its shards (each checked against its entry)."""

@@ -648,3 +648,39 @@ def test_a_diff_of_stored_refs_keeps_one_pool_of_reading_threads_per_side(monkey
     with pytest.raises(ObjectNotFoundError, match=lost):
         ckpt.diff("a", "b", store=store)
     assert not [t for t in threading.enumerate() if t.name.startswith("ckpt-read")]  # nothing reads on behind the error
+
+
+def test_a_diff_from_s3_reads_small_chunks_from_the_bundles_once(s3_main_url):
+    """Each side read its changed small tensors one GET per chunk, though the push stored them in a
+    bundle too: 600 small tensors per side, 1,200 GETs. A side's reader fetches its bundle once for
+    the whole diff (3 batches here) and serves the members from it, each checked against its id."""
+    import threading
+
+    settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False)  # every read a request
+    store = ckpt.Store.init(s3_main_url, settings=settings)
+    g = torch.Generator().manual_seed(9)
+    a = {f"big.{i}": torch.randn(300_000, generator=g) for i in range(4)}
+    a |= {f"small.{i}": torch.randn(100, generator=g) for i in range(600)}
+    b = {k: v + 1 if k.startswith("small") else v for k, v in a.items()}
+    store.push(a, "a")
+    store.push(b, "b")
+    bundles = [bd for r in ("a", "b") for bd in store.manifest(r).bundles]
+    members = {cid for bd in bundles for cid, _, _ in bd.members}
+    assert len(bundles) == 2 and len(members) >= 1200
+    gets: list[str] = []
+    real = store.objects.backend._get
+
+    def counting(path, *args, **kwargs):
+        if threading.current_thread().name.startswith("ckpt-read"):
+            gets.append(path.rsplit("/", 1)[-1])
+        return real(path, *args, **kwargs)
+
+    store.objects.backend._get = counting
+    got = ckpt.diff("a", "b", store=store)
+    store.objects.backend._get = real
+    assert not members & set(gets), len(members & set(gets))  # was 1,200
+    assert all(gets.count(c) == 1 for bd in bundles for c in bd.chunks), [gets.count(c) for bd in bundles for c in bd.chunks]
+    assert got.summary.changed == 600 and got.summary.identical == 4
+    local = ckpt.diff(a, b, store=store)  # the same tensors, read from memory
+    rows = [(r.name, r.status, r.changed_elements, r.max_abs_diff, r.relative_change, r.cosine) for r in got.tensors]
+    assert rows == [(r.name, r.status, r.changed_elements, r.max_abs_diff, r.relative_change, r.cosine) for r in local.tensors]
