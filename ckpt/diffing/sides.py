@@ -81,18 +81,18 @@ class RefSide:
 
         from ckpt.store.limits import check_memory
         from ckpt.store.load import empty_tensor
-        from ckpt.transfer.pipeline import get_chunks, into_tasks
+        from ckpt.transfer.pipeline import into_tasks
 
         entries = [self._entries[n] for n in names]
         check_memory(entries, f"tensor {names[0]!r}" if len(names) == 1 else f"{len(names)} tensors")
         out = {n: empty_tensor(e) if itemsize(e.dtype) is not None else torch.empty(e.nbytes, dtype=torch.uint8)
                for n, e in zip(names, entries)}
-        store = self.reader.store
-        get_chunks(store.objects, into_tasks(self.reader.manifest.chunk_size, zip(entries, out.values())), store.settings)
+        # through the reader's one pool of reading threads, kept for the whole diff (not one per batch)
+        self.reader.fetch(into_tasks(self.reader.manifest.chunk_size, zip(entries, out.values())))
         return out
 
     def close(self) -> None:
-        pass
+        self.reader.close()
 
 
 class DcpSide(RefSide):
@@ -126,7 +126,7 @@ class DcpSide(RefSide):
 
         t = self.items[name]
         full = torch.empty(t.size, dtype=to_torch(t.dtype))
-        run_copies(self.reader.store, self.reader.manifest, shard_copies(t, full, self.entries))
+        run_copies(self.reader.store, self.reader.manifest, shard_copies(t, full, self.entries), get=self.reader.fetch)
         return full
 
     def tensors(self, names: Sequence[str]) -> dict[str, torch.Tensor]:

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import InvalidMergeError, TensorMismatchError
 from ckpt.format.dtypes import bit_identical, byte_view, to_torch
-from ckpt.format.manifest import TensorEntry, chunk_count
+from ckpt.format.manifest import Manifest, TensorEntry, chunk_count
 from ckpt.merging.calls import positionals
 from ckpt.merging.methods import MergeMethod, MethodRegistry, default_registry
 from ckpt.progress import Progress
@@ -309,14 +309,17 @@ class _Inputs:
 
         out: dict[str, list[torch.Tensor]] = {}
         tasks = []
+        manifests: dict[str, Manifest] = {}
         for step in steps:
             out[step.name] = []
             for r in self._sources(step):
                 t = torch.empty(step.shape, dtype=to_torch(step.dtype))
                 tasks += into_tasks(r.manifest.chunk_size, [(r.info(step.name), t)])
                 out[step.name].append(t)
+                manifests[r.id] = r.manifest
         store = self._sources(steps[0])[0].store
-        get_chunks(store.objects, tasks, store.settings, pool=self.pool)
+        # the small chunks from the inputs' bundles (each fetched once, kept by the pool), not a request each
+        get_chunks(store.objects, tasks, store.settings, manifest=list(manifests.values()), pool=self.pool)
         return out
 
 
@@ -521,8 +524,14 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     if _remix is not None:
         record["remix"] = _remix
     with reads.pool:
-        result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
-                             lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse, progress=progress)
+        try:
+            result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
+                                 lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse,
+                                 progress=progress)
+        finally:  # the readers' own reading threads (a tensor copied whole at another chunk size)
+            for r in (*readers, base_reader):
+                if r is not None:
+                    r.close()
     return MergeResult(result.id, name, m.name, bound, tuple(r.id for r in readers), record["base"], merged,
                        len(steps) - merged - len(from_base) - len(averaged), from_base, result.new_chunks, result.written_bytes,
                        result.logical_bytes, time.perf_counter() - started, averaged, tuple(f.path for f in carried))

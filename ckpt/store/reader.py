@@ -12,11 +12,12 @@ from ckpt.format.dtypes import to_torch
 from ckpt.format.manifest import Manifest, TensorEntry
 from ckpt.store.limits import check_memory
 from ckpt.store.load import check_unique, empty_tensor
-from ckpt.transfer.pipeline import get_chunks, into_tasks
+from ckpt.transfer.pipeline import GetTask, ReadPool, get_chunks, into_tasks
 
 if TYPE_CHECKING:
     import torch
 
+    from ckpt.progress import Progress
     from ckpt.store.store import Store
 
 
@@ -31,6 +32,10 @@ class CheckpointReader:
     ['embeddings.LayerNorm.bias']
     >>> reader.get_tensor("embeddings.LayerNorm.bias").shape   # doctest: +SKIP
     torch.Size([384])
+
+    From a remote store (S3, ``memory://``) the reads of all its calls share one pool of reading
+    threads, started at the first read and ended by :meth:`close` (a ``with`` block) or when the
+    reader is garbage-collected.
     """
 
     def __init__(self, store: Store, manifest_id: str, manifest: Manifest) -> None:
@@ -46,6 +51,9 @@ class CheckpointReader:
             from ckpt.dcp.format import decode_layout
 
             self._items = decode_layout(manifest.extra, f"checkpoint {manifest_id[:12]}").tensors
+        # One pool for the reader's life: a pool per get_tensor started (and joined) a thread per
+        # reader of the store on every call (300 lazy reads from S3: 300 pools).
+        self.pool = ReadPool()
 
     def keys(self) -> list[str]:
         if self._items is not None:
@@ -90,8 +98,14 @@ class CheckpointReader:
         entry = self.info(name)
         check_memory([entry], f"tensor {name!r}")
         out = empty_tensor(entry)
-        get_chunks(self.store.objects, into_tasks(self.manifest.chunk_size, [(entry, out)]), self.store.settings)
+        self.fetch(into_tasks(self.manifest.chunk_size, [(entry, out)]))
         return out
+
+    def fetch(self, tasks: list[GetTask], progress: Progress | None = None) -> None:
+        """Fetch chunks of this checkpoint into ``tasks`` (see :func:`~ckpt.transfer.pipeline.get_chunks`),
+        through this reader's pool of reading threads; from S3, small chunks from the checkpoint's
+        bundles, each fetched once for the reader's life (its pool keeps it)."""
+        get_chunks(self.store.objects, tasks, self.store.settings, progress, manifest=self.manifest, pool=self.pool)
 
     def _whole(self, item: TensorItem) -> torch.Tensor:
         """A distributed checkpoint's tensor, assembled from its shards (each checked against its entry)."""
@@ -102,11 +116,15 @@ class CheckpointReader:
         entries = [shard_entry(item, sh, self._by_name) for sh in item.shards]  # before anything is allocated
         check_memory(entries, f"tensor {item.fqn!r}")
         out = torch.empty(item.size, dtype=to_torch(item.dtype))
-        run_copies(self.store, self.manifest, shard_copies(item, out, self._by_name))
+        run_copies(self.store, self.manifest, shard_copies(item, out, self._by_name), get=self.fetch)
         return out
+
+    def close(self) -> None:
+        """End the reader's reading threads (a later read starts them again)."""
+        self.pool.close()
 
     def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        return None
+        self.close()

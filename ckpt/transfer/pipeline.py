@@ -710,27 +710,34 @@ BUNDLE_CHUNK_MAX = 64 << 10
 
 
 def _from_bundles(objects: ObjectStore, todo: list[GetTask], manifest: Manifest, settings: Settings,
-                  progress: Progress) -> list[GetTask]:
+                  progress: Progress, pool: ReadPool | None = None) -> list[GetTask]:
     """Serve the tasks of ``todo`` whose chunks a bundle of ``manifest`` holds from the bundle
     (fetched, decoded and verified as chunks of its own), each member checked against its own
     id; returns the tasks left. A bundle that cannot be read (missing, damaged), or that claims
     more bytes than its members hold or than ``settings.inflight_mb`` (a manifest is outside
     data: it must not make a reader allocate what it says), serves nothing: its members are then
-    fetched one by one, as without it."""
+    fetched one by one, as without it. With ``pool``, a bundle fetched is kept for the pool's later
+    calls (:meth:`ReadPool.bundle`): fetched once per operation, not once per batch."""
     for b in manifest.bundles:
         if b.nbytes != sum(n for _, _, n in b.members) or b.nbytes > settings.inflight_mb << 20:
             continue  # not as a push writes one (members back to back): its memory is not worth risking
         where = {cid: (off, n) for cid, off, n in b.members}
         mine = [t for t in todo if t.id in where and where[t.id][1] == t.length]
-        if len(mine) < 2:
+        kept = pool.bundle(b.chunks) if pool is not None else None
+        if len(mine) < (1 if kept is not None else 2):
             continue
-        buf = empty_buffer(b.nbytes)
-        pieces = [GetTask(cid, n, into=buf[pos : pos + n]) for cid, n, pos in spans(b.chunks, b.nbytes, manifest.chunk_size)]
-        try:
-            get_chunks(objects, pieces, settings)
-        except (ObjectNotFoundError, CorruptObjectError) as e:
-            log.warning("bundle of %d small chunks unreadable (%s): fetching them one by one", len(mine), e)
-            continue
+        if kept is None:
+            buf = empty_buffer(b.nbytes)
+            pieces = [GetTask(cid, n, into=buf[pos : pos + n]) for cid, n, pos in spans(b.chunks, b.nbytes, manifest.chunk_size)]
+            try:
+                get_chunks(objects, pieces, settings, pool=pool)
+            except (ObjectNotFoundError, CorruptObjectError) as e:
+                log.warning("bundle of %d small chunks unreadable (%s): fetching them one by one", len(mine), e)
+                continue
+            if pool is not None:
+                pool.keep_bundle(b.chunks, buf, settings.inflight_mb << 20)
+        else:
+            buf = kept
         served: set[int] = set()
         for t in mine:
             off, n = where[t.id]
@@ -757,6 +764,21 @@ class ReadPool:
         self._pool: ThreadPoolExecutor | None = None
         self._workers = 0
         self._lock = threading.Lock()
+        self._bundles: dict[tuple[str, ...], memoryview] = {}  # fetched and decoded, by their chunk ids
+        self._bundle_bytes = 0
+
+    def bundle(self, chunks: tuple[str, ...]) -> memoryview | None:
+        """The bundle stored as ``chunks``, if a call on this pool fetched it (its members are
+        still checked against their ids as each is served)."""
+        with self._lock:
+            return self._bundles.get(chunks)
+
+    def keep_bundle(self, chunks: tuple[str, ...], buf: memoryview, budget: int) -> None:
+        """Keep bundle ``buf`` for the later calls of this operation, within ``budget`` bytes in all."""
+        with self._lock:
+            if chunks not in self._bundles and self._bundle_bytes + len(buf) <= budget:
+                self._bundles[chunks] = buf
+                self._bundle_bytes += len(buf)
 
     def executor(self, workers: int) -> ThreadPoolExecutor:
         with self._lock:
@@ -770,6 +792,8 @@ class ReadPool:
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
+            self._bundles.clear()
+            self._bundle_bytes = 0
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
@@ -781,7 +805,7 @@ class ReadPool:
 
 
 def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Settings, progress: Progress | None = None,
-               manifest: Manifest | None = None, pool: ReadPool | None = None) -> GetStats:
+               manifest: Manifest | Sequence[Manifest] | None = None, pool: ReadPool | None = None) -> GetStats:
     """Fetch, decode (following delta chains) and verify chunks in parallel, into each task's
     ``into`` buffer and/or handing the bytes to its ``sink``.
 
@@ -804,18 +828,19 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     whichever side is slower. A chunk served by the local cache that fails to decode
     is dropped from the cache and fetched again.
 
-    ``manifest``: the checkpoint the tasks read. From a remote store, the small chunks its
-    bundles hold are served from them (:func:`_from_bundles`): a few requests, not one each.
-    ``pool``: the reading threads to use (a caller's :class:`ReadPool`, kept between calls);
-    by default a pool of this call's own, ended before it returns.
+    ``manifest``: the checkpoint (or checkpoints) the tasks read. From a remote store, the small
+    chunks its bundles hold are served from them (:func:`_from_bundles`): a few requests, not one each.
+    ``pool``: the reading threads to use (a caller's :class:`ReadPool`, kept between calls, with the
+    bundles fetched through it); by default a pool of this call's own, ended before it returns.
     """
     todo = list(tasks)
     for t in todo:
         _check_claim(t.id, t.length, settings)
     progress = progress or NullProgress()
     stats = GetStats(len(todo))
-    if manifest is not None and manifest.bundles and objects.backend.streams:
-        todo = _from_bundles(objects, todo, manifest, settings, progress)
+    for m in [manifest] if isinstance(manifest, Manifest) else manifest or ():
+        if m.bundles and objects.backend.streams:
+            todo = _from_bundles(objects, todo, m, settings, progress, pool)
     readers = max(settings.io_workers, objects.backend.concurrency)
     ahead = 2 * readers
     limit = settings.inflight_mb << 20

@@ -617,3 +617,70 @@ def test_stats_scratch_memory_is_a_few_blocks_whatever_the_tensor_size():
         # blocks of 1 Mi elements: the 8 MiB float64/int64 scratch arrays of one block (integers take
         # a dozen, _integer_difference); measured 115 MiB at 64 MiB, the old code 0.5 and 5.7 GiB there
         assert peak < 192 * 2**20, f"peak {peak / 2**20:.1f} MiB"
+
+
+def test_a_diff_of_stored_refs_keeps_one_pool_of_reading_threads_per_side(monkeypatch):
+    """Each batch of small tensors a stored side read started (and joined) a pool of reading threads
+    on a remote store (memory://, like S3): 600 changed tensors, 3 batches per side, started 6 pools.
+    A side reads through its reader's one pool, ended when the diff returns, an error included."""
+    import threading
+    import uuid
+
+    settings = ckpt.Settings.from_env(workers=2, io_workers=2)
+    store = ckpt.Store.init(f"memory://diff-pool-{uuid.uuid4().hex}", settings=settings)
+    g = torch.Generator().manual_seed(7)
+    a = {f"t{i}": torch.randn(64, generator=g) for i in range(600)}
+    b = {k: v + 1 for k, v in a.items()}
+    store.push(a, "a")
+    store.push(b, "b")
+    want = ckpt.diff("a", "b", store=store)  # (threads started lazily: count the second run's only)
+    started: list[str] = []
+    start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), start(self))[1])
+    got = ckpt.diff("a", "b", store=store)
+    readers = [n for n in started if n.startswith("ckpt-read")]
+    assert 0 < len(readers) <= 2 * max(settings.io_workers, store.objects.backend.concurrency), len(readers)
+    assert not [t for t in threading.enumerate() if t.name.startswith("ckpt-read")]
+    monkeypatch.undo()
+    assert got.summary.changed == 600 and got.tensors == want.tensors and got.summary == want.summary
+    lost = next(t for t in store.manifest("b").tensors if t.name == "t500").chunks[0]
+    store.objects.backend.delete(store.objects.path("chunks", lost))
+    with pytest.raises(ObjectNotFoundError, match=lost):
+        ckpt.diff("a", "b", store=store)
+    assert not [t for t in threading.enumerate() if t.name.startswith("ckpt-read")]  # nothing reads on behind the error
+
+
+def test_a_diff_from_s3_reads_small_chunks_from_the_bundles_once(s3_main_url):
+    """Each side read its changed small tensors one GET per chunk, though the push stored them in a
+    bundle too: 600 small tensors per side, 1,200 GETs. A side's reader fetches its bundle once for
+    the whole diff (3 batches here) and serves the members from it, each checked against its id."""
+    import threading
+
+    settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False)  # every read a request
+    store = ckpt.Store.init(s3_main_url, settings=settings)
+    g = torch.Generator().manual_seed(9)
+    a = {f"big.{i}": torch.randn(300_000, generator=g) for i in range(4)}
+    a |= {f"small.{i}": torch.randn(100, generator=g) for i in range(600)}
+    b = {k: v + 1 if k.startswith("small") else v for k, v in a.items()}
+    store.push(a, "a")
+    store.push(b, "b")
+    bundles = [bd for r in ("a", "b") for bd in store.manifest(r).bundles]
+    members = {cid for bd in bundles for cid, _, _ in bd.members}
+    assert len(bundles) == 2 and len(members) >= 1200
+    gets: list[str] = []
+    real = store.objects.backend._get
+
+    def counting(path, *args, **kwargs):
+        if threading.current_thread().name.startswith("ckpt-read"):
+            gets.append(path.rsplit("/", 1)[-1])
+        return real(path, *args, **kwargs)
+
+    store.objects.backend._get = counting
+    got = ckpt.diff("a", "b", store=store)
+    store.objects.backend._get = real
+    assert not members & set(gets), len(members & set(gets))  # was 1,200
+    assert all(gets.count(c) == 1 for bd in bundles for c in bd.chunks), [gets.count(c) for bd in bundles for c in bd.chunks]
+    assert got.summary.changed == 600 and got.summary.identical == 4
+    local = ckpt.diff(a, b, store=store)  # the same tensors, read from memory
+    rows = [(r.name, r.status, r.changed_elements, r.max_abs_diff, r.relative_change, r.cosine) for r in got.tensors]
+    assert rows == [(r.name, r.status, r.changed_elements, r.max_abs_diff, r.relative_change, r.cosine) for r in local.tensors]

@@ -467,3 +467,39 @@ def test_small_tensors_are_read_in_batches_with_the_same_result(monkeypatch, met
     ckpt.merge(["a", "b"], method, name="alone", store=store, params=params, base=with_base)
     assert len(calls) > 300
     assert [t.chunks for t in store.manifest("batched").tensors] == [t.chunks for t in store.manifest("alone").tensors]
+
+
+def test_a_merge_from_s3_reads_the_inputs_small_chunks_from_their_bundles_once(s3_main_url):
+    """A merge read each input's small chunks one GET each, though a push to S3 stores them in a bundle
+    (a few requests for all): 600 small tensors of two inputs, 1,200 GETs. Each input's bundle is
+    fetched once for the whole merge (its pool keeps it between batches), not once per batch. (The
+    merged push still reads A's chunks as its delta bases, in its own threads: not counted.)"""
+    import threading
+    settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False)  # every read a request
+    store = ckpt.Store.init(s3_main_url, settings=settings)
+    g = torch.Generator().manual_seed(3)
+    base = {f"big.{i}": torch.randn(300_000, generator=g) for i in range(4)}
+    base |= {f"small.{i}": torch.randn(100, generator=g) for i in range(600)}  # 3 batches of 256 at most
+    a, b = _tuned(base, 1), _tuned(base, 2)
+    store.push(a, "a")
+    store.push(b, "b")
+    bundles = [store.manifest(r).bundles for r in ("a", "b")]
+    members = {cid for bs in bundles for bd in bs for cid, _, _ in bd.members}
+    bundle_chunks = [c for bs in bundles for bd in bs for c in bd.chunks]
+    assert len(members) >= 1200 and bundle_chunks
+    gets: list[str] = []
+    real = store.objects.backend._get
+
+    def counting(path, *args, **kwargs):
+        if threading.current_thread().name.startswith("ckpt-read"):  # the reads of the inputs
+            gets.append(path.rsplit("/", 1)[-1])
+        return real(path, *args, **kwargs)
+
+    store.objects.backend._get = counting
+    ckpt.merge(["a", "b"], "linear", name="m", store=store)
+    assert not members & set(gets), len(members & set(gets))  # was 1,200: each small chunk on its own
+    assert all(gets.count(c) == 1 for c in bundle_chunks), [gets.count(c) for c in bundle_chunks]
+    store.objects.backend._get = real
+    want = merge_state_dicts([a, b], "linear")
+    got = store.load("m")
+    assert {k: bits(v) for k, v in got.items()} == {k: bits(v) for k, v in want.items()}

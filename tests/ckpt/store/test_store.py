@@ -399,3 +399,53 @@ def test_two_removals_racing_write_one_removal_and_the_other_is_refused(tmp_path
     assert other and [e.target is None for e in store.refs_db.history("x")] == [True, False]  # one removal
     with pytest.raises(RefNotFoundError, match="no ref named 'x'"):
         store.remove("x")
+
+
+def _reading_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("ckpt-read")]
+
+
+def test_a_lazy_reader_keeps_one_pool_of_reading_threads(s3_main_url, monkeypatch):
+    """get_tensor on a remote store started (and joined) a pool of reading threads per call: 30 lazy
+    reads from S3 started 30 x io_workers threads. The reader keeps one pool for its life; close (a
+    with-block) ends it, a reader never closed ends it when collected, and after an error mid-read
+    no thread reads on."""
+    import gc
+    import threading
+
+    from ckpt.errors import ObjectNotFoundError
+    from ckpt.settings import Settings
+
+    settings = Settings.from_env(workers=2, io_workers=2, cache=False)  # every read a request
+    store = ckpt.Store.init(s3_main_url, settings=settings)
+    g = torch.Generator().manual_seed(4)
+    sd = {f"t{i}": torch.randn(5_000 + i, generator=g) for i in range(30)}
+    store.push(sd, "m")
+    started: list[str] = []
+    start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), start(self))[1])
+    with store.reader("m") as reader:
+        got = {k: reader.get_tensor(k) for k in sd}
+    readers = [n for n in started if n.startswith("ckpt-read")]
+    assert 0 < len(readers) <= max(settings.io_workers, store.objects.backend.concurrency), len(readers)  # was 30 x 2
+    assert {k: v.numpy().tobytes() for k, v in got.items()} == {k: v.numpy().tobytes() for k, v in sd.items()}
+    assert not _reading_threads()
+
+    reader = store.reader("m")
+    reader.get_tensor("t0")
+    assert _reading_threads()
+    del reader
+    gc.collect()
+    for t in [t for t in threading.enumerate() if t.name.startswith("ckpt-read")]:
+        t.join(10)
+    assert not _reading_threads()  # collected: its threads end
+
+    lost = next(t for t in store.manifest("m").tensors if t.name == "t3").chunks[0]
+    store.objects.backend.delete(store.objects.path("chunks", lost))
+    with store.reader("m") as reader:
+        with pytest.raises(ObjectNotFoundError, match=lost):
+            reader.get_tensor("t3")
+        assert reader.get_tensor("t4").numpy().tobytes() == sd["t4"].numpy().tobytes()  # still reads after it
+    assert not _reading_threads()
