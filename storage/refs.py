@@ -325,16 +325,22 @@ class Refs:
         entry = self._read(name, *newest)
         return entry if entry.target is not None else None
 
-    def _append(self, name: str, target: str | None, alias: bool = False, attempts: int = 50) -> RefEntry:
+    def _append(self, name: str, target: str | None, alias: bool = False, attempts: int = 50,
+                expect: str | None = None) -> RefEntry:
         """Write entry ``target`` one past the newest of ``name``. A removal (``target`` None) is written
-        only past a live entry, read in the same step: two removals racing, one refuses."""
+        only past a live entry (naming ``expect``, where given), read in the same step: two removals
+        racing, one refuses; a push landing meanwhile is not removed unseen."""
         validate_ref_name(name)
         writer = uuid.uuid4().hex
         for attempt in range(attempts):
             if target is None:
                 newest = self._newest(name)
-                if newest is None or self._read(name, *newest).target is None:
+                live = self._read(name, *newest).target if newest is not None else None
+                if live is None:
                     raise RefNotFoundError(f"no ref named {name!r}")  # (never, or removed: by another remover meanwhile)
+                if expect is not None and live != expect:
+                    raise RefConflictError(f"ref {name} names {live[:12]} now, not {expect[:12]}: not removed",
+                                           hint="another process moved it meanwhile")
                 seq = newest[0] + 1
             else:
                 # The guess stands where entry guess-1 is there: entries are numbered with no gap and each writer
@@ -365,10 +371,11 @@ class Refs:
         """
         return self._append(name, target, alias)
 
-    def remove(self, name: str) -> RefEntry:
+    def remove(self, name: str, *, expect: str | None = None) -> RefEntry:
         """Mark ``name`` as removed; its history stays readable with ``ckpt log``. Raises
-        :class:`RefNotFoundError` where it has no live entry, also where another remover got there first."""
-        return self._append(name, None)
+        :class:`RefNotFoundError` where it has no live entry, also where another remover got there first,
+        and with ``expect`` (a checkpoint id), :class:`RefConflictError` where it names another now."""
+        return self._append(name, None, expect=expect)
 
     def cut_history(self, name: str) -> None:
         """Delete the entries of ``name`` older than its newest, and the newest too (then its folder)

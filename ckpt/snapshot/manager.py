@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpt._deprecation import deprecated
-from ckpt.errors import CkptError, RefNotFoundError
+from ckpt.errors import CkptError, RefConflictError, RefNotFoundError
 from ckpt.settings import Settings
 from ckpt.snapshot.retention import KeepBest, Retention, count_setting
 from ckpt.snapshot.run import (
@@ -769,6 +769,7 @@ class CheckpointManager:
                 self._retained = set(self.steps())
             self._retained.add(saved)
             steps = []
+            targets: dict[int, str] = {}  # what each counted step named when checked: removed only while it still does
             for s in sorted(self._retained):
                 try:
                     entry = self.store.refs_db.current(self.ref(s))
@@ -779,6 +780,7 @@ class CheckpointManager:
                     self._snapshot_ids.pop(s, None)
                 elif self._snapshot_id(s, entry.target):  # a checkpoint pushed under the name is not counted, never removed
                     steps.append(s)
+                    targets[s] = entry.target
             metrics = {s: self._metric(s) for s in steps} if self.retention.best else {}
             try:  # below the newest step where the run went back: the last ones are counted up to it
                 latest = snapshot_step(self.store.manifest(self._durable.latest))
@@ -794,9 +796,11 @@ class CheckpointManager:
                     self._retained.discard(s)
                     self._snapshot_ids.pop(s, None)
                     try:
-                        self.store.remove(self.ref(s))
+                        self.store.remove(self.ref(s), expect=targets[s])
                     except RefNotFoundError:
                         pass  # removed meanwhile, by another process
+                    except RefConflictError:  # pushed over meanwhile: not this manager's snapshot any more
+                        log.warning("retention: %s moved while it was being pruned: kept", self.ref(s))
 
     # -- restoring -----------------------------------------------------------------
     def restore_latest(self, state: dict[str, Any]) -> int | None:

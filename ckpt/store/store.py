@@ -320,11 +320,12 @@ class Store:
         """Stored (encoded) bytes of every chunk in the store, by chunk id: one listing, no reads."""
         return {o.id: o.size for o in self.objects.list("chunks")}
 
-    def remove(self, name: str) -> RefEntry:
-        """Remove ref ``name`` (its data is freed by a later ``gc``)."""
+    def remove(self, name: str, *, expect: str | None = None) -> RefEntry:
+        """Remove ref ``name`` (its data is freed by a later ``gc``). With ``expect`` (a checkpoint id),
+        only while it names that checkpoint: :class:`RefConflictError` where another process moved it."""
         validate_ref_name(name)
         try:
-            return self.refs_db.remove(name)  # checks the ref is live as it writes the removal
+            return self.refs_db.remove(name, expect=expect)  # checks the ref is live as it writes the removal
         except RefNotFoundError as e:
             raise RefNotFoundError(e.message, hint=self._near_names(name)) from None
 

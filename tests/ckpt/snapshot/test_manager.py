@@ -205,6 +205,29 @@ def test_a_checkpoint_pushed_under_a_run_step_is_no_snapshot(tmp_path, caplog):
     assert store.verify().ok
 
 
+def test_retention_never_removes_a_checkpoint_pushed_over_a_step_while_it_prunes(tmp_path, monkeypatch, caplog):
+    """Retention checked what RUN/step-N named, then removed the ref by name: a user's push over it in
+    between (another process) was removed unseen. The removal now names the checkpoint it checked."""
+    url = str(tmp_path / "s")
+    model = _model()
+    real = ckpt.CheckpointManager._snapshot_id
+    pushed: list[str] = []
+
+    def checked_then_a_push_lands(self, step, mid):
+        known = real(self, step, mid)
+        if step == 1 and not pushed:
+            pushed.append(ckpt.Store.open(url).push({"w": torch.arange(3.0)}, "run/step-1"))
+        return known
+
+    with ckpt.CheckpointManager(url, "run", keep_last=1, save_mode="sync") as mgr:
+        mgr.save(1, {"model": model})
+        monkeypatch.setattr(ckpt.CheckpointManager, "_snapshot_id", checked_then_a_push_lands)
+        mgr.save(2, {"model": model})  # prunes step 1
+    store = ckpt.Store.open(url)
+    assert pushed and store.resolve("run/step-1") == pushed[0]  # the user's checkpoint is still there
+    assert "run/step-1 moved while it was being pruned" in caplog.text and store.verify().ok
+
+
 @pytest.mark.parametrize(("retention", "kept", "held"), [
     ({}, list(range(1, 41)), 0), ({"keep_last": 2}, [39, 40], 0),
     ({"keep_last": 2, "keep_best": ckpt.KeepBest("loss", "min")}, [2, 39, 40], 3)], ids=["keep-all", "keep-last", "keep-best"])
