@@ -650,6 +650,7 @@ def test_a_diff_of_stored_refs_keeps_one_pool_of_reading_threads_per_side(monkey
     assert not [t for t in threading.enumerate() if t.name.startswith("ckpt-read")]  # nothing reads on behind the error
 
 
+@pytest.mark.slow  # (run by .ci/run's slow step)
 def test_a_diff_from_s3_reads_small_chunks_from_the_bundles_once(s3_main_url):
     """Each side read its changed small tensors one GET per chunk, though the push stored them in a
     bundle too: 600 small tensors per side, 1,200 GETs. A side's reader fetches its bundle once for

@@ -469,6 +469,7 @@ def test_small_tensors_are_read_in_batches_with_the_same_result(monkeypatch, met
     assert [t.chunks for t in store.manifest("batched").tensors] == [t.chunks for t in store.manifest("alone").tensors]
 
 
+@pytest.mark.slow  # (17 s on moto with its diff twin: run by .ci/run's slow step)
 def test_a_merge_from_s3_reads_the_inputs_small_chunks_from_their_bundles_once(s3_main_url):
     """A merge read each input's small chunks one GET each, though a push to S3 stores them in a bundle
     (a few requests for all): 600 small tensors of two inputs, 1,200 GETs. Each input's bundle is
