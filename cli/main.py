@@ -254,7 +254,7 @@ def push(
       ckpt push m/ft-legal --to s3://team/store
       ckpt push m/ft-legal --to s3://team/store --to-option endpoint_url=http://minio:9000
     """
-    _only_with(to, to_option, "--to")
+    _only_with(to, to_option, "--to", "--to-option")
     if to is not None:
         if message or base or no_delta:
             raise typer.BadParameter("--message, --base and --no-delta do not apply to --to (a copy keeps the checkpoint as it is)")
@@ -311,7 +311,7 @@ def pull(
       ckpt pull m/ft-legal ./ft-legal --force           # replace its files there, nothing else
       ckpt pull m/ft-legal layer0.safetensors --from s3://team/store -i 'layers.0.*'
     """
-    _only_with(from_, from_option, "--from")
+    _only_with(from_, from_option, "--from", "--from-option")
     if dest == "-":  # the usual word for standard output: it would be a file named "-" in the current folder
         from ckpt.errors import DestinationError
 
@@ -460,7 +460,7 @@ def verify(
       ckpt verify --repair-from s3://team/store   # put damaged objects back
       ckpt --store s3://team/store verify --repair-from s3://backup/store --repair-option endpoint_url=http://minio:9000
     """
-    _only_with(repair_from, repair_option, "--repair-from")
+    _only_with(repair_from, repair_option, "--repair-from", "--repair-option")
     store = _open()
     if repair_from is not None:
         # --storage-option, then --repair-option over it
@@ -536,12 +536,11 @@ def copy(
     _emit(_copy(refs, from_, to, from_option, to_option), as_json, views.copy)
 
 
-def _only_with(url: str | None, own: list[str] | None, flag: str) -> None:
-    """Refuse ``flag``-option (the options of the store at ``flag`` URL) without ``flag``: they would be dropped."""
+def _only_with(url: str | None, own: list[str] | None, flag: str, option: str) -> None:
+    """Refuse ``option`` (the options of the store at ``flag`` URL) without ``flag``: they would be dropped."""
     if own and url is None:
-        hint = f"{flag}-option" if flag != "--repair-from" else "--repair-option"
         raise typer.BadParameter(f"it gives options for the store at {flag} URL, and no {flag} is given "
-                                 "(--storage-option is for --store)", param_hint=hint)
+                                 "(--storage-option is for --store)", param_hint=option)
 
 
 def _copy(refs: list[str], from_: str | None, to: str | None, from_option: list[str] | None = None,
