@@ -110,6 +110,10 @@ class RefJournal(Protocol):
     def newest_seq(self, name: str) -> int | None: ...
 
 
+class _EntryGone(StoreFormatError):
+    """A ref entry listed, then deleted before it was read (see :meth:`Refs._newest_entry`)."""
+
+
 class Refs:
     """Read and update refs below ``refs/`` of a store."""
 
@@ -286,6 +290,9 @@ class Refs:
         try:
             data = self.backend.read(path, MAX_RECORD_BYTES)
         except FileNotFoundError:  # listed, yet nothing to read: a symbolic link to nothing, say
+            if self._missing(path):  # (not even a link): deleted since it was listed
+                raise _EntryGone(f"ref entry {path} was deleted after it was listed (its history cut meanwhile: "
+                                 "a run's local tier pruning?)", hint="read it again") from None
             raise StoreFormatError(f"ref entry {path} is listed but cannot be read: nothing is there (a symbolic "
                                    "link to nothing?)", hint="put the entry file back from a backup of the store, "
                                    "or remove it") from None
@@ -319,11 +326,22 @@ class Refs:
     def current(self, name: str) -> RefEntry | None:
         """The newest entry of ``name``, or None when it never existed or was removed."""
         validate_ref_name(name)
-        newest = self._newest(name)
-        if newest is None:
-            return None
-        entry = self._read(name, *newest)
-        return entry if entry.target is not None else None
+        entry = self._newest_entry(name, self._newest(name))
+        return entry if entry is not None and entry.target is not None else None
+
+    def _newest_entry(self, name: str, newest: tuple[int, bool] | None) -> RefEntry | None:
+        """The entry ``newest`` of ``name`` (its seq, whether listed as a file), or None where None. One
+        deleted since it was listed is not damage: a run's local tier cuts its refs' histories as it
+        prunes (:meth:`cut_history`), so a newer entry took its place, or the ref went whole; it is
+        listed again."""
+        for _ in range(7):
+            if newest is None:
+                return None
+            try:
+                return self._read(name, *newest)
+            except _EntryGone:
+                newest = self._newest(name)
+        return self._read(name, *newest) if newest is not None else None
 
     def _append(self, name: str, target: str | None, alias: bool = False, attempts: int = 50,
                 expect: str | None = None) -> RefEntry:
@@ -334,14 +352,14 @@ class Refs:
         writer = uuid.uuid4().hex
         for attempt in range(attempts):
             if target is None:
-                newest = self._newest(name)
-                live = self._read(name, *newest).target if newest is not None else None
-                if live is None:
+                last = self._newest_entry(name, self._newest(name))
+                live = last.target if last is not None else None
+                if last is None or live is None:
                     raise RefNotFoundError(f"no ref named {name!r}")  # (never, or removed: by another remover meanwhile)
                 if expect is not None and live != expect:
                     raise RefConflictError(f"ref {name} names {live[:12]} now, not {expect[:12]}: not removed",
                                            hint="another process moved it meanwhile")
-                seq = newest[0] + 1
+                seq = last.seq + 1
             else:
                 # The guess stands where entry guess-1 is there: entries are numbered with no gap and each writer
                 # creates one past the newest it sees, so if guess is free (the create is exclusive) nothing newer
@@ -473,10 +491,10 @@ class Refs:
         for n, seqs in sorted(self.listing(prefix).items()):
             s = max(seqs)
             try:
-                entry = self._read(n, s, seqs[s] is not None)
+                entry = self._newest_entry(n, (s, seqs[s] is not None))
             except StoreFormatError as err:
                 damaged[n] = (err, self._entry_path(n, s))
                 continue
-            if entry.target is not None:
+            if entry is not None and entry.target is not None:
                 out[n] = entry
         return out, damaged
