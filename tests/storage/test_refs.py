@@ -511,3 +511,21 @@ def test_a_reader_racing_a_cut_of_history_reads_the_newest_entry_not_damage(tmp_
     os.symlink("nowhere", latest / f"{tier.current('run/latest').seq + 1:010d}.ref")  # a link to nothing is still damage
     with pytest.raises(StoreFormatError, match="listed but cannot be read: nothing is there"):
         Refs(LocalBackend(str(tmp_path), fsync=False)).current("run/latest")
+
+
+def test_an_update_is_written_past_the_newest_entry_not_into_a_gap(store_url):
+    """A writer tried the entry one past its own last first, taken where the one before it is there
+    (so that RUN/latest is not listed each update). Above a gap (an entry deleted: damage) the update
+    filled the gap: set() returned entry 3 while m's newest was still entry 5, naming another
+    checkpoint (the push silently not current), and the gap no longer showed. It goes past the newest."""
+    import ckpt
+
+    w = ckpt.Store.init(store_url).refs_db
+    w.set("m", A), w.set("m", A)
+    other = ckpt.Store.open(store_url).refs_db
+    for _ in range(3):
+        other.set("m", B)
+    w.backend.delete(w.entry_path("m", 3))
+    entry = w.set("m", A)
+    assert entry.seq == 6 and w.current("m") == entry == ckpt.Store.open(store_url).refs_db.current("m")
+    assert [e.seq for e in w.log("m")[0]] == [6, 5, 4, 2, 1] and list(w.log("m")[1]) == [3]
