@@ -461,13 +461,19 @@ class Refs:
         return entries, bad[0] if bad is not None else None
 
     def _readable(self, name: str, seqs: Mapping[int, Entry | None]) -> tuple[list[RefEntry], tuple[StoreFormatError, str] | None]:
-        entries: list[RefEntry] = []
-        for s, f in sorted(seqs.items(), reverse=True):
-            try:
-                entries.append(self._read(name, s, f is not None))
-            except StoreFormatError as err:
-                return entries, (err, self._entry_path(name, s))
-        return entries, None
+        for attempt in range(8):
+            entries: list[RefEntry] = []
+            for s, f in sorted(seqs.items(), reverse=True):
+                try:
+                    entries.append(self._read(name, s, f is not None))
+                except StoreFormatError as err:
+                    if not isinstance(err, _EntryGone) or attempt == 7:
+                        return entries, (err, self._entry_path(name, s))
+                    break  # deleted since listed (see _newest_entry): the history is listed again
+            else:
+                return entries, None
+            seqs = self._entry_seqs(name)
+        raise AssertionError("unreachable")
 
     def live(self) -> dict[str, RefEntry]:
         """Current entry of every ref that exists now (not removed). A damaged entry raises."""

@@ -477,7 +477,8 @@ def test_a_reader_racing_a_cut_of_history_reads_the_newest_entry_not_damage(tmp_
     reads them (`ckpt serve --local-tier`, say): the entry a reader listed as newest was deleted
     before it read it. The live RUN/latest was reported damaged ('listed but cannot be read'), as
     was a step removed and cut away, and a scan (steps()) left a live step out. Deleted since
-    listed is not damage: a newer entry took its place, or the ref went whole; it is listed again."""
+    listed is not damage: a newer entry took its place, or the ref went whole; it is listed again.
+    So for the histories the run page of `ckpt serve` reads: a step there was shown damaged."""
     tier = Refs(LocalBackend(str(tmp_path), fsync=False))
     for name in ("run/latest", "run/step-1", "run/step-2", "run/step-3"):
         tier.set(name, A, alias=name.endswith("latest"))
@@ -507,6 +508,11 @@ def test_a_reader_racing_a_cut_of_history_reads_the_newest_entry_not_damage(tmp_
     with pytest.raises(RefConflictError):  # moved meanwhile: not removed
         reader(lambda: tier.set("run/step-1", A) and tier.cut_history("run/step-1")).remove("run/step-1", expect=B)
     assert tier.current("run/step-1").target == A
+    tier.set("run/step-4", A)  # the run page of the web view: each step's history, read as the tier prunes
+    histories, damaged = reader(None, lambda: save_and_prune(A, "run/step-4")).scan_histories("run")
+    assert not damaged and [e.target for e in histories["run/latest"]] == [A] and histories["run/step-4"] == []
+    entries, err = reader(lambda: save_and_prune(B, "run/step-1")).readable_history("run/latest")
+    assert err is None and [e.target for e in entries] == [B]
     latest = tmp_path / "refs" / "run" / "latest"
     os.symlink("nowhere", latest / f"{tier.current('run/latest').seq + 1:010d}.ref")  # a link to nothing is still damage
     with pytest.raises(StoreFormatError, match="listed but cannot be read: nothing is there"):
