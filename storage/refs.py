@@ -308,7 +308,10 @@ class Refs:
     def history(self, name: str) -> list[RefEntry]:
         """Every entry of ``name``, newest first (empty if the ref never existed)."""
         validate_ref_name(name)
-        return [self._read(name, s, f is not None) for s, f in sorted(self._entry_seqs(name).items(), reverse=True)]
+        entries, bad = self._readable(name, self._entry_seqs(name))
+        if bad is not None:
+            raise bad[0]
+        return entries
 
     def log(self, name: str) -> tuple[list[RefEntry], dict[int, StoreFormatError]]:
         """Like :meth:`history`, but an entry that cannot be read is reported, not raised: every

@@ -513,6 +513,9 @@ def test_a_reader_racing_a_cut_of_history_reads_the_newest_entry_not_damage(tmp_
     assert not damaged and [e.target for e in histories["run/latest"]] == [A] and histories["run/step-4"] == []
     entries, err = reader(lambda: save_and_prune(B, "run/step-1")).readable_history("run/latest")
     assert err is None and [e.target for e in entries] == [B]
+    tier.set("run/step-5", A)  # `ckpt log`, and a resolve of a removed ref (which reads its history)
+    assert [e.target for e in reader(lambda: save_and_prune(A, "run/step-5")).history("run/latest")] == [A]
+    assert reader(lambda: save_and_prune(B, "run/step-1")).history("run/step-1") == []
     latest = tmp_path / "refs" / "run" / "latest"
     os.symlink("nowhere", latest / f"{tier.current('run/latest').seq + 1:010d}.ref")  # a link to nothing is still damage
     with pytest.raises(StoreFormatError, match="listed but cannot be read: nothing is there"):
