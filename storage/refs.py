@@ -110,6 +110,10 @@ class RefJournal(Protocol):
     def newest_seq(self, name: str) -> int | None: ...
 
 
+class _EntryGone(StoreFormatError):
+    """A ref entry listed, then deleted before it was read (see :meth:`Refs._newest_entry`)."""
+
+
 class Refs:
     """Read and update refs below ``refs/`` of a store."""
 
@@ -117,8 +121,8 @@ class Refs:
         self.backend = backend
         # The store's metadata index (storage/index.py), told of every update after it lands.
         self.index: RefJournal | None = None
-        # The entry number each ref's next update from here is likely to take (one past the last this
-        # object wrote): tried first, so that a long-lived ref (RUN/latest) is not listed whole each update.
+        # One past the entry number each ref's last update from here took: where the listing for its newest
+        # entry starts (see _newest), so that a long-lived ref (RUN/latest) is not listed whole each update.
         self._next: dict[str, int] = {}
         # The newest entry number of each ref this object read: where a listing for the newest entry starts.
         self._seen: dict[str, int] = {}
@@ -286,6 +290,9 @@ class Refs:
         try:
             data = self.backend.read(path, MAX_RECORD_BYTES)
         except FileNotFoundError:  # listed, yet nothing to read: a symbolic link to nothing, say
+            if self._missing(path):  # (not even a link): deleted since it was listed
+                raise _EntryGone(f"ref entry {path} was deleted after it was listed (its history cut meanwhile: "
+                                 "a run's local tier pruning?)", hint="read it again") from None
             raise StoreFormatError(f"ref entry {path} is listed but cannot be read: nothing is there (a symbolic "
                                    "link to nothing?)", hint="put the entry file back from a backup of the store, "
                                    "or remove it") from None
@@ -301,7 +308,10 @@ class Refs:
     def history(self, name: str) -> list[RefEntry]:
         """Every entry of ``name``, newest first (empty if the ref never existed)."""
         validate_ref_name(name)
-        return [self._read(name, s, f is not None) for s, f in sorted(self._entry_seqs(name).items(), reverse=True)]
+        entries, bad = self._readable(name, self._entry_seqs(name))
+        if bad is not None:
+            raise bad[0]
+        return entries
 
     def log(self, name: str) -> tuple[list[RefEntry], dict[int, StoreFormatError]]:
         """Like :meth:`history`, but an entry that cannot be read is reported, not raised: every
@@ -319,11 +329,22 @@ class Refs:
     def current(self, name: str) -> RefEntry | None:
         """The newest entry of ``name``, or None when it never existed or was removed."""
         validate_ref_name(name)
-        newest = self._newest(name)
-        if newest is None:
-            return None
-        entry = self._read(name, *newest)
-        return entry if entry.target is not None else None
+        entry = self._newest_entry(name, self._newest(name))
+        return entry if entry is not None and entry.target is not None else None
+
+    def _newest_entry(self, name: str, newest: tuple[int, bool] | None) -> RefEntry | None:
+        """The entry ``newest`` of ``name`` (its seq, whether listed as a file), or None where None. One
+        deleted since it was listed is not damage: a run's local tier cuts its refs' histories as it
+        prunes (:meth:`cut_history`), so a newer entry took its place, or the ref went whole; it is
+        listed again."""
+        for _ in range(7):
+            if newest is None:
+                return None
+            try:
+                return self._read(name, *newest)
+            except _EntryGone:
+                newest = self._newest(name)
+        return self._read(name, *newest) if newest is not None else None
 
     def _append(self, name: str, target: str | None, alias: bool = False, attempts: int = 50,
                 expect: str | None = None) -> RefEntry:
@@ -334,21 +355,18 @@ class Refs:
         writer = uuid.uuid4().hex
         for attempt in range(attempts):
             if target is None:
-                newest = self._newest(name)
-                live = self._read(name, *newest).target if newest is not None else None
-                if live is None:
+                last = self._newest_entry(name, self._newest(name))
+                live = last.target if last is not None else None
+                if last is None or live is None:
                     raise RefNotFoundError(f"no ref named {name!r}")  # (never, or removed: by another remover meanwhile)
                 if expect is not None and live != expect:
                     raise RefConflictError(f"ref {name} names {live[:12]} now, not {expect[:12]}: not removed",
                                            hint="another process moved it meanwhile")
-                seq = newest[0] + 1
+                seq = last.seq + 1
             else:
-                # The guess stands where entry guess-1 is there: entries are numbered with no gap and each writer
-                # creates one past the newest it sees, so if guess is free (the create is exclusive) nothing newer
-                # exists. Checked, because the ref may have been removed from the folder and begun again since.
-                guess = self._next.pop(name, None) if attempt == 0 else None
-                seq = guess if guess is not None and self.backend.exists(self._entry_path(name, guess - 1)) else \
-                    (self._newest(name) or (0, True))[0] + 1
+                # One past the newest as listed from this object's last (see _newest), not one past its last where
+                # that is there: an entry deleted above it (a gap) would be written below the newest, never current.
+                seq = (self._newest(name) or (0, True))[0] + 1
             if seq > MAX_SEQ:  # an 11-digit entry name would be written, and never read: the update lost
                 raise StoreFormatError(f"ref {name} has an entry numbered {seq - 1}, the last there can be: it cannot be "
                                        "updated", hint="a damaged or crafted entry? `ckpt log` shows it; use another name")
@@ -446,13 +464,19 @@ class Refs:
         return entries, bad[0] if bad is not None else None
 
     def _readable(self, name: str, seqs: Mapping[int, Entry | None]) -> tuple[list[RefEntry], tuple[StoreFormatError, str] | None]:
-        entries: list[RefEntry] = []
-        for s, f in sorted(seqs.items(), reverse=True):
-            try:
-                entries.append(self._read(name, s, f is not None))
-            except StoreFormatError as err:
-                return entries, (err, self._entry_path(name, s))
-        return entries, None
+        for attempt in range(8):
+            entries: list[RefEntry] = []
+            for s, f in sorted(seqs.items(), reverse=True):
+                try:
+                    entries.append(self._read(name, s, f is not None))
+                except StoreFormatError as err:
+                    if not isinstance(err, _EntryGone) or attempt == 7:
+                        return entries, (err, self._entry_path(name, s))
+                    break  # deleted since listed (see _newest_entry): the history is listed again
+            else:
+                return entries, None
+            seqs = self._entry_seqs(name)
+        raise AssertionError("unreachable")
 
     def live(self) -> dict[str, RefEntry]:
         """Current entry of every ref that exists now (not removed). A damaged entry raises."""
@@ -473,10 +497,10 @@ class Refs:
         for n, seqs in sorted(self.listing(prefix).items()):
             s = max(seqs)
             try:
-                entry = self._read(n, s, seqs[s] is not None)
+                entry = self._newest_entry(n, (s, seqs[s] is not None))
             except StoreFormatError as err:
                 damaged[n] = (err, self._entry_path(n, s))
                 continue
-            if entry.target is not None:
+            if entry is not None and entry.target is not None:
                 out[n] = entry
         return out, damaged

@@ -8,7 +8,7 @@ import pytest
 
 from ckpt_store.storage.backends import open_backend
 from ckpt_store.storage.backends.local import LocalBackend
-from ckpt_store.storage.errors import InvalidNameError, StoreFormatError
+from ckpt_store.storage.errors import InvalidNameError, RefConflictError, RefNotFoundError, StoreFormatError
 from ckpt_store.storage.refs import Refs, validate_ref_name
 
 A = "a" * 64
@@ -470,3 +470,71 @@ def test_cut_history_keeps_the_newest_entry_and_drops_a_removed_ref_whole(refs, 
     assert refs.current("run/latest").seq == 3 and refs.current("run/latest").target == A
     assert refs.current("run/step-1/x").target == B and refs.current("run/step-2") is None
     assert refs.set("run/step-2", A).seq == 1 and refs.set("run/latest", B, alias=True).seq == 4
+
+
+def test_a_reader_racing_a_cut_of_history_reads_the_newest_entry_not_damage(tmp_path):
+    """A run's local tier cuts its refs' histories as it prunes (cut_history), while another process
+    reads them (`ckpt serve --local-tier`, say): the entry a reader listed as newest was deleted
+    before it read it. The live RUN/latest was reported damaged ('listed but cannot be read'), as
+    was a step removed and cut away, and a scan (steps()) left a live step out. Deleted since
+    listed is not damage: a newer entry took its place, or the ref went whole; it is listed again.
+    So for the histories the run page of `ckpt serve` reads: a step there was shown damaged."""
+    tier = Refs(LocalBackend(str(tmp_path), fsync=False))
+    for name in ("run/latest", "run/step-1", "run/step-2", "run/step-3"):
+        tier.set(name, A, alias=name.endswith("latest"))
+
+    def save_and_prune(latest: str, drop: str) -> None:
+        tier.set("run/latest", latest, alias=True)
+        tier.remove(drop)
+        for name in tier.listing("run"):
+            tier.cut_history(name)
+
+    def reader(*moves) -> Refs:
+        """A reader whose next reads of an entry each first let the tier do the next of ``moves`` (None: nothing)."""
+        r = Refs(LocalBackend(str(tmp_path), fsync=False))
+        real, todo = r.backend.read, list(moves)
+        r.backend.read = lambda path, *a: ((todo.pop(0) or (lambda: None))() if todo else None) or real(path, *a)
+        return r
+
+    r = reader(lambda: save_and_prune(B, "run/step-1"), None, lambda: save_and_prune(A, "run/step-2"))
+    assert r.current("run/latest").target == B and r.current("run/step-2") is None
+    assert r.current("run/latest").target == A  # (listed from its hint)
+    live, damaged = reader(lambda: save_and_prune(B, "run/step-3")).scan("run")
+    assert list(live) == ["run/latest"] and live["run/latest"].target == B and not damaged
+    tier.set("run/step-1", A)
+    with pytest.raises(RefNotFoundError):  # the tier removed it first
+        reader(lambda: save_and_prune(A, "run/step-1")).remove("run/step-1")
+    tier.set("run/step-1", B)
+    with pytest.raises(RefConflictError):  # moved meanwhile: not removed
+        reader(lambda: tier.set("run/step-1", A) and tier.cut_history("run/step-1")).remove("run/step-1", expect=B)
+    assert tier.current("run/step-1").target == A
+    tier.set("run/step-4", A)  # the run page of the web view: each step's history, read as the tier prunes
+    histories, damaged = reader(None, lambda: save_and_prune(A, "run/step-4")).scan_histories("run")
+    assert not damaged and [e.target for e in histories["run/latest"]] == [A] and histories["run/step-4"] == []
+    entries, err = reader(lambda: save_and_prune(B, "run/step-1")).readable_history("run/latest")
+    assert err is None and [e.target for e in entries] == [B]
+    tier.set("run/step-5", A)  # `ckpt log`, and a resolve of a removed ref (which reads its history)
+    assert [e.target for e in reader(lambda: save_and_prune(A, "run/step-5")).history("run/latest")] == [A]
+    assert reader(lambda: save_and_prune(B, "run/step-1")).history("run/step-1") == []
+    latest = tmp_path / "refs" / "run" / "latest"
+    os.symlink("nowhere", latest / f"{tier.current('run/latest').seq + 1:010d}.ref")  # a link to nothing is still damage
+    with pytest.raises(StoreFormatError, match="listed but cannot be read: nothing is there"):
+        Refs(LocalBackend(str(tmp_path), fsync=False)).current("run/latest")
+
+
+def test_an_update_is_written_past_the_newest_entry_not_into_a_gap(store_url):
+    """A writer tried the entry one past its own last first, taken where the one before it is there
+    (so that RUN/latest is not listed each update). Above a gap (an entry deleted: damage) the update
+    filled the gap: set() returned entry 3 while m's newest was still entry 5, naming another
+    checkpoint (the push silently not current), and the gap no longer showed. It goes past the newest."""
+    import ckpt
+
+    w = ckpt.Store.init(store_url).refs_db
+    w.set("m", A), w.set("m", A)
+    other = ckpt.Store.open(store_url).refs_db
+    for _ in range(3):
+        other.set("m", B)
+    w.backend.delete(w.entry_path("m", 3))
+    entry = w.set("m", A)
+    assert entry.seq == 6 and w.current("m") == entry == ckpt.Store.open(store_url).refs_db.current("m")
+    assert [e.seq for e in w.log("m")[0]] == [6, 5, 4, 2, 1] and list(w.log("m")[1]) == [3]
