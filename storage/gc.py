@@ -241,7 +241,7 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
                 if n not in found.settled and (keep_history or not _newest_readable(refs, n))}
     for n in sorted(found.settled) if keep_history else ():
         log.warning("%s; it is older than a removal of %s, so it keeps nothing alive (`ckpt verify` reports it)",
-                    found.damaged[n][0], n)
+                    found.damaged[n][0].message, n)
     if blocking:
         name, (err, _) = next(iter(blocking.items()))
         raise _stopped_by_entry(err, older=keep_history and _newest_readable(refs, name))
