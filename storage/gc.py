@@ -56,6 +56,9 @@ class Roots:
     # Refs with an entry that cannot be read: name -> (error, entry path). Their roots
     # are known only down to the damaged entry.
     damaged: dict[str, tuple[StoreFormatError, str]] = field(default_factory=dict)
+    # Refs of ``damaged`` whose damaged entry is older than a removal read above it: the history gc
+    # counts ends at the removal, so what the damaged entry named keeps nothing alive either way.
+    settled: set[str] = field(default_factory=set)
 
     @property
     def refs(self) -> list[str]:
@@ -80,7 +83,7 @@ def gc_roots(refs: Refs, *, keep_history: bool = True, histories: dict[str, list
     damaged: dict[str, Any] = {}
     if histories is None:
         histories, damaged = refs.scan_histories()
-    out = Roots(damaged=damaged)
+    out = Roots(damaged=damaged, settled={n for n in damaged if any(e.target is None for e in histories.get(n, ()))})
     for name, entries in histories.items():
         if not entries or entries[0].target is None:
             continue  # removed (or its newest entry is damaged): its history keeps nothing alive
@@ -232,8 +235,13 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
         view = None  # a damaged ref entry: the refs themselves are read, and name it (gc_roots)
     found = gc_roots(refs, keep_history=keep_history, histories=view.entries() if view is not None else None)
     # What a damaged ref entry keeps alive is unknown: delete nothing. Without history only each
-    # ref's newest entry counts, and a damaged older one hides nothing.
-    blocking = {n: d for n, d in found.damaged.items() if keep_history or not _newest_readable(refs, n)}
+    # ref's newest entry counts, and a damaged older one hides nothing; nor does one older than a
+    # removal (the index's view, which a dry run reads, holds no entry behind a removal: it agrees).
+    blocking = {n: d for n, d in found.damaged.items()
+                if n not in found.settled and (keep_history or not _newest_readable(refs, n))}
+    for n in sorted(found.settled) if keep_history else ():
+        log.warning("%s; it is older than a removal of %s, so it keeps nothing alive (`ckpt verify` reports it)",
+                    found.damaged[n][0].message, n)
     if blocking:
         name, (err, _) = next(iter(blocking.items()))
         raise _stopped_by_entry(err, older=keep_history and _newest_readable(refs, name))

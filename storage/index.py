@@ -454,7 +454,9 @@ class StoreIndex:
         asked = history
         if st is None:
             st = self.rebuild()
-            exact, history = True, not self._newer  # a snapshot to write needs every entry; none is written over a newer index
+            # A snapshot to write needs every entry (none is written over a newer index), as does a caller
+            # asking for history (gc --dry-run: with each ref's newest entry only, it listed NAME@1... as freed)
+            exact, history = True, asked or not self._newer
         elif chunks and st.chunks is None:
             st.chunks = {}
         if exact:

@@ -616,3 +616,39 @@ def test_a_gc_whose_clock_runs_ahead_cannot_break_a_push_it_races(tmp_path, monk
     assert list(gcmod.execute_gc(store.objects, plan)) == []
     assert store.verify().ok
     assert torch.equal(store.load("b")["x"], t["x"])
+
+
+@pytest.mark.parametrize("damage", ["garbled", "gap"])
+@pytest.mark.parametrize("removed", [False, True])
+def test_a_damaged_entry_older_than_a_removal_stops_neither_gc_nor_its_dry_run(tmp_path, damage, removed):
+    """The metadata index's snapshot keeps no entry behind a ref's newest removal, so gc --dry-run
+    listed the removed versions' objects for deletion while the real gc, reading every entry, stopped
+    on a damaged one older than the removal: the dry run promised what the real run refused. What
+    such an entry named keeps nothing alive either way (the history gc counts ends at the removal):
+    gc goes on, both agree, and verify still reports the entry."""
+    path = tmp_path / "s"
+    store = ckpt.Store.init(str(path))
+    old = [store.push({"w": torch.full((1000,), float(i))}, "a") for i in range(3)]
+    store.remove("a")
+    new = torch.full((1000,), 9.0)
+    store.push({"w": new}, "a")
+    keep = store.push({"w": torch.full((1000,), 7.0)}, "b")
+    if removed:
+        store.remove("a")
+    store.ls()  # an index snapshot, as a store in use has
+    entry = path / "refs" / "a" / "0000000002.ref"
+    if damage == "gap":
+        entry.unlink()
+    else:
+        entry.write_bytes(b"{")
+    plain = ckpt.Store.open(str(path), settings=ckpt.Settings.from_env(index=False))
+    dry, dry_plain = store.gc(grace_s=0, dry_run=True), plain.gc(grace_s=0, dry_run=True)
+    real = store.gc(grace_s=0)
+    assert {(d.kind, d.name) for d in dry.deleted} == {(d.kind, d.name) for d in dry_plain.deleted} \
+        == {(d.kind, d.name) for d in real.deleted}
+    assert {d.name for d in real.deleted if d.kind == "manifests"} >= set(old)
+    assert store.objects.has("manifests", keep)
+    if not removed:
+        assert store.load("a")["w"].numpy().tobytes() == new.numpy().tobytes()
+    report = store.verify()
+    assert [p for p in report.problems if "0000000002.ref" in p] and len(report.problems) == 1

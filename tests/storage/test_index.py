@@ -267,6 +267,25 @@ def test_beside_a_newer_index_ls_reads_each_refs_newest_entry_only(tmp_path):
     assert sorted(counting.of("refs/")) == ["refs/q/0000000001.ref", "refs/r/0000000010.ref"]
 
 
+def test_beside_a_newer_index_gc_dry_run_keeps_the_earlier_versions_the_real_gc_keeps(tmp_path):
+    """Beside a newer ckpt's index snapshot, the in-memory rebuild read each ref's newest entry only,
+    for gc --dry-run too: its roots lacked every NAME@1..., and it listed their objects as deleted
+    while the real gc (which reads every entry) kept them. A caller asking for history gets it."""
+    from ckpt_store.storage.records import sealed_json
+
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    for k in range(3):
+        store.push({"w": torch.full((100,), float(k))}, "r")
+    store.ls()
+    top = max(int(Path(p).name[:10]) for p in index_files(store))
+    head = {"format": "ckpt-index", "version": 2, "gen": top + 1, "body": "0" * 64, "length": 2}
+    (tmp_path / "s" / PREFIX / f"{top + 1:010d}-0123456789abcdef.snap").write_bytes(sealed_json(head) + b"\n{}")
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    dry = store.gc(grace_s=0, dry_run=True)
+    assert (dry.deleted, dry.live_manifests) == ([], 3)
+    assert store.gc(grace_s=0).deleted == [] and store.verify().ok
+
+
 @pytest.mark.parametrize("damage", ["file", "folder"])
 def test_a_damaged_old_entry_does_not_fail_live_refs_while_the_index_is_rebuilt(tmp_path, damage):
     """Rebuilding the index reads every entry, for the snapshot it writes: one damaged old entry
