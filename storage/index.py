@@ -571,6 +571,10 @@ class StoreIndex:
             missing = [m for m in st.info if m not in st.chunks and m in keep]
             if missing:
                 self.ensure(st, missing, chunks=True)
+            if st.snap_gen < 0:  # rebuilt from the refs: it holds only what its caller read (live targets), and
+                # each later snapshot carries that on; gc --dry-run, which writes nothing, read every earlier
+                # version's manifest each time. Read once here; one gone (gc --no-history) is left out.
+                self.ensure(st, [m for m in keep if m not in st.info], chunks=True, strict=False)
             self.write_snapshot(st)
         except Exception as e:  # noqa: BLE001 - the index is a cache: never fail the command over it
             log.info("could not update the metadata index: %s", e)  # a read-only user, say: not their problem

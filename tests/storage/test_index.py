@@ -461,3 +461,25 @@ def test_a_snapshot_keeps_no_history_behind_a_removal(tmp_path):
     assert counting.of("refs/") == []
     got = same_with_and_without(store)
     assert [r.name for r in got["ls"]] == ["run/step-0"] and len(got["log"]["run/step-1"]) == 3
+
+
+def test_a_rebuilt_index_holds_the_earlier_versions_gc_dry_run_reads(tmp_path):
+    """A snapshot rebuilt from the refs (index/ deleted or damaged, or a run's first compaction) held
+    only the summaries its caller had read, the live targets, and every later snapshot carried that
+    on: each gc --dry-run (which writes nothing) read the manifest of every earlier version (NAME@1...),
+    every time. The rebuild reads them once; a version gc --no-history freed is left out."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    first = [store.push({"w": torch.full((100,), float(k))}, "r").id for k in range(3)]
+    store.gc(grace_s=0, keep_history=False)
+    freed = first[:-1]
+    kept = first[-1:] + [store.push({"w": torch.full((100,), float(k))}, "r").id for k in range(10, 16)]
+    store.push({"w": torch.zeros(100)}, "q")
+    shutil.rmtree(tmp_path / "s" / PREFIX)
+    store.ls()
+    assert any(p.endswith(".snap") for p in index_files(store))
+    counting = Counting(store)
+    for _ in range(2):
+        assert store.gc(grace_s=0, dry_run=True).live_manifests == len(kept) + 1
+    read = {Path(p).name for p in counting.of("objects/manifests")}
+    assert read and not read & set(kept) and read <= set(freed)  # before: the 6 earlier versions kept, each dry run
+    same_with_and_without(store)
