@@ -571,7 +571,7 @@ def _seconds(text: str) -> float:
 
 @app.command()
 def gc(
-    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Print the plan; delete nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Print the plan, a preview from the metadata index (the real run reads every ref and manifest); delete nothing.")] = False,
     grace: Annotated[str, typer.Option("--grace", metavar="DURATION", help="Keep unreferenced objects younger than this (protects pushes in progress).")] = "1h",
     no_history: Annotated[bool, typer.Option("--no-history", help="Also free earlier versions of live refs (NAME@1...).")] = False,
     as_json: JsonOpt = False,

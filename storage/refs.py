@@ -121,8 +121,9 @@ class Refs:
         self.backend = backend
         # The store's metadata index (storage/index.py), told of every update after it lands.
         self.index: RefJournal | None = None
-        # One past the entry number each ref's last update from here took: where the listing for its newest
-        # entry starts (see _newest), so that a long-lived ref (RUN/latest) is not listed whole each update.
+        # One past the entry number each ref's last update from here took: tried first by the next update,
+        # and where the listing for its newest entry starts (see _newest), so that a long-lived ref
+        # (RUN/latest) is not listed whole each update.
         self._next: dict[str, int] = {}
         # The newest entry number of each ref this object read: where a listing for the newest entry starts.
         self._seen: dict[str, int] = {}
@@ -364,9 +365,16 @@ class Refs:
                                            hint="another process moved it meanwhile")
                 seq = last.seq + 1
             else:
-                # One past the newest as listed from this object's last (see _newest), not one past its last where
-                # that is there: an entry deleted above it (a gap) would be written below the newest, never current.
-                seq = (self._newest(name) or (0, True))[0] + 1
+                # One past this object's last stands where that entry is there and the one above the guess is not
+                # (two stats, so that RUN/latest is not listed each update on a local or memory store): entries are
+                # numbered with no gap and each writer creates one past the newest it sees, so if the guess is free
+                # (the create is exclusive) nothing newer exists. Both checked: the ref may have been removed from
+                # the folder and begun again since, or an entry above the guess deleted (a gap: the update would
+                # fill it, below the newest, never current). Else one past the newest as listed (see _newest).
+                guess = self._next.pop(name, None) if attempt == 0 else None
+                seq = guess if guess is not None and self.backend.exists(self._entry_path(name, guess - 1)) \
+                    and not self.backend.exists(self._entry_path(name, guess + 1)) else \
+                    (self._newest(name) or (0, True))[0] + 1
             if seq > MAX_SEQ:  # an 11-digit entry name would be written, and never read: the update lost
                 raise StoreFormatError(f"ref {name} has an entry numbered {seq - 1}, the last there can be: it cannot be "
                                        "updated", hint="a damaged or crafted entry? `ckpt log` shows it; use another name")
