@@ -754,10 +754,15 @@ def _bundle_bytes(objects: ObjectStore, b: BundleEntry, manifest: Manifest, sett
                   pool: ReadPool | None) -> memoryview | None:
     """The bytes of bundle ``b`` of ``manifest`` (a bundle :func:`_from_bundles` may read): kept by
     ``pool`` where a call on it fetched it, else fetched, each of its chunks verified (and kept by
-    ``pool``, within its budget); None where it cannot be read (missing, damaged)."""
+    ``pool``, within its budget); None where it cannot be read (missing, damaged), or where ``pool``
+    has no room left to keep it: every later call of the operation would fetch it again (a merge
+    whose inputs' bundles outgrow the budget fetched the second one whole for each batch of small
+    tensors, every byte of it some hundred times at 256 MiB): its members are then fetched one by one."""
     kept = pool.bundle(b.chunks) if pool is not None else None
     if kept is not None:
         return kept
+    if pool is not None and not pool.room(b.nbytes, settings.inflight_mb << 20):
+        return None
     buf = empty_buffer(b.nbytes)
     pieces = [GetTask(cid, n, into=buf[pos : pos + n]) for cid, n, pos in spans(b.chunks, b.nbytes, manifest.chunk_size)]
     try:
@@ -821,6 +826,11 @@ class ReadPool:
         still checked against their ids as each is served)."""
         with self._lock:
             return self._bundles.get(chunks)
+
+    def room(self, nbytes: int, budget: int) -> bool:
+        """Whether a bundle of ``nbytes`` bytes would be kept within ``budget`` bytes in all."""
+        with self._lock:
+            return self._bundle_bytes + nbytes <= budget
 
     def keep_bundle(self, chunks: tuple[str, ...], buf: memoryview, budget: int) -> None:
         """Keep bundle ``buf`` for the later calls of this operation, within ``budget`` bytes in all."""

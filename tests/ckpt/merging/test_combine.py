@@ -545,3 +545,42 @@ def test_a_merge_into_s3_reads_its_delta_bases_from_the_first_inputs_bundle(s3_m
     got = ckpt.Store.open(s3_main_url, settings=settings).load("m")
     assert {k: bits(v) for k, v in got.items()} == {k: bits(v) for k, v in want.items()}
     assert not store.verify().problems
+
+
+@pytest.mark.slow  # (about 10 s on moto here: run by .ci/run's slow step)
+def test_a_merge_whose_inputs_bundles_outgrow_the_budget_fetches_none_of_them_again_and_again(s3_main_url):
+    """The merge's pool keeps the bundles it fetches within inflight_mb; the second input's bundle, with no
+    room left, was fetched whole again for every batch of small tensors (4 here; at 256 MiB, bundles of
+    150 MB were each fetched some 150 times). A bundle the pool cannot keep is not fetched: its members
+    are read one by one, as before bundles."""
+    import threading
+    from collections import Counter
+
+    settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False, inflight_mb=1)
+    store = ckpt.Store.init(s3_main_url, settings=settings)
+    g = torch.Generator().manual_seed(6)
+    base = {}
+    for i in range(4):  # a large tensor ends each batch of small ones
+        base[f"g{i}.big"] = torch.randn(300_000, generator=g)
+        base |= {f"g{i}.s{j:02}": torch.randn(2_000, generator=g) for j in range(30)}
+    a, b = _tuned(base, 1), _tuned(base, 2)
+    store.push(a, "a")
+    store.push(b, "b")
+    bundles = [bd for r in ("a", "b") for bd in store.manifest(r).bundles]
+    assert len(bundles) == 2 and all(512 << 10 < bd.nbytes <= 1 << 20 for bd in bundles)  # room for one
+    gets: Counter[str] = Counter()
+    lock = threading.Lock()
+    real = store.objects.backend._get
+
+    def counting(path, *args, **kwargs):
+        with lock:
+            gets[path.rsplit("/", 1)[-1]] += 1
+        return real(path, *args, **kwargs)
+
+    store.objects.backend._get = counting
+    ckpt.merge(["a", "b"], "linear", name="m", store=store)
+    store.objects.backend._get = real
+    assert max(gets[c] for bd in bundles for c in bd.chunks) == 1, [gets[c] for bd in bundles for c in bd.chunks]  # was 4
+    want = merge_state_dicts([a, b], "linear")
+    got = store.load("m")
+    assert {k: bits(v) for k, v in got.items()} == {k: bits(v) for k, v in want.items()}
