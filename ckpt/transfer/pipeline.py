@@ -964,7 +964,7 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
         if own is not None:
             own.shutdown(wait=True, cancel_futures=True)
         elif reads:  # after an error: this call's reads queued in the shared pool are dropped, running ones ended
-            for f in reads.values():
-                f.cancel()
-            wait(list(reads.values()))
+            # (only those: wait() never returns for a read cancelled where no thread takes it up, as
+            # when the pool is closed by another thread mid-read, which hung the read for good)
+            wait([f for f in reads.values() if not f.cancel()])
     return stats
