@@ -764,7 +764,7 @@ def _bundle_bytes(objects: ObjectStore, b: BundleEntry, manifest: Manifest, sett
     kept = pool.bundle(b.chunks) if pool is not None else None
     if kept is not None:
         return kept
-    if pool is not None and not pool.room(b.nbytes, settings.inflight_mb << 20):
+    if pool is not None and (pool.unreadable(b.chunks) or not pool.room(b.nbytes, settings.inflight_mb << 20)):
         return None
     buf = empty_buffer(b.nbytes)
     pieces = [GetTask(cid, n, into=buf[pos : pos + n]) for cid, n, pos in spans(b.chunks, b.nbytes, manifest.chunk_size)]
@@ -772,6 +772,8 @@ def _bundle_bytes(objects: ObjectStore, b: BundleEntry, manifest: Manifest, sett
         get_chunks(objects, pieces, settings, pool=pool)
     except (ObjectNotFoundError, CorruptObjectError) as e:
         log.warning("bundle of %d small chunks unreadable (%s): fetching them one by one", len(b.members), e)
+        if pool is not None:  # not tried again by the operation's later calls (each fetched it up to the damage)
+            pool.unreadable(b.chunks, mark=True)
         return None
     if pool is not None:
         pool.keep_bundle(b.chunks, buf, settings.inflight_mb << 20)
@@ -823,12 +825,21 @@ class ReadPool:
         self._lock = threading.Lock()
         self._bundles: dict[tuple[str, ...], memoryview] = {}  # fetched and decoded, by their chunk ids
         self._bundle_bytes = 0
+        self._unreadable: set[tuple[str, ...]] = set()
 
     def bundle(self, chunks: tuple[str, ...]) -> memoryview | None:
         """The bundle stored as ``chunks``, if a call on this pool fetched it (its members are
         still checked against their ids as each is served)."""
         with self._lock:
             return self._bundles.get(chunks)
+
+    def unreadable(self, chunks: tuple[str, ...], mark: bool = False) -> bool:
+        """Whether a call on this pool found the bundle stored as ``chunks`` missing or damaged
+        (``mark``: record that it did)."""
+        with self._lock:
+            if mark:
+                self._unreadable.add(chunks)
+            return chunks in self._unreadable
 
     def room(self, nbytes: int, budget: int) -> bool:
         """Whether a bundle of ``nbytes`` bytes would be kept within ``budget`` bytes in all."""
@@ -856,6 +867,7 @@ class ReadPool:
             pool, self._pool = self._pool, None
             self._bundles.clear()
             self._bundle_bytes = 0
+            self._unreadable.clear()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 

@@ -584,3 +584,47 @@ def test_a_merge_whose_inputs_bundles_outgrow_the_budget_fetches_none_of_them_ag
     want = merge_state_dicts([a, b], "linear")
     got = store.load("m")
     assert {k: bits(v) for k, v in got.items()} == {k: bits(v) for k, v in want.items()}
+
+
+@pytest.mark.slow  # (about 8 s on moto here: run by .ci/run's slow step)
+def test_a_merge_tries_a_damaged_bundle_once_not_once_per_batch(s3_main_url, caplog):
+    """A bundle that cannot be read (a chunk of it damaged or missing) was fetched again, up to the damage,
+    for every batch of small tensors of the merge, with a warning each time (4 here; a 150 MB bundle
+    damaged at its end, some 150 times). The merge's pool remembers it: tried once, its members then read
+    one by one, the result exact."""
+    import logging
+    import threading
+    from collections import Counter
+
+    settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False)
+    store = ckpt.Store.init(s3_main_url, settings=settings)
+    g = torch.Generator().manual_seed(7)
+    base = {}
+    for i in range(4):  # a large tensor ends each batch of small ones
+        base[f"g{i}.big"] = torch.randn(300_000, generator=g)
+        base |= {f"g{i}.s{j:02}": torch.randn(500, generator=g) for j in range(30)}
+    a, b = _tuned(base, 1), _tuned(base, 2)
+    store.push(a, "a")
+    store.push(b, "b")
+    (bundle,) = store.manifest("a").bundles
+    other = store.manifest("a").tensors[0].chunks[0]  # another chunk's blob under the bundle chunk's name
+    store.objects.backend.write(store.objects.path("chunks", bundle.chunks[0]),
+                                store.objects.backend.read(store.objects.path("chunks", other)))
+    gets: Counter[str] = Counter()
+    lock = threading.Lock()
+    real = store.objects.backend._get
+
+    def counting(path, *args, **kwargs):
+        with lock:
+            gets[path.rsplit("/", 1)[-1]] += 1
+        return real(path, *args, **kwargs)
+
+    store.objects.backend._get = counting
+    with caplog.at_level(logging.WARNING, logger="ckpt.transfer.pipeline"):
+        ckpt.merge(["a", "b"], "linear", name="m", store=store)
+    store.objects.backend._get = real
+    assert gets[bundle.chunks[0]] == 1, gets[bundle.chunks[0]]  # was 5: once per batch, once more for the delta bases
+    assert len([r for r in caplog.records if "unreadable" in r.getMessage()]) == 1
+    want = merge_state_dicts([a, b], "linear")
+    got = store.load("m")
+    assert {k: bits(v) for k, v in got.items()} == {k: bits(v) for k, v in want.items()}
