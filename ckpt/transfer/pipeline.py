@@ -789,8 +789,9 @@ class BundleBases:
 
     def __init__(self, objects: ObjectStore, manifest: Manifest, settings: Settings, pool: ReadPool) -> None:
         self._objects, self._manifest, self._settings, self._pool = objects, manifest, settings, pool
-        self._where = {cid: (b, off, n) for b in manifest.bundles for cid, off, n in b.members
-                       if b.nbytes == sum(m[2] for m in b.members) and b.nbytes <= settings.inflight_mb << 20}
+        readable = [b for b in manifest.bundles  # (as _from_bundles takes them)
+                    if b.nbytes == sum(n for _, _, n in b.members) and b.nbytes <= settings.inflight_mb << 20]
+        self._where = {cid: (b, off, n) for b in readable for cid, off, n in b.members}
         self._chains = {cid: chain for t in manifest.tensors for cid, chain in zip(t.chunks, t.chains()) if cid in self._where}
         self._lock = threading.Lock()  # one fetch of a bundle, whatever the number of pushing threads
         self._unread: set[tuple[str, ...]] = set()  # bundles that could not be read (or kept): not tried again
