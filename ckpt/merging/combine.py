@@ -527,7 +527,7 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
         try:
             result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
                                  lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse,
-                                 progress=progress)
+                                 progress=progress, pool=reads.pool)  # (delta bases from the bundles it keeps)
         finally:  # the readers' own reading threads (a tensor copied whole at another chunk size)
             for r in (*readers, base_reader):
                 if r is not None:

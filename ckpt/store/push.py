@@ -18,7 +18,16 @@ from ckpt.store.base import choose_base, pair_tensors
 from ckpt.store.destination import inside, store_root
 from ckpt.store.source_files import show
 from ckpt.store.sources import MemBytes, SourceIn, open_source
-from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX, PutResult, PutTask, put_chunks, put_tasks, rewrite_whole
+from ckpt.transfer.pipeline import (
+    BUNDLE_CHUNK_MAX,
+    BundleBases,
+    PutResult,
+    PutTask,
+    ReadPool,
+    put_chunks,
+    put_tasks,
+    rewrite_whole,
+)
 from ckpt_store.storage.commit import commit
 from ckpt_store.storage.errors import ChunksVanishedError
 from ckpt_store.storage.objects import check_manifest_size, object_id
@@ -224,6 +233,7 @@ def push_source(
     aliases: tuple[str, ...] = (),
     progress: Progress | None = None,
     bundles: bool | None = None,
+    pool: ReadPool | None = None,
 ) -> PushResult:
     """Write ``src`` as a checkpoint: chunks (deltas against ``base_id`` where smaller),
     manifest, then ref ``name``, then the ``aliases`` (refs like ``RUN/latest``).
@@ -235,6 +245,9 @@ def push_source(
     ``bundles``: whether the manifest carries a bundle of the small chunks (:func:`_bundle`);
     None: where the store is remote. True for a store whose checkpoints are copied to a remote
     one as they are (a snapshot tier persisted to S3): a copy keeps the manifest's bytes.
+
+    ``pool``: the reading threads of the operation that pushes (a merge's): delta bases that the
+    bundles of ``base_id`` hold are read from them, each bundle fetched once (or kept by the pool).
     """
     # What the manifest will hold beside its tensors, measured before a chunk is written: past what
     # readers accept, the commit would refuse it after the upload, leaving every chunk for gc.
@@ -266,7 +279,8 @@ def push_source(
                                 match.chunks if match is not None else (), match.chains() if match is not None else ())
             spans.append((start, len(tasks)))
     with reporting(progress, "push", sum(t.length for t in tasks)) as p:
-        results = put_chunks(store.objects, tasks, settings, p)
+        bundled = BundleBases(store.objects, base_m, settings, pool) if pool is not None and base_m is not None else None
+        results = put_chunks(store.objects, tasks, settings, p, bundled)
     if bundles is None:
         bundles = store.objects.backend.streams
     bundle, bundle_tasks, bundled = _bundle(store, tasks, results) if bundles else ((), [], [])

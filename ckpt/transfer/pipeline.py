@@ -30,7 +30,7 @@ from ckpt.codecs.chunk import (
     thread_buffer,
 )
 from ckpt.format.dtypes import byte_view
-from ckpt.format.manifest import Manifest, TensorEntry, split_lengths
+from ckpt.format.manifest import BundleEntry, Manifest, TensorEntry, split_lengths
 from ckpt.progress import NullProgress, Progress
 from ckpt.settings import Settings
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
@@ -450,8 +450,8 @@ def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
         return _decode_read(objects, cid, length, settings, fresh, _depth, out, verify)
 
 
-def _delta_base(objects: ObjectStore, base: str, task: PutTask, oid: str, settings: Settings
-                ) -> tuple[bytes | bytearray | memoryview | None, tuple[str, ...]]:
+def _delta_base(objects: ObjectStore, base: str, task: PutTask, oid: str, settings: Settings,
+                bundled: BundleBases | None = None) -> tuple[bytes | bytearray | memoryview | None, tuple[str, ...]]:
     """The decoded bytes of chunk ``base`` (``task``'s) and its delta chain, when a delta of chunk ``oid``
     against it keeps every chain within ``settings.max_delta_depth``; else ``(None, ())``.
 
@@ -459,7 +459,8 @@ def _delta_base(objects: ObjectStore, base: str, task: PutTask, oid: str, settin
     so that a concurrent gc keeps it. A remote store would pay a request per header: there
     the depth the base's manifest records (``task.base_depth``) decides whether to fetch
     the base at all, and the chain recorded is the one its decoding walked, not the
-    manifest's (a wrong record only costs a fetch: the chunk is then stored whole).
+    manifest's (a wrong record only costs a fetch: the chunk is then stored whole). ``bundled``:
+    bases a bundle holds are taken from it (with the chain the base's manifest records).
     """
     limit = settings.max_delta_depth
     if objects.backend.touches or task.base_depth < 0:
@@ -470,6 +471,9 @@ def _delta_base(objects: ObjectStore, base: str, task: PutTask, oid: str, settin
         return data, chain
     if task.base_depth >= limit:
         return None, ()
+    got = bundled.get(base, task.length) if bundled is not None else None
+    if got is not None:
+        return got if len(got[1]) < limit else (None, ())
     data, chain = fetch_base(objects, base, task.length, settings, oid)
     return (data, chain) if len(chain) < limit else (None, ())
 
@@ -515,7 +519,8 @@ class PutResult:
     bases: tuple[str, ...]  # every chunk decoding this one needs (its delta chain)
 
 
-def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Settings, progress: Progress | None = None) -> list[PutResult]:
+def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Settings, progress: Progress | None = None,
+               bundled: BundleBases | None = None) -> list[PutResult]:
     """Hash every chunk, and encode and write those the store lacks. Returns results in task order.
 
     A chunk with a ``base`` is also tried as a delta against it, unless the base's
@@ -526,6 +531,7 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
     written by one of ``settings.io_workers`` threads, so that the latency of
     many small durable writes (fsync) overlaps with encoding and with itself. At
     most ``2 * io_workers`` blobs (and ``inflight_mb`` of chunks) wait for their write, which bounds memory.
+    ``bundled``: delta bases that a bundle holds are read from it (:class:`BundleBases`).
     """
     # A remote store is latency-bound: keep as many requests in flight as it allows
     # (existence checks run on the encoding workers, uploads on the I/O workers).
@@ -573,7 +579,7 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
         base_bytes, base_chain = None, ()
         if task.base is not None and task.base != oid and settings.max_delta_depth > 0:
             try:
-                base_bytes, chain_b = _delta_base(objects, task.base, task, oid, settings)
+                base_bytes, chain_b = _delta_base(objects, task.base, task, oid, settings, bundled)
                 base_chain = (task.base, *chain_b) if base_bytes is not None else ()
             except ObjectNotFoundError:
                 base_bytes = None  # the base is gone (gc): store this chunk whole
@@ -723,26 +729,19 @@ def _from_bundles(objects: ObjectStore, todo: list[GetTask], manifest: Manifest,
             continue  # not as a push writes one (members back to back): its memory is not worth risking
         where = {cid: (off, n) for cid, off, n in b.members}
         mine = [t for t in todo if t.id in where and where[t.id][1] == t.length]
-        kept = pool.bundle(b.chunks) if pool is not None else None
-        if len(mine) < (1 if kept is not None else 2):
+        if len(mine) < (1 if pool is not None and pool.bundle(b.chunks) is not None else 2):
             continue
-        if kept is None:
-            buf = empty_buffer(b.nbytes)
-            pieces = [GetTask(cid, n, into=buf[pos : pos + n]) for cid, n, pos in spans(b.chunks, b.nbytes, manifest.chunk_size)]
-            try:
-                get_chunks(objects, pieces, settings, pool=pool)
-            except (ObjectNotFoundError, CorruptObjectError) as e:
-                log.warning("bundle of %d small chunks unreadable (%s): fetching them one by one", len(mine), e)
-                continue
-            if pool is not None:
-                pool.keep_bundle(b.chunks, buf, settings.inflight_mb << 20)
-        else:
-            buf = kept
+        buf = _bundle_bytes(objects, b, manifest, settings, pool)
+        if buf is None:
+            continue
         served: set[int] = set()
         for t in mine:
             off, n = where[t.id]
             piece = buf[off : off + n]
-            if object_id(piece) != t.id:
+            # (shorter where the pool kept another manifest's bundle of these chunks, one of another
+            # length: a hostile input of a merge made that a bare ValueError, a member of its length
+            # hashing to its id)
+            if len(piece) != n or object_id(piece) != t.id:
                 continue  # not what the manifest says it is: fetched on its own below
             if t.into is not None:
                 t.into[:] = piece
@@ -752,6 +751,67 @@ def _from_bundles(objects: ObjectStore, todo: list[GetTask], manifest: Manifest,
             served.add(id(t))
         todo = [t for t in todo if id(t) not in served]
     return todo
+
+
+def _bundle_bytes(objects: ObjectStore, b: BundleEntry, manifest: Manifest, settings: Settings,
+                  pool: ReadPool | None) -> memoryview | None:
+    """The bytes of bundle ``b`` of ``manifest`` (a bundle :func:`_from_bundles` may read): kept by
+    ``pool`` where a call on it fetched it, else fetched, each of its chunks verified (and kept by
+    ``pool``, within its budget); None where it cannot be read (missing, damaged), or where ``pool``
+    has no room left to keep it: every later call of the operation would fetch it again (a merge
+    whose inputs' bundles outgrow the budget fetched the second one whole for each batch of small
+    tensors, every byte of it some hundred times at 256 MiB): its members are then fetched one by one."""
+    kept = pool.bundle(b.chunks) if pool is not None else None
+    if kept is not None:
+        return kept
+    if pool is not None and (pool.unreadable(b.chunks) or not pool.room(b.nbytes, settings.inflight_mb << 20)):
+        return None
+    buf = empty_buffer(b.nbytes)
+    pieces = [GetTask(cid, n, into=buf[pos : pos + n]) for cid, n, pos in spans(b.chunks, b.nbytes, manifest.chunk_size)]
+    try:
+        get_chunks(objects, pieces, settings, pool=pool)
+    except (ObjectNotFoundError, CorruptObjectError) as e:
+        log.warning("bundle of %d small chunks unreadable (%s): fetching them one by one", len(b.members), e)
+        if pool is not None:  # not tried again by the operation's later calls (each fetched it up to the damage)
+            pool.unreadable(b.chunks, mark=True)
+        return None
+    if pool is not None:
+        pool.keep_bundle(b.chunks, buf, settings.inflight_mb << 20)
+    return buf
+
+
+class BundleBases:
+    """Delta bases for a push, from the bundles of the checkpoint they belong to (``manifest``): the
+    merged push of a merge from S3 deltas its small chunks against input A's, which a GET each
+    fetched, one after another, though A's bundle holds them all and the merge's reads keep it
+    (``pool``). Each base taken is checked against its id; its delta chain is the one ``manifest``
+    records for it, as for any chunk a manifest takes over from another (a merge's reused tensors)."""
+
+    def __init__(self, objects: ObjectStore, manifest: Manifest, settings: Settings, pool: ReadPool) -> None:
+        self._objects, self._manifest, self._settings, self._pool = objects, manifest, settings, pool
+        readable = [b for b in manifest.bundles  # (as _from_bundles takes them)
+                    if b.nbytes == sum(n for _, _, n in b.members) and b.nbytes <= settings.inflight_mb << 20]
+        self._where = {cid: (b, off, n) for b in readable for cid, off, n in b.members}
+        self._chains = {cid: chain for t in manifest.tensors for cid, chain in zip(t.chunks, t.chains()) if cid in self._where}
+        self._lock = threading.Lock()  # one fetch of a bundle, whatever the number of pushing threads
+        self._unread: set[tuple[str, ...]] = set()  # bundles that could not be read (or kept): not tried again
+
+    def get(self, cid: str, length: int) -> tuple[memoryview, tuple[str, ...]] | None:
+        """The bytes of chunk ``cid`` (``length`` of them) and its delta chain, or None where no bundle holds it."""
+        at = self._where.get(cid)
+        if at is None or at[2] != length or cid not in self._chains:
+            return None
+        b, off, n = at
+        with self._lock:
+            if b.chunks in self._unread:
+                return None
+            buf = _bundle_bytes(self._objects, b, self._manifest, self._settings, self._pool)
+            if buf is None or self._pool.bundle(b.chunks) is None:  # unreadable, or past the pool's budget
+                self._unread.add(b.chunks)  # (fetched again for every base, it would cost more than it saves)
+            if buf is None:
+                return None
+        piece = buf[off : off + n]
+        return (piece, self._chains[cid]) if len(piece) == length and object_id(piece) == cid else None
 
 
 class ReadPool:
@@ -766,12 +826,26 @@ class ReadPool:
         self._lock = threading.Lock()
         self._bundles: dict[tuple[str, ...], memoryview] = {}  # fetched and decoded, by their chunk ids
         self._bundle_bytes = 0
+        self._unreadable: set[tuple[str, ...]] = set()
 
     def bundle(self, chunks: tuple[str, ...]) -> memoryview | None:
         """The bundle stored as ``chunks``, if a call on this pool fetched it (its members are
         still checked against their ids as each is served)."""
         with self._lock:
             return self._bundles.get(chunks)
+
+    def unreadable(self, chunks: tuple[str, ...], mark: bool = False) -> bool:
+        """Whether a call on this pool found the bundle stored as ``chunks`` missing or damaged
+        (``mark``: record that it did)."""
+        with self._lock:
+            if mark:
+                self._unreadable.add(chunks)
+            return chunks in self._unreadable
+
+    def room(self, nbytes: int, budget: int) -> bool:
+        """Whether a bundle of ``nbytes`` bytes would be kept within ``budget`` bytes in all."""
+        with self._lock:
+            return self._bundle_bytes + nbytes <= budget
 
     def keep_bundle(self, chunks: tuple[str, ...], buf: memoryview, budget: int) -> None:
         """Keep bundle ``buf`` for the later calls of this operation, within ``budget`` bytes in all."""
@@ -794,6 +868,7 @@ class ReadPool:
             pool, self._pool = self._pool, None
             self._bundles.clear()
             self._bundle_bytes = 0
+            self._unreadable.clear()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
@@ -902,7 +977,7 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
         if own is not None:
             own.shutdown(wait=True, cancel_futures=True)
         elif reads:  # after an error: this call's reads queued in the shared pool are dropped, running ones ended
-            for f in reads.values():
-                f.cancel()
-            wait(list(reads.values()))
+            # (only those: wait() never returns for a read cancelled where no thread takes it up, as
+            # when the pool is closed by another thread mid-read, which hung the read for good)
+            wait([f for f in reads.values() if not f.cancel()])
     return stats

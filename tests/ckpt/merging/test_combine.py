@@ -474,7 +474,7 @@ def test_a_merge_from_s3_reads_the_inputs_small_chunks_from_their_bundles_once(s
     """A merge read each input's small chunks one GET each, though a push to S3 stores them in a bundle
     (a few requests for all): 600 small tensors of two inputs, 1,200 GETs. Each input's bundle is
     fetched once for the whole merge (its pool keeps it between batches), not once per batch. (The
-    merged push still reads A's chunks as its delta bases, in its own threads: not counted.)"""
+    merged push's delta bases are counted by the test below.)"""
     import threading
     settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False)  # every read a request
     store = ckpt.Store.init(s3_main_url, settings=settings)
@@ -501,6 +501,130 @@ def test_a_merge_from_s3_reads_the_inputs_small_chunks_from_their_bundles_once(s
     assert not members & set(gets), len(members & set(gets))  # was 1,200: each small chunk on its own
     assert all(gets.count(c) == 1 for c in bundle_chunks), [gets.count(c) for c in bundle_chunks]
     store.objects.backend._get = real
+    want = merge_state_dicts([a, b], "linear")
+    got = store.load("m")
+    assert {k: bits(v) for k, v in got.items()} == {k: bits(v) for k, v in want.items()}
+
+
+@pytest.mark.slow  # (10-13 s on moto here: run by .ci/run's slow step)
+def test_a_merge_into_s3_reads_its_delta_bases_from_the_first_inputs_bundle(s3_main_url):
+    """The merged push delta-encodes each chunk against input A's chunk in the same place, and read each
+    of A's small chunks for it one GET at a time (100 here), though A's bundle holds them all and the
+    merge had just read it. It takes them from the bundle its reads kept (each checked against its id):
+    no GET of a small chunk of A, and the result's chunks and chains are those of the old way."""
+    import threading
+
+    settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False)  # every read a request
+    store = ckpt.Store.init(s3_main_url, settings=settings)
+    g = torch.Generator().manual_seed(5)
+    base = {"big": torch.randn(300_000, generator=g)} | {f"small.{i}": torch.randn(100, generator=g) for i in range(100)}
+    a, b = _tuned(base, 1), _tuned(base, 2)
+    store.push(a, "a")
+    store.push(b, "b")
+    (bundle,) = store.manifest("a").bundles
+    small_a = {c for t in store.manifest("a").tensors if t.name.startswith("small") for c in t.chunks}
+    assert len(small_a) == 100 and small_a <= {cid for cid, _, _ in bundle.members}
+    gets: list[str] = []
+    lock = threading.Lock()
+    real = store.objects.backend._get
+
+    def counting(path, *args, **kwargs):
+        with lock:
+            gets.append(path.rsplit("/", 1)[-1])
+        return real(path, *args, **kwargs)
+
+    store.objects.backend._get = counting
+    r = ckpt.merge(["a", "b"], "linear", name="m", store=store)
+    store.objects.backend._get = real
+    assert not small_a & set(gets), len(small_a & set(gets))  # was 100: a GET per delta base
+    m = store.manifest("m")
+    deltas = [t for t in m.tensors if t.name.startswith("small") and any(t.chains())]
+    assert r.merged == 101 and len(deltas) >= 50  # the small chunks are deltas against A's
+    assert all(t.chains() == ((c,),) for t in deltas for c in next(x for x in store.manifest("a").tensors if x.name == t.name).chunks)
+    want = merge_state_dicts([a, b], "linear")
+    got = ckpt.Store.open(s3_main_url, settings=settings).load("m")
+    assert {k: bits(v) for k, v in got.items()} == {k: bits(v) for k, v in want.items()}
+    assert not store.verify().problems
+
+
+@pytest.mark.slow  # (about 10 s on moto here: run by .ci/run's slow step)
+def test_a_merge_whose_inputs_bundles_outgrow_the_budget_fetches_none_of_them_again_and_again(s3_main_url):
+    """The merge's pool keeps the bundles it fetches within inflight_mb; the second input's bundle, with no
+    room left, was fetched whole again for every batch of small tensors (4 here; at 256 MiB, bundles of
+    150 MB were each fetched some 150 times). A bundle the pool cannot keep is not fetched: its members
+    are read one by one, as before bundles."""
+    import threading
+    from collections import Counter
+
+    settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False, inflight_mb=1)
+    store = ckpt.Store.init(s3_main_url, settings=settings)
+    g = torch.Generator().manual_seed(6)
+    base = {}
+    for i in range(4):  # a large tensor ends each batch of small ones
+        base[f"g{i}.big"] = torch.randn(300_000, generator=g)
+        base |= {f"g{i}.s{j:02}": torch.randn(2_000, generator=g) for j in range(30)}
+    a, b = _tuned(base, 1), _tuned(base, 2)
+    store.push(a, "a")
+    store.push(b, "b")
+    bundles = [bd for r in ("a", "b") for bd in store.manifest(r).bundles]
+    assert len(bundles) == 2 and all(512 << 10 < bd.nbytes <= 1 << 20 for bd in bundles)  # room for one
+    gets: Counter[str] = Counter()
+    lock = threading.Lock()
+    real = store.objects.backend._get
+
+    def counting(path, *args, **kwargs):
+        with lock:
+            gets[path.rsplit("/", 1)[-1]] += 1
+        return real(path, *args, **kwargs)
+
+    store.objects.backend._get = counting
+    ckpt.merge(["a", "b"], "linear", name="m", store=store)
+    store.objects.backend._get = real
+    assert max(gets[c] for bd in bundles for c in bd.chunks) == 1, [gets[c] for bd in bundles for c in bd.chunks]  # was 4
+    want = merge_state_dicts([a, b], "linear")
+    got = store.load("m")
+    assert {k: bits(v) for k, v in got.items()} == {k: bits(v) for k, v in want.items()}
+
+
+@pytest.mark.slow  # (about 8 s on moto here: run by .ci/run's slow step)
+def test_a_merge_tries_a_damaged_bundle_once_not_once_per_batch(s3_main_url, caplog):
+    """A bundle that cannot be read (a chunk of it damaged or missing) was fetched again, up to the damage,
+    for every batch of small tensors of the merge, with a warning each time (4 here; a 150 MB bundle
+    damaged at its end, some 150 times). The merge's pool remembers it: tried once, its members then read
+    one by one, the result exact."""
+    import logging
+    import threading
+    from collections import Counter
+
+    settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False)
+    store = ckpt.Store.init(s3_main_url, settings=settings)
+    g = torch.Generator().manual_seed(7)
+    base = {}
+    for i in range(4):  # a large tensor ends each batch of small ones
+        base[f"g{i}.big"] = torch.randn(300_000, generator=g)
+        base |= {f"g{i}.s{j:02}": torch.randn(500, generator=g) for j in range(30)}
+    a, b = _tuned(base, 1), _tuned(base, 2)
+    store.push(a, "a")
+    store.push(b, "b")
+    (bundle,) = store.manifest("a").bundles
+    other = store.manifest("a").tensors[0].chunks[0]  # another chunk's blob under the bundle chunk's name
+    store.objects.backend.write(store.objects.path("chunks", bundle.chunks[0]),
+                                store.objects.backend.read(store.objects.path("chunks", other)))
+    gets: Counter[str] = Counter()
+    lock = threading.Lock()
+    real = store.objects.backend._get
+
+    def counting(path, *args, **kwargs):
+        with lock:
+            gets[path.rsplit("/", 1)[-1]] += 1
+        return real(path, *args, **kwargs)
+
+    store.objects.backend._get = counting
+    with caplog.at_level(logging.WARNING, logger="ckpt.transfer.pipeline"):
+        ckpt.merge(["a", "b"], "linear", name="m", store=store)
+    store.objects.backend._get = real
+    assert gets[bundle.chunks[0]] == 1, gets[bundle.chunks[0]]  # was 5: once per batch, once more for the delta bases
+    assert len([r for r in caplog.records if "unreadable" in r.getMessage()]) == 1
     want = merge_state_dicts([a, b], "linear")
     got = store.load("m")
     assert {k: bits(v) for k, v in got.items()} == {k: bits(v) for k, v in want.items()}

@@ -449,3 +449,48 @@ def test_a_lazy_reader_keeps_one_pool_of_reading_threads(s3_main_url, monkeypatc
             reader.get_tensor("t3")
         assert reader.get_tensor("t4").numpy().tobytes() == sd["t4"].numpy().tobytes()  # still reads after it
     assert not _reading_threads()
+
+
+def test_a_lazy_reader_closed_by_another_thread_mid_read_ends_the_read(s3_main_url):
+    """A read ending in an error cancels its reads still queued in the reader's pool and waits for them:
+    cancelled by close() (another thread's, or a with-block left by Ctrl-C while a thread reads), no
+    thread ever takes them up, and that wait never returned: the reading thread hung for good. The
+    read ends (with an error) and the reader reads again after it."""
+    import threading
+    import time
+
+    from ckpt.settings import Settings
+
+    store = ckpt.Store.init(s3_main_url, settings=Settings.from_env(workers=2, io_workers=2, cache=False, chunk_size=1 << 16))
+    sd = {"big": torch.randn(1_000_000, generator=torch.Generator().manual_seed(5))}  # 62 chunks
+    store.push(sd, "m")
+    reader = store.reader("m")
+    started = threading.Event()
+    real = store.objects.backend._get
+
+    def slow(path, *args, **kwargs):
+        started.set()
+        time.sleep(0.5)  # the window of reads ahead fills: 16 run, the rest wait in the pool's queue
+        return real(path, *args, **kwargs)
+
+    store.objects.backend._get = slow
+    outcome: list[object] = []
+
+    def read() -> None:
+        try:
+            outcome.append(reader.get_tensor("big"))
+        except Exception as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=read, daemon=True)  # (daemon: a hung one must not hang the test run)
+    t.start()
+    assert started.wait(30)
+    time.sleep(0.1)  # (the reads ahead are all submitted within a few ms: half of them still queued)
+    reader.close()
+    t.join(30)
+    assert not t.is_alive()  # was hung in get_chunks, waiting for the reads close() cancelled
+    assert len(outcome) == 1 and isinstance(outcome[0], Exception), outcome
+    store.objects.backend._get = real
+    with reader:
+        assert reader.get_tensor("big").numpy().tobytes() == sd["big"].numpy().tobytes()
+    assert not _reading_threads()

@@ -163,3 +163,38 @@ def test_a_merge_into_a_remote_store_bundles_its_small_merged_chunks(s3_url):
     want = merge_state_dicts([a, b])
     reader = ckpt.Store.open(s3_url, settings=ckpt.Settings.from_env(cache=False))
     assert _exact(reader.load("m/avg"), want)
+
+
+def test_a_merge_input_whose_bundle_claims_another_length_of_kept_chunks_is_an_error_naming_the_chunk(s3_url):
+    """A merge reads all its inputs through one pool, which keeps each bundle it fetched by its chunk ids.
+    A hostile input whose bundle names the same chunks as the first input's, claims more bytes, and has a
+    member past their end whose shorter bytes hash to its id, was served a piece shorter than its chunk:
+    a bare ValueError. The member is fetched on its own: the chunk is not of the length claimed, and
+    the error says so and names it."""
+    from ckpt.errors import CorruptObjectError
+    from ckpt.transfer.pipeline import PutTask, put_chunks
+    from ckpt_store.storage.objects import object_id
+
+    store = ckpt.Store.init(s3_url, settings=ckpt.Settings.from_env(cache=False))
+    g = torch.Generator().manual_seed(1)
+    a = {"big": torch.randn(300_000, generator=g)} | {f"s{i:02}": torch.randn(100, generator=g) for i in range(20)}
+    store.push(a, "a")
+    store.push({k: v + 1 for k, v in a.items()}, "b")
+    ma, mb = store.manifest("a"), store.manifest("b")
+    (bundle,) = ma.bundles
+    tensor_of = {c: t.name for t in ma.tensors for c in t.chunks}
+    raw = bytearray(bundle.nbytes)
+    for cid, off, n in bundle.members:
+        if cid in tensor_of:
+            raw[off : off + n] = a[tensor_of[cid]].numpy().tobytes()
+    tail = bytes(raw[-150:])  # the last 150 bytes of A's bundle, stored as a chunk of their own
+    (stored,) = put_chunks(store.objects, [PutTask(lambda: tail, len(tail))], store.settings)
+    cid = object_id(tail)
+    assert stored.id == cid
+    lying = tuple(replace(t, chunks=(cid,), codecs=(), delta_bases=()) if t.name == "s05" else t for t in mb.tensors)
+    members = (*bundle.members, (cid, bundle.nbytes - 150, 400))  # 400 bytes claimed: s05's
+    hostile = replace(mb, tensors=lying, message="hostile",
+                      bundles=(replace(bundle, nbytes=sum(n for _, _, n in members), members=members),))
+    commit(store.objects, store.refs_db, hostile.to_json(), "hostile")
+    with pytest.raises(CorruptObjectError, match=f"{cid}.*header says 150 bytes, manifest says 400"):  # was ValueError
+        ckpt.merge(["a", "hostile"], "linear", name="m", store=store)
