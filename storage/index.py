@@ -72,7 +72,7 @@ from ckpt_store.storage.records import (
     sealed_json,
     strict_loads,
 )
-from ckpt_store.storage.refs import RefEntry, Refs
+from ckpt_store.storage.refs import RefEntry, RefEntryGoneError, Refs
 
 log = logging.getLogger(__name__)
 
@@ -465,7 +465,17 @@ class StoreIndex:
 
     def _reconcile(self, st: IndexState, history: bool, asked: bool = True) -> None:
         """``asked``: the caller needs every entry (else older ones are read only for a snapshot to
-        write, and one that cannot be read leaves the view unwritten instead of failing the caller)."""
+        write, and one that cannot be read leaves the view unwritten instead of failing the caller).
+        An entry deleted after the listing (a run's local tier cutting a ref's history as it prunes,
+        read by ``ckpt serve --local-tier``) is no damage: the refs are listed again (a few times)."""
+        for attempt in range(8):
+            try:
+                return self._reconcile_once(st, history, asked)
+            except RefEntryGoneError:
+                if attempt == 7:
+                    raise
+
+    def _reconcile_once(self, st: IndexState, history: bool, asked: bool) -> None:
         listing = self.refs.listing()
         refs: dict[str, dict[int, RefRec]] = {}
         for name, files in listing.items():

@@ -110,8 +110,9 @@ class RefJournal(Protocol):
     def newest_seq(self, name: str) -> int | None: ...
 
 
-class _EntryGone(StoreFormatError):
-    """A ref entry listed, then deleted before it was read (see :meth:`Refs._newest_entry`)."""
+class RefEntryGoneError(StoreFormatError):
+    """A ref entry listed, then deleted before it was read: not damage (a run's local tier cuts its
+    refs' histories as it prunes, :meth:`Refs.cut_history`); the ref is to be listed again."""
 
 
 class Refs:
@@ -292,7 +293,7 @@ class Refs:
             data = self.backend.read(path, MAX_RECORD_BYTES)
         except FileNotFoundError:  # listed, yet nothing to read: a symbolic link to nothing, say
             if self._missing(path):  # (not even a link): deleted since it was listed
-                raise _EntryGone(f"ref entry {path} was deleted after it was listed (its history cut meanwhile: "
+                raise RefEntryGoneError(f"ref entry {path} was deleted after it was listed (its history cut meanwhile: "
                                  "a run's local tier pruning?)", hint="read it again") from None
             raise StoreFormatError(f"ref entry {path} is listed but cannot be read: nothing is there (a symbolic "
                                    "link to nothing?)", hint="put the entry file back from a backup of the store, "
@@ -343,7 +344,7 @@ class Refs:
                 return None
             try:
                 return self._read(name, *newest)
-            except _EntryGone:
+            except RefEntryGoneError:
                 newest = self._newest(name)
         return self._read(name, *newest) if newest is not None else None
 
@@ -478,7 +479,7 @@ class Refs:
                 try:
                     entries.append(self._read(name, s, f is not None))
                 except StoreFormatError as err:
-                    if not isinstance(err, _EntryGone) or attempt == 7:
+                    if not isinstance(err, RefEntryGoneError) or attempt == 7:
                         return entries, (err, self._entry_path(name, s))
                     break  # deleted since listed (see _newest_entry): the history is listed again
             else:

@@ -483,3 +483,29 @@ def test_a_rebuilt_index_holds_the_earlier_versions_gc_dry_run_reads(tmp_path):
     read = {Path(p).name for p in counting.of("objects/manifests")}
     assert read and not read & set(kept) and read <= set(freed)  # before: the 6 earlier versions kept, each dry run
     same_with_and_without(store)
+
+
+def test_the_index_reads_a_run_tier_pruning_meanwhile_without_calling_a_live_ref_damaged(tmp_path):
+    """A run's local tier cuts its refs' histories as it prunes while `ckpt serve --local-tier` reads
+    it: the index listed RUN/latest's newest entry, the tier saved a newer one and deleted the older
+    before the index read it, and `Store.refs()` (the web view's list of refs) failed with 'ref entry
+    ... was deleted after it was listed'. Deleted since listed is not damage: the refs are listed
+    again, and the answer is the newer entry."""
+    tier = ckpt.Store.init(str(tmp_path / "tier"))
+    a = tier.push({"w": torch.zeros(4)}, "run/step-1").id
+    b = tier.push({"w": torch.ones(4)}, "run/step-2").id
+    tier.refs_db.set("run/latest", a, alias=True)
+    tier.refs_db.cut_history("run/latest")
+    shutil.rmtree(tmp_path / "tier" / PREFIX)  # (so that the reader reads the entries, not the index's records)
+    reader = ckpt.Store.open(str(tmp_path / "tier"))
+    real, moved = reader.backend.read, []
+
+    def read(path, *args):
+        if path.startswith("refs/run/latest/") and not moved:  # listed; the tier saves and prunes first
+            moved.append(tier.refs_db.set("run/latest", b, alias=True))
+            tier.refs_db.cut_history("run/latest")
+        return real(path, *args)
+
+    reader.backend.read = read  # type: ignore[method-assign]  (the tier's move staged between list and read)
+    refs = reader.refs()
+    assert moved and refs["run/latest"].target == b and refs["run/step-2"].target == b
