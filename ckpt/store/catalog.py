@@ -109,13 +109,20 @@ def well_formed(st: IndexState, mids: list[str]) -> list[str]:
     return mids
 
 
-def stored(store: Store, st: IndexState, mids: list[str]) -> list[str]:
+def stored(store: Store, st: IndexState, mids: list[str], listed: set[str] | None = None) -> list[str]:
     """``mids``, after dropping from ``st`` the summaries of those the store does not hold, so that
     :meth:`StoreIndex.ensure` fails on them as the commands do without the index: a summary outlives
     its manifest where the manifest was deleted, or the store copied without it. One batch of
-    existence checks (a stat each locally; on S3 a listing where that is cheaper)."""
+    existence checks (a stat each locally; on S3 a listing where that is cheaper).
+
+    ``listed``: the manifest ids a listing of the store made just before showed (``du``'s), which
+    answers instead where a listing names only objects (:attr:`Backend.lists_only_objects`: S3),
+    rather than listing the manifests again; one written since is not in it, and is read."""
     known = [m for m in dict.fromkeys(mids) if m in st.info]
-    present = store.objects.has_many("manifests", known)
+    if listed is not None and store.backend.lists_only_objects:
+        present = listed.intersection(known)
+    else:
+        present = store.objects.has_many("manifests", known)
     for mid in known:
         if mid not in present:
             del st.info[mid]
@@ -188,15 +195,16 @@ def live_refs(store: Store) -> dict[str, RefEntry]:
     return st.live()
 
 
-def live_usage(store: Store) -> list[tuple[str, str, Usage]]:
-    """(ref, checkpoint id, usage) of every live ref, by name: what ``du`` adds up."""
+def live_usage(store: Store, listed: set[str] | None = None) -> list[tuple[str, str, Usage]]:
+    """(ref, checkpoint id, usage) of every live ref, by name: what ``du`` adds up. ``listed``: as
+    :func:`stored` takes it."""
     if store.index is None:
         return [(n, e.target, usage_of_manifest(store.manifest(e.target)))
                 for n, e in store.refs_db.live().items() if e.target is not None]
     st = store.index.view(exact=True, chunks=True)
     live = st.live()
     targets = [e.target for e in live.values() if e.target is not None]
-    store.index.ensure(st, stored(store, st, well_formed(st, targets)), chunks=True)
+    store.index.ensure(st, stored(store, st, well_formed(st, targets), listed), chunks=True)
     store.index.heal(st)
     return [(n, e.target, usage_from_index(st, e.target)) for n, e in live.items() if e.target is not None]
 

@@ -65,6 +65,9 @@ class Backend(ABC):
     # True where create_exclusive() can have only one winner among all writers (the
     # metadata index relies on it: storage/index.py).
     exact_creates: bool = False
+    # True where list() names only objects read() can read (an object store's keys), so that a
+    # listing answers what exists() would; a folder's listing also shows FIFOs and links.
+    lists_only_objects: bool = False
 
     @classmethod
     def from_url(cls, url: str, *, storage_options: dict[str, Any] | None, fsync: bool,

@@ -247,6 +247,28 @@ def test_a_live_checkpoint_whose_manifest_is_gone_is_damaged_with_the_index_too(
     assert set(listing.damaged) == {"fam/ft2", "fam/latest"} and set(usage.damaged) == {"fam/ft2", "fam/latest"}
 
 
+def test_du_on_s3_asks_which_manifests_exist_of_the_listing_it_made(s3_main_url, monkeypatch):
+    """du lists every object (its stored sizes), then checked that each live manifest exists with
+    a second listing of objects/manifests (or a HEAD each): on S3 the first listing answers (one
+    LIST page per 1,000 manifests fewer). A manifest deleted is still named damaged, as without
+    the index."""
+    store = ckpt.Store.init(s3_main_url)
+    build(store, n=12)
+    store.ls()  # an index snapshot, as a store in use has
+    b = store.backend
+    heads, pages = [], []
+    real_head, real_page = b._head, b._list_page
+    monkeypatch.setattr(b, "_head", lambda p: heads.append(p) or real_head(p))
+    monkeypatch.setattr(b, "_list_page", lambda prefix, *a: pages.append(prefix[len(b.prefix) + 1:]) or real_page(prefix, *a))
+    usage = store.du()
+    assert usage == off(store).du() and usage.damaged == {}
+    assert [p for p in pages if p.startswith("objects")] == ["objects/"]  # one listing of the objects, no other
+    assert not [p for p in heads if p.startswith("objects/manifests")]
+    gone = store.resolve("fam/ft2")
+    b.delete(store.objects.path("manifests", gone))
+    assert set(store.du().damaged) == {"fam/ft2", "fam/latest"}
+
+
 def test_beside_a_newer_index_ls_reads_each_refs_newest_entry_only(tmp_path):
     """Beside a newer ckpt's index snapshot (left in place, never written over), ls rebuilt the index
     in memory from every entry of every ref (for a snapshot it would not write), each time: the
