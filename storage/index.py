@@ -442,13 +442,15 @@ class StoreIndex:
         """An empty state, to be filled from the refs (:meth:`view`) and manifests (:meth:`ensure`)."""
         return IndexState(chunks={}, damaged=True, max_gen=self._max_gen or 0)
 
-    def view(self, *, exact: bool, history: bool = False, chunks: bool = False) -> IndexState:
+    def view(self, *, exact: bool, history: bool = False, chunks: bool = False,
+             temporaries: list[tuple[str, float, int]] | None = None) -> IndexState:
         """The index, brought up to date with ``refs/`` when ``exact``.
 
         ``exact``: every ref entry listed under ``refs/`` is represented, from the index
         where the file is the one recorded, else read (``history``: every entry back to the newest
         removal the index records, else only each ref's newest). Not ``exact`` (base choice): the index as stored, rebuilt from
-        the refs only when missing or damaged.
+        the refs only when missing or damaged. ``temporaries``: as :meth:`Refs.listing` takes it
+        (filled where refs/ is listed: always when ``exact``).
         """
         st = self.load(chunks=chunks, recent=not exact)
         asked = history
@@ -458,13 +460,14 @@ class StoreIndex:
         elif chunks and st.chunks is None:
             st.chunks = {}
         if exact:
-            self._reconcile(st, history, asked)
+            self._reconcile(st, history, asked, temporaries)
         return st
 
-    def _reconcile(self, st: IndexState, history: bool, asked: bool = True) -> None:
+    def _reconcile(self, st: IndexState, history: bool, asked: bool = True,
+                   temporaries: list[tuple[str, float, int]] | None = None) -> None:
         """``asked``: the caller needs every entry (else older ones are read only for a snapshot to
         write, and one that cannot be read leaves the view unwritten instead of failing the caller)."""
-        listing = self.refs.listing()
+        listing = self.refs.listing(temporaries=temporaries)
         refs: dict[str, dict[int, RefRec]] = {}
         for name, files in listing.items():
             have = st.refs.get(name, {})

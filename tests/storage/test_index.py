@@ -324,8 +324,8 @@ def test_an_entry_the_listing_of_refs_missed_is_read_and_no_snapshot_written(tmp
     store.ls()  # an index snapshot, as a store in use has
     real = Refs.listing
 
-    def missing_one(self, prefix=""):  # entry 1 of fam/ft0 not seen by this listing, as in the race
-        out = real(self, prefix)
+    def missing_one(self, prefix="", **kw):  # entry 1 of fam/ft0 not seen by this listing, as in the race
+        out = real(self, prefix, **kw)
         if "fam/ft0" in out:
             out["fam/ft0"] = {s: (None if s == 1 else e) for s, e in out["fam/ft0"].items()}
         return out
