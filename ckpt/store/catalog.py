@@ -69,18 +69,22 @@ def _count(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _well_formed(st: IndexState, mid: str) -> bool:
+def _well_formed(st: IndexState, mid: str, sigs: dict[Any, bool]) -> bool:
     """Whether the index's summary of ``mid`` (and its chunk list, where loaded) has the shape
-    :func:`summarize` gives it."""
+    :func:`summarize` gives it. ``sigs``: whether each signature (by its key) is, as found so far."""
     info = st.info.get(mid)
     if not (isinstance(info, dict) and _count(info.get("bytes")) and _count(info.get("tensors"))
             and isinstance(info.get("message"), (str, type(None))) and isinstance(info.get("source"), str)
             and isinstance(info.get("created"), (int, float)) and not isinstance(info.get("created"), bool)
             and isinstance(info.get("base"), (str, type(None)))):
         return False
-    sig = st.signature(mid)
-    if sig is not None and not (isinstance(sig, list) and all(
-            isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) and isinstance(x[1], str) and _count(x[2]) for x in sig)):
+    key = info.get("sig")  # (a str or absent: IndexState checks, and signature() goes by it alone)
+    ok = sigs.get(key)
+    if ok is None:  # one check per signature, however many checkpoints share it (a base's fine-tunes)
+        sig = st.signature(mid)
+        ok = sigs[key] = sig is None or (isinstance(sig, list) and all(
+            isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) and isinstance(x[1], str) and _count(x[2]) for x in sig))
+    if not ok:
         return False
     if st.chunks is None or mid not in st.chunks:
         return True
@@ -100,8 +104,9 @@ def well_formed(st: IndexState, mids: list[str]) -> list[str]:
     """``mids``, after dropping from ``st`` the summaries of theirs that are not well formed, so that
     :meth:`StoreIndex.ensure` reads those manifests again: the index is a cache, and a store folder
     from elsewhere may hold a crafted one (sealed and hashed, as any writer can)."""
+    sigs: dict[Any, bool] = {}
     for mid in mids:
-        if mid in st.info and not _well_formed(st, mid):
+        if mid in st.info and not _well_formed(st, mid, sigs):
             del st.info[mid]
             if st.chunks is not None:
                 st.chunks.pop(mid, None)

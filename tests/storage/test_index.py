@@ -269,6 +269,36 @@ def test_du_on_s3_asks_which_manifests_exist_of_the_listing_it_made(s3_main_url,
     assert set(store.du().damaged) == {"fam/ft2", "fam/latest"}
 
 
+def test_a_signature_many_checkpoints_share_is_checked_once(tmp_path, monkeypatch):
+    """ls and du check the shape of every summary they take from the index, the tensor signature
+    included: a base's fine-tunes share one signature (stored once), which was checked again for
+    each of them (at 1,000 fine-tunes of a 300-tensor model, 300,000 tensors checked per ls). It is
+    checked once per command; a crafted one still sends every checkpoint naming it to its manifest."""
+    from ckpt_store.storage.index import IndexState
+
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    build(store, n=8)
+    store.ls()  # an index snapshot, as a store in use has
+    st = store.index.load(chunks=True)
+    assert len(st.sigs) == 2 and len(st.info) > 8  # the family's signature, misc/other's
+    asked = []
+    real = IndexState.signature
+    monkeypatch.setattr(IndexState, "signature", lambda self, mid: asked.append(mid) or real(self, mid))
+    for command in (store.ls, store.du):
+        asked.clear()
+        assert command() == getattr(off(store), command.__name__)()
+        assert len(asked) == 2
+    key = next(k for k, v in st.sigs.items() if len(v) == len(NAMES))
+    st.sigs[key] = [["l0.w", "F32", "many"]]  # crafted: the wrong shape
+    st.max_gen += 1
+    store.index.write_snapshot(st)
+    counting = Counting(store)
+    assert store.ls() == off(store).ls()
+    family = [e.target for n, e in store.refs_db.live().items() if n.startswith("fam/")]
+    assert set(family) <= {p.rsplit("/", 1)[1] for p in counting.of("objects/manifests")}  # read again
+    assert store.du() == off(store).du()
+
+
 def test_beside_a_newer_index_ls_reads_each_refs_newest_entry_only(tmp_path):
     """Beside a newer ckpt's index snapshot (left in place, never written over), ls rebuilt the index
     in memory from every entry of every ref (for a snapshot it would not write), each time: the
