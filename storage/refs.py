@@ -179,12 +179,13 @@ class Refs:
             by_name[path[len("refs/"):]] = {0: None}
             return True
 
-        for e in self.backend.list(folder):  # a link (to a folder, or to nothing) is listed as a file
+        files, folders = self.backend.tree(folder)
+        for e in files:  # a link (to a folder, or to nothing) is listed as a file
             if temporaries is not None and e.path.rpartition("/")[2].startswith(TEMPORARY):
                 temporaries.append((e.path, e.mtime, e.size))
             if not linked(e.path):
                 add(e.path, e)
-        for path in self.backend.folders(folder):
+        for path in folders:
             if not linked(path):
                 add(path, None)
         for seqs in by_name.values():

@@ -178,6 +178,11 @@ class Backend(ABC):
         prefix holding objects shows in :meth:`list`)."""
         return iter(())
 
+    def tree(self, prefix: str) -> tuple[list[Entry], list[str]]:
+        """:meth:`list` and :meth:`folders` of ``prefix`` at once (a local backend reads each folder
+        once for both: a store's ``refs/`` holds a folder per ref)."""
+        return list(self.list(prefix)), list(self.folders(prefix))
+
     def children(self, prefix: str, after: str = "") -> Iterator[tuple[list[tuple[str, bool]], bool]]:
         """The names directly below directory ``prefix`` that sort after ``after``, in order, page by
         page: each page's (name, whether a file is there: False for a folder, or an object store's

@@ -142,8 +142,10 @@ def test_a_dry_run_lists_the_refs_once(tmp_path):
         (tmp_path / "s" / rel).write_bytes(b"partial")
         os.utime(tmp_path / "s" / rel, (old, old))
     listed = []
-    real = store.backend.list
-    store.backend.list = lambda prefix: listed.append(prefix) or real(prefix)  # type: ignore[method-assign]
+    b = store.backend
+    real, real_tree = b.list, b.tree
+    b.list = lambda prefix: listed.append(prefix) or real(prefix)  # type: ignore[method-assign]
+    b.tree = lambda prefix: listed.append(prefix) or real_tree(prefix)  # type: ignore[method-assign]  # (list and folders)
     dry = store.gc(grace_s=3600, dry_run=True)
     assert listed.count("refs") == 1
     plain = ckpt.Store.open(store.url, settings=ckpt.Settings.from_env(index=False)).gc(grace_s=3600, dry_run=True)
