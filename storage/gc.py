@@ -223,16 +223,17 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     cutoff = now - grace_s
     # A dry run puts nothing back, so it plans with what the real run's recovery will find.
     listed, temps = objects.inventory(as_recovered=not recover and objects.backend.recovers_condemned)
-    temps += objects.list_temporaries(("refs", "index"))
 
     # With the metadata index, ref histories come from it (checked against the listing of
     # refs), and a root manifest that is in the listing has its chunk lists read from it (a
     # manifest's id is the hash of its bytes: what it names never changes); anything else
-    # is read and verified here.
+    # is read and verified here. The listing of refs also gives their temporaries.
+    in_refs: list[tuple[str, float, int]] = []
     try:
-        view = index.view(exact=True, history=keep_history, chunks=True) if index is not None else None
+        view = index.view(exact=True, history=keep_history, chunks=True, temporaries=in_refs) if index is not None else None
     except StoreFormatError:
         view = None  # a damaged ref entry: the refs themselves are read, and name it (gc_roots)
+    temps += [*in_refs, *objects.list_temporaries(("index",))] if view is not None else objects.list_temporaries(("refs", "index"))
     found = gc_roots(refs, keep_history=keep_history, histories=view.entries() if view is not None else None)
     # What a damaged ref entry keeps alive is unknown: delete nothing. Without history only each
     # ref's newest entry counts, and a damaged older one hides nothing; nor does one older than a

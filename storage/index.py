@@ -442,13 +442,15 @@ class StoreIndex:
         """An empty state, to be filled from the refs (:meth:`view`) and manifests (:meth:`ensure`)."""
         return IndexState(chunks={}, damaged=True, max_gen=self._max_gen or 0)
 
-    def view(self, *, exact: bool, history: bool = False, chunks: bool = False) -> IndexState:
+    def view(self, *, exact: bool, history: bool = False, chunks: bool = False,
+             temporaries: list[tuple[str, float, int]] | None = None) -> IndexState:
         """The index, brought up to date with ``refs/`` when ``exact``.
 
         ``exact``: every ref entry listed under ``refs/`` is represented, from the index
         where the file is the one recorded, else read (``history``: every entry back to the newest
         removal the index records, else only each ref's newest). Not ``exact`` (base choice): the index as stored, rebuilt from
-        the refs only when missing or damaged.
+        the refs only when missing or damaged. ``temporaries``: as :meth:`Refs.listing` takes it
+        (filled where refs/ is listed: always when ``exact``).
         """
         st = self.load(chunks=chunks, recent=not exact)
         asked = history
@@ -460,23 +462,28 @@ class StoreIndex:
         elif chunks and st.chunks is None:
             st.chunks = {}
         if exact:
-            self._reconcile(st, history, asked)
+            self._reconcile(st, history, asked, temporaries)
         return st
 
-    def _reconcile(self, st: IndexState, history: bool, asked: bool = True) -> None:
+    def _reconcile(self, st: IndexState, history: bool, asked: bool = True,
+                   temporaries: list[tuple[str, float, int]] | None = None) -> None:
         """``asked``: the caller needs every entry (else older ones are read only for a snapshot to
         write, and one that cannot be read leaves the view unwritten instead of failing the caller).
-        An entry deleted after the listing (a run's local tier cutting a ref's history as it prunes,
-        read by ``ckpt serve --local-tier``) is no damage: the refs are listed again (a few times)."""
+        ``temporaries``: filled with the leftovers of interrupted writes below ``refs/``, from the same
+        listing. An entry deleted after the listing (a run's local tier cutting a ref's history as it
+        prunes, read by ``ckpt serve --local-tier``) is no damage: the refs are listed again (a few times)."""
         for attempt in range(8):
+            if temporaries is not None:
+                temporaries.clear()  # (each listing finds them anew)
             try:
-                return self._reconcile_once(st, history, asked)
+                return self._reconcile_once(st, history, asked, temporaries)
             except RefEntryGoneError:
                 if attempt == 7:
                     raise
 
-    def _reconcile_once(self, st: IndexState, history: bool, asked: bool) -> None:
-        listing = self.refs.listing()
+    def _reconcile_once(self, st: IndexState, history: bool, asked: bool,
+                        temporaries: list[tuple[str, float, int]] | None) -> None:
+        listing = self.refs.listing(temporaries=temporaries)
         refs: dict[str, dict[int, RefRec]] = {}
         for name, files in listing.items():
             have = st.refs.get(name, {})

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from ckpt_store.storage.backends.base import Backend, Entry
+from ckpt_store.storage.backends.base import TEMPORARY, Backend, Entry
 from ckpt_store.storage.errors import (
     InvalidNameError,
     RefConflictError,
@@ -150,7 +150,7 @@ class Refs:
         parts = folder.split("/")
         return next((f for i in range(2, len(parts) + 1) if self._link(f := "/".join(parts[:i])) is not None), None)
 
-    def _listed(self, folder: str) -> dict[str, dict[int, Entry | None]]:
+    def _listed(self, folder: str, temporaries: list[tuple[str, float, int]] | None = None) -> dict[str, dict[int, Entry | None]]:
         """Every entry below ``folder`` by ref name and seq, as listed (nothing is read); None for
         something named like an entry that is not a file (a folder, empty or not, or an object
         store's prefix holding objects): damage, which must not be skipped, or the ref would
@@ -185,10 +185,13 @@ class Refs:
             by_name[path[len("refs/"):]] = {0: None}
             return True
 
-        for e in self.backend.list(folder):  # a link (to a folder, or to nothing) is listed as a file
+        files, folders = self.backend.tree(folder)
+        for e in files:  # a link (to a folder, or to nothing) is listed as a file
+            if temporaries is not None and e.path.rpartition("/")[2].startswith(TEMPORARY):
+                temporaries.append((e.path, e.mtime, e.size))
             if not linked(e.path):
                 add(e.path, e)
-        for path in self.backend.folders(folder):
+        for path in folders:
             if not linked(path):
                 add(path, None)
         for seqs in by_name.values():
@@ -426,13 +429,16 @@ class Refs:
             except OSError:
                 pass  # not empty (a ref below it, or an entry written since): listed as before
 
-    def listing(self, prefix: str = "") -> dict[str, dict[int, Entry | None]]:
+    def listing(self, prefix: str = "", temporaries: list[tuple[str, float, int]] | None = None
+                ) -> dict[str, dict[int, Entry | None]]:
         """Every entry file below ``refs/`` (under ``prefix``, a ref name's leading segments)
         by ref name and seq, as listed (nothing is read); None where what is there is not a file
-        (:meth:`read_entry` with ``is_file`` False raises the damage)."""
+        (:meth:`read_entry` with ``is_file`` False raises the damage). ``temporaries``: where given,
+        the leftovers of interrupted writes the listing passed are added to it as (path, mtime, size),
+        as :meth:`ObjectStore.list_temporaries` gives them (gc's, without listing refs/ again)."""
         if prefix:
             validate_ref_name(prefix.rstrip("/"))
-        return self._listed(f"refs/{prefix.rstrip('/')}" if prefix else "refs")
+        return self._listed(f"refs/{prefix.rstrip('/')}" if prefix else "refs", temporaries)
 
     def entry_path(self, name: str, seq: int) -> str:
         return self._entry_path(name, seq)

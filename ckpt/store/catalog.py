@@ -69,18 +69,22 @@ def _count(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _well_formed(st: IndexState, mid: str) -> bool:
+def _well_formed(st: IndexState, mid: str, sigs: dict[Any, bool]) -> bool:
     """Whether the index's summary of ``mid`` (and its chunk list, where loaded) has the shape
-    :func:`summarize` gives it."""
+    :func:`summarize` gives it. ``sigs``: whether each signature (by its key) is, as found so far."""
     info = st.info.get(mid)
     if not (isinstance(info, dict) and _count(info.get("bytes")) and _count(info.get("tensors"))
             and isinstance(info.get("message"), (str, type(None))) and isinstance(info.get("source"), str)
             and isinstance(info.get("created"), (int, float)) and not isinstance(info.get("created"), bool)
             and isinstance(info.get("base"), (str, type(None)))):
         return False
-    sig = st.signature(mid)
-    if sig is not None and not (isinstance(sig, list) and all(
-            isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) and isinstance(x[1], str) and _count(x[2]) for x in sig)):
+    key = info.get("sig")  # (a str or absent: IndexState checks, and signature() goes by it alone)
+    ok = sigs.get(key)
+    if ok is None:  # one check per signature, however many checkpoints share it (a base's fine-tunes)
+        sig = st.signature(mid)
+        ok = sigs[key] = sig is None or (isinstance(sig, list) and all(
+            isinstance(x, list) and len(x) == 3 and isinstance(x[0], str) and isinstance(x[1], str) and _count(x[2]) for x in sig))
+    if not ok:
         return False
     if st.chunks is None or mid not in st.chunks:
         return True
@@ -100,8 +104,9 @@ def well_formed(st: IndexState, mids: list[str]) -> list[str]:
     """``mids``, after dropping from ``st`` the summaries of theirs that are not well formed, so that
     :meth:`StoreIndex.ensure` reads those manifests again: the index is a cache, and a store folder
     from elsewhere may hold a crafted one (sealed and hashed, as any writer can)."""
+    sigs: dict[Any, bool] = {}
     for mid in mids:
-        if mid in st.info and not _well_formed(st, mid):
+        if mid in st.info and not _well_formed(st, mid, sigs):
             del st.info[mid]
             if st.chunks is not None:
                 st.chunks.pop(mid, None)
@@ -109,13 +114,20 @@ def well_formed(st: IndexState, mids: list[str]) -> list[str]:
     return mids
 
 
-def stored(store: Store, st: IndexState, mids: list[str]) -> list[str]:
+def stored(store: Store, st: IndexState, mids: list[str], listed: set[str] | None = None) -> list[str]:
     """``mids``, after dropping from ``st`` the summaries of those the store does not hold, so that
     :meth:`StoreIndex.ensure` fails on them as the commands do without the index: a summary outlives
     its manifest where the manifest was deleted, or the store copied without it. One batch of
-    existence checks (a stat each locally; on S3 a listing where that is cheaper)."""
+    existence checks (a stat each locally; on S3 a listing where that is cheaper).
+
+    ``listed``: the manifest ids a listing of the store made just before showed (``du``'s), which
+    answers instead where a listing names only objects (:attr:`Backend.lists_only_objects`: S3),
+    rather than listing the manifests again; one written since is not in it, and is read."""
     known = [m for m in dict.fromkeys(mids) if m in st.info]
-    present = store.objects.has_many("manifests", known)
+    if listed is not None and store.backend.lists_only_objects:
+        present = listed.intersection(known)
+    else:
+        present = store.objects.has_many("manifests", known)
     for mid in known:
         if mid not in present:
             del st.info[mid]
@@ -188,15 +200,16 @@ def live_refs(store: Store) -> dict[str, RefEntry]:
     return st.live()
 
 
-def live_usage(store: Store) -> list[tuple[str, str, Usage]]:
-    """(ref, checkpoint id, usage) of every live ref, by name: what ``du`` adds up."""
+def live_usage(store: Store, listed: set[str] | None = None) -> list[tuple[str, str, Usage]]:
+    """(ref, checkpoint id, usage) of every live ref, by name: what ``du`` adds up. ``listed``: as
+    :func:`stored` takes it."""
     if store.index is None:
         return [(n, e.target, usage_of_manifest(store.manifest(e.target)))
                 for n, e in store.refs_db.live().items() if e.target is not None]
     st = store.index.view(exact=True, chunks=True)
     live = st.live()
     targets = [e.target for e in live.values() if e.target is not None]
-    store.index.ensure(st, stored(store, st, well_formed(st, targets)), chunks=True)
+    store.index.ensure(st, stored(store, st, well_formed(st, targets), listed), chunks=True)
     store.index.heal(st)
     return [(n, e.target, usage_from_index(st, e.target)) for n, e in live.items() if e.target is not None]
 

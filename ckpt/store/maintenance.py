@@ -277,12 +277,13 @@ class StoreUsage:
         return self.unique - self.stored_chunks
 
 
-def _usages(store: Store) -> tuple[list[tuple[str, str, Usage]], dict[str, str]]:
+def _usages(store: Store, listed: set[str]) -> tuple[list[tuple[str, str, Usage]], dict[str, str]]:
     """(ref, checkpoint id, usage) of every readable live ref, and the damaged ones with their error:
-    from the metadata index when it is whole, else read ref by ref."""
+    from the metadata index when it is whole, else read ref by ref. ``listed``: the manifest ids
+    the store's listing just showed."""
     if store.index is not None:
         try:
-            return live_usage(store), {}
+            return live_usage(store, listed), {}
         except CkptError:
             pass  # a damaged ref or manifest: read them one by one, setting the damaged ones aside
     rows, damaged = live_manifests(store)
@@ -301,7 +302,7 @@ def du(store: Store) -> StoreUsage:
     per_ref = []
     all_chunks: dict[str, int] = {}
     users: dict[str, int] = defaultdict(int)
-    usages, damaged = _usages(store)
+    usages, damaged = _usages(store, {o.id for o in listed["manifests"]})
     for name, mid, u in usages:
         lengths = u.lengths
         all_chunks.update(lengths)

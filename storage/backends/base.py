@@ -65,6 +65,9 @@ class Backend(ABC):
     # True where create_exclusive() can have only one winner among all writers (the
     # metadata index relies on it: storage/index.py).
     exact_creates: bool = False
+    # True where list() names only objects read() can read (an object store's keys), so that a
+    # listing answers what exists() would; a folder's listing also shows FIFOs and links.
+    lists_only_objects: bool = False
 
     @classmethod
     def from_url(cls, url: str, *, storage_options: dict[str, Any] | None, fsync: bool,
@@ -174,6 +177,11 @@ class Backend(ABC):
         :meth:`list` does not show. Nothing by default: an object store has no folders (a
         prefix holding objects shows in :meth:`list`)."""
         return iter(())
+
+    def tree(self, prefix: str) -> tuple[list[Entry], list[str]]:
+        """:meth:`list` and :meth:`folders` of ``prefix`` at once (a local backend reads each folder
+        once for both: a store's ``refs/`` holds a folder per ref)."""
+        return list(self.list(prefix)), list(self.folders(prefix))
 
     def children(self, prefix: str, after: str = "") -> Iterator[tuple[list[tuple[str, bool]], bool]]:
         """The names directly below directory ``prefix`` that sort after ``after``, in order, page by

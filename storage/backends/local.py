@@ -284,6 +284,10 @@ class LocalBackend(Backend):
         return os.stat(self._p(path)).st_mtime
 
     def list(self, prefix: str) -> Iterator[Entry]:
+        return self._walk(prefix, None)
+
+    def _walk(self, prefix: str, folders: list[str] | None) -> Iterator[Entry]:
+        """:meth:`list`; where ``folders`` is given, what :meth:`folders` lists is added to it, from the same walk."""
         base = self._p(prefix) if prefix else self.root
         cut = len(os.path.join(self.root, ""))  # every path found starts with it: slicing beats relpath
         stack = [base]
@@ -297,13 +301,21 @@ class LocalBackend(Backend):
                 for e in it:
                     if e.is_dir(follow_symlinks=False):
                         stack.append(e.path)
+                        if folders is not None:
+                            folders.append(e.path[cut:] if os.sep == "/" else e.path[cut:].replace(os.sep, "/"))
                         continue
                     try:
                         st = e.stat(follow_symlinks=False)
                     except FileNotFoundError:
                         continue  # deleted while we listed
                     rel = e.path[cut:] if os.sep == "/" else e.path[cut:].replace(os.sep, "/")
+                    if folders is not None and e.is_symlink() and _is_dir(e):
+                        folders.append(rel)  # a link to a folder: a folder too, as os.walk lists it (not entered)
                     yield Entry(rel, st.st_size, st.st_mtime)
+
+    def tree(self, prefix: str) -> tuple[list[Entry], list[str]]:
+        folders: list[str] = []
+        return list(self._walk(prefix, folders)), folders
 
     def folders(self, prefix: str) -> Iterator[str]:
         cut = len(os.path.join(self.root, ""))
@@ -402,6 +414,14 @@ class LocalBackend(Backend):
                     continue
                 _unlink_quiet(src)
         return n
+
+
+def _is_dir(e: os.DirEntry[str]) -> bool:
+    """``e.is_dir()`` (a link followed) as os.walk reads it: an error is not a folder."""
+    try:
+        return e.is_dir()
+    except OSError:
+        return False
 
 
 def _unlink_quiet(p: str) -> None:

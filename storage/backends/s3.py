@@ -194,6 +194,7 @@ class S3Backend(Backend):
 
     streams = True
     caches = True
+    lists_only_objects = True
     page_keys = 0  # keys a LIST page may hold; 0: the server's maximum (1,000 on S3). Tests page with fewer.
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, concurrency: int = 16,

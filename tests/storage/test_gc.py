@@ -129,6 +129,30 @@ def test_gc_reports_the_size_of_the_temporaries_it_deletes(tmp_path):
     assert dry.bytes == r.bytes == sum(sizes.values())
 
 
+def test_a_dry_run_lists_the_refs_once(tmp_path):
+    """A dry run previews from the metadata index, checked against a listing of refs/; it then
+    listed refs/ again for leftovers of interrupted writes (on S3 a LIST page per 1,000 entries,
+    locally a stat per entry): that listing gives them. What it plans is unchanged."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    for i in range(3):
+        store.push({"x": torch.full((8,), float(i))}, f"run/m{i}")
+    store.ls()  # an index snapshot, as a store in use has
+    old = time.time() - 7200
+    for rel in ("refs/run/m1/.tmp-1", "index/.tmp-2"):
+        (tmp_path / "s" / rel).write_bytes(b"partial")
+        os.utime(tmp_path / "s" / rel, (old, old))
+    listed = []
+    b = store.backend
+    real, real_tree = b.list, b.tree
+    b.list = lambda prefix: listed.append(prefix) or real(prefix)  # type: ignore[method-assign]
+    b.tree = lambda prefix: listed.append(prefix) or real_tree(prefix)  # type: ignore[method-assign]  # (list and folders)
+    dry = store.gc(grace_s=3600, dry_run=True)
+    assert listed.count("refs") == 1
+    plain = ckpt.Store.open(store.url, settings=ckpt.Settings.from_env(index=False)).gc(grace_s=3600, dry_run=True)
+    assert [(d.kind, d.name, d.size) for d in dry.deleted] == [(d.kind, d.name, d.size) for d in plain.deleted]
+    assert {d.name for d in dry.deleted if d.kind == "temp"} == {"refs/run/m1/.tmp-1", "index/.tmp-2"}
+
+
 # -- the delete protocol under a concurrent touch ---------------------------------------
 
 

@@ -247,6 +247,58 @@ def test_a_live_checkpoint_whose_manifest_is_gone_is_damaged_with_the_index_too(
     assert set(listing.damaged) == {"fam/ft2", "fam/latest"} and set(usage.damaged) == {"fam/ft2", "fam/latest"}
 
 
+def test_du_on_s3_asks_which_manifests_exist_of_the_listing_it_made(s3_main_url, monkeypatch):
+    """du lists every object (its stored sizes), then checked that each live manifest exists with
+    a second listing of objects/manifests (or a HEAD each): on S3 the first listing answers (one
+    LIST page per 1,000 manifests fewer). A manifest deleted is still named damaged, as without
+    the index."""
+    store = ckpt.Store.init(s3_main_url)
+    build(store, n=12)
+    store.ls()  # an index snapshot, as a store in use has
+    b = store.backend
+    heads, pages = [], []
+    real_head, real_page = b._head, b._list_page
+    monkeypatch.setattr(b, "_head", lambda p: heads.append(p) or real_head(p))
+    monkeypatch.setattr(b, "_list_page", lambda prefix, *a: pages.append(prefix[len(b.prefix) + 1:]) or real_page(prefix, *a))
+    usage = store.du()
+    assert usage == off(store).du() and usage.damaged == {}
+    assert [p for p in pages if p.startswith("objects")] == ["objects/"]  # one listing of the objects, no other
+    assert not [p for p in heads if p.startswith("objects/manifests")]
+    gone = store.resolve("fam/ft2")
+    b.delete(store.objects.path("manifests", gone))
+    assert set(store.du().damaged) == {"fam/ft2", "fam/latest"}
+
+
+def test_a_signature_many_checkpoints_share_is_checked_once(tmp_path, monkeypatch):
+    """ls and du check the shape of every summary they take from the index, the tensor signature
+    included: a base's fine-tunes share one signature (stored once), which was checked again for
+    each of them (at 1,000 fine-tunes of a 300-tensor model, 300,000 tensors checked per ls). It is
+    checked once per command; a crafted one still sends every checkpoint naming it to its manifest."""
+    from ckpt_store.storage.index import IndexState
+
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    build(store, n=8)
+    store.ls()  # an index snapshot, as a store in use has
+    st = store.index.load(chunks=True)
+    assert len(st.sigs) == 2 and len(st.info) > 8  # the family's signature, misc/other's
+    asked = []
+    real = IndexState.signature
+    monkeypatch.setattr(IndexState, "signature", lambda self, mid: asked.append(mid) or real(self, mid))
+    for command in (store.ls, store.du):
+        asked.clear()
+        assert command() == getattr(off(store), command.__name__)()
+        assert len(asked) == 2
+    key = next(k for k, v in st.sigs.items() if len(v) == len(NAMES))
+    st.sigs[key] = [["l0.w", "F32", "many"]]  # crafted: the wrong shape
+    st.max_gen += 1
+    store.index.write_snapshot(st)
+    counting = Counting(store)
+    assert store.ls() == off(store).ls()
+    family = [e.target for n, e in store.refs_db.live().items() if n.startswith("fam/")]
+    assert set(family) <= {p.rsplit("/", 1)[1] for p in counting.of("objects/manifests")}  # read again
+    assert store.du() == off(store).du()
+
+
 def test_beside_a_newer_index_ls_reads_each_refs_newest_entry_only(tmp_path):
     """Beside a newer ckpt's index snapshot (left in place, never written over), ls rebuilt the index
     in memory from every entry of every ref (for a snapshot it would not write), each time: the
@@ -321,8 +373,8 @@ def test_an_entry_the_listing_of_refs_missed_is_read_and_no_snapshot_written(tmp
     store.ls()  # an index snapshot, as a store in use has
     real = Refs.listing
 
-    def missing_one(self, prefix=""):  # entry 1 of fam/ft0 not seen by this listing, as in the race
-        out = real(self, prefix)
+    def missing_one(self, prefix="", **kw):  # entry 1 of fam/ft0 not seen by this listing, as in the race
+        out = real(self, prefix, **kw)
         if "fam/ft0" in out:
             out["fam/ft0"] = {s: (None if s == 1 else e) for s, e in out["fam/ft0"].items()}
         return out

@@ -538,3 +538,22 @@ def test_an_update_is_written_past_the_newest_entry_not_into_a_gap(store_url):
     entry = w.set("m", A)
     assert entry.seq == 6 and w.current("m") == entry == ckpt.Store.open(store_url).refs_db.current("m")
     assert [e.seq for e in w.log("m")[0]] == [6, 5, 4, 2, 1] and list(w.log("m")[1]) == [3]
+
+
+def test_listing_the_refs_of_a_local_store_reads_each_folder_once(tmp_path, monkeypatch):
+    """A local store holds a folder per ref: listing refs/ (ls, du and gc, at every run) read each
+    folder twice, once for the entry files and once more (os.walk) for the folders among them
+    (empty ones, ones named like an entry, links). One walk gives both, with the same answer."""
+    refs = Refs(LocalBackend(str(tmp_path)))
+    mid = "ab" * 32
+    for i in range(20):
+        refs.set(f"team/m{i}", mid)
+    (tmp_path / "refs" / "team" / "empty").mkdir()
+    (tmp_path / "refs" / "team" / "m3" / "0000000002.ref").mkdir()  # a folder in place of an entry: damage
+    os.symlink(tmp_path / "refs" / "team" / "m4", tmp_path / "refs" / "team" / "linked")
+    before = refs.listing()
+    read = []
+    real = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda p=".": read.append(os.fspath(p)) or real(p))
+    assert refs.listing() == before
+    assert len(read) == len(set(read)) and before["team/m3"][2] is None and before["team/linked"] == {0: None}
