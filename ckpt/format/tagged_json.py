@@ -176,8 +176,10 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
             try:
                 if tag == "__tuple__" and isinstance(v, list):
                     return tuple(dec(e, depth + 1) for e in v)
-                if tag == "__dict__" and isinstance(v, list):
-                    return {dec(k, depth + 1): dec(val, depth + 1) for k, val in v}
+                if tag == "__dict__" and isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 for p in v):
+                    out = {dec(k, depth + 1): dec(val, depth + 1) for k, val in v}
+                    if len(out) == len(v):  # else two pairs of one key (1 and True, say): a value would be lost
+                        return out
                 if tag == "__float__" and v in ("inf", "-inf", "nan"):
                     return float(v)
                 if tag == "__bytes__" and isinstance(v, str):

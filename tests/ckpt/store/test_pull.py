@@ -987,12 +987,17 @@ def _deep(depth: int) -> object:
     lambda d: _epoch(d, {"__tensor__": 1}),
     lambda d: _epoch(d, _deep(70)),
     lambda d: d["extra"].__setitem__("", [{"__tensor__": "model.weight"}, {"__tensor__": "model.bias"}]),
+    lambda d: _model_pairs(d)[1].__setitem__(0, "weight"),
+    lambda d: (_model_pairs(d)[0].__setitem__(0, 1), _model_pairs(d)[1].__setitem__(0, True)),
+    lambda d: _epoch(d, {"__dict__": ["ab"]}),
 ], ids=["missing_tensor", "tensor_left_out", "tensor_twice", "tensor_named_twice", "tensor_as_key", "bad_tuple",
-        "bad_dtype", "bad_tensor_ref", "too_deep", "not_a_dict"])
+        "bad_dtype", "bad_tensor_ref", "too_deep", "not_a_dict", "key_twice", "int_and_bool_key", "not_a_pair"])
 def test_a_forged_structure_is_a_damaged_manifest(store, tmp_path, forge, capsys):
     """A structure that names a tensor the checkpoint lacks, leaves one out or names one twice, uses a
     tag that does not decode, nests past MAX_DEPTH or is not a dict: the manifest is damaged (a clear
-    StoreFormatError, one line at the CLI), never a traceback or a file holding other tensors."""
+    StoreFormatError, one line at the CLI), never a traceback or a file holding other tensors. So is a
+    dict given one key twice (``weight``, or ``1`` and ``true``, equal keys in Python) or a pair that is
+    not ``[key, value]`` (``"ab"`` unpacked as one): it decoded to a dict that silently lost a tensor."""
     from ckpt.errors import StoreFormatError
     from ckpt_store.cli.main import main
 
