@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.format.dtypes import itemsize
-from ckpt.format.tagged_json import LATER_TAGS, decode, tensor_refs, uses_tags
+from ckpt.format.tagged_json import LATER_TAGS, TENSOR, decode, tensor_refs, uses_tags
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
@@ -383,23 +383,44 @@ class Manifest:
 
 
 def _check_structure(m: Manifest, what: str) -> None:
-    """A pushed .pt's structure is a dict that names each of ``m``'s tensors once, and nothing else:
-    one that does not would pull a file holding other tensors than the checkpoint."""
+    """A pushed .pt's structure is a dict that names each of ``m``'s tensors once, and nothing else,
+    each at the place its flat name spells (``model.0.weight`` at ``["model"][0]["weight"]``): one
+    that does not would pull a file holding other tensors than the checkpoint, or holding them
+    where ``load`` and a safetensors pull do not (two layers' weights swapped)."""
     names = Counter(t.name for t in m.tensors)
     tree = m.structure(names, what)
     if not isinstance(tree, dict):
         raise StoreFormatError(f"{what}: its structure is a {type(tree).__name__}, not the dict a pushed file holds")
     if Counter(tensor_refs(m.extra[STRUCTURE])) != names:
         raise StoreFormatError(f"{what}: its structure does not name each of its tensors once")
-    stack: list[Any] = [m.extra[STRUCTURE]]
-    while stack:  # (decoded above, so well formed) a tensor is never a dict key in a state dict pushed
-        x = stack.pop()
-        if isinstance(x, dict) and list(x) == ["__dict__"]:
-            if any(tensor_refs(k) for k, _ in x["__dict__"]):
-                raise StoreFormatError(f"{what}: its structure has a tensor as a dict key")
-            stack.extend(v for _, v in x["__dict__"])
-        elif isinstance(x, (dict, list)):
-            stack.extend(x.values() if isinstance(x, dict) else x)
+    # (decoded above, so well formed) Each value with the flat name of its place: None where no tensor
+    # is in a state dict pushed (a dict key, a set's item, the value of a key neither str nor int).
+    stack: list[tuple[Any, str | None]] = [(m.extra[STRUCTURE], "")]
+    while stack:
+        x, at = stack.pop()
+        if isinstance(x, list):
+            stack.extend((v, _place(at, i)) for i, v in enumerate(x))
+        elif not isinstance(x, dict):
+            continue
+        elif list(x) == [TENSOR]:
+            if x[TENSOR] != at:
+                raise StoreFormatError(f"{what}: its structure holds tensor {x[TENSOR]!r} "
+                                       + (f"at {at!r}" if at is not None else "where no tensor is (a dict key or a set)"))
+        elif list(x) == ["__dict__"]:
+            stack.extend(p for k, v in x["__dict__"] for p in ((k, None), (v, _place(at, k))))
+        elif list(x) == ["__tuple__"]:
+            stack.extend((v, _place(at, i)) for i, v in enumerate(x["__tuple__"]))
+        elif len(x) == 1 and next(iter(x)) in LATER_TAGS:  # a set's items (the other tags hold no value)
+            stack.extend((v, None) for v in x.values())
+        else:
+            stack.extend((v, _place(at, k)) for k, v in x.items())
+
+
+def _place(at: str | None, key: Any) -> str | None:
+    """The flat name of the value at ``key`` of the value whose place is ``at`` (source_tensors' flattening)."""
+    if at is None or isinstance(key, bool) or not isinstance(key, (str, int)):
+        return None
+    return f"{at}.{key}" if at else str(key)
 
 
 def _ints(raw: Any, key: str, what: str) -> list[int]:

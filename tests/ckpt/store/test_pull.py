@@ -969,6 +969,11 @@ def _epoch(doc: dict, value: object) -> None:
     doc["extra"][""]["__dict__"][1][1] = value
 
 
+def _swap(doc: dict) -> None:
+    pairs = _model_pairs(doc)
+    pairs[0][1], pairs[1][1] = pairs[1][1], pairs[0][1]
+
+
 def _deep(depth: int) -> object:
     x: list = []
     for _ in range(depth):
@@ -990,14 +995,20 @@ def _deep(depth: int) -> object:
     lambda d: _model_pairs(d)[1].__setitem__(0, "weight"),
     lambda d: (_model_pairs(d)[0].__setitem__(0, 1), _model_pairs(d)[1].__setitem__(0, True)),
     lambda d: _epoch(d, {"__dict__": ["ab"]}),
+    _swap,
+    lambda d: _model_pairs(d)[0].__setitem__(1, {"__set__": [{"__tensor__": "model.weight"}]}),
 ], ids=["missing_tensor", "tensor_left_out", "tensor_twice", "tensor_named_twice", "tensor_as_key", "bad_tuple",
-        "bad_dtype", "bad_tensor_ref", "too_deep", "not_a_dict", "key_twice", "int_and_bool_key", "not_a_pair"])
+        "bad_dtype", "bad_tensor_ref", "too_deep", "not_a_dict", "key_twice", "int_and_bool_key", "not_a_pair",
+        "tensors_swapped", "tensor_in_a_set"])
 def test_a_forged_structure_is_a_damaged_manifest(store, tmp_path, forge, capsys):
     """A structure that names a tensor the checkpoint lacks, leaves one out or names one twice, uses a
     tag that does not decode, nests past MAX_DEPTH or is not a dict: the manifest is damaged (a clear
     StoreFormatError, one line at the CLI), never a traceback or a file holding other tensors. So is a
     dict given one key twice (``weight``, or ``1`` and ``true``, equal keys in Python) or a pair that is
-    not ``[key, value]`` (``"ab"`` unpacked as one): it decoded to a dict that silently lost a tensor."""
+    not ``[key, value]`` (``"ab"`` unpacked as one): it decoded to a dict that silently lost a tensor.
+    And so is one holding a tensor anywhere but at the place its flat name spells: swapped, the pulled
+    file had ``weight`` where ``load`` and a safetensors pull have ``bias``; in a set, where no push
+    puts one."""
     from ckpt.errors import StoreFormatError
     from ckpt_store.cli.main import main
 
