@@ -8,7 +8,11 @@ keys are not all plain strings (an optimizer's state is keyed by int),
 ``torch.device`` (which ``torch.load(weights_only=True)`` allows, so some configs save them),
 ``{"__complex__": [real, imag]}``, ``{"__set__": [items in the order of their JSON]}`` and
 ``{"__bytearray__": "<hex>"}`` (which it allows too), and ``{"__tensor__": NAME}`` where a tree points at a
-stored tensor.
+stored tensor. Where asked for (``exact``: a pushed .pt's structure), the types that loader gives
+back too: ``{"__odict__": [[[k, v], ...], {attribute: value}]}`` for an ``OrderedDict`` (a module's
+``state_dict()``, whose ``_metadata`` attribute holds the module versions ``load_state_dict`` reads),
+``{"__size__": [ints]}`` for a ``torch.Size`` and ``{"__parameter__": [{"__tensor__": NAME},
+requires_grad]}`` for an ``nn.Parameter``.
 
 Snapshots (``ckpt.snapshot.state``) and distributed checkpoints (``ckpt.dcp.format``)
 both write and read values through this module: one encoder, one strict decoder.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -41,7 +46,12 @@ TORCH_TAGS = (DTYPE, DEVICE)  # tags of torch values
 # manifest version 3, snapshot format 2, ckpt-dcp version 2), and a dict an earlier version wrote with
 # such a key, in any other shape than the tag's, still reads as that dict.
 LATER_TAGS = (*TORCH_TAGS, COMPLEX, SET, BYTEARRAY)
-TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", *LATER_TAGS, TENSOR)
+ODICT = "__odict__"
+SIZE = "__size__"
+PARAMETER = "__parameter__"
+# Tags of the exact types (encode's ``exact``), added after LATER_TAGS in the same way (manifest version 4).
+EXACT_TAGS = (ODICT, SIZE, PARAMETER)
+TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", *LATER_TAGS, *EXACT_TAGS, TENSOR)
 MAX_DEPTH = 64
 MAX_EXPANSION = 8
 
@@ -73,7 +83,7 @@ class ExpansionGuard:
 
 def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
            tensor: Callable[[str, Any], str | None] | None = None, reserved: Collection[str] = (),
-           guard: ExpansionGuard | None = None) -> Any:
+           guard: ExpansionGuard | None = None, exact: bool = False) -> Any:
     """``x`` as tagged JSON.
 
     ``path`` names ``x``; nested values get ``path/i`` (list and tuple items),
@@ -84,7 +94,8 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
     ``unsupported(path, "a module.Type")``, and so does a dict subclass with defaults for
     missing keys (``defaultdict``, ``Counter``): decoded as a plain dict, it would raise
     ``KeyError`` where the original gave a default. (Other dict subclasses, such as the
-    ``OrderedDict`` of a module's ``state_dict()``, come back as plain dicts.) A dict keeps
+    ``OrderedDict`` of a module's ``state_dict()``, come back as plain dicts, unless ``exact``: then an
+    ``OrderedDict`` (and its attributes), a ``torch.Size`` and an ``nn.Parameter`` use ``EXACT_TAGS``.) A dict keeps
     its key order: records are canonical JSON, whose objects have their keys sorted, so a
     dict whose keys are not in sorted order is written in the ``__dict__`` form. A value whose
     shared lists, dicts and long strings would expand it far past what it holds is unsupported too
@@ -116,6 +127,8 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
                 return _raise(unsupported(path, "a set holding a tensor"))
             # in the order of their JSON, not of the set's (which differs between processes): one id per content
             return {SET: sorted(items, key=canonical_json)}
+        if exact and type(x) is _torch().Size:
+            return {SIZE: [enc(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]}
         if isinstance(x, tuple):
             return {"__tuple__": [enc(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]}
         if isinstance(x, list):
@@ -124,6 +137,12 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
             if hasattr(type(x), "__missing__"):  # it would come back a plain dict, raising KeyError where it gave a default
                 return _raise(unsupported(path, f"a {type(x).__module__}.{type(x).__name__} (a dict with defaults for missing "
                                                 "keys, which would come back as a plain dict)"))
+            if exact and type(x) is OrderedDict:
+                attrs = vars(x)
+                if not all(isinstance(k, str) and not k.startswith("__") for k in attrs):
+                    return _raise(unsupported(path, "an OrderedDict with attributes other than plain names"))
+                return {ODICT: [[[enc(k, f"{path}/k{i}", depth + 1), enc(v, f"{path}/{k}", depth + 1)]
+                                 for i, (k, v) in enumerate(x.items())], enc(attrs, f"{path}/attrs", depth + 1)]}
             # Records are canonical JSON, which writes an object's keys sorted: a dict in any other
             # order (a module's state_dict, a data loader's sources) is written as pairs, in its order.
             if all(isinstance(k, str) and k not in TAGS and k not in reserved for k in x) and _sorted(list(x)):
@@ -136,7 +155,8 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
             return {DEVICE: str(x)}
         if tensor is not None and _is_tensor(x):
             name = tensor(path, x)
-            return {TENSOR: path if name is None else name}
+            ref = {TENSOR: path if name is None else name}
+            return {PARAMETER: [ref, x.requires_grad]} if exact and type(x) is _torch().nn.Parameter else ref
         if type(x).__module__ == "numpy" and getattr(x, "shape", None) == ():  # numpy scalars
             return enc(x.item(), path, depth + 1)
         return _raise(unsupported(path, f"a {type(x).__module__}.{type(x).__name__}"))
@@ -144,12 +164,13 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
     return enc(x, path, 0)
 
 
-def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, later: bool = True) -> Any:
+def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, later: bool = True, exact: bool = False) -> Any:
     """Inverse of :func:`encode`; :class:`StoreFormatError` for anything it would not write.
 
     ``tensor(name)`` resolves ``{"__tensor__": name}``; without it such a value is an error.
     ``later``: whether the record is of a version that has ``LATER_TAGS``; in one before them
-    (``False``) a dict holding such a key is the plain dict that version wrote.
+    (``False``) a dict holding such a key is the plain dict that version wrote; ``exact`` likewise for
+    ``EXACT_TAGS``.
     """
 
     def dec(x: Any, depth: int) -> Any:
@@ -161,14 +182,16 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
             return [dec(v, depth + 1) for v in x]
         if not isinstance(x, dict):
             raise StoreFormatError(f"{what}: bad value")
-        if later and len(x) == 1 and isinstance(next(iter(x.values())), _LATER_SHAPE.get(next(iter(x)), ())):
+        shape = {**(_LATER_SHAPE if later else {}), **(_EXACT_SHAPE if exact else {})}
+        if len(x) == 1 and isinstance(next(iter(x.values())), shape.get(next(iter(x)), ())):
             tag, v = next(iter(x.items()))
-            value = _later(tag, v, lambda e: dec(e, depth + 1))
+            of_tag = _exact if tag in EXACT_TAGS else _later
+            value = of_tag(tag, v, lambda e: dec(e, depth + 1))
             if value is None:
                 raise StoreFormatError(f"{what}: bad {tag} value")
             return value
-        # Any other dict holding one of LATER_TAGS is what versions before those tags wrote as a plain dict.
-        tags = [k for k in x if k in TAGS and k not in LATER_TAGS]
+        # Any other dict holding one of LATER_TAGS (or EXACT_TAGS) is what versions before those tags wrote as a plain dict.
+        tags = [k for k in x if k in TAGS and k not in LATER_TAGS and k not in EXACT_TAGS]
         if not tags:
             return {k: dec(v, depth + 1) for k, v in x.items()}
         tag, v = tags[0], x[tags[0]]
@@ -194,6 +217,31 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
 
 
 _LATER_SHAPE: dict[str, type] = {DTYPE: str, DEVICE: str, BYTEARRAY: str, COMPLEX: list, SET: list}
+_EXACT_SHAPE: dict[str, type] = {ODICT: list, SIZE: list, PARAMETER: list}
+
+
+def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any]) -> Any:
+    """The value of one of EXACT_TAGS (``v`` a list), or None where ``v`` is not what :func:`encode` writes."""
+    torch = _torch()
+    if tag == SIZE:
+        ok = all(isinstance(d, int) and not isinstance(d, bool) and -(1 << 63) <= d < 1 << 63 for d in v)
+        return torch.Size(v) if ok else None
+    if tag == PARAMETER:
+        if not (len(v) == 2 and isinstance(v[0], dict) and list(v[0]) == [TENSOR] and isinstance(v[1], bool)):
+            return None
+        t = dec(v[0])
+        try:  # (RuntimeError: an integer tensor cannot require grad)
+            return torch.nn.Parameter(t, requires_grad=v[1]) if type(t) is torch.Tensor else None
+        except RuntimeError:
+            return None
+    if len(v) != 2 or not isinstance(v[1], dict):
+        return None
+    items, attrs = dec({"__dict__": v[0]}), dec(v[1])
+    if not isinstance(attrs, dict) or not all(isinstance(k, str) and not k.startswith("__") for k in attrs):
+        return None
+    out = OrderedDict(items)
+    vars(out).update(attrs)
+    return out
 
 
 def _later(tag: str, v: Any, dec: Callable[[Any], Any]) -> Any:
@@ -253,6 +301,12 @@ def _sorted(keys: list[str]) -> bool:
     return all(a < b for a, b in zip(keys, keys[1:]))
 
 
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
 def _is_dtype(x: Any) -> bool:
     import torch
 
@@ -299,5 +353,5 @@ def _raise(e: Exception) -> Any:
     raise e
 
 
-__all__ = ["BYTEARRAY", "COMPLEX", "DEVICE", "DTYPE", "LATER_TAGS", "MAX_DEPTH", "MAX_EXPANSION", "SET", "ExpansionGuard", "TORCH_TAGS",
+__all__ = ["BYTEARRAY", "COMPLEX", "DEVICE", "DTYPE", "EXACT_TAGS", "LATER_TAGS", "MAX_DEPTH", "MAX_EXPANSION", "SET", "ExpansionGuard", "TORCH_TAGS",
            "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]
