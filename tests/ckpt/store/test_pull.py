@@ -1051,6 +1051,29 @@ def test_a_checkpoint_pushed_before_structures_were_kept_pulls_flat(store, tmp_p
                      {k: back[k] for k in sorted(back, key=lambda k: (k in ("epoch", "optim.param_groups"), k))})
 
 
+def test_a_value_nested_too_deeply_for_a_torch_file_is_refused(store, tmp_path, capsys):
+    """A version-1 manifest (an older push kept any value json.dumps took; or one made by hand) may hold
+    a value hundreds of lists deep, which the reader takes but torch.save cannot write: a pull to a
+    .pt ended in a RecursionError traceback. It is a DestinationError now, one line at the CLI, and
+    nothing is left at the destination."""
+    from ckpt_store.cli.main import main
+
+    torch.save({"w": torch.ones(2), "epoch": 3}, tmp_path / "m.pt")
+    store.push(tmp_path / "m.pt", "m")
+    doc = store.objects.get_manifest(store.resolve("m"))
+    assert json.loads(doc)["version"] == 1 and b'"epoch":3' in doc
+    deep = doc.replace(b'"epoch":3', b'"epoch":' + b"[" * 700 + b"]" * 700)
+    store.refs_db.set("deep", store.objects.put_manifest(deep))
+    with pytest.raises(DestinationError, match="nested too deeply"):
+        store.pull("deep", tmp_path / "out.pt")
+    with pytest.raises(SystemExit) as e:
+        main(["--store", store.url, "pull", "deep", str(tmp_path / "cli.pt")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code != 0 and "nested too deeply" in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "store"]
+    assert _bits(load_file(store.pull("deep", tmp_path / "w.safetensors"))["w"]) == _bits(torch.ones(2))
+
+
 def _model_pairs(doc: dict) -> list:
     return doc["extra"][""]["__dict__"][0][1]["__odict__"][0]  # [["weight", {"__tensor__": "model.weight"}], ["bias", ...]]
 
