@@ -139,7 +139,7 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
                                                 "keys, which would come back as a plain dict)"))
             if exact and type(x) is OrderedDict:
                 attrs = vars(x)
-                if not all(isinstance(k, str) and not k.startswith("__") for k in attrs):
+                if not all(_attribute_name(k) for k in attrs):
                     return _raise(unsupported(path, "an OrderedDict with attributes other than plain names"))
                 return {ODICT: [[[enc(k, f"{path}/k{i}", depth + 1), enc(v, f"{path}/{k}", depth + 1)]
                                  for i, (k, v) in enumerate(x.items())], enc(attrs, f"{path}/attrs", depth + 1)]}
@@ -237,7 +237,7 @@ def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any]) -> Any:
     if len(v) != 2 or not isinstance(v[1], dict):
         return None
     items, attrs = dec({"__dict__": v[0]}), dec(v[1])
-    if not isinstance(attrs, dict) or not all(isinstance(k, str) and not k.startswith("__") for k in attrs):
+    if not isinstance(attrs, dict) or not all(_attribute_name(k) for k in attrs):
         return None
     out = OrderedDict(items)
     vars(out).update(attrs)
@@ -260,6 +260,12 @@ def _later(tag: str, v: Any, dec: Callable[[Any], Any]) -> Any:
         return out if len(out) == len(items) else None
     except (TypeError, ValueError):
         return None
+
+
+def _attribute_name(k: Any) -> bool:
+    """Whether ``k`` may name an attribute of an OrderedDict (``_metadata``): never one of its class
+    (``items``, ``__reduce__``...), which would hide the method pickle and its users call."""
+    return isinstance(k, str) and not k.startswith("__") and not hasattr(OrderedDict, k)
 
 
 def tensor_refs(tree: Any) -> list[str]:

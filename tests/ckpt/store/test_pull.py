@@ -947,14 +947,16 @@ def test_a_pulled_pt_file_keeps_the_types_torch_load_gives(store, tmp_path):
 
 @pytest.mark.parametrize("bad", [
     {"__size__": [1 << 64]}, {"__size__": [True]}, {"__size__": [1.5]},
-    {"__odict__": [[["a", 1]]]}, {"__odict__": [[["a", 1]], {"__class__": 1}]}, {"__odict__": [[["a", 1], ["a", 2]], {}]},
+    {"__odict__": [[["a", 1]]]}, {"__odict__": [[["a", 1]], {"__class__": 1}]},
+    {"__odict__": [[["a", 1]], {"items": 1}]}, {"__odict__": [[["a", 1], ["a", 2]], {}]},
     {"__parameter__": [{"__tensor__": "model.weight"}, 1]}, {"__parameter__": [{"__tensor__": "model.weight"}]},
     {"__parameter__": [{"__tensor__": "model.step"}, True]},
-], ids=["huge_size", "bool_size", "float_size", "no_attributes", "dunder_attribute", "key_twice", "int_flag", "no_flag",
+], ids=["huge_size", "bool_size", "float_size", "no_attributes", "dunder_attribute", "method_attribute", "key_twice", "int_flag", "no_flag",
         "int_tensor_with_grad"])
 def test_a_forged_exact_type_is_a_damaged_manifest(store, tmp_path, bad):
     """The tags of the exact types are checked like the others: a malformed one makes the manifest
-    damaged (an OrderedDict given ``__class__`` would have had it set on the pulled object)."""
+    damaged (an OrderedDict given ``__class__`` would have had it set on the pulled object; one given
+    ``items`` had its method hidden: torch.save failed with a TypeError traceback)."""
     from ckpt.errors import StoreFormatError
 
     model = torch.nn.Linear(2, 2).state_dict()
