@@ -342,12 +342,13 @@ class Manifest:
         return {k: decode(v, f"{what}: extra {k!r}", later=later, exact=exact) for k, v in self.extra.items()
                 if not (k == STRUCTURE and self._has_structure())}
 
-    def structure(self, tensors: Mapping[str, Any], what: str = "manifest") -> Any | None:
+    def structure(self, tensors: Mapping[str, Any], what: str = "manifest", *, torch_values: bool = True) -> Any | None:
         """The object a pushed ``.pt`` file (or nested dict) held, as it was: its dicts, lists and
         tuples, int and str keys in their order, its values where they were, and each tensor taken
         from ``tensors`` by its stored name. None where the manifest records no structure (a flat
         state dict, a manifest older than version 3): the flat names are the structure then.
-        Raises :class:`StoreFormatError` where it names a tensor that ``tensors`` lacks."""
+        Raises :class:`StoreFormatError` where it names a tensor that ``tensors`` lacks.
+        ``torch_values=False``: torch.Size values as tuples and each Parameter as its tensor, without torch."""
         if not self._has_structure():
             return None
 
@@ -356,7 +357,8 @@ class Manifest:
                 raise StoreFormatError(f"{what}: its structure names tensor {name!r}, which it does not hold")
             return tensors[name]
 
-        return decode(self.extra[STRUCTURE], f"{what}: extra structure", tensor=tensor, exact=self._version() >= EXACT_VERSION)
+        return decode(self.extra[STRUCTURE], f"{what}: extra structure", tensor=tensor, exact=self._version() >= EXACT_VERSION,
+                      torch_values=torch_values)
 
     @property
     def logical_bytes(self) -> int:
@@ -394,11 +396,8 @@ def _check_structure(m: Manifest, what: str) -> None:
     each at the place its flat name spells (``model.0.weight`` at ``["model"][0]["weight"]``): one
     that does not would pull a file holding other tensors than the checkpoint, or holding them
     where ``load`` and a safetensors pull do not (two layers' weights swapped)."""
-    import torch
-
     names = Counter(t.name for t in m.tensors)
-    stand_in = torch.empty(0)  # each tensor, as a Parameter takes it
-    tree = m.structure(dict.fromkeys(names, stand_in), what)
+    tree = m.structure(names, what, torch_values=False)  # (reading a manifest never imports torch for it)
     if not isinstance(tree, dict):
         raise StoreFormatError(f"{what}: its structure is a {type(tree).__name__}, not the dict a pushed file holds")
     if Counter(tensor_refs(m.extra[STRUCTURE])) != names:

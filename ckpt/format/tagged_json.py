@@ -164,13 +164,15 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
     return enc(x, path, 0)
 
 
-def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, later: bool = True, exact: bool = False) -> Any:
+def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, later: bool = True, exact: bool = False,
+           torch_values: bool = True) -> Any:
     """Inverse of :func:`encode`; :class:`StoreFormatError` for anything it would not write.
 
     ``tensor(name)`` resolves ``{"__tensor__": name}``; without it such a value is an error.
     ``later``: whether the record is of a version that has ``LATER_TAGS``; in one before them
     (``False``) a dict holding such a key is the plain dict that version wrote; ``exact`` likewise for
-    ``EXACT_TAGS``.
+    ``EXACT_TAGS``. ``torch_values=False`` (a reader checking a record, which need not import torch):
+    a ``torch.Size`` comes back as a tuple and a Parameter as what ``tensor`` gives.
     """
 
     def dec(x: Any, depth: int) -> Any:
@@ -185,8 +187,8 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
         shape = {**(_LATER_SHAPE if later else {}), **(_EXACT_SHAPE if exact else {})}
         if len(x) == 1 and isinstance(next(iter(x.values())), shape.get(next(iter(x)), ())):
             tag, v = next(iter(x.items()))
-            of_tag = _exact if tag in EXACT_TAGS else _later
-            value = of_tag(tag, v, lambda e: dec(e, depth + 1))
+            inner = lambda e: dec(e, depth + 1)  # noqa: E731
+            value = _exact(tag, v, inner, torch_values) if tag in EXACT_TAGS else _later(tag, v, inner)
             if value is None:
                 raise StoreFormatError(f"{what}: bad {tag} value")
             return value
@@ -220,16 +222,18 @@ _LATER_SHAPE: dict[str, type] = {DTYPE: str, DEVICE: str, BYTEARRAY: str, COMPLE
 _EXACT_SHAPE: dict[str, type] = {ODICT: list, SIZE: list, PARAMETER: list}
 
 
-def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any]) -> Any:
+def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool) -> Any:
     """The value of one of EXACT_TAGS (``v`` a list), or None where ``v`` is not what :func:`encode` writes."""
-    torch = _torch()
     if tag == SIZE:
         ok = all(isinstance(d, int) and not isinstance(d, bool) and -(1 << 63) <= d < 1 << 63 for d in v)
-        return torch.Size(v) if ok else None
+        return None if not ok else _torch().Size(v) if torch_values else tuple(v)
     if tag == PARAMETER:
         if not (len(v) == 2 and isinstance(v[0], dict) and list(v[0]) == [TENSOR] and isinstance(v[1], bool)):
             return None
         t = dec(v[0])
+        if not torch_values:
+            return t
+        torch = _torch()
         try:  # (RuntimeError: an integer tensor cannot require grad)
             return torch.nn.Parameter(t, requires_grad=v[1]) if type(t) is torch.Tensor else None
         except RuntimeError:

@@ -11,6 +11,8 @@ import collections
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -943,6 +945,17 @@ def test_a_pulled_pt_file_keeps_the_types_torch_load_gives(store, tmp_path):
     store.refs_db.set("old", store.objects.put_manifest(json.dumps(doc).encode()))
     assert store.manifest("old").extra_values()["x"] == {"__size__": [1]}
     assert store.verify().ok
+
+
+def test_reading_a_manifest_with_exact_types_never_imports_torch(store, tmp_path):
+    """The reader checks a structure's tags without building its torch values: ``ckpt show`` of a pushed
+    state_dict() (now a version-4 structure) imported torch to check it, several seconds of every command."""
+    torch.save({"model": torch.nn.Linear(2, 2).state_dict(), "size": torch.Size([2])}, tmp_path / "m.pt")
+    store.push(tmp_path / "m.pt", "m")
+    code = (f"import ckpt, sys; m = ckpt.Store.open({str(store.url)!r}).manifest('m'); "
+            "print(m.read_version, '' in m.extra, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert r.returncode == 0 and r.stdout.split() == ["4", "True", "False"], r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("bad", [
