@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.format.dtypes import itemsize
-from ckpt.format.tagged_json import EXACT_TAGS, LATER_TAGS, ODICT, PARAMETER, TENSOR, decode, tensor_refs, uses_tags
+from ckpt.format.tagged_json import EXACT_TAGS, LATER_TAGS, ODICT, PARAMETER, SHARED, TENSOR, decode, tensor_refs, uses_tags
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
@@ -419,8 +419,8 @@ def _check_structure(m: Manifest, what: str) -> None:
         elif list(x) == ["__dict__"] or (list(x) == [ODICT] and exact):  # (an OrderedDict's attributes hold none)
             pairs = x["__dict__"] if "__dict__" in x else x[ODICT][0]
             stack.extend(p for k, v in pairs for p in ((k, None), (v, _place(at, k))))
-        elif list(x) == [PARAMETER] and exact:
-            stack.append((x[PARAMETER][0], at))
+        elif list(x) in ([PARAMETER], [SHARED]) and exact:  # (a tensor named after it, its value first)
+            stack.append((next(iter(x.values()))[0], at))
         elif list(x) == ["__tuple__"]:
             stack.extend((v, _place(at, i)) for i, v in enumerate(x["__tuple__"]))
         elif len(x) == 1 and next(iter(x)) in LATER_TAGS:  # a set's items (the other tags hold no tensor)

@@ -12,7 +12,9 @@ stored tensor. Where asked for (``exact``: a pushed .pt's structure), the types 
 back too: ``{"__odict__": [[[k, v], ...], {attribute: value}]}`` for an ``OrderedDict`` (a module's
 ``state_dict()``, whose ``_metadata`` attribute holds the module versions ``load_state_dict`` reads),
 ``{"__size__": [ints]}`` for a ``torch.Size`` and ``{"__parameter__": [{"__tensor__": NAME},
-requires_grad]}`` for an ``nn.Parameter``.
+requires_grad]}`` for an ``nn.Parameter``, and ``{"__shared__": [that tensor's value, NAME]}`` for a tensor
+that shares the memory of the one named NAME met before it (tied weights: the same storage, offset,
+shape, strides and dtype), which it shares again when decoded.
 
 Snapshots (``ckpt.snapshot.state``) and distributed checkpoints (``ckpt.dcp.format``)
 both write and read values through this module: one encoder, one strict decoder.
@@ -49,8 +51,9 @@ LATER_TAGS = (*TORCH_TAGS, COMPLEX, SET, BYTEARRAY)
 ODICT = "__odict__"
 SIZE = "__size__"
 PARAMETER = "__parameter__"
+SHARED = "__shared__"
 # Tags of the exact types (encode's ``exact``), added after LATER_TAGS in the same way (manifest version 4).
-EXACT_TAGS = (ODICT, SIZE, PARAMETER)
+EXACT_TAGS = (ODICT, SIZE, PARAMETER, SHARED)
 TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", *LATER_TAGS, *EXACT_TAGS, TENSOR)
 MAX_DEPTH = 64
 MAX_EXPANSION = 8
@@ -102,6 +105,7 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
     (``guard``, one :class:`ExpansionGuard` for a walk over several values, or its own).
     """
     walk = guard if guard is not None else ExpansionGuard()
+    memory: dict[tuple[Any, ...], str] = {}  # (exact) where each tensor's bytes lie -> the name of the first there
 
     def enc(x: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -156,7 +160,17 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
         if tensor is not None and _is_tensor(x):
             name = tensor(path, x)
             ref = {TENSOR: path if name is None else name}
-            return {PARAMETER: [ref, x.requires_grad]} if exact and type(x) is _torch().nn.Parameter else ref
+            if not exact:
+                return ref
+            value = {PARAMETER: [ref, x.requires_grad]} if type(x) is _torch().nn.Parameter else ref
+            if x.is_nested or x.layout != _torch().strided or x.is_meta or x.numel() == 0:
+                return value  # (no plain memory, which a push refuses; empty tensors may all lie at one address)
+            try:
+                where = (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), x.dtype, tuple(x.shape), x.stride())
+            except (RuntimeError, NotImplementedError, TypeError):  # a subclass without storage of its own
+                return value
+            first = memory.setdefault(where, ref[TENSOR])
+            return value if first == ref[TENSOR] else {SHARED: [value, first]}
         if type(x).__module__ == "numpy" and getattr(x, "shape", None) == ():  # numpy scalars
             return enc(x.item(), path, depth + 1)
         return _raise(unsupported(path, f"a {type(x).__module__}.{type(x).__name__}"))
@@ -219,7 +233,7 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
 
 
 _LATER_SHAPE: dict[str, type] = {DTYPE: str, DEVICE: str, BYTEARRAY: str, COMPLEX: list, SET: list}
-_EXACT_SHAPE: dict[str, type] = {ODICT: list, SIZE: list, PARAMETER: list}
+_EXACT_SHAPE: dict[str, type] = {ODICT: list, SIZE: list, PARAMETER: list, SHARED: list}
 
 
 def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool) -> Any:
@@ -227,6 +241,8 @@ def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool
     if tag == SIZE:
         ok = all(isinstance(d, int) and not isinstance(d, bool) and -(1 << 63) <= d < 1 << 63 for d in v)
         return None if not ok else _torch().Size(v) if torch_values else tuple(v)
+    if tag == SHARED:
+        return _shared(v, dec, torch_values)
     if tag == PARAMETER:
         if not (len(v) == 2 and isinstance(v[0], dict) and list(v[0]) == [TENSOR] and isinstance(v[1], bool)):
             return None
@@ -264,6 +280,27 @@ def _later(tag: str, v: Any, dec: Callable[[Any], Any]) -> Any:
         return out if len(out) == len(items) else None
     except (TypeError, ValueError):
         return None
+
+
+def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool) -> Any:
+    """A ``__shared__`` value: its tensor (or Parameter), made to share the memory of the tensor it names,
+    whose bytes, dtype and shape it must have; None where ``v`` is not what :func:`encode` writes."""
+    ref = v[0] if len(v) == 2 and isinstance(v[0], dict) else None
+    if isinstance(ref, dict) and list(ref) == [PARAMETER] and isinstance(ref[PARAMETER], list) and ref[PARAMETER]:
+        ref = ref[PARAMETER][0]
+    if not (isinstance(ref, dict) and list(ref) == [TENSOR] and isinstance(v[1], str) and v[1] != ref[TENSOR]):
+        return None
+    t, other = dec(v[0]), dec({TENSOR: v[1]})
+    if not torch_values:
+        return t
+    torch = _torch()
+    if not (isinstance(t, torch.Tensor) and type(other) is torch.Tensor and (t.dtype, t.shape) == (other.dtype, other.shape)
+            and t.is_contiguous() and other.is_contiguous()
+            and torch.equal(t.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8))):
+        return None  # (named as shared, but other bytes: never handed out as the same tensor)
+    with torch.no_grad():
+        t.set_(other.untyped_storage(), other.storage_offset(), other.shape, other.stride())
+    return t
 
 
 def _attribute_name(k: Any) -> bool:
@@ -363,5 +400,6 @@ def _raise(e: Exception) -> Any:
     raise e
 
 
-__all__ = ["BYTEARRAY", "COMPLEX", "DEVICE", "DTYPE", "EXACT_TAGS", "LATER_TAGS", "MAX_DEPTH", "MAX_EXPANSION", "SET", "ExpansionGuard", "TORCH_TAGS",
+__all__ = ["BYTEARRAY", "COMPLEX", "DEVICE", "DTYPE", "EXACT_TAGS", "LATER_TAGS", "MAX_DEPTH", "MAX_EXPANSION", "ODICT", "PARAMETER",
+           "SET", "SHARED", "SIZE", "ExpansionGuard", "TORCH_TAGS",
            "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]

@@ -947,6 +947,42 @@ def test_a_pulled_pt_file_keeps_the_types_torch_load_gives(store, tmp_path):
     assert store.verify().ok
 
 
+def _memory(t: torch.Tensor) -> tuple:
+    return t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride()
+
+
+def test_tensors_that_share_memory_pull_back_sharing_it(store, tmp_path):
+    """Tied weights (an embedding and the output layer that reuses it) are two entries of a state_dict
+    over one storage, which torch.save writes once and torch.load gives back shared: they came back as
+    two copies. The structure records which tensor lies where one met before it lies, and a pull (or
+    load(structure=True)) gives them one memory again; the stored bytes are still each tensor's own,
+    and a forged record naming a tensor of other bytes is a damaged manifest, never two tensors made one."""
+    from ckpt.errors import StoreFormatError
+
+    emb = torch.nn.Embedding(50, 16)
+    model = torch.nn.Sequential(emb, torch.nn.Linear(16, 50, bias=False))
+    model[1].weight = emb.weight
+    t = torch.randn(4)
+    saved = {"model": model.state_dict(), "pair": [t, t], "other": t + 1, "empty": [torch.ones(0), torch.ones(0)]}
+    torch.save(saved, tmp_path / "tied.pt")
+    store.push(tmp_path / "tied.pt", "tied")
+    want = torch.load(tmp_path / "tied.pt", weights_only=True)
+    for got in (torch.load(store.pull("tied", tmp_path / "back.pt"), weights_only=True), store.load("tied", structure=True)):
+        _same_exactly(want, got)
+        assert _memory(got["model"]["0.weight"]) == _memory(got["model"]["1.weight"])
+        assert _memory(got["pair"][0]) == _memory(got["pair"][1]) != _memory(got["other"])
+    assert store.verify().ok
+
+    def forge(doc: dict, name: str) -> None:
+        pairs = doc["extra"][""]["__dict__"]
+        pairs[2][1] = {"__shared__": [pairs[2][1], name]}  # "other", said to share "pair.0"'s memory
+
+    for name in ("pair.0", "other", "nope"):  # other bytes; itself; no such tensor
+        with pytest.raises(StoreFormatError, match="structure"):
+            store.pull(_forge(store, "tied", lambda d, name=name: forge(d, name)), tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
 def test_reading_a_manifest_with_exact_types_never_imports_torch(store, tmp_path):
     """The reader checks a structure's tags without building its torch values: ``ckpt show`` of a pushed
     state_dict() (now a version-4 structure) imported torch to check it, several seconds of every command."""
