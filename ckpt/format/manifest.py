@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.format.dtypes import itemsize
-from ckpt.format.tagged_json import LATER_TAGS, decode, tensor_refs, uses_tags
+from ckpt.format.tagged_json import EXACT_TAGS, LATER_TAGS, ODICT, PARAMETER, SHARED, TENSOR, decode, tensor_refs, uses_tags
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
@@ -33,6 +33,10 @@ EXTRA_TAGGED_VERSION = 2
 # which a version-2 reader would hand out as a plain dict, or holds a pushed .pt's structure
 # (``STRUCTURE``), which a version-2 reader would refuse as a damaged value: it refuses version 3 instead.
 EXTRA_DTYPE_VERSION = 3
+# Version 4: as 3, where the structure keeps the exact types ``torch.load(weights_only=True)`` gives back
+# (``EXACT_TAGS``: an ``OrderedDict`` and its ``_metadata``, a ``torch.Size``, an ``nn.Parameter``), which a
+# version-3 reader would hand out as plain dicts: it refuses version 4 instead.
+EXACT_VERSION = 4
 # The key of ``extra`` holding a pushed .pt's structure (docs/format.md): no entry of a state dict is
 # named by the empty string (check_tensor_name refuses it), so it is never one of its values.
 STRUCTURE = ""
@@ -275,7 +279,8 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, what: str = "manifest") -> Manifest:
-        o = decode_record(data, MANIFEST_FORMAT, (MANIFEST_VERSION, EXTRA_TAGGED_VERSION, EXTRA_DTYPE_VERSION), what)
+        o = decode_record(data, MANIFEST_FORMAT, (MANIFEST_VERSION, EXTRA_TAGGED_VERSION, EXTRA_DTYPE_VERSION, EXACT_VERSION),
+                          what)
         chunk_size = require(o, "chunk_size", int, what)
         if chunk_size <= 0:
             raise StoreFormatError(f"{what}: bad chunk_size")
@@ -319,11 +324,13 @@ class Manifest:
             return self.read_version
         if not self.extra_tagged:
             return MANIFEST_VERSION
-        new = uses_tags(self.extra, LATER_TAGS) or (self.source == "state-dict" and STRUCTURE in self.extra)
-        return EXTRA_DTYPE_VERSION if new else EXTRA_TAGGED_VERSION
+        structure = self.source == "state-dict" and STRUCTURE in self.extra
+        if structure and uses_tags(self.extra[STRUCTURE], EXACT_TAGS):
+            return EXACT_VERSION
+        return EXTRA_DTYPE_VERSION if structure or uses_tags(self.extra, LATER_TAGS) else EXTRA_TAGGED_VERSION
 
     def _has_structure(self) -> bool:
-        return self.source == "state-dict" and STRUCTURE in self.extra and self._version() == EXTRA_DTYPE_VERSION
+        return self.source == "state-dict" and STRUCTURE in self.extra and self._version() >= EXTRA_DTYPE_VERSION
 
     def extra_values(self, what: str = "manifest") -> dict[str, Any]:
         """``extra`` as the values it stands for: tuples, infinite floats and bytes come back as such
@@ -331,16 +338,17 @@ class Manifest:
         .pt's structure is not one of them (:meth:`structure`)."""
         if not self.extra_tagged:
             return dict(self.extra)
-        later = self._version() == EXTRA_DTYPE_VERSION
-        return {k: decode(v, f"{what}: extra {k!r}", later=later) for k, v in self.extra.items()
+        later, exact = self._version() >= EXTRA_DTYPE_VERSION, self._version() >= EXACT_VERSION
+        return {k: decode(v, f"{what}: extra {k!r}", later=later, exact=exact) for k, v in self.extra.items()
                 if not (k == STRUCTURE and self._has_structure())}
 
-    def structure(self, tensors: Mapping[str, Any], what: str = "manifest") -> Any | None:
+    def structure(self, tensors: Mapping[str, Any], what: str = "manifest", *, torch_values: bool = True) -> Any | None:
         """The object a pushed ``.pt`` file (or nested dict) held, as it was: its dicts, lists and
         tuples, int and str keys in their order, its values where they were, and each tensor taken
         from ``tensors`` by its stored name. None where the manifest records no structure (a flat
         state dict, a manifest older than version 3): the flat names are the structure then.
-        Raises :class:`StoreFormatError` where it names a tensor that ``tensors`` lacks."""
+        Raises :class:`StoreFormatError` where it names a tensor that ``tensors`` lacks.
+        ``torch_values=False``: torch.Size values as tuples and each Parameter as its tensor, without torch."""
         if not self._has_structure():
             return None
 
@@ -349,7 +357,8 @@ class Manifest:
                 raise StoreFormatError(f"{what}: its structure names tensor {name!r}, which it does not hold")
             return tensors[name]
 
-        return decode(self.extra[STRUCTURE], f"{what}: extra structure", tensor=tensor)
+        return decode(self.extra[STRUCTURE], f"{what}: extra structure", tensor=tensor, exact=self._version() >= EXACT_VERSION,
+                      torch_values=torch_values)
 
     @property
     def logical_bytes(self) -> int:
@@ -383,23 +392,48 @@ class Manifest:
 
 
 def _check_structure(m: Manifest, what: str) -> None:
-    """A pushed .pt's structure is a dict that names each of ``m``'s tensors once, and nothing else:
-    one that does not would pull a file holding other tensors than the checkpoint."""
+    """A pushed .pt's structure is a dict that names each of ``m``'s tensors once, and nothing else,
+    each at the place its flat name spells (``model.0.weight`` at ``["model"][0]["weight"]``): one
+    that does not would pull a file holding other tensors than the checkpoint, or holding them
+    where ``load`` and a safetensors pull do not (two layers' weights swapped)."""
     names = Counter(t.name for t in m.tensors)
-    tree = m.structure(names, what)
+    tree = m.structure(names, what, torch_values=False)  # (reading a manifest never imports torch for it)
     if not isinstance(tree, dict):
         raise StoreFormatError(f"{what}: its structure is a {type(tree).__name__}, not the dict a pushed file holds")
     if Counter(tensor_refs(m.extra[STRUCTURE])) != names:
         raise StoreFormatError(f"{what}: its structure does not name each of its tensors once")
-    stack: list[Any] = [m.extra[STRUCTURE]]
-    while stack:  # (decoded above, so well formed) a tensor is never a dict key in a state dict pushed
-        x = stack.pop()
-        if isinstance(x, dict) and list(x) == ["__dict__"]:
-            if any(tensor_refs(k) for k, _ in x["__dict__"]):
-                raise StoreFormatError(f"{what}: its structure has a tensor as a dict key")
-            stack.extend(v for _, v in x["__dict__"])
-        elif isinstance(x, (dict, list)):
-            stack.extend(x.values() if isinstance(x, dict) else x)
+    # (decoded above, so well formed) Each value with the flat name of its place: None where no tensor
+    # is in a state dict pushed (a dict key, a set's item, the value of a key neither str nor int).
+    exact = m._version() >= EXACT_VERSION
+    stack: list[tuple[Any, str | None]] = [(m.extra[STRUCTURE], "")]
+    while stack:
+        x, at = stack.pop()
+        if isinstance(x, list):
+            stack.extend((v, _place(at, i)) for i, v in enumerate(x))
+        elif not isinstance(x, dict):
+            continue
+        elif list(x) == [TENSOR]:
+            if x[TENSOR] != at:
+                raise StoreFormatError(f"{what}: its structure holds tensor {x[TENSOR]!r} "
+                                       + (f"at {at!r}" if at is not None else "where no tensor is (a dict key or a set)"))
+        elif list(x) == ["__dict__"] or (list(x) == [ODICT] and exact):  # (an OrderedDict's attributes hold none)
+            pairs = x["__dict__"] if "__dict__" in x else x[ODICT][0]
+            stack.extend(p for k, v in pairs for p in ((k, None), (v, _place(at, k))))
+        elif list(x) in ([PARAMETER], [SHARED]) and exact:  # (a tensor named after it, its value first)
+            stack.append((next(iter(x.values()))[0], at))
+        elif list(x) == ["__tuple__"]:
+            stack.extend((v, _place(at, i)) for i, v in enumerate(x["__tuple__"]))
+        elif len(x) == 1 and next(iter(x)) in LATER_TAGS:  # a set's items (the other tags hold no tensor)
+            stack.extend((v, None) for v in x.values())
+        else:
+            stack.extend((v, _place(at, k)) for k, v in x.items())
+
+
+def _place(at: str | None, key: Any) -> str | None:
+    """The flat name of the value at ``key`` of the value whose place is ``at`` (source_tensors' flattening)."""
+    if at is None or isinstance(key, bool) or not isinstance(key, (str, int)):
+        return None
+    return f"{at}.{key}" if at else str(key)
 
 
 def _ints(raw: Any, key: str, what: str) -> list[int]:

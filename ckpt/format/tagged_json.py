@@ -8,7 +8,13 @@ keys are not all plain strings (an optimizer's state is keyed by int),
 ``torch.device`` (which ``torch.load(weights_only=True)`` allows, so some configs save them),
 ``{"__complex__": [real, imag]}``, ``{"__set__": [items in the order of their JSON]}`` and
 ``{"__bytearray__": "<hex>"}`` (which it allows too), and ``{"__tensor__": NAME}`` where a tree points at a
-stored tensor.
+stored tensor. Where asked for (``exact``: a pushed .pt's structure), the types that loader gives
+back too: ``{"__odict__": [[[k, v], ...], {attribute: value}]}`` for an ``OrderedDict`` (a module's
+``state_dict()``, whose ``_metadata`` attribute holds the module versions ``load_state_dict`` reads),
+``{"__size__": [ints]}`` for a ``torch.Size`` and ``{"__parameter__": [{"__tensor__": NAME},
+requires_grad]}`` for an ``nn.Parameter``, and ``{"__shared__": [that tensor's value, NAME]}`` for a tensor
+that shares the memory of the one named NAME met before it (tied weights: the same storage, offset,
+shape, strides and dtype), which it shares again when decoded.
 
 Snapshots (``ckpt.snapshot.state``) and distributed checkpoints (``ckpt.dcp.format``)
 both write and read values through this module: one encoder, one strict decoder.
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -41,7 +48,13 @@ TORCH_TAGS = (DTYPE, DEVICE)  # tags of torch values
 # manifest version 3, snapshot format 2, ckpt-dcp version 2), and a dict an earlier version wrote with
 # such a key, in any other shape than the tag's, still reads as that dict.
 LATER_TAGS = (*TORCH_TAGS, COMPLEX, SET, BYTEARRAY)
-TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", *LATER_TAGS, TENSOR)
+ODICT = "__odict__"
+SIZE = "__size__"
+PARAMETER = "__parameter__"
+SHARED = "__shared__"
+# Tags of the exact types (encode's ``exact``), added after LATER_TAGS in the same way (manifest version 4).
+EXACT_TAGS = (ODICT, SIZE, PARAMETER, SHARED)
+TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", *LATER_TAGS, *EXACT_TAGS, TENSOR)
 MAX_DEPTH = 64
 MAX_EXPANSION = 8
 
@@ -73,7 +86,7 @@ class ExpansionGuard:
 
 def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
            tensor: Callable[[str, Any], str | None] | None = None, reserved: Collection[str] = (),
-           guard: ExpansionGuard | None = None) -> Any:
+           guard: ExpansionGuard | None = None, exact: bool = False) -> Any:
     """``x`` as tagged JSON.
 
     ``path`` names ``x``; nested values get ``path/i`` (list and tuple items),
@@ -84,13 +97,15 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
     ``unsupported(path, "a module.Type")``, and so does a dict subclass with defaults for
     missing keys (``defaultdict``, ``Counter``): decoded as a plain dict, it would raise
     ``KeyError`` where the original gave a default. (Other dict subclasses, such as the
-    ``OrderedDict`` of a module's ``state_dict()``, come back as plain dicts.) A dict keeps
+    ``OrderedDict`` of a module's ``state_dict()``, come back as plain dicts, unless ``exact``: then an
+    ``OrderedDict`` (and its attributes), a ``torch.Size`` and an ``nn.Parameter`` use ``EXACT_TAGS``.) A dict keeps
     its key order: records are canonical JSON, whose objects have their keys sorted, so a
     dict whose keys are not in sorted order is written in the ``__dict__`` form. A value whose
     shared lists, dicts and long strings would expand it far past what it holds is unsupported too
     (``guard``, one :class:`ExpansionGuard` for a walk over several values, or its own).
     """
     walk = guard if guard is not None else ExpansionGuard()
+    memory: dict[tuple[Any, ...], str] = {}  # (exact) where each tensor's bytes lie -> the name of the first there
 
     def enc(x: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -116,6 +131,8 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
                 return _raise(unsupported(path, "a set holding a tensor"))
             # in the order of their JSON, not of the set's (which differs between processes): one id per content
             return {SET: sorted(items, key=canonical_json)}
+        if exact and type(x) is _torch().Size:
+            return {SIZE: [enc(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]}
         if isinstance(x, tuple):
             return {"__tuple__": [enc(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]}
         if isinstance(x, list):
@@ -124,6 +141,12 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
             if hasattr(type(x), "__missing__"):  # it would come back a plain dict, raising KeyError where it gave a default
                 return _raise(unsupported(path, f"a {type(x).__module__}.{type(x).__name__} (a dict with defaults for missing "
                                                 "keys, which would come back as a plain dict)"))
+            if exact and type(x) is OrderedDict:
+                attrs = vars(x)
+                if not all(_attribute_name(k) for k in attrs):
+                    return _raise(unsupported(path, "an OrderedDict with attributes other than plain names"))
+                return {ODICT: [[[enc(k, f"{path}/k{i}", depth + 1), enc(v, f"{path}/{k}", depth + 1)]
+                                 for i, (k, v) in enumerate(x.items())], enc(attrs, f"{path}/attrs", depth + 1)]}
             # Records are canonical JSON, which writes an object's keys sorted: a dict in any other
             # order (a module's state_dict, a data loader's sources) is written as pairs, in its order.
             if all(isinstance(k, str) and k not in TAGS and k not in reserved for k in x) and _sorted(list(x)):
@@ -136,7 +159,18 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
             return {DEVICE: str(x)}
         if tensor is not None and _is_tensor(x):
             name = tensor(path, x)
-            return {TENSOR: path if name is None else name}
+            ref = {TENSOR: path if name is None else name}
+            if not exact:
+                return ref
+            value = {PARAMETER: [ref, x.requires_grad]} if type(x) is _torch().nn.Parameter else ref
+            if x.is_nested or x.layout != _torch().strided or x.is_meta or x.numel() == 0:
+                return value  # (no plain memory, which a push refuses; empty tensors may all lie at one address)
+            try:
+                where = (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), x.dtype, tuple(x.shape), x.stride())
+            except (RuntimeError, NotImplementedError, TypeError):  # a subclass without storage of its own
+                return value
+            first = memory.setdefault(where, ref[TENSOR])
+            return value if first == ref[TENSOR] else {SHARED: [value, first]}
         if type(x).__module__ == "numpy" and getattr(x, "shape", None) == ():  # numpy scalars
             return enc(x.item(), path, depth + 1)
         return _raise(unsupported(path, f"a {type(x).__module__}.{type(x).__name__}"))
@@ -144,12 +178,15 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
     return enc(x, path, 0)
 
 
-def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, later: bool = True) -> Any:
+def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, later: bool = True, exact: bool = False,
+           torch_values: bool = True) -> Any:
     """Inverse of :func:`encode`; :class:`StoreFormatError` for anything it would not write.
 
     ``tensor(name)`` resolves ``{"__tensor__": name}``; without it such a value is an error.
     ``later``: whether the record is of a version that has ``LATER_TAGS``; in one before them
-    (``False``) a dict holding such a key is the plain dict that version wrote.
+    (``False``) a dict holding such a key is the plain dict that version wrote; ``exact`` likewise for
+    ``EXACT_TAGS``. ``torch_values=False`` (a reader checking a record, which need not import torch):
+    a ``torch.Size`` comes back as a tuple and a Parameter as what ``tensor`` gives.
     """
 
     def dec(x: Any, depth: int) -> Any:
@@ -161,14 +198,16 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
             return [dec(v, depth + 1) for v in x]
         if not isinstance(x, dict):
             raise StoreFormatError(f"{what}: bad value")
-        if later and len(x) == 1 and isinstance(next(iter(x.values())), _LATER_SHAPE.get(next(iter(x)), ())):
+        shape = {**(_LATER_SHAPE if later else {}), **(_EXACT_SHAPE if exact else {})}
+        if len(x) == 1 and isinstance(next(iter(x.values())), shape.get(next(iter(x)), ())):
             tag, v = next(iter(x.items()))
-            value = _later(tag, v, lambda e: dec(e, depth + 1))
+            inner = lambda e: dec(e, depth + 1)  # noqa: E731
+            value = _exact(tag, v, inner, torch_values) if tag in EXACT_TAGS else _later(tag, v, inner)
             if value is None:
                 raise StoreFormatError(f"{what}: bad {tag} value")
             return value
-        # Any other dict holding one of LATER_TAGS is what versions before those tags wrote as a plain dict.
-        tags = [k for k in x if k in TAGS and k not in LATER_TAGS]
+        # Any other dict holding one of LATER_TAGS (or EXACT_TAGS) is what versions before those tags wrote as a plain dict.
+        tags = [k for k in x if k in TAGS and k not in LATER_TAGS and k not in EXACT_TAGS]
         if not tags:
             return {k: dec(v, depth + 1) for k, v in x.items()}
         tag, v = tags[0], x[tags[0]]
@@ -176,8 +215,10 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
             try:
                 if tag == "__tuple__" and isinstance(v, list):
                     return tuple(dec(e, depth + 1) for e in v)
-                if tag == "__dict__" and isinstance(v, list):
-                    return {dec(k, depth + 1): dec(val, depth + 1) for k, val in v}
+                if tag == "__dict__" and isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 for p in v):
+                    out = {dec(k, depth + 1): dec(val, depth + 1) for k, val in v}
+                    if len(out) == len(v):  # else two pairs of one key (1 and True, say): a value would be lost
+                        return out
                 if tag == "__float__" and v in ("inf", "-inf", "nan"):
                     return float(v)
                 if tag == "__bytes__" and isinstance(v, str):
@@ -192,6 +233,35 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
 
 
 _LATER_SHAPE: dict[str, type] = {DTYPE: str, DEVICE: str, BYTEARRAY: str, COMPLEX: list, SET: list}
+_EXACT_SHAPE: dict[str, type] = {ODICT: list, SIZE: list, PARAMETER: list, SHARED: list}
+
+
+def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool) -> Any:
+    """The value of one of EXACT_TAGS (``v`` a list), or None where ``v`` is not what :func:`encode` writes."""
+    if tag == SIZE:
+        ok = all(isinstance(d, int) and not isinstance(d, bool) and -(1 << 63) <= d < 1 << 63 for d in v)
+        return None if not ok else _torch().Size(v) if torch_values else tuple(v)
+    if tag == SHARED:
+        return _shared(v, dec, torch_values)
+    if tag == PARAMETER:
+        if not (len(v) == 2 and isinstance(v[0], dict) and list(v[0]) == [TENSOR] and isinstance(v[1], bool)):
+            return None
+        t = dec(v[0])
+        if not torch_values:
+            return t
+        torch = _torch()
+        try:  # (RuntimeError: an integer tensor cannot require grad)
+            return torch.nn.Parameter(t, requires_grad=v[1]) if type(t) is torch.Tensor else None
+        except RuntimeError:
+            return None
+    if len(v) != 2 or not isinstance(v[1], dict):
+        return None
+    items, attrs = dec({"__dict__": v[0]}), dec(v[1])
+    if not isinstance(attrs, dict) or not all(_attribute_name(k) for k in attrs):
+        return None
+    out = OrderedDict(items)
+    vars(out).update(attrs)
+    return out
 
 
 def _later(tag: str, v: Any, dec: Callable[[Any], Any]) -> Any:
@@ -210,6 +280,33 @@ def _later(tag: str, v: Any, dec: Callable[[Any], Any]) -> Any:
         return out if len(out) == len(items) else None
     except (TypeError, ValueError):
         return None
+
+
+def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool) -> Any:
+    """A ``__shared__`` value: its tensor (or Parameter), made to share the memory of the tensor it names,
+    whose bytes, dtype and shape it must have; None where ``v`` is not what :func:`encode` writes."""
+    ref = v[0] if len(v) == 2 and isinstance(v[0], dict) else None
+    if isinstance(ref, dict) and list(ref) == [PARAMETER] and isinstance(ref[PARAMETER], list) and ref[PARAMETER]:
+        ref = ref[PARAMETER][0]
+    if not (isinstance(ref, dict) and list(ref) == [TENSOR] and isinstance(v[1], str) and v[1] != ref[TENSOR]):
+        return None
+    t, other = dec(v[0]), dec({TENSOR: v[1]})
+    if not torch_values:
+        return t
+    torch = _torch()
+    if not (isinstance(t, torch.Tensor) and type(other) is torch.Tensor and (t.dtype, t.shape) == (other.dtype, other.shape)
+            and t.is_contiguous() and other.is_contiguous()
+            and torch.equal(t.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8))):
+        return None  # (named as shared, but other bytes: never handed out as the same tensor)
+    with torch.no_grad():
+        t.set_(other.untyped_storage(), other.storage_offset(), other.shape, other.stride())
+    return t
+
+
+def _attribute_name(k: Any) -> bool:
+    """Whether ``k`` may name an attribute of an OrderedDict (``_metadata``): never one of its class
+    (``items``, ``__reduce__``...), which would hide the method pickle and its users call."""
+    return isinstance(k, str) and not k.startswith("__") and not hasattr(OrderedDict, k)
 
 
 def tensor_refs(tree: Any) -> list[str]:
@@ -249,6 +346,12 @@ def uses_tags(tree: Any, tags: Collection[str] = TAGS) -> bool:
 
 def _sorted(keys: list[str]) -> bool:
     return all(a < b for a, b in zip(keys, keys[1:]))
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
 
 
 def _is_dtype(x: Any) -> bool:
@@ -297,5 +400,6 @@ def _raise(e: Exception) -> Any:
     raise e
 
 
-__all__ = ["BYTEARRAY", "COMPLEX", "DEVICE", "DTYPE", "LATER_TAGS", "MAX_DEPTH", "MAX_EXPANSION", "SET", "ExpansionGuard", "TORCH_TAGS",
+__all__ = ["BYTEARRAY", "COMPLEX", "DEVICE", "DTYPE", "EXACT_TAGS", "LATER_TAGS", "MAX_DEPTH", "MAX_EXPANSION", "ODICT", "PARAMETER",
+           "SET", "SHARED", "SIZE", "ExpansionGuard", "TORCH_TAGS",
            "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]

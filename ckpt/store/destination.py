@@ -755,6 +755,9 @@ def write_torch(target: str, tensors: dict[str, torch.Tensor], values: dict[str,
             try:
                 try:
                     torch.save(obj, out)
+                except RecursionError:  # (pickle recurses: a value an older push kept, some hundreds of lists deep)
+                    raise DestinationError(f"cannot write {target}: the checkpoint holds values nested too deeply for a "
+                                           "torch file", hint="pull it as .safetensors (its tensors only)") from None
                 except RuntimeError:
                     if out.error is not None:
                         raise out.error from None  # what failed (ENOSPC, EIO): a DestinationError

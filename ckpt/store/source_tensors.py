@@ -9,7 +9,8 @@ the raw bytes of each tensor, or a clear error.
   flattened as the mapping of its indexes: a Lightning checkpoint's
   ``optimizer_states[0]['state'][0]['exp_avg']`` is ``optimizer_states.0.state.0.exp_avg``.
   Other lists and tuples are values, kept whole as JSON. Where the flat names are not the whole
-  story (a nested dict, a list, an int key), the structure itself is kept too, under
+  story (a nested dict, a list, an int key, an OrderedDict and its ``_metadata``, a torch.Size, a
+  Parameter), the structure itself is kept too, under
   ``extra[STRUCTURE]``, so that a pull to a torch file gives it back (docs/format.md).
 * Tensors must have plain bytes: sparse, meta, quantized and nested tensors and wrapper
   subclasses (DTensor...) are refused with a hint saying how to convert them. Lazy
@@ -27,7 +28,7 @@ from typing import Any
 from ckpt.errors import InvalidSourceError, ResourceLimitError
 from ckpt.format.dtypes import byte_view, from_torch
 from ckpt.format.manifest import MAX_NAME, MAX_STRUCTURE_BYTES, STRUCTURE, check_tensor_name
-from ckpt.format.tagged_json import ExpansionGuard, encode
+from ckpt.format.tagged_json import EXACT_TAGS, ExpansionGuard, encode, uses_tags
 from ckpt.store.source_files import show
 from ckpt_store.storage.records import canonical_json
 
@@ -98,7 +99,9 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
             path, f"entry {at[:120]} is {kind}, neither a tensor nor a plain value",
             hint="other entries are kept as JSON: str, int, float, complex, bool, None, bytes, bytearray, torch.dtype, torch.device, "
                  "and lists, tuples and dicts of these"))
-    tree = None if flat else _structure(obj, path, tensors)
+    tree = _structure(obj, path, tensors)
+    if flat and tree is not None and not uses_tags(tree, EXACT_TAGS):  # its flat names and values are all of it
+        tree = None
     if tree is not None:
         extra[STRUCTURE] = tree
     return tensors, extra
@@ -122,7 +125,7 @@ def _structure(obj: Mapping[Any, Any], path: str, tensors: dict[str, Any]) -> An
         return name
 
     try:
-        tree = encode(obj, path, unsupported=lambda at, kind: _NoStructure(), tensor=named)
+        tree = encode(obj, path, unsupported=lambda at, kind: _NoStructure(), tensor=named, exact=True)
     except _NoStructure:
         logger.info("%s: its structure is not kept (not a tree of dicts, lists and tuples tagged JSON holds); "
                     "it pulls as a flat dict", path)

@@ -7,9 +7,12 @@ destination as it was, and a file named .pt is a torch file.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -205,7 +208,7 @@ def test_pt_values_come_back_as_they_were_saved(store, tmp_path):
     torch.save({"model": model.state_dict(), "optim": opt.state_dict(), **values}, tmp_path / "sd.pt")
     store.push(tmp_path / "sd.pt", "pt")
     m = store.manifest("pt")
-    assert m.extra_tagged and json.loads(store.objects.get_manifest(store.resolve("pt")))["version"] == 3  # (its structure)
+    assert m.extra_tagged and json.loads(store.objects.get_manifest(store.resolve("pt")))["version"] == 4  # (its structure, exact)
     got = torch.load(store.pull("pt", tmp_path / "out.pt"), weights_only=True)
     groups = got["optim"]["param_groups"]
     assert groups == opt.state_dict()["param_groups"] and type(groups[0]["betas"]) is tuple
@@ -213,7 +216,7 @@ def test_pt_values_come_back_as_they_were_saved(store, tmp_path):
         if k == "nan":
             assert math.isnan(got[k])
         elif k == "size":
-            assert got[k] == (3, 5) and type(got[k]) is tuple  # a tuple (torch.Size is one)
+            assert got[k] == (3, 5) and type(got[k]) is torch.Size
         else:
             assert got[k] == v and type(got[k]) is type(v), k
     assert type(got["hist"][0][1]) is tuple and list(got["hist"][0]) == [0, 1]
@@ -239,8 +242,8 @@ def test_a_version_2_manifest_with_a_bad_tag_is_refused(store, tmp_path):
     doc["extra"]["t"] = {"__float__": "1e400"}
     with pytest.raises(StoreFormatError, match="extra 't'"):
         Manifest.from_json(json.dumps(doc).encode())
-    doc["version"] = 4
-    with pytest.raises(StoreFormatError, match="version 4; this ckpt reads versions 1, 2, 3"):
+    doc["version"] = 5
+    with pytest.raises(StoreFormatError, match="version 5; this ckpt reads versions 1, 2, 3, 4"):
         Manifest.from_json(json.dumps(doc).encode())
 
 
@@ -874,14 +877,152 @@ def test_a_pulled_pt_file_has_the_structure_that_was_pushed(store, tmp_path):
     assert "optim.state.0.exp_avg" in store.load("run") and "optim" not in store.load("run")
     only = torch.load(store.pull("run", tmp_path / "only.pt", include=["optim.*"]), weights_only=True)
     assert sorted(only) == sorted(k for k in store.load("run") if k.startswith("optim."))
-    # A flat state dict needs no structure (its manifest keeps the version it had); its tensors come
+    # A flat dict of tensors needs no structure (its manifest keeps the version it had); its tensors come
     # back in the order they are stored.
-    torch.save(model.state_dict(), tmp_path / "flat.pt")
+    torch.save(dict(model.state_dict()), tmp_path / "flat.pt")
     store.push(tmp_path / "flat.pt", "flat")
     assert json.loads(store.objects.get_manifest(store.resolve("flat")))["version"] == 1
     flat = torch.load(store.pull("flat", tmp_path / "f.pt"), weights_only=True)
     assert_same_tree(dict(sorted(model.state_dict().items())), dict(sorted(flat.items())))
     assert store.verify().ok
+
+
+def _same_exactly(want: object, got: object, at: str = "") -> None:
+    """``got`` is ``want`` down to the types ``torch.load(weights_only=True)`` gives: an OrderedDict and
+    its attributes (a state dict's ``_metadata``), a torch.Size, a Parameter and its requires_grad."""
+    assert type(got) is type(want), (at, type(want), type(got))
+    if isinstance(want, torch.Tensor):
+        assert want.requires_grad == got.requires_grad, at
+    elif isinstance(want, dict):
+        assert list(got) == list(want), at
+        if type(want) is collections.OrderedDict:
+            assert sorted(vars(got)) == sorted(vars(want)), at
+            _same_exactly(dict(vars(want)), dict(vars(got)), f"{at}.__dict__")
+        for k, v in want.items():
+            _same_exactly(v, got[k], f"{at}[{k!r}]")
+    elif isinstance(want, (list, tuple)):
+        for i, (w, g) in enumerate(zip(want, got, strict=True)):
+            _same_exactly(w, g, f"{at}[{i}]")
+    assert_same_tree(want, got, at)  # values, key order, tensor bytes
+
+
+def test_a_pulled_pt_file_keeps_the_types_torch_load_gives(store, tmp_path):
+    """A module's state_dict() is an OrderedDict whose ``_metadata`` holds each module's version, which
+    load_state_dict passes on (BatchNorm reads it); a .pt may hold torch.Size values and Parameters. They
+    came back as dict (``_metadata`` lost), tuple and Tensor: now as themselves, in a version-4 manifest
+    (a version-3 reader would hand out the tags as plain dicts: it refuses the version instead). A plain
+    dict of plain tensors keeps the version-1 manifest it had."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3, 4, 4)).sum().backward()
+    opt.step()
+    mask = torch.nn.Parameter(torch.arange(3), requires_grad=False)
+    saved = {
+        "flat": model.state_dict(),
+        "params": dict(model.named_parameters()),
+        "lightning": {"state_dict": model.state_dict(), "optimizer_states": [opt.state_dict()], "epoch": 1,
+                      "hparams": collections.OrderedDict(b=1, a=(2, torch.Size([4, 3]))), "mask": mask},
+    }
+    for name, obj in saved.items():
+        torch.save(obj, tmp_path / f"{name}.pt")
+        store.push(tmp_path / f"{name}.pt", name)
+        assert json.loads(store.objects.get_manifest(store.resolve(name)))["version"] == 4, name
+        want = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+        _same_exactly(want, torch.load(store.pull(name, tmp_path / f"{name}.back.pt"), weights_only=True), name)
+        _same_exactly(want, store.load(name, structure=True), name)
+    back = torch.load(tmp_path / "flat.back.pt", weights_only=True)
+    assert back._metadata["1"] == {"version": 2} and back._metadata == model.state_dict()._metadata
+    fresh = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(), torch.nn.Linear(16, 2))
+    fresh.load_state_dict(back)
+    assert _bits(fresh[1].num_batches_tracked) == _bits(model[1].num_batches_tracked)
+    store.push({"w": torch.ones(2)}, "plain")
+    assert json.loads(store.objects.get_manifest(store.resolve("plain")))["version"] == 1
+    # A version-3 manifest holding such a key wrote a plain dict: it reads as one.
+    doc = json.loads(store.objects.get_manifest(store.resolve("lightning")))
+    doc["version"], doc["extra"]["x"] = 3, {"__size__": [1]}
+    del doc["extra"][""]
+    store.refs_db.set("old", store.objects.put_manifest(json.dumps(doc).encode()))
+    assert store.manifest("old").extra_values()["x"] == {"__size__": [1]}
+    assert store.verify().ok
+
+
+def _memory(t: torch.Tensor) -> tuple:
+    return t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride()
+
+
+def test_tensors_that_share_memory_pull_back_sharing_it(store, tmp_path):
+    """Tied weights (an embedding and the output layer that reuses it) are two entries of a state_dict
+    over one storage, which torch.save writes once and torch.load gives back shared: they came back as
+    two copies. The structure records which tensor lies where one met before it lies, and a pull (or
+    load(structure=True)) gives them one memory again; the stored bytes are still each tensor's own,
+    and a forged record naming a tensor of other bytes is a damaged manifest, never two tensors made one."""
+    from ckpt.errors import StoreFormatError
+
+    emb = torch.nn.Embedding(50, 16)
+    model = torch.nn.Sequential(emb, torch.nn.Linear(16, 50, bias=False))
+    model[1].weight = emb.weight
+    t = torch.randn(4)
+    saved = {"model": model.state_dict(), "pair": [t, t], "other": t + 1, "empty": [torch.ones(0), torch.ones(0)]}
+    torch.save(saved, tmp_path / "tied.pt")
+    store.push(tmp_path / "tied.pt", "tied")
+    want = torch.load(tmp_path / "tied.pt", weights_only=True)
+    for got in (torch.load(store.pull("tied", tmp_path / "back.pt"), weights_only=True), store.load("tied", structure=True)):
+        _same_exactly(want, got)
+        assert _memory(got["model"]["0.weight"]) == _memory(got["model"]["1.weight"])
+        assert _memory(got["pair"][0]) == _memory(got["pair"][1]) != _memory(got["other"])
+    assert store.verify().ok
+
+    def forge(doc: dict, name: str) -> None:
+        pairs = doc["extra"][""]["__dict__"]
+        pairs[2][1] = {"__shared__": [pairs[2][1], name]}  # "other", said to share "pair.0"'s memory
+
+    for name in ("pair.0", "other", "nope"):  # other bytes; itself; no such tensor
+        with pytest.raises(StoreFormatError, match="structure"):
+            store.pull(_forge(store, "tied", lambda d, name=name: forge(d, name)), tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_reading_a_manifest_with_exact_types_never_imports_torch(store, tmp_path):
+    """The reader checks a structure's tags without building its torch values: ``ckpt show`` of a pushed
+    state_dict() (now a version-4 structure) imported torch to check it, several seconds of every command."""
+    torch.save({"model": torch.nn.Linear(2, 2).state_dict(), "size": torch.Size([2])}, tmp_path / "m.pt")
+    store.push(tmp_path / "m.pt", "m")
+    code = (f"import ckpt, sys; m = ckpt.Store.open({str(store.url)!r}).manifest('m'); "
+            "print(m.read_version, '' in m.extra, 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert r.returncode == 0 and r.stdout.split() == ["4", "True", "False"], r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("bad", [
+    {"__size__": [1 << 64]}, {"__size__": [True]}, {"__size__": [1.5]},
+    {"__odict__": [[["a", 1]]]}, {"__odict__": [[["a", 1]], {"__class__": 1}]},
+    {"__odict__": [[["a", 1]], {"items": 1}]}, {"__odict__": [[["a", 1], ["a", 2]], {}]},
+    {"__parameter__": [{"__tensor__": "model.weight"}, 1]}, {"__parameter__": [{"__tensor__": "model.weight"}]},
+    {"__parameter__": [{"__tensor__": "model.step"}, True]},
+], ids=["huge_size", "bool_size", "float_size", "no_attributes", "dunder_attribute", "method_attribute", "key_twice", "int_flag", "no_flag",
+        "int_tensor_with_grad"])
+def test_a_forged_exact_type_is_a_damaged_manifest(store, tmp_path, bad):
+    """The tags of the exact types are checked like the others: a malformed one makes the manifest
+    damaged (an OrderedDict given ``__class__`` would have had it set on the pulled object; one given
+    ``items`` had its method hidden: torch.save failed with a TypeError traceback)."""
+    from ckpt.errors import StoreFormatError
+
+    model = torch.nn.Linear(2, 2).state_dict()
+    model["step"] = torch.ones(1, dtype=torch.int64)
+    torch.save({"model": model, "epoch": 3}, tmp_path / "m.pt")
+    store.push(tmp_path / "m.pt", "m")
+    pairs = {"model.weight": 0, "model.step": 2}
+
+    def forge(doc: dict) -> None:  # a Parameter in place of its tensor, other values in place of the epoch
+        if "__parameter__" in bad:
+            _model_pairs(doc)[pairs[bad["__parameter__"][0]["__tensor__"]]][1] = bad
+        else:
+            _epoch(doc, bad)
+
+    with pytest.raises(StoreFormatError, match="structure"):
+        store.pull(_forge(store, "m", forge), tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
 
 
 def test_load_gives_the_pushed_structure_only_when_asked(store, tmp_path):
@@ -961,12 +1102,40 @@ def test_a_checkpoint_pushed_before_structures_were_kept_pulls_flat(store, tmp_p
                      {k: back[k] for k in sorted(back, key=lambda k: (k in ("epoch", "optim.param_groups"), k))})
 
 
+def test_a_value_nested_too_deeply_for_a_torch_file_is_refused(store, tmp_path, capsys):
+    """A version-1 manifest (an older push kept any value json.dumps took; or one made by hand) may hold
+    a value hundreds of lists deep, which the reader takes but torch.save cannot write: a pull to a
+    .pt ended in a RecursionError traceback. It is a DestinationError now, one line at the CLI, and
+    nothing is left at the destination."""
+    from ckpt_store.cli.main import main
+
+    torch.save({"w": torch.ones(2), "epoch": 3}, tmp_path / "m.pt")
+    store.push(tmp_path / "m.pt", "m")
+    doc = store.objects.get_manifest(store.resolve("m"))
+    assert json.loads(doc)["version"] == 1 and b'"epoch":3' in doc
+    deep = doc.replace(b'"epoch":3', b'"epoch":' + b"[" * 700 + b"]" * 700)
+    store.refs_db.set("deep", store.objects.put_manifest(deep))
+    with pytest.raises(DestinationError, match="nested too deeply"):
+        store.pull("deep", tmp_path / "out.pt")
+    with pytest.raises(SystemExit) as e:
+        main(["--store", store.url, "pull", "deep", str(tmp_path / "cli.pt")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code != 0 and "nested too deeply" in err and len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pt", "store"]
+    assert _bits(load_file(store.pull("deep", tmp_path / "w.safetensors"))["w"]) == _bits(torch.ones(2))
+
+
 def _model_pairs(doc: dict) -> list:
-    return doc["extra"][""]["__dict__"][0][1]["__dict__"]  # [["weight", {"__tensor__": "model.weight"}], ["bias", ...]]
+    return doc["extra"][""]["__dict__"][0][1]["__odict__"][0]  # [["weight", {"__tensor__": "model.weight"}], ["bias", ...]]
 
 
 def _epoch(doc: dict, value: object) -> None:
     doc["extra"][""]["__dict__"][1][1] = value
+
+
+def _swap(doc: dict) -> None:
+    pairs = _model_pairs(doc)
+    pairs[0][1], pairs[1][1] = pairs[1][1], pairs[0][1]
 
 
 def _deep(depth: int) -> object:
@@ -987,12 +1156,23 @@ def _deep(depth: int) -> object:
     lambda d: _epoch(d, {"__tensor__": 1}),
     lambda d: _epoch(d, _deep(70)),
     lambda d: d["extra"].__setitem__("", [{"__tensor__": "model.weight"}, {"__tensor__": "model.bias"}]),
+    lambda d: _model_pairs(d)[1].__setitem__(0, "weight"),
+    lambda d: (_model_pairs(d)[0].__setitem__(0, 1), _model_pairs(d)[1].__setitem__(0, True)),
+    lambda d: _epoch(d, {"__dict__": ["ab"]}),
+    _swap,
+    lambda d: _model_pairs(d)[0].__setitem__(1, {"__set__": [{"__tensor__": "model.weight"}]}),
 ], ids=["missing_tensor", "tensor_left_out", "tensor_twice", "tensor_named_twice", "tensor_as_key", "bad_tuple",
-        "bad_dtype", "bad_tensor_ref", "too_deep", "not_a_dict"])
+        "bad_dtype", "bad_tensor_ref", "too_deep", "not_a_dict", "key_twice", "int_and_bool_key", "not_a_pair",
+        "tensors_swapped", "tensor_in_a_set"])
 def test_a_forged_structure_is_a_damaged_manifest(store, tmp_path, forge, capsys):
     """A structure that names a tensor the checkpoint lacks, leaves one out or names one twice, uses a
     tag that does not decode, nests past MAX_DEPTH or is not a dict: the manifest is damaged (a clear
-    StoreFormatError, one line at the CLI), never a traceback or a file holding other tensors."""
+    StoreFormatError, one line at the CLI), never a traceback or a file holding other tensors. So is a
+    dict given one key twice (``weight``, or ``1`` and ``true``, equal keys in Python) or a pair that is
+    not ``[key, value]`` (``"ab"`` unpacked as one): it decoded to a dict that silently lost a tensor.
+    And so is one holding a tensor anywhere but at the place its flat name spells: swapped, the pulled
+    file had ``weight`` where ``load`` and a safetensors pull have ``bias``; in a set, where no push
+    puts one."""
     from ckpt.errors import StoreFormatError
     from ckpt_store.cli.main import main
 
