@@ -716,14 +716,33 @@ class CheckpointManager:
 
     # -- retention -------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """Steps of the run's live snapshots, oldest first."""
+        """Steps of the run's live snapshots, oldest first. A checkpoint pushed under the run's name
+        (``RUN/step-N``) is none: told by its summary in the store's metadata index, else by its manifest;
+        one that cannot be read is listed (restoring it names the damage)."""
+        from ckpt.store.catalog import snapshot_kinds
+
+        found = self._step_refs()
+        kinds = snapshot_kinds(self.store, found.values())
+
+        def snapshot(mid: str) -> bool:
+            if mid in kinds:
+                return kinds[mid]
+            try:
+                return is_snapshot(self.store.manifest(mid))
+            except CkptError:
+                return True
+
+        return sorted(s for s, mid in found.items() if snapshot(mid))
+
+    def _step_refs(self) -> dict[int, str]:
+        """The run's live refs RUN/step-N, snapshots or not: step -> checkpoint id."""
         prefix = f"{self.run}/"
-        out = []
-        for name in live_refs_of(self.store, self.run):
+        found: dict[int, str] = {}
+        for name, entry in live_refs_of(self.store, self.run).items():
             m = _STEP.match(name[len(prefix):]) if name.startswith(prefix) else None
-            if m:
-                out.append(int(m.group(1)))
-        return sorted(out)
+            if m and entry.target is not None:
+                found[int(m.group(1))] = entry.target
+        return found
 
     def _metric(self, step: int) -> dict[str, float]:
         if step not in self._metrics:
@@ -766,7 +785,7 @@ class CheckpointManager:
 
         with self._retaining:
             if self._retained is None:
-                self._retained = set(self.steps())
+                self._retained = set(self._step_refs())  # (each checked below: a pushed one is named in a warning)
             self._retained.add(saved)
             steps = []
             targets: dict[int, str] = {}  # what each counted step named when checked: removed only while it still does
