@@ -40,6 +40,7 @@ from ckpt.snapshot.run import (
     TierWarning,
     is_snapshot,
     modified_under_save,
+    not_a_snapshot,
 )
 from ckpt.snapshot.tiers import MISSES as TIER_MISSES
 from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe, live_refs_of, out_of_space
@@ -864,7 +865,12 @@ class CheckpointManager:
         self.wait()
         if self._local is None:
             mid = self._resolve(lambda: self.store.resolve(self._durable.latest))
-            return None if mid is None else snapshot_step(self.store.manifest(mid))
+            if mid is None:
+                return None
+            m = self.store.manifest(mid)
+            if not is_snapshot(m):  # (as restore_latest refuses it, not "no snapshot")
+                raise not_a_snapshot(mid, m.source)
+            return snapshot_step(m)
         if self._distributed:
             chosen = self._group_path.choose(self.store, self._durable.latest)
             return None if chosen is None else chosen[0]
@@ -920,6 +926,8 @@ class CheckpointManager:
         try:
             mid = self.store.resolve(self._durable.latest)
             m = parsed[mid] = self.store.manifest(mid)
+            if not is_snapshot(m):  # refused, as without a tier: never passed over for an older step, or none
+                raise not_a_snapshot(mid, m.source)
             step = snapshot_step(m)
             if step is not None:
                 found[step] = mid
