@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import signal
 import threading
 import time
@@ -43,7 +42,7 @@ from ckpt.snapshot.run import (
     not_a_snapshot,
 )
 from ckpt.snapshot.tiers import MISSES as TIER_MISSES
-from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe, live_refs_of, out_of_space
+from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe, live_refs_of, out_of_space, step_of
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
@@ -82,7 +81,6 @@ def _recorded(step: int, metrics: dict[str, float] | None) -> dict[str, Any]:
             continue
         out[name] = v
     return out
-_STEP = re.compile(r"^step-([0-9]+)\Z")
 SAVE_MODES = ("async", "sync", "overlap")
 UNCHANGED_BY = ("version", "hash")
 
@@ -737,12 +735,11 @@ class CheckpointManager:
 
     def _step_refs(self) -> dict[int, str]:
         """The run's live refs RUN/step-N, snapshots or not: step -> checkpoint id."""
-        prefix = f"{self.run}/"
         found: dict[int, str] = {}
         for name, entry in live_refs_of(self.store, self.run).items():
-            m = _STEP.match(name[len(prefix):]) if name.startswith(prefix) else None
-            if m and entry.target is not None:
-                found[int(m.group(1))] = entry.target
+            step = step_of(self.run, name)
+            if step is not None and entry.target is not None:
+                found[step] = entry.target
         return found
 
     def _metric(self, step: int) -> dict[str, float]:

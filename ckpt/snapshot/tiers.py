@@ -96,10 +96,11 @@ def private_root(path: Path) -> None:
 
 
 def step_of(run: str, ref: str) -> int | None:
-    """N for the ref ``RUN/step-N`` of ``run``, else None."""
+    """N for the ref ``RUN/step-N`` of ``run``, else None: N spelled as the manager names its step
+    (``SnapshotRun.ref``), so ``RUN/step-007`` is none (the ref of step 7 is ``RUN/step-7``)."""
     prefix = f"{run}/step-"
     tail = ref[len(prefix):] if ref.startswith(prefix) else ""
-    return int(tail) if tail.isascii() and tail.isdigit() else None
+    return int(tail) if tail.isascii() and tail.isdigit() and str(int(tail)) == tail else None
 
 
 def live_refs_of(store: Store, run: str) -> dict[str, RefEntry]:

@@ -25,7 +25,7 @@ from ckpt.snapshot.run import is_snapshot
 from ckpt.store import catalog
 from ckpt_store.cli import results
 
-STEP_REF = re.compile(r"^(?P<run>.+)/step-(?P<step>[0-9]+)\Z")
+STEP_REF = re.compile(r"^(?P<run>.+)/step-(?P<step>0|[1-9][0-9]*)\Z")  # (RUN/step-007 is no step: the manager's is RUN/step-7)
 MAX_PAGE = 1000  # the most rows one request returns, whatever it asks for
 CACHE_TENSORS = 1_000_000  # tensors the view's caches hold (a parsed manifest: ~600 bytes a tensor)
 HISTORY_PAGE = 100  # rows of a history (a ref's log, a run's snapshots) a request returns unless it asks: one manifest read each

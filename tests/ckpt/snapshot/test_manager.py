@@ -227,6 +227,29 @@ def test_steps_leave_out_a_checkpoint_pushed_under_the_run(tmp_path, monkeypatch
     assert sorted(store.refs()) == ["run/latest", "run/step-1", "run/step-2", "run/step-5", "run/step-7"]
 
 
+def test_a_step_ref_spelled_with_leading_zeros_is_no_step(tmp_path):
+    """RUN/step-007 (a snapshot set under a second spelling, then RUN/step-7 removed) was listed by steps()
+    as step 7, which restore(7) could not find (it reads RUN/step-7), and the web view's run page showed it
+    as step 7, one row with RUN/step-7 where both exist. A step's ref is the manager's spelling alone."""
+    from ckpt_store.cli.web.data import StoreView
+
+    url = str(tmp_path / "s")
+    with ckpt.CheckpointManager(url, "run", save_mode="sync") as mgr:
+        for step in (1, 7):
+            mgr.save(step, {"w": torch.full((2,), float(step))})
+    store = ckpt.Store.open(url)
+    store.refs_db.set("run/step-007", store.resolve("run/step-7"))
+    store.refs_db.set("run/step-01", store.resolve("run/step-1"))
+    store.remove("run/step-7")
+    with ckpt.CheckpointManager(url, "run", save_mode="sync", keep_last=1) as mgr:
+        assert mgr.steps() == [1]
+        mgr.save(8, {"w": torch.ones(2)})
+    rows = StoreView(store).run("run")["snapshots"]
+    assert [(r["step"], r["ref"], r["live"]) for r in rows] == [(1, "run/step-1", False), (7, "run/step-7", False),
+                                                               (8, "run/step-8", True)]
+    assert sorted(store.refs()) == ["run/latest", "run/step-007", "run/step-01", "run/step-8"]
+
+
 def test_retention_never_removes_a_checkpoint_pushed_over_a_step_while_it_prunes(tmp_path, monkeypatch, caplog):
     """Retention checked what RUN/step-N named, then removed the ref by name: a user's push over it in
     between (another process) was removed unseen. The removal now names the checkpoint it checked."""
