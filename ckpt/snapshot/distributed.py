@@ -470,7 +470,7 @@ class DistributedSnapshots:
 
         m = tiers.get_manifest(mid) if tiers is not None else self.run.store.manifest(mid)
         if not is_snapshot(m):
-            raise not_a_snapshot(mid, m)
+            raise not_a_snapshot(mid, m.source)
         snap = m.extra.get("snapshot")
         if not isinstance(snap, dict) or snap.get("format") not in SNAPSHOT_FORMATS or not snap.get("ranks"):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a distributed snapshot of this ckpt version",

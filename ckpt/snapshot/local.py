@@ -314,7 +314,7 @@ class LocalSnapshots:
         tiers = tiers or Tiers([("store", self.store)])
         m = tiers.get_manifest(mid)
         if not is_snapshot(m):
-            raise not_a_snapshot(mid, m)
+            raise not_a_snapshot(mid, m.source)
         snap = m.extra.get("snapshot")
         if not isinstance(snap, dict) or snap.get("format") not in SNAPSHOT_FORMATS or not isinstance(snap.get("tree"), dict):
             raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")

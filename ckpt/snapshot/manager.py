@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 import signal
 import threading
 import time
@@ -40,9 +39,10 @@ from ckpt.snapshot.run import (
     TierWarning,
     is_snapshot,
     modified_under_save,
+    not_a_snapshot,
 )
 from ckpt.snapshot.tiers import MISSES as TIER_MISSES
-from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe, live_refs_of, out_of_space
+from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe, live_refs_of, out_of_space, step_of
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
@@ -81,7 +81,6 @@ def _recorded(step: int, metrics: dict[str, float] | None) -> dict[str, Any]:
             continue
         out[name] = v
     return out
-_STEP = re.compile(r"^step-([0-9]+)\Z")
 SAVE_MODES = ("async", "sync", "overlap")
 UNCHANGED_BY = ("version", "hash")
 
@@ -716,14 +715,32 @@ class CheckpointManager:
 
     # -- retention -------------------------------------------------------------------
     def steps(self) -> list[int]:
-        """Steps of the run's live snapshots, oldest first."""
-        prefix = f"{self.run}/"
-        out = []
-        for name in live_refs_of(self.store, self.run):
-            m = _STEP.match(name[len(prefix):]) if name.startswith(prefix) else None
-            if m:
-                out.append(int(m.group(1)))
-        return sorted(out)
+        """Steps of the run's live snapshots, oldest first. A checkpoint pushed under the run's name
+        (``RUN/step-N``) is none: told by its summary in the store's metadata index, else by its manifest;
+        one that cannot be read is listed (restoring it names the damage)."""
+        from ckpt.store.catalog import snapshot_kinds
+
+        found = self._step_refs()
+        kinds = snapshot_kinds(self.store, found.values())
+
+        def snapshot(mid: str) -> bool:
+            if mid in kinds:
+                return kinds[mid]
+            try:
+                return is_snapshot(self.store.manifest(mid))
+            except CkptError:
+                return True
+
+        return sorted(s for s, mid in found.items() if snapshot(mid))
+
+    def _step_refs(self) -> dict[int, str]:
+        """The run's live refs RUN/step-N, snapshots or not: step -> checkpoint id."""
+        found: dict[int, str] = {}
+        for name, entry in live_refs_of(self.store, self.run).items():
+            step = step_of(self.run, name)
+            if step is not None and entry.target is not None:
+                found[step] = entry.target
+        return found
 
     def _metric(self, step: int) -> dict[str, float]:
         if step not in self._metrics:
@@ -766,7 +783,7 @@ class CheckpointManager:
 
         with self._retaining:
             if self._retained is None:
-                self._retained = set(self.steps())
+                self._retained = set(self._step_refs())  # (each checked below: a pushed one is named in a warning)
             self._retained.add(saved)
             steps = []
             targets: dict[int, str] = {}  # what each counted step named when checked: removed only while it still does
@@ -845,7 +862,12 @@ class CheckpointManager:
         self.wait()
         if self._local is None:
             mid = self._resolve(lambda: self.store.resolve(self._durable.latest))
-            return None if mid is None else snapshot_step(self.store.manifest(mid))
+            if mid is None:
+                return None
+            m = self.store.manifest(mid)
+            if not is_snapshot(m):  # (as restore_latest refuses it, not "no snapshot")
+                raise not_a_snapshot(mid, m.source)
+            return snapshot_step(m)
         if self._distributed:
             chosen = self._group_path.choose(self.store, self._durable.latest)
             return None if chosen is None else chosen[0]
@@ -901,6 +923,8 @@ class CheckpointManager:
         try:
             mid = self.store.resolve(self._durable.latest)
             m = parsed[mid] = self.store.manifest(mid)
+            if not is_snapshot(m):  # refused, as without a tier: never passed over for an older step, or none
+                raise not_a_snapshot(mid, m.source)
             step = snapshot_step(m)
             if step is not None:
                 found[step] = mid

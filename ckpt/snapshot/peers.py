@@ -301,11 +301,13 @@ class Peers:
         view: Any = None
         if self.rank == 0:
             try:
+                from ckpt.snapshot.run import is_snapshot
+
                 dmid = durable.resolve(latest)
                 dm = durable.manifest(dmid)
-                view = (dmid, snapshot_step(dm), dm.created)
+                view = (dmid, snapshot_step(dm), dm.created, None if is_snapshot(dm) else dm.source)
             except RefNotFoundError:
-                view = (None, None, None)
+                view = (None, None, None, None)
             except Exception as e:  # noqa: BLE001 - raised below, on every rank
                 view = describe(e)
         inventory, made = self.inventory(), {}
@@ -321,7 +323,11 @@ class Peers:
 
             raise SnapshotError(f"restore not done: rank 0 could not read {latest} in {durable.url} ({view})",
                                 hint="restore again once the durable store answers; see rank 0's log")
-        dmid, dstep, dmade = view
+        dmid, dstep, dmade, pushed = view
+        if pushed is not None:  # refused on every rank, as without tiers: never passed over for an older step
+            from ckpt.snapshot.run import not_a_snapshot
+
+            raise not_a_snapshot(dmid, pushed)
         inventories = [inv for inv, _, _ in gathered]
         if dmid is not None and dstep is not None:  # steps of a timeline the run left are no candidates
             for r, (inv, made_r, _) in enumerate(gathered):

@@ -52,10 +52,11 @@ class ResumeWarning(RuntimeWarning):
     process lays out afresh)."""
 
 
-def not_a_snapshot(mid: str, m: Manifest) -> SnapshotError:
-    """The error of a restore of ``m`` (manifest ``mid``), which no snapshot manager wrote (:func:`is_snapshot`):
-    a checkpoint pushed under a run's ref name (``RUN/step-N``, ``RUN/latest``) is never restored as training state."""
-    return SnapshotError(f"checkpoint {mid[:12]} is not a snapshot: it was pushed ({m.source}), not saved by a CheckpointManager",
+def not_a_snapshot(mid: str, source: str) -> SnapshotError:
+    """The error of a restore of manifest ``mid`` (of ``source``), which no snapshot manager wrote (:func:`is_snapshot`):
+    a checkpoint pushed under a run's ref name (``RUN/step-N``, ``RUN/latest``) is never restored as training state,
+    nor passed over for an older step, whatever tier or group restores it."""
+    return SnapshotError(f"checkpoint {mid[:12]} is not a snapshot: it was pushed ({source}), not saved by a CheckpointManager",
                          hint="push it under a name outside the run and `ckpt rm` this one, or restore another step")
 
 

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest, TensorEntry
     from ckpt.settings import Settings
     from ckpt.store.store import Store
+    from ckpt_store.storage.refs import RefEntry
 
 log = logging.getLogger(__name__)
 
@@ -95,20 +96,21 @@ def private_root(path: Path) -> None:
 
 
 def step_of(run: str, ref: str) -> int | None:
-    """N for the ref ``RUN/step-N`` of ``run``, else None."""
+    """N for the ref ``RUN/step-N`` of ``run``, else None: N spelled as the manager names its step
+    (``SnapshotRun.ref``), so ``RUN/step-007`` is none (the ref of step 7 is ``RUN/step-7``)."""
     prefix = f"{run}/step-"
     tail = ref[len(prefix):] if ref.startswith(prefix) else ""
-    return int(tail) if tail.isascii() and tail.isdigit() else None
+    return int(tail) if tail.isascii() and tail.isdigit() and str(int(tail)) == tail else None
 
 
-def live_refs_of(store: Store, run: str) -> list[str]:
-    """Names of the live refs of ``store`` (from its index), or, where some ref there cannot be
-    read, of the live refs under ``run`` alone: a damaged ref of another run, or anyone's, must not
+def live_refs_of(store: Store, run: str) -> dict[str, RefEntry]:
+    """The live refs of ``store`` and their entries, by name (from its index), or, where some ref there
+    cannot be read, the live refs under ``run`` alone: a damaged ref of another run, or anyone's, must not
     stop this run's saves and retention. A damaged ref of the run is left out (kept, not pruned)."""
     try:
-        return list(store.refs())
+        return store.refs()
     except StoreFormatError:
-        return list(store.refs_db.scan(run)[0])
+        return store.refs_db.scan(run)[0]
 
 
 TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is

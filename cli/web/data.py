@@ -25,7 +25,7 @@ from ckpt.snapshot.run import is_snapshot
 from ckpt.store import catalog
 from ckpt_store.cli import results
 
-STEP_REF = re.compile(r"^(?P<run>.+)/step-(?P<step>[0-9]+)\Z")
+STEP_REF = re.compile(r"^(?P<run>.+)/step-(?P<step>0|[1-9][0-9]*)\Z")  # (RUN/step-007 is no step: the manager's is RUN/step-7)
 MAX_PAGE = 1000  # the most rows one request returns, whatever it asks for
 CACHE_TENSORS = 1_000_000  # tensors the view's caches hold (a parsed manifest: ~600 bytes a tensor)
 HISTORY_PAGE = 100  # rows of a history (a ref's log, a run's snapshots) a request returns unless it asks: one manifest read each
@@ -254,12 +254,20 @@ class StoreView:
         for tier, store in reversed(tiers):  # the durable store's sizes win where both hold a chunk
             sizes.update(store.chunk_sizes() if store is not self.store else self.chunk_sizes())
             histories, damaged = store.readable_ref_history(name)  # one damaged step must not hide the run
-            for ref, entries in histories.items():
+            steps = {ref: entries for ref, entries in histories.items()
+                     if (m := STEP_REF.match(ref)) and m["run"] == name and (entries or ref in damaged)}
+            pushed = self._pushed(store, [e[0].target for e in steps.values() if e and e[0].target is not None])
+            for ref, entries in steps.items():
                 m = STEP_REF.match(ref)
-                if not m or m["run"] != name or not (entries or ref in damaged):
-                    continue
+                assert m is not None
                 step = int(m["step"])
                 live = bool(entries) and entries[0].target is not None
+                gone_at = entries[0].time if entries else None
+                if live and entries[0].target in pushed:  # a user's checkpoint under the name: none of the run's steps
+                    entries = [e for e in entries if e.target not in pushed]
+                    if not any(e.target is not None for e in entries):
+                        continue
+                    live = False  # a snapshot of the step it named before is shown removed, when it was pushed over
                 target = next((e.target for e in entries if e.target is not None), None)
                 row = found.setdefault(step, {"step": step, "ref": ref, "id": target, "live": False, "removed_at": None,
                                               "saved_at": None, "metrics": {}, "logical_bytes": None, "new_bytes": None,
@@ -272,7 +280,7 @@ class StoreView:
                     row["tiers"] = sorted({*row["tiers"], tier})  # "durable" sorts before "local"
                     row["id"] = target
                 elif not row["live"]:
-                    row["removed_at"] = entries[0].time
+                    row["removed_at"] = gone_at
                 if target is not None:  # where its manifest can be read: the first of these that answers
                     row.setdefault("_sources", []).append((target, store))
         if not found:
@@ -304,6 +312,24 @@ class StoreView:
         keys = sorted({k for r in shown for k in r["metrics"]})
         return {"run": name, "latest": live[-1]["id"] if live else None, "metrics": keys, "snapshots": shown, "page": pg,
                 "kept": len(live)}
+
+    def _pushed(self, store: ckpt.Store, mids: list[str]) -> set[str]:
+        """Those of ``mids`` (live in ``store``) that are no snapshots (:func:`~ckpt.snapshot.run.is_snapshot`):
+        a user's checkpoint pushed under a run's name. From the metadata index's summaries, else each manifest
+        (cached); one that cannot be read is not known to be pushed (its row names the damage)."""
+        kinds = catalog.snapshot_kinds(store, mids)
+        out = set()
+        for mid in mids:
+            if mid in kinds:
+                if not kinds[mid]:
+                    out.add(mid)
+                continue
+            try:
+                if not is_snapshot(self.manifest(mid, store)):
+                    out.add(mid)
+            except CkptError:
+                pass
+        return out
 
     def _snapshot_chunks(self, row: dict[str, Any]) -> set[str] | None:
         """Fill a :meth:`run` row from its manifest (metrics, time saved, sizes); its own chunks, None where

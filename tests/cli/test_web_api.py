@@ -586,7 +586,7 @@ def test_a_run_whose_metrics_are_any_json_is_drawn(tmp_path):
     for step, loss in ((1, 10**400), (2, 0.5), (3, True), (4, "nan?")):
         mid = store.push({"w": torch.full((4,), float(step))}, f"r/step-{step}")
         doc = json.loads(store.objects.get_manifest(mid))
-        doc["extra"] = {"snapshot": {"step": step, "metrics": {"loss": loss}}}
+        doc["extra"], doc["source"] = {"snapshot": {"step": step, "metrics": {"loss": loss}}}, "snapshot"  # (a manager's)
         data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         store.refs_db.set(f"r/step-{step}", store.objects.put_manifest(data))
     c = TestClient(create_app(store))
@@ -627,7 +627,7 @@ def test_a_run_page_goes_on_past_a_damaged_snapshot_ref(tmp_path, which):
     for step in (1, 2, 3):
         mid = store.push({"w": torch.full((4,), float(step))}, f"r/step-{step}")
         doc = json.loads(store.objects.get_manifest(mid))
-        doc["extra"] = {"snapshot": {"step": step, "metrics": {"loss": 1.0 / step}}}
+        doc["extra"], doc["source"] = {"snapshot": {"step": step, "metrics": {"loss": 1.0 / step}}}, "snapshot"  # (a manager's)
         data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         store.refs_db.set(f"r/step-{step}", store.objects.put_manifest(data))
     (tmp_path / "store" / "refs" / "r" / "step-2" / f"{which:010d}.ref").write_bytes(b"{")
@@ -708,6 +708,33 @@ def test_a_pushed_file_with_a_snapshot_entry_is_no_run(tmp_path):
     c = TestClient(create_app(store))
     assert 'href="/run/run"' not in c.get("/checkpoint/run/step-1").text
     assert 'href="/run/real"' in c.get("/checkpoint/real/step-1").text
+
+
+def test_a_run_page_leaves_out_checkpoints_pushed_under_the_run(tmp_path, monkeypatch):
+    """The run page listed every ref RUN/step-N as a snapshot of the run: a user's checkpoint pushed as
+    run/step-9 was a live step (the run's latest), and one pushed over run/step-2 showed the pushed
+    checkpoint as that step. A pushed step is no row; a snapshot pushed over shows removed, from then.
+    Which are pushed is read off the metadata index's summaries, not a manifest each."""
+    from ckpt_store.cli.web.data import StoreView
+
+    store = ckpt.Store.init(tmp_path / "s")
+    with ckpt.CheckpointManager(store, "run", save_mode="sync") as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.ones(2)}, metrics={"loss": 1.0 / step})
+    snapshot = store.resolve("run/step-2")
+    store.push({"w": torch.arange(3.0)}, "run/step-9")
+    store.push({"w": torch.arange(5.0)}, "run/step-2")
+    pushed_at = store.log("run/step-2")[0].time
+    view = StoreView(store)
+    reads = []
+    real = view.manifest
+    monkeypatch.setattr(view, "manifest", lambda mid, s=None: reads.append(mid) or real(mid, s))
+    doc = view.run("run")
+    rows = doc["snapshots"]
+    assert [(r["step"], r["live"], r["latest"], r["tier"]) for r in rows] == [(1, True, True, "durable"), (2, False, False, "removed")]
+    assert rows[1]["id"] == snapshot and rows[1]["removed_at"] == pushed_at and rows[1]["metrics"] == {"loss": 0.5}
+    assert doc["kept"] == 1 and doc["latest"] == store.resolve("run/step-1")
+    assert sorted(reads) == sorted([store.resolve("run/step-1"), snapshot])  # the page's own rows, no more
 
 
 def test_a_diff_heatmap_holds_one_cell_per_tensor(tmp_path):

@@ -733,6 +733,38 @@ def tiers_restore_unread(rank, world, tmp, store, failing, missing=False):
     return {"outcome": outcome, "seconds": seconds, "exact": _ddp_bits(fresh) == want}
 
 
+def tiers_pushed_latest(rank, world, tmp, store):
+    """Local tiers (every 2 steps, persisted every 4): train to 8, then a user's checkpoint is pushed as
+    RUN/latest. Fresh managers (with the run's tiers, with fresh empty ones, without tiers) restore and
+    ask for the latest step: what each call raised or returned, by case."""
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+
+    def manager(local):
+        kw = {} if local is None else {"local": local, "local_every_n_steps": 2, "replicas": 1}
+        return ckpt.CheckpointManager(store, "ddp", every_n_steps=4, process_group=dist.group.WORLD, timeout_s=20, **kw)
+
+    mgr = manager(os.path.join(tmp, "local"))
+    _ddp_train(mgr, _ddp_state(rank), range(1, 9))
+    mgr.close()
+    if rank == 0:
+        ckpt.Store.open(store).push({"w": torch.arange(4.0)}, "ddp/latest")
+    dist.barrier()
+    out = {}
+    for case, local in (("tiers", os.path.join(tmp, "local")), ("fresh", os.path.join(tmp, "fresh")), ("none", None)):
+        mgr = manager(local)
+        for call in ("latest_step", "restore_latest"):
+            try:
+                got = mgr.latest_step() if call == "latest_step" else mgr.restore_latest(_ddp_state(rank))
+                out[f"{case} {call}"] = got
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out[f"{case} {call}"] = f"{type(e).__name__}: {e}"
+        mgr.close()
+    return out
+
+
 def restore_stale_view(rank, world, tmp, store, view):
     """DDP state saved at steps 1..4 (no tiers); a fresh manager restores the latest while rank 1 sees
     the store's RUN/latest apart (a shared file system's stale listing): ``stale``, still naming step 3;
@@ -1586,6 +1618,7 @@ SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
              "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,
+             "tiers_pushed_latest": tiers_pushed_latest,
              "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline,
              "ranks_disagree": ranks_disagree, "forged_key_path": forged_key_path,
              "save_fine_tunes": save_fine_tunes, "load_missing": load_missing,

@@ -205,6 +205,51 @@ def test_a_checkpoint_pushed_under_a_run_step_is_no_snapshot(tmp_path, caplog):
     assert store.verify().ok
 
 
+@pytest.mark.parametrize("index", ["1", "0"], ids=["index", "no-index"])
+def test_steps_leave_out_a_checkpoint_pushed_under_the_run(tmp_path, monkeypatch, index):
+    """steps() listed every ref RUN/step-N, a user's checkpoint pushed under the name too: restore(N) of
+    a step it listed was then refused as "not a snapshot". It tells them by the manifest's source, from
+    the metadata index's summaries (no manifest parsed each) where the store has one."""
+    monkeypatch.setenv("CKPT_INDEX", index)
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    torch.save({"w": torch.arange(4.0), "snapshot": {"step": 5}}, tmp_path / "user.pt")
+    store.push(str(tmp_path / "user.pt"), "run/step-5")
+    store.push({"w": torch.arange(2.0)}, "run/step-7")
+    with ckpt.CheckpointManager(store, "run", save_mode="sync") as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.ones(2)})
+        parsed = []
+        real = ckpt.Store.manifest
+        monkeypatch.setattr(ckpt.Store, "manifest", lambda self, ref: parsed.append(ref) or real(self, ref))
+        assert mgr.steps() == [1, 2]
+        assert mgr.steps() == [1, 2]
+    assert parsed == ([] if index == "1" else [store.resolve(f"run/step-{s}") for s in (1, 2, 5, 7)] * 2)
+    assert sorted(store.refs()) == ["run/latest", "run/step-1", "run/step-2", "run/step-5", "run/step-7"]
+
+
+def test_a_step_ref_spelled_with_leading_zeros_is_no_step(tmp_path):
+    """RUN/step-007 (a snapshot set under a second spelling, then RUN/step-7 removed) was listed by steps()
+    as step 7, which restore(7) could not find (it reads RUN/step-7), and the web view's run page showed it
+    as step 7, one row with RUN/step-7 where both exist. A step's ref is the manager's spelling alone."""
+    from ckpt_store.cli.web.data import StoreView
+
+    url = str(tmp_path / "s")
+    with ckpt.CheckpointManager(url, "run", save_mode="sync") as mgr:
+        for step in (1, 7):
+            mgr.save(step, {"w": torch.full((2,), float(step))})
+    store = ckpt.Store.open(url)
+    store.refs_db.set("run/step-007", store.resolve("run/step-7"))
+    store.refs_db.set("run/step-01", store.resolve("run/step-1"))
+    store.remove("run/step-7")
+    with ckpt.CheckpointManager(url, "run", save_mode="sync", keep_last=1) as mgr:
+        assert mgr.steps() == [1]
+        mgr.save(8, {"w": torch.ones(2)})
+    rows = StoreView(store).run("run")["snapshots"]
+    assert [(r["step"], r["ref"], r["live"]) for r in rows] == [(1, "run/step-1", False), (7, "run/step-7", False),
+                                                               (8, "run/step-8", True)]
+    assert sorted(store.refs()) == ["run/latest", "run/step-007", "run/step-01", "run/step-8"]
+
+
 def test_retention_never_removes_a_checkpoint_pushed_over_a_step_while_it_prunes(tmp_path, monkeypatch, caplog):
     """Retention checked what RUN/step-N named, then removed the ref by name: a user's push over it in
     between (another process) was removed unseen. The removal now names the checkpoint it checked."""

@@ -164,6 +164,18 @@ def test_ranks_agree_on_the_snapshot_to_restore_when_one_cannot_read_the_durable
             assert r["outcome"].startswith("SnapshotError") and "rank 0" in r["outcome"], r
 
 
+def test_a_checkpoint_pushed_as_run_latest_is_refused_by_a_group_as_by_one_process(tmp_path):
+    """A user's checkpoint pushed as RUN/latest over a group's run at step 8: with local tiers the ranks
+    passed over it in silence (the tiers' step 8, or None on fresh nodes: training began again), and
+    latest_step said None without tiers. Every rank of every case now refuses it, as one process does."""
+    out = W.run_ranks("tiers_pushed_latest", 2, str(tmp_path), store=str(tmp_path / "s"), deadline_s=150)
+    for r in out:
+        assert "error" not in r, r.get("trace")
+        assert sorted(r) == sorted(f"{case} {call}" for case in ("tiers", "fresh", "none") for call in ("latest_step", "restore_latest"))
+        for key, got in r.items():
+            assert isinstance(got, str) and got.startswith("SnapshotError: ") and "is not a snapshot: it was pushed" in got, (key, got)
+
+
 def test_a_nodes_tiers_left_from_a_timeline_the_run_has_left_are_not_resumed(tmp_path):
     """Trained to 12 with the tiers of node A, begun anew under the run's name on node B (its step 2
     persisted) and trained to 8, restarted on node A: node A's steps 10 and 12 predate the durable newest

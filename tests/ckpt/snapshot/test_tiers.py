@@ -710,3 +710,25 @@ def test_snapshot_step_of_a_checkpoint_no_manager_wrote_is_none(tmp_path):
         mgr.save(3, {"model": torch.nn.Linear(2, 2)})
     m = ckpt.Store.open(str(tmp_path / "s")).manifest("r/latest")
     assert snapshot_step(dataclasses.replace(m, source="state-dict")) is None
+
+
+@pytest.mark.parametrize("tier", ["holding", "empty", "none"])
+def test_a_checkpoint_pushed_as_run_latest_is_refused_with_a_local_tier_as_without(tmp_path, tier):
+    """A user's checkpoint pushed as RUN/latest over a run at step 8: without a local tier, restore_latest
+    refused it ("not a snapshot: it was pushed") but latest_step said None (no snapshot); with a local
+    tier both passed over it in silence, to the tier's step 8 or, on a fresh node (an empty tier), to
+    None: training began again from scratch. Every path now refuses it alike."""
+    from ckpt.snapshot.run import SnapshotError
+
+    url, local = str(tmp_path / "s"), str(tmp_path / "local")
+    with ckpt.CheckpointManager(url, "run", every_n_steps=4, local=local, local_every_n_steps=2, save_mode="sync") as mgr:
+        for step in range(1, 9):
+            mgr.maybe_save(step, {"w": torch.full((2,), float(step))})
+    pushed = ckpt.Store.open(url).push({"w": torch.arange(2.0)}, "run/latest")
+    kw = {} if tier == "none" else {"local": local if tier == "holding" else str(tmp_path / "fresh"), "local_every_n_steps": 2}
+    state = {"w": torch.zeros(2)}
+    with ckpt.CheckpointManager(url, "run", every_n_steps=4, save_mode="sync", **kw) as mgr:
+        for call in (mgr.latest_step, lambda: mgr.restore_latest(state)):
+            with pytest.raises(SnapshotError, match=f"checkpoint {pushed[:12]} is not a snapshot: it was pushed"):
+                call()
+    assert state["w"].tolist() == [0.0, 0.0] and ckpt.Store.open(url).resolve("run/latest") == pushed
