@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.format.dtypes import itemsize
-from ckpt.format.tagged_json import EXACT_TAGS, LATER_TAGS, ODICT, PARAMETER, SHARED, TENSOR, decode, tensor_refs, uses_tags
+from ckpt.format.tagged_json import EXACT_TAGS, LATER_TAGS, ODICT, PARAMETER, SHARED, SIZE, TAGS, TENSOR, decode, tensor_refs, uses_tags
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
@@ -405,9 +405,12 @@ def _check_structure(m: Manifest, what: str) -> None:
     # (decoded above, so well formed) Each value with the flat name of its place: None where no tensor
     # is in a state dict pushed (a dict key, a set's item, the value of a key neither str nor int).
     exact = m._version() >= EXACT_VERSION
+    values: dict[str, Any] = {}  # each value the structure holds where a flattening names one, by that name
     stack: list[tuple[Any, str | None]] = [(m.extra[STRUCTURE], "")]
     while stack:
         x, at = stack.pop()
+        if at and not _holds_entries(x, exact):
+            values[at], at = x, None  # (kept whole: nothing within it has a flat name)
         if isinstance(x, list):
             stack.extend((v, _place(at, i)) for i, v in enumerate(x))
         elif not isinstance(x, dict):
@@ -427,6 +430,45 @@ def _check_structure(m: Manifest, what: str) -> None:
             stack.extend((v, None) for v in x.values())
         else:
             stack.extend((v, _place(at, k)) for k, v in x.items())
+    # The values by flat name (extra_values(), a safetensors pull's metadata) are those the structure holds
+    # (a .pt pull): a structure holding another (an epoch of 4, by name 3) would give two answers.
+    flat = {k: v for k, v in m.extra.items() if k != STRUCTURE}
+    for name in sorted(set(values) | set(flat)):
+        if name not in values or name not in flat or canonical_json(_flat_value(values[name])) != canonical_json(flat[name]):
+            raise StoreFormatError(f"{what}: its structure and its value {name!r} disagree")
+
+
+def _holds_entries(x: Any, exact: bool) -> bool:
+    """Whether the flattening walks into structure value ``x`` (a non-empty dict, a list or tuple holding a
+    tensor, a tensor), rather than keeping it whole as one value."""
+    if isinstance(x, list):
+        return bool(tensor_refs(x))
+    if not isinstance(x, dict):
+        return False
+    tag = next(iter(x)) if len(x) == 1 else None
+    if tag == "__dict__" or (tag == ODICT and exact):
+        return bool(x[tag] if tag == "__dict__" else x[tag][0])
+    if tag in ("__tuple__", TENSOR) or (exact and tag in (PARAMETER, SHARED)):
+        return bool(tensor_refs(x))
+    return tag not in TAGS and bool(x)
+
+
+def _flat_value(x: Any) -> Any:
+    """Structure value ``x`` as ``extra`` holds it by name: without the exact types (encode's ``exact``), an
+    ``OrderedDict`` written as a dict and a ``torch.Size`` as a tuple."""
+    if isinstance(x, list):
+        return [_flat_value(v) for v in x]
+    if not isinstance(x, dict):
+        return x
+    if list(x) == [SIZE]:
+        return {"__tuple__": x[SIZE]}
+    if list(x) == [ODICT]:
+        pairs = [[_flat_value(k), _flat_value(v)] for k, v in x[ODICT][0]]
+        keys = [k for k, _ in pairs]
+        if all(isinstance(k, str) and k not in TAGS for k in keys) and all(a < b for a, b in zip(keys, keys[1:])):
+            return dict(pairs)
+        return {"__dict__": pairs}
+    return {k: _flat_value(v) for k, v in x.items()}
 
 
 def _place(at: str | None, key: Any) -> str | None:

@@ -1186,3 +1186,30 @@ def test_a_forged_structure_is_a_damaged_manifest(store, tmp_path, forge, capsys
     err = capsys.readouterr().err.strip()
     assert e.value.code != 0 and "structure" in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out.pt").exists() and not (tmp_path / "cli.pt").exists()
+
+
+@pytest.mark.parametrize("forge", [
+    lambda d: _epoch(d, 4),
+    lambda d: d["extra"].__setitem__("epoch", 4),
+    lambda d: d["extra"].pop("epoch"),
+    lambda d: d["extra"][""]["__dict__"].append(["lr", 0.1]),
+    lambda d: d["extra"].__setitem__("lr", 0.1),
+    lambda d: _epoch(d, {"__size__": [3]}),
+], ids=["structure", "by_name", "name_left_out", "structure_only", "name_only", "other_type"])
+def test_a_structure_and_its_values_by_name_that_disagree_are_a_damaged_manifest(store, tmp_path, forge):
+    """A structure holds the values ``extra`` holds by flat name: a forged one with an epoch of 4 where the
+    name says 3 pulled as a .pt holding 4 while ``extra_values()`` (ckpt show, a safetensors pull) said 3,
+    unchecked. Every way of reading must give one answer: the reader refuses such a manifest."""
+    from ckpt.errors import StoreFormatError
+
+    model = torch.nn.Linear(2, 2).state_dict()
+    saved = {"model": model, "epoch": 3, "shape": torch.Size([2, 2]), "cfg": {"odict": collections.OrderedDict(b=1, a=2), "e": {}},
+             "empty": collections.OrderedDict(), "ys": [torch.ones(1), (1, 2.5)]}
+    vars(saved["empty"])["note"] = 1
+    torch.save(saved, tmp_path / "m.pt")
+    store.push(tmp_path / "m.pt", "m")
+    assert store.manifest("m").extra_values()["epoch"] == 3  # (the genuine one reads)
+    _same_exactly(saved, torch.load(store.pull("m", tmp_path / "back.pt"), weights_only=True))
+    assert store.verify().ok
+    with pytest.raises(StoreFormatError, match="structure and its value"):
+        store.manifest(_forge(store, "m", forge))
