@@ -14,7 +14,8 @@ back too: ``{"__odict__": [[[k, v], ...], {attribute: value}]}`` for an ``Ordere
 ``{"__size__": [ints]}`` for a ``torch.Size`` and ``{"__parameter__": [{"__tensor__": NAME},
 requires_grad]}`` for an ``nn.Parameter``, and ``{"__shared__": [that tensor's value, NAME]}`` for a tensor
 that shares the memory of the one named NAME met before it (tied weights: the same storage, offset,
-shape, strides and dtype), which it shares again when decoded.
+shape, strides and dtype), which it shares again when decoded; ``{"__shared__": [value, NAME, true]}`` where it
+is the very object met before by NAME, which it is again when decoded.
 
 Snapshots (``ckpt.snapshot.state``) and distributed checkpoints (``ckpt.dcp.format``)
 both write and read values through this module: one encoder, one strict decoder.
@@ -106,6 +107,7 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
     """
     walk = guard if guard is not None else ExpansionGuard()
     memory: dict[tuple[Any, ...], str] = {}  # (exact) where each tensor's bytes lie -> the name of the first there
+    objects: dict[int, str] = {}  # (exact) id of each tensor met (``x`` keeps it alive) -> the name it was first met by
 
     def enc(x: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -163,6 +165,9 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
             if not exact:
                 return ref
             value = {PARAMETER: [ref, x.requires_grad]} if type(x) is _torch().nn.Parameter else ref
+            same = objects.setdefault(id(x), ref[TENSOR])
+            if same != ref[TENSOR]:  # the very object met before (torch.load gives it back as one object)
+                return {SHARED: [value, same, True]}
             if x.is_nested or x.layout != _torch().strided or x.is_meta or x.numel() == 0:
                 return value  # (no plain memory, which a push refuses; empty tensors may all lie at one address)
             try:
@@ -189,6 +194,8 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
     a ``torch.Size`` comes back as a tuple and a Parameter as what ``tensor`` gives.
     """
 
+    made: dict[str, Any] = {}  # each tensor's name -> the value decoded at its place (a __shared__ object's target)
+
     def dec(x: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise StoreFormatError(f"{what}: value nested too deeply")
@@ -202,9 +209,11 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
         if len(x) == 1 and isinstance(next(iter(x.values())), shape.get(next(iter(x)), ())):
             tag, v = next(iter(x.items()))
             inner = lambda e: dec(e, depth + 1)  # noqa: E731
-            value = _exact(tag, v, inner, torch_values) if tag in EXACT_TAGS else _later(tag, v, inner)
+            value = _exact(tag, v, inner, torch_values, made) if tag in EXACT_TAGS else _later(tag, v, inner)
             if value is None:
                 raise StoreFormatError(f"{what}: bad {tag} value")
+            if tag in (PARAMETER, SHARED):
+                made[tensor_refs(v)[0]] = value
             return value
         # Any other dict holding one of LATER_TAGS (or EXACT_TAGS) is what versions before those tags wrote as a plain dict.
         tags = [k for k in x if k in TAGS and k not in LATER_TAGS and k not in EXACT_TAGS]
@@ -224,7 +233,9 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
                 if tag == "__bytes__" and isinstance(v, str):
                     return bytes.fromhex(v)
                 if tag == TENSOR and isinstance(v, str) and tensor is not None:
-                    return tensor(v)
+                    t = tensor(v)
+                    made.setdefault(v, t)  # (a __shared__ looks its target up by name again: keep the value at its place)
+                    return t
             except (TypeError, ValueError):
                 pass
         raise StoreFormatError(f"{what}: bad {tag} value")
@@ -236,13 +247,13 @@ _LATER_SHAPE: dict[str, type] = {DTYPE: str, DEVICE: str, BYTEARRAY: str, COMPLE
 _EXACT_SHAPE: dict[str, type] = {ODICT: list, SIZE: list, PARAMETER: list, SHARED: list}
 
 
-def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool) -> Any:
+def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any]) -> Any:
     """The value of one of EXACT_TAGS (``v`` a list), or None where ``v`` is not what :func:`encode` writes."""
     if tag == SIZE:
         ok = all(isinstance(d, int) and not isinstance(d, bool) and -(1 << 63) <= d < 1 << 63 for d in v)
         return None if not ok else _torch().Size(v) if torch_values else tuple(v)
     if tag == SHARED:
-        return _shared(v, dec, torch_values)
+        return _shared(v, dec, torch_values, made)
     if tag == PARAMETER:
         if not (len(v) == 2 and isinstance(v[0], dict) and list(v[0]) == [TENSOR] and isinstance(v[1], bool)):
             return None
@@ -282,14 +293,18 @@ def _later(tag: str, v: Any, dec: Callable[[Any], Any]) -> Any:
         return None
 
 
-def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool) -> Any:
+def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any]) -> Any:
     """A ``__shared__`` value: its tensor (or Parameter), made to share the memory of the tensor it names,
-    whose bytes, dtype and shape it must have; None where ``v`` is not what :func:`encode` writes."""
-    ref = v[0] if len(v) == 2 and isinstance(v[0], dict) else None
+    whose bytes, dtype and shape it must have; with a third item ``true``, the very object decoded at that
+    name's place, which must be of its type and requires_grad too; None where ``v`` is not what
+    :func:`encode` writes."""
+    same = len(v) == 3 and v[2] is True
+    ref = v[0] if (len(v) == 2 or same) and isinstance(v[0], dict) else None
     if isinstance(ref, dict) and list(ref) == [PARAMETER] and isinstance(ref[PARAMETER], list) and ref[PARAMETER]:
         ref = ref[PARAMETER][0]
     if not (isinstance(ref, dict) and list(ref) == [TENSOR] and isinstance(v[1], str) and v[1] != ref[TENSOR]):
         return None
+    first = made.get(v[1])
     t, other = dec(v[0]), dec({TENSOR: v[1]})
     if not torch_values:
         return t
@@ -298,6 +313,8 @@ def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool) -> Any:
             and t.is_contiguous() and other.is_contiguous()
             and torch.equal(t.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8))):
         return None  # (named as shared, but other bytes: never handed out as the same tensor)
+    if same:
+        return first if type(first) is type(t) and first.requires_grad == t.requires_grad else None
     with torch.no_grad():
         t.set_(other.untyped_storage(), other.storage_offset(), other.shape, other.stride())
     return t

@@ -1213,3 +1213,44 @@ def test_a_structure_and_its_values_by_name_that_disagree_are_a_damaged_manifest
     assert store.verify().ok
     with pytest.raises(StoreFormatError, match="structure and its value"):
         store.manifest(_forge(store, "m", forge))
+
+
+def test_one_object_under_two_keys_pulls_back_as_one_object(store, tmp_path):
+    """``{"a": t, "b": t}`` (or one Parameter under two keys) is one object in a .pt: torch.load gives
+    ``o["a"] is o["b"]``. It came back as two objects sharing memory (a Parameter twice: two Parameters,
+    which an optimizer given both would step twice). The structure marks the very object met before
+    (``__shared__`` with ``true``), and the reader gives that object again, after checking it is of the
+    same bytes, type and requires_grad: a forged mark never makes two different tensors one."""
+    from ckpt.errors import StoreFormatError
+
+    t, p = torch.randn(3), torch.nn.Parameter(torch.randn(2))
+    frozen = torch.nn.Parameter(p.detach(), requires_grad=False)
+    saved = {"m": {"a": t, "b": t, "p": p, "view": p.detach(), "q": p, "e": [torch.ones(0)] * 2, "frozen": frozen}, "other": t + 1,
+             "r": t}
+    torch.save(saved, tmp_path / "same.pt")
+    store.push(tmp_path / "same.pt", "same")
+    want = torch.load(tmp_path / "same.pt", weights_only=True)
+    assert want["m"]["a"] is want["m"]["b"] is want["r"] and want["m"]["p"] is want["m"]["q"]
+    for got in (torch.load(store.pull("same", tmp_path / "back.pt"), weights_only=True), store.load("same", structure=True)):
+        _same_exactly(want, got)
+        m = got["m"]
+        assert m["a"] is m["b"] is got["r"] and m["p"] is m["q"] and m["e"][0] is m["e"][1]
+        assert m["view"] is not m["p"] and _memory(m["view"]) == _memory(m["p"]) and type(m["view"]) is torch.Tensor
+        assert got["other"] is not m["a"]
+    assert store.verify().ok
+
+    def forge(doc: dict, key: str, name: str) -> None:  # ``key`` said to be the object met by ``name``
+        pairs = doc["extra"][""]["m"]["__dict__"]
+        at = doc["extra"][""] if key == "other" else next(p for p in pairs if p[0] == key)
+        value = at[key] if key == "other" else at[1]
+        value = {"__shared__": [value.get("__shared__", [value])[0], name, True]}
+        if key == "other":
+            at[key] = value
+        else:
+            at[1] = value
+
+    # other bytes; a Tensor as the Parameter; another requires_grad; one met later; none
+    for key, name in (("other", "m.a"), ("view", "m.p"), ("frozen", "m.p"), ("a", "m.b"), ("a", "nope")):
+        with pytest.raises(StoreFormatError, match="structure"):
+            store.pull(_forge(store, "same", lambda d, key=key, name=name: forge(d, key, name)), tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
