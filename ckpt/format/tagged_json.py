@@ -12,7 +12,8 @@ stored tensor. Where asked for (``exact``: a pushed .pt's structure), the types 
 back too: ``{"__odict__": [[[k, v], ...], {attribute: value}]}`` for an ``OrderedDict`` (a module's
 ``state_dict()``, whose ``_metadata`` attribute holds the module versions ``load_state_dict`` reads),
 ``{"__size__": [ints]}`` for a ``torch.Size`` and ``{"__parameter__": [{"__tensor__": NAME},
-requires_grad]}`` for an ``nn.Parameter``, and ``{"__shared__": [that tensor's value, NAME]}`` for a tensor
+requires_grad]}`` for an ``nn.Parameter``, ``{"__requires_grad__": [{"__tensor__": NAME}]}`` for a plain tensor that
+requires grad, and ``{"__shared__": [that tensor's value, NAME]}`` for a tensor
 that shares the memory of the one named NAME met before it (tied weights: the same storage, offset,
 shape, strides and dtype), which it shares again when decoded; ``{"__shared__": [value, NAME, true]}`` where it
 is the very object met before by NAME, which it is again when decoded.
@@ -53,8 +54,9 @@ ODICT = "__odict__"
 SIZE = "__size__"
 PARAMETER = "__parameter__"
 SHARED = "__shared__"
+GRAD = "__requires_grad__"
 # Tags of the exact types (encode's ``exact``), added after LATER_TAGS in the same way (manifest version 4).
-EXACT_TAGS = (ODICT, SIZE, PARAMETER, SHARED)
+EXACT_TAGS = (ODICT, SIZE, PARAMETER, SHARED, GRAD)
 TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", *LATER_TAGS, *EXACT_TAGS, TENSOR)
 MAX_DEPTH = 64
 MAX_EXPANSION = 8
@@ -164,7 +166,7 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
             ref = {TENSOR: path if name is None else name}
             if not exact:
                 return ref
-            value = {PARAMETER: [ref, x.requires_grad]} if type(x) is _torch().nn.Parameter else ref
+            value = {PARAMETER: [ref, x.requires_grad]} if type(x) is _torch().nn.Parameter else {GRAD: [ref]} if x.requires_grad else ref
             same = objects.setdefault(id(x), ref[TENSOR])
             if same != ref[TENSOR]:  # the very object met before (torch.load gives it back as one object)
                 return {SHARED: [value, same, True]}
@@ -212,7 +214,7 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
             value = _exact(tag, v, inner, torch_values, made) if tag in EXACT_TAGS else _later(tag, v, inner)
             if value is None:
                 raise StoreFormatError(f"{what}: bad {tag} value")
-            if tag in (PARAMETER, SHARED):
+            if tag in (PARAMETER, SHARED, GRAD):
                 made[tensor_refs(v)[0]] = value
             return value
         # Any other dict holding one of LATER_TAGS (or EXACT_TAGS) is what versions before those tags wrote as a plain dict.
@@ -244,7 +246,7 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
 
 
 _LATER_SHAPE: dict[str, type] = {DTYPE: str, DEVICE: str, BYTEARRAY: str, COMPLEX: list, SET: list}
-_EXACT_SHAPE: dict[str, type] = {ODICT: list, SIZE: list, PARAMETER: list, SHARED: list}
+_EXACT_SHAPE: dict[str, type] = {ODICT: list, SIZE: list, PARAMETER: list, SHARED: list, GRAD: list}
 
 
 def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any]) -> Any:
@@ -254,15 +256,18 @@ def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool
         return None if not ok else _torch().Size(v) if torch_values else tuple(v)
     if tag == SHARED:
         return _shared(v, dec, torch_values, made)
-    if tag == PARAMETER:
-        if not (len(v) == 2 and isinstance(v[0], dict) and list(v[0]) == [TENSOR] and isinstance(v[1], bool)):
+    if tag in (PARAMETER, GRAD):  # a Parameter [ref, requires_grad]; a plain tensor that requires grad [ref]
+        if not (len(v) == (2 if tag == PARAMETER else 1) and isinstance(v[0], dict) and list(v[0]) == [TENSOR]
+                and (tag == GRAD or isinstance(v[1], bool))):
             return None
         t = dec(v[0])
         if not torch_values:
             return t
         torch = _torch()
         try:  # (RuntimeError: an integer tensor cannot require grad)
-            return torch.nn.Parameter(t, requires_grad=v[1]) if type(t) is torch.Tensor else None
+            if type(t) is not torch.Tensor:
+                return None
+            return torch.nn.Parameter(t, requires_grad=v[1]) if tag == PARAMETER else t.requires_grad_(True)
         except RuntimeError:
             return None
     if len(v) != 2 or not isinstance(v[1], dict):
@@ -300,8 +305,9 @@ def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: M
     :func:`encode` writes."""
     same = len(v) == 3 and v[2] is True
     ref = v[0] if (len(v) == 2 or same) and isinstance(v[0], dict) else None
-    if isinstance(ref, dict) and list(ref) == [PARAMETER] and isinstance(ref[PARAMETER], list) and ref[PARAMETER]:
-        ref = ref[PARAMETER][0]
+    tag = next(iter(ref)) if isinstance(ref, dict) and len(ref) == 1 else None
+    if tag in (PARAMETER, GRAD) and isinstance(ref[tag], list) and ref[tag]:
+        ref = ref[tag][0]
     if not (isinstance(ref, dict) and list(ref) == [TENSOR] and isinstance(v[1], str) and v[1] != ref[TENSOR]):
         return None
     first = made.get(v[1])
@@ -418,5 +424,5 @@ def _raise(e: Exception) -> Any:
 
 
 __all__ = ["BYTEARRAY", "COMPLEX", "DEVICE", "DTYPE", "EXACT_TAGS", "LATER_TAGS", "MAX_DEPTH", "MAX_EXPANSION", "ODICT", "PARAMETER",
-           "SET", "SHARED", "SIZE", "ExpansionGuard", "TORCH_TAGS",
+           "SET", "SHARED", "SIZE", "ExpansionGuard", "GRAD", "TORCH_TAGS",
            "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]

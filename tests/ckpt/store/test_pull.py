@@ -1254,3 +1254,31 @@ def test_one_object_under_two_keys_pulls_back_as_one_object(store, tmp_path):
         with pytest.raises(StoreFormatError, match="structure"):
             store.pull(_forge(store, "same", lambda d, key=key, name=name: forge(d, key, name)), tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_plain_tensor_that_requires_grad_pulls_back_requiring_it(store, tmp_path):
+    """torch.save keeps ``requires_grad`` of a plain tensor (not a Parameter: a learned temperature kept as a
+    tensor, an output saved mid-graph); it came back False. The structure marks it
+    (``{"__requires_grad__": [ref]}``), checked like the other tags: an integer tensor cannot require grad."""
+    from ckpt.errors import StoreFormatError
+
+    w = torch.randn(3, requires_grad=True)
+    saved = {"m": {"w": w, "out": w * 2, "again": w, "view": w.detach(), "steps": torch.arange(2)}, "epoch": 1}
+    torch.save(saved, tmp_path / "g.pt")
+    store.push(tmp_path / "g.pt", "g")
+    want = torch.load(tmp_path / "g.pt", weights_only=True)
+    assert want["m"]["w"].requires_grad and want["m"]["out"].requires_grad and not want["m"]["view"].requires_grad
+    for got in (torch.load(store.pull("g", tmp_path / "back.pt"), weights_only=True), store.load("g", structure=True)):
+        _same_exactly(want, got)
+        assert got["m"]["again"] is got["m"]["w"] and got["m"]["w"].is_leaf and got["m"]["out"].is_leaf
+        assert _memory(got["m"]["view"]) == _memory(got["m"]["w"])
+    assert store.verify().ok
+
+    def forge(doc: dict, value: object) -> None:
+        pairs = doc["extra"][""]["__dict__"][0][1]["__dict__"]
+        next(p for p in pairs if p[0] == "steps")[1] = value
+
+    for bad in ({"__requires_grad__": [{"__tensor__": "m.steps"}]}, {"__requires_grad__": [{"__tensor__": "m.steps"}, True]}):
+        with pytest.raises(StoreFormatError, match="structure"):
+            store.pull(_forge(store, "g", lambda d, bad=bad: forge(d, bad)), tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
