@@ -16,7 +16,9 @@ requires_grad]}`` for an ``nn.Parameter``, ``{"__requires_grad__": [{"__tensor__
 requires grad, and ``{"__shared__": [that tensor's value, NAME]}`` for a tensor
 that shares the memory of the one named NAME met before it (tied weights: the same storage, offset,
 shape, strides and dtype), which it shares again when decoded; ``{"__shared__": [value, NAME, true]}`` where it
-is the very object met before by NAME, which it is again when decoded.
+is the very object met before by NAME, which it is again when decoded; ``{"__view__": [value, NAME, offset,
+strides]}`` for a view at another offset or shape of the contiguous tensor NAME met before it (its offset in
+elements from that tensor's first), which it is again when decoded.
 
 Snapshots (``ckpt.snapshot.state``) and distributed checkpoints (``ckpt.dcp.format``)
 both write and read values through this module: one encoder, one strict decoder.
@@ -55,8 +57,10 @@ SIZE = "__size__"
 PARAMETER = "__parameter__"
 SHARED = "__shared__"
 GRAD = "__requires_grad__"
+VIEW = "__view__"
 # Tags of the exact types (encode's ``exact``), added after LATER_TAGS in the same way (manifest version 4).
-EXACT_TAGS = (ODICT, SIZE, PARAMETER, SHARED, GRAD)
+EXACT_TAGS = (ODICT, SIZE, PARAMETER, SHARED, GRAD, VIEW)
+MAX_BASES = 16  # (exact) contiguous tensors per storage a later view is looked up in: a flat buffer of many stays linear
 TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", *LATER_TAGS, *EXACT_TAGS, TENSOR)
 MAX_DEPTH = 64
 MAX_EXPANSION = 8
@@ -110,6 +114,7 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
     walk = guard if guard is not None else ExpansionGuard()
     memory: dict[tuple[Any, ...], str] = {}  # (exact) where each tensor's bytes lie -> the name of the first there
     objects: dict[int, str] = {}  # (exact) id of each tensor met (``x`` keeps it alive) -> the name it was first met by
+    bases: dict[tuple[Any, ...], list[tuple[int, int, str]]] = {}  # (exact) storage -> contiguous tensors in it: span, name
 
     def enc(x: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -177,7 +182,16 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
             except (RuntimeError, NotImplementedError, TypeError):  # a subclass without storage of its own
                 return value
             first = memory.setdefault(where, ref[TENSOR])
-            return value if first == ref[TENSOR] else {SHARED: [value, first]}
+            if first != ref[TENSOR]:
+                return {SHARED: [value, first]}
+            # A view at another offset or shape of a contiguous tensor met before (torch.save keeps one storage):
+            # its offset in that tensor and its strides, so that a reader can make it that view again.
+            off, storage = x.storage_offset(), where[:2] + (x.dtype,)
+            end = off + 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+            base = next(((start, name) for start, stop, name in bases.get(storage, ()) if start <= off and end <= stop), None)
+            if x.is_contiguous() and len(bases.setdefault(storage, [])) < MAX_BASES:
+                bases[storage].append((off, end, ref[TENSOR]))
+            return value if base is None else {VIEW: [value, base[1], off - base[0], list(x.stride())]}
         if type(x).__module__ == "numpy" and getattr(x, "shape", None) == ():  # numpy scalars
             return enc(x.item(), path, depth + 1)
         return _raise(unsupported(path, f"a {type(x).__module__}.{type(x).__name__}"))
@@ -214,7 +228,7 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
             value = _exact(tag, v, inner, torch_values, made) if tag in EXACT_TAGS else _later(tag, v, inner)
             if value is None:
                 raise StoreFormatError(f"{what}: bad {tag} value")
-            if tag in (PARAMETER, SHARED, GRAD):
+            if tag in (PARAMETER, SHARED, GRAD, VIEW):
                 made[tensor_refs(v)[0]] = value
             return value
         # Any other dict holding one of LATER_TAGS (or EXACT_TAGS) is what versions before those tags wrote as a plain dict.
@@ -246,7 +260,7 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
 
 
 _LATER_SHAPE: dict[str, type] = {DTYPE: str, DEVICE: str, BYTEARRAY: str, COMPLEX: list, SET: list}
-_EXACT_SHAPE: dict[str, type] = {ODICT: list, SIZE: list, PARAMETER: list, SHARED: list, GRAD: list}
+_EXACT_SHAPE: dict[str, type] = {ODICT: list, SIZE: list, PARAMETER: list, SHARED: list, GRAD: list, VIEW: list}
 
 
 def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any]) -> Any:
@@ -256,6 +270,8 @@ def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool
         return None if not ok else _torch().Size(v) if torch_values else tuple(v)
     if tag == SHARED:
         return _shared(v, dec, torch_values, made)
+    if tag == VIEW:
+        return _view(v, dec, torch_values, made)
     if tag in (PARAMETER, GRAD):  # a Parameter [ref, requires_grad]; a plain tensor that requires grad [ref]
         if not (len(v) == (2 if tag == PARAMETER else 1) and isinstance(v[0], dict) and list(v[0]) == [TENSOR]
                 and (tag == GRAD or isinstance(v[1], bool))):
@@ -305,10 +321,7 @@ def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: M
     :func:`encode` writes."""
     same = len(v) == 3 and v[2] is True
     ref = v[0] if (len(v) == 2 or same) and isinstance(v[0], dict) else None
-    tag = next(iter(ref)) if isinstance(ref, dict) and len(ref) == 1 else None
-    if tag in (PARAMETER, GRAD) and isinstance(ref[tag], list) and ref[tag]:
-        ref = ref[tag][0]
-    if not (isinstance(ref, dict) and list(ref) == [TENSOR] and isinstance(v[1], str) and v[1] != ref[TENSOR]):
+    if not _names_another(ref, v[1]):
         return None
     first = made.get(v[1])
     t, other = dec(v[0]), dec({TENSOR: v[1]})
@@ -324,6 +337,39 @@ def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: M
     with torch.no_grad():
         t.set_(other.untyped_storage(), other.storage_offset(), other.shape, other.stride())
     return t
+
+
+def _view(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any]) -> Any:
+    """A ``__view__`` value ``[VALUE, NAME, offset, strides]``: its tensor made the view, at ``offset`` elements
+    into the contiguous tensor decoded at NAME's place and with ``strides``, whose bytes there it must be;
+    None where ``v`` is not what :func:`encode` writes (a view reaching outside that tensor, other bytes)."""
+    ints = lambda xs: all(type(n) is int and 0 <= n < 1 << 62 for n in xs)  # noqa: E731
+    if not (len(v) == 4 and _names_another(v[0], v[1]) and ints([v[2]]) and isinstance(v[3], list) and ints(v[3])):
+        return None
+    base, t = made.get(v[1]), dec(v[0])
+    if not torch_values:
+        return t
+    torch = _torch()
+    if not (isinstance(base, torch.Tensor) and isinstance(t, torch.Tensor) and base.is_contiguous() and base.dtype == t.dtype
+            and len(v[3]) == t.dim() and t.numel() > 0
+            and v[2] + 1 + sum((n - 1) * st for n, st in zip(t.shape, v[3])) <= base.numel()):
+        return None
+    at = base.storage_offset() + v[2]
+    view = base.detach().as_strided(t.shape, v[3], at)
+    if not torch.equal(view.contiguous().reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)):
+        return None  # (named as a view, but other bytes: never handed out as that memory)
+    with torch.no_grad():
+        t.set_(base.untyped_storage(), at, t.shape, v[3])
+    return t
+
+
+def _names_another(ref: Any, name: Any) -> bool:
+    """Whether ``ref`` is the value a tensor is written as (a reference, or a Parameter or requires-grad tag
+    holding one) and ``name`` a string naming another tensor."""
+    tag = next(iter(ref)) if isinstance(ref, dict) and len(ref) == 1 else None
+    if tag in (PARAMETER, GRAD) and isinstance(ref[tag], list) and ref[tag]:
+        ref = ref[tag][0]
+    return isinstance(ref, dict) and list(ref) == [TENSOR] and isinstance(name, str) and name != ref[TENSOR]
 
 
 def _attribute_name(k: Any) -> bool:
@@ -424,5 +470,5 @@ def _raise(e: Exception) -> Any:
 
 
 __all__ = ["BYTEARRAY", "COMPLEX", "DEVICE", "DTYPE", "EXACT_TAGS", "LATER_TAGS", "MAX_DEPTH", "MAX_EXPANSION", "ODICT", "PARAMETER",
-           "SET", "SHARED", "SIZE", "ExpansionGuard", "GRAD", "TORCH_TAGS",
+           "SET", "SHARED", "SIZE", "ExpansionGuard", "GRAD", "TORCH_TAGS", "VIEW",
            "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]

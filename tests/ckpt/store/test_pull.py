@@ -1282,3 +1282,43 @@ def test_a_plain_tensor_that_requires_grad_pulls_back_requiring_it(store, tmp_pa
         with pytest.raises(StoreFormatError, match="structure"):
             store.pull(_forge(store, "g", lambda d, bad=bad: forge(d, bad)), tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_views_at_other_offsets_or_shapes_pull_back_as_views(store, tmp_path):
+    """``{"full": x, "half": x[:2]}`` is one storage in a .pt (torch.save writes it once; torch.load gives
+    ``half`` as a view into ``full``): it came back as two storages, so a write to one no longer showed in
+    the other (a buffer and a slice of it kept in one state). The structure marks a view of a contiguous
+    tensor met before (``__view__``: its offset in that tensor, its strides); the reader makes it that view
+    again only where it lies within that tensor and has its bytes there: a forged mark never points a
+    tensor at other bytes or outside the memory it names."""
+    from ckpt.errors import StoreFormatError
+
+    x = torch.arange(12.0).reshape(3, 4)
+    saved = {"m": {"full": x, "half": x[:2], "col": x[:, 1], "t": x.t(), "row": torch.nn.Parameter(x[2])}, "alone": torch.arange(4.0)[1:]}
+    torch.save(saved, tmp_path / "v.pt")
+    store.push(tmp_path / "v.pt", "v")
+    want = torch.load(tmp_path / "v.pt", weights_only=True)
+    for got in (torch.load(store.pull("v", tmp_path / "back.pt"), weights_only=True), store.load("v", structure=True)):
+        _same_exactly(want, got)
+        full = got["m"]["full"]
+        for k in ("half", "col", "t", "row"):
+            w, g = want["m"][k], got["m"][k]
+            assert g.untyped_storage().data_ptr() == full.untyped_storage().data_ptr(), k
+            assert (g.storage_offset(), g.stride()) == (w.storage_offset(), w.stride()), k
+        with torch.no_grad():
+            full[0, 1] = 99.0
+        assert got["m"]["half"][0, 1].item() == got["m"]["col"][0].item() == got["m"]["t"][1, 0].item() == 99.0
+    assert store.verify().ok
+
+    def forge(doc: dict, key: str, value: list) -> None:
+        pair = next(p for p in doc["extra"][""]["__dict__"][0][1]["__dict__"] if p[0] == key)
+        pair[1] = {"__view__": [pair[1]["__view__"][0], *value]}
+
+    for key, value in (("half", ["m.full", 1, [4, 1]]),  # other bytes there
+                       ("row", ["m.full", 9, [1]]),  # reaching past the tensor it names
+                       ("col", ["m.full", 1, [-4]]), ("col", ["m.full", True, [4]]), ("col", ["m.full", 1, [4, 1]]),
+                       ("half", ["m.t", 0, [4, 1]]),  # not contiguous
+                       ("half", ["m.row", 0, [4, 1]]), ("half", ["m.half", 0, [4, 1]])):  # met later; itself
+        with pytest.raises(StoreFormatError, match="structure"):
+            store.pull(_forge(store, "v", lambda d, key=key, value=value: forge(d, key, value)), tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
