@@ -20,6 +20,9 @@ is the very object met before by NAME, which it is again when decoded; ``{"__vie
 strides]}`` for a view at another offset or shape of the contiguous tensor NAME met before it (its offset in
 elements from that tensor's first), which it is again when decoded.
 
+How a tensor is written (its reference, and in an exact tree its type, requires_grad and the memory it
+shares) is :mod:`ckpt.format.tensor_values`'s part.
+
 Snapshots (``ckpt.snapshot.state``) and distributed checkpoints (``ckpt.dcp.format``)
 both write and read values through this module: one encoder, one strict decoder.
 
@@ -38,10 +41,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+from ckpt.format.tensor_values import GRAD, PARAMETER, SHARED, TENSOR, TENSOR_TAGS, VIEW, TensorPlaces, decode_tensor
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.records import canonical_json
 
-TENSOR = "__tensor__"
 DTYPE = "__dtype__"
 DEVICE = "__device__"
 COMPLEX = "__complex__"
@@ -54,13 +57,8 @@ TORCH_TAGS = (DTYPE, DEVICE)  # tags of torch values
 LATER_TAGS = (*TORCH_TAGS, COMPLEX, SET, BYTEARRAY)
 ODICT = "__odict__"
 SIZE = "__size__"
-PARAMETER = "__parameter__"
-SHARED = "__shared__"
-GRAD = "__requires_grad__"
-VIEW = "__view__"
 # Tags of the exact types (encode's ``exact``), added after LATER_TAGS in the same way (manifest version 4).
 EXACT_TAGS = (ODICT, SIZE, PARAMETER, SHARED, GRAD, VIEW)
-MAX_BASES = 16  # (exact) contiguous tensors per storage a later view is looked up in: a flat buffer of many stays linear
 TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", *LATER_TAGS, *EXACT_TAGS, TENSOR)
 MAX_DEPTH = 64
 MAX_EXPANSION = 8
@@ -112,9 +110,7 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
     (``guard``, one :class:`ExpansionGuard` for a walk over several values, or its own).
     """
     walk = guard if guard is not None else ExpansionGuard()
-    memory: dict[tuple[Any, ...], str] = {}  # (exact) where each tensor's bytes lie -> the name of the first there
-    objects: dict[int, str] = {}  # (exact) id of each tensor met (``x`` keeps it alive) -> the name it was first met by
-    bases: dict[tuple[Any, ...], list[tuple[int, int, str]]] = {}  # (exact) storage -> contiguous tensors in it: span, name
+    places = TensorPlaces()  # (exact) where each tensor met lies
 
     def enc(x: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -171,27 +167,7 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
             ref = {TENSOR: path if name is None else name}
             if not exact:
                 return ref
-            value = {PARAMETER: [ref, x.requires_grad]} if type(x) is _torch().nn.Parameter else {GRAD: [ref]} if x.requires_grad else ref
-            same = objects.setdefault(id(x), ref[TENSOR])
-            if same != ref[TENSOR]:  # the very object met before (torch.load gives it back as one object)
-                return {SHARED: [value, same, True]}
-            if x.is_nested or x.layout != _torch().strided or x.is_meta or x.numel() == 0:
-                return value  # (no plain memory, which a push refuses; empty tensors may all lie at one address)
-            try:
-                where = (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), x.dtype, tuple(x.shape), x.stride())
-            except (RuntimeError, NotImplementedError, TypeError):  # a subclass without storage of its own
-                return value
-            first = memory.setdefault(where, ref[TENSOR])
-            if first != ref[TENSOR]:
-                return {SHARED: [value, first]}
-            # A view at another offset or shape of a contiguous tensor met before (torch.save keeps one storage):
-            # its offset in that tensor and its strides, so that a reader can make it that view again.
-            off, storage = x.storage_offset(), where[:2] + (x.dtype,)
-            end = off + 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
-            base = next(((start, name) for start, stop, name in bases.get(storage, ()) if start <= off and end <= stop), None)
-            if x.is_contiguous() and len(bases.setdefault(storage, [])) < MAX_BASES:
-                bases[storage].append((off, end, ref[TENSOR]))
-            return value if base is None else {VIEW: [value, base[1], off - base[0], list(x.stride())]}
+            return places.value(x, ref)
         if type(x).__module__ == "numpy" and getattr(x, "shape", None) == ():  # numpy scalars
             return enc(x.item(), path, depth + 1)
         return _raise(unsupported(path, f"a {type(x).__module__}.{type(x).__name__}"))
@@ -228,7 +204,7 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
             value = _exact(tag, v, inner, torch_values, made) if tag in EXACT_TAGS else _later(tag, v, inner)
             if value is None:
                 raise StoreFormatError(f"{what}: bad {tag} value")
-            if tag in (PARAMETER, SHARED, GRAD, VIEW):
+            if tag in TENSOR_TAGS:
                 made[tensor_refs(v)[0]] = value
             return value
         # Any other dict holding one of LATER_TAGS (or EXACT_TAGS) is what versions before those tags wrote as a plain dict.
@@ -268,24 +244,8 @@ def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool
     if tag == SIZE:
         ok = all(isinstance(d, int) and not isinstance(d, bool) and -(1 << 63) <= d < 1 << 63 for d in v)
         return None if not ok else _torch().Size(v) if torch_values else tuple(v)
-    if tag == SHARED:
-        return _shared(v, dec, torch_values, made)
-    if tag == VIEW:
-        return _view(v, dec, torch_values, made)
-    if tag in (PARAMETER, GRAD):  # a Parameter [ref, requires_grad]; a plain tensor that requires grad [ref]
-        if not (len(v) == (2 if tag == PARAMETER else 1) and isinstance(v[0], dict) and list(v[0]) == [TENSOR]
-                and (tag == GRAD or isinstance(v[1], bool))):
-            return None
-        t = dec(v[0])
-        if not torch_values:
-            return t
-        torch = _torch()
-        try:  # (RuntimeError: an integer tensor cannot require grad)
-            if type(t) is not torch.Tensor:
-                return None
-            return torch.nn.Parameter(t, requires_grad=v[1]) if tag == PARAMETER else t.requires_grad_(True)
-        except RuntimeError:
-            return None
+    if tag in TENSOR_TAGS:
+        return decode_tensor(tag, v, dec, torch_values, made)
     if len(v) != 2 or not isinstance(v[1], dict):
         return None
     items, attrs = dec({"__dict__": v[0]}), dec(v[1])
@@ -312,64 +272,6 @@ def _later(tag: str, v: Any, dec: Callable[[Any], Any]) -> Any:
         return out if len(out) == len(items) else None
     except (TypeError, ValueError):
         return None
-
-
-def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any]) -> Any:
-    """A ``__shared__`` value: its tensor (or Parameter), made to share the memory of the tensor it names,
-    whose bytes, dtype and shape it must have; with a third item ``true``, the very object decoded at that
-    name's place, which must be of its type and requires_grad too; None where ``v`` is not what
-    :func:`encode` writes."""
-    same = len(v) == 3 and v[2] is True
-    ref = v[0] if (len(v) == 2 or same) and isinstance(v[0], dict) else None
-    if not _names_another(ref, v[1]):
-        return None
-    first = made.get(v[1])
-    t, other = dec(v[0]), dec({TENSOR: v[1]})
-    if not torch_values:
-        return t
-    torch = _torch()
-    if not (isinstance(t, torch.Tensor) and type(other) is torch.Tensor and (t.dtype, t.shape) == (other.dtype, other.shape)
-            and t.is_contiguous() and other.is_contiguous()
-            and torch.equal(t.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8))):
-        return None  # (named as shared, but other bytes: never handed out as the same tensor)
-    if same:
-        return first if type(first) is type(t) and first.requires_grad == t.requires_grad else None
-    with torch.no_grad():
-        t.set_(other.untyped_storage(), other.storage_offset(), other.shape, other.stride())
-    return t
-
-
-def _view(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any]) -> Any:
-    """A ``__view__`` value ``[VALUE, NAME, offset, strides]``: its tensor made the view, at ``offset`` elements
-    into the contiguous tensor decoded at NAME's place and with ``strides``, whose bytes there it must be;
-    None where ``v`` is not what :func:`encode` writes (a view reaching outside that tensor, other bytes)."""
-    ints = lambda xs: all(type(n) is int and 0 <= n < 1 << 62 for n in xs)  # noqa: E731
-    if not (len(v) == 4 and _names_another(v[0], v[1]) and ints([v[2]]) and isinstance(v[3], list) and ints(v[3])):
-        return None
-    base, t = made.get(v[1]), dec(v[0])
-    if not torch_values:
-        return t
-    torch = _torch()
-    if not (isinstance(base, torch.Tensor) and isinstance(t, torch.Tensor) and base.is_contiguous() and base.dtype == t.dtype
-            and len(v[3]) == t.dim() and t.numel() > 0
-            and v[2] + 1 + sum((n - 1) * st for n, st in zip(t.shape, v[3])) <= base.numel()):
-        return None
-    at = base.storage_offset() + v[2]
-    view = base.detach().as_strided(t.shape, v[3], at)
-    if not torch.equal(view.contiguous().reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)):
-        return None  # (named as a view, but other bytes: never handed out as that memory)
-    with torch.no_grad():
-        t.set_(base.untyped_storage(), at, t.shape, v[3])
-    return t
-
-
-def _names_another(ref: Any, name: Any) -> bool:
-    """Whether ``ref`` is the value a tensor is written as (a reference, or a Parameter or requires-grad tag
-    holding one) and ``name`` a string naming another tensor."""
-    tag = next(iter(ref)) if isinstance(ref, dict) and len(ref) == 1 else None
-    if tag in (PARAMETER, GRAD) and isinstance(ref[tag], list) and ref[tag]:
-        ref = ref[tag][0]
-    return isinstance(ref, dict) and list(ref) == [TENSOR] and isinstance(name, str) and name != ref[TENSOR]
 
 
 def _attribute_name(k: Any) -> bool:
