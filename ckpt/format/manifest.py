@@ -18,7 +18,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.format.dtypes import itemsize
-from ckpt.format.tagged_json import EXACT_TAGS, GRAD, LATER_TAGS, ODICT, PARAMETER, SHARED, SIZE, TAGS, TENSOR, VIEW, decode, tensor_refs, uses_tags
+from ckpt.format.tagged_json import (
+    EXACT_TAGS,
+    GRAD,
+    LATER_TAGS,
+    ODICT,
+    PARAMETER,
+    SET,
+    SHARED,
+    SIZE,
+    TAGS,
+    TENSOR,
+    VIEW,
+    decode,
+    tensor_refs,
+    uses_tags,
+)
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
@@ -468,6 +483,8 @@ def _flat_value(x: Any) -> Any:
         if all(isinstance(k, str) and k not in TAGS for k in keys) and all(a < b for a, b in zip(keys, keys[1:])):
             return dict(pairs)
         return {"__dict__": pairs}
+    if list(x) == [SET] and isinstance(x[SET], list):  # its items in the order of their JSON, as extra writes them
+        return {SET: sorted((_flat_value(v) for v in x[SET]), key=canonical_json)}
     return {k: _flat_value(v) for k, v in x.items()}
 
 

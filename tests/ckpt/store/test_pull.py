@@ -1204,7 +1204,7 @@ def test_a_structure_and_its_values_by_name_that_disagree_are_a_damaged_manifest
 
     model = torch.nn.Linear(2, 2).state_dict()
     saved = {"model": model, "epoch": 3, "shape": torch.Size([2, 2]), "cfg": {"odict": collections.OrderedDict(b=1, a=2), "e": {}},
-             "empty": collections.OrderedDict(), "ys": [torch.ones(1), (1, 2.5)]}
+             "empty": collections.OrderedDict(), "ys": [torch.ones(1), (1, 2.5)], "set": {torch.Size([2]), (1,)}}
     vars(saved["empty"])["note"] = 1
     torch.save(saved, tmp_path / "m.pt")
     store.push(tmp_path / "m.pt", "m")
