@@ -449,7 +449,7 @@ def _check_structure(m: Manifest, what: str) -> None:
     # (a .pt pull): a structure holding another (an epoch of 4, by name 3) would give two answers.
     flat = {k: v for k, v in m.extra.items() if k != STRUCTURE}
     for name in sorted(set(values) | set(flat)):
-        if name not in values or name not in flat or canonical_json(_flat_value(values[name])) != canonical_json(flat[name]):
+        if name not in values or name not in flat or canonical_json(_flat_value(values[name], exact)) != canonical_json(flat[name]):
             raise StoreFormatError(f"{what}: its structure and its value {name!r} disagree")
 
 
@@ -468,24 +468,25 @@ def _holds_entries(x: Any, exact: bool) -> bool:
     return tag not in TAGS and bool(x)
 
 
-def _flat_value(x: Any) -> Any:
+def _flat_value(x: Any, exact: bool) -> Any:
     """Structure value ``x`` as ``extra`` holds it by name: without the exact types (encode's ``exact``), an
-    ``OrderedDict`` written as a dict and a ``torch.Size`` as a tuple."""
+    ``OrderedDict`` written as a dict and a ``torch.Size`` as a tuple (``exact``: in a version that has them;
+    before, such a key was a plain dict's)."""
     if isinstance(x, list):
-        return [_flat_value(v) for v in x]
+        return [_flat_value(v, exact) for v in x]
     if not isinstance(x, dict):
         return x
-    if list(x) == [SIZE]:
+    if list(x) == [SIZE] and exact:
         return {"__tuple__": x[SIZE]}
-    if list(x) == [ODICT]:
-        pairs = [[_flat_value(k), _flat_value(v)] for k, v in x[ODICT][0]]
+    if list(x) == [ODICT] and exact:
+        pairs = [[_flat_value(k, exact), _flat_value(v, exact)] for k, v in x[ODICT][0]]
         keys = [k for k, _ in pairs]
         if all(isinstance(k, str) and k not in TAGS for k in keys) and all(a < b for a, b in zip(keys, keys[1:])):
             return dict(pairs)
         return {"__dict__": pairs}
     if list(x) == [SET] and isinstance(x[SET], list):  # its items in the order of their JSON, as extra writes them
-        return {SET: sorted((_flat_value(v) for v in x[SET]), key=canonical_json)}
-    return {k: _flat_value(v) for k, v in x.items()}
+        return {SET: sorted((_flat_value(v, exact) for v in x[SET]), key=canonical_json)}
+    return {k: _flat_value(v, exact) for k, v in x.items()}
 
 
 def _place(at: str | None, key: Any) -> str | None:

@@ -1213,6 +1213,15 @@ def test_a_structure_and_its_values_by_name_that_disagree_are_a_damaged_manifest
     assert store.verify().ok
     with pytest.raises(StoreFormatError, match="structure and its value"):
         store.manifest(_forge(store, "m", forge))
+    # In version 3 an exact tag's key was a plain dict's, in the structure as by name: they agree.
+    torch.save({"cfgs": [1], "model": {"w": torch.ones(2)}}, tmp_path / "v3.pt")
+    store.push(tmp_path / "v3.pt", "v3")
+
+    def old(doc: dict) -> None:
+        assert doc["version"] == 3
+        doc["extra"]["cfgs"] = doc["extra"][""]["cfgs"] = [{"__size__": [1]}, {"__odict__": [[], {}]}]
+
+    assert store.manifest(_forge(store, "v3", old)).extra_values()["cfgs"] == [{"__size__": [1]}, {"__odict__": [[], {}]}]
 
 
 def test_one_object_under_two_keys_pulls_back_as_one_object(store, tmp_path):
