@@ -465,7 +465,7 @@ def _holds_entries(x: Any, exact: bool) -> bool:
         return bool(x[tag] if tag == "__dict__" else x[tag][0])
     if tag in ("__tuple__", TENSOR) or (exact and tag in (PARAMETER, SHARED, GRAD, VIEW)):
         return bool(tensor_refs(x))
-    return tag not in TAGS and bool(x)
+    return not (tag in TAGS and (exact or tag not in EXACT_TAGS)) and bool(x)  # (before version 4 those were a dict's keys)
 
 
 def _flat_value(x: Any, exact: bool) -> Any:

@@ -1223,6 +1223,12 @@ def test_a_structure_and_its_values_by_name_that_disagree_are_a_damaged_manifest
 
     assert store.manifest(_forge(store, "v3", old)).extra_values()["cfgs"] == [{"__size__": [1]}, {"__odict__": [[], {}]}]
 
+    def nested(doc: dict) -> None:  # {"x": {"__size__": [1]}}: flattened to x.__size__ by then
+        del doc["extra"]["cfgs"], doc["extra"][""]["cfgs"]
+        doc["extra"]["x.__size__"], doc["extra"][""]["x"] = [1], {"__size__": [1]}
+
+    assert store.manifest(_forge(store, "v3", nested)).extra_values()["x.__size__"] == [1]
+
 
 def test_one_object_under_two_keys_pulls_back_as_one_object(store, tmp_path):
     """``{"a": t, "b": t}`` (or one Parameter under two keys) is one object in a .pt: torch.load gives
