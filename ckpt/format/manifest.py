@@ -18,7 +18,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.format.dtypes import itemsize
-from ckpt.format.tagged_json import EXACT_TAGS, LATER_TAGS, ODICT, PARAMETER, SHARED, TENSOR, decode, tensor_refs, uses_tags
+from ckpt.format.tagged_json import (
+    EXACT_TAGS,
+    GRAD,
+    LATER_TAGS,
+    ODICT,
+    PARAMETER,
+    SET,
+    SHARED,
+    SIZE,
+    TAGS,
+    TENSOR,
+    VIEW,
+    decode,
+    tensor_refs,
+    uses_tags,
+)
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
@@ -405,9 +420,12 @@ def _check_structure(m: Manifest, what: str) -> None:
     # (decoded above, so well formed) Each value with the flat name of its place: None where no tensor
     # is in a state dict pushed (a dict key, a set's item, the value of a key neither str nor int).
     exact = m._version() >= EXACT_VERSION
+    values: dict[str, Any] = {}  # each value the structure holds where a flattening names one, by that name
     stack: list[tuple[Any, str | None]] = [(m.extra[STRUCTURE], "")]
     while stack:
         x, at = stack.pop()
+        if at and not _holds_entries(x, exact):
+            values[at], at = x, None  # (kept whole: nothing within it has a flat name)
         if isinstance(x, list):
             stack.extend((v, _place(at, i)) for i, v in enumerate(x))
         elif not isinstance(x, dict):
@@ -419,7 +437,7 @@ def _check_structure(m: Manifest, what: str) -> None:
         elif list(x) == ["__dict__"] or (list(x) == [ODICT] and exact):  # (an OrderedDict's attributes hold none)
             pairs = x["__dict__"] if "__dict__" in x else x[ODICT][0]
             stack.extend(p for k, v in pairs for p in ((k, None), (v, _place(at, k))))
-        elif list(x) in ([PARAMETER], [SHARED]) and exact:  # (a tensor named after it, its value first)
+        elif list(x) in ([PARAMETER], [SHARED], [GRAD], [VIEW]) and exact:  # (a tensor named after it, its value first)
             stack.append((next(iter(x.values()))[0], at))
         elif list(x) == ["__tuple__"]:
             stack.extend((v, _place(at, i)) for i, v in enumerate(x["__tuple__"]))
@@ -427,6 +445,48 @@ def _check_structure(m: Manifest, what: str) -> None:
             stack.extend((v, None) for v in x.values())
         else:
             stack.extend((v, _place(at, k)) for k, v in x.items())
+    # The values by flat name (extra_values(), a safetensors pull's metadata) are those the structure holds
+    # (a .pt pull): a structure holding another (an epoch of 4, by name 3) would give two answers.
+    flat = {k: v for k, v in m.extra.items() if k != STRUCTURE}
+    for name in sorted(set(values) | set(flat)):
+        if name not in values or name not in flat or canonical_json(_flat_value(values[name], exact)) != canonical_json(flat[name]):
+            raise StoreFormatError(f"{what}: its structure and its value {name!r} disagree")
+
+
+def _holds_entries(x: Any, exact: bool) -> bool:
+    """Whether the flattening walks into structure value ``x`` (a non-empty dict, a list or tuple holding a
+    tensor, a tensor), rather than keeping it whole as one value."""
+    if isinstance(x, list):
+        return bool(tensor_refs(x))
+    if not isinstance(x, dict):
+        return False
+    tag = next(iter(x)) if len(x) == 1 else None
+    if tag == "__dict__" or (tag == ODICT and exact):
+        return bool(x[tag] if tag == "__dict__" else x[tag][0])
+    if tag in ("__tuple__", TENSOR) or (exact and tag in (PARAMETER, SHARED, GRAD, VIEW)):
+        return bool(tensor_refs(x))
+    return not (tag in TAGS and (exact or tag not in EXACT_TAGS)) and bool(x)  # (before version 4 those were a dict's keys)
+
+
+def _flat_value(x: Any, exact: bool) -> Any:
+    """Structure value ``x`` as ``extra`` holds it by name: without the exact types (encode's ``exact``), an
+    ``OrderedDict`` written as a dict and a ``torch.Size`` as a tuple (``exact``: in a version that has them;
+    before, such a key was a plain dict's)."""
+    if isinstance(x, list):
+        return [_flat_value(v, exact) for v in x]
+    if not isinstance(x, dict):
+        return x
+    if list(x) == [SIZE] and exact:
+        return {"__tuple__": x[SIZE]}
+    if list(x) == [ODICT] and exact:
+        pairs = [[_flat_value(k, exact), _flat_value(v, exact)] for k, v in x[ODICT][0]]
+        keys = [k for k, _ in pairs]
+        if all(isinstance(k, str) and k not in TAGS for k in keys) and all(a < b for a, b in zip(keys, keys[1:])):
+            return dict(pairs)
+        return {"__dict__": pairs}
+    if list(x) == [SET] and isinstance(x[SET], list):  # its items in the order of their JSON, as extra writes them
+        return {SET: sorted((_flat_value(v, exact) for v in x[SET]), key=canonical_json)}
+    return {k: _flat_value(v, exact) for k, v in x.items()}
 
 
 def _place(at: str | None, key: Any) -> str | None:

@@ -12,9 +12,16 @@ stored tensor. Where asked for (``exact``: a pushed .pt's structure), the types 
 back too: ``{"__odict__": [[[k, v], ...], {attribute: value}]}`` for an ``OrderedDict`` (a module's
 ``state_dict()``, whose ``_metadata`` attribute holds the module versions ``load_state_dict`` reads),
 ``{"__size__": [ints]}`` for a ``torch.Size`` and ``{"__parameter__": [{"__tensor__": NAME},
-requires_grad]}`` for an ``nn.Parameter``, and ``{"__shared__": [that tensor's value, NAME]}`` for a tensor
+requires_grad]}`` for an ``nn.Parameter``, ``{"__requires_grad__": [{"__tensor__": NAME}]}`` for a plain tensor that
+requires grad, and ``{"__shared__": [that tensor's value, NAME]}`` for a tensor
 that shares the memory of the one named NAME met before it (tied weights: the same storage, offset,
-shape, strides and dtype), which it shares again when decoded.
+shape, strides and dtype), which it shares again when decoded; ``{"__shared__": [value, NAME, true]}`` where it
+is the very object met before by NAME, which it is again when decoded; ``{"__view__": [value, NAME, offset,
+strides]}`` for a view at another offset or shape of the contiguous tensor NAME met before it (its offset in
+elements from that tensor's first), which it is again when decoded.
+
+How a tensor is written (its reference, and in an exact tree its type, requires_grad and the memory it
+shares) is :mod:`ckpt.format.tensor_values`'s part.
 
 Snapshots (``ckpt.snapshot.state``) and distributed checkpoints (``ckpt.dcp.format``)
 both write and read values through this module: one encoder, one strict decoder.
@@ -34,10 +41,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+from ckpt.format.tensor_values import GRAD, PARAMETER, SHARED, TENSOR, TENSOR_TAGS, VIEW, TensorPlaces, decode_tensor
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.records import canonical_json
 
-TENSOR = "__tensor__"
 DTYPE = "__dtype__"
 DEVICE = "__device__"
 COMPLEX = "__complex__"
@@ -50,10 +57,8 @@ TORCH_TAGS = (DTYPE, DEVICE)  # tags of torch values
 LATER_TAGS = (*TORCH_TAGS, COMPLEX, SET, BYTEARRAY)
 ODICT = "__odict__"
 SIZE = "__size__"
-PARAMETER = "__parameter__"
-SHARED = "__shared__"
 # Tags of the exact types (encode's ``exact``), added after LATER_TAGS in the same way (manifest version 4).
-EXACT_TAGS = (ODICT, SIZE, PARAMETER, SHARED)
+EXACT_TAGS = (ODICT, SIZE, PARAMETER, SHARED, GRAD, VIEW)
 TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", *LATER_TAGS, *EXACT_TAGS, TENSOR)
 MAX_DEPTH = 64
 MAX_EXPANSION = 8
@@ -105,7 +110,7 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
     (``guard``, one :class:`ExpansionGuard` for a walk over several values, or its own).
     """
     walk = guard if guard is not None else ExpansionGuard()
-    memory: dict[tuple[Any, ...], str] = {}  # (exact) where each tensor's bytes lie -> the name of the first there
+    places = TensorPlaces()  # (exact) where each tensor met lies
 
     def enc(x: Any, path: str, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -162,15 +167,7 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
             ref = {TENSOR: path if name is None else name}
             if not exact:
                 return ref
-            value = {PARAMETER: [ref, x.requires_grad]} if type(x) is _torch().nn.Parameter else ref
-            if x.is_nested or x.layout != _torch().strided or x.is_meta or x.numel() == 0:
-                return value  # (no plain memory, which a push refuses; empty tensors may all lie at one address)
-            try:
-                where = (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), x.dtype, tuple(x.shape), x.stride())
-            except (RuntimeError, NotImplementedError, TypeError):  # a subclass without storage of its own
-                return value
-            first = memory.setdefault(where, ref[TENSOR])
-            return value if first == ref[TENSOR] else {SHARED: [value, first]}
+            return places.value(x, ref)
         if type(x).__module__ == "numpy" and getattr(x, "shape", None) == ():  # numpy scalars
             return enc(x.item(), path, depth + 1)
         return _raise(unsupported(path, f"a {type(x).__module__}.{type(x).__name__}"))
@@ -189,6 +186,8 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
     a ``torch.Size`` comes back as a tuple and a Parameter as what ``tensor`` gives.
     """
 
+    made: dict[str, Any] = {}  # each tensor's name -> the value decoded at its place (a __shared__ object's target)
+
     def dec(x: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise StoreFormatError(f"{what}: value nested too deeply")
@@ -202,9 +201,11 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
         if len(x) == 1 and isinstance(next(iter(x.values())), shape.get(next(iter(x)), ())):
             tag, v = next(iter(x.items()))
             inner = lambda e: dec(e, depth + 1)  # noqa: E731
-            value = _exact(tag, v, inner, torch_values) if tag in EXACT_TAGS else _later(tag, v, inner)
+            value = _exact(tag, v, inner, torch_values, made) if tag in EXACT_TAGS else _later(tag, v, inner)
             if value is None:
                 raise StoreFormatError(f"{what}: bad {tag} value")
+            if tag in TENSOR_TAGS:
+                made[tensor_refs(v)[0]] = value
             return value
         # Any other dict holding one of LATER_TAGS (or EXACT_TAGS) is what versions before those tags wrote as a plain dict.
         tags = [k for k in x if k in TAGS and k not in LATER_TAGS and k not in EXACT_TAGS]
@@ -224,7 +225,9 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
                 if tag == "__bytes__" and isinstance(v, str):
                     return bytes.fromhex(v)
                 if tag == TENSOR and isinstance(v, str) and tensor is not None:
-                    return tensor(v)
+                    t = tensor(v)
+                    made.setdefault(v, t)  # (a __shared__ looks its target up by name again: keep the value at its place)
+                    return t
             except (TypeError, ValueError):
                 pass
         raise StoreFormatError(f"{what}: bad {tag} value")
@@ -233,27 +236,16 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
 
 
 _LATER_SHAPE: dict[str, type] = {DTYPE: str, DEVICE: str, BYTEARRAY: str, COMPLEX: list, SET: list}
-_EXACT_SHAPE: dict[str, type] = {ODICT: list, SIZE: list, PARAMETER: list, SHARED: list}
+_EXACT_SHAPE: dict[str, type] = {ODICT: list, SIZE: list, PARAMETER: list, SHARED: list, GRAD: list, VIEW: list}
 
 
-def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool) -> Any:
+def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any]) -> Any:
     """The value of one of EXACT_TAGS (``v`` a list), or None where ``v`` is not what :func:`encode` writes."""
     if tag == SIZE:
         ok = all(isinstance(d, int) and not isinstance(d, bool) and -(1 << 63) <= d < 1 << 63 for d in v)
         return None if not ok else _torch().Size(v) if torch_values else tuple(v)
-    if tag == SHARED:
-        return _shared(v, dec, torch_values)
-    if tag == PARAMETER:
-        if not (len(v) == 2 and isinstance(v[0], dict) and list(v[0]) == [TENSOR] and isinstance(v[1], bool)):
-            return None
-        t = dec(v[0])
-        if not torch_values:
-            return t
-        torch = _torch()
-        try:  # (RuntimeError: an integer tensor cannot require grad)
-            return torch.nn.Parameter(t, requires_grad=v[1]) if type(t) is torch.Tensor else None
-        except RuntimeError:
-            return None
+    if tag in TENSOR_TAGS:
+        return decode_tensor(tag, v, dec, torch_values, made)
     if len(v) != 2 or not isinstance(v[1], dict):
         return None
     items, attrs = dec({"__dict__": v[0]}), dec(v[1])
@@ -280,27 +272,6 @@ def _later(tag: str, v: Any, dec: Callable[[Any], Any]) -> Any:
         return out if len(out) == len(items) else None
     except (TypeError, ValueError):
         return None
-
-
-def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool) -> Any:
-    """A ``__shared__`` value: its tensor (or Parameter), made to share the memory of the tensor it names,
-    whose bytes, dtype and shape it must have; None where ``v`` is not what :func:`encode` writes."""
-    ref = v[0] if len(v) == 2 and isinstance(v[0], dict) else None
-    if isinstance(ref, dict) and list(ref) == [PARAMETER] and isinstance(ref[PARAMETER], list) and ref[PARAMETER]:
-        ref = ref[PARAMETER][0]
-    if not (isinstance(ref, dict) and list(ref) == [TENSOR] and isinstance(v[1], str) and v[1] != ref[TENSOR]):
-        return None
-    t, other = dec(v[0]), dec({TENSOR: v[1]})
-    if not torch_values:
-        return t
-    torch = _torch()
-    if not (isinstance(t, torch.Tensor) and type(other) is torch.Tensor and (t.dtype, t.shape) == (other.dtype, other.shape)
-            and t.is_contiguous() and other.is_contiguous()
-            and torch.equal(t.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8))):
-        return None  # (named as shared, but other bytes: never handed out as the same tensor)
-    with torch.no_grad():
-        t.set_(other.untyped_storage(), other.storage_offset(), other.shape, other.stride())
-    return t
 
 
 def _attribute_name(k: Any) -> bool:
@@ -401,5 +372,5 @@ def _raise(e: Exception) -> Any:
 
 
 __all__ = ["BYTEARRAY", "COMPLEX", "DEVICE", "DTYPE", "EXACT_TAGS", "LATER_TAGS", "MAX_DEPTH", "MAX_EXPANSION", "ODICT", "PARAMETER",
-           "SET", "SHARED", "SIZE", "ExpansionGuard", "TORCH_TAGS",
+           "SET", "SHARED", "SIZE", "ExpansionGuard", "GRAD", "TORCH_TAGS", "VIEW",
            "TAGS", "TENSOR", "decode", "encode", "tensor_refs"]

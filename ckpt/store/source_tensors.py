@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -99,12 +100,43 @@ def flatten_state_dict(obj: Mapping[Any, Any], path: str) -> tuple[dict[str, Any
             path, f"entry {at[:120]} is {kind}, neither a tensor nor a plain value",
             hint="other entries are kept as JSON: str, int, float, complex, bool, None, bytes, bytearray, torch.dtype, torch.device, "
                  "and lists, tuples and dicts of these"))
-    tree = _structure(obj, path, tensors)
-    if flat and tree is not None and not uses_tags(tree, EXACT_TAGS):  # its flat names and values are all of it
+    # A flat dict's flat names and values are all of it, unless it holds what only an exact structure keeps:
+    # decided from types in one pass, so that a plain state dict's push builds no structure to throw away.
+    tree = None if flat and type(obj) is dict and _plain(obj, tensors) else _structure(obj, path, tensors)
+    if flat and tree is not None and not uses_tags(tree, EXACT_TAGS):
         tree = None
     if tree is not None:
         extra[STRUCTURE] = tree
     return tensors, extra
+
+
+def _plain(obj: Mapping[str, Any], tensors: dict[str, Any]) -> bool:
+    """Whether flat dict ``obj`` holds none of what ``EXACT_TAGS`` keep: each tensor a plain ``Tensor``
+    that needs no grad, alone in its storage (no tied weights, views or one object twice), and no
+    ``torch.Size`` nor ``OrderedDict`` among its values (walked after encode, so within its bounds)."""
+    import torch
+
+    storages: set[Any] = set()
+    for t in tensors.values():
+        if type(t) is not torch.Tensor or t.requires_grad:
+            return False
+        try:
+            where = (t.device, t.untyped_storage().data_ptr()) if t.numel() else id(t)
+        except (RuntimeError, NotImplementedError, TypeError):  # no storage of its own: let the structure decide
+            return False
+        if where in storages:
+            return False
+        storages.add(where)
+    stack = [v for v in obj.values() if not isinstance(v, torch.Tensor)]
+    while stack:
+        x = stack.pop()
+        if type(x) in (OrderedDict, torch.Size):
+            return False
+        if isinstance(x, dict):
+            stack.extend((*x.keys(), *x.values()))
+        elif isinstance(x, (list, tuple, set)):
+            stack.extend(x)
+    return True
 
 
 class _NoStructure(Exception):

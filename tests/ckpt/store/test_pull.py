@@ -1186,3 +1186,154 @@ def test_a_forged_structure_is_a_damaged_manifest(store, tmp_path, forge, capsys
     err = capsys.readouterr().err.strip()
     assert e.value.code != 0 and "structure" in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "out.pt").exists() and not (tmp_path / "cli.pt").exists()
+
+
+@pytest.mark.parametrize("forge", [
+    lambda d: _epoch(d, 4),
+    lambda d: d["extra"].__setitem__("epoch", 4),
+    lambda d: d["extra"].pop("epoch"),
+    lambda d: d["extra"][""]["__dict__"].append(["lr", 0.1]),
+    lambda d: d["extra"].__setitem__("lr", 0.1),
+    lambda d: _epoch(d, {"__size__": [3]}),
+], ids=["structure", "by_name", "name_left_out", "structure_only", "name_only", "other_type"])
+def test_a_structure_and_its_values_by_name_that_disagree_are_a_damaged_manifest(store, tmp_path, forge):
+    """A structure holds the values ``extra`` holds by flat name: a forged one with an epoch of 4 where the
+    name says 3 pulled as a .pt holding 4 while ``extra_values()`` (ckpt show, a safetensors pull) said 3,
+    unchecked. Every way of reading must give one answer: the reader refuses such a manifest."""
+    from ckpt.errors import StoreFormatError
+
+    model = torch.nn.Linear(2, 2).state_dict()
+    saved = {"model": model, "epoch": 3, "shape": torch.Size([2, 2]), "cfg": {"odict": collections.OrderedDict(b=1, a=2), "e": {}},
+             "empty": collections.OrderedDict(), "ys": [torch.ones(1), (1, 2.5)], "set": {torch.Size([2]), (1,)}}
+    vars(saved["empty"])["note"] = 1
+    torch.save(saved, tmp_path / "m.pt")
+    store.push(tmp_path / "m.pt", "m")
+    assert store.manifest("m").extra_values()["epoch"] == 3  # (the genuine one reads)
+    _same_exactly(saved, torch.load(store.pull("m", tmp_path / "back.pt"), weights_only=True))
+    assert store.verify().ok
+    with pytest.raises(StoreFormatError, match="structure and its value"):
+        store.manifest(_forge(store, "m", forge))
+    # In version 3 an exact tag's key was a plain dict's, in the structure as by name: they agree.
+    torch.save({"cfgs": [1], "model": {"w": torch.ones(2)}}, tmp_path / "v3.pt")
+    store.push(tmp_path / "v3.pt", "v3")
+
+    def old(doc: dict) -> None:
+        assert doc["version"] == 3
+        doc["extra"]["cfgs"] = doc["extra"][""]["cfgs"] = [{"__size__": [1]}, {"__odict__": [[], {}]}]
+
+    assert store.manifest(_forge(store, "v3", old)).extra_values()["cfgs"] == [{"__size__": [1]}, {"__odict__": [[], {}]}]
+
+    def nested(doc: dict) -> None:  # {"x": {"__size__": [1]}}: flattened to x.__size__ by then
+        del doc["extra"]["cfgs"], doc["extra"][""]["cfgs"]
+        doc["extra"]["x.__size__"], doc["extra"][""]["x"] = [1], {"__size__": [1]}
+
+    assert store.manifest(_forge(store, "v3", nested)).extra_values()["x.__size__"] == [1]
+
+
+def test_one_object_under_two_keys_pulls_back_as_one_object(store, tmp_path):
+    """``{"a": t, "b": t}`` (or one Parameter under two keys) is one object in a .pt: torch.load gives
+    ``o["a"] is o["b"]``. It came back as two objects sharing memory (a Parameter twice: two Parameters,
+    which an optimizer given both would step twice). The structure marks the very object met before
+    (``__shared__`` with ``true``), and the reader gives that object again, after checking it is of the
+    same bytes, type and requires_grad: a forged mark never makes two different tensors one."""
+    from ckpt.errors import StoreFormatError
+
+    t, p = torch.randn(3), torch.nn.Parameter(torch.randn(2))
+    frozen = torch.nn.Parameter(p.detach(), requires_grad=False)
+    saved = {"m": {"a": t, "b": t, "p": p, "view": p.detach(), "q": p, "e": [torch.ones(0)] * 2, "frozen": frozen}, "other": t + 1,
+             "r": t}
+    torch.save(saved, tmp_path / "same.pt")
+    store.push(tmp_path / "same.pt", "same")
+    want = torch.load(tmp_path / "same.pt", weights_only=True)
+    assert want["m"]["a"] is want["m"]["b"] is want["r"] and want["m"]["p"] is want["m"]["q"]
+    for got in (torch.load(store.pull("same", tmp_path / "back.pt"), weights_only=True), store.load("same", structure=True)):
+        _same_exactly(want, got)
+        m = got["m"]
+        assert m["a"] is m["b"] is got["r"] and m["p"] is m["q"] and m["e"][0] is m["e"][1]
+        assert m["view"] is not m["p"] and _memory(m["view"]) == _memory(m["p"]) and type(m["view"]) is torch.Tensor
+        assert got["other"] is not m["a"]
+    assert store.verify().ok
+
+    def forge(doc: dict, key: str, name: str) -> None:  # ``key`` said to be the object met by ``name``
+        pairs = doc["extra"][""]["m"]["__dict__"]
+        at = doc["extra"][""] if key == "other" else next(p for p in pairs if p[0] == key)
+        value = at[key] if key == "other" else at[1]
+        value = {"__shared__": [value.get("__shared__", [value])[0], name, True]}
+        if key == "other":
+            at[key] = value
+        else:
+            at[1] = value
+
+    # other bytes; a Tensor as the Parameter; another requires_grad; one met later; none
+    for key, name in (("other", "m.a"), ("view", "m.p"), ("frozen", "m.p"), ("a", "m.b"), ("a", "nope")):
+        with pytest.raises(StoreFormatError, match="structure"):
+            store.pull(_forge(store, "same", lambda d, key=key, name=name: forge(d, key, name)), tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_plain_tensor_that_requires_grad_pulls_back_requiring_it(store, tmp_path):
+    """torch.save keeps ``requires_grad`` of a plain tensor (not a Parameter: a learned temperature kept as a
+    tensor, an output saved mid-graph); it came back False. The structure marks it
+    (``{"__requires_grad__": [ref]}``), checked like the other tags: an integer tensor cannot require grad."""
+    from ckpt.errors import StoreFormatError
+
+    w = torch.randn(3, requires_grad=True)
+    saved = {"m": {"w": w, "out": w * 2, "again": w, "view": w.detach(), "steps": torch.arange(2)}, "epoch": 1}
+    torch.save(saved, tmp_path / "g.pt")
+    store.push(tmp_path / "g.pt", "g")
+    want = torch.load(tmp_path / "g.pt", weights_only=True)
+    assert want["m"]["w"].requires_grad and want["m"]["out"].requires_grad and not want["m"]["view"].requires_grad
+    for got in (torch.load(store.pull("g", tmp_path / "back.pt"), weights_only=True), store.load("g", structure=True)):
+        _same_exactly(want, got)
+        assert got["m"]["again"] is got["m"]["w"] and got["m"]["w"].is_leaf and got["m"]["out"].is_leaf
+        assert _memory(got["m"]["view"]) == _memory(got["m"]["w"])
+    assert store.verify().ok
+
+    def forge(doc: dict, value: object) -> None:
+        pairs = doc["extra"][""]["__dict__"][0][1]["__dict__"]
+        next(p for p in pairs if p[0] == "steps")[1] = value
+
+    for bad in ({"__requires_grad__": [{"__tensor__": "m.steps"}]}, {"__requires_grad__": [{"__tensor__": "m.steps"}, True]}):
+        with pytest.raises(StoreFormatError, match="structure"):
+            store.pull(_forge(store, "g", lambda d, bad=bad: forge(d, bad)), tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_views_at_other_offsets_or_shapes_pull_back_as_views(store, tmp_path):
+    """``{"full": x, "half": x[:2]}`` is one storage in a .pt (torch.save writes it once; torch.load gives
+    ``half`` as a view into ``full``): it came back as two storages, so a write to one no longer showed in
+    the other (a buffer and a slice of it kept in one state). The structure marks a view of a contiguous
+    tensor met before (``__view__``: its offset in that tensor, its strides); the reader makes it that view
+    again only where it lies within that tensor and has its bytes there: a forged mark never points a
+    tensor at other bytes or outside the memory it names."""
+    from ckpt.errors import StoreFormatError
+
+    x = torch.arange(12.0).reshape(3, 4)
+    saved = {"m": {"full": x, "half": x[:2], "col": x[:, 1], "t": x.t(), "row": torch.nn.Parameter(x[2])}, "alone": torch.arange(4.0)[1:]}
+    torch.save(saved, tmp_path / "v.pt")
+    store.push(tmp_path / "v.pt", "v")
+    want = torch.load(tmp_path / "v.pt", weights_only=True)
+    for got in (torch.load(store.pull("v", tmp_path / "back.pt"), weights_only=True), store.load("v", structure=True)):
+        _same_exactly(want, got)
+        full = got["m"]["full"]
+        for k in ("half", "col", "t", "row"):
+            w, g = want["m"][k], got["m"][k]
+            assert g.untyped_storage().data_ptr() == full.untyped_storage().data_ptr(), k
+            assert (g.storage_offset(), g.stride()) == (w.storage_offset(), w.stride()), k
+        with torch.no_grad():
+            full[0, 1] = 99.0
+        assert got["m"]["half"][0, 1].item() == got["m"]["col"][0].item() == got["m"]["t"][1, 0].item() == 99.0
+    assert store.verify().ok
+
+    def forge(doc: dict, key: str, value: list) -> None:
+        pair = next(p for p in doc["extra"][""]["__dict__"][0][1]["__dict__"] if p[0] == key)
+        pair[1] = {"__view__": [pair[1]["__view__"][0], *value]}
+
+    for key, value in (("half", ["m.full", 1, [4, 1]]),  # other bytes there
+                       ("row", ["m.full", 9, [1]]),  # reaching past the tensor it names
+                       ("col", ["m.full", 1, [-4]]), ("col", ["m.full", True, [4]]), ("col", ["m.full", 1, [4, 1]]),
+                       ("half", ["m.t", 0, [4, 1]]),  # not contiguous
+                       ("half", ["m.row", 0, [4, 1]]), ("half", ["m.half", 0, [4, 1]])):  # met later; itself
+        with pytest.raises(StoreFormatError, match="structure"):
+            store.pull(_forge(store, "v", lambda d, key=key, value=value: forge(d, key, value)), tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()

@@ -1,0 +1,146 @@
+"""How tagged JSON (ckpt/format/tagged_json.py, docs/format.md) writes a tensor in a tree: a reference to
+a stored tensor, ``{"__tensor__": NAME}``, and, in an exact tree (a pushed .pt's structure), what
+``torch.load(weights_only=True)`` gives back beside the tensor's bytes: an ``nn.Parameter``
+(``{"__parameter__": [ref, requires_grad]}``), a plain tensor's requires_grad (``{"__requires_grad__": [ref]}``),
+and the memory it shares with a tensor met before it: the same object (``{"__shared__": [value, NAME, true]}``),
+the same place (``{"__shared__": [value, NAME]}``) or a view into it (``{"__view__": [value, NAME, offset, strides]}``).
+A reader gives that sharing back only after checking the bytes agree: never one tensor's memory for another's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+TENSOR = "__tensor__"
+PARAMETER = "__parameter__"
+SHARED = "__shared__"
+GRAD = "__requires_grad__"
+VIEW = "__view__"
+TENSOR_TAGS = (PARAMETER, SHARED, GRAD, VIEW)  # (exact tags: manifest version 4)
+MAX_BASES = 16  # (exact) contiguous tensors per storage a later view is looked up in: a flat buffer of many stays linear
+
+
+class TensorPlaces:
+    """Where each tensor of one exact walk lies, so that one met again is written as the object, the memory or
+    the view it shares with the one met before (``x`` the walked value keeps them all alive: ids stay theirs)."""
+
+    def __init__(self) -> None:
+        self.memory: dict[tuple[Any, ...], str] = {}  # where each tensor's bytes lie -> the name of the first there
+        self.objects: dict[int, str] = {}  # id of each tensor met -> the name it was first met by
+        self.bases: dict[tuple[Any, ...], list[tuple[int, int, str]]] = {}  # storage -> contiguous tensors in it: span, name
+
+    def value(self, x: Any, ref: dict[str, str]) -> Any:
+        """Tensor ``x``, stored as ``ref`` (``{"__tensor__": NAME}``), as an exact tree holds it."""
+        import torch
+
+        memory, objects, bases = self.memory, self.objects, self.bases  # (the walk's hot path: plain locals)
+        value = {PARAMETER: [ref, x.requires_grad]} if type(x) is torch.nn.Parameter else {GRAD: [ref]} if x.requires_grad else ref
+        same = objects.setdefault(id(x), ref[TENSOR])
+        if same != ref[TENSOR]:  # the very object met before (torch.load gives it back as one object)
+            return {SHARED: [value, same, True]}
+        if x.is_nested or x.layout != torch.strided or x.is_meta or x.numel() == 0:
+            return value  # (no plain memory, which a push refuses; empty tensors may all lie at one address)
+        try:
+            where = (x.device, x.untyped_storage().data_ptr(), x.storage_offset(), x.dtype, tuple(x.shape), x.stride())
+        except (RuntimeError, NotImplementedError, TypeError):  # a subclass without storage of its own
+            return value
+        first = memory.setdefault(where, ref[TENSOR])
+        if first != ref[TENSOR]:
+            return {SHARED: [value, first]}
+        # A view at another offset or shape of a contiguous tensor met before (torch.save keeps one storage):
+        # its offset in that tensor and its strides, so that a reader can make it that view again.
+        off, storage = x.storage_offset(), where[:2] + (x.dtype,)
+        end = off + 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+        base = next(((start, name) for start, stop, name in bases.get(storage, ()) if start <= off and end <= stop), None)
+        if x.is_contiguous() and len(bases.setdefault(storage, [])) < MAX_BASES:
+            bases[storage].append((off, end, ref[TENSOR]))
+        return value if base is None else {VIEW: [value, base[1], off - base[0], list(x.stride())]}
+
+
+def decode_tensor(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any]) -> Any:
+    """The value of one of TENSOR_TAGS (``v`` a list), or None where ``v`` is not what :class:`TensorPlaces`
+    writes. ``dec`` decodes a nested value; ``made``: each tensor's name -> the value decoded at its place."""
+    if tag == SHARED:
+        return _shared(v, dec, torch_values, made)
+    if tag == VIEW:
+        return _view(v, dec, torch_values, made)
+    if tag in (PARAMETER, GRAD):  # a Parameter [ref, requires_grad]; a plain tensor that requires grad [ref]
+        if not (len(v) == (2 if tag == PARAMETER else 1) and isinstance(v[0], dict) and list(v[0]) == [TENSOR]
+                and (tag == GRAD or isinstance(v[1], bool))):
+            return None
+        t = dec(v[0])
+        if not torch_values:
+            return t
+        import torch
+
+        try:  # (RuntimeError: an integer tensor cannot require grad)
+            if type(t) is not torch.Tensor:
+                return None
+            return torch.nn.Parameter(t, requires_grad=v[1]) if tag == PARAMETER else t.requires_grad_(True)
+        except RuntimeError:
+            return None
+    return None
+
+
+def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any]) -> Any:
+    """A ``__shared__`` value: its tensor (or Parameter), made to share the memory of the tensor it names,
+    whose bytes, dtype and shape it must have; with a third item ``true``, the very object decoded at that
+    name's place, which must be of its type and requires_grad too; None where ``v`` is not what
+    :class:`TensorPlaces` writes."""
+    same = len(v) == 3 and v[2] is True
+    ref = v[0] if (len(v) == 2 or same) and isinstance(v[0], dict) else None
+    if not _names_another(ref, v[1]):
+        return None
+    first = made.get(v[1])
+    t, other = dec(v[0]), dec({TENSOR: v[1]})
+    if not torch_values:
+        return t
+    import torch
+
+    if not (isinstance(t, torch.Tensor) and type(other) is torch.Tensor and (t.dtype, t.shape) == (other.dtype, other.shape)
+            and t.is_contiguous() and other.is_contiguous()
+            and torch.equal(t.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8))):
+        return None  # (named as shared, but other bytes: never handed out as the same tensor)
+    if same:
+        return first if type(first) is type(t) and first.requires_grad == t.requires_grad else None
+    with torch.no_grad():
+        t.set_(other.untyped_storage(), other.storage_offset(), other.shape, other.stride())
+    return t
+
+
+def _view(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any]) -> Any:
+    """A ``__view__`` value ``[VALUE, NAME, offset, strides]``: its tensor made the view, at ``offset`` elements
+    into the contiguous tensor decoded at NAME's place and with ``strides``, whose bytes there it must be;
+    None where ``v`` is not what :class:`TensorPlaces` writes (a view reaching outside that tensor, other bytes)."""
+    ints = lambda xs: all(type(n) is int and 0 <= n < 1 << 62 for n in xs)  # noqa: E731
+    if not (len(v) == 4 and _names_another(v[0], v[1]) and ints([v[2]]) and isinstance(v[3], list) and ints(v[3])):
+        return None
+    base, t = made.get(v[1]), dec(v[0])
+    if not torch_values:
+        return t
+    import torch
+
+    if not (isinstance(base, torch.Tensor) and isinstance(t, torch.Tensor) and base.is_contiguous() and base.dtype == t.dtype
+            and len(v[3]) == t.dim() and t.numel() > 0
+            and v[2] + 1 + sum((n - 1) * st for n, st in zip(t.shape, v[3])) <= base.numel()):
+        return None
+    at = base.storage_offset() + v[2]
+    view = base.detach().as_strided(t.shape, v[3], at)
+    if not torch.equal(view.contiguous().reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)):
+        return None  # (named as a view, but other bytes: never handed out as that memory)
+    with torch.no_grad():
+        t.set_(base.untyped_storage(), at, t.shape, v[3])
+    return t
+
+
+def _names_another(ref: Any, name: Any) -> bool:
+    """Whether ``ref`` is the value a tensor is written as (a reference, or a Parameter or requires-grad tag
+    holding one) and ``name`` a string naming another tensor."""
+    tag = next(iter(ref)) if isinstance(ref, dict) and len(ref) == 1 else None
+    if tag in (PARAMETER, GRAD) and isinstance(ref[tag], list) and ref[tag]:
+        ref = ref[tag][0]
+    return isinstance(ref, dict) and list(ref) == [TENSOR] and isinstance(name, str) and name != ref[TENSOR]
+
+
+__all__ = ["GRAD", "MAX_BASES", "PARAMETER", "SHARED", "TENSOR", "TENSOR_TAGS", "VIEW", "TensorPlaces", "decode_tensor"]
