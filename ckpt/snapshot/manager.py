@@ -42,7 +42,7 @@ from ckpt.snapshot.run import (
     not_a_snapshot,
 )
 from ckpt.snapshot.tiers import MISSES as TIER_MISSES
-from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe, live_refs_of, out_of_space, step_of
+from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe, live_refs_of, out_of_space, resolve_latest, step_of
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
@@ -830,7 +830,7 @@ class CheckpointManager:
         :attr:`last_restore` says which step was restored and the bytes each tier served."""
         self.wait()
         if self._local is None:
-            mid = self._resolve(lambda: self.store.resolve(self._durable.latest))
+            mid = self._resolve(lambda: resolve_latest(self.store, self.run))
             return None if mid is None else self._restore(state, mid)
         if self._distributed:
             path = self._group_path
@@ -861,7 +861,7 @@ class CheckpointManager:
 
         self.wait()
         if self._local is None:
-            mid = self._resolve(lambda: self.store.resolve(self._durable.latest))
+            mid = self._resolve(lambda: resolve_latest(self.store, self.run))
             if mid is None:
                 return None
             m = self.store.manifest(mid)
@@ -921,7 +921,7 @@ class CheckpointManager:
         parsed: dict[str, Manifest] = {}
         durable: tuple[int, str, float] | None = None  # the durable RUN/latest: step, id, made at
         try:
-            mid = self.store.resolve(self._durable.latest)
+            mid = resolve_latest(self.store, self.run)
             m = parsed[mid] = self.store.manifest(mid)
             if not is_snapshot(m):  # refused, as without a tier: never passed over for an older step, or none
                 raise not_a_snapshot(mid, m.source)
