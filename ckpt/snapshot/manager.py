@@ -309,6 +309,8 @@ class CheckpointManager:
         # The durable steps retention counts: the run's, listed once (at the first retention), then each
         # one saved there; a hint, each checked against the store at every retention (see _retain).
         self._retained: set[int] | None = None
+        self._latest_id: str | None = None  # the id RUN/latest named when last checked or saved (see _check_latest)
+        self._latest_warned = False
         self._local = self._local_tier(local, local_every_n_steps, local_keep, local_max_bytes, replicas, process_group)
         self._local_full = False  # the last local save ran out of space (on this rank): make room first
         # The local tier's snapshots carry bundles of their small chunks where the durable store is
@@ -432,6 +434,8 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError("step must be a non-negative int")
         self._wait_save()
+        if self._local is None:  # (with a local tier a persist moves it later)
+            self._check_latest()
         t0 = time.perf_counter()
         snapshot = {"format": SNAPSHOT_FORMAT, "run": self.run, "step": step, "metrics": _recorded(step, metrics)}
         background = self.save_mode != "sync"
@@ -495,6 +499,29 @@ class CheckpointManager:
                 return False
             self._durable_known = True
         return self._durable_step is not None and step <= self._durable_step
+
+    def _check_latest(self) -> None:
+        """Warn (once) where the durable RUN/latest names a checkpoint a user pushed there (no snapshot), which
+        this save is about to move away from: the next restart would otherwise resume without a word of it.
+        One ref read per save; a manifest read only where RUN/latest changed since this manager last saw it.
+        In a group rank 0 alone checks (no collective: a failed read only skips the check)."""
+        if self._latest_warned or getattr(self._path, "rank", 0) != 0:
+            return
+        try:
+            entry = self.store.refs_db.current(self._durable.latest)
+            if entry is None or entry.target == self._latest_id:
+                return
+            self._latest_id = entry.target
+            m = self.store.manifest(entry.target)
+        except CkptError as e:
+            log.warning("could not read %s in %s (%s)", self._durable.latest, self.store.url, describe(e))
+            return
+        if not is_snapshot(m):
+            self._latest_warned = True
+            self._tier_warning(f"{self._durable.latest} names checkpoint {entry.target[:12]}, pushed there ({m.source}), "
+                               f"not a snapshot: this save moves {self._durable.latest} to its own snapshot; the pushed "
+                               f"one stays in its history (`ckpt log {self._durable.latest}`): push it under a name "
+                               "outside the run")
 
     def _tiered(self, step: int, job: SaveJob, persist: bool, seq: int) -> Callable[[], SaveResult | None]:
         """``job`` (a save into the local tier), then the tier's bounds and the persist it asks for.
@@ -619,7 +646,9 @@ class CheckpointManager:
             report = copy_refs(local.store, self.store, [local.ref(step)], recode=not self._local_compress)
             with self._durable_lock:
                 if seq > self._published:  # (a save made since may have gone there directly)
+                    self._check_latest()
                     self.store.refs_db.set(self._durable.latest, report.refs[local.ref(step)], alias=True)
+                    self._latest_id = report.refs[local.ref(step)]
                     self.store.objects.backend.flush()
                     self._published, self._durable_step = seq, step
             self.last_persist = PersistStats(step, time.perf_counter() - t0, report.chunks_sent, report.bytes_sent,
@@ -651,6 +680,8 @@ class CheckpointManager:
         warnings.warn(message, TierWarning, stacklevel=2)
 
     def _saved(self, step: int, metrics: dict[str, float], r: SaveResult, blocked: float, background: float) -> None:
+        if self._local is None and r.id is not None:
+            self._latest_id = r.id  # (RUN/latest names it now: the next save's check reads no manifest)
         if self.retention.best:  # (nothing else reads them)
             self._metrics[step] = metrics
         tier = "local" if self._local is not None and r.fell_back is None else "store"
