@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckpt._deprecation import deprecated
 from ckpt.errors import CkptError, RefConflictError, RefNotFoundError
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from ckpt.store.store import Store
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def _recorded(step: int, metrics: dict[str, float] | None) -> dict[str, Any]:
@@ -892,13 +893,18 @@ class CheckpointManager:
 
         self.wait()
         if self._local is None:
-            mid = self._resolve(lambda: resolve_latest(self.store, self.run))
-            if mid is None:
+            def find() -> tuple[str, int | None, str | None]:  # in a group, on rank 0 alone: every rank says the same
+                mid = resolve_latest(self.store, self.run)
+                m = self.store.manifest(mid)
+                return mid, snapshot_step(m), None if is_snapshot(m) else m.source
+
+            found = self._resolve(find)
+            if found is None:
                 return None
-            m = self.store.manifest(mid)
-            if not is_snapshot(m):  # (as restore_latest refuses it, not "no snapshot")
-                raise not_a_snapshot(mid, m.source)
-            return snapshot_step(m)
+            mid, step, pushed = found
+            if pushed is not None:  # (as restore_latest refuses it, not "no snapshot")
+                raise not_a_snapshot(mid, pushed)
+            return step
         if self._distributed:
             chosen = self._group_path.choose(self.store, self._durable.latest)
             return None if chosen is None else chosen[0]
@@ -932,7 +938,7 @@ class CheckpointManager:
         assert isinstance(self._path, DistributedSnapshots)
         return self._path
 
-    def _resolve(self, find: Callable[[], str]) -> str | None:
+    def _resolve(self, find: Callable[[], _T]) -> _T | None:
         """``find()``, None where it finds no ref; in a group rank 0's, the same on every rank."""
         if self._distributed:
             return self._group_path.resolve(find)

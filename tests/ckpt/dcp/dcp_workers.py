@@ -849,6 +849,46 @@ def restore_stale_view(rank, world, tmp, store, view):
     return out
 
 
+def latest_step_unread(rank, world, tmp, store, failing):
+    """DDP state saved at steps 1..4 (no tiers); a fresh manager asks for latest_step while rank ``failing``'s
+    read of a manifest fails (an I/O error), then restores. Returns what each call gave (or raised) and whether
+    the restored state is bit-identical to step 4's."""
+    import torch.distributed as dist
+
+    import ckpt
+
+    state = _ddp_state(rank)
+
+    def manager():
+        return ckpt.CheckpointManager(store, "ddp", save_mode="sync", process_group=dist.group.WORLD, timeout_s=20)
+
+    mgr = manager()
+    for step in range(1, 5):
+        _ddp_step(state)
+        state["step"] = step
+        mgr.save(step, state)
+    mgr.close()
+    want = _ddp_bits(state)
+    mgr = manager()
+    real = mgr.store.manifest
+    if rank == failing:
+        def manifest(ref, *args, **kwargs):
+            raise OSError(5, "Input/output error (injected)", ref)
+
+        mgr.store.manifest = manifest
+    out = {}
+    try:
+        out["latest_step"] = mgr.latest_step()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["latest_step"] = f"{type(e).__name__}: {e}"
+    mgr.store.manifest = real
+    fresh = _ddp_state(rank)
+    out["restored"] = mgr.restore_latest(fresh)
+    out["exact"] = _ddp_bits(fresh) == want
+    mgr.close()
+    return out
+
+
 def tiers_left_timeline(rank, world, tmp, store):
     """Local tiers (every 2 steps, persisted every 10): the run trains to 12 with its tiers on "node A",
     is begun anew under its name with tiers on "node B" (its step 2 persisted: a save below the durable
@@ -1657,6 +1697,7 @@ SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
              "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,
              "tiers_pushed_latest": tiers_pushed_latest, "tiers_removed_latest": tiers_removed_latest,
+             "latest_step_unread": latest_step_unread,
              "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline,
              "ranks_disagree": ranks_disagree, "forged_key_path": forged_key_path,
              "save_fine_tunes": save_fine_tunes, "load_missing": load_missing,
