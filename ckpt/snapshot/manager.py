@@ -492,7 +492,9 @@ class CheckpointManager:
 
         if not self._durable_known:
             try:
-                self._durable_step = snapshot_step(self.store.manifest(self._durable.latest))
+                # (RUN/latest missing: the newest step, as a restart would resume it, so that a run gone back
+                # below it persists its saves and a restart resumes them, not that step)
+                self._durable_step = snapshot_step(self.store.manifest(resolve_latest(self.store, self.run)))
             except RefNotFoundError:
                 self._durable_step = None
             except Exception as e:  # noqa: BLE001 - unreadable now: the persists due say more

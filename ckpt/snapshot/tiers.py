@@ -143,7 +143,7 @@ def resolve_latest(store: Store, run: str) -> str:
             except CkptError:
                 kinds[mid] = True
         if kinds[mid]:
-            message = (f"{latest} is missing in {store.url}: restoring the newest snapshot of the run, step {step} "
+            message = (f"{latest} is missing in {store.url}: the run's newest snapshot is taken for it, step {step} "
                        f"({run}/step-{step}); the next save names its own snapshot {latest}")
             log.warning("%s", message)
             warnings.warn(message, TierWarning, stacklevel=3)

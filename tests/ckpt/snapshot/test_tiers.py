@@ -817,3 +817,41 @@ def test_a_run_whose_latest_is_missing_resumes_its_newest_snapshot_on_every_path
     got, exp = fresh_opt.state_dict(), want["optim"]
     assert got["param_groups"] == exp["param_groups"]
     assert all(_state_bits(got["state"][i]) == _state_bits(exp["state"][i]) for i in exp["state"])
+
+
+def test_a_run_gone_back_while_its_latest_is_missing_resumes_where_it_went_back_to(tmp_path):
+    """Trained to 8 with a local tier (durable 4, 8), ``ckpt rm run/latest``, then the run goes back to step 4
+    and trains to 6 (a local save). That save was not persisted (RUN/latest named no step it was behind), so
+    the restart took the durable step 8 of the timeline the run had left for run/latest. A save below the
+    run's newest snapshot persists now, as one below RUN/latest does: the restart resumes step 6, bit for bit."""
+    url, local = str(tmp_path / "s"), str(tmp_path / "local")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+
+    def manager():
+        return ckpt.CheckpointManager(url, "run", every_n_steps=4, local=local, local_every_n_steps=2, save_mode="sync")
+
+    def train(mgr, steps):
+        for step in steps:
+            model(torch.randn(3, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.maybe_save(step, {"model": model, "optim": opt})
+
+    with manager() as mgr:
+        train(mgr, range(1, 9))
+    ckpt.Store.open(url).remove("run/latest")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with manager() as mgr:
+            assert mgr.restore({"model": model, "optim": opt}, 4) == 4
+            train(mgr, (5, 6))
+        want = {"model": model.state_dict(), "optim": opt.state_dict()}
+        fresh_model = torch.nn.Linear(8, 4)
+        fresh_opt = torch.optim.AdamW(fresh_model.parameters())
+        with manager() as mgr:
+            assert mgr.restore_latest({"model": fresh_model, "optim": fresh_opt}) == 6
+    assert _state_bits(fresh_model.state_dict()) == _state_bits(want["model"])
+    assert all(_state_bits(fresh_opt.state_dict()["state"][i]) == _state_bits(want["optim"]["state"][i])
+               for i in want["optim"]["state"])
