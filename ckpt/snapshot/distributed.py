@@ -33,7 +33,7 @@ snapshot saved once for all ranks is refused rather than left at its current val
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from ckpt.store.store import Store
 
 _FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
+_T = TypeVar("_T")
 
 
 class DistributedSnapshots:
@@ -122,8 +123,8 @@ class DistributedSnapshots:
                 raise
             raise self._restore_error(e) from e
 
-    def resolve(self, find: Callable[[], str]) -> str | None:
-        """The manifest id ``find()`` gives on rank 0 (None where it raises RefNotFoundError), the
+    def resolve(self, find: Callable[[], _T]) -> _T | None:
+        """What ``find()`` (a manifest id, say) gives on rank 0 (None where it raises RefNotFoundError), the
         same on every rank: ranks that each resolved a ref could see it apart (a shared file system's
         stale listing, a read that failed) and load different snapshots, or one none. Another failure
         of rank 0's is raised on every rank as a :class:`~ckpt.snapshot.run.SnapshotError`."""

@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckpt._deprecation import deprecated
 from ckpt.errors import CkptError, RefConflictError, RefNotFoundError
@@ -42,7 +42,7 @@ from ckpt.snapshot.run import (
     not_a_snapshot,
 )
 from ckpt.snapshot.tiers import MISSES as TIER_MISSES
-from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe, live_refs_of, out_of_space, step_of
+from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe, live_refs_of, out_of_space, resolve_latest, step_of
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from ckpt.store.store import Store
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 def _recorded(step: int, metrics: dict[str, float] | None) -> dict[str, Any]:
@@ -309,6 +310,8 @@ class CheckpointManager:
         # The durable steps retention counts: the run's, listed once (at the first retention), then each
         # one saved there; a hint, each checked against the store at every retention (see _retain).
         self._retained: set[int] | None = None
+        self._latest_id: str | None = None  # the id RUN/latest named when last checked or saved (see _check_latest)
+        self._latest_warned = False
         self._local = self._local_tier(local, local_every_n_steps, local_keep, local_max_bytes, replicas, process_group)
         self._local_full = False  # the last local save ran out of space (on this rank): make room first
         # The local tier's snapshots carry bundles of their small chunks where the durable store is
@@ -432,6 +435,8 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError("step must be a non-negative int")
         self._wait_save()
+        if self._local is None:  # (with a local tier a persist moves it later)
+            self._check_latest()
         t0 = time.perf_counter()
         snapshot = {"format": SNAPSHOT_FORMAT, "run": self.run, "step": step, "metrics": _recorded(step, metrics)}
         background = self.save_mode != "sync"
@@ -487,7 +492,9 @@ class CheckpointManager:
 
         if not self._durable_known:
             try:
-                self._durable_step = snapshot_step(self.store.manifest(self._durable.latest))
+                # (RUN/latest missing: the newest step, as a restart would resume it, so that a run gone back
+                # below it persists its saves and a restart resumes them, not that step)
+                self._durable_step = snapshot_step(self.store.manifest(resolve_latest(self.store, self.run)))
             except RefNotFoundError:
                 self._durable_step = None
             except Exception as e:  # noqa: BLE001 - unreadable now: the persists due say more
@@ -495,6 +502,29 @@ class CheckpointManager:
                 return False
             self._durable_known = True
         return self._durable_step is not None and step <= self._durable_step
+
+    def _check_latest(self) -> None:
+        """Warn (once) where the durable RUN/latest names a checkpoint a user pushed there (no snapshot), which
+        this save is about to move away from: the next restart would otherwise resume without a word of it.
+        One ref read per save; a manifest read only where RUN/latest changed since this manager last saw it.
+        In a group rank 0 alone checks (no collective: a failed read only skips the check)."""
+        if self._latest_warned or getattr(self._path, "rank", 0) != 0:
+            return
+        try:
+            entry = self.store.refs_db.current(self._durable.latest)
+            if entry is None or entry.target == self._latest_id:
+                return
+            self._latest_id = entry.target
+            m = self.store.manifest(entry.target)
+        except CkptError as e:
+            log.warning("could not read %s in %s (%s)", self._durable.latest, self.store.url, describe(e))
+            return
+        if not is_snapshot(m):
+            self._latest_warned = True
+            self._tier_warning(f"{self._durable.latest} names checkpoint {entry.target[:12]}, pushed there ({m.source}), "
+                               f"not a snapshot: this save moves {self._durable.latest} to its own snapshot; the pushed "
+                               f"one stays in its history (`ckpt log {self._durable.latest}`): push it under a name "
+                               "outside the run")
 
     def _tiered(self, step: int, job: SaveJob, persist: bool, seq: int) -> Callable[[], SaveResult | None]:
         """``job`` (a save into the local tier), then the tier's bounds and the persist it asks for.
@@ -619,7 +649,9 @@ class CheckpointManager:
             report = copy_refs(local.store, self.store, [local.ref(step)], recode=not self._local_compress)
             with self._durable_lock:
                 if seq > self._published:  # (a save made since may have gone there directly)
+                    self._check_latest()
                     self.store.refs_db.set(self._durable.latest, report.refs[local.ref(step)], alias=True)
+                    self._latest_id = report.refs[local.ref(step)]
                     self.store.objects.backend.flush()
                     self._published, self._durable_step = seq, step
             self.last_persist = PersistStats(step, time.perf_counter() - t0, report.chunks_sent, report.bytes_sent,
@@ -651,6 +683,8 @@ class CheckpointManager:
         warnings.warn(message, TierWarning, stacklevel=2)
 
     def _saved(self, step: int, metrics: dict[str, float], r: SaveResult, blocked: float, background: float) -> None:
+        if self._local is None and r.id is not None:
+            self._latest_id = r.id  # (RUN/latest names it now: the next save's check reads no manifest)
         if self.retention.best:  # (nothing else reads them)
             self._metrics[step] = metrics
         tier = "local" if self._local is not None and r.fell_back is None else "store"
@@ -830,7 +864,7 @@ class CheckpointManager:
         :attr:`last_restore` says which step was restored and the bytes each tier served."""
         self.wait()
         if self._local is None:
-            mid = self._resolve(lambda: self.store.resolve(self._durable.latest))
+            mid = self._resolve(lambda: resolve_latest(self.store, self.run))
             return None if mid is None else self._restore(state, mid)
         if self._distributed:
             path = self._group_path
@@ -861,13 +895,18 @@ class CheckpointManager:
 
         self.wait()
         if self._local is None:
-            mid = self._resolve(lambda: self.store.resolve(self._durable.latest))
-            if mid is None:
+            def find() -> tuple[str, int | None, str | None]:  # in a group, on rank 0 alone: every rank says the same
+                mid = resolve_latest(self.store, self.run)
+                m = self.store.manifest(mid)
+                return mid, snapshot_step(m), None if is_snapshot(m) else m.source
+
+            found = self._resolve(find)
+            if found is None:
                 return None
-            m = self.store.manifest(mid)
-            if not is_snapshot(m):  # (as restore_latest refuses it, not "no snapshot")
-                raise not_a_snapshot(mid, m.source)
-            return snapshot_step(m)
+            mid, step, pushed = found
+            if pushed is not None:  # (as restore_latest refuses it, not "no snapshot")
+                raise not_a_snapshot(mid, pushed)
+            return step
         if self._distributed:
             chosen = self._group_path.choose(self.store, self._durable.latest)
             return None if chosen is None else chosen[0]
@@ -901,7 +940,7 @@ class CheckpointManager:
         assert isinstance(self._path, DistributedSnapshots)
         return self._path
 
-    def _resolve(self, find: Callable[[], str]) -> str | None:
+    def _resolve(self, find: Callable[[], _T]) -> _T | None:
         """``find()``, None where it finds no ref; in a group rank 0's, the same on every rank."""
         if self._distributed:
             return self._group_path.resolve(find)
@@ -921,7 +960,7 @@ class CheckpointManager:
         parsed: dict[str, Manifest] = {}
         durable: tuple[int, str, float] | None = None  # the durable RUN/latest: step, id, made at
         try:
-            mid = self.store.resolve(self._durable.latest)
+            mid = resolve_latest(self.store, self.run)
             m = parsed[mid] = self.store.manifest(mid)
             if not is_snapshot(m):  # refused, as without a tier: never passed over for an older step, or none
                 raise not_a_snapshot(mid, m.source)

@@ -39,6 +39,7 @@ from ckpt.snapshot.tiers import (
     left_behind,
     left_behind_message,
     out_of_space,
+    resolve_latest,
     snapshot_step,
 )
 from ckpt_store.storage.chunk_lists import referenced_chunks
@@ -303,7 +304,7 @@ class Peers:
             try:
                 from ckpt.snapshot.run import is_snapshot
 
-                dmid = durable.resolve(latest)
+                dmid = resolve_latest(durable, self.local.run)  # (RUN/latest missing: the newest step, warned)
                 dm = durable.manifest(dmid)
                 view = (dmid, snapshot_step(dm), dm.created, None if is_snapshot(dm) else dm.source)
             except RefNotFoundError:

@@ -113,6 +113,44 @@ def live_refs_of(store: Store, run: str) -> dict[str, RefEntry]:
         return store.refs_db.scan(run)[0]
 
 
+def resolve_latest(store: Store, run: str) -> str:
+    """The checkpoint id ``RUN/latest`` names in ``store``; where it names none (a user's ``ckpt rm RUN/latest``,
+    a crash between a save's first ``RUN/step-N`` and its ``RUN/latest``), the newest ``RUN/step-N`` that is a
+    snapshot (one that cannot be read counts: restoring it names the damage), with a :class:`TierWarning`: a
+    run must never start again from scratch while a snapshot of it exists. Raises RefNotFoundError where the
+    run has neither."""
+    from ckpt.errors import RefNotFoundError
+    from ckpt.snapshot.run import TierWarning, is_snapshot
+    from ckpt.store.catalog import snapshot_kinds
+
+    latest = f"{run}/latest"
+    try:
+        return store.resolve(latest)
+    except RefNotFoundError:
+        found: dict[int, str] = {}
+        for name, entry in live_refs_of(store, run).items():
+            step = step_of(run, name)
+            if step is not None and entry.target is not None:
+                found[step] = entry.target
+        if not found:
+            raise
+    kinds = snapshot_kinds(store, found.values())
+    for step in sorted(found, reverse=True):
+        mid = found[step]
+        if mid not in kinds:
+            try:
+                kinds[mid] = is_snapshot(store.manifest(mid))
+            except CkptError:
+                kinds[mid] = True
+        if kinds[mid]:
+            message = (f"{latest} is missing in {store.url}: the run's newest snapshot is taken for it, step {step} "
+                       f"({run}/step-{step}); the next save names its own snapshot {latest}")
+            log.warning("%s", message)
+            warnings.warn(message, TierWarning, stacklevel=3)
+            return mid
+    raise RefNotFoundError(f"no snapshot of run {run!r} in {store.url}: {latest} is missing and no {run}/step-N is a snapshot")
+
+
 TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is
 
 

@@ -765,6 +765,44 @@ def tiers_pushed_latest(rank, world, tmp, store):
     return out
 
 
+def tiers_removed_latest(rank, world, tmp, store):
+    """Local tiers (every 2 steps, persisted every 4): train to 8, then ``ckpt rm ddp/latest`` (what the refusal of
+    a checkpoint pushed there advises). Fresh managers (with the run's tiers, with fresh empty ones, without tiers)
+    ask for the latest step and restore: by case, what each gave, whether the state is bit-identical to step 8's,
+    and the warnings."""
+    import warnings
+
+    import torch.distributed as dist
+
+    import ckpt
+
+    def manager(local):
+        kw = {} if local is None else {"local": local, "local_every_n_steps": 2, "replicas": 1}
+        return ckpt.CheckpointManager(store, "ddp", every_n_steps=4, process_group=dist.group.WORLD, timeout_s=20, **kw)
+
+    state = _ddp_state(rank)
+    mgr = manager(os.path.join(tmp, "local"))
+    _ddp_train(mgr, state, range(1, 9))
+    mgr.close()
+    want = _ddp_bits(state)
+    if rank == 0:
+        ckpt.Store.open(store).remove("ddp/latest")
+    dist.barrier()
+    out = {}
+    for case, local in (("tiers", os.path.join(tmp, "local")), ("fresh", os.path.join(tmp, "fresh")), ("none", None)):
+        mgr = manager(local)
+        fresh = _ddp_state(rank)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                got = [mgr.latest_step(), mgr.restore_latest(fresh)]
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                got = f"{type(e).__name__}: {e}"
+        mgr.close()
+        out[case] = {"got": got, "exact": _ddp_bits(fresh) == want, "warnings": [str(w.message) for w in caught]}
+    return out
+
+
 def restore_stale_view(rank, world, tmp, store, view):
     """DDP state saved at steps 1..4 (no tiers); a fresh manager restores the latest while rank 1 sees
     the store's RUN/latest apart (a shared file system's stale listing): ``stale``, still naming step 3;
@@ -807,6 +845,46 @@ def restore_stale_view(rank, world, tmp, store, view):
     out["restore_4"] = mgr.restore(fresh, 4)
     out["exact_4"] = _ddp_bits(fresh) == want
     out["seconds"] = time.monotonic() - t0
+    mgr.close()
+    return out
+
+
+def latest_step_unread(rank, world, tmp, store, failing):
+    """DDP state saved at steps 1..4 (no tiers); a fresh manager asks for latest_step while rank ``failing``'s
+    read of a manifest fails (an I/O error), then restores. Returns what each call gave (or raised) and whether
+    the restored state is bit-identical to step 4's."""
+    import torch.distributed as dist
+
+    import ckpt
+
+    state = _ddp_state(rank)
+
+    def manager():
+        return ckpt.CheckpointManager(store, "ddp", save_mode="sync", process_group=dist.group.WORLD, timeout_s=20)
+
+    mgr = manager()
+    for step in range(1, 5):
+        _ddp_step(state)
+        state["step"] = step
+        mgr.save(step, state)
+    mgr.close()
+    want = _ddp_bits(state)
+    mgr = manager()
+    real = mgr.store.manifest
+    if rank == failing:
+        def manifest(ref, *args, **kwargs):
+            raise OSError(5, "Input/output error (injected)", ref)
+
+        mgr.store.manifest = manifest
+    out = {}
+    try:
+        out["latest_step"] = mgr.latest_step()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["latest_step"] = f"{type(e).__name__}: {e}"
+    mgr.store.manifest = real
+    fresh = _ddp_state(rank)
+    out["restored"] = mgr.restore_latest(fresh)
+    out["exact"] = _ddp_bits(fresh) == want
     mgr.close()
     return out
 
@@ -1618,7 +1696,8 @@ SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
              "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,
-             "tiers_pushed_latest": tiers_pushed_latest,
+             "tiers_pushed_latest": tiers_pushed_latest, "tiers_removed_latest": tiers_removed_latest,
+             "latest_step_unread": latest_step_unread,
              "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline,
              "ranks_disagree": ranks_disagree, "forged_key_path": forged_key_path,
              "save_fine_tunes": save_fine_tunes, "load_missing": load_missing,

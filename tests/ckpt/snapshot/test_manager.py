@@ -205,6 +205,37 @@ def test_a_checkpoint_pushed_under_a_run_step_is_no_snapshot(tmp_path, caplog):
     assert store.verify().ok
 
 
+@pytest.mark.parametrize("save_mode,tier", [("sync", False), ("async", False), ("async", True)])
+def test_a_save_over_a_checkpoint_pushed_as_run_latest_warns_once(tmp_path, save_mode, tier):
+    """A user's checkpoint pushed as run/latest while the run trains: the next save moved run/latest to its
+    snapshot without a word, and the user's restart resumed the run, not their checkpoint. The save now warns
+    (once, naming it and where it stays: run/latest's history), as does the persist that moves it with a local
+    tier; saves over the run's own snapshots never do."""
+    from ckpt.snapshot.run import TierWarning
+
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kw = {"local": str(tmp_path / "local"), "every_n_steps": 1} if tier else {}
+        with ckpt.CheckpointManager(store, "run", save_mode=save_mode, **kw) as mgr:
+            for step in (1, 2):
+                mgr.save(step, {"model": model, "optim": opt})
+            mgr.wait()
+            pushed = store.push({"w": torch.arange(4.0)}, "run/latest")
+            for step in (3, 4, 5):
+                mgr.save(step, {"model": model, "optim": opt})
+                mgr.wait()  # (with a tier: each persisted, none superseded in its slot)
+        with ckpt.CheckpointManager(store, "run", save_mode=save_mode, **kw) as mgr:  # a restart: its own latest
+            assert mgr.restore_latest({"model": model, "optim": opt}) == 5
+            mgr.save(6, {"model": model, "optim": opt})
+    warned = [str(w.message) for w in caught if issubclass(w.category, TierWarning)]
+    assert len(warned) == 1 and f"run/latest names checkpoint {pushed[:12]}, pushed there" in warned[0], warned
+    assert store.manifest(store.resolve("run/latest")).extra["snapshot"]["step"] == 6
+    assert store.resolve("run/latest@4") == pushed  # (5, 4, 3 moved it since)
+
+
 @pytest.mark.parametrize("index", ["1", "0"], ids=["index", "no-index"])
 def test_steps_leave_out_a_checkpoint_pushed_under_the_run(tmp_path, monkeypatch, index):
     """steps() listed every ref RUN/step-N, a user's checkpoint pushed under the name too: restore(N) of

@@ -176,6 +176,38 @@ def test_a_checkpoint_pushed_as_run_latest_is_refused_by_a_group_as_by_one_proce
             assert isinstance(got, str) and got.startswith("SnapshotError: ") and "is not a snapshot: it was pushed" in got, (key, got)
 
 
+def test_a_group_resumes_the_newest_step_after_run_latest_was_removed(tmp_path):
+    """Trained to 8 (durable 4, 8), then ``ckpt rm ddp/latest``, as the refusal of a checkpoint pushed there
+    advises: with the run's tiers, fresh tiers or none, every rank resumes step 8 bit for bit, with a warning
+    on rank 0 (which alone reads the durable store). Before, fresh tiers and no tiers said None: training
+    began again from step 0 while step 8 was in the store."""
+    out = W.run_ranks("tiers_removed_latest", 2, str(tmp_path), store=str(tmp_path / "s"), deadline_s=150)
+    for rank, r in enumerate(out):
+        assert "error" not in r, r.get("trace")
+        for case, got in r.items():
+            assert got["got"] == [8, 8] and got["exact"], (rank, case, got)
+            if rank == 0:
+                assert any("ddp/latest is missing" in m and "step 8" in m for m in got["warnings"]), (case, got)
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_the_ranks_of_a_group_without_tiers_agree_on_latest_step(tmp_path, failing):
+    """A group without tiers at step 4; latest_step while rank ``failing``'s manifest read fails. The ranks
+    agreed on the manifest id, then each read the manifest itself: rank 1 raised alone while rank 0 said 4
+    and went on to its next collective (a split run, or a hang). Rank 0 alone reads it now: a failure of
+    rank 1's changes nothing, one of rank 0's is raised on every rank; both then restore step 4 bit for bit."""
+    out = W.run_ranks("latest_step_unread", 2, str(tmp_path), store=str(tmp_path / "s"), failing=failing, deadline_s=120)
+    for r in out:
+        assert "error" not in r, r.get("trace")
+        assert r["restored"] == 4 and r["exact"], r
+    got = [r["latest_step"] for r in out]
+    if failing == 1:
+        assert got == [4, 4], got
+    else:
+        assert all(isinstance(g, str) and g.startswith("SnapshotError: ") and "rank 0" in g and "Input/output error" in g
+                   for g in got), got
+
+
 def test_a_nodes_tiers_left_from_a_timeline_the_run_has_left_are_not_resumed(tmp_path):
     """Trained to 12 with the tiers of node A, begun anew under the run's name on node B (its step 2
     persisted) and trained to 8, restarted on node A: node A's steps 10 and 12 predate the durable newest

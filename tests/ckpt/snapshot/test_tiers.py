@@ -732,3 +732,126 @@ def test_a_checkpoint_pushed_as_run_latest_is_refused_with_a_local_tier_as_witho
             with pytest.raises(SnapshotError, match=f"checkpoint {pushed[:12]} is not a snapshot: it was pushed"):
                 call()
     assert state["w"].tolist() == [0.0, 0.0] and ckpt.Store.open(url).resolve("run/latest") == pushed
+
+
+_CRASH_AT_FIRST_LATEST = """
+import os, sys, warnings, torch, torch.distributed as dist, ckpt
+from ckpt_store.storage.refs import Refs
+url, out, mode = sys.argv[1:]
+dist.init_process_group("gloo", init_method="file://" + out + ".pg", rank=0, world_size=1)
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 4)
+opt = torch.optim.AdamW(model.parameters())
+mgr = ckpt.CheckpointManager(url, "run", save_mode="sync", process_group=dist.group.WORLD, timeout_s=20)
+if mode == "crash":
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, out)
+    real = Refs.set
+    def set(self, name, *args, **kwargs):
+        if name == "run/latest":
+            os._exit(9)  # killed between the save's RUN/step-N and its RUN/latest
+        return real(self, name, *args, **kwargs)
+    Refs.set = set
+    mgr.save(4, {"model": model, "optim": opt})
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    print(mgr.latest_step(), mgr.restore_latest({"model": model, "optim": opt}))
+print(*[str(w.message) for w in caught], sep="\\n", file=sys.stderr)
+torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, out)
+mgr.close()
+"""
+
+
+def _state_bits(sd):
+    return {k: (v.reshape(-1).view(torch.uint8).tolist() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("tier", ["holding", "empty", "none", "crash"])
+def test_a_run_whose_latest_is_missing_resumes_its_newest_snapshot_on_every_path(tmp_path, tier):
+    """RUN/latest gone while RUN/step-N exist: removed by the user (``ckpt rm RUN/latest``, as the refusal of a
+    checkpoint pushed there advises), or never written (the process killed between its first save's step ref and
+    RUN/latest). Without a local tier, or with an empty one, latest_step and restore_latest said None: training
+    began again from step 0 beside the snapshot. Every path now resumes the newest snapshot, bit for bit, with a
+    TierWarning that names it."""
+    from ckpt.snapshot.run import TierWarning
+
+    url, local = str(tmp_path / "s"), str(tmp_path / "local")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    if tier == "crash":  # a process group's save (one rank): its step ref is written before RUN/latest
+        def run(mode, expect):
+            r = subprocess.run([sys.executable, "-c", _CRASH_AT_FIRST_LATEST, url, str(tmp_path / mode), mode],
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == expect, r.stdout + r.stderr
+            return r, torch.load(tmp_path / mode, weights_only=True)
+
+        want = run("crash", 9)[1]
+        assert sorted(ckpt.Store.open(url).refs()) == ["run/step-4"]
+        r, got = run("resume", 0)
+        assert r.stdout.split() == ["4", "4"] and "run/latest is missing" in r.stderr, r.stdout + r.stderr
+        assert _state_bits(got["model"]) == _state_bits(want["model"])
+        assert all(_state_bits(got["optim"]["state"][i]) == _state_bits(want["optim"]["state"][i]) for i in want["optim"]["state"])
+        return
+    else:
+        with ckpt.CheckpointManager(url, "run", every_n_steps=4, local=local, local_every_n_steps=2, save_mode="sync") as mgr:
+            for step in range(1, 9):
+                model(torch.randn(3, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                mgr.maybe_save(step, {"model": model, "optim": opt})
+        ckpt.Store.open(url).remove("run/latest")
+        newest = 8
+        want = {"model": model.state_dict(), "optim": opt.state_dict()}
+    assert sorted(ckpt.Store.open(url).refs()) == ["run/step-4"] + (["run/step-8"] if newest == 8 else [])
+    kw = {} if tier in ("none", "crash") else {"local": local if tier == "holding" else str(tmp_path / "fresh"),
+                                               "local_every_n_steps": 2}
+    fresh_model = torch.nn.Linear(8, 4)
+    fresh_opt = torch.optim.AdamW(fresh_model.parameters())
+    with ckpt.CheckpointManager(url, "run", every_n_steps=4, save_mode="sync", **kw) as mgr:
+        with pytest.warns(TierWarning, match=f"run/latest is missing in .*step {newest}"):
+            assert mgr.latest_step() == newest
+            assert mgr.restore_latest({"model": fresh_model, "optim": fresh_opt}) == newest
+    assert _state_bits(fresh_model.state_dict()) == _state_bits(want["model"])
+    got, exp = fresh_opt.state_dict(), want["optim"]
+    assert got["param_groups"] == exp["param_groups"]
+    assert all(_state_bits(got["state"][i]) == _state_bits(exp["state"][i]) for i in exp["state"])
+
+
+def test_a_run_gone_back_while_its_latest_is_missing_resumes_where_it_went_back_to(tmp_path):
+    """Trained to 8 with a local tier (durable 4, 8), ``ckpt rm run/latest``, then the run goes back to step 4
+    and trains to 6 (a local save). That save was not persisted (RUN/latest named no step it was behind), so
+    the restart took the durable step 8 of the timeline the run had left for run/latest. A save below the
+    run's newest snapshot persists now, as one below RUN/latest does: the restart resumes step 6, bit for bit."""
+    url, local = str(tmp_path / "s"), str(tmp_path / "local")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters())
+
+    def manager():
+        return ckpt.CheckpointManager(url, "run", every_n_steps=4, local=local, local_every_n_steps=2, save_mode="sync")
+
+    def train(mgr, steps):
+        for step in steps:
+            model(torch.randn(3, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.maybe_save(step, {"model": model, "optim": opt})
+
+    with manager() as mgr:
+        train(mgr, range(1, 9))
+    ckpt.Store.open(url).remove("run/latest")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with manager() as mgr:
+            assert mgr.restore({"model": model, "optim": opt}, 4) == 4
+            train(mgr, (5, 6))
+        want = {"model": model.state_dict(), "optim": opt.state_dict()}
+        fresh_model = torch.nn.Linear(8, 4)
+        fresh_opt = torch.optim.AdamW(fresh_model.parameters())
+        with manager() as mgr:
+            assert mgr.restore_latest({"model": fresh_model, "optim": fresh_opt}) == 6
+    assert _state_bits(fresh_model.state_dict()) == _state_bits(want["model"])
+    assert all(_state_bits(fresh_opt.state_dict()["state"][i]) == _state_bits(want["optim"]["state"][i])
+               for i in want["optim"]["state"])
