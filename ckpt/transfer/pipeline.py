@@ -12,7 +12,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -29,6 +29,7 @@ from ckpt.codecs.chunk import (
     raw_header,
     thread_buffer,
 )
+from ckpt.errors import ReaderClosedError
 from ckpt.format.dtypes import byte_view
 from ckpt.format.manifest import BundleEntry, Manifest, TensorEntry, split_lengths
 from ckpt.progress import NullProgress, Progress
@@ -827,6 +828,12 @@ class ReadPool:
         self._bundles: dict[tuple[str, ...], memoryview] = {}  # fetched and decoded, by their chunk ids
         self._bundle_bytes = 0
         self._unreadable: set[tuple[str, ...]] = set()
+        self._closes = 0
+
+    def closes(self) -> int:
+        """How many times the pool was closed: a read that sees this change was cut short by a close."""
+        with self._lock:
+            return self._closes
 
     def bundle(self, chunks: tuple[str, ...]) -> memoryview | None:
         """The bundle stored as ``chunks``, if a call on this pool fetched it (its members are
@@ -866,6 +873,7 @@ class ReadPool:
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
+            self._closes += 1
             self._bundles.clear()
             self._bundle_bytes = 0
             self._unreadable.clear()
@@ -925,7 +933,16 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     inflight = 0  # bytes of chunks submitted and not yet taken for decoding
     hinted = objects.backend.prefetches
     own = None if hinted or pool is not None else ThreadPoolExecutor(max_workers=readers, thread_name_prefix="ckpt-read")
+    closes = pool.closes() if pool is not None else 0
     io = None if hinted else own if own is not None else pool.executor(readers)  # type: ignore[union-attr]
+
+    def closed() -> None:
+        """Raise :class:`ReaderClosedError` where another thread closed ``pool`` since this call began:
+        its queued reads are cancelled and it takes no more (a bare CancelledError or RuntimeError)."""
+        if pool is not None and pool.closes() != closes:
+            raise ReaderClosedError("the reader was closed while this read was under way (by another thread, or a "
+                                    "with-block left): the read did not finish",
+                                    hint="close a reader only once its reads have returned; a later read starts it again")
     # Blobs in flight: at most ``ahead`` read ahead and one per decoding thread.
     buffers = None if hinted else BlobBuffers(settings.chunk_size + MAX_HEADER, ahead + settings.workers)
 
@@ -947,13 +964,20 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
                 while submitted < len(todo) and (submitted <= i or (
                         submitted < i + ahead and inflight + todo[submitted].length <= limit)):
                     t = todo[submitted]
-                    reads[submitted] = io.submit(_read_ahead, objects, t.id, t.length, settings, t.into, buffers)
+                    try:
+                        reads[submitted] = io.submit(_read_ahead, objects, t.id, t.length, settings, t.into, buffers)
+                    except RuntimeError:  # its threads were shut down: by a close?
+                        closed()
+                        raise
                     inflight += t.length
                     submitted += 1
                 stats.peak_inflight = max(stats.peak_inflight, inflight)
                 pending = reads.pop(i)
             try:
                 got = pending.result()
+            except CancelledError:
+                closed()
+                raise
             finally:
                 with lock:
                     inflight -= task.length
