@@ -24,8 +24,13 @@ are read one tensor at a time per input, or a batch of small ones (the next tens
 to merge, together at most ``BATCH_BYTES``, 1 MiB, per input): see :class:`_Inputs`. Memory
 therefore stays near (inputs + 2) × the largest tensor (or 1 MiB) for linear, task-arithmetic,
 dare (linear combine) and slerp, and (inputs + 3) × for ties and dare's ties combine
-(their masks and sums), plus a few chunks of the push pipeline; never whole models
-(benchmarks/results/merge.md and tests/ckpt/merging/test_combine.py measure it). The result is pushed like any checkpoint: its
+(their masks and sums), plus the push pipeline's buffers (a few chunks per thread); never whole models
+(benchmarks/results/merge.md and tests/ckpt/merging/test_combine.py measure it). Beside that: from a
+remote store, the inputs' bundles of small chunks that the merge's reads keep for the whole merge
+(each fetched once; within ``inflight_mb`` in all, 256 MiB by default), and into one, the output's
+chunks of at most 64 KiB, held until the push copies them into the output's bundle; and the
+store's decoded-base cache (``base_cache_mb``), which the reads of inputs stored as deltas against
+one base fill (the merged push keeps none of its delta bases there). The result is pushed like any checkpoint: its
 chunks dedup against the store and are delta-encoded against the base (else the
 first input), and its lineage records the inputs' ids, the method and every
 parameter value (``ckpt show`` prints it). The weights go to one ``model.safetensors``
@@ -527,7 +532,8 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
         try:
             result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
                                  lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse,
-                                 progress=progress, pool=reads.pool)  # (delta bases from the bundles it keeps)
+                                 progress=progress, pool=reads.pool,  # (delta bases from the bundles it keeps)
+                                 keep_bases=False)  # (the reads asked for them: no one asks again)
         finally:  # the readers' own reading threads (a tensor copied whole at another chunk size)
             for r in (*readers, base_reader):
                 if r is not None:

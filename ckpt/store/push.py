@@ -235,6 +235,7 @@ def push_source(
     progress: Progress | None = None,
     bundles: bool | None = None,
     pool: ReadPool | None = None,
+    keep_bases: bool = True,
 ) -> PushResult:
     """Write ``src`` as a checkpoint: chunks (deltas against ``base_id`` where smaller),
     manifest, then ref ``name``, then the ``aliases`` (refs like ``RUN/latest``).
@@ -250,7 +251,8 @@ def push_source(
     ``pool``: the reading threads of the operation that pushes (a merge's): delta bases that the
     bundles of ``base_id`` hold are read from them, each bundle fetched once (or kept by the pool).
     Without one, a push whose base has bundles reads them through a pool of its own, closed before
-    it returns.
+    it returns. ``keep_bases=False``: the decoded-base cache keeps none of the delta bases fetched
+    (a merge's push, the last to ask for them: see :func:`~ckpt.transfer.pipeline.put_chunks`).
     """
     # What the manifest will hold beside its tensors, measured before a chunk is written: past what
     # readers accept, the commit would refuse it after the upload, leaving every chunk for gc.
@@ -288,7 +290,7 @@ def push_source(
     with reporting(progress, "push", sum(t.length for t in tasks)) as p, own if own is not None else nullcontext():
         reads = pool if pool is not None else own
         bundled = BundleBases(store.objects, base_m, settings, reads) if reads is not None and base_m is not None else None
-        results = put_chunks(store.objects, tasks, settings, p, bundled)
+        results = put_chunks(store.objects, tasks, settings, p, bundled, keep_bases)
     if bundles is None:
         bundles = store.objects.backend.streams
     bundle, bundle_tasks, bundled = _bundle(store, tasks, results) if bundles else ((), [], [])

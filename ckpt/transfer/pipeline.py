@@ -184,7 +184,7 @@ def base_cache(objects: ObjectStore, settings: Settings) -> ChunkCache | None:
 
 
 def fetch_base(objects: ObjectStore, cid: str, length: int, settings: Settings, by: str,
-               _depth: int = 0, blobs: Mapping[str, bytes] | None = None, *, verify: bool = True,
+               _depth: int = 0, blobs: Mapping[str, bytes] | None = None, *, verify: bool = True, ask: bool = True,
                ) -> tuple[bytes | bytearray | memoryview, tuple[str, ...]]:
     """:func:`fetch_chunk` for a chunk wanted as the base of chunk ``by``: served from the
     store's decoded-base cache when it is there. (Chunks are named by their bytes, so a
@@ -194,11 +194,14 @@ def fetch_base(objects: ObjectStore, cid: str, length: int, settings: Settings, 
     ``verify=False``: the base is only an input of ``by``'s decoding, whose result is
     hashed against ``by``'s id, so its own hash may be left out (see :func:`_decode_read`).
     A base that is kept (in the decoded-base cache, or decoded into the local chunk cache)
-    is always verified first: it may be served again."""
+    is always verified first: it may be served again.
+
+    ``ask=False``: served by the cache where it holds the base, but neither counted as an ask nor
+    kept: the caller knows it is the base's last use (see :func:`put_chunks`' ``keep_bases``)."""
     cache = base_cache(objects, settings)
     item = cache.get(cid) if cache is not None else None
     if item is None:
-        keep = cache is not None and cache.ask(cid, by)
+        keep = ask and cache is not None and cache.ask(cid, by)
         # A base not kept is decoded into a buffer of this thread's, one per chain level
         # (chunks of this store's size, chains as deep as this store writes; a larger
         # claim, or a deeper chain from another writer or a damaged store, gets memory
@@ -452,7 +455,8 @@ def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
 
 
 def _delta_base(objects: ObjectStore, base: str, task: PutTask, oid: str, settings: Settings,
-                bundled: BundleBases | None = None) -> tuple[bytes | bytearray | memoryview | None, tuple[str, ...]]:
+                bundled: BundleBases | None = None, keep: bool = True,
+                ) -> tuple[bytes | bytearray | memoryview | None, tuple[str, ...]]:
     """The decoded bytes of chunk ``base`` (``task``'s) and its delta chain, when a delta of chunk ``oid``
     against it keeps every chain within ``settings.max_delta_depth``; else ``(None, ())``.
 
@@ -461,21 +465,22 @@ def _delta_base(objects: ObjectStore, base: str, task: PutTask, oid: str, settin
     the depth the base's manifest records (``task.base_depth``) decides whether to fetch
     the base at all, and the chain recorded is the one its decoding walked, not the
     manifest's (a wrong record only costs a fetch: the chunk is then stored whole). ``bundled``:
-    bases a bundle holds are taken from it (with the chain the base's manifest records).
+    bases a bundle holds are taken from it (with the chain the base's manifest records). ``keep``:
+    whether the decoded-base cache may keep the base (see :func:`fetch_base`'s ``ask``).
     """
     limit = settings.max_delta_depth
     if objects.backend.touches or task.base_depth < 0:
         _, chain = stored_chain(objects, base)
         if len(chain) >= limit or (objects.backend.touches and not objects.refresh("chunks", base)):
             return None, ()
-        data, _ = fetch_base(objects, base, task.length, settings, oid)
+        data, _ = fetch_base(objects, base, task.length, settings, oid, ask=keep)
         return data, chain
     if task.base_depth >= limit:
         return None, ()
     got = bundled.get(base, task.length) if bundled is not None else None
     if got is not None:
         return got if len(got[1]) < limit else (None, ())
-    data, chain = fetch_base(objects, base, task.length, settings, oid)
+    data, chain = fetch_base(objects, base, task.length, settings, oid, ask=keep)
     return (data, chain) if len(chain) < limit else (None, ())
 
 
@@ -521,7 +526,7 @@ class PutResult:
 
 
 def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Settings, progress: Progress | None = None,
-               bundled: BundleBases | None = None) -> list[PutResult]:
+               bundled: BundleBases | None = None, keep_bases: bool = True) -> list[PutResult]:
     """Hash every chunk, and encode and write those the store lacks. Returns results in task order.
 
     A chunk with a ``base`` is also tried as a delta against it, unless the base's
@@ -533,6 +538,9 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
     many small durable writes (fsync) overlaps with encoding and with itself. At
     most ``2 * io_workers`` blobs (and ``inflight_mb`` of chunks) wait for their write, which bounds memory.
     ``bundled``: delta bases that a bundle holds are read from it (:class:`BundleBases`).
+    ``keep_bases=False``: no base fetched is kept by the decoded-base cache (one it holds is still
+    served from it): for a push whose bases were just read by the same operation and are not asked
+    for again (a merge's, which would otherwise fill the cache with every chunk of its first input).
     """
     # A remote store is latency-bound: keep as many requests in flight as it allows
     # (existence checks run on the encoding workers, uploads on the I/O workers).
@@ -580,7 +588,7 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
         base_bytes, base_chain = None, ()
         if task.base is not None and task.base != oid and settings.max_delta_depth > 0:
             try:
-                base_bytes, chain_b = _delta_base(objects, task.base, task, oid, settings, bundled)
+                base_bytes, chain_b = _delta_base(objects, task.base, task, oid, settings, bundled, keep_bases)
                 base_chain = (task.base, *chain_b) if base_bytes is not None else ()
             except ObjectNotFoundError:
                 base_bytes = None  # the base is gone (gc): store this chunk whole
