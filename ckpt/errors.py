@@ -68,6 +68,7 @@ __all__ = [
     "InvalidSourceError",
     "MissingDependencyError",
     "ObjectNotFoundError",
+    "ReaderClosedError",
     "RecordTooLargeError",
     "RefConflictError",
     "RefNotFoundError",
@@ -83,3 +84,9 @@ __all__ = [
 
 class ResourceLimitError(CkptError):
     """A checkpoint needs more memory or disk than there is: refused before allocating any of it."""
+
+
+class ReaderClosedError(CkptError):
+    """A read through a :class:`~ckpt.CheckpointReader` (or an operation's pool of reading threads)
+    that was closed by another thread while the read was under way: the read did not finish, and what
+    it was reading into is incomplete. A later read starts the reader's threads again."""

@@ -24,8 +24,14 @@ are read one tensor at a time per input, or a batch of small ones (the next tens
 to merge, together at most ``BATCH_BYTES``, 1 MiB, per input): see :class:`_Inputs`. Memory
 therefore stays near (inputs + 2) × the largest tensor (or 1 MiB) for linear, task-arithmetic,
 dare (linear combine) and slerp, and (inputs + 3) × for ties and dare's ties combine
-(their masks and sums), plus a few chunks of the push pipeline; never whole models
-(benchmarks/results/merge.md and tests/ckpt/merging/test_combine.py measure it). The result is pushed like any checkpoint: its
+(their masks and sums), plus the push pipeline's buffers (a few chunks per thread); never whole models
+(benchmarks/results/merge.md and tests/ckpt/merging/test_combine.py measure it). Beside that: from a
+remote store, the inputs' bundles of small chunks that the merge's reads keep for the whole merge
+(each fetched once; within ``inflight_mb`` in all, 256 MiB by default), and into one, the output's
+chunks of at most 64 KiB (a quarter of its bytes at most), held until the push copies them into
+the output's bundle; and the store's decoded-base cache (``base_cache_mb``), which the reads of
+inputs stored as deltas against one base fill (the merged push keeps none of its delta bases
+there). The result is pushed like any checkpoint: its
 chunks dedup against the store and are delta-encoded against the base (else the
 first input), and its lineage records the inputs' ids, the method and every
 parameter value (``ckpt show`` prints it). The weights go to one ``model.safetensors``
@@ -208,7 +214,8 @@ class _LazyTensor:
     and dropped after the last one is handed out. ``gate`` lets one tensor be computed
     at a time, which bounds memory whatever the number of push workers."""
 
-    def __init__(self, compute: Callable[[], torch.Tensor], chunks: int, gate: threading.Lock, keep_small: int = 0) -> None:
+    def __init__(self, compute: Callable[[], torch.Tensor], chunks: int, gate: threading.Lock, keep_small: int = 0,
+                 kept: _SmallKept | None = None) -> None:
         self._compute = compute
         self._left = chunks
         self._gate = gate
@@ -217,6 +224,7 @@ class _LazyTensor:
         # A push to a remote store reads its chunks of at most ``keep_small`` bytes again, once all
         # are stored, to bundle them: those are kept (they are copied into the bundle anyway).
         self._keep_small = keep_small
+        self._kept = kept
         self._small: dict[int, bytes] = {}
 
     def read(self, offset: int, length: int) -> bytes | memoryview:
@@ -227,12 +235,32 @@ class _LazyTensor:
                 with self._gate:
                     self._view = byte_view(self._compute()).toreadonly()  # private: the push need not copy it
             out = self._view[offset : offset + length]  # keeps the tensor alive until encoded
-            if length <= self._keep_small:
+            if length <= self._keep_small and (self._kept is None or self._kept.take(length)):
                 self._small[offset] = bytes(out)
             self._left -= 1
             if self._left == 0:
                 self._view = None
             return out
+
+
+class _SmallKept:
+    """The bytes of small chunks the lazy tensors of one merge keep for the push's bundle, in all: at
+    most a quarter of the bytes they compute, past which the push makes no bundle (see
+    :func:`ckpt.store.push.push_source`). Without it a merge of a model of small tensors only (norms,
+    biases, small experts) into S3 held every chunk of its output to the end, for a bundle never
+    made: the whole model."""
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        """Whether ``n`` more bytes may be kept (they then count)."""
+        with self._lock:
+            if n > self.left:
+                return False
+            self.left -= n
+            return True
 
 
 def _load_trim() -> Callable[[], object] | None:
@@ -495,13 +523,14 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     by_name = {s.name: s for s in steps}
     reads = _Inputs([by_name[t.name] for t in src.files[0].tensors if by_name[t.name].reuse is None],
                      _sources_fn(m, readers, base_reader))
+    kept = _SmallKept(sum(s.nbytes for s in steps if s.reuse is None or s.reuse[0].manifest.chunk_size != cs) // 4)
     for t in src.files[0].tensors:
         s = by_name[t.name]
         if s.reuse is not None and s.reuse[0].manifest.chunk_size == cs:
             reuse[t.name] = s.reuse[1]
         else:
             t.src = _LazyTensor(_compute_fn(s, m, bound, readers, base_reader, reads), chunk_count(s.nbytes, cs), gate,
-                                keep_small)
+                                keep_small, kept)
     merged = sum(1 for s in steps if s.reuse is None and s.average is None)
     from_base = tuple(s.name for s in steps if s.reuse is not None and s.reuse[0] is base_reader and base_reader is not None
                       and any(s.name not in r for r in readers))
@@ -527,7 +556,8 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
         try:
             result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
                                  lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse,
-                                 progress=progress, pool=reads.pool)  # (delta bases from the bundles it keeps)
+                                 progress=progress, pool=reads.pool,  # (delta bases from the bundles it keeps)
+                                 keep_bases=False)  # (the reads asked for them: no one asks again)
         finally:  # the readers' own reading threads (a tensor copied whole at another chunk size)
             for r in (*readers, base_reader):
                 if r is not None:

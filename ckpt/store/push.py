@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -234,6 +235,7 @@ def push_source(
     progress: Progress | None = None,
     bundles: bool | None = None,
     pool: ReadPool | None = None,
+    keep_bases: bool = True,
 ) -> PushResult:
     """Write ``src`` as a checkpoint: chunks (deltas against ``base_id`` where smaller),
     manifest, then ref ``name``, then the ``aliases`` (refs like ``RUN/latest``).
@@ -248,6 +250,9 @@ def push_source(
 
     ``pool``: the reading threads of the operation that pushes (a merge's): delta bases that the
     bundles of ``base_id`` hold are read from them, each bundle fetched once (or kept by the pool).
+    Without one, a push whose base has bundles reads them through a pool of its own, closed before
+    it returns. ``keep_bases=False``: the decoded-base cache keeps none of the delta bases fetched
+    (a merge's push, the last to ask for them: see :func:`~ckpt.transfer.pipeline.put_chunks`).
     """
     # What the manifest will hold beside its tensors, measured before a chunk is written: past what
     # readers accept, the commit would refuse it after the upload, leaving every chunk for gc.
@@ -278,9 +283,14 @@ def push_source(
                 tasks += put_tasks(t.src.read, t.offset, t.nbytes, cs, size if size in (1, 2, 4, 8) else 1,
                                 match.chunks if match is not None else (), match.chains() if match is not None else ())
             spans.append((start, len(tasks)))
-    with reporting(progress, "push", sum(t.length for t in tasks)) as p:
-        bundled = BundleBases(store.objects, base_m, settings, pool) if pool is not None and base_m is not None else None
-        results = put_chunks(store.objects, tasks, settings, p, bundled)
+    # A push of its own (push --base, a ref's next version, a snapshot) reads the base's bundles through
+    # a pool of its own, as a merge's push does through the merge's: its small delta bases cost a
+    # request or two, not a GET each (100 small tensors: 100 GETs, one after another).
+    own = ReadPool() if pool is None and base_m is not None and base_m.bundles and store.objects.backend.streams else None
+    with reporting(progress, "push", sum(t.length for t in tasks)) as p, own if own is not None else nullcontext():
+        reads = pool if pool is not None else own
+        bundled = BundleBases(store.objects, base_m, settings, reads) if reads is not None and base_m is not None else None
+        results = put_chunks(store.objects, tasks, settings, p, bundled, keep_bases)
     if bundles is None:
         bundles = store.objects.backend.streams
     bundle, bundle_tasks, bundled = _bundle(store, tasks, results) if bundles else ((), [], [])

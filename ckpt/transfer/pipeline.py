@@ -12,7 +12,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -29,6 +29,7 @@ from ckpt.codecs.chunk import (
     raw_header,
     thread_buffer,
 )
+from ckpt.errors import ReaderClosedError
 from ckpt.format.dtypes import byte_view
 from ckpt.format.manifest import BundleEntry, Manifest, TensorEntry, split_lengths
 from ckpt.progress import NullProgress, Progress
@@ -183,7 +184,7 @@ def base_cache(objects: ObjectStore, settings: Settings) -> ChunkCache | None:
 
 
 def fetch_base(objects: ObjectStore, cid: str, length: int, settings: Settings, by: str,
-               _depth: int = 0, blobs: Mapping[str, bytes] | None = None, *, verify: bool = True,
+               _depth: int = 0, blobs: Mapping[str, bytes] | None = None, *, verify: bool = True, ask: bool = True,
                ) -> tuple[bytes | bytearray | memoryview, tuple[str, ...]]:
     """:func:`fetch_chunk` for a chunk wanted as the base of chunk ``by``: served from the
     store's decoded-base cache when it is there. (Chunks are named by their bytes, so a
@@ -193,11 +194,14 @@ def fetch_base(objects: ObjectStore, cid: str, length: int, settings: Settings, 
     ``verify=False``: the base is only an input of ``by``'s decoding, whose result is
     hashed against ``by``'s id, so its own hash may be left out (see :func:`_decode_read`).
     A base that is kept (in the decoded-base cache, or decoded into the local chunk cache)
-    is always verified first: it may be served again."""
+    is always verified first: it may be served again.
+
+    ``ask=False``: served by the cache where it holds the base, but neither counted as an ask nor
+    kept: the caller knows it is the base's last use (see :func:`put_chunks`' ``keep_bases``)."""
     cache = base_cache(objects, settings)
     item = cache.get(cid) if cache is not None else None
     if item is None:
-        keep = cache is not None and cache.ask(cid, by)
+        keep = ask and cache is not None and cache.ask(cid, by)
         # A base not kept is decoded into a buffer of this thread's, one per chain level
         # (chunks of this store's size, chains as deep as this store writes; a larger
         # claim, or a deeper chain from another writer or a damaged store, gets memory
@@ -451,7 +455,8 @@ def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
 
 
 def _delta_base(objects: ObjectStore, base: str, task: PutTask, oid: str, settings: Settings,
-                bundled: BundleBases | None = None) -> tuple[bytes | bytearray | memoryview | None, tuple[str, ...]]:
+                bundled: BundleBases | None = None, keep: bool = True,
+                ) -> tuple[bytes | bytearray | memoryview | None, tuple[str, ...]]:
     """The decoded bytes of chunk ``base`` (``task``'s) and its delta chain, when a delta of chunk ``oid``
     against it keeps every chain within ``settings.max_delta_depth``; else ``(None, ())``.
 
@@ -460,21 +465,22 @@ def _delta_base(objects: ObjectStore, base: str, task: PutTask, oid: str, settin
     the depth the base's manifest records (``task.base_depth``) decides whether to fetch
     the base at all, and the chain recorded is the one its decoding walked, not the
     manifest's (a wrong record only costs a fetch: the chunk is then stored whole). ``bundled``:
-    bases a bundle holds are taken from it (with the chain the base's manifest records).
+    bases a bundle holds are taken from it (with the chain the base's manifest records). ``keep``:
+    whether the decoded-base cache may keep the base (see :func:`fetch_base`'s ``ask``).
     """
     limit = settings.max_delta_depth
     if objects.backend.touches or task.base_depth < 0:
         _, chain = stored_chain(objects, base)
         if len(chain) >= limit or (objects.backend.touches and not objects.refresh("chunks", base)):
             return None, ()
-        data, _ = fetch_base(objects, base, task.length, settings, oid)
+        data, _ = fetch_base(objects, base, task.length, settings, oid, ask=keep)
         return data, chain
     if task.base_depth >= limit:
         return None, ()
     got = bundled.get(base, task.length) if bundled is not None else None
     if got is not None:
         return got if len(got[1]) < limit else (None, ())
-    data, chain = fetch_base(objects, base, task.length, settings, oid)
+    data, chain = fetch_base(objects, base, task.length, settings, oid, ask=keep)
     return (data, chain) if len(chain) < limit else (None, ())
 
 
@@ -520,7 +526,7 @@ class PutResult:
 
 
 def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Settings, progress: Progress | None = None,
-               bundled: BundleBases | None = None) -> list[PutResult]:
+               bundled: BundleBases | None = None, keep_bases: bool = True) -> list[PutResult]:
     """Hash every chunk, and encode and write those the store lacks. Returns results in task order.
 
     A chunk with a ``base`` is also tried as a delta against it, unless the base's
@@ -532,6 +538,9 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
     many small durable writes (fsync) overlaps with encoding and with itself. At
     most ``2 * io_workers`` blobs (and ``inflight_mb`` of chunks) wait for their write, which bounds memory.
     ``bundled``: delta bases that a bundle holds are read from it (:class:`BundleBases`).
+    ``keep_bases=False``: no base fetched is kept by the decoded-base cache (one it holds is still
+    served from it): for a push whose bases were just read by the same operation and are not asked
+    for again (a merge's, which would otherwise fill the cache with every chunk of its first input).
     """
     # A remote store is latency-bound: keep as many requests in flight as it allows
     # (existence checks run on the encoding workers, uploads on the I/O workers).
@@ -579,7 +588,7 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
         base_bytes, base_chain = None, ()
         if task.base is not None and task.base != oid and settings.max_delta_depth > 0:
             try:
-                base_bytes, chain_b = _delta_base(objects, task.base, task, oid, settings, bundled)
+                base_bytes, chain_b = _delta_base(objects, task.base, task, oid, settings, bundled, keep_bases)
                 base_chain = (task.base, *chain_b) if base_bytes is not None else ()
             except ObjectNotFoundError:
                 base_bytes = None  # the base is gone (gc): store this chunk whole
@@ -827,6 +836,12 @@ class ReadPool:
         self._bundles: dict[tuple[str, ...], memoryview] = {}  # fetched and decoded, by their chunk ids
         self._bundle_bytes = 0
         self._unreadable: set[tuple[str, ...]] = set()
+        self._closes = 0
+
+    def closes(self) -> int:
+        """How many times the pool was closed: a read that sees this change was cut short by a close."""
+        with self._lock:
+            return self._closes
 
     def bundle(self, chunks: tuple[str, ...]) -> memoryview | None:
         """The bundle stored as ``chunks``, if a call on this pool fetched it (its members are
@@ -866,6 +881,7 @@ class ReadPool:
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
+            self._closes += 1
             self._bundles.clear()
             self._bundle_bytes = 0
             self._unreadable.clear()
@@ -925,7 +941,16 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     inflight = 0  # bytes of chunks submitted and not yet taken for decoding
     hinted = objects.backend.prefetches
     own = None if hinted or pool is not None else ThreadPoolExecutor(max_workers=readers, thread_name_prefix="ckpt-read")
+    closes = pool.closes() if pool is not None else 0
     io = None if hinted else own if own is not None else pool.executor(readers)  # type: ignore[union-attr]
+
+    def closed() -> None:
+        """Raise :class:`ReaderClosedError` where another thread closed ``pool`` since this call began:
+        its queued reads are cancelled and it takes no more (a bare CancelledError or RuntimeError)."""
+        if pool is not None and pool.closes() != closes:
+            raise ReaderClosedError("the reader was closed while this read was under way (by another thread, or a "
+                                    "with-block left): the read did not finish",
+                                    hint="close a reader only once its reads have returned; a later read starts it again")
     # Blobs in flight: at most ``ahead`` read ahead and one per decoding thread.
     buffers = None if hinted else BlobBuffers(settings.chunk_size + MAX_HEADER, ahead + settings.workers)
 
@@ -947,13 +972,20 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
                 while submitted < len(todo) and (submitted <= i or (
                         submitted < i + ahead and inflight + todo[submitted].length <= limit)):
                     t = todo[submitted]
-                    reads[submitted] = io.submit(_read_ahead, objects, t.id, t.length, settings, t.into, buffers)
+                    try:
+                        reads[submitted] = io.submit(_read_ahead, objects, t.id, t.length, settings, t.into, buffers)
+                    except RuntimeError:  # its threads were shut down: by a close?
+                        closed()
+                        raise
                     inflight += t.length
                     submitted += 1
                 stats.peak_inflight = max(stats.peak_inflight, inflight)
                 pending = reads.pop(i)
             try:
                 got = pending.result()
+            except CancelledError:
+                closed()
+                raise
             finally:
                 with lock:
                     inflight -= task.length

@@ -211,6 +211,63 @@ def test_merge_streams_tensor_by_tensor(tmp_path):
     assert peak("ties") < 5 * tensors * largest / 2
 
 
+PAIR_MEMORY_SCRIPT = MEMORY_SCRIPT.replace('["m/0", "m/1", "m/2", "m/3"], sys.argv[2], name="out", base="m/base"',
+                                           '["m/a", "m/b"], sys.argv[2], name="out"')
+
+
+@pytest.mark.slow  # (about 10 s here: run by .ci/run's slow step)
+def test_a_merge_of_a_checkpoint_and_its_fine_tune_keeps_no_decoded_bases(tmp_path):
+    """B, pushed as a fine-tune of A, is stored as deltas against A's chunks. Reading B for the merge
+    decodes each chunk of A as a base, and the merged push deltas against that chunk of A again: a
+    second ask, so the store's decoded-base cache (base_cache_mb, 256 MiB) kept every chunk of A, for
+    nothing (no one asks a third time), and for as long as the store stays open: a merge of two
+    64 MiB models held 64 MiB more than (inputs + 2) x the largest tensor. The merged push's delta
+    bases are served by the cache where it holds them, never kept by it."""
+    url = str(tmp_path / "store")
+    store = ckpt.Store.init(url, settings=ckpt.Settings.from_env(fsync=False, chunk_size=1 << 20))
+    tensors, numel = 16, 1 << 20  # 16 tensors of 4 MiB per model: 64 MiB per model
+    g = torch.Generator().manual_seed(0)
+    a = {f"t{j}": torch.randn(numel, generator=g) for j in range(tensors)}
+    store.push(a, "m/a")
+    store.push({k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in a.items()}, "m/b")
+    assert all(any(t.chains()) for t in store.manifest("m/b").tensors)  # deltas against A
+    env = {**os.environ, "CKPT_WORKERS": "2", "CKPT_IO_WORKERS": "2", "CKPT_FSYNC": "0", "CKPT_CHUNK_SIZE": str(1 << 20),
+           "MALLOC_MMAP_THRESHOLD_": "524288"}  # (RSS shows what is held: see the test above)
+    out = subprocess.run([sys.executable, "-c", PAIR_MEMORY_SCRIPT, url, "linear"], capture_output=True, text=True,
+                         env=env, check=True, timeout=300)
+    held = json.loads(out.stdout)["peak_bytes"]
+    bound = (2 + 3.5) * numel * 4 + 14 * (1 << 20)  # as above: 36 MiB
+    assert held < bound, f"peak {held / 2**20:.1f} MiB over {bound / 2**20:.1f} MiB"  # was 90 MiB
+    assert store.manifest("out").lineage["base"] == store.resolve("m/a")
+
+@pytest.mark.slow  # (about 20 s on moto here: run by .ci/run's slow step)
+def test_a_merge_of_small_tensors_only_into_s3_does_not_hold_its_whole_output(s3_main_url):
+    """Into S3 a merge keeps its output's small chunks (64 KiB at most) until the push copies them into
+    the output's bundle, which the push makes only where they are at most a quarter of its bytes: a
+    model of small tensors only (norms, biases, small experts) had every chunk of its output held to
+    the end, for a bundle never made. They are kept within that quarter, in all."""
+    script = MEMORY_SCRIPT.replace(
+        'ckpt.merge(["m/0", "m/1", "m/2", "m/3"], sys.argv[2], name="out", base="m/base", store=store)',
+        'import tracemalloc; tracemalloc.start(); ckpt.merge(["a", "b"], sys.argv[2], name="out", store=store)').replace(
+        '{"peak_bytes": status("VmHWM:") - before}', '{"peak_bytes": status("VmHWM:") - before, "traced": tracemalloc.get_traced_memory()[1]}')
+    store = ckpt.Store.init(s3_main_url, settings=ckpt.Settings.from_env(cache=False))
+    g = torch.Generator().manual_seed(0)
+    a = {f"s{i}": torch.randn(16 << 10, generator=g) for i in range(256)}  # 256 x 64 KiB: 16 MiB
+    store.push(a, "a")
+    store.push({k: v + 1 for k, v in a.items()}, "b")
+    env = {**os.environ, "CKPT_WORKERS": "2", "CKPT_IO_WORKERS": "2", "CKPT_CACHE": "0", "MALLOC_MMAP_THRESHOLD_": "524288"}
+    out = subprocess.run([sys.executable, "-c", script, s3_main_url, "linear"], capture_output=True, text=True,
+                         env=env, check=True, timeout=300)
+    got = json.loads(out.stdout)
+    one = 16 << 20
+    assert got["traced"] < one, f"{got['traced'] / 2**20:.1f} MiB held by Python objects"  # was 25: every small chunk
+    assert got["peak_bytes"] < 2 * one, f"peak {got['peak_bytes'] / 2**20:.1f} MiB"  # was 39 MiB here (25 now)
+    assert store.manifest("out").bundles == ()  # (none made, as before)
+    some = ("s0", "s100", "s255")  # (a few: every small chunk a request)
+    want = merge_state_dicts([{k: a[k] for k in some}, {k: a[k] + 1 for k in some}], "linear")
+    with store.reader("out") as reader:
+        assert all(bits(reader.get_tensor(k)) == bits(want[k]) for k in some)
+
 def test_empty_and_scalar_tensors(store):
     store.push({"e": torch.empty(0, 4), "s": torch.tensor(1.0), "w": torch.ones(3)}, "z/a")
     store.push({"e": torch.empty(0, 4), "s": torch.tensor(3.0), "w": torch.zeros(3)}, "z/b")

@@ -368,6 +368,36 @@ def test_retention_costs_requests_per_step_kept_not_a_listing_of_every_step_save
         assert _bits(ckpt.Store.open(durable_url).load("run/step-24")["model/weight"]) == _bits(model.weight)
 
 
+def test_a_delta_snapshot_to_s3_reads_the_previous_ones_small_chunks_from_its_bundle(s3_main_url):
+    """With delta_vs_previous each snapshot is delta-encoded against the previous one, whose small
+    chunks (norms, biases) the push read one GET each (120 here), though the previous snapshot's
+    bundle holds them all. The save reads them from the bundle; the snapshot restores exact."""
+    from s3support import chunk_gets
+
+    settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False)  # every read a request
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.LayerNorm(64) for _ in range(60)], torch.nn.Linear(512, 512))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))  # (fresh norms are all alike: one chunk)
+    with ckpt.CheckpointManager(s3_main_url, "run", delta_vs_previous=True, save_mode="sync", settings=settings) as mgr:
+        mgr.save(1, {"model": model})
+        m1 = mgr.store.manifest("run/step-1")
+        (bundle,) = m1.bundles
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=g))
+        gets = chunk_gets(mgr.store.objects)
+        mgr.save(2, {"model": model})
+        m = mgr.store.manifest("run/step-2")
+        header = {c for f in m1.files for c in f.chunks} & {c for f in m.files for c in f.chunks}  # its chain read
+        assert gets[0] == 1 + len(bundle.chunks) + len(header), gets[0]  # the weight's base, the bundle (was 121 more)
+        assert sum(1 for t in m.tensors if any(t.chains())) >= 60  # small chunks are deltas against step 1's
+    fresh = torch.nn.Sequential(*[torch.nn.LayerNorm(64) for _ in range(60)], torch.nn.Linear(512, 512))
+    with ckpt.CheckpointManager(s3_main_url, "run", settings=settings) as mgr:
+        assert mgr.restore_latest({"model": fresh}) == 2
+    assert {k: _bits(v) for k, v in fresh.state_dict().items()} == {k: _bits(v) for k, v in model.state_dict().items()}
+
 @pytest.mark.parametrize("index", ["1", "0"])
 def test_a_damaged_ref_of_someone_else_does_not_stop_a_runs_saves(tmp_path, monkeypatch, index):
     """Retention lists the run's snapshots through every live ref of the store: one damaged ref

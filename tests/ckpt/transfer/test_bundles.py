@@ -198,3 +198,49 @@ def test_a_merge_input_whose_bundle_claims_another_length_of_kept_chunks_is_an_e
     commit(store.objects, store.refs_db, hostile.to_json(), "hostile")
     with pytest.raises(CorruptObjectError, match=f"{cid}.*header says 150 bytes, manifest says 400"):  # was ValueError
         ckpt.merge(["a", "hostile"], "linear", name="m", store=store)
+
+
+@pytest.mark.parametrize("how", ["explicit", "lineage", "similar"])
+def test_a_push_into_s3_reads_its_small_delta_bases_from_the_base_checkpoints_bundle(s3_main_url, tmp_path, how):
+    """A push with a base (``--base REF``, the ref's previous version, or the most similar checkpoint)
+    delta-encodes each chunk against the base's chunk in the same place, and read each of the base's
+    small chunks one GET at a time (100 here), though the base's bundle holds them all: only a merge's
+    push took them from the bundle. Every push reads them from it, in a few requests; the result's
+    chunks and chains are those of the old way, and it loads exact."""
+    from s3support import chunk_gets
+
+    settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False)  # every read a request
+    store = ckpt.Store.init(s3_main_url, settings=settings)
+    g = torch.Generator().manual_seed(5)
+    a = {"big": torch.randn(300_000, generator=g)} | {f"small.{i}": torch.randn(100, generator=g) for i in range(100)}
+    b = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in a.items()}
+    aid = store.push(a, "m/a" if how != "lineage" else "m/b")
+    ma = store.manifest(aid)
+    (bundle,) = ma.bundles
+    small_a = {c for t in ma.tensors if t.name.startswith("small") for c in t.chunks}
+    assert len(small_a) == 100 and small_a <= {cid for cid, _, _ in bundle.members}
+    gets = chunk_gets(store.objects)
+    asked: list[str] = []
+    counting = store.objects.backend._get
+    store.objects.backend._get = lambda path, *x, **k: (asked.append(path.rsplit("/", 1)[-1]), counting(path, *x, **k))[1]
+    if how == "explicit":
+        path = tmp_path / "b.safetensors"
+        from safetensors.torch import save_file
+
+        save_file(b, str(path))
+        store.push(str(path), "m/b", base="m/a")
+    else:
+        store.push(b, "m/b")
+    assert not small_a & set(asked), len(small_a & set(asked))  # was 100: a GET per delta base
+    big = next(t for t in ma.tensors if t.name == "big").chunks
+    header = [c for f in ma.files for c in f.chunks]  # the same header: a dedup hit, its chain read
+    assert gets[0] == len(big) + len(bundle.chunks) + len(header), gets[0]  # was 102 more
+    mb = store.manifest("m/b")
+    assert mb.lineage["base"] == aid
+    deltas = [t for t in mb.tensors if t.name.startswith("small") and any(t.chains())]
+    assert len(deltas) >= 50  # the small chunks are deltas against A's
+    by_name = {t.name: t for t in ma.tensors}
+    assert all(t.chains() == tuple((c,) for c in by_name[t.name].chunks) for t in deltas)
+    reader = ckpt.Store.open(s3_main_url, settings=settings)
+    assert _exact(reader.load("m/b"), b)
+    assert not store.verify().problems
