@@ -98,6 +98,27 @@ def chunk_gets(store: Any, prefix: str = "objects/chunks/") -> list[int]:
     return n
 
 
+@contextlib.contextmanager
+def gets_of(store: Any, threads: str = "") -> Any:
+    """Record the name (the last segment of its key) of each GET ``store``'s S3 backend makes inside
+    the block, from the threads whose name starts with ``threads`` ("": every thread), in a list."""
+    names: list[str] = []
+    lock = threading.Lock()
+    real = store.objects.backend._get
+
+    def counting(path: str, *a: Any, **k: Any) -> Any:
+        if threading.current_thread().name.startswith(threads):
+            with lock:
+                names.append(path.rsplit("/", 1)[-1])
+        return real(path, *a, **k)
+
+    store.objects.backend._get = counting
+    try:
+        yield names
+    finally:
+        store.objects.backend._get = real
+
+
 def wait_ready(endpoint: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     c = client(endpoint, connect_timeout=1, read_timeout=2)

@@ -803,29 +803,36 @@ def tiers_removed_latest(rank, world, tmp, store):
     return out
 
 
-def restore_stale_view(rank, world, tmp, store, view):
-    """DDP state saved at steps 1..4 (no tiers); a fresh manager restores the latest while rank 1 sees
-    the store's RUN/latest apart (a shared file system's stale listing): ``stale``, still naming step 3;
-    ``missing``, no ref at all (rank 1 then finds no step-4 either). Returns what restore_latest and
-    ``restore(state, 4)`` gave and whether each left the state bit-identical to step 4's."""
+def _ddp_sync_manager(store):
+    """A manager of run "ddp" saving synchronously over the whole group, with no tiers."""
     import torch.distributed as dist
 
     import ckpt
-    from ckpt_store.storage.errors import RefNotFoundError
 
+    return ckpt.CheckpointManager(store, "ddp", save_mode="sync", process_group=dist.group.WORLD, timeout_s=20)
+
+
+def _ddp_saved_steps_1_to_4(rank, store):
+    """DDP state trained and saved at steps 1..4 by a manager then closed: the bits of step 4's state."""
     state = _ddp_state(rank)
-
-    def manager():
-        return ckpt.CheckpointManager(store, "ddp", save_mode="sync", process_group=dist.group.WORLD, timeout_s=20)
-
-    mgr = manager()
+    mgr = _ddp_sync_manager(store)
     for step in range(1, 5):
         _ddp_step(state)
         state["step"] = step
         mgr.save(step, state)
     mgr.close()
-    want = _ddp_bits(state)
-    mgr = manager()
+    return _ddp_bits(state)
+
+
+def restore_stale_view(rank, world, tmp, store, view):
+    """DDP state saved at steps 1..4 (no tiers); a fresh manager restores the latest while rank 1 sees
+    the store's RUN/latest apart (a shared file system's stale listing): ``stale``, still naming step 3;
+    ``missing``, no ref at all (rank 1 then finds no step-4 either). Returns what restore_latest and
+    ``restore(state, 4)`` gave and whether each left the state bit-identical to step 4's."""
+    from ckpt_store.storage.errors import RefNotFoundError
+
+    want = _ddp_saved_steps_1_to_4(rank, store)
+    mgr = _ddp_sync_manager(store)
     if rank == 1:
         real = mgr.store.resolve
 
@@ -853,23 +860,8 @@ def latest_step_unread(rank, world, tmp, store, failing):
     """DDP state saved at steps 1..4 (no tiers); a fresh manager asks for latest_step while rank ``failing``'s
     read of a manifest fails (an I/O error), then restores. Returns what each call gave (or raised) and whether
     the restored state is bit-identical to step 4's."""
-    import torch.distributed as dist
-
-    import ckpt
-
-    state = _ddp_state(rank)
-
-    def manager():
-        return ckpt.CheckpointManager(store, "ddp", save_mode="sync", process_group=dist.group.WORLD, timeout_s=20)
-
-    mgr = manager()
-    for step in range(1, 5):
-        _ddp_step(state)
-        state["step"] = step
-        mgr.save(step, state)
-    mgr.close()
-    want = _ddp_bits(state)
-    mgr = manager()
+    want = _ddp_saved_steps_1_to_4(rank, store)
+    mgr = _ddp_sync_manager(store)
     real = mgr.store.manifest
     if rank == failing:
         def manifest(ref, *args, **kwargs):

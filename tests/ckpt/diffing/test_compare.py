@@ -655,7 +655,7 @@ def test_a_diff_from_s3_reads_small_chunks_from_the_bundles_once(s3_main_url):
     """Each side read its changed small tensors one GET per chunk, though the push stored them in a
     bundle too: 600 small tensors per side, 1,200 GETs. A side's reader fetches its bundle once for
     the whole diff (3 batches here) and serves the members from it, each checked against its id."""
-    import threading
+    from s3support import gets_of
 
     settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False)  # every read a request
     store = ckpt.Store.init(s3_main_url, settings=settings)
@@ -668,17 +668,8 @@ def test_a_diff_from_s3_reads_small_chunks_from_the_bundles_once(s3_main_url):
     bundles = [bd for r in ("a", "b") for bd in store.manifest(r).bundles]
     members = {cid for bd in bundles for cid, _, _ in bd.members}
     assert len(bundles) == 2 and len(members) >= 1200
-    gets: list[str] = []
-    real = store.objects.backend._get
-
-    def counting(path, *args, **kwargs):
-        if threading.current_thread().name.startswith("ckpt-read"):
-            gets.append(path.rsplit("/", 1)[-1])
-        return real(path, *args, **kwargs)
-
-    store.objects.backend._get = counting
-    got = ckpt.diff("a", "b", store=store)
-    store.objects.backend._get = real
+    with gets_of(store, "ckpt-read") as gets:
+        got = ckpt.diff("a", "b", store=store)
     assert not members & set(gets), len(members & set(gets))  # was 1,200
     assert all(gets.count(c) == 1 for bd in bundles for c in bd.chunks), [gets.count(c) for bd in bundles for c in bd.chunks]
     assert got.summary.changed == 600 and got.summary.identical == 4

@@ -532,7 +532,7 @@ def test_a_merge_from_s3_reads_the_inputs_small_chunks_from_their_bundles_once(s
     (a few requests for all): 600 small tensors of two inputs, 1,200 GETs. Each input's bundle is
     fetched once for the whole merge (its pool keeps it between batches), not once per batch. (The
     merged push's delta bases are counted by the test below.)"""
-    import threading
+    from s3support import gets_of
     settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False)  # every read a request
     store = ckpt.Store.init(s3_main_url, settings=settings)
     g = torch.Generator().manual_seed(3)
@@ -545,19 +545,10 @@ def test_a_merge_from_s3_reads_the_inputs_small_chunks_from_their_bundles_once(s
     members = {cid for bs in bundles for bd in bs for cid, _, _ in bd.members}
     bundle_chunks = [c for bs in bundles for bd in bs for c in bd.chunks]
     assert len(members) >= 1200 and bundle_chunks
-    gets: list[str] = []
-    real = store.objects.backend._get
-
-    def counting(path, *args, **kwargs):
-        if threading.current_thread().name.startswith("ckpt-read"):  # the reads of the inputs
-            gets.append(path.rsplit("/", 1)[-1])
-        return real(path, *args, **kwargs)
-
-    store.objects.backend._get = counting
-    ckpt.merge(["a", "b"], "linear", name="m", store=store)
+    with gets_of(store, "ckpt-read") as gets:  # the reads of the inputs
+        ckpt.merge(["a", "b"], "linear", name="m", store=store)
     assert not members & set(gets), len(members & set(gets))  # was 1,200: each small chunk on its own
     assert all(gets.count(c) == 1 for c in bundle_chunks), [gets.count(c) for c in bundle_chunks]
-    store.objects.backend._get = real
     want = merge_state_dicts([a, b], "linear")
     got = store.load("m")
     assert {k: bits(v) for k, v in got.items()} == {k: bits(v) for k, v in want.items()}
@@ -569,7 +560,7 @@ def test_a_merge_into_s3_reads_its_delta_bases_from_the_first_inputs_bundle(s3_m
     of A's small chunks for it one GET at a time (100 here), though A's bundle holds them all and the
     merge had just read it. It takes them from the bundle its reads kept (each checked against its id):
     no GET of a small chunk of A, and the result's chunks and chains are those of the old way."""
-    import threading
+    from s3support import gets_of
 
     settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False)  # every read a request
     store = ckpt.Store.init(s3_main_url, settings=settings)
@@ -581,18 +572,8 @@ def test_a_merge_into_s3_reads_its_delta_bases_from_the_first_inputs_bundle(s3_m
     (bundle,) = store.manifest("a").bundles
     small_a = {c for t in store.manifest("a").tensors if t.name.startswith("small") for c in t.chunks}
     assert len(small_a) == 100 and small_a <= {cid for cid, _, _ in bundle.members}
-    gets: list[str] = []
-    lock = threading.Lock()
-    real = store.objects.backend._get
-
-    def counting(path, *args, **kwargs):
-        with lock:
-            gets.append(path.rsplit("/", 1)[-1])
-        return real(path, *args, **kwargs)
-
-    store.objects.backend._get = counting
-    r = ckpt.merge(["a", "b"], "linear", name="m", store=store)
-    store.objects.backend._get = real
+    with gets_of(store) as gets:
+        r = ckpt.merge(["a", "b"], "linear", name="m", store=store)
     assert not small_a & set(gets), len(small_a & set(gets))  # was 100: a GET per delta base
     m = store.manifest("m")
     deltas = [t for t in m.tensors if t.name.startswith("small") and any(t.chains())]
@@ -610,8 +591,9 @@ def test_a_merge_whose_inputs_bundles_outgrow_the_budget_fetches_none_of_them_ag
     room left, was fetched whole again for every batch of small tensors (4 here; at 256 MiB, bundles of
     150 MB were each fetched some 150 times). A bundle the pool cannot keep is not fetched: its members
     are read one by one, as before bundles."""
-    import threading
     from collections import Counter
+
+    from s3support import gets_of
 
     settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False, inflight_mb=1)
     store = ckpt.Store.init(s3_main_url, settings=settings)
@@ -625,18 +607,9 @@ def test_a_merge_whose_inputs_bundles_outgrow_the_budget_fetches_none_of_them_ag
     store.push(b, "b")
     bundles = [bd for r in ("a", "b") for bd in store.manifest(r).bundles]
     assert len(bundles) == 2 and all(512 << 10 < bd.nbytes <= 1 << 20 for bd in bundles)  # room for one
-    gets: Counter[str] = Counter()
-    lock = threading.Lock()
-    real = store.objects.backend._get
-
-    def counting(path, *args, **kwargs):
-        with lock:
-            gets[path.rsplit("/", 1)[-1]] += 1
-        return real(path, *args, **kwargs)
-
-    store.objects.backend._get = counting
-    ckpt.merge(["a", "b"], "linear", name="m", store=store)
-    store.objects.backend._get = real
+    with gets_of(store) as names:
+        ckpt.merge(["a", "b"], "linear", name="m", store=store)
+    gets = Counter(names)
     assert max(gets[c] for bd in bundles for c in bd.chunks) == 1, [gets[c] for bd in bundles for c in bd.chunks]  # was 4
     want = merge_state_dicts([a, b], "linear")
     got = store.load("m")
@@ -650,8 +623,9 @@ def test_a_merge_tries_a_damaged_bundle_once_not_once_per_batch(s3_main_url, cap
     damaged at its end, some 150 times). The merge's pool remembers it: tried once, its members then read
     one by one, the result exact."""
     import logging
-    import threading
     from collections import Counter
+
+    from s3support import gets_of
 
     settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False)
     store = ckpt.Store.init(s3_main_url, settings=settings)
@@ -667,19 +641,9 @@ def test_a_merge_tries_a_damaged_bundle_once_not_once_per_batch(s3_main_url, cap
     other = store.manifest("a").tensors[0].chunks[0]  # another chunk's blob under the bundle chunk's name
     store.objects.backend.write(store.objects.path("chunks", bundle.chunks[0]),
                                 store.objects.backend.read(store.objects.path("chunks", other)))
-    gets: Counter[str] = Counter()
-    lock = threading.Lock()
-    real = store.objects.backend._get
-
-    def counting(path, *args, **kwargs):
-        with lock:
-            gets[path.rsplit("/", 1)[-1]] += 1
-        return real(path, *args, **kwargs)
-
-    store.objects.backend._get = counting
-    with caplog.at_level(logging.WARNING, logger="ckpt.transfer.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="ckpt.transfer.pipeline"), gets_of(store) as names:
         ckpt.merge(["a", "b"], "linear", name="m", store=store)
-    store.objects.backend._get = real
+    gets = Counter(names)
     assert gets[bundle.chunks[0]] == 1, gets[bundle.chunks[0]]  # was 5: once per batch, once more for the delta bases
     assert len([r for r in caplog.records if "unreadable" in r.getMessage()]) == 1
     want = merge_state_dicts([a, b], "linear")
