@@ -585,6 +585,20 @@ def test_a_merge_into_s3_reads_its_delta_bases_from_the_first_inputs_bundle(s3_m
     assert not store.verify().problems
 
 
+def _pushed_batches_of_small_tensors(store, *, seed: int, small: int):
+    """Two fine-tunes (pushed as ``a`` and ``b``) of four groups of 30 small tensors of ``small``
+    elements, each group ended by a large one (so that a merge reads them in four batches)."""
+    g = torch.Generator().manual_seed(seed)
+    base = {}
+    for i in range(4):
+        base[f"g{i}.big"] = torch.randn(300_000, generator=g)
+        base |= {f"g{i}.s{j:02}": torch.randn(small, generator=g) for j in range(30)}
+    a, b = _tuned(base, 1), _tuned(base, 2)
+    store.push(a, "a")
+    store.push(b, "b")
+    return a, b
+
+
 @pytest.mark.slow  # (about 10 s on moto here: run by .ci/run's slow step)
 def test_a_merge_whose_inputs_bundles_outgrow_the_budget_fetches_none_of_them_again_and_again(s3_main_url):
     """The merge's pool keeps the bundles it fetches within inflight_mb; the second input's bundle, with no
@@ -597,14 +611,7 @@ def test_a_merge_whose_inputs_bundles_outgrow_the_budget_fetches_none_of_them_ag
 
     settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False, inflight_mb=1)
     store = ckpt.Store.init(s3_main_url, settings=settings)
-    g = torch.Generator().manual_seed(6)
-    base = {}
-    for i in range(4):  # a large tensor ends each batch of small ones
-        base[f"g{i}.big"] = torch.randn(300_000, generator=g)
-        base |= {f"g{i}.s{j:02}": torch.randn(2_000, generator=g) for j in range(30)}
-    a, b = _tuned(base, 1), _tuned(base, 2)
-    store.push(a, "a")
-    store.push(b, "b")
+    a, b = _pushed_batches_of_small_tensors(store, seed=6, small=2_000)
     bundles = [bd for r in ("a", "b") for bd in store.manifest(r).bundles]
     assert len(bundles) == 2 and all(512 << 10 < bd.nbytes <= 1 << 20 for bd in bundles)  # room for one
     with gets_of(store) as names:
@@ -629,14 +636,7 @@ def test_a_merge_tries_a_damaged_bundle_once_not_once_per_batch(s3_main_url, cap
 
     settings = ckpt.Settings.from_env(workers=2, io_workers=2, cache=False)
     store = ckpt.Store.init(s3_main_url, settings=settings)
-    g = torch.Generator().manual_seed(7)
-    base = {}
-    for i in range(4):  # a large tensor ends each batch of small ones
-        base[f"g{i}.big"] = torch.randn(300_000, generator=g)
-        base |= {f"g{i}.s{j:02}": torch.randn(500, generator=g) for j in range(30)}
-    a, b = _tuned(base, 1), _tuned(base, 2)
-    store.push(a, "a")
-    store.push(b, "b")
+    a, b = _pushed_batches_of_small_tensors(store, seed=7, small=500)
     (bundle,) = store.manifest("a").bundles
     other = store.manifest("a").tensors[0].chunks[0]  # another chunk's blob under the bundle chunk's name
     store.objects.backend.write(store.objects.path("chunks", bundle.chunks[0]),
