@@ -48,6 +48,18 @@ class _Console(Console):
             output_failed(e)
 
 
+class _ErrConsole(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader of stderr left: what is left to say there goes nowhere, and the command goes on,
+        its output and exit status its own (rich's handler pointed *stdout* at /dev/null and exited 1:
+        a command's result lost over a warning nobody could read)."""
+        self.quiet = True
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
+        except (OSError, ValueError):  # (a stderr that is no file: a test's capture)
+            pass
+
+
 def output_failed(e: OSError) -> None:
     """Standard output did not take what a command printed (a full disk behind `ckpt ls --json >
     ls.json`, an I/O error): one line on stderr and exit 1, never a traceback, so that a script knows
@@ -95,7 +107,7 @@ class GuardedStdout:
 # Wide when piped, so tables in logs and files do not wrap at 80 columns. markup and
 # emoji off: "[red]" and ":smile:" in a message are text, never styling (or a crash on "[/b]").
 out = _Console(highlight=False, markup=False, emoji=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True, highlight=False, markup=False, emoji=False, soft_wrap=True)
+err = _ErrConsole(stderr=True, highlight=False, markup=False, emoji=False, soft_wrap=True)
 
 # What a terminal may act on rather than show: C0 controls, DEL, C1 controls (U+009B is
 # CSI, like ESC [), and the Unicode line/paragraph separators and bidirectional

@@ -443,6 +443,25 @@ def test_a_reader_that_leaves_the_pipe_ends_the_command_with_141(args: list[str]
     assert p.returncode == 141 and err == b"", (p.returncode, err)
 
 
+def test_a_reader_of_stderr_that_leaves_takes_nothing_from_the_output(tmp_path: Path, env: dict[str, str]) -> None:
+    """`ckpt gc --grace 0s --json > plan.json 2>&1 | ...` whose stderr reader is gone: the warning on
+    stderr hit a closed pipe, and rich's handler pointed *stdout* at /dev/null and exited 1, so the
+    command's own result was lost (an empty file) though it had done its work. What is left to say on
+    stderr goes nowhere; the output and the exit status are the command's own."""
+    import ckpt
+
+    path = tmp_path / "s"
+    ckpt.Store.init(str(path)).push({"w": torch.ones(3)}, "m")
+    read, write = os.pipe()
+    os.close(read)  # the reader of stderr is gone before anything is said there
+    try:
+        r = subprocess.run([*CMD, "--store", str(path), "gc", "--grace", "0s", "--json"], stdout=subprocess.PIPE,
+                           stderr=write, text=True, env=env, timeout=120)
+    finally:
+        os.close(write)
+    assert r.returncode == 0 and json.loads(r.stdout)["dry_run"] is False, (r.returncode, r.stdout)
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 @pytest.mark.parametrize("args", [["ls"], ["ls", "--json"], ["show", "demo/file"], ["show", "nope/none", "--json"],
                                   ["--help"], ["ls", "--help"]])  # (help: an OSError traceback from click's echo)
