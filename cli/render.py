@@ -31,12 +31,22 @@ for _name in ("stdout", "stderr"):
 if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
     sys.stdout.reconfigure(errors="backslashreplace")
 
+def _to_devnull(stream: Any) -> None:
+    """Point ``stream``'s descriptor at /dev/null: what is left to write there goes nowhere."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, stream.fileno())
+        os.close(fd)
+    except (OSError, ValueError):  # (a stream that is no file: a test's capture)
+        pass
+
+
 class _Console(Console):
     def on_broken_pipe(self) -> None:
         """The reader of a pipe left (`ckpt ls | head -1`): what is left to print goes nowhere and
         the command ends with 141 (128 + SIGPIPE), as a shell pipeline expects (rich's exit is 1)."""
         self.quiet = True
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _to_devnull(sys.stdout)
         raise SystemExit(141)
 
     def _check_buffer(self) -> None:
@@ -54,10 +64,7 @@ class _ErrConsole(Console):
         its output and exit status its own (rich's handler pointed *stdout* at /dev/null and exited 1:
         a command's result lost over a warning nobody could read)."""
         self.quiet = True
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
-        except (OSError, ValueError):  # (a stderr that is no file: a test's capture)
-            pass
+        _to_devnull(sys.stderr)
 
 
 def output_failed(e: OSError) -> None:
@@ -65,10 +72,7 @@ def output_failed(e: OSError) -> None:
     ls.json`, an I/O error): one line on stderr and exit 1, never a traceback, so that a script knows
     its file is cut short. What is left to print goes nowhere (the exit's own flush included)."""
     out.quiet = True
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):  # (a stdout that is no file: a test's capture)
-        pass
+    _to_devnull(sys.stdout)
     err.print(f"error: cannot write the output: {e.strerror or e}")
     raise SystemExit(1)
 

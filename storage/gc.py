@@ -240,7 +240,7 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     # removal (the index's view, which a dry run reads, holds no entry behind a removal: it agrees).
     blocking = {n: d for n, d in found.damaged.items()
                 if n not in found.settled and (keep_history or not _newest_readable(refs, n))}
-    for n in sorted(found.settled) if keep_history else ():
+    for n in sorted(found.settled if keep_history else ()):
         log.warning("%s; it is older than a removal of %s, so it keeps nothing alive (`ckpt verify` reports it)",
                     found.damaged[n][0].message, n)
     if blocking:

@@ -232,10 +232,11 @@ class IndexState:
         read it again; kept, a run's removed steps made every compaction rewrite their whole histories."""
         refs = {}
         for n, recs in self.refs.items():
+            if not recs:
+                continue
             seqs = sorted(recs)
-            gone = max((s for s in seqs if recs[s].target is None), default=seqs[0] if seqs else 0)
-            if recs:
-                refs[n] = [recs[s].to_obj() for s in seqs if s >= gone]
+            gone = max((s for s in seqs if recs[s].target is None), default=seqs[0])
+            refs[n] = [recs[s].to_obj() for s in seqs if s >= gone]
         info = {m: i for m, i in self.info.items() if m in keep}
         used = {i.get("sig") for i in info.values()}
         return canonical_json({"refs": refs, "info": info, "sigs": {k: v for k, v in self.sigs.items() if k in used}})
@@ -592,7 +593,7 @@ class StoreIndex:
                 # each later snapshot carries that on; gc --dry-run, which writes nothing, read every earlier
                 # version's manifest each time. Read once here; one gone (gc --no-history) is left out.
                 self.ensure(st, [m for m in keep if m not in st.info], chunks=True, strict=False)
-            self.write_snapshot(st)
+            self.write_snapshot(st, keep)
         except Exception as e:  # noqa: BLE001 - the index is a cache: never fail the command over it
             log.info("could not update the metadata index: %s", e)  # a read-only user, say: not their problem
 
@@ -606,12 +607,13 @@ class StoreIndex:
         is read from its manifest, as any summary the index lacks."""
         return {r.target for r in gc_roots(self.refs, histories=st.entries()).roots}
 
-    def write_snapshot(self, st: IndexState) -> str:
+    def write_snapshot(self, st: IndexState, keep: set[str] | None = None) -> str:
         """Write ``st`` as the snapshot of generation ``st.max_gen``: chunk lists first, then
-        the snapshot that names them; then delete what it supersedes."""
+        the snapshot that names them; then delete what it supersedes. ``keep``: :meth:`kept` of
+        ``st``, where the caller has it (gc's roots over every ref's history: not walked twice)."""
         assert st.chunks is not None
         gen = max(st.max_gen, st.gen)
-        keep = self.kept(st)
+        keep = self.kept(st) if keep is None else keep
         cbody = st.chunks_body(keep)
         chash = blake3.blake3(cbody).hexdigest()
         cname = f"{gen:010d}-{chash[:16]}.chunks"

@@ -419,7 +419,8 @@ class Refs:
         if not seqs:
             return
         newest = self._read(name, seqs[-1], listed[seqs[-1]] is not None)
-        self._next.pop(name, None), self._seen.pop(name, None)
+        self._next.pop(name, None)
+        self._seen.pop(name, None)
         for seq in seqs[:-1] if newest.target is not None else seqs:
             self.backend.delete(self._entry_path(name, seq))
         local = self.backend.local_path(f"refs/{name}")

@@ -20,20 +20,17 @@ from typing import Any
 from ckpt.format.dtypes import itemsize
 from ckpt.format.tagged_json import (
     EXACT_TAGS,
-    GRAD,
     LATER_TAGS,
     ODICT,
-    PARAMETER,
     SET,
-    SHARED,
     SIZE,
     TAGS,
     TENSOR,
-    VIEW,
     decode,
     tensor_refs,
     uses_tags,
 )
+from ckpt.format.tensor_values import TENSOR_TAGS
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
@@ -437,7 +434,7 @@ def _check_structure(m: Manifest, what: str) -> None:
         elif list(x) == ["__dict__"] or (list(x) == [ODICT] and exact):  # (an OrderedDict's attributes hold none)
             pairs = x["__dict__"] if "__dict__" in x else x[ODICT][0]
             stack.extend(p for k, v in pairs for p in ((k, None), (v, _place(at, k))))
-        elif list(x) in ([PARAMETER], [SHARED], [GRAD], [VIEW]) and exact:  # (a tensor named after it, its value first)
+        elif len(x) == 1 and next(iter(x)) in TENSOR_TAGS and exact:  # (a tensor named after it, its value first)
             stack.append((next(iter(x.values()))[0], at))
         elif list(x) == ["__tuple__"]:
             stack.extend((v, _place(at, i)) for i, v in enumerate(x["__tuple__"]))
@@ -463,7 +460,7 @@ def _holds_entries(x: Any, exact: bool) -> bool:
     tag = next(iter(x)) if len(x) == 1 else None
     if tag == "__dict__" or (tag == ODICT and exact):
         return bool(x[tag] if tag == "__dict__" else x[tag][0])
-    if tag in ("__tuple__", TENSOR) or (exact and tag in (PARAMETER, SHARED, GRAD, VIEW)):
+    if tag in ("__tuple__", TENSOR) or (exact and tag in TENSOR_TAGS):
         return bool(tensor_refs(x))
     return not (tag in TAGS and (exact or tag not in EXACT_TAGS)) and bool(x)  # (before version 4 those were a dict's keys)
 

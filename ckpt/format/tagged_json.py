@@ -187,6 +187,7 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
     """
 
     made: dict[str, Any] = {}  # each tensor's name -> the value decoded at its place (a __shared__ object's target)
+    shape = {**(_LATER_SHAPE if later else {}), **(_EXACT_SHAPE if exact else {})}  # tag -> the type of its value
 
     def dec(x: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -197,7 +198,6 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
             return [dec(v, depth + 1) for v in x]
         if not isinstance(x, dict):
             raise StoreFormatError(f"{what}: bad value")
-        shape = {**(_LATER_SHAPE if later else {}), **(_EXACT_SHAPE if exact else {})}
         if len(x) == 1 and isinstance(next(iter(x.values())), shape.get(next(iter(x)), ())):
             tag, v = next(iter(x.items()))
             inner = lambda e: dec(e, depth + 1)  # noqa: E731

@@ -66,7 +66,7 @@ from ckpt.format.manifest import Manifest, TensorEntry, chunk_count
 from ckpt.merging.calls import positionals
 from ckpt.merging.methods import MergeMethod, MethodRegistry, default_registry
 from ckpt.progress import Progress
-from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX
+from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX, BUNDLE_SHARE
 from ckpt_store.storage.records import canonical_json
 from ckpt_store.storage.refs import validate_ref_name
 
@@ -523,7 +523,7 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     by_name = {s.name: s for s in steps}
     reads = _Inputs([by_name[t.name] for t in src.files[0].tensors if by_name[t.name].reuse is None],
                      _sources_fn(m, readers, base_reader))
-    kept = _SmallKept(sum(s.nbytes for s in steps if s.reuse is None or s.reuse[0].manifest.chunk_size != cs) // 4)
+    kept = _SmallKept(sum(s.nbytes for s in steps if s.reuse is None or s.reuse[0].manifest.chunk_size != cs) // BUNDLE_SHARE)
     for t in src.files[0].tensors:
         s = by_name[t.name]
         if s.reuse is not None and s.reuse[0].manifest.chunk_size == cs:

@@ -42,7 +42,15 @@ from ckpt.snapshot.run import (
     not_a_snapshot,
 )
 from ckpt.snapshot.tiers import MISSES as TIER_MISSES
-from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, describe, live_refs_of, out_of_space, resolve_latest, step_of
+from ckpt.snapshot.tiers import (
+    LocalTier,
+    LocalTierUsage,
+    describe,
+    out_of_space,
+    resolve_latest,
+    snapshot_test,
+    step_refs,
+)
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
@@ -752,29 +760,9 @@ class CheckpointManager:
         """Steps of the run's live snapshots, oldest first. A checkpoint pushed under the run's name
         (``RUN/step-N``) is none: told by its summary in the store's metadata index, else by its manifest;
         one that cannot be read is listed (restoring it names the damage)."""
-        from ckpt.store.catalog import snapshot_kinds
-
-        found = self._step_refs()
-        kinds = snapshot_kinds(self.store, found.values())
-
-        def snapshot(mid: str) -> bool:
-            if mid in kinds:
-                return kinds[mid]
-            try:
-                return is_snapshot(self.store.manifest(mid))
-            except CkptError:
-                return True
-
+        found = step_refs(self.store, self.run)
+        snapshot = snapshot_test(self.store, found.values())
         return sorted(s for s, mid in found.items() if snapshot(mid))
-
-    def _step_refs(self) -> dict[int, str]:
-        """The run's live refs RUN/step-N, snapshots or not: step -> checkpoint id."""
-        found: dict[int, str] = {}
-        for name, entry in live_refs_of(self.store, self.run).items():
-            step = step_of(self.run, name)
-            if step is not None and entry.target is not None:
-                found[step] = entry.target
-        return found
 
     def _metric(self, step: int) -> dict[str, float]:
         if step not in self._metrics:
@@ -817,7 +805,7 @@ class CheckpointManager:
 
         with self._retaining:
             if self._retained is None:
-                self._retained = set(self._step_refs())  # (each checked below: a pushed one is named in a warning)
+                self._retained = set(step_refs(self.store, self.run))  # (each checked below: a pushed one is named in a warning)
             self._retained.add(saved)
             steps = []
             targets: dict[int, str] = {}  # what each counted step named when checked: removed only while it still does

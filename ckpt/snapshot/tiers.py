@@ -39,7 +39,7 @@ from ckpt.transfer.pipeline import BATCH_BYTES, GetTask, fetch_chunk, get_chunks
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError, StorageIOError, StoreFormatError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable
 
     import torch
 
@@ -113,36 +113,57 @@ def live_refs_of(store: Store, run: str) -> dict[str, RefEntry]:
         return store.refs_db.scan(run)[0]
 
 
+def step_refs(store: Store, run: str) -> dict[int, str]:
+    """The live refs ``RUN/step-N`` of ``run`` in ``store``, snapshots or not: step -> checkpoint id."""
+    found: dict[int, str] = {}
+    for name, entry in live_refs_of(store, run).items():
+        step = step_of(run, name)
+        if step is not None and entry.target is not None:
+            found[step] = entry.target
+    return found
+
+
+def snapshot_test(store: Store, mids: Iterable[str], read: Callable[[str], Manifest] | None = None) -> Callable[[str], bool]:
+    """Whether each of ``mids`` is a snapshot (not a checkpoint a user pushed under the run's name): told
+    by its summary in the store's metadata index, else by its manifest (``read``: the caller's cached
+    reader, else the store's), read when first asked about; one that cannot be read counts (restoring it
+    names the damage)."""
+    from ckpt.snapshot.run import is_snapshot
+    from ckpt.store.catalog import snapshot_kinds
+
+    kinds = snapshot_kinds(store, mids)
+    manifest = read if read is not None else store.manifest
+
+    def test(mid: str) -> bool:
+        if mid not in kinds:
+            try:
+                kinds[mid] = is_snapshot(manifest(mid))
+            except CkptError:
+                kinds[mid] = True
+        return kinds[mid]
+
+    return test
+
+
 def resolve_latest(store: Store, run: str) -> str:
     """The checkpoint id ``RUN/latest`` names in ``store``; where it names none (a user's ``ckpt rm RUN/latest``,
     a crash between a save's first ``RUN/step-N`` and its ``RUN/latest``), the newest ``RUN/step-N`` that is a
-    snapshot (one that cannot be read counts: restoring it names the damage), with a :class:`TierWarning`: a
-    run must never start again from scratch while a snapshot of it exists. Raises RefNotFoundError where the
-    run has neither."""
+    snapshot (:func:`snapshot_test`), with a :class:`TierWarning`: a run must never start again from scratch
+    while a snapshot of it exists. Raises RefNotFoundError where the run has neither."""
     from ckpt.errors import RefNotFoundError
-    from ckpt.snapshot.run import TierWarning, is_snapshot
-    from ckpt.store.catalog import snapshot_kinds
+    from ckpt.snapshot.run import TierWarning
 
     latest = f"{run}/latest"
     try:
         return store.resolve(latest)
     except RefNotFoundError:
-        found: dict[int, str] = {}
-        for name, entry in live_refs_of(store, run).items():
-            step = step_of(run, name)
-            if step is not None and entry.target is not None:
-                found[step] = entry.target
+        found = step_refs(store, run)
         if not found:
             raise
-    kinds = snapshot_kinds(store, found.values())
+    snapshot = snapshot_test(store, found.values())
     for step in sorted(found, reverse=True):
         mid = found[step]
-        if mid not in kinds:
-            try:
-                kinds[mid] = is_snapshot(store.manifest(mid))
-            except CkptError:
-                kinds[mid] = True
-        if kinds[mid]:
+        if snapshot(mid):
             message = (f"{latest} is missing in {store.url}: the run's newest snapshot is taken for it, step {step} "
                        f"({run}/step-{step}); the next save names its own snapshot {latest}")
             log.warning("%s", message)

@@ -21,6 +21,7 @@ from ckpt.store.source_files import show
 from ckpt.store.sources import MemBytes, SourceIn, open_source
 from ckpt.transfer.pipeline import (
     BUNDLE_CHUNK_MAX,
+    BUNDLE_SHARE,
     BundleBases,
     PutResult,
     PutTask,
@@ -139,7 +140,7 @@ def _bundle(store: Store, tasks: list[PutTask],
     under: a source that changed meanwhile leaves that chunk out."""
     small = min(BUNDLE_CHUNK_MAX, store.settings.chunk_size // 4)
     picked = {r.id: task for task, r in zip(tasks, results, strict=True) if task.length <= small}
-    if len(picked) < BUNDLE_MIN or 4 * sum(t.length for t in picked.values()) > sum(t.length for t in tasks):
+    if len(picked) < BUNDLE_MIN or BUNDLE_SHARE * sum(t.length for t in picked.values()) > sum(t.length for t in tasks):
         return (), [], []
     members: list[tuple[str, int, int]] = []
     parts: list[bytes | memoryview] = []
@@ -286,10 +287,11 @@ def push_source(
     # A push of its own (push --base, a ref's next version, a snapshot) reads the base's bundles through
     # a pool of its own, as a merge's push does through the merge's: its small delta bases cost a
     # request or two, not a GET each (100 small tensors: 100 GETs, one after another).
-    own = ReadPool() if pool is None and base_m is not None and base_m.bundles and store.objects.backend.streams else None
+    has = base_m is not None and bool(base_m.bundles)
+    own = ReadPool() if has and pool is None and store.objects.backend.streams else None
+    reads = pool if pool is not None else own
     with reporting(progress, "push", sum(t.length for t in tasks)) as p, own if own is not None else nullcontext():
-        reads = pool if pool is not None else own
-        bundled = BundleBases(store.objects, base_m, settings, reads) if reads is not None and base_m is not None else None
+        bundled = BundleBases(store.objects, base_m, settings, reads) if has and reads is not None else None  # type: ignore[arg-type]
         results = put_chunks(store.objects, tasks, settings, p, bundled, keep_bases)
     if bundles is None:
         bundles = store.objects.backend.streams

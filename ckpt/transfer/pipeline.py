@@ -722,6 +722,17 @@ def _decode_into(task: GetTask, got: _Read) -> memoryview | None:
 # Chunks of at most this many bytes are copied into a checkpoint's bundle when it is pushed to a
 # remote store (ckpt.format.manifest.BundleEntry): a request each costs more than their bytes.
 BUNDLE_CHUNK_MAX = 64 << 10
+# ... and only where they hold at most 1/BUNDLE_SHARE of the bytes pushed (a model of small tensors
+# only is not stored twice): push's _bundle, and what a merge holds back for it.
+BUNDLE_SHARE = 4
+
+
+def readable_bundles(manifest: Manifest, settings: Settings) -> list[BundleEntry]:
+    """The bundles of ``manifest`` worth reading: as a push writes one (members back to back), no larger
+    than ``settings.inflight_mb`` (a manifest is outside data: it must not make a reader allocate what
+    it says). Another's members are fetched one by one."""
+    return [b for b in manifest.bundles
+            if b.nbytes == sum(n for _, _, n in b.members) and b.nbytes <= settings.inflight_mb << 20]
 
 
 def _from_bundles(objects: ObjectStore, todo: list[GetTask], manifest: Manifest, settings: Settings,
@@ -733,9 +744,7 @@ def _from_bundles(objects: ObjectStore, todo: list[GetTask], manifest: Manifest,
     data: it must not make a reader allocate what it says), serves nothing: its members are then
     fetched one by one, as without it. With ``pool``, a bundle fetched is kept for the pool's later
     calls (:meth:`ReadPool.bundle`): fetched once per operation, not once per batch."""
-    for b in manifest.bundles:
-        if b.nbytes != sum(n for _, _, n in b.members) or b.nbytes > settings.inflight_mb << 20:
-            continue  # not as a push writes one (members back to back): its memory is not worth risking
+    for b in readable_bundles(manifest, settings):
         where = {cid: (off, n) for cid, off, n in b.members}
         mine = [t for t in todo if t.id in where and where[t.id][1] == t.length]
         if len(mine) < (1 if pool is not None and pool.bundle(b.chunks) is not None else 2):
@@ -798,9 +807,7 @@ class BundleBases:
 
     def __init__(self, objects: ObjectStore, manifest: Manifest, settings: Settings, pool: ReadPool) -> None:
         self._objects, self._manifest, self._settings, self._pool = objects, manifest, settings, pool
-        readable = [b for b in manifest.bundles  # (as _from_bundles takes them)
-                    if b.nbytes == sum(n for _, _, n in b.members) and b.nbytes <= settings.inflight_mb << 20]
-        self._where = {cid: (b, off, n) for b in readable for cid, off, n in b.members}
+        self._where = {cid: (b, off, n) for b in readable_bundles(manifest, settings) for cid, off, n in b.members}
         self._chains = {cid: chain for t in manifest.tensors for cid, chain in zip(t.chunks, t.chains()) if cid in self._where}
         self._lock = threading.Lock()  # one fetch of a bundle, whatever the number of pushing threads
         self._unread: set[tuple[str, ...]] = set()  # bundles that could not be read (or kept): not tried again

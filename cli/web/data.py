@@ -22,6 +22,7 @@ from ckpt.codecs.chunk import CODEC_NAMES
 from ckpt.errors import CkptError, RefNotFoundError
 from ckpt.format.manifest import Manifest
 from ckpt.snapshot.run import is_snapshot
+from ckpt.snapshot.tiers import snapshot_test
 from ckpt.store import catalog
 from ckpt_store.cli import results
 
@@ -317,19 +318,8 @@ class StoreView:
         """Those of ``mids`` (live in ``store``) that are no snapshots (:func:`~ckpt.snapshot.run.is_snapshot`):
         a user's checkpoint pushed under a run's name. From the metadata index's summaries, else each manifest
         (cached); one that cannot be read is not known to be pushed (its row names the damage)."""
-        kinds = catalog.snapshot_kinds(store, mids)
-        out = set()
-        for mid in mids:
-            if mid in kinds:
-                if not kinds[mid]:
-                    out.add(mid)
-                continue
-            try:
-                if not is_snapshot(self.manifest(mid, store)):
-                    out.add(mid)
-            except CkptError:
-                pass
-        return out
+        snapshot = snapshot_test(store, mids, lambda mid: self.manifest(mid, store))
+        return {mid for mid in mids if not snapshot(mid)}
 
     def _snapshot_chunks(self, row: dict[str, Any]) -> set[str] | None:
         """Fill a :meth:`run` row from its manifest (metrics, time saved, sizes); its own chunks, None where
