@@ -21,7 +21,7 @@ base), and each tensor is either
 Merged tensors are computed lazily, one at a time, when push's workers first ask
 for one of their chunks, and dropped once their last chunk is handed on. Their inputs
 are read one tensor at a time per input, or a batch of small ones (the next tensors
-to merge, together at most ``BATCH_BYTES``, 1 MiB, per input): see :class:`_Inputs`. Memory
+to merge, together at most ``BATCH_BYTES``, 1 MiB, per input): see :class:`~ckpt.merging.computing.BatchedInputs`. Memory
 therefore stays near (inputs + 2) × the largest tensor (or 1 MiB) for linear, task-arithmetic,
 dare (linear combine) and slerp, and (inputs + 3) × for ties and dare's ties combine
 (their masks and sums), plus the push pipeline's buffers (a few chunks per thread); never whole models
@@ -56,15 +56,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpt.errors import InvalidMergeError, TensorMismatchError
-from ckpt.format.dtypes import bit_identical, byte_view, to_torch
-from ckpt.format.manifest import Manifest, TensorEntry, chunk_count
+from ckpt.errors import InvalidMergeError
+from ckpt.format.dtypes import bit_identical
+from ckpt.format.manifest import TensorEntry, chunk_count
 from ckpt.merging.calls import positionals
-from ckpt.merging.methods import MergeMethod, MethodRegistry, default_registry
+from ckpt.merging.computing import BatchedInputs, LazyTensor, SmallKept, step_computation, step_sources
+from ckpt.merging.methods import MethodRegistry, default_registry
+from ckpt.merging.planning import check_one_model, check_whole_tensors, plan_steps
 from ckpt.progress import Progress
 from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX, BUNDLE_SHARE
 from ckpt_store.storage.records import canonical_json
@@ -78,7 +80,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
 MISSING = ("error", "base")
 NEW_TENSORS = ("error", "average")
 
@@ -104,297 +105,6 @@ class MergeResult:
     files: tuple[str, ...] = ()  # the first input's other files (config.json, tokenizer...), carried over
 
 
-@dataclass(frozen=True)
-class _Step:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    reuse: tuple[CheckpointReader, TensorEntry] | None  # take these chunks (or bytes) as they are
-    average: tuple[CheckpointReader, ...] | None = None  # compute the plain average of these inputs
-    # the inputs are cut at other chunk sizes: their chunk ids cannot say whether they are equal,
-    # so their bytes are compared when read (:func:`_inputs_themselves`)
-    cut_otherwise: bool = False
-
-
-def _plan(method: MergeMethod, params: Mapping[str, Any], readers: list[CheckpointReader],
-          base: CheckpointReader | None, missing: str, labels: list[str], base_label: str | None,
-          new_tensors: str = "error") -> list[_Step]:
-    """One step per output tensor, from the manifests; every mismatch is reported before any read."""
-    names: list[str] = []
-    seen: set[str] = set()
-    for r in readers + ([base] if base is not None and missing == "base" else []):
-        for n in r.keys():
-            if n not in seen:
-                seen.add(n)
-                names.append(n)
-    problems: list[str] = []
-    fillable, new = [], []  # tensors --fill-from-base could supply; tensors the base cannot
-    steps: list[_Step] = []
-    identity = method.identity(params)
-    compared = readers + ([base] if method.needs_base and base is not None else [])  # must line up
-    one_cut = len({r.manifest.chunk_size for r in compared}) == 1  # chunk ids are comparable
-    for name in names:
-        lacking = [lab for lab, r in zip(labels + [f"{base_label} (base)"], compared) if name not in r]
-        if lacking:
-            in_base = base is not None and name in base
-            if missing == "base" and in_base:
-                e = base.info(name)  # type: ignore[union-attr]
-                held = [e] + [r.info(name) for r in readers if name in r]  # the inputs that have it must agree
-                if len({(h.dtype, h.shape) for h in held}) > 1:
-                    problems.append(f"{name} differs in dtype/shape: " + ", ".join(f"{h.dtype}{list(h.shape)}" for h in held))
-                    continue
-                steps.append(_Step(name, e.dtype, e.shape, e.nbytes, (base, e)))
-            elif new_tensors == "average" and not in_base:
-                step = _average_step(name, [r for r in readers if name in r], one_cut, problems)
-                if step is not None:
-                    steps.append(step)
-            else:
-                (new if base is not None and not in_base else fillable).append(name)
-                problems.append(f"{name} is missing from {', '.join(lacking)}")
-            continue
-        entries = [r.info(name) for r in compared]
-        if len({(e.dtype, e.shape) for e in entries}) > 1:
-            problems.append(f"{name} differs in dtype/shape: " + ", ".join(f"{e.dtype}{list(e.shape)}" for e in entries))
-            continue
-        first = entries[0]
-        same = one_cut and len({e.chunks for e in entries}) == 1
-        if same and (identity or first.dtype not in FLOAT_DTYPES):
-            steps.append(_Step(name, first.dtype, first.shape, first.nbytes, (readers[0], first)))
-        elif first.dtype not in FLOAT_DTYPES and one_cut:
-            problems.append(_differs(name, first.dtype))
-        else:
-            steps.append(_Step(name, first.dtype, first.shape, first.nbytes, None, cut_otherwise=not one_cut))
-    if problems:
-        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-        hints = []
-        if fillable:
-            hints.append("pass --fill-from-base (missing=\"base\") with --base to take tensors some inputs lack from the base")
-        if new:
-            hints.append(f"the base has no {new[0]}" + (f" (nor {len(new) - 1} more)" if len(new) > 1 else "")
-                         + ": pass --new-tensors average (new_tensors=\"average\") to average such tensors over the inputs that have them")
-        raise InvalidMergeError("inputs do not line up: " + "; ".join(problems[:8]) + more, hint="; ".join(hints) or None)
-    return steps
-
-
-def _average_step(name: str, holders: list[CheckpointReader], one_cut: bool, problems: list[str]) -> _Step | None:
-    """The step for a tensor the base lacks: the plain average of ``holders`` (unread if they agree bit for bit)."""
-    entries = [r.info(name) for r in holders]
-    first = entries[0]
-    if len({(e.dtype, e.shape) for e in entries}) > 1:
-        problems.append(f"{name} differs in dtype/shape: " + ", ".join(f"{e.dtype}{list(e.shape)}" for e in entries))
-        return None
-    if one_cut and len({e.chunks for e in entries}) == 1:
-        return _Step(name, first.dtype, first.shape, first.nbytes, (holders[0], first), tuple(holders))
-    if first.dtype not in FLOAT_DTYPES and one_cut:
-        problems.append(_differs(name, first.dtype))
-        return None
-    return _Step(name, first.dtype, first.shape, first.nbytes, None, tuple(holders), cut_otherwise=not one_cut)
-
-
-def _differs(name: str, dtype: str) -> str:
-    return f"{name} is {dtype} and differs between inputs: only floating-point tensors can be merged"
-
-
-def _inputs_themselves(step: _Step, xs: list[torch.Tensor]) -> bool:
-    """For inputs cut at other chunk sizes (their chunk ids cannot be compared), whether their bytes
-    are equal: equal inputs then give themselves, as inputs cut alike do when their ids say so, so
-    the result does not depend on the cut; unequal ones that are not floating point cannot be
-    merged. Inputs cut alike were compared by their ids when planned: False, with no pass over them."""
-    if not step.cut_otherwise:
-        return False
-    same = all(bit_identical(x, xs[0]) for x in xs[1:])
-    if not same and step.dtype not in FLOAT_DTYPES:
-        raise InvalidMergeError(_differs(step.name, step.dtype))
-    return same
-
-
-class _LazyTensor:
-    """The bytes of one output tensor, computed on the first read of any of its chunks
-    and dropped after the last one is handed out. ``gate`` lets one tensor be computed
-    at a time, which bounds memory whatever the number of push workers."""
-
-    def __init__(self, compute: Callable[[], torch.Tensor], chunks: int, gate: threading.Lock, keep_small: int = 0,
-                 kept: _SmallKept | None = None) -> None:
-        self._compute = compute
-        self._left = chunks
-        self._gate = gate
-        self._lock = threading.Lock()
-        self._view: memoryview | None = None
-        # A push to a remote store reads its chunks of at most ``keep_small`` bytes again, once all
-        # are stored, to bundle them: those are kept (they are copied into the bundle anyway).
-        self._keep_small = keep_small
-        self._kept = kept
-        self._small: dict[int, bytes] = {}
-
-    def read(self, offset: int, length: int) -> bytes | memoryview:
-        with self._lock:
-            if self._view is None:
-                if self._left <= 0:  # read again after the last chunk: only the bundle does that
-                    return self._small.get(offset, b"")  # (a chunk not kept is left out of the bundle)
-                with self._gate:
-                    self._view = byte_view(self._compute()).toreadonly()  # private: the push need not copy it
-            out = self._view[offset : offset + length]  # keeps the tensor alive until encoded
-            if length <= self._keep_small and (self._kept is None or self._kept.take(length)):
-                self._small[offset] = bytes(out)
-            self._left -= 1
-            if self._left == 0:
-                self._view = None
-            return out
-
-
-class _SmallKept:
-    """The bytes of small chunks the lazy tensors of one merge keep for the push's bundle, in all: at
-    most a quarter of the bytes they compute, past which the push makes no bundle (see
-    :func:`ckpt.store.push.push_source`). Without it a merge of a model of small tensors only (norms,
-    biases, small experts) into S3 held every chunk of its output to the end, for a bundle never
-    made: the whole model."""
-
-    def __init__(self, budget: int) -> None:
-        self.left = budget
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> bool:
-        """Whether ``n`` more bytes may be kept (they then count)."""
-        with self._lock:
-            if n > self.left:
-                return False
-            self.left -= n
-            return True
-
-
-def _load_trim() -> Callable[[], object] | None:
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _load_trim()
-
-
-def _trim() -> None:
-    """Hand freed memory back to the OS (glibc). Without it, glibc's dynamic mmap threshold
-    keeps freed tensor-sized blocks in per-thread arenas and RSS grows well past what is
-    live (benchmarks/results/merge.md measures both)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-# The inputs of small tensors are read in batches: up to this many bytes (and tensors) of each input
-# at once, the next tensors to merge with the one asked for; a tensor larger than that is read alone.
-BATCH_BYTES = 1 << 20
-BATCH_TENSORS = 256
-
-
-class _Inputs:
-    """Reads the inputs of the merged tensors, in one pool of reading threads for the whole merge.
-    A tensor of at most ``BATCH_BYTES`` is read with the next small ones in push order, each read
-    with all its inputs in one parallel pass (from S3, 1,000 tiny tensors read one by one waited
-    for 1,000 rounds of requests); the inputs read ahead are held until their tensor is computed,
-    at most ``BATCH_BYTES`` per input. ``order``: the steps that read their inputs, in push order."""
-
-    def __init__(self, order: list[_Step], sources: Callable[[_Step], list[CheckpointReader]]) -> None:
-        from ckpt.transfer.pipeline import ReadPool
-
-        self._order = order
-        self._at = {s.name: i for i, s in enumerate(order)}
-        self._sources = sources
-        self._ahead: dict[str, list[torch.Tensor]] = {}
-        self._ahead_bytes = 0
-        self._lock = threading.Lock()
-        self.pool = ReadPool()
-
-    def read(self, step: _Step) -> list[torch.Tensor]:
-        """Tensor ``step.name`` of each of its inputs (verified, as any read)."""
-        with self._lock:
-            xs = self._ahead.pop(step.name, None)
-            if xs is not None:
-                self._ahead_bytes -= step.nbytes
-                return xs
-            batch = [step]
-            if step.nbytes <= BATCH_BYTES and step.name in self._at:
-                size = step.nbytes + self._ahead_bytes
-                for s in self._order[self._at[step.name] + 1:]:
-                    if s.name in self._ahead:
-                        continue
-                    if len(batch) == BATCH_TENSORS or size + s.nbytes > BATCH_BYTES:
-                        break
-                    batch.append(s)
-                    size += s.nbytes
-            got = self._fetch(batch)
-            for s in batch[1:]:
-                self._ahead[s.name] = got[s.name]
-                self._ahead_bytes += s.nbytes
-            return got[step.name]
-
-    def _fetch(self, steps: list[_Step]) -> dict[str, list[torch.Tensor]]:
-        import torch
-
-        from ckpt.transfer.pipeline import get_chunks, into_tasks
-
-        out: dict[str, list[torch.Tensor]] = {}
-        tasks = []
-        manifests: dict[str, Manifest] = {}
-        for step in steps:
-            out[step.name] = []
-            for r in self._sources(step):
-                t = torch.empty(step.shape, dtype=to_torch(step.dtype))
-                tasks += into_tasks(r.manifest.chunk_size, [(r.info(step.name), t)])
-                out[step.name].append(t)
-                manifests[r.id] = r.manifest
-        store = self._sources(steps[0])[0].store
-        # the small chunks from the inputs' bundles (each fetched once, kept by the pool), not a request each
-        get_chunks(store.objects, tasks, store.settings, manifest=list(manifests.values()), pool=self.pool)
-        return out
-
-
-def _sources_fn(method: MergeMethod, readers: list[CheckpointReader], base: CheckpointReader | None,
-                ) -> Callable[[_Step], list[CheckpointReader]]:
-    """The checkpoints a computed step reads: the holders of an averaged tensor; else the inputs and,
-    where the method has one, the base (as the chunk ids are compared)."""
-    both = readers + ([base] if method.needs_base and base is not None else [])
-    return lambda step: list(step.average) if step.average is not None else both
-
-
-def _compute_fn(step: _Step, method: MergeMethod, params: Mapping[str, Any], readers: list[CheckpointReader],
-                base: CheckpointReader | None, reads: _Inputs) -> Callable[[], torch.Tensor]:
-    identity = method.identity(params)
-
-    def compute() -> torch.Tensor:
-        import torch
-
-        if step.reuse is not None:  # same chunks, but cut at another chunk size: copy the bytes
-            return step.reuse[0].get_tensor(step.name)
-        cd = torch.float64 if step.dtype == "F64" else torch.float32
-        _trim()
-        if step.average is not None:  # a tensor the base lacks: the plain average, in input order
-            xs = reads.read(step)
-            if _inputs_themselves(step, xs):
-                return xs[0]
-            acc = xs[0].to(cd)
-            for x in xs[1:]:
-                acc.add_(x.to(cd))
-            del xs
-            return acc.div_(len(step.average)).to(to_torch(step.dtype)).contiguous()
-        xs = reads.read(step)  # (the base too, where the method has one: see _sources_fn)
-        if (identity or step.dtype not in FLOAT_DTYPES) and _inputs_themselves(step, xs):
-            return xs[0]
-        for i, x in enumerate(xs):
-            xs[i] = x.to(cd)  # one at a time: an upcast copy replaces its source
-        b = xs.pop() if method.needs_base and base is not None else None
-        with torch.no_grad():
-            out = method.combine(xs, b, params, step.name)
-        del xs, b
-        out = out.to(to_torch(step.dtype)).contiguous()
-        _trim()
-        return out
-
-    return compute
-
-
 # Files of the first input a merge does not carry: weights it did not merge (other formats), and
 # shard indexes naming shards it does not write (the merge writes one model.safetensors).
 _NOT_CARRIED = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx", ".pkl", ".npz", ".index.json")
@@ -416,45 +126,6 @@ class _StoredFile:
                 data, _ = fetch_chunk(self._store.objects, cid, n, self._store.settings)
                 out[lo - offset : hi - offset] = memoryview(data)[lo - at : hi - at]
         return bytes(out)
-
-
-def _whole_tensors(ref: str, reader: CheckpointReader) -> None:
-    """Refuse a distributed (DCP) checkpoint that stores a tensor as several shards: its entries are
-    the shards, and merging shard by shard is not merging the tensors (ties and dare trim by magnitude,
-    slerp interpolates by angle, each over the whole tensor), nor is the result the model's layout."""
-    from ckpt.dcp.format import DCP_SOURCE, decode_layout
-
-    m = reader.manifest
-    if m.source != DCP_SOURCE:
-        return
-    split = [t.fqn for t in decode_layout(m.extra, f"checkpoint {ref}").tensors.values() if [s.sizes for s in t.shards] != [t.size]]
-    if split:
-        raise InvalidMergeError(f"{ref} is a distributed (DCP) checkpoint that stores {split[0]!r}"
-                                f"{f' and {len(split) - 1} more' if len(split) > 1 else ''} as shards: merge combines whole tensors",
-                                hint=f"consolidate it first (ckpt pull {ref} model.safetensors; ckpt push model.safetensors NAME) "
-                                "and merge that")
-
-
-def _one_model(ref: str, reader: CheckpointReader) -> None:
-    """Refuse a folder of several models (a diffusers pipeline's unet/, text_encoder/, vae/): merge
-    pairs tensors by name and writes one model.safetensors, so names two files share would be lost,
-    and weights from several folders would land in one file beside configs left without theirs.
-    Say how to merge the components one by one."""
-    def refuse(why: str, part: str) -> TensorMismatchError:
-        return TensorMismatchError(
-            f"{ref}: {why}: it holds several models (a diffusers pipeline?), and merge combines the tensors of one model",
-            hint=f"merge each model on its own: push its folder from every input (ckpt push PIPELINE/{part} "
-            f"NAME/{part}; `ckpt pull {ref} DIR` writes a stored one back) and merge those refs")
-
-    seen: dict[str, str] = {}
-    for t in reader.manifest.tensors:
-        if seen.setdefault(t.name, t.file) != t.file:
-            raise refuse(f"tensor {t.name!r} appears in two files ({seen[t.name]} and {t.file})",
-                         t.file.rpartition("/")[0] or "FOLDER")
-    folders = sorted({f.path.rpartition("/")[0] for f in reader.manifest.files if f.kind == "safetensors"})
-    if len(folders) > 1:
-        shown = ", ".join(f"{d}/" if d else "./" for d in folders[:4]) + (" ..." if len(folders) > 4 else "")
-        raise refuse(f"its weights are in {len(folders)} folders ({shown})", folders[-1] or "FOLDER")
 
 
 def _carried(reader: CheckpointReader, weights_file: str) -> list[Any]:
@@ -507,9 +178,9 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     base_reader = store.reader(base) if base is not None else None
     for ref, r in zip([*inputs, base], [*readers, base_reader]):
         if r is not None:
-            _whole_tensors(ref, r)
-            _one_model(ref, r)
-    steps = _plan(m, bound, readers, base_reader, missing, list(inputs), base, new_tensors)
+            check_whole_tensors(ref, r)
+            check_one_model(ref, r)
+    steps = plan_steps(m, bound, readers, base_reader, missing, list(inputs), base, new_tensors)
 
     cs = store.settings.chunk_size
     specs = {s.name: (s.dtype, s.shape, s.nbytes) for s in steps}
@@ -521,16 +192,16 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     keep_small = min(BUNDLE_CHUNK_MAX, cs // 4) if store.objects.backend.streams else 0  # as push's _bundle picks them
     reuse: dict[str, TensorEntry] = {}
     by_name = {s.name: s for s in steps}
-    reads = _Inputs([by_name[t.name] for t in src.files[0].tensors if by_name[t.name].reuse is None],
-                     _sources_fn(m, readers, base_reader))
-    kept = _SmallKept(sum(s.nbytes for s in steps if s.reuse is None or s.reuse[0].manifest.chunk_size != cs) // BUNDLE_SHARE)
+    reads = BatchedInputs([by_name[t.name] for t in src.files[0].tensors if by_name[t.name].reuse is None],
+                          step_sources(m, readers, base_reader))
+    kept = SmallKept(sum(s.nbytes for s in steps if s.reuse is None or s.reuse[0].manifest.chunk_size != cs) // BUNDLE_SHARE)
     for t in src.files[0].tensors:
         s = by_name[t.name]
         if s.reuse is not None and s.reuse[0].manifest.chunk_size == cs:
             reuse[t.name] = s.reuse[1]
         else:
-            t.src = _LazyTensor(_compute_fn(s, m, bound, readers, base_reader, reads), chunk_count(s.nbytes, cs), gate,
-                                keep_small, kept)
+            t.src = LazyTensor(step_computation(s, m, bound, readers, base_reader, reads), chunk_count(s.nbytes, cs), gate,
+                               keep_small, kept)
     merged = sum(1 for s in steps if s.reuse is None and s.average is None)
     from_base = tuple(s.name for s in steps if s.reuse is not None and s.reuse[0] is base_reader and base_reader is not None
                       and any(s.name not in r for r in readers))
@@ -622,5 +293,3 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
         with torch.no_grad():
             out[name] = m.combine([x.to(cd, copy=True) for x in xs], b, bound, name).to(first.dtype)
     return out
-
-

@@ -927,9 +927,9 @@ def test_a_tensor_of_a_dtype_ckpt_cannot_store_is_refused_before_anything_is_wri
     """A complex32, quantized or bits tensor failed in write_data (InvalidSourceError, or a TypeError
     from DCP's size of a bits tensor), after the batches before it were written: chunks left in the
     store for gc, and the error told nothing to do. It is now refused by name when the rank plans its save."""
-    import ckpt.dcp.checkpoint
+    import ckpt.dcp.writer
 
-    monkeypatch.setattr(ckpt.dcp.checkpoint, "BATCH_BYTES", 1)  # one tensor a batch: "a" is written before "z"
+    monkeypatch.setattr(ckpt.dcp.writer, "BATCH_BYTES", 1)  # one tensor a batch: "a" is written before "z"
     url = str(tmp_path / "s")
     t = torch.quantize_per_tensor(torch.ones(4), 0.5, 0, torch.quint8) if dtype == "quint8" else torch.zeros(4, dtype=getattr(torch, dtype))
     with pytest.raises(CheckpointException) as e:
@@ -944,10 +944,10 @@ def test_a_key_ckpt_cannot_store_is_refused_before_anything_is_written(tmp_path,
     """A state dict key ckpt refuses (safetensors' "__metadata__", a control character, past 1024
     characters) was refused only when the coordinator wrote the manifest, after every rank had written
     all its chunks (left for gc). It is now refused when the rank plans its save."""
-    import ckpt.dcp.checkpoint
+    import ckpt.dcp.writer
     from ckpt_store.storage.errors import InvalidNameError
 
-    monkeypatch.setattr(ckpt.dcp.checkpoint, "BATCH_BYTES", 1)
+    monkeypatch.setattr(ckpt.dcp.writer, "BATCH_BYTES", 1)
     with pytest.raises(CheckpointException) as e:
         dcp.save({"a": torch.ones(1000), key: torch.zeros(2)}, storage_writer=ckpt.dcp.Writer(str(tmp_path / "s"), "x/a"))
     assert isinstance(next(iter(e.value.failures.values()))[0], InvalidNameError)
@@ -958,9 +958,9 @@ def test_a_tensor_on_the_meta_device_is_refused_by_name_before_anything_is_writt
     """A model built on the meta device and saved before it was materialized failed with torch's
     "Cannot copy out of meta tensor" (no key named) after the batches before it were written (chunks
     left for gc). The writer now refuses it by name before it writes any chunk."""
-    import ckpt.dcp.checkpoint
+    import ckpt.dcp.writer
 
-    monkeypatch.setattr(ckpt.dcp.checkpoint, "BATCH_BYTES", 1)
+    monkeypatch.setattr(ckpt.dcp.writer, "BATCH_BYTES", 1)
     with pytest.raises(CheckpointException) as e:
         dcp.save({"a": torch.ones(1000), "z": torch.empty(3, device="meta")}, storage_writer=ckpt.dcp.Writer(str(tmp_path / "s"), "x/a"))
     err = next(iter(e.value.failures.values()))[0]

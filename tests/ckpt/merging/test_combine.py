@@ -506,7 +506,7 @@ def test_small_tensors_are_read_in_batches_with_the_same_result(monkeypatch, met
     BATCH_BYTES per input, with results bit for bit those of reading them one by one."""
     import uuid
 
-    from ckpt.merging import combine
+    from ckpt.merging import computing
     from ckpt.transfer import pipeline
 
     store = ckpt.Store.init(f"memory://merge-{uuid.uuid4().hex}", settings=ckpt.Settings.from_env(workers=2, io_workers=2))
@@ -520,7 +520,7 @@ def test_small_tensors_are_read_in_batches_with_the_same_result(monkeypatch, met
     with_base = None if method in ("linear", "slerp") else "base"
     ckpt.merge(["a", "b"], method, name="batched", store=store, params=params, base=with_base)
     assert len(calls) <= 4, calls  # was 301: one per tensor
-    monkeypatch.setattr(combine, "BATCH_BYTES", 0)  # one by one, as before
+    monkeypatch.setattr(computing, "BATCH_BYTES", 0)  # one by one, as before
     ckpt.merge(["a", "b"], method, name="alone", store=store, params=params, base=with_base)
     assert len(calls) > 300
     assert [t.chunks for t in store.manifest("batched").tensors] == [t.chunks for t in store.manifest("alone").tensors]

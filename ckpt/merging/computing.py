@@ -1,0 +1,220 @@
+"""The merged tensors, computed as the push reads them: one at a time, each from its inputs read
+in batches of small tensors, and dropped once its last chunk is handed on (memory bounds: see
+:mod:`ckpt.merging.combine`)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ckpt.errors import InvalidMergeError
+from ckpt.format.dtypes import bit_identical, byte_view, to_torch
+from ckpt.format.manifest import Manifest
+from ckpt.merging.methods import MergeMethod
+from ckpt.merging.planning import FLOAT_DTYPES, Step, cannot_merge
+
+if TYPE_CHECKING:
+    import torch
+
+    from ckpt.store.reader import CheckpointReader
+
+
+def _inputs_themselves(step: Step, xs: list[torch.Tensor]) -> bool:
+    """For inputs cut at other chunk sizes (their chunk ids cannot be compared), whether their bytes
+    are equal: equal inputs then give themselves, as inputs cut alike do when their ids say so, so
+    the result does not depend on the cut; unequal ones that are not floating point cannot be
+    merged. Inputs cut alike were compared by their ids when planned: False, with no pass over them."""
+    if not step.cut_otherwise:
+        return False
+    same = all(bit_identical(x, xs[0]) for x in xs[1:])
+    if not same and step.dtype not in FLOAT_DTYPES:
+        raise InvalidMergeError(cannot_merge(step.name, step.dtype))
+    return same
+
+
+class LazyTensor:
+    """The bytes of one output tensor, computed on the first read of any of its chunks
+    and dropped after the last one is handed out. ``gate`` lets one tensor be computed
+    at a time, which bounds memory whatever the number of push workers."""
+
+    def __init__(self, compute: Callable[[], torch.Tensor], chunks: int, gate: threading.Lock, keep_small: int = 0,
+                 kept: SmallKept | None = None) -> None:
+        self._compute = compute
+        self._left = chunks
+        self._gate = gate
+        self._lock = threading.Lock()
+        self._view: memoryview | None = None
+        # A push to a remote store reads its chunks of at most ``keep_small`` bytes again, once all
+        # are stored, to bundle them: those are kept (they are copied into the bundle anyway).
+        self._keep_small = keep_small
+        self._kept = kept
+        self._small: dict[int, bytes] = {}
+
+    def read(self, offset: int, length: int) -> bytes | memoryview:
+        with self._lock:
+            if self._view is None:
+                if self._left <= 0:  # read again after the last chunk: only the bundle does that
+                    return self._small.get(offset, b"")  # (a chunk not kept is left out of the bundle)
+                with self._gate:
+                    self._view = byte_view(self._compute()).toreadonly()  # private: the push need not copy it
+            out = self._view[offset : offset + length]  # keeps the tensor alive until encoded
+            if length <= self._keep_small and (self._kept is None or self._kept.take(length)):
+                self._small[offset] = bytes(out)
+            self._left -= 1
+            if self._left == 0:
+                self._view = None
+            return out
+
+
+class SmallKept:
+    """The bytes of small chunks the lazy tensors of one merge keep for the push's bundle, in all: at
+    most a quarter of the bytes they compute, past which the push makes no bundle (see
+    :func:`ckpt.store.push.push_source`). Without it a merge of a model of small tensors only (norms,
+    biases, small experts) into S3 held every chunk of its output to the end, for a bundle never
+    made: the whole model."""
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        """Whether ``n`` more bytes may be kept (they then count)."""
+        with self._lock:
+            if n > self.left:
+                return False
+            self.left -= n
+            return True
+
+
+def _load_trim() -> Callable[[], object] | None:
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _load_trim()
+
+
+def _trim() -> None:
+    """Hand freed memory back to the OS (glibc). Without it, glibc's dynamic mmap threshold
+    keeps freed tensor-sized blocks in per-thread arenas and RSS grows well past what is
+    live (benchmarks/results/merge.md measures both)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+# The inputs of small tensors are read in batches: up to this many bytes (and tensors) of each input
+# at once, the next tensors to merge with the one asked for; a tensor larger than that is read alone.
+BATCH_BYTES = 1 << 20
+BATCH_TENSORS = 256
+
+
+class BatchedInputs:
+    """Reads the inputs of the merged tensors, in one pool of reading threads for the whole merge.
+    A tensor of at most ``BATCH_BYTES`` is read with the next small ones in push order, each read
+    with all its inputs in one parallel pass (from S3, 1,000 tiny tensors read one by one waited
+    for 1,000 rounds of requests); the inputs read ahead are held until their tensor is computed,
+    at most ``BATCH_BYTES`` per input. ``order``: the steps that read their inputs, in push order."""
+
+    def __init__(self, order: list[Step], sources: Callable[[Step], list[CheckpointReader]]) -> None:
+        from ckpt.transfer.pipeline import ReadPool
+
+        self._order = order
+        self._at = {s.name: i for i, s in enumerate(order)}
+        self._sources = sources
+        self._ahead: dict[str, list[torch.Tensor]] = {}
+        self._ahead_bytes = 0
+        self._lock = threading.Lock()
+        self.pool = ReadPool()
+
+    def read(self, step: Step) -> list[torch.Tensor]:
+        """Tensor ``step.name`` of each of its inputs (verified, as any read)."""
+        with self._lock:
+            xs = self._ahead.pop(step.name, None)
+            if xs is not None:
+                self._ahead_bytes -= step.nbytes
+                return xs
+            batch = [step]
+            if step.nbytes <= BATCH_BYTES and step.name in self._at:
+                size = step.nbytes + self._ahead_bytes
+                for s in self._order[self._at[step.name] + 1:]:
+                    if s.name in self._ahead:
+                        continue
+                    if len(batch) == BATCH_TENSORS or size + s.nbytes > BATCH_BYTES:
+                        break
+                    batch.append(s)
+                    size += s.nbytes
+            got = self._fetch(batch)
+            for s in batch[1:]:
+                self._ahead[s.name] = got[s.name]
+                self._ahead_bytes += s.nbytes
+            return got[step.name]
+
+    def _fetch(self, steps: list[Step]) -> dict[str, list[torch.Tensor]]:
+        import torch
+
+        from ckpt.transfer.pipeline import get_chunks, into_tasks
+
+        out: dict[str, list[torch.Tensor]] = {}
+        tasks = []
+        manifests: dict[str, Manifest] = {}
+        for step in steps:
+            out[step.name] = []
+            for r in self._sources(step):
+                t = torch.empty(step.shape, dtype=to_torch(step.dtype))
+                tasks += into_tasks(r.manifest.chunk_size, [(r.info(step.name), t)])
+                out[step.name].append(t)
+                manifests[r.id] = r.manifest
+        store = self._sources(steps[0])[0].store
+        # the small chunks from the inputs' bundles (each fetched once, kept by the pool), not a request each
+        get_chunks(store.objects, tasks, store.settings, manifest=list(manifests.values()), pool=self.pool)
+        return out
+
+
+def step_sources(method: MergeMethod, readers: list[CheckpointReader], base: CheckpointReader | None,
+                 ) -> Callable[[Step], list[CheckpointReader]]:
+    """The checkpoints a computed step reads: the holders of an averaged tensor; else the inputs and,
+    where the method has one, the base (as the chunk ids are compared)."""
+    both = readers + ([base] if method.needs_base and base is not None else [])
+    return lambda step: list(step.average) if step.average is not None else both
+
+
+def step_computation(step: Step, method: MergeMethod, params: Mapping[str, Any], readers: list[CheckpointReader],
+                     base: CheckpointReader | None, reads: BatchedInputs) -> Callable[[], torch.Tensor]:
+    """The function that computes ``step``'s output tensor when its first chunk is read."""
+    identity = method.identity(params)
+
+    def compute() -> torch.Tensor:
+        import torch
+
+        if step.reuse is not None:  # same chunks, but cut at another chunk size: copy the bytes
+            return step.reuse[0].get_tensor(step.name)
+        cd = torch.float64 if step.dtype == "F64" else torch.float32
+        _trim()
+        if step.average is not None:  # a tensor the base lacks: the plain average, in input order
+            xs = reads.read(step)
+            if _inputs_themselves(step, xs):
+                return xs[0]
+            acc = xs[0].to(cd)
+            for x in xs[1:]:
+                acc.add_(x.to(cd))
+            del xs
+            return acc.div_(len(step.average)).to(to_torch(step.dtype)).contiguous()
+        xs = reads.read(step)  # (the base too, where the method has one: see step_sources)
+        if (identity or step.dtype not in FLOAT_DTYPES) and _inputs_themselves(step, xs):
+            return xs[0]
+        for i, x in enumerate(xs):
+            xs[i] = x.to(cd)  # one at a time: an upcast copy replaces its source
+        b = xs.pop() if method.needs_base and base is not None else None
+        with torch.no_grad():
+            out = method.combine(xs, b, params, step.name)
+        del xs, b
+        out = out.to(to_torch(step.dtype)).contiguous()
+        _trim()
+        return out
+
+    return compute
