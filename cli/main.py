@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from ckpt_store.cli import results, views
-from ckpt_store.cli.render import GuardedStdout, RichProgress, emit_json, err, out, safe
+from ckpt_store.cli.render import PIPE_GONE, GuardedStdout, RichProgress, emit_json, err, out, safe
 
 app = typer.Typer(
     name="ckpt",
@@ -121,12 +121,19 @@ def _settings() -> Any:
     return Settings.from_env(**({"cache": False} if _state.get("no_cache") else {}))
 
 
-def _emit(result: Any, as_json: bool, render: Any, *args: Any) -> None:
-    """Print a command's one result: as JSON with --json, else drawn by ``render`` (cli/views.py)."""
-    if as_json:
-        _emit_json(result)
-    else:
-        render(result, *args)
+def _emit(result: Any, as_json: bool, render: Any, *args: Any, failed: bool = False) -> None:
+    """Print a command's one result: as JSON with --json, else drawn by ``render`` (cli/views.py).
+    ``failed``: the command fails after it (an error it names, damage it lists): a reader that left
+    ends nothing here, so that the command ends with its failure (1), never as a success whose
+    reader left (141): the script reading the status must learn that it failed."""
+    try:
+        if as_json:
+            _emit_json(result)
+        else:
+            render(result, *args)
+    except SystemExit as e:
+        if not failed or e.code != PIPE_GONE:
+            raise
 
 
 def _emit_json(doc: Any) -> None:
@@ -338,7 +345,7 @@ def pull(
         except CkptError as e:
             if copied is not None and as_json:  # the copy landed: the document says so, beside why the pull did not
                 result["error"] = str(e)
-                _emit(result, as_json, views.pull)
+                _emit(result, as_json, views.pull, failed=True)
             raise
     elif copied is not None:
         result["id"] = next(iter(copied["refs"].values()), None)
@@ -357,7 +364,8 @@ def ls(as_json: JsonOpt = False) -> None:
       ckpt ls
       ckpt --store s3://team/store ls --json
     """
-    _emit(rows := results.ls_rows(_open().ls()), as_json, views.ls)
+    rows = results.ls_rows(_open().ls())
+    _emit(rows, as_json, views.ls, failed=any("error" in r for r in rows))
     _exit_if_damaged({r["ref"]: r["error"] for r in rows if "error" in r}, quiet=as_json)
 
 
@@ -386,7 +394,8 @@ def log(name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name.")], 
     """
     store = _open()
     entries, damaged = store.readable_log(name)
-    _emit(rows := results.log_rows(entries, store.manifest, damaged), as_json, views.log, name)
+    rows = results.log_rows(entries, store.manifest, damaged)
+    _emit(rows, as_json, views.log, name, failed=any("error" in r for r in rows))
     _exit_if_damaged({(f"{name}@{r['version']}" if r["version"] is not None else f"{name} entry #{r['seq']}"): r["error"]
                       for r in rows if "error" in r}, quiet=as_json)
 
@@ -407,7 +416,8 @@ def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or 
     store = _open()
     mid = store.resolve(ref)
     m = store.manifest(mid)
-    _emit(doc := results.show_doc(mid, m, store.stored_sizes(m.chunk_lengths())), as_json, views.show)
+    doc = results.show_doc(mid, m, store.stored_sizes(m.chunk_lengths()))
+    _emit(doc, as_json, views.show, failed=bool(doc["missing_chunks"]))
     if doc["missing_chunks"]:  # damage, as in ls, du and log: shown, and exit code 1
         _exit_if_damaged({ref: f"{doc['missing_chunks']} of its chunks are not in the store (`ckpt verify` says more)"},
                          quiet=as_json)
@@ -428,7 +438,7 @@ def du(as_json: JsonOpt = False) -> None:
       ckpt du --json
     """
     u = _open().du()
-    _emit(results.du_doc(u), as_json, views.du)
+    _emit(results.du_doc(u), as_json, views.du, failed=bool(u.damaged))
     _exit_if_damaged(u.damaged, quiet=as_json)
 
 
@@ -476,7 +486,7 @@ def verify(
         doc["repair_from"] = repair_from
         doc["repaired"] = [{"kind": k, "id": i} for k, i in rr.repaired]
         doc["unavailable"] = [{"kind": k, "id": i, "error": w} for k, i, w in rr.unavailable]
-    _emit(doc, as_json, views.verify)
+    _emit(doc, as_json, views.verify, failed=not r.ok)
     if not r.ok:
         raise typer.Exit(1)
 
@@ -504,7 +514,7 @@ def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Refs 
         doc["error"] = f"terminated; {_AFTER}" if _terminated() else _INTERRUPTED
         raise
     finally:  # a name that fails stops the command; the ones removed before it are still reported
-        _emit(doc, as_json, views.rm)
+        _emit(doc, as_json, views.rm, failed="error" in doc)
 
 
 @app.command()
@@ -875,7 +885,7 @@ def _json_error(message: str) -> None:
     """With --json, an error is a document too, as the web view's /api/ answers one: {"error": MESSAGE}
     on stdout (exact text), unless the command printed its document already (`ls` naming damage)."""
     if _state.get("json") and not _state.get("json_written"):
-        _emit_json({"error": message})
+        _emit({"error": message}, True, None, failed=True)
 
 
 def _end_interrupted(message: str) -> None:
