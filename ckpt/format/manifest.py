@@ -30,7 +30,7 @@ from ckpt.format.tagged_json import (
     tensor_refs,
     uses_tags,
 )
-from ckpt.format.tensor_values import TENSOR_TAGS
+from ckpt.format.tensor_values import TENSOR_TAGS, views_ahead
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
@@ -49,6 +49,9 @@ EXTRA_DTYPE_VERSION = 3
 # (``EXACT_TAGS``: an ``OrderedDict`` and its ``_metadata``, a ``torch.Size``, an ``nn.Parameter``), which a
 # version-3 reader would hand out as plain dicts: it refuses version 4 instead.
 EXACT_VERSION = 4
+# Version 5: as 4, where the structure holds a view saved before the tensor it is a view of (``{"t": w.t(), "w": w}``:
+# a ``__view__`` naming a tensor met later), which a version-4 reader would refuse as a damaged value: it refuses version 5.
+VIEW_AHEAD_VERSION = 5
 # The key of ``extra`` holding a pushed .pt's structure (docs/format.md): no entry of a state dict is
 # named by the empty string (check_tensor_name refuses it), so it is never one of its values.
 STRUCTURE = ""
@@ -291,7 +294,8 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, what: str = "manifest") -> Manifest:
-        o = decode_record(data, MANIFEST_FORMAT, (MANIFEST_VERSION, EXTRA_TAGGED_VERSION, EXTRA_DTYPE_VERSION, EXACT_VERSION),
+        o = decode_record(data, MANIFEST_FORMAT, (MANIFEST_VERSION, EXTRA_TAGGED_VERSION, EXTRA_DTYPE_VERSION, EXACT_VERSION,
+                                                       VIEW_AHEAD_VERSION),
                           what)
         chunk_size = require(o, "chunk_size", int, what)
         if chunk_size <= 0:
@@ -338,7 +342,7 @@ class Manifest:
             return MANIFEST_VERSION
         structure = self.source == "state-dict" and STRUCTURE in self.extra
         if structure and uses_tags(self.extra[STRUCTURE], EXACT_TAGS):
-            return EXACT_VERSION
+            return VIEW_AHEAD_VERSION if views_ahead(self.extra[STRUCTURE]) else EXACT_VERSION
         return EXTRA_DTYPE_VERSION if structure or uses_tags(self.extra, LATER_TAGS) else EXTRA_TAGGED_VERSION
 
     def _has_structure(self) -> bool:

@@ -18,7 +18,7 @@ that shares the memory of the one named NAME met before it (tied weights: the sa
 shape, strides and dtype), which it shares again when decoded; ``{"__shared__": [value, NAME, true]}`` where it
 is the very object met before by NAME, which it is again when decoded; ``{"__view__": [value, NAME, offset,
 strides]}`` for a view at another offset or shape of the contiguous tensor NAME met before it (its offset in
-elements from that tensor's first), which it is again when decoded.
+elements from that tensor's first), or met after it (a view saved before its base), which it is again when decoded.
 
 How a tensor is written (its reference, and in an exact tree its type, requires_grad and the memory it
 shares) is :mod:`ckpt.format.tensor_values`'s part.

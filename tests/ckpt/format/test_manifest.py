@@ -38,7 +38,7 @@ def test_roundtrip():
 @pytest.mark.parametrize(
     "mutate",
     [
-        lambda s: s.replace(b'"version":1', b'"version":5'),
+        lambda s: s.replace(b'"version":1', b'"version":6'),
         lambda s: s.replace(b'"nbytes":16', b'"nbytes":17'),
         lambda s: s.replace(b'"shape":[2,2]', b'"shape":[2,-2]'),
         lambda s: s.replace(b'"path":"model.safetensors"', b'"path":"../../etc/x"'),
