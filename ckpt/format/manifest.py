@@ -27,6 +27,8 @@ from ckpt.format.tagged_json import (
     TAGS,
     TENSOR,
     decode,
+    plain_keys,
+    set_value,
     tensor_refs,
     uses_tags,
 )
@@ -464,7 +466,9 @@ def _holds_entries(x: Any, exact: bool) -> bool:
     tag = next(iter(x)) if len(x) == 1 else None
     if tag == "__dict__" or (tag == ODICT and exact):
         return bool(x[tag] if tag == "__dict__" else x[tag][0])
-    if tag in ("__tuple__", TENSOR) or (exact and tag in TENSOR_TAGS):
+    if tag == TENSOR or (exact and tag in TENSOR_TAGS):
+        return True  # (a tensor, its tag holding its reference: the structure decoded)
+    if tag == "__tuple__":
         return bool(tensor_refs(x))
     return not (tag in TAGS and (exact or tag not in EXACT_TAGS)) and bool(x)  # (before version 4 those were a dict's keys)
 
@@ -481,12 +485,9 @@ def _flat_value(x: Any, exact: bool) -> Any:
         return {"__tuple__": x[SIZE]}
     if list(x) == [ODICT] and exact:
         pairs = [[_flat_value(k, exact), _flat_value(v, exact)] for k, v in x[ODICT][0]]
-        keys = [k for k, _ in pairs]
-        if all(isinstance(k, str) and k not in TAGS for k in keys) and all(a < b for a, b in zip(keys, keys[1:])):
-            return dict(pairs)
-        return {"__dict__": pairs}
-    if list(x) == [SET] and isinstance(x[SET], list):  # its items in the order of their JSON, as extra writes them
-        return {SET: sorted((_flat_value(v, exact) for v in x[SET]), key=canonical_json)}
+        return dict(pairs) if plain_keys([k for k, _ in pairs]) else {"__dict__": pairs}
+    if list(x) == [SET] and isinstance(x[SET], list):
+        return set_value([_flat_value(v, exact) for v in x[SET]])
     return {k: _flat_value(v, exact) for k, v in x.items()}
 
 
