@@ -132,8 +132,8 @@ def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: M
         return t
     import torch
 
+    # (``other`` may be a view by now, met after its base or before: its bytes in its own order, as ``t`` holds them)
     if not (isinstance(t, torch.Tensor) and type(other) is torch.Tensor and (t.dtype, t.shape) == (other.dtype, other.shape)
-            and t.is_contiguous() and other.is_contiguous()
             and torch.equal(t.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8))):
         return None  # (named as shared, but other bytes: never handed out as the same tensor)
     if same:

@@ -1371,3 +1371,25 @@ def test_views_saved_before_their_base_pull_back_as_views(store, tmp_path):
     with pytest.raises(StoreFormatError, match="structure"):  # other bytes there
         store.pull(_forge(store, "ahead", lambda d: forge(d, 0)), tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("order", ["base first", "base last"])
+def test_a_view_met_twice_pulls_back(store, tmp_path, order):
+    """A view met twice (one ``w.t()`` under two keys, or two equal ``w.t()``) beside its base: the second is
+    marked ``__shared__`` with the first, which the reader had already made a view, not contiguous; it refused
+    that as "a bad __shared__ value": the push succeeded and every .pt pull and load(structure=True) of the
+    checkpoint failed as damaged. The shared tensor's bytes are compared in its own order."""
+    x = torch.arange(12.0).reshape(3, 4)
+    wt = x.t()
+    views = {"wt": wt, "again": wt, "wt2": x.t()}
+    saved = {"w": x, **views} if order == "base first" else {**views, "w": x}
+    torch.save(saved, tmp_path / "twice.pt")
+    store.push(tmp_path / "twice.pt", "twice")
+    want = torch.load(tmp_path / "twice.pt", weights_only=True)
+    for got in (torch.load(store.pull("twice", tmp_path / "back.pt"), weights_only=True), store.load("twice", structure=True)):
+        _same_exactly(want, got)  # (bytes too)
+        assert got["again"] is got["wt"]
+        for k in saved:
+            assert got[k].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr(), k
+            assert (got[k].storage_offset(), got[k].stride()) == (want[k].storage_offset(), want[k].stride()), k
+    assert store.verify().ok
