@@ -67,7 +67,8 @@ from ckpt.dcp.format import (
 )
 from ckpt.errors import CkptError, InvalidSourceError, TensorMismatchError
 from ckpt.format.dtypes import byte_view, from_torch, itemsize
-from ckpt.format.manifest import FileEntry, Manifest, TensorEntry, check_tensor_name
+from ckpt.format.manifest import FileEntry, Manifest, TensorEntry
+from ckpt.format.names import check_tensor_name
 from ckpt.format.safetensors_header import check_not_reserved
 from ckpt.settings import Settings
 from ckpt.store.base import pair_tensors

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.diffing.sides import Side, TensorMeta, open_side
 from ckpt.format.dtypes import bit_identical, bit_pattern, byte_view, itemsize
-from ckpt.format.manifest import name_selected, split_lengths
+from ckpt.format.manifest import split_lengths
+from ckpt.format.names import name_selected
 from ckpt.progress import NullProgress, Progress, reporting
 from ckpt.transfer.pipeline import run_parallel
 from ckpt_store.storage.objects import object_id

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt.format.manifest import FileEntry, Manifest, TensorEntry, check_file_path
+from ckpt.format.manifest import FileEntry, Manifest, TensorEntry
+from ckpt.format.names import check_file_path
 from ckpt_store.storage.errors import InvalidNameError, StoreFormatError
 
 A, B = "a" * 64, "b" * 64
