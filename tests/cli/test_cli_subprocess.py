@@ -470,6 +470,19 @@ def test_a_command_that_fails_ends_with_its_failure_though_its_reader_left(tmp_p
         assert ("error" in err.lower() or "DAMAGED" in err) if args[0] != "verify" and code != 141 else err == "", (args, err)
 
 
+def test_an_interruption_before_the_start_with_its_reader_gone_ends_as_interrupted(env: dict[str, str]) -> None:
+    """Ctrl-C while `ckpt ls --json | jq` is still importing, jq gone: the handler's write of the --json
+    document hit the closed pipe and raised BrokenPipeError from the signal handler, a traceback and exit 1
+    instead of 130 and its one line. (The handler ckpt's console script installs, sent a real SIGINT.)"""
+    code = ("import os, signal, sys, time; sys.argv = ['ckpt', 'ls', '--json']; from ckpt_store.cli.entry import _before_start; "
+            "signal.signal(signal.SIGINT, _before_start); os.kill(os.getpid(), signal.SIGINT); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert p.stdout is not None
+    p.stdout.close()
+    _, err = p.communicate(timeout=120)
+    assert (p.returncode, err) == (130, b"interrupted before it began; nothing was done\n"), (p.returncode, err)
+
+
 def test_a_reader_of_stderr_that_leaves_takes_nothing_from_the_output(tmp_path: Path, env: dict[str, str]) -> None:
     """`ckpt gc --grace 0s --json > plan.json 2>&1 | ...` whose stderr reader is gone: the warning on
     stderr hit a closed pipe, and rich's handler pointed *stdout* at /dev/null and exited 1, so the
