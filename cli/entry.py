@@ -16,9 +16,16 @@ def _before_start(signum: int, frame: object) -> None:
     what, code = ("terminated", 143) if signum == signal.SIGTERM else ("interrupted", 130)
     message = f"{what} before it began; nothing was done"
     words = sys.argv[1:]
+
+    def say(fd: int, text: str) -> None:
+        try:
+            os.write(fd, f"{text}\n".encode())
+        except OSError:  # (its reader left, or it is closed: the exit code still says what happened)
+            pass
+
     if "--json" in words[: words.index("--") if "--" in words else len(words)]:
-        os.write(1, (json.dumps({"error": message}, indent=2) + "\n").encode())
-    os.write(2, f"{message}\n".encode())
+        say(1, json.dumps({"error": message}, indent=2))
+    say(2, message)
     os._exit(code)
 
 

@@ -22,7 +22,8 @@ def ls(as_json: JsonOpt = False) -> None:
       ckpt ls
       ckpt --store s3://team/store ls --json
     """
-    emit(rows := results.ls_rows(open_store().ls()), as_json, views.ls)
+    rows = results.ls_rows(open_store().ls())
+    emit(rows, as_json, views.ls, failed=any("error" in r for r in rows))
     _exit_if_damaged({r["ref"]: r["error"] for r in rows if "error" in r}, quiet=as_json)
 
 
@@ -50,7 +51,8 @@ def log(name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name.")], 
     """
     store = open_store()
     entries, damaged = store.readable_log(name)
-    emit(rows := results.log_rows(entries, store.manifest, damaged), as_json, views.log, name)
+    rows = results.log_rows(entries, store.manifest, damaged)
+    emit(rows, as_json, views.log, name, failed=any("error" in r for r in rows))
     _exit_if_damaged({(f"{name}@{r['version']}" if r["version"] is not None else f"{name} entry #{r['seq']}"): r["error"]
                       for r in rows if "error" in r}, quiet=as_json)
 
@@ -70,7 +72,8 @@ def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or 
     store = open_store()
     mid = store.resolve(ref)
     m = store.manifest(mid)
-    emit(doc := results.show_doc(mid, m, store.stored_sizes(m.chunk_lengths())), as_json, views.show)
+    doc = results.show_doc(mid, m, store.stored_sizes(m.chunk_lengths()))
+    emit(doc, as_json, views.show, failed=bool(doc["missing_chunks"]))
     if doc["missing_chunks"]:  # damage, as in ls, du and log: shown, and exit code 1
         _exit_if_damaged({ref: f"{doc['missing_chunks']} of its chunks are not in the store (`ckpt verify` says more)"},
                          quiet=as_json)
@@ -90,7 +93,7 @@ def du(as_json: JsonOpt = False) -> None:
       ckpt du --json
     """
     u = open_store().du()
-    emit(results.du_doc(u), as_json, views.du)
+    emit(results.du_doc(u), as_json, views.du, failed=bool(u.damaged))
     _exit_if_damaged(u.damaged, quiet=as_json)
 
 
@@ -137,7 +140,7 @@ def verify(
         doc["repair_from"] = repair_from
         doc["repaired"] = [{"kind": k, "id": i} for k, i in rr.repaired]
         doc["unavailable"] = [{"kind": k, "id": i, "error": w} for k, i, w in rr.unavailable]
-    emit(doc, as_json, views.verify)
+    emit(doc, as_json, views.verify, failed=not r.ok)
     if not r.ok:
         raise typer.Exit(1)
 

@@ -12,7 +12,7 @@ from typing import Any
 import typer
 
 from ckpt_store.cli import diff_merge, housekeeping, inspection, transfers
-from ckpt_store.cli.app import app, emit_document, state
+from ckpt_store.cli.app import app, emit, state
 from ckpt_store.cli.interrupts import AFTER_INTERRUPT, INTERRUPTED, on_signal, signals_received, terminated
 from ckpt_store.cli.render import GuardedStdout, err, out, safe
 
@@ -108,7 +108,7 @@ def _json_error(message: str) -> None:
     """With --json, an error is a document too, as the web view's /api/ answers one: {"error": MESSAGE}
     on stdout (exact text), unless the command printed its document already (`ls` naming damage)."""
     if state.get("json") and not state.get("json_written"):
-        emit_document({"error": message})
+        emit({"error": message}, True, None, failed=True)
 
 
 def _end_interrupted(message: str) -> None:

@@ -31,6 +31,11 @@ for _name in ("stdout", "stderr"):
 if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reconfigure"):
     sys.stdout.reconfigure(errors="backslashreplace")
 
+# The exit status of a command whose output's reader left (`ckpt ls | head -1`): 128 + SIGPIPE, as a shell
+# pipeline expects. Only a command that succeeded ends so: one that failed keeps its own status.
+PIPE_GONE = 141
+
+
 def _to_devnull(stream: Any) -> None:
     """Point ``stream``'s descriptor at /dev/null: what is left to write there goes nowhere."""
     try:
@@ -44,10 +49,10 @@ def _to_devnull(stream: Any) -> None:
 class _Console(Console):
     def on_broken_pipe(self) -> None:
         """The reader of a pipe left (`ckpt ls | head -1`): what is left to print goes nowhere and
-        the command ends with 141 (128 + SIGPIPE), as a shell pipeline expects (rich's exit is 1)."""
+        the command ends with :data:`PIPE_GONE` (rich's exit is 1), unless it fails (cli/main.py ``_emit``)."""
         self.quiet = True
         _to_devnull(sys.stdout)
-        raise SystemExit(141)
+        raise SystemExit(PIPE_GONE)
 
     def _check_buffer(self) -> None:
         """Write what is buffered (rich's own step, which hands a broken pipe to :meth:`on_broken_pipe`);

@@ -91,7 +91,7 @@ def _ref_name(data: bytes) -> None:
 
 
 def _tensor_name(data: bytes) -> None:
-    from ckpt.format.manifest import check_tensor_name
+    from ckpt.format.names import check_tensor_name
 
     name = data.decode("utf-8", "replace")
     check_tensor_name(name)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt.errors import CkptError
 from ckpt.format import tagged_json
 from ckpt.format.dtypes import DTYPES, itemsize
-from ckpt.format.manifest import check_tensor_name
+from ckpt.format.names import check_tensor_name
 from ckpt.format.safetensors_header import MAX_ELEMENTS
 from ckpt_store.storage.chunk_lists import CHUNK_LIST_KEYS
 from ckpt_store.storage.errors import StoreFormatError

@@ -33,7 +33,7 @@ from ckpt.diffing.report import SORT_KEYS, STATUSES, DiffReport, DiffSummary, Te
 from ckpt.diffing.sides import Side, TensorMeta, open_side
 from ckpt.diffing.stats import TensorStats, delta_bytes, tensor_stats
 from ckpt.format.dtypes import bit_identical, byte_view, itemsize
-from ckpt.format.manifest import name_selected
+from ckpt.format.names import name_selected
 from ckpt.progress import Progress, reporting
 
 if TYPE_CHECKING:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Union
 
 from ckpt.errors import TensorMismatchError
 from ckpt.format.dtypes import byte_view, itemsize, to_torch
-from ckpt.format.manifest import folder_names, split_lengths
+from ckpt.format.manifest import split_lengths
+from ckpt.format.names import folder_names
 from ckpt_store.storage.objects import object_id
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 def _keys(names: Iterable[tuple[str, str]], label: str) -> list[str]:
     """The name diff pairs each tensor by, given (its name, its file): ``FOLDER/NAME`` where files in
-    several folders share names (a diffusers pipeline, :func:`~ckpt.format.manifest.folder_names`),
+    several folders share names (a diffusers pipeline, :func:`~ckpt.format.names.folder_names`),
     so that each model's tensors pair with the same model's. Refuses two tensors of one name left
     (two files of one folder): comparing either one silently would hide the other."""
     names = list(names)

@@ -9,28 +9,18 @@ a ``chunks`` key holds chunk ids (the rule storage/gc.py relies on).
 
 from __future__ import annotations
 
-import fnmatch
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.format.dtypes import itemsize
-from ckpt.format.tagged_json import (
-    EXACT_TAGS,
-    LATER_TAGS,
-    ODICT,
-    SET,
-    SIZE,
-    TAGS,
-    TENSOR,
-    decode,
-    tensor_refs,
-    uses_tags,
-)
-from ckpt.format.tensor_values import TENSOR_TAGS
+from ckpt.format.names import check_file_path, check_tensor_name
+from ckpt.format.structure import STRUCTURE, check_structure
+from ckpt.format.tagged_json import EXACT_TAGS, LATER_TAGS, decode, uses_tags
+from ckpt.format.tensor_values import views_ahead
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
@@ -49,70 +39,9 @@ EXTRA_DTYPE_VERSION = 3
 # (``EXACT_TAGS``: an ``OrderedDict`` and its ``_metadata``, a ``torch.Size``, an ``nn.Parameter``), which a
 # version-3 reader would hand out as plain dicts: it refuses version 4 instead.
 EXACT_VERSION = 4
-# The key of ``extra`` holding a pushed .pt's structure (docs/format.md): no entry of a state dict is
-# named by the empty string (check_tensor_name refuses it), so it is never one of its values.
-STRUCTURE = ""
-# A structure repeats the values ``extra`` holds by name: past this size (values of millions of
-# numbers) it is not kept, so that it never doubles a manifest towards what readers accept.
-MAX_STRUCTURE_BYTES = 16 << 20
-MAX_NAME = 1024
-# Unicode's control characters (Cc): C0, DEL and C1 (U+009B is a terminal's CSI, like ESC [).
-_CTRL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-def name_selected(name: str, include: Sequence[str] | None = None, exclude: Sequence[str] | None = None) -> bool:
-    """Whether a tensor name passes ``--include``/``--exclude`` globs (case-sensitive
-    ``fnmatch``; ``*`` crosses dots; no include means everything). The one rule for
-    pull, load, diff and DCP consolidation.
-
-    >>> name_selected("layer.0.weight", ["layer.*.weight"]), name_selected("head.bias", None, ["head.*"])
-    (True, False)
-    """
-    if include and not any(fnmatch.fnmatchcase(name, p) for p in include):
-        return False
-    return not (exclude and any(fnmatch.fnmatchcase(name, p) for p in exclude))
-
-
-def folder_names(tensors: Iterable[tuple[str, str]]) -> list[str]:
-    """The name each tensor, given as (its name, its file), goes by when a checkpoint is read as one
-    set of tensors (load, load_into, diff): its name; or, where files in several folders hold one
-    name (a diffusers pipeline's unet/, text_encoder/, vae/, each a model), ``FOLDER/NAME`` for
-    every tensor of a file in a subfolder, so that each model's tensors keep apart. Two files of one
-    folder holding one name still give it twice: callers refuse that.
-
-    >>> folder_names([("w", "unet/m.safetensors"), ("w", "vae/m.safetensors"), ("x", "vae/m.safetensors")])
-    ['unet/w', 'vae/w', 'vae/x']
-    >>> folder_names([("a", "unet/m.safetensors"), ("b", "vae/m.safetensors")])
-    ['a', 'b']
-    """
-    pairs = list(tensors)
-    folders: dict[str, set[str]] = {}
-    for name, file in pairs:
-        folders.setdefault(name, set()).add(file.rpartition("/")[0])
-    split = any(len(f) > 1 for f in folders.values())
-    return [f"{file.rpartition('/')[0]}/{name}" if split and "/" in file else name for name, file in pairs]
-
-
-def check_tensor_name(name: str, what: str = "tensor name") -> str:
-    """Reject names with control characters or absurd lengths (they end up in files and terminals)."""
-    from ckpt.errors import InvalidNameError
-
-    if not isinstance(name, str) or not name or len(name) > MAX_NAME or _CTRL.search(name):
-        raise InvalidNameError(f"invalid {what} {name[:80]!r}" if isinstance(name, str) else f"invalid {what}")
-    return name
-
-
-def check_file_path(path: str) -> str:
-    """A relative ``/``-separated path that stays inside its directory."""
-    from ckpt.errors import InvalidNameError
-
-    check_tensor_name(path, "file path")
-    parts = path.split("/")
-    if path.startswith("/") or "\\" in path or any(p in ("", ".", "..") for p in parts) or ":" in parts[0]:
-        raise InvalidNameError(f"file path {path!r} would escape the checkpoint directory")
-    return path
-
-
+# Version 5: as 4, where the structure holds a view saved before the tensor it is a view of (``{"t": w.t(), "w": w}``:
+# a ``__view__`` naming a tensor met later), which a version-4 reader would refuse as a damaged value: it refuses version 5.
+VIEW_AHEAD_VERSION = 5
 @dataclass(frozen=True)
 class TensorEntry:
     name: str
@@ -291,7 +220,8 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, what: str = "manifest") -> Manifest:
-        o = decode_record(data, MANIFEST_FORMAT, (MANIFEST_VERSION, EXTRA_TAGGED_VERSION, EXTRA_DTYPE_VERSION, EXACT_VERSION),
+        o = decode_record(data, MANIFEST_FORMAT, (MANIFEST_VERSION, EXTRA_TAGGED_VERSION, EXTRA_DTYPE_VERSION, EXACT_VERSION,
+                                                       VIEW_AHEAD_VERSION),
                           what)
         chunk_size = require(o, "chunk_size", int, what)
         if chunk_size <= 0:
@@ -328,7 +258,9 @@ class Manifest:
         if m.extra_tagged:
             m.extra_values(what)  # checked here, like every other field
         if m._has_structure():
-            _check_structure(m, what)
+            names = Counter(t.name for t in m.tensors)
+            tree = m.structure(names, what, torch_values=False)  # (reading a manifest never imports torch for it)
+            check_structure(m.extra, tree, names, m._version() >= EXACT_VERSION, what)
         return m
 
     def _version(self) -> int:
@@ -338,7 +270,7 @@ class Manifest:
             return MANIFEST_VERSION
         structure = self.source == "state-dict" and STRUCTURE in self.extra
         if structure and uses_tags(self.extra[STRUCTURE], EXACT_TAGS):
-            return EXACT_VERSION
+            return VIEW_AHEAD_VERSION if views_ahead(self.extra[STRUCTURE]) else EXACT_VERSION
         return EXTRA_DTYPE_VERSION if structure or uses_tags(self.extra, LATER_TAGS) else EXTRA_TAGGED_VERSION
 
     def _has_structure(self) -> bool:
@@ -401,96 +333,6 @@ class Manifest:
         for b in self.bundles:  # an accelerator only: a reader that finds a bundle lying reads its members
             out.update(zip(b.chunks, split_lengths(b.nbytes, self.chunk_size), strict=True))
         return out
-
-
-def _check_structure(m: Manifest, what: str) -> None:
-    """A pushed .pt's structure is a dict that names each of ``m``'s tensors once, and nothing else,
-    each at the place its flat name spells (``model.0.weight`` at ``["model"][0]["weight"]``): one
-    that does not would pull a file holding other tensors than the checkpoint, or holding them
-    where ``load`` and a safetensors pull do not (two layers' weights swapped)."""
-    names = Counter(t.name for t in m.tensors)
-    tree = m.structure(names, what, torch_values=False)  # (reading a manifest never imports torch for it)
-    if not isinstance(tree, dict):
-        raise StoreFormatError(f"{what}: its structure is a {type(tree).__name__}, not the dict a pushed file holds")
-    if Counter(tensor_refs(m.extra[STRUCTURE])) != names:
-        raise StoreFormatError(f"{what}: its structure does not name each of its tensors once")
-    # (decoded above, so well formed) Each value with the flat name of its place: None where no tensor
-    # is in a state dict pushed (a dict key, a set's item, the value of a key neither str nor int).
-    exact = m._version() >= EXACT_VERSION
-    values: dict[str, Any] = {}  # each value the structure holds where a flattening names one, by that name
-    stack: list[tuple[Any, str | None]] = [(m.extra[STRUCTURE], "")]
-    while stack:
-        x, at = stack.pop()
-        if at and not _holds_entries(x, exact):
-            values[at], at = x, None  # (kept whole: nothing within it has a flat name)
-        if isinstance(x, list):
-            stack.extend((v, _place(at, i)) for i, v in enumerate(x))
-        elif not isinstance(x, dict):
-            continue
-        elif list(x) == [TENSOR]:
-            if x[TENSOR] != at:
-                raise StoreFormatError(f"{what}: its structure holds tensor {x[TENSOR]!r} "
-                                       + (f"at {at!r}" if at is not None else "where no tensor is (a dict key or a set)"))
-        elif list(x) == ["__dict__"] or (list(x) == [ODICT] and exact):  # (an OrderedDict's attributes hold none)
-            pairs = x["__dict__"] if "__dict__" in x else x[ODICT][0]
-            stack.extend(p for k, v in pairs for p in ((k, None), (v, _place(at, k))))
-        elif len(x) == 1 and next(iter(x)) in TENSOR_TAGS and exact:  # (a tensor named after it, its value first)
-            stack.append((next(iter(x.values()))[0], at))
-        elif list(x) == ["__tuple__"]:
-            stack.extend((v, _place(at, i)) for i, v in enumerate(x["__tuple__"]))
-        elif len(x) == 1 and next(iter(x)) in LATER_TAGS:  # a set's items (the other tags hold no tensor)
-            stack.extend((v, None) for v in x.values())
-        else:
-            stack.extend((v, _place(at, k)) for k, v in x.items())
-    # The values by flat name (extra_values(), a safetensors pull's metadata) are those the structure holds
-    # (a .pt pull): a structure holding another (an epoch of 4, by name 3) would give two answers.
-    flat = {k: v for k, v in m.extra.items() if k != STRUCTURE}
-    for name in sorted(set(values) | set(flat)):
-        if name not in values or name not in flat or canonical_json(_flat_value(values[name], exact)) != canonical_json(flat[name]):
-            raise StoreFormatError(f"{what}: its structure and its value {name!r} disagree")
-
-
-def _holds_entries(x: Any, exact: bool) -> bool:
-    """Whether the flattening walks into structure value ``x`` (a non-empty dict, a list or tuple holding a
-    tensor, a tensor), rather than keeping it whole as one value."""
-    if isinstance(x, list):
-        return bool(tensor_refs(x))
-    if not isinstance(x, dict):
-        return False
-    tag = next(iter(x)) if len(x) == 1 else None
-    if tag == "__dict__" or (tag == ODICT and exact):
-        return bool(x[tag] if tag == "__dict__" else x[tag][0])
-    if tag in ("__tuple__", TENSOR) or (exact and tag in TENSOR_TAGS):
-        return bool(tensor_refs(x))
-    return not (tag in TAGS and (exact or tag not in EXACT_TAGS)) and bool(x)  # (before version 4 those were a dict's keys)
-
-
-def _flat_value(x: Any, exact: bool) -> Any:
-    """Structure value ``x`` as ``extra`` holds it by name: without the exact types (encode's ``exact``), an
-    ``OrderedDict`` written as a dict and a ``torch.Size`` as a tuple (``exact``: in a version that has them;
-    before, such a key was a plain dict's)."""
-    if isinstance(x, list):
-        return [_flat_value(v, exact) for v in x]
-    if not isinstance(x, dict):
-        return x
-    if list(x) == [SIZE] and exact:
-        return {"__tuple__": x[SIZE]}
-    if list(x) == [ODICT] and exact:
-        pairs = [[_flat_value(k, exact), _flat_value(v, exact)] for k, v in x[ODICT][0]]
-        keys = [k for k, _ in pairs]
-        if all(isinstance(k, str) and k not in TAGS for k in keys) and all(a < b for a, b in zip(keys, keys[1:])):
-            return dict(pairs)
-        return {"__dict__": pairs}
-    if list(x) == [SET] and isinstance(x[SET], list):  # its items in the order of their JSON, as extra writes them
-        return {SET: sorted((_flat_value(v, exact) for v in x[SET]), key=canonical_json)}
-    return {k: _flat_value(v, exact) for k, v in x.items()}
-
-
-def _place(at: str | None, key: Any) -> str | None:
-    """The flat name of the value at ``key`` of the value whose place is ``at`` (source_tensors' flattening)."""
-    if at is None or isinstance(key, bool) or not isinstance(key, (str, int)):
-        return None
-    return f"{at}.{key}" if at else str(key)
 
 
 def _ints(raw: Any, key: str, what: str) -> list[int]:

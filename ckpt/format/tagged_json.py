@@ -18,7 +18,7 @@ that shares the memory of the one named NAME met before it (tied weights: the sa
 shape, strides and dtype), which it shares again when decoded; ``{"__shared__": [value, NAME, true]}`` where it
 is the very object met before by NAME, which it is again when decoded; ``{"__view__": [value, NAME, offset,
 strides]}`` for a view at another offset or shape of the contiguous tensor NAME met before it (its offset in
-elements from that tensor's first), which it is again when decoded.
+elements from that tensor's first), or met after it (a view saved before its base), which it is again when decoded.
 
 How a tensor is written (its reference, and in an exact tree its type, requires_grad and the memory it
 shares) is :mod:`ckpt.format.tensor_values`'s part.
@@ -134,8 +134,7 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
             items = [enc(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]
             if uses_tags(items, (TENSOR,)):
                 return _raise(unsupported(path, "a set holding a tensor"))
-            # in the order of their JSON, not of the set's (which differs between processes): one id per content
-            return {SET: sorted(items, key=canonical_json)}
+            return set_value(items)
         if exact and type(x) is _torch().Size:
             return {SIZE: [enc(v, f"{path}/{i}", depth + 1) for i, v in enumerate(x)]}
         if isinstance(x, tuple):
@@ -154,7 +153,7 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
                                  for i, (k, v) in enumerate(x.items())], enc(attrs, f"{path}/attrs", depth + 1)]}
             # Records are canonical JSON, which writes an object's keys sorted: a dict in any other
             # order (a module's state_dict, a data loader's sources) is written as pairs, in its order.
-            if all(isinstance(k, str) and k not in TAGS and k not in reserved for k in x) and _sorted(list(x)):
+            if plain_keys(list(x), reserved):
                 return {k: enc(v, f"{path}/{k}", depth + 1) for k, v in x.items()}
             return {"__dict__": [[enc(k, f"{path}/k{i}", depth + 1), enc(v, f"{path}/{k}", depth + 1)]
                                  for i, (k, v) in enumerate(x.items())]}
@@ -315,8 +314,18 @@ def uses_tags(tree: Any, tags: Collection[str] = TAGS) -> bool:
     return False
 
 
-def _sorted(keys: list[str]) -> bool:
-    return all(a < b for a, b in zip(keys, keys[1:]))
+def plain_keys(keys: list[Any], reserved: Collection[str] = ()) -> bool:
+    """Whether :func:`encode` writes a dict with ``keys`` (in its order) as a plain JSON object: strings, none a tag
+    or in ``reserved``, in sorted order (records are canonical JSON, whose objects have their keys sorted); else
+    in the ``__dict__`` form, which keeps its order."""
+    return all(isinstance(k, str) and k not in TAGS and k not in reserved for k in keys) and all(
+        a < b for a, b in zip(keys, keys[1:]))
+
+
+def set_value(items: list[Any]) -> dict[str, list[Any]]:
+    """A set, given as its items' tagged JSON, as :func:`encode` writes it: the items in the order of their JSON,
+    not of the set's (which differs between processes), so that one content has one id."""
+    return {SET: sorted(items, key=canonical_json)}
 
 
 def _torch() -> Any:

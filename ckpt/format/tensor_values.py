@@ -29,6 +29,8 @@ class TensorPlaces:
         self.memory: dict[tuple[Any, ...], str] = {}  # where each tensor's bytes lie -> the name of the first there
         self.objects: dict[int, str] = {}  # id of each tensor met -> the name it was first met by
         self.bases: dict[tuple[Any, ...], list[tuple[int, int, str]]] = {}  # storage -> contiguous tensors in it: span, name
+        # storage -> tensors in it met without a base (a transposed weight before the weight): span, value written
+        self.orphans: dict[tuple[Any, ...], list[tuple[int, int, list[int], dict[str, Any]]]] = {}
 
     def value(self, x: Any, ref: dict[str, str]) -> Any:
         """Tensor ``x``, stored as ``ref`` (``{"__tensor__": NAME}``), as an exact tree holds it."""
@@ -53,9 +55,41 @@ class TensorPlaces:
         off, storage = x.storage_offset(), where[:2] + (x.dtype,)
         end = off + 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
         base = next(((start, name) for start, stop, name in bases.get(storage, ()) if start <= off and end <= stop), None)
+        if base is not None:
+            return {VIEW: [value, base[1], off - base[0], list(x.stride())]}
         if x.is_contiguous() and len(bases.setdefault(storage, [])) < MAX_BASES:
             bases[storage].append((off, end, ref[TENSOR]))
-        return value if base is None else {VIEW: [value, base[1], off - base[0], list(x.stride())]}
+            # Tensors met before it that lie within it (``{"t": w.t(), "w": w}``) become views of it, a name met later
+            # (the reader looks its stored tensor up): each one's value is rewritten in place.
+            for start, stop, strides, written in self.orphans.get(storage, ()):
+                if off <= start and stop <= end:
+                    inner = written[VIEW][0] if VIEW in written else dict(written)
+                    written.clear()
+                    written[VIEW] = [inner, ref[TENSOR], start - off, strides]
+        if len(self.orphans.setdefault(storage, [])) < MAX_BASES:
+            self.orphans[storage].append((off, end, list(x.stride()), value))
+        return value
+
+
+def views_ahead(tree: Any) -> bool:
+    """Whether exact tree ``tree`` holds a ``__view__`` naming a tensor met later in its walk (a view saved before
+    its base: :class:`TensorPlaces` writes one since manifest version 5)."""
+    met: set[Any] = set()
+    stack: list[Any] = [tree]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, tuple):  # (a view's base, looked at once its own value is walked: JSON holds no tuple)
+            if x[0] not in met:
+                return True
+        elif isinstance(x, list):
+            stack.extend(reversed(x))
+        elif isinstance(x, dict) and list(x) == [TENSOR]:
+            met.add(x[TENSOR])
+        elif isinstance(x, dict) and list(x) == [VIEW] and isinstance(x[VIEW], list) and len(x[VIEW]) == 4:
+            stack.extend(((x[VIEW][1],), x[VIEW][0]))
+        elif isinstance(x, dict):
+            stack.extend(reversed(list(x.values())))
+    return False
 
 
 def decode_tensor(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any]) -> Any:
@@ -98,8 +132,8 @@ def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: M
         return t
     import torch
 
+    # (``other`` may be a view by now, met after its base or before: its bytes in its own order, as ``t`` holds them)
     if not (isinstance(t, torch.Tensor) and type(other) is torch.Tensor and (t.dtype, t.shape) == (other.dtype, other.shape)
-            and t.is_contiguous() and other.is_contiguous()
             and torch.equal(t.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8))):
         return None  # (named as shared, but other bytes: never handed out as the same tensor)
     if same:
@@ -111,14 +145,17 @@ def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: M
 
 def _view(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any]) -> Any:
     """A ``__view__`` value ``[VALUE, NAME, offset, strides]``: its tensor made the view, at ``offset`` elements
-    into the contiguous tensor decoded at NAME's place and with ``strides``, whose bytes there it must be;
+    into the contiguous tensor decoded at NAME's place (or, NAME met later, its stored tensor) and with ``strides``,
+    whose bytes there it must be;
     None where ``v`` is not what :class:`TensorPlaces` writes (a view reaching outside that tensor, other bytes)."""
     ints = lambda xs: all(type(n) is int and 0 <= n < 1 << 62 for n in xs)  # noqa: E731
     if not (len(v) == 4 and _names_another(v[0], v[1]) and ints([v[2]]) and isinstance(v[3], list) and ints(v[3])):
         return None
-    base, t = made.get(v[1]), dec(v[0])
+    t = dec(v[0])
     if not torch_values:
         return t
+    # (a tensor met later, whose place gives back the stored tensor it now shares: a view saved before its base)
+    base = made[v[1]] if v[1] in made else dec({TENSOR: v[1]})
     import torch
 
     if not (isinstance(base, torch.Tensor) and isinstance(t, torch.Tensor) and base.is_contiguous() and base.dtype == t.dtype
@@ -143,4 +180,5 @@ def _names_another(ref: Any, name: Any) -> bool:
     return isinstance(ref, dict) and list(ref) == [TENSOR] and isinstance(name, str) and name != ref[TENSOR]
 
 
-__all__ = ["GRAD", "MAX_BASES", "PARAMETER", "SHARED", "TENSOR", "TENSOR_TAGS", "VIEW", "TensorPlaces", "decode_tensor"]
+__all__ = ["GRAD", "MAX_BASES", "PARAMETER", "SHARED", "TENSOR", "TENSOR_TAGS", "VIEW", "TensorPlaces", "decode_tensor",
+           "views_ahead"]

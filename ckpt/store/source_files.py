@@ -23,7 +23,7 @@ import os
 import stat
 
 from ckpt.errors import InvalidSourceError
-from ckpt.format.manifest import check_file_path
+from ckpt.format.names import check_file_path
 
 SKIPPED_DIRS = (".git", ".cache", "__pycache__")
 

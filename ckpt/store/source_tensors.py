@@ -28,7 +28,8 @@ from typing import Any
 
 from ckpt.errors import InvalidSourceError, ResourceLimitError
 from ckpt.format.dtypes import byte_view, from_torch
-from ckpt.format.manifest import MAX_NAME, MAX_STRUCTURE_BYTES, STRUCTURE, check_tensor_name
+from ckpt.format.names import MAX_NAME, check_tensor_name
+from ckpt.format.structure import MAX_STRUCTURE_BYTES, STRUCTURE
 from ckpt.format.tagged_json import EXACT_TAGS, ExpansionGuard, encode, uses_tags
 from ckpt.store.source_files import show
 from ckpt_store.storage.records import canonical_json

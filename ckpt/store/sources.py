@@ -43,7 +43,7 @@ from ckpt.errors import (
     ResourceLimitError,
     UnsafeInputError,
 )
-from ckpt.format.manifest import check_file_path, check_tensor_name
+from ckpt.format.names import check_file_path, check_tensor_name
 from ckpt.format.safetensors_header import build_header, check_not_reserved, parse_header
 from ckpt.store.source_files import (
     CLOEXEC,

@@ -443,6 +443,46 @@ def test_a_reader_that_leaves_the_pipe_ends_the_command_with_141(args: list[str]
     assert p.returncode == 141 and err == b"", (p.returncode, err)
 
 
+def test_a_command_that_fails_ends_with_its_failure_though_its_reader_left(tmp_path: Path, env: dict[str, str]) -> None:
+    """`ckpt show NOPE --json | consumer` whose reader is gone: the error document (or a listing naming
+    damage, written before the command fails) hit the closed pipe and the command ended with 141, as a
+    success whose reader left does: the script reading the status took the failure for a success. It
+    ends with its failure (1; a usage error 2), its error on stderr; a success still ends with 141."""
+    import ckpt
+
+    path = tmp_path / "s"
+    ckpt.Store.init(str(path)).push({"w": torch.arange(4096, dtype=torch.float32)}, "m/a")
+    for f in (path / "objects" / "chunks").rglob("*"):
+        if f.is_file():
+            f.unlink()  # m/a's chunks are gone: verify and show name the damage and exit 1
+
+    def closed(*args: str) -> tuple[int, str]:
+        p = subprocess.Popen([*CMD, "--store", str(path), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        assert p.stdout is not None
+        p.stdout.close()
+        _, err = p.communicate(timeout=120)
+        return p.returncode, err.decode()
+
+    for args, code in ((["show", "nope/none", "--json"], 1), (["rm", "nope/none", "--json"], 1),
+                       (["ls", "--bogus", "--json"], 2), (["verify", "--json"], 1), (["show", "m/a"], 1), (["ls", "--json"], 141)):
+        rc, err = closed(*args)
+        assert rc == code and "Traceback" not in err, (args, rc, err)
+        assert ("error" in err.lower() or "DAMAGED" in err) if args[0] != "verify" and code != 141 else err == "", (args, err)
+
+
+def test_an_interruption_before_the_start_with_its_reader_gone_ends_as_interrupted(env: dict[str, str]) -> None:
+    """Ctrl-C while `ckpt ls --json | jq` is still importing, jq gone: the handler's write of the --json
+    document hit the closed pipe and raised BrokenPipeError from the signal handler, a traceback and exit 1
+    instead of 130 and its one line. (The handler ckpt's console script installs, sent a real SIGINT.)"""
+    code = ("import os, signal, sys, time; sys.argv = ['ckpt', 'ls', '--json']; from ckpt_store.cli.entry import _before_start; "
+            "signal.signal(signal.SIGINT, _before_start); os.kill(os.getpid(), signal.SIGINT); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert p.stdout is not None
+    p.stdout.close()
+    _, err = p.communicate(timeout=120)
+    assert (p.returncode, err) == (130, b"interrupted before it began; nothing was done\n"), (p.returncode, err)
+
+
 def test_a_reader_of_stderr_that_leaves_takes_nothing_from_the_output(tmp_path: Path, env: dict[str, str]) -> None:
     """`ckpt gc --grace 0s --json > plan.json 2>&1 | ...` whose stderr reader is gone: the warning on
     stderr hit a closed pipe, and rich's handler pointed *stdout* at /dev/null and exited 1, so the

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt.format.manifest import FileEntry, Manifest, TensorEntry, check_file_path
+from ckpt.format.manifest import FileEntry, Manifest, TensorEntry
+from ckpt.format.names import check_file_path
 from ckpt_store.storage.errors import InvalidNameError, StoreFormatError
 
 A, B = "a" * 64, "b" * 64
@@ -38,7 +39,7 @@ def test_roundtrip():
 @pytest.mark.parametrize(
     "mutate",
     [
-        lambda s: s.replace(b'"version":1', b'"version":5'),
+        lambda s: s.replace(b'"version":1', b'"version":6'),
         lambda s: s.replace(b'"nbytes":16', b'"nbytes":17'),
         lambda s: s.replace(b'"shape":[2,2]', b'"shape":[2,-2]'),
         lambda s: s.replace(b'"path":"model.safetensors"', b'"path":"../../etc/x"'),

@@ -242,8 +242,8 @@ def test_a_version_2_manifest_with_a_bad_tag_is_refused(store, tmp_path):
     doc["extra"]["t"] = {"__float__": "1e400"}
     with pytest.raises(StoreFormatError, match="extra 't'"):
         Manifest.from_json(json.dumps(doc).encode())
-    doc["version"] = 5
-    with pytest.raises(StoreFormatError, match="version 5; this ckpt reads versions 1, 2, 3, 4"):
+    doc["version"] = 6
+    with pytest.raises(StoreFormatError, match="version 6; this ckpt reads versions 1, 2, 3, 4, 5"):
         Manifest.from_json(json.dumps(doc).encode())
 
 
@@ -1337,3 +1337,59 @@ def test_views_at_other_offsets_or_shapes_pull_back_as_views(store, tmp_path):
         with pytest.raises(StoreFormatError, match="structure"):
             store.pull(_forge(store, "v", lambda d, key=key, value=value: forge(d, key, value)), tmp_path / "out.pt")
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_views_saved_before_their_base_pull_back_as_views(store, tmp_path):
+    """``{"wt": w.t(), "w": w}`` (a transposed weight saved before the weight, a slice before its buffer, a
+    Parameter over it) is one storage in a .pt: it came back as several, since only a view of a tensor met
+    *before* it was marked. The view is marked against the tensor met later (manifest version 5, which a
+    version-4 reader refuses instead of calling it damaged), and a reader makes it that view again, after
+    checking its bytes there: a forged mark still never points a tensor at other bytes."""
+    from ckpt.errors import StoreFormatError
+
+    x = torch.arange(24.0).reshape(4, 6)
+    saved = {"m": {"wt": x.t(), "row": x[1], "top": x[:2], "col": x[:, 2], "w": torch.nn.Parameter(x)}, "after": x[3]}
+    torch.save(saved, tmp_path / "ahead.pt")
+    store.push(tmp_path / "ahead.pt", "ahead")
+    assert json.loads(store.objects.get_manifest(store.resolve("ahead")))["version"] == 5
+    want = torch.load(tmp_path / "ahead.pt", weights_only=True)
+    for got in (torch.load(store.pull("ahead", tmp_path / "back.pt"), weights_only=True), store.load("ahead", structure=True)):
+        _same_exactly(want, got)  # (bytes too)
+        pairs = [(want["m"][k], got["m"][k]) for k in want["m"]] + [(want["after"], got["after"])]
+        for w, g in pairs:
+            assert g.untyped_storage().data_ptr() == got["m"]["w"].untyped_storage().data_ptr()
+            assert (g.storage_offset(), g.shape, g.stride()) == (w.storage_offset(), w.shape, w.stride())
+        with torch.no_grad():
+            got["m"]["w"][1, 2] = 99.0
+        assert got["m"]["wt"][2, 1].item() == got["m"]["row"][2].item() == got["m"]["col"][1].item() == 99.0
+    assert store.verify().ok
+
+    def forge(doc: dict, offset: int) -> None:
+        pair = next(p for p in doc["extra"][""]["__dict__"][0][1]["__dict__"] if p[0] == "row")
+        pair[1]["__view__"][2] = offset
+
+    with pytest.raises(StoreFormatError, match="structure"):  # other bytes there
+        store.pull(_forge(store, "ahead", lambda d: forge(d, 0)), tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("order", ["base first", "base last"])
+def test_a_view_met_twice_pulls_back(store, tmp_path, order):
+    """A view met twice (one ``w.t()`` under two keys, or two equal ``w.t()``) beside its base: the second is
+    marked ``__shared__`` with the first, which the reader had already made a view, not contiguous; it refused
+    that as "a bad __shared__ value": the push succeeded and every .pt pull and load(structure=True) of the
+    checkpoint failed as damaged. The shared tensor's bytes are compared in its own order."""
+    x = torch.arange(12.0).reshape(3, 4)
+    wt = x.t()
+    views = {"wt": wt, "again": wt, "wt2": x.t()}
+    saved = {"w": x, **views} if order == "base first" else {**views, "w": x}
+    torch.save(saved, tmp_path / "twice.pt")
+    store.push(tmp_path / "twice.pt", "twice")
+    want = torch.load(tmp_path / "twice.pt", weights_only=True)
+    for got in (torch.load(store.pull("twice", tmp_path / "back.pt"), weights_only=True), store.load("twice", structure=True)):
+        _same_exactly(want, got)  # (bytes too)
+        assert got["again"] is got["wt"]
+        for k in saved:
+            assert got[k].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr(), k
+            assert (got[k].storage_offset(), got[k].stride()) == (want[k].storage_offset(), want[k].stride()), k
+    assert store.verify().ok
