@@ -56,7 +56,12 @@ class _Watchdog:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ckpt-response-deadlines", daemon=True)
                 self._thread.start()
-            self.cond.notify()
+            # Woken only for a deadline that is now the earliest: the thread already waits until
+            # the earliest one, which comes no later than this. Woken for every response (a GET
+            # per chunk), it took the GIL from the reading threads each time (240 GETs of a pull
+            # from SeaweedFS on 16 threads: 2,200 context switches of the process, 1,560 like this).
+            if self._heap[0][2] is d:
+                self.cond.notify()
 
     def _run(self) -> None:
         with self.cond:
