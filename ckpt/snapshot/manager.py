@@ -514,7 +514,9 @@ class CheckpointManager:
     def _check_latest(self) -> None:
         """Warn (once) where the durable RUN/latest names a checkpoint a user pushed there (no snapshot), which
         this save is about to move away from: the next restart would otherwise resume without a word of it.
-        One ref read per save; a manifest read only where RUN/latest changed since this manager last saw it.
+        Called before every write of it: a save without tiers; with tiers, a save due to the durable store (a
+        full tier's direct save there, a group's persist) and a persist. One ref read each; a manifest read
+        only where RUN/latest changed since this manager last saw it.
         In a group rank 0 alone checks (no collective: a failed read only skips the check)."""
         if self._latest_warned or getattr(self._path, "rank", 0) != 0:
             return
@@ -542,8 +544,9 @@ class CheckpointManager:
 
         def run() -> SaveResult | None:
             try:
-                if persist:  # the fallback may move RUN/latest in the durable store
+                if persist:  # the fallback may move RUN/latest in the durable store (a group's persist does)
                     with self._durable_lock:
+                        self._check_latest()
                         result = job()
                         if result.fell_back is not None:
                             self._published, self._durable_step = seq, step
@@ -691,7 +694,7 @@ class CheckpointManager:
         warnings.warn(message, TierWarning, stacklevel=2)
 
     def _saved(self, step: int, metrics: dict[str, float], r: SaveResult, blocked: float, background: float) -> None:
-        if self._local is None and r.id is not None:
+        if r.id is not None and (self._local is None or r.fell_back is not None or r.persisted):
             self._latest_id = r.id  # (RUN/latest names it now: the next save's check reads no manifest)
         if self.retention.best:  # (nothing else reads them)
             self._metrics[step] = metrics

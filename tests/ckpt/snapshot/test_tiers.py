@@ -351,6 +351,23 @@ def test_a_full_local_tier_warns_and_training_and_durable_saves_go_on(tmp_path, 
     mgr.close()
 
 
+def test_a_full_tiers_direct_save_over_a_checkpoint_pushed_as_run_latest_warns_once(tmp_path, tiny_tmpfs):
+    """A local tier too small for the state: the snapshots due to the durable store go there directly. A user's
+    checkpoint pushed as run/latest meanwhile was moved off by the next such save without a word (a save without
+    tiers, or a persist, warns). It warns now, once, naming it; run/latest's history keeps it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr, model, opt = _train(tmp_path, 4, every_n_steps=4, local=str(tiny_tmpfs / "tier"), local_every_n_steps=2)
+        pushed = mgr.store.push({"w": torch.arange(4.0)}, "run/latest")
+        _steps(mgr, {"model": model, "optim": opt, "step": 4}, range(5, 13))
+        mgr.close()
+    messages = [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)]
+    assert any("step 8 not saved" in m and "durable store directly" in m for m in messages), messages
+    assert len([m for m in messages if f"run/latest names checkpoint {pushed[:12]}, pushed there" in m]) == 1, messages
+    store = ckpt.Store.open(str(tmp_path / "durable"))
+    assert store.manifest("run/latest").extra["snapshot"]["step"] == 12 and store.resolve("run/latest@2") == pushed
+
+
 def test_overlapped_saves_due_to_the_durable_store_land_there_when_the_local_tier_is_full(tmp_path, tiny_tmpfs):
     """save_mode="overlap" and a local tier too small for the state: once the tier has failed, a save due to
     the durable store stages copies and lands there directly. Before, it read the tensors in place again
