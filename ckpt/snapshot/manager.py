@@ -320,6 +320,7 @@ class CheckpointManager:
         self._retained: set[int] | None = None
         self._latest_id: str | None = None  # the id RUN/latest named when last checked or saved (see _check_latest)
         self._latest_warned = False
+        self._warned: set[str] = set()  # what _warn_once said
         self._local = self._local_tier(local, local_every_n_steps, local_keep, local_max_bytes, replicas, process_group)
         self._local_full = False  # the last local save ran out of space (on this rank): make room first
         # The local tier's snapshots carry bundles of their small chunks where the durable store is
@@ -502,7 +503,7 @@ class CheckpointManager:
             try:
                 # (RUN/latest missing: the newest step, as a restart would resume it, so that a run gone back
                 # below it persists its saves and a restart resumes them, not that step)
-                self._durable_step = snapshot_step(self.store.manifest(resolve_latest(self.store, self.run)))
+                self._durable_step = snapshot_step(self.store.manifest(self._resolve_latest()))
             except RefNotFoundError:
                 self._durable_step = None
             except Exception as e:  # noqa: BLE001 - unreadable now: the persists due say more
@@ -689,6 +690,17 @@ class CheckpointManager:
             except Exception as e:  # noqa: BLE001 - the next save of an earlier step drops it again
                 self._tier_warning(f"local tier: could not drop step {step} of the timeline the run left ({describe(e)})")
 
+    def _resolve_latest(self) -> str:
+        """:func:`~ckpt.snapshot.tiers.resolve_latest` of the durable store, warning once of each fallback."""
+        return resolve_latest(self.store, self.run, self._warn_once)
+
+    def _warn_once(self, message: str) -> None:
+        """A :class:`TierWarning` this manager has not given yet (``latest_step()`` then ``restore_latest()``
+        meet the same missing RUN/latest: one warning says it)."""
+        if message not in self._warned:
+            self._warned.add(message)
+            self._tier_warning(message)
+
     def _tier_warning(self, message: str) -> None:
         log.warning("%s", message)
         warnings.warn(message, TierWarning, stacklevel=2)
@@ -855,12 +867,12 @@ class CheckpointManager:
         :attr:`last_restore` says which step was restored and the bytes each tier served."""
         self.wait()
         if self._local is None:
-            mid = self._resolve(lambda: resolve_latest(self.store, self.run))
+            mid = self._resolve(self._resolve_latest)
             return None if mid is None else self._restore(state, mid)
         if self._distributed:
             path = self._group_path
             assert path.peers is not None
-            chosen = path.choose(self.store, self._durable.latest)
+            chosen = path.choose(self.store, self._durable.latest, self._warn_once)
             if chosen is None:
                 return None
             _, mid, tiers = chosen
@@ -887,7 +899,7 @@ class CheckpointManager:
         self.wait()
         if self._local is None:
             def find() -> tuple[str, int | None, str | None]:  # in a group, on rank 0 alone: every rank says the same
-                mid = resolve_latest(self.store, self.run)
+                mid = self._resolve_latest()
                 m = self.store.manifest(mid)
                 return mid, snapshot_step(m), None if is_snapshot(m) else m.source
 
@@ -899,7 +911,7 @@ class CheckpointManager:
                 raise not_a_snapshot(mid, pushed)
             return step
         if self._distributed:
-            chosen = self._group_path.choose(self.store, self._durable.latest)
+            chosen = self._group_path.choose(self.store, self._durable.latest, self._warn_once)
             return None if chosen is None else chosen[0]
         candidates, _ = self._candidates()
         return candidates[0][0] if candidates else None
@@ -951,7 +963,7 @@ class CheckpointManager:
         parsed: dict[str, Manifest] = {}
         durable: tuple[int, str, float] | None = None  # the durable RUN/latest: step, id, made at
         try:
-            mid = resolve_latest(self.store, self.run)
+            mid = self._resolve_latest()
             m = parsed[mid] = self.store.manifest(mid)
             if not is_snapshot(m):  # refused, as without a tier: never passed over for an older step, or none
                 raise not_a_snapshot(mid, m.source)

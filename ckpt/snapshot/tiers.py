@@ -145,11 +145,12 @@ def snapshot_test(store: Store, mids: Iterable[str], read: Callable[[str], Manif
     return test
 
 
-def resolve_latest(store: Store, run: str) -> str:
+def resolve_latest(store: Store, run: str, warn: Callable[[str], None] | None = None) -> str:
     """The checkpoint id ``RUN/latest`` names in ``store``; where it names none (a user's ``ckpt rm RUN/latest``,
     a crash between a save's first ``RUN/step-N`` and its ``RUN/latest``), the newest ``RUN/step-N`` that is a
-    snapshot (:func:`snapshot_test`), with a :class:`TierWarning`: a run must never start again from scratch
-    while a snapshot of it exists. Raises RefNotFoundError where the run has neither."""
+    snapshot (:func:`snapshot_test`), with a :class:`TierWarning` (through ``warn``, given: a manager's, which
+    says each thing once): a run must never start again from scratch while a snapshot of it exists. Raises
+    RefNotFoundError where the run has neither."""
     from ckpt.errors import RefNotFoundError
     from ckpt.snapshot.run import TierWarning
 
@@ -166,8 +167,11 @@ def resolve_latest(store: Store, run: str) -> str:
         if snapshot(mid):
             message = (f"{latest} is missing in {store.url}: the run's newest snapshot is taken for it, step {step} "
                        f"({run}/step-{step}); the next save names its own snapshot {latest}")
-            log.warning("%s", message)
-            warnings.warn(message, TierWarning, stacklevel=3)
+            if warn is not None:
+                warn(message)
+            else:
+                log.warning("%s", message)
+                warnings.warn(message, TierWarning, stacklevel=3)
             return mid
     raise RefNotFoundError(f"no snapshot of run {run!r} in {store.url}: {latest} is missing and no {run}/step-N is a snapshot")
 

@@ -790,7 +790,7 @@ def test_a_run_whose_latest_is_missing_resumes_its_newest_snapshot_on_every_path
     checkpoint pushed there advises), or never written (the process killed between its first save's step ref and
     RUN/latest). Without a local tier, or with an empty one, latest_step and restore_latest said None: training
     began again from step 0 beside the snapshot. Every path now resumes the newest snapshot, bit for bit, with a
-    TierWarning that names it."""
+    TierWarning that names it: one, though latest_step, restore_latest and a save each meet it."""
     from ckpt.snapshot.run import TierWarning
 
     url, local = str(tmp_path / "s"), str(tmp_path / "local")
@@ -827,9 +827,12 @@ def test_a_run_whose_latest_is_missing_resumes_its_newest_snapshot_on_every_path
     fresh_model = torch.nn.Linear(8, 4)
     fresh_opt = torch.optim.AdamW(fresh_model.parameters())
     with ckpt.CheckpointManager(url, "run", every_n_steps=4, save_mode="sync", **kw) as mgr:
-        with pytest.warns(TierWarning, match=f"run/latest is missing in .*step {newest}"):
+        with pytest.warns(TierWarning, match=f"run/latest is missing in .*step {newest}") as caught:
             assert mgr.latest_step() == newest
             assert mgr.restore_latest({"model": fresh_model, "optim": fresh_opt}) == newest
+            mgr.save(newest + 1, {"model": fresh_model, "optim": fresh_opt})  # (reads the durable newest step again)
+        # once per manager: latest_step, restore_latest and the first save meet the same missing run/latest
+        assert len([w for w in caught if "run/latest is missing" in str(w.message)]) == 1, [str(w.message) for w in caught]
     assert _state_bits(fresh_model.state_dict()) == _state_bits(want["model"])
     got, exp = fresh_opt.state_dict(), want["optim"]
     assert got["param_groups"] == exp["param_groups"]
