@@ -21,6 +21,7 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import stat
@@ -128,29 +129,42 @@ def snapshot_test(store: Store, mids: Iterable[str], read: Callable[[str], Manif
     by its summary in the store's metadata index, else by its manifest (``read``: the caller's cached
     reader, else the store's), read when first asked about; one that cannot be read counts (restoring it
     names the damage)."""
+    made = snapshot_times(store, mids, read)
+    return lambda mid: made(mid) is not None
+
+
+def snapshot_times(store: Store, mids: Iterable[str], read: Callable[[str], Manifest] | None = None) -> Callable[[str], float | None]:
+    """As :func:`snapshot_test`, but when each snapshot was made (``Manifest.created``; infinity where its
+    manifest cannot be read: the newest, so that a restore of it names the damage), None for no snapshot."""
     from ckpt.snapshot.run import is_snapshot
     from ckpt.store.catalog import snapshot_kinds
 
     kinds = snapshot_kinds(store, mids)
     manifest = read if read is not None else store.manifest
 
-    def test(mid: str) -> bool:
+    def made(mid: str) -> float | None:
         if mid not in kinds:
             try:
-                kinds[mid] = is_snapshot(manifest(mid))
+                m = manifest(mid)
+                kinds[mid] = (is_snapshot(m), m.created)
             except CkptError:
-                kinds[mid] = True
-        return kinds[mid]
+                kinds[mid] = (True, math.inf)
+        snapshot, created = kinds[mid]
+        return created if snapshot else None
 
-    return test
+    return made
 
 
 def resolve_latest(store: Store, run: str, warn: Callable[[str], None] | None = None) -> str:
     """The checkpoint id ``RUN/latest`` names in ``store``; where it names none (a user's ``ckpt rm RUN/latest``,
-    a crash between a save's first ``RUN/step-N`` and its ``RUN/latest``), the newest ``RUN/step-N`` that is a
-    snapshot (:func:`snapshot_test`), with a :class:`TierWarning` (through ``warn``, given: a manager's, which
-    says each thing once): a run must never start again from scratch while a snapshot of it exists. Raises
-    RefNotFoundError where the run has neither."""
+    a crash between a save's first ``RUN/step-N`` and its ``RUN/latest``), the run's newest snapshot, with a
+    :class:`TierWarning` (through ``warn``, given: a manager's, which says each thing once): a run must never
+    start again from scratch while a snapshot of it exists. Raises RefNotFoundError where the run has neither.
+
+    The newest is the ``RUN/step-N`` that is a snapshot (:func:`snapshot_test`) made last (``Manifest.created``;
+    the higher step where two were made at the same time), which RUN/latest named when its save moved it
+    (docs/format.md, "Snapshots"): after a run went back to an earlier snapshot and saved on, the steps of
+    the timeline it left may be higher, but they are older."""
     from ckpt.errors import RefNotFoundError
     from ckpt.snapshot.run import TierWarning
 
@@ -161,19 +175,19 @@ def resolve_latest(store: Store, run: str, warn: Callable[[str], None] | None = 
         found = step_refs(store, run)
         if not found:
             raise
-    snapshot = snapshot_test(store, found.values())
-    for step in sorted(found, reverse=True):
-        mid = found[step]
-        if snapshot(mid):
-            message = (f"{latest} is missing in {store.url}: the run's newest snapshot is taken for it, step {step} "
-                       f"({run}/step-{step}); the next save names its own snapshot {latest}")
-            if warn is not None:
-                warn(message)
-            else:
-                log.warning("%s", message)
-                warnings.warn(message, TierWarning, stacklevel=3)
-            return mid
-    raise RefNotFoundError(f"no snapshot of run {run!r} in {store.url}: {latest} is missing and no {run}/step-N is a snapshot")
+    made = snapshot_times(store, found.values())
+    times = {step: t for step, mid in found.items() if (t := made(mid)) is not None}
+    if not times:
+        raise RefNotFoundError(f"no snapshot of run {run!r} in {store.url}: {latest} is missing and no {run}/step-N is a snapshot")
+    step = max(times, key=lambda s: (times[s], s))
+    message = (f"{latest} is missing in {store.url}: the run's newest snapshot is taken for it, step {step} "
+               f"({run}/step-{step}); the next save names its own snapshot {latest}")
+    if warn is not None:
+        warn(message)
+    else:
+        log.warning("%s", message)
+        warnings.warn(message, TierWarning, stacklevel=3)
+    return found[step]
 
 
 TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is

@@ -185,30 +185,31 @@ def overviews(store: Store, mids: list[str], checked: set[str]) -> dict[str, Ove
     return out
 
 
-def snapshot_kinds(store: Store, mids: Iterable[str]) -> dict[str, bool]:
-    """Whether each of checkpoints ``mids`` is a snapshot (:func:`~ckpt.snapshot.run.is_snapshot`), from
-    their summaries in the metadata index, as ``ls`` reads them: the few reads of the index, not a manifest
-    each (a run's thousands of steps); a summary it lacks is read from its manifest once and kept there.
-    The source tells, but for a process group's ("dcp", as a pushed DCP checkpoint's), where the detail of
-    its chunk list does. Those it cannot tell (no index, a manifest that cannot be read) are left out, for
-    the caller to decide from their manifests or leave be."""
+def snapshot_kinds(store: Store, mids: Iterable[str]) -> dict[str, tuple[bool, float]]:
+    """Whether each of checkpoints ``mids`` is a snapshot (:func:`~ckpt.snapshot.run.is_snapshot`), and when it
+    was made (``Manifest.created``), from their summaries in the metadata index, as ``ls`` reads them: the few
+    reads of the index, not a manifest each (a run's thousands of steps); a summary it lacks is read from its
+    manifest once and kept there. The source tells, but for a process group's ("dcp", as a pushed DCP
+    checkpoint's), where the detail of its chunk list does. Those it cannot tell (no index, a manifest that
+    cannot be read) are left out, for the caller to decide from their manifests or leave be."""
     from ckpt.dcp.format import DCP_SOURCE
 
     wanted = list(dict.fromkeys(mids))
     if store.index is None or not wanted:
         return {}
-    out: dict[str, bool] = {}
+    out: dict[str, tuple[bool, float]] = {}
     try:
         st = store.index.view(exact=True)
         store.index.ensure(st, well_formed(st, wanted), strict=False)
         group = [m for m in wanted if m in st.info and st.info[m]["source"] == DCP_SOURCE]
-        out = {m: st.info[m]["source"] == SNAPSHOT_SOURCE for m in wanted if m in st.info and m not in group}
+        out = {m: (st.info[m]["source"] == SNAPSHOT_SOURCE, st.info[m]["created"])
+               for m in wanted if m in st.info and m not in group}
         if group:
             store.index.ensure(st, group, chunks=True, strict=False)
             assert st.chunks is not None
             for mid in well_formed(st, group):
                 if mid in st.chunks and isinstance(st.chunks[mid][1].get("snapshot"), bool):
-                    out[mid] = st.chunks[mid][1]["snapshot"]
+                    out[mid] = (st.chunks[mid][1]["snapshot"], st.info[mid]["created"])
         store.index.heal(st)
     except CkptError:  # a damaged ref or index: the manifests tell
         pass
