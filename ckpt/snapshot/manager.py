@@ -48,6 +48,7 @@ from ckpt.snapshot.tiers import (
     describe,
     out_of_space,
     resolve_latest,
+    run_steps,
     snapshot_test,
     step_refs,
 )
@@ -775,8 +776,8 @@ class CheckpointManager:
         """Steps of the run's live snapshots, oldest first. A checkpoint pushed under the run's name
         (``RUN/step-N``) is none: told by its summary in the store's metadata index, else by its manifest;
         one that cannot be read is listed (restoring it names the damage)."""
-        found = step_refs(self.store, self.run)
-        snapshot = snapshot_test(self.store, found.values())
+        found, view = run_steps(self.store, self.run)
+        snapshot = snapshot_test(self.store, found.values(), view=view)
         return sorted(s for s, mid in found.items() if snapshot(mid))
 
     def _metric(self, step: int) -> dict[str, float]:

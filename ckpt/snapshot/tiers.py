@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest, TensorEntry
     from ckpt.settings import Settings
     from ckpt.store.store import Store
+    from ckpt_store.storage.index import IndexState
     from ckpt_store.storage.refs import RefEntry
 
 log = logging.getLogger(__name__)
@@ -108,38 +109,54 @@ def live_refs_of(store: Store, run: str) -> dict[str, RefEntry]:
     """The live refs of ``store`` and their entries, by name (from its index), or, where some ref there
     cannot be read, the live refs under ``run`` alone: a damaged ref of another run, or anyone's, must not
     stop this run's saves and retention. A damaged ref of the run is left out (kept, not pruned)."""
+    return _viewed_refs_of(store, run)[0]
+
+
+def _viewed_refs_of(store: Store, run: str) -> tuple[dict[str, RefEntry], IndexState | None]:
+    """:func:`live_refs_of`, and the view of the store's index that told them (None: none)."""
+    from ckpt.store.catalog import viewed_live_refs
+
     try:
-        return store.refs()
+        return viewed_live_refs(store)
     except StoreFormatError:
-        return store.refs_db.scan(run)[0]
+        return store.refs_db.scan(run)[0], None
 
 
 def step_refs(store: Store, run: str) -> dict[int, str]:
     """The live refs ``RUN/step-N`` of ``run`` in ``store``, snapshots or not: step -> checkpoint id."""
+    return run_steps(store, run)[0]
+
+
+def run_steps(store: Store, run: str) -> tuple[dict[int, str], IndexState | None]:
+    """:func:`step_refs`, and the view of the store's index that told them, for :func:`snapshot_test` (``view``):
+    which of them are snapshots, without listing the refs and loading the index again."""
     found: dict[int, str] = {}
-    for name, entry in live_refs_of(store, run).items():
+    refs, view = _viewed_refs_of(store, run)
+    for name, entry in refs.items():
         step = step_of(run, name)
         if step is not None and entry.target is not None:
             found[step] = entry.target
-    return found
+    return found, view
 
 
-def snapshot_test(store: Store, mids: Iterable[str], read: Callable[[str], Manifest] | None = None) -> Callable[[str], bool]:
+def snapshot_test(store: Store, mids: Iterable[str], read: Callable[[str], Manifest] | None = None,
+                  view: IndexState | None = None) -> Callable[[str], bool]:
     """Whether each of ``mids`` is a snapshot (not a checkpoint a user pushed under the run's name): told
     by its summary in the store's metadata index, else by its manifest (``read``: the caller's cached
     reader, else the store's), read when first asked about; one that cannot be read counts (restoring it
-    names the damage)."""
-    made = snapshot_times(store, mids, read)
+    names the damage). ``view``: the view of the index the caller listed the refs from (:func:`run_steps`)."""
+    made = snapshot_times(store, mids, read, view)
     return lambda mid: made(mid) is not None
 
 
-def snapshot_times(store: Store, mids: Iterable[str], read: Callable[[str], Manifest] | None = None) -> Callable[[str], float | None]:
+def snapshot_times(store: Store, mids: Iterable[str], read: Callable[[str], Manifest] | None = None,
+                   view: IndexState | None = None) -> Callable[[str], float | None]:
     """As :func:`snapshot_test`, but when each snapshot was made (``Manifest.created``; infinity where its
     manifest cannot be read: the newest, so that a restore of it names the damage), None for no snapshot."""
     from ckpt.snapshot.run import is_snapshot
     from ckpt.store.catalog import snapshot_kinds
 
-    kinds = snapshot_kinds(store, mids)
+    kinds = snapshot_kinds(store, mids, view)
     manifest = read if read is not None else store.manifest
 
     def made(mid: str) -> float | None:
@@ -172,10 +189,10 @@ def resolve_latest(store: Store, run: str, warn: Callable[[str], None] | None = 
     try:
         return store.resolve(latest)
     except RefNotFoundError:
-        found = step_refs(store, run)
+        found, view = run_steps(store, run)
         if not found:
             raise
-    made = snapshot_times(store, found.values())
+    made = snapshot_times(store, found.values(), view=view)
     times = {step: t for step, mid in found.items() if (t := made(mid)) is not None}
     if not times:
         raise RefNotFoundError(f"no snapshot of run {run!r} in {store.url}: {latest} is missing and no {run}/step-N is a snapshot")

@@ -272,6 +272,27 @@ def test_a_run_gone_back_whose_latest_is_missing_resumes_its_new_timeline_not_th
     assert _state_bits(fresh, fresh_opt) == want
 
 
+def test_steps_and_a_missing_latest_load_the_index_once_on_s3(s3_main_url):
+    """steps() and the fallback for a missing run/latest listed refs/ and loaded the metadata index twice: once for
+    the run's step refs, once more for which of them are snapshots. The view that told the refs answers both now:
+    one GET of the index's snapshot each (the same steps, the same choice)."""
+    from s3support import gets_of
+
+    store = ckpt.Store.init(s3_main_url)
+    model = _model()
+    with ckpt.CheckpointManager(store, "run", save_mode="sync") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"model": model})
+        store.remove("run/latest")
+        assert mgr.steps() == [1, 2, 3]  # (the index's snapshot written: what follows reads it)
+        with gets_of(store) as gets:
+            assert mgr.steps() == [1, 2, 3]
+        assert len([g for g in gets if g.endswith(".snap")]) == 1, gets
+        with gets_of(store) as gets, pytest.warns(ckpt.TierWarning, match="step 3 "):
+            assert mgr.latest_step() == 3
+        assert len([g for g in gets if g.endswith(".snap")]) == 1, gets
+
+
 @pytest.mark.parametrize("index", ["1", "0"], ids=["index", "no-index"])
 def test_steps_leave_out_a_checkpoint_pushed_under_the_run(tmp_path, monkeypatch, index):
     """steps() listed every ref RUN/step-N, a user's checkpoint pushed under the name too: restore(N) of
