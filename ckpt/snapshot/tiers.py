@@ -105,6 +105,14 @@ def step_of(run: str, ref: str) -> int | None:
     return int(tail) if tail.isascii() and tail.isdigit() and str(int(tail)) == tail else None
 
 
+def step_ref(ref: str) -> tuple[str, int] | None:
+    """(RUN, N) of a ref ``RUN/step-N`` named as the manager names its steps (:func:`step_of`), else None: for
+    a reader that knows no run (the web view), the run is what comes before the last ``/step-``."""
+    run, sep, _ = ref.rpartition("/step-")
+    step = step_of(run, ref) if sep and run else None
+    return None if step is None else (run, step)
+
+
 def live_refs_of(store: Store, run: str) -> dict[str, RefEntry]:
     """The live refs of ``store`` and their entries, by name (from its index), or, where some ref there
     cannot be read, the live refs under ``run`` alone: a damaged ref of another run, or anyone's, must not

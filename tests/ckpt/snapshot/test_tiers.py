@@ -715,6 +715,16 @@ def test_snapshot_step_is_a_non_negative_int_or_nothing(tmp_path, step):
     assert snapshot_step(damaged) is None
 
 
+def test_step_ref_splits_a_ref_as_the_manager_names_its_steps():
+    """The web view's reading of RUN/step-N (which knows no run) and the manager's (step_of) are one rule."""
+    from ckpt.snapshot.tiers import step_of, step_ref
+
+    assert step_ref("run/step-7") == ("run", 7) and step_ref("run/step-0") == ("run", 0)
+    assert step_ref("a/step-1/step-2") == ("a/step-1", 2) and step_of("a/step-1", "a/step-1/step-2") == 2
+    for ref in ("run/step-007", "run/step-", "/step-1", "step-1", "run/step-1x", "run/step-\u0663", "run/step--1", "run/latest"):
+        assert step_ref(ref) is None, ref
+
+
 def test_snapshot_step_of_a_checkpoint_no_manager_wrote_is_none(tmp_path):
     """snapshot_step read the step of any manifest whose extra held a "snapshot" record, which a pushed
     checkpoint's entries fill: pushed under RUN/latest, the manager took it for the run's newest
