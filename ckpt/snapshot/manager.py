@@ -346,6 +346,7 @@ class CheckpointManager:
         self._durable_known = False  # once read (at the first save with a local tier)
         self._persist_pending = False  # a persist failed: the next save persists
         self._inflight: Future[None] | None = None
+        self._closed = False
         # keep_best's metrics of the steps retention counts (a step's manifest holds them too): those it removes are dropped
         self._metrics: dict[int, dict[str, float]] = {}
         self._snapshot_ids: dict[int, tuple[str, bool]] = {}  # retention: step -> (manifest id, whether a snapshot)
@@ -444,6 +445,9 @@ class CheckpointManager:
         is skipped, with a :class:`TierWarning` each: training goes on."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError("step must be a non-negative int")
+        if self._closed:  # its save thread is gone, and its local tier may be another manager's by now
+            raise SnapshotError(f"snapshot of step {step} not saved: this CheckpointManager of run {self.run!r} is closed",
+                                hint="save with a new CheckpointManager (or save before leaving its `with` block)")
         self._wait_save()
         if self._local is None:  # (with a local tier a persist moves it later)
             self._check_latest()
@@ -748,7 +752,9 @@ class CheckpointManager:
             f.result()
 
     def close(self) -> None:
-        """Finish the in-flight save (raising its error) and release resources."""
+        """Finish the in-flight save (raising its error) and release resources (a later save raises
+        :class:`SnapshotError`)."""
+        self._closed = True
         try:
             self.wait()
         finally:

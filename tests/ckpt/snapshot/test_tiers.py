@@ -495,6 +495,26 @@ def test_one_manager_per_local_tier(tmp_path, monkeypatch):
     c.close()
 
 
+@pytest.mark.parametrize("save_mode", ["sync", "async"])
+def test_a_closed_manager_refuses_to_save_and_leaves_the_tier_to_its_new_holder(tmp_path, save_mode):
+    """A save after close() (a loop that outlived its ``with`` block): in sync mode it wrote its snapshot into the
+    local tier it no longer held, which another manager had taken (and prunes and collects without grace); in
+    async mode it raised a bare RuntimeError from the thread pool. It raises SnapshotError now, writing nothing."""
+    from ckpt.snapshot.run import SnapshotError
+
+    model = torch.nn.Linear(4, 2)
+    kw = {"local": str(tmp_path / "tier"), "every_n_steps": 4, "local_every_n_steps": 2, "save_mode": save_mode}
+    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
+    mgr.save(2, {"model": model})
+    mgr.close()
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw) as other:
+        for step in (3, 4):
+            with pytest.raises(SnapshotError, match="is closed"):
+                mgr.save(step, {"model": model})
+        assert other.local_tier.steps == [2] and other.steps() == []
+    assert sorted(ckpt.Store.open(str(tmp_path / "tier")).refs()) == ["run/latest", "run/step-2"]
+
+
 def test_a_local_tier_held_by_another_process_is_refused_until_it_dies(tmp_path, monkeypatch):
     import ckpt.snapshot.tiers as tiers
 
