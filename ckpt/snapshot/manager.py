@@ -48,6 +48,7 @@ from ckpt.snapshot.tiers import (
     describe,
     out_of_space,
     resolve_latest,
+    run_steps,
     snapshot_test,
     step_refs,
 )
@@ -320,6 +321,7 @@ class CheckpointManager:
         self._retained: set[int] | None = None
         self._latest_id: str | None = None  # the id RUN/latest named when last checked or saved (see _check_latest)
         self._latest_warned = False
+        self._warned: set[str] = set()  # what _warn_once said
         self._local = self._local_tier(local, local_every_n_steps, local_keep, local_max_bytes, replicas, process_group)
         self._local_full = False  # the last local save ran out of space (on this rank): make room first
         # The local tier's snapshots carry bundles of their small chunks where the durable store is
@@ -344,6 +346,7 @@ class CheckpointManager:
         self._durable_known = False  # once read (at the first save with a local tier)
         self._persist_pending = False  # a persist failed: the next save persists
         self._inflight: Future[None] | None = None
+        self._closed = False
         # keep_best's metrics of the steps retention counts (a step's manifest holds them too): those it removes are dropped
         self._metrics: dict[int, dict[str, float]] = {}
         self._snapshot_ids: dict[int, tuple[str, bool]] = {}  # retention: step -> (manifest id, whether a snapshot)
@@ -442,6 +445,9 @@ class CheckpointManager:
         is skipped, with a :class:`TierWarning` each: training goes on."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError("step must be a non-negative int")
+        if self._closed:  # its save thread is gone, and its local tier may be another manager's by now
+            raise SnapshotError(f"snapshot of step {step} not saved: this CheckpointManager of run {self.run!r} is closed",
+                                hint="save with a new CheckpointManager (or save before leaving its `with` block)")
         self._wait_save()
         if self._local is None:  # (with a local tier a persist moves it later)
             self._check_latest()
@@ -502,7 +508,7 @@ class CheckpointManager:
             try:
                 # (RUN/latest missing: the newest step, as a restart would resume it, so that a run gone back
                 # below it persists its saves and a restart resumes them, not that step)
-                self._durable_step = snapshot_step(self.store.manifest(resolve_latest(self.store, self.run)))
+                self._durable_step = snapshot_step(self.store.manifest(self._resolve_latest()))
             except RefNotFoundError:
                 self._durable_step = None
             except Exception as e:  # noqa: BLE001 - unreadable now: the persists due say more
@@ -514,7 +520,9 @@ class CheckpointManager:
     def _check_latest(self) -> None:
         """Warn (once) where the durable RUN/latest names a checkpoint a user pushed there (no snapshot), which
         this save is about to move away from: the next restart would otherwise resume without a word of it.
-        One ref read per save; a manifest read only where RUN/latest changed since this manager last saw it.
+        Called before every write of it: a save without tiers; with tiers, a save due to the durable store (a
+        full tier's direct save there, a group's persist) and a persist. One ref read each; a manifest read
+        only where RUN/latest changed since this manager last saw it.
         In a group rank 0 alone checks (no collective: a failed read only skips the check)."""
         if self._latest_warned or getattr(self._path, "rank", 0) != 0:
             return
@@ -542,8 +550,9 @@ class CheckpointManager:
 
         def run() -> SaveResult | None:
             try:
-                if persist:  # the fallback may move RUN/latest in the durable store
+                if persist:  # the fallback may move RUN/latest in the durable store (a group's persist does)
                     with self._durable_lock:
+                        self._check_latest()
                         result = job()
                         if result.fell_back is not None:
                             self._published, self._durable_step = seq, step
@@ -686,12 +695,23 @@ class CheckpointManager:
             except Exception as e:  # noqa: BLE001 - the next save of an earlier step drops it again
                 self._tier_warning(f"local tier: could not drop step {step} of the timeline the run left ({describe(e)})")
 
+    def _resolve_latest(self) -> str:
+        """:func:`~ckpt.snapshot.tiers.resolve_latest` of the durable store, warning once of each fallback."""
+        return resolve_latest(self.store, self.run, self._warn_once)
+
+    def _warn_once(self, message: str) -> None:
+        """A :class:`TierWarning` this manager has not given yet (``latest_step()`` then ``restore_latest()``
+        meet the same missing RUN/latest: one warning says it)."""
+        if message not in self._warned:
+            self._warned.add(message)
+            self._tier_warning(message)
+
     def _tier_warning(self, message: str) -> None:
         log.warning("%s", message)
         warnings.warn(message, TierWarning, stacklevel=2)
 
     def _saved(self, step: int, metrics: dict[str, float], r: SaveResult, blocked: float, background: float) -> None:
-        if self._local is None and r.id is not None:
+        if r.id is not None and (self._local is None or r.fell_back is not None or r.persisted):
             self._latest_id = r.id  # (RUN/latest names it now: the next save's check reads no manifest)
         if self.retention.best:  # (nothing else reads them)
             self._metrics[step] = metrics
@@ -732,7 +752,9 @@ class CheckpointManager:
             f.result()
 
     def close(self) -> None:
-        """Finish the in-flight save (raising its error) and release resources."""
+        """Finish the in-flight save (raising its error) and release resources (a later save raises
+        :class:`SnapshotError`)."""
+        self._closed = True
         try:
             self.wait()
         finally:
@@ -760,8 +782,8 @@ class CheckpointManager:
         """Steps of the run's live snapshots, oldest first. A checkpoint pushed under the run's name
         (``RUN/step-N``) is none: told by its summary in the store's metadata index, else by its manifest;
         one that cannot be read is listed (restoring it names the damage)."""
-        found = step_refs(self.store, self.run)
-        snapshot = snapshot_test(self.store, found.values())
+        found, view = run_steps(self.store, self.run)
+        snapshot = snapshot_test(self.store, found.values(), view=view)
         return sorted(s for s, mid in found.items() if snapshot(mid))
 
     def _metric(self, step: int) -> dict[str, float]:
@@ -852,12 +874,12 @@ class CheckpointManager:
         :attr:`last_restore` says which step was restored and the bytes each tier served."""
         self.wait()
         if self._local is None:
-            mid = self._resolve(lambda: resolve_latest(self.store, self.run))
+            mid = self._resolve(self._resolve_latest)
             return None if mid is None else self._restore(state, mid)
         if self._distributed:
             path = self._group_path
             assert path.peers is not None
-            chosen = path.choose(self.store, self._durable.latest)
+            chosen = path.choose(self.store, self._durable.latest, self._warn_once)
             if chosen is None:
                 return None
             _, mid, tiers = chosen
@@ -884,7 +906,7 @@ class CheckpointManager:
         self.wait()
         if self._local is None:
             def find() -> tuple[str, int | None, str | None]:  # in a group, on rank 0 alone: every rank says the same
-                mid = resolve_latest(self.store, self.run)
+                mid = self._resolve_latest()
                 m = self.store.manifest(mid)
                 return mid, snapshot_step(m), None if is_snapshot(m) else m.source
 
@@ -896,7 +918,7 @@ class CheckpointManager:
                 raise not_a_snapshot(mid, pushed)
             return step
         if self._distributed:
-            chosen = self._group_path.choose(self.store, self._durable.latest)
+            chosen = self._group_path.choose(self.store, self._durable.latest, self._warn_once)
             return None if chosen is None else chosen[0]
         candidates, _ = self._candidates()
         return candidates[0][0] if candidates else None
@@ -948,7 +970,7 @@ class CheckpointManager:
         parsed: dict[str, Manifest] = {}
         durable: tuple[int, str, float] | None = None  # the durable RUN/latest: step, id, made at
         try:
-            mid = resolve_latest(self.store, self.run)
+            mid = self._resolve_latest()
             m = parsed[mid] = self.store.manifest(mid)
             if not is_snapshot(m):  # refused, as without a tier: never passed over for an older step, or none
                 raise not_a_snapshot(mid, m.source)

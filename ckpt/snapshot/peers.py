@@ -293,9 +293,10 @@ class Peers:
             out[step] = (mid, sorted(store.objects.has_many("chunks", referenced_chunks(data))))
         return out
 
-    def choose(self, durable: Store, latest: str) -> tuple[int, str, Tiers] | None:
+    def choose(self, durable: Store, latest: str, warn: Callable[[str], None] | None = None) -> tuple[int, str, Tiers] | None:
         """Agree on the snapshot to restore and gather, for this rank, the chunks its tier lacks from
-        peers. Returns (step, manifest id, the tiers to read it from), or None if there is none."""
+        peers. Returns (step, manifest id, the tiers to read it from), or None if there is none.
+        ``warn``: how :func:`~ckpt.snapshot.tiers.resolve_latest` warns of a missing RUN/latest."""
 
         # Rank 0 alone reads the durable store, and every rank chooses from what it read: ranks that
         # each read it could see it differently (one read failing, or lagging) and choose apart.
@@ -304,7 +305,7 @@ class Peers:
             try:
                 from ckpt.snapshot.run import is_snapshot
 
-                dmid = resolve_latest(durable, self.local.run)  # (RUN/latest missing: the newest step, warned)
+                dmid = resolve_latest(durable, self.local.run, warn)  # (RUN/latest missing: the newest step, warned)
                 dm = durable.manifest(dmid)
                 view = (dmid, snapshot_step(dm), dm.created, None if is_snapshot(dm) else dm.source)
             except RefNotFoundError:

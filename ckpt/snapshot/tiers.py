@@ -21,6 +21,7 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import stat
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest, TensorEntry
     from ckpt.settings import Settings
     from ckpt.store.store import Store
+    from ckpt_store.storage.index import IndexState
     from ckpt_store.storage.refs import RefEntry
 
 log = logging.getLogger(__name__)
@@ -103,53 +105,91 @@ def step_of(run: str, ref: str) -> int | None:
     return int(tail) if tail.isascii() and tail.isdigit() and str(int(tail)) == tail else None
 
 
+def step_ref(ref: str) -> tuple[str, int] | None:
+    """(RUN, N) of a ref ``RUN/step-N`` named as the manager names its steps (:func:`step_of`), else None: for
+    a reader that knows no run (the web view), the run is what comes before the last ``/step-``."""
+    run, sep, _ = ref.rpartition("/step-")
+    step = step_of(run, ref) if sep and run else None
+    return None if step is None else (run, step)
+
+
 def live_refs_of(store: Store, run: str) -> dict[str, RefEntry]:
     """The live refs of ``store`` and their entries, by name (from its index), or, where some ref there
     cannot be read, the live refs under ``run`` alone: a damaged ref of another run, or anyone's, must not
     stop this run's saves and retention. A damaged ref of the run is left out (kept, not pruned)."""
+    return _viewed_refs_of(store, run)[0]
+
+
+def _viewed_refs_of(store: Store, run: str) -> tuple[dict[str, RefEntry], IndexState | None]:
+    """:func:`live_refs_of`, and the view of the store's index that told them (None: none)."""
+    from ckpt.store.catalog import viewed_live_refs
+
     try:
-        return store.refs()
+        return viewed_live_refs(store)
     except StoreFormatError:
-        return store.refs_db.scan(run)[0]
+        return store.refs_db.scan(run)[0], None
 
 
 def step_refs(store: Store, run: str) -> dict[int, str]:
     """The live refs ``RUN/step-N`` of ``run`` in ``store``, snapshots or not: step -> checkpoint id."""
+    return run_steps(store, run)[0]
+
+
+def run_steps(store: Store, run: str) -> tuple[dict[int, str], IndexState | None]:
+    """:func:`step_refs`, and the view of the store's index that told them, for :func:`snapshot_test` (``view``):
+    which of them are snapshots, without listing the refs and loading the index again."""
     found: dict[int, str] = {}
-    for name, entry in live_refs_of(store, run).items():
+    refs, view = _viewed_refs_of(store, run)
+    for name, entry in refs.items():
         step = step_of(run, name)
         if step is not None and entry.target is not None:
             found[step] = entry.target
-    return found
+    return found, view
 
 
-def snapshot_test(store: Store, mids: Iterable[str], read: Callable[[str], Manifest] | None = None) -> Callable[[str], bool]:
+def snapshot_test(store: Store, mids: Iterable[str], read: Callable[[str], Manifest] | None = None,
+                  view: IndexState | None = None) -> Callable[[str], bool]:
     """Whether each of ``mids`` is a snapshot (not a checkpoint a user pushed under the run's name): told
     by its summary in the store's metadata index, else by its manifest (``read``: the caller's cached
     reader, else the store's), read when first asked about; one that cannot be read counts (restoring it
-    names the damage)."""
+    names the damage). ``view``: the view of the index the caller listed the refs from (:func:`run_steps`)."""
+    made = snapshot_times(store, mids, read, view)
+    return lambda mid: made(mid) is not None
+
+
+def snapshot_times(store: Store, mids: Iterable[str], read: Callable[[str], Manifest] | None = None,
+                   view: IndexState | None = None) -> Callable[[str], float | None]:
+    """As :func:`snapshot_test`, but when each snapshot was made (``Manifest.created``; infinity where its
+    manifest cannot be read: the newest, so that a restore of it names the damage), None for no snapshot."""
     from ckpt.snapshot.run import is_snapshot
     from ckpt.store.catalog import snapshot_kinds
 
-    kinds = snapshot_kinds(store, mids)
+    kinds = snapshot_kinds(store, mids, view)
     manifest = read if read is not None else store.manifest
 
-    def test(mid: str) -> bool:
+    def made(mid: str) -> float | None:
         if mid not in kinds:
             try:
-                kinds[mid] = is_snapshot(manifest(mid))
+                m = manifest(mid)
+                kinds[mid] = (is_snapshot(m), m.created)
             except CkptError:
-                kinds[mid] = True
-        return kinds[mid]
+                kinds[mid] = (True, math.inf)
+        snapshot, created = kinds[mid]
+        return created if snapshot else None
 
-    return test
+    return made
 
 
-def resolve_latest(store: Store, run: str) -> str:
+def resolve_latest(store: Store, run: str, warn: Callable[[str], None] | None = None) -> str:
     """The checkpoint id ``RUN/latest`` names in ``store``; where it names none (a user's ``ckpt rm RUN/latest``,
-    a crash between a save's first ``RUN/step-N`` and its ``RUN/latest``), the newest ``RUN/step-N`` that is a
-    snapshot (:func:`snapshot_test`), with a :class:`TierWarning`: a run must never start again from scratch
-    while a snapshot of it exists. Raises RefNotFoundError where the run has neither."""
+    a crash between a save's first ``RUN/step-N`` and its ``RUN/latest``), the run's newest snapshot, with a
+    :class:`TierWarning` (through ``warn``, given: a manager's, which says each thing once): a run must never
+    start again from scratch while a snapshot of it exists. Raises RefNotFoundError where the run has neither.
+
+    The newest is the ``RUN/step-N`` that is a snapshot (:func:`snapshot_test`) made last (``Manifest.created``;
+    the higher step where two were made at the same time), which RUN/latest named when its save moved it
+    (docs/format.md, "Snapshots"): after a run went back to an earlier snapshot and saved on, the steps of
+    the timeline it left may be higher, but they are older."""
     from ckpt.errors import RefNotFoundError
     from ckpt.snapshot.run import TierWarning
 
@@ -157,19 +197,22 @@ def resolve_latest(store: Store, run: str) -> str:
     try:
         return store.resolve(latest)
     except RefNotFoundError:
-        found = step_refs(store, run)
+        found, view = run_steps(store, run)
         if not found:
             raise
-    snapshot = snapshot_test(store, found.values())
-    for step in sorted(found, reverse=True):
-        mid = found[step]
-        if snapshot(mid):
-            message = (f"{latest} is missing in {store.url}: the run's newest snapshot is taken for it, step {step} "
-                       f"({run}/step-{step}); the next save names its own snapshot {latest}")
-            log.warning("%s", message)
-            warnings.warn(message, TierWarning, stacklevel=3)
-            return mid
-    raise RefNotFoundError(f"no snapshot of run {run!r} in {store.url}: {latest} is missing and no {run}/step-N is a snapshot")
+    made = snapshot_times(store, found.values(), view=view)
+    times = {step: t for step, mid in found.items() if (t := made(mid)) is not None}
+    if not times:
+        raise RefNotFoundError(f"no snapshot of run {run!r} in {store.url}: {latest} is missing and no {run}/step-N is a snapshot")
+    step = max(times, key=lambda s: (times[s], s))
+    message = (f"{latest} is missing in {store.url}: the run's newest snapshot is taken for it, step {step} "
+               f"({run}/step-{step}); the next save names its own snapshot {latest}")
+    if warn is not None:
+        warn(message)
+    else:
+        log.warning("%s", message)
+        warnings.warn(message, TierWarning, stacklevel=3)
+    return found[step]
 
 
 TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is

@@ -185,31 +185,35 @@ def overviews(store: Store, mids: list[str], checked: set[str]) -> dict[str, Ove
     return out
 
 
-def snapshot_kinds(store: Store, mids: Iterable[str]) -> dict[str, bool]:
-    """Whether each of checkpoints ``mids`` is a snapshot (:func:`~ckpt.snapshot.run.is_snapshot`), from
-    their summaries in the metadata index, as ``ls`` reads them: the few reads of the index, not a manifest
-    each (a run's thousands of steps); a summary it lacks is read from its manifest once and kept there.
-    The source tells, but for a process group's ("dcp", as a pushed DCP checkpoint's), where the detail of
-    its chunk list does. Those it cannot tell (no index, a manifest that cannot be read) are left out, for
-    the caller to decide from their manifests or leave be."""
+def snapshot_kinds(store: Store, mids: Iterable[str], st: IndexState | None = None) -> dict[str, tuple[bool, float]]:
+    """Whether each of checkpoints ``mids`` is a snapshot (:func:`~ckpt.snapshot.run.is_snapshot`), and when it
+    was made (``Manifest.created``), from their summaries in the metadata index, as ``ls`` reads them: the few
+    reads of the index, not a manifest each (a run's thousands of steps); a summary it lacks is read from its
+    manifest once and kept there. The source tells, but for a process group's ("dcp", as a pushed DCP
+    checkpoint's), where the detail of its chunk list does. Those it cannot tell (no index, a manifest that
+    cannot be read) are left out, for the caller to decide from their manifests or leave be. ``st``: the view of
+    the index the caller listed the refs from (:func:`viewed_live_refs`), not loaded again."""
     from ckpt.dcp.format import DCP_SOURCE
 
     wanted = list(dict.fromkeys(mids))
     if store.index is None or not wanted:
         return {}
-    out: dict[str, bool] = {}
+    out: dict[str, tuple[bool, float]] = {}
     try:
-        st = store.index.view(exact=True)
+        healed, st = st is not None, st if st is not None else store.index.view(exact=True)
+        read = st.read
         store.index.ensure(st, well_formed(st, wanted), strict=False)
         group = [m for m in wanted if m in st.info and st.info[m]["source"] == DCP_SOURCE]
-        out = {m: st.info[m]["source"] == SNAPSHOT_SOURCE for m in wanted if m in st.info and m not in group}
+        out = {m: (st.info[m]["source"] == SNAPSHOT_SOURCE, st.info[m]["created"])
+               for m in wanted if m in st.info and m not in group}
         if group:
             store.index.ensure(st, group, chunks=True, strict=False)
             assert st.chunks is not None
             for mid in well_formed(st, group):
                 if mid in st.chunks and isinstance(st.chunks[mid][1].get("snapshot"), bool):
-                    out[mid] = st.chunks[mid][1]["snapshot"]
-        store.index.heal(st)
+                    out[mid] = (st.chunks[mid][1]["snapshot"], st.info[mid]["created"])
+        if not healed or st.read > read:  # (a view the caller healed: again only for what was read here)
+            store.index.heal(st)
     except CkptError:  # a damaged ref or index: the manifests tell
         pass
     return out
@@ -224,11 +228,17 @@ def open_index(store: Store) -> StoreIndex | None:
 
 def live_refs(store: Store) -> dict[str, RefEntry]:
     """Every live ref and its current entry (the index checked against the listing of ``refs/``)."""
+    return viewed_live_refs(store)[0]
+
+
+def viewed_live_refs(store: Store) -> tuple[dict[str, RefEntry], IndexState | None]:
+    """:func:`live_refs`, and the view of the index they were told by (None: no index), which
+    :func:`snapshot_kinds` takes: a run's steps and which are snapshots, from one listing and load."""
     if store.index is None:
-        return store.refs_db.live()
+        return store.refs_db.live(), None
     st = store.index.view(exact=True)
     store.index.heal(st)
-    return st.live()
+    return st.live(), st
 
 
 def live_usage(store: Store, listed: set[str] | None = None) -> list[tuple[str, str, Usage]]:

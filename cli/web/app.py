@@ -28,12 +28,12 @@ import ckpt
 from ckpt.diffing.compare import SORT_KEYS
 from ckpt.errors import AmbiguousRefError, CkptError, InvalidNameError, RefNotFoundError
 from ckpt.snapshot.run import is_snapshot
+from ckpt.snapshot.tiers import step_ref
 from ckpt_store.cli.results import strict_json
 from ckpt_store.cli.web import charts
 from ckpt_store.cli.web.data import (
     HISTORY_PAGE,
     MAX_PAGE,
-    STEP_REF,
     StoreView,
     own_chunks,
     page,
@@ -270,9 +270,9 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         lin = doc["lineage"] or {}
         merge = lin.get("merge") if isinstance(lin.get("merge"), dict) else None
         run = None
-        m = STEP_REF.match(ref)
+        m = step_ref(ref)
         if m and is_snapshot(view.manifest(doc["id"])):
-            run = m["run"]
+            run = m[0]
         names: dict[str, str] = {}
         for n, e in sorted(view.refs().items(), reverse=True):  # the first name (sorted) wins
             names[e.target] = n

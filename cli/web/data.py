@@ -10,7 +10,6 @@ and the usage after a few seconds, so pages follow pushes made meanwhile.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -22,11 +21,10 @@ from ckpt.codecs.chunk import CODEC_NAMES
 from ckpt.errors import CkptError, RefNotFoundError
 from ckpt.format.manifest import Manifest
 from ckpt.snapshot.run import is_snapshot
-from ckpt.snapshot.tiers import snapshot_test
+from ckpt.snapshot.tiers import snapshot_test, step_of, step_ref
 from ckpt.store import catalog
 from ckpt_store.cli import results
 
-STEP_REF = re.compile(r"^(?P<run>.+)/step-(?P<step>0|[1-9][0-9]*)\Z")  # (RUN/step-007 is no step: the manager's is RUN/step-7)
 MAX_PAGE = 1000  # the most rows one request returns, whatever it asks for
 CACHE_TENSORS = 1_000_000  # tensors the view's caches hold (a parsed manifest: ~600 bytes a tensor)
 HISTORY_PAGE = 100  # rows of a history (a ref's log, a run's snapshots) a request returns unless it asks: one manifest read each
@@ -180,7 +178,7 @@ class StoreView:
                 for codec, n in o.mix.items():
                     mix[CODEC_NAMES.get(codec, "?")] = mix.get(CODEC_NAMES.get(codec, "?"), 0) + n
                 out.append({**row, "stored_bytes": stored_bytes(o.own, sizes), "codecs": dict(sorted(mix.items())),
-                            "run": (STEP_REF.match(r["ref"]) or {"run": None})["run"] if o.snapshot else None})
+                            "run": (step_ref(r["ref"]) or (None,))[0] if o.snapshot else None})
                 continue
             try:  # listed from the metadata index, a ref's manifest may yet be damaged: the row says so
                 m = self.manifest(r["id"])
@@ -188,7 +186,7 @@ class StoreView:
                 out.append({**row, "damaged": str(e)})
                 continue
             out.append({**row, "stored_bytes": stored_bytes(own_chunks(m), sizes), "codecs": codec_mix(m),
-                        "run": (STEP_REF.match(r["ref"]) or {"run": None})["run"] if is_snapshot(m) else None})
+                        "run": (step_ref(r["ref"]) or (None,))[0] if is_snapshot(m) else None})
         return out
 
     def show(self, ref: str) -> dict[str, Any]:
@@ -256,12 +254,11 @@ class StoreView:
             sizes.update(store.chunk_sizes() if store is not self.store else self.chunk_sizes())
             histories, damaged = store.readable_ref_history(name)  # one damaged step must not hide the run
             steps = {ref: entries for ref, entries in histories.items()
-                     if (m := STEP_REF.match(ref)) and m["run"] == name and (entries or ref in damaged)}
+                     if step_of(name, ref) is not None and (entries or ref in damaged)}
             pushed = self._pushed(store, [e[0].target for e in steps.values() if e and e[0].target is not None])
             for ref, entries in steps.items():
-                m = STEP_REF.match(ref)
-                assert m is not None
-                step = int(m["step"])
+                step = step_of(name, ref)
+                assert step is not None
                 live = bool(entries) and entries[0].target is not None
                 gone_at = entries[0].time if entries else None
                 if live and entries[0].target in pushed:  # a user's checkpoint under the name: none of the run's steps
@@ -337,13 +334,13 @@ class StoreView:
         """Names of the training runs among the live refs (RUN/step-N of snapshot manifests)."""
         found: set[str] = set()
         for name, entry in self.refs().items():
-            m = STEP_REF.match(name)
-            if not m or m["run"] in found:
+            m = step_ref(name)
+            if not m or m[0] in found:
                 continue
             try:
                 snapshot = is_snapshot(self.manifest(entry.target))
             except CkptError:  # damaged: the overview names it, the other runs are listed
                 continue
             if snapshot:
-                found.add(m["run"])
+                found.add(m[0])
         return sorted(found)

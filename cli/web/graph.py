@@ -23,7 +23,8 @@ from typing import Any
 
 from ckpt.errors import CkptError
 from ckpt.snapshot.run import is_snapshot
-from ckpt_store.cli.web.data import STEP_REF, StoreView, own_chunks, stored_bytes
+from ckpt.snapshot.tiers import step_ref
+from ckpt_store.cli.web.data import StoreView, own_chunks, stored_bytes
 
 RUN_PREFIX = "run:"
 MAX_NODES = 2000  # checkpoints drawn at most; the rest are left out ("truncated")
@@ -54,9 +55,9 @@ def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
             m = view.manifest(entry.target)
         except CkptError:  # damaged: left out here, named by the overview (as `ckpt ls` names it)
             continue
-        step = STEP_REF.match(name)
+        step = step_ref(name)
         if step and is_snapshot(m):
-            runs[step["run"]].append((int(step["step"]), name, entry.target))
+            runs[step[0]].append((step[1], name, entry.target))
         elif entry.alias and name.endswith("/latest"):
             aliases.add(name)  # RUN/latest: shown as its run
         else:

@@ -765,6 +765,33 @@ def tiers_pushed_latest(rank, world, tmp, store):
     return out
 
 
+def tiers_persist_over_pushed_latest(rank, world, tmp, store):
+    """Local tiers (every 2 steps, persisted every 4): train to 4; rank 0 pushes a user's checkpoint as
+    ``ddp/latest``; train on to 8, whose persist moves ddp/latest to step 8. The TierWarnings each rank saw
+    while training on, and where ddp/latest ended."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+
+    state = _ddp_state(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr = ckpt.CheckpointManager(store, "ddp", every_n_steps=4, process_group=dist.group.WORLD, timeout_s=20,
+                                     local=os.path.join(tmp, "local"), local_every_n_steps=2, replicas=1)
+        _ddp_train(mgr, state, range(1, 5))
+        mgr.wait()
+        pushed = ckpt.Store.open(store).push({"w": torch.arange(4.0)}, "ddp/latest") if rank == 0 else None
+        dist.barrier()
+        _ddp_train(mgr, state, range(5, 9))
+        mgr.close()
+    latest = ckpt.Store.open(store).manifest("ddp/latest")
+    return {"pushed": pushed, "warnings": [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)],
+            "latest": latest.extra["snapshot"]["step"]}
+
+
 def tiers_removed_latest(rank, world, tmp, store):
     """Local tiers (every 2 steps, persisted every 4): train to 8, then ``ckpt rm ddp/latest`` (what the refusal of
     a checkpoint pushed there advises). Fresh managers (with the run's tiers, with fresh empty ones, without tiers)
@@ -1689,6 +1716,7 @@ SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
              "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,
              "tiers_pushed_latest": tiers_pushed_latest, "tiers_removed_latest": tiers_removed_latest,
+             "tiers_persist_over_pushed_latest": tiers_persist_over_pushed_latest,
              "latest_step_unread": latest_step_unread,
              "restore_stale_view": restore_stale_view, "tiers_left_timeline": tiers_left_timeline,
              "ranks_disagree": ranks_disagree, "forged_key_path": forged_key_path,

@@ -237,6 +237,63 @@ def test_a_save_over_a_checkpoint_pushed_as_run_latest_warns_once(tmp_path, save
 
 
 @pytest.mark.parametrize("index", ["1", "0"], ids=["index", "no-index"])
+def test_a_run_gone_back_whose_latest_is_missing_resumes_its_new_timeline_not_the_highest_step(tmp_path, monkeypatch, index):
+    """Saved at 2, 4, 6, 8; taken back to step 4 and saved on at 6 (run/step-6 now of the new timeline), while
+    step 8 of the timeline it left stays; then run/latest is removed. The fallback took the highest step, the
+    abandoned 8, for run/latest. It takes the snapshot made last now (what run/latest named): the new step 6,
+    bit for bit, with the index's summaries or the manifests telling when each was made."""
+    monkeypatch.setenv("CKPT_INDEX", index)
+    url = str(tmp_path / "s")
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def train(mgr, steps):
+        for step in steps:
+            model(torch.randn(4, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.maybe_save(step, {"model": model, "optim": opt})
+
+    with ckpt.CheckpointManager(url, "run", every_n_steps=2, save_mode="sync") as mgr:
+        train(mgr, range(1, 9))
+    with ckpt.CheckpointManager(url, "run", every_n_steps=2, save_mode="sync") as mgr:
+        assert mgr.restore({"model": model, "optim": opt}, 4) == 4
+        train(mgr, (5, 6))
+    want = _state_bits(model, opt)
+    store = ckpt.Store.open(url)
+    store.remove("run/latest")
+    assert sorted(store.refs()) == ["run/step-2", "run/step-4", "run/step-6", "run/step-8"]
+    fresh = _model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    with ckpt.CheckpointManager(url, "run", every_n_steps=2, save_mode="sync") as mgr:
+        with pytest.warns(ckpt.TierWarning, match="run/latest is missing .* step 6 "):
+            assert mgr.latest_step() == 6
+            assert mgr.restore_latest({"model": fresh, "optim": fresh_opt}) == 6
+    assert _state_bits(fresh, fresh_opt) == want
+
+
+def test_steps_and_a_missing_latest_load_the_index_once_on_s3(s3_main_url):
+    """steps() and the fallback for a missing run/latest listed refs/ and loaded the metadata index twice: once for
+    the run's step refs, once more for which of them are snapshots. The view that told the refs answers both now:
+    one GET of the index's snapshot each (the same steps, the same choice)."""
+    from s3support import gets_of
+
+    store = ckpt.Store.init(s3_main_url)
+    model = _model()
+    with ckpt.CheckpointManager(store, "run", save_mode="sync") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"model": model})
+        store.remove("run/latest")
+        assert mgr.steps() == [1, 2, 3]  # (the index's snapshot written: what follows reads it)
+        with gets_of(store) as gets:
+            assert mgr.steps() == [1, 2, 3]
+        assert len([g for g in gets if g.endswith(".snap")]) == 1, gets
+        with gets_of(store) as gets, pytest.warns(ckpt.TierWarning, match="step 3 "):
+            assert mgr.latest_step() == 3
+        assert len([g for g in gets if g.endswith(".snap")]) == 1, gets
+
+
+@pytest.mark.parametrize("index", ["1", "0"], ids=["index", "no-index"])
 def test_steps_leave_out_a_checkpoint_pushed_under_the_run(tmp_path, monkeypatch, index):
     """steps() listed every ref RUN/step-N, a user's checkpoint pushed under the name too: restore(N) of
     a step it listed was then refused as "not a snapshot". It tells them by the manifest's source, from

@@ -351,6 +351,23 @@ def test_a_full_local_tier_warns_and_training_and_durable_saves_go_on(tmp_path, 
     mgr.close()
 
 
+def test_a_full_tiers_direct_save_over_a_checkpoint_pushed_as_run_latest_warns_once(tmp_path, tiny_tmpfs):
+    """A local tier too small for the state: the snapshots due to the durable store go there directly. A user's
+    checkpoint pushed as run/latest meanwhile was moved off by the next such save without a word (a save without
+    tiers, or a persist, warns). It warns now, once, naming it; run/latest's history keeps it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr, model, opt = _train(tmp_path, 4, every_n_steps=4, local=str(tiny_tmpfs / "tier"), local_every_n_steps=2)
+        pushed = mgr.store.push({"w": torch.arange(4.0)}, "run/latest")
+        _steps(mgr, {"model": model, "optim": opt, "step": 4}, range(5, 13))
+        mgr.close()
+    messages = [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)]
+    assert any("step 8 not saved" in m and "durable store directly" in m for m in messages), messages
+    assert len([m for m in messages if f"run/latest names checkpoint {pushed[:12]}, pushed there" in m]) == 1, messages
+    store = ckpt.Store.open(str(tmp_path / "durable"))
+    assert store.manifest("run/latest").extra["snapshot"]["step"] == 12 and store.resolve("run/latest@2") == pushed
+
+
 def test_overlapped_saves_due_to_the_durable_store_land_there_when_the_local_tier_is_full(tmp_path, tiny_tmpfs):
     """save_mode="overlap" and a local tier too small for the state: once the tier has failed, a save due to
     the durable store stages copies and lands there directly. Before, it read the tensors in place again
@@ -476,6 +493,26 @@ def test_one_manager_per_local_tier(tmp_path, monkeypatch):
     c = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
     assert c.local_tier.steps == [1]
     c.close()
+
+
+@pytest.mark.parametrize("save_mode", ["sync", "async"])
+def test_a_closed_manager_refuses_to_save_and_leaves_the_tier_to_its_new_holder(tmp_path, save_mode):
+    """A save after close() (a loop that outlived its ``with`` block): in sync mode it wrote its snapshot into the
+    local tier it no longer held, which another manager had taken (and prunes and collects without grace); in
+    async mode it raised a bare RuntimeError from the thread pool. It raises SnapshotError now, writing nothing."""
+    from ckpt.snapshot.run import SnapshotError
+
+    model = torch.nn.Linear(4, 2)
+    kw = {"local": str(tmp_path / "tier"), "every_n_steps": 4, "local_every_n_steps": 2, "save_mode": save_mode}
+    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
+    mgr.save(2, {"model": model})
+    mgr.close()
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw) as other:
+        for step in (3, 4):
+            with pytest.raises(SnapshotError, match="is closed"):
+                mgr.save(step, {"model": model})
+        assert other.local_tier.steps == [2] and other.steps() == []
+    assert sorted(ckpt.Store.open(str(tmp_path / "tier")).refs()) == ["run/latest", "run/step-2"]
 
 
 def test_a_local_tier_held_by_another_process_is_refused_until_it_dies(tmp_path, monkeypatch):
@@ -698,6 +735,16 @@ def test_snapshot_step_is_a_non_negative_int_or_nothing(tmp_path, step):
     assert snapshot_step(damaged) is None
 
 
+def test_step_ref_splits_a_ref_as_the_manager_names_its_steps():
+    """The web view's reading of RUN/step-N (which knows no run) and the manager's (step_of) are one rule."""
+    from ckpt.snapshot.tiers import step_of, step_ref
+
+    assert step_ref("run/step-7") == ("run", 7) and step_ref("run/step-0") == ("run", 0)
+    assert step_ref("a/step-1/step-2") == ("a/step-1", 2) and step_of("a/step-1", "a/step-1/step-2") == 2
+    for ref in ("run/step-007", "run/step-", "/step-1", "step-1", "run/step-1x", "run/step-\u0663", "run/step--1", "run/latest"):
+        assert step_ref(ref) is None, ref
+
+
 def test_snapshot_step_of_a_checkpoint_no_manager_wrote_is_none(tmp_path):
     """snapshot_step read the step of any manifest whose extra held a "snapshot" record, which a pushed
     checkpoint's entries fill: pushed under RUN/latest, the manager took it for the run's newest
@@ -773,7 +820,7 @@ def test_a_run_whose_latest_is_missing_resumes_its_newest_snapshot_on_every_path
     checkpoint pushed there advises), or never written (the process killed between its first save's step ref and
     RUN/latest). Without a local tier, or with an empty one, latest_step and restore_latest said None: training
     began again from step 0 beside the snapshot. Every path now resumes the newest snapshot, bit for bit, with a
-    TierWarning that names it."""
+    TierWarning that names it: one, though latest_step, restore_latest and a save each meet it."""
     from ckpt.snapshot.run import TierWarning
 
     url, local = str(tmp_path / "s"), str(tmp_path / "local")
@@ -810,9 +857,12 @@ def test_a_run_whose_latest_is_missing_resumes_its_newest_snapshot_on_every_path
     fresh_model = torch.nn.Linear(8, 4)
     fresh_opt = torch.optim.AdamW(fresh_model.parameters())
     with ckpt.CheckpointManager(url, "run", every_n_steps=4, save_mode="sync", **kw) as mgr:
-        with pytest.warns(TierWarning, match=f"run/latest is missing in .*step {newest}"):
+        with pytest.warns(TierWarning, match=f"run/latest is missing in .*step {newest}") as caught:
             assert mgr.latest_step() == newest
             assert mgr.restore_latest({"model": fresh_model, "optim": fresh_opt}) == newest
+            mgr.save(newest + 1, {"model": fresh_model, "optim": fresh_opt})  # (reads the durable newest step again)
+        # once per manager: latest_step, restore_latest and the first save meet the same missing run/latest
+        assert len([w for w in caught if "run/latest is missing" in str(w.message)]) == 1, [str(w.message) for w in caught]
     assert _state_bits(fresh_model.state_dict()) == _state_bits(want["model"])
     got, exp = fresh_opt.state_dict(), want["optim"]
     assert got["param_groups"] == exp["param_groups"]
