@@ -72,7 +72,7 @@ from ckpt_store.storage.records import (
     sealed_json,
     strict_loads,
 )
-from ckpt_store.storage.refs import RefEntry, RefEntryGoneError, Refs
+from ckpt_store.storage.refs import RefEntry, Refs, reread_while_gone
 
 log = logging.getLogger(__name__)
 
@@ -473,14 +473,11 @@ class StoreIndex:
         ``temporaries``: filled with the leftovers of interrupted writes below ``refs/``, from the same
         listing. An entry deleted after the listing (a run's local tier cutting a ref's history as it
         prunes, read by ``ckpt serve --local-tier``) is no damage: the refs are listed again (a few times)."""
-        for attempt in range(8):
+        def attempt(last: bool) -> None:
             if temporaries is not None:
                 temporaries.clear()  # (each listing finds them anew)
-            try:
-                return self._reconcile_once(st, history, asked, temporaries)
-            except RefEntryGoneError:
-                if attempt == 7:
-                    raise
+            self._reconcile_once(st, history, asked, temporaries)
+        reread_while_gone(attempt)
 
     def _reconcile_once(self, st: IndexState, history: bool, asked: bool,
                         temporaries: list[tuple[str, float, int]] | None) -> None:

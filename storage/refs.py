@@ -15,9 +15,9 @@ import re
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ckpt_store.storage.backends.base import TEMPORARY, Backend, Entry
 from ckpt_store.storage.errors import (
@@ -113,6 +113,25 @@ class RefJournal(Protocol):
 class RefEntryGoneError(StoreFormatError):
     """A ref entry listed, then deleted before it was read: not damage (a run's local tier cuts its
     refs' histories as it prunes, :meth:`Refs.cut_history`); the ref is to be listed again."""
+
+
+T = TypeVar("T")
+# How many times a reader lists a ref (or the refs) again when an entry it listed was deleted before it
+# read it (RefEntryGoneError): a run's local tier pruning meanwhile moves on in a few steps.
+GONE_TRIES = 8
+
+
+def reread_while_gone(attempt: Callable[[bool], T]) -> T:
+    """``attempt(last)``, again while it raises :class:`RefEntryGoneError` (an entry deleted since it was
+    listed: ``attempt`` lists again), :data:`GONE_TRIES` times at most. ``last``: whether this is the last
+    try, where the attempt reports the entry as damaged instead, or the error stands."""
+    for tries_left in range(GONE_TRIES - 1, -1, -1):
+        try:
+            return attempt(tries_left == 0)
+        except RefEntryGoneError:
+            if tries_left == 0:
+                raise
+    raise AssertionError("unreachable")
 
 
 class Refs:
@@ -342,14 +361,12 @@ class Refs:
         deleted since it was listed is not damage: a run's local tier cuts its refs' histories as it
         prunes (:meth:`cut_history`), so a newer entry took its place, or the ref went whole; it is
         listed again."""
-        for _ in range(7):
-            if newest is None:
-                return None
-            try:
-                return self._read(name, *newest)
-            except RefEntryGoneError:
-                newest = self._newest(name)
-        return self._read(name, *newest) if newest is not None else None
+        listed = [newest]
+
+        def attempt(last: bool) -> RefEntry | None:
+            found = listed.pop() if listed else self._newest(name)
+            return self._read(name, *found) if found is not None else None
+        return reread_while_gone(attempt)
 
     def _append(self, name: str, target: str | None, alias: bool = False, attempts: int = 50,
                 expect: str | None = None) -> RefEntry:
@@ -480,19 +497,19 @@ class Refs:
         return entries, bad[0] if bad is not None else None
 
     def _readable(self, name: str, seqs: Mapping[int, Entry | None]) -> tuple[list[RefEntry], tuple[StoreFormatError, str] | None]:
-        for attempt in range(8):
+        listed = [seqs]
+
+        def attempt(last: bool) -> tuple[list[RefEntry], tuple[StoreFormatError, str] | None]:
             entries: list[RefEntry] = []
-            for s, f in sorted(seqs.items(), reverse=True):
+            for s, f in sorted((listed.pop() if listed else self._entry_seqs(name)).items(), reverse=True):
                 try:
                     entries.append(self._read(name, s, f is not None))
                 except StoreFormatError as err:
-                    if not isinstance(err, RefEntryGoneError) or attempt == 7:
-                        return entries, (err, self._entry_path(name, s))
-                    break  # deleted since listed (see _newest_entry): the history is listed again
-            else:
-                return entries, None
-            seqs = self._entry_seqs(name)
-        raise AssertionError("unreachable")
+                    if isinstance(err, RefEntryGoneError) and not last:
+                        raise  # deleted since listed (see _newest_entry): the history is listed again
+                    return entries, (err, self._entry_path(name, s))
+            return entries, None
+        return reread_while_gone(attempt)
 
     def live(self) -> dict[str, RefEntry]:
         """Current entry of every ref that exists now (not removed). A damaged entry raises."""
