@@ -341,14 +341,19 @@ class Refs:
         """Like :meth:`history`, but an entry that cannot be read is reported, not raised: every
         readable entry of ``name``, newest first, and the error of each other one by seq."""
         validate_ref_name(name)
-        entries: list[RefEntry] = []
-        damaged: dict[int, StoreFormatError] = {}
-        for s, f in sorted(self._entry_seqs(name).items(), reverse=True):
-            try:
-                entries.append(self._read(name, s, f is not None))
-            except StoreFormatError as err:
-                damaged[s] = err
-        return entries, damaged
+
+        def attempt(last: bool) -> tuple[list[RefEntry], dict[int, StoreFormatError]]:
+            entries: list[RefEntry] = []
+            damaged: dict[int, StoreFormatError] = {}
+            for s, f in sorted(self._entry_seqs(name).items(), reverse=True):
+                try:
+                    entries.append(self._read(name, s, f is not None))
+                except StoreFormatError as err:
+                    if isinstance(err, RefEntryGoneError) and not last:
+                        raise  # deleted since listed (see _newest_entry): not damage, the history is listed again
+                    damaged[s] = err
+            return entries, damaged
+        return reread_while_gone(attempt)
 
     def current(self, name: str) -> RefEntry | None:
         """The newest entry of ``name``, or None when it never existed or was removed."""
