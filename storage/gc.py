@@ -23,7 +23,7 @@ from ckpt_store.storage.config import CONFIG_PATH
 from ckpt_store.storage.errors import CkptError, InvalidNameError, ObjectNotFoundError, StoreFormatError
 from ckpt_store.storage.leases import Lock, check_fresh, leased
 from ckpt_store.storage.objects import ObjectStore
-from ckpt_store.storage.refs import RefEntry, Refs
+from ckpt_store.storage.refs import RefEntry, Refs, history_floor
 
 
 @dataclass(frozen=True)
@@ -83,12 +83,13 @@ def gc_roots(refs: Refs, *, keep_history: bool = True, histories: dict[str, list
     damaged: dict[str, Any] = {}
     if histories is None:
         histories, damaged = refs.scan_histories()
-    out = Roots(damaged=damaged, settled={n for n in damaged if any(e.target is None for e in histories.get(n, ()))})
+    floors = {n: history_floor((e.seq, e.target) for e in entries) for n, entries in histories.items()}
+    out = Roots(damaged=damaged, settled={n for n in damaged if floors.get(n, -1) >= 0})
     for name, entries in histories.items():
         if not entries or entries[0].target is None:
             continue  # removed (or its newest entry is damaged): its history keeps nothing alive
         for version, e in enumerate(entries if keep_history else entries[:1]):
-            if e.target is None:
+            if e.seq <= floors[name]:
                 break  # a removal: what the ref held before it is history of a removed ref
             if version == 0 or not e.alias:
                 out.roots.append(Root(name, version, e.target))

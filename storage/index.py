@@ -72,7 +72,7 @@ from ckpt_store.storage.records import (
     sealed_json,
     strict_loads,
 )
-from ckpt_store.storage.refs import RefEntry, Refs, reread_while_gone
+from ckpt_store.storage.refs import RefEntry, Refs, history_floor, reread_while_gone
 
 log = logging.getLogger(__name__)
 
@@ -234,9 +234,8 @@ class IndexState:
         for n, recs in self.refs.items():
             if not recs:
                 continue
-            seqs = sorted(recs)
-            gone = max((s for s in seqs if recs[s].target is None), default=seqs[0])
-            refs[n] = [recs[s].to_obj() for s in seqs if s >= gone]
+            gone = history_floor((s, r.target) for s, r in recs.items())
+            refs[n] = [recs[s].to_obj() for s in sorted(recs) if s >= gone]
         info = {m: i for m, i in self.info.items() if m in keep}
         used = {i.get("sig") for i in info.values()}
         return canonical_json({"refs": refs, "info": info, "sigs": {k: v for k, v in self.sigs.items() if k in used}})
@@ -488,8 +487,8 @@ class StoreIndex:
             newest = max(files)
             # The newest removal the index records, where the listing shows that file: what is older
             # keeps nothing alive (gc_roots stops at a removal), and a snapshot keeps no record of it.
-            gone = max((s for s, r in have.items() if r.target is None and files.get(s) is not None
-                        and r.matches(files[s])), default=-1)  # type: ignore[arg-type]
+            gone = history_floor((s, r.target) for s, r in have.items()
+                                 if files.get(s) is not None and r.matches(files[s]))  # type: ignore[arg-type]
             out: dict[int, RefRec] = {}
             for seq, listed in files.items():
                 if seq < gone:

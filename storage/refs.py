@@ -15,7 +15,7 @@ import re
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -113,6 +113,14 @@ class RefJournal(Protocol):
 class RefEntryGoneError(StoreFormatError):
     """A ref entry listed, then deleted before it was read: not damage (a run's local tier cuts its
     refs' histories as it prunes, :meth:`Refs.cut_history`); the ref is to be listed again."""
+
+
+def history_floor(entries: Iterable[tuple[int, str | None]]) -> int:
+    """The number of a ref's newest removal among ``entries`` (its (seq, target) pairs; target None:
+    a removal), or -1 where there is none. A ref's history ends there: what is older keeps nothing
+    alive (gc's rule, :func:`~ckpt_store.storage.gc.gc_roots`; a name removed and pushed again does
+    not revive what it held before), so the metadata index neither keeps nor reads it."""
+    return max((s for s, target in entries if target is None), default=-1)
 
 
 T = TypeVar("T")
