@@ -485,18 +485,19 @@ class Refs:
         return {n: [self._read(n, s, f is not None) for s, f in sorted(seqs.items(), reverse=True)]
                 for n, seqs in sorted(by_name.items())}
 
-    def scan_histories(self, prefix: str = "") -> tuple[dict[str, list[RefEntry]], dict[str, tuple[StoreFormatError, str]]]:
+    def scan_histories(self, prefix: str = "", temporaries: list[tuple[str, float, int]] | None = None
+                       ) -> tuple[dict[str, list[RefEntry]], dict[str, tuple[StoreFormatError, str]]]:
         """Like :meth:`all_entries`, but an entry that cannot be read is reported, not raised.
 
         Returns (histories, damaged): each ref's entries newest first, down to (not
         including) its newest damaged entry, if any; and for each ref with a damaged
         entry, (the error, the entry's path). Entries older than a damaged one are left
         out: whether the damaged entry was a removal cannot be known, so neither can
-        what they count for.
+        what they count for. ``temporaries``: as :meth:`listing` takes it.
         """
         out: dict[str, list[RefEntry]] = {}
         damaged: dict[str, tuple[StoreFormatError, str]] = {}
-        for n, seqs in sorted(self.listing(prefix).items()):
+        for n, seqs in sorted(self.listing(prefix, temporaries=temporaries).items()):
             out[n], bad = self._readable(n, seqs)
             if bad is not None:
                 damaged[n] = bad
