@@ -23,7 +23,7 @@ from ckpt_store.storage.config import CONFIG_PATH
 from ckpt_store.storage.errors import CkptError, InvalidNameError, ObjectNotFoundError, StoreFormatError
 from ckpt_store.storage.leases import Lock, check_fresh, leased
 from ckpt_store.storage.objects import ObjectStore
-from ckpt_store.storage.refs import RefEntry, Refs
+from ckpt_store.storage.refs import RefEntry, Refs, history_floor
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ class Roots:
         return list(dict.fromkeys(r.ref for r in self.roots if r.version == 0))
 
 
-def gc_roots(refs: Refs, *, keep_history: bool = True, histories: dict[str, list[RefEntry]] | None = None) -> Roots:
+def gc_roots(refs: Refs, *, keep_history: bool = True, histories: dict[str, list[RefEntry]] | None = None,
+             temporaries: list[tuple[str, float, int]] | None = None) -> Roots:
     """What gc keeps alive: the current target of every live ref and, with ``keep_history``,
     its earlier targets back to its last removal (a name removed and pushed again does
     not revive what it held before). An alias (``RUN/latest``) keeps only its current
@@ -78,17 +79,19 @@ def gc_roots(refs: Refs, *, keep_history: bool = True, histories: dict[str, list
     ``gc --no-history`` and keeps nothing alive (:func:`read_root`).
 
     ``histories`` (each ref's entries newest first, e.g. from the metadata index, checked
-    against the listing of refs) replaces reading every ref entry.
+    against the listing of refs) replaces reading every ref entry. Else ``temporaries``, where given,
+    gets the leftovers of interrupted writes below ``refs/`` from the same listing (:meth:`Refs.listing`).
     """
     damaged: dict[str, Any] = {}
     if histories is None:
-        histories, damaged = refs.scan_histories()
-    out = Roots(damaged=damaged, settled={n for n in damaged if any(e.target is None for e in histories.get(n, ()))})
+        histories, damaged = refs.scan_histories(temporaries=temporaries)
+    floors = {n: history_floor((e.seq, e.target) for e in entries) for n, entries in histories.items()}
+    out = Roots(damaged=damaged, settled={n for n in damaged if floors.get(n, -1) >= 0})
     for name, entries in histories.items():
         if not entries or entries[0].target is None:
             continue  # removed (or its newest entry is damaged): its history keeps nothing alive
         for version, e in enumerate(entries if keep_history else entries[:1]):
-            if e.target is None:
+            if e.seq <= floors[name]:
                 break  # a removal: what the ref held before it is history of a removed ref
             if version == 0 or not e.alias:
                 out.roots.append(Root(name, version, e.target))
@@ -233,8 +236,11 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
         view = index.view(exact=True, history=keep_history, chunks=True, temporaries=in_refs) if index is not None else None
     except StoreFormatError:
         view = None  # a damaged ref entry: the refs themselves are read, and name it (gc_roots)
-    temps += [*in_refs, *objects.list_temporaries(("index",))] if view is not None else objects.list_temporaries(("refs", "index"))
-    found = gc_roots(refs, keep_history=keep_history, histories=view.entries() if view is not None else None)
+    if view is None:
+        in_refs.clear()  # (a view that failed may have listed some): from the listing gc_roots makes, not a second one
+    found = gc_roots(refs, keep_history=keep_history, histories=view.entries() if view is not None else None,
+                     temporaries=in_refs)
+    temps += [*in_refs, *objects.list_temporaries(("index",))]
     # What a damaged ref entry keeps alive is unknown: delete nothing. Without history only each
     # ref's newest entry counts, and a damaged older one hides nothing; nor does one older than a
     # removal (the index's view, which a dry run reads, holds no entry behind a removal: it agrees).

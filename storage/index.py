@@ -6,9 +6,10 @@ need below ``index/`` (docs/format.md, "Metadata index"):
 
 * ``index/<gen>.log`` -- one ref update, written (exclusive create) right after its ref
   entry, with a summary of the manifest it names when the writer has it;
-* ``index/<gen>-<hash>.snap`` -- everything known up to log ``gen``: every ref entry back to
-  its ref's newest removal (seq, target, time, writer, alias, and the entry file's size and
-  mtime), and a small summary of every manifest they keep alive (for ``ls`` and base choice);
+* ``index/<gen>-<hash>.snap`` -- everything known up to log ``gen``: every ref entry down to
+  its ref's floor, below which nothing is kept alive (seq, target, time, writer, alias, and the
+  entry file's size and mtime; a removed ref only counted, :meth:`IndexState.snap_body`), and a
+  small summary of every manifest they keep alive (for ``ls`` and base choice);
 * ``index/<gen>-<hash>.chunks`` -- the chunk ids every such manifest needs (by the same
   rule as gc, :func:`~ckpt_store.storage.gc.referenced_chunks`) and the caller's detail
   about them (for ``du`` and ``gc``); written before the snapshot that names it;
@@ -72,7 +73,7 @@ from ckpt_store.storage.records import (
     sealed_json,
     strict_loads,
 )
-from ckpt_store.storage.refs import RefEntry, RefEntryGoneError, Refs
+from ckpt_store.storage.refs import RefEntry, Refs, history_floor, reread_while_gone
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,18 @@ class RefRec:
         return cls(entry.seq, entry.target, entry.time, entry.writer, entry.alias, size, mtime)
 
 
+_SUM = 1 << 256
+
+
+def settled_key(name: str, seq: int, size: int) -> int:
+    """What a snapshot counts of a removed ref it keeps no record of: its newest entry (a removal), by
+    number and file size. A reader adds those of the refs its listing shows and the index does not, and
+    leaves them out unread only where count and sum are the snapshot's. The size tells a removal from
+    any other entry of that ref and number (a target is 64 hex digits, a removal's null; an alias adds
+    a field): no time is needed, which a writer on S3 does not know (RefRec.matches)."""
+    return int.from_bytes(blake3.blake3(canonical_json([name, seq, size])).digest(), "big")
+
+
 @dataclass
 class IndexState:
     """What the index says: ref records by name and seq, manifest summaries, chunk lists."""
@@ -179,6 +192,11 @@ class IndexState:
     damaged: bool = False  # a record was unreadable: a fresh snapshot is due
     read: int = 0  # entries and manifests read because the index lacked them
     partial: bool = False  # only the recently updated refs (a base choice view): never written back
+    # Per ref, an entry whose record is kept and below which no entry keeps anything alive (all aliases,
+    # or behind a removal): the snapshot keeps no record below it (see :meth:`floor`).
+    floors: dict[str, int] = field(default_factory=dict)
+    # The removed refs a snapshot keeps no record of: (how many, the sum of their keys, :func:`settled_key`).
+    settled: tuple[int, int] = (0, 0)
 
     # -- changes ---------------------------------------------------------------
     def add_manifest(self, mid: str, info: dict[str, Any], sig: Any, chunks: list[str], detail: Any) -> None:
@@ -225,21 +243,45 @@ class IndexState:
         return self.sigs.get(key) if key is not None else None
 
     # -- encoding --------------------------------------------------------------
+    def floor(self, name: str) -> int:
+        """The oldest entry of ``name`` a snapshot keeps a record of: what is below it keeps nothing alive and
+        is in no reader's answer (``ckpt log`` reads refs/), and :meth:`StoreIndex._reconcile` does not read
+        it while the listing shows that entry as recorded. From the newest removal (gc_roots stops there),
+        the entry 1 or the floor read, up over every alias and removal but the newest entry (an alias's
+        earlier targets keep nothing alive, gc_roots): a run's RUN/latest keeps its current record only.
+        -1: every record is kept (the entries below them are not known)."""
+        recs = self.refs[name]
+        base = max(history_floor((s, r.target) for s, r in recs.items()), 1 if 1 in recs else -1,
+                   f if (f := self.floors.get(name, -1)) in recs else -1)
+        if base < 0:
+            return -1
+        while base + 1 in recs and (recs[base].alias or recs[base].target is None):
+            base += 1
+        return base
+
     def snap_body(self, keep: set[str]) -> bytes:
         """``keep``: the manifests whose summaries it holds (:meth:`StoreIndex.kept`). Of each ref, the
-        records back to its newest removal: what is older keeps nothing alive (gc_roots stops there) and
-        is in no reader's answer (``ckpt log`` reads refs/), and :meth:`StoreIndex._reconcile` does not
-        read it again; kept, a run's removed steps made every compaction rewrite their whole histories."""
-        refs = {}
+        records from its :meth:`floor` up, the floor named in ``floors`` where it is no removal; a removed
+        ref whose removal's file size is known is left out whole, counted in ``settled`` (its key
+        added to the sum): kept, a run's removed steps and each save's RUN/latest made every compaction
+        rewrite a record per save the run ever made."""
+        refs, floors = {}, {}
+        count, total = self.settled
         for n, recs in self.refs.items():
             if not recs:
                 continue
-            seqs = sorted(recs)
-            gone = max((s for s in seqs if recs[s].target is None), default=seqs[0])
-            refs[n] = [recs[s].to_obj() for s in seqs if s >= gone]
+            floor = self.floor(n)
+            newest = recs[max(recs)]
+            if floor == newest.seq and newest.target is None and newest.size >= 0:
+                count, total = count + 1, (total + settled_key(n, newest.seq, newest.size)) % _SUM
+                continue
+            refs[n] = [recs[s].to_obj() for s in sorted(recs) if s >= floor]
+            if floor > 1 and recs[floor].target is not None:  # (a removal is one by itself; none below 1)
+                floors[n] = floor
         info = {m: i for m, i in self.info.items() if m in keep}
         used = {i.get("sig") for i in info.values()}
-        return canonical_json({"refs": refs, "info": info, "sigs": {k: v for k, v in self.sigs.items() if k in used}})
+        return canonical_json({"refs": refs, "floors": floors, "settled": [count, f"{total:064x}"], "info": info,
+                               "sigs": {k: v for k, v in self.sigs.items() if k in used}})
 
     def recent_body(self) -> bytes:
         live = sorted(self.live().values(), key=lambda e: e.time, reverse=True)[:RECENT]
@@ -372,6 +414,13 @@ class StoreIndex:
                 if not isinstance(recs, list):
                     raise StoreFormatError(f"{path}: bad ref records")
                 st.refs[n] = {r.seq: r for r in (RefRec.from_obj(o, path) for o in recs)}
+            floors = body.get("floors", {})  # (absent from snapshots written before them: none)
+            settled = body.get("settled", [0, f"{0:064x}"])
+            if not (isinstance(floors, dict) and all(isinstance(f, int) and f in st.refs.get(n, {}) for n, f in floors.items())
+                    and isinstance(settled, list) and len(settled) == 2 and isinstance(settled[0], int)
+                    and isinstance(settled[1], str) and re.fullmatch(r"[0-9a-f]{64}", settled[1])):
+                raise StoreFormatError(f"{path}: bad floors or settled refs")
+            st.floors, st.settled = floors, (settled[0], int(settled[1], 16))
             st.info = require(body, "info", dict, path)
             st.sigs = require(body, "sigs", dict, path)
             # The shape this module gives a summary (add_manifest): what the layer above checks is its own.
@@ -473,26 +522,37 @@ class StoreIndex:
         ``temporaries``: filled with the leftovers of interrupted writes below ``refs/``, from the same
         listing. An entry deleted after the listing (a run's local tier cutting a ref's history as it
         prunes, read by ``ckpt serve --local-tier``) is no damage: the refs are listed again (a few times)."""
-        for attempt in range(8):
+        def attempt(last: bool) -> None:
             if temporaries is not None:
                 temporaries.clear()  # (each listing finds them anew)
-            try:
-                return self._reconcile_once(st, history, asked, temporaries)
-            except RefEntryGoneError:
-                if attempt == 7:
-                    raise
+            self._reconcile_once(st, history, asked, temporaries)
+        reread_while_gone(attempt)
 
     def _reconcile_once(self, st: IndexState, history: bool, asked: bool,
                         temporaries: list[tuple[str, float, int]] | None) -> None:
         listing = self.refs.listing(temporaries=temporaries)
+        # The refs the index has no record of are the removed ones its snapshot counted where their newest
+        # entries, as listed, add up to its count and sum; else (a ref made by an older ckpt, or by hand) each is
+        # read as any other entry the index lacks, and the next snapshot counts the removed ones anew.
+        unknown = [(n, max(files), files[max(files)]) for n, files in listing.items() if not st.refs.get(n)]
+        settled = st.settled[0] == len(unknown) and all(e is not None for _, _, e in unknown) and st.settled[1] == sum(
+            settled_key(n, s, e.size) for n, s, e in unknown if e is not None) % _SUM
+        if not settled:
+            st.settled = (0, 0)
         refs: dict[str, dict[int, RefRec]] = {}
+        floors: dict[str, int] = {}
         for name, files in listing.items():
             have = st.refs.get(name, {})
+            if not have and settled:
+                continue  # removed: counted by the snapshot
             newest = max(files)
-            # The newest removal the index records, where the listing shows that file: what is older
-            # keeps nothing alive (gc_roots stops at a removal), and a snapshot keeps no record of it.
-            gone = max((s for s, r in have.items() if r.target is None and files.get(s) is not None
-                        and r.matches(files[s])), default=-1)  # type: ignore[arg-type]
+            # The newest removal the index records, or its floor, where the listing shows that file: what is
+            # older keeps nothing alive (gc_roots stops at a removal), and a snapshot keeps no record of it.
+            gone = history_floor((s, r.target) for s, r in have.items()
+                                 if files.get(s) is not None and r.matches(files[s]))  # type: ignore[arg-type]
+            if (f := st.floors.get(name)) is not None and f in have and files.get(f) is not None \
+                    and have[f].matches(files[f]):  # type: ignore[arg-type]
+                gone, floors[name] = max(gone, f), f
             out: dict[int, RefRec] = {}
             for seq, listed in files.items():
                 if seq < gone:
@@ -518,7 +578,7 @@ class StoreIndex:
                     st.read += 1
                 out[seq] = rec
             refs[name] = out
-        st.refs = refs
+        st.refs, st.floors = refs, floors
 
     def ensure(self, st: IndexState, mids: Iterable[str], *, chunks: bool = False, strict: bool = True) -> set[str]:
         """Fill in the summaries (and chunk lists) of ``mids`` the index lacks, from the manifests.

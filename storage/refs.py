@@ -15,9 +15,9 @@ import re
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ckpt_store.storage.backends.base import TEMPORARY, Backend, Entry
 from ckpt_store.storage.errors import (
@@ -113,6 +113,33 @@ class RefJournal(Protocol):
 class RefEntryGoneError(StoreFormatError):
     """A ref entry listed, then deleted before it was read: not damage (a run's local tier cuts its
     refs' histories as it prunes, :meth:`Refs.cut_history`); the ref is to be listed again."""
+
+
+def history_floor(entries: Iterable[tuple[int, str | None]]) -> int:
+    """The number of a ref's newest removal among ``entries`` (its (seq, target) pairs; target None:
+    a removal), or -1 where there is none. A ref's history ends there: what is older keeps nothing
+    alive (gc's rule, :func:`~ckpt_store.storage.gc.gc_roots`; a name removed and pushed again does
+    not revive what it held before), so the metadata index neither keeps nor reads it."""
+    return max((s for s, target in entries if target is None), default=-1)
+
+
+T = TypeVar("T")
+# How many times a reader lists a ref (or the refs) again when an entry it listed was deleted before it
+# read it (RefEntryGoneError): a run's local tier pruning meanwhile moves on in a few steps.
+GONE_TRIES = 8
+
+
+def reread_while_gone(attempt: Callable[[bool], T]) -> T:
+    """``attempt(last)``, again while it raises :class:`RefEntryGoneError` (an entry deleted since it was
+    listed: ``attempt`` lists again), :data:`GONE_TRIES` times at most. ``last``: whether this is the last
+    try, where the attempt reports the entry as damaged instead, or the error stands."""
+    for tries_left in range(GONE_TRIES - 1, -1, -1):
+        try:
+            return attempt(tries_left == 0)
+        except RefEntryGoneError:
+            if tries_left == 0:
+                raise
+    raise AssertionError("unreachable")
 
 
 class Refs:
@@ -322,14 +349,19 @@ class Refs:
         """Like :meth:`history`, but an entry that cannot be read is reported, not raised: every
         readable entry of ``name``, newest first, and the error of each other one by seq."""
         validate_ref_name(name)
-        entries: list[RefEntry] = []
-        damaged: dict[int, StoreFormatError] = {}
-        for s, f in sorted(self._entry_seqs(name).items(), reverse=True):
-            try:
-                entries.append(self._read(name, s, f is not None))
-            except StoreFormatError as err:
-                damaged[s] = err
-        return entries, damaged
+
+        def attempt(last: bool) -> tuple[list[RefEntry], dict[int, StoreFormatError]]:
+            entries: list[RefEntry] = []
+            damaged: dict[int, StoreFormatError] = {}
+            for s, f in sorted(self._entry_seqs(name).items(), reverse=True):
+                try:
+                    entries.append(self._read(name, s, f is not None))
+                except StoreFormatError as err:
+                    if isinstance(err, RefEntryGoneError) and not last:
+                        raise  # deleted since listed (see _newest_entry): not damage, the history is listed again
+                    damaged[s] = err
+            return entries, damaged
+        return reread_while_gone(attempt)
 
     def current(self, name: str) -> RefEntry | None:
         """The newest entry of ``name``, or None when it never existed or was removed."""
@@ -342,14 +374,12 @@ class Refs:
         deleted since it was listed is not damage: a run's local tier cuts its refs' histories as it
         prunes (:meth:`cut_history`), so a newer entry took its place, or the ref went whole; it is
         listed again."""
-        for _ in range(7):
-            if newest is None:
-                return None
-            try:
-                return self._read(name, *newest)
-            except RefEntryGoneError:
-                newest = self._newest(name)
-        return self._read(name, *newest) if newest is not None else None
+        listed = [newest]
+
+        def attempt(last: bool) -> RefEntry | None:
+            found = listed.pop() if listed else self._newest(name)
+            return self._read(name, *found) if found is not None else None
+        return reread_while_gone(attempt)
 
     def _append(self, name: str, target: str | None, alias: bool = False, attempts: int = 50,
                 expect: str | None = None) -> RefEntry:
@@ -455,18 +485,19 @@ class Refs:
         return {n: [self._read(n, s, f is not None) for s, f in sorted(seqs.items(), reverse=True)]
                 for n, seqs in sorted(by_name.items())}
 
-    def scan_histories(self, prefix: str = "") -> tuple[dict[str, list[RefEntry]], dict[str, tuple[StoreFormatError, str]]]:
+    def scan_histories(self, prefix: str = "", temporaries: list[tuple[str, float, int]] | None = None
+                       ) -> tuple[dict[str, list[RefEntry]], dict[str, tuple[StoreFormatError, str]]]:
         """Like :meth:`all_entries`, but an entry that cannot be read is reported, not raised.
 
         Returns (histories, damaged): each ref's entries newest first, down to (not
         including) its newest damaged entry, if any; and for each ref with a damaged
         entry, (the error, the entry's path). Entries older than a damaged one are left
         out: whether the damaged entry was a removal cannot be known, so neither can
-        what they count for.
+        what they count for. ``temporaries``: as :meth:`listing` takes it.
         """
         out: dict[str, list[RefEntry]] = {}
         damaged: dict[str, tuple[StoreFormatError, str]] = {}
-        for n, seqs in sorted(self.listing(prefix).items()):
+        for n, seqs in sorted(self.listing(prefix, temporaries=temporaries).items()):
             out[n], bad = self._readable(n, seqs)
             if bad is not None:
                 damaged[n] = bad
@@ -480,19 +511,19 @@ class Refs:
         return entries, bad[0] if bad is not None else None
 
     def _readable(self, name: str, seqs: Mapping[int, Entry | None]) -> tuple[list[RefEntry], tuple[StoreFormatError, str] | None]:
-        for attempt in range(8):
+        listed = [seqs]
+
+        def attempt(last: bool) -> tuple[list[RefEntry], tuple[StoreFormatError, str] | None]:
             entries: list[RefEntry] = []
-            for s, f in sorted(seqs.items(), reverse=True):
+            for s, f in sorted((listed.pop() if listed else self._entry_seqs(name)).items(), reverse=True):
                 try:
                     entries.append(self._read(name, s, f is not None))
                 except StoreFormatError as err:
-                    if not isinstance(err, RefEntryGoneError) or attempt == 7:
-                        return entries, (err, self._entry_path(name, s))
-                    break  # deleted since listed (see _newest_entry): the history is listed again
-            else:
-                return entries, None
-            seqs = self._entry_seqs(name)
-        raise AssertionError("unreachable")
+                    if isinstance(err, RefEntryGoneError) and not last:
+                        raise  # deleted since listed (see _newest_entry): the history is listed again
+                    return entries, (err, self._entry_path(name, s))
+            return entries, None
+        return reread_while_gone(attempt)
 
     def live(self) -> dict[str, RefEntry]:
         """Current entry of every ref that exists now (not removed). A damaged entry raises."""

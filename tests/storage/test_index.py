@@ -495,7 +495,8 @@ def test_a_snapshot_keeps_no_history_behind_a_removal(tmp_path):
     """A snapshot kept every entry of every ref ever written: a run's removed steps (each its save
     and its removal) made every compaction rewrite them all. Behind a removal nothing is kept alive
     (gc's rule) and no reader of the index answers with it (``ckpt log`` reads refs/): a snapshot keeps
-    each ref's entries back to its newest removal, and gc --dry-run does not read the older ones."""
+    each ref's entries back to its newest removal (and a removed ref not even that: it is counted), and
+    gc --dry-run does not read the older ones."""
     store = ckpt.Store.init(str(tmp_path / "s"))
     x = torch.zeros(4)
     for k in range(COMPACT_AFTER):
@@ -507,7 +508,8 @@ def test_a_snapshot_keeps_no_history_behind_a_removal(tmp_path):
     shutil.rmtree(tmp_path / "s" / PREFIX)
     store.ls()  # rebuilds the index, every entry read
     recs = snapshot_refs(store)
-    assert [len(recs[f"run/step-{k}"]) for k in range(COMPACT_AFTER)] == [2] + [1] * (COMPACT_AFTER - 1)
+    # step-0: its entry after the removal (below it nothing counts); the others removed: only counted
+    assert list(recs) == ["run/step-0"] and [r[0] for r in recs["run/step-0"]] == [4]
     counting = Counting(store)
     store.gc(grace_s=0, dry_run=True)
     assert counting.of("refs/") == []
@@ -561,3 +563,44 @@ def test_the_index_reads_a_run_tier_pruning_meanwhile_without_calling_a_live_ref
     reader.backend.read = read  # type: ignore[method-assign]  (the tier's move staged between list and read)
     refs = reader.refs()
     assert moved and refs["run/latest"].target == b and refs["run/step-2"].target == b
+
+
+def test_a_training_runs_index_snapshot_does_not_grow_with_its_saves(tmp_path):
+    """A run saves RUN/step-N, removes old steps (retention) and updates RUN/latest, an alias, at every
+    save. A snapshot kept every RUN/latest entry (an alias's earlier targets keep nothing alive) and each
+    removed step's removal (its history ends there): 7.3 KB after 32 saves, 40.9 KB after 160, so that
+    a run saving every step rewrote megabytes each compaction. A snapshot now keeps each ref's records
+    from its floor (below it, only aliases or a removal) and counts the removed refs instead of keeping
+    them (their newest entries as listed: count and sum), so it holds the refs the run keeps, however
+    long it has been going; exact readers read none of the removed steps' entries, and answer as
+    without the index."""
+    model = torch.nn.Linear(16, 16)
+    mgr = ckpt.CheckpointManager(str(tmp_path / "s"), "run", keep_last=2, save_mode="sync")
+    store = mgr.store
+
+    def snapshot_size() -> int:
+        (snap,) = [p for p in index_files(store) if p.endswith(".snap")]
+        return len(store.backend.read(snap))
+
+    saves(mgr, model, range(1, 2 * COMPACT_AFTER + 1))
+    early = snapshot_size()
+    saves(mgr, model, range(2 * COMPACT_AFTER + 1, 6 * COMPACT_AFTER + 1))
+    late = snapshot_size()
+    assert late < early + 100  # before: 15.7 KB after 64 saves, 49.3 KB after 192
+    assert len(snapshot_refs(store)) <= 4  # RUN/latest and the steps kept when it was written
+    counting = Counting(store)
+    store.gc(grace_s=0, dry_run=True)
+    store.ls()
+    assert counting.of("refs/") == []  # not one entry of a removed step, nor of RUN/latest's past, read
+    got = same_with_and_without(store)
+    assert len(got["log"]["run/latest"]) == 6 * COMPACT_AFTER and len(got["ls"]) == 3
+    # A ref the index does not know (written without the index: by an older ckpt, say), and a removed
+    # step begun again: each read from the refs, as without the index, and counted anew.
+    off(store).push({"w": torch.ones(3)}, "other")
+    store.push({"w": torch.zeros(3)}, "run/step-5")
+    got = same_with_and_without(store)
+    live = ["other", "run/latest", f"run/step-{6 * COMPACT_AFTER - 1}", f"run/step-{6 * COMPACT_AFTER}", "run/step-5"]
+    assert [r.name for r in got["ls"]] == live
+    counting = Counting(store)  # (ls wrote a snapshot that counts the removed steps anew)
+    assert [r.name for r in store.ls().refs] == live and counting.of("refs/") == []
+    same_with_and_without(store)

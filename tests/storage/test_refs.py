@@ -478,7 +478,8 @@ def test_a_reader_racing_a_cut_of_history_reads_the_newest_entry_not_damage(tmp_
     before it read it. The live RUN/latest was reported damaged ('listed but cannot be read'), as
     was a step removed and cut away, and a scan (steps()) left a live step out. Deleted since
     listed is not damage: a newer entry took its place, or the ref went whole; it is listed again.
-    So for the histories the run page of `ckpt serve` reads: a step there was shown damaged."""
+    So for the histories the run page of `ckpt serve` reads: a step there was shown damaged, and for
+    `ckpt log` (Refs.log), which reported the entry as damaged."""
     tier = Refs(LocalBackend(str(tmp_path), fsync=False))
     for name in ("run/latest", "run/step-1", "run/step-2", "run/step-3"):
         tier.set(name, A, alias=name.endswith("latest"))
@@ -516,6 +517,9 @@ def test_a_reader_racing_a_cut_of_history_reads_the_newest_entry_not_damage(tmp_
     tier.set("run/step-5", A)  # `ckpt log`, and a resolve of a removed ref (which reads its history)
     assert [e.target for e in reader(lambda: save_and_prune(A, "run/step-5")).history("run/latest")] == [A]
     assert reader(lambda: save_and_prune(B, "run/step-1")).history("run/step-1") == []
+    tier.set("run/step-6", A)  # `ckpt log` as the tier prunes: the entry it listed was reported damaged
+    entries, damaged = reader(lambda: save_and_prune(B, "run/step-6")).log("run/latest")
+    assert not damaged and [(e.seq, e.target) for e in entries] == [(tier.current("run/latest").seq, B)]
     latest = tmp_path / "refs" / "run" / "latest"
     os.symlink("nowhere", latest / f"{tier.current('run/latest').seq + 1:010d}.ref")  # a link to nothing is still damage
     with pytest.raises(StoreFormatError, match="listed but cannot be read: nothing is there"):
