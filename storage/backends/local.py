@@ -72,6 +72,12 @@ def populate(buf: memoryview) -> None:
         f(lo, hi - lo, MADV_POPULATE_WRITE)
 
 
+# read_into's reads for a caller that takes each part (hashes it): a block stays in the core's
+# L2 cache between the copy that writes it and the hash that reads it (a 1.2 GB GPT + AdamW
+# restored from a local tier in /dev/shm, 4 MiB chunks: 0.79 -> 0.73 CPU-s at 256 KiB)
+READ_BLOCK = 256 << 10
+
+
 class LocalBackend(Backend):
     """A store in a local directory. ``fsync`` makes every write durable before it is visible."""
 
@@ -219,16 +225,19 @@ class LocalBackend(Backend):
         finally:
             os.close(fd)
 
-    def read_into(self, path: str, start: int, buf: memoryview) -> int:
+    def read_into(self, path: str, start: int, buf: memoryview, each: Callable[[memoryview], object] | None = None) -> int:
         fd = self._open_read(path)
         try:
             size = os.fstat(fd).st_size
             pos, end = 0, min(len(buf), max(0, size - start))
             populate(buf[:end])
+            block = end if each is None else READ_BLOCK
             while pos < end:
-                n = os.preadv(fd, [buf[pos:end]], start + pos)
+                n = os.preadv(fd, [buf[pos : min(end, pos + block)]], start + pos)
                 if n == 0:  # the file shrank under us: the caller's length check sees it
                     break
+                if each is not None:
+                    each(buf[pos : pos + n])
                 pos += n
             return size
         except OSError as e:

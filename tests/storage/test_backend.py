@@ -194,6 +194,29 @@ def test_a_local_write_that_cannot_take_its_name_leaves_no_temporary(tmp_path):
         b.write("o/x", b"data" * 1000)
     assert os.listdir(tmp_path / "o") == ["x"]
 
+@pytest.mark.parametrize("start", [0, 5])
+def test_read_into_hands_each_part_to_the_caller_as_it_is_filled(backend, start):
+    """``read_into(..., each=)`` calls ``each`` with the parts of the buffer it fills, in order and
+    together exactly the bytes read (a local store: block by block, so that a caller hashes each
+    while it is in the CPU's caches); each part is the buffer's own memory, not a copy."""
+    from ckpt_store.storage.backends.local import READ_BLOCK
+
+    data = os.urandom(2 * READ_BLOCK + 1000)
+    backend.write("o/x", data)
+    buf = bytearray(len(data) + 50)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    parts: list[tuple[int, bytes]] = []
+
+    def each(part: memoryview) -> None:
+        parts.append((ctypes.addressof(ctypes.c_char.from_buffer(part)) - base, bytes(part)))
+
+    assert backend.read_into("o/x", start, memoryview(buf), each=each) == len(data)
+    assert b"".join(p for _, p in parts) == data[start:] == bytes(buf[: len(data) - start])
+    assert [at for at, _ in parts] == [sum(len(p) for _, p in parts[:i]) for i in range(len(parts))]  # in place, in order
+    if isinstance(backend, LocalBackend):
+        assert [len(p) for _, p in parts] == [READ_BLOCK, READ_BLOCK, 1000 - start]
+
+
 def _resident_pages(area: mmap.mmap) -> int:
     """How many of ``area``'s pages are in memory (mincore(2))."""
     libc = ctypes.CDLL(None, use_errno=True)
