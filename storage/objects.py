@@ -42,6 +42,12 @@ def object_id(data: bytes | memoryview) -> str:
     return blake3.blake3(data).hexdigest()
 
 
+def object_hasher() -> blake3.blake3:
+    """:func:`object_id` of bytes handed over part by part: ``update(part)`` each in order, then
+    ``hexdigest()`` (the id of them all, joined)."""
+    return blake3.blake3()
+
+
 def check_id(object_id_: str) -> str:
     if not isinstance(object_id_, str) or not _ID.match(object_id_):
         raise InvalidNameError(f"{object_id_!r} is not an object id (64 lowercase hex digits)")

@@ -35,7 +35,7 @@ from ckpt.format.manifest import BundleEntry, Manifest, TensorEntry, split_lengt
 from ckpt.progress import NullProgress, Progress
 from ckpt.settings import Settings
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
-from ckpt_store.storage.objects import ObjectStore, object_id
+from ckpt_store.storage.objects import ObjectStore, object_hasher, object_id
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +257,7 @@ class _Read:
     into: int = 0  # raw chunks: the blob's bytes past its header (those that fit were read into ``out``)
     bases: Mapping[str, bytes] = field(default_factory=dict)  # blobs of the delta chain below, read ahead
     cached: bool = False  # served by the local chunk cache (a bad one is dropped and fetched again)
+    digest: str | None = None  # raw chunks read locally: the id of the bytes read into ``out``, hashed as they came
 
 
 def _read_remote(objects: ObjectStore, cid: str, length: int, settings: Settings, out: memoryview | None,
@@ -339,8 +340,10 @@ def _read_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
             head = parse_header(objects.backend.read_range(path, 0, MAX_HEADER), cid)
             if head.codec == RAW and head.length != length:
                 raise CorruptObjectError("chunk", cid, f"raw blob holds {head.length} bytes, the manifest says {length}")
-            if head.codec == RAW:
-                return _Read(None, objects.backend.read_into(path, head.size, out) - head.size)
+            if head.codec == RAW:  # hashed block by block as it is read, each block still in the CPU's caches
+                hasher = object_hasher()
+                size = objects.backend.read_into(path, head.size, out, each=hasher.update)
+                return _Read(None, size - head.size, digest=hasher.hexdigest())
         except FileNotFoundError:
             raise ObjectNotFoundError("chunk", cid) from None
     return _Read(objects.get("chunks", cid))
@@ -385,7 +388,7 @@ def _decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings
         assert out is not None
         if got.into != length:
             raise CorruptObjectError("chunk", cid, f"raw blob of {got.into} bytes does not hold the {length} bytes the manifest says")
-        if verify and object_id(out) != cid:
+        if verify and (got.digest if got.digest is not None else object_id(out)) != cid:
             raise CorruptObjectError("chunk", cid, "decoded bytes do not match the chunk id")
         return out, ()
     h = parse_header(got.blob, cid)

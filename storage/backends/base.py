@@ -90,15 +90,20 @@ class Backend(ABC):
     # a small read before it is cheap: callers then read a header first, then the body.
     reads_into: bool = False
 
-    def read_into(self, path: str, start: int, buf: memoryview) -> int:
+    def read_into(self, path: str, start: int, buf: memoryview, each: Callable[[memoryview], object] | None = None) -> int:
         """Fill ``buf`` with the file's bytes from ``start`` (as many as there are); return the file's size.
 
         Local stores read straight into ``buf`` (a tensor's memory, say) with no
-        intermediate copy; others read the file and copy.
+        intermediate copy; others read the file and copy. ``each`` is called with the parts
+        of ``buf`` filled, in order, each as soon as it is (a local store: block by block,
+        while the block is in the CPU's caches), so that a caller hashing them reads no
+        byte back from memory.
         """
         data = self.read(path)
         part = memoryview(data)[start : start + len(buf)]
         buf[: len(part)] = part
+        if each is not None and len(part):
+            each(buf[: len(part)])
         return len(data)
 
     # True where read_split() reads one request's body straight into place (remote stores).

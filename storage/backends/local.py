@@ -4,8 +4,11 @@ filesystem."""
 
 from __future__ import annotations
 
+import functools
+import mmap
 import os
 import stat
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,6 +26,56 @@ from ckpt_store.storage.backends.base import (
     too_large,
 )
 from ckpt_store.storage.errors import StorageIOError
+
+# madvise(2) advice (Linux 5.14): fault a range's pages in, writable, in one call
+MADV_POPULATE_WRITE = 23
+POPULATE_MIN = 64 << 10  # smaller reads: a few faults cost less than the call
+_PAGE = mmap.PAGESIZE
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise`` on Linux (None elsewhere: other systems number their advice apart)."""
+    import ctypes
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        f = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    f.restype = ctypes.c_int
+    return f  # type: ignore[no-any-return]
+
+
+def populate(buf: memoryview) -> None:
+    """Fault the pages of ``buf`` in, before a read writes them, in one call.
+
+    A read into memory never touched (a restore's fresh optimizer moments) otherwise takes
+    one page fault per 4 KiB page in the middle of the kernel's copy, each an exception and
+    a return: the fault work done here in one pass costs less (a 1.2 GB GPT + AdamW restored
+    from a local tier in /dev/shm: 0.98 -> 0.89 CPU-s). Pages already there cost a walk of
+    their page table. Best effort: where the advice is unknown (kernels before 5.14, other
+    systems) or refused (a mapping it does not apply to), the read faults the pages itself."""
+    f = _madvise()
+    if f is None or buf.nbytes < POPULATE_MIN or buf.readonly:
+        return
+    import ctypes
+
+    try:
+        start = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    except (TypeError, ValueError):  # not a buffer ctypes can address
+        return
+    lo, hi = -(-start // _PAGE) * _PAGE, (start + buf.nbytes) // _PAGE * _PAGE  # whole pages only
+    if hi > lo:
+        f(lo, hi - lo, MADV_POPULATE_WRITE)
+
+
+# read_into's reads for a caller that takes each part (hashes it): a block stays in the core's
+# L2 cache between the copy that writes it and the hash that reads it (a 1.2 GB GPT + AdamW
+# restored from a local tier in /dev/shm, 4 MiB chunks: 0.79 -> 0.73 CPU-s at 256 KiB)
+READ_BLOCK = 256 << 10
 
 
 class LocalBackend(Backend):
@@ -172,15 +225,19 @@ class LocalBackend(Backend):
         finally:
             os.close(fd)
 
-    def read_into(self, path: str, start: int, buf: memoryview) -> int:
+    def read_into(self, path: str, start: int, buf: memoryview, each: Callable[[memoryview], object] | None = None) -> int:
         fd = self._open_read(path)
         try:
             size = os.fstat(fd).st_size
             pos, end = 0, min(len(buf), max(0, size - start))
+            populate(buf[:end])
+            block = end if each is None else READ_BLOCK
             while pos < end:
-                n = os.preadv(fd, [buf[pos:end]], start + pos)
+                n = os.preadv(fd, [buf[pos : min(end, pos + block)]], start + pos)
                 if n == 0:  # the file shrank under us: the caller's length check sees it
                     break
+                if each is not None:
+                    each(buf[pos : pos + n])
                 pos += n
             return size
         except OSError as e:

@@ -432,8 +432,9 @@ class S3Backend(Backend):
         finally:
             reader.close()
 
-    def read_into(self, path: str, start: int, buf: memoryview) -> int:
-        """Fill ``buf`` with the object's bytes from ``start``, read off the socket into it; return the object's size."""
+    def read_into(self, path: str, start: int, buf: memoryview, each: Callable[[memoryview], object] | None = None) -> int:
+        """Fill ``buf`` with the object's bytes from ``start``, read off the socket into it; return the object's size.
+        ``each``: called once with the part filled (see :meth:`Backend.read_into`)."""
 
         def get() -> int:
             body, n, size = self._get(path, start, len(buf) if len(buf) else None)
@@ -448,7 +449,11 @@ class S3Backend(Backend):
                 raise ConnectionResetError(f"short body: {got} of {n} bytes")
             return size
 
-        return self._call("read", path, get)
+        size = self._call("read", path, get)
+        filled = min(len(buf), max(0, size - start))
+        if each is not None and filled:
+            each(buf[:filled])
+        return size
 
     def read_split(self, path: str, first: int, place: Callable[[bytes, int], memoryview]) -> bytes:
         """One GET: the first bytes, then the rest of the body read off the socket into ``place``'s buffer."""

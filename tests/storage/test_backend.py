@@ -6,8 +6,11 @@ Runs on a local directory, ``memory://`` and every S3 server in S3_TEST_SERVERS
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import os
+import sys
 import threading
 import uuid
 
@@ -190,6 +193,65 @@ def test_a_local_write_that_cannot_take_its_name_leaves_no_temporary(tmp_path):
     with pytest.raises(StorageIOError, match="cannot write o/x"):
         b.write("o/x", b"data" * 1000)
     assert os.listdir(tmp_path / "o") == ["x"]
+
+@pytest.mark.parametrize("start", [0, 5])
+def test_read_into_hands_each_part_to_the_caller_as_it_is_filled(backend, start):
+    """``read_into(..., each=)`` calls ``each`` with the parts of the buffer it fills, in order and
+    together exactly the bytes read (a local store: block by block, so that a caller hashes each
+    while it is in the CPU's caches); each part is the buffer's own memory, not a copy."""
+    from ckpt_store.storage.backends.local import READ_BLOCK
+
+    data = os.urandom(2 * READ_BLOCK + 1000)
+    backend.write("o/x", data)
+    buf = bytearray(len(data) + 50)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    parts: list[tuple[int, bytes]] = []
+
+    def each(part: memoryview) -> None:
+        parts.append((ctypes.addressof(ctypes.c_char.from_buffer(part)) - base, bytes(part)))
+
+    assert backend.read_into("o/x", start, memoryview(buf), each=each) == len(data)
+    assert b"".join(p for _, p in parts) == data[start:] == bytes(buf[: len(data) - start])
+    assert [at for at, _ in parts] == [sum(len(p) for _, p in parts[:i]) for i in range(len(parts))]  # in place, in order
+    if isinstance(backend, LocalBackend):
+        assert [len(p) for _, p in parts] == [READ_BLOCK, READ_BLOCK, 1000 - start]
+
+
+def _resident_pages(area: mmap.mmap) -> int:
+    """How many of ``area``'s pages are in memory (mincore(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    vec = (ctypes.c_ubyte * (len(area) // mmap.PAGESIZE))()
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(area))
+    assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(len(area)), vec) == 0
+    return sum(v & 1 for v in vec)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_a_local_read_into_fresh_memory_faults_its_pages_in_first(tmp_path):
+    """A read into memory never touched (a restore's fresh optimizer moments) took a page fault per
+    4 KiB page inside the kernel's copy: its pages are faulted in by one madvise first (whole pages
+    of the buffer only; a small or read-only buffer is left alone), and the read is exact."""
+    from ckpt_store.storage.backends.local import POPULATE_MIN, _madvise, populate
+
+    probe = mmap.mmap(-1, mmap.PAGESIZE)
+    if _madvise()(ctypes.addressof(ctypes.c_char.from_buffer(probe)), mmap.PAGESIZE, 23) != 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (5.14+)")
+    page, n = mmap.PAGESIZE, 64
+    area = mmap.mmap(-1, n * page)
+    assert _resident_pages(area) == 0
+    populate(memoryview(area)[: POPULATE_MIN - 1])  # too small to pay
+    populate(memoryview(bytes(n * page)))  # read-only: nothing to do
+    assert _resident_pages(area) == 0
+    populate(memoryview(area)[100 : 100 + (n - 2) * page])  # pages 1..n-2 whole; 0 and n-2 partly
+    assert _resident_pages(area) == n - 3 and area[:] == bytes(n * page)
+
+    data = os.urandom(n * page)
+    b = LocalBackend(str(tmp_path), fsync=False)
+    b.write("o/x", data)
+    fresh = mmap.mmap(-1, n * page)
+    assert b.read_into("o/x", 10, memoryview(fresh)[1000:]) == len(data)
+    assert fresh[1000:] == data[10 : 10 + n * page - 1000] and fresh[:1000] == bytes(1000)
+
 
 @pytest.mark.parametrize(
     "err, words, retryable",

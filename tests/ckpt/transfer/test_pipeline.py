@@ -277,3 +277,30 @@ def test_a_chunk_claimed_larger_than_any_chunk_is_refused_before_anything_is_all
         get_chunks(store.objects, [GetTask(cid, 40 << 40, sink=lambda b: None)], store.settings)
     with pytest.raises(CorruptObjectError, match="more than any chunk"):
         fetch_chunk(store.objects, cid, 40 << 40, store.settings)
+
+
+def test_a_raw_chunk_read_from_a_local_store_is_hashed_as_it_is_read(tmp_path, monkeypatch):
+    """A raw chunk read into its tensor from a local store is hashed block by block as the read fills
+    it (each block still in the CPU's caches), not read back from memory and hashed after: the load
+    hashes no chunk a second time. A byte flipped in its last block is still found."""
+    from ckpt_store.storage.errors import CorruptObjectError
+
+    settings = Settings.from_env(workers=2, min_saving=1.0)  # stored raw, as a local tier stores them
+    store = ckpt.Store.init(str(tmp_path / "s"), settings=settings)
+    w = torch.randn(3 << 18, generator=torch.Generator().manual_seed(3))  # 3 MiB: one chunk, 12 blocks
+    store.push({"w": w}, "a")
+    hashed: list[int] = []
+    real = pipeline.object_id
+    monkeypatch.setattr(pipeline, "object_id", lambda data: (hashed.append(len(data)), real(data))[1])
+    out = {"w": torch.empty_like(w)}
+    store.load_into("a", out)
+    assert _bits(out["w"]) == _bits(w) and hashed == []
+
+    (cid,) = store.manifest("a").tensors[0].chunks
+    path = tmp_path / "s" / store.objects.path("chunks", cid)
+    blob = bytearray(path.read_bytes())
+    blob[-3] ^= 0x10
+    path.chmod(0o644)
+    path.write_bytes(bytes(blob))
+    with pytest.raises(CorruptObjectError, match=cid[:12]):
+        store.load_into("a", {"w": torch.empty_like(w)})
