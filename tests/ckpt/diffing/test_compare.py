@@ -613,7 +613,7 @@ def test_stats_scratch_memory_is_a_few_blocks_whatever_the_tensor_size():
     """Counting the changed elements held a bool tensor summed through an int64 copy (8 bytes per
     element: 32 MiB for the 4 MiB int8 tensor here) and, across dtypes, float64 copies of both sides."""
     out = subprocess.run([sys.executable, "-c", STATS_MEMORY_SCRIPT], capture_output=True, text=True,
-                         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "524288"}, check=True, timeout=300)
+                         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "524288", "OMP_NUM_THREADS": "1"}, check=True, timeout=300)
     for peak in json.loads(out.stdout):
         # blocks of 128 Ki elements: the 1 MiB float64/int64 scratch arrays of one block (integers take
         # a dozen, _integer_difference); measured 12.4 MiB here, the old code (whole-tensor) 115 and 364 MiB
