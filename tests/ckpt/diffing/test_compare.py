@@ -592,17 +592,18 @@ STATS_MEMORY_SCRIPT = textwrap.dedent("""
     def status(key):  # kB -> bytes, from this process's own memory map
         return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
 
-    a = torch.randint(-128, 127, (32 << 20,), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    block = 1 << 17  # 32 blocks of 128 Ki elements: the bound is in blocks, the tensor many of them
+    a = torch.randint(-128, 127, (4 << 20,), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
     b = a.clone()
     b[::3] += 1
     other = b.to(torch.int16)  # the same values in another dtype
-    tensor_stats(a[: 1 << 20], b[: 1 << 20])  # warm torch's allocator and thread pool before the baseline
+    tensor_stats(a[: 8 * block], b[: 8 * block], block=block)  # warm torch's allocator and thread pool before the baseline
     peaks = []
     for x, y in ((a, b), (a, other)):
         open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
         before = status("VmRSS:")
-        s = tensor_stats(x, y)
-        assert s.changed_elements == len(range(0, 32 << 20, 3)), s
+        s = tensor_stats(x, y, block=block)
+        assert s.changed_elements == len(range(0, 4 << 20, 3)), s
         peaks.append(status("VmHWM:") - before)
     print(json.dumps(peaks))
 """)
@@ -610,13 +611,13 @@ STATS_MEMORY_SCRIPT = textwrap.dedent("""
 
 def test_stats_scratch_memory_is_a_few_blocks_whatever_the_tensor_size():
     """Counting the changed elements held a bool tensor summed through an int64 copy (8 bytes per
-    element: 256 MiB for the 32 MiB int8 tensor here) and, across dtypes, float64 copies of both sides."""
+    element: 32 MiB for the 4 MiB int8 tensor here) and, across dtypes, float64 copies of both sides."""
     out = subprocess.run([sys.executable, "-c", STATS_MEMORY_SCRIPT], capture_output=True, text=True,
-                         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "524288"}, check=True, timeout=300)
+                         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "524288", "OMP_NUM_THREADS": "1"}, check=True, timeout=300)
     for peak in json.loads(out.stdout):
-        # blocks of 1 Mi elements: the 8 MiB float64/int64 scratch arrays of one block (integers take
-        # a dozen, _integer_difference); measured 115 MiB at 64 MiB, the old code 0.5 and 5.7 GiB there
-        assert peak < 192 * 2**20, f"peak {peak / 2**20:.1f} MiB"
+        # blocks of 128 Ki elements: the 1 MiB float64/int64 scratch arrays of one block (integers take
+        # a dozen, _integer_difference); measured 12.4 MiB here, the old code (whole-tensor) 115 and 364 MiB
+        assert peak < 24 * 2**20, f"peak {peak / 2**20:.1f} MiB"
 
 
 def test_a_diff_of_stored_refs_keeps_one_pool_of_reading_threads_per_side(monkeypatch):

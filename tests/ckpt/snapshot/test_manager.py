@@ -23,28 +23,53 @@ from ckpt.snapshot.manager import SnapshotError
 SCRIPT = pathlib.Path(__file__).with_name("train_script.py")
 
 
-def _run(*args, expect=0, overlap=False):
+def _start(*args, overlap=False) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CKPT_TEST_OVERLAP": "1" if overlap else "0"}
-    r = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == expect, r.stdout + r.stderr
-    return r
+    return subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def _wait(p: subprocess.Popen[str], expect=0) -> subprocess.CompletedProcess[str]:
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+    assert p.returncode == expect, out + err
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _run(*args, expect=0, overlap=False):
+    return _wait(_start(*args, overlap=overlap), expect)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """The uninterrupted 30-step run the resumed ones are compared with (it saves nothing, so it is
+    the same for every save mode): run once, beside the first crash run, and waited for when read."""
+    out = tmp_path_factory.mktemp("full")
+    p = _start(out / "s-full", out / "full", "full", 30)
+    yield lambda: (_wait(p), out)[1]
+    if p.poll() is None:
+        p.kill()
+        p.wait()
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["copy", "overlap_copy"])
-def test_exact_resume_after_sigkill(tmp_path, overlap):
+def test_exact_resume_after_sigkill(tmp_path, overlap, full_run):
     """overlap_copy: every snapshot is read while the next steps' forward/backward run."""
     n, k = 30, 15
-    _run(tmp_path / "s-full", tmp_path / "full", "full", n)
     _run(tmp_path / "s", tmp_path / "crash", "crash", n, k, expect=-signal.SIGKILL, overlap=overlap)
     store = ckpt.Store.open(str(tmp_path / "s"))
     assert store.resolve("run/latest") == store.resolve(f"run/step-{k}")
     assert store.verify().ok
     _run(tmp_path / "s", tmp_path / "resumed", "resume", n, overlap=overlap)
-    full = json.loads((tmp_path / "full.json").read_text())
+    full_dir = full_run()
+    full = json.loads((full_dir / "full.json").read_text())
     resumed = json.loads((tmp_path / "resumed.json").read_text())
     assert sorted(map(int, resumed)) == list(range(k + 1, n + 1))
     assert all(resumed[s] == full[s] for s in resumed)  # losses bit-identical (float.hex)
-    a = (tmp_path / "full.safetensors").read_bytes()
+    a = (full_dir / "full.safetensors").read_bytes()
     b = (tmp_path / "resumed.safetensors").read_bytes()
     assert a == b  # parameters and optimizer state, byte for byte
 

@@ -24,19 +24,35 @@ from ckpt.snapshot.tiers import LocalTier
 SCRIPT = pathlib.Path(__file__).with_name("tiers_script.py")
 
 
-def _run(*args, expect=0):
+def _start(*args) -> subprocess.Popen[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == expect, r.stdout + r.stderr
-    return r
+    return subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def _wait(p: subprocess.Popen[str], expect=0) -> subprocess.CompletedProcess[str]:
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+    assert p.returncode == expect, out + err
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _run(*args, expect=0):
+    return _wait(_start(*args), expect)
 
 
 def test_killed_run_restores_from_the_local_tier_alone_bit_identical(tmp_path):
     """Local snapshots every 2 steps, durable every 10; killed 2 steps after the local one of step 14:
     the restart reads step 14 from the local tier, not one byte from the durable store."""
     n, k = 20, 14
-    _run(tmp_path / "d-full", tmp_path / "l-full", tmp_path / "full", "full", n)
-    _run(tmp_path / "d", tmp_path / "l", tmp_path / "crash", "crash", n, k, expect=-signal.SIGKILL)
+    full = _start(tmp_path / "d-full", tmp_path / "l-full", tmp_path / "full", "full", n)  # (the two runs share nothing)
+    try:
+        _run(tmp_path / "d", tmp_path / "l", tmp_path / "crash", "crash", n, k, expect=-signal.SIGKILL)
+    finally:
+        _wait(full)
     durable = ckpt.Store.open(str(tmp_path / "d"))
     assert durable.manifest("run/latest").extra["snapshot"]["step"] == 10  # persisted; 12 and 14 only local
     _run(tmp_path / "d", tmp_path / "l", tmp_path / "resumed", "resume", n)
