@@ -186,6 +186,9 @@ class IndexState:
     info: dict[str, dict[str, Any]] = field(default_factory=dict)  # manifest id -> summary
     sigs: dict[str, Any] = field(default_factory=dict)  # signature key -> signature
     chunks: dict[str, list[Any]] | None = None  # manifest id -> [chunk ids, detail]; None: not loaded
+    # (chunks not loaded) the chunk lists the logs read carried, kept for a snapshot written from this
+    # state (heal): it then reads the snapshot's chunk lists only, not every log again
+    log_chunks: dict[str, list[Any]] = field(default_factory=dict)
     max_gen: int = 0  # highest generation seen in the listing of index/
     snap_gen: int = -1  # generation of the snapshot read (-1: none)
     logs_read: int = 0
@@ -207,8 +210,7 @@ class IndexState:
             self.sigs.setdefault(key, sig)
             info["sig"] = key
         self.info[mid] = info
-        if self.chunks is not None:
-            self.chunks[mid] = [chunks, detail]
+        (self.chunks if self.chunks is not None else self.log_chunks)[mid] = [chunks, detail]
 
     def apply_log(self, obj: dict[str, Any], what: str) -> None:
         ref = obj.get("ref")
@@ -510,7 +512,7 @@ class StoreIndex:
             # asking for history (gc --dry-run: with each ref's newest entry only, it listed NAME@1... as freed)
             exact, history = True, asked or not self._newer
         elif chunks and st.chunks is None:
-            st.chunks = {}
+            st.chunks = dict(st.log_chunks)
         if exact:
             self._reconcile(st, history, asked, temporaries)
         return st
@@ -587,7 +589,7 @@ class StoreIndex:
         commands do without the index; else such manifests are left out and returned.
         """
         if st.chunks is None and chunks:
-            st.chunks = {}
+            st.chunks = dict(st.log_chunks)
         todo = [m for m in dict.fromkeys(mids) if m not in st.info or (chunks and m not in st.chunks)]  # type: ignore[operator]
         failed: set[str] = set()
 
@@ -640,11 +642,12 @@ class StoreIndex:
         if not st.refs and st.snap_gen < 0:
             return  # nothing to keep yet (an empty store)
         try:
-            if st.chunks is None:
-                full = self.load(chunks=True)
+            if st.chunks is None:  # the snapshot's chunk lists and those of the logs read (not read again)
+                full = self.load(chunks=True, logs=False)
                 st.chunks = {}
                 if full is not None and full.chunks is not None:
                     st.chunks.update(full.chunks)
+                st.chunks.update(st.log_chunks)
             keep = self.kept(st)
             missing = [m for m in st.info if m not in st.chunks and m in keep]
             if missing:

@@ -604,3 +604,26 @@ def test_a_training_runs_index_snapshot_does_not_grow_with_its_saves(tmp_path):
     counting = Counting(store)  # (ls wrote a snapshot that counts the removed steps anew)
     assert [r.name for r in store.ls().refs] == live and counting.of("refs/") == []
     same_with_and_without(store)
+
+
+def test_a_snapshot_written_after_ls_reads_each_index_log_once(tmp_path):
+    """`ls` past a damaged index log writes a fresh snapshot (heal), which needs every chunk list: it read
+    the snapshot again with every log after it, so each log was read twice (found with two sparse 200 MiB
+    logs: 800 MiB of zeros read, and each warned of twice). The chunk lists the logs carried are kept
+    from the first read; the snapshot still holds them all (a gc --dry-run after it reads no manifest)."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    build(store)
+    for k in range(20, 23):
+        store.push(fine_tune(k), f"fam/late{k}")
+    top = max(int(Path(p).name[:10]) for p in index_files(store))
+    (tmp_path / "s" / PREFIX / f"{top + 1:010d}.log").write_bytes(b"\0" * 4096)
+    fresh = ckpt.Store.open(store.url)
+    counting = Counting(fresh)
+    fresh.ls()
+    logs = [p for p in counting.reads if p.endswith(".log")]
+    assert f"{PREFIX}/{top + 1:010d}.log" in logs and len(logs) == len(set(logs)), logs  # each once
+    assert any(int(Path(p).name[:10]) > top for p in index_files(fresh) if p.endswith(".snap"))  # healed
+    counting.reads.clear()
+    fresh.gc(grace_s=0, dry_run=True)
+    assert counting.of("objects/manifests") == []  # the new snapshot has the logs' chunk lists
+    same_with_and_without(fresh)
