@@ -11,7 +11,7 @@ store ckpt creates has) or a hash of it: a remote store's config is outside data
 The cache deletes, counts and clears only files of that layout (entries and its own
 temporaries): a cache directory that also holds other files (``CKPT_CACHE_DIR=~/.cache``,
 say) keeps them. The blob is any valid blob of the chunk: the one stored, or
-(the caller's choice, see ckpt/transfer/pipeline.py) the chunk decoded, as a raw blob. This
+(the caller's choice, see ckpt/transfer/fetch.py) the chunk decoded, as a raw blob. This
 module knows only bytes. :meth:`ChunkBlobCache.get` checks an entry against its trailer
 (BLAKE3 runs at ~4-6 GB/s per core here); a damaged or truncated entry is deleted and
 reported as a miss, never served. :meth:`ChunkBlobCache.read_split` leaves the check to a

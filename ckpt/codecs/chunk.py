@@ -568,12 +568,12 @@ def decode_chunk(
     """Decode a chunk blob, check its length and hash against ``oid``; return the bytes.
 
     Delta blobs need ``base``: the decoded bytes of the chunk named in the header
-    (the caller fetches it; see ``pipeline.fetch_chunk``). Never returns bytes that
+    (the caller fetches it; see ``fetch.fetch_chunk``). Never returns bytes that
     do not hash to ``oid``: any mismatch raises :class:`CorruptObjectError`. The
     decoded size is checked against ``expected_length`` (from the manifest) before
     anything is allocated, so a blob cannot make the reader allocate more.
     ``verify=False`` leaves the hash out: only for a delta's base, whose delta's result the
-    caller hashes (``pipeline._decode_read``).
+    caller hashes (``fetch.decode_read``).
 
     With ``out`` (a writable buffer of ``expected_length`` bytes, a tensor's memory
     say) the bytes are decoded straight into it and ``out`` is returned; after an

@@ -1,2 +1,3 @@
 """Moving chunks between memory and a store in parallel: hashing, encoding and writing on
-push; fetching, decoding and verifying on every read (pipeline.py)."""
+push (writing.py); fetching, decoding and verifying on every read (reading.py, one chunk
+in fetch.py); pipeline.py names them all."""

@@ -211,10 +211,10 @@ def test_base_choice_reads_only_the_recent_refs(tmp_path, monkeypatch):
     """A push reads the snapshot's part with the most recently updated refs, not all of them,
     and chooses the same base as with every ref and manifest read."""
     import ckpt.store.base as base_mod
-    import ckpt_store.storage.index as index_mod
+    import ckpt_store.storage.index_state as index_state
 
     monkeypatch.setattr(base_mod, "MAX_CANDIDATES", 3)
-    monkeypatch.setattr(index_mod, "RECENT", 5)
+    monkeypatch.setattr(index_state, "RECENT", 5)
     store = ckpt.Store.init(str(tmp_path / "s"))
     build(store, n=9)
     for k in range(2):  # newer refs of another shape: the family's base falls out of the recent part

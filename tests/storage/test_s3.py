@@ -788,7 +788,7 @@ def test_children_from_a_server_that_ignores_the_delimiter_are_the_same(s3_main_
 def test_a_get_answer_without_usable_sizes_is_a_clear_error(length, content_range):
     """A GET answered with chunked encoding (no Content-Length) or a Content-Range that is not
     numbers ended in "cannot read ...: 'content-length'" or int()'s message."""
-    from ckpt_store.storage.backends.s3 import _sizes
+    from ckpt_store.storage.backends.s3_reads import _sizes
 
     with pytest.raises(StorageIOError, match="usable Content-Length|negative size"):
         _sizes("objects/chunks/aa/x", length, content_range)

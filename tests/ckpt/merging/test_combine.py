@@ -641,7 +641,7 @@ def test_a_merge_tries_a_damaged_bundle_once_not_once_per_batch(s3_main_url, cap
     other = store.manifest("a").tensors[0].chunks[0]  # another chunk's blob under the bundle chunk's name
     store.objects.backend.write(store.objects.path("chunks", bundle.chunks[0]),
                                 store.objects.backend.read(store.objects.path("chunks", other)))
-    with caplog.at_level(logging.WARNING, logger="ckpt.transfer.pipeline"), gets_of(store) as names:
+    with caplog.at_level(logging.WARNING, logger="ckpt.transfer.reading"), gets_of(store) as names:
         ckpt.merge(["a", "b"], "linear", name="m", store=store)
     gets = Counter(names)
     assert gets[bundle.chunks[0]] == 1, gets[bundle.chunks[0]]  # was 5: once per batch, once more for the delta bases

@@ -201,11 +201,12 @@ def test_delta_chains_are_bounded_on_every_backend_and_remote_pushes_read_no_hea
 def test_a_wrong_depth_in_a_base_manifest_costs_a_fetch_never_a_longer_chain(tmp_path, monkeypatch):
     """The depth hint says the base is a keyframe, but it is two levels deep: the base is fetched,
     and the chunk is stored whole. A hint of a full chain keeps the base unfetched."""
-    import ckpt.transfer.pipeline as pipeline
+    from ckpt.transfer import fetch, writing
 
     fetched = []
-    real = pipeline.fetch_base
-    monkeypatch.setattr(pipeline, "fetch_base", lambda objects, cid, *a, **k: fetched.append(cid) or real(objects, cid, *a, **k))
+    real = fetch.fetch_base
+    for module in (fetch, writing):  # a push's bases, and the bases below them
+        monkeypatch.setattr(module, "fetch_base", lambda objects, cid, *a, **k: fetched.append(cid) or real(objects, cid, *a, **k))
     store = _store(tmp_path, max_delta_depth=2)
     sd = {"w": torch.randn(256, 256)}
     for step in range(3):

@@ -14,8 +14,9 @@ from integration_util import tensor_bits as _bits
 
 import ckpt
 from ckpt.codecs.chunk import GSUB
+from ckpt.progress import NullProgress
 from ckpt.settings import Settings
-from ckpt.transfer import pipeline
+from ckpt.transfer import fetch, pipeline, reading
 from ckpt_store.storage.errors import ObjectNotFoundError
 
 
@@ -57,7 +58,7 @@ def test_reads_handed_off_stay_within_the_bound(monkeypatch):
         return data
 
     monkeypatch.setattr(backend, "read", read)
-    real_decode = pipeline._decode_read
+    real_decode = reading.decode_read
 
     def decode(*a, **k):
         time.sleep(0.005)  # decoding slower than reading: the reads run ahead up to the bound
@@ -67,7 +68,7 @@ def test_reads_handed_off_stay_within_the_bound(monkeypatch):
             with lock:
                 held["now"] -= 1
 
-    monkeypatch.setattr(pipeline, "_decode_read", decode)
+    monkeypatch.setattr(reading, "decode_read", decode)
     got = store.load("a")
     assert {k: _bits(v) for k, v in got.items()} == {k: _bits(v) for k, v in state.items()}
     # blobs read and not yet decoded: the read-ahead window (2 x io_workers) plus one per decoder
@@ -123,7 +124,7 @@ def test_little_work_runs_in_the_calling_thread_not_a_pool_per_call(tmp_path, mo
     assert len(started) < 10, started[:5]  # was 3 per tensor
     assert report.summary.changed == 300 and report.summary.changed_elements == 300 * 16
     assert all(_bits(loaded[k]) == _bits(v) for k, v in b.items())
-    assert pipeline.run_parallel(lambda i: threading.current_thread(), [1, 2], 2, pipeline.NullProgress(),
+    assert pipeline.run_parallel(lambda i: threading.current_thread(), [1, 2], 2, NullProgress(),
                                  lambda i: 1, batch=2) == [threading.current_thread()] * 2
 
 
@@ -229,7 +230,7 @@ def test_a_deltas_base_is_checked_through_the_deltas_result(tmp_path, monkeypatc
     cannot give the right result unless it is right): each chunk of the load is hashed once."""
     store, tuned = _tuned_pair(str(tmp_path / "s"), Settings.from_env(workers=2, base_cache_mb=0))
     hashed: list[int] = []
-    real = pipeline.object_id
+    real = fetch.object_id
 
     def counting(data):
         hashed.append(len(data))
@@ -237,7 +238,7 @@ def test_a_deltas_base_is_checked_through_the_deltas_result(tmp_path, monkeypatc
 
     import ckpt.codecs.chunk as chunk_mod
 
-    monkeypatch.setattr(pipeline, "object_id", counting)
+    monkeypatch.setattr(fetch, "object_id", counting)
     monkeypatch.setattr(chunk_mod, "object_id", counting)
     got = ckpt.Store.open(str(tmp_path / "s"), settings=Settings.from_env(workers=2, base_cache_mb=0)).load("tuned")
     assert {k: _bits(v) for k, v in got.items()} == {k: _bits(v) for k, v in tuned.items()}
@@ -290,8 +291,8 @@ def test_a_raw_chunk_read_from_a_local_store_is_hashed_as_it_is_read(tmp_path, m
     w = torch.randn(3 << 18, generator=torch.Generator().manual_seed(3))  # 3 MiB: one chunk, 12 blocks
     store.push({"w": w}, "a")
     hashed: list[int] = []
-    real = pipeline.object_id
-    monkeypatch.setattr(pipeline, "object_id", lambda data: (hashed.append(len(data)), real(data))[1])
+    real = fetch.object_id
+    monkeypatch.setattr(fetch, "object_id", lambda data: (hashed.append(len(data)), real(data))[1])
     out = {"w": torch.empty_like(w)}
     store.load_into("a", out)
     assert _bits(out["w"]) == _bits(w) and hashed == []
