@@ -95,6 +95,9 @@ class IndexState:
     info: dict[str, dict[str, Any]] = field(default_factory=dict)  # manifest id -> summary
     sigs: dict[str, Any] = field(default_factory=dict)  # signature key -> signature
     chunks: dict[str, list[Any]] | None = None  # manifest id -> [chunk ids, detail]; None: not loaded
+    # (chunks not loaded) the chunk lists the logs read carried, kept for a snapshot written from this
+    # state (heal): it then reads the snapshot's chunk lists only, not every log again
+    log_chunks: dict[str, list[Any]] = field(default_factory=dict)
     max_gen: int = 0  # highest generation seen in the listing of index/
     snap_gen: int = -1  # generation of the snapshot read (-1: none)
     logs_read: int = 0
@@ -116,8 +119,7 @@ class IndexState:
             self.sigs.setdefault(key, sig)
             info["sig"] = key
         self.info[mid] = info
-        if self.chunks is not None:
-            self.chunks[mid] = [chunks, detail]
+        (self.chunks if self.chunks is not None else self.log_chunks)[mid] = [chunks, detail]
 
     def apply_log(self, obj: dict[str, Any], what: str) -> None:
         ref = obj.get("ref")
