@@ -403,7 +403,7 @@ def test_thousands_of_small_tensors_are_read_in_batches_with_each_record_exact(t
     for at a time). They are read in batches now; every record is what the tensors give alone, a
     large tensor among them included, and those the chunk ids decide are still not read."""
     from ckpt.diffing.compare import delta_bytes
-    from ckpt.transfer import pipeline
+    from ckpt.store import reader
 
     g = torch.Generator().manual_seed(9)
     a = {f"experts.{i}.w": torch.randn(16, generator=g) for i in range(1000)}
@@ -416,10 +416,10 @@ def test_thousands_of_small_tensors_are_read_in_batches_with_each_record_exact(t
     store.push(a, "a")
     store.push(b, "b")
     calls = []
-    real = pipeline.get_chunks
-    monkeypatch.setattr(pipeline, "get_chunks", lambda objects, tasks, *x, **k: (calls.append(len(tasks)), real(objects, tasks, *x, **k))[1])
+    real = reader.get_chunks  # (where a diff's reads look it up)
+    monkeypatch.setattr(reader, "get_chunks", lambda objects, tasks, *x, **k: (calls.append(len(tasks)), real(objects, tasks, *x, **k))[1])
     report = ckpt.diff("a", "b", store=store)
-    assert len(calls) <= 12, len(calls)  # was one per side and tensor read: 671
+    assert 0 < len(calls) <= 12, len(calls)  # was one per side and tensor read: 671
     rows = {t.name: t for t in report.tensors}
     assert [t.name for t in report.tensors] == [t.name for t in store.manifest("a").tensors] + ["new"]
     changed = [k for i, k in enumerate(a) if i % 3 == 0 and k != "experts.5.w"]
