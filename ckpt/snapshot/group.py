@@ -24,7 +24,7 @@ Round ``k`` of the agreement (every rank counts its saves and restores alike):
   (:class:`GroupUnavailable`).
 
 Every rank that reads the verdict takes P from it, not from its own wish: whether the save that
-did not happen raises or warns (ckpt/snapshot/manager.py) is then decided alike on every rank.
+did not happen raises or warns (ckpt/snapshot/saving.py) is then decided alike on every rank.
 """
 
 from __future__ import annotations

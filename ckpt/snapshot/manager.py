@@ -1,5 +1,10 @@
 """The training-loop manager: asynchronous, incremental snapshots and in-place restore.
 
+This module holds :class:`CheckpointManager`'s settings, its construction, ``wait`` and ``close``; each
+of its other concerns is a mixin of its own module: saving (saving.py), the local tier and persisting
+to the durable store (persisting.py), restoring (restoring.py), retention applied to the store
+(pruning.py) and preemption signals (preemption.py).
+
 >>> import torch, ckpt
 >>> model = torch.nn.Linear(4, 2)
 >>> opt = torch.optim.AdamW(model.parameters())
@@ -16,81 +21,29 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
 import threading
-import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 from ckpt._deprecation import deprecated
-from ckpt.errors import CkptError, RefConflictError, RefNotFoundError
 from ckpt.settings import Settings
+from ckpt.snapshot.persisting import Persisting, PersistStats
+from ckpt.snapshot.preemption import Preemption
+from ckpt.snapshot.pruning import Pruning
+from ckpt.snapshot.restoring import Restoring
 from ckpt.snapshot.retention import KeepBest, Retention, count_setting
-from ckpt.snapshot.run import (
-    SNAPSHOT_FORMAT,
-    SaveJob,
-    SaveResult,
-    SnapshotError,
-    SnapshotPath,
-    SnapshotRun,
-    TierWarning,
-    is_snapshot,
-    modified_under_save,
-    not_a_snapshot,
-)
-from ckpt.snapshot.tiers import MISSES as TIER_MISSES
-from ckpt.snapshot.tiers import (
-    LocalTier,
-    LocalTierUsage,
-    describe,
-    out_of_space,
-    resolve_latest,
-    run_steps,
-    snapshot_test,
-    step_refs,
-)
+from ckpt.snapshot.run import SnapshotError, SnapshotPath, SnapshotRun, TierWarning, modified_under_save
+from ckpt.snapshot.saving import SaveStats, Saving
+from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, resolve_latest
 
 if TYPE_CHECKING:
-    from ckpt.format.manifest import Manifest
     from ckpt.snapshot.distributed import DistributedSnapshots
-    from ckpt.snapshot.tiers import Tiers
     from ckpt.store.store import Store
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
-
-
-def _recorded(step: int, metrics: dict[str, float] | None) -> dict[str, Any]:
-    """The metrics a snapshot records, as Python numbers: a 0-dim tensor or a NumPy scalar (the loss a
-    training loop has at hand) is converted; anything else that is no number raises ValueError here,
-    before anything is saved (JSON cannot hold it, keep_best cannot rank it). A NaN or infinite value
-    (a diverged loss) is left out, with a warning: it must neither stop the training loop nor rank as
-    the best."""
-    import numbers
-
-    out: dict[str, Any] = {}
-    for name, v in (metrics or {}).items():
-        if type(v) not in (int, float, bool):
-            if isinstance(v, numbers.Integral):
-                v = int(v)
-            elif isinstance(v, numbers.Real):  # a NumPy float, say
-                v = float(v)
-            else:
-                try:
-                    v = v.item()  # a 0-dim tensor
-                except (AttributeError, TypeError, ValueError, RuntimeError):  # no number, or several
-                    v = None
-            if type(v) not in (int, float, bool):
-                raise ValueError(f"metric {name!r} of step {step} must be a number (or a 0-dim tensor, a NumPy "
-                                 f"scalar), not {type(metrics[name]).__name__}: {metrics[name]!r:.80}")
-        if isinstance(v, float) and not math.isfinite(v):
-            log.warning("step %d: metric %s is %s, not recorded: this snapshot never counts as the best", step, name, v)
-            continue
-        out[name] = v
-    return out
 SAVE_MODES = ("async", "sync", "overlap")
 UNCHANGED_BY = ("version", "hash")
 
@@ -98,36 +51,7 @@ __all__ = ["SAVE_MODES", "CheckpointManager", "KeepBest", "LocalTierUsage", "Per
            "TierWarning", "modified_under_save"]
 
 
-@dataclass(frozen=True)
-class SaveStats:
-    """What one save cost: seconds it blocked training and ran in the background, and what
-    it wrote (None where this rank does not know: only the coordinator of a group does)."""
-
-    step: int
-    blocked_s: float
-    background_s: float
-    written_bytes: int | None = None
-    logical_bytes: int | None = None
-    staged_tensors: int | None = None
-    reused_tensors: int | None = None
-    copied_at_step_bytes: int = 0
-    tier: str = "store"  # where it went: "local" (the local tier) or "store" (the durable store)
-    replicated_bytes: int | None = None  # stored bytes this rank sent to its replica ranks (None: no replication)
-
-
-@dataclass(frozen=True)
-class PersistStats:
-    """What persisting one local snapshot to the durable store cost: seconds in the background,
-    and the chunks and stored bytes it copied (those the durable store lacked)."""
-
-    step: int
-    seconds: float
-    chunks_sent: int
-    bytes_sent: int
-    chunks_present: int
-
-
-class CheckpointManager:
+class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
     """Saves and restores the state of one training run in a ckpt store.
 
     Snapshots are ordinary checkpoints: refs ``RUN/step-N`` plus the alias
@@ -410,291 +334,6 @@ class CheckpointManager:
         None without one."""
         return self._local.usage() if self._local else None
 
-    # -- saving ------------------------------------------------------------------
-    def ref(self, step: int) -> str:
-        """The ref of the snapshot of ``step``: ``RUN/step-N``."""
-        return self._target.ref(step)
-
-    def maybe_save(self, step: int, state: dict[str, Any], metrics: dict[str, float] | None = None) -> bool:
-        """Save if ``step`` is a multiple of ``every_n_steps``; True if it saved.
-
-        After a preemption signal (``handle_signals=True``) it saves whatever the step,
-        waits until that snapshot is durable, closes the manager and raises
-        ``SystemExit(preempt_exit_code)``."""
-        if self._final_snapshot_due(step):
-            self.save(step, state, metrics, persist=True)
-            self.close()
-            log.warning("preempted: snapshot of step %d is durable; exiting with %d", step, self.preempt_exit_code)
-            raise SystemExit(self.preempt_exit_code)
-        durable = bool(self.every_n_steps) and step % self.every_n_steps == 0
-        local = bool(self._local and self.local_every_n_steps) and step % self.local_every_n_steps == 0
-        if durable or local:
-            self.save(step, state, metrics, persist=durable)
-            return True
-        return False
-
-    def save(self, step: int, state: dict[str, Any], metrics: dict[str, float] | None = None, *,
-             persist: bool | None = None) -> None:
-        """Snapshot ``state`` as step ``step``. Returns once what must be copied is copied
-        (``save_mode="sync"``: once the snapshot is durable).
-
-        With a local tier the snapshot goes there, and is then persisted to the durable
-        store in the background when ``persist`` (default: ``step`` is a multiple of
-        ``every_n_steps``, or an earlier persist failed). If the local tier fails (full,
-        say) a snapshot to persist is written to the durable store directly, and any other
-        is skipped, with a :class:`TierWarning` each: training goes on."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError("step must be a non-negative int")
-        if self._closed:  # its save thread is gone, and its local tier may be another manager's by now
-            raise SnapshotError(f"snapshot of step {step} not saved: this CheckpointManager of run {self.run!r} is closed",
-                                hint="save with a new CheckpointManager (or save before leaving its `with` block)")
-        self._wait_save()
-        if self._local is None:  # (with a local tier a persist moves it later)
-            self._check_latest()
-        t0 = time.perf_counter()
-        snapshot = {"format": SNAPSHOT_FORMAT, "run": self.run, "step": step, "metrics": _recorded(step, metrics)}
-        background = self.save_mode != "sync"
-        if self._local is None:
-            job = self._path.save(step, state, snapshot, background=background)
-        else:
-            if persist is None:
-                persist = bool(self.every_n_steps) and step % self.every_n_steps == 0
-            persist = persist or self._persist_pending or self._behind_durable(step)
-            self._saves += 1
-            self._saved_step = step
-            if self._local_full:
-                self._make_room(step)
-            if self._distributed:  # the ranks persist together, in the save thread
-                from ckpt.snapshot.group import GroupUnavailable
-
-                try:
-                    saving = self._group_path.save(step, state, snapshot, background=background, persist_to=self._durable,
-                                                   persist=persist)
-                    persist = self._group_path.persisting  # agreed: one rank alone may know the run went back, say
-                except GroupUnavailable as e:
-                    # The ranks could not agree on a working group: as for a tier failure, unless this
-                    # snapshot is due to the durable store (raised, as without tiers). Due as the ranks
-                    # agreed (e.persist), not by this rank's own view: a rank that raised while the others
-                    # went on training would leave them waiting for it in their next collective.
-                    self._persist_pending = persist or e.persist
-                    if e.persist:
-                        raise
-                    self._tier_warning(f"local tiers: snapshot of step {step} not saved ({e}); the next save tries again")
-                    return
-            else:
-                saving = self._path.save(step, state, snapshot, background=background, fallback=self._durable if persist else None)
-            job = self._tiered(step, saving, persist, self._saves)
-        blocked = time.perf_counter() - t0
-
-        def finish() -> None:
-            t1 = time.perf_counter()
-            result = job()
-            if result is not None:
-                self._saved(step, snapshot["metrics"], result, blocked, time.perf_counter() - t1)
-
-        if background:
-            self._inflight = self._pool.submit(finish)
-        else:
-            finish()
-
-    def _behind_durable(self, step: int) -> bool:
-        """Whether the durable store's RUN/latest names a step at or after ``step``: this save begins a
-        new timeline (the run went back to an earlier snapshot, or began anew under its name). It is
-        persisted then, as every save is without a local tier: else a restart would take up the
-        abandoned timeline's newer step."""
-        from ckpt.snapshot.tiers import snapshot_step
-
-        if not self._durable_known:
-            try:
-                # (RUN/latest missing: the newest step, as a restart would resume it, so that a run gone back
-                # below it persists its saves and a restart resumes them, not that step)
-                self._durable_step = snapshot_step(self.store.manifest(self._resolve_latest()))
-            except RefNotFoundError:
-                self._durable_step = None
-            except Exception as e:  # noqa: BLE001 - unreadable now: the persists due say more
-                log.warning("could not read %s in %s (%s)", self._durable.latest, self.store.url, describe(e))
-                return False
-            self._durable_known = True
-        return self._durable_step is not None and step <= self._durable_step
-
-    def _check_latest(self) -> None:
-        """Warn (once) where the durable RUN/latest names a checkpoint a user pushed there (no snapshot), which
-        this save is about to move away from: the next restart would otherwise resume without a word of it.
-        Called before every write of it: a save without tiers; with tiers, a save due to the durable store (a
-        full tier's direct save there, a group's persist) and a persist. One ref read each; a manifest read
-        only where RUN/latest changed since this manager last saw it.
-        In a group rank 0 alone checks (no collective: a failed read only skips the check)."""
-        if self._latest_warned or getattr(self._path, "rank", 0) != 0:
-            return
-        try:
-            entry = self.store.refs_db.current(self._durable.latest)
-            if entry is None or entry.target == self._latest_id:
-                return
-            self._latest_id = entry.target
-            m = self.store.manifest(entry.target)
-        except CkptError as e:
-            log.warning("could not read %s in %s (%s)", self._durable.latest, self.store.url, describe(e))
-            return
-        if not is_snapshot(m):
-            self._latest_warned = True
-            self._tier_warning(f"{self._durable.latest} names checkpoint {entry.target[:12]}, pushed there ({m.source}), "
-                               f"not a snapshot: this save moves {self._durable.latest} to its own snapshot; the pushed "
-                               f"one stays in its history (`ckpt log {self._durable.latest}`): push it under a name "
-                               "outside the run")
-
-    def _tiered(self, step: int, job: SaveJob, persist: bool, seq: int) -> Callable[[], SaveResult | None]:
-        """``job`` (a save into the local tier), then the tier's bounds and the persist it asks for.
-        A tier failure is a warning; a failed direct save to the durable store is raised."""
-        local = self._local
-        assert local is not None
-
-        def run() -> SaveResult | None:
-            try:
-                if persist:  # the fallback may move RUN/latest in the durable store (a group's persist does)
-                    with self._durable_lock:
-                        self._check_latest()
-                        result = job()
-                        if result.fell_back is not None:
-                            self._published, self._durable_step = seq, step
-                else:
-                    result = job()
-            except SnapshotError as e:
-                # One process: the state itself (modified under an overlapped save), not a tier failure.
-                # A group: a snapshot due to the durable store that no tier took (its direct save
-                # failed too, or a rank died) is raised as without tiers.
-                if not self._distributed or persist:
-                    raise
-                self._tier_warning(f"local tiers: snapshot of step {step} not saved ({e}); the next save tries again")
-                self._free_leftovers()
-                self._local_full = out_of_space(e, getattr(self._path, "rank", None))
-                return None
-            except Exception as e:  # noqa: BLE001 - the local tier failed; training goes on
-                self._tier_warning(f"local tier: snapshot of step {step} not saved ({describe(e)}); the next save tries again")
-                local.drop(step)
-                self._free_leftovers()
-                self._local_full = out_of_space(e)
-                self._persist_pending = self._persist_pending or persist
-                return None
-            self._local_full = result.tier_full  # (a group: its path says so for this rank)
-            if result.fell_back is not None:
-                self._tier_warning(f"local tier: snapshot of step {step} not saved ({result.fell_back}); "
-                                   "it was written to the durable store directly")
-                self._persist_pending = False
-                self._free_leftovers()
-                if result.prunes:  # in a group, the coordinator alone
-                    self._retain(step)
-                return result
-            if result.tier_error is not None:
-                self._tier_warning(f"local tier: part of the snapshot of step {step} not kept ({result.tier_error}); "
-                                   "the next save tries again")
-            if result.persist_error is not None:
-                self._persist_pending = True
-                self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed "
-                                   f"({result.persist_error}); the next save persists again")
-            elif result.persisted:
-                self._durable_step = step
-                self._persist_pending = False
-                if result.prunes:
-                    self._retain(step)
-            if self._distributed:
-                return result  # the path pruned its tier and persisted
-            try:
-                local.drop_after(step)
-                local.prune()
-            except Exception as e:  # noqa: BLE001
-                self._tier_warning(f"local tier: could not drop old snapshots ({describe(e)})")
-            if persist:
-                self._persist_pending = False
-                self._request_persist(step, seq)
-            return result
-
-        return run
-
-    def _make_room(self, step: int) -> None:
-        """The last local save found the tier full with nothing left to prune (it keeps its newest
-        snapshot): drop that one too, so that the tier holds the newest step again instead of
-        refusing every save. Until this save lands, a restart restores from the durable store."""
-        local = self._local
-        assert local is not None
-        self._local_full = False
-        try:
-            dropped = local.make_room()
-        except Exception as e:  # noqa: BLE001
-            self._tier_warning(f"local tier: could not make room for step {step} ({describe(e)})")
-            return
-        if dropped:
-            self._tier_warning(f"local tier: full at its last save; dropped step(s) {', '.join(map(str, dropped))} "
-                               f"to make room for step {step}")
-
-    def _free_leftovers(self) -> None:
-        """Free what a failed local save left in the tier (chunks no snapshot names), so that a full
-        tier has room again for the next save."""
-        local = self._local
-        assert local is not None
-        try:
-            local.prune()
-        except Exception as e:  # noqa: BLE001
-            log.warning("local tier: could not free the leftovers of a failed save (%s)", describe(e))
-
-    def _request_persist(self, step: int, seq: int) -> None:
-        local = self._local
-        assert local is not None
-        with self._persist_lock:
-            local.pinned.add(step)
-            if self._persist_slot is not None and self._persist_slot[0] != step:
-                self._unpin(self._persist_slot[0])  # superseded before it started: never persisted
-            self._persist_slot = (step, seq)
-            if self._persisting is None or self._persisting.done():
-                self._persisting = self._persist_pool.submit(self._persist_loop)
-
-    def _persist_loop(self) -> None:
-        while True:
-            with self._persist_lock:
-                slot, self._persist_slot = self._persist_slot, None
-            if slot is None:
-                return
-            self._persist(*slot)
-
-    def _persist(self, step: int, seq: int) -> None:
-        """Copy the local snapshot of ``step`` to the durable store: only the chunks it lacks, as stored."""
-        from ckpt.store.copy import copy_refs
-
-        local = self._local
-        assert local is not None
-        t0 = time.perf_counter()
-        try:
-            report = copy_refs(local.store, self.store, [local.ref(step)], recode=not self._local_compress)
-            with self._durable_lock:
-                if seq > self._published:  # (a save made since may have gone there directly)
-                    self._check_latest()
-                    self.store.refs_db.set(self._durable.latest, report.refs[local.ref(step)], alias=True)
-                    self._latest_id = report.refs[local.ref(step)]
-                    self.store.objects.backend.flush()
-                    self._published, self._durable_step = seq, step
-            self.last_persist = PersistStats(step, time.perf_counter() - t0, report.chunks_sent, report.bytes_sent,
-                                             report.chunks_present)
-            self._retain(step)
-        except Exception as e:  # noqa: BLE001 - the durable store still holds the previous snapshot
-            self._persist_pending = True
-            self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed ({describe(e)}); "
-                               "the next save persists again")
-        finally:
-            with self._persist_lock:
-                self._unpin(step)
-
-    def _unpin(self, step: int) -> None:
-        """Let the tier prune ``step`` again (under ``_persist_lock``). A save of an earlier step made
-        since began a new timeline: its ``drop_after`` kept ``step`` only because it was pinned, and as
-        the tier's newest step a restart would resume it. It goes now."""
-        local = self._local
-        assert local is not None
-        local.pinned.discard(step)
-        if self._saved_step is not None and step > self._saved_step:
-            try:
-                local.drop_after(self._saved_step)
-            except Exception as e:  # noqa: BLE001 - the next save of an earlier step drops it again
-                self._tier_warning(f"local tier: could not drop step {step} of the timeline the run left ({describe(e)})")
-
     def _resolve_latest(self) -> str:
         """:func:`~ckpt.snapshot.tiers.resolve_latest` of the durable store, warning once of each fallback."""
         return resolve_latest(self.store, self.run, self._warn_once)
@@ -709,17 +348,6 @@ class CheckpointManager:
     def _tier_warning(self, message: str) -> None:
         log.warning("%s", message)
         warnings.warn(message, TierWarning, stacklevel=2)
-
-    def _saved(self, step: int, metrics: dict[str, float], r: SaveResult, blocked: float, background: float) -> None:
-        if r.id is not None and (self._local is None or r.fell_back is not None or r.persisted):
-            self._latest_id = r.id  # (RUN/latest names it now: the next save's check reads no manifest)
-        if self.retention.best:  # (nothing else reads them)
-            self._metrics[step] = metrics
-        tier = "local" if self._local is not None and r.fell_back is None else "store"
-        self.last_save = SaveStats(step, blocked, background, r.written_bytes, r.logical_bytes, r.staged_tensors,
-                                   r.reused_tensors, r.copied_at_step_bytes, tier, r.replicated_bytes)
-        if r.prunes and self._local is None:  # in a group the coordinator alone prunes, so that ranks never race to remove a ref
-            self._retain(step)
 
     @property
     def step_wait_s(self) -> float:
@@ -777,171 +405,6 @@ class CheckpointManager:
             except Exception:  # noqa: BLE001
                 log.exception("in-flight snapshot failed while handling another error")
 
-    # -- retention -------------------------------------------------------------------
-    def steps(self) -> list[int]:
-        """Steps of the run's live snapshots, oldest first. A checkpoint pushed under the run's name
-        (``RUN/step-N``) is none: told by its summary in the store's metadata index, else by its manifest;
-        one that cannot be read is listed (restoring it names the damage)."""
-        found, view = run_steps(self.store, self.run)
-        snapshot = snapshot_test(self.store, found.values(), view=view)
-        return sorted(s for s, mid in found.items() if snapshot(mid))
-
-    def _metric(self, step: int) -> dict[str, float]:
-        if step not in self._metrics:
-            m = self.store.manifest(self.ref(step))
-            snap = m.extra.get("snapshot")
-            self._metrics[step] = (snap.get("metrics") if isinstance(snap, dict) else None) or {}
-        return self._metrics[step]
-
-    def _snapshot_id(self, step: int, mid: str) -> bool:
-        """Whether ``mid``, which RUN/step-``step`` names, is a snapshot (:func:`~ckpt.snapshot.run.is_snapshot`),
-        read once per step and id. A checkpoint pushed under the run's name is not (with a warning): retention
-        neither counts nor removes it. One that cannot be read is left alone too (the next save reads again)."""
-        seen = self._snapshot_ids.get(step)
-        if seen is not None and seen[0] == mid:
-            return seen[1]
-        try:
-            known = is_snapshot(self.store.manifest(mid))
-        except CkptError as e:
-            log.warning("retention: %s unreadable (%s): not counted, kept", self.ref(step), describe(e))
-            return False
-        self._snapshot_ids[step] = (mid, known)
-        if not known:
-            log.warning("retention: %s is not a snapshot (pushed under the run's name): not counted, kept", self.ref(step))
-        return known
-
-    def _retain(self, saved: int) -> None:
-        """Apply the retention rules after the snapshot of step ``saved`` landed in the durable store.
-
-        The steps counted are those this manager knows of (the run's, listed at its first retention,
-        and each saved since), each checked against the store: a save costs requests per step kept,
-        not a listing of every step the run ever saved. One another process saved meanwhile is not
-        counted, which only keeps more (each rule keeps a step where fewer others compete with it);
-        one removed meanwhile is not counted either (counted, it would take the place of one to keep)."""
-        if self.retention.keeps_all:
-            return
-        # One at a time: the persist thread and a direct save can both get here, and the second
-        # to remove a ref would raise RefNotFoundError out of save().
-        from ckpt.snapshot.tiers import snapshot_step
-        from ckpt_store.storage.errors import StoreFormatError
-
-        with self._retaining:
-            if self._retained is None:
-                self._retained = set(step_refs(self.store, self.run))  # (each checked below: a pushed one is named in a warning)
-            self._retained.add(saved)
-            steps = []
-            targets: dict[int, str] = {}  # what each counted step named when checked: removed only while it still does
-            for s in sorted(self._retained):
-                try:
-                    entry = self.store.refs_db.current(self.ref(s))
-                except StoreFormatError:  # damaged: not counted, never removed (as steps() leaves it out)
-                    continue
-                if entry is None:
-                    self._retained.discard(s)
-                    self._snapshot_ids.pop(s, None)
-                elif self._snapshot_id(s, entry.target):  # a checkpoint pushed under the name is not counted, never removed
-                    steps.append(s)
-                    targets[s] = entry.target
-            metrics = {s: self._metric(s) for s in steps} if self.retention.best else {}
-            try:  # below the newest step where the run went back: the last ones are counted up to it
-                latest = snapshot_step(self.store.manifest(self._durable.latest))
-            except Exception as e:  # noqa: BLE001 - no ref, or unreadable now: every step counts, as before
-                if not isinstance(e, RefNotFoundError):
-                    log.warning("retention: could not read %s (%s); counting every step", self._durable.latest, describe(e))
-                latest = None
-            keep = set(self.retention.keep(steps, metrics, latest))
-            for s in [s for s in list(self._metrics) if s not in keep]:  # (a step not yet counted is read again)
-                self._metrics.pop(s, None)
-            for s in steps:
-                if s not in keep:
-                    self._retained.discard(s)
-                    self._snapshot_ids.pop(s, None)
-                    try:
-                        self.store.remove(self.ref(s), expect=targets[s])
-                    except RefNotFoundError:
-                        pass  # removed meanwhile, by another process
-                    except RefConflictError:  # pushed over meanwhile: not this manager's snapshot any more
-                        log.warning("retention: %s moved while it was being pruned: kept", self.ref(s))
-
-    # -- restoring -----------------------------------------------------------------
-    def restore_latest(self, state: dict[str, Any]) -> int | None:
-        """Restore the newest snapshot into ``state`` in place; its step, or None if the run has none.
-
-        With a local tier: the newest of the local and durable snapshots, each chunk read from
-        the local tier where it is there with a correct hash, else from the durable store. A
-        snapshot that no tier holds completely (a local one not persisted, with a damaged
-        chunk) is skipped, with a :class:`TierWarning`, for the next newest.
-        :attr:`last_restore` says which step was restored and the bytes each tier served."""
-        self.wait()
-        if self._local is None:
-            mid = self._resolve(self._resolve_latest)
-            return None if mid is None else self._restore(state, mid)
-        if self._distributed:
-            path = self._group_path
-            assert path.peers is not None
-            chosen = path.choose(self.store, self._durable.latest, self._warn_once)
-            if chosen is None:
-                return None
-            _, mid, tiers = chosen
-            step = path.restore(state, mid, tiers)
-            self.last_restore = {"step": step, **tiers.served}
-            self._refill(step, mid, tiers)
-            return step
-        candidates, parsed = self._candidates()
-        for i, (step, mid) in enumerate(candidates):
-            try:
-                return self._restore(state, mid, parsed)
-            except TIER_MISSES as e:
-                if i == len(candidates) - 1:
-                    raise
-                self._tier_warning(f"snapshot of step {step} cannot be assembled from any tier ({describe(e)}); "
-                                   f"restoring step {candidates[i + 1][0]} instead")
-        return None
-
-    def latest_step(self) -> int | None:
-        """The step :meth:`restore_latest` would restore first, without restoring it; None if the run
-        has no snapshot in any tier. In a group the ranks choose it together, as a restore does."""
-        from ckpt.snapshot.tiers import snapshot_step
-
-        self.wait()
-        if self._local is None:
-            def find() -> tuple[str, int | None, str | None]:  # in a group, on rank 0 alone: every rank says the same
-                mid = self._resolve_latest()
-                m = self.store.manifest(mid)
-                return mid, snapshot_step(m), None if is_snapshot(m) else m.source
-
-            found = self._resolve(find)
-            if found is None:
-                return None
-            mid, step, pushed = found
-            if pushed is not None:  # (as restore_latest refuses it, not "no snapshot")
-                raise not_a_snapshot(mid, pushed)
-            return step
-        if self._distributed:
-            chosen = self._group_path.choose(self.store, self._durable.latest, self._warn_once)
-            return None if chosen is None else chosen[0]
-        candidates, _ = self._candidates()
-        return candidates[0][0] if candidates else None
-
-    def restore(self, state: dict[str, Any], step: int) -> int:
-        """Restore the snapshot of ``step`` into ``state`` in place (from the nearest tier holding each chunk)."""
-        self.wait()
-
-        def find() -> str:
-            if self._local is not None:
-                try:
-                    return self._local.store.resolve(self.ref(step))
-                except RefNotFoundError:
-                    pass
-            return self.store.resolve(self.ref(step))
-
-        if not self._distributed:
-            return self._restore(state, find())
-        mid = self._resolve(find)
-        if mid is None:  # (on every rank alike)
-            raise RefNotFoundError(f"no snapshot of step {step} in run {self.run!r}", hint="see mgr.steps() or `ckpt ls`")
-        return self._restore(state, mid)
-
     @property
     def _group_path(self) -> DistributedSnapshots:
         """The snapshot path of a manager with a process group."""
@@ -949,118 +412,6 @@ class CheckpointManager:
 
         assert isinstance(self._path, DistributedSnapshots)
         return self._path
-
-    def _resolve(self, find: Callable[[], _T]) -> _T | None:
-        """``find()``, None where it finds no ref; in a group rank 0's, the same on every rank."""
-        if self._distributed:
-            return self._group_path.resolve(find)
-        try:
-            return find()
-        except RefNotFoundError:
-            return None
-
-    def _candidates(self) -> tuple[list[tuple[int, str]], dict[str, Manifest]]:
-        """Snapshots to restore, newest first: (step, manifest id), from the local tier and the durable
-        store; and the manifests parsed to choose them, by id (the restore reads one of them)."""
-        from ckpt.snapshot.tiers import left_behind, left_behind_message, snapshot_step
-
-        local = self._local
-        assert local is not None
-        found: dict[int, str] = {}
-        parsed: dict[str, Manifest] = {}
-        durable: tuple[int, str, float] | None = None  # the durable RUN/latest: step, id, made at
-        try:
-            mid = self._resolve_latest()
-            m = parsed[mid] = self.store.manifest(mid)
-            if not is_snapshot(m):  # refused, as without a tier: never passed over for an older step, or none
-                raise not_a_snapshot(mid, m.source)
-            step = snapshot_step(m)
-            if step is not None:
-                found[step] = mid
-                durable = (step, mid, m.created)
-        except RefNotFoundError:
-            pass
-
-        def made(mid: str) -> float:
-            m = parsed[mid] = local.store.manifest(mid)
-            return m.created
-
-        for step in local.steps():
-            try:
-                mid = local.store.resolve(local.ref(step))
-                if durable is not None and left_behind(step, mid, lambda mid=mid: made(mid), durable):
-                    self._tier_warning(left_behind_message("local tier", step, durable[0]))
-                    continue
-                found[step] = mid
-            except TIER_MISSES as e:
-                self._tier_warning(f"local tier: snapshot of step {step} unreadable ({describe(e)})")
-        return sorted(found.items(), reverse=True), parsed
-
-    def _restore(self, state: dict[str, Any], mid: str, parsed: dict[str, Manifest] | None = None) -> int:
-        """Restore ``mid`` from this manager's tiers; ``parsed``: manifests already read, by id."""
-        from ckpt.snapshot.tiers import Tiers
-
-        peers = getattr(self._path, "peers", None)
-        if peers is not None:
-            tiers = peers.tiers(self.store)
-        else:
-            tiers = Tiers(([("local", self._local.store)] if self._local else []) + [("store", self.store)])
-        if parsed and mid in parsed:
-            tiers.manifests[mid] = parsed[mid]
-        step = self._path.restore(state, mid, tiers)
-        self.last_restore = {"step": step, **tiers.served}
-        if peers is not None:
-            self._refill(step, mid, tiers)
-        return step
-
-    def _refill(self, step: int, mid: str, tiers: Tiers) -> None:
-        """This rank's tier keeps what the restore fetched from peers (a replaced machine's tier refills),
-        in the save thread: training starts at once, and the next save (or :meth:`wait`) waits for it."""
-        peers = getattr(self._path, "peers", None)
-        assert peers is not None
-
-        def run() -> None:
-            try:
-                problem = peers.refill(step, mid, tiers)
-            except Exception as e:  # noqa: BLE001 - the restore stands; the tier is only emptier
-                problem = describe(e)
-            if problem is not None:
-                self._tier_warning(f"local tier: the chunks of step {step} fetched from peers not kept ({problem})")
-
-        self._inflight = self._pool.submit(run)
-
-    # -- preemption ----------------------------------------------------------------
-    def _final_snapshot_due(self, step: int) -> bool:
-        """Whether ``maybe_save(step)`` takes the final snapshot of a preempted run: once a preemption
-        signal came. In a group every rank takes it at the step the first rank to see a signal named
-        (:meth:`~ckpt.snapshot.group.CheckpointGroup.final_step`; a store lookup per ``maybe_save`` until
-        then, with ``handle_signals`` only): each rank's signal comes at its own moment, and a rank
-        that saved step 7 alone would wait in the save for one already training step 8, which waits
-        for it in the gradient all-reduce, until ``timeout_s``, the final snapshot lost."""
-        if not self._distributed or not self._old_handlers:
-            return self.preempted
-        if self._final_step is None:
-            self._final_step = self._group_path.checkpoint_group.final_step(step, self.preempted)
-        if self._final_step is None:
-            return False
-        self.preempted = True
-        return step >= self._final_step
-
-    def _install_signals(self, sigs: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1)) -> None:
-        def handler(signum: int, frame: object) -> None:
-            log.warning("signal %d: finishing the in-flight snapshot; the next maybe_save takes a final one", signum)
-            self.preempted = True
-            f = self._inflight
-            if f is not None:
-                f.exception()  # waits; the error, if any, is raised by the final save
-
-        for s in sigs:
-            self._old_handlers[s] = signal.signal(s, handler)
-
-    def _restore_signals(self) -> None:
-        for s, h in self._old_handlers.items():
-            signal.signal(s, h)
-        self._old_handlers = {}
 
 
 _RENAMED = {"async_save": "save_mode", "overlap_copy": "save_mode", "trust_version": "unchanged_by",

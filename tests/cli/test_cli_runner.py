@@ -264,7 +264,7 @@ def test_rm_interrupted_between_names_says_so_in_its_json(env, capsys, monkeypat
 
     def remove(self, name):
         if name == "b":
-            raise KeyboardInterrupt  # the signal lands here (the handler of cli/main.py raises it)
+            raise KeyboardInterrupt  # the signal lands here (the handler of cli/interrupts.py raises it)
         return real(self, name)
 
     monkeypatch.setattr(ckpt.Store, "remove", remove)

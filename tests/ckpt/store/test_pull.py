@@ -418,12 +418,12 @@ def test_an_output_file_is_flushed_while_written_then_fsynced(tmp_path, monkeypa
     file is complete, and leaving the block fsyncs the file."""
     import time
 
-    from ckpt.store import destination
+    from ckpt.store import output_files
 
-    monkeypatch.setattr(destination, "FLUSH_EVERY", 1 << 20)
+    monkeypatch.setattr(output_files, "FLUSH_EVERY", 1 << 20)
     calls = _recording(monkeypatch)
     piece = os.urandom(1 << 20)
-    with destination.OutputFile(str(tmp_path / "f"), 4 << 20) as out:
+    with output_files.OutputFile(str(tmp_path / "f"), 4 << 20) as out:
         fd = out.fd
         assert not _flush_threads()  # none until there is something to flush
         for i in range(3):
@@ -443,9 +443,9 @@ def test_a_large_pull_stops_its_flushing_whether_it_succeeds_or_fails(tmp_path, 
     """A pulled file of several FLUSH_EVERY (safetensors, then torch): its bytes are the
     source's, it was fsynced before it was renamed into place, and no flushing thread outlives
     the pull, even a failed one."""
-    from ckpt.store import destination
+    from ckpt.store import output_files
 
-    monkeypatch.setattr(destination, "FLUSH_EVERY", 1 << 20)
+    monkeypatch.setattr(output_files, "FLUSH_EVERY", 1 << 20)
     store = ckpt.Store.init(str(tmp_path / "store"), settings=ckpt.Settings.from_env(chunk_size=1 << 20))
     g = torch.Generator().manual_seed(3)
     tensors = {f"w{i}": torch.randn(1 << 18, generator=g) for i in range(8)}  # 8 MiB, 8+ chunks
@@ -497,9 +497,9 @@ def test_a_failed_background_flush_fails_the_pull(tmp_path, monkeypatch, name):
     import errno
     import time
 
-    from ckpt.store import destination
+    from ckpt.store import output_files
 
-    monkeypatch.setattr(destination, "FLUSH_EVERY", 1 << 20)
+    monkeypatch.setattr(output_files, "FLUSH_EVERY", 1 << 20)
     store = ckpt.Store.init(str(tmp_path / "store"), settings=ckpt.Settings.from_env(chunk_size=1 << 20))
     g = torch.Generator().manual_seed(4)
     store.push({f"w{i}": torch.randn(1 << 18, generator=g) for i in range(8)}, "big")
@@ -510,7 +510,7 @@ def test_a_failed_background_flush_fails_the_pull(tmp_path, monkeypatch, name):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(os, "fdatasync", failing)
-    real_wrote = destination._Flusher.wrote
+    real_wrote = output_files._Flusher.wrote
 
     def wrote(self, n: int) -> None:  # once a flush is asked for, let it run before more is written
         real_wrote(self, n)
@@ -518,7 +518,7 @@ def test_a_failed_background_flush_fails_the_pull(tmp_path, monkeypatch, name):
         while not flushed and self.unflushed == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    monkeypatch.setattr(destination._Flusher, "wrote", wrote)
+    monkeypatch.setattr(output_files._Flusher, "wrote", wrote)
     with pytest.raises(DestinationError, match="Input/output error"):
         store.pull("big", tmp_path / name)
     assert flushed
@@ -596,7 +596,7 @@ def test_a_torch_file_pull_to_a_full_disk_is_refused_or_fails_saying_so(tmp_path
     safetensors one; and if the disk fills while torch.save writes (the free-space check passed),
     the error says the disk is full rather than torch's 'unexpected pos'."""
     from ckpt.errors import ResourceLimitError
-    from ckpt.store import destination
+    from ckpt.store import output_files
 
     store = ckpt.Store.init(str(tmp_path / "store"))
     store.push({"w": torch.randn(1 << 20)}, "big")  # 4 MiB
@@ -604,12 +604,12 @@ def test_a_torch_file_pull_to_a_full_disk_is_refused_or_fails_saying_so(tmp_path
     with pytest.raises(ResourceLimitError):
         store.pull("big", os.path.join(small, "out.pt"))
     assert os.listdir(small) == []
-    destination.check_disk, real = (lambda need, path: None), destination.check_disk
+    output_files.check_disk, real = (lambda need, path: None), output_files.check_disk
     try:
         with pytest.raises(DestinationError, match="No space left"):
             store.pull("big", os.path.join(small, "out.pt"))
     finally:
-        destination.check_disk = real
+        output_files.check_disk = real
     assert os.listdir(small) == []
 
 
@@ -619,7 +619,7 @@ def test_a_rename_that_fails_after_the_backup_leaves_no_backup(tmp_path):
     (one did: renaming a link over itself does nothing, so the 'restore' kept both names)."""
     import tempfile
 
-    from ckpt.store.destination import _replace_all
+    from ckpt.store.atomic_files import _replace_all
 
     other = tempfile.mkdtemp(dir="/dev/shm") if os.path.isdir("/dev/shm") else None
     if other is None or os.stat(other).st_dev == os.stat(tmp_path).st_dev:
@@ -680,10 +680,10 @@ def test_a_file_made_at_the_destination_while_a_pull_runs_is_kept(store, model_d
 # -- what a killed pull leaves -------------------------------------------------------------
 _KILLED_PULL = """
 import os, signal, sys
-import ckpt, ckpt.store.destination as destination
+import ckpt, ckpt.store.atomic_files as atomic_files
 def killed():  # the files are complete under their temporary names, about to be renamed into place
     os.kill(os.getpid(), signal.SIGKILL)
-destination._placing_files = killed
+atomic_files._placing_files = killed
 ckpt.Store.open(sys.argv[1]).pull(sys.argv[2], sys.argv[3], overwrite=sys.argv[4] == "1")
 """
 
@@ -794,7 +794,7 @@ def test_a_temporary_is_judged_young_or_old_by_its_folders_clock(tmp_path, monke
     import time
     import types
 
-    from ckpt.store import destination
+    from ckpt.store import atomic_files
     from ckpt.store.destination import sweep_left, temp_name
 
     target = str(tmp_path / "model.safetensors")
@@ -804,7 +804,7 @@ def test_a_temporary_is_judged_young_or_old_by_its_folders_clock(tmp_path, monke
     _age(old, 3600)
     (tmp_path / "keep.txt").write_text("precious")
     real = time.time
-    monkeypatch.setattr(destination, "time", types.SimpleNamespace(time=lambda: real() + skew))  # this sweep's clock only
+    monkeypatch.setattr(atomic_files, "time", types.SimpleNamespace(time=lambda: real() + skew))  # this sweep's clock only
     sweep_left(target)
     assert fresh.read_bytes() == b"another pull's, not yet locked" and not old.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([fresh.name, "keep.txt"])  # nothing else made or left

@@ -1,0 +1,186 @@
+"""What a save into the local tier of a :class:`~ckpt.snapshot.manager.CheckpointManager` does next:
+the tier's bounds (a failed or full tier warns, training goes on) and persisting its snapshots to the
+durable store in the background, one at a time, the newest due taking the place of a waiting one
+(:class:`PersistStats`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ckpt.snapshot.run import SaveJob, SaveResult, SnapshotError
+from ckpt.snapshot.tiers import describe, out_of_space
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PersistStats:
+    """What persisting one local snapshot to the durable store cost: seconds in the background,
+    and the chunks and stored bytes it copied (those the durable store lacked)."""
+
+    step: int
+    seconds: float
+    chunks_sent: int
+    bytes_sent: int
+    chunks_present: int
+
+
+class Persisting:
+    """``CheckpointManager``'s local-tier and persist methods (a mixin: ``CheckpointManager.__init__`` sets
+    the state they use)."""
+
+    def _tiered(self, step: int, job: SaveJob, persist: bool, seq: int) -> Callable[[], SaveResult | None]:
+        """``job`` (a save into the local tier), then the tier's bounds and the persist it asks for.
+        A tier failure is a warning; a failed direct save to the durable store is raised."""
+        local = self._local
+        assert local is not None
+
+        def run() -> SaveResult | None:
+            try:
+                if persist:  # the fallback may move RUN/latest in the durable store (a group's persist does)
+                    with self._durable_lock:
+                        self._check_latest()
+                        result = job()
+                        if result.fell_back is not None:
+                            self._published, self._durable_step = seq, step
+                else:
+                    result = job()
+            except SnapshotError as e:
+                # One process: the state itself (modified under an overlapped save), not a tier failure.
+                # A group: a snapshot due to the durable store that no tier took (its direct save
+                # failed too, or a rank died) is raised as without tiers.
+                if not self._distributed or persist:
+                    raise
+                self._tier_warning(f"local tiers: snapshot of step {step} not saved ({e}); the next save tries again")
+                self._free_leftovers()
+                self._local_full = out_of_space(e, getattr(self._path, "rank", None))
+                return None
+            except Exception as e:  # noqa: BLE001 - the local tier failed; training goes on
+                self._tier_warning(f"local tier: snapshot of step {step} not saved ({describe(e)}); the next save tries again")
+                local.drop(step)
+                self._free_leftovers()
+                self._local_full = out_of_space(e)
+                self._persist_pending = self._persist_pending or persist
+                return None
+            self._local_full = result.tier_full  # (a group: its path says so for this rank)
+            if result.fell_back is not None:
+                self._tier_warning(f"local tier: snapshot of step {step} not saved ({result.fell_back}); "
+                                   "it was written to the durable store directly")
+                self._persist_pending = False
+                self._free_leftovers()
+                if result.prunes:  # in a group, the coordinator alone
+                    self._retain(step)
+                return result
+            if result.tier_error is not None:
+                self._tier_warning(f"local tier: part of the snapshot of step {step} not kept ({result.tier_error}); "
+                                   "the next save tries again")
+            if result.persist_error is not None:
+                self._persist_pending = True
+                self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed "
+                                   f"({result.persist_error}); the next save persists again")
+            elif result.persisted:
+                self._durable_step = step
+                self._persist_pending = False
+                if result.prunes:
+                    self._retain(step)
+            if self._distributed:
+                return result  # the path pruned its tier and persisted
+            try:
+                local.drop_after(step)
+                local.prune()
+            except Exception as e:  # noqa: BLE001
+                self._tier_warning(f"local tier: could not drop old snapshots ({describe(e)})")
+            if persist:
+                self._persist_pending = False
+                self._request_persist(step, seq)
+            return result
+
+        return run
+
+    def _make_room(self, step: int) -> None:
+        """The last local save found the tier full with nothing left to prune (it keeps its newest
+        snapshot): drop that one too, so that the tier holds the newest step again instead of
+        refusing every save. Until this save lands, a restart restores from the durable store."""
+        local = self._local
+        assert local is not None
+        self._local_full = False
+        try:
+            dropped = local.make_room()
+        except Exception as e:  # noqa: BLE001
+            self._tier_warning(f"local tier: could not make room for step {step} ({describe(e)})")
+            return
+        if dropped:
+            self._tier_warning(f"local tier: full at its last save; dropped step(s) {', '.join(map(str, dropped))} "
+                               f"to make room for step {step}")
+
+    def _free_leftovers(self) -> None:
+        """Free what a failed local save left in the tier (chunks no snapshot names), so that a full
+        tier has room again for the next save."""
+        local = self._local
+        assert local is not None
+        try:
+            local.prune()
+        except Exception as e:  # noqa: BLE001
+            log.warning("local tier: could not free the leftovers of a failed save (%s)", describe(e))
+
+    def _request_persist(self, step: int, seq: int) -> None:
+        local = self._local
+        assert local is not None
+        with self._persist_lock:
+            local.pinned.add(step)
+            if self._persist_slot is not None and self._persist_slot[0] != step:
+                self._unpin(self._persist_slot[0])  # superseded before it started: never persisted
+            self._persist_slot = (step, seq)
+            if self._persisting is None or self._persisting.done():
+                self._persisting = self._persist_pool.submit(self._persist_loop)
+
+    def _persist_loop(self) -> None:
+        while True:
+            with self._persist_lock:
+                slot, self._persist_slot = self._persist_slot, None
+            if slot is None:
+                return
+            self._persist(*slot)
+
+    def _persist(self, step: int, seq: int) -> None:
+        """Copy the local snapshot of ``step`` to the durable store: only the chunks it lacks, as stored."""
+        from ckpt.store.copy import copy_refs
+
+        local = self._local
+        assert local is not None
+        t0 = time.perf_counter()
+        try:
+            report = copy_refs(local.store, self.store, [local.ref(step)], recode=not self._local_compress)
+            with self._durable_lock:
+                if seq > self._published:  # (a save made since may have gone there directly)
+                    self._check_latest()
+                    self.store.refs_db.set(self._durable.latest, report.refs[local.ref(step)], alias=True)
+                    self._latest_id = report.refs[local.ref(step)]
+                    self.store.objects.backend.flush()
+                    self._published, self._durable_step = seq, step
+            self.last_persist = PersistStats(step, time.perf_counter() - t0, report.chunks_sent, report.bytes_sent,
+                                             report.chunks_present)
+            self._retain(step)
+        except Exception as e:  # noqa: BLE001 - the durable store still holds the previous snapshot
+            self._persist_pending = True
+            self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed ({describe(e)}); "
+                               "the next save persists again")
+        finally:
+            with self._persist_lock:
+                self._unpin(step)
+
+    def _unpin(self, step: int) -> None:
+        """Let the tier prune ``step`` again (under ``_persist_lock``). A save of an earlier step made
+        since began a new timeline: its ``drop_after`` kept ``step`` only because it was pinned, and as
+        the tier's newest step a restart would resume it. It goes now."""
+        local = self._local
+        assert local is not None
+        local.pinned.discard(step)
+        if self._saved_step is not None and step > self._saved_step:
+            try:
+                local.drop_after(self._saved_step)
+            except Exception as e:  # noqa: BLE001 - the next save of an earlier step drops it again
+                self._tier_warning(f"local tier: could not drop step {step} of the timeline the run left ({describe(e)})")

@@ -1,0 +1,180 @@
+"""The restore side of :class:`~ckpt.snapshot.manager.CheckpointManager`: ``restore_latest``,
+``latest_step`` and ``restore``, choosing the snapshot among the tiers (the newest one that can be
+assembled) and reading each chunk from the nearest tier holding it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ckpt.errors import RefNotFoundError
+from ckpt.snapshot.run import is_snapshot, not_a_snapshot
+from ckpt.snapshot.tiers import MISSES as TIER_MISSES
+from ckpt.snapshot.tiers import describe
+
+if TYPE_CHECKING:
+    from ckpt.format.manifest import Manifest
+    from ckpt.snapshot.tiers import Tiers
+
+_T = TypeVar("_T")
+
+
+class Restoring:
+    """``CheckpointManager``'s restoring methods (a mixin: ``CheckpointManager.__init__`` sets the state they use)."""
+
+    def restore_latest(self, state: dict[str, Any]) -> int | None:
+        """Restore the newest snapshot into ``state`` in place; its step, or None if the run has none.
+
+        With a local tier: the newest of the local and durable snapshots, each chunk read from
+        the local tier where it is there with a correct hash, else from the durable store. A
+        snapshot that no tier holds completely (a local one not persisted, with a damaged
+        chunk) is skipped, with a :class:`TierWarning`, for the next newest.
+        :attr:`last_restore` says which step was restored and the bytes each tier served."""
+        self.wait()
+        if self._local is None:
+            mid = self._resolve(self._resolve_latest)
+            return None if mid is None else self._restore(state, mid)
+        if self._distributed:
+            path = self._group_path
+            assert path.peers is not None
+            chosen = path.choose(self.store, self._durable.latest, self._warn_once)
+            if chosen is None:
+                return None
+            _, mid, tiers = chosen
+            step = path.restore(state, mid, tiers)
+            self.last_restore = {"step": step, **tiers.served}
+            self._refill(step, mid, tiers)
+            return step
+        candidates, parsed = self._candidates()
+        for i, (step, mid) in enumerate(candidates):
+            try:
+                return self._restore(state, mid, parsed)
+            except TIER_MISSES as e:
+                if i == len(candidates) - 1:
+                    raise
+                self._tier_warning(f"snapshot of step {step} cannot be assembled from any tier ({describe(e)}); "
+                                   f"restoring step {candidates[i + 1][0]} instead")
+        return None
+
+    def latest_step(self) -> int | None:
+        """The step :meth:`restore_latest` would restore first, without restoring it; None if the run
+        has no snapshot in any tier. In a group the ranks choose it together, as a restore does."""
+        from ckpt.snapshot.tiers import snapshot_step
+
+        self.wait()
+        if self._local is None:
+            def find() -> tuple[str, int | None, str | None]:  # in a group, on rank 0 alone: every rank says the same
+                mid = self._resolve_latest()
+                m = self.store.manifest(mid)
+                return mid, snapshot_step(m), None if is_snapshot(m) else m.source
+
+            found = self._resolve(find)
+            if found is None:
+                return None
+            mid, step, pushed = found
+            if pushed is not None:  # (as restore_latest refuses it, not "no snapshot")
+                raise not_a_snapshot(mid, pushed)
+            return step
+        if self._distributed:
+            chosen = self._group_path.choose(self.store, self._durable.latest, self._warn_once)
+            return None if chosen is None else chosen[0]
+        candidates, _ = self._candidates()
+        return candidates[0][0] if candidates else None
+
+    def restore(self, state: dict[str, Any], step: int) -> int:
+        """Restore the snapshot of ``step`` into ``state`` in place (from the nearest tier holding each chunk)."""
+        self.wait()
+
+        def find() -> str:
+            if self._local is not None:
+                try:
+                    return self._local.store.resolve(self.ref(step))
+                except RefNotFoundError:
+                    pass
+            return self.store.resolve(self.ref(step))
+
+        if not self._distributed:
+            return self._restore(state, find())
+        mid = self._resolve(find)
+        if mid is None:  # (on every rank alike)
+            raise RefNotFoundError(f"no snapshot of step {step} in run {self.run!r}", hint="see mgr.steps() or `ckpt ls`")
+        return self._restore(state, mid)
+
+    def _resolve(self, find: Callable[[], _T]) -> _T | None:
+        """``find()``, None where it finds no ref; in a group rank 0's, the same on every rank."""
+        if self._distributed:
+            return self._group_path.resolve(find)
+        try:
+            return find()
+        except RefNotFoundError:
+            return None
+
+    def _candidates(self) -> tuple[list[tuple[int, str]], dict[str, Manifest]]:
+        """Snapshots to restore, newest first: (step, manifest id), from the local tier and the durable
+        store; and the manifests parsed to choose them, by id (the restore reads one of them)."""
+        from ckpt.snapshot.tiers import left_behind, left_behind_message, snapshot_step
+
+        local = self._local
+        assert local is not None
+        found: dict[int, str] = {}
+        parsed: dict[str, Manifest] = {}
+        durable: tuple[int, str, float] | None = None  # the durable RUN/latest: step, id, made at
+        try:
+            mid = self._resolve_latest()
+            m = parsed[mid] = self.store.manifest(mid)
+            if not is_snapshot(m):  # refused, as without a tier: never passed over for an older step, or none
+                raise not_a_snapshot(mid, m.source)
+            step = snapshot_step(m)
+            if step is not None:
+                found[step] = mid
+                durable = (step, mid, m.created)
+        except RefNotFoundError:
+            pass
+
+        def made(mid: str) -> float:
+            m = parsed[mid] = local.store.manifest(mid)
+            return m.created
+
+        for step in local.steps():
+            try:
+                mid = local.store.resolve(local.ref(step))
+                if durable is not None and left_behind(step, mid, lambda mid=mid: made(mid), durable):
+                    self._tier_warning(left_behind_message("local tier", step, durable[0]))
+                    continue
+                found[step] = mid
+            except TIER_MISSES as e:
+                self._tier_warning(f"local tier: snapshot of step {step} unreadable ({describe(e)})")
+        return sorted(found.items(), reverse=True), parsed
+
+    def _restore(self, state: dict[str, Any], mid: str, parsed: dict[str, Manifest] | None = None) -> int:
+        """Restore ``mid`` from this manager's tiers; ``parsed``: manifests already read, by id."""
+        from ckpt.snapshot.tiers import Tiers
+
+        peers = getattr(self._path, "peers", None)
+        if peers is not None:
+            tiers = peers.tiers(self.store)
+        else:
+            tiers = Tiers(([("local", self._local.store)] if self._local else []) + [("store", self.store)])
+        if parsed and mid in parsed:
+            tiers.manifests[mid] = parsed[mid]
+        step = self._path.restore(state, mid, tiers)
+        self.last_restore = {"step": step, **tiers.served}
+        if peers is not None:
+            self._refill(step, mid, tiers)
+        return step
+
+    def _refill(self, step: int, mid: str, tiers: Tiers) -> None:
+        """This rank's tier keeps what the restore fetched from peers (a replaced machine's tier refills),
+        in the save thread: training starts at once, and the next save (or :meth:`wait`) waits for it."""
+        peers = getattr(self._path, "peers", None)
+        assert peers is not None
+
+        def run() -> None:
+            try:
+                problem = peers.refill(step, mid, tiers)
+            except Exception as e:  # noqa: BLE001 - the restore stands; the tier is only emptier
+                problem = describe(e)
+            if problem is not None:
+                self._tier_warning(f"local tier: the chunks of step {step} fetched from peers not kept ({problem})")
+
+        self._inflight = self._pool.submit(run)

@@ -1,0 +1,368 @@
+"""Writing a destination's files all or nothing (the rules are :mod:`ckpt.store.destination`'s): each
+file under a temporary name beside its target, locked by the process writing it, then all renamed into
+place together (a file replaced is kept under a backup name until every rename is done, so that a
+failure part way puts each back); what killed pulls left is swept, and what a process ending at once
+leaves is removed (:func:`abandon`)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import re
+import shutil
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+
+from ckpt.errors import DestinationError, DestinationExistsError
+
+log = logging.getLogger(__name__)
+
+_TMP = ".ckpt-tmp-"
+_TMP_TAIL = re.compile(r"[0-9a-f]{8}")  # what temp_name adds after the tag
+
+# This process's temporaries in destinations (files and folders not yet renamed into place or
+# removed), and how many renames into place are under way: what a process ending at once
+# removes (:func:`abandon`), and when it must not end.
+_pending: set[str] = set()
+_placing = 0
+# A temporary is locked (flock) by the process writing it, from its creation until it is renamed
+# into place or removed: one no process holds was left by a pull that was killed, and the next
+# pull to the same name removes it (:func:`sweep_left`). Path -> a descriptor holding the lock.
+_locks: dict[str, int] = {}
+_locks_guard = threading.Lock()
+# A temporary younger than this is never swept: it may be between its creation and its lock. Its
+# age is judged by the clock that stamps the folder's files (a file server's: :func:`_folder_now`).
+_SWEEP_MIN_AGE_S = 10.0
+
+
+def _lock_temp(path: str, fd: int) -> None:
+    """Hold ``fd``'s file (a temporary just created, or its folder) locked until :func:`_unlock_temps`."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (new: nobody else holds it)
+    except OSError:
+        return  # a filesystem without locks: nothing there is ever swept either
+    with _locks_guard:
+        _locks[path] = os.dup(fd)  # the lock lives as long as any descriptor of the file stays open
+
+
+def _unlock_temps(paths: Sequence[str]) -> None:
+    with _locks_guard:
+        fds = [_locks.pop(p) for p in paths if p in _locks]
+    for fd in fds:
+        os.close(fd)
+
+
+def sweep_left(final: str) -> None:
+    """Remove what killed pulls left beside ``final``: temporaries of its name (files, or a
+    directory checkpoint's folder) that no live process holds locked. A pull removes its own on
+    any failure it lives through; a SIGKILL, a crash or a power cut leaves them, as large as
+    the file had grown, under a hidden name no later pull would otherwise touch. Only names
+    :func:`temp_name` makes for ``final`` are considered; links, other kinds of file, and
+    anything locked or younger than a few seconds are left alone."""
+    d, base = os.path.split(final)
+    prefix = f".{os.fsdecode(os.fsencode(base)[:200])}{_TMP}"
+    try:
+        names = [n for n in os.listdir(d or ".") if n.startswith(prefix) and _TMP_TAIL.fullmatch(n[len(prefix):])]
+    except OSError:
+        return  # (no such folder yet, say: nothing left there)
+    now: float | None = None  # by the folder's clock, read at the first temporary found
+    for n in names:
+        path = os.path.join(d, n)
+        with _locks_guard:
+            if path in _locks:
+                continue  # this process's own
+        try:
+            mode = os.lstat(path).st_mode
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                continue  # a link, a FIFO, a device: never opened
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError:
+            continue  # gone meanwhile, unreadable, a link swapped in since (ELOOP): not ours to remove
+        try:
+            st = os.fstat(fd)
+            folder = stat.S_ISDIR(st.st_mode)
+            if not (folder or stat.S_ISREG(st.st_mode)):
+                continue
+            now = _folder_now(final) if now is None else now
+            if now - st.st_mtime < _SWEEP_MIN_AGE_S:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a pull under way holds it
+            try:
+                if folder:
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+            except OSError as e:
+                log.warning("could not remove %s, left by an interrupted pull: %s", path, e.strerror or e)
+                continue
+            log.warning("removed %s, left by an interrupted pull (%s)", path,
+                        "a folder" if folder else f"{st.st_size:,} bytes")
+        finally:
+            os.close(fd)
+
+
+def _folder_now(final: str) -> float:
+    """Now by the clock that stamps files in ``final``'s folder: the mtime of a temporary made there
+    and removed at once. On NFS that is the file server's clock, which stamps other clients' files;
+    against this machine's, a clock ahead would see another pull's temporary a moment old as older
+    than :data:`_SWEEP_MIN_AGE_S`, before that pull locked it. This machine's clock if none can be
+    made (then nothing can be written there either)."""
+    probe = temp_name(final)  # (a name a later sweep removes, if this process dies before it does)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError:
+        return time.time()
+    try:
+        return os.fstat(fd).st_mtime
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+
+
+def temp_name(final: str, tag: str = _TMP) -> str:
+    """A temporary name in ``final``'s directory (so the rename into place is atomic).
+
+    It starts with (at most the first 200 bytes of) ``final``'s own name, so that a file name
+    as long as a filesystem allows (255 bytes) still leaves room for the rest."""
+    d, base = os.path.split(final)
+    return os.path.join(d, f".{os.fsdecode(os.fsencode(base)[:200])}{tag}{uuid.uuid4().hex[:8]}")
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _makedirs(d: str, made: list[str]) -> None:
+    """``os.makedirs`` that records each directory it creates (deepest last), to undo on failure."""
+    if not d or os.path.isdir(d):
+        return
+    _makedirs(os.path.dirname(d), made)
+    try:
+        os.mkdir(d)
+    except FileExistsError:
+        if not os.path.isdir(d):
+            raise
+        return
+    made.append(d)
+
+
+def write_files(targets: Sequence[str], fill: Callable[[list[str]], None], overwrite: bool = True) -> None:
+    """Write ``targets`` all or nothing: ``fill`` writes (and fsyncs) each file under the
+    temporary name given for it; then every temporary is renamed over its target. Without
+    ``overwrite`` a temporary takes its target's name only if nothing is there (another
+    program may have made a file there since the checks): else :class:`DestinationExistsError`.
+
+    On any failure (an error, a corrupt chunk, Ctrl-C) the temporaries and the
+    directories made for them are removed and the targets are as they were. A target
+    that is a symbolic link is replaced by the file; the link's target is untouched.
+    """
+    made: list[str] = []
+    tmps = [temp_name(t) for t in targets]
+    _pending.update(tmps)
+    try:
+        try:
+            for t in targets:
+                _makedirs(os.path.dirname(t), made)
+                sweep_left(t)
+            fill(tmps)
+            with _placing_files():
+                _replace_all(tmps, targets, overwrite)
+            for d in sorted({os.path.dirname(t) for t in targets}):
+                _fsync_dir(d)
+        except OSError as e:
+            raise DestinationError(f"cannot write {e.filename or targets[0]}: {e.strerror or e}",
+                                   hint="check the destination's permissions and free space") from None
+    except BaseException:
+        for tmp in tmps:
+            _remove_quietly(tmp)
+        for d in reversed(made):
+            try:
+                os.rmdir(d)  # only if still empty: never anything that is not ours
+            except OSError:
+                pass
+        raise
+    finally:
+        _pending.difference_update(tmps)
+        _unlock_temps(tmps)
+
+
+@contextlib.contextmanager
+def _placing_files() -> Iterator[None]:
+    """Renames into place (and their undoing) under way: :func:`abandon` waits them out."""
+    global _placing
+    _placing += 1
+    try:
+        yield
+    finally:
+        _placing -= 1
+
+
+def abandon() -> bool:
+    """Remove this process's temporary files and folders in destinations, for a process that is
+    about to end at once (a second Ctrl-C while the first is still waiting for transfers in flight:
+    ``cli/interrupts.py``); its worker threads may be writing them still, and end with it. Returns False,
+    removing nothing, while files are being renamed into place or back: that takes moments, and a
+    process ending in the middle of it could leave some targets new and others moved aside."""
+    if _placing:
+        return False
+    for path in list(_pending):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)  # our own temporary folder (write_dir)
+        else:
+            _remove_quietly(path)
+    return True
+
+
+_OLD = ".ckpt-old-"
+
+
+def _link_new(tmp: str, target: str) -> bool:
+    """Give ``tmp``'s file the name ``target`` only if nothing has that name: True once done (the
+    temporary's name removed); False where the filesystem refuses links (then a rename does it).
+    Raises :class:`DestinationExistsError` when something took the name first."""
+    try:
+        os.link(tmp, target, follow_symlinks=False)
+    except FileExistsError:
+        raise DestinationExistsError(f"{target} exists (made while this pull ran)", hint="pass --force to replace it") from None
+    except OSError:
+        return False
+    _remove_quietly(tmp)
+    return True
+
+
+def _replace_all(tmps: Sequence[str], targets: Sequence[str], overwrite: bool = True) -> None:
+    """Rename each temporary over its target, all or none: a file (or link) at a target is first
+    kept under a backup name beside it (a hard link: the target stays in place meanwhile; a
+    rename where links are refused), so that a failure part way puts every target back as it
+    was, and the backups go once all are in place."""
+    # (target, where its old file is kept or None, the temporary's inode): what a failure undoes is
+    # decided by what is on disk, so that a signal landing between two steps is undone too.
+    done: list[tuple[str, str | None, int]] = []
+    try:
+        for tmp, t in zip(tmps, targets):
+            old = None
+            if os.path.lexists(t):
+                if os.path.isdir(t) and not os.path.islink(t):  # appeared since the checks: never moved
+                    raise IsADirectoryError(errno.EISDIR, "a directory is in the way", t)
+                if not overwrite:  # appeared since the checks
+                    raise DestinationExistsError(f"{t} exists (made while this pull ran)", hint="pass --force to replace it")
+                old = temp_name(t, _OLD)
+            done.append((t, old, os.lstat(tmp).st_ino))
+            if not overwrite and _link_new(tmp, t):
+                continue
+            if old is not None:
+                try:
+                    os.link(t, old, follow_symlinks=False)
+                except OSError:
+                    os.rename(t, old)
+            os.replace(tmp, t)
+    except BaseException as e:
+        unrestored = []
+        for t, old, ino in reversed(done):
+            try:
+                now = os.lstat(t).st_ino if os.path.lexists(t) else None
+                if old is None:
+                    if now == ino:
+                        os.unlink(t)  # the new file where there was none
+                elif os.path.lexists(old):
+                    if now == os.lstat(old).st_ino:
+                        os.unlink(old)  # t is the old file still; old is a link to it
+                    else:
+                        os.replace(old, t)  # the old file back in its place
+            except OSError:
+                unrestored.append(f"{t} (kept as {old})" if old else t)
+        if unrestored and isinstance(e, OSError):
+            raise DestinationError(f"cannot write {e.filename or targets[0]}: {e.strerror or e}; and could not put "
+                                   f"back {', '.join(unrestored)}", hint="check the destination's permissions") from None
+        raise
+    for _, old, _ in done:
+        if old is not None:
+            _remove_quietly(old)
+
+
+def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], None], overwrite: bool = True) -> None:
+    """Write a directory checkpoint's files. A new ``dest`` is built beside it and renamed
+    into place (it appears only when complete); an existing one is written into with
+    :func:`write_files`."""
+    if os.path.isdir(dest):
+        write_files(targets, fill, overwrite)
+        return
+    tmp_dir = temp_name(dest)
+    inner = [os.path.join(tmp_dir, os.path.relpath(t, dest)) for t in targets]
+    made: list[str] = []
+    _pending.add(tmp_dir)
+    try:
+        try:
+            _makedirs(os.path.dirname(os.path.abspath(dest)), made)
+            sweep_left(dest)
+            os.mkdir(tmp_dir)
+            fd = os.open(tmp_dir, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+            try:
+                _lock_temp(tmp_dir, fd)
+            finally:
+                os.close(fd)
+            for t in inner:
+                os.makedirs(os.path.dirname(t), exist_ok=True)
+            fill(inner)
+            with _placing_files():
+                try:
+                    os.rename(tmp_dir, dest)  # fails (and nothing is lost) if dest appeared meanwhile, unless empty
+                except OSError as e:
+                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                        raise
+                    raise DestinationExistsError(f"{dest} exists (made while this pull ran)",
+                                                 hint="pull again: it is then checked as any destination is") from None
+                _pending.discard(tmp_dir)  # (it is dest now)
+            _fsync_dir(os.path.dirname(os.path.abspath(dest)))
+        except OSError as e:
+            raise DestinationError(f"cannot write {e.filename or dest}: {e.strerror or e}",
+                                   hint="check the destination's permissions and free space") from None
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # our own temporary directory, nothing else
+        for d in reversed(made):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+        raise
+    finally:
+        _pending.discard(tmp_dir)
+        _unlock_temps([tmp_dir, *inner])
+
+
+
+def create_new(path: str) -> int:
+    """Open a new file for writing (a temporary of :func:`write_files`, locked as this process's until
+    it is renamed into place or removed); an error if anything (file, link, FIFO) is already there."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        _lock_temp(path, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+
+def _remove_quietly(path: str) -> None:
+    """Remove a file of ours while cleaning up after a failure: an error here (a read-only
+    filesystem, a parent that is not a directory) must neither hide the failure being
+    reported nor stop the rest of the cleanup."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
