@@ -40,6 +40,24 @@ def run_script(name: str, *args: object, expect: int = 0) -> tuple[dict, dict]:
     return {int(k) if k.isdigit() else k: v for k, v in losses.items()}, load_file(outdir / "result.safetensors")
 
 
+def start_process(script: pathlib.Path, *args: object, **env: str) -> subprocess.Popen[str]:
+    """Start ``script`` in a fresh interpreter on one torch thread (``env`` added to the environment),
+    its output captured: a training process a test kills or lets run (:func:`wait_process`)."""
+    return subprocess.Popen([sys.executable, str(script), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+
+
+def wait_process(p: subprocess.Popen[str], expect: int = 0) -> subprocess.CompletedProcess[str]:
+    """Wait for ``p`` (at most 120 s: then it is killed) and check that it exits with ``expect``."""
+    try:
+        out, err = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+    assert p.returncode == expect, out + err
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
 def tensor_bits(t: torch.Tensor) -> bytes:
     """The bytes of ``t`` (any device, any layout): what bit-exact tests compare."""
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

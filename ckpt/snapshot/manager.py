@@ -142,7 +142,9 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
     GPT + AdamW state, about half the background time of compressing them, for 1.26x the
     memory); ``local_compress=True`` encodes them as the durable store does. Every
     ``every_n_steps`` (a multiple) a snapshot is persisted to ``store`` in the background by
-    copying the chunks it lacks, raw ones compressed on the way (:attr:`last_persist`). :meth:`restore_latest` takes the
+    copying the chunks it lacks, raw ones compressed on the way (:attr:`last_persist`); without
+    ``every_n_steps`` only ``save(..., persist=True)`` and a preemption's final snapshot are (the first
+    save that persists nothing warns). :meth:`restore_latest` takes the
     newest snapshot of any tier, each chunk from the nearest tier holding it with a correct
     hash; :attr:`last_restore` is ``{"step", "local", "peer", "store"}`` (bytes per tier).
     A save of a step at or below the durable store's newest (the run was taken back to an earlier

@@ -116,6 +116,11 @@ class Saving:
             if persist is None:
                 persist = bool(self.every_n_steps) and step % self.every_n_steps == 0
             persist = persist or self._persist_pending or self._behind_durable(step)
+            if not persist and not self.every_n_steps:
+                self._warn_once(f"snapshots of run {self.run!r} are kept in the local tier only: this CheckpointManager has no "
+                                f"every_n_steps, so none is persisted to {self.store.url} but a preemption's final one (the "
+                                "loss of the machine loses them); pass every_n_steps=M (a multiple of local_every_n_steps), "
+                                "or save(..., persist=True)")
             self._saves += 1
             self._saved_step = step
             if self._local_full:

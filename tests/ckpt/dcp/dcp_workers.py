@@ -1441,7 +1441,9 @@ def tiers_late_rank_asks(rank, world, tmp, store, asker, late, timeout_s=3):
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 16)
     state = {"model": model, "step": 0}
-    mgr = ckpt.CheckpointManager(store, "late", local=os.path.join(tmp, "local"), local_every_n_steps=1,
+    # (every_n_steps: none of these steps is due, what persists is asked for; without it the first save
+    # warns that nothing is persisted)
+    mgr = ckpt.CheckpointManager(store, "late", local=os.path.join(tmp, "local"), local_every_n_steps=1, every_n_steps=1000,
                                  process_group=dist.group.WORLD, timeout_s=timeout_s)
     done = {}
     for step in (1, 2, 3):

@@ -7,14 +7,15 @@ import os
 import pathlib
 import signal
 import subprocess
-import sys
 import threading
 import warnings
 
 import pytest
 import torch
+from integration_util import start_process
 from integration_util import state_bits as _state_bits
 from integration_util import tensor_bits as _bits
+from integration_util import wait_process as _wait
 
 import ckpt
 from ckpt.errors import CkptError, TensorMismatchError
@@ -24,19 +25,7 @@ SCRIPT = pathlib.Path(__file__).with_name("train_script.py")
 
 
 def _start(*args, overlap=False) -> subprocess.Popen[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CKPT_TEST_OVERLAP": "1" if overlap else "0"}
-    return subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-
-
-def _wait(p: subprocess.Popen[str], expect=0) -> subprocess.CompletedProcess[str]:
-    try:
-        out, err = p.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        raise
-    assert p.returncode == expect, out + err
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return start_process(SCRIPT, *args, CKPT_TEST_OVERLAP="1" if overlap else "0")
 
 
 def _run(*args, expect=0, overlap=False):

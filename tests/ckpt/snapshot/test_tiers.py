@@ -17,6 +17,8 @@ import warnings
 
 import pytest
 import torch
+from integration_util import start_process
+from integration_util import wait_process as _wait
 
 import ckpt
 from ckpt.snapshot.tiers import LocalTier
@@ -25,19 +27,7 @@ SCRIPT = pathlib.Path(__file__).with_name("tiers_script.py")
 
 
 def _start(*args) -> subprocess.Popen[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, str(SCRIPT), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-
-
-def _wait(p: subprocess.Popen[str], expect=0) -> subprocess.CompletedProcess[str]:
-    try:
-        out, err = p.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        raise
-    assert p.returncode == expect, out + err
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return start_process(SCRIPT, *args)
 
 
 def _run(*args, expect=0):
@@ -529,6 +519,31 @@ def test_a_closed_manager_refuses_to_save_and_leaves_the_tier_to_its_new_holder(
                 mgr.save(step, {"model": model})
         assert other.local_tier.steps == [2] and other.steps() == []
     assert sorted(ckpt.Store.open(str(tmp_path / "tier")).refs()) == ["run/latest", "run/step-2"]
+
+
+def test_a_local_tier_that_never_persists_says_so_once(tmp_path):
+    """A local tier without every_n_steps was accepted and silently kept every snapshot in host memory only:
+    nothing reached the durable store but a preemption's final snapshot, so the loss of the machine lost the
+    run (found by hunt13-e). The first save that persists nothing warns, once; a save asked to persist
+    lands in the durable store and does not warn."""
+    model = torch.nn.Linear(4, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", local=str(tmp_path / "tier")) as mgr:
+            for step in (1, 2, 3):
+                mgr.save(step, {"model": model})
+            mgr.save(4, {"model": model}, persist=True)
+            mgr.wait()
+            assert mgr.local_tier.steps[-1] == 4 and mgr.steps() == [4]
+    said = [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)]
+    assert len(said) == 1 and "local tier only" in said[0] and "every_n_steps" in said[0], said
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ckpt.CheckpointManager(str(tmp_path / "durable2"), "run", local=str(tmp_path / "tier2"), every_n_steps=2,
+                                    local_every_n_steps=1) as mgr:
+            for step in (1, 2, 3):
+                mgr.save(step, {"model": model})
+    assert not [w for w in caught if issubclass(w.category, ckpt.TierWarning)]
 
 
 def test_a_local_tier_held_by_another_process_is_refused_until_it_dies(tmp_path, monkeypatch):
