@@ -197,6 +197,14 @@ class StoreIndex:
                 continue
         return None
 
+    def _chunk_lists(self, head: dict[str, Any], path: str) -> dict[str, list[Any]]:
+        """The chunk lists of the snapshot at ``path`` (whose header is ``head``): the part it names."""
+        cpath = _part(head, "chunks", path)
+        ch, cbody = _unblob(self._get(cpath), CHUNKS_FORMAT, f"index chunk lists {cpath}")
+        if ch.get("body") != head.get("chunks_hash") or not isinstance(cbody, dict):
+            raise StoreFormatError(f"index chunk lists {cpath} are not the ones {path} names")
+        return cbody
+
     def _load(self, chunks: bool, recent: bool, with_logs: bool = True) -> IndexState | None:
         snaps, logs, top = self._listing()
         self._max_gen = top
@@ -237,11 +245,9 @@ class StoreIndex:
             if not all(isinstance(i, dict) and isinstance(i.get("sig", ""), str) for i in st.info.values()):
                 raise StoreFormatError(f"{path}: bad manifest summaries")
             if chunks:
-                cpath = _part(head, "chunks", path)
-                ch, cbody = _unblob(self._get(cpath), CHUNKS_FORMAT, f"index chunk lists {cpath}")
-                if ch.get("body") != head.get("chunks_hash") or not isinstance(cbody, dict):
-                    raise StoreFormatError(f"index chunk lists {cpath} are not the ones {path} names")
-                st.chunks = cbody
+                st.chunks = self._chunk_lists(head, path)
+            else:
+                st.snap_head = (head, path)
         except StoreFormatError as e:
             log.warning("ignoring the metadata index: %s", e)
             if self._of_newer_version(path):
@@ -319,8 +325,6 @@ class StoreIndex:
             # A snapshot to write needs every entry (none is written over a newer index), as does a caller
             # asking for history (gc --dry-run: with each ref's newest entry only, it listed NAME@1... as freed)
             exact, history = True, asked or not self._newer
-        elif chunks and st.chunks is None:
-            st.chunks = dict(st.log_chunks)
         if exact:
             self._reconcile(st, history, asked, temporaries)
         return st
@@ -450,11 +454,13 @@ class StoreIndex:
         if not st.refs and st.snap_gen < 0:
             return  # nothing to keep yet (an empty store)
         try:
-            if st.chunks is None:  # the snapshot's chunk lists and those of the logs read (not read again)
-                full = self.load(chunks=True, logs=False)
+            if st.chunks is None:  # the snapshot's chunk lists and those of the logs read (neither read again)
                 st.chunks = {}
-                if full is not None and full.chunks is not None:
-                    st.chunks.update(full.chunks)
+                if st.snap_head is not None:
+                    try:
+                        st.chunks.update(self._chunk_lists(*st.snap_head))
+                    except StoreFormatError as e:  # read from the manifests instead (ensure, below)
+                        log.warning("ignoring the metadata index's chunk lists: %s", e)
                 st.chunks.update(st.log_chunks)
             keep = self.kept(st)
             missing = [m for m in st.info if m not in st.chunks and m in keep]

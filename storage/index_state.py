@@ -98,6 +98,8 @@ class IndexState:
     # (chunks not loaded) the chunk lists the logs read carried, kept for a snapshot written from this
     # state (heal): it then reads the snapshot's chunk lists only, not every log again
     log_chunks: dict[str, list[Any]] = field(default_factory=dict)
+    # (chunks not loaded) the header of the snapshot read and its path: where heal reads its chunk lists
+    snap_head: tuple[dict[str, Any], str] | None = None
     max_gen: int = 0  # highest generation seen in the listing of index/
     snap_gen: int = -1  # generation of the snapshot read (-1: none)
     logs_read: int = 0

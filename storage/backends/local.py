@@ -4,6 +4,7 @@ filesystem."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import mmap
 import os
@@ -36,8 +37,6 @@ _PAGE = mmap.PAGESIZE
 @functools.cache
 def _madvise() -> Callable[[int, int, int], int] | None:
     """libc's ``madvise`` on Linux (None elsewhere: other systems number their advice apart)."""
-    import ctypes
-
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -61,8 +60,6 @@ def populate(buf: memoryview) -> None:
     f = _madvise()
     if f is None or buf.nbytes < POPULATE_MIN or buf.readonly:
         return
-    import ctypes
-
     try:
         start = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     except (TypeError, ValueError):  # not a buffer ctypes can address

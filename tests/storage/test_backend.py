@@ -231,10 +231,10 @@ def test_a_local_read_into_fresh_memory_faults_its_pages_in_first(tmp_path):
     """A read into memory never touched (a restore's fresh optimizer moments) took a page fault per
     4 KiB page inside the kernel's copy: its pages are faulted in by one madvise first (whole pages
     of the buffer only; a small or read-only buffer is left alone), and the read is exact."""
-    from ckpt_store.storage.backends.local import POPULATE_MIN, _madvise, populate
+    from ckpt_store.storage.backends.local import MADV_POPULATE_WRITE, POPULATE_MIN, _madvise, populate
 
     probe = mmap.mmap(-1, mmap.PAGESIZE)
-    if _madvise()(ctypes.addressof(ctypes.c_char.from_buffer(probe)), mmap.PAGESIZE, 23) != 0:
+    if _madvise()(ctypes.addressof(ctypes.c_char.from_buffer(probe)), mmap.PAGESIZE, MADV_POPULATE_WRITE) != 0:
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (5.14+)")
     page, n = mmap.PAGESIZE, 64
     area = mmap.mmap(-1, n * page)
