@@ -23,8 +23,9 @@ def ls(as_json: JsonOpt = False) -> None:
       ckpt --store s3://team/store ls --json
     """
     rows = results.ls_rows(open_store().ls())
-    emit(rows, as_json, views.ls, failed=any("error" in r for r in rows))
-    _exit_if_damaged({r["ref"]: r["error"] for r in rows if "error" in r}, quiet=as_json)
+    damaged = {r["ref"]: r["error"] for r in rows if "error" in r}
+    emit(rows, as_json, views.ls, failed=bool(damaged))
+    _exit_if_damaged(damaged, quiet=as_json)
 
 
 def _exit_if_damaged(damaged: dict[str, str], quiet: bool = False) -> None:
@@ -52,9 +53,10 @@ def log(name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name.")], 
     store = open_store()
     entries, damaged = store.readable_log(name)
     rows = results.log_rows(entries, store.manifest, damaged)
-    emit(rows, as_json, views.log, name, failed=any("error" in r for r in rows))
-    _exit_if_damaged({(f"{name}@{r['version']}" if r["version"] is not None else f"{name} entry #{r['seq']}"): r["error"]
-                      for r in rows if "error" in r}, quiet=as_json)
+    bad = {(f"{name}@{r['version']}" if r["version"] is not None else f"{name} entry #{r['seq']}"): r["error"]
+           for r in rows if "error" in r}
+    emit(rows, as_json, views.log, name, failed=bool(bad))
+    _exit_if_damaged(bad, quiet=as_json)
 
 
 def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or id prefix.")], as_json: JsonOpt = False) -> None:

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from ckpt.format.tagged_json import EXACT_TAGS, LATER_TAGS, ODICT, SET, SIZE, TAGS, TENSOR, plain_keys, set_value, tensor_refs
+from ckpt.format.tagged_json import EXACT_TAGS, LATER_TAGS, ODICT, SET, SIZE, TAGS, TENSOR, plain_keys, set_value, tensor_refs, uses_tags
 from ckpt.format.tensor_values import TENSOR_TAGS
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.records import canonical_json
@@ -71,7 +71,7 @@ def _holds_entries(x: Any, exact: bool) -> bool:
     """Whether the flattening walks into structure value ``x`` (a non-empty dict, a list or tuple holding a
     tensor, a tensor), rather than keeping it whole as one value."""
     if isinstance(x, list):
-        return bool(tensor_refs(x))
+        return uses_tags(x, (TENSOR,))
     if not isinstance(x, dict):
         return False
     tag = next(iter(x)) if len(x) == 1 else None
@@ -80,7 +80,7 @@ def _holds_entries(x: Any, exact: bool) -> bool:
     if tag == TENSOR or (exact and tag in TENSOR_TAGS):
         return True  # (a tensor, its tag holding its reference: the structure decoded)
     if tag == "__tuple__":
-        return bool(tensor_refs(x))
+        return uses_tags(x, (TENSOR,))
     return not (tag in TAGS and (exact or tag not in EXACT_TAGS)) and bool(x)  # (before version 4 those were a dict's keys)
 
 

@@ -126,7 +126,7 @@ def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: M
     ref = v[0] if (len(v) == 2 or same) and isinstance(v[0], dict) else None
     if not _names_another(ref, v[1]):
         return None
-    first = made.get(v[1])
+    first = made.get(v[1])  # (before decoding: a name met later is in ``made`` after, never the object met before)
     t, other = dec(v[0]), dec({TENSOR: v[1]})
     if not torch_values:
         return t
@@ -134,7 +134,7 @@ def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: M
 
     # (``other`` may be a view by now, met after its base or before: its bytes in its own order, as ``t`` holds them)
     if not (isinstance(t, torch.Tensor) and type(other) is torch.Tensor and (t.dtype, t.shape) == (other.dtype, other.shape)
-            and torch.equal(t.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8))):
+            and _same_bytes(t, other)):
         return None  # (named as shared, but other bytes: never handed out as the same tensor)
     if same:
         return first if type(first) is type(t) and first.requires_grad == t.requires_grad else None
@@ -164,11 +164,22 @@ def _view(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Map
         return None
     at = base.storage_offset() + v[2]
     view = base.detach().as_strided(t.shape, v[3], at)
-    if not torch.equal(view.contiguous().reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)):
+    if not _same_bytes(view, t):
         return None  # (named as a view, but other bytes: never handed out as that memory)
     with torch.no_grad():
         t.set_(base.untyped_storage(), at, t.shape, v[3])
     return t
+
+
+def _same_bytes(a: Any, b: Any) -> bool:
+    """Whether tensors ``a`` and ``b`` (one dtype and shape) hold the same bytes, element by element in their own
+    layouts: compared as integers of the element's size (NaNs by their bits), with no copy of a strided one."""
+    import torch
+
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+    if ints is None:  # (16-byte elements: as bytes, each side made contiguous)
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return torch.equal(a.view(ints), b.view(ints))
 
 
 def _names_another(ref: Any, name: Any) -> bool:
