@@ -109,7 +109,7 @@ class DistributedSnapshots:
             self.peers.group = self.group
         return asked
 
-    def choose(self, durable: Store, latest: str, warn: Callable[[str], None] | None = None) -> tuple[int, str, Tiers] | None:
+    def choose(self, durable: Store, latest: str, warn: Callable[[str], None]) -> tuple[int, str, Tiers] | None:
         """:meth:`Peers.choose <ckpt.snapshot.peers.Peers.choose>` on a group the ranks agreed on."""
         assert self.peers is not None
         self.agree("restore")

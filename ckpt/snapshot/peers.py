@@ -293,7 +293,7 @@ class Peers:
             out[step] = (mid, sorted(store.objects.has_many("chunks", referenced_chunks(data))))
         return out
 
-    def choose(self, durable: Store, latest: str, warn: Callable[[str], None] | None = None) -> tuple[int, str, Tiers] | None:
+    def choose(self, durable: Store, latest: str, warn: Callable[[str], None]) -> tuple[int, str, Tiers] | None:
         """Agree on the snapshot to restore and gather, for this rank, the chunks its tier lacks from
         peers. Returns (step, manifest id, the tiers to read it from), or None if there is none.
         ``warn``: how :func:`~ckpt.snapshot.tiers.resolve_latest` warns of a missing RUN/latest."""

@@ -180,10 +180,10 @@ def snapshot_times(store: Store, mids: Iterable[str], read: Callable[[str], Mani
     return made
 
 
-def resolve_latest(store: Store, run: str, warn: Callable[[str], None] | None = None) -> str:
+def resolve_latest(store: Store, run: str, warn: Callable[[str], None]) -> str:
     """The checkpoint id ``RUN/latest`` names in ``store``; where it names none (a user's ``ckpt rm RUN/latest``,
     a crash between a save's first ``RUN/step-N`` and its ``RUN/latest``), the run's newest snapshot, with a
-    :class:`TierWarning` (through ``warn``, given: a manager's, which says each thing once): a run must never
+    :class:`TierWarning` through ``warn`` (a manager's, which says each thing once): a run must never
     start again from scratch while a snapshot of it exists. Raises RefNotFoundError where the run has neither.
 
     The newest is the ``RUN/step-N`` that is a snapshot (:func:`snapshot_test`) made last (``Manifest.created``;
@@ -191,7 +191,6 @@ def resolve_latest(store: Store, run: str, warn: Callable[[str], None] | None = 
     (docs/format.md, "Snapshots"): after a run went back to an earlier snapshot and saved on, the steps of
     the timeline it left may be higher, but they are older."""
     from ckpt.errors import RefNotFoundError
-    from ckpt.snapshot.run import TierWarning
 
     latest = f"{run}/latest"
     try:
@@ -207,11 +206,7 @@ def resolve_latest(store: Store, run: str, warn: Callable[[str], None] | None = 
     step = max(times, key=lambda s: (times[s], s))
     message = (f"{latest} is missing in {store.url}: the run's newest snapshot is taken for it, step {step} "
                f"({run}/step-{step}); the next save names its own snapshot {latest}")
-    if warn is not None:
-        warn(message)
-    else:
-        log.warning("%s", message)
-        warnings.warn(message, TierWarning, stacklevel=3)
+    warn(message)
     return found[step]
 
 
