@@ -18,7 +18,7 @@ from typing import Any
 from ckpt.format.entries import BundleEntry, FileEntry, TensorEntry, chunk_count, split_lengths
 from ckpt.format.structure import STRUCTURE, check_structure
 from ckpt.format.tagged_json import EXACT_TAGS, LATER_TAGS, decode, uses_tags
-from ckpt.format.tensor_values import views_ahead
+from ckpt.format.tensor_values import joins_pieces, views_ahead
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
 
@@ -39,6 +39,10 @@ EXACT_VERSION = 4
 # Version 5: as 4, where the structure holds a view saved before the tensor it is a view of (``{"t": w.t(), "w": w}``:
 # a ``__view__`` naming a tensor met later), which a version-4 reader would refuse as a damaged value: it refuses version 5.
 VIEW_AHEAD_VERSION = 5
+# Version 6: as 5, where the structure joins pieces of one storage that no tensor of it covers (``{"q": w[:4], "k": w[4:]}``:
+# a span, the ``__view__`` of five items that heads them), which a version-5 reader would refuse as a damaged value:
+# it refuses version 6.
+SPAN_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes, what: str = "manifest") -> Manifest:
         o = decode_record(data, MANIFEST_FORMAT, (MANIFEST_VERSION, EXTRA_TAGGED_VERSION, EXTRA_DTYPE_VERSION, EXACT_VERSION,
-                                                       VIEW_AHEAD_VERSION),
+                                                       VIEW_AHEAD_VERSION, SPAN_VERSION),
                           what)
         chunk_size = require(o, "chunk_size", int, what)
         if chunk_size <= 0:
@@ -131,6 +135,8 @@ class Manifest:
             return MANIFEST_VERSION
         structure = self.source == "state-dict" and STRUCTURE in self.extra
         if structure and uses_tags(self.extra[STRUCTURE], EXACT_TAGS):
+            if joins_pieces(self.extra[STRUCTURE]):
+                return SPAN_VERSION
             return VIEW_AHEAD_VERSION if views_ahead(self.extra[STRUCTURE]) else EXACT_VERSION
         return EXTRA_DTYPE_VERSION if structure or uses_tags(self.extra, LATER_TAGS) else EXTRA_TAGGED_VERSION
 

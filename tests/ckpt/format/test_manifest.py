@@ -40,7 +40,7 @@ def test_roundtrip():
 @pytest.mark.parametrize(
     "mutate",
     [
-        lambda s: s.replace(b'"version":1', b'"version":6'),
+        lambda s: s.replace(b'"version":1', b'"version":7'),
         lambda s: s.replace(b'"nbytes":16', b'"nbytes":17'),
         lambda s: s.replace(b'"shape":[2,2]', b'"shape":[2,-2]'),
         lambda s: s.replace(b'"path":"model.safetensors"', b'"path":"../../etc/x"'),
