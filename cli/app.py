@@ -7,7 +7,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from ckpt_store.cli.render import PIPE_GONE, emit_json, err
+from ckpt_store.cli.render import emit_json, err
 
 app = typer.Typer(
     name="ckpt",
@@ -119,19 +119,14 @@ def settings() -> Any:
     return Settings.from_env(**({"cache": False} if state.get("no_cache") else {}))
 
 
-def emit(result: Any, as_json: bool, render: Any, *args: Any, failed: bool = False) -> None:
+def emit(result: Any, as_json: bool, render: Any, *args: Any) -> None:
     """Print a command's one result: as JSON with --json, else drawn by ``render`` (cli/views.py).
-    ``failed``: the command fails after it (an error it names, damage it lists): a reader that left
-    ends nothing here, so that the command ends with its failure (1), never as a success whose
-    reader left (141): the script reading the status must learn that it failed."""
-    try:
-        if as_json:
-            emit_document(result)
-        else:
-            render(result, *args)
-    except SystemExit as e:
-        if not failed or e.code != PIPE_GONE:
-            raise
+    A reader that left ends nothing here: the command goes on, and cli/main.py gives its exit status
+    (141 only if it succeeds)."""
+    if as_json:
+        emit_document(result)
+    else:
+        render(result, *args)
 
 
 def emit_document(doc: Any) -> None:

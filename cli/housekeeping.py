@@ -72,7 +72,7 @@ def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Refs 
         doc["error"] = f"terminated; {AFTER_INTERRUPT}" if terminated() else INTERRUPTED
         raise
     finally:  # a name that fails stops the command; the ones removed before it are still reported
-        emit(doc, as_json, views.rm, failed="error" in doc)
+        emit(doc, as_json, views.rm)
 
 
 _DURATION = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhd]?)\Z")

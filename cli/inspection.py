@@ -24,7 +24,7 @@ def ls(as_json: JsonOpt = False) -> None:
     """
     rows = results.ls_rows(open_store().ls())
     damaged = {r["ref"]: r["error"] for r in rows if "error" in r}
-    emit(rows, as_json, views.ls, failed=bool(damaged))
+    emit(rows, as_json, views.ls)
     _exit_if_damaged(damaged, quiet=as_json)
 
 
@@ -55,7 +55,7 @@ def log(name: Annotated[str, typer.Argument(metavar="NAME", help="Ref name.")], 
     rows = results.log_rows(entries, store.manifest, damaged)
     bad = {(f"{name}@{r['version']}" if r["version"] is not None else f"{name} entry #{r['seq']}"): r["error"]
            for r in rows if "error" in r}
-    emit(rows, as_json, views.log, name, failed=bool(bad))
+    emit(rows, as_json, views.log, name)
     _exit_if_damaged(bad, quiet=as_json)
 
 
@@ -75,7 +75,7 @@ def show(ref: Annotated[str, typer.Argument(metavar="REF", help="Ref, NAME@N or 
     mid = store.resolve(ref)
     m = store.manifest(mid)
     doc = results.show_doc(mid, m, store.stored_sizes(m.chunk_lengths()))
-    emit(doc, as_json, views.show, failed=bool(doc["missing_chunks"]))
+    emit(doc, as_json, views.show)
     if doc["missing_chunks"]:  # damage, as in ls, du and log: shown, and exit code 1
         _exit_if_damaged({ref: f"{doc['missing_chunks']} of its chunks are not in the store (`ckpt verify` says more)"},
                          quiet=as_json)
@@ -95,7 +95,7 @@ def du(as_json: JsonOpt = False) -> None:
       ckpt du --json
     """
     u = open_store().du()
-    emit(results.du_doc(u), as_json, views.du, failed=bool(u.damaged))
+    emit(results.du_doc(u), as_json, views.du)
     _exit_if_damaged(u.damaged, quiet=as_json)
 
 
@@ -142,7 +142,7 @@ def verify(
         doc["repair_from"] = repair_from
         doc["repaired"] = [{"kind": k, "id": i} for k, i in rr.repaired]
         doc["unavailable"] = [{"kind": k, "id": i, "error": w} for k, i, w in rr.unavailable]
-    emit(doc, as_json, views.verify, failed=not r.ok)
+    emit(doc, as_json, views.verify)
     if not r.ok:
         raise typer.Exit(1)
 

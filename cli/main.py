@@ -12,9 +12,9 @@ from typing import Any
 import typer
 
 from ckpt_store.cli import diff_merge, housekeeping, inspection, transfers
-from ckpt_store.cli.app import app, emit, state
+from ckpt_store.cli.app import app, emit_document, state
 from ckpt_store.cli.interrupts import AFTER_INTERRUPT, INTERRUPTED, on_signal, signals_received, terminated
-from ckpt_store.cli.render import GuardedStdout, err, out, safe
+from ckpt_store.cli.render import PIPE_GONE, GuardedStdout, err, out, safe
 
 
 def _register(command: Callable[..., None], name: str | None = None, **settings: Any) -> None:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
 def _main(argv: list[str] | None) -> None:
     from ckpt.errors import CkptError
 
-    state["json"] = state["json_written"] = False
+    state["json"] = state["json_written"] = out.reader_left = False
     words = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
     state["argv"] = words  # this command's line, for open_store (None for an app invoked otherwise: CliRunner)
     stdout, sys.stdout = sys.stdout, GuardedStdout(sys.stdout)  # (click prints --help there while it parses)
@@ -74,11 +74,12 @@ def _main(argv: list[str] | None) -> None:
         _json_error(str(e))
         sys.exit(1)
     except typer.Exit as e:
-        sys.exit(e.exit_code)
+        sys.exit(_status(e.exit_code))
     except typer.Abort:  # click's word for Ctrl-C (and SIGTERM, unwound the same way)
         _end_interrupted("aborted")
-    except BrokenPipeError:  # `ckpt show X | head`: the reader left; not an error worth a traceback
+    except BrokenPipeError:  # a write that escaped the guards ended the command: its reader left, no traceback
         out.on_broken_pipe()
+        sys.exit(PIPE_GONE)
     except KeyboardInterrupt:
         _end_interrupted(INTERRUPTED)
     except typer.TyperException as e:  # usage errors: bad option, missing argument...
@@ -101,14 +102,21 @@ def _main(argv: list[str] | None) -> None:
         sys.stdout = stdout
     if terminated() or code == 130:  # typer returns Ctrl-C inside a command (or SIGTERM, unwound alike) as code 130, silently
         _end_interrupted(INTERRUPTED)
-    sys.exit(code if isinstance(code, int) else 0)
+    sys.exit(_status(code if isinstance(code, int) else 0))
+
+
+def _status(code: int) -> int:
+    """The exit status of a command that ended with ``code``: 141 where it succeeded but the reader of
+    its output left (`ckpt ls | head -1`), as a shell pipeline expects; a failure keeps its own status
+    (`ckpt verify | head -1` on a damaged store: 1), so that a script learns that it failed."""
+    return PIPE_GONE if code == 0 and out.reader_left else code
 
 
 def _json_error(message: str) -> None:
     """With --json, an error is a document too, as the web view's /api/ answers one: {"error": MESSAGE}
     on stdout (exact text), unless the command printed its document already (`ls` naming damage)."""
     if state.get("json") and not state.get("json_written"):
-        emit({"error": message}, True, None, failed=True)
+        emit_document({"error": message})
 
 
 def _end_interrupted(message: str) -> None:

@@ -32,7 +32,7 @@ if getattr(sys.stdout, "errors", None) == "strict" and hasattr(sys.stdout, "reco
     sys.stdout.reconfigure(errors="backslashreplace")
 
 # The exit status of a command whose output's reader left (`ckpt ls | head -1`): 128 + SIGPIPE, as a shell
-# pipeline expects. Only a command that succeeded ends so: one that failed keeps its own status.
+# pipeline expects. Only a command that succeeded ends so: one that failed keeps its own status (cli/main.py).
 PIPE_GONE = 141
 
 
@@ -47,12 +47,17 @@ def _to_devnull(stream: Any) -> None:
 
 
 class _Console(Console):
+    #: The reader of stdout left during this command (cli/main.py resets it for each command).
+    reader_left = False
+
     def on_broken_pipe(self) -> None:
-        """The reader of a pipe left (`ckpt ls | head -1`): what is left to print goes nowhere and
-        the command ends with :data:`PIPE_GONE` (rich's exit is 1), unless it fails (cli/main.py ``_emit``)."""
+        """The reader of a pipe left (`ckpt ls | head -1`): what is left to print goes nowhere, and the
+        command goes on to its own end. It ends with :data:`PIPE_GONE` if it succeeds (rich's exit was 1);
+        one that fails after (the error it names, the damage it lists) keeps its own status, so that the
+        script reading the status learns that it failed (cli/main.py, the one place that decides)."""
         self.quiet = True
+        self.reader_left = True
         _to_devnull(sys.stdout)
-        raise SystemExit(PIPE_GONE)
 
     def _check_buffer(self) -> None:
         """Write what is buffered (rich's own step, which hands a broken pipe to :meth:`on_broken_pipe`);
@@ -85,9 +90,10 @@ def output_failed(e: OSError) -> None:
 class GuardedStdout:
     """``sys.stdout`` while a command line is parsed and run: what click writes there itself (the help,
     printed while it parses, outside any command) fails as every other output does: a closed pipe
-    ends the command with 141 (:meth:`_Console.on_broken_pipe`), any other failure to write with one
+    ends a command that succeeds with 141 (:meth:`_Console.on_broken_pipe`), any other failure to write with one
     line and 1 (:func:`output_failed`), never a traceback or click's silent 1. Only stdout's own
     errors are turned so; the rest of the stream is the one it wraps."""
+    # (a closed pipe: :meth:`_Console.on_broken_pipe`, after which the text went nowhere, as all that follows)
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
@@ -99,7 +105,7 @@ class GuardedStdout:
             out.on_broken_pipe()
         except OSError as e:
             output_failed(e)
-        return 0  # (not reached: both end the command)
+        return len(text)  # (written to nowhere: its reader left)
 
     def flush(self) -> None:
         try:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from ckpt.errors import CkptError, ObjectNotFoundError
 
 if TYPE_CHECKING:
-    from ckpt.format.manifest import Manifest, TensorEntry
+    from ckpt.format.entries import TensorEntry
+    from ckpt.format.manifest import Manifest
 
 # "bytes" is the old spelling of logical_bytes, kept in ls, show and gc for scripts (README).
 

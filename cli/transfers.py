@@ -138,7 +138,7 @@ def pull(
         except CkptError as e:
             if copied is not None and as_json:  # the copy landed: the document says so, beside why the pull did not
                 result["error"] = str(e)
-                emit(result, as_json, views.pull, failed=True)
+                emit(result, as_json, views.pull)
             raise
     elif copied is not None:
         result["id"] = next(iter(copied["refs"].values()), None)

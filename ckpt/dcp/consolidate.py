@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 from ckpt.dcp.format import DCP_SOURCE, Shard, TensorItem, decode_layout
 from ckpt.errors import TensorMismatchError
 from ckpt.format.dtypes import byte_view, itemsize, to_torch
-from ckpt.format.manifest import Manifest, TensorEntry, split_lengths
+from ckpt.format.entries import TensorEntry, split_lengths
+from ckpt.format.manifest import Manifest
 from ckpt.format.names import name_selected
 from ckpt.progress import NullProgress, Progress, reporting
 from ckpt.transfer.pipeline import GetTask, get_chunks

@@ -18,7 +18,8 @@ from torch.futures import Future
 from ckpt.dcp.format import DCP_SOURCE, UnsupportedStateError, encode_metadata, encode_value, shard_name
 from ckpt.errors import CkptError, InvalidSourceError, TensorMismatchError
 from ckpt.format.dtypes import byte_view, from_torch, itemsize
-from ckpt.format.manifest import FileEntry, Manifest, TensorEntry
+from ckpt.format.entries import FileEntry, TensorEntry
+from ckpt.format.manifest import Manifest
 from ckpt.format.names import check_tensor_name
 from ckpt.format.safetensors_header import check_not_reserved
 from ckpt.settings import Settings

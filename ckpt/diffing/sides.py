@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Union
 
 from ckpt.errors import TensorMismatchError
 from ckpt.format.dtypes import byte_view, itemsize, to_torch
-from ckpt.format.manifest import split_lengths
+from ckpt.format.entries import split_lengths
 from ckpt.format.names import folder_names
 from ckpt_store.storage.objects import object_id
 

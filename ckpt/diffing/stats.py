@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckpt.format.dtypes import bit_pattern
-from ckpt.format.manifest import split_lengths
+from ckpt.format.entries import split_lengths
 from ckpt.progress import NullProgress
 from ckpt.transfer.pipeline import run_parallel
 from ckpt_store.storage.objects import object_id

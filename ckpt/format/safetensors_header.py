@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from ckpt.errors import CkptError, InvalidSourceError
 from ckpt.format.dtypes import itemsize
-from ckpt.format.manifest import FileEntry, Manifest
+from ckpt.format.entries import FileEntry
+from ckpt.format.manifest import Manifest
 from ckpt.format.names import check_tensor_name
 from ckpt_store.storage.errors import InvalidNameError, StoreFormatError
 

@@ -41,7 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from ckpt.format.tensor_values import GRAD, PARAMETER, SHARED, TENSOR, TENSOR_TAGS, VIEW, TensorPlaces, decode_tensor
+from ckpt.format.tensor_values import GRAD, PARAMETER, SHARED, TENSOR, TENSOR_TAGS, VIEW, TensorPlaces, decode_tensor, spans_hold
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.records import canonical_json
 
@@ -171,7 +171,9 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
             return enc(x.item(), path, depth + 1)
         return _raise(unsupported(path, f"a {type(x).__module__}.{type(x).__name__}"))
 
-    return enc(x, path, 0)
+    tree = enc(x, path, 0)
+    places.finish()  # (exact) pieces of one storage that no tensor covers, joined
+    return tree
 
 
 def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, later: bool = True, exact: bool = False,
@@ -186,6 +188,7 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
     """
 
     made: dict[str, Any] = {}  # each tensor's name -> the value decoded at its place (a __shared__ object's target)
+    spans: dict[str, list[Any]] = {}  # each span's name -> the storage its pieces are put in (a __view__ of five items)
     shape = {**(_LATER_SHAPE if later else {}), **(_EXACT_SHAPE if exact else {})}  # tag -> the type of its value
 
     def dec(x: Any, depth: int) -> Any:
@@ -200,7 +203,7 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
         if len(x) == 1 and isinstance(next(iter(x.values())), shape.get(next(iter(x)), ())):
             tag, v = next(iter(x.items()))
             inner = lambda e: dec(e, depth + 1)  # noqa: E731
-            value = _exact(tag, v, inner, torch_values, made) if tag in EXACT_TAGS else _later(tag, v, inner)
+            value = _exact(tag, v, inner, torch_values, made, spans) if tag in EXACT_TAGS else _later(tag, v, inner)
             if value is None:
                 raise StoreFormatError(f"{what}: bad {tag} value")
             if tag in TENSOR_TAGS:
@@ -231,20 +234,24 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
                 pass
         raise StoreFormatError(f"{what}: bad {tag} value")
 
-    return dec(x, 0)
+    out = dec(x, 0)
+    if not spans_hold(spans):
+        raise StoreFormatError(f"{what}: bad {VIEW} value (a storage of pieces, most of it no tensor's memory)")
+    return out
 
 
 _LATER_SHAPE: dict[str, type] = {DTYPE: str, DEVICE: str, BYTEARRAY: str, COMPLEX: list, SET: list}
 _EXACT_SHAPE: dict[str, type] = {ODICT: list, SIZE: list, PARAMETER: list, SHARED: list, GRAD: list, VIEW: list}
 
 
-def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any]) -> Any:
+def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any],
+           spans: dict[str, list[Any]]) -> Any:
     """The value of one of EXACT_TAGS (``v`` a list), or None where ``v`` is not what :func:`encode` writes."""
     if tag == SIZE:
         ok = all(isinstance(d, int) and not isinstance(d, bool) and -(1 << 63) <= d < 1 << 63 for d in v)
         return None if not ok else _torch().Size(v) if torch_values else tuple(v)
     if tag in TENSOR_TAGS:
-        return decode_tensor(tag, v, dec, torch_values, made)
+        return decode_tensor(tag, v, dec, torch_values, made, spans)
     if len(v) != 2 or not isinstance(v[1], dict):
         return None
     items, attrs = dec({"__dict__": v[0]}), dec(v[1])

@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import InvalidMergeError
 from ckpt.format.dtypes import bit_identical
-from ckpt.format.manifest import TensorEntry, chunk_count
+from ckpt.format.entries import TensorEntry, chunk_count
 from ckpt.merging.calls import positionals
 from ckpt.merging.computing import BatchedInputs, LazyTensor, SmallKept, step_computation, step_sources
 from ckpt.merging.methods import MethodRegistry, default_registry

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import InvalidMergeError, TensorMismatchError
-from ckpt.format.manifest import TensorEntry
+from ckpt.format.entries import TensorEntry
 from ckpt.merging.methods import MergeMethod
 
 if TYPE_CHECKING:

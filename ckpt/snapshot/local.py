@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import CkptError, TensorMismatchError
-from ckpt.format.manifest import TensorEntry
+from ckpt.format.entries import TensorEntry
 from ckpt.format.tagged_json import LATER_TAGS, uses_tags
 from ckpt.snapshot.run import (
     SNAPSHOT_FORMATS,

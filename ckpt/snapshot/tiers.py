@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 
     import torch
 
-    from ckpt.format.manifest import Manifest, TensorEntry
+    from ckpt.format.entries import TensorEntry
+    from ckpt.format.manifest import Manifest
     from ckpt.settings import Settings
     from ckpt.store.store import Store
     from ckpt_store.storage.index import IndexState

@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ckpt.errors import CkptError, StoreFormatError
-from ckpt.format.manifest import Manifest, TensorEntry
+from ckpt.format.entries import TensorEntry
+from ckpt.format.manifest import Manifest
 from ckpt.store.catalog import well_formed
 
 if TYPE_CHECKING:

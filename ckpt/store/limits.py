@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Iterable
 
 from ckpt.errors import ResourceLimitError
-from ckpt.format.manifest import TensorEntry
+from ckpt.format.entries import TensorEntry
 
 
 def physical_memory() -> int | None:

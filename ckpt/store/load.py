@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import ResourceLimitError, TensorMismatchError
 from ckpt.format.dtypes import to_torch
-from ckpt.format.manifest import Manifest, TensorEntry, split_lengths
+from ckpt.format.entries import TensorEntry, split_lengths
+from ckpt.format.manifest import Manifest
 from ckpt.format.names import folder_names, name_selected
 from ckpt.format.safetensors_header import check_layout
 from ckpt.progress import Progress, reporting

@@ -13,7 +13,8 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import DestinationError, TensorMismatchError
-from ckpt.format.manifest import FileEntry, Manifest
+from ckpt.format.entries import FileEntry
+from ckpt.format.manifest import Manifest
 from ckpt.format.safetensors_header import build_header, check_layout
 from ckpt.progress import Progress, reporting
 from ckpt.store.destination import (

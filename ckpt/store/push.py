@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import InvalidSourceError
 from ckpt.format.dtypes import itemsize
-from ckpt.format.manifest import BundleEntry, FileEntry, Manifest, TensorEntry
+from ckpt.format.entries import BundleEntry, FileEntry, TensorEntry
+from ckpt.format.manifest import Manifest
 from ckpt.format.structure import STRUCTURE
 from ckpt.format.tagged_json import uses_tags
 from ckpt.progress import Progress, reporting

@@ -9,7 +9,8 @@ from ckpt.dcp.consolidate import shard_entry
 from ckpt.dcp.format import DCP_SOURCE, TensorItem
 from ckpt.errors import TensorMismatchError
 from ckpt.format.dtypes import to_torch
-from ckpt.format.manifest import Manifest, TensorEntry
+from ckpt.format.entries import TensorEntry
+from ckpt.format.manifest import Manifest
 from ckpt.store.limits import check_memory
 from ckpt.store.load import check_unique, empty_tensor
 from ckpt.transfer.pipeline import GetTask, ReadPool, get_chunks, into_tasks

@@ -20,7 +20,8 @@ from ckpt.codecs.chunk import (
 )
 from ckpt.errors import ReaderClosedError
 from ckpt.format.dtypes import byte_view
-from ckpt.format.manifest import BundleEntry, Manifest, TensorEntry, split_lengths
+from ckpt.format.entries import BundleEntry, TensorEntry, split_lengths
+from ckpt.format.manifest import Manifest
 from ckpt.progress import NullProgress, Progress
 from ckpt.settings import Settings
 from ckpt.transfer.fetch import BlobBuffers, ChunkRead, check_claim, decode_read, read_ahead, read_chunk, read_remote

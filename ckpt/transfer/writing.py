@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ckpt.codecs.chunk import encode_chunk
-from ckpt.format.manifest import split_lengths
+from ckpt.format.entries import split_lengths
 from ckpt.progress import NullProgress, Progress
 from ckpt.settings import Settings
 from ckpt.transfer.fetch import fetch_base, stored_chain

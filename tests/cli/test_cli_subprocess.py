@@ -470,6 +470,31 @@ def test_a_command_that_fails_ends_with_its_failure_though_its_reader_left(tmp_p
         assert ("error" in err.lower() or "DAMAGED" in err) if args[0] != "verify" and code != 141 else err == "", (args, err)
 
 
+def test_a_failing_command_whose_reader_left_still_names_its_damage_on_stderr(tmp_path: Path, env: dict[str, str]) -> None:
+    """`ckpt verify --repair-from MIRROR | head -1`, the mirror lacking some of what is damaged: the
+    first line on stdout ("repaired ...") hit the closed pipe and ended the view there, so the lines
+    that name what is still damaged, on stderr, were never said; the status was 1, the reason gone. The
+    command now goes on to its end with its output going nowhere: stderr names the damage, status 1."""
+    import ckpt
+
+    path, mirror = tmp_path / "s", tmp_path / "mirror"
+    store = ckpt.Store.init(str(path))
+    store.push({"w": torch.arange(4096, dtype=torch.float32)}, "m/a")
+    store.push({"w": torch.arange(4096, dtype=torch.float64)}, "m/b")
+    store.copy_to(ckpt.Store.init(str(mirror)), ["m/a"])  # the mirror holds m/a's chunks, not m/b's
+    for f in (path / "objects" / "chunks").rglob("*"):
+        if f.is_file():
+            f.unlink()
+    p = subprocess.Popen([*CMD, "--store", str(path), "verify", "--repair-from", str(mirror)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env)
+    assert p.stdout is not None
+    p.stdout.close()
+    _, err = p.communicate(timeout=120)
+    text = err.decode()
+    assert p.returncode == 1 and "Traceback" not in text, (p.returncode, text)
+    assert "cannot repair chunk" in text and "DAMAGED m/b" in text and "m/a" not in text, text
+
+
 def test_an_interruption_before_the_start_with_its_reader_gone_ends_as_interrupted(env: dict[str, str]) -> None:
     """Ctrl-C while `ckpt ls --json | jq` is still importing, jq gone: the handler's write of the --json
     document hit the closed pipe and raised BrokenPipeError from the signal handler, a traceback and exit 1

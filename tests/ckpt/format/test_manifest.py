@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt.format.manifest import FileEntry, Manifest, TensorEntry
+from ckpt.format.entries import FileEntry, TensorEntry
+from ckpt.format.manifest import Manifest
 from ckpt.format.names import check_file_path
 from ckpt_store.storage.errors import InvalidNameError, StoreFormatError
 
@@ -39,7 +40,7 @@ def test_roundtrip():
 @pytest.mark.parametrize(
     "mutate",
     [
-        lambda s: s.replace(b'"version":1', b'"version":6'),
+        lambda s: s.replace(b'"version":1', b'"version":7'),
         lambda s: s.replace(b'"nbytes":16', b'"nbytes":17'),
         lambda s: s.replace(b'"shape":[2,2]', b'"shape":[2,-2]'),
         lambda s: s.replace(b'"path":"model.safetensors"', b'"path":"../../etc/x"'),
@@ -83,7 +84,7 @@ def test_bundles_round_trip_and_are_checked():
     import json
     from dataclasses import replace
 
-    from ckpt.format.manifest import BundleEntry
+    from ckpt.format.entries import BundleEntry
     from ckpt_store.storage.chunk_lists import referenced_chunks
 
     C = "c" * 64

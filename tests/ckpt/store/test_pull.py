@@ -242,8 +242,8 @@ def test_a_version_2_manifest_with_a_bad_tag_is_refused(store, tmp_path):
     doc["extra"]["t"] = {"__float__": "1e400"}
     with pytest.raises(StoreFormatError, match="extra 't'"):
         Manifest.from_json(json.dumps(doc).encode())
-    doc["version"] = 6
-    with pytest.raises(StoreFormatError, match="version 6; this ckpt reads versions 1, 2, 3, 4, 5"):
+    doc["version"] = 7
+    with pytest.raises(StoreFormatError, match="version 7; this ckpt reads versions 1, 2, 3, 4, 5, 6"):
         Manifest.from_json(json.dumps(doc).encode())
 
 
@@ -1392,4 +1392,75 @@ def test_a_view_met_twice_pulls_back(store, tmp_path, order):
         for k in saved:
             assert got[k].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr(), k
             assert (got[k].storage_offset(), got[k].stride()) == (want[k].storage_offset(), want[k].stride()), k
+    assert store.verify().ok
+
+
+def _sharing(d: dict) -> dict:
+    """Which tensors of ``d`` share a storage, and each one's place in it: offset from the storage's first tensor
+    (the reader keeps a storage from its first piece on), strides and shape."""
+    first = {}
+    for t in d.values():
+        ptr = t.untyped_storage().data_ptr()
+        first[ptr] = min(first.get(ptr, t.storage_offset()), t.storage_offset())
+    groups = {ptr: sorted(k for k in d if d[k].untyped_storage().data_ptr() == ptr) for ptr in first}
+    return {k: (groups[d[k].untyped_storage().data_ptr()], d[k].storage_offset() - first[d[k].untyped_storage().data_ptr()],
+                d[k].stride(), d[k].shape) for k in d}
+
+
+def test_pieces_of_one_storage_without_their_base_pull_back_sharing_it(store, tmp_path):
+    """``{"q": w[:2], "k": w[2:4], "v": w[4:]}`` (a fused weight's pieces saved without it; slices that overlap; a
+    column beside rows) is one storage in a .pt, but no tensor of it covers the others: each came back in a storage
+    of its own. The first piece met now heads a span, the storage the pieces lie in (manifest version 6), and the
+    others are views of it (``qt``, a view of the piece met before it, too): torch.load of the pull shares memory as torch.load of the file does, bytes exact. A
+    forged span never hands out other bytes: a piece that disagrees with one before it where they overlap, or a
+    span mostly no tensor's memory, makes the checkpoint damaged."""
+    from ckpt.errors import StoreFormatError
+
+    w = torch.arange(36.0).reshape(6, 6)
+    flat = torch.arange(40, dtype=torch.int16)
+    saved = {"attn": {"q": w[:2], "qt": w[:2].t(), "k": w[2:4], "v": torch.nn.Parameter(w[4:])}, "col": w[:, 5].t(),
+             "lo": flat[:24], "hi": flat[16:], "other": torch.ones(3)}
+    torch.save(saved, tmp_path / "pieces.pt")
+    store.push(tmp_path / "pieces.pt", "pieces")
+    assert json.loads(store.objects.get_manifest(store.resolve("pieces")))["version"] == 6
+    want = torch.load(tmp_path / "pieces.pt", weights_only=True)
+    flat_want = {**want["attn"], **{k: v for k, v in want.items() if k != "attn"}}
+    for got in (torch.load(store.pull("pieces", tmp_path / "back.pt"), weights_only=True), store.load("pieces", structure=True)):
+        _same_exactly(want, got)  # (bytes too)
+        flat_got = {**got["attn"], **{k: v for k, v in got.items() if k != "attn"}}
+        assert _sharing(flat_got) == _sharing(flat_want)
+        with torch.no_grad():
+            got["attn"]["k"][1, 5] = -1.0
+            got["lo"][20] = -1
+        assert got["col"][3].item() == -1.0 and got["hi"][4].item() == -1
+    assert store.verify().ok
+
+    def forge(doc: dict, key: str, change) -> None:
+        pair = next(p for p in doc["extra"][""]["__dict__"] if p[0] == key)
+        change(pair[1]["__view__"])
+
+    for key, change in (("hi", lambda v: v.__setitem__(2, 0)),  # overlaps "lo" with other bytes
+                        ("lo", lambda v: v.__setitem__(4, 10**6)),  # a span mostly no tensor's memory
+                        ("lo", lambda v: v.__setitem__(4, 10)),  # too short for its own tensor
+                        ("lo", lambda v: v.__setitem__(1, "hi"))):  # a span naming another tensor
+        with pytest.raises(StoreFormatError, match="structure"):
+            store.pull(_forge(store, "pieces", lambda d, key=key, change=change: forge(d, key, change)), tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("kind", ["columns", "rows"])
+def test_more_than_16_views_saved_before_their_base_pull_back_as_views(store, tmp_path, kind):
+    """Twenty columns (or rows) of a weight saved before the weight: only the first 16 tensors of a storage met
+    before one that covers them were looked up (a flat buffer of many stays linear), so the columns past them came
+    back in storages of their own (rows: all twenty, the 16 contiguous tensors a later view is looked up in being
+    taken before the weight came). What the walk leaves apart is joined at its end: all share one storage again."""
+    x = torch.arange(120.0).reshape(6, 20) if kind == "columns" else torch.arange(120.0).reshape(20, 6)
+    saved = {**{f"p{i}": (x[:, i] if kind == "columns" else x[i]) for i in range(20)}, "w": x}
+    torch.save(saved, tmp_path / "many.pt")
+    store.push(tmp_path / "many.pt", "many")
+    want = torch.load(tmp_path / "many.pt", weights_only=True)
+    for got in (torch.load(store.pull("many", tmp_path / "back.pt"), weights_only=True), store.load("many", structure=True)):
+        _same_exactly(want, got)  # (bytes too)
+        assert _sharing(got) == _sharing(want)
+        assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1
     assert store.verify().ok
