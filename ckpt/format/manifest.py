@@ -18,7 +18,7 @@ from typing import Any
 from ckpt.format.entries import BundleEntry, FileEntry, TensorEntry, chunk_count, split_lengths
 from ckpt.format.structure import STRUCTURE, check_structure
 from ckpt.format.tagged_json import EXACT_TAGS, LATER_TAGS, decode, uses_tags
-from ckpt.format.tensor_values import joins_pieces, views_ahead
+from ckpt.format.tensor_values import SPAN_SLACK, joins_pieces, views_ahead
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
 
@@ -168,8 +168,9 @@ class Manifest:
                 raise StoreFormatError(f"{what}: its structure names tensor {name!r}, which it does not hold")
             return tensors[name]
 
+        # (a span holds its pieces and gaps between them, at most SPAN_SLACK times their bytes: all its tensors' at most)
         return decode(self.extra[STRUCTURE], f"{what}: extra structure", tensor=tensor, exact=self._version() >= EXACT_VERSION,
-                      torch_values=torch_values)
+                      torch_values=torch_values, span_bytes=SPAN_SLACK * sum(t.nbytes for t in self.tensors))
 
     @property
     def logical_bytes(self) -> int:

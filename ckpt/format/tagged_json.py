@@ -177,14 +177,16 @@ def encode(x: Any, path: str, *, unsupported: Callable[[str, str], Exception],
 
 
 def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, later: bool = True, exact: bool = False,
-           torch_values: bool = True) -> Any:
+           torch_values: bool = True, span_bytes: int | None = None) -> Any:
     """Inverse of :func:`encode`; :class:`StoreFormatError` for anything it would not write.
 
     ``tensor(name)`` resolves ``{"__tensor__": name}``; without it such a value is an error.
     ``later``: whether the record is of a version that has ``LATER_TAGS``; in one before them
     (``False``) a dict holding such a key is the plain dict that version wrote; ``exact`` likewise for
     ``EXACT_TAGS``. ``torch_values=False`` (a reader checking a record, which need not import torch):
-    a ``torch.Size`` comes back as a tuple and a Parameter as what ``tensor`` gives.
+    a ``torch.Size`` comes back as a tuple and a Parameter as what ``tensor`` gives. ``span_bytes``: the most
+    memory a storage of pieces (a ``__view__`` span) may take, refused before it is allocated (a damaged or
+    forged length must not take all memory); its caller knows the bytes of the tensors the record names.
     """
 
     made: dict[str, Any] = {}  # each tensor's name -> the value decoded at its place (a __shared__ object's target)
@@ -203,7 +205,7 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
         if len(x) == 1 and isinstance(next(iter(x.values())), shape.get(next(iter(x)), ())):
             tag, v = next(iter(x.items()))
             inner = lambda e: dec(e, depth + 1)  # noqa: E731
-            value = _exact(tag, v, inner, torch_values, made, spans) if tag in EXACT_TAGS else _later(tag, v, inner)
+            value = _exact(tag, v, inner, torch_values, made, spans, span_bytes) if tag in EXACT_TAGS else _later(tag, v, inner)
             if value is None:
                 raise StoreFormatError(f"{what}: bad {tag} value")
             if tag in TENSOR_TAGS:
@@ -245,13 +247,13 @@ _EXACT_SHAPE: dict[str, type] = {ODICT: list, SIZE: list, PARAMETER: list, SHARE
 
 
 def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any],
-           spans: dict[str, list[Any]]) -> Any:
+           spans: dict[str, list[Any]], span_bytes: int | None) -> Any:
     """The value of one of EXACT_TAGS (``v`` a list), or None where ``v`` is not what :func:`encode` writes."""
     if tag == SIZE:
         ok = all(isinstance(d, int) and not isinstance(d, bool) and -(1 << 63) <= d < 1 << 63 for d in v)
         return None if not ok else _torch().Size(v) if torch_values else tuple(v)
     if tag in TENSOR_TAGS:
-        return decode_tensor(tag, v, dec, torch_values, made, spans)
+        return decode_tensor(tag, v, dec, torch_values, made, spans, span_bytes)
     if len(v) != 2 or not isinstance(v[1], dict):
         return None
     items, attrs = dec({"__dict__": v[0]}), dec(v[1])

@@ -140,15 +140,16 @@ def views_ahead(tree: Any) -> bool:
 
 
 def decode_tensor(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any],
-                  spans: dict[str, list[Any]]) -> Any:
+                  spans: dict[str, list[Any]], span_bytes: int | None = None) -> Any:
     """The value of one of TENSOR_TAGS (``v`` a list), or None where ``v`` is not what :class:`TensorPlaces`
     writes. ``dec`` decodes a nested value; ``made``: each tensor's name -> the value decoded at its place;
     ``spans``: each span's name -> its storage (as elements), which of them a tensor holds, and how many elements
-    its tensors hold (:func:`spans_hold` checks them once the walk is done)."""
+    its tensors hold (:func:`spans_hold` checks them once the walk is done); ``span_bytes``: the most memory one
+    span may take (None: as much as an allocation gets)."""
     if tag == SHARED:
         return _shared(v, dec, torch_values, made)
     if tag == VIEW:
-        return _span(v, dec, torch_values, spans) if len(v) == 5 else _view(v, dec, torch_values, made, spans)
+        return _span(v, dec, torch_values, spans, span_bytes) if len(v) == 5 else _view(v, dec, torch_values, made, spans)
     if tag in (PARAMETER, GRAD):  # a Parameter [ref, requires_grad]; a plain tensor that requires grad [ref]
         if not (len(v) == (2 if tag == PARAMETER else 1) and isinstance(v[0], dict) and list(v[0]) == [TENSOR]
                 and (tag == GRAD or isinstance(v[1], bool))):
@@ -222,7 +223,8 @@ def _view(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Map
     return t
 
 
-def _span(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, spans: dict[str, list[Any]]) -> Any:
+def _span(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, spans: dict[str, list[Any]],
+          span_bytes: int | None) -> Any:
     """A span, ``__view__`` value ``[VALUE, ITS OWN NAME, offset, strides, length]``: a storage of ``length`` elements
     (zeros where no tensor of it lies), its tensor put there at ``offset`` with ``strides``; the ``__view__`` values
     naming it put theirs. None where ``v`` is not what :class:`TensorPlaces` writes."""
@@ -234,8 +236,8 @@ def _span(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, spans: di
         return t
     import torch
 
-    if not isinstance(t, torch.Tensor):
-        return None
+    if not isinstance(t, torch.Tensor) or (span_bytes is not None and v[4] * t.element_size() > span_bytes):
+        return None  # (a length past the bound: damaged, refused before its memory is taken)
     try:  # (a length no memory holds: damaged, as :func:`spans_hold` finds a length past its tensors)
         span = [torch.zeros(v[4], dtype=t.dtype), torch.zeros(v[4], dtype=torch.bool), 0]
     except RuntimeError:

@@ -1448,6 +1448,42 @@ def test_pieces_of_one_storage_without_their_base_pull_back_sharing_it(store, tm
     assert not (tmp_path / "out.pt").exists()
 
 
+_SPAN_MEMORY = """
+import resource, sys
+import ckpt
+from ckpt.errors import StoreFormatError
+store = ckpt.Store.open(sys.argv[1])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    store.pull("forged", sys.argv[2])
+except StoreFormatError as e:
+    print("refused", e, file=sys.stderr)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_a_forged_span_length_is_refused_before_its_memory_is_taken(store, tmp_path):
+    """A span's length is an allocation (its storage, zeros where no piece lies): a forged one of 2**28 int16
+    elements (512 MiB, and 256 MiB more for which elements are taken) in a manifest of 80 bytes of tensors was
+    allocated, and touched, before the walk's end found it mostly empty. It is refused at the span now, past
+    SPAN_SLACK times the bytes of every tensor the manifest holds: the pulling process's peak memory grows by
+    far less than the span would take."""
+    flat = torch.arange(40, dtype=torch.int16)
+    torch.save({"lo": flat[:24], "hi": flat[16:]}, tmp_path / "pieces.pt")
+    store.push(tmp_path / "pieces.pt", "pieces")
+
+    def forge(doc: dict) -> None:
+        pair = next(p for p in doc["extra"][""]["__dict__"] if p[0] == "lo")
+        pair[1]["__view__"][4] = 1 << 28
+
+    _forge(store, "pieces", forge)
+    r = subprocess.run([sys.executable, "-c", _SPAN_MEMORY, str(store.url), str(tmp_path / "out.pt")],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0 and "refused" in r.stderr and "structure" in r.stderr, r.stderr
+    assert int(r.stdout.split()[-1]) < 128, r.stdout  # MiB of peak memory the pull added (the span: 768)
+    assert not (tmp_path / "out.pt").exists()
+
+
 @pytest.mark.parametrize("kind", ["columns", "rows"])
 def test_more_than_16_views_saved_before_their_base_pull_back_as_views(store, tmp_path, kind):
     """Twenty columns (or rows) of a weight saved before the weight: only the first 16 tensors of a storage met
