@@ -1194,3 +1194,51 @@ def test_retention_goes_on_when_the_latest_snapshot_cannot_be_read(tmp_path, mon
         mgr.save(2, {"model": model})
         mgr.wait()
         assert mgr.steps() == [2]
+
+
+def test_an_optimizer_of_another_class_is_refused_and_old_snapshots_restore_as_before(tmp_path):
+    """An AdamW's snapshot restored into an SGD: torch's load_state_dict takes it without a word (the SGD
+    keeps AdamW's hyperparameters, its moments ignored). The snapshot records each optimizer's class, as
+    text, and a restore into another refuses before anything is written, naming both. A snapshot written
+    before the record (the manifest without it) restores as before."""
+    import copy
+    import dataclasses
+
+    from ckpt_store.storage.commit import commit
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        mgr.save(1, {"model": model, "optim": opt})
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    m = store.manifest("r/latest")
+    assert m.extra["snapshot"]["optimizers"] == {"optim": "torch.optim.adamw.AdamW"}
+    model2 = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    sgd = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    before = _state_bits(model2, sgd)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        with pytest.raises(SnapshotError, match=r"state\['optim'\] is a torch.optim.sgd.SGD, but the snapshot of step 1 "
+                                                r"holds the state of a torch.optim.adamw.AdamW") as e:
+            mgr.restore_latest({"model": model2, "optim": sgd})
+        assert "AdamW" in e.value.hint
+        assert _state_bits(model2, sgd) == before and not sgd.state  # nothing written
+        adamw = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+        assert mgr.restore_latest({"model": model2, "optim": adamw}) == 1
+        assert _state_bits(model2, adamw) == _state_bits(model, opt)
+    # written by the ckpt before the record: restored into whatever optimizer is given, as torch does
+    snap = copy.deepcopy(m.extra["snapshot"])
+    del snap["optimizers"]
+    commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
+    adamw = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        assert mgr.restore_latest({"model": model2, "optim": adamw}) == 1
+        assert _state_bits(model2, adamw) == _state_bits(model, opt)
+        sgd = torch.optim.SGD(model2.parameters(), lr=0.1)
+        assert mgr.restore_latest({"model": model2, "optim": sgd}) == 1
+    snap["optimizers"] = ["torch.optim.adamw.AdamW"]  # damaged: refused, not taken for no record
+    commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        with pytest.raises(SnapshotError, match="record of its optimizers' classes is malformed"):
+            mgr.restore_latest({"model": model2, "optim": adamw})
+
