@@ -259,7 +259,7 @@ class LocalTier:
             raise SnapshotError(f"local tier {self.path} cannot be made a folder ({describe(e)})",
                                 hint="give local=PATH a folder of its own (or a path where one can be made)") from e
         fd = _hold(self.path)  # before anything here is read or changed: one manager per tier
-        self._release = weakref.finalize(self, os.close, fd)
+        self._release = weakref.finalize(self, _let_go, fd)
         try:
             marker = None
             if durable is not None:
@@ -360,24 +360,34 @@ class LocalTier:
 
 
 LOCK_WAIT_S = 30.0  # how long a manager waits for a tier another process holds (one exiting, say)
+# The tier folders (device, inode) this process holds, so that a second manager of this process on one
+# of them is refused at once: its holder cannot let go while this process waits for it.
+_HELD: set[tuple[int, int]] = set()
+_HELD_LOCK = threading.Lock()
 
 
 def _hold(path: str) -> int:
-    """An exclusive ``flock`` on the tier's folder, held while its manager lives (the descriptor).
+    """An exclusive ``flock`` on the tier's folder, held while its manager lives (the descriptor;
+    :func:`_let_go` releases it).
 
     Two managers on one tier would prune and collect each other's snapshots: a tier is
     collected with no grace period because its manager is its only writer. A holder in
     this process that is no longer referenced (a notebook cell run again) is collected
-    first; one elsewhere is waited for up to :data:`LOCK_WAIT_S` (a restarted job whose
-    old process is still exiting), then refused."""
+    first; one still referenced is refused at once (waiting for it would only wait out
+    :data:`LOCK_WAIT_S`); one elsewhere is waited for up to :data:`LOCK_WAIT_S` (a restarted
+    job whose old process is still exiting), then refused."""
     from ckpt.snapshot.run import SnapshotError
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
     deadline = time.monotonic() + LOCK_WAIT_S
     collected, warned = 0.0, False
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with _HELD_LOCK:
+                _HELD.add(key)
             return fd
         except BlockingIOError:
             pass
@@ -390,6 +400,14 @@ def _hold(path: str) -> int:
             gc.collect()
             collected = time.monotonic()
             continue
+        with _HELD_LOCK:
+            ours = key in _HELD
+        if ours:
+            os.close(fd)
+            raise SnapshotError(f"local tier {path} is in use by another CheckpointManager of this process",
+                                hint="close the other manager first (mgr.close(), or `with CheckpointManager(...)`; "
+                                     "one dropped with a save in flight lets go once that save is done), or give "
+                                     "this one a local=PATH of its own")
         if time.monotonic() >= deadline:
             os.close(fd)
             raise SnapshotError(f"local tier {path} is in use by another CheckpointManager (in this process or "
@@ -400,6 +418,15 @@ def _hold(path: str) -> int:
             log.warning("waiting for local tier %s: another CheckpointManager holds it", path)
             warned = True
         time.sleep(0.1)
+
+
+def _let_go(fd: int) -> None:
+    """Release a tier :func:`_hold` took (forgotten as this process's first: no other manager here can
+    have taken it before the descriptor closes)."""
+    st = os.fstat(fd)
+    with _HELD_LOCK:
+        _HELD.discard((st.st_dev, st.st_ino))
+    os.close(fd)
 
 
 def _apart(path: str, durable: Store) -> None:

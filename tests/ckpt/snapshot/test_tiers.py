@@ -480,17 +480,21 @@ def test_local_true_picks_a_stable_path_under_dev_shm(tmp_path, monkeypatch):
     assert c.local_tier.path.startswith(str(tmp_path / "nvme") + os.sep)
 
 
-def test_one_manager_per_local_tier(tmp_path, monkeypatch):
+def test_one_manager_per_local_tier(tmp_path):
     """Two managers on one tier would prune and collect each other's snapshots (a tier is collected
-    with no grace period): the second waits for the first to let go, then is refused in one line.
+    with no grace period): the second is refused in one line. One of this process is refused at once:
+    it waited LOCK_WAIT_S (30 s) for a holder that cannot let go meanwhile (one of another process is
+    still waited for: test_a_local_tier_held_by_another_process_is_refused_until_it_dies).
     A first manager dropped without close() (a notebook cell run again) lets go as it is freed."""
     import ckpt.snapshot.tiers as tiers
 
-    monkeypatch.setattr(tiers, "LOCK_WAIT_S", 0.5)
+    assert tiers.LOCK_WAIT_S == 30
     kw = {"local": str(tmp_path / "local"), "local_every_n_steps": 1}
     a = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
-    with pytest.raises(ckpt.CkptError, match="in use by another CheckpointManager"):
-        ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
+    for other in (str(tmp_path / "d"), str(tmp_path / "d2")):  # (the same folder, whatever store names it)
+        with pytest.raises(ckpt.CkptError, match="in use by another CheckpointManager of this process") as e:
+            ckpt.CheckpointManager(other, "run", **kw)
+        assert "close the other manager" in e.value.hint
     a.close()
     b = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
     b.save(1, {"w": torch.arange(4.0)})
@@ -936,3 +940,4 @@ def test_a_run_gone_back_while_its_latest_is_missing_resumes_where_it_went_back_
     assert _state_bits(fresh_model.state_dict()) == _state_bits(want["model"])
     assert all(_state_bits(fresh_opt.state_dict()["state"][i]) == _state_bits(want["optim"]["state"][i])
                for i in want["optim"]["state"])
+
