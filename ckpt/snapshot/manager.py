@@ -376,6 +376,14 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
                     break
                 p.result()  # a failed persist warned; it never raises
 
+    def _check_open(self, what: str, verb: str) -> None:
+        """Raise :class:`SnapshotError` (``what``: what did not happen) once the manager is closed: its save
+        thread is gone, and its local tier, let go, may be another manager's by now (which prunes and collects
+        it without grace); ``verb``: what to do with a new manager instead."""
+        if self._closed:
+            raise SnapshotError(f"{what}: this CheckpointManager of run {self.run!r} is closed",
+                                hint=f"{verb} with a new CheckpointManager (or {verb} before leaving its `with` block)")
+
     def _wait_save(self) -> None:
         f, self._inflight = self._inflight, None
         if f is not None:

@@ -29,7 +29,9 @@ class Restoring:
         the local tier where it is there with a correct hash, else from the durable store. A
         snapshot that no tier holds completely (a local one not persisted, with a damaged
         chunk) is skipped, with a :class:`TierWarning`, for the next newest.
-        :attr:`last_restore` says which step was restored and the bytes each tier served."""
+        :attr:`last_restore` says which step was restored and the bytes each tier served. A closed
+        manager raises :class:`SnapshotError`, as its ``save`` does."""
+        self._check_open("nothing restored", "restore")
         self.wait()
         if self._local is None:
             mid = self._resolve(self._resolve_latest)
@@ -61,6 +63,7 @@ class Restoring:
         has no snapshot in any tier. In a group the ranks choose it together, as a restore does."""
         from ckpt.snapshot.tiers import snapshot_step
 
+        self._check_open("no step looked up", "look it up")
         self.wait()
         if self._local is None:
             def find() -> tuple[str, int | None, str | None]:  # in a group, on rank 0 alone: every rank says the same
@@ -83,6 +86,7 @@ class Restoring:
 
     def restore(self, state: dict[str, Any], step: int) -> int:
         """Restore the snapshot of ``step`` into ``state`` in place (from the nearest tier holding each chunk)."""
+        self._check_open(f"snapshot of step {step} not restored", "restore")
         self.wait()
 
         def find() -> str:

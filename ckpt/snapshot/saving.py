@@ -101,9 +101,7 @@ class Saving:
         is skipped, with a :class:`TierWarning` each: training goes on."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError("step must be a non-negative int")
-        if self._closed:  # its save thread is gone, and its local tier may be another manager's by now
-            raise SnapshotError(f"snapshot of step {step} not saved: this CheckpointManager of run {self.run!r} is closed",
-                                hint="save with a new CheckpointManager (or save before leaving its `with` block)")
+        self._check_open(f"snapshot of step {step} not saved", "save")
         self._wait_save()
         if self._local is None:  # (with a local tier a persist moves it later)
             self._check_latest()

@@ -525,6 +525,33 @@ def test_a_closed_manager_refuses_to_save_and_leaves_the_tier_to_its_new_holder(
     assert sorted(ckpt.Store.open(str(tmp_path / "tier")).refs()) == ["run/latest", "run/step-2"]
 
 
+def test_a_closed_manager_refuses_to_restore_from_the_tier_it_let_go(tmp_path):
+    """restore_latest after close() read the local tier it no longer held (another manager's by then, which
+    prunes and collects it without grace) and restored that manager's snapshot; latest_step and restore
+    read it too. A closed manager refuses them as it refuses save, reading nothing."""
+    from ckpt.snapshot.run import SnapshotError
+
+    model = torch.nn.Linear(4, 2)
+    kw = {"local": str(tmp_path / "tier"), "every_n_steps": 4, "local_every_n_steps": 1}
+    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
+    mgr.save(1, {"model": model})
+    mgr.close()
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw) as other:
+        with torch.no_grad():
+            model.weight.add_(1)
+        other.save(2, {"model": model})
+        other.wait()
+        fresh = torch.nn.Linear(4, 2)
+        before = _bits(fresh)
+        for call in (lambda: mgr.restore_latest({"model": fresh}), lambda: mgr.restore({"model": fresh}, 2),
+                     mgr.latest_step):
+            with pytest.raises(SnapshotError, match="is closed") as e:
+                call()
+            assert "with a new CheckpointManager" in e.value.hint
+        assert _bits(fresh) == before and mgr.last_restore is None
+        assert other.restore_latest({"model": fresh}) == 2 and _bits(fresh) == _bits(model)
+
+
 def test_a_local_tier_that_never_persists_says_so_once(tmp_path):
     """A local tier without every_n_steps was accepted and silently kept every snapshot in host memory only:
     nothing reached the durable store but a preemption's final snapshot, so the loss of the machine lost the
