@@ -37,9 +37,10 @@ from ckpt.snapshot.restoring import Restoring
 from ckpt.snapshot.retention import KeepBest, Retention, count_setting
 from ckpt.snapshot.run import SnapshotError, SnapshotPath, SnapshotRun, TierWarning, modified_under_save
 from ckpt.snapshot.saving import SaveStats, Saving
-from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, resolve_latest
+from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, latest_manifest
 
 if TYPE_CHECKING:
+    from ckpt.format.manifest import Manifest
     from ckpt.snapshot.distributed import DistributedSnapshots
     from ckpt.store.store import Store
 
@@ -248,6 +249,7 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
         self._latest_id: str | None = None  # the id RUN/latest named when last checked or saved (see _check_latest)
         self._latest_warned = False
         self._warned: set[str] = set()  # what _warn_once said
+        self._said_local_only = False  # the warning that no snapshot is persisted (a local tier, no every_n_steps)
         self._local = self._local_tier(local, local_every_n_steps, local_keep, local_max_bytes, replicas, process_group)
         self._local_full = False  # the last local save ran out of space (on this rank): make room first
         # The local tier's snapshots carry bundles of their small chunks where the durable store is
@@ -336,9 +338,10 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
         None without one."""
         return self._local.usage() if self._local else None
 
-    def _resolve_latest(self) -> str:
-        """:func:`~ckpt.snapshot.tiers.resolve_latest` of the durable store, warning once of each fallback."""
-        return resolve_latest(self.store, self.run, self._warn_once)
+    def _latest_manifest(self, parsed: dict[str, Manifest]) -> tuple[str, Manifest]:
+        """:func:`~ckpt.snapshot.tiers.latest_manifest` of the durable store (the id ``RUN/latest`` names, or
+        the run's newest snapshot), warning once of each fallback; ``parsed``: the manifests read, by id."""
+        return latest_manifest(self.store, self.run, self._warn_once, parsed)
 
     def _warn_once(self, message: str) -> None:
         """A :class:`TierWarning` this manager has not given yet (``latest_step()`` then ``restore_latest()``

@@ -40,7 +40,9 @@ class Persisting:
 
         def run() -> SaveResult | None:
             try:
-                if persist:  # the fallback may move RUN/latest in the durable store (a group's persist does)
+                if persist:
+                    # The check of RUN/latest before this save moves it: by the fallback, a group's persist, or
+                    # (once the job is done) _persist, which does not read it again.
                     with self._durable_lock:
                         self._check_latest()
                         result = job()
@@ -155,8 +157,8 @@ class Persisting:
         try:
             report = copy_refs(local.store, self.store, [local.ref(step)], recode=not self._local_compress)
             with self._durable_lock:
+                # (no _check_latest here: _tiered made it for this save, before its local job)
                 if seq > self._published:  # (a save made since may have gone there directly)
-                    self._check_latest()
                     self.store.refs_db.set(self._durable.latest, report.refs[local.ref(step)], alias=True)
                     self._latest_id = report.refs[local.ref(step)]
                     self.store.objects.backend.flush()

@@ -9,7 +9,7 @@ import logging
 
 from ckpt.errors import CkptError, RefConflictError, RefNotFoundError
 from ckpt.snapshot.run import is_snapshot
-from ckpt.snapshot.tiers import describe, run_steps, snapshot_test, step_refs
+from ckpt.snapshot.tiers import describe, run_steps, snapshot_test
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,14 @@ class Pruning:
 
         with self._retaining:
             if self._retained is None:
-                self._retained = set(step_refs(self.store, self.run))  # (each checked below: a pushed one is named in a warning)
+                from ckpt.store.catalog import snapshot_kinds
+
+                found, view = run_steps(self.store, self.run)
+                # The snapshots among them, told by the index's summaries, not a manifest read each; the rest
+                # (a pushed one, or one they cannot tell) are read below: a pushed one is named in a warning.
+                kinds = snapshot_kinds(self.store, found.values(), view)
+                self._snapshot_ids.update({s: (mid, True) for s, mid in found.items() if kinds.get(mid, (False, 0.0))[0]})
+                self._retained = set(found)
             self._retained.add(saved)
             steps = []
             targets: dict[int, str] = {}  # what each counted step named when checked: removed only while it still does

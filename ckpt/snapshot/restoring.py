@@ -34,8 +34,9 @@ class Restoring:
         self._check_open("nothing restored", "restore")
         self.wait()
         if self._local is None:
-            mid = self._resolve(self._resolve_latest)
-            return None if mid is None else self._restore(state, mid)
+            parsed: dict[str, Manifest] = {}  # (in a group, rank 0's: the others read the one chosen)
+            mid = self._resolve(lambda: self._latest_manifest(parsed)[0])
+            return None if mid is None else self._restore(state, mid, parsed)
         if self._distributed:
             path = self._group_path
             assert path.peers is not None
@@ -67,8 +68,7 @@ class Restoring:
         self.wait()
         if self._local is None:
             def find() -> tuple[str, int | None, str | None]:  # in a group, on rank 0 alone: every rank says the same
-                mid = self._resolve_latest()
-                m = self.store.manifest(mid)
+                mid, m = self._latest_manifest({})
                 return mid, snapshot_step(m), None if is_snapshot(m) else m.source
 
             found = self._resolve(find)
@@ -124,8 +124,7 @@ class Restoring:
         parsed: dict[str, Manifest] = {}
         durable: tuple[int, str, float] | None = None  # the durable RUN/latest: step, id, made at
         try:
-            mid = self._resolve_latest()
-            m = parsed[mid] = self.store.manifest(mid)
+            mid, m = self._latest_manifest(parsed)
             if not is_snapshot(m):  # refused, as without a tier: never passed over for an older step, or none
                 raise not_a_snapshot(mid, m.source)
             step = snapshot_step(m)

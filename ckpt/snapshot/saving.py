@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt.errors import CkptError, RefNotFoundError
-from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveResult, SnapshotError, is_snapshot
+from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveResult, is_snapshot
 from ckpt.snapshot.tiers import describe
 
 log = logging.getLogger(__name__)
@@ -114,8 +114,9 @@ class Saving:
             if persist is None:
                 persist = bool(self.every_n_steps) and step % self.every_n_steps == 0
             persist = persist or self._persist_pending or self._behind_durable(step)
-            if not persist and not self.every_n_steps:
-                self._warn_once(f"snapshots of run {self.run!r} are kept in the local tier only: this CheckpointManager has no "
+            if not persist and not self.every_n_steps and not self._said_local_only:  # (said once: not formatted each save)
+                self._said_local_only = True
+                self._tier_warning(f"snapshots of run {self.run!r} are kept in the local tier only: this CheckpointManager has no "
                                 f"every_n_steps, so none is persisted to {self.store.url} but a preemption's final one (the "
                                 "loss of the machine loses them); pass every_n_steps=M (a multiple of local_every_n_steps), "
                                 "or save(..., persist=True)")
@@ -167,7 +168,7 @@ class Saving:
             try:
                 # (RUN/latest missing: the newest step, as a restart would resume it, so that a run gone back
                 # below it persists its saves and a restart resumes them, not that step)
-                self._durable_step = snapshot_step(self.store.manifest(self._resolve_latest()))
+                self._durable_step = snapshot_step(self._latest_manifest({})[1])
             except RefNotFoundError:
                 self._durable_step = None
             except Exception as e:  # noqa: BLE001 - unreadable now: the persists due say more
@@ -179,9 +180,9 @@ class Saving:
     def _check_latest(self) -> None:
         """Warn (once) where the durable RUN/latest names a checkpoint a user pushed there (no snapshot), which
         this save is about to move away from: the next restart would otherwise resume without a word of it.
-        Called before every write of it: a save without tiers; with tiers, a save due to the durable store (a
-        full tier's direct save there, a group's persist) and a persist. One ref read each; a manifest read
-        only where RUN/latest changed since this manager last saw it.
+        Called before every write of it: a save without tiers; with tiers, a save due to the durable store, before
+        its local job (for a full tier's direct save there, a group's persist, and the persist that follows). One
+        ref read each; a manifest read only where RUN/latest changed since this manager last saw it.
         In a group rank 0 alone checks (no collective: a failed read only skips the check)."""
         if self._latest_warned or getattr(self._path, "rank", 0) != 0:
             return

@@ -180,7 +180,7 @@ def snapshot_times(store: Store, mids: Iterable[str], read: Callable[[str], Mani
     return made
 
 
-def resolve_latest(store: Store, run: str, warn: Callable[[str], None]) -> str:
+def resolve_latest(store: Store, run: str, warn: Callable[[str], None], parsed: dict[str, Manifest] | None = None) -> str:
     """The checkpoint id ``RUN/latest`` names in ``store``; where it names none (a user's ``ckpt rm RUN/latest``,
     a crash between a save's first ``RUN/step-N`` and its ``RUN/latest``), the run's newest snapshot, with a
     :class:`TierWarning` through ``warn`` (a manager's, which says each thing once): a run must never
@@ -189,7 +189,9 @@ def resolve_latest(store: Store, run: str, warn: Callable[[str], None]) -> str:
     The newest is the ``RUN/step-N`` that is a snapshot (:func:`snapshot_test`) made last (``Manifest.created``;
     the higher step where two were made at the same time), which RUN/latest named when its save moved it
     (docs/format.md, "Snapshots"): after a run went back to an earlier snapshot and saved on, the steps of
-    the timeline it left may be higher, but they are older."""
+    the timeline it left may be higher, but they are older. ``parsed``: where the manifests read to choose
+    (without a metadata index, each step's) are put, by id, so that the caller reads the chosen one once.
+    Its answer may be there already; :func:`latest_manifest` reads it from there or the store."""
     from ckpt.errors import RefNotFoundError
 
     latest = f"{run}/latest"
@@ -199,7 +201,13 @@ def resolve_latest(store: Store, run: str, warn: Callable[[str], None]) -> str:
         found, view = run_steps(store, run)
         if not found:
             raise
-    made = snapshot_times(store, found.values(), view=view)
+    def read(mid: str) -> Manifest:
+        m = store.manifest(mid)
+        if parsed is not None:
+            parsed[mid] = m
+        return m
+
+    made = snapshot_times(store, found.values(), read, view)
     times = {step: t for step, mid in found.items() if (t := made(mid)) is not None}
     if not times:
         raise RefNotFoundError(f"no snapshot of run {run!r} in {store.url}: {latest} is missing and no {run}/step-N is a snapshot")
@@ -208,6 +216,15 @@ def resolve_latest(store: Store, run: str, warn: Callable[[str], None]) -> str:
                f"({run}/step-{step}); the next save names its own snapshot {latest}")
     warn(message)
     return found[step]
+
+
+def latest_manifest(store: Store, run: str, warn: Callable[[str], None], parsed: dict[str, Manifest]) -> tuple[str, Manifest]:
+    """:func:`resolve_latest`, and the manifest it names, read once (kept in ``parsed`` too)."""
+    mid = resolve_latest(store, run, warn, parsed)
+    m = parsed.get(mid)
+    if m is None:
+        m = parsed[mid] = store.manifest(mid)
+    return mid, m
 
 
 TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is

@@ -1242,3 +1242,57 @@ def test_an_optimizer_of_another_class_is_refused_and_old_snapshots_restore_as_b
         with pytest.raises(SnapshotError, match="record of its optimizers' classes is malformed"):
             mgr.restore_latest({"model": model2, "optim": adamw})
 
+
+def test_the_first_retention_of_a_manager_reads_no_manifest_per_step(tmp_path, monkeypatch):
+    """A manager's first retention listed the run's steps, then read each step's manifest to tell the
+    snapshots from checkpoints pushed under the run's name: one read per step (a run's thousands). The
+    index's summaries, from the view that listed the steps, tell them: a pushed one alone is read (and
+    named in a warning), as are the manifests the save itself reads."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    model = _model()
+    with ckpt.CheckpointManager(store, "r", save_mode="sync") as mgr:
+        for step in range(1, 7):
+            mgr.save(step, {"model": model})
+    store.push({"w": torch.arange(2.0)}, "r/step-3")  # a user's checkpoint under the run's name: kept, not counted
+    ids = {s: store.resolve(f"r/step-{s}") for s in range(1, 7)}
+    parsed = []
+    real = ckpt.Store.manifest
+    monkeypatch.setattr(ckpt.Store, "manifest", lambda self, ref: parsed.append(ref) or real(self, ref))
+    with ckpt.CheckpointManager(store, "r", save_mode="sync", keep_last=2) as mgr:
+        mgr.save(7, {"model": model})
+        assert mgr.steps() == [6, 7]
+    assert sorted(store.refs()) == ["r/latest", "r/step-3", "r/step-6", "r/step-7"]
+    assert [ref for ref in parsed if ref in {ids[s] for s in (1, 2, 4, 5)}] == [], parsed
+    assert parsed.count(ids[3]) == 1
+
+
+@pytest.mark.parametrize("tier", [False, True], ids=["store", "local_tier"])
+def test_a_missing_latest_without_an_index_reads_the_chosen_manifest_once(tmp_path, monkeypatch, tier):
+    """RUN/latest missing in a store without a metadata index: the choice of the newest snapshot reads each
+    step's manifest, and the restore (and latest_step, and a save's check of the durable store) then read
+    the chosen one a second time. The manifests the choice read serve them."""
+    monkeypatch.setenv("CKPT_INDEX", "0")
+    url = str(tmp_path / "s")
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    with ckpt.CheckpointManager(url, "r", save_mode="sync") as mgr:
+        for step in (1, 2, 3):
+            _train(model, opt)
+            mgr.save(step, {"model": model, "optim": opt})
+    store = ckpt.Store.open(url)
+    store.remove("r/latest")
+    chosen = store.resolve("r/step-3")
+    want = _state_bits(model, opt)
+    parsed = []
+    real = ckpt.Store.manifest
+    monkeypatch.setattr(ckpt.Store, "manifest", lambda self, ref: parsed.append(ref) or real(self, ref))
+    kw = {"local": str(tmp_path / "tier"), "local_every_n_steps": 1, "every_n_steps": 1} if tier else {}
+    model2 = _model()
+    opt2 = torch.optim.AdamW(model2.parameters())
+    with ckpt.CheckpointManager(url, "r", save_mode="sync", **kw) as mgr, pytest.warns(ckpt.TierWarning, match="step 3 "):
+        assert mgr.latest_step() == 3
+        assert parsed.count(chosen) == 1, parsed
+        parsed.clear()
+        assert mgr.restore_latest({"model": model2, "optim": opt2}) == 3
+        assert parsed.count(chosen) == 1, parsed
+        assert _state_bits(model2, opt2) == want
