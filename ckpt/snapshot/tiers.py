@@ -113,15 +113,11 @@ def step_ref(ref: str) -> tuple[str, int] | None:
     return None if step is None else (run, step)
 
 
-def live_refs_of(store: Store, run: str) -> dict[str, RefEntry]:
+def _viewed_refs_of(store: Store, run: str) -> tuple[dict[str, RefEntry], IndexState | None]:
     """The live refs of ``store`` and their entries, by name (from its index), or, where some ref there
     cannot be read, the live refs under ``run`` alone: a damaged ref of another run, or anyone's, must not
-    stop this run's saves and retention. A damaged ref of the run is left out (kept, not pruned)."""
-    return _viewed_refs_of(store, run)[0]
-
-
-def _viewed_refs_of(store: Store, run: str) -> tuple[dict[str, RefEntry], IndexState | None]:
-    """:func:`live_refs_of`, and the view of the store's index that told them (None: none)."""
+    stop this run's saves and retention (a damaged ref of the run is left out: kept, not pruned); and the
+    view of the store's index that told them (None: none)."""
     from ckpt.store.catalog import viewed_live_refs
 
     try:
@@ -130,14 +126,10 @@ def _viewed_refs_of(store: Store, run: str) -> tuple[dict[str, RefEntry], IndexS
         return store.refs_db.scan(run)[0], None
 
 
-def step_refs(store: Store, run: str) -> dict[int, str]:
-    """The live refs ``RUN/step-N`` of ``run`` in ``store``, snapshots or not: step -> checkpoint id."""
-    return run_steps(store, run)[0]
-
-
 def run_steps(store: Store, run: str) -> tuple[dict[int, str], IndexState | None]:
-    """:func:`step_refs`, and the view of the store's index that told them, for :func:`snapshot_test` (``view``):
-    which of them are snapshots, without listing the refs and loading the index again."""
+    """The live refs ``RUN/step-N`` of ``run`` in ``store``, snapshots or not (step -> checkpoint id), and the view
+    of the store's index that told them, for :func:`snapshot_test` (``view``): which of them are snapshots,
+    without listing the refs and loading the index again."""
     found: dict[int, str] = {}
     refs, view = _viewed_refs_of(store, run)
     for name, entry in refs.items():
@@ -300,7 +292,7 @@ class LocalTier:
 
     def steps(self) -> list[int]:
         """Steps of the snapshots in this tier, oldest first."""
-        return sorted(step for name in live_refs_of(self.store, self.run) if (step := step_of(self.run, name)) is not None)
+        return sorted(run_steps(self.store, self.run)[0])
 
     def usage(self) -> LocalTierUsage:
         return LocalTierUsage(self.path, self.steps(), self.store.du().stored)

@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from integration_util import start_process
+from integration_util import start_process, state_bits
 from integration_util import wait_process as _wait
 
 import ckpt
@@ -872,10 +872,6 @@ mgr.close()
 """
 
 
-def _state_bits(sd):
-    return {k: (v.reshape(-1).view(torch.uint8).tolist() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
-
-
 @pytest.mark.parametrize("tier", ["holding", "empty", "none", "crash"])
 def test_a_run_whose_latest_is_missing_resumes_its_newest_snapshot_on_every_path(tmp_path, tier):
     """RUN/latest gone while RUN/step-N exist: removed by the user (``ckpt rm RUN/latest``, as the refusal of a
@@ -900,8 +896,7 @@ def test_a_run_whose_latest_is_missing_resumes_its_newest_snapshot_on_every_path
         assert sorted(ckpt.Store.open(url).refs()) == ["run/step-4"]
         r, got = run("resume", 0)
         assert r.stdout.split() == ["4", "4"] and "run/latest is missing" in r.stderr, r.stdout + r.stderr
-        assert _state_bits(got["model"]) == _state_bits(want["model"])
-        assert all(_state_bits(got["optim"]["state"][i]) == _state_bits(want["optim"]["state"][i]) for i in want["optim"]["state"])
+        assert state_bits(got["model"], got["optim"]) == state_bits(want["model"], want["optim"])
         return
     else:
         with ckpt.CheckpointManager(url, "run", every_n_steps=4, local=local, local_every_n_steps=2, save_mode="sync") as mgr:
@@ -925,10 +920,8 @@ def test_a_run_whose_latest_is_missing_resumes_its_newest_snapshot_on_every_path
             mgr.save(newest + 1, {"model": fresh_model, "optim": fresh_opt})  # (reads the durable newest step again)
         # once per manager: latest_step, restore_latest and the first save meet the same missing run/latest
         assert len([w for w in caught if "run/latest is missing" in str(w.message)]) == 1, [str(w.message) for w in caught]
-    assert _state_bits(fresh_model.state_dict()) == _state_bits(want["model"])
-    got, exp = fresh_opt.state_dict(), want["optim"]
-    assert got["param_groups"] == exp["param_groups"]
-    assert all(_state_bits(got["state"][i]) == _state_bits(exp["state"][i]) for i in exp["state"])
+    assert state_bits(fresh_model, fresh_opt) == state_bits(want["model"], want["optim"])
+    assert fresh_opt.state_dict()["param_groups"] == want["optim"]["param_groups"]
 
 
 def test_a_run_gone_back_while_its_latest_is_missing_resumes_where_it_went_back_to(tmp_path):
@@ -964,9 +957,7 @@ def test_a_run_gone_back_while_its_latest_is_missing_resumes_where_it_went_back_
         fresh_opt = torch.optim.AdamW(fresh_model.parameters())
         with manager() as mgr:
             assert mgr.restore_latest({"model": fresh_model, "optim": fresh_opt}) == 6
-    assert _state_bits(fresh_model.state_dict()) == _state_bits(want["model"])
-    assert all(_state_bits(fresh_opt.state_dict()["state"][i]) == _state_bits(want["optim"]["state"][i])
-               for i in want["optim"]["state"])
+    assert state_bits(fresh_model, fresh_opt) == state_bits(want["model"], want["optim"])
 
 
 def test_a_persisted_save_reads_the_durable_latest_once_on_s3(s3_main_url, tmp_path):
