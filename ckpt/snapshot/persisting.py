@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ckpt.snapshot.manager_state import ManagerState
 from ckpt.snapshot.run import SaveJob, SaveResult, SnapshotError
 from ckpt.snapshot.tiers import describe, out_of_space
 
@@ -28,9 +29,9 @@ class PersistStats:
     chunks_present: int
 
 
-class Persisting:
-    """``CheckpointManager``'s local-tier and persist methods (a mixin: ``CheckpointManager.__init__`` sets
-    the state they use)."""
+class Persisting(ManagerState):
+    """``CheckpointManager``'s local-tier and persist methods (a mixin: the state they use is
+    :class:`~ckpt.snapshot.manager_state.ManagerState`'s)."""
 
     def _tiered(self, step: int, job: SaveJob, persist: bool, seq: int) -> Callable[[], SaveResult | None]:
         """``job`` (a save into the local tier), then the tier's bounds and the persist it asks for.

@@ -8,14 +8,16 @@ from __future__ import annotations
 import logging
 
 from ckpt.errors import CkptError, RefConflictError, RefNotFoundError
+from ckpt.snapshot.manager_state import ManagerState
 from ckpt.snapshot.run import is_snapshot
 from ckpt.snapshot.tiers import describe, run_steps, snapshot_test
 
 log = logging.getLogger(__name__)
 
 
-class Pruning:
-    """``CheckpointManager``'s retention methods (a mixin: ``CheckpointManager.__init__`` sets the state they use)."""
+class Pruning(ManagerState):
+    """``CheckpointManager``'s retention methods (a mixin: the state they use is
+    :class:`~ckpt.snapshot.manager_state.ManagerState`'s)."""
 
     def steps(self) -> list[int]:
         """Steps of the run's live snapshots, oldest first. A checkpoint pushed under the run's name

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckpt.errors import RefNotFoundError
+from ckpt.snapshot.manager_state import ManagerState
 from ckpt.snapshot.run import is_snapshot, not_a_snapshot
 from ckpt.snapshot.tiers import MISSES as TIER_MISSES
 from ckpt.snapshot.tiers import describe
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
-class Restoring:
-    """``CheckpointManager``'s restoring methods (a mixin: ``CheckpointManager.__init__`` sets the state they use)."""
+class Restoring(ManagerState):
+    """``CheckpointManager``'s restoring methods (a mixin: the state they use is
+    :class:`~ckpt.snapshot.manager_state.ManagerState`'s)."""
 
     def restore_latest(self, state: dict[str, Any]) -> int | None:
         """Restore the newest snapshot into ``state`` in place; its step, or None if the run has none.

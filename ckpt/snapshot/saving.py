@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt.errors import CkptError, RefNotFoundError
+from ckpt.snapshot.manager_state import ManagerState
 from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveResult, is_snapshot
 from ckpt.snapshot.tiers import describe
 
@@ -64,8 +65,9 @@ class SaveStats:
     replicated_bytes: int | None = None  # stored bytes this rank sent to its replica ranks (None: no replication)
 
 
-class Saving:
-    """``CheckpointManager``'s saving methods (a mixin: ``CheckpointManager.__init__`` sets the state they use)."""
+class Saving(ManagerState):
+    """``CheckpointManager``'s saving methods (a mixin: the state they use is
+    :class:`~ckpt.snapshot.manager_state.ManagerState`'s)."""
 
     def ref(self, step: int) -> str:
         """The ref of the snapshot of ``step``: ``RUN/step-N``."""
