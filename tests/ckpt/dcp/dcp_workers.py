@@ -1410,7 +1410,6 @@ def forged_optimizer_path(rank, world, tmp, store):
 
 def save_fine_tunes(rank, world, tmp, store):
     """A base and two fine-tunes of one tensor, saved row-sharded over the ranks as d/base, d/ft1, d/ft2."""
-    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import Shard, distribute_tensor
 
