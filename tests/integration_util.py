@@ -63,10 +63,13 @@ def tensor_bits(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def state_bits(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """The bytes of a model's state dict and of its optimizer's per-parameter state."""
-    return ({k: tensor_bits(v) for k, v in model.state_dict().items()},
-            {i: {k: tensor_bits(v) for k, v in st.items()} for i, st in opt.state_dict()["state"].items()})
+def state_bits(model: torch.nn.Module | dict, opt: torch.optim.Optimizer | dict) -> tuple[dict, dict]:
+    """The bytes of a model's state dict and of its optimizer's per-parameter state (either given as the
+    object, or as its state dict: one read back with ``torch.load``, say)."""
+    model_sd = model if isinstance(model, dict) else model.state_dict()
+    opt_sd = opt if isinstance(opt, dict) else opt.state_dict()
+    return ({k: tensor_bits(v) for k, v in model_sd.items()},
+            {i: {k: tensor_bits(v) for k, v in st.items()} for i, st in opt_sd["state"].items()})
 
 
 def assert_same_bits(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:

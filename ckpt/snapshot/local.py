@@ -40,8 +40,10 @@ from ckpt.snapshot.state import (
     Stateful,
     autograd_flag_sets,
     autograd_flags,
+    check_optimizer_classes,
     device_here,
     flatten,
+    optimizer_classes,
     optimizers_in,
     recorded_devices,
     tensor_devices,
@@ -113,10 +115,12 @@ class LocalSnapshots:
                 # the copies start after the work queued so far on each device, not later work
                 ready = {d: torch.cuda.current_stream(d).record_event() for d in gpus}
         flags = autograd_flags(tensors)
+        classes = optimizer_classes(state)
         # where the tensors a restore makes anew go (a module's are written in place, wherever they are)
         devices = tensor_devices({n: t for n, t in tensors.items() if not isinstance(state[n.split("/")[0]], torch.nn.Module)})
         record = {**snapshot, **({"format": SNAPSHOT_TORCH_FORMAT} if uses_tags(tree, LATER_TAGS) else {}), "tree": tree,
-                  **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {})}
+                  **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {}),
+                  **({"optimizers": classes} if classes else {})}
 
         def job() -> SaveResult:
             try:
@@ -331,6 +335,7 @@ class LocalSnapshots:
         missing = sorted(set(state) - set(tree))
         if missing:
             raise TensorMismatchError(f"snapshot of step {step} has no {missing}", hint="restore a subset of keys")
+        check_optimizer_classes(snap.get("optimizers"), state, mid, step)
         records: dict[str, tuple[list[str], Any]] = {}  # each key's tensor names and structure, read once
         for key in state:  # a damaged (or foreign) record fails here, before anything is written
             node = tree[key]

@@ -24,7 +24,7 @@ import os
 import threading
 import warnings
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -35,11 +35,12 @@ from ckpt.snapshot.preemption import Preemption
 from ckpt.snapshot.pruning import Pruning
 from ckpt.snapshot.restoring import Restoring
 from ckpt.snapshot.retention import KeepBest, Retention, count_setting
-from ckpt.snapshot.run import SnapshotError, SnapshotPath, SnapshotRun, TierWarning, modified_under_save
+from ckpt.snapshot.run import SnapshotError, SnapshotRun, TierWarning, modified_under_save
 from ckpt.snapshot.saving import SaveStats, Saving
-from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, resolve_latest
+from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, latest_manifest
 
 if TYPE_CHECKING:
+    from ckpt.format.manifest import Manifest
     from ckpt.snapshot.distributed import DistributedSnapshots
     from ckpt.store.store import Store
 
@@ -232,10 +233,10 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
         self.save_mode = save_mode
         self.preempt_exit_code = preempt_exit_code
         self.preempted = False
-        self._final_step: int | None = None  # in a group: the step of the final snapshot the ranks agreed on
-        self.last_save: SaveStats | None = None
-        self.last_persist: PersistStats | None = None
-        self.last_restore: dict[str, int] | None = None
+        self._final_step = None  # in a group: the step of the final snapshot the ranks agreed on
+        self.last_save = None
+        self.last_persist = None
+        self.last_restore = None
         self._durable = SnapshotRun(self.store, self.run, delta_vs_previous)
         self._distributed = process_group is not None
         if not isinstance(local_compress, bool):
@@ -244,10 +245,11 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
         self._retaining = threading.Lock()  # see _retain
         # The durable steps retention counts: the run's, listed once (at the first retention), then each
         # one saved there; a hint, each checked against the store at every retention (see _retain).
-        self._retained: set[int] | None = None
-        self._latest_id: str | None = None  # the id RUN/latest named when last checked or saved (see _check_latest)
+        self._retained = None
+        self._latest_id = None  # the id RUN/latest named when last checked or saved (see _check_latest)
         self._latest_warned = False
-        self._warned: set[str] = set()  # what _warn_once said
+        self._warned = set()  # what _warn_once said
+        self._said_local_only = False  # the warning that no snapshot is persisted (a local tier, no every_n_steps)
         self._local = self._local_tier(local, local_every_n_steps, local_keep, local_max_bytes, replicas, process_group)
         self._local_full = False  # the last local save ran out of space (on this rank): make room first
         # The local tier's snapshots carry bundles of their small chunks where the durable store is
@@ -259,25 +261,24 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
         self._persist_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-persist")
         # One persist runs at a time; a snapshot due while one runs waits in a slot of one
         # (a newer one takes its place: the older is never persisted), so training never waits.
-        self._persisting: Future[None] | None = None
-        self._persist_slot: tuple[int, int] | None = None  # (step, save number)
+        self._persisting = None
+        self._persist_slot = None  # (step, save number)
         self._persist_lock = threading.Lock()
         self._durable_lock = threading.Lock()  # moving RUN/latest in the durable store: never to an older save
         # Saves are numbered in the order they are made: a persist moves RUN/latest only to a save newer
         # than the one it names (its number; 0: a save of an earlier process), whatever their steps.
         self._saves = 0
-        self._saved_step: int | None = None  # the step of the newest save (with a local tier)
+        self._saved_step = None  # the step of the newest save (with a local tier)
         self._published = 0
-        self._durable_step: int | None = None  # the step RUN/latest names in the durable store,
+        self._durable_step = None  # the step RUN/latest names in the durable store,
         self._durable_known = False  # once read (at the first save with a local tier)
         self._persist_pending = False  # a persist failed: the next save persists
-        self._inflight: Future[None] | None = None
+        self._inflight = None
         self._closed = False
         # keep_best's metrics of the steps retention counts (a step's manifest holds them too): those it removes are dropped
-        self._metrics: dict[int, dict[str, float]] = {}
-        self._snapshot_ids: dict[int, tuple[str, bool]] = {}  # retention: step -> (manifest id, whether a snapshot)
-        self._old_handlers: dict[int, Any] = {}
-        self._path: SnapshotPath
+        self._metrics = {}
+        self._snapshot_ids = {}  # retention: step -> (manifest id, whether a snapshot)
+        self._old_handlers = {}
         if process_group is not None:
             if save_mode == "overlap":
                 raise ValueError("save_mode='overlap' is for one process; with process_group use 'async' or 'sync'")
@@ -336,9 +337,10 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
         None without one."""
         return self._local.usage() if self._local else None
 
-    def _resolve_latest(self) -> str:
-        """:func:`~ckpt.snapshot.tiers.resolve_latest` of the durable store, warning once of each fallback."""
-        return resolve_latest(self.store, self.run, self._warn_once)
+    def _latest_manifest(self, parsed: dict[str, Manifest]) -> tuple[str, Manifest]:
+        """:func:`~ckpt.snapshot.tiers.latest_manifest` of the durable store (the id ``RUN/latest`` names, or
+        the run's newest snapshot), warning once of each fallback; ``parsed``: the manifests read, by id."""
+        return latest_manifest(self.store, self.run, self._warn_once, parsed)
 
     def _warn_once(self, message: str) -> None:
         """A :class:`TierWarning` this manager has not given yet (``latest_step()`` then ``restore_latest()``
@@ -375,6 +377,14 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
                 if p is None or p.done():
                     break
                 p.result()  # a failed persist warned; it never raises
+
+    def _check_open(self, what: str, verb: str) -> None:
+        """Raise :class:`SnapshotError` (``what``: what did not happen) once the manager is closed: its save
+        thread is gone, and its local tier, let go, may be another manager's by now (which prunes and collects
+        it without grace); ``verb``: what to do with a new manager instead."""
+        if self._closed:
+            raise SnapshotError(f"{what}: this CheckpointManager of run {self.run!r} is closed",
+                                hint=f"{verb} with a new CheckpointManager (or {verb} before leaving its `with` block)")
 
     def _wait_save(self) -> None:
         f, self._inflight = self._inflight, None

@@ -36,10 +36,10 @@ from ckpt.snapshot.tiers import (
     LocalTier,
     Tiers,
     describe,
+    latest_manifest,
     left_behind,
     left_behind_message,
     out_of_space,
-    resolve_latest,
     snapshot_step,
 )
 from ckpt_store.storage.chunk_lists import referenced_chunks
@@ -305,8 +305,7 @@ class Peers:
             try:
                 from ckpt.snapshot.run import is_snapshot
 
-                dmid = resolve_latest(durable, self.local.run, warn)  # (RUN/latest missing: the newest step, warned)
-                dm = durable.manifest(dmid)
+                dmid, dm = latest_manifest(durable, self.local.run, warn, {})  # (RUN/latest missing: the newest step, warned)
                 view = (dmid, snapshot_step(dm), dm.created, None if is_snapshot(dm) else dm.source)
             except RefNotFoundError:
                 view = (None, None, None, None)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ckpt.snapshot.manager_state import ManagerState
 from ckpt.snapshot.run import SaveJob, SaveResult, SnapshotError
 from ckpt.snapshot.tiers import describe, out_of_space
 
@@ -28,9 +29,9 @@ class PersistStats:
     chunks_present: int
 
 
-class Persisting:
-    """``CheckpointManager``'s local-tier and persist methods (a mixin: ``CheckpointManager.__init__`` sets
-    the state they use)."""
+class Persisting(ManagerState):
+    """``CheckpointManager``'s local-tier and persist methods (a mixin: the state they use is
+    :class:`~ckpt.snapshot.manager_state.ManagerState`'s)."""
 
     def _tiered(self, step: int, job: SaveJob, persist: bool, seq: int) -> Callable[[], SaveResult | None]:
         """``job`` (a save into the local tier), then the tier's bounds and the persist it asks for.
@@ -40,7 +41,9 @@ class Persisting:
 
         def run() -> SaveResult | None:
             try:
-                if persist:  # the fallback may move RUN/latest in the durable store (a group's persist does)
+                if persist:
+                    # The check of RUN/latest before this save moves it: by the fallback, a group's persist, or
+                    # (once the job is done) _persist, which does not read it again.
                     with self._durable_lock:
                         self._check_latest()
                         result = job()
@@ -155,8 +158,8 @@ class Persisting:
         try:
             report = copy_refs(local.store, self.store, [local.ref(step)], recode=not self._local_compress)
             with self._durable_lock:
+                # (no _check_latest here: _tiered made it for this save, before its local job)
                 if seq > self._published:  # (a save made since may have gone there directly)
-                    self._check_latest()
                     self.store.refs_db.set(self._durable.latest, report.refs[local.ref(step)], alias=True)
                     self._latest_id = report.refs[local.ref(step)]
                     self.store.objects.backend.flush()

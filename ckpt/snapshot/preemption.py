@@ -8,11 +8,14 @@ import logging
 import signal
 from collections.abc import Iterable
 
+from ckpt.snapshot.manager_state import ManagerState
+
 log = logging.getLogger(__name__)
 
 
-class Preemption:
-    """``CheckpointManager``'s preemption methods (a mixin: ``CheckpointManager.__init__`` sets the state they use)."""
+class Preemption(ManagerState):
+    """``CheckpointManager``'s preemption methods (a mixin: the state they use is
+    :class:`~ckpt.snapshot.manager_state.ManagerState`'s)."""
 
     def _final_snapshot_due(self, step: int) -> bool:
         """Whether ``maybe_save(step)`` takes the final snapshot of a preempted run: once a preemption

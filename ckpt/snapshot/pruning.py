@@ -8,14 +8,16 @@ from __future__ import annotations
 import logging
 
 from ckpt.errors import CkptError, RefConflictError, RefNotFoundError
+from ckpt.snapshot.manager_state import ManagerState
 from ckpt.snapshot.run import is_snapshot
-from ckpt.snapshot.tiers import describe, run_steps, snapshot_test, step_refs
+from ckpt.snapshot.tiers import describe, run_steps, snapshot_test
 
 log = logging.getLogger(__name__)
 
 
-class Pruning:
-    """``CheckpointManager``'s retention methods (a mixin: ``CheckpointManager.__init__`` sets the state they use)."""
+class Pruning(ManagerState):
+    """``CheckpointManager``'s retention methods (a mixin: the state they use is
+    :class:`~ckpt.snapshot.manager_state.ManagerState`'s)."""
 
     def steps(self) -> list[int]:
         """Steps of the run's live snapshots, oldest first. A checkpoint pushed under the run's name
@@ -66,7 +68,14 @@ class Pruning:
 
         with self._retaining:
             if self._retained is None:
-                self._retained = set(step_refs(self.store, self.run))  # (each checked below: a pushed one is named in a warning)
+                from ckpt.store.catalog import snapshot_kinds
+
+                found, view = run_steps(self.store, self.run)
+                # The snapshots among them, told by the index's summaries, not a manifest read each; the rest
+                # (a pushed one, or one they cannot tell) are read below: a pushed one is named in a warning.
+                kinds = snapshot_kinds(self.store, found.values(), view)
+                self._snapshot_ids.update({s: (mid, True) for s, mid in found.items() if kinds.get(mid, (False, 0.0))[0]})
+                self._retained = set(found)
             self._retained.add(saved)
             steps = []
             targets: dict[int, str] = {}  # what each counted step named when checked: removed only while it still does

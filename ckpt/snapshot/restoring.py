@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckpt.errors import RefNotFoundError
+from ckpt.snapshot.manager_state import ManagerState
 from ckpt.snapshot.run import is_snapshot, not_a_snapshot
 from ckpt.snapshot.tiers import MISSES as TIER_MISSES
 from ckpt.snapshot.tiers import describe
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
-class Restoring:
-    """``CheckpointManager``'s restoring methods (a mixin: ``CheckpointManager.__init__`` sets the state they use)."""
+class Restoring(ManagerState):
+    """``CheckpointManager``'s restoring methods (a mixin: the state they use is
+    :class:`~ckpt.snapshot.manager_state.ManagerState`'s)."""
 
     def restore_latest(self, state: dict[str, Any]) -> int | None:
         """Restore the newest snapshot into ``state`` in place; its step, or None if the run has none.
@@ -29,11 +31,14 @@ class Restoring:
         the local tier where it is there with a correct hash, else from the durable store. A
         snapshot that no tier holds completely (a local one not persisted, with a damaged
         chunk) is skipped, with a :class:`TierWarning`, for the next newest.
-        :attr:`last_restore` says which step was restored and the bytes each tier served."""
+        :attr:`last_restore` says which step was restored and the bytes each tier served. A closed
+        manager raises :class:`SnapshotError`, as its ``save`` does."""
+        self._check_open("nothing restored", "restore")
         self.wait()
         if self._local is None:
-            mid = self._resolve(self._resolve_latest)
-            return None if mid is None else self._restore(state, mid)
+            parsed: dict[str, Manifest] = {}  # (in a group, rank 0's: the others read the one chosen)
+            mid = self._resolve(lambda: self._latest_manifest(parsed)[0])
+            return None if mid is None else self._restore(state, mid, parsed)
         if self._distributed:
             path = self._group_path
             assert path.peers is not None
@@ -61,11 +66,11 @@ class Restoring:
         has no snapshot in any tier. In a group the ranks choose it together, as a restore does."""
         from ckpt.snapshot.tiers import snapshot_step
 
+        self._check_open("no step looked up", "look it up")
         self.wait()
         if self._local is None:
             def find() -> tuple[str, int | None, str | None]:  # in a group, on rank 0 alone: every rank says the same
-                mid = self._resolve_latest()
-                m = self.store.manifest(mid)
+                mid, m = self._latest_manifest({})
                 return mid, snapshot_step(m), None if is_snapshot(m) else m.source
 
             found = self._resolve(find)
@@ -83,6 +88,7 @@ class Restoring:
 
     def restore(self, state: dict[str, Any], step: int) -> int:
         """Restore the snapshot of ``step`` into ``state`` in place (from the nearest tier holding each chunk)."""
+        self._check_open(f"snapshot of step {step} not restored", "restore")
         self.wait()
 
         def find() -> str:
@@ -120,8 +126,7 @@ class Restoring:
         parsed: dict[str, Manifest] = {}
         durable: tuple[int, str, float] | None = None  # the durable RUN/latest: step, id, made at
         try:
-            mid = self._resolve_latest()
-            m = parsed[mid] = self.store.manifest(mid)
+            mid, m = self._latest_manifest(parsed)
             if not is_snapshot(m):  # refused, as without a tier: never passed over for an older step, or none
                 raise not_a_snapshot(mid, m.source)
             step = snapshot_step(m)

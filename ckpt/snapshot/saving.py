@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt.errors import CkptError, RefNotFoundError
-from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveResult, SnapshotError, is_snapshot
+from ckpt.snapshot.manager_state import ManagerState
+from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveResult, is_snapshot
 from ckpt.snapshot.tiers import describe
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,9 @@ class SaveStats:
     replicated_bytes: int | None = None  # stored bytes this rank sent to its replica ranks (None: no replication)
 
 
-class Saving:
-    """``CheckpointManager``'s saving methods (a mixin: ``CheckpointManager.__init__`` sets the state they use)."""
+class Saving(ManagerState):
+    """``CheckpointManager``'s saving methods (a mixin: the state they use is
+    :class:`~ckpt.snapshot.manager_state.ManagerState`'s)."""
 
     def ref(self, step: int) -> str:
         """The ref of the snapshot of ``step``: ``RUN/step-N``."""
@@ -101,9 +103,7 @@ class Saving:
         is skipped, with a :class:`TierWarning` each: training goes on."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError("step must be a non-negative int")
-        if self._closed:  # its save thread is gone, and its local tier may be another manager's by now
-            raise SnapshotError(f"snapshot of step {step} not saved: this CheckpointManager of run {self.run!r} is closed",
-                                hint="save with a new CheckpointManager (or save before leaving its `with` block)")
+        self._check_open(f"snapshot of step {step} not saved", "save")
         self._wait_save()
         if self._local is None:  # (with a local tier a persist moves it later)
             self._check_latest()
@@ -116,8 +116,9 @@ class Saving:
             if persist is None:
                 persist = bool(self.every_n_steps) and step % self.every_n_steps == 0
             persist = persist or self._persist_pending or self._behind_durable(step)
-            if not persist and not self.every_n_steps:
-                self._warn_once(f"snapshots of run {self.run!r} are kept in the local tier only: this CheckpointManager has no "
+            if not persist and not self.every_n_steps and not self._said_local_only:  # (said once: not formatted each save)
+                self._said_local_only = True
+                self._tier_warning(f"snapshots of run {self.run!r} are kept in the local tier only: this CheckpointManager has no "
                                 f"every_n_steps, so none is persisted to {self.store.url} but a preemption's final one (the "
                                 "loss of the machine loses them); pass every_n_steps=M (a multiple of local_every_n_steps), "
                                 "or save(..., persist=True)")
@@ -169,7 +170,7 @@ class Saving:
             try:
                 # (RUN/latest missing: the newest step, as a restart would resume it, so that a run gone back
                 # below it persists its saves and a restart resumes them, not that step)
-                self._durable_step = snapshot_step(self.store.manifest(self._resolve_latest()))
+                self._durable_step = snapshot_step(self._latest_manifest({})[1])
             except RefNotFoundError:
                 self._durable_step = None
             except Exception as e:  # noqa: BLE001 - unreadable now: the persists due say more
@@ -181,9 +182,9 @@ class Saving:
     def _check_latest(self) -> None:
         """Warn (once) where the durable RUN/latest names a checkpoint a user pushed there (no snapshot), which
         this save is about to move away from: the next restart would otherwise resume without a word of it.
-        Called before every write of it: a save without tiers; with tiers, a save due to the durable store (a
-        full tier's direct save there, a group's persist) and a persist. One ref read each; a manifest read
-        only where RUN/latest changed since this manager last saw it.
+        Called before every write of it: a save without tiers; with tiers, a save due to the durable store, before
+        its local job (for a full tier's direct save there, a group's persist, and the persist that follows). One
+        ref read each; a manifest read only where RUN/latest changed since this manager last saw it.
         In a group rank 0 alone checks (no collective: a failed read only skips the check)."""
         if self._latest_warned or getattr(self._path, "rank", 0) != 0:
             return

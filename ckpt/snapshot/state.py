@@ -269,12 +269,45 @@ def optimizers_in(state: dict[str, Any]) -> list[Any]:
     as accelerate's ``AcceleratedOptimizer`` (what a transformers ``Trainer`` holds) is an
     ``Optimizer`` subclass that never ran ``Optimizer.__init__`` and steps the one it wraps,
     so hooks go on that one."""
+    return list(_optimizers_by_key(state).values())
+
+
+def _optimizers_by_key(state: dict[str, Any]) -> dict[str, Any]:
+    """:func:`optimizers_in`, by their keys in ``state``."""
     import torch
 
-    found = []
-    for obj in state.values():
+    found = {}
+    for key, obj in state.items():
         if isinstance(obj, torch.optim.Optimizer):
             while isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer):
                 obj = obj.optimizer
-            found.append(obj)
+            found[key] = obj
     return found
+
+
+def optimizer_classes(state: dict[str, Any]) -> dict[str, str]:
+    """What a snapshot records of the optimizers in ``state`` (``"optimizers"`` in its record): each one's
+    class, unwrapped as :func:`optimizers_in` unwraps it, as ``module.qualname`` text, by state key."""
+    return {key: f"{type(o).__module__}.{type(o).__qualname__}" for key, o in _optimizers_by_key(state).items()}
+
+
+def check_optimizer_classes(recorded: Any, state: dict[str, Any], mid: str, step: int) -> None:
+    """Refuse, before anything is restored, an optimizer of ``state`` of another class than the one the
+    snapshot ``mid`` (of ``step``) recorded under its key (:func:`optimizer_classes`): torch's
+    ``load_state_dict`` takes an AdamW's state into an SGD without a word (the moments ignored, its
+    hyperparameters AdamW's). A snapshot written before the record (``recorded`` None) is not checked;
+    :class:`~ckpt.snapshot.run.SnapshotError` too where the record is malformed."""
+    from ckpt.snapshot.run import SnapshotError
+
+    if recorded is None:
+        return
+    if not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
+        raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of its optimizers' classes is malformed",
+                            hint="restore from another snapshot")
+    for key, have in optimizer_classes(state).items():
+        saved = recorded.get(key)
+        if saved is not None and saved != have:
+            raise SnapshotError(f"state[{key!r}] is a {have}, but the snapshot of step {step} holds the state of a {saved}: "
+                                "its state would be taken as another optimizer's",
+                                hint=f"restore into a {saved.rpartition('.')[2]} built as the saved run built it, or leave "
+                                     f"{key!r} out of the state to start that optimizer afresh")

@@ -114,15 +114,11 @@ def step_ref(ref: str) -> tuple[str, int] | None:
     return None if step is None else (run, step)
 
 
-def live_refs_of(store: Store, run: str) -> dict[str, RefEntry]:
+def _viewed_refs_of(store: Store, run: str) -> tuple[dict[str, RefEntry], IndexState | None]:
     """The live refs of ``store`` and their entries, by name (from its index), or, where some ref there
     cannot be read, the live refs under ``run`` alone: a damaged ref of another run, or anyone's, must not
-    stop this run's saves and retention. A damaged ref of the run is left out (kept, not pruned)."""
-    return _viewed_refs_of(store, run)[0]
-
-
-def _viewed_refs_of(store: Store, run: str) -> tuple[dict[str, RefEntry], IndexState | None]:
-    """:func:`live_refs_of`, and the view of the store's index that told them (None: none)."""
+    stop this run's saves and retention (a damaged ref of the run is left out: kept, not pruned); and the
+    view of the store's index that told them (None: none)."""
     from ckpt.store.catalog import viewed_live_refs
 
     try:
@@ -131,14 +127,10 @@ def _viewed_refs_of(store: Store, run: str) -> tuple[dict[str, RefEntry], IndexS
         return store.refs_db.scan(run)[0], None
 
 
-def step_refs(store: Store, run: str) -> dict[int, str]:
-    """The live refs ``RUN/step-N`` of ``run`` in ``store``, snapshots or not: step -> checkpoint id."""
-    return run_steps(store, run)[0]
-
-
 def run_steps(store: Store, run: str) -> tuple[dict[int, str], IndexState | None]:
-    """:func:`step_refs`, and the view of the store's index that told them, for :func:`snapshot_test` (``view``):
-    which of them are snapshots, without listing the refs and loading the index again."""
+    """The live refs ``RUN/step-N`` of ``run`` in ``store``, snapshots or not (step -> checkpoint id), and the view
+    of the store's index that told them, for :func:`snapshot_test` (``view``): which of them are snapshots,
+    without listing the refs and loading the index again."""
     found: dict[int, str] = {}
     refs, view = _viewed_refs_of(store, run)
     for name, entry in refs.items():
@@ -181,7 +173,7 @@ def snapshot_times(store: Store, mids: Iterable[str], read: Callable[[str], Mani
     return made
 
 
-def resolve_latest(store: Store, run: str, warn: Callable[[str], None]) -> str:
+def resolve_latest(store: Store, run: str, warn: Callable[[str], None], parsed: dict[str, Manifest] | None = None) -> str:
     """The checkpoint id ``RUN/latest`` names in ``store``; where it names none (a user's ``ckpt rm RUN/latest``,
     a crash between a save's first ``RUN/step-N`` and its ``RUN/latest``), the run's newest snapshot, with a
     :class:`TierWarning` through ``warn`` (a manager's, which says each thing once): a run must never
@@ -190,7 +182,9 @@ def resolve_latest(store: Store, run: str, warn: Callable[[str], None]) -> str:
     The newest is the ``RUN/step-N`` that is a snapshot (:func:`snapshot_test`) made last (``Manifest.created``;
     the higher step where two were made at the same time), which RUN/latest named when its save moved it
     (docs/format.md, "Snapshots"): after a run went back to an earlier snapshot and saved on, the steps of
-    the timeline it left may be higher, but they are older."""
+    the timeline it left may be higher, but they are older. ``parsed``: where the manifests read to choose
+    (without a metadata index, each step's) are put, by id, so that the caller reads the chosen one once.
+    Its answer may be there already; :func:`latest_manifest` reads it from there or the store."""
     from ckpt.errors import RefNotFoundError
 
     latest = f"{run}/latest"
@@ -200,7 +194,13 @@ def resolve_latest(store: Store, run: str, warn: Callable[[str], None]) -> str:
         found, view = run_steps(store, run)
         if not found:
             raise
-    made = snapshot_times(store, found.values(), view=view)
+    def read(mid: str) -> Manifest:
+        m = store.manifest(mid)
+        if parsed is not None:
+            parsed[mid] = m
+        return m
+
+    made = snapshot_times(store, found.values(), read, view)
     times = {step: t for step, mid in found.items() if (t := made(mid)) is not None}
     if not times:
         raise RefNotFoundError(f"no snapshot of run {run!r} in {store.url}: {latest} is missing and no {run}/step-N is a snapshot")
@@ -209,6 +209,15 @@ def resolve_latest(store: Store, run: str, warn: Callable[[str], None]) -> str:
                f"({run}/step-{step}); the next save names its own snapshot {latest}")
     warn(message)
     return found[step]
+
+
+def latest_manifest(store: Store, run: str, warn: Callable[[str], None], parsed: dict[str, Manifest]) -> tuple[str, Manifest]:
+    """:func:`resolve_latest`, and the manifest it names, read once (kept in ``parsed`` too)."""
+    mid = resolve_latest(store, run, warn, parsed)
+    m = parsed.get(mid)
+    if m is None:
+        m = parsed[mid] = store.manifest(mid)
+    return mid, m
 
 
 TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is
@@ -260,7 +269,7 @@ class LocalTier:
             raise SnapshotError(f"local tier {self.path} cannot be made a folder ({describe(e)})",
                                 hint="give local=PATH a folder of its own (or a path where one can be made)") from e
         fd = _hold(self.path)  # before anything here is read or changed: one manager per tier
-        self._release = weakref.finalize(self, os.close, fd)
+        self._release = weakref.finalize(self, _let_go, fd)
         try:
             marker = None
             if durable is not None:
@@ -284,7 +293,7 @@ class LocalTier:
 
     def steps(self) -> list[int]:
         """Steps of the snapshots in this tier, oldest first."""
-        return sorted(step for name in live_refs_of(self.store, self.run) if (step := step_of(self.run, name)) is not None)
+        return sorted(run_steps(self.store, self.run)[0])
 
     def usage(self) -> LocalTierUsage:
         return LocalTierUsage(self.path, self.steps(), self.store.du().stored)
@@ -361,24 +370,34 @@ class LocalTier:
 
 
 LOCK_WAIT_S = 30.0  # how long a manager waits for a tier another process holds (one exiting, say)
+# The tier folders (device, inode) this process holds, so that a second manager of this process on one
+# of them is refused at once: its holder cannot let go while this process waits for it.
+_HELD: set[tuple[int, int]] = set()
+_HELD_LOCK = threading.Lock()
 
 
 def _hold(path: str) -> int:
-    """An exclusive ``flock`` on the tier's folder, held while its manager lives (the descriptor).
+    """An exclusive ``flock`` on the tier's folder, held while its manager lives (the descriptor;
+    :func:`_let_go` releases it).
 
     Two managers on one tier would prune and collect each other's snapshots: a tier is
     collected with no grace period because its manager is its only writer. A holder in
     this process that is no longer referenced (a notebook cell run again) is collected
-    first; one elsewhere is waited for up to :data:`LOCK_WAIT_S` (a restarted job whose
-    old process is still exiting), then refused."""
+    first; one still referenced is refused at once (waiting for it would only wait out
+    :data:`LOCK_WAIT_S`); one elsewhere is waited for up to :data:`LOCK_WAIT_S` (a restarted
+    job whose old process is still exiting), then refused."""
     from ckpt.snapshot.run import SnapshotError
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
     deadline = time.monotonic() + LOCK_WAIT_S
     collected, warned = 0.0, False
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with _HELD_LOCK:
+                _HELD.add(key)
             return fd
         except BlockingIOError:
             pass
@@ -391,6 +410,14 @@ def _hold(path: str) -> int:
             gc.collect()
             collected = time.monotonic()
             continue
+        with _HELD_LOCK:
+            ours = key in _HELD
+        if ours:
+            os.close(fd)
+            raise SnapshotError(f"local tier {path} is in use by another CheckpointManager of this process",
+                                hint="close the other manager first (mgr.close(), or `with CheckpointManager(...)`; "
+                                     "one dropped with a save in flight lets go once that save is done), or give "
+                                     "this one a local=PATH of its own")
         if time.monotonic() >= deadline:
             os.close(fd)
             raise SnapshotError(f"local tier {path} is in use by another CheckpointManager (in this process or "
@@ -401,6 +428,15 @@ def _hold(path: str) -> int:
             log.warning("waiting for local tier %s: another CheckpointManager holds it", path)
             warned = True
         time.sleep(0.1)
+
+
+def _let_go(fd: int) -> None:
+    """Release a tier :func:`_hold` took (forgotten as this process's first: no other manager here can
+    have taken it before the descriptor closes)."""
+    st = os.fstat(fd)
+    with _HELD_LOCK:
+        _HELD.discard((st.st_dev, st.st_ino))
+    os.close(fd)
 
 
 def _apart(path: str, durable: Store) -> None:

@@ -253,12 +253,10 @@ class StoreView:
         for tier, store in reversed(tiers):  # the durable store's sizes win where both hold a chunk
             sizes.update(store.chunk_sizes() if store is not self.store else self.chunk_sizes())
             histories, damaged = store.readable_ref_history(name)  # one damaged step must not hide the run
-            steps = {ref: entries for ref, entries in histories.items()
-                     if step_of(name, ref) is not None and (entries or ref in damaged)}
-            pushed = self._pushed(store, [e[0].target for e in steps.values() if e and e[0].target is not None])
-            for ref, entries in steps.items():
-                step = step_of(name, ref)
-                assert step is not None
+            steps = {ref: (step, entries) for ref, entries in histories.items()
+                     if (step := step_of(name, ref)) is not None and (entries or ref in damaged)}
+            pushed = self._pushed(store, [e[0].target for _, e in steps.values() if e and e[0].target is not None])
+            for ref, (step, entries) in steps.items():
                 live = bool(entries) and entries[0].target is not None
                 gone_at = entries[0].time if entries else None
                 if live and entries[0].target in pushed:  # a user's checkpoint under the name: none of the run's steps

@@ -513,6 +513,10 @@ def ddp_refusals(rank, world, tmp, store):
         res["one_refuses"] = outcome(lambda: mgr.restore({"lazy": PerRank(some)}, 2))
         res["one_refuses_s"] = time.monotonic() - t0
         res["not_per_rank"] = outcome(lambda: mgr.restore({"rng": _Position()}, 2))
+        other = _ddp_state(rank)  # the saved AdamW's state into an SGD: torch's load_state_dict would take it
+        other["optim"] = torch.optim.SGD(other["model"].parameters(), lr=0.1)
+        res["other_optimizer"] = outcome(lambda: mgr.restore({"model": other["model"], "optim": other["optim"]}, 2))
+        res["other_optimizer_state"] = len(other["optim"].state)
         # A snapshot saved with the RNG state once for all ranks (as ckpt did before it kept it per rank).
         old = {"format": 1, "run": "old", "step": 1, "metrics": {}, "ranks": True}
         dcp.save({"rng": ckpt.RNGState().state_dict()}, process_group=group,
@@ -1406,7 +1410,6 @@ def forged_optimizer_path(rank, world, tmp, store):
 
 def save_fine_tunes(rank, world, tmp, store):
     """A base and two fine-tunes of one tensor, saved row-sharded over the ranks as d/base, d/ft1, d/ft2."""
-    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import Shard, distribute_tensor
 

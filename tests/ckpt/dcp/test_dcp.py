@@ -499,6 +499,8 @@ def test_manager_refuses_what_it_cannot_restore_per_rank(tmp_path):
         assert r["note_exact"]  # a plain value comes back into a None template, int keys and tuples intact
         assert r["unplaced"].startswith("SnapshotError") and "lazy.rank-" in r["unplaced"] and "no place" in r["unplaced"]
         assert r["not_per_rank"].startswith("SnapshotError") and "saved per rank" in r["not_per_rank"]
+        assert r["other_optimizer"].startswith("SnapshotError") and "torch.optim.sgd.SGD" in r["other_optimizer"]
+        assert "torch.optim.adamw.AdamW" in r["other_optimizer"] and r["other_optimizer_state"] == 0  # nothing taken
         assert r["shared_rng"].startswith("SnapshotError") and "one copy for all ranks" in r["shared_rng"]
     assert r0["one_refuses"].startswith("SnapshotError") and "refused on rank 1" in r0["one_refuses"]
     assert "no place" in r1["one_refuses"] and max(r0["one_refuses_s"], r1["one_refuses_s"]) < 20  # not timeout_s

@@ -1194,3 +1194,105 @@ def test_retention_goes_on_when_the_latest_snapshot_cannot_be_read(tmp_path, mon
         mgr.save(2, {"model": model})
         mgr.wait()
         assert mgr.steps() == [2]
+
+
+def test_an_optimizer_of_another_class_is_refused_and_old_snapshots_restore_as_before(tmp_path):
+    """An AdamW's snapshot restored into an SGD: torch's load_state_dict takes it without a word (the SGD
+    keeps AdamW's hyperparameters, its moments ignored). The snapshot records each optimizer's class, as
+    text, and a restore into another refuses before anything is written, naming both. A snapshot written
+    before the record (the manifest without it) restores as before."""
+    import copy
+    import dataclasses
+
+    from ckpt_store.storage.commit import commit
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        mgr.save(1, {"model": model, "optim": opt})
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    m = store.manifest("r/latest")
+    assert m.extra["snapshot"]["optimizers"] == {"optim": "torch.optim.adamw.AdamW"}
+    model2 = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+    sgd = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    before = _state_bits(model2, sgd)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        with pytest.raises(SnapshotError, match=r"state\['optim'\] is a torch.optim.sgd.SGD, but the snapshot of step 1 "
+                                                r"holds the state of a torch.optim.adamw.AdamW") as e:
+            mgr.restore_latest({"model": model2, "optim": sgd})
+        assert "AdamW" in e.value.hint
+        assert _state_bits(model2, sgd) == before and not sgd.state  # nothing written
+        adamw = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+        assert mgr.restore_latest({"model": model2, "optim": adamw}) == 1
+        assert _state_bits(model2, adamw) == _state_bits(model, opt)
+    # written by the ckpt before the record: restored into whatever optimizer is given, as torch does
+    snap = copy.deepcopy(m.extra["snapshot"])
+    del snap["optimizers"]
+    commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
+    adamw = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        assert mgr.restore_latest({"model": model2, "optim": adamw}) == 1
+        assert _state_bits(model2, adamw) == _state_bits(model, opt)
+        sgd = torch.optim.SGD(model2.parameters(), lr=0.1)
+        assert mgr.restore_latest({"model": model2, "optim": sgd}) == 1
+    snap["optimizers"] = ["torch.optim.adamw.AdamW"]  # damaged: refused, not taken for no record
+    commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        with pytest.raises(SnapshotError, match="record of its optimizers' classes is malformed"):
+            mgr.restore_latest({"model": model2, "optim": adamw})
+
+
+def test_the_first_retention_of_a_manager_reads_no_manifest_per_step(tmp_path, monkeypatch):
+    """A manager's first retention listed the run's steps, then read each step's manifest to tell the
+    snapshots from checkpoints pushed under the run's name: one read per step (a run's thousands). The
+    index's summaries, from the view that listed the steps, tell them: a pushed one alone is read (and
+    named in a warning), as are the manifests the save itself reads."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    model = _model()
+    with ckpt.CheckpointManager(store, "r", save_mode="sync") as mgr:
+        for step in range(1, 7):
+            mgr.save(step, {"model": model})
+    store.push({"w": torch.arange(2.0)}, "r/step-3")  # a user's checkpoint under the run's name: kept, not counted
+    ids = {s: store.resolve(f"r/step-{s}") for s in range(1, 7)}
+    parsed = []
+    real = ckpt.Store.manifest
+    monkeypatch.setattr(ckpt.Store, "manifest", lambda self, ref: parsed.append(ref) or real(self, ref))
+    with ckpt.CheckpointManager(store, "r", save_mode="sync", keep_last=2) as mgr:
+        mgr.save(7, {"model": model})
+        assert mgr.steps() == [6, 7]
+    assert sorted(store.refs()) == ["r/latest", "r/step-3", "r/step-6", "r/step-7"]
+    assert [ref for ref in parsed if ref in {ids[s] for s in (1, 2, 4, 5)}] == [], parsed
+    assert parsed.count(ids[3]) == 1
+
+
+@pytest.mark.parametrize("tier", [False, True], ids=["store", "local_tier"])
+def test_a_missing_latest_without_an_index_reads_the_chosen_manifest_once(tmp_path, monkeypatch, tier):
+    """RUN/latest missing in a store without a metadata index: the choice of the newest snapshot reads each
+    step's manifest, and the restore (and latest_step, and a save's check of the durable store) then read
+    the chosen one a second time. The manifests the choice read serve them."""
+    monkeypatch.setenv("CKPT_INDEX", "0")
+    url = str(tmp_path / "s")
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    with ckpt.CheckpointManager(url, "r", save_mode="sync") as mgr:
+        for step in (1, 2, 3):
+            _train(model, opt)
+            mgr.save(step, {"model": model, "optim": opt})
+    store = ckpt.Store.open(url)
+    store.remove("r/latest")
+    chosen = store.resolve("r/step-3")
+    want = _state_bits(model, opt)
+    parsed = []
+    real = ckpt.Store.manifest
+    monkeypatch.setattr(ckpt.Store, "manifest", lambda self, ref: parsed.append(ref) or real(self, ref))
+    kw = {"local": str(tmp_path / "tier"), "local_every_n_steps": 1, "every_n_steps": 1} if tier else {}
+    model2 = _model()
+    opt2 = torch.optim.AdamW(model2.parameters())
+    with ckpt.CheckpointManager(url, "r", save_mode="sync", **kw) as mgr, pytest.warns(ckpt.TierWarning, match="step 3 "):
+        assert mgr.latest_step() == 3
+        assert parsed.count(chosen) == 1, parsed
+        parsed.clear()
+        assert mgr.restore_latest({"model": model2, "optim": opt2}) == 3
+        assert parsed.count(chosen) == 1, parsed
+        assert _state_bits(model2, opt2) == want

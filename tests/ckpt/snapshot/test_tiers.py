@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from integration_util import start_process
+from integration_util import start_process, state_bits
 from integration_util import wait_process as _wait
 
 import ckpt
@@ -480,17 +480,21 @@ def test_local_true_picks_a_stable_path_under_dev_shm(tmp_path, monkeypatch):
     assert c.local_tier.path.startswith(str(tmp_path / "nvme") + os.sep)
 
 
-def test_one_manager_per_local_tier(tmp_path, monkeypatch):
+def test_one_manager_per_local_tier(tmp_path):
     """Two managers on one tier would prune and collect each other's snapshots (a tier is collected
-    with no grace period): the second waits for the first to let go, then is refused in one line.
+    with no grace period): the second is refused in one line. One of this process is refused at once:
+    it waited LOCK_WAIT_S (30 s) for a holder that cannot let go meanwhile (one of another process is
+    still waited for: test_a_local_tier_held_by_another_process_is_refused_until_it_dies).
     A first manager dropped without close() (a notebook cell run again) lets go as it is freed."""
     import ckpt.snapshot.tiers as tiers
 
-    monkeypatch.setattr(tiers, "LOCK_WAIT_S", 0.5)
+    assert tiers.LOCK_WAIT_S == 30
     kw = {"local": str(tmp_path / "local"), "local_every_n_steps": 1}
     a = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
-    with pytest.raises(ckpt.CkptError, match="in use by another CheckpointManager"):
-        ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
+    for other in (str(tmp_path / "d"), str(tmp_path / "d2")):  # (the same folder, whatever store names it)
+        with pytest.raises(ckpt.CkptError, match="in use by another CheckpointManager of this process") as e:
+            ckpt.CheckpointManager(other, "run", **kw)
+        assert "close the other manager" in e.value.hint
     a.close()
     b = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
     b.save(1, {"w": torch.arange(4.0)})
@@ -519,6 +523,33 @@ def test_a_closed_manager_refuses_to_save_and_leaves_the_tier_to_its_new_holder(
                 mgr.save(step, {"model": model})
         assert other.local_tier.steps == [2] and other.steps() == []
     assert sorted(ckpt.Store.open(str(tmp_path / "tier")).refs()) == ["run/latest", "run/step-2"]
+
+
+def test_a_closed_manager_refuses_to_restore_from_the_tier_it_let_go(tmp_path):
+    """restore_latest after close() read the local tier it no longer held (another manager's by then, which
+    prunes and collects it without grace) and restored that manager's snapshot; latest_step and restore
+    read it too. A closed manager refuses them as it refuses save, reading nothing."""
+    from ckpt.snapshot.run import SnapshotError
+
+    model = torch.nn.Linear(4, 2)
+    kw = {"local": str(tmp_path / "tier"), "every_n_steps": 4, "local_every_n_steps": 1}
+    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
+    mgr.save(1, {"model": model})
+    mgr.close()
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw) as other:
+        with torch.no_grad():
+            model.weight.add_(1)
+        other.save(2, {"model": model})
+        other.wait()
+        fresh = torch.nn.Linear(4, 2)
+        before = _bits(fresh)
+        for call in (lambda: mgr.restore_latest({"model": fresh}), lambda: mgr.restore({"model": fresh}, 2),
+                     mgr.latest_step):
+            with pytest.raises(SnapshotError, match="is closed") as e:
+                call()
+            assert "with a new CheckpointManager" in e.value.hint
+        assert _bits(fresh) == before and mgr.last_restore is None
+        assert other.restore_latest({"model": fresh}) == 2 and _bits(fresh) == _bits(model)
 
 
 def test_a_local_tier_that_never_persists_says_so_once(tmp_path):
@@ -841,10 +872,6 @@ mgr.close()
 """
 
 
-def _state_bits(sd):
-    return {k: (v.reshape(-1).view(torch.uint8).tolist() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
-
-
 @pytest.mark.parametrize("tier", ["holding", "empty", "none", "crash"])
 def test_a_run_whose_latest_is_missing_resumes_its_newest_snapshot_on_every_path(tmp_path, tier):
     """RUN/latest gone while RUN/step-N exist: removed by the user (``ckpt rm RUN/latest``, as the refusal of a
@@ -869,8 +896,7 @@ def test_a_run_whose_latest_is_missing_resumes_its_newest_snapshot_on_every_path
         assert sorted(ckpt.Store.open(url).refs()) == ["run/step-4"]
         r, got = run("resume", 0)
         assert r.stdout.split() == ["4", "4"] and "run/latest is missing" in r.stderr, r.stdout + r.stderr
-        assert _state_bits(got["model"]) == _state_bits(want["model"])
-        assert all(_state_bits(got["optim"]["state"][i]) == _state_bits(want["optim"]["state"][i]) for i in want["optim"]["state"])
+        assert state_bits(got["model"], got["optim"]) == state_bits(want["model"], want["optim"])
         return
     else:
         with ckpt.CheckpointManager(url, "run", every_n_steps=4, local=local, local_every_n_steps=2, save_mode="sync") as mgr:
@@ -894,10 +920,8 @@ def test_a_run_whose_latest_is_missing_resumes_its_newest_snapshot_on_every_path
             mgr.save(newest + 1, {"model": fresh_model, "optim": fresh_opt})  # (reads the durable newest step again)
         # once per manager: latest_step, restore_latest and the first save meet the same missing run/latest
         assert len([w for w in caught if "run/latest is missing" in str(w.message)]) == 1, [str(w.message) for w in caught]
-    assert _state_bits(fresh_model.state_dict()) == _state_bits(want["model"])
-    got, exp = fresh_opt.state_dict(), want["optim"]
-    assert got["param_groups"] == exp["param_groups"]
-    assert all(_state_bits(got["state"][i]) == _state_bits(exp["state"][i]) for i in exp["state"])
+    assert state_bits(fresh_model, fresh_opt) == state_bits(want["model"], want["optim"])
+    assert fresh_opt.state_dict()["param_groups"] == want["optim"]["param_groups"]
 
 
 def test_a_run_gone_back_while_its_latest_is_missing_resumes_where_it_went_back_to(tmp_path):
@@ -933,6 +957,28 @@ def test_a_run_gone_back_while_its_latest_is_missing_resumes_where_it_went_back_
         fresh_opt = torch.optim.AdamW(fresh_model.parameters())
         with manager() as mgr:
             assert mgr.restore_latest({"model": fresh_model, "optim": fresh_opt}) == 6
-    assert _state_bits(fresh_model.state_dict()) == _state_bits(want["model"])
-    assert all(_state_bits(fresh_opt.state_dict()["state"][i]) == _state_bits(want["optim"]["state"][i])
-               for i in want["optim"]["state"])
+    assert state_bits(fresh_model, fresh_opt) == state_bits(want["model"], want["optim"])
+
+
+def test_a_persisted_save_reads_the_durable_latest_once_on_s3(s3_main_url, tmp_path):
+    """A persisted save of one process read the durable RUN/latest twice, to check that it names no
+    checkpoint a user pushed there: before its local job, and again in the persist (one GET more per
+    persist on S3). The check before the local job is the persist's: one read a save."""
+    store = ckpt.Store.init(s3_main_url)
+    backend = store.objects.backend
+    lists = []  # the listings of RUN/latest's folder (each read of it lists its newest entries)
+    real = backend._list_page
+    backend._list_page = lambda prefix, *a, **k: lists.append(prefix) or real(prefix, *a, **k)
+    model = torch.nn.Linear(4, 2)
+    with ckpt.CheckpointManager(store, "run", local=str(tmp_path / "tier"), every_n_steps=1) as mgr:
+        mgr.save(1, {"model": model})
+        mgr.wait()
+        for step in (2, 3):
+            with torch.no_grad():
+                model.weight.add_(1)
+            lists.clear()
+            mgr.save(step, {"model": model})
+            mgr.wait()
+            assert mgr.last_persist is not None and mgr.last_persist.step == step
+            assert len([p for p in lists if "refs/run/latest" in p]) == 1, lists
+    assert store.resolve("run/latest") == store.resolve("run/step-3")
