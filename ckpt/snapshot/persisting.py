@@ -41,9 +41,7 @@ class Persisting(ManagerState):
 
         def run() -> SaveResult | None:
             try:
-                if persist:
-                    # The check of RUN/latest before this save moves it: by the fallback, a group's persist, or
-                    # (once the job is done) _persist, which does not read it again.
+                if persist:  # the fallback may move RUN/latest in the durable store (a group's persist does)
                     with self._durable_lock:
                         self._check_latest()
                         result = job()
@@ -158,8 +156,10 @@ class Persisting(ManagerState):
         try:
             report = copy_refs(local.store, self.store, [local.ref(step)], recode=not self._local_compress)
             with self._durable_lock:
-                # (no _check_latest here: _tiered made it for this save, before its local job)
+                # Checked again right before the move: a user's push made while the local job and the copy ran (seconds
+                # for a large state) would else be moved away from without a word (one ref read a persist).
                 if seq > self._published:  # (a save made since may have gone there directly)
+                    self._check_latest()
                     self.store.refs_db.set(self._durable.latest, report.refs[local.ref(step)], alias=True)
                     self._latest_id = report.refs[local.ref(step)]
                     self.store.objects.backend.flush()

@@ -182,8 +182,8 @@ class Saving(ManagerState):
     def _check_latest(self) -> None:
         """Warn (once) where the durable RUN/latest names a checkpoint a user pushed there (no snapshot), which
         this save is about to move away from: the next restart would otherwise resume without a word of it.
-        Called before every write of it: a save without tiers; with tiers, a save due to the durable store, before
-        its local job (for a full tier's direct save there, a group's persist, and the persist that follows). One
+        Called before every write of it: a save without tiers; with tiers, a save due to the durable store (a
+        full tier's direct save there, a group's persist) and, right before it moves RUN/latest, a persist. One
         ref read each; a manifest read only where RUN/latest changed since this manager last saw it.
         In a group rank 0 alone checks (no collective: a failed read only skips the check)."""
         if self._latest_warned or getattr(self._path, "rank", 0) != 0:

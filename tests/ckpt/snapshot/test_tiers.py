@@ -958,27 +958,3 @@ def test_a_run_gone_back_while_its_latest_is_missing_resumes_where_it_went_back_
         with manager() as mgr:
             assert mgr.restore_latest({"model": fresh_model, "optim": fresh_opt}) == 6
     assert state_bits(fresh_model, fresh_opt) == state_bits(want["model"], want["optim"])
-
-
-def test_a_persisted_save_reads_the_durable_latest_once_on_s3(s3_main_url, tmp_path):
-    """A persisted save of one process read the durable RUN/latest twice, to check that it names no
-    checkpoint a user pushed there: before its local job, and again in the persist (one GET more per
-    persist on S3). The check before the local job is the persist's: one read a save."""
-    store = ckpt.Store.init(s3_main_url)
-    backend = store.objects.backend
-    lists = []  # the listings of RUN/latest's folder (each read of it lists its newest entries)
-    real = backend._list_page
-    backend._list_page = lambda prefix, *a, **k: lists.append(prefix) or real(prefix, *a, **k)
-    model = torch.nn.Linear(4, 2)
-    with ckpt.CheckpointManager(store, "run", local=str(tmp_path / "tier"), every_n_steps=1) as mgr:
-        mgr.save(1, {"model": model})
-        mgr.wait()
-        for step in (2, 3):
-            with torch.no_grad():
-                model.weight.add_(1)
-            lists.clear()
-            mgr.save(step, {"model": model})
-            mgr.wait()
-            assert mgr.last_persist is not None and mgr.last_persist.step == step
-            assert len([p for p in lists if "refs/run/latest" in p]) == 1, lists
-    assert store.resolve("run/latest") == store.resolve("run/step-3")
