@@ -34,6 +34,10 @@ restoring into them, and checking the result bit for bit against the saved state
 restores copy into device tensors, ``torch.load`` maps to the device the tensors were saved on);
 its run has no peer row (two ranks would need a GPU each). ``benchmarks/gpu_check.sh`` runs it.
 
+Each restore row also gives the CPU seconds the restore took (every thread of its process): on a
+shared machine they move much less with the others' load than its wall time. ``--only NAME``
+(repeatable) restores only the rows named (the saves always run), for an A/B of one tier.
+
 Saves: per tier, the time ``save`` blocks training and the background time per save, over
 ``--saves`` saves with one training step before each (local tier every step, persisted on
 the last one: its persist time is the copy of the chunks the durable store lacked).
@@ -46,6 +50,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import shlex
 import shutil
 import statistics
@@ -60,6 +65,8 @@ ROOT = _HERE.parent
 sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or os.curdir).resolve() != _HERE]
 
 MB = 1e6
+ROWS = ("torch.load cold", "torch.load warm", "ckpt durable cold", "ckpt durable warm", "ckpt local tier",
+        "boto3 download + torch.load (S3)", "ckpt durable S3", "ckpt peer (gloo), rank 1")
 
 
 def log(msg: str) -> None:
@@ -116,6 +123,13 @@ def digest(model, opt) -> str:
     return h.hexdigest()
 
 
+def cpu_s() -> float:
+    """CPU seconds this process has used (every thread, user and system): on a shared machine a
+    restore's wall time moves with the others' load, its CPU time much less."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def sync(device: str) -> None:
     """Wait for ``device``'s queued work, so that a time taken after it counts the restore's copies."""
     if device.startswith("cuda"):
@@ -163,8 +177,8 @@ def child(args: argparse.Namespace) -> None:
     torch.set_num_threads(2)
     model, opt = build(args.params_m, args.device)
     sync(args.device)
-    t_built = time.time()
-    t_restored = None  # restore_latest returned: the state is restored (what follows is shutdown)
+    t_built, cpu_built = time.time(), cpu_s()
+    t_restored = cpu_restored = None  # restore_latest returned: the state is restored (what follows is shutdown)
     report: dict = {}
     if args.mode == "torch.load":
         sd = torch.load(args.path, weights_only=True)
@@ -186,7 +200,7 @@ def child(args: argparse.Namespace) -> None:
         gets = _count_gets(mgr.store) if args.path.startswith("s3://") else None
         step = mgr.restore_latest({"model": model, "optim": opt})
         sync(args.device)
-        t_restored = time.time()
+        t_restored, cpu_restored = time.time(), cpu_s()
         assert step is not None
         report["tiers"] = mgr.last_restore
         if gets is not None:
@@ -201,7 +215,7 @@ def child(args: argparse.Namespace) -> None:
         elif args.rank == 1:
             shutil.rmtree(os.path.join(args.local, "rank-1"), ignore_errors=True)  # a replaced machine
         dist.barrier()
-        t_built = time.time()
+        t_built, cpu_built = time.time(), cpu_s()
         mgr = ckpt.CheckpointManager(args.path, "bench", local=args.local, local_every_n_steps=1, replicas=1,
                                      process_group=dist.group.WORLD, timeout_s=600)
         if args.phase == "save":
@@ -209,13 +223,14 @@ def child(args: argparse.Namespace) -> None:
             mgr.wait()
         else:
             assert mgr.restore_latest({"model": model, "optim": opt}) == 1
-            t_restored = time.time()
+            t_restored, cpu_restored = time.time(), cpu_s()
             report["tiers"] = mgr.last_restore
         mgr.close()
         dist.barrier()
     sync(args.device)
     t_done = t_restored if t_restored is not None else time.time()
-    report.update(restore_s=t_done - t_built, total_s=t_done - t_start, digest=digest(model, opt))
+    cpu_done = cpu_restored if cpu_restored is not None else cpu_s()
+    report.update(restore_s=t_done - t_built, cpu_s=cpu_done - cpu_built, total_s=t_done - t_start, digest=digest(model, opt))
     print(json.dumps(report), flush=True)
 
 
@@ -300,6 +315,8 @@ def main() -> None:
     ap.add_argument("--s3", action="store_true", help="also restore from a durable store in S3 (SeaweedFS on 127.0.0.1)")
     ap.add_argument("--device", default="cpu", help="where the model and optimizer live: cpu, or cuda (saves stage through "
                     "pinned host buffers, restores copy into device tensors; no peer rows: two ranks need a GPU each)")
+    ap.add_argument("--only", action="append", help="restore only this row (a source's name in the table, e.g. "
+                    "'ckpt local tier'; repeat for more); the saves always run")
     ap.add_argument("--child", action="store_true")
     for a in ("mode", "path", "t0", "local", "rank", "init", "phase"):
         ap.add_argument(f"--{a}")
@@ -308,6 +325,9 @@ def main() -> None:
         if args.rank is not None:
             args.rank = int(args.rank)
         return child(args)
+    only = None if args.only is None else set(args.only)
+    if only is not None and not only <= set(ROWS):
+        ap.error(f"--only: no row named {', '.join(sorted(only - set(ROWS)))}; rows: {', '.join(ROWS)}")
 
     import torch
 
@@ -358,32 +378,43 @@ def main() -> None:
 
     results: dict[str, list[dict]] = {}
 
+    def runs(name: str) -> bool:
+        return only is None or name in only
+
     def rec(name: str, r: dict) -> None:
         assert r["digest"] == want, f"{name}: restored state differs from the saved one"
         results.setdefault(name, []).append(r)
-        log(f"{name}: restore {r['restore_s']:.3f} s, from process start {r['total_s']:.3f} s {r.get('tiers', '')}")
+        log(f"{name}: restore {r['restore_s']:.3f} s ({r['cpu_s']:.3f} CPU-s), from process start {r['total_s']:.3f} s "
+            f"{r.get('tiers', '')}")
 
     for _ in range(args.reps):
-        evict(work / "state.pt")
-        rec("torch.load cold", spawn(args, "torch.load", work / "state.pt"))
-        warm(work / "state.pt")
-        rec("torch.load warm", spawn(args, "torch.load", work / "state.pt"))
-        evict(work / "durable")
-        rec("ckpt durable cold", spawn(args, "durable", work / "durable"))
-        warm(work / "durable")
-        rec("ckpt durable warm", spawn(args, "durable", work / "durable"))
-        rec("ckpt local tier", spawn(args, "local", work / "durable", local=shm / "tier"))
-        if server is not None:
+        if runs("torch.load cold"):
+            evict(work / "state.pt")
+            rec("torch.load cold", spawn(args, "torch.load", work / "state.pt"))
+        if runs("torch.load warm"):
+            warm(work / "state.pt")
+            rec("torch.load warm", spawn(args, "torch.load", work / "state.pt"))
+        if runs("ckpt durable cold"):
+            evict(work / "durable")
+            rec("ckpt durable cold", spawn(args, "durable", work / "durable"))
+        if runs("ckpt durable warm"):
+            warm(work / "durable")
+            rec("ckpt durable warm", spawn(args, "durable", work / "durable"))
+        if runs("ckpt local tier"):
+            rec("ckpt local tier", spawn(args, "local", work / "durable", local=shm / "tier"))
+        if server is not None and runs("boto3 download + torch.load (S3)"):
             rec("boto3 download + torch.load (S3)", spawn(args, "boto3", s3_file, local=work / "downloaded.pt"))
+        if server is not None and runs("ckpt durable S3"):
             rec("ckpt durable S3", spawn(args, "durable", s3_store))
     if server is not None:
         server.stop()  # type: ignore[attr-defined]
     # peer: two ranks save once, then restart with rank 1's tier wiped (CPU state: with CUDA, each rank needs its own GPU)
     peer_local = shm / "peer"
-    if args.device == "cpu":
+    peers = args.device == "cpu" and runs("ckpt peer (gloo), rank 1")
+    if peers:
         peer_restore(args, work, peer_local, "save")
     peer_want = None
-    for _ in range(args.reps if args.device == "cpu" else 0):
+    for _ in range(args.reps if peers else 0):
         r0, r1 = peer_restore(args, work, peer_local, "restore")
         peer_want = peer_want or r0["digest"]
         assert r1["digest"] == r0["digest"] == peer_want and r1["tiers"]["peer"] > 0 and r1["tiers"]["store"] == 0
@@ -394,7 +425,9 @@ def main() -> None:
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in results[name])
 
-    cold, warm_ = med("torch.load cold", "restore_s"), med("torch.load warm", "restore_s")
+    def ratio(r: float, base: str) -> str:
+        return f"{r / med(base, 'restore_s'):.2f}x" if base in results else "-"
+
     lines = [
         "# Restart: a fresh process to its training state restored, per snapshot tier",
         "",
@@ -412,14 +445,15 @@ def main() -> None:
         "",
         "## Restore",
         "",
-        "| source | restore s | from process start s | vs torch.load cold | vs torch.load warm | bytes by tier (local / peer / store) |",
-        "|---|---|---|---|---|---|",
+        "| source | restore s | restore CPU s | from process start s | vs torch.load cold | vs torch.load warm | bytes by tier (local / peer / store) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name in results:
         r = med(name, "restore_s")
         tiers = results[name][-1].get("tiers")
         by = f"{tiers['local'] / MB:.0f} / {tiers['peer'] / MB:.0f} / {tiers['store'] / MB:.0f} MB" if tiers else "-"
-        lines.append(f"| {name} | {r:.3f} | {med(name, 'total_s'):.3f} | {r / cold:.2f}x | {r / warm_:.2f}x | {by} |")
+        lines.append(f"| {name} | {r:.3f} | {med(name, 'cpu_s'):.3f} | {med(name, 'total_s'):.3f} | {ratio(r, 'torch.load cold')} | "
+                     f"{ratio(r, 'torch.load warm')} | {by} |")
     if server is not None:
         gets = sorted({r["gets"] for r in results["ckpt durable S3"]})
         lines += ["", f"S3: SeaweedFS on 127.0.0.1 (same cores), no chunk cache. `ckpt durable S3` made "
