@@ -445,10 +445,13 @@ class StoreIndex:
 
     def heal(self, st: IndexState) -> None:
         """Write ``st`` as a new snapshot if it is worth it (it had to read much, or is missing
-        or damaged, or many logs were read). Best effort: a failure only leaves the index stale."""
+        or damaged, or many logs were read) and was not written already, or read more since. Best
+        effort: a failure only leaves the index stale."""
         if st.partial or self._newer:
             return  # the recent refs only (a writer's compaction or an exact reader brings the index up to
             # date), or a newer ckpt's index (a snapshot of this version would delete it: _prune)
+        if st.healed_at == st.read:
+            return  # written already (or failed to be), and nothing read since
         if not (st.damaged or st.read >= HEAL_AFTER or st.logs_read >= self.compact_after or st.snap_gen < 0):
             return
         if not st.refs and st.snap_gen < 0:
@@ -473,6 +476,7 @@ class StoreIndex:
             self.write_snapshot(st, keep)
         except Exception as e:  # noqa: BLE001 - the index is a cache: never fail the command over it
             log.info("could not update the metadata index: %s", e)  # a read-only user, say: not their problem
+        st.healed_at = st.read  # (with what it read for the snapshot)
 
     # -- writing -----------------------------------------------------------------
     def kept(self, st: IndexState) -> set[str]:

@@ -106,6 +106,9 @@ class IndexState:
     damaged: bool = False  # a record was unreadable: a fresh snapshot is due
     read: int = 0  # entries and manifests read because the index lacked them
     partial: bool = False  # only the recently updated refs (a base choice view): never written back
+    # ``read`` when :meth:`StoreIndex.heal` last wrote (or tried to write) this state as a snapshot, else -1:
+    # written again only for what was read since (ls heals its view, then reads the summaries it lacks)
+    healed_at: int = -1
     # Per ref, an entry whose record is kept and below which no entry keeps anything alive (all aliases,
     # or behind a removal): the snapshot keeps no record below it (see :meth:`floor`).
     floors: dict[str, int] = field(default_factory=dict)

@@ -627,3 +627,24 @@ def test_a_snapshot_written_after_ls_reads_each_index_log_once(tmp_path):
     fresh.gc(grace_s=0, dry_run=True)
     assert counting.of("objects/manifests") == []  # the new snapshot has the logs' chunk lists
     same_with_and_without(fresh)
+
+
+def test_a_view_heal_wrote_is_written_again_only_for_what_was_read_since(tmp_path):
+    """heal did not remember that it had written a view: a second heal of it (ls heals the view it lists
+    the refs from, then reads the summaries it lacks and heals again) wrote the same snapshot again, so
+    each caller that healed twice had to guard it. heal now writes a view again only where more was read."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    build(store)
+    for e in list(store.backend.list(PREFIX)):
+        store.backend.delete(e.path)
+    st = store.index.view(exact=True)  # rebuilt from the refs: worth a snapshot
+    writes = CountingWrites(store)
+    store.index.heal(st)
+    assert writes.take().get("snap")
+    store.index.heal(st)
+    assert writes.take() == {}  # the same view: not written again
+    removed = store.refs_db.history("fam/ft1")[1].target  # a summary the snapshot lacks (a removed ref's)
+    assert removed not in st.info
+    store.index.ensure(st, [removed])
+    store.index.heal(st)
+    assert writes.take().get("snap")  # read more since: written again
