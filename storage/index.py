@@ -308,15 +308,14 @@ class StoreIndex:
         """An empty state, to be filled from the refs (:meth:`view`) and manifests (:meth:`ensure`)."""
         return IndexState(chunks={}, damaged=True, max_gen=self._max_gen or 0)
 
-    def view(self, *, exact: bool, history: bool = False, chunks: bool = False,
-             temporaries: list[tuple[str, float, int]] | None = None) -> IndexState:
+    def view(self, *, exact: bool, history: bool = False, chunks: bool = False) -> IndexState:
         """The index, brought up to date with ``refs/`` when ``exact``.
 
         ``exact``: every ref entry listed under ``refs/`` is represented, from the index
         where the file is the one recorded, else read (``history``: every entry back to the newest
         removal the index records, else only each ref's newest). Not ``exact`` (base choice): the index as stored, rebuilt from
-        the refs only when missing or damaged. ``temporaries``: as :meth:`Refs.listing` takes it
-        (filled where refs/ is listed: always when ``exact``).
+        the refs only when missing or damaged. Where refs/ is listed (always when ``exact``), the
+        state's ``temporaries`` are those of that listing.
         """
         st = self.load(chunks=chunks, recent=not exact)
         asked = history
@@ -326,29 +325,24 @@ class StoreIndex:
             # asking for history (gc --dry-run: with each ref's newest entry only, it listed NAME@1... as freed)
             exact, history = True, asked or not self._newer
         if exact:
-            self._reconcile(st, history, asked, temporaries)
+            self._reconcile(st, history, asked)
         return st
 
-    def _reconcile(self, st: IndexState, history: bool, asked: bool = True,
-                   temporaries: list[tuple[str, float, int]] | None = None) -> None:
+    def _reconcile(self, st: IndexState, history: bool, asked: bool = True) -> None:
         """``asked``: the caller needs every entry (else older ones are read only for a snapshot to
         write, and one that cannot be read leaves the view unwritten instead of failing the caller).
-        ``temporaries``: filled with the leftovers of interrupted writes below ``refs/``, from the same
+        ``st.temporaries``: the leftovers of interrupted writes below ``refs/``, from the same
         listing. An entry deleted after the listing (a run's local tier cutting a ref's history as it
         prunes, read by ``ckpt serve --local-tier``) is no damage: the refs are listed again (a few times)."""
-        def attempt(last: bool) -> None:
-            if temporaries is not None:
-                temporaries.clear()  # (each listing finds them anew)
-            self._reconcile_once(st, history, asked, temporaries)
-        reread_while_gone(attempt)
+        reread_while_gone(lambda last: self._reconcile_once(st, history, asked))
 
-    def _reconcile_once(self, st: IndexState, history: bool, asked: bool,
-                        temporaries: list[tuple[str, float, int]] | None) -> None:
-        listing = self.refs.listing(temporaries=temporaries)
+    def _reconcile_once(self, st: IndexState, history: bool, asked: bool) -> None:
+        listing, st.temporaries = self.refs.listing_and_temporaries()
         # The refs the index has no record of are the removed ones its snapshot counted where their newest
         # entries, as listed, add up to its count and sum; else (a ref made by an older ckpt, or by hand) each is
         # read as any other entry the index lacks, and the next snapshot counts the removed ones anew.
-        unknown = [(n, max(files), files[max(files)]) for n, files in listing.items() if not st.refs.get(n)]
+        newest_of = {n: max(files) for n, files in listing.items()}
+        unknown = [(n, newest_of[n], listing[n][newest_of[n]]) for n in listing if not st.refs.get(n)]
         settled = st.settled[0] == len(unknown) and all(e is not None for _, _, e in unknown) and st.settled[1] == sum(
             settled_key(n, s, e.size) for n, s, e in unknown if e is not None) % SETTLED_SUM_MOD
         if not settled:
@@ -359,7 +353,7 @@ class StoreIndex:
             have = st.refs.get(name, {})
             if not have and settled:
                 continue  # removed: counted by the snapshot
-            newest = max(files)
+            newest = newest_of[name]
             # The newest removal the index records, or its floor, where the listing shows that file: what is
             # older keeps nothing alive (gc_roots stops at a removal), and a snapshot keeps no record of it.
             gone = history_floor((s, r.target) for s, r in have.items()

@@ -109,6 +109,9 @@ class IndexState:
     # ``read`` when :meth:`StoreIndex.heal` last wrote (or tried to write) this state as a snapshot, else -1:
     # written again only for what was read since (ls heals its view, then reads the summaries it lacks)
     healed_at: int = -1
+    # (a view brought up to date with refs/) the leftovers of interrupted writes below refs/ its listing
+    # passed, as :meth:`Refs.listing_and_temporaries` gives them: gc's, without listing refs/ again
+    temporaries: list[tuple[str, float, int]] = field(default_factory=list)
     # Per ref, an entry whose record is kept and below which no entry keeps anything alive (all aliases,
     # or behind a removal): the snapshot keeps no record below it (see :meth:`floor`).
     floors: dict[str, int] = field(default_factory=dict)
