@@ -356,14 +356,16 @@ class StoreIndex:
             newest = newest_of[name]
             # The newest removal the index records, or its floor, where the listing shows that file: what is
             # older keeps nothing alive (gc_roots stops at a removal), and a snapshot keeps no record of it.
-            gone = history_floor((s, r.target) for s, r in have.items()
-                                 if files.get(s) is not None and r.matches(files[s]))  # type: ignore[arg-type]
+            gone = removal = history_floor((s, r.target) for s, r in have.items()
+                                           if files.get(s) is not None and r.matches(files[s]))  # type: ignore[arg-type]
             if (f := st.floors.get(name)) is not None and f in have and files.get(f) is not None \
                     and have[f].matches(files[f]):  # type: ignore[arg-type]
                 gone, floors[name] = max(gone, f), f
             out: dict[int, RefRec] = {}
             for seq, listed in files.items():
-                if seq < gone:
+                if seq < gone and (listed is not None or seq < removal):
+                    # Damage the listing shows below a floor (an entry deleted, or a folder there) is read, as
+                    # without the index: what it named is unknown, and only a removal above makes that moot.
                     continue
                 rec = have.get(seq)
                 if rec is not None and listed is not None and rec.mtime is None and rec.matches(listed):

@@ -19,6 +19,7 @@ import torch
 
 import ckpt
 from ckpt.store.base import choose_base
+from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.index import COMPACT_AFTER, PREFIX, PRUNE_LAG
 
 NAMES = [f"l{i}.w" for i in range(3)]
@@ -648,3 +649,23 @@ def test_a_view_heal_wrote_is_written_again_only_for_what_was_read_since(tmp_pat
     store.index.ensure(st, [removed])
     store.index.heal(st)
     assert writes.take().get("snap")  # read more since: written again
+
+
+def test_entries_deleted_below_an_alias_floor_are_damage_with_the_index_too(tmp_path):
+    """A snapshot keeps a run's RUN/latest (an alias at every save) from its newest entry up, and a reader
+    did not look below that floor: with two middle entries deleted by hand, the listing of refs/ shows the
+    gap (damage: what those entries named is unknown, so gc stops), and gc --dry-run, from the index,
+    planned to delete what the real gc keeps. Listed damage above the newest removal is read as without it."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    build(store)
+    targets = [store.resolve("fam/ft0"), store.resolve("fam/base")]
+    for i in range(6):
+        store.refs_db.set("run/latest", targets[i % 2], alias=True)
+    shutil.rmtree(tmp_path / "s" / PREFIX)
+    store.ls()  # a snapshot holding run/latest's newest entry only (its floor)
+    for seq in (3, 4):
+        store.backend.delete(store.refs_db.entry_path("run/latest", seq))
+    for s in (store, off(store)):
+        with pytest.raises(StoreFormatError, match="0000000004.ref is missing"):
+            s.gc(grace_s=0, dry_run=True)
+    assert store.ls().refs == off(store).ls().refs  # the newest entry: no damage to ls
