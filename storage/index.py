@@ -60,7 +60,7 @@ from ckpt_store.storage.errors import (
     StoreFormatError,
 )
 from ckpt_store.storage.gc import gc_roots
-from ckpt_store.storage.index_state import SETTLED_SUM_MOD, IndexState, RefRec, settled_key
+from ckpt_store.storage.index_state import IndexState, RefRec
 from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.records import (
     MAX_RECORD_BYTES,
@@ -341,10 +341,17 @@ class StoreIndex:
         # The refs the index has no record of are the removed ones its snapshot counted where their newest
         # entries, as listed, add up to its count and sum; else (a ref made by an older ckpt, or by hand) each is
         # read as any other entry the index lacks, and the next snapshot counts the removed ones anew.
+        # A removed ref pushed again since the snapshot has records now: its old removal, counted, is taken out.
         newest_of = {n: max(files) for n, files in listing.items()}
         unknown = [(n, newest_of[n], listing[n][newest_of[n]]) for n in listing if not st.refs.get(n)]
-        settled = st.settled[0] == len(unknown) and all(e is not None for _, _, e in unknown) and st.settled[1] == sum(
-            settled_key(n, s, e.size) for n, s, e in unknown if e is not None) % SETTLED_SUM_MOD
+        again = [(n, s, listing[n].get(s)) for n, s in st.begun_again.items() if n in listing]
+        st.begun_again = {}
+        settled = all(e is not None for _, _, e in unknown) and st.settles([(n, s, e.size) for n, s, e in unknown])  # type: ignore[union-attr]
+        if not settled and again and all(e is not None for *_, e in unknown + again):
+            removed = [(n, s, e.size) for n, s, e in again]  # type: ignore[union-attr]
+            if st.settles([(n, s, e.size) for n, s, e in unknown] + removed):  # type: ignore[union-attr]
+                st.unsettle(removed)
+                settled = True
         if not settled:
             st.settled = (0, 0)
         refs: dict[str, dict[int, RefRec]] = {}
@@ -461,6 +468,7 @@ class StoreIndex:
                     except StoreFormatError as e:  # read from the manifests instead (ensure, below)
                         log.warning("ignoring the metadata index's chunk lists: %s", e)
                 st.chunks.update(st.log_chunks)
+            self._unsettle_begun_again(st)
             keep = self.kept(st)
             missing = [m for m in st.info if m not in st.chunks and m in keep]
             if missing:
@@ -473,6 +481,24 @@ class StoreIndex:
         except Exception as e:  # noqa: BLE001 - the index is a cache: never fail the command over it
             log.info("could not update the metadata index: %s", e)  # a read-only user, say: not their problem
         st.healed_at = st.read  # (with what it read for the snapshot)
+
+    def _unsettle_begun_again(self, st: IndexState) -> None:
+        """(A state not brought up to date with refs/, whose listing would tell) takes out of ``settled`` the
+        removal before each ref begun again since its snapshot, read (one request each, for the few refs
+        removed and pushed again): else the snapshot written counted such a ref twice, and readers, finding
+        the count wrong, read every removed ref's newest entry until an exact reader wrote a snapshot."""
+        removed = []
+        for name, seq in st.begun_again.items():
+            path = self.refs.entry_path(name, seq)
+            try:
+                data = self.backend.read(path, MAX_RECORD_BYTES)
+                if RefEntry.from_json(data, path).target is None:
+                    removed.append((name, seq, len(data)))
+            except (FileNotFoundError, StoreFormatError):
+                continue  # not a removal the snapshot could count
+        st.begun_again = {}
+        if removed and st.settled[0] >= len(removed):
+            st.unsettle(removed)
 
     # -- writing -----------------------------------------------------------------
     def kept(self, st: IndexState) -> set[str]:

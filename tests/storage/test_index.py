@@ -669,3 +669,32 @@ def test_entries_deleted_below_an_alias_floor_are_damage_with_the_index_too(tmp_
         with pytest.raises(StoreFormatError, match="0000000004.ref is missing"):
             s.gc(grace_s=0, dry_run=True)
     assert store.ls().refs == off(store).ls().refs  # the newest entry: no damage to ls
+
+
+def test_a_removed_ref_pushed_again_and_removed_is_counted_once(tmp_path):
+    """A snapshot counts the removed refs it keeps no record of (settled). One of them pushed again and
+    removed again was counted twice (its old removal, and its new one, by the next snapshot a writer's
+    compaction wrote): the count no longer matched the listing, and every `ls` read each removed ref's
+    newest entry until an exact reader wrote a snapshot. It is counted once: ls reads no ref entry."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    store.push({"w": torch.zeros(4)}, "x")
+    mid = store.resolve("x")
+    for i in range(4):
+        store.refs_db.set(f"gone/{i}", mid)
+        store.remove(f"gone/{i}")
+    store.remove("x")
+    shutil.rmtree(tmp_path / "s" / PREFIX)
+    store.ls()  # a snapshot counting the five removed refs
+    store.refs_db.set("x", mid)
+    store.remove("x")
+    reader = ckpt.Store.open(store.url)
+    counting = Counting(reader)
+    assert [r.name for r in reader.ls().refs] == [] and counting.of("refs/") == []  # x's records from the logs
+    for _ in range(COMPACT_AFTER):  # a writer's compaction: a snapshot from the logs, without listing refs/
+        store.refs_db.set("busy", mid, alias=True)
+    fresh = ckpt.Store.open(store.url)
+    counting = Counting(fresh)
+    for _ in range(2):
+        assert [r.name for r in fresh.ls().refs] == ["busy"]
+    assert counting.of("refs/") == []
+    assert [r.name for r in off(store).ls().refs] == ["busy"]
