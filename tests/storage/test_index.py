@@ -20,7 +20,8 @@ import torch
 import ckpt
 from ckpt.store.base import choose_base
 from ckpt_store.storage.errors import StoreFormatError
-from ckpt_store.storage.index import COMPACT_AFTER, PREFIX, PRUNE_LAG
+from ckpt_store.storage.index import COMPACT_AFTER
+from ckpt_store.storage.index_files import PREFIX, PRUNE_LAG
 
 NAMES = [f"l{i}.w" for i in range(3)]
 
