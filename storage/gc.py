@@ -88,7 +88,7 @@ def gc_roots(refs: Refs, *, keep_history: bool = True, histories: dict[str, list
     temporaries: list[tuple[str, float, int]] = []
     if histories is None:
         listed, temporaries = refs.listing_and_temporaries()
-        histories, damaged = refs.scan_histories(listed=listed)
+        histories, damaged = refs.scan_histories(listing=listed)
     floors = {n: history_floor((e.seq, e.target) for e in entries) for n, entries in histories.items()}
     out = Roots(damaged=damaged, settled={n for n in damaged if floors.get(n, -1) >= 0}, temporaries=temporaries)
     for name, entries in histories.items():

@@ -493,7 +493,7 @@ class Refs:
         return {n: [self._read(n, s, f is not None) for s, f in sorted(seqs.items(), reverse=True)]
                 for n, seqs in sorted(by_name.items())}
 
-    def scan_histories(self, prefix: str = "", listed: Mapping[str, Mapping[int, Entry | None]] | None = None
+    def scan_histories(self, prefix: str = "", listing: Mapping[str, Mapping[int, Entry | None]] | None = None
                        ) -> tuple[dict[str, list[RefEntry]], dict[str, tuple[StoreFormatError, str]]]:
         """Like :meth:`all_entries`, but an entry that cannot be read is reported, not raised.
 
@@ -501,12 +501,12 @@ class Refs:
         including) its newest damaged entry, if any; and for each ref with a damaged
         entry, (the error, the entry's path). Entries older than a damaged one are left
         out: whether the damaged entry was a removal cannot be known, so neither can
-        what they count for. ``listed``: the refs as :meth:`listing` of ``prefix`` gave them, where the
+        what they count for. ``listing``: the refs as :meth:`listing` of ``prefix`` gave them, where the
         caller listed them already.
         """
         out: dict[str, list[RefEntry]] = {}
         damaged: dict[str, tuple[StoreFormatError, str]] = {}
-        for n, seqs in sorted((self.listing(prefix) if listed is None else listed).items()):
+        for n, seqs in sorted((self.listing(prefix) if listing is None else listing).items()):
             out[n], bad = self._readable(n, seqs)
             if bad is not None:
                 damaged[n] = bad
