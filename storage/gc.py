@@ -59,6 +59,9 @@ class Roots:
     # Refs of ``damaged`` whose damaged entry is older than a removal read above it: the history gc
     # counts ends at the removal, so what the damaged entry named keeps nothing alive either way.
     settled: set[str] = field(default_factory=set)
+    # The leftovers of interrupted writes below ``refs/`` the listing of refs passed (path, mtime, size),
+    # where the refs were listed here (no ``histories`` given).
+    temporaries: list[tuple[str, float, int]] = field(default_factory=list)
 
     @property
     def refs(self) -> list[str]:
@@ -66,8 +69,7 @@ class Roots:
         return list(dict.fromkeys(r.ref for r in self.roots if r.version == 0))
 
 
-def gc_roots(refs: Refs, *, keep_history: bool = True, histories: dict[str, list[RefEntry]] | None = None,
-             temporaries: list[tuple[str, float, int]] | None = None) -> Roots:
+def gc_roots(refs: Refs, *, keep_history: bool = True, histories: dict[str, list[RefEntry]] | None = None) -> Roots:
     """What gc keeps alive: the current target of every live ref and, with ``keep_history``,
     its earlier targets back to its last removal (a name removed and pushed again does
     not revive what it held before). An alias (``RUN/latest``) keeps only its current
@@ -79,14 +81,16 @@ def gc_roots(refs: Refs, *, keep_history: bool = True, histories: dict[str, list
     ``gc --no-history`` and keeps nothing alive (:func:`read_root`).
 
     ``histories`` (each ref's entries newest first, e.g. from the metadata index, checked
-    against the listing of refs) replaces reading every ref entry. Else ``temporaries``, where given,
-    gets the leftovers of interrupted writes below ``refs/`` from the same listing (:meth:`Refs.listing`).
+    against the listing of refs) replaces reading every ref entry. Else the leftovers of interrupted
+    writes below ``refs/`` come with the roots, from the same listing (:meth:`Refs.listing_and_temporaries`).
     """
     damaged: dict[str, Any] = {}
+    temporaries: list[tuple[str, float, int]] = []
     if histories is None:
-        histories, damaged = refs.scan_histories(temporaries=temporaries)
+        listed, temporaries = refs.listing_and_temporaries()
+        histories, damaged = refs.scan_histories(listing=listed)
     floors = {n: history_floor((e.seq, e.target) for e in entries) for n, entries in histories.items()}
-    out = Roots(damaged=damaged, settled={n for n in damaged if floors.get(n, -1) >= 0})
+    out = Roots(damaged=damaged, settled={n for n in damaged if floors.get(n, -1) >= 0}, temporaries=temporaries)
     for name, entries in histories.items():
         if not entries or entries[0].target is None:
             continue  # removed (or its newest entry is damaged): its history keeps nothing alive
@@ -231,16 +235,12 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     # refs), and a root manifest that is in the listing has its chunk lists read from it (a
     # manifest's id is the hash of its bytes: what it names never changes); anything else
     # is read and verified here. The listing of refs also gives their temporaries.
-    in_refs: list[tuple[str, float, int]] = []
     try:
-        view = index.view(exact=True, history=keep_history, chunks=True, temporaries=in_refs) if index is not None else None
+        view = index.view(exact=True, history=keep_history, chunks=True) if index is not None else None
     except StoreFormatError:
         view = None  # a damaged ref entry: the refs themselves are read, and name it (gc_roots)
-    if view is None:
-        in_refs.clear()  # (a view that failed may have listed some): from the listing gc_roots makes, not a second one
-    found = gc_roots(refs, keep_history=keep_history, histories=view.entries() if view is not None else None,
-                     temporaries=in_refs)
-    temps += [*in_refs, *objects.list_temporaries(("index",))]
+    found = gc_roots(refs, keep_history=keep_history, histories=view.entries() if view is not None else None)
+    temps += [*(view.temporaries if view is not None else found.temporaries), *objects.list_temporaries(("index",))]
     # What a damaged ref entry keeps alive is unknown: delete nothing. Without history only each
     # ref's newest entry counts, and a damaged older one hides nothing; nor does one older than a
     # removal (the index's view, which a dry run reads, holds no entry behind a removal: it agrees).

@@ -106,11 +106,20 @@ class IndexState:
     damaged: bool = False  # a record was unreadable: a fresh snapshot is due
     read: int = 0  # entries and manifests read because the index lacked them
     partial: bool = False  # only the recently updated refs (a base choice view): never written back
+    # ``read`` when :meth:`StoreIndex.heal` last wrote (or tried to write) this state as a snapshot, else -1:
+    # written again only for what was read since (ls heals its view, then reads the summaries it lacks)
+    healed_at: int = -1
+    # (a view brought up to date with refs/) the leftovers of interrupted writes below refs/ its listing
+    # passed, as :meth:`Refs.listing_and_temporaries` gives them: gc's, without listing refs/ again
+    temporaries: list[tuple[str, float, int]] = field(default_factory=list)
     # Per ref, an entry whose record is kept and below which no entry keeps anything alive (all aliases,
     # or behind a removal): the snapshot keeps no record below it (see :meth:`floor`).
     floors: dict[str, int] = field(default_factory=dict)
     # The removed refs a snapshot keeps no record of: (how many, the sum of their keys, :func:`settled_key`).
     settled: tuple[int, int] = (0, 0)
+    # Refs the snapshot read has no record of, first recorded by a log past their entry 1: by name, the entry
+    # before that one, which may be a removal ``settled`` counts (a removed ref pushed again; see :meth:`unsettle`)
+    begun_again: dict[str, int] = field(default_factory=dict)
 
     # -- changes ---------------------------------------------------------------
     def add_manifest(self, mid: str, info: dict[str, Any], sig: Any, chunks: list[str], detail: Any) -> None:
@@ -129,12 +138,24 @@ class IndexState:
             raise StoreFormatError(f"{what}: no ref")
         name = require(ref, "name", str, what)
         rec = RefRec.from_obj(require(ref, "rec", list, what), what)
+        if name not in self.refs and rec.seq > 1 and self.snap_gen >= 0:
+            self.begun_again[name] = rec.seq - 1
         self.refs.setdefault(name, {})[rec.seq] = rec
         m = obj.get("manifest")
         if isinstance(m, dict):
             mid = require(m, "id", str, what)
             chunks = require(m, "chunks", list, what)
             self.add_manifest(mid, require(m, "info", dict, what), m.get("sig"), chunks, m.get("detail"))
+
+    def settles(self, removed: list[tuple[str, int, int]]) -> bool:
+        """Whether ``removed`` ((name, seq, file size) of refs' newest entries) are what ``settled`` counts."""
+        return self.settled == (len(removed), sum(settled_key(*r) for r in removed) % SETTLED_SUM_MOD)
+
+    def unsettle(self, removed: list[tuple[str, int, int]]) -> None:
+        """Take ``removed`` ((name, seq, file size) of removals ``settled`` counts) out of it: their refs
+        have records now (pushed again), and a snapshot counts their newest removal anew."""
+        count, total = self.settled
+        self.settled = (count - len(removed), (total - sum(settled_key(*r) for r in removed)) % SETTLED_SUM_MOD)
 
     # -- queries ---------------------------------------------------------------
     def entries(self) -> dict[str, list[RefEntry]]:

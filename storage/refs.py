@@ -124,6 +124,7 @@ def history_floor(entries: Iterable[tuple[int, str | None]]) -> int:
 
 
 T = TypeVar("T")
+L = TypeVar("L")
 # How many times a reader lists a ref (or the refs) again when an entry it listed was deleted before it
 # read it (RefEntryGoneError): a run's local tier pruning meanwhile moves on in a few steps.
 GONE_TRIES = 8
@@ -140,6 +141,13 @@ def reread_while_gone(attempt: Callable[[bool], T]) -> T:
             if tries_left == 0:
                 raise
     raise AssertionError("unreachable")
+
+
+def reread_listed(listed: L, relist: Callable[[], L], attempt: Callable[[L, bool], T]) -> T:
+    """:func:`reread_while_gone` where the caller listed already: ``attempt(listed, last)`` first, then
+    ``attempt(relist(), last)`` on each try again."""
+    first = [listed]
+    return reread_while_gone(lambda last: attempt(first.pop() if first else relist(), last))
 
 
 class Refs:
@@ -161,7 +169,7 @@ class Refs:
         return f"refs/{name}/{seq:010d}.ref"
 
     def _entry_seqs(self, name: str) -> dict[int, Entry | None]:
-        return self._listed(f"refs/{name}").get(name, {})  # direct children only: "a/b" entries are not "a"'s
+        return self._listed(f"refs/{name}")[0].get(name, {})  # direct children only: "a/b" entries are not "a"'s
 
     def _link(self, folder: str) -> str | None:
         """The target of ``folder`` (a path below ``refs/``) when it is a symbolic link to a folder or
@@ -177,8 +185,9 @@ class Refs:
         parts = folder.split("/")
         return next((f for i in range(2, len(parts) + 1) if self._link(f := "/".join(parts[:i])) is not None), None)
 
-    def _listed(self, folder: str, temporaries: list[tuple[str, float, int]] | None = None) -> dict[str, dict[int, Entry | None]]:
-        """Every entry below ``folder`` by ref name and seq, as listed (nothing is read); None for
+    def _listed(self, folder: str) -> tuple[dict[str, dict[int, Entry | None]], list[tuple[str, float, int]]]:
+        """Every entry below ``folder`` by ref name and seq, as listed (nothing is read), and the leftovers
+        of interrupted writes the listing passed (see :meth:`listing_and_temporaries`); None for
         something named like an entry that is not a file (a folder, empty or not, or an object
         store's prefix holding objects): damage, which must not be skipped, or the ref would
         silently name its previous version.
@@ -194,8 +203,9 @@ class Refs:
         renumber ``NAME@N`` below it (whether it was a version or a removal is unknown), nor let gc
         free what it named. (Entries missing below the oldest renumber nothing: a history cut short.)"""
         by_name: dict[str, dict[int, Entry | None]] = defaultdict(dict)
+        temporaries: list[tuple[str, float, int]] = []
         if folder != "refs" and self._link_above(folder) is not None:
-            return {folder[len("refs/"):]: {0: None}}
+            return {folder[len("refs/"):]: {0: None}}, temporaries
         self._check_refs_folder()
 
         def add(path: str, entry: Entry | None) -> None:
@@ -214,7 +224,7 @@ class Refs:
 
         files, folders = self.backend.tree(folder)
         for e in files:  # a link (to a folder, or to nothing) is listed as a file
-            if temporaries is not None and e.path.rpartition("/")[2].startswith(TEMPORARY):
+            if e.path.rpartition("/")[2].startswith(TEMPORARY):
                 temporaries.append((e.path, e.mtime, e.size))
             if not linked(e.path):
                 add(e.path, e)
@@ -227,7 +237,7 @@ class Refs:
                 gap -= 1
             if gap > min(seqs):
                 seqs[gap] = None
-        return dict(by_name)
+        return dict(by_name), temporaries
 
     def _check_refs_folder(self) -> None:
         local = self.backend.local_path("refs")
@@ -374,12 +384,8 @@ class Refs:
         deleted since it was listed is not damage: a run's local tier cuts its refs' histories as it
         prunes (:meth:`cut_history`), so a newer entry took its place, or the ref went whole; it is
         listed again."""
-        listed = [newest]
-
-        def attempt(last: bool) -> RefEntry | None:
-            found = listed.pop() if listed else self._newest(name)
-            return self._read(name, *found) if found is not None else None
-        return reread_while_gone(attempt)
+        return reread_listed(newest, lambda: self._newest(name),
+                             lambda found, last: self._read(name, *found) if found is not None else None)
 
     def _append(self, name: str, target: str | None, alias: bool = False, attempts: int = 50,
                 expect: str | None = None) -> RefEntry:
@@ -460,16 +466,18 @@ class Refs:
             except OSError:
                 pass  # not empty (a ref below it, or an entry written since): listed as before
 
-    def listing(self, prefix: str = "", temporaries: list[tuple[str, float, int]] | None = None
-                ) -> dict[str, dict[int, Entry | None]]:
+    def listing(self, prefix: str = "") -> dict[str, dict[int, Entry | None]]:
         """Every entry file below ``refs/`` (under ``prefix``, a ref name's leading segments)
         by ref name and seq, as listed (nothing is read); None where what is there is not a file
-        (:meth:`read_entry` with ``is_file`` False raises the damage). ``temporaries``: where given,
-        the leftovers of interrupted writes the listing passed are added to it as (path, mtime, size),
-        as :meth:`ObjectStore.list_temporaries` gives them (gc's, without listing refs/ again)."""
+        (:meth:`read_entry` with ``is_file`` False raises the damage)."""
+        return self.listing_and_temporaries(prefix)[0]
+
+    def listing_and_temporaries(self, prefix: str = "") -> tuple[dict[str, dict[int, Entry | None]], list[tuple[str, float, int]]]:
+        """:meth:`listing`, and the leftovers of interrupted writes it passed, as (path, mtime, size), as
+        :meth:`ObjectStore.list_temporaries` gives them (gc's, without listing refs/ again)."""
         if prefix:
             validate_ref_name(prefix.rstrip("/"))
-        return self._listed(f"refs/{prefix.rstrip('/')}" if prefix else "refs", temporaries)
+        return self._listed(f"refs/{prefix.rstrip('/')}" if prefix else "refs")
 
     def entry_path(self, name: str, seq: int) -> str:
         return self._entry_path(name, seq)
@@ -485,7 +493,7 @@ class Refs:
         return {n: [self._read(n, s, f is not None) for s, f in sorted(seqs.items(), reverse=True)]
                 for n, seqs in sorted(by_name.items())}
 
-    def scan_histories(self, prefix: str = "", temporaries: list[tuple[str, float, int]] | None = None
+    def scan_histories(self, prefix: str = "", listing: Mapping[str, Mapping[int, Entry | None]] | None = None
                        ) -> tuple[dict[str, list[RefEntry]], dict[str, tuple[StoreFormatError, str]]]:
         """Like :meth:`all_entries`, but an entry that cannot be read is reported, not raised.
 
@@ -493,11 +501,12 @@ class Refs:
         including) its newest damaged entry, if any; and for each ref with a damaged
         entry, (the error, the entry's path). Entries older than a damaged one are left
         out: whether the damaged entry was a removal cannot be known, so neither can
-        what they count for. ``temporaries``: as :meth:`listing` takes it.
+        what they count for. ``listing``: the refs as :meth:`listing` of ``prefix`` gave them, where the
+        caller listed them already.
         """
         out: dict[str, list[RefEntry]] = {}
         damaged: dict[str, tuple[StoreFormatError, str]] = {}
-        for n, seqs in sorted(self.listing(prefix, temporaries=temporaries).items()):
+        for n, seqs in sorted((self.listing(prefix) if listing is None else listing).items()):
             out[n], bad = self._readable(n, seqs)
             if bad is not None:
                 damaged[n] = bad
@@ -511,11 +520,9 @@ class Refs:
         return entries, bad[0] if bad is not None else None
 
     def _readable(self, name: str, seqs: Mapping[int, Entry | None]) -> tuple[list[RefEntry], tuple[StoreFormatError, str] | None]:
-        listed = [seqs]
-
-        def attempt(last: bool) -> tuple[list[RefEntry], tuple[StoreFormatError, str] | None]:
+        def attempt(listed: Mapping[int, Entry | None], last: bool) -> tuple[list[RefEntry], tuple[StoreFormatError, str] | None]:
             entries: list[RefEntry] = []
-            for s, f in sorted((listed.pop() if listed else self._entry_seqs(name)).items(), reverse=True):
+            for s, f in sorted(listed.items(), reverse=True):
                 try:
                     entries.append(self._read(name, s, f is not None))
                 except StoreFormatError as err:
@@ -523,7 +530,7 @@ class Refs:
                         raise  # deleted since listed (see _newest_entry): the history is listed again
                     return entries, (err, self._entry_path(name, s))
             return entries, None
-        return reread_while_gone(attempt)
+        return reread_listed(seqs, lambda: self._entry_seqs(name), attempt)
 
     def live(self) -> dict[str, RefEntry]:
         """Current entry of every ref that exists now (not removed). A damaged entry raises."""

@@ -200,8 +200,7 @@ def snapshot_kinds(store: Store, mids: Iterable[str], st: IndexState | None = No
         return {}
     out: dict[str, tuple[bool, float]] = {}
     try:
-        healed, st = st is not None, st if st is not None else store.index.view(exact=True)
-        read = st.read
+        st = st if st is not None else store.index.view(exact=True)
         store.index.ensure(st, well_formed(st, wanted), strict=False)
         group = [m for m in wanted if m in st.info and st.info[m]["source"] == DCP_SOURCE]
         out = {m: (st.info[m]["source"] == SNAPSHOT_SOURCE, st.info[m]["created"])
@@ -212,8 +211,7 @@ def snapshot_kinds(store: Store, mids: Iterable[str], st: IndexState | None = No
             for mid in well_formed(st, group):
                 if mid in st.chunks and isinstance(st.chunks[mid][1].get("snapshot"), bool):
                     out[mid] = (st.chunks[mid][1]["snapshot"], st.info[mid]["created"])
-        if not healed or st.read > read:  # (a view the caller healed: again only for what was read here)
-            store.index.heal(st)
+        store.index.heal(st)  # (a view the caller healed: again only for what was read here)
     except CkptError:  # a damaged ref or index: the manifests tell
         pass
     return out

@@ -19,7 +19,9 @@ import torch
 
 import ckpt
 from ckpt.store.base import choose_base
-from ckpt_store.storage.index import COMPACT_AFTER, PREFIX, PRUNE_LAG
+from ckpt_store.storage.errors import StoreFormatError
+from ckpt_store.storage.index import COMPACT_AFTER
+from ckpt_store.storage.index_files import PREFIX, PRUNE_LAG
 
 NAMES = [f"l{i}.w" for i in range(3)]
 
@@ -371,15 +373,15 @@ def test_an_entry_the_listing_of_refs_missed_is_read_and_no_snapshot_written(tmp
     build(store)
     expected = store.refs_db.history("fam/ft0")
     store.ls()  # an index snapshot, as a store in use has
-    real = Refs.listing
+    real = Refs.listing_and_temporaries
 
-    def missing_one(self, prefix="", **kw):  # entry 1 of fam/ft0 not seen by this listing, as in the race
-        out = real(self, prefix, **kw)
+    def missing_one(self, prefix=""):  # entry 1 of fam/ft0 not seen by this listing, as in the race
+        out, temporaries = real(self, prefix)
         if "fam/ft0" in out:
             out["fam/ft0"] = {s: (None if s == 1 else e) for s, e in out["fam/ft0"].items()}
-        return out
+        return out, temporaries
 
-    monkeypatch.setattr(Refs, "listing", missing_one)
+    monkeypatch.setattr(Refs, "listing_and_temporaries", missing_one)
     shutil.rmtree(tmp_path / "s" / PREFIX)  # rebuilt: every entry is read from the refs
     st = store.index.view(exact=True, history=True)
     assert st.entries()["fam/ft0"] == expected and st.partial
@@ -627,3 +629,73 @@ def test_a_snapshot_written_after_ls_reads_each_index_log_once(tmp_path):
     fresh.gc(grace_s=0, dry_run=True)
     assert counting.of("objects/manifests") == []  # the new snapshot has the logs' chunk lists
     same_with_and_without(fresh)
+
+
+def test_a_view_heal_wrote_is_written_again_only_for_what_was_read_since(tmp_path):
+    """heal did not remember that it had written a view: a second heal of it (ls heals the view it lists
+    the refs from, then reads the summaries it lacks and heals again) wrote the same snapshot again, so
+    each caller that healed twice had to guard it. heal now writes a view again only where more was read."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    build(store)
+    for e in list(store.backend.list(PREFIX)):
+        store.backend.delete(e.path)
+    st = store.index.view(exact=True)  # rebuilt from the refs: worth a snapshot
+    writes = CountingWrites(store)
+    store.index.heal(st)
+    assert writes.take().get("snap")
+    store.index.heal(st)
+    assert writes.take() == {}  # the same view: not written again
+    removed = store.refs_db.history("fam/ft1")[1].target  # a summary the snapshot lacks (a removed ref's)
+    assert removed not in st.info
+    store.index.ensure(st, [removed])
+    store.index.heal(st)
+    assert writes.take().get("snap")  # read more since: written again
+
+
+def test_entries_deleted_below_an_alias_floor_are_damage_with_the_index_too(tmp_path):
+    """A snapshot keeps a run's RUN/latest (an alias at every save) from its newest entry up, and a reader
+    did not look below that floor: with two middle entries deleted by hand, the listing of refs/ shows the
+    gap (damage: what those entries named is unknown, so gc stops), and gc --dry-run, from the index,
+    planned to delete what the real gc keeps. Listed damage above the newest removal is read as without it."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    build(store)
+    targets = [store.resolve("fam/ft0"), store.resolve("fam/base")]
+    for i in range(6):
+        store.refs_db.set("run/latest", targets[i % 2], alias=True)
+    shutil.rmtree(tmp_path / "s" / PREFIX)
+    store.ls()  # a snapshot holding run/latest's newest entry only (its floor)
+    for seq in (3, 4):
+        store.backend.delete(store.refs_db.entry_path("run/latest", seq))
+    for s in (store, off(store)):
+        with pytest.raises(StoreFormatError, match="0000000004.ref is missing"):
+            s.gc(grace_s=0, dry_run=True)
+    assert store.ls().refs == off(store).ls().refs  # the newest entry: no damage to ls
+
+
+def test_a_removed_ref_pushed_again_and_removed_is_counted_once(tmp_path):
+    """A snapshot counts the removed refs it keeps no record of (settled). One of them pushed again and
+    removed again was counted twice (its old removal, and its new one, by the next snapshot a writer's
+    compaction wrote): the count no longer matched the listing, and every `ls` read each removed ref's
+    newest entry until an exact reader wrote a snapshot. It is counted once: ls reads no ref entry."""
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    store.push({"w": torch.zeros(4)}, "x")
+    mid = store.resolve("x")
+    for i in range(4):
+        store.refs_db.set(f"gone/{i}", mid)
+        store.remove(f"gone/{i}")
+    store.remove("x")
+    shutil.rmtree(tmp_path / "s" / PREFIX)
+    store.ls()  # a snapshot counting the five removed refs
+    store.refs_db.set("x", mid)
+    store.remove("x")
+    reader = ckpt.Store.open(store.url)
+    counting = Counting(reader)
+    assert [r.name for r in reader.ls().refs] == [] and counting.of("refs/") == []  # x's records from the logs
+    for _ in range(COMPACT_AFTER):  # a writer's compaction: a snapshot from the logs, without listing refs/
+        store.refs_db.set("busy", mid, alias=True)
+    fresh = ckpt.Store.open(store.url)
+    counting = Counting(fresh)
+    for _ in range(2):
+        assert [r.name for r in fresh.ls().refs] == ["busy"]
+    assert counting.of("refs/") == []
+    assert [r.name for r in off(store).ls().refs] == ["busy"]
