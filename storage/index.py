@@ -52,6 +52,7 @@ from typing import Any
 
 import blake3
 
+from ckpt_store.storage.backends.base import TEMPORARY
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.errors import (
     CorruptObjectError,
@@ -154,19 +155,26 @@ class StoreIndex:
         self._bad: set[str] = set()  # damaged snapshots seen: deleted by the next snapshot
         self._newer = False  # the newest snapshot is of a newer index version: write no snapshot over it
         self.compact_after = COMPACT_AFTER if self.backend.concurrency <= 1 else COMPACT_AFTER_REMOTE
+        # The leftovers of interrupted writes below index/ that its last listing passed, as
+        # :meth:`ObjectStore.list_temporaries` gives them (gc's, without listing index/ again).
+        self.temporaries: list[tuple[str, float, int]] = []
 
     # -- reading -----------------------------------------------------------------
     def _listing(self) -> tuple[list[tuple[int, float, str]], dict[int, str], int]:
         snaps, logs, top = [], {}, 0
+        temporaries = []
         for e in self.backend.list(PREFIX):
             name = e.path[len(PREFIX) + 1:]
-            if m := _LOG.match(name):
+            if name.rsplit("/", 1)[-1].startswith(TEMPORARY):
+                temporaries.append((e.path, e.mtime, e.size))
+            elif m := _LOG.match(name):
                 logs[int(m.group(1))] = e.path
                 top = max(top, int(m.group(1)))
             elif m := _SNAP.match(name):
                 snaps.append((int(m.group(1)), e.mtime, e.path))
                 top = max(top, int(m.group(1)))
         snaps.sort()
+        self.temporaries = temporaries
         return snaps, logs, top
 
     def _get(self, path: str, limit: int = MAX_INDEX_BYTES, *, head: bool = False) -> bytes:
@@ -318,7 +326,15 @@ class StoreIndex:
         the refs only when missing or damaged. ``temporaries``: as :meth:`Refs.listing` takes it
         (filled where refs/ is listed: always when ``exact``).
         """
-        st = self.load(chunks=chunks, recent=not exact)
+        return self.settle(self.load(chunks=chunks, recent=not exact), exact=exact, history=history, temporaries=temporaries)
+
+    def settle(self, st: IndexState | None, *, exact: bool, history: bool = False,
+               temporaries: list[tuple[str, float, int]] | None = None) -> IndexState:
+        """:meth:`view` of ``st``, what :meth:`load` gave (``chunks`` as wanted; ``recent`` where not
+        ``exact``): a caller that loads while it waits on another request (gc, listing objects first)
+        brings it up to date with ``refs/`` after. The refs are listed here, after the listing of
+        ``index/`` in that load: a log it found names an entry written before (write order), which
+        the listing of refs therefore shows."""
         asked = history
         if st is None:
             st = self.rebuild()

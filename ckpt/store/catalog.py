@@ -8,7 +8,7 @@ their results are the same with and without the index.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -241,16 +241,16 @@ def viewed_live_refs(store: Store) -> tuple[dict[str, RefEntry], IndexState | No
     return st.live(), st
 
 
-def live_usage(store: Store, listed: set[str] | None = None) -> list[tuple[str, str, Usage]]:
-    """(ref, checkpoint id, usage) of every live ref, by name: what ``du`` adds up. ``listed``: as
-    :func:`stored` takes it."""
+def live_usage(store: Store, listed: Callable[[], set[str]] | None = None) -> list[tuple[str, str, Usage]]:
+    """(ref, checkpoint id, usage) of every live ref, by name: what ``du`` adds up. ``listed``: gives
+    what :func:`stored` takes, once the refs are read (``du`` lists the objects meanwhile)."""
     if store.index is None:
         return [(n, e.target, usage_of_manifest(store.manifest(e.target)))
                 for n, e in store.refs_db.live().items() if e.target is not None]
     st = store.index.view(exact=True, chunks=True)
     live = st.live()
     targets = [e.target for e in live.values() if e.target is not None]
-    store.index.ensure(st, stored(store, st, well_formed(st, targets), listed), chunks=True)
+    store.index.ensure(st, stored(store, st, well_formed(st, targets), listed() if listed is not None else None), chunks=True)
     store.index.heal(st)
     return [(n, e.target, usage_from_index(st, e.target)) for n, e in live.items() if e.target is not None]
 
