@@ -323,6 +323,28 @@ def test_du_on_s3_lists_the_objects_while_it_reads_the_index_and_refs(s3_main_ur
     assert sorted(pages.asked()) == ["index/", "objects/", "refs/"]  # each listed once
 
 
+def test_ls_on_s3_checks_the_manifests_exist_while_it_lists_refs(s3_main_url, monkeypatch):
+    """ls checks that each live manifest exists (a listing of objects/manifests on S3, where that is
+    cheaper than a HEAD each), which it asked for only after listing refs/: at 1,000 refs on
+    SeaweedFS a page each, one after the other. The manifests the loaded index names are checked
+    while refs/ is listed (the page of refs/ is answered here only once the manifests' has been
+    asked for); one that only the listing of refs shows is read. A manifest deleted is still named damaged."""
+    store = ckpt.Store.init(s3_main_url)
+    build(store, n=12)
+    store.ls()  # an index snapshot, as a store in use has
+    expected = off(store).ls()
+    pages = Pages(store, monkeypatch, hold="refs/", until="objects/manifests")
+    assert store.ls() == expected
+    assert sorted(pages.asked()) == ["index/", "objects/manifests/", "refs/"]  # each listed once
+    assert pages.first("ask", "objects/manifests") < pages.first("done", "refs/")
+    store.push(fine_tune(50), "fam/new")  # named by the refs, not yet by the index's snapshot
+    gone = store.resolve("fam/ft2")
+    store.backend.delete(store.objects.path("manifests", gone))
+    listing = store.ls()
+    assert listing == off(store).ls() and set(listing.damaged) == {"fam/ft2", "fam/latest"}
+    assert "fam/new" in {r.name for r in listing.refs}
+
+
 def test_gc_dry_run_on_s3_lists_each_prefix_once_and_loads_the_index_while_it_lists_the_objects(s3_main_url, monkeypatch):
     """gc --dry-run listed index/ twice (the index's load, then again for leftovers of interrupted
     writes there, which that listing had passed), and loaded the index only after every object was
