@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -226,21 +227,28 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     # Objects a killed gc left condemned go back first (not in a dry run, which writes nothing).
     recovered = objects.backend.recover_condemned("objects") if recover else 0
     leased_ids = leased(lock) if lock is not None else set()
-    now = store_now(objects.backend, write=recover)
-    cutoff = now - grace_s
-    # A dry run puts nothing back, so it plans with what the real run's recovery will find.
-    listed, temps = objects.inventory(as_recovered=not recover and objects.backend.recovers_condemned)
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-gc") as pool:
+        # The index is loaded while the store's clock is read and its objects listed (on S3 those
+        # are requests one after another): only the refs must be listed after the objects.
+        loading = pool.submit(index.load, chunks=True) if index is not None else None
+        now = store_now(objects.backend, write=recover)
+        cutoff = now - grace_s
+        # A dry run puts nothing back, so it plans with what the real run's recovery will find.
+        listed, temps = objects.inventory(as_recovered=not recover and objects.backend.recovers_condemned)
+        loaded = loading.result() if loading is not None else None
 
     # With the metadata index, ref histories come from it (checked against the listing of
     # refs), and a root manifest that is in the listing has its chunk lists read from it (a
     # manifest's id is the hash of its bytes: what it names never changes); anything else
     # is read and verified here. The listing of refs also gives their temporaries.
     try:
-        view = index.view(exact=True, history=keep_history, chunks=True) if index is not None else None
+        view = index.settle(loaded, exact=True, history=keep_history) if index is not None else None
     except StoreFormatError:
         view = None  # a damaged ref entry: the refs themselves are read, and name it (gc_roots)
     found = gc_roots(refs, keep_history=keep_history, histories=view.entries() if view is not None else None)
-    temps += [*(view.temporaries if view is not None else found.temporaries), *objects.list_temporaries(("index",))]
+    # Those of index/ from the listing the index's load made, not a second one.
+    temps += [*(view.temporaries if view is not None else found.temporaries),
+              *(index.temporaries if index is not None else objects.list_temporaries(("index",)))]
     # What a damaged ref entry keeps alive is unknown: delete nothing. Without history only each
     # ref's newest entry counts, and a damaged older one hides nothing; nor does one older than a
     # removal (the index's view, which a dry run reads, holds no entry behind a removal: it agrees).

@@ -95,6 +95,11 @@ class StoreIndex:
         """The index as stored (:meth:`IndexFiles.load`), or None when it has no usable snapshot."""
         return self.files.load(chunks=chunks, recent=recent, logs=logs)
 
+    @property
+    def temporaries(self) -> list[tuple[str, float, int]]:
+        """The leftovers of interrupted writes below index/ that its last listing passed, as
+        :meth:`ObjectStore.list_temporaries` gives them (gc's, without listing index/ again)."""
+        return self.files.temporaries
 
     def newest_seq(self, name: str) -> int | None:
         """The newest entry number of ref ``name`` the index's newest snapshot records (a listing of
@@ -109,7 +114,6 @@ class StoreIndex:
         recs = st.refs.get(name) if st is not None else None
         return max(recs) if recs else None
 
-
     def rebuild(self) -> IndexState:
         """An empty state, to be filled from the refs (:meth:`view`) and manifests (:meth:`ensure`)."""
         return IndexState(chunks={}, damaged=True, max_gen=self.files.max_gen or 0)
@@ -123,7 +127,14 @@ class StoreIndex:
         the refs only when missing or damaged. Where refs/ is listed (always when ``exact``), the
         state's ``temporaries`` are those of that listing.
         """
-        st = self.load(chunks=chunks, recent=not exact)
+        return self.settle(self.load(chunks=chunks, recent=not exact), exact=exact, history=history)
+
+    def settle(self, st: IndexState | None, *, exact: bool, history: bool = False) -> IndexState:
+        """:meth:`view` of ``st``, what :meth:`load` gave (``chunks`` as wanted; ``recent`` where not
+        ``exact``): a caller that loads while it waits on another request (gc, listing objects first)
+        brings it up to date with ``refs/`` after. The refs are listed here, after the listing of
+        ``index/`` in that load: a log it found names an entry written before (write order), which
+        the listing of refs therefore shows."""
         asked = history
         if st is None:
             st = self.rebuild()

@@ -13,7 +13,7 @@ from typing import Any
 
 import blake3
 
-from ckpt_store.storage.backends.base import Backend
+from ckpt_store.storage.backends.base import TEMPORARY, Backend
 from ckpt_store.storage.errors import StorageIOError, StoreFormatError
 from ckpt_store.storage.index_state import IndexState, RefRec
 from ckpt_store.storage.records import MAX_RECORD_BYTES, decode_record, require, sealed_json, strict_loads
@@ -82,18 +82,23 @@ class IndexFiles:
         self.max_gen: int | None = None  # newest generation this process knows of
         self.bad: set[str] = set()  # damaged snapshots seen: deleted by the next snapshot
         self.newer = False  # the newest snapshot is of a newer index version: write no snapshot over it
+        self.temporaries: list[tuple[str, float, int]] = []  # leftovers of interrupted writes its last listing passed
 
     def listing(self) -> tuple[list[tuple[int, float, str]], dict[int, str], int]:
         snaps, logs, top = [], {}, 0
+        temporaries = []
         for e in self.backend.list(PREFIX):
             name = e.path[len(PREFIX) + 1:]
-            if m := _LOG.match(name):
+            if name.rsplit("/", 1)[-1].startswith(TEMPORARY):
+                temporaries.append((e.path, e.mtime, e.size))
+            elif m := _LOG.match(name):
                 logs[int(m.group(1))] = e.path
                 top = max(top, int(m.group(1)))
             elif m := _SNAP.match(name):
                 snaps.append((int(m.group(1)), e.mtime, e.path))
                 top = max(top, int(m.group(1)))
         snaps.sort()
+        self.temporaries = temporaries
         return snaps, logs, top
 
     def _get(self, path: str, limit: int = MAX_INDEX_BYTES, *, head: bool = False) -> bytes:

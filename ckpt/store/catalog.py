@@ -8,7 +8,8 @@ their results are the same with and without the index.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -115,7 +116,8 @@ def well_formed(st: IndexState, mids: list[str]) -> list[str]:
     return mids
 
 
-def stored(store: Store, st: IndexState, mids: list[str], listed: set[str] | None = None) -> list[str]:
+def stored(store: Store, st: IndexState, mids: list[str], listed: set[str] | None = None,
+           present: set[str] | None = None) -> list[str]:
     """``mids``, after dropping from ``st`` the summaries of those the store does not hold, so that
     :meth:`StoreIndex.ensure` fails on them as the commands do without the index: a summary outlives
     its manifest where the manifest was deleted, or the store copied without it. One batch of
@@ -123,12 +125,13 @@ def stored(store: Store, st: IndexState, mids: list[str], listed: set[str] | Non
 
     ``listed``: the manifest ids a listing of the store made just before showed (``du``'s), which
     answers instead where a listing names only objects (:attr:`Backend.lists_only_objects`: S3),
-    rather than listing the manifests again; one written since is not in it, and is read."""
+    rather than listing the manifests again; one written since is not in it, and is read.
+    ``present``: those found stored by :meth:`ObjectStore.has_many` just before, of the ids the caller
+    asked about then (``ls``'s, while it listed refs): any other is read."""
     known = [m for m in dict.fromkeys(mids) if m in st.info]
-    if listed is not None and store.backend.lists_only_objects:
-        present = listed.intersection(known)
-    else:
-        present = store.objects.has_many("manifests", known)
+    if present is None:
+        present = (listed.intersection(known) if listed is not None and store.backend.lists_only_objects
+                   else store.objects.has_many("manifests", known))
     for mid in known:
         if mid not in present:
             del st.info[mid]
@@ -239,16 +242,16 @@ def viewed_live_refs(store: Store) -> tuple[dict[str, RefEntry], IndexState | No
     return st.live(), st
 
 
-def live_usage(store: Store, listed: set[str] | None = None) -> list[tuple[str, str, Usage]]:
-    """(ref, checkpoint id, usage) of every live ref, by name: what ``du`` adds up. ``listed``: as
-    :func:`stored` takes it."""
+def live_usage(store: Store, listed: Callable[[], set[str]] | None = None) -> list[tuple[str, str, Usage]]:
+    """(ref, checkpoint id, usage) of every live ref, by name: what ``du`` adds up. ``listed``: gives
+    what :func:`stored` takes, once the refs are read (``du`` lists the objects meanwhile)."""
     if store.index is None:
         return [(n, e.target, usage_of_manifest(store.manifest(e.target)))
                 for n, e in store.refs_db.live().items() if e.target is not None]
     st = store.index.view(exact=True, chunks=True)
     live = st.live()
     targets = [e.target for e in live.values() if e.target is not None]
-    store.index.ensure(st, stored(store, st, well_formed(st, targets), listed), chunks=True)
+    store.index.ensure(st, stored(store, st, well_formed(st, targets), listed() if listed is not None else None), chunks=True)
     store.index.heal(st)
     return [(n, e.target, usage_from_index(st, e.target)) for n, e in live.items() if e.target is not None]
 
@@ -295,10 +298,16 @@ def list_refs(store: Store) -> RefListing:
     """
     if store.index is not None:
         try:
-            st = store.index.view(exact=True)
+            loaded = store.index.load()
+            with ThreadPoolExecutor(1, thread_name_prefix="ckpt-ls") as pool:
+                # The manifests the index names are checked to exist while refs/ is listed (on S3 a listing
+                # of objects/manifests: they waited on each other); one the refs name besides is read.
+                known = [e.target for e in loaded.live().values() if e.target is not None] if loaded is not None else []
+                present = pool.submit(store.objects.has_many, "manifests", known)
+                st = store.index.settle(loaded, exact=True)
             live = st.live()
             targets = [e.target for e in live.values() if e.target is not None]
-            store.index.ensure(st, stored(store, st, well_formed(st, targets)))
+            store.index.ensure(st, stored(store, st, well_formed(st, targets), present=present.result()))
             store.index.heal(st)
             return RefListing([RefSummary(n, e.target or "", e.time, st.info[e.target]["bytes"], st.info[e.target]["tensors"],
                                           st.info[e.target]["message"], st.info[e.target]["source"])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -277,10 +279,10 @@ class StoreUsage:
         return self.unique - self.stored_chunks
 
 
-def _usages(store: Store, listed: set[str]) -> tuple[list[tuple[str, str, Usage]], dict[str, str]]:
+def _usages(store: Store, listed: Callable[[], set[str]]) -> tuple[list[tuple[str, str, Usage]], dict[str, str]]:
     """(ref, checkpoint id, usage) of every readable live ref, and the damaged ones with their error:
-    from the metadata index when it is whole, else read ref by ref. ``listed``: the manifest ids
-    the store's listing just showed."""
+    from the metadata index when it is whole, else read ref by ref. ``listed``: gives the manifest
+    ids the store's listing showed (made meanwhile)."""
     if store.index is not None:
         try:
             return live_usage(store, listed), {}
@@ -296,13 +298,17 @@ def du(store: Store) -> StoreUsage:
     A ref whose entry or manifest cannot be read is left out of the figures and
     named in ``damaged``.
     """
-    listed, _ = store.objects.inventory()
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-du") as pool:
+        # Every object is listed while the index and refs are read: on S3 the largest part of du's
+        # requests, which waited on them before.
+        inventory = pool.submit(store.objects.inventory)
+        usages, damaged = _usages(store, lambda: {o.id for o in inventory.result()[0]["manifests"]})
+        listed, _ = inventory.result()
     chunk_sizes = {o.id: o.size for o in listed["chunks"]}
     manifest_bytes = sum(o.size for o in listed["manifests"])
     per_ref = []
     all_chunks: dict[str, int] = {}
     users: dict[str, int] = defaultdict(int)
-    usages, damaged = _usages(store, {o.id for o in listed["manifests"]})
     for name, mid, u in usages:
         lengths = u.lengths
         all_chunks.update(lengths)

@@ -97,6 +97,8 @@ class DirectRequests:
         self._signer._credentials  # noqa: B018 - read when signing
         self._seen = threading.local()  # per thread: the key asked of the client, and its last outgoing request
         self._learned: dict[str, _Learned] = {}
+        self._taught: set[str] = set()  # operations :meth:`teach` sent a request of
+        self._teaching = threading.Lock()
         self.on = True
         self.sent = {GET: 0, HEAD: 0, LIST: 0, PUT: 0}  # requests sent directly (tests and benchmarks read them)
         for op in (GET, HEAD, LIST, PUT):
@@ -136,6 +138,20 @@ class DirectRequests:
                 return
             scope = (fields[2], fields[3])
         self._learned[op] = _Learned(base, scope, headers.get("user-agent", ""))
+
+    def teach(self, op: str, client: Callable[[], Any]) -> None:
+        """Learn ``op`` from ``client()``, a small request of its kind through the client, where
+        nothing taught it yet (once: a refused one stays with the client). A LIST's first page
+        through botocore costs ~0.13 ms of CPU per key (~130 ms for 1,000, what ``du`` and ``gc``
+        asked first in a new process); a page of one key costs a request's round trip. Other
+        threads asking meanwhile wait for it, rather than each sending its request through the client."""
+        with self._teaching:
+            if not self.on or op in self._learned or op in self._taught:
+                return
+            self._taught.add(op)
+            self._expect("")
+            client()
+            self._learn(op)
 
     def _record(self, request: Any, **_: Any) -> None:
         if getattr(self._seen, "key", None) is not None:
@@ -301,6 +317,9 @@ class ClientOnly:
 
     def ready(self, op: str) -> bool:
         return False
+
+    def teach(self, op: str, client: Callable[[], Any]) -> None:
+        pass
 
     def call(self, op: str, key: str, send: Callable[[], Any], ok: tuple[int, ...], client: Callable[[], T]) -> tuple[Any, T | None]:
         answer = client()

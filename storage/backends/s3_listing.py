@@ -41,6 +41,7 @@ class S3Listing:
 
         def page() -> dict[str, Any]:
             direct = self._direct
+            direct.teach(LIST, lambda: self.client.list_objects_v2(**{**kw, "MaxKeys": 1}))
             r, answer = direct.call(LIST, "", lambda: direct.list(prefix, token, delimiter, self.page_keys, start_after), (200,),
                                     lambda: self.client.list_objects_v2(**kw))
             return direct.page(r) if r is not None else answer  # type: ignore[no-any-return]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -269,6 +270,102 @@ def test_du_on_s3_asks_which_manifests_exist_of_the_listing_it_made(s3_main_url,
     gone = store.resolve("fam/ft2")
     b.delete(store.objects.path("manifests", gone))
     assert set(store.du().damaged) == {"fam/ft2", "fam/latest"}
+
+
+class Pages:
+    """The LIST pages an S3 store's backend asks for, by prefix below the store, each with when it
+    was asked for and answered; ``hold``: a page of that prefix is answered only once a page of
+    ``until`` has been asked for (what a command that sends them one after another never does: it
+    waits ``patience`` seconds, then goes on, and the test fails on the order it records)."""
+
+    def __init__(self, store: ckpt.Store, monkeypatch: pytest.MonkeyPatch, hold: str = "", until: str = "",
+                 patience: float = 10.0) -> None:
+        b = store.backend
+        self.log: list[tuple[str, str]] = []  # ("ask" or "done", prefix)
+        asked = threading.Event()
+        real = b._list_page
+
+        def page(prefix: str, *a: object) -> object:
+            where = prefix[len(b.prefix) + 1:]
+            self.log.append(("ask", where))
+            if until and where.startswith(until):
+                asked.set()
+            if hold and where.startswith(hold):
+                asked.wait(patience)
+            try:
+                return real(prefix, *a)
+            finally:
+                self.log.append(("done", where))
+
+        monkeypatch.setattr(b, "_list_page", page)
+
+    def asked(self) -> list[str]:
+        return [p for what, p in self.log if what == "ask"]
+
+    def first(self, what: str, prefix: str) -> int:
+        return next(i for i, (w, p) in enumerate(self.log) if w == what and p.startswith(prefix))
+
+    def last(self, what: str, prefix: str) -> int:
+        return max(i for i, (w, p) in enumerate(self.log) if w == what and p.startswith(prefix))
+
+
+def test_du_on_s3_lists_the_objects_while_it_reads_the_index_and_refs(s3_main_url, monkeypatch):
+    """du's largest part on S3 is the listing of every object (a page per 1,000), which it made
+    before reading the index and listing refs/: requests one after another (at 1,000 refs on
+    SeaweedFS, 6 pages of objects, then 9 reads of the index and a page of refs). They are
+    independent, and are now asked for together: the objects' first page is answered here only
+    once refs/ has been asked for. The answer is the same, with the same requests."""
+    store = ckpt.Store.init(s3_main_url)
+    build(store, n=6)
+    store.ls()  # an index snapshot, as a store in use has
+    expected = off(store).du()
+    pages = Pages(store, monkeypatch, hold="objects/", until="refs/")
+    assert store.du() == expected
+    assert pages.first("ask", "refs/") < pages.first("done", "objects/")  # asked for while the objects were listed
+    assert sorted(pages.asked()) == ["index/", "objects/", "refs/"]  # each listed once
+
+
+def test_ls_on_s3_checks_the_manifests_exist_while_it_lists_refs(s3_main_url, monkeypatch):
+    """ls checks that each live manifest exists (a listing of objects/manifests on S3, where that is
+    cheaper than a HEAD each), which it asked for only after listing refs/: at 1,000 refs on
+    SeaweedFS a page each, one after the other. The manifests the loaded index names are checked
+    while refs/ is listed (the page of refs/ is answered here only once the manifests' has been
+    asked for); one that only the listing of refs shows is read. A manifest deleted is still named damaged."""
+    store = ckpt.Store.init(s3_main_url)
+    build(store, n=12)
+    store.ls()  # an index snapshot, as a store in use has
+    expected = off(store).ls()
+    pages = Pages(store, monkeypatch, hold="refs/", until="objects/manifests")
+    assert store.ls() == expected
+    assert sorted(pages.asked()) == ["index/", "objects/manifests/", "refs/"]  # each listed once
+    assert pages.first("ask", "objects/manifests") < pages.first("done", "refs/")
+    store.push(fine_tune(50), "fam/new")  # named by the refs, not yet by the index's snapshot
+    gone = store.resolve("fam/ft2")
+    store.backend.delete(store.objects.path("manifests", gone))
+    listing = store.ls()
+    assert listing == off(store).ls() and set(listing.damaged) == {"fam/ft2", "fam/latest"}
+    assert "fam/new" in {r.name for r in listing.refs}
+
+
+def test_gc_dry_run_on_s3_lists_each_prefix_once_and_loads_the_index_while_it_lists_the_objects(s3_main_url, monkeypatch):
+    """gc --dry-run listed index/ twice (the index's load, then again for leftovers of interrupted
+    writes there, which that listing had passed), and loaded the index only after every object was
+    listed. It lists each prefix once, and loads the index while the objects are listed (index/ is
+    asked for before the objects' first page is answered); refs/ is still listed only after the
+    objects (what the plan's safety rests on: module docstring of storage/gc.py). The same plan."""
+    store = ckpt.Store.init(s3_main_url)
+    build(store, n=6)
+    store.ls()  # an index snapshot, as a store in use has
+    leftover = f"{PREFIX}/.tmp-interrupted"
+    store.backend.write(leftover, b"x")  # an interrupted write's leftover: found by the index's own listing
+    plan = off(store).gc(grace_s=0, dry_run=True)
+    pages = Pages(store, monkeypatch, hold="objects/", until="index/")
+    got = store.gc(grace_s=0, dry_run=True)
+    assert (set(got.deleted), got.live_manifests, got.live_chunks) == (set(plan.deleted), plan.live_manifests, plan.live_chunks)
+    assert ("temp", leftover, 1) in [(d.kind, d.name, d.size) for d in got.deleted]
+    assert sorted(pages.asked()) == ["index/", "objects/", "refs/"]  # each listed once
+    assert pages.first("ask", "index/") < pages.first("done", "objects/")
+    assert pages.first("ask", "refs/") > pages.last("done", "objects/")
 
 
 def test_a_signature_many_checkpoints_share_is_checked_once(tmp_path, monkeypatch):
