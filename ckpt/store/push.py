@@ -27,6 +27,7 @@ from ckpt.transfer.pipeline import (
     PutResult,
     PutTask,
     ReadPool,
+    Recorded,
     put_chunks,
     put_tasks,
     rewrite_whole,
@@ -293,7 +294,8 @@ def push_source(
     reads = pool if pool is not None else own
     with reporting(progress, "push", sum(t.length for t in tasks)) as p, own if own is not None else nullcontext():
         bundled = BundleBases(store.objects, base_m, settings, reads) if has and reads is not None else None  # type: ignore[arg-type]
-        results = put_chunks(store.objects, tasks, settings, p, bundled, keep_bases)
+        # Chunks the base holds are named with the chains its manifest records, not a header read each.
+        results = put_chunks(store.objects, tasks, settings, p, bundled, keep_bases, Recorded.of(store.objects, base_id, base_m))
     if bundles is None:
         bundles = store.objects.backend.streams
     bundle, bundle_tasks, bundled = _bundle(store, tasks, results) if bundles else ((), [], [])
