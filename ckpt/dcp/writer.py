@@ -25,7 +25,7 @@ from ckpt.settings import Settings
 from ckpt.store.base import pair_tensors
 from ckpt.store.push import PushResult, bundle_small, small_chunks
 from ckpt.store.sources import MemBytes
-from ckpt.transfer.pipeline import PutResult, PutTask, Recorded, put_chunks, put_tasks
+from ckpt.transfer.pipeline import BUNDLE_SHARE, PutResult, PutTask, Recorded, put_chunks, put_tasks
 from ckpt_store.storage.commit import commit
 from ckpt_store.storage.objects import check_manifest_size
 from ckpt_store.storage.records import canonical_json
@@ -82,7 +82,9 @@ class _Written:
 
 class _Small:
     """Copies of the small chunks a rank saved, across its batches, for a bundle (push.bundle_small):
-    at most ``room`` bytes of them (a reader takes no larger bundle: readable_bundles)."""
+    at most ``room`` bytes of them (a quarter of what the rank saves, as push bundles no more, and
+    what a reader takes, readable_bundles); past that none (a state of small tensors only is not
+    stored twice, nor held twice in memory)."""
 
     def __init__(self, room: int) -> None:
         self.picked: dict[str, PutTask] = {}
@@ -92,10 +94,14 @@ class _Small:
     def add(self, settings: Settings, tasks: list[PutTask], results: list[PutResult]) -> None:
         self.total += sum(t.length for t in tasks)
         for cid, task in small_chunks(settings, tasks, results).items():
-            if cid not in self.picked and task.length <= self.room:
-                data = bytes(task.read())  # (a copy: the batch's tensors are let go)
-                self.picked[cid] = PutTask(lambda d=data: d, len(data))
-                self.room -= len(data)
+            if cid in self.picked or self.room < 0:
+                continue
+            if task.length > self.room:
+                self.picked, self.room = {}, -1
+                return
+            data = bytes(task.read())  # (a copy: the batch's tensors are let go)
+            self.picked[cid] = PutTask(lambda d=data: d, len(data))
+            self.room -= len(data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +229,8 @@ class Writer(StorageWriter):
         paired = pair_tensors(base_m if base_m is not None and base_m.chunk_size == store.settings.chunk_size else None)
         recorded = Recorded.of(store.objects, info.base, base_m)
         # A remote store's readers fetch the small chunks in a request or two (as a push's: docs/format.md, bundles).
-        small = _Small(store.settings.inflight_mb << 20) if store.objects.backend.streams else None
+        saved = sum(i.tensor_storage_size() or 0 for i in plan.items if i.type != WriteItemType.BYTE_IO)
+        small = _Small(min(store.settings.inflight_mb << 20, saved // BUNDLE_SHARE)) if store.objects.backend.streams else None
         results = [WriteResult(index=i.index, size_in_bytes=0, storage_data=_Value(_lookup_value(planner, i)))
                    for i in plan.items if i.type == WriteItemType.BYTE_IO]
         batch: list[Any] = []

@@ -993,3 +993,16 @@ def test_a_save_to_s3_bundles_its_small_tensors_and_a_load_reads_them_in_a_reque
     gets = [key for kind, key in seen if kind.startswith("GET") and "/objects/chunks/" in key]
     assert len(gets) <= len(chunks - members) + sum(len(b.chunks) for b in m.bundles)
     assert not store.verify().problems
+
+
+def test_a_save_of_small_tensors_only_to_s3_stores_no_bundle(s3_url):
+    """As a push: a state of small tensors only is not stored twice (a bundle would be all of it)."""
+    ckpt.Store.init(s3_url)
+    g = torch.Generator().manual_seed(3)
+    state = {f"b{i}": torch.randn(256, generator=g) for i in range(40)}
+    dcp.save(state, storage_writer=ckpt.dcp.Writer(s3_url, "small/only"))
+    store = ckpt.Store.open(s3_url)
+    assert store.manifest("small/only").bundles == ()
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(into, storage_reader=ckpt.dcp.Reader(store, "small/only"))
+    assert all(_bits_equal(into[k], v) for k, v in state.items())
