@@ -103,18 +103,20 @@ class ObjectStore:
         by_path = {self.path(kind, o): o for o in oids}
         return {by_path[p] for p in self.backend.exists_many(by_path)}
 
-    def presence(self, kind: str, lookups: int) -> Callable[[str], bool]:
-        """A test "is object ``oid`` stored?" for a batch of about ``lookups`` questions.
+    def written_times(self, kind: str, lookups: int) -> Callable[[str], float | None]:
+        """For a batch of about ``lookups`` questions: when object ``oid`` was written (the
+        store's time, as :meth:`Backend.mtime` gives it; 0.0 where the backend cannot tell),
+        or None when it is not stored.
 
         On a remote store whose ``objects/<kind>`` lists in fewer requests than that many
         HEADs, one listing made now answers them all (an object added later by someone
         else is just written again; one deleted later is caught by ``commit``'s check).
         """
-        listed = self.backend.list_all(f"objects/{kind}", lookups)
+        listed = self.backend.list_times(f"objects/{kind}", lookups)
         if listed is None:
-            return lambda oid: self.backend.exists(self.path(kind, oid))
-        names = {p.rsplit("/", 1)[-1] for p in listed}
-        return names.__contains__
+            return lambda oid: self.backend.written(self.path(kind, oid))
+        names = {p.rsplit("/", 1)[-1]: t for p, t in listed.items()}
+        return names.get
 
     def put(self, kind: str, oid: str, blob: bytes | memoryview) -> bool:
         """Store ``blob`` under ``oid`` unless it exists. Returns True when written.

@@ -119,6 +119,36 @@ def gets_of(store: Any, threads: str = "") -> Any:
         store.objects.backend._get = real
 
 
+@contextlib.contextmanager
+def http_requests(backend: Any) -> Any:
+    """Record every HTTP request ``backend`` (an S3 backend) sends inside the block, through botocore
+    or directly (both go through its endpoint's HTTP session), as ``(kind, key)`` in a list: kind is
+    the method, "GET-range" for a ranged GET, "LIST" for a listing; key is the URL's path."""
+    from urllib.parse import unquote, urlsplit
+
+    seen: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    http = backend.client._endpoint.http_session
+    real = http.send
+
+    def send(request: Any) -> Any:
+        url = urlsplit(request.url)
+        kind = request.method
+        if kind == "GET" and "list-type=2" in url.query:
+            kind = "LIST"
+        elif kind == "GET" and any(k.lower() == "range" for k in request.headers):
+            kind = "GET-range"
+        with lock:
+            seen.append((kind, unquote(url.path)))
+        return real(request)
+
+    http.send = send
+    try:
+        yield seen
+    finally:
+        del http.send  # (the instance attribute: the class's method again)
+
+
 def wait_ready(endpoint: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     c = client(endpoint, connect_timeout=1, read_timeout=2)

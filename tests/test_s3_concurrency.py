@@ -109,16 +109,16 @@ def test_two_pushes_storing_one_chunk_differently_keep_every_checkpoint_whole(s3
     a = store.push(str(tmp_path / "ft.safetensors"), "a/ft", delta=False)
     assert a.manifest is not None
     written_by_a = set(a.manifest.tensors[0].chunks)
-    real_presence, looked = store.objects.presence, set()
+    real_times, looked = store.objects.written_times, set()
 
-    def presence_as_before_a_wrote(kind, lookups):  # B's look at A's chunks came before A wrote them
-        stored = real_presence(kind, lookups)
-        return lambda oid: False if oid in written_by_a and not looked.add(oid) else stored(oid)
+    def times_as_before_a_wrote(kind, lookups):  # B's look at A's chunks came before A wrote them
+        stored = real_times(kind, lookups)
+        return lambda oid: None if oid in written_by_a and not looked.add(oid) else stored(oid)
 
-    monkeypatch.setattr(store.objects, "presence", presence_as_before_a_wrote)
+    monkeypatch.setattr(store.objects, "written_times", times_as_before_a_wrote)
     store.push(str(tmp_path / "ft.safetensors"), "b/ft", base="base")
     assert looked == written_by_a  # B encoded A's chunks as deltas of its own
-    monkeypatch.setattr(store.objects, "presence", real_presence)
+    monkeypatch.setattr(store.objects, "written_times", real_times)
     for ref in ("b/ft", "base"):
         store.remove(ref)
     store.gc(grace_s=0)

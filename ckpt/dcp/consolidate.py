@@ -154,7 +154,7 @@ def _run_batch(store: Store, m: Manifest, copies: list[Copy], progress: Progress
     if get is not None:
         get(tasks, progress or NullProgress())
     else:
-        get_chunks(store.objects, tasks, store.settings, progress or NullProgress())
+        get_chunks(store.objects, tasks, store.settings, progress or NullProgress(), manifest=m)  # (its bundles too)
     with torch.no_grad():
         for name, c in post:
             if name is not None:

@@ -18,15 +18,15 @@ from torch.futures import Future
 from ckpt.dcp.format import DCP_SOURCE, UnsupportedStateError, encode_metadata, encode_value, shard_name
 from ckpt.errors import CkptError, InvalidSourceError, TensorMismatchError
 from ckpt.format.dtypes import byte_view, from_torch, itemsize
-from ckpt.format.entries import FileEntry, TensorEntry
+from ckpt.format.entries import BundleEntry, FileEntry, TensorEntry
 from ckpt.format.manifest import Manifest
 from ckpt.format.names import check_tensor_name
 from ckpt.format.safetensors_header import check_not_reserved
 from ckpt.settings import Settings
 from ckpt.store.base import pair_tensors
-from ckpt.store.push import PushResult
+from ckpt.store.push import PushResult, bundle_small, small_chunks
 from ckpt.store.sources import MemBytes
-from ckpt.transfer.pipeline import PutTask, put_chunks, put_tasks
+from ckpt.transfer.pipeline import BUNDLE_SHARE, PutResult, PutTask, Recorded, put_chunks, put_tasks
 from ckpt_store.storage.commit import commit
 from ckpt_store.storage.objects import check_manifest_size
 from ckpt_store.storage.records import canonical_json
@@ -78,6 +78,31 @@ class _Written:
     entry: TensorEntry
     written: int  # stored bytes of chunks this rank wrote
     new_chunks: int
+    bundles: tuple[BundleEntry, ...] = ()  # this rank's bundle (on its first tensor's result): in written and new_chunks too
+
+
+class _Small:
+    """Copies of the small chunks a rank saved, across its batches, for a bundle (push.bundle_small):
+    at most ``room`` bytes of them (a quarter of what the rank saves, as push bundles no more, and
+    what a reader takes, readable_bundles); past that none (a state of small tensors only is not
+    stored twice, nor held twice in memory)."""
+
+    def __init__(self, room: int) -> None:
+        self.picked: dict[str, PutTask] = {}
+        self.total = 0  # bytes saved
+        self.room = room
+
+    def add(self, settings: Settings, tasks: list[PutTask], results: list[PutResult]) -> None:
+        self.total += sum(t.length for t in tasks)
+        for cid, task in small_chunks(settings, tasks, results).items():
+            if cid in self.picked or self.room < 0:
+                continue
+            if task.length > self.room:
+                self.picked, self.room = {}, -1
+                return
+            data = bytes(task.read())  # (a copy: the batch's tensors are let go)
+            self.picked[cid] = PutTask(lambda d=data: d, len(data))
+            self.room -= len(data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +228,10 @@ class Writer(StorageWriter):
         info = plan.storage_data if isinstance(plan.storage_data, _RankPlan) else _RankPlan(None)
         base_m = store.manifest(info.base) if info.base else None
         paired = pair_tensors(base_m if base_m is not None and base_m.chunk_size == store.settings.chunk_size else None)
+        recorded = Recorded.of(store.objects, info.base, base_m)
+        # A remote store's readers fetch the small chunks in a request or two (as a push's: docs/format.md, bundles).
+        saved = sum(i.tensor_storage_size() or 0 for i in plan.items if i.type != WriteItemType.BYTE_IO)
+        small = _Small(min(store.settings.inflight_mb << 20, saved // BUNDLE_SHARE)) if store.objects.backend.streams else None
         results = [WriteResult(index=i.index, size_in_bytes=0, storage_data=_Value(_lookup_value(planner, i)))
                    for i in plan.items if i.type == WriteItemType.BYTE_IO]
         batch: list[Any] = []
@@ -211,15 +240,24 @@ class Writer(StorageWriter):
             batch.append(item)
             size += item.tensor_storage_size() or 0
             if size >= BATCH_BYTES:
-                results += self._write_tensors(store, batch, planner, paired)
+                results += self._write_tensors(store, batch, planner, paired, recorded, small)
                 batch, size = [], 0
-        results += self._write_tensors(store, batch, planner, paired)
+        results += self._write_tensors(store, batch, planner, paired, recorded, small)
+        first = next((i for i, r in enumerate(results) if isinstance(r.storage_data, _Written)), None)
+        if small is not None and first is not None:
+            bundles, _, stored = bundle_small(store, small.picked, small.total)
+            if bundles:
+                w = results[first].storage_data
+                results[first] = dataclasses.replace(results[first], storage_data=dataclasses.replace(
+                    w, written=w.written + sum(r.stored for r in stored), new_chunks=w.new_chunks + sum(1 for r in stored if r.stored),
+                    bundles=bundles))
         store.backend.flush()  # this rank's chunk names are durable before the coordinator commits
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
-    def _write_tensors(self, store: Store, items: list[Any], planner: SavePlanner, paired: dict[Any, TensorEntry]) -> list[WriteResult]:
+    def _write_tensors(self, store: Store, items: list[Any], planner: SavePlanner, paired: dict[Any, TensorEntry],
+                       recorded: Recorded | None, small: _Small | None) -> list[WriteResult]:
         cs = store.settings.chunk_size
         tasks: list[PutTask] = []
         shards = []
@@ -238,7 +276,9 @@ class Writer(StorageWriter):
             tasks += put_tasks(MemBytes(view, t).read, 0, len(view), cs, itemsize(dtype) or 1, match.chunks if match else (),
                                match.chains() if match else ())
             shards.append((item, name, dtype, tuple(t.shape), len(view), start, len(tasks)))
-        res = put_chunks(store.objects, tasks, store.settings)
+        res = put_chunks(store.objects, tasks, store.settings, recorded=recorded)
+        if small is not None:
+            small.add(store.settings, tasks, res)
         out = []
         for item, name, dtype, shape, nbytes, a, b in shards:
             rs = res[a:b]
@@ -256,6 +296,7 @@ class Writer(StorageWriter):
         shards: dict[str, TensorEntry] = {}
         values: dict[str, Any] = {}
         written = new = 0
+        bundles: list[BundleEntry] = []
         for wr in (w for ws in results for w in ws):
             sd = wr.storage_data
             if isinstance(sd, _Value):
@@ -269,6 +310,7 @@ class Writer(StorageWriter):
             entries[(wr.index.fqn, tuple(wr.index.offset or ()))] = e.name
             written += sd.written
             new += sd.new_chunks
+            bundles += sd.bundles
         dcp_md = encode_metadata(metadata, entries, values)
         head, head_res = self._header(store, dcp_md)
         file = FileEntry(FILE, "safetensors", len(head) + sum(_nbytes(it) for it in dcp_md["items"].values()),
@@ -276,10 +318,10 @@ class Writer(StorageWriter):
         manifest = Manifest(source=DCP_SOURCE, chunk_size=store.settings.chunk_size, files=(file,),
                             tensors=tuple(sorted(shards.values(), key=lambda e: e.name)), created=time.time(),
                             message=self.message, metadata=self.metadata, extra={**self.extra, "dcp": dcp_md},
-                            lineage=self._lineage)
+                            lineage=self._lineage, bundles=tuple(bundles))
         mid = self._publish(store, manifest)
         metadata.storage_meta = StorageMeta(checkpoint_id=mid, save_id=self.save_id)
-        chunks = sum(len(e.chunks) for e in shards.values()) + len(head_res)
+        chunks = sum(len(e.chunks) for e in shards.values()) + len(head_res) + sum(len(b.chunks) for b in bundles)
         new += sum(1 for r in head_res if r.stored)
         self.last = PushResult(mid, chunks, new, manifest.logical_bytes, written + sum(r.stored for r in head_res), manifest)
 

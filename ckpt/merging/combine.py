@@ -189,7 +189,7 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     carried = _carried(readers[0], src.files[0].path)
     src.files += [FileIn(f.path, "blob", f.size, src=_StoredFile(store, readers[0].manifest.chunk_size, f)) for f in carried]
     gate = threading.Lock()
-    keep_small = min(BUNDLE_CHUNK_MAX, cs // 4) if store.objects.backend.streams else 0  # as push's _bundle picks them
+    keep_small = min(BUNDLE_CHUNK_MAX, cs // 4) if store.objects.backend.streams else 0  # as push's small_chunks picks them
     reuse: dict[str, TensorEntry] = {}
     by_name = {s.name: s for s in steps}
     reads = BatchedInputs([by_name[t.name] for t in src.files[0].tensors if by_name[t.name].reuse is None],

@@ -17,6 +17,7 @@ from ckpt.format.manifest import Manifest
 from ckpt.format.structure import STRUCTURE
 from ckpt.format.tagged_json import uses_tags
 from ckpt.progress import Progress, reporting
+from ckpt.settings import Settings
 from ckpt.store.base import choose_base, pair_tensors
 from ckpt.store.destination import inside, store_root
 from ckpt.store.source_files import show
@@ -28,6 +29,7 @@ from ckpt.transfer.pipeline import (
     PutResult,
     PutTask,
     ReadPool,
+    Recorded,
     put_chunks,
     put_tasks,
     rewrite_whole,
@@ -130,19 +132,24 @@ def _check_not_the_store(store: Store, source: object) -> None:
 BUNDLE_MIN = 8  # chunks in a bundle, at least
 
 
-def _bundle(store: Store, tasks: list[PutTask],
-            results: list[PutResult]) -> tuple[tuple[BundleEntry, ...], list[PutTask], list[PutResult]]:
-    """Copies of the pushed chunks of at most ``BUNDLE_CHUNK_MAX`` bytes and a quarter of a chunk
-    (each once), concatenated and stored as chunks of their own, for readers of this remote store
-    (see :class:`BundleEntry`); returns the bundle and what storing it did. None where it would
-    hold fewer than ``BUNDLE_MIN`` chunks (a request or two saved is not worth a write on every
-    push) or over a quarter of the bytes pushed (a model of small tensors only is not stored twice).
+def small_chunks(settings: Settings, tasks: list[PutTask], results: list[PutResult]) -> dict[str, PutTask]:
+    """The chunks of a push that a bundle may hold, by id (each once): those of at most
+    ``BUNDLE_CHUNK_MAX`` bytes and a quarter of a chunk."""
+    small = min(BUNDLE_CHUNK_MAX, settings.chunk_size // 4)
+    return {r.id: task for task, r in zip(tasks, results, strict=True) if task.length <= small}
+
+
+def bundle_small(store: Store, picked: Mapping[str, PutTask],
+                 total: int) -> tuple[tuple[BundleEntry, ...], list[PutTask], list[PutResult]]:
+    """Copies of the chunks ``picked`` (:func:`small_chunks` of a push of ``total`` bytes),
+    concatenated and stored as chunks of their own, for readers of this remote store (see
+    :class:`BundleEntry`); returns the bundle and what storing it did. None where it would hold
+    fewer than ``BUNDLE_MIN`` chunks (a request or two saved is not worth a write on every push) or
+    over a quarter of the bytes pushed (a model of small tensors only is not stored twice).
     Also returns the tasks that stored it (to write a chunk of it again, :func:`push_source`).
     Each copy is read from the source again and checked against the id its chunk was stored
     under: a source that changed meanwhile leaves that chunk out."""
-    small = min(BUNDLE_CHUNK_MAX, store.settings.chunk_size // 4)
-    picked = {r.id: task for task, r in zip(tasks, results, strict=True) if task.length <= small}
-    if len(picked) < BUNDLE_MIN or BUNDLE_SHARE * sum(t.length for t in picked.values()) > sum(t.length for t in tasks):
+    if len(picked) < BUNDLE_MIN or BUNDLE_SHARE * sum(t.length for t in picked.values()) > total:
         return (), [], []
     members: list[tuple[str, int, int]] = []
     parts: list[bytes | memoryview] = []
@@ -247,7 +254,7 @@ def push_source(
     caller knows their chunks are stored (the snapshot path, for tensors that did not
     change since the previous snapshot).
 
-    ``bundles``: whether the manifest carries a bundle of the small chunks (:func:`_bundle`);
+    ``bundles``: whether the manifest carries a bundle of the small chunks (:func:`bundle_small`);
     None: where the store is remote. True for a store whose checkpoints are copied to a remote
     one as they are (a snapshot tier persisted to S3): a copy keeps the manifest's bytes.
 
@@ -294,10 +301,12 @@ def push_source(
     reads = pool if pool is not None else own
     with reporting(progress, "push", sum(t.length for t in tasks)) as p, own if own is not None else nullcontext():
         bundled = BundleBases(store.objects, base_m, settings, reads) if has and reads is not None else None  # type: ignore[arg-type]
-        results = put_chunks(store.objects, tasks, settings, p, bundled, keep_bases)
+        # Chunks the base holds are named with the chains its manifest records, not a header read each.
+        results = put_chunks(store.objects, tasks, settings, p, bundled, keep_bases, Recorded.of(store.objects, base_id, base_m))
     if bundles is None:
         bundles = store.objects.backend.streams
-    bundle, bundle_tasks, bundled = _bundle(store, tasks, results) if bundles else ((), [], [])
+    bundle, bundle_tasks, bundled = bundle_small(store, small_chunks(settings, tasks, results),
+                                                 sum(t.length for t in tasks)) if bundles else ((), [], [])
     src.check_unchanged()  # every byte is read: from one version of each file, or no checkpoint
     # On a store that cannot touch, a chunk found present may vanish (a gc) before the commit's
     # lease: the source stays open until then, to write such chunks again (storage/commit.py);

@@ -28,10 +28,10 @@ from ckpt.transfer.reading import (
     sink_tasks,
     spans,
 )
-from ckpt.transfer.writing import PutResult, PutTask, put_chunks, put_tasks, rewrite_whole
+from ckpt.transfer.writing import PutResult, PutTask, Recorded, put_chunks, put_tasks, rewrite_whole
 
 __all__ = [
     "BATCH_BYTES", "BUNDLE_CHUNK_MAX", "BUNDLE_SHARE", "MAX_CHAIN", "BlobBuffers", "BundleBases", "ChunkCache", "GetStats",
-    "GetTask", "PutResult", "PutTask", "ReadPool", "base_cache", "fetch_base", "fetch_chunk", "get_chunks", "into_tasks",
+    "GetTask", "PutResult", "PutTask", "ReadPool", "Recorded", "base_cache", "fetch_base", "fetch_chunk", "get_chunks", "into_tasks",
     "put_chunks", "put_tasks", "readable_bundles", "rewrite_whole", "run_parallel", "sink_tasks", "spans", "stored_chain",
 ]

@@ -100,7 +100,7 @@ def _decode_into(task: GetTask, got: ChunkRead) -> memoryview | None:
 # remote store (ckpt.format.manifest.BundleEntry): a request each costs more than their bytes.
 BUNDLE_CHUNK_MAX = 64 << 10
 # ... and only where they hold at most 1/BUNDLE_SHARE of the bytes pushed (a model of small tensors
-# only is not stored twice): push's _bundle, and what a merge holds back for it.
+# only is not stored twice): push's bundle_small, and what a merge holds back for it.
 BUNDLE_SHARE = 4
 
 

@@ -4,13 +4,15 @@ given and pays) and write those the store lacks, on threads within a memory boun
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ckpt.codecs.chunk import encode_chunk
 from ckpt.format.entries import split_lengths
+from ckpt.format.manifest import Manifest
 from ckpt.progress import NullProgress, Progress
 from ckpt.settings import Settings
 from ckpt.transfer.fetch import fetch_base, stored_chain
@@ -64,6 +66,48 @@ class PutTask:
 
 
 @dataclass(frozen=True)
+class Recorded:
+    """Codec and delta chain of chunks as a stored manifest records them (``chains``), and when the
+    store wrote that manifest (``time``, the store's clock): what :func:`put_chunks` names for a
+    chunk the store holds instead of reading its header (a request each on a remote store).
+
+    A record stands for the blob only where the blob was written no later than the manifest (whole
+    seconds of the store's clock: what a listing or a HEAD says): that manifest's writer named the
+    chain of this very blob (chunks are created exclusively, so a writer names the stored blob's
+    chain, not its own encoding's), and such a blob is replaced only after a gc took it, which none
+    does while a live manifest names it, or to be stored whole (a copy over a delta it cannot name,
+    a commit writing a vanished chunk again): then the record names more bases than the blob needs,
+    which keeps more alive, never less. A blob written later (taken by a gc, created anew in another
+    encoding, so that the record might name fewer bases than it needs and let gc free one) has its
+    header read. (A manifest's ``codecs`` are for display, and a persisted snapshot's say raw for
+    blobs persisting compressed: a record passes that on, as the base's manifest shows it.)"""
+
+    chains: Mapping[str, tuple[int, tuple[str, ...]]]
+    time: float
+
+    @classmethod
+    def of(cls, objects: ObjectStore, manifest_id: str | None, manifest: Manifest | None) -> Recorded | None:
+        """The records of stored manifest ``manifest_id`` (``manifest``), on a store where they stand for
+        blobs: one that creates chunks exclusively and cannot touch them (a remote one; a local one
+        reads a header from its own disk). Costs one request (the manifest's time); None elsewhere,
+        or where the manifest is gone or its store cannot say when it was written."""
+        if manifest is None or manifest_id is None or objects.backend.touches or not objects.creates_chunks_exclusively:
+            return None
+        chains = {cid: (codec, chain) for t in manifest.tensors if t.codecs and len(t.codecs) == len(t.chunks)
+                  for cid, codec, chain in zip(t.chunks, t.codecs, t.chains(), strict=True)}
+        if not chains:
+            return None
+        when = objects.backend.written(objects.path("manifests", manifest_id))
+        return cls(chains, when) if when else None
+
+    def get(self, oid: str, written: float) -> tuple[int, tuple[str, ...]] | None:
+        """Codec and chain of chunk ``oid`` whose blob the store wrote at ``written``, where a record stands for it."""
+        if written <= 0 or math.floor(written) > math.floor(self.time):
+            return None
+        return self.chains.get(oid)
+
+
+@dataclass(frozen=True)
 class PutResult:
     id: str
     length: int
@@ -73,7 +117,7 @@ class PutResult:
 
 
 def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Settings, progress: Progress | None = None,
-               bundled: BundleBases | None = None, keep_bases: bool = True) -> list[PutResult]:
+               bundled: BundleBases | None = None, keep_bases: bool = True, recorded: Recorded | None = None) -> list[PutResult]:
     """Hash every chunk, and encode and write those the store lacks. Returns results in task order.
 
     A chunk with a ``base`` is also tried as a delta against it, unless the base's
@@ -88,6 +132,9 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
     ``keep_bases=False``: no base fetched is kept by the decoded-base cache (one it holds is still
     served from it): for a push whose bases were just read by the same operation and are not asked
     for again (a merge's, which would otherwise fill the cache with every chunk of its first input).
+    ``recorded``: codecs and chains of chunks the store holds, as a manifest records them (a remote
+    store otherwise reads each such chunk's header: a request each). A chunk that appears more than
+    once (a model's norms of ones) is stored and looked up once.
     """
     # A remote store is latency-bound: keep as many requests in flight as it allows
     # (existence checks run on the encoding workers, uploads on the I/O workers).
@@ -116,7 +163,10 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
         finally:
             slots.release()
 
-    stored = objects.presence("chunks", len(tasks))  # remote stores: one listing instead of a HEAD per chunk
+    # Remote stores: one listing instead of a HEAD per chunk (and when each was written).
+    written = None if objects.backend.touches else objects.written_times("chunks", len(tasks))
+    # Each chunk id's first task stores it; a later one waits for that and takes its result.
+    firsts: dict[str, tuple[threading.Event, list[PutResult]]] = {}
 
     def put(task: PutTask) -> PutResult:
         data = task.read()
@@ -126,11 +176,35 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
             # every later push of those bytes would dedup against the damaged blob.
             data = bytes(data)
         oid = object_id(data)
+        with writes_lock:
+            first = firsts.get(oid)
+            if first is None:
+                firsts[oid] = mine = (threading.Event(), [])
+        if first is not None:
+            first[0].wait()  # (set once the first task's put returns or fails)
+            if first[1]:
+                return replace(first[1][0], length=task.length, stored=0)
+            return store(task, data, oid)  # the first failed: its error stops the push anyway
+        try:
+            mine[1].append(store(task, data, oid))
+            return mine[1][0]
+        finally:
+            mine[0].set()
+
+    def store(task: PutTask, data: bytes | memoryview, oid: str) -> PutResult:
         path = objects.path("chunks", oid)
         # A local store refreshes a reused chunk's time (keeps a concurrent gc off it,
         # docs/format.md) and learns it is there in one call; a remote one asks the batch.
-        if objects.backend.touch(path) if objects.backend.touches else stored(oid):
-            codec, chain = stored_chain(objects, oid)
+        known = None
+        if written is None:
+            held = objects.backend.touch(path)
+        else:
+            when = written(oid)
+            held = when is not None
+            if when is not None and recorded is not None:
+                known = recorded.get(oid, when)
+        if held:
+            codec, chain = known if known is not None else stored_chain(objects, oid)
             return PutResult(oid, task.length, 0, codec, chain)
         base_bytes, base_chain = None, ()
         if task.base is not None and task.base != oid and settings.max_delta_depth > 0:
@@ -160,10 +234,10 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
                                batch=BATCH_BYTES)
         for f in writes:
             f.result()  # durable, or the first write error
+        found = {oid: stored_chain(objects, oid) for oid in lost}  # another writer's blob is the one stored
         for i, r in enumerate(results):
-            if r.id in lost:  # another writer's blob is the one stored
-                codec, chain = stored_chain(objects, r.id)
-                results[i] = PutResult(r.id, r.length, 0, codec, chain)
+            if r.id in found:
+                results[i] = PutResult(r.id, r.length, 0, *found[r.id])
         return results
     finally:
         io.shutdown(wait=True, cancel_futures=True)  # after an error or Ctrl-C: no write queued behind it

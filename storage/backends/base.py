@@ -169,6 +169,20 @@ class Backend(ABC):
         existence checks, else None. Only remote stores say yes (a local check is cheap)."""
         return None
 
+    def written(self, path: str) -> float | None:
+        """When the object at ``path`` was written, as :meth:`mtime` says (0.0 when the backend cannot
+        tell); None when absent. One existence check (S3: one HEAD)."""
+        if not self.exists(path):
+            return None
+        try:
+            return self.mtime(path)
+        except FileNotFoundError:
+            return None
+
+    def list_times(self, prefix: str, lookups: int) -> dict[str, float] | None:
+        """:meth:`list_all` with each path's :meth:`mtime`; None where :meth:`list_all` says None."""
+        return None
+
     @abstractmethod
     def size(self, path: str) -> int:
         """Size in bytes. Raises ``FileNotFoundError`` when absent."""

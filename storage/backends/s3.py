@@ -288,6 +288,10 @@ class S3Backend(S3Reads, S3Writes, S3Listing, Backend):
             raise FileNotFoundError(errno.ENOENT, "no such object", path)
         return float(h["LastModified"].timestamp())
 
+    def written(self, path: str) -> float | None:
+        h = self._head(path)
+        return None if h is None else float(h["LastModified"].timestamp())
+
     def clock(self, path: str) -> float:
         """The server's time, from the ``Date`` header of its answer to a HEAD of ``path`` (a 404
         has one too), through the client or sent directly; 0.0 if the answer has none that parses.

@@ -92,11 +92,16 @@ class S3Listing:
         key_prefix = self._key(prefix).rstrip("/") + "/" if (prefix or self.prefix) else ""
         for page, _ in self._pages(key_prefix, delimiter):
             for rel, o in page:
-                try:
-                    yield Entry(rel, int(o.get("Size", 0)), float(o["LastModified"].timestamp()))
-                except (KeyError, TypeError, ValueError, AttributeError, OverflowError):
-                    raise StorageIOError(f"list s3://{self.bucket}/{key_prefix} failed: the server listed "
-                                         f"{rel!r} without a size and time") from None
+                yield self._entry(key_prefix, rel, o)
+
+    def _entry(self, key_prefix: str, rel: str, o: dict[str, Any] | None) -> Entry:
+        """The listed object ``o`` at path ``rel`` (its size and the server's time of its write)."""
+        try:
+            assert o is not None
+            return Entry(rel, int(o.get("Size", 0)), float(o["LastModified"].timestamp()))
+        except (AssertionError, KeyError, TypeError, ValueError, AttributeError, OverflowError):
+            raise StorageIOError(f"list s3://{self.bucket}/{key_prefix} failed: the server listed "
+                                 f"{rel!r} without a size and time") from None
 
     def list(self, prefix: str) -> Iterator[Entry]:
         yield from self._list_keys(prefix)
@@ -116,13 +121,18 @@ class S3Listing:
     def list_all(self, prefix: str, lookups: int) -> set[str] | None:
         """Every path below ``prefix``, if listing them costs less than ``lookups`` HEADs
         (at most ``lookups // LIST_COST`` pages of 1000); None as soon as it would cost more."""
+        times = self.list_times(prefix, lookups)
+        return None if times is None else set(times)
+
+    def list_times(self, prefix: str, lookups: int) -> dict[str, float] | None:
+        """:meth:`list_all` with the server's time of each object's write (as :meth:`mtime` gives it)."""
         max_pages = lookups // LIST_COST
         if max_pages < 1:
             return None
         key_prefix = self._key(prefix).rstrip("/") + "/" if (prefix or self.prefix) else ""
-        found: set[str] = set()
+        found: dict[str, float] = {}
         for n, (page, more) in enumerate(self._pages(key_prefix)):
-            found.update(rel for rel, _ in page)
+            found.update((rel, self._entry(key_prefix, rel, o).mtime) for rel, o in page)
             if more and n + 1 == max_pages:
                 return None  # (before asking for the next page)
         return found

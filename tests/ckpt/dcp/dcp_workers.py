@@ -1716,7 +1716,30 @@ def plain_value_devices(rank, world, tmp, store, device="cpu"):
     return out
 
 
-SCENARIOS = {"preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
+def small_tensors():
+    """A transformer's state, as after training (no two tensors alike): many biases and norms of under 2 KiB."""
+    import torch
+
+    torch.manual_seed(7)
+    layer = torch.nn.TransformerEncoderLayer(d_model=128, nhead=4, dim_feedforward=256, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, num_layers=4, enable_nested_tensor=False)
+    return {k: torch.randn_like(v) * 0.02 for k, v in model.state_dict().items()}
+
+
+def save_small_tensors(rank, world, tmp, store, env):
+    """Save :func:`small_tensors` (the same on every rank: DCP spreads the saving over the ranks) to ``store`` (S3)."""
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt
+    import ckpt.dcp
+
+    os.environ.update(env)  # (the forkserver may have started before the test set its endpoint)
+    s = ckpt.Store.open(store, settings=ckpt.Settings.from_env(chunk_size=64 * 1024))
+    md = dcp.save(small_tensors(), storage_writer=ckpt.dcp.Writer(s, "dist/small"))
+    return {"id": md.storage_meta.checkpoint_id}
+
+
+SCENARIOS = {"save_small_tensors": save_small_tensors, "preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
              "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,
