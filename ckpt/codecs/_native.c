@@ -121,6 +121,19 @@ DEFINE_KERNELS(uint64_t, 64)
  * by key is walked as two halves in step, each key with a pointer per half (half 0's
  * slots for a key, then half 1's): the same order as one pass, in two independent
  * chains (the gather: 2.8 -> 2.6 ms per 4 MiB chunk, in a loop over a family's chunks). */
+/* The gather reads the sorted deltas from one stream per key and half (up to 2048 at
+ * once), too many for the hardware prefetchers to follow: each new cache line of a stream
+ * was a demand miss. Asking for the stream's next line when reading from it hides that
+ * (a MiniLM fine-tune's GSUB chunks: decode_chunk 2.44 -> 2.02 ms per chunk, median of 7
+ * alternating runs; 128 bytes ahead measured the same as 64; its pull from SeaweedFS with the
+ * base cached 0.30 -> 0.26 CPU-s, load_into 0.255 -> 0.220). A prefetch never faults:
+ * past the end of the buffer it asks for nothing (the address is computed as an integer). */
+#if defined(__GNUC__) || defined(__clang__)
+#define GATHER_PREFETCH(p) __builtin_prefetch((const void *)((uintptr_t)(p) + 64))
+#else
+#define GATHER_PREFETCH(p) ((void)0)
+#endif
+
 #define DEFINE_GROUPED(T, BITS)                                                            \
     static inline T load_##BITS(const uint8_t *p, Py_ssize_t i) {                          \
         T v; memcpy(&v, p + i * (Py_ssize_t)sizeof(T), sizeof(T)); return v;               \
@@ -198,8 +211,11 @@ DEFINE_KERNELS(uint64_t, 64)
         Py_ssize_t len = n / 2;                                                            \
         gslots_##BITS(base, n, len, (T *)tmpbuf, p0, p1, c, given);                        \
         for (Py_ssize_t i = 0; i < len; i++) {                                             \
-            T a = *p0[KEY(BITS, load_##BITS(base, i))]++;                                  \
-            T b = *p1[KEY(BITS, load_##BITS(base, len + i))]++;                            \
+            size_t ka = KEY(BITS, load_##BITS(base, i)), kb = KEY(BITS, load_##BITS(base, len + i)); \
+            GATHER_PREFETCH(p0[ka]);                                                       \
+            GATHER_PREFETCH(p1[kb]);                                                       \
+            T a = *p0[ka]++;                                                               \
+            T b = *p1[kb]++;                                                               \
             memcpy(dst + i * (Py_ssize_t)sizeof(T), &a, sizeof(T));                        \
             memcpy(dst + (len + i) * (Py_ssize_t)sizeof(T), &b, sizeof(T));                \
         }                                                                                  \
