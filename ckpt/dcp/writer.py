@@ -24,7 +24,7 @@ from ckpt.format.names import check_tensor_name
 from ckpt.format.safetensors_header import check_not_reserved
 from ckpt.settings import Settings
 from ckpt.store.base import pair_tensors
-from ckpt.store.push import PushResult, bundle_small, small_chunks
+from ckpt.store.push import PushResult, bundle_small, chains_of, small_chunks
 from ckpt.store.sources import MemBytes
 from ckpt.transfer.pipeline import BUNDLE_SHARE, PutResult, PutTask, Recorded, put_chunks, put_tasks
 from ckpt_store.storage.commit import commit
@@ -282,9 +282,8 @@ class Writer(StorageWriter):
         out = []
         for item, name, dtype, shape, nbytes, a, b in shards:
             rs = res[a:b]
-            chains = tuple(r.bases for r in rs)
             entry = TensorEntry(name, dtype, shape, nbytes, tuple(r.id for r in rs), FILE, codecs=tuple(r.codec for r in rs),
-                                delta_bases=chains if any(chains) else ())
+                                delta_bases=chains_of(r.bases for r in rs))
             out.append(WriteResult(index=item.index, size_in_bytes=nbytes,
                                    storage_data=_Written(entry, sum(r.stored for r in rs), sum(1 for r in rs if r.stored))))
         return out
@@ -314,7 +313,7 @@ class Writer(StorageWriter):
         dcp_md = encode_metadata(metadata, entries, values)
         head, head_res = self._header(store, dcp_md)
         file = FileEntry(FILE, "safetensors", len(head) + sum(_nbytes(it) for it in dcp_md["items"].values()),
-                         tuple(r.id for r in head_res), len(head), {"format": "pt"})
+                         tuple(r.id for r in head_res), len(head), {"format": "pt"}, chains_of(r.bases for r in head_res))
         manifest = Manifest(source=DCP_SOURCE, chunk_size=store.settings.chunk_size, files=(file,),
                             tensors=tuple(sorted(shards.values(), key=lambda e: e.name)), created=time.time(),
                             message=self.message, metadata=self.metadata, extra={**self.extra, "dcp": dcp_md},

@@ -83,12 +83,17 @@ class FileEntry:
     chunks: tuple[str, ...]
     head_size: int = 0  # safetensors: 8 + header length
     metadata: dict[str, str] | None = None  # safetensors __metadata__
+    # Per chunk, the delta chain of its stored blob, as tensors record it: a file's bytes may be a chunk
+    # the store holds as a delta (a weight saved again as a raw file), whose bases gc must keep.
+    delta_bases: tuple[tuple[str, ...], ...] = ()
 
     def to_obj(self) -> dict[str, Any]:
         o: dict[str, Any] = {"path": self.path, "kind": self.kind, "size": self.size, "chunks": list(self.chunks)}
         if self.kind == "safetensors":
             o["head_size"] = self.head_size
             o["metadata"] = self.metadata
+        if any(self.delta_bases):
+            o["delta_bases"] = [list(c) for c in self.delta_bases]
         return o
 
     @classmethod
@@ -107,13 +112,15 @@ class FileEntry:
         head_size = require(o, "head_size", int, what) if kind == "safetensors" else 0
         if size < 0 or not 0 <= head_size <= size:
             raise StoreFormatError(f"{what}: file of {size} bytes with a header of {head_size}")
+        chunks = tuple(check_id(c) for c in require(o, "chunks", list, what))
         return cls(
             path=check_file_path(require(o, "path", str, what)),
             kind=kind,
             size=size,
-            chunks=tuple(check_id(c) for c in require(o, "chunks", list, what)),
+            chunks=chunks,
             head_size=head_size,
             metadata=meta,
+            delta_bases=_chains_of(o, chunks, f"{what}: file"),
         )
 
 
@@ -129,9 +136,13 @@ class BundleEntry:
     nbytes: int
     chunks: tuple[str, ...]  # the bundle's bytes, cut like a tensor's
     members: tuple[tuple[str, int, int], ...]  # (chunk id, offset, length) in the bundle's bytes
+    delta_bases: tuple[tuple[str, ...], ...] = ()  # as FileEntry's: a chunk of it met stored as a delta
 
     def to_obj(self) -> dict[str, Any]:
-        return {"nbytes": self.nbytes, "chunks": list(self.chunks), "members": [list(m) for m in self.members]}
+        o = {"nbytes": self.nbytes, "chunks": list(self.chunks), "members": [list(m) for m in self.members]}
+        if any(self.delta_bases):
+            o["delta_bases"] = [list(c) for c in self.delta_bases]
+        return o
 
     @classmethod
     def from_obj(cls, o: Any, chunk_size: int, what: str) -> BundleEntry:
@@ -150,7 +161,7 @@ class BundleEntry:
             if off < 0 or n <= 0 or off + n > nbytes:
                 raise StoreFormatError(f"{what}: bundle member {cid[:12]} lies outside the bundle")
             members.append((cid, off, n))
-        return cls(nbytes, chunks, tuple(members))
+        return cls(nbytes, chunks, tuple(members), _chains_of(o, chunks, f"{what}: bundle"))
 
 
 def _ints(raw: Any, key: str, what: str) -> list[int]:
@@ -163,6 +174,14 @@ def _chains(raw: Any, what: str) -> tuple[tuple[str, ...], ...]:
     if not isinstance(raw, list) or not all(isinstance(c, list) for c in raw):
         raise StoreFormatError(f"{what}: delta_bases must be a list of lists of chunk ids")
     return tuple(tuple(check_id(x) for x in c) for c in raw)
+
+
+def _chains_of(o: dict[str, Any], chunks: tuple[str, ...], what: str) -> tuple[tuple[str, ...], ...]:
+    """The ``delta_bases`` of entry ``o`` (of ``chunks``): one chain per chunk, or none."""
+    chains = _chains(o.get("delta_bases", []), what)
+    if chains and len(chains) != len(chunks):
+        raise StoreFormatError(f"{what} has delta_bases for {len(chains)} of {len(chunks)} chunks")
+    return chains
 
 
 def chunk_count(nbytes: int, chunk_size: int) -> int:

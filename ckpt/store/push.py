@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -166,7 +166,7 @@ def bundle_small(store: Store, picked: Mapping[str, PutTask],
     blob = b"".join(parts)
     bundle_tasks = put_tasks(MemBytes(memoryview(blob)).read, 0, len(blob), store.settings.chunk_size, 1)
     stored = put_chunks(store.objects, bundle_tasks, store.settings)
-    return (BundleEntry(len(blob), tuple(r.id for r in stored), tuple(members)),), bundle_tasks, stored
+    return (BundleEntry(len(blob), tuple(r.id for r in stored), tuple(members), chains_of(r.bases for r in stored)),), bundle_tasks, stored
 
 
 def _manifest(src: SourceIn, spans: list[tuple[int, int]], results: list[PutResult], reuse: Mapping[str, TensorEntry],
@@ -179,18 +179,26 @@ def _manifest(src: SourceIn, spans: list[tuple[int, int]], results: list[PutResu
         rs = next(groups)
         files.append(
             FileEntry(f.path, f.kind, f.size, tuple(r.id for r in rs), len(f.head) if f.kind == "safetensors" else 0,
-                      f.metadata if f.kind == "safetensors" else None)
+                      f.metadata if f.kind == "safetensors" else None, chains_of(r.bases for r in rs))
         )
         for t in f.tensors:
             rs = next(groups)
             if t.src is None:
                 tensors.append(replace(reuse[t.name], file=f.path))
                 continue
-            chains = tuple(r.bases for r in rs)
             tensors.append(TensorEntry(t.name, t.dtype, t.shape, t.nbytes, tuple(r.id for r in rs), f.path,
-                                       codecs=tuple(r.codec for r in rs),
-                                       delta_bases=chains if any(chains) else ()))
-    return Manifest(files=tuple(files), tensors=tuple(tensors), **fields)
+                                       codecs=tuple(r.codec for r in rs), delta_bases=chains_of(r.bases for r in rs)))
+    # A bundle's chains as ``results`` have them (the commit may have stored a chunk of it again, whole).
+    chain = {r.id: r.bases for r in results}
+    bundles = tuple(replace(b, delta_bases=chains_of(chain.get(c, ()) for c in b.chunks)) for b in fields.get("bundles", ()))
+    return Manifest(files=tuple(files), tensors=tuple(tensors), **{**fields, "bundles": bundles})
+
+
+def chains_of(chains: Iterable[tuple[str, ...]]) -> tuple[tuple[str, ...], ...]:
+    """The delta chains an entry records for its chunks (each chunk's, from what storing it did): one
+    per chunk, or none where each is stored whole. gc keeps every base named (docs/format.md)."""
+    out = tuple(chains)
+    return out if any(out) else ()
 
 
 def _commit(store: Store, src: SourceIn | None, manifest_of: Callable[[list[PutResult]], Manifest], tasks: list[PutTask],

@@ -104,3 +104,20 @@ def test_bundles_round_trip_and_are_checked():
         assert bad != data
         with pytest.raises((StoreFormatError, InvalidNameError)):
             Manifest.from_json(bad)
+
+
+def test_a_file_entry_records_the_chains_of_its_chunks():
+    """A file's chunk stored as a delta names its chain as a tensor's does (gc keeps its bases: storage's
+    reachability rule scans ``delta_bases`` in every entry); one chain per chunk, else damaged; a file
+    entry without chains is written as before (same bytes, same id)."""
+    plain = FileEntry("tok.dat", "blob", 16, (A, B))
+    chained = FileEntry("tok.dat", "blob", 16, (A, B), delta_bases=((), ("c" * 64,)))
+    assert "delta_bases" not in plain.to_obj()
+    assert FileEntry.from_obj(chained.to_obj(), "m") == chained
+    from ckpt_store.storage.chunk_lists import referenced_chunks
+
+    m = Manifest(source="dir", chunk_size=8, files=(chained,), tensors=(), created=1.0, message="")
+    assert referenced_chunks(m.to_json()) == {A, B, "c" * 64}
+    bad = {**chained.to_obj(), "delta_bases": [["c" * 64]]}
+    with pytest.raises(StoreFormatError, match="delta_bases for 1 of 2 chunks"):
+        FileEntry.from_obj(bad, "m")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import ckpt
 from ckpt.codecs.chunk import GSUB, SUB, XOR
@@ -268,3 +269,27 @@ def test_a_damaged_ref_elsewhere_does_not_stop_every_push(tmp_path, monkeypatch,
     mid = store.push(new, "new")
     assert store.manifest(mid).lineage["base"] == store.resolve("base")
     assert store.load("new")["w"].numpy().tobytes() == new["w"].numpy().tobytes()
+
+
+def test_a_file_chunk_met_as_a_delta_keeps_its_base_alive(tmp_path):
+    """A file's chunk (a folder's blob, a safetensors header) may be bytes the store holds as a delta: a
+    fine-tune's weight saved again as a raw file. The manifest named the chunk without its chain, so
+    with the fine-tune and its base removed, gc freed the base the chunk decodes with and the folder
+    could no longer be pulled. File (and bundle) entries now record the chains, as tensors do."""
+    store = _store(tmp_path)
+    base = _base()
+    store.push(base, "base")
+    ft = _finetune(base, 7)
+    store.push(ft, "ft", base="base")
+    assert any(t.delta_bases for t in store.manifest("ft").tensors if t.name == "w")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    save_file({"x": torch.ones(4)}, folder / "model.safetensors")
+    (folder / "w.dat").write_bytes(_bytes(ft["w"]))  # 256 KiB: the two chunks of ft's w, as they are stored
+    store.push(folder, "raw")
+    store.remove("ft")
+    store.remove("base")
+    store.gc(grace_s=0)
+    assert store.verify().ok
+    store.pull("raw", tmp_path / "back")
+    assert (tmp_path / "back" / "w.dat").read_bytes() == _bytes(ft["w"])
