@@ -185,7 +185,7 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
     (``False``) a dict holding such a key is the plain dict that version wrote; ``exact`` likewise for
     ``EXACT_TAGS``. ``torch_values=False`` (a reader checking a record, which need not import torch):
     a ``torch.Size`` comes back as a tuple and a Parameter as what ``tensor`` gives. ``span_bytes``: the most
-    memory a storage of pieces (a ``__view__`` span) may take, refused before it is allocated (a damaged or
+    memory the storages of pieces (``__view__`` spans) may take together, one past it refused before it is allocated (a damaged or
     forged length must not take all memory); its caller knows the bytes of the tensors the record names.
     """
 

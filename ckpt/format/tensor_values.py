@@ -144,8 +144,8 @@ def decode_tensor(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_value
     """The value of one of TENSOR_TAGS (``v`` a list), or None where ``v`` is not what :class:`TensorPlaces`
     writes. ``dec`` decodes a nested value; ``made``: each tensor's name -> the value decoded at its place;
     ``spans``: each span's name -> its storage (as elements), which of them a tensor holds, and how many elements
-    its tensors hold (:func:`spans_hold` checks them once the walk is done); ``span_bytes``: the most memory one
-    span may take (None: as much as an allocation gets)."""
+    its tensors hold (:func:`spans_hold` checks them once the walk is done); ``span_bytes``: the most memory the
+    spans may take together (None: as much as allocations get)."""
     if tag == SHARED:
         return _shared(v, dec, torch_values, made)
     if tag == VIEW:
@@ -236,8 +236,11 @@ def _span(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, spans: di
         return t
     import torch
 
-    if not isinstance(t, torch.Tensor) or (span_bytes is not None and v[4] * t.element_size() > span_bytes):
-        return None  # (a length past the bound: damaged, refused before its memory is taken)
+    # (past the bound, with the spans made before it: damaged, refused before its memory is taken; every span
+    # counts, since a forged manifest could make each tensor head a span of its own)
+    taken = sum(m.numel() * m.element_size() for m, _, _ in spans.values())
+    if not isinstance(t, torch.Tensor) or (span_bytes is not None and taken + v[4] * t.element_size() > span_bytes):
+        return None
     try:  # (a length no memory holds: damaged, as :func:`spans_hold` finds a length past its tensors)
         span = [torch.zeros(v[4], dtype=t.dtype), torch.zeros(v[4], dtype=torch.bool), 0]
     except RuntimeError:

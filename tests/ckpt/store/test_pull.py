@@ -1483,6 +1483,24 @@ def test_a_forged_span_length_is_refused_before_its_memory_is_taken(store, tmp_p
     assert int(r.stdout.split()[-1]) < 128, r.stdout  # MiB of peak memory the pull added (the span: 768)
     assert not (tmp_path / "out.pt").exists()
 
+    # Each span within the bound, but every tensor heading one (a review's forgery): the bound is for them all.
+    n = 400
+    torch.save({"m": {f"t{i}": torch.full((1024,), i % 100, dtype=torch.int8) for i in range(n)}, "epoch": 1},
+               tmp_path / "many.pt")
+    store.push(tmp_path / "many.pt", "many")
+
+    def spans(doc: dict) -> None:
+        doc["version"] = 6
+        inner = next(p for p in doc["extra"][""]["__dict__"] if p[0] == "m")[1]["__dict__"]
+        for pair in inner:
+            pair[1] = {"__view__": [pair[1], pair[1]["__tensor__"], 0, [1], 2 * n * 1024]}
+
+    _forge(store, "many", spans)
+    r = subprocess.run([sys.executable, "-c", _SPAN_MEMORY, str(store.url), str(tmp_path / "out.pt")],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0 and "refused" in r.stderr, r.stderr
+    assert int(r.stdout.split()[-1]) < 128, r.stdout  # (400 spans of 800 KiB and their maps: ~600 MiB before)
+
 
 @pytest.mark.parametrize("kind", ["columns", "rows"])
 def test_more_than_16_views_saved_before_their_base_pull_back_as_views(store, tmp_path, kind):
