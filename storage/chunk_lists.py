@@ -68,6 +68,28 @@ def referenced_chunks(manifest: bytes) -> set[str]:
     return out
 
 
+def recorded_chains(manifest: bytes) -> dict[str, frozenset[str]]:
+    """For each chunk a manifest names, the chunks its records say decoding it needs: the union of
+    the chains recorded beside it (``delta_bases[i]`` of ``chunks[i]``), and for a base the rest of
+    each chain it lies in. A blob at a store whose chain is within this set is one the record stands
+    for: gc keeps its bases as long as the manifest lives, and so does one copying the record (a push
+    naming the chunk as its base's manifest records it)."""
+    out: dict[str, set[str]] = {}
+    for node in chunk_nodes(parse_manifest(manifest)):
+        chunks, chains = node.get("chunks"), node.get("delta_bases")
+        if not isinstance(chunks, list):
+            continue
+        paired = chains if isinstance(chains, list) and len(chains) == len(chunks) else [[] for _ in chunks]
+        for cid, chain in zip(chunks, paired):
+            if not isinstance(cid, str):
+                continue
+            ids = [x for x in (chain if isinstance(chain, list) else []) if isinstance(x, str)]
+            out.setdefault(cid, set()).update(ids)
+            for i, x in enumerate(ids):
+                out.setdefault(x, set()).update(ids[i + 1:])
+    return {c: frozenset(v) for c, v in out.items()}
+
+
 def chunk_depths(manifest: bytes) -> dict[str, int]:
     """How many delta bases lie below each chunk a manifest names (0: stored whole).
 
@@ -87,4 +109,4 @@ def chunk_depths(manifest: bytes) -> dict[str, int]:
     return depth
 
 
-__all__ = ["CHUNK_LIST_KEYS", "ENTRY_SECTIONS", "chunk_depths", "chunk_nodes", "parse_manifest", "referenced_chunks"]
+__all__ = ["CHUNK_LIST_KEYS", "ENTRY_SECTIONS", "chunk_depths", "chunk_nodes", "parse_manifest", "recorded_chains", "referenced_chunks"]

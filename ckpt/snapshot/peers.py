@@ -42,7 +42,7 @@ from ckpt.snapshot.tiers import (
     out_of_space,
     snapshot_step,
 )
-from ckpt_store.storage.chunk_lists import referenced_chunks
+from ckpt_store.storage.chunk_lists import recorded_chains, referenced_chunks
 from ckpt_store.storage.errors import ObjectNotFoundError, RefNotFoundError, StorageIOError
 
 if TYPE_CHECKING:
@@ -260,11 +260,10 @@ class Peers:
         """Every rank copies the chunks it wrote that ``durable`` lacks; then the coordinator commits the
         manifest and refs there. None, or why it failed (the same on every rank)."""
         from ckpt.store.copy import copy_chunks
-        from ckpt_store.storage.chunk_lists import referenced_chunks
         from ckpt_store.storage.commit import commit
 
         try:
-            copy_chunks(self.local.store, durable, own, recode=not self.local.compress, named=referenced_chunks(data))
+            copy_chunks(self.local.store, durable, own, recode=not self.local.compress, named=recorded_chains(data))
             problem = None
         except Exception as e:  # noqa: BLE001 - every rank learns of it below
             problem = f"rank {self.rank}: {describe(e)}"

@@ -17,7 +17,7 @@ True
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -27,7 +27,7 @@ from ckpt.store.load import check_headers
 from ckpt.transfer.pipeline import fetch_chunk, stored_chain
 from ckpt_store.storage import copy as storage_copy
 from ckpt_store.storage.backends.base import Data
-from ckpt_store.storage.chunk_lists import referenced_chunks
+from ckpt_store.storage.chunk_lists import recorded_chains
 from ckpt_store.storage.copy import ChunkCheck, ChunkRecode, ChunkTaken, CopyItem, CopyReport, copy_checkpoints
 from ckpt_store.storage.errors import CkptError, InvalidNameError, RefNotFoundError, StoreFormatError
 from ckpt_store.storage.objects import ObjectStore
@@ -189,9 +189,12 @@ def raw_recoder(dst: Store) -> ChunkRecode:
 
 
 def _items(src: Store, specs: Iterable[str]) -> tuple[list[CopyItem], dict[str, int], dict[str, frozenset[str]]]:
-    """The items to copy, the decoded length of every chunk they need, and for each such chunk what
-    a gc keeps alive for it as long as any of them lives: the chunks (delta bases included) of every
-    manifest naming it, in common (``referenced_chunks``, gc's rule)."""
+    """The items to copy, the decoded length of every chunk they need, and for each such chunk the
+    bases a blob of it may need at the destination: those every manifest naming it records for it
+    (``recorded_chains``), in common. Any chunk the manifest names would do for gc while it lives,
+    but its record must stand for the blob too: a push into the destination names the chunk with its
+    base's record, not a header read (ckpt/transfer/writing.py, ``Recorded``), and gc keeps what
+    that push's manifest names."""
     items, weights = [], {}
     allowed: dict[str, frozenset[str]] = {}
     for spec in specs:
@@ -211,8 +214,7 @@ def _items(src: Store, specs: Iterable[str]) -> tuple[list[CopyItem], dict[str, 
             if weights.setdefault(cid, n) != n:
                 raise StoreFormatError(f"the checkpoints to copy give chunk {cid[:12]} two lengths ({weights[cid]} and {n} "
                                        f"bytes, the second in {ref}): one of them is damaged", hint="run `ckpt verify` on the source")
-        kept = frozenset(referenced_chunks(src.objects.get_manifest(mid)))
-        for cid in kept:
+        for cid, kept in recorded_chains(src.objects.get_manifest(mid)).items():
             allowed[cid] = allowed[cid] & kept if cid in allowed else kept
     return items, weights, allowed
 
@@ -245,18 +247,17 @@ def _concurrency(src: Store, dst: Store) -> int:
 
 
 def copy_chunks(src: Store, dst: Store, ids: Iterable[str], *, recode: bool = False,
-                named: Iterable[str] | None = None) -> CopyReport:
+                named: Mapping[str, frozenset[str]] | None = None) -> CopyReport:
     """Copy the chunks ``ids`` that ``dst`` lacks from ``src``, as stored (``recode``: raw ones
     compressed, :func:`raw_recoder`), each decoded and re-hashed first; bases of delta chunks come
     along. Nothing else is written.
 
-    ``named``: every chunk the manifest about to be committed at ``dst`` names (delta bases
-    included: gc's rule). A chunk ``dst`` holds as a delta against a chunk outside it is sent
-    again, whole, and so is one sent that is such a delta (:func:`_check_present`); without
+    ``named``: what the manifest about to be committed at ``dst`` records of each chunk
+    (``recorded_chains`` of it). A chunk ``dst`` holds as a delta against a chunk outside that is
+    sent again, whole, and so is one sent that is such a delta (:func:`_check_present`); without
     ``named``, every delta is."""
     ids = set(ids)
-    keep = frozenset(named) if named is not None else frozenset()
-    allowed = dict.fromkeys(ids, keep)
+    allowed = {c: (named or {}).get(c, frozenset()) for c in ids}
     lengths: dict[str, int | None] = dict.fromkeys(ids)
     resend = _check_present(dst, lengths, allowed)
     replacing = set(resend)

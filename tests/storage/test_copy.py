@@ -9,10 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import ckpt  # noqa: E402
 from ckpt.store.copy import copy_refs  # noqa: E402
-from ckpt_store.storage.chunk_lists import (
-    chunk_depths,  # noqa: E402
-    referenced_chunks,  # noqa: E402
-)
+from ckpt_store.storage.chunk_lists import chunk_depths, recorded_chains, referenced_chunks  # noqa: E402
 from ckpt_store.storage.errors import CorruptObjectError, StorageIOError  # noqa: E402
 
 SMALL = {"chunk_size": 64 * 1024}
@@ -256,7 +253,7 @@ def test_chunks_copied_before_a_commit_are_not_left_as_deltas_against_what_it_do
     data = src.objects.get_manifest(mid)
     ids = referenced_chunks(data)
     assert any(stored_chain(dst.objects, c)[1] for c in ids)  # held at dst as deltas against base's chunks
-    copy_chunks(src, dst, ids, named=ids)
+    copy_chunks(src, dst, ids, named=recorded_chains(data))
     commit(dst.objects, dst.refs_db, data, "mine")
     dst.remove("base")
     dst.remove("ft")

@@ -154,3 +154,33 @@ def test_a_blob_written_after_the_base_manifest_has_its_header_read(s3_url, tmp_
     out = tmp_path / "ft.out.safetensors"
     ft_store.pull("ft", str(out))
     assert out.read_bytes() == open(ft_file, "rb").read()
+
+
+def test_a_copied_manifest_records_what_its_blobs_at_the_destination_need(s3_url, tmp_path):
+    """A copy kept a blob the destination held as a delta wherever its base was any chunk the copied
+    manifest names; the manifest's record for that chunk could say "stored whole". A push naming the
+    chunk as that record says (its base's manifest, no header read) then let gc free the base (a review
+    found it: verify "chunk ... is missing"). A copy now keeps a blob only where the record of that
+    chunk names its chain, else sends it whole: every record stands for its blob."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    d = torch.randn(16384, generator=g)
+    c, e = d + 1e-4 * torch.randn(16384, generator=g), torch.randn(16384, generator=g)
+    dst = ckpt.Store.init(s3_url, settings=_settings())
+    for name, sd, base in (("p1", {"x": d}, None), ("p2", {"x": c}, "p1")):
+        save_file(sd, tmp_path / f"{name}.safetensors")
+        dst.push(str(tmp_path / f"{name}.safetensors"), name, base=base)
+    assert any(dst.manifest("p2").tensors[0].chains())  # c is stored as a delta against d there
+    src = ckpt.Store.init(str(tmp_path / "src"), settings=_settings())
+    save_file({"x": c, "y": d}, tmp_path / "m.safetensors")
+    src.push(str(tmp_path / "m.safetensors"), "m")  # c and d stored whole here: its record says so
+    src.copy_to(dst, ["m"])
+    save_file({"x": c, "y": e}, tmp_path / "n.safetensors")
+    dst.push(str(tmp_path / "n.safetensors"), "n", base="m")
+    for r in ("p1", "p2", "m"):
+        dst.remove(r)
+    dst.gc(grace_s=0)
+    assert dst.verify().ok
+    dst.pull("n", str(tmp_path / "out.safetensors"))
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "n.safetensors").read_bytes()
