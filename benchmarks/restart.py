@@ -454,7 +454,7 @@ def main() -> None:
         by = f"{tiers['local'] / MB:.0f} / {tiers['peer'] / MB:.0f} / {tiers['store'] / MB:.0f} MB" if tiers else "-"
         lines.append(f"| {name} | {r:.3f} | {med(name, 'cpu_s'):.3f} | {med(name, 'total_s'):.3f} | {ratio(r, 'torch.load cold')} | "
                      f"{ratio(r, 'torch.load warm')} | {by} |")
-    if server is not None:
+    if server is not None and "ckpt durable S3" in results:  # (not run where --only leaves it out)
         gets = sorted({r["gets"] for r in results["ckpt durable S3"]})
         lines += ["", f"S3: SeaweedFS on 127.0.0.1 (same cores), no chunk cache. `ckpt durable S3` made "
                       f"{', '.join(map(str, gets))} GETs (refs, manifest, chunks) for a snapshot of {s3_chunks} chunks: "

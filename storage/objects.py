@@ -103,9 +103,10 @@ class ObjectStore:
         by_path = {self.path(kind, o): o for o in oids}
         return {by_path[p] for p in self.backend.exists_many(by_path)}
 
-    def written_times(self, kind: str, lookups: int) -> Callable[[str], float | None]:
+    def written_times(self, kind: str, lookups: int, *, times: bool = True) -> Callable[[str], float | None]:
         """For a batch of about ``lookups`` questions: when object ``oid`` was written (the
-        store's time, as :meth:`Backend.mtime` gives it; 0.0 where the backend cannot tell),
+        store's time, as :meth:`Backend.mtime` gives it; 0.0 where the backend cannot tell, or
+        ``times`` is False: only whether it is stored, one request less where no listing answers),
         or None when it is not stored.
 
         On a remote store whose ``objects/<kind>`` lists in fewer requests than that many
@@ -113,6 +114,8 @@ class ObjectStore:
         else is just written again; one deleted later is caught by ``commit``'s check).
         """
         listed = self.backend.list_times(f"objects/{kind}", lookups)
+        if listed is None and not times:
+            return lambda oid: 0.0 if self.backend.exists(self.path(kind, oid)) else None
         if listed is None:
             return lambda oid: self.backend.written(self.path(kind, oid))
         names = {p.rsplit("/", 1)[-1]: t for p, t in listed.items()}

@@ -383,9 +383,10 @@ def _hold(path: str) -> int:
     Two managers on one tier would prune and collect each other's snapshots: a tier is
     collected with no grace period because its manager is its only writer. A holder in
     this process that is no longer referenced (a notebook cell run again) is collected
-    first; one still referenced is refused at once (waiting for it would only wait out
-    :data:`LOCK_WAIT_S`); one elsewhere is waited for up to :data:`LOCK_WAIT_S` (a restarted
-    job whose old process is still exiting), then refused."""
+    first, or once the save it had in flight is done; any holder is waited for up to
+    :data:`LOCK_WAIT_S` (a restarted job whose old process is still exiting), then refused,
+    saying whether it is of this process. (Refusing one of this process at once refused that
+    notebook's second manager while the first one's save was still running.)"""
     from ckpt.snapshot.run import SnapshotError
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
@@ -410,20 +411,16 @@ def _hold(path: str) -> int:
             gc.collect()
             collected = time.monotonic()
             continue
-        with _HELD_LOCK:
-            ours = key in _HELD
-        if ours:
+        if time.monotonic() >= deadline:
             os.close(fd)
-            raise SnapshotError(f"local tier {path} is in use by another CheckpointManager of this process",
+            with _HELD_LOCK:
+                ours = key in _HELD
+            where = "of this process" if ours else "(in this process or another)"
+            raise SnapshotError(f"local tier {path} is in use by another CheckpointManager {where} and was not let go "
+                                f"within {LOCK_WAIT_S:g} s",
                                 hint="close the other manager first (mgr.close(), or `with CheckpointManager(...)`; "
                                      "one dropped with a save in flight lets go once that save is done), or give "
                                      "this one a local=PATH of its own")
-        if time.monotonic() >= deadline:
-            os.close(fd)
-            raise SnapshotError(f"local tier {path} is in use by another CheckpointManager (in this process or "
-                                f"another) and was not let go within {LOCK_WAIT_S:g} s",
-                                hint="close the other manager (mgr.close(), or `with CheckpointManager(...)`), "
-                                     "or give this one a local=PATH of its own")
         if not warned:
             log.warning("waiting for local tier %s: another CheckpointManager holds it", path)
             warned = True

@@ -164,7 +164,7 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
             slots.release()
 
     # Remote stores: one listing instead of a HEAD per chunk (and when each was written).
-    written = None if objects.backend.touches else objects.written_times("chunks", len(tasks))
+    written = None if objects.backend.touches else objects.written_times("chunks", len(tasks), times=recorded is not None)
     # Each chunk id's first task stores it; a later one waits for that and takes its result.
     firsts: dict[str, tuple[threading.Event, list[PutResult]]] = {}
 

@@ -62,3 +62,25 @@ def test_inventory_is_every_listing_in_one_walk(store_url, tmp_path):
     assert [(o.id, o.size) for o in found["chunks"] if o.id == chunks[4]] == [(chunks[4], 5)]
     assert [o.id for o in found["manifests"]] == [mid] and found["manifests"][0].kind == "manifests"
     assert [p for p, _, _ in temps] == [p for p, _, _ in objs.list_temporaries()] == [f"objects/chunks/{chunks[0][:2]}/.tmp-leftover"]
+
+
+
+def test_presence_without_times_asks_one_question_a_chunk(monkeypatch):
+    """A push asks of each chunk whether the store holds it; when it was written matters only where a
+    base's manifest records chains it may trust (put_chunks passes ``times`` then). On a remote fsspec
+    store that cannot list (gs://, memory://), every chunk cost an existence check and a time query:
+    without ``times``, the existence check alone."""
+    import uuid
+
+    objects = ObjectStore(open_backend(f"memory://ckpt-test-{uuid.uuid4().hex}"))
+    held = object_id(b"held")
+    objects.put("chunks", held, b"held")
+    asked: list[str] = []
+    real = objects.backend.mtime
+    monkeypatch.setattr(objects.backend, "mtime", lambda p: asked.append(p) or real(p))
+    if objects.backend.list_times("objects/chunks", 2) is not None:
+        pytest.skip("this backend lists objects with their times")
+    present = objects.written_times("chunks", 2, times=False)
+    assert present(held) is not None and present(object_id(b"absent")) is None and asked == []
+    timed = objects.written_times("chunks", 2)
+    assert timed(held) and asked == [objects.path("chunks", held)]

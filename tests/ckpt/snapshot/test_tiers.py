@@ -480,29 +480,34 @@ def test_local_true_picks_a_stable_path_under_dev_shm(tmp_path, monkeypatch):
     assert c.local_tier.path.startswith(str(tmp_path / "nvme") + os.sep)
 
 
-def test_one_manager_per_local_tier(tmp_path):
+def test_one_manager_per_local_tier(tmp_path, monkeypatch):
     """Two managers on one tier would prune and collect each other's snapshots (a tier is collected
-    with no grace period): the second is refused in one line. One of this process is refused at once:
-    it waited LOCK_WAIT_S (30 s) for a holder that cannot let go meanwhile (one of another process is
-    still waited for: test_a_local_tier_held_by_another_process_is_refused_until_it_dies).
-    A first manager dropped without close() (a notebook cell run again) lets go as it is freed."""
+    with no grace period): the second is refused in one line, naming a holder of this process as such
+    (one of another process: test_a_local_tier_held_by_another_process_is_refused_until_it_dies).
+    A first manager dropped without close() (a notebook cell run again) lets go as it is freed, also
+    while a save of it is still in flight: the second waits for that save (it was refused at once)."""
     import ckpt.snapshot.tiers as tiers
 
-    assert tiers.LOCK_WAIT_S == 30
     kw = {"local": str(tmp_path / "local"), "local_every_n_steps": 1}
     a = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
-    for other in (str(tmp_path / "d"), str(tmp_path / "d2")):  # (the same folder, whatever store names it)
-        with pytest.raises(ckpt.CkptError, match="in use by another CheckpointManager of this process") as e:
-            ckpt.CheckpointManager(other, "run", **kw)
-        assert "close the other manager" in e.value.hint
+    with monkeypatch.context() as m:
+        m.setattr(tiers, "LOCK_WAIT_S", 1.5)  # (the wait for a holder that never lets go, made short)
+        for other in (str(tmp_path / "d"), str(tmp_path / "d2")):  # (the same folder, whatever store names it)
+            with pytest.raises(ckpt.CkptError, match="in use by another CheckpointManager of this process") as e:
+                ckpt.CheckpointManager(other, "run", **kw)
+            assert "close the other manager" in e.value.hint
     a.close()
     b = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
     b.save(1, {"w": torch.arange(4.0)})
-    b.wait()  # (a save in flight holds the manager until it is done: slower than LOCK_WAIT_S on a busy machine)
+    b.wait()
     del b  # not closed: its tier goes when it is freed
     c = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
     assert c.local_tier.steps == [1]
-    c.close()
+    c.save(2, {"w": torch.randn(16_000_000)})  # 64 MB: its background save is still running below
+    del c  # dropped with the save in flight
+    d = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
+    assert d.local_tier.steps == [1, 2]
+    d.close()
 
 
 @pytest.mark.parametrize("save_mode", ["sync", "async"])
