@@ -111,8 +111,8 @@ def test_two_pushes_storing_one_chunk_differently_keep_every_checkpoint_whole(s3
     written_by_a = set(a.manifest.tensors[0].chunks)
     real_times, looked = store.objects.written_times, set()
 
-    def times_as_before_a_wrote(kind, lookups):  # B's look at A's chunks came before A wrote them
-        stored = real_times(kind, lookups)
+    def times_as_before_a_wrote(kind, lookups, **kw):  # B's look at A's chunks came before A wrote them
+        stored = real_times(kind, lookups, **kw)
         return lambda oid: None if oid in written_by_a and not looked.add(oid) else stored(oid)
 
     monkeypatch.setattr(store.objects, "written_times", times_as_before_a_wrote)
