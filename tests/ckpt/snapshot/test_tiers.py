@@ -874,6 +874,7 @@ with warnings.catch_warnings(record=True) as caught:
 print(*[str(w.message) for w in caught], sep="\\n", file=sys.stderr)
 torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, out)
 mgr.close()
+dist.destroy_process_group()  # (left to interpreter exit, gloo's threads once aborted it under load: SIGABRT)
 """
 
 
