@@ -878,7 +878,8 @@ def test_a_server_that_never_answers_fails_a_request_at_its_deadline_not_after_e
     server = _Server(lambda n: None)
     try:
         b = _backend(server, 1.0, read_timeout=1, connect_timeout=1)
-        with pytest.raises(StorageIOError, match="no answer in 1 s \\(1 attempt\\)") as e:
+        # (the seconds it says are those it waited: 1 s of read timeout, more on a busy machine; one attempt)
+        with pytest.raises(StorageIOError, match="no answer in [0-9]+ s \\(1 attempt\\)") as e:
             b.exists("objects/x")
         assert e.value.retryable and "CKPT_REQUEST_DEADLINE" in str(e.value.hint)
         assert server.connections == 1  # not one per retry
