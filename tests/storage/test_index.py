@@ -255,9 +255,7 @@ def test_du_on_s3_asks_which_manifests_exist_of_the_listing_it_made(s3_main_url,
     a second listing of objects/manifests (or a HEAD each): on S3 the first listing answers (one
     LIST page per 1,000 manifests fewer). A manifest deleted is still named damaged, as without
     the index."""
-    store = ckpt.Store.init(s3_main_url)
-    build(store, n=12)
-    store.ls()  # an index snapshot, as a store in use has
+    store = in_use(s3_main_url, 12)
     b = store.backend
     heads, pages = [], []
     real_head, real_page = b._head, b._list_page
@@ -309,15 +307,21 @@ class Pages:
         return max(i for i, (w, p) in enumerate(self.log) if w == what and p.startswith(prefix))
 
 
+def in_use(url: str, n: int) -> ckpt.Store:
+    """A store at ``url`` holding a base and ``n`` fine-tunes, with an index snapshot (as a store in use has)."""
+    store = ckpt.Store.init(url)
+    build(store, n=n)
+    store.ls()
+    return store
+
+
 def test_du_on_s3_lists_the_objects_while_it_reads_the_index_and_refs(s3_main_url, monkeypatch):
     """du's largest part on S3 is the listing of every object (a page per 1,000), which it made
     before reading the index and listing refs/: requests one after another (at 1,000 refs on
     SeaweedFS, 6 pages of objects, then 9 reads of the index and a page of refs). They are
     independent, and are now asked for together: the objects' first page is answered here only
     once refs/ has been asked for. The answer is the same, with the same requests."""
-    store = ckpt.Store.init(s3_main_url)
-    build(store, n=6)
-    store.ls()  # an index snapshot, as a store in use has
+    store = in_use(s3_main_url, 6)
     expected = off(store).du()
     pages = Pages(store, monkeypatch, hold="objects/", until="refs/")
     assert store.du() == expected
@@ -331,9 +335,7 @@ def test_ls_on_s3_checks_the_manifests_exist_while_it_lists_refs(s3_main_url, mo
     SeaweedFS a page each, one after the other. The manifests the loaded index names are checked
     while refs/ is listed (the page of refs/ is answered here only once the manifests' has been
     asked for); one that only the listing of refs shows is read. A manifest deleted is still named damaged."""
-    store = ckpt.Store.init(s3_main_url)
-    build(store, n=12)
-    store.ls()  # an index snapshot, as a store in use has
+    store = in_use(s3_main_url, 12)
     expected = off(store).ls()
     pages = Pages(store, monkeypatch, hold="refs/", until="objects/manifests")
     assert store.ls() == expected
@@ -353,9 +355,7 @@ def test_gc_dry_run_on_s3_lists_each_prefix_once_and_loads_the_index_while_it_li
     listed. It lists each prefix once, and loads the index while the objects are listed (index/ is
     asked for before the objects' first page is answered); refs/ is still listed only after the
     objects (what the plan's safety rests on: module docstring of storage/gc.py). The same plan."""
-    store = ckpt.Store.init(s3_main_url)
-    build(store, n=6)
-    store.ls()  # an index snapshot, as a store in use has
+    store = in_use(s3_main_url, 6)
     leftover = f"{PREFIX}/.tmp-interrupted"
     store.backend.write(leftover, b"x")  # an interrupted write's leftover: found by the index's own listing
     plan = off(store).gc(grace_s=0, dry_run=True)
