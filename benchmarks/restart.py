@@ -387,19 +387,15 @@ def main() -> None:
         log(f"{name}: restore {r['restore_s']:.3f} s ({r['cpu_s']:.3f} CPU-s), from process start {r['total_s']:.3f} s "
             f"{r.get('tiers', '')}")
 
+    # Restores from a file on disk, its pages evicted first (cold) or read in (warm): row, kind, path.
+    on_disk = [(f"{label} {temp}", kind, path, prepare) for label, kind, path in
+               (("torch.load", "torch.load", work / "state.pt"), ("ckpt durable", "durable", work / "durable"))
+               for temp, prepare in (("cold", evict), ("warm", warm))]
     for _ in range(args.reps):
-        if runs("torch.load cold"):
-            evict(work / "state.pt")
-            rec("torch.load cold", spawn(args, "torch.load", work / "state.pt"))
-        if runs("torch.load warm"):
-            warm(work / "state.pt")
-            rec("torch.load warm", spawn(args, "torch.load", work / "state.pt"))
-        if runs("ckpt durable cold"):
-            evict(work / "durable")
-            rec("ckpt durable cold", spawn(args, "durable", work / "durable"))
-        if runs("ckpt durable warm"):
-            warm(work / "durable")
-            rec("ckpt durable warm", spawn(args, "durable", work / "durable"))
+        for name, kind, path, prepare in on_disk:
+            if runs(name):
+                prepare(path)
+                rec(name, spawn(args, kind, path))
         if runs("ckpt local tier"):
             rec("ckpt local tier", spawn(args, "local", work / "durable", local=shm / "tier"))
         if server is not None and runs("boto3 download + torch.load (S3)"):
