@@ -230,12 +230,12 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     with ThreadPoolExecutor(1, thread_name_prefix="ckpt-gc") as pool:
         # The index is loaded while the store's clock is read and its objects listed (on S3 those
         # are requests one after another): only the refs must be listed after the objects.
-        loading = pool.submit(index.load, chunks=True) if index is not None else None
+        loading = pool.submit(index.load_and_temporaries, chunks=True) if index is not None else None
         now = store_now(objects.backend, write=recover)
         cutoff = now - grace_s
         # A dry run puts nothing back, so it plans with what the real run's recovery will find.
         listed, temps = objects.inventory(as_recovered=not recover and objects.backend.recovers_condemned)
-        loaded = loading.result() if loading is not None else None
+        loaded, index_temps = loading.result() if loading is not None else (None, [])
 
     # With the metadata index, ref histories come from it (checked against the listing of
     # refs), and a root manifest that is in the listing has its chunk lists read from it (a
@@ -248,7 +248,7 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     found = gc_roots(refs, keep_history=keep_history, histories=view.entries() if view is not None else None)
     # Those of index/ from the listing the index's load made, not a second one.
     temps += [*(view.temporaries if view is not None else found.temporaries),
-              *(index.temporaries if index is not None else objects.list_temporaries(("index",)))]
+              *(index_temps if index is not None else objects.list_temporaries(("index",)))]
     # What a damaged ref entry keeps alive is unknown: delete nothing. Without history only each
     # ref's newest entry counts, and a damaged older one hides nothing; nor does one older than a
     # removal (the index's view, which a dry run reads, holds no entry behind a removal: it agrees).

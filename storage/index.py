@@ -95,11 +95,10 @@ class StoreIndex:
         """The index as stored (:meth:`IndexFiles.load`), or None when it has no usable snapshot."""
         return self.files.load(chunks=chunks, recent=recent, logs=logs)
 
-    @property
-    def temporaries(self) -> list[tuple[str, float, int]]:
-        """The leftovers of interrupted writes below index/ that its last listing passed, as
-        :meth:`ObjectStore.list_temporaries` gives them (gc's, without listing index/ again)."""
-        return self.files.temporaries
+    def load_and_temporaries(self, *, chunks: bool = False) -> tuple[IndexState | None, list[tuple[str, float, int]]]:
+        """:meth:`load`, and the leftovers of interrupted writes below index/ that the listing it read from
+        passed, as :meth:`ObjectStore.list_temporaries` gives them (gc's, without listing index/ again)."""
+        return self.files.load_and_temporaries(chunks=chunks)
 
     def newest_seq(self, name: str) -> int | None:
         """The newest entry number of ref ``name`` the index's newest snapshot records (a listing of

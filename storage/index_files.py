@@ -70,6 +70,10 @@ def _part(head: dict[str, Any], key: str, what: str) -> str:
     return f"{PREFIX}/{name}"
 
 
+# A listing of index/: snapshots (generation, mtime, path), logs by generation, the top generation, temporaries.
+Listing = tuple[list[tuple[int, float, str]], dict[int, str], int, list[tuple[str, float, int]]]
+
+
 class _Restart(Exception):
     """An index object vanished while it was read (a concurrent compaction): read again."""
 
@@ -82,9 +86,11 @@ class IndexFiles:
         self.max_gen: int | None = None  # newest generation this process knows of
         self.bad: set[str] = set()  # damaged snapshots seen: deleted by the next snapshot
         self.newer = False  # the newest snapshot is of a newer index version: write no snapshot over it
-        self.temporaries: list[tuple[str, float, int]] = []  # leftovers of interrupted writes its last listing passed
 
-    def listing(self) -> tuple[list[tuple[int, float, str]], dict[int, str], int]:
+    def listing(self) -> Listing:
+        """One listing of ``index/``: its snapshots (generation, mtime, path; oldest first), its logs by
+        generation, the highest generation, and the leftovers of interrupted writes it passed (path,
+        mtime, size), which are this listing's: a value, never state another thread's listing replaces."""
         snaps, logs, top = [], {}, 0
         temporaries = []
         for e in self.backend.list(PREFIX):
@@ -98,8 +104,7 @@ class IndexFiles:
                 snaps.append((int(m.group(1)), e.mtime, e.path))
                 top = max(top, int(m.group(1)))
         snaps.sort()
-        self.temporaries = temporaries
-        return snaps, logs, top
+        return snaps, logs, top, temporaries
 
     def _get(self, path: str, limit: int = MAX_INDEX_BYTES, *, head: bool = False) -> bytes:
         """The object at ``path`` (``head``: its first bytes, where a snapshot's header line is); b""
@@ -122,12 +127,19 @@ class IndexFiles:
         ``recent``: only the refs updated most recently (:data:`~ckpt_store.storage.index_state.RECENT`), for base choice.
         ``logs``: False for the snapshot alone (what it says is then older still).
         """
+        return self.load_and_temporaries(chunks=chunks, recent=recent, logs=logs)[0]
+
+    def load_and_temporaries(self, *, chunks: bool = False, recent: bool = False, logs: bool = True
+                             ) -> tuple[IndexState | None, list[tuple[str, float, int]]]:
+        """:meth:`load`, and the leftovers of interrupted writes below ``index/`` that the listing it
+        read from passed (gc's, without listing index/ again)."""
         for _ in range(4):
+            listed = self.listing()
             try:
-                return self._load(chunks, recent and not chunks, logs)
+                return self._load(listed, chunks, recent and not chunks, logs), listed[3]
             except _Restart:
                 continue
-        return None
+        return None, listed[3]
 
     def chunk_lists(self, head: dict[str, Any], path: str) -> dict[str, list[Any]]:
         """The chunk lists of the snapshot at ``path`` (whose header is ``head``): the part it names."""
@@ -137,8 +149,8 @@ class IndexFiles:
             raise StoreFormatError(f"index chunk lists {cpath} are not the ones {path} names")
         return cbody
 
-    def _load(self, chunks: bool, recent: bool, with_logs: bool = True) -> IndexState | None:
-        snaps, logs, top = self.listing()
+    def _load(self, listed: Listing, chunks: bool, recent: bool, with_logs: bool = True) -> IndexState | None:
+        snaps, logs, top, _ = listed
         self.max_gen = top
         if not snaps:
             return None
@@ -263,7 +275,7 @@ class IndexFiles:
     def append_log(self, rec: dict[str, Any], what: str) -> int | None:
         """Write ``rec`` (a ref update, what :meth:`IndexState.apply_log` reads) as the log of the next free
         generation; the number of logs after the newest snapshot then, or None where none was written."""
-        snaps, logs, gen = self.listing()  # listed each time: a long-lived writer's memory of it is stale
+        snaps, logs, gen, _ = self.listing()  # listed each time: a long-lived writer's memory of it is stale
         for _ in range(20):
             gen += 1
             if gen > MAX_GEN:  # an 11-digit name would be written, never listed, and never pruned
@@ -275,7 +287,7 @@ class IndexFiles:
             if self.backend.create_exclusive_cache(f"{PREFIX}/{gen:010d}.log", body):
                 logs[gen] = ""
                 break
-            snaps, logs, top = self.listing()  # another writer took gen: look again
+            snaps, logs, top, _ = self.listing()  # another writer took gen: look again
             gen = max(gen, top)
         else:
             log.warning("metadata index: gave up appending %s (busy)", what)

@@ -24,7 +24,7 @@ from ckpt.format.entries import TensorEntry, split_lengths
 from ckpt.format.manifest import Manifest
 from ckpt.format.names import name_selected
 from ckpt.progress import NullProgress, Progress, reporting
-from ckpt.transfer.pipeline import GetTask, get_chunks
+from ckpt.transfer.pipeline import GetTask, ReadPool, get_chunks
 from ckpt_store.storage.errors import StoreFormatError
 
 if TYPE_CHECKING:
@@ -104,25 +104,32 @@ def _pieces(c: Copy) -> list[Copy]:
 
 
 def run_copies(store: Store, m: Manifest, copies: list[Copy], progress: Progress | None = None,
-               get: Callable[[list[GetTask], Progress], None] | None = None) -> None:
+               get: Callable[[list[GetTask], Progress], None] | None = None, pool: ReadPool | None = None) -> None:
     """Perform every copy, fetching chunks in parallel, in passes of about :data:`BATCH_BYTES`.
 
     ``progress`` is advanced by the decoded bytes of each chunk (the caller starts and finishes it).
-    ``get(tasks, progress)`` fetches chunks instead of ``store`` (snapshot tiers)."""
+    ``get(tasks, progress)`` fetches chunks instead of ``store`` (snapshot tiers). ``pool``: the
+    reading threads, and the bundles fetched, of an operation of several calls (a pull's batches);
+    by default this call's own: a bundle of ``m`` is fetched once, not again by each pass that
+    needs a member of it (kept within ``inflight_mb``, as :class:`ReadPool` keeps them)."""
+    if get is None and pool is None:
+        with ReadPool() as own:
+            run_copies(store, m, copies, progress, pool=own)
+        return
     batch: list[Copy] = []
     size = 0
     for c in (p for c in copies for p in _pieces(c)):
         batch.append(c)
         size += _copy_bytes(c)
         if size >= BATCH_BYTES:
-            _run_batch(store, m, batch, progress, get)
+            _run_batch(store, m, batch, progress, get, pool)
             batch, size = [], 0
     if batch:
-        _run_batch(store, m, batch, progress, get)
+        _run_batch(store, m, batch, progress, get, pool)
 
 
 def _run_batch(store: Store, m: Manifest, copies: list[Copy], progress: Progress | None,
-               get: Callable[[list[GetTask], Progress], None] | None = None) -> None:
+               get: Callable[[list[GetTask], Progress], None] | None = None, pool: ReadPool | None = None) -> None:
     import torch
 
     cs = m.chunk_size
@@ -154,7 +161,7 @@ def _run_batch(store: Store, m: Manifest, copies: list[Copy], progress: Progress
     if get is not None:
         get(tasks, progress or NullProgress())
     else:
-        get_chunks(store.objects, tasks, store.settings, progress or NullProgress(), manifest=m)  # (its bundles too)
+        get_chunks(store.objects, tasks, store.settings, progress or NullProgress(), manifest=m, pool=pool)  # (its bundles too)
     with torch.no_grad():
         for name, c in post:
             if name is not None:
@@ -291,7 +298,7 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
     entries = {t.name: t for t in m.tensors}
 
     def fill(tmps: list[str]) -> None:
-        with OutputFile(tmps[0], len(head) + sum(t.nbytes for t in items)) as out, \
+        with OutputFile(tmps[0], len(head) + sum(t.nbytes for t in items)) as out, ReadPool() as pool, \
                 reporting(progress, "pull", sum(t.nbytes for t in items)) as p:
             out.write_at(head, 0)
             pos = len(head)
@@ -299,7 +306,7 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
             copies: list[Copy] = []
 
             def flush() -> None:
-                run_copies(store, m, copies, p)
+                run_copies(store, m, copies, p, pool=pool)  # (the file's batches share its bundles)
                 for at, full in batch:
                     out.write_at(byte_view(full), at)
                 batch.clear()

@@ -116,22 +116,19 @@ def well_formed(st: IndexState, mids: list[str]) -> list[str]:
     return mids
 
 
-def stored(store: Store, st: IndexState, mids: list[str], listed: set[str] | None = None,
-           present: set[str] | None = None) -> list[str]:
+def stored(store: Store, st: IndexState, mids: list[str], present: set[str] | None = None) -> list[str]:
     """``mids``, after dropping from ``st`` the summaries of those the store does not hold, so that
     :meth:`StoreIndex.ensure` fails on them as the commands do without the index: a summary outlives
     its manifest where the manifest was deleted, or the store copied without it. One batch of
     existence checks (a stat each locally; on S3 a listing where that is cheaper).
 
-    ``listed``: the manifest ids a listing of the store made just before showed (``du``'s), which
-    answers instead where a listing names only objects (:attr:`Backend.lists_only_objects`: S3),
-    rather than listing the manifests again; one written since is not in it, and is read.
-    ``present``: those found stored by :meth:`ObjectStore.has_many` just before, of the ids the caller
-    asked about then (``ls``'s, while it listed refs): any other is read."""
+    ``present``: manifest ids the caller found stored just before, instead of those checks: what
+    :meth:`ObjectStore.has_many` found of the ids it asked about (``ls``'s, while it listed refs), or
+    a listing's manifests where a listing names only objects (``du``'s on S3). A summary of any
+    other (one written since, or not asked about) is dropped, and its manifest read."""
     known = [m for m in dict.fromkeys(mids) if m in st.info]
     if present is None:
-        present = (listed.intersection(known) if listed is not None and store.backend.lists_only_objects
-                   else store.objects.has_many("manifests", known))
+        present = store.objects.has_many("manifests", known)
     for mid in known:
         if mid not in present:
             del st.info[mid]
@@ -242,8 +239,8 @@ def viewed_live_refs(store: Store) -> tuple[dict[str, RefEntry], IndexState | No
     return st.live(), st
 
 
-def live_usage(store: Store, listed: Callable[[], set[str]] | None = None) -> list[tuple[str, str, Usage]]:
-    """(ref, checkpoint id, usage) of every live ref, by name: what ``du`` adds up. ``listed``: gives
+def live_usage(store: Store, present: Callable[[], set[str]] | None = None) -> list[tuple[str, str, Usage]]:
+    """(ref, checkpoint id, usage) of every live ref, by name: what ``du`` adds up. ``present``: gives
     what :func:`stored` takes, once the refs are read (``du`` lists the objects meanwhile)."""
     if store.index is None:
         return [(n, e.target, usage_of_manifest(store.manifest(e.target)))
@@ -251,7 +248,7 @@ def live_usage(store: Store, listed: Callable[[], set[str]] | None = None) -> li
     st = store.index.view(exact=True, chunks=True)
     live = st.live()
     targets = [e.target for e in live.values() if e.target is not None]
-    store.index.ensure(st, stored(store, st, well_formed(st, targets), listed() if listed is not None else None), chunks=True)
+    store.index.ensure(st, stored(store, st, well_formed(st, targets), present() if present is not None else None), chunks=True)
     store.index.heal(st)
     return [(n, e.target, usage_from_index(st, e.target)) for n, e in live.items() if e.target is not None]
 

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,7 +18,7 @@ from ckpt_store.storage.config import read_config
 from ckpt_store.storage.errors import CkptError, ObjectNotFoundError
 from ckpt_store.storage.gc import Doomed, execute_gc, gc_roots, plan_gc, read_root
 from ckpt_store.storage.leases import gc_lock
-from ckpt_store.storage.objects import ObjectStore
+from ckpt_store.storage.objects import ObjectInfo, ObjectStore
 
 if TYPE_CHECKING:
     from ckpt.store.store import Store
@@ -279,15 +278,25 @@ class StoreUsage:
         return self.unique - self.stored_chunks
 
 
-def _usages(store: Store, listed: Callable[[], set[str]]) -> tuple[list[tuple[str, str, Usage]], dict[str, str]]:
+# What ObjectStore.inventory gives: every object by kind, and the temporaries the listing passed.
+Inventory = tuple[dict[str, list[ObjectInfo]], list[tuple[str, float, int]]]
+
+
+def _usages(store: Store, listing: Future[Inventory]) -> tuple[list[tuple[str, str, Usage]], dict[str, str]]:
     """(ref, checkpoint id, usage) of every readable live ref, and the damaged ones with their error:
-    from the metadata index when it is whole, else read ref by ref. ``listed``: gives the manifest
-    ids the store's listing showed (made meanwhile)."""
+    from the metadata index when it is whole, else read ref by ref. ``listing``: the store's listing
+    of its objects (:meth:`ObjectStore.inventory`), made meanwhile."""
     if store.index is not None:
+        # Where a listing names only objects (S3), its manifests answer which the store holds; elsewhere
+        # a name listed may be a folder or a FIFO in a manifest's place, and each is checked.
+        present = ((lambda: {o.id for o in listing.result()[0]["manifests"]}) if store.backend.lists_only_objects
+                   else None)
         try:
-            return live_usage(store, listed), {}
+            return live_usage(store, present), {}
         except CkptError:
-            pass  # a damaged ref or manifest: read them one by one, setting the damaged ones aside
+            if listing.done():
+                listing.result()  # its failure, as it is: du cannot go on without it, and reads nothing more
+            # else a damaged ref or manifest: read them one by one, setting the damaged ones aside
     rows, damaged = live_manifests(store)
     return [(name, entry.target or "", usage_of_manifest(m)) for name, entry, m in rows], damaged
 
@@ -296,18 +305,19 @@ def du(store: Store) -> StoreUsage:
     """Logical vs stored bytes per live ref and for the whole store.
 
     A ref whose entry or manifest cannot be read is left out of the figures and
-    named in ``damaged``.
+    named in ``damaged``. A listing of the store's objects that fails raises its error.
     """
     if store.backend.concurrency <= 1:  # (a local disk: a thread beside the reads only contends with them, ~10%)
-        listed, _ = store.objects.inventory()
-        usages, damaged = _usages(store, lambda: {o.id for o in listed["manifests"]})
+        inventory: Future[Inventory] = Future()
+        inventory.set_result(store.objects.inventory())
+        usages, damaged = _usages(store, inventory)
     else:
         with ThreadPoolExecutor(1, thread_name_prefix="ckpt-du") as pool:
             # Every object is listed while the index and refs are read: on S3 the largest part of du's
             # requests, which waited on them before.
             inventory = pool.submit(store.objects.inventory)
-            usages, damaged = _usages(store, lambda: {o.id for o in inventory.result()[0]["manifests"]})
-            listed, _ = inventory.result()
+            usages, damaged = _usages(store, inventory)
+    listed, _ = inventory.result()
     chunk_sizes = {o.id: o.size for o in listed["chunks"]}
     manifest_bytes = sum(o.size for o in listed["manifests"])
     per_ref = []

@@ -166,7 +166,7 @@ def bundle_small(store: Store, picked: Mapping[str, PutTask],
     blob = b"".join(parts)
     bundle_tasks = put_tasks(MemBytes(memoryview(blob)).read, 0, len(blob), store.settings.chunk_size, 1)
     stored = put_chunks(store.objects, bundle_tasks, store.settings)
-    return (BundleEntry(len(blob), tuple(r.id for r in stored), tuple(members), chains_of(r.bases for r in stored)),), bundle_tasks, stored
+    return chained((BundleEntry(len(blob), tuple(r.id for r in stored), tuple(members)),), stored), bundle_tasks, stored
 
 
 def _manifest(src: SourceIn, spans: list[tuple[int, int]], results: list[PutResult], reuse: Mapping[str, TensorEntry],
@@ -188,10 +188,15 @@ def _manifest(src: SourceIn, spans: list[tuple[int, int]], results: list[PutResu
                 continue
             tensors.append(TensorEntry(t.name, t.dtype, t.shape, t.nbytes, tuple(r.id for r in rs), f.path,
                                        codecs=tuple(r.codec for r in rs), delta_bases=chains_of(r.bases for r in rs)))
-    # A bundle's chains as ``results`` have them (the commit may have stored a chunk of it again, whole).
+    # A bundle's chains as ``results`` have them: bundle_small's, unless a commit attempt stored a chunk of
+    # it again, whole (_commit: its delta base vanished), which only ``results`` tells.
+    return Manifest(files=tuple(files), tensors=tuple(tensors), **{**fields, "bundles": chained(fields.get("bundles", ()), results)})
+
+
+def chained(bundles: Iterable[BundleEntry], results: Iterable[PutResult]) -> tuple[BundleEntry, ...]:
+    """``bundles`` with the delta chains of their chunks as storing them did (``results``, by chunk id)."""
     chain = {r.id: r.bases for r in results}
-    bundles = tuple(replace(b, delta_bases=chains_of(chain.get(c, ()) for c in b.chunks)) for b in fields.get("bundles", ()))
-    return Manifest(files=tuple(files), tensors=tuple(tensors), **{**fields, "bundles": bundles})
+    return tuple(replace(b, delta_bases=chains_of(chain.get(c, ()) for c in b.chunks)) for b in bundles)
 
 
 def chains_of(chains: Iterable[tuple[str, ...]]) -> tuple[tuple[str, ...], ...]:

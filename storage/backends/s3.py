@@ -98,6 +98,7 @@ class S3Backend(S3Reads, S3Writes, S3Listing, Backend):
     streams = True
     caches = True
     lists_only_objects = True
+    lists_from_a_name = True
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, concurrency: int = 16,
                  retry: RetryPolicy | None = None, conditional_writes: bool = True, direct: bool = True) -> None:

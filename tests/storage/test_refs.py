@@ -544,6 +544,32 @@ def test_an_update_is_written_past_the_newest_entry_not_into_a_gap(store_url):
     assert [e.seq for e in w.log("m")[0]] == [6, 5, 4, 2, 1] and list(w.log("m")[1]) == [3]
 
 
+def test_an_update_on_s3_goes_past_a_gap_of_two_entries_in_as_few_requests_as_the_guess(s3_url):
+    """The writer's guess (one past its own last entry, taken where that entry is there and the next one
+    is not: two HEADs) filled a gap of two or more entries deleted by hand: set() wrote entry 9 while m's
+    newest was entry 11, so the push looked done and was not current. On S3 a listing from the writer's
+    last entry is one request where the guess's HEADs were two: it sees the gap, and the update goes past."""
+    import ckpt
+    from s3support import http_requests
+
+    w = ckpt.Store.init(s3_url).refs_db
+    w.set("m", A), w.set("m", A)
+    other = ckpt.Store.open(s3_url).refs_db
+    for _ in range(4):
+        other.set("m", B)
+    assert w.set("m", A).seq == 7
+    with http_requests(w.backend) as seen:
+        assert w.set("m", A).seq == 8
+    upto = next(i for i, (_, key) in enumerate(seen) if key.endswith("/refs/m/0000000008.ref")) + 1
+    assert [k for k, _ in seen[:upto]] == ["LIST", "PUT"]  # the guess: HEAD, HEAD, PUT (then the index's log, as now)
+    for _ in range(3):
+        other.set("m", B)  # 9, 10, 11
+    w.backend.delete(w.entry_path("m", 9)), w.backend.delete(w.entry_path("m", 10))
+    entry = w.set("m", A)
+    assert entry.seq == 12 and w.current("m") == entry == ckpt.Store.open(s3_url).refs_db.current("m")  # was 9, below 11
+    assert [e.seq for e in w.log("m")[0]][:3] == [12, 11, 8]
+
+
 def test_listing_the_refs_of_a_local_store_reads_each_folder_once(tmp_path, monkeypatch):
     """A local store holds a folder per ref: listing refs/ (ls, du and gc, at every run) read each
     folder twice, once for the entry files and once more (os.walk) for the folders among them

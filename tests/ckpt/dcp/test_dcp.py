@@ -1008,3 +1008,37 @@ def test_a_save_of_small_tensors_only_to_s3_stores_no_bundle(s3_url):
     into = {k: torch.zeros_like(v) for k, v in state.items()}
     dcp.load(into, storage_reader=ckpt.dcp.Reader(store, "small/only"))
     assert all(_bits_equal(into[k], v) for k, v in state.items())
+
+
+def test_a_consolidating_pull_or_load_from_s3_fetches_each_bundle_once_not_once_per_batch(s3_url, tmp_path, monkeypatch):
+    """A pull or load of a distributed checkpoint consolidates in passes of BATCH_BYTES; small tensors
+    packed in one bundle but spread over the passes (by name, between large ones) had the bundle
+    fetched again by every pass that needed a member of it (a 4-pass pull: 4 GETs of each of its
+    chunks). One fetch per pull or load now, the file and tensors byte for byte the saved ones."""
+    from s3support import http_requests
+
+    import ckpt.dcp.consolidate
+
+    ckpt.Store.init(s3_url)
+    store = ckpt.Store.open(s3_url, settings=ckpt.Settings.from_env(chunk_size=64 * 1024, cache=False))
+    g = torch.Generator().manual_seed(5)
+    state = {}
+    for i in range(4):  # by name: the small ones of each pass between the large ones
+        state[f"l{i}.big"] = torch.randn(64 * 1024, generator=g)  # 256 KiB: 4 chunks, none bundled
+        state.update({f"l{i}.s{j}": torch.randn(256, generator=g) for j in range(6)})  # 1 KiB: a chunk each
+    dcp.save(state, storage_writer=ckpt.dcp.Writer(store, "dist/mixed"))
+    m = store.manifest("dist/mixed")
+    assert len(m.bundles) == 1
+    bundle = set(m.bundles[0].chunks)
+    monkeypatch.setattr(ckpt.dcp.consolidate, "BATCH_BYTES", 256 * 1024)  # a pass per large tensor
+    with http_requests(store.objects.backend) as seen:
+        path = store.pull("dist/mixed", tmp_path / "out.safetensors")
+    got = load_file(path)
+    assert set(got) == set(state) and all(_bits_equal(got[k], v) for k, v in state.items())
+    fetched = [key.rsplit("/", 1)[-1] for kind, key in seen if kind.startswith("GET") and "/objects/chunks/" in key]
+    assert sorted(c for c in fetched if c in bundle) == sorted(bundle)  # each of the bundle's chunks once
+    with http_requests(store.objects.backend) as seen:
+        loaded = store.load("dist/mixed")
+    assert all(_bits_equal(loaded[k], v) for k, v in state.items())
+    fetched = [key.rsplit("/", 1)[-1] for kind, key in seen if kind.startswith("GET") and "/objects/chunks/" in key]
+    assert sorted(c for c in fetched if c in bundle) == sorted(bundle)

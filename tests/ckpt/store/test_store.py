@@ -497,3 +497,32 @@ def test_a_lazy_reader_closed_by_another_thread_mid_read_ends_the_read(s3_main_u
     with reader:
         assert reader.get_tensor("big").numpy().tobytes() == sd["big"].numpy().tobytes()
     assert not _reading_threads()
+
+
+def test_du_whose_listing_of_objects_fails_raises_its_error_without_reading_every_manifest(s3_main_url, s3_main):
+    """du lists the store's objects while it reads the index (S3). When that listing failed, du read
+    every live ref's manifest one by one, as for a damaged ref, and then raised the listing's error
+    all the same: now it raises it at once. A real failure: every connection that asks the server
+    for a listing of objects/ is reset on its way (the refs and the index are listed as usual)."""
+    from s3support import FaultProxy, http_requests
+
+    from ckpt.errors import CkptError
+
+    store = ckpt.Store.init(s3_main_url)
+    g = torch.Generator().manual_seed(6)
+    for i in range(6):
+        store.push({"w": torch.randn(1000, generator=g)}, f"m{i}")
+    host, port = s3_main.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy((host, int(port))).start()
+    try:
+        proxied = ckpt.Store.open(s3_main_url, storage_options={"endpoint_url": proxy.endpoint},
+                                  settings=ckpt.Settings.from_env(cache=False, retries=1))
+        assert proxied.du().refs  # (what the test asks of the store works through the proxy)
+        proxy.reset_dir, proxy.reset_match, proxy.reset_conns = "up", b"prefix=store%2Fobjects", 1000
+        with http_requests(proxied.objects.backend) as seen, pytest.raises(CkptError) as failed:
+            proxied.du()
+        assert proxy.resets_fired >= 1
+    finally:
+        proxy.stop()
+    assert "objects" in str(failed.value)
+    assert not [key for kind, key in seen if kind == "GET" and "/objects/manifests/" in key]  # was a GET each
