@@ -60,14 +60,16 @@ from ckpt.snapshot.state import (
     tensor_devices,
     with_autograd_flags,
 )
-from ckpt.snapshot.tiers import describe, out_of_space, snapshot_step
+from ckpt.snapshot.steps import snapshot_step
+from ckpt.snapshot.tiers import describe, out_of_space
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from ckpt.snapshot.local_tier import LocalTier
     from ckpt.snapshot.peers import Peers
     from ckpt.snapshot.run import SaveJob
-    from ckpt.snapshot.tiers import LocalTier, Tiers
+    from ckpt.snapshot.tiers import Tiers
     from ckpt.store.store import Store
 
 _FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException

@@ -313,7 +313,8 @@ class LocalSnapshots:
         import torch
 
         from ckpt.format.dtypes import to_torch
-        from ckpt.snapshot.tiers import Tiers, snapshot_step
+        from ckpt.snapshot.steps import snapshot_step
+        from ckpt.snapshot.tiers import Tiers
 
         tiers = tiers or Tiers([("store", self.store)])
         m = tiers.get_manifest(mid)

@@ -1,6 +1,6 @@
 """Local tiers across a process group: replication to peer ranks and restores from them.
 
-Each rank's local tier (:class:`~ckpt.snapshot.tiers.LocalTier`) receives the chunks of
+Each rank's local tier (:class:`~ckpt.snapshot.local_tier.LocalTier`) receives the chunks of
 its own shards from the DCP save, the snapshot's manifest (broadcast by the
 coordinator) and the chunks of the ranks it is a replica of. So a rank's tier alone
 is not a complete snapshot: a step can be *assembled* when the ranks' tiers together
@@ -31,17 +31,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckpt.dcp.checkpoint import Writer
-from ckpt.snapshot.tiers import (
-    MISSES,
-    LocalTier,
-    Tiers,
-    describe,
-    latest_manifest,
-    left_behind,
-    left_behind_message,
-    out_of_space,
-    snapshot_step,
-)
+from ckpt.snapshot.local_tier import LocalTier
+from ckpt.snapshot.steps import latest_manifest, left_behind, left_behind_message, snapshot_step
+from ckpt.snapshot.tiers import MISSES, Tiers, describe, out_of_space
 from ckpt_store.storage.chunk_lists import recorded_chains, referenced_chunks
 from ckpt_store.storage.errors import ObjectNotFoundError, RefNotFoundError, StorageIOError
 
@@ -295,7 +287,7 @@ class Peers:
     def choose(self, durable: Store, latest: str, warn: Callable[[str], None]) -> tuple[int, str, Tiers] | None:
         """Agree on the snapshot to restore and gather, for this rank, the chunks its tier lacks from
         peers. Returns (step, manifest id, the tiers to read it from), or None if there is none.
-        ``warn``: how :func:`~ckpt.snapshot.tiers.resolve_latest` warns of a missing RUN/latest."""
+        ``warn``: how :func:`~ckpt.snapshot.steps.resolve_latest` warns of a missing RUN/latest."""
 
         # Rank 0 alone reads the durable store, and every rank chooses from what it read: ranks that
         # each read it could see it differently (one read failing, or lagging) and choose apart.

@@ -1166,7 +1166,7 @@ def tiers_exchange(rank, world, tmp, round_bytes):
     import torch.distributed as dist
 
     import ckpt.snapshot.peers as P
-    from ckpt.snapshot.tiers import LocalTier
+    from ckpt.snapshot.local_tier import LocalTier
     from ckpt_store.storage.objects import object_id
 
     tier = LocalTier(os.path.join(tmp, f"tier-{rank}"), "x")
@@ -1273,7 +1273,7 @@ def tiers_full(rank, world, tmp, store, mode, steps=8):
 def _flip_newest(path):
     """Flip the last byte of every chunk of the newest snapshot in the tier at ``path``; how many."""
     import ckpt
-    from ckpt.snapshot.tiers import LocalTier
+    from ckpt.snapshot.local_tier import LocalTier
 
     tier = LocalTier(path, "ddp")
     store = tier.store
