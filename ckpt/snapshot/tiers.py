@@ -142,10 +142,6 @@ class Tiers:
         fill(self.nearest, m, pairs, get=lambda tasks, progress: self.get(tasks, progress, m))
 
 
-def chunk_ids(m: Manifest) -> set[str]:
-    return {c for t in m.tensors for c in t.chunks}
-
-
 def out_of_space(e: BaseException | None, rank: int | None = None) -> bool:
     """Whether ``e``, or an error it was raised from, says the medium is full (ENOSPC, EDQUOT).
     ``rank``: in a DCP ``CheckpointException`` met on the way, whether that rank's own failure
