@@ -49,7 +49,7 @@ from ckpt.errors import RefNotFoundError, TensorMismatchError
 from ckpt.snapshot.manager import CheckpointManager, SnapshotError
 from ckpt.snapshot.retention import KeepBest
 from ckpt.snapshot.state import RNGState
-from ckpt.snapshot.tiers import snapshot_step
+from ckpt.snapshot.steps import snapshot_step
 
 log = logging.getLogger(__name__)
 

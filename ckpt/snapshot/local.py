@@ -13,6 +13,8 @@ version counter (``tensor._version``) as at the previous save (``unchanged_by="v
 its chunks are then reused without reading it. Where versions cannot be trusted (a fused
 optimizer in the state, after a restore, or ``unchanged_by="hash"``) every tensor is staged
 and unchanged chunks are found by hash instead.
+
+Restoring: :mod:`ckpt.snapshot.local_restore`.
 """
 
 from __future__ import annotations
@@ -21,34 +23,24 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ckpt.errors import CkptError, TensorMismatchError
 from ckpt.format.entries import TensorEntry
 from ckpt.format.tagged_json import LATER_TAGS, uses_tags
+from ckpt.snapshot.local_restore import LocalRestoring
 from ckpt.snapshot.run import (
-    SNAPSHOT_FORMATS,
     SNAPSHOT_SOURCE,
     SNAPSHOT_TORCH_FORMAT,
     SaveJob,
     SaveResult,
     SnapshotError,
     SnapshotRun,
-    is_snapshot,
     modified_under_save,
-    not_a_snapshot,
 )
 from ckpt.snapshot.state import (
-    Stateful,
-    autograd_flag_sets,
     autograd_flags,
-    check_optimizer_classes,
-    device_here,
     flatten,
     optimizer_classes,
     optimizers_in,
-    recorded_devices,
     tensor_devices,
-    unflatten,
-    with_autograd_flags,
 )
 from ckpt.store.source_tensors import storable_dtype
 
@@ -56,10 +48,9 @@ if TYPE_CHECKING:
     import torch
 
     from ckpt.snapshot.live import LiveTensors
-    from ckpt.snapshot.tiers import Tiers
 
 
-class LocalSnapshots:
+class LocalSnapshots(LocalRestoring):
     """The :class:`~ckpt.snapshot.run.SnapshotPath` of a single process."""
 
     def __init__(self, run: SnapshotRun, *, overlap: bool = False, unchanged_by: str = "version") -> None:
@@ -305,171 +296,6 @@ class LocalSnapshots:
         for handle in self._step_hooks.values():
             handle.remove()
         self._step_hooks = {}
-
-    # -- restoring -----------------------------------------------------------------
-    def restore(self, state: dict[str, Any], mid: str, tiers: Tiers | None = None) -> int:
-        """Restore ``mid`` into ``state`` in place; its step. ``tiers``: where to read it from,
-        chunk by chunk, nearest first (default: this path's store)."""
-        import torch
-
-        from ckpt.format.dtypes import to_torch
-        from ckpt.snapshot.tiers import Tiers, snapshot_step
-
-        tiers = tiers or Tiers([("store", self.store)])
-        m = tiers.get_manifest(mid)
-        if not is_snapshot(m):
-            raise not_a_snapshot(mid, m.source)
-        snap = m.extra.get("snapshot")
-        if not isinstance(snap, dict) or snap.get("format") not in SNAPSHOT_FORMATS or not isinstance(snap.get("tree"), dict):
-            raise SnapshotError(f"checkpoint {mid[:12]} is not a snapshot of this ckpt version")
-        tree: dict[str, Any] = snap["tree"]
-        later = snap["format"] == SNAPSHOT_TORCH_FORMAT  # (format 1 has no later tags: a dict holding such a key is a dict)
-        step = snapshot_step(m)
-        if step is None:
-            raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's step ({snap.get('step')!r:.40}) is malformed")
-        entries = {t.name: t for t in m.tensors}
-        flags = autograd_flag_sets(snap.get("autograd", {}), {n: to_torch(e.dtype) for n, e in entries.items()})
-        if flags is None:
-            raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of autograd flags is malformed")
-        devices = recorded_devices(snap.get("devices", {}))
-        missing = sorted(set(state) - set(tree))
-        if missing:
-            raise TensorMismatchError(f"snapshot of step {step} has no {missing}", hint="restore a subset of keys")
-        check_optimizer_classes(snap.get("optimizers"), state, mid, step)
-        records: dict[str, tuple[list[str], Any]] = {}  # each key's tensor names and structure, read once
-        for key in state:  # a damaged (or foreign) record fails here, before anything is written
-            node = tree[key]
-            if not isinstance(node, dict) or node.get("kind") not in ("stateful", "value") or "value" not in node:
-                raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} is malformed")
-            obj = state[key]
-            if node["kind"] == "value" and isinstance(obj, Stateful) and not isinstance(obj, (type, torch.nn.Module)):
-                # A plain value restored replaces the entry of the state dict: this object would be left as it is.
-                raise TensorMismatchError(f"snapshot of step {step} holds {key!r} as a plain value, not as the state of an "
-                                          f"object with state_dict()/load_state_dict(): this {type(obj).__name__} would "
-                                          "not be restored", hint=f"pass {key!r}: None to get the value back, and load it "
-                                                                  "into the object yourself; or save the object itself")
-            found = _Nothing()
-            try:  # its structure and the tensors it names, in one pass (decoded again, with the tensors, once written)
-                structure = unflatten(node["value"], found, later=later)
-            except CkptError as e:
-                raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} is malformed ({e})") from None
-            unknown = [n for n in found.names if n not in entries]
-            if unknown:
-                raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} names tensors it does not "
-                                    f"hold ({', '.join(repr(n)[:80] for n in unknown[:3])})")
-            records[key] = found.names, structure
-        pairs: list[tuple[TensorEntry, torch.Tensor]] = []
-        decoded: dict[str, torch.Tensor] = {}
-        fresh: list[str] = []  # tensors made for the restore: they get the saved autograd flags
-        loaders = []
-        used: set[int] = set()  # storages already written by this restore: never two writers
-        for key, obj in state.items():
-            kind, value = tree[key]["kind"], tree[key]["value"]
-            names, structure = records[key]
-            if isinstance(obj, torch.nn.Module):
-                live = {f"{key}/{k}": v for k, v in obj.state_dict().items()}
-                extra, absent = sorted(set(names) - set(live)), sorted(set(live) - set(names))
-                if extra or absent:
-                    raise TensorMismatchError(f"{key}: snapshot and module differ: not in module {extra[:10]}, "
-                                              f"not in snapshot {absent[:10]}")
-                # a broadcast view (expand()): its elements share memory, which torch refuses to copy into
-                shared = [n for n, t in live.items() if any(st == 0 and sz > 1 for st, sz in zip(t.stride(), t.shape))]
-                if shared:
-                    raise TensorMismatchError(f"{key}: {', '.join(shared[:3])} {'is a view' if len(shared) == 1 else 'are views'}"
-                                              " whose elements share memory (expand()): nothing can be restored into it",
-                                              hint="give the module a tensor of its own there (.clone()), as torch's "
-                                                   "load_state_dict needs too")
-                pairs += [(entries[n], live[n]) for n in names]  # straight into the parameters
-                used.update(t.untyped_storage().data_ptr() for t in live.values() if t.numel())
-                continue
-            if kind == "stateful":
-                _check_param_groups(key, obj, structure)  # before anything is written
-            # An optimizer's (or any Stateful's) own tensors of the right shape and dtype are
-            # written in place, and load_state_dict() then adopts them without a copy: no
-            # fresh allocation (page faults) for the largest part of a training state.
-            live_t = _live_tensors(key, obj) if kind == "stateful" else {}
-            for n in names:
-                e = entries[n]
-                t = live_t.get(n)
-                # (only a contiguous tensor: one that is a view, broadcast say, may share memory between
-                # its elements, which torch refuses to copy into)
-                if (t is None or tuple(t.shape) != e.shape or t.dtype != to_torch(e.dtype) or not t.is_contiguous()
-                        or t.untyped_storage().data_ptr() in used
-                        or t.requires_grad != (n in flags.get("requires_grad", ()))
-                        or isinstance(t, torch.nn.Parameter) != (n in flags.get("parameters", ()))):
-                    t = torch.empty(e.shape, dtype=to_torch(e.dtype), device=device_here(n, devices.get(n)))
-                    fresh.append(n)
-                elif t.numel():
-                    used.add(t.untyped_storage().data_ptr())
-                decoded[n] = t
-                pairs.append((e, t))
-            loaders.append((key, obj, kind, value))
-        # Restoring writes tensors without bumping their version counters: forget
-        # what the last save saw, so the next one stages everything again.
-        self._keys, self._held = {}, {}
-        # the next snapshot's parent (and delta base): only one this path's store holds
-        self._last = (mid, entries) if self.store.objects.has_many("manifests", [mid]) else None
-        tiers.fill(m, pairs)
-        for n in fresh:  # flagged once written (a Parameter wraps the tensor the fill wrote)
-            decoded[n] = with_autograd_flags(n, decoded[n], flags)
-        for key, obj, kind, value in loaders:
-            restored = unflatten(value, decoded, later=later)
-            if kind == "stateful" and isinstance(obj, Stateful):
-                try:
-                    obj.load_state_dict(restored)
-                except CkptError:
-                    raise
-                except Exception as e:  # a record that does not fit the object (damaged, or of another kind of object)
-                    raise SnapshotError(f"checkpoint {mid[:12]}: {key!r} ({type(obj).__name__}) did not take the snapshot's "
-                                        f"state: its load_state_dict raised {type(e).__name__}: {str(e)[:200]}",
-                                        hint="restore into objects like those saved, or from another snapshot; what "
-                                             "was restored before it has been written") from e
-            else:
-                state[key] = restored
-        return step
-
-
-def _check_param_groups(key: str, obj: Any, saved: Any) -> None:
-    """An optimizer restored needs the snapshot's parameter groups (as many, as large): torch's
-    ``load_state_dict`` refuses others, and it runs last, after the rest of the state is written.
-    Checked first, so that a mismatch leaves everything as it was. ``saved``: the saved state dict's
-    structure (None for each tensor)."""
-    import torch
-
-    if not isinstance(obj, torch.optim.Optimizer):
-        return
-    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
-        return
-    want = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else None
-            for g in saved["param_groups"]]
-    have = [len(g["params"]) for g in obj.param_groups]
-    if want != have:
-        raise TensorMismatchError(f"{key}: the snapshot's optimizer has parameter groups of {want} parameters, "
-                                  f"this one of {have}", hint="build the optimizer over the parameters the saved run used")
-
-
-class _Nothing(dict):
-    """Tensors for :func:`unflatten` when only a record's structure is wanted: None for each, its name
-    noted in ``names`` (in the order the record names them)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __missing__(self, name: str) -> None:
-        self.names.append(name)
-        return None
-
-
-def _live_tensors(key: str, obj: Any) -> dict[str, Any]:
-    """The tensors ``obj.state_dict()`` hands out, by their snapshot names (empty if it cannot say)."""
-    if not isinstance(obj, Stateful):
-        return {}
-    try:
-        tensors, _ = flatten({key: obj})
-    except Exception:  # noqa: BLE001 - a state that cannot be flattened is restored into new tensors
-        return {}
-    return tensors
 
 
 def _optimizer_storages(optimizers: list[Any]) -> frozenset[int]:

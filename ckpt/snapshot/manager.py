@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt._deprecation import deprecated
 from ckpt.settings import Settings
+from ckpt.snapshot.local_tier import LocalTier, LocalTierUsage
 from ckpt.snapshot.persisting import Persisting, PersistStats
 from ckpt.snapshot.preemption import Preemption
 from ckpt.snapshot.pruning import Pruning
@@ -37,7 +38,7 @@ from ckpt.snapshot.restoring import Restoring
 from ckpt.snapshot.retention import KeepBest, Retention, count_setting
 from ckpt.snapshot.run import SnapshotError, SnapshotRun, TierWarning, modified_under_save
 from ckpt.snapshot.saving import SaveStats, Saving
-from ckpt.snapshot.tiers import LocalTier, LocalTierUsage, latest_manifest
+from ckpt.snapshot.steps import latest_manifest
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
@@ -296,7 +297,7 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
     def _local_tier(self, local: Any, every: int | None, keep: int, max_bytes: int | None, replicas: int,
                     process_group: Any) -> LocalTier | None:
         """Check the tier settings; the local tier, if asked for."""
-        from ckpt.snapshot.tiers import LocalTier, default_local_path, private_root
+        from ckpt.snapshot.local_tier import LocalTier, default_local_path, private_root
 
         self.local_every_n_steps = count_setting("local_every_n_steps", every)
         count_setting("local_keep", keep)
@@ -338,7 +339,7 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
         return self._local.usage() if self._local else None
 
     def _latest_manifest(self, parsed: dict[str, Manifest]) -> tuple[str, Manifest]:
-        """:func:`~ckpt.snapshot.tiers.latest_manifest` of the durable store (the id ``RUN/latest`` names, or
+        """:func:`~ckpt.snapshot.steps.latest_manifest` of the durable store (the id ``RUN/latest`` names, or
         the run's newest snapshot), warning once of each fallback; ``parsed``: the manifests read, by id."""
         return latest_manifest(self.store, self.run, self._warn_once, parsed)
 

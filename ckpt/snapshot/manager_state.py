@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
     from ckpt.snapshot.distributed import DistributedSnapshots
+    from ckpt.snapshot.local_tier import LocalTier
     from ckpt.snapshot.persisting import PersistStats
     from ckpt.snapshot.retention import Retention
     from ckpt.snapshot.run import SaveJob, SaveResult, SnapshotPath, SnapshotRun
     from ckpt.snapshot.saving import SaveStats
-    from ckpt.snapshot.tiers import LocalTier
     from ckpt.store.store import Store
 
 

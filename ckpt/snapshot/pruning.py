@@ -10,7 +10,8 @@ import logging
 from ckpt.errors import CkptError, RefConflictError, RefNotFoundError
 from ckpt.snapshot.manager_state import ManagerState
 from ckpt.snapshot.run import is_snapshot
-from ckpt.snapshot.tiers import describe, run_steps, snapshot_test
+from ckpt.snapshot.steps import run_steps, snapshot_test
+from ckpt.snapshot.tiers import describe
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class Pruning(ManagerState):
             return
         # One at a time: the persist thread and a direct save can both get here, and the second
         # to remove a ref would raise RefNotFoundError out of save().
-        from ckpt.snapshot.tiers import snapshot_step
+        from ckpt.snapshot.steps import snapshot_step
         from ckpt_store.storage.errors import StoreFormatError
 
         with self._retaining:

@@ -64,7 +64,7 @@ class Restoring(ManagerState):
     def latest_step(self) -> int | None:
         """The step :meth:`restore_latest` would restore first, without restoring it; None if the run
         has no snapshot in any tier. In a group the ranks choose it together, as a restore does."""
-        from ckpt.snapshot.tiers import snapshot_step
+        from ckpt.snapshot.steps import snapshot_step
 
         self._check_open("no step looked up", "look it up")
         self.wait()
@@ -118,7 +118,7 @@ class Restoring(ManagerState):
     def _candidates(self) -> tuple[list[tuple[int, str]], dict[str, Manifest]]:
         """Snapshots to restore, newest first: (step, manifest id), from the local tier and the durable
         store; and the manifests parsed to choose them, by id (the restore reads one of them)."""
-        from ckpt.snapshot.tiers import left_behind, left_behind_message, snapshot_step
+        from ckpt.snapshot.steps import left_behind, left_behind_message, snapshot_step
 
         local = self._local
         assert local is not None

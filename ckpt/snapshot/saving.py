@@ -164,7 +164,7 @@ class Saving(ManagerState):
         new timeline (the run went back to an earlier snapshot, or began anew under its name). It is
         persisted then, as every save is without a local tier: else a restart would take up the
         abandoned timeline's newer step."""
-        from ckpt.snapshot.tiers import snapshot_step
+        from ckpt.snapshot.steps import snapshot_step
 
         if not self._durable_known:
             try:

@@ -13,16 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ckpt.codecs.chunk import (
-    MAX_HEADER,
-    RAW,
-    ChunkHeader,
-    decode_chunk,
-    empty_buffer,
-    parse_header,
-    raw_header,
-    thread_buffer,
-)
+from ckpt.codecs.buffers import empty_buffer, thread_buffer
+from ckpt.codecs.chunk import MAX_HEADER, RAW, ChunkHeader, decode_chunk, parse_header, raw_header
 from ckpt.settings import Settings
 from ckpt.transfer.base_cache import base_cache
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError

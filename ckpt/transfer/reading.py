@@ -11,13 +11,8 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt.codecs.chunk import (
-    MAX_HEADER,
-    RAW,
-    empty_buffer,
-    parse_header,
-    thread_buffer,
-)
+from ckpt.codecs.buffers import empty_buffer, thread_buffer
+from ckpt.codecs.chunk import MAX_HEADER, RAW, parse_header
 from ckpt.errors import ReaderClosedError
 from ckpt.format.dtypes import byte_view
 from ckpt.format.entries import BundleEntry, TensorEntry, split_lengths

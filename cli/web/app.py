@@ -28,7 +28,7 @@ import ckpt
 from ckpt.diffing.compare import SORT_KEYS
 from ckpt.errors import AmbiguousRefError, CkptError, InvalidNameError, RefNotFoundError
 from ckpt.snapshot.run import is_snapshot
-from ckpt.snapshot.tiers import step_ref
+from ckpt.snapshot.steps import step_ref
 from ckpt_store.cli.results import strict_json
 from ckpt_store.cli.web import charts
 from ckpt_store.cli.web.data import (

@@ -21,7 +21,7 @@ from ckpt.codecs.chunk import CODEC_NAMES
 from ckpt.errors import CkptError, RefNotFoundError
 from ckpt.format.manifest import Manifest
 from ckpt.snapshot.run import is_snapshot
-from ckpt.snapshot.tiers import snapshot_test, step_of, step_ref
+from ckpt.snapshot.steps import snapshot_test, step_of, step_ref
 from ckpt.store import catalog
 from ckpt_store.cli import results
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from ckpt.errors import CkptError
 from ckpt.snapshot.run import is_snapshot
-from ckpt.snapshot.tiers import step_ref
+from ckpt.snapshot.steps import step_ref
 from ckpt_store.cli.web.data import StoreView, own_chunks, stored_bytes
 
 RUN_PREFIX = "run:"

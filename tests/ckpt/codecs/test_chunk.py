@@ -11,7 +11,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt.codecs import chunk as codecs
+from ckpt.codecs import planes as codecs
 from ckpt.codecs import transforms
 from ckpt.codecs.chunk import GSUB, PLANES, RAW, SUB, XOR, ZSTD, decode_chunk, encode_chunk, parse_header
 from ckpt_store.storage.errors import CorruptObjectError
@@ -261,9 +261,11 @@ def test_candidates_that_stop_early_do_not_change_the_choice(dtype, relation, se
            "bits": base.view(f"u{base.itemsize}") ^ rng.integers(0, 4, base.shape).astype(f"u{base.itemsize}")}[relation]
     args = dict(elem=base.itemsize, base=base.tobytes(), base_id=object_id(base.tobytes()))
     early = encode_chunk(np.ascontiguousarray(new).tobytes(), **args)
-    full = codecs._planes_encode
+    import ckpt.codecs.chunk as chunk_codec  # (the encoder encode_chunk calls)
+
+    full = chunk_codec.planes_encode
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(codecs, "_planes_encode", lambda *a, limit=None, **kw: full(*a, **kw))
+        mp.setattr(chunk_codec, "planes_encode", lambda *a, limit=None, **kw: full(*a, **kw))
         assert encode_chunk(np.ascontiguousarray(new).tobytes(), **args).blob == early.blob
 
 

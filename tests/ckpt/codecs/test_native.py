@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt.codecs import chunk as codecs
+from ckpt.codecs import planes as codecs
 from ckpt.codecs import transforms
 from ckpt.codecs.chunk import GSUB, PLANES, SUB, XOR, decode_chunk, encode_chunk
 from ckpt_store.storage.objects import object_id

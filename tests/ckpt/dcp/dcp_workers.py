@@ -1165,8 +1165,9 @@ def tiers_exchange(rank, world, tmp, round_bytes):
 
     import torch.distributed as dist
 
-    import ckpt.snapshot.peers as P
-    from ckpt.snapshot.tiers import LocalTier
+    import ckpt.snapshot.peer_group as G
+    from ckpt.snapshot.local_tier import LocalTier
+    from ckpt.snapshot.peers import Peers
     from ckpt_store.storage.objects import object_id
 
     tier = LocalTier(os.path.join(tmp, f"tier-{rank}"), "x")
@@ -1178,14 +1179,14 @@ def tiers_exchange(rank, world, tmp, round_bytes):
         ids.append(object_id(blob))
         objects.backend.write(objects.path("chunks", ids[-1]), blob)
     allocated = []
-    real_empty = P._empty
+    real_empty = G._empty
 
     def recording(n):
         allocated.append(n)
         return real_empty(n)
 
-    P._empty = recording
-    peers = P.Peers(tier, dist.group.WORLD, 1)
+    G._empty = recording
+    peers = Peers(tier, dist.group.WORLD, 1)
     sends = {(rank + 1) % world: ids, (rank + 2) % world: ids[:2]}
     rounds, got = [], {}
 
@@ -1273,7 +1274,7 @@ def tiers_full(rank, world, tmp, store, mode, steps=8):
 def _flip_newest(path):
     """Flip the last byte of every chunk of the newest snapshot in the tier at ``path``; how many."""
     import ckpt
-    from ckpt.snapshot.tiers import LocalTier
+    from ckpt.snapshot.local_tier import LocalTier
 
     tier = LocalTier(path, "ddp")
     store = tier.store

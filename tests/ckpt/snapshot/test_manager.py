@@ -859,7 +859,7 @@ def test_the_autograd_flags_of_many_tensors_are_looked_up_in_sets(tmp_path, monk
     require grad and are parameters, which a restore looks up for each tensor: in the record's
     lists, a restore grew as tensors times parameters (20,000 parameters: 6.8 s against 2.1 s).
     They are sets once read; what comes back is as saved, flags and class included."""
-    import ckpt.snapshot.local as local_path
+    import ckpt.snapshot.local_restore as local_path
 
     saved = [torch.nn.Parameter(torch.randn(3)) for _ in range(2000)] + [torch.randn(2, requires_grad=True)]
     saved[7].requires_grad_(False)
@@ -885,7 +885,7 @@ def test_a_restore_walks_each_record_once_before_writing_and_once_with_the_tenso
     a malformed record before anything is written), the names again, an optimizer's structure again
     for its parameter groups, then the value with its tensors. The names are noted while the structure
     is decoded, and the structure serves the parameter groups' check: two walks, the checks as they were."""
-    import ckpt.snapshot.local as local_path
+    import ckpt.snapshot.local_restore as local_path
 
     model = _model()
     opt = torch.optim.AdamW(model.parameters())

@@ -1,5 +1,5 @@
 """Local snapshot tiers across ranks: replication to peers, restore from the nearest verified copy
-(ckpt/snapshot/peers.py). Real processes, gloo on CPU, SIGKILL (tests/ckpt/dcp/dcp_workers.py)."""
+(ckpt/snapshot/peers.py, peer_group.py). Real processes, gloo on CPU, SIGKILL (tests/ckpt/dcp/dcp_workers.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import ckpt
-from ckpt.snapshot.peers import replica_ranks
+from ckpt.snapshot.peer_group import replica_ranks
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "dcp"))  # the rank programs
 import dcp_workers as W  # noqa: E402
@@ -392,14 +392,14 @@ def test_ranks_that_could_not_agree_on_a_group_raise_or_warn_alike(tmp_path, ask
 
 
 def test_replicas_are_staged_beside_the_tier_and_named_only_at_the_commit(tmp_path):
-    """What a rank receives as replicas (ckpt/snapshot/peers.py: _Staging), without processes: blobs are
+    """What a rank receives as replicas (ckpt/snapshot/peer_group.py: Staging), without processes: blobs are
     verified as they arrive and written beside their final names; nothing is named before the commit,
     a delta arriving before its base is named once the base is, a damaged blob is dropped, and a
     transfer dropped halfway leaves no chunk and no temporary behind."""
     import torch
 
     from ckpt.codecs.chunk import parse_header
-    from ckpt.snapshot.peers import _Staging
+    from ckpt.snapshot.peer_group import Staging
     from ckpt.store.copy import chunk_checker
 
     src = ckpt.Store.init(str(tmp_path / "src"))
@@ -416,7 +416,7 @@ def test_replicas_are_staged_beside_the_tier_and_named_only_at_the_commit(tmp_pa
     order = deltas + [c for c in blobs if c not in deltas]  # every delta arrives before its base
 
     tier = ckpt.Store.init(str(tmp_path / "tier"))
-    staging = _Staging(tier)
+    staging = Staging(tier)
     staging.add({c: memoryview(blobs[c]) for c in order[:2]})
     staging.add({c: memoryview(blobs[c]) for c in order[2:]})
     staging.add({"0" * 64: memoryview(b"not a chunk")})  # damaged: dropped
@@ -429,7 +429,7 @@ def test_replicas_are_staged_beside_the_tier_and_named_only_at_the_commit(tmp_pa
     assert list(tier.objects.list_temporaries()) == []
 
     other = ckpt.Store.init(str(tmp_path / "other"))
-    staging = _Staging(other)
+    staging = Staging(other)
     staging.add({c: memoryview(blobs[c]) for c in order})
     staging.drop()  # the transfer was cut short
     assert list(other.objects.list("chunks")) == [] and list(other.objects.list_temporaries()) == []

@@ -1,4 +1,4 @@
-"""Snapshot tiers of one process: a local tier beside the durable store (ckpt/snapshot/tiers.py).
+"""Snapshot tiers of one process: a local tier beside the durable store (ckpt/snapshot/local_tier.py, tiers.py).
 
 Real subprocesses killed with SIGKILL, a real tmpfs that fills up, real chunk files damaged on disk.
 """
@@ -21,7 +21,7 @@ from integration_util import start_process, state_bits
 from integration_util import wait_process as _wait
 
 import ckpt
-from ckpt.snapshot.tiers import LocalTier
+from ckpt.snapshot.local_tier import LocalTier
 
 SCRIPT = pathlib.Path(__file__).with_name("tiers_script.py")
 
@@ -486,12 +486,12 @@ def test_one_manager_per_local_tier(tmp_path, monkeypatch):
     (one of another process: test_a_local_tier_held_by_another_process_is_refused_until_it_dies).
     A first manager dropped without close() (a notebook cell run again) lets go as it is freed, also
     while a save of it is still in flight: the second waits for that save (it was refused at once)."""
-    import ckpt.snapshot.tiers as tiers
+    import ckpt.snapshot.local_tier as local_tier
 
     kw = {"local": str(tmp_path / "local"), "local_every_n_steps": 1}
     a = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
     with monkeypatch.context() as m:
-        m.setattr(tiers, "LOCK_WAIT_S", 1.5)  # (the wait for a holder that never lets go, made short)
+        m.setattr(local_tier, "LOCK_WAIT_S", 1.5)  # (the wait for a holder that never lets go, made short)
         for other in (str(tmp_path / "d"), str(tmp_path / "d2")):  # (the same folder, whatever store names it)
             with pytest.raises(ckpt.CkptError, match="in use by another CheckpointManager of this process") as e:
                 ckpt.CheckpointManager(other, "run", **kw)
@@ -583,9 +583,9 @@ def test_a_local_tier_that_never_persists_says_so_once(tmp_path):
 
 
 def test_a_local_tier_held_by_another_process_is_refused_until_it_dies(tmp_path, monkeypatch):
-    import ckpt.snapshot.tiers as tiers
+    import ckpt.snapshot.local_tier as local_tier
 
-    monkeypatch.setattr(tiers, "LOCK_WAIT_S", 0.5)
+    monkeypatch.setattr(local_tier, "LOCK_WAIT_S", 0.5)
     script = ("import sys, time, ckpt\n"
               "m = ckpt.CheckpointManager(sys.argv[1], 'run', local=sys.argv[2], local_every_n_steps=1)\n"
               "print('held', flush=True)\n"
@@ -792,7 +792,7 @@ def test_snapshot_step_is_a_non_negative_int_or_nothing(tmp_path, step):
     whose step was damaged to true was restored as step 1. Only a non-negative int is a step."""
     import dataclasses
 
-    from ckpt.snapshot.tiers import snapshot_step
+    from ckpt.snapshot.steps import snapshot_step
 
     with ckpt.CheckpointManager(str(tmp_path / "s"), "r", save_mode="sync") as mgr:
         mgr.save(3, {"model": torch.nn.Linear(2, 2)})
@@ -804,7 +804,7 @@ def test_snapshot_step_is_a_non_negative_int_or_nothing(tmp_path, step):
 
 def test_step_ref_splits_a_ref_as_the_manager_names_its_steps():
     """The web view's reading of RUN/step-N (which knows no run) and the manager's (step_of) are one rule."""
-    from ckpt.snapshot.tiers import step_of, step_ref
+    from ckpt.snapshot.steps import step_of, step_ref
 
     assert step_ref("run/step-7") == ("run", 7) and step_ref("run/step-0") == ("run", 0)
     assert step_ref("a/step-1/step-2") == ("a/step-1", 2) and step_of("a/step-1", "a/step-1/step-2") == 2
@@ -818,7 +818,7 @@ def test_snapshot_step_of_a_checkpoint_no_manager_wrote_is_none(tmp_path):
     snapshot (latest_step, the local tier's timeline, retention). It decides by the source now."""
     import dataclasses
 
-    from ckpt.snapshot.tiers import snapshot_step
+    from ckpt.snapshot.steps import snapshot_step
 
     with ckpt.CheckpointManager(str(tmp_path / "s"), "r", save_mode="sync") as mgr:
         mgr.save(3, {"model": torch.nn.Linear(2, 2)})

@@ -143,13 +143,13 @@ def test_cache_keeps_whole_chunks_decoded_and_serves_them_without_decoding(s3_ur
     assert entries[by_name["zeros"]].codec != RAW  # shrank to almost nothing: as stored
 
     decoded = [0]
-    real = chunk_codec._planes_decode
+    real = chunk_codec.planes_decode
 
     def counting(*a, **k):
         decoded[0] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(chunk_codec, "_planes_decode", counting)
+    monkeypatch.setattr(chunk_codec, "planes_decode", counting)
     warm = ckpt.Store.open(s3_url, settings=_settings())
     gets = chunk_gets(warm)
     warm.pull("base", str(tmp_path / "b-2.safetensors"))

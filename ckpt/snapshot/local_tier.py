@@ -1,0 +1,372 @@
+"""A run's local tier: its snapshots in a node-local ckpt store (host memory, or local NVMe) beside
+the durable one, bounded by count and bytes, held by one manager at a time and claimed for one
+run of one durable store (``docs/format.md``, "The local tier").
+
+>>> import tempfile, torch, ckpt
+>>> tier = LocalTier(tempfile.mkdtemp(), "run", keep=1)
+>>> _ = tier.store.push({"w": torch.ones(4)}, "run/step-1")
+>>> _ = tier.store.push({"w": torch.zeros(4)}, "run/step-2")
+>>> tier.prune(), tier.steps()
+([1], [2])
+"""
+
+from __future__ import annotations
+
+import fcntl
+import gc
+import hashlib
+import json
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ckpt.errors import CkptError
+from ckpt.snapshot.steps import run_steps, step_of
+from ckpt.snapshot.tiers import describe
+
+if TYPE_CHECKING:
+    from ckpt.settings import Settings
+    from ckpt.store.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def default_local_path(store_url: str, run: str, rank: int | None = None) -> Path:
+    """Where a run's local tier lives unless given: under ``$CKPT_LOCAL_DIR`` if set, else
+    /dev/shm (host memory, survives a crash of the training process but not of the machine),
+    else the temp directory; keyed by the durable store and the run so that a restarted
+    process finds it again."""
+    env = os.environ.get("CKPT_LOCAL_DIR")
+    if env:
+        root = Path(env)
+    elif os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        root = Path("/dev/shm")
+    else:
+        root = Path(tempfile.gettempdir())
+    key = hashlib.blake2b(f"{store_url}\0{run}".encode(), digest_size=6).hexdigest()
+    user = os.getuid() if hasattr(os, "getuid") else 0
+    path = root / f"ckpt-local-{user}" / key
+    return path / f"rank-{rank}" if rank is not None else path
+
+
+def private_root(path: Path) -> None:
+    """Make sure the per-user folder that holds the default local tiers (``ckpt-local-UID`` in a
+    shared folder such as /dev/shm) is this user's own: created mode 0700, else a real folder
+    (not a link) that this user owns and no one else may write. Another user could otherwise
+    plant a snapshot there for this run to resume from."""
+    from ckpt.snapshot.run import SnapshotError
+
+    os.makedirs(path.parent, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+        raise SnapshotError(f"{path} is not a folder of this user's; the local tier will not be kept (or read) "
+                            "there", hint="pass local=PATH, or set CKPT_LOCAL_DIR")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)  # this user's (made before tiers checked, under a umask of 002, say): made private
+
+
+TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is
+
+
+@dataclass(frozen=True)
+class LocalTierUsage:
+    """What the local tier holds now: its snapshots' steps and the bytes it occupies
+    (stored objects and manifests; in /dev/shm that is host memory)."""
+
+    path: str
+    steps: list[int]
+    bytes: int
+
+
+class LocalTier:
+    """A run's snapshots in a node-local store, bounded by count (``keep``) and bytes (``max_bytes``).
+
+    :meth:`prune` removes the oldest snapshots beyond either bound (the newest always
+    stays, and so do ``pinned`` steps, e.g. one being persisted) and frees their data at
+    once: nothing else writes into this store while the manager prunes it.
+
+    Chunks are written raw unless ``compress`` (then with ``settings``, as the durable store
+    writes them); persisting compresses raw ones on the way (``copy_refs(..., recode=True)``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], run: str, *, keep: int = 2, max_bytes: int | None = None,
+                 settings: Settings | None = None, compress: bool = False, durable: Store | None = None,
+                 reset_foreign: bool = False) -> None:
+        from dataclasses import replace
+
+        from ckpt.settings import Settings
+        from ckpt.store.store import Store
+
+        if not compress:  # raw: nothing is worth compressing (ckpt.codecs.chunk.encode_chunk)
+            settings = replace(settings or Settings.from_env(), min_saving=1.0)
+
+        self.path = str(path)
+        self.run = run
+        self.keep = keep
+        self.max_bytes = max_bytes
+        if durable is not None:
+            _apart(self.path, durable)
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as e:  # a file where the folder should be, say (FileExistsError, NotADirectoryError)
+            from ckpt.snapshot.run import SnapshotError
+
+            raise SnapshotError(f"local tier {self.path} cannot be made a folder ({describe(e)})",
+                                hint="give local=PATH a folder of its own (or a path where one can be made)") from e
+        fd = _hold(self.path)  # before anything here is read or changed: one manager per tier
+        self._release = weakref.finalize(self, _let_go, fd)
+        try:
+            marker = None
+            if durable is not None:
+                marker = _claim(self.path, run, durable, reset_foreign)
+        except BaseException:
+            self._release()
+            raise
+        self.compress = compress
+        self.store = Store.init(self.path, settings=settings)
+        if marker is not None:
+            self.store.backend.write(TIER_MARKER, marker)
+        self.pinned: set[int] = set()
+        self._lock = threading.Lock()  # prune vs. the steps a persist pins
+
+    def close(self) -> None:
+        """Let go of the tier (another manager may then take it)."""
+        self._release()
+
+    def ref(self, step: int) -> str:
+        return f"{self.run}/step-{step}"
+
+    def steps(self) -> list[int]:
+        """Steps of the snapshots in this tier, oldest first."""
+        return sorted(run_steps(self.store, self.run)[0])
+
+    def usage(self) -> LocalTierUsage:
+        return LocalTierUsage(self.path, self.steps(), self.store.du().stored)
+
+    def prune(self) -> list[int]:
+        """Apply the bounds; the steps removed."""
+        with self._lock:
+            steps = self.steps()
+            removed = []
+            while len(steps) > self.keep and (s := self._drop(steps)) is not None:
+                removed.append(s)
+            self._collect()
+            while self.max_bytes is not None and self.store.du().stored > self.max_bytes and (s := self._drop(steps)) is not None:
+                removed.append(s)
+                self._collect()
+            return sorted(removed)
+
+    def _drop(self, steps: list[int]) -> int | None:
+        """Remove the oldest unpinned step but the newest from ``steps`` (and the tier)."""
+        for s in steps[:-1]:
+            if s not in self.pinned:
+                steps.remove(s)
+                self.store.remove(self.ref(s))
+                return s
+        return None
+
+    def _collect(self) -> None:
+        # The tier's past is read by no one: each ref's older entries and a removed step's folder go
+        # (docs/format.md, "The local tier"), so that its steps, gc and a restart's choice list the
+        # snapshots kept, not a folder and an entry per step ever saved.
+        refs = self.store.refs_db
+        for name in refs.listing(self.run):
+            try:
+                refs.cut_history(name)
+            except CkptError:
+                pass  # damaged, or no ref name (m@1): left as it is, to the gc below (which reports it)
+        # grace 0: this process is the tier's only writer, and it is not writing now
+        self.store.gc(grace_s=0.0, keep_history=False)
+
+    def make_room(self) -> list[int]:
+        """Remove every snapshot but the pinned ones, the newest too, and free their data: for a
+        tier too small to take a new snapshot beside the newest (the new one is worth more).
+        The steps removed."""
+        with self._lock:
+            removed = [s for s in self.steps() if s not in self.pinned]
+            targets = {self.store.resolve(self.ref(s)) for s in removed}
+            for s in removed:
+                self.store.remove(self.ref(s))
+            latest = f"{self.run}/latest"
+            try:
+                if self.store.resolve(latest) in targets:
+                    self.store.remove(latest)  # it would keep the dropped newest alive
+            except CkptError:
+                pass  # no alias here
+            self._collect()
+            return removed
+
+    def drop_after(self, step: int) -> list[int]:
+        """Remove the snapshots of steps after ``step`` but pinned ones (their data goes with the next
+        :meth:`prune`): a save of ``step`` made after them begins a new timeline (the run went back to
+        an earlier snapshot), and as the newest steps they would be restored, and kept, before it."""
+        with self._lock:
+            later = [s for s in self.steps() if s > step and s not in self.pinned]
+            for s in later:
+                self.store.remove(self.ref(s))
+            return later
+
+    def drop(self, step: int) -> None:
+        """Remove one snapshot (a failed save's leftovers go with the next prune)."""
+        try:
+            self.store.remove(self.ref(step))
+        except CkptError:
+            pass
+
+
+LOCK_WAIT_S = 30.0  # how long a manager waits for a tier another process holds (one exiting, say)
+# The tier folders (device, inode) this process holds, so that a second manager of this process on one
+# of them is refused at once: its holder cannot let go while this process waits for it.
+_HELD: set[tuple[int, int]] = set()
+_HELD_LOCK = threading.Lock()
+
+
+def _hold(path: str) -> int:
+    """An exclusive ``flock`` on the tier's folder, held while its manager lives (the descriptor;
+    :func:`_let_go` releases it).
+
+    Two managers on one tier would prune and collect each other's snapshots: a tier is
+    collected with no grace period because its manager is its only writer. A holder in
+    this process that is no longer referenced (a notebook cell run again) is collected
+    first, or once the save it had in flight is done; any holder is waited for up to
+    :data:`LOCK_WAIT_S` (a restarted job whose old process is still exiting), then refused,
+    saying whether it is of this process. (Refusing one of this process at once refused that
+    notebook's second manager while the first one's save was still running.)"""
+    from ckpt.snapshot.run import SnapshotError
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
+    deadline = time.monotonic() + LOCK_WAIT_S
+    collected, warned = 0.0, False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with _HELD_LOCK:
+                _HELD.add(key)
+            return fd
+        except BlockingIOError:
+            pass
+        except OSError:
+            os.close(fd)
+            raise
+        if time.monotonic() - collected >= 1.0:
+            # An unreferenced earlier manager of this process lets go as it is freed: at once, or once
+            # the save it had in flight (which holds it) is done.
+            gc.collect()
+            collected = time.monotonic()
+            continue
+        if time.monotonic() >= deadline:
+            os.close(fd)
+            with _HELD_LOCK:
+                ours = key in _HELD
+            where = "of this process" if ours else "(in this process or another)"
+            raise SnapshotError(f"local tier {path} is in use by another CheckpointManager {where} and was not let go "
+                                f"within {LOCK_WAIT_S:g} s",
+                                hint="close the other manager first (mgr.close(), or `with CheckpointManager(...)`; "
+                                     "one dropped with a save in flight lets go once that save is done), or give "
+                                     "this one a local=PATH of its own")
+        if not warned:
+            log.warning("waiting for local tier %s: another CheckpointManager holds it", path)
+            warned = True
+        time.sleep(0.1)
+
+
+def _let_go(fd: int) -> None:
+    """Release a tier :func:`_hold` took (forgotten as this process's first: no other manager here can
+    have taken it before the descriptor closes)."""
+    st = os.fstat(fd)
+    with _HELD_LOCK:
+        _HELD.discard((st.st_dev, st.st_ino))
+    os.close(fd)
+
+
+def _apart(path: str, durable: Store) -> None:
+    """Refuse ``path`` as a tier where it is the durable store, or in or around it (checked
+    before the tier's folder is made)."""
+    from ckpt.snapshot.run import SnapshotError
+    from ckpt.store.destination import inside, store_root
+
+    real = os.path.realpath(path)
+    droot = store_root(durable)
+    if droot is not None:
+        if inside(real, droot) or inside(droot, real):
+            raise SnapshotError(f"local={path} is the durable store {droot}, or lies in or around it",
+                                hint="give the local tier a path of its own (it prunes and collects what it holds)")
+
+
+def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | None:
+    """Check that ``path`` may be the local tier of ``run`` of ``durable`` (whose snapshots the tier
+    prunes and collects without grace); returns the marker to write once the tier's store exists
+    (None: it is there already).
+
+    Refused (beside what :func:`_apart` refuses): a ckpt store that is not a local tier (its
+    history would be collected), and the tier of another store or run (it would be resumed from).
+    With ``reset_foreign`` (the default path, keyed by the store's URL and the run: the store
+    there was made anew) another store's tier is emptied instead, with a warning.
+    A store with no marker whose every ref is a snapshot of ``run`` is taken as this run's tier
+    (one kept before tiers had markers)."""
+    from ckpt.snapshot.run import SnapshotError
+    from ckpt_store.storage.config import CONFIG_PATH
+
+    want = {"run": run, "store_id": durable.config.store_id}
+    marker = json.dumps(want, sort_keys=True).encode()
+    try:
+        with open(os.path.join(path, TIER_MARKER), "rb") as f:
+            have = json.loads(f.read(4096))
+    except FileNotFoundError:
+        have = None
+    except (OSError, ValueError):
+        have = {}  # damaged: someone's, not known to be this run's
+    if have == want:
+        return None
+    if have is None and not os.path.lexists(os.path.join(path, CONFIG_PATH)):
+        return marker  # a new tier
+    if have is None and _only_snapshots_of(path, run):
+        return marker
+    if have is None:
+        raise SnapshotError(f"local={path} is a ckpt store that is not a local tier; a tier prunes and collects "
+                            "what it holds", hint="give the local tier a path of its own")
+    if not reset_foreign:
+        raise SnapshotError(f"local={path} is the local tier of another run or store ({have!r:.120})",
+                            hint="give this run's local tier a path of its own, or remove that folder")
+    message = f"local tier {path} held snapshots of another store or run: emptied for this one"
+    log.warning("%s", message)
+    from ckpt.snapshot.run import TierWarning
+
+    warnings.warn(message, TierWarning, stacklevel=4)
+    for name in os.listdir(path):
+        p = os.path.join(path, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        else:
+            os.unlink(p)
+    return marker
+
+
+def _only_snapshots_of(path: str, run: str) -> bool:
+    """Whether the store at ``path`` names nothing but snapshots of ``run`` (RUN/step-N, RUN/latest)."""
+    from ckpt.store.store import Store
+
+    try:
+        refs = Store.open(path).refs()
+    except CkptError:
+        return False
+    return all(r == f"{run}/latest" or step_of(run, r) is not None for r in refs)
+
+
+__all__ = ["LocalTier", "LocalTierUsage", "default_local_path"]
