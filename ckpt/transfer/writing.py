@@ -16,7 +16,7 @@ from ckpt.format.manifest import Manifest
 from ckpt.progress import NullProgress, Progress
 from ckpt.settings import Settings
 from ckpt.transfer.fetch import fetch_base, stored_chain
-from ckpt.transfer.parallel import BATCH_BYTES, run_parallel
+from ckpt.transfer.parallel import BATCH_BYTES, results_of, run_parallel
 from ckpt.transfer.reading import BundleBases
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
 from ckpt_store.storage.objects import ObjectStore, object_id
@@ -232,8 +232,7 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
     try:
         results = run_parallel(put, tasks, max(settings.workers, min(remote, 8)), progress or NullProgress(), lambda t: t.length,
                                batch=BATCH_BYTES)
-        for f in writes:
-            f.result()  # durable, or the first write error
+        results_of(writes)  # durable, or the first write error (a Ctrl-C meanwhile is acted on at once)
         found = {oid: stored_chain(objects, oid) for oid in lost}  # another writer's blob is the one stored
         for i, r in enumerate(results):
             if r.id in found:
