@@ -16,7 +16,7 @@ from ckpt.format.manifest import Manifest
 from ckpt.progress import NullProgress, Progress
 from ckpt.settings import Settings
 from ckpt.transfer.fetch import fetch_base, stored_chain
-from ckpt.transfer.parallel import BATCH_BYTES, run_parallel
+from ckpt.transfer.parallel import BATCH_BYTES, results_of, run_parallel
 from ckpt.transfer.reading import BundleBases
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
 from ckpt_store.storage.objects import ObjectStore, object_id
@@ -154,14 +154,11 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
     lost: set[str] = set()
 
     def write(path: str, oid: str, blob: tuple[bytes | memoryview, ...]) -> None:
-        try:
-            if not exclusive:
-                objects.backend.write(path, blob)
-            elif not objects.backend.create_exclusive(path, blob):
-                with writes_lock:
-                    lost.add(oid)
-        finally:
-            slots.release()
+        if not exclusive:
+            objects.backend.write(path, blob)
+        elif not objects.backend.create_exclusive(path, blob):
+            with writes_lock:
+                lost.add(oid)
 
     # Remote stores: one listing instead of a HEAD per chunk (and when each was written).
     written = None if objects.backend.touches else objects.written_times("chunks", len(tasks), times=recorded is not None)
@@ -222,18 +219,22 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
         slots.acquire()
         try:
             fut = io.submit(write, path, oid, enc.parts)
-        except BaseException:
+        except BaseException:  # (RuntimeError once the push stopped: the writes queued are dropped)
             slots.release()
             raise
+        # Its slot is free once the write is done, or dropped unstarted (an encoding thread waiting
+        # for a slot then goes on, to find the push stopped).
+        fut.add_done_callback(lambda _: slots.release())
         with writes_lock:
             writes.append(fut)
         return PutResult(oid, task.length, enc.size, enc.codec, base_chain if enc.base else ())
 
     try:
+        # Stopped (an error, Ctrl-C): the writes queued are dropped at once, not after the chunks being
+        # encoded are done (up to 2 * io_workers blobs went on being written: on S3, 32 chunks, 128 MiB).
         results = run_parallel(put, tasks, max(settings.workers, min(remote, 8)), progress or NullProgress(), lambda t: t.length,
-                               batch=BATCH_BYTES)
-        for f in writes:
-            f.result()  # durable, or the first write error
+                               batch=BATCH_BYTES, on_stop=lambda: io.shutdown(wait=False, cancel_futures=True))
+        results_of(writes)  # durable, or the first write error (a Ctrl-C meanwhile is acted on at once)
         found = {oid: stored_chain(objects, oid) for oid in lost}  # another writer's blob is the one stored
         for i, r in enumerate(results):
             if r.id in found:

@@ -140,6 +140,28 @@ def test_run_parallel_raises_the_first_error():
         pipeline.run_parallel(fn, list(range(20)), 2, NullProgress(), lambda i: 1, batch=3)
 
 
+
+def test_run_parallel_stops_the_groups_under_way_at_the_first_error():
+    """An error (or Ctrl-C) left the other groups under way to run to their last item: a group of
+    small chunks (up to BATCH_BYTES of them) went on after the push had stopped."""
+    from ckpt.progress import NullProgress
+
+    second = threading.Event()
+    ran: list[int] = []
+
+    def fn(i: int) -> int:
+        if i == 0:
+            assert second.wait(30)
+            raise ValueError("first")
+        ran.append(i)
+        second.set()
+        time.sleep(0.2)
+        return i
+
+    with pytest.raises(ValueError, match="first"):
+        pipeline.run_parallel(fn, list(range(40)), 2, NullProgress(), lambda i: 1, batch=20)  # two groups of 20
+    assert 1 <= len(ran) <= 3, ran  # the item under way when it came (and the next, on a busy machine): was all 20
+
 def _tuned_pair(url: str, settings: Settings, tensors: int = 3, numel: int = 200_000, seed: int = 11,
                 ) -> tuple[ckpt.Store, dict[str, torch.Tensor]]:
     """A store with ``base`` and ``tuned``, a fine-tune stored as deltas against it."""
@@ -305,3 +327,40 @@ def test_a_raw_chunk_read_from_a_local_store_is_hashed_as_it_is_read(tmp_path, m
     path.write_bytes(bytes(blob))
     with pytest.raises(CorruptObjectError, match=cid[:12]):
         store.load_into("a", {"w": torch.empty_like(w)})
+
+
+def test_ctrl_c_in_a_push_stops_its_writes_at_once(tmp_path):
+    """Ctrl-C while a push writes (here: raised in the main thread as a signal handler raises it, by
+    another thread, while the first writes are under way): the main thread, asleep until every chunk
+    was done, raised it only then, having written every chunk; and the writes queued (2 per I/O
+    thread) went on after it. Now only the writes already under way end, and no other starts."""
+    import _thread
+    import signal
+
+    settings = Settings.from_env(workers=2, io_workers=2, chunk_size=1 << 16)
+    store = ckpt.Store.init(str(tmp_path / "s"), settings=settings)
+    data = torch.randn(40 << 14, generator=torch.Generator().manual_seed(3))  # 40 chunks
+    tasks = pipeline.put_tasks(lambda p, n: memoryview(data.numpy()).cast("B")[p:p + n], 0, data.nbytes, 1 << 16, 4)
+    backend = store.objects.backend
+    real = backend.create_exclusive
+    started: list[str] = []
+
+    def slow(path, blob):  # a slow disk: a write takes a second
+        started.append(path)
+        if len(started) == 1:
+            _thread.interrupt_main()  # what Ctrl-C does (the handler runs in the main thread)
+        time.sleep(1)
+        return real(path, blob)
+
+    backend.create_exclusive = slow
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background runner ignores it)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pipeline.put_chunks(store.objects, tasks, settings)
+    finally:
+        signal.signal(signal.SIGINT, before)
+        backend.create_exclusive = real
+    # The writes under way when it came (one per I/O thread), no more: it was every chunk (40).
+    assert 1 <= len(started) <= settings.io_workers, started
+    assert sorted(o.id for o in store.objects.list("chunks")) == sorted(p.rsplit("/", 1)[-1] for p in started)
+    assert not [t for t in threading.enumerate() if t.name.startswith("ckpt")]  # no thread left writing
