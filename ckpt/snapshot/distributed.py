@@ -53,9 +53,9 @@ from ckpt.snapshot.state import (
     Stateful,
     autograd_flag_sets,
     autograd_flags,
-    check_optimizer_classes,
+    check_classes,
     is_per_rank,
-    optimizer_classes,
+    recorded_classes,
     recorded_devices,
     tensor_devices,
     with_autograd_flags,
@@ -186,10 +186,9 @@ class DistributedSnapshots:
         flags = autograd_flags({n: t for n, (t, key) in tensors.items() if key not in per_rank})
         # A plain value's tensors come back as new tensors (value_target): where they lived is recorded
         devices = tensor_devices({n: t for n, (t, key) in tensors.items() if not isinstance(state[key], Stateful)})
-        classes = optimizer_classes(state)
         record = {**snapshot, "ranks": True, "world": self.world, "keys": sorted(state), "per_rank": sorted(per_rank),
                   **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {}),
-                  **({"optimizers": classes} if classes else {})}
+                  "classes": recorded_classes(state)}
         base = self.last_id if self.run.delta else None
         if self.peers is not None:
             from ckpt.snapshot.peers import TierWriter
@@ -495,7 +494,7 @@ class DistributedSnapshots:
         devices = recorded_devices(snap.get("devices", {}))
         saved = saved_paths(layout, mid)
         self._check_keys(state, snap, saved, step)
-        check_optimizer_classes(snap.get("optimizers"), state, mid, step)
+        check_classes(snap, state, mid, step)
         targets: dict[str, Any] = {}
         for key, obj in state.items():
             if is_per_rank(obj):

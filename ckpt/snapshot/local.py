@@ -40,11 +40,11 @@ from ckpt.snapshot.state import (
     Stateful,
     autograd_flag_sets,
     autograd_flags,
-    check_optimizer_classes,
+    check_classes,
     device_here,
     flatten,
-    optimizer_classes,
     optimizers_in,
+    recorded_classes,
     recorded_devices,
     tensor_devices,
     unflatten,
@@ -115,12 +115,11 @@ class LocalSnapshots:
                 # the copies start after the work queued so far on each device, not later work
                 ready = {d: torch.cuda.current_stream(d).record_event() for d in gpus}
         flags = autograd_flags(tensors)
-        classes = optimizer_classes(state)
         # where the tensors a restore makes anew go (a module's are written in place, wherever they are)
         devices = tensor_devices({n: t for n, t in tensors.items() if not isinstance(state[n.split("/")[0]], torch.nn.Module)})
         record = {**snapshot, **({"format": SNAPSHOT_TORCH_FORMAT} if uses_tags(tree, LATER_TAGS) else {}), "tree": tree,
                   **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {}),
-                  **({"optimizers": classes} if classes else {})}
+                  "classes": recorded_classes(state)}
 
         def job() -> SaveResult:
             try:
@@ -335,7 +334,6 @@ class LocalSnapshots:
         missing = sorted(set(state) - set(tree))
         if missing:
             raise TensorMismatchError(f"snapshot of step {step} has no {missing}", hint="restore a subset of keys")
-        check_optimizer_classes(snap.get("optimizers"), state, mid, step)
         records: dict[str, tuple[list[str], Any]] = {}  # each key's tensor names and structure, read once
         for key in state:  # a damaged (or foreign) record fails here, before anything is written
             node = tree[key]
@@ -358,6 +356,7 @@ class LocalSnapshots:
                 raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} names tensors it does not "
                                     f"hold ({', '.join(repr(n)[:80] for n in unknown[:3])})")
             records[key] = found.names, structure
+        check_classes(snap, state, mid, step)  # (after the records: a plain value saved for an object has its own error)
         pairs: list[tuple[TensorEntry, torch.Tensor]] = []
         decoded: dict[str, torch.Tensor] = {}
         fresh: list[str] = []  # tensors made for the restore: they get the saved autograd flags
