@@ -378,9 +378,14 @@ class LocalSnapshots:
                                               " whose elements share memory (expand()): nothing can be restored into it",
                                               hint="give the module a tensor of its own there (.clone()), as torch's "
                                                    "load_state_dict needs too")
-                pairs += [(entries[n], live[n]) for n in names]  # straight into the parameters
-                used.update(t.untyped_storage().data_ptr() for t in live.values() if t.numel())
-                continue
+                ptrs = [t.untyped_storage().data_ptr() for t in live.values() if t.numel()]
+                if {t.untyped_storage().data_ptr() for t in (*obj.parameters(), *obj.buffers()) if t.numel()}.issuperset(ptrs):
+                    pairs += [(entries[n], live[n]) for n in names]  # straight into the parameters
+                    used.update(ptrs)
+                    continue
+                # Its state_dict() hands out copies (a state dict hook's, or _save_to_state_dict's): written
+                # into them, the module would keep its values. Loaded through its load_state_dict, as torch does.
+                kind = "stateful"
             if kind == "stateful":
                 _check_param_groups(key, obj, structure)  # before anything is written
             # An optimizer's (or any Stateful's) own tensors of the right shape and dtype are

@@ -1435,3 +1435,43 @@ def test_a_scheduler_accelerate_wraps_is_checked_as_the_one_it_steps(tmp_path):
         again = wrapped(lambda o: L.StepLR(o, step_size=5))
         assert mgr.restore_latest({"sched": again}) == 3 and again.state_dict() == sched.state_dict()
 
+
+def test_a_module_whose_state_dict_hands_out_copies_is_restored_through_its_load_state_dict(tmp_path):
+    """A module whose state_dict() gives copies of its tensors (a state dict hook's, as wrappers that
+    hand out weights in another form install): a restore wrote the snapshot into those copies and reported
+    success, the module keeping its own values. Written into the copies, the state is loaded through the
+    module's load_state_dict, as torch loads it; a module whose state_dict gives its own tensors is still
+    written in place. Saved twice (a change between), the second restore gives the second state."""
+
+    class Copied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+            self.norm = torch.nn.LayerNorm(16)
+            self.register_state_dict_post_hook(lambda module, sd, prefix, meta: sd.update({k: v.clone() for k, v in sd.items()}))
+
+        def forward(self, x):
+            return self.norm(self.lin(x))
+
+    def bits(module):
+        return {k: _bits(v) for k, v in module.state_dict().items()}
+
+    torch.manual_seed(0)
+    model, plain = Copied(), _model()
+    opt = torch.optim.AdamW([*model.parameters(), *plain.parameters()], lr=1e-2)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        for step in (1, 2):
+            loss = model(torch.randn(4, 16)).pow(2).mean() + plain(torch.randn(4, 64)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mgr.save(step, {"model": model, "plain": plain})
+            mgr.wait()
+            want = bits(model), bits(plain)
+            torch.manual_seed(1)
+            model2, plain2 = Copied(), _model()
+            live = plain2[0].weight
+            assert bits(model2) != want[0]
+            assert mgr.restore({"model": model2, "plain": plain2}, step) == step
+            assert (bits(model2), bits(plain2)) == want
+            assert plain2[0].weight is live  # in place
