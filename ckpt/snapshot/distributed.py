@@ -40,7 +40,7 @@ from ckpt.snapshot.state import (
     Stateful,
     autograd_flags,
     is_per_rank,
-    optimizer_classes,
+    recorded_classes,
     tensor_devices,
 )
 from ckpt.snapshot.tiers import describe, out_of_space
@@ -121,10 +121,9 @@ class DistributedSnapshots(DistributedRestoring):
         flags = autograd_flags({n: t for n, (t, key) in tensors.items() if key not in per_rank})
         # A plain value's tensors come back as new tensors (value_target): where they lived is recorded
         devices = tensor_devices({n: t for n, (t, key) in tensors.items() if not isinstance(state[key], Stateful)})
-        classes = optimizer_classes(state)
         record = {**snapshot, "ranks": True, "world": self.world, "keys": sorted(state), "per_rank": sorted(per_rank),
                   **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {}),
-                  **({"optimizers": classes} if classes else {})}
+                  "classes": recorded_classes(state)}
         base = self.last_id if self.run.delta else None
         if self.peers is not None:
             from ckpt.snapshot.peers import TierWriter

@@ -28,7 +28,7 @@ from ckpt.snapshot.dcp_state import (
 from ckpt.snapshot.state import (
     Stateful,
     autograd_flag_sets,
-    check_optimizer_classes,
+    check_classes,
     is_per_rank,
     recorded_devices,
     with_autograd_flags,
@@ -255,7 +255,7 @@ class DistributedRestoring:
         devices = recorded_devices(snap.get("devices", {}))
         saved = saved_paths(layout, mid)
         self._check_keys(state, snap, saved, step)
-        check_optimizer_classes(snap.get("optimizers"), state, mid, step)
+        check_classes(snap, state, mid, step)
         targets: dict[str, Any] = {}
         for key, obj in state.items():
             if is_per_rank(obj):

@@ -38,8 +38,8 @@ from ckpt.snapshot.run import (
 from ckpt.snapshot.state import (
     autograd_flags,
     flatten,
-    optimizer_classes,
     optimizers_in,
+    recorded_classes,
     tensor_devices,
 )
 from ckpt.store.source_tensors import storable_dtype
@@ -106,12 +106,11 @@ class LocalSnapshots(LocalRestoring):
                 # the copies start after the work queued so far on each device, not later work
                 ready = {d: torch.cuda.current_stream(d).record_event() for d in gpus}
         flags = autograd_flags(tensors)
-        classes = optimizer_classes(state)
         # where the tensors a restore makes anew go (a module's are written in place, wherever they are)
         devices = tensor_devices({n: t for n, t in tensors.items() if not isinstance(state[n.split("/")[0]], torch.nn.Module)})
         record = {**snapshot, **({"format": SNAPSHOT_TORCH_FORMAT} if uses_tags(tree, LATER_TAGS) else {}), "tree": tree,
                   **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {}),
-                  **({"optimizers": classes} if classes else {})}
+                  "classes": recorded_classes(state)}
 
         def job() -> SaveResult:
             try:

@@ -19,7 +19,7 @@ from ckpt.snapshot.run import (
 from ckpt.snapshot.state import (
     Stateful,
     autograd_flag_sets,
-    check_optimizer_classes,
+    check_classes,
     device_here,
     flatten,
     recorded_devices,
@@ -69,7 +69,6 @@ class LocalRestoring:
         missing = sorted(set(state) - set(tree))
         if missing:
             raise TensorMismatchError(f"snapshot of step {step} has no {missing}", hint="restore a subset of keys")
-        check_optimizer_classes(snap.get("optimizers"), state, mid, step)
         records: dict[str, tuple[list[str], Any]] = {}  # each key's tensor names and structure, read once
         for key in state:  # a damaged (or foreign) record fails here, before anything is written
             node = tree[key]
@@ -92,6 +91,7 @@ class LocalRestoring:
                 raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} names tensors it does not "
                                     f"hold ({', '.join(repr(n)[:80] for n in unknown[:3])})")
             records[key] = found.names, structure
+        check_classes(snap, state, mid, step)  # (after the records: a plain value saved for an object has its own error)
         pairs: list[tuple[TensorEntry, torch.Tensor]] = []
         decoded: dict[str, torch.Tensor] = {}
         fresh: list[str] = []  # tensors made for the restore: they get the saved autograd flags
@@ -113,9 +113,14 @@ class LocalRestoring:
                                               " whose elements share memory (expand()): nothing can be restored into it",
                                               hint="give the module a tensor of its own there (.clone()), as torch's "
                                                    "load_state_dict needs too")
-                pairs += [(entries[n], live[n]) for n in names]  # straight into the parameters
-                used.update(t.untyped_storage().data_ptr() for t in live.values() if t.numel())
-                continue
+                ptrs = [t.untyped_storage().data_ptr() for t in live.values() if t.numel()]
+                if {t.untyped_storage().data_ptr() for t in (*obj.parameters(), *obj.buffers()) if t.numel()}.issuperset(ptrs):
+                    pairs += [(entries[n], live[n]) for n in names]  # straight into the parameters
+                    used.update(ptrs)
+                    continue
+                # Its state_dict() hands out copies (a state dict hook's, or _save_to_state_dict's): written
+                # into them, the module would keep its values. Loaded through its load_state_dict, as torch does.
+                kind = "stateful"
             if kind == "stateful":
                 _check_param_groups(key, obj, structure)  # before anything is written
             # An optimizer's (or any Stateful's) own tensors of the right shape and dtype are

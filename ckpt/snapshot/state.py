@@ -285,29 +285,73 @@ def _optimizers_by_key(state: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
-def optimizer_classes(state: dict[str, Any]) -> dict[str, str]:
-    """What a snapshot records of the optimizers in ``state`` (``"optimizers"`` in its record): each one's
-    class, unwrapped as :func:`optimizers_in` unwraps it, as ``module.qualname`` text, by state key."""
-    return {key: f"{type(o).__module__}.{type(o).__qualname__}" for key, o in _optimizers_by_key(state).items()}
+def recorded_classes(state: dict[str, Any]) -> dict[str, str]:
+    """What a snapshot records of ``state``'s objects whose ``load_state_dict`` takes another class's state
+    without a word (``"classes"`` in its record): each one's class as ``module.qualname`` text
+    (:func:`_class_text`), by state key (:func:`_classed_objects` says which)."""
+    return {key: _class_text(o) for key, o in _classed_objects(state).items()}
 
 
-def check_optimizer_classes(recorded: Any, state: dict[str, Any], mid: str, step: int) -> None:
-    """Refuse, before anything is restored, an optimizer of ``state`` of another class than the one the
-    snapshot ``mid`` (of ``step``) recorded under its key (:func:`optimizer_classes`): torch's
-    ``load_state_dict`` takes an AdamW's state into an SGD without a word (the moments ignored, its
-    hyperparameters AdamW's). A snapshot written before the record (``recorded`` None) is not checked;
-    :class:`~ckpt.snapshot.run.SnapshotError` too where the record is malformed."""
+def _classed_objects(state: dict[str, Any]) -> dict[str, Any]:
+    """The objects of ``state`` whose class a snapshot records, by key: each optimizer (unwrapped as
+    :func:`optimizers_in` unwraps it) and LR scheduler (torch's ``load_state_dict`` of either takes any
+    state dict; one accelerate's ``AcceleratedScheduler`` steps is unwrapped too). Not modules (a restore
+    matches their tensors by name, shape and dtype), nor grad scalers or RNG states (their
+    ``load_state_dict`` needs their own fields), nor plain values (given back as saved)."""
+    from torch.optim.lr_scheduler import LRScheduler
+
+    found = _optimizers_by_key(state)
+    for key, obj in state.items():
+        while isinstance(getattr(obj, "scheduler", None), LRScheduler) and not isinstance(obj, LRScheduler):
+            obj = obj.scheduler
+        if isinstance(obj, LRScheduler):
+            found[key] = obj
+    return found
+
+
+def _class_text(obj: Any) -> str:
+    """``obj``'s class as ``module.qualname``; a scheduler made of others (``SequentialLR``, ``ChainedScheduler``:
+    torch's ``load_state_dict`` loads each saved child's state into the child at its place, whatever its
+    class) adds theirs in order: ``torch.optim.lr_scheduler.SequentialLR[torch.optim.lr_scheduler.LinearLR, ...]``."""
+    text = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    children = getattr(obj, "_schedulers", None)  # (torch's attribute; its state_dict saves the children under it)
+    if isinstance(children, (list, tuple)):
+        text += "[" + ", ".join(_class_text(c) for c in children) + "]"
+    return text
+
+
+def check_classes(snap: dict[str, Any], state: dict[str, Any], mid: str, step: int) -> None:
+    """Refuse, before anything is restored, an object of ``state`` of another class than the one the snapshot
+    ``mid`` (of ``step``; ``snap``: its record) recorded under its key (:func:`recorded_classes`): torch's
+    ``load_state_dict`` takes an AdamW's state into an SGD, a StepLR's into a CosineAnnealingLR, without a
+    word; and one whose key the record lacks (a module's state, say, or a grad scaler's, saved there, which a
+    scheduler's ``load_state_dict`` takes too). A snapshot written before the record is not checked (one of
+    the release that recorded its optimizers alone, as ``"optimizers"``, has those checked: a key it lacks
+    may be a scheduler's); :class:`~ckpt.snapshot.run.SnapshotError` too where the record is malformed."""
+    import re
+
+    import torch
+
     from ckpt.snapshot.run import SnapshotError
 
+    recorded = snap.get("classes", snap.get("optimizers"))
     if recorded is None:
         return
     if not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
-        raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of its optimizers' classes is malformed",
+        raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of its objects' classes is malformed",
                             hint="restore from another snapshot")
-    for key, have in optimizer_classes(state).items():
-        saved = recorded.get(key)
+    every = "classes" in snap  # (the record of every optimizer and scheduler saved, not of the optimizers alone)
+    for key, obj in _classed_objects(state).items():
+        saved, have = recorded.get(key), _class_text(obj)
+        kind = "optimizer" if isinstance(obj, torch.optim.Optimizer) else "LR scheduler"
+        if saved is None and every:
+            raise SnapshotError(f"state[{key!r}] is a {have}, but the snapshot of step {step} holds no optimizer's or "
+                                f"LR scheduler's state under {key!r}: another object's state would be taken as an {kind}'s",
+                                hint=f"restore into the kind of object that was saved as {key!r}, or leave {key!r} out "
+                                     "of the state to start it afresh")
         if saved is not None and saved != have:
+            short = re.sub(r"[\w.]*\.(\w+)", r"\1", saved)  # torch.optim.adamw.AdamW -> AdamW
             raise SnapshotError(f"state[{key!r}] is a {have}, but the snapshot of step {step} holds the state of a {saved}: "
-                                "its state would be taken as another optimizer's",
-                                hint=f"restore into a {saved.rpartition('.')[2]} built as the saved run built it, or leave "
-                                     f"{key!r} out of the state to start that optimizer afresh")
+                                f"its state would be taken as another {kind}'s",
+                                hint=f"restore into a {short} built as the saved run built it, or leave "
+                                     f"{key!r} out of the state to start it afresh")

@@ -517,12 +517,25 @@ def ddp_refusals(rank, world, tmp, store):
         other["optim"] = torch.optim.SGD(other["model"].parameters(), lr=0.1)
         res["other_optimizer"] = outcome(lambda: mgr.restore({"model": other["model"], "optim": other["optim"]}, 2))
         res["other_optimizer_state"] = len(other["optim"].state)
+        # the saved StepLR's state into a CosineAnnealingLR: torch's load_state_dict takes it too
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(other["optim"], T_max=10)
+        cosine_before = cosine.state_dict()
+        res["other_scheduler"] = outcome(lambda: mgr.restore({"sched": cosine}, 2))
+        res["other_scheduler_untouched"] = cosine.state_dict() == cosine_before
         # A snapshot saved with the RNG state once for all ranks (as ckpt did before it kept it per rank).
         old = {"format": 1, "run": "old", "step": 1, "metrics": {}, "ranks": True}
         dcp.save({"rng": ckpt.RNGState().state_dict()}, process_group=group,
                  storage_writer=ckpt.dcp.Writer(store, "old/step-1", aliases=("old/latest",), extra={"snapshot": old}))
     with ckpt.CheckpointManager(store, "old", save_mode="sync", process_group=group, timeout_s=30) as mgr:
         res["shared_rng"] = outcome(lambda: mgr.restore_latest({"rng": ckpt.RNGState()}))
+    # A LambdaLR's state into a MultiplicativeLR: the same fields (a placement check passes them), another schedule
+    sgd = torch.optim.SGD(_ddp_state(rank)["model"].parameters(), lr=0.1)
+    with ckpt.CheckpointManager(store, "lam", save_mode="sync", process_group=group, timeout_s=30) as mgr:
+        mgr.save(1, {"sched": torch.optim.lr_scheduler.LambdaLR(sgd, lambda epoch: 0.9 ** epoch)})
+        mult = torch.optim.lr_scheduler.MultiplicativeLR(sgd, lambda epoch: 0.9)
+        mult_before = mult.state_dict()
+        res["same_fields"] = outcome(lambda: mgr.restore_latest({"sched": mult}))
+        res["same_fields_untouched"] = mult.state_dict() == mult_before
     solo = dist.new_group([0])  # every rank creates it; rank 0 alone restores through it
     if rank == 0:
         with ckpt.CheckpointManager(store, "r", save_mode="sync", process_group=solo, timeout_s=30) as mgr:

@@ -501,6 +501,11 @@ def test_manager_refuses_what_it_cannot_restore_per_rank(tmp_path):
         assert r["not_per_rank"].startswith("SnapshotError") and "saved per rank" in r["not_per_rank"]
         assert r["other_optimizer"].startswith("SnapshotError") and "torch.optim.sgd.SGD" in r["other_optimizer"]
         assert "torch.optim.adamw.AdamW" in r["other_optimizer"] and r["other_optimizer_state"] == 0  # nothing taken
+        assert r["other_scheduler"].startswith("SnapshotError") and r["other_scheduler_untouched"]
+        assert "a torch.optim.lr_scheduler.CosineAnnealingLR, but" in r["other_scheduler"]
+        assert "holds the state of a torch.optim.lr_scheduler.StepLR" in r["other_scheduler"]
+        assert r["same_fields"].startswith("SnapshotError") and r["same_fields_untouched"]
+        assert "MultiplicativeLR, but the snapshot of step 1 holds the state of a torch.optim.lr_scheduler.LambdaLR" in r["same_fields"]
         assert r["shared_rng"].startswith("SnapshotError") and "one copy for all ranks" in r["shared_rng"]
     assert r0["one_refuses"].startswith("SnapshotError") and "refused on rank 1" in r0["one_refuses"]
     assert "no place" in r1["one_refuses"] and max(r0["one_refuses_s"], r1["one_refuses_s"]) < 20  # not timeout_s

@@ -1213,7 +1213,7 @@ def test_an_optimizer_of_another_class_is_refused_and_old_snapshots_restore_as_b
         mgr.save(1, {"model": model, "optim": opt})
     store = ckpt.Store.open(str(tmp_path / "s"))
     m = store.manifest("r/latest")
-    assert m.extra["snapshot"]["optimizers"] == {"optim": "torch.optim.adamw.AdamW"}
+    assert m.extra["snapshot"]["classes"] == {"optim": "torch.optim.adamw.AdamW"}
     model2 = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
     sgd = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
     before = _state_bits(model2, sgd)
@@ -1228,7 +1228,7 @@ def test_an_optimizer_of_another_class_is_refused_and_old_snapshots_restore_as_b
         assert _state_bits(model2, adamw) == _state_bits(model, opt)
     # written by the ckpt before the record: restored into whatever optimizer is given, as torch does
     snap = copy.deepcopy(m.extra["snapshot"])
-    del snap["optimizers"]
+    del snap["classes"]
     commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
     adamw = torch.optim.AdamW(model2.parameters(), lr=1e-3)
     with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
@@ -1236,10 +1236,10 @@ def test_an_optimizer_of_another_class_is_refused_and_old_snapshots_restore_as_b
         assert _state_bits(model2, adamw) == _state_bits(model, opt)
         sgd = torch.optim.SGD(model2.parameters(), lr=0.1)
         assert mgr.restore_latest({"model": model2, "optim": sgd}) == 1
-    snap["optimizers"] = ["torch.optim.adamw.AdamW"]  # damaged: refused, not taken for no record
+    snap["classes"] = ["torch.optim.adamw.AdamW"]  # damaged: refused, not taken for no record
     commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
     with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
-        with pytest.raises(SnapshotError, match="record of its optimizers' classes is malformed"):
+        with pytest.raises(SnapshotError, match="record of its objects. classes is malformed"):
             mgr.restore_latest({"model": model2, "optim": adamw})
 
 
@@ -1296,3 +1296,182 @@ def test_a_missing_latest_without_an_index_reads_the_chosen_manifest_once(tmp_pa
         assert mgr.restore_latest({"model": model2, "optim": opt2}) == 3
         assert parsed.count(chosen) == 1, parsed
         assert _state_bits(model2, opt2) == want
+
+
+def test_an_lr_scheduler_of_another_class_is_refused_from_either_tier_and_old_snapshots_restore_as_before(tmp_path):
+    """A StepLR's snapshot restored into a CosineAnnealingLR or a OneCycleLR: torch's load_state_dict takes
+    it without a word (the scheduler's __dict__ updated with StepLR's fields) and training resumes on
+    another schedule. The snapshot records each scheduler's class beside the optimizers' (a SequentialLR's
+    with its children's, whose states torch loads into the children at their places), and a restore into
+    another refuses before anything is written, naming both: from the local tier and from the durable
+    store; so does one into a key saved as another kind of object (a module's state, a grad scaler's),
+    which a scheduler's load_state_dict takes too. A snapshot without the record restores as before;
+    one with the previous release's record of its optimizers alone has them checked, its schedulers not."""
+    import copy
+    import dataclasses
+
+    from torch.optim import lr_scheduler as L
+
+    from ckpt_store.storage.commit import commit
+
+    def fresh():
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = L.StepLR(opt, step_size=2, gamma=0.5)
+    for _ in range(3):
+        _train(model, opt)
+        sched.step()
+    saved = copy.deepcopy(sched.state_dict())
+    store_url, node = str(tmp_path / "s"), str(tmp_path / "node")
+    with ckpt.CheckpointManager(store_url, "r", every_n_steps=2, local=node, local_every_n_steps=1) as mgr:
+        mgr.save(2, {"model": model, "optim": opt, "sched": sched, "scaler": torch.amp.GradScaler("cpu")})  # local and durable
+    store = ckpt.Store.open(store_url)
+    m = store.manifest("r/latest")
+    assert m.extra["snapshot"]["classes"] == {"optim": "torch.optim.sgd.SGD", "sched": "torch.optim.lr_scheduler.StepLR"}
+    for tier in ("local", "store"):
+        with ckpt.CheckpointManager(store_url, "r", **({"local": node} if tier == "local" else {})) as mgr:
+            for other in (lambda o: L.CosineAnnealingLR(o, T_max=10), lambda o: L.OneCycleLR(o, max_lr=1.0, total_steps=100)):
+                model2, opt2 = fresh()
+                sched2 = other(opt2)
+                before, sched_before = _state_bits(model2, opt2), copy.deepcopy(sched2.state_dict())
+                name = type(sched2).__name__
+                with pytest.raises(SnapshotError, match=rf"state\['sched'\] is a torch.optim.lr_scheduler.{name}, but the "
+                                                        r"snapshot of step 2 holds the state of a torch.optim.lr_scheduler"
+                                                        r".StepLR: its state would be taken as another LR scheduler's") as e:
+                    mgr.restore_latest({"model": model2, "optim": opt2, "sched": sched2})
+                assert "restore into a StepLR" in e.value.hint
+                assert _state_bits(model2, opt2) == before and sched2.state_dict() == sched_before  # nothing written
+            model2, opt2 = fresh()
+            sched2 = L.StepLR(opt2, step_size=7)
+            assert mgr.restore_latest({"model": model2, "optim": opt2, "sched": sched2}) == 2
+            assert mgr.last_restore[tier] > 0
+            assert _state_bits(model2, opt2) == _state_bits(model, opt) and sched2.state_dict() == saved
+            assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    # a key saved as no optimizer or scheduler (a module's, a grad scaler's state): a scheduler's __dict__ takes it
+    with ckpt.CheckpointManager(store_url, "r") as mgr:
+        for key in ("model", "scaler"):
+            model2, opt2 = fresh()
+            sched2 = L.StepLR(opt2, step_size=2, gamma=0.5)
+            sched_before = copy.deepcopy(sched2.state_dict())
+            with pytest.raises(SnapshotError, match=rf"state\['{key}'\] is a torch.optim.lr_scheduler.StepLR, but the "
+                                                    rf"snapshot of step 2 holds no optimizer's or LR scheduler's state "
+                                                    rf"under '{key}'"):
+                mgr.restore_latest({key: sched2})
+            assert sched2.state_dict() == sched_before
+    # A scheduler made of others: SequentialLR's load_state_dict loads each saved child into the child at its place
+    def sequential(second):
+        model2, opt2 = fresh()
+        return L.SequentialLR(opt2, [L.LinearLR(opt2, total_iters=2), second(opt2)], milestones=[2])
+
+    seq = sequential(lambda o: L.CosineAnnealingLR(o, T_max=10))
+    for _ in range(3):
+        seq.optimizer.step()
+        seq.step()
+    with ckpt.CheckpointManager(store_url, "q") as mgr:
+        mgr.save(3, {"sched": seq})
+        mgr.wait()
+        assert store.manifest("q/latest").extra["snapshot"]["classes"]["sched"] == (
+            "torch.optim.lr_scheduler.SequentialLR[torch.optim.lr_scheduler.LinearLR, torch.optim.lr_scheduler.CosineAnnealingLR]")
+        seq2 = sequential(lambda o: L.StepLR(o, step_size=3))
+        seq2_before = copy.deepcopy(seq2.state_dict())
+        with pytest.raises(SnapshotError, match=r"SequentialLR\[torch.optim.lr_scheduler.LinearLR, torch.optim.lr_scheduler"
+                                                r".StepLR\], but .* holds the state of a torch.optim.lr_scheduler.SequentialLR"
+                                                r"\[torch.optim.lr_scheduler.LinearLR, torch.optim.lr_scheduler"
+                                                r".CosineAnnealingLR\]") as e:
+            mgr.restore_latest({"sched": seq2})
+        assert "restore into a SequentialLR[LinearLR, CosineAnnealingLR]" in e.value.hint
+        assert seq2.state_dict() == seq2_before
+        seq3 = sequential(lambda o: L.CosineAnnealingLR(o, T_max=10))
+        assert mgr.restore_latest({"sched": seq3}) == 3 and seq3.state_dict() == seq.state_dict()
+    # written by the ckpt before the record: restored into whatever scheduler is given, as torch does
+    snap = copy.deepcopy(m.extra["snapshot"])
+    del snap["classes"]
+    commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
+    with ckpt.CheckpointManager(store_url, "r") as mgr:
+        model2, opt2 = fresh()
+        cosine = L.CosineAnnealingLR(opt2, T_max=10)
+        assert mgr.restore_latest({"model": model2, "optim": opt2, "sched": cosine}) == 2
+        assert cosine.state_dict()["step_size"] == 2 and _state_bits(model2, opt2) == _state_bits(model, opt)
+    # written by the release that recorded its optimizers alone: those checked, the schedulers not
+    snap["optimizers"] = {"optim": "torch.optim.sgd.SGD"}
+    commit(store.objects, store.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "r/latest")
+    with ckpt.CheckpointManager(store_url, "r") as mgr:
+        model2, _ = fresh()
+        with pytest.raises(SnapshotError, match=r"is a torch.optim.adamw.AdamW, but .* holds the state of a torch.optim.sgd.SGD"):
+            mgr.restore_latest({"model": model2, "optim": torch.optim.AdamW(model2.parameters())})
+        model2, opt2 = fresh()
+        assert mgr.restore_latest({"model": model2, "optim": opt2, "sched": L.CosineAnnealingLR(opt2, T_max=10)}) == 2
+
+
+def test_a_scheduler_accelerate_wraps_is_checked_as_the_one_it_steps(tmp_path):
+    """A transformers Trainer may hold its scheduler wrapped in accelerate's AcceleratedScheduler (not an
+    LRScheduler; its state_dict is the wrapped one's): the record names the scheduler it steps, and a
+    restore into a wrapper of another scheduler is refused as the scheduler itself would be."""
+    accelerate_scheduler = pytest.importorskip("accelerate.scheduler")
+    from torch.optim import lr_scheduler as L
+
+    def wrapped(make):
+        opt = torch.optim.SGD(_model().parameters(), lr=0.1)
+        return accelerate_scheduler.AcceleratedScheduler(make(opt), opt)
+
+    sched = wrapped(lambda o: L.StepLR(o, step_size=2, gamma=0.5))
+    for _ in range(3):
+        sched.scheduler.optimizer.step()
+        sched.scheduler.step()
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        mgr.save(3, {"sched": sched})
+        mgr.wait()
+        assert ckpt.Store.open(str(tmp_path / "s")).manifest("r/latest").extra["snapshot"]["classes"] == {
+            "sched": "torch.optim.lr_scheduler.StepLR"}
+        cosine = wrapped(lambda o: L.CosineAnnealingLR(o, T_max=10))
+        before = cosine.state_dict()
+        with pytest.raises(SnapshotError, match=r"is a torch.optim.lr_scheduler.CosineAnnealingLR, but the snapshot of "
+                                                r"step 3 holds the state of a torch.optim.lr_scheduler.StepLR"):
+            mgr.restore_latest({"sched": cosine})
+        assert cosine.state_dict() == before
+        again = wrapped(lambda o: L.StepLR(o, step_size=5))
+        assert mgr.restore_latest({"sched": again}) == 3 and again.state_dict() == sched.state_dict()
+
+
+def test_a_module_whose_state_dict_hands_out_copies_is_restored_through_its_load_state_dict(tmp_path):
+    """A module whose state_dict() gives copies of its tensors (a state dict hook's, as wrappers that
+    hand out weights in another form install): a restore wrote the snapshot into those copies and reported
+    success, the module keeping its own values. Written into the copies, the state is loaded through the
+    module's load_state_dict, as torch loads it; a module whose state_dict gives its own tensors is still
+    written in place. Saved twice (a change between), the second restore gives the second state."""
+
+    class Copied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+            self.norm = torch.nn.LayerNorm(16)
+            self.register_state_dict_post_hook(lambda module, sd, prefix, meta: sd.update({k: v.clone() for k, v in sd.items()}))
+
+        def forward(self, x):
+            return self.norm(self.lin(x))
+
+    def bits(module):
+        return {k: _bits(v) for k, v in module.state_dict().items()}
+
+    torch.manual_seed(0)
+    model, plain = Copied(), _model()
+    opt = torch.optim.AdamW([*model.parameters(), *plain.parameters()], lr=1e-2)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        for step in (1, 2):
+            loss = model(torch.randn(4, 16)).pow(2).mean() + plain(torch.randn(4, 64)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mgr.save(step, {"model": model, "plain": plain})
+            mgr.wait()
+            want = bits(model), bits(plain)
+            torch.manual_seed(1)
+            model2, plain2 = Copied(), _model()
+            live = plain2[0].weight
+            assert bits(model2) != want[0]
+            assert mgr.restore({"model": model2, "plain": plain2}, step) == step
+            assert (bits(model2), bits(plain2)) == want
+            assert plain2[0].weight is live  # in place
