@@ -39,6 +39,7 @@ from ckpt.snapshot.retention import KeepBest, Retention, count_setting
 from ckpt.snapshot.run import SnapshotError, SnapshotRun, TierWarning, modified_under_save
 from ckpt.snapshot.saving import SaveStats, Saving
 from ckpt.snapshot.steps import latest_manifest
+from ckpt.transfer.parallel import results_of
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
@@ -377,7 +378,7 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
                     p = self._persisting
                 if p is None or p.done():
                     break
-                p.result()  # a failed persist warned; it never raises
+                results_of([p])  # a failed persist warned; it never raises
 
     def _check_open(self, what: str, verb: str) -> None:
         """Raise :class:`SnapshotError` (``what``: what did not happen) once the manager is closed: its save
@@ -389,8 +390,8 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
 
     def _wait_save(self) -> None:
         f, self._inflight = self._inflight, None
-        if f is not None:
-            f.result()
+        if f is not None:  # (not f.result(): a Ctrl-C another thread took would wait for the whole save)
+            results_of([f])
 
     def close(self) -> None:
         """Finish the in-flight save (raising its error) and release resources (a later save raises

@@ -196,6 +196,47 @@ def test_background_error_is_raised_not_lost(tmp_path):
     mgr._pool.shutdown()
 
 
+def test_ctrl_c_in_wait_is_acted_on_before_the_save_ends(tmp_path):
+    """Ctrl-C while a training script waits for its background save: a signal another thread takes
+    (a pool starting threads unblocks signals; Python runs the handler in the main thread only once
+    that thread runs) left the main thread asleep in ``Future.result()`` until the whole save had
+    been written. ``_thread.interrupt_main`` is that case: the handler's flag set, the main thread
+    not woken."""
+    import _thread
+    import time
+
+    model = _model()
+    mgr = ckpt.CheckpointManager(str(tmp_path / "s"), "c")
+    backend = mgr.store.objects.backend
+    real = backend.create_exclusive
+    waiting, written = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def slow(path, blob):  # the save's first write: Ctrl-C once the main thread waits, then a slow disk
+        calls.append(path)
+        if len(calls) == 1:
+            assert waiting.wait(30)
+            time.sleep(0.2)  # (the main thread is asleep in wait() by now)
+            _thread.interrupt_main()
+            time.sleep(3)
+            written.set()
+        return real(path, blob)
+
+    backend.create_exclusive = slow
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background runner ignores it)
+    try:
+        mgr.save(1, {"model": model})
+        waiting.set()
+        with pytest.raises(KeyboardInterrupt):
+            mgr.wait()
+        assert not written.is_set()  # acted on at once, not once the save had been written (3 s later)
+    finally:
+        signal.signal(signal.SIGINT, before)
+        mgr.close()  # (the save goes on and ends)
+        backend.create_exclusive = real
+    assert written.is_set() and ckpt.Store.open(str(tmp_path / "s")).resolve("c/step-1")
+
+
 def test_a_checkpoint_pushed_under_a_run_step_is_no_snapshot(tmp_path, caplog):
     """A user's .pt with a top-level entry named "snapshot", pushed as run/step-N: retention counted it
     as one of the run's snapshots and removed it (a user's checkpoint lost), and with keep_best its
