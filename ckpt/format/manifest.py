@@ -123,6 +123,7 @@ class Manifest:
         if m.extra_tagged:
             m.extra_values(what)  # checked here, like every other field
         if m._has_structure():
+            _check_marks_of_its_version(m.extra[STRUCTURE], m._version(), what)
             names = Counter(t.name for t in m.tensors)
             tree = m.structure(names, what, torch_values=False)  # (reading a manifest never imports torch for it)
             check_structure(m.extra, tree, names, m._version() >= EXACT_VERSION, what)
@@ -135,9 +136,7 @@ class Manifest:
             return MANIFEST_VERSION
         structure = self.source == "state-dict" and STRUCTURE in self.extra
         if structure and uses_tags(self.extra[STRUCTURE], EXACT_TAGS):
-            if joins_pieces(self.extra[STRUCTURE]):
-                return SPAN_VERSION
-            return VIEW_AHEAD_VERSION if views_ahead(self.extra[STRUCTURE]) else EXACT_VERSION
+            return _exact_version(self.extra[STRUCTURE])
         return EXTRA_DTYPE_VERSION if structure or uses_tags(self.extra, LATER_TAGS) else EXTRA_TAGGED_VERSION
 
     def _has_structure(self) -> bool:
@@ -203,6 +202,24 @@ class Manifest:
         return out
 
 
+
+
+def _exact_version(tree: Any) -> int:
+    """The version a structure with the exact types (``tree``, tagged JSON) is written as: 6 where it holds a span, 5
+    where it holds a view saved before its base, else 4."""
+    if joins_pieces(tree):
+        return SPAN_VERSION
+    return VIEW_AHEAD_VERSION if views_ahead(tree) else EXACT_VERSION
+
+
+def _check_marks_of_its_version(tree: Any, version: int, what: str) -> None:
+    """A structure read as ``version`` holds no mark of a later one: a span in a version-4 or 5 manifest, a view
+    saved before its base in a version-4 one. No writer of that version made it, and a reader of that version
+    refuses it as damaged; decoding it as the later mark would make a manifest mean what its version does not."""
+    if version < EXACT_VERSION or (needs := _exact_version(tree)) <= version:
+        return  # (before version 4 a ``__view__`` key is a plain dict's)
+    mark = "a span (a __view__ of five items)" if needs == SPAN_VERSION else "a view saved before its base"
+    raise StoreFormatError(f"{what}: its structure holds {mark}, which version {version} does not have: damaged")
 
 
 def _object(o: dict[str, Any], key: str, what: str) -> dict[str, Any] | None:

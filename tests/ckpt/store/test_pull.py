@@ -1448,6 +1448,29 @@ def test_pieces_of_one_storage_without_their_base_pull_back_sharing_it(store, tm
     assert not (tmp_path / "out.pt").exists()
 
 
+
+@pytest.mark.parametrize("ref,version", [("pieces", 5), ("pieces", 4), ("ahead", 4)])
+def test_a_mark_of_a_later_version_is_a_damaged_manifest(store, tmp_path, ref, version):
+    """A span (a ``__view__`` of five items, version 6) in a manifest that says version 4 or 5, or a view saved
+    before its base (version 5) in one that says 4: no writer of that version made it, and a reader of that version
+    refuses it as damaged, but it was decoded as the later mark, and such a checkpoint pulled. It is damaged, said
+    when its manifest is read (by any command, as by pull), with nothing written."""
+    from ckpt.errors import StoreFormatError
+
+    w = torch.arange(36.0).reshape(6, 6)
+    torch.save({"q": w[:2], "k": w[2:4]}, tmp_path / "pieces.pt")
+    torch.save({"wt": w.t(), "w": w}, tmp_path / "ahead.pt")
+    store.push(tmp_path / f"{ref}.pt", ref)
+    assert json.loads(store.objects.get_manifest(store.resolve(ref)))["version"] == (6 if ref == "pieces" else 5)
+    forged = _forge(store, ref, lambda d: d.__setitem__("version", version))
+    mark = "a span" if ref == "pieces" else "a view saved before its base"
+    with pytest.raises(StoreFormatError, match=f"structure holds {mark}.*version {version} does not have"):
+        store.pull(forged, tmp_path / "out.pt")
+    with pytest.raises(StoreFormatError, match="structure holds"):
+        store.manifest(forged)
+    assert not (tmp_path / "out.pt").exists()
+
+
 _SPAN_MEMORY = """
 import resource, sys
 import ckpt
