@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.format.entries import BundleEntry, FileEntry, TensorEntry, chunk_count, split_lengths
+from ckpt.format.names import clashing_path
 from ckpt.format.structure import STRUCTURE, check_structure
 from ckpt.format.tagged_json import EXACT_TAGS, LATER_TAGS, decode, uses_tags
 from ckpt.format.tensor_values import SPAN_SLACK, joins_pieces, views_ahead
@@ -92,6 +93,9 @@ class Manifest:
         if chunk_size <= 0:
             raise StoreFormatError(f"{what}: bad chunk_size")
         files = tuple(FileEntry.from_obj(f, what) for f in require(o, "files", list, what))
+        clash = clashing_path(f.path for f in files)
+        if clash is not None:  # (a pull could write only one of them, and verify, show or copy took it as sound)
+            raise StoreFormatError(f"{what} lists {clash!r} twice, or as both a file and a directory")
         tensors = tuple(TensorEntry.from_obj(t, what) for t in require(o, "tensors", list, what))
         for t in tensors:
             if len(t.chunks) != chunk_count(t.nbytes, chunk_size):

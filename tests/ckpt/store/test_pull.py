@@ -367,6 +367,30 @@ def test_a_manifest_naming_one_path_twice_is_refused(tmp_path):
     assert dir_targets(store, str(tmp_path / "d"), ["sub/x.json", "sub.json"], False)[1][0].endswith("x.json")
 
 
+
+@pytest.mark.parametrize("old,path", [("sub/tokenizer.json", "config.json"), ("sub/tokenizer.json", "config.json/x"),
+                                      ("config.json", "sub")])
+def test_a_manifest_naming_one_path_twice_is_damaged_for_every_command(store, model_dir, tmp_path, old, path):
+    """A forged manifest naming one path twice (or a file and a directory above another) was refused by pull only,
+    when it laid the files out: verify called its checkpoint sound, and show and copy took it. The manifest is
+    refused when it is read, so verify reports it damaged, and a pull writes nothing."""
+    from ckpt.errors import StoreFormatError
+
+    store.push(model_dir, "m")
+
+    def clash(doc: dict) -> None:
+        next(f for f in doc["files"] if f["path"] == old)["path"] = path
+
+    forged = _forge(store, "m", clash)
+    report = store.verify([forged])
+    assert not report.ok and any("twice, or as both a file and a directory" in p for p in report.problems), report.problems
+    with pytest.raises(StoreFormatError, match="twice, or as both"):
+        store.manifest(forged)
+    with pytest.raises(StoreFormatError, match="twice, or as both"):
+        store.pull(forged, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_distributed_checkpoint_pull_follows_the_same_rule(tmp_path):
     import torch.distributed.checkpoint as dcp
