@@ -211,6 +211,9 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
             if tag in TENSOR_TAGS:
                 made[tensor_refs(v)[0]] = value
             return value
+        if exact and len(x) == 1 and next(iter(x)) in EXACT_TAGS:
+            # (a record with these tags writes a dict keyed by one as pairs, ``__dict__``: this is no value it wrote)
+            raise StoreFormatError(f"{what}: bad {next(iter(x))} value")
         # Any other dict holding one of LATER_TAGS (or EXACT_TAGS) is what versions before those tags wrote as a plain dict.
         tags = [k for k in x if k in TAGS and k not in LATER_TAGS and k not in EXACT_TAGS]
         if not tags:

@@ -182,8 +182,7 @@ def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: M
     name's place, which must be of its type and requires_grad too; None where ``v`` is not what
     :class:`TensorPlaces` writes."""
     same = len(v) == 3 and v[2] is True
-    ref = v[0] if (len(v) == 2 or same) and isinstance(v[0], dict) else None
-    if not _names_another(ref, v[1]):
+    if not ((len(v) == 2 or same) and _names_another(v[0], v[1])):  # (v[1] read only where there is one)
         return None
     first = made.get(v[1])  # (before decoding: a name met later is in ``made`` after, never the object met before)
     t, other = dec(v[0]), dec({TENSOR: v[1]})

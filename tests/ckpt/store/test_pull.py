@@ -1149,6 +1149,38 @@ def test_a_value_nested_too_deeply_for_a_torch_file_is_refused(store, tmp_path, 
     assert _bits(load_file(store.pull("deep", tmp_path / "w.safetensors"))["w"]) == _bits(torch.ones(2))
 
 
+@pytest.mark.parametrize("where,bad", [
+    ("epoch", {"__view__": 1}), ("epoch", {"__shared__": "x"}), ("epoch", {"__parameter__": None}),
+    ("epoch", {"__requires_grad__": {}}), ("epoch", {"__odict__": 1}),
+    ("weight", {"__shared__": []}), ("weight", {"__shared__": [{"__tensor__": "model.weight"}]}),
+], ids=["view_int", "shared_str", "parameter_null", "grad_object", "odict_int", "shared_empty", "shared_one"])
+def test_a_malformed_exact_tag_is_a_damaged_manifest_not_a_traceback(store, tmp_path, where, bad):
+    """In a structure with the exact types (version 4 on), a one-key dict keyed by one of their tags whose value is not
+    the tag's list was decoded as a plain dict, which the structure's check then read as the tag: reading the manifest
+    (every command: show, verify, pull) failed with "TypeError: 'int' object is not subscriptable". A ``__shared__`` of
+    fewer than two items failed in its decoder with an IndexError. A writer of those versions writes a dict keyed by a
+    tag as pairs, never so: each is a damaged manifest, said by name."""
+    from ckpt.errors import StoreFormatError
+
+    torch.save({"model": torch.nn.Linear(2, 2).state_dict(), "epoch": 3}, tmp_path / "m.pt")
+    store.push(tmp_path / "m.pt", "m")
+
+    def forge(doc: dict) -> None:
+        if where == "epoch":
+            _epoch(doc, bad)
+        else:
+            _model_pairs(doc)[0][1] = bad
+
+    forged = _forge(store, "m", forge)
+    with pytest.raises(StoreFormatError, match="structure: bad __"):
+        store.manifest(forged)
+    report = store.verify([forged])
+    assert not report.ok and any("bad __" in p for p in report.problems), report.problems
+    with pytest.raises(StoreFormatError, match="structure: bad __"):
+        store.pull(forged, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
 def _model_pairs(doc: dict) -> list:
     return doc["extra"][""]["__dict__"][0][1]["__odict__"][0]  # [["weight", {"__tensor__": "model.weight"}], ["bias", ...]]
 
