@@ -201,8 +201,11 @@ class Manifest:
                 claim(cid, n)
                 for base in chain:  # a base has the length of the chunk it serves
                     claim(base, n)
+        bundled: dict[str, int] = {}
         for b in self.bundles:  # an accelerator only: a reader that finds a bundle lying reads its members
-            out.update(zip(b.chunks, split_lengths(b.nbytes, self.chunk_size), strict=True))
+            bundled.update(zip(b.chunks, split_lengths(b.nbytes, self.chunk_size), strict=True))
+        # (never over a tensor's or file's length: verify would call their intact chunk corrupt)
+        out.update((cid, n) for cid, n in bundled.items() if cid not in out)
         return out
 
 
