@@ -221,8 +221,10 @@ def decode_layout(extra: dict[str, Any], what: str) -> DcpLayout:
             values[fqn] = decode_value(it.get("value"), w, later=o["version"] == DCP_TORCH_VERSION)
             continue
         dtype, size, shards = it.get("dtype"), _ints(it.get("size"), w), it.get("shards")
-        if dtype not in DTYPES or not isinstance(shards, list):
-            raise StoreFormatError(f"{w}: bad dtype or shards")
+        # (a dtype of another JSON type, a list say, is no key of DTYPES: asked as one, a TypeError went up to the user)
+        if not isinstance(dtype, str) or dtype not in DTYPES or not isinstance(shards, list) \
+                or not isinstance(it.get("requires_grad", False), bool):
+            raise StoreFormatError(f"{w}: bad dtype, shards or requires_grad")
         if math.prod(d for d in size if d) > MAX_ELEMENTS:  # torch's strides and storage size are int64
             raise StoreFormatError(f"{w}: size {list(size)} overflows 64 bits; no reader can load it")
         out = []
@@ -241,7 +243,7 @@ def decode_layout(extra: dict[str, Any], what: str) -> DcpLayout:
                                    "too many to check that the shards cover it exactly once")
         if not covered:
             raise StoreFormatError(f"{w}: its shards do not cover the tensor exactly once")
-        tensors[fqn] = TensorItem(fqn, dtype, size, tuple(out), bool(it.get("requires_grad", False)))
+        tensors[fqn] = TensorItem(fqn, dtype, size, tuple(out), it.get("requires_grad", False))
     pd = o.get("planner_data")
     planner = None
     if pd is not None:

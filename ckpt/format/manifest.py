@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckpt.format.entries import BundleEntry, FileEntry, TensorEntry, chunk_count, split_lengths
+from ckpt.format.names import clashing_path
 from ckpt.format.structure import STRUCTURE, check_structure
 from ckpt.format.tagged_json import EXACT_TAGS, LATER_TAGS, decode, uses_tags
 from ckpt.format.tensor_values import SPAN_SLACK, joins_pieces, views_ahead
@@ -92,6 +93,9 @@ class Manifest:
         if chunk_size <= 0:
             raise StoreFormatError(f"{what}: bad chunk_size")
         files = tuple(FileEntry.from_obj(f, what) for f in require(o, "files", list, what))
+        clash = clashing_path(f.path for f in files)
+        if clash is not None:  # (a pull could write only one of them, and verify, show or copy took it as sound)
+            raise StoreFormatError(f"{what} lists {clash!r} twice, or as both a file and a directory")
         tensors = tuple(TensorEntry.from_obj(t, what) for t in require(o, "tensors", list, what))
         for t in tensors:
             if len(t.chunks) != chunk_count(t.nbytes, chunk_size):
@@ -123,6 +127,7 @@ class Manifest:
         if m.extra_tagged:
             m.extra_values(what)  # checked here, like every other field
         if m._has_structure():
+            _check_marks_of_its_version(m.extra[STRUCTURE], m._version(), what)
             names = Counter(t.name for t in m.tensors)
             tree = m.structure(names, what, torch_values=False)  # (reading a manifest never imports torch for it)
             check_structure(m.extra, tree, names, m._version() >= EXACT_VERSION, what)
@@ -135,9 +140,7 @@ class Manifest:
             return MANIFEST_VERSION
         structure = self.source == "state-dict" and STRUCTURE in self.extra
         if structure and uses_tags(self.extra[STRUCTURE], EXACT_TAGS):
-            if joins_pieces(self.extra[STRUCTURE]):
-                return SPAN_VERSION
-            return VIEW_AHEAD_VERSION if views_ahead(self.extra[STRUCTURE]) else EXACT_VERSION
+            return _exact_version(self.extra[STRUCTURE])
         return EXTRA_DTYPE_VERSION if structure or uses_tags(self.extra, LATER_TAGS) else EXTRA_TAGGED_VERSION
 
     def _has_structure(self) -> bool:
@@ -198,11 +201,32 @@ class Manifest:
                 claim(cid, n)
                 for base in chain:  # a base has the length of the chunk it serves
                     claim(base, n)
+        bundled: dict[str, int] = {}
         for b in self.bundles:  # an accelerator only: a reader that finds a bundle lying reads its members
-            out.update(zip(b.chunks, split_lengths(b.nbytes, self.chunk_size), strict=True))
+            bundled.update(zip(b.chunks, split_lengths(b.nbytes, self.chunk_size), strict=True))
+        # (never over a tensor's or file's length: verify would call their intact chunk corrupt)
+        out.update((cid, n) for cid, n in bundled.items() if cid not in out)
         return out
 
 
+
+
+def _exact_version(tree: Any) -> int:
+    """The version a structure with the exact types (``tree``, tagged JSON) is written as: 6 where it holds a span, 5
+    where it holds a view saved before its base, else 4."""
+    if joins_pieces(tree):
+        return SPAN_VERSION
+    return VIEW_AHEAD_VERSION if views_ahead(tree) else EXACT_VERSION
+
+
+def _check_marks_of_its_version(tree: Any, version: int, what: str) -> None:
+    """A structure read as ``version`` holds no mark of a later one: a span in a version-4 or 5 manifest, a view
+    saved before its base in a version-4 one. No writer of that version made it, and a reader of that version
+    refuses it as damaged; decoding it as the later mark would make a manifest mean what its version does not."""
+    if version < EXACT_VERSION or (needs := _exact_version(tree)) <= version:
+        return  # (before version 4 a ``__view__`` key is a plain dict's)
+    mark = "a span (a __view__ of five items)" if needs == SPAN_VERSION else "a view saved before its base"
+    raise StoreFormatError(f"{what}: its structure holds {mark}, which version {version} does not have: damaged")
 
 
 def _object(o: dict[str, Any], key: str, what: str) -> dict[str, Any] | None:

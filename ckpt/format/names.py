@@ -55,6 +55,23 @@ def check_tensor_name(name: str, what: str = "tensor name") -> str:
     return name
 
 
+def clashing_path(paths: Iterable[str]) -> str | None:
+    """The first of ``paths`` (relative, ``/``-separated) listed twice, or as a file and as a directory above another
+    (``sub`` and ``sub/x.json``): no directory holds them all as files. None where each names one file.
+
+    >>> clashing_path(["sub/x.json", "sub.json"]), clashing_path(["sub", "sub/x.json"]), clashing_path(["a", "a"])
+    (None, 'sub', 'a')
+    """
+    paths = list(paths)
+    dirs = {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)}
+    seen: set[str] = set()
+    for p in paths:
+        if p in dirs or p in seen:
+            return p
+        seen.add(p)
+    return None
+
+
 def check_file_path(path: str) -> str:
     """A relative ``/``-separated path that stays inside its directory."""
     from ckpt.errors import InvalidNameError

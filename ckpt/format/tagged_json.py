@@ -41,7 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from ckpt.format.tensor_values import GRAD, PARAMETER, SHARED, TENSOR, TENSOR_TAGS, VIEW, TensorPlaces, decode_tensor, spans_hold
+from ckpt.format.tensor_values import GRAD, PARAMETER, SHARED, TENSOR, TENSOR_TAGS, VIEW, Spans, TensorPlaces, decode_tensor, spans_hold
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.records import canonical_json
 
@@ -190,7 +190,7 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
     """
 
     made: dict[str, Any] = {}  # each tensor's name -> the value decoded at its place (a __shared__ object's target)
-    spans: dict[str, list[Any]] = {}  # each span's name -> the storage its pieces are put in (a __view__ of five items)
+    spans = Spans()  # each span's name -> the storage its pieces are put in (a __view__ of five items)
     shape = {**(_LATER_SHAPE if later else {}), **(_EXACT_SHAPE if exact else {})}  # tag -> the type of its value
 
     def dec(x: Any, depth: int) -> Any:
@@ -211,6 +211,9 @@ def decode(x: Any, what: str, *, tensor: Callable[[str], Any] | None = None, lat
             if tag in TENSOR_TAGS:
                 made[tensor_refs(v)[0]] = value
             return value
+        if exact and len(x) == 1 and next(iter(x)) in EXACT_TAGS:
+            # (a record with these tags writes a dict keyed by one as pairs, ``__dict__``: this is no value it wrote)
+            raise StoreFormatError(f"{what}: bad {next(iter(x))} value")
         # Any other dict holding one of LATER_TAGS (or EXACT_TAGS) is what versions before those tags wrote as a plain dict.
         tags = [k for k in x if k in TAGS and k not in LATER_TAGS and k not in EXACT_TAGS]
         if not tags:
@@ -247,7 +250,7 @@ _EXACT_SHAPE: dict[str, type] = {ODICT: list, SIZE: list, PARAMETER: list, SHARE
 
 
 def _exact(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any],
-           spans: dict[str, list[Any]], span_bytes: int | None) -> Any:
+           spans: Spans, span_bytes: int | None) -> Any:
     """The value of one of EXACT_TAGS (``v`` a list), or None where ``v`` is not what :func:`encode` writes."""
     if tag == SIZE:
         ok = all(isinstance(d, int) and not isinstance(d, bool) and -(1 << 63) <= d < 1 << 63 for d in v)

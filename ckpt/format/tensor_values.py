@@ -29,6 +29,15 @@ MAX_BASES = 16
 SPAN_SLACK = 2
 
 
+class Spans(dict[str, list[Any]]):
+    """The spans one decode has made: each one's name -> its storage (as elements), which of them a tensor holds, and
+    how many elements its tensors hold; ``taken``: the bytes of those storages together, counted as each is made (summed
+    again for each span, a forged manifest making each of its thousands of tensors head a span of its own took time
+    growing with their square)."""
+
+    taken: int = 0
+
+
 class TensorPlaces:
     """Where each tensor of one exact walk lies, so that one met again is written as the object, the memory or
     the view it shares with the one met before (``x`` the walked value keeps them all alive: ids stay theirs)."""
@@ -140,11 +149,10 @@ def views_ahead(tree: Any) -> bool:
 
 
 def decode_tensor(tag: str, v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any],
-                  spans: dict[str, list[Any]], span_bytes: int | None = None) -> Any:
+                  spans: Spans, span_bytes: int | None = None) -> Any:
     """The value of one of TENSOR_TAGS (``v`` a list), or None where ``v`` is not what :class:`TensorPlaces`
     writes. ``dec`` decodes a nested value; ``made``: each tensor's name -> the value decoded at its place;
-    ``spans``: each span's name -> its storage (as elements), which of them a tensor holds, and how many elements
-    its tensors hold (:func:`spans_hold` checks them once the walk is done); ``span_bytes``: the most memory the
+    ``spans``: the spans made so far (:func:`spans_hold` checks them once the walk is done); ``span_bytes``: the most memory the
     spans may take together (None: as much as allocations get)."""
     if tag == SHARED:
         return _shared(v, dec, torch_values, made)
@@ -174,8 +182,7 @@ def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: M
     name's place, which must be of its type and requires_grad too; None where ``v`` is not what
     :class:`TensorPlaces` writes."""
     same = len(v) == 3 and v[2] is True
-    ref = v[0] if (len(v) == 2 or same) and isinstance(v[0], dict) else None
-    if not _names_another(ref, v[1]):
+    if not ((len(v) == 2 or same) and _names_another(v[0], v[1])):  # (v[1] read only where there is one)
         return None
     first = made.get(v[1])  # (before decoding: a name met later is in ``made`` after, never the object met before)
     t, other = dec(v[0]), dec({TENSOR: v[1]})
@@ -194,7 +201,7 @@ def _shared(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: M
     return t
 
 
-def _view(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any], spans: dict[str, list[Any]]) -> Any:
+def _view(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Mapping[str, Any], spans: Spans) -> Any:
     """A ``__view__`` value ``[VALUE, NAME, offset, strides]``: its tensor made the view, at ``offset`` elements
     into the contiguous tensor decoded at NAME's place (or, NAME met later, its stored tensor) and with ``strides``,
     whose bytes there it must be; NAME a span met before: a piece of its storage (:func:`_into_span`).
@@ -223,7 +230,7 @@ def _view(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, made: Map
     return t
 
 
-def _span(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, spans: dict[str, list[Any]],
+def _span(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, spans: Spans,
           span_bytes: int | None) -> Any:
     """A span, ``__view__`` value ``[VALUE, ITS OWN NAME, offset, strides, length]``: a storage of ``length`` elements
     (zeros where no tensor of it lies), its tensor put there at ``offset`` with ``strides``; the ``__view__`` values
@@ -238,14 +245,14 @@ def _span(v: list[Any], dec: Callable[[Any], Any], torch_values: bool, spans: di
 
     # (past the bound, with the spans made before it: damaged, refused before its memory is taken; every span
     # counts, since a forged manifest could make each tensor head a span of its own)
-    taken = sum(m.numel() * m.element_size() for m, _, _ in spans.values())
-    if not isinstance(t, torch.Tensor) or (span_bytes is not None and taken + v[4] * t.element_size() > span_bytes):
+    if not isinstance(t, torch.Tensor) or (span_bytes is not None and spans.taken + v[4] * t.element_size() > span_bytes):
         return None
     try:  # (a length no memory holds: damaged, as :func:`spans_hold` finds a length past its tensors)
         span = [torch.zeros(v[4], dtype=t.dtype), torch.zeros(v[4], dtype=torch.bool), 0]
     except RuntimeError:
         return None
     spans[v[1]] = span
+    spans.taken += v[4] * t.element_size()
     return _into_span(t, span, v[2], v[3])
 
 
@@ -274,7 +281,7 @@ def _into_span(t: Any, span: list[Any], offset: int, strides: list[int]) -> Any:
     return t
 
 
-def spans_hold(spans: Mapping[str, list[Any]]) -> bool:
+def spans_hold(spans: Spans) -> bool:
     """Whether each span (:func:`decode_tensor`) is at most ``SPAN_SLACK`` times the elements its tensors hold, as
     :class:`TensorPlaces` writes it: else most of it is memory no tensor shows (a damaged length)."""
     return all(memory.numel() <= SPAN_SLACK * n for memory, _, n in spans.values())
@@ -311,5 +318,5 @@ def _names_another(ref: Any, name: Any) -> bool:
     return isinstance(ref, dict) and list(ref) == [TENSOR] and isinstance(name, str) and name != ref[TENSOR]
 
 
-__all__ = ["GRAD", "MAX_BASES", "PARAMETER", "SHARED", "SPAN_SLACK", "TENSOR", "TENSOR_TAGS", "VIEW", "TensorPlaces",
+__all__ = ["GRAD", "MAX_BASES", "PARAMETER", "SHARED", "SPAN_SLACK", "TENSOR", "TENSOR_TAGS", "VIEW", "Spans", "TensorPlaces",
            "decode_tensor", "joins_pieces", "spans_hold", "views_ahead"]

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ckpt.errors import DestinationError, DestinationExistsError, StoreFormatError
+from ckpt.format.names import clashing_path
 from ckpt.store.atomic_files import abandon, create_new, sweep_left, temp_name, write_dir, write_files
 from ckpt.store.output_files import OutputFile, is_torch_name, write_torch
 from ckpt.store.sources import STATE_DICT_SUFFIXES
@@ -127,13 +128,11 @@ def dir_targets(store: Store, dest: str, paths: Sequence[str], overwrite: bool) 
     if not dest:
         raise DestinationError("empty destination path", hint="give a directory to write")
     dest = os.path.normpath(dest)
-    # A manifest is data read from a store: each path must name one file, and no directory.
-    dirs = {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)}
-    seen: set[str] = set()
-    for p in paths:
-        if p in dirs or p in seen:
-            raise StoreFormatError(f"this checkpoint lists {p!r} twice, or as both a file and a directory")
-        seen.add(p)
+    # A manifest is data read from a store: each path must name one file, and no directory (Manifest.from_json refuses
+    # one that does not; checked again here for any caller's paths).
+    clash = clashing_path(paths)
+    if clash is not None:
+        raise StoreFormatError(f"this checkpoint lists {clash!r} twice, or as both a file and a directory")
     check_outside_system(os.path.join(dest, "x"))  # (the files go in dest, and below: where their links were checked)
     check_outside_stores(dest, store)
     root = store_root(store)

@@ -54,7 +54,7 @@ from ckpt.store.source_files import (
     show,
     walk_folder,
 )
-from ckpt.store.source_tensors import flatten_state_dict, physical_memory, plain_bytes
+from ckpt.store.source_tensors import check_stored_entries, flatten_state_dict, physical_memory, plain_bytes
 
 INDEX_NAME = "model.safetensors.index.json"
 STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -365,6 +365,7 @@ def _load(fb: FileBytes) -> Any:
     it can be memory-mapped. Mapped only under a read lease (:meth:`FileBytes.lease`), or
     where it is too big to read into a quarter of memory: a mapped file truncated
     meanwhile would kill the process."""
+    check_stored_entries(fb.fd, fb.path)
     proc = f"/proc/self/fd/{fb.fd}"
     if not os.path.exists(proc):
         with os.fdopen(os.dup(fb.fd), "rb") as f:

@@ -1047,3 +1047,24 @@ def test_a_consolidating_pull_or_load_from_s3_fetches_each_bundle_once_not_once_
     assert all(_bits_equal(loaded[k], v) for k, v in state.items())
     fetched = [key.rsplit("/", 1)[-1] for kind, key in seen if kind.startswith("GET") and "/objects/chunks/" in key]
     assert sorted(c for c in fetched if c in bundle) == sorted(bundle)
+
+
+@pytest.mark.parametrize("key,value", [("dtype", [4, 1]), ("dtype", {"F32": 1}), ("requires_grad", "no")])
+def test_a_forged_layout_of_another_json_type_is_a_damaged_manifest(tmp_path, key, value):
+    """A tensor item's dtype of another JSON type than a string (a list, an object) was looked up in the dtype table
+    as it was: ``TypeError: unhashable type`` went up to the user from load, pull and verify. A requires_grad that is
+    no bool (the writer writes one) was taken as its truth value. Both are a damaged manifest, said by name."""
+    from ckpt.errors import StoreFormatError
+
+    url = str(tmp_path / "s")
+    dcp.save({"w": torch.arange(6.0).reshape(2, 3), "step": 1}, storage_writer=ckpt.dcp.Writer(url, "one/a"))
+    store = ckpt.Store.open(url)
+    doc = json.loads(store.objects.get_manifest(store.resolve("one/a")))
+    doc["extra"]["dcp"]["items"]["w"][key] = value
+    store.refs_db.set("one/f", store.objects.put_manifest(json.dumps(doc).encode()))
+    for use in (lambda: store.load("one/f"), lambda: store.pull("one/f", str(tmp_path / "out.safetensors"))):
+        with pytest.raises(StoreFormatError, match="item 'w': bad dtype, shards or requires_grad"):
+            use()
+    report = store.verify(["one/f"])
+    assert not report.ok and any("bad dtype, shards or requires_grad" in p for p in report.problems), report.problems
+    assert not (tmp_path / "out.safetensors").exists()

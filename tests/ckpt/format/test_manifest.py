@@ -121,3 +121,26 @@ def test_a_file_entry_records_the_chains_of_its_chunks():
     bad = {**chained.to_obj(), "delta_bases": [["c" * 64]]}
     with pytest.raises(StoreFormatError, match="delta_bases for 1 of 2 chunks"):
         FileEntry.from_obj(bad, "m")
+
+
+def test_a_bundle_claiming_another_length_of_a_tensors_chunk_never_makes_that_chunk_corrupt(store, tmp_path):
+    """A bundle is an accelerator: a forged one naming a tensor's chunk as its own, at another length, is read around
+    (its members fetched on their own). But its length replaced the tensor's in chunk_lengths(), so verify reported
+    the tensor's intact chunk corrupt ('header says 256 bytes, manifest says 100'), in damaged_objects, which repair
+    and a user act on. The tensor's length stands; the checkpoint verifies and pulls bit for bit."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    save_file({"w": torch.randn(64), "b": torch.randn(8)}, tmp_path / "m.safetensors")
+    store.push(tmp_path / "m.safetensors", "m")
+    doc = json.loads(store.objects.get_manifest(store.resolve("m")))
+    (cid,) = next(t for t in doc["tensors"] if t["name"] == "w")["chunks"]
+    doc["bundles"] = [{"nbytes": 100, "chunks": [cid], "members": [[cid, 0, 100]]}]
+    store.refs_db.set("f", store.objects.put_manifest(json.dumps(doc).encode()))
+    assert store.manifest("f").chunk_lengths()[cid] == 256
+    report = store.verify(["f"])
+    assert report.ok and not report.damaged_objects, report.problems
+    want, got = load_file(tmp_path / "m.safetensors"), load_file(store.pull("f", tmp_path / "out.safetensors"))
+    assert all(torch.equal(want[k].view(torch.int32), got[k].view(torch.int32)) for k in want) and set(got) == set(want)

@@ -367,6 +367,30 @@ def test_a_manifest_naming_one_path_twice_is_refused(tmp_path):
     assert dir_targets(store, str(tmp_path / "d"), ["sub/x.json", "sub.json"], False)[1][0].endswith("x.json")
 
 
+
+@pytest.mark.parametrize("old,path", [("sub/tokenizer.json", "config.json"), ("sub/tokenizer.json", "config.json/x"),
+                                      ("config.json", "sub")])
+def test_a_manifest_naming_one_path_twice_is_damaged_for_every_command(store, model_dir, tmp_path, old, path):
+    """A forged manifest naming one path twice (or a file and a directory above another) was refused by pull only,
+    when it laid the files out: verify called its checkpoint sound, and show and copy took it. The manifest is
+    refused when it is read, so verify reports it damaged, and a pull writes nothing."""
+    from ckpt.errors import StoreFormatError
+
+    store.push(model_dir, "m")
+
+    def clash(doc: dict) -> None:
+        next(f for f in doc["files"] if f["path"] == old)["path"] = path
+
+    forged = _forge(store, "m", clash)
+    report = store.verify([forged])
+    assert not report.ok and any("twice, or as both a file and a directory" in p for p in report.problems), report.problems
+    with pytest.raises(StoreFormatError, match="twice, or as both"):
+        store.manifest(forged)
+    with pytest.raises(StoreFormatError, match="twice, or as both"):
+        store.pull(forged, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_distributed_checkpoint_pull_follows_the_same_rule(tmp_path):
     import torch.distributed.checkpoint as dcp
@@ -1125,6 +1149,38 @@ def test_a_value_nested_too_deeply_for_a_torch_file_is_refused(store, tmp_path, 
     assert _bits(load_file(store.pull("deep", tmp_path / "w.safetensors"))["w"]) == _bits(torch.ones(2))
 
 
+@pytest.mark.parametrize("where,bad", [
+    ("epoch", {"__view__": 1}), ("epoch", {"__shared__": "x"}), ("epoch", {"__parameter__": None}),
+    ("epoch", {"__requires_grad__": {}}), ("epoch", {"__odict__": 1}),
+    ("weight", {"__shared__": []}), ("weight", {"__shared__": [{"__tensor__": "model.weight"}]}),
+], ids=["view_int", "shared_str", "parameter_null", "grad_object", "odict_int", "shared_empty", "shared_one"])
+def test_a_malformed_exact_tag_is_a_damaged_manifest_not_a_traceback(store, tmp_path, where, bad):
+    """In a structure with the exact types (version 4 on), a one-key dict keyed by one of their tags whose value is not
+    the tag's list was decoded as a plain dict, which the structure's check then read as the tag: reading the manifest
+    (every command: show, verify, pull) failed with "TypeError: 'int' object is not subscriptable". A ``__shared__`` of
+    fewer than two items failed in its decoder with an IndexError. A writer of those versions writes a dict keyed by a
+    tag as pairs, never so: each is a damaged manifest, said by name."""
+    from ckpt.errors import StoreFormatError
+
+    torch.save({"model": torch.nn.Linear(2, 2).state_dict(), "epoch": 3}, tmp_path / "m.pt")
+    store.push(tmp_path / "m.pt", "m")
+
+    def forge(doc: dict) -> None:
+        if where == "epoch":
+            _epoch(doc, bad)
+        else:
+            _model_pairs(doc)[0][1] = bad
+
+    forged = _forge(store, "m", forge)
+    with pytest.raises(StoreFormatError, match="structure: bad __"):
+        store.manifest(forged)
+    report = store.verify([forged])
+    assert not report.ok and any("bad __" in p for p in report.problems), report.problems
+    with pytest.raises(StoreFormatError, match="structure: bad __"):
+        store.pull(forged, tmp_path / "out.pt")
+    assert not (tmp_path / "out.pt").exists()
+
+
 def _model_pairs(doc: dict) -> list:
     return doc["extra"][""]["__dict__"][0][1]["__odict__"][0]  # [["weight", {"__tensor__": "model.weight"}], ["bias", ...]]
 
@@ -1448,6 +1504,29 @@ def test_pieces_of_one_storage_without_their_base_pull_back_sharing_it(store, tm
     assert not (tmp_path / "out.pt").exists()
 
 
+
+@pytest.mark.parametrize("ref,version", [("pieces", 5), ("pieces", 4), ("ahead", 4)])
+def test_a_mark_of_a_later_version_is_a_damaged_manifest(store, tmp_path, ref, version):
+    """A span (a ``__view__`` of five items, version 6) in a manifest that says version 4 or 5, or a view saved
+    before its base (version 5) in one that says 4: no writer of that version made it, and a reader of that version
+    refuses it as damaged, but it was decoded as the later mark, and such a checkpoint pulled. It is damaged, said
+    when its manifest is read (by any command, as by pull), with nothing written."""
+    from ckpt.errors import StoreFormatError
+
+    w = torch.arange(36.0).reshape(6, 6)
+    torch.save({"q": w[:2], "k": w[2:4]}, tmp_path / "pieces.pt")
+    torch.save({"wt": w.t(), "w": w}, tmp_path / "ahead.pt")
+    store.push(tmp_path / f"{ref}.pt", ref)
+    assert json.loads(store.objects.get_manifest(store.resolve(ref)))["version"] == (6 if ref == "pieces" else 5)
+    forged = _forge(store, ref, lambda d: d.__setitem__("version", version))
+    mark = "a span" if ref == "pieces" else "a view saved before its base"
+    with pytest.raises(StoreFormatError, match=f"structure holds {mark}.*version {version} does not have"):
+        store.pull(forged, tmp_path / "out.pt")
+    with pytest.raises(StoreFormatError, match="structure holds"):
+        store.manifest(forged)
+    assert not (tmp_path / "out.pt").exists()
+
+
 _SPAN_MEMORY = """
 import resource, sys
 import ckpt
@@ -1500,6 +1579,38 @@ def test_a_forged_span_length_is_refused_before_its_memory_is_taken(store, tmp_p
                        capture_output=True, text=True, check=False)
     assert r.returncode == 0 and "refused" in r.stderr, r.stderr
     assert int(r.stdout.split()[-1]) < 128, r.stdout  # (400 spans of 800 KiB and their maps: ~600 MiB before)
+
+
+def test_a_manifest_of_many_spans_decodes_in_time_linear_in_them(store, tmp_path, monkeypatch):
+    """Each span made was checked against the bound on their memory by summing the storages of every span made
+    before it: a forged manifest making each of its tensors head a span of its own took time growing with their
+    square (8,000 tensors of 4 bytes: 30 s to load, 2.5 s now; 32,000: minutes). The bytes are counted as each span is
+    made. Counted here as the storages' numel() calls the load makes: a few per tensor, not one per pair of spans
+    (400 tensors: 82,200 before, 2,400 now). What it gives back is each tensor's bytes, each in a storage of its own."""
+    n = 400
+    saved = {"m": {f"t{i}": torch.full((4,), i % 100, dtype=torch.int8) for i in range(n)}, "epoch": 1}
+    torch.save(saved, tmp_path / "many.pt")
+    store.push(tmp_path / "many.pt", "many")
+
+    def spans(doc: dict) -> None:
+        doc["version"] = 6
+        for pair in next(p for p in doc["extra"][""]["__dict__"] if p[0] == "m")[1]["__dict__"]:
+            pair[1] = {"__view__": [pair[1], pair[1]["__tensor__"], 0, [1], 4]}
+
+    forged = _forge(store, "many", spans)
+    calls = collections.Counter()
+    numel = torch.Tensor.numel
+
+    def counted(t: torch.Tensor) -> int:
+        calls["numel"] += 1
+        return numel(t)
+
+    monkeypatch.setattr(torch.Tensor, "numel", counted)
+    got = store.load(forged, structure=True)
+    monkeypatch.undo()
+    assert calls["numel"] < 20 * n, calls
+    _same_exactly(saved, got)
+    assert len({t.untyped_storage().data_ptr() for t in got["m"].values()}) == n
 
 
 @pytest.mark.parametrize("kind", ["columns", "rows"])

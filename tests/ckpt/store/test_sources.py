@@ -1040,3 +1040,40 @@ def test_a_flat_state_dict_builds_no_structure_unless_it_needs_one(tmp_path, sto
             if isinstance(w, torch.Tensor):
                 assert w.requires_grad == got[k].requires_grad and w.numpy(force=True).tobytes() == got[k].numpy(force=True).tobytes()
     assert store.verify().ok
+
+
+_PUSH_MEMORY = """
+import resource, sys
+import ckpt
+from ckpt.errors import InvalidSourceError
+store = ckpt.Store.open(sys.argv[1])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    store.push(sys.argv[2], "bomb")
+except InvalidSourceError as e:
+    print("refused", e, file=sys.stderr)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_a_torch_file_with_a_compressed_entry_is_refused_before_it_is_loaded(tmp_path, store):
+    """torch.save stores every entry of its zip as it is, but torch.load inflates a deflated one: a .pt of 256 KB
+    whose tensor entry is 256 MiB of deflated zeros took ~200 MiB of the pushing process (mapped: refused after
+    that as 'Trying to resize storage that is not resizable'; read: loaded whole). It is refused from the zip's
+    directory, saying why, before torch reads it: the push's peak memory stays far below the tensor's size."""
+    import zipfile
+
+    torch.save({"w": torch.zeros(256 << 20, dtype=torch.uint8)}, tmp_path / "big.pt")
+    bomb = tmp_path / "bomb.pt"
+    with zipfile.ZipFile(tmp_path / "big.pt") as zin, zipfile.ZipFile(bomb, "w") as zout:
+        for info in zin.infolist():
+            packed = zipfile.ZIP_DEFLATED if info.filename.endswith("data/0") else zipfile.ZIP_STORED
+            zout.writestr(info.filename, zin.read(info.filename), compress_type=packed)
+    (tmp_path / "big.pt").unlink()
+    assert bomb.stat().st_size < 1 << 20
+    r = subprocess.run([sys.executable, "-c", _PUSH_MEMORY, str(store.url), str(bomb)], capture_output=True, text=True,
+                       check=False)
+    assert r.returncode == 0 and "refused" in r.stderr and "data/0 is compressed" in r.stderr, r.stderr
+    assert "torch.save never writes" in r.stderr
+    assert int(r.stdout.split()[-1]) < 64, r.stdout  # MiB of peak memory the push added (the tensor: 256)
+    assert store.refs() == {}
