@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +43,7 @@ class Root:
 
 if TYPE_CHECKING:
     from ckpt_store.storage.index import StoreIndex
+    from ckpt_store.storage.index_state import IndexState
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,24 @@ def store_now(backend: Backend, *, write: bool = True) -> float:
     return min(here, stamped + CLOCK_RESOLUTION_S)
 
 
+def _read_roots(refs: Refs, index: StoreIndex | None,
+                loading: Future[tuple[IndexState | None, list[tuple[str, float, int]]]] | None,
+                keep_history: bool) -> tuple[IndexState | None, Roots, list[tuple[str, float, int]]]:
+    """The roots (:func:`gc_roots`), the view of the index they came from (None: read from the refs),
+    and the leftovers of interrupted writes below index/ that the index's load listed.
+
+    With the metadata index, ref histories come from it (checked against the listing of refs); a
+    damaged ref entry makes the refs themselves read, which name it. The listing of refs also gives
+    their temporaries."""
+    loaded, index_temps = loading.result() if loading is not None else (None, [])
+    try:
+        view = index.settle(loaded, exact=True, history=keep_history) if index is not None else None
+    except StoreFormatError:
+        view = None  # a damaged ref entry: the refs themselves are read, and name it (gc_roots)
+    found = gc_roots(refs, keep_history=keep_history, histories=view.entries() if view is not None else None)
+    return view, found, index_temps
+
+
 def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: bool = True, recover: bool = True,
             index: StoreIndex | None = None, lock: Lock | None = None) -> GcPlan:
     """What ``gc`` would delete now. Reads refs and manifests; deletes nothing.
@@ -215,7 +234,10 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     listing is not in the plan at all, and one listed before a concurrent ref
     update is protected by its age (see module docstring). The age limit is fixed
     at the listing: however long the plan and its execution take, nothing modified
-    within ``grace_s`` before the listing is deleted.
+    within ``grace_s`` before the listing is deleted. That order protects only what is
+    deleted: a dry run (``recover`` False) reads the refs while the objects are listed. Its
+    plan is the one a gc makes of the store as it stands; under a concurrent push it is a
+    preview only, as it was before (it reads no writer's lease either).
 
     ``lock`` (:func:`~ckpt_store.storage.leases.gc_lock`, on a store that cannot touch
     objects) is held by a gc that will delete: what writers' leases name is kept, read
@@ -229,24 +251,17 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     leased_ids = leased(lock) if lock is not None else set()
     with ThreadPoolExecutor(1, thread_name_prefix="ckpt-gc") as pool:
         # The index is loaded while the store's clock is read and its objects listed (on S3 those
-        # are requests one after another): only the refs must be listed after the objects.
+        # are requests one after another). A gc that deletes reads the refs only once every object
+        # is listed; a dry run, which deletes nothing, reads them meanwhile too (on S3 a LIST page
+        # per 1,000 ref entries, which waited on the objects' pages: docstring above).
         loading = pool.submit(index.load_and_temporaries, chunks=True) if index is not None else None
+        reading = None if recover else pool.submit(_read_roots, refs, index, loading, keep_history)
         now = store_now(objects.backend, write=recover)
         cutoff = now - grace_s
         # A dry run puts nothing back, so it plans with what the real run's recovery will find.
         listed, temps = objects.inventory(as_recovered=not recover and objects.backend.recovers_condemned)
-        loaded, index_temps = loading.result() if loading is not None else (None, [])
-
-    # With the metadata index, ref histories come from it (checked against the listing of
-    # refs), and a root manifest that is in the listing has its chunk lists read from it (a
-    # manifest's id is the hash of its bytes: what it names never changes); anything else
-    # is read and verified here. The listing of refs also gives their temporaries.
-    try:
-        view = index.settle(loaded, exact=True, history=keep_history) if index is not None else None
-    except StoreFormatError:
-        view = None  # a damaged ref entry: the refs themselves are read, and name it (gc_roots)
-    found = gc_roots(refs, keep_history=keep_history, histories=view.entries() if view is not None else None)
-    # Those of index/ from the listing the index's load made, not a second one.
+        view, found, index_temps = reading.result() if reading is not None else _read_roots(refs, index, loading, keep_history)
+    # Those of index/ from the listing the index's load made, not a second one; those of refs/ from theirs.
     temps += [*(view.temporaries if view is not None else found.temporaries),
               *(index_temps if index is not None else objects.list_temporaries(("index",)))]
     # What a damaged ref entry keeps alive is unknown: delete nothing. Without history only each
@@ -268,6 +283,8 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     # finds it (neither the index nor its own name may have it yet).
     condemned = {i.id: i.condemned for i in listed["manifests"] if i.condemned is not None}
     indexed: list[str] = []
+    # A root manifest in the listing has its chunk list read from the index (a manifest's id is the
+    # hash of its bytes: what it names never changes); any other is read and verified here.
     for mid in dict.fromkeys(r.target for r in found.roots):
         if mid in listed_m and mid not in condemned:
             roots.add(mid)
