@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import CkptError, TensorMismatchError
 from ckpt.format.entries import TensorEntry
+from ckpt.snapshot.restore_checks import check_param_order, check_saved_state
 from ckpt.snapshot.run import (
     SNAPSHOT_FORMATS,
     SNAPSHOT_TORCH_FORMAT,
@@ -92,6 +93,7 @@ class LocalRestoring:
                                     f"hold ({', '.join(repr(n)[:80] for n in unknown[:3])})")
             records[key] = found.names, structure
         check_classes(snap, state, mid, step)  # (after the records: a plain value saved for an object has its own error)
+        check_param_order(snap, state, mid, step)
         pairs: list[tuple[TensorEntry, torch.Tensor]] = []
         decoded: dict[str, torch.Tensor] = {}
         fresh: list[str] = []  # tensors made for the restore: they get the saved autograd flags
@@ -123,6 +125,7 @@ class LocalRestoring:
                 kind = "stateful"
             if kind == "stateful":
                 _check_param_groups(key, obj, structure)  # before anything is written
+                check_saved_state(key, obj, structure, step)
             # An optimizer's (or any Stateful's) own tensors of the right shape and dtype are
             # written in place, and load_state_dict() then adopts them without a copy: no
             # fresh allocation (page faults) for the largest part of a training state.

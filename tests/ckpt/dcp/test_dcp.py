@@ -1047,3 +1047,21 @@ def test_a_consolidating_pull_or_load_from_s3_fetches_each_bundle_once_not_once_
     assert all(_bits_equal(loaded[k], v) for k, v in state.items())
     fetched = [key.rsplit("/", 1)[-1] for kind, key in seen if kind.startswith("GET") and "/objects/chunks/" in key]
     assert sorted(c for c in fetched if c in bundle) == sorted(bundle)
+
+
+def test_restores_torch_would_take_wrongly_are_refused_on_a_gloo_group(tmp_path):
+    """The DCP path: an Adam over the same two same-shaped weights in another order (torch matches the
+    moments by position) is refused before the load, naming the first parameter that differs; a scheduler
+    of an optimizer with one group where the saved had two (its base_lrs taken as they are) is refused
+    before it takes its state; a disabled grad scaler cannot take an enabled one's state (no place for
+    its items); the same build restores exactly."""
+    url = str(tmp_path / "s")
+    for r in W.run_ranks("restore_checks", 2, str(tmp_path), store=url):
+        assert "error" not in r, r.get("trace")
+        assert r["params"] == {"optim": [["model/0.weight", "model/0.bias"], ["model/1.weight", "model/1.bias"]]}
+        assert r["order"].startswith("SnapshotError") and "parameter 0 of group 0 is model/1.weight, but the snapshot " \
+            "of step 2 holds the state of model/0.weight there" in r["order"] and r["order_untouched"]
+        assert r["groups"].startswith("SnapshotError") and "an optimizer with 2 parameter groups (base_lrs); this " \
+            "one's has 1" in r["groups"] and r["groups_untouched"]
+        assert r["scaler_off"].startswith("SnapshotError") and "'scaler'" in r["scaler_off"]
+        assert r["same"] == "ok" and r["same_exact"]
