@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpt.snapshot.state import optimizers_by_key
+from ckpt.snapshot.state import optimizers_by_key, stepped_scheduler
 
 
 def param_order(state: dict[str, Any]) -> dict[str, list[list[str]]]:
@@ -81,6 +81,7 @@ def check_saved_state(key: str, obj: Any, saved: Any, step: int) -> None:
 
     if not isinstance(saved, dict):
         return
+    obj = stepped_scheduler(obj)  # (accelerate's wrapper: its state is the wrapped scheduler's)
     if isinstance(obj, LRScheduler) and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer):
         have = len(obj.optimizer.param_groups)
         for field in ("base_lrs", "_last_lr"):

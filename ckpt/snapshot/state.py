@@ -302,11 +302,20 @@ def _classed_objects(state: dict[str, Any]) -> dict[str, Any]:
 
     found = optimizers_by_key(state)
     for key, obj in state.items():
-        while isinstance(getattr(obj, "scheduler", None), LRScheduler) and not isinstance(obj, LRScheduler):
-            obj = obj.scheduler
+        obj = stepped_scheduler(obj)
         if isinstance(obj, LRScheduler):
             found[key] = obj
     return found
+
+
+def stepped_scheduler(obj: Any) -> Any:
+    """The LR scheduler a wrapper such as accelerate's ``AcceleratedScheduler`` (no ``LRScheduler``; its
+    state is the wrapped one's) steps; any other object as it is."""
+    from torch.optim.lr_scheduler import LRScheduler
+
+    while isinstance(getattr(obj, "scheduler", None), LRScheduler) and not isinstance(obj, LRScheduler):
+        obj = obj.scheduler
+    return obj
 
 
 def _class_text(obj: Any) -> str:

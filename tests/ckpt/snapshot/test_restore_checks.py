@@ -116,6 +116,22 @@ def test_a_scheduler_of_an_optimizer_with_another_number_of_groups_is_refused(tm
         assert mgr.restore_latest({"sched": two}) == 1 and two.state_dict() == sched.state_dict()
 
 
+def test_a_scheduler_accelerate_wraps_is_checked_as_the_one_it_steps(tmp_path):
+    """accelerate's AcceleratedScheduler (what a transformers Trainer may hold) is no LRScheduler; its state is
+    the wrapped one's: its optimizer's groups are checked as the wrapped scheduler's would be."""
+    accelerate_scheduler = pytest.importorskip("accelerate.scheduler")
+    model = _model()
+    opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.5}], lr=0.1)
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "r") as mgr:
+        mgr.save(1, {"sched": torch.optim.lr_scheduler.StepLR(opt, step_size=2)})
+        mgr.wait()
+        one = torch.optim.SGD(_model().parameters(), lr=0.1)
+        wrapped = accelerate_scheduler.AcceleratedScheduler(torch.optim.lr_scheduler.StepLR(one, step_size=2), one)
+        with pytest.raises(SnapshotError, match=r"optimizer with 2 parameter groups \(base_lrs\); this one's has 1"):
+            mgr.restore_latest({"sched": wrapped})
+        assert wrapped.scheduler.base_lrs == [0.1]
+
+
 @pytest.mark.parametrize("saved_enabled", [True, False])
 def test_a_grad_scaler_enabled_otherwise_is_refused_before_anything_is_written(tmp_path, saved_enabled):
     """An enabled scaler's state into a disabled one: torch's load_state_dict returns early and the scale is
