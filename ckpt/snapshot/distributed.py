@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ckpt.snapshot.dcp_state import fingerprint
 from ckpt.snapshot.distributed_restore import FAILURES, DistributedRestoring
 from ckpt.snapshot.group import CheckpointGroup
+from ckpt.snapshot.restore_checks import param_order
 from ckpt.snapshot.run import SaveResult, SnapshotRun
 from ckpt.snapshot.state import (
     Stateful,
@@ -123,7 +124,7 @@ class DistributedSnapshots(DistributedRestoring):
         devices = tensor_devices({n: t for n, (t, key) in tensors.items() if not isinstance(state[key], Stateful)})
         record = {**snapshot, "ranks": True, "world": self.world, "keys": sorted(state), "per_rank": sorted(per_rank),
                   **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {}),
-                  "classes": recorded_classes(state)}
+                  "classes": recorded_classes(state), **({"params": order} if (order := param_order(state)) else {})}
         base = self.last_id if self.run.delta else None
         if self.peers is not None:
             from ckpt.snapshot.peers import TierWriter

@@ -25,6 +25,7 @@ from ckpt.snapshot.dcp_state import (
     value_target,
     values_planner,
 )
+from ckpt.snapshot.restore_checks import check_param_order, check_saved_state
 from ckpt.snapshot.state import (
     Stateful,
     autograd_flag_sets,
@@ -169,6 +170,9 @@ class DistributedRestoring:
             if isinstance(t, torch.Tensor) and (not t.requires_grad and fqn in flags.get("requires_grad", ())
                                                 or isinstance(t, torch.nn.Parameter) != param):
                 set_at(targets, paths[fqn], with_autograd_flags(fqn, t.detach(), flags))
+        for key, obj in state.items():  # (plain values are known once loaded: checked before any object takes its state)
+            if not is_per_rank(obj):
+                check_saved_state(key, obj, targets[key], step)
         for key, obj in state.items():
             got = targets[key]
             if is_per_rank(obj):
@@ -256,6 +260,7 @@ class DistributedRestoring:
         saved = saved_paths(layout, mid)
         self._check_keys(state, snap, saved, step)
         check_classes(snap, state, mid, step)
+        check_param_order(snap, state, mid, step)
         targets: dict[str, Any] = {}
         for key, obj in state.items():
             if is_per_rank(obj):

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import CkptError, TensorMismatchError
 from ckpt.format.entries import TensorEntry
+from ckpt.snapshot.restore_checks import check_param_order, check_saved_state
 from ckpt.snapshot.run import (
     SNAPSHOT_FORMATS,
     SNAPSHOT_TORCH_FORMAT,
@@ -92,6 +93,7 @@ class LocalRestoring:
                                     f"hold ({', '.join(repr(n)[:80] for n in unknown[:3])})")
             records[key] = found.names, structure
         check_classes(snap, state, mid, step)  # (after the records: a plain value saved for an object has its own error)
+        check_param_order(snap, state, mid, step)
         pairs: list[tuple[TensorEntry, torch.Tensor]] = []
         decoded: dict[str, torch.Tensor] = {}
         fresh: list[str] = []  # tensors made for the restore: they get the saved autograd flags
@@ -101,8 +103,12 @@ class LocalRestoring:
             kind, value = tree[key]["kind"], tree[key]["value"]
             names, structure = records[key]
             if isinstance(obj, torch.nn.Module):
-                live = {f"{key}/{k}": v for k, v in obj.state_dict().items()}
-                extra, absent = sorted(set(names) - set(live)), sorted(set(live) - set(names))
+                held = obj.state_dict()
+                live = {f"{key}/{k}": v for k, v in held.items() if isinstance(v, torch.Tensor)}
+                # (a module's extra state (get_extra_state) may be a plain value: saved in the record, not as a tensor)
+                saved_keys = set(structure) if isinstance(structure, dict) else set()
+                extra = sorted(f"{key}/{k}" for k in saved_keys - set(held))
+                absent = sorted({f"{key}/{k}" for k in set(held) - saved_keys} | (set(live) - set(names)))
                 if extra or absent:
                     raise TensorMismatchError(f"{key}: snapshot and module differ: not in module {extra[:10]}, "
                                               f"not in snapshot {absent[:10]}")
@@ -114,15 +120,18 @@ class LocalRestoring:
                                               hint="give the module a tensor of its own there (.clone()), as torch's "
                                                    "load_state_dict needs too")
                 ptrs = [t.untyped_storage().data_ptr() for t in live.values() if t.numel()]
-                if {t.untyped_storage().data_ptr() for t in (*obj.parameters(), *obj.buffers()) if t.numel()}.issuperset(ptrs):
+                if len(live) == len(held) and {t.untyped_storage().data_ptr() for t in (*obj.parameters(), *obj.buffers())
+                                               if t.numel()}.issuperset(ptrs):
                     pairs += [(entries[n], live[n]) for n in names]  # straight into the parameters
                     used.update(ptrs)
                     continue
                 # Its state_dict() hands out copies (a state dict hook's, or _save_to_state_dict's): written
-                # into them, the module would keep its values. Loaded through its load_state_dict, as torch does.
+                # into them, the module would keep its values; or holds extra state (set_extra_state takes it).
+                # Loaded through its load_state_dict, as torch does.
                 kind = "stateful"
             if kind == "stateful":
                 _check_param_groups(key, obj, structure)  # before anything is written
+                check_saved_state(key, obj, structure, step)
             # An optimizer's (or any Stateful's) own tensors of the right shape and dtype are
             # written in place, and load_state_dict() then adopts them without a copy: no
             # fresh allocation (page faults) for the largest part of a training state.

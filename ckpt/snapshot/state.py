@@ -269,10 +269,10 @@ def optimizers_in(state: dict[str, Any]) -> list[Any]:
     as accelerate's ``AcceleratedOptimizer`` (what a transformers ``Trainer`` holds) is an
     ``Optimizer`` subclass that never ran ``Optimizer.__init__`` and steps the one it wraps,
     so hooks go on that one."""
-    return list(_optimizers_by_key(state).values())
+    return list(optimizers_by_key(state).values())
 
 
-def _optimizers_by_key(state: dict[str, Any]) -> dict[str, Any]:
+def optimizers_by_key(state: dict[str, Any]) -> dict[str, Any]:
     """:func:`optimizers_in`, by their keys in ``state``."""
     import torch
 
@@ -300,13 +300,22 @@ def _classed_objects(state: dict[str, Any]) -> dict[str, Any]:
     ``load_state_dict`` needs their own fields), nor plain values (given back as saved)."""
     from torch.optim.lr_scheduler import LRScheduler
 
-    found = _optimizers_by_key(state)
+    found = optimizers_by_key(state)
     for key, obj in state.items():
-        while isinstance(getattr(obj, "scheduler", None), LRScheduler) and not isinstance(obj, LRScheduler):
-            obj = obj.scheduler
+        obj = stepped_scheduler(obj)
         if isinstance(obj, LRScheduler):
             found[key] = obj
     return found
+
+
+def stepped_scheduler(obj: Any) -> Any:
+    """The LR scheduler a wrapper such as accelerate's ``AcceleratedScheduler`` (no ``LRScheduler``; its
+    state is the wrapped one's) steps; any other object as it is."""
+    from torch.optim.lr_scheduler import LRScheduler
+
+    while isinstance(getattr(obj, "scheduler", None), LRScheduler) and not isinstance(obj, LRScheduler):
+        obj = obj.scheduler
+    return obj
 
 
 def _class_text(obj: Any) -> str:

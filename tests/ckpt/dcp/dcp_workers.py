@@ -1768,3 +1768,63 @@ SCENARIOS = {"save_small_tensors": save_small_tensors, "preempt_ddp": preempt_dd
              "plain_grad_values": plain_grad_values, "load_lagging_view": load_lagging_view,
              "column_shards_to_rows": column_shards_to_rows, "load_on_one_rank": load_on_one_rank,
              "plain_value_devices": plain_value_devices}
+
+
+def restore_checks(rank, world, tmp, store):
+    """Restores torch would take silently and wrongly, on a gloo group: an optimizer over the same
+    parameters in another order, a scheduler of an optimizer with another number of groups, a grad scaler
+    enabled otherwise. Each outcome, and whether the live state was left as it was."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+
+    def outcome(fn):
+        try:
+            fn()
+            return "ok"
+        except BaseException as e:  # noqa: BLE001 - reported
+            return f"{type(e).__name__}: {e}"
+
+    def build(order=(0, 1, 2, 3), groups=2, scaler=True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        ps = [list(model.parameters())[i] for i in order]
+        split = [ps[:2], ps[2:]] if groups == 2 else [ps]
+        opt = torch.optim.Adam([{"params": g, "lr": 1e-3 * (i + 1)} for i, g in enumerate(split)])
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+        return {"model": model, "optim": opt, "sched": sched, "scaler": torch.amp.GradScaler("cpu", enabled=scaler)}
+
+    def opt_bits(opt):
+        return {i: {k: bits(v) for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
+
+    res: dict = {}
+    state = build()
+    for _ in range(2):
+        state["optim"].zero_grad()
+        state["model"](torch.ones(2, 4)).pow(2).sum().backward()
+        state["optim"].step()
+        state["sched"].step()
+    group = dist.group.WORLD
+    with ckpt.CheckpointManager(store, "r", save_mode="sync", process_group=group, timeout_s=30) as mgr:
+        mgr.save(2, state)
+        res["params"] = ckpt.Store.open(store).manifest("r/latest").extra["snapshot"].get("params")
+        swapped = build(order=(2, 3, 0, 1))
+        res["order"] = outcome(lambda: mgr.restore(swapped, 2))
+        res["order_untouched"] = len(swapped["optim"].state) == 0
+        one = build(groups=1)["sched"]
+        before = copy.deepcopy(one.state_dict())
+        res["groups"] = outcome(lambda: mgr.restore({"sched": one}, 2))
+        res["groups_untouched"] = one.state_dict() == before
+        res["scaler_off"] = outcome(lambda: mgr.restore({"scaler": torch.amp.GradScaler("cpu", enabled=False)}, 2))
+        same = build()
+        res["same"] = outcome(lambda: mgr.restore(same, 2))
+        res["same_exact"] = opt_bits(same["optim"]) == opt_bits(state["optim"]) and \
+            same["sched"].state_dict() == state["sched"].state_dict() and \
+            same["scaler"].state_dict() == state["scaler"].state_dict()
+    return res
+
+
+SCENARIOS["restore_checks"] = restore_checks

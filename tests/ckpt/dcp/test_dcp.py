@@ -1068,3 +1068,21 @@ def test_a_forged_layout_of_another_json_type_is_a_damaged_manifest(tmp_path, ke
     report = store.verify(["one/f"])
     assert not report.ok and any("bad dtype, shards or requires_grad" in p for p in report.problems), report.problems
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_restores_torch_would_take_wrongly_are_refused_on_a_gloo_group(tmp_path):
+    """The DCP path: an Adam over the same two same-shaped weights in another order (torch matches the
+    moments by position) is refused before the load, naming the first parameter that differs; a scheduler
+    of an optimizer with one group where the saved had two (its base_lrs taken as they are) is refused
+    before it takes its state; a disabled grad scaler cannot take an enabled one's state (no place for
+    its items); the same build restores exactly."""
+    url = str(tmp_path / "s")
+    for r in W.run_ranks("restore_checks", 2, str(tmp_path), store=url):
+        assert "error" not in r, r.get("trace")
+        assert r["params"] == {"optim": [["model/0.weight", "model/0.bias"], ["model/1.weight", "model/1.bias"]]}
+        assert r["order"].startswith("SnapshotError") and "parameter 0 of group 0 is model/1.weight, but the snapshot " \
+            "of step 2 holds the state of model/0.weight there" in r["order"] and r["order_untouched"]
+        assert r["groups"].startswith("SnapshotError") and "an optimizer with 2 parameter groups (base_lrs); this " \
+            "one's has 1" in r["groups"] and r["groups_untouched"]
+        assert r["scaler_off"].startswith("SnapshotError") and "'scaler'" in r["scaler_off"]
+        assert r["same"] == "ok" and r["same_exact"]

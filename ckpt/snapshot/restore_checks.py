@@ -1,0 +1,97 @@
+"""Checks a snapshot restore makes, before anything is written, where torch's ``load_state_dict`` would
+take a state that does not fit without a word: an optimizer over the same parameters in another order
+(its per-parameter state is matched by position), an LR scheduler of an optimizer with another number
+of parameter groups, a grad scaler's state restored into one enabled otherwise.
+
+The first needs a record written at save (:func:`param_order`, ``"params"`` in the snapshot's record);
+the others read the saved state's structure (plain values), which both restore paths have."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckpt.snapshot.state import optimizers_by_key, stepped_scheduler
+
+
+def param_order(state: dict[str, Any]) -> dict[str, list[list[str]]]:
+    """What a snapshot records (``"params"``) of the order of each optimizer's parameters, where ``state``
+    holds a module and an optimizer: per parameter group, each parameter's name (``<key>/<name>``, found by
+    identity among the state's modules' ``named_parameters()``), or ``shape [4, 4]`` for one in no module.
+    Empty without a module or an optimizer."""
+    import torch
+
+    modules = {k: o for k, o in state.items() if isinstance(o, torch.nn.Module)}
+    optimizers = optimizers_by_key(state)
+    if not modules or not optimizers:
+        return {}
+    return {key: [_names(g["params"], _named(modules)) for g in opt.param_groups] for key, opt in optimizers.items()}
+
+
+def _named(modules: dict[str, Any]) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for key, module in modules.items():
+        for name, p in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), f"{key}/{name}")
+    return names
+
+
+def _names(params: list[Any], named: dict[int, str]) -> list[str]:
+    return [named.get(id(p)) or f"shape {list(p.shape)}" for p in params]
+
+
+def check_param_order(snap: dict[str, Any], state: dict[str, Any], mid: str, step: int) -> None:
+    """Refuse an optimizer of ``state`` whose parameters come in another order than those the snapshot
+    ``mid`` (of ``step``; ``snap``: its record) recorded under its key (:func:`param_order`): torch matches
+    the saved per-parameter state (Adam's moments) by position and checks only the groups' sizes, so two
+    same-shaped weights would swap their state. A parameter named on one side and in no module on the other
+    (a restore without the module) is not compared. Snapshots without the record are not checked."""
+    from ckpt.snapshot.run import SnapshotError
+
+    recorded = snap.get("params")
+    if recorded is None:
+        return
+    if not isinstance(recorded, dict) or not all(
+            isinstance(gs, list) and all(isinstance(g, list) and all(isinstance(n, str) for n in g) for g in gs)
+            for gs in recorded.values()):
+        raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of its optimizers' parameters is malformed",
+                            hint="restore from another snapshot")
+    live = param_order(state)
+    for key, groups in live.items():
+        saved = recorded.get(key)
+        if saved is None or [len(g) for g in saved] != [len(g) for g in groups]:
+            continue  # (another number of groups or parameters has its own error)
+        for gi, (want, have) in enumerate(zip(saved, groups)):
+            for pi, (w, h) in enumerate(zip(want, have)):
+                if w != h and ("/" in w) == ("/" in h):
+                    raise SnapshotError(
+                        f"state[{key!r}]: parameter {pi} of group {gi} is {h}, but the snapshot of step {step} holds "
+                        f"the state of {w} there: the optimizer's state would be given to other parameters",
+                        hint="build the optimizer over the parameters in the order the saved run used")
+
+
+def check_saved_state(key: str, obj: Any, saved: Any, step: int) -> None:
+    """Refuse, before anything is written, a saved state ``saved`` (its structure: plain values as saved)
+    that ``obj``'s ``load_state_dict`` would take wrongly or drop: an LR scheduler's of an optimizer with
+    another number of parameter groups than ``obj.optimizer`` (its ``base_lrs`` would be taken as they are),
+    a grad scaler's saved enabled into a disabled one (torch drops it) or the reverse."""
+    import torch
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from ckpt.snapshot.run import SnapshotError
+
+    if not isinstance(saved, dict):
+        return
+    obj = stepped_scheduler(obj)  # (accelerate's wrapper: its state is the wrapped scheduler's)
+    if isinstance(obj, LRScheduler) and isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer):
+        have = len(obj.optimizer.param_groups)
+        for field in ("base_lrs", "_last_lr"):
+            if isinstance(saved.get(field), list) and len(saved[field]) != have:
+                raise SnapshotError(f"state[{key!r}]: the snapshot of step {step} holds an LR scheduler of an optimizer "
+                                    f"with {len(saved[field])} parameter groups ({field}); this one's has {have}",
+                                    hint="build the optimizer with the parameter groups the saved run used")
+    if isinstance(obj, torch.amp.GradScaler) and bool(saved) != obj.is_enabled():
+        was, now = ("enabled", "disabled") if saved else ("disabled", "enabled")
+        raise SnapshotError(f"state[{key!r}]: the snapshot of step {step} holds the state of a grad scaler that was "
+                            f"{was}; this one is {now}: " + ("torch would drop the saved scale" if saved else
+                                                              "it has no scale to restore"),
+                            hint=f"restore into a GradScaler {was} as it was saved, or leave {key!r} out of the state")
