@@ -372,13 +372,19 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
         if it failed."""
         try:
             self._wait_save()
-        finally:
-            while True:  # the loop may have been started again meanwhile
-                with self._persist_lock:
-                    p = self._persisting
-                if p is None or p.done():
-                    break
-                results_of([p])  # a failed persist warned; it never raises
+        except Exception:
+            self._wait_persist()
+            raise
+        # (Ctrl-C, SIGTERM: at once, not after a persist in flight too, which may take minutes)
+        self._wait_persist()
+
+    def _wait_persist(self) -> None:
+        while True:  # the loop may have been started again meanwhile
+            with self._persist_lock:
+                p = self._persisting
+            if p is None or p.done():
+                break
+            results_of([p])  # a failed persist warned; it never raises
 
     def _check_open(self, what: str, verb: str) -> None:
         """Raise :class:`SnapshotError` (``what``: what did not happen) once the manager is closed: its save
@@ -389,9 +395,14 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
                                 hint=f"{verb} with a new CheckpointManager (or {verb} before leaving its `with` block)")
 
     def _wait_save(self) -> None:
-        f, self._inflight = self._inflight, None
-        if f is not None:  # (not f.result(): a Ctrl-C another thread took would wait for the whole save)
+        f = self._inflight
+        if f is None:
+            return
+        try:  # (not f.result(): a Ctrl-C another thread took would wait for the whole save)
             results_of([f])
+        finally:
+            if f.done():  # its error raised once; interrupted, it is still in flight: the next save waits for it
+                self._inflight = None
 
     def close(self) -> None:
         """Finish the in-flight save (raising its error) and release resources (a later save raises

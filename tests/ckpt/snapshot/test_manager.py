@@ -230,11 +230,17 @@ def test_ctrl_c_in_wait_is_acted_on_before_the_save_ends(tmp_path):
         with pytest.raises(KeyboardInterrupt):
             mgr.wait()
         assert not written.is_set()  # acted on at once, not once the save had been written (3 s later)
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        mgr.save(2, {"model": model})  # (a script's final save after Ctrl-C)
+        assert written.is_set()  # it waited for the save still in flight, whose staging buffers it reuses
+        mgr.wait()
     finally:
         signal.signal(signal.SIGINT, before)
-        mgr.close()  # (the save goes on and ends)
+        mgr.close()
         backend.create_exclusive = real
-    assert written.is_set() and ckpt.Store.open(str(tmp_path / "s")).resolve("c/step-1")
+    store = ckpt.Store.open(str(tmp_path / "s"))
+    assert store.load("c/step-1")["model/0.weight"].add(1.0).equal(store.load("c/step-2")["model/0.weight"])
 
 
 def test_a_checkpoint_pushed_under_a_run_step_is_no_snapshot(tmp_path, caplog):
