@@ -209,8 +209,6 @@ class Manifest:
         return out
 
 
-
-
 def _exact_version(tree: Any) -> int:
     """The version a structure with the exact types (``tree``, tagged JSON) is written as: 6 where it holds a span, 5
     where it holds a view saved before its base, else 4."""

@@ -129,8 +129,9 @@ def joins_pieces(tree: Any) -> bool:
 
 def views_ahead(tree: Any) -> bool:
     """Whether exact tree ``tree`` holds a ``__view__`` naming a tensor met later in its walk (a view saved before
-    its base: :class:`TensorPlaces` writes one since manifest version 5)."""
-    met: set[Any] = set()
+    its base: :class:`TensorPlaces` writes one since manifest version 5). The tree may be outside data not yet
+    decoded (a manifest's version is checked against it first): a name that is no string names nothing here."""
+    met: set[str] = set()
     stack: list[Any] = [tree]
     while stack:
         x = stack.pop()
@@ -140,9 +141,10 @@ def views_ahead(tree: Any) -> bool:
         elif isinstance(x, list):
             stack.extend(reversed(x))
         elif isinstance(x, dict) and list(x) == [TENSOR]:
-            met.add(x[TENSOR])
+            if isinstance(x[TENSOR], str):
+                met.add(x[TENSOR])
         elif isinstance(x, dict) and list(x) == [VIEW] and isinstance(x[VIEW], list) and len(x[VIEW]) == 4:
-            stack.extend(((x[VIEW][1],), x[VIEW][0]))
+            stack.extend((((x[VIEW][1],),) if isinstance(x[VIEW][1], str) else ()) + (x[VIEW][0],))
         elif isinstance(x, dict):
             stack.extend(reversed(list(x.values())))
     return False

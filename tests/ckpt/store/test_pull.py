@@ -1153,7 +1153,9 @@ def test_a_value_nested_too_deeply_for_a_torch_file_is_refused(store, tmp_path, 
     ("epoch", {"__view__": 1}), ("epoch", {"__shared__": "x"}), ("epoch", {"__parameter__": None}),
     ("epoch", {"__requires_grad__": {}}), ("epoch", {"__odict__": 1}),
     ("weight", {"__shared__": []}), ("weight", {"__shared__": [{"__tensor__": "model.weight"}]}),
-], ids=["view_int", "shared_str", "parameter_null", "grad_object", "odict_int", "shared_empty", "shared_one"])
+    ("epoch", {"__tensor__": ["w"]}), ("epoch", {"__view__": [{"__tensor__": "model.weight"}, {"x": 1}, 0, [1]]}),
+], ids=["view_int", "shared_str", "parameter_null", "grad_object", "odict_int", "shared_empty", "shared_one",
+        "tensor_list", "view_base_object"])
 def test_a_malformed_exact_tag_is_a_damaged_manifest_not_a_traceback(store, tmp_path, where, bad):
     """In a structure with the exact types (version 4 on), a one-key dict keyed by one of their tags whose value is not
     the tag's list was decoded as a plain dict, which the structure's check then read as the tag: reading the manifest
