@@ -56,19 +56,20 @@ def check_tensor_name(name: str, what: str = "tensor name") -> str:
 
 
 def clashing_path(paths: Iterable[str]) -> str | None:
-    """The first of ``paths`` (relative, ``/``-separated) listed twice, or as a file and as a directory above another
+    """One of ``paths`` (relative, ``/``-separated) listed twice, or as a file and as a directory above another
     (``sub`` and ``sub/x.json``): no directory holds them all as files. None where each names one file.
+
+    In the order of their segments, the paths below a path come right after it: one comparison per neighbour,
+    and no memory beyond the segments (a set of every directory above every path took ~260 KB per path of 511
+    segments: 10,000 of them in an 11 MB manifest, ~2.9 GB).
 
     >>> clashing_path(["sub/x.json", "sub.json"]), clashing_path(["sub", "sub/x.json"]), clashing_path(["a", "a"])
     (None, 'sub', 'a')
     """
-    paths = list(paths)
-    dirs = {"/".join(p.split("/")[:i]) for p in paths for i in range(1, p.count("/") + 1)}
-    seen: set[str] = set()
-    for p in paths:
-        if p in dirs or p in seen:
-            return p
-        seen.add(p)
+    keyed = sorted(p.split("/") for p in paths)
+    for a, b in zip(keyed, keyed[1:]):
+        if b[:len(a)] == a:
+            return "/".join(a)
     return None
 
 
