@@ -18,25 +18,26 @@ def param_order(state: dict[str, Any]) -> dict[str, list[list[str]]]:
     holds a module and an optimizer: per parameter group, each parameter's name (``<key>/<name>``, found by
     identity among the state's modules' ``named_parameters()``), or ``shape [4, 4]`` for one in no module.
     Empty without a module or an optimizer."""
+    named = _named(state)
+    return {key: [[names[0] for names in group] for group in groups] for key, groups in named.items()}
+
+
+def _named(state: dict[str, Any]) -> dict[str, list[list[list[str]]]]:
+    """Each optimizer's (by key) parameters, per group, each with every name it has in the state's modules
+    (a parameter tied between two has two; the first in the state's order is the one recorded), or its
+    shape (``shape [4, 4]``) where it is in none. Empty without a module or an optimizer."""
     import torch
 
     modules = {k: o for k, o in state.items() if isinstance(o, torch.nn.Module)}
     optimizers = optimizers_by_key(state)
     if not modules or not optimizers:
         return {}
-    return {key: [_names(g["params"], _named(modules)) for g in opt.param_groups] for key, opt in optimizers.items()}
-
-
-def _named(modules: dict[str, Any]) -> dict[int, str]:
-    names: dict[int, str] = {}
+    names: dict[int, list[str]] = {}  # (walked once, however many groups)
     for key, module in modules.items():
         for name, p in module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), f"{key}/{name}")
-    return names
-
-
-def _names(params: list[Any], named: dict[int, str]) -> list[str]:
-    return [named.get(id(p)) or f"shape {list(p.shape)}" for p in params]
+            names.setdefault(id(p), []).append(f"{key}/{name}")
+    return {key: [[names.get(id(p)) or [f"shape {list(p.shape)}"] for p in g["params"]] for g in opt.param_groups]
+            for key, opt in optimizers.items()}
 
 
 def check_param_order(snap: dict[str, Any], state: dict[str, Any], mid: str, step: int) -> None:
@@ -44,7 +45,8 @@ def check_param_order(snap: dict[str, Any], state: dict[str, Any], mid: str, ste
     ``mid`` (of ``step``; ``snap``: its record) recorded under its key (:func:`param_order`): torch matches
     the saved per-parameter state (Adam's moments) by position and checks only the groups' sizes, so two
     same-shaped weights would swap their state. A parameter named on one side and in no module on the other
-    (a restore without the module) is not compared. Snapshots without the record are not checked."""
+    (a restore without the module), or named from a module not restored now, is not compared. Snapshots without
+    the record are not checked."""
     from ckpt.snapshot.run import SnapshotError
 
     recorded = snap.get("params")
@@ -55,16 +57,18 @@ def check_param_order(snap: dict[str, Any], state: dict[str, Any], mid: str, ste
             for gs in recorded.values()):
         raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of its optimizers' parameters is malformed",
                             hint="restore from another snapshot")
-    live = param_order(state)
-    for key, groups in live.items():
+    for key, groups in _named(state).items():
         saved = recorded.get(key)
         if saved is None or [len(g) for g in saved] != [len(g) for g in groups]:
             continue  # (another number of groups or parameters has its own error)
         for gi, (want, have) in enumerate(zip(saved, groups)):
-            for pi, (w, h) in enumerate(zip(want, have)):
-                if w != h and ("/" in w) == ("/" in h):
+            for pi, (w, hs) in enumerate(zip(want, have)):
+                # Compared where both sides name it from a module restored now: a name against a shape is a restore
+                # without the module, and a name of a module not restored now may be a parameter tied to one that is
+                # (a tied parameter answers to each of its names).
+                if w not in hs and "/" in hs[0] and w.split("/", 1)[0] in state:
                     raise SnapshotError(
-                        f"state[{key!r}]: parameter {pi} of group {gi} is {h}, but the snapshot of step {step} holds "
+                        f"state[{key!r}]: parameter {pi} of group {gi} is {hs[0]}, but the snapshot of step {step} holds "
                         f"the state of {w} there: the optimizer's state would be given to other parameters",
                         hint="build the optimizer over the parameters in the order the saved run used")
 

@@ -204,3 +204,22 @@ def test_a_module_with_extra_state_restores_exactly_from_either_tier(tmp_path):
         plain.lin = torch.nn.Linear(8, 8)
         with pytest.raises(ckpt.errors.TensorMismatchError, match=r"not in module \['plain/_extra_state'\]"):
             mgr.restore_latest({"plain": plain})
+
+
+def test_a_parameter_tied_between_two_modules_answers_to_either_name():
+    """A weight tied between two modules of the state (an embedding and its output head) was recorded by its
+    first name in the state's order, and a restore naming it otherwise was refused though its order is right:
+    the state's keys in another order, or only the head restored with the optimizer."""
+    from ckpt.snapshot.restore_checks import check_param_order, param_order
+
+    embed, head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False)
+    head.weight = embed.weight
+    opt = torch.optim.Adam([embed.weight], lr=0.1)
+    snap = {"params": param_order({"model": embed, "head": head, "optim": opt})}
+    assert snap["params"] == {"optim": [["model/weight"]]}
+    mid = "0" * 64
+    check_param_order(snap, {"head": head, "model": embed, "optim": opt}, mid, 1)
+    check_param_order(snap, {"head": head, "optim": opt}, mid, 1)
+    other = torch.nn.Linear(4, 8, bias=False)  # the same shape, not tied: refused while "model" is restored
+    with pytest.raises(SnapshotError, match="parameter 0 of group 0 is head2/weight"):
+        check_param_order(snap, {"model": embed, "head2": other, "optim": torch.optim.Adam(other.parameters())}, mid, 1)
