@@ -170,9 +170,6 @@ class DistributedRestoring:
             if isinstance(t, torch.Tensor) and (not t.requires_grad and fqn in flags.get("requires_grad", ())
                                                 or isinstance(t, torch.nn.Parameter) != param):
                 set_at(targets, paths[fqn], with_autograd_flags(fqn, t.detach(), flags))
-        for key, obj in state.items():  # (plain values are known once loaded: checked before any object takes its state)
-            if not is_per_rank(obj):
-                check_saved_state(key, obj, targets[key], step)
         for key, obj in state.items():
             got = targets[key]
             if is_per_rank(obj):
@@ -261,6 +258,9 @@ class DistributedRestoring:
         self._check_keys(state, snap, saved, step)
         check_classes(snap, state, mid, step)
         check_param_order(snap, state, mid, step)
+        for key, obj in state.items():  # before anything is written (DCP writes modules' tensors in place)
+            if not is_per_rank(obj):
+                check_saved_state(key, obj, _saved_fields(saved.get(key, {}), layout.values), step)
         targets: dict[str, Any] = {}
         for key, obj in state.items():
             if is_per_rank(obj):
@@ -380,3 +380,13 @@ def _outside_ckpt() -> int:
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root + os.sep):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _saved_fields(items: dict[str, Path], values: dict[str, Any]) -> dict[Any, Any]:
+    """The top level of a key's saved state as far as the snapshot's layout tells before a load: each field's
+    plain value where it is one item (an LR scheduler's ``base_lrs``), else True (tensors, nested values)."""
+    fields: dict[Any, Any] = {}
+    for fqn, path in items.items():
+        if len(path) >= 2:
+            fields[path[1]] = values[fqn] if len(path) == 2 and fqn in values else True
+    return fields

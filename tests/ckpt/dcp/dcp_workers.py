@@ -1814,10 +1814,13 @@ def restore_checks(rank, world, tmp, store):
         swapped = build(order=(2, 3, 0, 1))
         res["order"] = outcome(lambda: mgr.restore(swapped, 2))
         res["order_untouched"] = len(swapped["optim"].state) == 0
-        one = build(groups=1)["sched"]
-        before = copy.deepcopy(one.state_dict())
-        res["groups"] = outcome(lambda: mgr.restore({"sched": one}, 2))
-        res["groups_untouched"] = one.state_dict() == before
+        fresh = build(groups=1)
+        one, model = fresh["sched"], fresh["model"]
+        with torch.no_grad():
+            model[0].weight.add_(1.0)  # (not the saved weights: a load would change them)
+        before = copy.deepcopy(one.state_dict()), {k: bits(v) for k, v in model.state_dict().items()}
+        res["groups"] = outcome(lambda: mgr.restore({"model": model, "sched": one}, 2))
+        res["groups_untouched"] = (one.state_dict(), {k: bits(v) for k, v in model.state_dict().items()}) == before
         res["scaler_off"] = outcome(lambda: mgr.restore({"scaler": torch.amp.GradScaler("cpu", enabled=False)}, 2))
         same = build()
         res["same"] = outcome(lambda: mgr.restore(same, 2))
