@@ -255,7 +255,9 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
         # is listed; a dry run, which deletes nothing, reads them meanwhile too (on S3 a LIST page
         # per 1,000 ref entries, which waited on the objects' pages: docstring above).
         loading = pool.submit(index.load_and_temporaries, chunks=True) if index is not None else None
-        reading = None if recover else pool.submit(_read_roots, refs, index, loading, keep_history)
+        # (not on a local disk, where a thread beside the listing only contends with it, as du finds)
+        reading = None if recover or objects.backend.concurrency <= 1 else \
+            pool.submit(_read_roots, refs, index, loading, keep_history)
         now = store_now(objects.backend, write=recover)
         cutoff = now - grace_s
         # A dry run puts nothing back, so it plans with what the real run's recovery will find.

@@ -294,9 +294,9 @@ def _usages(store: Store, listing: Future[Inventory]) -> tuple[list[tuple[str, s
         try:
             return live_usage(store, present), {}
         except CkptError:
-            if listing.done():
-                listing.result()  # its failure, as it is: du cannot go on without it, and reads nothing more
-            # else a damaged ref or manifest: read them one by one, setting the damaged ones aside
+            # The listing's failure first, as it is (du cannot go on without it, and reads nothing more),
+            # whichever came first; else a damaged ref or manifest: read them one by one, setting them aside.
+            listing.result()
     rows, damaged = live_manifests(store)
     return [(name, entry.target or "", usage_of_manifest(m)) for name, entry, m in rows], damaged
 
