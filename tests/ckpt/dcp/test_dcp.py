@@ -1034,7 +1034,7 @@ def test_a_consolidating_pull_or_load_from_s3_fetches_each_bundle_once_not_once_
     dcp.save(state, storage_writer=ckpt.dcp.Writer(store, "dist/mixed"))
     m = store.manifest("dist/mixed")
     assert len(m.bundles) == 1
-    bundle = set(m.bundles[0].chunks)
+    bundle, members = set(m.bundles[0].chunks), {c for c, _, _ in m.bundles[0].members}
     monkeypatch.setattr(ckpt.dcp.consolidate, "BATCH_BYTES", 256 * 1024)  # a pass per large tensor
     with http_requests(store.objects.backend) as seen:
         path = store.pull("dist/mixed", tmp_path / "out.safetensors")
@@ -1042,11 +1042,12 @@ def test_a_consolidating_pull_or_load_from_s3_fetches_each_bundle_once_not_once_
     assert set(got) == set(state) and all(_bits_equal(got[k], v) for k, v in state.items())
     fetched = [key.rsplit("/", 1)[-1] for kind, key in seen if kind.startswith("GET") and "/objects/chunks/" in key]
     assert sorted(c for c in fetched if c in bundle) == sorted(bundle)  # each of the bundle's chunks once
+    assert not members & set(fetched)  # and no member on its own instead
     with http_requests(store.objects.backend) as seen:
         loaded = store.load("dist/mixed")
     assert all(_bits_equal(loaded[k], v) for k, v in state.items())
     fetched = [key.rsplit("/", 1)[-1] for kind, key in seen if kind.startswith("GET") and "/objects/chunks/" in key]
-    assert sorted(c for c in fetched if c in bundle) == sorted(bundle)
+    assert sorted(c for c in fetched if c in bundle) == sorted(bundle) and not members & set(fetched)
 
 
 @pytest.mark.parametrize("key,value", [("dtype", [4, 1]), ("dtype", {"F32": 1}), ("requires_grad", "no")])
