@@ -265,7 +265,7 @@ def table(label: str, results: dict[int, dict]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--refs", default="1,100,1000", help="ref counts for the local store")
+    ap.add_argument("--refs", default="1,100,1000", help="ref counts for the local store ('' to skip)")
     ap.add_argument("--s3-refs", default="1,100,1000", help="ref counts on SeaweedFS ('' to skip)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--cli-reps", type=int, default=3, help="runs of each CLI command (0: none)")
@@ -277,9 +277,10 @@ def main() -> None:
     s3_counts = [int(x) for x in args.s3_refs.split(",") if x]
     sections: list[str] = []
     with tempfile.TemporaryDirectory(prefix="ckpt-meta-") as tmp:
-        log("local store")
-        local = run_backend("local", lambda name: str(Path(tmp) / name), local_counts, args.reps, tmp, args.cli_reps)
-        sections += table("Local store (a directory on this machine's disk, fsync on)", local)
+        if local_counts:
+            log("local store")
+            local = run_backend("local", lambda name: str(Path(tmp) / name), local_counts, args.reps, tmp, args.cli_reps)
+            sections += table("Local store (a directory on this machine's disk, fsync on)", local)
         if s3_counts:
             import s3support
 
