@@ -4,11 +4,13 @@ it. Read record by record through a buffer of fixed size (:data:`_BLOCK`), so th
 million entries costs no more memory here than one listing three (``zipfile.ZipFile`` built a
 ``ZipInfo`` of ~0.4 KB per entry: 433 MiB for a 51 MB file of empty entries).
 
-Where the walk follows miniz (``mz_zip_reader_read_central_dir``) rather than Python's ``zipfile``:
-the end record is the last signature in the file's last 64 KiB with a whole record after it; a zip64
-end record is used wherever a locator precedes the end record; the directory is read at the offset it
-states (``zipfile`` would shift it to where the end record implies, for data prepended to an archive,
-and so could read another directory than torch's)."""
+The walk follows miniz (``mz_zip_reader_read_central_dir``), not Python's ``zipfile``: the end record
+is the last signature in the file's last 64 KiB with a whole record after it; a zip64 end record is used
+wherever a locator precedes the end record; the directory is read at the offset it states. Where readers
+could disagree on which directory is the file's, it is refused: ``zipfile`` shifts the directory to where
+the end records imply (for data before an archive; newer miniz does too), so a file with two directories
+of one size showed ``zipfile`` stored entries and torch a deflated one. The end records must follow the
+directory, as ``torch.save`` writes them."""
 
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def _directory(fd: int, size: int) -> tuple[int, int, int]:
     at = tail.rfind(b"PK\x05\x06", 0, span - _END.size + 4)  # the last one, with a whole record after it
     if at < 0:
         raise _Damaged("is missing (no end record)")
-    end_at = size - span + at
+    end_at = ends_at = size - span + at  # ends_at: where the end records begin, right after the directory
     _, disk, cd_disk, here, count, cd_size, cd_at, _ = _END.unpack_from(tail, at)
     if end_at >= _LOCATOR.size + _END64.size:
         sig, _, end64_at, disks = _LOCATOR.unpack(_read(fd, _LOCATOR.size, end_at - _LOCATOR.size))
@@ -82,10 +84,18 @@ def _directory(fd: int, size: int) -> tuple[int, int, int]:
                     raise _Damaged("has a zip64 end record torch cannot read")
                 if max(here, count, cd_size) > _U32:  # (miniz's limits)
                     raise _Damaged(f"lists {count} entries in {cd_size} bytes, more than torch reads")
+                if end64_at + 12 + length != end_at - _LOCATOR.size:
+                    raise _Damaged("has a zip64 end record apart from its locator")
+                ends_at = end64_at
     if here != count or ((disk | cd_disk) != 0 and (disk, cd_disk) != (1, 1)):
         raise _Damaged("spans several disks")
     if cd_size < count * _ENTRY.size or cd_at + cd_size > size:
         raise _Damaged(f"claims {count} entries in {cd_size} bytes at byte {cd_at}, which the file does not hold")
+    if cd_at + cd_size != ends_at:
+        # As torch.save writes it, the end records follow the directory. Elsewhere, readers disagree on
+        # where the directory is: torch's miniz reads it where the end record says, Python's zipfile (and
+        # newer miniz) where the end record implies, taking the gap for data before the archive.
+        raise _Damaged(f"ends at byte {cd_at + cd_size}, not where its end records begin ({ends_at})")
     return count, cd_size, cd_at
 
 

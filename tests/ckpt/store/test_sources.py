@@ -1142,11 +1142,12 @@ def test_the_compressed_entry_check_takes_constant_memory_whatever_the_entry_cou
     assert max(peaks) < 4 << 20, peaks  # bytes (zipfile: ~50 MiB)
 
 
-def test_a_torch_file_whose_directory_zipfile_would_read_elsewhere_is_judged_by_the_one_torch_reads(tmp_path, store):
+def test_a_torch_file_whose_directory_zipfile_would_read_elsewhere_is_refused(tmp_path, store):
     """Python's zipfile reads a directory where the end record implies (data prepended to an archive), torch's
     reader (miniz) where the end record says: two directories of one size, one after the other, showed zipfile
-    one of stored entries and torch one whose tensor entry is deflated, which was let through and inflated.
-    The check reads the one torch reads."""
+    one of stored entries and torch one whose tensor entry is deflated (torch inflated it: measured with ones
+    deflated behind stored zeros), and the file was let through. A directory the end records do not follow
+    is refused; the deflated directory alone is refused as compressed."""
     import zlib
 
     zeros = torch.zeros(4 << 20, dtype=torch.uint8)
@@ -1162,6 +1163,9 @@ def test_a_torch_file_whose_directory_zipfile_would_read_elsewhere_is_judged_by_
     assert len(good) == len(bad)
     p = tmp_path / "two.pt"
     p.write_bytes(body + bad + good + _end(len(entries), len(good), len(body), zip64=False))
+    with pytest.raises(InvalidSourceError, match="not a readable torch file: its zip directory ends at byte"):
+        store.push(p, "x")
+    p.write_bytes(body + bad + _end(len(entries), len(bad), len(body)))
     with pytest.raises(InvalidSourceError, match="data/0 is compressed"):
         store.push(p, "x")
     assert store.refs() == {}
