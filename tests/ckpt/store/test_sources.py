@@ -1194,3 +1194,22 @@ def test_a_stored_entry_claiming_more_than_the_file_holds_is_refused(tmp_path, s
         store.push(p, "x")
     assert ("past the file's end" in str(e.value)) == (lie == "past-the-end")
     assert store.refs() == {}
+
+
+def test_a_torch_file_with_zip64_entry_fields_passes_and_loads(tmp_path, store):
+    """Past 4 GiB, torch.save writes an entry's sizes and offset as zip64 fields (all ones, the values in the
+    record's extra field). A real torch file's directory rewritten so, every entry's three fields in zip64 form
+    and an extra field of another kind before it, is read as torch reads it: it passes, pushes and pulls back
+    bit for bit."""
+    sd = {"w": torch.randn(1000, generator=torch.Generator().manual_seed(0)), "b": torch.arange(7)}
+    body, entries = _torch_zip(tmp_path / "real.pt", sd)
+    wide = b"".join(_central(name, 0xFFFFFFFF, 0xFFFFFFFF, crc, packed=0xFFFFFFFF,
+                             extra=struct.pack("<HH2s", 0x5455, 2, b"ok") + struct.pack("<HHQQQ", 1, 24, size, size, offset))
+                    for name, offset, size, crc in entries)
+    p = tmp_path / "wide.pt"
+    p.write_bytes(body + wide + _end(len(entries), len(wide), len(body)))
+    got = torch.load(p, weights_only=True)
+    assert all(got[k].numpy().tobytes() == v.numpy().tobytes() for k, v in sd.items())
+    store.push(p, "wide")
+    back = torch.load(store.pull("wide", tmp_path / "back.pt"), weights_only=True)
+    assert all(back[k].numpy().tobytes() == v.numpy().tobytes() for k, v in sd.items())
