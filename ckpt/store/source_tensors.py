@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import zipfile
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -197,27 +196,6 @@ def _tensor_holders(obj: Any, tensor: type) -> set[int]:
         stack.append((x, kids))
         stack.extend((c, None) for c in kids if isinstance(c, (Mapping, list, tuple)) and id(c) not in seen)
     return holds
-
-
-def check_stored_entries(fd: int, path: str) -> None:
-    """Refuse a torch zip file (``fd``, open) with an entry compressed: ``torch.save`` stores every entry as it is,
-    but ``torch.load`` inflates a deflated one into fresh memory, so 256 KB of deflated zeros load as a 256 MiB
-    tensor (deflate reaches ~1000 to 1): a file's tensors take at most its size. Only the zip's directory is read;
-    a file that is no zip (torch's legacy format, or junk) is torch.load's to judge."""
-    at = os.lseek(fd, 0, os.SEEK_CUR)  # (a duplicate shares the offset, which a caller's torch.load starts from)
-    try:
-        with os.fdopen(os.dup(fd), "rb") as f, zipfile.ZipFile(f) as z:
-            packed = next((i for i in z.infolist() if i.compress_type != zipfile.ZIP_STORED or i.file_size != i.compress_size), None)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError):
-        return
-    finally:
-        os.lseek(fd, at, os.SEEK_SET)
-    if packed is not None:
-        raise InvalidSourceError(path, f"its entry {show(packed.filename[:200])} is compressed ({packed.compress_size} bytes "
-                                       f"for {packed.file_size}), which torch.save never writes: loading it could take far "
-                                       "more memory than the file holds",
-                                 hint="load it with torch.load where you trust it, save it again with torch.save or "
-                                      "safetensors, and push that")
 
 
 def physical_memory() -> int | None:

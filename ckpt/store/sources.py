@@ -54,7 +54,8 @@ from ckpt.store.source_files import (
     show,
     walk_folder,
 )
-from ckpt.store.source_tensors import check_stored_entries, flatten_state_dict, physical_memory, plain_bytes
+from ckpt.store.source_tensors import flatten_state_dict, physical_memory, plain_bytes
+from ckpt.store.source_zip import check_stored_entries
 
 INDEX_NAME = "model.safetensors.index.json"
 STATE_DICT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")

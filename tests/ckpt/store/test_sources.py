@@ -1077,3 +1077,139 @@ def test_a_torch_file_with_a_compressed_entry_is_refused_before_it_is_loaded(tmp
     assert "torch.save never writes" in r.stderr
     assert int(r.stdout.split()[-1]) < 64, r.stdout  # MiB of peak memory the push added (the tensor: 256)
     assert store.refs() == {}
+
+
+def _central(name: bytes, offset: int, size: int, crc: int, method: int = 0, packed: int | None = None,
+             extra: bytes = b"") -> bytes:
+    """One record of a zip's central directory (stored, ``packed`` = ``size``, unless told)."""
+    packed = size if packed is None else packed
+    return b"PK\x01\x02" + struct.pack("<6H3I5H2I", 20, 20, 0, method, 0, 0, crc, packed, size, len(name), len(extra),
+                                       0, 0, 0, 0, offset) + name + extra
+
+
+def _end(count: int, cd_size: int, cd_at: int, zip64: bool = True) -> bytes:
+    """A zip's end records for a directory of ``count`` entries at ``cd_at``, written right after it (zip64: as torch does)."""
+    if not zip64:
+        return b"PK\x05\x06" + struct.pack("<4H2IH", 0, 0, count, count, cd_size, cd_at, 0)
+    return (b"PK\x06\x06" + struct.pack("<QHHIIQQQQ", 44, 45, 45, 0, 0, count, count, cd_size, cd_at)
+            + b"PK\x06\x07" + struct.pack("<IQI", 0, cd_at + cd_size, 1)
+            + b"PK\x05\x06" + struct.pack("<4H2IH", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0))
+
+
+def _torch_zip(path, sd) -> tuple[bytes, list[tuple[bytes, int, int, int]]]:
+    """``torch.save(sd)``'s bytes before its directory, and its entries: (name, offset, size, crc)."""
+    import zipfile
+
+    torch.save(sd, path)
+    with zipfile.ZipFile(path) as z:
+        return path.read_bytes()[: z.start_dir], [(i.filename.encode(), i.header_offset, i.file_size, i.CRC) for i in z.infolist()]
+
+
+def test_the_compressed_entry_check_takes_constant_memory_whatever_the_entry_count(tmp_path):
+    """A .pt listing 100,000 empty entries (6 MB; the last one deflated in the second file): reading its
+    directory with zipfile.ZipFile built a ZipInfo per entry, ~50 MiB before the check ran (433 MiB for a
+    million). The directory is walked record by record: the stored file passes (and torch loads it), the other
+    is refused naming its last entry, and the check's peak is its buffer's, whatever the count."""
+    import tracemalloc
+
+    from ckpt.store.source_zip import check_stored_entries
+
+    body, entries = _torch_zip(tmp_path / "real.pt", {"w": torch.arange(10, dtype=torch.float32)})
+    archive = entries[0][0].split(b"/")[0]
+    empty_at = len(body)
+    body += b"PK\x03\x04" + struct.pack("<5H3I2H", 20, 0, 0, 0, 0, 0, 0, 0, 1, 0) + b"x"  # one empty entry's local header
+    n = 100_000
+    for name, method in (("many.pt", 0), ("many-last-deflated.pt", 8)):
+        cd = b"".join(_central(*e) for e in entries) + b"".join(
+            _central(archive + b"/e/%d" % k, empty_at, 0, 0, method=method if k == n - 1 else 0) for k in range(n))
+        (tmp_path / name).write_bytes(body + cd + _end(len(entries) + n, len(cd), len(body)))
+        del cd
+    assert torch.load(tmp_path / "many.pt", weights_only=True)["w"].equal(torch.arange(10, dtype=torch.float32))
+    peaks = []
+    for name in ("many.pt", "many-last-deflated.pt"):
+        fd = os.open(tmp_path / name, os.O_RDONLY)
+        tracemalloc.start()
+        try:
+            if name == "many.pt":
+                check_stored_entries(fd, name)
+            else:
+                with pytest.raises(InvalidSourceError, match=f"e/{n - 1} is compressed"):
+                    check_stored_entries(fd, name)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+            os.close(fd)
+    assert max(peaks) < 4 << 20, peaks  # bytes (zipfile: ~50 MiB)
+
+
+def test_a_torch_file_whose_directory_zipfile_would_read_elsewhere_is_refused(tmp_path, store):
+    """Python's zipfile reads a directory where the end record implies (data prepended to an archive), torch's
+    reader (miniz) where the end record says: two directories of one size, one after the other, showed zipfile
+    one of stored entries and torch one whose tensor entry is deflated (torch inflated it: measured with ones
+    deflated behind stored zeros), and the file was let through. A directory the end records do not follow
+    is refused; the deflated directory alone is refused as compressed."""
+    import zlib
+
+    zeros = torch.zeros(4 << 20, dtype=torch.uint8)
+    body, entries = _torch_zip(tmp_path / "real.pt", {"w": zeros})
+    (data,) = [e for e in entries if e[0].endswith(b"/data/0")]
+    packed = zlib.compressobj(9, zlib.DEFLATED, -15)
+    deflated = packed.compress(zeros.numpy().tobytes()) + packed.flush()
+    bomb_at = len(body)
+    body += b"PK\x03\x04" + struct.pack("<5H3I2H", 20, 0, 8, 0, 0, data[3], len(deflated), data[2], len(data[0]), 0) + data[0] + deflated
+    good = b"".join(_central(*e) for e in entries)
+    bad = b"".join(_central(e[0], bomb_at, e[2], e[3], method=8, packed=len(deflated)) if e is data else _central(*e)
+                   for e in entries)
+    assert len(good) == len(bad)
+    p = tmp_path / "two.pt"
+    p.write_bytes(body + bad + good + _end(len(entries), len(good), len(body), zip64=False))
+    with pytest.raises(InvalidSourceError, match="not a readable torch file: its zip directory ends at byte"):
+        store.push(p, "x")
+    p.write_bytes(body + bad + _end(len(entries), len(bad), len(body)))
+    with pytest.raises(InvalidSourceError, match="data/0 is compressed"):
+        store.push(p, "x")
+    assert store.refs() == {}
+
+
+@pytest.mark.parametrize("lie", ["sizes", "past-the-end"])
+def test_a_stored_entry_claiming_more_than_the_file_holds_is_refused(tmp_path, store, lie):
+    """torch's reader allocates what an entry's directory record claims, then reads it. A tensor entry of 40
+    bytes claiming 1 TiB in zip64 fields (its uncompressed size, or both) is refused naming the entry and what
+    it claims, before torch is asked. (torch's miniz refuses both too, as 'invalid header or archive is
+    corrupted'; the size lie was reported as 'compressed'.)"""
+    body, entries = _torch_zip(tmp_path / "real.pt", {"w": torch.arange(10, dtype=torch.float32)})
+    records = []
+    for name, offset, size, crc in entries:
+        if name.endswith(b"/data/0") and lie == "sizes":  # the zip64 field holds the uncompressed size
+            records.append(_central(name, offset, 0xFFFFFFFF, crc, packed=size, extra=struct.pack("<HHQ", 1, 8, 1 << 40)))
+        elif name.endswith(b"/data/0"):  # and the compressed one
+            records.append(_central(name, offset, 0xFFFFFFFF, crc, packed=0xFFFFFFFF,
+                                    extra=struct.pack("<HHQQ", 1, 16, 1 << 40, 1 << 40)))
+        else:
+            records.append(_central(name, offset, size, crc))
+    cd = b"".join(records)
+    p = tmp_path / "lie.pt"
+    p.write_bytes(body + cd + _end(len(records), len(cd), len(body)))
+    with pytest.raises(InvalidSourceError, match="data/0 claims 1099511627776 bytes") as e:
+        store.push(p, "x")
+    assert ("past the file's end" in str(e.value)) == (lie == "past-the-end")
+    assert store.refs() == {}
+
+
+def test_a_torch_file_with_zip64_entry_fields_passes_and_loads(tmp_path, store):
+    """Past 4 GiB, torch.save writes an entry's sizes and offset as zip64 fields (all ones, the values in the
+    record's extra field). A real torch file's directory rewritten so, every entry's three fields in zip64 form
+    and an extra field of another kind before it, is read as torch reads it: it passes, pushes and pulls back
+    bit for bit."""
+    sd = {"w": torch.randn(1000, generator=torch.Generator().manual_seed(0)), "b": torch.arange(7)}
+    body, entries = _torch_zip(tmp_path / "real.pt", sd)
+    wide = b"".join(_central(name, 0xFFFFFFFF, 0xFFFFFFFF, crc, packed=0xFFFFFFFF,
+                             extra=struct.pack("<HH2s", 0x5455, 2, b"ok") + struct.pack("<HHQQQ", 1, 24, size, size, offset))
+                    for name, offset, size, crc in entries)
+    p = tmp_path / "wide.pt"
+    p.write_bytes(body + wide + _end(len(entries), len(wide), len(body)))
+    got = torch.load(p, weights_only=True)
+    assert all(got[k].numpy().tobytes() == v.numpy().tobytes() for k, v in sd.items())
+    store.push(p, "wide")
+    back = torch.load(store.pull("wide", tmp_path / "back.pt"), weights_only=True)
+    assert all(back[k].numpy().tobytes() == v.numpy().tobytes() for k, v in sd.items())
