@@ -10,6 +10,7 @@ from collections import defaultdict
 
 from ckpt_store.storage.backends.base import TEMPORARY, Backend, Entry
 from ckpt_store.storage.errors import StoreFormatError
+from ckpt_store.storage.objects import Temporaries
 from ckpt_store.storage.ref_entry import ENTRY_NAME, RefJournal
 
 
@@ -48,7 +49,7 @@ class RefsFolder:
         parts = folder.split("/")
         return next((f for i in range(2, len(parts) + 1) if self._link(f := "/".join(parts[:i])) is not None), None)
 
-    def _listed(self, folder: str) -> tuple[dict[str, dict[int, Entry | None]], list[tuple[str, float, int]]]:
+    def _listed(self, folder: str) -> tuple[dict[str, dict[int, Entry | None]], Temporaries]:
         """Every entry below ``folder`` by ref name and seq, as listed (nothing is read), and the leftovers
         of interrupted writes the listing passed (see :meth:`listing_and_temporaries`); None for
         something named like an entry that is not a file (a folder, empty or not, or an object
@@ -66,7 +67,7 @@ class RefsFolder:
         renumber ``NAME@N`` below it (whether it was a version or a removal is unknown), nor let gc
         free what it named. (Entries missing below the oldest renumber nothing: a history cut short.)"""
         by_name: dict[str, dict[int, Entry | None]] = defaultdict(dict)
-        temporaries: list[tuple[str, float, int]] = []
+        temporaries: Temporaries = []
         if folder != "refs" and self._link_above(folder) is not None:
             return {folder[len("refs/"):]: {0: None}}, temporaries
         self._check_refs_folder()

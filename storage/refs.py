@@ -26,6 +26,7 @@ from ckpt_store.storage.errors import (
     StorageIOError,
     StoreFormatError,
 )
+from ckpt_store.storage.objects import Temporaries
 from ckpt_store.storage.records import MAX_RECORD_BYTES
 from ckpt_store.storage.ref_entry import (
     GONE_TRIES,
@@ -223,7 +224,7 @@ class Refs(RefsFolder):
         (:meth:`read_entry` with ``is_file`` False raises the damage)."""
         return self.listing_and_temporaries(prefix)[0]
 
-    def listing_and_temporaries(self, prefix: str = "") -> tuple[dict[str, dict[int, Entry | None]], list[tuple[str, float, int]]]:
+    def listing_and_temporaries(self, prefix: str = "") -> tuple[dict[str, dict[int, Entry | None]], Temporaries]:
         """:meth:`listing`, and the leftovers of interrupted writes it passed, as (path, mtime, size), as
         :meth:`ObjectStore.list_temporaries` gives them (gc's, without listing refs/ again)."""
         if prefix:
