@@ -23,7 +23,7 @@ from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.config import CONFIG_PATH
 from ckpt_store.storage.errors import CkptError, InvalidNameError, ObjectNotFoundError, StoreFormatError
 from ckpt_store.storage.leases import Lock, check_fresh, leased
-from ckpt_store.storage.objects import ObjectStore
+from ckpt_store.storage.objects import ObjectStore, Temporaries
 from ckpt_store.storage.refs import RefEntry, Refs, history_floor
 
 
@@ -63,7 +63,7 @@ class Roots:
     settled: set[str] = field(default_factory=set)
     # The leftovers of interrupted writes below ``refs/`` the listing of refs passed (path, mtime, size),
     # where the refs were listed here (no ``histories`` given).
-    temporaries: list[tuple[str, float, int]] = field(default_factory=list)
+    temporaries: Temporaries = field(default_factory=list)
 
     @property
     def refs(self) -> list[str]:
@@ -87,7 +87,7 @@ def gc_roots(refs: Refs, *, keep_history: bool = True, histories: dict[str, list
     writes below ``refs/`` come with the roots, from the same listing (:meth:`Refs.listing_and_temporaries`).
     """
     damaged: dict[str, Any] = {}
-    temporaries: list[tuple[str, float, int]] = []
+    temporaries: Temporaries = []
     if histories is None:
         listed, temporaries = refs.listing_and_temporaries()
         histories, damaged = refs.scan_histories(listing=listed)
@@ -206,8 +206,8 @@ def store_now(backend: Backend, *, write: bool = True) -> float:
 
 
 def _read_roots(refs: Refs, index: StoreIndex | None,
-                loading: Future[tuple[IndexState | None, list[tuple[str, float, int]]]] | None,
-                keep_history: bool) -> tuple[IndexState | None, Roots, list[tuple[str, float, int]]]:
+                loading: Future[tuple[IndexState | None, Temporaries]] | None,
+                keep_history: bool) -> tuple[IndexState | None, Roots, Temporaries]:
     """The roots (:func:`gc_roots`), the view of the index they came from (None: read from the refs),
     and the leftovers of interrupted writes below index/ that the index's load listed.
 

@@ -56,7 +56,7 @@ from ckpt_store.storage.errors import CkptError, CorruptObjectError, ObjectNotFo
 from ckpt_store.storage.gc import gc_roots
 from ckpt_store.storage.index_files import IndexFiles
 from ckpt_store.storage.index_state import IndexState, RefRec
-from ckpt_store.storage.objects import ObjectStore
+from ckpt_store.storage.objects import ObjectStore, Temporaries
 from ckpt_store.storage.records import MAX_RECORD_BYTES
 from ckpt_store.storage.refs import RefEntry, Refs, history_floor, reread_while_gone
 
@@ -95,7 +95,7 @@ class StoreIndex:
         """The index as stored (:meth:`IndexFiles.load`), or None when it has no usable snapshot."""
         return self.files.load(chunks=chunks, recent=recent, logs=logs)
 
-    def load_and_temporaries(self, *, chunks: bool = False) -> tuple[IndexState | None, list[tuple[str, float, int]]]:
+    def load_and_temporaries(self, *, chunks: bool = False) -> tuple[IndexState | None, Temporaries]:
         """:meth:`load`, and the leftovers of interrupted writes below index/ that the listing it read from
         passed, as :meth:`ObjectStore.list_temporaries` gives them (gc's, without listing index/ again)."""
         return self.files.load_and_temporaries(chunks=chunks)

@@ -16,6 +16,7 @@ import blake3
 from ckpt_store.storage.backends.base import TEMPORARY, Backend
 from ckpt_store.storage.errors import StorageIOError, StoreFormatError
 from ckpt_store.storage.index_state import IndexState, RefRec
+from ckpt_store.storage.objects import Temporaries
 from ckpt_store.storage.records import MAX_RECORD_BYTES, decode_record, require, sealed_json, strict_loads
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ def _part(head: dict[str, Any], key: str, what: str) -> str:
 
 
 # A listing of index/: snapshots (generation, mtime, path), logs by generation, the top generation, temporaries.
-Listing = tuple[list[tuple[int, float, str]], dict[int, str], int, list[tuple[str, float, int]]]
+Listing = tuple[list[tuple[int, float, str]], dict[int, str], int, Temporaries]
 
 
 class _Restart(Exception):
@@ -130,7 +131,7 @@ class IndexFiles:
         return self.load_and_temporaries(chunks=chunks, recent=recent, logs=logs)[0]
 
     def load_and_temporaries(self, *, chunks: bool = False, recent: bool = False, logs: bool = True
-                             ) -> tuple[IndexState | None, list[tuple[str, float, int]]]:
+                             ) -> tuple[IndexState | None, Temporaries]:
         """:meth:`load`, and the leftovers of interrupted writes below ``index/`` that the listing it
         read from passed (gc's, without listing index/ again)."""
         for _ in range(4):

@@ -11,7 +11,7 @@ import blake3
 
 from ckpt_store.storage.backends.base import Entry
 from ckpt_store.storage.errors import InvalidNameError, StoreFormatError
-from ckpt_store.storage.objects import check_id
+from ckpt_store.storage.objects import Temporaries, check_id
 from ckpt_store.storage.records import canonical_json, finite_time, require
 from ckpt_store.storage.refs import RefEntry, history_floor
 
@@ -111,7 +111,7 @@ class IndexState:
     healed_at: int = -1
     # (a view brought up to date with refs/) the leftovers of interrupted writes below refs/ its listing
     # passed, as :meth:`Refs.listing_and_temporaries` gives them: gc's, without listing refs/ again
-    temporaries: list[tuple[str, float, int]] = field(default_factory=list)
+    temporaries: Temporaries = field(default_factory=list)
     # Per ref, an entry whose record is kept and below which no entry keeps anything alive (all aliases,
     # or behind a removal): the snapshot keeps no record below it (see :meth:`floor`).
     floors: dict[str, int] = field(default_factory=dict)

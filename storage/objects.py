@@ -65,6 +65,12 @@ class ObjectInfo:
     condemned: str | None = None
 
 
+# Leftovers of interrupted writes a listing passed, as (path, mtime, size): what gc deletes once old.
+Temporaries = list[tuple[str, float, int]]
+# What ObjectStore.inventory gives: every object by kind, and the temporaries the listing passed.
+Inventory = tuple[dict[str, list[ObjectInfo]], Temporaries]
+
+
 class ObjectStore:
     """``objects/<kind>/<id[:2]>/<id>`` below the store root."""
 
@@ -180,7 +186,7 @@ class ObjectStore:
             if _ID.match(name):
                 yield ObjectInfo(kind, name, e.size, e.mtime)
 
-    def inventory(self, *, as_recovered: bool = False) -> tuple[dict[str, list[ObjectInfo]], list[tuple[str, float, int]]]:
+    def inventory(self, *, as_recovered: bool = False) -> Inventory:
         """One listing of ``objects/``: every stored object by kind, and the leftovers of
         interrupted writes there as (path, mtime, size) -- what :meth:`list` for each kind and
         :meth:`list_temporaries` give, in a single walk (a stat per object locally, a
@@ -191,7 +197,7 @@ class ObjectStore:
         as it would be), not as temporaries: what a gc's dry run plans with."""
         found: dict[str, dict[str, ObjectInfo]] = {k: {} for k in KINDS}
         back: list[ObjectInfo] = []
-        temps: list[tuple[str, float, int]] = []
+        temps: Temporaries = []
         for e in self.backend.list("objects"):
             parts = e.path.split("/")
             name = parts[-1]

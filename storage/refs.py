@@ -6,20 +6,19 @@ with the highest number is the ref's current value; a ``target`` of null marks
 the ref as removed. Entries are created with an exclusive create, so two writers
 can never both write entry N: the loser re-reads and takes N+1. No update and no
 history entry is ever lost, and nothing is modified in place.
+
+The entries' record and name rules are in :mod:`~ckpt_store.storage.ref_entry`, the listing of the
+folder in :mod:`~ckpt_store.storage.ref_listing`; both are exported from here too.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import time
 import uuid
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from collections.abc import Mapping
 
-from ckpt_store.storage.backends.base import TEMPORARY, Backend, Entry
+from ckpt_store.storage.backends.base import Entry
 from ckpt_store.storage.errors import (
     InvalidNameError,
     RefConflictError,
@@ -27,284 +26,31 @@ from ckpt_store.storage.errors import (
     StorageIOError,
     StoreFormatError,
 )
-from ckpt_store.storage.records import MAX_RECORD_BYTES, decode_record, finite_time, require, sealed_json
+from ckpt_store.storage.objects import Temporaries
+from ckpt_store.storage.records import MAX_RECORD_BYTES
+from ckpt_store.storage.ref_entry import (
+    GONE_TRIES,
+    MAX_NAME,
+    MAX_SEQ,
+    REF_FORMAT,
+    REF_VERSION,
+    RefEntry,
+    RefEntryGoneError,
+    RefJournal,
+    history_floor,
+    reread_listed,
+    reread_while_gone,
+    validate_ref_name,
+)
+from ckpt_store.storage.ref_listing import RefsFolder
 
-REF_FORMAT = "ckpt-ref"
-REF_VERSION = 2  # 2: sealed with a checksum (storage/records.py); 1 is still read
-MAX_NAME = 255
-_SEGMENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*\Z")
-_ENTRY = re.compile(r"^([0-9]{10})\.ref\Z")
-MAX_SEQ = 10**10 - 1  # entries are named by 10 digits
-
-
-def validate_ref_name(name: str) -> str:
-    """Return ``name`` if it is a valid ref name, else raise :class:`InvalidNameError`.
-
-    Valid: ``/``-separated segments of letters, digits, ``.``, ``_`` and ``-``,
-    not starting with ``.`` or ``-``, at most 255 characters. This rules out
-    ``..``, absolute paths, control characters and NUL bytes.
-    """
-    if not isinstance(name, str) or not name:
-        raise InvalidNameError("a ref name must be a non-empty string")
-    if len(name) > MAX_NAME:
-        raise InvalidNameError(f"ref name is {len(name)} characters long; the limit is {MAX_NAME}")
-    for seg in name.split("/"):
-        if not _SEGMENT.match(seg) or _ENTRY.match(seg):
-            raise InvalidNameError(
-                f"invalid ref name {name!r}",
-                hint="use segments of letters, digits, '.', '_' and '-' separated by '/', e.g. run7/step-400",
-            )
-    return name
+__all__ = ["GONE_TRIES", "MAX_NAME", "MAX_SEQ", "REF_FORMAT", "REF_VERSION", "RefEntry", "RefEntryGoneError",
+           "RefJournal", "RefsFolder", "Refs", "history_floor", "reread_listed", "reread_while_gone",
+           "validate_ref_name"]
 
 
-@dataclass(frozen=True)
-class RefEntry:
-    """One update of a ref. ``target`` is a manifest id, or None when the ref was removed."""
-
-    name: str
-    seq: int
-    target: str | None
-    time: float
-    writer: str
-    # An alias (like RUN/latest) names whatever another ref names; its earlier
-    # targets are not kept alive by gc (docs/format.md).
-    alias: bool = False
-
-    def to_json(self) -> bytes:
-        obj: dict[str, object] = {
-            "format": REF_FORMAT,
-            "version": REF_VERSION,
-            "name": self.name,
-            "seq": self.seq,
-            "target": self.target,
-            "time": self.time,
-            "writer": self.writer,
-        }
-        if self.alias:
-            obj["alias"] = True
-        return sealed_json(obj)
-
-    @classmethod
-    def from_json(cls, data: bytes, what: str) -> RefEntry:
-        obj = decode_record(data, REF_FORMAT, (1, REF_VERSION), what, sealed_since=2)
-        target = obj.get("target")
-        if target is not None and (not isinstance(target, str) or not re.fullmatch(r"[0-9a-f]{64}", target)):
-            raise StoreFormatError(f"{what} has an invalid target")
-        return cls(
-            name=require(obj, "name", str, what),
-            seq=require(obj, "seq", int, what),
-            target=target,
-            time=finite_time(require(obj, "time", (int, float), what), f"{what}: time"),
-            writer=require(obj, "writer", str, what),
-            alias=obj.get("alias") is True,
-        )
-
-
-class RefJournal(Protocol):
-    """What refs tell the metadata index (storage/index.py)."""
-
-    def note(self, mid: str, manifest: bytes) -> None: ...
-
-    def record(self, entry: RefEntry, size: int) -> None: ...
-
-    def newest_seq(self, name: str) -> int | None: ...
-
-
-class RefEntryGoneError(StoreFormatError):
-    """A ref entry listed, then deleted before it was read: not damage (a run's local tier cuts its
-    refs' histories as it prunes, :meth:`Refs.cut_history`); the ref is to be listed again."""
-
-
-def history_floor(entries: Iterable[tuple[int, str | None]]) -> int:
-    """The number of a ref's newest removal among ``entries`` (its (seq, target) pairs; target None:
-    a removal), or -1 where there is none. A ref's history ends there: what is older keeps nothing
-    alive (gc's rule, :func:`~ckpt_store.storage.gc.gc_roots`; a name removed and pushed again does
-    not revive what it held before), so the metadata index neither keeps nor reads it."""
-    return max((s for s, target in entries if target is None), default=-1)
-
-
-T = TypeVar("T")
-L = TypeVar("L")
-# How many times a reader lists a ref (or the refs) again when an entry it listed was deleted before it
-# read it (RefEntryGoneError): a run's local tier pruning meanwhile moves on in a few steps.
-GONE_TRIES = 8
-
-
-def reread_while_gone(attempt: Callable[[bool], T]) -> T:
-    """``attempt(last)``, again while it raises :class:`RefEntryGoneError` (an entry deleted since it was
-    listed: ``attempt`` lists again), :data:`GONE_TRIES` times at most. ``last``: whether this is the last
-    try, where the attempt reports the entry as damaged instead, or the error stands."""
-    for tries_left in range(GONE_TRIES - 1, -1, -1):
-        try:
-            return attempt(tries_left == 0)
-        except RefEntryGoneError:
-            if tries_left == 0:
-                raise
-    raise AssertionError("unreachable")
-
-
-def reread_listed(listed: L, relist: Callable[[], L], attempt: Callable[[L, bool], T]) -> T:
-    """:func:`reread_while_gone` where the caller listed already: ``attempt(listed, last)`` first, then
-    ``attempt(relist(), last)`` on each try again."""
-    first = [listed]
-    return reread_while_gone(lambda last: attempt(first.pop() if first else relist(), last))
-
-
-class Refs:
+class Refs(RefsFolder):
     """Read and update refs below ``refs/`` of a store."""
-
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
-        # The store's metadata index (storage/index.py), told of every update after it lands.
-        self.index: RefJournal | None = None
-        # One past the entry number each ref's last update from here took: tried first by the next update,
-        # and where the listing for its newest entry starts (see _newest), so that a long-lived ref
-        # (RUN/latest) is not listed whole each update.
-        self._next: dict[str, int] = {}
-        # The newest entry number of each ref this object read: where a listing for the newest entry starts.
-        self._seen: dict[str, int] = {}
-
-    @staticmethod
-    def _entry_path(name: str, seq: int) -> str:
-        return f"refs/{name}/{seq:010d}.ref"
-
-    def _entry_seqs(self, name: str) -> dict[int, Entry | None]:
-        return self._listed(f"refs/{name}")[0].get(name, {})  # direct children only: "a/b" entries are not "a"'s
-
-    def _link(self, folder: str) -> str | None:
-        """The target of ``folder`` (a path below ``refs/``) when it is a symbolic link to a folder or
-        to nothing (a folder on a disk not mounted, say), else None."""
-        local = self.backend.local_path(folder)
-        if local is None or not os.path.islink(local) or not (os.path.isdir(local) or not os.path.exists(local)):
-            return None
-        return os.readlink(local)
-
-    def _link_above(self, folder: str) -> str | None:
-        """The first folder from ``refs/`` down to ``folder`` (itself included, ``refs`` not) that is
-        a symbolic link, else None."""
-        parts = folder.split("/")
-        return next((f for i in range(2, len(parts) + 1) if self._link(f := "/".join(parts[:i])) is not None), None)
-
-    def _listed(self, folder: str) -> tuple[dict[str, dict[int, Entry | None]], list[tuple[str, float, int]]]:
-        """Every entry below ``folder`` by ref name and seq, as listed (nothing is read), and the leftovers
-        of interrupted writes the listing passed (see :meth:`listing_and_temporaries`); None for
-        something named like an entry that is not a file (a folder, empty or not, or an object
-        store's prefix holding objects): damage, which must not be skipped, or the ref would
-        silently name its previous version.
-
-        A folder below ``refs/`` that is a symbolic link (or a link to nothing) is not entered (a
-        listing of the whole store does not enter it, and it may lead anywhere): it is damage to
-        the ref of its name (listed as its entry 0, not a file), as to every ref asked for through it. Its refs would
-        otherwise resolve while ``ls`` and gc did not see them, and a gc would free a checkpoint
-        a user can still name.
-
-        Entries are numbered with no gap (nothing deletes one): the newest number missing between
-        a ref's oldest and newest entries is listed as None too. A deleted entry file must not
-        renumber ``NAME@N`` below it (whether it was a version or a removal is unknown), nor let gc
-        free what it named. (Entries missing below the oldest renumber nothing: a history cut short.)"""
-        by_name: dict[str, dict[int, Entry | None]] = defaultdict(dict)
-        temporaries: list[tuple[str, float, int]] = []
-        if folder != "refs" and self._link_above(folder) is not None:
-            return {folder[len("refs/"):]: {0: None}}, temporaries
-        self._check_refs_folder()
-
-        def add(path: str, entry: Entry | None) -> None:
-            parts = path.split("/")
-            for i in range(2, len(parts)):  # no segment of a ref name is named like an entry
-                m = _ENTRY.match(parts[i])
-                if m:
-                    by_name["/".join(parts[1:i])][int(m.group(1))] = entry if i == len(parts) - 1 else None
-                    return
-
-        def linked(path: str) -> bool:
-            if any(_ENTRY.match(p) for p in path.split("/")[2:]) or self._link(path) is None:
-                return False
-            by_name[path[len("refs/"):]] = {0: None}
-            return True
-
-        files, folders = self.backend.tree(folder)
-        for e in files:  # a link (to a folder, or to nothing) is listed as a file
-            if e.path.rpartition("/")[2].startswith(TEMPORARY):
-                temporaries.append((e.path, e.mtime, e.size))
-            if not linked(e.path):
-                add(e.path, e)
-        for path in folders:
-            if not linked(path):
-                add(path, None)
-        for seqs in by_name.values():
-            gap = max(seqs) - 1
-            while gap in seqs:
-                gap -= 1
-            if gap > min(seqs):
-                seqs[gap] = None
-        return dict(by_name), temporaries
-
-    def _check_refs_folder(self) -> None:
-        local = self.backend.local_path("refs")
-        if local is not None and os.path.lexists(local) and not os.path.isdir(local):
-            # A file, a FIFO or a link to nothing (an unmounted disk) lists as no ref at all: every
-            # checkpoint would look unreferenced, and a gc would delete them all.
-            raise StoreFormatError(f"{local}, the store's refs folder, is not a folder: its refs cannot be listed",
-                                   hint="put the refs folder back from a backup of the store, or mount the disk the link leads to")
-
-    def _newest(self, name: str) -> tuple[int, bool] | None:
-        """The newest entry of ``name`` as :meth:`_listed` lists it: (its seq, whether a file is there),
-        or None when it has none. Read in time that does not grow with the ref's history (a run's
-        RUN/latest gains an entry per save): the listing starts at a hint (the newest entry this object
-        wrote or read, else, past the first page, the metadata index's), and the whole history is
-        listed only where nothing is found from there (the ref was removed from the folder and begun
-        again, say). Nothing below a listed entry can be newer, so the answer is the full listing's."""
-        folder = f"refs/{name}"
-        if self._link_above(folder) is not None:
-            return 0, False  # damage to the ref, which _read raises
-        self._check_refs_folder()
-        hint = max(self._next.get(name, 1) - 1, self._seen.get(name, 0))
-        found = self._entries_from(name, hint) if hint > 0 else {}
-        if not found:
-            hinted = False
-            for page, more in self.backend.children(folder):
-                self._add_entries(found, page)
-                if more and not hinted and self.index is not None:  # a long history: start from the index's word
-                    hinted = True
-                    if (at := self.index.newest_seq(name)) and (past := self._entries_from(name, at)):
-                        found = past
-                        break
-            self._drop_empty(name, found)
-        if not found:
-            return None
-        newest = max(found)
-        if len(self._seen) >= 1024:
-            self._seen.clear()
-        self._seen[name] = newest
-        return newest, found[newest]
-
-    def _entries_from(self, name: str, seq: int) -> dict[int, bool]:
-        """The entries of ``name`` numbered ``seq`` or more, as listed (seq: whether a file is there)."""
-        found: dict[int, bool] = {}
-        for page, _ in self.backend.children(f"refs/{name}", f"{seq:010d}"):
-            self._add_entries(found, page)
-        return self._drop_empty(name, found)
-
-    def _drop_empty(self, name: str, found: dict[int, bool]) -> dict[int, bool]:
-        """``found`` less its newest names that hold nothing: an object store may list an empty folder
-        (SeaweedFS keeps one where objects below a name were deleted) that its listing of objects,
-        as :meth:`_listed` reads it, does not show."""
-        while found and not found[newest := max(found)] and self._missing(self._entry_path(name, newest)):
-            del found[newest]
-        return found
-
-    @staticmethod
-    def _add_entries(found: dict[int, bool], page: list[tuple[str, bool]]) -> None:
-        for child, is_file in page:
-            if m := _ENTRY.match(child):
-                found[int(m.group(1))] = found.get(int(m.group(1)), True) and is_file
-
-    def _missing(self, path: str) -> bool:
-        """Whether nothing at all is at ``path`` (not even a folder: an object store's prefix holding objects)."""
-        local = self.backend.local_path(path)
-        if local is not None:
-            return not os.path.lexists(local)
-        return next(iter(self.backend.list(path)), None) is None
 
     def _read(self, name: str, seq: int, is_file: bool = True) -> RefEntry:
         path = self._entry_path(name, seq)
@@ -478,7 +224,7 @@ class Refs:
         (:meth:`read_entry` with ``is_file`` False raises the damage)."""
         return self.listing_and_temporaries(prefix)[0]
 
-    def listing_and_temporaries(self, prefix: str = "") -> tuple[dict[str, dict[int, Entry | None]], list[tuple[str, float, int]]]:
+    def listing_and_temporaries(self, prefix: str = "") -> tuple[dict[str, dict[int, Entry | None]], Temporaries]:
         """:meth:`listing`, and the leftovers of interrupted writes it passed, as (path, mtime, size), as
         :meth:`ObjectStore.list_temporaries` gives them (gc's, without listing refs/ again)."""
         if prefix:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt.snapshot.dcp_state import fingerprint
-from ckpt.snapshot.distributed_restore import FAILURES, DistributedRestoring
+from ckpt.snapshot.distributed_restore import FAILURES, DistributedRestoring, first_failure
 from ckpt.snapshot.group import CheckpointGroup
 from ckpt.snapshot.restore_checks import param_order
 from ckpt.snapshot.run import SaveResult, SnapshotRun
@@ -182,7 +182,7 @@ class DistributedSnapshots(DistributedRestoring):
         except FAILURES as e:
             raise self._error(step, e) from e
         last = writer.last  # set on the coordinator, which committed the snapshot
-        rank, err = _first_failure(cause, self.rank)
+        rank, err = first_failure(cause, self.rank)
         return SaveResult(last.id if last else None, last.written_bytes if last else None,
                           last.logical_bytes if last else None, prunes=self.rank == 0,
                           fell_back=f"rank {rank}: {describe(err)}", tier_full=out_of_space(cause, self.rank))
@@ -228,7 +228,7 @@ class DistributedSnapshots(DistributedRestoring):
     def _error(self, step: int, e: BaseException) -> Exception:
         from ckpt.snapshot.run import SnapshotError
 
-        rank, err = _first_failure(e, self.rank)
+        rank, err = first_failure(e, self.rank)
         where = f"on rank {rank}, " if err is not e else ""
         e = err
         first = (str(e).strip().splitlines() or [""])[0][:300]
@@ -286,14 +286,6 @@ def _planner() -> Any:
     # Rank 0's copy of a replicated tensor, not whichever rank DCP's balancing picks:
     # under DDP rank 0's buffers are the ones broadcast at the next forward.
     return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-
-
-def _first_failure(e: BaseException, rank: int) -> tuple[int, BaseException]:
-    """The rank that failed first and its own error, where DCP gathered the ranks' errors; else (``rank``, ``e``)."""
-    if isinstance(e, CheckpointException) and e.failures:
-        r, (err, _) = next(iter(sorted(e.failures.items())))
-        return r, err
-    return rank, e
 
 
 def _tensors(state: dict[str, Any]) -> dict[str, tuple[Any, str]]:

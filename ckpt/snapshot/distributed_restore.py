@@ -47,6 +47,16 @@ if TYPE_CHECKING:
     from ckpt.store.store import Store
 
 FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
+
+
+def first_failure(e: BaseException, rank: int) -> tuple[int, BaseException]:
+    """The rank that failed first and its own error, where DCP gathered the ranks' errors; else (``rank``, ``e``)."""
+    if isinstance(e, CheckpointException) and e.failures:
+        r, (err, _) = next(iter(sorted(e.failures.items())))
+        return r, err
+    return rank, e
+
+
 T = TypeVar("T")
 
 
@@ -156,9 +166,7 @@ class DistributedRestoring:
             else:
                 dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=tiers), process_group=self.group, planner=planner)
         except FAILURES as e:
-            rank, err = self.rank, e
-            if isinstance(e, CheckpointException) and e.failures:
-                rank, (err, _) = next(iter(sorted(e.failures.items())))
+            rank, err = first_failure(e, self.rank)
             first = (str(err).strip().splitlines() or [""])[0][:300]
             raise SnapshotError(f"restore of step {step} failed on rank {rank}: {type(err).__name__}: {first}",
                                 hint="the state may be partly overwritten: restore again, or from another snapshot") from e

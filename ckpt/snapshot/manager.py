@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt._deprecation import deprecated
 from ckpt.settings import Settings
-from ckpt.snapshot.local_tier import LocalTier, LocalTierUsage
+from ckpt.snapshot.local_tier import LocalTierUsage
 from ckpt.snapshot.persisting import Persisting, PersistStats
 from ckpt.snapshot.preemption import Preemption
 from ckpt.snapshot.pruning import Pruning
@@ -294,50 +294,6 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
             self._path = LocalSnapshots(self._target, overlap=save_mode == "overlap", unchanged_by=unchanged_by)
         if handle_signals:
             self._install_signals()
-
-    def _local_tier(self, local: Any, every: int | None, keep: int, max_bytes: int | None, replicas: int,
-                    process_group: Any) -> LocalTier | None:
-        """Check the tier settings; the local tier, if asked for."""
-        from ckpt.snapshot.local_tier import LocalTier, default_local_path, private_root
-
-        self.local_every_n_steps = count_setting("local_every_n_steps", every)
-        count_setting("local_keep", keep)
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
-            raise ValueError(f"local_max_bytes must be an int >= 1 or None, not {max_bytes!r}")
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-            raise ValueError(f"replicas must be an int >= 0, not {replicas!r}")
-        if local is None or local is False:
-            for name, value in (("local_every_n_steps", every), ("local_max_bytes", max_bytes)):
-                if value is not None:
-                    raise ValueError(f"{name} applies to the local tier: pass it with local=True or local=PATH")
-            if replicas:
-                raise ValueError("replicas copy the local tier to peers: pass it with local=True or local=PATH")
-            return None
-        rank = None
-        if process_group is not None:
-            import torch.distributed as dist
-
-            rank = dist.get_rank()  # global: the tier directory of this process on its node
-        elif replicas:
-            raise ValueError("replicas need a process group (peer ranks to copy the local tier to)")
-        if self.every_n_steps and self.local_every_n_steps and self.every_n_steps % self.local_every_n_steps:
-            raise ValueError(f"every_n_steps ({self.every_n_steps}) must be a multiple of local_every_n_steps "
-                             f"({self.local_every_n_steps}): a persisted snapshot is a local one copied")
-        if self.local_every_n_steps is None:
-            self.local_every_n_steps = self.every_n_steps
-        if local is True:
-            path = default_local_path(self.store.url, self.run, rank)
-            private_root(path.parent.parent if rank is not None else path.parent)
-        else:
-            path = os.fspath(local) if rank is None else os.path.join(os.fspath(local), f"rank-{rank}")
-        return LocalTier(path, self.run, keep=keep, max_bytes=max_bytes, settings=self.store.settings,
-                         compress=self._local_compress, durable=self.store, reset_foreign=local is True)
-
-    @property
-    def local_tier(self) -> LocalTierUsage | None:
-        """What the local tier holds now (its path, steps and bytes: host memory under /dev/shm);
-        None without one."""
-        return self._local.usage() if self._local else None
 
     def _latest_manifest(self, parsed: dict[str, Manifest]) -> tuple[str, Manifest]:
         """:func:`~ckpt.snapshot.steps.latest_manifest` of the durable store (the id ``RUN/latest`` names, or

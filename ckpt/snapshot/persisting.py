@@ -1,18 +1,24 @@
-"""What a save into the local tier of a :class:`~ckpt.snapshot.manager.CheckpointManager` does next:
-the tier's bounds (a failed or full tier warns, training goes on) and persisting its snapshots to the
-durable store in the background, one at a time, the newest due taking the place of a waiting one
-(:class:`PersistStats`)."""
+"""The local tier of a :class:`~ckpt.snapshot.manager.CheckpointManager`: its settings checked and the
+tier opened (:meth:`Persisting._local_tier`), and what a save into it does next: the tier's bounds (a
+failed or full tier warns, training goes on) and persisting its snapshots to the durable store in the
+background, one at a time, the newest due taking the place of a waiting one (:class:`PersistStats`)."""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ckpt.snapshot.manager_state import ManagerState
+from ckpt.snapshot.retention import count_setting
 from ckpt.snapshot.run import SaveJob, SaveResult, SnapshotError
 from ckpt.snapshot.tiers import describe, out_of_space
+
+if TYPE_CHECKING:
+    from ckpt.snapshot.local_tier import LocalTier, LocalTierUsage
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +38,50 @@ class PersistStats:
 class Persisting(ManagerState):
     """``CheckpointManager``'s local-tier and persist methods (a mixin: the state they use is
     :class:`~ckpt.snapshot.manager_state.ManagerState`'s)."""
+
+    def _local_tier(self, local: Any, every: int | None, keep: int, max_bytes: int | None, replicas: int,
+                    process_group: Any) -> LocalTier | None:
+        """Check the tier settings; the local tier, if asked for."""
+        from ckpt.snapshot.local_tier import LocalTier, default_local_path, private_root
+
+        self.local_every_n_steps = count_setting("local_every_n_steps", every)
+        count_setting("local_keep", keep)
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ValueError(f"local_max_bytes must be an int >= 1 or None, not {max_bytes!r}")
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+            raise ValueError(f"replicas must be an int >= 0, not {replicas!r}")
+        if local is None or local is False:
+            for name, value in (("local_every_n_steps", every), ("local_max_bytes", max_bytes)):
+                if value is not None:
+                    raise ValueError(f"{name} applies to the local tier: pass it with local=True or local=PATH")
+            if replicas:
+                raise ValueError("replicas copy the local tier to peers: pass it with local=True or local=PATH")
+            return None
+        rank = None
+        if process_group is not None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank()  # global: the tier directory of this process on its node
+        elif replicas:
+            raise ValueError("replicas need a process group (peer ranks to copy the local tier to)")
+        if self.every_n_steps and self.local_every_n_steps and self.every_n_steps % self.local_every_n_steps:
+            raise ValueError(f"every_n_steps ({self.every_n_steps}) must be a multiple of local_every_n_steps "
+                             f"({self.local_every_n_steps}): a persisted snapshot is a local one copied")
+        if self.local_every_n_steps is None:
+            self.local_every_n_steps = self.every_n_steps
+        if local is True:
+            path = default_local_path(self.store.url, self.run, rank)
+            private_root(path.parent.parent if rank is not None else path.parent)
+        else:
+            path = os.fspath(local) if rank is None else os.path.join(os.fspath(local), f"rank-{rank}")
+        return LocalTier(path, self.run, keep=keep, max_bytes=max_bytes, settings=self.store.settings,
+                         compress=self._local_compress, durable=self.store, reset_foreign=local is True)
+
+    @property
+    def local_tier(self) -> LocalTierUsage | None:
+        """What the local tier holds now (its path, steps and bytes: host memory under /dev/shm);
+        None without one."""
+        return self._local.usage() if self._local else None
 
     def _tiered(self, step: int, job: SaveJob, persist: bool, seq: int) -> Callable[[], SaveResult | None]:
         """``job`` (a save into the local tier), then the tier's bounds and the persist it asks for.

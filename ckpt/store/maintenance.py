@@ -18,7 +18,7 @@ from ckpt_store.storage.config import read_config
 from ckpt_store.storage.errors import CkptError, ObjectNotFoundError
 from ckpt_store.storage.gc import Doomed, execute_gc, gc_roots, plan_gc, read_root
 from ckpt_store.storage.leases import gc_lock
-from ckpt_store.storage.objects import ObjectInfo, ObjectStore
+from ckpt_store.storage.objects import Inventory, ObjectStore
 
 if TYPE_CHECKING:
     from ckpt.store.store import Store
@@ -276,10 +276,6 @@ class StoreUsage:
     @property
     def compression_saved(self) -> int:
         return self.unique - self.stored_chunks
-
-
-# What ObjectStore.inventory gives: every object by kind, and the temporaries the listing passed.
-Inventory = tuple[dict[str, list[ObjectInfo]], list[tuple[str, float, int]]]
 
 
 def _usages(store: Store, listing: Future[Inventory]) -> tuple[list[tuple[str, str, Usage]], dict[str, str]]:

@@ -199,7 +199,7 @@ def test_read_into_hands_each_part_to_the_caller_as_it_is_filled(backend, start)
     """``read_into(..., each=)`` calls ``each`` with the parts of the buffer it fills, in order and
     together exactly the bytes read (a local store: block by block, so that a caller hashes each
     while it is in the CPU's caches); each part is the buffer's own memory, not a copy."""
-    from ckpt_store.storage.backends.local import READ_BLOCK
+    from ckpt_store.storage.backends.local_reads import READ_BLOCK
 
     data = os.urandom(2 * READ_BLOCK + 1000)
     backend.write("o/x", data)
@@ -231,7 +231,7 @@ def test_a_local_read_into_fresh_memory_faults_its_pages_in_first(tmp_path):
     """A read into memory never touched (a restore's fresh optimizer moments) took a page fault per
     4 KiB page inside the kernel's copy: its pages are faulted in by one madvise first (whole pages
     of the buffer only; a small or read-only buffer is left alone), and the read is exact."""
-    from ckpt_store.storage.backends.local import MADV_POPULATE_WRITE, POPULATE_MIN, _madvise, populate
+    from ckpt_store.storage.backends.local_reads import MADV_POPULATE_WRITE, POPULATE_MIN, _madvise, populate
 
     probe = mmap.mmap(-1, mmap.PAGESIZE)
     if _madvise()(ctypes.addressof(ctypes.c_char.from_buffer(probe)), mmap.PAGESIZE, MADV_POPULATE_WRITE) != 0:
