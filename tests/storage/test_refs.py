@@ -549,8 +549,9 @@ def test_an_update_on_s3_goes_past_a_gap_of_two_entries_in_as_few_requests_as_th
     is not: two HEADs) filled a gap of two or more entries deleted by hand: set() wrote entry 9 while m's
     newest was entry 11, so the push looked done and was not current. On S3 a listing from the writer's
     last entry is one request where the guess's HEADs were two: it sees the gap, and the update goes past."""
-    import ckpt
     from s3support import http_requests
+
+    import ckpt
 
     w = ckpt.Store.init(s3_url).refs_db
     w.set("m", A), w.set("m", A)
