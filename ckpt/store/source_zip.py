@@ -51,16 +51,22 @@ def check_stored_entries(fd: int, path: str) -> None:
     except _Damaged as e:
         raise InvalidSourceError(path, f"not a readable torch file: its zip directory {e}",
                                  hint="save it again with torch.save, and push that") from None
+    except _Shrank:  # (every read is checked against the size first, as FileBytes.read says it)
+        raise InvalidSourceError(path, "file shrank while it was being pushed") from None
 
 
 class _Damaged(Exception):
     """The zip's directory cannot be read (the message says where)."""
 
 
+class _Shrank(Exception):
+    """A read came back short of bytes the file's size had: the file shrank meanwhile."""
+
+
 def _read(fd: int, n: int, at: int) -> bytes:
     got = os.pread(fd, n, at)
     if len(got) != n:
-        raise _Damaged(f"ends early (at byte {at + len(got)})")
+        raise _Shrank
     return got
 
 

@@ -41,7 +41,7 @@ def fetch_base(objects: ObjectStore, cid: str, length: int, settings: Settings, 
     ``ask=False``: served by the cache where it holds the base, but neither counted as an ask nor
     kept: the caller knows it is the base's last use (see :func:`put_chunks`' ``keep_bases``).
 
-    ``strict=True``: every base down its chain is verified before it is used (see :func:`decode_read`)."""
+    ``strict=True`` (its callers verify too): every base down its chain is verified before it is used (see :func:`decode_read`)."""
     cache = base_cache(objects, settings)
     item = cache.get(cid) if cache is not None else None
     if item is None:
@@ -53,7 +53,7 @@ def fetch_base(objects: ObjectStore, cid: str, length: int, settings: Settings, 
         # faults and cache misses (the GPT run loaded 20-30% slower with the cache on).
         reuse = not keep and length <= settings.chunk_size and _depth <= settings.max_delta_depth + 1
         out = thread_buffer(length, f"base{_depth}") if reuse else None
-        item = fetch_chunk(objects, cid, length, settings, _depth, out=out, blobs=blobs, verify=verify or keep or strict,
+        item = fetch_chunk(objects, cid, length, settings, _depth, out=out, blobs=blobs, verify=verify or keep,
                            strict=strict)
         if keep:
             assert cache is not None
