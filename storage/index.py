@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckpt_store.storage.chunk_lists import referenced_chunks
-from ckpt_store.storage.errors import CkptError, CorruptObjectError, ObjectNotFoundError, StoreFormatError
+from ckpt_store.storage.errors import CkptError, CorruptObjectError, ObjectNotFoundError, StorageIOError, StoreFormatError
 from ckpt_store.storage.gc import gc_roots
 from ckpt_store.storage.index_files import IndexFiles
 from ckpt_store.storage.index_state import IndexState, RefRec
@@ -310,8 +310,12 @@ class StoreIndex:
                 data = self.backend.read(path, MAX_RECORD_BYTES)
                 if RefEntry.from_json(data, path).target is None:
                     removed.append((name, seq, len(data)))
+            except StorageIOError as e:
+                if e.retryable:
+                    raise  # (a server's passing failure: the heal gives up and the next write tries again)
+                continue  # a folder or a FIFO in its place
             except (OSError, CkptError):
-                continue  # not a removal the snapshot could count (gone, damaged, a folder or a FIFO in its place)
+                continue  # not a removal the snapshot could count (gone, damaged)
         st.begun_again = {}
         if removed and st.settled[0] >= len(removed):
             st.unsettle(removed)

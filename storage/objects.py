@@ -121,7 +121,7 @@ class ObjectStore:
         """
         listed = self.backend.list_times(f"objects/{kind}", lookups)
         if listed is None and not times:
-            return lambda oid: 0.0 if self.backend.exists(self.path(kind, oid)) else None
+            return lambda oid: 0.0 if self.has(kind, oid) else None
         if listed is None:
             return lambda oid: self.backend.written(self.path(kind, oid))
         names = {p.rsplit("/", 1)[-1]: t for p, t in listed.items()}

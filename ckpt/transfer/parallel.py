@@ -68,9 +68,7 @@ def run_parallel(fn: Callable[[T], R], items: Sequence[T], workers: int, progres
             pool.shutdown(wait=False, cancel_futures=True)
             if on_stop is not None:
                 on_stop()
-            raise
-        finally:
-            pool.shutdown(wait=True)
+            raise  # (leaving the ``with`` waits for the items under way)
 
 
 def results_of(futures: Sequence[Future[R]]) -> list[R]:

@@ -391,9 +391,7 @@ def test_a_signature_many_checkpoints_share_is_checked_once(tmp_path, monkeypatc
     checked once per command; a crafted one still sends every checkpoint naming it to its manifest."""
     from ckpt_store.storage.index import IndexState
 
-    store = ckpt.Store.init(str(tmp_path / "s"))
-    build(store, n=8)
-    store.ls()  # an index snapshot, as a store in use has
+    store = in_use(str(tmp_path / "s"), 8)
     st = store.index.load(chunks=True)
     assert len(st.sigs) == 2 and len(st.info) > 8  # the family's signature, misc/other's
     asked = []

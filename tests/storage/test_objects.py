@@ -64,7 +64,6 @@ def test_inventory_is_every_listing_in_one_walk(store_url, tmp_path):
     assert [p for p, _, _ in temps] == [p for p, _, _ in objs.list_temporaries()] == [f"objects/chunks/{chunks[0][:2]}/.tmp-leftover"]
 
 
-
 def test_presence_without_times_asks_one_question_a_chunk(monkeypatch):
     """A push asks of each chunk whether the store holds it; when it was written matters only where a
     base's manifest records chains it may trust (put_chunks passes ``times`` then). On a remote fsspec

@@ -116,7 +116,7 @@ def test_a_scheduler_of_an_optimizer_with_another_number_of_groups_is_refused(tm
         assert mgr.restore_latest({"sched": two}) == 1 and two.state_dict() == sched.state_dict()
 
 
-def test_a_scheduler_accelerate_wraps_is_checked_as_the_one_it_steps(tmp_path):
+def test_a_scheduler_accelerate_wraps_has_its_groups_checked_as_the_one_it_steps(tmp_path):
     """accelerate's AcceleratedScheduler (what a transformers Trainer may hold) is no LRScheduler; its state is
     the wrapped one's: its optimizer's groups are checked as the wrapped scheduler's would be."""
     accelerate_scheduler = pytest.importorskip("accelerate.scheduler")

@@ -140,7 +140,6 @@ def test_run_parallel_raises_the_first_error():
         pipeline.run_parallel(fn, list(range(20)), 2, NullProgress(), lambda i: 1, batch=3)
 
 
-
 def test_run_parallel_stops_the_groups_under_way_at_the_first_error():
     """An error (or Ctrl-C) left the other groups under way to run to their last item: a group of
     small chunks (up to BATCH_BYTES of them) went on after the push had stopped."""
@@ -161,6 +160,7 @@ def test_run_parallel_stops_the_groups_under_way_at_the_first_error():
     with pytest.raises(ValueError, match="first"):
         pipeline.run_parallel(fn, list(range(40)), 2, NullProgress(), lambda i: 1, batch=20)  # two groups of 20
     assert 1 <= len(ran) <= 3, ran  # the item under way when it came (and the next, on a busy machine): was all 20
+
 
 def _tuned_pair(url: str, settings: Settings, tensors: int = 3, numel: int = 200_000, seed: int = 11,
                 ) -> tuple[ckpt.Store, dict[str, torch.Tensor]]:
