@@ -35,13 +35,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ckpt.snapshot.dcp_state import fingerprint
 from ckpt.snapshot.distributed_restore import FAILURES, DistributedRestoring, first_failure
 from ckpt.snapshot.group import CheckpointGroup
-from ckpt.snapshot.restore_checks import param_order
+from ckpt.snapshot.restore_checks import snapshot_records
 from ckpt.snapshot.run import SaveResult, SnapshotRun
 from ckpt.snapshot.state import (
     Stateful,
     autograd_flags,
     is_per_rank,
-    recorded_classes,
     tensor_devices,
 )
 from ckpt.snapshot.tiers import describe, out_of_space
@@ -124,7 +123,7 @@ class DistributedSnapshots(DistributedRestoring):
         devices = tensor_devices({n: t for n, (t, key) in tensors.items() if not isinstance(state[key], Stateful)})
         record = {**snapshot, "ranks": True, "world": self.world, "keys": sorted(state), "per_rank": sorted(per_rank),
                   **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {}),
-                  "classes": recorded_classes(state), **({"params": order} if (order := param_order(state)) else {})}
+                  **snapshot_records(state)}
         base = self.last_id if self.run.delta else None
         if self.peers is not None:
             from ckpt.snapshot.peers import TierWriter

@@ -25,11 +25,10 @@ from ckpt.snapshot.dcp_state import (
     value_target,
     values_planner,
 )
-from ckpt.snapshot.restore_checks import check_param_order, check_saved_state
+from ckpt.snapshot.restore_checks import check_records, check_saved_state
 from ckpt.snapshot.state import (
     Stateful,
     autograd_flag_sets,
-    check_classes,
     is_per_rank,
     recorded_devices,
     with_autograd_flags,
@@ -264,8 +263,7 @@ class DistributedRestoring:
         devices = recorded_devices(snap.get("devices", {}))
         saved = saved_paths(layout, mid)
         self._check_keys(state, snap, saved, step)
-        check_classes(snap, state, mid, step)
-        check_param_order(snap, state, mid, step)
+        check_records(snap, state, mid, step)
         for key, obj in state.items():  # before anything is written (DCP writes modules' tensors in place)
             if not is_per_rank(obj):
                 check_saved_state(key, obj, _saved_fields(saved.get(key, {}), layout.values), step)

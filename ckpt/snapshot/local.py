@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt.format.entries import TensorEntry
 from ckpt.format.tagged_json import LATER_TAGS, uses_tags
 from ckpt.snapshot.local_restore import LocalRestoring
-from ckpt.snapshot.restore_checks import param_order
+from ckpt.snapshot.restore_checks import snapshot_records
 from ckpt.snapshot.run import (
     SNAPSHOT_SOURCE,
     SNAPSHOT_TORCH_FORMAT,
@@ -40,7 +40,6 @@ from ckpt.snapshot.state import (
     autograd_flags,
     flatten,
     optimizers_in,
-    recorded_classes,
     tensor_devices,
 )
 from ckpt.store.source_tensors import storable_dtype
@@ -111,7 +110,7 @@ class LocalSnapshots(LocalRestoring):
         devices = tensor_devices({n: t for n, t in tensors.items() if not isinstance(state[n.split("/")[0]], torch.nn.Module)})
         record = {**snapshot, **({"format": SNAPSHOT_TORCH_FORMAT} if uses_tags(tree, LATER_TAGS) else {}), "tree": tree,
                   **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {}),
-                  "classes": recorded_classes(state), **({"params": order} if (order := param_order(state)) else {})}
+                  **snapshot_records(state)}
 
         def job() -> SaveResult:
             try:

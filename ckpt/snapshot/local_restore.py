@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import CkptError, TensorMismatchError
 from ckpt.format.entries import TensorEntry
-from ckpt.snapshot.restore_checks import check_param_order, check_saved_state
+from ckpt.snapshot.restore_checks import check_records, check_saved_state
 from ckpt.snapshot.run import (
     SNAPSHOT_FORMATS,
     SNAPSHOT_TORCH_FORMAT,
@@ -20,7 +20,6 @@ from ckpt.snapshot.run import (
 from ckpt.snapshot.state import (
     Stateful,
     autograd_flag_sets,
-    check_classes,
     device_here,
     flatten,
     recorded_devices,
@@ -92,8 +91,7 @@ class LocalRestoring:
                 raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of {key!r} names tensors it does not "
                                     f"hold ({', '.join(repr(n)[:80] for n in unknown[:3])})")
             records[key] = found.names, structure
-        check_classes(snap, state, mid, step)  # (after the records: a plain value saved for an object has its own error)
-        check_param_order(snap, state, mid, step)
+        check_records(snap, state, mid, step)  # (after the records: a plain value saved for an object has its own error)
         pairs: list[tuple[TensorEntry, torch.Tensor]] = []
         decoded: dict[str, torch.Tensor] = {}
         fresh: list[str] = []  # tensors made for the restore: they get the saved autograd flags
