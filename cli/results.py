@@ -82,7 +82,7 @@ def log_rows(entries: Iterable[Any], manifest: Callable[[str], Manifest],
 def show_doc(mid: str, m: Manifest, sizes: Mapping[str, int]) -> dict[str, Any]:
     """The document of ``ckpt show REF --json``. ``sizes``: stored bytes of the chunks the
     checkpoint reads (its own and their delta bases); chunks absent from it are missing."""
-    from ckpt.codecs.chunk import CODEC_NAMES
+    from ckpt.codecs.ids import CODEC_NAMES
     from ckpt.dcp.format import DCP_SOURCE, decode_layout
 
     needed = m.chunk_lengths()

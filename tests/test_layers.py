@@ -116,6 +116,16 @@ def test_import_ckpt_is_light():
     assert out.strip() == "[]"
 
 
+def test_the_housekeeping_modules_import_no_codec():
+    """What ls, log, show, du and gc run on (the store, its maintenance, the CLI and its documents)
+    imports neither numpy nor zstandard nor the codecs: those commands decode no chunk."""
+    heavy = ("torch", "numpy", "safetensors", "zstandard", "ckpt.codecs.chunk", "ckpt.transfer.pipeline", "fsspec")
+    code = ("import ckpt.store.store, ckpt.store.maintenance, ckpt_store.cli.main, ckpt_store.cli.results, sys; "
+            f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_integrations_load_their_framework_only_on_request():
     """``import ckpt`` and ``ckpt.integrations`` never import Lightning or transformers."""
     frameworks = ("pytorch_lightning", "lightning", "transformers", "accelerate", "torch")

@@ -7,12 +7,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ckpt.codecs.chunk import CODEC_NAMES
+from ckpt.codecs.ids import CODEC_NAMES
 from ckpt.format.manifest import Manifest
 from ckpt.progress import Progress, reporting
 from ckpt.store.catalog import Usage, live_manifests, live_usage, usage_of_manifest
-from ckpt.store.load import check_headers
-from ckpt.transfer.pipeline import fetch_chunk, run_parallel
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.config import read_config
 from ckpt_store.storage.errors import CkptError, ObjectNotFoundError
@@ -52,6 +50,10 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
     i.e. every live ref and its earlier versions (``NAME@1``...), each damaged one named
     by the label commands accept. ``names`` are refs, ``NAME@N`` or id prefixes.
     """
+    # (here, not above: du and gc, which import this module, decode no chunk and need neither numpy nor the codecs)
+    from ckpt.store.load import check_headers
+    from ckpt.transfer.pipeline import fetch_chunk, run_parallel
+
     report = VerifyReport()
     try:
         read_config(store.backend)
@@ -212,6 +214,7 @@ def repair(store: Store, source: Store, names: list[str] | None = None, progress
     store's own) and are listed in ``unavailable`` via the final verify.
     """
     from ckpt.codecs.chunk import encode_chunk
+    from ckpt.transfer.pipeline import fetch_chunk
 
     out = RepairReport()
     tried: set[tuple[str, str]] = set()

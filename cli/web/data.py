@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import ckpt
-from ckpt.codecs.chunk import CODEC_NAMES
+from ckpt.codecs.ids import CODEC_NAMES
 from ckpt.errors import CkptError, RefNotFoundError
 from ckpt.format.manifest import Manifest
 from ckpt.snapshot.run import is_snapshot

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
-from safetensors.torch import save_file  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 EXE = Path(sys.executable).parent / "ckpt"
 CMD = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "cli.main"]
@@ -181,6 +181,35 @@ def test_import_is_cheap() -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "False False"
+
+
+@pytest.fixture(scope="module")
+def tidy_store(root: Path, model_file: Path) -> Path:
+    """A store holding m/base and m/ft, a fine-tune of it (delta-coded against it where that pays)."""
+    import ckpt
+
+    s = root / "tidy-store"
+    st = ckpt.Store.init(str(s))
+    st.push(str(model_file), "m/base")
+    tensors = load_file(str(model_file))
+    tensors["embed.weight"] = tensors["embed.weight"] + 1e-3
+    st.push(tensors, "m/ft")
+    return s
+
+
+@pytest.mark.parametrize("words", [["ls"], ["log", "m/ft"], ["show", "m/ft"], ["du"], ["gc", "--dry-run"]], ids=" ".join)
+def test_housekeeping_commands_start_without_the_codecs_numpy_or_torch(words: list[str], tidy_store: Path,
+                                                                       env: dict[str, str]) -> None:
+    """These commands decode no chunk: a user waits for none of numpy, zstandard, the codecs, the
+    transfer pipeline or torch to import (numpy and the codecs were a third of `ckpt du`'s start-up)."""
+    heavy = ("torch", "numpy", "safetensors", "zstandard", "ckpt.codecs.chunk", "ckpt.transfer.pipeline", "fsspec")
+    code = ("import sys\nfrom ckpt_store.cli.entry import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            f"print('loaded:', sorted(m for m in {heavy!r} if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code, "--store", str(tidy_store), *words], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == "loaded: []"
 
 
 # -- errors: one line, "error: ...", non-zero, nothing half-done ---------------------------
