@@ -7,7 +7,8 @@ A destination may hold something precious, so a pull
   file is complete, so a failed pull leaves the destination as it was, temporaries
   removed); a file replaced is first kept under a backup name, so that a rename failing
   part way (a file made immutable, another user's in a sticky directory) puts back every
-  file already replaced;
+  file already replaced; and one pull renames into a folder at a time (two ``--force`` pulls there at
+  once leave the files of the last to rename whole, never some of each);
 * never deletes or renames a directory, and never replaces something that is not a
   regular file or a symbolic link (a directory named like a checkpoint file is in the way);
 * replaces a symbolic link found at a file's name with the file, and never writes
