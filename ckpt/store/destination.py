@@ -63,14 +63,18 @@ def inside(path: str, root: str) -> bool:
 
 
 # The system's own folders: a pull there (`ckpt pull m /dev/stdout --force`, as root) would replace
-# the system's links and devices with a file, never write through them.
+# the system's links and devices with a file, never write through them. /dev/shm is not theirs: a folder
+# of files in memory, where users put models to load them fast (and ckpt a local tier).
 _SYSTEM_FOLDERS = ("/dev", "/proc", "/sys")
+_USERS_IN_SYSTEM = ("/dev/shm",)
 
 
 def check_outside_system(path: str, what: str = "a pull") -> None:
-    """Refuse ``path`` (a file or directory ``what`` writes) in the system's /dev, /proc or /sys."""
+    """Refuse ``path`` (a file or directory ``what`` writes) in the system's /dev (not /dev/shm), /proc or /sys."""
     parent = os.path.realpath(os.path.dirname(os.path.abspath(path)))
     system = next((d for d in _SYSTEM_FOLDERS if inside(parent, d)), None)
+    if any(inside(parent, d) for d in _USERS_IN_SYSTEM):
+        system = None
     if system is not None:
         raise DestinationError(f"{path} is in {system}, the system's; {what} writes regular files of its own, "
                                "never there (not to a device or a stream either)", hint="give a path in a folder of yours")
