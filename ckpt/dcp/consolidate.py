@@ -286,6 +286,7 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
 
     from ckpt.format.safetensors_header import build_header
     from ckpt.store.destination import OutputFile, file_target, is_torch_name, write_files, write_torch
+    from ckpt.store.limits import check_disk
 
     items = _selected(m, include)
     target = file_target(store, dest, "model.safetensors", overwrite)
@@ -296,9 +297,11 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
     meta = m.files[0].metadata if m.files else None
     head, order = build_header([(t.fqn, t.dtype, t.size, t.nbytes) for t in items], meta)
     entries = {t.name: t for t in m.tensors}
+    total = len(head) + sum(t.nbytes for t in items)
+    check_disk(total, target)  # (refused before the disk fills, as every pull is)
 
     def fill(tmps: list[str]) -> None:
-        with OutputFile(tmps[0], len(head) + sum(t.nbytes for t in items)) as out, ReadPool() as pool, \
+        with OutputFile(tmps[0], total) as out, ReadPool() as pool, \
                 reporting(progress, "pull", sum(t.nbytes for t in items)) as p:
             out.write_at(head, 0)
             pos = len(head)

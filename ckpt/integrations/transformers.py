@@ -50,6 +50,7 @@ from ckpt.snapshot.manager import CheckpointManager, SnapshotError
 from ckpt.snapshot.retention import KeepBest
 from ckpt.snapshot.state import RNGState
 from ckpt.snapshot.steps import snapshot_step
+from ckpt.store.destination import check_outside_stores, check_outside_system
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +110,14 @@ class CkptCallback(TrainerCallback):
         ``gradient_accumulation_steps`` (the Trainer would resume at another place in the data:
         it counts steps in batches of today's size and accumulation; ``train`` refuses in the same
         way a dataset of another number of batches; with ``ignore_data_skip=True`` the Trainer skips nothing
-        and both may change), or ``dest`` holds files that resume_dir did not write.
+        and both may change), or ``dest`` holds files that resume_dir did not write; and
+        :class:`ckpt.errors.DestinationError` if it lies inside a store (as a pull there is refused).
         """
         self._trainer = trainer
         out = os.fspath(dest) if dest is not None else os.path.join(trainer.args.output_dir, "ckpt-resume")
+        # Its files are none of a store's (the store snapshotted to, when output_dir is that store, or any other).
+        check_outside_system(out, "resume_dir")
+        check_outside_stores(out, self.manager.store, "resume_dir")
         if step is None:
             try:
                 m = self.manager.store.manifest(f"{self.manager.run}/latest")

@@ -120,6 +120,7 @@ class LocalTier:
         self.max_bytes = max_bytes
         if durable is not None:
             _apart(self.path, durable)
+        _outside_stores(self.path)
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as e:  # a file where the folder should be, say (FileExistsError, NotADirectoryError)
@@ -307,6 +308,18 @@ def _apart(path: str, durable: Store) -> None:
         if inside(real, droot) or inside(droot, real):
             raise SnapshotError(f"local={path} is the durable store {droot}, or lies in or around it",
                                 hint="give the local tier a path of its own (it prunes and collects what it holds)")
+
+
+def _outside_stores(path: str) -> None:
+    """Refuse a tier's ``path`` inside another store (a store cannot hold one: the store made there
+    would be refused) before its folders are made there, as names none of that store's."""
+    from ckpt.snapshot.run import SnapshotError
+    from ckpt_store.storage.config import enclosing_store
+
+    outer = enclosing_store(path)
+    if outer is not None and outer != os.path.realpath(path):
+        raise SnapshotError(f"local tier {path} is inside the store at {outer}; a store cannot hold another",
+                            hint="give the local tier a path of its own, outside any store")
 
 
 def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | None:

@@ -179,7 +179,7 @@ def write_files(targets: Sequence[str], fill: Callable[[list[str]], None], overw
                 _makedirs(os.path.dirname(t), made)
                 sweep_left(t)
             fill(tmps)
-            with _placing_files():
+            with _folders_locked(targets), _placing_files():
                 _replace_all(tmps, targets, overwrite)
             for d in sorted({os.path.dirname(t) for t in targets}):
                 _fsync_dir(d)
@@ -198,6 +198,38 @@ def write_files(targets: Sequence[str], fill: Callable[[list[str]], None], overw
     finally:
         _pending.difference_update(tmps)
         _unlock_temps(tmps)
+
+
+@contextlib.contextmanager
+def _folders_locked(targets: Sequence[str]) -> Iterator[None]:
+    """Hold each folder ``targets`` go in locked (``flock``, exclusive) while they are renamed into
+    place. Two pulls with ``--force`` into one folder at once would otherwise interleave their renames
+    and both succeed, leaving some files of each checkpoint: neither, and nothing said. Locked, the
+    second waits for the first's renames (moments) and then replaces its files whole. Folders are
+    locked in one order (device, inode), however they are spelled, so two pulls never wait on each
+    other; one that cannot be opened or locked (a filesystem without locks) is placed in unlocked."""
+    folders: dict[tuple[int, int], int] = {}
+    try:
+        for d in {os.path.dirname(t) or "." for t in targets}:
+            try:
+                fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                continue
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) in folders:
+                os.close(fd)  # (one folder spelled twice: a second lock of it would wait on the first)
+            else:
+                folders[(st.st_dev, st.st_ino)] = fd
+        for _, fd in sorted(folders.items()):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EBADF, errno.EINVAL):
+                    raise
+        yield
+    finally:
+        for fd in folders.values():
+            os.close(fd)  # (releases its lock)
 
 
 @contextlib.contextmanager

@@ -7,7 +7,8 @@ A destination may hold something precious, so a pull
   file is complete, so a failed pull leaves the destination as it was, temporaries
   removed); a file replaced is first kept under a backup name, so that a rename failing
   part way (a file made immutable, another user's in a sticky directory) puts back every
-  file already replaced;
+  file already replaced; and one pull renames into a folder at a time (two ``--force`` pulls there at
+  once leave the files of the last to rename whole, never some of each);
 * never deletes or renames a directory, and never replaces something that is not a
   regular file or a symbolic link (a directory named like a checkpoint file is in the way);
 * replaces a symbolic link found at a file's name with the file, and never writes
@@ -62,14 +63,18 @@ def inside(path: str, root: str) -> bool:
 
 
 # The system's own folders: a pull there (`ckpt pull m /dev/stdout --force`, as root) would replace
-# the system's links and devices with a file, never write through them.
+# the system's links and devices with a file, never write through them. /dev/shm is not theirs: a folder
+# of files in memory, where users put models to load them fast (and ckpt a local tier).
 _SYSTEM_FOLDERS = ("/dev", "/proc", "/sys")
+_USERS_IN_SYSTEM = ("/dev/shm",)
 
 
 def check_outside_system(path: str, what: str = "a pull") -> None:
-    """Refuse ``path`` (a file or directory ``what`` writes) in the system's /dev, /proc or /sys."""
+    """Refuse ``path`` (a file or directory ``what`` writes) in the system's /dev (not /dev/shm), /proc or /sys."""
     parent = os.path.realpath(os.path.dirname(os.path.abspath(path)))
     system = next((d for d in _SYSTEM_FOLDERS if inside(parent, d)), None)
+    if any(inside(parent, d) for d in _USERS_IN_SYSTEM):
+        system = None
     if system is not None:
         raise DestinationError(f"{path} is in {system}, the system's; {what} writes regular files of its own, "
                                "never there (not to a device or a stream either)", hint="give a path in a folder of yours")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ckpt_store.cli.main import main
 
@@ -342,6 +342,31 @@ def test_pull_into_the_systems_folders_is_refused(sandbox, capsys, dest):
         one_line_error(code, err, "the system's", "a folder of yours")
     assert os.path.islink("/dev/stdout") or not os.path.exists("/dev/stdout")
     assert save is None or tree(__import__("pathlib").Path("/dev/shm")) == save
+
+
+def test_pull_into_dev_shm_is_a_folder_of_yours(sandbox, capsys, tmp_path):
+    """/dev/shm is a folder of files in memory (where a model is put to load fast, and ckpt's own
+    local tier may live), not the system's: a pull there was refused as one into /dev."""
+    import shutil
+    import tempfile
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    _, store = sandbox
+    model = tmp_path / "model"  # what the sandbox pushed as `two`
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        code, _, err = run(capsys, "--store", store, "pull", "two", str(shm / "two"))
+        assert code == 0, err
+        assert tree(shm / "two") == tree(model)
+        code, _, err = run(capsys, "--store", store, "pull", "two", str(shm / "w.safetensors"), "--include", "*")
+        assert code == 0, err
+        got, want = load_file(shm / "w.safetensors")["w"], load_file(model / "model.safetensors")["w"]
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        code, _, err = run(capsys, "--store", store, "pull", "two", "/dev/shm/../stdout", "--include", "*")
+        one_line_error(code, err, "the system's", "a folder of yours")
+    finally:
+        shutil.rmtree(shm)
 
 
 def test_pull_json_names_the_checkpoint_it_wrote_when_the_ref_moves_meanwhile(tmp_path, capsys, monkeypatch):

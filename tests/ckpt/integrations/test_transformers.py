@@ -402,3 +402,30 @@ def test_resume_dir_into_a_folder_of_other_files_is_refused(script, tmp_path):
     out = cb.resume_dir(trainer)
     assert cb.resume_dir(trainer) == out and cb.restored_step == 2  # its own folder again
     cb.close()
+
+
+def test_resume_dir_inside_the_store_is_refused(script, tmp_path):
+    """resume_dir wrote its folder (the model, trainer_state.json) wherever ``dest`` was: inside the store
+    (``dest`` below it, or the Trainer's output_dir being the store) it put files there that are none of the
+    store's. Refused as a pull there is, before the model is touched; the store is left as it was."""
+    from transformers import Trainer, TrainingArguments
+
+    from ckpt.errors import DestinationError
+
+    store = tmp_path / "store"
+    script.train(str(store), str(tmp_path / "stop"), "stop", N, 2)
+    before_store = sorted(str(p.relative_to(store)) for p in store.rglob("*"))
+    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cb = script.CkptCallback(str(store), "hf", every_n_steps=2)
+    (tmp_path / "link").symlink_to(store / "refs")
+    for out_dir, dest in ((tmp_path / "out", store / "resume"), (tmp_path / "out", tmp_path / "link" / "resume"),
+                          (store, None)):
+        args = TrainingArguments(output_dir=str(out_dir), report_to=[], use_cpu=True, max_steps=N,
+                                 per_device_train_batch_size=4, disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=[], callbacks=[cb])
+        with pytest.raises(DestinationError, match="inside the store"):
+            cb.resume_dir(trainer, dest)
+        assert sorted(str(p.relative_to(store)) for p in store.rglob("*")) == before_store
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and cb.restored_step is None
+    assert ckpt.Store.open(str(store)).verify().ok

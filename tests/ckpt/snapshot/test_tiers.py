@@ -723,6 +723,23 @@ def test_a_local_tier_path_that_is_a_file_is_refused_and_left_alone(tmp_path, gr
     assert precious.read_bytes() == b"precious"
 
 
+@pytest.mark.parametrize("where", ["other/refs/x", "other/objects/y/z", "link/x"])
+def test_a_local_tier_inside_another_store_is_refused_before_it_makes_a_folder_there(tmp_path, where):
+    """The store a tier makes inside another store was refused, after the tier's folders were made in
+    that store (``refs/x``: a ref folder of no ref). Refused before anything is made there."""
+    durable = ckpt.Store.init(str(tmp_path / "d"))
+    other = ckpt.Store.init(str(tmp_path / "other"))
+    other.push({"w": torch.ones(4)}, "keep/me")
+    (tmp_path / "link").symlink_to(tmp_path / "other" / "refs")
+    before = sorted(str(p.relative_to(tmp_path / "other")) for p in (tmp_path / "other").rglob("*"))
+    with pytest.raises(ckpt.CkptError, match="inside the store"):
+        ckpt.CheckpointManager(durable, "run", local=str(tmp_path / where))
+    with pytest.raises(ckpt.CkptError, match="inside the store"):
+        LocalTier(tmp_path / where / "rank-0", "run")
+    assert sorted(str(p.relative_to(tmp_path / "other")) for p in (tmp_path / "other").rglob("*")) == before
+    assert list(other.refs()) == ["keep/me"] and other.verify().ok
+
+
 def test_a_local_tier_is_not_another_store_nor_another_runs_tier(tmp_path):
     durable = ckpt.Store.init(str(tmp_path / "d"))
     other = ckpt.Store.init(str(tmp_path / "other"))

@@ -415,6 +415,25 @@ def test_distributed_checkpoint_pull_follows_the_same_rule(tmp_path):
     assert not [p for p in tmp_path.iterdir() if "ckpt-tmp" in p.name]
 
 
+def test_a_distributed_checkpoint_pull_larger_than_the_free_space_is_refused_first(tmp_path, tmpfs):
+    """Consolidated into one safetensors file, a distributed checkpoint was written until the disk was
+    full (every other program writing there failing meanwhile), then removed: refused before anything
+    is written, as every other pull is, whatever the file is named."""
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt.dcp
+    from ckpt.errors import ResourceLimitError
+
+    url = str(tmp_path / "store")
+    dcp.save({"w": torch.randn(1 << 20)}, storage_writer=ckpt.dcp.Writer(url, "dist/big"))  # 4 MiB
+    store = ckpt.Store.open(url)
+    small = tmpfs(tmp_path / "small", "1m")
+    for name, include in (("out.safetensors", None), ("sel.safetensors", ["*"]), ("out.pt", None)):
+        with pytest.raises(ResourceLimitError, match="pulling needs"):
+            store.pull("dist/big", os.path.join(small, name), include=include)
+        assert os.listdir(small) == []
+
+
 def _flush_threads() -> list:
     import threading
 
