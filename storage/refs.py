@@ -151,18 +151,18 @@ class Refs(RefsFolder):
                                            hint="another process moved it meanwhile")
                 seq = last.seq + 1
             elif self.backend.lists_from_a_name:
-                # An object store lists from this object's last entry (the hint _newest starts at) in one
-                # request, as many as the two HEADs of the guess below, and sees what they cannot: a gap of
-                # two or more entries above it (deleted by hand), which the guess would fill, never current.
+                # Listed from this object's last entry (the hint _newest starts at): on S3 one request, as many as
+                # the guess's two HEADs below; on a local store one directory read. It sees what the guess cannot:
+                # a gap of two or more entries above it (deleted by hand), which the guess would fill, never current.
                 seq = (self._newest(name) or (0, True))[0] + 1
             else:
-                # One past this object's last stands where that entry is there and the one above the guess is not
-                # (two stats, so that RUN/latest is not listed each update on a local or memory store): entries are
-                # numbered with no gap and each writer creates one past the newest it sees, so if the guess is free
-                # (the create is exclusive) nothing newer exists. Both checked: the ref may have been removed from
-                # the folder and begun again since, or an entry above the guess deleted (a gap: the update would
-                # fill it, below the newest, never current). Else one past the newest as listed (see _newest).
-                # A gap of two or more is not seen here: only a listing would, of the whole folder on a local store.
+                # Where a listing is dear (another fsspec filesystem lists the ref's whole history): one past this
+                # object's last, where that entry is there and the one above the guess is not (two lookups).
+                # Entries are numbered with no gap and each writer creates one past the newest it sees, so if the
+                # guess is free (the create is exclusive) nothing newer exists. Both checked: the ref may have been
+                # removed from the folder and begun again since, or an entry above the guess deleted (a gap: the
+                # update would fill it, below the newest, never current). Else one past the newest as listed (see
+                # _newest). A gap of two or more is not seen here: only a listing would.
                 guess = self._next.pop(name, None) if attempt == 0 else None
                 seq = guess if guess is not None and self.backend.exists(self._entry_path(name, guess - 1)) \
                     and not self.backend.exists(self._entry_path(name, guess + 1)) else \

@@ -571,6 +571,34 @@ def test_an_update_on_s3_goes_past_a_gap_of_two_entries_in_as_few_requests_as_th
     assert [e.seq for e in w.log("m")[0]][:3] == [12, 11, 8]
 
 
+def test_a_push_to_a_local_store_goes_past_a_gap_of_two_entries(tmp_path):
+    """On a local store the writer's guess (one past its own last entry, taken where that entry is there and
+    the next one is not: two stats) filled a gap of two or more entries deleted by hand: the push wrote entry 7
+    while m's newest was entry 9, so it looked done and m still named the other checkpoint. The writer lists
+    the ref's folder from its last entry, as on S3: it sees the gap, and the push goes past it."""
+    import torch
+
+    import ckpt
+
+    url = str(tmp_path / "store")
+    mine = ckpt.Store.init(url)
+    ours, theirs = torch.nn.Linear(8, 4).state_dict(), torch.nn.Linear(8, 4).state_dict()
+    mine.push(ours, "m"), mine.push(ours, "m")
+    other = ckpt.Store.open(url)
+    for _ in range(3):
+        other.push(theirs, "m")  # 3, 4, 5
+    mine.push(ours, "m")
+    assert mine.refs_db.current("m").seq == 6  # (past 5: the entry above its guess is there)
+    for _ in range(3):
+        other.push(theirs, "m")  # 7, 8, 9
+    (tmp_path / "store" / "refs" / "m" / "0000000007.ref").unlink()
+    (tmp_path / "store" / "refs" / "m" / "0000000008.ref").unlink()
+    pushed = mine.push(ours, "m")
+    assert mine.refs_db.current("m").seq == 10  # was 7, below 9
+    assert ckpt.Store.open(url).resolve("m") == pushed != ckpt.Store.open(url).resolve("m@1")
+    assert [e.seq for e in mine.refs_db.log("m")[0]][:3] == [10, 9, 6]
+
+
 def test_listing_the_refs_of_a_local_store_reads_each_folder_once(tmp_path, monkeypatch):
     """A local store holds a folder per ref: listing refs/ (ls, du and gc, at every run) read each
     folder twice, once for the entry files and once more (os.walk) for the folders among them
