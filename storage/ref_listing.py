@@ -7,11 +7,24 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Iterable
 
 from ckpt_store.storage.backends.base import TEMPORARY, Backend, Entry
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import Temporaries
 from ckpt_store.storage.ref_entry import ENTRY_NAME, RefJournal
+
+
+def gaps(seqs: Iterable[int]) -> list[tuple[int, int]]:
+    """The runs of numbers missing between the lowest and the highest of ``seqs`` (a ref's entries), each as
+    (its first, its last), newest first: ``gaps([1, 2, 5, 9])`` is ``[(6, 8), (3, 4)]``."""
+    out: list[tuple[int, int]] = []
+    above = None
+    for s in sorted(set(seqs), reverse=True):
+        if above is not None and above - s > 1:
+            out.append((s + 1, above - 1))
+        above = s
+    return out
 
 
 class RefsFolder:

@@ -526,6 +526,32 @@ def test_a_reader_racing_a_cut_of_history_reads_the_newest_entry_not_damage(tmp_
         Refs(LocalBackend(str(tmp_path), fsync=False)).current("run/latest")
 
 
+def test_the_log_names_every_entry_missing_not_only_the_newest(tmp_path):
+    """`ckpt log` (Refs.log) reported entry 8 alone as damaged where entries 3 and 6 to 8 were deleted by
+    hand: the listing marks only the newest number missing (where every other reader stops), so the rest
+    of the gap, and an older gap, went unsaid. Each run of missing entries is one error, by its newest,
+    naming them all; the readable entries are as before."""
+    import ckpt
+
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    r = store.refs_db
+    for t in [A, B] * 5:
+        r.set("m", t)
+    for seq in (3, 6, 7, 8):
+        (tmp_path / "store" / "refs" / "m" / f"{seq:010d}.ref").unlink()
+    entries, damaged = r.log("m")
+    assert [e.seq for e in entries] == [10, 9, 5, 4, 2, 1] and sorted(damaged) == [3, 8]
+    assert "ref entries refs/m/0000000006.ref to 0000000008.ref (3 of them) are missing" in str(damaged[8])
+    assert "ref entry refs/m/0000000003.ref is missing, with entries of m before and after it" in str(damaged[3])
+    assert store.readable_log("m")[1] == {s: str(e) for s, e in damaged.items()}
+    (tmp_path / "store" / "refs" / "m" / "0000000005.ref").unlink()  # one run of them: 5 to 8
+    assert sorted(r.log("m")[1]) == [3, 8] and "0000000005.ref to 0000000008.ref (4 of them)" in str(r.log("m")[1][8])
+    (tmp_path / "store" / "refs" / "m" / "0000000008.ref").mkdir()  # a folder where the newest was: damage of its own
+    damaged = r.log("m")[1]
+    assert sorted(damaged) == [3, 7, 8] and "is not a file (a folder is there)" in str(damaged[8])
+    assert "0000000005.ref to 0000000007.ref (3 of them)" in str(damaged[7])
+
+
 def test_an_update_is_written_past_the_newest_entry_not_into_a_gap(store_url):
     """A writer tried the entry one past its own last first, taken where the one before it is there
     (so that RUN/latest is not listed each update). Above a gap (an entry deleted: damage) the update
