@@ -166,8 +166,7 @@ class DistributedRestoring:
                 dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=tiers), process_group=self.group, planner=planner)
         except FAILURES as e:
             rank, err = first_failure(e, self.rank)
-            first = (str(err).strip().splitlines() or [""])[0][:300]
-            raise SnapshotError(f"restore of step {step} failed on rank {rank}: {type(err).__name__}: {first}",
+            raise SnapshotError(f"restore of step {step} failed on rank {rank}: {describe(err)}",
                                 hint="the state may be partly overwritten: restore again, or from another snapshot") from e
         for fqn, value in planner.values.items():  # tensors were read in place
             set_at(targets, paths[fqn], value)
