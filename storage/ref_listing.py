@@ -126,8 +126,9 @@ class RefsFolder:
 
     def _newest(self, name: str) -> tuple[int, bool] | None:
         """The newest entry of ``name`` as :meth:`_listed` lists it: (its seq, whether a file is there),
-        or None when it has none. Read in time that does not grow with the ref's history (a run's
-        RUN/latest gains an entry per save): the listing starts at a hint (the newest entry this object
+        or None when it has none. Read in requests that do not grow with the ref's history (a run's
+        RUN/latest gains an entry per save; a local store reads the folder, one directory read, about
+        1 ms at 1,000 entries): the listing starts at a hint (the newest entry this object
         wrote or read, else, past the first page, the metadata index's), and the whole history is
         listed only where nothing is found from there (the ref was removed from the folder and begun
         again, say). Nothing below a listed entry can be newer, so the answer is the full listing's."""
