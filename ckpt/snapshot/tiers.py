@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ckpt.errors import first_line
 from ckpt.progress import NullProgress, Progress
 from ckpt.transfer.pipeline import BATCH_BYTES, GetTask, fetch_chunk, get_chunks, run_parallel
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError, StorageIOError
@@ -162,7 +163,7 @@ def out_of_space(e: BaseException | None, rank: int | None = None) -> bool:
 
 
 def describe(e: BaseException) -> str:
-    return (f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0])[:300]
+    return f"{type(e).__name__}: {first_line(e)}"[:300]
 
 
 __all__ = ["MISSES", "TIERS", "Tiers"]

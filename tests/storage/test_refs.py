@@ -526,6 +526,32 @@ def test_a_reader_racing_a_cut_of_history_reads_the_newest_entry_not_damage(tmp_
         Refs(LocalBackend(str(tmp_path), fsync=False)).current("run/latest")
 
 
+def test_the_log_names_every_entry_missing_not_only_the_newest(tmp_path):
+    """`ckpt log` (Refs.log) reported entry 8 alone as damaged where entries 3 and 6 to 8 were deleted by
+    hand: the listing marks only the newest number missing (where every other reader stops), so the rest
+    of the gap, and an older gap, went unsaid. Each run of missing entries is one error, by its newest,
+    naming them all; the readable entries are as before."""
+    import ckpt
+
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    r = store.refs_db
+    for t in [A, B] * 5:
+        r.set("m", t)
+    for seq in (3, 6, 7, 8):
+        (tmp_path / "store" / "refs" / "m" / f"{seq:010d}.ref").unlink()
+    entries, damaged = r.log("m")
+    assert [e.seq for e in entries] == [10, 9, 5, 4, 2, 1] and sorted(damaged) == [3, 8]
+    assert "ref entries refs/m/0000000006.ref to 0000000008.ref (3 of them) are missing" in str(damaged[8])
+    assert "ref entry refs/m/0000000003.ref is missing, with entries of m before and after it" in str(damaged[3])
+    assert store.readable_log("m")[1] == {s: str(e) for s, e in damaged.items()}
+    (tmp_path / "store" / "refs" / "m" / "0000000005.ref").unlink()  # one run of them: 5 to 8
+    assert sorted(r.log("m")[1]) == [3, 8] and "0000000005.ref to 0000000008.ref (4 of them)" in str(r.log("m")[1][8])
+    (tmp_path / "store" / "refs" / "m" / "0000000008.ref").mkdir()  # a folder where the newest was: damage of its own
+    damaged = r.log("m")[1]
+    assert sorted(damaged) == [3, 7, 8] and "is not a file (a folder is there)" in str(damaged[8])
+    assert "0000000005.ref to 0000000007.ref (3 of them)" in str(damaged[7])
+
+
 def test_an_update_is_written_past_the_newest_entry_not_into_a_gap(store_url):
     """A writer tried the entry one past its own last first, taken where the one before it is there
     (so that RUN/latest is not listed each update). Above a gap (an entry deleted: damage) the update
@@ -569,6 +595,34 @@ def test_an_update_on_s3_goes_past_a_gap_of_two_entries_in_as_few_requests_as_th
     entry = w.set("m", A)
     assert entry.seq == 12 and w.current("m") == entry == ckpt.Store.open(s3_url).refs_db.current("m")  # was 9, below 11
     assert [e.seq for e in w.log("m")[0]][:3] == [12, 11, 8]
+
+
+def test_a_push_to_a_local_store_goes_past_a_gap_of_two_entries(tmp_path):
+    """On a local store the writer's guess (one past its own last entry, taken where that entry is there and
+    the next one is not: two stats) filled a gap of two or more entries deleted by hand: the push wrote entry 7
+    while m's newest was entry 9, so it looked done and m still named the other checkpoint. The writer lists
+    the ref's folder from its last entry, as on S3: it sees the gap, and the push goes past it."""
+    import torch
+
+    import ckpt
+
+    url = str(tmp_path / "store")
+    mine = ckpt.Store.init(url)
+    ours, theirs = torch.nn.Linear(8, 4).state_dict(), torch.nn.Linear(8, 4).state_dict()
+    mine.push(ours, "m"), mine.push(ours, "m")
+    other = ckpt.Store.open(url)
+    for _ in range(3):
+        other.push(theirs, "m")  # 3, 4, 5
+    mine.push(ours, "m")
+    assert mine.refs_db.current("m").seq == 6  # (past 5: the entry above its guess is there)
+    for _ in range(3):
+        other.push(theirs, "m")  # 7, 8, 9
+    (tmp_path / "store" / "refs" / "m" / "0000000007.ref").unlink()
+    (tmp_path / "store" / "refs" / "m" / "0000000008.ref").unlink()
+    pushed = mine.push(ours, "m")
+    assert mine.refs_db.current("m").seq == 10  # was 7, below 9
+    assert ckpt.Store.open(url).resolve("m") == pushed != ckpt.Store.open(url).resolve("m@1")
+    assert [e.seq for e in mine.refs_db.log("m")[0]][:3] == [10, 9, 6]
 
 
 def test_listing_the_refs_of_a_local_store_reads_each_folder_once(tmp_path, monkeypatch):
