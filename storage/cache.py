@@ -20,7 +20,8 @@ written to a temporary name and renamed, so a crash leaves at most a temporary f
 by the next eviction.
 
 The cache holds at most ``max_bytes``: past that, the least recently used entries (by
-modification time, refreshed on every hit) are deleted until it is under 90% of it.
+modification time, refreshed on every hit) are deleted until it is under 90% of it. A blob
+larger than that 90% is not cached at all.
 """
 
 from __future__ import annotations
@@ -270,6 +271,11 @@ class ChunkBlobCache:
         except OSError:
             old = -1
         if old >= 0 and not replace:
+            return
+        parts = tuple(parts)
+        if TRAILER + sum(len(p) for p in parts) > self.max_bytes * 0.9:
+            # Eviction would delete it at once, and every other entry with it (it frees down to 90%).
+            log.debug("chunk %s is larger than the cache's limit: not cached", oid)
             return
         h = blake3.blake3()
         tmp = os.path.join(self.dir, oid[:2], f"{TEMPORARY}{uuid.uuid4().hex}")

@@ -220,3 +220,18 @@ def test_a_folder_of_the_cache_that_is_a_link_leads_nowhere_outside_it(tmp_path,
                      ((elsewhere / (o[:2] if linked == "store dir" else "") / o, d) for o, d in precious.items())}
     assert c.get(C) == (None if linked == "store dir" else b"c" * 100)  # its own fan-out dir holds C
     assert clear(str(root)).entries == (linked == "fan-out dir") and all(p.exists() for p in elsewhere.rglob("*"))
+
+
+def test_an_entry_larger_than_the_limit_is_not_cached_and_evicts_nothing(tmp_path):
+    """A chunk blob larger than the whole cache (``cache_mb`` below the chunk size): not written. (It was
+    written, then eviction deleted it, and every other entry with it, at every such put.)"""
+    c = ChunkBlobCache(str(tmp_path), S, 100_000)
+    small = [f"{i:064x}" for i in range(4)]
+    for oid in small:
+        c.put(oid, (bytes(10_000),))
+    c.put(A, (b"x" * 60_000, b"y" * 60_000))
+    c.put(B, (bytes(100_000 - TRAILER),), replace=True)  # exactly the limit: over the 90% eviction keeps
+    assert not c.has(A) and not c.has(B) and all(c.get(oid) == bytes(10_000) for oid in small)
+    assert usage(str(tmp_path)).entries == 4 and not any(p.name.startswith(".") for p in tmp_path.rglob("*"))
+    c.put(C, (bytes(80_000),))  # fits: older entries make room
+    assert c.get(C) == bytes(80_000) and usage(str(tmp_path)).bytes <= 100_000
