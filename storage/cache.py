@@ -26,6 +26,7 @@ larger than that 90% is not cached at all.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -177,8 +178,8 @@ class ChunkBlobCache:
                 # does that holding the GIL) nor copied afterwards.
                 blob = f.read(size - TRAILER)
                 trailer = f.read(TRAILER)
-        except OSError:
-            return self._unreadable(path, oid)
+        except OSError as e:
+            return self._unreadable(path, oid, e)
         if len(blob) != size - TRAILER or len(trailer) != TRAILER or blake3.blake3(blob).digest() != trailer:
             return self._damaged(path, oid)
         self._hit(path)
@@ -192,10 +193,11 @@ class ChunkBlobCache:
         with self._lock:
             self.hits += 1
 
-    def _unreadable(self, path: str, oid: str) -> None:
+    def _unreadable(self, path: str, oid: str, e: OSError) -> None:
         """An entry that could not be read: a miss; deleted if something is there (not an entry
-        this cache wrote, or one cut short)."""
-        if os.path.lexists(path) and not os.path.isdir(path):
+        this cache wrote, or one cut short). One that was not there is only a miss: what is there
+        by now was put meanwhile (by another process, after a ``ckpt cache clear``), and is sound."""
+        if not isinstance(e, FileNotFoundError) and os.path.lexists(path) and not os.path.isdir(path):
             return self._damaged(path, oid)
         with self._lock:
             self.misses += 1
@@ -228,8 +230,8 @@ class ChunkBlobCache:
                 buf = place(head, size)
                 if len(head) != min(first, size) or len(buf) != size - len(head) or f.readinto(buf) != len(buf):
                     raise OSError("short read")
-        except OSError:
-            return self._unreadable(path, oid)
+        except OSError as e:
+            return self._unreadable(path, oid, e)
         self._hit(path)
         return head
 
@@ -261,6 +263,27 @@ class ChunkBlobCache:
             if self._size is not None:
                 self._size -= n
 
+    def _write(self, path: str, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
+        """The entry at ``path``: written to a temporary in its folder, then renamed into place."""
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        if not self._in_own_dirs(path):
+            if not os.path.isdir(folder):
+                raise FileNotFoundError(errno.ENOENT, "removed while the entry was written", folder)
+            raise OSError(f"{folder} is reached through a link, not a folder of this cache")
+        tmp = os.path.join(folder, f"{TEMPORARY}{uuid.uuid4().hex}")
+        h = blake3.blake3()
+        try:
+            with open(tmp, "wb") as f:
+                for p in parts:
+                    f.write(p)
+                    h.update(p)
+                f.write(h.digest())
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink(tmp)
+            raise
+
     def put(self, oid: str, parts: Iterable[bytes | bytearray | memoryview], *, replace: bool = False) -> None:
         """Keep the blob ``b"".join(parts)`` of chunk ``oid`` (a failure to write is only logged);
         an entry already there stays unless ``replace`` (another blob of the same chunk: the
@@ -273,24 +296,22 @@ class ChunkBlobCache:
         if old >= 0 and not replace:
             return
         parts = tuple(parts)
-        if TRAILER + sum(len(p) for p in parts) > self.max_bytes * 0.9:
+        n = TRAILER + sum(len(p) for p in parts)
+        if n > self.max_bytes * 0.9:
             # Eviction would delete it at once, and every other entry with it (it frees down to 90%).
             log.debug("chunk %s is larger than the cache's limit: not cached", oid)
             return
-        h = blake3.blake3()
-        tmp = os.path.join(self.dir, oid[:2], f"{TEMPORARY}{uuid.uuid4().hex}")
-        n = TRAILER
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            if not self._in_own_dirs(path):
-                raise OSError(f"{os.path.dirname(path)} is reached through a link, not a folder of this cache")
-            with open(tmp, "wb") as f:
-                for p in parts:
-                    f.write(p)
-                    h.update(p)
-                    n += len(p)
-                f.write(h.digest())
-            os.replace(tmp, path)
+            for tries in range(3, 0, -1):
+                try:
+                    self._write(path, parts)
+                    break
+                except (FileNotFoundError, FileExistsError):
+                    # Its folder went while it was made or written to (`ckpt cache clear` in another
+                    # process removes the folders it empties; makedirs then finds it neither there
+                    # nor absent): again.
+                    if tries == 1:
+                        raise
         except OSError as e:
             # Once per cache: a cache folder that cannot take entries (read-only, full) fails every put,
             # and a load puts every chunk it fetches.
@@ -298,10 +319,6 @@ class ChunkBlobCache:
                 first, self._put_failed = not self._put_failed, True
             log.log(logging.WARNING if first else logging.DEBUG, "cannot cache chunk %s in %s: %s%s", oid, self.root, e,
                     " (further chunks that cannot be cached are not reported)" if first else "")
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
             return
         with self._lock:
             if self._size is None:

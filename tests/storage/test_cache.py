@@ -235,3 +235,44 @@ def test_an_entry_larger_than_the_limit_is_not_cached_and_evicts_nothing(tmp_pat
     assert usage(str(tmp_path)).entries == 4 and not any(p.name.startswith(".") for p in tmp_path.rglob("*"))
     c.put(C, (bytes(80_000),))  # fits: older entries make room
     assert c.get(C) == bytes(80_000) and usage(str(tmp_path)).bytes <= 100_000
+
+
+def test_a_clear_in_another_process_meanwhile_costs_no_entry_and_no_warning(tmp_path, monkeypatch, caplog):
+    """`ckpt cache clear` (another process) removes the folders it empties while a pull reads and puts
+    entries (tests/ckpt/transfer/test_s3_transfer.py runs them as processes): a folder gone between
+    making it and writing there is made again, and an entry gone when opened is a miss, not damage,
+    whatever another process put there by the time it is looked at. (The put failed with a warning,
+    and the read deleted the sound entry just put as 'damaged'.)"""
+    import logging
+
+    root = tmp_path / "cache"
+    c = ChunkBlobCache(str(root), S, 1 << 20)
+    c.put("a" * 63 + "0", (b"old",))  # in A's folder: the clear deletes it and removes the folders
+    real_check = ChunkBlobCache._in_own_dirs
+    cleared = []
+
+    def clear_first(self, path):  # the other process's clear, after this one made the folders
+        if not cleared:
+            cleared.append(clear(str(root)))
+        return real_check(self, path)
+
+    monkeypatch.setattr(ChunkBlobCache, "_in_own_dirs", clear_first)
+    with caplog.at_level(logging.DEBUG, logger="ckpt_store.storage.cache"):
+        c.put(A, (b"a" * 100,))
+        assert cleared[0].entries == 1 and c.get(A) == b"a" * 100
+        monkeypatch.setattr(ChunkBlobCache, "_in_own_dirs", real_check)
+
+        real_open = ChunkBlobCache._open
+
+        def put_meanwhile(self, path):  # B is not there when opened; another process puts it then
+            try:
+                return real_open(self, path)
+            except FileNotFoundError:
+                ChunkBlobCache(str(root), S, 1 << 20).put(B, (b"b" * 100,))
+                raise
+
+        monkeypatch.setattr(ChunkBlobCache, "_open", put_meanwhile)
+        assert c.get(B) is None and c.misses == 1 and c.dropped == 0
+        monkeypatch.setattr(ChunkBlobCache, "_open", real_open)
+    assert c.get(B) == b"b" * 100  # the other process's entry stays
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

@@ -561,3 +561,44 @@ def test_a_cached_delta_against_a_base_this_store_lacks_is_fetched_again(s3_url,
     # the chunk fetched again once; the base it named asked for (read ahead, then by the decoding thread)
     assert names.count(cid) == 1 and names.count(parse_header(foreign).base) == 2
     assert reader.objects.cache.dropped == 1
+
+
+def test_two_pulls_through_one_cache_while_a_third_process_clears_it(s3_main_url, tmp_path, monkeypatch):
+    """Two processes pull one checkpoint through one cache, again and again, while a third runs
+    `ckpt cache clear` in a loop: every pull is bit-exact, and none warns (the clear removed folders a
+    put had just made: 'cannot cache chunk'; an entry gone when opened and put again by the other
+    puller before it was looked at was deleted as 'damaged')."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from safetensors.numpy import save_file
+
+    from ckpt.store.cache import clear_cache
+
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    src = tmp_path / "m.safetensors"
+    save_file({f"w{i}": rng.standard_normal(CHUNK // 4, dtype=np.float32) for i in range(48)}, str(src))
+    ckpt.Store.init(s3_main_url, settings=_settings(cache=False)).push(str(src), "m")
+    done = tmp_path / "pulled"
+    puller = textwrap.dedent(f"""
+        import logging, sys, ckpt
+        logging.basicConfig(level=logging.WARNING)
+        for i in range(10):
+            out = sys.argv[1] + f"-{{i}}.safetensors"
+            ckpt.Store.open({s3_main_url!r}, settings=ckpt.Settings.from_env(chunk_size={CHUNK})).pull("m", out)
+            assert open(out, "rb").read() == open({str(src)!r}, "rb").read(), i
+        open(sys.argv[1] + ".done", "w").close()
+        """)
+    pullers = [subprocess.Popen([sys.executable, "-c", puller, str(done) + str(k)], stderr=subprocess.PIPE) for k in range(2)]
+    clears = 0
+    while any(p.poll() is None for p in pullers) and clears < 100_000:
+        subprocess.run([os.path.join(os.path.dirname(sys.executable), "ckpt"), "cache", "clear"], check=True, capture_output=True) \
+            if clears % 50 == 0 else clear_cache()  # the command now and then, the call in between
+        clears += 1
+    for k, p in enumerate(pullers):
+        err = p.communicate(timeout=120)[1].decode()
+        assert p.returncode == 0 and os.path.exists(str(done) + f"{k}.done"), err[-3000:]
+        assert "WARNING" not in err, err[-3000:]
+    assert clears > 20
