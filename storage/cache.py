@@ -21,101 +21,30 @@ by the next eviction.
 
 The cache holds at most ``max_bytes``: past that, the least recently used entries (by
 modification time, refreshed on every hit) are deleted until it is under 90% of it. A blob
-larger than that 90% is not cached at all.
+larger than that 90% is not cached at all. Which files the layout names, and clearing them:
+``storage/cache_files.py``.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
-import re
 import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import blake3
 
 from ckpt_store.storage.backends.base import TEMPORARY
+from ckpt_store.storage.cache_files import CacheUsage, clear, default_cache_dir, own_files, remove, store_dir_name, usage
 
 log = logging.getLogger(__name__)
 
 TRAILER = 32  # bytes of BLAKE3 after each blob
-# Names of what this cache writes: store dirs, their fan-out dirs, entries, temporaries.
-_STORE_DIR = re.compile(r"[0-9a-f]{32}")
-_FAN_OUT = re.compile(r"[0-9a-f]{2}")
-_ENTRY = re.compile(r"[0-9a-f]{64}")
-_TEMP = re.compile(re.escape(TEMPORARY) + r"[0-9a-f]{32}")
-
-
-def store_dir_name(store_id: str) -> str:
-    """The directory below the cache root of a store's entries: its id where that is 32 hex digits
-    (what :func:`storage.config.init_config` writes), else a hash of it, so that no id a remote
-    store's config holds (``../x``, ``/home``) names a path outside the cache.
-
-    >>> store_dir_name("0123456789abcdef" * 2) == "0123456789abcdef" * 2
-    True
-    >>> len(store_dir_name("../../home")), "/" in store_dir_name("../../home")
-    (32, False)
-    """
-    if _STORE_DIR.fullmatch(store_id):
-        return store_id
-    return hashlib.blake2b(store_id.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
-
-
-def _own_files(root: str) -> Iterator[tuple[str, str, os.stat_result, bool]]:
-    """(store dir, path, stat, whether a temporary) of each regular file below ``root`` that this
-    cache's layout names: ``<store dir>/<xx>/<64 hex digits starting xx>`` or its temporaries
-    there. Links are not followed; anything else (other programs' files) is not listed."""
-
-    def dirs(path: str, pattern: re.Pattern[str]) -> list[os.DirEntry[str]]:
-        try:
-            with os.scandir(path) as it:
-                return [e for e in it if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-        except OSError:
-            return []
-
-    for sdir in dirs(root, _STORE_DIR):
-        for fan in dirs(sdir.path, _FAN_OUT):
-            try:
-                with os.scandir(fan.path) as it:
-                    found = list(it)
-            except OSError:
-                continue
-            for e in found:
-                temp = _TEMP.fullmatch(e.name) is not None
-                if not temp and not (_ENTRY.fullmatch(e.name) and e.name.startswith(fan.name)):
-                    continue
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    yield sdir.name, e.path, st, temp
-
-
-def default_cache_dir() -> str:
-    """``$CKPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckpt`` (``~/.cache/ckpt``)."""
-    env = os.environ.get("CKPT_CACHE_DIR")
-    if env:
-        return env
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ckpt")
-
-
-@dataclass(frozen=True)
-class CacheUsage:
-    """What a cache directory holds: entries and bytes on disk, per store id and in all."""
-
-    root: str
-    entries: int
-    bytes: int
-    stores: dict[str, tuple[int, int]]  # store id -> (entries, bytes)
 
 
 class ChunkBlobCache:
@@ -281,7 +210,7 @@ class ChunkBlobCache:
                 f.write(h.digest())
             os.replace(tmp, path)
         except BaseException:
-            _unlink(tmp)
+            remove(tmp)
             raise
 
     def put(self, oid: str, parts: Iterable[bytes | bytearray | memoryview], *, replace: bool = False) -> None:
@@ -366,10 +295,10 @@ class ChunkBlobCache:
         files: list[tuple[float, int, str]] = []
         total = 0
         now = time.time()
-        for _, p, st, temp in _own_files(self.root):
+        for _, p, st, temp in own_files(self.root):
             if temp:
                 if now - st.st_mtime > 3600:
-                    _unlink(p)
+                    remove(p)
                 continue
             files.append((st.st_mtime, st.st_size, p))
             total += st.st_size
@@ -379,51 +308,11 @@ class ChunkBlobCache:
         for _, size, p in files:
             if total - freed <= target:
                 break
-            if _unlink(p):
+            if remove(p):
                 freed += size
         with self._lock:
             self._size = total - freed + self._added
         return freed
-
-
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False
-
-
-def usage(root: str) -> CacheUsage:
-    """Entries and bytes in the cache at ``root`` (nothing if it does not exist): its own files only."""
-    return _tally(root, list(_own_files(root)))
-
-
-def _tally(root: str, files: list[tuple[str, str, os.stat_result, bool]]) -> CacheUsage:
-    stores: dict[str, tuple[int, int]] = {}
-    for sid, _, st, temp in files:
-        if not temp:
-            n, b = stores.get(sid, (0, 0))
-            stores[sid] = (n + 1, b + st.st_size)
-    stores = dict(sorted(stores.items()))
-    return CacheUsage(root, sum(n for n, _ in stores.values()), sum(b for _, b in stores.values()), stores)
-
-
-def clear(root: str) -> CacheUsage:
-    """Delete every entry (and temporary) of the cache at ``root``, and its directories left
-    empty; returns what it held. Other files there, and the directories holding them, stay."""
-    files = list(_own_files(root))
-    before = _tally(root, files)
-    emptied: set[str] = set()
-    for _, p, _, _ in files:
-        _unlink(p)
-        emptied.add(os.path.dirname(p))
-    for d in sorted(emptied | {os.path.dirname(d) for d in emptied}, key=len, reverse=True):
-        try:
-            os.rmdir(d)  # only if empty
-        except OSError:
-            pass
-    return before
 
 
 __all__ = ["CacheUsage", "ChunkBlobCache", "clear", "default_cache_dir", "store_dir_name", "usage"]
