@@ -21,7 +21,8 @@ by the next eviction.
 
 The cache holds at most ``max_bytes``: past that, the least recently used entries (by
 modification time, refreshed on every hit) are deleted until it is under 90% of it. A blob
-larger than that 90% is not cached at all. Which files the layout names, and clearing them:
+larger than that 90% is not cached at all. Other processes put entries too: the cache is counted
+again after each tenth of the limit put. Which files the layout names, and clearing them:
 ``storage/cache_files.py``.
 """
 
@@ -68,6 +69,7 @@ class ChunkBlobCache:
         self.misses = 0
         self.dropped = 0  # damaged entries deleted
         self._size: int | None = None  # bytes in the whole cache root, counted on first put
+        self._uncounted = 0  # bytes put since the cache root was last counted (other processes put too)
         self._added = 0  # bytes put since the running eviction's walk began
         self._evicting = False  # one thread evicts at a time; others ask it to look again
         self._again = False
@@ -250,12 +252,21 @@ class ChunkBlobCache:
                     " (further chunks that cannot be cached are not reported)" if first else "")
             return
         with self._lock:
-            if self._size is None:
-                self._size = usage(self.root).bytes
-            else:
-                self._size += n - max(old, 0)
+            self._uncounted += n
             self._added += n
-            over = self._size > self.max_bytes
+            # Counted again after a tenth of the limit put: other processes' entries count too (two
+            # pulls, each under the limit on its own count, filled 150% of it).
+            recount = self._size is None or self._uncounted > self.max_bytes // 10
+            if recount:
+                self._uncounted = 0
+            elif self._size is not None:
+                self._size += n - max(old, 0)
+        if recount:  # (a walk: not holding the lock)
+            size = usage(self.root).bytes
+            with self._lock:
+                self._size = size
+        with self._lock:
+            over = (self._size or 0) > self.max_bytes
         if over:
             self.evict()
 
@@ -312,6 +323,7 @@ class ChunkBlobCache:
                 freed += size
         with self._lock:
             self._size = total - freed + self._added
+            self._uncounted = self._added
         return freed
 
 

@@ -276,3 +276,19 @@ def test_a_clear_in_another_process_meanwhile_costs_no_entry_and_no_warning(tmp_
         monkeypatch.setattr(ChunkBlobCache, "_open", real_open)
     assert c.get(B) == b"b" * 100  # the other process's entry stays
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_two_processes_filling_one_cache_keep_it_within_its_limit(tmp_path):
+    """Two pulls at once through one cache (each process's store has a ChunkBlobCache of its own, as
+    these two are), each putting less than the limit: together they stay within it. (Each counted
+    the cache once, at its first put, then only its own entries: 150% of the limit, and N
+    processes N times it.)"""
+    limit = 1_000_000
+    a, b = (ChunkBlobCache(str(tmp_path), S, limit) for _ in range(2))
+    a.put("a" * 64, (os.urandom(50_000),))
+    b.put("b" * 64, (os.urandom(50_000),))  # both have counted the cache: two entries
+    for i in range(1, 15):
+        a.put(f"a{i:063x}", (os.urandom(50_000),))  # 750 KB from each, 1.5 MB in all
+    for i in range(1, 15):
+        b.put(f"b{i:063x}", (os.urandom(50_000),))
+    assert usage(str(tmp_path)).bytes <= limit
