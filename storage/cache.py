@@ -17,7 +17,7 @@ module knows only bytes. :meth:`ChunkBlobCache.get` checks an entry against its 
 reported as a miss, never served. :meth:`ChunkBlobCache.read_split` leaves the check to a
 caller that verifies the chunk's id after decoding anyway, and drops what fails. Entries are
 written to a temporary name and renamed, so a crash leaves at most a temporary file, swept
-by the next eviction.
+once an hour old by the next count of the cache (below) or eviction.
 
 The cache holds at most ``max_bytes``: past that, the least recently used entries (by
 modification time, refreshed on every hit) are deleted until it is under 90% of it. A blob
@@ -261,8 +261,8 @@ class ChunkBlobCache:
                 self._uncounted = 0
             elif self._size is not None:
                 self._size += n - max(old, 0)
-        if recount:  # (a walk: not holding the lock)
-            size = usage(self.root).bytes
+        if recount:  # (a walk: not holding the lock; it sweeps what killed writers left, as eviction does)
+            size = sum(b for _, b, _ in self._entries())
             with self._lock:
                 self._size = size
         with self._lock:
@@ -300,19 +300,23 @@ class ChunkBlobCache:
                 self._evicting = False
             raise
 
+    def _entries(self) -> list[tuple[float, int, str]]:
+        """(modification time, size, path) of every entry in the cache root; temporaries older than an
+        hour (left by a process killed while it wrote them) are deleted."""
+        files = []
+        now = time.time()
+        for _, p, st, temp in own_files(self.root):
+            if not temp:
+                files.append((st.st_mtime, st.st_size, p))
+            elif now - st.st_mtime > 3600:
+                remove(p)
+        return files
+
     def _evict_once(self) -> int:
         with self._lock:
             self._added = 0
-        files: list[tuple[float, int, str]] = []
-        total = 0
-        now = time.time()
-        for _, p, st, temp in own_files(self.root):
-            if temp:
-                if now - st.st_mtime > 3600:
-                    remove(p)
-                continue
-            files.append((st.st_mtime, st.st_size, p))
-            total += st.st_size
+        files = self._entries()
+        total = sum(b for _, b, _ in files)
         files.sort()
         freed = 0
         target = int(self.max_bytes * 0.9)

@@ -292,3 +292,36 @@ def test_two_processes_filling_one_cache_keep_it_within_its_limit(tmp_path):
     for i in range(1, 15):
         b.put(f"b{i:063x}", (os.urandom(50_000),))
     assert usage(str(tmp_path)).bytes <= limit
+
+
+def test_what_a_killed_writer_left_goes_once_an_hour_old_though_the_cache_is_never_full(tmp_path):
+    """A process SIGKILLed while it writes an entry leaves its temporary: not an entry, not counted,
+    and swept by eviction only, so in a cache that never fills (20 GiB by default) they stayed for
+    good. The count a put makes sweeps those an hour old and leaves a younger one (another process
+    may be writing it); the killed writer's finished entries serve."""
+    import signal
+    import subprocess
+    import sys
+
+    writer = (f"import os\nfrom ckpt_store.storage.cache import ChunkBlobCache\n"
+              f"c = ChunkBlobCache({str(tmp_path)!r}, {S!r}, 1 << 34)\nblob = os.urandom(32 << 20)\n"
+              f"for i in range(1000):\n    c.put(f'{{i:064x}}', (blob,))\n")
+    temps: list = []
+    for _ in range(10):  # killed mid-write (almost always: writing is most of what it does)
+        p = subprocess.Popen([sys.executable, "-c", writer])
+        time.sleep(1.5)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        temps = [t for t in tmp_path.rglob(".tmp-*")]
+        if temps:
+            break
+    assert temps and usage(str(tmp_path)).bytes == sum(e.stat().st_size for e in tmp_path.rglob("0" * 8 + "*"))
+    fresh = temps[0].parent / f".tmp-{'2' * 32}"
+    fresh.write_bytes(b"being written")
+    old = time.time() - 7200
+    for t in temps:
+        os.utime(t, (old, old))
+    c = ChunkBlobCache(str(tmp_path), S, 1 << 40)
+    c.put(B, (b"b" * 100,))  # this process's first put counts the cache
+    assert not any(t.exists() for t in temps) and fresh.exists()
+    assert all(len(c.get(e.name)) == 32 << 20 for e in tmp_path.rglob("0" * 8 + "*"))
