@@ -221,11 +221,18 @@ class ChunkBlobCache:
         chunk decoded, say)."""
         path = self._path(oid)
         try:
-            old = os.path.getsize(path)
+            st: os.stat_result | None = os.lstat(path)
         except OSError:
-            old = -1
+            st = None
+        old = st.st_size if st is not None and stat.S_ISREG(st.st_mode) else -1  # (a link is no entry: replaced)
         if old >= 0 and not replace:
             return
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            try:
+                os.rmdir(path)  # a folder in the entry's place kept the chunk out of the cache for good
+            except OSError:
+                log.debug("chunk %s not cached: %s is a folder that holds files", oid, path)
+                return  # (not ours to delete)
         parts = tuple(parts)
         n = TRAILER + sum(len(p) for p in parts)
         if n > self.max_bytes * 0.9:

@@ -325,3 +325,30 @@ def test_what_a_killed_writer_left_goes_once_an_hour_old_though_the_cache_is_nev
     c.put(B, (b"b" * 100,))  # this process's first put counts the cache
     assert not any(t.exists() for t in temps) and fresh.exists()
     assert all(len(c.get(e.name)) == 32 << 20 for e in tmp_path.rglob("0" * 8 + "*"))
+
+
+def test_a_folder_or_a_link_in_an_entrys_place_does_not_keep_the_chunk_out(tmp_path, caplog):
+    """An empty folder where an entry belongs (or a link, to a file elsewhere or to nothing): a put
+    writes the entry in its place (the link's target untouched); a folder that holds files is not
+    the cache's to delete, and stays. (Any of them kept the chunk out of the cache for good: the put
+    saw something there and returned.)"""
+    import logging
+
+    root = tmp_path / "cache"
+    c = ChunkBlobCache(str(root), S, 1 << 20)
+    elsewhere = tmp_path / "precious.txt"
+    elsewhere.write_bytes(b"precious")
+    d = root / S
+    for oid in (A, B, C, "d" * 64):
+        (d / oid[:2]).mkdir(parents=True, exist_ok=True)
+    (d / A[:2] / A).mkdir()
+    (d / B[:2] / B).symlink_to(elsewhere)
+    (d / C[:2] / C).symlink_to(tmp_path / "nothing")
+    (d / "dd" / ("d" * 64)).mkdir()
+    (d / "dd" / ("d" * 64) / "theirs.txt").write_bytes(b"theirs")
+    with caplog.at_level(logging.WARNING, logger="ckpt_store.storage.cache"):
+        for oid in (A, B, C, "d" * 64):
+            c.put(oid, (oid[:1].encode() * 100,))
+    assert [c.get(oid) for oid in (A, B, C)] == [b"a" * 100, b"b" * 100, b"c" * 100]
+    assert elsewhere.read_bytes() == b"precious" and not (tmp_path / "nothing").exists()
+    assert (d / "dd" / ("d" * 64) / "theirs.txt").read_bytes() == b"theirs" and not caplog.records
