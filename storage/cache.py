@@ -17,103 +17,35 @@ module knows only bytes. :meth:`ChunkBlobCache.get` checks an entry against its 
 reported as a miss, never served. :meth:`ChunkBlobCache.read_split` leaves the check to a
 caller that verifies the chunk's id after decoding anyway, and drops what fails. Entries are
 written to a temporary name and renamed, so a crash leaves at most a temporary file, swept
-by the next eviction.
+once an hour old by the next count of the cache (below) or eviction.
 
 The cache holds at most ``max_bytes``: past that, the least recently used entries (by
-modification time, refreshed on every hit) are deleted until it is under 90% of it.
+modification time, refreshed on every hit) are deleted until it is under 90% of it. A blob
+larger than that 90% is not cached at all. Other processes put entries too: the cache is counted
+again after each tenth of the limit put. Which files the layout names, and clearing them:
+``storage/cache_files.py``.
 """
 
 from __future__ import annotations
 
-import hashlib
+import errno
 import logging
 import os
-import re
 import stat
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import blake3
 
 from ckpt_store.storage.backends.base import TEMPORARY
+from ckpt_store.storage.cache_files import CacheUsage, clear, default_cache_dir, own_files, remove, store_dir_name, usage
 
 log = logging.getLogger(__name__)
 
 TRAILER = 32  # bytes of BLAKE3 after each blob
-# Names of what this cache writes: store dirs, their fan-out dirs, entries, temporaries.
-_STORE_DIR = re.compile(r"[0-9a-f]{32}")
-_FAN_OUT = re.compile(r"[0-9a-f]{2}")
-_ENTRY = re.compile(r"[0-9a-f]{64}")
-_TEMP = re.compile(re.escape(TEMPORARY) + r"[0-9a-f]{32}")
-
-
-def store_dir_name(store_id: str) -> str:
-    """The directory below the cache root of a store's entries: its id where that is 32 hex digits
-    (what :func:`storage.config.init_config` writes), else a hash of it, so that no id a remote
-    store's config holds (``../x``, ``/home``) names a path outside the cache.
-
-    >>> store_dir_name("0123456789abcdef" * 2) == "0123456789abcdef" * 2
-    True
-    >>> len(store_dir_name("../../home")), "/" in store_dir_name("../../home")
-    (32, False)
-    """
-    if _STORE_DIR.fullmatch(store_id):
-        return store_id
-    return hashlib.blake2b(store_id.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
-
-
-def _own_files(root: str) -> Iterator[tuple[str, str, os.stat_result, bool]]:
-    """(store dir, path, stat, whether a temporary) of each regular file below ``root`` that this
-    cache's layout names: ``<store dir>/<xx>/<64 hex digits starting xx>`` or its temporaries
-    there. Links are not followed; anything else (other programs' files) is not listed."""
-
-    def dirs(path: str, pattern: re.Pattern[str]) -> list[os.DirEntry[str]]:
-        try:
-            with os.scandir(path) as it:
-                return [e for e in it if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-        except OSError:
-            return []
-
-    for sdir in dirs(root, _STORE_DIR):
-        for fan in dirs(sdir.path, _FAN_OUT):
-            try:
-                with os.scandir(fan.path) as it:
-                    found = list(it)
-            except OSError:
-                continue
-            for e in found:
-                temp = _TEMP.fullmatch(e.name) is not None
-                if not temp and not (_ENTRY.fullmatch(e.name) and e.name.startswith(fan.name)):
-                    continue
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    yield sdir.name, e.path, st, temp
-
-
-def default_cache_dir() -> str:
-    """``$CKPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckpt`` (``~/.cache/ckpt``)."""
-    env = os.environ.get("CKPT_CACHE_DIR")
-    if env:
-        return env
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "ckpt")
-
-
-@dataclass(frozen=True)
-class CacheUsage:
-    """What a cache directory holds: entries and bytes on disk, per store id and in all."""
-
-    root: str
-    entries: int
-    bytes: int
-    stores: dict[str, tuple[int, int]]  # store id -> (entries, bytes)
 
 
 class ChunkBlobCache:
@@ -137,6 +69,7 @@ class ChunkBlobCache:
         self.misses = 0
         self.dropped = 0  # damaged entries deleted
         self._size: int | None = None  # bytes in the whole cache root, counted on first put
+        self._uncounted = 0  # bytes put since the cache root was last counted (other processes put too)
         self._added = 0  # bytes put since the running eviction's walk began
         self._evicting = False  # one thread evicts at a time; others ask it to look again
         self._again = False
@@ -176,8 +109,8 @@ class ChunkBlobCache:
                 # does that holding the GIL) nor copied afterwards.
                 blob = f.read(size - TRAILER)
                 trailer = f.read(TRAILER)
-        except OSError:
-            return self._unreadable(path, oid)
+        except OSError as e:
+            return self._unreadable(path, oid, e)
         if len(blob) != size - TRAILER or len(trailer) != TRAILER or blake3.blake3(blob).digest() != trailer:
             return self._damaged(path, oid)
         self._hit(path)
@@ -191,10 +124,11 @@ class ChunkBlobCache:
         with self._lock:
             self.hits += 1
 
-    def _unreadable(self, path: str, oid: str) -> None:
+    def _unreadable(self, path: str, oid: str, e: OSError) -> None:
         """An entry that could not be read: a miss; deleted if something is there (not an entry
-        this cache wrote, or one cut short)."""
-        if os.path.lexists(path) and not os.path.isdir(path):
+        this cache wrote, or one cut short). One that was not there is only a miss: what is there
+        by now was put meanwhile (by another process, after a ``ckpt cache clear``), and is sound."""
+        if not isinstance(e, FileNotFoundError) and os.path.lexists(path) and not os.path.isdir(path):
             return self._damaged(path, oid)
         with self._lock:
             self.misses += 1
@@ -227,8 +161,8 @@ class ChunkBlobCache:
                 buf = place(head, size)
                 if len(head) != min(first, size) or len(buf) != size - len(head) or f.readinto(buf) != len(buf):
                     raise OSError("short read")
-        except OSError:
-            return self._unreadable(path, oid)
+        except OSError as e:
+            return self._unreadable(path, oid, e)
         self._hit(path)
         return head
 
@@ -260,31 +194,62 @@ class ChunkBlobCache:
             if self._size is not None:
                 self._size -= n
 
+    def _write(self, path: str, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
+        """The entry at ``path``: written to a temporary in its folder, then renamed into place."""
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        if not self._in_own_dirs(path):
+            if not os.path.isdir(folder):
+                raise FileNotFoundError(errno.ENOENT, "removed while the entry was written", folder)
+            raise OSError(f"{folder} is reached through a link, not a folder of this cache")
+        tmp = os.path.join(folder, f"{TEMPORARY}{uuid.uuid4().hex}")
+        h = blake3.blake3()
+        try:
+            with open(tmp, "wb") as f:
+                for p in parts:
+                    f.write(p)
+                    h.update(p)
+                f.write(h.digest())
+            os.replace(tmp, path)
+        except BaseException:
+            remove(tmp)
+            raise
+
     def put(self, oid: str, parts: Iterable[bytes | bytearray | memoryview], *, replace: bool = False) -> None:
         """Keep the blob ``b"".join(parts)`` of chunk ``oid`` (a failure to write is only logged);
         an entry already there stays unless ``replace`` (another blob of the same chunk: the
         chunk decoded, say)."""
         path = self._path(oid)
         try:
-            old = os.path.getsize(path)
+            st: os.stat_result | None = os.lstat(path)
         except OSError:
-            old = -1
+            st = None
+        old = st.st_size if st is not None and stat.S_ISREG(st.st_mode) else -1  # (a link is no entry: replaced)
         if old >= 0 and not replace:
             return
-        h = blake3.blake3()
-        tmp = os.path.join(self.dir, oid[:2], f"{TEMPORARY}{uuid.uuid4().hex}")
-        n = TRAILER
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            try:
+                os.rmdir(path)  # a folder in the entry's place kept the chunk out of the cache for good
+            except OSError:
+                log.debug("chunk %s not cached: %s is a folder that holds files", oid, path)
+                return  # (not ours to delete)
+        parts = tuple(parts)
+        n = TRAILER + sum(len(p) for p in parts)
+        if n > self.max_bytes * 0.9:
+            # Eviction would delete it at once, and every other entry with it (it frees down to 90%).
+            log.debug("chunk %s is larger than the cache's limit: not cached", oid)
+            return
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            if not self._in_own_dirs(path):
-                raise OSError(f"{os.path.dirname(path)} is reached through a link, not a folder of this cache")
-            with open(tmp, "wb") as f:
-                for p in parts:
-                    f.write(p)
-                    h.update(p)
-                    n += len(p)
-                f.write(h.digest())
-            os.replace(tmp, path)
+            for tries in range(3, 0, -1):
+                try:
+                    self._write(path, parts)
+                    break
+                except (FileNotFoundError, FileExistsError):
+                    # Its folder went while it was made or written to (`ckpt cache clear` in another
+                    # process removes the folders it empties; makedirs then finds it neither there
+                    # nor absent): again.
+                    if tries == 1:
+                        raise
         except OSError as e:
             # Once per cache: a cache folder that cannot take entries (read-only, full) fails every put,
             # and a load puts every chunk it fetches.
@@ -292,18 +257,23 @@ class ChunkBlobCache:
                 first, self._put_failed = not self._put_failed, True
             log.log(logging.WARNING if first else logging.DEBUG, "cannot cache chunk %s in %s: %s%s", oid, self.root, e,
                     " (further chunks that cannot be cached are not reported)" if first else "")
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
             return
         with self._lock:
-            if self._size is None:
-                self._size = usage(self.root).bytes
-            else:
-                self._size += n - max(old, 0)
+            self._uncounted += n
             self._added += n
-            over = self._size > self.max_bytes
+            # Counted again after a tenth of the limit put: other processes' entries count too (two
+            # pulls, each under the limit on its own count, filled 150% of it).
+            recount = self._size is None or self._uncounted > self.max_bytes // 10
+            if recount:
+                self._uncounted = 0
+            elif self._size is not None:
+                self._size += n - max(old, 0)
+        if recount:  # (a walk: not holding the lock; it sweeps what killed writers left, as eviction does)
+            size = sum(b for _, b, _ in self._entries())
+            with self._lock:
+                self._size = size
+        with self._lock:
+            over = (self._size or 0) > self.max_bytes
         if over:
             self.evict()
 
@@ -337,70 +307,35 @@ class ChunkBlobCache:
                 self._evicting = False
             raise
 
+    def _entries(self) -> list[tuple[float, int, str]]:
+        """(modification time, size, path) of every entry in the cache root; temporaries older than an
+        hour (left by a process killed while it wrote them) are deleted."""
+        files = []
+        now = time.time()
+        for _, p, st, temp in own_files(self.root):
+            if not temp:
+                files.append((st.st_mtime, st.st_size, p))
+            elif now - st.st_mtime > 3600:
+                remove(p)
+        return files
+
     def _evict_once(self) -> int:
         with self._lock:
             self._added = 0
-        files: list[tuple[float, int, str]] = []
-        total = 0
-        now = time.time()
-        for _, p, st, temp in _own_files(self.root):
-            if temp:
-                if now - st.st_mtime > 3600:
-                    _unlink(p)
-                continue
-            files.append((st.st_mtime, st.st_size, p))
-            total += st.st_size
+        files = self._entries()
+        total = sum(b for _, b, _ in files)
         files.sort()
         freed = 0
         target = int(self.max_bytes * 0.9)
         for _, size, p in files:
             if total - freed <= target:
                 break
-            if _unlink(p):
+            if remove(p):
                 freed += size
         with self._lock:
             self._size = total - freed + self._added
+            self._uncounted = self._added
         return freed
-
-
-def _unlink(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False
-
-
-def usage(root: str) -> CacheUsage:
-    """Entries and bytes in the cache at ``root`` (nothing if it does not exist): its own files only."""
-    return _tally(root, list(_own_files(root)))
-
-
-def _tally(root: str, files: list[tuple[str, str, os.stat_result, bool]]) -> CacheUsage:
-    stores: dict[str, tuple[int, int]] = {}
-    for sid, _, st, temp in files:
-        if not temp:
-            n, b = stores.get(sid, (0, 0))
-            stores[sid] = (n + 1, b + st.st_size)
-    stores = dict(sorted(stores.items()))
-    return CacheUsage(root, sum(n for n, _ in stores.values()), sum(b for _, b in stores.values()), stores)
-
-
-def clear(root: str) -> CacheUsage:
-    """Delete every entry (and temporary) of the cache at ``root``, and its directories left
-    empty; returns what it held. Other files there, and the directories holding them, stay."""
-    files = list(_own_files(root))
-    before = _tally(root, files)
-    emptied: set[str] = set()
-    for _, p, _, _ in files:
-        _unlink(p)
-        emptied.add(os.path.dirname(p))
-    for d in sorted(emptied | {os.path.dirname(d) for d in emptied}, key=len, reverse=True):
-        try:
-            os.rmdir(d)  # only if empty
-        except OSError:
-            pass
-    return before
 
 
 __all__ = ["CacheUsage", "ChunkBlobCache", "clear", "default_cache_dir", "store_dir_name", "usage"]

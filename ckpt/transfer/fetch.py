@@ -214,7 +214,10 @@ def read_ahead(objects: ObjectStore, cid: str, length: int, settings: Settings, 
         if base is None or base in bases or (cache is not None and base in cache) or \
                 (objects.cache is not None and objects.cache.has(base)):
             break  # (a base in the local chunk cache is read by the decoding thread, straight into place)
-        blob = bases[base] = objects.get("chunks", base)
+        try:
+            blob = bases[base] = objects.get("chunks", base)
+        except ObjectNotFoundError:
+            break  # the decoding thread asks again and reports it, or finds the cached blob above wrong
     return ChunkRead(got.blob, got.into, bases, got.cached)
 
 
@@ -267,6 +270,25 @@ def decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings,
     return data, chain
 
 
+def cache_at_fault(objects: ObjectStore, cid: str, got: ChunkRead, e: CorruptObjectError | ObjectNotFoundError) -> bool:
+    """Whether the failure ``e`` of decoding ``got`` (chunk ``cid``) may lie in the local chunk cache's
+    entry of ``cid``, which is then worth dropping and fetching again: only where the cache served it,
+    and the failure is its own (its bytes or its hash), or a base its header names is missing from the
+    store (the entry may be another store's blob of the chunk, a delta against a base of that store's).
+    A base damaged further down is not: it was fetched again at its own level, and the sound entries
+    above it stay (each was dropped and fetched again, and the top chunk's chain walked once more)."""
+    if not got.cached or objects.cache is None:
+        return False
+    if e.object_id == cid:
+        return True
+    if not isinstance(e, ObjectNotFoundError) or got.blob is None:
+        return False
+    try:
+        return parse_header(got.blob, cid).base == e.object_id
+    except CorruptObjectError:
+        return True
+
+
 def check_claim(cid: str, length: int, settings: Settings) -> None:
     """A manifest is outside data: no buffer is sized by a length no chunk can have."""
     if length > settings.max_chunk_size:
@@ -296,8 +318,8 @@ def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
         got = read_chunk(objects, cid, length, settings, out)
     try:
         return decode_read(objects, cid, length, settings, got, _depth, out, verify, strict)
-    except CorruptObjectError:
-        if not got.cached or objects.cache is None:
+    except (CorruptObjectError, ObjectNotFoundError) as e:
+        if not cache_at_fault(objects, cid, got, e):
             raise
         objects.cache.drop(cid)  # a damaged cache entry: never served, fetched again
         fresh = read_remote(objects, cid, length, settings, out, use_cache=False)

@@ -19,7 +19,16 @@ from ckpt.format.entries import BundleEntry, TensorEntry, split_lengths
 from ckpt.format.manifest import Manifest
 from ckpt.progress import NullProgress, Progress
 from ckpt.settings import Settings
-from ckpt.transfer.fetch import BlobBuffers, ChunkRead, check_claim, decode_read, read_ahead, read_chunk, read_remote
+from ckpt.transfer.fetch import (
+    BlobBuffers,
+    ChunkRead,
+    cache_at_fault,
+    check_claim,
+    decode_read,
+    read_ahead,
+    read_chunk,
+    read_remote,
+)
 from ckpt.transfer.parallel import BATCH_BYTES, run_parallel
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
 from ckpt_store.storage.objects import ObjectStore, object_id
@@ -370,8 +379,8 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
                     inflight -= task.length
         try:
             data, _ = decode_read(objects, task.id, task.length, settings, got, out=_decode_into(task, got))
-        except CorruptObjectError:
-            if not got.cached or objects.cache is None:
+        except (CorruptObjectError, ObjectNotFoundError) as e:
+            if not cache_at_fault(objects, task.id, got, e):
                 raise
             objects.cache.drop(task.id)
             got = read_remote(objects, task.id, task.length, settings, task.into, use_cache=False)

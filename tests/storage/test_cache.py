@@ -220,3 +220,135 @@ def test_a_folder_of_the_cache_that_is_a_link_leads_nowhere_outside_it(tmp_path,
                      ((elsewhere / (o[:2] if linked == "store dir" else "") / o, d) for o, d in precious.items())}
     assert c.get(C) == (None if linked == "store dir" else b"c" * 100)  # its own fan-out dir holds C
     assert clear(str(root)).entries == (linked == "fan-out dir") and all(p.exists() for p in elsewhere.rglob("*"))
+
+
+def test_an_entry_larger_than_the_limit_is_not_cached_and_evicts_nothing(tmp_path):
+    """A chunk blob larger than the whole cache (``cache_mb`` below the chunk size): not written. (It was
+    written, then eviction deleted it, and every other entry with it, at every such put.)"""
+    c = ChunkBlobCache(str(tmp_path), S, 100_000)
+    small = [f"{i:064x}" for i in range(4)]
+    for oid in small:
+        c.put(oid, (bytes(10_000),))
+    c.put(A, (b"x" * 60_000, b"y" * 60_000))
+    c.put(B, (bytes(100_000 - TRAILER),), replace=True)  # exactly the limit: over the 90% eviction keeps
+    assert not c.has(A) and not c.has(B) and all(c.get(oid) == bytes(10_000) for oid in small)
+    assert usage(str(tmp_path)).entries == 4 and not any(p.name.startswith(".") for p in tmp_path.rglob("*"))
+    c.put(C, (bytes(80_000),))  # fits: older entries make room
+    assert c.get(C) == bytes(80_000) and usage(str(tmp_path)).bytes <= 100_000
+
+
+def test_a_clear_in_another_process_meanwhile_costs_no_entry_and_no_warning(tmp_path, monkeypatch, caplog):
+    """`ckpt cache clear` (another process) removes the folders it empties while a pull reads and puts
+    entries (tests/ckpt/transfer/test_s3_transfer.py runs them as processes): a folder gone between
+    making it and writing there is made again, and an entry gone when opened is a miss, not damage,
+    whatever another process put there by the time it is looked at. (The put failed with a warning,
+    and the read deleted the sound entry just put as 'damaged'.)"""
+    import logging
+
+    root = tmp_path / "cache"
+    c = ChunkBlobCache(str(root), S, 1 << 20)
+    c.put("a" * 63 + "0", (b"old",))  # in A's folder: the clear deletes it and removes the folders
+    real_check = ChunkBlobCache._in_own_dirs
+    cleared = []
+
+    def clear_first(self, path):  # the other process's clear, after this one made the folders
+        if not cleared:
+            cleared.append(clear(str(root)))
+        return real_check(self, path)
+
+    monkeypatch.setattr(ChunkBlobCache, "_in_own_dirs", clear_first)
+    with caplog.at_level(logging.DEBUG, logger="ckpt_store.storage.cache"):
+        c.put(A, (b"a" * 100,))
+        assert cleared[0].entries == 1 and c.get(A) == b"a" * 100
+        monkeypatch.setattr(ChunkBlobCache, "_in_own_dirs", real_check)
+
+        real_open = ChunkBlobCache._open
+
+        def put_meanwhile(self, path):  # B is not there when opened; another process puts it then
+            try:
+                return real_open(self, path)
+            except FileNotFoundError:
+                ChunkBlobCache(str(root), S, 1 << 20).put(B, (b"b" * 100,))
+                raise
+
+        monkeypatch.setattr(ChunkBlobCache, "_open", put_meanwhile)
+        assert c.get(B) is None and c.misses == 1 and c.dropped == 0
+        monkeypatch.setattr(ChunkBlobCache, "_open", real_open)
+    assert c.get(B) == b"b" * 100  # the other process's entry stays
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_two_processes_filling_one_cache_keep_it_within_its_limit(tmp_path):
+    """Two pulls at once through one cache (each process's store has a ChunkBlobCache of its own, as
+    these two are), each putting less than the limit: together they stay within it. (Each counted
+    the cache once, at its first put, then only its own entries: 150% of the limit, and N
+    processes N times it.)"""
+    limit = 1_000_000
+    a, b = (ChunkBlobCache(str(tmp_path), S, limit) for _ in range(2))
+    a.put("a" * 64, (os.urandom(50_000),))
+    b.put("b" * 64, (os.urandom(50_000),))  # both have counted the cache: two entries
+    for i in range(1, 15):
+        a.put(f"a{i:063x}", (os.urandom(50_000),))  # 750 KB from each, 1.5 MB in all
+    for i in range(1, 15):
+        b.put(f"b{i:063x}", (os.urandom(50_000),))
+    assert usage(str(tmp_path)).bytes <= limit
+
+
+def test_what_a_killed_writer_left_goes_once_an_hour_old_though_the_cache_is_never_full(tmp_path):
+    """A process SIGKILLed while it writes an entry leaves its temporary: not an entry, not counted,
+    and swept by eviction only, so in a cache that never fills (20 GiB by default) they stayed for
+    good. The count a put makes sweeps those an hour old and leaves a younger one (another process
+    may be writing it); the killed writer's finished entries serve."""
+    import signal
+    import subprocess
+    import sys
+
+    writer = (f"import os\nfrom ckpt_store.storage.cache import ChunkBlobCache\n"
+              f"c = ChunkBlobCache({str(tmp_path)!r}, {S!r}, 1 << 34)\nblob = os.urandom(32 << 20)\n"
+              f"for i in range(1000):\n    c.put(f'{{i:064x}}', (blob,))\n")
+    temps: list = []
+    for _ in range(10):  # killed mid-write (almost always: writing is most of what it does)
+        p = subprocess.Popen([sys.executable, "-c", writer])
+        time.sleep(1.5)
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        temps = [t for t in tmp_path.rglob(".tmp-*")]
+        if temps:
+            break
+    assert temps and usage(str(tmp_path)).bytes == sum(e.stat().st_size for e in tmp_path.rglob("0" * 8 + "*"))
+    fresh = temps[0].parent / f".tmp-{'2' * 32}"
+    fresh.write_bytes(b"being written")
+    old = time.time() - 7200
+    for t in temps:
+        os.utime(t, (old, old))
+    c = ChunkBlobCache(str(tmp_path), S, 1 << 40)
+    c.put(B, (b"b" * 100,))  # this process's first put counts the cache
+    assert not any(t.exists() for t in temps) and fresh.exists()
+    assert all(len(c.get(e.name)) == 32 << 20 for e in tmp_path.rglob("0" * 8 + "*"))
+
+
+def test_a_folder_or_a_link_in_an_entrys_place_does_not_keep_the_chunk_out(tmp_path, caplog):
+    """An empty folder where an entry belongs (or a link, to a file elsewhere or to nothing): a put
+    writes the entry in its place (the link's target untouched); a folder that holds files is not
+    the cache's to delete, and stays. (Any of them kept the chunk out of the cache for good: the put
+    saw something there and returned.)"""
+    import logging
+
+    root = tmp_path / "cache"
+    c = ChunkBlobCache(str(root), S, 1 << 20)
+    elsewhere = tmp_path / "precious.txt"
+    elsewhere.write_bytes(b"precious")
+    d = root / S
+    for oid in (A, B, C, "d" * 64):
+        (d / oid[:2]).mkdir(parents=True, exist_ok=True)
+    (d / A[:2] / A).mkdir()
+    (d / B[:2] / B).symlink_to(elsewhere)
+    (d / C[:2] / C).symlink_to(tmp_path / "nothing")
+    (d / "dd" / ("d" * 64)).mkdir()
+    (d / "dd" / ("d" * 64) / "theirs.txt").write_bytes(b"theirs")
+    with caplog.at_level(logging.WARNING, logger="ckpt_store.storage.cache"):
+        for oid in (A, B, C, "d" * 64):
+            c.put(oid, (oid[:1].encode() * 100,))
+    assert [c.get(oid) for oid in (A, B, C)] == [b"a" * 100, b"b" * 100, b"c" * 100]
+    assert elsewhere.read_bytes() == b"precious" and not (tmp_path / "nothing").exists()
+    assert (d / "dd" / ("d" * 64) / "theirs.txt").read_bytes() == b"theirs" and not caplog.records

@@ -15,7 +15,7 @@ pytest.importorskip("botocore")
 np = pytest.importorskip("numpy")
 torch = pytest.importorskip("torch")
 
-from s3support import chunk_gets  # noqa: E402
+from s3support import chunk_gets, gets_of  # noqa: E402
 
 import ckpt  # noqa: E402
 from ckpt.transfer.pipeline import GetTask, get_chunks  # noqa: E402
@@ -483,3 +483,122 @@ def test_a_delta_chain_that_loops_fails_at_once_with_a_warm_cache(s3_url, tmp_pa
         assert not t.is_alive(), f"{attempt} cache: still loading after 60 s ({gets[0]} GETs)"
         assert len(failed) == 1 and isinstance(failed[0], CorruptObjectError), failed
         assert gets[0] < 200, (attempt, gets[0])  # a GET or two per level of the chain at most
+
+
+def _chain(store, depth):
+    """Refs ``d0`` (a whole chunk) .. ``d{depth}``, each one's chunk a delta against the one before; the chunk ids, top first."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(CHUNK // 4, generator=g)
+    store.push({"w": w}, "d0")
+    for i in range(1, depth + 1):
+        w = w + torch.randn(CHUNK // 4, generator=g) * 1e-4
+        store.push({"w": w}, f"d{i}", base=f"d{i - 1}")
+    top = store.manifest(f"d{depth}").tensors[0]
+    chain = (top.chunks[0], *top.chains()[0])
+    assert len(chain) == depth + 1  # stored as one chain, as deep as asked
+    return w, chain
+
+
+def test_a_base_damaged_in_the_store_keeps_the_good_cache_entries_above_it(s3_url, tmp_path, monkeypatch):
+    """A chain whose whole-chunk base is damaged in the store, the deltas above it cached and sound:
+    the load fails naming the base, having fetched only the base (once) and kept the deltas' entries.
+    (Each level above dropped its good entry and fetched it again, and the top chunk's retry walked
+    the chain once more: 7 GETs for a chain of four, the entries above all rewritten.)"""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(cache))
+    writer = ckpt.Store.init(s3_url, settings=_settings(cache=False, max_delta_depth=3))
+    _, chain = _chain(writer, 3)
+    ckpt.Store.open(s3_url, settings=_settings()).load("d3")  # every level cached
+    base = chain[-1]
+    path = writer.objects.path("chunks", base)
+    raw = bytearray(writer.objects.backend.read(path))
+    raw[len(raw) // 2] ^= 0x01
+    writer.objects.backend.write(path, bytes(raw))
+    next(cache.rglob(base)).unlink()  # the base not cached: read from the store, damaged
+    entries = {c: next(cache.rglob(c)).stat().st_ino for c in chain[:-1]}
+
+    reader = ckpt.Store.open(s3_url, settings=_settings())
+    gets = chunk_gets(reader)
+    with pytest.raises(CorruptObjectError) as e:
+        reader.load("d3")
+    assert e.value.object_id == base
+    assert gets[0] == 1 and reader.objects.cache.dropped == 0  # the damaged base only
+    assert {c: next(cache.rglob(c)).stat().st_ino for c in chain[:-1]} == entries  # left as they were
+
+
+@pytest.mark.parametrize("how", ["load", "pull"])
+def test_a_cached_delta_against_a_base_this_store_lacks_is_fetched_again(s3_url, tmp_path, monkeypatch, how):
+    """The cache's entry of a chunk holds another store's blob of it (two stores of one id: one copied
+    with its config), a delta against a base this store does not have: the entry is dropped and the
+    chunk fetched again, once. (The load failed with 'chunk ... is missing from the store'.)"""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(cache))
+    g = torch.Generator().manual_seed(9)
+    base = torch.randn(CHUNK // 4, generator=g)
+    w = base + torch.randn(CHUNK // 4, generator=g) * 1e-4
+    store = ckpt.Store.init(s3_url, settings=_settings(cache=False))
+    store.push({"w": w}, "m")  # stored whole here
+    other = ckpt.Store.init(str(tmp_path / "other"), settings=_settings())
+    other.push({"w": base}, "base")
+    other.push({"w": w}, "m", base="base")  # and as a delta against a chunk the S3 store lacks there
+    (cid,) = store.manifest("m").tensors[0].chunks
+    foreign = other.objects.get("chunks", cid)
+    from safetensors.torch import load_file
+
+    from ckpt.codecs.chunk import parse_header
+    from ckpt_store.storage.cache import ChunkBlobCache
+
+    assert parse_header(foreign).base is not None and not store.objects.has("chunks", parse_header(foreign).base)
+    reader = ckpt.Store.open(s3_url, settings=_settings())
+    ChunkBlobCache(str(cache), reader.config.store_id, 1 << 30).put(cid, (foreign,))
+    with gets_of(reader) as names:
+        if how == "load":
+            got = reader.load("m")["w"]
+        else:
+            reader.pull("m", str(tmp_path / "m.safetensors"))
+            got = load_file(str(tmp_path / "m.safetensors"))["w"]
+    assert got.view(torch.uint8).numpy().tobytes() == w.view(torch.uint8).numpy().tobytes()
+    # the chunk fetched again once; the base it named asked for (read ahead, then by the decoding thread)
+    assert names.count(cid) == 1 and names.count(parse_header(foreign).base) == 2
+    assert reader.objects.cache.dropped == 1
+
+
+def test_two_pulls_through_one_cache_while_a_third_process_clears_it(s3_main_url, tmp_path, monkeypatch):
+    """Two processes pull one checkpoint through one cache, again and again, while a third runs
+    `ckpt cache clear` in a loop: every pull is bit-exact, and none warns (the clear removed folders a
+    put had just made: 'cannot cache chunk'; an entry gone when opened and put again by the other
+    puller before it was looked at was deleted as 'damaged')."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from safetensors.numpy import save_file
+
+    from ckpt.store.cache import clear_cache
+
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    src = tmp_path / "m.safetensors"
+    save_file({f"w{i}": rng.standard_normal(CHUNK // 4, dtype=np.float32) for i in range(48)}, str(src))
+    ckpt.Store.init(s3_main_url, settings=_settings(cache=False)).push(str(src), "m")
+    done = tmp_path / "pulled"
+    puller = textwrap.dedent(f"""
+        import logging, sys, ckpt
+        logging.basicConfig(level=logging.WARNING)
+        for i in range(10):
+            out = sys.argv[1] + f"-{{i}}.safetensors"
+            ckpt.Store.open({s3_main_url!r}, settings=ckpt.Settings.from_env(chunk_size={CHUNK})).pull("m", out)
+            assert open(out, "rb").read() == open({str(src)!r}, "rb").read(), i
+        open(sys.argv[1] + ".done", "w").close()
+        """)
+    pullers = [subprocess.Popen([sys.executable, "-c", puller, str(done) + str(k)], stderr=subprocess.PIPE) for k in range(2)]
+    clears = 0
+    while any(p.poll() is None for p in pullers) and clears < 100_000:
+        subprocess.run([os.path.join(os.path.dirname(sys.executable), "ckpt"), "cache", "clear"], check=True, capture_output=True) \
+            if clears % 50 == 0 else clear_cache()  # the command now and then, the call in between
+        clears += 1
+    for k, p in enumerate(pullers):
+        err = p.communicate(timeout=120)[1].decode()
+        assert p.returncode == 0 and os.path.exists(str(done) + f"{k}.done"), err[-3000:]
+        assert "WARNING" not in err, err[-3000:]
+    assert clears > 20
