@@ -63,6 +63,7 @@ class RefSide:
         self.chunk_size: int | None = reader.manifest.chunk_size
         tensors = reader.manifest.tensors
         self._entries = dict(zip(_keys(((t.name, t.file) for t in tensors), label), tensors))
+        reader.check_headers()  # the dtypes and shapes compared are those its files' stored headers say
         self.meta = {k: TensorMeta(t.dtype, t.shape, t.nbytes) for k, t in self._entries.items()}
 
     def chunk_ids(self, name: str, chunk_size: int) -> tuple[str, ...] | None:

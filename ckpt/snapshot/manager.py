@@ -149,7 +149,7 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
     ``every_n_steps`` only ``save(..., persist=True)`` and a preemption's final snapshot are (the first
     save that persists nothing warns). :meth:`restore_latest` takes the
     newest snapshot of any tier, each chunk from the nearest tier holding it with a correct
-    hash; :attr:`last_restore` is ``{"step", "local", "peer", "store"}`` (bytes per tier).
+    hash; :attr:`last_restore` is ``{"step", "local", "peer", "store"}`` (bytes per tier, the stored headers read to check the entries included).
     A save of a step at or below the durable store's newest (the run was taken back to an earlier
     snapshot, or begun anew under its name) is persisted whatever its step, and drops the later
     steps from the local tier: a restart resumes that new timeline, not the abandoned one.

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import ResourceLimitError, TensorMismatchError
 from ckpt.format.dtypes import to_torch
-from ckpt.format.entries import TensorEntry, split_lengths
+from ckpt.format.entries import TensorEntry
 from ckpt.format.manifest import Manifest
 from ckpt.format.names import folder_names, name_selected
 from ckpt.format.safetensors_header import check_layout
-from ckpt.progress import Progress, reporting
+from ckpt.progress import NullProgress, Progress, reporting
 from ckpt.store.limits import check_memory
-from ckpt.transfer.pipeline import GetTask, fetch_chunk, get_chunks, into_tasks
+from ckpt.transfer.pipeline import GetTask, fetch_chunk, get_chunks, into_tasks, spans
 from ckpt_store.storage.errors import StoreFormatError
 
 if TYPE_CHECKING:
@@ -30,12 +30,14 @@ def select(m: Manifest, include: list[str] | None) -> list[TensorEntry]:
     return [t for t in named_entries(m) if not include or name_selected(t.name, include)]
 
 
-def check_headers(store: Store, m: Manifest, what: str, known: dict[str, bytes] | None = None) -> None:
+def check_headers(store: Store, m: Manifest, what: str, known: dict[str, bytes] | None = None, *,
+                  files: set[str] | None = None, get: Callable[[list[GetTask]], None] | None = None) -> None:
     """Check every safetensors file's stored header against ``m``'s tensors
-    (:func:`~ckpt.format.safetensors_header.check_layout`): its header chunks are read, verified,
-    unless ``known`` (chunk id -> decoded bytes already verified) has them. A distributed (DCP)
-    checkpoint's file is assembled from its shards instead: they must cover each tensor once,
-    each the tensor entry it names (what a pull or a load of it checks)."""
+    (:func:`~ckpt.format.safetensors_header.check_layout`): the header chunks of all files are read, verified,
+    in one parallel pass (``get(tasks)`` where given, as a restore from tiers reads), unless ``known``
+    (chunk id -> decoded bytes already verified) has them. ``files``: only the files of these paths.
+    A distributed (DCP) checkpoint's file is assembled from its shards instead: they must cover each
+    tensor once, each the tensor entry it names (what a pull or a load of it checks)."""
     if m.source == "dcp":
         from ckpt.dcp.format import decode_layout
 
@@ -46,12 +48,35 @@ def check_headers(store: Store, m: Manifest, what: str, known: dict[str, bytes] 
                 if e is None or e.shape != s.sizes or e.dtype != item.dtype:
                     raise StoreFormatError(f"{what}: tensor {item.fqn}: shard {s.entry!r} is missing or does not match its entry")
         return
-    known = known or {}
-    for f in m.files:
-        if f.kind == "safetensors":
-            head = b"".join(known[cid] if cid in known else bytes(fetch_chunk(store.objects, cid, n, store.settings)[0])
-                            for cid, n in zip(f.chunks, split_lengths(f.head_size, m.chunk_size), strict=True))
-            check_layout(head, m, f, what)
+    tasks, check = _header_reads(m, files, known or {})
+    if get is not None:
+        get(tasks)
+    elif len(tasks) == 1:  # (one read, as a checkpoint of one file needs: no pool of reading threads started for it)
+        tasks[0].into[:] = fetch_chunk(store.objects, tasks[0].id, tasks[0].length, store.settings)[0]  # type: ignore[index]
+    elif tasks:
+        get_chunks(store.objects, tasks, store.settings, manifest=m)
+    check(what)
+
+
+def _header_reads(m: Manifest, files: set[str] | None, known: dict[str, bytes]) -> tuple[list[GetTask], Callable[[str], None]]:
+    """The reads of the stored headers of ``m``'s safetensors files (those of ``files``, all without) not in
+    ``known``, and what checks them once read (naming ``what``): :func:`check_headers`'s, or a load's
+    among its tensors' reads (where a header travels in a bundle with them, it costs no request)."""
+    heads = [(f, bytearray(f.head_size)) for f in m.files if f.kind == "safetensors" and (files is None or f.path in files)]
+    tasks = []
+    for f, buf in heads:
+        view = memoryview(buf)
+        for cid, n, pos in spans(f.chunks, f.head_size, m.chunk_size):
+            if cid in known:
+                view[pos : pos + n] = known[cid]
+            else:
+                tasks.append(GetTask(cid, n, into=view[pos : pos + n]))
+
+    def check(what: str) -> None:
+        for f, buf in heads:
+            check_layout(bytes(buf), m, f, what)
+
+    return tasks, check
 
 
 def check_unique(entries: Iterable[TensorEntry], hint: str) -> None:
@@ -104,9 +129,7 @@ def load_manifest(store: Store, m: Manifest, include: list[str] | None, progress
     check_unique(chosen, "use `ckpt pull`")
     check_memory(chosen, what)
     out = {t.name: empty_tensor(t) for t in chosen}
-    tasks = into_tasks(m.chunk_size, [(t, out[t.name]) for t in chosen])
-    with reporting(progress, "load", sum(t.length for t in tasks)) as p:
-        get_chunks(store.objects, tasks, store.settings, p, manifest=m)
+    fill(store, m, [(t, out[t.name]) for t in chosen], progress, what=what, fresh=True)
     return out
 
 
@@ -124,7 +147,7 @@ def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, prefi
     paired = pair_names(live, by_name, strict, prefix)
     pairs = [(by_name[n], dst) for n, dst in paired.items()]
     _one_value_per_tensor(pairs)
-    fill(store, m, pairs, progress)
+    fill(store, m, pairs, progress, what=f"checkpoint {ref}")
 
 
 def _one_value_per_tensor(pairs: list[tuple[TensorEntry, Any]]) -> None:
@@ -239,15 +262,25 @@ def _prefix_that_matches(names: list[str], stored: set[str]) -> str | None:
 
 
 def fill(store: Store, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]], progress: Progress | None = None,
-         get: Callable[[list[GetTask], Progress], None] | None = None) -> None:
-    """Decode each entry's chunks into its destination tensor, in place, all in one parallel pass.
+         get: Callable[[list[GetTask], Progress], None] | None = None, *, what: str = "checkpoint",
+         checked: set[str] | None = None, fresh: bool = False) -> None:
+    """Decode each entry's chunks into its destination tensor, in place, all in one parallel pass:
+    the one way a stored tensor becomes a tensor (load, load_into, a pull to a torch file, the lazy
+    reader, a snapshot's restore).
 
     Contiguous CPU tensors receive the bytes directly (from a remote store, a raw chunk's
     body is read off the socket into the tensor). Others (CUDA, strided) get them through
     host staging buffers (pinned for CUDA), at most ``settings.inflight_mb`` of them at a
     time (one tensor larger than that gets a buffer of its own size), each copied to its
     tensor while the next group is fetched. A shape or dtype mismatch is an error naming
-    every offending tensor, raised before any write.
+    every offending tensor, raised before any write. So is a :class:`StoreFormatError` where the stored
+    header of an entry's file does not give it the manifest's dtype, shape and place (:func:`check_headers`:
+    a forged or damaged manifest's fp16 entry over fp32 bytes made a tensor of the right bytes and the
+    wrong type, and only ``verify`` noticed); ``what`` names the checkpoint in it. Its header chunks are
+    fetched first, in one parallel pass (a small request per file, none per tensor); ``fresh``: the
+    destinations are new tensors, which a refusal discards: the headers are read in the same pass as
+    they (no request of their own where a bundle holds them) and checked after. ``checked``: the files
+    already checked by an earlier call (a reader's), updated.
     ``get(tasks, progress)`` fetches the chunks instead of ``store`` (several tiers, say).
     """
 
@@ -258,6 +291,19 @@ def fill(store: Store, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]
            for e, d in pairs if not isinstance(d, torch.Tensor) or tuple(d.shape) != e.shape or d.dtype != to_torch(e.dtype)]
     if bad:
         raise TensorMismatchError("shape or dtype mismatch: " + "; ".join(bad[:10]) + (" ..." if len(bad) > 10 else ""))
+
+    def fetch(tasks: list[GetTask], p: Progress) -> None:
+        if get is None:
+            get_chunks(store.objects, tasks, store.settings, p, manifest=m)
+        else:
+            get(tasks, p)
+
+    files = {e.file for e, _ in pairs} - (checked or set())
+    if m.source == "dcp" or not fresh:  # before anything is written to a model's tensors
+        check_headers(store, m, what, files=files, get=lambda tasks: fetch(tasks, NullProgress()))
+        heads, check = [], None
+    else:  # new tensors: the headers read with them, in the same pass, and checked before they are handed out
+        heads, check = _header_reads(m, files, {})
     direct = []
     staged: list[tuple[TensorEntry, torch.Tensor]] = []
     for entry, dst in pairs:
@@ -266,19 +312,16 @@ def fill(store: Store, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]
             direct.append((entry, dst))
         else:
             staged.append((entry, dst))
-    total = sum(e.nbytes for e, _ in pairs)
-
-    def fetch(tasks: list[GetTask], p: Progress) -> None:
-        if get is None:
-            get_chunks(store.objects, tasks, store.settings, p, manifest=m)
-        else:
-            get(tasks, p)
-
+    total = sum(e.nbytes for e, _ in pairs) + sum(t.length for t in heads)
     with reporting(progress, "load", total) as p:
-        if direct:
-            fetch(into_tasks(m.chunk_size, direct), p)
+        if direct or heads:
+            fetch(heads + into_tasks(m.chunk_size, direct), p)
         if staged:
             _fill_staged(store, m, staged, p, fetch)
+    if check is not None:
+        check(what)
+    if checked is not None:
+        checked |= files
 
 
 def _aligned(n: int) -> int:

@@ -27,7 +27,7 @@ from ckpt.store.destination import (
     write_torch,
 )
 from ckpt.store.limits import check_disk
-from ckpt.store.load import check_unique, load_manifest, select
+from ckpt.store.load import check_headers, check_unique, load_manifest, select
 from ckpt.transfer.pipeline import GetTask, get_chunks, sink_tasks
 
 if TYPE_CHECKING:
@@ -129,6 +129,8 @@ def _pull_selected(store: Store, m: Manifest, dest: str, include: list[str], ove
     if is_torch_name(target):
         write_torch(target, load_manifest(store, m, include, progress, "the selected tensors"), {}, overwrite)
         return target
+    # A header of its own is written from the entries: they must be what their files' stored headers say.
+    check_headers(store, m, "the selected tensors", files={t.file for t in tensors})
     meta = next((f.metadata for f in m.files if f.kind == "safetensors" and f.metadata), None)
     head, order = build_header([(t.name, t.dtype, t.shape, t.nbytes) for t in tensors], meta)
     size = len(head) + sum(t.nbytes for t in tensors)

@@ -12,8 +12,8 @@ from ckpt.format.dtypes import to_torch
 from ckpt.format.entries import TensorEntry
 from ckpt.format.manifest import Manifest
 from ckpt.store.limits import check_memory
-from ckpt.store.load import check_unique, empty_tensor
-from ckpt.transfer.pipeline import GetTask, ReadPool, get_chunks, into_tasks
+from ckpt.store.load import check_headers, check_unique, empty_tensor, fill
+from ckpt.transfer.pipeline import GetTask, ReadPool, get_chunks
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +55,7 @@ class CheckpointReader:
         # One pool for the reader's life: a pool per get_tensor started (and joined) a thread per
         # reader of the store on every call (300 lazy reads from S3: 300 pools).
         self.pool = ReadPool()
+        self._checked: set[str] = set()  # files whose stored header was checked (once each, not per tensor)
 
     def keys(self) -> list[str]:
         if self._items is not None:
@@ -85,9 +86,23 @@ class CheckpointReader:
             check_unique([t for t in self.manifest.tensors if t.name == name],
                          hint="pull it with `ckpt pull` to a directory, where each file keeps its own")
         try:
-            return self._by_name[name]
+            entry = self._by_name[name]
         except KeyError:
             raise TensorMismatchError(f"no tensor {name!r} in checkpoint {self.id[:12]}") from None
+        self.check_headers({entry.file})
+        return entry
+
+    def check_headers(self, files: set[str] | None = None) -> None:
+        """Check the stored headers of the checkpoint's files (those of paths ``files``, all without) against
+        its manifest, each once for the reader's life (:func:`~ckpt.store.load.check_headers`): an entry
+        :meth:`info` gives, and what a diff or a merge reads, is the tensor its file's stored header says.
+        Raises :class:`StoreFormatError` naming the tensor where they disagree."""
+        if self._items is not None:
+            return  # (a distributed checkpoint's shards are checked against their entries as they are read)
+        todo = {f.path for f in self.manifest.files if files is None or f.path in files} - self._checked
+        if todo:
+            check_headers(self.store, self.manifest, f"checkpoint {self.id[:12]}", files=todo)
+            self._checked |= todo
 
     def metadata(self) -> dict[str, str] | None:
         """The safetensors ``__metadata__`` of the (first) weights file."""
@@ -99,7 +114,7 @@ class CheckpointReader:
         entry = self.info(name)
         check_memory([entry], f"tensor {name!r}")
         out = empty_tensor(entry)
-        self.fetch(into_tasks(self.manifest.chunk_size, [(entry, out)]))
+        fill(self.store, self.manifest, [(entry, out)], get=self.fetch, checked=self._checked)  # (info checked its header)
         return out
 
     def fetch(self, tasks: list[GetTask], progress: Progress | None = None) -> None:
