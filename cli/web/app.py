@@ -35,6 +35,7 @@ from ckpt_store.cli.web.data import (
     HISTORY_PAGE,
     MAX_PAGE,
     StoreView,
+    lineage_fields,
     own_chunks,
     page,
     snapshot_metrics,
@@ -267,8 +268,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
     def checkpoint_page(request: Request) -> Response:
         ref = request.path_params["ref"]
         doc = checkpoint_doc(request, ref)
-        lin = doc["lineage"] or {}
-        merge = lin.get("merge") if isinstance(lin.get("merge"), dict) else None
+        lin = lineage_fields(doc["lineage"])
         run = None
         m = step_ref(ref)
         if m and is_snapshot(view.manifest(doc["id"])):
@@ -276,7 +276,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         names: dict[str, str] = {}
         for n, e in sorted(view.refs().items(), reverse=True):  # the first name (sorted) wins
             names[e.target] = n
-        diff_base = lin.get("base") or lin.get("parent")
+        diff_base = lin["base"] or lin["parent"]
         # what this version adds to the store beside the checkpoint it is a delta of
         mine = own_chunks(view.manifest(doc["id"]))
         try:
@@ -288,7 +288,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         g = graph()
         by_id = {n["id"]: n for n in g["nodes"]}
         children = [{**by_id[e["target"]], "edge": e} for e in g["edges"] if e["source"] == doc["id"]]
-        return render("checkpoint.html", ref=ref, doc=doc, merge=merge, run=run, diff_base=diff_base, names=names, adds=adds,
+        return render("checkpoint.html", ref=ref, doc=doc, lin=lin, merge=lin["merge"], run=run, diff_base=diff_base, names=names, adds=adds,
                       children=children, metrics=snapshot_metrics(doc["extra"]),
                       q=request.query_params.get("q", ""), stored=sum(t["stored_bytes"] for t in doc["tensors"]))
 

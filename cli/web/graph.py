@@ -24,7 +24,7 @@ from typing import Any
 from ckpt.errors import CkptError
 from ckpt.snapshot.run import is_snapshot
 from ckpt.snapshot.steps import step_ref
-from ckpt_store.cli.web.data import StoreView, own_chunks, stored_bytes
+from ckpt_store.cli.web.data import StoreView, lineage_fields, own_chunks, stored_bytes
 
 RUN_PREFIX = "run:"
 MAX_NODES = 2000  # checkpoints drawn at most; the rest are left out ("truncated")
@@ -89,9 +89,10 @@ def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
     edges: dict[tuple[str, str], dict[str, Any]] = {}
     for mid, m in manifests.items():
         names = sorted(by_id.get(mid, []))
-        merge = m.lineage.get("merge") if isinstance(m.lineage.get("merge"), dict) else None
-        base = m.lineage.get("base") if m.lineage.get("base") in manifests else None
-        parent = m.lineage.get("parent") if m.lineage.get("parent") in manifests else None
+        lin = lineage_fields(m.lineage)
+        merge = lin["merge"]
+        base = lin["base"] if lin["base"] in manifests else None
+        parent = lin["parent"] if lin["parent"] in manifests else None
         if merge is not None:
             kind = "remix" if isinstance(merge.get("remix"), dict) else "merge"
         elif not names:

@@ -815,3 +815,55 @@ def test_the_overview_takes_its_numbers_from_the_index_not_every_manifest(store,
     want = StoreView(store).overview_rows(rows)  # from the manifests, as before
     assert got == partly == want
     assert any(r["run"] == "train/run1" for r in got) and all(r["stored_bytes"] and r["codecs"] for r in got)
+
+
+@pytest.mark.parametrize("lineage", [{}, {"merge": {}}, {"merge": {"inputs": "A"}}, {"merge": {"inputs": "A", "base": "B"}}],
+                         ids=["empty", "bare-merge", "no-input-refs", "no-base-ref"])
+def test_a_lineage_without_its_optional_fields_renders(tmp_path, lineage):
+    """docs/format.md makes every lineage field optional (Manifest.from_json checks the types of those
+    present): a lineage of {} made the checkpoint page answer 500 (the template read lineage.base), a
+    merge record without input_refs or base its page too, and one without a method the whole store's
+    lineage page (its node fell through to a label for a plain checkpoint)."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    g = torch.Generator().manual_seed(0)
+    a = store.push({"w": torch.randn(8, generator=g)}, "a").id
+    b = store.push({"w": torch.randn(8, generator=g)}, "b").id
+    mid = ckpt.merge(["a", "b"], "linear", store=store, name="m").id
+    doc = json.loads(store.objects.get_manifest(mid))
+    merge = lineage.get("merge")
+    if merge is not None:
+        merge = {k: {"A": [a, b], "B": a}.get(v, v) for k, v in merge.items()}
+    doc["lineage"] = {**lineage, **({"merge": merge} if merge is not None else {})}
+    store.refs_db.set("m", store.objects.put_manifest(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()))
+    c = TestClient(create_app(store))
+    for path in ("/", "/lineage", "/checkpoint/m", "/api/checkpoint/m", "/api/lineage", "/checkpoint/a"):
+        assert c.get(path).status_code == 200, path
+    page = c.get("/checkpoint/m").text
+    if merge and merge.get("inputs"):
+        assert f'href="/checkpoint/{a}"' in page and f'href="/checkpoint/{b}"' in page
+    if merge and merge.get("base"):
+        assert "with base" in page
+    assert c.get("/api/checkpoint/m").json()["lineage"] == doc["lineage"]  # the API carries it as it is
+
+
+def test_a_run_whose_metrics_reach_the_ends_of_a_float_is_drawn(tmp_path):
+    """A run chart scaled its values by y1 - y0: one value of 1e308 (widened by ±1, which is nothing
+    there) divided by zero (the run page answered 500), and 1e308 and -1e308 gave an infinite span (every
+    point at NaN)."""
+    from ckpt_store.cli.web.charts import run_chart
+
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    for run, steps in (("one", ((1, 1.7e308),)), ("wide", ((1, 1.7e308), (2, -1.7e308), (3, 0.0)))):
+        for step, loss in steps:
+            mid = store.push({"w": torch.full((4,), float(step))}, f"{run}/step-{step}").id
+            doc = json.loads(store.objects.get_manifest(mid))
+            doc["extra"], doc["source"] = {"snapshot": {"step": step, "metrics": {"loss": loss}}}, "snapshot"
+            store.refs_db.set(f"{run}/step-{step}", store.objects.put_manifest(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()))
+    c = TestClient(create_app(store))
+    for run in ("one", "wide"):
+        r = c.get(f"/run/{run}")
+        assert r.status_code == 200, run
+        assert "nan" not in re.findall(r'<path d="([^"]*)" class="line"', r.text)[0]
+    rows = c.get("/api/run/wide").json()["snapshots"]
+    chart = run_chart(rows, "loss")
+    assert [p["y"] for p in chart["points"]] == [16.0, 150.0, 83.0]  # top, bottom, the middle
