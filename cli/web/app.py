@@ -71,7 +71,8 @@ def _int(request: Request, key: str, default: int) -> int:
 
 
 class Guard:
-    """ASGI middleware: GET/HEAD only, the token when one is set, and the security headers."""
+    """ASGI middleware: GET/HEAD only, no requests from another site's page but links followed, the Host
+    header where bound to loopback, the token when one is set, and the security headers."""
 
     def __init__(self, app: Any, token: str | None, hosts: list[str] | None) -> None:
         self.app = app
@@ -89,6 +90,11 @@ class Guard:
         set_cookie = None
         if scope["method"] not in ("GET", "HEAD"):
             response: Response | None = PlainTextResponse("read-only: only GET and HEAD\n", status_code=405, headers={"Allow": "GET, HEAD"})
+        elif headers.get("sec-fetch-site") == "cross-site" and (headers.get("sec-fetch-mode"), headers.get("sec-fetch-dest")) != ("navigate", "document"):
+            # A page of another site can make a browser ask this view for anything (an <img>, a no-cors fetch, a hidden
+            # frame): it cannot read the answer, but each request may start a diff of two large checkpoints. A link
+            # followed from another site (a top-level navigation) is let in; browsers send these headers, scripts need not.
+            response = PlainTextResponse("requests made by another site's page are refused\n", status_code=403)
         elif self.hosts is not None and _host_name(headers.get("host", "")) not in self.hosts:
             # a page on another site whose name was re-pointed at 127.0.0.1 (DNS rebinding) gets nothing
             response = PlainTextResponse("unexpected Host header\n", status_code=400)
