@@ -10,6 +10,7 @@ and the usage after a few seconds, so pages follow pushes made meanwhile.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
@@ -27,6 +28,9 @@ from ckpt_store.cli import results
 
 MAX_PAGE = 1000  # the most rows one request returns, whatever it asks for
 CACHE_TENSORS = 1_000_000  # tensors the view's caches hold (a parsed manifest: ~600 bytes a tensor)
+# Diffs computed at one time, whatever the number of requests: each reads both checkpoints in batches
+# (~90 MB of memory a diff for two 96 MiB checkpoints), and requests run in a pool of 40 threads.
+DIFFS_AT_ONCE = 2
 HISTORY_PAGE = 100  # rows of a history (a ref's log, a run's snapshots) a request returns unless it asks: one manifest read each
 T = TypeVar("T")
 
@@ -97,8 +101,10 @@ class StoreView:
         self._lock = threading.Lock()
         self._manifests: OrderedDict[str, Manifest] = OrderedDict()
         self._max_manifests = cache_manifests
-        self._diffs: OrderedDict[tuple[str, str, str, str, bool], Any] = OrderedDict()
+        self._diffs: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
         self._max_diffs = cache_diffs
+        self._diffing: dict[tuple[str, str, bool], threading.Event] = {}  # diffs being computed, by key
+        self._diff_slots = threading.BoundedSemaphore(DIFFS_AT_ONCE)
         # Both caches hold at most ``cache_tensors`` tensors (entries of the manifests, rows of the diffs)
         # besides the newest item: counted in items alone, 4096 manifests of a mixture-of-experts model
         # (90,000 tensors, ~50 MB parsed) were hundreds of GB.
@@ -241,19 +247,33 @@ class StoreView:
         return self.fresh("du", make)
 
     def diff(self, a: str, b: str, estimate: bool = True) -> Any:
-        """``ckpt.diff`` of two refs of the store (never local files), cached by checkpoint ids."""
-        key = (a, b, self.store.resolve(a), self.store.resolve(b), estimate)
-        with self._lock:
-            hit = self._diffs.get(key)
-        if hit is not None:
-            return hit
-        report = ckpt.diff(a, b, store=self.store, estimate_delta=estimate, refs_only=True)
-        with self._lock:
-            if key not in self._diffs:
-                self._diffs[key] = report
-                self._diff_tensors += len(report.tensors)
-            while len(self._diffs) > 1 and (len(self._diffs) > self._max_diffs or self._diff_tensors > self._max_tensors):
-                self._diff_tensors -= len(self._diffs.popitem(last=False)[1].tensors)
+        """``ckpt.diff`` of two refs of the store (never local files), cached by checkpoint ids: every spelling
+        of a pair (names, versions, id prefixes) is one diff, computed once however many requests ask for it
+        at the same time (they wait for it), and at most :data:`DIFFS_AT_ONCE` diffs are computed at a time."""
+        key = (self.store.resolve(a), self.store.resolve(b), estimate)
+        while True:
+            with self._lock:
+                hit = self._diffs.get(key)
+                running = self._diffing.get(key) if hit is None else None
+                if hit is None and running is None:
+                    self._diffing[key] = threading.Event()
+            if hit is not None:
+                return hit if (hit.a, hit.b) == (a, b) else dataclasses.replace(hit, a=a, b=b)
+            if running is None:
+                break
+            running.wait()  # then cached, unless it failed or was pushed out meanwhile: asked again
+        try:
+            with self._diff_slots:
+                report = ckpt.diff(a, b, store=self.store, estimate_delta=estimate, refs_only=True)
+            with self._lock:
+                if key not in self._diffs:
+                    self._diffs[key] = report
+                    self._diff_tensors += len(report.tensors)
+                while len(self._diffs) > 1 and (len(self._diffs) > self._max_diffs or self._diff_tensors > self._max_tensors):
+                    self._diff_tensors -= len(self._diffs.popitem(last=False)[1].tensors)
+        finally:
+            with self._lock:
+                self._diffing.pop(key).set()
         return report
 
     def run(self, name: str, offset: int = 0, limit: int = HISTORY_PAGE) -> dict[str, Any]:
