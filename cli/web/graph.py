@@ -42,7 +42,8 @@ def _add_edge(edges: dict[tuple[str, str], dict[str, Any]], src: str, dst: str, 
 def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
     """``{"nodes": [...], "edges": [...], "truncated": bool}`` for the whole store (see the module doc).
 
-    At most ``max_nodes`` checkpoints (default :data:`MAX_NODES`); every edge joins two nodes of the document.
+    At most ``max_nodes`` nodes (default :data:`MAX_NODES`), checkpoints first, then runs by name; every edge
+    joins two nodes of the document.
     """
     max_nodes = MAX_NODES if max_nodes is None else max_nodes
     sizes = view.chunk_sizes()
@@ -116,7 +117,9 @@ def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
             if merge.get("base") in manifests:
                 _add_edge(edges, merge["base"], mid, "merge-base", method=merge.get("method"))
 
-    for run, snaps in sorted(runs.items()):
+    # Runs fill the nodes left: uncounted, a store of 5,000 runs drew 5,000 run nodes past the limit, each run
+    # compared with every checkpoint drawn for the one it began from.
+    for run, snaps in sorted(runs.items())[: max(0, max_nodes - len(manifests))]:
         snaps.sort()
         run_chunks: set[str] = set()
         for _, _, mid in snaps:

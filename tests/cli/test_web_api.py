@@ -936,3 +936,20 @@ def test_a_diff_is_computed_once_for_every_spelling_and_few_at_a_time(tmp_path, 
     assert max(k[2] for k in calls) <= data.DIFFS_AT_ONCE
     for (a, b), r in answers.items():
         assert r.status_code == 200 and (r.json()["a"]["ref"], r.json()["b"]["ref"]) == (a, b)
+
+
+def test_lineage_counts_training_runs_in_its_node_limit(tmp_path, monkeypatch):
+    """The node limit counted checkpoints only: a store of many training runs (a sweep) drew one node per
+    run past it, each run's chunks compared with every checkpoint's; with a limit of 3, a checkpoint and
+    five runs made six nodes. Runs now fill what the checkpoints leave, by name."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    for r in range(5):
+        with ckpt.CheckpointManager(store.url, f"run{r}", save_mode="sync") as mgr:
+            mgr.save(1, {"w": torch.full((2,), float(r))})
+    store.push({"w": torch.ones(3)}, "plain")
+    monkeypatch.setattr("ckpt_store.cli.web.graph.MAX_NODES", 3)
+    client = TestClient(create_app(store))
+    doc = client.get("/api/lineage").json()
+    assert doc["truncated"] and [n["label"] for n in doc["nodes"]] == ["plain", "run0", "run1"]
+    page = client.get("/lineage")
+    assert page.status_code == 200 and page.text.count('<g class="node ') == 3
