@@ -103,7 +103,7 @@ class StoreView:
         self._max_manifests = cache_manifests
         self._diffs: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
         self._max_diffs = cache_diffs
-        self._diffing: dict[tuple[str, str, bool], threading.Event] = {}  # diffs being computed, by key
+        self._making: dict[tuple[Any, ...], threading.Event] = {}  # what :meth:`_once` is making, by key
         self._diff_slots = threading.BoundedSemaphore(DIFFS_AT_ONCE)
         # Both caches hold at most ``cache_tensors`` tensors (entries of the manifests, rows of the diffs)
         # besides the newest item: counted in items alone, 4096 manifests of a mixture-of-experts model
@@ -134,14 +134,39 @@ class StoreView:
 
     def fresh(self, key: str, make: Callable[[], T]) -> T:
         """``make()``, reused for ``ttl_s`` seconds under ``key`` (listings and whole-store summaries)."""
-        with self._lock:
+
+        def lookup() -> T | None:
             hit = self._timed.get(key)
-        if hit is not None and time.monotonic() - hit[0] < self.ttl_s:
-            return hit[1]
-        value = make()
-        with self._lock:
-            self._timed[key] = (time.monotonic(), value)
-        return value
+            return hit[1] if hit is not None and time.monotonic() - hit[0] < self.ttl_s else None
+
+        def made() -> T:
+            value = make()
+            with self._lock:
+                self._timed[key] = (time.monotonic(), value)
+            return value
+
+        return self._once(("fresh", key), lookup, made)
+
+    def _once(self, key: tuple[Any, ...], lookup: Callable[[], T | None], make: Callable[[], T]) -> T:
+        """``lookup()`` (called under the lock; None: not there), else ``make()``, made once for requests arriving
+        together: those asking for a ``key`` being made wait for it and look again. (A burst of page loads
+        listed the store, or computed the same diff, once each: on S3 a listing is a request per ref.)"""
+        while True:
+            with self._lock:
+                hit = lookup()
+                running = self._making.get(key) if hit is None else None
+                if hit is None and running is None:
+                    self._making[key] = threading.Event()
+            if hit is not None:
+                return hit
+            if running is None:
+                break
+            running.wait()  # then there, unless it failed or was pushed out meanwhile: asked again
+        try:
+            return make()
+        finally:
+            with self._lock:
+                self._making.pop(key).set()
 
     def chunk_sizes(self) -> dict[str, int]:
         return self.fresh("chunk_sizes", self.store.chunk_sizes)
@@ -251,30 +276,19 @@ class StoreView:
         of a pair (names, versions, id prefixes) is one diff, computed once however many requests ask for it
         at the same time (they wait for it), and at most :data:`DIFFS_AT_ONCE` diffs are computed at a time."""
         key = (self.store.resolve(a), self.store.resolve(b), estimate)
-        while True:
-            with self._lock:
-                hit = self._diffs.get(key)
-                running = self._diffing.get(key) if hit is None else None
-                if hit is None and running is None:
-                    self._diffing[key] = threading.Event()
-            if hit is not None:
-                return hit if (hit.a, hit.b) == (a, b) else dataclasses.replace(hit, a=a, b=b)
-            if running is None:
-                break
-            running.wait()  # then cached, unless it failed or was pushed out meanwhile: asked again
-        try:
+
+        def made() -> Any:
             with self._diff_slots:
                 report = ckpt.diff(a, b, store=self.store, estimate_delta=estimate, refs_only=True)
             with self._lock:
-                if key not in self._diffs:
-                    self._diffs[key] = report
-                    self._diff_tensors += len(report.tensors)
+                self._diffs[key] = report
+                self._diff_tensors += len(report.tensors)
                 while len(self._diffs) > 1 and (len(self._diffs) > self._max_diffs or self._diff_tensors > self._max_tensors):
                     self._diff_tensors -= len(self._diffs.popitem(last=False)[1].tensors)
-        finally:
-            with self._lock:
-                self._diffing.pop(key).set()
-        return report
+            return report
+
+        hit = self._once(("diff", key), lambda: self._diffs.get(key), made)
+        return hit if (hit.a, hit.b) == (a, b) else dataclasses.replace(hit, a=a, b=b)
 
     def run(self, name: str, offset: int = 0, limit: int = HISTORY_PAGE) -> dict[str, Any]:
         """A training run: every snapshot ref ``NAME/step-N`` ever written, live or removed

@@ -953,3 +953,31 @@ def test_lineage_counts_training_runs_in_its_node_limit(tmp_path, monkeypatch):
     assert doc["truncated"] and [n["label"] for n in doc["nodes"]] == ["plain", "run0", "run1"]
     page = client.get("/lineage")
     assert page.status_code == 200 and page.text.count('<g class="node ') == 3
+
+
+def test_a_burst_of_page_loads_lists_the_store_once(store, monkeypatch):
+    """The view's listings and summaries (refs, chunk sizes, du, the lineage graph) are reused for a few
+    seconds, but requests arriving together before the first one ended each made them again: eight
+    requests for /api/du at once ran `ckpt du` eight times (on S3, a listing of every chunk each).
+    Now one makes it and the others wait for it."""
+    import threading
+
+    real, calls, gate = store.du, [], threading.Event()
+
+    def counting(*args, **kw):
+        calls.append(1)
+        gate.wait(10)  # every request is in before the first ends
+        return real(*args, **kw)
+
+    monkeypatch.setattr(store, "du", counting)
+    c = TestClient(create_app(store))
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(c.get("/api/du"))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    gate.set()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and [r.status_code for r in answers] == [200] * 8
+    assert len({r.content for r in answers}) == 1
