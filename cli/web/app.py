@@ -182,8 +182,8 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
     def failed(e: Exception, api: bool) -> Response:
         if isinstance(e, (RefNotFoundError, InvalidNameError, AmbiguousRefError)):
             status = 404
-        elif isinstance(e, CkptError):
-            status = 400
+        elif isinstance(e, CkptError):  # the store's answer, said in one line; 503 where asking again may work
+            status = 503 if e.retryable else 400  # (an S3 server down or throttling: a script retries a 503, not a 400)
         else:
             log.exception("ckpt serve: request failed")
             status, e = 500, RuntimeError("internal error (logged by the server)")

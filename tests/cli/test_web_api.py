@@ -981,3 +981,28 @@ def test_a_burst_of_page_loads_lists_the_store_once(store, monkeypatch):
         t.join()
     assert len(calls) == 1 and [r.status_code for r in answers] == [200] * 8
     assert len({r.content for r in answers}) == 1
+
+
+def test_a_store_that_does_not_answer_gives_503_and_the_view_recovers(s3_main, s3_main_url, monkeypatch):
+    """An S3 store whose server stopped answering (retries run out: a retryable StorageIOError) was
+    answered 400, as if the request were wrong, so a script had no reason to ask again. It is 503,
+    with the error in one line, and the same requests are answered once the server is back."""
+    from s3support import FaultProxy
+
+    host, port = s3_main.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy((host, int(port))).start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        store = ckpt.Store.init(s3_main_url)
+        store.push({"w": torch.ones(4)}, "a")
+        c = TestClient(create_app(store))
+        assert c.get("/api/checkpoint/a").status_code == 200
+        proxy.refuse = True
+        proxy.drop_all()
+        api, page = c.get("/api/checkpoint/a"), c.get("/checkpoint/a")
+        assert (api.status_code, page.status_code) == (503, 503)
+        assert "Traceback" not in api.text and api.json()["error"]
+        proxy.clear()
+        assert c.get("/api/checkpoint/a").status_code == 200 and c.get("/checkpoint/a").status_code == 200
+    finally:
+        proxy.stop()
