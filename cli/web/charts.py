@@ -97,7 +97,7 @@ def heatmap(tensors: list[dict[str, Any]], cell_w: int = 46, cell_h: int = 22) -
     return {"layers": [{"x": label_w + c * cell_w, "label": layer} for c, layer in enumerate(layers)], "rows": rows,
             "cell_w": cell_w, "cell_h": cell_h - 2, "label_w": label_w,
             "width": label_w + len(layers) * cell_w + 10, "height": 30 + len(rows) * cell_h,
-            "bars": bars, "bars_height": 10 + len(bars) * cell_h, "lo": fmt(lo), "hi": fmt(hi),
+            "bars": bars, "bars_height": 10 + len(bars) * cell_h, "lo": fmt(lo), "hi": fmt(hi), "drawn": len(tensors),
             "legend": [color(i / 10) for i in range(11)]}
 
 
