@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 import ckpt
 from ckpt.diffing.compare import SORT_KEYS
+from ckpt.diffing.plot import MAX_CELLS
 from ckpt.errors import AmbiguousRefError, CkptError, InvalidNameError, RefNotFoundError
 from ckpt.snapshot.run import is_snapshot
 from ckpt.snapshot.steps import step_ref
@@ -35,6 +36,7 @@ from ckpt_store.cli.web.data import (
     HISTORY_PAGE,
     MAX_PAGE,
     StoreView,
+    lineage_fields,
     own_chunks,
     page,
     snapshot_metrics,
@@ -70,7 +72,8 @@ def _int(request: Request, key: str, default: int) -> int:
 
 
 class Guard:
-    """ASGI middleware: GET/HEAD only, the token when one is set, and the security headers."""
+    """ASGI middleware: GET/HEAD only, no requests from another site's page but links followed, the Host
+    header where bound to loopback, the token when one is set, and the security headers."""
 
     def __init__(self, app: Any, token: str | None, hosts: list[str] | None) -> None:
         self.app = app
@@ -88,6 +91,11 @@ class Guard:
         set_cookie = None
         if scope["method"] not in ("GET", "HEAD"):
             response: Response | None = PlainTextResponse("read-only: only GET and HEAD\n", status_code=405, headers={"Allow": "GET, HEAD"})
+        elif headers.get("sec-fetch-site") == "cross-site" and (headers.get("sec-fetch-mode"), headers.get("sec-fetch-dest")) != ("navigate", "document"):
+            # A page of another site can make a browser ask this view for anything (an <img>, a no-cors fetch, a hidden
+            # frame): it cannot read the answer, but each request may start a diff of two large checkpoints. A link
+            # followed from another site (a top-level navigation) is let in; browsers send these headers, scripts need not.
+            response = PlainTextResponse("requests made by another site's page are refused\n", status_code=403)
         elif self.hosts is not None and _host_name(headers.get("host", "")) not in self.hosts:
             # a page on another site whose name was re-pointed at 127.0.0.1 (DNS rebinding) gets nothing
             response = PlainTextResponse("unexpected Host header\n", status_code=400)
@@ -175,8 +183,8 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
     def failed(e: Exception, api: bool) -> Response:
         if isinstance(e, (RefNotFoundError, InvalidNameError, AmbiguousRefError)):
             status = 404
-        elif isinstance(e, CkptError):
-            status = 400
+        elif isinstance(e, CkptError):  # the store's answer, said in one line; 503 where asking again may work
+            status = 503 if e.retryable else 400  # (an S3 server down or throttling: a script retries a 503, not a 400)
         else:
             log.exception("ckpt serve: request failed")
             status, e = 500, RuntimeError("internal error (logged by the server)")
@@ -267,8 +275,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
     def checkpoint_page(request: Request) -> Response:
         ref = request.path_params["ref"]
         doc = checkpoint_doc(request, ref)
-        lin = doc["lineage"] or {}
-        merge = lin.get("merge") if isinstance(lin.get("merge"), dict) else None
+        lin = lineage_fields(doc["lineage"])
         run = None
         m = step_ref(ref)
         if m and is_snapshot(view.manifest(doc["id"])):
@@ -276,7 +283,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         names: dict[str, str] = {}
         for n, e in sorted(view.refs().items(), reverse=True):  # the first name (sorted) wins
             names[e.target] = n
-        diff_base = lin.get("base") or lin.get("parent")
+        diff_base = lin["base"] or lin["parent"]
         # what this version adds to the store beside the checkpoint it is a delta of
         mine = own_chunks(view.manifest(doc["id"]))
         try:
@@ -288,7 +295,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         g = graph()
         by_id = {n["id"]: n for n in g["nodes"]}
         children = [{**by_id[e["target"]], "edge": e} for e in g["edges"] if e["source"] == doc["id"]]
-        return render("checkpoint.html", ref=ref, doc=doc, merge=merge, run=run, diff_base=diff_base, names=names, adds=adds,
+        return render("checkpoint.html", ref=ref, doc=doc, lin=lin, merge=lin["merge"], run=run, diff_base=diff_base, names=names, adds=adds,
                       children=children, metrics=snapshot_metrics(doc["extra"]),
                       q=request.query_params.get("q", ""), stored=sum(t["stored_bytes"] for t in doc["tensors"]))
 
@@ -298,7 +305,12 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         ctx: dict[str, Any] = {"names": names, "a": a, "b": b, "sort": sort, "sort_keys": SORT_KEYS, "doc": None, "estimate": estimate}
         if a and b:
             doc = view.diff(a, b, estimate).to_json(sort, top)
-            ctx.update(doc=doc, heat=charts.heatmap(doc["tensors"]))
+            # A page of the rows (an MoE model's 40,000 tensors made a 28 MB page, 5 s to render); the heatmap draws
+            # the first MAX_CELLS of them in the order asked for (sort=relative_change: the largest changes)
+            heat = charts.heatmap(doc["tensors"][:MAX_CELLS])
+            doc["tensors"], pg = page(doc["tensors"], _int(request, "offset", 0), _int(request, "limit", MAX_PAGE))
+            ctx.update(doc=doc, heat=heat, page=pg, query=urlencode({"a": a, "b": b, "sort": sort, "top": top or "",
+                                                                    "estimate": int(estimate)}))
         return render("diff.html", **ctx)
 
     def run_page(request: Request) -> Response:

@@ -97,7 +97,7 @@ def heatmap(tensors: list[dict[str, Any]], cell_w: int = 46, cell_h: int = 22) -
     return {"layers": [{"x": label_w + c * cell_w, "label": layer} for c, layer in enumerate(layers)], "rows": rows,
             "cell_w": cell_w, "cell_h": cell_h - 2, "label_w": label_w,
             "width": label_w + len(layers) * cell_w + 10, "height": 30 + len(rows) * cell_h,
-            "bars": bars, "bars_height": 10 + len(bars) * cell_h, "lo": fmt(lo), "hi": fmt(hi),
+            "bars": bars, "bars_height": 10 + len(bars) * cell_h, "lo": fmt(lo), "hi": fmt(hi), "drawn": len(tensors),
             "legend": [color(i / 10) for i in range(11)]}
 
 
@@ -146,15 +146,18 @@ def run_chart(snapshots: list[dict[str, Any]], metric: str, width: int = 720, he
     y0, y1 = min(vals), max(vals)
     if x0 == x1:
         x1 = x0 + 1
-    if y0 == y1:
+    if y0 == y1 and abs(y0) < 1e15:  # one value: a band around it (at 1e308, y0 - 1 is y0: drawn across the middle)
         y0, y1 = y0 - 1, y1 + 1
     left, right, top, bottom = 70, 20, 16, 30
+
+    span = y1 - y0
 
     def px(step: float) -> float:
         return left + (width - left - right) * (step - x0) / (x1 - x0)
 
-    def py(v: float) -> float:
-        return top + (height - top - bottom) * (1 - (v - y0) / (y1 - y0))
+    def py(v: float) -> float:  # values are any finite floats: halved first where the span overflows (1e308 - -1e308)
+        f = 0.5 if span == 0 else (v - y0) / span if math.isfinite(span) else (v / 2 - y0 / 2) / (y1 / 2 - y0 / 2)
+        return top + (height - top - bottom) * (1 - f)
 
     points = [{"x": round(px(s["step"]), 1), "y": round(py(v), 1), "step": s["step"],
                "value": s["metrics"][metric], "live": s["live"], "latest": s["latest"], "ref": s["ref"]} for s, v in pts]
@@ -162,5 +165,5 @@ def run_chart(snapshots: list[dict[str, Any]], metric: str, width: int = 720, he
     return {"metric": metric, "width": width, "height": height, "points": points, "marks": marks,
             "path": " ".join(f"{'M' if i == 0 else 'L'}{p['x']},{p['y']}" for i, p in enumerate(points)),
             "axis_y": height - bottom, "left": left, "right": width - right,
-            "y_labels": [{"y": round(py(v), 1), "text": f"{v:.4g}"} for v in (y0, (y0 + y1) / 2, y1)],
+            "y_labels": [{"y": round(py(v), 1), "text": f"{v:.4g}"} for v in (y0, y0 / 2 + y1 / 2, y1)],
             "x_labels": [{"x": round(px(v), 1), "text": str(round(v))} for v in (x0, (x0 + x1) / 2, x1)]}

@@ -10,6 +10,7 @@ and the usage after a few seconds, so pages follow pushes made meanwhile.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
@@ -27,6 +28,9 @@ from ckpt_store.cli import results
 
 MAX_PAGE = 1000  # the most rows one request returns, whatever it asks for
 CACHE_TENSORS = 1_000_000  # tensors the view's caches hold (a parsed manifest: ~600 bytes a tensor)
+# Diffs computed at one time, whatever the number of requests: each reads both checkpoints in batches
+# (~90 MB of memory a diff for two 96 MiB checkpoints), and requests run in a pool of 40 threads.
+DIFFS_AT_ONCE = 2
 HISTORY_PAGE = 100  # rows of a history (a ref's log, a run's snapshots) a request returns unless it asks: one manifest read each
 T = TypeVar("T")
 
@@ -61,6 +65,24 @@ def codec_mix(m: Manifest) -> dict[str, int]:
     return dict(sorted(mix.items()))
 
 
+MERGE_FIELDS = ("method", "inputs", "base", "params", "input_refs", "base_ref", "remix")
+
+
+def lineage_fields(lineage: dict[str, Any]) -> dict[str, Any]:
+    """A manifest's ``lineage`` with each field docs/format.md names present: ``parent`` and ``base`` (None
+    where absent) and ``merge`` (None, or the merge record with each of :data:`MERGE_FIELDS`, None where absent;
+    ``inputs`` a list, ``input_refs`` one name or None per input). The format makes every one optional
+    (Manifest.from_json checks the types of those present): a manifest written by hand or by another tool
+    without ``input_refs``, or with a lineage of ``{}``, made the pages that read them answer 500."""
+    merge = lineage.get("merge")
+    if isinstance(merge, dict):
+        inputs = merge.get("inputs") or []
+        merge = {**{k: merge.get(k) for k in MERGE_FIELDS}, "inputs": inputs, "input_refs": merge.get("input_refs") or [None] * len(inputs)}
+    else:
+        merge = None
+    return {"parent": lineage.get("parent"), "base": lineage.get("base"), "merge": merge}
+
+
 def snapshot_metrics(extra: dict[str, Any]) -> dict[str, Any]:
     """The metrics a snapshot manifest's ``extra`` records: ``{}`` where its ``snapshot`` or their
     ``metrics`` are not JSON objects (a manifest's ``extra`` is any JSON)."""
@@ -79,8 +101,10 @@ class StoreView:
         self._lock = threading.Lock()
         self._manifests: OrderedDict[str, Manifest] = OrderedDict()
         self._max_manifests = cache_manifests
-        self._diffs: OrderedDict[tuple[str, str, str, str, bool], Any] = OrderedDict()
+        self._diffs: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
         self._max_diffs = cache_diffs
+        self._making: dict[tuple[Any, ...], threading.Event] = {}  # what :meth:`_once` is making, by key
+        self._diff_slots = threading.BoundedSemaphore(DIFFS_AT_ONCE)
         # Both caches hold at most ``cache_tensors`` tensors (entries of the manifests, rows of the diffs)
         # besides the newest item: counted in items alone, 4096 manifests of a mixture-of-experts model
         # (90,000 tensors, ~50 MB parsed) were hundreds of GB.
@@ -110,14 +134,39 @@ class StoreView:
 
     def fresh(self, key: str, make: Callable[[], T]) -> T:
         """``make()``, reused for ``ttl_s`` seconds under ``key`` (listings and whole-store summaries)."""
-        with self._lock:
+
+        def lookup() -> T | None:
             hit = self._timed.get(key)
-        if hit is not None and time.monotonic() - hit[0] < self.ttl_s:
-            return hit[1]
-        value = make()
-        with self._lock:
-            self._timed[key] = (time.monotonic(), value)
-        return value
+            return hit[1] if hit is not None and time.monotonic() - hit[0] < self.ttl_s else None
+
+        def made() -> T:
+            value = make()
+            with self._lock:
+                self._timed[key] = (time.monotonic(), value)
+            return value
+
+        return self._once(("fresh", key), lookup, made)
+
+    def _once(self, key: tuple[Any, ...], lookup: Callable[[], T | None], make: Callable[[], T]) -> T:
+        """``lookup()`` (called under the lock; None: not there), else ``make()``, made once for requests arriving
+        together: those asking for a ``key`` being made wait for it and look again. (A burst of page loads
+        listed the store, or computed the same diff, once each: on S3 a listing is a request per ref.)"""
+        while True:
+            with self._lock:
+                hit = lookup()
+                running = self._making.get(key) if hit is None else None
+                if hit is None and running is None:
+                    self._making[key] = threading.Event()
+            if hit is not None:
+                return hit
+            if running is None:
+                break
+            running.wait()  # then there, unless it failed or was pushed out meanwhile: asked again
+        try:
+            return make()
+        finally:
+            with self._lock:
+                self._making.pop(key).set()
 
     def chunk_sizes(self) -> dict[str, int]:
         return self.fresh("chunk_sizes", self.store.chunk_sizes)
@@ -223,20 +272,23 @@ class StoreView:
         return self.fresh("du", make)
 
     def diff(self, a: str, b: str, estimate: bool = True) -> Any:
-        """``ckpt.diff`` of two refs of the store (never local files), cached by checkpoint ids."""
-        key = (a, b, self.store.resolve(a), self.store.resolve(b), estimate)
-        with self._lock:
-            hit = self._diffs.get(key)
-        if hit is not None:
-            return hit
-        report = ckpt.diff(a, b, store=self.store, estimate_delta=estimate, refs_only=True)
-        with self._lock:
-            if key not in self._diffs:
+        """``ckpt.diff`` of two refs of the store (never local files), cached by checkpoint ids: every spelling
+        of a pair (names, versions, id prefixes) is one diff, computed once however many requests ask for it
+        at the same time (they wait for it), and at most :data:`DIFFS_AT_ONCE` diffs are computed at a time."""
+        key = (self.store.resolve(a), self.store.resolve(b), estimate)
+
+        def made() -> Any:
+            with self._diff_slots:
+                report = ckpt.diff(a, b, store=self.store, estimate_delta=estimate, refs_only=True)
+            with self._lock:
                 self._diffs[key] = report
                 self._diff_tensors += len(report.tensors)
-            while len(self._diffs) > 1 and (len(self._diffs) > self._max_diffs or self._diff_tensors > self._max_tensors):
-                self._diff_tensors -= len(self._diffs.popitem(last=False)[1].tensors)
-        return report
+                while len(self._diffs) > 1 and (len(self._diffs) > self._max_diffs or self._diff_tensors > self._max_tensors):
+                    self._diff_tensors -= len(self._diffs.popitem(last=False)[1].tensors)
+            return report
+
+        hit = self._once(("diff", key), lambda: self._diffs.get(key), made)
+        return hit if (hit.a, hit.b) == (a, b) else dataclasses.replace(hit, a=a, b=b)
 
     def run(self, name: str, offset: int = 0, limit: int = HISTORY_PAGE) -> dict[str, Any]:
         """A training run: every snapshot ref ``NAME/step-N`` ever written, live or removed

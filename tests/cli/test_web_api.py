@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -815,3 +816,221 @@ def test_the_overview_takes_its_numbers_from_the_index_not_every_manifest(store,
     want = StoreView(store).overview_rows(rows)  # from the manifests, as before
     assert got == partly == want
     assert any(r["run"] == "train/run1" for r in got) and all(r["stored_bytes"] and r["codecs"] for r in got)
+
+
+@pytest.mark.parametrize("lineage", [{}, {"merge": {}}, {"merge": {"inputs": "A"}}, {"merge": {"inputs": "A", "base": "B"}}],
+                         ids=["empty", "bare-merge", "no-input-refs", "no-base-ref"])
+def test_a_lineage_without_its_optional_fields_renders(tmp_path, lineage):
+    """docs/format.md makes every lineage field optional (Manifest.from_json checks the types of those
+    present): a lineage of {} made the checkpoint page answer 500 (the template read lineage.base), a
+    merge record without input_refs or base its page too, and one without a method the whole store's
+    lineage page (its node fell through to a label for a plain checkpoint)."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    g = torch.Generator().manual_seed(0)
+    a = store.push({"w": torch.randn(8, generator=g)}, "a").id
+    b = store.push({"w": torch.randn(8, generator=g)}, "b").id
+    mid = ckpt.merge(["a", "b"], "linear", store=store, name="m").id
+    doc = json.loads(store.objects.get_manifest(mid))
+    merge = lineage.get("merge")
+    if merge is not None:
+        merge = {k: {"A": [a, b], "B": a}.get(v, v) for k, v in merge.items()}
+    doc["lineage"] = {**lineage, **({"merge": merge} if merge is not None else {})}
+    store.refs_db.set("m", store.objects.put_manifest(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()))
+    c = TestClient(create_app(store))
+    for path in ("/", "/lineage", "/checkpoint/m", "/api/checkpoint/m", "/api/lineage", "/checkpoint/a"):
+        assert c.get(path).status_code == 200, path
+    page = c.get("/checkpoint/m").text
+    if merge and merge.get("inputs"):
+        assert f'href="/checkpoint/{a}"' in page and f'href="/checkpoint/{b}"' in page
+    if merge and merge.get("base"):
+        assert "with base" in page
+    assert c.get("/api/checkpoint/m").json()["lineage"] == doc["lineage"]  # the API carries it as it is
+
+
+def test_a_run_whose_metrics_reach_the_ends_of_a_float_is_drawn(tmp_path):
+    """A run chart scaled its values by y1 - y0: one value of 1e308 (widened by ±1, which is nothing
+    there) divided by zero (the run page answered 500), and 1e308 and -1e308 gave an infinite span (every
+    point at NaN)."""
+    from ckpt_store.cli.web.charts import run_chart
+
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    for run, steps in (("one", ((1, 1.7e308),)), ("wide", ((1, 1.7e308), (2, -1.7e308), (3, 0.0)))):
+        for step, loss in steps:
+            mid = store.push({"w": torch.full((4,), float(step))}, f"{run}/step-{step}").id
+            doc = json.loads(store.objects.get_manifest(mid))
+            doc["extra"], doc["source"] = {"snapshot": {"step": step, "metrics": {"loss": loss}}}, "snapshot"
+            store.refs_db.set(f"{run}/step-{step}", store.objects.put_manifest(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()))
+    c = TestClient(create_app(store))
+    for run in ("one", "wide"):
+        r = c.get(f"/run/{run}")
+        assert r.status_code == 200, run
+        assert "nan" not in re.findall(r'<path d="([^"]*)" class="line"', r.text)[0]
+    rows = c.get("/api/run/wide").json()["snapshots"]
+    chart = run_chart(rows, "loss")
+    assert [p["y"] for p in chart["points"]] == [16.0, 150.0, 83.0]  # top, bottom, the middle
+
+
+def test_requests_another_sites_page_makes_are_refused_and_links_followed_are_not(store):
+    """Any page the user has open could make the browser ask the view (on 127.0.0.1, no token) for
+    /api/diff of two large checkpoints, in an <img> or a hidden frame, as often as it liked: it cannot
+    read the answers, but the view computed each. The browser names such requests (Sec-Fetch-*): they
+    are refused (403); a link followed from another site, and every request without those headers
+    (curl, scripts), is answered."""
+    c = TestClient(create_app(store, hosts=["testserver"]))
+    path = "/api/diff?a=base&b=ft/top"
+    for mode, dest in (("no-cors", "image"), ("navigate", "iframe"), ("cors", "empty"), ("no-cors", "script")):
+        r = c.get(path, headers={"sec-fetch-site": "cross-site", "sec-fetch-mode": mode, "sec-fetch-dest": dest})
+        assert r.status_code == 403, (mode, dest)
+        assert "another site" in r.text and "tensors" not in r.text
+    link = {"sec-fetch-site": "cross-site", "sec-fetch-mode": "navigate", "sec-fetch-dest": "document"}
+    assert c.get("/checkpoint/base", headers=link).status_code == 200
+    for site in ("same-origin", "none", None):
+        headers = {"sec-fetch-site": site, "sec-fetch-mode": "no-cors", "sec-fetch-dest": "image"} if site else {}
+        assert c.get(path, headers=headers).status_code == 200, site
+
+
+def test_a_diff_is_computed_once_for_every_spelling_and_few_at_a_time(tmp_path, monkeypatch):
+    """The view cached diffs by the strings asked for: six requests at once for one pair spelled six ways
+    (names, id prefixes) computed six diffs side by side (two 96 MiB checkpoints: RSS 314 -> 847 MiB,
+    measured), and six at once for one spelling six too. Now a pair is computed once whatever its
+    spelling, the requests waiting for it, and at most DIFFS_AT_ONCE diffs are computed at a time."""
+    import threading
+
+    from ckpt_store.cli.web import data
+
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    g = torch.Generator().manual_seed(0)
+    ids = [store.push({"w": torch.randn(64, generator=g)}, f"c{i}").id for i in range(5)]
+    real = ckpt.diff
+    lock, running, calls = threading.Lock(), [0], []
+    gate = threading.Event()
+
+    def counting(a, b, **kw):
+        with lock:
+            running[0] += 1
+            calls.append((store.resolve(a), store.resolve(b), running[0]))
+        gate.wait(10)  # every request is in before any diff ends
+        try:
+            return real(a, b, **kw)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(data.ckpt, "diff", counting)
+    c = TestClient(create_app(store))
+    pairs = [(s[:k] if k else f"c{i}", t[:k] if k else f"c{i + 1}") for i, (s, t) in enumerate(zip(ids, ids[1:]))
+             for k in (0, 8, 12, 64)]  # 4 pairs, each spelled 4 ways
+    answers = {}
+
+    def ask(a, b):
+        answers[a, b] = c.get("/api/diff", params={"a": a, "b": b})
+
+    threads = [threading.Thread(target=ask, args=p) for p in pairs]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    gate.set()
+    for t in threads:
+        t.join()
+    assert sorted(k[:2] for k in calls) == sorted(zip(ids, ids[1:]))  # once a pair
+    assert max(k[2] for k in calls) <= data.DIFFS_AT_ONCE
+    for (a, b), r in answers.items():
+        assert r.status_code == 200 and (r.json()["a"]["ref"], r.json()["b"]["ref"]) == (a, b)
+
+
+def test_lineage_counts_training_runs_in_its_node_limit(tmp_path, monkeypatch):
+    """The node limit counted checkpoints only: a store of many training runs (a sweep) drew one node per
+    run past it, each run's chunks compared with every checkpoint's; with a limit of 3, a checkpoint and
+    five runs made six nodes. Runs now fill what the checkpoints leave, by name."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    for r in range(5):
+        with ckpt.CheckpointManager(store.url, f"run{r}", save_mode="sync") as mgr:
+            mgr.save(1, {"w": torch.full((2,), float(r))})
+    store.push({"w": torch.ones(3)}, "plain")
+    monkeypatch.setattr("ckpt_store.cli.web.graph.MAX_NODES", 3)
+    client = TestClient(create_app(store))
+    doc = client.get("/api/lineage").json()
+    assert doc["truncated"] and [n["label"] for n in doc["nodes"]] == ["plain", "run0", "run1"]
+    page = client.get("/lineage")
+    assert page.status_code == 200 and page.text.count('<g class="node ') == 3
+
+
+def test_a_burst_of_page_loads_lists_the_store_once(store, monkeypatch):
+    """The view's listings and summaries (refs, chunk sizes, du, the lineage graph) are reused for a few
+    seconds, but requests arriving together before the first one ended each made them again: eight
+    requests for /api/du at once ran `ckpt du` eight times (on S3, a listing of every chunk each).
+    Now one makes it and the others wait for it."""
+    import threading
+
+    real, calls, gate = store.du, [], threading.Event()
+
+    def counting(*args, **kw):
+        calls.append(1)
+        gate.wait(10)  # every request is in before the first ends
+        return real(*args, **kw)
+
+    monkeypatch.setattr(store, "du", counting)
+    c = TestClient(create_app(store))
+    answers = []
+    threads = [threading.Thread(target=lambda: answers.append(c.get("/api/du"))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    gate.set()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and [r.status_code for r in answers] == [200] * 8
+    assert len({r.content for r in answers}) == 1
+
+
+def test_a_store_that_does_not_answer_gives_503_and_the_view_recovers(s3_main, s3_main_url, monkeypatch):
+    """An S3 store whose server stopped answering (retries run out: a retryable StorageIOError) was
+    answered 400, as if the request were wrong, so a script had no reason to ask again. It is 503,
+    with the error in one line, and the same requests are answered once the server is back."""
+    from s3support import FaultProxy
+
+    host, port = s3_main.endpoint.removeprefix("http://").split(":")
+    proxy = FaultProxy((host, int(port))).start()
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        store = ckpt.Store.init(s3_main_url)
+        store.push({"w": torch.ones(4)}, "a")
+        c = TestClient(create_app(store))
+        assert c.get("/api/checkpoint/a").status_code == 200
+        proxy.refuse = True
+        proxy.drop_all()
+        api, page = c.get("/api/checkpoint/a"), c.get("/checkpoint/a")
+        assert (api.status_code, page.status_code) == (503, 503)
+        assert "Traceback" not in api.text and api.json()["error"]
+        proxy.clear()
+        assert c.get("/api/checkpoint/a").status_code == 200 and c.get("/checkpoint/a").status_code == 200
+    finally:
+        proxy.stop()
+
+
+def test_the_diff_page_shows_a_page_of_rows_and_a_bounded_heatmap(tmp_path, monkeypatch):
+    """The diff page drew every tensor twice, a table row and a heatmap cell: two checkpoints of 40,000
+    tensors (a mixture-of-experts model) made a 28 MB page, 5 s to render from a cached diff (measured
+    on a real ckpt serve). The table now shows a page of MAX_PAGE rows with links to the next, and the
+    heatmap the first MAX_CELLS (ckpt diff --plot's limit) in the order asked for; /api/diff has them all."""
+    from ckpt_store.cli.web import app as web_app
+
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    g = torch.Generator().manual_seed(0)
+    a = {f"layers.{i}.w": torch.randn(2, generator=g) for i in range(MAX_PAGE + 200)}
+    store.push(a, "a")
+    store.push({k: v * (1 + int(k.split(".")[1])) for k, v in a.items()}, "b")
+    monkeypatch.setattr(web_app, "MAX_CELLS", 50, raising=False)
+    c = TestClient(create_app(store))
+    whole = c.get("/api/diff", params={"a": "a", "b": "b"}).json()
+    assert len(whole["tensors"]) == MAX_PAGE + 200
+    first = c.get("/diff", params={"a": "a", "b": "b", "sort": "relative_change"})
+    assert first.status_code == 200
+    rows = re.findall(r'<tr data-name="([^"]*)" class="st-', first.text)
+    assert rows == [t["name"] for t in c.get("/api/diff", params={"a": "a", "b": "b", "sort": "relative_change"}).json()["tensors"][:MAX_PAGE]]
+    assert first.text.count('<g class="cell"') == 50 and "the first 50 tensors of 1200" in first.text
+    nxt = re.search(r'<a href="(/diff\?[^"]*)">next</a>', first.text).group(1).replace("&amp;", "&")
+    second = c.get(nxt)
+    assert re.findall(r'<tr data-name="([^"]*)" class="st-', second.text) == \
+        [t["name"] for t in c.get("/api/diff", params={"a": "a", "b": "b", "sort": "relative_change"}).json()["tensors"][MAX_PAGE:]]
+    assert ">previous</a>" in second.text and ">next</a>" not in second.text
