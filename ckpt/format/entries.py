@@ -14,6 +14,8 @@ from ckpt_store.storage.errors import StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import require
 
+MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself enforces on a file's JSON header
+
 
 @dataclass(frozen=True)
 class TensorEntry:
@@ -112,6 +114,8 @@ class FileEntry:
         head_size = require(o, "head_size", int, what) if kind == "safetensors" else 0
         if size < 0 or not 0 <= head_size <= size:
             raise StoreFormatError(f"{what}: file of {size} bytes with a header of {head_size}")
+        if head_size > 8 + MAX_HEADER:  # a reader holds the header whole: a forged size must not size its buffer
+            raise StoreFormatError(f"{what}: a safetensors header of {head_size} bytes (limit {8 + MAX_HEADER})")
         chunks = tuple(check_id(c) for c in require(o, "chunks", list, what))
         return cls(
             path=check_file_path(require(o, "path", str, what)),

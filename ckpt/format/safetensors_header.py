@@ -14,12 +14,11 @@ from dataclasses import dataclass
 
 from ckpt.errors import CkptError, InvalidSourceError
 from ckpt.format.dtypes import itemsize
-from ckpt.format.entries import FileEntry
+from ckpt.format.entries import MAX_HEADER, FileEntry
 from ckpt.format.manifest import Manifest
 from ckpt.format.names import check_tensor_name
 from ckpt_store.storage.errors import InvalidNameError, StoreFormatError
 
-MAX_HEADER = 100 * 1024 * 1024  # the limit safetensors itself enforces
 MAX_ELEMENTS = (1 << 63) - 1  # torch counts elements in an int64
 
 

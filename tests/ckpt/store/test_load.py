@@ -135,3 +135,27 @@ def test_diff_and_merge_read_a_tensor_as_its_stored_header_says(store, tmp_path)
         ckpt.merge(["f0", "f1"], "linear", name="merged", store=store)
     assert "merged" not in store.refs()
     assert ckpt.diff("m0", "m1", store=store) is not None
+
+
+def test_a_manifest_whose_header_size_is_forged_is_refused_before_a_buffer_is_made(store, tmp_path):
+    """A reader holds a file's stored header whole before it checks an entry against it: a manifest of a
+    few hundred bytes saying the header is 64 GiB (and the chunk size 1 TiB, so one chunk covers it)
+    made load, load_into and the reader allocate it (a MemoryError, not a ckpt error; near the RAM,
+    the process killed). The manifest is refused on read, as safetensors refuses such a header."""
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.randn(4, 4), "b": torch.randn(4)}, str(tmp_path / "m.safetensors"))
+    store.push(str(tmp_path / "m.safetensors"), "m")
+
+    def huge_header(doc: dict) -> None:
+        f = doc["files"][0]
+        assert len(f["chunks"]) == 1
+        doc["chunk_size"] = 1 << 40
+        f["size"] += (1 << 36) - f["head_size"]
+        f["head_size"] = 1 << 36
+
+    forged = _forge(store, "m", huge_header)
+    for read in (lambda: store.load(forged), lambda: store.reader(forged).get_tensor("w"),
+                 lambda: store.load_into(forged, {"w": torch.zeros(4, 4), "b": torch.zeros(4)})):
+        with pytest.raises(StoreFormatError, match="a safetensors header of 68719476736 bytes"):
+            read()
