@@ -331,8 +331,10 @@ def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | 
     history would be collected), and the tier of another store or run (it would be resumed from).
     With ``reset_foreign`` (the default path, keyed by the store's URL and the run: the store
     there was made anew) another store's tier is emptied instead, with a warning.
-    A store with no marker whose every ref is a snapshot of ``run`` is taken as this run's tier
-    (one kept before tiers had markers)."""
+    A store with no marker is taken where it holds nothing, and at the default path where its every ref is
+    a snapshot of ``run`` (a tier kept before tiers had markers); elsewhere such a store may as well be
+    another store of the run (an earlier experiment's durable store, say): refused, it would be resumed
+    and pruned."""
     from ckpt.snapshot.run import SnapshotError
     from ckpt_store.storage.config import CONFIG_PATH
 
@@ -349,9 +351,15 @@ def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | 
         return None
     if have is None and not os.path.lexists(os.path.join(path, CONFIG_PATH)):
         return marker  # a new tier
-    if have is None and _only_snapshots_of(path, run):
-        return marker
     if have is None:
+        held = _unmarked(path, run)
+        if held == "nothing" or held == "snapshots" and reset_foreign:
+            return marker
+        if held == "snapshots":
+            raise SnapshotError(f"local={path} is a ckpt store with no {TIER_MARKER}, of snapshots of run {run!r}: "
+                                "another store of this run (an earlier experiment's, say), which the tier would resume "
+                                "and prune", hint="give the local tier a path of its own (if that folder is this run's "
+                                                  "tier kept by a ckpt before tiers were marked, remove it)")
         raise SnapshotError(f"local={path} is a ckpt store that is not a local tier; a tier prunes and collects "
                             "what it holds", hint="give the local tier a path of its own")
     if not reset_foreign:
@@ -371,15 +379,21 @@ def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | 
     return marker
 
 
-def _only_snapshots_of(path: str, run: str) -> bool:
-    """Whether the store at ``path`` names nothing but snapshots of ``run`` (RUN/step-N, RUN/latest)."""
+def _unmarked(path: str, run: str) -> str:
+    """What the store at ``path``, which has no marker, holds: "nothing" (no ref, no object: one made by a
+    manager killed before it wrote the marker), "snapshots" (refs, if any, that are all snapshots of ``run``:
+    a tier kept before tiers had markers, or another store of this run, a durable one say, which only the
+    default path's folder tells apart), else "other"."""
     from ckpt.store.store import Store
 
     try:
-        refs = Store.open(path).refs()
+        store = Store.open(path)
+        refs = store.refs()
+        if not refs and all(next(store.objects.list(kind), None) is None for kind in ("manifests", "chunks")):
+            return "nothing"
     except CkptError:
-        return False
-    return all(r == f"{run}/latest" or step_of(run, r) is not None for r in refs)
+        return "other"
+    return "snapshots" if all(r == f"{run}/latest" or step_of(run, r) is not None for r in refs) else "other"
 
 
 __all__ = ["LocalTier", "LocalTierUsage", "default_local_path"]

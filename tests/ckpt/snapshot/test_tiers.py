@@ -758,6 +758,44 @@ def test_a_local_tier_is_not_another_store_nor_another_runs_tier(tmp_path):
         assert mgr.restore_latest(_tiny_state()[1]) == 1 and mgr.last_restore["local"] > 0
 
 
+def test_another_experiments_store_of_the_same_run_is_no_local_tier(tmp_path, monkeypatch):
+    """An earlier experiment's durable store, written by a manager of the same run name, given as local=PATH:
+    it has no marker and only snapshots of the run, so it was adopted as a tier kept before tiers had markers.
+    The new experiment resumed the other one's model (restore_latest: step 4, silently) and its first save
+    pruned that store to its newest steps, freeing the rest at once. Refused now, the store intact; a store
+    that holds nothing (a manager killed between making the tier's store and marking it) is still taken, and
+    at the default path (a folder only tiers use) an unmarked tier of the run is still adopted."""
+    model, state = _tiny_state()
+    with ckpt.CheckpointManager(str(tmp_path / "exp1"), "train") as mgr:
+        for step in range(1, 5):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            mgr.save(step, state)
+    exp1 = ckpt.Store.open(str(tmp_path / "exp1"))
+    before = {name: e.target for name, e in exp1.refs().items()}
+    fresh, state2 = _tiny_state()
+    with pytest.raises(ckpt.CkptError, match="no ckpt-local-tier.json, of snapshots of run 'train'"):
+        ckpt.CheckpointManager(str(tmp_path / "exp2"), "train", local=str(tmp_path / "exp1"), local_every_n_steps=1)
+    assert {name: e.target for name, e in exp1.refs().items()} == before and len(before) == 5
+    assert exp1.verify().ok and not (tmp_path / "exp1" / "ckpt-local-tier.json").exists()
+    assert not torch.equal(fresh.weight, model.weight)
+
+    ckpt.Store.init(str(tmp_path / "killed"))  # no ref, no object, no marker
+    with ckpt.CheckpointManager(str(tmp_path / "exp2"), "train", local=str(tmp_path / "killed"), local_every_n_steps=1) as mgr:
+        mgr.save(1, state2)
+        mgr.wait()
+        assert mgr.local_tier.steps == [1]
+
+    monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "shm"))
+    with ckpt.CheckpointManager(str(tmp_path / "exp3"), "train", local=True, local_every_n_steps=1) as mgr:
+        mgr.save(7, state)
+        path = pathlib.Path(mgr.local_tier.path)
+    (path / "ckpt-local-tier.json").unlink()  # as a ckpt before markers left it
+    with ckpt.CheckpointManager(str(tmp_path / "exp3"), "train", local=True) as mgr:
+        assert mgr.restore_latest(state2) == 7 and mgr.last_restore["local"] > 0
+    assert torch.equal(fresh.weight, model.weight)
+
+
 def test_the_default_tier_of_a_store_made_anew_is_emptied_not_resumed(tmp_path, monkeypatch):
     """`rm -rf runs` and start again: the default tier (keyed by the store's URL and the run) holds
     the old store's snapshots. They are dropped with a warning, never resumed from."""
