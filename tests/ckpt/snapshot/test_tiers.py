@@ -227,6 +227,43 @@ def test_a_nodes_tier_left_from_a_timeline_the_run_has_left_is_not_resumed(tmp_p
     mgr.close()
 
 
+def test_restoring_a_step_takes_the_snapshot_of_the_timeline_the_run_is_on(tmp_path):
+    """Node A's tier holds steps 10 and 12 of a run begun anew on node B, which trained to 10 and persisted its
+    own step 10. Back on node A, restore(state, 10) (going back to a step by hand) took tier A's step 10 of the
+    abandoned run, made first, where restore_latest() skips it. Of two snapshots of one step the one made last is
+    of the timeline the run is on: the durable store's here, bit for bit, with a TierWarning; and the tier's where
+    it was made last (the run begun anew on node A, persisting every 20 steps now: its 10 is in the tier alone)."""
+    kw = dict(every_n_steps=10, local_every_n_steps=2)
+    mgr, _, _ = _train(tmp_path, 12, local=str(tmp_path / "node-a"), **kw)
+    mgr.close()
+    mgr, model, opt = _fresh(tmp_path, local=str(tmp_path / "node-b"), **kw)
+    _steps(mgr, {"model": model, "optim": opt, "step": 0}, range(1, 11))
+    mgr.close()
+    want = _bits(model)
+    assert mgr.store.manifest("run/latest").extra["snapshot"]["step"] == 10
+    mgr, model2, opt2 = _fresh(tmp_path, local=str(tmp_path / "node-a"), **kw)
+    assert mgr.local_tier.steps == [10, 12]
+    with pytest.warns(ckpt.TierWarning, match="step 10 .* timeline the run left"):
+        assert mgr.restore({"model": model2, "optim": opt2, "step": 0}, 10) == 10
+    assert _bits(model2) == want and mgr.last_restore["store"] > 0
+    mgr.close()
+
+    kw["every_n_steps"] = 20
+    mgr, model, opt = _fresh(tmp_path, local=str(tmp_path / "node-a"), **kw)
+    torch.manual_seed(2)
+    _steps(mgr, {"model": model, "optim": opt, "step": 0}, range(1, 11))
+    mgr.close()
+    want = _bits(model)
+    assert mgr.local_tier.steps == [8, 10]
+    assert mgr.store.resolve("run/step-10") != ckpt.Store.open(str(tmp_path / "node-a")).resolve("run/step-10")
+    mgr, model3, opt3 = _fresh(tmp_path, local=str(tmp_path / "node-a"), **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ckpt.TierWarning)
+        assert mgr.restore({"model": model3, "optim": opt3, "step": 0}, 10) == 10
+    assert _bits(model3) == want and mgr.last_restore["local"] > 0 and mgr.last_restore["store"] == 0
+    mgr.close()
+
+
 def test_local_saves_persist_only_missing_chunks_and_the_tier_stays_bounded(tmp_path):
     torch.manual_seed(0)
     frozen = torch.nn.Linear(512, 512)  # never changes: persisted once
