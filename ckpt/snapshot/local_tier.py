@@ -14,22 +14,19 @@ from __future__ import annotations
 
 import fcntl
 import gc
-import hashlib
 import json
 import logging
 import os
 import shutil
-import stat
-import tempfile
 import threading
 import time
 import warnings
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckpt.errors import CkptError
+from ckpt.snapshot.local_paths import default_local_path
 from ckpt.snapshot.steps import run_steps, step_of
 from ckpt.snapshot.tiers import describe
 
@@ -38,45 +35,6 @@ if TYPE_CHECKING:
     from ckpt.store.store import Store
 
 log = logging.getLogger(__name__)
-
-
-def default_local_path(store_url: str, run: str, rank: int | None = None) -> Path:
-    """Where a run's local tier lives unless given: under ``$CKPT_LOCAL_DIR`` if set, else
-    /dev/shm (host memory, survives a crash of the training process but not of the machine),
-    else the temp directory; keyed by the durable store and the run so that a restarted
-    process finds it again."""
-    env = os.environ.get("CKPT_LOCAL_DIR")
-    if env:
-        root = Path(env)
-    elif os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-        root = Path("/dev/shm")
-    else:
-        root = Path(tempfile.gettempdir())
-    key = hashlib.blake2b(f"{store_url}\0{run}".encode(), digest_size=6).hexdigest()
-    user = os.getuid() if hasattr(os, "getuid") else 0
-    path = root / f"ckpt-local-{user}" / key
-    return path / f"rank-{rank}" if rank is not None else path
-
-
-def private_root(path: Path) -> None:
-    """Make sure the per-user folder that holds the default local tiers (``ckpt-local-UID`` in a
-    shared folder such as /dev/shm) is this user's own: created mode 0700, else a real folder
-    (not a link) that this user owns and no one else may write. Another user could otherwise
-    plant a snapshot there for this run to resume from."""
-    from ckpt.snapshot.run import SnapshotError
-
-    os.makedirs(path.parent, exist_ok=True)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
-        raise SnapshotError(f"{path} is not a folder of this user's; the local tier will not be kept (or read) "
-                            "there", hint="pass local=PATH, or set CKPT_LOCAL_DIR")
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)  # this user's (made before tiers checked, under a umask of 002, say): made private
 
 
 TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is

@@ -833,6 +833,56 @@ def test_another_experiments_store_of_the_same_run_is_no_local_tier(tmp_path, mo
     assert torch.equal(fresh.weight, model.weight)
 
 
+_GROUP_OF_ONE = """
+import sys, warnings, torch, torch.distributed as dist, ckpt
+url, pg = sys.argv[1:]
+warnings.simplefilter("ignore", ckpt.TierWarning)
+dist.init_process_group("gloo", init_method="file://" + pg, rank=0, world_size=1)
+try:
+    torch.manual_seed(0)
+    with ckpt.CheckpointManager(url, "run", save_mode="sync", local=True, local_every_n_steps=1,
+                                process_group=dist.group.WORLD, timeout_s=20) as mgr:
+        mgr.save(1, {"model": torch.nn.Linear(8, 4)})
+        print(mgr.local_tier.path)
+except ckpt.CkptError as e:
+    print("refused:", e)
+dist.destroy_process_group()
+"""
+
+
+def test_a_run_kept_by_a_group_and_by_one_process_on_a_node_is_refused_clearly(tmp_path, monkeypatch):
+    """The default tier of one process is KEY, a group's ranks' are KEY/rank-R: a run saved with torchrun on a node
+    and then by one process (or the other way round) cannot have both. The second was refused as if the user had
+    given a path: "not empty and holds no store ... give a new folder", or "inside the store at KEY ... outside
+    any store". Refused now as what it is, naming the folder, and the first one's snapshots are left as they are."""
+    monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "shm"))
+    _, state = _tiny_state()
+
+    def group(url):
+        r = subprocess.run([sys.executable, "-c", _GROUP_OF_ONE, url, str(tmp_path / f"pg-{len(url)}")],
+                           capture_output=True, text=True, timeout=120, env=os.environ)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout.strip()
+
+    ranks = pathlib.Path(group(str(tmp_path / "d")))
+    assert ranks.name == "rank-0" and ckpt.Store.open(str(ranks)).refs()
+    with pytest.raises(ckpt.CkptError, match="holds the local tiers of this run's ranks, kept by a process group") as e:
+        ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True)
+    assert str(ranks.parent) in str(e.value) and "local=PATH" in e.value.hint
+    assert sorted(os.listdir(ranks.parent)) == ["rank-0"] and ckpt.Store.open(str(ranks)).verify().ok
+
+    with ckpt.CheckpointManager(str(tmp_path / "d2"), "run", local=True, local_every_n_steps=1) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        solo = mgr.local_tier.path
+    said = group(str(tmp_path / "d2"))
+    assert said.startswith("refused:") and "kept by a single process" in said and solo in said, said
+    assert not os.path.exists(os.path.join(solo, "rank-0"))
+    tier = LocalTier(solo, "run")
+    assert tier.steps() == [1] and tier.store.verify().ok
+    tier.close()
+
+
 def test_the_default_tier_of_a_store_made_anew_is_emptied_not_resumed(tmp_path, monkeypatch):
     """`rm -rf runs` and start again: the default tier (keyed by the store's URL and the run) holds
     the old store's snapshots. They are dropped with a warning, never resumed from."""
