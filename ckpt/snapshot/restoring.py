@@ -122,8 +122,9 @@ class Restoring(ManagerState):
         if durable == mid:
             return mid
         try:
-            if self._local.store.manifest(mid).created >= self.store.manifest(durable).created:
-                return mid
+            theirs = self.store.manifest(durable)
+            if not is_snapshot(theirs) or self._local.store.manifest(mid).created >= theirs.created:
+                return mid  # (a checkpoint a user pushed as RUN/step-N is no snapshot of the run)
         except (CkptError, OSError):
             return mid  # (one of them unreadable: the tier's, as before; its restore names the damage)
         self._tier_warning(f"local tier: snapshot of step {step} was made before the durable store's: it is of a "
