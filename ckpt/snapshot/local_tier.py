@@ -14,22 +14,19 @@ from __future__ import annotations
 
 import fcntl
 import gc
-import hashlib
 import json
 import logging
 import os
 import shutil
-import stat
-import tempfile
 import threading
 import time
 import warnings
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckpt.errors import CkptError
+from ckpt.snapshot.local_paths import default_local_path
 from ckpt.snapshot.steps import run_steps, step_of
 from ckpt.snapshot.tiers import describe
 
@@ -38,45 +35,6 @@ if TYPE_CHECKING:
     from ckpt.store.store import Store
 
 log = logging.getLogger(__name__)
-
-
-def default_local_path(store_url: str, run: str, rank: int | None = None) -> Path:
-    """Where a run's local tier lives unless given: under ``$CKPT_LOCAL_DIR`` if set, else
-    /dev/shm (host memory, survives a crash of the training process but not of the machine),
-    else the temp directory; keyed by the durable store and the run so that a restarted
-    process finds it again."""
-    env = os.environ.get("CKPT_LOCAL_DIR")
-    if env:
-        root = Path(env)
-    elif os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-        root = Path("/dev/shm")
-    else:
-        root = Path(tempfile.gettempdir())
-    key = hashlib.blake2b(f"{store_url}\0{run}".encode(), digest_size=6).hexdigest()
-    user = os.getuid() if hasattr(os, "getuid") else 0
-    path = root / f"ckpt-local-{user}" / key
-    return path / f"rank-{rank}" if rank is not None else path
-
-
-def private_root(path: Path) -> None:
-    """Make sure the per-user folder that holds the default local tiers (``ckpt-local-UID`` in a
-    shared folder such as /dev/shm) is this user's own: created mode 0700, else a real folder
-    (not a link) that this user owns and no one else may write. Another user could otherwise
-    plant a snapshot there for this run to resume from."""
-    from ckpt.snapshot.run import SnapshotError
-
-    os.makedirs(path.parent, exist_ok=True)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
-        raise SnapshotError(f"{path} is not a folder of this user's; the local tier will not be kept (or read) "
-                            "there", hint="pass local=PATH, or set CKPT_LOCAL_DIR")
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)  # this user's (made before tiers checked, under a umask of 002, say): made private
 
 
 TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is
@@ -331,8 +289,10 @@ def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | 
     history would be collected), and the tier of another store or run (it would be resumed from).
     With ``reset_foreign`` (the default path, keyed by the store's URL and the run: the store
     there was made anew) another store's tier is emptied instead, with a warning.
-    A store with no marker whose every ref is a snapshot of ``run`` is taken as this run's tier
-    (one kept before tiers had markers)."""
+    A store with no marker is taken where it holds nothing, and at the default path where its every ref is
+    a snapshot of ``run`` (a tier kept before tiers had markers); elsewhere such a store may as well be
+    another store of the run (an earlier experiment's durable store, say): refused, it would be resumed
+    and pruned."""
     from ckpt.snapshot.run import SnapshotError
     from ckpt_store.storage.config import CONFIG_PATH
 
@@ -349,9 +309,15 @@ def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | 
         return None
     if have is None and not os.path.lexists(os.path.join(path, CONFIG_PATH)):
         return marker  # a new tier
-    if have is None and _only_snapshots_of(path, run):
-        return marker
     if have is None:
+        held = _unmarked(path, run)
+        if held == "nothing" or held == "snapshots" and reset_foreign:
+            return marker
+        if held == "snapshots":
+            raise SnapshotError(f"local={path} is a ckpt store with no {TIER_MARKER}, of snapshots of run {run!r}: "
+                                "another store of this run (an earlier experiment's, say), which the tier would resume "
+                                "and prune", hint="give the local tier a path of its own (if that folder is this run's "
+                                                  "tier kept by a ckpt before tiers were marked, remove it)")
         raise SnapshotError(f"local={path} is a ckpt store that is not a local tier; a tier prunes and collects "
                             "what it holds", hint="give the local tier a path of its own")
     if not reset_foreign:
@@ -371,15 +337,21 @@ def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | 
     return marker
 
 
-def _only_snapshots_of(path: str, run: str) -> bool:
-    """Whether the store at ``path`` names nothing but snapshots of ``run`` (RUN/step-N, RUN/latest)."""
+def _unmarked(path: str, run: str) -> str:
+    """What the store at ``path``, which has no marker, holds: "nothing" (no ref, no object: one made by a
+    manager killed before it wrote the marker), "snapshots" (refs, if any, that are all snapshots of ``run``:
+    a tier kept before tiers had markers, or another store of this run, a durable one say, which only the
+    default path's folder tells apart), else "other"."""
     from ckpt.store.store import Store
 
     try:
-        refs = Store.open(path).refs()
+        store = Store.open(path)
+        refs = store.refs()
+        if not refs and all(next(store.objects.list(kind), None) is None for kind in ("manifests", "chunks")):
+            return "nothing"
     except CkptError:
-        return False
-    return all(r == f"{run}/latest" or step_of(run, r) is not None for r in refs)
+        return "other"
+    return "snapshots" if all(r == f"{run}/latest" or step_of(run, r) is not None for r in refs) else "other"
 
 
 __all__ = ["LocalTier", "LocalTierUsage", "default_local_path"]

@@ -42,7 +42,8 @@ class Persisting(ManagerState):
     def _local_tier(self, local: Any, every: int | None, keep: int, max_bytes: int | None, replicas: int,
                     process_group: Any) -> LocalTier | None:
         """Check the tier settings; the local tier, if asked for."""
-        from ckpt.snapshot.local_tier import LocalTier, default_local_path, private_root
+        from ckpt.snapshot.local_paths import check_default_layout, default_local_path, private_root
+        from ckpt.snapshot.local_tier import LocalTier
 
         self.local_every_n_steps = count_setting("local_every_n_steps", every)
         count_setting("local_keep", keep)
@@ -72,6 +73,7 @@ class Persisting(ManagerState):
         if local is True:
             path = default_local_path(self.store.url, self.run, rank)
             private_root(path.parent.parent if rank is not None else path.parent)
+            check_default_layout(path, rank)
         else:
             path = os.fspath(local) if rank is None else os.path.join(os.fspath(local), f"rank-{rank}")
         return LocalTier(path, self.run, keep=keep, max_bytes=max_bytes, settings=self.store.settings,

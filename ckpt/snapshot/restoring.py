@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ckpt.errors import RefNotFoundError
+from ckpt.errors import CkptError, RefNotFoundError
 from ckpt.snapshot.manager_state import ManagerState
 from ckpt.snapshot.run import is_snapshot, not_a_snapshot
 from ckpt.snapshot.tiers import MISSES as TIER_MISSES
@@ -87,16 +87,20 @@ class Restoring(ManagerState):
         return candidates[0][0] if candidates else None
 
     def restore(self, state: dict[str, Any], step: int) -> int:
-        """Restore the snapshot of ``step`` into ``state`` in place (from the nearest tier holding each chunk)."""
+        """Restore the snapshot of ``step`` into ``state`` in place (from the nearest tier holding each chunk).
+        Where the local tier and the durable store hold different snapshots of ``step``, the one made last: the
+        other is of a timeline the run left (a :class:`TierWarning` says so when it is the tier's)."""
         self._check_open(f"snapshot of step {step} not restored", "restore")
         self.wait()
 
         def find() -> str:
             if self._local is not None:
                 try:
-                    return self._local.store.resolve(self.ref(step))
+                    mid = self._local.store.resolve(self.ref(step))
                 except RefNotFoundError:
                     pass
+                else:
+                    return self._timeline_of(step, mid)
             return self.store.resolve(self.ref(step))
 
         if not self._distributed:
@@ -105,6 +109,27 @@ class Restoring(ManagerState):
         if mid is None:  # (on every rank alike)
             raise RefNotFoundError(f"no snapshot of step {step} in run {self.run!r}", hint="see mgr.steps() or `ckpt ls`")
         return self._restore(state, mid)
+
+    def _timeline_of(self, step: int, mid: str) -> str:
+        """Of the local tier's snapshot ``mid`` of ``step`` and the durable store's, if another, the one made last:
+        that of the timeline the run is on (the other was left when the run went back, or began anew elsewhere;
+        snapshots are made in step order along a timeline, and persisting keeps a manifest's time)."""
+        assert self._local is not None
+        try:
+            durable = self.store.resolve(self.ref(step))
+        except RefNotFoundError:
+            return mid
+        if durable == mid:
+            return mid
+        try:
+            theirs = self.store.manifest(durable)
+            if not is_snapshot(theirs) or self._local.store.manifest(mid).created >= theirs.created:
+                return mid  # (a checkpoint a user pushed as RUN/step-N is no snapshot of the run)
+        except (CkptError, OSError):
+            return mid  # (one of them unreadable: the tier's, as before; its restore names the damage)
+        self._tier_warning(f"local tier: snapshot of step {step} was made before the durable store's: it is of a "
+                           "timeline the run left; the durable store's is restored")
+        return durable
 
     def _resolve(self, find: Callable[[], _T]) -> _T | None:
         """``find()``, None where it finds no ref; in a group rank 0's, the same on every rank."""

@@ -229,6 +229,43 @@ def test_a_nodes_tier_left_from_a_timeline_the_run_has_left_is_not_resumed(tmp_p
     mgr.close()
 
 
+def test_restoring_a_step_takes_the_snapshot_of_the_timeline_the_run_is_on(tmp_path):
+    """Node A's tier holds steps 10 and 12 of a run begun anew on node B, which trained to 10 and persisted its
+    own step 10. Back on node A, restore(state, 10) (going back to a step by hand) took tier A's step 10 of the
+    abandoned run, made first, where restore_latest() skips it. Of two snapshots of one step the one made last is
+    of the timeline the run is on: the durable store's here, bit for bit, with a TierWarning; and the tier's where
+    it was made last (the run begun anew on node A, persisting every 20 steps now: its 10 is in the tier alone)."""
+    kw = dict(every_n_steps=10, local_every_n_steps=2)
+    mgr, _, _ = _train(tmp_path, 12, local=str(tmp_path / "node-a"), **kw)
+    mgr.close()
+    mgr, model, opt = _fresh(tmp_path, local=str(tmp_path / "node-b"), **kw)
+    _steps(mgr, {"model": model, "optim": opt, "step": 0}, range(1, 11))
+    mgr.close()
+    want = _bits(model)
+    assert mgr.store.manifest("run/latest").extra["snapshot"]["step"] == 10
+    mgr, model2, opt2 = _fresh(tmp_path, local=str(tmp_path / "node-a"), **kw)
+    assert mgr.local_tier.steps == [10, 12]
+    with pytest.warns(ckpt.TierWarning, match="step 10 .* timeline the run left"):
+        assert mgr.restore({"model": model2, "optim": opt2, "step": 0}, 10) == 10
+    assert _bits(model2) == want and mgr.last_restore["store"] > 0
+    mgr.close()
+
+    kw["every_n_steps"] = 20
+    mgr, model, opt = _fresh(tmp_path, local=str(tmp_path / "node-a"), **kw)
+    torch.manual_seed(2)
+    _steps(mgr, {"model": model, "optim": opt, "step": 0}, range(1, 11))
+    mgr.close()
+    want = _bits(model)
+    assert mgr.local_tier.steps == [8, 10]
+    assert mgr.store.resolve("run/step-10") != ckpt.Store.open(str(tmp_path / "node-a")).resolve("run/step-10")
+    mgr, model3, opt3 = _fresh(tmp_path, local=str(tmp_path / "node-a"), **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ckpt.TierWarning)
+        assert mgr.restore({"model": model3, "optim": opt3, "step": 0}, 10) == 10
+    assert _bits(model3) == want and mgr.last_restore["local"] > 0 and mgr.last_restore["store"] == 0
+    mgr.close()
+
+
 def test_local_saves_persist_only_missing_chunks_and_the_tier_stays_bounded(tmp_path):
     torch.manual_seed(0)
     frozen = torch.nn.Linear(512, 512)  # never changes: persisted once
@@ -761,6 +798,94 @@ def test_a_local_tier_is_not_another_store_nor_another_runs_tier(tmp_path):
         ckpt.CheckpointManager(str(tmp_path / "d2"), "run", local=str(tmp_path / "tier"))
     with ckpt.CheckpointManager(durable, "run", local=str(tmp_path / "tier")) as mgr:  # its own run: resumes
         assert mgr.restore_latest(_tiny_state()[1]) == 1 and mgr.last_restore["local"] > 0
+
+
+def test_another_experiments_store_of_the_same_run_is_no_local_tier(tmp_path, monkeypatch):
+    """An earlier experiment's durable store, written by a manager of the same run name, given as local=PATH:
+    it has no marker and only snapshots of the run, so it was adopted as a tier kept before tiers had markers.
+    The new experiment resumed the other one's model (restore_latest: step 4, silently) and its first save
+    pruned that store to its newest steps, freeing the rest at once. Refused now, the store intact; a store
+    that holds nothing (a manager killed between making the tier's store and marking it) is still taken, and
+    at the default path (a folder only tiers use) an unmarked tier of the run is still adopted."""
+    model, state = _tiny_state()
+    with ckpt.CheckpointManager(str(tmp_path / "exp1"), "train") as mgr:
+        for step in range(1, 5):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            mgr.save(step, state)
+    exp1 = ckpt.Store.open(str(tmp_path / "exp1"))
+    before = {name: e.target for name, e in exp1.refs().items()}
+    fresh, state2 = _tiny_state()
+    with pytest.raises(ckpt.CkptError, match="no ckpt-local-tier.json, of snapshots of run 'train'"):
+        ckpt.CheckpointManager(str(tmp_path / "exp2"), "train", local=str(tmp_path / "exp1"), local_every_n_steps=1)
+    assert {name: e.target for name, e in exp1.refs().items()} == before and len(before) == 5
+    assert exp1.verify().ok and not (tmp_path / "exp1" / "ckpt-local-tier.json").exists()
+    assert not torch.equal(fresh.weight, model.weight)
+
+    ckpt.Store.init(str(tmp_path / "killed"))  # no ref, no object, no marker
+    with ckpt.CheckpointManager(str(tmp_path / "exp2"), "train", local=str(tmp_path / "killed"), local_every_n_steps=1) as mgr:
+        mgr.save(1, state2)
+        mgr.wait()
+        assert mgr.local_tier.steps == [1]
+
+    monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "shm"))
+    with ckpt.CheckpointManager(str(tmp_path / "exp3"), "train", local=True, local_every_n_steps=1) as mgr:
+        mgr.save(7, state)
+        path = pathlib.Path(mgr.local_tier.path)
+    (path / "ckpt-local-tier.json").unlink()  # as a ckpt before markers left it
+    with ckpt.CheckpointManager(str(tmp_path / "exp3"), "train", local=True) as mgr:
+        assert mgr.restore_latest(state2) == 7 and mgr.last_restore["local"] > 0
+    assert torch.equal(fresh.weight, model.weight)
+
+
+_GROUP_OF_ONE = """
+import sys, warnings, torch, torch.distributed as dist, ckpt
+url, pg = sys.argv[1:]
+warnings.simplefilter("ignore", ckpt.TierWarning)
+dist.init_process_group("gloo", init_method="file://" + pg, rank=0, world_size=1)
+try:
+    torch.manual_seed(0)
+    with ckpt.CheckpointManager(url, "run", save_mode="sync", local=True, local_every_n_steps=1,
+                                process_group=dist.group.WORLD, timeout_s=20) as mgr:
+        mgr.save(1, {"model": torch.nn.Linear(8, 4)})
+        print(mgr.local_tier.path)
+except ckpt.CkptError as e:
+    print("refused:", e)
+dist.destroy_process_group()
+"""
+
+
+def test_a_run_kept_by_a_group_and_by_one_process_on_a_node_is_refused_clearly(tmp_path, monkeypatch):
+    """The default tier of one process is KEY, a group's ranks' are KEY/rank-R: a run saved with torchrun on a node
+    and then by one process (or the other way round) cannot have both. The second was refused as if the user had
+    given a path: "not empty and holds no store ... give a new folder", or "inside the store at KEY ... outside
+    any store". Refused now as what it is, naming the folder, and the first one's snapshots are left as they are."""
+    monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "shm"))
+    _, state = _tiny_state()
+
+    def group(url):
+        r = subprocess.run([sys.executable, "-c", _GROUP_OF_ONE, url, str(tmp_path / f"pg-{len(url)}")],
+                           capture_output=True, text=True, timeout=120, env=os.environ)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout.strip()
+
+    ranks = pathlib.Path(group(str(tmp_path / "d")))
+    assert ranks.name == "rank-0" and ckpt.Store.open(str(ranks)).refs()
+    with pytest.raises(ckpt.CkptError, match="holds the local tiers of this run's ranks, kept by a process group") as e:
+        ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=True)
+    assert str(ranks.parent) in str(e.value) and "local=PATH" in e.value.hint
+    assert sorted(os.listdir(ranks.parent)) == ["rank-0"] and ckpt.Store.open(str(ranks)).verify().ok
+
+    with ckpt.CheckpointManager(str(tmp_path / "d2"), "run", local=True, local_every_n_steps=1) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+        solo = mgr.local_tier.path
+    said = group(str(tmp_path / "d2"))
+    assert said.startswith("refused:") and "kept by a single process" in said and solo in said, said
+    assert not os.path.exists(os.path.join(solo, "rank-0"))
+    tier = LocalTier(solo, "run")
+    assert tier.steps() == [1] and tier.store.verify().ok
+    tier.close()
 
 
 def test_the_default_tier_of_a_store_made_anew_is_emptied_not_resumed(tmp_path, monkeypatch):
