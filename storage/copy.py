@@ -179,7 +179,7 @@ def copy_checkpoints(
     progress = progress or NullProgress()
     weights = weights or {}
     mids = sorted({it.manifest for it in items})
-    present_m = _present(dst, "manifests", mids)
+    present_m = {m for m in _present(dst, "manifests", mids) if _intact_manifest(dst, m)}
     report.manifests_present = len(present_m)
     manifests = {m: src.get_manifest(m) for m in mids}  # verified against their ids
     blobs = {m: data for m, data in manifests.items() if m not in present_m}
@@ -238,6 +238,17 @@ def _present(dst: ObjectStore, kind: str, ids: Iterable[str]) -> set[str]:
     if dst.backend.touches:
         found = {oid for oid in found if dst.refresh(kind, oid)}
     return found
+
+
+def _intact_manifest(dst: ObjectStore, mid: str) -> bool:
+    """Whether the manifest ``dst`` holds as ``mid`` hashes to it (a small read). One that does not
+    (damaged there) is sent again, replacing it, else the ref the copy sets there could not load."""
+    try:
+        dst.get_manifest(mid)
+    except (CorruptObjectError, ObjectNotFoundError) as e:
+        log.warning("at the destination, %s: sending it again", e)
+        return False
+    return True
 
 
 def copy_chunks(src: ObjectStore, dst: ObjectStore, ids: Iterable[str], *, check_chunk: ChunkCheck,
