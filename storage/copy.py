@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ckpt_store.storage.backends.base import Data, data_size
 from ckpt_store.storage.chunk_lists import chunk_depths, referenced_chunks
 from ckpt_store.storage.commit import missing_chunks
-from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
+from ckpt_store.storage.errors import CkptError, CorruptObjectError, InvalidNameError, ObjectNotFoundError
 from ckpt_store.storage.leases import check_fresh, writer_lease
 from ckpt_store.storage.objects import ObjectStore, object_id
 from ckpt_store.storage.progress import NullProgress, Progress, reporting
@@ -79,6 +80,25 @@ class CopyItem:
     alias: bool = False
 
 
+@contextmanager
+def reading_source(src: ObjectStore) -> Iterator[None]:
+    """An error of the source store's raised inside (a ref it lacks, an object missing or damaged
+    there) says that it is the source's: "missing from the store", read by someone whose ``--store``
+    is the destination (``ckpt copy REF --from URL``), sent them to check the wrong one."""
+    try:
+        yield
+    except InvalidNameError:
+        raise  # the name as given, not the store
+    except CkptError as e:
+        if not getattr(e, "in_source", False):
+            e.in_source = True  # type: ignore[attr-defined]
+            e.message = f"source store {src.backend.url}: {e.message}"
+            if e.hint is not None and "the source" not in e.hint:
+                e.hint = e.hint.replace("run `ckpt verify`", "run `ckpt verify` on the source store").replace(
+                    "see `ckpt ls`", "see `ckpt ls` there")
+        raise
+
+
 class _Sender:
     """Moves objects src -> dst on a bounded pool, verifying each, counting into one report."""
 
@@ -96,8 +116,9 @@ class _Sender:
         self.taken = taken if dst.creates_chunks_exclusively else None
 
     def _send_chunk(self, cid: str) -> str | None:
-        blob = self.src.get("chunks", cid)
-        base = self.check_chunk(cid, blob)
+        with reading_source(self.src):  # (the blob is the source's: so is what its check finds wrong)
+            blob = self.src.get("chunks", cid)
+            base = self.check_chunk(cid, blob)
         out = blob if self.recode is None else self.recode(cid, blob)
         path = self.dst.path("chunks", cid)
         if self.taken is None or cid in self.resend:
@@ -179,16 +200,17 @@ def copy_checkpoints(
     progress = progress or NullProgress()
     weights = weights or {}
     mids = sorted({it.manifest for it in items})
-    present_m = _present(dst, "manifests", mids)
+    present_m = {m for m in _present(dst, "manifests", mids) if _intact_manifest(dst, m)}
     report.manifests_present = len(present_m)
-    manifests = {m: src.get_manifest(m) for m in mids}  # verified against their ids
-    blobs = {m: data for m, data in manifests.items() if m not in present_m}
     needed: set[str] = set()
     depth: dict[str, int] = {}
-    for data in manifests.values():
-        needed |= referenced_chunks(data)
-        for cid, d in chunk_depths(data).items():
-            depth[cid] = max(depth.get(cid, 0), d)
+    with reading_source(src):
+        manifests = {m: src.get_manifest(m) for m in mids}  # verified against their ids
+        for data in manifests.values():
+            needed |= referenced_chunks(data)
+            for cid, d in chunk_depths(data).items():
+                depth[cid] = max(depth.get(cid, 0), d)
+    blobs = {m: data for m, data in manifests.items() if m not in present_m}
     resend = set(resend) & needed
     present_c = _present(dst, "chunks", needed) - resend
     report.chunks_present = len(present_c)
@@ -240,6 +262,17 @@ def _present(dst: ObjectStore, kind: str, ids: Iterable[str]) -> set[str]:
     return found
 
 
+def _intact_manifest(dst: ObjectStore, mid: str) -> bool:
+    """Whether the manifest ``dst`` holds as ``mid`` hashes to it (a small read). One that does not
+    (damaged there) is sent again, replacing it, else the ref the copy sets there could not load."""
+    try:
+        dst.get_manifest(mid)
+    except (CorruptObjectError, ObjectNotFoundError) as e:
+        log.warning("at the destination, %s: sending it again", e)
+        return False
+    return True
+
+
 def copy_chunks(src: ObjectStore, dst: ObjectStore, ids: Iterable[str], *, check_chunk: ChunkCheck,
                 concurrency: int = 8, recode: ChunkRecode | None = None, resend: Iterable[str] = (),
                 taken: ChunkTaken | None = None) -> CopyReport:
@@ -258,4 +291,4 @@ def copy_chunks(src: ObjectStore, dst: ObjectStore, ids: Iterable[str], *, check
     return report
 
 
-__all__ = ["ChunkCheck", "ChunkRecode", "ChunkTaken", "CopyItem", "CopyReport", "copy_checkpoints", "copy_chunks"]
+__all__ = ["ChunkCheck", "ChunkRecode", "ChunkTaken", "CopyItem", "CopyReport", "copy_checkpoints", "copy_chunks", "reading_source"]

@@ -264,7 +264,7 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
         # One persist runs at a time; a snapshot due while one runs waits in a slot of one
         # (a newer one takes its place: the older is never persisted), so training never waits.
         self._persisting = None
-        self._persist_slot = None  # (step, save number)
+        self._persist_slot = None  # (step, save number, checkpoint id)
         self._persist_lock = threading.Lock()
         self._durable_lock = threading.Lock()  # moving RUN/latest in the durable store: never to an older save
         # Saves are numbered in the order they are made: a persist moves RUN/latest only to a save newer

@@ -61,7 +61,7 @@ class ManagerState:
     _local_full: bool  # the last local save ran out of space (on this rank): make room first
     _persist_pool: ThreadPoolExecutor  # the persist thread: one persist at a time
     _persisting: Future[None] | None  # the persist loop running
-    _persist_slot: tuple[int, int] | None  # (step, save number) due next; a newer one takes its place
+    _persist_slot: tuple[int, int, str | None] | None  # (step, save number, checkpoint id) due next; a newer one takes its place
     _persist_lock: threading.Lock  # the slot, the tier's pinned steps
     _durable_lock: threading.Lock  # moving RUN/latest in the durable store: never to an older save
     _published: int  # the number of the save RUN/latest names (0: one of an earlier process)

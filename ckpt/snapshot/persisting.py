@@ -148,7 +148,7 @@ class Persisting(ManagerState):
                 self._tier_warning(f"local tier: could not drop old snapshots ({describe(e)})")
             if persist:
                 self._persist_pending = False
-                self._request_persist(step, seq)
+                self._request_persist(step, seq, result.id)
             return result
 
         return run
@@ -179,14 +179,14 @@ class Persisting(ManagerState):
         except Exception as e:  # noqa: BLE001
             log.warning("local tier: could not free the leftovers of a failed save (%s)", describe(e))
 
-    def _request_persist(self, step: int, seq: int) -> None:
+    def _request_persist(self, step: int, seq: int, mid: str | None) -> None:
         local = self._local
         assert local is not None
         with self._persist_lock:
             local.pinned.add(step)
             if self._persist_slot is not None and self._persist_slot[0] != step:
                 self._unpin(self._persist_slot[0])  # superseded before it started: never persisted
-            self._persist_slot = (step, seq)
+            self._persist_slot = (step, seq, mid)
             if self._persisting is None or self._persisting.done():
                 self._persisting = self._persist_pool.submit(self._persist_loop)
 
@@ -198,15 +198,19 @@ class Persisting(ManagerState):
                 return
             self._persist(*slot)
 
-    def _persist(self, step: int, seq: int) -> None:
-        """Copy the local snapshot of ``step`` to the durable store: only the chunks it lacks, as stored."""
+    def _persist(self, step: int, seq: int, mid: str | None) -> None:
+        """Copy the local snapshot of ``step`` (checkpoint ``mid``, where the save knows it) to the durable
+        store: only the chunks it lacks, as stored."""
         from ckpt.store.copy import copy_refs
 
         local = self._local
         assert local is not None
         t0 = time.perf_counter()
         try:
-            report = copy_refs(local.store, self.store, [local.ref(step)], recode=not self._local_compress)
+            # By the id this run saved, not what the tier's ref names now: a tier in a shared /dev/shm is
+            # anyone's to write, and a ref moved there would else be published as this run's snapshot.
+            spec = local.ref(step) if mid is None else f"{mid}:{local.ref(step)}"
+            report = copy_refs(local.store, self.store, [spec], recode=not self._local_compress)
             with self._durable_lock:
                 # Checked again right before the move: a user's push made while the local job and the copy ran (seconds
                 # for a large state) would else be moved away from without a word (one ref read a persist).

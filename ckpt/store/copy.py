@@ -28,7 +28,7 @@ from ckpt.transfer.pipeline import fetch_chunk, stored_chain
 from ckpt_store.storage import copy as storage_copy
 from ckpt_store.storage.backends.base import Data
 from ckpt_store.storage.chunk_lists import recorded_chains
-from ckpt_store.storage.copy import ChunkCheck, ChunkRecode, ChunkTaken, CopyItem, CopyReport, copy_checkpoints
+from ckpt_store.storage.copy import ChunkCheck, ChunkRecode, ChunkTaken, CopyItem, CopyReport, copy_checkpoints, reading_source
 from ckpt_store.storage.errors import CkptError, InvalidNameError, RefNotFoundError, StoreFormatError
 from ckpt_store.storage.objects import ObjectStore
 from ckpt_store.storage.refs import validate_ref_name
@@ -60,7 +60,9 @@ def check_copy_specs(src: Store, specs: Iterable[str]) -> None:
     if not specs:
         raise RefNotFoundError("nothing to copy", hint="name at least one ref")
     for spec in specs:
-        src.resolve(parse_copy_spec(spec)[0])
+        ref = parse_copy_spec(spec)[0]
+        with reading_source(src.objects):
+            src.resolve(ref)
 
 
 def chunk_checker(src: Store, dst: Store, lengths: dict[str, int] | None = None) -> ChunkCheck:
@@ -75,14 +77,13 @@ def chunk_checker(src: Store, dst: Store, lengths: dict[str, int] | None = None)
     order: list[ObjectStore] = [dst.objects, src.objects] if dst.backend.concurrency == 1 else [src.objects, dst.objects]
 
     def base_bytes(bid: str, length: int) -> bytes | bytearray | memoryview:
-        last: CkptError | None = None
+        failed: dict[int, CkptError] = {}
         for objs in order:
             try:
                 return fetch_chunk(objs, bid, length, settings)[0]
             except CkptError as e:  # missing or damaged there: try the other store
-                last = e
-        assert last is not None
-        raise last
+                failed[id(objs)] = e
+        raise failed[id(src.objects)]  # the source's: it must hold what its chunks need
 
     def check(cid: str, blob: bytes) -> str | None:
         h = parse_header(blob, cid)
@@ -233,7 +234,8 @@ def copy_refs(src: Store, dst: Store, refs: Iterable[str], *, progress: Progress
     refs = list(refs)
     if not refs:
         raise RefNotFoundError("nothing to copy", hint="name at least one ref")
-    items, weights, allowed = _items(src, refs)
+    with reading_source(src.objects):
+        items, weights, allowed = _items(src, refs)
     resend = _check_present(dst, weights, allowed)
     replacing = set(resend)
     return copy_checkpoints(src.objects, dst.objects, dst.refs_db, items, check_chunk=chunk_checker(src, dst, weights),

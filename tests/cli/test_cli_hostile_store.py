@@ -155,6 +155,33 @@ def test_a_manifest_that_disagrees_with_its_chunks_is_named_by_verify_and_never_
         ok("verify", store=dest, env=env)
 
 
+@pytest.mark.parametrize("damage", ["chunk gone", "chunk damaged", "manifest of a newer version"])
+def test_a_copy_from_a_damaged_store_says_the_source_is_damaged_not_the_store_it_runs_in(damage, good, tmp_path, env):
+    """`ckpt --store MINE copy REF --from THEIRS` where theirs lacks a chunk, holds one damaged, or
+    a manifest of a newer version: the one line said "chunk ... is missing from the store (run `ckpt
+    verify`...)", and `ckpt verify` on MINE, the store the command ran in, said ok. It names the
+    source store now; MINE is left as it was."""
+    m = manifest_of(good, "ft/x")
+    cid = m["tensors"][0]["chunks"][0]
+    path = good / "objects/chunks" / cid[:2] / cid
+    if damage == "chunk gone":
+        path.unlink()
+    elif damage == "chunk damaged":
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x10
+        path.write_bytes(bytes(data))
+    else:
+        m["version"] = 99
+        republish(good, "ft/x", m)
+    mine = tmp_path / "mine"
+    ckpt.Store.init(str(mine)).push({"w": torch.ones(8)}, "own")
+    line = fails("copy", "ft/x", "--from", good, store=mine, env=env)
+    assert line.startswith(f"error: source store {good}: "), line
+    assert "`ckpt verify` on the source store" in line or "upgrade ckpt" in line, line
+    ok("verify", store=mine, env=env)
+    assert set(ckpt.Store.open(str(mine)).refs()) == {"own"}
+
+
 @pytest.mark.parametrize("poison", ["info", "chunks"])
 def test_a_crafted_metadata_index_is_read_past_not_trusted(poison, good, env):
     """The metadata index is a cache that anyone writing a store folder can write, sealed and hashed

@@ -78,6 +78,22 @@ def test_copy_sends_only_what_is_missing(source, dest_url):
     assert dst.verify().ok
 
 
+def test_a_manifest_damaged_at_the_destination_is_sent_again_not_named(source, dest_url):
+    """The destination holds the manifest to copy under its id, but damaged there (bit rot, a
+    crafted store): the copy took its presence for the manifest, set the ref, and the destination
+    then failed to load or verify it. Now its bytes are checked, and the source's replace them."""
+    dst = _open(dest_url)
+    copy_refs(source, dst, ["m/base"])
+    mid = source.resolve("m/ft")
+    good = source.objects.get_manifest(mid)
+    dst.backend.write(dst.objects.path("manifests", mid), good[:-1] + b" ")
+    r = copy_refs(source, dst, ["m/ft"])
+    assert r.manifests_sent == 1 and r.manifests_present == 0 and r.refs == {"m/ft": mid}
+    assert dst.objects.get_manifest(mid) == good
+    _same(source, dst, "m/ft")
+    assert dst.verify().ok
+
+
 def test_copy_back_and_across(source, tmp_path, s3_main_url):
     """local -> S3 -> local and S3 -> S3 (two buckets)."""
     s3a = _open(s3_main_url)

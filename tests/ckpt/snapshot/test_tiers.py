@@ -199,6 +199,43 @@ def test_a_step_being_persisted_when_the_run_goes_back_is_dropped_from_the_tier_
     mgr.close()
 
 
+def test_a_persist_publishes_the_snapshot_the_run_saved_not_what_the_tiers_ref_names_now(tmp_path, monkeypatch):
+    """The local tier (a shared /dev/shm) is anyone's to write: another user moves the tier's ref of
+    step 12 to a checkpoint of theirs between the run's save there and its persist. The persist
+    copied the ref by name, and the durable store's run/step-12 and run/latest named their
+    checkpoint; a restart restored it as the run's. Now the persist copies the id the save wrote."""
+    import ckpt.store.copy
+
+    mgr, model, opt = _train(tmp_path, 10, every_n_steps=2, save_mode="sync")
+    real = ckpt.store.copy.copy_refs
+    tier = ckpt.Store.open(str(tmp_path / "local"))
+    foreign = tier.push({"0.weight": torch.zeros(256, 256)}, "theirs")
+    saved = []
+
+    def moved_first(src, dst, refs, **kwargs):
+        saved.append(tier.resolve("run/step-12"))
+        tier.refs_db.set("run/step-12", foreign)  # (what anyone writing the tier can do, meanwhile)
+        return real(src, dst, refs, **kwargs)
+
+    monkeypatch.setattr(ckpt.store.copy, "copy_refs", moved_first)
+    state = {"model": model, "optim": opt, "step": 0}
+    _steps(mgr, state, (12,))
+    mgr.wait()
+    want = _bits(model)
+    mgr.close()
+    durable = ckpt.Store.open(str(tmp_path / "durable"))
+    assert saved and saved[0] != foreign
+    assert durable.resolve("run/step-12") == saved[0] and durable.resolve("run/latest") == saved[0]
+    assert not durable.objects.has("manifests", foreign)
+    monkeypatch.setattr(ckpt.store.copy, "copy_refs", real)
+    shutil.rmtree(tmp_path / "local")  # the restart reads the durable store
+    mgr, model2, opt2 = _fresh(tmp_path, every_n_steps=2)
+    state2 = {"model": model2, "optim": opt2, "step": 0}
+    assert mgr.restore_latest(state2) == 12 and _bits(model2) == want
+    mgr.close()
+    assert durable.verify().ok
+
+
 def test_a_nodes_tier_left_from_a_timeline_the_run_has_left_is_not_resumed(tmp_path):
     """The run trains to 12 on node A (tier A: 10, 12), is begun anew under its name on node B (tier B),
     which persists its step 2 (a save below the durable step) and trains to 8; the next restart lands on
