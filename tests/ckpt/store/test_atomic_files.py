@@ -80,3 +80,98 @@ def test_two_force_pulls_into_one_folder_at_once_leave_one_checkpoint_whole(stor
     assert got.pop("keep.txt") == b"precious"
     assert got == _tree(y)  # the second, whole: it waited for the first's renames, then replaced each file
     assert [p.name for p in dest.iterdir() if ".ckpt-" in p.name] == []
+
+
+# A pull that stops right after its first check of the destination (nothing of it written yet), says
+# so by making ``checked-PID``, and goes on once ``go`` exists. ARGV: store ref dest marks force(0/1).
+_CHECKED_PULL = """
+import os, sys, time
+import ckpt, ckpt.store.pull as pull
+real, marks, first = pull.dir_targets, sys.argv[4], []
+def checked(*a, **kw):
+    found = real(*a, **kw)
+    if not first:  # (the check again, as the files are placed, is not paused)
+        first.append(1)
+        open(f"{marks}/checked-{os.getpid()}", "w").close()
+        while not os.path.exists(marks + "/go"):
+            time.sleep(0.01)
+    return found
+pull.dir_targets = checked
+ckpt.Store.open(sys.argv[1]).pull(sys.argv[2], sys.argv[3], overwrite=sys.argv[5] == "1")
+"""
+
+
+def _checked_pulls(store, dest: Path, marks: Path, refs: list[str], force: bool) -> list[subprocess.Popen]:
+    """Start a paused pull of each of ``refs`` into ``dest``; return once every one has checked it."""
+    marks.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _CHECKED_PULL, store.url, r, str(dest), str(marks), "1" if force else "0"],
+                              stderr=subprocess.PIPE) for r in refs]
+    deadline = time.monotonic() + 60
+    while len(list(marks.glob("checked-*"))) < len(procs):
+        for p in procs:
+            assert p.poll() is None, p.stderr.read().decode() if p.stderr else ""
+        assert time.monotonic() < deadline, "the pulls never checked their destination"
+        time.sleep(0.01)
+    return procs
+
+
+def _ends(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    errs = [p.communicate(timeout=60)[1].decode() for p in procs]
+    return [(p.returncode, err) for p, err in zip(procs, errs)]
+
+
+def _ckpt_names(d: Path) -> list[str]:
+    return sorted(p.name for p in d.rglob("*") if ".ckpt-" in p.name)
+
+
+def test_two_pulls_into_one_empty_folder_never_mix_two_checkpoints(store, tmp_path):
+    """Two pulls without --force of checkpoints sharing no file name, into one empty folder: both found
+    it empty; the second to place its files finds the first's there and refuses (it placed them too:
+    the folder held both checkpoints mixed). Nothing of the one refused is left."""
+    x, y = _folder(tmp_path / "x", 1.0), tmp_path / "y"
+    y.mkdir()
+    save_file({"w": torch.full((16,), 2.0)}, y / "other.safetensors")
+    (y / "other.json").write_text("{}")
+    store.push(x, "x")
+    store.push(y, "y")
+    dest, marks = tmp_path / "dest", tmp_path / "marks"
+    dest.mkdir()
+    first = _checked_pulls(store, dest, marks, ["x"], force=False)[0]
+    try:
+        second = subprocess.run([sys.executable, "-c", _PULL.replace("overwrite=True", "overwrite=False"), store.url, "y", str(dest)],
+                                capture_output=True, timeout=120)
+        assert second.returncode == 0, second.stderr.decode()
+    finally:
+        (marks / "go").touch()
+    [(rc, err)] = _ends([first])
+    assert rc != 0 and "DestinationExistsError" in err and "made so while this pull ran" in err, err
+    assert _tree(dest) == _tree(y)
+    assert _ckpt_names(dest) == [] and _ckpt_names(tmp_path) == []
+
+
+def test_force_pulls_into_a_folder_none_has_made_yet_all_succeed(store, tmp_path):
+    """Every rank of a job pulls one checkpoint with --force into a folder that does not exist yet: the
+    first builds it and renames it into place; the others, finding it there, write into it as --force
+    says (they failed: "exists (made while this pull ran)"). The folder holds the checkpoint whole."""
+    x = _folder(tmp_path / "x", 1.0)
+    store.push(x, "x")
+    dest, marks = tmp_path / "job" / "dest", tmp_path / "marks"
+    procs = _checked_pulls(store, dest, marks, ["x"] * 4, force=True)
+    (marks / "go").touch()
+    for rc, err in _ends(procs):
+        assert rc == 0, err
+    assert _tree(dest) == _tree(x)
+    assert _ckpt_names(tmp_path / "job") == []
+
+
+def test_pulls_without_force_into_a_folder_none_has_made_yet_one_succeeds(store, tmp_path):
+    """The same without --force: one pull makes the folder; the other refuses, saying why, and leaves nothing."""
+    x = _folder(tmp_path / "x", 1.0)
+    store.push(x, "x")
+    dest, marks = tmp_path / "job" / "dest", tmp_path / "marks"
+    procs = _checked_pulls(store, dest, marks, ["x"] * 2, force=False)
+    (marks / "go").touch()
+    ends = sorted(_ends(procs))
+    assert ends[0][0] == 0 and ends[1][0] != 0 and "exists (made while this pull ran)" in ends[1][1], ends
+    assert _tree(dest) == _tree(x)
+    assert _ckpt_names(tmp_path / "job") == []
