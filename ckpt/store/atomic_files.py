@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from ckpt.errors import DestinationError, DestinationExistsError
-from ckpt.store.placing import folders_locked, is_temp_name, remove_quietly, replace_all, temp_name
+from ckpt.store.placing import clear_left, folders_locked, is_temp_name, journal_folder, remove_quietly, replace_all, temp_name
 
 log = logging.getLogger(__name__)
 
@@ -189,14 +189,16 @@ def write_files(targets: Sequence[str], fill: Callable[[list[str]], None], overw
 
 def _place(tmps: Sequence[str], targets: Sequence[str], overwrite: bool, check: Callable[[], object] | None) -> None:
     """Rename complete temporaries over their targets with every folder they go in locked: one pull
-    places files in a folder at a time, and ``check`` sees the destination as the renames will find it."""
-    folders = sorted({os.path.dirname(t) or "." for t in targets})
+    places files in a folder at a time, ``check`` sees the destination as the renames will find it,
+    and what pulls killed while placing files there left is dealt with (:func:`clear_left`)."""
+    folders = sorted({os.path.dirname(t) or "." for t in targets} | {journal_folder(targets)})
     with folders_locked(folders), _placing_files():
         if check is not None:
             try:
                 check()
             except DestinationExistsError as e:  # (it was not, when first checked)
                 raise DestinationExistsError(f"{e.message}: made so while this pull ran", hint=e.hint) from None
+        clear_left(folders, overwrite)
         replace_all(tmps, targets, overwrite)
     for d in sorted({os.path.dirname(t) for t in targets}):
         _fsync_dir(d)

@@ -21,7 +21,9 @@ A destination may hold something precious, so a pull
 * replaces an existing file of the checkpoint's only with ``overwrite`` (``--force``);
   files that are not the checkpoint's are left as they are;
 * removes what a killed pull of the same name left (its temporaries, which no live process
-  holds locked: :func:`sweep_left`), and nothing else.
+  holds locked: :func:`sweep_left`), and nothing else; says what a pull killed while renaming its
+  files into place left (some files new, some old, backups of the old: :mod:`ckpt.store.placing`'s
+  journal), and with ``overwrite`` removes the backups and temporaries that journal lists.
 
 A directory checkpoint pulled to a new path is built beside it and renamed into place, so
 the directory appears only when complete. Pulled into an existing directory, it needs that
@@ -42,7 +44,7 @@ from ckpt.errors import DestinationError, DestinationExistsError, StoreFormatErr
 from ckpt.format.names import clashing_path
 from ckpt.store.atomic_files import abandon, create_new, sweep_left, temp_name, write_dir, write_files
 from ckpt.store.output_files import OutputFile, is_torch_name, write_torch
-from ckpt.store.placing import is_temp_name
+from ckpt.store.placing import is_temp_name, left_note
 from ckpt.store.sources import STATE_DICT_SUFFIXES
 from ckpt_store.storage.config import enclosing_store
 
@@ -171,7 +173,7 @@ def dir_targets(store: Store, dest: str, paths: Sequence[str], overwrite: bool) 
             clash = [p for p in present if p in ours] or present
             shown = ", ".join(clash[:3]) + (f" and {len(clash) - 3} more" if len(clash) > 3 else "")
             raise DestinationExistsError(
-                f"{dest} exists and is not empty ({shown} {'is' if len(clash) == 1 else 'are'} in the way)",
+                f"{dest} exists and is not empty ({shown} {'is' if len(clash) == 1 else 'are'} in the way){left_note(dest)}",
                 hint="pass --force to write the checkpoint's files into it, replacing only files of the same names")
     else:
         _check_no_stale_weights(dest, paths)
