@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import stat
 import uuid
 from collections.abc import Iterator, Sequence
 
@@ -214,6 +215,8 @@ def _left_journals(folder: str) -> Iterator[tuple[str, list[dict[str, str | None
         except OSError:
             continue  # gone meanwhile, or a link: not a journal of ours
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue  # a FIFO, a device, a folder: not a journal, whatever its name
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:

@@ -4,6 +4,7 @@ pull placing files in the same folder at once."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -235,3 +236,17 @@ def test_what_a_pull_killed_while_placing_its_files_left_is_said_and_removed_by_
     assert any("killed while putting" in r.message and "removed" in r.message for r in caplog.records), caplog.text
     assert _all_files(dest) == {**_tree(y), users.name: users.read_bytes(), "notes.txt": b"the user's"}
     assert (tmp_path / ".model.safetensors.ckpt-old-11112222").exists() and _tree(x)["model.safetensors"] == (x / "model.safetensors").read_bytes()
+
+
+def test_what_is_named_like_a_journal_but_is_no_file_is_never_removed(store, tmp_path):
+    """A FIFO or a folder named like a placing journal is no journal: a --force pull into that folder
+    keeps both (the FIFO, opened and read as one, was removed)."""
+    x = _folder(tmp_path / "x", 1.0)
+    store.push(x, "x")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    os.mkfifo(dest / ".ckpt-placing-0000beef")
+    (dest / ".ckpt-placing-1111beef").mkdir()
+    store.pull("x", dest, overwrite=True)
+    assert (dest / ".ckpt-placing-0000beef").is_fifo() and (dest / ".ckpt-placing-1111beef").is_dir()
+    assert _tree(dest) == _tree(x)
