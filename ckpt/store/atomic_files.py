@@ -11,20 +11,17 @@ import errno
 import fcntl
 import logging
 import os
-import re
 import shutil
 import stat
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 
 from ckpt.errors import DestinationError, DestinationExistsError
+from ckpt.store.placing import clear_left, folders_locked, is_temp_name, journal_folder, remove_quietly, replace_all, temp_name
 
 log = logging.getLogger(__name__)
 
-_TMP = ".ckpt-tmp-"
-_TMP_TAIL = re.compile(r"[0-9a-f]{8}")  # what temp_name adds after the tag
 
 # This process's temporaries in destinations (files and folders not yet renamed into place or
 # removed), and how many renames into place are under way: what a process ending at once
@@ -65,10 +62,9 @@ def sweep_left(final: str) -> None:
     the file had grown, under a hidden name no later pull would otherwise touch. Only names
     :func:`temp_name` makes for ``final`` are considered; links, other kinds of file, and
     anything locked or younger than a few seconds are left alone."""
-    d, base = os.path.split(final)
-    prefix = f".{os.fsdecode(os.fsencode(base)[:200])}{_TMP}"
+    d = os.path.dirname(final)
     try:
-        names = [n for n in os.listdir(d or ".") if n.startswith(prefix) and _TMP_TAIL.fullmatch(n[len(prefix):])]
+        names = [n for n in os.listdir(d or ".") if is_temp_name(n, final)]
     except OSError:
         return  # (no such folder yet, say: nothing left there)
     now: float | None = None  # by the folder's clock, read at the first temporary found
@@ -129,15 +125,6 @@ def _folder_now(final: str) -> float:
             os.unlink(probe)
 
 
-def temp_name(final: str, tag: str = _TMP) -> str:
-    """A temporary name in ``final``'s directory (so the rename into place is atomic).
-
-    It starts with (at most the first 200 bytes of) ``final``'s own name, so that a file name
-    as long as a filesystem allows (255 bytes) still leaves room for the rest."""
-    d, base = os.path.split(final)
-    return os.path.join(d, f".{os.fsdecode(os.fsencode(base)[:200])}{tag}{uuid.uuid4().hex[:8]}")
-
-
 def _fsync_dir(d: str) -> None:
     fd = os.open(d or ".", os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -160,11 +147,14 @@ def _makedirs(d: str, made: list[str]) -> None:
     made.append(d)
 
 
-def write_files(targets: Sequence[str], fill: Callable[[list[str]], None], overwrite: bool = True) -> None:
+def write_files(targets: Sequence[str], fill: Callable[[list[str]], None], overwrite: bool = True,
+                check: Callable[[], object] | None = None) -> None:
     """Write ``targets`` all or nothing: ``fill`` writes (and fsyncs) each file under the
     temporary name given for it; then every temporary is renamed over its target. Without
     ``overwrite`` a temporary takes its target's name only if nothing is there (another
     program may have made a file there since the checks): else :class:`DestinationExistsError`.
+    ``check`` (the destination's rule, checked again) runs with the folders locked, before any
+    rename: another pull may have placed its files there since the rule was first checked.
 
     On any failure (an error, a corrupt chunk, Ctrl-C) the temporaries and the
     directories made for them are removed and the targets are as they were. A target
@@ -179,16 +169,13 @@ def write_files(targets: Sequence[str], fill: Callable[[list[str]], None], overw
                 _makedirs(os.path.dirname(t), made)
                 sweep_left(t)
             fill(tmps)
-            with _folders_locked(targets), _placing_files():
-                _replace_all(tmps, targets, overwrite)
-            for d in sorted({os.path.dirname(t) for t in targets}):
-                _fsync_dir(d)
+            _place(tmps, targets, overwrite, check)
         except OSError as e:
             raise DestinationError(f"cannot write {e.filename or targets[0]}: {e.strerror or e}",
                                    hint="check the destination's permissions and free space") from None
     except BaseException:
         for tmp in tmps:
-            _remove_quietly(tmp)
+            remove_quietly(tmp)
         for d in reversed(made):
             try:
                 os.rmdir(d)  # only if still empty: never anything that is not ours
@@ -200,36 +187,21 @@ def write_files(targets: Sequence[str], fill: Callable[[list[str]], None], overw
         _unlock_temps(tmps)
 
 
-@contextlib.contextmanager
-def _folders_locked(targets: Sequence[str]) -> Iterator[None]:
-    """Hold each folder ``targets`` go in locked (``flock``, exclusive) while they are renamed into
-    place. Two pulls with ``--force`` into one folder at once would otherwise interleave their renames
-    and both succeed, leaving some files of each checkpoint: neither, and nothing said. Locked, the
-    second waits for the first's renames (moments) and then replaces its files whole. Folders are
-    locked in one order (device, inode), however they are spelled, so two pulls never wait on each
-    other; one that cannot be opened or locked (a filesystem without locks) is placed in unlocked."""
-    folders: dict[tuple[int, int], int] = {}
-    try:
-        for d in {os.path.dirname(t) or "." for t in targets}:
+def _place(tmps: Sequence[str], targets: Sequence[str], overwrite: bool, check: Callable[[], object] | None) -> None:
+    """Rename complete temporaries over their targets with every folder they go in locked: one pull
+    places files in a folder at a time, ``check`` sees the destination as the renames will find it,
+    and what pulls killed while placing files there left is dealt with (:func:`clear_left`)."""
+    folders = sorted({os.path.dirname(t) or "." for t in targets} | {journal_folder(targets)})
+    with folders_locked(folders), _placing_files():
+        if check is not None:
             try:
-                fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
-            except OSError:
-                continue
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) in folders:
-                os.close(fd)  # (one folder spelled twice: a second lock of it would wait on the first)
-            else:
-                folders[(st.st_dev, st.st_ino)] = fd
-        for _, fd in sorted(folders.items()):
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError as e:
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EBADF, errno.EINVAL):
-                    raise
-        yield
-    finally:
-        for fd in folders.values():
-            os.close(fd)  # (releases its lock)
+                check()
+            except DestinationExistsError as e:  # (it was not, when first checked)
+                raise DestinationExistsError(f"{e.message}: made so while this pull ran", hint=e.hint) from None
+        clear_left(folders, overwrite)
+        replace_all(tmps, targets, overwrite)
+    for d in sorted({os.path.dirname(t) for t in targets}):
+        _fsync_dir(d)
 
 
 @contextlib.contextmanager
@@ -255,83 +227,18 @@ def abandon() -> bool:
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)  # our own temporary folder (write_dir)
         else:
-            _remove_quietly(path)
+            remove_quietly(path)
     return True
 
 
-_OLD = ".ckpt-old-"
-
-
-def _link_new(tmp: str, target: str) -> bool:
-    """Give ``tmp``'s file the name ``target`` only if nothing has that name: True once done (the
-    temporary's name removed); False where the filesystem refuses links (then a rename does it).
-    Raises :class:`DestinationExistsError` when something took the name first."""
-    try:
-        os.link(tmp, target, follow_symlinks=False)
-    except FileExistsError:
-        raise DestinationExistsError(f"{target} exists (made while this pull ran)", hint="pass --force to replace it") from None
-    except OSError:
-        return False
-    _remove_quietly(tmp)
-    return True
-
-
-def _replace_all(tmps: Sequence[str], targets: Sequence[str], overwrite: bool = True) -> None:
-    """Rename each temporary over its target, all or none: a file (or link) at a target is first
-    kept under a backup name beside it (a hard link: the target stays in place meanwhile; a
-    rename where links are refused), so that a failure part way puts every target back as it
-    was, and the backups go once all are in place."""
-    # (target, where its old file is kept or None, the temporary's inode): what a failure undoes is
-    # decided by what is on disk, so that a signal landing between two steps is undone too.
-    done: list[tuple[str, str | None, int]] = []
-    try:
-        for tmp, t in zip(tmps, targets):
-            old = None
-            if os.path.lexists(t):
-                if os.path.isdir(t) and not os.path.islink(t):  # appeared since the checks: never moved
-                    raise IsADirectoryError(errno.EISDIR, "a directory is in the way", t)
-                if not overwrite:  # appeared since the checks
-                    raise DestinationExistsError(f"{t} exists (made while this pull ran)", hint="pass --force to replace it")
-                old = temp_name(t, _OLD)
-            done.append((t, old, os.lstat(tmp).st_ino))
-            if not overwrite and _link_new(tmp, t):
-                continue
-            if old is not None:
-                try:
-                    os.link(t, old, follow_symlinks=False)
-                except OSError:
-                    os.rename(t, old)
-            os.replace(tmp, t)
-    except BaseException as e:
-        unrestored = []
-        for t, old, ino in reversed(done):
-            try:
-                now = os.lstat(t).st_ino if os.path.lexists(t) else None
-                if old is None:
-                    if now == ino:
-                        os.unlink(t)  # the new file where there was none
-                elif os.path.lexists(old):
-                    if now == os.lstat(old).st_ino:
-                        os.unlink(old)  # t is the old file still; old is a link to it
-                    else:
-                        os.replace(old, t)  # the old file back in its place
-            except OSError:
-                unrestored.append(f"{t} (kept as {old})" if old else t)
-        if unrestored and isinstance(e, OSError):
-            raise DestinationError(f"cannot write {e.filename or targets[0]}: {e.strerror or e}; and could not put "
-                                   f"back {', '.join(unrestored)}", hint="check the destination's permissions") from None
-        raise
-    for _, old, _ in done:
-        if old is not None:
-            _remove_quietly(old)
-
-
-def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], None], overwrite: bool = True) -> None:
+def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], None], overwrite: bool = True,
+              check: Callable[[], object] | None = None) -> None:
     """Write a directory checkpoint's files. A new ``dest`` is built beside it and renamed
     into place (it appears only when complete); an existing one is written into with
-    :func:`write_files`."""
+    :func:`write_files` (``check`` as there). With ``overwrite``, a ``dest`` another pull made
+    while this one ran (every rank of a job pulling at its start) is written into so too."""
     if os.path.isdir(dest):
-        write_files(targets, fill, overwrite)
+        write_files(targets, fill, overwrite, check)
         return
     tmp_dir = temp_name(dest)
     inner = [os.path.join(tmp_dir, os.path.relpath(t, dest)) for t in targets]
@@ -356,9 +263,14 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
                 except OSError as e:
                     if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
                         raise
-                    raise DestinationExistsError(f"{dest} exists (made while this pull ran)",
-                                                 hint="pull again: it is then checked as any destination is") from None
-                _pending.discard(tmp_dir)  # (it is dest now)
+                    if not (overwrite and check is not None and os.path.isdir(dest) and not os.path.islink(dest)):
+                        raise DestinationExistsError(f"{dest} exists (made while this pull ran)",
+                                                     hint="pull again: it is then checked as any destination is") from None
+                    for t in targets:
+                        _makedirs(os.path.dirname(t), made)
+                    _place(inner, targets, True, check)  # into the folder made meanwhile, as into any with --force
+                    shutil.rmtree(tmp_dir)  # (its folders, emptied)
+                _pending.discard(tmp_dir)  # (it is dest now, or gone)
             _fsync_dir(os.path.dirname(os.path.abspath(dest)))
         except OSError as e:
             raise DestinationError(f"cannot write {e.filename or dest}: {e.strerror or e}",
@@ -387,14 +299,3 @@ def create_new(path: str) -> int:
         os.close(fd)
         raise
     return fd
-
-
-
-def _remove_quietly(path: str) -> None:
-    """Remove a file of ours while cleaning up after a failure: an error here (a read-only
-    filesystem, a parent that is not a directory) must neither hide the failure being
-    reported nor stop the rest of the cleanup."""
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -8,7 +8,9 @@ A destination may hold something precious, so a pull
   removed); a file replaced is first kept under a backup name, so that a rename failing
   part way (a file made immutable, another user's in a sticky directory) puts back every
   file already replaced; and one pull renames into a folder at a time (two ``--force`` pulls there at
-  once leave the files of the last to rename whole, never some of each);
+  once leave the files of the last to rename whole, never some of each), the rule checked again as
+  it does (two pulls without ``--force`` into one empty folder: the second refuses, as if it had
+  come after; with ``--force`` into a folder another pull made meanwhile: it writes into it);
 * never deletes or renames a directory, and never replaces something that is not a
   regular file or a symbolic link (a directory named like a checkpoint file is in the way);
 * replaces a symbolic link found at a file's name with the file, and never writes
@@ -19,7 +21,9 @@ A destination may hold something precious, so a pull
 * replaces an existing file of the checkpoint's only with ``overwrite`` (``--force``);
   files that are not the checkpoint's are left as they are;
 * removes what a killed pull of the same name left (its temporaries, which no live process
-  holds locked: :func:`sweep_left`), and nothing else.
+  holds locked: :func:`sweep_left`), and nothing else; says what a pull killed while renaming its
+  files into place left (some files new, some old, backups of the old: :mod:`ckpt.store.placing`'s
+  journal), and with ``overwrite`` removes the backups and temporaries that journal lists.
 
 A directory checkpoint pulled to a new path is built beside it and renamed into place, so
 the directory appears only when complete. Pulled into an existing directory, it needs that
@@ -40,6 +44,7 @@ from ckpt.errors import DestinationError, DestinationExistsError, StoreFormatErr
 from ckpt.format.names import clashing_path
 from ckpt.store.atomic_files import abandon, create_new, sweep_left, temp_name, write_dir, write_files
 from ckpt.store.output_files import OutputFile, is_torch_name, write_torch
+from ckpt.store.placing import is_temp_name, left_note
 from ckpt.store.sources import STATE_DICT_SUFFIXES
 from ckpt_store.storage.config import enclosing_store
 
@@ -162,17 +167,38 @@ def dir_targets(store: Store, dest: str, paths: Sequence[str], overwrite: bool) 
         check_outside_stores(target, store)  # a store somewhere below dest
         _check_entry(target, True)
     if not overwrite:
-        present = sorted(os.listdir(dest))
+        present = _placed(dest)
         if present:
             ours = {p.split("/")[0] for p in paths}
             clash = [p for p in present if p in ours] or present
             shown = ", ".join(clash[:3]) + (f" and {len(clash) - 3} more" if len(clash) > 3 else "")
             raise DestinationExistsError(
-                f"{dest} exists and is not empty ({shown} {'is' if len(clash) == 1 else 'are'} in the way)",
+                f"{dest} exists and is not empty ({shown} {'is' if len(clash) == 1 else 'are'} in the way){left_note(dest)}",
                 hint="pass --force to write the checkpoint's files into it, replacing only files of the same names")
     else:
         _check_no_stale_weights(dest, paths)
     return dest, targets
+
+
+def _placed(d: str) -> list[str]:
+    """What folder ``d`` holds besides pulls' temporaries (a folder of nothing else is as empty as they
+    are): a pull into an empty folder is checked again with its own temporaries there, and maybe
+    another's, whose files are not in place, and are swept if it was killed."""
+    found = []
+    try:
+        entries = list(os.scandir(d))
+    except FileNotFoundError:
+        return []  # (a folder of temporaries removed meanwhile)
+    for e in entries:
+        if is_temp_name(e.name):
+            continue
+        try:
+            if e.is_dir(follow_symlinks=False) and os.listdir(e.path) and not _placed(e.path):
+                continue
+        except FileNotFoundError:
+            continue
+        found.append(e.name)
+    return sorted(found)
 
 
 _WEIGHTS = (".safetensors", ".safetensors.index.json", ".bin.index.json", *STATE_DICT_SUFFIXES)

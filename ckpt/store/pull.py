@@ -108,9 +108,10 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
         # A folder's files would go into a new directory named like one file: not what was asked.
         raise DestinationError(f"{label} is a folder of {len(m.files)} files; {dest} is named like one file",
                                hint="pull it into a directory, or with --include '*' to write its tensors as that one file")
-    root, targets = dir_targets(store, dest, [f.path for f in m.files], overwrite)
-    write_dir(root, targets, lambda paths: _write_files(store, m, list(zip(m.files, paths)), progress, what=f"checkpoint {label}"),
-              overwrite)
+    paths = [f.path for f in m.files]
+    root, targets = dir_targets(store, dest, paths, overwrite)
+    write_dir(root, targets, lambda tmps: _write_files(store, m, list(zip(m.files, tmps)), progress, what=f"checkpoint {label}"),
+              overwrite, check=lambda: dir_targets(store, root, paths, overwrite))
     return root
 
 

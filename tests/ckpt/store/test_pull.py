@@ -662,7 +662,7 @@ def test_a_rename_that_fails_after_the_backup_leaves_no_backup(tmp_path):
     (one did: renaming a link over itself does nothing, so the 'restore' kept both names)."""
     import tempfile
 
-    from ckpt.store.atomic_files import _replace_all
+    from ckpt.store.placing import replace_all
 
     other = tempfile.mkdtemp(dir="/dev/shm") if os.path.isdir("/dev/shm") else None
     if other is None or os.stat(other).st_dev == os.stat(tmp_path).st_dev:
@@ -675,7 +675,7 @@ def test_a_rename_that_fails_after_the_backup_leaves_no_backup(tmp_path):
         first = tmp_path / ".u.json.tmp"
         first.write_text("new u")
         with pytest.raises(OSError):
-            _replace_all([str(first), str(new)], [str(tmp_path / "u.json"), str(tmp_path / "t.json")])
+            replace_all([str(first), str(new)], [str(tmp_path / "u.json"), str(tmp_path / "t.json")])
         assert _tree(tmp_path) == {"t.json": b"old", "u.json": b"old u"}
     finally:
         import shutil
