@@ -50,6 +50,11 @@ def layer_key(name: str) -> tuple[str, int | None, str]:
 MAX_INCHES = 100.0
 ROW_INCHES, LAYER_INCHES = 0.32, 0.8
 
+# Text drawn as it is written: tensor names, refs and paths come from whoever made the checkpoint, and
+# matplotlib reads "$...$" in them as mathtext (a name like 'w.$\\x$' ended the plot in a ValueError,
+# one like 'w.$x$' was drawn as a formula).
+_AS_WRITTEN = {"parse_math": False}
+
 
 def _fmt(v: float | None) -> str:
     if v is None:
@@ -118,7 +123,7 @@ def plot_report(report: DiffReport, path: str | os.PathLike[str], store: Store |
     title = f"relative change ‖B−A‖/‖A‖ per tensor — A: {report.a}   B: {report.b}"
     s = report.summary
     fig.suptitle(f"{title}\n{s.changed} changed, {s.identical} identical, {s.added} added, {s.removed} removed, "
-                 f"{s.shape_changed + s.dtype_changed} reshaped/retyped of {s.tensors} tensors", fontsize=10)
+                 f"{s.shape_changed + s.dtype_changed} reshaped/retyped of {s.tensors} tensors", fontsize=10, **_AS_WRITTEN)
     image = None
     for ax, panel in zip(axes[0], panels):
         if panel == "heat":
@@ -137,13 +142,13 @@ def plot_report(report: DiffReport, path: str | os.PathLike[str], store: Store |
                 for (r, c, t), v in zip(cells, shade):
                     dark = not math.isnan(v) and norm(v) < 0.6
                     ax.text(c, r, _fmt(t.relative_change), ha="center", va="center", fontsize=7,
-                            color="white" if dark else "black")
+                            color="white" if dark else "black", **_AS_WRITTEN)
             cols = _ticks(len(layers), MAX_INCHES / LAYER_INCHES)
             ax.set_xticks(cols, [str(layers[c]) for c in cols])
             label = "layer index" + (f" ({', '.join(sorted(stacks))})" if len(stacks) == 1 else "")
-            ax.set_xlabel(label)
+            ax.set_xlabel(label, **_AS_WRITTEN)
             ys = _ticks(len(rows), MAX_INCHES / ROW_INCHES)
-            ax.set_yticks(ys, [rows[r][1] if len(stacks) == 1 else f"{rows[r][0]}.*.{rows[r][1]}" for r in ys], fontsize=8)
+            ax.set_yticks(ys, [rows[r][1] if len(stacks) == 1 else f"{rows[r][0]}.*.{rows[r][1]}" for r in ys], fontsize=8, **_AS_WRITTEN)
             ax.set_title("layers, grouped by module type", fontsize=9)
         else:
             names = [t.name for t in flat]
@@ -156,11 +161,11 @@ def plot_report(report: DiffReport, path: str | os.PathLike[str], store: Store |
             ax.set_xlim(left, hi * 3)
             ax.xaxis.set_minor_formatter(NullFormatter())
             ys = _ticks(len(flat), MAX_INCHES / ROW_INCHES)
-            ax.set_yticks(ys, [names[i] for i in ys], fontsize=8)
+            ax.set_yticks(ys, [names[i] for i in ys], fontsize=8, **_AS_WRITTEN)
             ax.invert_yaxis()
             for i, t in enumerate(flat if written else ()):
                 note = "identical" if t.status == "identical" else t.status if t.status != "changed" else ""
-                ax.text(left * 1.1, i, f"{_fmt(t.relative_change)}" + (f"  ({note})" if note else ""), va="center", fontsize=7)
+                ax.text(left * 1.1, i, f"{_fmt(t.relative_change)}" + (f"  ({note})" if note else ""), va="center", fontsize=7, **_AS_WRITTEN)
             ax.set_xlabel("relative change (log)")
             ax.set_title("tensors outside the layer stack", fontsize=9)
     if image is not None:

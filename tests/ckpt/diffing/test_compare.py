@@ -513,6 +513,36 @@ def test_plot_of_names_with_odd_digits_draws_every_tensor(store, tmp_path):
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_draws_names_and_paths_as_written_never_as_mathtext(store, tmp_path, monkeypatch):
+    """matplotlib reads text between two '$' as a formula: a tensor name 'blocks.0.$\\x$' (safetensors
+    and push take any printable name) ended ckpt diff --plot in a ValueError traceback from the mathtext
+    parser, and 'blocks.$a$.w' or a path 'run$1$/a.safetensors' was drawn as a formula, not as its name.
+    Every label that holds a name, a ref or a path is drawn as it is written."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    from ckpt.diffing import plot as plot_module
+
+    folder = tmp_path / "run$1$"
+    folder.mkdir()
+    names = ["blocks.0.$\\x$", "blocks.1.$\\x$", "$s^$.0.w", "head.$a$", "norm.$\\frac$"]
+    a = {n: torch.ones(4) for n in names}
+    save_file(a, folder / "a.safetensors")
+    save_file({n: t * (i + 2) for i, (n, t) in enumerate(a.items())}, folder / "b.safetensors")
+    drawn: list[Text] = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (drawn.extend(fig.findobj(Text)), close(fig)))
+    report = ckpt.diff(str(folder / "a.safetensors"), str(folder / "b.safetensors"), store=store)
+    out = plot_module.plot_report(report, tmp_path / "names.png")
+    assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    texts = {t.get_text() for t in drawn}
+    ours = ["blocks.*.$\\x$", "$s^$.*.w", "head.$a$", "norm.$\\frac$"]  # rows of two stacks, then flat tensors
+    ours += [t for t in texts if str(folder) in t]  # the title: both sides' paths
+    assert set(ours) <= texts and len(ours) == 5
+    assert all(not t.get_parse_math() for t in drawn if t.get_text() in ours)
+
+
 def test_a_plot_with_too_many_cells_is_refused_before_drawing(store, tmp_path, monkeypatch):
     """Each tensor drawn costs a cell (names that gave each tensor a layer and a module type of its own,
     "s.7.m7", once made the grid tensors x tensors: 300 took three minutes; cells are now drawn only
