@@ -401,6 +401,11 @@ def _check_scale(p: Mapping[str, Any]) -> str | None:
 def _check_dare(p: Mapping[str, Any]) -> str | None:
     if p["combine"] == "ties" and min(p["weights"]) <= 0:
         return "the ties combine needs weights > 0"
+    # The kept entries are scaled by 1/density, a weight like any other: past float32's range every one
+    # is inf, and where density rounds to 0 in float32 every dropped one is 0/0, NaN.
+    if p["density"] < 1 / _F32_MAX:
+        return (f"density {p['density']!r} scales the entries it keeps by 1/density, beyond float32's largest "
+                f"number ({_F32_MAX:.3g}): give a density of at least {1 / _F32_MAX:.3g}")
     return _check_scale(p)
 
 

@@ -313,6 +313,9 @@ def run_with(reg: MethodRegistry, name: str) -> list[float]:
     ("task-arithmetic", {"weights": "1,-1e39"}, 2, True, r"add up to 1e\+39"),
     ("dare", {"weights": "1e39,1", "combine": "ties"}, 2, True, "add up to 1e\\+39"),
     ("dare", {"lambda": "1e39"}, 2, True, "lambda 1e\\+39 is beyond"),
+    # 1/density past float32's range: every element of the merge came out NaN (0/0 where 1e-320 rounds to 0)
+    ("dare", {"density": "1e-320"}, 2, True, r"density 1e-320 scales the entries it keeps by 1/density, beyond float32's largest"),
+    ("dare", {"density": "2.9e-39", "combine": "ties"}, 2, True, r"give a density of at least 2.94e-39"),
 ])
 def test_bad_parameters_are_rejected(method, params, n, base, match):
     with pytest.raises(InvalidMergeError, match=match):
@@ -342,6 +345,9 @@ def test_weights_past_float32_are_refused_not_merged_into_inf():
     # each weight within range, their sum (ties divides by it) not: every task vector came out 0, the base itself
     with pytest.raises(InvalidMergeError, match="add up to 6e\\+38"):
         merge_state_dicts(fts, "ties", params={"weights": [3e38, 3e38], "density": 1.0}, base=base)
+    with pytest.raises(InvalidMergeError, match="density 1e-320"):  # (it returned NaN for every element)
+        merge_state_dicts(fts, "dare", params={"density": 1e-320}, base=base)
+    assert all(torch.isfinite(v).all() for v in merge_state_dicts(fts, "dare", params={"density": 3e-39}, base=base).values())
     tied = merge_state_dicts(fts, "ties", params={"weights": [1e38, 1e38], "density": 1.0}, base=base)  # within range
     assert all(not torch.equal(tied[k], base[k]) for k in base) and all(torch.isfinite(v).all() for v in tied.values())
 
