@@ -15,9 +15,10 @@ Summation order (it fixes every rounding, so results are reproducible bit for bi
 * ``task-arithmetic``: ``d_i = λ_i·(x_i − base)``, ``s = ((d_0 + d_1) + d_2) + …``, ``out = s + base``.
 * ``ties``: ``d_i = w_i·(x_i − base)``; trim each ``d_i`` to the elements with
   ``|d_i| ≥`` its k-th largest magnitude, ``k = ceil(density·numel)`` (elements tied at
-  the threshold are all kept); elected sign ``σ = sign(((d_0 + d_1) + …))``; with
+  the threshold are all kept; NaN counts as the largest); elected sign ``σ = sign(((d_0 + d_1) + …))``; with
   ``a_i = [sign(d_i) = σ and d_i ≠ 0]``: ``num = Σ a_i·d_i``, ``den = Σ a_i·w_i`` (same
-  order), ``τ = num / den`` (0 where ``den = 0``; ``τ = num`` with ``normalize=false``),
+  order), ``τ = num / den`` (0 where ``den = 0``; ``τ = num`` with ``normalize=false``; NaN
+  where the sum is NaN: no sign to elect),
   ``out = λ·τ + base``.
 * ``dare``: ``d_i = (x_i − base)·m_i / density`` where ``m_i`` keeps each element with
   probability ``density`` (``torch.rand < density`` from a CPU generator seeded with
@@ -253,6 +254,8 @@ def trim_(d: torch.Tensor, density: float) -> torch.Tensor:
     mag.partition(n - k)
     threshold = float(mag[n - k])
     del mag
+    if math.isnan(threshold):  # NaN sorts above every number: the k largest are all NaN (compared to
+        return d.masked_fill_(d.isnan().logical_not_(), 0)  # a NaN threshold, nothing was trimmed at all)
     return d.masked_fill_(d.abs() < threshold, 0)
 
 
@@ -275,6 +278,9 @@ def ties_combine(ds: list[torch.Tensor], weights: Sequence[float], normalize: bo
         for d in part[1:]:
             total.add_(d)
         pos, neg = total > 0, total < 0  # the elected sign (neither where the sum is 0)
+        # Where the sum is NaN (a NaN, or +inf against -inf) there is no sign to elect: the result is NaN, as
+        # task-arithmetic's sum is there, never the base as if no input had changed the element.
+        undefined = total.isnan()
         num = total.zero_()  # reuse the buffer
         den = torch.zeros_like(num) if normalize else None
         for d, w in zip(part, weights):
@@ -284,7 +290,7 @@ def ties_combine(ds: list[torch.Tensor], weights: Sequence[float], normalize: bo
             num.add_(d.masked_fill_(agree.logical_not_(), 0))
         if den is not None:
             num.div_(den.masked_fill_(den == 0, 1.0))  # where no input agrees num is 0: the result is 0
-        part[0].copy_(num)
+        part[0].copy_(num.masked_fill_(undefined, math.nan))
     return out.view(ds[0].shape)
 
 

@@ -122,6 +122,31 @@ def test_ties_weighted_mean():
     np.testing.assert_array_equal(got.numpy(), expected.astype(np.float32))
 
 
+def test_ties_gives_nan_where_a_task_vector_is_nan_and_trims_the_rest_as_before():
+    """A fine-tune with NaN entries (a diverged run) merged with ties came out as the base at those
+    entries, NaN gone without a trace (no sign to elect from a NaN sum: treated as no change), where
+    linear, task-arithmetic and dare give NaN; and where NaN were more than the density keeps, the
+    trim's threshold was NaN, so nothing was trimmed: every other element merged untrimmed. NaN now
+    counts as the largest magnitude in the trim (as it did while fewer than k) and stays NaN in the
+    result; the other elements are those of a NaN standing for a magnitude above every other."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(1000, generator=g)
+    a, b = base + torch.randn(1000, generator=g), base + torch.randn(1000, generator=g)
+    bad = torch.zeros(1000, dtype=torch.bool)
+    bad[::4] = True  # 250 entries
+    a_nan, a_big = a.clone(), a.clone()
+    a_nan[bad], a_big[bad] = math.nan, 1e30
+    for density in (0.1, 0.5):  # keeps 100 (fewer than the NaN: the threshold was NaN) or 500
+        out = merge_state_dicts([{"w": a_nan}, {"w": b}], "ties", params={"density": density}, base={"w": base})["w"]
+        want = merge_state_dicts([{"w": a_big}, {"w": b}], "ties", params={"density": density}, base={"w": base})["w"]
+        assert out[bad].isnan().all() and torch.equal(out[~bad], want[~bad])
+    # +inf against -inf: no sign either (task-arithmetic's sum is NaN there too); dare's ties combine alike
+    x, y, z = torch.tensor([1.0, 2.0]), torch.tensor([math.inf, 3.0]), torch.tensor([-math.inf, 3.0])
+    for method, params in (("ties", {"density": 1.0}), ("dare", {"density": 1.0, "combine": "ties"})):
+        out = merge_state_dicts([{"w": y}, {"w": z}], method, params=params, base={"w": x})["w"]
+        assert out[0].isnan() and out[1] == 3.0
+
+
 def test_trim_keeps_the_largest_and_every_tie_at_the_threshold():
     d = torch.tensor([0.1, -3.0, 2.0, -0.5, 2.0])
     assert trim_(d.clone(), 0.4).tolist() == [0.0, -3.0, 2.0, 0.0, 2.0]  # k = 2; both 2.0s tie at the threshold
