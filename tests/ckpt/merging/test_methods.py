@@ -10,7 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+from safetensors.torch import save_file
 
+import ckpt
 from ckpt.errors import InvalidMergeError
 from ckpt.merging.combine import merge_state_dicts
 from ckpt.merging.methods import (
@@ -401,3 +403,31 @@ def test_merge_state_dicts_refuses_a_base_or_inputs_that_do_not_line_up():
     out = merge_state_dicts(fts, "task-arithmetic", base=base)  # lined up: as before
     want = (fts[0]["weight"] - base["weight"]).mul(1.0).add((fts[1]["weight"] - base["weight"]).mul(1.0)).add(base["weight"])
     assert torch.equal(out["weight"], want)
+
+
+def test_merge_state_dicts_merges_the_dtypes_a_stored_merge_does(store, tmp_path):
+    """merge_state_dicts decided by torch's is_floating_point what ckpt.merge decides by its own list
+    (planning.FLOAT_DTYPES): it averaged E8M0 tensors (MX block scales, powers of two: an average of
+    exponents is no scale) that a merge of the same tensors pushed to a store refuses; compared
+    non-float tensors with torch.equal, so that a complex tensor holding a NaN differed from its
+    own copy; and two float4 tensors (or two identical complex32 ones) ended in torch's bare
+    NotImplementedError. Both now go by the one list and compare bits."""
+    scale = torch.tensor([1.0, 2.0, 4.0]).to(torch.float8_e8m0fnu)
+    other = torch.tensor([1.0, 2.0, 8.0]).to(torch.float8_e8m0fnu)
+    for i, t in enumerate((scale, other)):
+        save_file({"s": t, "w": torch.full((3,), float(i))}, tmp_path / f"{i}.safetensors")
+        store.push(str(tmp_path / f"{i}.safetensors"), f"e8/{i}")
+    with pytest.raises(InvalidMergeError, match="s is F8_E8M0 and differs between inputs: only floating-point"):
+        ckpt.merge(["e8/0", "e8/1"], name="e8/m", store=store)
+    with pytest.raises(InvalidMergeError, match="s is F8_E8M0 and differs between inputs: only floating-point"):
+        merge_state_dicts([{"s": scale, "w": torch.zeros(3)}, {"s": other, "w": torch.ones(3)}])
+    same = merge_state_dicts([{"s": scale, "w": torch.zeros(3)}, {"s": scale.clone(), "w": torch.ones(3)}])
+    assert same["s"].view(torch.uint8).equal(scale.view(torch.uint8)) and same["w"].equal(torch.full((3,), 0.5))
+    z = torch.tensor([complex(math.nan, 1.0), 2 + 0j])
+    assert merge_state_dicts([{"z": z}, {"z": z.clone()}])["z"].view(torch.uint8).equal(z.view(torch.uint8))
+    f4 = torch.tensor([1, 2], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    with pytest.raises(InvalidMergeError, match="f is float4_e2m1fn_x2 and differs between inputs"):
+        merge_state_dicts([{"f": f4}, {"f": torch.tensor([1, 3], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}])
+    half = torch.ones(2, dtype=torch.complex32)
+    assert merge_state_dicts([{"h": half}, {"h": half.clone()}])["h"].view(torch.uint8).equal(half.view(torch.uint8))
+
