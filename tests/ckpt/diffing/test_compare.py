@@ -87,6 +87,28 @@ def test_a_real_tensor_retyped_as_complex_compares_by_value_both_ways_round(stor
     assert (row.status, row.changed_elements) == ("dtype_changed", 0)
 
 
+def test_float64_values_whose_squares_overflow_give_their_statistics_not_nan():
+    """The norms are sums of squares in float64, which overflow past 1.3e154: a float64 tensor of
+    finite values such as 1e200 read relative change NaN, cosine none, and was flagged as a
+    diverged tensor ("changed to or from NaN/inf", sorted first), its norms inf; the summary's
+    overall change NaN too (and norm**2 of a finite norm past 1.3e154 would raise OverflowError).
+    Such blocks sum squares scaled by a power of two: every statistic is that of the same tensors
+    scaled down, exactly (blocks of 2 here: small and huge blocks in one tensor)."""
+    a = torch.tensor([1e100, -2e100, 1e200, -3e200, 5e150, 1.0], dtype=torch.float64)
+    b = torch.tensor([1e100, -1e100, 2e200, -3e200, 5e150, 1.0], dtype=torch.float64)
+    k = 2.0**-600
+    for block in (2, 1 << 20):
+        big, small = tensor_stats(a, b, block=block), tensor_stats(a * k, b * k, block=block)
+        assert math.isfinite(big.relative_change) and big.relative_change == small.relative_change
+        assert big.cosine is not None and big.cosine == small.cosine and big.changed_elements == 2
+        assert (big.norm_a, big.norm_b, big.norm_diff, big.max_abs_diff) == tuple(
+            math.ldexp(v, 600) for v in (small.norm_a, small.norm_b, small.norm_diff, small.max_abs_diff))
+    report = ckpt.diff({"w": a, "v": torch.ones(3)}, {"w": b, "v": torch.full((3,), 2.0)})
+    row = {t.name: t for t in report.tensors}["w"]
+    assert not row.nonfinite and report.summary.nonfinite == 0 and row.relative_change == big.relative_change
+    assert report.summary.relative_change == math.hypot(big.norm_diff, 3**0.5) / math.hypot(big.norm_a, 3**0.5)
+
+
 def test_stats_leave_float64_inputs_as_they_were():
     """The statistics pass took b's float64 copy as scratch and subtracted into it; for a float64 b
     that "copy" was b itself (``.to`` returns the tensor when the dtype is already float64), so
