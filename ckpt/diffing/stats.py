@@ -170,8 +170,11 @@ def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> Te
             mad = _nan_max(mad, float(db.abs_().max()))
     # Norms at the scale of the blocks (rel and cos are ratios: any scale gives them), and as they are.
     shift = _SHIFT if any(block[3] for block in sums) else 0
-    na, nb, nd = (math.sqrt(math.fsum(block[i] if block[3] else math.ldexp(block[i], -2 * shift) for block in sums))
-                  for i in range(3))
+    try:
+        na, nb, nd = _norms(sums, shift)
+    except OverflowError:  # each block's sum within range, their total not (fsum raises)
+        shift = _SHIFT
+        na, nb, nd = _norms(sums, shift)
     if changed == 0:
         rel: float | None = 0.0
         mad = 0.0
@@ -185,6 +188,13 @@ def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> Te
     if math.isfinite(cos):
         cos = max(-1.0, min(1.0, cos))
     return TensorStats(changed, rel, mad, _finite(cos), _ldexp(na, shift), _ldexp(nb, shift), _ldexp(nd, shift), nonfinite)
+
+
+def _norms(sums: list[tuple[float, float, float, bool]], shift: int) -> tuple[float, float, float]:
+    """The three norms of the blocks' sums of squares, at the scale 2**-shift (scaled blocks are already)."""
+    a, b, d = (math.sqrt(math.fsum(block[i] if block[3] else math.ldexp(block[i], -2 * shift) for block in sums))
+               for i in range(3))
+    return a, b, d
 
 
 def _ldexp(x: float, n: int) -> float:

@@ -331,18 +331,28 @@ def merge_dare(xs: list[torch.Tensor], base: torch.Tensor | None, p: Mapping[str
     return tau.mul_(p["lambda"]).add_(base)
 
 
-def _dots(a: torch.Tensor, b: torch.Tensor, block: int = 1 << 16) -> tuple[float, float, float]:
-    """(a·a, b·b, a·b) in float64, over small blocks (little scratch memory)."""
+def _dots(a: torch.Tensor, b: torch.Tensor, block: int = 1 << 16, scale: float = 1.0) -> tuple[float, float, float]:
+    """(a·a, b·b, a·b) in float64, over small blocks (little scratch memory); of ``a`` and ``b``
+    times ``scale``, a power of two, where float64 values past 1.3e154 overflow them (slerp needs
+    their ratios only: at any scale, the same)."""
     import torch
 
     fa, fb = a.reshape(-1), b.reshape(-1)
     aa, bb, ab = [], [], []
     for i in range(0, fa.numel(), block):
         x, y = fa[i : i + block].double(), fb[i : i + block].double()
+        if scale != 1.0:
+            x, y = x * scale, y * scale
         aa.append(float(torch.dot(x, x)))
         bb.append(float(torch.dot(y, y)))
         ab.append(float(torch.dot(x, y)))
-    return math.fsum(aa), math.fsum(bb), math.fsum(ab)
+    try:
+        dots = math.fsum(aa), math.fsum(bb), math.fsum(ab)
+    except OverflowError:  # (fsum of sums each in range, their total not)
+        dots = (math.inf,) * 3
+    if scale == 1.0 and not all(map(math.isfinite, dots)) and bool(torch.isfinite(fa).all() and torch.isfinite(fb).all()):
+        return _dots(a, b, block, 2.0**-600)  # finite values whose squares overflow (an angle of NaN: no slerp)
+    return dots
 
 
 def merge_slerp(xs: list[torch.Tensor], base: torch.Tensor | None, p: Mapping[str, Any], name: str) -> torch.Tensor:

@@ -103,6 +103,13 @@ def test_float64_values_whose_squares_overflow_give_their_statistics_not_nan():
         assert big.cosine is not None and big.cosine == small.cosine and big.changed_elements == 2
         assert (big.norm_a, big.norm_b, big.norm_diff, big.max_abs_diff) == tuple(
             math.ldexp(v, 600) for v in (small.norm_a, small.norm_b, small.norm_diff, small.max_abs_diff))
+    # every block's sums within range, their total not: math.fsum raised OverflowError (a traceback)
+    a5 = torch.full((5,), 0.6e154, dtype=torch.float64)
+    b5 = a5.clone()
+    b5[1] = 0.6000001e154
+    big, small = tensor_stats(a5, b5, block=1), tensor_stats(a5 * k, b5 * k, block=1)
+    assert (big.relative_change, big.cosine, big.norm_a) == (small.relative_change, small.cosine, math.ldexp(small.norm_a, 600))
+    big = tensor_stats(a, b)
     report = ckpt.diff({"w": a, "v": torch.ones(3)}, {"w": b, "v": torch.full((3,), 2.0)})
     row = {t.name: t for t in report.tensors}["w"]
     assert not row.nonfinite and report.summary.nonfinite == 0 and row.relative_change == big.relative_change

@@ -223,6 +223,25 @@ def test_slerp():
 floats = arrays(np.float32, st.integers(1, 64), elements=st.floats(-1e3, 1e3, width=32, allow_subnormal=False))
 
 
+def test_slerp_of_float64_values_whose_squares_overflow_is_slerp():
+    """slerp's angle comes from dot products in float64, which overflow past 1.3e154: for finite
+    float64 inputs of 1e200 the angle was NaN and slerp silently fell back to a linear
+    interpolation (another result), and where each block's dot product was in range but not their
+    sum, math.fsum raised a bare OverflowError. The dots are then taken of the inputs scaled by a
+    power of two (the angle is the same): the result is that of the scaled inputs, scaled back, exactly."""
+    x, y = torch.tensor([1e200, 1e200], dtype=torch.float64), torch.tensor([1e200, 0.0], dtype=torch.float64)
+    k = 2.0**-600
+    for t in (0.5, 0.3):
+        big = merge_state_dicts([{"w": x}, {"w": y}], "slerp", params={"t": t})["w"]
+        small = merge_state_dicts([{"w": x * k}, {"w": y * k}], "slerp", params={"t": t})["w"]
+        assert big.equal(small / k) and not big.equal(x * (1 - t) + y * t)
+    a = torch.full((2**16 * 5,), 2.5e151, dtype=torch.float64)  # 5 blocks of 2**16, a·a 4.1e307 each
+    b = a.clone()
+    b[::2] = 1.25e151
+    big = merge_state_dicts([{"w": a}, {"w": b}], "slerp")["w"]
+    assert big.equal(merge_state_dicts([{"w": a * k}, {"w": b * k}], "slerp")["w"] / k)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_property_linear_is_a_convex_combination(data):
