@@ -15,18 +15,15 @@ from safetensors.torch import save_file
 import ckpt
 from ckpt.errors import InvalidMergeError
 from ckpt.merging.combine import merge_state_dicts
+from ckpt.merging.formulas import dare_mask, dare_seed, ties_combine, trim_
 from ckpt.merging.methods import (
     BUILTIN_METHODS,
     LINEAR,
     MergeMethod,
     MethodRegistry,
     Param,
-    dare_mask,
-    dare_seed,
     default_registry,
     describe,
-    ties_combine,
-    trim_,
 )
 
 
