@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ckpt.errors import CkptError, MissingDependencyError
@@ -66,16 +67,32 @@ def _fmt(v: float | None) -> str:
     return f"{v:.1e}".replace("e-0", "e-").replace("e+0", "e")
 
 
+def check_not_an_input(path: str | os.PathLike[str], inputs: Iterable[object]) -> None:
+    """Refuse a plot at the name of a file diffed (``inputs``: the sides as given; a weights file may have
+    any name, and `ckpt diff a.safetensors b.png --plot b.png` replaced the file it had just read).
+    A link at ``path`` is replaced, never written through (:func:`plot_report`): only the name counts."""
+    from ckpt.errors import DestinationError
+
+    path = os.fspath(path)
+    target = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
+    for x in inputs:
+        if isinstance(x, (str, os.PathLike)) and os.path.isfile(x) and os.path.realpath(x) == target:
+            raise DestinationError(f"{path} is {os.fspath(x)}, a checkpoint diffed; a plot never replaces it",
+                                   hint="give the plot another name")
+
+
 def plot_report(report: DiffReport, path: str | os.PathLike[str], store: Store | None = None) -> str:
     """Write the chart to ``path`` (PNG, or the kind its suffix names); returns the path. Raises
     :class:`MissingDependencyError` without matplotlib, :class:`DestinationError` when it cannot
-    be written or lies inside a local store (``store``, the one diffed from, or any other)."""
+    be written, lies inside a local store (``store``, the one diffed from, or any other) or is
+    a file the report compares."""
     from ckpt.store.destination import check_outside_stores, check_outside_system, create_new, write_files
 
     path = os.fspath(path)
     # A file in a store's folder is garbage to its gc, or read as one of its objects or refs.
     check_outside_system(path, "a plot")
     check_outside_stores(path, store, "a plot")
+    check_not_an_input(path, (report.a, report.b))
     try:
         import matplotlib
 
