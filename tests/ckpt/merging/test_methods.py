@@ -421,6 +421,7 @@ def test_merge_state_dicts_refuses_a_base_or_inputs_that_do_not_line_up():
     assert torch.equal(out["weight"], want)
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_merge_state_dicts_merges_the_dtypes_a_stored_merge_does(store, tmp_path):
     """merge_state_dicts decided by torch's is_floating_point what ckpt.merge decides by its own list
     (planning.FLOAT_DTYPES): it averaged E8M0 tensors (MX block scales, powers of two: an average of
