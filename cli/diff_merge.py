@@ -52,6 +52,9 @@ def diff(
         from ckpt.store.destination import check_outside_stores
 
         check_outside_stores(str(plot), store, "a plot")
+        from ckpt.diffing.plot import check_not_an_input
+
+        check_not_an_input(plot, (a, b))
     report = run_diff(a, b, store, include=include, exclude=exclude, estimate_delta=not no_estimate, progress=RichProgress())
     if plot is not None:
         from ckpt.diffing.plot import plot_report

@@ -77,7 +77,7 @@ def diff(a: object, b: object, store: Store | None = None, *, include: Sequence[
         names += [n for n in side_b.meta if n not in side_a.meta and name_selected(n, include, exclude)]
         known = side_a.all_chunk_ids(cs) if estimate_delta else set()
         rows: list[TensorDiff] = []
-        sums = [0.0, 0.0]  # squared norms of A and of B - A over compared tensors
+        norms: tuple[list[float], list[float]] = ([], [])  # of A and of B - A, per compared tensor
         with reporting(progress, "diff", sum(side_b.meta[n].nbytes for n in names if n in side_b.meta)) as bar:
             for batch in _batches(names, side_a, side_b, cs, estimate_delta):
                 # The tensors of a batch are read together (one pass of the read pipeline per side):
@@ -92,13 +92,16 @@ def diff(a: object, b: object, store: Store | None = None, *, include: Sequence[
                         decided, s = _compare(name, side_a, side_b, cs, known, settings, estimate_delta,
                                               ta.pop(name, None), tb.pop(name))
                     if s is not None:
-                        sums[0] += s.norm_a**2
-                        sums[1] += s.norm_diff**2
+                        norms[0].append(s.norm_a)
+                        norms[1].append(s.norm_diff)
                     rows.append(decided)
                     bar.advance(side_b.meta[name].nbytes if name in side_b.meta else 0)
     finally:
         side_a.close()
         side_b.close()
+    # the norm of the tensors' norms: hypot never squares one (norm**2 past 1.3e154 overflowed); a NaN
+    # stays NaN (hypot(inf, nan) is inf)
+    norm_a, norm_d = (math.nan if any(math.isnan(n) for n in ns) else math.hypot(*ns) for ns in norms)
     count = {s: sum(1 for r in rows if r.status == s) for s in STATUSES}
     compared = [r for r in rows if r.changed_elements is not None]
     summary = DiffSummary(
@@ -109,7 +112,7 @@ def diff(a: object, b: object, store: Store | None = None, *, include: Sequence[
         elements=sum(r.numel for r in compared), changed_elements=sum(r.changed_elements or 0 for r in compared),
         bytes_a=sum(side_a.meta[r.name].nbytes for r in rows if r.name in side_a.meta),
         bytes_b=sum(side_b.meta[r.name].nbytes for r in rows if r.name in side_b.meta),
-        relative_change=math.sqrt(sums[1]) / math.sqrt(sums[0]) if sums[0] else (0.0 if not sums[1] else None),
+        relative_change=norm_d / norm_a if norm_a else (0.0 if not norm_d else None),
         delta_bytes=sum(r.delta_bytes or 0 for r in rows) if estimate_delta else None,
         nonfinite=sum(1 for r in rows if r.nonfinite),
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ckpt.errors import CkptError, MissingDependencyError
@@ -50,6 +51,11 @@ def layer_key(name: str) -> tuple[str, int | None, str]:
 MAX_INCHES = 100.0
 ROW_INCHES, LAYER_INCHES = 0.32, 0.8
 
+# Text drawn as it is written: tensor names, refs and paths come from whoever made the checkpoint, and
+# matplotlib reads "$...$" in them as mathtext (a name like 'w.$\\x$' ended the plot in a ValueError,
+# one like 'w.$x$' was drawn as a formula).
+_AS_WRITTEN = {"parse_math": False}
+
 
 def _fmt(v: float | None) -> str:
     if v is None:
@@ -61,16 +67,32 @@ def _fmt(v: float | None) -> str:
     return f"{v:.1e}".replace("e-0", "e-").replace("e+0", "e")
 
 
+def check_not_an_input(path: str | os.PathLike[str], inputs: Iterable[object]) -> None:
+    """Refuse a plot at the name of a file diffed (``inputs``: the sides as given; a weights file may have
+    any name, and `ckpt diff a.safetensors b.png --plot b.png` replaced the file it had just read).
+    A link at ``path`` is replaced, never written through (:func:`plot_report`): only the name counts."""
+    from ckpt.errors import DestinationError
+
+    path = os.fspath(path)
+    target = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
+    for x in inputs:
+        if isinstance(x, (str, os.PathLike)) and os.path.isfile(x) and os.path.realpath(x) == target:
+            raise DestinationError(f"{path} is {os.fspath(x)}, a checkpoint diffed; a plot never replaces it",
+                                   hint="give the plot another name")
+
+
 def plot_report(report: DiffReport, path: str | os.PathLike[str], store: Store | None = None) -> str:
     """Write the chart to ``path`` (PNG, or the kind its suffix names); returns the path. Raises
     :class:`MissingDependencyError` without matplotlib, :class:`DestinationError` when it cannot
-    be written or lies inside a local store (``store``, the one diffed from, or any other)."""
+    be written, lies inside a local store (``store``, the one diffed from, or any other) or is
+    a file the report compares."""
     from ckpt.store.destination import check_outside_stores, check_outside_system, create_new, write_files
 
     path = os.fspath(path)
     # A file in a store's folder is garbage to its gc, or read as one of its objects or refs.
     check_outside_system(path, "a plot")
     check_outside_stores(path, store, "a plot")
+    check_not_an_input(path, (report.a, report.b))
     try:
         import matplotlib
 
@@ -118,7 +140,7 @@ def plot_report(report: DiffReport, path: str | os.PathLike[str], store: Store |
     title = f"relative change ‖B−A‖/‖A‖ per tensor — A: {report.a}   B: {report.b}"
     s = report.summary
     fig.suptitle(f"{title}\n{s.changed} changed, {s.identical} identical, {s.added} added, {s.removed} removed, "
-                 f"{s.shape_changed + s.dtype_changed} reshaped/retyped of {s.tensors} tensors", fontsize=10)
+                 f"{s.shape_changed + s.dtype_changed} reshaped/retyped of {s.tensors} tensors", fontsize=10, **_AS_WRITTEN)
     image = None
     for ax, panel in zip(axes[0], panels):
         if panel == "heat":
@@ -137,13 +159,13 @@ def plot_report(report: DiffReport, path: str | os.PathLike[str], store: Store |
                 for (r, c, t), v in zip(cells, shade):
                     dark = not math.isnan(v) and norm(v) < 0.6
                     ax.text(c, r, _fmt(t.relative_change), ha="center", va="center", fontsize=7,
-                            color="white" if dark else "black")
+                            color="white" if dark else "black", **_AS_WRITTEN)
             cols = _ticks(len(layers), MAX_INCHES / LAYER_INCHES)
             ax.set_xticks(cols, [str(layers[c]) for c in cols])
             label = "layer index" + (f" ({', '.join(sorted(stacks))})" if len(stacks) == 1 else "")
-            ax.set_xlabel(label)
+            ax.set_xlabel(label, **_AS_WRITTEN)
             ys = _ticks(len(rows), MAX_INCHES / ROW_INCHES)
-            ax.set_yticks(ys, [rows[r][1] if len(stacks) == 1 else f"{rows[r][0]}.*.{rows[r][1]}" for r in ys], fontsize=8)
+            ax.set_yticks(ys, [rows[r][1] if len(stacks) == 1 else f"{rows[r][0]}.*.{rows[r][1]}" for r in ys], fontsize=8, **_AS_WRITTEN)
             ax.set_title("layers, grouped by module type", fontsize=9)
         else:
             names = [t.name for t in flat]
@@ -156,11 +178,11 @@ def plot_report(report: DiffReport, path: str | os.PathLike[str], store: Store |
             ax.set_xlim(left, hi * 3)
             ax.xaxis.set_minor_formatter(NullFormatter())
             ys = _ticks(len(flat), MAX_INCHES / ROW_INCHES)
-            ax.set_yticks(ys, [names[i] for i in ys], fontsize=8)
+            ax.set_yticks(ys, [names[i] for i in ys], fontsize=8, **_AS_WRITTEN)
             ax.invert_yaxis()
             for i, t in enumerate(flat if written else ()):
                 note = "identical" if t.status == "identical" else t.status if t.status != "changed" else ""
-                ax.text(left * 1.1, i, f"{_fmt(t.relative_change)}" + (f"  ({note})" if note else ""), va="center", fontsize=7)
+                ax.text(left * 1.1, i, f"{_fmt(t.relative_change)}" + (f"  ({note})" if note else ""), va="center", fontsize=7, **_AS_WRITTEN)
             ax.set_xlabel("relative change (log)")
             ax.set_title("tensors outside the layer stack", fontsize=9)
     if image is not None:

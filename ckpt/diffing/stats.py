@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 # Elements per block of the float64 statistics pass: bounds the scratch memory (2 x 8 MiB)
 # while keeping the number of small torch calls (each a thread-pool round trip) low.
 _BLOCK = 1 << 20
+# The squares of float64 values past 1.3e154 overflow: a block holding such values sums its squares
+# scaled by 2**-2*_SHIFT (exact: a power of two), and so do the others where one did.
+_SHIFT = 600
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,7 @@ def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> Te
     # (8 bytes per element: twice a float32 tensor) and across dtypes holds float64 copies of both.
     ea, eb = a.reshape(-1), b.reshape(-1)
     pa, pb = (bit_pattern(ea), bit_pattern(eb)) if same_dtype else (ea, eb)
-    changed, ssa, ssb, ssd, mad, nonfinite = 0, [], [], [], 0.0, 0
+    changed, sums, mad, nonfinite = 0, [], 0.0, 0  # sums: (a·a, b·b, d·d, whether scaled) per block
     for i in range(0, ea.numel(), block):
         n = ea[i : i + block].numel()
         ra, rb = _as_real(ea[i : i + block]), _as_real(eb[i : i + block])
@@ -145,8 +148,7 @@ def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> Te
             # change (bits cannot be compared across dtypes)
             differs = ~both | (db != 0) if both is not None else (da != xb) & ~(da.isnan() & xb.isnan())
             changed += int(differs.reshape(n, -1).any(dim=1).sum())
-        ssa.append(float(torch.dot(da, da)))
-        ssb.append(float(torch.dot(xb, xb)))
+        ssa, ssb = float(torch.dot(da, da)), float(torch.dot(xb, xb))
         sd = float(torch.dot(db, db))
         if not math.isfinite(sd):
             # Rare path: a NaN or inf in the block. Unchanged elements (NaN - NaN, inf - inf)
@@ -156,10 +158,23 @@ def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> Te
             bad = ~(torch.isfinite(da) & torch.isfinite(xb))
             nonfinite += int((bad & ~same).sum())
             sd = float(torch.dot(db, db))
-        ssd.append(sd)
+        scaled = not math.isfinite(ssa + ssb + sd) and bool(torch.isfinite(da).all()) and bool(torch.isfinite(xb).all())
+        if scaled:  # every value finite, yet a sum of squares past float64's range (or b - a itself)
+            k = 2.0**-_SHIFT
+            sa_, sb_ = da * k, xb * k
+            ds = torch.where(torch.isfinite(db), db * k, sb_ - sa_)
+            ssa, ssb, sd = float(torch.dot(sa_, sa_)), float(torch.dot(sb_, sb_)), float(torch.dot(ds, ds))
+            del sa_, sb_, ds
+        sums.append((ssa, ssb, sd, scaled))
         if db.numel():
             mad = _nan_max(mad, float(db.abs_().max()))
-    na, nb, nd = math.sqrt(math.fsum(ssa)), math.sqrt(math.fsum(ssb)), math.sqrt(math.fsum(ssd))
+    # Norms at the scale of the blocks (rel and cos are ratios: any scale gives them), and as they are.
+    shift = _SHIFT if any(block[3] for block in sums) else 0
+    try:
+        na, nb, nd = _norms(sums, shift)
+    except OverflowError:  # each block's sum within range, their total not (fsum raises)
+        shift = _SHIFT
+        na, nb, nd = _norms(sums, shift)
     if changed == 0:
         rel: float | None = 0.0
         mad = 0.0
@@ -172,7 +187,22 @@ def tensor_stats(a: torch.Tensor, b: torch.Tensor, *, block: int = _BLOCK) -> Te
     cos = 1.0 - (nd - abs(na - nb)) * (nd + abs(na - nb)) / (2.0 * na * nb) if na and nb else math.nan
     if math.isfinite(cos):
         cos = max(-1.0, min(1.0, cos))
-    return TensorStats(changed, rel, mad, _finite(cos), na, nb, nd, nonfinite)
+    return TensorStats(changed, rel, mad, _finite(cos), _ldexp(na, shift), _ldexp(nb, shift), _ldexp(nd, shift), nonfinite)
+
+
+def _norms(sums: list[tuple[float, float, float, bool]], shift: int) -> tuple[float, float, float]:
+    """The three norms of the blocks' sums of squares, at the scale 2**-shift (scaled blocks are already)."""
+    a, b, d = (math.sqrt(math.fsum(block[i] if block[3] else math.ldexp(block[i], -2 * shift) for block in sums))
+               for i in range(3))
+    return a, b, d
+
+
+def _ldexp(x: float, n: int) -> float:
+    """``x * 2**n``, inf past float64's range (math.ldexp raises there)."""
+    try:
+        return math.ldexp(x, n)
+    except OverflowError:
+        return math.inf
 
 
 def delta_bytes(a: bytes | memoryview | None, b: bytes | memoryview, *, chunk_size: int, elem: int,

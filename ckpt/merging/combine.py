@@ -60,13 +60,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpt.errors import InvalidMergeError
-from ckpt.format.dtypes import bit_identical
+from ckpt.errors import InvalidMergeError, InvalidSourceError
+from ckpt.format.dtypes import bit_identical, from_torch
 from ckpt.format.entries import TensorEntry, chunk_count
 from ckpt.merging.calls import positionals
 from ckpt.merging.computing import BatchedInputs, LazyTensor, SmallKept, step_computation, step_sources
 from ckpt.merging.methods import MethodRegistry, default_registry
-from ckpt.merging.planning import check_one_model, check_whole_tensors, plan_steps
+from ckpt.merging.planning import FLOAT_DTYPES, cannot_merge, check_one_model, check_whole_tensors, plan_steps
 from ckpt.progress import Progress
 from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX, BUNDLE_SHARE
 from ckpt_store.storage.records import canonical_json
@@ -238,6 +238,14 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
                        result.logical_bytes, time.perf_counter() - started, averaged, tuple(f.path for f in carried))
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``dtype``'s safetensors name, or torch's name for one a checkpoint cannot hold (float4, complex32)."""
+    try:
+        return from_torch(dtype)
+    except InvalidSourceError:
+        return str(dtype).removeprefix("torch.")
+
+
 def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str = "linear", *,
                       params: Mapping[str, Any] | None = None, base: Mapping[str, torch.Tensor] | None = None,
                       registry: MethodRegistry | None = None, new_tensors: str = "error") -> dict[str, torch.Tensor]:
@@ -270,9 +278,10 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
             # a base of another shape broadcast into the inputs: a result, and a wrong one
             raise InvalidMergeError(f"{name} differs in dtype/shape between the inputs ({first.dtype}{list(first.shape)}) "
                                     f"and the base ({base[name].dtype}{list(base[name].shape)})")
-        if not first.is_floating_point():
-            if any(not torch.equal(x, first) for x in xs):
-                raise InvalidMergeError(f"{name} is {first.dtype} and differs between inputs")
+        dtype = _dtype_name(first.dtype)
+        if dtype not in FLOAT_DTYPES:  # the store's rule: E8M0 scales, integers, complex... are no weights to mix
+            if any(not bit_identical(x, first) for x in xs[1:]):  # (by bits: a NaN is itself)
+                raise InvalidMergeError(cannot_merge(name, dtype))
             out[name] = first.clone()
             continue
         if base is not None and m.needs_base and name not in base:

@@ -102,6 +102,37 @@ def test_a_plot_is_never_written_inside_a_store(where, fam, capsys):
     assert json.loads(invoke("verify", "--json"))["ok"]
 
 
+def test_a_plot_never_replaces_a_file_it_diffs(fam, capsys):
+    """A weights file may have any name (diff reads it by its content): `ckpt diff A b.png --plot
+    b.png` read b.png, then renamed the chart over it, the fine-tune gone. The plot's name is
+    refused when it is one of the files diffed (by another spelling or through a link too), before
+    the diff runs from the CLI and in the library, and nothing is written; a link at the plot's
+    name to an input is still replaced, not the input (test_plot_replaces_a_link...)."""
+    pytest.importorskip("matplotlib")
+    from ckpt.diffing.compare import diff
+    from ckpt.diffing.plot import plot_report
+    from ckpt.errors import DestinationError
+
+    tmp = fam[0]
+    weights = tmp / "ft1.png"
+    weights.write_bytes((tmp / "ft1.safetensors").read_bytes())
+    (tmp / "sub").mkdir()
+    (tmp / "link.safetensors").symlink_to(weights)
+    before = weights.read_bytes()
+    for a, b, plot in (("m/base", str(weights), str(weights)), (str(weights), "m/ft0", str(tmp / "sub" / ".." / "ft1.png")),
+                       (str(tmp / "link.safetensors"), "m/base", str(weights))):
+        code, out, err = run_main(capsys, "diff", a, b, "--plot", plot)
+        assert code == 1 and "a checkpoint diffed; a plot never replaces it" in err and "Traceback" not in err and out == "", err
+    report = diff(str(tmp / "base.safetensors"), str(weights))
+    with pytest.raises(DestinationError, match="a plot never replaces it"):
+        plot_report(report, weights)
+    assert weights.read_bytes() == before and not [p for p in tmp.iterdir() if ".ckpt-" in p.name]
+    link = tmp / "chart.png"
+    link.symlink_to(weights)
+    assert "plot written" in invoke("diff", "m/base", str(weights), "--plot", str(link))
+    assert weights.read_bytes() == before and not link.is_symlink()
+
+
 def test_merge_show_and_pull(fam):
     tmp, base, fts = fam
     r = json.loads(invoke("merge", "m/ft0", "m/ft1", "--method", "ties", "-b", "m/base", "-p", "density=0.5",

@@ -87,6 +87,35 @@ def test_a_real_tensor_retyped_as_complex_compares_by_value_both_ways_round(stor
     assert (row.status, row.changed_elements) == ("dtype_changed", 0)
 
 
+def test_float64_values_whose_squares_overflow_give_their_statistics_not_nan():
+    """The norms are sums of squares in float64, which overflow past 1.3e154: a float64 tensor of
+    finite values such as 1e200 read relative change NaN, cosine none, and was flagged as a
+    diverged tensor ("changed to or from NaN/inf", sorted first), its norms inf; the summary's
+    overall change NaN too (and norm**2 of a finite norm past 1.3e154 would raise OverflowError).
+    Such blocks sum squares scaled by a power of two: every statistic is that of the same tensors
+    scaled down, exactly (blocks of 2 here: small and huge blocks in one tensor)."""
+    a = torch.tensor([1e100, -2e100, 1e200, -3e200, 5e150, 1.0], dtype=torch.float64)
+    b = torch.tensor([1e100, -1e100, 2e200, -3e200, 5e150, 1.0], dtype=torch.float64)
+    k = 2.0**-600
+    for block in (2, 1 << 20):
+        big, small = tensor_stats(a, b, block=block), tensor_stats(a * k, b * k, block=block)
+        assert math.isfinite(big.relative_change) and big.relative_change == small.relative_change
+        assert big.cosine is not None and big.cosine == small.cosine and big.changed_elements == 2
+        assert (big.norm_a, big.norm_b, big.norm_diff, big.max_abs_diff) == tuple(
+            math.ldexp(v, 600) for v in (small.norm_a, small.norm_b, small.norm_diff, small.max_abs_diff))
+    # every block's sums within range, their total not: math.fsum raised OverflowError (a traceback)
+    a5 = torch.full((5,), 0.6e154, dtype=torch.float64)
+    b5 = a5.clone()
+    b5[1] = 0.6000001e154
+    big, small = tensor_stats(a5, b5, block=1), tensor_stats(a5 * k, b5 * k, block=1)
+    assert (big.relative_change, big.cosine, big.norm_a) == (small.relative_change, small.cosine, math.ldexp(small.norm_a, 600))
+    big = tensor_stats(a, b)
+    report = ckpt.diff({"w": a, "v": torch.ones(3)}, {"w": b, "v": torch.full((3,), 2.0)})
+    row = {t.name: t for t in report.tensors}["w"]
+    assert not row.nonfinite and report.summary.nonfinite == 0 and row.relative_change == big.relative_change
+    assert report.summary.relative_change == math.hypot(big.norm_diff, 3**0.5) / math.hypot(big.norm_a, 3**0.5)
+
+
 def test_stats_leave_float64_inputs_as_they_were():
     """The statistics pass took b's float64 copy as scratch and subtracted into it; for a float64 b
     that "copy" was b itself (``.to`` returns the tensor when the dtype is already float64), so
@@ -511,6 +540,36 @@ def test_plot_of_names_with_odd_digits_draws_every_tensor(store, tmp_path):
 
     out = plot(ckpt.diff(a, b, store=store), tmp_path / "odd.png")
     assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_draws_names_and_paths_as_written_never_as_mathtext(store, tmp_path, monkeypatch):
+    """matplotlib reads text between two '$' as a formula: a tensor name 'blocks.0.$\\x$' (safetensors
+    and push take any printable name) ended ckpt diff --plot in a ValueError traceback from the mathtext
+    parser, and 'blocks.$a$.w' or a path 'run$1$/a.safetensors' was drawn as a formula, not as its name.
+    Every label that holds a name, a ref or a path is drawn as it is written."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    from ckpt.diffing import plot as plot_module
+
+    folder = tmp_path / "run$1$"
+    folder.mkdir()
+    names = ["blocks.0.$\\x$", "blocks.1.$\\x$", "$s^$.0.w", "head.$a$", "norm.$\\frac$"]
+    a = {n: torch.ones(4) for n in names}
+    save_file(a, folder / "a.safetensors")
+    save_file({n: t * (i + 2) for i, (n, t) in enumerate(a.items())}, folder / "b.safetensors")
+    drawn: list[Text] = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (drawn.extend(fig.findobj(Text)), close(fig)))
+    report = ckpt.diff(str(folder / "a.safetensors"), str(folder / "b.safetensors"), store=store)
+    out = plot_module.plot_report(report, tmp_path / "names.png")
+    assert open(out, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    texts = {t.get_text() for t in drawn}
+    ours = ["blocks.*.$\\x$", "$s^$.*.w", "head.$a$", "norm.$\\frac$"]  # rows of two stacks, then flat tensors
+    ours += [t for t in texts if str(folder) in t]  # the title: both sides' paths
+    assert set(ours) <= texts and len(ours) == 5
+    assert all(not t.get_parse_math() for t in drawn if t.get_text() in ours)
 
 
 def test_a_plot_with_too_many_cells_is_refused_before_drawing(store, tmp_path, monkeypatch):

@@ -10,21 +10,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+from safetensors.torch import save_file
 
+import ckpt
 from ckpt.errors import InvalidMergeError
 from ckpt.merging.combine import merge_state_dicts
+from ckpt.merging.formulas import dare_mask, dare_seed, ties_combine, trim_
 from ckpt.merging.methods import (
     BUILTIN_METHODS,
     LINEAR,
     MergeMethod,
     MethodRegistry,
     Param,
-    dare_mask,
-    dare_seed,
     default_registry,
     describe,
-    ties_combine,
-    trim_,
 )
 
 
@@ -122,6 +121,31 @@ def test_ties_weighted_mean():
     np.testing.assert_array_equal(got.numpy(), expected.astype(np.float32))
 
 
+def test_ties_gives_nan_where_a_task_vector_is_nan_and_trims_the_rest_as_before():
+    """A fine-tune with NaN entries (a diverged run) merged with ties came out as the base at those
+    entries, NaN gone without a trace (no sign to elect from a NaN sum: treated as no change), where
+    linear, task-arithmetic and dare give NaN; and where NaN were more than the density keeps, the
+    trim's threshold was NaN, so nothing was trimmed: every other element merged untrimmed. NaN now
+    counts as the largest magnitude in the trim (as it did while fewer than k) and stays NaN in the
+    result; the other elements are those of a NaN standing for a magnitude above every other."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(1000, generator=g)
+    a, b = base + torch.randn(1000, generator=g), base + torch.randn(1000, generator=g)
+    bad = torch.zeros(1000, dtype=torch.bool)
+    bad[::4] = True  # 250 entries
+    a_nan, a_big = a.clone(), a.clone()
+    a_nan[bad], a_big[bad] = math.nan, 1e30
+    for density in (0.1, 0.5):  # keeps 100 (fewer than the NaN: the threshold was NaN) or 500
+        out = merge_state_dicts([{"w": a_nan}, {"w": b}], "ties", params={"density": density}, base={"w": base})["w"]
+        want = merge_state_dicts([{"w": a_big}, {"w": b}], "ties", params={"density": density}, base={"w": base})["w"]
+        assert out[bad].isnan().all() and torch.equal(out[~bad], want[~bad])
+    # +inf against -inf: no sign either (task-arithmetic's sum is NaN there too); dare's ties combine alike
+    x, y, z = torch.tensor([1.0, 2.0]), torch.tensor([math.inf, 3.0]), torch.tensor([-math.inf, 3.0])
+    for method, params in (("ties", {"density": 1.0}), ("dare", {"density": 1.0, "combine": "ties"})):
+        out = merge_state_dicts([{"w": y}, {"w": z}], method, params=params, base={"w": x})["w"]
+        assert out[0].isnan() and out[1] == 3.0
+
+
 def test_trim_keeps_the_largest_and_every_tie_at_the_threshold():
     d = torch.tensor([0.1, -3.0, 2.0, -0.5, 2.0])
     assert trim_(d.clone(), 0.4).tolist() == [0.0, -3.0, 2.0, 0.0, 2.0]  # k = 2; both 2.0s tie at the threshold
@@ -194,6 +218,25 @@ def test_slerp():
 # -- properties ----------------------------------------------------------------------------------
 
 floats = arrays(np.float32, st.integers(1, 64), elements=st.floats(-1e3, 1e3, width=32, allow_subnormal=False))
+
+
+def test_slerp_of_float64_values_whose_squares_overflow_is_slerp():
+    """slerp's angle comes from dot products in float64, which overflow past 1.3e154: for finite
+    float64 inputs of 1e200 the angle was NaN and slerp silently fell back to a linear
+    interpolation (another result), and where each block's dot product was in range but not their
+    sum, math.fsum raised a bare OverflowError. The dots are then taken of the inputs scaled by a
+    power of two (the angle is the same): the result is that of the scaled inputs, scaled back, exactly."""
+    x, y = torch.tensor([1e200, 1e200], dtype=torch.float64), torch.tensor([1e200, 0.0], dtype=torch.float64)
+    k = 2.0**-600
+    for t in (0.5, 0.3):
+        big = merge_state_dicts([{"w": x}, {"w": y}], "slerp", params={"t": t})["w"]
+        small = merge_state_dicts([{"w": x * k}, {"w": y * k}], "slerp", params={"t": t})["w"]
+        assert big.equal(small / k) and not big.equal(x * (1 - t) + y * t)
+    a = torch.full((2**16 * 5,), 2.5e151, dtype=torch.float64)  # 5 blocks of 2**16, a·a 4.1e307 each
+    b = a.clone()
+    b[::2] = 1.25e151
+    big = merge_state_dicts([{"w": a}, {"w": b}], "slerp")["w"]
+    assert big.equal(merge_state_dicts([{"w": a * k}, {"w": b * k}], "slerp")["w"] / k)
 
 
 @settings(max_examples=60, deadline=None)
@@ -313,6 +356,9 @@ def run_with(reg: MethodRegistry, name: str) -> list[float]:
     ("task-arithmetic", {"weights": "1,-1e39"}, 2, True, r"add up to 1e\+39"),
     ("dare", {"weights": "1e39,1", "combine": "ties"}, 2, True, "add up to 1e\\+39"),
     ("dare", {"lambda": "1e39"}, 2, True, "lambda 1e\\+39 is beyond"),
+    # 1/density past float32's range: every element of the merge came out NaN (0/0 where 1e-320 rounds to 0)
+    ("dare", {"density": "1e-320"}, 2, True, r"density 1e-320 scales the entries it keeps by 1/density, beyond float32's largest"),
+    ("dare", {"density": "2.9e-39", "combine": "ties"}, 2, True, r"give a density of at least 2.94e-39"),
 ])
 def test_bad_parameters_are_rejected(method, params, n, base, match):
     with pytest.raises(InvalidMergeError, match=match):
@@ -342,6 +388,9 @@ def test_weights_past_float32_are_refused_not_merged_into_inf():
     # each weight within range, their sum (ties divides by it) not: every task vector came out 0, the base itself
     with pytest.raises(InvalidMergeError, match="add up to 6e\\+38"):
         merge_state_dicts(fts, "ties", params={"weights": [3e38, 3e38], "density": 1.0}, base=base)
+    with pytest.raises(InvalidMergeError, match="density 1e-320"):  # (it returned NaN for every element)
+        merge_state_dicts(fts, "dare", params={"density": 1e-320}, base=base)
+    assert all(torch.isfinite(v).all() for v in merge_state_dicts(fts, "dare", params={"density": 3e-39}, base=base).values())
     tied = merge_state_dicts(fts, "ties", params={"weights": [1e38, 1e38], "density": 1.0}, base=base)  # within range
     assert all(not torch.equal(tied[k], base[k]) for k in base) and all(torch.isfinite(v).all() for v in tied.values())
 
@@ -370,3 +419,32 @@ def test_merge_state_dicts_refuses_a_base_or_inputs_that_do_not_line_up():
     out = merge_state_dicts(fts, "task-arithmetic", base=base)  # lined up: as before
     want = (fts[0]["weight"] - base["weight"]).mul(1.0).add((fts[1]["weight"] - base["weight"]).mul(1.0)).add(base["weight"])
     assert torch.equal(out["weight"], want)
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_merge_state_dicts_merges_the_dtypes_a_stored_merge_does(store, tmp_path):
+    """merge_state_dicts decided by torch's is_floating_point what ckpt.merge decides by its own list
+    (planning.FLOAT_DTYPES): it averaged E8M0 tensors (MX block scales, powers of two: an average of
+    exponents is no scale) that a merge of the same tensors pushed to a store refuses; compared
+    non-float tensors with torch.equal, so that a complex tensor holding a NaN differed from its
+    own copy; and two float4 tensors (or two identical complex32 ones) ended in torch's bare
+    NotImplementedError. Both now go by the one list and compare bits."""
+    scale = torch.tensor([1.0, 2.0, 4.0]).to(torch.float8_e8m0fnu)
+    other = torch.tensor([1.0, 2.0, 8.0]).to(torch.float8_e8m0fnu)
+    for i, t in enumerate((scale, other)):
+        save_file({"s": t, "w": torch.full((3,), float(i))}, tmp_path / f"{i}.safetensors")
+        store.push(str(tmp_path / f"{i}.safetensors"), f"e8/{i}")
+    with pytest.raises(InvalidMergeError, match="s is F8_E8M0 and differs between inputs: only floating-point"):
+        ckpt.merge(["e8/0", "e8/1"], name="e8/m", store=store)
+    with pytest.raises(InvalidMergeError, match="s is F8_E8M0 and differs between inputs: only floating-point"):
+        merge_state_dicts([{"s": scale, "w": torch.zeros(3)}, {"s": other, "w": torch.ones(3)}])
+    same = merge_state_dicts([{"s": scale, "w": torch.zeros(3)}, {"s": scale.clone(), "w": torch.ones(3)}])
+    assert same["s"].view(torch.uint8).equal(scale.view(torch.uint8)) and same["w"].equal(torch.full((3,), 0.5))
+    z = torch.tensor([complex(math.nan, 1.0), 2 + 0j])
+    assert merge_state_dicts([{"z": z}, {"z": z.clone()}])["z"].view(torch.uint8).equal(z.view(torch.uint8))
+    f4 = torch.tensor([1, 2], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    with pytest.raises(InvalidMergeError, match="f is float4_e2m1fn_x2 and differs between inputs"):
+        merge_state_dicts([{"f": f4}, {"f": torch.tensor([1, 3], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}])
+    half = torch.ones(2, dtype=torch.complex32)
+    assert merge_state_dicts([{"h": half}, {"h": half.clone()}])["h"].view(torch.uint8).equal(half.view(torch.uint8))
+
