@@ -35,7 +35,9 @@ def test_local_store_hints_the_reads_ahead(tmp_path):
     backend.prefetch = lambda path: (hinted.append(path), real(path))[1]  # type: ignore[method-assign]
     got = store.load("a")
     assert {k: _bits(v) for k, v in got.items()} == {k: _bits(v) for k, v in state.items()}
-    chunks = [store.objects.path("chunks", c) for t in store.manifest("a").tensors for c in t.chunks]
+    m = store.manifest("a")
+    heads = [c for f in m.files if f.kind == "safetensors" for c in f.chunks]  # read too: each entry is checked against its header
+    chunks = [store.objects.path("chunks", c) for c in [*heads, *(c for t in m.tensors for c in t.chunks)]]
     assert sorted(hinted) == sorted(chunks)  # every chunk hinted, each once
 
 
@@ -194,7 +196,8 @@ def test_remote_reads_fetch_the_delta_chains_too(monkeypatch):
     monkeypatch.setattr(backend, "read", read)
     got = reopened.load("tuned")
     assert {k: _bits(v) for k, v in got.items()} == {k: _bits(v) for k, v in tuned.items()}
-    assert len(readers) == 2 * len(chunks)  # each delta and its base, each read once
+    heads = {c for f in store.manifest("tuned").files if f.kind == "safetensors" for c in f.chunks}
+    assert len(readers) == 2 * len(chunks) + len(heads)  # each delta and its base, each read once (and the header checked)
     assert all(name.startswith("ckpt-read") for name in readers)
 
 
@@ -264,7 +267,8 @@ def test_a_deltas_base_is_checked_through_the_deltas_result(tmp_path, monkeypatc
     monkeypatch.setattr(chunk_mod, "object_id", counting)
     got = ckpt.Store.open(str(tmp_path / "s"), settings=Settings.from_env(workers=2, base_cache_mb=0)).load("tuned")
     assert {k: _bits(v) for k, v in got.items()} == {k: _bits(v) for k, v in tuned.items()}
-    assert sum(hashed) == sum(v.numel() * v.element_size() for v in tuned.values())
+    head = sum(f.head_size for f in store.manifest("tuned").files if f.kind == "safetensors")  # each entry checked against it
+    assert head and sum(hashed) == sum(v.numel() * v.element_size() for v in tuned.values()) + head
 
 
 def test_a_wrong_base_that_decodes_is_found_and_named(tmp_path):
