@@ -44,8 +44,9 @@ class UnsafeInputError(InvalidSourceError):
 
 
 class DestinationError(CkptError):
-    """Pull cannot write where asked: the destination is in (or holds) a store, something
-    that is not the checkpoint's is in the way, or the destination cannot be written."""
+    """Pull (or another writer of files: a plot, resume_dir, a local tier) cannot write where asked: the
+    destination is in (or holds) a store or the system's folders, something that is not the checkpoint's
+    is in the way, or the destination cannot be written."""
 
 
 class DestinationExistsError(DestinationError):

@@ -48,10 +48,10 @@ def diff(
         if not plot.parent.is_dir():
             raise DestinationError(f"--plot {safe(str(plot))}: {safe(str(plot.parent))} is not a folder")
     store = open_store() if not (os.path.exists(a) and os.path.exists(b)) else None
-    if plot is not None:  # not inside a store (checked again as it is written)
-        from ckpt.store.destination import check_outside_stores
+    if plot is not None:  # not inside a store nor the system's folders (checked again as it is written)
+        from ckpt.store.destination import check_file_destination
 
-        check_outside_stores(str(plot), store, "a plot")
+        check_file_destination(str(plot), store, "a plot")
         from ckpt.diffing.plot import check_not_an_input
 
         check_not_an_input(plot, (a, b))

@@ -86,12 +86,11 @@ def plot_report(report: DiffReport, path: str | os.PathLike[str], store: Store |
     :class:`MissingDependencyError` without matplotlib, :class:`DestinationError` when it cannot
     be written, lies inside a local store (``store``, the one diffed from, or any other) or is
     a file the report compares."""
-    from ckpt.store.destination import check_outside_stores, check_outside_system, create_new, write_files
+    from ckpt.store.destination import check_file_destination, create_new, write_files
 
     path = os.fspath(path)
     # A file in a store's folder is garbage to its gc, or read as one of its objects or refs.
-    check_outside_system(path, "a plot")
-    check_outside_stores(path, store, "a plot")
+    check_file_destination(path, store, "a plot")
     check_not_an_input(path, (report.a, report.b))
     try:
         import matplotlib

@@ -50,7 +50,7 @@ from ckpt.snapshot.manager import CheckpointManager, SnapshotError
 from ckpt.snapshot.retention import KeepBest
 from ckpt.snapshot.state import RNGState
 from ckpt.snapshot.steps import snapshot_step
-from ckpt.store.destination import check_outside_stores, check_outside_system
+from ckpt.store.destination import check_dir_destination
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +116,7 @@ class CkptCallback(TrainerCallback):
         self._trainer = trainer
         out = os.fspath(dest) if dest is not None else os.path.join(trainer.args.output_dir, "ckpt-resume")
         # Its files are none of a store's (the store snapshotted to, when output_dir is that store, or any other).
-        check_outside_system(out, "resume_dir")
-        check_outside_stores(out, self.manager.store, "resume_dir")
+        check_dir_destination(out, self.manager.store, "resume_dir")
         if step is None:
             try:
                 m = self.manager.store.manifest(f"{self.manager.run}/latest")

@@ -155,7 +155,7 @@ class LocalRestoring:
         self._keys, self._held = {}, {}
         # the next snapshot's parent (and delta base): only one this path's store holds
         self._last = (mid, entries) if self.store.objects.has_many("manifests", [mid]) else None
-        tiers.fill(m, pairs)
+        tiers.fill(mid, pairs)
         for n in fresh:  # flagged once written (a Parameter wraps the tensor the fill wrote)
             decoded[n] = with_autograd_flags(n, decoded[n], flags)
         for key, obj, kind, value in loaders:

@@ -29,6 +29,7 @@ from ckpt.errors import CkptError
 from ckpt.snapshot.local_paths import default_local_path
 from ckpt.snapshot.steps import run_steps, step_of
 from ckpt.snapshot.tiers import describe
+from ckpt.store.destination import check_dir_destination
 
 if TYPE_CHECKING:
     from ckpt.settings import Settings
@@ -72,13 +73,15 @@ class LocalTier:
         if not compress:  # raw: nothing is worth compressing (ckpt.codecs.chunk.encode_chunk)
             settings = replace(settings or Settings.from_env(), min_saving=1.0)
 
-        self.path = str(path)
+        # Normalised once, as the local backend opens it (``~`` expanded): every check, the lock and the store see one folder.
+        self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
         self.run = run
         self.keep = keep
         self.max_bytes = max_bytes
         if durable is not None:
             _apart(self.path, durable)
-        _outside_stores(self.path)
+        # (before its folders are made there, as names none of that store's; the tier itself is a store)
+        check_dir_destination(self.path, None, "a local tier", allow_self=True)
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as e:  # a file where the folder should be, say (FileExistsError, NotADirectoryError)
@@ -266,18 +269,6 @@ def _apart(path: str, durable: Store) -> None:
         if inside(real, droot) or inside(droot, real):
             raise SnapshotError(f"local={path} is the durable store {droot}, or lies in or around it",
                                 hint="give the local tier a path of its own (it prunes and collects what it holds)")
-
-
-def _outside_stores(path: str) -> None:
-    """Refuse a tier's ``path`` inside another store (a store cannot hold one: the store made there
-    would be refused) before its folders are made there, as names none of that store's."""
-    from ckpt.snapshot.run import SnapshotError
-    from ckpt_store.storage.config import enclosing_store
-
-    outer = enclosing_store(path)
-    if outer is not None and outer != os.path.realpath(path):
-        raise SnapshotError(f"local tier {path} is inside the store at {outer}; a store cannot hold another",
-                            hint="give the local tier a path of its own, outside any store")
 
 
 def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | None:

@@ -137,10 +137,13 @@ class Tiers:
         else:
             self.served[name] += sum(t.length for t in served)
 
-    def fill(self, m: Manifest, pairs: list[tuple[TensorEntry, torch.Tensor]]) -> None:
+    def fill(self, mid: str, pairs: list[tuple[TensorEntry, torch.Tensor]]) -> None:
+        """Decode snapshot ``mid``'s entries into ``pairs``' tensors (:func:`ckpt.store.load.fill`, whose
+        refusals name the snapshot), each chunk from the nearest tier that serves it."""
         from ckpt.store.load import fill
 
-        fill(self.nearest, m, pairs, get=lambda tasks, progress: self.get(tasks, progress, m))
+        m = self.get_manifest(mid)
+        fill(self.nearest, m, pairs, get=lambda tasks, progress: self.get(tasks, progress, m), what=f"snapshot {mid[:12]}")
 
 
 def out_of_space(e: BaseException | None, rank: int | None = None) -> bool:

@@ -51,8 +51,8 @@ from ckpt_store.storage.config import enclosing_store
 if TYPE_CHECKING:
     from ckpt.store.store import Store
 
-__all__ = ["OutputFile", "abandon", "check_outside_stores", "check_outside_system", "create_new",
-           "dir_targets", "file_target", "inside", "is_torch_name", "store_root", "sweep_left", "temp_name",
+__all__ = ["OutputFile", "abandon", "check_dir_destination", "check_file_destination", "check_outside_stores",
+           "check_outside_system", "create_new", "dir_targets", "file_target", "inside", "is_torch_name", "store_root", "sweep_left", "temp_name",
            "write_dir", "write_files", "write_torch"]
 
 
@@ -85,17 +85,34 @@ def check_outside_system(path: str, what: str = "a pull") -> None:
                                "never there (not to a device or a stream either)", hint="give a path in a folder of yours")
 
 
-def check_outside_stores(path: str, store: Store | None, what: str = "a pull") -> None:
+def check_outside_stores(path: str, store: Store | None, what: str = "a pull", *, allow_self: bool = False) -> None:
     """Refuse ``path`` (a file or directory ``what`` writes) inside any local store, or inside
-    ``store`` (the one the command opened)."""
-    outer = enclosing_store(path)
+    ``store`` (the one the command opened); with ``allow_self``, ``path`` may be a store itself (a local
+    tier's own), just not inside another. ``path`` is taken as the caller writes it (``~`` is a folder's
+    name here: whoever expands it passes the path expanded)."""
+    real = os.path.realpath(path)
+    outer = enclosing_store(real)
     if outer is None and store is not None:
         root = store_root(store)
-        if root is not None and inside(os.path.realpath(path), root):
+        if root is not None and inside(real, root):
             outer = root  # the store pulled from, even before its config is readable
-    if outer is not None:
+    if outer is not None and not (allow_self and outer == real):
         raise DestinationError(f"{path} is inside the store at {outer}; {what} never writes there",
                                hint="give a path outside the store")
+
+
+def check_file_destination(path: str, store: Store | None, what: str = "a pull") -> None:
+    """Refuse a file that ``what`` writes at ``path`` in the system's folders or inside a local store."""
+    check_outside_system(path, what)
+    check_outside_stores(path, store, what)
+
+
+def check_dir_destination(path: str, store: Store | None, what: str = "a pull", *, allow_self: bool = False) -> None:
+    """Refuse a directory ``path`` that ``what`` writes files in (and below) in the system's folders or
+    inside a local store (``allow_self``: see :func:`check_outside_stores`). Its files are what is checked
+    against the system's folders, not its parent: a link into /dev is refused, /dev/shm itself is not."""
+    check_outside_system(os.path.join(path, "x"), what)
+    check_outside_stores(path, store, what, allow_self=allow_self)
 
 
 def _check_entry(path: str, overwrite: bool) -> None:
@@ -121,8 +138,7 @@ def file_target(store: Store, dest: str, name: str, overwrite: bool) -> str:
     target = os.path.join(dest, name) if os.path.isdir(dest) else dest
     if target.endswith(os.sep) or os.path.basename(target) in ("", ".", ".."):
         raise DestinationError(f"{dest} is not a directory", hint="create it, or give a file name")
-    check_outside_system(target)
-    check_outside_stores(target, store)
+    check_file_destination(target, store)
     _check_entry(target, overwrite)
     return target
 
@@ -143,8 +159,7 @@ def dir_targets(store: Store, dest: str, paths: Sequence[str], overwrite: bool) 
     clash = clashing_path(paths)
     if clash is not None:
         raise StoreFormatError(f"this checkpoint lists {clash!r} twice, or as both a file and a directory")
-    check_outside_system(os.path.join(dest, "x"))  # (the files go in dest, and below: where their links were checked)
-    check_outside_stores(dest, store)
+    check_dir_destination(dest, store)  # (the files go in dest, and below: where their links are checked)
     root = store_root(store)
     if root is not None and inside(root, os.path.realpath(dest)):
         raise DestinationError(f"{dest} holds the store at {root}; a pull never writes around a store",

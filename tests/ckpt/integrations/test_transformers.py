@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -429,3 +430,41 @@ def test_resume_dir_inside_the_store_is_refused(script, tmp_path):
         assert sorted(str(p.relative_to(store)) for p in store.rglob("*")) == before_store
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and cb.restored_step is None
     assert ckpt.Store.open(str(store)).verify().ok
+
+
+def test_resume_dir_through_a_link_into_dev_is_refused_and_dev_shm_is_yours(script, tmp_path):
+    """resume_dir checked only its folder's parent against the system's folders: a ``dest`` that is itself a
+    link into /dev passed (refused later, if at all, by what it found there), while /dev/shm itself was refused
+    though /dev/shm is a folder of the user's. Its files are what is checked now, as a pull's are; and a
+    resume into a folder in /dev/shm works (that part passed on the code before too)."""
+    import shutil
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    from ckpt.errors import DestinationError
+
+    store = str(tmp_path / "store")
+    script.train(store, str(tmp_path / "stop"), "stop", N, 2)
+    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cb = script.CkptCallback(store, "hf", every_n_steps=2)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=N,
+                             per_device_train_batch_size=4, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=[], callbacks=[cb])
+    (tmp_path / "link").symlink_to("/dev")
+    for dest in (tmp_path / "link", "/dev"):
+        with pytest.raises(DestinationError, match="is in /dev, the system's"):
+            cb.resume_dir(trainer, dest)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and cb.restored_step is None
+    if not os.path.isdir("/dev/shm"):
+        cb.close()
+        pytest.skip("no /dev/shm here")
+    shm = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        out = cb.resume_dir(trainer, os.path.join(shm, "resume"))
+        assert out == os.path.join(shm, "resume") and cb.restored_step == 2
+        assert os.path.isfile(os.path.join(out, "trainer_state.json"))
+    finally:
+        cb.close()
+        shutil.rmtree(shm)

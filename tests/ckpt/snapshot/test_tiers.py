@@ -1148,3 +1148,23 @@ def test_a_run_gone_back_while_its_latest_is_missing_resumes_where_it_went_back_
         with manager() as mgr:
             assert mgr.restore_latest({"model": fresh_model, "optim": fresh_opt}) == 6
     assert state_bits(fresh_model, fresh_opt) == state_bits(want["model"], want["optim"])
+
+
+def test_a_local_tier_under_home_is_found_again_by_a_restart(tmp_path, monkeypatch):
+    """local="~/tier": the local backend expands ``~``, the check against other stores compared the path
+    unexpanded, so the restart (what a tier is for) was refused as "inside the store at $HOME/tier" (its
+    own); and the tier's folder and lock were made as a literal ./~/tier. One path, expanded once."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    durable = ckpt.Store.init(str(tmp_path / "d"))
+    model, state = _tiny_state()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    with ckpt.CheckpointManager(durable, "run", local="~/tier", local_every_n_steps=1) as mgr:
+        mgr.save(1, state)
+    assert "step-1" in os.listdir(tmp_path / "home" / "tier" / "refs" / "run")  # the tier under $HOME
+    model2 = torch.nn.Linear(8, 8)
+    with ckpt.CheckpointManager(durable, "run", local="~/tier", local_every_n_steps=1) as mgr:
+        assert mgr.restore_latest({"model": model2}) == 1  # from the tier: the durable store has no snapshot
+    assert all(torch.equal(v, want[k]) for k, v in model2.state_dict().items())
+    assert not (tmp_path / "~").exists() and list(durable.refs()) == []

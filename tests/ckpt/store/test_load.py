@@ -87,9 +87,11 @@ def test_a_forged_snapshot_is_refused_before_the_model_is_touched(tmp_path):
     model = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.full((8, 4), 7, dtype=torch.float16)),
                                     "b": torch.nn.Parameter(torch.full((4,), 7.0))})
     before = {k: _bits(v.detach()) for k, v in model.items()}
-    with ckpt.CheckpointManager(store, "run") as mgr, pytest.raises(StoreFormatError, match="place tensor model/w"):
+    with ckpt.CheckpointManager(store, "run") as mgr, pytest.raises(StoreFormatError, match="place tensor model/w") as e:
         mgr.restore_latest({"model": model})
     assert {k: _bits(v.detach()) for k, v in model.items()} == before
+    # the refusal names the snapshot (it read "checkpoint: the stored header of ...", naming none)
+    assert str(e.value).startswith(f"snapshot {store.resolve('run/latest')[:12]}: ")
 
 
 def test_the_header_check_costs_a_load_no_request_of_its_own(s3_main_url, tmp_path):

@@ -418,7 +418,8 @@ def test_distributed_checkpoint_pull_follows_the_same_rule(tmp_path):
 def test_a_distributed_checkpoint_pull_larger_than_the_free_space_is_refused_first(tmp_path, tmpfs):
     """Consolidated into one safetensors file, a distributed checkpoint was written until the disk was
     full (every other program writing there failing meanwhile), then removed: refused before anything
-    is written, as every other pull is, whatever the file is named."""
+    is written, as every other pull is, whatever the file is named. (The ``out.pt`` case passed on the
+    code before too: write_torch already checked the disk; it stays to keep that so.)"""
     import torch.distributed.checkpoint as dcp
 
     import ckpt.dcp
