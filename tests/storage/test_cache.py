@@ -362,28 +362,30 @@ def test_what_a_killed_writer_left_goes_once_an_hour_old_though_the_cache_is_nev
     import subprocess
     import sys
 
-    writer = (f"import os\nfrom ckpt_store.storage.cache import ChunkBlobCache\n"
-              f"c = ChunkBlobCache({str(tmp_path)!r}, {S!r}, 1 << 34)\nblob = os.urandom(32 << 20)\n"
-              f"for i in range(1000):\n    c.put(f'{{i:064x}}', (blob,))\n")
-    temps: list = []
-    for _ in range(10):  # killed mid-write (almost always: writing is most of what it does)
-        p = subprocess.Popen([sys.executable, "-c", writer])
-        time.sleep(1.5)
+    # The writer puts three entries, then stops inside the fourth's write (its temporary made) and
+    # says so: killed there, not wherever a timer happens to find it.
+    writer = (f"import time, types\nfrom ckpt_store.storage import cache\n"
+              f"c = cache.ChunkBlobCache({str(tmp_path)!r}, {S!r}, 1 << 34)\n"
+              f"for i in range(3):\n    c.put(f'{{i:064x}}', (bytes([i]) * 5000,))\n"
+              f"def stalled():\n    def update(part):\n        print('writing', flush=True)\n        time.sleep(60)\n"
+              f"    return types.SimpleNamespace(update=update)\n"
+              f"cache.blake3 = types.SimpleNamespace(blake3=stalled)\nc.put('9' * 64, (b'x' * 5000,))\n")
+    p = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "writing\n"
+    finally:
         p.send_signal(signal.SIGKILL)
         p.wait()
-        temps = [t for t in tmp_path.rglob(".tmp-*")]
-        if temps:
-            break
-    assert temps and usage(str(tmp_path)).bytes == sum(e.stat().st_size for e in tmp_path.rglob("0" * 8 + "*"))
+    temps = list(tmp_path.rglob(".tmp-*"))
+    assert len(temps) == 1 and usage(str(tmp_path)).bytes == 3 * (5000 + TRAILER)
     fresh = temps[0].parent / f".tmp-{'2' * 32}"
     fresh.write_bytes(b"being written")
     old = time.time() - 7200
-    for t in temps:
-        os.utime(t, (old, old))
+    os.utime(temps[0], (old, old))
     c = ChunkBlobCache(str(tmp_path), S, 1 << 40)
     c.put(B, (b"b" * 100,))  # this process's first put counts the cache
-    assert not any(t.exists() for t in temps) and fresh.exists()
-    assert all(len(c.get(e.name)) == 32 << 20 for e in tmp_path.rglob("0" * 8 + "*"))
+    assert not temps[0].exists() and fresh.exists()
+    assert [c.get(f"{i:064x}") for i in range(3)] == [bytes([i]) * 5000 for i in range(3)]
 
 
 def test_a_folder_or_a_link_in_an_entrys_place_does_not_keep_the_chunk_out(tmp_path, caplog):
