@@ -21,9 +21,14 @@ once an hour old by the next count of the cache (below) or eviction.
 
 The cache holds at most ``max_bytes``: past that, the least recently used entries (by
 modification time, refreshed on every hit) are deleted until it is under 90% of it. A blob
-larger than that 90% is not cached at all. Other processes put entries too: the cache is counted
-again after each tenth of the limit put. Which files the layout names, and clearing them:
-``storage/cache_files.py``.
+larger than that 90% is not cached at all. Other processes put entries too: each counts the cache
+again once it has put a tenth of the room that was free at its last count (at least a hundredth of
+the limit), and a count that finds it over the limit evicts. So N processes that counted the cache
+at C bytes put at most ``N * max((max_bytes - C) / 10, max_bytes / 100)`` (and a blob each) before
+they count again: up to ten keep it within the limit until it is nearly full, and near it the cache
+goes over by at most about N hundredths of the limit (8 caches on one root from 88% full, putting
+in turn: at most 102%; counting after each tenth of the limit put, as before, reached 159%).
+Which files the layout names, and clearing them: ``storage/cache_files.py``.
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ class ChunkBlobCache:
         self.dropped = 0  # damaged entries deleted
         self._size: int | None = None  # bytes in the whole cache root, counted on first put
         self._uncounted = 0  # bytes put since the cache root was last counted (other processes put too)
+        self._step = 0  # bytes put after which the cache root is counted again (set by each count)
+        self._counting = False  # one thread counts at a time; the others' puts go on top of its count
         self._added = 0  # bytes put since the running eviction's walk began
         self._evicting = False  # one thread evicts at a time; others ask it to look again
         self._again = False
@@ -227,7 +234,8 @@ class ChunkBlobCache:
         old = st.st_size if st is not None and stat.S_ISREG(st.st_mode) else -1  # (a link is no entry: replaced)
         if old >= 0 and not replace:
             return
-        if st is not None and stat.S_ISDIR(st.st_mode):
+        if st is not None and stat.S_ISDIR(st.st_mode) and self._in_own_dirs(path):
+            # (through a linked store or fan-out dir the folder is another's: the write below says so)
             try:
                 os.rmdir(path)  # a folder in the entry's place kept the chunk out of the cache for good
             except OSError:
@@ -261,21 +269,38 @@ class ChunkBlobCache:
         with self._lock:
             self._uncounted += n
             self._added += n
-            # Counted again after a tenth of the limit put: other processes' entries count too (two
-            # pulls, each under the limit on its own count, filled 150% of it).
-            recount = self._size is None or self._uncounted > self.max_bytes // 10
-            if recount:
-                self._uncounted = 0
-            elif self._size is not None:
+            if self._size is not None:
                 self._size += n - max(old, 0)
-        if recount:  # (a walk: not holding the lock; it sweeps what killed writers left, as eviction does)
-            size = sum(b for _, b, _ in self._entries())
-            with self._lock:
-                self._size = size
+            # Counted again after a tenth of the room free at the last count is put: other processes'
+            # entries count too (two pulls, each under the limit on its own count, filled 150% of it).
+            recount = not self._counting and (self._size is None or self._uncounted > self._step)
+            if recount:
+                self._counting, self._uncounted = True, 0
+        if recount:
+            self._count()
         with self._lock:
-            over = (self._size or 0) > self.max_bytes
+            over = self._size is not None and self._size > self.max_bytes
         if over:
             self.evict()
+
+    def _count(self) -> None:
+        """Count the cache root (a walk, not holding the lock; it sweeps what killed writers left, as
+        eviction does). One thread counts at a time: bytes put meanwhile go on top of its count (a
+        few twice: an early eviction, never an overfull cache), as in :meth:`_evict_once`."""
+        try:
+            size = sum(b for _, b, _ in self._entries())
+        except BaseException:
+            with self._lock:
+                self._counting = False
+            raise
+        with self._lock:
+            self._counting = False
+            self._size = size + self._uncounted
+            self._step = self._step_from(size)
+
+    def _step_from(self, size: int) -> int:
+        """Bytes to put before counting a cache found holding ``size`` bytes again: a tenth of its room."""
+        return max((self.max_bytes - size) // 10, self.max_bytes // 100)
 
     def evict(self) -> int:
         """Delete least recently used entries (and stale temporaries) until the cache is
@@ -335,6 +360,7 @@ class ChunkBlobCache:
         with self._lock:
             self._size = total - freed + self._added
             self._uncounted = self._added
+            self._step = self._step_from(total - freed)
         return freed
 
 

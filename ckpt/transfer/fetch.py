@@ -7,9 +7,9 @@ through the decoded-base cache), and verify it against its id. The I/O half (:fu
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -24,14 +24,16 @@ from ckpt_store.storage.objects import ObjectStore, object_hasher, object_id
 # it bounds work on a corrupt store (a blob naming itself as its base, say).
 MAX_CHAIN = 64
 
+T = TypeVar("T")
+
 
 def fetch_base(objects: ObjectStore, cid: str, length: int, settings: Settings, by: str,
-               _depth: int = 0, blobs: Mapping[str, bytes] | None = None, *, verify: bool = True, ask: bool = True,
+               _depth: int = 0, blobs: Mapping[str, bytes | None] | None = None, *, verify: bool = True, ask: bool = True,
                strict: bool = False) -> tuple[bytes | bytearray | memoryview, tuple[str, ...]]:
     """:func:`fetch_chunk` for a chunk wanted as the base of chunk ``by``: served from the
     store's decoded-base cache when it is there. (Chunks are named by their bytes, so a
     cached chunk is the chunk; whether it is still in the store is the caller's question.)
-    ``blobs``: chunk blobs already read (see :func:`read_ahead`).
+    ``blobs``: chunk blobs already read (None: found missing from the store; see :func:`read_ahead`).
 
     ``verify=False``: the base is only an input of ``by``'s decoding, whose result is
     hashed against ``by``'s id, so its own hash may be left out (see :func:`decode_read`).
@@ -100,17 +102,19 @@ class ChunkRead:
 
     blob: bytes | bytearray | memoryview | None
     into: int = 0  # raw chunks: the blob's bytes past its header (those that fit were read into ``out``)
-    bases: Mapping[str, bytes] = field(default_factory=dict)  # blobs of the delta chain below, read ahead
+    bases: Mapping[str, bytes | None] = field(default_factory=dict)  # blobs of the chain below read ahead (None: missing)
     cached: bool = False  # served by the local chunk cache (a bad one is dropped and fetched again)
     digest: str | None = None  # raw chunks read locally: the id of the bytes read into ``out``, hashed as they came
 
 
 def read_remote(objects: ObjectStore, cid: str, length: int, settings: Settings, out: memoryview | None,
-                 use_cache: bool = True, buffers: BlobBuffers | None = None) -> ChunkRead:
+                 buffers: BlobBuffers | None = None, *, stale: ChunkRead | None = None) -> ChunkRead:
     """One GET of chunk ``cid`` from a remote store (or its blob from the local cache). A raw
     chunk's body is read off the socket straight into ``out``; any other blob into one
-    buffer of its size (from ``buffers`` where given). What is fetched is kept in the cache."""
-    cache = objects.cache if use_cache else None
+    buffer of its size (from ``buffers`` where given). What is fetched is kept in the cache.
+    ``stale``: what the cache served, found wrong: the store is read past the cache, and its blob
+    replaces the entry unless it is the same blob (see :func:`refetch`)."""
+    cache = objects.cache if stale is None else None
     got: dict[str, Any] = {}
 
     def place(head: bytes, size: int) -> memoryview:
@@ -146,6 +150,8 @@ def read_remote(objects: ObjectStore, cid: str, length: int, settings: Settings,
         head = objects.backend.read_split(objects.path("chunks", cid), MAX_HEADER, place)
     except FileNotFoundError:
         raise ObjectNotFoundError("chunk", cid) from None
+    if stale is not None and objects.cache is not None and not _same(stale, got.get("blob")):
+        objects.cache.drop(cid)  # a damaged (or another store's) entry: never served again, replaced below
     if "raw" in got:
         assert out is not None
         if objects.cache is not None:
@@ -159,6 +165,11 @@ def read_remote(objects: ObjectStore, cid: str, length: int, settings: Settings,
         if not decoded_later:
             objects.cache.put(cid, (got["blob"],))  # (one kept decoded is put once decoded: decode_read)
     return ChunkRead(got["blob"])
+
+
+def _same(read: ChunkRead, blob: bytes | bytearray | memoryview | None) -> bool:
+    """Whether ``read`` holds the blob ``blob`` (not known for raw chunks read into place: no)."""
+    return read.blob is not None and blob is not None and memoryview(read.blob) == memoryview(blob)
 
 
 def _kept_decoded(h: ChunkHeader, stored: int) -> bool:
@@ -204,8 +215,8 @@ def read_ahead(objects: ObjectStore, cid: str, length: int, settings: Settings, 
     checked against its entry's trailer, then copied and hashed again)."""
     got = read_chunk(objects, cid, length, settings, out, buffers)
     cache = base_cache(objects, settings)
-    bases: dict[str, bytes] = {}
-    blob = got.blob
+    bases: dict[str, bytes | None] = {}
+    blob: bytes | bytearray | memoryview | None = got.blob
     while blob is not None and len(bases) <= settings.max_delta_depth:
         try:
             base = parse_header(blob, cid).base
@@ -217,7 +228,8 @@ def read_ahead(objects: ObjectStore, cid: str, length: int, settings: Settings, 
         try:
             blob = bases[base] = objects.get("chunks", base)
         except ObjectNotFoundError:
-            break  # the decoding thread asks again and reports it, or finds the cached blob above wrong
+            bases[base] = None  # the decoding thread reports it (or finds the cached blob above wrong), not asking again
+            break
     return ChunkRead(got.blob, got.into, bases, got.cached)
 
 
@@ -289,6 +301,22 @@ def cache_at_fault(objects: ObjectStore, cid: str, got: ChunkRead, e: CorruptObj
         return True
 
 
+def refetch(objects: ObjectStore, cid: str, length: int, settings: Settings, got: ChunkRead,
+            e: CorruptObjectError | ObjectNotFoundError, out: memoryview | None, decode: Callable[[ChunkRead], T]) -> T:
+    """After decoding ``got`` (chunk ``cid``) failed with ``e``: where the local chunk cache's entry may
+    be at fault (:func:`cache_at_fault`), the chunk read again from the store (into ``out``, as
+    :func:`read_remote` reads) and ``decode`` d. The entry is dropped and replaced only if the store's
+    blob differs; if it is the same, decoding it would fail again (and on a damaged chain each level
+    above would retry too: 2**depth decodes of a chain that names itself), so ``e`` is raised: the
+    damage, or the missing base, is the store's. Raises ``e`` too where the cache is not at fault."""
+    if not cache_at_fault(objects, cid, got, e):
+        raise e
+    fresh = read_remote(objects, cid, length, settings, out, stale=got)
+    if _same(got, fresh.blob):
+        raise e
+    return decode(fresh)
+
+
 def check_claim(cid: str, length: int, settings: Settings) -> None:
     """A manifest is outside data: no buffer is sized by a length no chunk can have."""
     if length > settings.max_chunk_size:
@@ -297,7 +325,7 @@ def check_claim(cid: str, length: int, settings: Settings) -> None:
 
 
 def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings, _depth: int = 0,
-                out: memoryview | None = None, blobs: Mapping[str, bytes] | None = None, verify: bool = True,
+                out: memoryview | None = None, blobs: Mapping[str, bytes | None] | None = None, verify: bool = True,
                 strict: bool = False) -> tuple[bytes | bytearray | memoryview, tuple[str, ...]]:
     """Decoded, verified bytes of chunk ``cid`` and its delta chain: the ids of every base its
     decoding walked, nearest first (empty: no base).
@@ -313,22 +341,17 @@ def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
         raise CorruptObjectError("chunk", cid, f"delta chain longer than {MAX_CHAIN}")
     check_claim(cid, length, settings)
     if blobs and cid in blobs:
-        got = ChunkRead(blobs[cid], bases=blobs)
+        blob = blobs[cid]
+        if blob is None:  # read ahead: the store lacks it
+            raise ObjectNotFoundError("chunk", cid)
+        got = ChunkRead(blob, bases=blobs)
     else:
         got = read_chunk(objects, cid, length, settings, out)
     try:
         return decode_read(objects, cid, length, settings, got, _depth, out, verify, strict)
     except (CorruptObjectError, ObjectNotFoundError) as e:
-        if not cache_at_fault(objects, cid, got, e):
-            raise
-        objects.cache.drop(cid)  # a damaged cache entry: never served, fetched again
-        fresh = read_remote(objects, cid, length, settings, out, use_cache=False)
-        if got.blob is not None and fresh.blob is not None and memoryview(fresh.blob) == memoryview(got.blob):
-            # The store holds what the cache held: decoding it again would fail again, and on
-            # a damaged chain each level above would retry too (2**depth decodes of a chain
-            # that names itself). The damage is in the store, or below this chunk.
-            raise
-        return decode_read(objects, cid, length, settings, fresh, _depth, out, verify, strict)
+        return refetch(objects, cid, length, settings, got, e, out,
+                       lambda fresh: decode_read(objects, cid, length, settings, fresh, _depth, out, verify, strict))
 
 
 def stored_chain(objects: ObjectStore, cid: str) -> tuple[int, tuple[str, ...]]:

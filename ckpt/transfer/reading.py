@@ -22,12 +22,11 @@ from ckpt.settings import Settings
 from ckpt.transfer.fetch import (
     BlobBuffers,
     ChunkRead,
-    cache_at_fault,
     check_claim,
     decode_read,
     read_ahead,
     read_chunk,
-    read_remote,
+    refetch,
 )
 from ckpt.transfer.parallel import BATCH_BYTES, run_parallel
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
@@ -305,7 +304,7 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
     ``settings.inflight_mb`` of chunks fetched but not yet taken for decoding (beyond the one
     a decoding thread waits for), which bounds memory
     whichever side is slower. A chunk served by the local cache that fails to decode
-    is dropped from the cache and fetched again.
+    is fetched again, its entry replaced where the store's blob differs (:func:`refetch`).
 
     ``manifest``: the checkpoint (or checkpoints) the tasks read. From a remote store, the small
     chunks its bundles hold are served from them (:func:`_from_bundles`): a few requests, not one each.
@@ -380,11 +379,12 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
         try:
             data, _ = decode_read(objects, task.id, task.length, settings, got, out=_decode_into(task, got))
         except (CorruptObjectError, ObjectNotFoundError) as e:
-            if not cache_at_fault(objects, task.id, got, e):
-                raise
-            objects.cache.drop(task.id)
-            got = read_remote(objects, task.id, task.length, settings, task.into, use_cache=False)
-            data, _ = decode_read(objects, task.id, task.length, settings, got, out=_decode_into(task, got))
+            def decode(fresh: ChunkRead) -> tuple[Any, tuple[str, ...]]:
+                nonlocal got
+                got = fresh  # (its buffer handed back below)
+                return decode_read(objects, task.id, task.length, settings, fresh, out=_decode_into(task, fresh))
+
+            data, _ = refetch(objects, task.id, task.length, settings, got, e, task.into, decode)
         if task.sink is not None:
             task.sink(data)  # type: ignore[arg-type]
         if buffers is not None and got.blob is not None:

@@ -68,8 +68,10 @@ class Backend(ABC):
     # True where list() names only objects read() can read (an object store's keys), so that a
     # listing answers what exists() would; a folder's listing also shows FIFOs and links.
     lists_only_objects: bool = False
-    # True where children() from a name costs about what two lookups do: an object store's StartAfter (a
-    # request per page from there on), a local folder's one directory read (about 1 ms at 1,000 names).
+    # True where children() lists from a name in one read: an object store's StartAfter (a request per page
+    # from there on: for a ref's newest entry, about what two lookups cost), a local folder's one directory
+    # read, which is linear in the whole folder, not in what follows the name (0.98 ms at 1,000 names,
+    # 5.2 ms at 10,000, against 7.6 us for two lookups).
     # A ref's newest entry is then listed, not guessed (storage/refs.py: a guess fills a gap it cannot see).
     lists_from_a_name: bool = False
 

@@ -191,20 +191,24 @@ def test_a_cache_that_cannot_take_entries_says_so_once(tmp_path, caplog):
 def test_a_folder_of_the_cache_that_is_a_link_leads_nowhere_outside_it(tmp_path, linked):
     """A cache folder whose store dir (or fan-out dir) is a link to a folder elsewhere, holding files
     named like entries (another store's chunks, say): a read found such a file "damaged" (no
-    trailer) and deleted it, and a put wrote entries there. Now neither deletes nor writes through a
-    link; the reads are misses and the files stay as they were."""
+    trailer) and deleted it, and a put wrote entries there (and removed an empty folder named like an
+    entry). Now neither deletes nor writes through a link; the reads are misses and the files and
+    folders stay as they were."""
     root, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
     precious = {A: os.urandom(3000), B: b"not a cache entry at all"}
     for oid, data in precious.items():
         target = elsewhere / (oid[:2] if linked == "store dir" else "") / oid
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
+    D = "d" * 64
+    hollow = elsewhere / (D[:2] if linked == "store dir" else "") / D
+    hollow.mkdir(parents=True)
     (root / S).parent.mkdir(parents=True)
     if linked == "store dir":
         (root / S).symlink_to(elsewhere)
     else:
         (root / S).mkdir()
-        for oid in precious:
+        for oid in (*precious, D):
             (root / S / oid[:2]).symlink_to(elsewhere)
     c = ChunkBlobCache(str(root), S, 1 << 20)
 
@@ -215,6 +219,8 @@ def test_a_folder_of_the_cache_that_is_a_link_leads_nowhere_outside_it(tmp_path,
     c.drop(A)
     c.put(C, (b"c" * 100,))
     c.put(B, (b"b" * 100,), replace=True)
+    c.put(D, (b"d" * 100,))
+    assert hollow.is_dir()
     files = {str(p.relative_to(elsewhere)): p.read_bytes() for p in elsewhere.rglob("*") if p.is_file()}
     assert files == {str(p.relative_to(elsewhere)): d for p, d in
                      ((elsewhere / (o[:2] if linked == "store dir" else "") / o, d) for o, d in precious.items())}
@@ -294,6 +300,59 @@ def test_two_processes_filling_one_cache_keep_it_within_its_limit(tmp_path):
     assert usage(str(tmp_path)).bytes <= limit
 
 
+def test_processes_sharing_a_nearly_full_cache_count_it_more_often_as_it_fills(tmp_path):
+    """8 pulls at once through one cache 88% full (a ChunkBlobCache each, as 8 processes have), putting
+    in turn: each counts the cache again after a tenth of the room it saw free, so together they go
+    at most a hundredth of the limit each past it. (Each counted again only after putting a tenth of
+    the limit: 159%, nothing evicted.)"""
+    limit, blob = 2_000_000, 20_000
+    fill = ChunkBlobCache(str(tmp_path), S, limit)
+    for i in range(int(limit * 0.88) // (blob + TRAILER)):
+        fill.put(f"f{i:063x}", (os.urandom(blob),))
+    caches = [ChunkBlobCache(str(tmp_path), S, limit) for _ in range(8)]
+    peak = 0
+    for r in range(40):  # 6.4 MB in all, more than three times the limit
+        for k, c in enumerate(caches):
+            c.put(f"{k:02x}{r:062x}", (os.urandom(blob),))
+            peak = max(peak, usage(str(tmp_path)).bytes)
+    assert limit * 0.9 < peak <= limit * (1 + len(caches) / 100)
+
+
+def test_threads_putting_into_a_cache_not_yet_counted_count_it_once_and_nothing_put_meanwhile_is_lost(tmp_path):
+    """16 threads' first puts into a cache not yet counted (a pull's transfer threads): one thread
+    counts the cache root, the others' bytes go on top of its count. (Each walked the whole root, 16
+    walks, and each set the size to what its walk found, losing bytes put meanwhile.)"""
+    import threading
+
+    c = ChunkBlobCache(str(tmp_path), S, 1 << 30)
+    real, walks, gate = c._entries, [], threading.Event()
+
+    def walk():
+        found = real()
+        walks.append(len(found))
+        gate.wait(timeout=5)  # the others put meanwhile (or walk too)
+        return found
+
+    c._entries = walk
+    start = threading.Barrier(16)
+
+    def put(k: int) -> None:
+        start.wait()
+        c.put(f"{k:064x}", (os.urandom(1000 + k),))
+
+    threads = [threading.Thread(target=put, args=(k,)) for k in range(16)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 3
+    while sum(t.is_alive() for t in threads) > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.set()
+    for t in threads:
+        t.join()
+    assert len(walks) == 1
+    assert c._size >= usage(str(tmp_path)).bytes  # (some counted twice: found by the walk, and put meanwhile)
+
+
 def test_what_a_killed_writer_left_goes_once_an_hour_old_though_the_cache_is_never_full(tmp_path):
     """A process SIGKILLed while it writes an entry leaves its temporary: not an entry, not counted,
     and swept by eviction only, so in a cache that never fills (20 GiB by default) they stayed for
@@ -303,28 +362,30 @@ def test_what_a_killed_writer_left_goes_once_an_hour_old_though_the_cache_is_nev
     import subprocess
     import sys
 
-    writer = (f"import os\nfrom ckpt_store.storage.cache import ChunkBlobCache\n"
-              f"c = ChunkBlobCache({str(tmp_path)!r}, {S!r}, 1 << 34)\nblob = os.urandom(32 << 20)\n"
-              f"for i in range(1000):\n    c.put(f'{{i:064x}}', (blob,))\n")
-    temps: list = []
-    for _ in range(10):  # killed mid-write (almost always: writing is most of what it does)
-        p = subprocess.Popen([sys.executable, "-c", writer])
-        time.sleep(1.5)
+    # The writer puts three entries, then stops inside the fourth's write (its temporary made) and
+    # says so: killed there, not wherever a timer happens to find it.
+    writer = (f"import time, types\nfrom ckpt_store.storage import cache\n"
+              f"c = cache.ChunkBlobCache({str(tmp_path)!r}, {S!r}, 1 << 34)\n"
+              f"for i in range(3):\n    c.put(f'{{i:064x}}', (bytes([i]) * 5000,))\n"
+              f"def stalled():\n    def update(part):\n        print('writing', flush=True)\n        time.sleep(60)\n"
+              f"    return types.SimpleNamespace(update=update)\n"
+              f"cache.blake3 = types.SimpleNamespace(blake3=stalled)\nc.put('9' * 64, (b'x' * 5000,))\n")
+    p = subprocess.Popen([sys.executable, "-c", writer], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "writing\n"
+    finally:
         p.send_signal(signal.SIGKILL)
         p.wait()
-        temps = [t for t in tmp_path.rglob(".tmp-*")]
-        if temps:
-            break
-    assert temps and usage(str(tmp_path)).bytes == sum(e.stat().st_size for e in tmp_path.rglob("0" * 8 + "*"))
+    temps = list(tmp_path.rglob(".tmp-*"))
+    assert len(temps) == 1 and usage(str(tmp_path)).bytes == 3 * (5000 + TRAILER)
     fresh = temps[0].parent / f".tmp-{'2' * 32}"
     fresh.write_bytes(b"being written")
     old = time.time() - 7200
-    for t in temps:
-        os.utime(t, (old, old))
+    os.utime(temps[0], (old, old))
     c = ChunkBlobCache(str(tmp_path), S, 1 << 40)
     c.put(B, (b"b" * 100,))  # this process's first put counts the cache
-    assert not any(t.exists() for t in temps) and fresh.exists()
-    assert all(len(c.get(e.name)) == 32 << 20 for e in tmp_path.rglob("0" * 8 + "*"))
+    assert not temps[0].exists() and fresh.exists()
+    assert [c.get(f"{i:064x}") for i in range(3)] == [bytes([i]) * 5000 for i in range(3)]
 
 
 def test_a_folder_or_a_link_in_an_entrys_place_does_not_keep_the_chunk_out(tmp_path, caplog):
