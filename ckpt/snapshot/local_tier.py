@@ -154,12 +154,32 @@ class LocalTier:
         # grace 0: this process is the tier's only writer, and it is not writing now
         self.store.gc(grace_s=0.0, keep_history=False)
 
-    def make_room(self) -> list[int]:
-        """Remove every snapshot but the pinned ones, the newest too, and free their data: for a
-        tier too small to take a new snapshot beside the newest (the new one is worth more).
-        The steps removed."""
+    def make_room(self, needed: int | None) -> list[int]:
+        """After a save found the medium full (ENOSPC): drop the oldest unpinned snapshots, the newest
+        last, only as far as the medium's free space (``os.statvfs``) and what they free together hold
+        ``needed`` bytes (None: as much as the largest snapshot holds here). Where dropping every one of
+        them would not make that room (another tenant of a shared /dev/shm holds it), nothing is
+        dropped: the save fails again with its warning and the tier keeps its newest snapshot. The
+        steps removed."""
         with self._lock:
-            removed = [s for s in self.steps() if s not in self.pinned]
+            steps = [s for s in self.steps() if s not in self.pinned]
+            if not steps:
+                return []
+            chunks = {s: self._chunks(s) for s in self.steps()}
+            if needed is None:  # (a group's rank: the most any snapshot holds here, one cut short by ENOSPC aside)
+                needed = max(sum(self.store.stored_sizes(c).values()) for c in chunks.values())
+            free = free_bytes(self.path)
+            for n in range(len(steps) + 1):
+                kept = set().union(*(c for s, c in chunks.items() if s not in steps[:n]))
+                gone = set().union(*(chunks[s] for s in steps[:n])) - kept
+                if free + sum(self.store.stored_sizes(gone).values()) >= needed:
+                    break
+            else:
+                log.warning("local tier %s: %d bytes free, and %d with every snapshot but pinned ones dropped; the "
+                            "next snapshot needs about %d: none dropped", self.path, free,
+                            free + sum(self.store.stored_sizes(gone).values()), needed)
+                return []
+            removed = steps[:n]
             targets = {self.store.resolve(self.ref(s)) for s in removed}
             for s in removed:
                 self.store.remove(self.ref(s))
@@ -169,8 +189,17 @@ class LocalTier:
                     self.store.remove(latest)  # it would keep the dropped newest alive
             except CkptError:
                 pass  # no alias here
-            self._collect()
+            if removed:
+                self._collect()
             return removed
+
+    def _chunks(self, step: int) -> set[str]:
+        """The chunk ids the snapshot of ``step`` names (none where it cannot be read)."""
+        try:
+            m = self.store.manifest(self.ref(step))
+        except CkptError:
+            return set()
+        return {c for t in m.tensors for c in t.chunks}
 
     def drop_after(self, step: int) -> list[int]:
         """Remove the snapshots of steps after ``step`` but pinned ones (their data goes with the next
@@ -188,6 +217,12 @@ class LocalTier:
             self.store.remove(self.ref(step))
         except CkptError:
             pass
+
+
+def free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer may still write to the medium holding ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 LOCK_WAIT_S = 30.0  # how long a manager waits for a tier another process holds (one exiting, say)

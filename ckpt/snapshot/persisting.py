@@ -35,6 +35,16 @@ class PersistStats:
     chunks_present: int
 
 
+def _state_bytes(state: dict[str, Any]) -> int:
+    """About what a snapshot of ``state`` occupies in the tier, stored raw: its tensors' bytes, a
+    page per tensor for chunk headers and rounding, and 64 KiB for the manifest and refs. (A group's
+    rank holds its shards and replicas instead: :meth:`LocalTier.make_room` estimates those.)"""
+    from ckpt.snapshot.state import flatten
+
+    tensors, _ = flatten(state)
+    return sum(t.numel() * t.element_size() + 4096 for t in tensors.values()) + 65536
+
+
 class Persisting(ManagerState):
     """``CheckpointManager``'s local-tier and persist methods (a mixin: the state they use is
     :class:`~ckpt.snapshot.manager_state.ManagerState`'s)."""
@@ -153,15 +163,18 @@ class Persisting(ManagerState):
 
         return run
 
-    def _make_room(self, step: int) -> None:
+    def _make_room(self, step: int, state: dict[str, Any]) -> None:
         """The last local save found the tier full with nothing left to prune (it keeps its newest
-        snapshot): drop that one too, so that the tier holds the newest step again instead of
-        refusing every save. Until this save lands, a restart restores from the durable store."""
+        snapshot): drop older snapshots, and that one too, where the medium's free space with what they
+        free holds this save's tensors (:meth:`LocalTier.make_room`), so that the tier holds the newest
+        step again instead of refusing every save; else none (another tenant of the medium holds the
+        room), and the tier keeps what it has. Until this save lands, a restart restores from the
+        durable store."""
         local = self._local
         assert local is not None
         self._local_full = False
         try:
-            dropped = local.make_room()
+            dropped = local.make_room(None if self._distributed else _state_bytes(state))
         except Exception as e:  # noqa: BLE001
             self._tier_warning(f"local tier: could not make room for step {step} ({describe(e)})")
             return

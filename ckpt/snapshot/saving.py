@@ -125,7 +125,7 @@ class Saving(ManagerState):
             self._saves += 1
             self._saved_step = step
             if self._local_full:
-                self._make_room(step)
+                self._make_room(step, state)
             if self._distributed:  # the ranks persist together, in the save thread
                 from ckpt.snapshot.group import GroupUnavailable
 

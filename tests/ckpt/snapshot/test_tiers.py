@@ -1168,3 +1168,79 @@ def test_a_local_tier_under_home_is_found_again_by_a_restart(tmp_path, monkeypat
         assert mgr.restore_latest({"model": model2}) == 1  # from the tier: the durable store has no snapshot
     assert all(torch.equal(v, want[k]) for k, v in model2.state_dict().items())
     assert not (tmp_path / "~").exists() and list(durable.refs()) == []
+
+
+def _tenant(path, size):
+    """Another tenant of the medium: a separate process that writes ``size`` bytes to ``path``."""
+    code = "import sys; open(sys.argv[1], 'wb').write(bytes(int(sys.argv[2])))"
+    subprocess.run([sys.executable, "-c", code, str(path), str(size)], check=True)
+
+
+def test_a_full_shared_medium_does_not_empty_the_tier(tmp_path, tmpfs):
+    """A 32 MiB tmpfs shared with another tenant. The tier holds step 1 (a 4 MB model saved before training:
+    AdamW has no state yet); the tenant leaves 6 MiB free, and step 2 (12 MB with AdamW's moments) fails with
+    ENOSPC. Step 3 dropped step 1 to make room (all of the tier, the newest too) although the medium then had
+    10 MiB for 12 MB: it failed again and left the tier empty. Now the tier checks the free space (statvfs)
+    first: nothing is dropped, step 3 fails with its warning, the tier keeps step 1, restorable bit for bit;
+    once the tenant is gone, step 4 lands beside it."""
+    mnt = pathlib.Path(tmpfs(tmp_path / "shm", "32m"))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB of fp32; with AdamW's two moments 12 MiB
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": opt, "step": 1}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", local=str(mnt / "tier"), local_every_n_steps=1,
+                                     every_n_steps=1000)
+        mgr.save(1, state)
+        mgr.wait()
+        first = _bits(model)
+        st = os.statvfs(mnt)
+        _tenant(mnt / "tenant", st.f_bavail * st.f_frsize - 6 * 2**20)
+        kept = []
+        for step in (2, 3):
+            model(torch.randn(8, 1024)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            state["step"] = step
+            mgr.save(step, state)
+            mgr.wait()
+            kept.append(mgr.local_tier.steps)
+        messages = [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)]
+        assert kept == [[1], [1]], messages
+        assert any("step 2 not saved" in m and "disk is full" in m for m in messages), messages
+        assert any("step 3 not saved" in m for m in messages), messages
+        assert not any("to make room" in m for m in messages), messages
+        (mnt / "tenant").unlink()  # the tenant is gone: the next save lands
+        state["step"] = 4
+        mgr.save(4, state)
+        mgr.wait()
+        assert mgr.local_tier.steps == [1, 4]
+        mgr.close()
+    fresh = torch.nn.Linear(1024, 1024, bias=False)
+    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", local=str(mnt / "tier"))
+    fresh_state = {"model": fresh, "optim": torch.optim.AdamW(fresh.parameters(), lr=1e-3), "step": 0}
+    assert mgr.restore(fresh_state, 1) == 1 and mgr.last_restore["local"] > 0
+    assert _bits(fresh) == first and fresh_state["step"] == 1
+    assert mgr.local_tier is not None and ckpt.Store.open(str(mnt / "tier")).verify().ok
+    mgr.close()
+
+
+def test_make_room_drops_the_oldest_first_and_nothing_that_would_not_make_room(tmp_path, tmpfs):
+    """LocalTier.make_room against a real tmpfs's free space: older snapshots go first, only as many as
+    the room asked for needs; a room that dropping every snapshot would not make drops none; the newest
+    goes only where the older ones do not suffice and it does."""
+    from ckpt.snapshot.local_tier import free_bytes
+
+    mnt = tmpfs(tmp_path / "shm", "8m")
+    tier = LocalTier(os.path.join(mnt, "tier"), "run", keep=3)
+    size = 2**21  # 2 MiB of fp32 each, stored raw
+    for step in (1, 2, 3):
+        tier.store.push({"w": torch.full((size // 4,), float(step))}, f"run/step-{step}")
+    free = free_bytes(tier.path)
+    assert tier.make_room(free + size - 65536) == [1] and tier.steps() == [2, 3]
+    assert tier.make_room(free_bytes(tier.path) + 2 * size + 2**20) == [] and tier.steps() == [2, 3]
+    tier.pinned.add(2)
+    assert tier.make_room(free_bytes(tier.path) + size // 2) == [3] and tier.steps() == [2]
+    assert free_bytes(tier.path) >= free + 2 * size - 65536 and tier.store.verify().ok
+    tier.close()
