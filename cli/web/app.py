@@ -91,10 +91,12 @@ class Guard:
         set_cookie = None
         if scope["method"] not in ("GET", "HEAD"):
             response: Response | None = PlainTextResponse("read-only: only GET and HEAD\n", status_code=405, headers={"Allow": "GET, HEAD"})
-        elif headers.get("sec-fetch-site") == "cross-site" and (headers.get("sec-fetch-mode"), headers.get("sec-fetch-dest")) != ("navigate", "document"):
+        elif (headers.get("sec-fetch-site") not in (None, "same-origin", "none")
+              and (headers.get("sec-fetch-mode"), headers.get("sec-fetch-dest")) != ("navigate", "document")):
             # A page of another site can make a browser ask this view for anything (an <img>, a no-cors fetch, a hidden
-            # frame): it cannot read the answer, but each request may start a diff of two large checkpoints. A link
-            # followed from another site (a top-level navigation) is let in; browsers send these headers, scripts need not.
+            # frame): it cannot read the answer, but each request may start a diff of two large checkpoints. "same-site"
+            # is such a page too: another port of 127.0.0.1 or localhost (a notebook, a dev server). A link followed
+            # from another page (a top-level navigation) is let in; browsers send these headers, scripts need not.
             response = PlainTextResponse("requests made by another site's page are refused\n", status_code=403)
         elif self.hosts is not None and _host_name(headers.get("host", "")) not in self.hosts:
             # a page on another site whose name was re-pointed at 127.0.0.1 (DNS rebinding) gets nothing

@@ -125,3 +125,20 @@ def test_diffs_past_the_few_at_a_time_are_answered_503_not_held(tmp_path, monkey
     assert "diffs are being computed" in r.json()["error"] and "Traceback" not in page.text
     assert len(counting.calls) == data.DIFFS_AT_ONCE  # the refused ones computed nothing
     assert c.get("/api/diff", params=last).json() == cli_json(store, "diff", last["a"], last["b"])
+
+
+@pytest.mark.parametrize("site", ["same-site", "cross-site", "some-future-value"])
+def test_requests_a_page_on_another_port_makes_are_refused_too(tmp_path, site):
+    """Only Sec-Fetch-Site "cross-site" was refused: a page on another port of 127.0.0.1 or localhost (a
+    notebook, a dev server) is "same-site" and could still start diffs with an <img>. Every request a page
+    made is refused unless it is the view's own (same-origin), the user's (none), or a link followed."""
+    store = _store(tmp_path, 2)
+    c = TestClient(create_app(store, hosts=["testserver"]))
+    path = "/api/diff?a=c0&b=c1"
+    for mode, dest in (("no-cors", "image"), ("navigate", "iframe"), ("cors", "empty")):
+        r = c.get(path, headers={"sec-fetch-site": site, "sec-fetch-mode": mode, "sec-fetch-dest": dest})
+        assert r.status_code == 403 and "another site" in r.text, (mode, dest)
+    link = {"sec-fetch-site": site, "sec-fetch-mode": "navigate", "sec-fetch-dest": "document"}
+    assert c.get("/checkpoint/c1", headers=link).status_code == 200
+    own = {"sec-fetch-site": "same-origin", "sec-fetch-mode": "no-cors", "sec-fetch-dest": "image"}
+    assert c.get(path, headers=own).status_code == 200
