@@ -27,6 +27,7 @@ from starlette.routing import Route
 import ckpt
 from ckpt.diffing.compare import SORT_KEYS
 from ckpt.errors import AmbiguousRefError, CkptError, InvalidNameError, RefNotFoundError
+from ckpt.format.manifest import lineage_fields
 from ckpt.snapshot.run import is_snapshot
 from ckpt.snapshot.steps import step_ref
 from ckpt_store.cli.results import strict_json
@@ -35,7 +36,6 @@ from ckpt_store.cli.web.data import (
     HISTORY_PAGE,
     MAX_PAGE,
     StoreView,
-    lineage_fields,
     own_chunks,
     page,
     snapshot_metrics,

@@ -67,24 +67,6 @@ def codec_mix(m: Manifest) -> dict[str, int]:
     return dict(sorted(mix.items()))
 
 
-MERGE_FIELDS = ("method", "inputs", "base", "params", "input_refs", "base_ref", "remix")
-
-
-def lineage_fields(lineage: dict[str, Any]) -> dict[str, Any]:
-    """A manifest's ``lineage`` with each field docs/format.md names present: ``parent`` and ``base`` (None
-    where absent) and ``merge`` (None, or the merge record with each of :data:`MERGE_FIELDS`, None where absent;
-    ``inputs`` a list, ``input_refs`` one name or None per input). The format makes every one optional
-    (Manifest.from_json checks the types of those present): a manifest written by hand or by another tool
-    without ``input_refs``, or with a lineage of ``{}``, made the pages that read them answer 500."""
-    merge = lineage.get("merge")
-    if isinstance(merge, dict):
-        inputs = merge.get("inputs") or []
-        merge = {**{k: merge.get(k) for k in MERGE_FIELDS}, "inputs": inputs, "input_refs": merge.get("input_refs") or [None] * len(inputs)}
-    else:
-        merge = None
-    return {"parent": lineage.get("parent"), "base": lineage.get("base"), "merge": merge}
-
-
 def snapshot_metrics(extra: dict[str, Any]) -> dict[str, Any]:
     """The metrics a snapshot manifest's ``extra`` records: ``{}`` where its ``snapshot`` or their
     ``metrics`` are not JSON objects (a manifest's ``extra`` is any JSON)."""
