@@ -14,6 +14,7 @@ from typing import Any
 from rich.cells import cell_len
 from rich.text import Text
 
+from ckpt.format.manifest import lineage_fields
 from ckpt_store.cli.render import as_text, err, human_bytes, out, ratio, safe, when
 
 
@@ -103,10 +104,11 @@ def show(v: dict[str, Any]) -> None:
     lineage = {k: val for k, val in v["lineage"].items() if val and k != "merge"}
     if lineage:
         out.print(f"lineage    {as_text(lineage)}")
-    if isinstance(v["lineage"].get("merge"), dict):
-        _merge_record(v["lineage"]["merge"])
-    if v["lineage"].get("base"):
-        out.print(f"delta base {safe(str(v['lineage']['base'])[:12])} (delta-coded tensors show their chain depth)")
+    lin = lineage_fields(v["lineage"])
+    if lin["merge"] is not None:
+        _merge_record(lin["merge"])
+    if lin["base"]:
+        out.print(f"delta base {safe(str(lin['base'])[:12])} (delta-coded tensors show their chain depth)")
     # A folder of several models (a diffusers pipeline's unet/, vae/...) may hold one name in each:
     # each row then says which file it is.
     names = [r["name"] for r in tensors]
@@ -134,15 +136,15 @@ def show(v: dict[str, Any]) -> None:
 
 
 def _merge_record(rec: dict[str, Any]) -> None:
-    """The merge record of a manifest's lineage: method, parameters (as JSON), inputs and base."""
-    params = ", ".join(f"{safe(k)}={as_text(val)}" for k, val in sorted((rec.get("params") or {}).items()))
-    out.print(f"merged     {safe(rec.get('method'))} ({params})")
-    refs = rec.get("input_refs") or [None] * len(rec.get("inputs") or [])
-    for cid, ref in zip(rec.get("inputs") or [], refs):
+    """The merge record of a manifest's lineage (:func:`~ckpt.format.manifest.lineage_fields`): method,
+    parameters (as JSON), inputs and base."""
+    params = ", ".join(f"{safe(k)}={as_text(val)}" for k, val in sorted((rec["params"] or {}).items()))
+    out.print(f"merged     {safe(rec['method'])} ({params})")
+    for cid, ref in zip(rec["inputs"], rec["input_refs"]):
         out.print(f"  input    {safe(str(cid)[:12])}" + (f"  ({safe(ref)})" if ref else ""))
-    if rec.get("base"):
-        out.print(f"  base     {safe(str(rec['base'])[:12])}" + (f"  ({safe(rec['base_ref'])})" if rec.get("base_ref") else ""))
-    remix = rec.get("remix")
+    if rec["base"]:
+        out.print(f"  base     {safe(str(rec['base'])[:12])}" + (f"  ({safe(rec['base_ref'])})" if rec["base_ref"] else ""))
+    remix = rec["remix"]
     if isinstance(remix, dict):
         scores = ", ".join(f"{safe(r)}={as_text(s) if not isinstance(s, (int, float)) else format(s, '.4g')}"
                            for r, s in (remix.get("scores") or {}).items())

@@ -236,6 +236,27 @@ def _object(o: dict[str, Any], key: str, what: str) -> dict[str, Any] | None:
 
 
 _HEX_ID = re.compile(r"[0-9a-f]{64}")
+MERGE_FIELDS = ("method", "inputs", "base", "params", "input_refs", "base_ref", "remix")
+
+
+def lineage_fields(lineage: Mapping[str, Any]) -> dict[str, Any]:
+    """A manifest's ``lineage`` (as stored, or as ``show --json`` has it) with each field this format names
+    present: ``parent`` and ``base`` (None where absent) and ``merge`` (None, or the merge record with each of
+    :data:`MERGE_FIELDS`, None where absent; ``inputs`` a list, ``input_refs`` one name or None per input).
+    Every one is optional (:func:`_lineage` checks the types of those present); readers take them from here,
+    not each its own way. A new dict: the stored lineage is left as it is (the manifest's id hashes it).
+
+    >>> lineage_fields({"merge": {"inputs": ["a" * 64]}})["merge"]["input_refs"]
+    [None]
+    """
+    merge = lineage.get("merge")
+    if isinstance(merge, Mapping):
+        inputs = list(merge.get("inputs") or [])
+        merge = {**{k: merge.get(k) for k in MERGE_FIELDS}, "inputs": inputs,
+                 "input_refs": list(merge.get("input_refs") or [None] * len(inputs))}
+    else:
+        merge = None
+    return {"parent": lineage.get("parent"), "base": lineage.get("base"), "merge": merge}
 
 
 def _lineage(o: dict[str, Any], what: str) -> dict[str, Any]:

@@ -26,8 +26,8 @@ from starlette.routing import Route
 
 import ckpt
 from ckpt.diffing.compare import SORT_KEYS
-from ckpt.diffing.plot import MAX_CELLS
 from ckpt.errors import AmbiguousRefError, CkptError, InvalidNameError, RefNotFoundError
+from ckpt.format.manifest import lineage_fields
 from ckpt.snapshot.run import is_snapshot
 from ckpt.snapshot.steps import step_ref
 from ckpt_store.cli.results import strict_json
@@ -36,7 +36,6 @@ from ckpt_store.cli.web.data import (
     HISTORY_PAGE,
     MAX_PAGE,
     StoreView,
-    lineage_fields,
     own_chunks,
     page,
     snapshot_metrics,
@@ -51,6 +50,10 @@ STATIC = {p.name: (p.read_bytes(), {".css": "text/css", ".js": "text/javascript"
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
        "base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
 COOKIE = "ckpt_serve_token"
+# The diff page's heatmap draws at most this many tensors, ~320 bytes of SVG each: the 20,000 of ckpt diff --plot
+# (MAX_CELLS) made a 6.8 MB page of a 40,000-tensor diff, 1.7-2.5 s to answer from the cached diff; 2,000 made it
+# 1.05 MB, 0.8-1.0 s (measured, 3 reps alternating). A dense model's every tensor fits (Llama-3-70B has 723).
+HEAT_CELLS = 2000
 
 
 def _env() -> jinja2.Environment:
@@ -69,6 +72,15 @@ def _int(request: Request, key: str, default: int) -> int:
         return int(request.query_params.get(key, default))
     except ValueError:
         return default
+
+
+def _rows_page(request: Request, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The tensor rows whose name holds the request's ``q`` (any case), paged by its ``offset`` and ``limit``
+    (:func:`page`): a page shows at most MAX_PAGE rows, so a filter of the rows shown never found the rest."""
+    q = request.query_params.get("q", "").strip().lower()
+    if q:
+        rows = [t for t in rows if q in t["name"].lower()]
+    return page(rows, _int(request, "offset", 0), _int(request, "limit", MAX_PAGE))
 
 
 class Guard:
@@ -91,10 +103,12 @@ class Guard:
         set_cookie = None
         if scope["method"] not in ("GET", "HEAD"):
             response: Response | None = PlainTextResponse("read-only: only GET and HEAD\n", status_code=405, headers={"Allow": "GET, HEAD"})
-        elif headers.get("sec-fetch-site") == "cross-site" and (headers.get("sec-fetch-mode"), headers.get("sec-fetch-dest")) != ("navigate", "document"):
+        elif (headers.get("sec-fetch-site") not in (None, "same-origin", "none")
+              and (headers.get("sec-fetch-mode"), headers.get("sec-fetch-dest")) != ("navigate", "document")):
             # A page of another site can make a browser ask this view for anything (an <img>, a no-cors fetch, a hidden
-            # frame): it cannot read the answer, but each request may start a diff of two large checkpoints. A link
-            # followed from another site (a top-level navigation) is let in; browsers send these headers, scripts need not.
+            # frame): it cannot read the answer, but each request may start a diff of two large checkpoints. "same-site"
+            # is such a page too: another port of 127.0.0.1 or localhost (a notebook, a dev server). A link followed
+            # from another page (a top-level navigation) is let in; browsers send these headers, scripts need not.
             response = PlainTextResponse("requests made by another site's page are refused\n", status_code=403)
         elif self.hosts is not None and _host_name(headers.get("host", "")) not in self.hosts:
             # a page on another site whose name was re-pointed at 127.0.0.1 (DNS rebinding) gets nothing
@@ -212,11 +226,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
 
     def checkpoint_doc(request: Request, ref: str) -> dict[str, Any]:
         doc = view.show(ref)
-        tensors = doc["tensors"]
-        q = request.query_params.get("q", "").strip().lower()
-        if q:
-            tensors = [t for t in tensors if q in t["name"].lower()]
-        doc["tensors"], doc["tensors_page"] = page(tensors, _int(request, "offset", 0), _int(request, "limit", MAX_PAGE))
+        doc["tensors"], doc["tensors_page"] = _rows_page(request, doc["tensors"])
         # a page of the ref's history (log_offset, log_limit): a run's latest may have thousands of entries
         doc["log"], doc["log_page"] = (view.log(ref, _int(request, "log_offset", 0), _int(request, "log_limit", HISTORY_PAGE))
                                        if view.is_ref_name(ref) else (None, None))
@@ -302,15 +312,17 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
     def diff_page(request: Request) -> Response:
         a, b, sort, top, estimate = diff_args(request)
         names = sorted(view.refs())[:5000]
-        ctx: dict[str, Any] = {"names": names, "a": a, "b": b, "sort": sort, "sort_keys": SORT_KEYS, "doc": None, "estimate": estimate}
+        q = request.query_params.get("q", "")
+        ctx: dict[str, Any] = {"names": names, "a": a, "b": b, "sort": sort, "sort_keys": SORT_KEYS, "doc": None, "estimate": estimate,
+                               "q": q}
         if a and b:
             doc = view.diff(a, b, estimate).to_json(sort, top)
-            # A page of the rows (an MoE model's 40,000 tensors made a 28 MB page, 5 s to render); the heatmap draws
-            # the first MAX_CELLS of them in the order asked for (sort=relative_change: the largest changes)
-            heat = charts.heatmap(doc["tensors"][:MAX_CELLS])
-            doc["tensors"], pg = page(doc["tensors"], _int(request, "offset", 0), _int(request, "limit", MAX_PAGE))
-            ctx.update(doc=doc, heat=heat, page=pg, query=urlencode({"a": a, "b": b, "sort": sort, "top": top or "",
-                                                                    "estimate": int(estimate)}))
+            # A page of the rows (an MoE model's 40,000 tensors made a 28 MB page, 5 s to render), those whose name
+            # holds q; the heatmap draws the first HEAT_CELLS of all in the order asked for (relative_change: the largest)
+            heat = charts.heatmap(doc["tensors"][:HEAT_CELLS])
+            doc["tensors"], pg = _rows_page(request, doc["tensors"])
+            keep = {"a": a, "b": b, "sort": sort, "top": top or "", "estimate": int(estimate)}
+            ctx.update(doc=doc, heat=heat, page=pg, keep=keep, query=urlencode({**keep, "q": q}))
         return render("diff.html", **ctx)
 
     def run_page(request: Request) -> Response:

@@ -15,6 +15,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import ckpt
@@ -31,6 +32,7 @@ CACHE_TENSORS = 1_000_000  # tensors the view's caches hold (a parsed manifest: 
 # Diffs computed at one time, whatever the number of requests: each reads both checkpoints in batches
 # (~90 MB of memory a diff for two 96 MiB checkpoints), and requests run in a pool of 40 threads.
 DIFFS_AT_ONCE = 2
+DIFF_WAIT_S = 10.0  # how long a diff waits for one of those before the request is answered 503 (DiffsBusyError)
 HISTORY_PAGE = 100  # rows of a history (a ref's log, a run's snapshots) a request returns unless it asks: one manifest read each
 T = TypeVar("T")
 
@@ -65,29 +67,17 @@ def codec_mix(m: Manifest) -> dict[str, int]:
     return dict(sorted(mix.items()))
 
 
-MERGE_FIELDS = ("method", "inputs", "base", "params", "input_refs", "base_ref", "remix")
-
-
-def lineage_fields(lineage: dict[str, Any]) -> dict[str, Any]:
-    """A manifest's ``lineage`` with each field docs/format.md names present: ``parent`` and ``base`` (None
-    where absent) and ``merge`` (None, or the merge record with each of :data:`MERGE_FIELDS`, None where absent;
-    ``inputs`` a list, ``input_refs`` one name or None per input). The format makes every one optional
-    (Manifest.from_json checks the types of those present): a manifest written by hand or by another tool
-    without ``input_refs``, or with a lineage of ``{}``, made the pages that read them answer 500."""
-    merge = lineage.get("merge")
-    if isinstance(merge, dict):
-        inputs = merge.get("inputs") or []
-        merge = {**{k: merge.get(k) for k in MERGE_FIELDS}, "inputs": inputs, "input_refs": merge.get("input_refs") or [None] * len(inputs)}
-    else:
-        merge = None
-    return {"parent": lineage.get("parent"), "base": lineage.get("base"), "merge": merge}
-
-
 def snapshot_metrics(extra: dict[str, Any]) -> dict[str, Any]:
     """The metrics a snapshot manifest's ``extra`` records: ``{}`` where its ``snapshot`` or their
     ``metrics`` are not JSON objects (a manifest's ``extra`` is any JSON)."""
     snap = extra.get("snapshot") if isinstance(extra.get("snapshot"), dict) else {}
     return snap.get("metrics") if isinstance(snap.get("metrics"), dict) else {}
+
+
+class DiffsBusyError(CkptError):
+    """:data:`DIFFS_AT_ONCE` diffs were being computed for :data:`DIFF_WAIT_S` seconds: ask again (a 503)."""
+
+    retryable = True
 
 
 class StoreView:
@@ -103,7 +93,7 @@ class StoreView:
         self._max_manifests = cache_manifests
         self._diffs: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
         self._max_diffs = cache_diffs
-        self._making: dict[tuple[Any, ...], threading.Event] = {}  # what :meth:`_once` is making, by key
+        self._making: dict[tuple[Any, ...], Future[Any]] = {}  # what :meth:`_once` is making, by key
         self._diff_slots = threading.BoundedSemaphore(DIFFS_AT_ONCE)
         # Both caches hold at most ``cache_tensors`` tensors (entries of the manifests, rows of the diffs)
         # besides the newest item: counted in items alone, 4096 manifests of a mixture-of-experts model
@@ -149,24 +139,30 @@ class StoreView:
 
     def _once(self, key: tuple[Any, ...], lookup: Callable[[], T | None], make: Callable[[], T]) -> T:
         """``lookup()`` (called under the lock; None: not there), else ``make()``, made once for requests arriving
-        together: those asking for a ``key`` being made wait for it and look again. (A burst of page loads
-        listed the store, or computed the same diff, once each: on S3 a listing is a request per ref.)"""
-        while True:
-            with self._lock:
-                hit = lookup()
-                running = self._making.get(key) if hit is None else None
-                if hit is None and running is None:
-                    self._making[key] = threading.Event()
+        together: those asking for a ``key`` being made take its outcome, value or error. (A burst of page loads
+        listed the store, or computed the same diff, once each: on S3 a listing is a request per ref. Waiters
+        that made it again in turn after a failure answered six requests for a failing diff at 0.5, 1.0 ... 3.0 s.)
+        A failure is not kept: the next request tries again."""
+        with self._lock:
+            hit = lookup()
             if hit is not None:
                 return hit
-            if running is None:
-                break
-            running.wait()  # then there, unless it failed or was pushed out meanwhile: asked again
+            fut = self._making.get(key)
+            mine = fut is None
+            if mine:
+                fut = self._making[key] = Future()
+        if not mine:
+            return fut.result()
         try:
-            return make()
+            value = make()
+        except BaseException as e:
+            fut.set_exception(e)
+            raise
         finally:
             with self._lock:
-                self._making.pop(key).set()
+                self._making.pop(key)
+        fut.set_result(value)
+        return value
 
     def chunk_sizes(self) -> dict[str, int]:
         return self.fresh("chunk_sizes", self.store.chunk_sizes)
@@ -278,8 +274,14 @@ class StoreView:
         key = (self.store.resolve(a), self.store.resolve(b), estimate)
 
         def made() -> Any:
-            with self._diff_slots:
-                report = ckpt.diff(a, b, store=self.store, estimate_delta=estimate, refs_only=True)
+            # Requests past DIFFS_AT_ONCE wait a while, not for ever: each holds one of the server's request threads.
+            if not self._diff_slots.acquire(timeout=DIFF_WAIT_S):
+                raise DiffsBusyError(f"{DIFFS_AT_ONCE} diffs are being computed", hint="ask again in a while")
+            try:  # the ids resolved: a ref moved since (run/latest at a save) must not put its diff under this key
+                report = ckpt.diff(key[0], key[1], store=self.store, estimate_delta=estimate, refs_only=True)
+            finally:
+                self._diff_slots.release()
+            report = dataclasses.replace(report, a=a, b=b)  # named as asked: the same spelling gets the cached report
             with self._lock:
                 self._diffs[key] = report
                 self._diff_tensors += len(report.tensors)

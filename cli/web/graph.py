@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpt.errors import CkptError
+from ckpt.format.manifest import lineage_fields
 from ckpt.snapshot.run import is_snapshot
 from ckpt.snapshot.steps import step_ref
-from ckpt_store.cli.web.data import StoreView, lineage_fields, own_chunks, stored_bytes
+from ckpt_store.cli.web.data import StoreView, own_chunks, stored_bytes
 
 RUN_PREFIX = "run:"
 MAX_NODES = 2000  # checkpoints drawn at most; the rest are left out ("truncated")
@@ -144,11 +145,10 @@ def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
 
 
 def _sources(m: Any) -> list[str]:
-    lin = m.lineage
-    out = [lin.get("base"), lin.get("parent")]
-    merge = lin.get("merge")
-    if isinstance(merge, dict):
-        out += list(merge.get("inputs") or []) + [merge.get("base")]
+    lin = lineage_fields(m.lineage)
+    out = [lin["base"], lin["parent"]]
+    if lin["merge"] is not None:
+        out += lin["merge"]["inputs"] + [lin["merge"]["base"]]
     return [x for x in out if isinstance(x, str)]
 
 

@@ -1012,7 +1012,7 @@ def test_the_diff_page_shows_a_page_of_rows_and_a_bounded_heatmap(tmp_path, monk
     """The diff page drew every tensor twice, a table row and a heatmap cell: two checkpoints of 40,000
     tensors (a mixture-of-experts model) made a 28 MB page, 5 s to render from a cached diff (measured
     on a real ckpt serve). The table now shows a page of MAX_PAGE rows with links to the next, and the
-    heatmap the first MAX_CELLS (ckpt diff --plot's limit) in the order asked for; /api/diff has them all."""
+    heatmap the first HEAT_CELLS in the order asked for; /api/diff has them all."""
     from ckpt_store.cli.web import app as web_app
 
     store = ckpt.Store.init(str(tmp_path / "store"))
@@ -1020,7 +1020,7 @@ def test_the_diff_page_shows_a_page_of_rows_and_a_bounded_heatmap(tmp_path, monk
     a = {f"layers.{i}.w": torch.randn(2, generator=g) for i in range(MAX_PAGE + 200)}
     store.push(a, "a")
     store.push({k: v * (1 + int(k.split(".")[1])) for k, v in a.items()}, "b")
-    monkeypatch.setattr(web_app, "MAX_CELLS", 50, raising=False)
+    monkeypatch.setattr(web_app, "HEAT_CELLS", 50)
     c = TestClient(create_app(store))
     whole = c.get("/api/diff", params={"a": "a", "b": "b"}).json()
     assert len(whole["tensors"]) == MAX_PAGE + 200
@@ -1034,3 +1034,49 @@ def test_the_diff_page_shows_a_page_of_rows_and_a_bounded_heatmap(tmp_path, monk
     assert re.findall(r'<tr data-name="([^"]*)" class="st-', second.text) == \
         [t["name"] for t in c.get("/api/diff", params={"a": "a", "b": "b", "sort": "relative_change"}).json()["tensors"][MAX_PAGE:]]
     assert ">previous</a>" in second.text and ">next</a>" not in second.text
+
+
+@pytest.fixture(scope="module")
+def wide_diff_store(tmp_path_factory):
+    """Two checkpoints of HEAT_CELLS + 100 tensors (more than a page of rows and than the heatmap draws)."""
+    from ckpt_store.cli.web.app import HEAT_CELLS
+
+    store = ckpt.Store.init(str(tmp_path_factory.mktemp("wide-diff") / "store"))
+    g = torch.Generator().manual_seed(0)
+    a = {f"layers.{i}.w": torch.randn(2, generator=g) for i in range(HEAT_CELLS + 100)}
+    store.push(a, "a")
+    store.push({k: v * (1 + int(k.split(".")[1])) for k, v in a.items()}, "b")
+    return store
+
+
+def test_the_diff_pages_filter_finds_a_tensor_past_the_first_page(wide_diff_store):
+    """The diff page showed a page of rows, but its filter box searched that page only: a tensor on row
+    1,001 was never found. Enter now filters every row on the server (q, as on the checkpoint page, by one
+    shared helper), and the pages of what it found keep the filter."""
+    c = TestClient(create_app(wide_diff_store))
+    rows = c.get("/api/diff", params={"a": "a", "b": "b", "sort": "relative_change"}).json()["tensors"]
+    assert [t["name"] for t in rows].index("layers.5.w") >= MAX_PAGE  # sorted by change: layer 5 is near the end
+    found = c.get("/diff", params={"a": "a", "b": "b", "sort": "relative_change", "q": "LAYERS.5.W"})
+    assert re.findall(r'<tr data-name="([^"]*)" class="st-', found.text) == ["layers.5.w"]
+    assert 'name="q" value="LAYERS.5.W"' in found.text and "1–1 of 1 whose name holds" in found.text
+    many = c.get("/diff", params={"a": "a", "b": "b", "sort": "relative_change", "q": "s.1", "limit": "100"})
+    want = [t["name"] for t in rows if "s.1" in t["name"]]
+    assert re.findall(r'<tr data-name="([^"]*)" class="st-', many.text) == want[:100]
+    nxt = re.search(r'<a href="(/diff\?[^"]*)">next</a>', many.text).group(1).replace("&amp;", "&")
+    assert re.findall(r'<tr data-name="([^"]*)" class="st-', c.get(nxt).text) == want[100:200]
+    # the checkpoint page's filter is the same helper's
+    doc = c.get("/api/checkpoint/b", params={"q": "s.1", "limit": "100"}).json()
+    assert doc["tensors_page"]["total"] == len(want) and {t["name"] for t in doc["tensors"]} <= set(want)
+
+
+def test_the_diff_pages_heatmap_has_its_own_smaller_limit(wide_diff_store):
+    """The heatmap was cut at ckpt diff --plot's MAX_CELLS (20,000): ~320 bytes of SVG a tensor, a 40,000-tensor
+    diff still made a 6.8 MB page (1.7-2.5 s from the cached diff). The page has its own limit, HEAT_CELLS,
+    and says where it cut."""
+    from ckpt.diffing.plot import MAX_CELLS
+    from ckpt_store.cli.web.app import HEAT_CELLS
+
+    assert HEAT_CELLS < MAX_CELLS
+    page = TestClient(create_app(wide_diff_store)).get("/diff", params={"a": "a", "b": "b"}).text
+    assert page.count('<g class="cell"') == HEAT_CELLS
+    assert f"the first {HEAT_CELLS} tensors of {HEAT_CELLS + 100}" in page

@@ -245,3 +245,69 @@ def test_lineage_readable_at_200_nodes(wide_store, tmp_path, page):
     finally:
         p.terminate()
         p.wait(timeout=20)
+
+
+def test_the_diff_pages_filter_searches_every_row_on_enter(site, page):
+    """Typing filters the rows shown; Enter asks the server for every row whose name holds the text (a
+    tensor past the first page was never found), keeping the pair and the sort."""
+    store, base = site
+    page.goto(base + "/diff?a=base&b=ft/top&sort=relative_change")
+    page.fill("input[data-filter=diff-table]", "layer.3.")
+    with page.expect_navigation():
+        page.press("input[data-filter=diff-table]", "Enter")
+    assert "q=layer.3." in page.url and "sort=relative_change" in page.url
+    doc = cli(store, "diff", "base", "ft/top", "--sort", "relative_change")
+    table = page.locator("#diff-table tbody tr").evaluate_all("rows => rows.map(r => r.dataset.name)")
+    assert table == [t["name"] for t in doc["tensors"] if "layer.3." in t["name"]] and table
+
+
+def test_a_page_on_another_port_cannot_start_a_diff(site, browser):
+    """A page served from another port of 127.0.0.1 (a notebook, a dev server) is the same site to the browser:
+    its <img> of /api/diff was answered, and each one computed a diff. What Chromium says of such a request
+    (its Sec-Fetch headers, as a server on a third port receives them; the answer to an <img> is blocked
+    before a test could read it) is sent to the view: refused (403). Only "cross-site" was refused before."""
+    import http.server
+    import threading
+    import urllib.error
+    import urllib.request
+
+    store, base = site
+    target = base + "/api/diff?a=base&b=ft/bottom&estimate=0"
+    received: list[dict[str, str]] = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            received.append({k.lower(): v for k, v in self.headers.items() if k.lower().startswith("sec-fetch-")})
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    recorder = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+
+    class Other(Recorder):
+        def do_GET(self):
+            body = f'<html><body><img src="http://127.0.0.1:{recorder.server_address[1]}/x.png"></body></html>'.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(body)
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    for server in (recorder, other):
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    ctx = browser.new_context()  # not the page fixture: the failed <img> is a console error
+    try:
+        ctx.new_page().goto(f"http://127.0.0.1:{other.server_address[1]}/", wait_until="load")
+    finally:
+        ctx.close()
+        for server in (recorder, other):
+            server.shutdown()
+            server.server_close()
+    assert len(received) == 1
+    sent = received[0]
+    assert (sent["sec-fetch-site"], sent["sec-fetch-dest"]) == ("same-site", "image")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(target, headers=sent), timeout=30)
+    assert refused.value.code == 403

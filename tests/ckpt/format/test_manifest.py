@@ -163,3 +163,35 @@ def test_finding_clashing_paths_takes_memory_of_the_order_of_the_paths():
     finally:
         tracemalloc.stop()
     assert peak < 64 << 20, peak  # (the segments: ~8 MB)
+
+
+@pytest.mark.parametrize("lineage", [None, {}, {"merge": {}}, {"parent": A, "merge": {"inputs": [A, B], "method": "linear"}},
+                                     {"base": B, "merge": {"inputs": [A], "input_refs": ["x"], "base": B, "base_ref": "y",
+                                                           "params": {"t": 0.5}, "remix": {"k": 1}}}])
+def test_lineage_fields_names_every_field_and_leaves_the_stored_lineage_as_it_is(lineage):
+    """The web view and `ckpt show` each filled in a lineage's optional fields their own way (cli/web/data.py,
+    cli/views.py); the format's module owns it now. Every field it names is present, and the manifest's own
+    lineage, whose bytes its id hashes, is untouched."""
+    import json
+
+    from ckpt.format.manifest import MERGE_FIELDS, lineage_fields
+
+    doc = json.loads(_manifest().to_json())
+    if lineage is not None:
+        doc["lineage"] = lineage
+    data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    m = Manifest.from_json(data)
+    stored = json.loads(json.dumps(m.lineage))
+    lin = lineage_fields(m.lineage)
+    assert set(lin) == {"parent", "base", "merge"}
+    given = lineage or {}
+    assert (lin["parent"], lin["base"]) == (given.get("parent"), given.get("base"))
+    if "merge" in given:
+        rec = given["merge"]
+        assert set(lin["merge"]) == set(MERGE_FIELDS)
+        assert lin["merge"]["inputs"] == rec.get("inputs", [])
+        assert lin["merge"]["input_refs"] == rec.get("input_refs", [None] * len(rec.get("inputs", [])))
+        assert all(lin["merge"][k] == rec.get(k) for k in ("method", "base", "params", "base_ref", "remix"))
+    else:
+        assert lin["merge"] is None
+    assert m.lineage == stored and (lineage is None or m.to_json() == data)  # as stored: the same bytes, the same id
