@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -889,13 +890,23 @@ def test_requests_another_sites_page_makes_are_refused_and_links_followed_are_no
         assert c.get(path, headers=headers).status_code == 200, site
 
 
+def _together(requests, gate: threading.Event) -> None:
+    """Make ``requests`` at once from threads of their own, held at ``gate`` (set after they are all under way)
+    where the view's work begins, so they arrive together; then wait for every answer."""
+    threads = [threading.Thread(target=r) for r in requests]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    gate.set()
+    for t in threads:
+        t.join()
+
+
 def test_a_diff_is_computed_once_for_every_spelling_and_few_at_a_time(tmp_path, monkeypatch):
     """The view cached diffs by the strings asked for: six requests at once for one pair spelled six ways
     (names, id prefixes) computed six diffs side by side (two 96 MiB checkpoints: RSS 314 -> 847 MiB,
     measured), and six at once for one spelling six too. Now a pair is computed once whatever its
     spelling, the requests waiting for it, and at most DIFFS_AT_ONCE diffs are computed at a time."""
-    import threading
-
     from ckpt_store.cli.web import data
 
     store = ckpt.Store.init(str(tmp_path / "store"))
@@ -925,13 +936,7 @@ def test_a_diff_is_computed_once_for_every_spelling_and_few_at_a_time(tmp_path, 
     def ask(a, b):
         answers[a, b] = c.get("/api/diff", params={"a": a, "b": b})
 
-    threads = [threading.Thread(target=ask, args=p) for p in pairs]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)
-    gate.set()
-    for t in threads:
-        t.join()
+    _together([lambda p=p: ask(*p) for p in pairs], gate)
     assert sorted(k[:2] for k in calls) == sorted(zip(ids, ids[1:]))  # once a pair
     assert max(k[2] for k in calls) <= data.DIFFS_AT_ONCE
     for (a, b), r in answers.items():
@@ -960,8 +965,6 @@ def test_a_burst_of_page_loads_lists_the_store_once(store, monkeypatch):
     seconds, but requests arriving together before the first one ended each made them again: eight
     requests for /api/du at once ran `ckpt du` eight times (on S3, a listing of every chunk each).
     Now one makes it and the others wait for it."""
-    import threading
-
     real, calls, gate = store.du, [], threading.Event()
 
     def counting(*args, **kw):
@@ -972,13 +975,7 @@ def test_a_burst_of_page_loads_lists_the_store_once(store, monkeypatch):
     monkeypatch.setattr(store, "du", counting)
     c = TestClient(create_app(store))
     answers = []
-    threads = [threading.Thread(target=lambda: answers.append(c.get("/api/du"))) for _ in range(8)]
-    for t in threads:
-        t.start()
-    time.sleep(0.5)
-    gate.set()
-    for t in threads:
-        t.join()
+    _together([lambda: answers.append(c.get("/api/du"))] * 8, gate)
     assert len(calls) == 1 and [r.status_code for r in answers] == [200] * 8
     assert len({r.content for r in answers}) == 1
 

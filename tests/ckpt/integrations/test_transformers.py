@@ -370,26 +370,32 @@ def test_following_an_epoch_or_best_save_strategy_snapshots_where_the_trainer_sa
     assert saved and cb.manager.steps() == saved  # the Trainer's own checkpoints: 4, 8 (epoch ends or new bests), 10
 
 
-def test_resume_dir_into_a_folder_of_other_files_is_refused(script, tmp_path):
-    """``save_pretrained`` deleted model-0000i-of-0000n shards it found in ``dest`` (a model the user
-    kept there), and the Trainer would unpickle an optimizer.pt or rng_state.pth found there. A folder
-    resume_dir wrote itself is reused."""
+def _a_trained_run(script, tmp_path):
+    """A store under ``tmp_path`` holding N steps of the script's run, and a fresh model (with its bits before
+    anything is restored), a callback on that store and a Trainer around them: what resume_dir is given."""
     from transformers import Trainer, TrainingArguments
-
-    from ckpt.snapshot.manager import SnapshotError
 
     store = str(tmp_path / "store")
     script.train(store, str(tmp_path / "stop"), "stop", N, 2)
-    dest = tmp_path / "my-model"
-    dest.mkdir()
-    shard = dest / "model-00001-of-00002.safetensors"
-    shard.write_bytes(b"precious")
     model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     cb = script.CkptCallback(store, "hf", every_n_steps=2)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=N,
                              per_device_train_batch_size=4, disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=[], callbacks=[cb])
+    return model, before, cb, Trainer(model=model, args=args, train_dataset=[], callbacks=[cb])
+
+
+def test_resume_dir_into_a_folder_of_other_files_is_refused(script, tmp_path):
+    """``save_pretrained`` deleted model-0000i-of-0000n shards it found in ``dest`` (a model the user
+    kept there), and the Trainer would unpickle an optimizer.pt or rng_state.pth found there. A folder
+    resume_dir wrote itself is reused."""
+    from ckpt.snapshot.manager import SnapshotError
+
+    model, before, cb, trainer = _a_trained_run(script, tmp_path)
+    dest = tmp_path / "my-model"
+    dest.mkdir()
+    shard = dest / "model-00001-of-00002.safetensors"
+    shard.write_bytes(b"precious")
     with pytest.raises(SnapshotError, match="did not write"):
         cb.resume_dir(trainer, dest)
     assert shard.read_bytes() == b"precious" and sorted(p.name for p in dest.iterdir()) == [shard.name]
@@ -440,18 +446,9 @@ def test_resume_dir_through_a_link_into_dev_is_refused_and_dev_shm_is_yours(scri
     import shutil
     import tempfile
 
-    from transformers import Trainer, TrainingArguments
-
     from ckpt.errors import DestinationError
 
-    store = str(tmp_path / "store")
-    script.train(store, str(tmp_path / "stop"), "stop", N, 2)
-    model = script.GPT2LMHeadModel(script.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=16))
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    cb = script.CkptCallback(store, "hf", every_n_steps=2)
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=N,
-                             per_device_train_batch_size=4, disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=[], callbacks=[cb])
+    model, before, cb, trainer = _a_trained_run(script, tmp_path)
     (tmp_path / "link").symlink_to("/dev")
     for dest in (tmp_path / "link", "/dev"):
         with pytest.raises(DestinationError, match="is in /dev, the system's"):
