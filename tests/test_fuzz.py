@@ -123,7 +123,7 @@ def test_a_manifest_claiming_a_terabyte_is_refused_before_allocating(tmp_path: P
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with pytest.raises(ResourceLimitError, match="needs 1,099,511,627,776 bytes"):
         store.load("bomb")
-    with pytest.raises(ResourceLimitError):
+    with pytest.raises(ckpt.CkptError):  # (the reader checks the file's stored header first: it holds 40 bytes)
         store.reader("bomb").get_tensor("w")
     with pytest.raises(ckpt.CkptError):
         store.pull("bomb", tmp_path / "out.safetensors")

@@ -139,14 +139,14 @@ def test_verify_while_a_gc_frees_earlier_versions_reports_no_damage(moved, s3_ur
     import torch
 
     import ckpt
-    import ckpt.store.maintenance as maintenance
+    import ckpt.transfer.pipeline as pipeline  # (verify takes run_parallel from there when it runs)
 
     g = torch.Generator().manual_seed(1)
     store = ckpt.Store.init(s3_url, settings=ckpt.Settings.from_env(chunk_size=64 * 1024))
     for _ in range(3):
         store.push({"w": torch.randn(128, 256, generator=g)}, "m")
     other = ckpt.Store.open(s3_url)  # another process's view: it pushes and collects
-    real = maintenance.run_parallel
+    real = pipeline.run_parallel
 
     def gc_meanwhile(*args, **kwargs):  # once every manifest is read, before any chunk is fetched
         if moved:
@@ -154,11 +154,11 @@ def test_verify_while_a_gc_frees_earlier_versions_reports_no_damage(moved, s3_ur
         other.gc(grace_s=0, keep_history=False)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(maintenance, "run_parallel", gc_meanwhile)
+    monkeypatch.setattr(pipeline, "run_parallel", gc_meanwhile)
     report = store.verify()
     assert report.ok, report.problems
     assert sorted(report.freed) == ["m@1", "m@2"]  # (the labels as verify began)
-    monkeypatch.setattr(maintenance, "run_parallel", real)
+    monkeypatch.setattr(pipeline, "run_parallel", real)
     current = store.manifest("m").tensors[0].chunks[0]
     store.backend.delete(store.objects.path("chunks", current))
     report = store.verify()
@@ -172,7 +172,7 @@ def test_verify_while_a_ref_is_removed_and_collected_reports_no_damage(s3_url, m
     import torch
 
     import ckpt
-    import ckpt.store.maintenance as maintenance
+    import ckpt.transfer.pipeline as pipeline  # (verify takes run_parallel from there when it runs)
 
     g = torch.Generator().manual_seed(2)
     store = ckpt.Store.init(s3_url)
