@@ -172,7 +172,7 @@ def test_verify_while_a_ref_is_removed_and_collected_reports_no_damage(s3_url, m
     import torch
 
     import ckpt
-    import ckpt.transfer.pipeline as pipeline  # (verify takes run_parallel from there when it runs)
+    import ckpt.store.maintenance as maintenance
 
     g = torch.Generator().manual_seed(2)
     store = ckpt.Store.init(s3_url)
