@@ -170,6 +170,9 @@ def dir_targets(store: Store, dest: str, paths: Sequence[str], overwrite: bool) 
     targets = [os.path.join(dest, *p.split("/")) for p in paths]
     if not os.path.isdir(dest):
         return dest, targets
+    # A file (not a link, not a folder) lies in a store exactly where its folder does: each folder is checked
+    # once, not each of its files (a realpath and a walk up each: ~0.1 s for 1,500 files, and a pull checks twice).
+    clear: set[str] = set()
     for rel, target in zip(paths, targets):
         parts = rel.split("/")
         for i in range(1, len(parts)):  # each parent directory the file needs, inside dest
@@ -179,7 +182,11 @@ def dir_targets(store: Store, dest: str, paths: Sequence[str], overwrite: bool) 
                                        hint="remove the link or pull elsewhere")
             if os.path.lexists(d) and not os.path.isdir(d):
                 raise DestinationError(f"{d} is a file where this checkpoint has a directory", hint="move it away or pull elsewhere")
-        check_outside_stores(target, store)  # a store somewhere below dest
+        plain = not os.path.islink(target) and not os.path.isdir(target)
+        if not plain or os.path.dirname(target) not in clear:
+            check_outside_stores(target, store)  # a store somewhere below dest
+            if plain:
+                clear.add(os.path.dirname(target))
         _check_entry(target, True)
     if not overwrite:
         present = _placed(dest)
