@@ -153,25 +153,28 @@ class Overview:
     snapshot: bool  # a snapshot manager's (:func:`ckpt.snapshot.run.is_snapshot`)
 
 
-def overviews(store: Store, mids: list[str], checked: set[str]) -> dict[str, Overview]:
+def overviews(store: Store, mids: list[str], checked: set[str] | None) -> dict[str, Overview]:
     """The :class:`Overview` of those of checkpoints ``mids`` whose summary the metadata index holds
     (one read of its chunk lists, not a manifest parsed each: a 10,000-tensor manifest takes ~0.3 s);
     the others (an index off or unsafe, summaries written before these fields, a manifest missing
     or damaged) are left out, for the caller to read from their manifests and name the damage. A
     summary is a manifest's by id, so any snapshot of the index holding one is as good as the
     newest; the manifest's bytes are still checked against its id (a hash, not a parse), once for
-    the ids the caller keeps in ``checked`` (those found sound are added)."""
+    the ids the caller keeps in ``checked`` (those found sound are added). ``checked`` None: only
+    that each manifest is stored, in one batch of checks as ``ls`` makes them (:func:`stored`; on S3
+    a listing where that is cheaper), not a read each (a run's thousands of snapshots)."""
     st = store.index.load(chunks=True) if store.index is not None else None
     if st is None or st.chunks is None:
         return {}
     out = {}
-    for mid in well_formed(st, [m for m in dict.fromkeys(mids) if m in st.info and m in st.chunks]):
+    known = well_formed(st, [m for m in dict.fromkeys(mids) if m in st.info and m in st.chunks])
+    for mid in stored(store, st, known) if checked is None else known:
         if mid not in st.chunks:
-            continue  # not well formed: dropped
+            continue  # not well formed, or not stored: dropped
         chunks, detail = st.chunks[mid]
         if "files" not in detail or "snapshot" not in detail:
             continue
-        if mid not in checked:
+        if checked is not None and mid not in checked:
             try:
                 store.objects.get_manifest(mid)
             except CkptError:
@@ -183,6 +186,26 @@ def overviews(store: Store, mids: list[str], checked: set[str]) -> dict[str, Ove
         out[mid] = Overview({chunks[i] for i, _ in detail["codecs"]} | {chunks[i] for i in detail["files"]}, mix,
                             detail["snapshot"])
     return out
+
+
+def own_chunks(m: Manifest) -> set[str]:
+    """Chunk ids a checkpoint names itself (its files' and tensors'; not their delta bases)."""
+    return {c for f in m.files for c in f.chunks} | {c for t in m.tensors for c in t.chunks}
+
+
+def codec_bytes(m: Manifest) -> dict[int, int]:
+    """Decoded tensor bytes per codec the chunks were stored with, as found at push time."""
+    mix: dict[int, int] = {}
+    for t in m.tensors:
+        n = len(t.chunks)
+        for i, codec in enumerate(t.codecs):
+            mix[codec] = mix.get(codec, 0) + (m.chunk_size if i < n - 1 else t.nbytes - m.chunk_size * (n - 1))
+    return mix
+
+
+def overview_of_manifest(m: Manifest) -> Overview:
+    """The :class:`Overview` of a checkpoint from its manifest: what :func:`overviews` gives from the index."""
+    return Overview(own_chunks(m), codec_bytes(m), is_snapshot(m))
 
 
 def snapshot_kinds(store: Store, mids: Iterable[str], st: IndexState | None = None) -> dict[str, tuple[bool, float]]:

@@ -30,18 +30,19 @@ from ckpt.errors import AmbiguousRefError, CkptError, InvalidNameError, RefNotFo
 from ckpt.format.manifest import lineage_fields
 from ckpt.snapshot.run import is_snapshot
 from ckpt.snapshot.steps import step_ref
+from ckpt.store.catalog import own_chunks
 from ckpt_store.cli.results import strict_json
 from ckpt_store.cli.web import charts
 from ckpt_store.cli.web.data import (
     HISTORY_PAGE,
     MAX_PAGE,
     StoreView,
-    own_chunks,
     page,
     snapshot_metrics,
     stored_bytes,
 )
 from ckpt_store.cli.web.graph import NODE_H, NODE_W, layout, lineage
+from ckpt_store.cli.web.runs import run_doc, run_names
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
@@ -257,7 +258,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         return StrictJSONResponse(view.du())
 
     def api_run(request: Request) -> Response:
-        return StrictJSONResponse(view.run(request.path_params["name"], _int(request, "offset", 0),
+        return StrictJSONResponse(run_doc(view, request.path_params["name"], _int(request, "offset", 0),
                                            _int(request, "limit", HISTORY_PAGE)))
 
     # -- pages -------------------------------------------------------------------------
@@ -265,7 +266,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         rows, pg = page(view.ls(), _int(request, "offset", 0), _int(request, "limit", 100))
         du = view.du()
         return render("overview.html", refs=view.overview_rows(rows), page=pg, du=du, bars=charts.savings_bars(du),
-                      runs=view.runs(), damaged=view.damaged())
+                      runs=run_names(view), damaged=view.damaged())
 
     def lineage_page(request: Request) -> Response:
         doc = graph()
@@ -327,7 +328,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
 
     def run_page(request: Request) -> Response:
         name = request.path_params["name"]
-        doc = view.run(name, _int(request, "offset", 0), _int(request, "limit", HISTORY_PAGE))
+        doc = run_doc(view, name, _int(request, "offset", 0), _int(request, "limit", HISTORY_PAGE))
         rows, pg = doc["snapshots"], doc["page"]
         chart_metrics = doc["metrics"][:4]
         return render("run.html", doc=doc, rows=rows, page=pg, local_url=local.url if local is not None else None, charts=[charts.run_chart(rows, k) for k in chart_metrics])

@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 
 import ckpt
 from ckpt.codecs.ids import CODEC_NAMES
-from ckpt.errors import CkptError, RefNotFoundError
+from ckpt.errors import CkptError
 from ckpt.format.manifest import Manifest
-from ckpt.snapshot.run import is_snapshot
-from ckpt.snapshot.steps import snapshot_test, step_of, step_ref
+from ckpt.snapshot.steps import step_ref
 from ckpt.store import catalog
+from ckpt.store.catalog import Overview, overview_of_manifest
 from ckpt_store.cli import results
 
 MAX_PAGE = 1000  # the most rows one request returns, whatever it asks for
@@ -33,6 +33,9 @@ CACHE_TENSORS = 1_000_000  # tensors the view's caches hold (a parsed manifest: 
 # (~90 MB of memory a diff for two 96 MiB checkpoints), and requests run in a pool of 40 threads.
 DIFFS_AT_ONCE = 2
 DIFF_WAIT_S = 10.0  # how long a diff waits for one of those before the request is answered 503 (DiffsBusyError)
+# Overviews missing from the view's cache read from their manifests, not the metadata index, up to this many: a
+# load of the index reads its chunk lists of every checkpoint (a run's new snapshot since the last page: one read)
+FEW_MANIFESTS = 4
 HISTORY_PAGE = 100  # rows of a history (a ref's log, a run's snapshots) a request returns unless it asks: one manifest read each
 T = TypeVar("T")
 
@@ -46,25 +49,17 @@ def page(rows: list[T], offset: int, limit: int) -> tuple[list[T], dict[str, Any
     return chunk, {"total": len(rows), "offset": offset, "limit": limit, "next_offset": nxt}
 
 
-def own_chunks(m: Manifest) -> set[str]:
-    """Chunk ids a checkpoint names itself (file headers and tensors; not its delta bases)."""
-    return {c for f in m.files for c in f.chunks} | {c for t in m.tensors for c in t.chunks}
+def named_mix(mix: dict[int, int]) -> dict[str, int]:
+    """Decoded tensor bytes per codec (:attr:`catalog.Overview.mix`), by the codecs' names."""
+    out: dict[str, int] = {}
+    for codec, n in mix.items():
+        name = CODEC_NAMES.get(codec, "?")
+        out[name] = out.get(name, 0) + n
+    return dict(sorted(out.items()))
 
 
 def stored_bytes(chunks: Iterable[str], sizes: dict[str, int]) -> int:
     return sum(sizes.get(c, 0) for c in chunks)
-
-
-def codec_mix(m: Manifest) -> dict[str, int]:
-    """Decoded tensor bytes per codec the chunks were stored with, as found at push time."""
-    mix: dict[str, int] = {}
-    for t in m.tensors:
-        n = len(t.chunks)
-        for i, codec in enumerate(t.codecs):
-            part = m.chunk_size if i < n - 1 else t.nbytes - m.chunk_size * (n - 1)
-            name = CODEC_NAMES.get(codec, "?")
-            mix[name] = mix.get(name, 0) + part
-    return dict(sorted(mix.items()))
 
 
 def snapshot_metrics(extra: dict[str, Any]) -> dict[str, Any]:
@@ -101,6 +96,8 @@ class StoreView:
         self._max_tensors = cache_tensors
         self._manifest_tensors = 0
         self._diff_tensors = 0
+        self._overviews: OrderedDict[str, Overview] = OrderedDict()  # by id, as manifests (bounded by their chunk ids)
+        self._overview_chunks = 0
         self._timed: dict[str, tuple[float, Any]] = {}
         self._checked: set[str] = set()  # manifests whose bytes were found to match their ids (the overview's)
 
@@ -121,6 +118,35 @@ class StoreView:
                                                 or self._manifest_tensors > self._max_tensors):
                 self._manifest_tensors -= len(self._manifests.popitem(last=False)[1].tensors)
         return m
+
+    def overviews(self, mids: Iterable[str], store: ckpt.Store | None = None) -> dict[str, Overview]:
+        """The :class:`~ckpt.store.catalog.Overview` of each of checkpoints ``mids`` (of ``store``, default the
+        view's) that can be read, cached by id as manifests are: those not cached from the metadata index where
+        more than :data:`FEW_MANIFESTS`, one load of it and one batch of existence checks (a run's 1,500 snapshots:
+        1,500 manifests read and parsed took 3-11 s), the others from their manifests; one that cannot be read
+        is left out (damaged)."""
+        wanted = list(dict.fromkeys(mids))
+        with self._lock:
+            out = {mid: self._overviews[mid] for mid in wanted if mid in self._overviews}
+            for mid in out:
+                self._overviews.move_to_end(mid)
+        missing = [mid for mid in wanted if mid not in out]
+        made = catalog.overviews(store or self.store, missing, None) if len(missing) > FEW_MANIFESTS else {}
+        for mid in missing:
+            if mid not in made:
+                try:
+                    made[mid] = overview_of_manifest(self.manifest(mid, store))
+                except CkptError:
+                    continue
+        with self._lock:
+            for mid, o in made.items():
+                if mid not in self._overviews:
+                    self._overviews[mid] = o
+                    self._overview_chunks += len(o.own)
+            while len(self._overviews) > 1 and (len(self._overviews) > 16 * self._max_manifests
+                                                or self._overview_chunks > self._max_tensors):
+                self._overview_chunks -= len(self._overviews.popitem(last=False)[1].own)
+        return {mid: o for mid in wanted if (o := out.get(mid) or made.get(mid)) is not None}
 
     def fresh(self, key: str, make: Callable[[], T]) -> T:
         """``make()``, reused for ``ttl_s`` seconds under ``key`` (listings and whole-store summaries)."""
@@ -218,20 +244,14 @@ class StoreView:
             row = {**r, "stored_bytes": None, "codecs": {}, "update_no": entry.seq if entry is not None else None, "run": None,
                    "damaged": None}
             o = indexed.get(r["id"])
-            if o is not None:
-                mix: dict[str, int] = {}
-                for codec, n in o.mix.items():
-                    mix[CODEC_NAMES.get(codec, "?")] = mix.get(CODEC_NAMES.get(codec, "?"), 0) + n
-                out.append({**row, "stored_bytes": stored_bytes(o.own, sizes), "codecs": dict(sorted(mix.items())),
-                            "run": (step_ref(r["ref"]) or (None,))[0] if o.snapshot else None})
-                continue
-            try:  # listed from the metadata index, a ref's manifest may yet be damaged: the row says so
-                m = self.manifest(r["id"])
-            except CkptError as e:
-                out.append({**row, "damaged": str(e)})
-                continue
-            out.append({**row, "stored_bytes": stored_bytes(own_chunks(m), sizes), "codecs": codec_mix(m),
-                        "run": (step_ref(r["ref"]) or (None,))[0] if is_snapshot(m) else None})
+            if o is None:
+                try:  # listed from the metadata index, a ref's manifest may yet be damaged: the row says so
+                    o = overview_of_manifest(self.manifest(r["id"]))
+                except CkptError as e:
+                    out.append({**row, "damaged": str(e)})
+                    continue
+            out.append({**row, "stored_bytes": stored_bytes(o.own, sizes), "codecs": named_mix(o.mix),
+                        "run": (step_ref(r["ref"]) or (None,))[0] if o.snapshot else None})
         return out
 
     def show(self, ref: str) -> dict[str, Any]:
@@ -291,108 +311,3 @@ class StoreView:
 
         hit = self._once(("diff", key), lambda: self._diffs.get(key), made)
         return hit if (hit.a, hit.b) == (a, b) else dataclasses.replace(hit, a=a, b=b)
-
-    def run(self, name: str, offset: int = 0, limit: int = HISTORY_PAGE) -> dict[str, Any]:
-        """A training run: every snapshot ref ``NAME/step-N`` ever written, live or removed
-        (by retention or ``ckpt rm``), with its metrics, what it added to the store, and the
-        tiers holding it: this store ("durable") and, when the view has one, the run's local
-        tier ("local", an ordinary store at another path: see the snapshot manager's tiers).
-        ``snapshots`` holds rows ``offset .. offset+limit`` by step (``page``: the paging record,
-        ``kept``: how many of all are live, ``metrics``: the names in those rows): a run saved
-        thousands of times has as many snapshots, and a row's metrics and sizes are read from its
-        manifest (a request on S3), so only those of the page's rows (and the one before) are read."""
-        tiers = [("durable", self.store)] + ([("local", self.local)] if self.local is not None else [])
-        found: dict[int, dict[str, Any]] = {}
-        sizes: dict[str, int] = {}
-        for tier, store in reversed(tiers):  # the durable store's sizes win where both hold a chunk
-            sizes.update(store.chunk_sizes() if store is not self.store else self.chunk_sizes())
-            histories, damaged = store.readable_ref_history(name)  # one damaged step must not hide the run
-            steps = {ref: (step, entries) for ref, entries in histories.items()
-                     if (step := step_of(name, ref)) is not None and (entries or ref in damaged)}
-            pushed = self._pushed(store, [e[0].target for _, e in steps.values() if e and e[0].target is not None])
-            for ref, (step, entries) in steps.items():
-                live = bool(entries) and entries[0].target is not None
-                gone_at = entries[0].time if entries else None
-                if live and entries[0].target in pushed:  # a user's checkpoint under the name: none of the run's steps
-                    entries = [e for e in entries if e.target not in pushed]
-                    if not any(e.target is not None for e in entries):
-                        continue
-                    live = False  # a snapshot of the step it named before is shown removed, when it was pushed over
-                target = next((e.target for e in entries if e.target is not None), None)
-                row = found.setdefault(step, {"step": step, "ref": ref, "id": target, "live": False, "removed_at": None,
-                                              "saved_at": None, "metrics": {}, "logical_bytes": None, "new_bytes": None,
-                                              "latest": False, "tiers": [], "tier": "", "available": False, "damaged": None})
-                if not entries:  # its newest entry cannot be read: whether it is kept is unknown
-                    row["damaged"] = row["damaged"] or f"{tier}: {damaged[ref]}"
-                    continue
-                if live:
-                    row["live"] = True
-                    row["tiers"] = sorted({*row["tiers"], tier})  # "durable" sorts before "local"
-                    row["id"] = target
-                elif not row["live"]:
-                    row["removed_at"] = gone_at
-                if target is not None:  # where its manifest can be read: the first of these that answers
-                    row.setdefault("_sources", []).append((target, store))
-        if not found:
-            raise RefNotFoundError(f"no training run named {name!r}", hint="runs are the refs RUN/step-N of a CheckpointManager")
-        rows = [found[s] for s in sorted(found)]
-        shown, pg = page(rows, offset, limit)
-        start = pg["offset"]
-        # What the page's first snapshot is new against: the readable one before it, looked for among as many
-        # rows as a page holds (a run whose old snapshots were collected would have each one asked for, in vain);
-        # not found there, it is unknown (None), unless that search went back to the run's first snapshot.
-        previous: set[str] | None = set() if start <= pg["limit"] else None
-        for r in reversed(rows[max(0, start - pg["limit"]):start]):
-            chunks = self._snapshot_chunks(r)
-            if chunks is not None:
-                previous = chunks
-                break
-        for r in shown:
-            chunks = self._snapshot_chunks(r)
-            if chunks is not None:
-                r["new_bytes"] = None if previous is None else stored_bytes(chunks - previous, sizes)
-                previous = chunks
-        for r in rows:
-            r.pop("_sources", None)
-            r["removed_at"] = None if r["live"] else r["removed_at"]
-            r["tier"] = " + ".join(r["tiers"]) if r["live"] else "damaged" if r["damaged"] else "removed"
-        live = [r for r in rows if r["live"]]
-        if live:
-            live[-1]["latest"] = True  # a restore takes the newest snapshot any tier holds
-        keys = sorted({k for r in shown for k in r["metrics"]})
-        return {"run": name, "latest": live[-1]["id"] if live else None, "metrics": keys, "snapshots": shown, "page": pg,
-                "kept": len(live)}
-
-    def _pushed(self, store: ckpt.Store, mids: list[str]) -> set[str]:
-        """Those of ``mids`` (live in ``store``) that are no snapshots (:func:`~ckpt.snapshot.run.is_snapshot`):
-        a user's checkpoint pushed under a run's name. From the metadata index's summaries, else each manifest
-        (cached); one that cannot be read is not known to be pushed (its row names the damage)."""
-        snapshot = snapshot_test(store, mids, lambda mid: self.manifest(mid, store))
-        return {mid for mid in mids if not snapshot(mid)}
-
-    def _snapshot_chunks(self, row: dict[str, Any]) -> set[str] | None:
-        """Fill a :meth:`run` row from its manifest (metrics, time saved, sizes); its own chunks, None where
-        it cannot be read (removed and collected: the history line is all there is)."""
-        for target, store in row.get("_sources", ()):
-            try:
-                mf = self.manifest(target, store)
-            except CkptError:
-                continue
-            row.update(saved_at=mf.created, metrics=snapshot_metrics(mf.extra), logical_bytes=mf.logical_bytes, available=True)
-            return own_chunks(mf)
-        return None
-
-    def runs(self) -> list[str]:
-        """Names of the training runs among the live refs (RUN/step-N of snapshot manifests)."""
-        found: set[str] = set()
-        for name, entry in self.refs().items():
-            m = step_ref(name)
-            if not m or m[0] in found:
-                continue
-            try:
-                snapshot = is_snapshot(self.manifest(entry.target))
-            except CkptError:  # damaged: the overview names it, the other runs are listed
-                continue
-            if snapshot:
-                found.add(m[0])
-        return sorted(found)

@@ -696,6 +696,7 @@ def test_a_pushed_file_with_a_snapshot_entry_is_no_run(tmp_path):
     folded into a run and its page linked to one. What marks a snapshot is the manifest's source."""
     from ckpt_store.cli.web.data import StoreView
     from ckpt_store.cli.web.graph import lineage
+    from ckpt_store.cli.web.runs import run_names
 
     store = ckpt.Store.init(str(tmp_path / "store"))
     torch.save({"w": torch.ones(4), "snapshot": [1, 2]}, tmp_path / "f.pt")
@@ -703,7 +704,7 @@ def test_a_pushed_file_with_a_snapshot_entry_is_no_run(tmp_path):
     with ckpt.CheckpointManager(store.url, "real", save_mode="sync") as mgr:
         mgr.save(1, {"w": torch.ones(2)})
     view = StoreView(store)
-    assert view.runs() == ["real"]
+    assert run_names(view) == ["real"]
     nodes = lineage(view)["nodes"]
     assert [n for n in nodes if n["kind"] == "run"] == [n for n in nodes if n["kind"] == "run" and n["refs"] == ["real/latest"]]
     assert any("run/step-1" in n["refs"] for n in nodes if n["kind"] != "run")
@@ -718,6 +719,7 @@ def test_a_run_page_leaves_out_checkpoints_pushed_under_the_run(tmp_path, monkey
     checkpoint as that step. A pushed step is no row; a snapshot pushed over shows removed, from then.
     Which are pushed is read off the metadata index's summaries, not a manifest each."""
     from ckpt_store.cli.web.data import StoreView
+    from ckpt_store.cli.web.runs import run_doc
 
     store = ckpt.Store.init(tmp_path / "s")
     with ckpt.CheckpointManager(store, "run", save_mode="sync") as mgr:
@@ -731,7 +733,7 @@ def test_a_run_page_leaves_out_checkpoints_pushed_under_the_run(tmp_path, monkey
     reads = []
     real = view.manifest
     monkeypatch.setattr(view, "manifest", lambda mid, s=None: reads.append(mid) or real(mid, s))
-    doc = view.run("run")
+    doc = run_doc(view, "run")
     rows = doc["snapshots"]
     assert [(r["step"], r["live"], r["latest"], r["tier"]) for r in rows] == [(1, True, True, "durable"), (2, False, False, "removed")]
     assert rows[1]["id"] == snapshot and rows[1]["removed_at"] == pushed_at and rows[1]["metrics"] == {"loss": 0.5}

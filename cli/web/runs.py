@@ -1,0 +1,119 @@
+"""A training run's documents in the web view: its snapshots by step (the run page and ``/api/run/NAME``) and
+the runs of a store (the overview), built on :class:`~ckpt_store.cli.web.data.StoreView`'s caches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ckpt
+from ckpt.errors import CkptError, RefNotFoundError
+from ckpt.snapshot.steps import snapshot_test, step_of, step_ref
+from ckpt.store.catalog import own_chunks
+from ckpt_store.cli.web.data import HISTORY_PAGE, StoreView, page, snapshot_metrics, stored_bytes
+
+
+def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PAGE) -> dict[str, Any]:
+    """A training run: every snapshot ref ``NAME/step-N`` ever written, live or removed
+    (by retention or ``ckpt rm``), with its metrics, what it added to the store, and the
+    tiers holding it: this store ("durable") and, when the view has one, the run's local
+    tier ("local", an ordinary store at another path: see the snapshot manager's tiers).
+    ``snapshots`` holds rows ``offset .. offset+limit`` by step (``page``: the paging record,
+    ``kept``: how many of all are live, ``metrics``: the names in those rows): a run saved
+    thousands of times has as many snapshots, and a row's metrics and sizes are read from its
+    manifest (a request on S3), so only those of the page's rows (and the one before) are read."""
+    tiers = [("durable", view.store)] + ([("local", view.local)] if view.local is not None else [])
+    found: dict[int, dict[str, Any]] = {}
+    sizes: dict[str, int] = {}
+    for tier, store in reversed(tiers):  # the durable store's sizes win where both hold a chunk
+        sizes.update(store.chunk_sizes() if store is not view.store else view.chunk_sizes())
+        histories, damaged = store.readable_ref_history(name)  # one damaged step must not hide the run
+        steps = {ref: (step, entries) for ref, entries in histories.items()
+                 if (step := step_of(name, ref)) is not None and (entries or ref in damaged)}
+        pushed = _pushed(view, store, [e[0].target for _, e in steps.values() if e and e[0].target is not None])
+        for ref, (step, entries) in steps.items():
+            live = bool(entries) and entries[0].target is not None
+            gone_at = entries[0].time if entries else None
+            if live and entries[0].target in pushed:  # a user's checkpoint under the name: none of the run's steps
+                entries = [e for e in entries if e.target not in pushed]
+                if not any(e.target is not None for e in entries):
+                    continue
+                live = False  # a snapshot of the step it named before is shown removed, when it was pushed over
+            target = next((e.target for e in entries if e.target is not None), None)
+            row = found.setdefault(step, {"step": step, "ref": ref, "id": target, "live": False, "removed_at": None,
+                                          "saved_at": None, "metrics": {}, "logical_bytes": None, "new_bytes": None,
+                                          "latest": False, "tiers": [], "tier": "", "available": False, "damaged": None})
+            if not entries:  # its newest entry cannot be read: whether it is kept is unknown
+                row["damaged"] = row["damaged"] or f"{tier}: {damaged[ref]}"
+                continue
+            if live:
+                row["live"] = True
+                row["tiers"] = sorted({*row["tiers"], tier})  # "durable" sorts before "local"
+                row["id"] = target
+            elif not row["live"]:
+                row["removed_at"] = gone_at
+            if target is not None:  # where its manifest can be read: the first of these that answers
+                row.setdefault("_sources", []).append((target, store))
+    if not found:
+        raise RefNotFoundError(f"no training run named {name!r}", hint="runs are the refs RUN/step-N of a CheckpointManager")
+    rows = [found[s] for s in sorted(found)]
+    shown, pg = page(rows, offset, limit)
+    start = pg["offset"]
+    # What the page's first snapshot is new against: the readable one before it, looked for among as many
+    # rows as a page holds (a run whose old snapshots were collected would have each one asked for, in vain);
+    # not found there, it is unknown (None), unless that search went back to the run's first snapshot.
+    previous: set[str] | None = set() if start <= pg["limit"] else None
+    for r in reversed(rows[max(0, start - pg["limit"]):start]):
+        chunks = _snapshot_chunks(view, r)
+        if chunks is not None:
+            previous = chunks
+            break
+    for r in shown:
+        chunks = _snapshot_chunks(view, r)
+        if chunks is not None:
+            r["new_bytes"] = None if previous is None else stored_bytes(chunks - previous, sizes)
+            previous = chunks
+    for r in rows:
+        r.pop("_sources", None)
+        r["removed_at"] = None if r["live"] else r["removed_at"]
+        r["tier"] = " + ".join(r["tiers"]) if r["live"] else "damaged" if r["damaged"] else "removed"
+    live = [r for r in rows if r["live"]]
+    if live:
+        live[-1]["latest"] = True  # a restore takes the newest snapshot any tier holds
+    keys = sorted({k for r in shown for k in r["metrics"]})
+    return {"run": name, "latest": live[-1]["id"] if live else None, "metrics": keys, "snapshots": shown, "page": pg,
+            "kept": len(live)}
+
+def _pushed(view: StoreView, store: ckpt.Store, mids: list[str]) -> set[str]:
+    """Those of ``mids`` (live in ``store``) that are no snapshots (:func:`~ckpt.snapshot.run.is_snapshot`):
+    a user's checkpoint pushed under a run's name. From the metadata index's summaries, else each manifest
+    (cached); one that cannot be read is not known to be pushed (its row names the damage)."""
+    snapshot = snapshot_test(store, mids, lambda mid: view.manifest(mid, store))
+    return {mid for mid in mids if not snapshot(mid)}
+
+def _snapshot_chunks(view: StoreView, row: dict[str, Any]) -> set[str] | None:
+    """Fill a :meth:`run` row from its manifest (metrics, time saved, sizes); its own chunks, None where
+    it cannot be read (removed and collected: the history line is all there is)."""
+    for target, store in row.get("_sources", ()):
+        try:
+            mf = view.manifest(target, store)
+        except CkptError:
+            continue
+        row.update(saved_at=mf.created, metrics=snapshot_metrics(mf.extra), logical_bytes=mf.logical_bytes, available=True)
+        return own_chunks(mf)
+    return None
+
+def run_names(view: StoreView) -> list[str]:
+    """Names of the training runs among the live refs (RUN/step-N of snapshot manifests), told by the
+    checkpoints' overviews (:meth:`StoreView.overviews`: the metadata index, not a manifest each), one
+    ref of each run first (a run's newest step), the others of the runs that one did not tell; a damaged
+    one is left out (the overview names it), the other runs are listed."""
+    candidates: dict[str, list[tuple[int, str]]] = {}
+    for name, entry in view.refs().items():
+        if m := step_ref(name):
+            candidates.setdefault(m[0], []).append((m[1], entry.target))
+    found: set[str] = set()
+    for round_ in (lambda c: [max(c)], lambda c: sorted(c)[:-1]):
+        asked = {run: [mid for _, mid in round_(c)] for run, c in candidates.items() if run not in found}
+        known = view.overviews(mid for mids in asked.values() for mid in mids)
+        found |= {run for run, mids in asked.items() if any(mid in known and known[mid].snapshot for mid in mids)}
+    return sorted(found)

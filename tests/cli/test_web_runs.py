@@ -1,0 +1,98 @@
+"""`ckpt serve` on a long training run (cli/web/runs.py, the runs of cli/web/graph.py's lineage): which refs
+RUN/step-N are snapshots, and what their chunks are, come from the metadata index's summaries, not a
+manifest read and parsed per snapshot; a damaged snapshot is still left out."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("starlette", reason="ckpt serve needs the web extra: pip install 'ckpt-store[web]'")
+pytest.importorskip("httpx", reason="starlette's TestClient needs httpx")
+
+import ckpt  # noqa: E402
+from ckpt.format.manifest import Manifest  # noqa: E402
+from ckpt.store import catalog  # noqa: E402
+from ckpt_store.cli.web import data  # noqa: E402
+from ckpt_store.cli.web.data import StoreView  # noqa: E402
+from ckpt_store.cli.web.graph import lineage  # noqa: E402
+from ckpt_store.cli.web.runs import run_names  # noqa: E402
+
+STEPS = 24
+
+
+def _long_run(tmp_path) -> ckpt.Store:
+    """A base, then STEPS snapshots of one run (all kept) of a real model and optimizer."""
+    torch.manual_seed(0)
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    store.push({k: v.detach().clone() for k, v in model.state_dict().items()}, "base", "pretrained")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)), torch.randint(0, 2, (16,))
+    with ckpt.CheckpointManager(store, "train/long", save_mode="sync") as mgr:
+        for step in range(1, STEPS + 1):
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mgr.save(step, {"model": model, "optim": opt, "step": step}, metrics={"loss": loss.item()})
+    return store
+
+
+@pytest.fixture
+def parsed(monkeypatch):
+    """Manifests parsed from here on (by id)."""
+    seen: list[str] = []
+    real = Manifest.from_json
+
+    def counting(data, what, *a, **k):
+        seen.append(what)
+        return real(data, what, *a, **k)
+
+    monkeypatch.setattr(Manifest, "from_json", staticmethod(counting))
+    return seen
+
+
+def test_a_long_runs_lineage_reads_a_few_manifests_not_one_per_snapshot(tmp_path, monkeypatch, parsed):
+    """The lineage read every live ref's manifest to tell a run's snapshots from pushed checkpoints, then
+    every snapshot's again for the run's chunks: 1,500 snapshots took 3-11 s on a new view. The index's
+    summaries tell both; the manifests read are the base's and the run's newest (its time and size) only,
+    and the document is the one the manifests give."""
+    store = _long_run(tmp_path)
+    parsed.clear()
+    got = lineage(StoreView(store))
+    assert len(parsed) <= 3  # the base, train/long/latest and its step: was STEPS + 1
+    run = next(n for n in got["nodes"] if n["kind"] == "run")
+    assert [s["step"] for s in run["snapshots"]] == list(range(1, STEPS + 1))
+    monkeypatch.setattr(catalog, "overviews", lambda store, mids, checked: {})  # every overview from its manifest
+    assert lineage(StoreView(store)) == got
+
+
+def test_a_damaged_newest_snapshot_is_left_out_of_the_lineage(tmp_path):
+    """The index still summarizes a snapshot whose manifest was damaged since: the run's newest is read
+    (its time and size are shown), and one that cannot be is left out, as the manifests had it."""
+    store = _long_run(tmp_path)
+    newest = store.resolve(f"train/long/step-{STEPS}")
+    path = tmp_path / "store" / "objects" / "manifests" / newest[:2] / newest
+    os.chmod(path, 0o644)
+    path.write_bytes(path.read_bytes()[:-9] + b"damaged!}")
+    run = next(n for n in lineage(StoreView(store))["nodes"] if n["kind"] == "run")
+    assert [s["step"] for s in run["snapshots"]] == list(range(1, STEPS))
+
+
+def test_the_runs_of_a_store_read_a_manifest_per_run_at_most(tmp_path, monkeypatch, parsed):
+    """runs() read the manifest of every ref named RUN/step-N until one was a snapshot: a sweep of
+    checkpoints pushed as sweep/step-N (no run) read each of them, at every overview page. Now one ref of
+    each run is asked first (from its manifest, where few), the others from the index's summaries."""
+    store = _long_run(tmp_path)
+    g = torch.Generator().manual_seed(2)
+    for n in range(12):
+        store.push({"w": torch.randn(32, generator=g)}, f"sweep/step-{n}")
+    parsed.clear()
+    assert run_names(StoreView(store)) == ["train/long"]
+    assert len(parsed) <= data.FEW_MANIFESTS  # was 12 + 1
+    monkeypatch.setattr(catalog, "overviews", lambda store, mids, checked: {})
+    assert run_names(StoreView(store)) == ["train/long"]
