@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 import ckpt
 from ckpt.diffing.compare import SORT_KEYS
-from ckpt.errors import AmbiguousRefError, CkptError, InvalidNameError, RefNotFoundError
+from ckpt.errors import AmbiguousRefError, CkptError, InvalidNameError, RefNotFoundError, StorageIOError, first_line
 from ckpt.format.manifest import lineage_fields
 from ckpt.snapshot.run import is_snapshot
 from ckpt.snapshot.steps import step_ref
@@ -171,6 +171,25 @@ def _cookie(header: str, name: str) -> str | None:
     return None
 
 
+class BadRequestError(CkptError):
+    """A request the view does not take (a query's value): the client's mistake, answered 400."""
+
+
+def error_status(e: Exception) -> int:
+    """The HTTP status of a request that raised ``e``: the client's side (4xx) only for what the request
+    asked, the server's (5xx) for what the store answered (a damaged store answered 400 "bad request",
+    which a script takes for its own mistake and does not report or retry)."""
+    if isinstance(e, (RefNotFoundError, AmbiguousRefError)):
+        return 404
+    if isinstance(e, (InvalidNameError, BadRequestError)):  # a ref name no ref can have, a query value the view refuses
+        return 400
+    if isinstance(e, CkptError) and e.retryable:  # an S3 server down or throttling, diffs busy: ask again
+        return 503
+    if isinstance(e, StorageIOError):  # the store behind the view cannot be read (permissions, a link in its folder)
+        return 502
+    return 500  # a damaged store (a corrupt or missing object, a malformed record), or the view's own failure
+
+
 class StrictJSONResponse(JSONResponse):
     """An ``/api/`` document, every string valid Unicode as ``--json`` has it (cli/results.py:
     strict_json); a lone surrogate in a name made the response fail to encode (a 500)."""
@@ -196,14 +215,12 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         return HTMLResponse(strict_json(env.get_template(name).render(store_url=view.url, **ctx)), status_code=status)
 
     def failed(e: Exception, api: bool) -> Response:
-        if isinstance(e, (RefNotFoundError, InvalidNameError, AmbiguousRefError)):
-            status = 404
-        elif isinstance(e, CkptError):  # the store's answer, said in one line; 503 where asking again may work
-            status = 503 if e.retryable else 400  # (an S3 server down or throttling: a script retries a 503, not a 400)
-        else:
+        status = error_status(e)
+        if status == 500 and not isinstance(e, CkptError):
             log.exception("ckpt serve: request failed")
-            status, e = 500, RuntimeError("internal error (logged by the server)")
-        return StrictJSONResponse({"error": str(e)}, status_code=status) if api else render("error.html", status, error=str(e))
+            e = RuntimeError("internal error (logged by the server)")
+        error = first_line(e, type(e).__name__)
+        return StrictJSONResponse({"error": error}, status_code=status) if api else render("error.html", status, error=error)
 
     def guarded(fn: Any, api: bool) -> Any:
         def endpoint(request: Request) -> Response:
@@ -241,7 +258,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
         a, b = request.query_params.get("a", ""), request.query_params.get("b", "")
         sort = request.query_params.get("sort", "order")
         if sort not in SORT_KEYS:
-            raise CkptError(f"sort must be one of {', '.join(SORT_KEYS)}")
+            raise BadRequestError(f"sort must be one of {', '.join(SORT_KEYS)}")
         top = request.query_params.get("top", "")
         estimate = request.query_params.get("estimate", "1") not in ("0", "false", "no")
         # ASCII digits only ("²" is a digit to isdigit, not to int), and few: more rows than that is all of them;
@@ -251,7 +268,7 @@ def create_app(store: ckpt.Store, *, token: str | None = None, hosts: list[str] 
     def api_diff(request: Request) -> Response:
         a, b, sort, top, estimate = diff_args(request)
         if not a or not b:
-            raise CkptError("give both sides: /api/diff?a=REF&b=REF")
+            raise BadRequestError("give both sides: /api/diff?a=REF&b=REF")
         return StrictJSONResponse(view.diff(a, b, estimate).to_json(sort, top))
 
     def api_du(request: Request) -> Response:

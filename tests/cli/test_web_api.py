@@ -281,7 +281,7 @@ def test_user_strings_are_escaped(client):
     assert client.get("/").headers["x-content-type-options"] == "nosniff"
     # a query string echoed into the page is escaped too
     r = client.get("/diff", params={"a": "<script>x</script>", "b": "base"})
-    assert r.status_code == 404 and "<script>x" not in r.text
+    assert r.status_code == 400 and "<script>x" not in r.text  # no ref can have that name: a bad request
 
 
 def test_read_only(client, store):
@@ -557,7 +557,7 @@ def test_one_damaged_manifest_leaves_the_rest_of_the_store_viewable(tmp_path):
     assert {n["label"] for n in client.get("/api/lineage").json()["nodes"]} == {"base", "other"}
     assert client.get("/checkpoint/base").status_code == 200
     bad = client.get("/api/checkpoint/ft/step-1")
-    assert bad.status_code == 400 and "corrupt" in bad.json()["error"]
+    assert bad.status_code == 500 and "corrupt" in bad.json()["error"]  # the store's damage: the server's side
 
 
 def test_odd_queries_headers_and_paths_get_answers_not_500s(store):
@@ -595,6 +595,35 @@ def test_a_run_whose_metrics_are_any_json_is_drawn(tmp_path):
     page = c.get("/run/r")
     assert page.status_code == 200 and "0.5" in page.text and str(10**400) in page.text
     assert c.get("/api/run/r").json()["snapshots"][0]["metrics"]["loss"] == 10**400
+
+
+def test_a_damaged_or_unreadable_store_is_the_servers_error_and_a_bad_request_the_clients(tmp_path):
+    """Every error the store gave was answered 400 (bad request), as if the client had asked wrongly: a
+    script or a proxy took a damaged store for its own mistake. A damaged store is 500 and one that cannot
+    be read 502, each with the first line of the error; a bad request is 400 (a ref name no ref can have, a
+    query value the view does not take), a ref that does not exist 404."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    g = torch.Generator().manual_seed(0)
+    for name in ("a", "b", "c"):
+        store.push({"w": torch.randn(16, generator=g)}, name)
+    corrupt = tmp_path / "store" / store.objects.path("manifests", store.resolve("a"))
+    data = bytearray(corrupt.read_bytes())
+    data[10] ^= 1
+    corrupt.write_bytes(bytes(data))
+    fifo = tmp_path / "store" / store.objects.path("manifests", store.resolve("b"))
+    fifo.unlink()
+    os.mkfifo(fifo)  # no regular file where the manifest is: unreadable, never waited on
+    c = TestClient(create_app(store))
+    for path, status, words in (("checkpoint/a", 500, "corrupt"), ("checkpoint/b", 502, "not a regular file"),
+                                ("diff?a=a&b=c", 500, "corrupt"), ("diff?a=c&b=b", 502, "not a regular file")):
+        api, page = c.get("/api/" + path), c.get("/" + path)
+        assert (api.status_code, page.status_code) == (status, status), path
+        error = api.json()["error"]
+        assert words in error and "\n" not in error and "Traceback" not in page.text, path
+    for path in ("/api/diff?a=a&b=c&sort=bogus", "/api/diff?a=c", "/api/checkpoint/%3Cscript%3E", "/diff?a=c&b=..%2Fx",
+                 "/api/run/bad%20name"):
+        assert c.get(path).status_code == 400, path
+    assert c.get("/api/checkpoint/nope").status_code == 404 and c.get("/api/checkpoint/c").status_code == 200
 
 
 def test_a_checkpoint_page_shows_its_history_past_a_damaged_entry(tmp_path):
@@ -787,7 +816,7 @@ def test_one_damaged_ref_entry_leaves_the_rest_of_the_store_viewable(tmp_path):
         assert c.get(path).status_code == 200, path
     assert {n["label"] for n in c.get("/api/lineage").json()["nodes"]} == {"base", "ft/b"}
     bad = c.get("/api/checkpoint/ft/a")
-    assert bad.status_code == 400 and "refs/ft/a/0000000001.ref is damaged" in bad.json()["error"]
+    assert bad.status_code == 500 and "refs/ft/a/0000000001.ref is damaged" in bad.json()["error"]
     # /api/refs carries the rows of `ckpt ls --json`, the damaged ref's {"ref", "error"} included (it left it out)
     refs = c.get("/api/refs").json()["refs"]
     assert refs == json.loads(run_main_json(store, "ls")) and [r["ref"] for r in refs] == ["base", "ft/a", "ft/b"]
