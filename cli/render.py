@@ -1,4 +1,4 @@
-"""Output helpers for the CLI: escaping user text, sizes, times, JSON, tables and progress bars.
+"""Output helpers for the CLI: escaping user text, JSON, tables and progress bars (sizes and times: units.py).
 
 Everything a command prints that came from a user -- commit messages, metadata, ref,
 tensor and file names, paths -- goes through :func:`safe` before it reaches the
@@ -13,7 +13,6 @@ import json
 import os
 import re
 import sys
-import time
 from typing import Any
 
 from rich.console import Console
@@ -162,18 +161,6 @@ def as_text(value: Any) -> str:
     if isinstance(value, str):
         return safe(value)
     return safe(json.dumps(value, sort_keys=True, ensure_ascii=False, default=str))
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-def when(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
 def ratio(part: int, whole: int) -> str:

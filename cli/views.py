@@ -15,7 +15,8 @@ from rich.cells import cell_len
 from rich.text import Text
 
 from ckpt.format.manifest import lineage_fields
-from ckpt_store.cli.render import as_text, err, human_bytes, out, ratio, safe, when
+from ckpt_store.cli.render import as_text, err, out, ratio, safe
+from ckpt_store.cli.units import human_bytes, when
 
 
 class _Columns:

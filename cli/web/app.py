@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, parse_qsl, urlencode
@@ -32,6 +31,7 @@ from ckpt.snapshot.run import is_snapshot
 from ckpt.snapshot.steps import step_ref
 from ckpt.store.catalog import own_chunks
 from ckpt_store.cli.results import strict_json
+from ckpt_store.cli.units import human_bytes, when
 from ckpt_store.cli.web import charts
 from ckpt_store.cli.web.data import (
     HISTORY_PAGE,
@@ -60,8 +60,8 @@ HEAT_CELLS = 2000
 def _env() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
                              undefined=jinja2.StrictUndefined)
-    env.filters["bytes"] = charts.human_bytes
-    env.filters["when"] = lambda ts: "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    env.filters["bytes"] = human_bytes
+    env.filters["when"] = when
     env.filters["short"] = lambda i: (i or "")[:12]
     env.filters["num"] = charts.fmt
     env.filters["metric"] = charts.metric_text

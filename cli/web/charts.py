@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from ckpt.diffing.plot import layer_key
+from ckpt_store.cli.units import human_bytes
 
 # viridis at five stops: dark = small change, yellow = large
 _VIRIDIS = [(0.0, (68, 1, 84)), (0.25, (59, 82, 139)), (0.5, (33, 145, 140)), (0.75, (94, 201, 98)), (1.0, (253, 231, 37))]
@@ -34,16 +35,6 @@ def fmt(v: float | str | None) -> str:
     if v == 0:
         return "0"
     return f"{v:.1e}".replace("e-0", "e-").replace("e+0", "e")
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def heatmap(tensors: list[dict[str, Any]], cell_w: int = 46, cell_h: int = 22) -> dict[str, Any]:

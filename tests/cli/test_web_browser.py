@@ -31,7 +31,7 @@ pytest.importorskip("starlette", reason="ckpt serve needs the web extra: pip ins
 from test_cli_runner import invoke  # noqa: E402
 from webstore import XSS, XSS_META, XSS_TENSOR  # noqa: E402
 
-from ckpt_store.cli.web.charts import human_bytes  # noqa: E402
+from ckpt_store.cli.units import human_bytes  # noqa: E402
 
 
 def _free_port() -> int:
