@@ -3,8 +3,8 @@
 The documents of ``/api/refs`` (rows of ``ckpt ls --json``), ``/api/checkpoint/REF``
 (``ckpt show --json`` plus the ref's ``log``), ``/api/diff`` (``ckpt diff --json``) and the
 overview's usage (``ckpt du --json``) hold the same fields and numbers as the command line;
-tests compare them. Manifests are cached by id (an id is the hash of the manifest's bytes,
-so a cached one is never stale); refs are listed again on every request, the chunk listing
+tests compare them. Manifests, and what the overview and the lineage take of them (catalog.Overview),
+are cached by id (an id is the hash of the manifest's bytes, so a cached one is never stale); refs are listed again on every request, the chunk listing
 and the usage after a few seconds, so pages follow pushes made meanwhile.
 """
 
@@ -96,7 +96,9 @@ class StoreView:
         self._max_tensors = cache_tensors
         self._manifest_tensors = 0
         self._diff_tensors = 0
-        self._overviews: OrderedDict[str, Overview] = OrderedDict()  # by id, as manifests (bounded by their chunk ids)
+        # Overviews by id, as manifests: bounded by their chunk ids as those by their tensors (~150 bytes an id), and
+        # in number by 16x the manifests' count (an overview without its chunk ids is ~300 bytes, a manifest more)
+        self._overviews: OrderedDict[str, Overview] = OrderedDict()
         self._overview_chunks = 0
         self._timed: dict[str, tuple[float, Any]] = {}
         self._checked: set[str] = set()  # manifests whose bytes were found to match their ids (the overview's)
