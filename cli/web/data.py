@@ -121,10 +121,10 @@ class StoreView:
                 self._manifest_tensors -= len(self._manifests.popitem(last=False)[1].tensors)
         return m
 
-    def overviews(self, mids: Iterable[str], store: ckpt.Store | None = None) -> dict[str, Overview]:
+    def overviews(self, mids: Iterable[str], store: ckpt.Store | None = None, few: int = FEW_MANIFESTS) -> dict[str, Overview]:
         """The :class:`~ckpt.store.catalog.Overview` of each of checkpoints ``mids`` (of ``store``, default the
         view's) that can be read, cached by id as manifests are: those not cached from the metadata index where
-        more than :data:`FEW_MANIFESTS`, one load of it and one batch of existence checks (a run's 1,500 snapshots:
+        more than ``few``, one load of it and one batch of existence checks (a run's 1,500 snapshots:
         1,500 manifests read and parsed took 3-11 s), the others from their manifests; one that cannot be read
         is left out (damaged)."""
         wanted = list(dict.fromkeys(mids))
@@ -133,7 +133,7 @@ class StoreView:
             for mid in out:
                 self._overviews.move_to_end(mid)
         missing = [mid for mid in wanted if mid not in out]
-        made = catalog.overviews(store or self.store, missing, None) if len(missing) > FEW_MANIFESTS else {}
+        made = catalog.overviews(store or self.store, missing, None) if len(missing) > few else {}
         for mid in missing:
             if mid not in made:
                 try:

@@ -7,7 +7,7 @@ from typing import Any
 
 import ckpt
 from ckpt.errors import CkptError, RefNotFoundError
-from ckpt.snapshot.steps import snapshot_test, step_of, step_ref
+from ckpt.snapshot.steps import step_of, step_ref
 from ckpt.store.catalog import own_chunks
 from ckpt_store.cli.web.data import HISTORY_PAGE, StoreView, page, snapshot_metrics, stored_bytes
 
@@ -83,12 +83,14 @@ def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PA
     return {"run": name, "latest": live[-1]["id"] if live else None, "metrics": keys, "snapshots": shown, "page": pg,
             "kept": len(live)}
 
+
 def _pushed(view: StoreView, store: ckpt.Store, mids: list[str]) -> set[str]:
     """Those of ``mids`` (live in ``store``) that are no snapshots (:func:`~ckpt.snapshot.run.is_snapshot`):
-    a user's checkpoint pushed under a run's name. From the metadata index's summaries, else each manifest
-    (cached); one that cannot be read is not known to be pushed (its row names the damage)."""
-    snapshot = snapshot_test(store, mids, lambda mid: view.manifest(mid, store))
-    return {mid for mid in mids if not snapshot(mid)}
+    a user's checkpoint pushed under a run's name. From their overviews (:meth:`StoreView.overviews`, from the
+    metadata index however few: the page reads its own rows' manifests alone), cached by id for the next
+    page; one that cannot be read is not known to be pushed (its row names the damage)."""
+    known = view.overviews(mids, store, few=0)
+    return {mid for mid in mids if mid in known and not known[mid].snapshot}
 
 def _snapshot_chunks(view: StoreView, row: dict[str, Any]) -> set[str] | None:
     """Fill a :meth:`run` row from its manifest (metrics, time saved, sizes); its own chunks, None where

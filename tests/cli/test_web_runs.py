@@ -96,3 +96,24 @@ def test_the_runs_of_a_store_read_a_manifest_per_run_at_most(tmp_path, monkeypat
     assert len(parsed) <= data.FEW_MANIFESTS  # was 12 + 1
     monkeypatch.setattr(catalog, "overviews", lambda store, mids, checked: {})
     assert run_names(StoreView(store)) == ["train/long"]
+
+
+def test_a_run_page_asked_again_does_not_load_the_index_again(tmp_path, monkeypatch):
+    """Each run page told the run's live steps from pushed checkpoints by a fresh view of the metadata index
+    (a listing of refs/ and a load: 0.2 s of a 1,500-snapshot run's page, every time). The answers are by
+    checkpoint id, cached with the view's overviews: the page asked again loads no index."""
+    from ckpt_store.cli.web.runs import run_doc
+    from ckpt_store.storage.index import StoreIndex
+
+    store = _long_run(tmp_path)
+    store.push({"w": torch.arange(3.0)}, "train/long/step-99")  # a user's checkpoint under the run's name
+    view = StoreView(store)
+    first = run_doc(view, "train/long")
+    loads = []
+    for name in ("view", "load"):
+        real = getattr(StoreIndex, name)
+        monkeypatch.setattr(StoreIndex, name, lambda self, *a, _real=real, _name=name, **k: loads.append(_name) or _real(self, *a, **k))
+    again = run_doc(view, "train/long")
+    assert not loads  # was a view of the index (a listing of refs/) and its load
+    assert again == first
+    assert [r["step"] for r in first["snapshots"]] == list(range(1, STEPS + 1))  # the pushed one is no row
