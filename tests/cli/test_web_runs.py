@@ -117,3 +117,23 @@ def test_a_run_page_asked_again_does_not_load_the_index_again(tmp_path, monkeypa
     assert not loads  # was a view of the index (a listing of refs/) and its load
     assert again == first
     assert [r["step"] for r in first["snapshots"]] == list(range(1, STEPS + 1))  # the pushed one is no row
+
+
+def test_a_long_runs_lineage_on_s3_makes_a_few_requests_not_one_per_snapshot(s3_main_url, tmp_path):
+    """On S3 each manifest the lineage read was a GET: a run's thousands of snapshots, as many requests. The
+    requests of a new view's lineage are the listings (refs, chunks, the index's) and a few GETs."""
+    from s3support import http_requests
+
+    store = ckpt.Store.init(s3_main_url)
+    model = nn.Linear(4, 2)
+    with ckpt.CheckpointManager(store, "train/s3", save_mode="sync") as mgr:
+        for step in range(1, 13):
+            with torch.no_grad():
+                model.weight.add_(0.01)
+            mgr.save(step, {"model": model, "step": step})
+    with http_requests(store.objects.backend) as seen:
+        run = next(n for n in lineage(StoreView(store))["nodes"] if n["kind"] == "run")
+    assert [s["step"] for s in run["snapshots"]] == list(range(1, 13))
+    manifests = [key for kind, key in seen if kind.startswith("GET") and "/objects/manifests/" in key]
+    assert len(manifests) <= 1, seen  # train/s3/latest's (its step's is the same): was one per snapshot
+    assert len(seen) <= 16, seen  # 9 here: 5 listings, 3 GETs of the index, 1 manifest; was 12 manifest GETs more
