@@ -28,6 +28,10 @@ at C bytes put at most ``N * max((max_bytes - C) / 10, max_bytes / 100)`` (and a
 they count again: up to ten keep it within the limit until it is nearly full, and near it the cache
 goes over by at most about N hundredths of the limit (8 caches on one root from 88% full, putting
 in turn: at most 102%; counting after each tenth of the limit put, as before, reached 159%).
+A disk (or quota) that fills before the limit is a lower limit: a put that fails with ENOSPC
+evicts as the limit does (least recently used first, below 90% of what the cache holds, less the
+entry) and writes again, once; only a disk that the cache's own entries do not fill leaves the
+chunk uncached, with a warning once.
 Which files the layout names, and clearing them: ``storage/cache_files.py``.
 """
 
@@ -51,6 +55,7 @@ from ckpt_store.storage.cache_files import CacheUsage, clear, default_cache_dir,
 log = logging.getLogger(__name__)
 
 TRAILER = 32  # bytes of BLAKE3 after each blob
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class ChunkBlobCache:
@@ -80,8 +85,10 @@ class ChunkBlobCache:
         self._added = 0  # bytes put since the running eviction's walk began
         self._evicting = False  # one thread evicts at a time; others ask it to look again
         self._again = False
+        self._room = 0  # bytes that a put found no room for on a full disk: the next eviction frees them too
         self._put_failed = False  # a put failed: later failures are logged at debug level only
         self._lock = threading.Lock()
+        self._evicted = threading.Condition(self._lock)  # the running eviction is done (a full disk's put waits for it)
 
     def _path(self, oid: str) -> str:
         return os.path.join(self.dir, oid[:2], oid)
@@ -222,6 +229,18 @@ class ChunkBlobCache:
             remove(tmp)
             raise
 
+    def _write_retrying(self, path: str, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
+        for tries in range(3, 0, -1):
+            try:
+                self._write(path, parts)
+                return
+            except (FileNotFoundError, FileExistsError):
+                # Its folder went while it was made or written to (`ckpt cache clear` in another
+                # process removes the folders it empties; makedirs then finds it neither there
+                # nor absent): again.
+                if tries == 1:
+                    raise
+
     def put(self, oid: str, parts: Iterable[bytes | bytearray | memoryview], *, replace: bool = False) -> None:
         """Keep the blob ``b"".join(parts)`` of chunk ``oid`` (a failure to write is only logged);
         an entry already there stays unless ``replace`` (another blob of the same chunk: the
@@ -248,16 +267,15 @@ class ChunkBlobCache:
             log.debug("chunk %s is larger than the cache's limit: not cached", oid)
             return
         try:
-            for tries in range(3, 0, -1):
-                try:
-                    self._write(path, parts)
-                    break
-                except (FileNotFoundError, FileExistsError):
-                    # Its folder went while it was made or written to (`ckpt cache clear` in another
-                    # process removes the folders it empties; makedirs then finds it neither there
-                    # nor absent): again.
-                    if tries == 1:
-                        raise
+            try:
+                self._write_retrying(path, parts)
+            except OSError as e:
+                if e.errno not in _DISK_FULL:
+                    raise
+                # The disk (or the user's quota) is full before the limit is: room is made as at the
+                # limit, least recently used entries first, and the entry written again, once.
+                self.evict(room=n)
+                self._write_retrying(path, parts)
         except OSError as e:
             # Once per cache: a cache folder that cannot take entries (read-only, full) fails every put,
             # and a load puts every chunk it fetches.
@@ -302,17 +320,25 @@ class ChunkBlobCache:
         """Bytes to put before counting a cache found holding ``size`` bytes again: a tenth of its room."""
         return max((self.max_bytes - size) // 10, self.max_bytes // 100)
 
-    def evict(self) -> int:
+    def evict(self, room: int = 0) -> int:
         """Delete least recently used entries (and stale temporaries) until the cache is
-        under 90% of its limit; returns the bytes freed.
+        under 90% of its limit; returns the bytes freed. ``room``: bytes that a put found no room
+        for on a full disk: the cache is then taken below 90% of what it holds, less ``room``
+        (a full disk sets a lower limit than ``max_bytes``). An entry deleted while another process
+        reads it is read whole (an open file keeps its bytes); one deleted before it opens it is a
+        miss there, fetched again.
 
         One thread evicts at a time. Entries put while it walks the cache are counted on top
         of what its walk found (a few twice: an early eviction, never an overfull cache), and
         it walks again while another thread asked it to (it put an entry past the limit
-        meanwhile), or while the cache is over its limit and the last walk freed something."""
-        with self._lock:
+        meanwhile, or found the disk full: that thread waits for the room, then writes again),
+        or while the cache is over its limit and the last walk freed something."""
+        with self._evicted:
+            self._room = max(self._room, room)
             if self._evicting:
                 self._again = True
+                if room:
+                    self._evicted.wait_for(lambda: not self._evicting, timeout=60)
                 return 0
             self._evicting = True
         freed = 0
@@ -326,10 +352,12 @@ class ChunkBlobCache:
                     # Done unless entries came meanwhile, or it is still over and freeing works.
                     if not again and (not over or not now):
                         self._evicting = False
+                        self._evicted.notify_all()
                         return freed
         except BaseException:
             with self._lock:
                 self._evicting = False
+                self._evicted.notify_all()
             raise
 
     def _entries(self) -> list[tuple[float, int, str]]:
@@ -347,11 +375,14 @@ class ChunkBlobCache:
     def _evict_once(self) -> int:
         with self._lock:
             self._added = 0
+            room, self._room = self._room, 0
         files = self._entries()
         total = sum(b for _, b, _ in files)
         files.sort()
         freed = 0
         target = int(self.max_bytes * 0.9)
+        if room:
+            target = min(target, int(total * 0.9) - room)
         for _, size, p in files:
             if total - freed <= target:
                 break

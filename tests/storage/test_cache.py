@@ -413,3 +413,44 @@ def test_a_folder_or_a_link_in_an_entrys_place_does_not_keep_the_chunk_out(tmp_p
     assert [c.get(oid) for oid in (A, B, C)] == [b"a" * 100, b"b" * 100, b"c" * 100]
     assert elsewhere.read_bytes() == b"precious" and not (tmp_path / "nothing").exists()
     assert (d / "dd" / ("d" * 64) / "theirs.txt").read_bytes() == b"theirs" and not caplog.records
+
+
+def test_a_full_disk_makes_room_least_recently_used_first_and_a_read_meanwhile_gets_its_bytes(tmp_path, tmpfs, caplog):
+    """The cache on a 1 MiB tmpfs, its limit far above that: a put that finds the disk full deletes the
+    least recently used entries and writes again, so every entry put is there, the newest kept. Another
+    process that opened the oldest entry before it went reads it whole and sound (an open file keeps
+    its bytes). (Once the disk was full, every put failed with a warning: the cache stopped caching,
+    holding entries it could drop.)"""
+    import logging
+    import subprocess
+    import sys
+
+    root = tmpfs(tmp_path / "cache", "1m")
+    c = ChunkBlobCache(root, S, 1 << 30)
+    blobs = [os.urandom(60_000) for _ in range(40)]  # 2.4 MB in all
+    ids = [f"{i:064x}" for i in range(len(blobs))]
+    for oid, blob in zip(ids[:8], blobs[:8]):
+        c.put(oid, (blob,))
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import sys, blake3\n"
+         f"f = open({os.path.join(root, S, ids[0][:2], ids[0])!r}, 'rb')\nprint('open', flush=True)\nsys.stdin.readline()\n"
+         "raw = f.read()\nprint(raw[:-32].hex() if blake3.blake3(raw[:-32]).digest() == raw[-32:] else 'damaged', flush=True)\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline() == "open\n"
+        with caplog.at_level(logging.DEBUG, logger="ckpt_store.storage.cache"):
+            missed = []
+            for oid, blob in zip(ids[8:], blobs[8:]):
+                c.put(oid, (blob,))
+                if c.get(oid) != blob:
+                    missed.append(oid)
+        assert missed == []  # each written, the disk full or not
+        assert not (tmp_path / "cache" / S / ids[0][:2] / ids[0]).exists()  # the oldest went
+        out, _ = reader.communicate("read\n", timeout=30)
+    finally:
+        reader.kill()
+        reader.wait()
+    assert out.strip() == blobs[0].hex()
+    assert not [r for r in caplog.records if "cannot cache" in r.getMessage()]
+    kept = [oid for oid in ids if c.get(oid) is not None]
+    assert kept == ids[-len(kept):] and len(kept) >= 10  # the newest, most of the disk's room

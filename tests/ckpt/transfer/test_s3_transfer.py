@@ -640,3 +640,34 @@ def test_two_pulls_through_one_cache_while_a_third_process_clears_it(s3_main_url
         assert p.returncode == 0 and os.path.exists(str(done) + f"{k}.done"), err[-3000:]
         assert "WARNING" not in err, err[-3000:]
     assert clears > 20
+
+
+def test_a_full_disk_under_the_cache_makes_room_for_the_chunks_of_the_next_pull(s3_main_url, tmp_path, monkeypatch, tmpfs, caplog):
+    """The cache folder on a 4 MiB tmpfs, its limit the default (far above that): pulling a second 3 MB
+    checkpoint after a first deletes the first's least recently used chunks to keep its own, and pulling
+    it again fetches nothing. (The disk full, the cache stopped caching with a warning: the re-pull
+    fetched every chunk that did not fit.)"""
+    import logging
+
+    cache = tmpfs(tmp_path / "cache", "4m")
+    monkeypatch.setenv("CKPT_CACHE_DIR", cache)
+    writer = ckpt.Store.init(s3_main_url, settings=_settings(cache=False))
+    srcs = []
+    for name, seed in (("a", 0), ("b", 1)):
+        (tmp_path / name).mkdir()
+        src, _ = _file(tmp_path / name, seed=seed)
+        writer.push(str(src), name)
+        srcs.append(src)
+    with caplog.at_level(logging.WARNING, logger="ckpt_store.storage.cache"):
+        for name, src in (("a", srcs[0]), ("b", srcs[1])):
+            ckpt.Store.open(s3_main_url, settings=_settings()).pull(name, str(tmp_path / f"{name}.out"))
+            assert (tmp_path / f"{name}.out").read_bytes() == src.read_bytes()
+    assert not caplog.records  # (nothing failed to be cached)
+    again = ckpt.Store.open(s3_main_url, settings=_settings())
+    gets = chunk_gets(again)
+    again.pull("b", str(tmp_path / "b2.out"))
+    assert gets[0] == 0 and (tmp_path / "b2.out").read_bytes() == srcs[1].read_bytes()
+    again = ckpt.Store.open(s3_main_url, settings=_settings())
+    gets = chunk_gets(again)
+    again.pull("a", str(tmp_path / "a2.out"))
+    assert 0 < gets[0] and (tmp_path / "a2.out").read_bytes() == srcs[0].read_bytes()  # some of a's went
