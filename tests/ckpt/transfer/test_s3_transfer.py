@@ -671,3 +671,35 @@ def test_a_full_disk_under_the_cache_makes_room_for_the_chunks_of_the_next_pull(
     gets = chunk_gets(again)
     again.pull("a", str(tmp_path / "a2.out"))
     assert 0 < gets[0] and (tmp_path / "a2.out").read_bytes() == srcs[0].read_bytes()  # some of a's went
+
+
+def test_cache_entries_rewritten_into_a_loop_by_another_process_are_fetched_again(s3_url, tmp_path, monkeypatch):
+    """Another process rewrites a cached delta so that it names, as its base, the delta above it
+    (a well-formed entry, its trailer right): the pull and the load find the loop where it closes,
+    fetch that entry again and give the right bytes. (The chain was followed 64 levels down, and
+    the entry fetched again there had no levels left for its own chain: the pull failed, naming
+    a sound chunk.)"""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(cache))
+    store = ckpt.Store.init(s3_url, settings=_settings(cache=False, max_delta_depth=3))
+    w, (top, below, *_) = _chain(store, 3)
+    ckpt.Store.open(s3_url, settings=_settings()).load("d3")  # every level cached
+    (entry,) = cache.rglob(below)
+    writer = ("import sys, blake3\np, base = sys.argv[1], bytes.fromhex(sys.argv[2])\nraw = bytearray(open(p, 'rb').read()[:-32])\n"
+              "assert raw[6] & 1\nraw[16:48] = base\nopen(p, 'wb').write(bytes(raw) + blake3.blake3(raw).digest())\n")
+    for attempt in ("pull", "load"):
+        subprocess.run([sys.executable, "-c", writer, str(entry), top], check=True)  # d2 := a delta against d3
+        reader = ckpt.Store.open(s3_url, settings=_settings())
+        gets = chunk_gets(reader)
+        if attempt == "pull":
+            reader.pull("d3", str(tmp_path / "out.safetensors"))
+            got = load_file(str(tmp_path / "out.safetensors"))["w"]
+        else:
+            got = reader.load("d3")["w"]
+        assert got.numpy().tobytes() == w.numpy().tobytes()
+        assert gets[0] == 1 and reader.objects.cache.dropped == 1  # the looping entry, fetched again
