@@ -454,3 +454,42 @@ def test_a_full_disk_makes_room_least_recently_used_first_and_a_read_meanwhile_g
     assert not [r for r in caplog.records if "cannot cache" in r.getMessage()]
     kept = [oid for oid in ids if c.get(oid) is not None]
     assert kept == ids[-len(kept):] and len(kept) >= 10  # the newest, most of the disk's room
+
+
+def test_a_process_putting_into_a_nearly_full_cache_walks_it_once_not_every_hundredth_of_the_limit(tmp_path):
+    """Another process filled the cache to 95%; this one puts a tenth of the limit: it walks the cache
+    at its first put and once to evict, its puts and the other's counted by the shared tally. (It
+    walked the cache again every hundredth of the limit it put, ten walks more: 0.3-0.4 s each at
+    50,000 entries, about as long as a pull takes to fetch that hundredth.)"""
+    limit, blob = 2_000_000, 2_000
+    fill = ChunkBlobCache(str(tmp_path), S, limit)
+    for i in range(int(limit * 0.95) // (blob + TRAILER)):
+        fill.put(f"f{i:063x}", (os.urandom(blob),))
+    c = ChunkBlobCache(str(tmp_path), S, limit)
+    real, walks = c._entries, []
+    c._entries = lambda: walks.append(1) or real()
+    for i in range(limit // 10 // blob):
+        c.put(f"c{i:063x}", (os.urandom(blob),))
+    u = usage(str(tmp_path))
+    assert len(walks) == 2 and u.bytes <= limit
+    assert c._tally.add(0) == u.bytes  # (nobody killed meanwhile: the tally is exact)
+
+
+def test_processes_putting_at_once_keep_the_cache_within_its_limit_and_a_clear_resets_the_tally(tmp_path):
+    """Four processes fill one cache at once, each with more than its limit: it ends within it, and
+    the tally they share holds what is there; `clear` takes what it deleted off the tally."""
+    import subprocess
+    import sys
+
+    limit = 1_000_000
+    put = (f"import os\nfrom ckpt_store.storage.cache import ChunkBlobCache\n"
+           f"c = ChunkBlobCache({str(tmp_path)!r}, {S!r}, {limit})\n"
+           f"for i in range(60):\n    c.put(f'{{os.getpid():08x}}{{i:056x}}', (os.urandom(20_000),))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", put]) for _ in range(4)]
+    assert [p.wait(timeout=120) for p in procs] == [0] * 4
+    u = usage(str(tmp_path))
+    tally = ChunkBlobCache(str(tmp_path), S, limit)._tally
+    counted = tally.add(0)
+    # (processes evicting at once each free a tenth: it may end below 90%; an entry put during a walk counts twice)
+    assert limit * 0.3 < u.bytes <= limit and counted >= u.bytes, (u.bytes, counted)
+    assert clear(str(tmp_path)).bytes == u.bytes and tally.add(0) == counted - u.bytes
