@@ -284,11 +284,23 @@ def test_a_clear_in_another_process_meanwhile_costs_no_entry_and_no_warning(tmp_
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def test_two_processes_filling_one_cache_keep_it_within_its_limit(tmp_path):
+# Processes that share a cache count it through its tally (storage/cache_tally.py), or where that
+# cannot be used (here a folder in its place) by walking it again as they put.
+TALLIES = ["shared", "unusable"]
+
+
+def _tally(tmp_path, tally):
+    if tally == "unusable":
+        (tmp_path / "tally").mkdir()
+
+
+@pytest.mark.parametrize("tally", TALLIES)
+def test_two_processes_filling_one_cache_keep_it_within_its_limit(tmp_path, tally):
     """Two pulls at once through one cache (each process's store has a ChunkBlobCache of its own, as
     these two are), each putting less than the limit: together they stay within it. (Each counted
     the cache once, at its first put, then only its own entries: 150% of the limit, and N
     processes N times it.)"""
+    _tally(tmp_path, tally)
     limit = 1_000_000
     a, b = (ChunkBlobCache(str(tmp_path), S, limit) for _ in range(2))
     a.put("a" * 64, (os.urandom(50_000),))
@@ -300,11 +312,13 @@ def test_two_processes_filling_one_cache_keep_it_within_its_limit(tmp_path):
     assert usage(str(tmp_path)).bytes <= limit
 
 
-def test_processes_sharing_a_nearly_full_cache_count_it_more_often_as_it_fills(tmp_path):
+@pytest.mark.parametrize("tally", TALLIES)
+def test_processes_sharing_a_nearly_full_cache_count_it_more_often_as_it_fills(tmp_path, tally):
     """8 pulls at once through one cache 88% full (a ChunkBlobCache each, as 8 processes have), putting
     in turn: each counts the cache again after a tenth of the room it saw free, so together they go
     at most a hundredth of the limit each past it. (Each counted again only after putting a tenth of
     the limit: 159%, nothing evicted.)"""
+    _tally(tmp_path, tally)
     limit, blob = 2_000_000, 20_000
     fill = ChunkBlobCache(str(tmp_path), S, limit)
     for i in range(int(limit * 0.88) // (blob + TRAILER)):
@@ -316,6 +330,7 @@ def test_processes_sharing_a_nearly_full_cache_count_it_more_often_as_it_fills(t
             c.put(f"{k:02x}{r:062x}", (os.urandom(blob),))
             peak = max(peak, usage(str(tmp_path)).bytes)
     assert limit * 0.9 < peak <= limit * (1 + len(caches) / 100)
+    assert (fill._tally.add(0) is None) == (tally == "unusable")
 
 
 def test_threads_putting_into_a_cache_not_yet_counted_count_it_once_and_nothing_put_meanwhile_is_lost(tmp_path):
