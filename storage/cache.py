@@ -21,13 +21,20 @@ once an hour old by the next count of the cache (below) or eviction.
 
 The cache holds at most ``max_bytes``: past that, the least recently used entries (by
 modification time, refreshed on every hit) are deleted until it is under 90% of it. A blob
-larger than that 90% is not cached at all. Other processes put entries too: each counts the cache
-again once it has put a tenth of the room that was free at its last count (at least a hundredth of
-the limit), and a count that finds it over the limit evicts. So N processes that counted the cache
-at C bytes put at most ``N * max((max_bytes - C) / 10, max_bytes / 100)`` (and a blob each) before
-they count again: up to ten keep it within the limit until it is nearly full, and near it the cache
-goes over by at most about N hundredths of the limit (8 caches on one root from 88% full, putting
-in turn: at most 102%; counting after each tenth of the limit put, as before, reached 159%).
+larger than that 90% is not cached at all. Other processes put entries too: every put and deletion
+goes into a tally that the processes share (``storage/cache_tally.py``: a file and a lock, ~4 us), so
+a put knows the cache's size without walking it, and a put past the limit evicts. A walk (a process's
+first put, each eviction, and a quarter of the limit put) sets the tally to what it found, which
+corrects what it missed (a writer killed between its entry and the tally). Walking instead of a tally,
+near the limit, took as long as the pull (0.3-0.4 s at 50,000 entries, every hundredth of the limit).
+Where the tally cannot be used, each process counts the cache again once it has put a tenth of the
+room free at its last count (at least a hundredth of the limit): N processes that counted it at C
+bytes put at most ``N * max((max_bytes - C) / 10, max_bytes / 100)`` (and a blob each) before they
+count again, near the limit about N hundredths of it over.
+A disk (or quota) that fills before the limit is a lower limit: a put that fails with ENOSPC
+evicts as the limit does (least recently used first, below 90% of what the cache holds, less the
+entry) and writes again, once; only a disk that the cache's own entries do not fill leaves the
+chunk uncached, with a warning once.
 Which files the layout names, and clearing them: ``storage/cache_files.py``.
 """
 
@@ -47,10 +54,12 @@ import blake3
 
 from ckpt_store.storage.backends.base import TEMPORARY
 from ckpt_store.storage.cache_files import CacheUsage, clear, default_cache_dir, own_files, remove, store_dir_name, usage
+from ckpt_store.storage.cache_tally import CacheTally
 
 log = logging.getLogger(__name__)
 
 TRAILER = 32  # bytes of BLAKE3 after each blob
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class ChunkBlobCache:
@@ -80,8 +89,11 @@ class ChunkBlobCache:
         self._added = 0  # bytes put since the running eviction's walk began
         self._evicting = False  # one thread evicts at a time; others ask it to look again
         self._again = False
+        self._room = 0  # bytes that a put found no room for on a full disk: the next eviction frees them too
         self._put_failed = False  # a put failed: later failures are logged at debug level only
+        self._tally = CacheTally(root)  # the cache's bytes, as every process that puts into it counts them
         self._lock = threading.Lock()
+        self._evicted = threading.Condition(self._lock)  # the running eviction is done (a full disk's put waits for it)
 
     def _path(self, oid: str) -> str:
         return os.path.join(self.dir, oid[:2], oid)
@@ -197,9 +209,10 @@ class ChunkBlobCache:
             os.unlink(path)
         except OSError:
             return
+        shared = self._tally.add(-n)
         with self._lock:
             if self._size is not None:
-                self._size -= n
+                self._size = shared if shared is not None else self._size - n
 
     def _write(self, path: str, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
         """The entry at ``path``: written to a temporary in its folder, then renamed into place."""
@@ -221,6 +234,18 @@ class ChunkBlobCache:
         except BaseException:
             remove(tmp)
             raise
+
+    def _write_retrying(self, path: str, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
+        for tries in range(3, 0, -1):
+            try:
+                self._write(path, parts)
+                return
+            except (FileNotFoundError, FileExistsError):
+                # Its folder went while it was made or written to (`ckpt cache clear` in another
+                # process removes the folders it empties; makedirs then finds it neither there
+                # nor absent): again.
+                if tries == 1:
+                    raise
 
     def put(self, oid: str, parts: Iterable[bytes | bytearray | memoryview], *, replace: bool = False) -> None:
         """Keep the blob ``b"".join(parts)`` of chunk ``oid`` (a failure to write is only logged);
@@ -248,16 +273,15 @@ class ChunkBlobCache:
             log.debug("chunk %s is larger than the cache's limit: not cached", oid)
             return
         try:
-            for tries in range(3, 0, -1):
-                try:
-                    self._write(path, parts)
-                    break
-                except (FileNotFoundError, FileExistsError):
-                    # Its folder went while it was made or written to (`ckpt cache clear` in another
-                    # process removes the folders it empties; makedirs then finds it neither there
-                    # nor absent): again.
-                    if tries == 1:
-                        raise
+            try:
+                self._write_retrying(path, parts)
+            except OSError as e:
+                if e.errno not in _DISK_FULL:
+                    raise
+                # The disk (or the user's quota) is full before the limit is: room is made as at the
+                # limit, least recently used entries first, and the entry written again, once.
+                self.evict(room=n)
+                self._write_retrying(path, parts)
         except OSError as e:
             # Once per cache: a cache folder that cannot take entries (read-only, full) fails every put,
             # and a load puts every chunk it fetches.
@@ -266,13 +290,15 @@ class ChunkBlobCache:
             log.log(logging.WARNING if first else logging.DEBUG, "cannot cache chunk %s in %s: %s%s", oid, self.root, e,
                     " (further chunks that cannot be cached are not reported)" if first else "")
             return
+        shared = self._tally.add(n - max(old, 0))  # (other processes' entries in it too)
         with self._lock:
             self._uncounted += n
             self._added += n
             if self._size is not None:
-                self._size += n - max(old, 0)
-            # Counted again after a tenth of the room free at the last count is put: other processes'
-            # entries count too (two pulls, each under the limit on its own count, filled 150% of it).
+                self._size = shared if shared is not None else self._size + n - max(old, 0)
+            # Counted again after a tenth of the room free at the last count is put (without a tally:
+            # other processes' entries count too; two pulls, each under the limit on its own count, filled
+            # 150% of it), or a quarter of the limit (with one: what it missed, a killed writer's entry, say).
             recount = not self._counting and (self._size is None or self._uncounted > self._step)
             if recount:
                 self._counting, self._uncounted = True, 0
@@ -288,31 +314,44 @@ class ChunkBlobCache:
         eviction does). One thread counts at a time: bytes put meanwhile go on top of its count (a
         few twice: an early eviction, never an overfull cache), as in :meth:`_evict_once`."""
         try:
+            before = self._tally.before_walk()
             size = sum(b for _, b, _ in self._entries())
+            shared = self._tally.walked(size, before) if before is not None else None
         except BaseException:
             with self._lock:
                 self._counting = False
             raise
         with self._lock:
             self._counting = False
-            self._size = size + self._uncounted
-            self._step = self._step_from(size)
+            self._size = shared if shared is not None else size + self._uncounted
+            self._step = self._step_from(size, shared is not None)
 
-    def _step_from(self, size: int) -> int:
-        """Bytes to put before counting a cache found holding ``size`` bytes again: a tenth of its room."""
+    def _step_from(self, size: int, tallied: bool) -> int:
+        """Bytes to put before counting a cache found holding ``size`` bytes again: a tenth of its room
+        (a quarter of the limit where the shared tally counts every process's puts)."""
+        if tallied:
+            return self.max_bytes // 4
         return max((self.max_bytes - size) // 10, self.max_bytes // 100)
 
-    def evict(self) -> int:
+    def evict(self, room: int = 0) -> int:
         """Delete least recently used entries (and stale temporaries) until the cache is
-        under 90% of its limit; returns the bytes freed.
+        under 90% of its limit; returns the bytes freed. ``room``: bytes that a put found no room
+        for on a full disk: the cache is then taken below 90% of what it holds, less ``room``
+        (a full disk sets a lower limit than ``max_bytes``). An entry deleted while another process
+        reads it is read whole (an open file keeps its bytes); one deleted before it opens it is a
+        miss there, fetched again.
 
         One thread evicts at a time. Entries put while it walks the cache are counted on top
         of what its walk found (a few twice: an early eviction, never an overfull cache), and
         it walks again while another thread asked it to (it put an entry past the limit
-        meanwhile), or while the cache is over its limit and the last walk freed something."""
-        with self._lock:
+        meanwhile, or found the disk full: that thread waits for the room, then writes again),
+        or while the cache is over its limit and the last walk freed something."""
+        with self._evicted:
+            self._room = max(self._room, room)
             if self._evicting:
                 self._again = True
+                if room:
+                    self._evicted.wait_for(lambda: not self._evicting, timeout=60)
                 return 0
             self._evicting = True
         freed = 0
@@ -326,10 +365,12 @@ class ChunkBlobCache:
                     # Done unless entries came meanwhile, or it is still over and freeing works.
                     if not again and (not over or not now):
                         self._evicting = False
+                        self._evicted.notify_all()
                         return freed
         except BaseException:
             with self._lock:
                 self._evicting = False
+                self._evicted.notify_all()
             raise
 
     def _entries(self) -> list[tuple[float, int, str]]:
@@ -347,20 +388,25 @@ class ChunkBlobCache:
     def _evict_once(self) -> int:
         with self._lock:
             self._added = 0
+            room, self._room = self._room, 0
+        before = self._tally.before_walk()
         files = self._entries()
         total = sum(b for _, b, _ in files)
         files.sort()
         freed = 0
         target = int(self.max_bytes * 0.9)
+        if room:
+            target = min(target, int(total * 0.9) - room)
         for _, size, p in files:
             if total - freed <= target:
                 break
             if remove(p):
                 freed += size
+        shared = self._tally.walked(total - freed, before) if before is not None else None
         with self._lock:
-            self._size = total - freed + self._added
+            self._size = shared if shared is not None else total - freed + self._added
             self._uncounted = self._added
-            self._step = self._step_from(total - freed)
+            self._step = self._step_from(total - freed, shared is not None)
         return freed
 
 

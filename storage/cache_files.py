@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ckpt_store.storage.backends.base import TEMPORARY
+from ckpt_store.storage.cache_tally import TALLY, CacheTally
 
 # Names of what this cache writes: store dirs, their fan-out dirs, entries, temporaries.
 _STORE_DIR = re.compile(r"[0-9a-f]{32}")
@@ -128,6 +129,8 @@ def clear(root: str) -> CacheUsage:
             os.rmdir(d)  # only if empty
         except OSError:
             pass
+    if os.path.isfile(os.path.join(root, TALLY)):
+        CacheTally(root).add(-before.bytes)  # (what other processes put meanwhile stays counted)
     return before
 
 

@@ -29,7 +29,7 @@ T = TypeVar("T")
 
 def fetch_base(objects: ObjectStore, cid: str, length: int, settings: Settings, by: str,
                _depth: int = 0, blobs: Mapping[str, bytes | None] | None = None, *, verify: bool = True, ask: bool = True,
-               strict: bool = False) -> tuple[bytes | bytearray | memoryview, tuple[str, ...]]:
+               strict: bool = False, _above: tuple[str, ...] = ()) -> tuple[bytes | bytearray | memoryview, tuple[str, ...]]:
     """:func:`fetch_chunk` for a chunk wanted as the base of chunk ``by``: served from the
     store's decoded-base cache when it is there. (Chunks are named by their bytes, so a
     cached chunk is the chunk; whether it is still in the store is the caller's question.)
@@ -56,7 +56,7 @@ def fetch_base(objects: ObjectStore, cid: str, length: int, settings: Settings, 
         reuse = not keep and length <= settings.chunk_size and _depth <= settings.max_delta_depth + 1
         out = thread_buffer(length, f"base{_depth}") if reuse else None
         item = fetch_chunk(objects, cid, length, settings, _depth, out=out, blobs=blobs, verify=verify or keep,
-                           strict=strict)
+                           strict=strict, _above=_above)
         if keep:
             assert cache is not None
             cache.put(cid, item)
@@ -234,7 +234,7 @@ def read_ahead(objects: ObjectStore, cid: str, length: int, settings: Settings, 
 
 
 def decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings, got: ChunkRead, _depth: int = 0,
-                 out: memoryview | None = None, verify: bool = True, strict: bool = False,
+                 out: memoryview | None = None, verify: bool = True, strict: bool = False, _above: tuple[str, ...] = (),
                  ) -> tuple[bytes | bytearray | memoryview, tuple[str, ...]]:
     """The CPU half of :func:`fetch_chunk`: verify (and decode) what :func:`read_chunk` got.
 
@@ -249,7 +249,12 @@ def decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings,
     That second fetch is ``strict``: every base down the chain is verified before the level above
     uses it, so the retry costs one decode and one hash per level, and a failure there is the
     damage of the level that failed. (Trying each level of the retry unverified first cost about
-    depth²/2 decodes: 1,681 for a chain of 64 damaged halfway, against 97 now.)"""
+    depth²/2 decodes: 1,681 for a chain of 64 damaged halfway, against 97 now.)
+
+    ``_above``: the chunks whose decoding asked for this one, down from the top. A base among them
+    is a loop, and the damage of this level's blob (a cache entry, say, that is fetched again):
+    followed, it ended 64 levels down naming a chunk there, and the cached blob that made the loop
+    was never fetched again."""
     if got.blob is None:
         assert out is not None
         if got.into != length:
@@ -262,8 +267,12 @@ def decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings,
     base, chain = None, ()
     if h.base == cid:
         raise CorruptObjectError("chunk", cid, "stored as a delta against itself")
+    if h.base in _above:
+        raise CorruptObjectError("chunk", cid, f"stored as a delta against {h.base}, a chunk above it in its own delta chain")
+    above = (*_above, cid)
     if h.base is not None:
-        base, below = fetch_base(objects, h.base, length, settings, cid, _depth + 1, got.bases, verify=strict, strict=strict)
+        base, below = fetch_base(objects, h.base, length, settings, cid, _depth + 1, got.bases, verify=strict, strict=strict,
+                                 _above=above)
         chain = (h.base, *below)
     try:
         # (a chunk the local chunk cache keeps decoded is checked before it is kept)
@@ -272,7 +281,7 @@ def decode_read(objects: ObjectStore, cid: str, length: int, settings: Settings,
     except CorruptObjectError:
         if h.base is None or not verify or strict:
             raise  # (an unchecked base: the chunk above finds out and asks again, verified; a checked one: this blob is damaged)
-        base, below = fetch_base(objects, h.base, length, settings, cid, _depth + 1, got.bases, strict=True)
+        base, below = fetch_base(objects, h.base, length, settings, cid, _depth + 1, got.bases, strict=True, _above=above)
         chain = (h.base, *below)
         data = decode_chunk(got.blob, cid, length, max_length=settings.max_chunk_size, base=base, out=out)
     if keep_decoded:
@@ -326,7 +335,7 @@ def check_claim(cid: str, length: int, settings: Settings) -> None:
 
 def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings, _depth: int = 0,
                 out: memoryview | None = None, blobs: Mapping[str, bytes | None] | None = None, verify: bool = True,
-                strict: bool = False) -> tuple[bytes | bytearray | memoryview, tuple[str, ...]]:
+                strict: bool = False, _above: tuple[str, ...] = ()) -> tuple[bytes | bytearray | memoryview, tuple[str, ...]]:
     """Decoded, verified bytes of chunk ``cid`` and its delta chain: the ids of every base its
     decoding walked, nearest first (empty: no base).
 
@@ -348,10 +357,10 @@ def fetch_chunk(objects: ObjectStore, cid: str, length: int, settings: Settings,
     else:
         got = read_chunk(objects, cid, length, settings, out)
     try:
-        return decode_read(objects, cid, length, settings, got, _depth, out, verify, strict)
+        return decode_read(objects, cid, length, settings, got, _depth, out, verify, strict, _above)
     except (CorruptObjectError, ObjectNotFoundError) as e:
         return refetch(objects, cid, length, settings, got, e, out,
-                       lambda fresh: decode_read(objects, cid, length, settings, fresh, _depth, out, verify, strict))
+                       lambda fresh: decode_read(objects, cid, length, settings, fresh, _depth, out, verify, strict, _above))
 
 
 def stored_chain(objects: ObjectStore, cid: str) -> tuple[int, tuple[str, ...]]:

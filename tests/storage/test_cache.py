@@ -284,11 +284,23 @@ def test_a_clear_in_another_process_meanwhile_costs_no_entry_and_no_warning(tmp_
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def test_two_processes_filling_one_cache_keep_it_within_its_limit(tmp_path):
+# Processes that share a cache count it through its tally (storage/cache_tally.py), or where that
+# cannot be used (here a folder in its place) by walking it again as they put.
+TALLIES = ["shared", "unusable"]
+
+
+def _tally(tmp_path, tally):
+    if tally == "unusable":
+        (tmp_path / "tally").mkdir()
+
+
+@pytest.mark.parametrize("tally", TALLIES)
+def test_two_processes_filling_one_cache_keep_it_within_its_limit(tmp_path, tally):
     """Two pulls at once through one cache (each process's store has a ChunkBlobCache of its own, as
     these two are), each putting less than the limit: together they stay within it. (Each counted
     the cache once, at its first put, then only its own entries: 150% of the limit, and N
     processes N times it.)"""
+    _tally(tmp_path, tally)
     limit = 1_000_000
     a, b = (ChunkBlobCache(str(tmp_path), S, limit) for _ in range(2))
     a.put("a" * 64, (os.urandom(50_000),))
@@ -300,11 +312,13 @@ def test_two_processes_filling_one_cache_keep_it_within_its_limit(tmp_path):
     assert usage(str(tmp_path)).bytes <= limit
 
 
-def test_processes_sharing_a_nearly_full_cache_count_it_more_often_as_it_fills(tmp_path):
+@pytest.mark.parametrize("tally", TALLIES)
+def test_processes_sharing_a_nearly_full_cache_count_it_more_often_as_it_fills(tmp_path, tally):
     """8 pulls at once through one cache 88% full (a ChunkBlobCache each, as 8 processes have), putting
     in turn: each counts the cache again after a tenth of the room it saw free, so together they go
     at most a hundredth of the limit each past it. (Each counted again only after putting a tenth of
     the limit: 159%, nothing evicted.)"""
+    _tally(tmp_path, tally)
     limit, blob = 2_000_000, 20_000
     fill = ChunkBlobCache(str(tmp_path), S, limit)
     for i in range(int(limit * 0.88) // (blob + TRAILER)):
@@ -316,6 +330,7 @@ def test_processes_sharing_a_nearly_full_cache_count_it_more_often_as_it_fills(t
             c.put(f"{k:02x}{r:062x}", (os.urandom(blob),))
             peak = max(peak, usage(str(tmp_path)).bytes)
     assert limit * 0.9 < peak <= limit * (1 + len(caches) / 100)
+    assert (fill._tally.add(0) is None) == (tally == "unusable")
 
 
 def test_threads_putting_into_a_cache_not_yet_counted_count_it_once_and_nothing_put_meanwhile_is_lost(tmp_path):
@@ -413,3 +428,83 @@ def test_a_folder_or_a_link_in_an_entrys_place_does_not_keep_the_chunk_out(tmp_p
     assert [c.get(oid) for oid in (A, B, C)] == [b"a" * 100, b"b" * 100, b"c" * 100]
     assert elsewhere.read_bytes() == b"precious" and not (tmp_path / "nothing").exists()
     assert (d / "dd" / ("d" * 64) / "theirs.txt").read_bytes() == b"theirs" and not caplog.records
+
+
+def test_a_full_disk_makes_room_least_recently_used_first_and_a_read_meanwhile_gets_its_bytes(tmp_path, tmpfs, caplog):
+    """The cache on a 1 MiB tmpfs, its limit far above that: a put that finds the disk full deletes the
+    least recently used entries and writes again, so every entry put is there, the newest kept. Another
+    process that opened the oldest entry before it went reads it whole and sound (an open file keeps
+    its bytes). (Once the disk was full, every put failed with a warning: the cache stopped caching,
+    holding entries it could drop.)"""
+    import logging
+    import subprocess
+    import sys
+
+    root = tmpfs(tmp_path / "cache", "1m")
+    c = ChunkBlobCache(root, S, 1 << 30)
+    blobs = [os.urandom(60_000) for _ in range(40)]  # 2.4 MB in all
+    ids = [f"{i:064x}" for i in range(len(blobs))]
+    for oid, blob in zip(ids[:8], blobs[:8]):
+        c.put(oid, (blob,))
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import sys, blake3\n"
+         f"f = open({os.path.join(root, S, ids[0][:2], ids[0])!r}, 'rb')\nprint('open', flush=True)\nsys.stdin.readline()\n"
+         "raw = f.read()\nprint(raw[:-32].hex() if blake3.blake3(raw[:-32]).digest() == raw[-32:] else 'damaged', flush=True)\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline() == "open\n"
+        with caplog.at_level(logging.DEBUG, logger="ckpt_store.storage.cache"):
+            missed = []
+            for oid, blob in zip(ids[8:], blobs[8:]):
+                c.put(oid, (blob,))
+                if c.get(oid) != blob:
+                    missed.append(oid)
+        assert missed == []  # each written, the disk full or not
+        assert not (tmp_path / "cache" / S / ids[0][:2] / ids[0]).exists()  # the oldest went
+        out, _ = reader.communicate("read\n", timeout=30)
+    finally:
+        reader.kill()
+        reader.wait()
+    assert out.strip() == blobs[0].hex()
+    assert not [r for r in caplog.records if "cannot cache" in r.getMessage()]
+    kept = [oid for oid in ids if c.get(oid) is not None]
+    assert kept == ids[-len(kept):] and len(kept) >= 10  # the newest, most of the disk's room
+
+
+def test_a_process_putting_into_a_nearly_full_cache_walks_it_once_not_every_hundredth_of_the_limit(tmp_path):
+    """Another process filled the cache to 95%; this one puts a tenth of the limit: it walks the cache
+    at its first put and once to evict, its puts and the other's counted by the shared tally. (It
+    walked the cache again every hundredth of the limit it put, ten walks more: 0.3-0.4 s each at
+    50,000 entries, about as long as a pull takes to fetch that hundredth.)"""
+    limit, blob = 2_000_000, 2_000
+    fill = ChunkBlobCache(str(tmp_path), S, limit)
+    for i in range(int(limit * 0.95) // (blob + TRAILER)):
+        fill.put(f"f{i:063x}", (os.urandom(blob),))
+    c = ChunkBlobCache(str(tmp_path), S, limit)
+    real, walks = c._entries, []
+    c._entries = lambda: walks.append(1) or real()
+    for i in range(limit // 10 // blob):
+        c.put(f"c{i:063x}", (os.urandom(blob),))
+    u = usage(str(tmp_path))
+    assert len(walks) == 2 and u.bytes <= limit
+    assert c._tally.add(0) == u.bytes  # (nobody killed meanwhile: the tally is exact)
+
+
+def test_processes_putting_at_once_keep_the_cache_within_its_limit_and_a_clear_resets_the_tally(tmp_path):
+    """Four processes fill one cache at once, each with more than its limit: it ends within it, and
+    the tally they share holds what is there; `clear` takes what it deleted off the tally."""
+    import subprocess
+    import sys
+
+    limit = 1_000_000
+    put = (f"import os\nfrom ckpt_store.storage.cache import ChunkBlobCache\n"
+           f"c = ChunkBlobCache({str(tmp_path)!r}, {S!r}, {limit})\n"
+           f"for i in range(60):\n    c.put(f'{{os.getpid():08x}}{{i:056x}}', (os.urandom(20_000),))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", put]) for _ in range(4)]
+    assert [p.wait(timeout=120) for p in procs] == [0] * 4
+    u = usage(str(tmp_path))
+    tally = ChunkBlobCache(str(tmp_path), S, limit)._tally
+    counted = tally.add(0)
+    # (processes evicting at once each free a tenth: it may end below 90%; an entry put during a walk counts twice)
+    assert limit * 0.3 < u.bytes <= limit and counted >= u.bytes, (u.bytes, counted)
+    assert clear(str(tmp_path)).bytes == u.bytes and tally.add(0) == counted - u.bytes

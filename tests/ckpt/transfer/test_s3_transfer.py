@@ -19,6 +19,7 @@ from s3support import chunk_gets, gets_of  # noqa: E402
 
 import ckpt  # noqa: E402
 from ckpt.transfer.pipeline import GetTask, get_chunks  # noqa: E402
+from ckpt_store.storage.cache_tally import TALLY  # noqa: E402 - (the cache's shared byte count: not an entry)
 from ckpt_store.storage.errors import CorruptObjectError, StorageIOError  # noqa: E402
 
 CHUNK = 64 * 1024
@@ -72,7 +73,7 @@ def test_cache_serves_a_second_pull_and_refuses_damage(s3_url, tmp_path, monkeyp
 
     # Damage two entries: one bit flipped (caught by the entry's checksum), and one replaced
     # by a well-formed entry holding another chunk's blob (caught when the chunk is decoded).
-    entries = sorted(p for p in cache.rglob("*") if p.is_file())
+    entries = sorted(p for p in cache.rglob("*") if p.is_file() and p.name != TALLY)
     raw = bytearray(entries[0].read_bytes())
     raw[len(raw) // 2] ^= 0x10
     entries[0].write_bytes(bytes(raw))
@@ -131,7 +132,7 @@ def test_cache_keeps_whole_chunks_decoded_and_serves_them_without_decoding(s3_ur
     first = ckpt.Store.open(s3_url, settings=_settings())
     first.pull("ft", str(tmp_path / "ft-1.safetensors"))  # the fine-tune, and the base's chunks under its deltas
     assert (tmp_path / "ft-1.safetensors").read_bytes() == ft_path.read_bytes()
-    entries = {p.name: parse_header(p.read_bytes()[:-32]) for p in cache.rglob("*") if p.is_file()}
+    entries = {p.name: parse_header(p.read_bytes()[:-32]) for p in cache.rglob("*") if p.is_file() and p.name != TALLY}
     by_name = {t.name: t.chunks[0] for t in m.tensors}
     for i in range(6):
         e = entries[by_name[f"w{i}"]]
@@ -139,7 +140,7 @@ def test_cache_keeps_whole_chunks_decoded_and_serves_them_without_decoding(s3_ur
     deltas = {t.chunks[0] for t in m_ft.tensors if t.delta_bases and t.delta_bases[0]}
     assert deltas and all(entries[c].base is not None for c in deltas)  # deltas as stored
     first.pull("base", str(tmp_path / "b-1.safetensors"))
-    entries = {p.name: parse_header(p.read_bytes()[:-32]) for p in cache.rglob("*") if p.is_file()}
+    entries = {p.name: parse_header(p.read_bytes()[:-32]) for p in cache.rglob("*") if p.is_file() and p.name != TALLY}
     assert entries[by_name["zeros"]].codec != RAW  # shrank to almost nothing: as stored
 
     decoded = [0]
@@ -640,3 +641,66 @@ def test_two_pulls_through_one_cache_while_a_third_process_clears_it(s3_main_url
         assert p.returncode == 0 and os.path.exists(str(done) + f"{k}.done"), err[-3000:]
         assert "WARNING" not in err, err[-3000:]
     assert clears > 20
+
+
+def test_a_full_disk_under_the_cache_makes_room_for_the_chunks_of_the_next_pull(s3_main_url, tmp_path, monkeypatch, tmpfs, caplog):
+    """The cache folder on a 4 MiB tmpfs, its limit the default (far above that): pulling a second 3 MB
+    checkpoint after a first deletes the first's least recently used chunks to keep its own, and pulling
+    it again fetches nothing. (The disk full, the cache stopped caching with a warning: the re-pull
+    fetched every chunk that did not fit.)"""
+    import logging
+
+    cache = tmpfs(tmp_path / "cache", "4m")
+    monkeypatch.setenv("CKPT_CACHE_DIR", cache)
+    writer = ckpt.Store.init(s3_main_url, settings=_settings(cache=False))
+    srcs = []
+    for name, seed in (("a", 0), ("b", 1)):
+        (tmp_path / name).mkdir()
+        src, _ = _file(tmp_path / name, seed=seed)
+        writer.push(str(src), name)
+        srcs.append(src)
+    with caplog.at_level(logging.WARNING, logger="ckpt_store.storage.cache"):
+        for name, src in (("a", srcs[0]), ("b", srcs[1])):
+            ckpt.Store.open(s3_main_url, settings=_settings()).pull(name, str(tmp_path / f"{name}.out"))
+            assert (tmp_path / f"{name}.out").read_bytes() == src.read_bytes()
+    assert not caplog.records  # (nothing failed to be cached)
+    again = ckpt.Store.open(s3_main_url, settings=_settings())
+    gets = chunk_gets(again)
+    again.pull("b", str(tmp_path / "b2.out"))
+    assert gets[0] == 0 and (tmp_path / "b2.out").read_bytes() == srcs[1].read_bytes()
+    again = ckpt.Store.open(s3_main_url, settings=_settings())
+    gets = chunk_gets(again)
+    again.pull("a", str(tmp_path / "a2.out"))
+    assert 0 < gets[0] and (tmp_path / "a2.out").read_bytes() == srcs[0].read_bytes()  # some of a's went
+
+
+def test_cache_entries_rewritten_into_a_loop_by_another_process_are_fetched_again(s3_url, tmp_path, monkeypatch):
+    """Another process rewrites a cached delta so that it names, as its base, the delta above it
+    (a well-formed entry, its trailer right): the pull and the load find the loop where it closes,
+    fetch that entry again and give the right bytes. (The chain was followed 64 levels down, and
+    the entry fetched again there had no levels left for its own chain: the pull failed, naming
+    a sound chunk.)"""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(cache))
+    store = ckpt.Store.init(s3_url, settings=_settings(cache=False, max_delta_depth=3))
+    w, (top, below, *_) = _chain(store, 3)
+    ckpt.Store.open(s3_url, settings=_settings()).load("d3")  # every level cached
+    (entry,) = cache.rglob(below)
+    writer = ("import sys, blake3\np, base = sys.argv[1], bytes.fromhex(sys.argv[2])\nraw = bytearray(open(p, 'rb').read()[:-32])\n"
+              "assert raw[6] & 1\nraw[16:48] = base\nopen(p, 'wb').write(bytes(raw) + blake3.blake3(raw).digest())\n")
+    for attempt in ("pull", "load"):
+        subprocess.run([sys.executable, "-c", writer, str(entry), top], check=True)  # d2 := a delta against d3
+        reader = ckpt.Store.open(s3_url, settings=_settings())
+        gets = chunk_gets(reader)
+        if attempt == "pull":
+            reader.pull("d3", str(tmp_path / "out.safetensors"))
+            got = load_file(str(tmp_path / "out.safetensors"))["w"]
+        else:
+            got = reader.load("d3")["w"]
+        assert got.numpy().tobytes() == w.numpy().tobytes()
+        assert gets[0] == 1 and reader.objects.cache.dropped == 1  # the looping entry, fetched again
