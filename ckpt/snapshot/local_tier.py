@@ -313,8 +313,8 @@ def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | 
 
     Refused (beside what :func:`_apart` refuses): a ckpt store that is not a local tier (its
     history would be collected), and the tier of another store or run (it would be resumed from).
-    With ``reset_foreign`` (the default path, keyed by the store's URL and the run: the store
-    there was made anew) another store's tier is emptied instead, with a warning.
+    With ``reset_foreign`` (the default path, keyed by the store's id, its URL and the run: another
+    store's tier is there only by a collision of the key) it is emptied instead, with a warning.
     A store with no marker is taken where it holds nothing, and at the default path where its every ref is
     a snapshot of ``run`` (a tier kept before tiers had markers); elsewhere such a store may as well be
     another store of the run (an earlier experiment's durable store, say): refused, it would be resumed

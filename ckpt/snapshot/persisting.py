@@ -81,7 +81,7 @@ class Persisting(ManagerState):
         if self.local_every_n_steps is None:
             self.local_every_n_steps = self.every_n_steps
         if local is True:
-            path = default_local_path(self.store.url, self.run, rank)
+            path = default_local_path(self.store.config.store_id, self.store.url, self.run, rank)
             private_root(path.parent.parent if rank is not None else path.parent)
             check_default_layout(path, rank)
         else:
