@@ -17,6 +17,7 @@ import gc
 import json
 import logging
 import os
+import shlex
 import shutil
 import threading
 import time
@@ -346,10 +347,13 @@ def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | 
                                                   "tier kept by a ckpt before tiers were marked, remove it)")
         raise SnapshotError(f"local={path} is a ckpt store that is not a local tier; a tier prunes and collects "
                             "what it holds", hint="give the local tier a path of its own")
+    whose = _whose(have, want, durable)
     if not reset_foreign:
-        raise SnapshotError(f"local={path} is the local tier of another run or store ({have!r:.120})",
-                            hint="give this run's local tier a path of its own, or remove that folder")
-    message = f"local tier {path} held snapshots of another store or run: emptied for this one"
+        raise SnapshotError(f"local={path} is {whose}",
+                            hint="give this run's local tier a folder of its own (local=ANOTHER_PATH); or, where that "
+                                 "tier's snapshots are not needed (those it persisted are in its durable store), remove "
+                                 f"it first: rm -r {shlex.quote(path)}")
+    message = f"local tier {path} was {whose}: emptied for run {run!r} of {durable.url}"
     log.warning("%s", message)
     from ckpt.snapshot.run import TierWarning
 
@@ -361,6 +365,16 @@ def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | 
         else:
             os.unlink(p)
     return marker
+
+
+def _whose(have: object, want: dict[str, str], durable: Store) -> str:
+    """Whose tier a marker ``have`` (read from the tier) names, against ``want`` (this manager's)."""
+    if not isinstance(have, dict) or not isinstance(have.get("run"), str) or not isinstance(have.get("store_id"), str):
+        return f"a local tier whose {TIER_MARKER} is damaged (whose tier it is cannot be told)"
+    theirs = f"the local tier of run {have['run']!r:.100}"
+    if have["store_id"] == want["store_id"]:
+        return f"{theirs} of this store, not of run {want['run']!r}"
+    return f"{theirs} of another store (id {have['store_id']:.12}), not of {durable.url} (id {want['store_id']:.12})"
 
 
 def _unmarked(path: str, run: str) -> str:

@@ -829,10 +829,18 @@ def test_a_local_tier_is_not_another_store_nor_another_runs_tier(tmp_path):
     _, state = _tiny_state()
     with ckpt.CheckpointManager(durable, "run", local=str(tmp_path / "tier"), local_every_n_steps=1) as mgr:
         mgr.save(1, state)
-    with pytest.raises(ckpt.CkptError, match="another run or store"):  # another run's tier
-        ckpt.CheckpointManager(durable, "other-run", local=str(tmp_path / "tier"))
-    with pytest.raises(ckpt.CkptError, match="another run or store"):  # the tier of another durable store
-        ckpt.CheckpointManager(str(tmp_path / "d2"), "run", local=str(tmp_path / "tier"))
+    # Each refusal says whose tier it is, and what to do, naming the folder (it said "of another run or store"
+    # and printed the marker, and its hint said "remove that folder")
+    tier = str(tmp_path / "tier")
+    with pytest.raises(ckpt.CkptError, match="of run 'run' of this store, not of run 'other-run'") as e:
+        ckpt.CheckpointManager(durable, "other-run", local=tier)
+    assert f"local={tier} is the local tier" in str(e.value) and f"rm -r {tier}" in e.value.hint
+    assert "local=ANOTHER_PATH" in e.value.hint
+    with pytest.raises(ckpt.CkptError, match="of run 'run' of another store") as e:  # the tier of another durable store
+        ckpt.CheckpointManager(str(tmp_path / "d2"), "run", local=tier)
+    d2 = ckpt.Store.open(str(tmp_path / "d2"))
+    assert f"not of {d2.url} (id {d2.config.store_id[:12]})" in str(e.value) and f"rm -r {tier}" in e.value.hint
+    assert durable.config.store_id[:12] in str(e.value)
     with ckpt.CheckpointManager(durable, "run", local=str(tmp_path / "tier")) as mgr:  # its own run: resumes
         assert mgr.restore_latest(_tiny_state()[1]) == 1 and mgr.last_restore["local"] > 0
 
