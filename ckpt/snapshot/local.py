@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckpt.format.entries import TensorEntry
@@ -53,8 +54,12 @@ if TYPE_CHECKING:
 class LocalSnapshots(LocalRestoring):
     """The :class:`~ckpt.snapshot.run.SnapshotPath` of a single process."""
 
-    def __init__(self, run: SnapshotRun, *, overlap: bool = False, unchanged_by: str = "version") -> None:
+    def __init__(self, run: SnapshotRun, *, overlap: bool = False, unchanged_by: str = "version",
+                 room: Callable[[list[int], bool | None], object] | None = None) -> None:
         self.run = run
+        # A local tier's check before a write (LocalTier.fit): the sizes of the tensors written, and whether the
+        # snapshot carries bundles; it raises (ENOSPC) where the medium cannot hold them.
+        self.room = room
         self.store = run.store
         self.overlap = overlap
         self.trust_version = unchanged_by == "version"
@@ -251,6 +256,8 @@ class LocalSnapshots(LocalRestoring):
         from ckpt.store.sources import from_tensors
 
         try:
+            if self.room is not None:  # before a byte is written (a failure resets what the next save reuses, below)
+                self.room([t.numel() * t.element_size() for t in staged.values()], self.run.bundles)
             known = {n: (e.dtype, e.shape, e.nbytes) for n, e in reuse.items()}
             # tensors read in place until the optimizer steps come from ``live``
             in_place = {n: live.source(n) for n in live.names} if live is not None else None

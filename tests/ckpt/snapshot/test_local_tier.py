@@ -3,9 +3,13 @@ a tier refuses and says, and a save that cannot fit. Real S3 servers, a real tmp
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 import uuid
 import warnings
 
+import pytest
 import torch
 
 import ckpt
@@ -68,3 +72,100 @@ def test_one_bucket_on_two_endpoints_has_two_default_tiers(tmp_path, monkeypatch
             assert mgr.local_tier.path == path_a
     finally:
         second.stop()
+
+
+class _Peak:
+    """The most bytes in use on the filesystem of ``path`` while the block runs (polled every 0.2 ms)."""
+
+    def __init__(self, path):
+        self.path, self.most, self._stop = path, 0, threading.Event()
+
+    def used(self):
+        st = os.statvfs(self.path)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def _watch(self):
+        while not self._stop.is_set():
+            self.most = max(self.most, self.used())
+            time.sleep(0.0002)
+
+    def __enter__(self):
+        self.before = self.most = self.used()
+        self._thread = threading.Thread(target=self._watch)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def _model(width, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, width))
+    return model, {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-3), "step": 0}
+
+
+def _step(state, step):
+    model, opt = state["model"], state["optim"]
+    model(torch.randn(4, model[0].in_features)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    state["step"] = step
+
+
+def test_a_save_that_cannot_fit_the_tier_is_refused_before_it_writes(tmp_path, tmpfs):
+    """A 64 MiB tmpfs holds one 39 MiB snapshot (model + AdamW), not two. The save of step 2 wrote into it until it
+    was full (64 MiB: a shared /dev/shm's other tenants then fail too), failed and freed it. It is refused before a
+    byte is written now, with the tier's warning; training goes on, the snapshot due to the durable store lands
+    there, and the next local save makes room as before (step 3 restored from the tier, bit-exact)."""
+    shm = tmpfs(tmp_path / "shm", "64m")
+    model, state = _model(1300)  # 2 x 1300^2 fp32 weights (+ biases), x 3 with AdamW's moments: ~39 MiB
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=2, local=f"{shm}/tier",
+                                local_every_n_steps=1) as mgr:
+        _step(state, 1)
+        mgr.save(1, state)
+        mgr.wait()
+        assert mgr.local_tier.steps == [1]
+        _step(state, 2)
+        with pytest.warns(ckpt.TierWarning, match="step 2 not saved .*the disk is full for this snapshot.*nothing written"):
+            with _Peak(shm) as peak:
+                mgr.save(2, state)
+                mgr.wait()
+        assert peak.most - peak.before < 1 << 20, (peak.before, peak.most)  # (it was 64 MiB: the whole tmpfs)
+        assert mgr.local_tier.steps == [1] and mgr.steps() == [2] and mgr.last_save.tier == "store"
+        _step(state, 3)
+        with pytest.warns(ckpt.TierWarning, match="dropped step.s. 1 to make room for step 3"):
+            mgr.save(3, state)
+            mgr.wait()
+        assert mgr.local_tier.steps == [3]
+        want = {k: v.numpy().tobytes() for k, v in model.state_dict().items()}
+    fresh, state2 = _model(1300, seed=1)
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=2, local=f"{shm}/tier") as mgr:
+        assert mgr.restore_latest(state2) == 3 and mgr.last_restore["store"] == 0
+    assert {k: v.numpy().tobytes() for k, v in fresh.state_dict().items()} == want
+    assert ckpt.Store.open(f"{shm}/tier").verify().ok and ckpt.Store.open(str(tmp_path / "durable")).verify().ok
+
+
+def test_a_save_that_fits_once_older_snapshots_go_drops_them_first_never_the_newest(tmp_path, tmpfs):
+    """A 64 MiB tmpfs holds two 24 MiB snapshots, not three; local_keep=3. The save of step 3 ran out of space
+    partway and failed (the tier kept 1 and 2). Now it drops step 1 first, as few as make the room, never the
+    newest (2), and lands."""
+    shm = tmpfs(tmp_path / "shm", "64m")
+    model, state = _model(1024)  # ~24 MiB with AdamW
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1, local_keep=3) as mgr:
+        kept = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)  # (no save fails)
+            for step in (1, 2, 3, 4):
+                _step(state, step)
+                mgr.save(step, state, persist=False)
+                mgr.wait()
+                kept.append(mgr.local_tier.steps)
+        assert kept == [[1], [1, 2], [2, 3], [3, 4]]
+        want = {k: v.numpy().tobytes() for k, v in model.state_dict().items()}
+    fresh, state2 = _model(1024, seed=1)
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        assert mgr.restore_latest(state2) == 4 and mgr.last_restore["store"] == 0
+    assert {k: v.numpy().tobytes() for k, v in fresh.state_dict().items()} == want
