@@ -55,10 +55,10 @@ class LocalSnapshots(LocalRestoring):
     """The :class:`~ckpt.snapshot.run.SnapshotPath` of a single process."""
 
     def __init__(self, run: SnapshotRun, *, overlap: bool = False, unchanged_by: str = "version",
-                 room: Callable[[list[int], bool | None], object] | None = None) -> None:
+                 room: Callable[[int, list[int], bool | None], object] | None = None) -> None:
         self.run = run
-        # A local tier's check before a write (LocalTier.fit): the sizes of the tensors written, and whether the
-        # snapshot carries bundles; it raises (ENOSPC) where the medium cannot hold them.
+        # A local tier's room made before a write (LocalTier.fit): the step, the sizes of the tensors written, and
+        # whether the snapshot carries bundles; it raises (ENOSPC) where the medium cannot hold them.
         self.room = room
         self.store = run.store
         self.overlap = overlap
@@ -257,7 +257,7 @@ class LocalSnapshots(LocalRestoring):
 
         try:
             if self.room is not None:  # before a byte is written (a failure resets what the next save reuses, below)
-                self.room([t.numel() * t.element_size() for t in staged.values()], self.run.bundles)
+                self.room(step, [t.numel() * t.element_size() for t in staged.values()], self.run.bundles)
             known = {n: (e.dtype, e.shape, e.nbytes) for n, e in reuse.items()}
             # tensors read in place until the optimizer steps come from ``live``
             in_place = {n: live.source(n) for n in live.names} if live is not None else None

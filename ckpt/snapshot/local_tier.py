@@ -169,27 +169,48 @@ class LocalTier:
             total += small + PAGE * -(-small // chunk)
         return total
 
-    def fit(self, sizes: Iterable[int], bundles: bool | None = False) -> list[int]:
-        """Before a save writes tensors of ``sizes`` bytes here: where the medium's free space (``os.statvfs``)
-        may not hold what they add (:meth:`bound`), drop the oldest unpinned snapshots but the newest, the fewest
-        that make the room; where not even all of them would, raise (ENOSPC) with nothing dropped or written.
-        A save that cannot fit so fails before it writes a byte: it no longer filled the medium (a shared
-        /dev/shm other tenants use) up to its end, then freed what it had written. The steps removed."""
+    def fit(self, step: int, sizes: Iterable[int], bundles: bool | None = False) -> list[int]:
+        """Before the save of ``step`` writes tensors of ``sizes`` bytes here: make its room first, so that the bounds
+        hold while it is written, not only after. Drops the oldest snapshots before ``step`` that the bounds would
+        drop once it lands (those beyond ``keep`` with it; while what the tier holds and what it adds (:meth:`bound`)
+        exceed ``max_bytes``), and the fewest that the medium's free space (``os.statvfs``) needs to hold it; never
+        the newest before ``step`` (the snapshot a restart takes until this one is complete, the one it continues
+        from) nor a pinned one. Where not even all of them would make the room on the medium, raises (ENOSPC) with
+        nothing dropped or written: it no longer filled the medium (a shared /dev/shm other tenants use) up to its
+        end, then freed what it had written. The steps removed."""
         from ckpt_store.storage.errors import StorageIOError
 
         needed = self.bound(sizes, bundles)
         free = free_bytes(self.path)
-        if needed <= free:
-            return []
         with self._lock:
-            steps = [s for s in self.steps()[:-1] if s not in self.pinned]
-            n, room = self._dropping(steps, {s: self._chunks(s) for s in self.steps()}, needed, free)
-            if n is None:
-                raise StorageIOError(f"local tier {self.path}: the disk is full for this snapshot: it adds up to "
-                                     f"{needed} bytes, {free} are free ({room} with every older snapshot dropped); "
-                                     "nothing written", errno=errno.ENOSPC,
-                                     hint="give the tier more room (or local_keep, local_max_bytes less)")
-            return self._remove(steps[:n])
+            steps = self.steps()
+            older = [s for s in steps if s < step]
+            # Once it lands the tier holds ``older``, it, and pinned later steps (the later others go: drop_after).
+            held = len(older) + 1 + sum(1 for s in steps if s > step and s in self.pinned)
+            candidates = [s for s in older[:-1] if s not in self.pinned]
+            n = min(max(held - self.keep, 0), len(candidates))
+            if needed > free or self.max_bytes is not None:
+                chunks = {s: self._chunks(s) for s in steps}
+                freed = [room - free for room in self._rooms(candidates, chunks, free)]
+                if needed > free:
+                    fits = [k for k, f in enumerate(freed) if free + f >= needed]
+                    if not fits:
+                        raise StorageIOError(f"local tier {self.path}: the disk is full for this snapshot: it adds up "
+                                             f"to {needed} bytes, {free} are free ({free + freed[-1]} with every older "
+                                             "snapshot dropped); nothing written", errno=errno.ENOSPC,
+                                             hint="give the tier more room (or local_keep, local_max_bytes less)")
+                    n = max(n, fits[0])
+                if self.max_bytes is not None:
+                    stored = self.store.du().stored
+                    n = max(n, next((k for k, f in enumerate(freed) if stored - f + needed <= self.max_bytes),
+                                    len(candidates)))
+            removed = candidates[:n]
+            if removed:
+                try:
+                    self._remove(removed)
+                except CkptError as e:  # (a damaged ref folder the gc refuses, say): the prune after the save warns of it
+                    log.warning("local tier %s: could not free steps %s before a save (%s)", self.path, removed, describe(e))
+            return removed
 
     def make_room(self, needed: int | None) -> list[int]:
         """After a save found the medium full (ENOSPC): drop the oldest unpinned snapshots, the newest
@@ -215,16 +236,19 @@ class LocalTier:
 
     def _dropping(self, steps: list[int], chunks: dict[int, set[str]], needed: int, free: int) -> tuple[int | None, int]:
         """How many of ``steps`` (oldest first) to drop, the fewest, for ``free`` bytes and what they free to hold
-        ``needed`` (None: not even all of them), and that room. ``chunks``: every step's chunks (a chunk that a
-        step kept names too is not freed)."""
-        room = free
+        ``needed`` (None: not even all of them), and that room."""
+        rooms = self._rooms(steps, chunks, free)
+        return next((n for n, room in enumerate(rooms) if room >= needed), None), rooms[-1]
+
+    def _rooms(self, steps: list[int], chunks: dict[int, set[str]], free: int) -> list[int]:
+        """The room with the first n of ``steps`` dropped, for n = 0..len(steps): ``free`` bytes and what they free.
+        ``chunks``: every step's chunks (a chunk that a step kept names too is not freed)."""
+        rooms = []
         for n in range(len(steps) + 1):
             kept = set().union(*(c for s, c in chunks.items() if s not in steps[:n]))
             gone = set().union(*(chunks[s] for s in steps[:n])) - kept
-            room = free + sum(self.store.stored_sizes(gone).values())
-            if room >= needed:
-                return n, room
-        return None, room
+            rooms.append(free + sum(self.store.stored_sizes(gone).values()))
+        return rooms
 
     def _remove(self, removed: list[int]) -> list[int]:
         """Remove the snapshots of steps ``removed`` (and RUN/latest where it names one) and free their data."""

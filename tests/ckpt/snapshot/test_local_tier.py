@@ -4,6 +4,7 @@ a tier refuses and says, and a save that cannot fit. Real S3 servers, a real tmp
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -169,3 +170,45 @@ def test_a_save_that_fits_once_older_snapshots_go_drops_them_first_never_the_new
     with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
         assert mgr.restore_latest(state2) == 4 and mgr.last_restore["store"] == 0
     assert {k: v.numpy().tobytes() for k, v in fresh.state_dict().items()} == want
+
+
+def test_the_tier_bounds_hold_while_a_save_is_written(tmp_path, tmpfs):
+    """local_keep=2 (and local_max_bytes) held only after each save: the save of step 3 was written beside steps
+    1 and 2, three 24 MiB snapshots in the tier's memory at once, then 1 went. The save now drops what the bounds
+    will drop before it writes (never the newest before it, the snapshot a restart takes until it lands). With
+    local_keep=1 the newest and the new one are both held while it is written (measured, as documented). A save
+    of an earlier step (the run went back) keeps the snapshot it continues from."""
+    shm = tmpfs(tmp_path / "shm", "128m")
+    model, state = _model(1024)  # ~24 MiB with AdamW, every chunk changed by each step
+    one = None
+    for bounds, most in ((dict(local_keep=2), 2), (dict(local_keep=9, local_max_bytes=60 << 20), 2), (dict(local_keep=1), 2)):
+        tier = f"{shm}/tier-{len(str(bounds))}"
+        with ckpt.CheckpointManager(str(tmp_path / f"d-{len(str(bounds))}"), "run", every_n_steps=100, local=tier,
+                                    local_every_n_steps=1, **bounds) as mgr:
+            peaks, kept = [], []
+            for step in (1, 2, 3, 4):
+                _step(state, step)
+                with _Peak(shm) as peak:
+                    mgr.save(step, state, persist=False)
+                    mgr.wait()
+                peaks.append(peak.most)
+                kept.append(mgr.local_tier.steps)
+                one = one or mgr.local_tier.bytes
+            assert kept[-1] == ([4] if bounds.get("local_keep") == 1 else [3, 4]), (bounds, kept)
+            assert max(peaks) < most * one + (1 << 20), (bounds, [p / 2**20 for p in peaks], one / 2**20)
+            if bounds.get("local_max_bytes"):
+                assert max(peaks) <= bounds["local_max_bytes"]
+        shutil.rmtree(tier)
+
+    # the run goes back to step 2 (local_keep=2: the tier holds 2 and 4): the save of 3 drops neither before it writes
+    with ckpt.CheckpointManager(str(tmp_path / "back"), "run", every_n_steps=100, local=f"{shm}/back",
+                                local_every_n_steps=1) as mgr:
+        for step in (2, 4):
+            _step(state, step)
+            mgr.save(step, state, persist=False)
+        mgr.wait()
+        assert mgr.restore(state, 2) == 2
+        _step(state, 3)
+        mgr.save(3, state, persist=False)
+        mgr.wait()
+        assert mgr.local_tier.steps == [2, 3]
