@@ -170,8 +170,9 @@ class LocalTier:
         return total
 
     def fit(self, step: int, sizes: Iterable[int], bundles: bool | None = False) -> list[int]:
-        """Before the save of ``step`` writes tensors of ``sizes`` bytes here: make its room first, so that the bounds
-        hold while it is written, not only after. Drops the oldest snapshots before ``step`` that the bounds would
+        """Before the save of ``step`` writes tensors of ``sizes`` bytes here (those known to have changed: tensors
+        that may be unchanged, found so by hash, are left out, so that a save that fits is never refused): make
+        its room first, so that the bounds hold while it is written, not only after. Drops the oldest snapshots before ``step`` that the bounds would
         drop once it lands (those beyond ``keep`` with it; while what the tier holds and what it adds (:meth:`bound`)
         exceed ``max_bytes``), and the fewest that the medium's free space (``os.statvfs``) needs to hold it; never
         the newest before ``step`` (the snapshot a restart takes until this one is complete, the one it continues

@@ -212,3 +212,36 @@ def test_the_tier_bounds_hold_while_a_save_is_written(tmp_path, tmpfs):
         mgr.save(3, state, persist=False)
         mgr.wait()
         assert mgr.local_tier.steps == [2, 3]
+
+
+def test_a_frozen_base_found_unchanged_by_hash_is_not_counted_against_the_room(tmp_path, tmpfs):
+    """unchanged_by="hash" (as with a fused optimizer, or after a restore) stages every tensor, the frozen ones
+    too, and finds their chunks unchanged by hash. Counted as written, a 40 MB frozen base on a 64 MiB tmpfs
+    refused every save after the first (the bound said 40 MB more, 24 MiB free) though each adds only the
+    trained layer's bytes: only tensors known changed are counted, and the saves land."""
+    shm = tmpfs(tmp_path / "shm", "64m")
+    torch.manual_seed(0)
+    base = torch.nn.Linear(5000, 2000, bias=False).requires_grad_(False)  # 40 MB, frozen
+    head = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    state = {"base": base, "head": head, "optim": opt, "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1, unchanged_by="hash") as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)
+            for step in (1, 2, 3):
+                head(torch.randn(4, 64)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                state["step"] = step
+                mgr.save(step, state, persist=False)
+                mgr.wait()
+        assert mgr.local_tier.steps == [2, 3]
+        want = {k: v.numpy().tobytes() for k, v in head.state_dict().items()}
+    head2 = torch.nn.Linear(64, 64)
+    base2 = torch.nn.Linear(5000, 2000, bias=False)
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        assert mgr.restore_latest({"base": base2, "head": head2, "optim": torch.optim.AdamW(head2.parameters()),
+                                   "step": 0}) == 3
+    assert {k: v.numpy().tobytes() for k, v in head2.state_dict().items()} == want
+    assert base2.weight.detach().numpy().tobytes() == base.weight.numpy().tobytes()
