@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckpt.format.entries import TensorEntry
@@ -53,8 +54,13 @@ if TYPE_CHECKING:
 class LocalSnapshots(LocalRestoring):
     """The :class:`~ckpt.snapshot.run.SnapshotPath` of a single process."""
 
-    def __init__(self, run: SnapshotRun, *, overlap: bool = False, unchanged_by: str = "version") -> None:
+    def __init__(self, run: SnapshotRun, *, overlap: bool = False, unchanged_by: str = "version",
+                 room: Callable[[int, list[int], bool | None], object] | None = None) -> None:
         self.run = run
+        # A local tier's room made before a write (LocalTier.fit): the step, the sizes of the tensors written that
+        # are known to have changed, and whether the snapshot carries bundles; it raises (ENOSPC) where the medium
+        # cannot hold them.
+        self.room = room
         self.store = run.store
         self.overlap = overlap
         self.trust_version = unchanged_by == "version"
@@ -89,8 +95,13 @@ class LocalSnapshots(LocalRestoring):
         optimizers = optimizers_in(state)
         overlap = self.overlap and not (fallback is not None and self._failing)
         defer = _optimizer_storages(optimizers) if overlap else frozenset()
-        staged, reuse, keys, pending, live = self._stage(
-            tensors, trust=self.trust_version and not _has_fused_optimizer(optimizers), defer=defer)
+        trust = self.trust_version and not _has_fused_optimizer(optimizers)
+        previous = self._last[1] if self._last else {}
+        staged, reuse, keys, pending, live = self._stage(tensors, trust=trust, defer=defer)
+        # The tensors known to have changed (by their versions): what a local tier makes room for before the write.
+        # Others staged may be unchanged, their chunks found by hash (a fused optimizer's frozen base, say): not counted,
+        # so that the check never refuses a save that would fit; the write finds out, as it did.
+        changed = [t.numel() * t.element_size() for n, t in staged.items() if trust and n in previous]
         held = {n: t.detach() for n, t in tensors.items()}
         ready, in_place = None, None
         if live or pending:
@@ -117,7 +128,7 @@ class LocalSnapshots(LocalRestoring):
                 if pending:
                     self._copy_pending(pending, keys, ready)
                 try:
-                    result = self._write(step, staged, reuse, keys, held, record, in_place)
+                    result = self._write(step, staged, reuse, keys, held, record, in_place, changed)
                     self._failing = False
                     return result
                 except SnapshotError:
@@ -246,11 +257,13 @@ class LocalSnapshots(LocalRestoring):
 
     def _write(self, step: int, staged: dict[str, torch.Tensor], reuse: dict[str, TensorEntry],
                keys: dict[str, tuple[Any, ...]], held: dict[str, Any], snapshot: dict[str, Any],
-               live: LiveTensors | None = None) -> SaveResult:
+               live: LiveTensors | None = None, changed: list[int] | None = None) -> SaveResult:
         from ckpt.store.push import push_source
         from ckpt.store.sources import from_tensors
 
         try:
+            if self.room is not None:  # before a byte is written (a failure resets what the next save reuses, below)
+                self.room(step, changed or [], self.run.bundles)
             known = {n: (e.dtype, e.shape, e.nbytes) for n, e in reuse.items()}
             # tensors read in place until the optimizer steps come from ``live``
             in_place = {n: live.source(n) for n in live.names} if live is not None else None

@@ -1,6 +1,6 @@
 """Where a run's local tier lives unless given (``docs/format.md``, "The local tier"): below a per-user folder
-in /dev/shm (or ``$CKPT_LOCAL_DIR``), which must be this user's own, at a path keyed by the durable store and
-the run; a process group's ranks each in a folder below it."""
+in /dev/shm (or ``$CKPT_LOCAL_DIR``), which must be this user's own, at a path keyed by the durable store (its id
+and its URL) and the run; a process group's ranks each in a folder below it."""
 
 from __future__ import annotations
 
@@ -11,11 +11,18 @@ import tempfile
 from pathlib import Path
 
 
-def default_local_path(store_url: str, run: str, rank: int | None = None) -> Path:
+def default_local_path(store_id: str, store_url: str, run: str, rank: int | None = None) -> Path:
     """Where a run's local tier lives unless given: under ``$CKPT_LOCAL_DIR`` if set, else
     /dev/shm (host memory, survives a crash of the training process but not of the machine),
     else the temp directory; keyed by the durable store and the run so that a restarted
-    process finds it again."""
+    process finds it again.
+
+    The store is its id (``ckpt-store.json``) and its URL. The URL alone named one tier for
+    two stores at s3://BUCKET/PREFIX on two endpoints (or any other storage option that picks
+    the server): the second manager emptied the first one's tier as another store's, and a
+    store made anew where the real one was not mounted yet emptied the real one's. The id
+    alone would name one tier for a store and its copy (``cp -r``, a synced bucket), whose
+    runs part ways: one would resume the other's snapshots."""
     env = os.environ.get("CKPT_LOCAL_DIR")
     if env:
         root = Path(env)
@@ -23,7 +30,7 @@ def default_local_path(store_url: str, run: str, rank: int | None = None) -> Pat
         root = Path("/dev/shm")
     else:
         root = Path(tempfile.gettempdir())
-    key = hashlib.blake2b(f"{store_url}\0{run}".encode(), digest_size=6).hexdigest()
+    key = hashlib.blake2b(f"{store_id}\0{store_url}\0{run}".encode(), digest_size=6).hexdigest()
     user = os.getuid() if hasattr(os, "getuid") else 0
     path = root / f"ckpt-local-{user}" / key
     return path / f"rank-{rank}" if rank is not None else path

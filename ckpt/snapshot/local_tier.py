@@ -12,22 +12,22 @@ run of one durable store (``docs/format.md``, "The local tier").
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
-import json
 import logging
 import os
-import shutil
 import threading
 import time
-import warnings
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckpt.errors import CkptError
+from ckpt.snapshot.local_claim import TIER_MARKER, apart, claim
 from ckpt.snapshot.local_paths import default_local_path
-from ckpt.snapshot.steps import run_steps, step_of
+from ckpt.snapshot.steps import run_steps
 from ckpt.snapshot.tiers import describe
 from ckpt.store.destination import check_dir_destination
 
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is
+PAGE = 4096  # what a stored object may take beyond its bytes: its header, the medium's rounding
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class LocalTier:
         self.keep = keep
         self.max_bytes = max_bytes
         if durable is not None:
-            _apart(self.path, durable)
+            apart(self.path, durable)
         # (before its folders are made there, as names none of that store's; the tier itself is a store)
         check_dir_destination(self.path, None, "a local tier", allow_self=True)
         try:
@@ -94,7 +94,7 @@ class LocalTier:
         try:
             marker = None
             if durable is not None:
-                marker = _claim(self.path, run, durable, reset_foreign)
+                marker = claim(self.path, run, durable, reset_foreign)
         except BaseException:
             self._release()
             raise
@@ -154,6 +154,65 @@ class LocalTier:
         # grace 0: this process is the tier's only writer, and it is not writing now
         self.store.gc(grace_s=0.0, keep_history=False)
 
+    def bound(self, sizes: Iterable[int], bundles: bool | None = False) -> int:
+        """At most what a snapshot of tensors of ``sizes`` bytes (those it writes) adds to the tier: their bytes, a
+        page per chunk (its header, the medium's rounding), a copy of each one's small chunk where snapshots carry
+        bundles (one per tensor at most: its others are full chunks), and 64 KiB and 1 KiB per tensor for the
+        manifest and refs. An upper bound: chunks the tier holds already (unchanged, found by hash) add nothing."""
+        chunk = self.store.settings.chunk_size
+        sizes = list(sizes)
+        total = sum(n + PAGE * -(-n // chunk) + 1024 for n in sizes) + (64 << 10)
+        if bundles:
+            from ckpt.transfer.reading import BUNDLE_CHUNK_MAX
+
+            small = sum(min(n, BUNDLE_CHUNK_MAX, chunk // 4) for n in sizes)
+            total += small + PAGE * -(-small // chunk)
+        return total
+
+    def fit(self, step: int, sizes: Iterable[int], bundles: bool | None = False) -> list[int]:
+        """Before the save of ``step`` writes tensors of ``sizes`` bytes here (those known to have changed: tensors
+        that may be unchanged, found so by hash, are left out, so that a save that fits is never refused): make
+        its room first, so that the bounds hold while it is written, not only after. Drops the oldest snapshots before ``step`` that the bounds would
+        drop once it lands (those beyond ``keep`` with it; while what the tier holds and what it adds (:meth:`bound`)
+        exceed ``max_bytes``), and the fewest that the medium's free space (``os.statvfs``) needs to hold it; never
+        the newest before ``step`` (the snapshot a restart takes until this one is complete, the one it continues
+        from) nor a pinned one. Where not even all of them would make the room on the medium, raises (ENOSPC) with
+        nothing dropped or written: it no longer filled the medium (a shared /dev/shm other tenants use) up to its
+        end, then freed what it had written. The steps removed."""
+        from ckpt_store.storage.errors import StorageIOError
+
+        needed = self.bound(sizes, bundles)
+        free = free_bytes(self.path)
+        with self._lock:
+            steps = self.steps()
+            older = [s for s in steps if s < step]
+            # Once it lands the tier holds ``older``, it, and pinned later steps (the later others go: drop_after).
+            held = len(older) + 1 + sum(1 for s in steps if s > step and s in self.pinned)
+            candidates = [s for s in older[:-1] if s not in self.pinned]
+            n = min(max(held - self.keep, 0), len(candidates))
+            if needed > free or self.max_bytes is not None:
+                chunks = {s: self._chunks(s) for s in steps}
+                freed = [room - free for room in self._rooms(candidates, chunks, free)]
+                if needed > free:
+                    fits = [k for k, f in enumerate(freed) if free + f >= needed]
+                    if not fits:
+                        raise StorageIOError(f"local tier {self.path}: the disk is full for this snapshot: it adds up "
+                                             f"to {needed} bytes, {free} are free ({free + freed[-1]} with every older "
+                                             "snapshot dropped); nothing written", errno=errno.ENOSPC,
+                                             hint="give the tier more room (or local_keep, local_max_bytes less)")
+                    n = max(n, fits[0])
+                if self.max_bytes is not None:
+                    stored = self.store.du().stored
+                    n = max(n, next((k for k, f in enumerate(freed) if stored - f + needed <= self.max_bytes),
+                                    len(candidates)))
+            removed = candidates[:n]
+            if removed:
+                try:
+                    self._remove(removed)
+                except CkptError as e:  # (a damaged ref folder the gc refuses, say): the prune after the save warns of it
+                    log.warning("local tier %s: could not free steps %s before a save (%s)", self.path, removed, describe(e))
+            return removed
+
     def make_room(self, needed: int | None) -> list[int]:
         """After a save found the medium full (ENOSPC): drop the oldest unpinned snapshots, the newest
         last, only as far as the medium's free space (``os.statvfs``) and what they free together hold
@@ -169,29 +228,43 @@ class LocalTier:
             if needed is None:  # (a group's rank: the most any snapshot holds here, one cut short by ENOSPC aside)
                 needed = max(sum(self.store.stored_sizes(c).values()) for c in chunks.values())
             free = free_bytes(self.path)
-            for n in range(len(steps) + 1):
-                kept = set().union(*(c for s, c in chunks.items() if s not in steps[:n]))
-                gone = set().union(*(chunks[s] for s in steps[:n])) - kept
-                if free + sum(self.store.stored_sizes(gone).values()) >= needed:
-                    break
-            else:
+            n, room = self._dropping(steps, chunks, needed, free)
+            if n is None:
                 log.warning("local tier %s: %d bytes free, and %d with every snapshot but pinned ones dropped; the "
-                            "next snapshot needs about %d: none dropped", self.path, free,
-                            free + sum(self.store.stored_sizes(gone).values()), needed)
+                            "next snapshot needs about %d: none dropped", self.path, free, room, needed)
                 return []
-            removed = steps[:n]
-            targets = {self.store.resolve(self.ref(s)) for s in removed}
-            for s in removed:
-                self.store.remove(self.ref(s))
-            latest = f"{self.run}/latest"
-            try:
-                if self.store.resolve(latest) in targets:
-                    self.store.remove(latest)  # it would keep the dropped newest alive
-            except CkptError:
-                pass  # no alias here
-            if removed:
-                self._collect()
-            return removed
+            return self._remove(steps[:n])
+
+    def _dropping(self, steps: list[int], chunks: dict[int, set[str]], needed: int, free: int) -> tuple[int | None, int]:
+        """How many of ``steps`` (oldest first) to drop, the fewest, for ``free`` bytes and what they free to hold
+        ``needed`` (None: not even all of them), and that room."""
+        rooms = self._rooms(steps, chunks, free)
+        return next((n for n, room in enumerate(rooms) if room >= needed), None), rooms[-1]
+
+    def _rooms(self, steps: list[int], chunks: dict[int, set[str]], free: int) -> list[int]:
+        """The room with the first n of ``steps`` dropped, for n = 0..len(steps): ``free`` bytes and what they free.
+        ``chunks``: every step's chunks (a chunk that a step kept names too is not freed)."""
+        rooms = []
+        for n in range(len(steps) + 1):
+            kept = set().union(*(c for s, c in chunks.items() if s not in steps[:n]))
+            gone = set().union(*(chunks[s] for s in steps[:n])) - kept
+            rooms.append(free + sum(self.store.stored_sizes(gone).values()))
+        return rooms
+
+    def _remove(self, removed: list[int]) -> list[int]:
+        """Remove the snapshots of steps ``removed`` (and RUN/latest where it names one) and free their data."""
+        targets = {self.store.resolve(self.ref(s)) for s in removed}
+        for s in removed:
+            self.store.remove(self.ref(s))
+        latest = f"{self.run}/latest"
+        try:
+            if self.store.resolve(latest) in targets:
+                self.store.remove(latest)  # it would keep the dropped newest alive
+        except CkptError:
+            pass  # no alias here
+        if removed:
+            self._collect()
+        return removed
 
     def _chunks(self, step: int) -> set[str]:
         """The chunk ids the snapshot of ``step`` names (none where it cannot be read)."""
@@ -290,94 +363,6 @@ def _let_go(fd: int) -> None:
     with _HELD_LOCK:
         _HELD.discard((st.st_dev, st.st_ino))
     os.close(fd)
-
-
-def _apart(path: str, durable: Store) -> None:
-    """Refuse ``path`` as a tier where it is the durable store, or in or around it (checked
-    before the tier's folder is made)."""
-    from ckpt.snapshot.run import SnapshotError
-    from ckpt.store.destination import inside, store_root
-
-    real = os.path.realpath(path)
-    droot = store_root(durable)
-    if droot is not None:
-        if inside(real, droot) or inside(droot, real):
-            raise SnapshotError(f"local={path} is the durable store {droot}, or lies in or around it",
-                                hint="give the local tier a path of its own (it prunes and collects what it holds)")
-
-
-def _claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | None:
-    """Check that ``path`` may be the local tier of ``run`` of ``durable`` (whose snapshots the tier
-    prunes and collects without grace); returns the marker to write once the tier's store exists
-    (None: it is there already).
-
-    Refused (beside what :func:`_apart` refuses): a ckpt store that is not a local tier (its
-    history would be collected), and the tier of another store or run (it would be resumed from).
-    With ``reset_foreign`` (the default path, keyed by the store's URL and the run: the store
-    there was made anew) another store's tier is emptied instead, with a warning.
-    A store with no marker is taken where it holds nothing, and at the default path where its every ref is
-    a snapshot of ``run`` (a tier kept before tiers had markers); elsewhere such a store may as well be
-    another store of the run (an earlier experiment's durable store, say): refused, it would be resumed
-    and pruned."""
-    from ckpt.snapshot.run import SnapshotError
-    from ckpt_store.storage.config import CONFIG_PATH
-
-    want = {"run": run, "store_id": durable.config.store_id}
-    marker = json.dumps(want, sort_keys=True).encode()
-    try:
-        with open(os.path.join(path, TIER_MARKER), "rb") as f:
-            have = json.loads(f.read(4096))
-    except FileNotFoundError:
-        have = None
-    except (OSError, ValueError):
-        have = {}  # damaged: someone's, not known to be this run's
-    if have == want:
-        return None
-    if have is None and not os.path.lexists(os.path.join(path, CONFIG_PATH)):
-        return marker  # a new tier
-    if have is None:
-        held = _unmarked(path, run)
-        if held == "nothing" or held == "snapshots" and reset_foreign:
-            return marker
-        if held == "snapshots":
-            raise SnapshotError(f"local={path} is a ckpt store with no {TIER_MARKER}, of snapshots of run {run!r}: "
-                                "another store of this run (an earlier experiment's, say), which the tier would resume "
-                                "and prune", hint="give the local tier a path of its own (if that folder is this run's "
-                                                  "tier kept by a ckpt before tiers were marked, remove it)")
-        raise SnapshotError(f"local={path} is a ckpt store that is not a local tier; a tier prunes and collects "
-                            "what it holds", hint="give the local tier a path of its own")
-    if not reset_foreign:
-        raise SnapshotError(f"local={path} is the local tier of another run or store ({have!r:.120})",
-                            hint="give this run's local tier a path of its own, or remove that folder")
-    message = f"local tier {path} held snapshots of another store or run: emptied for this one"
-    log.warning("%s", message)
-    from ckpt.snapshot.run import TierWarning
-
-    warnings.warn(message, TierWarning, stacklevel=4)
-    for name in os.listdir(path):
-        p = os.path.join(path, name)
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p)
-        else:
-            os.unlink(p)
-    return marker
-
-
-def _unmarked(path: str, run: str) -> str:
-    """What the store at ``path``, which has no marker, holds: "nothing" (no ref, no object: one made by a
-    manager killed before it wrote the marker), "snapshots" (refs, if any, that are all snapshots of ``run``:
-    a tier kept before tiers had markers, or another store of this run, a durable one say, which only the
-    default path's folder tells apart), else "other"."""
-    from ckpt.store.store import Store
-
-    try:
-        store = Store.open(path)
-        refs = store.refs()
-        if not refs and all(next(store.objects.list(kind), None) is None for kind in ("manifests", "chunks")):
-            return "nothing"
-    except CkptError:
-        return "other"
-    return "snapshots" if all(r == f"{run}/latest" or step_of(run, r) is not None for r in refs) else "other"
 
 
 __all__ = ["LocalTier", "LocalTierUsage", "default_local_path"]

@@ -291,7 +291,8 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
         else:
             from ckpt.snapshot.local import LocalSnapshots
 
-            self._path = LocalSnapshots(self._target, overlap=save_mode == "overlap", unchanged_by=unchanged_by)
+            self._path = LocalSnapshots(self._target, overlap=save_mode == "overlap", unchanged_by=unchanged_by,
+                                        room=self._local.fit if self._local else None)
         if handle_signals:
             self._install_signals()
 

@@ -35,14 +35,13 @@ class PersistStats:
     chunks_present: int
 
 
-def _state_bytes(state: dict[str, Any]) -> int:
-    """About what a snapshot of ``state`` occupies in the tier, stored raw: its tensors' bytes, a
-    page per tensor for chunk headers and rounding, and 64 KiB for the manifest and refs. (A group's
+def _state_bytes(local: LocalTier, state: dict[str, Any]) -> int:
+    """At most what a snapshot of all of ``state``'s tensors adds to the tier (:meth:`LocalTier.bound`). (A group's
     rank holds its shards and replicas instead: :meth:`LocalTier.make_room` estimates those.)"""
     from ckpt.snapshot.state import flatten
 
     tensors, _ = flatten(state)
-    return sum(t.numel() * t.element_size() + 4096 for t in tensors.values()) + 65536
+    return local.bound(t.numel() * t.element_size() for t in tensors.values())
 
 
 class Persisting(ManagerState):
@@ -81,7 +80,7 @@ class Persisting(ManagerState):
         if self.local_every_n_steps is None:
             self.local_every_n_steps = self.every_n_steps
         if local is True:
-            path = default_local_path(self.store.url, self.run, rank)
+            path = default_local_path(self.store.config.store_id, self.store.url, self.run, rank)
             private_root(path.parent.parent if rank is not None else path.parent)
             check_default_layout(path, rank)
         else:
@@ -174,7 +173,7 @@ class Persisting(ManagerState):
         assert local is not None
         self._local_full = False
         try:
-            dropped = local.make_room(None if self._distributed else _state_bytes(state))
+            dropped = local.make_room(None if self._distributed else _state_bytes(local, state))
         except Exception as e:  # noqa: BLE001
             self._tier_warning(f"local tier: could not make room for step {step} ({describe(e)})")
             return

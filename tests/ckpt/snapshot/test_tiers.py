@@ -829,10 +829,18 @@ def test_a_local_tier_is_not_another_store_nor_another_runs_tier(tmp_path):
     _, state = _tiny_state()
     with ckpt.CheckpointManager(durable, "run", local=str(tmp_path / "tier"), local_every_n_steps=1) as mgr:
         mgr.save(1, state)
-    with pytest.raises(ckpt.CkptError, match="another run or store"):  # another run's tier
-        ckpt.CheckpointManager(durable, "other-run", local=str(tmp_path / "tier"))
-    with pytest.raises(ckpt.CkptError, match="another run or store"):  # the tier of another durable store
-        ckpt.CheckpointManager(str(tmp_path / "d2"), "run", local=str(tmp_path / "tier"))
+    # Each refusal says whose tier it is, and what to do, naming the folder (it said "of another run or store"
+    # and printed the marker, and its hint said "remove that folder")
+    tier = str(tmp_path / "tier")
+    with pytest.raises(ckpt.CkptError, match="of run 'run' of this store, not of run 'other-run'") as e:
+        ckpt.CheckpointManager(durable, "other-run", local=tier)
+    assert f"local={tier} is the local tier" in str(e.value) and f"rm -r {tier}" in e.value.hint
+    assert "local=ANOTHER_PATH" in e.value.hint
+    with pytest.raises(ckpt.CkptError, match="of run 'run' of another store") as e:  # the tier of another durable store
+        ckpt.CheckpointManager(str(tmp_path / "d2"), "run", local=tier)
+    d2 = ckpt.Store.open(str(tmp_path / "d2"))
+    assert f"not of {d2.url} (id {d2.config.store_id[:12]})" in str(e.value) and f"rm -r {tier}" in e.value.hint
+    assert durable.config.store_id[:12] in str(e.value)
     with ckpt.CheckpointManager(durable, "run", local=str(tmp_path / "tier")) as mgr:  # its own run: resumes
         assert mgr.restore_latest(_tiny_state()[1]) == 1 and mgr.last_restore["local"] > 0
 
@@ -925,9 +933,11 @@ def test_a_run_kept_by_a_group_and_by_one_process_on_a_node_is_refused_clearly(t
     tier.close()
 
 
-def test_the_default_tier_of_a_store_made_anew_is_emptied_not_resumed(tmp_path, monkeypatch):
-    """`rm -rf runs` and start again: the default tier (keyed by the store's URL and the run) holds
-    the old store's snapshots. They are dropped with a warning, never resumed from."""
+def test_the_default_tier_of_a_store_made_anew_is_not_resumed(tmp_path, monkeypatch):
+    """`rm -rf runs` and start again: the old store's default tier holds its snapshots. The new store (another
+    id at the same URL) has a tier of its own (the key names the store's id), so they are never resumed from;
+    the old tier is left as it was, not emptied (a store made anew because the real one was not mounted yet
+    would otherwise have emptied the real one's tier)."""
     monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "shm"))
     _, state = _tiny_state()
     with ckpt.CheckpointManager(str(tmp_path / "runs"), "run", local=True, local_every_n_steps=1) as mgr:
@@ -936,11 +946,15 @@ def test_the_default_tier_of_a_store_made_anew_is_emptied_not_resumed(tmp_path, 
     import shutil
 
     shutil.rmtree(tmp_path / "runs")
-    with pytest.warns(ckpt.TierWarning, match="another store"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ckpt.TierWarning)  # (nothing emptied: no warning of it)
         mgr = ckpt.CheckpointManager(str(tmp_path / "runs"), "run", local=True, local_every_n_steps=1)
     with mgr:
-        assert mgr.local_tier.path == old and mgr.local_tier.steps == []
+        assert mgr.local_tier.path != old and mgr.local_tier.steps == []
         assert mgr.restore_latest(_tiny_state()[1]) is None
+    tier = LocalTier(old, "run")
+    assert tier.steps() == [510] and tier.store.verify().ok
+    tier.close()
 
 
 def test_the_default_tiers_folder_must_be_the_users_own(tmp_path, monkeypatch):

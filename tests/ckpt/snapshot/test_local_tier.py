@@ -1,0 +1,247 @@
+"""The local tier's own rules (ckpt/snapshot/local_tier.py, local_paths.py): whose tier a default path is, what
+a tier refuses and says, and a save that cannot fit. Real S3 servers, a real tmpfs, a real model and optimizer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+import uuid
+import warnings
+
+import pytest
+import torch
+
+import ckpt
+
+
+def _train(mgr, steps, seed=0):
+    """A real model and AdamW, one step each of ``steps``, each saved by ``mgr``; the parameters' bytes."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": opt, "step": 0}
+    for step in steps:
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] = step
+        mgr.save(step, state)
+    mgr.wait()
+    return {k: v.numpy().tobytes() for k, v in model.state_dict().items()}
+
+
+def _fresh():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    return model, {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-3), "step": 0}
+
+
+def test_one_bucket_on_two_endpoints_has_two_default_tiers(tmp_path, monkeypatch, s3_servers):
+    """s3://BUCKET/store on two S3 servers is two stores. The default tier's key hashed the URL alone: both
+    runs got one tier, and the second manager emptied the first one's as another store's (so the first run's
+    restart found nothing local). Each has its own tier now; the first restarts from its tier, zero bytes
+    read from its durable store."""
+    from s3support import KEY, SECRET, client, start_server
+
+    monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "shm"))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    first = s3_servers.get("moto")
+    (tmp_path / "second").mkdir()
+    second = start_server("moto", tmp_path / "second")
+    try:
+        bucket = f"t-{uuid.uuid4().hex[:16]}"
+        for server in (first, second):
+            client(server.endpoint).create_bucket(Bucket=bucket)
+        url = f"s3://{bucket}/store"
+        stores = [ckpt.Store.init(url, storage_options=s.options()) for s in (first, second)]
+        with ckpt.CheckpointManager(stores[0], "run", every_n_steps=100, local=True, local_every_n_steps=1) as mgr:
+            want = _train(mgr, [1, 2])
+            path_a = mgr.local_tier.path
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)  # (the first one's tier is not emptied: no warning)
+            mgr = ckpt.CheckpointManager(stores[1], "run", every_n_steps=100, local=True, local_every_n_steps=1)
+        with mgr:
+            _train(mgr, [1], seed=1)
+            assert mgr.local_tier.path != path_a and mgr.local_tier.steps == [1]
+        with ckpt.CheckpointManager(stores[0], "run", every_n_steps=100, local=True) as mgr:
+            model, state = _fresh()
+            assert mgr.restore_latest(state) == 2
+            assert mgr.last_restore["store"] == 0 and mgr.last_restore["local"] > 0
+            assert {k: v.numpy().tobytes() for k, v in model.state_dict().items()} == want
+            assert mgr.local_tier.path == path_a
+    finally:
+        second.stop()
+
+
+class _Peak:
+    """The most bytes in use on the filesystem of ``path`` while the block runs (polled every 0.2 ms)."""
+
+    def __init__(self, path):
+        self.path, self.most, self._stop = path, 0, threading.Event()
+
+    def used(self):
+        st = os.statvfs(self.path)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def _watch(self):
+        while not self._stop.is_set():
+            self.most = max(self.most, self.used())
+            time.sleep(0.0002)
+
+    def __enter__(self):
+        self.before = self.most = self.used()
+        self._thread = threading.Thread(target=self._watch)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def _model(width, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, width))
+    return model, {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-3), "step": 0}
+
+
+def _step(state, step):
+    model, opt = state["model"], state["optim"]
+    model(torch.randn(4, model[0].in_features)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    state["step"] = step
+
+
+def test_a_save_that_cannot_fit_the_tier_is_refused_before_it_writes(tmp_path, tmpfs):
+    """A 64 MiB tmpfs holds one 39 MiB snapshot (model + AdamW), not two. The save of step 2 wrote into it until it
+    was full (64 MiB: a shared /dev/shm's other tenants then fail too), failed and freed it. It is refused before a
+    byte is written now, with the tier's warning; training goes on, the snapshot due to the durable store lands
+    there, and the next local save makes room as before (step 3 restored from the tier, bit-exact)."""
+    shm = tmpfs(tmp_path / "shm", "64m")
+    model, state = _model(1300)  # 2 x 1300^2 fp32 weights (+ biases), x 3 with AdamW's moments: ~39 MiB
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=2, local=f"{shm}/tier",
+                                local_every_n_steps=1) as mgr:
+        _step(state, 1)
+        mgr.save(1, state)
+        mgr.wait()
+        assert mgr.local_tier.steps == [1]
+        _step(state, 2)
+        with pytest.warns(ckpt.TierWarning, match="step 2 not saved .*the disk is full for this snapshot.*nothing written"):
+            with _Peak(shm) as peak:
+                mgr.save(2, state)
+                mgr.wait()
+        assert peak.most - peak.before < 1 << 20, (peak.before, peak.most)  # (it was 64 MiB: the whole tmpfs)
+        assert mgr.local_tier.steps == [1] and mgr.steps() == [2] and mgr.last_save.tier == "store"
+        _step(state, 3)
+        with pytest.warns(ckpt.TierWarning, match="dropped step.s. 1 to make room for step 3"):
+            mgr.save(3, state)
+            mgr.wait()
+        assert mgr.local_tier.steps == [3]
+        want = {k: v.numpy().tobytes() for k, v in model.state_dict().items()}
+    fresh, state2 = _model(1300, seed=1)
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=2, local=f"{shm}/tier") as mgr:
+        assert mgr.restore_latest(state2) == 3 and mgr.last_restore["store"] == 0
+    assert {k: v.numpy().tobytes() for k, v in fresh.state_dict().items()} == want
+    assert ckpt.Store.open(f"{shm}/tier").verify().ok and ckpt.Store.open(str(tmp_path / "durable")).verify().ok
+
+
+def test_a_save_that_fits_once_older_snapshots_go_drops_them_first_never_the_newest(tmp_path, tmpfs):
+    """A 64 MiB tmpfs holds two 24 MiB snapshots, not three; local_keep=3. The save of step 3 ran out of space
+    partway and failed (the tier kept 1 and 2). Now it drops step 1 first, as few as make the room, never the
+    newest (2), and lands."""
+    shm = tmpfs(tmp_path / "shm", "64m")
+    model, state = _model(1024)  # ~24 MiB with AdamW
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1, local_keep=3) as mgr:
+        kept = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)  # (no save fails)
+            for step in (1, 2, 3, 4):
+                _step(state, step)
+                mgr.save(step, state, persist=False)
+                mgr.wait()
+                kept.append(mgr.local_tier.steps)
+        assert kept == [[1], [1, 2], [2, 3], [3, 4]]
+        want = {k: v.numpy().tobytes() for k, v in model.state_dict().items()}
+    fresh, state2 = _model(1024, seed=1)
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        assert mgr.restore_latest(state2) == 4 and mgr.last_restore["store"] == 0
+    assert {k: v.numpy().tobytes() for k, v in fresh.state_dict().items()} == want
+
+
+def test_the_tier_bounds_hold_while_a_save_is_written(tmp_path, tmpfs):
+    """local_keep=2 (and local_max_bytes) held only after each save: the save of step 3 was written beside steps
+    1 and 2, three 24 MiB snapshots in the tier's memory at once, then 1 went. The save now drops what the bounds
+    will drop before it writes (never the newest before it, the snapshot a restart takes until it lands). With
+    local_keep=1 the newest and the new one are both held while it is written (measured, as documented). A save
+    of an earlier step (the run went back) keeps the snapshot it continues from."""
+    shm = tmpfs(tmp_path / "shm", "128m")
+    model, state = _model(1024)  # ~24 MiB with AdamW, every chunk changed by each step
+    one = None
+    for bounds, most in ((dict(local_keep=2), 2), (dict(local_keep=9, local_max_bytes=60 << 20), 2), (dict(local_keep=1), 2)):
+        tier = f"{shm}/tier-{len(str(bounds))}"
+        with ckpt.CheckpointManager(str(tmp_path / f"d-{len(str(bounds))}"), "run", every_n_steps=100, local=tier,
+                                    local_every_n_steps=1, **bounds) as mgr:
+            peaks, kept = [], []
+            for step in (1, 2, 3, 4):
+                _step(state, step)
+                with _Peak(shm) as peak:
+                    mgr.save(step, state, persist=False)
+                    mgr.wait()
+                peaks.append(peak.most)
+                kept.append(mgr.local_tier.steps)
+                one = one or mgr.local_tier.bytes
+            assert kept[-1] == ([4] if bounds.get("local_keep") == 1 else [3, 4]), (bounds, kept)
+            assert max(peaks) < most * one + (1 << 20), (bounds, [p / 2**20 for p in peaks], one / 2**20)
+            if bounds.get("local_max_bytes"):
+                assert max(peaks) <= bounds["local_max_bytes"]
+        shutil.rmtree(tier)
+
+    # the run goes back to step 2 (local_keep=2: the tier holds 2 and 4): the save of 3 drops neither before it writes
+    with ckpt.CheckpointManager(str(tmp_path / "back"), "run", every_n_steps=100, local=f"{shm}/back",
+                                local_every_n_steps=1) as mgr:
+        for step in (2, 4):
+            _step(state, step)
+            mgr.save(step, state, persist=False)
+        mgr.wait()
+        assert mgr.restore(state, 2) == 2
+        _step(state, 3)
+        mgr.save(3, state, persist=False)
+        mgr.wait()
+        assert mgr.local_tier.steps == [2, 3]
+
+
+def test_a_frozen_base_found_unchanged_by_hash_is_not_counted_against_the_room(tmp_path, tmpfs):
+    """unchanged_by="hash" (as with a fused optimizer, or after a restore) stages every tensor, the frozen ones
+    too, and finds their chunks unchanged by hash. Counted as written, a 40 MB frozen base on a 64 MiB tmpfs
+    refused every save after the first (the bound said 40 MB more, 24 MiB free) though each adds only the
+    trained layer's bytes: only tensors known changed are counted, and the saves land."""
+    shm = tmpfs(tmp_path / "shm", "64m")
+    torch.manual_seed(0)
+    base = torch.nn.Linear(5000, 2000, bias=False).requires_grad_(False)  # 40 MB, frozen
+    head = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    state = {"base": base, "head": head, "optim": opt, "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1, unchanged_by="hash") as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)
+            for step in (1, 2, 3):
+                head(torch.randn(4, 64)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                state["step"] = step
+                mgr.save(step, state, persist=False)
+                mgr.wait()
+        assert mgr.local_tier.steps == [2, 3]
+        want = {k: v.numpy().tobytes() for k, v in head.state_dict().items()}
+    head2 = torch.nn.Linear(64, 64)
+    base2 = torch.nn.Linear(5000, 2000, bias=False)
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        assert mgr.restore_latest({"base": base2, "head": head2, "optim": torch.optim.AdamW(head2.parameters()),
+                                   "step": 0}) == 3
+    assert {k: v.numpy().tobytes() for k, v in head2.state_dict().items()} == want
+    assert base2.weight.detach().numpy().tobytes() == base.weight.numpy().tobytes()
