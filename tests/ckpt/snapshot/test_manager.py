@@ -381,6 +381,7 @@ def test_a_step_ref_spelled_with_leading_zeros_is_no_step(tmp_path):
     as step 7, which restore(7) could not find (it reads RUN/step-7), and the web view's run page showed it
     as step 7, one row with RUN/step-7 where both exist. A step's ref is the manager's spelling alone."""
     from ckpt_store.cli.web.data import StoreView
+    from ckpt_store.cli.web.runs import run_doc
 
     url = str(tmp_path / "s")
     with ckpt.CheckpointManager(url, "run", save_mode="sync") as mgr:
@@ -393,7 +394,7 @@ def test_a_step_ref_spelled_with_leading_zeros_is_no_step(tmp_path):
     with ckpt.CheckpointManager(url, "run", save_mode="sync", keep_last=1) as mgr:
         assert mgr.steps() == [1]
         mgr.save(8, {"w": torch.ones(2)})
-    rows = StoreView(store).run("run")["snapshots"]
+    rows = run_doc(StoreView(store), "run")["snapshots"]
     assert [(r["step"], r["ref"], r["live"]) for r in rows] == [(1, "run/step-1", False), (7, "run/step-7", False),
                                                                (8, "run/step-8", True)]
     assert sorted(store.refs()) == ["run/latest", "run/step-007", "run/step-01", "run/step-8"]
