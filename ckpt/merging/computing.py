@@ -36,11 +36,15 @@ def _inputs_themselves(step: Step, xs: list[torch.Tensor]) -> bool:
 class LazyTensor:
     """The bytes of one output tensor, computed on the first read of any of its chunks
     and dropped after the last one is handed out. ``gate`` lets one tensor be computed
-    at a time, which bounds memory whatever the number of push workers."""
+    at a time, which bounds memory whatever the number of push workers. One is held per output tensor
+    for the whole push: slots, no dict of small chunks until one is kept, and the computation (a
+    closure over the step) dropped once done."""
+
+    __slots__ = ("_compute", "_left", "_gate", "_lock", "_view", "_keep_small", "_kept", "_small")
 
     def __init__(self, compute: Callable[[], torch.Tensor], chunks: int, gate: threading.Lock, keep_small: int = 0,
                  kept: SmallKept | None = None) -> None:
-        self._compute = compute
+        self._compute: Callable[[], torch.Tensor] | None = compute
         self._left = chunks
         self._gate = gate
         self._lock = threading.Lock()
@@ -49,21 +53,24 @@ class LazyTensor:
         # are stored, to bundle them: those are kept (they are copied into the bundle anyway).
         self._keep_small = keep_small
         self._kept = kept
-        self._small: dict[int, bytes] = {}
+        self._small: dict[int, bytes] | None = None
 
     def read(self, offset: int, length: int) -> bytes | memoryview:
         with self._lock:
             if self._view is None:
-                if self._left <= 0:  # read again after the last chunk: only the bundle does that
-                    return self._small.get(offset, b"")  # (a chunk not kept is left out of the bundle)
+                if self._left <= 0 or self._compute is None:  # read again after the last chunk: only the bundle does that
+                    # (a chunk not kept is left out of the bundle)
+                    return self._small.get(offset, b"") if self._small is not None else b""
                 with self._gate:
                     self._view = byte_view(self._compute()).toreadonly()  # private: the push need not copy it
             out = self._view[offset : offset + length]  # keeps the tensor alive until encoded
             if length <= self._keep_small and (self._kept is None or self._kept.take(length)):
+                if self._small is None:
+                    self._small = {}
                 self._small[offset] = bytes(out)
             self._left -= 1
-            if self._left == 0:
-                self._view = None
+            if self._left <= 0:
+                self._view = self._compute = None
             return out
 
 
