@@ -86,6 +86,7 @@ def merge(
     weights: Annotated[Optional[str], typer.Option("--weights", "-w", metavar="W1,W2,...", help="Shorthand for -p weights=W1,W2,...: one per REF.")] = None,
     fill_from_base: Annotated[bool, typer.Option("--fill-from-base", help="Take tensors missing from some input from --base instead of failing.")] = False,
     new_tensors: Annotated[str, typer.Option("--new-tensors", metavar="MODE", help="Tensors the base lacks (a classification head the fine-tunes added), or that some inputs lack and the base cannot fill: 'error' (default) or 'average' (the plain average of the inputs that have them).")] = "error",
+    overflow: Annotated[str, typer.Option("--overflow", metavar="MODE", help="float8 tensors (e4m3fn, e4m3fnuz, e5m2fnuz: no infinity) whose merged values fall past the dtype's range: 'error' (default: the merge stops, naming the tensor, and writes no ref) or 'saturate' (clip them to the dtype's largest, ±448 for e4m3fn, with a warning naming each tensor).")] = "error",
     message: Annotated[Optional[str], typer.Option("--message", "-m", metavar="MSG", help="Note stored with the checkpoint.")] = None,
     list_methods: Annotated[bool, typer.Option("--list-methods", help="List the merge methods and their parameters, then exit.")] = False,
     as_json: JsonOpt = False,
@@ -93,7 +94,8 @@ def merge(
     """Merge checkpoints tensor by tensor into a new checkpoint NAME (-o).
 
     Parameters are checked before any work. The math runs in float32 (float64 for
-    float64 tensors) and is cast back; one tensor at a time is held per input (or a
+    float64 tensors) and is cast back (float8 values past the dtype's range: see
+    --overflow); one tensor at a time is held per input (or a
     batch of small ones, up to 1 MiB per input, read together). The
     result dedups and delta-encodes like any push; `ckpt show NAME` prints its
     lineage: inputs, method and every parameter value.
@@ -132,7 +134,7 @@ def merge(
 
     store = open_store()
     r = run_merge(refs, method, name=output, store=store, params=params, base=base, missing="base" if fill_from_base else "error",
-                  new_tensors=new_tensors, message=message, progress=RichProgress())
+                  new_tensors=new_tensors, message=message, progress=RichProgress(), overflow=overflow)
     emit({"id": r.id, "ref": output, "method": r.method, "params": r.params, "inputs": list(r.inputs),
            "base": r.base, "merged_tensors": r.merged, "reused_tensors": r.reused, "from_base": list(r.from_base),
            "averaged": list(r.averaged), "files": list(r.files), "new_chunks": r.new_chunks, "written_bytes": r.written_bytes,

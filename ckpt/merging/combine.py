@@ -64,7 +64,7 @@ from ckpt.errors import InvalidMergeError, InvalidSourceError
 from ckpt.format.dtypes import bit_identical, from_torch
 from ckpt.format.entries import TensorEntry, chunk_count
 from ckpt.merging.calls import positionals
-from ckpt.merging.computing import BatchedInputs, LazyTensor, SmallKept, step_computation, step_sources
+from ckpt.merging.computing import OVERFLOW, BatchedInputs, LazyTensor, SmallKept, cast_back, step_computation, step_sources
 from ckpt.merging.methods import MethodRegistry, default_registry
 from ckpt.merging.planning import FLOAT_DTYPES, cannot_merge, check_one_model, check_whole_tensors, plan_steps
 from ckpt.progress import Progress
@@ -137,7 +137,7 @@ def _carried(reader: CheckpointReader, weights_file: str) -> list[Any]:
 def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str | None, store: Store | None = None,
           params: Mapping[str, Any] | None = None, base: str | None = None, missing: str = "error",
           new_tensors: str = "error", message: str | None = None, metadata: dict[str, Any] | None = None,
-          registry: MethodRegistry | None = None, progress: Progress | None = None,
+          registry: MethodRegistry | None = None, progress: Progress | None = None, overflow: str = "error",
           _remix: dict[str, Any] | None = None, _pinned: Sequence[str] | None = None) -> MergeResult:
     """Merge checkpoints ``inputs`` (refs) with ``method`` and store the result as ``name``.
 
@@ -147,7 +147,10 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     ``missing="base"``, tensors absent from some input are taken from it. With
     ``new_tensors="average"``, a tensor the base lacks (a classification head the
     fine-tunes added) or that some inputs lack and the base cannot supply is the plain
-    average of the inputs that hold it; by default it is an error naming it. Raises
+    average of the inputs that hold it; by default it is an error naming it. A float8 tensor
+    (e4m3fn, e4m3fnuz, e5m2fnuz: no infinity) whose merged values fall past its range is an
+    :class:`InvalidMergeError` naming it, raised when it is computed (no ref is written), or with
+    ``overflow="saturate"`` clipped to ± the dtype's largest, with a warning naming it. Raises
     :class:`InvalidMergeError` for an unknown method, a bad parameter, a wrong number of
     inputs, tensors that do not line up (names, dtypes, shapes) or are stored as the shards
     of a distributed checkpoint — all before any tensor data is read —, :class:`TensorMismatchError`
@@ -166,6 +169,8 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
         raise InvalidMergeError(f"missing must be one of {', '.join(MISSING)}, got {missing!r}")
     if new_tensors not in NEW_TENSORS:
         raise InvalidMergeError(f"new_tensors must be one of {', '.join(NEW_TENSORS)}, got {new_tensors!r}")
+    if overflow not in OVERFLOW:
+        raise InvalidMergeError(f"overflow must be one of {', '.join(OVERFLOW)}, got {overflow!r}")
     if missing == "base" and base is None:
         raise InvalidMergeError("taking missing tensors from the base needs a base", hint="pass --base REF")
     if name is not None:
@@ -200,7 +205,7 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
         if s.reuse is not None and s.reuse[0].manifest.chunk_size == cs:
             reuse[t.name] = s.reuse[1]
         else:
-            t.src = LazyTensor(step_computation(s, m, bound, readers, base_reader, reads), chunk_count(s.nbytes, cs), gate,
+            t.src = LazyTensor(step_computation(s, m, bound, readers, base_reader, reads, overflow), chunk_count(s.nbytes, cs), gate,
                                keep_small, kept)
     merged = sum(1 for s in steps if s.reuse is None and s.average is None)
     from_base = tuple(s.name for s in steps if s.reuse is not None and s.reuse[0] is base_reader and base_reader is not None
@@ -219,6 +224,8 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     }
     if averaged:  # recorded only when used: earlier merges' lineage (and ids) stay as they were
         record["new_tensors"] = {"mode": new_tensors, "averaged": list(averaged)}
+    if overflow != "error":  # recorded only when asked for, as above
+        record["overflow"] = overflow
     if carried:  # recorded only when used, as above
         record["files"] = {"from": readers[0].id, "paths": [f.path for f in carried]}
     if _remix is not None:
@@ -248,11 +255,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str = "linear", *,
                       params: Mapping[str, Any] | None = None, base: Mapping[str, torch.Tensor] | None = None,
-                      registry: MethodRegistry | None = None, new_tensors: str = "error") -> dict[str, torch.Tensor]:
+                      registry: MethodRegistry | None = None, new_tensors: str = "error",
+                      overflow: str = "error") -> dict[str, torch.Tensor]:
     """The same math on in-memory state dicts (same names, dtypes and shapes everywhere): no store involved.
 
     A tensor ``base`` lacks (for a method that uses it) is an error, or with
-    ``new_tensors="average"`` the plain average of the inputs, as in :func:`merge`.
+    ``new_tensors="average"`` the plain average of the inputs, as in :func:`merge`; so is
+    ``overflow`` (float8 values past the dtype's range).
 
     >>> import torch
     >>> merge_state_dicts([{"w": torch.tensor([1.0])}, {"w": torch.tensor([2.0])}])["w"].tolist()
@@ -262,6 +271,8 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
 
     m = (registry or default_registry()).get(method)
     bound = m.bind(params, len(inputs), base is not None)
+    if overflow not in OVERFLOW:
+        raise InvalidMergeError(f"overflow must be one of {', '.join(OVERFLOW)}, got {overflow!r}")
     for i, sd in enumerate(inputs[1:], 1):  # a tensor of one input only was dropped, or a KeyError
         odd = sorted(set(sd).symmetric_difference(inputs[0]))
         if odd:
@@ -291,7 +302,7 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
             acc = xs[0].to(cd, copy=True)
             for x in xs[1:]:
                 acc.add_(x.to(cd))
-            out[name] = acc.div_(len(xs)).to(first.dtype)
+            out[name] = cast_back(acc.div_(len(xs)), dtype, name, overflow)
             continue
         b = base[name] if base is not None and m.needs_base else None
         if m.identity(bound) and all(bit_identical(x, first) for x in xs[1:] + ([b] if b is not None else [])):
@@ -300,5 +311,5 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
         cd = torch.float64 if first.dtype == torch.float64 else torch.float32
         b = b.to(cd, copy=True) if b is not None else None
         with torch.no_grad():
-            out[name] = m.combine([x.to(cd, copy=True) for x in xs], b, bound, name).to(first.dtype)
+            out[name] = cast_back(m.combine([x.to(cd, copy=True) for x in xs], b, bound, name), dtype, name, overflow)
     return out

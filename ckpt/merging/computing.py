@@ -4,6 +4,8 @@ in batches of small tensors, and dropped once its last chunk is handed on (memor
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -18,6 +20,37 @@ if TYPE_CHECKING:
     import torch
 
     from ckpt.store.reader import CheckpointReader
+
+log = logging.getLogger(__name__)
+
+# Floating-point dtypes without an infinity: a merged value past their range has no value to become.
+# torch's cast makes it NaN (float8 e4m3fnuz, e5m2fnuz) or clips it (e4m3fn, on CPU since some
+# version: earlier ones gave NaN), silently either way.
+NO_INFINITY = ("F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
+OVERFLOW = ("error", "saturate")
+
+
+def cast_back(x: torch.Tensor, dtype: str, name: str, overflow: str = "error") -> torch.Tensor:
+    """Merged tensor ``x`` (in the compute dtype) cast to the inputs' ``dtype``. Where ``dtype`` has no
+    infinity, values that round past its largest (inf included; NaN is NaN, as in every dtype) are
+    refused with :class:`InvalidMergeError` naming the tensor, or with ``overflow="saturate"``
+    clipped to ± its largest, with a warning naming the tensor."""
+    import torch
+
+    target = to_torch(dtype)
+    if dtype in NO_INFINITY and x.numel():
+        fi = torch.finfo(target)
+        limit = fi.max + fi.eps * 2.0 ** math.floor(math.log2(fi.max)) / 2  # half an ulp past the largest
+        if bool(x.amax() >= limit) or bool(x.amin() <= -limit):  # (no tensor-sized scratch unless past)
+            count = int(x.ge(limit).logical_or_(x.le(-limit)).sum())
+            what = f"{name}: {count} merged value{'s' if count > 1 else ''} past {dtype}'s range (±{fi.max:g}), which has no infinity"
+            if overflow != "saturate":
+                raise InvalidMergeError(f"{what}: cast back, torch makes them NaN or clips them",
+                                        hint=f"pass --overflow saturate (overflow=\"saturate\") to clip them to ±{fi.max:g}, "
+                                        "or lower the weights (or lambda)")
+            log.warning("%s: clipped to ±%g (overflow=saturate)", what, fi.max)
+            x = x.clamp_(-fi.max, fi.max)
+    return x.to(target)
 
 
 def _inputs_themselves(step: Step, xs: list[torch.Tensor]) -> bool:
@@ -36,11 +69,15 @@ def _inputs_themselves(step: Step, xs: list[torch.Tensor]) -> bool:
 class LazyTensor:
     """The bytes of one output tensor, computed on the first read of any of its chunks
     and dropped after the last one is handed out. ``gate`` lets one tensor be computed
-    at a time, which bounds memory whatever the number of push workers."""
+    at a time, which bounds memory whatever the number of push workers. One is held per output tensor
+    for the whole push: slots, no dict of small chunks until one is kept, and the computation (a
+    closure over the step) dropped once done."""
+
+    __slots__ = ("_compute", "_left", "_gate", "_lock", "_view", "_keep_small", "_kept", "_small")
 
     def __init__(self, compute: Callable[[], torch.Tensor], chunks: int, gate: threading.Lock, keep_small: int = 0,
                  kept: SmallKept | None = None) -> None:
-        self._compute = compute
+        self._compute: Callable[[], torch.Tensor] | None = compute
         self._left = chunks
         self._gate = gate
         self._lock = threading.Lock()
@@ -49,21 +86,24 @@ class LazyTensor:
         # are stored, to bundle them: those are kept (they are copied into the bundle anyway).
         self._keep_small = keep_small
         self._kept = kept
-        self._small: dict[int, bytes] = {}
+        self._small: dict[int, bytes] | None = None
 
     def read(self, offset: int, length: int) -> bytes | memoryview:
         with self._lock:
             if self._view is None:
-                if self._left <= 0:  # read again after the last chunk: only the bundle does that
-                    return self._small.get(offset, b"")  # (a chunk not kept is left out of the bundle)
+                if self._left <= 0 or self._compute is None:  # read again after the last chunk: only the bundle does that
+                    # (a chunk not kept is left out of the bundle)
+                    return self._small.get(offset, b"") if self._small is not None else b""
                 with self._gate:
                     self._view = byte_view(self._compute()).toreadonly()  # private: the push need not copy it
             out = self._view[offset : offset + length]  # keeps the tensor alive until encoded
             if length <= self._keep_small and (self._kept is None or self._kept.take(length)):
+                if self._small is None:
+                    self._small = {}
                 self._small[offset] = bytes(out)
             self._left -= 1
-            if self._left == 0:
-                self._view = None
+            if self._left <= 0:
+                self._view = self._compute = None
             return out
 
 
@@ -184,8 +224,9 @@ def step_sources(method: MergeMethod, readers: list[CheckpointReader], base: Che
 
 
 def step_computation(step: Step, method: MergeMethod, params: Mapping[str, Any], readers: list[CheckpointReader],
-                     base: CheckpointReader | None, reads: BatchedInputs) -> Callable[[], torch.Tensor]:
-    """The function that computes ``step``'s output tensor when its first chunk is read."""
+                     base: CheckpointReader | None, reads: BatchedInputs, overflow: str = "error") -> Callable[[], torch.Tensor]:
+    """The function that computes ``step``'s output tensor when its first chunk is read (``overflow``:
+    see :func:`cast_back`)."""
     identity = method.identity(params)
 
     def compute() -> torch.Tensor:
@@ -203,7 +244,7 @@ def step_computation(step: Step, method: MergeMethod, params: Mapping[str, Any],
             for x in xs[1:]:
                 acc.add_(x.to(cd))
             del xs
-            return acc.div_(len(step.average)).to(to_torch(step.dtype)).contiguous()
+            return cast_back(acc.div_(len(step.average)), step.dtype, step.name, overflow).contiguous()
         xs = reads.read(step)  # (the base too, where the method has one: see step_sources)
         if (identity or step.dtype not in FLOAT_DTYPES) and _inputs_themselves(step, xs):
             return xs[0]
@@ -213,7 +254,7 @@ def step_computation(step: Step, method: MergeMethod, params: Mapping[str, Any],
         with torch.no_grad():
             out = method.combine(xs, b, params, step.name)
         del xs, b
-        out = out.to(to_torch(step.dtype)).contiguous()
+        out = cast_back(out, step.dtype, step.name, overflow).contiguous()
         _trim()
         return out
 

@@ -27,7 +27,9 @@ Summation order (it fixes every rounding, so results are reproducible bit for bi
 * ``slerp``: ``out = c_0·x_0 + c_1·x_1`` with ``c_0 = sin((1−t)Ω)/sin Ω``,
   ``c_1 = sin(tΩ)/sin Ω``, Ω the angle between the flattened tensors (float64
   dot products); linear interpolation when ``sin Ω < 1e-6`` or a norm is 0;
-  ``t = 0`` / ``t = 1`` return ``x_0`` / ``x_1`` unchanged.
+  ``t = 0`` / ``t = 1`` return ``x_0`` / ``x_1`` unchanged. Ω is taken over the elements finite in
+  both inputs: a NaN or inf stays NaN or inf in the result at its element (as in the other
+  methods) and the rest is slerp, not a linear interpolation for want of an angle.
 """
 
 from __future__ import annotations
@@ -151,15 +153,19 @@ def merge_dare(xs: list[torch.Tensor], base: torch.Tensor | None, p: Mapping[str
 
 
 def _dots(a: torch.Tensor, b: torch.Tensor, block: int = 1 << 16, scale: float = 1.0) -> tuple[float, float, float]:
-    """(a·a, b·b, a·b) in float64, over small blocks (little scratch memory); of ``a`` and ``b``
-    times ``scale``, a power of two, where float64 values past 1.3e154 overflow them (slerp needs
-    their ratios only: at any scale, the same)."""
+    """(a·a, b·b, a·b) in float64 over the elements finite in both, over small blocks (little
+    scratch memory); of ``a`` and ``b`` times ``scale``, a power of two, where float64 values past
+    1.3e154 overflow them (slerp needs their ratios only: at any scale, the same)."""
     import torch
 
     fa, fb = a.reshape(-1), b.reshape(-1)
     aa, bb, ab = [], [], []
     for i in range(0, fa.numel(), block):
-        x, y = fa[i : i + block].double(), fb[i : i + block].double()
+        x, y = fa[i : i + block].double(), fb[i : i + block].double()  # (copies)
+        odd = x.isfinite().logical_and_(y.isfinite()).logical_not_()
+        if bool(odd.any()):  # a NaN or inf has no angle: one dot product of NaN made every element linear
+            x.masked_fill_(odd, 0.0)
+            y.masked_fill_(odd, 0.0)
         if scale != 1.0:
             x, y = x * scale, y * scale
         aa.append(float(torch.dot(x, x)))
@@ -169,7 +175,7 @@ def _dots(a: torch.Tensor, b: torch.Tensor, block: int = 1 << 16, scale: float =
         dots = math.fsum(aa), math.fsum(bb), math.fsum(ab)
     except OverflowError:  # (fsum of sums each in range, their total not)
         dots = (math.inf,) * 3
-    if scale == 1.0 and not all(map(math.isfinite, dots)) and bool(torch.isfinite(fa).all() and torch.isfinite(fb).all()):
+    if scale == 1.0 and not all(map(math.isfinite, dots)):
         return _dots(a, b, block, 2.0**-600)  # finite values whose squares overflow (an angle of NaN: no slerp)
     return dots
 

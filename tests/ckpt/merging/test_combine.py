@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -649,3 +650,48 @@ def test_a_merge_tries_a_damaged_bundle_once_not_once_per_batch(s3_main_url, cap
     want = merge_state_dicts([a, b], "linear")
     got = store.load("m")
     assert {k: bits(v) for k, v in got.items()} == {k: bits(v) for k, v in want.items()}
+
+
+def test_float8_values_past_the_range_are_refused_or_saturated_never_nan(store, monkeypatch, capsys, caplog):
+    """float8 e4m3fn, e4m3fnuz and e5m2fnuz have no infinity: a merged value past their range was cast
+    back by torch to NaN (fnuz; e4m3fn in earlier torch) or clipped to the largest (e4m3fn here),
+    silently either way. The merge now stops, naming the tensor, before any ref is written, unless
+    overflow="saturate" (--overflow saturate) clips such values, with a warning naming the tensor."""
+    from ckpt_store.cli.main import main
+
+    base = torch.tensor([0.0, 1.0, 400.0, -400.0, 2.0, 448.0])
+    ft = torch.tensor([0.0, 1.5, 440.0, -440.0, 2.0, 448.0])  # task vector 40 at [2], [3]: x3 passes 448
+    nan_in = torch.tensor([math.nan, 0.5, 0.0, 0.0, 1.0, 0.0])
+    for dtype, top in ((torch.float8_e4m3fn, 448.0), (torch.float8_e4m3fnuz, 240.0), (torch.float8_e5m2fnuz, 57344.0)):
+        name = str(dtype).removeprefix("torch.")
+        b, f = (base * top / 448).to(dtype), (ft * top / 448).to(dtype)
+        store.push({"w": b, "n": nan_in.to(dtype)}, f"f8/{name}/base")
+        store.push({"w": f, "n": (nan_in + 1).to(dtype)}, f"f8/{name}/ft")
+        args = ([f"f8/{name}/ft"], "task-arithmetic")
+        kw = {"params": {"weights": [3.0]}, "base": f"f8/{name}/base", "store": store}
+        with pytest.raises(InvalidMergeError, match=rf"^w: 2 merged values past F8_\w+'s range \(±{top:g}\)") as e:
+            ckpt.merge(*args, name=f"f8/{name}/out", **kw)
+        assert "--overflow saturate" in (e.value.hint or "")
+        with pytest.raises(RefNotFoundError):
+            store.resolve(f"f8/{name}/out")
+        with caplog.at_level("WARNING", logger="ckpt.merging.computing"):
+            ckpt.merge(*args, name=f"f8/{name}/out", overflow="saturate", **kw)
+        assert any("w: 2 merged values" in r.getMessage() for r in caplog.records)
+        assert "n:" not in caplog.text  # (a NaN is NaN, as in every dtype: no overflow)
+        got = store.load(f"f8/{name}/out")
+        # base + 3 x (ft - base), in float32, each clipped to ±top, then cast: bytes compared
+        want = (b.float() + (f.float() - b.float()) * 3).clamp(-top, top).to(dtype)
+        assert bits(got["w"]) == bits(want) and torch.tensor([top, -top]).to(dtype).view(torch.uint8).tolist() == \
+            got["w"].view(torch.uint8)[2:4].tolist()
+        assert store.manifest(f"f8/{name}/out").lineage["merge"]["overflow"] == "saturate"
+        sd = merge_state_dicts([{"w": f}], "task-arithmetic", params={"weights": [3.0]}, base={"w": b}, overflow="saturate")
+        assert bits(sd["w"]) == bits(want)
+        with pytest.raises(InvalidMergeError, match="past"):
+            merge_state_dicts([{"w": f}], "task-arithmetic", params={"weights": [3.0]}, base={"w": b})
+    monkeypatch.setenv("CKPT_STORE", store.url)
+    for extra, code in (((), 1), (("--overflow", "saturate"), 0)):
+        with pytest.raises(SystemExit) as e:
+            main(["merge", "f8/float8_e4m3fn/ft", "--method", "task-arithmetic", "-b", "f8/float8_e4m3fn/base", "-w", "3",
+                  "-o", "f8/cli", *extra])
+        err = capsys.readouterr().err
+        assert e.value.code == code and (code == 0 or ("--overflow saturate" in err and err.count("\n") <= 2)), err

@@ -239,6 +239,27 @@ def test_slerp_of_float64_values_whose_squares_overflow_is_slerp():
     assert big.equal(merge_state_dicts([{"w": a * k}, {"w": b * k}], "slerp")["w"] / k)
 
 
+def test_slerp_of_an_input_holding_nan_or_inf_is_slerp_elsewhere_and_nan_or_inf_there():
+    """A NaN (or inf) in an input made slerp's angle NaN, and every other element of the tensor came
+    out a linear interpolation instead, silently (another result). Linear, task-arithmetic, ties and
+    dare keep a NaN to its element; slerp now does too: the angle is that of the elements finite in
+    both inputs, so the rest is what slerp gives with those elements zero in both (bit for bit)."""
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(200_000, generator=g).to(dtype), torch.randn(200_000, generator=g).to(dtype)
+        bad = torch.zeros(200_000, dtype=torch.bool)
+        bad[[7, 70_000, 150_001]] = True  # (in three blocks of the dot products)
+        a_odd, b_odd = a.clone(), b.clone()
+        a_odd[7], b_odd[70_000], a_odd[150_001], b_odd[150_001] = math.nan, math.inf, -math.inf, math.nan
+        zeroed = [a.masked_fill(bad, 0), b.masked_fill(bad, 0)]
+        for t in (0.3, 0.5):
+            out = merge_state_dicts([{"w": a_odd}, {"w": b_odd}], "slerp", params={"t": t})["w"]
+            want = merge_state_dicts([{"w": zeroed[0]}, {"w": zeroed[1]}], "slerp", params={"t": t})["w"]
+            linear = merge_state_dicts([{"w": a}, {"w": b}], "linear", params={"weights": [1 - t, t]})["w"]
+            assert bits(out[~bad]) == bits(want[~bad]) and bits(out[~bad]) != bits(linear[~bad])
+            assert out[7].isnan() and out[150_001].isnan() and out[70_000] == math.inf
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_property_linear_is_a_convex_combination(data):
