@@ -40,9 +40,16 @@ def cast_back(x: torch.Tensor, dtype: str, name: str, overflow: str = "error") -
     target = to_torch(dtype)
     if dtype in NO_INFINITY and x.numel():
         fi = torch.finfo(target)
-        limit = fi.max + fi.eps * 2.0 ** math.floor(math.log2(fi.max)) / 2  # half an ulp past the largest
-        if bool(x.amax() >= limit) or bool(x.amin() <= -limit):  # (no tensor-sized scratch unless past)
-            count = int(x.ge(limit).logical_or_(x.le(-limit)).sum())
+        # Half a step past the largest (the step from the two largest values: finfo's eps is not it for the fnuz
+        # types); a value there rounds past it where the largest's last bit is odd (round half to even)
+        top = torch.tensor([fi.max]).to(target).view(torch.uint8)
+        limit = fi.max + (fi.max - float((top - 1).view(target).float())) / 2
+        odd = bool(int(top) & 1)
+        hi, lo = float(x.amax()), float(x.amin())  # (no tensor-sized scratch unless past, or a NaN hides it)
+        count = 0
+        if math.isnan(hi) or math.isnan(lo) or (hi >= limit if odd else hi > limit) or (lo <= -limit if odd else lo < -limit):
+            count = int((x.ge(limit).logical_or_(x.le(-limit)) if odd else x.gt(limit).logical_or_(x.lt(-limit))).sum())
+        if count:
             what = f"{name}: {count} merged value{'s' if count > 1 else ''} past {dtype}'s range (±{fi.max:g}), which has no infinity"
             if overflow != "saturate":
                 raise InvalidMergeError(f"{what}: cast back, torch makes them NaN or clips them",
@@ -91,7 +98,7 @@ class LazyTensor:
     def read(self, offset: int, length: int) -> bytes | memoryview:
         with self._lock:
             if self._view is None:
-                if self._left <= 0 or self._compute is None:  # read again after the last chunk: only the bundle does that
+                if self._left <= 0:  # read again after the last chunk: only the bundle does that
                     # (a chunk not kept is left out of the bundle)
                     return self._small.get(offset, b"") if self._small is not None else b""
                 with self._gate:

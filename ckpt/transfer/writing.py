@@ -248,7 +248,9 @@ def put_chunks(objects: ObjectStore, tasks: Sequence[PutTask], settings: Setting
         # encoded are done (up to 2 * io_workers blobs went on being written: on S3, 32 chunks, 128 MiB).
         results = run_parallel(put, tasks, max(settings.workers, min(remote, 8)), progress or NullProgress(), lambda t: t.length,
                                batch=BATCH_BYTES, on_stop=lambda: io.shutdown(wait=False, cancel_futures=True))
-        results_of(list(writes))  # durable, or the first write error (a Ctrl-C meanwhile is acted on at once)
+        with writes_lock:  # (the I/O threads' callbacks take theirs out meanwhile)
+            pending = list(writes)
+        results_of(pending)  # durable, or the first write error (a Ctrl-C meanwhile is acted on at once)
         found = {oid: stored_chain(objects, oid) for oid in lost}  # another writer's blob is the one stored
         for i, r in enumerate(results):
             if r.id in found:

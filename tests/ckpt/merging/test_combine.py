@@ -695,3 +695,31 @@ def test_float8_values_past_the_range_are_refused_or_saturated_never_nan(store, 
                   "-o", "f8/cli", *extra])
         err = capsys.readouterr().err
         assert e.value.code == code and (code == 0 or ("--overflow saturate" in err and err.count("\n") <= 2)), err
+
+
+def test_float8_overflow_is_found_beside_a_nan_and_at_the_types_own_rounding_edge():
+    """A NaN in the merged tensor hid every overflow in it (amax/amin were NaN, the check skipped: e4m3fnuz
+    [nan, 200] + 3 x 30 gave [nan, nan] silently, saturate too); and the limit came from finfo's eps, which is
+    not the top step of e5m2fnuz (merged 60,416, which torch rounds to 57,344, was refused) nor of e4m3fn's
+    tie (464 rounds to 448, half to even). Each case a real merge, bytes compared with torch's own cast."""
+    def merged(dtype, base, ft, overflow="error"):
+        b, f = torch.tensor(base).to(dtype), torch.tensor(ft).to(dtype)
+        return merge_state_dicts([{"w": f}], "task-arithmetic", params={"weights": [3.0]}, base={"w": b},
+                                 overflow=overflow)["w"]
+
+    nan = math.nan
+    with pytest.raises(InvalidMergeError, match=r"^w: 1 merged value past F8_E4M3FNUZ"):
+        merged(torch.float8_e4m3fnuz, [nan, 176.0], [0.0, 208.0])  # 176 + 3 x 32 = 272, past 240
+    got = merged(torch.float8_e4m3fnuz, [nan, 176.0, -176.0], [0.0, 208.0, -176.0], "saturate")
+    assert bits(got) == bits(torch.tensor([nan, 240.0, -176.0]).to(torch.float8_e4m3fnuz))
+    for dtype, base, ft in ((torch.float8_e5m2fnuz, 40960.0, 49152.0),  # 40,960 + 3 x 8,192 = 65,536: past 61,440
+                            (torch.float8_e4m3fn, 128.0, 240.0)):  # 128 + 3 x 112 = 464: the tie, to 448 (even)
+        x = torch.tensor([base]) + (torch.tensor([ft]).to(dtype).float() - torch.tensor([base])) * 3
+        if dtype == torch.float8_e4m3fn:
+            assert bits(merged(dtype, [base], [ft])) == bits(x.to(dtype)) == bits(torch.tensor([448.0]).to(dtype))
+        else:
+            with pytest.raises(InvalidMergeError, match="1 merged value past"):
+                merged(dtype, [base], [ft])
+    in_range = merged(torch.float8_e5m2fnuz, [7168.0], [24576.0])  # 7,168 + 3 x 17,408 = 59,392: torch gives 57,344
+    want = torch.tensor([7168.0]) + (torch.tensor([24576.0]) - 7168.0) * 3
+    assert 59392 <= float(want) < 61440 and bits(in_range) == bits(want.to(torch.float8_e5m2fnuz))
