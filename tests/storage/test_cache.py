@@ -7,7 +7,9 @@ import time
 
 import pytest
 
+from ckpt_store.storage.backends.base import TEMPORARY
 from ckpt_store.storage.cache import TRAILER, ChunkBlobCache, clear, usage
+from ckpt_store.storage.cache_tally import TALLY
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 # store ids as a store's config holds them (32 hex digits): the name of their directory in the cache
@@ -238,7 +240,7 @@ def test_an_entry_larger_than_the_limit_is_not_cached_and_evicts_nothing(tmp_pat
     c.put(A, (b"x" * 60_000, b"y" * 60_000))
     c.put(B, (bytes(100_000 - TRAILER),), replace=True)  # exactly the limit: over the 90% eviction keeps
     assert not c.has(A) and not c.has(B) and all(c.get(oid) == bytes(10_000) for oid in small)
-    assert usage(str(tmp_path)).entries == 4 and not any(p.name.startswith(".") for p in tmp_path.rglob("*"))
+    assert usage(str(tmp_path)).entries == 4 and not any(p.name.startswith(TEMPORARY) for p in tmp_path.rglob("*"))
     c.put(C, (bytes(80_000),))  # fits: older entries make room
     assert c.get(C) == bytes(80_000) and usage(str(tmp_path)).bytes <= 100_000
 
@@ -291,7 +293,7 @@ TALLIES = ["shared", "unusable"]
 
 def _tally(tmp_path, tally):
     if tally == "unusable":
-        (tmp_path / "tally").mkdir()
+        (tmp_path / TALLY).mkdir()
 
 
 @pytest.mark.parametrize("tally", TALLIES)

@@ -1,0 +1,63 @@
+"""The chunk cache's shared tally and eviction lock (storage/cache_tally.py), in a cache root that other
+programs' files share, and what `clear` (storage/cache_files.py) leaves in it."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+from ckpt_store.storage.cache import TRAILER, ChunkBlobCache, clear, usage
+from ckpt_store.storage.cache_tally import EVICTING, TALLY
+
+S = "5" * 32
+
+
+def test_files_in_the_cache_root_that_are_not_the_tally_are_never_written_and_puts_go_on(tmp_path):
+    """A cache root shared with other files (CKPT_CACHE_DIR=~/.cache): a user's file named `tally`,
+    and files or links by the tally's own name that are not a tally (another size, a link to a user's
+    file, counts past what 64 bits hold), stay byte for byte; the cache walks instead of counting in
+    them, and every put lands. (The tally was `<root>/tally`, opened read-write whatever it held: 16
+    bytes of the user's file overwritten; a count near 2**63 there made put raise struct.error.)"""
+    notes = b"my precious notes, not a cache file\n"
+    mine = tmp_path / "mine.txt"
+    mine.write_bytes(notes)
+    cases = {
+        "named tally": lambda root: (root / "tally").write_bytes(notes),
+        "another size": lambda root: (root / TALLY).write_bytes(notes),
+        "a link": lambda root: (root / TALLY).symlink_to(mine),
+        "past 64 bits": lambda root: (root / TALLY).write_bytes(struct.pack("<qq", 2**63 - 1, 0)),
+        "negative": lambda root: (root / TALLY).write_bytes(struct.pack("<qq", -5, 0)),
+    }
+    for name, make in cases.items():
+        root = tmp_path / name.replace(" ", "-")
+        root.mkdir()
+        make(root)
+        before = {p.name: p.read_bytes() for p in root.iterdir()}
+        c = ChunkBlobCache(str(root), S, 1 << 20)
+        for i in range(3):
+            c.put(f"{i:064x}", (os.urandom(1000),))
+        assert [c.get(f"{i:064x}") is not None for i in range(3)] == [True] * 3, name
+        assert {p.name: p.read_bytes() for p in root.iterdir() if p.name in before} == before, name
+        assert mine.read_bytes() == notes
+        if name != "named tally":
+            assert c._tally.add(0) is None, name  # (not ours: the cache walks, as without a tally)
+        else:
+            assert c._tally.add(0) == usage(str(root)).bytes == 3 * (1000 + TRAILER)
+        clear(str(root))
+        assert {p.name: p.read_bytes() for p in root.iterdir() if p.name in before} == before, name
+
+
+def test_the_eviction_lock_is_one_process_at_a_time(tmp_path):
+    """While one process evicts, another does not (it would cut the cache a second time)."""
+    import subprocess
+    import sys
+
+    c = ChunkBlobCache(str(tmp_path), S, 1 << 20)
+    with c._tally.evicting(wait=False) as mine:
+        assert mine
+        other = subprocess.run(
+            [sys.executable, "-c", "from ckpt_store.storage.cache_tally import CacheTally\n"
+             f"with CacheTally({str(tmp_path)!r}).evicting(wait=False) as got:\n    print(got)\n"],
+            capture_output=True, text=True, check=True)
+        assert other.stdout.strip() == "False"
+    assert (tmp_path / EVICTING).stat().st_size == 0
