@@ -118,19 +118,23 @@ def _tally(root: str, files: list[tuple[str, str, os.stat_result, bool]]) -> Cac
 def clear(root: str) -> CacheUsage:
     """Delete every entry (and temporary) of the cache at ``root``, and its directories left
     empty; returns what it held. Other files there, and the directories holding them, stay."""
+    tally = CacheTally(root) if os.path.isfile(os.path.join(root, TALLY)) else None
+    start = tally.before_walk() if tally is not None else None
     files = list(own_files(root))
     before = _tally(root, files)
     emptied: set[str] = set()
-    for _, p, _, _ in files:
-        remove(p)
+    kept = before.bytes  # (what another process deleted first stays counted until its walk)
+    for _, p, st, temp in files:
+        if remove(p) and not temp:
+            kept -= st.st_size
         emptied.add(os.path.dirname(p))
     for d in sorted(emptied | {os.path.dirname(d) for d in emptied}, key=len, reverse=True):
         try:
             os.rmdir(d)  # only if empty
         except OSError:
             pass
-    if os.path.isfile(os.path.join(root, TALLY)):
-        CacheTally(root).add(-before.bytes)  # (what other processes put meanwhile stays counted)
+    if tally is not None and start is not None:
+        tally.walked(kept, start)  # (what other processes put meanwhile stays counted)
     return before
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import struct
 
+import ckpt_store.storage.cache_files as cache_files
 from ckpt_store.storage.cache import TRAILER, ChunkBlobCache, clear, usage
 from ckpt_store.storage.cache_tally import EVICTING, TALLY
 
@@ -45,6 +46,32 @@ def test_files_in_the_cache_root_that_are_not_the_tally_are_never_written_and_pu
             assert c._tally.add(0) == usage(str(root)).bytes == 3 * (1000 + TRAILER)
         clear(str(root))
         assert {p.name: p.read_bytes() for p in root.iterdir() if p.name in before} == before, name
+
+
+def test_a_clear_while_another_process_puts_leaves_the_tally_at_what_is_there(tmp_path, monkeypatch):
+    """`ckpt cache clear` while another process's pull starts and puts 300 KB: the tally holds what the
+    cache holds after it. (clear took what it listed off the tally after the other process's walk had
+    set it: 0 with 300,480 bytes there, so the cache could grow past its limit by that.)"""
+    root, limit = str(tmp_path), 1_000_000
+    a = ChunkBlobCache(root, S, limit)
+    for i in range(40):
+        a.put(f"a{i:063x}", (os.urandom(20_000),))
+    b = ChunkBlobCache(root, S, limit)  # another process's cache
+    real_remove, calls = cache_files.remove, []
+
+    def remove(path):
+        calls.append(path)
+        if len(calls) == 20:  # halfway through the clear: b's first put walks the cache, then it puts
+            for k in range(15):
+                b.put(f"b{k:063x}", (os.urandom(20_000),))
+        return real_remove(path)
+
+    monkeypatch.setattr(cache_files, "remove", remove)
+    clear(root)
+    monkeypatch.setattr(cache_files, "remove", real_remove)
+    held = usage(root).bytes
+    assert held == 15 * (20_000 + TRAILER)
+    assert a._tally.add(0) == held
 
 
 def test_the_eviction_lock_is_one_process_at_a_time(tmp_path):
