@@ -13,6 +13,7 @@ import hashlib
 import os
 import re
 import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -70,6 +71,19 @@ def own_files(root: str) -> Iterator[tuple[str, str, os.stat_result, bool]]:
                     continue
                 if stat.S_ISREG(st.st_mode):
                     yield sdir.name, e.path, st, temp
+
+
+def entries_sweeping(root: str) -> list[tuple[float, int, str]]:
+    """(modification time, size, path) of every entry in the cache at ``root``; temporaries older than
+    an hour (left by a process killed while it wrote them) are deleted."""
+    files = []
+    now = time.time()
+    for _, p, st, temp in own_files(root):
+        if not temp:
+            files.append((st.st_mtime, st.st_size, p))
+        elif now - st.st_mtime > 3600:
+            remove(p)
+    return files
 
 
 def default_cache_dir() -> str:
