@@ -157,3 +157,17 @@ def test_a_replacing_put_whose_old_entry_went_meanwhile_leaves_the_tally_at_what
     c.put("b" * 64, (os.urandom(20_000),), replace=True)
     assert dropped and c.get("b" * 64) is not None
     assert c._tally.add(0) == usage(root).bytes == 30_000 + 20_000 + 2 * TRAILER
+
+
+def test_a_tally_that_could_not_be_made_is_tried_again_at_the_next_walk(tmp_path):
+    """The tally's name is taken (a folder) at a process's first put, then freed: the process counts in
+    the tally again from its next walk of the cache. (It walked instead for the rest of its life.)"""
+    root, limit = tmp_path, 1_000_000
+    (root / TALLY).mkdir()
+    c = ChunkBlobCache(str(root), S, limit)
+    c.put(f"{0:064x}", (os.urandom(20_000),))
+    assert c._tally.add(0) is None
+    (root / TALLY).rmdir()
+    for i in range(1, 8):  # 140 KB: past a tenth of the room, where a process without a tally counts again
+        c.put(f"{i:064x}", (os.urandom(20_000),))
+    assert c._tally.add(0) == usage(str(root)).bytes == 8 * (20_000 + TRAILER)
