@@ -19,22 +19,22 @@ caller that verifies the chunk's id after decoding anyway, and drops what fails.
 written to a temporary name and renamed, so a crash leaves at most a temporary file, swept
 once an hour old by the next count of the cache (below) or eviction.
 
-The cache holds at most ``max_bytes``: past that, the least recently used entries (by
-modification time, refreshed on every hit) are deleted until it is under 90% of it. A blob
-larger than that 90% is not cached at all. Other processes put entries too: every put and deletion
-goes into a tally that the processes share (``storage/cache_tally.py``: a file and a lock, ~4 us), so
-a put knows the cache's size without walking it, and a put past the limit evicts. A walk (a process's
-first put, each eviction, and a quarter of the limit put) sets the tally to what it found, which
-corrects what it missed (a writer killed between its entry and the tally). Walking instead of a tally,
-near the limit, took as long as the pull (0.3-0.4 s at 50,000 entries, every hundredth of the limit).
-Where the tally cannot be used, each process counts the cache again once it has put a tenth of the
-room free at its last count (at least a hundredth of the limit): N processes that counted it at C
-bytes put at most ``N * max((max_bytes - C) / 10, max_bytes / 100)`` (and a blob each) before they
-count again, near the limit about N hundredths of it over.
-A disk (or quota) that fills before the limit is a lower limit: a put that fails with ENOSPC
-evicts as the limit does (least recently used first, below 90% of what the cache holds, less the
-entry) and writes again, once; only a disk that the cache's own entries do not fill leaves the
-chunk uncached, with a warning once.
+The cache holds at most ``max_bytes``: past that, the least recently used entries (by modification
+time, refreshed on every hit) are deleted until it is under 90% of it; a larger blob is not cached.
+Other processes put entries too: every put and deletion goes into a tally the processes share
+(``storage/cache_tally.py``: a file and a lock, ~4 us), so a put knows the cache's size without
+walking it, and a put past the limit evicts (one process at a time). A walk (a process's first put,
+each eviction, a quarter of the limit put) sets the tally to what it found plus what was put
+meanwhile, which corrects what it missed (a writer killed between its entry and the tally). Walking
+instead, near the limit, took as long as the pull (0.3-0.4 s at 50,000 entries, every hundredth of
+the limit). Where the tally cannot be used, each process counts the cache again once it has put a
+tenth of the room free at its last count (at least a hundredth of the limit): N processes that
+counted it at C bytes put at most ``N * max((max_bytes - C) / 10, max_bytes / 100)`` (and a blob
+each) before they count again, near the limit about N hundredths of it over.
+A disk (or quota) that fills before the limit is a lower limit: a put that fails with ENOSPC evicts
+(least recently used first, below 90% of what the cache holds, less the entry; threads that find it
+full meanwhile get their rooms, no more) and writes again, once; only a disk that the cache's own
+entries do not fill leaves the chunk uncached, with a warning once.
 Which files the layout names, and clearing them: ``storage/cache_files.py``.
 """
 
@@ -45,7 +45,6 @@ import logging
 import os
 import stat
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -53,7 +52,7 @@ from typing import Any
 import blake3
 
 from ckpt_store.storage.backends.base import TEMPORARY
-from ckpt_store.storage.cache_files import CacheUsage, clear, default_cache_dir, own_files, remove, store_dir_name, usage
+from ckpt_store.storage.cache_files import CacheUsage, clear, default_cache_dir, entries_sweeping, remove, store_dir_name, usage
 from ckpt_store.storage.cache_tally import CacheTally
 
 log = logging.getLogger(__name__)
@@ -214,8 +213,9 @@ class ChunkBlobCache:
             if self._size is not None:
                 self._size = shared if shared is not None else self._size - n
 
-    def _write(self, path: str, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
-        """The entry at ``path``: written to a temporary in its folder, then renamed into place."""
+    def _write(self, path: str, parts: tuple[bytes | bytearray | memoryview, ...]) -> int:
+        """The entry at ``path``: written to a temporary in its folder, then renamed into place; returns
+        the bytes of the entry it replaced (0: none, another process's eviction took it meanwhile, say)."""
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
         if not self._in_own_dirs(path):
@@ -230,22 +230,27 @@ class ChunkBlobCache:
                     f.write(p)
                     h.update(p)
                 f.write(h.digest())
+            try:
+                st = os.lstat(path)
+                replaced = st.st_size if stat.S_ISREG(st.st_mode) else 0
+            except OSError:
+                replaced = 0
             os.replace(tmp, path)
         except BaseException:
             remove(tmp)
             raise
+        return replaced
 
-    def _write_retrying(self, path: str, parts: tuple[bytes | bytearray | memoryview, ...]) -> None:
-        for tries in range(3, 0, -1):
+    def _write_retrying(self, path: str, parts: tuple[bytes | bytearray | memoryview, ...]) -> int:
+        for _ in range(2):
             try:
-                self._write(path, parts)
-                return
+                return self._write(path, parts)
             except (FileNotFoundError, FileExistsError):
                 # Its folder went while it was made or written to (`ckpt cache clear` in another
                 # process removes the folders it empties; makedirs then finds it neither there
                 # nor absent): again.
-                if tries == 1:
-                    raise
+                pass
+        return self._write(path, parts)
 
     def put(self, oid: str, parts: Iterable[bytes | bytearray | memoryview], *, replace: bool = False) -> None:
         """Keep the blob ``b"".join(parts)`` of chunk ``oid`` (a failure to write is only logged);
@@ -274,14 +279,14 @@ class ChunkBlobCache:
             return
         try:
             try:
-                self._write_retrying(path, parts)
+                replaced = self._write_retrying(path, parts)
             except OSError as e:
                 if e.errno not in _DISK_FULL:
                     raise
                 # The disk (or the user's quota) is full before the limit is: room is made as at the
                 # limit, least recently used entries first, and the entry written again, once.
                 self.evict(room=n)
-                self._write_retrying(path, parts)
+                replaced = self._write_retrying(path, parts)
         except OSError as e:
             # Once per cache: a cache folder that cannot take entries (read-only, full) fails every put,
             # and a load puts every chunk it fetches.
@@ -290,12 +295,13 @@ class ChunkBlobCache:
             log.log(logging.WARNING if first else logging.DEBUG, "cannot cache chunk %s in %s: %s%s", oid, self.root, e,
                     " (further chunks that cannot be cached are not reported)" if first else "")
             return
-        shared = self._tally.add(n - max(old, 0))  # (other processes' entries in it too)
+        # (what the write replaced, not what was there before it: another process may have evicted it, or put it, meanwhile)
+        shared = self._tally.add(n - replaced)  # (other processes' entries in it too)
         with self._lock:
             self._uncounted += n
             self._added += n
             if self._size is not None:
-                self._size = shared if shared is not None else self._size + n - max(old, 0)
+                self._size = shared if shared is not None else self._size + n - replaced
             # Counted again after a tenth of the room free at the last count is put (without a tally:
             # other processes' entries count too; two pulls, each under the limit on its own count, filled
             # 150% of it), or a quarter of the limit (with one: what it missed, a killed writer's entry, say).
@@ -341,51 +347,51 @@ class ChunkBlobCache:
         reads it is read whole (an open file keeps its bytes); one deleted before it opens it is a
         miss there, fetched again.
 
-        One thread evicts at a time. Entries put while it walks the cache are counted on top
-        of what its walk found (a few twice: an early eviction, never an overfull cache), and
-        it walks again while another thread asked it to (it put an entry past the limit
-        meanwhile, or found the disk full: that thread waits for the room, then writes again),
-        or while the cache is over its limit and the last walk freed something."""
+        One thread of one process evicts at a time (another process's eviction meanwhile: this one
+        returns 0, or waits for it where ``room`` is asked). Entries put while it walks the cache are
+        counted on top of what its walk found (a few twice: an early eviction, never an overfull
+        cache), and it walks again while another thread asked it to (it put an entry past the limit
+        meanwhile, or found the disk full: that thread waits for the room, then writes again; such a
+        round frees only the rooms asked, less what earlier rounds freed past theirs), or while the
+        cache is over its limit and the last walk freed something."""
         with self._evicted:
-            self._room = max(self._room, room)
+            self._room += room  # (threads that found the disk full at once each need their entry's room)
             if self._evicting:
                 self._again = True
                 if room:
                     self._evicted.wait_for(lambda: not self._evicting, timeout=60)
                 return 0
             self._evicting = True
-        freed = 0
+        freed, spare = 0, None
         try:
-            while True:
-                now = self._evict_once()
-                freed += now
-                with self._lock:
-                    again, self._again = self._again, False
-                    over = (self._size or 0) > self.max_bytes
+            # One process at a time: processes that read one tally past the limit all evicted a tenth of
+            # the cache at once. The others skip (their next put reads the tally the eviction set), or,
+            # on a full disk, wait for the room it made.
+            with self._tally.evicting(wait=room > 0) as mine:
+                while mine:
+                    now, asked = self._evict_once(spare)
+                    freed += now
+                    spare = max(0, (spare or 0) + now - asked)  # freed past the room asked: the next asks take it
+                    with self._lock:
+                        again, self._again = self._again, False
+                        over = (self._size or 0) > self.max_bytes
                     # Done unless entries came meanwhile, or it is still over and freeing works.
                     if not again and (not over or not now):
-                        self._evicting = False
-                        self._evicted.notify_all()
-                        return freed
-        except BaseException:
+                        break
+        finally:
             with self._lock:
                 self._evicting = False
                 self._evicted.notify_all()
-            raise
+        return freed
 
     def _entries(self) -> list[tuple[float, int, str]]:
-        """(modification time, size, path) of every entry in the cache root; temporaries older than an
-        hour (left by a process killed while it wrote them) are deleted."""
-        files = []
-        now = time.time()
-        for _, p, st, temp in own_files(self.root):
-            if not temp:
-                files.append((st.st_mtime, st.st_size, p))
-            elif now - st.st_mtime > 3600:
-                remove(p)
-        return files
+        return entries_sweeping(self.root)
 
-    def _evict_once(self) -> int:
+    def _evict_once(self, spare: int | None) -> tuple[int, int]:
+        """One walk of eviction: (bytes freed, room asked). ``spare``: None in the first round, else the
+        bytes freed past the room asked so far; a further round frees only the room asked meanwhile
+        beyond those (each round taking a tenth off what the cache holds, 16 threads that found a
+        4 MiB disk full at once evicted 6 times their room)."""
         with self._lock:
             self._added = 0
             room, self._room = self._room, 0
@@ -396,7 +402,7 @@ class ChunkBlobCache:
         freed = 0
         target = int(self.max_bytes * 0.9)
         if room:
-            target = min(target, int(total * 0.9) - room)
+            target = min(target, int(total * 0.9) - room if spare is None else total - max(room - spare, 0))
         for _, size, p in files:
             if total - freed <= target:
                 break
@@ -407,7 +413,7 @@ class ChunkBlobCache:
             self._size = shared if shared is not None else total - freed + self._added
             self._uncounted = self._added
             self._step = self._step_from(total - freed, shared is not None)
-        return freed
+        return freed, room
 
 
 __all__ = ["CacheUsage", "ChunkBlobCache", "clear", "default_cache_dir", "store_dir_name", "usage"]

@@ -13,6 +13,7 @@ import hashlib
 import os
 import re
 import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -72,6 +73,19 @@ def own_files(root: str) -> Iterator[tuple[str, str, os.stat_result, bool]]:
                     yield sdir.name, e.path, st, temp
 
 
+def entries_sweeping(root: str) -> list[tuple[float, int, str]]:
+    """(modification time, size, path) of every entry in the cache at ``root``; temporaries older than
+    an hour (left by a process killed while it wrote them) are deleted."""
+    files = []
+    now = time.time()
+    for _, p, st, temp in own_files(root):
+        if not temp:
+            files.append((st.st_mtime, st.st_size, p))
+        elif now - st.st_mtime > 3600:
+            remove(p)
+    return files
+
+
 def default_cache_dir() -> str:
     """``$CKPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/ckpt`` (``~/.cache/ckpt``)."""
     env = os.environ.get("CKPT_CACHE_DIR")
@@ -118,19 +132,23 @@ def _tally(root: str, files: list[tuple[str, str, os.stat_result, bool]]) -> Cac
 def clear(root: str) -> CacheUsage:
     """Delete every entry (and temporary) of the cache at ``root``, and its directories left
     empty; returns what it held. Other files there, and the directories holding them, stay."""
+    tally = CacheTally(root) if os.path.isfile(os.path.join(root, TALLY)) else None
+    start = tally.before_walk() if tally is not None else None
     files = list(own_files(root))
     before = _tally(root, files)
     emptied: set[str] = set()
-    for _, p, _, _ in files:
-        remove(p)
+    kept = before.bytes  # (what another process deleted first stays counted until its walk)
+    for _, p, st, temp in files:
+        if remove(p) and not temp:
+            kept -= st.st_size
         emptied.add(os.path.dirname(p))
     for d in sorted(emptied | {os.path.dirname(d) for d in emptied}, key=len, reverse=True):
         try:
             os.rmdir(d)  # only if empty
         except OSError:
             pass
-    if os.path.isfile(os.path.join(root, TALLY)):
-        CacheTally(root).add(-before.bytes)  # (what other processes put meanwhile stays counted)
+    if tally is not None and start is not None:
+        tally.walked(kept, start)  # (what other processes put meanwhile stays counted)
     return before
 
 

@@ -19,7 +19,7 @@ from s3support import chunk_gets, gets_of  # noqa: E402
 
 import ckpt  # noqa: E402
 from ckpt.transfer.pipeline import GetTask, get_chunks  # noqa: E402
-from ckpt_store.storage.cache_tally import TALLY  # noqa: E402 - (the cache's shared byte count: not an entry)
+from ckpt_store.storage.cache_tally import FILES  # noqa: E402 - (the cache's shared byte count and eviction lock: not entries)
 from ckpt_store.storage.errors import CorruptObjectError, StorageIOError  # noqa: E402
 
 CHUNK = 64 * 1024
@@ -73,7 +73,7 @@ def test_cache_serves_a_second_pull_and_refuses_damage(s3_url, tmp_path, monkeyp
 
     # Damage two entries: one bit flipped (caught by the entry's checksum), and one replaced
     # by a well-formed entry holding another chunk's blob (caught when the chunk is decoded).
-    entries = sorted(p for p in cache.rglob("*") if p.is_file() and p.name != TALLY)
+    entries = sorted(p for p in cache.rglob("*") if p.is_file() and p.name not in FILES)
     raw = bytearray(entries[0].read_bytes())
     raw[len(raw) // 2] ^= 0x10
     entries[0].write_bytes(bytes(raw))
@@ -132,7 +132,7 @@ def test_cache_keeps_whole_chunks_decoded_and_serves_them_without_decoding(s3_ur
     first = ckpt.Store.open(s3_url, settings=_settings())
     first.pull("ft", str(tmp_path / "ft-1.safetensors"))  # the fine-tune, and the base's chunks under its deltas
     assert (tmp_path / "ft-1.safetensors").read_bytes() == ft_path.read_bytes()
-    entries = {p.name: parse_header(p.read_bytes()[:-32]) for p in cache.rglob("*") if p.is_file() and p.name != TALLY}
+    entries = {p.name: parse_header(p.read_bytes()[:-32]) for p in cache.rglob("*") if p.is_file() and p.name not in FILES}
     by_name = {t.name: t.chunks[0] for t in m.tensors}
     for i in range(6):
         e = entries[by_name[f"w{i}"]]
@@ -140,7 +140,7 @@ def test_cache_keeps_whole_chunks_decoded_and_serves_them_without_decoding(s3_ur
     deltas = {t.chunks[0] for t in m_ft.tensors if t.delta_bases and t.delta_bases[0]}
     assert deltas and all(entries[c].base is not None for c in deltas)  # deltas as stored
     first.pull("base", str(tmp_path / "b-1.safetensors"))
-    entries = {p.name: parse_header(p.read_bytes()[:-32]) for p in cache.rglob("*") if p.is_file() and p.name != TALLY}
+    entries = {p.name: parse_header(p.read_bytes()[:-32]) for p in cache.rglob("*") if p.is_file() and p.name not in FILES}
     assert entries[by_name["zeros"]].codec != RAW  # shrank to almost nothing: as stored
 
     decoded = [0]
