@@ -33,6 +33,7 @@ import os
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -40,6 +41,7 @@ from contextlib import contextmanager
 TALLY = ".ckpt-cache-tally"
 EVICTING = ".ckpt-cache-evicting"
 FILES = (TALLY, EVICTING)
+EVICT_WAIT_S = 60.0  # how long a put that found the disk full waits for another process's eviction
 _FIELDS = struct.Struct("<qq")  # bytes in the cache; bytes ever added (what a walk adds to what it found)
 _MAX = 1 << 62  # past this a field is not a count of bytes (and near 2**63 sums would not fit its 64 bits)
 
@@ -122,16 +124,29 @@ class CacheTally:
     @contextmanager
     def evicting(self, wait: bool) -> Iterator[bool]:
         """Whether this process may evict now: False while another process evicts (``wait``: wait for
-        it instead). True where the lock cannot be used (every process evicts, as before it)."""
+        it instead, up to :data:`EVICT_WAIT_S`: a stopped process holding the lock must not hang every
+        pull on the machine; then it evicts beside it). True where the lock cannot be used (every
+        process evicts, as before it)."""
+        deadline = time.monotonic() + EVICT_WAIT_S
+        held = None  # True: locked here; False: another process evicts; None: no lock (unusable, or waited out)
         try:
             if self._evict_fd is None:
                 self._evict_fd = _open_own(os.path.join(os.path.dirname(self.path), EVICTING))
-            fcntl.flock(self._evict_fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
+            while held is None:
+                try:
+                    fcntl.flock(self._evict_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    held = True
+                except BlockingIOError:
+                    if not wait:
+                        held = False
+                    elif time.monotonic() > deadline:
+                        break
+                    else:
+                        time.sleep(0.02)
         except OSError:
-            yield True
+            held = None
+        if not held:
+            yield held is None
             return
         try:
             yield True

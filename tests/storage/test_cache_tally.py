@@ -90,6 +90,26 @@ def test_the_eviction_lock_is_one_process_at_a_time(tmp_path):
     assert (tmp_path / EVICTING).stat().st_size == 0
 
 
+def test_a_put_that_waits_for_another_process_eviction_waits_a_bounded_time(tmp_path):
+    """A put that found the disk full waits for another process's eviction; that process stopped
+    (SIGSTOP, a debugger) while holding the lock hung the put for good. It now waits EVICT_WAIT_S
+    and then evicts beside it."""
+    import subprocess
+    import sys
+    import time
+
+    c = ChunkBlobCache(str(tmp_path), S, 1 << 20)
+    with c._tally.evicting(wait=False) as mine:
+        assert mine
+        t0 = time.monotonic()
+        other = subprocess.run(
+            [sys.executable, "-c", "import ckpt_store.storage.cache_tally as t\nt.EVICT_WAIT_S = 0.5\n"
+             f"with t.CacheTally({str(tmp_path)!r}).evicting(wait=True) as got:\n    print(got)\n"],
+            capture_output=True, text=True, timeout=60)
+        assert other.returncode == 0 and other.stdout.strip() == "True", other.stderr
+        assert time.monotonic() - t0 >= 0.5
+
+
 def test_threads_that_find_the_disk_full_at_once_evict_their_room_not_a_tenth_each_round(tmp_path, tmpfs):
     """The cache on a 4 MiB tmpfs filled to the brim; 16 threads put 8 KB each at once, while the first
     eviction walks (slowly, as a large cache does): the cache loses a tenth and the room asked, every
