@@ -107,8 +107,8 @@ def _snapshot_chunks(view: StoreView, row: dict[str, Any]) -> set[str] | None:
 def run_names(view: StoreView) -> list[str]:
     """Names of the training runs among the live refs (RUN/step-N of snapshot manifests), told by the
     checkpoints' overviews (:meth:`StoreView.overviews`: the metadata index, not a manifest each), one
-    ref of each run first (a run's newest step), the others of the runs that one did not tell; a damaged
-    one is left out (the overview names it), the other runs are listed."""
+    ref of each run first (a run's newest step), the others of the runs that one did not tell. A snapshot the
+    view found damaged (:mod:`~ckpt_store.cli.web.data`'s rule) tells no run; the other runs are listed."""
     candidates: dict[str, list[tuple[int, str]]] = {}
     for name, entry in view.refs().items():
         if m := step_ref(name):
