@@ -764,7 +764,8 @@ def test_a_run_page_leaves_out_checkpoints_pushed_under_the_run(tmp_path, monkey
     """The run page listed every ref RUN/step-N as a snapshot of the run: a user's checkpoint pushed as
     run/step-9 was a live step (the run's latest), and one pushed over run/step-2 showed the pushed
     checkpoint as that step. A pushed step is no row; a snapshot pushed over shows removed, from then.
-    Which are pushed is read off the metadata index's summaries, not a manifest each."""
+    Which are pushed is read off the metadata index's summaries where many live steps are not cached, and off
+    the manifests of a few (here 3: a load of the index reads every checkpoint's chunk lists)."""
     from ckpt_store.cli.web.data import StoreView
     from ckpt_store.cli.web.runs import run_doc
 
@@ -785,7 +786,8 @@ def test_a_run_page_leaves_out_checkpoints_pushed_under_the_run(tmp_path, monkey
     assert [(r["step"], r["live"], r["latest"], r["tier"]) for r in rows] == [(1, True, True, "durable"), (2, False, False, "removed")]
     assert rows[1]["id"] == snapshot and rows[1]["removed_at"] == pushed_at and rows[1]["metrics"] == {"loss": 0.5}
     assert doc["kept"] == 1 and doc["latest"] == store.resolve("run/step-1")
-    assert sorted(reads) == sorted([store.resolve("run/step-1"), snapshot])  # the page's own rows, no more
+    live = {store.resolve(f"run/step-{n}") for n in (1, 2, 9)}
+    assert set(reads) == live | {snapshot}  # the page's own rows and the few live steps, no more
 
 
 def test_a_diff_heatmap_holds_one_cell_per_tensor(tmp_path):

@@ -171,3 +171,22 @@ def test_a_damaged_snapshot_the_view_found_is_left_out_however_many_are_read(tmp
     assert run["stored_bytes"] == data.stored_bytes(sound, store.chunk_sizes())
     assert run_names(view) == ["r"]
 
+
+def test_a_watched_run_page_reads_the_new_steps_manifest_not_the_index(tmp_path, monkeypatch):
+    """A run page asked again after a save told the one new live step from pushed checkpoints by a load of the
+    metadata index with every checkpoint's chunk lists (0.04-0.3 s; the step's manifest: 0.006 s). A few new
+    steps are read from their manifests."""
+    from ckpt_store.cli.web.runs import run_doc
+    from ckpt_store.storage.index import StoreIndex
+
+    store = _long_run(tmp_path)
+    view = StoreView(store)
+    run_doc(view, "train/long")
+    with ckpt.CheckpointManager(store, "train/long", save_mode="sync") as mgr:
+        mgr.save(STEPS + 1, {"step": STEPS + 1, "w": torch.ones(4)})
+    loads = []
+    real = StoreIndex.load
+    monkeypatch.setattr(StoreIndex, "load", lambda self, *a, **k: loads.append(k) or real(self, *a, **k))
+    doc = run_doc(view, "train/long")
+    assert not loads  # was one load, with the chunk lists
+    assert [r["step"] for r in doc["snapshots"]][-1] == STEPS + 1 and doc["latest"] == store.resolve(f"train/long/step-{STEPS + 1}")
