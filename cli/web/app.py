@@ -25,7 +25,17 @@ from starlette.routing import Route
 
 import ckpt
 from ckpt.diffing.compare import SORT_KEYS
-from ckpt.errors import AmbiguousRefError, CkptError, InvalidNameError, RefNotFoundError, StorageIOError, first_line
+from ckpt.errors import (
+    AmbiguousRefError,
+    CkptError,
+    InvalidMergeError,
+    InvalidNameError,
+    RefNotFoundError,
+    ResourceLimitError,
+    StorageIOError,
+    TensorMismatchError,
+    first_line,
+)
 from ckpt.format.manifest import lineage_fields
 from ckpt.snapshot.run import is_snapshot
 from ckpt.snapshot.steps import step_ref
@@ -183,6 +193,10 @@ def error_status(e: Exception) -> int:
         return 404
     if isinstance(e, (InvalidNameError, BadRequestError)):  # a ref name no ref can have, a query value the view refuses
         return 400
+    # What the library refuses to compute for these checkpoints, sound as they are: a diff of a checkpoint whose
+    # tensors do not pair by name (diffing/sides.py), one past this machine's memory. The same request fails again.
+    if isinstance(e, (TensorMismatchError, InvalidMergeError, ResourceLimitError)):
+        return 422
     if isinstance(e, CkptError) and e.retryable:  # an S3 server down or throttling, diffs busy: ask again
         return 503
     if isinstance(e, StorageIOError):  # the store behind the view cannot be read (permissions, a link in its folder)

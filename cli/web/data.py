@@ -6,6 +6,11 @@ overview's usage (``ckpt du --json``) hold the same fields and numbers as the co
 tests compare them. Manifests, and what the overview and the lineage take of them (catalog.Overview),
 are cached by id (an id is the hash of the manifest's bytes, so a cached one is never stale); refs are listed again on every request, the chunk listing
 and the usage after a few seconds, so pages follow pushes made meanwhile.
+
+One rule for a checkpoint's overview, whatever the number asked (:meth:`StoreView.overviews`): the metadata index's
+summary of a stored manifest is trusted, as ``ckpt ls`` trusts it (a run's 1,500 snapshots are not 1,500 GETs on S3),
+and a manifest the view has found damaged (a read of it failed its check: the overview page checks every listed
+ref's bytes once, a run page reads its rows') has no overview: the lineage and the runs leave it out.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any, TypeVar
 
 import ckpt
 from ckpt.codecs.ids import CODEC_NAMES
-from ckpt.errors import CkptError
+from ckpt.errors import CkptError, CorruptObjectError, StoreFormatError
 from ckpt.format.manifest import Manifest
 from ckpt.snapshot.steps import step_ref
 from ckpt.store import catalog
@@ -102,6 +107,7 @@ class StoreView:
         self._overview_chunks = 0
         self._timed: dict[str, tuple[float, Any]] = {}
         self._checked: set[str] = set()  # manifests whose bytes were found to match their ids (the overview's)
+        self._damaged: dict[str, str] = {}  # manifests of the view's store found damaged when read, with the error
 
     # -- caches ---------------------------------------------------------------------
     def manifest(self, mid: str, store: ckpt.Store | None = None) -> Manifest:
@@ -111,7 +117,15 @@ class StoreView:
             if m is not None:
                 self._manifests.move_to_end(mid)
                 return m
-        m = (store or self.store).manifest(mid)
+        try:
+            m = (store or self.store).manifest(mid)
+        except (CorruptObjectError, StoreFormatError) as e:
+            if store is None or store is self.store:  # (another tier's copy of it may be sound)
+                with self._lock:
+                    if len(self._damaged) > CACHE_TENSORS // 10:  # ids and errors, ~300 bytes each: bounded
+                        self._damaged.clear()
+                    self._damaged[mid] = str(e)
+            raise
         with self._lock:
             if mid not in self._manifests:
                 self._manifests[mid] = m
@@ -123,23 +137,28 @@ class StoreView:
 
     def overviews(self, mids: Iterable[str], store: ckpt.Store | None = None, few: int = FEW_MANIFESTS) -> dict[str, Overview]:
         """The :class:`~ckpt.store.catalog.Overview` of each of checkpoints ``mids`` (of ``store``, default the
-        view's) that can be read, cached by id as manifests are: those not cached from the metadata index where
-        more than ``few``, one load of it and one batch of existence checks (a run's 1,500 snapshots:
-        1,500 manifests read and parsed took 3-11 s), the others from their manifests; one that cannot be read
-        is left out (damaged)."""
+        view's) that is stored and not found damaged (the rule of the module's doc), cached by id as manifests
+        are: those not cached from the metadata index where more than ``few``, one load of it and one batch of
+        existence checks (a run's 1,500 snapshots: 1,500 manifests read and parsed took 3-11 s), the others from
+        their manifests, or the index's summary where a manifest does not read (so that how many were asked does
+        not decide what is trusted); one neither gives is left out, as is one the view has found damaged."""
         wanted = list(dict.fromkeys(mids))
         with self._lock:
             out = {mid: self._overviews[mid] for mid in wanted if mid in self._overviews}
             for mid in out:
                 self._overviews.move_to_end(mid)
         missing = [mid for mid in wanted if mid not in out]
-        made = catalog.overviews(store or self.store, missing, None) if len(missing) > few else {}
+        st = store or self.store
+        made = catalog.overviews(st, missing, None) if len(missing) > few else {}
+        unread = []
         for mid in missing:
             if mid not in made:
                 try:
                     made[mid] = overview_of_manifest(self.manifest(mid, store))
                 except CkptError:
-                    continue
+                    unread.append(mid)
+        if unread and len(missing) <= few:
+            made.update(catalog.overviews(st, unread, None))
         with self._lock:
             for mid, o in made.items():
                 if mid not in self._overviews:
@@ -148,7 +167,8 @@ class StoreView:
             while len(self._overviews) > 1 and (len(self._overviews) > 16 * self._max_manifests
                                                 or self._overview_chunks > self._max_tensors):
                 self._overview_chunks -= len(self._overviews.popitem(last=False)[1].own)
-        return {mid: o for mid in wanted if (o := out.get(mid) or made.get(mid)) is not None}
+            damaged = set(self._damaged) if st is self.store else set()
+        return {mid: o for mid in wanted if (o := out.get(mid) or made.get(mid)) is not None and mid not in damaged}
 
     def fresh(self, key: str, make: Callable[[], T]) -> T:
         """``make()``, reused for ``ttl_s`` seconds under ``key`` (listings and whole-store summaries)."""
@@ -228,11 +248,16 @@ class StoreView:
         return self.fresh("ls", lambda: results.ls_rows(self.store.ls()))
 
     def overview_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """ls rows with what the overview adds: stored bytes, codec mix, version number."""
+        """ls rows with what the overview adds: stored bytes, codec mix, version number; a row whose manifest
+        does not match its id names the damage."""
         sizes = self.chunk_sizes()
         refs = self.refs()
         # From the metadata index where it summarizes the checkpoint: parsing every listed manifest took
-        # ~0.3 s per 10,000 tensors. The same numbers as from the manifest (catalog.summarize).
+        # ~0.3 s per 10,000 tensors. The same numbers as from the manifest (catalog.summarize). Not through
+        # self.overviews, which trusts a stored manifest's summary: this page names each listed ref's damage, so
+        # it checks each manifest's bytes against its id (a hash, not a parse), once per id (self._checked), in
+        # the same load of the index; one that fails is read below, and self.manifest records the damage that
+        # self.overviews then leaves out (the one rule of the module's doc; the check is where it is found).
         with self._lock:
             checked = set(self._checked)
         indexed = catalog.overviews(self.store, [r["id"] for r in rows], checked)

@@ -53,7 +53,8 @@ def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
     by_id: dict[str, list[str]] = defaultdict(list)
     aliases: set[str] = set()
     # Which RUN/step-N are snapshots, and their chunks, from their overviews (the metadata index): a run's
-    # thousands of snapshots are not read one manifest each (1,500: 3-11 s); the other refs' manifests are.
+    # thousands of snapshots are not read one manifest each (1,500: 3-11 s); the other refs' manifests are. A
+    # snapshot is drawn where the index summarizes it, unless the view found its manifest damaged (data.py's rule).
     steps = {name: step for name, entry in refs.items() if (step := step_ref(name))}
     overviews = view.overviews(refs[name].target for name in steps)
     for name, entry in refs.items():
@@ -128,7 +129,7 @@ def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
     for run, snaps in sorted(runs.items())[: max(0, max_nodes - len(manifests))]:
         snaps.sort()
         latest = None
-        while snaps and latest is None:  # the newest snapshot whose manifest reads (a damaged one is left out)
+        while snaps and latest is None:  # the newest snapshot whose manifest reads (read: one damaged is left out)
             try:
                 latest = view.manifest(snaps[-1][2])
             except CkptError:

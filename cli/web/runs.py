@@ -86,11 +86,13 @@ def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PA
 
 def _pushed(view: StoreView, store: ckpt.Store, mids: list[str]) -> set[str]:
     """Those of ``mids`` (live in ``store``) that are no snapshots (:func:`~ckpt.snapshot.run.is_snapshot`):
-    a user's checkpoint pushed under a run's name. From their overviews (:meth:`StoreView.overviews`, from the
-    metadata index however few: the page reads its own rows' manifests alone), cached by id for the next
-    page; one that cannot be read is not known to be pushed (its row names the damage)."""
-    known = view.overviews(mids, store, few=0)
+    a user's checkpoint pushed under a run's name. From their overviews (:meth:`StoreView.overviews`: the
+    metadata index where many are not cached, the manifests of a few, as the steps saved since the last page;
+    a load of the index reads every checkpoint's chunk lists, 0.04-0.3 s where that manifest takes 0.006 s),
+    cached by id for the next page; one that cannot be read is not known to be pushed (its row names the damage)."""
+    known = view.overviews(mids, store)
     return {mid for mid in mids if mid in known and not known[mid].snapshot}
+
 
 def _snapshot_chunks(view: StoreView, row: dict[str, Any]) -> set[str] | None:
     """Fill a :meth:`run` row from its manifest (metrics, time saved, sizes); its own chunks, None where
@@ -104,11 +106,12 @@ def _snapshot_chunks(view: StoreView, row: dict[str, Any]) -> set[str] | None:
         return own_chunks(mf)
     return None
 
+
 def run_names(view: StoreView) -> list[str]:
     """Names of the training runs among the live refs (RUN/step-N of snapshot manifests), told by the
     checkpoints' overviews (:meth:`StoreView.overviews`: the metadata index, not a manifest each), one
-    ref of each run first (a run's newest step), the others of the runs that one did not tell; a damaged
-    one is left out (the overview names it), the other runs are listed."""
+    ref of each run first (a run's newest step), the others of the runs that one did not tell. A snapshot the
+    view found damaged (:mod:`~ckpt_store.cli.web.data`'s rule) tells no run; the other runs are listed."""
     candidates: dict[str, list[tuple[int, str]]] = {}
     for name, entry in view.refs().items():
         if m := step_ref(name):
