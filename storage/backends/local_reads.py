@@ -34,27 +34,22 @@ def _libc() -> ctypes.CDLL | None:
 
 
 @functools.cache
+def _libc_function(name: str, *argtypes: type) -> Callable[..., int] | None:
+    """libc's ``name`` on Linux, taking ``argtypes`` and returning an int (None elsewhere)."""
+    f = getattr(_libc(), name, None)
+    if f is None:
+        return None
+    f.argtypes = argtypes
+    f.restype = ctypes.c_int
+    return f  # type: ignore[no-any-return]
+
+
 def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's ``madvise`` on Linux (None elsewhere)."""
-    libc = _libc()
-    f = getattr(libc, "madvise", None)
-    if f is None:
-        return None
-    f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    f.restype = ctypes.c_int
-    return f  # type: ignore[no-any-return]
+    return _libc_function("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
-@functools.cache
 def _mincore() -> Callable[[int, int, object], int] | None:
-    """libc's ``mincore`` on Linux (None elsewhere)."""
-    libc = _libc()
-    f = getattr(libc, "mincore", None)
-    if f is None:
-        return None
-    f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    f.restype = ctypes.c_int
-    return f  # type: ignore[no-any-return]
+    return _libc_function("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 
 
 def _all_resident(lo: int, n: int) -> bool:
