@@ -201,17 +201,18 @@ class DistributedRestoring:
         import torch.distributed.checkpoint as dcp
 
         from ckpt.dcp.checkpoint import Reader
-        from ckpt.snapshot.peers import NeedsRecorder
+        from ckpt.snapshot.peer_targets import NeedsRecorder, target_ranges
 
         peers = self.peers
         assert peers is not None
         if tiers.every_rank_holds:  # (the same on every rank: from the gathered inventories)
             tiers.reach = 1
         else:
-            recorder = NeedsRecorder(tiers)
+            recorder = NeedsRecorder(tiers, target_ranges(flat))
             dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=recorder), process_group=self.group,
                      planner=values_planner())
-            peers.fetch(tiers, recorder.asked, exclude_local=set())
+            peers.fetch(tiers, recorder.asked, exclude_local=set(), into=recorder.into)
+            recorder.into.clear()
         tiers.lenient = True
         planner = values_planner()
         try:

@@ -17,7 +17,9 @@ names that step, each rank's DCP load reads from its own tier alone, and only if
 lacked chunks there (or found them damaged) are those fetched from a peer holding them
 (:meth:`Peers.fetch`), into its own tier, for a second load. Where some
 rank's tier lacks the step (a replaced machine), a dry run of the load plan says which
-chunks each rank reads, and those its tier lacks are fetched before the load. Every chunk
+chunks each rank reads, and those its tier lacks are fetched before the load: each is verified
+as it arrives and decoded straight into the tensor it belongs to, which the load then skips
+(:mod:`ckpt.snapshot.peer_targets`), and written to the tier for a next restart. Every chunk
 is verified where it is read: a bad copy falls through to the durable store.
 After the restore a rank keeps what it fetched in its own tier (:meth:`Peers.refill`): a
 replaced machine's tier holds the snapshot again.
@@ -31,9 +33,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckpt.dcp.checkpoint import Writer
+from ckpt.progress import NullProgress
 from ckpt.snapshot.peer_group import PeerGroup, Staging, dropped
+from ckpt.snapshot.peer_targets import decode_into_targets
 from ckpt.snapshot.steps import latest_manifest, left_behind, left_behind_message, snapshot_step
 from ckpt.snapshot.tiers import MISSES, Tiers, describe, out_of_space
+from ckpt.transfer.pipeline import BATCH_BYTES, run_parallel
 from ckpt_store.storage.chunk_lists import recorded_chains, referenced_chunks
 from ckpt_store.storage.errors import RefNotFoundError
 
@@ -286,10 +291,14 @@ class Peers(PeerGroup):
             return describe(e)
         return None
 
-    def fetch(self, tiers: Tiers, needed: set[str], *, exclude_local: set[str]) -> int:
+    def fetch(self, tiers: Tiers, needed: set[str], *, exclude_local: set[str],
+              into: dict[str, list[memoryview]] | None = None) -> int:
         """Fill the ``peer`` tier with the chunks of ``needed`` this rank's tier lacks (or holds
         damaged: ``exclude_local``), from peers that hold them (nearest rank first). Collective:
-        every rank calls it, with what it needs. Returns the bytes received."""
+        every rank calls it, with what it needs. Returns the bytes received.
+        ``into``: where the load will decode each chunk (regions of the target tensors, from a dry
+        run): a received chunk is decoded and verified there at once, and the load skips it
+        (``Tiers.filled``) instead of reading it back from the tier."""
         local = self.local.store
         missing = sorted((needed - local.objects.has_many("chunks", needed)) | (needed & exclude_local))
         wants = self.gather(missing)
@@ -305,20 +314,28 @@ class Peers(PeerGroup):
         # Into this rank's tier as each round arrives, where the restore reads them as it reads its
         # own (a damaged copy there is replaced); verified where they are read, like any tier, and
         # again before the refill names them in a step. What the tier cannot take stays in memory
-        # for this restore.
+        # for this restore. A chunk with a place in ``into`` is also verified and decoded there at
+        # once: the load skips it rather than read the tier's copy back (of a 1.2 GB state: 1.2 GB
+        # read and hashed again).
         objects = local.objects
         peer = dict(tiers.stores)["peer"]
         received = 0
 
+        def one(item: tuple[str, memoryview]) -> None:
+            cid, blob = item
+            try:
+                objects.backend.write(objects.path("chunks", cid), blob)
+                tiers.from_peers.add(cid)
+            except Exception:  # noqa: BLE001 - a full tier: this restore keeps it in memory
+                peer.objects.put("chunks", cid, bytes(blob))  # the round's buffer is reused
+            if into and cid in into:
+                decode_into_targets(cid, blob, into[cid], tiers, local.settings.max_chunk_size)
+
         def keep(blobs: dict[str, memoryview]) -> None:
+            # a round's chunks on the store's workers, as a load reads and hashes them
             nonlocal received
-            for cid, blob in blobs.items():
-                try:
-                    objects.backend.write(objects.path("chunks", cid), blob)
-                    tiers.from_peers.add(cid)
-                except Exception:  # noqa: BLE001 - a full tier: this restore keeps it in memory
-                    peer.objects.put("chunks", cid, bytes(blob))  # the round's buffer is reused
-                received += len(blob)
+            run_parallel(one, list(blobs.items()), local.settings.workers, NullProgress(), lambda it: len(it[1]), batch=BATCH_BYTES)
+            received += sum(len(b) for b in blobs.values())
 
         self.exchange(sends, keep)
         objects.backend.flush()
@@ -360,14 +377,3 @@ def _manifest_bytes(tiers: Tiers, mid: str) -> bytes:
             last = e
     assert last is not None
     raise last
-
-
-class NeedsRecorder(Tiers):
-    """Tiers that record which chunks a load asks for instead of reading them (a dry run of a DCP load)."""
-
-    def __init__(self, tiers: Tiers) -> None:
-        super().__init__(tiers.stores, manifests=tiers.manifests)
-        self.asked: set[str] = set()
-
-    def get(self, tasks: list[Any], progress: Any) -> None:
-        self.asked.update(t.id for t in tasks)

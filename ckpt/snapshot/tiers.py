@@ -56,6 +56,9 @@ class Tiers:
     # those of them served with a correct hash (the refill need not hash them again)
     from_peers: set[str] = field(default_factory=set)
     peer_verified: set[str] = field(default_factory=set)
+    # target regions a peer transfer already decoded a chunk into, verified (Peers.fetch's ``into``):
+    # (chunk id, address, length); a load skips the tasks that would write the same bytes there
+    filled: set[tuple[str, int, int]] = field(default_factory=set)
 
     @property
     def nearest(self) -> Store:
@@ -79,7 +82,7 @@ class Tiers:
         """Fetch every task's chunk into its buffer: each from the nearest tier holding it with a
         correct hash. The last tier runs the full pipeline and raises what it cannot serve.
         ``manifest``: the snapshot read, whose bundles serve its small chunks from a remote tier."""
-        remaining = tasks
+        remaining = self._skip_filled(tasks, progress) if self.filled else tasks
         stores = self.stores if self.reach is None else self.stores[: self.reach]
         for i, (name, store) in enumerate(stores):
             if not remaining:
@@ -90,6 +93,17 @@ class Tiers:
                 return
             remaining = self._try(name, store, remaining, progress, manifest)
         self.unserved.update(t.id for t in remaining)
+
+    def _skip_filled(self, tasks: list[GetTask], progress: Progress) -> list[GetTask]:
+        """The tasks left once those whose chunk a peer transfer decoded into their target are counted
+        as the peers' (verified there: the refill need not hash them again)."""
+        left, done = [], []
+        for t in tasks:
+            (done if t.into is not None and (t.id, address(t.into), t.length) in self.filled else left).append(t)
+        self.peer_verified.update(t.id for t in done)
+        self.served["peer"] += sum(t.length for t in done)
+        progress.advance(sum(t.length for t in done))
+        return left
 
     def _try(self, name: str, store: Store, tasks: list[GetTask], progress: Progress,
              manifest: Manifest | None = None) -> list[GetTask]:
@@ -163,6 +177,13 @@ def out_of_space(e: BaseException | None, rank: int | None = None) -> bool:
             return out_of_space(failed[0] if isinstance(failed, tuple) else failed)
         e = e.__cause__ or e.__context__
     return False
+
+
+def address(view: memoryview) -> int:
+    """Where a writable, non-empty buffer's first byte lies in memory."""
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def describe(e: BaseException) -> str:

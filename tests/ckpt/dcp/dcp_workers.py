@@ -575,14 +575,30 @@ def fsdp_plain_state(rank, world, tmp, store):
             "params": [bits(p.full_tensor()) for p in model2.parameters()] == [bits(p.full_tensor()) for p in model.parameters()]}
 
 
-def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False):
+def _count_chunk_reads(backend) -> list[int]:
+    """Count the reads of chunk objects ``backend`` makes from now on (the real reads, counted)."""
+    n = [0]
+    for name in ("read", "read_range", "read_into", "read_split"):
+        real = getattr(backend, name)
+
+        def counting(path, *a, _real=real, **k):
+            if "chunks" in str(path):
+                n[0] += 1
+            return _real(path, *a, **k)
+
+        setattr(backend, name, counting)
+    return n
+
+
+def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False, count=False):
     """:func:`ddp_resume` with local tiers: local snapshots every 2 steps, replicated to 1 peer
     rank, persisted every 4. ``resume`` first wipes the local tiers of the ranks in ``wipe`` (a
     replaced machine) and, on rank ``flip``, flips a byte of every chunk its tier holds of the
     newest snapshot; then reports ``mgr.last_restore``. ``big``: the state also holds a 64 MB
     tensor of zeros, shared by the ranks. ``killrep``: at step ``at`` that tensor becomes random
     (so rank 0, which saves it, replicates 64 MB to rank 1) and rank 0 is SIGKILLed right after
-    posting that send, while it is in flight; rank 1 reports what its save and its tier made of it."""
+    posting that send, while it is in flight; rank 1 reports what its save and its tier made of it.
+    ``count``: report how many chunk reads the restore (and its refill) made from this rank's tier."""
     import shutil
 
     import torch.distributed as dist
@@ -609,9 +625,13 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
         mgr = ckpt.CheckpointManager(store, "ddp", every_n_steps=4, local=local, local_every_n_steps=2, replicas=1,
                                      process_group=dist.group.WORLD, timeout_s=30)
     if mode == "resume":
+        reads = _count_chunk_reads(mgr._local.store.objects.backend) if count else None
         start = mgr.restore_latest(state)
         assert start == state["step"], (start, state["step"])
         out["restore"] = mgr.last_restore
+        if reads is not None:
+            mgr.wait()  # (the refill runs in the save thread)
+            out["tier_chunk_reads"] = reads[0]
     for step in range(start + 1, steps + 1):
         losses[step] = _ddp_step(state)
         state["step"] = step

@@ -99,6 +99,23 @@ def test_all_ranks_killed_restore_from_local_tiers_then_a_replaced_machine_from_
 
 
 
+def test_a_replaced_machine_decodes_chunks_from_its_replica_straight_into_its_tensors(tmp_path):
+    """A replaced machine (rank 1's tier wiped) restores from rank 0: each chunk received is verified
+    and decoded into the tensor it belongs to as it arrives, and the load does not read it back from
+    the tier it was written to (0 chunk reads there, restore and refill together). Bit-identical run;
+    the tier holds the step again."""
+    n, k = 8, 6
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n)
+    url = _crash(tmp_path / "a", 2, n, k)
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k, wipe=[1], count=True)
+    _same_run(full, resumed, k, n)
+    r1 = resumed[1]["restore"]
+    assert r1["step"] == k and r1["local"] == r1["store"] == 0 and r1["peer"] > 0
+    assert resumed[1]["tier_chunk_reads"] == 0
+    assert resumed[0]["tier_chunk_reads"] > 0  # (rank 0 reads its own tier: the count sees reads)
+    assert resumed[1]["local_steps"][-1] >= k
+
+
 @pytest.mark.slow
 def test_damaged_local_chunks_come_from_a_peer_and_lost_replicas_fall_back_to_the_durable_store(tmp_path):
     """(d) A byte flipped in every chunk of rank 0's tier: each comes from rank 1's copy (or the durable
