@@ -99,9 +99,11 @@ class LocalSnapshots(LocalRestoring):
         previous = self._last[1] if self._last else {}
         staged, reuse, keys, pending, live = self._stage(tensors, trust=trust, defer=defer)
         # The tensors known to have changed (by their versions): what a local tier makes room for before the write.
-        # Others staged may be unchanged, their chunks found by hash (a fused optimizer's frozen base, say): not counted,
-        # so that the check never refuses a save that would fit; the write finds out, as it did.
-        changed = [t.numel() * t.element_size() for n, t in staged.items() if trust and n in previous]
+        # Others staged may be unchanged, their chunks found by hash (a fused optimizer's frozen base, or any tensor
+        # after a restore, which fills the previous snapshot but records no versions): not counted, so that the
+        # check never refuses a save that would fit; the write finds out, as it did.
+        changed = [t.numel() * t.element_size() for n, t in staged.items()
+                   if trust and n in self._keys and n in previous]
         held = {n: t.detach() for n, t in tensors.items()}
         ready, in_place = None, None
         if live or pending:

@@ -240,8 +240,31 @@ def test_a_frozen_base_found_unchanged_by_hash_is_not_counted_against_the_room(t
         want = {k: v.numpy().tobytes() for k, v in head.state_dict().items()}
     head2 = torch.nn.Linear(64, 64)
     base2 = torch.nn.Linear(5000, 2000, bias=False)
+    opt2 = torch.optim.AdamW(head2.parameters(), lr=1e-3)
+    state2 = {"base": base2.requires_grad_(False), "head": head2, "optim": opt2, "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1) as mgr:
+        assert mgr.restore_latest(state2) == 3
+        assert {k: v.numpy().tobytes() for k, v in head2.state_dict().items()} == want
+        assert base2.weight.detach().numpy().tobytes() == base.weight.numpy().tobytes()
+        # The restart (versions trusted now): a restore records no versions, so the first save stages every tensor.
+        # The base was counted as changed (40 MB, 24 MiB free): step 4 refused, and step 5 made room by dropping 2
+        # and 3, the newest too, at every restart. Only tensors whose versions the previous save recorded count.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)
+            for step in (4, 5):
+                head2(torch.randn(4, 64)).square().mean().backward()
+                opt2.step()
+                opt2.zero_grad()
+                state2["step"] = step
+                mgr.save(step, state2, persist=False)
+                mgr.wait()
+                assert mgr.last_save.tier == "local"
+        assert mgr.local_tier.steps == [4, 5]
+        want = {k: v.numpy().tobytes() for k, v in head2.state_dict().items()}
+    head3 = torch.nn.Linear(64, 64)
     with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
-        assert mgr.restore_latest({"base": base2, "head": head2, "optim": torch.optim.AdamW(head2.parameters()),
-                                   "step": 0}) == 3
-    assert {k: v.numpy().tobytes() for k, v in head2.state_dict().items()} == want
-    assert base2.weight.detach().numpy().tobytes() == base.weight.numpy().tobytes()
+        assert mgr.restore_latest({"base": torch.nn.Linear(5000, 2000, bias=False), "head": head3,
+                                   "optim": torch.optim.AdamW(head3.parameters()), "step": 0}) == 5
+        assert mgr.last_restore["store"] == 0
+    assert {k: v.numpy().tobytes() for k, v in head3.state_dict().items()} == want
