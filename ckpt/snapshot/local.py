@@ -55,11 +55,11 @@ class LocalSnapshots(LocalRestoring):
     """The :class:`~ckpt.snapshot.run.SnapshotPath` of a single process."""
 
     def __init__(self, run: SnapshotRun, *, overlap: bool = False, unchanged_by: str = "version",
-                 room: Callable[[int, list[int], bool | None], object] | None = None) -> None:
+                 room: Callable[[int, list[int], bool | None, str | None], object] | None = None) -> None:
         self.run = run
         # A local tier's room made before a write (LocalTier.fit): the step, the sizes of the tensors written that
-        # are known to have changed, and whether the snapshot carries bundles; it raises (ENOSPC) where the medium
-        # cannot hold them.
+        # are known to have changed, whether the snapshot carries bundles, and the id of the snapshot whose chunks it
+        # reuses (never dropped); it raises (ENOSPC) where the medium cannot hold them.
         self.room = room
         self.store = run.store
         self.overlap = overlap
@@ -265,7 +265,7 @@ class LocalSnapshots(LocalRestoring):
 
         try:
             if self.room is not None:  # before a byte is written (a failure resets what the next save reuses, below)
-                self.room(step, changed or [], self.run.bundles)
+                self.room(step, changed or [], self.run.bundles, self._last[0] if self._last else None)
             known = {n: (e.dtype, e.shape, e.nbytes) for n, e in reuse.items()}
             # tensors read in place until the optimizer steps come from ``live``
             in_place = {n: live.source(n) for n in live.names} if live is not None else None

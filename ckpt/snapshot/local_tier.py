@@ -169,14 +169,15 @@ class LocalTier:
             total += small + PAGE * -(-small // chunk)
         return total
 
-    def fit(self, step: int, sizes: Iterable[int], bundles: bool | None = False) -> list[int]:
+    def fit(self, step: int, sizes: Iterable[int], bundles: bool | None = False, reused: str | None = None) -> list[int]:
         """Before the save of ``step`` writes tensors of ``sizes`` bytes here (those known to have changed: tensors
         that may be unchanged, found so by hash, are left out, so that a save that fits is never refused): make
         its room first, so that the bounds hold while it is written, not only after. Drops the oldest snapshots before ``step`` that the bounds would
         drop once it lands (those beyond ``keep`` with it; while what the tier holds and what it adds (:meth:`bound`)
         exceed ``max_bytes``), and the fewest that the medium's free space (``os.statvfs``) needs to hold it; never
         the newest before ``step`` (the snapshot a restart takes until this one is complete, the one it continues
-        from) nor a pinned one. Where not even all of them would make the room on the medium, raises (ENOSPC) with
+        from), the snapshot ``reused`` (the id of the one whose chunks the save reuses, its previous: a run gone back
+        continues from it while later steps may be pinned) nor a pinned one. Where not even all of them would make the room on the medium, raises (ENOSPC) with
         nothing dropped or written: it no longer filled the medium (a shared /dev/shm other tenants use) up to its
         end, then freed what it had written. The steps removed."""
         from ckpt_store.storage.errors import StorageIOError
@@ -188,7 +189,7 @@ class LocalTier:
             older = [s for s in steps if s < step]
             # Once it lands the tier holds ``older``, it, and pinned later steps (the later others go: drop_after).
             held = len(older) + 1 + sum(1 for s in steps if s > step and s in self.pinned)
-            candidates = [s for s in older[:-1] if s not in self.pinned]
+            candidates = [s for s in older[:-1] if s not in self.pinned and not self._names(s, reused)]
             n = min(max(held - self.keep, 0), len(candidates))
             if needed > free or self.max_bytes is not None:
                 chunks = {s: self._chunks(s) for s in steps}
@@ -265,6 +266,13 @@ class LocalTier:
         if removed:
             self._collect()
         return removed
+
+    def _names(self, step: int, mid: str | None) -> bool:
+        """Whether the snapshot of ``step`` is checkpoint ``mid``."""
+        try:
+            return mid is not None and self.store.resolve(self.ref(step)) == mid
+        except CkptError:
+            return False
 
     def _chunks(self, step: int) -> set[str]:
         """The chunk ids the snapshot of ``step`` names (none where it cannot be read)."""

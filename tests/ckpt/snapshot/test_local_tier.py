@@ -268,3 +268,49 @@ def test_a_frozen_base_found_unchanged_by_hash_is_not_counted_against_the_room(t
                                    "optim": torch.optim.AdamW(head3.parameters()), "step": 0}) == 5
         assert mgr.last_restore["store"] == 0
     assert {k: v.numpy().tobytes() for k, v in head3.state_dict().items()} == want
+
+
+def test_a_save_never_drops_the_snapshot_it_reuses_before_it_writes(tmp_path):
+    """local_keep=2: the run went back to step 2 and saved 3 while step 4 of the timeline it left was still being
+    persisted (pinned: the tier holds 3 and 4). The save of 5 reuses step 3's chunks (a tensor set anew after the
+    run went back, unchanged since by its versions), but the room made before it dropped 3 as older than the newest step before 5 (4): the
+    commit found its chunks gone (ChunksVanishedError), the tier warned and kept no snapshot of 5."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(256, 256, bias=False).requires_grad_(False)
+    head = torch.nn.Linear(16, 16)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    state = {"base": base, "head": head, "optim": opt, "noise": torch.randn(128, 128), "step": 0}
+
+    def train(step):
+        head(torch.randn(4, 16)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] = step
+
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=str(tmp_path / "tier"),
+                                local_every_n_steps=1) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)
+            for step in (2, 4):
+                train(step)
+                mgr.save(step, state, persist=False)
+                mgr.wait()
+            assert mgr.restore(state, 2) == 2
+            mgr._local.pinned.add(4)  # as a persist of step 4 in flight pins it
+            state["noise"].copy_(torch.randn(128, 128))  # (restored anew; written with 3 alone)
+            for step in (3, 5):
+                train(step)
+                mgr.save(step, state, persist=False)
+                mgr.wait()
+                assert mgr.last_save.tier == "local"
+        assert mgr.local_tier.steps[-1] == 5 and 3 not in mgr.local_tier.steps
+        want = {k: v.numpy().tobytes() for k, v in head.state_dict().items()}
+    head2, noise2 = torch.nn.Linear(16, 16), torch.zeros(128, 128)
+    base2 = torch.nn.Linear(256, 256, bias=False)
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=str(tmp_path / "tier")) as mgr:
+        state2 = {"base": base2, "head": head2, "optim": torch.optim.AdamW(head2.parameters()), "noise": noise2, "step": 0}
+        assert mgr.restore_latest(state2) == 5
+    assert {k: v.numpy().tobytes() for k, v in head2.state_dict().items()} == want
+    assert state2["noise"].numpy().tobytes() == state["noise"].numpy().tobytes()
+    assert base2.weight.detach().numpy().tobytes() == base.weight.numpy().tobytes()
+    assert ckpt.Store.open(str(tmp_path / "tier")).verify().ok
