@@ -158,9 +158,11 @@ class LocalTier:
         """At most what a snapshot of tensors of ``sizes`` bytes (those it writes) adds to the tier: their bytes, a
         page per chunk (its header, the medium's rounding), a copy of each one's small chunk where snapshots carry
         bundles (one per tensor at most: its others are full chunks), and 64 KiB and 1 KiB per tensor for the
-        manifest and refs. An upper bound: chunks the tier holds already (unchanged, found by hash) add nothing."""
+        manifest and refs. An upper bound: chunks the tier holds already (unchanged, found by hash) add nothing. A tier
+        that compresses (and deltas) counts no tensor bytes: raw bytes would be far over (an 8 MB tensor changed in one
+        element stores as 1.4 KiB) and refuse saves that fit; its write finds out where they do not."""
         chunk = self.store.settings.chunk_size
-        sizes = list(sizes)
+        sizes = [0 if self.compress else n for n in sizes]
         total = sum(n + PAGE * -(-n // chunk) + 1024 for n in sizes) + (64 << 10)
         if bundles:
             from ckpt.transfer.reading import BUNDLE_CHUNK_MAX
@@ -171,7 +173,8 @@ class LocalTier:
 
     def fit(self, step: int, sizes: Iterable[int], bundles: bool | None = False, reused: str | None = None) -> list[int]:
         """Before the save of ``step`` writes tensors of ``sizes`` bytes here (those known to have changed: tensors
-        that may be unchanged, found so by hash, are left out, so that a save that fits is never refused): make
+        that may be unchanged, found so by hash, are left out, and none is counted where the tier compresses
+        (:meth:`bound`), so that a save that fits is not refused but where a changed tensor stores as its bytes): make
         its room first, so that the bounds hold while it is written, not only after. Drops the oldest snapshots before ``step`` that the bounds would
         drop once it lands (those beyond ``keep`` with it; while what the tier holds and what it adds (:meth:`bound`)
         exceed ``max_bytes``), and the fewest that the medium's free space (``os.statvfs``) needs to hold it; never

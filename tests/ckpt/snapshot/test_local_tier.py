@@ -314,3 +314,30 @@ def test_a_save_never_drops_the_snapshot_it_reuses_before_it_writes(tmp_path):
     assert state2["noise"].numpy().tobytes() == state["noise"].numpy().tobytes()
     assert base2.weight.detach().numpy().tobytes() == base.weight.numpy().tobytes()
     assert ckpt.Store.open(str(tmp_path / "tier")).verify().ok
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_a_compressed_tier_counts_no_raw_bytes_against_the_room(tmp_path, tmpfs, delta):
+    """local_compress=True (and delta_vs_previous): an 8 MB tensor changed in one element stores as a few KiB, but
+    the room check counted its raw bytes against a 6 MiB tmpfs and refused every other save ('adds up to
+    8074752 bytes', 6 MiB free), where the code before the check wrote them all. A compressing tier counts no tensor bytes:
+    the saves land."""
+    shm = tmpfs(tmp_path / "shm", "6m")
+    torch.manual_seed(0)
+    state = {"w": torch.zeros(2000, 1000), "step": 0}  # 8 MB
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1, local_compress=True, delta_vs_previous=delta) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)
+            for step in (1, 2, 3, 4):
+                state["w"][step, :7] += torch.randn(7)
+                state["step"] = step
+                mgr.save(step, state, persist=False)
+                mgr.wait()
+                assert mgr.last_save.tier == "local"
+        assert mgr.local_tier.steps == [3, 4]
+    state2 = {"w": torch.ones(2000, 1000), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        assert mgr.restore_latest(state2) == 4 and mgr.last_restore["store"] == 0
+    assert state2["w"].numpy().tobytes() == state["w"].numpy().tobytes()
+    assert ckpt.Store.open(f"{shm}/tier").verify().ok
