@@ -341,3 +341,46 @@ def test_a_compressed_tier_counts_no_raw_bytes_against_the_room(tmp_path, tmpfs,
         assert mgr.restore_latest(state2) == 4 and mgr.last_restore["store"] == 0
     assert state2["w"].numpy().tobytes() == state["w"].numpy().tobytes()
     assert ckpt.Store.open(f"{shm}/tier").verify().ok
+
+
+def test_whose_tier_the_default_path_is_by_its_marker(tmp_path, monkeypatch):
+    """The default path's folder is keyed by the durable store's id, its URL and the run. Its marker naming another
+    store (a collision of the key) is another's tier: emptied, with a warning that says whose. A damaged marker
+    there is almost surely this run's own tier: it was emptied too; now refused, naming the folder, snapshots
+    left. A marker with a field more (a later ckpt's) was compared whole and emptied: its two fields are."""
+    import json
+
+    monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "shm"))
+    url = str(tmp_path / "durable")
+    kw = dict(every_n_steps=100, local=True, local_every_n_steps=1)
+    with ckpt.CheckpointManager(url, "run", **kw) as mgr:
+        want = _train(mgr, (1, 2))
+        tier = mgr.local_tier.path
+    marker = os.path.join(tier, "ckpt-local-tier.json")
+    with open(marker) as f:
+        ours = json.load(f)
+
+    with open(marker, "w") as f:
+        json.dump({**ours, "written_by": "ckpt 9"}, f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ckpt.TierWarning)
+        with ckpt.CheckpointManager(url, "run", **kw) as mgr:
+            assert mgr.local_tier.steps == [1, 2]
+            model, state = _fresh()
+            assert mgr.restore_latest(state) == 2 and mgr.last_restore["store"] == 0
+    assert {k: v.numpy().tobytes() for k, v in model.state_dict().items()} == want
+
+    with open(marker, "wb") as f:
+        f.write(b'{"run": "run", "store_')
+    with pytest.raises(ckpt.CkptError, match="damaged") as e:
+        ckpt.CheckpointManager(url, "run", **kw)
+    assert tier in str(e.value) and "rm -r" in e.value.hint
+    assert sorted(ckpt.Store.open(tier).refs()) == ["run/latest", "run/step-1", "run/step-2"]
+
+    with open(marker, "w") as f:
+        json.dump({"run": "run", "store_id": "0" * 32}, f)
+    with pytest.warns(ckpt.TierWarning, match="was the local tier of run 'run' of another store .*emptied for run"):
+        with ckpt.CheckpointManager(url, "run", **kw) as mgr:
+            assert mgr.local_tier.path == tier and mgr.local_tier.steps == []
+    with open(marker) as f:
+        assert json.load(f) == ours
