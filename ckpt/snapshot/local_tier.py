@@ -30,6 +30,7 @@ from ckpt.snapshot.local_paths import default_local_path
 from ckpt.snapshot.steps import run_steps
 from ckpt.snapshot.tiers import describe
 from ckpt.store.destination import check_dir_destination
+from ckpt_store.storage.chunk_lists import referenced_chunks
 
 if TYPE_CHECKING:
     from ckpt.settings import Settings
@@ -104,6 +105,7 @@ class LocalTier:
             self.store.backend.write(TIER_MARKER, marker)
         self.pinned: set[int] = set()
         self._lock = threading.Lock()  # prune vs. the steps a persist pins
+        self._named: dict[str, frozenset[str]] = {}  # manifest id -> the chunks it names (_chunks)
 
     def close(self) -> None:
         """Let go of the tier (another manager may then take it)."""
@@ -195,7 +197,7 @@ class LocalTier:
             candidates = [s for s in older[:-1] if s not in self.pinned and not self._names(s, reused)]
             n = min(max(held - self.keep, 0), len(candidates))
             if needed > free or self.max_bytes is not None:
-                chunks = {s: self._chunks(s) for s in steps}
+                chunks = self._chunk_map(steps)
                 freed = [room - free for room in self._rooms(candidates, chunks, free)]
                 if needed > free:
                     fits = [k for k, f in enumerate(freed) if free + f >= needed]
@@ -228,7 +230,7 @@ class LocalTier:
             steps = [s for s in self.steps() if s not in self.pinned]
             if not steps:
                 return []
-            chunks = {s: self._chunks(s) for s in self.steps()}
+            chunks = self._chunk_map(self.steps())
             if needed is None:  # (a group's rank: the most any snapshot holds here, one cut short by ENOSPC aside)
                 needed = max(sum(self.store.stored_sizes(c).values()) for c in chunks.values())
             free = free_bytes(self.path)
@@ -239,20 +241,34 @@ class LocalTier:
                 return []
             return self._remove(steps[:n])
 
-    def _dropping(self, steps: list[int], chunks: dict[int, set[str]], needed: int, free: int) -> tuple[int | None, int]:
+    def _dropping(self, steps: list[int], chunks: dict[int, frozenset[str]], needed: int, free: int) -> tuple[int | None, int]:
         """How many of ``steps`` (oldest first) to drop, the fewest, for ``free`` bytes and what they free to hold
         ``needed`` (None: not even all of them), and that room."""
         rooms = self._rooms(steps, chunks, free)
         return next((n for n, room in enumerate(rooms) if room >= needed), None), rooms[-1]
 
-    def _rooms(self, steps: list[int], chunks: dict[int, set[str]], free: int) -> list[int]:
+    def _rooms(self, steps: list[int], chunks: dict[int, frozenset[str]], free: int) -> list[int]:
         """The room with the first n of ``steps`` dropped, for n = 0..len(steps): ``free`` bytes and what they free.
-        ``chunks``: every step's chunks (a chunk that a step kept names too is not freed)."""
-        rooms = []
-        for n in range(len(steps) + 1):
-            kept = set().union(*(c for s, c in chunks.items() if s not in steps[:n]))
-            gone = set().union(*(chunks[s] for s in steps[:n])) - kept
-            rooms.append(free + sum(self.store.stored_sizes(gone).values()))
+        ``chunks``: every step's chunks (a chunk that a step kept names too is not freed). One size query per chunk
+        (asked of the chunks any of ``steps`` may free, once), not one per chunk and prefix."""
+        at = {s: i for i, s in enumerate(steps)}
+        last: dict[str, int] = {}  # chunk -> the index in ``steps`` of the last one naming it (it goes with that one)
+        never: set[str] = set()  # named by a step not in ``steps``: never freed
+        for s, ids in chunks.items():
+            i = at.get(s)
+            for c in ids:
+                if i is None:
+                    never.add(c)
+                elif last.get(c, -1) < i:
+                    last[c] = i
+        sizes = self.store.stored_sizes(set(last) - never)
+        gains = [0] * (len(steps) + 1)
+        for c, i in last.items():
+            gains[i + 1] += sizes.get(c, 0)
+        rooms, room = [], free
+        for g in gains:
+            room += g
+            rooms.append(room)
         return rooms
 
     def _remove(self, removed: list[int]) -> list[int]:
@@ -277,13 +293,23 @@ class LocalTier:
         except CkptError:
             return False
 
-    def _chunks(self, step: int) -> set[str]:
-        """The chunk ids the snapshot of ``step`` names (none where it cannot be read)."""
+    def _chunk_map(self, steps: list[int]) -> dict[int, frozenset[str]]:
+        """Each of ``steps``' chunks (:meth:`_chunks`); the manifests of snapshots gone since are forgotten."""
+        out = {s: self._chunks(s) for s in steps}
+        held = set(out.values())
+        self._named = {m: c for m, c in self._named.items() if c in held}
+        return out
+
+    def _chunks(self, step: int) -> frozenset[str]:
+        """The chunk ids the snapshot of ``step`` names, the bases of its delta chains too (none where it cannot be
+        read). Kept by manifest id (a manifest never changes): a save's room reads only the manifests new since."""
         try:
-            m = self.store.manifest(self.ref(step))
+            mid = self.store.resolve(self.ref(step))
+            if mid not in self._named:
+                self._named[mid] = frozenset(referenced_chunks(self.store.objects.get_manifest(mid)))
         except CkptError:
-            return set()
-        return {c for t in m.tensors for c in t.chunks}
+            return frozenset()
+        return self._named[mid]
 
     def drop_after(self, step: int) -> list[int]:
         """Remove the snapshots of steps after ``step`` but pinned ones (their data goes with the next

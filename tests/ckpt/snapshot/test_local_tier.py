@@ -384,3 +384,28 @@ def test_whose_tier_the_default_path_is_by_its_marker(tmp_path, monkeypatch):
             assert mgr.local_tier.path == tier and mgr.local_tier.steps == []
     with open(marker) as f:
         assert json.load(f) == ours
+
+
+def test_the_room_before_a_save_asks_each_chunk_size_once(tmp_path):
+    """fit with local_max_bytes measured what dropping the first n older snapshots frees for every n, asking the
+    size of each freed chunk again per n (8 snapshots x 1,500 chunks: 1-2 s per save). It asks each chunk's size
+    once now, and reads each snapshot's manifest once while the tier holds it; what it drops is unchanged."""
+    from ckpt.snapshot.local_tier import LocalTier
+
+    tier = LocalTier(str(tmp_path / "tier"), "run", keep=9, max_bytes=1 << 40)
+    for s in range(1, 7):
+        tier.store.push({f"t{i}": torch.full((256,), float(s * 1000 + i)) for i in range(40)}, f"run/step-{s}")
+    asked, read = [], []
+    sizes, get = tier.store.stored_sizes, tier.store.objects.get_manifest
+    tier.store.stored_sizes = lambda ids: (asked.extend(ids), sizes(ids))[1]
+    tier.store.objects.get_manifest = lambda mid: (read.append(mid), get(mid))[1]
+    assert tier.fit(7, [1024]) == []
+    assert len(asked) == len(set(asked)) == 5 * 40 and len(read) == 6  # (the newest's chunks are never freed)
+    read.clear()
+    assert tier.fit(7, [1024]) == [] and read == []  # (each manifest read once while the tier holds it)
+    tier.max_bytes = tier.store.du().stored + tier.bound([1024]) - 100 * 1024
+    asked.clear()
+    assert tier.fit(7, [1024]) == [1, 2, 3]  # (each frees 40 KiB and more: 100 KiB needs three)
+    assert tier.steps() == [4, 5, 6] and tier.store.verify().ok
+    assert len(asked) == 5 * 40
+    tier.close()
