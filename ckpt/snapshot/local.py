@@ -55,11 +55,11 @@ class LocalSnapshots(LocalRestoring):
     """The :class:`~ckpt.snapshot.run.SnapshotPath` of a single process."""
 
     def __init__(self, run: SnapshotRun, *, overlap: bool = False, unchanged_by: str = "version",
-                 room: Callable[[int, list[int], bool | None], object] | None = None) -> None:
+                 room: Callable[[int, list[int], bool | None, str | None], object] | None = None) -> None:
         self.run = run
         # A local tier's room made before a write (LocalTier.fit): the step, the sizes of the tensors written that
-        # are known to have changed, and whether the snapshot carries bundles; it raises (ENOSPC) where the medium
-        # cannot hold them.
+        # are known to have changed, whether the snapshot carries bundles, and the id of the snapshot whose chunks it
+        # reuses (never dropped); it raises (ENOSPC) where the medium cannot hold them.
         self.room = room
         self.store = run.store
         self.overlap = overlap
@@ -99,9 +99,11 @@ class LocalSnapshots(LocalRestoring):
         previous = self._last[1] if self._last else {}
         staged, reuse, keys, pending, live = self._stage(tensors, trust=trust, defer=defer)
         # The tensors known to have changed (by their versions): what a local tier makes room for before the write.
-        # Others staged may be unchanged, their chunks found by hash (a fused optimizer's frozen base, say): not counted,
-        # so that the check never refuses a save that would fit; the write finds out, as it did.
-        changed = [t.numel() * t.element_size() for n, t in staged.items() if trust and n in previous]
+        # Others staged may be unchanged, their chunks found by hash (a fused optimizer's frozen base, or any tensor
+        # after a restore, which fills the previous snapshot but records no versions): not counted, so that the
+        # check never refuses a save that would fit; the write finds out, as it did.
+        changed = [t.numel() * t.element_size() for n, t in staged.items()
+                   if trust and n in self._keys and n in previous]
         held = {n: t.detach() for n, t in tensors.items()}
         ready, in_place = None, None
         if live or pending:
@@ -263,7 +265,7 @@ class LocalSnapshots(LocalRestoring):
 
         try:
             if self.room is not None:  # before a byte is written (a failure resets what the next save reuses, below)
-                self.room(step, changed or [], self.run.bundles)
+                self.room(step, changed or [], self.run.bundles, self._last[0] if self._last else None)
             known = {n: (e.dtype, e.shape, e.nbytes) for n, e in reuse.items()}
             # tensors read in place until the optimizer steps come from ``live``
             in_place = {n: live.source(n) for n in live.names} if live is not None else None

@@ -45,7 +45,9 @@ def claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | N
     Refused (beside what :func:`apart` refuses): a ckpt store that is not a local tier (its
     history would be collected), and the tier of another store or run (it would be resumed from).
     With ``reset_foreign`` (the default path, keyed by the store's id, its URL and the run: another
-    store's tier is there only by a collision of the key) it is emptied instead, with a warning.
+    store's tier is there only by a collision of the key) it is emptied instead, with a warning; but not
+    where the marker is damaged: that folder is almost surely this run's own tier (refused, with the path).
+    Only the marker's two fields are compared (a later ckpt's marker may hold more).
     A store with no marker is taken where it holds nothing, and at the default path where its every ref is
     a snapshot of ``run`` (a tier kept before tiers had markers); elsewhere such a store may as well be
     another store of the run (an earlier experiment's durable store, say): refused, it would be resumed
@@ -62,7 +64,7 @@ def claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | N
         have = None
     except (OSError, ValueError):
         have = {}  # damaged: someone's, not known to be this run's
-    if have == want:
+    if _readable(have) and all(have[k] == v for k, v in want.items()):
         return None
     if have is None and not os.path.lexists(os.path.join(path, CONFIG_PATH)):
         return marker  # a new tier
@@ -78,7 +80,7 @@ def claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | N
         raise SnapshotError(f"local={path} is a ckpt store that is not a local tier; a tier prunes and collects "
                             "what it holds", hint="give the local tier a path of its own")
     whose = _whose(have, want, durable)
-    if not reset_foreign:
+    if not reset_foreign or not _readable(have):
         raise SnapshotError(f"local={path} is {whose}",
                             hint="give this run's local tier a folder of its own (local=ANOTHER_PATH); or, where that "
                                  "tier's snapshots are not needed (those it persisted are in its durable store), remove "
@@ -97,9 +99,14 @@ def claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | N
     return marker
 
 
+def _readable(have: object) -> bool:
+    """Whether a marker ``have`` (read from the tier) names a run and a store id."""
+    return isinstance(have, dict) and isinstance(have.get("run"), str) and isinstance(have.get("store_id"), str)
+
+
 def _whose(have: object, want: dict[str, str], durable: Store) -> str:
     """Whose tier a marker ``have`` (read from the tier) names, against ``want`` (this manager's)."""
-    if not isinstance(have, dict) or not isinstance(have.get("run"), str) or not isinstance(have.get("store_id"), str):
+    if not _readable(have):
         return f"a local tier whose {TIER_MARKER} is damaged (whose tier it is cannot be told)"
     theirs = f"the local tier of run {have['run']!r:.100}"
     if have["store_id"] == want["store_id"]:

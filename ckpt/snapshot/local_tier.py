@@ -30,6 +30,7 @@ from ckpt.snapshot.local_paths import default_local_path
 from ckpt.snapshot.steps import run_steps
 from ckpt.snapshot.tiers import describe
 from ckpt.store.destination import check_dir_destination
+from ckpt_store.storage.chunk_lists import referenced_chunks
 
 if TYPE_CHECKING:
     from ckpt.settings import Settings
@@ -104,6 +105,7 @@ class LocalTier:
             self.store.backend.write(TIER_MARKER, marker)
         self.pinned: set[int] = set()
         self._lock = threading.Lock()  # prune vs. the steps a persist pins
+        self._named: dict[str, frozenset[str]] = {}  # manifest id -> the chunks it names (_chunks)
 
     def close(self) -> None:
         """Let go of the tier (another manager may then take it)."""
@@ -158,9 +160,11 @@ class LocalTier:
         """At most what a snapshot of tensors of ``sizes`` bytes (those it writes) adds to the tier: their bytes, a
         page per chunk (its header, the medium's rounding), a copy of each one's small chunk where snapshots carry
         bundles (one per tensor at most: its others are full chunks), and 64 KiB and 1 KiB per tensor for the
-        manifest and refs. An upper bound: chunks the tier holds already (unchanged, found by hash) add nothing."""
+        manifest and refs. An upper bound: chunks the tier holds already (unchanged, found by hash) add nothing. A tier
+        that compresses (and deltas) counts no tensor bytes: raw bytes would be far over (an 8 MB tensor changed in one
+        element stores as 1.4 KiB) and refuse saves that fit; its write finds out where they do not."""
         chunk = self.store.settings.chunk_size
-        sizes = list(sizes)
+        sizes = [0 if self.compress else n for n in sizes]
         total = sum(n + PAGE * -(-n // chunk) + 1024 for n in sizes) + (64 << 10)
         if bundles:
             from ckpt.transfer.reading import BUNDLE_CHUNK_MAX
@@ -169,14 +173,16 @@ class LocalTier:
             total += small + PAGE * -(-small // chunk)
         return total
 
-    def fit(self, step: int, sizes: Iterable[int], bundles: bool | None = False) -> list[int]:
+    def fit(self, step: int, sizes: Iterable[int], bundles: bool | None = False, reused: str | None = None) -> list[int]:
         """Before the save of ``step`` writes tensors of ``sizes`` bytes here (those known to have changed: tensors
-        that may be unchanged, found so by hash, are left out, so that a save that fits is never refused): make
+        that may be unchanged, found so by hash, are left out, and none is counted where the tier compresses
+        (:meth:`bound`), so that a save that fits is not refused but where a changed tensor stores as its bytes): make
         its room first, so that the bounds hold while it is written, not only after. Drops the oldest snapshots before ``step`` that the bounds would
         drop once it lands (those beyond ``keep`` with it; while what the tier holds and what it adds (:meth:`bound`)
         exceed ``max_bytes``), and the fewest that the medium's free space (``os.statvfs``) needs to hold it; never
         the newest before ``step`` (the snapshot a restart takes until this one is complete, the one it continues
-        from) nor a pinned one. Where not even all of them would make the room on the medium, raises (ENOSPC) with
+        from), the snapshot ``reused`` (the id of the one whose chunks the save reuses, its previous: a run gone back
+        continues from it while later steps may be pinned) nor a pinned one. Where not even all of them would make the room on the medium, raises (ENOSPC) with
         nothing dropped or written: it no longer filled the medium (a shared /dev/shm other tenants use) up to its
         end, then freed what it had written. The steps removed."""
         from ckpt_store.storage.errors import StorageIOError
@@ -188,10 +194,10 @@ class LocalTier:
             older = [s for s in steps if s < step]
             # Once it lands the tier holds ``older``, it, and pinned later steps (the later others go: drop_after).
             held = len(older) + 1 + sum(1 for s in steps if s > step and s in self.pinned)
-            candidates = [s for s in older[:-1] if s not in self.pinned]
+            candidates = [s for s in older[:-1] if s not in self.pinned and not self._names(s, reused)]
             n = min(max(held - self.keep, 0), len(candidates))
             if needed > free or self.max_bytes is not None:
-                chunks = {s: self._chunks(s) for s in steps}
+                chunks = self._chunk_map(steps)
                 freed = [room - free for room in self._rooms(candidates, chunks, free)]
                 if needed > free:
                     fits = [k for k, f in enumerate(freed) if free + f >= needed]
@@ -224,7 +230,7 @@ class LocalTier:
             steps = [s for s in self.steps() if s not in self.pinned]
             if not steps:
                 return []
-            chunks = {s: self._chunks(s) for s in self.steps()}
+            chunks = self._chunk_map(self.steps())
             if needed is None:  # (a group's rank: the most any snapshot holds here, one cut short by ENOSPC aside)
                 needed = max(sum(self.store.stored_sizes(c).values()) for c in chunks.values())
             free = free_bytes(self.path)
@@ -235,20 +241,34 @@ class LocalTier:
                 return []
             return self._remove(steps[:n])
 
-    def _dropping(self, steps: list[int], chunks: dict[int, set[str]], needed: int, free: int) -> tuple[int | None, int]:
+    def _dropping(self, steps: list[int], chunks: dict[int, frozenset[str]], needed: int, free: int) -> tuple[int | None, int]:
         """How many of ``steps`` (oldest first) to drop, the fewest, for ``free`` bytes and what they free to hold
         ``needed`` (None: not even all of them), and that room."""
         rooms = self._rooms(steps, chunks, free)
         return next((n for n, room in enumerate(rooms) if room >= needed), None), rooms[-1]
 
-    def _rooms(self, steps: list[int], chunks: dict[int, set[str]], free: int) -> list[int]:
+    def _rooms(self, steps: list[int], chunks: dict[int, frozenset[str]], free: int) -> list[int]:
         """The room with the first n of ``steps`` dropped, for n = 0..len(steps): ``free`` bytes and what they free.
-        ``chunks``: every step's chunks (a chunk that a step kept names too is not freed)."""
-        rooms = []
-        for n in range(len(steps) + 1):
-            kept = set().union(*(c for s, c in chunks.items() if s not in steps[:n]))
-            gone = set().union(*(chunks[s] for s in steps[:n])) - kept
-            rooms.append(free + sum(self.store.stored_sizes(gone).values()))
+        ``chunks``: every step's chunks (a chunk that a step kept names too is not freed). One size query per chunk
+        (asked of the chunks any of ``steps`` may free, once), not one per chunk and prefix."""
+        at = {s: i for i, s in enumerate(steps)}
+        last: dict[str, int] = {}  # chunk -> the index in ``steps`` of the last one naming it (it goes with that one)
+        never: set[str] = set()  # named by a step not in ``steps``: never freed
+        for s, ids in chunks.items():
+            i = at.get(s)
+            for c in ids:
+                if i is None:
+                    never.add(c)
+                elif last.get(c, -1) < i:
+                    last[c] = i
+        sizes = self.store.stored_sizes(set(last) - never)
+        gains = [0] * (len(steps) + 1)
+        for c, i in last.items():
+            gains[i + 1] += sizes.get(c, 0)
+        rooms, room = [], free
+        for g in gains:
+            room += g
+            rooms.append(room)
         return rooms
 
     def _remove(self, removed: list[int]) -> list[int]:
@@ -266,13 +286,30 @@ class LocalTier:
             self._collect()
         return removed
 
-    def _chunks(self, step: int) -> set[str]:
-        """The chunk ids the snapshot of ``step`` names (none where it cannot be read)."""
+    def _names(self, step: int, mid: str | None) -> bool:
+        """Whether the snapshot of ``step`` is checkpoint ``mid``."""
         try:
-            m = self.store.manifest(self.ref(step))
+            return mid is not None and self.store.resolve(self.ref(step)) == mid
         except CkptError:
-            return set()
-        return {c for t in m.tensors for c in t.chunks}
+            return False
+
+    def _chunk_map(self, steps: list[int]) -> dict[int, frozenset[str]]:
+        """Each of ``steps``' chunks (:meth:`_chunks`); the manifests of snapshots gone since are forgotten."""
+        out = {s: self._chunks(s) for s in steps}
+        held = set(out.values())
+        self._named = {m: c for m, c in self._named.items() if c in held}
+        return out
+
+    def _chunks(self, step: int) -> frozenset[str]:
+        """The chunk ids the snapshot of ``step`` names, the bases of its delta chains too (none where it cannot be
+        read). Kept by manifest id (a manifest never changes): a save's room reads only the manifests new since."""
+        try:
+            mid = self.store.resolve(self.ref(step))
+            if mid not in self._named:
+                self._named[mid] = frozenset(referenced_chunks(self.store.objects.get_manifest(mid)))
+        except CkptError:
+            return frozenset()
+        return self._named[mid]
 
     def drop_after(self, step: int) -> list[int]:
         """Remove the snapshots of steps after ``step`` but pinned ones (their data goes with the next

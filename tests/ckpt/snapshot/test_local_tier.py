@@ -240,8 +240,172 @@ def test_a_frozen_base_found_unchanged_by_hash_is_not_counted_against_the_room(t
         want = {k: v.numpy().tobytes() for k, v in head.state_dict().items()}
     head2 = torch.nn.Linear(64, 64)
     base2 = torch.nn.Linear(5000, 2000, bias=False)
+    opt2 = torch.optim.AdamW(head2.parameters(), lr=1e-3)
+    state2 = {"base": base2.requires_grad_(False), "head": head2, "optim": opt2, "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1) as mgr:
+        assert mgr.restore_latest(state2) == 3
+        assert {k: v.numpy().tobytes() for k, v in head2.state_dict().items()} == want
+        assert base2.weight.detach().numpy().tobytes() == base.weight.numpy().tobytes()
+        # The restart (versions trusted now): a restore records no versions, so the first save stages every tensor.
+        # The base was counted as changed (40 MB, 24 MiB free): step 4 refused, and step 5 made room by dropping 2
+        # and 3, the newest too, at every restart. Only tensors whose versions the previous save recorded count.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)
+            for step in (4, 5):
+                head2(torch.randn(4, 64)).square().mean().backward()
+                opt2.step()
+                opt2.zero_grad()
+                state2["step"] = step
+                mgr.save(step, state2, persist=False)
+                mgr.wait()
+                assert mgr.last_save.tier == "local"
+        assert mgr.local_tier.steps == [4, 5]
+        want = {k: v.numpy().tobytes() for k, v in head2.state_dict().items()}
+    head3 = torch.nn.Linear(64, 64)
     with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
-        assert mgr.restore_latest({"base": base2, "head": head2, "optim": torch.optim.AdamW(head2.parameters()),
-                                   "step": 0}) == 3
+        assert mgr.restore_latest({"base": torch.nn.Linear(5000, 2000, bias=False), "head": head3,
+                                   "optim": torch.optim.AdamW(head3.parameters()), "step": 0}) == 5
+        assert mgr.last_restore["store"] == 0
+    assert {k: v.numpy().tobytes() for k, v in head3.state_dict().items()} == want
+
+
+def test_a_save_never_drops_the_snapshot_it_reuses_before_it_writes(tmp_path):
+    """local_keep=2: the run went back to step 2 and saved 3 while step 4 of the timeline it left was still being
+    persisted (pinned: the tier holds 3 and 4). The save of 5 reuses step 3's chunks (a tensor set anew after the
+    run went back, unchanged since by its versions), but the room made before it dropped 3 as older than the newest step before 5 (4): the
+    commit found its chunks gone (ChunksVanishedError), the tier warned and kept no snapshot of 5."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(256, 256, bias=False).requires_grad_(False)
+    head = torch.nn.Linear(16, 16)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    state = {"base": base, "head": head, "optim": opt, "noise": torch.randn(128, 128), "step": 0}
+
+    def train(step):
+        head(torch.randn(4, 16)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] = step
+
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=str(tmp_path / "tier"),
+                                local_every_n_steps=1) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)
+            for step in (2, 4):
+                train(step)
+                mgr.save(step, state, persist=False)
+                mgr.wait()
+            assert mgr.restore(state, 2) == 2
+            mgr._local.pinned.add(4)  # as a persist of step 4 in flight pins it
+            state["noise"].copy_(torch.randn(128, 128))  # (restored anew; written with 3 alone)
+            for step in (3, 5):
+                train(step)
+                mgr.save(step, state, persist=False)
+                mgr.wait()
+                assert mgr.last_save.tier == "local"
+        assert mgr.local_tier.steps[-1] == 5 and 3 not in mgr.local_tier.steps
+        want = {k: v.numpy().tobytes() for k, v in head.state_dict().items()}
+    head2, noise2 = torch.nn.Linear(16, 16), torch.zeros(128, 128)
+    base2 = torch.nn.Linear(256, 256, bias=False)
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=str(tmp_path / "tier")) as mgr:
+        state2 = {"base": base2, "head": head2, "optim": torch.optim.AdamW(head2.parameters()), "noise": noise2, "step": 0}
+        assert mgr.restore_latest(state2) == 5
     assert {k: v.numpy().tobytes() for k, v in head2.state_dict().items()} == want
+    assert state2["noise"].numpy().tobytes() == state["noise"].numpy().tobytes()
     assert base2.weight.detach().numpy().tobytes() == base.weight.numpy().tobytes()
+    assert ckpt.Store.open(str(tmp_path / "tier")).verify().ok
+
+
+@pytest.mark.parametrize("delta", [False, True])
+def test_a_compressed_tier_counts_no_raw_bytes_against_the_room(tmp_path, tmpfs, delta):
+    """local_compress=True (and delta_vs_previous): an 8 MB tensor changed in one element stores as a few KiB, but
+    the room check counted its raw bytes against a 6 MiB tmpfs and refused every other save ('adds up to
+    8074752 bytes', 6 MiB free), where the code before the check wrote them all. A compressing tier counts no tensor bytes:
+    the saves land."""
+    shm = tmpfs(tmp_path / "shm", "6m")
+    torch.manual_seed(0)
+    state = {"w": torch.zeros(2000, 1000), "step": 0}  # 8 MB
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1, local_compress=True, delta_vs_previous=delta) as mgr:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)
+            for step in (1, 2, 3, 4):
+                state["w"][step, :7] += torch.randn(7)
+                state["step"] = step
+                mgr.save(step, state, persist=False)
+                mgr.wait()
+                assert mgr.last_save.tier == "local"
+        assert mgr.local_tier.steps == [3, 4]
+    state2 = {"w": torch.ones(2000, 1000), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        assert mgr.restore_latest(state2) == 4 and mgr.last_restore["store"] == 0
+    assert state2["w"].numpy().tobytes() == state["w"].numpy().tobytes()
+    assert ckpt.Store.open(f"{shm}/tier").verify().ok
+
+
+def test_whose_tier_the_default_path_is_by_its_marker(tmp_path, monkeypatch):
+    """The default path's folder is keyed by the durable store's id, its URL and the run. Its marker naming another
+    store (a collision of the key) is another's tier: emptied, with a warning that says whose. A damaged marker
+    there is almost surely this run's own tier: it was emptied too; now refused, naming the folder, snapshots
+    left. A marker with a field more (a later ckpt's) was compared whole and emptied: its two fields are."""
+    import json
+
+    monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "shm"))
+    url = str(tmp_path / "durable")
+    kw = dict(every_n_steps=100, local=True, local_every_n_steps=1)
+    with ckpt.CheckpointManager(url, "run", **kw) as mgr:
+        want = _train(mgr, (1, 2))
+        tier = mgr.local_tier.path
+    marker = os.path.join(tier, "ckpt-local-tier.json")
+    with open(marker) as f:
+        ours = json.load(f)
+
+    with open(marker, "w") as f:
+        json.dump({**ours, "written_by": "ckpt 9"}, f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ckpt.TierWarning)
+        with ckpt.CheckpointManager(url, "run", **kw) as mgr:
+            assert mgr.local_tier.steps == [1, 2]
+            model, state = _fresh()
+            assert mgr.restore_latest(state) == 2 and mgr.last_restore["store"] == 0
+    assert {k: v.numpy().tobytes() for k, v in model.state_dict().items()} == want
+
+    with open(marker, "wb") as f:
+        f.write(b'{"run": "run", "store_')
+    with pytest.raises(ckpt.CkptError, match="damaged") as e:
+        ckpt.CheckpointManager(url, "run", **kw)
+    assert tier in str(e.value) and "rm -r" in e.value.hint
+    assert sorted(ckpt.Store.open(tier).refs()) == ["run/latest", "run/step-1", "run/step-2"]
+
+    with open(marker, "w") as f:
+        json.dump({"run": "run", "store_id": "0" * 32}, f)
+    with pytest.warns(ckpt.TierWarning, match="was the local tier of run 'run' of another store .*emptied for run"):
+        with ckpt.CheckpointManager(url, "run", **kw) as mgr:
+            assert mgr.local_tier.path == tier and mgr.local_tier.steps == []
+    with open(marker) as f:
+        assert json.load(f) == ours
+
+
+def test_the_room_before_a_save_asks_each_chunk_size_once(tmp_path):
+    """fit with local_max_bytes measured what dropping the first n older snapshots frees for every n, asking the
+    size of each freed chunk again per n (8 snapshots x 1,500 chunks: 1-2 s per save). It asks each chunk's size
+    once now, and reads each snapshot's manifest once while the tier holds it; what it drops is unchanged."""
+    from ckpt.snapshot.local_tier import LocalTier
+
+    tier = LocalTier(str(tmp_path / "tier"), "run", keep=9, max_bytes=1 << 40)
+    for s in range(1, 7):
+        tier.store.push({f"t{i}": torch.full((256,), float(s * 1000 + i)) for i in range(40)}, f"run/step-{s}")
+    asked, read = [], []
+    sizes, get = tier.store.stored_sizes, tier.store.objects.get_manifest
+    tier.store.stored_sizes = lambda ids: (asked.extend(ids), sizes(ids))[1]
+    tier.store.objects.get_manifest = lambda mid: (read.append(mid), get(mid))[1]
+    assert tier.fit(7, [1024]) == []
+    assert len(asked) == len(set(asked)) == 5 * 40 and len(read) == 6  # (the newest's chunks are never freed)
+    read.clear()
+    assert tier.fit(7, [1024]) == [] and read == []  # (each manifest read once while the tier holds it)
+    tier.max_bytes = tier.store.du().stored + tier.bound([1024]) - 100 * 1024
+    asked.clear()
+    assert tier.fit(7, [1024]) == [1, 2, 3]  # (each frees 40 KiB and more: 100 KiB needs three)
+    assert tier.steps() == [4, 5, 6] and tier.store.verify().ok
+    assert len(asked) == 5 * 40
+    tier.close()
