@@ -60,9 +60,11 @@ def claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | N
     try:
         with open(os.path.join(path, TIER_MARKER), "rb") as f:
             have = json.loads(f.read(4096))
+        if have is None:
+            have = {}  # (a marker reading ``null`` is there: damaged, not missing)
     except FileNotFoundError:
         have = None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # (``[[[[...``: json's parser recurses per level)
         have = {}  # damaged: someone's, not known to be this run's
     if _readable(have) and all(have[k] == v for k, v in want.items()):
         return None

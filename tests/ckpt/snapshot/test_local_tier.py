@@ -370,12 +370,13 @@ def test_whose_tier_the_default_path_is_by_its_marker(tmp_path, monkeypatch):
             assert mgr.restore_latest(state) == 2 and mgr.last_restore["store"] == 0
     assert {k: v.numpy().tobytes() for k, v in model.state_dict().items()} == want
 
-    with open(marker, "wb") as f:
-        f.write(b'{"run": "run", "store_')
-    with pytest.raises(ckpt.CkptError, match="damaged") as e:
-        ckpt.CheckpointManager(url, "run", **kw)
-    assert tier in str(e.value) and "rm -r" in e.value.hint
-    assert sorted(ckpt.Store.open(tier).refs()) == ["run/latest", "run/step-1", "run/step-2"]
+    for damaged in (b'{"run": "run", "store_', b"[" * 4096, b"null"):  # (json recursed past its limit on the second)
+        with open(marker, "wb") as f:
+            f.write(damaged)
+        with pytest.raises(ckpt.CkptError, match="damaged") as e:
+            ckpt.CheckpointManager(url, "run", **kw)
+        assert tier in str(e.value) and "rm -r" in e.value.hint
+        assert sorted(ckpt.Store.open(tier).refs()) == ["run/latest", "run/step-1", "run/step-2"]
 
     with open(marker, "w") as f:
         json.dump({"run": "run", "store_id": "0" * 32}, f)
