@@ -6,6 +6,9 @@ whole-shard copy, a region of a target tensor. :meth:`~ckpt.snapshot.peers.Peers
 verifies each chunk as it arrives from a peer and decodes it there
 (:func:`decode_into_targets`), and the load skips those regions (``Tiers.filled``) instead of
 reading the chunks back from the tier they were also written to (which a next restart reads).
+Only chunks the load copies whole into a CPU tensor's memory are decoded there: a delta, a chunk
+of a CUDA tensor (staged) or of a resharded one (read into a buffer the dry run's plan does not
+keep) is still read back from the tier by the load.
 """
 
 from __future__ import annotations
