@@ -575,7 +575,7 @@ def fsdp_plain_state(rank, world, tmp, store):
             "params": [bits(p.full_tensor()) for p in model2.parameters()] == [bits(p.full_tensor()) for p in model.parameters()]}
 
 
-def _count_chunk_reads(backend) -> list[int]:
+def count_chunk_reads(backend) -> list[int]:
     """Count the reads of chunk objects ``backend`` makes from now on (the real reads, counted)."""
     n = [0]
     for name in ("read", "read_range", "read_into", "read_split"):
@@ -625,7 +625,7 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
         mgr = ckpt.CheckpointManager(store, "ddp", every_n_steps=4, local=local, local_every_n_steps=2, replicas=1,
                                      process_group=dist.group.WORLD, timeout_s=30)
     if mode == "resume":
-        reads = _count_chunk_reads(mgr._local.store.objects.backend) if count else None
+        reads = count_chunk_reads(mgr._local.store.objects.backend) if count else None
         start = mgr.restore_latest(state)
         assert start == state["step"], (start, state["step"])
         out["restore"] = mgr.last_restore

@@ -116,6 +116,52 @@ def test_a_replaced_machine_decodes_chunks_from_its_replica_straight_into_its_te
     assert resumed[1]["local_steps"][-1] >= k
 
 
+def test_a_bad_chunk_from_a_peer_is_not_taken_as_decoded_and_the_load_reads_it_from_the_next_tier(tmp_path):
+    """A wiped rank's peer restore (ckpt/snapshot/peer_targets.py): each chunk received is decoded
+    straight into its region of the target tensor and the load skips that region. A blob with one
+    byte flipped must not count as decoded: the load reads that chunk from the durable store (one
+    read), the others it serves with no read, as the peers'; the tensor comes out bit-exact."""
+    import torch
+
+    from ckpt.progress import NullProgress
+    from ckpt.snapshot.peer_targets import decode_into_targets
+    from ckpt.snapshot.tiers import Tiers
+    from ckpt.transfer.reading import into_tasks
+
+    settings = ckpt.Settings.from_env(chunk_size=64 << 10, min_saving=1.0)  # raw chunks of 64 KiB
+    durable = ckpt.Store.init(str(tmp_path / "durable"), settings=settings)
+    want = torch.randn(4 * (16 << 10), generator=torch.Generator().manual_seed(0))  # 4 chunks
+    durable.push({"w": want}, "m")
+    entry = durable.manifest("m").tensors[0]
+    assert len(set(entry.chunks)) == 4
+    tier = ckpt.Store.init(str(tmp_path / "tier"), settings=settings)  # the wiped rank's tier: empty
+    reads = W.count_chunk_reads(durable.objects.backend)
+
+    def restore(bad: str | None) -> tuple[torch.Tensor, Tiers]:
+        got = torch.zeros_like(want)
+        tiers = Tiers([("local", tier), ("store", durable)])
+        tasks = into_tasks(settings.chunk_size, [(entry, got)])
+        for t in tasks:  # what Peers.fetch does with each chunk received from the replica
+            blob = bytearray(durable.objects.get("chunks", t.id))
+            if t.id == bad:
+                blob[len(blob) // 2] ^= 0xFF
+            decode_into_targets(t.id, memoryview(blob), [t.into], tiers, settings.max_chunk_size)
+        reads[0] = 0
+        tiers.get(tasks, NullProgress())
+        return got, tiers
+
+    got, tiers = restore(bad=None)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert reads[0] == 0 and tiers.served == {"local": 0, "peer": want.nbytes, "store": 0}
+
+    bad = entry.chunks[1]
+    got, tiers = restore(bad)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert {f[0] for f in tiers.filled} == set(entry.chunks) - {bad}
+    n = want.nbytes // 4
+    assert reads[0] == 1 and tiers.served == {"local": 0, "peer": want.nbytes - n, "store": n}
+
+
 @pytest.mark.slow
 def test_damaged_local_chunks_come_from_a_peer_and_lost_replicas_fall_back_to_the_durable_store(tmp_path):
     """(d) A byte flipped in every chunk of rank 0's tier: each comes from rank 1's copy (or the durable
