@@ -16,6 +16,7 @@ import signal
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor",
@@ -575,7 +576,7 @@ def fsdp_plain_state(rank, world, tmp, store):
             "params": [bits(p.full_tensor()) for p in model2.parameters()] == [bits(p.full_tensor()) for p in model.parameters()]}
 
 
-def _count_chunk_reads(backend) -> list[int]:
+def count_chunk_reads(backend) -> list[int]:
     """Count the reads of chunk objects ``backend`` makes from now on (the real reads, counted)."""
     n = [0]
     for name in ("read", "read_range", "read_into", "read_split"):
@@ -590,7 +591,46 @@ def _count_chunk_reads(backend) -> list[int]:
     return n
 
 
-def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False, count=False):
+def _garble_first_sends(peers, out) -> Callable[[], None]:
+    """Make ``peers`` (this rank's :class:`~ckpt.snapshot.peers.Peers`) send a byte flipped in the first
+    copy of each chunk whose id starts with an even byte, listed in ``out["garbled"]`` (damaged on
+    the way, after the real read of the tier). Returns what puts the real sender back."""
+    real = peers._read_into
+    out["garbled"] = []
+
+    def garbling(cid, buf):
+        real(cid, buf)
+        if int(cid[:2], 16) % 2 == 0 and cid not in out["garbled"]:
+            buf[len(buf) // 2] ^= 0xFF
+            out["garbled"].append(cid)
+
+    peers._read_into = garbling
+    return lambda: setattr(peers, "_read_into", real)
+
+
+def _count_decoded(out) -> Callable[[], None]:
+    """Count the chunks a peer restore decodes straight into this rank's tensors
+    (``ckpt.snapshot.peers.decode_into_targets``): ``out["filled"]`` those that landed in
+    ``tiers.filled``, ``out["refused"]`` those that did not. Returns what puts the real one back."""
+    import threading
+
+    import ckpt.snapshot.peers as peers_module
+    from ckpt.snapshot.tiers import address
+
+    real = peers_module.decode_into_targets
+    lock = threading.Lock()
+    out["filled"] = out["refused"] = 0
+
+    def counting(cid, blob, views, tiers, max_length):
+        real(cid, blob, views, tiers, max_length)
+        with lock:
+            out["filled" if (cid, address(views[0]), len(views[0])) in tiers.filled else "refused"] += 1
+
+    peers_module.decode_into_targets = counting
+    return lambda: setattr(peers_module, "decode_into_targets", real)
+
+
+def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False, count=False, garble=None):
     """:func:`ddp_resume` with local tiers: local snapshots every 2 steps, replicated to 1 peer
     rank, persisted every 4. ``resume`` first wipes the local tiers of the ranks in ``wipe`` (a
     replaced machine) and, on rank ``flip``, flips a byte of every chunk its tier holds of the
@@ -598,7 +638,10 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
     tensor of zeros, shared by the ranks. ``killrep``: at step ``at`` that tensor becomes random
     (so rank 0, which saves it, replicates 64 MB to rank 1) and rank 0 is SIGKILLed right after
     posting that send, while it is in flight; rank 1 reports what its save and its tier made of it.
-    ``count``: report how many chunk reads the restore (and its refill) made from this rank's tier."""
+    ``count``: report how many chunk reads the restore (and its refill) made from this rank's tier.
+    ``garble``: that rank damages the first copy it sends of half the chunks during the restore
+    (``out["garbled"]``: their ids); a wiped rank reports how many chunks it decoded from peers straight into
+    its tensors (``filled``) and refused (``refused``)."""
     import shutil
 
     import torch.distributed as dist
@@ -625,8 +668,13 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
         mgr = ckpt.CheckpointManager(store, "ddp", every_n_steps=4, local=local, local_every_n_steps=2, replicas=1,
                                      process_group=dist.group.WORLD, timeout_s=30)
     if mode == "resume":
-        reads = _count_chunk_reads(mgr._local.store.objects.backend) if count else None
+        reads = count_chunk_reads(mgr._local.store.objects.backend) if count else None
+        undo = _garble_first_sends(mgr._group_path.peers, out) if rank == garble else None
+        if garble is not None and rank in wipe:
+            undo = _count_decoded(out)
         start = mgr.restore_latest(state)
+        if undo is not None:
+            undo()
         assert start == state["step"], (start, state["step"])
         out["restore"] = mgr.last_restore
         if reads is not None:

@@ -116,6 +116,80 @@ def test_a_replaced_machine_decodes_chunks_from_its_replica_straight_into_its_te
     assert resumed[1]["local_steps"][-1] >= k
 
 
+def test_a_bad_chunk_from_a_peer_is_not_taken_as_decoded_and_the_load_reads_it_from_the_next_tier(tmp_path):
+    """A wiped rank's peer restore (ckpt/snapshot/peer_targets.py): each chunk received is decoded
+    straight into its region of the target tensor and the load skips that region. A blob with one
+    byte flipped must not count as decoded: the load reads that chunk from the durable store (one
+    read), the others it serves with no read, as the peers'; the tensor comes out bit-exact."""
+    import torch
+
+    from ckpt.progress import NullProgress
+    from ckpt.snapshot.peer_targets import decode_into_targets
+    from ckpt.snapshot.tiers import Tiers
+    from ckpt.transfer.reading import into_tasks
+
+    settings = ckpt.Settings.from_env(chunk_size=64 << 10, min_saving=1.0)  # raw chunks of 64 KiB
+    durable = ckpt.Store.init(str(tmp_path / "durable"), settings=settings)
+    want = torch.randn(4 * (16 << 10), generator=torch.Generator().manual_seed(0))  # 4 chunks
+    durable.push({"w": want}, "m")
+    entry = durable.manifest("m").tensors[0]
+    assert len(set(entry.chunks)) == 4
+    tier = ckpt.Store.init(str(tmp_path / "tier"), settings=settings)  # the wiped rank's tier: empty
+    reads = W.count_chunk_reads(durable.objects.backend)
+
+    def restore(bad: str | None) -> tuple[torch.Tensor, Tiers]:
+        got = torch.zeros_like(want)
+        tiers = Tiers([("local", tier), ("store", durable)])
+        tasks = into_tasks(settings.chunk_size, [(entry, got)])
+        for t in tasks:  # what Peers.fetch does with each chunk received from the replica
+            blob = bytearray(durable.objects.get("chunks", t.id))
+            if t.id == bad:
+                blob[len(blob) // 2] ^= 0xFF
+            decode_into_targets(t.id, memoryview(blob), [t.into], tiers, settings.max_chunk_size)
+        reads[0] = 0
+        tiers.get(tasks, NullProgress())
+        return got, tiers
+
+    got, tiers = restore(bad=None)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert reads[0] == 0 and tiers.served == {"local": 0, "peer": want.nbytes, "store": 0}
+
+    bad = entry.chunks[1]
+    got, tiers = restore(bad)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert {f[0] for f in tiers.filled} == set(entry.chunks) - {bad}
+    n = want.nbytes // 4
+    assert reads[0] == 1 and tiers.served == {"local": 0, "peer": want.nbytes - n, "store": n}
+
+
+@pytest.mark.slow  # three runs of 2 processes
+def test_chunks_damaged_on_the_way_to_a_replaced_machine_never_reach_its_tensors(tmp_path):
+    """Rank 1's tier wiped (a replaced machine); rank 0, its replica, sends it a byte flipped in the
+    first copy of half the chunks. Each damaged chunk is refused where it would be decoded straight
+    into rank 1's tensors (ckpt/snapshot/peer_targets.py) and read again from a good copy; the others
+    are decoded there. Bit-identical run; every chunk rank 1's tier holds afterwards is intact, the
+    garbled ones it fetched again among them (``verify`` does not apply: a rank's tier alone is not a
+    whole snapshot, rank 0's chunks are missing from it)."""
+    from ckpt.store.copy import chunk_checker
+
+    n, k = 8, 6
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n)
+    url = _crash(tmp_path / "a", 2, n, k)
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k, wipe=[1],
+                          garble=0, count=True)
+    _same_run(full, resumed, k, n)
+    garbled, r1 = resumed[0]["garbled"], resumed[1]
+    assert garbled and r1["refused"] == len(garbled) and r1["filled"] > 0
+    assert r1["restore"]["step"] == k and r1["restore"]["local"] == 0 and r1["restore"]["peer"] > 0
+    tier = ckpt.Store.open(str(tmp_path / "a" / "local" / "rank-1"))
+    held = {i.id for i in tier.objects.list("chunks")}
+    durable = ckpt.Store.open(url)  # (a garbled chunk it holds may be read from there, and not kept in the tier)
+    assert {c for c in garbled if not durable.objects.has("chunks", c)} <= held
+    check = chunk_checker(tier, tier)
+    for cid in held:
+        check(cid, tier.objects.get("chunks", cid))  # raises CorruptObjectError on a bad copy
+
+
 @pytest.mark.slow
 def test_damaged_local_chunks_come_from_a_peer_and_lost_replicas_fall_back_to_the_durable_store(tmp_path):
     """(d) A byte flipped in every chunk of rank 0's tier: each comes from rank 1's copy (or the durable
