@@ -106,6 +106,7 @@ class LocalTier:
         self.pinned: set[int] = set()
         self._lock = threading.Lock()  # prune vs. the steps a persist pins
         self._named: dict[str, frozenset[str]] = {}  # manifest id -> the chunks it names (_chunks)
+        self.refused: int | None = None  # the room (bytes) the last save :meth:`fit` refused asked for
 
     def close(self) -> None:
         """Let go of the tier (another manager may then take it)."""
@@ -202,6 +203,7 @@ class LocalTier:
                 if needed > free:
                     fits = [k for k, f in enumerate(freed) if free + f >= needed]
                     if not fits:
+                        self.refused = needed  # (the room the next save's make_room makes: what this one adds)
                         raise StorageIOError(f"local tier {self.path}: the disk is full for this snapshot: it adds up "
                                              f"to {needed} bytes, {free} are free ({free + freed[-1]} with every older "
                                              "snapshot dropped); nothing written", errno=errno.ENOSPC,
@@ -212,6 +214,7 @@ class LocalTier:
                     n = max(n, next((k for k, f in enumerate(freed) if stored - f + needed <= self.max_bytes),
                                     len(candidates)))
             removed = candidates[:n]
+            self.refused = None
             if removed:
                 try:
                     self._remove(removed)
@@ -222,11 +225,15 @@ class LocalTier:
     def make_room(self, needed: int | None) -> list[int]:
         """After a save found the medium full (ENOSPC): drop the oldest unpinned snapshots, the newest
         last, only as far as the medium's free space (``os.statvfs``) and what they free together hold
-        ``needed`` bytes (None: as much as the largest snapshot holds here). Where dropping every one of
+        ``needed`` bytes (None: as much as the largest snapshot holds here); after a save :meth:`fit` refused
+        (nothing written), the room it asked for instead: what a save adds (its tensors known to change), not
+        all its bytes (a frozen base the tier holds already would drop the newest snapshot where dropping
+        older ones, or none, makes that room). Where dropping every one of
         them would not make that room (another tenant of a shared /dev/shm holds it), nothing is
         dropped: the save fails again with its warning and the tier keeps its newest snapshot. The
         steps removed."""
         with self._lock:
+            needed, self.refused = (needed if self.refused is None else self.refused), None
             steps = [s for s in self.steps() if s not in self.pinned]
             if not steps:
                 return []

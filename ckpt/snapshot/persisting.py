@@ -165,7 +165,8 @@ class Persisting(ManagerState):
     def _make_room(self, step: int, state: dict[str, Any]) -> None:
         """The last local save found the tier full with nothing left to prune (it keeps its newest
         snapshot): drop older snapshots, and that one too, where the medium's free space with what they
-        free holds this save's tensors (:meth:`LocalTier.make_room`), so that the tier holds the newest
+        free holds this save's tensors (:meth:`LocalTier.make_room`; after a save the tier refused before it wrote,
+        what that one added: the tensors known to change, not a frozen base the tier holds), so that the tier holds the newest
         step again instead of refusing every save; else none (another tenant of the medium holds the
         room), and the tier keeps what it has. Until this save lands, a restart restores from the
         durable store."""

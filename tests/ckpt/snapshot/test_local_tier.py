@@ -148,6 +148,67 @@ def test_a_save_that_cannot_fit_the_tier_is_refused_before_it_writes(tmp_path, t
     assert ckpt.Store.open(f"{shm}/tier").verify().ok and ckpt.Store.open(str(tmp_path / "durable")).verify().ok
 
 
+def _fill(path, leave=0):
+    """Another tenant of the medium: a file of all its free space but ``leave`` bytes (written until ENOSPC)."""
+    block = b"\0" * (1 << 20)
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(block)
+                f.flush()
+        except OSError:
+            pass
+    os.truncate(path, max(os.path.getsize(path) - leave, 0))
+
+
+def test_after_a_refused_save_the_tier_makes_the_room_a_save_adds_not_its_frozen_base(tmp_path, tmpfs):
+    """A 24 MiB frozen base and a 12 MiB trained head (with AdamW's moments); local_keep=2: steps 1 and 2 hold 48 MiB
+    of a 64 MiB tmpfs, another tenant the rest. The save of step 3 is refused (12 MiB more, not even with step 1
+    dropped); the tenant then frees 14 MiB. The next save made room for all of the state's 36 MiB, the frozen base
+    included: it dropped steps 1 and 2, the newest too, though the 12 MiB a save adds were free. It drops none first
+    now, lands, and the tier holds 2 and 4 (1 goes by local_keep, as the save writes)."""
+    shm = tmpfs(tmp_path / "shm", "64m")
+    torch.manual_seed(0)
+    base = torch.nn.Linear(3072, 2048, bias=False).requires_grad_(False)  # 24 MiB, frozen
+    head = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB, x 3 with AdamW's moments
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    state = {"base": base, "head": head, "optim": opt, "step": 0}
+
+    def step(n):
+        head(torch.randn(4, 1024)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] = n
+
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1, local_keep=2) as mgr:
+        for n in (1, 2):
+            step(n)
+            mgr.save(n, state, persist=False)
+            mgr.wait()
+        _fill(f"{shm}/tenant")
+        step(3)
+        with pytest.warns(ckpt.TierWarning, match="step 3 not saved .*the disk is full for this snapshot.*nothing written"):
+            mgr.save(3, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [1, 2]
+        os.truncate(f"{shm}/tenant", max(os.path.getsize(f"{shm}/tenant") - (14 << 20), 0))
+        step(4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)  # (nothing dropped to make room: no warning)
+            mgr.save(4, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [2, 4]
+        want = {k: v.numpy().tobytes() for k, v in head.state_dict().items()}
+    head2 = torch.nn.Linear(1024, 1024, bias=False)
+    base2 = torch.nn.Linear(3072, 2048, bias=False).requires_grad_(False)
+    state2 = {"base": base2, "head": head2, "optim": torch.optim.AdamW(head2.parameters(), lr=1e-3), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        assert mgr.restore_latest(state2) == 4 and mgr.last_restore["store"] == 0
+    assert {k: v.numpy().tobytes() for k, v in head2.state_dict().items()} == want
+    assert base2.weight.detach().numpy().tobytes() == base.weight.numpy().tobytes()
+
+
 def test_a_save_that_fits_once_older_snapshots_go_drops_them_first_never_the_newest(tmp_path, tmpfs):
     """A 64 MiB tmpfs holds two 24 MiB snapshots, not three; local_keep=3. The save of step 3 ran out of space
     partway and failed (the tier kept 1 and 2). Now it drops step 1 first, as few as make the room, never the
