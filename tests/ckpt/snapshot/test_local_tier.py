@@ -273,6 +273,31 @@ def test_the_tier_bounds_hold_while_a_save_is_written(tmp_path, tmpfs):
         mgr.save(3, state, persist=False)
         mgr.wait()
         assert mgr.local_tier.steps == [2, 3]
+    shutil.rmtree(f"{shm}/back")
+
+    # The run goes back (its loop saves step 3 after 4, the state its own) while another tenant leaves less free than
+    # a snapshot: the save of 3 keeps 2, the newest before it, and drops 4 first (it goes anyway once 3 lands). It
+    # dropped older steps only, none here: it was refused, and the tier kept the abandoned timeline's 4.
+    with ckpt.CheckpointManager(str(tmp_path / "back2"), "run", every_n_steps=100, local=f"{shm}/back",
+                                local_every_n_steps=1) as mgr:
+        for step in (2, 4):
+            _step(state, step)
+            mgr.save(step, state, persist=False)
+        mgr.wait()
+        _fill(f"{shm}/tenant", leave=one // 3)
+        _step(state, 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)
+            with _Peak(shm) as peak:
+                mgr.save(3, state, persist=False)
+                mgr.wait()
+        assert mgr.local_tier.steps == [2, 3]
+        assert peak.most - peak.before < one // 3 + (1 << 20)  # (4 went before 3 was written)
+        want = {k: v.numpy().tobytes() for k, v in state["model"].state_dict().items()}
+    fresh, state2 = _model(1024, seed=1)
+    with ckpt.CheckpointManager(str(tmp_path / "back2"), "run", every_n_steps=100, local=f"{shm}/back") as mgr:
+        assert mgr.restore_latest(state2) == 3 and mgr.last_restore["store"] == 0
+    assert {k: v.numpy().tobytes() for k, v in fresh.state_dict().items()} == want
 
 
 def test_a_frozen_base_found_unchanged_by_hash_is_not_counted_against_the_room(tmp_path, tmpfs):
@@ -471,3 +496,4 @@ def test_the_room_before_a_save_asks_each_chunk_size_once(tmp_path):
     assert tier.steps() == [4, 5, 6] and tier.store.verify().ok
     assert len(asked) == 5 * 40
     tier.close()
+
