@@ -51,7 +51,7 @@ class Persisting(ManagerState):
     def _local_tier(self, local: Any, every: int | None, keep: int, max_bytes: int | None, replicas: int,
                     process_group: Any) -> LocalTier | None:
         """Check the tier settings; the local tier, if asked for."""
-        from ckpt.snapshot.local_paths import check_default_layout, default_local_path, private_root
+        from ckpt.snapshot.local_paths import adopt_old_key, check_default_layout, default_local_path, private_root
         from ckpt.snapshot.local_tier import LocalTier
 
         self.local_every_n_steps = count_setting("local_every_n_steps", every)
@@ -82,6 +82,8 @@ class Persisting(ManagerState):
         if local is True:
             path = default_local_path(self.store.config.store_id, self.store.url, self.run, rank)
             private_root(path.parent.parent if rank is not None else path.parent)
+            if adopt_old_key(path, self.store.config.store_id, self.store.url, self.run, rank):
+                log.info("local tier: the tier of run %r kept at its old default path moved to %s", self.run, path)
             check_default_layout(path, rank)
         else:
             path = os.fspath(local) if rank is None else os.path.join(os.fspath(local), f"rank-{rank}")

@@ -3,6 +3,7 @@ a tier refuses and says, and a save that cannot fit. Real S3 servers, a real tmp
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -497,3 +498,72 @@ def test_the_room_before_a_save_asks_each_chunk_size_once(tmp_path):
     assert len(asked) == 5 * 40
     tier.close()
 
+
+def test_a_tier_at_the_old_default_key_is_taken_up_where_it_is_this_runs(tmp_path, monkeypatch):
+    """The default key was a hash of the store's URL and the run before the store's id joined it: a tier kept at the
+    old key was never found again (the restart read everything from the durable store) and held its memory in
+    /dev/shm until removed. Marked as this store's and run's, it moves to the new key now and the restart reads
+    nothing from the durable store; one of another run stays, and so does one a process holds (its flock)."""
+    import fcntl
+    import hashlib
+
+    from ckpt.snapshot.local_paths import default_local_path
+
+    monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "shm"))
+    store = ckpt.Store.init(str(tmp_path / "durable"))
+    new = default_local_path(store.config.store_id, store.url, "run")
+    old = new.parent / hashlib.blake2b(f"{store.url}\0run".encode(), digest_size=6).hexdigest()
+    other = new.parent / hashlib.blake2b(f"{store.url}\0other".encode(), digest_size=6).hexdigest()
+    os.makedirs(new.parent, mode=0o700)
+    for path, run in ((other, "other"), (old, "run")):  # tiers as a ckpt of the old key kept them
+        with ckpt.CheckpointManager(store, run, every_n_steps=100, local=str(path), local_every_n_steps=1) as mgr:
+            want = _train(mgr, [1, 2])
+    fd = os.open(old, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held (an old ckpt's manager still running): left as it is
+    try:
+        with ckpt.CheckpointManager(store, "run", every_n_steps=100, local=True) as mgr:
+            assert mgr.local_tier.path == str(new) and mgr.local_tier.steps == []
+    finally:
+        os.close(fd)
+    assert old.is_dir()
+    shutil.rmtree(new)
+    with ckpt.CheckpointManager(store, "run", every_n_steps=100, local=True) as mgr:
+        model, state = _fresh()
+        assert mgr.restore_latest(state) == 2
+        assert mgr.last_restore["store"] == 0 and mgr.last_restore["local"] > 0
+        assert mgr.local_tier.path == str(new) and mgr.local_tier.steps == [1, 2]
+    assert {k: v.numpy().tobytes() for k, v in model.state_dict().items()} == want
+    assert not old.exists() and other.is_dir()  # (another run's tier at its old key: not this run's to take)
+    with ckpt.CheckpointManager(store, "other", every_n_steps=100, local=True) as mgr:
+        assert mgr.local_tier.steps == [1, 2] and not other.exists()
+
+
+def test_a_groups_tiers_at_the_old_default_key_move_with_their_folder(tmp_path, monkeypatch):
+    """A process group's ranks keep their tiers in KEY/rank-R: the old key's folder moves whole, at the first
+    rank that opens it (the others then find theirs at the new key); not where one rank's tier is of another run."""
+    import hashlib
+
+    from ckpt.snapshot.local_paths import adopt_old_key, default_local_path
+    from ckpt.snapshot.local_tier import LocalTier
+
+    monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "shm"))
+    store = ckpt.Store.init(str(tmp_path / "durable"))
+    sid = store.config.store_id
+    new = [default_local_path(sid, store.url, "run", r) for r in (0, 1)]
+    old = new[0].parent.parent / hashlib.blake2b(f"{store.url}\0run".encode(), digest_size=6).hexdigest()
+    for r in (0, 1):
+        tier = LocalTier(old / f"rank-{r}", "run", durable=store)
+        tier.store.push({"w": torch.full((4,), float(r))}, f"run/step-{r + 1}")
+        tier.close()
+    marker = old / "rank-1" / "ckpt-local-tier.json"
+    mine = marker.read_bytes()
+    marker.write_text(json.dumps({"run": "other", "store_id": sid}))
+    assert not adopt_old_key(new[0], sid, store.url, "run", 0) and old.is_dir()  # rank 1's tier is another run's
+    marker.write_bytes(mine)
+    assert adopt_old_key(new[1], sid, store.url, "run", 1) and not old.exists()
+    assert not adopt_old_key(new[0], sid, store.url, "run", 0)  # (moved already: rank 0 finds its own there)
+    for r in (0, 1):
+        tier = LocalTier(new[r], "run", durable=store)
+        assert tier.steps() == [r + 1]
+        assert tier.store.load(f"run/step-{r + 1}")["w"].numpy().tobytes() == torch.full((4,), float(r)).numpy().tobytes()
+        tier.close()
