@@ -59,7 +59,7 @@ class LocalSnapshots(LocalRestoring):
         self.run = run
         # A local tier's room made before a write (LocalTier.fit): the step, the sizes of the tensors written that
         # are known to have changed, whether the snapshot carries bundles, and the id of the snapshot whose chunks it
-        # reuses (never dropped); it raises (ENOSPC) where the medium cannot hold them.
+        # reuses or deltas against (never dropped; None where it names none); it raises (ENOSPC) where the medium cannot hold them.
         self.room = room
         self.store = run.store
         self.overlap = overlap
@@ -265,7 +265,9 @@ class LocalSnapshots(LocalRestoring):
 
         try:
             if self.room is not None:  # before a byte is written (a failure resets what the next save reuses, below)
-                self.room(step, changed or [], self.run.bundles, self._last[0] if self._last else None)
+                # (the previous snapshot is kept where this one names its chunks: entries reused, deltas against it)
+                reused = self._last[0] if self._last and (reuse or self.run.delta) else None
+                self.room(step, changed or [], self.run.bundles, reused)
             known = {n: (e.dtype, e.shape, e.nbytes) for n, e in reuse.items()}
             # tensors read in place until the optimizer steps come from ``live``
             in_place = {n: live.source(n) for n in live.names} if live is not None else None

@@ -36,6 +36,43 @@ def default_local_path(store_id: str, store_url: str, run: str, rank: int | None
     return path / f"rank-{rank}" if rank is not None else path
 
 
+def adopt_old_key(path: Path, store_id: str, store_url: str, run: str, rank: int | None = None) -> bool:
+    """Move the tier this run kept at the old default key (a hash of the store's URL and the run alone, before
+    the store's id was in it: never found again, it held its memory in /dev/shm until removed) to ``path``,
+    its key now (:func:`default_local_path`); a process group's ranks' folders move with their key's folder.
+    Only where the old key's folder exists, the new one does not, and every tier there is marked as this store's
+    (by id) of ``run``; under the lock a manager holds on a tier (``flock`` on its folder), taken without
+    waiting: a tier held is left as it is. Whether it moved."""
+    import fcntl
+    import json
+
+    from ckpt.snapshot.local_claim import TIER_MARKER
+
+    key = path if rank is None else path.parent
+    old = key.parent / hashlib.blake2b(f"{store_url}\0{run}".encode(), digest_size=6).hexdigest()
+    if os.path.lexists(key) or os.path.islink(old) or not os.path.isdir(old):
+        return False
+    tiers = [old] if rank is None else [old / n for n in sorted(os.listdir(old)) if n.startswith("rank-")]
+    fds: list[int] = []
+    try:
+        for tier in tiers:
+            with open(tier / TIER_MARKER, "rb") as f:
+                have = json.loads(f.read(4096))
+            if not isinstance(have, dict) or have.get("store_id") != store_id or have.get("run") != run:
+                return False
+            fds.append(os.open(tier, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)))
+            fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not tiers or os.path.lexists(key):
+            return False
+        os.rename(old, key)
+    except (OSError, ValueError, RecursionError):  # held (BlockingIOError), unmarked or damaged, or a race lost
+        return False
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return True
+
+
 def private_root(path: Path) -> None:
     """Make sure the per-user folder that holds the default local tiers (``ckpt-local-UID`` in a
     shared folder such as /dev/shm) is this user's own: created mode 0700, else a real folder
@@ -77,4 +114,4 @@ def check_default_layout(path: Path, rank: int | None) -> None:
                              "its snapshots are not needed (those persisted are in the durable store)")
 
 
-__all__ = ["check_default_layout", "default_local_path", "private_root"]
+__all__ = ["adopt_old_key", "check_default_layout", "default_local_path", "private_root"]

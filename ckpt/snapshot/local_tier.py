@@ -106,6 +106,7 @@ class LocalTier:
         self.pinned: set[int] = set()
         self._lock = threading.Lock()  # prune vs. the steps a persist pins
         self._named: dict[str, frozenset[str]] = {}  # manifest id -> the chunks it names (_chunks)
+        self.refused: int | None = None  # the room (bytes) the last save :meth:`fit` refused asked for
 
     def close(self) -> None:
         """Let go of the tier (another manager may then take it)."""
@@ -177,7 +178,8 @@ class LocalTier:
         """Before the save of ``step`` writes tensors of ``sizes`` bytes here (those known to have changed: tensors
         that may be unchanged, found so by hash, are left out, and none is counted where the tier compresses
         (:meth:`bound`), so that a save that fits is not refused but where a changed tensor stores as its bytes): make
-        its room first, so that the bounds hold while it is written, not only after. Drops the oldest snapshots before ``step`` that the bounds would
+        its room first, so that the bounds hold while it is written, not only after. Drops the unpinned snapshots after
+        ``step`` first (a run gone back: they go anyway once it lands, :meth:`drop_after`), then the oldest before ``step`` that the bounds would
         drop once it lands (those beyond ``keep`` with it; while what the tier holds and what it adds (:meth:`bound`)
         exceed ``max_bytes``), and the fewest that the medium's free space (``os.statvfs``) needs to hold it; never
         the newest before ``step`` (the snapshot a restart takes until this one is complete, the one it continues
@@ -194,17 +196,21 @@ class LocalTier:
             older = [s for s in steps if s < step]
             # Once it lands the tier holds ``older``, it, and pinned later steps (the later others go: drop_after).
             held = len(older) + 1 + sum(1 for s in steps if s > step and s in self.pinned)
-            candidates = [s for s in older[:-1] if s not in self.pinned and not self._names(s, reused)]
-            n = min(max(held - self.keep, 0), len(candidates))
+            # Unpinned later steps first (an abandoned timeline's: they go anyway once it lands), then the oldest.
+            later = [s for s in steps if s > step and s not in self.pinned and not self._names(s, reused)]
+            candidates = later + [s for s in older[:-1] if s not in self.pinned and not self._names(s, reused)]
+            n = min(max(held - self.keep, 0), len(candidates) - len(later))
+            n = len(later) + n if n else 0
             if needed > free or self.max_bytes is not None:
                 chunks = self._chunk_map(steps)
                 freed = [room - free for room in self._rooms(candidates, chunks, free)]
                 if needed > free:
                     fits = [k for k, f in enumerate(freed) if free + f >= needed]
                     if not fits:
+                        self.refused = needed  # (the room the next save's make_room makes: what this one adds)
                         raise StorageIOError(f"local tier {self.path}: the disk is full for this snapshot: it adds up "
-                                             f"to {needed} bytes, {free} are free ({free + freed[-1]} with every older "
-                                             "snapshot dropped); nothing written", errno=errno.ENOSPC,
+                                             f"to {needed} bytes, {free} are free ({free + freed[-1]} with every snapshot "
+                                             "it may drop dropped); nothing written", errno=errno.ENOSPC,
                                              hint="give the tier more room (or local_keep, local_max_bytes less)")
                     n = max(n, fits[0])
                 if self.max_bytes is not None:
@@ -212,6 +218,7 @@ class LocalTier:
                     n = max(n, next((k for k, f in enumerate(freed) if stored - f + needed <= self.max_bytes),
                                     len(candidates)))
             removed = candidates[:n]
+            self.refused = None
             if removed:
                 try:
                     self._remove(removed)
@@ -222,11 +229,15 @@ class LocalTier:
     def make_room(self, needed: int | None) -> list[int]:
         """After a save found the medium full (ENOSPC): drop the oldest unpinned snapshots, the newest
         last, only as far as the medium's free space (``os.statvfs``) and what they free together hold
-        ``needed`` bytes (None: as much as the largest snapshot holds here). Where dropping every one of
+        ``needed`` bytes (None: as much as the largest snapshot holds here); after a save :meth:`fit` refused
+        (nothing written), the room it asked for instead: what a save adds (its tensors known to change), not
+        all its bytes (a frozen base the tier holds already would drop the newest snapshot where dropping
+        older ones, or none, makes that room). Where dropping every one of
         them would not make that room (another tenant of a shared /dev/shm holds it), nothing is
         dropped: the save fails again with its warning and the tier keeps its newest snapshot. The
         steps removed."""
         with self._lock:
+            needed, self.refused = (needed if self.refused is None else self.refused), None
             steps = [s for s in self.steps() if s not in self.pinned]
             if not steps:
                 return []

@@ -51,7 +51,7 @@ class Persisting(ManagerState):
     def _local_tier(self, local: Any, every: int | None, keep: int, max_bytes: int | None, replicas: int,
                     process_group: Any) -> LocalTier | None:
         """Check the tier settings; the local tier, if asked for."""
-        from ckpt.snapshot.local_paths import check_default_layout, default_local_path, private_root
+        from ckpt.snapshot.local_paths import adopt_old_key, check_default_layout, default_local_path, private_root
         from ckpt.snapshot.local_tier import LocalTier
 
         self.local_every_n_steps = count_setting("local_every_n_steps", every)
@@ -82,6 +82,8 @@ class Persisting(ManagerState):
         if local is True:
             path = default_local_path(self.store.config.store_id, self.store.url, self.run, rank)
             private_root(path.parent.parent if rank is not None else path.parent)
+            if adopt_old_key(path, self.store.config.store_id, self.store.url, self.run, rank):
+                log.info("local tier: the tier of run %r kept at its old default path moved to %s", self.run, path)
             check_default_layout(path, rank)
         else:
             path = os.fspath(local) if rank is None else os.path.join(os.fspath(local), f"rank-{rank}")
@@ -165,7 +167,8 @@ class Persisting(ManagerState):
     def _make_room(self, step: int, state: dict[str, Any]) -> None:
         """The last local save found the tier full with nothing left to prune (it keeps its newest
         snapshot): drop older snapshots, and that one too, where the medium's free space with what they
-        free holds this save's tensors (:meth:`LocalTier.make_room`), so that the tier holds the newest
+        free holds this save's tensors (:meth:`LocalTier.make_room`; after a save the tier refused before it wrote,
+        what that one added: the tensors known to change, not a frozen base the tier holds), so that the tier holds the newest
         step again instead of refusing every save; else none (another tenant of the medium holds the
         room), and the tier keeps what it has. Until this save lands, a restart restores from the
         durable store."""

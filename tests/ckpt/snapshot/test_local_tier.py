@@ -3,6 +3,7 @@ a tier refuses and says, and a save that cannot fit. Real S3 servers, a real tmp
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -148,6 +149,67 @@ def test_a_save_that_cannot_fit_the_tier_is_refused_before_it_writes(tmp_path, t
     assert ckpt.Store.open(f"{shm}/tier").verify().ok and ckpt.Store.open(str(tmp_path / "durable")).verify().ok
 
 
+def _fill(path, leave=0):
+    """Another tenant of the medium: a file of all its free space but ``leave`` bytes (written until ENOSPC)."""
+    block = b"\0" * (1 << 20)
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(block)
+                f.flush()
+        except OSError:
+            pass
+    os.truncate(path, max(os.path.getsize(path) - leave, 0))
+
+
+def test_after_a_refused_save_the_tier_makes_the_room_a_save_adds_not_its_frozen_base(tmp_path, tmpfs):
+    """A 24 MiB frozen base and a 12 MiB trained head (with AdamW's moments); local_keep=2: steps 1 and 2 hold 48 MiB
+    of a 64 MiB tmpfs, another tenant the rest. The save of step 3 is refused (12 MiB more, not even with step 1
+    dropped); the tenant then frees 14 MiB. The next save made room for all of the state's 36 MiB, the frozen base
+    included: it dropped steps 1 and 2, the newest too, though the 12 MiB a save adds were free. It drops none first
+    now, lands, and the tier holds 2 and 4 (1 goes by local_keep, as the save writes)."""
+    shm = tmpfs(tmp_path / "shm", "64m")
+    torch.manual_seed(0)
+    base = torch.nn.Linear(3072, 2048, bias=False).requires_grad_(False)  # 24 MiB, frozen
+    head = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB, x 3 with AdamW's moments
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    state = {"base": base, "head": head, "optim": opt, "step": 0}
+
+    def step(n):
+        head(torch.randn(4, 1024)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] = n
+
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1, local_keep=2) as mgr:
+        for n in (1, 2):
+            step(n)
+            mgr.save(n, state, persist=False)
+            mgr.wait()
+        _fill(f"{shm}/tenant")
+        step(3)
+        with pytest.warns(ckpt.TierWarning, match="step 3 not saved .*the disk is full for this snapshot.*nothing written"):
+            mgr.save(3, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [1, 2]
+        os.truncate(f"{shm}/tenant", max(os.path.getsize(f"{shm}/tenant") - (14 << 20), 0))
+        step(4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)  # (nothing dropped to make room: no warning)
+            mgr.save(4, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [2, 4]
+        want = {k: v.numpy().tobytes() for k, v in head.state_dict().items()}
+    head2 = torch.nn.Linear(1024, 1024, bias=False)
+    base2 = torch.nn.Linear(3072, 2048, bias=False).requires_grad_(False)
+    state2 = {"base": base2, "head": head2, "optim": torch.optim.AdamW(head2.parameters(), lr=1e-3), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        assert mgr.restore_latest(state2) == 4 and mgr.last_restore["store"] == 0
+    assert {k: v.numpy().tobytes() for k, v in head2.state_dict().items()} == want
+    assert base2.weight.detach().numpy().tobytes() == base.weight.numpy().tobytes()
+
+
 def test_a_save_that_fits_once_older_snapshots_go_drops_them_first_never_the_newest(tmp_path, tmpfs):
     """A 64 MiB tmpfs holds two 24 MiB snapshots, not three; local_keep=3. The save of step 3 ran out of space
     partway and failed (the tier kept 1 and 2). Now it drops step 1 first, as few as make the room, never the
@@ -212,6 +274,31 @@ def test_the_tier_bounds_hold_while_a_save_is_written(tmp_path, tmpfs):
         mgr.save(3, state, persist=False)
         mgr.wait()
         assert mgr.local_tier.steps == [2, 3]
+    shutil.rmtree(f"{shm}/back")
+
+    # The run goes back (its loop saves step 3 after 4, the state its own) while another tenant leaves less free than
+    # a snapshot: the save of 3 keeps 2, the newest before it, and drops 4 first (it goes anyway once 3 lands). It
+    # dropped older steps only, none here: it was refused, and the tier kept the abandoned timeline's 4.
+    with ckpt.CheckpointManager(str(tmp_path / "back2"), "run", every_n_steps=100, local=f"{shm}/back",
+                                local_every_n_steps=1) as mgr:
+        for step in (2, 4):
+            _step(state, step)
+            mgr.save(step, state, persist=False)
+        mgr.wait()
+        _fill(f"{shm}/tenant", leave=one // 3)
+        _step(state, 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)
+            with _Peak(shm) as peak:
+                mgr.save(3, state, persist=False)
+                mgr.wait()
+        assert mgr.local_tier.steps == [2, 3]
+        assert peak.most - peak.before < one // 3 + (1 << 20)  # (4 went before 3 was written)
+        want = {k: v.numpy().tobytes() for k, v in state["model"].state_dict().items()}
+    fresh, state2 = _model(1024, seed=1)
+    with ckpt.CheckpointManager(str(tmp_path / "back2"), "run", every_n_steps=100, local=f"{shm}/back") as mgr:
+        assert mgr.restore_latest(state2) == 3 and mgr.last_restore["store"] == 0
+    assert {k: v.numpy().tobytes() for k, v in fresh.state_dict().items()} == want
 
 
 def test_a_frozen_base_found_unchanged_by_hash_is_not_counted_against_the_room(tmp_path, tmpfs):
@@ -410,3 +497,73 @@ def test_the_room_before_a_save_asks_each_chunk_size_once(tmp_path):
     assert tier.steps() == [4, 5, 6] and tier.store.verify().ok
     assert len(asked) == 5 * 40
     tier.close()
+
+
+def test_a_tier_at_the_old_default_key_is_taken_up_where_it_is_this_runs(tmp_path, monkeypatch):
+    """The default key was a hash of the store's URL and the run before the store's id joined it: a tier kept at the
+    old key was never found again (the restart read everything from the durable store) and held its memory in
+    /dev/shm until removed. Marked as this store's and run's, it moves to the new key now and the restart reads
+    nothing from the durable store; one of another run stays, and so does one a process holds (its flock)."""
+    import fcntl
+    import hashlib
+
+    from ckpt.snapshot.local_paths import default_local_path
+
+    monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "shm"))
+    store = ckpt.Store.init(str(tmp_path / "durable"))
+    new = default_local_path(store.config.store_id, store.url, "run")
+    old = new.parent / hashlib.blake2b(f"{store.url}\0run".encode(), digest_size=6).hexdigest()
+    other = new.parent / hashlib.blake2b(f"{store.url}\0other".encode(), digest_size=6).hexdigest()
+    os.makedirs(new.parent, mode=0o700)
+    for path, run in ((other, "other"), (old, "run")):  # tiers as a ckpt of the old key kept them
+        with ckpt.CheckpointManager(store, run, every_n_steps=100, local=str(path), local_every_n_steps=1) as mgr:
+            want = _train(mgr, [1, 2])
+    fd = os.open(old, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held (an old ckpt's manager still running): left as it is
+    try:
+        with ckpt.CheckpointManager(store, "run", every_n_steps=100, local=True) as mgr:
+            assert mgr.local_tier.path == str(new) and mgr.local_tier.steps == []
+    finally:
+        os.close(fd)
+    assert old.is_dir()
+    shutil.rmtree(new)
+    with ckpt.CheckpointManager(store, "run", every_n_steps=100, local=True) as mgr:
+        model, state = _fresh()
+        assert mgr.restore_latest(state) == 2
+        assert mgr.last_restore["store"] == 0 and mgr.last_restore["local"] > 0
+        assert mgr.local_tier.path == str(new) and mgr.local_tier.steps == [1, 2]
+    assert {k: v.numpy().tobytes() for k, v in model.state_dict().items()} == want
+    assert not old.exists() and other.is_dir()  # (another run's tier at its old key: not this run's to take)
+    with ckpt.CheckpointManager(store, "other", every_n_steps=100, local=True) as mgr:
+        assert mgr.local_tier.steps == [1, 2] and not other.exists()
+
+
+def test_a_groups_tiers_at_the_old_default_key_move_with_their_folder(tmp_path, monkeypatch):
+    """A process group's ranks keep their tiers in KEY/rank-R: the old key's folder moves whole, at the first
+    rank that opens it (the others then find theirs at the new key); not where one rank's tier is of another run."""
+    import hashlib
+
+    from ckpt.snapshot.local_paths import adopt_old_key, default_local_path
+    from ckpt.snapshot.local_tier import LocalTier
+
+    monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "shm"))
+    store = ckpt.Store.init(str(tmp_path / "durable"))
+    sid = store.config.store_id
+    new = [default_local_path(sid, store.url, "run", r) for r in (0, 1)]
+    old = new[0].parent.parent / hashlib.blake2b(f"{store.url}\0run".encode(), digest_size=6).hexdigest()
+    for r in (0, 1):
+        tier = LocalTier(old / f"rank-{r}", "run", durable=store)
+        tier.store.push({"w": torch.full((4,), float(r))}, f"run/step-{r + 1}")
+        tier.close()
+    marker = old / "rank-1" / "ckpt-local-tier.json"
+    mine = marker.read_bytes()
+    marker.write_text(json.dumps({"run": "other", "store_id": sid}))
+    assert not adopt_old_key(new[0], sid, store.url, "run", 0) and old.is_dir()  # rank 1's tier is another run's
+    marker.write_bytes(mine)
+    assert adopt_old_key(new[1], sid, store.url, "run", 1) and not old.exists()
+    assert not adopt_old_key(new[0], sid, store.url, "run", 0)  # (moved already: rank 0 finds its own there)
+    for r in (0, 1):
+        tier = LocalTier(new[r], "run", durable=store)
+        assert tier.steps() == [r + 1]
+        assert tier.store.load(f"run/step-{r + 1}")["w"].numpy().tobytes() == torch.full((4,), float(r)).numpy().tobytes()
+        tier.close()
