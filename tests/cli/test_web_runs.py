@@ -43,6 +43,18 @@ def _long_run(tmp_path) -> ckpt.Store:
     return store
 
 
+
+def _small_run(store: ckpt.Store, run: str, steps: int) -> ckpt.Store:
+    """``steps`` snapshots of run ``run`` of a small model whose weights move a little each step."""
+    model = nn.Linear(4, 2)
+    with ckpt.CheckpointManager(store, run, save_mode="sync") as mgr:
+        for step in range(1, steps + 1):
+            with torch.no_grad():
+                model.weight.add_(0.01)
+            mgr.save(step, {"model": model, "step": step})
+    return store
+
+
 @pytest.fixture
 def parsed(monkeypatch):
     """Manifests parsed from here on (by id)."""
@@ -125,13 +137,7 @@ def test_a_long_runs_lineage_on_s3_makes_a_few_requests_not_one_per_snapshot(s3_
     requests of a new view's lineage are the listings (refs, chunks, the index's) and a few GETs."""
     from s3support import http_requests
 
-    store = ckpt.Store.init(s3_main_url)
-    model = nn.Linear(4, 2)
-    with ckpt.CheckpointManager(store, "train/s3", save_mode="sync") as mgr:
-        for step in range(1, 13):
-            with torch.no_grad():
-                model.weight.add_(0.01)
-            mgr.save(step, {"model": model, "step": step})
+    store = _small_run(ckpt.Store.init(s3_main_url), "train/s3", 12)
     with http_requests(store.objects.backend) as seen:
         run = next(n for n in lineage(StoreView(store))["nodes"] if n["kind"] == "run")
     assert [s["step"] for s in run["snapshots"]] == list(range(1, 13))
@@ -146,13 +152,7 @@ def test_a_damaged_snapshot_the_view_found_is_left_out_however_many_are_read(tmp
     uncached the lineage trusted the index (step 2 drawn, its chunks counted) while the overview page of the
     same view named it damaged; at FEW_MANIFESTS or fewer it read the manifests and left it out. One rule
     now: a summary is trusted, one the view found damaged (here by the overview page's check) is left out."""
-    store = ckpt.Store.init(str(tmp_path / "store"))
-    model = nn.Linear(4, 2)
-    with ckpt.CheckpointManager(store, "r", save_mode="sync") as mgr:
-        for step in range(1, 9):
-            with torch.no_grad():
-                model.weight.add_(0.01)
-            mgr.save(step, {"model": model, "step": step})
+    store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 8)
     store.ls()
     mid = store.resolve("r/step-2")
     path = tmp_path / "store" / "objects" / "manifests" / mid[:2] / mid

@@ -20,14 +20,9 @@ import ckpt
 def _train(mgr, steps, seed=0):
     """A real model and AdamW, one step each of ``steps``, each saved by ``mgr``; the parameters' bytes."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    state = {"model": model, "optim": opt, "step": 0}
+    model, state = _fresh()
     for step in steps:
-        model(torch.randn(4, 64)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        state["step"] = step
+        _step(state, step)  # (a batch of 4, as in every test here)
         mgr.save(step, state)
     mgr.wait()
     return {k: v.numpy().tobytes() for k, v in model.state_dict().items()}
