@@ -57,16 +57,8 @@ def claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | N
 
     want = {"run": run, "store_id": durable.config.store_id}
     marker = json.dumps(want, sort_keys=True).encode()
-    try:
-        with open(os.path.join(path, TIER_MARKER), "rb") as f:
-            have = json.loads(f.read(4096))
-        if have is None:
-            have = {}  # (a marker reading ``null`` is there: damaged, not missing)
-    except FileNotFoundError:
-        have = None
-    except (OSError, ValueError, RecursionError):  # (``[[[[...``: json's parser recurses per level)
-        have = {}  # damaged: someone's, not known to be this run's
-    if _readable(have) and all(have[k] == v for k, v in want.items()):
+    have = read_marker(path)
+    if marks(have, durable.config.store_id, run):
         return None
     if have is None and not os.path.lexists(os.path.join(path, CONFIG_PATH)):
         return marker  # a new tier
@@ -101,6 +93,24 @@ def claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | N
     return marker
 
 
+def read_marker(path: str | os.PathLike[str]) -> object:
+    """The marker of the tier at ``path`` as read: None where there is none, ``{}`` where it is damaged."""
+    try:
+        with open(os.path.join(path, TIER_MARKER), "rb") as f:
+            have = json.loads(f.read(4096))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError):  # (``[[[[...``: json's parser recurses per level)
+        return {}  # damaged: someone's, not known to be this run's
+    return {} if have is None else have  # (a marker reading ``null`` is there: damaged, not missing)
+
+
+def marks(have: object, store_id: str, run: str) -> bool:
+    """Whether marker ``have`` names the tier of ``run`` of the store ``store_id`` (its two fields only: a
+    marker with more is still this run's)."""
+    return _readable(have) and have["store_id"] == store_id and have["run"] == run  # type: ignore[index]
+
+
 def _readable(have: object) -> bool:
     """Whether a marker ``have`` (read from the tier) names a run and a store id."""
     return isinstance(have, dict) and isinstance(have.get("run"), str) and isinstance(have.get("store_id"), str)
@@ -133,4 +143,4 @@ def _unmarked(path: str, run: str) -> str:
     return "snapshots" if all(r == f"{run}/latest" or step_of(run, r) is not None for r in refs) else "other"
 
 
-__all__ = ["TIER_MARKER", "apart", "claim"]
+__all__ = ["TIER_MARKER", "apart", "claim", "marks", "read_marker"]

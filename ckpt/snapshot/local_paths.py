@@ -44,9 +44,8 @@ def adopt_old_key(path: Path, store_id: str, store_url: str, run: str, rank: int
     (by id) of ``run``; under the lock a manager holds on a tier (``flock`` on its folder), taken without
     waiting: a tier held is left as it is. Whether it moved."""
     import fcntl
-    import json
 
-    from ckpt.snapshot.local_claim import TIER_MARKER
+    from ckpt.snapshot.local_claim import marks, read_marker
 
     key = path if rank is None else path.parent
     old = key.parent / hashlib.blake2b(f"{store_url}\0{run}".encode(), digest_size=6).hexdigest()
@@ -56,9 +55,7 @@ def adopt_old_key(path: Path, store_id: str, store_url: str, run: str, rank: int
     fds: list[int] = []
     try:
         for tier in tiers:
-            with open(tier / TIER_MARKER, "rb") as f:
-                have = json.loads(f.read(4096))
-            if not isinstance(have, dict) or have.get("store_id") != store_id or have.get("run") != run:
+            if not marks(read_marker(tier), store_id, run):
                 return False
             fds.append(os.open(tier, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)))
             fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -176,7 +176,8 @@ class Persisting(ManagerState):
         assert local is not None
         self._local_full = False
         try:
-            dropped = local.make_room(None if self._distributed else _state_bytes(local, state))
+            # (after a refused save the tier knows the room it asked for: the state's bytes are not summed for nothing)
+            dropped = local.make_room(None if self._distributed or local.refused is not None else _state_bytes(local, state))
         except Exception as e:  # noqa: BLE001
             self._tier_warning(f"local tier: could not make room for step {step} ({describe(e)})")
             return
