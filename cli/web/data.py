@@ -156,7 +156,8 @@ class StoreView:
                 try:
                     made[mid] = overview_of_manifest(self.manifest(mid, store))
                 except CkptError:
-                    unread.append(mid)
+                    if mid not in self._damaged:  # (found damaged just now: the index's summary would be dropped)
+                        unread.append(mid)
         if unread and len(missing) <= few:
             made.update(catalog.overviews(st, unread, None))
         with self._lock:
@@ -167,8 +168,8 @@ class StoreView:
             while len(self._overviews) > 1 and (len(self._overviews) > 16 * self._max_manifests
                                                 or self._overview_chunks > self._max_tensors):
                 self._overview_chunks -= len(self._overviews.popitem(last=False)[1].own)
-            damaged = set(self._damaged) if st is self.store else set()
-        return {mid: o for mid in wanted if (o := out.get(mid) or made.get(mid)) is not None and mid not in damaged}
+            damaged = self._damaged if st is self.store else {}
+            return {mid: o for mid in wanted if (o := out.get(mid) or made.get(mid)) is not None and mid not in damaged}
 
     def fresh(self, key: str, make: Callable[[], T]) -> T:
         """``make()``, reused for ``ttl_s`` seconds under ``key`` (listings and whole-store summaries)."""
