@@ -17,24 +17,12 @@ module knows only bytes. :meth:`ChunkBlobCache.get` checks an entry against its 
 reported as a miss, never served. :meth:`ChunkBlobCache.read_split` leaves the check to a
 caller that verifies the chunk's id after decoding anyway, and drops what fails. Entries are
 written to a temporary name and renamed, so a crash leaves at most a temporary file, swept
-once an hour old by the next count of the cache (below) or eviction.
+once an hour old by the next count of the cache or eviction (storage/cache_evict.py).
 
-The cache holds at most ``max_bytes``: past that, the least recently used entries (by modification
-time, refreshed on every hit) are deleted until it is under 90% of it; a larger blob is not cached.
-Other processes put entries too: every put and deletion goes into a tally the processes share
-(``storage/cache_tally.py``: a file and a lock, ~4 us), so a put knows the cache's size without
-walking it, and a put past the limit evicts (one process at a time). A walk (a process's first put,
-each eviction, a quarter of the limit put) sets the tally to what it found plus what was put
-meanwhile, which corrects what it missed (a writer killed between its entry and the tally). Walking
-instead, near the limit, took as long as the pull (0.3-0.4 s at 50,000 entries, every hundredth of
-the limit). Where the tally cannot be used, each process counts the cache again once it has put a
-tenth of the room free at its last count (at least a hundredth of the limit): N processes that
-counted it at C bytes put at most ``N * max((max_bytes - C) / 10, max_bytes / 100)`` (and a blob
-each) before they count again, near the limit about N hundredths of it over.
-A disk (or quota) that fills before the limit is a lower limit: a put that fails with ENOSPC evicts
-(least recently used first, below 90% of what the cache holds, less the entry; threads that find it
-full meanwhile get their rooms, no more) and writes again, once; only a disk that the cache's own
-entries do not fill leaves the chunk uncached, with a warning once.
+The cache holds at most ``max_bytes`` (its size counted, a full disk met, and its least recently
+used entries deleted: ``storage/cache_evict.py``); a larger blob is not cached. A put that fails with
+ENOSPC evicts and writes again, once; only a disk that the cache's own entries do not fill leaves
+the chunk uncached, with a warning once.
 Which files the layout names, and clearing them: ``storage/cache_files.py``.
 """
 
@@ -52,8 +40,8 @@ from typing import Any
 import blake3
 
 from ckpt_store.storage.backends.base import TEMPORARY
-from ckpt_store.storage.cache_files import CacheUsage, clear, default_cache_dir, entries_sweeping, remove, store_dir_name, usage
-from ckpt_store.storage.cache_tally import CacheTally
+from ckpt_store.storage.cache_evict import CacheEviction
+from ckpt_store.storage.cache_files import CacheUsage, clear, default_cache_dir, remove, store_dir_name, usage
 
 log = logging.getLogger(__name__)
 
@@ -81,18 +69,9 @@ class ChunkBlobCache:
         self.hits = 0
         self.misses = 0
         self.dropped = 0  # damaged entries deleted
-        self._size: int | None = None  # bytes in the whole cache root, counted on first put
-        self._uncounted = 0  # bytes put since the cache root was last counted (other processes put too)
-        self._step = 0  # bytes put after which the cache root is counted again (set by each count)
-        self._counting = False  # one thread counts at a time; the others' puts go on top of its count
-        self._added = 0  # bytes put since the running eviction's walk began
-        self._evicting = False  # one thread evicts at a time; others ask it to look again
-        self._again = False
-        self._room = 0  # bytes that a put found no room for on a full disk: the next eviction frees them too
         self._put_failed = False  # a put failed: later failures are logged at debug level only
-        self._tally = CacheTally(root)  # the cache's bytes, as every process that puts into it counts them
+        self._eviction = CacheEviction(root, max_bytes)  # the whole cache root's bytes, kept within max_bytes
         self._lock = threading.Lock()
-        self._evicted = threading.Condition(self._lock)  # the running eviction is done (a full disk's put waits for it)
 
     def _path(self, oid: str) -> str:
         return os.path.join(self.dir, oid[:2], oid)
@@ -208,10 +187,7 @@ class ChunkBlobCache:
             os.unlink(path)
         except OSError:
             return
-        shared = self._tally.add(-n)
-        with self._lock:
-            if self._size is not None:
-                self._size = shared if shared is not None else self._size - n
+        self._eviction.removed(n)
 
     def _write(self, path: str, parts: tuple[bytes | bytearray | memoryview, ...]) -> int:
         """The entry at ``path``: written to a temporary in its folder, then renamed into place; returns
@@ -296,124 +272,13 @@ class ChunkBlobCache:
                     " (further chunks that cannot be cached are not reported)" if first else "")
             return
         # (what the write replaced, not what was there before it: another process may have evicted it, or put it, meanwhile)
-        shared = self._tally.add(n - replaced)  # (other processes' entries in it too)
-        with self._lock:
-            self._uncounted += n
-            self._added += n
-            if self._size is not None:
-                self._size = shared if shared is not None else self._size + n - replaced
-            # Counted again after a tenth of the room free at the last count is put (without a tally:
-            # other processes' entries count too; two pulls, each under the limit on its own count, filled
-            # 150% of it), or a quarter of the limit (with one: what it missed, a killed writer's entry, say).
-            recount = not self._counting and (self._size is None or self._uncounted > self._step)
-            if recount:
-                self._counting, self._uncounted = True, 0
-        if recount:
-            self._count()
-        with self._lock:
-            over = self._size is not None and self._size > self.max_bytes
-        if over:
-            self.evict()
-
-    def _count(self) -> None:
-        """Count the cache root (a walk, not holding the lock; it sweeps what killed writers left, as
-        eviction does). One thread counts at a time: bytes put meanwhile go on top of its count (a
-        few twice: an early eviction, never an overfull cache), as in :meth:`_evict_once`."""
-        try:
-            before = self._tally.before_walk()
-            size = sum(b for _, b, _ in self._entries())
-            shared = self._tally.walked(size, before) if before is not None else None
-        except BaseException:
-            with self._lock:
-                self._counting = False
-            raise
-        with self._lock:
-            self._counting = False
-            self._size = shared if shared is not None else size + self._uncounted
-            self._step = self._step_from(size, shared is not None)
-
-    def _step_from(self, size: int, tallied: bool) -> int:
-        """Bytes to put before counting a cache found holding ``size`` bytes again: a tenth of its room
-        (a quarter of the limit where the shared tally counts every process's puts)."""
-        if tallied:
-            return self.max_bytes // 4
-        return max((self.max_bytes - size) // 10, self.max_bytes // 100)
+        self._eviction.added(n, replaced)
 
     def evict(self, room: int = 0) -> int:
-        """Delete least recently used entries (and stale temporaries) until the cache is
-        under 90% of its limit; returns the bytes freed. ``room``: bytes that a put found no room
-        for on a full disk: the cache is then taken below 90% of what it holds, less ``room``
-        (a full disk sets a lower limit than ``max_bytes``). An entry deleted while another process
-        reads it is read whole (an open file keeps its bytes); one deleted before it opens it is a
-        miss there, fetched again.
-
-        One thread of one process evicts at a time (another process's eviction meanwhile: this one
-        returns 0, or waits for it where ``room`` is asked). Entries put while it walks the cache are
-        counted on top of what its walk found (a few twice: an early eviction, never an overfull
-        cache), and it walks again while another thread asked it to (it put an entry past the limit
-        meanwhile, or found the disk full: that thread waits for the room, then writes again; such a
-        round frees only the rooms asked, less what earlier rounds freed past theirs), or while the
-        cache is over its limit and the last walk freed something."""
-        with self._evicted:
-            self._room += room  # (threads that found the disk full at once each need their entry's room)
-            if self._evicting:
-                self._again = True
-                if room:
-                    self._evicted.wait_for(lambda: not self._evicting, timeout=60)
-                return 0
-            self._evicting = True
-        freed, spare = 0, None
-        try:
-            # One process at a time: processes that read one tally past the limit all evicted a tenth of
-            # the cache at once. The others skip (their next put reads the tally the eviction set), or,
-            # on a full disk, wait for the room it made.
-            with self._tally.evicting(wait=room > 0) as mine:
-                while mine:
-                    now, asked = self._evict_once(spare)
-                    freed += now
-                    spare = max(0, (spare or 0) + now - asked)  # freed past the room asked: the next asks take it
-                    with self._lock:
-                        again, self._again = self._again, False
-                        over = (self._size or 0) > self.max_bytes
-                    # Done unless entries came meanwhile, or it is still over and freeing works.
-                    if not again and (not over or not now):
-                        break
-        finally:
-            with self._lock:
-                self._evicting = False
-                self._evicted.notify_all()
-        return freed
-
-    def _entries(self) -> list[tuple[float, int, str]]:
-        return entries_sweeping(self.root)
-
-    def _evict_once(self, spare: int | None) -> tuple[int, int]:
-        """One walk of eviction: (bytes freed, room asked). ``spare``: None in the first round, else the
-        bytes freed past the room asked so far; a further round frees only the room asked meanwhile
-        beyond those (each round taking a tenth off what the cache holds, 16 threads that found a
-        4 MiB disk full at once evicted 6 times their room)."""
-        with self._lock:
-            self._added = 0
-            room, self._room = self._room, 0
-        before = self._tally.before_walk()
-        files = self._entries()
-        total = sum(b for _, b, _ in files)
-        files.sort()
-        freed = 0
-        target = int(self.max_bytes * 0.9)
-        if room:
-            target = min(target, int(total * 0.9) - room if spare is None else total - max(room - spare, 0))
-        for _, size, p in files:
-            if total - freed <= target:
-                break
-            if remove(p):
-                freed += size
-        shared = self._tally.walked(total - freed, before) if before is not None else None
-        with self._lock:
-            self._size = shared if shared is not None else total - freed + self._added
-            self._uncounted = self._added
-            self._step = self._step_from(total - freed, shared is not None)
-        return freed, room
+        """Delete least recently used entries of the whole cache until it is within its limit (see
+        :meth:`CacheEviction.evict`; ``room``: bytes a put found no room for on a full disk); returns the
+        bytes freed."""
+        return self._eviction.evict(room)
 
 
 __all__ = ["CacheUsage", "ChunkBlobCache", "clear", "default_cache_dir", "store_dir_name", "usage"]

@@ -332,7 +332,7 @@ def test_processes_sharing_a_nearly_full_cache_count_it_more_often_as_it_fills(t
             c.put(f"{k:02x}{r:062x}", (os.urandom(blob),))
             peak = max(peak, usage(str(tmp_path)).bytes)
     assert limit * 0.9 < peak <= limit * (1 + len(caches) / 100)
-    assert (fill._tally.add(0) is None) == (tally == "unusable")
+    assert (fill._eviction.tally.add(0) is None) == (tally == "unusable")
 
 
 def test_threads_putting_into_a_cache_not_yet_counted_count_it_once_and_nothing_put_meanwhile_is_lost(tmp_path):
@@ -342,7 +342,7 @@ def test_threads_putting_into_a_cache_not_yet_counted_count_it_once_and_nothing_
     import threading
 
     c = ChunkBlobCache(str(tmp_path), S, 1 << 30)
-    real, walks, gate = c._entries, [], threading.Event()
+    real, walks, gate = c._eviction._entries, [], threading.Event()
 
     def walk():
         found = real()
@@ -350,7 +350,7 @@ def test_threads_putting_into_a_cache_not_yet_counted_count_it_once_and_nothing_
         gate.wait(timeout=5)  # the others put meanwhile (or walk too)
         return found
 
-    c._entries = walk
+    c._eviction._entries = walk
     start = threading.Barrier(16)
 
     def put(k: int) -> None:
@@ -367,7 +367,7 @@ def test_threads_putting_into_a_cache_not_yet_counted_count_it_once_and_nothing_
     for t in threads:
         t.join()
     assert len(walks) == 1
-    assert c._size >= usage(str(tmp_path)).bytes  # (some counted twice: found by the walk, and put meanwhile)
+    assert c._eviction.size >= usage(str(tmp_path)).bytes  # (some counted twice: found by the walk, and put meanwhile)
 
 
 def test_what_a_killed_writer_left_goes_once_an_hour_old_though_the_cache_is_never_full(tmp_path):
@@ -483,13 +483,13 @@ def test_a_process_putting_into_a_nearly_full_cache_walks_it_once_not_every_hund
     for i in range(int(limit * 0.95) // (blob + TRAILER)):
         fill.put(f"f{i:063x}", (os.urandom(blob),))
     c = ChunkBlobCache(str(tmp_path), S, limit)
-    real, walks = c._entries, []
-    c._entries = lambda: walks.append(1) or real()
+    real, walks = c._eviction._entries, []
+    c._eviction._entries = lambda: walks.append(1) or real()
     for i in range(limit // 10 // blob):
         c.put(f"c{i:063x}", (os.urandom(blob),))
     u = usage(str(tmp_path))
     assert len(walks) == 2 and u.bytes <= limit
-    assert c._tally.add(0) == u.bytes  # (nobody killed meanwhile: the tally is exact)
+    assert c._eviction.tally.add(0) == u.bytes  # (nobody killed meanwhile: the tally is exact)
 
 
 def test_processes_putting_at_once_keep_the_cache_within_its_limit_and_a_clear_resets_the_tally(tmp_path):
@@ -505,7 +505,7 @@ def test_processes_putting_at_once_keep_the_cache_within_its_limit_and_a_clear_r
     procs = [subprocess.Popen([sys.executable, "-c", put]) for _ in range(4)]
     assert [p.wait(timeout=120) for p in procs] == [0] * 4
     u = usage(str(tmp_path))
-    tally = ChunkBlobCache(str(tmp_path), S, limit)._tally
+    tally = ChunkBlobCache(str(tmp_path), S, limit)._eviction.tally
     counted = tally.add(0)
     # (one process evicts at a time, down to 90% less an entry; an entry put during a walk counts twice)
     assert limit * 0.8 < u.bytes <= limit and counted >= u.bytes, (u.bytes, counted)

@@ -41,9 +41,9 @@ def test_files_in_the_cache_root_that_are_not_the_tally_are_never_written_and_pu
         assert {p.name: p.read_bytes() for p in root.iterdir() if p.name in before} == before, name
         assert mine.read_bytes() == notes
         if name != "named tally":
-            assert c._tally.add(0) is None, name  # (not ours: the cache walks, as without a tally)
+            assert c._eviction.tally.add(0) is None, name  # (not ours: the cache walks, as without a tally)
         else:
-            assert c._tally.add(0) == usage(str(root)).bytes == 3 * (1000 + TRAILER)
+            assert c._eviction.tally.add(0) == usage(str(root)).bytes == 3 * (1000 + TRAILER)
         clear(str(root))
         assert {p.name: p.read_bytes() for p in root.iterdir() if p.name in before} == before, name
 
@@ -71,7 +71,7 @@ def test_a_clear_while_another_process_puts_leaves_the_tally_at_what_is_there(tm
     monkeypatch.setattr(cache_files, "remove", real_remove)
     held = usage(root).bytes
     assert held == 15 * (20_000 + TRAILER)
-    assert a._tally.add(0) == held
+    assert a._eviction.tally.add(0) == held
 
 
 def test_the_eviction_lock_is_one_process_at_a_time(tmp_path):
@@ -80,7 +80,7 @@ def test_the_eviction_lock_is_one_process_at_a_time(tmp_path):
     import sys
 
     c = ChunkBlobCache(str(tmp_path), S, 1 << 20)
-    with c._tally.evicting(wait=False) as mine:
+    with c._eviction.tally.evicting(wait=False) as mine:
         assert mine
         other = subprocess.run(
             [sys.executable, "-c", "from ckpt_store.storage.cache_tally import CacheTally\n"
@@ -98,7 +98,7 @@ def test_a_put_that_waits_for_another_process_eviction_waits_a_bounded_time(tmp_
     import sys
 
     c = ChunkBlobCache(str(tmp_path), S, 1 << 20)
-    with c._tally.evicting(wait=False) as mine:
+    with c._eviction.tally.evicting(wait=False) as mine:
         assert mine
         other = subprocess.run(
             [sys.executable, "-c", "import time\nimport ckpt_store.storage.cache_tally as t\nt.EVICT_WAIT_S = 0.5\n"
@@ -126,8 +126,8 @@ def test_threads_that_find_the_disk_full_at_once_evict_their_room_not_a_tenth_ea
             break
         c.put(f"e{i:063x}", (os.urandom(blob),))
     held = usage(root).bytes
-    real = c._entries
-    c._entries = lambda: time.sleep(0.2) or real()  # (a walk of 50,000 entries takes 0.3-0.4 s)
+    real = c._eviction._entries
+    c._eviction._entries = lambda: time.sleep(0.2) or real()  # (a walk of 50,000 entries takes 0.3-0.4 s)
     threads = [threading.Thread(target=c.put, args=(f"f{k:063x}", (os.urandom(blob),))) for k in range(16)]
     for t in threads:
         t.start()
@@ -175,7 +175,7 @@ def test_a_replacing_put_whose_old_entry_went_meanwhile_leaves_the_tally_at_what
     monkeypatch.setattr(ChunkBlobCache, "_in_own_dirs", drop_first)
     c.put("b" * 64, (os.urandom(20_000),), replace=True)
     assert dropped and c.get("b" * 64) is not None
-    assert c._tally.add(0) == usage(root).bytes == 30_000 + 20_000 + 2 * TRAILER
+    assert c._eviction.tally.add(0) == usage(root).bytes == 30_000 + 20_000 + 2 * TRAILER
 
 
 def test_a_tally_that_could_not_be_made_is_tried_again_at_the_next_walk(tmp_path):
@@ -185,8 +185,8 @@ def test_a_tally_that_could_not_be_made_is_tried_again_at_the_next_walk(tmp_path
     (root / TALLY).mkdir()
     c = ChunkBlobCache(str(root), S, limit)
     c.put(f"{0:064x}", (os.urandom(20_000),))
-    assert c._tally.add(0) is None
+    assert c._eviction.tally.add(0) is None
     (root / TALLY).rmdir()
     for i in range(1, 8):  # 140 KB: past a tenth of the room, where a process without a tally counts again
         c.put(f"{i:064x}", (os.urandom(20_000),))
-    assert c._tally.add(0) == usage(str(root)).bytes == 8 * (20_000 + TRAILER)
+    assert c._eviction.tally.add(0) == usage(str(root)).bytes == 8 * (20_000 + TRAILER)
