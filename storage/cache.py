@@ -189,9 +189,11 @@ class ChunkBlobCache:
             return
         self._eviction.removed(n)
 
-    def _write(self, path: str, parts: tuple[bytes | bytearray | memoryview, ...]) -> int:
+    def _write(self, path: str, parts: tuple[bytes | bytearray | memoryview, ...], replace: bool) -> int | None:
         """The entry at ``path``: written to a temporary in its folder, then renamed into place; returns
-        the bytes of the entry it replaced (0: none, another process's eviction took it meanwhile, say)."""
+        the bytes of the entry it replaced where ``replace`` (0: none, another process's eviction took it
+        meanwhile, say; else 0 unlooked: see :meth:`put`), or None where a folder holding files is in its
+        place (not the cache's to delete)."""
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
         if not self._in_own_dirs(path):
@@ -200,53 +202,61 @@ class ChunkBlobCache:
             raise OSError(f"{folder} is reached through a link, not a folder of this cache")
         tmp = os.path.join(folder, f"{TEMPORARY}{uuid.uuid4().hex}")
         h = blake3.blake3()
+        replaced = 0
         try:
             with open(tmp, "wb") as f:
                 for p in parts:
                     f.write(p)
                     h.update(p)
                 f.write(h.digest())
+            if replace:
+                try:
+                    st = os.lstat(path)
+                    replaced = st.st_size if stat.S_ISREG(st.st_mode) else 0  # (a link is no entry)
+                except OSError:
+                    pass
             try:
-                st = os.lstat(path)
-                replaced = st.st_size if stat.S_ISREG(st.st_mode) else 0
-            except OSError:
-                replaced = 0
-            os.replace(tmp, path)
+                os.replace(tmp, path)
+            except IsADirectoryError:
+                # A folder in the entry's place kept the chunk out of the cache for good: removed if
+                # empty (its store and fan-out dirs are the cache's own, checked above).
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    remove(tmp)
+                    return None
+                os.replace(tmp, path)
         except BaseException:
             remove(tmp)
             raise
         return replaced
 
-    def _write_retrying(self, path: str, parts: tuple[bytes | bytearray | memoryview, ...]) -> int:
+    def _write_retrying(self, path: str, parts: tuple[bytes | bytearray | memoryview, ...], replace: bool) -> int | None:
         for _ in range(2):
             try:
-                return self._write(path, parts)
+                return self._write(path, parts, replace)
             except (FileNotFoundError, FileExistsError):
                 # Its folder went while it was made or written to (`ckpt cache clear` in another
                 # process removes the folders it empties; makedirs then finds it neither there
                 # nor absent): again.
                 pass
-        return self._write(path, parts)
+        return self._write(path, parts, replace)
 
     def put(self, oid: str, parts: Iterable[bytes | bytearray | memoryview], *, replace: bool = False) -> None:
         """Keep the blob ``b"".join(parts)`` of chunk ``oid`` (a failure to write is only logged);
         an entry already there stays unless ``replace`` (another blob of the same chunk: the
         chunk decoded, say)."""
         path = self._path(oid)
-        try:
-            st: os.stat_result | None = os.lstat(path)
-        except OSError:
-            st = None
-        old = st.st_size if st is not None and stat.S_ISREG(st.st_mode) else -1  # (a link is no entry: replaced)
-        if old >= 0 and not replace:
-            return
-        if st is not None and stat.S_ISDIR(st.st_mode) and self._in_own_dirs(path):
-            # (through a linked store or fan-out dir the folder is another's: the write below says so)
+        if not replace:
+            # The one look at the entry a put takes: a replacing put looks just before its rename (what it
+            # replaces: its tally), one that keeps an entry there only here. What another process puts
+            # meanwhile is then replaced and counted twice, a tally too high until the next walk
+            # (never too low: an overfull cache).
             try:
-                os.rmdir(path)  # a folder in the entry's place kept the chunk out of the cache for good
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    return  # (a link or a folder is no entry: replaced, see _write)
             except OSError:
-                log.debug("chunk %s not cached: %s is a folder that holds files", oid, path)
-                return  # (not ours to delete)
+                pass
         parts = tuple(parts)
         n = TRAILER + sum(len(p) for p in parts)
         if n > self.max_bytes * 0.9:
@@ -255,14 +265,14 @@ class ChunkBlobCache:
             return
         try:
             try:
-                replaced = self._write_retrying(path, parts)
+                replaced = self._write_retrying(path, parts, replace)
             except OSError as e:
                 if e.errno not in _DISK_FULL:
                     raise
                 # The disk (or the user's quota) is full before the limit is: room is made as at the
                 # limit, least recently used entries first, and the entry written again, once.
                 self.evict(room=n)
-                replaced = self._write_retrying(path, parts)
+                replaced = self._write_retrying(path, parts, replace)
         except OSError as e:
             # Once per cache: a cache folder that cannot take entries (read-only, full) fails every put,
             # and a load puts every chunk it fetches.
@@ -271,7 +281,10 @@ class ChunkBlobCache:
             log.log(logging.WARNING if first else logging.DEBUG, "cannot cache chunk %s in %s: %s%s", oid, self.root, e,
                     " (further chunks that cannot be cached are not reported)" if first else "")
             return
-        # (what the write replaced, not what was there before it: another process may have evicted it, or put it, meanwhile)
+        if replaced is None:
+            log.debug("chunk %s not cached: %s is a folder that holds files", oid, path)
+            return  # (not ours to delete)
+        # (what the write replaced, not what was there before it: another process may have evicted it meanwhile)
         self._eviction.added(n, replaced)
 
     def evict(self, room: int = 0) -> int:

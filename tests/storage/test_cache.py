@@ -510,3 +510,39 @@ def test_processes_putting_at_once_keep_the_cache_within_its_limit_and_a_clear_r
     # (one process evicts at a time, down to 90% less an entry; an entry put during a walk counts twice)
     assert limit * 0.8 < u.bytes <= limit and counted >= u.bytes, (u.bytes, counted)
     assert clear(str(tmp_path)).bytes == u.bytes and tally.add(0) == counted - u.bytes
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_a_put_looks_at_its_entry_once(tmp_path, monkeypatch, caplog, replace):
+    """Each put lstat()s its entry's path once (a put with ``replace`` just before its rename, one without
+    only to find an entry there), and still writes its entry over an empty folder or a link in its place,
+    leaving a folder that holds files alone, without a warning. (Every put looked twice.)"""
+    import logging
+
+    root = tmp_path / "cache"
+    c = ChunkBlobCache(str(root), S, 1 << 20)
+    c.put("f" * 64, (b"first",))  # (the first put counts the cache)
+    looked: list[str] = []
+    real = os.lstat
+
+    def lstat(path, *a, **kw):
+        if os.path.basename(path) in (A, B, C, "d" * 64):
+            looked.append(os.path.basename(path))
+        return real(path, *a, **kw)
+
+    d = root / S
+    for oid in (B, C, "d" * 64):
+        (d / oid[:2]).mkdir(parents=True, exist_ok=True)
+    (d / B[:2] / B).mkdir()
+    (d / C[:2] / C).symlink_to(tmp_path / "nothing")
+    (d / "dd" / ("d" * 64)).mkdir()
+    (d / "dd" / ("d" * 64) / "theirs.txt").write_bytes(b"theirs")
+    monkeypatch.setattr(os, "lstat", lstat)
+    with caplog.at_level(logging.WARNING, logger="ckpt_store.storage.cache"):
+        for oid in (A, A, B, C, "d" * 64):
+            c.put(oid, (oid[:1].encode() * 100,), replace=replace)
+    monkeypatch.setattr(os, "lstat", real)
+    assert looked == [A, A, B, C, "d" * 64]
+    assert [c.get(oid) for oid in (A, B, C)] == [b"a" * 100, b"b" * 100, b"c" * 100] and not c.has("d" * 64)
+    assert (d / "dd" / ("d" * 64) / "theirs.txt").read_bytes() == b"theirs" and not caplog.records
+    assert c._eviction.tally.add(0) == usage(str(root)).bytes == 5 + 3 * 100 + 4 * TRAILER
