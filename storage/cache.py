@@ -41,7 +41,7 @@ import blake3
 
 from ckpt_store.storage.backends.base import TEMPORARY
 from ckpt_store.storage.cache_evict import CacheEviction
-from ckpt_store.storage.cache_files import CacheUsage, clear, default_cache_dir, remove, store_dir_name, usage
+from ckpt_store.storage.cache_files import CacheUsage, clear, default_cache_dir, in_own_folders, remove, store_dir_name, usage
 
 log = logging.getLogger(__name__)
 
@@ -170,15 +170,8 @@ class ChunkBlobCache:
             self._damaged(path, oid, miss=False)
 
     def _in_own_dirs(self, path: str) -> bool:
-        """Whether the store dir and fan-out dir holding ``path`` are directories, not links: through
-        a link (a hostile or mistaken cache folder) the cache would delete and write another's files."""
-        for d in (self.dir, os.path.dirname(path)):
-            try:
-                if not stat.S_ISDIR(os.lstat(d).st_mode):
-                    return False
-            except OSError:
-                return False
-        return True
+        """Whether the store dir and fan-out dir holding ``path`` are directories, not links."""
+        return in_own_folders(path)
 
     def _drop(self, path: str, n: int) -> None:
         if not self._in_own_dirs(path):

@@ -6,10 +6,14 @@ time, refreshed on every hit) are deleted until it is under 90% of it; a larger 
 Other processes put entries too: every put and deletion goes into a tally the processes share
 (``storage/cache_tally.py``: a file and a lock, ~4 us), so a put knows the cache's size without
 walking it, and a put past the limit evicts (one process at a time). A walk (a process's first put,
-each eviction, a quarter of the limit put) sets the tally to what it found plus what was put
-meanwhile, which corrects what it missed (a writer killed between its entry and the tally). Walking
-instead, near the limit, took as long as the pull (0.3-0.4 s at 50,000 entries, every hundredth of
-the limit). Where the tally cannot be used, each process counts the cache again once it has put a
+a quarter of the limit put, an eviction that the last walk's oldest entries cannot serve) sets the
+tally to what it found plus what was put meanwhile, which corrects what it missed (a writer killed
+between its entry and the tally). Walking instead, near the limit, took as long as the pull (0.3-0.4 s
+at 50,000 entries, every hundredth of the limit). A walk keeps the oldest entries it leaves, up to a
+quarter of the limit, and evictions take those first (a walk each, 80% of the time of a pull's puts
+into a cache of 50,000 entries on a tmpfs): each is looked at again just before it is deleted and
+kept if it was used (a hit touches it) or replaced since; the entries it does not list are younger
+than any it lists, so the least recently used still go first. Where the tally cannot be used, each process counts the cache again once it has put a
 tenth of the room free at its last count (at least a hundredth of the limit): N processes that
 counted it at C bytes put at most ``N * max((max_bytes - C) / 10, max_bytes / 100)`` (and a blob
 each) before they count again, near the limit about N hundredths of it over.
@@ -30,10 +34,14 @@ full meanwhile get their rooms, no more) and writes again, once.
 
 from __future__ import annotations
 
+import os
+import stat
 import threading
 
-from ckpt_store.storage.cache_files import entries_sweeping, remove
+from ckpt_store.storage.cache_files import Entry, entries_sweeping, in_own_folders, remove
 from ckpt_store.storage.cache_tally import CacheTally
+
+KEPT = 4  # a walk keeps its oldest entries, up to 1/KEPT of the limit, for the next evictions
 
 
 class CacheEviction:
@@ -51,6 +59,7 @@ class CacheEviction:
         self._evicting = False  # one thread evicts at a time; others ask it to look again
         self._again = False
         self._room = 0  # bytes that a put found no room for on a full disk: the next eviction frees them too
+        self._oldest: list[Entry] = []  # the oldest entries the last tallied walk left, newest first
         self._lock = threading.Lock()
         self._evicted = threading.Condition(self._lock)  # the running eviction is done (a full disk's put waits for it)
 
@@ -95,8 +104,12 @@ class CacheEviction:
         few twice: an early eviction, never an overfull cache), as in :meth:`_evict_once`."""
         try:
             before = self.tally.before_walk()
-            size = sum(b for _, b, _ in self._entries())
+            files = self._entries()
+            size = sum(e.size for e in files)
             shared = self.tally.walked(size, before) if before is not None else None
+            # (kept where an eviction may come before the next count: sorting 50,000 entries takes 50-80 ms)
+            near = shared is not None and size >= self.max_bytes - self._step_from(size, True)
+            oldest = self._oldest_of(sorted(files)) if near else []
         except BaseException:
             with self._lock:
                 self._counting = False
@@ -105,6 +118,7 @@ class CacheEviction:
             self._counting = False
             self._size = shared if shared is not None else size + self._uncounted
             self._step = self._step_from(size, shared is not None)
+            self._oldest = oldest
 
     def _step_from(self, size: int, tallied: bool) -> int:
         """Bytes to put before counting a cache found holding ``size`` bytes again: a tenth of its room
@@ -124,10 +138,10 @@ class CacheEviction:
         One thread of one process evicts at a time (another process's eviction meanwhile: this one
         returns 0, or waits for it where ``room`` is asked). Entries put while it walks the cache are
         counted on top of what its walk found (a few twice: an early eviction, never an overfull
-        cache), and it walks again while another thread asked it to (it put an entry past the limit
+        cache), and it evicts again while another thread asked it to (it put an entry past the limit
         meanwhile, or found the disk full: that thread waits for the room, then writes again; such a
         round frees only the rooms asked, less what earlier rounds freed past theirs), or while the
-        cache is over its limit and the last walk freed something."""
+        cache is over its limit and the last round freed something."""
         with self._evicted:
             self._room += room  # (threads that found the disk full at once each need their entry's room)
             if self._evicting:
@@ -158,36 +172,89 @@ class CacheEviction:
                 self._evicted.notify_all()
         return freed
 
-    def _entries(self) -> list[tuple[float, int, str]]:
+    def _entries(self) -> list[Entry]:
         return entries_sweeping(self.root)
 
+    def _oldest_of(self, files: list[Entry]) -> list[Entry]:
+        """The first of ``files`` (oldest first) up to a :data:`KEPT` th of the limit, newest first."""
+        kept, n = [], 0
+        for e in files:
+            if n >= self.max_bytes // KEPT:
+                break
+            kept.append(e)
+            n += e.size
+        return kept[::-1]
+
+    @staticmethod
+    def _disk_need(held: int, room: int, spare: int | None) -> int:
+        """Bytes a full disk needs freed in a cache holding ``held``: see :meth:`_evict_once`."""
+        if not room:
+            return 0
+        return held - int(held * 0.9) + room if spare is None else max(room - spare, 0)
+
     def _evict_once(self, spare: int | None) -> tuple[int, int]:
-        """One walk of eviction: (bytes freed, room asked). ``spare``: None in the first round, else the
+        """One round of eviction: (bytes freed, room asked). ``spare``: None in the first round, else the
         bytes freed past the room asked so far; a further round frees only the room asked meanwhile
         beyond those (each round taking a tenth off what the cache holds, 16 threads that found a
-        4 MiB disk full at once evicted 6 times their room)."""
+        4 MiB disk full at once evicted 6 times their room). The oldest entries the last walk left
+        go first; a walk where they are too few (or the tally unusable)."""
         with self._lock:
             self._added = 0
             room, self._room = self._room, 0
+            oldest, self._oldest = self._oldest, []
+        listed = 0
+        size = self.tally.add(0) if oldest else None
+        if size is not None:
+            need = max(size - int(self.max_bytes * 0.9), self._disk_need(size, room, spare))
+            if need <= sum(e.size for e in oldest):
+                listed = self._free_listed(oldest, need)
+                shared = self.tally.add(-listed)
+                if listed >= need and shared is not None:
+                    with self._lock:
+                        self._size = shared
+                        self._oldest = oldest
+                    return listed, room
         before = self.tally.before_walk()
         files = self._entries()
-        total = sum(b for _, b, _ in files)
+        total = sum(e.size for e in files)
         files.sort()
-        freed = 0
-        target = int(self.max_bytes * 0.9)
-        if room:
-            target = min(target, int(total * 0.9) - room if spare is None else total - max(room - spare, 0))
-        for _, size, p in files:
-            if total - freed <= target:
+        need = max(total - int(self.max_bytes * 0.9), self._disk_need(total + listed, room, spare) - listed)
+        freed = gone = 0
+        for e in files:
+            if freed >= need:
                 break
-            if remove(p):
-                freed += size
+            gone += 1
+            if remove(e.path):
+                freed += e.size
         shared = self.tally.walked(total - freed, before) if before is not None else None
         with self._lock:
             self._size = shared if shared is not None else total - freed + self._added
             self._uncounted = self._added
             self._step = self._step_from(total - freed, shared is not None)
-        return freed, room
+            self._oldest = self._oldest_of(files[gone:]) if shared is not None else []
+        return listed + freed, room
 
+    @staticmethod
+    def _free_listed(oldest: list[Entry], need: int) -> int:
+        """Delete entries of ``oldest`` (newest first), the oldest first, until ``need`` bytes are freed;
+        returns the bytes freed, and leaves the rest in ``oldest``. Each is looked at again first: one
+        gone (another process's eviction, a clear) is passed over, one used since the walk (a hit
+        refreshed its time) or replaced is younger now, and kept."""
+        freed = 0
+        own: dict[str, bool] = {}  # fan-out dir -> whether it and its store dir are the cache's own (not links)
+        while oldest and freed < need:
+            e = oldest.pop()
+            try:
+                st = os.lstat(e.path)
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode) or (st.st_mtime_ns, st.st_size, st.st_ino) != (e.mtime_ns, e.size, e.ino):
+                continue
+            folder = os.path.dirname(e.path)
+            if folder not in own:
+                own[folder] = in_own_folders(e.path)
+            if own[folder] and remove(e.path):
+                freed += e.size
+        return freed
 
 __all__ = ["CacheEviction"]

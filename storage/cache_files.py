@@ -16,6 +16,7 @@ import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ckpt_store.storage.backends.base import TEMPORARY
 from ckpt_store.storage.cache_tally import TALLY, CacheTally
@@ -73,17 +74,39 @@ def own_files(root: str) -> Iterator[tuple[str, str, os.stat_result, bool]]:
                     yield sdir.name, e.path, st, temp
 
 
-def entries_sweeping(root: str) -> list[tuple[float, int, str]]:
-    """(modification time, size, path) of every entry in the cache at ``root``; temporaries older than
-    an hour (left by a process killed while it wrote them) are deleted."""
+class Entry(NamedTuple):
+    """An entry as a walk of the cache found it (sorting puts the least recently used first)."""
+
+    mtime_ns: int  # its modification time: refreshed by every hit
+    size: int
+    path: str
+    ino: int  # (a replacing put renames a new file into its place)
+
+
+def entries_sweeping(root: str) -> list[Entry]:
+    """Every entry in the cache at ``root``; temporaries older than an hour (left by a process killed
+    while it wrote them) are deleted."""
     files = []
     now = time.time()
     for _, p, st, temp in own_files(root):
         if not temp:
-            files.append((st.st_mtime, st.st_size, p))
+            files.append(Entry(st.st_mtime_ns, st.st_size, p, st.st_ino))
         elif now - st.st_mtime > 3600:
             remove(p)
     return files
+
+
+def in_own_folders(path: str) -> bool:
+    """Whether the fan-out dir holding the entry at ``path``, and the store dir holding that, are
+    directories, not links: through a link (a hostile or mistaken cache folder) the cache would delete
+    and write another's files."""
+    for d in (os.path.dirname(os.path.dirname(path)), os.path.dirname(path)):
+        try:
+            if not stat.S_ISDIR(os.lstat(d).st_mode):
+                return False
+        except OSError:
+            return False
+    return True
 
 
 def default_cache_dir() -> str:
