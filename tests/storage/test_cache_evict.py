@@ -79,3 +79,30 @@ def test_entries_the_last_walk_listed_are_looked_at_again_before_they_are_delete
     assert [i for i, oid in enumerate(ids) if c.has(oid)] == [0, 2] + list(range(6, 20))
     assert c.get(ids[2]) == b"decoded!" * 1250 and c.has("a" * 64) and c.has("b" * 64)
     assert usage(root).bytes <= limit
+
+
+def _brim(c: ChunkBlobCache, root: str, blob: int) -> int:
+    """Fill the disk holding ``root`` with entries of ``blob`` bytes to the brim; the bytes the cache holds."""
+    for i in range(100_000):
+        st = os.statvfs(root)
+        if st.f_bavail * st.f_frsize < blob + TRAILER + 8192:
+            break
+        c.put(f"e{i:063x}", (os.urandom(blob),))
+    return usage(root).bytes
+
+
+def test_a_put_that_finds_the_disk_full_frees_its_room_and_a_hundredth_not_a_tenth(tmp_path, tmpfs):
+    """A cache on a 4 MiB tmpfs filled to the brim (its limit far above): a put of 64 KB that finds the
+    disk full frees its room plus a hundredth of what the cache holds (at least the room again), the
+    least recently used first, and lands. (It took a tenth of the cache, and the room: 345 KB for
+    64 KB from 2.8 MB.)"""
+    root = tmpfs(tmp_path / "cache", "4m")
+    blob, big = 8192, 64 << 10
+    c = ChunkBlobCache(root, S, 1 << 40)
+    held = _brim(c, root, blob)
+    c.put("b" * 64, (os.urandom(big),))
+    n = big + TRAILER
+    evicted = held + n - usage(root).bytes
+    assert c.has("b" * 64)
+    assert n <= evicted <= n + max(held // 100, n) + blob + TRAILER, (held, evicted)
+    assert not c.has(f"e{0:063x}") and c.has(f"e{held // (blob + TRAILER) - 1:063x}")  # the oldest went, the newest stayed
