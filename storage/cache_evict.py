@@ -10,7 +10,7 @@ a quarter of the limit put, an eviction that the last walk's oldest entries cann
 tally to what it found plus what was put meanwhile, which corrects what it missed (a writer killed
 between its entry and the tally). Walking instead, near the limit, took as long as the pull (0.3-0.4 s
 at 50,000 entries, every hundredth of the limit). A walk keeps the oldest entries it leaves, up to a
-quarter of the limit, and evictions take those first (a walk each, 80% of the time of a pull's puts
+quarter of the limit, and evictions take those first (a walk each, 70-80% of the time of a pull's puts
 into a cache of 50,000 entries on a tmpfs): each is looked at again just before it is deleted and
 kept if it was used (a hit touches it) or replaced since; the entries it does not list are younger
 than any it lists, so the least recently used still go first. Where the tally cannot be used, each process counts the cache again once it has put a
@@ -200,8 +200,8 @@ class CacheEviction:
         """One round of eviction: (bytes freed, room asked). ``spare``: None in the first round, else the
         bytes freed past the room asked so far; a further round frees only the room asked meanwhile
         beyond those (each round taking a tenth off what the cache holds, 16 threads that found a
-        4 MiB disk full at once evicted 6 times their room; see :meth:`_disk_need`). The oldest entries the last walk left
-        go first; a walk where they are too few (or the tally unusable)."""
+        4 MiB disk full at once evicted 6 times their room; see :meth:`_disk_need`). The oldest entries
+        the last walk left go first; a walk where they are too few (or the tally unusable)."""
         with self._lock:
             self._added = 0
             room, self._room = self._room, 0
@@ -260,5 +260,6 @@ class CacheEviction:
             if own[folder] and remove(e.path):
                 freed += e.size
         return freed
+
 
 __all__ = ["CacheEviction"]
