@@ -320,3 +320,35 @@ def test_processes_putting_at_once_keep_the_cache_within_its_limit_and_a_clear_r
     # (one process evicts at a time, down to 90% less an entry; an entry put during a walk counts twice)
     assert limit * 0.8 < u.bytes <= limit and counted >= u.bytes, (u.bytes, counted)
     assert clear(str(tmp_path)).bytes == u.bytes and tally.add(0) == counted - u.bytes
+
+
+def test_threads_that_find_a_full_disk_at_once_all_cache_their_entries(tmp_path, tmpfs, caplog):
+    """16 threads (a pull's transfer threads) put 60 KB entries into a cache on a full 1 MiB tmpfs at once:
+    each that finds the disk full makes room and writes again until it fits, so none is left uncached.
+    (One write after one eviction round: a thread whose room another thread's write took meanwhile gave
+    up with a warning, and its chunk, fetched, was not kept.)"""
+    import logging
+    import threading
+
+    root = tmpfs(tmp_path / "cache", "1m")
+    c = ChunkBlobCache(root, S, 1 << 30)
+    for i in range(20):  # the disk full with older entries
+        c.put(f"{i:064x}", (os.urandom(60_000),))
+    blobs = {f"{1000 + k * 100 + j:064x}": os.urandom(60_000) for k in range(16) for j in range(6)}
+    start = threading.Barrier(16)
+
+    def put(k: int) -> None:
+        start.wait()
+        for j in range(6):
+            oid = f"{1000 + k * 100 + j:064x}"
+            c.put(oid, (blobs[oid],))
+
+    with caplog.at_level(logging.DEBUG, logger="ckpt_store.storage.cache"):
+        threads = [threading.Thread(target=put, args=(k,)) for k in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not [r.getMessage() for r in caplog.records if "cannot cache" in r.getMessage()]
+    kept = [oid for oid in blobs if c.get(oid) is not None]
+    assert kept and all(c.get(oid) == blobs[oid] for oid in kept)
