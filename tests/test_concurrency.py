@@ -94,6 +94,7 @@ def as_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
+@pytest.mark.slow
 def test_pushers_and_gc_at_once_lose_nothing(tmp_path: Path) -> None:
     store_url = str(tmp_path / "store")
     ckpt.Store.init(store_url)

@@ -524,6 +524,7 @@ def campaign(pusher: Pusher, sources: Sources, tmp_path_factory: pytest.TempPath
     return Campaign(duration, trials, stores)
 
 
+@pytest.mark.slow
 def test_random_sigkill_leaves_a_consistent_store(campaign: Campaign) -> None:
     bad = {f"t{t.index:02d} (delay {t.delay:.3f}s, {t.outcome})": t.problems for t in campaign.trials if t.problems}
     assert not bad, bad
@@ -533,6 +534,7 @@ def test_random_sigkill_leaves_a_consistent_store(campaign: Campaign) -> None:
         assert any(0 < c < len(ITEMS) for c in counts), f"no trial was killed mid-way: {counts}"
 
 
+@pytest.mark.slow
 def test_gc_after_random_crashes_frees_garbage_and_keeps_refs(campaign: Campaign, sources: Sources, tmp_path: Path) -> None:
     before = {s.name: garbage(s) for s in campaign.stores}
     problems = {s.name: gc_and_check(s, sources, tmp_path) for s in campaign.stores}

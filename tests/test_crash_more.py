@@ -269,6 +269,7 @@ def _fresh_state():
     return model, opt, {"model": model, "optim": opt, "step": 0}
 
 
+@pytest.mark.slow
 def test_sigkill_training_saves(tmp_path: Path) -> None:
     steps = 12
     calib = tmp_path / "calib"
@@ -319,6 +320,7 @@ def test_sigkill_training_saves(tmp_path: Path) -> None:
     assert not failures, failures
 
 
+@pytest.mark.slow
 def test_sigkill_copy(prepared, tmp_path: Path) -> None:
     """A copy killed mid-way leaves a valid destination; run again, it sends only what is left."""
     _, url, want, file_bytes = prepared

@@ -108,6 +108,7 @@ def hf_dir(root: Path) -> Path:
     return d
 
 
+@pytest.mark.slow
 def test_round_trip(tmp_path: Path, env: dict[str, str], model_file: Path, hf_dir: Path) -> None:
     store = tmp_path / "store"
     assert "store ready" in ok("init", store=store, env=env).stdout

@@ -499,6 +499,7 @@ def test_an_entry_the_listing_of_refs_missed_is_read_and_no_snapshot_written(tmp
     assert store.gc(grace_s=0, dry_run=True).live_manifests == off(store).gc(grace_s=0, dry_run=True).live_manifests
 
 
+@pytest.mark.slow
 def test_a_long_lived_ref_is_updated_without_listing_its_history_or_the_growing_index(store_url):
     """A training run's RUN/latest gets an entry per save. Each update listed the ref's whole history
     to number the next entry, and told the index by a log the index never folded while it had no
@@ -575,6 +576,7 @@ def saves(mgr: ckpt.CheckpointManager, model: torch.nn.Module, steps: range) -> 
         mgr.save(step, {"model": model})
 
 
+@pytest.mark.slow
 def test_a_training_runs_index_keeps_no_summaries_of_its_removed_steps(tmp_path):
     """A run saves RUN/step-N, removes old steps (retention) and updates RUN/latest at every save.
     Each compaction (every 32 saves) rewrote the summary and chunk list of every checkpoint the
@@ -678,6 +680,7 @@ def test_the_index_reads_a_run_tier_pruning_meanwhile_without_calling_a_live_ref
     assert moved and refs["run/latest"].target == b and refs["run/step-2"].target == b
 
 
+@pytest.mark.slow
 def test_a_training_runs_index_snapshot_does_not_grow_with_its_saves(tmp_path):
     """A run saves RUN/step-N, removes old steps (retention) and updates RUN/latest, an alias, at every
     save. A snapshot kept every RUN/latest entry (an alias's earlier targets keep nothing alive) and each

@@ -610,6 +610,7 @@ def _png_size(path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.slow
 def test_plot_draws_a_cell_per_tensor_not_per_module_type_and_layer(store, tmp_path, monkeypatch):
     """--plot built a rows x layers grid (a NumPy array, a list of labels and one ax.text per cell, empty
     ones included): where module names differ from layer to layer (block.{i}.proj{i}.weight) that is the

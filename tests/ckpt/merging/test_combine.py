@@ -180,6 +180,7 @@ MEMORY_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_merge_streams_tensor_by_tensor(tmp_path):
     """Peak memory of a merge stays near (inputs + 2) x the largest tensor, far below the inputs' size."""
     url = str(tmp_path / "store")

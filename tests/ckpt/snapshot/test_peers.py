@@ -382,6 +382,7 @@ def test_a_tier_with_room_for_one_snapshot_in_a_group_makes_room_and_keeps_the_n
     assert ckpt.Store.open(url).verify().ok
 
 
+@pytest.mark.slow
 def test_a_rank_killed_while_replicating_leaves_the_previous_step_restorable_and_nothing_half_received(tmp_path):
     """(f) Step 8 holds 64 MB of new shared data; rank 0 is SIGKILLed while sending it to rank 1, its
     replica, once a first round of it has gone and the next is posted. Rank 1 warns and keeps nothing of it; the restarted
