@@ -26,7 +26,8 @@ def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PA
     sizes: dict[str, int] = {}
     for tier, store in reversed(tiers):  # the durable store's sizes win where both hold a chunk
         sizes.update(store.chunk_sizes() if store is not view.store else view.chunk_sizes())
-        histories, damaged = store.readable_ref_history(name)  # one damaged step must not hide the run
+        # one damaged step must not hide the run; its steps only (RUN/latest has an entry per save)
+        histories, damaged = store.readable_ref_history(name, only=lambda ref: step_of(name, ref) is not None)
         steps = {ref: (step, entries) for ref, entries in histories.items()
                  if (step := step_of(name, ref)) is not None and (entries or ref in damaged)}
         pushed = _pushed(view, store, [e[0].target for _, e in steps.values() if e and e[0].target is not None])

@@ -114,7 +114,8 @@ def test_the_runs_of_a_store_read_a_manifest_per_run_at_most(tmp_path, monkeypat
 def test_a_run_page_asked_again_does_not_load_the_index_again(tmp_path, monkeypatch):
     """Each run page told the run's live steps from pushed checkpoints by a fresh view of the metadata index
     (a listing of refs/ and a load: 0.2 s of a 1,500-snapshot run's page, every time). The answers are by
-    checkpoint id, cached with the view's overviews: the page asked again loads no index."""
+    checkpoint id, cached with the view's overviews: the page asked again makes no view of the index, and
+    loads it only for its ref records (no chunk lists; Store.readable_ref_history)."""
     from ckpt_store.cli.web.runs import run_doc
     from ckpt_store.storage.index import StoreIndex
 
@@ -125,9 +126,9 @@ def test_a_run_page_asked_again_does_not_load_the_index_again(tmp_path, monkeypa
     loads = []
     for name in ("view", "load"):
         real = getattr(StoreIndex, name)
-        monkeypatch.setattr(StoreIndex, name, lambda self, *a, _real=real, _name=name, **k: loads.append(_name) or _real(self, *a, **k))
+        monkeypatch.setattr(StoreIndex, name, lambda self, *a, _real=real, _name=name, **k: loads.append((_name, k)) or _real(self, *a, **k))
     again = run_doc(view, "train/long")
-    assert not loads  # was a view of the index (a listing of refs/) and its load
+    assert loads == [("load", {})]  # the ref records; was a view of the index (a listing of refs/) and its load
     assert again == first
     assert [r["step"] for r in first["snapshots"]] == list(range(1, STEPS + 1))  # the pushed one is no row
 
@@ -175,7 +176,7 @@ def test_a_damaged_snapshot_the_view_found_is_left_out_however_many_are_read(tmp
 def test_a_watched_run_page_reads_the_new_steps_manifest_not_the_index(tmp_path, monkeypatch):
     """A run page asked again after a save told the one new live step from pushed checkpoints by a load of the
     metadata index with every checkpoint's chunk lists (0.04-0.3 s; the step's manifest: 0.006 s). A few new
-    steps are read from their manifests."""
+    steps are read from their manifests (the index is loaded for its ref records only)."""
     from ckpt_store.cli.web.runs import run_doc
     from ckpt_store.storage.index import StoreIndex
 
@@ -188,5 +189,45 @@ def test_a_watched_run_page_reads_the_new_steps_manifest_not_the_index(tmp_path,
     real = StoreIndex.load
     monkeypatch.setattr(StoreIndex, "load", lambda self, *a, **k: loads.append(k) or real(self, *a, **k))
     doc = run_doc(view, "train/long")
-    assert not loads  # was one load, with the chunk lists
+    assert loads == [{}]  # the ref records (Store.readable_ref_history); was a load with the chunk lists besides
     assert [r["step"] for r in doc["snapshots"]][-1] == STEPS + 1 and doc["latest"] == store.resolve(f"train/long/step-{STEPS + 1}")
+
+
+def test_a_run_page_takes_its_steps_entries_from_the_index_not_one_read_each(tmp_path, monkeypatch):
+    """The run page read every entry file below the run's name (Store.readable_ref_history): each step's, and
+    every entry of RUN/latest, one per save (1,500 snapshots: 3,000 files, 0.2 s of a warm page). Its steps
+    only now, each entry from the metadata index where the listing shows its file as recorded; the document is
+    the one the entry files give."""
+    from ckpt_store.cli.web.runs import run_doc
+    from ckpt_store.storage.index import StoreIndex
+    from ckpt_store.storage.refs import Refs
+
+    store = _long_run(tmp_path)
+    read: list[tuple[str, int]] = []
+    real = Refs._read
+    monkeypatch.setattr(Refs, "_read", lambda self, name, seq, *a, **k: read.append((name, seq)) or real(self, name, seq, *a, **k))
+    doc = run_doc(StoreView(store), "train/long")
+    assert read == []  # was 2 * STEPS: every step's entry and every one of train/long/latest
+    assert [r["step"] for r in doc["snapshots"]] == list(range(1, STEPS + 1))
+    monkeypatch.setattr(StoreIndex, "recorded", lambda self: None)  # every entry read from its file
+    assert run_doc(StoreView(store), "train/long") == doc
+    assert read and all(name.startswith("train/long/step-") for name, _ in read)  # not latest's history
+
+
+def test_a_run_page_reads_an_entry_file_changed_since_the_index_recorded_it(tmp_path):
+    """The index is never trusted over the refs: an entry file the listing shows with another time than the
+    record's (here step 2's rewritten to name step 3's checkpoint, at the same size) is read."""
+    from ckpt_store.cli.web.runs import run_doc
+    from ckpt_store.storage.refs import RefEntry
+
+    store = _long_run(tmp_path)
+    three = store.resolve("train/long/step-3")
+    path = tmp_path / "store" / "refs" / "train" / "long" / "step-2" / "0000000001.ref"
+    old = RefEntry.from_json(path.read_bytes(), "entry")
+    new = RefEntry(old.name, old.seq, three, old.time, old.writer).to_json()
+    assert len(new) == path.stat().st_size
+    os.chmod(path, 0o644)
+    path.write_bytes(new)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    rows = {r["step"]: r for r in run_doc(StoreView(store), "train/long")["snapshots"]}
+    assert rows[2]["id"] == three
