@@ -231,3 +231,28 @@ def test_a_run_page_reads_an_entry_file_changed_since_the_index_recorded_it(tmp_
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
     rows = {r["step"]: r for r in run_doc(StoreView(store), "train/long")["snapshots"]}
     assert rows[2]["id"] == three
+
+
+def test_a_runs_chunks_are_added_up_without_every_steps_set_held_at_once(tmp_path, monkeypatch):
+    """The lineage kept every step's overview (its chunk set) in a dict while it added up the run's chunks:
+    past the view's cache bound, a run's 1,500 sets at once. It keeps whether each is a snapshot; the sets
+    are the view's cache's (here bounded to one), asked for a page of steps at a time. Same document."""
+    import gc
+
+    from ckpt.store.catalog import Overview
+    from ckpt_store.cli.web import graph
+
+    store = _long_run(tmp_path)
+    want = lineage(StoreView(store))
+    alive: list[int] = []
+    real = graph.stored_bytes
+
+    def counting(chunks, sizes):
+        alive.append(sum(type(o) is Overview for o in gc.get_objects()))
+        return real(chunks, sizes)
+
+    monkeypatch.setattr(graph, "stored_bytes", counting)
+    small = StoreView(store, cache_tensors=1)  # the view's caches keep one item each
+    assert lineage(small) == want
+    assert max(alive) <= 2, alive  # was STEPS: every step's, held by the lineage
+
