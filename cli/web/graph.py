@@ -150,7 +150,9 @@ def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
                       "label": run, "message": None, "created": latest.created, "logical_bytes": latest.logical_bytes,
                       "stored_bytes": stored, "cost_bytes": cost, "method": None, "tensors": len(latest.tensors),
                       "url": "/run/" + run,
-                      "snapshots": [{"step": s, "ref": name, "id": mid, "url": "/checkpoint/" + name} for s, name, mid in snaps]})
+                      # unverified: drawn from the index's summary, its manifest not read by the view (data.py's rule)
+                      "snapshots": [{"step": s, "ref": name, "id": mid, "url": "/checkpoint/" + name, "verified": view.verified(mid)}
+                                    for s, name, mid in snaps]})
         if start:
             _add_edge(edges, start, rid, "start", cost_bytes=cost, shared_chunks=shared)
     return {"nodes": nodes, "edges": list(edges.values()), "truncated": truncated}

@@ -55,6 +55,12 @@ def _small_run(store: ckpt.Store, run: str, steps: int) -> ckpt.Store:
     return store
 
 
+def _sans_verified(doc: dict) -> dict:
+    """A lineage document without its snapshots' ``verified`` (whether the view read them, not what they hold)."""
+    return {**doc, "nodes": [{**n, "snapshots": [{k: v for k, v in s.items() if k != "verified"} for s in n["snapshots"]]}
+                             if "snapshots" in n else n for n in doc["nodes"]]}
+
+
 @pytest.fixture
 def parsed(monkeypatch):
     """Manifests parsed from here on (by id)."""
@@ -80,8 +86,11 @@ def test_a_long_runs_lineage_reads_a_few_manifests_not_one_per_snapshot(tmp_path
     assert len(parsed) <= 3  # the base, train/long/latest and its step: was STEPS + 1
     run = next(n for n in got["nodes"] if n["kind"] == "run")
     assert [s["step"] for s in run["snapshots"]] == list(range(1, STEPS + 1))
+    assert [s["verified"] for s in run["snapshots"]] == [False] * (STEPS - 1) + [True]  # drawn from the index
     monkeypatch.setattr(catalog, "overviews", lambda store, mids, checked: {})  # every overview from its manifest
-    assert lineage(StoreView(store)) == got
+    read = lineage(StoreView(store))
+    assert all(s["verified"] for s in next(n for n in read["nodes"] if n["kind"] == "run")["snapshots"])
+    assert _sans_verified(read) == _sans_verified(got)
 
 
 def test_a_damaged_newest_snapshot_is_left_out_of_the_lineage(tmp_path):
@@ -253,6 +262,35 @@ def test_a_runs_chunks_are_added_up_without_every_steps_set_held_at_once(tmp_pat
 
     monkeypatch.setattr(graph, "stored_bytes", counting)
     small = StoreView(store, cache_tensors=1)  # the view's caches keep one item each
-    assert lineage(small) == want
+    assert _sans_verified(lineage(small)) == _sans_verified(want)
     assert max(alive) <= 2, alive  # was STEPS: every step's, held by the lineage
 
+
+def test_the_pages_say_which_snapshots_are_drawn_unverified_and_name_a_damaged_one(tmp_path):
+    """A fresh view draws a run's snapshots from the metadata index (as `ckpt ls` lists them): one damaged
+    since, not yet read, was drawn like the others. The lineage marks those the view has not read as
+    unverified and names `ckpt verify`; the run page, which reads its rows' manifests, named nothing for a
+    kept step whose manifest failed its check (blank cells): it says damaged, with the error."""
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 8)
+    store.ls()
+    mid = store.resolve("r/step-2")
+    path = tmp_path / "store" / "objects" / "manifests" / mid[:2] / mid
+    os.chmod(path, 0o644)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    path.write_bytes(bytes(raw))
+    c = TestClient(create_app(store))
+    run = next(n for n in c.get("/api/lineage").json()["nodes"] if n["kind"] == "run")
+    verified = {s["step"]: s["verified"] for s in run["snapshots"]}
+    assert verified == {**dict.fromkeys(range(1, 8), False), 8: True}  # step 8 (the newest) is read: its time and size
+    page = c.get("/lineage").text
+    assert page.count('class="unverified" title=') == 7 and "<code>ckpt verify</code> checks every one" in page
+    rows = {r["step"]: r for r in c.get("/api/run/r").json()["snapshots"]}
+    assert rows[2]["live"] and not rows[2]["available"] and "is corrupt" in rows[2]["damaged"]
+    assert all(rows[s]["damaged"] is None for s in (1, 3, 4, 5, 6, 7, 8))
+    page = c.get("/run/r").text
+    assert page.count('class="error damaged"') == 1 and "<code>ckpt verify</code> checks every snapshot" in page
