@@ -294,3 +294,18 @@ def test_the_pages_say_which_snapshots_are_drawn_unverified_and_name_a_damaged_o
     assert all(rows[s]["damaged"] is None for s in (1, 3, 4, 5, 6, 7, 8))
     page = c.get("/run/r").text
     assert page.count('class="error damaged"') == 1 and "<code>ckpt verify</code> checks every snapshot" in page
+
+
+def test_a_run_page_on_s3_gets_no_ref_entry_the_index_records(s3_main_url):
+    """On S3 each entry file the run page read was a GET: a step's, and each of RUN/latest's, one per save.
+    The page's requests are the listings, the index's objects and the page's manifests."""
+    from s3support import http_requests
+
+    from ckpt_store.cli.web.runs import run_doc
+
+    store = _small_run(ckpt.Store.init(s3_main_url), "train/s3p", 12)
+    with http_requests(store.objects.backend) as seen:
+        doc = run_doc(StoreView(store), "train/s3p")
+    assert [r["step"] for r in doc["snapshots"]] == list(range(1, 13)) and all(r["available"] for r in doc["snapshots"])
+    entries = [key for kind, key in seen if kind.startswith("GET") and "/refs/" in key and key.endswith(".ref")]
+    assert entries == [], seen  # was 24: every step's entry and every one of train/s3p/latest
