@@ -58,7 +58,7 @@ from ckpt_store.storage.index_files import IndexFiles
 from ckpt_store.storage.index_state import IndexState, RefRec
 from ckpt_store.storage.objects import ObjectStore, Temporaries
 from ckpt_store.storage.records import MAX_RECORD_BYTES
-from ckpt_store.storage.refs import RefEntry, Refs, history_floor, reread_while_gone
+from ckpt_store.storage.refs import Known, RefEntry, Refs, history_floor, reread_while_gone
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,18 @@ class StoreIndex:
             return None
         recs = st.refs.get(name) if st is not None else None
         return max(recs) if recs else None
+
+    def recorded(self) -> Known | None:
+        """For a reader that lists ``refs/`` itself (:meth:`Refs.scan_histories`: a training run's page), the
+        entries the index records as they are stored (:meth:`IndexState.recorded`: only of a file the listing
+        shows as recorded; the others are read), or None where there is no index to read. One load, no chunk
+        lists: a run of 1,500 snapshots is 1,500 entry files not read."""
+        try:
+            st = self.load()
+        except Exception as e:  # noqa: BLE001 - a cache: every entry is read instead
+            log.debug("no ref records from the metadata index: %s", e)
+            return None
+        return st.recorded if st is not None else None
 
     def rebuild(self) -> IndexState:
         """An empty state, to be filled from the refs (:meth:`view`) and manifests (:meth:`ensure`)."""

@@ -172,6 +172,13 @@ class IndexState:
                     out[n] = rec.entry(n)
         return out
 
+    def recorded(self, name: str, seq: int, listed: Entry) -> RefEntry | None:
+        """Entry ``seq`` of ``name``, where the index records the file ``listed`` (the rule of exact readers,
+        :meth:`RefRec.matches`: entries are never modified, so such a record holds what the file holds);
+        else None, for the caller to read the file."""
+        rec = self.refs.get(name, {}).get(seq)
+        return rec.entry(name) if rec is not None and rec.matches(listed) else None
+
     def signature(self, mid: str) -> Any:
         key = self.info.get(mid, {}).get("sig")
         return self.sigs.get(key) if key is not None else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ckpt_store.storage.backends.base import Entry
 from ckpt_store.storage.errors import (
@@ -47,6 +47,9 @@ from ckpt_store.storage.ref_listing import RefsFolder, gaps
 __all__ = ["GONE_TRIES", "MAX_NAME", "MAX_SEQ", "REF_FORMAT", "REF_VERSION", "RefEntry", "RefEntryGoneError",
            "RefJournal", "RefsFolder", "Refs", "history_floor", "reread_listed", "reread_while_gone",
            "validate_ref_name"]
+
+# What a reader knows of a listed entry file (name, seq, as listed): the entry it holds, or None (it is read).
+Known = Callable[[str, int, Entry], RefEntry | None]
 
 
 class Refs(RefsFolder):
@@ -262,8 +265,8 @@ class Refs(RefsFolder):
         return {n: [self._read(n, s, f is not None) for s, f in sorted(seqs.items(), reverse=True)]
                 for n, seqs in sorted(by_name.items())}
 
-    def scan_histories(self, prefix: str = "", listing: Mapping[str, Mapping[int, Entry | None]] | None = None
-                       ) -> tuple[dict[str, list[RefEntry]], dict[str, tuple[StoreFormatError, str]]]:
+    def scan_histories(self, prefix: str = "", listing: Mapping[str, Mapping[int, Entry | None]] | None = None,
+                       known: Known | None = None) -> tuple[dict[str, list[RefEntry]], dict[str, tuple[StoreFormatError, str]]]:
         """Like :meth:`all_entries`, but an entry that cannot be read is reported, not raised.
 
         Returns (histories, damaged): each ref's entries newest first, down to (not
@@ -271,12 +274,14 @@ class Refs(RefsFolder):
         entry, (the error, the entry's path). Entries older than a damaged one are left
         out: whether the damaged entry was a removal cannot be known, so neither can
         what they count for. ``listing``: the refs as :meth:`listing` of ``prefix`` gave them, where the
-        caller listed them already.
+        caller listed them already. ``known``: ``known(name, seq, listed)`` is the entry a file listed so
+        holds where the caller knows it (the metadata index's record of that file,
+        :meth:`~ckpt_store.storage.index.StoreIndex.recorded`), else None: the file is read.
         """
         out: dict[str, list[RefEntry]] = {}
         damaged: dict[str, tuple[StoreFormatError, str]] = {}
         for n, seqs in sorted((self.listing(prefix) if listing is None else listing).items()):
-            out[n], bad = self._readable(n, seqs)
+            out[n], bad = self._readable(n, seqs, known)
             if bad is not None:
                 damaged[n] = bad
         return out, damaged
@@ -288,10 +293,14 @@ class Refs(RefsFolder):
         entries, bad = self._readable(name, self._entry_seqs(name))
         return entries, bad[0] if bad is not None else None
 
-    def _readable(self, name: str, seqs: Mapping[int, Entry | None]) -> tuple[list[RefEntry], tuple[StoreFormatError, str] | None]:
+    def _readable(self, name: str, seqs: Mapping[int, Entry | None], known: Known | None = None
+                  ) -> tuple[list[RefEntry], tuple[StoreFormatError, str] | None]:
         def attempt(listed: Mapping[int, Entry | None], last: bool) -> tuple[list[RefEntry], tuple[StoreFormatError, str] | None]:
             entries: list[RefEntry] = []
             for s, f in sorted(listed.items(), reverse=True):
+                if f is not None and known is not None and (entry := known(name, s, f)) is not None:
+                    entries.append(entry)
+                    continue
                 try:
                     entries.append(self._read(name, s, f is not None))
                 except StoreFormatError as err:

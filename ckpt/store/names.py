@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ckpt._deprecation import deprecated
@@ -17,6 +18,7 @@ from ckpt_store.storage.refs import MAX_SEQ, RefEntry, Refs, validate_ref_name
 
 if TYPE_CHECKING:
     from ckpt.store.catalog import RefListing
+    from ckpt_store.storage.index import StoreIndex
 
 _HISTORY = re.compile(r"^(.*)@([0-9]+)\Z")
 _HEX = re.compile(r"^[0-9a-f]{4,64}\Z")
@@ -39,6 +41,7 @@ class StoreNames:
 
     objects: ObjectStore
     refs_db: Refs
+    index: StoreIndex | None
 
     # -- names ---------------------------------------------------------------
     def resolve(self, ref: str) -> str:
@@ -207,10 +210,20 @@ class StoreNames:
         """
         return self.refs_db.all_entries(prefix)
 
-    def readable_ref_history(self, prefix: str = "") -> tuple[dict[str, list[RefEntry]], dict[str, str]]:
+    def readable_ref_history(self, prefix: str = "", *, only: Callable[[str], bool] | None = None
+                             ) -> tuple[dict[str, list[RefEntry]], dict[str, str]]:
         """:meth:`ref_history`, going on past entries that cannot be read: each ref's entries down to
-        (not including) its newest damaged one, and the error of that one by ref name."""
-        histories, damaged = self.refs_db.scan_histories(prefix)
+        (not including) its newest damaged one, and the error of that one by ref name. ``only``: the
+        refs wanted, by name (a run's steps, not its ``latest`` and the thousand entries of its history).
+
+        An entry the metadata index records is taken from it where the listing of ``refs/`` shows its file
+        as recorded (the index's rule for exact readers: a file changed since is read), not read: a run
+        of 1,500 snapshots is one load of the index, not 1,500 entry files."""
+        known = self.index.recorded() if self.index is not None else None  # (loaded before refs/ is listed)
+        listing = self.refs_db.listing(prefix)
+        if only is not None:
+            listing = {n: seqs for n, seqs in listing.items() if only(n)}
+        histories, damaged = self.refs_db.scan_histories(prefix, listing, known)
         return histories, {n: str(err) for n, (err, _) in damaged.items()}
 
     def remove(self, name: str, *, expect: str | None = None) -> RefEntry:

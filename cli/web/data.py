@@ -135,6 +135,12 @@ class StoreView:
                 self._manifest_tensors -= len(self._manifests.popitem(last=False)[1].tensors)
         return m
 
+    def verified(self, mid: str) -> bool:
+        """Whether the view has read manifest ``mid`` and found it to match its id (cached, or checked by the
+        overview page): else what a page shows of it may be the metadata index's summary alone (unverified)."""
+        with self._lock:
+            return mid in self._manifests or mid in self._checked
+
     def overviews(self, mids: Iterable[str], store: ckpt.Store | None = None, few: int = FEW_MANIFESTS) -> dict[str, Overview]:
         """The :class:`~ckpt.store.catalog.Overview` of each of checkpoints ``mids`` (of ``store``, default the
         view's) that is stored and not found damaged (the rule of the module's doc), cached by id as manifests

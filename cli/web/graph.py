@@ -25,7 +25,7 @@ from ckpt.errors import CkptError
 from ckpt.format.manifest import lineage_fields
 from ckpt.snapshot.steps import step_ref
 from ckpt.store.catalog import own_chunks
-from ckpt_store.cli.web.data import StoreView, stored_bytes
+from ckpt_store.cli.web.data import HISTORY_PAGE, StoreView, stored_bytes
 
 RUN_PREFIX = "run:"
 MAX_NODES = 2000  # checkpoints drawn at most; the rest are left out ("truncated")
@@ -56,10 +56,11 @@ def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
     # thousands of snapshots are not read one manifest each (1,500: 3-11 s); the other refs' manifests are. A
     # snapshot is drawn where the index summarizes it, unless the view found its manifest damaged (data.py's rule).
     steps = {name: step for name, entry in refs.items() if (step := step_ref(name))}
-    overviews = view.overviews(refs[name].target for name in steps)
+    # (whether each is a snapshot only: their chunk sets are the view's cache's, bounded, not pinned here)
+    snapshots = {mid for mid, o in view.overviews(refs[name].target for name in steps).items() if o.snapshot}
     for name, entry in refs.items():
         step = steps.get(name)
-        if step and (o := overviews.get(entry.target)) is not None and o.snapshot:
+        if step and entry.target in snapshots:
             runs[step[0]].append((step[1], name, entry.target))
             continue
         try:
@@ -136,9 +137,7 @@ def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
                 snaps.pop()
         if latest is None:
             continue
-        run_chunks: set[str] = set()
-        for _, _, mid in snaps:
-            run_chunks |= overviews[mid].own
+        run_chunks = _run_chunks(view, [mid for _, _, mid in snaps])
         rid = RUN_PREFIX + run
         start, shared = None, 0
         for mid, c in chunks.items():  # the stored model the run began from, if it kept any of its chunks
@@ -151,10 +150,24 @@ def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
                       "label": run, "message": None, "created": latest.created, "logical_bytes": latest.logical_bytes,
                       "stored_bytes": stored, "cost_bytes": cost, "method": None, "tensors": len(latest.tensors),
                       "url": "/run/" + run,
-                      "snapshots": [{"step": s, "ref": name, "id": mid, "url": "/checkpoint/" + name} for s, name, mid in snaps]})
+                      # unverified: drawn from the index's summary, its manifest not read by the view (data.py's rule)
+                      "snapshots": [{"step": s, "ref": name, "id": mid, "url": "/checkpoint/" + name, "verified": view.verified(mid)}
+                                    for s, name, mid in snaps]})
         if start:
             _add_edge(edges, start, rid, "start", cost_bytes=cost, shared_chunks=shared)
     return {"nodes": nodes, "edges": list(edges.values()), "truncated": truncated}
+
+
+def _run_chunks(view: StoreView, mids: list[str]) -> set[str]:
+    """The union of snapshots ``mids``' own chunks, built a page of steps at a time (:data:`HISTORY_PAGE`): a run's
+    1,500 sets held at once were as many copies of the chunk ids its steps share (a frozen layer's, the optimizer
+    steps'), past the view's cache bound. Cached overviews are reused; evicted ones are read by the view's rule
+    (a load of the index per page, or a few manifests); one that no longer reads adds nothing."""
+    union: set[str] = set()
+    for at in range(0, len(mids), HISTORY_PAGE):
+        for o in view.overviews(mids[at:at + HISTORY_PAGE]).values():
+            union |= o.own
+    return union
 
 
 def _sources(m: Any) -> list[str]:

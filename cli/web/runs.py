@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import ckpt
-from ckpt.errors import CkptError, RefNotFoundError
+from ckpt.errors import CkptError, ObjectNotFoundError, RefNotFoundError
 from ckpt.snapshot.steps import step_of, step_ref
 from ckpt.store.catalog import own_chunks
 from ckpt_store.cli.web.data import HISTORY_PAGE, StoreView, page, snapshot_metrics, stored_bytes
@@ -26,7 +26,8 @@ def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PA
     sizes: dict[str, int] = {}
     for tier, store in reversed(tiers):  # the durable store's sizes win where both hold a chunk
         sizes.update(store.chunk_sizes() if store is not view.store else view.chunk_sizes())
-        histories, damaged = store.readable_ref_history(name)  # one damaged step must not hide the run
+        # one damaged step must not hide the run; its steps only (RUN/latest has an entry per save)
+        histories, damaged = store.readable_ref_history(name, only=lambda ref: step_of(name, ref) is not None)
         steps = {ref: (step, entries) for ref, entries in histories.items()
                  if (step := step_of(name, ref)) is not None and (entries or ref in damaged)}
         pushed = _pushed(view, store, [e[0].target for _, e in steps.values() if e and e[0].target is not None])
@@ -95,15 +96,22 @@ def _pushed(view: StoreView, store: ckpt.Store, mids: list[str]) -> set[str]:
 
 
 def _snapshot_chunks(view: StoreView, row: dict[str, Any]) -> set[str] | None:
-    """Fill a :meth:`run` row from its manifest (metrics, time saved, sizes); its own chunks, None where
-    it cannot be read (removed and collected: the history line is all there is)."""
+    """Fill a :meth:`run` row from its manifest (metrics, time saved, sizes), read and checked against its id;
+    its own chunks, None where it cannot be read: removed and collected (the history line is all there is), or
+    damaged, which the row names (``damaged``; a kept step's manifest missing is damage too)."""
+    why = None
     for target, store in row.get("_sources", ()):
         try:
             mf = view.manifest(target, store)
-        except CkptError:
+        except ObjectNotFoundError as e:
+            why = why or (str(e) if row["live"] else None)
+            continue
+        except CkptError as e:
+            why = str(e)
             continue
         row.update(saved_at=mf.created, metrics=snapshot_metrics(mf.extra), logical_bytes=mf.logical_bytes, available=True)
         return own_chunks(mf)
+    row["damaged"] = row["damaged"] or why
     return None
 
 
