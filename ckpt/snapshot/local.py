@@ -10,9 +10,10 @@ may modify them (CUDA tensors: the step waits for their copy to pinned memory).
 
 A tensor is known to be unchanged when it is the same storage with the same in-place
 version counter (``tensor._version``) as at the previous save (``unchanged_by="version"``);
-its chunks are then reused without reading it. Where versions cannot be trusted (a fused
-optimizer in the state, after a restore, or ``unchanged_by="hash"``) every tensor is staged
-and unchanged chunks are found by hash instead.
+its chunks are then reused without reading it. A restore records the tensors it wrote so too
+(their versions as the restore left them). Where versions cannot be trusted (a fused optimizer
+in the state, or ``unchanged_by="hash"``), and after a failed save, every tensor is staged and
+unchanged chunks are found by hash instead.
 
 Restoring: :mod:`ckpt.snapshot.local_restore`.
 """
@@ -42,6 +43,7 @@ from ckpt.snapshot.state import (
     flatten,
     optimizers_in,
     tensor_devices,
+    version_key,
 )
 from ckpt.store.source_tensors import storable_dtype
 
@@ -100,8 +102,8 @@ class LocalSnapshots(LocalRestoring):
         staged, reuse, keys, pending, live = self._stage(tensors, trust=trust, defer=defer)
         # The tensors known to have changed (by their versions): what a local tier makes room for before the write.
         # Others staged may be unchanged, their chunks found by hash (a fused optimizer's frozen base, or any tensor
-        # after a restore, which fills the previous snapshot but records no versions): not counted, so that the
-        # check never refuses a save that would fit; the write finds out, as it did.
+        # after a failed save, which records no versions): not counted, so that the check never refuses a save that
+        # would fit; the write finds out, as it did. (A restore records the versions of the tensors it wrote.)
         changed = [t.numel() * t.element_size() for n, t in staged.items()
                    if trust and n in self._keys and n in previous]
         held = {n: t.detach() for n, t in tensors.items()}
@@ -172,8 +174,7 @@ class LocalSnapshots(LocalRestoring):
         cuda = []
         for name, t in tensors.items():
             t = t.detach()
-            key = (t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device, t.stride())
-            keys[name] = key
+            key = keys[name] = version_key(t)
             if trust and self._keys.get(name) == key and name in previous:
                 reuse[name] = previous[name]
                 continue
