@@ -40,6 +40,7 @@ class LocalRestoring:
     _keys: dict[str, tuple[Any, ...]]
     _held: dict[str, Any]
     _last: tuple[str, dict[str, TensorEntry]] | None
+    _since: str | None
 
     def restore(self, state: dict[str, Any], mid: str, tiers: Tiers | None = None) -> int:
         """Restore ``mid`` into ``state`` in place; its step. ``tiers``: where to read it from,
@@ -152,7 +153,7 @@ class LocalRestoring:
                 pairs.append((e, t))
             loaders.append((key, obj, kind, value))
         # What the last save saw no longer describes the state (recorded again below, once all is restored).
-        self._keys, self._held = {}, {}
+        self._keys, self._held, self._since = {}, {}, None
         # the next snapshot's parent (and delta base): only one this path's store holds
         self._last = (mid, entries) if self.store.objects.has_many("manifests", [mid]) else None
         tiers.fill(mid, pairs)
@@ -176,6 +177,7 @@ class LocalRestoring:
                 state[key] = restored
         if self._last is not None:
             self._keys, self._held = _restored_keys(state, filled, self._served_here(tiers, entries))
+            self._since = mid
         return step
 
     def _served_here(self, tiers: Tiers, entries: dict[str, TensorEntry]) -> set[str]:

@@ -635,3 +635,88 @@ def test_a_tensor_the_tier_lost_is_written_again_by_the_save_after_a_restore(tmp
             mgr.wait()
         assert mgr.last_save.tier == "local" and mgr.last_save.staged_tensors == 5
     assert tier.verify().ok and tier.objects.has("chunks", lost)
+
+
+def test_after_a_write_ran_out_of_space_the_tier_makes_the_room_a_save_adds(tmp_path, tmpfs):
+    """A 16 MiB frozen base and 12 MiB of head and AdamW moments; local_keep=2 on a 64 MiB tmpfs holding steps 1, 2.
+    The save of 3 passes the room check (step 1 goes), then another tenant takes all but 4 MiB before it writes: the
+    write runs out of space. The tenant frees 14 MiB. The next save made room for all of the state's bytes (the
+    frozen base the tier holds included): it dropped step 2, the newest, though the 12 MiB the save adds were free.
+    It makes the room for the tensors changed since 2 now: none dropped, the tier holds 2 and 4."""
+    shm = tmpfs(tmp_path / "shm", "64m")
+    state = _head_run()
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1, local_keep=2) as mgr:
+        for step in (1, 2):
+            _head_step(state, step)
+            mgr.save(step, state, persist=False)
+        mgr.wait()
+        room = mgr._path.room
+
+        def then_a_tenant(*args):  # the tenant takes the room right after the check: deterministic, not a race
+            dropped = room(*args)
+            _fill(f"{shm}/tenant", leave=4 << 20)
+            return dropped
+
+        mgr._path.room = then_a_tenant
+        _head_step(state, 3)
+        with pytest.warns(ckpt.TierWarning, match="step 3 not saved .*(disk is full|No space left)"):
+            mgr.save(3, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [2]
+        mgr._path.room = room
+        os.truncate(f"{shm}/tenant", max(os.path.getsize(f"{shm}/tenant") - (14 << 20), 0))
+        _head_step(state, 4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)  # (nothing dropped to make room: no warning)
+            mgr.save(4, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [2, 4] and mgr.last_save.tier == "local"
+    _restores_bit_exact(tmp_path / "durable", f"{shm}/tier", state, 4)
+
+
+def _restores_bit_exact(durable, tier, state, step):
+    """A restart restores ``step`` from the tier alone, every tensor of ``state`` byte for byte; the tier verifies."""
+    from ckpt.snapshot.state import flatten
+
+    fresh = _head_run(seed=9)
+    with ckpt.CheckpointManager(str(durable), "run", every_n_steps=100, local=tier) as mgr:
+        assert mgr.restore(fresh, step) == step and mgr.last_restore["store"] == 0
+    got, want = flatten(fresh)[0], flatten(state)[0]
+    assert {n: t.detach().numpy().tobytes() for n, t in got.items()} == {n: t.detach().numpy().tobytes() for n, t in want.items()}
+    assert ckpt.Store.open(tier).verify().ok
+
+
+def test_a_run_gone_back_makes_room_from_the_timeline_it_left_first(tmp_path, tmpfs):
+    """The run went back to step 2 while the tier held 2 and 4 (local_keep=3, a 64 MiB tmpfs another tenant fills):
+    the save of 3 is refused (not even 4 dropped makes its room), the tenant frees 6 MiB. The save of 4 made room
+    oldest first: it dropped 2, the step the run continues from, and kept the abandoned 4 until the new one replaced
+    it (a restart in between takes up the timeline the run left). It drops the abandoned 4 first now, never 2 before
+    it: the tier holds 2 and the new 4."""
+    shm = tmpfs(tmp_path / "shm", "64m")
+    state = _head_run()
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1, local_keep=3) as mgr:
+        for step in (2, 4):
+            _head_step(state, step)
+            mgr.save(step, state, persist=False)
+        mgr.wait()
+        assert mgr.restore(state, 2) == 2
+        _fill(f"{shm}/tenant")
+        _head_step(state, 3)
+        with pytest.warns(ckpt.TierWarning, match="step 3 not saved .*nothing written"):
+            mgr.save(3, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [2, 4]
+        os.truncate(f"{shm}/tenant", max(os.path.getsize(f"{shm}/tenant") - (6 << 20), 0))
+        _head_step(state, 4)
+        with pytest.warns(ckpt.TierWarning, match="dropped step.s. 4 to make room for step 4"):
+            mgr.save(4, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [2, 4] and mgr.last_save.tier == "local"
+    two = ckpt.Store.open(f"{shm}/tier").load("run/step-2")
+    _restores_bit_exact(tmp_path / "durable", f"{shm}/tier", state, 4)
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        fresh = _head_run(seed=9)
+        assert mgr.restore(fresh, 2) == 2 and mgr.last_restore["store"] == 0
+    assert fresh["head"].weight.detach().numpy().tobytes() == two["head/weight"].numpy().tobytes()

@@ -1252,9 +1252,9 @@ def test_make_room_drops_the_oldest_first_and_nothing_that_would_not_make_room(t
     for step in (1, 2, 3):
         tier.store.push({"w": torch.full((size // 4,), float(step))}, f"run/step-{step}")
     free = free_bytes(tier.path)
-    assert tier.make_room(free + size - 65536) == [1] and tier.steps() == [2, 3]
-    assert tier.make_room(free_bytes(tier.path) + 2 * size + 2**20) == [] and tier.steps() == [2, 3]
+    assert tier.make_room(4, free + size - 65536) == [1] and tier.steps() == [2, 3]
+    assert tier.make_room(4, free_bytes(tier.path) + 2 * size + 2**20) == [] and tier.steps() == [2, 3]
     tier.pinned.add(2)
-    assert tier.make_room(free_bytes(tier.path) + size // 2) == [3] and tier.steps() == [2]
+    assert tier.make_room(4, free_bytes(tier.path) + size // 2) == [3] and tier.steps() == [2]
     assert free_bytes(tier.path) >= free + 2 * size - 65536 and tier.store.verify().ok
     tier.close()
