@@ -10,9 +10,10 @@ may modify them (CUDA tensors: the step waits for their copy to pinned memory).
 
 A tensor is known to be unchanged when it is the same storage with the same in-place
 version counter (``tensor._version``) as at the previous save (``unchanged_by="version"``);
-its chunks are then reused without reading it. Where versions cannot be trusted (a fused
-optimizer in the state, after a restore, or ``unchanged_by="hash"``) every tensor is staged
-and unchanged chunks are found by hash instead.
+its chunks are then reused without reading it. A restore records the tensors it wrote so too
+(their versions as the restore left them). Where versions cannot be trusted (a fused optimizer
+in the state, or ``unchanged_by="hash"``), and after a failed save, every tensor is staged and
+unchanged chunks are found by hash instead.
 
 Restoring: :mod:`ckpt.snapshot.local_restore`.
 """
@@ -42,6 +43,7 @@ from ckpt.snapshot.state import (
     flatten,
     optimizers_in,
     tensor_devices,
+    version_key,
 )
 from ckpt.store.source_tensors import storable_dtype
 
@@ -76,6 +78,7 @@ class LocalSnapshots(LocalRestoring):
         # returns a fresh tensor each call, often at the address of the last one).
         self._held: dict[str, Any] = {}
         self._last: tuple[str, dict[str, TensorEntry]] | None = None  # previous snapshot: id, entries
+        self._since: str | None = None  # the last snapshot written or restored here, a failed save since or not (_keys')
         self._streams: dict[Any, Any] = {}  # CUDA device -> its copy stream
         # The last write to this path's store failed (a full local tier): an overlapped save with a
         # fallback stages copies instead, for the tensors the failed write read may have changed since.
@@ -96,14 +99,8 @@ class LocalSnapshots(LocalRestoring):
         overlap = self.overlap and not (fallback is not None and self._failing)
         defer = _optimizer_storages(optimizers) if overlap else frozenset()
         trust = self.trust_version and not _has_fused_optimizer(optimizers)
-        previous = self._last[1] if self._last else {}
         staged, reuse, keys, pending, live = self._stage(tensors, trust=trust, defer=defer)
-        # The tensors known to have changed (by their versions): what a local tier makes room for before the write.
-        # Others staged may be unchanged, their chunks found by hash (a fused optimizer's frozen base, or any tensor
-        # after a restore, which fills the previous snapshot but records no versions): not counted, so that the
-        # check never refuses a save that would fit; the write finds out, as it did.
-        changed = [t.numel() * t.element_size() for n, t in staged.items()
-                   if trust and n in self._keys and n in previous]
+        changed = self._changes(tensors, keys, trust) or []  # what a local tier makes room for before the write
         held = {n: t.detach() for n, t in tensors.items()}
         ready, in_place = None, None
         if live or pending:
@@ -151,6 +148,26 @@ class LocalSnapshots(LocalRestoring):
 
         return job
 
+    def save_sizes(self, state: dict[str, Any]) -> tuple[list[int], list[int] | None, str | None]:
+        """The bytes of ``state``'s tensors, and of those known to have changed since the last snapshot this path
+        wrote or restored (:meth:`_changes`; None where versions cannot tell): what a save of it adds to a local
+        tier that holds none of it, and that holds that snapshot; and that snapshot's id (the one it continues from)."""
+        tensors, _ = flatten(state)
+        trust = self.trust_version and not _has_fused_optimizer(optimizers_in(state))
+        changed = self._changes(tensors, {n: version_key(t.detach()) for n, t in tensors.items()}, trust)
+        return [t.numel() * t.element_size() for t in tensors.values()], changed, self._since
+
+    def _changes(self, tensors: dict[str, torch.Tensor], keys: dict[str, tuple[Any, ...]], trust: bool) -> list[int] | None:
+        """The sizes of ``tensors`` (their version ``keys`` now) known to have changed since the last snapshot written
+        or restored here, by their versions. Others may be unchanged, their chunks found by hash (a fused optimizer's
+        frozen base; a tensor a restore did not record): not counted, so that a local tier's room check never refuses
+        a save that would fit; the write finds out. None where versions cannot tell at all (``trust`` False, or no
+        snapshot recorded). Kept across a failed save: it reuses nothing, but what changed since that snapshot still
+        says what the next save adds."""
+        if not trust or not self._keys:
+            return None
+        return [t.numel() * t.element_size() for n, t in tensors.items() if n in self._keys and keys[n] != self._keys[n]]
+
     def _stage(self, tensors: dict[str, torch.Tensor], trust: bool, defer: frozenset[int] = frozenset(),
                ) -> tuple[dict[str, torch.Tensor], dict[str, TensorEntry], dict[str, tuple[Any, ...]],
                           list[tuple[str, torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
@@ -172,8 +189,7 @@ class LocalSnapshots(LocalRestoring):
         cuda = []
         for name, t in tensors.items():
             t = t.detach()
-            key = (t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device, t.stride())
-            keys[name] = key
+            key = keys[name] = version_key(t)
             if trust and self._keys.get(name) == key and name in previous:
                 reuse[name] = previous[name]
                 continue
@@ -279,9 +295,11 @@ class LocalSnapshots(LocalRestoring):
             m = result.manifest
             assert m is not None
         except BaseException:
-            self._last, self._keys, self._held = None, {}, {}  # next save starts over: no reuse of unknown state
+            # The next save reuses nothing of unknown state; the versions of the last snapshot still say what changed since.
+            self._last = None
             raise
         self._last = (result.id, {t.name: t for t in m.tensors})
+        self._since = result.id
         self._keys, self._held = keys, held
         return SaveResult(result.id, result.written_bytes, result.logical_bytes, len(staged), len(reuse),
                           live.copied_bytes if live is not None else 0)
@@ -302,8 +320,8 @@ class LocalSnapshots(LocalRestoring):
         src = from_tensors(staged, SNAPSHOT_SOURCE, {"snapshot": snapshot}, None, known, in_place, private=True)
         result = push_source(run.store, src, run.ref(step), reuse=reuse, aliases=(run.latest,),
                              lineage={"parent": None, "base": None, "merge": None})
-        # this path's store did not take the snapshot: its next one starts over (no reuse)
-        self._last, self._keys, self._held = None, {}, {}
+        # this path's store did not take the snapshot: its next one reuses nothing (the versions say what changed)
+        self._last = None
         return SaveResult(result.id, result.written_bytes, result.logical_bytes, len(staged), len(reuse),
                           live.copied_bytes if live is not None else 0, fell_back=describe(error),
                           tier_full=out_of_space(error))

@@ -24,6 +24,7 @@ from ckpt.snapshot.state import (
     flatten,
     recorded_devices,
     unflatten,
+    version_key,
     with_autograd_flags,
 )
 
@@ -39,6 +40,7 @@ class LocalRestoring:
     _keys: dict[str, tuple[Any, ...]]
     _held: dict[str, Any]
     _last: tuple[str, dict[str, TensorEntry]] | None
+    _since: str | None
 
     def restore(self, state: dict[str, Any], mid: str, tiers: Tiers | None = None) -> int:
         """Restore ``mid`` into ``state`` in place; its step. ``tiers``: where to read it from,
@@ -150,14 +152,15 @@ class LocalRestoring:
                 decoded[n] = t
                 pairs.append((e, t))
             loaders.append((key, obj, kind, value))
-        # Restoring writes tensors without bumping their version counters: forget
-        # what the last save saw, so the next one stages everything again.
-        self._keys, self._held = {}, {}
+        # What the last save saw no longer describes the state (recorded again below, once all is restored).
+        self._keys, self._held, self._since = {}, {}, None
         # the next snapshot's parent (and delta base): only one this path's store holds
         self._last = (mid, entries) if self.store.objects.has_many("manifests", [mid]) else None
         tiers.fill(mid, pairs)
         for n in fresh:  # flagged once written (a Parameter wraps the tensor the fill wrote)
             decoded[n] = with_autograd_flags(n, decoded[n], flags)
+        # Each tensor written as its entry's bytes, by its version as after the fill (the fill bumps no version counter)
+        filled = {n: version_key(t) for n, t in ({e.name: t for e, t in pairs} | decoded).items()}
         for key, obj, kind, value in loaders:
             restored = unflatten(value, decoded, later=later)
             if kind == "stateful" and isinstance(obj, Stateful):
@@ -172,7 +175,35 @@ class LocalRestoring:
                                              "was restored before it has been written") from e
             else:
                 state[key] = restored
+        if self._last is not None:
+            self._keys, self._held = _restored_keys(state, filled, self._served_here(tiers, entries))
+            self._since = mid
         return step
+
+    def _served_here(self, tiers: Tiers, entries: dict[str, TensorEntry]) -> set[str]:
+        """The names of ``entries`` whose chunks this path's store holds (all of them where it served every
+        byte of the restore): the next save may name those chunks again without writing them."""
+        here = [name for name, s in tiers.stores if s is self.store]
+        if here and not any(n for name, n in tiers.served.items() if name not in here):
+            return set(entries)
+        held = self.store.objects.has_many("chunks", {c for e in entries.values() for c in e.chunks})
+        return {n for n, e in entries.items() if held.issuperset(e.chunks)}
+
+
+def _restored_keys(state: dict[str, Any], filled: dict[str, tuple[Any, ...]], names: set[str],
+                   ) -> tuple[dict[str, tuple[Any, ...]], dict[str, Any]]:
+    """What the next save compares its tensors with (:meth:`LocalSnapshots._stage`, as a save records it) after a
+    restore that wrote ``filled`` (name -> key as the fill left it): the keys of the state's tensors of ``names``
+    that are still those tensors, unchanged since (an object's ``load_state_dict`` that copied them into tensors of
+    its own, or changed them in place, has them staged), and those tensors, held as a save holds them. So the next
+    save stages only what changed since (training's in-place update bumps the version), and the room a local tier
+    makes for it counts those."""
+    try:
+        now, _ = flatten(state)
+    except Exception:  # noqa: BLE001 - a state the save cannot flatten either: nothing recorded, it says why
+        return {}, {}
+    keys = {n: k for n, t in now.items() if n in names and (k := version_key(t.detach())) == filled.get(n)}
+    return keys, {n: now[n].detach() for n in keys}
 
 
 def _check_param_groups(key: str, obj: Any, saved: Any) -> None:

@@ -13,12 +13,9 @@ run of one durable store (``docs/format.md``, "The local tier").
 from __future__ import annotations
 
 import errno
-import fcntl
-import gc
 import logging
 import os
 import threading
-import time
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from ckpt.errors import CkptError
 from ckpt.snapshot.local_claim import TIER_MARKER, apart, claim
+from ckpt.snapshot.local_lock import hold, let_go
 from ckpt.snapshot.local_paths import default_local_path
 from ckpt.snapshot.steps import run_steps
 from ckpt.snapshot.tiers import describe
@@ -90,8 +88,8 @@ class LocalTier:
 
             raise SnapshotError(f"local tier {self.path} cannot be made a folder ({describe(e)})",
                                 hint="give local=PATH a folder of its own (or a path where one can be made)") from e
-        fd = _hold(self.path)  # before anything here is read or changed: one manager per tier
-        self._release = weakref.finalize(self, _let_go, fd)
+        fd = hold(self.path)  # before anything here is read or changed: one manager per tier
+        self._release = weakref.finalize(self, let_go, fd)
         try:
             marker = None
             if durable is not None:
@@ -106,7 +104,6 @@ class LocalTier:
         self.pinned: set[int] = set()
         self._lock = threading.Lock()  # prune vs. the steps a persist pins
         self._named: dict[str, frozenset[str]] = {}  # manifest id -> the chunks it names (_chunks)
-        self.refused: int | None = None  # the room (bytes) the last save :meth:`fit` refused asked for
 
     def close(self) -> None:
         """Let go of the tier (another manager may then take it)."""
@@ -193,21 +190,18 @@ class LocalTier:
         free = free_bytes(self.path)
         with self._lock:
             steps = self.steps()
-            older = [s for s in steps if s < step]
-            # Once it lands the tier holds ``older``, it, and pinned later steps (the later others go: drop_after).
-            held = len(older) + 1 + sum(1 for s in steps if s > step and s in self.pinned)
-            # Unpinned later steps first (an abandoned timeline's: they go anyway once it lands), then the oldest.
-            later = [s for s in steps if s > step and s not in self.pinned and not self._names(s, reused)]
-            candidates = later + [s for s in older[:-1] if s not in self.pinned and not self._names(s, reused)]
-            n = min(max(held - self.keep, 0), len(candidates) - len(later))
-            n = len(later) + n if n else 0
+            # Once it lands the tier holds the steps before it, it, and pinned later steps (the later others go: drop_after).
+            held = sum(1 for s in steps if s < step or (s > step and s in self.pinned)) + 1
+            candidates = self._candidates(steps, step, reused)
+            later = sum(1 for s in candidates if s > step)
+            n = min(max(held - self.keep, 0), len(candidates) - later)
+            n = later + n if n else 0
             if needed > free or self.max_bytes is not None:
                 chunks = self._chunk_map(steps)
                 freed = [room - free for room in self._rooms(candidates, chunks, free)]
                 if needed > free:
                     fits = [k for k, f in enumerate(freed) if free + f >= needed]
                     if not fits:
-                        self.refused = needed  # (the room the next save's make_room makes: what this one adds)
                         raise StorageIOError(f"local tier {self.path}: the disk is full for this snapshot: it adds up "
                                              f"to {needed} bytes, {free} are free ({free + freed[-1]} with every snapshot "
                                              "it may drop dropped); nothing written", errno=errno.ENOSPC,
@@ -218,7 +212,6 @@ class LocalTier:
                     n = max(n, next((k for k, f in enumerate(freed) if stored - f + needed <= self.max_bytes),
                                     len(candidates)))
             removed = candidates[:n]
-            self.refused = None
             if removed:
                 try:
                     self._remove(removed)
@@ -226,37 +219,48 @@ class LocalTier:
                     log.warning("local tier %s: could not free steps %s before a save (%s)", self.path, removed, describe(e))
             return removed
 
-    def make_room(self, needed: int | None) -> list[int]:
-        """After a save found the medium full (ENOSPC): drop the oldest unpinned snapshots, the newest
-        last, only as far as the medium's free space (``os.statvfs``) and what they free together hold
-        ``needed`` bytes (None: as much as the largest snapshot holds here); after a save :meth:`fit` refused
-        (nothing written), the room it asked for instead: what a save adds (its tensors known to change), not
-        all its bytes (a frozen base the tier holds already would drop the newest snapshot where dropping
-        older ones, or none, makes that room). Where dropping every one of
-        them would not make that room (another tenant of a shared /dev/shm holds it), nothing is
-        dropped: the save fails again with its warning and the tier keeps its newest snapshot. The
-        steps removed."""
+    def _candidates(self, steps: list[int], step: int, reused: str | None) -> list[int]:
+        """What a save of ``step`` may drop of ``steps`` before it writes, in the order it drops them: unpinned later steps
+        first (a timeline the run left: they go anyway once it lands, :meth:`drop_after`), then the oldest; never the
+        newest before ``step`` (the one a restart takes until the save is complete, the one it continues from), the
+        snapshot ``reused`` (the id of the one whose chunks it reuses) nor a pinned one."""
+        later = [s for s in steps if s > step and s not in self.pinned and not self._names(s, reused)]
+        older = [s for s in steps if s < step]
+        return later + [s for s in older[:-1] if s not in self.pinned and not self._names(s, reused)]
+
+    def make_room(self, step: int, needed: int | None, whole: int | None = None, since: str | None = None) -> list[int]:
+        """After the last save found the medium full (ENOSPC, or :meth:`fit` refused it), before the save of ``step``:
+        drop the fewest unpinned snapshots for the medium's free space (``os.statvfs``) and what they free to hold what
+        the save adds. First :meth:`_candidates` (a timeline the run left, then the oldest), then the others: one of
+        ``step`` or later (it goes once the save lands), the newest before ``step``, and last the one it continues from
+        (``since``: the id of the last snapshot written or restored). While that one is held, the save adds ``needed``
+        bytes (its tensors known to change since); once it goes, ``whole`` (all of them), so that a tier with room for
+        one snapshot holds the newest instead of refusing every save, and never drops it for too little room.
+        ``needed`` None (a group's rank): as much as the largest snapshot holds here, for both. Where dropping every
+        one would not make the room (another tenant of a shared /dev/shm holds it), nothing is dropped: the save fails
+        again with its warning and the tier keeps its newest snapshot. The steps removed."""
         with self._lock:
-            needed, self.refused = (needed if self.refused is None else self.refused), None
-            steps = [s for s in self.steps() if s not in self.pinned]
-            if not steps:
+            steps = self.steps()
+            first = self._candidates(steps, step, since)
+            rest = sorted((s for s in steps if s not in first and s not in self.pinned),
+                          key=lambda s: (self._names(s, since), s < step, s))  # (one of its step goes once it lands)
+            order = first + rest
+            if not order:
                 return []
-            chunks = self._chunk_map(self.steps())
+            chunks = self._chunk_map(steps)
             if needed is None:  # (a group's rank: the most any snapshot holds here, one cut short by ENOSPC aside)
                 needed = max(sum(self.store.stored_sizes(c).values()) for c in chunks.values())
+            whole = needed if whole is None else max(whole, needed)
+            mine = [s for s in steps if self._names(s, since)]  # (held: what the save does not change is there)
+            at = (order.index(mine[0]) if mine[0] in order else len(order)) if mine else -1  # dropping order[:k]: k > at drops it
             free = free_bytes(self.path)
-            n, room = self._dropping(steps, chunks, needed, free)
+            rooms = self._rooms(order, chunks, free)
+            n = next((k for k, room in enumerate(rooms) if room >= (needed if k <= at else whole)), None)
             if n is None:
                 log.warning("local tier %s: %d bytes free, and %d with every snapshot but pinned ones dropped; the "
-                            "next snapshot needs about %d: none dropped", self.path, free, room, needed)
+                            "next snapshot needs about %d: none dropped", self.path, free, rooms[-1], whole)
                 return []
-            return self._remove(steps[:n])
-
-    def _dropping(self, steps: list[int], chunks: dict[int, frozenset[str]], needed: int, free: int) -> tuple[int | None, int]:
-        """How many of ``steps`` (oldest first) to drop, the fewest, for ``free`` bytes and what they free to hold
-        ``needed`` (None: not even all of them), and that room."""
-        rooms = self._rooms(steps, chunks, free)
-        return next((n for n, room in enumerate(rooms) if room >= needed), None), rooms[-1]
+            return self._remove(order[:n])
 
     def _rooms(self, steps: list[int], chunks: dict[int, frozenset[str]], free: int) -> list[int]:
         """The room with the first n of ``steps`` dropped, for n = 0..len(steps): ``free`` bytes and what they free.
@@ -344,73 +348,6 @@ def free_bytes(path: str) -> int:
     """Bytes an unprivileged writer may still write to the medium holding ``path``."""
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
-
-
-LOCK_WAIT_S = 30.0  # how long a manager waits for a tier another process holds (one exiting, say)
-# The tier folders (device, inode) this process holds, so that a second manager of this process on one
-# of them is refused at once: its holder cannot let go while this process waits for it.
-_HELD: set[tuple[int, int]] = set()
-_HELD_LOCK = threading.Lock()
-
-
-def _hold(path: str) -> int:
-    """An exclusive ``flock`` on the tier's folder, held while its manager lives (the descriptor;
-    :func:`_let_go` releases it).
-
-    Two managers on one tier would prune and collect each other's snapshots: a tier is
-    collected with no grace period because its manager is its only writer. A holder in
-    this process that is no longer referenced (a notebook cell run again) is collected
-    first, or once the save it had in flight is done; any holder is waited for up to
-    :data:`LOCK_WAIT_S` (a restarted job whose old process is still exiting), then refused,
-    saying whether it is of this process. (Refusing one of this process at once refused that
-    notebook's second manager while the first one's save was still running.)"""
-    from ckpt.snapshot.run import SnapshotError
-
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
-    st = os.fstat(fd)
-    key = (st.st_dev, st.st_ino)
-    deadline = time.monotonic() + LOCK_WAIT_S
-    collected, warned = 0.0, False
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            with _HELD_LOCK:
-                _HELD.add(key)
-            return fd
-        except BlockingIOError:
-            pass
-        except OSError:
-            os.close(fd)
-            raise
-        if time.monotonic() - collected >= 1.0:
-            # An unreferenced earlier manager of this process lets go as it is freed: at once, or once
-            # the save it had in flight (which holds it) is done.
-            gc.collect()
-            collected = time.monotonic()
-            continue
-        if time.monotonic() >= deadline:
-            os.close(fd)
-            with _HELD_LOCK:
-                ours = key in _HELD
-            where = "of this process" if ours else "(in this process or another)"
-            raise SnapshotError(f"local tier {path} is in use by another CheckpointManager {where} and was not let go "
-                                f"within {LOCK_WAIT_S:g} s",
-                                hint="close the other manager first (mgr.close(), or `with CheckpointManager(...)`; "
-                                     "one dropped with a save in flight lets go once that save is done), or give "
-                                     "this one a local=PATH of its own")
-        if not warned:
-            log.warning("waiting for local tier %s: another CheckpointManager holds it", path)
-            warned = True
-        time.sleep(0.1)
-
-
-def _let_go(fd: int) -> None:
-    """Release a tier :func:`_hold` took (forgotten as this process's first: no other manager here can
-    have taken it before the descriptor closes)."""
-    st = os.fstat(fd)
-    with _HELD_LOCK:
-        _HELD.discard((st.st_dev, st.st_ino))
-    os.close(fd)
 
 
 __all__ = ["LocalTier", "LocalTierUsage", "default_local_path"]

@@ -87,9 +87,9 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
 
     **Unchanged tensors** (``unchanged_by``): with ``"version"`` (default) a tensor that
     is the same storage with the same in-place version counter as at the previous save
-    is not read at all: its chunks are reused. Where versions cannot be trusted (a fused
-    optimizer in the state, or after a restore) every tensor is staged and unchanged
-    chunks are found by hash instead; ``"hash"`` always does that (writes through
+    is not read at all: its chunks are reused (after a restore: the same as the restore left
+    it). Where versions cannot be trusted (a fused optimizer in the state) every tensor is
+    staged and unchanged chunks are found by hash instead; ``"hash"`` always does that (writes through
     ``.data`` bypass the counter: choose it if your code does that).
 
     ``delta_vs_previous`` (off by default, unlike ``Store.push``, whose deltas are

@@ -35,15 +35,6 @@ class PersistStats:
     chunks_present: int
 
 
-def _state_bytes(local: LocalTier, state: dict[str, Any]) -> int:
-    """At most what a snapshot of all of ``state``'s tensors adds to the tier (:meth:`LocalTier.bound`). (A group's
-    rank holds its shards and replicas instead: :meth:`LocalTier.make_room` estimates those.)"""
-    from ckpt.snapshot.state import flatten
-
-    tensors, _ = flatten(state)
-    return local.bound(t.numel() * t.element_size() for t in tensors.values())
-
-
 class Persisting(ManagerState):
     """``CheckpointManager``'s local-tier and persist methods (a mixin: the state they use is
     :class:`~ckpt.snapshot.manager_state.ManagerState`'s)."""
@@ -165,19 +156,26 @@ class Persisting(ManagerState):
         return run
 
     def _make_room(self, step: int, state: dict[str, Any]) -> None:
-        """The last local save found the tier full with nothing left to prune (it keeps its newest
-        snapshot): drop older snapshots, and that one too, where the medium's free space with what they
-        free holds this save's tensors (:meth:`LocalTier.make_room`; after a save the tier refused before it wrote,
-        what that one added: the tensors known to change, not a frozen base the tier holds), so that the tier holds the newest
-        step again instead of refusing every save; else none (another tenant of the medium holds the
-        room), and the tier keeps what it has. Until this save lands, a restart restores from the
-        durable store."""
+        """The last local save found the tier full (it ran out of space, or was refused before it wrote): drop
+        older snapshots where the medium's free space with what they free holds what this save adds (its tensors
+        known to change since the last snapshot, not a frozen base the tier holds), and the newest too only where
+        that does not and the room for all of its tensors then is (:meth:`LocalTier.make_room`), so that the tier
+        holds the newest step again instead of refusing every save; else none (another tenant of the medium holds
+        the room), and the tier keeps what it has. Until this save lands, a restart restores from the durable store."""
+        from ckpt.snapshot.local import LocalSnapshots
+
         local = self._local
         assert local is not None
         self._local_full = False
         try:
-            # (after a refused save the tier knows the room it asked for: the state's bytes are not summed for nothing)
-            dropped = local.make_room(None if self._distributed or local.refused is not None else _state_bytes(local, state))
+            if self._distributed or not isinstance(self._path, LocalSnapshots):
+                dropped = local.make_room(step, None)
+            else:
+                # (a group's rank holds its shards and replicas instead: make_room estimates those)
+                sizes, changed, since = self._path.save_sizes(state)
+                bundles = self._path.run.bundles
+                whole = local.bound(sizes, bundles)
+                dropped = local.make_room(step, whole if changed is None else local.bound(changed, bundles), whole, since)
         except Exception as e:  # noqa: BLE001
             self._tier_warning(f"local tier: could not make room for step {step} ({describe(e)})")
             return

@@ -164,6 +164,12 @@ def flatten(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return tensors, tree
 
 
+def version_key(t: Any) -> tuple[Any, ...]:
+    """A tensor's identity and in-place version counter (``tensor._version``): equal keys at two times say that
+    its bytes did not change in between (not where a fused optimizer updates it: it bumps no counter)."""
+    return (t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device, t.stride())
+
+
 def autograd_flags(tensors: dict[str, Any]) -> dict[str, list[str]]:
     """What the bytes of :func:`flatten`'s tensors do not say and a restore must give back: the names
     of those that require grad and of those that are ``nn.Parameter`` objects (a learnable temperature kept

@@ -297,7 +297,7 @@ def test_the_tier_bounds_hold_while_a_save_is_written(tmp_path, tmpfs):
 
 
 def test_a_frozen_base_found_unchanged_by_hash_is_not_counted_against_the_room(tmp_path, tmpfs):
-    """unchanged_by="hash" (as with a fused optimizer, or after a restore) stages every tensor, the frozen ones
+    """unchanged_by="hash" (as with a fused optimizer) stages every tensor, the frozen ones
     too, and finds their chunks unchanged by hash. Counted as written, a 40 MB frozen base on a 64 MiB tmpfs
     refused every save after the first (the bound said 40 MB more, 24 MiB free) though each adds only the
     trained layer's bytes: only tensors known changed are counted, and the saves land."""
@@ -329,9 +329,9 @@ def test_a_frozen_base_found_unchanged_by_hash_is_not_counted_against_the_room(t
         assert mgr.restore_latest(state2) == 3
         assert {k: v.numpy().tobytes() for k, v in head2.state_dict().items()} == want
         assert base2.weight.detach().numpy().tobytes() == base.weight.numpy().tobytes()
-        # The restart (versions trusted now): a restore records no versions, so the first save stages every tensor.
+        # The restart (versions trusted now): the first save stages every tensor where the restore records no versions.
         # The base was counted as changed (40 MB, 24 MiB free): step 4 refused, and step 5 made room by dropping 2
-        # and 3, the newest too, at every restart. Only tensors whose versions the previous save recorded count.
+        # and 3, the newest too, at every restart. Only tensors known to have changed count.
         with warnings.catch_warnings():
             warnings.simplefilter("error", ckpt.TierWarning)
             for step in (4, 5):
@@ -562,3 +562,161 @@ def test_a_groups_tiers_at_the_old_default_key_move_with_their_folder(tmp_path, 
         assert tier.steps() == [r + 1]
         assert tier.store.load(f"run/step-{r + 1}")["w"].numpy().tobytes() == torch.full((4,), float(r)).numpy().tobytes()
         tier.close()
+
+
+def _head_run(seed=0):
+    """A 16 MiB frozen base and a 4 MiB head trained with AdamW (12 MiB a step changes)."""
+    torch.manual_seed(seed)
+    base = torch.nn.Linear(2048, 2048, bias=False).requires_grad_(False)
+    head = torch.nn.Linear(1024, 1024, bias=False)
+    return {"base": base, "head": head, "optim": torch.optim.AdamW(head.parameters(), lr=1e-3), "step": 0}
+
+
+def _head_step(state, step):
+    state["head"](torch.randn(4, 1024, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+    state["optim"].step()
+    state["optim"].zero_grad()
+    state["step"] = step
+
+
+def test_the_first_save_after_a_restart_makes_the_room_its_step_adds(tmp_path, tmpfs):
+    """local_keep=3 on a 64 MiB tmpfs: steps 1 and 2 (a 16 MiB frozen base, 12 MiB of head and AdamW moments each);
+    a restart restores 2 from the tier, another tenant leaves 6 MiB free. The restore recorded no versions: the save
+    of step 3 counted nothing as changed, dropped nothing and ran out of space writing ('step 3 not saved'). It counts
+    the head now, drops step 1 (12 MiB of head chunks) before it writes, and lands; restored bit-exact after."""
+    shm = tmpfs(tmp_path / "shm", "64m")
+    kw = dict(every_n_steps=100, local=f"{shm}/tier", local_every_n_steps=1, local_keep=3)
+    state = _head_run()
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw) as mgr:
+        for step in (1, 2):
+            _head_step(state, step)
+            mgr.save(step, state, persist=False)
+        mgr.wait()
+    state = _head_run(seed=1)
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw) as mgr:
+        assert mgr.restore_latest(state) == 2 and mgr.last_restore["store"] == 0
+        _fill(f"{shm}/tenant", leave=6 << 20)
+        _head_step(state, 3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)
+            mgr.save(3, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [2, 3] and mgr.last_save.tier == "local"
+        assert (mgr.last_save.staged_tensors, mgr.last_save.reused_tensors) == (4, 1)  # the base is not copied
+        want = {k: v.numpy().tobytes() for k, v in state["head"].state_dict().items()}
+    fresh = _head_run(seed=2)
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw) as mgr:
+        assert mgr.restore_latest(fresh) == 3 and mgr.last_restore["store"] == 0
+    assert {k: v.numpy().tobytes() for k, v in fresh["head"].state_dict().items()} == want
+    assert fresh["base"].weight.numpy().tobytes() == state["base"].weight.numpy().tobytes()
+    assert ckpt.Store.open(f"{shm}/tier").verify().ok
+
+
+def test_a_tensor_the_tier_lost_is_written_again_by_the_save_after_a_restore(tmp_path):
+    """A chunk of the frozen base gone from the tier: the restore reads it from the durable store. The save after
+    it must not name that chunk unwritten (its commit would find it missing): that tensor is staged and its chunk
+    written to the tier again, while the rest that did not change is reused."""
+    kw = dict(every_n_steps=1, local=str(tmp_path / "tier"), local_every_n_steps=1)
+    state = _head_run()
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw) as mgr:
+        _head_step(state, 1)
+        mgr.save(1, state)
+        mgr.wait()
+    tier = ckpt.Store.open(str(tmp_path / "tier"))
+    lost = next(t for t in tier.manifest("run/step-1").tensors if t.name == "base/weight").chunks[0]
+    tier.objects.delete("chunks", lost)
+    state = _head_run(seed=1)
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw) as mgr:
+        assert mgr.restore_latest(state) == 1 and mgr.last_restore["store"] > 0
+        _head_step(state, 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)
+            mgr.save(2, state, persist=False)
+            mgr.wait()
+        assert mgr.last_save.tier == "local" and mgr.last_save.staged_tensors == 5
+    assert tier.verify().ok and tier.objects.has("chunks", lost)
+
+
+def test_after_a_write_ran_out_of_space_the_tier_makes_the_room_a_save_adds(tmp_path, tmpfs):
+    """A 16 MiB frozen base and 12 MiB of head and AdamW moments; local_keep=2 on a 64 MiB tmpfs holding steps 1, 2.
+    The save of 3 passes the room check (step 1 goes), then another tenant takes all but 4 MiB before it writes: the
+    write runs out of space. The tenant frees 14 MiB. The next save made room for all of the state's bytes (the
+    frozen base the tier holds included): it dropped step 2, the newest, though the 12 MiB the save adds were free.
+    It makes the room for the tensors changed since 2 now: none dropped, the tier holds 2 and 4."""
+    shm = tmpfs(tmp_path / "shm", "64m")
+    state = _head_run()
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1, local_keep=2) as mgr:
+        for step in (1, 2):
+            _head_step(state, step)
+            mgr.save(step, state, persist=False)
+        mgr.wait()
+        room = mgr._path.room
+
+        def then_a_tenant(*args):  # the tenant takes the room right after the check: deterministic, not a race
+            dropped = room(*args)
+            _fill(f"{shm}/tenant", leave=4 << 20)
+            return dropped
+
+        mgr._path.room = then_a_tenant
+        _head_step(state, 3)
+        with pytest.warns(ckpt.TierWarning, match="step 3 not saved .*(disk is full|No space left)"):
+            mgr.save(3, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [2]
+        mgr._path.room = room
+        os.truncate(f"{shm}/tenant", max(os.path.getsize(f"{shm}/tenant") - (14 << 20), 0))
+        _head_step(state, 4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)  # (nothing dropped to make room: no warning)
+            mgr.save(4, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [2, 4] and mgr.last_save.tier == "local"
+    _restores_bit_exact(tmp_path / "durable", f"{shm}/tier", state, 4)
+
+
+def _restores_bit_exact(durable, tier, state, step):
+    """A restart restores ``step`` from the tier alone, every tensor of ``state`` byte for byte; the tier verifies."""
+    from ckpt.snapshot.state import flatten
+
+    fresh = _head_run(seed=9)
+    with ckpt.CheckpointManager(str(durable), "run", every_n_steps=100, local=tier) as mgr:
+        assert mgr.restore(fresh, step) == step and mgr.last_restore["store"] == 0
+    got, want = flatten(fresh)[0], flatten(state)[0]
+    assert {n: t.detach().numpy().tobytes() for n, t in got.items()} == {n: t.detach().numpy().tobytes() for n, t in want.items()}
+    assert ckpt.Store.open(tier).verify().ok
+
+
+def test_a_run_gone_back_makes_room_from_the_timeline_it_left_first(tmp_path, tmpfs):
+    """The run went back to step 2 while the tier held 2 and 4 (local_keep=3, a 64 MiB tmpfs another tenant fills):
+    the save of 3 is refused (not even 4 dropped makes its room), the tenant frees 6 MiB. The save of 4 made room
+    oldest first: it dropped 2, the step the run continues from, and kept the abandoned 4 until the new one replaced
+    it (a restart in between takes up the timeline the run left). It drops the abandoned 4 first now, never 2 before
+    it: the tier holds 2 and the new 4."""
+    shm = tmpfs(tmp_path / "shm", "64m")
+    state = _head_run()
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1, local_keep=3) as mgr:
+        for step in (2, 4):
+            _head_step(state, step)
+            mgr.save(step, state, persist=False)
+        mgr.wait()
+        assert mgr.restore(state, 2) == 2
+        _fill(f"{shm}/tenant")
+        _head_step(state, 3)
+        with pytest.warns(ckpt.TierWarning, match="step 3 not saved .*nothing written"):
+            mgr.save(3, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [2, 4]
+        os.truncate(f"{shm}/tenant", max(os.path.getsize(f"{shm}/tenant") - (6 << 20), 0))
+        _head_step(state, 4)
+        with pytest.warns(ckpt.TierWarning, match="dropped step.s. 4 to make room for step 4"):
+            mgr.save(4, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [2, 4] and mgr.last_save.tier == "local"
+    two = ckpt.Store.open(f"{shm}/tier").load("run/step-2")
+    _restores_bit_exact(tmp_path / "durable", f"{shm}/tier", state, 4)
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        fresh = _head_run(seed=9)
+        assert mgr.restore(fresh, 2) == 2 and mgr.last_restore["store"] == 0
+    assert fresh["head"].weight.detach().numpy().tobytes() == two["head/weight"].numpy().tobytes()

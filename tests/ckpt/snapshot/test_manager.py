@@ -1523,3 +1523,74 @@ def test_a_module_whose_state_dict_hands_out_copies_is_restored_through_its_load
             assert bits(model2) != want[0]
             assert mgr.restore({"model": model2, "plain": plain2}, step) == step
             assert (bits(model2), bits(plain2)) == want
+
+
+def _frozen_base_run(seed=0, fused=False):
+    """A frozen base, a trained head and AdamW over the head: 10 tensors, 8 of which each step changes."""
+    torch.manual_seed(seed)
+    base, head = torch.nn.Linear(256, 256).requires_grad_(False), torch.nn.Linear(256, 8)
+    return {"base": base, "head": head, "optim": torch.optim.AdamW(head.parameters(), lr=1e-2, fused=fused), "step": 0}
+
+
+def _head_step(state, step):
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(step))  # the same batch for a step in every run
+    state["head"](state["base"](x)).square().mean().backward()
+    state["optim"].step()
+    state["optim"].zero_grad()
+    state["step"] = step
+
+
+def _run_bytes(state):
+    from ckpt.snapshot.state import flatten
+
+    return {n: t.detach().numpy().tobytes() for n, t in flatten(state)[0].items()}
+
+
+def test_the_first_save_after_a_restore_stages_only_what_changed(tmp_path):
+    """A restore writes tensors without bumping their version counters and recorded none: the first save after it
+    copied every tensor into staging (a frozen base too) and counted none as changed for a local tier's room. It
+    records what it wrote now, as a save does: a step after it stages the head and its optimizer state only (into
+    tensors the restore made anew at a restart, or wrote into in the same process), a save with no step between
+    stages nothing and names the restored snapshot's chunks; the run stays bit-identical to one never interrupted.
+    A fused optimizer (versions not trusted) still stages everything."""
+    whole = _frozen_base_run()
+    with ckpt.CheckpointManager(str(tmp_path / "a"), "run", save_mode="sync") as mgr:
+        for step in (1, 2, 3, 4):
+            _head_step(whole, step)
+            mgr.save(step, whole)
+    state = _frozen_base_run()
+    with ckpt.CheckpointManager(str(tmp_path / "b"), "run", save_mode="sync") as mgr:
+        for step in (1, 2):
+            _head_step(state, step)
+            mgr.save(step, state)
+    state = _frozen_base_run(seed=1)  # a restart: other values, an optimizer without state
+    with ckpt.CheckpointManager(str(tmp_path / "b"), "run", save_mode="sync") as mgr:
+        assert mgr.restore_latest(state) == 2
+        staged = []
+        for step in (3, 3, 4):  # (the second 3: after going back to 2 in this process, written into its tensors)
+            if step == 3 and staged:
+                assert mgr.restore(state, 2) == 2
+            _head_step(state, step)
+            mgr.save(step, state)
+            staged.append((mgr.last_save.staged_tensors, mgr.last_save.reused_tensors))
+        assert staged == [(8, 2)] * 3  # (it was (10, 0) after each restore)
+        assert _run_bytes(state) == _run_bytes(whole)
+        stored = mgr.store.load("run/step-4")
+        assert {n: t.numpy().tobytes() for n, t in stored.items()} == _run_bytes(whole)
+    state = _frozen_base_run(seed=2)
+    with ckpt.CheckpointManager(str(tmp_path / "b"), "run", save_mode="sync") as mgr:
+        assert mgr.restore_latest(state) == 4
+        state["step"] = 5
+        mgr.save(5, state)  # nothing changed since the restore
+        assert (mgr.last_save.staged_tensors, mgr.last_save.reused_tensors, mgr.last_save.written_bytes) == (0, 10, 0)
+        four, five = mgr.store.manifest("run/step-4"), mgr.store.manifest("run/step-5")
+        assert [t.chunks for t in five.tensors] == [t.chunks for t in four.tensors]
+    fused = _frozen_base_run(fused=True)
+    with ckpt.CheckpointManager(str(tmp_path / "c"), "run", save_mode="sync") as mgr:
+        _head_step(fused, 1)
+        mgr.save(1, fused)
+        assert mgr.restore_latest(fused) == 1
+        _head_step(fused, 2)
+        mgr.save(2, fused)
+        assert mgr.last_save.staged_tensors == 10
+        assert {n: t.numpy().tobytes() for n, t in mgr.store.load("run/step-2").items()} == _run_bytes(fused)

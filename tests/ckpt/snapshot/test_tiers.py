@@ -562,12 +562,12 @@ def test_one_manager_per_local_tier(tmp_path, monkeypatch):
     (one of another process: test_a_local_tier_held_by_another_process_is_refused_until_it_dies).
     A first manager dropped without close() (a notebook cell run again) lets go as it is freed, also
     while a save of it is still in flight: the second waits for that save (it was refused at once)."""
-    import ckpt.snapshot.local_tier as local_tier
+    import ckpt.snapshot.local_lock as local_lock
 
     kw = {"local": str(tmp_path / "local"), "local_every_n_steps": 1}
     a = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
     with monkeypatch.context() as m:
-        m.setattr(local_tier, "LOCK_WAIT_S", 1.5)  # (the wait for a holder that never lets go, made short)
+        m.setattr(local_lock, "LOCK_WAIT_S", 1.5)  # (the wait for a holder that never lets go, made short)
         for other in (str(tmp_path / "d"), str(tmp_path / "d2")):  # (the same folder, whatever store names it)
             with pytest.raises(ckpt.CkptError, match="in use by another CheckpointManager of this process") as e:
                 ckpt.CheckpointManager(other, "run", **kw)
@@ -659,9 +659,9 @@ def test_a_local_tier_that_never_persists_says_so_once(tmp_path):
 
 
 def test_a_local_tier_held_by_another_process_is_refused_until_it_dies(tmp_path, monkeypatch):
-    import ckpt.snapshot.local_tier as local_tier
+    import ckpt.snapshot.local_lock as local_lock
 
-    monkeypatch.setattr(local_tier, "LOCK_WAIT_S", 0.5)
+    monkeypatch.setattr(local_lock, "LOCK_WAIT_S", 0.5)
     script = ("import sys, time, ckpt\n"
               "m = ckpt.CheckpointManager(sys.argv[1], 'run', local=sys.argv[2], local_every_n_steps=1)\n"
               "print('held', flush=True)\n"
@@ -1252,9 +1252,9 @@ def test_make_room_drops_the_oldest_first_and_nothing_that_would_not_make_room(t
     for step in (1, 2, 3):
         tier.store.push({"w": torch.full((size // 4,), float(step))}, f"run/step-{step}")
     free = free_bytes(tier.path)
-    assert tier.make_room(free + size - 65536) == [1] and tier.steps() == [2, 3]
-    assert tier.make_room(free_bytes(tier.path) + 2 * size + 2**20) == [] and tier.steps() == [2, 3]
+    assert tier.make_room(4, free + size - 65536) == [1] and tier.steps() == [2, 3]
+    assert tier.make_room(4, free_bytes(tier.path) + 2 * size + 2**20) == [] and tier.steps() == [2, 3]
     tier.pinned.add(2)
-    assert tier.make_room(free_bytes(tier.path) + size // 2) == [3] and tier.steps() == [2]
+    assert tier.make_room(4, free_bytes(tier.path) + size // 2) == [3] and tier.steps() == [2]
     assert free_bytes(tier.path) >= free + 2 * size - 65536 and tier.store.verify().ok
     tier.close()

@@ -1,0 +1,83 @@
+"""One manager per local tier: an exclusive ``flock`` on the tier's folder, held from before its marker is read
+until the manager lets go (``docs/format.md``, "The local tier"). Two managers on one tier would prune and
+collect each other's snapshots: a tier is collected with no grace period because its manager is its only writer."""
+
+from __future__ import annotations
+
+import fcntl
+import gc
+import logging
+import os
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+LOCK_WAIT_S = 30.0  # how long a manager waits for a tier another process holds (one exiting, say)
+# The tier folders (device, inode) this process holds, so that a second manager of this process on one
+# of them is refused at once: its holder cannot let go while this process waits for it.
+_HELD: set[tuple[int, int]] = set()
+_HELD_LOCK = threading.Lock()
+
+
+def hold(path: str) -> int:
+    """An exclusive ``flock`` on the tier's folder, held while its manager lives (the descriptor;
+    :func:`let_go` releases it).
+
+    Two managers on one tier would prune and collect each other's snapshots: a tier is
+    collected with no grace period because its manager is its only writer. A holder in
+    this process that is no longer referenced (a notebook cell run again) is collected
+    first, or once the save it had in flight is done; any holder is waited for up to
+    :data:`LOCK_WAIT_S` (a restarted job whose old process is still exiting), then refused,
+    saying whether it is of this process. (Refusing one of this process at once refused that
+    notebook's second manager while the first one's save was still running.)"""
+    from ckpt.snapshot.run import SnapshotError
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
+    deadline = time.monotonic() + LOCK_WAIT_S
+    collected, warned = 0.0, False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with _HELD_LOCK:
+                _HELD.add(key)
+            return fd
+        except BlockingIOError:
+            pass
+        except OSError:
+            os.close(fd)
+            raise
+        if time.monotonic() - collected >= 1.0:
+            # An unreferenced earlier manager of this process lets go as it is freed: at once, or once
+            # the save it had in flight (which holds it) is done.
+            gc.collect()
+            collected = time.monotonic()
+            continue
+        if time.monotonic() >= deadline:
+            os.close(fd)
+            with _HELD_LOCK:
+                ours = key in _HELD
+            where = "of this process" if ours else "(in this process or another)"
+            raise SnapshotError(f"local tier {path} is in use by another CheckpointManager {where} and was not let go "
+                                f"within {LOCK_WAIT_S:g} s",
+                                hint="close the other manager first (mgr.close(), or `with CheckpointManager(...)`; "
+                                     "one dropped with a save in flight lets go once that save is done), or give "
+                                     "this one a local=PATH of its own")
+        if not warned:
+            log.warning("waiting for local tier %s: another CheckpointManager holds it", path)
+            warned = True
+        time.sleep(0.1)
+
+
+def let_go(fd: int) -> None:
+    """Release a tier :func:`hold` took (forgotten as this process's first: no other manager here can
+    have taken it before the descriptor closes)."""
+    st = os.fstat(fd)
+    with _HELD_LOCK:
+        _HELD.discard((st.st_dev, st.st_ino))
+    os.close(fd)
+
+
+__all__ = ["LOCK_WAIT_S", "hold", "let_go"]
