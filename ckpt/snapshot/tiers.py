@@ -61,6 +61,9 @@ class Tiers:
     # those chunks by id, each with one region holding it: not written to the local tier during the
     # transfer; the refill after the restore writes them from there (peer_targets.keep_decoded)
     decoded: dict[str, memoryview] = field(default_factory=dict, repr=False)
+    # every target region the load decodes a chunk into (the dry run's, as ``filled``): a chunk the
+    # durable store serves into one is noted in ``decoded`` too, so the refill keeps it as well
+    targets: set[tuple[str, int, int]] = field(default_factory=set, repr=False)
 
     @property
     def nearest(self) -> Store:
@@ -142,7 +145,8 @@ class Tiers:
         return sorted(missed, key=lambda t: order[id(t)])
 
     def _credit(self, name: str, served: list[GetTask]) -> None:
-        """Count what ``name`` served; what the local tier served of the chunks fetched from peers, as the peers'."""
+        """Count what ``name`` served; what the local tier served of the chunks fetched from peers, as the peers'.
+        Note what the durable store served into the targets of a peer restore (``targets``), for the refill."""
         if name == "local" and self.from_peers:
             fetched = [t for t in served if t.id in self.from_peers]
             peer_bytes = sum(t.length for t in fetched)
@@ -150,6 +154,10 @@ class Tiers:
             self.served[name] += sum(t.length for t in served) - peer_bytes
         else:
             self.served[name] += sum(t.length for t in served)
+        if name == "store" and self.targets:
+            for t in served:
+                if t.into is not None and t.length and (t.id, address(t.into), t.length) in self.targets:
+                    self.decoded.setdefault(t.id, t.into)
 
     def fill(self, mid: str, pairs: list[tuple[TensorEntry, torch.Tensor]]) -> None:
         """Decode snapshot ``mid``'s entries into ``pairs``' tensors (:func:`ckpt.store.load.fill`, whose

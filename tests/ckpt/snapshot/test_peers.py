@@ -233,6 +233,25 @@ def test_chunks_damaged_on_the_way_to_a_replaced_machine_never_reach_its_tensors
         check(cid, tier.objects.get("chunks", cid))  # raises CorruptObjectError on a bad copy
 
 
+@pytest.mark.slow  # three runs of 2 processes
+def test_a_replaced_machine_keeps_in_its_tier_the_chunks_it_took_from_the_durable_store(tmp_path):
+    """Rank 1's tier wiped (a replaced machine) and every chunk of rank 0's tier damaged: rank 1 takes
+    the persisted step 4 from the durable store (rank 0's copies refused). Its refill keeps those chunks
+    too, not only the peers': restarted again, rank 1 reads the whole step from its own tier."""
+    n, k = 8, 4
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n)
+    url = _crash(tmp_path / "a", 2, n, k)
+    assert ckpt.Store.open(url).manifest("ddp/latest").extra["snapshot"]["step"] == k
+    restored = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=k, at=k, wipe=[1], flip=0)
+    r1 = restored[1]["restore"]
+    assert r1["step"] == k and r1["local"] == 0 and r1["store"] > 0
+    assert restored[1]["local_steps"] == [k]
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k)
+    _same_run(full, resumed, k, n)
+    r1 = resumed[1]["restore"]
+    assert r1["step"] == k and r1["local"] > 0 and r1["peer"] == r1["store"] == 0
+
+
 @pytest.mark.slow
 def test_damaged_local_chunks_come_from_a_peer_and_lost_replicas_fall_back_to_the_durable_store(tmp_path):
     """(d) A byte flipped in every chunk of rank 0's tier: each comes from rank 1's copy (or the durable
