@@ -621,6 +621,24 @@ def count_chunk_writes(store) -> list[int]:
     return n
 
 
+def _kill_in_refill() -> None:
+    """SIGKILL this process in a peer restore's refill (ckpt.snapshot.peer_targets.keep_decoded), in
+    its second batch of chunks (one chunk a batch): the first is in the tier, the step is not named."""
+    import ckpt.snapshot.peer_targets as targets
+    import ckpt.transfer.pipeline as pipeline
+
+    real, calls = pipeline.put_chunks, [0]
+
+    def put_then_die(*a, **k):
+        calls[0] += 1
+        if calls[0] == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*a, **k)
+
+    targets.KEEP_BATCH = 1
+    pipeline.put_chunks = put_then_die
+
+
 def _garble_first_sends(peers, out) -> Callable[[], None]:
     """Make ``peers`` (this rank's :class:`~ckpt.snapshot.peers.Peers`) send a byte flipped in the first
     copy of each chunk whose id starts with an even byte, listed in ``out["garbled"]`` (damaged on
@@ -661,7 +679,8 @@ def _count_decoded(out) -> Callable[[], None]:
     return lambda: setattr(peers_module, "decode_into_targets", real)
 
 
-def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False, count=False, garble=None):
+def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False, count=False, garble=None,
+                 kill_refill=False):
     """:func:`ddp_resume` with local tiers: local snapshots every 2 steps, replicated to 1 peer
     rank, persisted every 4. ``resume`` first wipes the local tiers of the ranks in ``wipe`` (a
     replaced machine) and, on rank ``flip``, flips a byte of every chunk its tier holds of the
@@ -674,7 +693,8 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
     refill is held back until then).
     ``garble``: that rank damages the first copy it sends of half the chunks during the restore
     (``out["garbled"]``: their ids); a wiped rank reports how many chunks it decoded from peers straight into
-    its tensors (``filled``) and refused (``refused``)."""
+    its tensors (``filled``) and refused (``refused``). ``kill_refill``: a wiped rank is SIGKILLed in its
+    refill, once it has written the first of the chunks it decoded into its tensors to its tier."""
     import shutil
 
     import torch.distributed as dist
@@ -709,6 +729,8 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
         undo = _garble_first_sends(mgr._group_path.peers, out) if rank == garble else None
         if garble is not None and rank in wipe:
             undo = _count_decoded(out)
+        if kill_refill and rank in wipe:
+            _kill_in_refill()
         start = mgr.restore_latest(state)
         if undo is not None:
             undo()

@@ -252,6 +252,31 @@ def test_a_replaced_machine_keeps_in_its_tier_the_chunks_it_took_from_the_durabl
     assert r1["step"] == k and r1["local"] > 0 and r1["peer"] == r1["store"] == 0
 
 
+@pytest.mark.slow  # three runs of 2 processes
+def test_a_replaced_machine_killed_in_its_refill_leaves_its_tier_consistent_and_restarts_exactly(tmp_path):
+    """Rank 1's tier wiped; it restores from rank 0 and is SIGKILLed while its refill writes the chunks
+    it decoded into its tensors to its tier. What the tier holds is intact and it names no step (the
+    ref comes last); restarted, the ranks resume bit-identically."""
+    from ckpt.store.copy import chunk_checker
+
+    n, k = 8, 6
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n)
+    url = _crash(tmp_path / "a", 2, n, k)
+    killed = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=k, at=k, wipe=[1],
+                         kill_refill=True)
+    assert killed[1] == {"killed": True} and "error" not in killed[0], killed[0].get("trace")
+    tier = ckpt.Store.open(str(tmp_path / "a" / "local" / "rank-1"))
+    held = {i.id for i in tier.objects.list("chunks")}
+    assert held  # (the first batch went in before the kill)
+    check = chunk_checker(tier, tier)
+    for cid in held:
+        check(cid, tier.objects.get("chunks", cid))
+    assert not [name for name in tier.refs() if "step-" in name]
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k)
+    _same_run(full, resumed, k, n)
+    assert resumed[1]["restore"]["step"] == k and resumed[1]["restore"]["store"] == 0
+
+
 @pytest.mark.slow
 def test_damaged_local_chunks_come_from_a_peer_and_lost_replicas_fall_back_to_the_durable_store(tmp_path):
     """(d) A byte flipped in every chunk of rank 0's tier: each comes from rank 1's copy (or the durable
