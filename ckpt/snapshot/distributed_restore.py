@@ -34,7 +34,7 @@ from ckpt.snapshot.state import (
     with_autograd_flags,
 )
 from ckpt.snapshot.steps import snapshot_step
-from ckpt.snapshot.tiers import describe
+from ckpt.snapshot.tiers import address, describe
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -211,6 +211,7 @@ class DistributedRestoring:
             recorder = NeedsRecorder(tiers, target_ranges(flat))
             dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=recorder), process_group=self.group,
                      planner=values_planner())
+            tiers.targets = {(cid, address(v), len(v)) for cid, views in recorder.into.items() for v in views}
             peers.fetch(tiers, recorder.asked, exclude_local=set(), into=recorder.into)
             recorder.into.clear()
         tiers.lenient = True

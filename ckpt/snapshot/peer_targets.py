@@ -5,7 +5,9 @@ Where a rank's tier lacks the snapshot (a replaced machine), a dry run of the DC
 whole-shard copy, a region of a target tensor. :meth:`~ckpt.snapshot.peers.Peers.fetch` then
 verifies each chunk as it arrives from a peer and decodes it there
 (:func:`decode_into_targets`), and the load skips those regions (``Tiers.filled``) instead of
-reading the chunks back from the tier they were also written to (which a next restart reads).
+reading the chunks back. Those chunks are not written to the tier during the transfer (that took
+two thirds of a replaced rank's transfer time): once the restore has returned, the refill writes
+them from the targets, hashed again (:func:`keep_decoded`), so that a next restart finds them there.
 Only chunks the load copies whole into a CPU tensor's memory are decoded there: a delta, a chunk
 of a CUDA tensor (staged) or of a resharded one (read into a buffer the dry run's plan does not
 keep) is still read back from the tier by the load.
@@ -13,9 +15,12 @@ keep) is still read back from the tier by the load.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckpt.snapshot.tiers import Tiers, address
+
+if TYPE_CHECKING:
+    from ckpt.store.store import Store
 
 
 class NeedsRecorder(Tiers):
@@ -43,23 +48,48 @@ class NeedsRecorder(Tiers):
                 self.into.setdefault(t.id, []).append(t.into)
 
 
-def decode_into_targets(cid: str, blob: memoryview, views: list[memoryview], tiers: Tiers, max_length: int) -> None:
+def decode_into_targets(cid: str, blob: memoryview, views: list[memoryview], tiers: Tiers, max_length: int) -> bool:
     """Decode chunk ``cid`` from a peer into the target regions ``views``, verified against its id,
-    and note them filled. A delta (its base may not be here yet) or a bad blob is left to the load,
-    which reads it from the nearest tier holding it intact."""
+    and note them filled (and the chunk ``decoded``, for the refill); whether it did. A delta (its base
+    may not be here yet) or a bad blob is left to the caller (False)."""
     from ckpt.codecs.chunk import decode_chunk, parse_header
 
     try:
         if parse_header(blob, cid).base is not None:
-            return
+            return False
         first = views[0]
         decode_chunk(blob, cid, len(first), max_length=max_length, out=first)
     except Exception:  # noqa: BLE001 - a bad blob (MISSES) or anything else: this runs in the exchange's sink,
-        return  # which must not raise (the other ranks would wait out their timeout); the load reads it and says
-        # what is wrong. (The target may hold garbage: not marked filled, the load overwrites it.)
+        return False  # which must not raise (the other ranks would wait out their timeout); the load reads it and
+        # says what is wrong. (The target may hold garbage: not marked filled, the load overwrites it.)
     for v in views[1:]:
         v[:] = first
     tiers.filled.update((cid, address(v), len(v)) for v in views)
+    tiers.decoded[cid] = first
+    return True
+
+
+def keep_decoded(store: Store, decoded: dict[str, memoryview]) -> bool:
+    """Write into ``store`` (a rank's local tier) the chunks a peer restore decoded into the targets
+    (``Tiers.decoded``), read from there once the restore has returned: training may be changing them
+    meanwhile, so each is copied, hashed again and stored under the id of the bytes copied
+    (:func:`~ckpt.transfer.pipeline.put_chunks`), never under one they no longer match. Returns whether
+    every chunk is now in ``store``: False once a target no longer holds the chunk restored there
+    (the rest are then not written)."""
+    from ckpt.transfer.pipeline import PutTask, put_chunks
+
+    todo = sorted(set(decoded) - store.objects.has_many("chunks", set(decoded)))
+    for i in range(0, len(todo), KEEP_BATCH):
+        ids = todo[i : i + KEEP_BATCH]
+        tasks = [PutTask(lambda v=decoded[cid]: bytes(v), len(decoded[cid])) for cid in ids]  # (one copy: hashed and written)
+        got = put_chunks(store.objects, tasks, store.settings)
+        if [r.id for r in got] != ids:
+            return False  # (a blob stored under another id is named by its own bytes: unreferenced, gc takes it)
+    store.objects.backend.flush()
+    return True
+
+
+KEEP_BATCH = 64  # chunks per put_chunks call of keep_decoded: a changed target stops the refill within one batch
 
 
 def target_ranges(flat: dict[str, Any]) -> list[tuple[int, int]]:

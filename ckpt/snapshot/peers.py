@@ -19,10 +19,12 @@ lacked chunks there (or found them damaged) are those fetched from a peer holdin
 rank's tier lacks the step (a replaced machine), a dry run of the load plan says which
 chunks each rank reads, and those its tier lacks are fetched before the load: each is verified
 as it arrives and decoded straight into the tensor it belongs to, which the load then skips
-(:mod:`ckpt.snapshot.peer_targets`), and written to the tier for a next restart. Every chunk
-is verified where it is read: a bad copy falls through to the durable store.
-After the restore a rank keeps what it fetched in its own tier (:meth:`Peers.refill`): a
-replaced machine's tier holds the snapshot again.
+(:mod:`ckpt.snapshot.peer_targets`); the others are verified and written to the tier, where
+the load reads them. Every chunk is verified before its bytes count: a bad copy falls through
+to the durable store.
+After the restore, beside training, a rank keeps what it fetched in its own tier (:meth:`Peers.refill`;
+the chunks decoded into the tensors are written from there, hashed again): a replaced machine's
+tier holds the snapshot again.
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ from typing import TYPE_CHECKING, Any
 from ckpt.dcp.checkpoint import Writer
 from ckpt.progress import NullProgress
 from ckpt.snapshot.peer_group import PeerGroup, Staging, dropped
-from ckpt.snapshot.peer_targets import decode_into_targets
+from ckpt.snapshot.peer_targets import decode_into_targets, keep_decoded
 from ckpt.snapshot.steps import latest_manifest, left_behind, left_behind_message, snapshot_step
 from ckpt.snapshot.tiers import MISSES, Tiers, describe, out_of_space
 from ckpt.transfer.pipeline import BATCH_BYTES, run_parallel
 from ckpt_store.storage.chunk_lists import recorded_chains, referenced_chunks
-from ckpt_store.storage.errors import RefNotFoundError
+from ckpt_store.storage.errors import ObjectNotFoundError, RefNotFoundError
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
@@ -265,20 +267,27 @@ class Peers(PeerGroup):
     def refill(self, step: int, mid: str, tiers: Tiers) -> str | None:
         """Keep in this rank's tier what a restore of ``step`` fetched from peers, so that a replaced
         machine's tier holds the snapshot again and a later failure finds a local copy: the chunks
-        (verified: by the restore that read them, or here; each written atomically), then the manifest,
-        then the step's ref. Not collective. Returns why the tier failed to keep them, or None."""
+        (each verified, and written atomically: those decoded into the targets from there, hashed
+        again), then the manifest, then the step's ref. Runs after the restore returned, beside
+        training: where a target changed first, the step is not named (the next save writes it anew).
+        Not collective. Returns why the tier failed to keep them, or None."""
         peer = dict(tiers.stores)["peer"]
         local = self.local.store
         fetched = {info.id for info in peer.objects.list("chunks")}
-        if not fetched and not tiers.from_peers:
+        decoded, tiers.decoded = tiers.decoded, {}  # (its views keep the targets' memory alive until this returns)
+        if not fetched and not tiers.from_peers and not decoded:
             return None
         try:
-            self._verify_fetched(tiers.from_peers - tiers.peer_verified)
             missing = fetched - local.objects.has_many("chunks", fetched)
             staging = Staging(local, source=peer)
             for cid in sorted(missing):  # one at a time: no second copy of them all
                 staging.add({cid: memoryview(peer.objects.get("chunks", cid))})
             staging.commit()
+            if not keep_decoded(local, decoded):
+                # training changed the state before the refill read it: the tier does not name this step
+                # (the next save writes the state anew; until then the peers' tiers hold this one)
+                log.info("local tier: step %d not kept: the state changed before the refill read it", step)
+                return None
             if not local.objects.has("manifests", mid):
                 local.objects.put_manifest(_manifest_bytes(tiers, mid))
                 local.objects.backend.flush()
@@ -311,25 +320,37 @@ class Peers(PeerGroup):
                 src = next((s for s in ((dst + i) % self.world for i in range(1, self.world)) if cid in hold_sets[s]), None)
                 if src == self.rank:
                     sends.setdefault(dst, []).append(cid)
-        # Into this rank's tier as each round arrives, where the restore reads them as it reads its
-        # own (a damaged copy there is replaced); verified where they are read, like any tier, and
-        # again before the refill names them in a step. What the tier cannot take stays in memory
-        # for this restore. A chunk with a place in ``into`` is also verified and decoded there at
-        # once: the load skips it rather than read the tier's copy back (of a 1.2 GB state: 1.2 GB
-        # read and hashed again).
+        # A chunk with a place in ``into`` is verified and decoded there at once, and not written to
+        # the tier now: the load skips it (of a 1.2 GB state: 1.2 GB not read back and hashed again),
+        # and the refill writes it from the targets once the restore has returned. Any other is
+        # verified and written to this rank's tier as each round arrives (a damaged copy there is
+        # replaced), where the restore reads it as it reads its own; a bad one is dropped (the load
+        # reads that chunk from the durable store). What the tier cannot take, or a delta whose base
+        # is not here yet, stays in memory for this restore (read from there verified, as any tier).
+        from ckpt.store.copy import chunk_checker
+
         objects = local.objects
         peer = dict(tiers.stores)["peer"]
+        check = chunk_checker(peer, local)
         received = 0
 
         def one(item: tuple[str, memoryview]) -> None:
             cid, blob = item
+            if into and cid in into and decode_into_targets(cid, blob, into[cid], tiers, local.settings.max_chunk_size):
+                return
+            try:
+                check(cid, blob)
+            except ObjectNotFoundError:  # a delta whose base has not arrived yet
+                peer.objects.put("chunks", cid, bytes(blob))  # the round's buffer is reused
+                return
+            except Exception as e:  # noqa: BLE001 - damaged (MISSES), or anything else: the sink must not raise
+                dropped(cid, describe(e))
+                return
             try:
                 objects.backend.write(objects.path("chunks", cid), blob)
                 tiers.from_peers.add(cid)
             except Exception:  # noqa: BLE001 - a full tier: this restore keeps it in memory
-                peer.objects.put("chunks", cid, bytes(blob))  # the round's buffer is reused
-            if into and cid in into:
-                decode_into_targets(cid, blob, into[cid], tiers, local.settings.max_chunk_size)
+                peer.objects.put("chunks", cid, bytes(blob))
 
         def keep(blobs: dict[str, memoryview]) -> None:
             # a round's chunks on the store's workers, as a load reads and hashes them
@@ -340,20 +361,6 @@ class Peers(PeerGroup):
         self.exchange(sends, keep)
         objects.backend.flush()
         return received
-
-    def _verify_fetched(self, ids: set[str]) -> None:
-        """Read and check chunks a restore fetched from peers into this tier and did not read back;
-        drop a damaged one (the tier then lacks it)."""
-        from ckpt.store.copy import chunk_checker
-
-        store = self.local.store
-        check = chunk_checker(store, store)
-        for cid in sorted(ids):
-            try:
-                check(cid, store.objects.get("chunks", cid))
-            except MISSES as e:
-                dropped(cid, describe(e))
-                store.objects.backend.delete(store.objects.path("chunks", cid))
 
 
 def _left(path: str, step: int, dstep: int) -> None:

@@ -195,7 +195,9 @@ class Restoring(ManagerState):
 
     def _refill(self, step: int, mid: str, tiers: Tiers) -> None:
         """This rank's tier keeps what the restore fetched from peers (a replaced machine's tier refills),
-        in the save thread: training starts at once, and the next save (or :meth:`wait`) waits for it."""
+        in the save thread: training starts at once, and the next save (or :meth:`wait`) waits for it.
+        Chunks decoded straight into the tensors are read back from them, hashed again: where training
+        changed one first, the tier does not name the step (``wait()`` right after the restore avoids it)."""
         peers = getattr(self._path, "peers", None)
         assert peers is not None
 

@@ -52,13 +52,18 @@ class Tiers:
     every_rank_holds: bool = True
     # manifests parsed so far, by id (immutable: named by the hash of their bytes)
     manifests: dict[str, Manifest] = field(default_factory=dict, repr=False)
-    # chunks this restore fetched from peers into the local tier: served from there, counted as "peer";
-    # those of them served with a correct hash (the refill need not hash them again)
+    # chunks this restore fetched from peers into the local tier (each verified before it was written):
+    # served from there, counted as "peer"
     from_peers: set[str] = field(default_factory=set)
-    peer_verified: set[str] = field(default_factory=set)
     # target regions a peer transfer already decoded a chunk into, verified (Peers.fetch's ``into``):
     # (chunk id, address, length); a load skips the tasks that would write the same bytes there
     filled: set[tuple[str, int, int]] = field(default_factory=set)
+    # those chunks by id, each with one region holding it: not written to the local tier during the
+    # transfer; the refill after the restore writes them from there (peer_targets.keep_decoded)
+    decoded: dict[str, memoryview] = field(default_factory=dict, repr=False)
+    # every target region the load decodes a chunk into (the dry run's, as ``filled``): a chunk the
+    # durable store serves into one is noted in ``decoded`` too, so the refill keeps it as well
+    targets: set[tuple[str, int, int]] = field(default_factory=set, repr=False)
 
     @property
     def nearest(self) -> Store:
@@ -95,12 +100,11 @@ class Tiers:
         self.unserved.update(t.id for t in remaining)
 
     def _skip_filled(self, tasks: list[GetTask], progress: Progress) -> list[GetTask]:
-        """The tasks left once those whose chunk a peer transfer decoded into their target are counted
-        as the peers' (verified there: the refill need not hash them again)."""
+        """The tasks left once those whose chunk a peer transfer decoded into their target (verified
+        there) are counted as the peers'."""
         left, done = [], []
         for t in tasks:
             (done if t.into is not None and (t.id, address(t.into), t.length) in self.filled else left).append(t)
-        self.peer_verified.update(t.id for t in done)
         self.served["peer"] += sum(t.length for t in done)
         progress.advance(sum(t.length for t in done))
         return left
@@ -141,15 +145,19 @@ class Tiers:
         return sorted(missed, key=lambda t: order[id(t)])
 
     def _credit(self, name: str, served: list[GetTask]) -> None:
-        """Count what ``name`` served; what the local tier served of the chunks fetched from peers, as the peers'."""
+        """Count what ``name`` served; what the local tier served of the chunks fetched from peers, as the peers'.
+        Note what the durable store served into the targets of a peer restore (``targets``), for the refill."""
         if name == "local" and self.from_peers:
             fetched = [t for t in served if t.id in self.from_peers]
-            self.peer_verified.update(t.id for t in fetched)  # every chunk served was hashed
             peer_bytes = sum(t.length for t in fetched)
             self.served["peer"] += peer_bytes
             self.served[name] += sum(t.length for t in served) - peer_bytes
         else:
             self.served[name] += sum(t.length for t in served)
+        if name == "store" and self.targets:
+            for t in served:
+                if t.into is not None and t.length and (t.id, address(t.into), t.length) in self.targets:
+                    self.decoded.setdefault(t.id, t.into)
 
     def fill(self, mid: str, pairs: list[tuple[TensorEntry, torch.Tensor]]) -> None:
         """Decode snapshot ``mid``'s entries into ``pairs``' tensors (:func:`ckpt.store.load.fill`, whose

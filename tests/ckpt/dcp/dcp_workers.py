@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
 import time
 import traceback
 import uuid
@@ -591,6 +592,53 @@ def count_chunk_reads(backend) -> list[int]:
     return n
 
 
+def count_chunk_writes(store) -> list[int]:
+    """Count the chunk blobs written into ``store`` from now on (written whole or staged): [all, those
+    that do not decode to their id (a delta whose base the store lacks is not counted as either)]."""
+    from ckpt.store.copy import chunk_checker
+    from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError
+
+    backend, check, n, lock = store.objects.backend, chunk_checker(store, store), [0, 0], threading.Lock()
+    for name in ("write", "stage"):
+        real = getattr(backend, name)
+
+        def counting(path, data, *a, _real=real, **k):
+            if "chunks" in str(path):
+                blob = b"".join(data) if isinstance(data, tuple) else bytes(data)
+                try:
+                    check(str(path).rsplit("/", 1)[-1], blob)
+                    bad = 0
+                except ObjectNotFoundError:
+                    bad = -1
+                except CorruptObjectError:
+                    bad = 1
+                with lock:
+                    n[0] += bad >= 0
+                    n[1] += bad > 0
+            return _real(path, data, *a, **k)
+
+        setattr(backend, name, counting)
+    return n
+
+
+def _kill_in_refill() -> None:
+    """SIGKILL this process in a peer restore's refill (ckpt.snapshot.peer_targets.keep_decoded), in
+    its second batch of chunks (one chunk a batch): the first is in the tier, the step is not named."""
+    import ckpt.snapshot.peer_targets as targets
+    import ckpt.transfer.pipeline as pipeline
+
+    real, calls = pipeline.put_chunks, [0]
+
+    def put_then_die(*a, **k):
+        calls[0] += 1
+        if calls[0] == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*a, **k)
+
+    targets.KEEP_BATCH = 1
+    pipeline.put_chunks = put_then_die
+
+
 def _garble_first_sends(peers, out) -> Callable[[], None]:
     """Make ``peers`` (this rank's :class:`~ckpt.snapshot.peers.Peers`) send a byte flipped in the first
     copy of each chunk whose id starts with an even byte, listed in ``out["garbled"]`` (damaged on
@@ -622,15 +670,17 @@ def _count_decoded(out) -> Callable[[], None]:
     out["filled"] = out["refused"] = 0
 
     def counting(cid, blob, views, tiers, max_length):
-        real(cid, blob, views, tiers, max_length)
+        done = real(cid, blob, views, tiers, max_length)
         with lock:
             out["filled" if (cid, address(views[0]), len(views[0])) in tiers.filled else "refused"] += 1
+        return done
 
     peers_module.decode_into_targets = counting
     return lambda: setattr(peers_module, "decode_into_targets", real)
 
 
-def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False, count=False, garble=None):
+def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False, count=False, garble=None,
+                 kill_refill=False):
     """:func:`ddp_resume` with local tiers: local snapshots every 2 steps, replicated to 1 peer
     rank, persisted every 4. ``resume`` first wipes the local tiers of the ranks in ``wipe`` (a
     replaced machine) and, on rank ``flip``, flips a byte of every chunk its tier holds of the
@@ -638,10 +688,13 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
     tensor of zeros, shared by the ranks. ``killrep``: at step ``at`` that tensor becomes random
     (so rank 0, which saves it, replicates 64 MB to rank 1) and rank 0 is SIGKILLed right after
     posting that send, while it is in flight; rank 1 reports what its save and its tier made of it.
-    ``count``: report how many chunk reads the restore (and its refill) made from this rank's tier.
+    ``count``: report how many chunk reads the restore (and its refill) made from this rank's tier, and
+    the chunks the restore wrote there until it returned (``restore_chunk_writes``: [all, damaged]; the
+    refill is held back until then).
     ``garble``: that rank damages the first copy it sends of half the chunks during the restore
     (``out["garbled"]``: their ids); a wiped rank reports how many chunks it decoded from peers straight into
-    its tensors (``filled``) and refused (``refused``)."""
+    its tensors (``filled``) and refused (``refused``). ``kill_refill``: a wiped rank is SIGKILLed in its
+    refill, once it has written the first of the chunks it decoded into its tensors to its tier."""
     import shutil
 
     import torch.distributed as dist
@@ -669,14 +722,23 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
                                      process_group=dist.group.WORLD, timeout_s=30)
     if mode == "resume":
         reads = count_chunk_reads(mgr._local.store.objects.backend) if count else None
+        writes = count_chunk_writes(mgr._local.store) if count else None
+        gate = threading.Event()
+        if count:  # the refill (queued on the save thread) waits until the writes of the restore are counted
+            mgr._pool.submit(gate.wait, 60)
         undo = _garble_first_sends(mgr._group_path.peers, out) if rank == garble else None
         if garble is not None and rank in wipe:
             undo = _count_decoded(out)
+        if kill_refill and rank in wipe:
+            _kill_in_refill()
         start = mgr.restore_latest(state)
         if undo is not None:
             undo()
         assert start == state["step"], (start, state["step"])
         out["restore"] = mgr.last_restore
+        if writes is not None:
+            out["restore_chunk_writes"] = list(writes)
+        gate.set()
         if reads is not None:
             mgr.wait()  # (the refill runs in the save thread)
             out["tier_chunk_reads"] = reads[0]

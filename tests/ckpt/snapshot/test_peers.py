@@ -102,8 +102,8 @@ def test_all_ranks_killed_restore_from_local_tiers_then_a_replaced_machine_from_
 def test_a_replaced_machine_decodes_chunks_from_its_replica_straight_into_its_tensors(tmp_path):
     """A replaced machine (rank 1's tier wiped) restores from rank 0: each chunk received is verified
     and decoded into the tensor it belongs to as it arrives, and the load does not read it back from
-    the tier it was written to (0 chunk reads there, restore and refill together). Bit-identical run;
-    the tier holds the step again."""
+    the tier (0 chunk reads there, restore and refill together), nor written there before the restore
+    returns (the refill writes it from the tensors). Bit-identical run; the tier holds the step again."""
     n, k = 8, 6
     full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n)
     url = _crash(tmp_path / "a", 2, n, k)
@@ -113,6 +113,8 @@ def test_a_replaced_machine_decodes_chunks_from_its_replica_straight_into_its_te
     assert r1["step"] == k and r1["local"] == r1["store"] == 0 and r1["peer"] > 0
     assert resumed[1]["tier_chunk_reads"] == 0
     assert resumed[0]["tier_chunk_reads"] > 0  # (rank 0 reads its own tier: the count sees reads)
+    # ...nor written to the tier while the restore runs (the refill writes them afterwards, from the tensors)
+    assert resumed[1]["restore_chunk_writes"] == [0, 0]
     assert resumed[1]["local_steps"][-1] >= k
 
 
@@ -162,12 +164,52 @@ def test_a_bad_chunk_from_a_peer_is_not_taken_as_decoded_and_the_load_reads_it_f
     assert reads[0] == 1 and tiers.served == {"local": 0, "peer": want.nbytes - n, "store": n}
 
 
+def test_a_refill_from_tensors_training_changed_names_no_chunk_by_the_bytes_restored(tmp_path):
+    """The chunks a peer restore decoded into the tensors reach the tier afterwards, from the tensors
+    (ckpt/snapshot/peer_targets.py keep_decoded), while training may already change them: each is
+    copied and hashed again, so a changed one is never stored under the id of the bytes restored, and
+    the refill says the step is not whole in the tier (its ref is then not written). Unchanged, every
+    chunk lands there intact."""
+    import torch
+
+    from ckpt.snapshot.peer_targets import decode_into_targets, keep_decoded
+    from ckpt.snapshot.tiers import Tiers
+    from ckpt.store.copy import chunk_checker
+    from ckpt.transfer.reading import into_tasks
+
+    settings = ckpt.Settings.from_env(chunk_size=64 << 10, min_saving=1.0)  # raw chunks of 64 KiB
+    durable = ckpt.Store.init(str(tmp_path / "durable"), settings=settings)
+    want = torch.randn(4 * (16 << 10), generator=torch.Generator().manual_seed(0))  # 4 chunks
+    durable.push({"w": want}, "m")
+    entry = durable.manifest("m").tensors[0]
+
+    def refill(change: bool) -> tuple[bool, ckpt.Store]:
+        tier = ckpt.Store.init(str(tmp_path / f"tier-{change}"), settings=settings)
+        got = torch.zeros_like(want)
+        tiers = Tiers([("local", tier), ("store", durable)])
+        for t in into_tasks(settings.chunk_size, [(entry, got)]):  # as Peers.fetch decodes each chunk received
+            assert decode_into_targets(t.id, memoryview(durable.objects.get("chunks", t.id)), [t.into], tiers, settings.max_chunk_size)
+        assert set(tiers.decoded) == set(entry.chunks)
+        if change:
+            got[(16 << 10) + 5] += 1  # an optimizer step, say, before the refill reads chunk 1
+        return keep_decoded(tier, tiers.decoded), tier
+
+    kept, tier = refill(change=False)
+    assert kept and {i.id for i in tier.objects.list("chunks")} == set(entry.chunks)
+    kept, tier = refill(change=True)
+    held = {i.id for i in tier.objects.list("chunks")}
+    assert not kept and entry.chunks[1] not in held
+    check = chunk_checker(tier, tier)
+    for cid in held:
+        check(cid, tier.objects.get("chunks", cid))  # each is named by its own bytes
+
+
 @pytest.mark.slow  # three runs of 2 processes
 def test_chunks_damaged_on_the_way_to_a_replaced_machine_never_reach_its_tensors(tmp_path):
     """Rank 1's tier wiped (a replaced machine); rank 0, its replica, sends it a byte flipped in the
     first copy of half the chunks. Each damaged chunk is refused where it would be decoded straight
     into rank 1's tensors (ckpt/snapshot/peer_targets.py) and read again from a good copy; the others
-    are decoded there. Bit-identical run; every chunk rank 1's tier holds afterwards is intact, the
+    are decoded there, and none is written to rank 1's tier. Bit-identical run; every chunk rank 1's tier holds afterwards is intact, the
     garbled ones it fetched again among them (``verify`` does not apply: a rank's tier alone is not a
     whole snapshot, rank 0's chunks are missing from it)."""
     from ckpt.store.copy import chunk_checker
@@ -180,6 +222,7 @@ def test_chunks_damaged_on_the_way_to_a_replaced_machine_never_reach_its_tensors
     _same_run(full, resumed, k, n)
     garbled, r1 = resumed[0]["garbled"], resumed[1]
     assert garbled and r1["refused"] == len(garbled) and r1["filled"] > 0
+    assert r1["restore_chunk_writes"][1] == 0  # a damaged blob is dropped before it reaches the tier
     assert r1["restore"]["step"] == k and r1["restore"]["local"] == 0 and r1["restore"]["peer"] > 0
     tier = ckpt.Store.open(str(tmp_path / "a" / "local" / "rank-1"))
     held = {i.id for i in tier.objects.list("chunks")}
@@ -188,6 +231,50 @@ def test_chunks_damaged_on_the_way_to_a_replaced_machine_never_reach_its_tensors
     check = chunk_checker(tier, tier)
     for cid in held:
         check(cid, tier.objects.get("chunks", cid))  # raises CorruptObjectError on a bad copy
+
+
+@pytest.mark.slow  # three runs of 2 processes
+def test_a_replaced_machine_keeps_in_its_tier_the_chunks_it_took_from_the_durable_store(tmp_path):
+    """Rank 1's tier wiped (a replaced machine) and every chunk of rank 0's tier damaged: rank 1 takes
+    the persisted step 4 from the durable store (rank 0's copies refused). Its refill keeps those chunks
+    too, not only the peers': restarted again, rank 1 reads the whole step from its own tier."""
+    n, k = 8, 4
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n)
+    url = _crash(tmp_path / "a", 2, n, k)
+    assert ckpt.Store.open(url).manifest("ddp/latest").extra["snapshot"]["step"] == k
+    restored = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=k, at=k, wipe=[1], flip=0)
+    r1 = restored[1]["restore"]
+    assert r1["step"] == k and r1["local"] == 0 and r1["store"] > 0
+    assert restored[1]["local_steps"] == [k]
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k)
+    _same_run(full, resumed, k, n)
+    r1 = resumed[1]["restore"]
+    assert r1["step"] == k and r1["local"] > 0 and r1["peer"] == r1["store"] == 0
+
+
+@pytest.mark.slow  # three runs of 2 processes
+def test_a_replaced_machine_killed_in_its_refill_leaves_its_tier_consistent_and_restarts_exactly(tmp_path):
+    """Rank 1's tier wiped; it restores from rank 0 and is SIGKILLed while its refill writes the chunks
+    it decoded into its tensors to its tier. What the tier holds is intact and it names no step (the
+    ref comes last); restarted, the ranks resume bit-identically."""
+    from ckpt.store.copy import chunk_checker
+
+    n, k = 8, 6
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n)
+    url = _crash(tmp_path / "a", 2, n, k)
+    killed = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=k, at=k, wipe=[1],
+                         kill_refill=True)
+    assert killed[1] == {"killed": True} and "error" not in killed[0], killed[0].get("trace")
+    tier = ckpt.Store.open(str(tmp_path / "a" / "local" / "rank-1"))
+    held = {i.id for i in tier.objects.list("chunks")}
+    assert held  # (the first batch went in before the kill)
+    check = chunk_checker(tier, tier)
+    for cid in held:
+        check(cid, tier.objects.get("chunks", cid))
+    assert not [name for name in tier.refs() if "step-" in name]
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k)
+    _same_run(full, resumed, k, n)
+    assert resumed[1]["restore"]["step"] == k and resumed[1]["restore"]["store"] == 0
 
 
 @pytest.mark.slow
