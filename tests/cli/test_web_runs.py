@@ -156,12 +156,8 @@ def test_a_long_runs_lineage_on_s3_makes_a_few_requests_not_one_per_snapshot(s3_
     assert len(seen) <= 16, seen  # 9 here: 5 listings, 3 GETs of the index, 1 manifest; was 12 manifest GETs more
 
 
-@pytest.mark.parametrize("few", [0, 100])
-def test_a_damaged_snapshot_the_view_found_is_left_out_however_many_are_read(tmp_path, monkeypatch, few):
-    """A run of 8 snapshots, the index summarizing each, step 2's manifest damaged since: past FEW_MANIFESTS
-    uncached the lineage trusted the index (step 2 drawn, its chunks counted) while the overview page of the
-    same view named it damaged; at FEW_MANIFESTS or fewer it read the manifests and left it out. One rule
-    now: a summary is trusted, one the view found damaged (here by the overview page's check) is left out."""
+def _run_with_step_2_damaged(tmp_path) -> ckpt.Store:
+    """A run of 8 snapshots, the index summarizing each (`ls`), step 2's manifest damaged since (a bit flipped)."""
     store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 8)
     store.ls()
     mid = store.resolve("r/step-2")
@@ -170,6 +166,16 @@ def test_a_damaged_snapshot_the_view_found_is_left_out_however_many_are_read(tmp
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 1
     path.write_bytes(bytes(raw))
+    return store
+
+
+@pytest.mark.parametrize("few", [0, 100])
+def test_a_damaged_snapshot_the_view_found_is_left_out_however_many_are_read(tmp_path, monkeypatch, few):
+    """A run of 8 snapshots, the index summarizing each, step 2's manifest damaged since: past FEW_MANIFESTS
+    uncached the lineage trusted the index (step 2 drawn, its chunks counted) while the overview page of the
+    same view named it damaged; at FEW_MANIFESTS or fewer it read the manifests and left it out. One rule
+    now: a summary is trusted, one the view found damaged (here by the overview page's check) is left out."""
+    store = _run_with_step_2_damaged(tmp_path)
     monkeypatch.setattr(data, "FEW_MANIFESTS", few)
     monkeypatch.setattr(data.StoreView.overviews, "__defaults__", (None, few))
     view = StoreView(store)
@@ -277,14 +283,7 @@ def test_the_pages_say_which_snapshots_are_drawn_unverified_and_name_a_damaged_o
 
     from ckpt_store.cli.web.app import create_app
 
-    store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 8)
-    store.ls()
-    mid = store.resolve("r/step-2")
-    path = tmp_path / "store" / "objects" / "manifests" / mid[:2] / mid
-    os.chmod(path, 0o644)
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 1
-    path.write_bytes(bytes(raw))
+    store = _run_with_step_2_damaged(tmp_path)
     c = TestClient(create_app(store))
     run = next(n for n in c.get("/api/lineage").json()["nodes"] if n["kind"] == "run")
     verified = {s["step"]: s["verified"] for s in run["snapshots"]}
