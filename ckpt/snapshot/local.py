@@ -60,7 +60,7 @@ class LocalSnapshots(LocalRestoring):
                  room: Callable[[int, list[int], bool | None, str | None], object] | None = None) -> None:
         self.run = run
         # A local tier's room made before a write (LocalTier.fit): the step, the sizes of the tensors written that
-        # are known to have changed, whether the snapshot carries bundles, and the id of the snapshot whose chunks it
+        # are not known to be unchanged, whether the snapshot carries bundles, and the id of the snapshot whose chunks it
         # reuses or deltas against (never dropped; None where it names none); it raises (ENOSPC) where the medium cannot hold them.
         self.room = room
         self.store = run.store
@@ -92,13 +92,11 @@ class LocalSnapshots(LocalRestoring):
         the result then names the error (:attr:`SaveResult.fell_back`)."""
         import torch
 
-        tensors, tree = flatten(state)
+        tensors, tree, optimizers, trust = self._flatten(state)
         for name, t in tensors.items():
             storable_dtype(name, t)  # refused here, not in the background (where a local tier only warns)
-        optimizers = optimizers_in(state)
         overlap = self.overlap and not (fallback is not None and self._failing)
         defer = _optimizer_storages(optimizers) if overlap else frozenset()
-        trust = self.trust_version and not _has_fused_optimizer(optimizers)
         staged, reuse, keys, pending, live = self._stage(tensors, trust=trust, defer=defer)
         changed = self._changes(tensors, keys, trust) or []  # what a local tier makes room for before the write
         held = {n: t.detach() for n, t in tensors.items()}
@@ -149,24 +147,31 @@ class LocalSnapshots(LocalRestoring):
         return job
 
     def save_sizes(self, state: dict[str, Any]) -> tuple[list[int], list[int] | None, str | None]:
-        """The bytes of ``state``'s tensors, and of those known to have changed since the last snapshot this path
+        """The bytes of ``state``'s tensors, and of those not known to be unchanged since the last snapshot this path
         wrote or restored (:meth:`_changes`; None where versions cannot tell): what a save of it adds to a local
         tier that holds none of it, and that holds that snapshot; and that snapshot's id (the one it continues from)."""
-        tensors, _ = flatten(state)
-        trust = self.trust_version and not _has_fused_optimizer(optimizers_in(state))
+        tensors, _, _, trust = self._flatten(state)
         changed = self._changes(tensors, {n: version_key(t.detach()) for n, t in tensors.items()}, trust)
         return [t.numel() * t.element_size() for t in tensors.values()], changed, self._since
 
+    def _flatten(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any, list[Any], bool]:
+        """``state``'s tensors and structure (:func:`flatten`), its optimizers, and whether their version counters say
+        which tensors are unchanged (not with ``unchanged_by="hash"`` nor a fused optimizer, which bumps none)."""
+        tensors, tree = flatten(state)
+        optimizers = optimizers_in(state)
+        return tensors, tree, optimizers, self.trust_version and not _has_fused_optimizer(optimizers)
+
     def _changes(self, tensors: dict[str, torch.Tensor], keys: dict[str, tuple[Any, ...]], trust: bool) -> list[int] | None:
-        """The sizes of ``tensors`` (their version ``keys`` now) known to have changed since the last snapshot written
-        or restored here, by their versions. Others may be unchanged, their chunks found by hash (a fused optimizer's
-        frozen base; a tensor a restore did not record): not counted, so that a local tier's room check never refuses
-        a save that would fit; the write finds out. None where versions cannot tell at all (``trust`` False, or no
-        snapshot recorded). Kept across a failed save: it reuses nothing, but what changed since that snapshot still
-        says what the next save adds."""
+        """The sizes of ``tensors`` (their version ``keys`` now) not known to be unchanged since the last snapshot
+        written or restored here: each one whose key is not the one recorded then, or that has none (a new name, an
+        optimizer's moments made by its first step; one a restore did not record): what a local tier makes room for.
+        (Left out, such a tensor was never counted: the room check and the room made after a failed save took too
+        little, and the save failed again at every step.) None where versions cannot tell at all (``trust`` False, or
+        no snapshot recorded): a fused optimizer's frozen base is found unchanged by hash, never counted. Kept across a
+        failed save: it reuses nothing, but what changed since that snapshot still says what the next save adds."""
         if not trust or not self._keys:
             return None
-        return [t.numel() * t.element_size() for n, t in tensors.items() if n in self._keys and keys[n] != self._keys[n]]
+        return [t.numel() * t.element_size() for n, t in tensors.items() if self._keys.get(n) != keys[n]]
 
     def _stage(self, tensors: dict[str, torch.Tensor], trust: bool, defer: frozenset[int] = frozenset(),
                ) -> tuple[dict[str, torch.Tensor], dict[str, TensorEntry], dict[str, tuple[Any, ...]],

@@ -159,8 +159,10 @@ class LocalRestoring:
         tiers.fill(mid, pairs)
         for n in fresh:  # flagged once written (a Parameter wraps the tensor the fill wrote)
             decoded[n] = with_autograd_flags(n, decoded[n], flags)
-        # Each tensor written as its entry's bytes, by its version as after the fill (the fill bumps no version counter)
-        filled = {n: version_key(t) for n, t in ({e.name: t for e, t in pairs} | decoded).items()}
+        # Each tensor written as its entry's bytes, by its version as after the fill (the fill bumps no version counter);
+        # not one whose memory another entry wrote too (tied weights): it holds the last writer's bytes
+        alone = _written_alone(pairs)
+        filled = {n: version_key(t) for n, t in ({e.name: t for e, t in pairs} | decoded).items() if n in alone}
         for key, obj, kind, value in loaders:
             restored = unflatten(value, decoded, later=later)
             if kind == "stateful" and isinstance(obj, Stateful):
@@ -204,6 +206,28 @@ def _restored_keys(state: dict[str, Any], filled: dict[str, tuple[Any, ...]], na
         return {}, {}
     keys = {n: k for n, t in now.items() if n in names and (k := version_key(t.detach())) == filled.get(n)}
     return keys, {n: now[n].detach() for n in keys}
+
+
+def _written_alone(pairs: list[tuple[TensorEntry, Any]]) -> set[str]:
+    """The names of ``pairs`` whose tensor holds its entry's bytes once the fill wrote them all: a contiguous tensor
+    that shares no byte with another's (a tensor the state holds twice, tied weights, two views of one storage that
+    overlap: each is written by every entry naming it, the last one wins; a non-contiguous one may overlap itself).
+    Only those may be recorded as unchanged since (the others are staged and hashed by the next save)."""
+    spans: list[tuple[Any, int, int, str]] = []
+    alone: set[str] = set()
+    for e, t in pairs:
+        if not t.numel():
+            alone.add(e.name)  # (no bytes to differ)
+        elif t.is_contiguous():
+            spans.append((t.device, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), e.name))
+    spans.sort(key=lambda s: (str(s[0]), s[1]))
+    reach: dict[Any, int] = {}  # device -> the furthest end of the spans before (by start)
+    for i, (device, start, end, name) in enumerate(spans):
+        after = i + 1 < len(spans) and spans[i + 1][0] == device and spans[i + 1][1] < end
+        if reach.get(device, start) <= start and not after:
+            alone.add(name)
+        reach[device] = max(reach.get(device, end), end)
+    return alone
 
 
 def _check_param_groups(key: str, obj: Any, saved: Any) -> None:

@@ -172,8 +172,8 @@ class LocalTier:
         return total
 
     def fit(self, step: int, sizes: Iterable[int], bundles: bool | None = False, reused: str | None = None) -> list[int]:
-        """Before the save of ``step`` writes tensors of ``sizes`` bytes here (those known to have changed: tensors
-        that may be unchanged, found so by hash, are left out, and none is counted where the tier compresses
+        """Before the save of ``step`` writes tensors of ``sizes`` bytes here (those not known to be unchanged; none
+        where version counters cannot tell (a frozen base is found unchanged by hash) or the tier compresses
         (:meth:`bound`), so that a save that fits is not refused but where a changed tensor stores as its bytes): make
         its room first, so that the bounds hold while it is written, not only after. Drops the unpinned snapshots after
         ``step`` first (a run gone back: they go anyway once it lands, :meth:`drop_after`), then the oldest before ``step`` that the bounds would

@@ -720,3 +720,35 @@ def test_a_run_gone_back_makes_room_from_the_timeline_it_left_first(tmp_path, tm
         fresh = _head_run(seed=9)
         assert mgr.restore(fresh, 2) == 2 and mgr.last_restore["store"] == 0
     assert fresh["head"].weight.detach().numpy().tobytes() == two["head/weight"].numpy().tobytes()
+
+
+def test_tensors_new_since_the_last_snapshot_count_for_the_room(tmp_path, tmpfs):
+    """Step 0 saved before training (8 MiB: AdamW has no moments yet); another tenant leaves 20 MiB of a 64 MiB
+    tmpfs free. Each step after writes 24 MiB: the weights and the 16 MiB of moments AdamW's first step made. The
+    moments have no recorded version and were never counted: the save of 1 passed the room check (8 MiB) and ran out
+    of space writing, and every later save made room for 8 MiB, kept step 0 and failed again. They count now: 1 is
+    refused before it writes, 2 drops step 0 and lands; restored from the tier bit-exact."""
+    shm = tmpfs(tmp_path / "shm", "64m")
+    model, state = _model(1024)  # 2 x 4 MiB weights; x 3 once AdamW has stepped
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1) as mgr:
+        mgr.save(0, state, persist=False)
+        mgr.wait()
+        _fill(f"{shm}/tenant", leave=20 << 20)
+        _step(state, 1)
+        with pytest.warns(ckpt.TierWarning, match="step 1 not saved .*the disk is full for this snapshot.*nothing written"):
+            mgr.save(1, state, persist=False)
+            mgr.wait()
+        _step(state, 2)
+        with pytest.warns(ckpt.TierWarning, match="dropped step.s. 0 to make room for step 2"):
+            mgr.save(2, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [2] and mgr.last_save.tier == "local"
+    fresh, state2 = _model(1024, seed=1)
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        assert mgr.restore_latest(state2) == 2 and mgr.last_restore["store"] == 0
+    from ckpt.snapshot.state import flatten
+
+    got, want = flatten(state2)[0], flatten(state)[0]
+    assert {n: t.detach().numpy().tobytes() for n, t in got.items()} == {n: t.detach().numpy().tobytes() for n, t in want.items()}
+    assert ckpt.Store.open(f"{shm}/tier").verify().ok

@@ -1594,3 +1594,41 @@ def test_the_first_save_after_a_restore_stages_only_what_changed(tmp_path):
         mgr.save(2, fused)
         assert mgr.last_save.staged_tensors == 10
         assert {n: t.numpy().tobytes() for n, t in mgr.store.load("run/step-2").items()} == _run_bytes(fused)
+
+
+class _TinyLM(torch.nn.Module):
+    """An embedding and an output layer over one vocabulary, tied (one tensor under both names) or not."""
+
+    def __init__(self, tied):
+        super().__init__()
+        self.embed, self.out = torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64, bias=False)
+        if tied:
+            self.out.weight = self.embed.weight
+
+
+def test_a_restore_into_tied_tensors_records_no_version_for_them(tmp_path):
+    """A snapshot of an untied model restored into a tied one (and one module's weight restored into another
+    module sharing it): the fill writes both entries into the one memory, the last one wins, and the restore recorded
+    the same version for both names. The next save reused both entries' chunks: the stored step said the embedding
+    was its old bytes, not the live tensor's. Tensors sharing memory are staged and hashed now; what is stored is
+    the live state, byte for byte, after a save with no step and after a training step."""
+    torch.manual_seed(0)
+    untied = _TinyLM(tied=False)
+    lone = torch.nn.Linear(32, 64, bias=False)
+    with ckpt.CheckpointManager(str(tmp_path), "run", save_mode="sync") as mgr:
+        mgr.save(1, {"model": untied, "other": lone})
+    torch.manual_seed(1)
+    model = _TinyLM(tied=True)
+    other = torch.nn.Linear(32, 64, bias=False)
+    other.weight = model.embed.weight  # (another key's module holding the same tensor)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = {"model": model, "other": other}
+    with ckpt.CheckpointManager(str(tmp_path), "run", save_mode="sync") as mgr:
+        assert mgr.restore_latest(state) == 1
+        for step in (2, 3):
+            if step == 3:
+                model.out(model.embed(torch.tensor([[1, 2, 3]]))).square().mean().backward()
+                opt.step()
+            mgr.save(step, state)
+            stored = mgr.store.load(f"run/step-{step}")
+            assert {n: t.numpy().tobytes() for n, t in stored.items()} == _run_bytes(state)
