@@ -35,6 +35,7 @@ from ckpt.snapshot.state import (
 )
 from ckpt.snapshot.steps import snapshot_step
 from ckpt.snapshot.tiers import address, describe
+from ckpt_store.storage.chunk_lists import recorded_chains
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -212,7 +213,11 @@ class DistributedRestoring:
             dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=recorder), process_group=self.group,
                      planner=values_planner())
             tiers.targets = {(cid, address(v), len(v)) for cid, views in recorder.into.items() for v in views}
-            peers.fetch(tiers, recorder.asked, exclude_local=set(), into=recorder.into)
+            # and the bases of the deltas among them (delta_vs_previous: chunks of the step before, which a
+            # replaced machine's tier lacks too): the load decodes a delta with bases from its own tier
+            chains = recorded_chains(tiers.get_manifest(mid).to_json())
+            asked = recorder.asked.union(*(chains.get(c, ()) for c in recorder.asked))
+            peers.fetch(tiers, asked, exclude_local=set(), into=recorder.into)
             recorder.into.clear()
         tiers.lenient = True
         planner = values_planner()

@@ -10,14 +10,19 @@ two thirds of a replaced rank's transfer time): once the restore has returned, t
 them from the targets, hashed again (:func:`keep_decoded`), so that a next restart finds them there.
 Only chunks the load copies whole into a CPU tensor's memory are decoded there: a delta, a chunk
 of a CUDA tensor (staged) or of a resharded one (read into a buffer the dry run's plan does not
-keep) is still read back from the tier by the load.
+keep) is still read back from the tier by the load: written there unchecked as it arrives, the
+load checks it (:func:`check_unchecked` checks, after the restore, those it did not read). A delta
+whose base was decoded only into a target gets that base beside it (:func:`keep_bases`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from ckpt.snapshot.tiers import Tiers, address
+from ckpt.snapshot.peer_group import dropped
+from ckpt.snapshot.tiers import MISSES, Tiers, address, describe
+from ckpt_store.storage.errors import ObjectNotFoundError
 
 if TYPE_CHECKING:
     from ckpt.store.store import Store
@@ -48,15 +53,15 @@ class NeedsRecorder(Tiers):
                 self.into.setdefault(t.id, []).append(t.into)
 
 
-def decode_into_targets(cid: str, blob: memoryview, views: list[memoryview], tiers: Tiers, max_length: int) -> bool:
+def decode_into_targets(cid: str, blob: memoryview, views: list[memoryview], tiers: Tiers, max_length: int) -> bool | None:
     """Decode chunk ``cid`` from a peer into the target regions ``views``, verified against its id,
-    and note them filled (and the chunk ``decoded``, for the refill); whether it did. A delta (its base
-    may not be here yet) or a bad blob is left to the caller (False)."""
+    and note them filled (and the chunk ``decoded``, for the refill): True. A bad blob is left to the
+    caller (False); so is a delta (its base may not be here yet), not decoded (None)."""
     from ckpt.codecs.chunk import decode_chunk, parse_header
 
     try:
         if parse_header(blob, cid).base is not None:
-            return False
+            return None
         first = views[0]
         decode_chunk(blob, cid, len(first), max_length=max_length, out=first)
     except Exception:  # noqa: BLE001 - a bad blob (MISSES) or anything else: this runs in the exchange's sink,
@@ -89,7 +94,43 @@ def keep_decoded(store: Store, decoded: dict[str, memoryview]) -> bool:
     return True
 
 
+def keep_bases(store: Store, ids: Iterable[str], decoded: dict[str, memoryview]) -> None:
+    """Give ``store`` the bases of its delta chunks ``ids`` that a peer transfer decoded only into the
+    targets (``decoded``, :attr:`Tiers.decoded`): copied from there and hashed again (:func:`keep_decoded`).
+    A load decodes a delta with bases from the store that holds it: a frozen tensor's chunk (decoded into
+    its target) that is also the base of another tensor's delta (the same bytes at the step before,
+    ``delta_vs_previous``) would otherwise be found nowhere, and the step not restored."""
+    from ckpt.codecs.chunk import MAX_HEADER, parse_header
+
+    objects, want = store.objects, {}
+    for cid in ids:
+        try:
+            base = parse_header(objects.backend.read_range(objects.path("chunks", cid), 0, MAX_HEADER), cid).base
+        except MISSES:
+            continue  # (missing or damaged: the load finds it so)
+        if base in decoded:
+            want[base] = decoded[base]
+    if want:
+        keep_decoded(store, want)  # (False, a target changed: not during a restore; the load then says what is missing)
+
+
 KEEP_BATCH = 64  # chunks per put_chunks call of keep_decoded: a changed target stops the refill within one batch
+
+
+def check_unchecked(local: Store, peer: Store, ids: set[str]) -> None:
+    """Check the chunks a peer transfer wrote to ``local`` unchecked that the load did not serve from
+    there (:attr:`Tiers.unchecked`): a damaged one is deleted (the load read that chunk elsewhere)."""
+    from ckpt.store.copy import chunk_checker
+
+    check = chunk_checker(peer, local)
+    for cid in sorted(ids):
+        try:
+            check(cid, local.objects.get("chunks", cid))
+        except ObjectNotFoundError:
+            continue  # (gone, or its base is: the tier's gc takes what no step names)
+        except MISSES as e:
+            dropped(cid, describe(e))
+            local.objects.delete("chunks", cid)
 
 
 def target_ranges(flat: dict[str, Any]) -> list[tuple[int, int]]:

@@ -19,12 +19,13 @@ lacked chunks there (or found them damaged) are those fetched from a peer holdin
 rank's tier lacks the step (a replaced machine), a dry run of the load plan says which
 chunks each rank reads, and those its tier lacks are fetched before the load: each is verified
 as it arrives and decoded straight into the tensor it belongs to, which the load then skips
-(:mod:`ckpt.snapshot.peer_targets`); the others are verified and written to the tier, where
-the load reads them. Every chunk is verified before its bytes count: a bad copy falls through
-to the durable store.
+(:mod:`ckpt.snapshot.peer_targets`); the others (and the delta bases the manifest records for
+them) are written to the tier unchecked, where the load reads and verifies them. Every chunk is
+verified before its bytes count: a bad copy falls through to the durable store.
 After the restore, beside training, a rank keeps what it fetched in its own tier (:meth:`Peers.refill`;
 the chunks decoded into the tensors are written from there, hashed again): a replaced machine's
-tier holds the snapshot again.
+tier names the step again, unless training changed a tensor before the refill read it (then a
+TierWarning: the tier holds the state again from the next save).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt.dcp.checkpoint import Writer
 from ckpt.progress import NullProgress
 from ckpt.snapshot.peer_group import PeerGroup, Staging, dropped
-from ckpt.snapshot.peer_targets import decode_into_targets, keep_decoded
+from ckpt.snapshot.peer_targets import check_unchecked, decode_into_targets, keep_bases, keep_decoded
 from ckpt.snapshot.steps import latest_manifest, left_behind, left_behind_message, snapshot_step
 from ckpt.snapshot.tiers import MISSES, Tiers, describe, out_of_space
 from ckpt.transfer.pipeline import BATCH_BYTES, run_parallel
@@ -264,30 +265,31 @@ class Peers(PeerGroup):
         if self.rank not in holders:
             peer.objects.put_manifest(box[0])
 
-    def refill(self, step: int, mid: str, tiers: Tiers) -> str | None:
+    def refill(self, step: int, mid: str, tiers: Tiers) -> tuple[bool, str | None]:
         """Keep in this rank's tier what a restore of ``step`` fetched from peers, so that a replaced
-        machine's tier holds the snapshot again and a later failure finds a local copy: the chunks
-        (each verified, and written atomically: those decoded into the targets from there, hashed
-        again), then the manifest, then the step's ref. Runs after the restore returned, beside
-        training: where a target changed first, the step is not named (the next save writes it anew).
-        Not collective. Returns why the tier failed to keep them, or None."""
+        machine's tier names the step and a later failure finds a local copy: the chunks (each
+        verified, and written atomically: those decoded into the targets from there, hashed again,
+        before the deltas that may be stored against them), then the manifest, then the step's ref.
+        Runs after the restore returned, beside training. Not collective. Returns (whether the tier
+        names the step; False where a target changed before the refill read it: the next save writes
+        the state anew), and why the tier failed to keep them, or None."""
         peer = dict(tiers.stores)["peer"]
         local = self.local.store
         fetched = {info.id for info in peer.objects.list("chunks")}
         decoded, tiers.decoded = tiers.decoded, {}  # (its views keep the targets' memory alive until this returns)
+        unchecked, tiers.unchecked = tiers.unchecked, set()
         if not fetched and not tiers.from_peers and not decoded:
-            return None
+            return True, None
         try:
+            check_unchecked(local, peer, unchecked)
+            if not keep_decoded(local, decoded):
+                self.local.prune()  # (what it wrote is named by no step: the tier's bounds count none of it)
+                return False, None
             missing = fetched - local.objects.has_many("chunks", fetched)
             staging = Staging(local, source=peer)
             for cid in sorted(missing):  # one at a time: no second copy of them all
                 staging.add({cid: memoryview(peer.objects.get("chunks", cid))})
             staging.commit()
-            if not keep_decoded(local, decoded):
-                # training changed the state before the refill read it: the tier does not name this step
-                # (the next save writes the state anew; until then the peers' tiers hold this one)
-                log.info("local tier: step %d not kept: the state changed before the refill read it", step)
-                return None
             if not local.objects.has("manifests", mid):
                 local.objects.put_manifest(_manifest_bytes(tiers, mid))
                 local.objects.backend.flush()
@@ -297,8 +299,8 @@ class Peers(PeerGroup):
             local.objects.backend.flush()
             self.local.prune()
         except Exception as e:  # noqa: BLE001 - a full tier, say: the restore itself succeeded
-            return describe(e)
-        return None
+            return False, describe(e)
+        return True, None
 
     def fetch(self, tiers: Tiers, needed: set[str], *, exclude_local: set[str],
               into: dict[str, list[memoryview]] | None = None) -> int:
@@ -322,11 +324,14 @@ class Peers(PeerGroup):
                     sends.setdefault(dst, []).append(cid)
         # A chunk with a place in ``into`` is verified and decoded there at once, and not written to
         # the tier now: the load skips it (of a 1.2 GB state: 1.2 GB not read back and hashed again),
-        # and the refill writes it from the targets once the restore has returned. Any other is
-        # verified and written to this rank's tier as each round arrives (a damaged copy there is
-        # replaced), where the restore reads it as it reads its own; a bad one is dropped (the load
-        # reads that chunk from the durable store). What the tier cannot take, or a delta whose base
-        # is not here yet, stays in memory for this restore (read from there verified, as any tier).
+        # and the refill writes it from the targets once the restore has returned. Any other (a
+        # delta; a chunk of a CUDA or resharded target) the load reads from the tier and checks there:
+        # with ``into`` (the load reads every chunk fetched) it is written unchecked, once (checking it
+        # first too cost a second decode and hash on the restore's critical path), and noted in
+        # ``Tiers.unchecked``; the load takes off each it served, verified, and the refill checks those
+        # left (a damaged one is deleted). Without ``into`` each is verified first (a bad one dropped:
+        # the load reads it from the durable store). What the tier cannot take, or a delta whose base is
+        # not here yet, stays in memory for this restore (read from there verified, as any tier).
         from ckpt.store.copy import chunk_checker
 
         objects = local.objects
@@ -336,19 +341,24 @@ class Peers(PeerGroup):
 
         def one(item: tuple[str, memoryview]) -> None:
             cid, blob = item
-            if into and cid in into and decode_into_targets(cid, blob, into[cid], tiers, local.settings.max_chunk_size):
+            done = decode_into_targets(cid, blob, into[cid], tiers, local.settings.max_chunk_size) if into and cid in into else None
+            if done:
                 return
-            try:
-                check(cid, blob)
-            except ObjectNotFoundError:  # a delta whose base has not arrived yet
-                peer.objects.put("chunks", cid, bytes(blob))  # the round's buffer is reused
-                return
-            except Exception as e:  # noqa: BLE001 - damaged (MISSES), or anything else: the sink must not raise
-                dropped(cid, describe(e))
-                return
+            unchecked = into is not None and done is None  # (False: decoded, and bad; checked below, dropped)
+            if not unchecked:
+                try:
+                    check(cid, blob)
+                except ObjectNotFoundError:  # a delta whose base has not arrived yet
+                    peer.objects.put("chunks", cid, bytes(blob))  # the round's buffer is reused
+                    return
+                except Exception as e:  # noqa: BLE001 - damaged (MISSES), or anything else: the sink must not raise
+                    dropped(cid, describe(e))
+                    return
             try:
                 objects.backend.write(objects.path("chunks", cid), blob)
                 tiers.from_peers.add(cid)
+                if unchecked:
+                    tiers.unchecked.add(cid)
             except Exception:  # noqa: BLE001 - a full tier: this restore keeps it in memory
                 peer.objects.put("chunks", cid, bytes(blob))
 
@@ -360,6 +370,9 @@ class Peers(PeerGroup):
 
         self.exchange(sends, keep)
         objects.backend.flush()
+        if tiers.decoded:  # deltas against chunks decoded only into the targets: those bases beside them
+            keep_bases(local, sorted(tiers.unchecked), tiers.decoded)
+            keep_bases(peer, sorted(info.id for info in peer.objects.list("chunks")), tiers.decoded)
         return received
 
 

@@ -197,16 +197,21 @@ class Restoring(ManagerState):
         """This rank's tier keeps what the restore fetched from peers (a replaced machine's tier refills),
         in the save thread: training starts at once, and the next save (or :meth:`wait`) waits for it.
         Chunks decoded straight into the tensors are read back from them, hashed again: where training
-        changed one first, the tier does not name the step (``wait()`` right after the restore avoids it)."""
+        changed one first, the tier does not name the step and a TierWarning says so, once (``wait()`` right after the
+        restore avoids it)."""
         peers = getattr(self._path, "peers", None)
         assert peers is not None
 
         def run() -> None:
             try:
-                problem = peers.refill(step, mid, tiers)
+                kept, problem = peers.refill(step, mid, tiers)
             except Exception as e:  # noqa: BLE001 - the restore stands; the tier is only emptier
-                problem = describe(e)
+                kept, problem = False, describe(e)
             if problem is not None:
                 self._tier_warning(f"local tier: the chunks of step {step} fetched from peers not kept ({problem})")
+            elif not kept:
+                self._warn_once(f"local tier: step {step}, restored from peers, is not kept there: training changed the "
+                                "state before the refill read it (the peers' tiers still hold it, and this tier holds "
+                                "the step again at the next save); call wait() right after restore_latest to keep it")
 
         self._inflight = self._pool.submit(run)

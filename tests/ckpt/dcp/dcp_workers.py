@@ -621,9 +621,10 @@ def count_chunk_writes(store) -> list[int]:
     return n
 
 
-def _kill_in_refill() -> None:
+def _kill_in_refill(tmp: str) -> None:
     """SIGKILL this process in a peer restore's refill (ckpt.snapshot.peer_targets.keep_decoded), in
-    its second batch of chunks (one chunk a batch): the first is in the tier, the step is not named."""
+    its second batch of chunks (one chunk a batch): the first is in the tier (its ids in
+    ``tmp``/first-batch.json), the step is not named."""
     import ckpt.snapshot.peer_targets as targets
     import ckpt.transfer.pipeline as pipeline
 
@@ -633,7 +634,10 @@ def _kill_in_refill() -> None:
         calls[0] += 1
         if calls[0] == 2:
             os.kill(os.getpid(), signal.SIGKILL)
-        return real(*a, **k)
+        got = real(*a, **k)
+        with open(os.path.join(tmp, "first-batch.json"), "w") as f:
+            json.dump([r.id for r in got], f)
+        return got
 
     targets.KEEP_BATCH = 1
     pipeline.put_chunks = put_then_die
@@ -680,7 +684,7 @@ def _count_decoded(out) -> Callable[[], None]:
 
 
 def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False, count=False, garble=None,
-                 kill_refill=False):
+                 kill_refill=False, delta=False, change=False):
     """:func:`ddp_resume` with local tiers: local snapshots every 2 steps, replicated to 1 peer
     rank, persisted every 4. ``resume`` first wipes the local tiers of the ranks in ``wipe`` (a
     replaced machine) and, on rank ``flip``, flips a byte of every chunk its tier holds of the
@@ -694,8 +698,16 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
     ``garble``: that rank damages the first copy it sends of half the chunks during the restore
     (``out["garbled"]``: their ids); a wiped rank reports how many chunks it decoded from peers straight into
     its tensors (``filled``) and refused (``refused``). ``kill_refill``: a wiped rank is SIGKILLed in its
-    refill, once it has written the first of the chunks it decoded into its tensors to its tier."""
+    refill, once it has written the first of the chunks it decoded into its tensors to its tier.
+    ``delta``: snapshots are stored as deltas against the previous one (local tiers too), and the state
+    holds two 64 KiB tensors of the same random bytes until step 4; from step 5 one element of the
+    second moves each step: step 6 stores it as a delta against a chunk the state also holds as it is;
+    and a third whose one element moves each step (a delta against its chunk of the step before)
+    (``out["extra"]``: their bits; ``out["restore_checks"]``: the chunk checks (decodes before a write)
+    the restore made until it returned). ``change``: a wiped rank changes a tensor right after its
+    restore, before its refill reads it (``out["tier_warnings"]``: the TierWarnings until ``wait()``)."""
     import shutil
+    import warnings
 
     import torch.distributed as dist
 
@@ -707,6 +719,12 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
         import torch
 
         state["big"] = torch.zeros(16 << 20)
+    if delta:
+        import torch
+
+        state["frozen"] = torch.randn(16 << 10, generator=torch.Generator().manual_seed(7))
+        state["moving"] = state["frozen"].clone()
+        state["drift"] = torch.randn(16 << 10, generator=torch.Generator().manual_seed(8))
     losses = {}
     mgr = None
     start = 0
@@ -719,25 +737,36 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
         dist.barrier()
     if mode != "full":
         mgr = ckpt.CheckpointManager(store, "ddp", every_n_steps=4, local=local, local_every_n_steps=2, replicas=1,
-                                     process_group=dist.group.WORLD, timeout_s=30)
+                                     process_group=dist.group.WORLD, timeout_s=30, delta_vs_previous=delta,
+                                     local_compress=delta)
     if mode == "resume":
         reads = count_chunk_reads(mgr._local.store.objects.backend) if count else None
         writes = count_chunk_writes(mgr._local.store) if count else None
         gate = threading.Event()
-        if count:  # the refill (queued on the save thread) waits until the writes of the restore are counted
+        if count or change or delta:  # the refill (queued on the save thread) waits until the restore is counted
             mgr._pool.submit(gate.wait, 60)
+        checks = _count_checks() if delta and rank in wipe else None
         undo = _garble_first_sends(mgr._group_path.peers, out) if rank == garble else None
         if garble is not None and rank in wipe:
             undo = _count_decoded(out)
         if kill_refill and rank in wipe:
-            _kill_in_refill()
+            _kill_in_refill(tmp)
         start = mgr.restore_latest(state)
+        if checks is not None:
+            out["restore_checks"] = checks()
         if undo is not None:
             undo()
         assert start == state["step"], (start, state["step"])
         out["restore"] = mgr.last_restore
         if writes is not None:
             out["restore_chunk_writes"] = list(writes)
+        if change and rank in wipe:
+            state["model"].module[0].weight.data[0, 0] += 1  # training moved on before the refill read it
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                gate.set()
+                mgr.wait()
+            out["tier_warnings"] = [str(w.message) for w in caught if w.category is ckpt.TierWarning]
         gate.set()
         if reads is not None:
             mgr.wait()  # (the refill runs in the save thread)
@@ -745,6 +774,9 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
     for step in range(start + 1, steps + 1):
         losses[step] = _ddp_step(state)
         state["step"] = step
+        if delta:
+            state["moving"][0] = state["frozen"][0] + max(0, step - 4)
+            state["drift"][1] = step  # (a delta against its own chunk of the step before)
         if mode == "killrep" and step == at:
             return _kill_in_replication(rank, state, mgr, step)
         if mode in ("crash", "killrep") and mgr.maybe_save(step, state) and step == at:
@@ -756,7 +788,29 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
         mgr.wait()  # (a restore's refill of the tier runs in the save thread)
         out["local_steps"] = mgr.local_tier.steps
         mgr.close()
+    if delta:
+        out["extra"] = [bits(state["frozen"]), bits(state["moving"]), bits(state["drift"])]
     return {**out, "losses": losses, "bits": _ddp_bits(state)}
+
+
+def _count_checks():
+    """Count the chunks ckpt.store.copy's checkers decode from now on; returns a function that stops
+    counting and gives the count."""
+    import ckpt.store.copy as copy_module
+
+    real, n = copy_module.decode_chunk, [0]
+
+    def counting(*a, **k):
+        n[0] += 1
+        return real(*a, **k)
+
+    copy_module.decode_chunk = counting
+
+    def stop():
+        copy_module.decode_chunk = real
+        return n[0]
+
+    return stop
 
 
 def tiers_rollback(rank, world, tmp, store):

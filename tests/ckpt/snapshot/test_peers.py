@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 
 import pytest
 
 import ckpt
+from ckpt.codecs.chunk import parse_header
 from ckpt.snapshot.peer_group import replica_ranks
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "dcp"))  # the rank programs
@@ -53,10 +55,10 @@ def test_transfers_go_in_rounds_through_reused_buffers_and_every_blob_arrives_in
     assert [r["sent"] for r in out] == [sum(sizes[: 5 + k]) + sum(sizes[:2]) for k in range(3)]
 
 
-def _crash(tmp_path, world, n, k):
+def _crash(tmp_path, world, n, k, **kw):
     tmp_path.mkdir(parents=True, exist_ok=True)
     url = str(tmp_path / "s")
-    crashed = W.run_ranks("tiers_resume", world, str(tmp_path), store=url, mode="crash", steps=n, at=k)
+    crashed = W.run_ranks("tiers_resume", world, str(tmp_path), store=url, mode="crash", steps=n, at=k, **kw)
     assert crashed == [{"killed": True}] * world
     return url
 
@@ -267,7 +269,8 @@ def test_a_replaced_machine_killed_in_its_refill_leaves_its_tier_consistent_and_
     assert killed[1] == {"killed": True} and "error" not in killed[0], killed[0].get("trace")
     tier = ckpt.Store.open(str(tmp_path / "a" / "local" / "rank-1"))
     held = {i.id for i in tier.objects.list("chunks")}
-    assert held  # (the first batch went in before the kill)
+    first = json.loads((tmp_path / "a" / "first-batch.json").read_text())
+    assert first and set(first) <= held  # the refill's first batch went in before the kill (in its second)
     check = chunk_checker(tier, tier)
     for cid in held:
         check(cid, tier.objects.get("chunks", cid))
@@ -275,6 +278,60 @@ def test_a_replaced_machine_killed_in_its_refill_leaves_its_tier_consistent_and_
     resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k)
     _same_run(full, resumed, k, n)
     assert resumed[1]["restore"]["step"] == k and resumed[1]["restore"]["store"] == 0
+
+
+@pytest.mark.slow  # three runs of 2 processes
+def test_a_replaced_machine_restores_deltas_against_chunks_it_decoded_into_its_tensors(tmp_path):
+    """Snapshots stored as deltas against the previous one (``delta_vs_previous``, local tiers too), and a
+    chunk X both in the state as it is (a frozen tensor) and the base of a delta Y (a tensor that held X's
+    bytes at the step before), and a delta Z against a chunk of step 4 that step 6 does not name. Rank 1's
+    tier wiped: X arrives from rank 0 and is decoded into rank 1's tensor, not written to its tier; Y must
+    still decode against it, and Z's base must come too (the durable store lacks step 6, never
+    persisted): the restore reads nothing from there. Y is checked once on the way, by the load (the
+    exchange writes it unchecked: 0 checks before the restore returns). The refill keeps X before Y, and
+    restarted again rank 1 reads the whole step from its own tier. Bit-identical throughout."""
+    n, k = 8, 6
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n, delta=True)
+    url = _crash(tmp_path / "a", 2, n, k, delta=True)
+    tier0 = ckpt.Store.open(str(tmp_path / "a" / "local" / "rank-0"))
+    m = tier0.manifest(tier0.resolve(f"ddp/step-{k}"))
+    (x,), (y,), (z,) = ({c for e in m.tensors if name in e.name for c in e.chunks} for name in ("frozen", "moving", "drift"))
+    assert parse_header(tier0.objects.get("chunks", y), y).base == x  # (the case: Y a delta against X)
+    assert parse_header(tier0.objects.get("chunks", z), z).base not in {c for e in m.tensors for c in e.chunks}  # (Z: of step 4's)
+    restored = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=k, at=k, wipe=[1],
+                           delta=True)
+    for r in restored:
+        assert "error" not in r, r.get("trace")
+    r1 = restored[1]["restore"]
+    assert r1["step"] == k and r1["store"] == 0 and r1["local"] == 0 and r1["peer"] > 0
+    assert restored[1]["restore_checks"] == 0  # each chunk the load reads is checked by it, not before it too
+    assert restored[1]["local_steps"] == [k]
+    tier1 = ckpt.Store.open(str(tmp_path / "a" / "local" / "rank-1"))
+    assert tier1.objects.has("chunks", x) and tier1.objects.has("chunks", y)
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k, delta=True)
+    _same_run(full, resumed, k, n)
+    assert [r["extra"] for r in resumed] == [f["extra"] for f in full]
+    for r in resumed:
+        assert r["restore"]["step"] == k and r["restore"]["local"] > 0 and r["restore"]["peer"] == r["restore"]["store"] == 0
+
+
+def test_a_refill_after_training_changed_the_state_warns_once_and_leaves_nothing_unnamed(tmp_path):
+    """Rank 1's tier wiped; right after its restore, before its refill reads the tensors, training
+    changes one: the refill names no step, warns once (a TierWarning saying the tier holds the step again
+    at the next save, and that ``wait()`` right after the restore avoids it), and leaves no chunk it wrote
+    unnamed in the tier (the tier's bounds count only what a step names)."""
+    n, k = 8, 6
+    url = _crash(tmp_path / "a", 2, n, k)
+    out = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=k, at=k, wipe=[1],
+                      change=True)
+    for r in out:
+        assert "error" not in r, r.get("trace")
+    assert out[1]["local_steps"] == []
+    (warning,) = out[1]["tier_warnings"]
+    assert f"step {k}" in warning and "next save" in warning and "wait()" in warning
+    tier = ckpt.Store.open(str(tmp_path / "a" / "local" / "rank-1"))
+    assert not [name for name in tier.refs() if "step-" in name]
+    assert {i.id for i in tier.objects.list("chunks")} == set()
 
 
 @pytest.mark.slow
