@@ -225,7 +225,7 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     averaged = tuple(s.name for s in steps if s.average is not None)
     log.info("merge %s of %d inputs: %d tensors to compute, %d reused", method, len(inputs), merged, len(steps) - merged)
 
-    delta_base = base_reader.id if base_reader is not None else readers[0].id
+    delta_base = base_reader if base_reader is not None else readers[0]
     parent = None
     if name is not None:
         current = store.refs_db.current(name)
@@ -244,8 +244,9 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
         record["remix"] = _remix
     with reads.pool:
         try:
-            result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
-                                 lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse,
+            result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base.id,
+                                 base_manifest=delta_base.manifest,  # (parsed already: not again)
+                                 lineage={"parent": parent, "base": delta_base.id, "merge": record}, reuse=reuse,
                                  progress=progress, pool=reads.pool,  # (delta bases from the bundles it keeps)
                                  keep_bases=False)  # (the reads asked for them: no one asks again)
         finally:  # the readers' own reading threads (a tensor copied whole at another chunk size)

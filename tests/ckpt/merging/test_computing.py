@@ -130,3 +130,23 @@ def test_an_inf_the_float32_math_made_is_refused_where_no_input_held_one(store):
                params={"weights": [0.0, 0.0]}, new_tensors="average")
     head = store.load("f32/out")["head"]
     assert bits(head) == bits((f["head"] + f2["head"]) / 2) and head[1] == INF
+
+
+def test_a_merge_reads_each_manifest_once(store, monkeypatch):
+    """The merge's push read and parsed its delta base's manifest again (the base, else the first input), though
+    the merge held it parsed: for a model of 100,000 tiny tensors, ~55 MiB more at the merge's peak."""
+    import collections
+
+    g = torch.Generator().manual_seed(0)
+    base = {f"t{i}": torch.randn(4, generator=g) for i in range(50)}
+    store.push(base, "r/base")
+    for j in range(2):
+        store.push({k: v + 0.01 * torch.randn(4, generator=g) for k, v in base.items()}, f"r/ft{j}")
+    reads: collections.Counter[str] = collections.Counter()
+    get = store.objects.get_manifest
+    monkeypatch.setattr(store.objects, "get_manifest", lambda mid, *a, **kw: (reads.update([mid]), get(mid, *a, **kw))[1])
+    for b in ("r/base", None):
+        reads.clear()
+        ckpt.merge(["r/ft0", "r/ft1"], "task-arithmetic" if b else "linear", name=f"r/out{b is None}", base=b, store=store,
+                   params={"weights": [0.5, 0.5]})
+        assert sorted(reads.values()) == [1] * (3 if b else 2), reads
