@@ -101,7 +101,7 @@ class _Small:
                 self.picked, self.room = {}, -1
                 return
             data = bytes(task.read())  # (a copy: the batch's tensors are let go)
-            self.picked[cid] = PutTask(lambda d=data: d, len(data))
+            self.picked[cid] = PutTask(lambda _at, _n, d=data: d, 0, len(data))
             self.room -= len(data)
 
 

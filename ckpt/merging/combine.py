@@ -10,7 +10,8 @@ base), and each tensor is either
   chunks go into the new manifest as they are, unread;
 * **merged**: read from each input through the lazy reader, upcast to the compute
   dtype (float32; float64 for float64 inputs), combined by the method (see
-  :mod:`ckpt.merging.methods`) and cast back to the input dtype;
+  :mod:`ckpt.merging.methods`) and cast back to the input dtype (values past its range stop
+  the merge, or are clipped: :func:`~ckpt.merging.computing.cast_back`);
 * **averaged** (``new_tensors="average"``): a tensor the base lacks (a classification
   head that every fine-tune added), or one that some inputs lack and the base cannot
   fill, is the plain average of the inputs that hold it (in input order, in the
@@ -64,7 +65,17 @@ from ckpt.errors import InvalidMergeError, InvalidSourceError
 from ckpt.format.dtypes import bit_identical, from_torch
 from ckpt.format.entries import TensorEntry, chunk_count
 from ckpt.merging.calls import positionals
-from ckpt.merging.computing import OVERFLOW, BatchedInputs, LazyTensor, SmallKept, cast_back, step_computation, step_sources
+from ckpt.merging.computing import (
+    OVERFLOW,
+    BatchedInputs,
+    LazyTensor,
+    SmallKept,
+    cast_back,
+    mark_nonfinite,
+    plain_average,
+    step_computation,
+    step_sources,
+)
 from ckpt.merging.methods import MethodRegistry, default_registry
 from ckpt.merging.planning import FLOAT_DTYPES, cannot_merge, check_one_model, check_whole_tensors, plan_steps
 from ckpt.progress import Progress
@@ -147,10 +158,11 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     ``missing="base"``, tensors absent from some input are taken from it. With
     ``new_tensors="average"``, a tensor the base lacks (a classification head the
     fine-tunes added) or that some inputs lack and the base cannot supply is the plain
-    average of the inputs that hold it; by default it is an error naming it. A float8 tensor
-    (e4m3fn, e4m3fnuz, e5m2fnuz: no infinity) whose merged values fall past its range is an
-    :class:`InvalidMergeError` naming it, raised when it is computed (no ref is written), or with
-    ``overflow="saturate"`` clipped to ± the dtype's largest, with a warning naming it. Raises
+    average of the inputs that hold it; by default it is an error naming it. A tensor whose merged
+    values fall past its dtype's range (which the cast makes inf, or NaN in float8 dtypes without an
+    infinity) is an :class:`InvalidMergeError` naming it, raised when it is computed (no ref is
+    written), or with ``overflow="saturate"`` clipped to ± the dtype's largest, with a warning naming
+    it; an input's inf stays inf (see :func:`~ckpt.merging.computing.cast_back`). Raises
     :class:`InvalidMergeError` for an unknown method, a bad parameter, a wrong number of
     inputs, tensors that do not line up (names, dtypes, shapes) or are stored as the shards
     of a distributed checkpoint — all before any tensor data is read —, :class:`TensorMismatchError`
@@ -213,7 +225,7 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     averaged = tuple(s.name for s in steps if s.average is not None)
     log.info("merge %s of %d inputs: %d tensors to compute, %d reused", method, len(inputs), merged, len(steps) - merged)
 
-    delta_base = base_reader.id if base_reader is not None else readers[0].id
+    delta_base = base_reader if base_reader is not None else readers[0]
     parent = None
     if name is not None:
         current = store.refs_db.current(name)
@@ -232,8 +244,9 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
         record["remix"] = _remix
     with reads.pool:
         try:
-            result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base,
-                                 lineage={"parent": parent, "base": delta_base, "merge": record}, reuse=reuse,
+            result = push_source(store, src, name, message=message, metadata=metadata, base_id=delta_base.id,
+                                 base_manifest=delta_base.manifest,  # (parsed already: not again)
+                                 lineage={"parent": parent, "base": delta_base.id, "merge": record}, reuse=reuse,
                                  progress=progress, pool=reads.pool,  # (delta bases from the bundles it keeps)
                                  keep_bases=False)  # (the reads asked for them: no one asks again)
         finally:  # the readers' own reading threads (a tensor copied whole at another chunk size)
@@ -261,7 +274,7 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
 
     A tensor ``base`` lacks (for a method that uses it) is an error, or with
     ``new_tensors="average"`` the plain average of the inputs, as in :func:`merge`; so is
-    ``overflow`` (float8 values past the dtype's range).
+    ``overflow`` (merged values past the dtype's range).
 
     >>> import torch
     >>> merge_state_dicts([{"w": torch.tensor([1.0])}, {"w": torch.tensor([2.0])}])["w"].tolist()
@@ -299,10 +312,8 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
             if new_tensors != "average":
                 raise InvalidMergeError(f"the base has no {name}", hint="pass new_tensors=\"average\" to average it over the inputs")
             cd = torch.float64 if first.dtype == torch.float64 else torch.float32
-            acc = xs[0].to(cd, copy=True)
-            for x in xs[1:]:
-                acc.add_(x.to(cd))
-            out[name] = cast_back(acc.div_(len(xs)), dtype, name, overflow)
+            acc, held = plain_average(xs, cd)
+            out[name] = cast_back(acc, dtype, name, held, overflow)
             continue
         b = base[name] if base is not None and m.needs_base else None
         if m.identity(bound) and all(bit_identical(x, first) for x in xs[1:] + ([b] if b is not None else [])):
@@ -310,6 +321,9 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
             continue
         cd = torch.float64 if first.dtype == torch.float64 else torch.float32
         b = b.to(cd, copy=True) if b is not None else None
+        ys, held = [x.to(cd, copy=True) for x in xs], None
+        for y in ys + ([b] if b is not None else []):
+            held = mark_nonfinite(y, held)
         with torch.no_grad():
-            out[name] = cast_back(m.combine([x.to(cd, copy=True) for x in xs], b, bound, name), dtype, name, overflow)
+            out[name] = cast_back(m.combine(ys, b, bound, name), dtype, name, held, overflow)
     return out

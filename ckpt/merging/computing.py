@@ -7,11 +7,11 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckpt.errors import InvalidMergeError
-from ckpt.format.dtypes import bit_identical, byte_view, to_torch
+from ckpt.format.dtypes import bit_identical, bit_pattern, byte_view, to_torch
 from ckpt.format.manifest import Manifest
 from ckpt.merging.methods import MergeMethod
 from ckpt.merging.planning import FLOAT_DTYPES, Step, cannot_merge
@@ -25,38 +25,73 @@ log = logging.getLogger(__name__)
 
 # Floating-point dtypes without an infinity: a merged value past their range has no value to become.
 # torch's cast makes it NaN (float8 e4m3fnuz, e5m2fnuz) or clips it (e4m3fn, on CPU since some
-# version: earlier ones gave NaN), silently either way.
+# version: earlier ones gave NaN), silently either way. The others make it inf, as silently.
 NO_INFINITY = ("F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
 OVERFLOW = ("error", "saturate")
 
 
-def cast_back(x: torch.Tensor, dtype: str, name: str, overflow: str = "error") -> torch.Tensor:
-    """Merged tensor ``x`` (in the compute dtype) cast to the inputs' ``dtype``. Where ``dtype`` has no
-    infinity, values that round past its largest (inf included; NaN is NaN, as in every dtype) are
-    refused with :class:`InvalidMergeError` naming the tensor, or with ``overflow="saturate"``
-    clipped to ± its largest, with a warning naming the tensor."""
+def mark_nonfinite(x: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor | None:
+    """``held`` (where the inputs before ``x`` hold an inf or NaN; None: nowhere) with ``x``'s added: inputs
+    (in the compute dtype) are marked one at a time, and a mask made only once one holds an inf or NaN
+    (an aminmax each before, no scratch). :func:`cast_back` tells by it an input's inf, which stays
+    inf, from one the math made past the compute dtype's range (bfloat16's range is nearly float32's:
+    a bfloat16 merge past it overflows there first)."""
+    import torch
+
+    if x.numel() and not all(math.isfinite(float(v)) for v in torch.aminmax(x)):
+        bad = x.isfinite().logical_not_()
+        return bad if held is None else held.logical_or_(bad)
+    return held
+
+
+def plain_average(xs: Sequence[torch.Tensor], cd: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The plain average of ``xs`` in the compute dtype ``cd``, summed in input order (a new tensor:
+    ``xs`` are left as they are), and where they hold an inf or NaN (:func:`mark_nonfinite`)."""
+    acc = xs[0].to(cd, copy=True)
+    held = mark_nonfinite(acc, None)
+    for x in xs[1:]:
+        y = x.to(cd)
+        held = mark_nonfinite(y, held)
+        acc.add_(y)
+    return acc.div_(len(xs)), held
+
+
+def cast_back(x: torch.Tensor, dtype: str, name: str, held: torch.Tensor | None, overflow: str = "error") -> torch.Tensor:
+    """Merged tensor ``x`` (in the compute dtype) cast to the inputs' ``dtype``, in every float dtype by
+    one rule: a finite value that rounds past the dtype's largest (the cast makes it inf, or where the
+    dtype has no infinity NaN or the largest) is refused with :class:`InvalidMergeError` naming the
+    tensor and the count, or with ``overflow="saturate"`` clipped to ± the largest, with a warning
+    naming the tensor. So is an inf where no input held an inf or NaN (``held``, from
+    :func:`mark_nonfinite`: the math overflowed), or any inf where the dtype has none; an input's inf,
+    as the method combined it, stays inf, and a NaN stays NaN."""
     import torch
 
     target = to_torch(dtype)
-    if dtype in NO_INFINITY and x.numel():
+    if x.numel():
         fi = torch.finfo(target)
         # Half a step past the largest (the step from the two largest values: finfo's eps is not it for the fnuz
-        # types); a value there rounds past it where the largest's last bit is odd (round half to even)
-        top = torch.tensor([fi.max]).to(target).view(torch.uint8)
-        limit = fi.max + (fi.max - float((top - 1).view(target).float())) / 2
+        # types); a value there rounds past it where the largest's last bit is odd (round half to even). For the
+        # compute dtype itself (F32, F64) the limit is past every finite value: only an inf the math made is past.
+        top = bit_pattern(torch.tensor([fi.max]).to(target))
+        limit = fi.max + (fi.max - float((top - 1).view(target).double())) / 2
         odd = bool(int(top) & 1)
-        hi, lo = float(x.amax()), float(x.amin())  # (no tensor-sized scratch unless past, or a NaN hides it)
-        count = 0
-        if math.isnan(hi) or math.isnan(lo) or (hi >= limit if odd else hi > limit) or (lo <= -limit if odd else lo < -limit):
-            count = int((x.ge(limit).logical_or_(x.le(-limit)) if odd else x.gt(limit).logical_or_(x.lt(-limit))).sum())
-        if count:
-            what = f"{name}: {count} merged value{'s' if count > 1 else ''} past {dtype}'s range (±{fi.max:g}), which has no infinity"
-            if overflow != "saturate":
-                raise InvalidMergeError(f"{what}: cast back, torch makes them NaN or clips them",
-                                        hint=f"pass --overflow saturate (overflow=\"saturate\") to clip them to ±{fi.max:g}, "
-                                        "or lower the weights (or lambda)")
-            log.warning("%s: clipped to ±%g (overflow=saturate)", what, fi.max)
-            x = x.clamp_(-fi.max, fi.max)
+        lo, hi = (float(v) for v in torch.aminmax(x))  # (no tensor-sized scratch unless past, or a NaN hides it)
+        if math.isnan(hi) or (hi >= limit if odd else hi > limit) or (lo <= -limit if odd else lo < -limit):
+            up, down = (x.ge(limit), x.le(-limit)) if odd else (x.gt(limit), x.lt(-limit))
+            if dtype not in NO_INFINITY and held is not None:  # an input's inf stays inf
+                new = held.logical_and(x.isinf()).logical_not_()
+                up.logical_and_(new)
+                down.logical_and_(new)
+            count = int(up.sum()) + int(down.sum())
+            if count:
+                what = f"{name}: {count} merged value{'s' if count > 1 else ''} past {dtype}'s range (±{fi.max:g})"
+                if overflow != "saturate":
+                    how = ", which has no infinity: cast back, torch makes them NaN or clips them" if dtype in NO_INFINITY \
+                        else ": they would be stored as inf"
+                    raise InvalidMergeError(what + how, hint=f"pass --overflow saturate (overflow=\"saturate\") to clip them "
+                                            f"to ±{fi.max:g}, or lower the weights (or lambda)")
+                log.warning("%s: clipped to ±%g (overflow=saturate)", what, fi.max)
+                x = x.masked_fill_(up, fi.max).masked_fill_(down, -fi.max)
     return x.to(target)
 
 
@@ -247,21 +282,21 @@ def step_computation(step: Step, method: MergeMethod, params: Mapping[str, Any],
             xs = reads.read(step)
             if _inputs_themselves(step, xs):
                 return xs[0]
-            acc = xs[0].to(cd)
-            for x in xs[1:]:
-                acc.add_(x.to(cd))
+            acc, held = plain_average(xs, cd)
             del xs
-            return cast_back(acc.div_(len(step.average)), step.dtype, step.name, overflow).contiguous()
+            return cast_back(acc, step.dtype, step.name, held, overflow).contiguous()
         xs = reads.read(step)  # (the base too, where the method has one: see step_sources)
         if (identity or step.dtype not in FLOAT_DTYPES) and _inputs_themselves(step, xs):
             return xs[0]
+        held = None  # where an input (or the base) holds an inf or NaN
         for i, x in enumerate(xs):
             xs[i] = x.to(cd)  # one at a time: an upcast copy replaces its source
+            held = mark_nonfinite(xs[i], held)
         b = xs.pop() if method.needs_base and base is not None else None
         with torch.no_grad():
             out = method.combine(xs, b, params, step.name)
         del xs, b
-        out = cast_back(out, step.dtype, step.name, overflow).contiguous()
+        out = cast_back(out, step.dtype, step.name, held, overflow).contiguous()
         _trim()
         return out
 

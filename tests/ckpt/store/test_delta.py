@@ -220,11 +220,11 @@ def test_a_wrong_depth_in_a_base_manifest_costs_a_fetch_never_a_longer_chain(tmp
     new = _bytes(_finetune(sd, 9, 1e-5)["w"])[: 128 * 1024]
     store.objects.backend.touches = False  # as a remote store decides (the hint first)
     fetched.clear()
-    (r,) = put_chunks(store.objects, [PutTask(lambda: new, len(new), 4, base, base_depth=0)], store.settings)
+    (r,) = put_chunks(store.objects, [PutTask(lambda _at, _n: new, 0, len(new), 4, base, base_depth=0)], store.settings)
     assert r.bases == () and stored_chain(store.objects, r.id) == (r.codec, ())
     assert fetched and fetched[0] == base  # what the wrong hint cost
     fetched.clear()
-    (r,) = put_chunks(store.objects, [PutTask(lambda: new[::-1], len(new), 4, base, base_depth=2)], store.settings)
+    (r,) = put_chunks(store.objects, [PutTask(lambda _at, _n: new[::-1], 0, len(new), 4, base, base_depth=2)], store.settings)
     assert r.bases == () and r.stored > 0 and fetched == []  # the hint alone keeps the base unfetched
 
 

@@ -192,7 +192,7 @@ def test_a_merge_input_whose_bundle_claims_another_length_of_kept_chunks_is_an_e
         if cid in tensor_of:
             raw[off : off + n] = a[tensor_of[cid]].numpy().tobytes()
     tail = bytes(raw[-150:])  # the last 150 bytes of A's bundle, stored as a chunk of their own
-    (stored,) = put_chunks(store.objects, [PutTask(lambda: tail, len(tail))], store.settings)
+    (stored,) = put_chunks(store.objects, [PutTask(lambda _at, _n: tail, 0, len(tail))], store.settings)
     cid = object_id(tail)
     assert stored.id == cid
     lying = tuple(replace(t, chunks=(cid,), codecs=(), delta_bases=()) if t.name == "s05" else t for t in mb.tensors)
