@@ -86,7 +86,7 @@ def keep_decoded(store: Store, decoded: dict[str, memoryview]) -> bool:
     todo = sorted(set(decoded) - store.objects.has_many("chunks", set(decoded)))
     for i in range(0, len(todo), KEEP_BATCH):
         ids = todo[i : i + KEEP_BATCH]
-        tasks = [PutTask(lambda v=decoded[cid]: bytes(v), len(decoded[cid])) for cid in ids]  # (one copy: hashed and written)
+        tasks = [PutTask(lambda _at, _n, v=decoded[cid]: bytes(v), 0, len(decoded[cid])) for cid in ids]  # (one copy: hashed and written)
         got = put_chunks(store.objects, tasks, store.settings)
         if [r.id for r in got] != ids:
             return False  # (a blob stored under another id is named by its own bytes: unreferenced, gc takes it)
