@@ -213,18 +213,21 @@ def _written_alone(pairs: list[tuple[TensorEntry, Any]]) -> set[str]:
     that shares no byte with another's (a tensor the state holds twice, tied weights, two views of one storage that
     overlap: each is written by every entry naming it, the last one wins; a non-contiguous one may overlap itself).
     Only those may be recorded as unchanged since (the others are staged and hashed by the next save)."""
-    spans: list[tuple[Any, int, int, str]] = []
+    spans: list[tuple[Any, int, int, str | None]] = []  # (device, start, end, the name where it may be recorded)
     alone: set[str] = set()
     for e, t in pairs:
         if not t.numel():
             alone.add(e.name)  # (no bytes to differ)
         elif t.is_contiguous():
             spans.append((t.device, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), e.name))
+        else:  # never recorded, but what it writes may be another's bytes (a transposed tie): its whole storage counts
+            st = t.untyped_storage()
+            spans.append((t.device, st.data_ptr(), st.data_ptr() + st.nbytes(), None))
     spans.sort(key=lambda s: (str(s[0]), s[1]))
     reach: dict[Any, int] = {}  # device -> the furthest end of the spans before (by start)
     for i, (device, start, end, name) in enumerate(spans):
         after = i + 1 < len(spans) and spans[i + 1][0] == device and spans[i + 1][1] < end
-        if reach.get(device, start) <= start and not after:
+        if name is not None and reach.get(device, start) <= start and not after:
             alone.add(name)
         reach[device] = max(reach.get(device, end), end)
     return alone

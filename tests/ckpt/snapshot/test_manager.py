@@ -1632,3 +1632,28 @@ def test_a_restore_into_tied_tensors_records_no_version_for_them(tmp_path):
             mgr.save(step, state)
             stored = mgr.store.load(f"run/step-{step}")
             assert {n: t.numpy().tobytes() for n, t in stored.items()} == _run_bytes(state)
+
+
+class _Transposed(torch.nn.Module):
+    """``b`` is ``a`` transposed (tied=True: one memory, ``b`` a non-contiguous view of it), or its own tensor."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(4, 6))
+        self.b = torch.nn.Parameter(self.a.data.t() if tied else torch.randn(6, 4))
+
+
+def test_a_restore_into_a_transposed_tie_records_no_version_for_the_contiguous_side(tmp_path):
+    """An untied snapshot restored into a model whose ``b`` is ``a`` transposed: the fill writes ``b`` (a
+    non-contiguous view) over ``a``'s bytes. The guard against ties counted only contiguous tensors' memory, so
+    ``a`` looked alone and was recorded unchanged: the next save reused step 1's chunk for ``a``, not the bytes
+    it holds. Now a non-contiguous tensor's whole storage counts as written by it: ``a`` is staged and hashed."""
+    torch.manual_seed(0)
+    with ckpt.CheckpointManager(str(tmp_path), "run", save_mode="sync") as mgr:
+        mgr.save(1, {"model": _Transposed(tied=False)})
+    model = _Transposed(tied=True)
+    with ckpt.CheckpointManager(str(tmp_path), "run", save_mode="sync") as mgr:
+        assert mgr.restore_latest({"model": model}) == 1
+        mgr.save(2, {"model": model})
+        stored = mgr.store.load("run/step-2")
+    assert {n: t.numpy().tobytes() for n, t in stored.items()} == _run_bytes({"model": model})
