@@ -216,7 +216,7 @@ class DistributedRestoring:
             # and the bases of the deltas among them (delta_vs_previous: chunks of the step before, which a
             # replaced machine's tier lacks too): the load decodes a delta with bases from its own tier
             chains = recorded_chains(tiers.get_manifest(mid).to_json())
-            asked = recorder.asked.union(*(chains.get(c, ()) for c in recorder.asked))
+            asked = tiers.needed = recorder.asked.union(*(chains.get(c, ()) for c in recorder.asked))
             peers.fetch(tiers, asked, exclude_local=set(), into=recorder.into)
             recorder.into.clear()
         tiers.lenient = True

@@ -10,22 +10,23 @@ two thirds of a replaced rank's transfer time): once the restore has returned, t
 them from the targets, hashed again (:func:`keep_decoded`), so that a next restart finds them there.
 Only chunks the load copies whole into a CPU tensor's memory are decoded there: a delta, a chunk
 of a CUDA tensor (staged) or of a resharded one (read into a buffer the dry run's plan does not
-keep) is still read back from the tier by the load: written there unchecked as it arrives, the
-load checks it (:func:`check_unchecked` checks, after the restore, those it did not read). A delta
-whose base was decoded only into a target gets that base beside it (:func:`keep_bases`).
+keep) is still read back from the tier by the load: verified as it arrives, then written there
+(nothing enters a tier unverified). A delta whose base was decoded only into a target, or arrived
+after it, goes there once the exchange is over, that base beside it (:func:`settle_deltas`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
 from typing import TYPE_CHECKING, Any
 
-from ckpt.snapshot.peer_group import dropped
-from ckpt.snapshot.tiers import MISSES, Tiers, address, describe
-from ckpt_store.storage.errors import ObjectNotFoundError
+from ckpt.snapshot.peer_group import Staging
+from ckpt.snapshot.tiers import Tiers, address, describe
 
 if TYPE_CHECKING:
     from ckpt.store.store import Store
+
+log = logging.getLogger(__name__)
 
 
 class NeedsRecorder(Tiers):
@@ -53,15 +54,15 @@ class NeedsRecorder(Tiers):
                 self.into.setdefault(t.id, []).append(t.into)
 
 
-def decode_into_targets(cid: str, blob: memoryview, views: list[memoryview], tiers: Tiers, max_length: int) -> bool | None:
+def decode_into_targets(cid: str, blob: memoryview, views: list[memoryview], tiers: Tiers, max_length: int) -> bool:
     """Decode chunk ``cid`` from a peer into the target regions ``views``, verified against its id,
-    and note them filled (and the chunk ``decoded``, for the refill): True. A bad blob is left to the
-    caller (False); so is a delta (its base may not be here yet), not decoded (None)."""
+    and note them filled (and the chunk ``decoded``, for the refill); whether it did. A delta (its base
+    may not be here yet) or a bad blob is left to the caller (False)."""
     from ckpt.codecs.chunk import decode_chunk, parse_header
 
     try:
         if parse_header(blob, cid).base is not None:
-            return None
+            return False
         first = views[0]
         decode_chunk(blob, cid, len(first), max_length=max_length, out=first)
     except Exception:  # noqa: BLE001 - a bad blob (MISSES) or anything else: this runs in the exchange's sink,
@@ -94,43 +95,33 @@ def keep_decoded(store: Store, decoded: dict[str, memoryview]) -> bool:
     return True
 
 
-def keep_bases(store: Store, ids: Iterable[str], decoded: dict[str, memoryview]) -> None:
-    """Give ``store`` the bases of its delta chunks ``ids`` that a peer transfer decoded only into the
-    targets (``decoded``, :attr:`Tiers.decoded`): copied from there and hashed again (:func:`keep_decoded`).
-    A load decodes a delta with bases from the store that holds it: a frozen tensor's chunk (decoded into
-    its target) that is also the base of another tensor's delta (the same bytes at the step before,
-    ``delta_vs_previous``) would otherwise be found nowhere, and the step not restored."""
-    from ckpt.codecs.chunk import MAX_HEADER, parse_header
-
-    objects, want = store.objects, {}
-    for cid in ids:
-        try:
-            base = parse_header(objects.backend.read_range(objects.path("chunks", cid), 0, MAX_HEADER), cid).base
-        except MISSES:
-            continue  # (missing or damaged: the load finds it so)
-        if base in decoded:
-            want[base] = decoded[base]
-    if want:
-        keep_decoded(store, want)  # (False, a target changed: not during a restore; the load then says what is missing)
-
-
 KEEP_BATCH = 64  # chunks per put_chunks call of keep_decoded: a changed target stops the refill within one batch
 
 
-def check_unchecked(local: Store, peer: Store, ids: set[str]) -> None:
-    """Check the chunks a peer transfer wrote to ``local`` unchecked that the load did not serve from
-    there (:attr:`Tiers.unchecked`): a damaged one is deleted (the load read that chunk elsewhere)."""
-    from ckpt.store.copy import chunk_checker
-
-    check = chunk_checker(peer, local)
-    for cid in sorted(ids):
-        try:
-            check(cid, local.objects.get("chunks", cid))
-        except ObjectNotFoundError:
-            continue  # (gone, or its base is: the tier's gc takes what no step names)
-        except MISSES as e:
-            dropped(cid, describe(e))
-            local.objects.delete("chunks", cid)
+def settle_deltas(local: Store, peer: Store, waiting: dict[str, str | None], tiers: Tiers) -> None:
+    """After a peer transfer, put into ``local`` (a rank's tier) the deltas it held in memory
+    (``peer``) because their base was not in the tier as they arrived (``waiting``: each one's base,
+    as the transfer parsed it): first those bases the transfer decoded only into the targets
+    (``tiers.decoded``: a frozen tensor's chunk that another tensor's delta is stored against),
+    copied from there and hashed again (:func:`keep_decoded`); then each delta, checked again against
+    its bases now in the tier (:class:`~ckpt.snapshot.peer_group.Staging`). A load decodes a delta
+    with bases from the tier that holds it. One whose base is in no tier stays in memory (the load
+    reads it from the next tier); so does each, with its bases beside it, if the tier is full."""
+    want = {b: tiers.decoded[b] for b in waiting.values() if b is not None and b in tiers.decoded}
+    try:
+        if want and not keep_decoded(local, want):
+            return  # (a target changed: not during a restore; the load then says what is missing)
+        staging = Staging(local, source=peer)
+        staging.add({cid: memoryview(peer.objects.get("chunks", cid)) for cid in sorted(waiting)})
+        staging.commit()
+    except Exception as e:  # noqa: BLE001 - a full tier, say: the deltas stay in memory, their bases beside them
+        log.info("local tier: deltas fetched from peers kept in memory (%s)", describe(e))
+        keep_decoded(peer, want)
+        return
+    settled = local.objects.has_many("chunks", set(waiting))
+    tiers.from_peers.update(settled)
+    for cid in settled:
+        peer.objects.delete("chunks", cid)
 
 
 def target_ranges(flat: dict[str, Any]) -> list[tuple[int, int]]:

@@ -20,8 +20,9 @@ rank's tier lacks the step (a replaced machine), a dry run of the load plan says
 chunks each rank reads, and those its tier lacks are fetched before the load: each is verified
 as it arrives and decoded straight into the tensor it belongs to, which the load then skips
 (:mod:`ckpt.snapshot.peer_targets`); the others (and the delta bases the manifest records for
-them) are written to the tier unchecked, where the load reads and verifies them. Every chunk is
-verified before its bytes count: a bad copy falls through to the durable store.
+them) are verified and written to the tier, where the load reads them: nothing enters a tier
+unverified. Every chunk is verified before its bytes count: a bad copy falls through to the
+durable store.
 After the restore, beside training, a rank keeps what it fetched in its own tier (:meth:`Peers.refill`;
 the chunks decoded into the tensors are written from there, hashed again): a replaced machine's
 tier names the step again, unless training changed a tensor before the refill read it (then a
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt.dcp.checkpoint import Writer
 from ckpt.progress import NullProgress
 from ckpt.snapshot.peer_group import PeerGroup, Staging, dropped
-from ckpt.snapshot.peer_targets import check_unchecked, decode_into_targets, keep_bases, keep_decoded
+from ckpt.snapshot.peer_targets import decode_into_targets, keep_decoded, settle_deltas
 from ckpt.snapshot.steps import latest_manifest, left_behind, left_behind_message, snapshot_step
 from ckpt.snapshot.tiers import MISSES, Tiers, describe, out_of_space
 from ckpt.transfer.pipeline import BATCH_BYTES, run_parallel
@@ -269,7 +270,8 @@ class Peers(PeerGroup):
         """Keep in this rank's tier what a restore of ``step`` fetched from peers, so that a replaced
         machine's tier names the step and a later failure finds a local copy: the chunks (each
         verified, and written atomically: those decoded into the targets from there, hashed again,
-        before the deltas that may be stored against them), then the manifest, then the step's ref.
+        before the deltas that may be stored against them), then, only if the tier now holds every
+        chunk this rank read (``Tiers.needed``), the manifest and the step's ref.
         Runs after the restore returned, beside training. Not collective. Returns (whether the tier
         names the step; False where a target changed before the refill read it: the next save writes
         the state anew), and why the tier failed to keep them, or None."""
@@ -277,11 +279,9 @@ class Peers(PeerGroup):
         local = self.local.store
         fetched = {info.id for info in peer.objects.list("chunks")}
         decoded, tiers.decoded = tiers.decoded, {}  # (its views keep the targets' memory alive until this returns)
-        unchecked, tiers.unchecked = tiers.unchecked, set()
         if not fetched and not tiers.from_peers and not decoded:
             return True, None
         try:
-            check_unchecked(local, peer, unchecked)
             if not keep_decoded(local, decoded):
                 self.local.prune()  # (what it wrote is named by no step: the tier's bounds count none of it)
                 return False, None
@@ -290,6 +290,10 @@ class Peers(PeerGroup):
             for cid in sorted(missing):  # one at a time: no second copy of them all
                 staging.add({cid: memoryview(peer.objects.get("chunks", cid))})
             staging.commit()
+            lacking = tiers.needed - local.objects.has_many("chunks", tiers.needed)
+            if lacking:  # (each chunk in the tier is verified: written so, or checked as it arrived)
+                self.local.prune()
+                return False, f"{len(lacking)} of the chunks this rank read not in its tier (first {min(lacking)[:12]})"
             if not local.objects.has("manifests", mid):
                 local.objects.put_manifest(_manifest_bytes(tiers, mid))
                 local.objects.backend.flush()
@@ -325,40 +329,38 @@ class Peers(PeerGroup):
         # A chunk with a place in ``into`` is verified and decoded there at once, and not written to
         # the tier now: the load skips it (of a 1.2 GB state: 1.2 GB not read back and hashed again),
         # and the refill writes it from the targets once the restore has returned. Any other (a
-        # delta; a chunk of a CUDA or resharded target) the load reads from the tier and checks there:
-        # with ``into`` (the load reads every chunk fetched) it is written unchecked, once (checking it
-        # first too cost a second decode and hash on the restore's critical path), and noted in
-        # ``Tiers.unchecked``; the load takes off each it served, verified, and the refill checks those
-        # left (a damaged one is deleted). Without ``into`` each is verified first (a bad one dropped:
-        # the load reads it from the durable store). What the tier cannot take, or a delta whose base is
-        # not here yet, stays in memory for this restore (read from there verified, as any tier).
+        # delta; a chunk of a CUDA or resharded target) is verified before it is written to this
+        # rank's tier, where the load reads it (and verifies it again: on CUDA every chunk is decoded
+        # twice): nothing enters a tier's ``chunks/`` unverified, for a later save reuses a chunk
+        # there on its presence alone. A bad one is dropped (the load reads it from the durable
+        # store). A delta whose base is not here yet waits in memory (``waiting``: its base, as the
+        # sink parsed it) and goes to the tier once the exchange is over (``settle_deltas``); what
+        # the tier cannot take stays in memory for this restore (read from there verified, as any tier).
+        from ckpt.codecs.chunk import parse_header
         from ckpt.store.copy import chunk_checker
 
         objects = local.objects
         peer = dict(tiers.stores)["peer"]
         check = chunk_checker(peer, local)
         received = 0
+        waiting: dict[str, str | None] = {}
 
         def one(item: tuple[str, memoryview]) -> None:
             cid, blob = item
-            done = decode_into_targets(cid, blob, into[cid], tiers, local.settings.max_chunk_size) if into and cid in into else None
-            if done:
+            if into and cid in into and decode_into_targets(cid, blob, into[cid], tiers, local.settings.max_chunk_size):
                 return
-            unchecked = into is not None and done is None  # (False: decoded, and bad; checked below, dropped)
-            if not unchecked:
-                try:
-                    check(cid, blob)
-                except ObjectNotFoundError:  # a delta whose base has not arrived yet
-                    peer.objects.put("chunks", cid, bytes(blob))  # the round's buffer is reused
-                    return
-                except Exception as e:  # noqa: BLE001 - damaged (MISSES), or anything else: the sink must not raise
-                    dropped(cid, describe(e))
-                    return
+            try:
+                check(cid, blob)
+            except ObjectNotFoundError:  # a delta whose base has not arrived yet (or is decoded only into a target)
+                peer.objects.put("chunks", cid, bytes(blob))  # the round's buffer is reused
+                waiting[cid] = parse_header(blob, cid).base
+                return
+            except Exception as e:  # noqa: BLE001 - damaged (MISSES), or anything else: the sink must not raise
+                dropped(cid, describe(e))
+                return
             try:
                 objects.backend.write(objects.path("chunks", cid), blob)
                 tiers.from_peers.add(cid)
-                if unchecked:
-                    tiers.unchecked.add(cid)
             except Exception:  # noqa: BLE001 - a full tier: this restore keeps it in memory
                 peer.objects.put("chunks", cid, bytes(blob))
 
@@ -370,9 +372,8 @@ class Peers(PeerGroup):
 
         self.exchange(sends, keep)
         objects.backend.flush()
-        if tiers.decoded:  # deltas against chunks decoded only into the targets: those bases beside them
-            keep_bases(local, sorted(tiers.unchecked), tiers.decoded)
-            keep_bases(peer, sorted(info.id for info in peer.objects.list("chunks")), tiers.decoded)
+        if waiting:
+            settle_deltas(local, peer, waiting, tiers)
         return received
 
 

@@ -52,8 +52,8 @@ class Tiers:
     every_rank_holds: bool = True
     # manifests parsed so far, by id (immutable: named by the hash of their bytes)
     manifests: dict[str, Manifest] = field(default_factory=dict, repr=False)
-    # chunks this restore fetched from peers into the local tier (each verified before it was written, or
-    # noted in ``unchecked``): served from there, counted as "peer"
+    # chunks this restore fetched from peers into the local tier (each verified before it was written):
+    # served from there, counted as "peer"
     from_peers: set[str] = field(default_factory=set)
     # target regions a peer transfer already decoded a chunk into, verified (Peers.fetch's ``into``):
     # (chunk id, address, length); a load skips the tasks that would write the same bytes there
@@ -64,9 +64,9 @@ class Tiers:
     # every target region the load decodes a chunk into (the dry run's, as ``filled``): a chunk the
     # durable store serves into one is noted in ``decoded`` too, so the refill keeps it as well
     targets: set[tuple[str, int, int]] = field(default_factory=set, repr=False)
-    # chunks a peer transfer wrote to the local tier unchecked, the load to read and check them there
-    # (Peers.fetch): each the load serves from there is taken off; the refill checks those left
-    unchecked: set[str] = field(default_factory=set, repr=False)
+    # the chunks this rank's load reads and the delta bases recorded for them (a peer restore's dry run):
+    # the refill names the step in the local tier only if it holds them all (Peers.refill)
+    needed: set[str] = field(default_factory=set, repr=False)
 
     @property
     def nearest(self) -> Store:
@@ -150,8 +150,6 @@ class Tiers:
     def _credit(self, name: str, served: list[GetTask]) -> None:
         """Count what ``name`` served; what the local tier served of the chunks fetched from peers, as the peers'.
         Note what the durable store served into the targets of a peer restore (``targets``), for the refill."""
-        if name == "local" and self.unchecked:
-            self.unchecked.difference_update(t.id for t in served)  # (served: decoded and hashed against their ids)
         if name == "local" and self.from_peers:
             fetched = [t for t in served if t.id in self.from_peers]
             peer_bytes = sum(t.length for t in fetched)

@@ -643,21 +643,33 @@ def _kill_in_refill(tmp: str) -> None:
     pipeline.put_chunks = put_then_die
 
 
-def _garble_first_sends(peers, out) -> Callable[[], None]:
+def _garble_first_sends(peers, out, only=None) -> Callable[[], None]:
     """Make ``peers`` (this rank's :class:`~ckpt.snapshot.peers.Peers`) send a byte flipped in the first
-    copy of each chunk whose id starts with an even byte, listed in ``out["garbled"]`` (damaged on
-    the way, after the real read of the tier). Returns what puts the real sender back."""
+    copy of each chunk whose id starts with an even byte (or is in ``only``), listed in ``out["garbled"]``
+    (damaged on the way, after the real read of the tier). Returns what puts the real sender back."""
     real = peers._read_into
     out["garbled"] = []
 
     def garbling(cid, buf):
         real(cid, buf)
-        if int(cid[:2], 16) % 2 == 0 and cid not in out["garbled"]:
+        if (cid in only if only is not None else int(cid[:2], 16) % 2 == 0) and cid not in out["garbled"]:
             buf[len(buf) // 2] ^= 0xFF
             out["garbled"].append(cid)
 
     peers._read_into = garbling
     return lambda: setattr(peers, "_read_into", real)
+
+
+def _kill_after_fetch(peers) -> None:
+    """SIGKILL this process once ``peers`` (its :class:`~ckpt.snapshot.peers.Peers`) has fetched a
+    restore's chunks from peers, before the load reads them."""
+    real = peers.fetch
+
+    def fetch_then_die(*a, **k):
+        real(*a, **k)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    peers.fetch = fetch_then_die
 
 
 def _count_decoded(out) -> Callable[[], None]:
@@ -684,7 +696,8 @@ def _count_decoded(out) -> Callable[[], None]:
 
 
 def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False, count=False, garble=None,
-                 kill_refill=False, delta=False, change=False):
+                 kill_refill=False, delta=False, change=False, garble_only=None, kill_fetch=False,
+                 lose=None):
     """:func:`ddp_resume` with local tiers: local snapshots every 2 steps, replicated to 1 peer
     rank, persisted every 4. ``resume`` first wipes the local tiers of the ranks in ``wipe`` (a
     replaced machine) and, on rank ``flip``, flips a byte of every chunk its tier holds of the
@@ -695,17 +708,19 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
     ``count``: report how many chunk reads the restore (and its refill) made from this rank's tier, and
     the chunks the restore wrote there until it returned (``restore_chunk_writes``: [all, damaged]; the
     refill is held back until then).
-    ``garble``: that rank damages the first copy it sends of half the chunks during the restore
-    (``out["garbled"]``: their ids); a wiped rank reports how many chunks it decoded from peers straight into
+    ``garble``: that rank damages the first copy it sends of half the chunks (or of those in ``garble_only``)
+    during the restore (``out["garbled"]``: their ids); a wiped rank reports how many chunks it decoded from peers straight into
     its tensors (``filled``) and refused (``refused``). ``kill_refill``: a wiped rank is SIGKILLed in its
-    refill, once it has written the first of the chunks it decoded into its tensors to its tier.
+    refill, once it has written the first of the chunks it decoded into its tensors to its tier;
+    ``kill_fetch``: right after its restore's fetch from peers, before the load.
     ``delta``: snapshots are stored as deltas against the previous one (local tiers too), and the state
     holds two 64 KiB tensors of the same random bytes until step 4; from step 5 one element of the
     second moves each step: step 6 stores it as a delta against a chunk the state also holds as it is;
     and a third whose one element moves each step (a delta against its chunk of the step before)
     (``out["extra"]``: their bits; ``out["restore_checks"]``: the chunk checks (decodes before a write)
     the restore made until it returned). ``change``: a wiped rank changes a tensor right after its
-    restore, before its refill reads it (``out["tier_warnings"]``: the TierWarnings until ``wait()``)."""
+    restore, before its refill reads it (``out["tier_warnings"]``: the TierWarnings until ``wait()``);
+    ``lose``: a wiped rank deletes that chunk from its tier then (the same warnings reported)."""
     import shutil
     import warnings
 
@@ -743,14 +758,16 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
         reads = count_chunk_reads(mgr._local.store.objects.backend) if count else None
         writes = count_chunk_writes(mgr._local.store) if count else None
         gate = threading.Event()
-        if count or change or delta:  # the refill (queued on the save thread) waits until the restore is counted
+        if count or change or delta or lose:  # the refill (queued on the save thread) waits until the restore is counted
             mgr._pool.submit(gate.wait, 60)
         checks = _count_checks() if delta and rank in wipe else None
-        undo = _garble_first_sends(mgr._group_path.peers, out) if rank == garble else None
+        undo = _garble_first_sends(mgr._group_path.peers, out, garble_only) if rank == garble else None
         if garble is not None and rank in wipe:
             undo = _count_decoded(out)
         if kill_refill and rank in wipe:
             _kill_in_refill(tmp)
+        if kill_fetch and rank in wipe:
+            _kill_after_fetch(mgr._group_path.peers)
         start = mgr.restore_latest(state)
         if checks is not None:
             out["restore_checks"] = checks()
@@ -760,8 +777,11 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
         out["restore"] = mgr.last_restore
         if writes is not None:
             out["restore_chunk_writes"] = list(writes)
-        if change and rank in wipe:
-            state["model"].module[0].weight.data[0, 0] += 1  # training moved on before the refill read it
+        if (change or lose) and rank in wipe:
+            if change:
+                state["model"].module[0].weight.data[0, 0] += 1  # training moved on before the refill read it
+            if lose:
+                mgr._local.store.objects.delete("chunks", lose)  # the tier lost it before the refill
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 gate.set()

@@ -280,6 +280,18 @@ def test_a_replaced_machine_killed_in_its_refill_leaves_its_tier_consistent_and_
     assert resumed[1]["restore"]["step"] == k and resumed[1]["restore"]["store"] == 0
 
 
+def _delta_chunks(tmp, k):
+    """Of step ``k`` of a ``delta=True`` run (rank 0's tier): X (the frozen tensor's chunk), Y (a delta
+    against X), Z (a delta against W, a chunk of step 4 that step ``k`` does not name), W."""
+    tier0 = ckpt.Store.open(str(tmp / "local" / "rank-0"))
+    m = tier0.manifest(tier0.resolve(f"ddp/step-{k}"))
+    (x,), (y,), (z,) = ({c for e in m.tensors if name in e.name for c in e.chunks} for name in ("frozen", "moving", "drift"))
+    w = parse_header(tier0.objects.get("chunks", z), z).base
+    assert parse_header(tier0.objects.get("chunks", y), y).base == x  # (the case: Y a delta against X)
+    assert w is not None and w not in {c for e in m.tensors for c in e.chunks}  # (Z: against one of step 4's)
+    return x, y, z, w
+
+
 @pytest.mark.slow  # three runs of 2 processes
 def test_a_replaced_machine_restores_deltas_against_chunks_it_decoded_into_its_tensors(tmp_path):
     """Snapshots stored as deltas against the previous one (``delta_vs_previous``, local tiers too), and a
@@ -287,24 +299,20 @@ def test_a_replaced_machine_restores_deltas_against_chunks_it_decoded_into_its_t
     bytes at the step before), and a delta Z against a chunk of step 4 that step 6 does not name. Rank 1's
     tier wiped: X arrives from rank 0 and is decoded into rank 1's tensor, not written to its tier; Y must
     still decode against it, and Z's base must come too (the durable store lacks step 6, never
-    persisted): the restore reads nothing from there. Y is checked once on the way, by the load (the
-    exchange writes it unchecked: 0 checks before the restore returns). The refill keeps X before Y, and
-    restarted again rank 1 reads the whole step from its own tier. Bit-identical throughout."""
+    persisted): the restore reads nothing from there. Y and Z are checked before they are written to the
+    tier (nothing enters it unverified). The refill keeps X before Y, and restarted again rank 1 reads
+    the whole step from its own tier. Bit-identical throughout."""
     n, k = 8, 6
     full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n, delta=True)
     url = _crash(tmp_path / "a", 2, n, k, delta=True)
-    tier0 = ckpt.Store.open(str(tmp_path / "a" / "local" / "rank-0"))
-    m = tier0.manifest(tier0.resolve(f"ddp/step-{k}"))
-    (x,), (y,), (z,) = ({c for e in m.tensors if name in e.name for c in e.chunks} for name in ("frozen", "moving", "drift"))
-    assert parse_header(tier0.objects.get("chunks", y), y).base == x  # (the case: Y a delta against X)
-    assert parse_header(tier0.objects.get("chunks", z), z).base not in {c for e in m.tensors for c in e.chunks}  # (Z: of step 4's)
+    x, y, _z, _w = _delta_chunks(tmp_path / "a", k)
     restored = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=k, at=k, wipe=[1],
                            delta=True)
     for r in restored:
         assert "error" not in r, r.get("trace")
     r1 = restored[1]["restore"]
     assert r1["step"] == k and r1["store"] == 0 and r1["local"] == 0 and r1["peer"] > 0
-    assert restored[1]["restore_checks"] == 0  # each chunk the load reads is checked by it, not before it too
+    assert restored[1]["restore_checks"] > 0  # (Y and Z checked before they were written to the tier)
     assert restored[1]["local_steps"] == [k]
     tier1 = ckpt.Store.open(str(tmp_path / "a" / "local" / "rank-1"))
     assert tier1.objects.has("chunks", x) and tier1.objects.has("chunks", y)
@@ -332,6 +340,48 @@ def test_a_refill_after_training_changed_the_state_warns_once_and_leaves_nothing
     tier = ckpt.Store.open(str(tmp_path / "a" / "local" / "rank-1"))
     assert not [name for name in tier.refs() if "step-" in name]
     assert {i.id for i in tier.objects.list("chunks")} == set()
+
+
+@pytest.mark.slow  # two runs of 2 processes
+def test_a_replaced_machine_killed_after_its_fetch_holds_only_verified_chunks_in_its_tier(tmp_path):
+    """Deltas as above; rank 0 damages on the way the first copy of the deltas Y and Z it sends, and rank 1
+    (its tier wiped) is SIGKILLed once its fetch from peers has returned, before its load reads anything.
+    Every blob in rank 1's tier must verify against its id: a later save reuses a chunk there on its
+    presence alone (ckpt.transfer.writing), so an unverified one would be named by a step as it is.
+    (Before, the transfer wrote deltas to the tier unchecked, for the load to check: both damaged ones
+    stayed there.)"""
+    from ckpt.store.copy import chunk_checker
+
+    n, k = 8, 6
+    url = _crash(tmp_path / "a", 2, n, k, delta=True)
+    x, y, z, w = _delta_chunks(tmp_path / "a", k)
+    out = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=k, at=k, wipe=[1],
+                      delta=True, garble=0, garble_only=[y, z], kill_fetch=True, stuck=(0,))
+    assert out[1] == {"killed": True}
+    tier = ckpt.Store.open(str(tmp_path / "a" / "local" / "rank-1"))
+    held = {i.id for i in tier.objects.list("chunks")}
+    assert held and not held & {y, z}  # (W, Z's base, arrived intact; X, Y's, was decoded into its tensor)
+    check = chunk_checker(ckpt.Store.open(url), tier)  # (a base from the tier, else the durable store)
+    for cid in held:
+        check(cid, tier.objects.get("chunks", cid))
+
+
+def test_a_refill_names_no_step_its_tier_lacks_a_chunk_of(tmp_path):
+    """Rank 1's tier wiped; after its restore, before its refill, a chunk the restore wrote to its tier
+    (verified) is gone from there. The refill must not name the step in the tier (a TierWarning says
+    so): a step a tier names has every chunk there, verified."""
+    n, k = 8, 6
+    url = _crash(tmp_path / "a", 2, n, k, delta=True)
+    _x, _y, _z, w = _delta_chunks(tmp_path / "a", k)  # (W: fetched as Z's base, written to the tier)
+    out = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=k, at=k, wipe=[1],
+                      delta=True, lose=w)
+    for r in out:
+        assert "error" not in r, r.get("trace")
+    assert out[1]["restore"]["store"] == 0 and out[1]["local_steps"] == []
+    (warning,) = out[1]["tier_warnings"]
+    assert f"step {k}" in warning and "not kept" in warning
+    tier = ckpt.Store.open(str(tmp_path / "a" / "local" / "rank-1"))
+    assert not [name for name in tier.refs() if "step-" in name]
 
 
 @pytest.mark.slow
