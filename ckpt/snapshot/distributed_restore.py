@@ -228,6 +228,9 @@ class DistributedRestoring:
             tiers.lenient, tiers.reach = False, None
         if not any(peers.gather(bool(missed))):
             return planner
+        if missed:  # and the bases of each missed delta: one may be why it missed (damaged on the way, or here)
+            chains = recorded_chains(tiers.get_manifest(mid).to_json())
+            missed = missed.union(*(chains.get(c, ()) for c in missed))
         peers.fetch(tiers, missed, exclude_local=missed)
         tiers.served.update(dict.fromkeys(tiers.served, 0))
         planner = values_planner()

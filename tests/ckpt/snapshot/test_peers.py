@@ -366,6 +366,28 @@ def test_a_replaced_machine_killed_after_its_fetch_holds_only_verified_chunks_in
         check(cid, tier.objects.get("chunks", cid))
 
 
+@pytest.mark.slow  # three runs of 2 processes
+def test_a_delta_base_damaged_on_the_way_is_fetched_again_with_its_delta(tmp_path):
+    """Deltas as above; rank 0 damages on the way the first copy of X and W, the bases of the deltas Y and
+    Z it sends to rank 1 (its tier wiped). Y and Z then cannot be decoded: the second fetch must bring
+    their bases again too, not the deltas alone (a base damaged or missing here, and in no peer tier,
+    left the load to the durable store, which lacks step 6, never persisted: the restore failed). The
+    restore is bit-identical, and its last load reads nothing from the durable store."""
+    n, k = 8, 6
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n, delta=True)
+    url = _crash(tmp_path / "a", 2, n, k, delta=True)
+    x, y, z, w = _delta_chunks(tmp_path / "a", k)
+    restored = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k, wipe=[1],
+                           delta=True, garble=0, garble_only=[x, w])
+    for r in restored:
+        assert "error" not in r, r.get("trace")
+    assert sorted(restored[0]["garbled"]) == sorted([x, w])
+    r1 = restored[1]["restore"]
+    assert r1["step"] == k and r1["store"] == 0 and r1["peer"] > 0
+    _same_run(full, restored, k, n)
+    assert [r["extra"] for r in restored] == [f["extra"] for f in full]
+
+
 def test_a_refill_names_no_step_its_tier_lacks_a_chunk_of(tmp_path):
     """Rank 1's tier wiped; after its restore, before its refill, a chunk the restore wrote to its tier
     (verified) is gone from there. The refill must not name the step in the tier (a TierWarning says
