@@ -19,6 +19,9 @@ from ckpt_store.storage.backends.base import (
 )
 from ckpt_store.storage.errors import MissingDependencyError, StorageIOError, StoreLocationError
 
+# Listings of a filesystem whose files another thread changes meanwhile (memory://), taken before giving up.
+_LIST_TRIES = 100
+
 
 class FsspecBackend(Backend):
     """A store on any fsspec filesystem (``memory://``, ``gs://``, ...).
@@ -112,10 +115,17 @@ class FsspecBackend(Backend):
 
     def list(self, prefix: str) -> Iterator[Entry]:
         base = self._p(prefix)
-        try:
-            found = self.fs.find(base, detail=True)
-        except FileNotFoundError:
-            return
+        for attempt in range(_LIST_TRIES):
+            try:
+                found = self.fs.find(base, detail=True)
+                break
+            except FileNotFoundError:
+                return
+            except RuntimeError as e:
+                # fsspec's MemoryFileSystem.find copies its dict of every file, which a thread writing the store
+                # meanwhile can change (the copy can yield the GIL: a garbage collection): that listing is taken again
+                if "during iteration" not in str(e) or attempt == _LIST_TRIES - 1:  # (its size, or its keys, changed)
+                    raise
         for full, info in sorted(found.items()):
             if info.get("type") == "directory":
                 continue

@@ -308,3 +308,42 @@ def test_schemes_come_from_one_registry_that_refuses_duplicates():
     with pytest.raises(MissingDependencyError) as e:
         open_backend("ckpt-test-missing://bucket/x")
     assert "pip install 'ckpt-store[nothing]'" in str(e.value)
+
+
+def test_a_memory_store_lists_while_another_thread_writes_it():
+    """fsspec's MemoryFileSystem.find copies its dict of every file, and a garbage collection during the copy can
+    hand the GIL to a thread writing the store: the listing raised "dictionary changed size during iteration"
+    (a push listing its locks while a gc deleted, in a test run). Forced here: a collection every few allocations
+    yields to the writer. The listing is taken again."""
+    import gc
+    import time
+
+    backend = open_backend(f"memory://ckpt-test-{uuid.uuid4().hex}")
+    stop = threading.Event()
+
+    def write() -> None:
+        i = 0
+        while not stop.is_set():
+            backend.write(f"locks/x-{i}", b"x")
+            backend.delete(f"locks/x-{i - 20}")
+            i += 1
+
+    def yield_in_collections(phase, info) -> None:
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0)
+
+    writer = threading.Thread(target=write)
+    old_threshold, old_interval = gc.get_threshold(), sys.getswitchinterval()
+    gc.set_threshold(5)
+    sys.setswitchinterval(1e-6)
+    gc.callbacks.append(yield_in_collections)
+    writer.start()
+    try:
+        for _ in range(50):
+            assert all(e.path.startswith("locks/x-") for e in backend.list("locks"))
+    finally:
+        gc.callbacks.remove(yield_in_collections)
+        gc.set_threshold(*old_threshold)
+        sys.setswitchinterval(old_interval)
+        stop.set()
+        writer.join()
