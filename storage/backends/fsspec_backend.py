@@ -5,6 +5,7 @@ from __future__ import annotations
 import posixpath
 import threading
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from ckpt_store.storage.backends.base import (
@@ -19,8 +20,7 @@ from ckpt_store.storage.backends.base import (
 )
 from ckpt_store.storage.errors import MissingDependencyError, StorageIOError, StoreLocationError
 
-# Listings of a filesystem whose files another thread changes meanwhile (memory://), taken before giving up.
-_LIST_TRIES = 100
+_MEMORY_LOCK = threading.Lock()  # (see FsspecBackend._changing)
 
 
 class FsspecBackend(Backend):
@@ -55,6 +55,11 @@ class FsspecBackend(Backend):
         # Check-then-write under a lock is exact only with one writing process: memory://.
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         self.exact_creates = "memory" in protocols
+        # memory:// keeps every file of the process in one dict, which its find() copies: a garbage collection
+        # during the copy can hand the GIL to a thread writing, and the copy raised "dictionary changed size
+        # during iteration" (a push listing its locks while a gc deleted). Its writes, deletes and listings take
+        # one lock of the process; other filesystems need none.
+        self._changing: AbstractContextManager[Any] = _MEMORY_LOCK if self.exact_creates else nullcontext()
 
     @classmethod
     def from_url(cls, url: str, *, storage_options: dict[str, Any] | None, fsync: bool,
@@ -81,7 +86,8 @@ class FsspecBackend(Backend):
 
     def write(self, path: str, data: Data) -> None:
         try:
-            self.fs.pipe_file(self._p(path), joined(data))
+            with self._changing:
+                self.fs.pipe_file(self._p(path), joined(data))
         except OSError as e:
             raise io_error("write", path, e) from e
 
@@ -95,7 +101,8 @@ class FsspecBackend(Backend):
         with self._create_lock:
             if self.fs.exists(p):
                 return False
-            self.fs.pipe_file(p, data)
+            with self._changing:
+                self.fs.pipe_file(p, data)
         return True
 
     def exists(self, path: str) -> bool:
@@ -115,17 +122,11 @@ class FsspecBackend(Backend):
 
     def list(self, prefix: str) -> Iterator[Entry]:
         base = self._p(prefix)
-        for attempt in range(_LIST_TRIES):
-            try:
+        try:
+            with self._changing:
                 found = self.fs.find(base, detail=True)
-                break
-            except FileNotFoundError:
-                return
-            except RuntimeError as e:
-                # fsspec's MemoryFileSystem.find copies its dict of every file, which a thread writing the store
-                # meanwhile can change (the copy can yield the GIL: a garbage collection): that listing is taken again
-                if "during iteration" not in str(e) or attempt == _LIST_TRIES - 1:  # (its size, or its keys, changed)
-                    raise
+        except FileNotFoundError:
+            return
         for full, info in sorted(found.items()):
             if info.get("type") == "directory":
                 continue
@@ -137,7 +138,8 @@ class FsspecBackend(Backend):
 
     def delete(self, path: str) -> None:
         try:
-            self.fs.rm_file(self._p(path))
+            with self._changing:
+                self.fs.rm_file(self._p(path))
         except FileNotFoundError:
             pass
 

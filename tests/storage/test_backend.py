@@ -313,12 +313,14 @@ def test_schemes_come_from_one_registry_that_refuses_duplicates():
 def test_a_memory_store_lists_while_another_thread_writes_it():
     """fsspec's MemoryFileSystem.find copies its dict of every file, and a garbage collection during the copy can
     hand the GIL to a thread writing the store: the listing raised "dictionary changed size during iteration"
-    (a push listing its locks while a gc deleted, in a test run). Forced here: a collection every few allocations
-    yields to the writer. The listing is taken again."""
+    (a push listing its locks while a gc deleted, in a test run). Forced here: a collection at every allocation
+    yields to the writer. Its writes, deletes and listings take one lock now."""
     import gc
     import time
 
     backend = open_backend(f"memory://ckpt-test-{uuid.uuid4().hex}")
+    for i in range(2000):  # (memory:// is one dict for the process: a long copy, as in a full test run)
+        backend.write(f"other/{i}", b"")
     stop = threading.Event()
 
     def write() -> None:
@@ -334,7 +336,7 @@ def test_a_memory_store_lists_while_another_thread_writes_it():
 
     writer = threading.Thread(target=write)
     old_threshold, old_interval = gc.get_threshold(), sys.getswitchinterval()
-    gc.set_threshold(5)
+    gc.set_threshold(1)
     sys.setswitchinterval(1e-6)
     gc.callbacks.append(yield_in_collections)
     writer.start()
