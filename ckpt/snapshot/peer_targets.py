@@ -116,7 +116,10 @@ def settle_deltas(local: Store, peer: Store, waiting: dict[str, str | None], tie
         staging.commit()
     except Exception as e:  # noqa: BLE001 - a full tier, say: the deltas stay in memory, their bases beside them
         log.info("local tier: deltas fetched from peers kept in memory (%s)", describe(e))
-        keep_decoded(peer, want)
+        try:
+            keep_decoded(peer, want)
+        except Exception as e2:  # noqa: BLE001 - never out of a collective fetch: the load reads them elsewhere
+            log.info("delta bases not kept in memory either (%s)", describe(e2))
         return
     settled = local.objects.has_many("chunks", set(waiting))
     tiers.from_peers.update(settled)
