@@ -21,7 +21,7 @@ once an hour old by the next count of the cache or eviction (storage/cache_evict
 
 The cache holds at most ``max_bytes`` (its size counted, a full disk met, and its least recently
 used entries deleted: ``storage/cache_evict.py``); a larger blob is not cached. A put that fails with
-ENOSPC evicts and writes again (a few rounds: other puts may take the room made); only a disk that the cache's own entries do not fill leaves
+ENOSPC evicts and writes again (while eviction frees room: other puts may take the room made); only a disk that the cache's own entries do not fill leaves
 the chunk uncached, with a warning once.
 Which files the layout names, and clearing them: ``storage/cache_files.py``.
 """
@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 
 TRAILER = 32  # bytes of BLAKE3 after each blob
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
-# Writes of one entry a put tries on a full disk, each after an eviction round but the first.
-_DISK_FULL_TRIES = 4
+# Writes of one entry a put tries at most on a full disk, each after an eviction that freed room but the first.
+_DISK_FULL_TRIES = 32
 
 
 class ChunkBlobCache:
@@ -259,17 +259,24 @@ class ChunkBlobCache:
             log.debug("chunk %s is larger than the cache's limit: not cached", oid)
             return
         try:
-            for attempt in range(_DISK_FULL_TRIES):
+            tries = 0
+            while True:
                 try:
                     replaced = self._write_retrying(path, parts, replace)
                     break
                 except OSError as e:
-                    if e.errno not in _DISK_FULL or attempt == _DISK_FULL_TRIES - 1:
+                    tries += 1
+                    if e.errno not in _DISK_FULL or tries == _DISK_FULL_TRIES:
                         raise
                     # The disk (or the user's quota) is full before the limit is: room is made as at the
-                    # limit, least recently used entries first, and the entry written again. Again after
-                    # that: other threads' and processes' puts may take the room made before this one writes.
+                    # limit, least recently used entries first, and the entry written again. Again while
+                    # eviction frees room: other threads' and processes' puts may take the room made before
+                    # this one writes (16 threads on a full disk, under load, each lost it up to 4 times).
+                    # A round that frees nothing ends it: the disk is full of what the cache cannot delete.
+                    freed = self._eviction.freed_ever
                     self.evict(room=n)
+                    if self._eviction.freed_ever == freed:
+                        raise
         except OSError as e:
             # Once per cache: a cache folder that cannot take entries (read-only, full) fails every put,
             # and a load puts every chunk it fetches.

@@ -19,7 +19,7 @@ counted it at C bytes put at most ``N * max((max_bytes - C) / 10, max_bytes / 10
 each) before they count again, near the limit about N hundredths of it over.
 A disk (or quota) that fills before the limit is a lower limit: a put that fails with ENOSPC evicts
 (least recently used first, its entry's room and a hundredth of what the cache holds; threads that
-find it full meanwhile get their rooms, no more) and writes again, once.
+find it full meanwhile get their rooms, no more) and writes again, while evictions free room.
 
 >>> import os, tempfile
 >>> root = tempfile.mkdtemp()
@@ -62,6 +62,14 @@ class CacheEviction:
         self._oldest: list[Entry] = []  # the oldest entries the last tallied walk left, newest first
         self._lock = threading.Lock()
         self._evicted = threading.Condition(self._lock)  # the running eviction is done (a full disk's put waits for it)
+        self._freed_ever = 0  # bytes this process's evictions freed: whether a full disk's put may write again
+
+    @property
+    def freed_ever(self) -> int:
+        """Bytes every eviction of this object freed so far (a put that found the disk full writes again
+        only after some were)."""
+        with self._lock:
+            return self._freed_ever
 
     @property
     def size(self) -> int | None:
@@ -169,6 +177,7 @@ class CacheEviction:
         finally:
             with self._lock:
                 self._evicting = False
+                self._freed_ever += freed
                 self._evicted.notify_all()
         return freed
 

@@ -352,3 +352,31 @@ def test_threads_that_find_a_full_disk_at_once_all_cache_their_entries(tmp_path,
     assert not [r.getMessage() for r in caplog.records if "cannot cache" in r.getMessage()]
     kept = [oid for oid in blobs if c.get(oid) is not None]
     assert kept and all(c.get(oid) == blobs[oid] for oid in kept)
+
+
+def test_a_disk_full_of_what_the_cache_cannot_delete_fails_a_put_after_one_eviction_that_freed_nothing(tmp_path, tmpfs, caplog):
+    """A 1 MiB tmpfs filled by another program's file, and one cache entry: a put that finds the disk full
+    evicts that entry, writes again, finds it still full, evicts nothing more, and gives up with a warning
+    (it does not write again while nothing is freed); the other program's file is untouched."""
+    import logging
+
+    root = tmpfs(tmp_path / "cache", "1m")
+    c = ChunkBlobCache(root, S, 1 << 30)
+    c.put("ab" * 32, (os.urandom(60_000),))
+    other = os.path.join(root, "theirs.bin")
+    with open(other, "wb", buffering=0) as f:  # the rest of the disk
+        try:
+            while True:
+                f.write(os.urandom(4096))
+        except OSError:
+            pass
+    before = os.path.getsize(other)
+    writes = []
+    write = c._write_retrying
+    c._write_retrying = lambda *a: writes.append(1) or write(*a)
+    with caplog.at_level(logging.DEBUG, logger="ckpt_store.storage.cache"):
+        c.put("cd" * 32, (os.urandom(300_000),))
+    assert [r.levelno for r in caplog.records if "cannot cache" in r.getMessage()] == [logging.WARNING]
+    assert len(writes) == 2  # the first; one after the eviction that freed the old entry; none after one that freed nothing
+    assert c.get("ab" * 32) is None and c.get("cd" * 32) is None
+    assert os.path.getsize(other) == before
