@@ -108,6 +108,7 @@ class StoreView:
         self._timed: dict[str, tuple[float, Any]] = {}
         self._checked: set[str] = set()  # manifests whose bytes were found to match their ids (the overview's)
         self._damaged: dict[str, str] = {}  # manifests of the view's store found damaged when read, with the error
+        self._damage_found = 0  # damaged manifests found so far: a summary made across a new finding is not kept
 
     # -- caches ---------------------------------------------------------------------
     def manifest(self, mid: str, store: ckpt.Store | None = None) -> Manifest:
@@ -124,6 +125,11 @@ class StoreView:
                 with self._lock:
                     if len(self._damaged) > CACHE_TENSORS // 10:  # ids and errors, ~300 bytes each: bounded
                         self._damaged.clear()
+                    if mid not in self._damaged:
+                        # The whole-store summaries made before (the lineage drew it as sound) are made again:
+                        # the lineage showed a step the run page had just found damaged for up to ttl_s.
+                        self._timed.clear()
+                        self._damage_found += 1
                     self._damaged[mid] = str(e)
             raise
         with self._lock:
@@ -178,16 +184,20 @@ class StoreView:
             return {mid: o for mid in wanted if (o := out.get(mid) or made.get(mid)) is not None and mid not in damaged}
 
     def fresh(self, key: str, make: Callable[[], T]) -> T:
-        """``make()``, reused for ``ttl_s`` seconds under ``key`` (listings and whole-store summaries)."""
+        """``make()``, reused for ``ttl_s`` seconds under ``key`` (listings and whole-store summaries), or until the
+        view finds a manifest damaged."""
 
         def lookup() -> T | None:
             hit = self._timed.get(key)
             return hit[1] if hit is not None and time.monotonic() - hit[0] < self.ttl_s else None
 
         def made() -> T:
+            with self._lock:
+                found = self._damage_found
             value = make()
             with self._lock:
-                self._timed[key] = (time.monotonic(), value)
+                if self._damage_found == found:  # (else it may draw what was found damaged meanwhile)
+                    self._timed[key] = (time.monotonic(), value)
             return value
 
         return self._once(("fresh", key), lookup, made)
