@@ -320,7 +320,7 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
                 raise InvalidMergeError(f"the base has no {name}", hint="pass new_tensors=\"average\" to average it over the inputs")
             cd = torch.float64 if first.dtype == torch.float64 else torch.float32
             acc, held = plain_average(xs, cd)
-            out[name] = cast_back(acc, dtype, name, held, overflow, average_again(xs))
+            out[name] = cast_back(acc, dtype, name, held, overflow, average_again(xs, cd))
             continue
         b = base[name] if base is not None and m.needs_base else None
         if m.identity(bound) and all(bit_identical(x, first) for x in xs[1:] + ([b] if b is not None else [])):
@@ -332,7 +332,7 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
         for y in ys + ([b] if b is not None else []):
             held = mark_nonfinite(y, held)
         src = xs + ([base[name]] if base is not None and b is not None else [])
-        again = method_again(m, bound, name, b is not None, lambda mask: [x[mask] for x in src])
+        again = method_again(m, bound, name, b is not None, cd, lambda mask: [x[mask] for x in src])
         with torch.no_grad():
             out[name] = cast_back(m.combine(ys, b, bound, name), dtype, name, held, overflow, again)
     return out

@@ -56,14 +56,14 @@ def plain_average(xs: Sequence[torch.Tensor], cd: torch.dtype) -> tuple[torch.Te
     return acc.div_(len(xs)), held
 
 
-def average_again(xs: Sequence[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+def average_again(xs: Sequence[torch.Tensor], cd: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     """For :func:`cast_back`: :func:`plain_average` of ``xs`` computed again where it overflowed."""
     import torch
 
-    return lambda mask: computed_again(lambda ys: plain_average(ys, torch.float64)[0], [x[mask] for x in xs])
+    return lambda mask: computed_again(lambda ys: plain_average(ys, torch.float64)[0], [x[mask] for x in xs], cd)
 
 
-def method_again(method: MergeMethod, params: Mapping[str, Any], name: str, with_base: bool,
+def method_again(method: MergeMethod, params: Mapping[str, Any], name: str, with_base: bool, cd: torch.dtype,
                  inputs_at: Callable[[torch.Tensor], list[torch.Tensor]]) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """For :func:`cast_back`: ``method``'s math computed again at a mask, from ``inputs_at(mask)`` (the inputs' values
     there, and the base's last where ``with_base``); None where the method is not elementwise (it cannot be)."""
@@ -73,7 +73,7 @@ def method_again(method: MergeMethod, params: Mapping[str, Any], name: str, with
     def math_of(ys: list[torch.Tensor]) -> torch.Tensor:
         return method.combine(ys[:-1], ys[-1], params, name) if with_base else method.combine(ys, None, params, name)
 
-    return lambda mask: computed_again(math_of, inputs_at(mask))
+    return lambda mask: computed_again(math_of, inputs_at(mask), cd)
 
 
 def cast_back(x: torch.Tensor, dtype: str, name: str, held: torch.Tensor | None, overflow: str = "error",
@@ -107,10 +107,9 @@ def cast_back(x: torch.Tensor, dtype: str, name: str, held: torch.Tensor | None,
             if held is not None:
                 new.logical_and_(held.logical_not())
             if again is not None and bool(new.any()):
-                was = x[new]
-                got = again(new)
-                x[new] = torch.where(got.isnan(), was.double(), got).to(x.dtype)  # (rounded to the compute dtype)
-                del was, got
+                got = again(new)  # (in x's dtype; NaN where not computed: the math's value stays)
+                x[new] = torch.where(got.isnan(), x[new], got, out=got)
+                del got
                 new.logical_and_(x.isfinite().logical_not_())
             nans = int(new.logical_and_(x.isnan()).sum())
             if nans:
@@ -140,7 +139,7 @@ def cast_back(x: torch.Tensor, dtype: str, name: str, held: torch.Tensor | None,
 AGAIN_BLOCK = 1 << 16  # elements computed again at a time
 
 
-def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], parts: Sequence[torch.Tensor]) -> torch.Tensor:
+def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], parts: Sequence[torch.Tensor], cd: torch.dtype) -> torch.Tensor:
     """``f`` (a merge's elementwise math, on copies it may consume) of ``parts`` (the inputs' values, 1-D, in their
     dtype, at the elements where the math overflowed in the compute dtype), computed again in float64: the same
     operations in the same order, each rounded to float64, whose range float32 values times weights within
@@ -149,11 +148,12 @@ def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], parts: Seque
     is homogeneous (``f(s·x) = s·f(x)``: sums, differences, products by constant weights), so each operation rounds
     as it did, as if float64's exponent had no bound; only terms below 2^(k−1022), some 2^2000 times smaller than
     those that overflowed, lose bits (float64's subnormals). A result past float64's range is inf; NaN where no k
-    kept the math finite. A block of elements at a time (a few small scratch tensors)."""
+    kept the math finite. Returned rounded to ``cd`` (the compute dtype: inf past its range); a block of elements
+    at a time (a few small scratch tensors)."""
     import torch
 
     n = parts[0].numel()
-    out = torch.full((n,), math.nan, dtype=torch.float64)
+    out = torch.full((n,), math.nan, dtype=cd)
     for at in range(0, n, AGAIN_BLOCK):
         block = [p[at : at + AGAIN_BLOCK].double() for p in parts]  # (a copy: f consumes its own)
         todo = torch.ones(block[0].shape, dtype=torch.bool)
@@ -163,7 +163,7 @@ def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], parts: Seque
             r = f([b[where].mul_(2.0**-k) for b in block])
             fine = r.isfinite()
             # scaled back in two steps: 2^1024 is past float64's range (a product past it is inf, as it should be)
-            out[at + where[fine]] = r[fine].mul_(2.0 ** (k // 2)).mul_(2.0 ** (k - k // 2))
+            out[at + where[fine]] = r[fine].mul_(2.0 ** (k // 2)).mul_(2.0 ** (k - k // 2)).to(cd)
             todo[where[fine]] = False
             k = max(1, 2 * k)
     return out
@@ -366,7 +366,7 @@ def step_computation(step: Step, method: MergeMethod, params: Mapping[str, Any],
             if _inputs_themselves(step, xs):
                 return xs[0]
             acc, held = plain_average(xs, cd)
-            out = cast_back(acc, step.dtype, step.name, held, overflow, average_again(xs))
+            out = cast_back(acc, step.dtype, step.name, held, overflow, average_again(xs, cd))
             del xs
             return out.contiguous()
         xs = reads.read(step)  # (the base too, where the method has one: see step_sources)
@@ -382,7 +382,7 @@ def step_computation(step: Step, method: MergeMethod, params: Mapping[str, Any],
             out = method.combine(xs, b, params, step.name)
         del xs, b
         # (the inputs are consumed: read again where the math overflowed)
-        again = method_again(method, params, step.name, b_read, lambda mask: reads.read_at(step, mask))
+        again = method_again(method, params, step.name, b_read, cd, lambda mask: reads.read_at(step, mask))
         out = cast_back(out, step.dtype, step.name, held, overflow, again).contiguous()
         _trim()
         return out
