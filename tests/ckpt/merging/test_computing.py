@@ -223,28 +223,32 @@ def test_an_average_past_the_float32_sum_is_the_average(dtype, st, store, tmp_pa
     assert bits(store.load("avg/cli")["head.weight"]) == bits(want["head.weight"])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_a_weighted_sum_whose_math_overflows_but_whose_result_fits_is_that_result(dtype, store, tmp_path):
     """Linear and task-arithmetic are weighted sums whose weights sum to 1 (task arithmetic's are 1 − Σλ for the
     base, λ_i for the inputs): 2·a − b, or base + (a − base) − (b − base), can fit though a step overflows float32.
     The result was inf (refused), or NaN stored silently (inf − inf; 0 × inf where λ is 0). Such elements are
-    computed again, scaled, with the same operations and roundings: the result, not refused. A result truly past
-    the range is refused as before."""
-    top, q = torch.finfo(dtype).max, 1.5 * 2.0**127  # (q: 0.75 × 2^128, exact with its multiples below in both dtypes)
-    b = torch.tensor([-q, -q, 1.0, 2.0]).to(dtype)
-    x0 = torch.tensor([q, q, 3.0, 5.0]).to(dtype)
-    x1 = torch.tensor([top, q, 2.0, 7.0]).to(dtype)
+    computed again in float64 (float64 inputs: scaled by a power of two), in the same order: the result, not
+    refused. A result truly past the range is refused as before."""
+    from fractions import Fraction
+
+    top = torch.finfo(dtype).max
+    e = 127 if dtype != torch.float64 else 1023
+    q, r = 1.5 * 2.0**e, 1.75 * 2.0**e  # (0.75 and 0.875 × 2^128, or 2^1024: the sums below exact in every dtype)
+    b = torch.tensor([-q, -q, 1.0, 2.0], dtype=torch.float64).to(dtype)
+    x0 = torch.tensor([q, q, 3.0, 5.0], dtype=torch.float64).to(dtype)
+    x1 = torch.tensor([r, q, 2.0, 7.0], dtype=torch.float64).to(dtype)
     for i, sd in enumerate(({"w": b}, {"w": x0}, {"w": x1})):
         save_file(sd, tmp_path / f"m{i}.safetensors")
         store.push(str(tmp_path / f"m{i}.safetensors"), f"ws/m{i}")
-    a, c, base = x0.double(), x1.double(), b.double()  # (every sum below exact in float64)
-    cases = [  # method, weights, the merged values, where the float32 math made inf or NaN at the first two elements
-        ("linear", [2.0, -1.0], a * 2 - c),  # 2q overflows
-        ("task-arithmetic", [1.0, -1.0], base + (a - base) - (c - base)),  # a − base overflows: inf − inf
-        ("task-arithmetic", [0.0, 0.5], base + (c - base) * 0.5),  # 0 × inf
+    a, c, base = ([Fraction(float(v)) for v in t] for t in (x0, x1, b))  # (exact arithmetic)
+    cases = [  # method, weights, the merged values, where the math made inf or NaN at the first two elements
+        ("linear", [2.0, -1.0], [2 * ai - ci for ai, ci in zip(a, c)]),  # 2q overflows
+        ("task-arithmetic", [1.0, -1.0], [bi + (ai - bi) - (ci - bi) for ai, ci, bi in zip(a, c, base)]),  # inf − inf
+        ("task-arithmetic", [0.0, 0.5], [bi + (ci - bi) / 2 for ci, bi in zip(c, base)]),  # 0 × inf
     ]
     for method, ws, exact in cases:
-        want = exact.to(dtype)
+        want = torch.tensor([float(v) for v in exact], dtype=torch.float64).to(dtype)
         assert want[:2].isfinite().all()
         params, kw = {"weights": ws, **({"normalize": False} if method == "linear" else {})}, {}
         if method != "linear":
@@ -254,11 +258,11 @@ def test_a_weighted_sum_whose_math_overflows_but_whose_result_fits_is_that_resul
             assert bits(store.load("ws/out")["w"]) == bits(want), (method, ws, store.load("ws/out")["w"])
         sd = merge_state_dicts([{"w": x0}, {"w": x1}], method, params=params, base={"w": b} if kw else None)
         assert bits(sd["w"]) == bits(want)
-    # truly past: 3·top − 2q, computed again, is past too (refused, or saturated); 3q − 2q is q
+    # truly past: 3r − 2q, computed again, is past too (refused, or saturated); 3q − 2q is q
     with pytest.raises(InvalidMergeError, match=r"^w: 1 merged value past"):
         ckpt.merge(["ws/m2", "ws/m1"], "linear", name="ws/past", params={"weights": [3.0, -2.0]}, store=store)
     sd = merge_state_dicts([{"w": x1}, {"w": x0}], "linear", params={"weights": [3.0, -2.0]}, overflow="saturate")
-    assert bits(sd["w"]) == bits(torch.tensor([top, q, 0.0, 11.0]).to(dtype))
+    assert bits(sd["w"]) == bits(torch.tensor([top, q, 0.0, 11.0], dtype=torch.float64).to(dtype))
 
 
 def test_a_nan_the_math_makes_from_finite_inputs_is_refused_in_either_mode(store, tmp_path, monkeypatch, capsys):
