@@ -86,7 +86,7 @@ def merge(
     weights: Annotated[Optional[str], typer.Option("--weights", "-w", metavar="W1,W2,...", help="Shorthand for -p weights=W1,W2,...: one per REF.")] = None,
     fill_from_base: Annotated[bool, typer.Option("--fill-from-base", help="Take tensors missing from some input from --base instead of failing.")] = False,
     new_tensors: Annotated[str, typer.Option("--new-tensors", metavar="MODE", help="Tensors the base lacks (a classification head the fine-tunes added), or that some inputs lack and the base cannot fill: 'error' (default) or 'average' (the plain average of the inputs that have them).")] = "error",
-    overflow: Annotated[str, typer.Option("--overflow", metavar="MODE", help="Merged values past their dtype's range (float16, bfloat16 and e5m2 would store inf; float8 without an infinity NaN or its largest): 'error' (default: the merge stops, naming the tensor, and writes no ref) or 'saturate' (clip them to the dtype's largest, ±65504 for float16, with a warning naming each tensor). An input's inf stays inf.")] = "error",
+    overflow: Annotated[str, typer.Option("--overflow", metavar="MODE", help="Merged values past their dtype's range (float16, bfloat16 and e5m2 would store inf; float8 without an infinity NaN or its largest): 'error' (default: the merge stops, naming the tensor, and writes no ref) or 'saturate' (clip them to the dtype's largest, ±65504 for float16, with a warning naming each tensor). An input's inf stays inf; a NaN the math makes from finite inputs stops the merge in either mode.")] = "error",
     message: Annotated[Optional[str], typer.Option("--message", "-m", metavar="MSG", help="Note stored with the checkpoint.")] = None,
     list_methods: Annotated[bool, typer.Option("--list-methods", help="List the merge methods and their parameters, then exit.")] = False,
     as_json: JsonOpt = False,
@@ -94,8 +94,9 @@ def merge(
     """Merge checkpoints tensor by tensor into a new checkpoint NAME (-o).
 
     Parameters are checked before any work. The math runs in float32 (float64 for
-    float64 tensors) and is cast back (values past the dtype's range: see
-    --overflow); one tensor at a time is held per input (or a
+    float64 tensors; linear's, task-arithmetic's and the plain average's elements
+    where it overflows, again in float64) and is cast back (values past the
+    dtype's range: see --overflow); one tensor at a time is held per input (or a
     batch of small ones, up to 1 MiB per input, read together). The
     result dedups and delta-encodes like any push; `ckpt show NAME` prints its
     lineage: inputs, method and every parameter value.

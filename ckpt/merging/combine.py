@@ -14,8 +14,9 @@ base), and each tensor is either
   the merge, or are clipped: :func:`~ckpt.merging.computing.cast_back`);
 * **averaged** (``new_tensors="average"``): a tensor the base lacks (a classification
   head that every fine-tune added), or one that some inputs lack and the base cannot
-  fill, is the plain average of the inputs that hold it (in input order, in the
-  compute dtype; unread when they all hold the same chunks). The method's math needs a
+  fill, is the plain average of the inputs that hold it (summed in input order in the
+  compute dtype, then divided; where the sum overflows, computed again in float64: see
+  :mod:`ckpt.merging.formulas`; unread when they all hold the same chunks). The method's math needs a
   base value for every tensor, so without the option such a tensor is an error that
   names it and this option.
 
@@ -70,8 +71,10 @@ from ckpt.merging.computing import (
     BatchedInputs,
     LazyTensor,
     SmallKept,
+    average_again,
     cast_back,
     mark_nonfinite,
+    method_again,
     plain_average,
     step_computation,
     step_sources,
@@ -162,7 +165,11 @@ def merge(inputs: Sequence[str], method: str = "linear", *legacy: str, name: str
     values fall past its dtype's range (which the cast makes inf, or NaN in float8 dtypes without an
     infinity) is an :class:`InvalidMergeError` naming it, raised when it is computed (no ref is
     written), or with ``overflow="saturate"`` clipped to ± the dtype's largest, with a warning naming
-    it; an input's inf stays inf (see :func:`~ckpt.merging.computing.cast_back`). Raises
+    it; an input's inf stays inf (see :func:`~ckpt.merging.computing.cast_back`). Where the float32 math
+    overflows though the result fits (an average of values near the largest), linear, task-arithmetic and
+    the plain average compute those elements again in float64 (:mod:`ckpt.merging.formulas`): the
+    result, not an error. A NaN the math makes from finite inputs (``inf − inf``, ``0 × inf`` after an
+    overflow) is an :class:`InvalidMergeError` in either mode. Raises
     :class:`InvalidMergeError` for an unknown method, a bad parameter, a wrong number of
     inputs, tensors that do not line up (names, dtypes, shapes) or are stored as the shards
     of a distributed checkpoint — all before any tensor data is read —, :class:`TensorMismatchError`
@@ -313,7 +320,7 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
                 raise InvalidMergeError(f"the base has no {name}", hint="pass new_tensors=\"average\" to average it over the inputs")
             cd = torch.float64 if first.dtype == torch.float64 else torch.float32
             acc, held = plain_average(xs, cd)
-            out[name] = cast_back(acc, dtype, name, held, overflow)
+            out[name] = cast_back(acc, dtype, name, held, overflow, average_again(xs, cd))
             continue
         b = base[name] if base is not None and m.needs_base else None
         if m.identity(bound) and all(bit_identical(x, first) for x in xs[1:] + ([b] if b is not None else [])):
@@ -324,6 +331,8 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
         ys, held = [x.to(cd, copy=True) for x in xs], None
         for y in ys + ([b] if b is not None else []):
             held = mark_nonfinite(y, held)
+        src = xs + ([base[name]] if base is not None and b is not None else [])
+        again = method_again(m, bound, name, b is not None, cd, lambda mask: [x[mask] for x in src])
         with torch.no_grad():
-            out[name] = cast_back(m.combine(ys, b, bound, name), dtype, name, held, overflow)
+            out[name] = cast_back(m.combine(ys, b, bound, name), dtype, name, held, overflow, again)
     return out

@@ -56,14 +56,40 @@ def plain_average(xs: Sequence[torch.Tensor], cd: torch.dtype) -> tuple[torch.Te
     return acc.div_(len(xs)), held
 
 
-def cast_back(x: torch.Tensor, dtype: str, name: str, held: torch.Tensor | None, overflow: str = "error") -> torch.Tensor:
+def average_again(xs: Sequence[torch.Tensor], cd: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """For :func:`cast_back`: :func:`plain_average` of ``xs`` computed again where it overflowed."""
+    import torch
+
+    return lambda mask: computed_again(lambda ys: plain_average(ys, torch.float64)[0], [x[mask] for x in xs], cd)
+
+
+def method_again(method: MergeMethod, params: Mapping[str, Any], name: str, with_base: bool, cd: torch.dtype,
+                 inputs_at: Callable[[torch.Tensor], list[torch.Tensor]]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """For :func:`cast_back`: ``method``'s math computed again at a mask, from ``inputs_at(mask)`` (the inputs' values
+    there, and the base's last where ``with_base``); None where the method is not elementwise (it cannot be)."""
+    if not method.elementwise:
+        return None
+
+    def math_of(ys: list[torch.Tensor]) -> torch.Tensor:
+        return method.combine(ys[:-1], ys[-1], params, name) if with_base else method.combine(ys, None, params, name)
+
+    return lambda mask: computed_again(math_of, inputs_at(mask), cd)
+
+
+def cast_back(x: torch.Tensor, dtype: str, name: str, held: torch.Tensor | None, overflow: str = "error",
+              again: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Merged tensor ``x`` (in the compute dtype) cast to the inputs' ``dtype``, in every float dtype by
     one rule: a finite value that rounds past the dtype's largest (the cast makes it inf, or where the
     dtype has no infinity NaN or the largest) is refused with :class:`InvalidMergeError` naming the
     tensor and the count, or with ``overflow="saturate"`` clipped to ± the largest, with a warning
     naming the tensor. So is an inf where no input held an inf or NaN (``held``, from
-    :func:`mark_nonfinite`: the math overflowed), or any inf where the dtype has none; an input's inf,
-    as the method combined it, stays inf, and a NaN stays NaN."""
+    :func:`mark_nonfinite`: the math overflowed), or any inf where the dtype has none; a NaN where no
+    input held one (the math overflowed: inf − inf, 0 × inf) is refused in either mode (saturating cannot
+    give it a value). An input's inf, as the method combined it, stays inf, and its NaN stays NaN.
+
+    ``again`` (elementwise math only) computes the elements whose math made an inf or NaN from finite inputs
+    again, given their mask (:func:`computed_again`; NaN where it could not): those whose true value fits
+    are then kept, not refused. Elsewhere ``x`` is left as the math made it, bit for bit."""
     import torch
 
     target = to_torch(dtype)
@@ -77,11 +103,26 @@ def cast_back(x: torch.Tensor, dtype: str, name: str, held: torch.Tensor | None,
         odd = bool(int(top) & 1)
         lo, hi = (float(v) for v in torch.aminmax(x))  # (no tensor-sized scratch unless past, or a NaN hides it)
         if math.isnan(hi) or (hi >= limit if odd else hi > limit) or (lo <= -limit if odd else lo < -limit):
+            new = x.isfinite().logical_not_()  # where the math made an inf or NaN from finite inputs
+            if held is not None:
+                new.logical_and_(held.logical_not())
+            if again is not None and bool(new.any()):
+                got = again(new)  # (in x's dtype; NaN where not computed: the math's value stays)
+                x[new] = torch.where(got.isnan(), x[new], got, out=got)
+                del got
+                new.logical_and_(x.isfinite().logical_not_())
+            nans = int(new.logical_and_(x.isnan()).sum())
+            if nans:
+                raise InvalidMergeError(f"{name}: {nans} merged value{'s are' if nans > 1 else ' is'} NaN where no input holds an inf "
+                                        "or NaN (the math overflowed: inf − inf, 0 × inf); --overflow saturate cannot clip a NaN",
+                                        hint="lower the weights (or lambda); linear and task-arithmetic compute such elements "
+                                        "again instead")
+            del new
             up, down = (x.ge(limit), x.le(-limit)) if odd else (x.gt(limit), x.lt(-limit))
             if dtype not in NO_INFINITY and held is not None:  # an input's inf stays inf
-                new = held.logical_and(x.isinf()).logical_not_()
-                up.logical_and_(new)
-                down.logical_and_(new)
+                kept = held.logical_and(x.isinf()).logical_not_()
+                up.logical_and_(kept)
+                down.logical_and_(kept)
             count = int(up.sum()) + int(down.sum())
             if count:
                 what = f"{name}: {count} merged value{'s' if count > 1 else ''} past {dtype}'s range (±{fi.max:g})"
@@ -93,6 +134,39 @@ def cast_back(x: torch.Tensor, dtype: str, name: str, held: torch.Tensor | None,
                 log.warning("%s: clipped to ±%g (overflow=saturate)", what, fi.max)
                 x = x.masked_fill_(up, fi.max).masked_fill_(down, -fi.max)
     return x.to(target)
+
+
+AGAIN_BLOCK = 1 << 16  # elements computed again at a time
+
+
+def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], parts: Sequence[torch.Tensor], cd: torch.dtype) -> torch.Tensor:
+    """``f`` (a merge's elementwise math, on copies it may consume) of ``parts`` (the inputs' values, 1-D, in their
+    dtype, at the elements where the math overflowed in the compute dtype), computed again in float64: the same
+    operations in the same order, each rounded to float64, whose range float32 values times weights within
+    float32's range cannot leave. Float64 inputs can: for them the parts are scaled by 2^-k and the result by 2^k,
+    for the least k of 1, 2, 4, … 1024 at which the math is finite. Scaling by a power of two is exact and the math
+    is homogeneous (``f(s·x) = s·f(x)``: sums, differences, products by constant weights), so each operation rounds
+    as it did, as if float64's exponent had no bound; only terms below 2^(k−1022), some 2^2000 times smaller than
+    those that overflowed, lose bits (float64's subnormals). A result past float64's range is inf; NaN where no k
+    kept the math finite. Returned rounded to ``cd`` (the compute dtype: inf past its range); a block of elements
+    at a time (a few small scratch tensors)."""
+    import torch
+
+    n = parts[0].numel()
+    out = torch.full((n,), math.nan, dtype=cd)
+    for at in range(0, n, AGAIN_BLOCK):
+        block = [p[at : at + AGAIN_BLOCK].double() for p in parts]  # (a copy: f consumes its own)
+        todo = torch.ones(block[0].shape, dtype=torch.bool)
+        k = 0
+        while k <= 1024 and bool(todo.any()):
+            where = todo.nonzero().squeeze(1)
+            r = f([b[where].mul_(2.0**-k) for b in block])
+            fine = r.isfinite()
+            # scaled back in two steps: 2^1024 is past float64's range (a product past it is inf, as it should be)
+            out[at + where[fine]] = r[fine].mul_(2.0 ** (k // 2)).mul_(2.0 ** (k - k // 2)).to(cd)
+            todo[where[fine]] = False
+            k = max(1, 2 * k)
+    return out
 
 
 def _inputs_themselves(step: Step, xs: list[torch.Tensor]) -> bool:
@@ -256,6 +330,15 @@ class BatchedInputs:
         get_chunks(store.objects, tasks, store.settings, manifest=list(manifests.values()), pool=self.pool)
         return out
 
+    def read_at(self, step: Step, mask: torch.Tensor) -> list[torch.Tensor]:
+        """Tensor ``step.name`` of each of its inputs read again, one input at a time, and its values at
+        ``mask`` (1-D): for the elements whose math overflowed (:func:`cast_back`), once the inputs were
+        consumed by the math."""
+        out = []
+        for r in self._sources(step):
+            out.append(r.get_tensor(step.name)[mask])
+        return out
+
 
 def step_sources(method: MergeMethod, readers: list[CheckpointReader], base: CheckpointReader | None,
                  ) -> Callable[[Step], list[CheckpointReader]]:
@@ -283,8 +366,9 @@ def step_computation(step: Step, method: MergeMethod, params: Mapping[str, Any],
             if _inputs_themselves(step, xs):
                 return xs[0]
             acc, held = plain_average(xs, cd)
+            out = cast_back(acc, step.dtype, step.name, held, overflow, average_again(xs, cd))
             del xs
-            return cast_back(acc, step.dtype, step.name, held, overflow).contiguous()
+            return out.contiguous()
         xs = reads.read(step)  # (the base too, where the method has one: see step_sources)
         if (identity or step.dtype not in FLOAT_DTYPES) and _inputs_themselves(step, xs):
             return xs[0]
@@ -292,11 +376,14 @@ def step_computation(step: Step, method: MergeMethod, params: Mapping[str, Any],
         for i, x in enumerate(xs):
             xs[i] = x.to(cd)  # one at a time: an upcast copy replaces its source
             held = mark_nonfinite(xs[i], held)
-        b = xs.pop() if method.needs_base and base is not None else None
+        b_read = method.needs_base and base is not None
+        b = xs.pop() if b_read else None
         with torch.no_grad():
             out = method.combine(xs, b, params, step.name)
         del xs, b
-        out = cast_back(out, step.dtype, step.name, held, overflow).contiguous()
+        # (the inputs are consumed: read again where the math overflowed)
+        again = method_again(method, params, step.name, b_read, cd, lambda mask: reads.read_at(step, mask))
+        out = cast_back(out, step.dtype, step.name, held, overflow, again).contiguous()
         _trim()
         return out
 

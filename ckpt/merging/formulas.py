@@ -30,6 +30,17 @@ Summation order (it fixes every rounding, so results are reproducible bit for bi
   ``t = 0`` / ``t = 1`` return ``x_0`` / ``x_1`` unchanged. Ω is taken over the elements finite in
   both inputs: a NaN or inf stays NaN or inf in the result at its element (as in the other
   methods) and the rest is slerp, not a linear interpolation for want of an angle.
+
+Where a step overflows the compute dtype though no input holds an inf or NaN at that element (two
+values near float32's largest, summed; ``2·x_0 − x_1``; ``inf − inf`` or ``0 × inf`` after it), the
+result there is inf or NaN. ``linear`` and ``task-arithmetic`` (elementwise: ``MergeMethod.elementwise``),
+and the plain average of ``new_tensors="average"`` (``((x_0 + x_1) + …) / n``), compute those elements
+again, alone, in float64: the same operations in the same order, each rounded to float64 (for float64
+inputs, on inputs scaled by a power of two, and the result scaled back: each rounding as in float64,
+its exponent unbounded); the result is rounded to the compute dtype, then cast back as any other.
+Every other element keeps the bytes of the order above. ``ties``, ``dare`` and ``slerp`` do not (an
+element's result depends on the whole tensor): an inf there is past the range, and a NaN is refused
+(:func:`ckpt.merging.computing.cast_back`).
 """
 
 from __future__ import annotations

@@ -121,6 +121,10 @@ class MergeMethod:
     # unchanged for these parameters: such tensors are reused without being read.
     identity: Callable[[Mapping[str, Any]], bool]
     needs_base: bool = False
+    # True when each output element is the same function of the inputs' (and the base's) element, homogeneous
+    # (sums and differences times constant weights: f(s·x) = s·f(x)): elements whose math overflowed are then
+    # computed again in float64 (:func:`~ckpt.merging.computing.computed_again`), not refused.
+    elementwise: bool = False
     min_inputs: int = 1
     max_inputs: int | None = None
     # Checks that involve several parameters: returns what is wrong, or None.
@@ -246,11 +250,12 @@ def _check_dare(p: Mapping[str, Any]) -> str | None:
 LINEAR = MergeMethod(
     "linear", "weighted average of the inputs",
     (_WEIGHTS, Param("normalize", "bool", True, "divide the weights by their sum")),
-    merge_linear, identity=lambda p: bool(p["normalize"]) or _weight_sum(p["weights"]) == 1.0, min_inputs=1, check=_check_linear)
+    merge_linear, identity=lambda p: bool(p["normalize"]) or _weight_sum(p["weights"]) == 1.0, min_inputs=1, check=_check_linear,
+    elementwise=True)
 TASK_ARITHMETIC = MergeMethod(
     "task-arithmetic", "base + Σ λ_i (input_i − base)",
     (Param("weights", "floats", None, "λ_i: scale of each input's task vector"),),
-    merge_task_arithmetic, identity=_always, needs_base=True, min_inputs=1, check=_check_scale)
+    merge_task_arithmetic, identity=_always, needs_base=True, min_inputs=1, check=_check_scale, elementwise=True)
 TIES = MergeMethod(
     "ties", "TIES: trim each task vector to its largest entries, elect a sign per element, average the agreeing ones",
     (Param("density", "float", 0.2, "fraction of each task vector kept (largest magnitudes)", low=0.0, high=1.0, low_open=True),

@@ -15,6 +15,7 @@ import ckpt
 from ckpt.errors import InvalidMergeError, RefNotFoundError
 from ckpt.merging.combine import merge_state_dicts
 from ckpt.merging.computing import cast_back
+from ckpt.merging.formulas import dare_mask, dare_seed
 
 INF, NAN = math.inf, math.nan
 WITH_INFINITY = [(torch.float16, "F16"), (torch.bfloat16, "BF16"), (torch.float8_e5m2, "F8_E5M2")]
@@ -107,8 +108,8 @@ def test_the_rounding_edge_is_torchs_own(dtype, st, caplog):
 
 def test_an_inf_the_float32_math_made_is_refused_where_no_input_held_one(store):
     """float32 (and float64) inputs are merged in their own dtype: a merge past their range made inf in the math,
-    stored as it was. Refused now, as in every float dtype, where no input held an inf there; an input's inf
-    in the same tensor stays inf (also when averaged: new_tensors="average")."""
+    stored as it was. Refused now, as in every float dtype, where no input held an inf there and the true value
+    is past the range; an input's inf in the same tensor stays inf (also when averaged: new_tensors="average")."""
     big = 2.0e38
     b = {"w": torch.tensor([0.0, 1.0, 1.0]), "head": torch.tensor([big, 1.0])}
     f = {"w": torch.tensor([big, 2.0, INF]), "head": torch.tensor([big, INF])}
@@ -120,10 +121,11 @@ def test_an_inf_the_float32_math_made_is_refused_where_no_input_held_one(store):
     store.push({"w": b["w"]}, "f32/base")
     store.push(f, "f32/ft")
     store.push(f2, "f32/ft2")
-    # head, which the base lacks, averaged: big + big overflows float32; the input's inf stays, not refused
-    with pytest.raises(InvalidMergeError, match=r"^head: 1 merged value past F32's range"):
-        ckpt.merge(["f32/ft", "f32/ft2"], "task-arithmetic", name="f32/out", base="f32/base", store=store,
-                   params={"weights": [0.0, 0.0]}, new_tensors="average")
+    # head, which the base lacks, averaged: big + big overflows float32's sum, but the average is big (computed
+    # again, scaled: see test_an_average_past_the_float32_sum_is_the_average); the input's inf stays, not refused
+    ckpt.merge(["f32/ft", "f32/ft2"], "task-arithmetic", name="f32/out", base="f32/base", store=store,
+               params={"weights": [0.0, 0.0]}, new_tensors="average")
+    assert bits(store.load("f32/out")["head"]) == bits(torch.tensor([big, INF]))
     f2["head"][0] = 1.0
     store.push(f2, "f32/ft2")
     ckpt.merge(["f32/ft", "f32/ft2"], "task-arithmetic", name="f32/out", base="f32/base", store=store,
@@ -150,3 +152,150 @@ def test_a_merge_reads_each_manifest_once(store, monkeypatch):
         ckpt.merge(["r/ft0", "r/ft1"], "task-arithmetic" if b else "linear", name=f"r/out{b is None}", base=b, store=store,
                    params={"weights": [0.5, 0.5]})
         assert sorted(reads.values()) == [1] * (3 if b else 2), reads
+
+
+def fine_tunes(dtype: torch.dtype, n: int = 2) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    """A real model (a transformer encoder layer) and ``n`` fine-tunes of it, each a few AdamW steps on its own
+    data with a classification head the base lacks, in ``dtype``."""
+    torch.manual_seed(0)
+    body = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    base = {k: v.detach().clone() for k, v in body.state_dict().items()}
+    fts = []
+    for i in range(n):
+        torch.manual_seed(1 + i)
+        body.load_state_dict(base)
+        head = torch.nn.Linear(32, 3)
+        opt = torch.optim.AdamW([*body.parameters(), *head.parameters()], lr=1e-3)
+        for _ in range(3):
+            x, y = torch.randn(8, 5, 32), torch.randint(0, 3, (8,))
+            loss = torch.nn.functional.cross_entropy(head(body(x).mean(1)), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        sd = {k: v.detach().clone() for k, v in body.state_dict().items()}
+        sd.update({f"head.{k}": v.detach().clone() for k, v in head.state_dict().items()})
+        fts.append({k: v.to(dtype) for k, v in sd.items()})
+    return {k: v.to(dtype) for k, v in base.items()}, fts
+
+
+@pytest.mark.parametrize("dtype, st", [(torch.bfloat16, "BF16"), (torch.float32, "F32"), (torch.float64, "F64")])
+def test_an_average_past_the_float32_sum_is_the_average(dtype, st, store, tmp_path, monkeypatch, capsys):
+    """The plain average (new_tensors="average": a head the base lacks) summed the inputs in float32 (float64 for
+    float64), then divided: two values near bfloat16's or float32's largest (float64's, in float64) made inf, refused
+    though the average is representable, and with overflow="saturate" the largest, not the average. Where the sum
+    overflows the elements are computed again, scaled (the average now); everywhere else the bytes are what the
+    float32 sum gave, of a real model's fine-tunes."""
+    from ckpt_store.cli.main import main
+
+    base, fts = fine_tunes(dtype)
+    top = torch.finfo(dtype).max
+    planted = {0: (top, top), 1: (top, top / 2), 2: (-top, -top * 0.75), 3: (top, -top)}  # head.weight's first row
+    for i, (a, b) in planted.items():
+        fts[0]["head.weight"][0, i], fts[1]["head.weight"][0, i] = a, b
+    for i, sd in enumerate([base, *fts]):
+        save_file(sd, tmp_path / f"m{i}.safetensors")
+        store.push(str(tmp_path / f"m{i}.safetensors"), f"avg/m{i}")
+    cd = torch.float64 if dtype == torch.float64 else torch.float32
+    want = {}
+    for k, x in fts[0].items():  # what the code before gave: the heads' sum in the compute dtype, divided by 2; the
+        y = fts[1][k].to(cd)  # body's task arithmetic, base + ((x0 − base)·0.5 + (x1 − base)·0.5), in that order
+        want[k] = ((x.to(cd) + y) / 2 if k.startswith("head.") else
+                   ((x.to(cd) - base[k].to(cd)) * 0.5 + (y - base[k].to(cd)) * 0.5) + base[k].to(cd)).to(dtype)
+    assert want["head.weight"][0, :3].isinf().all() and want["head.weight"][0, 3] == 0  # (the premise)
+    for i, (a, b) in planted.items():  # the average, exact: each half is
+        want["head.weight"][0, i] = float(torch.tensor(a, dtype=dtype)) / 2 + float(torch.tensor(b, dtype=dtype)) / 2
+    assert want["head.weight"][0, 0] == top and want["head.weight"][0, :3].isfinite().all()
+
+    kw = {"base": "avg/m0", "store": store, "new_tensors": "average", "params": {"weights": [0.5, 0.5]}}
+    for overflow in ("error", "saturate"):
+        r = ckpt.merge(["avg/m1", "avg/m2"], "task-arithmetic", name=f"avg/{overflow}", overflow=overflow, **kw)
+        assert sorted(r.averaged) == ["head.bias", "head.weight"] and r.merged == len(base)
+        store.pull(f"avg/{overflow}", tmp_path / f"{overflow}.safetensors")
+        got = load_file(tmp_path / f"{overflow}.safetensors")
+        assert {k: bits(v) for k, v in got.items()} == {k: bits(v) for k, v in want.items()}
+    sd = merge_state_dicts(fts, "task-arithmetic", params={"weights": [0.5, 0.5]}, base=base, new_tensors="average")
+    assert {k: bits(v) for k, v in sd.items()} == {k: bits(v) for k, v in want.items()}
+    monkeypatch.setenv("CKPT_STORE", store.url)
+    with pytest.raises(SystemExit) as e:
+        main(["merge", "avg/m1", "avg/m2", "--method", "task-arithmetic", "-b", "avg/m0", "-w", "0.5,0.5",
+              "--new-tensors", "average", "-o", "avg/cli"])
+    assert e.value.code == 0, capsys.readouterr().err
+    assert bits(store.load("avg/cli")["head.weight"]) == bits(want["head.weight"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_a_weighted_sum_whose_math_overflows_but_whose_result_fits_is_that_result(dtype, store, tmp_path):
+    """Linear and task-arithmetic are weighted sums whose weights sum to 1 (task arithmetic's are 1 − Σλ for the
+    base, λ_i for the inputs): 2·a − b, or base + (a − base) − (b − base), can fit though a step overflows float32.
+    The result was inf (refused), or NaN stored silently (inf − inf; 0 × inf where λ is 0). Such elements are
+    computed again in float64 (float64 inputs: scaled by a power of two), in the same order: the result, not
+    refused. A result truly past the range is refused as before."""
+    from fractions import Fraction
+
+    top = torch.finfo(dtype).max
+    e = 127 if dtype != torch.float64 else 1023
+    q, r = 1.5 * 2.0**e, 1.75 * 2.0**e  # (0.75 and 0.875 × 2^128, or 2^1024: the sums below exact in every dtype)
+    b = torch.tensor([-q, -q, 1.0, 2.0], dtype=torch.float64).to(dtype)
+    x0 = torch.tensor([q, q, 3.0, 5.0], dtype=torch.float64).to(dtype)
+    x1 = torch.tensor([r, q, 2.0, 7.0], dtype=torch.float64).to(dtype)
+    for i, sd in enumerate(({"w": b}, {"w": x0}, {"w": x1})):
+        save_file(sd, tmp_path / f"m{i}.safetensors")
+        store.push(str(tmp_path / f"m{i}.safetensors"), f"ws/m{i}")
+    a, c, base = ([Fraction(float(v)) for v in t] for t in (x0, x1, b))  # (exact arithmetic)
+    cases = [  # method, weights, the merged values, where the math made inf or NaN at the first two elements
+        ("linear", [2.0, -1.0], [2 * ai - ci for ai, ci in zip(a, c)]),  # 2q overflows
+        ("task-arithmetic", [1.0, -1.0], [bi + (ai - bi) - (ci - bi) for ai, ci, bi in zip(a, c, base)]),  # inf − inf
+        ("task-arithmetic", [0.0, 0.5], [bi + (ci - bi) / 2 for ci, bi in zip(c, base)]),  # 0 × inf
+    ]
+    for method, ws, exact in cases:
+        want = torch.tensor([float(v) for v in exact], dtype=torch.float64).to(dtype)
+        assert want[:2].isfinite().all()
+        params, kw = {"weights": ws, **({"normalize": False} if method == "linear" else {})}, {}
+        if method != "linear":
+            kw["base"] = "ws/m0"
+        for overflow in ("error", "saturate"):
+            ckpt.merge(["ws/m1", "ws/m2"], method, name="ws/out", params=params, overflow=overflow, store=store, **kw)
+            assert bits(store.load("ws/out")["w"]) == bits(want), (method, ws, store.load("ws/out")["w"])
+        sd = merge_state_dicts([{"w": x0}, {"w": x1}], method, params=params, base={"w": b} if kw else None)
+        assert bits(sd["w"]) == bits(want)
+    # truly past: 3r − 2q, computed again, is past too (refused, or saturated); 3q − 2q is q
+    with pytest.raises(InvalidMergeError, match=r"^w: 1 merged value past"):
+        ckpt.merge(["ws/m2", "ws/m1"], "linear", name="ws/past", params={"weights": [3.0, -2.0]}, store=store)
+    sd = merge_state_dicts([{"w": x1}, {"w": x0}], "linear", params={"weights": [3.0, -2.0]}, overflow="saturate")
+    assert bits(sd["w"]) == bits(torch.tensor([top, q, 0.0, 11.0], dtype=torch.float64).to(dtype))
+
+
+def test_a_nan_the_math_makes_from_finite_inputs_is_refused_in_either_mode(store, tmp_path, monkeypatch, capsys):
+    """DARE drops task-vector entries by multiplying them by 0: a task vector that overflowed float32 (x − base past
+    its range) became 0 × inf = NaN, stored silently, even with overflow="saturate" (a NaN has nothing to clip to).
+    Refused now in either mode, naming the tensor and the count, before any ref is written; an input's NaN stays."""
+    from ckpt_store.cli.main import main
+
+    top = torch.finfo(torch.float32).max
+    n = 64
+    b = torch.full((n,), -top * 0.75)
+    x = torch.full((n,), top * 0.75)
+    x[-1], b[-1] = NAN, 0.0  # an input's NaN: not the math's
+    for i, sd in enumerate(({"w": b}, {"w": x}, {"w": x.clone()})):
+        save_file(sd, tmp_path / f"m{i}.safetensors")
+        store.push(str(tmp_path / f"m{i}.safetensors"), f"nan/m{i}")
+    dropped = int((~dare_mask((n,), 0.5, dare_seed(0, "w", 0))[:-1]).sum())
+    assert 0 < dropped < n - 1  # (the premise: some entries dropped, some kept: inf, refused as before)
+    for overflow in ("saturate", "error"):  # (saturate stored the NaN; by default the kept entries' inf was refused)
+        with pytest.raises(InvalidMergeError, match=rf"^w: {dropped} merged values are NaN where no input holds an inf or NaN "
+                           r"\(the math overflowed: inf − inf, 0 × inf\); --overflow saturate cannot clip a NaN"):
+            ckpt.merge(["nan/m1"], "dare", name="nan/out", base="nan/m0", params={"density": 0.5}, overflow=overflow, store=store)
+        with pytest.raises(RefNotFoundError):
+            store.resolve("nan/out")
+        with pytest.raises(InvalidMergeError, match=rf"^w: {dropped} merged values are NaN"):
+            merge_state_dicts([{"w": x}], "dare", params={"density": 0.5}, base={"w": b}, overflow=overflow)
+    monkeypatch.setenv("CKPT_STORE", store.url)
+    with pytest.raises(SystemExit) as e:
+        main(["merge", "nan/m1", "--method", "dare", "-b", "nan/m0", "-p", "density=0.5", "--overflow", "saturate", "-o", "nan/cli"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith(f"error: w: {dropped} merged values are NaN") and "cannot clip a NaN" in err
+    assert err.count("\n") <= 2 and "Traceback" not in err
+    # the input's NaN alone (no overflow): merged as ever, NaN at its element
+    ckpt.merge(["nan/m2", "nan/m1"], "dare", name="nan/ok", base="nan/m2", params={"density": 0.5}, store=store)
+    got = store.load("nan/ok")["w"]
+    assert got[-1].isnan() and bool(got[:-1].isfinite().all())
