@@ -154,15 +154,16 @@ class LocalTier:
         # grace 0: this process is the tier's only writer, and it is not writing now
         self.store.gc(grace_s=0.0, keep_history=False)
 
-    def bound(self, sizes: Iterable[int], bundles: bool | None = False) -> int:
+    def bound(self, sizes: Iterable[int], bundles: bool | None = False, raw: bool = False) -> int:
         """At most what a snapshot of tensors of ``sizes`` bytes (those it writes) adds to the tier: their bytes, a
         page per chunk (its header, the medium's rounding), a copy of each one's small chunk where snapshots carry
         bundles (one per tensor at most: its others are full chunks), and 64 KiB and 1 KiB per tensor for the
         manifest and refs. An upper bound: chunks the tier holds already (unchanged, found by hash) add nothing. A tier
-        that compresses (and deltas) counts no tensor bytes: raw bytes would be far over (an 8 MB tensor changed in one
-        element stores as 1.4 KiB) and refuse saves that fit; its write finds out where they do not."""
+        that compresses (and deltas) counts no tensor bytes unless ``raw``: raw bytes would be far over (an 8 MB tensor
+        changed in one element stores as 1.4 KiB) and refuse saves that fit; its write finds out where they do not
+        (and :meth:`make_room` then takes the raw bound as a cap)."""
         chunk = self.store.settings.chunk_size
-        sizes = [0 if self.compress else n for n in sizes]
+        sizes = [0 if self.compress and not raw else n for n in sizes]
         total = sum(n + PAGE * -(-n // chunk) + 1024 for n in sizes) + (64 << 10)
         if bundles:
             from ckpt.transfer.reading import BUNDLE_CHUNK_MAX
@@ -236,7 +237,10 @@ class LocalTier:
         (``since``: the id of the last snapshot written or restored). While that one is held, the save adds ``needed``
         bytes (its tensors known to change since); once it goes, ``whole`` (all of them), so that a tier with room for
         one snapshot holds the newest instead of refusing every save, and never drops it for too little room.
-        ``needed`` None (a group's rank): as much as the largest snapshot holds here, for both. Where dropping every
+        ``needed`` None (a group's rank): as much as the largest snapshot holds here, for both; a tier that compresses
+        takes that too, capped by ``needed`` and ``whole`` (their raw bytes, :meth:`bound` with ``raw``): what its
+        tensors store as is known only once written, and with the bound of a compressing tier (no tensor bytes) it
+        asked for almost nothing, dropped none, and every later save ran out of space again. Where dropping every
         one would not make the room (another tenant of a shared /dev/shm holds it), nothing is dropped: the save fails
         again with its warning and the tier keeps its newest snapshot. The steps removed."""
         with self._lock:
@@ -248,8 +252,9 @@ class LocalTier:
             if not order:
                 return []
             chunks = self._chunk_map(steps)
-            if needed is None:  # (a group's rank: the most any snapshot holds here, one cut short by ENOSPC aside)
-                needed = max(sum(self.store.stored_sizes(c).values()) for c in chunks.values())
+            if needed is None or self.compress:  # the most any snapshot holds here (one cut short by ENOSPC aside)
+                most = max(sum(self.store.stored_sizes(c).values()) for c in chunks.values())
+                needed, whole = (most, most) if needed is None else (min(most, needed), min(most, whole or needed))
             whole = needed if whole is None else max(whole, needed)
             mine = [s for s in steps if self._names(s, since)]  # (held: what the save does not change is there)
             at = (order.index(mine[0]) if mine[0] in order else len(order)) if mine else -1  # dropping order[:k]: k > at drops it

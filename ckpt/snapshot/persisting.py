@@ -174,8 +174,8 @@ class Persisting(ManagerState):
                 # (a group's rank holds its shards and replicas instead: make_room estimates those)
                 sizes, changed, since = self._path.save_sizes(state)
                 bundles = self._path.run.bundles
-                whole = local.bound(sizes, bundles)
-                dropped = local.make_room(step, whole if changed is None else local.bound(changed, bundles), whole, since)
+                whole = local.bound(sizes, bundles, raw=True)  # (a compressing tier caps its estimate by these)
+                dropped = local.make_room(step, whole if changed is None else local.bound(changed, bundles, raw=True), whole, since)
         except Exception as e:  # noqa: BLE001
             self._tier_warning(f"local tier: could not make room for step {step} ({describe(e)})")
             return

@@ -752,3 +752,38 @@ def test_tensors_new_since_the_last_snapshot_count_for_the_room(tmp_path, tmpfs)
     got, want = flatten(state2)[0], flatten(state)[0]
     assert {n: t.detach().numpy().tobytes() for n, t in got.items()} == {n: t.detach().numpy().tobytes() for n, t in want.items()}
     assert ckpt.Store.open(f"{shm}/tier").verify().ok
+
+
+def test_after_a_compressing_tiers_write_ran_out_of_space_it_makes_room_for_a_snapshot(tmp_path, tmpfs):
+    """local_compress=True on a 16 MiB tmpfs, local_keep=3: steps 1 and 2 (4 MiB of noise each, every element
+    changed by each step: it stores as about 3.5 MiB), another tenant leaves 1 MiB free. A compressing tier counts
+    no tensor bytes before a save (LocalTier.bound), so the save of 3 runs out of space writing. The room made after
+    it asked for what bound said (about 64 KiB), dropped nothing, and every later save failed again the same way.
+    It asks for as much as the largest snapshot here holds (at most the raw bytes) now: step 1 goes and 4 lands."""
+    shm = tmpfs(tmp_path / "shm", "16m")
+    gen = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(1 << 20, generator=gen), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1, local_keep=3, local_compress=True) as mgr:
+        for step in (1, 2):
+            state["w"].copy_(torch.randn(1 << 20, generator=gen))
+            mgr.save(step, state, persist=False)
+            mgr.wait()
+        held = mgr.local_tier.bytes
+        assert held > 6 << 20  # (the noise compresses little)
+        _fill(f"{shm}/tenant", leave=1 << 20)
+        state["w"].copy_(torch.randn(1 << 20, generator=gen))
+        with pytest.warns(ckpt.TierWarning, match="step 3 not saved .*(disk is full|No space left)"):
+            mgr.save(3, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [1, 2]
+        state["w"].copy_(torch.randn(1 << 20, generator=gen))
+        with pytest.warns(ckpt.TierWarning, match="dropped step.s. 1 to make room for step 4"):
+            mgr.save(4, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [2, 4] and mgr.last_save.tier == "local"
+    state2 = {"w": torch.zeros(1 << 20), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        assert mgr.restore_latest(state2) == 4 and mgr.last_restore["store"] == 0
+    assert state2["w"].numpy().tobytes() == state["w"].numpy().tobytes()
+    assert ckpt.Store.open(f"{shm}/tier").verify().ok
