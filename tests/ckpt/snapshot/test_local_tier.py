@@ -787,3 +787,62 @@ def test_after_a_compressing_tiers_write_ran_out_of_space_it_makes_room_for_a_sn
         assert mgr.restore_latest(state2) == 4 and mgr.last_restore["store"] == 0
     assert state2["w"].numpy().tobytes() == state["w"].numpy().tobytes()
     assert ckpt.Store.open(f"{shm}/tier").verify().ok
+
+
+def test_after_a_failed_save_the_room_keeps_the_snapshot_the_next_save_continues_from(tmp_path, tmpfs):
+    """local_keep=2: the run went back to step 2 while step 4 of the timeline it left was being persisted (pinned:
+    the tier holds 2 and 4). The save of 3 is refused (another tenant filled the tmpfs), the tenant frees 4 MiB. The
+    save of 5 counts only what changed since 2 (the head and its moments): the 1 MiB ``noise`` restored from 2 is
+    found there by hash. Its room was made with no snapshot named as reused (the failed save had reset it): 2 went by
+    local_keep before the write, the noise was written again uncounted, and a restart meanwhile had the abandoned
+    timeline's 4 alone. 2 stays until 5 lands now, and the save writes no byte of the noise."""
+    shm = tmpfs(tmp_path / "shm", "16m")
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 16)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    state = {"head": head, "optim": opt, "noise": torch.randn(1 << 18), "step": 0}
+
+    def train(step):
+        head(torch.randn(4, 16)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] = step
+
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1) as mgr:
+        for step in (2, 4):
+            train(step)
+            mgr.save(step, state, persist=False)
+            mgr.wait()
+            state["noise"].copy_(torch.randn(1 << 18))  # (4 holds other noise than 2)
+        assert mgr.restore(state, 2) == 2
+        mgr._local.pinned.add(4)  # as a persist of step 4 in flight pins it
+        _fill(f"{shm}/tenant")
+        train(3)
+        with pytest.warns(ckpt.TierWarning, match="step 3 not saved .*the disk is full for this snapshot.*nothing written"):
+            mgr.save(3, state, persist=False)
+            mgr.wait()
+        os.truncate(f"{shm}/tenant", max(os.path.getsize(f"{shm}/tenant") - (4 << 20), 0))
+        room, held = mgr._path.room, []
+
+        def seen(*args):  # the tier's steps as the write begins
+            dropped = room(*args)
+            held.append(mgr._local.steps())
+            return dropped
+
+        mgr._path.room = seen
+        train(5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)
+            mgr.save(5, state, persist=False)
+            mgr.wait()
+        assert held == [[2, 4]] and mgr.last_save.tier == "local"
+        assert mgr.last_save.written_bytes < 1 << 19, mgr.last_save.written_bytes  # (the noise: 1 MiB)
+        assert mgr.local_tier.steps == [4, 5]  # (2 goes by local_keep once 5 has landed)
+    want = {n: t.numpy().tobytes() for n, t in {**head.state_dict(), "noise": state["noise"]}.items()}
+    head2 = torch.nn.Linear(16, 16)
+    state2 = {"head": head2, "optim": torch.optim.AdamW(head2.parameters()), "noise": torch.zeros(1 << 18), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        assert mgr.restore(state2, 5) == 5 and mgr.last_restore["store"] == 0
+    assert {n: t.numpy().tobytes() for n, t in {**head2.state_dict(), "noise": state2["noise"]}.items()} == want
+    assert ckpt.Store.open(f"{shm}/tier").verify().ok
