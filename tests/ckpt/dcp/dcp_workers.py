@@ -1489,10 +1489,11 @@ def tiers_full(rank, world, tmp, store, mode, steps=8):
 
 
 def tiers_room_order(rank, world, tmp, store):
-    """Every rank's tier in one tmpfs (the test mounts it at ``tmp/local``), local_keep=3: steps 2 and 4 saved, the
-    group goes back to 2; another tenant (``tmp/local/tenant``) fills the tmpfs, the save of 3 runs out of space;
-    the tenant frees 2 MiB and the group saves 5. Returns this rank's TierWarnings, its tier's steps, and whether
-    a fresh state restores 5 and then 2 from the tiers alone, bit-exact."""
+    """Every rank's tier in one tmpfs (the test mounts it at ``tmp/local``), local_keep=4: step 1 saved before training
+    (the weights alone, ~1 MiB), steps 2 and 4 after (with AdamW's moments, ~3 MiB), the group goes back to 2; another
+    tenant (``tmp/local/tenant``) fills the tmpfs, the save of 3 runs out of space; the tenant frees 1.5 MiB and the
+    group saves 5. Returns this rank's TierWarnings, its tier's steps, and whether a fresh state restores 5 and then
+    2 from the tiers alone, bit-exact."""
     import warnings
 
     import torch.distributed as dist
@@ -1503,11 +1504,12 @@ def tiers_room_order(rank, world, tmp, store):
     state = _big_ddp_state(rank)
 
     def manager():
-        return ckpt.CheckpointManager(store, "room", every_n_steps=100, local=local, local_every_n_steps=1, local_keep=3,
+        return ckpt.CheckpointManager(store, "room", every_n_steps=100, local=local, local_every_n_steps=1, local_keep=4,
                                       process_group=dist.group.WORLD, timeout_s=30)
 
-    def step(n):
-        _big_step(state)
+    def step(n, train=True):
+        if train:
+            _big_step(state)
         state["step"] = n
         mgr.save(n, state, persist=False)
         mgr.wait()
@@ -1515,6 +1517,7 @@ def tiers_room_order(rank, world, tmp, store):
     mgr, bits = manager(), {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        step(1, train=False)
         step(2)
         bits[2] = _big_bits(state)
         step(4)
@@ -1531,7 +1534,7 @@ def tiers_room_order(rank, world, tmp, store):
         step(3)
         dist.barrier()
         if rank == 0:
-            os.truncate(tenant, max(os.path.getsize(tenant) - (2 << 20), 0))
+            os.truncate(tenant, max(os.path.getsize(tenant) - (3 << 19), 0))
         dist.barrier()
         step(5)
         bits[5] = _big_bits(state)
