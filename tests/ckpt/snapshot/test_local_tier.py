@@ -846,3 +846,39 @@ def test_after_a_failed_save_the_room_keeps_the_snapshot_the_next_save_continues
         assert mgr.restore(state2, 5) == 5 and mgr.last_restore["store"] == 0
     assert {n: t.numpy().tobytes() for n, t in {**head2.state_dict(), "noise": state2["noise"]}.items()} == want
     assert ckpt.Store.open(f"{shm}/tier").verify().ok
+
+
+def test_a_compressing_tiers_room_counts_a_state_grown_since_its_snapshots(tmp_path, tmpfs):
+    """local_compress=True on a 32 MiB tmpfs: step 0 saved before training (6 MiB of weights: AdamW has no moments
+    yet); another tenant leaves 13 MiB free. Each step after stores about three times as much (the moments AdamW's
+    first step made): the save of 1 runs out of space writing. The room made then asked for as much as the largest
+    snapshot held (step 0, the weights alone), found it free, dropped nothing, and every later save failed again.
+    It counts the raw bytes at the rate the tier's snapshots store them now: the save of 2 drops 0 and lands."""
+    shm = tmpfs(tmp_path / "shm", "32m")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
+    state = {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-3), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1, local_keep=3, local_compress=True) as mgr:
+        mgr.save(0, state, persist=False)
+        mgr.wait()
+        _fill(f"{shm}/tenant", leave=13 << 20)
+        _step(state, 1)
+        with pytest.warns(ckpt.TierWarning, match="step 1 not saved .*(disk is full|No space left)"):
+            mgr.save(1, state, persist=False)
+            mgr.wait()
+        _step(state, 2)
+        with pytest.warns(ckpt.TierWarning, match="dropped step.s. 0 to make room for step 2"):
+            mgr.save(2, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [2] and mgr.last_save.tier == "local"
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
+    state2 = {"model": fresh, "optim": torch.optim.AdamW(fresh.parameters(), lr=1e-3), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        assert mgr.restore_latest(state2) == 2 and mgr.last_restore["store"] == 0
+    from ckpt.snapshot.state import flatten
+
+    got, want = flatten(state2)[0], flatten(state)[0]
+    assert {n: t.detach().numpy().tobytes() for n, t in got.items()} == {n: t.detach().numpy().tobytes() for n, t in want.items()}
+    assert ckpt.Store.open(f"{shm}/tier").verify().ok
