@@ -61,7 +61,8 @@ class LocalSnapshots(LocalRestoring):
         self.run = run
         # A local tier's room made before a write (LocalTier.fit): the step, the sizes of the tensors written that
         # are not known to be unchanged, whether the snapshot carries bundles, and the id of the snapshot whose chunks it
-        # reuses or deltas against (never dropped; None where it names none); it raises (ENOSPC) where the medium cannot hold them.
+        # reuses or deltas against, or after a failed save the last one written or restored, where what it does not
+        # count is found by hash (never dropped; None where it names none); it raises (ENOSPC) where the medium cannot hold them.
         self.room = room
         self.store = run.store
         self.overlap = overlap
@@ -286,8 +287,13 @@ class LocalSnapshots(LocalRestoring):
 
         try:
             if self.room is not None:  # before a byte is written (a failure resets what the next save reuses, below)
-                # (the previous snapshot is kept where this one names its chunks: entries reused, deltas against it)
-                reused = self._last[0] if self._last and (reuse or self.run.delta) else None
+                # (the previous snapshot is kept where this one names its chunks: entries reused, deltas against it; after
+                # a failed save, which reuses none, the last one written or restored: ``changed`` counts none of what is
+                # unchanged since, found there by hash. Dropped, that was written again uncounted.)
+                if self._last is not None:
+                    reused = self._last[0] if reuse or self.run.delta else None
+                else:
+                    reused = self._since
                 self.room(step, changed or [], self.run.bundles, reused)
             known = {n: (e.dtype, e.shape, e.nbytes) for n, e in reuse.items()}
             # tensors read in place until the optimizer steps come from ``live``

@@ -104,6 +104,7 @@ class LocalTier:
         self.pinned: set[int] = set()
         self._lock = threading.Lock()  # prune vs. the steps a persist pins
         self._named: dict[str, frozenset[str]] = {}  # manifest id -> the chunks it names (_chunks)
+        self._logical: dict[str, int] = {}  # manifest id -> its tensors' bytes (_chunks)
 
     def close(self) -> None:
         """Let go of the tier (another manager may then take it)."""
@@ -154,15 +155,16 @@ class LocalTier:
         # grace 0: this process is the tier's only writer, and it is not writing now
         self.store.gc(grace_s=0.0, keep_history=False)
 
-    def bound(self, sizes: Iterable[int], bundles: bool | None = False) -> int:
+    def bound(self, sizes: Iterable[int], bundles: bool | None = False, raw: bool = False) -> int:
         """At most what a snapshot of tensors of ``sizes`` bytes (those it writes) adds to the tier: their bytes, a
         page per chunk (its header, the medium's rounding), a copy of each one's small chunk where snapshots carry
         bundles (one per tensor at most: its others are full chunks), and 64 KiB and 1 KiB per tensor for the
         manifest and refs. An upper bound: chunks the tier holds already (unchanged, found by hash) add nothing. A tier
-        that compresses (and deltas) counts no tensor bytes: raw bytes would be far over (an 8 MB tensor changed in one
-        element stores as 1.4 KiB) and refuse saves that fit; its write finds out where they do not."""
+        that compresses (and deltas) counts no tensor bytes unless ``raw``: raw bytes would be far over (an 8 MB tensor
+        changed in one element stores as 1.4 KiB) and refuse saves that fit; its write finds out where they do not
+        (and :meth:`make_room` then takes the raw bound as a cap)."""
         chunk = self.store.settings.chunk_size
-        sizes = [0 if self.compress else n for n in sizes]
+        sizes = [0 if self.compress and not raw else n for n in sizes]
         total = sum(n + PAGE * -(-n // chunk) + 1024 for n in sizes) + (64 << 10)
         if bundles:
             from ckpt.transfer.reading import BUNDLE_CHUNK_MAX
@@ -236,7 +238,8 @@ class LocalTier:
         (``since``: the id of the last snapshot written or restored). While that one is held, the save adds ``needed``
         bytes (its tensors known to change since); once it goes, ``whole`` (all of them), so that a tier with room for
         one snapshot holds the newest instead of refusing every save, and never drops it for too little room.
-        ``needed`` None (a group's rank): as much as the largest snapshot holds here, for both. Where dropping every
+        ``needed`` None (a group's rank), or a tier that compresses (``needed`` and ``whole`` the raw bounds,
+        :meth:`bound` with ``raw``): estimated from what the snapshots here hold (:meth:`_held_estimate`). Where dropping every
         one would not make the room (another tenant of a shared /dev/shm holds it), nothing is dropped: the save fails
         again with its warning and the tier keeps its newest snapshot. The steps removed."""
         with self._lock:
@@ -248,8 +251,8 @@ class LocalTier:
             if not order:
                 return []
             chunks = self._chunk_map(steps)
-            if needed is None:  # (a group's rank: the most any snapshot holds here, one cut short by ENOSPC aside)
-                needed = max(sum(self.store.stored_sizes(c).values()) for c in chunks.values())
+            if needed is None or self.compress:
+                needed, whole = self._held_estimate(chunks, needed, whole)
             whole = needed if whole is None else max(whole, needed)
             mine = [s for s in steps if self._names(s, since)]  # (held: what the save does not change is there)
             at = (order.index(mine[0]) if mine[0] in order else len(order)) if mine else -1  # dropping order[:k]: k > at drops it
@@ -261,6 +264,36 @@ class LocalTier:
                             "next snapshot needs about %d: none dropped", self.path, free, rooms[-1], whole)
                 return []
             return self._remove(order[:n])
+
+    def _held_estimate(self, chunks: dict[int, frozenset[str]], needed: int | None, whole: int | None) -> tuple[int, int]:
+        """:meth:`make_room`'s ``needed`` and ``whole`` where the tensors' bytes cannot say what a save adds, from what
+        the snapshots of ``chunks`` hold here (one cut short by ENOSPC holds nothing): a group's rank (``needed`` None),
+        the most any of them holds, for both; a compressing tier (``needed`` and ``whole`` the raw bounds), at least that
+        and the raw bounds times the most any of them stores per byte of its tensors (a state grown since: AdamW's
+        moments after a snapshot of step 0), at most the raw bounds. (It asked for :meth:`bound`'s no tensor bytes, dropped
+        none, and every later save ran out of space again; with the most held alone, so did a state grown since.)"""
+        import math
+
+        held = {s: sum(self.store.stored_sizes(c).values()) for s, c in chunks.items()}
+        most = max(held.values())
+        if needed is None:
+            return most, most
+        ratio = max((held[s] / n for s, n in self._logical_map(chunks).items() if n), default=1.0)
+
+        def estimate(raw: int) -> int:
+            return min(raw, max(most, math.ceil(raw * ratio)))
+
+        return estimate(needed), estimate(needed if whole is None else whole)
+
+    def _logical_map(self, chunks: dict[int, frozenset[str]]) -> dict[int, int]:
+        """The tensors' bytes of each snapshot of ``chunks`` (read with them by :meth:`_chunks`; 0 where unknown)."""
+        out = {}
+        for s in chunks:
+            try:
+                out[s] = self._logical.get(self.store.resolve(self.ref(s)), 0)
+            except CkptError:
+                out[s] = 0
+        return out
 
     def _rooms(self, steps: list[int], chunks: dict[int, frozenset[str]], free: int) -> list[int]:
         """The room with the first n of ``steps`` dropped, for n = 0..len(steps): ``free`` bytes and what they free.
@@ -313,6 +346,7 @@ class LocalTier:
         out = {s: self._chunks(s) for s in steps}
         held = set(out.values())
         self._named = {m: c for m, c in self._named.items() if c in held}
+        self._logical = {m: n for m, n in self._logical.items() if m in self._named}
         return out
 
     def _chunks(self, step: int) -> frozenset[str]:
@@ -321,7 +355,11 @@ class LocalTier:
         try:
             mid = self.store.resolve(self.ref(step))
             if mid not in self._named:
-                self._named[mid] = frozenset(referenced_chunks(self.store.objects.get_manifest(mid)))
+                from ckpt.format.manifest import Manifest
+
+                data = self.store.objects.get_manifest(mid)
+                self._named[mid] = frozenset(referenced_chunks(data))
+                self._logical[mid] = sum(t.nbytes for t in Manifest.from_json(data, f"manifest {mid}").tensors)
         except CkptError:
             return frozenset()
         return self._named[mid]

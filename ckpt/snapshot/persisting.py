@@ -168,14 +168,17 @@ class Persisting(ManagerState):
         assert local is not None
         self._local_full = False
         try:
-            if self._distributed or not isinstance(self._path, LocalSnapshots):
-                dropped = local.make_room(step, None)
+            if self._distributed:
+                # (a group's rank holds its shards and replicas instead: make_room estimates those; the snapshot the group
+                # continues from is never dropped before the others, as on one process: it dropped the step the run went
+                # back to first, and kept the timeline it left)
+                dropped = local.make_room(step, None, since=self._group_path.last_id)
             else:
-                # (a group's rank holds its shards and replicas instead: make_room estimates those)
+                assert isinstance(self._path, LocalSnapshots)
                 sizes, changed, since = self._path.save_sizes(state)
                 bundles = self._path.run.bundles
-                whole = local.bound(sizes, bundles)
-                dropped = local.make_room(step, whole if changed is None else local.bound(changed, bundles), whole, since)
+                whole = local.bound(sizes, bundles, raw=True)  # (a compressing tier caps its estimate by these)
+                dropped = local.make_room(step, whole if changed is None else local.bound(changed, bundles, raw=True), whole, since)
         except Exception as e:  # noqa: BLE001
             self._tier_warning(f"local tier: could not make room for step {step} ({describe(e)})")
             return

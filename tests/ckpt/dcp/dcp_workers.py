@@ -1488,6 +1488,69 @@ def tiers_full(rank, world, tmp, store, mode, steps=8):
     return out
 
 
+def tiers_room_order(rank, world, tmp, store):
+    """Every rank's tier in one tmpfs (the test mounts it at ``tmp/local``), local_keep=4: step 1 saved before training
+    (the weights alone, ~1 MiB), steps 2 and 4 after (with AdamW's moments, ~3 MiB), the group goes back to 2; another
+    tenant (``tmp/local/tenant``) fills the tmpfs, the save of 3 runs out of space; the tenant frees 1.5 MiB and the
+    group saves 5. Returns this rank's TierWarnings, its tier's steps, and whether a fresh state restores 5 and then
+    2 from the tiers alone, bit-exact."""
+    import warnings
+
+    import torch.distributed as dist
+
+    import ckpt
+
+    local, tenant = os.path.join(tmp, "local"), os.path.join(tmp, "local", "tenant")
+    state = _big_ddp_state(rank)
+
+    def manager():
+        return ckpt.CheckpointManager(store, "room", every_n_steps=100, local=local, local_every_n_steps=1, local_keep=4,
+                                      process_group=dist.group.WORLD, timeout_s=30)
+
+    def step(n, train=True):
+        if train:
+            _big_step(state)
+        state["step"] = n
+        mgr.save(n, state, persist=False)
+        mgr.wait()
+
+    mgr, bits = manager(), {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(1, train=False)
+        step(2)
+        bits[2] = _big_bits(state)
+        step(4)
+        mgr.restore(state, 2)
+        if rank == 0:
+            with open(tenant, "wb") as f:
+                try:
+                    while True:
+                        f.write(b"\0" * (1 << 20))
+                        f.flush()
+                except OSError:
+                    pass
+        dist.barrier()
+        step(3)
+        dist.barrier()
+        if rank == 0:
+            os.truncate(tenant, max(os.path.getsize(tenant) - (3 << 19), 0))
+        dist.barrier()
+        step(5)
+        bits[5] = _big_bits(state)
+    out = {"warnings": [str(w.message) for w in caught if issubclass(w.category, ckpt.TierWarning)],
+           "local_steps": mgr.local_tier.steps}
+    mgr.close()
+    if rank == 0:
+        os.unlink(tenant)
+    dist.barrier()
+    mgr, fresh = manager(), _big_ddp_state(rank, seed=1)
+    for n in (5, 2):
+        out[f"restored{n}"] = [mgr.restore(fresh, n), mgr.last_restore["store"], _big_bits(fresh) == bits[n]]
+    mgr.close()
+    return out
+
+
 def _flip_newest(path):
     """Flip the last byte of every chunk of the newest snapshot in the tier at ``path``; how many."""
     import ckpt
@@ -1957,7 +2020,7 @@ def save_small_tensors(rank, world, tmp, store, env):
     return {"id": md.storage_meta.checkpoint_id}
 
 
-SCENARIOS = {"save_small_tensors": save_small_tensors, "preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
+SCENARIOS = {"save_small_tensors": save_small_tensors, "preempt_ddp": preempt_ddp, "ddp_restore_bits": ddp_restore_bits, "tiers_resume": tiers_resume, "tiers_exchange": tiers_exchange, "tiers_full": tiers_full, "tiers_room_order": tiers_room_order, "tiers_stall": tiers_stall, "tiers_stall_recover": tiers_stall_recover, "tiers_replication": tiers_replication, "save_and_reshard": save_and_reshard, "manager": manager, "ddp_resume": ddp_resume,
              "ddp_restore_in_place": ddp_restore_in_place, "ddp_refusals": ddp_refusals,
              "fsdp_plain_state": fsdp_plain_state, "tiers_rollback": tiers_rollback,
              "tiers_rollback_unread": tiers_rollback_unread, "tiers_restore_unread": tiers_restore_unread,

@@ -752,3 +752,133 @@ def test_tensors_new_since_the_last_snapshot_count_for_the_room(tmp_path, tmpfs)
     got, want = flatten(state2)[0], flatten(state)[0]
     assert {n: t.detach().numpy().tobytes() for n, t in got.items()} == {n: t.detach().numpy().tobytes() for n, t in want.items()}
     assert ckpt.Store.open(f"{shm}/tier").verify().ok
+
+
+def test_after_a_compressing_tiers_write_ran_out_of_space_it_makes_room_for_a_snapshot(tmp_path, tmpfs):
+    """local_compress=True on a 16 MiB tmpfs, local_keep=3: steps 1 and 2 (4 MiB of noise each, every element
+    changed by each step: it stores as about 3.5 MiB), another tenant leaves 1 MiB free. A compressing tier counts
+    no tensor bytes before a save (LocalTier.bound), so the save of 3 runs out of space writing. The room made after
+    it asked for what bound said (about 64 KiB), dropped nothing, and every later save failed again the same way.
+    It asks for as much as the largest snapshot here holds (at most the raw bytes) now: step 1 goes and 4 lands."""
+    shm = tmpfs(tmp_path / "shm", "16m")
+    gen = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(1 << 20, generator=gen), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1, local_keep=3, local_compress=True) as mgr:
+        for step in (1, 2):
+            state["w"].copy_(torch.randn(1 << 20, generator=gen))
+            mgr.save(step, state, persist=False)
+            mgr.wait()
+        held = mgr.local_tier.bytes
+        assert held > 6 << 20  # (the noise compresses little)
+        _fill(f"{shm}/tenant", leave=1 << 20)
+        state["w"].copy_(torch.randn(1 << 20, generator=gen))
+        with pytest.warns(ckpt.TierWarning, match="step 3 not saved .*(disk is full|No space left)"):
+            mgr.save(3, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [1, 2]
+        state["w"].copy_(torch.randn(1 << 20, generator=gen))
+        with pytest.warns(ckpt.TierWarning, match="dropped step.s. 1 to make room for step 4"):
+            mgr.save(4, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [2, 4] and mgr.last_save.tier == "local"
+    state2 = {"w": torch.zeros(1 << 20), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        assert mgr.restore_latest(state2) == 4 and mgr.last_restore["store"] == 0
+    assert state2["w"].numpy().tobytes() == state["w"].numpy().tobytes()
+    assert ckpt.Store.open(f"{shm}/tier").verify().ok
+
+
+def test_after_a_failed_save_the_room_keeps_the_snapshot_the_next_save_continues_from(tmp_path, tmpfs):
+    """local_keep=2: the run went back to step 2 while step 4 of the timeline it left was being persisted (pinned:
+    the tier holds 2 and 4). The save of 3 is refused (another tenant filled the tmpfs), the tenant frees 4 MiB. The
+    save of 5 counts only what changed since 2 (the head and its moments): the 1 MiB ``noise`` restored from 2 is
+    found there by hash. Its room was made with no snapshot named as reused (the failed save had reset it): 2 went by
+    local_keep before the write, the noise was written again uncounted, and a restart meanwhile had the abandoned
+    timeline's 4 alone. 2 stays until 5 lands now, and the save writes no byte of the noise."""
+    shm = tmpfs(tmp_path / "shm", "16m")
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 16)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    state = {"head": head, "optim": opt, "noise": torch.randn(1 << 18), "step": 0}
+
+    def train(step):
+        head(torch.randn(4, 16)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] = step
+
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1) as mgr:
+        for step in (2, 4):
+            train(step)
+            mgr.save(step, state, persist=False)
+            mgr.wait()
+            state["noise"].copy_(torch.randn(1 << 18))  # (4 holds other noise than 2)
+        assert mgr.restore(state, 2) == 2
+        mgr._local.pinned.add(4)  # as a persist of step 4 in flight pins it
+        _fill(f"{shm}/tenant")
+        train(3)
+        with pytest.warns(ckpt.TierWarning, match="step 3 not saved .*the disk is full for this snapshot.*nothing written"):
+            mgr.save(3, state, persist=False)
+            mgr.wait()
+        os.truncate(f"{shm}/tenant", max(os.path.getsize(f"{shm}/tenant") - (4 << 20), 0))
+        room, held = mgr._path.room, []
+
+        def seen(*args):  # the tier's steps as the write begins
+            dropped = room(*args)
+            held.append(mgr._local.steps())
+            return dropped
+
+        mgr._path.room = seen
+        train(5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)
+            mgr.save(5, state, persist=False)
+            mgr.wait()
+        assert held == [[2, 4]] and mgr.last_save.tier == "local"
+        assert mgr.last_save.written_bytes < 1 << 19, mgr.last_save.written_bytes  # (the noise: 1 MiB)
+        assert mgr.local_tier.steps == [4, 5]  # (2 goes by local_keep once 5 has landed)
+    want = {n: t.numpy().tobytes() for n, t in {**head.state_dict(), "noise": state["noise"]}.items()}
+    head2 = torch.nn.Linear(16, 16)
+    state2 = {"head": head2, "optim": torch.optim.AdamW(head2.parameters()), "noise": torch.zeros(1 << 18), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        assert mgr.restore(state2, 5) == 5 and mgr.last_restore["store"] == 0
+    assert {n: t.numpy().tobytes() for n, t in {**head2.state_dict(), "noise": state2["noise"]}.items()} == want
+    assert ckpt.Store.open(f"{shm}/tier").verify().ok
+
+
+def test_a_compressing_tiers_room_counts_a_state_grown_since_its_snapshots(tmp_path, tmpfs):
+    """local_compress=True on a 32 MiB tmpfs: step 0 saved before training (6 MiB of weights: AdamW has no moments
+    yet); another tenant leaves 13 MiB free. Each step after stores about three times as much (the moments AdamW's
+    first step made): the save of 1 runs out of space writing. The room made then asked for as much as the largest
+    snapshot held (step 0, the weights alone), found it free, dropped nothing, and every later save failed again.
+    It counts the raw bytes at the rate the tier's snapshots store them now: the save of 2 drops 0 and lands."""
+    shm = tmpfs(tmp_path / "shm", "32m")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
+    state = {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-3), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                local_every_n_steps=1, local_keep=3, local_compress=True) as mgr:
+        mgr.save(0, state, persist=False)
+        mgr.wait()
+        _fill(f"{shm}/tenant", leave=13 << 20)
+        _step(state, 1)
+        with pytest.warns(ckpt.TierWarning, match="step 1 not saved .*(disk is full|No space left)"):
+            mgr.save(1, state, persist=False)
+            mgr.wait()
+        _step(state, 2)
+        with pytest.warns(ckpt.TierWarning, match="dropped step.s. 0 to make room for step 2"):
+            mgr.save(2, state, persist=False)
+            mgr.wait()
+        assert mgr.local_tier.steps == [2] and mgr.last_save.tier == "local"
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
+    state2 = {"model": fresh, "optim": torch.optim.AdamW(fresh.parameters(), lr=1e-3), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        assert mgr.restore_latest(state2) == 2 and mgr.last_restore["store"] == 0
+    from ckpt.snapshot.state import flatten
+
+    got, want = flatten(state2)[0], flatten(state)[0]
+    assert {n: t.detach().numpy().tobytes() for n, t in got.items()} == {n: t.detach().numpy().tobytes() for n, t in want.items()}
+    assert ckpt.Store.open(f"{shm}/tier").verify().ok

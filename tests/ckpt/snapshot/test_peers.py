@@ -598,6 +598,25 @@ def test_a_tier_with_room_for_one_snapshot_in_a_group_makes_room_and_keeps_the_n
     assert ckpt.Store.open(url).verify().ok
 
 
+def test_a_groups_room_after_a_full_tier_drops_the_oldest_first_never_the_step_it_continues_from(tmp_path, tmpfs):
+    """Both ranks' tiers in one 16 MiB tmpfs, local_keep=4: on rank 0, step 1 (saved before training, ~1 MiB), 2 and
+    4 (~3 MiB each); then the group goes back to 2. Another tenant fills the tmpfs: the save of 3 runs out of space.
+    The tenant frees 1.5 MiB: the save of 5 makes room first, two snapshots' worth. A group's room named no snapshot
+    it continues from: rank 0 dropped 1 and then 2, the step the group went back to, and kept the abandoned
+    timeline's 4. It drops the oldest (1), then 4, never 2; 5 and 2 restore from the tiers alone, bit-exact, on
+    every rank."""
+    tmpfs(tmp_path / "local", "16m")
+    url = str(tmp_path / "s")
+    ranks = W.run_ranks("tiers_room_order", 2, str(tmp_path), store=url)
+    for r in ranks:
+        assert "error" not in r, r.get("trace")
+        assert any("step 3 not saved" in m for m in r["warnings"]), r["warnings"]
+        assert r["restored5"] == [5, 0, True] and r["restored2"] == [2, 0, True], r
+    assert any("dropped step(s) 1, 4 to make room for step 5" in m for m in ranks[0]["warnings"]), ranks[0]["warnings"]
+    assert not any("dropped step(s) 2" in m for r in ranks for m in r["warnings"]), ranks
+    assert ranks[0]["local_steps"] == [2, 5]
+
+
 @pytest.mark.slow
 def test_a_rank_killed_while_replicating_leaves_the_previous_step_restorable_and_nothing_half_received(tmp_path):
     """(f) Step 8 holds 64 MB of new shared data; rank 0 is SIGKILLed while sending it to rank 1, its
