@@ -697,11 +697,12 @@ def _count_decoded(out) -> Callable[[], None]:
 
 def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False, count=False, garble=None,
                  kill_refill=False, delta=False, change=False, garble_only=None, kill_fetch=False,
-                 lose=None):
+                 lose=None, flip_bases=False):
     """:func:`ddp_resume` with local tiers: local snapshots every 2 steps, replicated to 1 peer
     rank, persisted every 4. ``resume`` first wipes the local tiers of the ranks in ``wipe`` (a
     replaced machine) and, on rank ``flip``, flips a byte of every chunk its tier holds of the
-    newest snapshot; then reports ``mgr.last_restore``. ``big``: the state also holds a 64 MB
+    newest snapshot (``flip``: a list, on each of those ranks; ``flip_bases``: and of the delta bases
+    its manifest records); then reports ``mgr.last_restore``. ``big``: the state also holds a 64 MB
     tensor of zeros, shared by the ranks. ``killrep``: at step ``at`` that tensor becomes random
     (so rank 0, which saves it, replicates 64 MB to rank 1) and rank 0 is SIGKILLed right after
     posting that send, while it is in flight; rank 1 reports what its save and its tier made of it.
@@ -747,8 +748,8 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
     if mode == "resume":
         if rank in wipe:
             shutil.rmtree(os.path.join(local, f"rank-{rank}"), ignore_errors=True)
-        if rank == flip:
-            out["flipped"] = _flip_newest(os.path.join(local, f"rank-{rank}"))
+        if rank == flip or isinstance(flip, list) and rank in flip:
+            out["flipped"] = _flip_newest(os.path.join(local, f"rank-{rank}"), bases=flip_bases)
         dist.barrier()
     if mode != "full":
         mgr = ckpt.CheckpointManager(store, "ddp", every_n_steps=4, local=local, local_every_n_steps=2, replicas=1,
@@ -1488,16 +1489,22 @@ def tiers_full(rank, world, tmp, store, mode, steps=8):
     return out
 
 
-def _flip_newest(path):
-    """Flip the last byte of every chunk of the newest snapshot in the tier at ``path``; how many."""
+def _flip_newest(path, bases=False):
+    """Flip the last byte of every chunk of the newest snapshot in the tier at ``path`` (``bases``: and of
+    the delta bases its manifest records for them); how many."""
     import ckpt
     from ckpt.snapshot.local_tier import LocalTier
+    from ckpt_store.storage.chunk_lists import recorded_chains
 
     tier = LocalTier(path, "ddp")
     store = tier.store
-    m = store.manifest(store.resolve(tier.ref(tier.steps()[-1])))
+    mid = store.resolve(tier.ref(tier.steps()[-1]))
+    m = store.manifest(mid)
+    ids = {c for t in m.tensors for c in t.chunks}
+    if bases:
+        ids.update(*recorded_chains(store.objects.get_manifest(mid)).values())
     n = 0
-    for cid in sorted({c for t in m.tensors for c in t.chunks}):
+    for cid in sorted(ids):
         f = os.path.join(path, store.objects.path("chunks", cid))
         if os.path.exists(f):
             data = bytearray(open(f, "rb").read())
