@@ -169,6 +169,7 @@ class Staging:
         self.ready: list[Callable[[bool], None]] = []
         self.waiting: dict[str, bytes] = {}  # deltas whose base is not in the tier yet
         self.error: Exception | None = None  # the first failure to write (a full tier): raised by the commit
+        self.rejected: set[str] = set()  # chunks dropped as damaged
 
     def add(self, blobs: dict[str, memoryview]) -> None:
         for cid, blob in blobs.items():
@@ -181,6 +182,7 @@ class Staging:
                 continue
             except MISSES as e:
                 dropped(cid, describe(e))
+                self.rejected.add(cid)
                 continue
             except Exception as e:  # noqa: BLE001 - never raised into the exchange: the commit raises it
                 self.error = e
@@ -190,9 +192,11 @@ class Staging:
             except Exception as e:  # noqa: BLE001 - a full tier, say
                 self.error = e
 
-    def commit(self) -> None:
+    def commit(self, unsettled: str | None = None) -> None:
         """Name every verified chunk, then the waiting deltas whose base is now in place; raise the
-        first write failure (what was named stays: each of those chunks is whole and verified)."""
+        first write failure (what was named stays: each of those chunks is whole and verified).
+        A waiting delta whose base is in no tier is dropped, or where the caller keeps it elsewhere
+        (``unsettled``: where, for the log; a restore keeps it in memory), left to it."""
         try:
             for done in self.ready:
                 done(True)
@@ -206,6 +210,7 @@ class Staging:
                         continue
                     except MISSES as e:
                         dropped(cid, describe(e))
+                        self.rejected.add(cid)
                         kept[cid] = b""
                         continue
                     self.objects.put("chunks", cid, blob)
@@ -214,7 +219,10 @@ class Staging:
                     break
                 self.waiting = {c: b for c, b in self.waiting.items() if c not in kept}
             for cid in self.waiting:
-                dropped(cid, "its base is in no tier")
+                if unsettled is None:
+                    dropped(cid, "its base is in no tier")
+                else:
+                    log.info("chunk %s from a peer not written to the tier: its base is in no tier (%s)", cid[:12], unsettled)
             self.waiting = {}
         finally:
             self.drop()

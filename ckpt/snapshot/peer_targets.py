@@ -113,7 +113,9 @@ def settle_deltas(local: Store, peer: Store, waiting: dict[str, str | None], tie
             return  # (a target changed: not during a restore; the load then says what is missing)
         staging = Staging(local, source=peer)
         staging.add({cid: memoryview(peer.objects.get("chunks", cid)) for cid in sorted(waiting)})
-        staging.commit()
+        staging.commit(unsettled="kept in memory for this restore")
+        for cid in staging.rejected:  # (damaged: dropped, as the log says; the load reads it from the next tier)
+            peer.objects.delete("chunks", cid)
     except Exception as e:  # noqa: BLE001 - a full tier, say: the deltas stay in memory, their bases beside them
         log.info("local tier: deltas fetched from peers kept in memory (%s)", describe(e))
         try:

@@ -695,9 +695,40 @@ def _count_decoded(out) -> Callable[[], None]:
     return lambda: setattr(peers_module, "decode_into_targets", real)
 
 
+def _record_fetches(peers, out) -> Callable[[], None]:
+    """Record what a restore logs on this rank (``out["logs"]``: the messages of ckpt.snapshot's loggers,
+    INFO and up) and, after each of its fetches from peers, the chunks held in its in-memory peer tier
+    (``out["in_memory"]``: a list per fetch). Returns what stops recording."""
+    import logging
+
+    real, logger = peers.fetch, logging.getLogger("ckpt.snapshot")
+    out["logs"], out["in_memory"] = [], []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            out["logs"].append(record.getMessage())
+
+    def fetch_and_look(tiers, *a, **k):
+        got = real(tiers, *a, **k)
+        out["in_memory"].append(sorted(i.id for i in dict(tiers.stores)["peer"].objects.list("chunks")))
+        return got
+
+    handler, level = Keep(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    peers.fetch = fetch_and_look
+
+    def stop():
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        peers.fetch = real
+
+    return stop
+
+
 def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False, count=False, garble=None,
                  kill_refill=False, delta=False, change=False, garble_only=None, kill_fetch=False,
-                 lose=None, flip_bases=False):
+                 lose=None, flip_bases=False, logs=False):
     """:func:`ddp_resume` with local tiers: local snapshots every 2 steps, replicated to 1 peer
     rank, persisted every 4. ``resume`` first wipes the local tiers of the ranks in ``wipe`` (a
     replaced machine) and, on rank ``flip``, flips a byte of every chunk its tier holds of the
@@ -721,7 +752,8 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
     (``out["extra"]``: their bits; ``out["restore_checks"]``: the chunk checks (decodes before a write)
     the restore made until it returned). ``change``: a wiped rank changes a tensor right after its
     restore, before its refill reads it (``out["tier_warnings"]``: the TierWarnings until ``wait()``);
-    ``lose``: a wiped rank deletes that chunk from its tier then (the same warnings reported)."""
+    ``lose``: a wiped rank deletes that chunk from its tier then (the same warnings reported).
+    ``logs``: a wiped rank reports what its restore logged and held in memory (:func:`_record_fetches`)."""
     import shutil
     import warnings
 
@@ -769,7 +801,10 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
             _kill_in_refill(tmp)
         if kill_fetch and rank in wipe:
             _kill_after_fetch(mgr._group_path.peers)
+        stop_recording = _record_fetches(mgr._group_path.peers, out) if logs and rank in wipe else None
         start = mgr.restore_latest(state)
+        if stop_recording is not None:
+            stop_recording()
         if checks is not None:
             out["restore_checks"] = checks()
         if undo is not None:

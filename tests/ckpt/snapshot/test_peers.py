@@ -432,16 +432,24 @@ def test_a_delta_base_damaged_on_the_way_is_fetched_again_with_its_delta(tmp_pat
     Z it sends to rank 1 (its tier wiped). Y and Z then cannot be decoded: the second fetch must bring
     their bases again too, not the deltas alone (a base damaged or missing here, and in no peer tier,
     left the load to the durable store, which lacks step 6, never persisted: the restore failed). The
-    restore is bit-identical, and its last load reads nothing from the durable store."""
+    restore is bit-identical, and its last load reads nothing from the durable store. Its log says what
+    became of Z after the first fetch: kept in memory, not dropped."""
     n, k = 8, 6
     full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n, delta=True)
     url = _crash(tmp_path / "a", 2, n, k, delta=True)
     x, y, z, w = _delta_chunks(tmp_path / "a", k)
     restored = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k, wipe=[1],
-                           delta=True, garble=0, garble_only=[x, w])
+                           delta=True, garble=0, garble_only=[x, w], logs=True)
     for r in restored:
         assert "error" not in r, r.get("trace")
     assert sorted(restored[0]["garbled"]) == sorted([x, w])
+    # What rank 1 logged is what happened: Z, its base W dropped (damaged) in the first fetch, is kept in
+    # memory for the load, and said so (it was logged 'dropped: its base is in no tier'); W is dropped.
+    logs, memory = restored[1]["logs"], restored[1]["in_memory"][0]
+    assert z in memory and w not in memory
+    assert not [m for m in logs if "dropped" in m and any(c[:12] in m for c in memory)], logs
+    assert [m for m in logs if z[:12] in m and "its base is in no tier" in m and "kept in memory" in m], logs
+    assert [m for m in logs if w[:12] in m and "dropped" in m], logs
     r1 = restored[1]["restore"]
     assert r1["step"] == k and r1["store"] == 0 and r1["peer"] > 0
     _same_run(full, restored, k, n)
