@@ -158,14 +158,15 @@ class Staging:
     arrived, or none (:meth:`drop`). So a transfer of any size holds a few rounds in memory, and one
     cut short (a peer killed) leaves nothing in the tier. A delta whose base is not in the tier yet
     (it may come in the same transfer) is held in memory and checked again at the commit, once the
-    others are in place; a damaged chunk is dropped (the tier then lacks it)."""
+    others are in place: a delta is checked, and named, only with its bases in the tier, for a load
+    decodes a delta with bases from the tier that holds it. A damaged chunk is dropped (the tier then
+    lacks it)."""
 
-    def __init__(self, store: Store, source: Store | None = None) -> None:
-        """``source``: a store that may hold the bases of delta-encoded chunks (besides ``store``)."""
+    def __init__(self, store: Store) -> None:
         from ckpt.store.copy import chunk_checker
 
         self.objects = store.objects
-        self.check = chunk_checker(source or store, store)
+        self.check = chunk_checker(store, store)
         self.ready: list[Callable[[bool], None]] = []
         self.waiting: dict[str, bytes] = {}  # deltas whose base is not in the tier yet
         self.error: Exception | None = None  # the first failure to write (a full tier): raised by the commit

@@ -48,7 +48,7 @@ def refill(tier: LocalTier, step: int, mid: str, tiers: Tiers) -> tuple[bool, st
             tier.prune()  # (what it wrote is named by no step: the tier's bounds count none of it)
             return False, None
         missing = fetched - local.objects.has_many("chunks", fetched)
-        staging = Staging(local, source=peer)
+        staging = Staging(local)
         for cid in sorted(missing):  # one at a time: no second copy of them all
             staging.add({cid: memoryview(peer.objects.get("chunks", cid))})
         staging.commit()

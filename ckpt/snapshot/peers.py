@@ -311,7 +311,7 @@ class Peers(PeerGroup):
 
         objects = local.objects
         peer = dict(tiers.stores)["peer"]
-        check = chunk_checker(peer, local)
+        check = chunk_checker(local, local)  # (a delta is kept in the tier only with its bases there: see settle_deltas)
         received = 0
         waiting: dict[str, str | None] = {}
 
@@ -321,7 +321,7 @@ class Peers(PeerGroup):
                 return
             try:
                 check(cid, blob)
-            except ObjectNotFoundError:  # a delta whose base has not arrived yet (or is decoded only into a target)
+            except ObjectNotFoundError:  # a delta whose base is not in the tier yet (or is decoded only into a target, or in memory)
                 peer.objects.put("chunks", cid, bytes(blob))  # the round's buffer is reused
                 waiting[cid] = parse_header(blob, cid).base
                 return

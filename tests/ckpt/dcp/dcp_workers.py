@@ -728,7 +728,7 @@ def _record_fetches(peers, out) -> Callable[[], None]:
 
 def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False, count=False, garble=None,
                  kill_refill=False, delta=False, change=False, garble_only=None, kill_fetch=False,
-                 lose=None, flip_bases=False, logs=False):
+                 lose=None, flip_bases=False, logs=False, room=None):
     """:func:`ddp_resume` with local tiers: local snapshots every 2 steps, replicated to 1 peer
     rank, persisted every 4. ``resume`` first wipes the local tiers of the ranks in ``wipe`` (a
     replaced machine) and, on rank ``flip``, flips a byte of every chunk its tier holds of the
@@ -753,7 +753,10 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
     the restore made until it returned). ``change``: a wiped rank changes a tensor right after its
     restore, before its refill reads it (``out["tier_warnings"]``: the TierWarnings until ``wait()``);
     ``lose``: a wiped rank deletes that chunk from its tier then (the same warnings reported).
-    ``logs``: a wiped rank reports what its restore logged and held in memory (:func:`_record_fetches`)."""
+    ``logs``: a wiped rank reports what its restore logged and held in memory (:func:`_record_fetches`).
+    ``room``: a wiped rank fills the medium of its tier (a small tmpfs, say) but ``room`` bytes before it
+    restores; ``out["extra_at"]``: the ``delta`` tensors' bits at step ``at`` (``full``) or right after the
+    restore."""
     import shutil
     import warnings
 
@@ -788,6 +791,8 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
                                      process_group=dist.group.WORLD, timeout_s=30, delta_vs_previous=delta,
                                      local_compress=delta)
     if mode == "resume":
+        if room is not None and rank in wipe:
+            _fill(os.path.join(local, f"rank-{rank}"), room)
         reads = count_chunk_reads(mgr._local.store.objects.backend) if count else None
         writes = count_chunk_writes(mgr._local.store) if count else None
         gate = threading.Event()
@@ -811,6 +816,8 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
             undo()
         assert start == state["step"], (start, state["step"])
         out["restore"] = mgr.last_restore
+        if delta:
+            out["extra_at"] = [bits(state["frozen"]), bits(state["moving"]), bits(state["drift"])]
         if writes is not None:
             out["restore_chunk_writes"] = list(writes)
         if (change or lose) and rank in wipe:
@@ -833,6 +840,10 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
         if delta:
             state["moving"][0] = state["frozen"][0] + max(0, step - 4)
             state["drift"][1] = step  # (a delta against its own chunk of the step before)
+        if mode == "full" and step == at:
+            out["bits_at"] = _ddp_bits(state)
+            if delta:
+                out["extra_at"] = [bits(state["frozen"]), bits(state["moving"]), bits(state["drift"])]
         if mode == "killrep" and step == at:
             return _kill_in_replication(rank, state, mgr, step)
         if mode in ("crash", "killrep") and mgr.maybe_save(step, state) and step == at:
@@ -847,6 +858,18 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
     if delta:
         out["extra"] = [bits(state["frozen"]), bits(state["moving"]), bits(state["drift"])]
     return {**out, "losses": losses, "bits": _ddp_bits(state)}
+
+
+def _fill(path, room):
+    """Fill the medium holding ``path`` with a file there but ``room`` bytes."""
+    from ckpt.snapshot.local_tier import free_bytes
+
+    with open(os.path.join(path, "ballast"), "wb") as f:
+        left = free_bytes(path) - room
+        while left > 0:
+            n = min(left, 1 << 20)
+            f.write(bytes(n))
+            left -= n
 
 
 def _count_checks():

@@ -456,6 +456,39 @@ def test_a_delta_base_damaged_on_the_way_is_fetched_again_with_its_delta(tmp_pat
     assert [r["extra"] for r in restored] == [f["extra"] for f in full]
 
 
+@pytest.mark.slow  # three runs of 2 processes
+def test_a_replaced_machine_with_a_full_tier_keeps_deltas_and_their_bases_in_memory(tmp_path, tmpfs):
+    """Deltas as above; rank 1's tier wiped and its medium (a tmpfs) full but 16 KiB when it restores
+    step 6 (never persisted: peers alone hold it). The chunks its tier cannot take, and the deltas
+    waiting for bases it decoded into its tensors, with those bases, stay in memory for the restore
+    (ckpt/snapshot/peer_targets.py settle_deltas): the restore reads nothing from the durable store and
+    is bit-identical; the refill cannot keep the step (a TierWarning, nothing named), and what the tier
+    holds is intact."""
+    import shutil
+
+    n, k = 8, 6
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n, at=k,
+                       delta=True)
+    url = _crash(tmp_path / "a", 2, n, k, delta=True)
+    x, y, z, w = _delta_chunks(tmp_path / "a", k)
+    shutil.rmtree(tmp_path / "a" / "local" / "rank-1")
+    tmpfs(tmp_path / "a" / "local" / "rank-1", "4m")
+    out = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=k, at=k, wipe=[1],
+                      delta=True, room=16 << 10, logs=True)
+    for f, r in zip(full, out):
+        assert "error" not in r, r.get("trace")
+        assert r["restore"]["step"] == k and r["restore"]["store"] == 0
+        assert r["bits"] == f["bits_at"] and r["extra_at"] == f["extra_at"]
+    assert out[1]["restore"]["peer"] > 0 and out[1]["local_steps"] == []
+    # (the case: the tier could not take X, decoded into a tensor, so Y waits in memory with X beside it;
+    # W (64 KiB) did not fit either, and Z stays beside it, not alone in the tier: a load decodes a delta
+    # with bases from the tier that holds it; before, Z went to the tier and the restore failed on it)
+    logs, memory = out[1]["logs"], set(out[1]["in_memory"][0])
+    assert any("deltas fetched from peers kept in memory" in m and "disk is full" in m for m in logs), logs
+    assert {x, y, z, w} <= memory
+    _all_intact(tmp_path / "a" / "local" / "rank-1", url)
+
+
 @pytest.mark.parametrize("lost", ["z", "w"])
 def test_a_refill_names_no_step_its_tier_lacks_a_chunk_of(tmp_path, lost):
     """Rank 1's tier wiped; after its restore, before its refill, a chunk the restore wrote to its tier
