@@ -158,17 +158,19 @@ class Staging:
     arrived, or none (:meth:`drop`). So a transfer of any size holds a few rounds in memory, and one
     cut short (a peer killed) leaves nothing in the tier. A delta whose base is not in the tier yet
     (it may come in the same transfer) is held in memory and checked again at the commit, once the
-    others are in place; a damaged chunk is dropped (the tier then lacks it)."""
+    others are in place: a delta is checked, and named, only with its bases in the tier, for a load
+    decodes a delta with bases from the tier that holds it. A damaged chunk is dropped (the tier then
+    lacks it)."""
 
-    def __init__(self, store: Store, source: Store | None = None) -> None:
-        """``source``: a store that may hold the bases of delta-encoded chunks (besides ``store``)."""
+    def __init__(self, store: Store) -> None:
         from ckpt.store.copy import chunk_checker
 
         self.objects = store.objects
-        self.check = chunk_checker(source or store, store)
+        self.check = chunk_checker(store, store)
         self.ready: list[Callable[[bool], None]] = []
         self.waiting: dict[str, bytes] = {}  # deltas whose base is not in the tier yet
         self.error: Exception | None = None  # the first failure to write (a full tier): raised by the commit
+        self.rejected: set[str] = set()  # chunks dropped as damaged
 
     def add(self, blobs: dict[str, memoryview]) -> None:
         for cid, blob in blobs.items():
@@ -181,6 +183,7 @@ class Staging:
                 continue
             except MISSES as e:
                 dropped(cid, describe(e))
+                self.rejected.add(cid)
                 continue
             except Exception as e:  # noqa: BLE001 - never raised into the exchange: the commit raises it
                 self.error = e
@@ -190,9 +193,11 @@ class Staging:
             except Exception as e:  # noqa: BLE001 - a full tier, say
                 self.error = e
 
-    def commit(self) -> None:
+    def commit(self, unsettled: str | None = None) -> None:
         """Name every verified chunk, then the waiting deltas whose base is now in place; raise the
-        first write failure (what was named stays: each of those chunks is whole and verified)."""
+        first write failure (what was named stays: each of those chunks is whole and verified).
+        A waiting delta whose base is in no tier is dropped, or where the caller keeps it elsewhere
+        (``unsettled``: where, for the log; a restore keeps it in memory), left to it."""
         try:
             for done in self.ready:
                 done(True)
@@ -206,6 +211,7 @@ class Staging:
                         continue
                     except MISSES as e:
                         dropped(cid, describe(e))
+                        self.rejected.add(cid)
                         kept[cid] = b""
                         continue
                     self.objects.put("chunks", cid, blob)
@@ -214,7 +220,10 @@ class Staging:
                     break
                 self.waiting = {c: b for c, b in self.waiting.items() if c not in kept}
             for cid in self.waiting:
-                dropped(cid, "its base is in no tier")
+                if unsettled is None:
+                    dropped(cid, "its base is in no tier")
+                else:
+                    log.info("chunk %s from a peer not written to the tier: its base is in no tier (%s)", cid[:12], unsettled)
             self.waiting = {}
         finally:
             self.drop()

@@ -105,15 +105,18 @@ def settle_deltas(local: Store, peer: Store, waiting: dict[str, str | None], tie
     (``tiers.decoded``: a frozen tensor's chunk that another tensor's delta is stored against),
     copied from there and hashed again (:func:`keep_decoded`); then each delta, checked again against
     its bases now in the tier (:class:`~ckpt.snapshot.peer_group.Staging`). A load decodes a delta
-    with bases from the tier that holds it. One whose base is in no tier stays in memory (the load
-    reads it from the next tier); so does each, with its bases beside it, if the tier is full."""
+    with bases from the tier that holds it: one whose base is not in the tier (in no tier, or kept in
+    memory because the tier was full) stays in memory, beside it where it is there (the load reads it
+    from the next tier); so does each, with its bases beside it, if the tier is full now."""
     want = {b: tiers.decoded[b] for b in waiting.values() if b is not None and b in tiers.decoded}
     try:
         if want and not keep_decoded(local, want):
             return  # (a target changed: not during a restore; the load then says what is missing)
-        staging = Staging(local, source=peer)
+        staging = Staging(local)
         staging.add({cid: memoryview(peer.objects.get("chunks", cid)) for cid in sorted(waiting)})
-        staging.commit()
+        staging.commit(unsettled="kept in memory for this restore")
+        for cid in staging.rejected:  # (damaged: dropped, as the log says; the load reads it from the next tier)
+            peer.objects.delete("chunks", cid)
     except Exception as e:  # noqa: BLE001 - a full tier, say: the deltas stay in memory, their bases beside them
         log.info("local tier: deltas fetched from peers kept in memory (%s)", describe(e))
         try:

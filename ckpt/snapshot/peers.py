@@ -23,9 +23,10 @@ as it arrives and decoded straight into the tensor it belongs to, which the load
 them) are verified and written to the tier, where the load reads them: nothing enters a tier
 unverified. Every chunk is verified before its bytes count: a bad copy falls through to the
 durable store.
-After the restore, beside training, a rank keeps what it fetched in its own tier (:meth:`Peers.refill`;
-the chunks decoded into the tensors are written from there, hashed again): a replaced machine's
-tier names the step again, unless training changed a tensor before the refill read it (then a
+After the restore, beside training, a rank keeps what it read from elsewhere in its own tier, and
+replaces what it found damaged there (:meth:`Peers.refill`, :mod:`ckpt.snapshot.peer_refill`; the
+chunks decoded into the tensors are written from there, hashed again): a replaced machine's tier
+names the step again, unless training changed a tensor before the refill read it (then a
 TierWarning: the tier holds the state again from the next save).
 """
 
@@ -39,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 from ckpt.dcp.checkpoint import Writer
 from ckpt.progress import NullProgress
 from ckpt.snapshot.peer_group import PeerGroup, Staging, dropped
-from ckpt.snapshot.peer_targets import decode_into_targets, keep_decoded, settle_deltas
+from ckpt.snapshot.peer_refill import refill
+from ckpt.snapshot.peer_targets import decode_into_targets, settle_deltas
 from ckpt.snapshot.steps import latest_manifest, left_behind, left_behind_message, snapshot_step
 from ckpt.snapshot.tiers import MISSES, Tiers, describe, out_of_space
 from ckpt.transfer.pipeline import BATCH_BYTES, run_parallel
@@ -267,44 +269,12 @@ class Peers(PeerGroup):
             peer.objects.put_manifest(box[0])
 
     def refill(self, step: int, mid: str, tiers: Tiers) -> tuple[bool, str | None]:
-        """Keep in this rank's tier what a restore of ``step`` fetched from peers, so that a replaced
-        machine's tier names the step and a later failure finds a local copy: the chunks (each
-        verified, and written atomically: those decoded into the targets from there, hashed again,
-        before the deltas that may be stored against them), then, only if the tier now holds every
-        chunk this rank read (``Tiers.needed``), the manifest and the step's ref.
-        Runs after the restore returned, beside training. Not collective. Returns (whether the tier
-        names the step; False where a target changed before the refill read it: the next save writes
-        the state anew), and why the tier failed to keep them, or None."""
-        peer = dict(tiers.stores)["peer"]
-        local = self.local.store
-        fetched = {info.id for info in peer.objects.list("chunks")}
-        decoded, tiers.decoded = tiers.decoded, {}  # (its views keep the targets' memory alive until this returns)
-        if not fetched and not tiers.from_peers and not decoded:
-            return True, None
-        try:
-            if not keep_decoded(local, decoded):
-                self.local.prune()  # (what it wrote is named by no step: the tier's bounds count none of it)
-                return False, None
-            missing = fetched - local.objects.has_many("chunks", fetched)
-            staging = Staging(local, source=peer)
-            for cid in sorted(missing):  # one at a time: no second copy of them all
-                staging.add({cid: memoryview(peer.objects.get("chunks", cid))})
-            staging.commit()
-            lacking = tiers.needed - local.objects.has_many("chunks", tiers.needed)
-            if lacking:  # (each chunk in the tier is verified: written so, or checked as it arrived)
-                self.local.prune()
-                return False, f"{len(lacking)} of the chunks this rank read not in its tier (first {min(lacking)[:12]})"
-            if not local.objects.has("manifests", mid):
-                local.objects.put_manifest(_manifest_bytes(tiers, mid))
-                local.objects.backend.flush()
-            local.refs_db.set(self.local.ref(step), mid)
-            if step >= max(self.local.steps(), default=step):
-                local.refs_db.set(f"{self.local.run}/latest", mid, alias=True)
-            local.objects.backend.flush()
-            self.local.prune()
-        except Exception as e:  # noqa: BLE001 - a full tier, say: the restore itself succeeded
-            return False, describe(e)
-        return True, None
+        """Keep in this rank's tier what a restore of ``step`` read from elsewhere (from peers, the durable
+        store) and replace what it found damaged there (:func:`~ckpt.snapshot.peer_refill.refill`), so that
+        a replaced machine's tier names the step and a later failure finds a local copy. Runs after the
+        restore returned, beside training. Not collective. Returns (whether the tier names the step), and
+        why the tier failed to keep them, or None."""
+        return refill(self.local, step, mid, tiers)
 
     def fetch(self, tiers: Tiers, needed: set[str], *, exclude_local: set[str],
               into: dict[str, list[memoryview]] | None = None) -> int:
@@ -341,7 +311,7 @@ class Peers(PeerGroup):
 
         objects = local.objects
         peer = dict(tiers.stores)["peer"]
-        check = chunk_checker(peer, local)
+        check = chunk_checker(local, local)  # (a delta is kept in the tier only with its bases there: see settle_deltas)
         received = 0
         waiting: dict[str, str | None] = {}
 
@@ -351,7 +321,7 @@ class Peers(PeerGroup):
                 return
             try:
                 check(cid, blob)
-            except ObjectNotFoundError:  # a delta whose base has not arrived yet (or is decoded only into a target)
+            except ObjectNotFoundError:  # a delta whose base is not in the tier yet (or is decoded only into a target, or in memory)
                 peer.objects.put("chunks", cid, bytes(blob))  # the round's buffer is reused
                 waiting[cid] = parse_header(blob, cid).base
                 return
@@ -387,14 +357,3 @@ def _left(path: str, step: int, dstep: int) -> None:
     log.warning("%s", message)
     warnings.warn(message, TierWarning, stacklevel=2)
 
-
-def _manifest_bytes(tiers: Tiers, mid: str) -> bytes:
-    """The stored bytes of manifest ``mid`` from the nearest tier holding it intact."""
-    last: Exception | None = None
-    for _, store in tiers.stores:
-        try:
-            return store.objects.get_manifest(mid)
-        except MISSES as e:
-            last = e
-    assert last is not None
-    raise last

@@ -67,6 +67,9 @@ class Tiers:
     # the chunks this rank's load reads and the delta bases recorded for them (a peer restore's dry run):
     # the refill names the step in the local tier only if it holds them all (Peers.refill)
     needed: set[str] = field(default_factory=set, repr=False)
+    # chunks the local tier served damaged (read from a farther tier instead), and the bases their errors
+    # named: the refill writes verified copies over them (ckpt.snapshot.peer_refill)
+    damaged: set[str] = field(default_factory=set, repr=False)
 
     @property
     def nearest(self) -> Store:
@@ -135,10 +138,13 @@ class Tiers:
             try:
                 fetch_chunk(store.objects, t.id, t.length, store.settings, out=t.into)
             except MISSES as e:
-                if isinstance(e, CorruptObjectError):
+                bad = isinstance(e, CorruptObjectError)
+                if bad:
                     log.warning("%s tier: chunk %s is damaged (%s); reading it from the next tier", name, t.id[:12], e)
                 with lock:
                     missed.append(t)
+                    if bad and name == "local":  # (the error names the blob that failed: this chunk's, or a base's)
+                        self.damaged.update({t.id, e.object_id} if e.kind == "chunk" else {t.id})
 
         run_parallel(one, tasks, store.settings.workers, NullProgress(), lambda t: t.length, batch=BATCH_BYTES)
         lost = {id(t) for t in missed}

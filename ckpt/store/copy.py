@@ -249,7 +249,7 @@ def _concurrency(src: Store, dst: Store) -> int:
 
 
 def copy_chunks(src: Store, dst: Store, ids: Iterable[str], *, recode: bool = False,
-                named: Mapping[str, frozenset[str]] | None = None) -> CopyReport:
+                named: Mapping[str, frozenset[str]] | None = None, replace: Iterable[str] = ()) -> CopyReport:
     """Copy the chunks ``ids`` that ``dst`` lacks from ``src``, as stored (``recode``: raw ones
     compressed, :func:`raw_recoder`), each decoded and re-hashed first; bases of delta chunks come
     along. Nothing else is written.
@@ -257,11 +257,12 @@ def copy_chunks(src: Store, dst: Store, ids: Iterable[str], *, recode: bool = Fa
     ``named``: what the manifest about to be committed at ``dst`` records of each chunk
     (``recorded_chains`` of it). A chunk ``dst`` holds as a delta against a chunk outside that is
     sent again, whole, and so is one sent that is such a delta (:func:`_check_present`); without
-    ``named``, every delta is."""
+    ``named``, every delta is. ``replace``: chunks of ``ids`` that ``dst`` holds damaged (a read there
+    failed its hash): sent all the same, written over them (whole, if a delta)."""
     ids = set(ids)
     allowed = {c: (named or {}).get(c, frozenset()) for c in ids}
     lengths: dict[str, int | None] = dict.fromkeys(ids)
-    resend = _check_present(dst, lengths, allowed)
+    resend = _check_present(dst, lengths, allowed) | (ids & set(replace))
     replacing = set(resend)
     return storage_copy.copy_chunks(src.objects, dst.objects, ids, check_chunk=chunk_checker(src, dst),
                                     concurrency=_concurrency(src, dst), resend=resend,

@@ -278,6 +278,42 @@ def test_chunks_copied_before_a_commit_are_not_left_as_deltas_against_what_it_do
     assert dst.verify().ok
 
 
+def test_copy_chunks_writes_a_verified_copy_over_a_damaged_one_it_is_told_to_replace(tmp_path):
+    """A chunk the destination holds damaged (a tier whose copy failed its hash on a read) is present
+    there, so a copy skips it; ``replace`` sends it all the same, verified, written over the damaged
+    blob (ckpt/snapshot/peer_refill.py). A delta sent so is written whole: the base the damaged blob
+    had there is none of the copy's business."""
+    import os
+
+    from ckpt.codecs.chunk import parse_header
+    from ckpt.store.copy import chunk_checker, copy_chunks
+
+    settings = ckpt.Settings.from_env(chunk_size=64 * 1024)
+    g = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(256, 512, generator=g)}
+    tuned = {"w": base["w"] + 1e-3 * torch.randn(256, 512, generator=g)}
+    src = ckpt.Store.init(str(tmp_path / "src"), settings=settings)
+    src.push(base, "base")
+    data = src.objects.get_manifest(src.push(tuned, "ft", base="base"))
+    ids = set(src.manifest("ft").tensors[0].chunks)
+    dst = ckpt.Store.init(str(tmp_path / "dst"), settings=settings)
+    copy_chunks(src, dst, ids, named=recorded_chains(data))
+    bad = next(c for c in sorted(ids) if parse_header(dst.objects.get("chunks", c), c).base is not None)  # a delta there
+    path = os.path.join(str(tmp_path / "dst"), dst.objects.path("chunks", bad))
+    blob = bytearray(open(path, "rb").read())
+    blob[-1] ^= 1
+    open(path, "wb").write(bytes(blob))
+    check = chunk_checker(src, dst)
+    copy_chunks(src, dst, ids, named=recorded_chains(data))
+    with pytest.raises(CorruptObjectError):
+        check(bad, dst.objects.get("chunks", bad))  # present: skipped
+    report = copy_chunks(src, dst, ids, named=recorded_chains(data), replace={bad})
+    assert report.chunks_sent == 1
+    for cid in ids:
+        check(cid, dst.objects.get("chunks", cid))
+    assert parse_header(dst.objects.get("chunks", bad), bad).base is None
+
+
 @pytest.mark.parametrize("first", ["push", "push against another base", "copy"])
 def test_a_copy_and_a_push_storing_one_new_chunk_at_once_leave_both_loadable(tmp_path, monkeypatch, first):
     """A copy (chunks stored as deltas against a base it brings) and a push of the same tensors

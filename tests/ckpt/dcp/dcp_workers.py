@@ -695,13 +695,45 @@ def _count_decoded(out) -> Callable[[], None]:
     return lambda: setattr(peers_module, "decode_into_targets", real)
 
 
+def _record_fetches(peers, out) -> Callable[[], None]:
+    """Record what a restore logs on this rank (``out["logs"]``: the messages of ckpt.snapshot's loggers,
+    INFO and up) and, after each of its fetches from peers, the chunks held in its in-memory peer tier
+    (``out["in_memory"]``: a list per fetch). Returns what stops recording."""
+    import logging
+
+    real, logger = peers.fetch, logging.getLogger("ckpt.snapshot")
+    out["logs"], out["in_memory"] = [], []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            out["logs"].append(record.getMessage())
+
+    def fetch_and_look(tiers, *a, **k):
+        got = real(tiers, *a, **k)
+        out["in_memory"].append(sorted(i.id for i in dict(tiers.stores)["peer"].objects.list("chunks")))
+        return got
+
+    handler, level = Keep(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    peers.fetch = fetch_and_look
+
+    def stop():
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        peers.fetch = real
+
+    return stop
+
+
 def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False, count=False, garble=None,
                  kill_refill=False, delta=False, change=False, garble_only=None, kill_fetch=False,
-                 lose=None):
+                 lose=None, flip_bases=False, logs=False, room=None):
     """:func:`ddp_resume` with local tiers: local snapshots every 2 steps, replicated to 1 peer
     rank, persisted every 4. ``resume`` first wipes the local tiers of the ranks in ``wipe`` (a
     replaced machine) and, on rank ``flip``, flips a byte of every chunk its tier holds of the
-    newest snapshot; then reports ``mgr.last_restore``. ``big``: the state also holds a 64 MB
+    newest snapshot (``flip``: a list, on each of those ranks; ``flip_bases``: and of the delta bases
+    its manifest records); then reports ``mgr.last_restore``. ``big``: the state also holds a 64 MB
     tensor of zeros, shared by the ranks. ``killrep``: at step ``at`` that tensor becomes random
     (so rank 0, which saves it, replicates 64 MB to rank 1) and rank 0 is SIGKILLed right after
     posting that send, while it is in flight; rank 1 reports what its save and its tier made of it.
@@ -720,7 +752,11 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
     (``out["extra"]``: their bits; ``out["restore_checks"]``: the chunk checks (decodes before a write)
     the restore made until it returned). ``change``: a wiped rank changes a tensor right after its
     restore, before its refill reads it (``out["tier_warnings"]``: the TierWarnings until ``wait()``);
-    ``lose``: a wiped rank deletes that chunk from its tier then (the same warnings reported)."""
+    ``lose``: a wiped rank deletes that chunk from its tier then (the same warnings reported).
+    ``logs``: a wiped rank reports what its restore logged and held in memory (:func:`_record_fetches`).
+    ``room``: a wiped rank fills the medium of its tier (a small tmpfs, say) but ``room`` bytes before it
+    restores; ``out["extra_at"]``: the ``delta`` tensors' bits at step ``at`` (``full``) or right after the
+    restore."""
     import shutil
     import warnings
 
@@ -747,14 +783,16 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
     if mode == "resume":
         if rank in wipe:
             shutil.rmtree(os.path.join(local, f"rank-{rank}"), ignore_errors=True)
-        if rank == flip:
-            out["flipped"] = _flip_newest(os.path.join(local, f"rank-{rank}"))
+        if rank == flip or isinstance(flip, list) and rank in flip:
+            out["flipped"] = _flip_newest(os.path.join(local, f"rank-{rank}"), bases=flip_bases)
         dist.barrier()
     if mode != "full":
         mgr = ckpt.CheckpointManager(store, "ddp", every_n_steps=4, local=local, local_every_n_steps=2, replicas=1,
                                      process_group=dist.group.WORLD, timeout_s=30, delta_vs_previous=delta,
                                      local_compress=delta)
     if mode == "resume":
+        if room is not None and rank in wipe:
+            _fill(os.path.join(local, f"rank-{rank}"), room)
         reads = count_chunk_reads(mgr._local.store.objects.backend) if count else None
         writes = count_chunk_writes(mgr._local.store) if count else None
         gate = threading.Event()
@@ -768,13 +806,18 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
             _kill_in_refill(tmp)
         if kill_fetch and rank in wipe:
             _kill_after_fetch(mgr._group_path.peers)
+        stop_recording = _record_fetches(mgr._group_path.peers, out) if logs and rank in wipe else None
         start = mgr.restore_latest(state)
+        if stop_recording is not None:
+            stop_recording()
         if checks is not None:
             out["restore_checks"] = checks()
         if undo is not None:
             undo()
         assert start == state["step"], (start, state["step"])
         out["restore"] = mgr.last_restore
+        if delta:
+            out["extra_at"] = [bits(state["frozen"]), bits(state["moving"]), bits(state["drift"])]
         if writes is not None:
             out["restore_chunk_writes"] = list(writes)
         if (change or lose) and rank in wipe:
@@ -797,6 +840,10 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
         if delta:
             state["moving"][0] = state["frozen"][0] + max(0, step - 4)
             state["drift"][1] = step  # (a delta against its own chunk of the step before)
+        if mode == "full" and step == at:
+            out["bits_at"] = _ddp_bits(state)
+            if delta:
+                out["extra_at"] = [bits(state["frozen"]), bits(state["moving"]), bits(state["drift"])]
         if mode == "killrep" and step == at:
             return _kill_in_replication(rank, state, mgr, step)
         if mode in ("crash", "killrep") and mgr.maybe_save(step, state) and step == at:
@@ -811,6 +858,18 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
     if delta:
         out["extra"] = [bits(state["frozen"]), bits(state["moving"]), bits(state["drift"])]
     return {**out, "losses": losses, "bits": _ddp_bits(state)}
+
+
+def _fill(path, room):
+    """Fill the medium holding ``path`` with a file there but ``room`` bytes."""
+    from ckpt.snapshot.local_tier import free_bytes
+
+    with open(os.path.join(path, "ballast"), "wb") as f:
+        left = free_bytes(path) - room
+        while left > 0:
+            n = min(left, 1 << 20)
+            f.write(bytes(n))
+            left -= n
 
 
 def _count_checks():
@@ -1551,16 +1610,22 @@ def tiers_room_order(rank, world, tmp, store):
     return out
 
 
-def _flip_newest(path):
-    """Flip the last byte of every chunk of the newest snapshot in the tier at ``path``; how many."""
+def _flip_newest(path, bases=False):
+    """Flip the last byte of every chunk of the newest snapshot in the tier at ``path`` (``bases``: and of
+    the delta bases its manifest records for them); how many."""
     import ckpt
     from ckpt.snapshot.local_tier import LocalTier
+    from ckpt_store.storage.chunk_lists import recorded_chains
 
     tier = LocalTier(path, "ddp")
     store = tier.store
-    m = store.manifest(store.resolve(tier.ref(tier.steps()[-1])))
+    mid = store.resolve(tier.ref(tier.steps()[-1]))
+    m = store.manifest(mid)
+    ids = {c for t in m.tensors for c in t.chunks}
+    if bases:
+        ids.update(*recorded_chains(store.objects.get_manifest(mid)).values())
     n = 0
-    for cid in sorted({c for t in m.tensors for c in t.chunks}):
+    for cid in sorted(ids):
         f = os.path.join(path, store.objects.path("chunks", cid))
         if os.path.exists(f):
             data = bytearray(open(f, "rb").read())

@@ -254,6 +254,66 @@ def test_a_replaced_machine_keeps_in_its_tier_the_chunks_it_took_from_the_durabl
     assert r1["step"] == k and r1["local"] > 0 and r1["peer"] == r1["store"] == 0
 
 
+def _all_intact(tier_path, durable_url=None):
+    """Every chunk blob in the tier at ``tier_path`` decodes to its id (a delta's base from the tier, else
+    the durable store); returns the ids held."""
+    from ckpt.store.copy import chunk_checker
+
+    tier = ckpt.Store.open(str(tier_path))
+    held = {i.id for i in tier.objects.list("chunks")}
+    check = chunk_checker(ckpt.Store.open(durable_url) if durable_url else tier, tier)
+    for cid in held:
+        check(cid, tier.objects.get("chunks", cid))  # raises CorruptObjectError on a bad copy
+    return held
+
+
+@pytest.mark.slow  # three runs of 2 processes
+def test_a_replaced_machine_keeps_the_delta_bases_it_read_from_the_durable_store(tmp_path):
+    """Snapshots stored as deltas against the previous one; rank 1's tier wiped and every chunk of rank 0's
+    step 4 damaged, the delta bases its manifest records too: rank 1 takes the persisted step 4 from the
+    durable store, where the drifting tensor's chunk is a delta against a chunk of step 2 that the load
+    reads only as that delta's base (decoded into no tensor). The refill must keep that base too (copied
+    from the durable store, verified), or the tier lacks a chunk the step needs and does not name it
+    (before: a TierWarning, step 4 not kept). Restarted again, rank 1 reads the whole step from its tier."""
+    n, k = 8, 4
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n, delta=True)
+    url = _crash(tmp_path / "a", 2, n, k, delta=True)
+    restored = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=k, at=k, wipe=[1],
+                           flip=0, flip_bases=True, delta=True)
+    for r in restored:
+        assert "error" not in r, r.get("trace")
+    r1 = restored[1]["restore"]
+    assert r1["step"] == k and r1["local"] == r1["peer"] == 0 and r1["store"] > 0
+    assert restored[1]["local_steps"] == [k]
+    _all_intact(tmp_path / "a" / "local" / "rank-1")  # (every base beside its deltas: checked against the tier alone)
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k, delta=True)
+    _same_run(full, resumed, k, n)
+    for r in resumed:  # (rank 0 too: the damaged copies its load read from the durable store were replaced)
+        assert r["restore"]["step"] == k and r["restore"]["local"] > 0 and r["restore"]["peer"] == r["restore"]["store"] == 0
+
+
+@pytest.mark.slow  # three runs of 2 processes
+def test_a_tier_that_names_the_step_gets_verified_copies_of_its_damaged_chunks(tmp_path):
+    """A byte flipped in every chunk of step 4 in both ranks' tiers (persisted, so the durable store holds
+    it): each rank's tier names the step, its load finds the local copies damaged, the peer's too, and
+    reads them from the durable store. The refill must replace the damaged copies it read with verified
+    ones (before: they stayed, named by the step, and every later restore fell through to the durable
+    store; a later save would reuse them on their presence). Restarted again, both ranks read the whole
+    step from their own tiers, bit-identically."""
+    n, k = 8, 4
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n)
+    url = _crash(tmp_path / "a", 2, n, k)
+    restored = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=k, at=k, flip=[0, 1])
+    for r in restored:
+        assert "error" not in r, r.get("trace")
+        assert r["flipped"] > 0 and r["restore"]["step"] == k and r["restore"]["store"] > 0 and k in r["local_steps"]
+    # (each tier may still hold damaged replicas of the other rank's own state: its load never reads them)
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k)
+    _same_run(full, resumed, k, n)
+    for r in resumed:  # every chunk each rank reads, intact in its own tier
+        assert r["restore"]["step"] == k and r["restore"]["local"] > 0 and r["restore"]["peer"] == r["restore"]["store"] == 0
+
+
 @pytest.mark.slow  # three runs of 2 processes
 def test_a_replaced_machine_killed_in_its_refill_leaves_its_tier_consistent_and_restarts_exactly(tmp_path):
     """Rank 1's tier wiped; it restores from rank 0 and is SIGKILLed while its refill writes the chunks
@@ -372,37 +432,85 @@ def test_a_delta_base_damaged_on_the_way_is_fetched_again_with_its_delta(tmp_pat
     Z it sends to rank 1 (its tier wiped). Y and Z then cannot be decoded: the second fetch must bring
     their bases again too, not the deltas alone (a base damaged or missing here, and in no peer tier,
     left the load to the durable store, which lacks step 6, never persisted: the restore failed). The
-    restore is bit-identical, and its last load reads nothing from the durable store."""
+    restore is bit-identical, and its last load reads nothing from the durable store. Its log says what
+    became of Z after the first fetch: kept in memory, not dropped."""
     n, k = 8, 6
     full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n, delta=True)
     url = _crash(tmp_path / "a", 2, n, k, delta=True)
     x, y, z, w = _delta_chunks(tmp_path / "a", k)
     restored = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k, wipe=[1],
-                           delta=True, garble=0, garble_only=[x, w])
+                           delta=True, garble=0, garble_only=[x, w], logs=True)
     for r in restored:
         assert "error" not in r, r.get("trace")
     assert sorted(restored[0]["garbled"]) == sorted([x, w])
+    # What rank 1 logged is what happened: Z, its base W dropped (damaged) in the first fetch, is kept in
+    # memory for the load, and said so (it was logged 'dropped: its base is in no tier'); W is dropped.
+    logs, memory = restored[1]["logs"], restored[1]["in_memory"][0]
+    assert z in memory and w not in memory
+    assert not [m for m in logs if "dropped" in m and any(c[:12] in m for c in memory)], logs
+    assert [m for m in logs if z[:12] in m and "its base is in no tier" in m and "kept in memory" in m], logs
+    assert [m for m in logs if w[:12] in m and "dropped" in m], logs
     r1 = restored[1]["restore"]
     assert r1["step"] == k and r1["store"] == 0 and r1["peer"] > 0
     _same_run(full, restored, k, n)
     assert [r["extra"] for r in restored] == [f["extra"] for f in full]
 
 
-def test_a_refill_names_no_step_its_tier_lacks_a_chunk_of(tmp_path):
+@pytest.mark.slow  # three runs of 2 processes
+def test_a_replaced_machine_with_a_full_tier_keeps_deltas_and_their_bases_in_memory(tmp_path, tmpfs):
+    """Deltas as above; rank 1's tier wiped and its medium (a tmpfs) full but 16 KiB when it restores
+    step 6 (never persisted: peers alone hold it). The chunks its tier cannot take, and the deltas
+    waiting for bases it decoded into its tensors, with those bases, stay in memory for the restore
+    (ckpt/snapshot/peer_targets.py settle_deltas): the restore reads nothing from the durable store and
+    is bit-identical; the refill cannot keep the step (a TierWarning, nothing named), and what the tier
+    holds is intact."""
+    import shutil
+
+    n, k = 8, 6
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n, at=k,
+                       delta=True)
+    url = _crash(tmp_path / "a", 2, n, k, delta=True)
+    x, y, z, w = _delta_chunks(tmp_path / "a", k)
+    shutil.rmtree(tmp_path / "a" / "local" / "rank-1")
+    tmpfs(tmp_path / "a" / "local" / "rank-1", "4m")
+    out = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=k, at=k, wipe=[1],
+                      delta=True, room=16 << 10, logs=True)
+    for f, r in zip(full, out):
+        assert "error" not in r, r.get("trace")
+        assert r["restore"]["step"] == k and r["restore"]["store"] == 0
+        assert r["bits"] == f["bits_at"] and r["extra_at"] == f["extra_at"]
+    assert out[1]["restore"]["peer"] > 0 and out[1]["local_steps"] == []
+    # (the case: the tier could not take X, decoded into a tensor, so Y waits in memory with X beside it;
+    # W (64 KiB) did not fit either, and Z stays beside it, not alone in the tier: a load decodes a delta
+    # with bases from the tier that holds it; before, Z went to the tier and the restore failed on it)
+    logs, memory = out[1]["logs"], set(out[1]["in_memory"][0])
+    assert any("deltas fetched from peers kept in memory" in m and "disk is full" in m for m in logs), logs
+    assert {x, y, z, w} <= memory
+    _all_intact(tmp_path / "a" / "local" / "rank-1", url)
+
+
+@pytest.mark.parametrize("lost", ["z", "w"])
+def test_a_refill_names_no_step_its_tier_lacks_a_chunk_of(tmp_path, lost):
     """Rank 1's tier wiped; after its restore, before its refill, a chunk the restore wrote to its tier
-    (verified) is gone from there. The refill must not name the step in the tier (a TierWarning says
-    so): a step a tier names has every chunk there, verified."""
+    (verified) is gone from there. Z (step 6's delta, never persisted: in no tier the rank can read but
+    its own): the refill must not name the step in the tier (a TierWarning says so): a step a tier names
+    has every chunk there, verified. W (Z's base, a chunk of step 4, persisted): the refill copies it back
+    from the durable store, verified, and names the step."""
     n, k = 8, 6
     url = _crash(tmp_path / "a", 2, n, k, delta=True)
-    _x, _y, _z, w = _delta_chunks(tmp_path / "a", k)  # (W: fetched as Z's base, written to the tier)
+    chunks = dict(zip("xyzw", _delta_chunks(tmp_path / "a", k)))  # (W: fetched as Z's base, written to the tier)
     out = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=k, at=k, wipe=[1],
-                      delta=True, lose=w)
+                      delta=True, lose=chunks[lost])
     for r in out:
         assert "error" not in r, r.get("trace")
+    tier = ckpt.Store.open(str(tmp_path / "a" / "local" / "rank-1"))
+    if lost == "w":
+        assert out[1]["restore"]["store"] == 0 and out[1]["local_steps"] == [k] and out[1]["tier_warnings"] == []
+        assert chunks["w"] in _all_intact(tmp_path / "a" / "local" / "rank-1")
+        return
     assert out[1]["restore"]["store"] == 0 and out[1]["local_steps"] == []
     (warning,) = out[1]["tier_warnings"]
     assert f"step {k}" in warning and "not kept" in warning
-    tier = ckpt.Store.open(str(tmp_path / "a" / "local" / "rank-1"))
     assert not [name for name in tier.refs() if "step-" in name]
 
 

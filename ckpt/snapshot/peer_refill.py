@@ -1,0 +1,137 @@
+"""A restore's refill: what a rank's local tier keeps of a restore from peers, once it has returned.
+
+Beside training (the manager's save thread), a rank's tier keeps what its restore read from
+elsewhere (:func:`refill`), so that a replaced machine's tier names the step again and a later
+failure finds a local copy: the chunks a peer transfer decoded straight into the tensors, copied
+from there and hashed again (:func:`~ckpt.snapshot.peer_targets.keep_decoded`); those it left in
+memory (the tier was full) verified and staged; any other chunk the rank read that its tier still
+lacks (a delta's base, a chunk of a CUDA tensor, read from the durable store and decoded into no
+target) copied from the nearest farther tier holding it, verified (:func:`keep_copies`); and every
+copy the load found damaged in the tier written over by a verified one. Only then, if the tier
+holds every chunk the rank read, the manifest and the step's ref. Nothing enters a tier's
+``chunks/`` unverified: a later save reuses a chunk there on its presence alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from ckpt.snapshot.peer_group import Staging
+from ckpt.snapshot.peer_targets import keep_decoded
+from ckpt.snapshot.tiers import MISSES, Tiers, describe
+from ckpt_store.storage.chunk_lists import recorded_chains
+
+if TYPE_CHECKING:
+    from ckpt.snapshot.local_tier import LocalTier
+    from ckpt.store.store import Store
+
+log = logging.getLogger(__name__)
+
+
+def refill(tier: LocalTier, step: int, mid: str, tiers: Tiers) -> tuple[bool, str | None]:
+    """Keep in ``tier`` (this rank's) what a restore of ``step`` (manifest ``mid``) read from elsewhere
+    and replace what it found damaged there (see the module's docstring). Not collective. Returns
+    (whether the tier names the step; False where a target changed before the refill read it: the
+    next save writes the state anew), and why the tier failed to keep them, or None."""
+    peer = dict(tiers.stores)["peer"]
+    local = tier.store
+    fetched = {info.id for info in peer.objects.list("chunks")}
+    decoded, tiers.decoded = tiers.decoded, {}  # (its views keep the targets' memory alive until this returns)
+    # (a damaged copy a peer's verified one was written over during the restore is whole again)
+    damaged, tiers.damaged = tiers.damaged - tiers.from_peers, set()
+    if not fetched and not tiers.from_peers and not decoded and not damaged:
+        return True, None
+    try:
+        if not keep_decoded(local, decoded):
+            tier.prune()  # (what it wrote is named by no step: the tier's bounds count none of it)
+            return False, None
+        missing = fetched - local.objects.has_many("chunks", fetched)
+        staging = Staging(local)
+        for cid in sorted(missing):  # one at a time: no second copy of them all
+            staging.add({cid: memoryview(peer.objects.get("chunks", cid))})
+        staging.commit()
+        lacking = tiers.needed - local.objects.has_many("chunks", tiers.needed)
+        if lacking or damaged:
+            farther = [store for name, store in tiers.stores if name != "local"]
+            named = recorded_chains(_manifest_bytes(tiers, mid))
+            unreplaced = keep_copies(local, farther, lacking | damaged, replace=damaged, named=named) & damaged
+            if unreplaced:  # (a save must not reuse a damaged copy, and a step a tier names has each chunk whole)
+                return False, _forget(tier, step, unreplaced)
+            lacking = tiers.needed - local.objects.has_many("chunks", tiers.needed)
+        if lacking:  # (each chunk in the tier is verified: written so, or checked as it arrived)
+            tier.prune()
+            return False, f"{len(lacking)} of the chunks this rank read not in its tier (first {min(lacking)[:12]})"
+        if not local.objects.has("manifests", mid):
+            local.objects.put_manifest(_manifest_bytes(tiers, mid))
+            local.objects.backend.flush()
+        local.refs_db.set(tier.ref(step), mid)
+        if step >= max(tier.steps(), default=step):
+            local.refs_db.set(f"{tier.run}/latest", mid, alias=True)
+        local.objects.backend.flush()
+        tier.prune()
+    except Exception as e:  # noqa: BLE001 - a full tier, say: the restore itself succeeded
+        return False, describe(e)
+    return True, None
+
+
+def keep_copies(local: Store, sources: list[Store], ids: set[str], *, replace: set[str],
+                named: Mapping[str, frozenset[str]]) -> set[str]:
+    """Copy the chunks ``ids`` into ``local`` (a rank's tier) from the first of ``sources`` (farther
+    tiers, nearest first) that holds each intact: as stored there, each decoded and re-hashed before
+    it is written (:func:`~ckpt.store.copy.copy_chunks`, with ``named``: the snapshot's recorded
+    chains). ``replace``: those ``local`` holds damaged, written over. Returns those of ``ids`` no
+    source gave."""
+    from ckpt.store.copy import copy_chunks
+
+    todo = set(ids)
+    for src in sources:
+        held = src.objects.has_many("chunks", todo)
+        if not held:
+            continue
+        try:
+            copy_chunks(src, local, held, named=named, replace=held & replace)
+        except MISSES as e:  # one of them damaged or gone there: each alone, the others kept
+            log.info("refill: chunks not copied at once (%s); one at a time", describe(e))
+            held = _one_by_one(src, local, held, replace, named)
+        todo -= held
+    return todo
+
+
+def _one_by_one(src: Store, local: Store, ids: set[str], replace: set[str], named: Mapping[str, frozenset[str]]) -> set[str]:
+    """:func:`keep_copies` from one source, chunk by chunk: those copied."""
+    from ckpt.store.copy import copy_chunks
+
+    done = set()
+    for cid in sorted(ids):
+        try:
+            copy_chunks(src, local, {cid}, named=named, replace={cid} & replace)
+            done.add(cid)
+        except MISSES as e:
+            log.info("refill: chunk %s not copied (%s)", cid[:12], describe(e))
+    return done
+
+
+def _forget(tier: LocalTier, step: int, damaged: set[str]) -> str:
+    """Remove from ``tier`` the damaged copies no farther tier could replace, and its name of ``step``,
+    which lacks them now; what to tell the user."""
+    for cid in sorted(damaged):
+        try:
+            tier.store.objects.delete("chunks", cid)
+        except MISSES:
+            pass  # (gone already)
+    tier.drop(step)
+    return f"{len(damaged)} damaged chunk(s) of step {step} could not be replaced and were removed (first {min(damaged)[:12]})"
+
+
+def _manifest_bytes(tiers: Tiers, mid: str) -> bytes:
+    """The stored bytes of manifest ``mid`` from the nearest tier holding it intact."""
+    last: Exception | None = None
+    for _, store in tiers.stores:
+        try:
+            return store.objects.get_manifest(mid)
+        except MISSES as e:
+            last = e
+    assert last is not None
+    raise last
