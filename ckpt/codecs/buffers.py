@@ -7,6 +7,7 @@ each thread keeps its own (released with the thread)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -117,5 +118,13 @@ class SpareBuffers:
         with self._lock:
             return sum(len(v) for v in self._kept.values())
 
+    def _forget(self) -> None:
+        """In a forked child: no timer thread there to release them, so none are kept."""
+        self._lock = threading.Lock()
+        self._kept = {}
+        self._timer = None
+
 
 SPARES = SpareBuffers()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=SPARES._forget)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -53,3 +54,16 @@ def test_the_buffers_are_plain_uninitialised_numpy_memory():
     spares.leave(64, _bufs(1, 64), keep=1)
     (b,) = spares.take(64)
     assert isinstance(b.obj, np.ndarray) and len(b) == 64 and not b.readonly
+
+
+def test_a_forked_child_keeps_none_of_its_parents_buffers(monkeypatch):
+    """A child (a DataLoader worker, say) has no thread to release buffers kept: it keeps none."""
+    monkeypatch.setattr(buffers, "SPARE_IDLE_S", 60.0)
+    buffers.SPARES.leave(4096, _bufs(2, 4096), keep=2)
+    assert buffers.SPARES.kept() >= 2
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 if it kept none
+        os._exit(0 if buffers.SPARES.kept() == 0 and buffers.SPARES.take(4096) == [] else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert buffers.SPARES.take(4096)  # the parent still has them
