@@ -400,4 +400,6 @@ def get_chunks(objects: ObjectStore, tasks: Iterable[GetTask], settings: Setting
             # (only those: wait() never returns for a read cancelled where no thread takes it up, as
             # when the pool is closed by another thread mid-read, which hung the read for good)
             wait([f for f in reads.values() if not f.cancel()])
+        if buffers is not None:
+            buffers.close()  # (every read of this call has ended: its buffers serve the next call)
     return stats

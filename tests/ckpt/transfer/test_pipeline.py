@@ -13,7 +13,8 @@ import torch
 from integration_util import tensor_bits as _bits
 
 import ckpt
-from ckpt.codecs.chunk import GSUB
+from ckpt.codecs import buffers
+from ckpt.codecs.chunk import GSUB, MAX_HEADER
 from ckpt.progress import NullProgress
 from ckpt.settings import Settings
 from ckpt.transfer import fetch, pipeline, reading
@@ -401,3 +402,31 @@ def test_a_push_keeps_no_event_or_future_per_chunk_it_has_stored(tmp_path):
     assert len(held) == 3 and max(held) - before < 100, (before, held)  # was 1,900 to 2,000 Events, and as many Futures
     assert results[-1].id == results[0].id and results[-1].stored == 0
     assert len(list(store.objects.list("chunks"))) == n - 1
+
+
+def test_reads_from_s3_reuse_the_blob_buffers_the_last_read_left(s3_main_url, monkeypatch):
+    """Loads of one checkpoint from S3 in a row: each reads its chunks into the buffers the one before
+    left (ckpt.codecs.buffers.SpareBuffers), not into fresh memory: all of them together take no more
+    fresh buffers than one read keeps (one request and one decoding thread: 2 read ahead, 1 decoded),
+    where each took fresh ones before. Every load bit-exact."""
+    monkeypatch.setattr(buffers, "SPARE_IDLE_S", 60.0)  # (however slow the machine is between the loads)
+    gen = torch.Generator().manual_seed(7)
+    # Chunks of 1 MiB that do not compress to a raw blob: each is a GET into a blob buffer.
+    tensors = {f"w{i}": (torch.randn(1 << 18, generator=gen) * 0.02) for i in range(6)}
+    settings = Settings.from_env(cache=False, chunk_size=1 << 20, workers=1, io_workers=1, transfer_concurrency=1)
+    store = ckpt.Store.init(s3_main_url, settings=settings)
+    store.push(tensors, "m")
+    size = settings.chunk_size + MAX_HEADER
+    fresh: list[int] = []
+    real = fetch.empty_buffer
+
+    def counting(n: int) -> memoryview:
+        if n == size:
+            fresh.append(n)
+        return real(n)
+
+    monkeypatch.setattr(fetch, "empty_buffer", counting)
+    for _ in range(5):
+        got = store.load("m")
+        assert all(_bits(got[k]) == _bits(v) for k, v in tensors.items())
+    assert 1 <= len(fresh) <= 3
