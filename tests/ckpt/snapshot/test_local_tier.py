@@ -882,3 +882,52 @@ def test_a_compressing_tiers_room_counts_a_state_grown_since_its_snapshots(tmp_p
     got, want = flatten(state2)[0], flatten(state)[0]
     assert {n: t.detach().numpy().tobytes() for n, t in got.items()} == {n: t.detach().numpy().tobytes() for n, t in want.items()}
     assert ckpt.Store.open(f"{shm}/tier").verify().ok
+
+
+def test_a_save_that_reuses_no_entries_keeps_the_snapshot_it_continues_from(tmp_path):
+    """unchanged_by="hash", local_keep=2: the run went back to step 2 while step 4 of the timeline it left was being
+    persisted (pinned: the tier holds 2 and 4). A save by hash reuses no entries (nor does one of a fused optimizer's
+    state): the save of 5 told fit of no snapshot it continues from, so 2 went by local_keep before the write, and the
+    1 MiB ``noise`` restored from 2 (unchanged, found there by hash) was written again. 2 stays until 5 lands now."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 16)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    state = {"head": head, "optim": opt, "noise": torch.randn(1 << 18), "step": 0}
+
+    def train(step):
+        head(torch.randn(4, 16)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] = step
+
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=str(tmp_path / "tier"),
+                                local_every_n_steps=1, unchanged_by="hash") as mgr:
+        for step in (2, 4):
+            train(step)
+            mgr.save(step, state, persist=False)
+            mgr.wait()
+            state["noise"].copy_(torch.randn(1 << 18))  # (4 holds other noise than 2)
+        assert mgr.restore(state, 2) == 2
+        mgr._local.pinned.add(4)  # as a persist of step 4 in flight pins it
+        room, held = mgr._path.room, []
+
+        def seen(*args):  # the tier's steps as the write begins
+            dropped = room(*args)
+            held.append(mgr._local.steps())
+            return dropped
+
+        mgr._path.room = seen
+        train(5)
+        mgr.save(5, state, persist=False)
+        mgr.wait()
+        assert held == [[2, 4]] and mgr.last_save.tier == "local"
+        assert mgr.last_save.written_bytes < 1 << 19, mgr.last_save.written_bytes  # (the noise: 1 MiB)
+        assert mgr.local_tier.steps == [4, 5]
+    want = {n: t.numpy().tobytes() for n, t in {**head.state_dict(), "noise": state["noise"]}.items()}
+    head2 = torch.nn.Linear(16, 16)
+    state2 = {"head": head2, "optim": torch.optim.AdamW(head2.parameters()), "noise": torch.zeros(1 << 18), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=str(tmp_path / "tier")) as mgr:
+        assert mgr.restore(state2, 5) == 5 and mgr.last_restore["store"] == 0
+    assert {n: t.numpy().tobytes() for n, t in {**head2.state_dict(), "noise": state2["noise"]}.items()} == want
+    assert ckpt.Store.open(str(tmp_path / "tier")).verify().ok
+
