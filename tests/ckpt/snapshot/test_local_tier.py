@@ -931,3 +931,38 @@ def test_a_save_that_reuses_no_entries_keeps_the_snapshot_it_continues_from(tmp_
     assert {n: t.numpy().tobytes() for n, t in {**head2.state_dict(), "noise": state2["noise"]}.items()} == want
     assert ckpt.Store.open(str(tmp_path / "tier")).verify().ok
 
+
+def test_a_compressing_tiers_room_sizes_a_delta_snapshot_by_its_own_chunks(tmp_path, tmpfs):
+    """A compressing tier with deltas on an 8 MiB tmpfs: step 1 and step 2 (1 Mi bfloat16 each, ~1.4 MB stored),
+    3 a delta against 2 and 4 one against 3 (~0.5 MB each); another tenant leaves 512 KiB free. The room for step 5
+    (a delta against 4, the snapshot it continues from) sized each snapshot by every chunk it needs: 4 "held" its base
+    and two deltas, more than its tensors' raw bytes, so the estimate took the raw bound, and with 1 dropped that was
+    not there: every snapshot went, 4 too. Sized by its own chunks, the estimate is the bytes per byte its snapshots
+    store (~0.7) times the raw bound: 1 alone goes (the raw bound would drop all four), and 5 lands beside 4."""
+    from ckpt.snapshot.local_tier import LocalTier
+
+    shm = tmpfs(tmp_path / "shm", "8m")
+    tier = LocalTier(f"{shm}/tier", "run", keep=10, compress=True)
+    gen = torch.Generator().manual_seed(0)
+
+    def noise():
+        return torch.randn(1 << 20, generator=gen).to(torch.bfloat16)  # (stores as ~0.7 of its bytes)
+
+    tier.store.push({"w": noise()}, tier.ref(1))
+    w = noise()
+    tier.store.push({"w": w}, tier.ref(2))
+    for s in (3, 4, 5):
+        w = w + (noise() * 1e-2).to(torch.bfloat16)
+        if s < 5:
+            tier.store.push({"w": w}, tier.ref(s), base=tier.ref(s - 1))
+    assert {s: len(tier._chunks(s)[1]) for s in (3, 4)} == {3: 3, 4: 4}  # (a chain of depth 2)
+    since = tier.store.resolve(tier.ref(4))
+    _fill(f"{shm}/tenant", leave=512 << 10)
+    raw = tier.bound([w.numel() * w.element_size()], raw=True)
+    assert tier.make_room(5, raw, raw, since) == [1]
+    assert tier.steps() == [2, 3, 4]
+    tier.store.push({"w": w}, tier.ref(5), base=tier.ref(4))
+    got = ckpt.Store.open(f"{shm}/tier").load(tier.ref(5))["w"]
+    assert got.view(torch.int16).numpy().tobytes() == w.view(torch.int16).numpy().tobytes()
+    assert ckpt.Store.open(f"{shm}/tier").verify().ok
+    tier.close()
