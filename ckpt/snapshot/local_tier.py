@@ -271,7 +271,7 @@ class LocalTier:
         the snapshots of ``chunks`` (manifests ``mids``) hold here, each sized by the chunks its own entries name
         (:meth:`_own`; one cut short by ENOSPC holds nothing): a group's rank (``needed`` None), the most any of them
         holds, for both (it knows no raw bytes of its next save: DCP plans its shards as it writes, so a state grown
-        since may need a second room); a compressing tier (``needed`` and ``whole`` the raw bounds), at least that and
+        since its snapshots is not counted, and its saves may keep running out of space); a compressing tier (``needed`` and ``whole`` the raw bounds), at least that and
         the raw bounds times the most any of them stores per byte of its tensors (a state grown since: AdamW's moments
         after a snapshot of step 0), at most the raw bounds. (It asked for :meth:`bound`'s no tensor bytes, dropped
         none, and every later save ran out of space again; with the most held alone, so did a state grown since.
