@@ -287,14 +287,14 @@ class LocalSnapshots(LocalRestoring):
 
         try:
             if self.room is not None:  # before a byte is written (a failure resets what the next save reuses, below)
-                # (the previous snapshot is kept where this one names its chunks: entries reused, deltas against it; after
-                # a failed save, which reuses none, the last one written or restored: ``changed`` counts none of what is
-                # unchanged since, found there by hash. Dropped, that was written again uncounted.)
-                if self._last is not None:
-                    reused = self._last[0] if reuse or self.run.delta else None
-                else:
-                    reused = self._since
-                self.room(step, changed or [], self.run.bundles, reused)
+                # (the snapshot this one continues from, the last written or restored (``_last`` after a restore that
+                # failed midway), is kept where the save relies on it: entries reused, deltas against it, or tensors
+                # ``changed`` does not count (unchanged since it, found there by hash; all of them where versions cannot
+                # tell: unchanged_by="hash", a fused optimizer), after a failed save too. Dropped, those were written
+                # again uncounted. Where every tensor is counted it may go: a later step the run went back from.)
+                since = self._since or (self._last[0] if self._last else None)
+                relies = reuse or (self._last and self.run.delta) or len(changed or []) < len(staged) + len(reuse)
+                self.room(step, changed or [], self.run.bundles, since if relies else None)
             known = {n: (e.dtype, e.shape, e.nbytes) for n, e in reuse.items()}
             # tensors read in place until the optimizer steps come from ``live``
             in_place = {n: live.source(n) for n in live.names} if live is not None else None

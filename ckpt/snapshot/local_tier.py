@@ -104,7 +104,7 @@ class LocalTier:
         self.pinned: set[int] = set()
         self._lock = threading.Lock()  # prune vs. the steps a persist pins
         self._named: dict[str, frozenset[str]] = {}  # manifest id -> the chunks it names (_chunks)
-        self._logical: dict[str, int] = {}  # manifest id -> its tensors' bytes (_chunks)
+        self._entries: dict[str, tuple[frozenset[str], int]] = {}  # manifest id -> its entries' chunks, tensor bytes (_own)
 
     def close(self) -> None:
         """Let go of the tier (another manager may then take it)."""
@@ -199,7 +199,7 @@ class LocalTier:
             n = min(max(held - self.keep, 0), len(candidates) - later)
             n = later + n if n else 0
             if needed > free or self.max_bytes is not None:
-                chunks = self._chunk_map(steps)
+                chunks = self._chunk_map(steps)[0]
                 freed = [room - free for room in self._rooms(candidates, chunks, free)]
                 if needed > free:
                     fits = [k for k, f in enumerate(freed) if free + f >= needed]
@@ -250,9 +250,9 @@ class LocalTier:
             order = first + rest
             if not order:
                 return []
-            chunks = self._chunk_map(steps)
+            chunks, mids = self._chunk_map(steps)
             if needed is None or self.compress:
-                needed, whole = self._held_estimate(chunks, needed, whole)
+                needed, whole = self._held_estimate(chunks, mids, needed, whole)
             whole = needed if whole is None else max(whole, needed)
             mine = [s for s in steps if self._names(s, since)]  # (held: what the save does not change is there)
             at = (order.index(mine[0]) if mine[0] in order else len(order)) if mine else -1  # dropping order[:k]: k > at drops it
@@ -265,35 +265,47 @@ class LocalTier:
                 return []
             return self._remove(order[:n])
 
-    def _held_estimate(self, chunks: dict[int, frozenset[str]], needed: int | None, whole: int | None) -> tuple[int, int]:
+    def _held_estimate(self, chunks: dict[int, frozenset[str]], mids: dict[int, str], needed: int | None,
+                       whole: int | None) -> tuple[int, int]:
         """:meth:`make_room`'s ``needed`` and ``whole`` where the tensors' bytes cannot say what a save adds, from what
-        the snapshots of ``chunks`` hold here (one cut short by ENOSPC holds nothing): a group's rank (``needed`` None),
-        the most any of them holds, for both; a compressing tier (``needed`` and ``whole`` the raw bounds), at least that
-        and the raw bounds times the most any of them stores per byte of its tensors (a state grown since: AdamW's
-        moments after a snapshot of step 0), at most the raw bounds. (It asked for :meth:`bound`'s no tensor bytes, dropped
-        none, and every later save ran out of space again; with the most held alone, so did a state grown since.)"""
+        the snapshots of ``chunks`` (manifests ``mids``) hold here, each sized by the chunks its own entries name
+        (:meth:`_own`; one cut short by ENOSPC holds nothing): a group's rank (``needed`` None), the most any of them
+        holds, for both (it knows no raw bytes of its next save: DCP plans its shards as it writes, so a state grown
+        since its snapshots is not counted, and its saves may keep running out of space); a compressing tier (``needed`` and ``whole`` the raw bounds), at least that and
+        the raw bounds times the most any of them stores per byte of its tensors (a state grown since: AdamW's moments
+        after a snapshot of step 0), at most the raw bounds. (It asked for :meth:`bound`'s no tensor bytes, dropped
+        none, and every later save ran out of space again; with the most held alone, so did a state grown since.
+        Sized by every chunk it needs, a snapshot of a delta chain held its bases too: past the raw bound, which then
+        dropped every snapshot, the one the save continues from too.)"""
         import math
 
-        held = {s: sum(self.store.stored_sizes(c).values()) for s, c in chunks.items()}
-        most = max(held.values())
+        own = {s: self._own(mid, chunks[s]) for s, mid in mids.items()}
+        sizes = self.store.stored_sizes(frozenset().union(*(ids for ids, _ in own.values())))
+        held = {s: sum(sizes.get(c, 0) for c in ids) for s, (ids, _) in own.items()}
+        most = max(held.values(), default=0)
         if needed is None:
             return most, most
-        ratio = max((held[s] / n for s, n in self._logical_map(chunks).items() if n), default=1.0)
+        ratio = max((held[s] / n for s, (_, n) in own.items() if n), default=1.0)
 
         def estimate(raw: int) -> int:
             return min(raw, max(most, math.ceil(raw * ratio)))
 
         return estimate(needed), estimate(needed if whole is None else whole)
 
-    def _logical_map(self, chunks: dict[int, frozenset[str]]) -> dict[int, int]:
-        """The tensors' bytes of each snapshot of ``chunks`` (read with them by :meth:`_chunks`; 0 where unknown)."""
-        out = {}
-        for s in chunks:
+    def _own(self, mid: str, named: frozenset[str]) -> tuple[frozenset[str], int]:
+        """The chunks the entries of manifest ``mid`` name themselves (not the bases of their deltas: a later snapshot's
+        own) and its tensors' bytes; kept by id, read only where :meth:`make_room` estimates. A manifest the full parse
+        refuses counts ``named`` (every chunk it needs) and no tensor bytes."""
+        if mid not in self._entries:
+            from ckpt.format.manifest import Manifest
+
             try:
-                out[s] = self._logical.get(self.store.resolve(self.ref(s)), 0)
+                m = Manifest.from_json(self.store.objects.get_manifest(mid), f"manifest {mid}")
             except CkptError:
-                out[s] = 0
-        return out
+                return named, 0
+            self._entries[mid] = (frozenset(c for e in (*m.files, *m.tensors, *m.bundles) for c in e.chunks),
+                                  sum(t.nbytes for t in m.tensors))
+        return self._entries[mid]
 
     def _rooms(self, steps: list[int], chunks: dict[int, frozenset[str]], free: int) -> list[int]:
         """The room with the first n of ``steps`` dropped, for n = 0..len(steps): ``free`` bytes and what they free.
@@ -341,28 +353,33 @@ class LocalTier:
         except CkptError:
             return False
 
-    def _chunk_map(self, steps: list[int]) -> dict[int, frozenset[str]]:
-        """Each of ``steps``' chunks (:meth:`_chunks`); the manifests of snapshots gone since are forgotten."""
-        out = {s: self._chunks(s) for s in steps}
-        held = set(out.values())
-        self._named = {m: c for m, c in self._named.items() if c in held}
-        self._logical = {m: n for m, n in self._logical.items() if m in self._named}
-        return out
+    def _chunk_map(self, steps: list[int]) -> tuple[dict[int, frozenset[str]], dict[int, str]]:
+        """Each of ``steps``' chunks (:meth:`_chunks`), and the manifest id of each whose ref resolves; the manifests
+        of snapshots gone since are forgotten."""
+        chunks, mids = {}, {}
+        for s in steps:
+            mid, chunks[s] = self._chunks(s)
+            if mid is not None:
+                mids[s] = mid
+        held = set(mids.values())
+        self._named = {m: c for m, c in self._named.items() if m in held}
+        self._entries = {m: e for m, e in self._entries.items() if m in held}
+        return chunks, mids
 
-    def _chunks(self, step: int) -> frozenset[str]:
-        """The chunk ids the snapshot of ``step`` names, the bases of its delta chains too (none where it cannot be
-        read). Kept by manifest id (a manifest never changes): a save's room reads only the manifests new since."""
+    def _chunks(self, step: int) -> tuple[str | None, frozenset[str]]:
+        """The manifest id of the snapshot of ``step`` (None where its ref cannot be read) and the chunk ids it names,
+        the bases of its delta chains too (none where it cannot be read). Kept by manifest id (a manifest never
+        changes): a save's room reads only the manifests new since."""
         try:
             mid = self.store.resolve(self.ref(step))
-            if mid not in self._named:
-                from ckpt.format.manifest import Manifest
-
-                data = self.store.objects.get_manifest(mid)
-                self._named[mid] = frozenset(referenced_chunks(data))
-                self._logical[mid] = sum(t.nbytes for t in Manifest.from_json(data, f"manifest {mid}").tensors)
         except CkptError:
-            return frozenset()
-        return self._named[mid]
+            return None, frozenset()
+        if mid not in self._named:
+            try:
+                self._named[mid] = frozenset(referenced_chunks(self.store.objects.get_manifest(mid)))
+            except CkptError:
+                return mid, frozenset()
+        return mid, self._named[mid]
 
     def drop_after(self, step: int) -> list[int]:
         """Remove the snapshots of steps after ``step`` but pinned ones (their data goes with the next

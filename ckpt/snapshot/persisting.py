@@ -171,7 +171,9 @@ class Persisting(ManagerState):
             if self._distributed:
                 # (a group's rank holds its shards and replicas instead: make_room estimates those; the snapshot the group
                 # continues from is never dropped before the others, as on one process: it dropped the step the run went
-                # back to first, and kept the timeline it left)
+                # back to first, and kept the timeline it left; on a compressing tier too it asks for the most one holds:
+                # it knows no raw bytes of its next save (DCP plans its shards as it writes): a state grown since its
+                # snapshots (AdamW's moments after a snapshot of step 0) is not counted, and its saves may keep failing)
                 dropped = local.make_room(step, None, since=self._group_path.last_id)
             else:
                 assert isinstance(self._path, LocalSnapshots)

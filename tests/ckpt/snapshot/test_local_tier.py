@@ -105,7 +105,7 @@ def _model(width, seed=0):
 
 def _step(state, step):
     model, opt = state["model"], state["optim"]
-    model(torch.randn(4, model[0].in_features)).square().mean().backward()
+    model(torch.randn(4, model[0].in_features, dtype=model[0].weight.dtype)).square().mean().backward()
     opt.step()
     opt.zero_grad()
     state["step"] = step
@@ -755,29 +755,34 @@ def test_tensors_new_since_the_last_snapshot_count_for_the_room(tmp_path, tmpfs)
 
 
 def test_after_a_compressing_tiers_write_ran_out_of_space_it_makes_room_for_a_snapshot(tmp_path, tmpfs):
-    """local_compress=True on a 16 MiB tmpfs, local_keep=3: steps 1 and 2 (4 MiB of noise each, every element
-    changed by each step: it stores as about 3.5 MiB), another tenant leaves 1 MiB free. A compressing tier counts
-    no tensor bytes before a save (LocalTier.bound), so the save of 3 runs out of space writing. The room made after
-    it asked for what bound said (about 64 KiB), dropped nothing, and every later save failed again the same way.
-    It asks for as much as the largest snapshot here holds (at most the raw bytes) now: step 1 goes and 4 lands."""
+    """local_compress=True on a 16 MiB tmpfs, local_keep=3: steps 1 and 2 (4 MiB of noise rounded to bfloat16 each,
+    every element changed by each step: it stores as about 1.4 MB), another tenant leaves 1 MiB free. A compressing
+    tier counts no tensor bytes before a save (LocalTier.bound), so the save of 3 runs out of space writing. The room
+    made after it asked for what bound said (about 64 KiB), dropped nothing, and every later save failed again the
+    same way. It asks for the raw bytes at the rate the tier's snapshots store them now: step 1 goes and 4 lands (the
+    raw bytes, 4 MiB, are more than dropping both would free: none dropped, and the save of 4 failed again)."""
     shm = tmpfs(tmp_path / "shm", "16m")
     gen = torch.Generator().manual_seed(0)
-    state = {"w": torch.randn(1 << 20, generator=gen), "step": 0}
+
+    def noise():  # (float32 with its low two bytes zero: stores as about a third of its bytes)
+        return torch.randn(1 << 20, generator=gen).to(torch.bfloat16).float()
+
+    state = {"w": noise(), "step": 0}
     with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
                                 local_every_n_steps=1, local_keep=3, local_compress=True) as mgr:
         for step in (1, 2):
-            state["w"].copy_(torch.randn(1 << 20, generator=gen))
+            state["w"].copy_(noise())
             mgr.save(step, state, persist=False)
             mgr.wait()
         held = mgr.local_tier.bytes
-        assert held > 6 << 20  # (the noise compresses little)
+        assert 2 << 20 < held < 4 << 20  # (8 MiB raw)
         _fill(f"{shm}/tenant", leave=1 << 20)
-        state["w"].copy_(torch.randn(1 << 20, generator=gen))
+        state["w"].copy_(noise())
         with pytest.warns(ckpt.TierWarning, match="step 3 not saved .*(disk is full|No space left)"):
             mgr.save(3, state, persist=False)
             mgr.wait()
         assert mgr.local_tier.steps == [1, 2]
-        state["w"].copy_(torch.randn(1 << 20, generator=gen))
+        state["w"].copy_(noise())
         with pytest.warns(ckpt.TierWarning, match="dropped step.s. 1 to make room for step 4"):
             mgr.save(4, state, persist=False)
             mgr.wait()
@@ -849,20 +854,22 @@ def test_after_a_failed_save_the_room_keeps_the_snapshot_the_next_save_continues
 
 
 def test_a_compressing_tiers_room_counts_a_state_grown_since_its_snapshots(tmp_path, tmpfs):
-    """local_compress=True on a 32 MiB tmpfs: step 0 saved before training (6 MiB of weights: AdamW has no moments
-    yet); another tenant leaves 13 MiB free. Each step after stores about three times as much (the moments AdamW's
-    first step made): the save of 1 runs out of space writing. The room made then asked for as much as the largest
-    snapshot held (step 0, the weights alone), found it free, dropped nothing, and every later save failed again.
-    It counts the raw bytes at the rate the tier's snapshots store them now: the save of 2 drops 0 and lands."""
+    """local_compress=True on a 32 MiB tmpfs, a bfloat16 model (stores as about two thirds of its bytes): step 0 saved
+    before training (3 MiB of weights, 2.1 MB stored: AdamW has no moments yet); another tenant leaves 4.4 MiB free.
+    Each step after stores more than twice as much (the moments AdamW's first step made, 4.7 MB): the save of 1 runs
+    out of space writing. The room made then asked for as much as the largest snapshot held (step 0, the weights
+    alone), found it free, dropped nothing, and every later save failed again. It counts the raw bytes (9 MiB) at the
+    rate the tier's snapshots store them now: the save of 2 drops 0 and lands (the raw bytes, more than dropping 0
+    frees, drop none)."""
     shm = tmpfs(tmp_path / "shm", "32m")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512)).to(torch.bfloat16)
     state = {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-3), "step": 0}
     with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
                                 local_every_n_steps=1, local_keep=3, local_compress=True) as mgr:
         mgr.save(0, state, persist=False)
         mgr.wait()
-        _fill(f"{shm}/tenant", leave=13 << 20)
+        _fill(f"{shm}/tenant", leave=(44 << 20) // 10)
         _step(state, 1)
         with pytest.warns(ckpt.TierWarning, match="step 1 not saved .*(disk is full|No space left)"):
             mgr.save(1, state, persist=False)
@@ -873,12 +880,125 @@ def test_a_compressing_tiers_room_counts_a_state_grown_since_its_snapshots(tmp_p
             mgr.wait()
         assert mgr.local_tier.steps == [2] and mgr.last_save.tier == "local"
     torch.manual_seed(1)
-    fresh = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
+    fresh = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512)).to(torch.bfloat16)
     state2 = {"model": fresh, "optim": torch.optim.AdamW(fresh.parameters(), lr=1e-3), "step": 0}
     with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
         assert mgr.restore_latest(state2) == 2 and mgr.last_restore["store"] == 0
     from ckpt.snapshot.state import flatten
 
     got, want = flatten(state2)[0], flatten(state)[0]
-    assert {n: t.detach().numpy().tobytes() for n, t in got.items()} == {n: t.detach().numpy().tobytes() for n, t in want.items()}
+    def raw(tensors):  # (bfloat16 has no numpy dtype)
+        return {n: t.detach().reshape(-1).view(torch.uint8).numpy().tobytes() for n, t in tensors.items()}
+
+    assert raw(got) == raw(want)
     assert ckpt.Store.open(f"{shm}/tier").verify().ok
+
+
+def test_a_save_that_reuses_no_entries_keeps_the_snapshot_it_continues_from(tmp_path):
+    """unchanged_by="hash", local_keep=2: the run went back to step 2 while step 4 of the timeline it left was being
+    persisted (pinned: the tier holds 2 and 4). A save by hash reuses no entries (nor does one of a fused optimizer's
+    state): the save of 5 told fit of no snapshot it continues from, so 2 went by local_keep before the write, and the
+    1 MiB ``noise`` restored from 2 (unchanged, found there by hash) was written again. 2 stays until 5 lands now."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 16)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    state = {"head": head, "optim": opt, "noise": torch.randn(1 << 18), "step": 0}
+
+    def train(step):
+        head(torch.randn(4, 16)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        state["step"] = step
+
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=str(tmp_path / "tier"),
+                                local_every_n_steps=1, unchanged_by="hash") as mgr:
+        for step in (2, 4):
+            train(step)
+            mgr.save(step, state, persist=False)
+            mgr.wait()
+            state["noise"].copy_(torch.randn(1 << 18))  # (4 holds other noise than 2)
+        assert mgr.restore(state, 2) == 2
+        mgr._local.pinned.add(4)  # as a persist of step 4 in flight pins it
+        room, held = mgr._path.room, []
+
+        def seen(*args):  # the tier's steps as the write begins
+            dropped = room(*args)
+            held.append(mgr._local.steps())
+            return dropped
+
+        mgr._path.room = seen
+        train(5)
+        mgr.save(5, state, persist=False)
+        mgr.wait()
+        assert held == [[2, 4]] and mgr.last_save.tier == "local"
+        assert mgr.last_save.written_bytes < 1 << 19, mgr.last_save.written_bytes  # (the noise: 1 MiB)
+        assert mgr.local_tier.steps == [4, 5]
+    want = {n: t.numpy().tobytes() for n, t in {**head.state_dict(), "noise": state["noise"]}.items()}
+    head2 = torch.nn.Linear(16, 16)
+    state2 = {"head": head2, "optim": torch.optim.AdamW(head2.parameters()), "noise": torch.zeros(1 << 18), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=str(tmp_path / "tier")) as mgr:
+        assert mgr.restore(state2, 5) == 5 and mgr.last_restore["store"] == 0
+    assert {n: t.numpy().tobytes() for n, t in {**head2.state_dict(), "noise": state2["noise"]}.items()} == want
+    assert ckpt.Store.open(str(tmp_path / "tier")).verify().ok
+
+
+def test_a_compressing_tiers_room_sizes_a_delta_snapshot_by_its_own_chunks(tmp_path, tmpfs):
+    """A compressing tier with deltas on an 8 MiB tmpfs: step 1 and step 2 (1 Mi bfloat16 each, ~1.4 MB stored),
+    3 a delta against 2 and 4 one against 3 (~0.5 MB each); another tenant leaves 512 KiB free. The room for step 5
+    (a delta against 4, the snapshot it continues from) sized each snapshot by every chunk it needs: 4 "held" its base
+    and two deltas, more than its tensors' raw bytes, so the estimate took the raw bound, and with 1 dropped that was
+    not there: every snapshot went, 4 too. Sized by its own chunks, the estimate is the bytes per byte its snapshots
+    store (~0.7) times the raw bound: 1 alone goes (the raw bound would drop all four), and 5 lands beside 4."""
+    from ckpt.snapshot.local_tier import LocalTier
+
+    shm = tmpfs(tmp_path / "shm", "8m")
+    tier = LocalTier(f"{shm}/tier", "run", keep=10, compress=True)
+    gen = torch.Generator().manual_seed(0)
+
+    def noise():
+        return torch.randn(1 << 20, generator=gen).to(torch.bfloat16)  # (stores as ~0.7 of its bytes)
+
+    tier.store.push({"w": noise()}, tier.ref(1))
+    w = noise()
+    tier.store.push({"w": w}, tier.ref(2))
+    for s in (3, 4, 5):
+        w = w + (noise() * 1e-2).to(torch.bfloat16)
+        if s < 5:
+            tier.store.push({"w": w}, tier.ref(s), base=tier.ref(s - 1))
+    assert {s: len(tier._chunks(s)[1]) for s in (3, 4)} == {3: 3, 4: 4}  # (a chain of depth 2)
+    since = tier.store.resolve(tier.ref(4))
+    _fill(f"{shm}/tenant", leave=512 << 10)
+    raw = tier.bound([w.numel() * w.element_size()], raw=True)
+    assert tier.make_room(5, raw, raw, since) == [1]
+    assert tier.steps() == [2, 3, 4]
+    tier.store.push({"w": w}, tier.ref(5), base=tier.ref(4))
+    got = ckpt.Store.open(f"{shm}/tier").load(tier.ref(5))["w"]
+    assert got.view(torch.int16).numpy().tobytes() == w.view(torch.int16).numpy().tobytes()
+    assert ckpt.Store.open(f"{shm}/tier").verify().ok
+    tier.close()
+
+
+def test_a_manifest_the_full_parse_refuses_still_holds_its_chunks_in_the_room(tmp_path, tmpfs):
+    """A compressing tier on an 8 MiB tmpfs: steps 1 and 2 hold one 1 MiB tensor (the same chunks), 2's manifest gives
+    it a length its chunks do not have (the full parse refuses it; the chunks it names are still its own and gc keeps
+    them), 3 other noise; another tenant leaves 512 KiB free. The room's estimate parsed every manifest fully beside
+    its chunk list, and a refusal emptied the step's chunk set: dropping 1 seemed to free the shared chunks, 1 alone
+    went, and nothing was freed. 2's chunks count (only its tensor bytes are unknown): 1 and 2 go, and the room is
+    there."""
+    from ckpt.snapshot.local_tier import LocalTier, free_bytes
+
+    shm = tmpfs(tmp_path / "shm", "8m")
+    tier = LocalTier(f"{shm}/tier", "run", keep=10, compress=True)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(1 << 18, generator=gen)
+    tier.store.push({"w": w}, tier.ref(1))
+    mid = tier.store.push({"w": w.clone(), "b": torch.zeros(2)}, tier.ref(2)).id
+    doc = json.loads(tier.store.objects.get_manifest(mid))
+    next(t for t in doc["tensors"] if t["name"] == "w")["nbytes"] = 8 << 20  # (its chunks hold 1 MiB)
+    tier.store.refs_db.set(tier.ref(2), tier.store.objects.put_manifest(json.dumps(doc, sort_keys=True).encode()))
+    since = tier.store.push({"w": torch.randn(1 << 18, generator=gen)}, tier.ref(3)).id
+    _fill(f"{shm}/tenant", leave=512 << 10)
+    raw = tier.bound([w.numel() * w.element_size()], raw=True)
+    assert tier.make_room(4, raw, raw, since) == [1, 2]
+    assert tier.steps() == [3] and free_bytes(tier.path) >= raw
+    tier.close()
