@@ -456,6 +456,26 @@ def test_a_delta_base_damaged_on_the_way_is_fetched_again_with_its_delta(tmp_pat
     assert [r["extra"] for r in restored] == [f["extra"] for f in full]
 
 
+@pytest.mark.slow  # two runs of 2 processes
+def test_a_delta_from_a_peer_waits_for_its_base_where_the_tier_holds_that_base_damaged(tmp_path):
+    """Deltas as above; step 6 never persisted (peers alone hold it). Every chunk of rank 0's step 6 damaged
+    in its tier, the delta bases its manifest records too: its load finds them damaged and fetches them from
+    rank 1, a delta among them while the tier still holds its base damaged. That delta is intact: it must
+    wait for its base (which comes from the peer too), not be dropped for its base's damage (before: the
+    check raised the base's CorruptObjectError, the delta was dropped and deleted from memory, and the
+    restore failed on rank 0 with ObjectNotFoundError). Bit-identical, nothing read from the durable store."""
+    n, k = 8, 6
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n, delta=True)
+    url = _crash(tmp_path / "a", 2, n, k, delta=True)
+    out = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k,
+                      flip=[0], flip_bases=True, delta=True)
+    for r in out:
+        assert "error" not in r, (r.get("error"), r.get("trace", "")[-3000:])
+    assert out[0]["flipped"] > 0 and out[0]["restore"]["step"] == k
+    assert out[0]["restore"]["peer"] > 0 and out[0]["restore"]["store"] == 0
+    _same_run(full, out, k, n)
+
+
 @pytest.mark.slow  # three runs of 2 processes
 def test_a_replaced_machine_with_a_full_tier_keeps_deltas_and_their_bases_in_memory(tmp_path, tmpfs):
     """Deltas as above; rank 1's tier wiped and its medium (a tmpfs) full but 16 KiB when it restores
@@ -868,3 +888,36 @@ def test_replicas_are_staged_beside_the_tier_and_named_only_at_the_commit(tmp_pa
     staging.add({c: memoryview(blobs[c]) for c in order})
     staging.drop()  # the transfer was cut short
     assert list(other.objects.list("chunks")) == [] and list(other.objects.list_temporaries()) == []
+
+
+def test_staging_holds_a_delta_whose_base_is_damaged_in_the_tier_and_drops_only_a_damaged_delta(tmp_path):
+    """Staging (without processes): the tier holds a delta's base damaged. The intact delta waits (its base's
+    damage is not its own: before, the base's CorruptObjectError dropped it) and is named once a verified
+    base is in place; a copy of the delta with a byte flipped waits too, and is dropped once its base is
+    whole (the error names the delta itself)."""
+    import torch
+
+    from ckpt.snapshot.peer_group import Staging
+
+    tier = ckpt.Store.init(str(tmp_path / "tier"))
+    g = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(256, 1024, generator=g)}
+    tier.push(base, "base")
+    tier.push({"w": base["w"] + 1e-3 * torch.randn(256, 1024, generator=g)}, "tuned", base="base")
+    blobs = {i.id: tier.objects.get("chunks", i.id) for i in tier.objects.list("chunks")}
+    d = next(c for c, b in blobs.items() if parse_header(b, c).base is not None)
+    b = parse_header(blobs[d], d).base
+    tier.objects.delete("chunks", d)
+    path = tier.objects.path("chunks", b)
+
+    bad = bytearray(blobs[d])
+    bad[-1] ^= 1
+    for blob, kept in ((bytes(bad), False), (blobs[d], True)):
+        tier.objects.backend.write(path, blobs[b][:-1] + bytes([blobs[b][-1] ^ 1]))  # the base, damaged in the tier
+        staging = Staging(tier)
+        staging.add({d: memoryview(blob)})
+        assert d in staging.waiting and not staging.rejected  # (its base unusable: nothing known of it yet)
+        tier.objects.backend.write(path, blobs[b])  # a verified base written over the damaged one (from a peer)
+        staging.commit()
+        assert staging.rejected == (set() if kept else {d}) and tier.objects.has("chunks", d) == kept
+    assert tier.objects.get("chunks", d) == blobs[d]
