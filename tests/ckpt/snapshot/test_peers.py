@@ -921,3 +921,75 @@ def test_staging_holds_a_delta_whose_base_is_damaged_in_the_tier_and_drops_only_
         staging.commit()
         assert staging.rejected == (set() if kept else {d}) and tier.objects.has("chunks", d) == kept
     assert tier.objects.get("chunks", d) == blobs[d]
+
+
+def _tier_with_a_damaged_base(tmp_path, durable_holds_it):
+    """A rank's tier (compressing, so its snapshots are deltas) naming steps 4 and 6, step 6 a delta
+    against W, a chunk of step 4 both name, RUN/latest step 6; W damaged there. The durable store holds
+    step 4 (W intact) or nothing. Returns (tier, Tiers as a restore of step 6 leaves them, W, step 6's id)."""
+    import torch
+
+    from ckpt.snapshot.local_tier import LocalTier
+    from ckpt.snapshot.tiers import Tiers
+
+    settings = ckpt.Settings.from_env(chunk_size=64 << 10)
+    tier = LocalTier(tmp_path / "tier", "run", keep=5, settings=settings, compress=True)
+    durable = ckpt.Store.init(str(tmp_path / "durable"), settings=settings)
+    g = torch.Generator().manual_seed(0)
+    w4 = {"w": torch.randn(64 << 10, generator=g)}
+    w6 = {"w": w4["w"] + 1e-3 * torch.randn(64 << 10, generator=g)}
+    tier.store.push(w4, "run/step-4")
+    mid = tier.store.push(w6, "run/step-6", base="run/step-4")
+    tier.store.refs_db.set("run/latest", mid, alias=True)
+    if durable_holds_it:
+        durable.push(w4, "run/step-4")
+    d = next(c for c in tier.store.manifest(mid).tensors[0].chunks if parse_header(tier.store.objects.get("chunks", c), c).base)
+    w = parse_header(tier.store.objects.get("chunks", d), d).base
+    blob = bytearray(tier.store.objects.get("chunks", w))
+    blob[-1] ^= 1
+    tier.store.objects.backend.write(tier.store.objects.path("chunks", w), bytes(blob))
+    tiers = Tiers([("local", tier.store), ("peer", ckpt.Store.init(f"memory://{tmp_path.name}-peer")), ("store", durable)])
+    tiers.damaged = {w}  # (the load found it so, and read step 6 elsewhere)
+    return tier, tiers, w, mid
+
+
+def test_a_damaged_base_no_farther_tier_holds_is_removed_with_every_step_naming_it(tmp_path):
+    """The refill (ckpt/snapshot/peer_refill.py) cannot replace W: it removes it, and with it every step whose
+    snapshot names it (4 and 6) and RUN/latest (step 6): before, only step 6's name went, so step 4 and
+    RUN/latest named a snapshot whose chunk was gone."""
+    from ckpt.snapshot.peer_refill import refill
+
+    tier, tiers, w, mid = _tier_with_a_damaged_base(tmp_path, durable_holds_it=False)
+    kept, why = refill(tier, 6, mid, tiers)
+    assert tier.steps() == [] and not tier.store.objects.has("chunks", w)
+    assert "run/latest" not in tier.store.refs()
+    assert tier.store.verify().ok
+    assert not kept and "could not be replaced" in why and "[4, 6]" in why
+
+
+@pytest.mark.parametrize("stop", ["changed", "write"])
+def test_a_refill_stopped_early_still_replaces_the_damaged_copies(tmp_path, stop):
+    """The refill stops early where training changed a tensor before it read it (ckpt/snapshot/peer_targets.py
+    keep_decoded), or where a write to the tier fails (a folder where a chunk fetched from a peer goes). The
+    damaged W it must still write over, verified, from the durable store: before, that early return or the
+    exception left it damaged in the tier, named by steps 4 and 6 (a later save would reuse it)."""
+    import torch
+
+    from ckpt.snapshot.peer_refill import refill
+    from ckpt.store.copy import chunk_checker
+
+    tier, tiers, w, mid = _tier_with_a_damaged_base(tmp_path, durable_holds_it=True)
+    other = torch.randn(16 << 10, generator=torch.Generator().manual_seed(1))  # a target the restore decoded into
+    cid = tiers.stores[2][1].push({"u": other}, "u")
+    cid = tiers.stores[2][1].manifest(cid).tensors[0].chunks[0]
+    if stop == "changed":
+        other[5] += 1  # an optimizer step, before the refill read it
+        tiers.decoded = {cid: memoryview(other.numpy()).cast("B")}
+    else:  # fetched from a peer (in memory), its place in the tier taken
+        tiers.stores[1][1].objects.put("chunks", cid, tiers.stores[2][1].objects.get("chunks", cid))
+        (tmp_path / "tier" / tier.store.objects.path("chunks", cid)).mkdir(parents=True)
+    kept, why = refill(tier, 6, mid, tiers)
+    assert not kept and (why is None if stop == "changed" else "Is a directory" in why), why
+    chunk_checker(tier.store, tier.store)(w, tier.store.objects.get("chunks", w))  # whole again
+    assert tier.steps() == [4, 6] and tier.store.resolve("run/latest") == mid
+    assert tier.store.verify().ok
