@@ -58,6 +58,20 @@ def wait_process(p: subprocess.Popen[str], expect: int = 0) -> subprocess.Comple
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
+def fill_medium(path: str | os.PathLike[str], leave: int = 0) -> None:
+    """Another tenant of a medium (a small tmpfs, say): the file ``path`` on it, of all its free space but
+    ``leave`` bytes (written until ENOSPC, then cut)."""
+    block = b"\0" * (1 << 20)
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(block)
+                f.flush()
+        except OSError:
+            pass
+    os.truncate(path, max(os.path.getsize(path) - leave, 0))
+
+
 def tensor_bits(t: torch.Tensor) -> bytes:
     """The bytes of ``t`` (any device, any layout): what bit-exact tests compare."""
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

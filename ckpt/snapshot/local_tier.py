@@ -391,6 +391,20 @@ class LocalTier:
                 self.store.remove(self.ref(s))
             return later
 
+    def forget(self, chunks: set[str]) -> list[int]:
+        """Remove the copies of ``chunks`` (damaged ones no other tier could replace) and the snapshot of every
+        step that names one (as a chunk or a delta's base: it lacks it now), RUN/latest too where it names one
+        of those; the steps removed."""
+        with self._lock:
+            steps = [s for s, named in self._chunk_map(self.steps()).items() if named & chunks]
+            self._remove(steps)  # (first: a step is never named without its chunks)
+            for cid in sorted(chunks):  # (those the gc above left: named by no step it could read)
+                try:
+                    self.store.objects.delete("chunks", cid)
+                except (CkptError, OSError):
+                    pass  # gone already
+            return steps
+
     def drop(self, step: int) -> None:
         """Remove one snapshot (a failed save's leftovers go with the next prune)."""
         try:

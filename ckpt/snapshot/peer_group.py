@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckpt.snapshot.tiers import MISSES, describe
-from ckpt_store.storage.errors import ObjectNotFoundError, StorageIOError
+from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError, StorageIOError
 
 if TYPE_CHECKING:
     from ckpt.snapshot.local_tier import LocalTier
@@ -178,10 +178,10 @@ class Staging:
                 return  # the rounds still arrive (the peers are sending them), unkept
             try:
                 self.check(cid, blob)
-            except ObjectNotFoundError:
-                self.waiting[cid] = bytes(blob)  # the round's buffer is reused
-                continue
             except MISSES as e:
+                if lacks_base(cid, e):
+                    self.waiting[cid] = bytes(blob)  # the round's buffer is reused
+                    continue
                 dropped(cid, describe(e))
                 self.rejected.add(cid)
                 continue
@@ -207,9 +207,9 @@ class Staging:
                 for cid, blob in self.waiting.items():
                     try:
                         self.check(cid, blob)
-                    except ObjectNotFoundError:
-                        continue
                     except MISSES as e:
+                        if lacks_base(cid, e):
+                            continue
                         dropped(cid, describe(e))
                         self.rejected.add(cid)
                         kept[cid] = b""
@@ -239,6 +239,16 @@ class Staging:
             except Exception as e:  # noqa: BLE001 - a leftover temporary is removed by the tier's next gc
                 log.debug("staged chunk not removed: %s", describe(e))
         self.ready, self.waiting = [], {}
+
+
+def lacks_base(cid: str, error: Exception) -> bool:
+    """Whether checking chunk ``cid`` against the bases in a tier raised ``error`` for want of a
+    usable base there (not there, or damaged there: the error names another blob), not because
+    ``cid`` itself is bad: such a delta waits for its base (from a peer, or beside it in memory)
+    instead of being dropped; only an error that names the delta itself drops it."""
+    if isinstance(error, ObjectNotFoundError):
+        return True
+    return isinstance(error, CorruptObjectError) and error.object_id != cid
 
 
 def dropped(cid: str, why: str) -> None:

@@ -34,46 +34,63 @@ def refill(tier: LocalTier, step: int, mid: str, tiers: Tiers) -> tuple[bool, st
     """Keep in ``tier`` (this rank's) what a restore of ``step`` (manifest ``mid``) read from elsewhere
     and replace what it found damaged there (see the module's docstring). Not collective. Returns
     (whether the tier names the step; False where a target changed before the refill read it: the
-    next save writes the state anew), and why the tier failed to keep them, or None."""
-    peer = dict(tiers.stores)["peer"]
-    local = tier.store
-    fetched = {info.id for info in peer.objects.list("chunks")}
+    next save writes the state anew), and why the tier failed to keep them, or None. On every exit
+    (a changed target, a full tier) each damaged copy is replaced, or removed with the steps naming it."""
     decoded, tiers.decoded = tiers.decoded, {}  # (its views keep the targets' memory alive until this returns)
     # (a damaged copy a peer's verified one was written over during the restore is whole again)
     damaged, tiers.damaged = tiers.damaged - tiers.from_peers, set()
+    todo = set(damaged)  # those not written over yet
+    try:
+        kept, why = _keep(tier, step, mid, tiers, decoded, todo)
+    except Exception as e:  # noqa: BLE001 - a full tier, say: the restore itself succeeded
+        kept, why = False, describe(e)
+    if todo:  # (a save must not reuse a damaged copy, and a step a tier names has each chunk whole)
+        return False, _mend(tier, tiers, mid, todo) or why
+    return kept, why
+
+
+def _keep(tier: LocalTier, step: int, mid: str, tiers: Tiers, decoded: dict[str, memoryview],
+          damaged: set[str]) -> tuple[bool, str | None]:
+    """:func:`refill`'s work; ``damaged`` (the tier's damaged copies) emptied once each is written over or removed."""
+    peer = dict(tiers.stores)["peer"]
+    local = tier.store
+    fetched = {info.id for info in peer.objects.list("chunks")}
     if not fetched and not tiers.from_peers and not decoded and not damaged:
         return True, None
-    try:
-        if not keep_decoded(local, decoded):
-            tier.prune()  # (what it wrote is named by no step: the tier's bounds count none of it)
-            return False, None
-        missing = fetched - local.objects.has_many("chunks", fetched)
-        staging = Staging(local)
-        for cid in sorted(missing):  # one at a time: no second copy of them all
-            staging.add({cid: memoryview(peer.objects.get("chunks", cid))})
-        staging.commit()
+    if not keep_decoded(local, decoded):
+        tier.prune()  # (what it wrote is named by no step: the tier's bounds count none of it)
+        return False, None
+    missing = fetched - local.objects.has_many("chunks", fetched)
+    staging = Staging(local)
+    for cid in sorted(missing):  # one at a time: no second copy of them all
+        staging.add({cid: memoryview(peer.objects.get("chunks", cid))})
+    staging.commit()
+    lacking = tiers.needed - local.objects.has_many("chunks", tiers.needed)
+    if lacking or damaged:
+        unreplaced = _copy_back(tier, tiers, mid, lacking | damaged, damaged) & damaged
+        damaged.clear()  # (each written over, or removed here)
+        if unreplaced:
+            return False, _forget(tier, unreplaced)
         lacking = tiers.needed - local.objects.has_many("chunks", tiers.needed)
-        if lacking or damaged:
-            farther = [store for name, store in tiers.stores if name != "local"]
-            named = recorded_chains(_manifest_bytes(tiers, mid))
-            unreplaced = keep_copies(local, farther, lacking | damaged, replace=damaged, named=named) & damaged
-            if unreplaced:  # (a save must not reuse a damaged copy, and a step a tier names has each chunk whole)
-                return False, _forget(tier, step, unreplaced)
-            lacking = tiers.needed - local.objects.has_many("chunks", tiers.needed)
-        if lacking:  # (each chunk in the tier is verified: written so, or checked as it arrived)
-            tier.prune()
-            return False, f"{len(lacking)} of the chunks this rank read not in its tier (first {min(lacking)[:12]})"
-        if not local.objects.has("manifests", mid):
-            local.objects.put_manifest(_manifest_bytes(tiers, mid))
-            local.objects.backend.flush()
-        local.refs_db.set(tier.ref(step), mid)
-        if step >= max(tier.steps(), default=step):
-            local.refs_db.set(f"{tier.run}/latest", mid, alias=True)
-        local.objects.backend.flush()
+    if lacking:  # (each chunk in the tier is verified: written so, or checked as it arrived)
         tier.prune()
-    except Exception as e:  # noqa: BLE001 - a full tier, say: the restore itself succeeded
-        return False, describe(e)
+        return False, f"{len(lacking)} of the chunks this rank read not in its tier (first {min(lacking)[:12]})"
+    if not local.objects.has("manifests", mid):
+        local.objects.put_manifest(_manifest_bytes(tiers, mid))
+        local.objects.backend.flush()
+    local.refs_db.set(tier.ref(step), mid)
+    if step >= max(tier.steps(), default=step):
+        local.refs_db.set(f"{tier.run}/latest", mid, alias=True)
+    local.objects.backend.flush()
+    tier.prune()
     return True, None
+
+
+def _copy_back(tier: LocalTier, tiers: Tiers, mid: str, ids: set[str], damaged: set[str]) -> set[str]:
+    """:func:`keep_copies` of ``ids`` into ``tier`` from the farther tiers (``damaged``: written over);
+    those none gave."""
+    farther = [store for name, store in tiers.stores if name != "local"]
+    return keep_copies(tier.store, farther, ids, replace=damaged, named=recorded_chains(_manifest_bytes(tiers, mid)))
 
 
 def keep_copies(local: Store, sources: list[Store], ids: set[str], *, replace: set[str],
@@ -113,16 +130,26 @@ def _one_by_one(src: Store, local: Store, ids: set[str], replace: set[str], name
     return done
 
 
-def _forget(tier: LocalTier, step: int, damaged: set[str]) -> str:
-    """Remove from ``tier`` the damaged copies no farther tier could replace, and its name of ``step``,
-    which lacks them now; what to tell the user."""
-    for cid in sorted(damaged):
-        try:
-            tier.store.objects.delete("chunks", cid)
-        except MISSES:
-            pass  # (gone already)
-    tier.drop(step)
-    return f"{len(damaged)} damaged chunk(s) of step {step} could not be replaced and were removed (first {min(damaged)[:12]})"
+def _mend(tier: LocalTier, tiers: Tiers, mid: str, damaged: set[str]) -> str | None:
+    """Where the refill stopped before (a changed target, a full tier): write verified copies over the tier's
+    ``damaged`` ones from the farther tiers, and remove those none gives (all, where this fails too); what to
+    tell the user, or None."""
+    try:
+        damaged = _copy_back(tier, tiers, mid, damaged, damaged)
+    except Exception as e:  # noqa: BLE001 - a full tier, say: none is known whole
+        log.info("refill: damaged copies not replaced (%s)", describe(e))
+    return _forget(tier, damaged) if damaged else None
+
+
+def _forget(tier: LocalTier, damaged: set[str]) -> str:
+    """Remove from ``tier`` the damaged copies no farther tier could replace, and every step that names one
+    (:meth:`~ckpt.snapshot.local_tier.LocalTier.forget`); what to tell the user."""
+    first = min(damaged)[:12]
+    try:
+        steps = tier.forget(damaged)
+    except Exception as e:  # noqa: BLE001 - the tier's medium failing: a later load finds them damaged again
+        return f"{len(damaged)} damaged chunk(s) could not be replaced nor removed (first {first}: {describe(e)})"
+    return f"{len(damaged)} damaged chunk(s) could not be replaced and were removed (first {first}), and the steps naming them: {steps}"
 
 
 def _manifest_bytes(tiers: Tiers, mid: str) -> bytes:

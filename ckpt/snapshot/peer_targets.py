@@ -115,7 +115,7 @@ def settle_deltas(local: Store, peer: Store, waiting: dict[str, str | None], tie
         staging = Staging(local)
         staging.add({cid: memoryview(peer.objects.get("chunks", cid)) for cid in sorted(waiting)})
         staging.commit(unsettled="kept in memory for this restore")
-        for cid in staging.rejected:  # (damaged: dropped, as the log says; the load reads it from the next tier)
+        for cid in staging.rejected:  # (the delta itself damaged: dropped, as the log says; the load reads it from the next tier)
             peer.objects.delete("chunks", cid)
     except Exception as e:  # noqa: BLE001 - a full tier, say: the deltas stay in memory, their bases beside them
         log.info("local tier: deltas fetched from peers kept in memory (%s)", describe(e))

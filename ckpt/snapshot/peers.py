@@ -39,14 +39,14 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.dcp.checkpoint import Writer
 from ckpt.progress import NullProgress
-from ckpt.snapshot.peer_group import PeerGroup, Staging, dropped
+from ckpt.snapshot.peer_group import PeerGroup, Staging, dropped, lacks_base
 from ckpt.snapshot.peer_refill import refill
 from ckpt.snapshot.peer_targets import decode_into_targets, settle_deltas
 from ckpt.snapshot.steps import latest_manifest, left_behind, left_behind_message, snapshot_step
 from ckpt.snapshot.tiers import MISSES, Tiers, describe, out_of_space
 from ckpt.transfer.pipeline import BATCH_BYTES, run_parallel
 from ckpt_store.storage.chunk_lists import recorded_chains, referenced_chunks
-from ckpt_store.storage.errors import ObjectNotFoundError, RefNotFoundError
+from ckpt_store.storage.errors import RefNotFoundError
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
@@ -321,12 +321,12 @@ class Peers(PeerGroup):
                 return
             try:
                 check(cid, blob)
-            except ObjectNotFoundError:  # a delta whose base is not in the tier yet (or is decoded only into a target, or in memory)
-                peer.objects.put("chunks", cid, bytes(blob))  # the round's buffer is reused
-                waiting[cid] = parse_header(blob, cid).base
-                return
             except Exception as e:  # noqa: BLE001 - damaged (MISSES), or anything else: the sink must not raise
-                dropped(cid, describe(e))
+                if lacks_base(cid, e):  # a delta whose base is not in the tier yet or damaged there (decoded only into a target, in memory)
+                    peer.objects.put("chunks", cid, bytes(blob))  # the round's buffer is reused
+                    waiting[cid] = parse_header(blob, cid).base
+                else:
+                    dropped(cid, describe(e))
                 return
             try:
                 objects.backend.write(objects.path("chunks", cid), blob)

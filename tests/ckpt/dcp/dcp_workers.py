@@ -792,7 +792,9 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
                                      local_compress=delta)
     if mode == "resume":
         if room is not None and rank in wipe:
-            _fill(os.path.join(local, f"rank-{rank}"), room)
+            from integration_util import fill_medium
+
+            fill_medium(os.path.join(local, f"rank-{rank}", "ballast"), room)  # (the tmpfs is the tier's folder)
         reads = count_chunk_reads(mgr._local.store.objects.backend) if count else None
         writes = count_chunk_writes(mgr._local.store) if count else None
         gate = threading.Event()
@@ -858,18 +860,6 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
     if delta:
         out["extra"] = [bits(state["frozen"]), bits(state["moving"]), bits(state["drift"])]
     return {**out, "losses": losses, "bits": _ddp_bits(state)}
-
-
-def _fill(path, room):
-    """Fill the medium holding ``path`` with a file there but ``room`` bytes."""
-    from ckpt.snapshot.local_tier import free_bytes
-
-    with open(os.path.join(path, "ballast"), "wb") as f:
-        left = free_bytes(path) - room
-        while left > 0:
-            n = min(left, 1 << 20)
-            f.write(bytes(n))
-            left -= n
 
 
 def _count_checks():

@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from integration_util import fill_medium
 
 import ckpt
 
@@ -144,19 +145,6 @@ def test_a_save_that_cannot_fit_the_tier_is_refused_before_it_writes(tmp_path, t
     assert ckpt.Store.open(f"{shm}/tier").verify().ok and ckpt.Store.open(str(tmp_path / "durable")).verify().ok
 
 
-def _fill(path, leave=0):
-    """Another tenant of the medium: a file of all its free space but ``leave`` bytes (written until ENOSPC)."""
-    block = b"\0" * (1 << 20)
-    with open(path, "wb") as f:
-        try:
-            while True:
-                f.write(block)
-                f.flush()
-        except OSError:
-            pass
-    os.truncate(path, max(os.path.getsize(path) - leave, 0))
-
-
 def test_after_a_refused_save_the_tier_makes_the_room_a_save_adds_not_its_frozen_base(tmp_path, tmpfs):
     """A 24 MiB frozen base and a 12 MiB trained head (with AdamW's moments); local_keep=2: steps 1 and 2 hold 48 MiB
     of a 64 MiB tmpfs, another tenant the rest. The save of step 3 is refused (12 MiB more, not even with step 1
@@ -182,7 +170,7 @@ def test_after_a_refused_save_the_tier_makes_the_room_a_save_adds_not_its_frozen
             step(n)
             mgr.save(n, state, persist=False)
             mgr.wait()
-        _fill(f"{shm}/tenant")
+        fill_medium(f"{shm}/tenant")
         step(3)
         with pytest.warns(ckpt.TierWarning, match="step 3 not saved .*the disk is full for this snapshot.*nothing written"):
             mgr.save(3, state, persist=False)
@@ -280,7 +268,7 @@ def test_the_tier_bounds_hold_while_a_save_is_written(tmp_path, tmpfs):
             _step(state, step)
             mgr.save(step, state, persist=False)
         mgr.wait()
-        _fill(f"{shm}/tenant", leave=one // 3)
+        fill_medium(f"{shm}/tenant", leave=one // 3)
         _step(state, 3)
         with warnings.catch_warnings():
             warnings.simplefilter("error", ckpt.TierWarning)
@@ -595,7 +583,7 @@ def test_the_first_save_after_a_restart_makes_the_room_its_step_adds(tmp_path, t
     state = _head_run(seed=1)
     with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw) as mgr:
         assert mgr.restore_latest(state) == 2 and mgr.last_restore["store"] == 0
-        _fill(f"{shm}/tenant", leave=6 << 20)
+        fill_medium(f"{shm}/tenant", leave=6 << 20)
         _head_step(state, 3)
         with warnings.catch_warnings():
             warnings.simplefilter("error", ckpt.TierWarning)
@@ -655,7 +643,7 @@ def test_after_a_write_ran_out_of_space_the_tier_makes_the_room_a_save_adds(tmp_
 
         def then_a_tenant(*args):  # the tenant takes the room right after the check: deterministic, not a race
             dropped = room(*args)
-            _fill(f"{shm}/tenant", leave=4 << 20)
+            fill_medium(f"{shm}/tenant", leave=4 << 20)
             return dropped
 
         mgr._path.room = then_a_tenant
@@ -702,7 +690,7 @@ def test_a_run_gone_back_makes_room_from_the_timeline_it_left_first(tmp_path, tm
             mgr.save(step, state, persist=False)
         mgr.wait()
         assert mgr.restore(state, 2) == 2
-        _fill(f"{shm}/tenant")
+        fill_medium(f"{shm}/tenant")
         _head_step(state, 3)
         with pytest.warns(ckpt.TierWarning, match="step 3 not saved .*nothing written"):
             mgr.save(3, state, persist=False)
@@ -734,7 +722,7 @@ def test_tensors_new_since_the_last_snapshot_count_for_the_room(tmp_path, tmpfs)
                                 local_every_n_steps=1) as mgr:
         mgr.save(0, state, persist=False)
         mgr.wait()
-        _fill(f"{shm}/tenant", leave=20 << 20)
+        fill_medium(f"{shm}/tenant", leave=20 << 20)
         _step(state, 1)
         with pytest.warns(ckpt.TierWarning, match="step 1 not saved .*the disk is full for this snapshot.*nothing written"):
             mgr.save(1, state, persist=False)
@@ -776,7 +764,7 @@ def test_after_a_compressing_tiers_write_ran_out_of_space_it_makes_room_for_a_sn
             mgr.wait()
         held = mgr.local_tier.bytes
         assert 2 << 20 < held < 4 << 20  # (8 MiB raw)
-        _fill(f"{shm}/tenant", leave=1 << 20)
+        fill_medium(f"{shm}/tenant", leave=1 << 20)
         state["w"].copy_(noise())
         with pytest.warns(ckpt.TierWarning, match="step 3 not saved .*(disk is full|No space left)"):
             mgr.save(3, state, persist=False)
@@ -822,7 +810,7 @@ def test_after_a_failed_save_the_room_keeps_the_snapshot_the_next_save_continues
             state["noise"].copy_(torch.randn(1 << 18))  # (4 holds other noise than 2)
         assert mgr.restore(state, 2) == 2
         mgr._local.pinned.add(4)  # as a persist of step 4 in flight pins it
-        _fill(f"{shm}/tenant")
+        fill_medium(f"{shm}/tenant")
         train(3)
         with pytest.warns(ckpt.TierWarning, match="step 3 not saved .*the disk is full for this snapshot.*nothing written"):
             mgr.save(3, state, persist=False)
@@ -869,7 +857,7 @@ def test_a_compressing_tiers_room_counts_a_state_grown_since_its_snapshots(tmp_p
                                 local_every_n_steps=1, local_keep=3, local_compress=True) as mgr:
         mgr.save(0, state, persist=False)
         mgr.wait()
-        _fill(f"{shm}/tenant", leave=(44 << 20) // 10)
+        fill_medium(f"{shm}/tenant", leave=(44 << 20) // 10)
         _step(state, 1)
         with pytest.warns(ckpt.TierWarning, match="step 1 not saved .*(disk is full|No space left)"):
             mgr.save(1, state, persist=False)
@@ -967,7 +955,7 @@ def test_a_compressing_tiers_room_sizes_a_delta_snapshot_by_its_own_chunks(tmp_p
             tier.store.push({"w": w}, tier.ref(s), base=tier.ref(s - 1))
     assert {s: len(tier._chunks(s)[1]) for s in (3, 4)} == {3: 3, 4: 4}  # (a chain of depth 2)
     since = tier.store.resolve(tier.ref(4))
-    _fill(f"{shm}/tenant", leave=512 << 10)
+    fill_medium(f"{shm}/tenant", leave=512 << 10)
     raw = tier.bound([w.numel() * w.element_size()], raw=True)
     assert tier.make_room(5, raw, raw, since) == [1]
     assert tier.steps() == [2, 3, 4]
@@ -997,7 +985,7 @@ def test_a_manifest_the_full_parse_refuses_still_holds_its_chunks_in_the_room(tm
     next(t for t in doc["tensors"] if t["name"] == "w")["nbytes"] = 8 << 20  # (its chunks hold 1 MiB)
     tier.store.refs_db.set(tier.ref(2), tier.store.objects.put_manifest(json.dumps(doc, sort_keys=True).encode()))
     since = tier.store.push({"w": torch.randn(1 << 18, generator=gen)}, tier.ref(3)).id
-    _fill(f"{shm}/tenant", leave=512 << 10)
+    fill_medium(f"{shm}/tenant", leave=512 << 10)
     raw = tier.bound([w.numel() * w.element_size()], raw=True)
     assert tier.make_room(4, raw, raw, since) == [1, 2]
     assert tier.steps() == [3] and free_bytes(tier.path) >= raw

@@ -254,14 +254,14 @@ def test_a_replaced_machine_keeps_in_its_tier_the_chunks_it_took_from_the_durabl
     assert r1["step"] == k and r1["local"] > 0 and r1["peer"] == r1["store"] == 0
 
 
-def _all_intact(tier_path, durable_url=None):
-    """Every chunk blob in the tier at ``tier_path`` decodes to its id (a delta's base from the tier, else
-    the durable store); returns the ids held."""
+def _all_intact(tier_path):
+    """Every chunk blob in the tier at ``tier_path`` decodes to its id, a delta's with its bases from the tier
+    alone (a load decodes a delta with bases from the tier that holds it); returns the ids held."""
     from ckpt.store.copy import chunk_checker
 
     tier = ckpt.Store.open(str(tier_path))
     held = {i.id for i in tier.objects.list("chunks")}
-    check = chunk_checker(ckpt.Store.open(durable_url) if durable_url else tier, tier)
+    check = chunk_checker(tier, tier)
     for cid in held:
         check(cid, tier.objects.get("chunks", cid))  # raises CorruptObjectError on a bad copy
     return held
@@ -456,6 +456,26 @@ def test_a_delta_base_damaged_on_the_way_is_fetched_again_with_its_delta(tmp_pat
     assert [r["extra"] for r in restored] == [f["extra"] for f in full]
 
 
+@pytest.mark.slow  # two runs of 2 processes
+def test_a_delta_from_a_peer_waits_for_its_base_where_the_tier_holds_that_base_damaged(tmp_path):
+    """Deltas as above; step 6 never persisted (peers alone hold it). Every chunk of rank 0's step 6 damaged
+    in its tier, the delta bases its manifest records too: its load finds them damaged and fetches them from
+    rank 1, a delta among them while the tier still holds its base damaged. That delta is intact: it must
+    wait for its base (which comes from the peer too), not be dropped for its base's damage (before: the
+    check raised the base's CorruptObjectError, the delta was dropped and deleted from memory, and the
+    restore failed on rank 0 with ObjectNotFoundError). Bit-identical, nothing read from the durable store."""
+    n, k = 8, 6
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n, delta=True)
+    url = _crash(tmp_path / "a", 2, n, k, delta=True)
+    out = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k,
+                      flip=[0], flip_bases=True, delta=True)
+    for r in out:
+        assert "error" not in r, (r.get("error"), r.get("trace", "")[-3000:])
+    assert out[0]["flipped"] > 0 and out[0]["restore"]["step"] == k
+    assert out[0]["restore"]["peer"] > 0 and out[0]["restore"]["store"] == 0
+    _same_run(full, out, k, n)
+
+
 @pytest.mark.slow  # three runs of 2 processes
 def test_a_replaced_machine_with_a_full_tier_keeps_deltas_and_their_bases_in_memory(tmp_path, tmpfs):
     """Deltas as above; rank 1's tier wiped and its medium (a tmpfs) full but 16 KiB when it restores
@@ -486,7 +506,7 @@ def test_a_replaced_machine_with_a_full_tier_keeps_deltas_and_their_bases_in_mem
     logs, memory = out[1]["logs"], set(out[1]["in_memory"][0])
     assert any("deltas fetched from peers kept in memory" in m and "disk is full" in m for m in logs), logs
     assert {x, y, z, w} <= memory
-    _all_intact(tmp_path / "a" / "local" / "rank-1", url)
+    _all_intact(tmp_path / "a" / "local" / "rank-1")  # (no delta there without its bases: checked against the tier alone)
 
 
 @pytest.mark.parametrize("lost", ["z", "w"])
@@ -868,3 +888,108 @@ def test_replicas_are_staged_beside_the_tier_and_named_only_at_the_commit(tmp_pa
     staging.add({c: memoryview(blobs[c]) for c in order})
     staging.drop()  # the transfer was cut short
     assert list(other.objects.list("chunks")) == [] and list(other.objects.list_temporaries()) == []
+
+
+def test_staging_holds_a_delta_whose_base_is_damaged_in_the_tier_and_drops_only_a_damaged_delta(tmp_path):
+    """Staging (without processes): the tier holds a delta's base damaged. The intact delta waits (its base's
+    damage is not its own: before, the base's CorruptObjectError dropped it) and is named once a verified
+    base is in place; a copy of the delta with a byte flipped waits too, and is dropped once its base is
+    whole (the error names the delta itself)."""
+    import torch
+
+    from ckpt.snapshot.peer_group import Staging
+
+    tier = ckpt.Store.init(str(tmp_path / "tier"))
+    g = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(256, 1024, generator=g)}
+    tier.push(base, "base")
+    tier.push({"w": base["w"] + 1e-3 * torch.randn(256, 1024, generator=g)}, "tuned", base="base")
+    blobs = {i.id: tier.objects.get("chunks", i.id) for i in tier.objects.list("chunks")}
+    d = next(c for c, b in blobs.items() if parse_header(b, c).base is not None)
+    b = parse_header(blobs[d], d).base
+    tier.objects.delete("chunks", d)
+    path = tier.objects.path("chunks", b)
+
+    bad = bytearray(blobs[d])
+    bad[-1] ^= 1
+    for blob, kept in ((bytes(bad), False), (blobs[d], True)):
+        tier.objects.backend.write(path, blobs[b][:-1] + bytes([blobs[b][-1] ^ 1]))  # the base, damaged in the tier
+        staging = Staging(tier)
+        staging.add({d: memoryview(blob)})
+        assert d in staging.waiting and not staging.rejected  # (its base unusable: nothing known of it yet)
+        tier.objects.backend.write(path, blobs[b])  # a verified base written over the damaged one (from a peer)
+        staging.commit()
+        assert staging.rejected == (set() if kept else {d}) and tier.objects.has("chunks", d) == kept
+    assert tier.objects.get("chunks", d) == blobs[d]
+
+
+def _tier_with_a_damaged_base(tmp_path, durable_holds_it):
+    """A rank's tier (compressing, so its snapshots are deltas) naming steps 4 and 6, step 6 a delta
+    against W, a chunk of step 4 both name, RUN/latest step 6; W damaged there. The durable store holds
+    step 4 (W intact) or nothing. Returns (tier, Tiers as a restore of step 6 leaves them, W, step 6's id)."""
+    import torch
+
+    from ckpt.snapshot.local_tier import LocalTier
+    from ckpt.snapshot.tiers import Tiers
+
+    settings = ckpt.Settings.from_env(chunk_size=64 << 10)
+    tier = LocalTier(tmp_path / "tier", "run", keep=5, settings=settings, compress=True)
+    durable = ckpt.Store.init(str(tmp_path / "durable"), settings=settings)
+    g = torch.Generator().manual_seed(0)
+    w4 = {"w": torch.randn(64 << 10, generator=g)}
+    w6 = {"w": w4["w"] + 1e-3 * torch.randn(64 << 10, generator=g)}
+    tier.store.push(w4, "run/step-4")
+    mid = tier.store.push(w6, "run/step-6", base="run/step-4")
+    tier.store.refs_db.set("run/latest", mid, alias=True)
+    if durable_holds_it:
+        durable.push(w4, "run/step-4")
+    d = next(c for c in tier.store.manifest(mid).tensors[0].chunks if parse_header(tier.store.objects.get("chunks", c), c).base)
+    w = parse_header(tier.store.objects.get("chunks", d), d).base
+    blob = bytearray(tier.store.objects.get("chunks", w))
+    blob[-1] ^= 1
+    tier.store.objects.backend.write(tier.store.objects.path("chunks", w), bytes(blob))
+    tiers = Tiers([("local", tier.store), ("peer", ckpt.Store.init(f"memory://{tmp_path.name}-peer")), ("store", durable)])
+    tiers.damaged = {w}  # (the load found it so, and read step 6 elsewhere)
+    return tier, tiers, w, mid
+
+
+def test_a_damaged_base_no_farther_tier_holds_is_removed_with_every_step_naming_it(tmp_path):
+    """The refill (ckpt/snapshot/peer_refill.py) cannot replace W: it removes it, and with it every step whose
+    snapshot names it (4 and 6) and RUN/latest (step 6): before, only step 6's name went, so step 4 and
+    RUN/latest named a snapshot whose chunk was gone."""
+    from ckpt.snapshot.peer_refill import refill
+
+    tier, tiers, w, mid = _tier_with_a_damaged_base(tmp_path, durable_holds_it=False)
+    kept, why = refill(tier, 6, mid, tiers)
+    assert tier.steps() == [] and not tier.store.objects.has("chunks", w)
+    assert "run/latest" not in tier.store.refs()
+    assert tier.store.verify().ok
+    assert not kept and "could not be replaced" in why and "[4, 6]" in why
+
+
+@pytest.mark.parametrize("stop", ["changed", "write"])
+def test_a_refill_stopped_early_still_replaces_the_damaged_copies(tmp_path, stop):
+    """The refill stops early where training changed a tensor before it read it (ckpt/snapshot/peer_targets.py
+    keep_decoded), or where a write to the tier fails (a folder where a chunk fetched from a peer goes). The
+    damaged W it must still write over, verified, from the durable store: before, that early return or the
+    exception left it damaged in the tier, named by steps 4 and 6 (a later save would reuse it)."""
+    import torch
+
+    from ckpt.snapshot.peer_refill import refill
+    from ckpt.store.copy import chunk_checker
+
+    tier, tiers, w, mid = _tier_with_a_damaged_base(tmp_path, durable_holds_it=True)
+    other = torch.randn(16 << 10, generator=torch.Generator().manual_seed(1))  # a target the restore decoded into
+    cid = tiers.stores[2][1].push({"u": other}, "u")
+    cid = tiers.stores[2][1].manifest(cid).tensors[0].chunks[0]
+    if stop == "changed":
+        other[5] += 1  # an optimizer step, before the refill read it
+        tiers.decoded = {cid: memoryview(other.numpy()).cast("B")}
+    else:  # fetched from a peer (in memory), its place in the tier taken
+        tiers.stores[1][1].objects.put("chunks", cid, tiers.stores[2][1].objects.get("chunks", cid))
+        (tmp_path / "tier" / tier.store.objects.path("chunks", cid)).mkdir(parents=True)
+    kept, why = refill(tier, 6, mid, tiers)
+    assert not kept and (why is None if stop == "changed" else "Is a directory" in why), why
+    chunk_checker(tier.store, tier.store)(w, tier.store.objects.get("chunks", w))  # whole again
+    assert tier.steps() == [4, 6] and tier.store.resolve("run/latest") == mid
+    assert tier.store.verify().ok
