@@ -396,7 +396,7 @@ class LocalTier:
         step that names one (as a chunk or a delta's base: it lacks it now), RUN/latest too where it names one
         of those; the steps removed."""
         with self._lock:
-            steps = [s for s, named in self._chunk_map(self.steps()).items() if named & chunks]
+            steps = [s for s, named in self._chunk_map(self.steps())[0].items() if named & chunks]
             self._remove(steps)  # (first: a step is never named without its chunks)
             for cid in sorted(chunks):  # (those the gc above left: named by no step it could read)
                 try:
