@@ -27,7 +27,9 @@ to merge, together at most ``BATCH_BYTES``, 1 MiB, per input): see :class:`~ckpt
 therefore stays near (inputs + 2) × the largest tensor (or 1 MiB) for linear, task-arithmetic,
 dare (linear combine) and slerp, and (inputs + 3) × for ties and dare's ties combine
 (their masks and sums), plus the push pipeline's buffers (a few chunks per thread); never whole models
-(benchmarks/results/merge.md and tests/ckpt/merging/test_combine.py measure it). Beside that: from a
+(benchmarks/results/merge.md and tests/ckpt/merging/test_combine.py measure it). Elements whose math overflowed,
+computed again (:mod:`ckpt.merging.overflowing`), add a value in the compute dtype each and, on the store path,
+the chunks that hold them, read again a chunk's span at a time in every input (not the inputs' tensors). Beside that: from a
 remote store, the inputs' bundles of small chunks that the merge's reads keep for the whole merge
 (each fetched once; within ``inflight_mb`` in all, 256 MiB by default), and into one, the output's
 chunks of at most 64 KiB (a quarter of its bytes at most), held until the push copies them into
@@ -71,15 +73,12 @@ from ckpt.merging.computing import (
     BatchedInputs,
     LazyTensor,
     SmallKept,
-    average_again,
     cast_back,
-    mark_nonfinite,
-    method_again,
-    plain_average,
     step_computation,
     step_sources,
 )
 from ckpt.merging.methods import MethodRegistry, default_registry
+from ckpt.merging.overflowing import average_again, mark_nonfinite, masked_pieces, method_again, plain_average
 from ckpt.merging.planning import FLOAT_DTYPES, cannot_merge, check_one_model, check_whole_tensors, plan_steps
 from ckpt.progress import Progress
 from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX, BUNDLE_SHARE
@@ -331,8 +330,7 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
         ys, held = [x.to(cd, copy=True) for x in xs], None
         for y in ys + ([b] if b is not None else []):
             held = mark_nonfinite(y, held)
-        src = xs + ([base[name]] if base is not None and b is not None else [])
-        again = method_again(m, bound, name, b is not None, cd, lambda mask: [x[mask] for x in src])
+        again = method_again(m, bound, name, b is not None, cd, masked_pieces(xs + ([base[name]] if b is not None else [])))
         with torch.no_grad():
             out[name] = cast_back(m.combine(ys, b, bound, name), dtype, name, held, overflow, again)
     return out
