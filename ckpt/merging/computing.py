@@ -14,7 +14,7 @@ from ckpt.errors import InvalidMergeError, TensorMismatchError
 from ckpt.format.dtypes import bit_identical, bit_pattern, byte_view, to_torch
 from ckpt.format.manifest import Manifest
 from ckpt.merging.methods import MergeMethod
-from ckpt.merging.overflowing import average_again, mark_nonfinite, method_again, plain_average
+from ckpt.merging.overflowing import Again, Piece, average_again, mark_nonfinite, masked_pieces, method_again, plain_average
 from ckpt.merging.planning import FLOAT_DTYPES, Step, cannot_merge
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ OVERFLOW = ("error", "saturate")
 
 
 def cast_back(x: torch.Tensor, dtype: str, name: str, held: torch.Tensor | None, overflow: str = "error",
-              again: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+              again: Again | None = None) -> torch.Tensor:
     """Merged tensor ``x`` (in the compute dtype) cast to the inputs' ``dtype``, in every float dtype by
     one rule: a finite value that rounds past the dtype's largest (the cast makes it inf, or where the
     dtype has no infinity NaN or the largest) is refused with :class:`InvalidMergeError` naming the
@@ -43,8 +43,8 @@ def cast_back(x: torch.Tensor, dtype: str, name: str, held: torch.Tensor | None,
     give it a value). An input's inf, as the method combined it, stays inf, and its NaN stays NaN.
 
     ``again`` (elementwise math only) computes the elements whose math made an inf or NaN from finite inputs
-    again, given their mask (:func:`computed_again`; NaN where it could not): those whose true value fits
-    are then kept, not refused. Elsewhere ``x`` is left as the math made it, bit for bit."""
+    again, into ``x`` given their mask (:func:`~ckpt.merging.overflowing.computed_again`, which leaves those it
+    could not as they were): those whose true value fits are then kept, not refused. Elsewhere ``x`` is left as the math made it, bit for bit."""
     import torch
 
     target = to_torch(dtype)
@@ -58,20 +58,19 @@ def cast_back(x: torch.Tensor, dtype: str, name: str, held: torch.Tensor | None,
         odd = bool(int(top) & 1)
         lo, hi = (float(v) for v in torch.aminmax(x))  # (no tensor-sized scratch unless past, or a NaN hides it)
         if math.isnan(hi) or (hi >= limit if odd else hi > limit) or (lo <= -limit if odd else lo < -limit):
+            x = x.contiguous()  # (again writes into it: a copy only for non-contiguous inputs in memory)
             new = x.isfinite().logical_not_()  # where the math made an inf or NaN from finite inputs
             if held is not None:
                 new.logical_and_(held.logical_not())
             if again is not None and bool(new.any()):
-                got = again(new)  # (in x's dtype; NaN where not computed: the math's value stays)
-                x[new] = torch.where(got.isnan(), x[new], got, out=got)
-                new.masked_scatter_(new, got.isfinite().logical_not_())  # still inf or NaN (no tensor-sized scratch)
-                del got
+                again(x, new)  # into x, the computed elements' marks cleared (the others keep the math's value)
             nans = int(new.logical_and_(x.isnan()).sum())
             if nans:
                 raise InvalidMergeError(f"{name}: {nans} merged value{'s are' if nans > 1 else ' is'} NaN where no input holds an inf "
                                         "or NaN (the math overflowed: inf − inf, 0 × inf); --overflow saturate cannot clip a NaN",
-                                        hint="lower the weights (or lambda); linear and task-arithmetic compute such elements "
-                                        "again instead")
+                                        hint="lower the weights (or lambda); " + ("computed again in float64, these could not be "
+                                        "without losing bits" if again is not None else "linear and task-arithmetic compute such "
+                                        "elements again instead"))
             del new
             up, down = (x.ge(limit), x.le(-limit)) if odd else (x.gt(limit), x.lt(-limit))
             if dtype not in NO_INFINITY and held is not None:  # an input's inf stays inf
@@ -252,11 +251,11 @@ class BatchedInputs:
         get_chunks(store.objects, tasks, store.settings, manifest=list(manifests.values()), pool=self.pool)
         return out
 
-    def read_at(self, step: Step, mask: torch.Tensor) -> Iterator[list[torch.Tensor]]:
-        """For the elements whose math overflowed (:func:`cast_back`), once the inputs were consumed by the math: the
-        values at ``mask`` (shaped as the tensor) of tensor ``step.name`` of each of its inputs, a piece at a time
-        (:func:`computed_again`). Only the chunks that hold marked elements are read again (verified, as any read),
-        those of one span of the first input's chunk size at a time, in all inputs at once."""
+    def read_at(self, step: Step, mask: torch.Tensor) -> Iterator[Piece]:
+        """For the elements whose math overflowed (:func:`cast_back`), once the inputs were consumed by the math:
+        tensor ``step.name`` of each of its inputs where ``mask`` (shaped as the tensor) marks elements, a piece at a
+        time (:data:`~ckpt.merging.overflowing.Piece`). Only the chunks that hold marked elements are read again
+        (verified, as any read), one span of the first input's chunk size at a time, in all inputs at once."""
         import torch
 
         from ckpt.transfer.pipeline import GetTask, get_chunks, spans
@@ -264,8 +263,9 @@ class BatchedInputs:
         sources = self._sources(step)
         try:
             entries = [r.info(step.name) for r in sources]
-        except TensorMismatchError:  # stored as shards (a distributed checkpoint): read whole, one input at a time
-            yield [r.get_tensor(step.name)[mask] for r in sources]
+        except TensorMismatchError:  # stored as shards (a distributed checkpoint): read whole
+            whole = masked_pieces([r.get_tensor(step.name) for r in sources])
+            yield from whole(mask)
             return
         dt = to_torch(step.dtype)
         size = dt.itemsize
@@ -288,7 +288,8 @@ class BatchedInputs:
                 tasks += [GetTask(cid, n, into=view[pos - start : pos - start + n]) for cid, n, pos in cs[first : last + 1]]
                 bufs.append((buf, lo - start))
             get_chunks(store.objects, tasks, store.settings, manifest=manifests, pool=self.pool)
-            yield [buf[off : off + hi - lo].clone().view(dt)[m] for buf, off in bufs]
+            parts = [buf[off : off + hi - lo] for buf, off in bufs]  # (a copy only where not at an element's bytes)
+            yield at, m, [(p if p.storage_offset() % size == 0 else p.clone()).view(dt) for p in parts]
 
 
 def step_sources(method: MergeMethod, readers: list[CheckpointReader], base: CheckpointReader | None,
@@ -317,15 +318,15 @@ def step_computation(step: Step, method: MergeMethod, params: Mapping[str, Any],
             if _inputs_themselves(step, xs):
                 return xs[0]
             acc, held = plain_average(xs, cd)
-            out = cast_back(acc, step.dtype, step.name, held, overflow, average_again(xs, cd))
+            out = cast_back(acc, step.dtype, step.name, held, overflow, average_again(xs))
             del xs
             return out.contiguous()
         xs = reads.read(step)  # (the base too, where the method has one: see step_sources)
         if (identity or step.dtype not in FLOAT_DTYPES) and _inputs_themselves(step, xs):
             return xs[0]
         held = None  # where an input (or the base) holds an inf or NaN
-        for i, x in enumerate(xs):
-            xs[i] = x.to(cd)  # one at a time: an upcast copy replaces its source
+        for i in range(len(xs)):  # (no loop variable: it would keep the last input alive past the math)
+            xs[i] = xs[i].to(cd)  # one at a time: an upcast copy replaces its source
             held = mark_nonfinite(xs[i], held)
         b_read = method.needs_base and base is not None
         b = xs.pop() if b_read else None

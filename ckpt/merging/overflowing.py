@@ -17,49 +17,50 @@ if TYPE_CHECKING:
 AGAIN_BLOCK = 1 << 16  # elements computed again at a time
 
 
-def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], pieces: Iterable[list[torch.Tensor]], mask: torch.Tensor,
-                   cd: torch.dtype) -> torch.Tensor:
+def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], pieces: Iterable[Piece], x: torch.Tensor,
+                   mask: torch.Tensor) -> None:
     """``f`` (a merge's elementwise math, on copies it may consume) at the elements ``mask`` marks (where the math
-    overflowed in the compute dtype ``cd``), computed again in float64 from ``pieces``: the inputs' values there
-    (1-D, in their dtype), a piece of the elements at a time, in order. The same operations in the same order, each
-    rounded to float64, whose range float32 values times weights within float32's range cannot leave. Float64
-    inputs can: for them the parts are scaled by 2^-k and the result by 2^k, for the least k of 1, 2, 4, … 1024 at
-    which the math is finite (k = 0 is the math that overflowed). Scaling by a power of two is exact and the math is
-    homogeneous (``f(s·x) = s·f(x)``: sums, differences, products by constant weights), so each operation rounds as
-    it did, as if float64's exponent had no bound, except where a term becomes subnormal or zero once scaled
-    (float64's subnormals lose bits; 1e-300 beside 2^1000 − 2^1000 would vanish): such an element is not
-    computed. A result past float64's range is inf; NaN where not computed. Returned rounded to ``cd`` (inf past
-    its range), on the mask's device; a block of elements at a time (a few small scratch tensors)."""
+    overflowed in ``x``'s dtype, the compute dtype), computed again in float64 into ``x`` (contiguous), and their
+    marks cleared in ``mask``, from ``pieces``: (a flat position, ``mask`` flat from there, the inputs' values from
+    there, in their dtype), a piece at a time. The same operations in the same order, each rounded to float64, whose range float32 values times
+    weights within float32's range cannot leave. Float64 inputs can: for them the parts are scaled by 2^-k and the
+    result by 2^k, for the least k of 1, 2, 4, … 1024 at which the math is finite (k = 0 is the math that
+    overflowed). Scaling by a power of two is exact and the math is homogeneous (``f(s·x) = s·f(x)``: sums,
+    differences, products by constant weights), so each operation rounds as it did, as if float64's exponent had
+    no bound, except where a term becomes subnormal or zero once scaled (float64's subnormals lose bits; 1e-300
+    beside 2^1000 − 2^1000 would vanish): such an element is not computed. A result past float64's range is inf;
+    rounded to ``x``'s dtype (inf past its range). Where not computed ``x`` keeps the math's value, and ``mask``
+    its mark. A block of elements at a time: a few small scratch tensors, none the tensor's size."""
     import torch
 
-    out = torch.full((int(mask.sum()),), math.nan, dtype=cd, device=mask.device)
-    at = 0
-    for parts in pieces:
-        n = parts[0].numel()
-        for start in range(0, n, AGAIN_BLOCK):
-            block = [p[start : start + AGAIN_BLOCK].to(mask.device, torch.float64) for p in parts]  # (copies: f consumes)
-            todo = torch.ones(block[0].shape, dtype=torch.bool, device=mask.device)
-            k = 0 if cd != torch.float64 else 1
+    xf, mf = x.view(-1), mask.view(-1)
+    for at, marked, parts in pieces:
+        for start in range(0, marked.numel(), AGAIN_BLOCK):
+            sel = marked[start : start + AGAIN_BLOCK].nonzero().squeeze(1)
+            if not sel.numel():
+                continue
+            pos = sel + (at + start)
+            block = [p[start : start + AGAIN_BLOCK][sel].to(x.device, torch.float64) for p in parts]  # (f consumes copies)
+            todo = torch.ones(pos.shape, dtype=torch.bool, device=x.device)
+            k = 0 if x.dtype != torch.float64 else 1
             while k <= 1024 and bool(todo.any()):
                 where = todo.nonzero().squeeze(1)
                 lost = None  # where a nonzero term scaled falls below float64's least normal value (it loses bits)
                 if k:
-                    lost = torch.zeros(where.shape, dtype=torch.bool, device=mask.device)
+                    lost = torch.zeros(where.shape, dtype=torch.bool, device=x.device)
                     for b in block:
                         v = b[where]
                         lost.logical_or_(v.abs().lt(2.0 ** (k - 1022)).logical_and_(v.ne(0)))
-                scaled = [b[where].mul_(2.0**-k) for b in block]
-                r = f(scaled)
+                r = f([b[where].mul_(2.0**-k) for b in block])
                 fine = r.isfinite()
                 if lost is not None:
                     fine.logical_and_(lost.logical_not())
                     todo[where[lost]] = False  # (a larger k loses more)
                 # scaled back in two steps: 2^1024 is past float64's range (a product past it is inf, as it should be)
-                out[at + start + where[fine]] = r[fine].mul_(2.0 ** (k // 2)).mul_(2.0 ** (k - k // 2)).to(cd)
+                xf[pos[where[fine]]] = r[fine].mul_(2.0 ** (k // 2)).mul_(2.0 ** (k - k // 2)).to(x.dtype)
+                mf[pos[where[fine]]] = False
                 todo[where[fine]] = False
                 k = max(1, 2 * k)
-        at += n
-    return out
 
 
 def mark_nonfinite(x: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor | None:
@@ -88,30 +89,28 @@ def plain_average(xs: Sequence[torch.Tensor], cd: torch.dtype) -> tuple[torch.Te
     return acc.div_(len(xs)), held
 
 
-Pieces = Callable[["torch.Tensor"], Iterable[list["torch.Tensor"]]]
+Piece = tuple[int, "torch.Tensor", list["torch.Tensor"]]  # (flat position, the mask from there, the inputs from there)
+Pieces = Callable[["torch.Tensor"], Iterable[Piece]]
+Again = Callable[["torch.Tensor", "torch.Tensor"], None]
 
 
 def masked_pieces(xs: Sequence[torch.Tensor]) -> Pieces:
-    """For :func:`computed_again`: the values of tensors ``xs`` (in memory) at a mask, a block of the mask at a time."""
-    def pieces(mask: torch.Tensor) -> Iterator[list[torch.Tensor]]:
-        flat, flats = mask.reshape(-1), [x.reshape(-1) for x in xs]
-        for at in range(0, flat.numel(), AGAIN_BLOCK):
-            m = flat[at : at + AGAIN_BLOCK]
-            if bool(m.any()):
-                yield [f[at : at + AGAIN_BLOCK][m] for f in flats]
+    """For :func:`computed_again`: the values of tensors ``xs`` (in memory) at a mask: one piece, flat views."""
+    def pieces(mask: torch.Tensor) -> Iterator[Piece]:
+        yield 0, mask.reshape(-1), [x.reshape(-1) for x in xs]
     return pieces
 
 
-def average_again(xs: Sequence[torch.Tensor], cd: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+def average_again(xs: Sequence[torch.Tensor]) -> Again:
     """For :func:`cast_back`: :func:`plain_average` of ``xs`` computed again where it overflowed."""
     import torch
 
     pieces = masked_pieces(xs)
-    return lambda mask: computed_again(lambda ys: plain_average(ys, torch.float64)[0], pieces(mask), mask, cd)
+    return lambda x, mask: computed_again(lambda ys: plain_average(ys, torch.float64)[0], pieces(mask), x, mask)
 
 
 def method_again(method: MergeMethod, params: Mapping[str, Any], name: str, with_base: bool, cd: torch.dtype,
-                 pieces: Pieces) -> Callable[[torch.Tensor], torch.Tensor] | None:
+                 pieces: Pieces) -> Again | None:
     """For :func:`cast_back`: ``method``'s math computed again at a mask, from ``pieces(mask)`` (the inputs' values
     there, and the base's last where ``with_base``, a piece at a time); None where the method is not elementwise
     (it cannot be). Its weights are those of the math in ``cd`` (:func:`weights_in`), not float64's own."""
@@ -122,4 +121,4 @@ def method_again(method: MergeMethod, params: Mapping[str, Any], name: str, with
     def math_of(ys: list[torch.Tensor]) -> torch.Tensor:
         return method.combine(ys[:-1], ys[-1], same, name) if with_base else method.combine(ys, None, same, name)
 
-    return lambda mask: computed_again(math_of, pieces(mask), mask, cd)
+    return lambda x, mask: computed_again(math_of, pieces(mask), x, mask)

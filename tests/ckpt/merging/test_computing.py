@@ -371,3 +371,22 @@ def test_elements_computed_again_read_only_the_chunks_that_hold_them(store, monk
     want = x0.clone().mul_(2.0).add_(x1.clone().mul_(-1.0))
     want[at] = 1.25 * 2.0**127
     assert bits(got) == bits(want)
+
+
+def test_elements_computed_again_from_inputs_cut_at_other_chunk_sizes(tmp_path):
+    """The chunks read again are found per input: inputs cut at other chunk sizes (one not a multiple of 4 bytes, so
+    elements straddle its chunks), elements at chunk edges, first and last."""
+    url = str(tmp_path / "store")
+    s1 = ckpt.Store.init(url, settings=ckpt.Settings.from_env(fsync=False, chunk_size=1 << 20))
+    n = (3 << 20) // 4 + 7
+    g = torch.Generator().manual_seed(2)
+    x0, x1 = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    at = [0, 5, (1 << 18) - 1, 1 << 18, 278528, 700000, n - 1]  # (278528: straddles x1's first two chunks)
+    for i in at:
+        x0[i], x1[i] = 1.5 * 2.0**127, 1.75 * 2.0**127
+    s1.push({"w": x0}, "a")
+    ckpt.Store.open(url, settings=ckpt.Settings.from_env(fsync=False, chunk_size=(1 << 20) + (1 << 16) + 2)).push({"w": x1}, "b")
+    ckpt.merge(["a", "b"], "linear", name="o", store=s1, params={"weights": [2.0, -1.0], "normalize": False})
+    want = x0.clone().mul_(2.0).add_(x1.clone().mul_(-1.0))
+    want[at] = 1.25 * 2.0**127
+    assert bits(s1.load("o")["w"]) == bits(want)
