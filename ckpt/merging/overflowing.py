@@ -22,13 +22,14 @@ def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], pieces: Iter
     """``f`` (a merge's elementwise math, on copies it may consume) at the elements ``mask`` marks (where the math
     overflowed in ``x``'s dtype, the compute dtype), computed again in float64 into ``x`` (contiguous), and their
     marks cleared in ``mask``, from ``pieces``: (a flat position, ``mask`` flat from there, the inputs' values from
-    there, in their dtype), a piece at a time. The same operations in the same order, each rounded to float64, whose range float32 values times
-    weights within float32's range cannot leave. Float64 inputs can: for them the parts are scaled by 2^-k and the
+    there, in their dtype), a piece at a time. The same operations in the same order (the weights rounded as the
+    compute dtype's math rounds them: :func:`method_again`), each rounded to float64, whose range float32 values
+    times weights within float32's range cannot leave. Float64 inputs can: for them the parts are scaled by 2^-k and the
     result by 2^k, for the least k of 1, 2, 4, … 1024 at which the math is finite (k = 0 is the math that
     overflowed). Scaling by a power of two is exact and the math is homogeneous (``f(s·x) = s·f(x)``: sums,
     differences, products by constant weights), so each operation rounds as it did, as if float64's exponent had
     no bound, except where a term becomes subnormal or zero once scaled (float64's subnormals lose bits; 1e-300
-    beside 2^1000 − 2^1000 would vanish): such an element is not computed. A result past float64's range is inf;
+    beside 2^1000 − 2^1000 would vanish): such an element is not computed (:func:`losing_bits`). A result past float64's range is inf;
     rounded to ``x``'s dtype (inf past its range). Where not computed ``x`` keeps the math's value, and ``mask``
     its mark. A block of elements at a time: a few small scratch tensors, none the tensor's size."""
     import torch
@@ -45,12 +46,7 @@ def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], pieces: Iter
             k = 0 if x.dtype != torch.float64 else 1
             while k <= 1024 and bool(todo.any()):
                 where = todo.nonzero().squeeze(1)
-                lost = None  # where a nonzero term scaled falls below float64's least normal value (it loses bits)
-                if k:
-                    lost = torch.zeros(where.shape, dtype=torch.bool, device=x.device)
-                    for b in block:
-                        v = b[where]
-                        lost.logical_or_(v.abs().lt(2.0 ** (k - 1022)).logical_and_(v.ne(0)))
+                lost = losing_bits(f, [b[where] for b in block], k) if k else None
                 r = f([b[where].mul_(2.0**-k) for b in block])
                 fine = r.isfinite()
                 if lost is not None:
@@ -61,6 +57,23 @@ def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], pieces: Iter
                 mf[pos[where[fine]]] = False
                 todo[where[fine]] = False
                 k = max(1, 2 * k)
+
+
+def losing_bits(f: Callable[[list[torch.Tensor]], torch.Tensor], parts: list[torch.Tensor], k: int) -> torch.Tensor:
+    """For :func:`computed_again`: where ``f`` of ``parts`` (float64) scaled by 2^-k would lose bits to float64's
+    subnormals: a nonzero input, or a nonzero term (``f`` of that input alone: ``w_i·x_i``), that falls below the
+    least normal value once scaled."""
+    import torch
+
+    normal = 2.0**-1022
+    lost = torch.zeros(parts[0].shape, dtype=torch.bool, device=parts[0].device)
+    for j, p in enumerate(parts):
+        lost.logical_or_(p.abs().lt(normal * 2.0**k).logical_and_(p.ne(0)))
+        alone = [torch.zeros_like(p) if i != j else p for i in range(len(parts))]
+        term = f([a.clone() for a in alone])
+        scaled = f([a.mul(2.0**-k) for a in alone])
+        lost.logical_or_(scaled.abs().lt(normal).logical_and_(term.ne(0)))
+    return lost
 
 
 def mark_nonfinite(x: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor | None:

@@ -317,6 +317,10 @@ def test_a_float64_term_that_would_lose_bits_once_scaled_is_refused_not_stored_w
         ckpt.merge([f"lost/m{i}" for i in range(3)], "linear", name="lost/out", params=params, store=store)
     kept = merge_state_dicts([{"w": x[1:]} for x in xs], "linear", params=params)["w"]  # 2^-500 stays normal: exact
     assert bits(kept) == bits(torch.tensor([2.0**-500], dtype=d))
+    # a normal input whose product by its weight (2^-800 · 2^-200 = 2^-1000) falls below normal once scaled: was 0.0
+    small = [xs[0][:1], xs[1][:1], torch.tensor([2.0**-800], dtype=d)]
+    with pytest.raises(InvalidMergeError, match=r"^w: 1 merged value is NaN"):
+        merge_state_dicts([{"w": x} for x in small], "linear", params={**params, "weights": [2.0**127, -(2.0**127), 2.0**-200]})
 
 
 def test_elements_computed_again_take_the_weights_the_float32_math_took(store):
