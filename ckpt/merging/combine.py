@@ -27,7 +27,10 @@ to merge, together at most ``BATCH_BYTES``, 1 MiB, per input): see :class:`~ckpt
 therefore stays near (inputs + 2) × the largest tensor (or 1 MiB) for linear, task-arithmetic,
 dare (linear combine) and slerp, and (inputs + 3) × for ties and dare's ties combine
 (their masks and sums), plus the push pipeline's buffers (a few chunks per thread); never whole models
-(benchmarks/results/merge.md and tests/ckpt/merging/test_combine.py measure it). Beside that: from a
+(benchmarks/results/merge.md and tests/ckpt/merging/test_combine.py measure it). Elements whose math overflowed
+are computed again into the merged tensor (:mod:`ckpt.merging.overflowing`), from the inputs' chunks that hold
+them, read again a chunk's span at a time in every input: a few chunks per input more, not the inputs' tensors
+(every element overflowing, 4 inputs of 4 MiB tensors in 1 MiB chunks: 36 MiB, an ordinary merge 24). Beside that: from a
 remote store, the inputs' bundles of small chunks that the merge's reads keep for the whole merge
 (each fetched once; within ``inflight_mb`` in all, 256 MiB by default), and into one, the output's
 chunks of at most 64 KiB (a quarter of its bytes at most), held until the push copies them into
@@ -71,15 +74,12 @@ from ckpt.merging.computing import (
     BatchedInputs,
     LazyTensor,
     SmallKept,
-    average_again,
     cast_back,
-    mark_nonfinite,
-    method_again,
-    plain_average,
     step_computation,
     step_sources,
 )
 from ckpt.merging.methods import MethodRegistry, default_registry
+from ckpt.merging.overflowing import average_again, mark_nonfinite, masked_pieces, method_again, plain_average
 from ckpt.merging.planning import FLOAT_DTYPES, cannot_merge, check_one_model, check_whole_tensors, plan_steps
 from ckpt.progress import Progress
 from ckpt.transfer.pipeline import BUNDLE_CHUNK_MAX, BUNDLE_SHARE
@@ -320,7 +320,7 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
                 raise InvalidMergeError(f"the base has no {name}", hint="pass new_tensors=\"average\" to average it over the inputs")
             cd = torch.float64 if first.dtype == torch.float64 else torch.float32
             acc, held = plain_average(xs, cd)
-            out[name] = cast_back(acc, dtype, name, held, overflow, average_again(xs, cd))
+            out[name] = cast_back(acc, dtype, name, held, overflow, average_again(xs))
             continue
         b = base[name] if base is not None and m.needs_base else None
         if m.identity(bound) and all(bit_identical(x, first) for x in xs[1:] + ([b] if b is not None else [])):
@@ -331,8 +331,7 @@ def merge_state_dicts(inputs: Sequence[Mapping[str, torch.Tensor]], method: str 
         ys, held = [x.to(cd, copy=True) for x in xs], None
         for y in ys + ([b] if b is not None else []):
             held = mark_nonfinite(y, held)
-        src = xs + ([base[name]] if base is not None and b is not None else [])
-        again = method_again(m, bound, name, b is not None, cd, lambda mask: [x[mask] for x in src])
+        again = method_again(m, bound, name, b is not None, cd, masked_pieces(xs + ([base[name]] if b is not None else [])))
         with torch.no_grad():
             out[name] = cast_back(m.combine(ys, b, bound, name), dtype, name, held, overflow, again)
     return out

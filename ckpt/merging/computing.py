@@ -7,13 +7,14 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ckpt.errors import InvalidMergeError
+from ckpt.errors import InvalidMergeError, TensorMismatchError
 from ckpt.format.dtypes import bit_identical, bit_pattern, byte_view, to_torch
 from ckpt.format.manifest import Manifest
 from ckpt.merging.methods import MergeMethod
+from ckpt.merging.overflowing import Again, Piece, average_again, mark_nonfinite, masked_pieces, method_again, plain_average
 from ckpt.merging.planning import FLOAT_DTYPES, Step, cannot_merge
 
 if TYPE_CHECKING:
@@ -30,54 +31,8 @@ NO_INFINITY = ("F8_E4M3", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
 OVERFLOW = ("error", "saturate")
 
 
-def mark_nonfinite(x: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor | None:
-    """``held`` (where the inputs before ``x`` hold an inf or NaN; None: nowhere) with ``x``'s added: inputs
-    (in the compute dtype) are marked one at a time, and a mask made only once one holds an inf or NaN
-    (an aminmax each before, no scratch). :func:`cast_back` tells by it an input's inf, which stays
-    inf, from one the math made past the compute dtype's range (bfloat16's range is nearly float32's:
-    a bfloat16 merge past it overflows there first)."""
-    import torch
-
-    if x.numel() and not all(math.isfinite(float(v)) for v in torch.aminmax(x)):
-        bad = x.isfinite().logical_not_()
-        return bad if held is None else held.logical_or_(bad)
-    return held
-
-
-def plain_average(xs: Sequence[torch.Tensor], cd: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The plain average of ``xs`` in the compute dtype ``cd``, summed in input order (a new tensor:
-    ``xs`` are left as they are), and where they hold an inf or NaN (:func:`mark_nonfinite`)."""
-    acc = xs[0].to(cd, copy=True)
-    held = mark_nonfinite(acc, None)
-    for x in xs[1:]:
-        y = x.to(cd)
-        held = mark_nonfinite(y, held)
-        acc.add_(y)
-    return acc.div_(len(xs)), held
-
-
-def average_again(xs: Sequence[torch.Tensor], cd: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """For :func:`cast_back`: :func:`plain_average` of ``xs`` computed again where it overflowed."""
-    import torch
-
-    return lambda mask: computed_again(lambda ys: plain_average(ys, torch.float64)[0], [x[mask] for x in xs], cd)
-
-
-def method_again(method: MergeMethod, params: Mapping[str, Any], name: str, with_base: bool, cd: torch.dtype,
-                 inputs_at: Callable[[torch.Tensor], list[torch.Tensor]]) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """For :func:`cast_back`: ``method``'s math computed again at a mask, from ``inputs_at(mask)`` (the inputs' values
-    there, and the base's last where ``with_base``); None where the method is not elementwise (it cannot be)."""
-    if not method.elementwise:
-        return None
-
-    def math_of(ys: list[torch.Tensor]) -> torch.Tensor:
-        return method.combine(ys[:-1], ys[-1], params, name) if with_base else method.combine(ys, None, params, name)
-
-    return lambda mask: computed_again(math_of, inputs_at(mask), cd)
-
-
 def cast_back(x: torch.Tensor, dtype: str, name: str, held: torch.Tensor | None, overflow: str = "error",
-              again: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+              again: Again | None = None) -> torch.Tensor:
     """Merged tensor ``x`` (in the compute dtype) cast to the inputs' ``dtype``, in every float dtype by
     one rule: a finite value that rounds past the dtype's largest (the cast makes it inf, or where the
     dtype has no infinity NaN or the largest) is refused with :class:`InvalidMergeError` naming the
@@ -88,8 +43,8 @@ def cast_back(x: torch.Tensor, dtype: str, name: str, held: torch.Tensor | None,
     give it a value). An input's inf, as the method combined it, stays inf, and its NaN stays NaN.
 
     ``again`` (elementwise math only) computes the elements whose math made an inf or NaN from finite inputs
-    again, given their mask (:func:`computed_again`; NaN where it could not): those whose true value fits
-    are then kept, not refused. Elsewhere ``x`` is left as the math made it, bit for bit."""
+    again, into ``x`` given their mask (:func:`~ckpt.merging.overflowing.computed_again`, which leaves those it
+    could not as they were): those whose true value fits are then kept, not refused. Elsewhere ``x`` is left as the math made it, bit for bit."""
     import torch
 
     target = to_torch(dtype)
@@ -103,20 +58,19 @@ def cast_back(x: torch.Tensor, dtype: str, name: str, held: torch.Tensor | None,
         odd = bool(int(top) & 1)
         lo, hi = (float(v) for v in torch.aminmax(x))  # (no tensor-sized scratch unless past, or a NaN hides it)
         if math.isnan(hi) or (hi >= limit if odd else hi > limit) or (lo <= -limit if odd else lo < -limit):
+            x = x.contiguous()  # (again writes into it: a copy only for non-contiguous inputs in memory)
             new = x.isfinite().logical_not_()  # where the math made an inf or NaN from finite inputs
             if held is not None:
                 new.logical_and_(held.logical_not())
             if again is not None and bool(new.any()):
-                got = again(new)  # (in x's dtype; NaN where not computed: the math's value stays)
-                x[new] = torch.where(got.isnan(), x[new], got, out=got)
-                del got
-                new.logical_and_(x.isfinite().logical_not_())
+                again(x, new)  # into x, the computed elements' marks cleared (the others keep the math's value)
             nans = int(new.logical_and_(x.isnan()).sum())
             if nans:
                 raise InvalidMergeError(f"{name}: {nans} merged value{'s are' if nans > 1 else ' is'} NaN where no input holds an inf "
                                         "or NaN (the math overflowed: inf − inf, 0 × inf); --overflow saturate cannot clip a NaN",
-                                        hint="lower the weights (or lambda); linear and task-arithmetic compute such elements "
-                                        "again instead")
+                                        hint="lower the weights (or lambda); " + ("computed again in float64, these could not be "
+                                        "without losing bits" if again is not None else "linear and task-arithmetic compute such "
+                                        "elements again instead"))
             del new
             up, down = (x.ge(limit), x.le(-limit)) if odd else (x.gt(limit), x.lt(-limit))
             if dtype not in NO_INFINITY and held is not None:  # an input's inf stays inf
@@ -134,39 +88,6 @@ def cast_back(x: torch.Tensor, dtype: str, name: str, held: torch.Tensor | None,
                 log.warning("%s: clipped to ±%g (overflow=saturate)", what, fi.max)
                 x = x.masked_fill_(up, fi.max).masked_fill_(down, -fi.max)
     return x.to(target)
-
-
-AGAIN_BLOCK = 1 << 16  # elements computed again at a time
-
-
-def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], parts: Sequence[torch.Tensor], cd: torch.dtype) -> torch.Tensor:
-    """``f`` (a merge's elementwise math, on copies it may consume) of ``parts`` (the inputs' values, 1-D, in their
-    dtype, at the elements where the math overflowed in the compute dtype), computed again in float64: the same
-    operations in the same order, each rounded to float64, whose range float32 values times weights within
-    float32's range cannot leave. Float64 inputs can: for them the parts are scaled by 2^-k and the result by 2^k,
-    for the least k of 1, 2, 4, … 1024 at which the math is finite. Scaling by a power of two is exact and the math
-    is homogeneous (``f(s·x) = s·f(x)``: sums, differences, products by constant weights), so each operation rounds
-    as it did, as if float64's exponent had no bound; only terms below 2^(k−1022), some 2^2000 times smaller than
-    those that overflowed, lose bits (float64's subnormals). A result past float64's range is inf; NaN where no k
-    kept the math finite. Returned rounded to ``cd`` (the compute dtype: inf past its range); a block of elements
-    at a time (a few small scratch tensors)."""
-    import torch
-
-    n = parts[0].numel()
-    out = torch.full((n,), math.nan, dtype=cd)
-    for at in range(0, n, AGAIN_BLOCK):
-        block = [p[at : at + AGAIN_BLOCK].double() for p in parts]  # (a copy: f consumes its own)
-        todo = torch.ones(block[0].shape, dtype=torch.bool)
-        k = 0
-        while k <= 1024 and bool(todo.any()):
-            where = todo.nonzero().squeeze(1)
-            r = f([b[where].mul_(2.0**-k) for b in block])
-            fine = r.isfinite()
-            # scaled back in two steps: 2^1024 is past float64's range (a product past it is inf, as it should be)
-            out[at + where[fine]] = r[fine].mul_(2.0 ** (k // 2)).mul_(2.0 ** (k - k // 2)).to(cd)
-            todo[where[fine]] = False
-            k = max(1, 2 * k)
-    return out
 
 
 def _inputs_themselves(step: Step, xs: list[torch.Tensor]) -> bool:
@@ -330,14 +251,45 @@ class BatchedInputs:
         get_chunks(store.objects, tasks, store.settings, manifest=list(manifests.values()), pool=self.pool)
         return out
 
-    def read_at(self, step: Step, mask: torch.Tensor) -> list[torch.Tensor]:
-        """Tensor ``step.name`` of each of its inputs read again, one input at a time, and its values at
-        ``mask`` (1-D): for the elements whose math overflowed (:func:`cast_back`), once the inputs were
-        consumed by the math."""
-        out = []
-        for r in self._sources(step):
-            out.append(r.get_tensor(step.name)[mask])
-        return out
+    def read_at(self, step: Step, mask: torch.Tensor) -> Iterator[Piece]:
+        """For the elements whose math overflowed (:func:`cast_back`), once the inputs were consumed by the math:
+        tensor ``step.name`` of each of its inputs where ``mask`` (shaped as the tensor) marks elements, a piece at a
+        time (:data:`~ckpt.merging.overflowing.Piece`). Only the chunks that hold marked elements are read again
+        (verified, as any read), one span of the first input's chunk size at a time, in all inputs at once."""
+        import torch
+
+        from ckpt.transfer.pipeline import GetTask, get_chunks, spans
+
+        sources = self._sources(step)
+        try:
+            entries = [r.info(step.name) for r in sources]
+        except TensorMismatchError:  # stored as shards (a distributed checkpoint): read whole
+            whole = masked_pieces([r.get_tensor(step.name) for r in sources])
+            yield from whole(mask)
+            return
+        dt = to_torch(step.dtype)
+        size = dt.itemsize
+        chunks = [list(spans(e.chunks, e.nbytes, r.manifest.chunk_size)) for r, e in zip(sources, entries)]
+        flat = mask.reshape(-1)
+        span = max(1, sources[0].manifest.chunk_size // size)  # elements per piece
+        manifests = list({r.id: r.manifest for r in sources}.values())
+        store = sources[0].store
+        for at in range(0, flat.numel(), span):
+            m = flat[at : at + span]
+            if not bool(m.any()):
+                continue
+            lo, hi = at * size, (at + m.numel()) * size  # the piece's bytes
+            tasks, bufs = [], []
+            for r, cs in zip(sources, chunks):
+                first, last = lo // r.manifest.chunk_size, (hi - 1) // r.manifest.chunk_size
+                start = cs[first][2]
+                buf = torch.empty(cs[last][2] + cs[last][1] - start, dtype=torch.uint8)
+                view = byte_view(buf)
+                tasks += [GetTask(cid, n, into=view[pos - start : pos - start + n]) for cid, n, pos in cs[first : last + 1]]
+                bufs.append((buf, lo - start))
+            get_chunks(store.objects, tasks, store.settings, manifest=manifests, pool=self.pool)
+            parts = [buf[off : off + hi - lo] for buf, off in bufs]  # (a copy only where not at an element's bytes)
+            yield at, m, [(p if p.storage_offset() % size == 0 else p.clone()).view(dt) for p in parts]
 
 
 def step_sources(method: MergeMethod, readers: list[CheckpointReader], base: CheckpointReader | None,
@@ -366,15 +318,15 @@ def step_computation(step: Step, method: MergeMethod, params: Mapping[str, Any],
             if _inputs_themselves(step, xs):
                 return xs[0]
             acc, held = plain_average(xs, cd)
-            out = cast_back(acc, step.dtype, step.name, held, overflow, average_again(xs, cd))
+            out = cast_back(acc, step.dtype, step.name, held, overflow, average_again(xs))
             del xs
             return out.contiguous()
         xs = reads.read(step)  # (the base too, where the method has one: see step_sources)
         if (identity or step.dtype not in FLOAT_DTYPES) and _inputs_themselves(step, xs):
             return xs[0]
         held = None  # where an input (or the base) holds an inf or NaN
-        for i, x in enumerate(xs):
-            xs[i] = x.to(cd)  # one at a time: an upcast copy replaces its source
+        for i in range(len(xs)):  # (no loop variable: it would keep the last input alive past the math)
+            xs[i] = xs[i].to(cd)  # one at a time: an upcast copy replaces its source
             held = mark_nonfinite(xs[i], held)
         b_read = method.needs_base and base is not None
         b = xs.pop() if b_read else None

@@ -37,7 +37,8 @@ result there is inf or NaN. ``linear`` and ``task-arithmetic`` (elementwise: ``M
 and the plain average of ``new_tensors="average"`` (``((x_0 + x_1) + …) / n``), compute those elements
 again, alone, in float64: the same operations in the same order, each rounded to float64 (for float64
 inputs, on inputs scaled by a power of two, and the result scaled back: each rounding as in float64,
-its exponent unbounded); the result is rounded to the compute dtype, then cast back as any other.
+its exponent unbounded, and refused where a nonzero input would fall subnormal once scaled), with the weights
+the compute dtype's math took (:func:`weights_in`); the result is rounded to the compute dtype, then cast back as any other.
 Every other element keeps the bytes of the order above. ``ties``, ``dare`` and ``slerp`` do not (an
 element's result depends on the whole tensor): an inf there is past the range, and a NaN is refused
 (:func:`ckpt.merging.computing.cast_back`).
@@ -53,6 +54,21 @@ if TYPE_CHECKING:
     import torch
 
 
+def weights_in(p: Mapping[str, Any], dtype: torch.dtype) -> list[float]:
+    """The weights of ``linear`` and ``task-arithmetic`` as their math in the compute dtype ``dtype`` uses them:
+    normalised in float64 where ``p["normalize"]`` says, then each rounded to ``dtype`` (torch rounds a Python
+    scalar to a float32 tensor's dtype: the float32 math multiplies by these). The elements computed again in
+    float64 (:func:`ckpt.merging.overflowing.computed_again`) take the same ones, so that each operation is the
+    float32 order's own."""
+    import torch
+
+    ws = list(p["weights"])
+    if p.get("normalize", False):
+        total = math.fsum(ws)
+        ws = [w / total for w in ws]
+    return torch.tensor(ws, dtype=torch.float64).to(dtype).tolist()
+
+
 def _weighted_sum(terms: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """``((w_0·t_0 + w_1·t_1) + …)`` in place on ``terms``; each step rounded on its own."""
     acc = terms[0].mul_(weights[0])
@@ -62,16 +78,12 @@ def _weighted_sum(terms: Sequence[torch.Tensor], weights: Sequence[float]) -> to
 
 
 def merge_linear(xs: list[torch.Tensor], base: torch.Tensor | None, p: Mapping[str, Any], name: str) -> torch.Tensor:
-    ws = list(p["weights"])
-    if p["normalize"]:
-        total = math.fsum(ws)
-        ws = [w / total for w in ws]
-    return _weighted_sum(xs, ws)
+    return _weighted_sum(xs, weights_in(p, xs[0].dtype))
 
 
 def merge_task_arithmetic(xs: list[torch.Tensor], base: torch.Tensor | None, p: Mapping[str, Any], name: str) -> torch.Tensor:
     assert base is not None
-    return _weighted_sum([x.sub_(base) for x in xs], p["weights"]).add_(base)
+    return _weighted_sum([x.sub_(base) for x in xs], weights_in(p, base.dtype)).add_(base)
 
 
 def trim_(d: torch.Tensor, density: float) -> torch.Tensor:

@@ -123,7 +123,7 @@ class MergeMethod:
     needs_base: bool = False
     # True when each output element is the same function of the inputs' (and the base's) element, homogeneous
     # (sums and differences times constant weights: f(s·x) = s·f(x)): elements whose math overflowed are then
-    # computed again in float64 (:func:`~ckpt.merging.computing.computed_again`), not refused.
+    # computed again in float64 (:func:`~ckpt.merging.overflowing.computed_again`), not refused.
     elementwise: bool = False
     min_inputs: int = 1
     max_inputs: int | None = None

@@ -213,6 +213,32 @@ def test_merge_streams_tensor_by_tensor(tmp_path):
     assert peak("ties") < 5 * tensors * largest / 2
 
 
+OVERFLOW_MEMORY_SCRIPT = MEMORY_SCRIPT.replace('sys.argv[2], name="out", base="m/base"',
+                                               'sys.argv[2], name="out", params={"weights": [2, -1, 0.5, -0.5], "normalize": False}')
+
+
+@pytest.mark.slow
+def test_a_merge_whose_every_element_is_computed_again_stays_within_the_same_bound(tmp_path):
+    """Linear 2, −1, 0.5, −0.5 of values near 0.75 × 2^128: every element's float32 math overflows (2·x_0) and
+    every one is computed again in float64. The inputs were read again whole, and the elements' values gathered
+    whole, beside the merged tensor: measured 48-49 MiB, over the bound an ordinary merge keeps ((inputs + 3.5) ×
+    the largest + 14 chunks, 44 MiB). Now only the chunks holding them, a chunk's span at a time: 36 MiB."""
+    url = str(tmp_path / "store")
+    store = ckpt.Store.init(url, settings=ckpt.Settings.from_env(fsync=False, chunk_size=1 << 20))
+    tensors, numel = 16, 1 << 20
+    for i in range(4):
+        g = torch.Generator().manual_seed(i)
+        store.push({f"t{j}": (0.7 + 0.1 * torch.rand(numel, generator=g)).mul_(2.0**127).mul_(2) for j in range(tensors)}, f"m/{i}", delta=False)
+    env = {**os.environ, "CKPT_WORKERS": "2", "CKPT_IO_WORKERS": "2", "CKPT_FSYNC": "0", "CKPT_CHUNK_SIZE": str(1 << 20),
+           "MALLOC_MMAP_THRESHOLD_": "524288"}
+    out = subprocess.run([sys.executable, "-c", OVERFLOW_MEMORY_SCRIPT, url, "linear"], capture_output=True, text=True,
+                         env=env, check=True, timeout=300)
+    held, bound = json.loads(out.stdout)["peak_bytes"], (4 + 3.5) * numel * 4 + 14 * (1 << 20)
+    assert held < bound, f"peak {held / 2**20:.1f} MiB over {bound / 2**20:.1f} MiB"
+    got, x = store.load("out")["t3"], [store.load(f"m/{i}")["t3"].double() for i in range(4)]
+    assert torch.equal(got, (((x[0] * 2 - x[1]) + x[2] * 0.5) - x[3] * 0.5).float())  # (each step exact in float64)
+
+
 PAIR_MEMORY_SCRIPT = MEMORY_SCRIPT.replace('["m/0", "m/1", "m/2", "m/3"], sys.argv[2], name="out", base="m/base"',
                                            '["m/a", "m/b"], sys.argv[2], name="out"')
 

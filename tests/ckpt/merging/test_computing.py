@@ -299,3 +299,118 @@ def test_a_nan_the_math_makes_from_finite_inputs_is_refused_in_either_mode(store
     ckpt.merge(["nan/m2", "nan/m1"], "dare", name="nan/ok", base="nan/m2", params={"density": 0.5}, store=store)
     got = store.load("nan/ok")["w"]
     assert got[-1].isnan() and bool(got[:-1].isfinite().all())
+
+
+def test_a_float64_term_that_would_lose_bits_once_scaled_is_refused_not_stored_wrong(store):
+    """Float64 elements computed again are scaled by 2^-k: a small term (1e-300 beside 2^1000·2^127 − 2^1000·2^127)
+    scaled below float64's least normal value lost its bits, and the merge stored 0.0 for 1e-300 with no error. Such
+    an element is now not computed: its NaN (inf − inf) is refused. An element whose terms all stay normal is kept."""
+    d = torch.float64
+    xs = [torch.tensor([2.0**1000, 2.0**1000], dtype=d), torch.tensor([2.0**1000, 2.0**1000], dtype=d),
+          torch.tensor([1e-300, 2.0**-500], dtype=d)]
+    params = {"weights": [2.0**127, -(2.0**127), 1.0], "normalize": False}
+    with pytest.raises(InvalidMergeError, match=r"^w: 1 merged value is NaN"):
+        merge_state_dicts([{"w": x} for x in xs], "linear", params=params)
+    for i, x in enumerate(xs):
+        store.push({"w": x}, f"lost/m{i}")
+    with pytest.raises(InvalidMergeError, match=r"^w: 1 merged value is NaN"):
+        ckpt.merge([f"lost/m{i}" for i in range(3)], "linear", name="lost/out", params=params, store=store)
+    kept = merge_state_dicts([{"w": x[1:]} for x in xs], "linear", params=params)["w"]  # 2^-500 stays normal: exact
+    assert bits(kept) == bits(torch.tensor([2.0**-500], dtype=d))
+    # a normal input whose product by its weight (2^-800 · 2^-200 = 2^-1000) falls below normal once scaled: was 0.0
+    small = [xs[0][:1], xs[1][:1], torch.tensor([2.0**-800], dtype=d)]
+    with pytest.raises(InvalidMergeError, match=r"^w: 1 merged value is NaN"):
+        merge_state_dicts([{"w": x} for x in small], "linear", params={**params, "weights": [2.0**127, -(2.0**127), 2.0**-200]})
+
+
+def test_elements_computed_again_take_the_weights_the_float32_math_took(store):
+    """The float32 math multiplies by each weight rounded to float32 (torch rounds the scalar); the elements computed
+    again in float64 took the weights unrounded (after normalize too): thousands of them differed from the same
+    operations in the same order. Linear, normalize=true, weights 1 and -0.7 (1/0.3 and -0.7/0.3: not float32)."""
+    n = 20000
+    g = torch.Generator().manual_seed(0)
+    a = (1.0 + 0.45 * torch.rand(n, generator=g, dtype=torch.float64)).float() * 2.0**126
+    b = (1.2 + 0.25 * torch.rand(n, generator=g, dtype=torch.float64)).float() * 2.0**126
+    ws = [1.0, -0.7]
+    w32 = [float(torch.tensor(w / math.fsum(ws), dtype=torch.float64).float()) for w in ws]
+    f32 = a.clone().mul_(w32[0]).add_(b.clone().mul_(w32[1]))  # the float32 order
+    over = f32.isfinite().logical_not_()
+    assert 1000 < int(over.sum()) < n
+    want = torch.where(over, (a.double() * w32[0] + b.double() * w32[1]).float(), f32)
+    store.push({"w": a}, "w32/a")
+    store.push({"w": b}, "w32/b")
+    ckpt.merge(["w32/a", "w32/b"], "linear", name="w32/out", params={"weights": ws}, store=store)
+    assert bits(store.load("w32/out")["w"]) == bits(want)
+    assert bits(merge_state_dicts([{"w": a}, {"w": b}], "linear", params={"weights": ws})["w"]) == bits(want)
+
+
+def test_elements_computed_again_read_only_the_chunks_that_hold_them(store, monkeypatch):
+    """The store path read every input's whole tensor again to compute a few elements again (N × the tensor's bytes,
+    and a whole extra input in memory): now only the chunks holding them. 2 inputs of 2 chunks (4 MiB each), one
+    element in the second chunk overflowing: 16 MiB read by the merge, 8 MiB again (24 MiB in all; 32 before)."""
+    import ckpt.store.reader
+    import ckpt.transfer.pipeline
+
+    n = store.settings.chunk_size // 2  # float32: two chunks
+    g = torch.Generator().manual_seed(1)
+    x0, x1 = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    at = n // 2 + 12345
+    x0[at], x1[at] = 1.5 * 2.0**127, 1.75 * 2.0**127  # 2·a − b overflows float32's math, fits float32
+    store.push({"w": x0}, "rd/a")
+    store.push({"w": x1}, "rd/b")
+    read = []
+    real = ckpt.transfer.pipeline.get_chunks
+
+    def counting(objects, tasks, *args, **kw):
+        tasks = list(tasks)
+        read.append(sum(t.length for t in tasks))
+        return real(objects, tasks, *args, **kw)
+
+    monkeypatch.setattr(ckpt.transfer.pipeline, "get_chunks", counting)
+    monkeypatch.setattr(ckpt.store.reader, "get_chunks", counting)
+    ckpt.merge(["rd/a", "rd/b"], "linear", name="rd/out", params={"weights": [2.0, -1.0], "normalize": False}, store=store)
+    assert sum(read) == 2 * 4 * n + 2 * store.settings.chunk_size, read
+    got = store.load("rd/out")["w"]
+    assert float(got[at]) == 1.25 * 2.0**127
+    want = x0.clone().mul_(2.0).add_(x1.clone().mul_(-1.0))
+    want[at] = 1.25 * 2.0**127
+    assert bits(got) == bits(want)
+
+
+def test_elements_computed_again_from_inputs_cut_at_other_chunk_sizes(tmp_path):
+    """The chunks read again are found per input: inputs cut at other chunk sizes (one not a multiple of 4 bytes, so
+    elements straddle its chunks), elements at chunk edges, first and last."""
+    url = str(tmp_path / "store")
+    s1 = ckpt.Store.init(url, settings=ckpt.Settings.from_env(fsync=False, chunk_size=1 << 20))
+    n = (3 << 20) // 4 + 7
+    g = torch.Generator().manual_seed(2)
+    x0, x1 = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    at = [0, 5, (1 << 18) - 1, 1 << 18, 278528, 700000, n - 1]  # (278528: straddles x1's first two chunks)
+    for i in at:
+        x0[i], x1[i] = 1.5 * 2.0**127, 1.75 * 2.0**127
+    s1.push({"w": x0}, "a")
+    ckpt.Store.open(url, settings=ckpt.Settings.from_env(fsync=False, chunk_size=(1 << 20) + (1 << 16) + 2)).push({"w": x1}, "b")
+    ckpt.merge(["a", "b"], "linear", name="o", store=s1, params={"weights": [2.0, -1.0], "normalize": False})
+    want = x0.clone().mul_(2.0).add_(x1.clone().mul_(-1.0))
+    want[at] = 1.25 * 2.0**127
+    assert bits(s1.load("o")["w"]) == bits(want)
+
+
+def test_elements_computed_again_from_s3_small_chunks_and_large(s3_main_url):
+    """From S3 the chunks read again come as any read's: the small ones from the inputs' bundles, the others by
+    their own requests (verified): a model of small tensors and a large one, overflowing elements in each."""
+    store = ckpt.Store.init(s3_main_url)
+    g = torch.Generator().manual_seed(3)
+    sizes = {f"small{i}": 1000 + i for i in range(5)} | {"large": (9 << 20) // 4}
+    xs = [{k: torch.randn(n, generator=g) for k, n in sizes.items()} for _ in range(2)]
+    for k, n in sizes.items():
+        for i in (0, n // 2, n - 1):
+            xs[0][k][i], xs[1][k][i] = 1.5 * 2.0**127, 1.75 * 2.0**127
+    store.push(xs[0], "s3/a")
+    store.push(xs[1], "s3/b")
+    ckpt.merge(["s3/a", "s3/b"], "linear", name="s3/o", store=store, params={"weights": [2.0, -1.0], "normalize": False})
+    got = store.load("s3/o")
+    for k, n in sizes.items():
+        want = xs[0][k].clone().mul_(2.0).add_(xs[1][k].clone().mul_(-1.0))
+        want[[0, n // 2, n - 1]] = 1.25 * 2.0**127
+        assert bits(got[k]) == bits(want), k
