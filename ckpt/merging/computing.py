@@ -255,7 +255,7 @@ class BatchedInputs:
         """For the elements whose math overflowed (:func:`cast_back`), once the inputs were consumed by the math:
         tensor ``step.name`` of each of its inputs where ``mask`` (shaped as the tensor) marks elements, a piece at a
         time (:data:`~ckpt.merging.overflowing.Piece`). Only the chunks that hold marked elements are read again
-        (verified, as any read), one span of the first input's chunk size at a time, in all inputs at once."""
+        (verified, as any read), one span of the largest chunk size of the inputs' at a time, in all inputs at once."""
         import torch
 
         from ckpt.transfer.pipeline import GetTask, get_chunks, spans
@@ -271,7 +271,10 @@ class BatchedInputs:
         size = dt.itemsize
         chunks = [list(spans(e.chunks, e.nbytes, r.manifest.chunk_size)) for r, e in zip(sources, entries)]
         flat = mask.reshape(-1)
-        span = max(1, sources[0].manifest.chunk_size // size)  # elements per piece
+        # Elements per piece: the largest chunk size of the inputs', so each chunk is read at most twice (a piece's
+        # edge inside it); by the first input's, a larger chunk of another was read once per piece (64 KiB then
+        # 4 MiB chunks: 536 MiB read again for an 8 MiB tensor).
+        span = max(1, max(r.manifest.chunk_size for r in sources) // size)
         manifests = list({r.id: r.manifest for r in sources}.values())
         store = sources[0].store
         for at in range(0, flat.numel(), span):

@@ -396,6 +396,39 @@ def test_elements_computed_again_from_inputs_cut_at_other_chunk_sizes(tmp_path):
     assert bits(s1.load("o")["w"]) == bits(want)
 
 
+def test_elements_computed_again_read_each_chunk_once_whichever_input_has_the_smaller_chunks(tmp_path, monkeypatch):
+    """Pieces were sized by the first input's chunk size: where it was the smaller (64 KiB, the other's 1 MiB), the
+    other's 1 MiB chunk was read again for each of the 16 pieces inside it. Every 1000th element overflowing in a
+    2 MiB tensor: read again once each now (8 MiB in all with the merge's own reads; 38 MiB before)."""
+    import ckpt.store.reader
+    import ckpt.transfer.pipeline
+
+    url = str(tmp_path / "store")
+    small = ckpt.Store.init(url, settings=ckpt.Settings.from_env(fsync=False, chunk_size=64 << 10))
+    n = (2 << 20) // 4
+    g = torch.Generator().manual_seed(4)
+    x0, x1 = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    at = list(range(0, n, 1000))
+    x0[at], x1[at] = 1.5 * 2.0**127, 1.75 * 2.0**127
+    small.push({"w": x0}, "a")
+    ckpt.Store.open(url, settings=ckpt.Settings.from_env(fsync=False, chunk_size=1 << 20)).push({"w": x1}, "b")
+    read = []
+    real = ckpt.transfer.pipeline.get_chunks
+
+    def counting(objects, tasks, *args, **kw):
+        tasks = list(tasks)
+        read.append(sum(t.length for t in tasks))
+        return real(objects, tasks, *args, **kw)
+
+    monkeypatch.setattr(ckpt.transfer.pipeline, "get_chunks", counting)
+    monkeypatch.setattr(ckpt.store.reader, "get_chunks", counting)
+    ckpt.merge(["a", "b"], "linear", name="o", store=small, params={"weights": [2.0, -1.0], "normalize": False})
+    assert sum(read) == 4 * 4 * n, read  # each input's 2 MiB read by the merge, then again
+    want = x0.clone().mul_(2.0).add_(x1.clone().mul_(-1.0))
+    want[at] = 1.25 * 2.0**127
+    assert bits(small.load("o")["w"]) == bits(want)
+
+
 def test_elements_computed_again_from_s3_small_chunks_and_large(s3_main_url):
     """From S3 the chunks read again come as any read's: the small ones from the inputs' bundles, the others by
     their own requests (verified): a model of small tensors and a large one, overflowing elements in each."""
