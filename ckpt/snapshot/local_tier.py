@@ -25,10 +25,10 @@ from ckpt.errors import CkptError
 from ckpt.snapshot.local_claim import TIER_MARKER, apart, claim
 from ckpt.snapshot.local_lock import hold, let_go
 from ckpt.snapshot.local_paths import default_local_path
+from ckpt.snapshot.local_room import TierChunks
 from ckpt.snapshot.steps import run_steps
 from ckpt.snapshot.tiers import describe
 from ckpt.store.destination import check_dir_destination
-from ckpt_store.storage.chunk_lists import referenced_chunks
 
 if TYPE_CHECKING:
     from ckpt.settings import Settings
@@ -103,8 +103,8 @@ class LocalTier:
             self.store.backend.write(TIER_MARKER, marker)
         self.pinned: set[int] = set()
         self._lock = threading.Lock()  # prune vs. the steps a persist pins
-        self._named: dict[str, frozenset[str]] = {}  # manifest id -> the chunks it names (_chunks)
-        self._entries: dict[str, tuple[frozenset[str], int]] = {}  # manifest id -> its entries' chunks, tensor bytes (_own)
+        self.room = TierChunks(self.store, self.ref)  # what each snapshot names and frees (the room's accounting)
+        self._estimated: set[int] | None = None  # the steps the last estimated make_room left (None: none was)
 
     def close(self) -> None:
         """Let go of the tier (another manager may then take it)."""
@@ -199,8 +199,8 @@ class LocalTier:
             n = min(max(held - self.keep, 0), len(candidates) - later)
             n = later + n if n else 0
             if needed > free or self.max_bytes is not None:
-                chunks = self._chunk_map(steps)[0]
-                freed = [room - free for room in self._rooms(candidates, chunks, free)]
+                chunks = self.room.chunk_map(steps)[0]
+                freed = [room - free for room in self.room.rooms(candidates, chunks, free)]
                 if needed > free:
                     fits = [k for k, f in enumerate(freed) if free + f >= needed]
                     if not fits:
@@ -239,7 +239,8 @@ class LocalTier:
         bytes (its tensors known to change since); once it goes, ``whole`` (all of them), so that a tier with room for
         one snapshot holds the newest instead of refusing every save, and never drops it for too little room.
         ``needed`` None (a group's rank), or a tier that compresses (``needed`` and ``whole`` the raw bounds,
-        :meth:`bound` with ``raw``): estimated from what the snapshots here hold (:meth:`_held_estimate`). Where dropping every
+        :meth:`bound` with ``raw``): estimated from what the snapshots here hold (:meth:`TierChunks.held_estimate`), or the raw
+        bounds where the last estimate was short (no snapshot landed since it). Where dropping every
         one would not make the room (another tenant of a shared /dev/shm holds it), nothing is dropped: the save fails
         again with its warning and the tier keeps its newest snapshot. The steps removed."""
         with self._lock:
@@ -250,86 +251,28 @@ class LocalTier:
             order = first + rest
             if not order:
                 return []
-            chunks, mids = self._chunk_map(steps)
+            chunks, mids = self.room.chunk_map(steps)
             if needed is None or self.compress:
-                needed, whole = self._held_estimate(chunks, mids, needed, whole)
+                # An estimate again, unless the last one was short: no snapshot landed since it (the save after it failed
+                # too), and the raw bounds are known: those then. (The estimate takes a delta's own chunks at a delta's
+                # rate; the save after a failure writes every tensor whole: a compressing tier of deltas made room for
+                # a delta at every step and failed every save.)
+                short = self._estimated is not None and set(steps) <= self._estimated and needed is not None
+                if not short:
+                    needed, whole = self.room.held_estimate(chunks, mids, needed, whole)
             whole = needed if whole is None else max(whole, needed)
             mine = [s for s in steps if self._names(s, since)]  # (held: what the save does not change is there)
             at = (order.index(mine[0]) if mine[0] in order else len(order)) if mine else -1  # dropping order[:k]: k > at drops it
             free = free_bytes(self.path)
-            rooms = self._rooms(order, chunks, free)
+            rooms = self.room.rooms(order, chunks, free)
             n = next((k for k, room in enumerate(rooms) if room >= (needed if k <= at else whole)), None)
             if n is None:
                 log.warning("local tier %s: %d bytes free, and %d with every snapshot but pinned ones dropped; the "
                             "next snapshot needs about %d: none dropped", self.path, free, rooms[-1], whole)
                 return []
+            if needed is None or self.compress:
+                self._estimated = set(steps) - set(order[:n])  # (what it left: a step new at the next call landed)
             return self._remove(order[:n])
-
-    def _held_estimate(self, chunks: dict[int, frozenset[str]], mids: dict[int, str], needed: int | None,
-                       whole: int | None) -> tuple[int, int]:
-        """:meth:`make_room`'s ``needed`` and ``whole`` where the tensors' bytes cannot say what a save adds, from what
-        the snapshots of ``chunks`` (manifests ``mids``) hold here, each sized by the chunks its own entries name
-        (:meth:`_own`; one cut short by ENOSPC holds nothing): a group's rank (``needed`` None), the most any of them
-        holds, for both (it knows no raw bytes of its next save: DCP plans its shards as it writes, so a state grown
-        since its snapshots is not counted, and its saves may keep running out of space); a compressing tier (``needed`` and ``whole`` the raw bounds), at least that and
-        the raw bounds times the most any of them stores per byte of its tensors (a state grown since: AdamW's moments
-        after a snapshot of step 0), at most the raw bounds. (It asked for :meth:`bound`'s no tensor bytes, dropped
-        none, and every later save ran out of space again; with the most held alone, so did a state grown since.
-        Sized by every chunk it needs, a snapshot of a delta chain held its bases too: past the raw bound, which then
-        dropped every snapshot, the one the save continues from too.)"""
-        import math
-
-        own = {s: self._own(mid, chunks[s]) for s, mid in mids.items()}
-        sizes = self.store.stored_sizes(frozenset().union(*(ids for ids, _ in own.values())))
-        held = {s: sum(sizes.get(c, 0) for c in ids) for s, (ids, _) in own.items()}
-        most = max(held.values(), default=0)
-        if needed is None:
-            return most, most
-        ratio = max((held[s] / n for s, (_, n) in own.items() if n), default=1.0)
-
-        def estimate(raw: int) -> int:
-            return min(raw, max(most, math.ceil(raw * ratio)))
-
-        return estimate(needed), estimate(needed if whole is None else whole)
-
-    def _own(self, mid: str, named: frozenset[str]) -> tuple[frozenset[str], int]:
-        """The chunks the entries of manifest ``mid`` name themselves (not the bases of their deltas: a later snapshot's
-        own) and its tensors' bytes; kept by id, read only where :meth:`make_room` estimates. A manifest the full parse
-        refuses counts ``named`` (every chunk it needs) and no tensor bytes."""
-        if mid not in self._entries:
-            from ckpt.format.manifest import Manifest
-
-            try:
-                m = Manifest.from_json(self.store.objects.get_manifest(mid), f"manifest {mid}")
-            except CkptError:
-                return named, 0
-            self._entries[mid] = (frozenset(c for e in (*m.files, *m.tensors, *m.bundles) for c in e.chunks),
-                                  sum(t.nbytes for t in m.tensors))
-        return self._entries[mid]
-
-    def _rooms(self, steps: list[int], chunks: dict[int, frozenset[str]], free: int) -> list[int]:
-        """The room with the first n of ``steps`` dropped, for n = 0..len(steps): ``free`` bytes and what they free.
-        ``chunks``: every step's chunks (a chunk that a step kept names too is not freed). One size query per chunk
-        (asked of the chunks any of ``steps`` may free, once), not one per chunk and prefix."""
-        at = {s: i for i, s in enumerate(steps)}
-        last: dict[str, int] = {}  # chunk -> the index in ``steps`` of the last one naming it (it goes with that one)
-        never: set[str] = set()  # named by a step not in ``steps``: never freed
-        for s, ids in chunks.items():
-            i = at.get(s)
-            for c in ids:
-                if i is None:
-                    never.add(c)
-                elif last.get(c, -1) < i:
-                    last[c] = i
-        sizes = self.store.stored_sizes(set(last) - never)
-        gains = [0] * (len(steps) + 1)
-        for c, i in last.items():
-            gains[i + 1] += sizes.get(c, 0)
-        rooms, room = [], free
-        for g in gains:
-            room += g
-            rooms.append(room)
-        return rooms
 
     def _remove(self, removed: list[int]) -> list[int]:
         """Remove the snapshots of steps ``removed`` (and RUN/latest where it names one) and free their data."""
@@ -353,34 +296,6 @@ class LocalTier:
         except CkptError:
             return False
 
-    def _chunk_map(self, steps: list[int]) -> tuple[dict[int, frozenset[str]], dict[int, str]]:
-        """Each of ``steps``' chunks (:meth:`_chunks`), and the manifest id of each whose ref resolves; the manifests
-        of snapshots gone since are forgotten."""
-        chunks, mids = {}, {}
-        for s in steps:
-            mid, chunks[s] = self._chunks(s)
-            if mid is not None:
-                mids[s] = mid
-        held = set(mids.values())
-        self._named = {m: c for m, c in self._named.items() if m in held}
-        self._entries = {m: e for m, e in self._entries.items() if m in held}
-        return chunks, mids
-
-    def _chunks(self, step: int) -> tuple[str | None, frozenset[str]]:
-        """The manifest id of the snapshot of ``step`` (None where its ref cannot be read) and the chunk ids it names,
-        the bases of its delta chains too (none where it cannot be read). Kept by manifest id (a manifest never
-        changes): a save's room reads only the manifests new since."""
-        try:
-            mid = self.store.resolve(self.ref(step))
-        except CkptError:
-            return None, frozenset()
-        if mid not in self._named:
-            try:
-                self._named[mid] = frozenset(referenced_chunks(self.store.objects.get_manifest(mid)))
-            except CkptError:
-                return mid, frozenset()
-        return mid, self._named[mid]
-
     def drop_after(self, step: int) -> list[int]:
         """Remove the snapshots of steps after ``step`` but pinned ones (their data goes with the next
         :meth:`prune`): a save of ``step`` made after them begins a new timeline (the run went back to
@@ -396,7 +311,7 @@ class LocalTier:
         step that names one (as a chunk or a delta's base: it lacks it now), RUN/latest too where it names one
         of those; the steps removed."""
         with self._lock:
-            steps = [s for s, named in self._chunk_map(self.steps())[0].items() if named & chunks]
+            steps = [s for s, named in self.room.chunk_map(self.steps())[0].items() if named & chunks]
             self._remove(steps)  # (first: a step is never named without its chunks)
             for cid in sorted(chunks):  # (those the gc above left: named by no step it could read)
                 try:

@@ -953,7 +953,7 @@ def test_a_compressing_tiers_room_sizes_a_delta_snapshot_by_its_own_chunks(tmp_p
         w = w + (noise() * 1e-2).to(torch.bfloat16)
         if s < 5:
             tier.store.push({"w": w}, tier.ref(s), base=tier.ref(s - 1))
-    assert {s: len(tier._chunks(s)[1]) for s in (3, 4)} == {3: 3, 4: 4}  # (a chain of depth 2)
+    assert {s: len(tier.room.chunks(s)[1]) for s in (3, 4)} == {3: 3, 4: 4}  # (a chain of depth 2)
     since = tier.store.resolve(tier.ref(4))
     fill_medium(f"{shm}/tenant", leave=512 << 10)
     raw = tier.bound([w.numel() * w.element_size()], raw=True)
@@ -990,3 +990,35 @@ def test_a_manifest_the_full_parse_refuses_still_holds_its_chunks_in_the_room(tm
     assert tier.make_room(4, raw, raw, since) == [1, 2]
     assert tier.steps() == [3] and free_bytes(tier.path) >= raw
     tier.close()
+
+
+def test_a_compressing_tier_of_deltas_lands_a_save_again_once_the_medium_has_room(tmp_path, tmpfs):
+    """local_compress and delta_vs_previous on a 16 MiB tmpfs: steps 1-3 land (3 a delta), another tenant leaves 600
+    KiB free and step 4 fails, then frees 1 MiB. The room was estimated from what the tier's snapshots hold, each by
+    its own chunks: a delta's, at a delta's rate, while the save after a failure writes every tensor whole; every
+    later save made room for a delta, dropped nothing and failed (steps 5 to 8). An estimate that was short (no
+    snapshot landed since) gives way to the raw bounds: step 6 lands at the latest, and so do the steps after it."""
+    shm = tmpfs(tmp_path / "shm", "16m")
+    gen = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(1 << 21, generator=gen).to(torch.bfloat16), "step": 0}
+    landed = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckpt.TierWarning)
+        with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
+                                    local_every_n_steps=1, local_keep=2, local_compress=True, delta_vs_previous=True) as mgr:
+            for step in range(1, 9):
+                if step == 4:
+                    fill_medium(f"{shm}/tenant", leave=600 << 10)
+                if step == 5:
+                    os.truncate(f"{shm}/tenant", os.path.getsize(f"{shm}/tenant") - (1 << 20))
+                state["w"].add_((torch.randn(1 << 21, generator=gen) * 1e-2).to(torch.bfloat16))
+                mgr.save(step, state, persist=False)
+                mgr.wait()
+                if step in mgr.local_tier.steps:
+                    landed.append(step)
+            want = state["w"].clone()
+    assert landed[:3] == [1, 2, 3] and 4 not in landed and {6, 7, 8} <= set(landed), landed
+    fresh = {"w": torch.zeros(1 << 21, dtype=torch.bfloat16), "step": 0}
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier") as mgr:
+        assert mgr.restore_latest(fresh) == 8 and mgr.last_restore["store"] == 0
+    assert fresh["w"].view(torch.int16).equal(want.view(torch.int16))
