@@ -312,12 +312,19 @@ class LocalTier:
         of those; the steps removed."""
         with self._lock:
             steps = [s for s, named in self.room.chunk_map(self.steps())[0].items() if named & chunks]
-            self._remove(steps)  # (first: a step is never named without its chunks)
-            for cid in sorted(chunks):  # (those the gc above left: named by no step it could read)
-                try:
-                    self.store.objects.delete("chunks", cid)
-                except (CkptError, OSError):
-                    pass  # gone already
+            try:
+                self._remove(steps)  # (first: a step is never named without its chunks)
+            finally:
+                # Whatever the removal did (its gc failing, say): a damaged copy left in chunks/ would be reused by a
+                # save, which dedups on presence; deleting one is always safe. (A missing one is no error.)
+                failed: BaseException | None = None
+                for cid in sorted(chunks):
+                    try:
+                        self.store.objects.delete("chunks", cid)
+                    except (CkptError, OSError) as e:
+                        failed = failed or e
+                if failed is not None:
+                    raise failed
             return steps
 
     def drop(self, step: int) -> None:

@@ -45,7 +45,8 @@ def refill(tier: LocalTier, step: int, mid: str, tiers: Tiers) -> tuple[bool, st
     except Exception as e:  # noqa: BLE001 - a full tier, say: the restore itself succeeded
         kept, why = False, describe(e)
     if todo:  # (a save must not reuse a damaged copy, and a step a tier names has each chunk whole)
-        return False, _mend(tier, tiers, mid, todo) or why
+        mended = _mend(tier, tiers, mid, todo)
+        return False, "; ".join(m for m in (mended, why) if m) or None
     return kept, why
 
 
@@ -67,8 +68,8 @@ def _keep(tier: LocalTier, step: int, mid: str, tiers: Tiers, decoded: dict[str,
     staging.commit()
     lacking = tiers.needed - local.objects.has_many("chunks", tiers.needed)
     if lacking or damaged:
-        unreplaced = _copy_back(tier, tiers, mid, lacking | damaged, damaged) & damaged
-        damaged.clear()  # (each written over, or removed here)
+        unreplaced = _still_damaged(tier, _copy_back(tier, tiers, mid, lacking | damaged, damaged) & damaged)
+        damaged.clear()  # (each written over, whole with its base written over, or removed here)
         if unreplaced:
             return False, _forget(tier, unreplaced)
         lacking = tiers.needed - local.objects.has_many("chunks", tiers.needed)
@@ -137,8 +138,25 @@ def _mend(tier: LocalTier, tiers: Tiers, mid: str, damaged: set[str]) -> str | N
     try:
         damaged = _copy_back(tier, tiers, mid, damaged, damaged)
     except Exception as e:  # noqa: BLE001 - a full tier, say: none is known whole
-        log.info("refill: damaged copies not replaced (%s)", describe(e))
+        log.warning("refill: damaged copies not replaced (%s)", describe(e), exc_info=not isinstance(e, (*MISSES, OSError)))
+    damaged = _still_damaged(tier, damaged)
     return _forget(tier, damaged) if damaged else None
+
+
+def _still_damaged(tier: LocalTier, ids: set[str]) -> set[str]:
+    """Those of ``ids`` that the tier still holds damaged (or not at all), checked again: the tier records a delta read
+    over a damaged base as damaged with its base (the error names the base; whether the delta is whole is known once
+    the base is), so a delta whole over its base written over is kept, not removed with every step naming it."""
+    from ckpt.store.copy import chunk_checker
+
+    check = chunk_checker(tier.store, tier.store)
+    out = set()
+    for cid in ids:
+        try:
+            check(cid, tier.store.objects.get("chunks", cid))
+        except MISSES:
+            out.add(cid)
+    return out
 
 
 def _forget(tier: LocalTier, damaged: set[str]) -> str:

@@ -967,6 +967,48 @@ def test_a_damaged_base_no_farther_tier_holds_is_removed_with_every_step_naming_
     assert not kept and "could not be replaced" in why and "[4, 6]" in why
 
 
+def test_a_damaged_base_is_deleted_though_the_tiers_collection_fails(tmp_path, monkeypatch):
+    """LocalTier.forget removed the steps naming W, then its gc raised (a damaged ref entry it refuses, the medium
+    failing): the loop deleting W never ran, and W stayed in chunks/, where a save, which dedups on presence, would
+    name it again (a new step of the same tensor then failed to load: corrupt). W goes whatever the gc did, and the
+    refill says what failed."""
+    from ckpt.snapshot.peer_refill import refill
+
+    tier, tiers, w, mid = _tier_with_a_damaged_base(tmp_path, durable_holds_it=False)
+
+    def failing() -> None:
+        raise OSError("the medium failing")
+
+    monkeypatch.setattr(tier, "_collect", failing)
+    kept, why = refill(tier, 6, mid, tiers)
+    assert not kept and "could not be replaced nor removed" in why and "the medium failing" in why, why
+    assert not tier.store.objects.has("chunks", w) and tier.steps() == []
+
+
+def test_an_intact_delta_over_a_damaged_base_is_not_taken_for_damaged(tmp_path):
+    """A read of step 6's delta D from the tier fails, its base W damaged: the tier records both as damaged (whether
+    D is whole is known once W is), the refill wrote W over from the durable store, found no farther copy of D and
+    removed it with step 6, though it was whole. Each is checked again before it goes: W replaced, D and both
+    steps kept."""
+    import numpy as np
+
+    from ckpt.progress import NullProgress
+    from ckpt.snapshot.peer_refill import refill
+    from ckpt.store.copy import chunk_checker
+    from ckpt.transfer.pipeline import GetTask
+
+    tier, tiers, w, mid = _tier_with_a_damaged_base(tmp_path, durable_holds_it=True)
+    tiers.damaged = set()
+    d = next(c for c in tier.store.manifest(mid).tensors[0].chunks if parse_header(tier.store.objects.get("chunks", c), c).base)
+    n = parse_header(tier.store.objects.get("chunks", d), d).length
+    tiers.lenient = True  # (step 6 is in no farther tier: D stays unserved, as in a restore that fell back)
+    tiers.get([GetTask(d, n, into=memoryview(np.empty(n, np.uint8)))], NullProgress())
+    assert tiers.damaged == {d, w}
+    kept, why = refill(tier, 6, mid, tiers)
+    chunk_checker(tier.store, tier.store)(w, tier.store.objects.get("chunks", w))
+    assert tier.steps() == [4, 6] and tier.store.objects.has("chunks", d), why
+
+
 @pytest.mark.parametrize("stop", ["changed", "write"])
 def test_a_refill_stopped_early_still_replaces_the_damaged_copies(tmp_path, stop):
     """The refill stops early where training changed a tensor before it read it (ckpt/snapshot/peer_targets.py
