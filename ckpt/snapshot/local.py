@@ -61,8 +61,9 @@ class LocalSnapshots(LocalRestoring):
         self.run = run
         # A local tier's room made before a write (LocalTier.fit): the step, the sizes of the tensors written that
         # are not known to be unchanged, whether the snapshot carries bundles, and the id of the snapshot whose chunks it
-        # reuses or deltas against, or after a failed save the last one written or restored, where what it does not
-        # count is found by hash (never dropped; None where it names none); it raises (ENOSPC) where the medium cannot hold them.
+        # reuses or deltas against, or the last one written or restored where the save relies on it (what it does not
+        # count is found there by hash), never dropped; None where it names none or relies on none (every tensor counted:
+        # it may go); it raises (ENOSPC) where the medium cannot hold them.
         self.room = room
         self.store = run.store
         self.overlap = overlap
