@@ -56,6 +56,25 @@ class S3Servers:
             server.stop()  # type: ignore[attr-defined]
 
 
+@pytest.fixture
+def advised(monkeypatch) -> list[int]:
+    """The lengths ckpt's local reads and chunk decodes ask the kernel to fault in (``madvise``) from here on;
+    skips the test where there is no madvise."""
+    from ckpt_store.storage.backends import local_reads
+
+    real = local_reads._madvise()
+    if real is None:
+        pytest.skip("no madvise here")
+    calls: list[int] = []
+
+    def counting(addr: int, n: int, advice: int) -> int:
+        calls.append(n)
+        return real(addr, n, advice)
+
+    monkeypatch.setattr(local_reads, "_madvise", lambda: counting)
+    return calls
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _chunk_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Remote stores cache chunks locally (storage/cache.py): in a temporary directory, never the user's."""

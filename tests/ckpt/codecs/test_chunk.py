@@ -369,23 +369,11 @@ def test_decompression_bomb_rejected_before_allocating():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
 @pytest.mark.parametrize("kind", ["raw", "zstd", "planes"])
-def test_a_chunk_decoded_into_fresh_memory_has_its_pages_faulted_in_first(kind, monkeypatch):
+def test_a_chunk_decoded_into_fresh_memory_has_its_pages_faulted_in_first(kind, advised):
     """A peer restore decodes the chunks it receives into a fresh optimizer's moments, memory never
     touched: the copy took a page fault per 4 KiB page (a 1.2 GB GPT + AdamW peer restore, rank 1:
     1.81 -> 1.70 CPU-s with them faulted in first). Decoding into ``out`` faults its whole pages in
     with one madvise first, as a local read does, and stays exact."""
-    from ckpt_store.storage.backends import local_reads
-
-    real = local_reads._madvise()
-    if real is None:
-        pytest.skip("no madvise here")
-    advised: list[int] = []
-
-    def counting(addr: int, n: int, advice: int) -> int:
-        advised.append(n)
-        return real(addr, n, advice)
-
-    monkeypatch.setattr(local_reads, "_madvise", lambda: counting)
     page = mmap.PAGESIZE
     n = 64 * page
     data = {"raw": os.urandom(n), "zstd": bytes(n), "planes": np.arange(n // 4, dtype=np.float32).tobytes()}[kind]

@@ -344,13 +344,29 @@ def test_elements_computed_again_take_the_weights_the_float32_math_took(store):
     assert bits(merge_state_dicts([{"w": a}, {"w": b}], "linear", params={"weights": ws})["w"]) == bits(want)
 
 
-def test_elements_computed_again_read_only_the_chunks_that_hold_them(store, monkeypatch):
-    """The store path read every input's whole tensor again to compute a few elements again (N × the tensor's bytes,
-    and a whole extra input in memory): now only the chunks holding them. 2 inputs of 2 chunks (4 MiB each), one
-    element in the second chunk overflowing: 16 MiB read by the merge, 8 MiB again (24 MiB in all; 32 before)."""
+@pytest.fixture
+def read(monkeypatch) -> list[int]:
+    """The bytes of chunks each chunk read asks for from here on (merges' reads and reads again)."""
     import ckpt.store.reader
     import ckpt.transfer.pipeline
 
+    out: list[int] = []
+    real = ckpt.transfer.pipeline.get_chunks
+
+    def counting(objects, tasks, *args, **kw):
+        tasks = list(tasks)
+        out.append(sum(t.length for t in tasks))
+        return real(objects, tasks, *args, **kw)
+
+    monkeypatch.setattr(ckpt.transfer.pipeline, "get_chunks", counting)
+    monkeypatch.setattr(ckpt.store.reader, "get_chunks", counting)
+    return out
+
+
+def test_elements_computed_again_read_only_the_chunks_that_hold_them(store, read):
+    """The store path read every input's whole tensor again to compute a few elements again (N × the tensor's bytes,
+    and a whole extra input in memory): now only the chunks holding them. 2 inputs of 2 chunks (4 MiB each), one
+    element in the second chunk overflowing: 16 MiB read by the merge, 8 MiB again (24 MiB in all; 32 before)."""
     n = store.settings.chunk_size // 2  # float32: two chunks
     g = torch.Generator().manual_seed(1)
     x0, x1 = torch.randn(n, generator=g), torch.randn(n, generator=g)
@@ -358,16 +374,6 @@ def test_elements_computed_again_read_only_the_chunks_that_hold_them(store, monk
     x0[at], x1[at] = 1.5 * 2.0**127, 1.75 * 2.0**127  # 2·a − b overflows float32's math, fits float32
     store.push({"w": x0}, "rd/a")
     store.push({"w": x1}, "rd/b")
-    read = []
-    real = ckpt.transfer.pipeline.get_chunks
-
-    def counting(objects, tasks, *args, **kw):
-        tasks = list(tasks)
-        read.append(sum(t.length for t in tasks))
-        return real(objects, tasks, *args, **kw)
-
-    monkeypatch.setattr(ckpt.transfer.pipeline, "get_chunks", counting)
-    monkeypatch.setattr(ckpt.store.reader, "get_chunks", counting)
     ckpt.merge(["rd/a", "rd/b"], "linear", name="rd/out", params={"weights": [2.0, -1.0], "normalize": False}, store=store)
     assert sum(read) == 2 * 4 * n + 2 * store.settings.chunk_size, read
     got = store.load("rd/out")["w"]
@@ -396,13 +402,10 @@ def test_elements_computed_again_from_inputs_cut_at_other_chunk_sizes(tmp_path):
     assert bits(s1.load("o")["w"]) == bits(want)
 
 
-def test_elements_computed_again_read_each_chunk_once_whichever_input_has_the_smaller_chunks(tmp_path, monkeypatch):
+def test_elements_computed_again_read_each_chunk_once_whichever_input_has_the_smaller_chunks(tmp_path, read):
     """Pieces were sized by the first input's chunk size: where it was the smaller (64 KiB, the other's 1 MiB), the
     other's 1 MiB chunk was read again for each of the 16 pieces inside it. Every 1000th element overflowing in a
     2 MiB tensor: read again once each now (8 MiB in all with the merge's own reads; 38 MiB before)."""
-    import ckpt.store.reader
-    import ckpt.transfer.pipeline
-
     url = str(tmp_path / "store")
     small = ckpt.Store.init(url, settings=ckpt.Settings.from_env(fsync=False, chunk_size=64 << 10))
     n = (2 << 20) // 4
@@ -412,16 +415,6 @@ def test_elements_computed_again_read_each_chunk_once_whichever_input_has_the_sm
     x0[at], x1[at] = 1.5 * 2.0**127, 1.75 * 2.0**127
     small.push({"w": x0}, "a")
     ckpt.Store.open(url, settings=ckpt.Settings.from_env(fsync=False, chunk_size=1 << 20)).push({"w": x1}, "b")
-    read = []
-    real = ckpt.transfer.pipeline.get_chunks
-
-    def counting(objects, tasks, *args, **kw):
-        tasks = list(tasks)
-        read.append(sum(t.length for t in tasks))
-        return real(objects, tasks, *args, **kw)
-
-    monkeypatch.setattr(ckpt.transfer.pipeline, "get_chunks", counting)
-    monkeypatch.setattr(ckpt.store.reader, "get_chunks", counting)
     ckpt.merge(["a", "b"], "linear", name="o", store=small, params={"weights": [2.0, -1.0], "normalize": False})
     assert sum(read) == 4 * 4 * n, read  # each input's 2 MiB read by the merge, then again
     want = x0.clone().mul_(2.0).add_(x1.clone().mul_(-1.0))
