@@ -39,7 +39,6 @@ import zstandard
 from ckpt.codecs.buffers import Parts, compressor, decompressor
 from ckpt.codecs.ids import CODEC_NAMES, DELTA_CODECS, GSUB, PLANES, RAW, SUB, XOR, ZSTD
 from ckpt.codecs.planes import Plan, planes_decode, planes_encode
-from ckpt_store.storage.backends.local_reads import populate
 from ckpt_store.storage.errors import CorruptObjectError
 from ckpt_store.storage.objects import object_id
 
@@ -234,10 +233,6 @@ def decode_chunk(
         raise CorruptObjectError("chunk", oid, "length is not a whole number of elements")
     if out is not None and len(out) != h.length:
         raise ValueError(f"decode_chunk: out has {len(out)} bytes, the chunk {h.length}")
-    if out is not None:
-        # Memory never touched (a restore's fresh optimizer moments, which a peer's chunks are decoded
-        # into) faulted in one call, as a local read does: not page by page in the middle of the copy
-        populate(out)
     payload = memoryview(blob)[h.size :]
     data: bytes | bytearray | memoryview
     if h.codec == RAW:
