@@ -247,6 +247,15 @@ def test_a_copy_never_publishes_a_ref_whose_objects_a_gc_took(tmp_path, monkeypa
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dst.load("ft").values(), src.load("ft").values()))
 
 
+def _base_and_fine_tune():
+    """Settings of 64 KiB chunks, a 512 KiB base and a fine-tune of it (a delta against it where pushed so)."""
+    settings = ckpt.Settings.from_env(chunk_size=64 * 1024)
+    g = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(256, 512, generator=g)}
+    tuned = {"w": base["w"] + 1e-3 * torch.randn(256, 512, generator=g)}
+    return settings, base, tuned
+
+
 def test_chunks_copied_before_a_commit_are_not_left_as_deltas_against_what_it_does_not_name(tmp_path):
     """A snapshot persisted by ranks (copy_chunks, then the manifest committed): a chunk the durable
     store already held as a delta against a chunk of another checkpoint was skipped as present.
@@ -257,10 +266,7 @@ def test_chunks_copied_before_a_commit_are_not_left_as_deltas_against_what_it_do
     from ckpt.transfer.pipeline import stored_chain
     from ckpt_store.storage.commit import commit
 
-    settings = ckpt.Settings.from_env(chunk_size=64 * 1024)
-    g = torch.Generator().manual_seed(0)
-    base = {"w": torch.randn(256, 512, generator=g)}
-    tuned = {"w": base["w"] + 1e-3 * torch.randn(256, 512, generator=g)}
+    settings, base, tuned = _base_and_fine_tune()
     dst = ckpt.Store.init(str(tmp_path / "dst"), settings=settings)
     dst.push(base, "base")
     dst.push(tuned, "ft", base="base")
@@ -288,10 +294,7 @@ def test_copy_chunks_writes_a_verified_copy_over_a_damaged_one_it_is_told_to_rep
     from ckpt.codecs.chunk import parse_header
     from ckpt.store.copy import chunk_checker, copy_chunks
 
-    settings = ckpt.Settings.from_env(chunk_size=64 * 1024)
-    g = torch.Generator().manual_seed(0)
-    base = {"w": torch.randn(256, 512, generator=g)}
-    tuned = {"w": base["w"] + 1e-3 * torch.randn(256, 512, generator=g)}
+    settings, base, tuned = _base_and_fine_tune()
     src = ckpt.Store.init(str(tmp_path / "src"), settings=settings)
     src.push(base, "base")
     data = src.objects.get_manifest(src.push(tuned, "ft", base="base"))

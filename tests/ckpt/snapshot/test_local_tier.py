@@ -782,14 +782,9 @@ def test_after_a_compressing_tiers_write_ran_out_of_space_it_makes_room_for_a_sn
     assert ckpt.Store.open(f"{shm}/tier").verify().ok
 
 
-def test_after_a_failed_save_the_room_keeps_the_snapshot_the_next_save_continues_from(tmp_path, tmpfs):
-    """local_keep=2: the run went back to step 2 while step 4 of the timeline it left was being persisted (pinned:
-    the tier holds 2 and 4). The save of 3 is refused (another tenant filled the tmpfs), the tenant frees 4 MiB. The
-    save of 5 counts only what changed since 2 (the head and its moments): the 1 MiB ``noise`` restored from 2 is
-    found there by hash. Its room was made with no snapshot named as reused (the failed save had reset it): 2 went by
-    local_keep before the write, the noise was written again uncounted, and a restart meanwhile had the abandoned
-    timeline's 4 alone. 2 stays until 5 lands now, and the save writes no byte of the noise."""
-    shm = tmpfs(tmp_path / "shm", "16m")
+def _head_and_noise():
+    """A head and its AdamW (they change at each step), and 1 MiB of ``noise`` (changed only by hand); the state and
+    a training step."""
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 16)
     opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
@@ -801,29 +796,52 @@ def test_after_a_failed_save_the_room_keeps_the_snapshot_the_next_save_continues
         opt.zero_grad()
         state["step"] = step
 
+    return head, state, train
+
+
+def _back_to_2_with_4_pinned(mgr, state, train):
+    """Steps 2 and 4 saved (other noise in each), the run gone back to 2 while 4 is being persisted (pinned)."""
+    for step in (2, 4):
+        train(step)
+        mgr.save(step, state, persist=False)
+        mgr.wait()
+        state["noise"].copy_(torch.randn(1 << 18))  # (4 holds other noise than 2)
+    assert mgr.restore(state, 2) == 2
+    mgr._local.pinned.add(4)  # as a persist of step 4 in flight pins it
+
+
+def _steps_as_the_write_begins(mgr) -> list[list[int]]:
+    """The tier's steps as each later save's write begins (after its room was made), appended."""
+    room, held = mgr._path.room, []
+
+    def seen(*args):
+        dropped = room(*args)
+        held.append(mgr._local.steps())
+        return dropped
+
+    mgr._path.room = seen
+    return held
+
+
+def test_after_a_failed_save_the_room_keeps_the_snapshot_the_next_save_continues_from(tmp_path, tmpfs):
+    """local_keep=2: the run went back to step 2 while step 4 of the timeline it left was being persisted (pinned:
+    the tier holds 2 and 4). The save of 3 is refused (another tenant filled the tmpfs), the tenant frees 4 MiB. The
+    save of 5 counts only what changed since 2 (the head and its moments): the 1 MiB ``noise`` restored from 2 is
+    found there by hash. Its room was made with no snapshot named as reused (the failed save had reset it): 2 went by
+    local_keep before the write, the noise was written again uncounted, and a restart meanwhile had the abandoned
+    timeline's 4 alone. 2 stays until 5 lands now, and the save writes no byte of the noise."""
+    shm = tmpfs(tmp_path / "shm", "16m")
+    head, state, train = _head_and_noise()
     with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=f"{shm}/tier",
                                 local_every_n_steps=1) as mgr:
-        for step in (2, 4):
-            train(step)
-            mgr.save(step, state, persist=False)
-            mgr.wait()
-            state["noise"].copy_(torch.randn(1 << 18))  # (4 holds other noise than 2)
-        assert mgr.restore(state, 2) == 2
-        mgr._local.pinned.add(4)  # as a persist of step 4 in flight pins it
+        _back_to_2_with_4_pinned(mgr, state, train)
         fill_medium(f"{shm}/tenant")
         train(3)
         with pytest.warns(ckpt.TierWarning, match="step 3 not saved .*the disk is full for this snapshot.*nothing written"):
             mgr.save(3, state, persist=False)
             mgr.wait()
         os.truncate(f"{shm}/tenant", max(os.path.getsize(f"{shm}/tenant") - (4 << 20), 0))
-        room, held = mgr._path.room, []
-
-        def seen(*args):  # the tier's steps as the write begins
-            dropped = room(*args)
-            held.append(mgr._local.steps())
-            return dropped
-
-        mgr._path.room = seen
+        held = _steps_as_the_write_begins(mgr)
         train(5)
         with warnings.catch_warnings():
             warnings.simplefilter("error", ckpt.TierWarning)
@@ -887,34 +905,11 @@ def test_a_save_that_reuses_no_entries_keeps_the_snapshot_it_continues_from(tmp_
     persisted (pinned: the tier holds 2 and 4). A save by hash reuses no entries (nor does one of a fused optimizer's
     state): the save of 5 told fit of no snapshot it continues from, so 2 went by local_keep before the write, and the
     1 MiB ``noise`` restored from 2 (unchanged, found there by hash) was written again. 2 stays until 5 lands now."""
-    torch.manual_seed(0)
-    head = torch.nn.Linear(16, 16)
-    opt = torch.optim.AdamW(head.parameters(), lr=1e-3)
-    state = {"head": head, "optim": opt, "noise": torch.randn(1 << 18), "step": 0}
-
-    def train(step):
-        head(torch.randn(4, 16)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        state["step"] = step
-
+    head, state, train = _head_and_noise()
     with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=str(tmp_path / "tier"),
                                 local_every_n_steps=1, unchanged_by="hash") as mgr:
-        for step in (2, 4):
-            train(step)
-            mgr.save(step, state, persist=False)
-            mgr.wait()
-            state["noise"].copy_(torch.randn(1 << 18))  # (4 holds other noise than 2)
-        assert mgr.restore(state, 2) == 2
-        mgr._local.pinned.add(4)  # as a persist of step 4 in flight pins it
-        room, held = mgr._path.room, []
-
-        def seen(*args):  # the tier's steps as the write begins
-            dropped = room(*args)
-            held.append(mgr._local.steps())
-            return dropped
-
-        mgr._path.room = seen
+        _back_to_2_with_4_pinned(mgr, state, train)
+        held = _steps_as_the_write_begins(mgr)
         train(5)
         mgr.save(5, state, persist=False)
         mgr.wait()
