@@ -319,7 +319,8 @@ def test_processes_putting_at_once_keep_the_cache_within_its_limit_and_a_clear_r
     counted = tally.add(0)
     # (one process evicts at a time, down to 90% less an entry; an entry put during a walk counts twice)
     assert limit * 0.8 < u.bytes <= limit and counted >= u.bytes, (u.bytes, counted)
-    assert clear(str(tmp_path)).bytes == u.bytes and tally.add(0) == counted - u.bytes
+    # (clear sets the tally from its walk: nothing left, nothing put meanwhile: 0, an entry counted twice or not)
+    assert clear(str(tmp_path)).bytes == u.bytes and tally.add(0) == 0
 
 
 def test_threads_that_find_a_full_disk_at_once_all_cache_their_entries(tmp_path, tmpfs, caplog):
