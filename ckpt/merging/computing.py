@@ -10,11 +10,11 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ckpt.errors import InvalidMergeError, TensorMismatchError
+from ckpt.errors import InvalidMergeError
 from ckpt.format.dtypes import bit_identical, bit_pattern, byte_view, to_torch
 from ckpt.format.manifest import Manifest
 from ckpt.merging.methods import MergeMethod
-from ckpt.merging.overflowing import Again, Piece, average_again, mark_nonfinite, masked_pieces, method_again, plain_average
+from ckpt.merging.overflowing import Again, Piece, average_again, mark_nonfinite, method_again, plain_average
 from ckpt.merging.planning import FLOAT_DTYPES, Step, cannot_merge
 
 if TYPE_CHECKING:
@@ -261,12 +261,8 @@ class BatchedInputs:
         from ckpt.transfer.pipeline import GetTask, get_chunks, spans
 
         sources = self._sources(step)
-        try:
-            entries = [r.info(step.name) for r in sources]
-        except TensorMismatchError:  # stored as shards (a distributed checkpoint): read whole
-            whole = masked_pieces([r.get_tensor(step.name) for r in sources])
-            yield from whole(mask)
-            return
+        # (one entry each: a merge refuses a tensor stored as shards before it plans, planning.check_whole_tensors)
+        entries = [r.info(step.name) for r in sources]
         dt = to_torch(step.dtype)
         size = dt.itemsize
         chunks = [list(spans(e.chunks, e.nbytes, r.manifest.chunk_size)) for r, e in zip(sources, entries)]

@@ -37,7 +37,7 @@ result there is inf or NaN. ``linear`` and ``task-arithmetic`` (elementwise: ``M
 and the plain average of ``new_tensors="average"`` (``((x_0 + x_1) + …) / n``), compute those elements
 again, alone, in float64: the same operations in the same order, each rounded to float64 (for float64
 inputs, on inputs scaled by a power of two, and the result scaled back: each rounding as in float64,
-its exponent unbounded, and refused where a nonzero input would fall subnormal once scaled), with the weights
+its exponent unbounded, and refused where a nonzero input, product or quotient would fall subnormal once scaled), with the weights
 the compute dtype's math took (:func:`weights_in`); the result is rounded to the compute dtype, then cast back as any other.
 Every other element keeps the bytes of the order above. ``ties``, ``dare`` and ``slerp`` do not (an
 element's result depends on the whole tensor): an inf there is past the range, and a NaN is refused

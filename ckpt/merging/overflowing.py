@@ -18,7 +18,7 @@ AGAIN_BLOCK = 1 << 16  # elements computed again at a time
 
 
 def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], pieces: Iterable[Piece], x: torch.Tensor,
-                   mask: torch.Tensor) -> None:
+                   mask: torch.Tensor, products: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> None:
     """``f`` (a merge's elementwise math, on copies it may consume) at the elements ``mask`` marks (where the math
     overflowed in ``x``'s dtype, the compute dtype), computed again in float64 into ``x`` (contiguous), and their
     marks cleared in ``mask``, from ``pieces``: (a flat position, ``mask`` flat from there, the inputs' values from
@@ -27,13 +27,18 @@ def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], pieces: Iter
     times weights within float32's range cannot leave. Float64 inputs can: for them the parts are scaled by 2^-k and the
     result by 2^k, for the least k of 1, 2, 4, … 1024 at which the math is finite (k = 0 is the math that
     overflowed). Scaling by a power of two is exact and the math is homogeneous (``f(s·x) = s·f(x)``: sums,
-    differences, products by constant weights), so each operation rounds as it did, as if float64's exponent had
-    no bound, except where a term becomes subnormal or zero once scaled (float64's subnormals lose bits; 1e-300
-    beside 2^1000 − 2^1000 would vanish): such an element is not computed (:func:`losing_bits`). A result past float64's range is inf;
-    rounded to ``x``'s dtype (inf past its range). Where not computed ``x`` keeps the math's value, and ``mask``
-    its mark. A block of elements at a time: a few small scratch tensors, none the tensor's size."""
+    differences, products by constant weights, a division by a count), so each operation rounds as it did, as if
+    float64's exponent had no bound, except a product or quotient that falls below float64's least normal value once
+    scaled (there float64 keeps fewer bits; a sum or difference that falls there is exact): an input there, a product
+    there (``products``: the values of ``f``'s products, unscaled, from the parts: ``w_i·x_i``, ``λ_i·(x_i − base)``),
+    or, where ``products`` is None, a result at or below it (``f`` ends in a division: the plain average's). Such an
+    element is not computed (1e-300 beside 2^1000 − 2^1000 would vanish; a product rounded there moves the sum
+    after it). A result past float64's range is inf; rounded to ``x``'s dtype (inf past its range). Where not
+    computed ``x`` keeps the math's value, and ``mask`` its mark. A block of elements at a time: a few small scratch
+    tensors, none the tensor's size."""
     import torch
 
+    normal = 2.0**-1022
     xf, mf = x.view(-1), mask.view(-1)
     for at, marked, parts in pieces:
         for start in range(0, marked.numel(), AGAIN_BLOCK):
@@ -44,12 +49,16 @@ def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], pieces: Iter
             block = [p[start : start + AGAIN_BLOCK][sel].to(x.device, torch.float64) for p in parts]  # (f consumes copies)
             todo = torch.ones(pos.shape, dtype=torch.bool, device=x.device)
             k = 0 if x.dtype != torch.float64 else 1
+            # each element's least nonzero input or product: once, whatever k (a larger k loses more)
+            low = least_nonzero(block + (products(block) if products is not None else [])) if k else None
             while k <= 1024 and bool(todo.any()):
                 where = todo.nonzero().squeeze(1)
-                lost = losing_bits(f, [b[where] for b in block], k) if k else None
                 r = f([b[where].mul_(2.0**-k) for b in block])
                 fine = r.isfinite()
-                if lost is not None:
+                if low is not None:
+                    lost = low[where].lt(normal * 2.0**k)
+                    if products is None:  # a quotient at the least normal value may have rounded up to it
+                        lost.logical_or_(r.abs().le(normal).logical_and_(r.ne(0)))
                     fine.logical_and_(lost.logical_not())
                     todo[where[lost]] = False  # (a larger k loses more)
                 # scaled back in two steps: 2^1024 is past float64's range (a product past it is inf, as it should be)
@@ -59,21 +68,16 @@ def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], pieces: Iter
                 k = max(1, 2 * k)
 
 
-def losing_bits(f: Callable[[list[torch.Tensor]], torch.Tensor], parts: list[torch.Tensor], k: int) -> torch.Tensor:
-    """For :func:`computed_again`: where ``f`` of ``parts`` (float64) scaled by 2^-k would lose bits to float64's
-    subnormals: a nonzero input, or a nonzero term (``f`` of that input alone: ``w_i·x_i``), that falls below the
-    least normal value once scaled."""
+def least_nonzero(ts: list[torch.Tensor]) -> torch.Tensor:
+    """For :func:`computed_again`: elementwise, the least magnitude of ``ts`` (float64, one shape) that is not zero
+    (inf where all are)."""
     import torch
 
-    normal = 2.0**-1022
-    lost = torch.zeros(parts[0].shape, dtype=torch.bool, device=parts[0].device)
-    for j, p in enumerate(parts):
-        lost.logical_or_(p.abs().lt(normal * 2.0**k).logical_and_(p.ne(0)))
-        alone = [torch.zeros_like(p) if i != j else p for i in range(len(parts))]
-        term = f([a.clone() for a in alone])
-        scaled = f([a.mul(2.0**-k) for a in alone])
-        lost.logical_or_(scaled.abs().lt(normal).logical_and_(term.ne(0)))
-    return lost
+    out = torch.full(ts[0].shape, math.inf, dtype=torch.float64, device=ts[0].device)
+    for t in ts:
+        a = t.abs()
+        out = torch.minimum(out, a.masked_fill_(a.eq(0), math.inf))
+    return out
 
 
 def mark_nonfinite(x: torch.Tensor, held: torch.Tensor | None) -> torch.Tensor | None:
@@ -118,7 +122,7 @@ def average_again(xs: Sequence[torch.Tensor]) -> Again:
     """For :func:`cast_back`: :func:`plain_average` of ``xs`` computed again where it overflowed."""
     import torch
 
-    pieces = masked_pieces(xs)
+    pieces = masked_pieces(xs)  # (its one rounding a scale moves: the division, checked on the result)
     return lambda x, mask: computed_again(lambda ys: plain_average(ys, torch.float64)[0], pieces(mask), x, mask)
 
 
@@ -134,4 +138,16 @@ def method_again(method: MergeMethod, params: Mapping[str, Any], name: str, with
     def math_of(ys: list[torch.Tensor]) -> torch.Tensor:
         return method.combine(ys[:-1], ys[-1], same, name) if with_base else method.combine(ys, None, same, name)
 
-    return lambda x, mask: computed_again(math_of, pieces(mask), x, mask)
+    def products(ys: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each input's product (``w_i·x_i``; ``λ_i·(x_i − base)`` with a base: not ``λ_i·x_i``, which a
+        difference far below the inputs leaves normal): the math of that input alone, its difference from the
+        base in its place, the base 0. Of the inputs halved, the product doubled back: ``x_i − base`` can overflow, its
+        half cannot (an input below 2^-1021, which halving would round, is refused by itself)."""
+        import torch
+
+        hs = [y * 0.5 for y in ys]
+        ds = [h - hs[-1] for h in hs[:-1]] + [torch.zeros_like(hs[-1])] if with_base else hs
+        n = len(ds) - (1 if with_base else 0)
+        return [math_of([d.clone() if i == j else torch.zeros_like(d) for i, d in enumerate(ds)]).mul_(2.0) for j in range(n)]
+
+    return lambda x, mask: computed_again(math_of, pieces(mask), x, mask, products)

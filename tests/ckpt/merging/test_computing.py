@@ -323,6 +323,45 @@ def test_a_float64_term_that_would_lose_bits_once_scaled_is_refused_not_stored_w
         merge_state_dicts([{"w": x} for x in small], "linear", params={**params, "weights": [2.0**127, -(2.0**127), 2.0**-200]})
 
 
+def test_a_float64_product_or_quotient_that_would_lose_bits_once_scaled_is_refused_not_stored_wrong(store):
+    """The loss check tested each input alone (``λ_i·x_i``), not what the math multiplies or divides. Task arithmetic
+    multiplies ``x_i − base``: with base 1.5·2^-892 and x_2 one ulp above it, ``0.525·(x_2 − base)`` scaled by 2^-128
+    (2^126·2^1000 − 2^126·2^1000 overflowed) fell below normal, rounded to a tie, and the merge stored the base where
+    float64's math gives the base + 1 ulp. The plain average divides a sum that cancels to 7·2^-1022 + 2^-1060: the
+    quotient below normal once scaled by 2^-1 kept fewer bits (0x1.2aaaaaaaab556p-1022, not …555). Both silently.
+    Such elements are now not computed (refused, store and API); elements whose products stay normal are kept, exact."""
+    d = torch.float64
+    b = 1.5 * 2.0**-892
+    base = torch.tensor([b, 0.5], dtype=d)
+    xs = [torch.tensor([2.0**1000, 2.0**1000], dtype=d), torch.tensor([2.0**1000, 2.0**1000], dtype=d),
+          torch.tensor([b + 2.0**-944, 2.5], dtype=d)]
+    params = {"weights": [2.0**126, -(2.0**126), 0.525]}
+    for i, x in enumerate([base, *xs]):
+        store.push({"w": x}, f"prod/m{i}")
+    with pytest.raises(InvalidMergeError, match=r"^w: 1 merged value is NaN"):
+        merge_state_dicts([{"w": x} for x in xs], "task-arithmetic", params=params, base={"w": base})
+    with pytest.raises(InvalidMergeError, match=r"^w: 1 merged value is NaN"):
+        ckpt.merge([f"prod/m{i}" for i in (1, 2, 3)], "task-arithmetic", base="prod/m0", name="prod/out", params=params, store=store)
+    with pytest.raises(RefNotFoundError):
+        store.resolve("prod/out")
+    want = torch.tensor([0.5 + 2 * 0.525], dtype=d)  # 0.5 + 0.525·(2.5 − 0.5), the one rounding Python's own
+    kept = merge_state_dicts([{"w": x[1:]} for x in xs], "task-arithmetic", params=params, base={"w": base[1:]})["w"]
+    assert bits(kept) == bits(want)
+
+    h, a, delta = 1.5 * 2.0**1023, 2.0**-1010, 7 * 2.0**-1022 + 2.0**-1060  # ((h + h) − h − h + a − (a − δ)) / 6
+    ys = [torch.tensor([v, w], dtype=d) for v, w in ((h, h), (h, h), (-h, -h), (-h, -h), (a, 3.0), (delta - a, 0.0))]
+    store.push({"other": torch.zeros(1, dtype=d)}, "quot/base")
+    for i, y in enumerate(ys):
+        store.push({"v": y, "other": torch.ones(1, dtype=d)}, f"quot/m{i}")
+    kw = {"params": {"weights": [0.1] * 6}, "new_tensors": "average"}
+    with pytest.raises(InvalidMergeError, match=r"^v: 1 merged value past F64's range"):
+        merge_state_dicts([{"v": y} for y in ys], "task-arithmetic", base={}, **kw)
+    with pytest.raises(InvalidMergeError, match=r"^v: 1 merged value past F64's range"):
+        ckpt.merge([f"quot/m{i}" for i in range(6)], "task-arithmetic", base="quot/base", name="quot/out", store=store, **kw)
+    kept = merge_state_dicts([{"v": y[1:]} for y in ys], "task-arithmetic", base={}, **kw)["v"]
+    assert bits(kept) == bits(torch.tensor([0.5], dtype=d))  # (h + h − h − h + 3 + 0) / 6
+
+
 def test_elements_computed_again_take_the_weights_the_float32_math_took(store):
     """The float32 math multiplies by each weight rounded to float32 (torch rounds the scalar); the elements computed
     again in float64 took the weights unrounded (after normalize too): thousands of them differed from the same
@@ -440,3 +479,54 @@ def test_elements_computed_again_from_s3_small_chunks_and_large(s3_main_url):
         want = xs[0][k].clone().mul_(2.0).add_(xs[1][k].clone().mul_(-1.0))
         want[[0, n // 2, n - 1]] = 1.25 * 2.0**127
         assert bits(got[k]) == bits(want), k
+
+
+def _round53(q):
+    """``q`` (a Fraction) rounded to 53 significant bits, ties to even, with no bound on the exponent: float64's
+    rounding as if its exponent had none."""
+    from fractions import Fraction
+
+    if q == 0:
+        return q
+    e = abs(q).numerator.bit_length() - abs(q).denominator.bit_length()
+    e -= Fraction(2) ** e > abs(q)
+    unit = Fraction(2) ** (e - 52)
+    n, rest = divmod(abs(q) / unit, 1)
+    n += rest > Fraction(1, 2) or (rest == Fraction(1, 2) and n % 2)
+    return (1 if q > 0 else -1) * n * unit
+
+
+def test_float64_task_arithmetic_computed_again_is_its_math_with_an_unbounded_exponent_or_refused():
+    """Float64 task arithmetic whose steps overflow (2^126·2^990.. − 2^126·2^990..) beside a third input near a base
+    near 2^-890 (its product near float64's least normal value once scaled by 2^-128): every element computed again
+    equals the same operations rounded to 53 bits with no bound on the exponent (Fractions), or is left uncomputed
+    (refused by the merge). Before, about 2% of those computed were not (a product rounded below normal)."""
+    import random
+    from fractions import Fraction
+
+    from ckpt.merging.methods import default_registry
+    from ckpt.merging.overflowing import masked_pieces, method_again
+
+    rng = random.Random(1)
+    n = 3000
+
+    def near(lo, hi):
+        return rng.choice([-1, 1]) * rng.uniform(1, 2) * 2.0 ** rng.randint(lo, hi)
+
+    rows = []
+    for _ in range(n):
+        big, b = 2.0 ** rng.randint(990, 1000), near(-900, -880)
+        rows.append((big, big, b + rng.randint(-40, 40) * math.ulp(b) if rng.random() < 0.7 else near(-900, -850), b))
+    cols = [torch.tensor(c, dtype=torch.float64) for c in zip(*rows)]
+    lam = [2.0**126, -(2.0**126), 0.7]
+    x, mask = torch.full((n,), NAN, dtype=torch.float64), torch.ones(n, dtype=torch.bool)
+    method_again(default_registry().get("task-arithmetic"), {"weights": lam}, "w", True, torch.float64, masked_pieces(cols))(x, mask)
+    done = (~mask).nonzero().squeeze(1).tolist()
+    assert 100 < len(done) < n  # (the premise: some computed, some not)
+    for i in done:
+        *xs, b = (Fraction(v) for v in rows[i])
+        acc = None
+        for xi, li in zip(xs, lam):
+            p = _round53(Fraction(li) * _round53(xi - b))
+            acc = p if acc is None else _round53(acc + p)
+        assert float(x[i]).hex() == float(_round53(acc + b)).hex(), (i, rows[i])
