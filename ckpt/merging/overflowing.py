@@ -34,7 +34,8 @@ def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], pieces: Iter
     or, where ``products`` is None, a result at or below it (``f`` ends in a division: the plain average's). Such an
     element is not computed (1e-300 beside 2^1000 − 2^1000 would vanish; a product rounded there moves the sum
     after it). A result past float64's range is inf; rounded to ``x``'s dtype (inf past its range). Where not
-    computed ``x`` keeps the math's value, and ``mask`` its mark. A block of elements at a time: a few small scratch
+    computed ``x`` keeps the math's value, and ``mask`` its mark; one not computed for losing bits is NaN (the math's
+    inf there would be clipped by ``--overflow saturate``, far from its value: a NaN is refused in either mode). A block of elements at a time: a few small scratch
     tensors, none the tensor's size."""
     import torch
 
@@ -61,6 +62,9 @@ def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], pieces: Iter
                         lost.logical_or_(r.abs().le(normal).logical_and_(r.ne(0)))
                     fine.logical_and_(lost.logical_not())
                     todo[where[lost]] = False  # (a larger k loses more)
+                    # NaN, refused in either overflow mode: the math's inf kept there, ``saturate`` would clip it to the
+                    # largest value (an average of 1e-308 stored as 1.8e308)
+                    xf[pos[where[lost]]] = math.nan
                 # scaled back in two steps: 2^1024 is past float64's range (a product past it is inf, as it should be)
                 xf[pos[where[fine]]] = r[fine].mul_(2.0 ** (k // 2)).mul_(2.0 ** (k - k // 2)).to(x.dtype)
                 mf[pos[where[fine]]] = False

@@ -354,10 +354,13 @@ def test_a_float64_product_or_quotient_that_would_lose_bits_once_scaled_is_refus
     for i, y in enumerate(ys):
         store.push({"v": y, "other": torch.ones(1, dtype=d)}, f"quot/m{i}")
     kw = {"params": {"weights": [0.1] * 6}, "new_tensors": "average"}
-    with pytest.raises(InvalidMergeError, match=r"^v: 1 merged value past F64's range"):
-        merge_state_dicts([{"v": y} for y in ys], "task-arithmetic", base={}, **kw)
-    with pytest.raises(InvalidMergeError, match=r"^v: 1 merged value past F64's range"):
-        ckpt.merge([f"quot/m{i}" for i in range(6)], "task-arithmetic", base="quot/base", name="quot/out", store=store, **kw)
+    for overflow in ("error", "saturate"):  # (saturate clipped the math's inf: 1.8e308 for δ/6 ≈ 1.2e-308)
+        with pytest.raises(InvalidMergeError, match=r"^v: 1 merged value is NaN") as e:
+            merge_state_dicts([{"v": y} for y in ys], "task-arithmetic", base={}, overflow=overflow, **kw)
+        assert "without losing bits" in e.value.hint
+        with pytest.raises(InvalidMergeError, match=r"^v: 1 merged value is NaN"):
+            ckpt.merge([f"quot/m{i}" for i in range(6)], "task-arithmetic", base="quot/base", name="quot/out", store=store,
+                       overflow=overflow, **kw)
     kept = merge_state_dicts([{"v": y[1:]} for y in ys], "task-arithmetic", base={}, **kw)["v"]
     assert bits(kept) == bits(torch.tensor([0.5], dtype=d))  # (h + h − h − h + 3 + 0) / 6
 
