@@ -450,6 +450,20 @@ def main() -> None:
         by = f"{tiers['local'] / MB:.0f} / {tiers['peer'] / MB:.0f} / {tiers['store'] / MB:.0f} MB" if tiers else "-"
         lines.append(f"| {name} | {r:.3f} | {med(name, 'cpu_s'):.3f} | {med(name, 'total_s'):.3f} | {ratio(r, 'torch.load cold')} | "
                      f"{ratio(r, 'torch.load warm')} | {by} |")
+    # The baselines move between reps on this shared machine (torch.load warm 0.7-2.1 s in one run): each row's every
+    # rep, and its fastest against the baselines' fastest, so that a ratio of medians is not read alone.
+    def fastest(name: str) -> float:
+        return min(r["restore_s"] for r in results[name])
+
+    def fast_ratio(name: str, base: str) -> str:
+        return f"{fastest(name) / fastest(base):.2f}x" if base in results else "-"
+
+    lines += ["", "Every repetition (restore s, in the order run), and the fastest against the baselines' fastest:", "",
+              "| source | reps s | fastest s | vs torch.load cold, fastest | vs torch.load warm, fastest |", "|---|---|---|---|---|"]
+    for name in results:
+        reps = " / ".join(f"{r['restore_s']:.3f}" for r in results[name])
+        lines.append(f"| {name} | {reps} | {fastest(name):.3f} | {fast_ratio(name, 'torch.load cold')} | "
+                     f"{fast_ratio(name, 'torch.load warm')} |")
     if server is not None and "ckpt durable S3" in results:  # (not run where --only leaves it out)
         gets = sorted({r["gets"] for r in results["ckpt durable S3"]})
         lines += ["", f"S3: SeaweedFS on 127.0.0.1 (same cores), no chunk cache. `ckpt durable S3` made "
