@@ -4,6 +4,7 @@ assembled) and reading each chunk from the nearest tier holding it."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -11,13 +12,14 @@ from ckpt.errors import CkptError, RefNotFoundError
 from ckpt.snapshot.manager_state import ManagerState
 from ckpt.snapshot.run import is_snapshot, not_a_snapshot
 from ckpt.snapshot.tiers import MISSES as TIER_MISSES
-from ckpt.snapshot.tiers import describe
+from ckpt.snapshot.tiers import caught, describe
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
     from ckpt.snapshot.tiers import Tiers
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 
 class Restoring(ManagerState):
@@ -189,26 +191,35 @@ class Restoring(ManagerState):
             tiers.manifests[mid] = parsed[mid]
         step = self._path.restore(state, mid, tiers)
         self.last_restore = {"step": step, **tiers.served}
-        if peers is not None:
+        if peers is not None or tiers.damaged:
             self._refill(step, mid, tiers)
         return step
 
     def _refill(self, step: int, mid: str, tiers: Tiers) -> None:
-        """This rank's tier keeps what the restore fetched from peers (a replaced machine's tier refills),
-        in the save thread: training starts at once, and the next save (or :meth:`wait`) waits for it.
-        Chunks decoded straight into the tensors are read back from them, hashed again: where training
-        changed one first, the tier does not name the step and a TierWarning says so, once (``wait()`` right after the
-        restore avoids it)."""
+        """This rank's tier keeps what the restore fetched from peers (a replaced machine's tier refills), and
+        verified copies replace the damaged ones its load read elsewhere (one process: that alone,
+        :func:`~ckpt.snapshot.peer_refill.mend`), in the save thread: training starts at once, and the next save
+        (or :meth:`wait`) waits for it, so that no save reuses a damaged copy. Chunks decoded straight into the
+        tensors are read back from them, hashed again: where training changed one first, the tier does not name
+        the step and a TierWarning says so, once (``wait()`` right after the restore avoids it)."""
+        from ckpt.snapshot.peer_refill import mend
+
         peers = getattr(self._path, "peers", None)
-        assert peers is not None
+        local = self._local
+        assert local is not None
 
         def run() -> None:
             try:
-                kept, problem = peers.refill(step, mid, tiers)
+                if peers is None:
+                    kept, problem = True, mend(local, tiers, mid, tiers.damaged)
+                else:
+                    kept, problem = peers.refill(step, mid, tiers)
             except Exception as e:  # noqa: BLE001 - the restore stands; the tier is only emptier
-                kept, problem = False, describe(e)
+                kept, problem = False, caught(log, "refill", e)
             if problem is not None:
-                self._tier_warning(f"local tier: the chunks of step {step} fetched from peers not kept ({problem})")
+                said = (f"the damaged copies its restore of step {step} found not all replaced" if peers is None
+                        else f"the chunks of step {step} fetched from peers not kept")
+                self._tier_warning(f"local tier: {said} ({problem})")
             elif not kept:
                 self._warn_once(f"local tier: step {step}, restored from peers, is not kept there: training changed the "
                                 "state before the refill read it (the peers' tiers still hold it, and this tier holds "

@@ -129,6 +129,43 @@ def test_a_damaged_local_chunk_is_read_from_the_durable_store_and_reported(tmp_p
     mgr.close()
 
 
+def test_a_restore_of_one_process_replaces_the_damaged_local_copies_it_read_elsewhere(tmp_path):
+    """A fine-tune (its first layer frozen: the same chunks at every step), local snapshots every step, persisted
+    every 2. A byte of the frozen weight's chunk flips in the tier; the restore of step 4 reads that chunk from the
+    durable store. Before, only a restore from peers replaced a damaged copy: the save of step 5 (the frozen weight
+    unchanged, found by hash) reused the damaged one, and step 5, in the tier alone, could not be read from it (nor
+    restored at all without the durable store). Now the restore's refill writes the durable store's verified copy
+    over it in the save thread, before that save."""
+    def fine_tune(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        model[0].requires_grad_(False)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    kw = dict(local=str(tmp_path / "local"), every_n_steps=2, local_every_n_steps=1)
+    model, opt = fine_tune(0)
+    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
+    _steps(mgr, {"model": model, "optim": opt, "step": 0}, range(1, 5))
+    mgr.close()
+    tier = LocalTier(tmp_path / "local", "run")
+    cid, nbytes = _flip_a_byte(tmp_path / "local", tier.store, 4, "model/0.weight")
+    tier.close()
+    model, opt = fine_tune(1)
+    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
+    state = {"model": model, "optim": opt, "step": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ckpt.TierWarning)  # (replaced: nothing to warn of)
+        assert mgr.restore_latest(state) == 4 and mgr.last_restore["store"] == nbytes
+        _steps(mgr, state, [5])  # (the save waits for the refill)
+        mgr.close()
+    tier = LocalTier(tmp_path / "local", "run")
+    assert tier.steps() == [4, 5] and tier.store.verify().ok
+    assert cid in {c for t in tier.store.manifest("run/step-5").tensors for c in t.chunks}  # (reused: found by hash)
+    tensors = tier.store.load("run/step-5")  # the tier alone, as a restart without the durable store reads it
+    assert all(torch.equal(tensors[f"model/{k}"], v) for k, v in model.state_dict().items())
+    tier.close()
+
+
 def test_an_unpersisted_local_snapshot_with_a_damaged_chunk_falls_back_to_the_newest_durable_one(tmp_path):
     mgr, model, _ = _train(tmp_path, 2, every_n_steps=2, local_every_n_steps=1)
     want = _bits(model)
