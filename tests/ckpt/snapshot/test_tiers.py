@@ -236,6 +236,47 @@ def test_a_step_being_persisted_when_the_run_goes_back_is_dropped_from_the_tier_
     mgr.close()
 
 
+def test_a_step_being_persisted_is_forgotten_with_its_damaged_chunk_and_the_next_save_persists(tmp_path, monkeypatch):
+    """LocalTier.forget (damaged copies no farther tier holds intact) removes every step naming one, a step pinned by
+    the persist in flight too: the pins keep a step from the tier's bounds while it is copied, but this one cannot be
+    assembled from any tier, and its persist, which verifies each chunk it sends, could not succeed. Removing it must
+    not break the persist: it fails with a TierWarning, publishes nothing (the durable RUN/latest stays at step 10),
+    the tier's store verifies, and the next save persists again."""
+    import ckpt.store.copy
+
+    mgr, model, opt = _train(tmp_path, 10, every_n_steps=2, save_mode="sync")
+    gate, real = threading.Event(), ckpt.store.copy.copy_refs
+
+    def held(*args, **kwargs):
+        gate.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt.store.copy, "copy_refs", held)
+    state = {"model": model, "optim": opt, "step": 0}
+    _steps(mgr, state, (12,))  # saved to the tier; its persist waits at the gate, step 12 pinned
+    tier = mgr._local
+    assert 12 in tier.pinned
+    cid, _ = _flip_a_byte(tmp_path / "local", tier.store, 12, "model/2.weight")  # (trained: step 12's alone)
+    assert not mgr.store.objects.has("chunks", cid)
+    assert tier.forget({cid}) == [12]  # (as a refill that found it damaged, and no farther copy, does)
+    with pytest.warns(ckpt.TierWarning, match="persisting the snapshot of step 12 .* failed"):
+        gate.set()
+        mgr.wait()
+    assert mgr.store.manifest("run/latest").extra["snapshot"]["step"] == 10
+    assert 12 not in tier.steps() and not tier.store.objects.has("chunks", cid) and tier.store.verify().ok
+    monkeypatch.setattr(ckpt.store.copy, "copy_refs", real)
+    _steps(mgr, state, (14,))
+    mgr.wait()
+    want = _bits(model)
+    mgr.close()
+    assert mgr.store.manifest("run/latest").extra["snapshot"]["step"] == 14
+    shutil.rmtree(tmp_path / "local")  # the restart reads the durable store
+    mgr, model2, opt2 = _fresh(tmp_path, every_n_steps=2)
+    assert mgr.restore_latest({"model": model2, "optim": opt2, "step": 0}) == 14 and _bits(model2) == want
+    mgr.close()
+    assert mgr.store.verify().ok
+
+
 def test_a_persist_publishes_the_snapshot_the_run_saved_not_what_the_tiers_ref_names_now(tmp_path, monkeypatch):
     """The local tier (a shared /dev/shm) is anyone's to write: another user moves the tier's ref of
     step 12 to a checkpoint of theirs between the run's save there and its persist. The persist
