@@ -53,9 +53,10 @@ class Restoring(ManagerState):
             self._refill(step, mid, tiers)
             return step
         candidates, parsed = self._candidates()
+        damaged: set[str] = set()  # the tier's copies found damaged by the snapshots passed over: mended after
         for i, (step, mid) in enumerate(candidates):
             try:
-                return self._restore(state, mid, parsed)
+                return self._restore(state, mid, parsed, damaged)
             except TIER_MISSES as e:
                 if i == len(candidates) - 1:
                     raise
@@ -178,8 +179,11 @@ class Restoring(ManagerState):
                 self._tier_warning(f"local tier: snapshot of step {step} unreadable ({describe(e)})")
         return sorted(found.items(), reverse=True), parsed
 
-    def _restore(self, state: dict[str, Any], mid: str, parsed: dict[str, Manifest] | None = None) -> int:
-        """Restore ``mid`` from this manager's tiers; ``parsed``: manifests already read, by id."""
+    def _restore(self, state: dict[str, Any], mid: str, parsed: dict[str, Manifest] | None = None,
+                 damaged: set[str] | None = None) -> int:
+        """Restore ``mid`` from this manager's tiers; ``parsed``: manifests already read, by id. ``damaged``: the tier's
+        copies earlier tries found damaged (their snapshots could not be assembled), mended with this one's; where
+        this one cannot be assembled either, its own are added."""
         from ckpt.snapshot.tiers import Tiers
 
         peers = getattr(self._path, "peers", None)
@@ -189,7 +193,13 @@ class Restoring(ManagerState):
             tiers = Tiers(([("local", self._local.store)] if self._local else []) + [("store", self.store)])
         if parsed and mid in parsed:
             tiers.manifests[mid] = parsed[mid]
-        step = self._path.restore(state, mid, tiers)
+        try:
+            step = self._path.restore(state, mid, tiers)
+        except TIER_MISSES:
+            if damaged is not None:
+                damaged |= tiers.damaged
+            raise
+        tiers.damaged |= damaged or set()
         self.last_restore = {"step": step, **tiers.served}
         if peers is not None or tiers.damaged:
             self._refill(step, mid, tiers)
@@ -217,7 +227,7 @@ class Restoring(ManagerState):
             except Exception as e:  # noqa: BLE001 - the restore stands; the tier is only emptier
                 kept, problem = False, caught(log, "refill", e)
             if problem is not None:
-                said = (f"the damaged copies its restore of step {step} found not all replaced" if peers is None
+                said = (f"damaged copies found restoring step {step} not all replaced" if peers is None
                         else f"the chunks of step {step} fetched from peers not kept")
                 self._tier_warning(f"local tier: {said} ({problem})")
             elif not kept:

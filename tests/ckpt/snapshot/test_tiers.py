@@ -179,8 +179,49 @@ def test_an_unpersisted_local_snapshot_with_a_damaged_chunk_falls_back_to_the_ne
     mgr, model2, opt2 = _fresh(tmp_path, every_n_steps=2, local_every_n_steps=1)
     with pytest.warns(ckpt.TierWarning, match="step 3 cannot be assembled"):
         assert mgr.restore_latest({"model": model2, "optim": opt2, "step": 0}) == 2
+        with pytest.warns(ckpt.TierWarning, match=r"could not be replaced and were removed .* naming them: \[3\]"):
+            mgr.wait()  # (the damaged copy, in no other tier, goes with step 3)
     assert mgr.last_restore["step"] == 2 and _bits(model2) == want
+    assert mgr.local_tier.steps == [2]
     mgr.close()
+
+
+def test_the_damaged_copies_of_a_snapshot_passed_over_are_removed_before_the_step_is_trained_again(tmp_path):
+    """Step 3, in the tier alone, has a damaged chunk no other tier holds: the restart restores step 2 instead. The
+    RNG state is restored too, so step 3 trains again to the same bytes, and its save reuses the tier's copy of that
+    chunk, found by hash. Before, the copies a restore passed over were forgotten with it: the tier kept the damaged
+    one (and step 3 naming it), the new step 3 named it again, and the tier could not read it (a restart without the
+    durable store, or before step 4 is persisted, loses it again). Now the refill after the restore of step 2 removes
+    them, with the old step 3, before the save."""
+    def run(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return {"model": model, "optim": opt, "rng": ckpt.RNGState(), "step": 0}
+
+    kw = dict(local=str(tmp_path / "local"), every_n_steps=2, local_every_n_steps=1)
+    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
+    _steps(mgr, run(0), range(1, 4))
+    mgr.close()
+    tier = LocalTier(tmp_path / "local", "run")
+    cid, _ = _flip_a_byte(tmp_path / "local", tier.store, 3, "model/0.weight")
+    tier.close()
+    assert not mgr.store.objects.has("chunks", cid)  # (step 3 is not persisted)
+    state = run(1)
+    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
+    with pytest.warns(ckpt.TierWarning) as said:
+        assert mgr.restore_latest(state) == 2
+        _steps(mgr, state, [3])  # (the save waits for the refill)
+    assert [str(w.message)[:40] for w in said] == ["snapshot of step 3 cannot be assembled f",
+                                                   "local tier: damaged copies found restori"]
+    assert f"could not be replaced and were removed (first {cid[:12]}), and the steps naming them: [3]" in str(said[1].message)
+    mgr.close()
+    tier = LocalTier(tmp_path / "local", "run")
+    assert tier.steps() == [2, 3] and tier.store.verify().ok
+    assert cid in {c for t in tier.store.manifest("run/step-3").tensors for c in t.chunks}  # (the same bytes again)
+    tensors = tier.store.load("run/step-3")  # the tier alone
+    assert all(torch.equal(tensors[f"model/{k}"], v) for k, v in state["model"].state_dict().items())
+    tier.close()
 
 
 def test_a_run_taken_back_to_an_earlier_snapshot_restarts_on_its_new_timeline(tmp_path):
