@@ -55,7 +55,8 @@ class LocalTier:
 
     :meth:`prune` removes the oldest snapshots beyond either bound (the newest always
     stays, and so do ``pinned`` steps, e.g. one being persisted) and frees their data at
-    once: nothing else writes into this store while the manager prunes it.
+    once: nothing else writes into this store while the manager prunes it. (Pins hold
+    against the bounds, not against :meth:`forget`: a step naming a damaged chunk goes.)
 
     Chunks are written raw unless ``compress`` (then with ``settings``, as the durable store
     writes them); persisting compresses raw ones on the way (``copy_refs(..., recode=True)``).
@@ -309,7 +310,10 @@ class LocalTier:
     def forget(self, chunks: set[str]) -> list[int]:
         """Remove the copies of ``chunks`` (damaged ones no other tier could replace) and the snapshot of every
         step that names one (as a chunk or a delta's base: it lacks it now), RUN/latest too where it names one
-        of those; the steps removed."""
+        of those; the steps removed. A pinned step too: a pin holds a step against the bounds while a persist
+        copies it, but one naming such a chunk can be assembled from no tier, and its persist, which verifies
+        each chunk it sends, cannot succeed: it fails with its warning, publishes nothing, and the next save
+        persists again (its pin stays the persist's to lift)."""
         with self._lock:
             steps = [s for s, named in self.room.chunk_map(self.steps())[0].items() if named & chunks]
             try:

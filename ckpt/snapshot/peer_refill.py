@@ -10,6 +10,9 @@ target) copied from the nearest farther tier holding it, verified (:func:`keep_c
 copy the load found damaged in the tier written over by a verified one. Only then, if the tier
 holds every chunk the rank read, the manifest and the step's ref. Nothing enters a tier's
 ``chunks/`` unverified: a later save reuses a chunk there on its presence alone.
+
+One process with a local tier has no peers: after its restore, :func:`mend` alone replaces the damaged
+copies its load found (the refill's last step).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from ckpt.snapshot.peer_group import Staging
 from ckpt.snapshot.peer_targets import keep_decoded
-from ckpt.snapshot.tiers import MISSES, Tiers, describe
+from ckpt.snapshot.tiers import MISSES, Tiers, caught, describe
 from ckpt_store.storage.chunk_lists import recorded_chains
 
 if TYPE_CHECKING:
@@ -43,9 +46,9 @@ def refill(tier: LocalTier, step: int, mid: str, tiers: Tiers) -> tuple[bool, st
     try:
         kept, why = _keep(tier, step, mid, tiers, decoded, todo)
     except Exception as e:  # noqa: BLE001 - a full tier, say: the restore itself succeeded
-        kept, why = False, describe(e)
+        kept, why = False, caught(log, "refill", e)
     if todo:  # (a save must not reuse a damaged copy, and a step a tier names has each chunk whole)
-        mended = _mend(tier, tiers, mid, todo)
+        mended = mend(tier, tiers, mid, todo)
         return False, "; ".join(m for m in (mended, why) if m) or None
     return kept, why
 
@@ -68,10 +71,10 @@ def _keep(tier: LocalTier, step: int, mid: str, tiers: Tiers, decoded: dict[str,
     staging.commit()
     lacking = tiers.needed - local.objects.has_many("chunks", tiers.needed)
     if lacking or damaged:
-        unreplaced = _still_damaged(tier, _copy_back(tier, tiers, mid, lacking | damaged, damaged) & damaged)
-        damaged.clear()  # (each written over, whole with its base written over, or removed here)
-        if unreplaced:
-            return False, _forget(tier, unreplaced)
+        forgot = mend(tier, tiers, mid, set(damaged), lacking)
+        damaged.clear()  # (each written over, whole with its base written over, or removed)
+        if forgot is not None:
+            return False, forgot
         lacking = tiers.needed - local.objects.has_many("chunks", tiers.needed)
     if lacking:  # (each chunk in the tier is verified: written so, or checked as it arrived)
         tier.prune()
@@ -131,14 +134,18 @@ def _one_by_one(src: Store, local: Store, ids: set[str], replace: set[str], name
     return done
 
 
-def _mend(tier: LocalTier, tiers: Tiers, mid: str, damaged: set[str]) -> str | None:
-    """Where the refill stopped before (a changed target, a full tier): write verified copies over the tier's
-    ``damaged`` ones from the farther tiers, and remove those none gives (all, where this fails too); what to
-    tell the user, or None."""
+def mend(tier: LocalTier, tiers: Tiers, mid: str, damaged: set[str], lacking: set[str] | frozenset[str] = frozenset()) -> str | None:
+    """After a restore of ``mid`` read the tier's ``damaged`` copies elsewhere (:attr:`Tiers.damaged`): write verified
+    copies over them from the farther tiers (and copy the ``lacking`` ones there too), check them again, and remove
+    those still damaged with every step naming them (all, where the copy fails): a later save reuses a chunk the tier
+    holds on its presence alone. What to tell the user (what was removed), or None. The refill's last step, and
+    after a restore of one process with a local tier the whole of it (``CheckpointManager`` runs it in the save thread)."""
     try:
-        damaged = _copy_back(tier, tiers, mid, damaged, damaged)
+        damaged = _copy_back(tier, tiers, mid, lacking | damaged, damaged) & damaged
     except Exception as e:  # noqa: BLE001 - a full tier, say: none is known whole
-        log.warning("refill: damaged copies not replaced (%s)", describe(e), exc_info=not isinstance(e, (*MISSES, OSError)))
+        log.warning("refill: chunks not copied back to the tier (%s)", caught(log, "refill", e))
+        if lacking:  # (what it lacked may be what filled it: the damaged alone again, which take no more room)
+            return mend(tier, tiers, mid, damaged)
     damaged = _still_damaged(tier, damaged)
     return _forget(tier, damaged) if damaged else None
 
@@ -166,7 +173,7 @@ def _forget(tier: LocalTier, damaged: set[str]) -> str:
     try:
         steps = tier.forget(damaged)
     except Exception as e:  # noqa: BLE001 - the tier's medium failing: a later load finds them damaged again
-        return f"{len(damaged)} damaged chunk(s) could not be replaced nor removed (first {first}: {describe(e)})"
+        return f"{len(damaged)} damaged chunk(s) could not be replaced nor removed (first {first}: {caught(log, 'refill', e)})"
     return f"{len(damaged)} damaged chunk(s) could not be replaced and were removed (first {first}), and the steps naming them: {steps}"
 
 

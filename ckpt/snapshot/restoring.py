@@ -4,6 +4,7 @@ assembled) and reading each chunk from the nearest tier holding it."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -11,13 +12,14 @@ from ckpt.errors import CkptError, RefNotFoundError
 from ckpt.snapshot.manager_state import ManagerState
 from ckpt.snapshot.run import is_snapshot, not_a_snapshot
 from ckpt.snapshot.tiers import MISSES as TIER_MISSES
-from ckpt.snapshot.tiers import describe
+from ckpt.snapshot.tiers import caught, describe
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
     from ckpt.snapshot.tiers import Tiers
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 
 class Restoring(ManagerState):
@@ -51,9 +53,10 @@ class Restoring(ManagerState):
             self._refill(step, mid, tiers)
             return step
         candidates, parsed = self._candidates()
+        damaged: set[str] = set()  # the tier's copies found damaged by the snapshots passed over: mended after
         for i, (step, mid) in enumerate(candidates):
             try:
-                return self._restore(state, mid, parsed)
+                return self._restore(state, mid, parsed, damaged)
             except TIER_MISSES as e:
                 if i == len(candidates) - 1:
                     raise
@@ -176,8 +179,11 @@ class Restoring(ManagerState):
                 self._tier_warning(f"local tier: snapshot of step {step} unreadable ({describe(e)})")
         return sorted(found.items(), reverse=True), parsed
 
-    def _restore(self, state: dict[str, Any], mid: str, parsed: dict[str, Manifest] | None = None) -> int:
-        """Restore ``mid`` from this manager's tiers; ``parsed``: manifests already read, by id."""
+    def _restore(self, state: dict[str, Any], mid: str, parsed: dict[str, Manifest] | None = None,
+                 damaged: set[str] | None = None) -> int:
+        """Restore ``mid`` from this manager's tiers; ``parsed``: manifests already read, by id. ``damaged``: the tier's
+        copies earlier tries found damaged (their snapshots could not be assembled), mended with this one's; where
+        this one cannot be assembled either, its own are added."""
         from ckpt.snapshot.tiers import Tiers
 
         peers = getattr(self._path, "peers", None)
@@ -187,28 +193,43 @@ class Restoring(ManagerState):
             tiers = Tiers(([("local", self._local.store)] if self._local else []) + [("store", self.store)])
         if parsed and mid in parsed:
             tiers.manifests[mid] = parsed[mid]
-        step = self._path.restore(state, mid, tiers)
+        try:
+            step = self._path.restore(state, mid, tiers)
+        except TIER_MISSES:
+            if damaged is not None:
+                damaged |= tiers.damaged
+            raise
+        tiers.damaged |= damaged or set()
         self.last_restore = {"step": step, **tiers.served}
-        if peers is not None:
+        if peers is not None or tiers.damaged:
             self._refill(step, mid, tiers)
         return step
 
     def _refill(self, step: int, mid: str, tiers: Tiers) -> None:
-        """This rank's tier keeps what the restore fetched from peers (a replaced machine's tier refills),
-        in the save thread: training starts at once, and the next save (or :meth:`wait`) waits for it.
-        Chunks decoded straight into the tensors are read back from them, hashed again: where training
-        changed one first, the tier does not name the step and a TierWarning says so, once (``wait()`` right after the
-        restore avoids it)."""
+        """This rank's tier keeps what the restore fetched from peers (a replaced machine's tier refills), and
+        verified copies replace the damaged ones its load read elsewhere (one process: that alone,
+        :func:`~ckpt.snapshot.peer_refill.mend`), in the save thread: training starts at once, and the next save
+        (or :meth:`wait`) waits for it, so that no save reuses a damaged copy. Chunks decoded straight into the
+        tensors are read back from them, hashed again: where training changed one first, the tier does not name
+        the step and a TierWarning says so, once (``wait()`` right after the restore avoids it)."""
+        from ckpt.snapshot.peer_refill import mend
+
         peers = getattr(self._path, "peers", None)
-        assert peers is not None
+        local = self._local
+        assert local is not None
 
         def run() -> None:
             try:
-                kept, problem = peers.refill(step, mid, tiers)
+                if peers is None:
+                    kept, problem = True, mend(local, tiers, mid, tiers.damaged)
+                else:
+                    kept, problem = peers.refill(step, mid, tiers)
             except Exception as e:  # noqa: BLE001 - the restore stands; the tier is only emptier
-                kept, problem = False, describe(e)
+                kept, problem = False, caught(log, "refill", e)
             if problem is not None:
-                self._tier_warning(f"local tier: the chunks of step {step} fetched from peers not kept ({problem})")
+                said = (f"damaged copies found restoring step {step} not all replaced" if peers is None
+                        else f"the chunks of step {step} fetched from peers not kept")
+                self._tier_warning(f"local tier: {said} ({problem})")
             elif not kept:
                 self._warn_once(f"local tier: step {step}, restored from peers, is not kept there: training changed the "
                                 "state before the refill read it (the peers' tiers still hold it, and this tier holds "

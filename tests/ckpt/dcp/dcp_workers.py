@@ -10,6 +10,7 @@ group through a file store, runs one scenario below, and writes what it found to
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
 import signal
@@ -54,7 +55,20 @@ def run_ranks(scenario: str, world: int, tmp: str, *, deadline_s: float = 90, pg
         with open(path) as f:
             out.append(json.load(f))
         os.unlink(path)
+        assert "unexpected" not in out[-1], f"rank {r} caught and logged an unexpected error: {out[-1]['unexpected']}"
     return out
+
+
+class _Unexpected(logging.Handler):
+    """Keeps the records (with their tracebacks) of errors ckpt caught and logged as unexpected."""
+
+    def __init__(self, into: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "unexpected", False):
+            self.into.append(self.format(record)[-3000:])
 
 
 def _entry(scenario: str, rank: int, world: int, tmp: str, init: str, pg_timeout_s: float, kw: dict) -> None:
@@ -63,12 +77,16 @@ def _entry(scenario: str, rank: int, world: int, tmp: str, init: str, pg_timeout
 
     torch.set_num_threads(1)
     result: dict = {}
+    unexpected: list[str] = []  # errors a rank caught and logged as unexpected (a bug: tiers.caught), for the parent
+    logging.getLogger("ckpt").addHandler(_Unexpected(unexpected))
     try:
         dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout_s))
         result = SCENARIOS[scenario](rank, world, tmp, **kw)
     except BaseException as e:  # noqa: BLE001 - reported to the parent test
         result = {"error": f"{type(e).__name__}: {e}", "type": type(e).__name__, "trace": traceback.format_exc()[-3000:]}
+    if unexpected:
+        result["unexpected"] = unexpected
     with open(os.path.join(tmp, f"rank-{rank}.json.tmp"), "w") as f:
         json.dump(result, f)
     os.replace(os.path.join(tmp, f"rank-{rank}.json.tmp"), os.path.join(tmp, f"rank-{rank}.json"))

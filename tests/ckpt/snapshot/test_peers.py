@@ -967,6 +967,31 @@ def test_a_damaged_base_no_farther_tier_holds_is_removed_with_every_step_naming_
     assert not kept and "could not be replaced" in why and "[4, 6]" in why
 
 
+def test_a_bug_inside_the_refill_is_logged_with_its_traceback_and_the_damaged_copies_are_still_replaced(
+        tmp_path, monkeypatch, unexpected_errors):
+    """The refill runs beside training and must never fail it, so it catches every error: a TypeError (a bug, as a
+    break between two branches was last session) became the one line 'TypeError: ...' of a TierWarning, its traceback
+    lost. Now an error of a type no failure of a tier raises is logged at WARNING with its traceback (the tests fail on
+    such a record: tests/conftest.py), and the refill still writes the durable store's W over the damaged one."""
+    import ckpt.snapshot.peer_refill as peer_refill
+    from ckpt.store.copy import chunk_checker
+
+    tier, tiers, w, mid = _tier_with_a_damaged_base(tmp_path, durable_holds_it=True)
+
+    def broken(local, decoded):
+        return len(decoded) + None  # (a bug: TypeError)
+
+    monkeypatch.setattr(peer_refill, "keep_decoded", broken)
+    kept, why = peer_refill.refill(tier, 6, mid, tiers)
+    assert not kept and why.startswith("TypeError: unsupported operand"), why
+    [record] = unexpected_errors.records
+    assert record.levelname == "WARNING" and record.exc_info[0] is TypeError
+    assert "in broken" in unexpected_errors.format(record)  # the traceback, to the line that failed
+    unexpected_errors.records.clear()  # (caused on purpose)
+    chunk_checker(tier.store, tier.store)(w, tier.store.objects.get("chunks", w))  # replaced, verified
+    assert tier.store.verify().ok
+
+
 def test_a_damaged_base_is_deleted_though_the_tiers_collection_fails(tmp_path, monkeypatch):
     """LocalTier.forget removed the steps naming W, then its gc raised (a damaged ref entry it refuses, the medium
     failing): the loop deleting W never ran, and W stayed in chunks/, where a save, which dedups on presence, would
