@@ -161,6 +161,17 @@ def s3_main_url(s3_servers: S3Servers, monkeypatch: pytest.MonkeyPatch) -> str:
     return new_s3_store_url(s3_servers, S3_SERVERS[0], monkeypatch)
 
 
+@pytest.fixture
+def proxy(s3_main: object) -> Iterator[object]:
+    """A :class:`s3support.FaultProxy` in front of the first S3 test server (faults injected per test)."""
+    from s3support import FaultProxy
+
+    host, port = s3_main.endpoint.removeprefix("http://").split(":")  # type: ignore[attr-defined]
+    p = FaultProxy((host, int(port))).start()
+    yield p
+    p.stop()
+
+
 BACKENDS = ["local", "memory", *(f"s3-{k}" for k in S3_SERVERS)]
 
 

@@ -16,7 +16,7 @@ import uuid
 import pytest
 
 pytest.importorskip("s3fs")
-from s3support import KEY, SECRET, FaultProxy  # noqa: E402
+from s3support import KEY, SECRET  # noqa: E402
 
 from ckpt_store.storage.backends import open_backend  # noqa: E402
 from ckpt_store.storage.backends.s3 import S3Backend  # noqa: E402
@@ -370,14 +370,6 @@ def test_wrong_secret_is_access_denied_not_retried(s3_server):
 
 
 # -- faults ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def proxy(s3_main):
-    host, port = s3_main.endpoint.removeprefix("http://").split(":")
-    p = FaultProxy((host, int(port))).start()
-    yield p
-    p.stop()
 
 
 @pytest.fixture

@@ -9,8 +9,6 @@ import pytest
 
 pytest.importorskip("botocore")
 
-from s3support import FaultProxy  # noqa: E402
-
 from ckpt_store.storage.backends.base import CONDEMNED, TEMPORARY  # noqa: E402
 from ckpt_store.storage.backends.s3 import S3Backend  # noqa: E402
 from ckpt_store.storage.errors import StorageIOError  # noqa: E402
@@ -92,14 +90,6 @@ def test_a_small_store_is_listed_in_one_request(s3_server):
     asked = _pages(b)
     assert len(list(b.list_split("objects", STEMS))) == 6
     assert len(asked) == 1
-
-
-@pytest.fixture
-def proxy(s3_main):
-    host, port = s3_main.endpoint.removeprefix("http://").split(":")
-    p = FaultProxy((host, int(port))).start()
-    yield p
-    p.stop()
 
 
 def test_a_failed_part_fails_the_listing(s3_main, proxy):
