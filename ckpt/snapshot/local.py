@@ -316,6 +316,11 @@ class LocalSnapshots(LocalRestoring):
         return SaveResult(result.id, result.written_bytes, result.logical_bytes, len(staged), len(reuse),
                           live.copied_bytes if live is not None else 0)
 
+    def reuse_nothing(self) -> None:
+        """The next save reuses no entry of the snapshot last written or restored (writes in full, as after a failed
+        save): the store lost chunks it names (a refill removed damaged copies, and the steps naming them)."""
+        self._last = None
+
     def _write_elsewhere(self, run: SnapshotRun, error: Exception, step: int, staged: dict[str, torch.Tensor],
                          reuse: dict[str, TensorEntry], snapshot: dict[str, Any], live: LiveTensors | None) -> SaveResult:
         """The snapshot that could not be written to this path's store, written to ``run``'s instead:

@@ -47,8 +47,12 @@ class Restoring(ManagerState):
             chosen = path.choose(self.store, self._durable.latest, self._warn_once)
             if chosen is None:
                 return None
-            _, mid, tiers = chosen
-            step = path.restore(state, mid, tiers)
+            chosen_step, mid, tiers = chosen
+            try:
+                step = path.restore(state, mid, tiers)
+            except TIER_MISSES:
+                self._refill(chosen_step, mid, tiers, restored=False)
+                raise
             self.last_restore = {"step": step, **tiers.served}
             self._refill(step, mid, tiers)
             return step
@@ -56,7 +60,7 @@ class Restoring(ManagerState):
         damaged: set[str] = set()  # the tier's copies found damaged by the snapshots passed over: mended after
         for i, (step, mid) in enumerate(candidates):
             try:
-                return self._restore(state, mid, parsed, damaged)
+                return self._restore(state, mid, parsed, damaged, last=i == len(candidates) - 1)
             except TIER_MISSES as e:
                 if i == len(candidates) - 1:
                     raise
@@ -180,10 +184,11 @@ class Restoring(ManagerState):
         return sorted(found.items(), reverse=True), parsed
 
     def _restore(self, state: dict[str, Any], mid: str, parsed: dict[str, Manifest] | None = None,
-                 damaged: set[str] | None = None) -> int:
+                 damaged: set[str] | None = None, *, last: bool = True) -> int:
         """Restore ``mid`` from this manager's tiers; ``parsed``: manifests already read, by id. ``damaged``: the tier's
         copies earlier tries found damaged (their snapshots could not be assembled), mended with this one's; where
-        this one cannot be assembled either, its own are added."""
+        this one cannot be assembled either, its own are added, and mended now where it is the ``last`` try (a failed
+        restore leaves no damaged copy for a save to reuse: a run begun again from scratch would name it)."""
         from ckpt.snapshot.tiers import Tiers
 
         peers = getattr(self._path, "peers", None)
@@ -193,25 +198,29 @@ class Restoring(ManagerState):
             tiers = Tiers(([("local", self._local.store)] if self._local else []) + [("store", self.store)])
         if parsed and mid in parsed:
             tiers.manifests[mid] = parsed[mid]
+        tiers.damaged |= damaged or set()
         try:
             step = self._path.restore(state, mid, tiers)
         except TIER_MISSES:
             if damaged is not None:
                 damaged |= tiers.damaged
+            if last and tiers.damaged:
+                self._refill(None, mid, tiers, restored=False)
             raise
-        tiers.damaged |= damaged or set()
         self.last_restore = {"step": step, **tiers.served}
         if peers is not None or tiers.damaged:
             self._refill(step, mid, tiers)
         return step
 
-    def _refill(self, step: int, mid: str, tiers: Tiers) -> None:
+    def _refill(self, step: int | None, mid: str, tiers: Tiers, *, restored: bool = True) -> None:
         """This rank's tier keeps what the restore fetched from peers (a replaced machine's tier refills), and
         verified copies replace the damaged ones its load read elsewhere (one process: that alone,
         :func:`~ckpt.snapshot.peer_refill.mend`), in the save thread: training starts at once, and the next save
         (or :meth:`wait`) waits for it, so that no save reuses a damaged copy. Chunks decoded straight into the
         tensors are read back from them, hashed again: where training changed one first, the tier does not name
-        the step and a TierWarning says so, once (``wait()`` right after the restore avoids it)."""
+        the step and a TierWarning says so, once (``wait()`` right after the restore avoids it). Not ``restored`` (the
+        restore of ``mid`` failed): the damaged copies it found are mended alone. Where the mend removed or could not
+        replace some, the next save reuses nothing of the snapshot restored (it may be among the steps removed)."""
         from ckpt.snapshot.peer_refill import mend
 
         peers = getattr(self._path, "peers", None)
@@ -220,14 +229,18 @@ class Restoring(ManagerState):
 
         def run() -> None:
             try:
-                if peers is None:
-                    kept, problem = True, mend(local, tiers, mid, tiers.damaged)
+                if peers is None or not restored:
+                    kept, problem = True, mend(local, tiers, mid, tiers.damaged - tiers.from_peers)
                 else:
                     kept, problem = peers.refill(step, mid, tiers)
             except Exception as e:  # noqa: BLE001 - the restore stands; the tier is only emptier
                 kept, problem = False, caught(log, "refill", e)
             if problem is not None:
-                said = (f"damaged copies found restoring step {step} not all replaced" if peers is None
+                reuse_nothing = getattr(self._path, "reuse_nothing", None)  # (a group's saves reuse by presence alone)
+                if reuse_nothing is not None:
+                    reuse_nothing()
+                said = ("damaged copies found by a failed restore" + ("" if step is None else f" of step {step}") + " not all replaced" if not restored
+                        else f"damaged copies found restoring step {step} not all replaced" if peers is None
                         else f"the chunks of step {step} fetched from peers not kept")
                 self._tier_warning(f"local tier: {said} ({problem})")
             elif not kept:

@@ -97,6 +97,20 @@ def _fresh(tmp_path, **kw):
     return ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw), model, opt
 
 
+def _persists_held(monkeypatch) -> threading.Event:
+    """Persists wait at their copy until the event returned is set (the step they copy stays pinned meanwhile)."""
+    import ckpt.store.copy
+
+    gate, real = threading.Event(), ckpt.store.copy.copy_refs
+
+    def held(*args, **kwargs):
+        gate.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt.store.copy, "copy_refs", held)
+    return gate
+
+
 def _bits(model):
     return {k: v.numpy().tobytes() for k, v in model.state_dict().items()}
 
@@ -168,6 +182,70 @@ def test_a_restore_of_one_process_replaces_the_damaged_local_copies_it_read_else
     assert tier.steps() == [4, 5] and tier.store.verify().ok
     assert cid in {c for t in tier.store.manifest("run/step-5").tensors for c in t.chunks}  # (reused: found by hash)
     tensors = tier.store.load("run/step-5")  # the tier alone, as a restart without the durable store reads it
+    assert all(torch.equal(tensors[f"model/{k}"], v) for k, v in state["model"].state_dict().items())
+    tier.close()
+
+
+def test_a_mend_that_removes_the_step_restored_leaves_the_next_save_reusing_nothing_of_it(tmp_path, monkeypatch):
+    """The damaged copy cannot be written over (the tier full, here a write failing with ENOSPC), so the mend removes it
+    and every step naming it, the step just restored too. Before, the next save still reused that step's entries (the
+    restore had recorded them as held): the save of step 5 failed (its chunks gone) and a snapshot was lost. Now a
+    mend that removed something leaves the next save reusing nothing: step 5 is written whole, read from the tier alone."""
+    import errno
+
+    import ckpt.snapshot.peer_refill as peer_refill
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    mgr, state, cid, nbytes = _fine_tuned_with_a_damaged_frozen_chunk(tmp_path)
+    monkeypatch.setattr(peer_refill, "keep_copies", full)
+    with pytest.warns(ckpt.TierWarning) as said:
+        assert mgr.restore_latest(state) == 4 and mgr.last_restore["store"] == nbytes
+        mgr.wait()
+        assert mgr.local_tier.steps == []  # (each names the frozen weight's chunk)
+        _steps(mgr, state, [5])
+        mgr.wait()
+    assert [str(w.message) for w in said if "removed" not in str(w.message)] == []  # (no failed save)
+    assert mgr.local_tier.steps == [5]
+    mgr.close()
+    tier = LocalTier(tmp_path / "local", "run")
+    assert tier.store.verify().ok
+    tensors = tier.store.load("run/step-5")
+    assert all(torch.equal(tensors[f"model/{k}"], v) for k, v in state["model"].state_dict().items())
+    tier.close()
+
+
+def test_a_restore_that_fails_on_every_snapshot_removes_the_damaged_copies_it_found(tmp_path):
+    """A run in the local tier alone (never persisted), a byte of its frozen weight's chunk flipped: no snapshot can be
+    assembled and restore_latest raises. Before, the damaged copy stayed: the run begun again from scratch (the same
+    frozen weight) saved step 1 reusing it, found by hash, and the run's only snapshot could not be read. Now the failed
+    restore's damaged copies are removed (no tier holds them whole) with the steps naming them, before the next save."""
+    kw = dict(local=str(tmp_path / "local"), local_every_n_steps=1)
+    model, opt = _fine_tune(0)
+    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
+    _steps(mgr, {"model": model, "optim": opt, "step": 0}, range(1, 4))
+    mgr.close()
+    tier = LocalTier(tmp_path / "local", "run")
+    cid, _ = _flip_a_byte(tmp_path / "local", tier.store, 3, "model/0.weight")
+    tier.close()
+    model, opt = _fine_tune(0)
+    state = {"model": model, "optim": opt, "step": 0}
+    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
+    with pytest.warns(ckpt.TierWarning) as said:
+        with pytest.raises(ckpt.CkptError):
+            mgr.restore_latest(state)
+        mgr.wait()
+    assert "damaged copies found by a failed restore not all replaced" in str(said[-1].message)
+    assert "the steps naming them: [2, 3]" in str(said[-1].message)  # (the tier keeps two)
+    model, opt = _fine_tune(0)  # begun again from scratch (the failed restore wrote some of the state)
+    state = {"model": model, "optim": opt, "step": 0}
+    _steps(mgr, state, [1])
+    mgr.close()
+    tier = LocalTier(tmp_path / "local", "run")
+    assert tier.steps() == [1] and tier.store.verify().ok
+    assert cid in {c for t in tier.store.manifest("run/step-1").tensors for c in t.chunks}  # (the same bytes, written again)
+    tensors = tier.store.load("run/step-1")
     assert all(torch.equal(tensors[f"model/{k}"], v) for k, v in state["model"].state_dict().items())
     tier.close()
 
@@ -278,16 +356,8 @@ def test_a_step_being_persisted_when_the_run_goes_back_is_dropped_from_the_tier_
     earlier step, without restore(), which would wait for the persist): the save of 3 cannot drop 12 from
     the tier while the persist reads it, so 12 goes once persisted. Before, it stayed: after wait()
     returned, with RUN/latest at 4 in the durable store, a restart resumed the abandoned step 12."""
-    import ckpt.store.copy
-
     mgr, model, opt = _train(tmp_path, 10, every_n_steps=2, save_mode="sync")
-    gate, real = threading.Event(), ckpt.store.copy.copy_refs
-
-    def held(*args, **kwargs):
-        gate.wait(30)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ckpt.store.copy, "copy_refs", held)
+    gate = _persists_held(monkeypatch)
     state = {"model": model, "optim": opt, "step": 0}
     _steps(mgr, state, (12,))  # saved to the tier; its persist waits at the gate, step 12 pinned
     _steps(mgr, state, (4,))  # (sync: returns once the tier holds 4 and its persist is asked for)
@@ -309,16 +379,8 @@ def test_a_step_being_persisted_is_forgotten_with_its_damaged_chunk_and_the_next
     assembled from any tier, and its persist, which verifies each chunk it sends, could not succeed. Removing it must
     not break the persist: it fails with a TierWarning, publishes nothing (the durable RUN/latest stays at step 10),
     the tier's store verifies, and the next save persists again."""
-    import ckpt.store.copy
-
     mgr, model, opt = _train(tmp_path, 10, every_n_steps=2, save_mode="sync")
-    gate, real = threading.Event(), ckpt.store.copy.copy_refs
-
-    def held(*args, **kwargs):
-        gate.wait(30)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ckpt.store.copy, "copy_refs", held)
+    gate = _persists_held(monkeypatch)
     state = {"model": model, "optim": opt, "step": 0}
     _steps(mgr, state, (12,))  # saved to the tier; its persist waits at the gate, step 12 pinned
     tier = mgr._local
@@ -331,8 +393,7 @@ def test_a_step_being_persisted_is_forgotten_with_its_damaged_chunk_and_the_next
         mgr.wait()
     assert mgr.store.manifest("run/latest").extra["snapshot"]["step"] == 10
     assert 12 not in tier.steps() and not tier.store.objects.has("chunks", cid) and tier.store.verify().ok
-    monkeypatch.setattr(ckpt.store.copy, "copy_refs", real)
-    _steps(mgr, state, (14,))
+    _steps(mgr, state, (14,))  # (the gate open: its persist goes through)
     mgr.wait()
     want = _bits(model)
     mgr.close()
