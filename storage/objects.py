@@ -198,7 +198,7 @@ class ObjectStore:
         found: dict[str, dict[str, ObjectInfo]] = {k: {} for k in KINDS}
         back: list[ObjectInfo] = []
         temps: Temporaries = []
-        for e in self.backend.list_split("objects", tuple(f"{k}/" for k in KINDS)):  # (objects/<kind>/<id[:2]>)
+        for e in self.backend.list("objects"):
             parts = e.path.split("/")
             name = parts[-1]
             original = condemned_original(name) if as_recovered else None

@@ -197,12 +197,6 @@ class Backend(ABC):
     def list(self, prefix: str) -> Iterator[Entry]:
         """Every file below directory ``prefix`` (recursively); nothing if it does not exist."""
 
-    def list_split(self, prefix: str, stems: tuple[str, ...]) -> Iterator[Entry]:
-        """:meth:`list`, the same entries in the same order, of a folder whose files lie mostly below
-        ``prefix/STEM/H`` for each of ``stems`` and hex digit ``H``: a remote backend lists a long one in
-        those parts at once (S3: after a first page that is not the last). A local one lists it as :meth:`list`."""
-        return self.list(prefix)
-
     def folders(self, prefix: str) -> Iterator[str]:
         """Every folder below directory ``prefix`` (recursively), empty ones included, which
         :meth:`list` does not show. Nothing by default: an object store has no folders (a

@@ -28,14 +28,12 @@ class S3Listing:
 
     page_keys = 0  # keys a LIST page may hold; 0: the server's maximum (1,000 on S3). Tests page with fewer.
 
-    def _list_page(self, prefix: str, token: str | None, delimiter: str, start_after: str = "",
-                   max_keys: int = 0) -> dict[str, Any]:
-        max_keys = min(max_keys, self.page_keys) if max_keys and self.page_keys else max_keys or self.page_keys
+    def _list_page(self, prefix: str, token: str | None, delimiter: str, start_after: str = "") -> dict[str, Any]:
         kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
         if start_after:
             kw["StartAfter"] = start_after
-        if max_keys:
-            kw["MaxKeys"] = max_keys
+        if self.page_keys:
+            kw["MaxKeys"] = self.page_keys
         if token:
             kw["ContinuationToken"] = token
         if delimiter:
@@ -44,20 +42,19 @@ class S3Listing:
         def page() -> dict[str, Any]:
             direct = self._direct
             direct.teach(LIST, lambda: self.client.list_objects_v2(**{**kw, "MaxKeys": 1}))
-            r, answer = direct.call(LIST, "", lambda: direct.list(prefix, token, delimiter, max_keys, start_after), (200,),
+            r, answer = direct.call(LIST, "", lambda: direct.list(prefix, token, delimiter, self.page_keys, start_after), (200,),
                                     lambda: self.client.list_objects_v2(**kw))
             return direct.page(r) if r is not None else answer  # type: ignore[no-any-return]
 
         where = prefix[len(self.prefix):] if self.prefix else prefix  # (errors name the store's URL and this below it)
         return self._call("list", where.strip("/"), page)
 
-    def _pages(self, key_prefix: str, delimiter: str = "", start_after: str = "", prefixes: bool = False,
-               first_keys: int = 0) -> Iterator[tuple[list[tuple[str, dict[str, Any] | None]], bool]]:
+    def _pages(self, key_prefix: str, delimiter: str = "", start_after: str = "",
+               prefixes: bool = False) -> Iterator[tuple[list[tuple[str, dict[str, Any] | None]], bool]]:
         """The listing of ``key_prefix`` page by page: each page's (path in the store, object) pairs,
         and whether more pages follow (the next is asked for only when the caller goes on). Keys from
         after ``start_after`` only, where given; ``prefixes``: each common prefix too (the path
-        without its trailing delimiter), with None for its object; ``first_keys``: at most that many
-        keys in the first page (where the caller expects few).
+        without its trailing delimiter), with None for its object.
 
         A listing is the server's word, checked like any outside data: a key that is not below
         ``key_prefix``, or whose path has an empty, ``.`` or ``..`` segment, is left out (a
@@ -66,8 +63,7 @@ class S3Listing:
         token: str | None = None
         seen: set[str] = set()
         while True:
-            page = self._list_page(key_prefix, token, delimiter, "" if token else start_after,
-                                   0 if token else first_keys)
+            page = self._list_page(key_prefix, token, delimiter, "" if token else start_after)
             found: list[tuple[str, dict[str, Any] | None]] = []
             listed = [(o.get("Key"), o) for o in page.get("Contents", [])]
             if prefixes:
@@ -109,68 +105,6 @@ class S3Listing:
 
     def list(self, prefix: str) -> Iterator[Entry]:
         yield from self._list_keys(prefix)
-
-    def list_split(self, prefix: str, stems: tuple[str, ...]) -> Iterator[Entry]:
-        # The first page as list() asks for it: a small store makes one request. Past it, the keys below
-        # each stem and hex digit (a "run") are listed by that prefix, the runs at once (6 pages one after
-        # another is what 5,000 objects waited on); the keys between two runs that are not next to each
-        # other (9 and a, one stem and the next, the end) by a listing that stops at the next run. Every
-        # key once, in the order list() gives them; a failed page raises, as list()'s does.
-        key_prefix = self._key(prefix).rstrip("/") + "/" if (prefix or self.prefix) else ""
-        pages = self._pages(key_prefix)
-        first, more = next(pages)
-        yield from (self._entry(key_prefix, rel, o) for rel, o in first)
-        if not more:
-            return
-        last = self._key(first[-1][0]) if first else ""
-        runs = sorted(key_prefix + stem + h for stem in stems for h in "0123456789abcdef")
-        # The rest, from the share of the runs the first page held: two pages or less are asked for one
-        # after the other, as list() does (a part per run would cost more requests than it saves time:
-        # 1,500 objects took 178 against 138 ms so); also with nothing to start after, or one request at a time.
-        done = sum(last > r and not last.startswith(r) for r in runs) + 0.5
-        if not first or self.concurrency <= 1 or len(first) * (len(runs) - done) <= 2 * len(first) * done:
-            for page, _ in pages:
-                yield from (self._entry(key_prefix, rel, o) for rel, o in page)
-            return
-        pages.close()
-        parts: list[Callable[[], list[Entry]]] = []
-        for run, nxt in zip(runs, [*runs[1:], None]):
-            if last > run and not last.startswith(run):
-                continue  # listed in the first page
-            if not parts and last < run:  # the keys from the first page's last to the first run
-                parts.append(lambda run=run: self._listed(key_prefix, last, run, first_keys=1)[0])
-            adjacent = nxt is not None and nxt[:-1] == run[:-1] and ord(nxt[-1]) == ord(run[-1]) + 1
-            parts.append(lambda run=run, nxt=nxt, adjacent=adjacent: self._run(
-                key_prefix, run, last if last.startswith(run) else "", None if adjacent else nxt or ""))
-        pool = ThreadPoolExecutor(max_workers=min(self.concurrency, len(parts)), thread_name_prefix="ckpt-s3-list")
-        try:
-            for done in [pool.submit(part) for part in parts]:
-                yield from done.result()
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-
-    def _run(self, key_prefix: str, run: str, start: str, upto: str | None) -> list[Entry]:
-        """The keys below ``run`` (after ``start``, where given), then, unless ``upto`` is None, those
-        after them up to the first at or past ``upto`` (to the end of ``key_prefix`` where ``upto`` is "")."""
-        found, last = self._listed(key_prefix, start, None, below=run)
-        if upto is not None:
-            found += self._listed(key_prefix, last or start or run, upto or None, first_keys=1)[0]
-        return found
-
-    def _listed(self, key_prefix: str, start: str, upto: str | None, *, below: str = "",
-                first_keys: int = 0) -> tuple[list[Entry], str]:
-        """The objects below ``below`` (else ``key_prefix``) after key ``start``, up to the first key at or
-        past ``upto`` where given; and the last key listed ("" where none)."""
-        found: list[Entry] = []
-        last = ""
-        for page, _ in self._pages(below or key_prefix, start_after=start, first_keys=first_keys):
-            for rel, o in page:
-                key = self._key(rel)
-                if upto is not None and key >= upto:
-                    return found, last
-                found.append(self._entry(key_prefix, rel, o))
-                last = key
-        return found, last
 
     def children(self, prefix: str, after: str = "") -> Iterator[tuple[list[tuple[str, bool]], bool]]:
         # One LIST page per 1000 names, from the first after ``after`` (StartAfter): a key below a name
