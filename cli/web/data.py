@@ -147,13 +147,16 @@ class StoreView:
         with self._lock:
             return mid in self._manifests or mid in self._checked
 
-    def overviews(self, mids: Iterable[str], store: ckpt.Store | None = None, few: int = FEW_MANIFESTS) -> dict[str, Overview]:
+    def overviews(self, mids: Iterable[str], store: ckpt.Store | None = None, few: int = FEW_MANIFESTS,
+                  index: catalog.IndexOnce | None = None) -> dict[str, Overview]:
         """The :class:`~ckpt.store.catalog.Overview` of each of checkpoints ``mids`` (of ``store``, default the
         view's) that is stored and not found damaged (the rule of the module's doc), cached by id as manifests
         are: those not cached from the metadata index where more than ``few``, one load of it and one batch of
         existence checks (a run's 1,500 snapshots: 1,500 manifests read and parsed took 3-11 s), the others from
         their manifests, or the index's summary where a manifest does not read (so that how many were asked does
-        not decide what is trusted); one neither gives is left out, as is one the view has found damaged."""
+        not decide what is trusted); one neither gives is left out, as is one the view has found damaged. ``index``:
+        the load of the index shared by one page's calls (a long run's steps asked a page at a time past the cache
+        were a load each); default one for this call."""
         wanted = list(dict.fromkeys(mids))
         with self._lock:
             out = {mid: self._overviews[mid] for mid in wanted if mid in self._overviews}
@@ -161,7 +164,8 @@ class StoreView:
                 self._overviews.move_to_end(mid)
         missing = [mid for mid in wanted if mid not in out]
         st = store or self.store
-        made = catalog.overviews(st, missing, None) if len(missing) > few else {}
+        index = index or catalog.IndexOnce()
+        made = catalog.overviews(st, missing, None, index) if len(missing) > few else {}
         unread = []
         for mid in missing:
             if mid not in made:
@@ -171,7 +175,7 @@ class StoreView:
                     if mid not in self._damaged:  # (found damaged just now: the index's summary would be dropped)
                         unread.append(mid)
         if unread and len(missing) <= few:
-            made.update(catalog.overviews(st, unread, None))
+            made.update(catalog.overviews(st, unread, None, index))
         with self._lock:
             for mid, o in made.items():
                 if mid not in self._overviews:
