@@ -90,6 +90,9 @@ class StoreView:
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._manifests: OrderedDict[str, Manifest] = OrderedDict()
+        # Those cached from another store (the local tier) alone: the view's store's copy was not read, and may be
+        # damaged (a run page read the local tier's; the lineage then drew the step verified, a damaged newest drawn)
+        self._elsewhere: set[str] = set()
         self._max_manifests = cache_manifests
         self._diffs: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
         self._max_diffs = cache_diffs
@@ -112,16 +115,18 @@ class StoreView:
 
     # -- caches ---------------------------------------------------------------------
     def manifest(self, mid: str, store: ckpt.Store | None = None) -> Manifest:
-        """Manifest ``mid`` (from ``store``, default the view's): cached by id, which names its bytes in any store."""
+        """Manifest ``mid`` (from ``store``, default the view's): cached by id, which names its bytes in any store;
+        one cached from another store is read from the view's when asked of it (its copy there is what is drawn)."""
+        here = store is None or store is self.store
         with self._lock:
             m = self._manifests.get(mid)
-            if m is not None:
+            if m is not None and not (here and mid in self._elsewhere):
                 self._manifests.move_to_end(mid)
                 return m
         try:
             m = (store or self.store).manifest(mid)
         except (CorruptObjectError, StoreFormatError) as e:
-            if store is None or store is self.store:  # (another tier's copy of it may be sound)
+            if here:  # (another tier's copy of it may be sound)
                 with self._lock:
                     if len(self._damaged) > CACHE_TENSORS // 10:  # ids and errors, ~300 bytes each: bounded
                         self._damaged.clear()
@@ -136,16 +141,23 @@ class StoreView:
             if mid not in self._manifests:
                 self._manifests[mid] = m
                 self._manifest_tensors += len(m.tensors)
+                if not here:
+                    self._elsewhere.add(mid)
+            elif here:
+                self._elsewhere.discard(mid)
             while len(self._manifests) > 1 and (len(self._manifests) > self._max_manifests
                                                 or self._manifest_tensors > self._max_tensors):
-                self._manifest_tensors -= len(self._manifests.popitem(last=False)[1].tensors)
+                gone, old = self._manifests.popitem(last=False)
+                self._manifest_tensors -= len(old.tensors)
+                self._elsewhere.discard(gone)
         return m
 
     def verified(self, mid: str) -> bool:
-        """Whether the view has read manifest ``mid`` and found it to match its id (cached, or checked by the
-        overview page): else what a page shows of it may be the metadata index's summary alone (unverified)."""
+        """Whether the view has read manifest ``mid`` from its store and found it to match its id (cached, or checked
+        by the overview page): else what a page shows of it may be the metadata index's summary alone (unverified);
+        a copy read from another store (a run's local tier) does not tell of the view's."""
         with self._lock:
-            return mid in self._manifests or mid in self._checked
+            return (mid in self._manifests and mid not in self._elsewhere) or mid in self._checked
 
     def overviews(self, mids: Iterable[str], store: ckpt.Store | None = None, few: int = FEW_MANIFESTS,
                   index: catalog.IndexOnce | None = None) -> dict[str, Overview]:

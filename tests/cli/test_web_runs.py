@@ -169,6 +169,32 @@ def _run_with_step_2_damaged(tmp_path) -> ckpt.Store:
     return store
 
 
+def test_a_manifest_read_from_the_local_tier_does_not_verify_the_stores_copy(tmp_path):
+    """A run page reads a step's manifest from the run's local tier first; cached by id, the lineage of the
+    (durable) store then drew that step verified, and took the cached copy for its newest step, though the
+    store's copies of steps 2 and 4 are damaged (a bit flipped after the copy). The store's copy is read when
+    the store's is asked for: step 4 is left out (found damaged), step 2 drawn from its summary unverified."""
+    from ckpt_store.cli.web.runs import run_doc
+
+    store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 4)
+    store.ls()
+    local = ckpt.Store.init(str(tmp_path / "local"))
+    store.copy_to(local, ["r/step-2", "r/step-3", "r/step-4"])
+    for step in (2, 4):
+        mid = store.resolve(f"r/step-{step}")
+        path = tmp_path / "store" / "objects" / "manifests" / mid[:2] / mid
+        os.chmod(path, 0o644)
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 1
+        path.write_bytes(bytes(raw))
+    view = StoreView(store, local)
+    rows = run_doc(view, "r")["snapshots"]
+    assert [(r["step"], r["tier"], r["available"]) for r in rows] == [
+        (1, "durable", True), (2, "durable + local", True), (3, "durable + local", True), (4, "durable + local", True)]
+    run = next(n for n in lineage(view)["nodes"] if n["kind"] == "run")
+    assert [(s["step"], s["verified"]) for s in run["snapshots"]] == [(1, True), (2, False), (3, True)]  # was all 4, True
+
+
 @pytest.mark.parametrize("few", [0, 100])
 def test_a_damaged_snapshot_the_view_found_is_left_out_however_many_are_read(tmp_path, monkeypatch, few):
     """A run of 8 snapshots, the index summarizing each, step 2's manifest damaged since: past FEW_MANIFESTS
