@@ -153,7 +153,25 @@ class Overview:
     snapshot: bool  # a snapshot manager's (:func:`ckpt.snapshot.run.is_snapshot`)
 
 
-def overviews(store: Store, mids: list[str], checked: set[str] | None) -> dict[str, Overview]:
+class IndexOnce:
+    """The metadata index with its chunk lists as :func:`overviews` reads it, loaded at most once per store for
+    the calls that share this (one web page's): a long run's lineage asked a page of steps at a time past the web
+    view's cache, and each call loaded the whole index again (1,500 steps: 16 loads). What a load holds is held for
+    those calls, not one: the chunk lists of every checkpoint, as each load held them."""
+
+    def __init__(self) -> None:
+        self._loaded: list[tuple[Store, IndexState | None]] = []
+
+    def load(self, store: Store) -> IndexState | None:
+        for s, st in self._loaded:
+            if s is store:
+                return st
+        st = store.index.load(chunks=True) if store.index is not None else None
+        self._loaded.append((store, st))
+        return st
+
+
+def overviews(store: Store, mids: list[str], checked: set[str] | None, index: IndexOnce | None = None) -> dict[str, Overview]:
     """The :class:`Overview` of those of checkpoints ``mids`` whose summary the metadata index holds
     (one read of its chunk lists, not a manifest parsed each: a 10,000-tensor manifest takes ~0.3 s);
     the others (an index off or unsafe, summaries written before these fields, a manifest missing
@@ -162,8 +180,10 @@ def overviews(store: Store, mids: list[str], checked: set[str] | None) -> dict[s
     newest; the manifest's bytes are still checked against its id (a hash, not a parse), once for
     the ids the caller keeps in ``checked`` (those found sound are added). ``checked`` None: only
     that each manifest is stored, in one batch of checks as ``ls`` makes them (:func:`stored`; on S3
-    a listing where that is cheaper), not a read each (a run's thousands of snapshots)."""
-    st = store.index.load(chunks=True) if store.index is not None else None
+    a listing where that is cheaper), not a read each (a run's thousands of snapshots). ``index``: the load
+    to share with other calls (:class:`IndexOnce`; default a load for this call alone). A summary it lacks
+    or drops (not stored, not well formed) is dropped from that load for the calls after too."""
+    st = (index or IndexOnce()).load(store)
     if st is None or st.chunks is None:
         return {}
     out = {}

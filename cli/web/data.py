@@ -90,6 +90,9 @@ class StoreView:
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._manifests: OrderedDict[str, Manifest] = OrderedDict()
+        # Those cached from another store (the local tier) alone: the view's store's copy was not read, and may be
+        # damaged (a run page read the local tier's; the lineage then drew the step verified, a damaged newest drawn)
+        self._elsewhere: set[str] = set()
         self._max_manifests = cache_manifests
         self._diffs: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
         self._max_diffs = cache_diffs
@@ -112,16 +115,18 @@ class StoreView:
 
     # -- caches ---------------------------------------------------------------------
     def manifest(self, mid: str, store: ckpt.Store | None = None) -> Manifest:
-        """Manifest ``mid`` (from ``store``, default the view's): cached by id, which names its bytes in any store."""
+        """Manifest ``mid`` (from ``store``, default the view's): cached by id, which names its bytes in any store;
+        one cached from another store is read from the view's when asked of it (its copy there is what is drawn)."""
+        here = store is None or store is self.store
         with self._lock:
             m = self._manifests.get(mid)
-            if m is not None:
+            if m is not None and not (here and mid in self._elsewhere):
                 self._manifests.move_to_end(mid)
                 return m
         try:
             m = (store or self.store).manifest(mid)
         except (CorruptObjectError, StoreFormatError) as e:
-            if store is None or store is self.store:  # (another tier's copy of it may be sound)
+            if here:  # (another tier's copy of it may be sound)
                 with self._lock:
                     if len(self._damaged) > CACHE_TENSORS // 10:  # ids and errors, ~300 bytes each: bounded
                         self._damaged.clear()
@@ -136,24 +141,34 @@ class StoreView:
             if mid not in self._manifests:
                 self._manifests[mid] = m
                 self._manifest_tensors += len(m.tensors)
+                if not here:
+                    self._elsewhere.add(mid)
+            elif here:
+                self._elsewhere.discard(mid)
             while len(self._manifests) > 1 and (len(self._manifests) > self._max_manifests
                                                 or self._manifest_tensors > self._max_tensors):
-                self._manifest_tensors -= len(self._manifests.popitem(last=False)[1].tensors)
+                gone, old = self._manifests.popitem(last=False)
+                self._manifest_tensors -= len(old.tensors)
+                self._elsewhere.discard(gone)
         return m
 
     def verified(self, mid: str) -> bool:
-        """Whether the view has read manifest ``mid`` and found it to match its id (cached, or checked by the
-        overview page): else what a page shows of it may be the metadata index's summary alone (unverified)."""
+        """Whether the view has read manifest ``mid`` from its store and found it to match its id (cached, or checked
+        by the overview page): else what a page shows of it may be the metadata index's summary alone (unverified);
+        a copy read from another store (a run's local tier) does not tell of the view's."""
         with self._lock:
-            return mid in self._manifests or mid in self._checked
+            return (mid in self._manifests and mid not in self._elsewhere) or mid in self._checked
 
-    def overviews(self, mids: Iterable[str], store: ckpt.Store | None = None, few: int = FEW_MANIFESTS) -> dict[str, Overview]:
+    def overviews(self, mids: Iterable[str], store: ckpt.Store | None = None, few: int = FEW_MANIFESTS,
+                  index: catalog.IndexOnce | None = None) -> dict[str, Overview]:
         """The :class:`~ckpt.store.catalog.Overview` of each of checkpoints ``mids`` (of ``store``, default the
         view's) that is stored and not found damaged (the rule of the module's doc), cached by id as manifests
         are: those not cached from the metadata index where more than ``few``, one load of it and one batch of
         existence checks (a run's 1,500 snapshots: 1,500 manifests read and parsed took 3-11 s), the others from
         their manifests, or the index's summary where a manifest does not read (so that how many were asked does
-        not decide what is trusted); one neither gives is left out, as is one the view has found damaged."""
+        not decide what is trusted); one neither gives is left out, as is one the view has found damaged. ``index``:
+        the load of the index shared by one page's calls (a long run's steps asked a page at a time past the cache
+        were a load each); default one for this call."""
         wanted = list(dict.fromkeys(mids))
         with self._lock:
             out = {mid: self._overviews[mid] for mid in wanted if mid in self._overviews}
@@ -161,7 +176,8 @@ class StoreView:
                 self._overviews.move_to_end(mid)
         missing = [mid for mid in wanted if mid not in out]
         st = store or self.store
-        made = catalog.overviews(st, missing, None) if len(missing) > few else {}
+        index = index or catalog.IndexOnce()
+        made = catalog.overviews(st, missing, None, index) if len(missing) > few else {}
         unread = []
         for mid in missing:
             if mid not in made:
@@ -171,7 +187,7 @@ class StoreView:
                     if mid not in self._damaged:  # (found damaged just now: the index's summary would be dropped)
                         unread.append(mid)
         if unread and len(missing) <= few:
-            made.update(catalog.overviews(st, unread, None))
+            made.update(catalog.overviews(st, unread, None, index))
         with self._lock:
             for mid, o in made.items():
                 if mid not in self._overviews:

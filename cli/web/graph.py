@@ -24,7 +24,7 @@ from typing import Any
 from ckpt.errors import CkptError
 from ckpt.format.manifest import lineage_fields
 from ckpt.snapshot.steps import step_ref
-from ckpt.store.catalog import own_chunks
+from ckpt.store.catalog import IndexOnce, own_chunks
 from ckpt_store.cli.web.data import HISTORY_PAGE, StoreView, stored_bytes
 
 RUN_PREFIX = "run:"
@@ -56,8 +56,10 @@ def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
     # thousands of snapshots are not read one manifest each (1,500: 3-11 s); the other refs' manifests are. A
     # snapshot is drawn where the index summarizes it, unless the view found its manifest damaged (data.py's rule).
     steps = {name: step for name, entry in refs.items() if (step := step_ref(name))}
-    # (whether each is a snapshot only: their chunk sets are the view's cache's, bounded, not pinned here)
-    snapshots = {mid for mid, o in view.overviews(refs[name].target for name in steps).items() if o.snapshot}
+    # (whether each is a snapshot only: their chunk sets are the view's cache's, bounded, not pinned here); one load
+    # of the index for the page, however many steps are asked again past the cache (_run_chunks)
+    index = IndexOnce()
+    snapshots = {mid for mid, o in view.overviews((refs[name].target for name in steps), index=index).items() if o.snapshot}
     for name, entry in refs.items():
         step = steps.get(name)
         if step and entry.target in snapshots:
@@ -137,7 +139,7 @@ def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
                 snaps.pop()
         if latest is None:
             continue
-        run_chunks = _run_chunks(view, [mid for _, _, mid in snaps])
+        run_chunks = _run_chunks(view, [mid for _, _, mid in snaps], index)
         rid = RUN_PREFIX + run
         start, shared = None, 0
         for mid, c in chunks.items():  # the stored model the run began from, if it kept any of its chunks
@@ -158,14 +160,14 @@ def lineage(view: StoreView, max_nodes: int | None = None) -> dict[str, Any]:
     return {"nodes": nodes, "edges": list(edges.values()), "truncated": truncated}
 
 
-def _run_chunks(view: StoreView, mids: list[str]) -> set[str]:
+def _run_chunks(view: StoreView, mids: list[str], index: IndexOnce) -> set[str]:
     """The union of snapshots ``mids``' own chunks, built a page of steps at a time (:data:`HISTORY_PAGE`): a run's
     1,500 sets held at once were as many copies of the chunk ids its steps share (a frozen layer's, the optimizer
     steps'), past the view's cache bound. Cached overviews are reused; evicted ones are read by the view's rule
-    (a load of the index per page, or a few manifests); one that no longer reads adds nothing."""
+    (the page's one load of the index, ``index``, or a few manifests); one that no longer reads adds nothing."""
     union: set[str] = set()
     for at in range(0, len(mids), HISTORY_PAGE):
-        for o in view.overviews(mids[at:at + HISTORY_PAGE]).values():
+        for o in view.overviews(mids[at:at + HISTORY_PAGE], index=index).values():
             union |= o.own
     return union
 

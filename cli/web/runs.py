@@ -8,6 +8,7 @@ from typing import Any
 import ckpt
 from ckpt.errors import CkptError, ObjectNotFoundError, RefNotFoundError
 from ckpt.snapshot.steps import step_of, step_ref
+from ckpt.store import catalog
 from ckpt.store.catalog import own_chunks
 from ckpt_store.cli.web.data import HISTORY_PAGE, StoreView, page, snapshot_metrics, stored_bytes
 
@@ -125,8 +126,9 @@ def run_names(view: StoreView) -> list[str]:
         if m := step_ref(name):
             candidates.setdefault(m[0], []).append((m[1], entry.target))
     found: set[str] = set()
+    index = catalog.IndexOnce()  # one load of the index for both rounds, where either asks it
     for round_ in (lambda c: [max(c)], lambda c: sorted(c)[:-1]):
         asked = {run: [mid for _, mid in round_(c)] for run, c in candidates.items() if run not in found}
-        known = view.overviews(mid for mids in asked.values() for mid in mids)
+        known = view.overviews((mid for mids in asked.values() for mid in mids), index=index)
         found |= {run for run, mids in asked.items() if any(mid in known and known[mid].snapshot for mid in mids)}
     return sorted(found)

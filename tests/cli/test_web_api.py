@@ -860,11 +860,11 @@ def test_the_overview_takes_its_numbers_from_the_index_not_every_manifest(store,
     got = StoreView(store).overview_rows(rows)
     assert not parsed  # was one per row
     real_overviews = catalog.overviews
-    monkeypatch.setattr(catalog, "overviews", lambda st, mids, checked: {
+    monkeypatch.setattr(catalog, "overviews", lambda st, mids, checked, index=None: {
         m: o for m, o in real_overviews(st, mids, checked).items() if m != rows[0]["id"]})
     partly = StoreView(store).overview_rows(rows)
     assert len(parsed) == sum(r["id"] == rows[0]["id"] for r in rows)  # only the one the index left out
-    monkeypatch.setattr(catalog, "overviews", lambda st, mids, checked: {})
+    monkeypatch.setattr(catalog, "overviews", lambda st, mids, checked, index=None: {})
     want = StoreView(store).overview_rows(rows)  # from the manifests, as before
     assert got == partly == want
     assert any(r["run"] == "train/run1" for r in got) and all(r["stored_bytes"] and r["codecs"] for r in got)
