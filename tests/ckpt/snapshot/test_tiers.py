@@ -151,18 +151,19 @@ def _fine_tune(seed):
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
 
 
-def _fine_tuned_with_a_damaged_frozen_chunk(tmp_path):
-    """Steps 1-4 of a fine-tune in the tier (every step; persisted every 2), a byte of the frozen weight's chunk
-    flipped there. A manager of the run (its settings), a fresh state; the chunk's id and length."""
-    kw = dict(local=str(tmp_path / "local"), every_n_steps=2, local_every_n_steps=1)
+def _fine_tuned_with_a_damaged_frozen_chunk(tmp_path, last=4, seed=1, every_n_steps=2):
+    """Steps 1-``last`` of a fine-tune in the tier (every step; persisted every ``every_n_steps``, None: never), a
+    byte of the frozen weight's chunk flipped there. A manager of the run (its settings), a fresh state (of ``seed``:
+    0 is the run's own start); the chunk's id and length."""
+    kw = dict(local=str(tmp_path / "local"), local_every_n_steps=1) | ({"every_n_steps": every_n_steps} if every_n_steps else {})
     model, opt = _fine_tune(0)
     mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
-    _steps(mgr, {"model": model, "optim": opt, "step": 0}, range(1, 5))
+    _steps(mgr, {"model": model, "optim": opt, "step": 0}, range(1, last + 1))
     mgr.close()
     tier = LocalTier(tmp_path / "local", "run")
-    cid, nbytes = _flip_a_byte(tmp_path / "local", tier.store, 4, "model/0.weight")
+    cid, nbytes = _flip_a_byte(tmp_path / "local", tier.store, last, "model/0.weight")
     tier.close()
-    model, opt = _fine_tune(1)
+    model, opt = _fine_tune(seed)
     return ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw), {"model": model, "optim": opt, "step": 0}, cid, nbytes
 
 
@@ -221,17 +222,7 @@ def test_a_restore_that_fails_on_every_snapshot_removes_the_damaged_copies_it_fo
     assembled and restore_latest raises. Before, the damaged copy stayed: the run begun again from scratch (the same
     frozen weight) saved step 1 reusing it, found by hash, and the run's only snapshot could not be read. Now the failed
     restore's damaged copies are removed (no tier holds them whole) with the steps naming them, before the next save."""
-    kw = dict(local=str(tmp_path / "local"), local_every_n_steps=1)
-    model, opt = _fine_tune(0)
-    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
-    _steps(mgr, {"model": model, "optim": opt, "step": 0}, range(1, 4))
-    mgr.close()
-    tier = LocalTier(tmp_path / "local", "run")
-    cid, _ = _flip_a_byte(tmp_path / "local", tier.store, 3, "model/0.weight")
-    tier.close()
-    model, opt = _fine_tune(0)
-    state = {"model": model, "optim": opt, "step": 0}
-    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
+    mgr, state, cid, _ = _fine_tuned_with_a_damaged_frozen_chunk(tmp_path, last=3, seed=0, every_n_steps=None)
     with pytest.warns(ckpt.TierWarning) as said:
         with pytest.raises(ckpt.CkptError):
             mgr.restore_latest(state)
