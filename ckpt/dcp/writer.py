@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckpt.dcp.format import DCP_SOURCE, UnsupportedStateError, encode_metadata, encode_value, shard_name
-from ckpt.errors import CkptError, InvalidSourceError, TensorMismatchError
+from ckpt.errors import CkptError, CorruptObjectError, InvalidSourceError, ObjectNotFoundError, RefNotFoundError, TensorMismatchError
 from ckpt.format.dtypes import byte_view, from_torch, itemsize
 from ckpt.format.entries import BundleEntry, FileEntry, TensorEntry
 from ckpt.format.manifest import Manifest
@@ -226,7 +226,10 @@ class Writer(StorageWriter):
                                             hint="materialize the model first (to_empty() and its initialization, or a load)")
         store = self._holder.store(create=True)
         info = plan.storage_data if isinstance(plan.storage_data, _RankPlan) else _RankPlan(None)
-        base_m = store.manifest(info.base) if info.base else None
+        try:
+            base_m = store.manifest(info.base) if info.base else None
+        except (ObjectNotFoundError, RefNotFoundError, CorruptObjectError):  # this rank's store lacks it (a local tier
+            base_m = None  # that removed damaged copies with their steps): its chunks written whole, as without a base
         paired = pair_tensors(base_m if base_m is not None and base_m.chunk_size == store.settings.chunk_size else None)
         recorded = Recorded.of(store.objects, info.base, base_m)
         # A remote store's readers fetch the small chunks in a request or two (as a push's: docs/format.md, bundles).

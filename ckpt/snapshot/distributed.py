@@ -235,6 +235,12 @@ class DistributedSnapshots(DistributedRestoring):
             hint=f"another rank failed, died or took longer than timeout_s={self.timeout_s:g}; see its log",
         )
 
+    def reuse_nothing(self) -> None:
+        """The next save is no delta against the snapshot last written or restored: this rank's tier may have lost it
+        (a refill removed damaged copies, and the steps naming them). (The coordinator's choice is every rank's: a rank
+        whose tier lacks the base writes its chunks whole, ckpt.dcp.writer.)"""
+        self.last_id = None
+
     def _done(self, step: int, writer: Any, persist_to: SnapshotRun | None = None, saved_id: str | None = None) -> SaveResult:
         """``saved_id``: the checkpoint id dcp.save returned, the coordinator's commit on every rank. (A
         rank that read the ref instead could fail where its view of the store lags, alone, after the

@@ -317,9 +317,10 @@ class LocalSnapshots(LocalRestoring):
                           live.copied_bytes if live is not None else 0)
 
     def reuse_nothing(self) -> None:
-        """The next save reuses no entry of the snapshot last written or restored (writes in full, as after a failed
-        save): the store lost chunks it names (a refill removed damaged copies, and the steps naming them)."""
-        self._last = None
+        """The next save reuses no entry of the snapshot last written or restored and continues from none (writes in
+        full, counted whole for the room): the store may have lost chunks it names (a refill removed damaged copies, and
+        the steps naming them)."""
+        self._last, self._since, self._keys, self._held = None, None, {}, {}
 
     def _write_elsewhere(self, run: SnapshotRun, error: Exception, step: int, staged: dict[str, torch.Tensor],
                          reuse: dict[str, TensorEntry], snapshot: dict[str, Any], live: LiveTensors | None) -> SaveResult:

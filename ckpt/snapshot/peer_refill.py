@@ -94,7 +94,11 @@ def _copy_back(tier: LocalTier, tiers: Tiers, mid: str, ids: set[str], damaged: 
     """:func:`keep_copies` of ``ids`` into ``tier`` from the farther tiers (``damaged``: written over);
     those none gave."""
     farther = [store for name, store in tiers.stores if name != "local"]
-    return keep_copies(tier.store, farther, ids, replace=damaged, named=recorded_chains(_manifest_bytes(tiers, mid)))
+    try:
+        named = recorded_chains(_manifest_bytes(tiers, mid))
+    except MISSES:  # (a failed restore's manifest, unreadable: the chunks are copied whole, deltas too)
+        named = {}
+    return keep_copies(tier.store, farther, ids, replace=damaged, named=named)
 
 
 def keep_copies(local: Store, sources: list[Store], ids: set[str], *, replace: set[str],

@@ -50,8 +50,8 @@ class Restoring(ManagerState):
             chosen_step, mid, tiers = chosen
             try:
                 step = path.restore(state, mid, tiers)
-            except TIER_MISSES:
-                self._refill(chosen_step, mid, tiers, restored=False)
+            except Exception:  # (a failed DCP load is a SnapshotError, not a tier miss)
+                self._mend_after_failure(chosen_step, mid, tiers)
                 raise
             self.last_restore = {"step": step, **tiers.served}
             self._refill(step, mid, tiers)
@@ -201,16 +201,22 @@ class Restoring(ManagerState):
         tiers.damaged |= damaged or set()
         try:
             step = self._path.restore(state, mid, tiers)
-        except TIER_MISSES:
+        except Exception as e:
             if damaged is not None:
                 damaged |= tiers.damaged
-            if last and tiers.damaged:
-                self._refill(None, mid, tiers, restored=False)
+            if last or not isinstance(e, TIER_MISSES):  # (restore_latest tries the next only after a tier miss)
+                self._mend_after_failure(None, mid, tiers)
             raise
         self.last_restore = {"step": step, **tiers.served}
         if peers is not None or tiers.damaged:
             self._refill(step, mid, tiers)
         return step
+
+    def _mend_after_failure(self, step: int | None, mid: str, tiers: Tiers) -> None:
+        """After a restore of ``mid`` failed: the damaged copies it found in the local tier mended (:meth:`_refill`), so
+        that no save reuses one (a run begun again from scratch names the same chunks)."""
+        if tiers.damaged and self._local is not None:
+            self._refill(step, mid, tiers, restored=False)
 
     def _refill(self, step: int | None, mid: str, tiers: Tiers, *, restored: bool = True) -> None:
         """This rank's tier keeps what the restore fetched from peers (a replaced machine's tier refills), and
@@ -236,12 +242,14 @@ class Restoring(ManagerState):
             except Exception as e:  # noqa: BLE001 - the restore stands; the tier is only emptier
                 kept, problem = False, caught(log, "refill", e)
             if problem is not None:
-                reuse_nothing = getattr(self._path, "reuse_nothing", None)  # (a group's saves reuse by presence alone)
-                if reuse_nothing is not None:
-                    reuse_nothing()
-                said = ("damaged copies found by a failed restore" + ("" if step is None else f" of step {step}") + " not all replaced" if not restored
-                        else f"damaged copies found restoring step {step} not all replaced" if peers is None
-                        else f"the chunks of step {step} fetched from peers not kept")
+                self._path.reuse_nothing()  # (the step restored may be among those removed)
+                of = "" if step is None else f" step {step}"
+                if not restored:
+                    said = f"damaged copies found by a failed restore{' of' + of if of else ''} not all replaced"
+                elif peers is None:
+                    said = f"damaged copies found restoring{of} not all replaced"
+                else:
+                    said = f"the chunks of{of} fetched from peers not kept"
                 self._tier_warning(f"local tier: {said} ({problem})")
             elif not kept:
                 self._warn_once(f"local tier: step {step}, restored from peers, is not kept there: training changed the "

@@ -1645,6 +1645,90 @@ def _flip_newest(path, bases=False):
 
 
 
+def tiers_damaged_frozen(rank, world, tmp, store, mode):
+    """A group's fine-tune (a frozen first layer) in local tiers every step, one byte of the frozen weight's chunk
+    flipped in the rank's tier after steps 1-3 (the tests run one rank: two would restore it from each other's replica). ``local_only``: never persisted, so no snapshot can be assembled:
+    restore_latest fails; then the run begun again from scratch saves step 1. ``no_room``: persisted every step, deltas
+    against the previous one, compressed; the restore of step 3 reads the chunk from the durable store, but writing the
+    verified copy over the damaged one fails (ENOSPC), so the refill removes it with the steps naming it, step 3 too;
+    then steps 4 and 5 are saved. Returns what the tier holds, whether it verifies, the TierWarnings, the saves' tiers."""
+    import errno
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+    import ckpt.snapshot.peer_refill as peer_refill
+    from ckpt.snapshot.local_tier import LocalTier
+
+    def model():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+        m[0].weight.requires_grad_(False)
+        return m
+
+    local = os.path.join(tmp, "local")
+    kw = dict(save_mode="sync", local=local, local_every_n_steps=1, process_group=dist.group.WORLD, timeout_s=30)
+    if mode == "no_room":
+        kw.update(every_n_steps=1, delta_vs_previous=True, local_compress=True)
+    m = model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckpt.TierWarning)  # (local only: never persisted, as meant)
+        with ckpt.CheckpointManager(store, "run", **kw) as mgr:
+            for step in (1, 2, 3):
+                with torch.no_grad():
+                    m[1].weight.add_(1)
+                mgr.save(step, {"model": m})
+    path = os.path.join(local, f"rank-{rank}")
+    tier = LocalTier(path, "run")
+    entry = next(t for t in tier.store.manifest("run/step-3").tensors if "0.weight" in t.name)
+    f = os.path.join(path, tier.store.objects.path("chunks", entry.chunks[0]))
+    data = bytearray(open(f, "rb").read())
+    data[-1] ^= 1
+    open(f, "wb").write(bytes(data))
+    tier.close()
+    dist.barrier()
+    out: dict = {}
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        mgr = ckpt.CheckpointManager(store, "run", **kw)
+        if mode == "local_only":
+            try:
+                mgr.restore_latest({"model": model()})
+                out["restored"] = True
+            except ckpt.CkptError as e:
+                out["restored"] = type(e).__name__
+            mgr.wait()
+            out["after"] = mgr.local_tier.steps
+            mgr.save(1, {"model": model()})
+            mgr.wait()
+        else:
+            def full(*args, **kwargs):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            real, peer_refill.keep_copies = peer_refill.keep_copies, full
+            m = model()
+            out["restored"] = mgr.restore_latest({"model": m})
+            mgr.wait()
+            peer_refill.keep_copies = real
+            out["after"] = mgr.local_tier.steps
+            out["saved"] = []
+            for step in (4, 5):
+                with torch.no_grad():
+                    m[1].weight.add_(1)
+                mgr.save(step, {"model": m})
+                mgr.wait()
+                out["saved"].append(mgr.last_save.tier if mgr.last_save else None)
+        out["steps"] = mgr.local_tier.steps
+        mgr.close()
+    out["warnings"] = [str(w.message) for w in said if issubclass(w.category, ckpt.TierWarning)]
+    tier = LocalTier(path, "run")
+    out["verify"] = tier.store.verify().ok
+    tier.close()
+    return out
+
+
 def ranks_disagree(rank, world, tmp, store):
     """Plain (not DTensor) tensors that the ranks save under one name with different sizes or dtypes:
     each save's error (or the checkpoint id) and its seconds. Different names per rank are fine."""
@@ -2171,3 +2255,4 @@ def restore_checks(rank, world, tmp, store):
 
 
 SCENARIOS["restore_checks"] = restore_checks
+SCENARIOS["tiers_damaged_frozen"] = tiers_damaged_frozen

@@ -90,6 +90,27 @@ def test_second_save_dedups_and_deltas(tmp_path):
     assert not _bits_equal(first_back["trained"], state["trained"])
 
 
+def test_a_save_whose_delta_base_this_store_lacks_writes_its_chunks_whole(tmp_path):
+    """A group's rank whose local tier removed the snapshot the coordinator names as the delta base (a refill removed
+    damaged copies with the steps naming them) failed every later save on reading that base's manifest; it writes
+    its chunks whole instead: the save succeeds and loads back bit for bit."""
+    url = str(tmp_path / "s")
+    g = torch.Generator().manual_seed(0)
+    state = {"trained": torch.randn(256, 1024, generator=g)}
+    w = ckpt.dcp.Writer(url, "ft/x")
+    dcp.save(state, storage_writer=w)
+    store = ckpt.Store.open(url)
+    (tmp_path / "s" / store.objects.path("manifests", w.last.id)).unlink()  # the base, gone from this store
+    state["trained"] += 1e-3 * torch.randn(256, 1024, generator=g)
+    dcp.save(state, storage_writer=w)
+    m = store.manifest(w.last.id)
+    assert not any(any(t.delta_bases) for t in m.tensors)  # written whole
+    back = {k: torch.empty_like(v) for k, v in state.items()}
+    dcp.load(back, storage_reader=ckpt.dcp.Reader(url, "ft/x"))
+    assert all(_bits_equal(back[k], v) for k, v in state.items())
+    assert ckpt.Store.open(url).load(w.last.id)["trained"].numpy().tobytes() == state["trained"].numpy().tobytes()
+
+
 def test_a_planner_that_caches_its_plans_is_refused_before_anything_is_written(tmp_path):
     """With DefaultSavePlanner(enable_plan_caching=True) DCP reuses the first save's plan, and with it
     the storage data the writer gave it: later saves were never delta-encoded, their base pinned to

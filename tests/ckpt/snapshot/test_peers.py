@@ -1060,3 +1060,26 @@ def test_a_refill_stopped_early_still_replaces_the_damaged_copies(tmp_path, stop
     chunk_checker(tier.store, tier.store)(w, tier.store.objects.get("chunks", w))  # whole again
     assert tier.steps() == [4, 6] and tier.store.resolve("run/latest") == mid
     assert tier.store.verify().ok
+
+
+def test_a_groups_failed_restore_removes_the_damaged_copies_it_found_before_the_run_saves_again(tmp_path):
+    """A group's run (one rank: two would hold each other's replicas) in local tiers alone, the frozen weight's chunk
+    damaged in its tier: no snapshot can be
+    assembled and restore_latest fails. Before, a failed group restore (a SnapshotError, not a tier miss) mended
+    nothing: the run begun again saved step 1 reusing the damaged copy, found by hash, and its only snapshot could not
+    be read from the tier. Now each rank removes the copies no farther tier holds whole, with the steps naming them."""
+    for r in W.run_ranks("tiers_damaged_frozen", 1, str(tmp_path), store=str(tmp_path / "s"), mode="local_only"):
+        assert "error" not in r, r
+        assert r["restored"] == "SnapshotError" and r["after"] == [] and r["steps"] == [1] and r["verify"], r
+        assert any("damaged copies found by a failed restore" in w for w in r["warnings"]), r["warnings"]
+
+
+def test_a_groups_save_after_a_refill_removed_the_step_restored_is_no_delta_against_it(tmp_path):
+    """Deltas against the previous snapshot, compressed tiers. The restore of step 3 read the frozen weight's chunk from
+    the durable store; writing the verified copy over the damaged one fails (ENOSPC), so the refill removes it with the
+    steps naming it, step 3 too. Before, the group's next saves were deltas against step 3, which the tiers no longer
+    held: every later tier save failed (RefNotFoundError) for the rest of the run. Now they are saved to the tier."""
+    for r in W.run_ranks("tiers_damaged_frozen", 1, str(tmp_path), store=str(tmp_path / "s"), mode="no_room"):
+        assert "error" not in r, r
+        assert r["restored"] == 3 and r["after"] == [], r
+        assert r["saved"] == ["local", "local"] and r["steps"][-2:] == [4, 5] and r["verify"], r

@@ -21,6 +21,7 @@ from integration_util import start_process, state_bits
 from integration_util import wait_process as _wait
 
 import ckpt
+from ckpt.errors import TensorMismatchError
 from ckpt.snapshot.local_tier import LocalTier
 
 SCRIPT = pathlib.Path(__file__).with_name("tiers_script.py")
@@ -236,6 +237,38 @@ def test_a_restore_that_fails_on_every_snapshot_removes_the_damaged_copies_it_fo
     tier = LocalTier(tmp_path / "local", "run")
     assert tier.steps() == [1] and tier.store.verify().ok
     assert cid in {c for t in tier.store.manifest("run/step-1").tensors for c in t.chunks}  # (the same bytes, written again)
+    tensors = tier.store.load("run/step-1")
+    assert all(torch.equal(tensors[f"model/{k}"], v) for k, v in state["model"].state_dict().items())
+    tier.close()
+
+
+def test_a_restore_that_fails_otherwise_after_passing_over_a_damaged_snapshot_removes_its_damaged_copies(tmp_path):
+    """Steps 1-2 saved without the key ``extra``, step 3 with it, in the local tier alone; step 3's frozen weight damaged
+    there. restore_latest passes step 3 over (a tier miss), then step 2 does not fit the state (TensorMismatchError, not
+    a tier miss): before, the damaged copies found were mended only after a tier miss on the last try, so this left
+    them, and the run begun again saved step 1 reusing one. Now any failed restore mends what it found."""
+    kw = dict(local=str(tmp_path / "local"), local_every_n_steps=1)
+    model, opt = _fine_tune(0)
+    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
+    _steps(mgr, {"model": model, "optim": opt, "step": 0}, range(1, 3))
+    _steps(mgr, {"model": model, "optim": opt, "step": 0, "extra": 1}, [3])
+    mgr.close()
+    tier = LocalTier(tmp_path / "local", "run")
+    _flip_a_byte(tmp_path / "local", tier.store, 3, "model/0.weight")
+    tier.close()
+    model, opt = _fine_tune(0)
+    mgr = ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw)
+    with pytest.warns(ckpt.TierWarning) as said:
+        with pytest.raises(TensorMismatchError):
+            mgr.restore_latest({"model": model, "optim": opt, "step": 0, "extra": 0})
+        mgr.wait()
+    assert "damaged copies found by a failed restore not all replaced" in str(said[-1].message)
+    model, opt = _fine_tune(0)  # begun again from scratch
+    state = {"model": model, "optim": opt, "step": 0, "extra": 0}
+    _steps(mgr, state, [1])
+    mgr.close()
+    tier = LocalTier(tmp_path / "local", "run")
+    assert tier.steps() == [1] and tier.store.verify().ok
     tensors = tier.store.load("run/step-1")
     assert all(torch.equal(tensors[f"model/{k}"], v) for k, v in state["model"].state_dict().items())
     tier.close()
