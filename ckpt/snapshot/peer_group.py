@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ckpt.snapshot.tiers import MISSES, describe
+from ckpt.snapshot.tiers import MISSES, caught, describe
 from ckpt_store.storage.errors import CorruptObjectError, ObjectNotFoundError, StorageIOError
 
 if TYPE_CHECKING:
@@ -237,7 +237,7 @@ class Staging:
             try:
                 done(False)
             except Exception as e:  # noqa: BLE001 - a leftover temporary is removed by the tier's next gc
-                log.debug("staged chunk not removed: %s", describe(e))
+                log.debug("staged chunk not removed: %s", caught(log, "peer transfer", e))
         self.ready, self.waiting = [], {}
 
 

@@ -21,7 +21,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from ckpt.snapshot.peer_group import Staging
-from ckpt.snapshot.tiers import Tiers, address, describe
+from ckpt.snapshot.tiers import Tiers, address, caught
 
 if TYPE_CHECKING:
     from ckpt.store.store import Store
@@ -70,9 +70,11 @@ def decode_into_targets(cid: str, blob: memoryview, views: list[memoryview], tie
         # here: in decode_chunk itself it ran on every decode (a pull's fresh buffers: +0.28 CPU-s per GB, one rep)
         populate(first)
         decode_chunk(blob, cid, len(first), max_length=max_length, out=first)
-    except Exception:  # noqa: BLE001 - a bad blob (MISSES) or anything else: this runs in the exchange's sink,
-        return False  # which must not raise (the other ranks would wait out their timeout); the load reads it and
-        # says what is wrong. (The target may hold garbage: not marked filled, the load overwrites it.)
+    except Exception as e:  # noqa: BLE001 - a bad blob (CorruptObjectError): this runs in the exchange's sink, which
+        # must not raise (the other ranks would wait out their timeout); the load reads it and says what is wrong, and
+        # a bug here is logged with its traceback. (The target may hold garbage: not marked filled, the load overwrites it.)
+        log.debug("chunk %s from a peer not decoded into its tensor: %s", cid[:12], caught(log, "peer restore", e))
+        return False
     for v in views[1:]:
         v[:] = first
     tiers.filled.update((cid, address(v), len(v)) for v in views)
@@ -123,11 +125,11 @@ def settle_deltas(local: Store, peer: Store, waiting: dict[str, str | None], tie
         for cid in staging.rejected:  # (the delta itself damaged: dropped, as the log says; the load reads it from the next tier)
             peer.objects.delete("chunks", cid)
     except Exception as e:  # noqa: BLE001 - a full tier, say: the deltas stay in memory, their bases beside them
-        log.info("local tier: deltas fetched from peers kept in memory (%s)", describe(e))
+        log.info("local tier: deltas fetched from peers kept in memory (%s)", caught(log, "peer restore", e))
         try:
             keep_decoded(peer, want)
         except Exception as e2:  # noqa: BLE001 - never out of a collective fetch: the load reads them elsewhere
-            log.info("delta bases not kept in memory either (%s)", describe(e2))
+            log.info("delta bases not kept in memory either (%s)", caught(log, "peer restore", e2))
         return
     settled = local.objects.has_many("chunks", set(waiting))
     tiers.from_peers.update(settled)

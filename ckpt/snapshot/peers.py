@@ -43,7 +43,7 @@ from ckpt.snapshot.peer_group import PeerGroup, Staging, dropped, lacks_base
 from ckpt.snapshot.peer_refill import refill
 from ckpt.snapshot.peer_targets import decode_into_targets, settle_deltas
 from ckpt.snapshot.steps import latest_manifest, left_behind, left_behind_message, snapshot_step
-from ckpt.snapshot.tiers import MISSES, Tiers, describe, out_of_space
+from ckpt.snapshot.tiers import MISSES, Tiers, caught, out_of_space
 from ckpt.transfer.pipeline import BATCH_BYTES, run_parallel
 from ckpt_store.storage.chunk_lists import recorded_chains, referenced_chunks
 from ckpt_store.storage.errors import RefNotFoundError
@@ -87,7 +87,7 @@ class Peers(PeerGroup):
             self.local.store.objects.put_manifest(data)
         except Exception as e:  # noqa: BLE001 - a full tier, say: the step is not recorded here
             self.tier_full = out_of_space(e)
-            return mid, data, f"manifest not kept ({describe(e)})"
+            return mid, data, f"manifest not kept ({caught(log, 'local tier', e)})"
         return mid, data, None
 
     def replicate(self, step: int, mid: str, data_ids: set[str], *, record: bool = True) -> tuple[set[str], int, str | None]:
@@ -121,7 +121,7 @@ class Peers(PeerGroup):
             staging.commit()
         except Exception as e:  # noqa: BLE001 - this tier lacks some of them; a restore reads them elsewhere
             self.tier_full = self.tier_full or out_of_space(e)
-            problems.append(f"chunks from peers not kept ({describe(e)})")
+            problems.append(f"chunks from peers not kept ({caught(log, 'replication', e)})")
         if record:
             try:
                 store.refs_db.set(self.local.ref(step), mid)
@@ -129,7 +129,7 @@ class Peers(PeerGroup):
                 store.objects.backend.flush()
             except Exception as e:  # noqa: BLE001
                 self.tier_full = self.tier_full or out_of_space(e)
-                problems.append(f"step not recorded ({describe(e)})")
+                problems.append(f"step not recorded ({caught(log, 'local tier', e)})")
         return own, sent, "; ".join(problems) or None
 
     def persist(self, step: int, mid: str, data: bytes, own: set[str], durable: Store, latest: str, ref: str) -> str | None:
@@ -142,7 +142,7 @@ class Peers(PeerGroup):
             copy_chunks(self.local.store, durable, own, recode=not self.local.compress, named=recorded_chains(data))
             problem = None
         except Exception as e:  # noqa: BLE001 - every rank learns of it below
-            problem = f"rank {self.rank}: {describe(e)}"
+            problem = f"rank {self.rank}: {caught(log, 'persist', e)}"
         verdicts = self.gather(problem)
         failed = next((v for v in verdicts if v is not None), None)
         if failed is None and self.rank == 0:
@@ -151,7 +151,7 @@ class Peers(PeerGroup):
                 durable.refs_db.set(latest, mid, alias=True)
                 durable.objects.backend.flush()
             except Exception as e:  # noqa: BLE001
-                failed = f"rank 0: {describe(e)}"
+                failed = f"rank 0: {caught(log, 'persist', e)}"
         return self.gather(failed)[0]
 
     # -- restoring ------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class Peers(PeerGroup):
             except RefNotFoundError:
                 view = (None, None, None, None)
             except Exception as e:  # noqa: BLE001 - raised below, on every rank
-                view = describe(e)
+                view = caught(log, "restore", e)
         inventory, made = self.inventory(), {}
         for step, (mid, _) in inventory.items():
             try:
@@ -321,17 +321,18 @@ class Peers(PeerGroup):
                 return
             try:
                 check(cid, blob)
-            except Exception as e:  # noqa: BLE001 - damaged (MISSES), or anything else: the sink must not raise
+            except Exception as e:  # noqa: BLE001 - damaged (MISSES): the sink must not raise; a bug is logged with its traceback
                 if lacks_base(cid, e):  # a delta whose base is not in the tier yet or damaged there (decoded only into a target, in memory)
                     peer.objects.put("chunks", cid, bytes(blob))  # the round's buffer is reused
                     waiting[cid] = parse_header(blob, cid).base
                 else:
-                    dropped(cid, describe(e))
+                    dropped(cid, caught(log, "peer restore", e))
                 return
             try:
                 objects.backend.write(objects.path("chunks", cid), blob)
                 tiers.from_peers.add(cid)
-            except Exception:  # noqa: BLE001 - a full tier: this restore keeps it in memory
+            except Exception as e:  # noqa: BLE001 - a full tier: this restore keeps it in memory
+                log.debug("chunk %s from a peer kept in memory: %s", cid[:12], caught(log, "peer restore", e))
                 peer.objects.put("chunks", cid, bytes(blob))
 
         def keep(blobs: dict[str, memoryview]) -> None:

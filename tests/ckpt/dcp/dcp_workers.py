@@ -26,9 +26,10 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.dist
 
 
 def run_ranks(scenario: str, world: int, tmp: str, *, deadline_s: float = 90, pg_timeout_s: float = 30,
-              stuck: tuple[int, ...] = (), **kw) -> list[dict]:
+              stuck: tuple[int, ...] = (), unexpected: tuple[int, ...] = (), **kw) -> list[dict]:
     """Run ``scenario`` on ``world`` ranks; returns each rank's result (``{"killed": True}`` for one that
-    died). Ranks in ``stuck`` are expected to hang: the others are waited for, then those are killed."""
+    died). Ranks in ``stuck`` are expected to hang: the others are waited for, then those are killed.
+    Ranks in ``unexpected`` are made to catch a bug on purpose: their ``unexpected`` records are returned."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     init = os.path.join(tmp, f"pg-{uuid.uuid4().hex}")
@@ -55,7 +56,7 @@ def run_ranks(scenario: str, world: int, tmp: str, *, deadline_s: float = 90, pg
         with open(path) as f:
             out.append(json.load(f))
         os.unlink(path)
-        assert "unexpected" not in out[-1], f"rank {r} caught and logged an unexpected error: {out[-1]['unexpected']}"
+        assert "unexpected" not in out[-1] or r in unexpected, f"rank {r} caught and logged an unexpected error: {out[-1]['unexpected']}"
     return out
 
 
@@ -678,6 +679,22 @@ def _garble_first_sends(peers, out, only=None) -> Callable[[], None]:
     return lambda: setattr(peers, "_read_into", real)
 
 
+def _bug_in_checks(store: str) -> Callable[[], None]:
+    """Make the checks of ckpt.store.copy (a peer transfer's, before a chunk enters a tier) raise a TypeError
+    (a bug) on each chunk the durable store ``store`` holds too (there the load still finds it). Returns what
+    puts the real decode back."""
+    import ckpt
+    import ckpt.store.copy as copy_module
+
+    durable, real = ckpt.Store.open(store), copy_module.decode_chunk
+
+    def broken(blob, oid, *a, **k):
+        return len(blob) + None if durable.objects.has("chunks", oid) else real(blob, oid, *a, **k)
+
+    copy_module.decode_chunk = broken
+    return lambda: setattr(copy_module, "decode_chunk", real)
+
+
 def _kill_after_fetch(peers) -> None:
     """SIGKILL this process once ``peers`` (its :class:`~ckpt.snapshot.peers.Peers`) has fetched a
     restore's chunks from peers, before the load reads them."""
@@ -746,7 +763,7 @@ def _record_fetches(peers, out) -> Callable[[], None]:
 
 def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None, big=False, count=False, garble=None,
                  kill_refill=False, delta=False, change=False, garble_only=None, kill_fetch=False,
-                 lose=None, flip_bases=False, logs=False, room=None):
+                 lose=None, flip_bases=False, logs=False, room=None, bug=None):
     """:func:`ddp_resume` with local tiers: local snapshots every 2 steps, replicated to 1 peer
     rank, persisted every 4. ``resume`` first wipes the local tiers of the ranks in ``wipe`` (a
     replaced machine) and, on rank ``flip``, flips a byte of every chunk its tier holds of the
@@ -774,7 +791,8 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
     ``logs``: a wiped rank reports what its restore logged and held in memory (:func:`_record_fetches`).
     ``room``: a wiped rank fills the medium of its tier (a small tmpfs, say) but ``room`` bytes before it
     restores; ``out["extra_at"]``: the ``delta`` tensors' bits at step ``at`` (``full``) or right after the
-    restore."""
+    restore. ``bug``: on that rank, the restore's checks of the chunks from peers raise a TypeError (a bug) on
+    those the durable store holds too (:func:`_bug_in_checks`; put right before the refill)."""
     import shutil
     import warnings
 
@@ -816,7 +834,7 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
         reads = count_chunk_reads(mgr._local.store.objects.backend) if count else None
         writes = count_chunk_writes(mgr._local.store) if count else None
         gate = threading.Event()
-        if count or change or delta or lose:  # the refill (queued on the save thread) waits until the restore is counted
+        if count or change or delta or lose or bug is not None:  # the refill (queued on the save thread) waits until the restore is counted
             mgr._pool.submit(gate.wait, 60)
         checks = _count_checks() if delta and rank in wipe else None
         undo = _garble_first_sends(mgr._group_path.peers, out, garble_only) if rank == garble else None
@@ -827,7 +845,10 @@ def tiers_resume(rank, world, tmp, store, mode, steps, at=0, wipe=(), flip=None,
         if kill_fetch and rank in wipe:
             _kill_after_fetch(mgr._group_path.peers)
         stop_recording = _record_fetches(mgr._group_path.peers, out) if logs and rank in wipe else None
+        unbug = _bug_in_checks(store) if rank == bug else None
         start = mgr.restore_latest(state)
+        if unbug is not None:
+            unbug()
         if stop_recording is not None:
             stop_recording()
         if checks is not None:

@@ -120,13 +120,18 @@ def test_a_replaced_machine_decodes_chunks_from_its_replica_straight_into_its_te
     assert resumed[1]["local_steps"][-1] >= k
 
 
-def test_a_bad_chunk_from_a_peer_is_not_taken_as_decoded_and_the_load_reads_it_from_the_next_tier(tmp_path):
+@pytest.mark.parametrize("fault", ["damaged", "bug"])
+def test_a_bad_chunk_from_a_peer_is_not_taken_as_decoded_and_the_load_reads_it_from_the_next_tier(
+        tmp_path, monkeypatch, unexpected_errors, fault):
     """A wiped rank's peer restore (ckpt/snapshot/peer_targets.py): each chunk received is decoded
     straight into its region of the target tensor and the load skips that region. A blob with one
     byte flipped must not count as decoded: the load reads that chunk from the durable store (one
-    read), the others it serves with no read, as the peers'; the tensor comes out bit-exact."""
+    read), the others it serves with no read, as the peers'; the tensor comes out bit-exact.
+    ``bug``: the decode of that chunk raises a TypeError instead (a bug; the decode runs in the transfer's
+    sink, which catches every error): the same, and the bug is logged with its traceback (it was silent)."""
     import torch
 
+    import ckpt.codecs.chunk as chunk_codec
     from ckpt.progress import NullProgress
     from ckpt.snapshot.peer_targets import decode_into_targets
     from ckpt.snapshot.tiers import Tiers
@@ -147,7 +152,7 @@ def test_a_bad_chunk_from_a_peer_is_not_taken_as_decoded_and_the_load_reads_it_f
         tasks = into_tasks(settings.chunk_size, [(entry, got)])
         for t in tasks:  # what Peers.fetch does with each chunk received from the replica
             blob = bytearray(durable.objects.get("chunks", t.id))
-            if t.id == bad:
+            if t.id == bad and fault == "damaged":
                 blob[len(blob) // 2] ^= 0xFF
             decode_into_targets(t.id, memoryview(blob), [t.into], tiers, settings.max_chunk_size)
         reads[0] = 0
@@ -159,11 +164,23 @@ def test_a_bad_chunk_from_a_peer_is_not_taken_as_decoded_and_the_load_reads_it_f
     assert reads[0] == 0 and tiers.served == {"local": 0, "peer": want.nbytes, "store": 0}
 
     bad = entry.chunks[1]
+    if fault == "bug":
+        decode = chunk_codec.decode_chunk
+
+        def broken(blob, oid, *args, **kw):
+            return decode(blob, oid, *args, **kw) if oid != bad else len(blob) + None  # (TypeError)
+
+        monkeypatch.setattr(chunk_codec, "decode_chunk", broken)
     got, tiers = restore(bad)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert {f[0] for f in tiers.filled} == set(entry.chunks) - {bad}
     n = want.nbytes // 4
     assert reads[0] == 1 and tiers.served == {"local": 0, "peer": want.nbytes - n, "store": n}
+    if fault == "bug":
+        [record] = unexpected_errors.records
+        assert record.levelname == "WARNING" and record.exc_info[0] is TypeError
+        assert "in broken" in unexpected_errors.format(record)  # the traceback, to the line that failed
+        unexpected_errors.records.clear()  # (caused on purpose)
 
 
 def test_a_refill_from_tensors_training_changed_names_no_chunk_by_the_bytes_restored(tmp_path):
@@ -557,6 +574,24 @@ def test_damaged_local_chunks_come_from_a_peer_and_lost_replicas_fall_back_to_th
     _same_run(full, resumed, 4, n)
     for r in resumed:
         assert r["restore"]["step"] == 4 and r["restore"]["store"] > 0 and r["restore"]["local"] == 0
+
+
+def test_a_bug_in_the_check_of_chunks_from_a_peer_is_logged_with_its_traceback_and_the_restore_stands(tmp_path):
+    """Rank 0's damaged chunks come from rank 1's copies, each checked as it arrives, in the transfer's sink, which
+    catches every error (the peers go on sending). A TypeError there (a bug) was the one line of a 'chunk dropped'
+    warning, its traceback lost: now it is logged with its traceback too (on any other rank, the test would fail),
+    and the chunk, dropped, is read from the durable store: the run is bit-identical."""
+    n, k = 8, 6
+    full = W.run_ranks("tiers_resume", 2, str(tmp_path), store=str(tmp_path / "unused"), mode="full", steps=n)
+    url = _crash(tmp_path / "a", 2, n, k)
+    resumed = W.run_ranks("tiers_resume", 2, str(tmp_path / "a"), store=url, mode="resume", steps=n, at=k, flip=0, bug=0,
+                          unexpected=(0,))
+    _same_run(full, resumed, k, n)
+    r0 = resumed[0]["restore"]
+    assert resumed[0]["flipped"] > 0 and r0["step"] == k and r0["local"] == 0 and r0["store"] > 0
+    said = resumed[0].get("unexpected", [])
+    assert said and all("peer restore: unexpected TypeError" in s and "in broken" in s for s in said), said
+    assert "unexpected" not in resumed[1]
 
 
 def test_a_group_taken_back_to_an_earlier_snapshot_restarts_on_its_new_timeline(tmp_path):
