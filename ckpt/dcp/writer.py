@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckpt.dcp.format import DCP_SOURCE, UnsupportedStateError, encode_metadata, encode_value, shard_name
-from ckpt.errors import CkptError, CorruptObjectError, InvalidSourceError, ObjectNotFoundError, RefNotFoundError, TensorMismatchError
+from ckpt.errors import CkptError, InvalidSourceError, TensorMismatchError
 from ckpt.format.dtypes import byte_view, from_torch, itemsize
 from ckpt.format.entries import BundleEntry, FileEntry, TensorEntry
 from ckpt.format.manifest import Manifest
@@ -213,6 +213,11 @@ class Writer(StorageWriter):
         self._lineage = {"parent": parent, "base": base, "merge": None}
         return [dataclasses.replace(p, storage_data=_RankPlan(base)) for p in plans]
 
+    def _base_manifest(self, store: Store, base: str) -> Manifest | None:
+        """The manifest of the delta base the coordinator chose (``base``, an id), from this rank's ``store``: a
+        base missing or damaged there refuses the save (as a push refuses one)."""
+        return store.manifest(base)
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if getattr(planner, "_enable_plan_caching", False):
             # A cached plan is the first save's, with the storage data this writer gave it then: every
@@ -226,10 +231,7 @@ class Writer(StorageWriter):
                                             hint="materialize the model first (to_empty() and its initialization, or a load)")
         store = self._holder.store(create=True)
         info = plan.storage_data if isinstance(plan.storage_data, _RankPlan) else _RankPlan(None)
-        try:
-            base_m = store.manifest(info.base) if info.base else None
-        except (ObjectNotFoundError, RefNotFoundError, CorruptObjectError):  # this rank's store lacks it (a local tier
-            base_m = None  # that removed damaged copies with their steps): its chunks written whole, as without a base
+        base_m = self._base_manifest(store, info.base) if info.base else None
         paired = pair_tensors(base_m if base_m is not None and base_m.chunk_size == store.settings.chunk_size else None)
         recorded = Recorded.of(store.objects, info.base, base_m)
         # A remote store's readers fetch the small chunks in a request or two (as a push's: docs/format.md, bundles).

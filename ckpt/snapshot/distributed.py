@@ -236,9 +236,10 @@ class DistributedSnapshots(DistributedRestoring):
         )
 
     def reuse_nothing(self) -> None:
-        """The next save is no delta against the snapshot last written or restored: this rank's tier may have lost it
-        (a refill removed damaged copies, and the steps naming them). (The coordinator's choice is every rank's: a rank
-        whose tier lacks the base writes its chunks whole, ckpt.dcp.writer.)"""
+        """This rank names no delta base for the next save: its tier may have lost the snapshot last written or
+        restored (a refill removed damaged copies, and the steps naming them). The coordinator's choice is every
+        rank's: where the coordinator still names it, a rank whose tier lacks it writes its chunks whole
+        (:class:`~ckpt.snapshot.peers.TierWriter`), the others deltas as usual."""
         self.last_id = None
 
     def _done(self, step: int, writer: Any, persist_to: SnapshotRun | None = None, saved_id: str | None = None) -> SaveResult:

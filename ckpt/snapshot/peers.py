@@ -46,7 +46,7 @@ from ckpt.snapshot.steps import latest_manifest, left_behind, left_behind_messag
 from ckpt.snapshot.tiers import MISSES, Tiers, caught, out_of_space
 from ckpt.transfer.pipeline import BATCH_BYTES, run_parallel
 from ckpt_store.storage.chunk_lists import recorded_chains, referenced_chunks
-from ckpt_store.storage.errors import RefNotFoundError
+from ckpt_store.storage.errors import ObjectNotFoundError, RefNotFoundError
 
 if TYPE_CHECKING:
     from ckpt.format.manifest import Manifest
@@ -61,6 +61,14 @@ class TierWriter(Writer):
     is in that store (they are spread over the ranks) and sets no ref: the manager publishes it."""
 
     published: tuple[str, bytes] | None = None
+
+    def _base_manifest(self, store: Store, base: str) -> Manifest | None:
+        """A base this rank's tier lacks (a refill removed damaged copies with the steps naming them, the base too,
+        on this rank alone: the coordinator's tier kept it) is no base here: this rank's chunks are written whole."""
+        try:
+            return store.manifest(base)
+        except ObjectNotFoundError:
+            return None
 
     def _publish(self, store: Store, manifest: Manifest) -> str:
         data = manifest.to_json()

@@ -215,7 +215,7 @@ class Restoring(ManagerState):
     def _mend_after_failure(self, step: int | None, mid: str, tiers: Tiers) -> None:
         """After a restore of ``mid`` failed: the damaged copies it found in the local tier mended (:meth:`_refill`), so
         that no save reuses one (a run begun again from scratch names the same chunks)."""
-        if tiers.damaged and self._local is not None:
+        if tiers.damaged and self._local is not None and not self._closed:  # (closed meanwhile: no save thread)
             self._refill(step, mid, tiers, restored=False)
 
     def _refill(self, step: int | None, mid: str, tiers: Tiers, *, restored: bool = True) -> None:

@@ -129,6 +129,11 @@ class SnapshotPath(Protocol):
         to read it from, nearest first; the path adds the bytes each served to ``tiers.served``."""
         ...
 
+    def reuse_nothing(self) -> None:
+        """The next save reuses nothing of (is no delta against) the snapshot last written or restored: this path's
+        store may have lost it (a refill removed damaged copies, and the steps naming them)."""
+        ...
+
     def close(self) -> None:
         """Release what the path holds (hooks, streams)."""
         ...

@@ -1750,6 +1750,96 @@ def tiers_damaged_frozen(rank, world, tmp, store, mode):
     return out
 
 
+def tiers_rank_lost_base(rank, world, tmp, store):
+    """Two ranks, deltas against the previous snapshot, compressed tiers, persisted every step; each rank's own layer
+    (PerRank) besides a shared model. After steps 1-3 a byte of one of rank 1's own chunks of step 3 flips in its tier;
+    the restore of step 3 reads it from the durable store, and rank 1's refill cannot write the verified copy over it
+    (ENOSPC): it removes the chunk with the steps naming it, step 3 too, on rank 1 alone. Rank 0 still names step 3 as
+    the next save's delta base. Saves 4 and 5 follow, then a fresh state restores the latest. Returns the steps each
+    tier holds, where each save went, and whether the restored state is the saved one, bit for bit."""
+    import errno
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+    import ckpt.snapshot.peer_refill as peer_refill
+    from ckpt.snapshot.local_tier import LocalTier
+    from ckpt.snapshot.state import PerRank
+
+    def fresh(seed=0):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+        mine = torch.nn.Linear(256, 256)
+        with torch.no_grad():
+            mine.weight.fill_(rank + 1.0)
+        return m, mine
+
+    def train(m, mine):
+        with torch.no_grad():
+            m[0].weight.add_(1)
+            mine.weight.add_(1)
+
+    def bits(m, mine):
+        import hashlib
+
+        return {k: hashlib.sha256(v.numpy().tobytes()).hexdigest()
+                for k, v in {**m.state_dict(), **{f"mine.{k}": v for k, v in mine.state_dict().items()}}.items()}
+
+    local = os.path.join(tmp, "local")
+    kw = dict(save_mode="sync", local=local, local_every_n_steps=1, every_n_steps=1, delta_vs_previous=True,
+              local_compress=True, process_group=dist.group.WORLD, timeout_s=30)
+    m, mine = fresh()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckpt.TierWarning)
+        with ckpt.CheckpointManager(store, "run", **kw) as mgr:
+            for step in (1, 2, 3):
+                train(m, mine)
+                mgr.save(step, {"model": m, "mine": PerRank(mine)})
+    path = os.path.join(local, f"rank-{rank}")
+    if rank == 1:
+        tier = LocalTier(path, "run")
+        held = [c for t in tier.store.manifest("run/step-3").tensors if "rank-1" in t.name and "weight" in t.name
+                for c in t.chunks if tier.store.objects.has("chunks", c)]
+        f = os.path.join(path, tier.store.objects.path("chunks", held[0]))
+        data = bytearray(open(f, "rb").read())
+        data[-1] ^= 1
+        open(f, "wb").write(bytes(data))
+        tier.close()
+    dist.barrier()
+    out: dict = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckpt.TierWarning)
+        mgr = ckpt.CheckpointManager(store, "run", **kw)
+        real = peer_refill.keep_copies
+        if rank == 1:
+            def full(*args, **kwargs):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            peer_refill.keep_copies = full
+        m, mine = fresh(1)
+        out["restored"] = mgr.restore_latest({"model": m, "mine": PerRank(mine)})
+        mgr.wait()
+        peer_refill.keep_copies = real
+        out["after"] = mgr.local_tier.steps
+        out["saved"] = []
+        for step in (4, 5):
+            train(m, mine)
+            mgr.save(step, {"model": m, "mine": PerRank(mine)})
+            mgr.wait()
+            out["saved"].append(mgr.last_save.tier if mgr.last_save else None)
+        want = bits(m, mine)
+        out["steps"] = mgr.local_tier.steps
+        mgr.close()
+        mgr = ckpt.CheckpointManager(store, "run", **kw)
+        m, mine = fresh(2)
+        out["latest"] = mgr.restore_latest({"model": m, "mine": PerRank(mine)})
+        out["same"] = bits(m, mine) == want
+        mgr.close()
+    return out
+
+
 def ranks_disagree(rank, world, tmp, store):
     """Plain (not DTensor) tensors that the ranks save under one name with different sizes or dtypes:
     each save's error (or the checkpoint id) and its seconds. Different names per rank are fine."""
@@ -2277,3 +2367,4 @@ def restore_checks(rank, world, tmp, store):
 
 SCENARIOS["restore_checks"] = restore_checks
 SCENARIOS["tiers_damaged_frozen"] = tiers_damaged_frozen
+SCENARIOS["tiers_rank_lost_base"] = tiers_rank_lost_base

@@ -1118,3 +1118,15 @@ def test_a_groups_save_after_a_refill_removed_the_step_restored_is_no_delta_agai
         assert "error" not in r, r
         assert r["restored"] == 3 and r["after"] == [], r
         assert r["saved"] == ["local", "local"] and r["steps"][-2:] == [4, 5] and r["verify"], r
+
+
+def test_a_rank_whose_refill_removed_the_delta_base_writes_its_chunks_whole(tmp_path):
+    """Rank 1's refill removed step 3 from its tier (a damaged copy it could not write over), rank 0's tier kept it, and
+    the coordinator names step 3 as the next saves' delta base. Rank 1 cannot read that base: it writes its chunks whole
+    (before its save failed: 'refused', each later tier save too), and the run's state restores bit for bit."""
+    out = W.run_ranks("tiers_rank_lost_base", 2, str(tmp_path), store=str(tmp_path / "s"))
+    assert all("error" not in r for r in out), out
+    r0, r1 = out
+    assert r0["restored"] == r1["restored"] == 3 and 3 in r0["after"] and 3 not in r1["after"], out
+    assert r0["saved"] == r1["saved"] == ["local", "local"], out
+    assert r0["latest"] == r1["latest"] == 5 and r0["same"] and r1["same"], out
