@@ -1666,6 +1666,14 @@ def _flip_newest(path, bases=False):
 
 
 
+def _flip_chunk(path, store, cid):
+    """Flip the last byte of chunk ``cid`` in the store at ``path`` (a rank's tier)."""
+    f = os.path.join(path, store.objects.path("chunks", cid))
+    data = bytearray(open(f, "rb").read())
+    data[-1] ^= 1
+    open(f, "wb").write(bytes(data))
+
+
 def tiers_damaged_frozen(rank, world, tmp, store, mode):
     """A group's fine-tune (a frozen first layer) in local tiers every step, one byte of the frozen weight's chunk
     flipped in the rank's tier after steps 1-3 (the tests run one rank: two would restore it from each other's replica). ``local_only``: never persisted, so no snapshot can be assembled:
@@ -1704,10 +1712,7 @@ def tiers_damaged_frozen(rank, world, tmp, store, mode):
     path = os.path.join(local, f"rank-{rank}")
     tier = LocalTier(path, "run")
     entry = next(t for t in tier.store.manifest("run/step-3").tensors if "0.weight" in t.name)
-    f = os.path.join(path, tier.store.objects.path("chunks", entry.chunks[0]))
-    data = bytearray(open(f, "rb").read())
-    data[-1] ^= 1
-    open(f, "wb").write(bytes(data))
+    _flip_chunk(path, tier.store, entry.chunks[0])
     tier.close()
     dist.barrier()
     out: dict = {}
@@ -1802,10 +1807,7 @@ def tiers_rank_lost_base(rank, world, tmp, store):
         tier = LocalTier(path, "run")
         held = [c for t in tier.store.manifest("run/step-3").tensors if "rank-1" in t.name and "weight" in t.name
                 for c in t.chunks if tier.store.objects.has("chunks", c)]
-        f = os.path.join(path, tier.store.objects.path("chunks", held[0]))
-        data = bytearray(open(f, "rb").read())
-        data[-1] ^= 1
-        open(f, "wb").write(bytes(data))
+        _flip_chunk(path, tier.store, held[0])
         tier.close()
     dist.barrier()
     out: dict = {}
