@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from ckpt.snapshot.peer_group import Staging
 from ckpt.snapshot.peer_targets import keep_decoded
-from ckpt.snapshot.tiers import MISSES, Tiers, caught, describe
+from ckpt.snapshot.tiers import MISSES, Tiers, caught, describe, expected
 from ckpt_store.storage.chunk_lists import recorded_chains
 
 if TYPE_CHECKING:
@@ -147,7 +147,9 @@ def mend(tier: LocalTier, tiers: Tiers, mid: str, damaged: set[str], lacking: se
     try:
         damaged = _copy_back(tier, tiers, mid, lacking | damaged, damaged) & damaged
     except Exception as e:  # noqa: BLE001 - a full tier, say: none is known whole
-        log.warning("refill: chunks not copied back to the tier (%s)", caught(log, "refill", e))
+        why = caught(log, "refill: chunks not copied back to the tier", e)
+        if expected(e):  # (a bug was logged just now, with its traceback)
+            log.warning("refill: chunks not copied back to the tier (%s)", why)
         if lacking:  # (what it lacked may be what filled it: the damaged alone again, which take no more room)
             return mend(tier, tiers, mid, damaged)
     damaged = _still_damaged(tier, damaged)

@@ -211,11 +211,16 @@ def caught(logger: logging.Logger, where: str, e: BaseException) -> str:
     """:func:`describe` of ``e``, caught where a failure must never fail a training step (a refill beside it):
     one of ours (:class:`CkptError`) or the medium's (``OSError``) is said in that one line; any other type is
     a bug, logged at WARNING with its traceback too (the record's ``unexpected`` set: the tests fail on it)."""
-    from ckpt_store.storage.errors import CkptError
-
-    if not isinstance(e, (CkptError, OSError)):
+    if not expected(e):
         logger.warning("%s: unexpected %s", where, describe(e), exc_info=e, extra={"unexpected": True})
     return describe(e)
+
+
+def expected(e: BaseException) -> bool:
+    """Whether ``e`` is a failure a tier meets (ours, :class:`CkptError`, or the medium's, ``OSError``), not a bug."""
+    from ckpt_store.storage.errors import CkptError
+
+    return isinstance(e, (CkptError, OSError))
 
 
 __all__ = ["MISSES", "TIERS", "Tiers"]
