@@ -190,7 +190,7 @@ class ChunkBlobCache:
         meanwhile, say; else 0 unlooked: see :meth:`put`), or None where a folder holding files is in its
         place (not the cache's to delete)."""
         folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
+        self._make_folders(folder)
         if not self._in_own_dirs(path):
             if not os.path.isdir(folder):
                 raise FileNotFoundError(errno.ENOENT, "removed while the entry was written", folder)
@@ -225,6 +225,28 @@ class ChunkBlobCache:
             remove(tmp)
             raise
         return replaced
+
+    def _make_folders(self, folder: str) -> None:
+        """Make the fan-out dir ``folder`` of an entry, and its store dir where that is missing, never
+        through a link: a store dir that is a link (to a folder elsewhere) is not followed to make the
+        fan-out dir there (``os.makedirs`` did). A folder removed meanwhile (``ckpt cache clear``) raises
+        FileNotFoundError: :meth:`_write_retrying` tries again."""
+        if os.path.islink(self.dir):
+            raise OSError(f"{self.dir} is a link, not a folder of this cache")
+        try:
+            os.mkdir(folder)
+            return
+        except FileExistsError:
+            return  # (a link in its place: the caller's check)
+        except FileNotFoundError:
+            pass  # no store dir (yet, or cleared meanwhile)
+        os.makedirs(self.root, exist_ok=True)
+        for d in (self.dir, folder):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                if os.path.islink(d):
+                    raise OSError(f"{d} is a link, not a folder of this cache") from None
 
     def _write_retrying(self, path: str, parts: tuple[bytes | bytearray | memoryview, ...], replace: bool) -> int | None:
         for _ in range(2):

@@ -149,8 +149,9 @@ def test_a_folder_of_the_cache_that_is_a_link_leads_nowhere_outside_it(tmp_path,
     """A cache folder whose store dir (or fan-out dir) is a link to a folder elsewhere, holding files
     named like entries (another store's chunks, say): a read found such a file "damaged" (no
     trailer) and deleted it, and a put wrote entries there (and removed an empty folder named like an
-    entry). Now neither deletes nor writes through a link; the reads are misses and the files and
-    folders stay as they were."""
+    entry); through a linked store dir a put still made its fan-out folder there (``elsewhere/cc``).
+    Now neither deletes nor writes through a link; the reads are misses and the files and folders
+    stay as they were, and none is added."""
     root, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
     precious = {A: os.urandom(3000), B: b"not a cache entry at all"}
     for oid, data in precious.items():
@@ -168,6 +169,7 @@ def test_a_folder_of_the_cache_that_is_a_link_leads_nowhere_outside_it(tmp_path,
         for oid in (*precious, D):
             (root / S / oid[:2]).symlink_to(elsewhere)
     c = ChunkBlobCache(str(root), S, 1 << 20)
+    tree = sorted(str(p.relative_to(elsewhere)) for p in elsewhere.rglob("*"))
 
     def place(head, size):
         return memoryview(bytearray(size - len(head)))
@@ -177,7 +179,7 @@ def test_a_folder_of_the_cache_that_is_a_link_leads_nowhere_outside_it(tmp_path,
     c.put(C, (b"c" * 100,))
     c.put(B, (b"b" * 100,), replace=True)
     c.put(D, (b"d" * 100,))
-    assert hollow.is_dir()
+    assert hollow.is_dir() and sorted(str(p.relative_to(elsewhere)) for p in elsewhere.rglob("*")) == tree
     files = {str(p.relative_to(elsewhere)): p.read_bytes() for p in elsewhere.rglob("*") if p.is_file()}
     assert files == {str(p.relative_to(elsewhere)): d for p, d in
                      ((elsewhere / (o[:2] if linked == "store dir" else "") / o, d) for o, d in precious.items())}
