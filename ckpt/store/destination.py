@@ -205,7 +205,10 @@ def dir_targets(store: Store, dest: str, paths: Sequence[str], overwrite: bool) 
 def _placed(d: str) -> list[str]:
     """What folder ``d`` holds besides pulls' temporaries (a folder of nothing else is as empty as they
     are): a pull into an empty folder is checked again with its own temporaries there, and maybe
-    another's, whose files are not in place, and are swept if it was killed."""
+    another's, whose files are not in place. A stale one of another name (a killed pull's) counts as
+    empty too, and loses nothing: a pull without ``overwrite`` takes only names nothing holds (a link
+    that fails where one does, :func:`ckpt.store.placing.replace_all`) and sweeps only temporaries of
+    its own names (:func:`sweep_left`); that one stays until a pull of its name sweeps it."""
     found = []
     try:
         entries = list(os.scandir(d))

@@ -828,6 +828,31 @@ def test_a_temporary_a_live_pull_holds_is_never_swept(tmp_path):
     assert (tmp_path / "elsewhere").read_text() == "not a temporary"
 
 
+def test_a_folder_of_another_names_stale_temporaries_is_empty_and_keeps_them(store, model_dir, tmp_path):
+    """A folder holding only what killed pulls of other names left (a file's temporary, a directory
+    checkpoint's folder) counts as empty (``_placed`` skips every temporary name): a pull without --force
+    writes the checkpoint there, and loses nothing. It takes only names nothing holds and sweeps only
+    its own names' temporaries: the others' stay as they were, for a pull of their names to sweep."""
+    from ckpt.store.destination import temp_name
+
+    store.push(model_dir, "two")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    other = Path(temp_name(str(dest / "other.safetensors")))
+    other.write_bytes(b"half of another model")
+    folder = Path(temp_name(str(dest / "sub")))
+    (folder / "x").mkdir(parents=True)
+    (folder / "x" / "y.json").write_text("another pull's")
+    for p in (other, folder):
+        _age(p, 3600)
+    before = _tree(dest)
+    assert len(before) == 2
+    store.pull("two", dest)
+    after = _tree(dest)
+    assert {k: v for k, v in after.items() if k in before} == before
+    assert {k: v for k, v in after.items() if k not in before} == _tree(model_dir)
+
+
 @pytest.mark.parametrize("skew", [7200, -7200])
 def test_a_temporary_is_judged_young_or_old_by_its_folders_clock(tmp_path, monkeypatch, skew):
     """A temporary is protected for a few seconds after its creation, before its pull locks it.
