@@ -110,7 +110,7 @@ class CkptCallback(TrainerCallback):
         ``gradient_accumulation_steps`` (the Trainer would resume at another place in the data:
         it counts steps in batches of today's size and accumulation; ``train`` refuses in the same
         way a dataset of another number of batches; with ``ignore_data_skip=True`` the Trainer skips nothing
-        and both may change), or ``dest`` holds files that resume_dir did not write; and
+        and both may change), or ``dest`` holds files that resume_dir did not write (or a symbolic link); and
         :class:`ckpt.errors.DestinationError` if it lies inside a store (as a pull there is refused).
         """
         self._trainer = trainer
@@ -132,6 +132,13 @@ class CkptCallback(TrainerCallback):
             # would unpickle an optimizer.pt or rng_state.pth it finds (the latter over our RNG state).
             raise SnapshotError(f"{out} holds files that resume_dir did not write",
                                 hint="pass resume_dir(trainer, dest=...) an empty or new directory")
+        # Its files are written in place (open(), save_pretrained): a link at one of their names would have
+        # the file it leads to, someone's, overwritten. None is resume_dir's: it makes only files.
+        links = sorted(n for n in os.listdir(out) if os.path.islink(os.path.join(out, n))) if os.path.isdir(out) else []
+        if links:
+            raise SnapshotError(f"{out} holds a symbolic link ({links[0]}); resume_dir writes its own files there, "
+                                "never through a link", hint="remove the link (what it leads to stays), or pass "
+                                                             "resume_dir(trainer, dest=...) a new directory")
         values: dict[str, Any] = {"trainer_state": None, "data": None}
         try:  # the TrainerState and the data position as JSON, checked before the model is touched
             self.manager.restore(values, step)

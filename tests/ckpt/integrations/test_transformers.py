@@ -411,6 +411,30 @@ def test_resume_dir_into_a_folder_of_other_files_is_refused(script, tmp_path):
     cb.close()
 
 
+def test_resume_dir_never_writes_through_a_link_in_its_own_folder(script, tmp_path):
+    """A folder resume_dir wrote is reused, and its files were written with open() and save_pretrained:
+    a symbolic link at one of their names (trainer_state.json, model.safetensors) had the file it leads
+    to, a user's, overwritten. Refused now, before the model is touched; the links and their targets
+    stay as they were."""
+    from ckpt.snapshot.manager import SnapshotError
+
+    model, before, cb, trainer = _a_trained_run(script, tmp_path)
+    out = cb.resume_dir(trainer)
+    cb.restored_step = None
+    model.load_state_dict(before)
+    theirs = {"trainer_state.json": tmp_path / "notes.json", "model.safetensors": tmp_path / "weights.safetensors"}
+    for name, target in theirs.items():
+        target.write_bytes(b"precious " + name.encode())
+        os.unlink(os.path.join(out, name))
+        os.symlink(target, os.path.join(out, name))
+    with pytest.raises(SnapshotError, match="symbolic link"):
+        cb.resume_dir(trainer)
+    for name, target in theirs.items():
+        assert target.read_bytes() == b"precious " + name.encode() and os.readlink(os.path.join(out, name)) == str(target)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and cb.restored_step is None
+    cb.close()
+
+
 def test_resume_dir_inside_the_store_is_refused(script, tmp_path):
     """resume_dir wrote its folder (the model, trainer_state.json) wherever ``dest`` was: inside the store
     (``dest`` below it, or the Trainer's output_dir being the store) it put files there that are none of the
