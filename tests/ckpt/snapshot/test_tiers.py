@@ -355,6 +355,35 @@ def test_a_bug_in_a_background_persist_is_logged_with_its_traceback_and_the_next
     assert {k: tensors[f"model/{k}"].numpy().tobytes() for k in want} == want
 
 
+def test_a_persist_to_a_filesystem_failing_with_its_own_error_type_warns_as_the_medium_failing(tmp_path, failing_fs):
+    """A durable store on an fsspec filesystem whose library raises its own error type (gcsfs's HttpError, say): a
+    persist that fails so is the medium failing (a StorageIOError, a TierWarning of one line), not a bug logged with
+    its traceback (the test fails on that); training goes on and the next save persists once the store answers."""
+    from conftest import ServiceError
+
+    url = f"ckpt-test-failing://durable-{tmp_path.name}"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": opt, "step": 0}
+    mgr = ckpt.CheckpointManager(url, "run", every_n_steps=2, local=str(tmp_path / "local"), local_every_n_steps=1)
+    _steps(mgr, state, [1, 2])
+    mgr.wait()
+    assert mgr.steps() == [2]
+    failing_fs.raising = ServiceError("503 Service Unavailable")
+    with pytest.warns(ckpt.TierWarning, match=r"step 4 .* failed \(StorageIOError: cannot \w+ .*ServiceError: 503"):
+        _steps(mgr, state, [3, 4])
+        mgr.wait()
+    failing_fs.raising = None
+    _steps(mgr, state, [5])
+    mgr.wait()
+    assert mgr.steps() == [2, 5] and mgr.last_persist.step == 5
+    want = _bits(model)
+    mgr.close()
+    tensors = ckpt.Store.open(url).load("run/step-5")
+    assert {k: tensors[f"model/{k}"].numpy().tobytes() for k in want} == want
+
+
 def test_an_unpersisted_local_snapshot_with_a_damaged_chunk_falls_back_to_the_newest_durable_one(tmp_path):
     mgr, model, _ = _train(tmp_path, 2, every_n_steps=2, local_every_n_steps=1)
     want = _bits(model)
