@@ -227,6 +227,65 @@ def tmpfs() -> Iterator[Callable[[os.PathLike[str] | str, str], str]]:
 
 
 # Stores shared by the web view's API and browser tests (tests/cli/test_web_*.py; built once per session: they take seconds).
+class ServiceError(Exception):
+    """An error type a filesystem library defines itself (gcsfs's HttpError, Azure's HttpResponseError for adlfs)."""
+
+
+@pytest.fixture
+def failing_fs() -> Iterator[type]:
+    """A real fsspec filesystem under ``ckpt-test-failing://`` (fsspec's memory filesystem, files of its own) whose
+    calls the store makes raise its class's ``raising`` once that is set (``ServiceError(...)``, say)."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class FailingFileSystem(MemoryFileSystem):
+        protocol = "ckpt-test-failing"
+        store: dict = {}  # noqa: RUF012 - (fsspec's layout: its files, by path, for the process)
+        pseudo_dirs = [""]  # noqa: RUF012
+        raising: Exception | None = None
+
+        def _fail(self) -> None:
+            if FailingFileSystem.raising is not None:
+                raise FailingFileSystem.raising
+
+        def cat_file(self, *args, **kwargs):
+            self._fail()
+            return super().cat_file(*args, **kwargs)
+
+        def pipe_file(self, *args, **kwargs):
+            self._fail()
+            return super().pipe_file(*args, **kwargs)
+
+        def exists(self, *args, **kwargs):
+            self._fail()
+            return super().exists(*args, **kwargs)
+
+        def isfile(self, *args, **kwargs):
+            self._fail()
+            return super().isfile(*args, **kwargs)
+
+        def size(self, *args, **kwargs):
+            self._fail()
+            return super().size(*args, **kwargs)
+
+        def modified(self, *args, **kwargs):
+            self._fail()
+            return super().modified(*args, **kwargs)
+
+        def find(self, *args, **kwargs):
+            self._fail()
+            return super().find(*args, **kwargs)
+
+        def rm_file(self, *args, **kwargs):
+            self._fail()
+            return super().rm_file(*args, **kwargs)
+
+    fsspec.register_implementation(FailingFileSystem.protocol, FailingFileSystem, clobber=True)
+    yield FailingFileSystem
+    FailingFileSystem.raising = None
+    FailingFileSystem.store.clear()
+
+
 @pytest.fixture(scope="session")
 def web_store(tmp_path_factory):
     from webstore import build

@@ -28,6 +28,7 @@ Restoring: :mod:`ckpt.snapshot.distributed_restore`.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -43,7 +44,7 @@ from ckpt.snapshot.state import (
     is_per_rank,
     tensor_devices,
 )
-from ckpt.snapshot.tiers import describe, out_of_space
+from ckpt.snapshot.tiers import COLLECTIVE_FAILURES, caught, out_of_space
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     from ckpt.snapshot.local_tier import LocalTier
     from ckpt.snapshot.peers import Peers
     from ckpt.snapshot.run import SaveJob
+
+log = logging.getLogger(__name__)
 
 
 class DistributedSnapshots(DistributedRestoring):
@@ -184,7 +187,7 @@ class DistributedSnapshots(DistributedRestoring):
         rank, err = first_failure(cause, self.rank)
         return SaveResult(last.id if last else None, last.written_bytes if last else None,
                           last.logical_bytes if last else None, prunes=self.rank == 0,
-                          fell_back=f"rank {rank}: {describe(err)}", tier_full=out_of_space(cause, self.rank))
+                          fell_back=f"rank {rank}: {self._said(rank, err, 'local tier')}", tier_full=out_of_space(cause, self.rank))
 
     def _check_identical(self, step: int, shared: dict[str, Any], persist: bool) -> bool:
         """Refuse (on every rank alike) shared state whose values or tensor shapes differ between ranks:
@@ -204,7 +207,7 @@ class DistributedSnapshots(DistributedRestoring):
             from ckpt.snapshot.group import GroupUnavailable
 
             self.checkpoint_group.failed(e)
-            raise GroupUnavailable(f"snapshot of step {step} not saved: {describe(e)}",
+            raise GroupUnavailable(f"snapshot of step {step} not saved: {caught(log, 'checkpoint group', e, COLLECTIVE_FAILURES)}",
                                    hint=f"a rank failed, died or took longer than timeout_s={self.timeout_s:g}; "
                                    "the ranks rebuild the checkpoint group at the next save", persist=persist) from e
         steps = sorted({s for _, _, s in gathered})
@@ -230,7 +233,7 @@ class DistributedSnapshots(DistributedRestoring):
         rank, err = first_failure(e, self.rank)
         where = f"on rank {rank}, " if err is not e else ""
         return SnapshotError(
-            f"rank {self.rank}: distributed save of {self.run.ref(step)} failed ({where}{describe(err)}); "
+            f"rank {self.rank}: distributed save of {self.run.ref(step)} failed ({where}{self._said(rank, err, 'distributed save')}); "
             f"{self.run.latest} still names the previous snapshot",
             hint=f"another rank failed, died or took longer than timeout_s={self.timeout_s:g}; see its log",
         )
@@ -268,7 +271,7 @@ class DistributedSnapshots(DistributedRestoring):
             peers.local.drop_after(step)  # a run taken back to an earlier step: its later ones are abandoned
             peers.local.prune()
         except Exception as e:  # noqa: BLE001 - the next save prunes again
-            failed = "; ".join(filter(None, (failed, f"old snapshots not dropped ({describe(e)})")))
+            failed = "; ".join(filter(None, (failed, f"old snapshots not dropped ({caught(log, 'local tier', e)})")))
         problem = None
         if persist_to is not None:
             problem = peers.persist(step, mid, data, own, persist_to.store, persist_to.latest, persist_to.ref(step))

@@ -12,6 +12,7 @@ snapshot saved once for all ranks is refused rather than left at its current val
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -34,7 +35,7 @@ from ckpt.snapshot.state import (
     with_autograd_flags,
 )
 from ckpt.snapshot.steps import snapshot_step
-from ckpt.snapshot.tiers import address, describe
+from ckpt.snapshot.tiers import COLLECTIVE_FAILURES, address, caught, describe
 from ckpt_store.storage.chunk_lists import recorded_chains
 
 if TYPE_CHECKING:
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
     from ckpt.store.store import Store
 
 FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derives from BaseException
+
+log = logging.getLogger(__name__)
 
 
 def first_failure(e: BaseException, rank: int) -> tuple[int, BaseException]:
@@ -104,7 +107,7 @@ class DistributedRestoring:
             except RefNotFoundError:
                 box[0] = ("id", None)
             except Exception as e:  # noqa: BLE001 - raised below, on every rank
-                box[0] = ("error", describe(e))
+                box[0] = ("error", caught(log, "restore", e))
         try:
             dist.broadcast_object_list(box, src=self.checkpoint_group.ranks[0], group=self.group)
         except FAILURES as e:
@@ -116,13 +119,18 @@ class DistributedRestoring:
                                 hint="restore again once the store answers; see rank 0's log")
         return value
 
+    def _said(self, rank: int, err: BaseException, where: str) -> str:
+        """:func:`~ckpt.snapshot.tiers.describe` of rank ``rank``'s failure ``err`` (:func:`first_failure`); where it is
+        this rank's own, a bug is logged too (:func:`~ckpt.snapshot.tiers.caught`: once, by the rank that met it)."""
+        return caught(log, where, err, COLLECTIVE_FAILURES) if rank == self.rank else describe(err)
+
     def _restore_error(self, e: BaseException) -> Exception:
         """The SnapshotError a restore raises (from ``e``) where a collective failed: a peer died, or
         did not answer within timeout_s (gloo raises a RuntimeError)."""
         from ckpt.snapshot.run import SnapshotError
 
         return SnapshotError(f"rank {self.rank}: restore not done: the ranks could not exchange what they restore "
-                             f"({describe(e)})", hint=f"another rank failed, died or took longer than "
+                             f"({caught(log, 'restore', e, COLLECTIVE_FAILURES)})", hint=f"another rank failed, died or took longer than "
                              f"timeout_s={self.timeout_s:g}; see its log; nothing was restored")
 
     def restore(self, state: dict[str, Any], mid: str, tiers: Tiers | None = None) -> int:
@@ -167,7 +175,7 @@ class DistributedRestoring:
                 dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=tiers), process_group=self.group, planner=planner)
         except FAILURES as e:
             rank, err = first_failure(e, self.rank)
-            raise SnapshotError(f"restore of step {step} failed on rank {rank}: {describe(err)}",
+            raise SnapshotError(f"restore of step {step} failed on rank {rank}: {self._said(rank, err, 'restore')}",
                                 hint="the state may be partly overwritten: restore again, or from another snapshot") from e
         for fqn, value in planner.values.items():  # tensors were read in place
             set_at(targets, paths[fqn], value)

@@ -35,7 +35,7 @@ from datetime import timedelta
 from typing import Any
 
 from ckpt.snapshot.run import SnapshotError
-from ckpt.snapshot.tiers import describe
+from ckpt.snapshot.tiers import COLLECTIVE_FAILURES, caught, describe
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ class CheckpointGroup:
             try:
                 dist.destroy_process_group(old)
             except Exception as e:  # noqa: BLE001 - a group that cannot be destroyed only costs its sockets
-                log.warning("checkpoint group: the replaced group was not destroyed (%s)", describe(e))
+                log.warning("checkpoint group: the replaced group was not destroyed (%s)",
+                            caught(log, "checkpoint group", e, COLLECTIVE_FAILURES))
 
     def failed(self, e: BaseException) -> None:
         """Note that a save or restore on :attr:`pg` raised ``e``. Not a failure of the group: ckpt's
@@ -112,7 +113,7 @@ class CheckpointGroup:
             e = e.__cause__
         if isinstance(e, CheckpointException) and e.failures:
             return
-        if not self.broken:
+        if not self.broken:  # (describe, not caught: every caller raises ``e`` on, a bug with its traceback)
             log.warning("checkpoint group: a collective failed (%s); the ranks rebuild the group at the next save",
                         describe(e))
         self.broken = True
@@ -130,7 +131,7 @@ class CheckpointGroup:
         except Exception as e:  # the rendezvous store itself failed
             self.broken = True
             raise GroupUnavailable(f"{what} not done: the ranks could not agree through the rendezvous store "
-                                   f"({describe(e)})", persist=persist) from e
+                                   f"({caught(log, 'checkpoint group', e, COLLECTIVE_FAILURES)})", persist=persist) from e
         kind, *counts = verdict.split(":")
         asked = counts[-1:] == ["1"]
         if kind == "abandoned":
@@ -145,7 +146,8 @@ class CheckpointGroup:
             self._replace()
         except Exception as e:  # a peer gone since it arrived: the next round tries again
             self.broken = True
-            raise GroupUnavailable(f"{what} not done: the checkpoint group could not be rebuilt ({describe(e)})",
+            raise GroupUnavailable(f"{what} not done: the checkpoint group could not be rebuilt "
+                                   f"({caught(log, 'checkpoint group', e, COLLECTIVE_FAILURES)})",
                                    hint="the ranks try again at the next save; see the other ranks' logs",
                                    persist=asked) from e
         self.broken = False

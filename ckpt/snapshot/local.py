@@ -20,6 +20,7 @@ Restoring: :mod:`ckpt.snapshot.local_restore`.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -51,6 +52,8 @@ if TYPE_CHECKING:
     import torch
 
     from ckpt.snapshot.live import LiveTensors
+
+log = logging.getLogger(__name__)
 
 
 class LocalSnapshots(LocalRestoring):
@@ -326,7 +329,7 @@ class LocalSnapshots(LocalRestoring):
                          reuse: dict[str, TensorEntry], snapshot: dict[str, Any], live: LiveTensors | None) -> SaveResult:
         """The snapshot that could not be written to this path's store, written to ``run``'s instead:
         the chunks it reuses from this store's previous snapshot are copied over first (as stored)."""
-        from ckpt.snapshot.tiers import describe, out_of_space
+        from ckpt.snapshot.tiers import caught, out_of_space
         from ckpt.store.copy import copy_chunks
         from ckpt.store.push import push_source
         from ckpt.store.sources import from_tensors
@@ -341,7 +344,7 @@ class LocalSnapshots(LocalRestoring):
         # this path's store did not take the snapshot: its next one reuses nothing (the versions say what changed)
         self._last = None
         return SaveResult(result.id, result.written_bytes, result.logical_bytes, len(staged), len(reuse),
-                          live.copied_bytes if live is not None else 0, fell_back=describe(error),
+                          live.copied_bytes if live is not None else 0, fell_back=caught(log, "local tier", error),
                           tier_full=out_of_space(error))
 
     def close(self) -> None:

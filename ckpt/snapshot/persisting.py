@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt.snapshot.manager_state import ManagerState
 from ckpt.snapshot.retention import count_setting
 from ckpt.snapshot.run import SaveJob, SaveResult, SnapshotError
-from ckpt.snapshot.tiers import describe, out_of_space
+from ckpt.snapshot.tiers import COLLECTIVE_FAILURES, caught, out_of_space
 
 if TYPE_CHECKING:
     from ckpt.snapshot.local_tier import LocalTier, LocalTierUsage
@@ -114,7 +114,10 @@ class Persisting(ManagerState):
                 self._local_full = out_of_space(e, getattr(self._path, "rank", None))
                 return None
             except Exception as e:  # noqa: BLE001 - the local tier failed; training goes on
-                self._tier_warning(f"local tier: snapshot of step {step} not saved ({describe(e)}); the next save tries again")
+                # (a group's save runs collectives: a peer gone fails them with gloo's RuntimeError)
+                also = COLLECTIVE_FAILURES if self._distributed else ()
+                self._tier_warning(f"local tier: snapshot of step {step} not saved ({caught(log, 'local tier', e, also)}); "
+                                   "the next save tries again")
                 local.drop(step)
                 self._free_leftovers()
                 self._local_full = out_of_space(e)
@@ -147,7 +150,7 @@ class Persisting(ManagerState):
                 local.drop_after(step)
                 local.prune()
             except Exception as e:  # noqa: BLE001
-                self._tier_warning(f"local tier: could not drop old snapshots ({describe(e)})")
+                self._tier_warning(f"local tier: could not drop old snapshots ({caught(log, 'local tier', e)})")
             if persist:
                 self._persist_pending = False
                 self._request_persist(step, seq, result.id)
@@ -182,7 +185,7 @@ class Persisting(ManagerState):
                 whole = local.bound(sizes, bundles, raw=True)  # (a compressing tier caps its estimate by these)
                 dropped = local.make_room(step, whole if changed is None else local.bound(changed, bundles, raw=True), whole, since)
         except Exception as e:  # noqa: BLE001
-            self._tier_warning(f"local tier: could not make room for step {step} ({describe(e)})")
+            self._tier_warning(f"local tier: could not make room for step {step} ({caught(log, 'local tier', e)})")
             return
         if dropped:
             self._tier_warning(f"local tier: full at its last save; dropped step(s) {', '.join(map(str, dropped))} "
@@ -196,7 +199,7 @@ class Persisting(ManagerState):
         try:
             local.prune()
         except Exception as e:  # noqa: BLE001
-            log.warning("local tier: could not free the leftovers of a failed save (%s)", describe(e))
+            log.warning("local tier: could not free the leftovers of a failed save (%s)", caught(log, "local tier", e))
 
     def _request_persist(self, step: int, seq: int, mid: str | None) -> None:
         local = self._local
@@ -244,7 +247,7 @@ class Persisting(ManagerState):
             self._retain(step)
         except Exception as e:  # noqa: BLE001 - the durable store still holds the previous snapshot
             self._persist_pending = True
-            self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed ({describe(e)}); "
+            self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed ({caught(log, 'persist', e)}); "
                                "the next save persists again")
         finally:
             with self._persist_lock:
@@ -261,4 +264,5 @@ class Persisting(ManagerState):
             try:
                 local.drop_after(self._saved_step)
             except Exception as e:  # noqa: BLE001 - the next save of an earlier step drops it again
-                self._tier_warning(f"local tier: could not drop step {step} of the timeline the run left ({describe(e)})")
+                self._tier_warning(f"local tier: could not drop step {step} of the timeline the run left "
+                                   f"({caught(log, 'local tier', e)})")

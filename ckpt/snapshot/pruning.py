@@ -11,7 +11,7 @@ from ckpt.errors import CkptError, RefConflictError, RefNotFoundError
 from ckpt.snapshot.manager_state import ManagerState
 from ckpt.snapshot.run import is_snapshot
 from ckpt.snapshot.steps import run_steps, snapshot_test
-from ckpt.snapshot.tiers import describe
+from ckpt.snapshot.tiers import caught, describe
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,8 @@ class Pruning(ManagerState):
                 latest = snapshot_step(self.store.manifest(self._durable.latest))
             except Exception as e:  # noqa: BLE001 - no ref, or unreadable now: every step counts, as before
                 if not isinstance(e, RefNotFoundError):
-                    log.warning("retention: could not read %s (%s); counting every step", self._durable.latest, describe(e))
+                    log.warning("retention: could not read %s (%s); counting every step", self._durable.latest,
+                                caught(log, "retention", e))
                 latest = None
             keep = set(self.retention.keep(steps, metrics, latest))
             for s in [s for s in list(self._metrics) if s not in keep]:  # (a step not yet counted is read again)

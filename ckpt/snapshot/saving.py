@@ -13,7 +13,7 @@ from typing import Any
 from ckpt.errors import CkptError, RefNotFoundError
 from ckpt.snapshot.manager_state import ManagerState
 from ckpt.snapshot.run import SNAPSHOT_FORMAT, SaveResult, is_snapshot
-from ckpt.snapshot.tiers import describe
+from ckpt.snapshot.tiers import caught, describe
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class Saving(ManagerState):
             except RefNotFoundError:
                 self._durable_step = None
             except Exception as e:  # noqa: BLE001 - unreadable now: the persists due say more
-                log.warning("could not read %s in %s (%s)", self._durable.latest, self.store.url, describe(e))
+                log.warning("could not read %s in %s (%s)", self._durable.latest, self.store.url, caught(log, "durable store", e))
                 return False
             self._durable_known = True
         return self._durable_step is not None and step <= self._durable_step

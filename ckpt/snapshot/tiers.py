@@ -33,6 +33,10 @@ TIERS = ("local", "peer", "store")  # nearest first: the keys of CheckpointManag
 # What makes a tier fall through to the next for one chunk or manifest (never wrong data):
 # not there, damaged, or its medium failing.
 MISSES = (ObjectNotFoundError, CorruptObjectError, StorageIOError, OSError)
+# What the collectives and the rendezvous store of a checkpoint group raise where a peer died, hung or closed
+# its sockets (gloo's errors, torch's DistBackendError and DistStoreError among them, are RuntimeErrors): the
+# medium's failures where a site runs collectives, not bugs there (``also`` of :func:`caught` at those sites).
+COLLECTIVE_FAILURES: tuple[type[BaseException], ...] = (RuntimeError,)
 
 
 @dataclass
@@ -207,20 +211,24 @@ def describe(e: BaseException) -> str:
     return f"{type(e).__name__}: {first_line(e)}"[:300]
 
 
-def caught(logger: logging.Logger, where: str, e: BaseException) -> str:
-    """:func:`describe` of ``e``, caught where a failure must never fail a training step (a refill beside it):
-    one of ours (:class:`CkptError`) or the medium's (``OSError``) is said in that one line; any other type is
-    a bug, logged at WARNING with its traceback too (the record's ``unexpected`` set: the tests fail on it)."""
-    if not expected(e):
+def caught(logger: logging.Logger, where: str, e: BaseException,
+           also: tuple[type[BaseException], ...] = ()) -> str:
+    """:func:`describe` of ``e``, caught where a failure must never fail a training step (a refill beside it),
+    or turned into one of ours: one of ours (:class:`CkptError`), the medium's (``OSError``) or one of the types
+    ``also`` names (the site's medium's: :data:`COLLECTIVE_FAILURES` where it runs collectives) is said in that
+    one line; any other type is a bug, logged at WARNING with its traceback too (the record's ``unexpected``
+    set: the tests fail on it)."""
+    if not expected(e, also):
         logger.warning("%s: unexpected %s", where, describe(e), exc_info=e, extra={"unexpected": True})
     return describe(e)
 
 
-def expected(e: BaseException) -> bool:
-    """Whether ``e`` is a failure a tier meets (ours, :class:`CkptError`, or the medium's, ``OSError``), not a bug."""
+def expected(e: BaseException, also: tuple[type[BaseException], ...] = ()) -> bool:
+    """Whether ``e`` is a failure a tier meets (ours, :class:`CkptError`, the medium's, ``OSError``, or one of
+    ``also``), not a bug."""
     from ckpt_store.storage.errors import CkptError
 
-    return isinstance(e, (CkptError, OSError))
+    return isinstance(e, (CkptError, OSError, *also))
 
 
 __all__ = ["MISSES", "TIERS", "Tiers"]

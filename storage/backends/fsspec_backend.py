@@ -5,7 +5,7 @@ from __future__ import annotations
 import posixpath
 import threading
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from ckpt_store.storage.backends.base import (
@@ -21,6 +21,24 @@ from ckpt_store.storage.backends.base import (
 from ckpt_store.storage.errors import MissingDependencyError, StorageIOError, StoreLocationError
 
 _MEMORY_LOCK = threading.Lock()  # (see FsspecBackend._changing)
+
+
+@contextmanager
+def _failing(op: str, path: str) -> Iterator[None]:
+    """Around one call of the filesystem: an error of a type its library defines (gcsfs's HttpError, adlfs's Azure
+    errors, a user's filesystem's own), the medium failing, is raised as a :class:`StorageIOError`, the type the
+    layers above (and the tiers that catch a medium's failures, ``ckpt.snapshot.tiers.caught``) know, as fsspec's
+    own filesystems fail with OSError. OSError is left to the method (mapped where it maps it); a builtin type
+    (TypeError, KeyError...) is a bug, ours (a wrong argument) or the filesystem's, and is left as it is."""
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as e:
+        if type(e).__module__ == "builtins":
+            raise
+        said = str(e).strip().splitlines()
+        raise StorageIOError(f"cannot {op} {path}: {type(e).__name__}{': ' + said[0][:200] if said else ''}") from e
 
 
 class FsspecBackend(Backend):
@@ -41,7 +59,8 @@ class FsspecBackend(Backend):
             except ValueError:
                 raise StoreLocationError(f"{url}: no backend knows {scheme}:// URLs",
                                          hint="give a local path, s3://BUCKET/PREFIX or another fsspec URL (memory://, gs://...)") from None
-            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+            with _failing("open", url):
+                fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         except ImportError as e:  # fsspec's own words name the package: "Please install gcsfs to access Google Storage"
             raise MissingDependencyError(f"{scheme}:// stores need a package that is not installed ({e})",
                                          hint="pip install the package it names") from None
@@ -70,11 +89,13 @@ class FsspecBackend(Backend):
         return posixpath.join(self.root, path) if path else self.root
 
     def root_exists(self) -> bool:
-        return bool(self.fs.exists(self.root))
+        with _failing("read", self.url):
+            return bool(self.fs.exists(self.root))
 
     def read(self, path: str, limit: int | None = None) -> bytes:
         try:
-            data = bytes(self.fs.cat_file(self._p(path)))
+            with _failing("read", path):
+                data = bytes(self.fs.cat_file(self._p(path)))
         except OSError as e:  # an unreachable server (http://) fails here first
             raise read_error(path, e) from e
         if limit is not None and len(data) > limit:
@@ -82,11 +103,12 @@ class FsspecBackend(Backend):
         return data
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
-        return bytes(self.fs.cat_file(self._p(path), start=start, end=start + length))
+        with _failing("read", path):
+            return bytes(self.fs.cat_file(self._p(path), start=start, end=start + length))
 
     def write(self, path: str, data: Data) -> None:
         try:
-            with self._changing:
+            with self._changing, _failing("write", path):
                 self.fs.pipe_file(self._p(path), joined(data))
         except OSError as e:
             raise io_error("write", path, e) from e
@@ -98,7 +120,7 @@ class FsspecBackend(Backend):
     def create_exclusive(self, path: str, data: Data) -> bool:
         data = joined(data)
         p = self._p(path)
-        with self._create_lock:
+        with self._create_lock, _failing("write", path):
             if self.fs.exists(p):
                 return False
             with self._changing:
@@ -106,14 +128,17 @@ class FsspecBackend(Backend):
         return True
 
     def exists(self, path: str) -> bool:
-        return bool(self.fs.isfile(self._p(path)))  # a folder there is not an object
+        with _failing("read", path):
+            return bool(self.fs.isfile(self._p(path)))  # a folder there is not an object
 
     def size(self, path: str) -> int:
-        return int(self.fs.size(self._p(path)))
+        with _failing("read", path):
+            return int(self.fs.size(self._p(path)))
 
     def mtime(self, path: str) -> float:
         try:
-            m = self.fs.modified(self._p(path))
+            with _failing("read", path):  # (raised, not read as 0.0 below: that is "old", which gc may delete)
+                m = self.fs.modified(self._p(path))
             return float(m.timestamp())
         except FileNotFoundError:
             raise  # absent is not "old": gc would delete nothing and report it deleted
@@ -123,7 +148,7 @@ class FsspecBackend(Backend):
     def list(self, prefix: str) -> Iterator[Entry]:
         base = self._p(prefix)
         try:
-            with self._changing:
+            with self._changing, _failing("list", prefix or self.url):
                 found = self.fs.find(base, detail=True)
         except FileNotFoundError:
             return
@@ -138,7 +163,7 @@ class FsspecBackend(Backend):
 
     def delete(self, path: str) -> None:
         try:
-            with self._changing:
+            with self._changing, _failing("delete", path):
                 self.fs.rm_file(self._p(path))
         except FileNotFoundError:
             pass

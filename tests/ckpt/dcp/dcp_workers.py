@@ -1433,14 +1433,25 @@ def tiers_stall_recover(rank, world, tmp, store, mode, steps=8, at=2, timeout_s=
     return out
 
 
-def tiers_replication(rank, world, tmp, store):
+def tiers_replication(rank, world, tmp, store, bug=False):
     """Local tiers with one replica: a large frozen layer and a small trained one, saved twice.
-    Returns the stored bytes each save sent to the replica."""
+    Returns the stored bytes each save sent to the replica. ``bug``: on every rank, the first save's
+    publish of the manifest (before its collective) raises a TypeError (a bug)."""
     import torch
     import torch.distributed as dist
 
     import ckpt
 
+    if bug:
+        from ckpt.snapshot.peers import Peers
+
+        real = Peers.publish
+
+        def broken(self, published):
+            Peers.publish = real
+            return len(None)
+
+        Peers.publish = broken
     torch.manual_seed(0)
     frozen, head = torch.nn.Linear(512, 512), torch.nn.Linear(512, 4)
     opt = torch.optim.SGD(head.parameters(), lr=0.1)
@@ -1456,7 +1467,7 @@ def tiers_replication(rank, world, tmp, store):
         state["step"] = step
         mgr.save(step, state)
         mgr.wait()
-        sent.append(mgr.last_save.replicated_bytes)
+        sent.append(mgr.last_save.replicated_bytes if mgr.last_save is not None else None)
     out = {"sent": sent, "local_steps": mgr.local_tier.steps, "durable_steps": mgr.steps()}
     mgr.close()
     return out

@@ -38,6 +38,20 @@ def test_replication_sends_only_what_the_replica_lacks(tmp_path):
     assert r1["sent"][0] < 100_000  # rank 1 saved none of the shared state: little of its own to send
 
 
+def test_a_bug_in_a_groups_save_is_logged_with_its_traceback_on_each_rank_and_the_next_save_lands(tmp_path):
+    """A group's save into the local tiers that raises a TypeError (a bug of ours, no failure of a tier or a peer) was
+    only the one line of a TierWarning on each rank, its traceback lost. Now each rank logs it with its traceback too
+    (a rank logging an unexpected error where the test does not expect it fails it); training goes on, and the next
+    save lands in every rank's tier."""
+    out = W.run_ranks("tiers_replication", 2, str(tmp_path), store=str(tmp_path / "s"), bug=True, unexpected=(0, 1))
+    for r in out:
+        assert "error" not in r, r.get("trace")
+        assert r["local_steps"] == [2] and r["durable_steps"] == []
+        said = r.get("unexpected", [])
+        assert len(said) == 1 and "local tier: unexpected TypeError" in said[0] and "in broken" in said[0], said
+    assert out[0]["sent"][1] > 1_000_000  # the step 1 never reached the replica: step 2 sent all of the shared state
+
+
 def test_transfers_go_in_rounds_through_reused_buffers_and_every_blob_arrives_intact(tmp_path):
     """3 ranks send blobs of many sizes (some larger than a round) to two peers each, at once: every blob
     arrives byte for byte, handed over round by round (each at most the round size, or one larger

@@ -294,6 +294,96 @@ def test_a_bug_in_a_restores_refill_leaves_the_restore_standing_and_is_logged_wi
     assert all(torch.equal(want[f"model/{k}"], v) for k, v in state["model"].state_dict().items())
 
 
+def _bugs_logged(unexpected_errors, n, where):
+    """Check that ``n`` bugs (TypeErrors raised in a function named ``broken``) were logged, each with its traceback,
+    as caught at ``where``; then forget them (caused on purpose)."""
+    records = unexpected_errors.records
+    assert len(records) == n, [r.getMessage() for r in records]
+    for r in records:
+        assert r.getMessage().startswith(f"{where}: unexpected TypeError") and r.exc_info[0] is TypeError
+        assert "in broken" in unexpected_errors.format(r)  # the traceback, to the line that failed
+    records.clear()
+
+
+def test_a_bug_in_a_local_save_is_logged_with_its_traceback_and_training_and_durable_saves_go_on(
+        tmp_path, monkeypatch, unexpected_errors):
+    """A local save that raises a TypeError (a bug of ours, no failure of the tier) was only the one line of a
+    TierWarning: "snapshot of step 1 not saved (TypeError: ...)", and for the snapshot due to the durable store,
+    written there directly, the one line of that fallback. Now each is logged with its traceback too; training
+    goes on, and step 2 is in the durable store, bit for bit."""
+    from ckpt.snapshot.local import LocalSnapshots
+
+    def broken(self, *args, **kwargs):
+        return len(None)
+
+    monkeypatch.setattr(LocalSnapshots, "_write", broken)
+    with pytest.warns(ckpt.TierWarning) as said:
+        mgr, model, _ = _train(tmp_path, 2, every_n_steps=2, local_every_n_steps=1)
+    messages = [str(w.message) for w in said]
+    assert any("step 1 not saved (TypeError: object of type 'NoneType' has no len())" in m for m in messages), messages
+    assert any("step 2 not saved (TypeError" in m and "durable store directly" in m for m in messages), messages
+    _bugs_logged(unexpected_errors, 2, "local tier")
+    assert mgr.steps() == [2] and mgr.last_save.tier == "store" and mgr.local_tier.steps == []
+    want = _bits(model)
+    mgr.close()
+    tensors = ckpt.Store.open(str(tmp_path / "durable")).load("run/step-2")
+    assert {k: tensors[f"model/{k}"].numpy().tobytes() for k in want} == want
+
+
+def test_a_bug_in_a_background_persist_is_logged_with_its_traceback_and_the_next_save_persists(
+        tmp_path, monkeypatch, unexpected_errors):
+    """The persist runs in the background, beside training, and catches every error: a TypeError there (a bug) was
+    only the one line of a TierWarning, its traceback lost. Now it is logged with its traceback too; training goes
+    on, and the next save is persisted in its place."""
+    import ckpt.store.copy
+
+    def broken(*args, **kwargs):
+        return len(None)
+
+    monkeypatch.setattr(ckpt.store.copy, "copy_refs", broken)
+    with pytest.warns(ckpt.TierWarning, match=r"persisting the snapshot of step 2 .* failed \(TypeError: object of type"):
+        mgr, model, opt = _train(tmp_path, 2, every_n_steps=2, local_every_n_steps=1)
+    _bugs_logged(unexpected_errors, 1, "persist")
+    assert mgr.steps() == [] and mgr.local_tier.steps == [1, 2]
+    monkeypatch.undo()
+    _steps(mgr, {"model": model, "optim": opt, "step": 2}, [3])
+    mgr.wait()
+    assert mgr.steps() == [3] and mgr.last_persist.step == 3
+    want = _bits(model)
+    mgr.close()
+    tensors = ckpt.Store.open(str(tmp_path / "durable")).load("run/step-3")
+    assert {k: tensors[f"model/{k}"].numpy().tobytes() for k in want} == want
+
+
+def test_a_persist_to_a_filesystem_failing_with_its_own_error_type_warns_as_the_medium_failing(tmp_path, failing_fs):
+    """A durable store on an fsspec filesystem whose library raises its own error type (gcsfs's HttpError, say): a
+    persist that fails so is the medium failing (a StorageIOError, a TierWarning of one line), not a bug logged with
+    its traceback (the test fails on that); training goes on and the next save persists once the store answers."""
+    from conftest import ServiceError
+
+    url = f"ckpt-test-failing://durable-{tmp_path.name}"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": opt, "step": 0}
+    mgr = ckpt.CheckpointManager(url, "run", every_n_steps=2, local=str(tmp_path / "local"), local_every_n_steps=1)
+    _steps(mgr, state, [1, 2])
+    mgr.wait()
+    assert mgr.steps() == [2]
+    failing_fs.raising = ServiceError("503 Service Unavailable")
+    with pytest.warns(ckpt.TierWarning, match=r"step 4 .* failed \(StorageIOError: cannot \w+ .*ServiceError: 503"):
+        _steps(mgr, state, [3, 4])
+        mgr.wait()
+    failing_fs.raising = None
+    _steps(mgr, state, [5])
+    mgr.wait()
+    assert mgr.steps() == [2, 5] and mgr.last_persist.step == 5
+    want = _bits(model)
+    mgr.close()
+    tensors = ckpt.Store.open(url).load("run/step-5")
+    assert {k: tensors[f"model/{k}"].numpy().tobytes() for k in want} == want
+
+
 def test_an_unpersisted_local_snapshot_with_a_damaged_chunk_falls_back_to_the_newest_durable_one(tmp_path):
     mgr, model, _ = _train(tmp_path, 2, every_n_steps=2, local_every_n_steps=1)
     want = _bits(model)
