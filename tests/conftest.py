@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -226,7 +227,6 @@ def tmpfs() -> Iterator[Callable[[os.PathLike[str] | str, str], str]]:
         subprocess.run(["umount", "-l", path], check=False)
 
 
-# Stores shared by the web view's API and browser tests (tests/cli/test_web_*.py; built once per session: they take seconds).
 class ServiceError(Exception):
     """An error type a filesystem library defines itself (gcsfs's HttpError, Azure's HttpResponseError for adlfs)."""
 
@@ -243,49 +243,51 @@ def failing_fs() -> Iterator[type]:
         store: dict = {}  # noqa: RUF012 - (fsspec's layout: its files, by path, for the process)
         pseudo_dirs = [""]  # noqa: RUF012
         raising: Exception | None = None
+        only: str | None = None  # a pattern: only calls on the paths it matches (re.search) raise
 
-        def _fail(self) -> None:
-            if FailingFileSystem.raising is not None:
+        def _fail(self, path: object = "") -> None:
+            if FailingFileSystem.raising is not None and (self.only is None or re.search(self.only, str(path))):
                 raise FailingFileSystem.raising
 
         def cat_file(self, *args, **kwargs):
-            self._fail()
+            self._fail(args[0] if args else "")
             return super().cat_file(*args, **kwargs)
 
         def pipe_file(self, *args, **kwargs):
-            self._fail()
+            self._fail(args[0] if args else "")
             return super().pipe_file(*args, **kwargs)
 
         def exists(self, *args, **kwargs):
-            self._fail()
+            self._fail(args[0] if args else "")
             return super().exists(*args, **kwargs)
 
         def isfile(self, *args, **kwargs):
-            self._fail()
+            self._fail(args[0] if args else "")
             return super().isfile(*args, **kwargs)
 
         def size(self, *args, **kwargs):
-            self._fail()
+            self._fail(args[0] if args else "")
             return super().size(*args, **kwargs)
 
         def modified(self, *args, **kwargs):
-            self._fail()
+            self._fail(args[0] if args else "")
             return super().modified(*args, **kwargs)
 
         def find(self, *args, **kwargs):
-            self._fail()
+            self._fail(args[0] if args else "")
             return super().find(*args, **kwargs)
 
         def rm_file(self, *args, **kwargs):
-            self._fail()
+            self._fail(args[0] if args else "")
             return super().rm_file(*args, **kwargs)
 
     fsspec.register_implementation(FailingFileSystem.protocol, FailingFileSystem, clobber=True)
     yield FailingFileSystem
-    FailingFileSystem.raising = None
+    FailingFileSystem.raising = FailingFileSystem.only = None
     FailingFileSystem.store.clear()
 
 
+# Stores shared by the web view's API and browser tests (tests/cli/test_web_*.py; built once per session: they take seconds).
 @pytest.fixture(scope="session")
 def web_store(tmp_path_factory):
     from webstore import build

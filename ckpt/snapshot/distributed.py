@@ -184,10 +184,10 @@ class DistributedSnapshots(DistributedRestoring):
         except FAILURES as e:
             raise self._error(step, e) from e
         last = writer.last  # set on the coordinator, which committed the snapshot
-        rank, err = first_failure(cause, self.rank)
+        rank, err, trace = first_failure(cause, self.rank)
         return SaveResult(last.id if last else None, last.written_bytes if last else None,
                           last.logical_bytes if last else None, prunes=self.rank == 0,
-                          fell_back=f"rank {rank}: {self._said(rank, err, 'local tier')}", tier_full=out_of_space(cause, self.rank))
+                          fell_back=f"rank {rank}: {self._said(rank, err, 'local tier', trace)}", tier_full=out_of_space(cause, self.rank))
 
     def _check_identical(self, step: int, shared: dict[str, Any], persist: bool) -> bool:
         """Refuse (on every rank alike) shared state whose values or tensor shapes differ between ranks:
@@ -230,10 +230,10 @@ class DistributedSnapshots(DistributedRestoring):
     def _error(self, step: int, e: BaseException) -> Exception:
         from ckpt.snapshot.run import SnapshotError
 
-        rank, err = first_failure(e, self.rank)
+        rank, err, trace = first_failure(e, self.rank)
         where = f"on rank {rank}, " if err is not e else ""
         return SnapshotError(
-            f"rank {self.rank}: distributed save of {self.run.ref(step)} failed ({where}{self._said(rank, err, 'distributed save')}); "
+            f"rank {self.rank}: distributed save of {self.run.ref(step)} failed ({where}{self._said(rank, err, 'distributed save', trace)}); "
             f"{self.run.latest} still names the previous snapshot",
             hint=f"another rank failed, died or took longer than timeout_s={self.timeout_s:g}; see its log",
         )

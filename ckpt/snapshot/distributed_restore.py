@@ -39,7 +39,8 @@ from ckpt.snapshot.tiers import COLLECTIVE_FAILURES, address, caught, describe
 from ckpt_store.storage.chunk_lists import recorded_chains
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
+    from traceback import FrameSummary
 
     from ckpt.snapshot.group import CheckpointGroup
     from ckpt.snapshot.peers import Peers
@@ -52,12 +53,13 @@ FAILURES = (Exception, CheckpointException)  # DCP's CheckpointException derives
 log = logging.getLogger(__name__)
 
 
-def first_failure(e: BaseException, rank: int) -> tuple[int, BaseException]:
-    """The rank that failed first and its own error, where DCP gathered the ranks' errors; else (``rank``, ``e``)."""
+def first_failure(e: BaseException, rank: int) -> tuple[int, BaseException, Sequence[FrameSummary] | None]:
+    """The rank that failed first, its own error, and where it was raised (the error arrives pickled, without its
+    traceback: DCP sends the frames beside it), where DCP gathered the ranks' errors; else (``rank``, ``e``, None)."""
     if isinstance(e, CheckpointException) and e.failures:
-        r, (err, _) = next(iter(sorted(e.failures.items())))
-        return r, err
-    return rank, e
+        r, (err, trace) = next(iter(sorted(e.failures.items())))
+        return r, err, trace
+    return rank, e, None
 
 
 T = TypeVar("T")
@@ -119,10 +121,10 @@ class DistributedRestoring:
                                 hint="restore again once the store answers; see rank 0's log")
         return value
 
-    def _said(self, rank: int, err: BaseException, where: str) -> str:
+    def _said(self, rank: int, err: BaseException, where: str, trace: Sequence[FrameSummary] | None = None) -> str:
         """:func:`~ckpt.snapshot.tiers.describe` of rank ``rank``'s failure ``err`` (:func:`first_failure`); where it is
         this rank's own, a bug is logged too (:func:`~ckpt.snapshot.tiers.caught`: once, by the rank that met it)."""
-        return caught(log, where, err, COLLECTIVE_FAILURES) if rank == self.rank else describe(err)
+        return caught(log, where, err, COLLECTIVE_FAILURES, trace) if rank == self.rank else describe(err)
 
     def _restore_error(self, e: BaseException) -> Exception:
         """The SnapshotError a restore raises (from ``e``) where a collective failed: a peer died, or
@@ -174,8 +176,8 @@ class DistributedRestoring:
             else:
                 dcp.load(flat, storage_reader=Reader(self.run.store, mid, tiers=tiers), process_group=self.group, planner=planner)
         except FAILURES as e:
-            rank, err = first_failure(e, self.rank)
-            raise SnapshotError(f"restore of step {step} failed on rank {rank}: {self._said(rank, err, 'restore')}",
+            rank, err, trace = first_failure(e, self.rank)
+            raise SnapshotError(f"restore of step {step} failed on rank {rank}: {self._said(rank, err, 'restore', trace)}",
                                 hint="the state may be partly overwritten: restore again, or from another snapshot") from e
         for fqn, value in planner.values.items():  # tensors were read in place
             set_at(targets, paths[fqn], value)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -212,23 +214,27 @@ def describe(e: BaseException) -> str:
 
 
 def caught(logger: logging.Logger, where: str, e: BaseException,
-           also: tuple[type[BaseException], ...] = ()) -> str:
+           also: tuple[type[BaseException], ...] = (), trace: Sequence[traceback.FrameSummary] | None = None) -> str:
     """:func:`describe` of ``e``, caught where a failure must never fail a training step (a refill beside it),
     or turned into one of ours: one of ours (:class:`CkptError`), the medium's (``OSError``) or one of the types
     ``also`` names (the site's medium's: :data:`COLLECTIVE_FAILURES` where it runs collectives) is said in that
     one line; any other type is a bug, logged at WARNING with its traceback too (the record's ``unexpected``
-    set: the tests fail on it)."""
+    set: the tests fail on it). ``trace``: where ``e`` was raised, for an error that lost its traceback on the way (a
+    rank's failure DCP gathered, pickled: :func:`~ckpt.snapshot.distributed_restore.first_failure`)."""
     if not expected(e, also):
-        logger.warning("%s: unexpected %s", where, describe(e), exc_info=e, extra={"unexpected": True})
+        frames = "".join(traceback.format_list(trace)) if trace and e.__traceback__ is None else ""
+        logger.warning("%s: unexpected %s%s", where, describe(e), f"\n(raised at)\n{frames.rstrip()}" if frames else "",
+                       exc_info=e, extra={"unexpected": True})
     return describe(e)
 
 
 def expected(e: BaseException, also: tuple[type[BaseException], ...] = ()) -> bool:
     """Whether ``e`` is a failure a tier meets (ours, :class:`CkptError`, the medium's, ``OSError``, or one of
-    ``also``), not a bug."""
+    ``also``), not a bug; nor is what is no ``Exception`` (a KeyboardInterrupt a rank met in a DCP save, which DCP
+    gathers as that rank's failure)."""
     from ckpt_store.storage.errors import CkptError
 
-    return isinstance(e, (CkptError, OSError, *also))
+    return isinstance(e, (CkptError, OSError, *also)) or not isinstance(e, Exception)
 
 
 __all__ = ["MISSES", "TIERS", "Tiers"]

@@ -38,7 +38,10 @@ def _failing(op: str, path: str) -> Iterator[None]:
         if type(e).__module__ == "builtins":
             raise
         said = str(e).strip().splitlines()
-        raise StorageIOError(f"cannot {op} {path}: {type(e).__name__}{': ' + said[0][:200] if said else ''}") from e
+        # retryable, as an OSError of no known kind is (``io_error``): a server's passing 503 is not damage (a ref
+        # entry that cannot be read for good is reported as the store's damage, with advice to move it out)
+        raise StorageIOError(f"cannot {op} {path}: {type(e).__name__}{': ' + said[0][:200] if said else ''}",
+                             retryable=True) from e
 
 
 class FsspecBackend(Backend):

@@ -357,10 +357,32 @@ def test_a_filesystems_own_errors_are_storage_errors_and_its_bugs_stay_bugs(fail
     for name, call in calls.items():
         with pytest.raises(StorageIOError, match=r"^cannot \w+ \S+: ServiceError: 503 Service Unavailable$") as e:
             call()
-        assert isinstance(e.value.__cause__, ServiceError), name
+        assert isinstance(e.value.__cause__, ServiceError) and e.value.retryable, name
     failing_fs.raising = TypeError("a bug")
     for name, call in calls.items():
         with pytest.raises(TypeError, match="a bug"):
             call()
     failing_fs.raising = None
     assert backend.read("a/b") == b"hello" and [e.path for e in backend.list("a")] == ["a/b"]
+
+
+def test_a_filesystems_passing_failure_reading_a_ref_is_not_damage(failing_fs):
+    """A filesystem's own error (a 503 from its server) reading a ref entry was a StorageIOError that was not
+    retryable, which the refs read as damage: a StoreFormatError, and gc advised moving the entry out of the store
+    (then freeing what only it named). It is a failure that may pass: a retryable StorageIOError, the store's
+    refs named as they are once it passes."""
+    import torch
+
+    from ckpt.errors import StoreFormatError
+    from ckpt.store.store import Store
+    from conftest import ServiceError
+
+    url = f"ckpt-test-failing://store-{uuid.uuid4().hex}"
+    Store.init(url).push({"w": torch.arange(10, dtype=torch.float32)}, "model/a")
+    failing_fs.raising, failing_fs.only = ServiceError("503 Service Unavailable"), r"/refs/.*\.ref$"
+    for call in (lambda: Store.open(url).load("model/a"), lambda: Store.open(url).gc(grace_s=0)):
+        with pytest.raises(StorageIOError, match="ServiceError: 503") as e:
+            call()
+        assert not isinstance(e.value, StoreFormatError) and e.value.retryable
+    failing_fs.raising = None
+    assert torch.equal(Store.open(url).load("model/a")["w"], torch.arange(10, dtype=torch.float32))

@@ -1436,13 +1436,24 @@ def tiers_stall_recover(rank, world, tmp, store, mode, steps=8, at=2, timeout_s=
 def tiers_replication(rank, world, tmp, store, bug=False):
     """Local tiers with one replica: a large frozen layer and a small trained one, saved twice.
     Returns the stored bytes each save sent to the replica. ``bug``: on every rank, the first save's
-    publish of the manifest (before its collective) raises a TypeError (a bug)."""
+    publish of the manifest (before its collective) raises a TypeError (a bug); ``"writer"``: on rank 1,
+    the first save's DCP writer does (the failure DCP gathers from the ranks, pickled)."""
     import torch
     import torch.distributed as dist
 
     import ckpt
 
-    if bug:
+    if bug == "writer" and rank == 1:
+        from ckpt.dcp import Writer
+
+        real_write = Writer.write_data
+
+        def broken_write(self, plan, planner):
+            Writer.write_data = real_write
+            return len(None)
+
+        Writer.write_data = broken_write
+    elif bug is True:
         from ckpt.snapshot.peers import Peers
 
         real = Peers.publish

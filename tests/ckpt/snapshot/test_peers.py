@@ -52,6 +52,18 @@ def test_a_bug_in_a_groups_save_is_logged_with_its_traceback_on_each_rank_and_th
     assert out[0]["sent"][1] > 1_000_000  # the step 1 never reached the replica: step 2 sent all of the shared state
 
 
+def test_a_bug_in_one_ranks_dcp_writer_is_logged_by_that_rank_with_where_it_was_raised(tmp_path):
+    """A rank's failure in a DCP save reaches the ranks pickled, without its traceback: a bug there (a TypeError in
+    the writer) was logged as unexpected with its last line only. Now the rank that met it logs the frames DCP sent
+    beside it (the other rank only says it, in its warning); the next save lands in every rank's tier."""
+    out = W.run_ranks("tiers_replication", 2, str(tmp_path), store=str(tmp_path / "s"), bug="writer", unexpected=(1,))
+    for r in out:
+        assert "error" not in r, r.get("trace")
+        assert 2 in r["local_steps"], r
+    said = out[1].get("unexpected", [])
+    assert len(said) == 1 and "unexpected TypeError" in said[0] and "in broken_write" in said[0], said
+
+
 def test_transfers_go_in_rounds_through_reused_buffers_and_every_blob_arrives_intact(tmp_path):
     """3 ranks send blobs of many sizes (some larger than a round) to two peers each, at once: every blob
     arrives byte for byte, handed over round by round (each at most the round size, or one larger

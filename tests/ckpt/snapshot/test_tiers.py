@@ -1578,3 +1578,13 @@ def test_make_room_drops_the_oldest_first_and_nothing_that_would_not_make_room(t
     assert tier.make_room(4, free_bytes(tier.path) + size // 2) == [3] and tier.steps() == [2]
     assert free_bytes(tier.path) >= free + 2 * size - 65536 and tier.store.verify().ok
     tier.close()
+
+
+def test_an_interrupt_a_rank_met_is_no_bug():
+    """DCP gathers what each rank's save raised, BaseExceptions too: a KeyboardInterrupt a rank met mid-save came
+    back as that rank's failure and was logged as a bug (unexpected, with its traceback). What is no Exception
+    is the user's or the interpreter's doing, not a bug; a TypeError still is."""
+    from ckpt.snapshot.tiers import expected
+
+    assert expected(KeyboardInterrupt()) and expected(SystemExit(1))
+    assert not expected(TypeError("a bug")) and not expected(RuntimeError("gloo")) and expected(RuntimeError(), (RuntimeError,))
