@@ -21,7 +21,10 @@ def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PA
     ``snapshots`` holds rows ``offset .. offset+limit`` by step (``page``: the paging record,
     ``kept``: how many of all are live, ``metrics``: the names in those rows): a run saved
     thousands of times has as many snapshots, and a row's metrics and sizes are read from its
-    manifest (a request on S3), so only those of the page's rows (and the one before) are read."""
+    manifest (a request on S3), so only those of the page's rows (and the one before) are read.
+    A shown row is "durable" only where the store's copy of its manifest was read and found whole:
+    it is read first (the local tier's only where it fails), so a step whose durable copy is missing
+    or damaged is drawn as held by the local tier alone (or damaged), the damage named."""
     tiers = [("durable", view.store)] + ([("local", view.local)] if view.local is not None else [])
     found: dict[int, dict[str, Any]] = {}
     sizes: dict[str, int] = {}
@@ -53,8 +56,8 @@ def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PA
                 row["id"] = target
             elif not row["live"]:
                 row["removed_at"] = gone_at
-            if target is not None:  # where its manifest can be read: the first of these that answers
-                row.setdefault("_sources", []).append((target, store))
+            if target is not None:  # where its manifest can be read: the durable store's first (_snapshot_chunks)
+                row.setdefault("_sources", []).append((tier, target, store))
     if not found:
         raise RefNotFoundError(f"no training run named {name!r}", hint="runs are the refs RUN/step-N of a CheckpointManager")
     rows = [found[s] for s in sorted(found)]
@@ -77,7 +80,8 @@ def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PA
     for r in rows:
         r.pop("_sources", None)
         r["removed_at"] = None if r["live"] else r["removed_at"]
-        r["tier"] = " + ".join(r["tiers"]) if r["live"] else "damaged" if r["damaged"] else "removed"
+        # (a live step no tier's copy of which was found whole is "damaged": its tiers are what was read, on a page)
+        r["tier"] = " + ".join(r["tiers"]) if r["live"] and r["tiers"] else "damaged" if r["damaged"] else "removed"
     live = [r for r in rows if r["live"]]
     if live:
         live[-1]["latest"] = True  # a restore takes the newest snapshot any tier holds
@@ -99,18 +103,24 @@ def _pushed(view: StoreView, store: ckpt.Store, mids: list[str]) -> set[str]:
 def _snapshot_chunks(view: StoreView, row: dict[str, Any]) -> set[str] | None:
     """Fill a :meth:`run` row from its manifest (metrics, time saved, sizes), read and checked against its id;
     its own chunks, None where it cannot be read: removed and collected (the history line is all there is), or
-    damaged, which the row names (``damaged``; a kept step's manifest missing is damage too)."""
+    damaged, which the row names (``damaged``; a kept step's manifest missing is damage too). The durable
+    store's copy is read first: a tier whose copy of a step it holds does not read is dropped from the row's
+    ``tiers`` (the local tier's copy answered first, and a step whose durable copy was gone was drawn as
+    held by both: a user freeing a node took it for safe), and the next tier's copy is read."""
     why = None
-    for target, store in row.get("_sources", ()):
+    for tier, target, store in sorted(row.get("_sources", ()), key=lambda s: s[2] is not view.store):
+        held = row["live"] and tier in row["tiers"]
         try:
             mf = view.manifest(target, store)
-        except ObjectNotFoundError as e:
-            why = why or (str(e) if row["live"] else None)
-            continue
         except CkptError as e:
-            why = str(e)
+            if held:  # a kept step's manifest missing or damaged in a tier that holds it: that copy is not safe
+                row["tiers"] = [t for t in row["tiers"] if t != tier]
+                why = why or f"{tier}: {e}"
+            elif not isinstance(e, ObjectNotFoundError):  # (a removed step's, collected: no damage)
+                why = why or str(e)
             continue
         row.update(saved_at=mf.created, metrics=snapshot_metrics(mf.extra), logical_bytes=mf.logical_bytes, available=True)
+        row["damaged"] = row["damaged"] or why
         return own_chunks(mf)
     row["damaged"] = row["damaged"] or why
     return None
