@@ -3,8 +3,8 @@
 The documents of ``/api/refs`` (rows of ``ckpt ls --json``), ``/api/checkpoint/REF``
 (``ckpt show --json`` plus the ref's ``log``), ``/api/diff`` (``ckpt diff --json``) and the
 overview's usage (``ckpt du --json``) hold the same fields and numbers as the command line;
-tests compare them. Manifests, and what the overview and the lineage take of them (catalog.Overview),
-are cached by id (an id is the hash of the manifest's bytes, so a cached one is never stale); refs are listed again on every request, the chunk listing
+tests compare them. Manifests, and what the overview and the lineage take of them (catalog.Overview, by
+the store it was read from too), are cached by id (an id is the hash of the manifest's bytes, so a cached one is never stale); refs are listed again on every request, the chunk listing
 and the usage after a few seconds, so pages follow pushes made meanwhile.
 
 One rule for a checkpoint's overview, whatever the number asked (:meth:`StoreView.overviews`): the metadata index's
@@ -104,9 +104,11 @@ class StoreView:
         self._max_tensors = cache_tensors
         self._manifest_tensors = 0
         self._diff_tensors = 0
-        # Overviews by id, as manifests: bounded by their chunk ids as those by their tensors (~150 bytes an id), and
-        # in number by 16x the manifests' count (an overview without its chunk ids is ~300 bytes, a manifest more)
-        self._overviews: OrderedDict[str, Overview] = OrderedDict()
+        # Overviews by the store they were read from and id, as manifests: bounded by their chunk ids as those by their
+        # tensors (~150 bytes an id), and in number by 16x the manifests' count (an overview without its chunk ids is
+        # ~300 bytes, a manifest more). By store: one read from the local tier's copy (a run page's) was drawn for the
+        # store's same id, whose manifest the store had lost (a fresh view leaves that step out)
+        self._overviews: OrderedDict[tuple[str, str], Overview] = OrderedDict()
         self._overview_chunks = 0
         self._timed: dict[str, tuple[float, Any]] = {}
         self._checked: set[str] = set()  # manifests whose bytes were found to match their ids (the overview's)
@@ -163,19 +165,19 @@ class StoreView:
                   index: catalog.IndexOnce | None = None) -> dict[str, Overview]:
         """The :class:`~ckpt.store.catalog.Overview` of each of checkpoints ``mids`` (of ``store``, default the
         view's) that is stored and not found damaged (the rule of the module's doc), cached by id as manifests
-        are: those not cached from the metadata index where more than ``few``, one load of it and one batch of
-        existence checks (a run's 1,500 snapshots: 1,500 manifests read and parsed took 3-11 s), the others from
-        their manifests, or the index's summary where a manifest does not read (so that how many were asked does
-        not decide what is trusted); one neither gives is left out, as is one the view has found damaged. ``index``:
-        the load of the index shared by one page's calls (a long run's steps asked a page at a time past the cache
-        were a load each); default one for this call."""
+        are, and by the store read (another store's is not this one's): those not cached from the metadata index
+        where more than ``few``, one load of it and one batch of existence checks (a run's 1,500 snapshots: 1,500
+        manifests read and parsed took 3-11 s), the others from their manifests, or the index's summary where a
+        manifest does not read (so that how many were asked does not decide what is trusted); one neither gives is
+        left out, as is one the view has found damaged. ``index``: the load of the index shared by one page's calls
+        (a long run's steps asked a page at a time past the cache were a load each); default one for this call."""
         wanted = list(dict.fromkeys(mids))
-        with self._lock:
-            out = {mid: self._overviews[mid] for mid in wanted if mid in self._overviews}
-            for mid in out:
-                self._overviews.move_to_end(mid)
-        missing = [mid for mid in wanted if mid not in out]
         st = store or self.store
+        with self._lock:
+            out = {mid: self._overviews[(st.url, mid)] for mid in wanted if (st.url, mid) in self._overviews}
+            for mid in out:
+                self._overviews.move_to_end((st.url, mid))
+        missing = [mid for mid in wanted if mid not in out]
         index = index or catalog.IndexOnce()
         made = catalog.overviews(st, missing, None, index) if len(missing) > few else {}
         unread = []
@@ -190,8 +192,8 @@ class StoreView:
             made.update(catalog.overviews(st, unread, None, index))
         with self._lock:
             for mid, o in made.items():
-                if mid not in self._overviews:
-                    self._overviews[mid] = o
+                if (st.url, mid) not in self._overviews:
+                    self._overviews[(st.url, mid)] = o
                     self._overview_chunks += len(o.own)
             while len(self._overviews) > 1 and (len(self._overviews) > 16 * self._max_manifests
                                                 or self._overview_chunks > self._max_tensors):

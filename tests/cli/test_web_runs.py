@@ -228,6 +228,32 @@ def test_a_step_is_drawn_durable_only_where_the_stores_copy_reads_whole(tmp_path
     assert page.count('class="error damaged"') == 2 and page.count("<td>durable + local</td>") == 1
 
 
+def test_an_overview_read_from_the_local_tier_is_not_the_stores(tmp_path):
+    """Overviews were cached by id whichever store gave them: a run page read the local tier's (to tell its
+    steps from pushed checkpoints), and the lineage of the store then drew step 2, whose manifest the store
+    has lost (a fresh view leaves it out: no overview), as one of the run's snapshots, its chunks counted."""
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 4)
+    store.ls()
+    local = ckpt.Store.init(str(tmp_path / "local"))
+    store.copy_to(local, ["r/step-1", "r/step-2", "r/step-3", "r/step-4"])
+    _damage_manifest(store, tmp_path / "store", "r/step-2", "delete")
+
+    def run_node(doc: dict) -> dict:
+        return next(n for n in doc["nodes"] if n["kind"] == "run")
+
+    fresh = run_node(TestClient(create_app(store, local=local)).get("/api/lineage").json())
+    assert [s["step"] for s in fresh["snapshots"]] == [1, 3, 4]
+    c = TestClient(create_app(store, local=local))
+    assert c.get("/api/run/r").json()["snapshots"][1]["tier"] == "local"
+    warm = run_node(c.get("/api/lineage").json())
+    assert [s["step"] for s in warm["snapshots"]] == [1, 3, 4]  # was 1, 2, 3, 4
+    assert warm["stored_bytes"] == fresh["stored_bytes"]
+
+
 @pytest.mark.parametrize("few", [0, 100])
 def test_a_damaged_snapshot_the_view_found_is_left_out_however_many_are_read(tmp_path, monkeypatch, few):
     """A run of 8 snapshots, the index summarizing each, step 2's manifest damaged since: past FEW_MANIFESTS
