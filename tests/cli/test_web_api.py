@@ -1128,3 +1128,21 @@ def test_the_diff_pages_heatmap_has_its_own_smaller_limit(wide_diff_store):
     page = TestClient(create_app(wide_diff_store)).get("/diff", params={"a": "a", "b": "b"}).text
     assert page.count('<g class="cell"') == HEAT_CELLS
     assert f"the first {HEAT_CELLS} tensors of {HEAT_CELLS + 100}" in page
+
+
+def test_a_checkpoint_whose_chunks_are_gone_is_drawn_damaged(tmp_path):
+    """`ckpt show` names a checkpoint whose chunks are missing from the store (and exits 1), and /api/checkpoint
+    counts them (missing_chunks), but its page drew it as any other, its stored bytes merely smaller: a user
+    read it as whole. The page names the damage."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    model = Tiny()
+    store.push({k: v.detach().clone() for k, v in model.state_dict().items()}, "m")
+    store.push({"w": torch.arange(6, dtype=torch.float32)}, "whole")
+    cid = store.manifest(store.resolve("m")).tensors[0].chunks[0]
+    os.remove(tmp_path / "store" / "objects" / "chunks" / cid[:2] / cid)
+    c = TestClient(create_app(store))
+    assert c.get("/api/checkpoint/m").json()["missing_chunks"] == 1
+    page = c.get("/checkpoint/m")
+    assert page.status_code == 200 and 'id="missing-chunks"' in page.text
+    assert "damaged: 1 of its chunks are not in the store" in page.text
+    assert 'id="missing-chunks"' not in c.get("/checkpoint/whole").text
