@@ -116,19 +116,30 @@ class StoreView:
         self._damage_found = 0  # damaged manifests found so far: a summary made across a new finding is not kept
 
     # -- caches ---------------------------------------------------------------------
-    def manifest(self, mid: str, store: ckpt.Store | None = None) -> Manifest:
+    def manifest(self, mid: str, store: ckpt.Store | None = None, check: bool = False) -> Manifest:
         """Manifest ``mid`` (from ``store``, default the view's): cached by id, which names its bytes in any store;
-        one cached from another store is read from the view's when asked of it (its copy there is what is drawn)."""
+        one cached from another store is read from the view's when asked of it (its copy there is what is drawn).
+        ``check``: the view's store's copy is read again where cached, and checked against its id (not parsed), for
+        a page that says the store holds it now (a warm run page drew a step "durable" from the cache after its
+        manifest was deleted or damaged in the store); one that fails leaves the cache, and raises."""
         here = store is None or store is self.store
         with self._lock:
             m = self._manifests.get(mid)
             if m is not None and not (here and mid in self._elsewhere):
                 self._manifests.move_to_end(mid)
-                return m
+                if not (check and here):
+                    return m
+            else:
+                m = None
         try:
+            if m is not None:
+                self.store.objects.get_manifest(mid)
+                return m
             m = (store or self.store).manifest(mid)
-        except (CorruptObjectError, StoreFormatError) as e:
-            if here:  # (another tier's copy of it may be sound)
+        except CkptError as e:
+            if m is not None:
+                self._forget(mid)
+            if here and isinstance(e, (CorruptObjectError, StoreFormatError)):  # (another tier's copy may be sound)
                 with self._lock:
                     if len(self._damaged) > CACHE_TENSORS // 10:  # ids and errors, ~300 bytes each: bounded
                         self._damaged.clear()
@@ -153,6 +164,20 @@ class StoreView:
                 self._manifest_tensors -= len(old.tensors)
                 self._elsewhere.discard(gone)
         return m
+
+    def _forget(self, mid: str) -> None:
+        """Drop manifest ``mid`` of the view's store, and its overview, from the caches: its copy no longer reads."""
+        with self._lock:
+            old = self._manifests.pop(mid, None)
+            if old is not None:
+                self._manifest_tensors -= len(old.tensors)
+            self._elsewhere.discard(mid)
+            self._checked.discard(mid)
+            o = self._overviews.pop((self.store.url, mid), None)
+            if o is not None:
+                self._overview_chunks -= len(o.own)
+            self._timed.clear()  # the whole-store summaries drew it: made again (as for damage found)
+            self._damage_found += 1
 
     def verified(self, mid: str) -> bool:
         """Whether the view has read manifest ``mid`` from its store and found it to match its id (cached, or checked

@@ -111,7 +111,7 @@ def _snapshot_chunks(view: StoreView, row: dict[str, Any]) -> set[str] | None:
     for tier, target, store in sorted(row.get("_sources", ()), key=lambda s: s[2] is not view.store):
         held = row["live"] and tier in row["tiers"]
         try:
-            mf = view.manifest(target, store)
+            mf = view.manifest(target, store, check=held and store is view.store)  # ("durable": read now, not cached)
         except CkptError as e:
             if held:  # a kept step's manifest missing or damaged in a tier that holds it: that copy is not safe
                 row["tiers"] = [t for t in row["tiers"] if t != tier]

@@ -780,7 +780,7 @@ def test_a_run_page_leaves_out_checkpoints_pushed_under_the_run(tmp_path, monkey
     view = StoreView(store)
     reads = []
     real = view.manifest
-    monkeypatch.setattr(view, "manifest", lambda mid, s=None: reads.append(mid) or real(mid, s))
+    monkeypatch.setattr(view, "manifest", lambda mid, s=None, **k: reads.append(mid) or real(mid, s, **k))
     doc = run_doc(view, "run")
     rows = doc["snapshots"]
     assert [(r["step"], r["live"], r["latest"], r["tier"]) for r in rows] == [(1, True, True, "durable"), (2, False, False, "removed")]

@@ -228,6 +228,29 @@ def test_a_step_is_drawn_durable_only_where_the_stores_copy_reads_whole(tmp_path
     assert page.count('class="error damaged"') == 2 and page.count("<td>durable + local</td>") == 1
 
 
+@pytest.mark.parametrize("how", ["delete", "flip"])
+def test_a_warm_run_page_reads_the_stores_copy_again(tmp_path, how):
+    """A run page asked again drew a step "durable + local" from the manifest it had cached, after the store's
+    copy was deleted (or a bit flipped) underneath it: the cache is by id (its bytes cannot change) but the
+    store's copy can be lost. The page's rows read the store's copies again (checked against their ids):
+    the step is the local tier's alone, the damage named, and the lineage leaves it out."""
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 4)
+    local = ckpt.Store.init(str(tmp_path / "local"))
+    store.copy_to(local, ["r/step-3", "r/step-4"])
+    c = TestClient(create_app(store, local=local))
+    assert [r["tier"] for r in c.get("/api/run/r").json()["snapshots"]] == ["durable", "durable", "durable + local", "durable + local"]
+    _damage_manifest(store, tmp_path / "store", "r/step-3", how)
+    rows = c.get("/api/run/r").json()["snapshots"]
+    assert [r["tier"] for r in rows] == ["durable", "durable", "local", "durable + local"]  # was "durable + local"
+    assert rows[2]["damaged"].startswith("durable: ") and rows[2]["available"]
+    run = next(n for n in c.get("/api/lineage").json()["nodes"] if n["kind"] == "run")
+    assert [s["step"] for s in run["snapshots"]] == [1, 2, 4]
+
+
 def test_an_overview_read_from_the_local_tier_is_not_the_stores(tmp_path):
     """Overviews were cached by id whichever store gave them: a run page read the local tier's (to tell its
     steps from pushed checkpoints), and the lineage of the store then drew step 2, whose manifest the store
