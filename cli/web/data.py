@@ -381,6 +381,10 @@ class StoreView:
         key = (self.store.resolve(a), self.store.resolve(b), estimate)
 
         def made() -> Any:
+            # A ref whose manifest is gone resolves (its entry names the id) but the diff, of ids, answered 404
+            # "no ref or checkpoint named ID": a damaged store taken for a request's mistake. The damage is the error.
+            for mid in key[:2]:
+                self.manifest(mid, check=True)
             # Requests past DIFFS_AT_ONCE wait a while, not for ever: each holds one of the server's request threads.
             if not self._diff_slots.acquire(timeout=DIFF_WAIT_S):
                 raise DiffsBusyError(f"{DIFFS_AT_ONCE} diffs are being computed", hint="ask again in a while")

@@ -1146,3 +1146,19 @@ def test_a_checkpoint_whose_chunks_are_gone_is_drawn_damaged(tmp_path):
     assert page.status_code == 200 and 'id="missing-chunks"' in page.text
     assert "damaged: 1 of its chunks are not in the store" in page.text
     assert 'id="missing-chunks"' not in c.get("/checkpoint/whole").text
+
+
+def test_a_diff_of_a_ref_whose_manifest_is_gone_names_the_damage(tmp_path):
+    """A ref whose manifest was deleted from the store: its diff answered 404 "no ref or checkpoint named
+    <its id>" (the ref resolves; the diff, of ids, found no such checkpoint), which a script takes for its own
+    mistake. It is the store's damage (500), said as such, as the ref's own page says it."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    store.push({"w": torch.arange(6, dtype=torch.float32)}, "a")
+    store.push({"w": torch.arange(6, dtype=torch.float32) + 1}, "b")
+    mid = store.resolve("a")
+    os.remove(tmp_path / "store" / "objects" / "manifests" / mid[:2] / mid)
+    c = TestClient(create_app(store))
+    r = c.get("/api/diff", params={"a": "a", "b": "b"})
+    assert r.status_code == 500 and r.json()["error"].startswith(f"manifest {mid} is missing from the store")  # was 404
+    assert c.get("/diff", params={"a": "a", "b": "b"}).status_code == 500
+    assert c.get("/api/checkpoint/a").json() == r.json()
