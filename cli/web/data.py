@@ -343,9 +343,11 @@ class StoreView:
 
     def show(self, ref: str) -> dict[str, Any]:
         """The document of ``ckpt show REF --json``: stored bytes count the checkpoint's own
-        chunks and the delta bases they need (sizes from the cached listing of the store)."""
+        chunks and the delta bases they need (sizes from the cached listing of the store). The store's copy of
+        the manifest is read for each request (checked against its id): a warm view showed a checkpoint whose
+        manifest had since been deleted or damaged as whole, for as long as it ran."""
         mid = self.store.resolve(ref)
-        m = self.manifest(mid)
+        m = self.manifest(mid, check=True)
         needed = m.chunk_lengths()
         listing = self.chunk_sizes()
         sizes = {c: listing[c] for c in needed if c in listing}

@@ -1162,3 +1162,28 @@ def test_a_diff_of_a_ref_whose_manifest_is_gone_names_the_damage(tmp_path):
     assert r.status_code == 500 and r.json()["error"].startswith(f"manifest {mid} is missing from the store")  # was 404
     assert c.get("/diff", params={"a": "a", "b": "b"}).status_code == 500
     assert c.get("/api/checkpoint/a").json() == r.json()
+
+
+@pytest.mark.parametrize("how", ["delete", "flip"])
+def test_a_warm_view_shows_a_checkpoint_damaged_since_as_damaged(tmp_path, how):
+    """A view that had shown a checkpoint kept drawing it from its cache (by id) after the store's copy of its
+    manifest was deleted or a bit flipped: its page, as long as the view ran, as if whole. The page reads the
+    store's copy for each request: it names the damage, as a fresh view does."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    store.push({"w": torch.arange(6, dtype=torch.float32)}, "a")
+    mid = store.resolve("a")
+    c = TestClient(create_app(store))
+    assert c.get("/api/checkpoint/a").status_code == 200 and c.get("/checkpoint/a").status_code == 200
+    path = tmp_path / "store" / "objects" / "manifests" / mid[:2] / mid
+    if how == "delete":
+        path.unlink()
+    else:
+        os.chmod(path, 0o644)
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 1
+        path.write_bytes(bytes(raw))
+    fresh = TestClient(create_app(store)).get("/api/checkpoint/a")
+    warm = c.get("/api/checkpoint/a")
+    assert (warm.status_code, warm.json()) == (fresh.status_code, fresh.json()) and warm.status_code == 500  # was 200
+    assert ("is missing from the store" if how == "delete" else "is corrupt") in warm.json()["error"]
+    assert c.get("/checkpoint/a").status_code == 500
