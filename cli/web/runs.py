@@ -3,6 +3,7 @@ the runs of a store (the overview), built on :class:`~ckpt_store.cli.web.data.St
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ckpt
@@ -72,11 +73,17 @@ def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PA
         if chunks is not None:
             previous = chunks
             break
-    for r in shown:
-        chunks = _snapshot_chunks(view, r)
-        if chunks is not None:
-            r["new_bytes"] = None if previous is None else stored_bytes(chunks - previous, sizes)
-            previous = chunks
+    # The page's rows read io_workers at a time: each reads the store's copy of its manifest (a GET on S3; 100 one
+    # after another made a warm page 0.5 s slower on a loopback S3 server), a window so that few rows' chunk sets
+    # are held at once (a page may hold MAX_PAGE rows)
+    width = view.store.settings.io_workers
+    with ThreadPoolExecutor(width) as pool:
+        for at in range(0, len(shown), width):
+            window = shown[at:at + width]
+            for r, chunks in zip(window, pool.map(lambda r: _snapshot_chunks(view, r), window)):
+                if chunks is not None:
+                    r["new_bytes"] = None if previous is None else stored_bytes(chunks - previous, sizes)
+                    previous = chunks
     for r in rows:
         r.pop("_sources", None)
         r["removed_at"] = None if r["live"] else r["removed_at"]
