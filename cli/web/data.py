@@ -119,25 +119,25 @@ class StoreView:
     def manifest(self, mid: str, store: ckpt.Store | None = None, check: bool = False) -> Manifest:
         """Manifest ``mid`` (from ``store``, default the view's): cached by id, which names its bytes in any store;
         one cached from another store is read from the view's when asked of it (its copy there is what is drawn).
-        ``check``: the view's store's copy is read again where cached, and checked against its id (not parsed), for
-        a page that says the store holds it now (a warm run page drew a step "durable" from the cache after its
-        manifest was deleted or damaged in the store); one that fails leaves the cache, and raises."""
+        ``check``: ``store``'s copy is read again where cached, and checked against its id (not parsed), for a page
+        that says that store holds it now (a warm run page drew a step "durable" from the cache after its manifest
+        was deleted or damaged in the store); one of the view's store that fails leaves the cache; it raises."""
         here = store is None or store is self.store
         with self._lock:
             m = self._manifests.get(mid)
             if m is not None and not (here and mid in self._elsewhere):
                 self._manifests.move_to_end(mid)
-                if not (check and here):
+                if not check:
                     return m
             else:
                 m = None
         try:
             if m is not None:
-                self.store.objects.get_manifest(mid)
+                (store or self.store).objects.get_manifest(mid)
                 return m
             m = (store or self.store).manifest(mid)
         except CkptError as e:
-            if m is not None:
+            if m is not None and here:
                 self._forget(mid)
             if here and isinstance(e, (CorruptObjectError, StoreFormatError)):  # (another tier's copy may be sound)
                 with self._lock:

@@ -23,9 +23,9 @@ def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PA
     ``kept``: how many of all are live, ``metrics``: the names in those rows): a run saved
     thousands of times has as many snapshots, and a row's metrics and sizes are read from its
     manifest (a request on S3), so only those of the page's rows (and the one before) are read.
-    A shown row is "durable" only where the store's copy of its manifest was read and found whole:
-    it is read first (the local tier's only where it fails), so a step whose durable copy is missing
-    or damaged is drawn as held by the local tier alone (or damaged), the damage named."""
+    A shown row's tiers are those whose copy of its manifest was read for this request and found whole
+    (the store's first, a GET on S3; the local tier's, a file): a step whose durable copy is missing or
+    damaged is drawn as held by the local tier alone (or damaged), the damage named."""
     tiers = [("durable", view.store)] + ([("local", view.local)] if view.local is not None else [])
     found: dict[int, dict[str, Any]] = {}
     sizes: dict[str, int] = {}
@@ -110,15 +110,18 @@ def _pushed(view: StoreView, store: ckpt.Store, mids: list[str]) -> set[str]:
 def _snapshot_chunks(view: StoreView, row: dict[str, Any]) -> set[str] | None:
     """Fill a :meth:`run` row from its manifest (metrics, time saved, sizes), read and checked against its id;
     its own chunks, None where it cannot be read: removed and collected (the history line is all there is), or
-    damaged, which the row names (``damaged``; a kept step's manifest missing is damage too). The durable
-    store's copy is read first: a tier whose copy of a step it holds does not read is dropped from the row's
-    ``tiers`` (the local tier's copy answered first, and a step whose durable copy was gone was drawn as
-    held by both: a user freeing a node took it for safe), and the next tier's copy is read."""
+    damaged, which the row names (``damaged``; a kept step's manifest missing is damage too). Each tier
+    holding the step has its copy read (the durable store's first, which fills the row): one that does not
+    read is dropped from the row's ``tiers`` (the local tier's copy answered first, and a step whose durable
+    copy was gone was drawn as held by both: a user freeing a node took it for safe)."""
     why = None
+    chunks = None
     for tier, target, store in sorted(row.get("_sources", ()), key=lambda s: s[2] is not view.store):
         held = row["live"] and tier in row["tiers"]
+        if chunks is not None and not held:
+            continue  # (read, where the row is filled from, only to tell that this tier's copy is whole)
         try:
-            mf = view.manifest(target, store, check=held and store is view.store)  # ("durable": read now, not cached)
+            mf = view.manifest(target, store, check=held)  # (a tier holds it: its copy read now, not the cache's)
         except CkptError as e:
             if held:  # a kept step's manifest missing or damaged in a tier that holds it: that copy is not safe
                 row["tiers"] = [t for t in row["tiers"] if t != tier]
@@ -126,11 +129,12 @@ def _snapshot_chunks(view: StoreView, row: dict[str, Any]) -> set[str] | None:
             elif not isinstance(e, ObjectNotFoundError):  # (a removed step's, collected: no damage)
                 why = why or str(e)
             continue
-        row.update(saved_at=mf.created, metrics=snapshot_metrics(mf.extra), logical_bytes=mf.logical_bytes, available=True)
-        row["damaged"] = row["damaged"] or why
-        return own_chunks(mf)
+        if chunks is None:
+            row.update(saved_at=mf.created, metrics=snapshot_metrics(mf.extra), logical_bytes=mf.logical_bytes,
+                       available=True)
+            chunks = own_chunks(mf)
     row["damaged"] = row["damaged"] or why
-    return None
+    return chunks
 
 
 def run_names(view: StoreView) -> list[str]:

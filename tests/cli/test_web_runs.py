@@ -251,6 +251,28 @@ def test_a_warm_run_page_reads_the_stores_copy_again(tmp_path, how):
     assert [s["step"] for s in run["snapshots"]] == [1, 2, 4]
 
 
+def test_a_step_is_drawn_local_only_where_the_tiers_copy_reads_whole(tmp_path):
+    """The local tier's copy of a step was not read where the store's answered, or where the view had the
+    manifest cached (read from the store before retention removed the step there): a step whose local copy is
+    gone read as held by the tier ("durable + local", "local"), a restore from the node taken for possible.
+    Each tier holding a shown step has its copy read for the request."""
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 4)
+    local = ckpt.Store.init(str(tmp_path / "local"))
+    store.copy_to(local, ["r/step-2", "r/step-3", "r/step-4"])
+    c = TestClient(create_app(store, local=local))
+    assert [r["tier"] for r in c.get("/api/run/r").json()["snapshots"]] == ["durable"] + ["durable + local"] * 3
+    store.remove("r/step-2")  # (retention: the durable store no longer holds step 2; the view has its manifest)
+    for step in (2, 3):
+        _damage_manifest(local, tmp_path / "local", f"r/step-{step}", "delete")
+    rows = c.get("/api/run/r").json()["snapshots"]
+    assert [(r["step"], r["tier"]) for r in rows] == [(1, "durable"), (2, "damaged"), (3, "durable"), (4, "durable + local")]
+    assert rows[1]["damaged"].startswith("local: ") and rows[2]["damaged"].startswith("local: ")
+
+
 def test_an_overview_read_from_the_local_tier_is_not_the_stores(tmp_path):
     """Overviews were cached by id whichever store gave them: a run page read the local tier's (to tell its
     steps from pushed checkpoints), and the lineage of the store then drew step 2, whose manifest the store
