@@ -3,8 +3,8 @@
 The documents of ``/api/refs`` (rows of ``ckpt ls --json``), ``/api/checkpoint/REF``
 (``ckpt show --json`` plus the ref's ``log``), ``/api/diff`` (``ckpt diff --json``) and the
 overview's usage (``ckpt du --json``) hold the same fields and numbers as the command line;
-tests compare them. Manifests, and what the overview and the lineage take of them (catalog.Overview),
-are cached by id (an id is the hash of the manifest's bytes, so a cached one is never stale); refs are listed again on every request, the chunk listing
+tests compare them. Manifests, and what the overview and the lineage take of them (catalog.Overview, by
+the store it was read from too), are cached by id (an id is the hash of the manifest's bytes, so a cached one is never stale); refs are listed again on every request, the chunk listing
 and the usage after a few seconds, so pages follow pushes made meanwhile.
 
 One rule for a checkpoint's overview, whatever the number asked (:meth:`StoreView.overviews`): the metadata index's
@@ -104,9 +104,11 @@ class StoreView:
         self._max_tensors = cache_tensors
         self._manifest_tensors = 0
         self._diff_tensors = 0
-        # Overviews by id, as manifests: bounded by their chunk ids as those by their tensors (~150 bytes an id), and
-        # in number by 16x the manifests' count (an overview without its chunk ids is ~300 bytes, a manifest more)
-        self._overviews: OrderedDict[str, Overview] = OrderedDict()
+        # Overviews by the store they were read from and id, as manifests: bounded by their chunk ids as those by their
+        # tensors (~150 bytes an id), and in number by 16x the manifests' count (an overview without its chunk ids is
+        # ~300 bytes, a manifest more). By store: one read from the local tier's copy (a run page's) was drawn for the
+        # store's same id, whose manifest the store had lost (a fresh view leaves that step out)
+        self._overviews: OrderedDict[tuple[str, str], Overview] = OrderedDict()
         self._overview_chunks = 0
         self._timed: dict[str, tuple[float, Any]] = {}
         self._checked: set[str] = set()  # manifests whose bytes were found to match their ids (the overview's)
@@ -114,19 +116,30 @@ class StoreView:
         self._damage_found = 0  # damaged manifests found so far: a summary made across a new finding is not kept
 
     # -- caches ---------------------------------------------------------------------
-    def manifest(self, mid: str, store: ckpt.Store | None = None) -> Manifest:
+    def manifest(self, mid: str, store: ckpt.Store | None = None, check: bool = False) -> Manifest:
         """Manifest ``mid`` (from ``store``, default the view's): cached by id, which names its bytes in any store;
-        one cached from another store is read from the view's when asked of it (its copy there is what is drawn)."""
+        one cached from another store is read from the view's when asked of it (its copy there is what is drawn).
+        ``check``: ``store``'s copy is read again where cached, and checked against its id (not parsed), for a page
+        that says that store holds it now (a warm run page drew a step "durable" from the cache after its manifest
+        was deleted or damaged in the store); one of the view's store that fails leaves the cache; it raises."""
         here = store is None or store is self.store
         with self._lock:
             m = self._manifests.get(mid)
             if m is not None and not (here and mid in self._elsewhere):
                 self._manifests.move_to_end(mid)
-                return m
+                if not check:
+                    return m
+            else:
+                m = None
         try:
+            if m is not None:
+                (store or self.store).objects.get_manifest(mid)
+                return m
             m = (store or self.store).manifest(mid)
-        except (CorruptObjectError, StoreFormatError) as e:
-            if here:  # (another tier's copy of it may be sound)
+        except CkptError as e:
+            if m is not None and here:
+                self._forget(mid)
+            if here and isinstance(e, (CorruptObjectError, StoreFormatError)):  # (another tier's copy may be sound)
                 with self._lock:
                     if len(self._damaged) > CACHE_TENSORS // 10:  # ids and errors, ~300 bytes each: bounded
                         self._damaged.clear()
@@ -152,6 +165,20 @@ class StoreView:
                 self._elsewhere.discard(gone)
         return m
 
+    def _forget(self, mid: str) -> None:
+        """Drop manifest ``mid`` of the view's store, and its overview, from the caches: its copy no longer reads."""
+        with self._lock:
+            old = self._manifests.pop(mid, None)
+            if old is not None:
+                self._manifest_tensors -= len(old.tensors)
+            self._elsewhere.discard(mid)
+            self._checked.discard(mid)
+            o = self._overviews.pop((self.store.url, mid), None)
+            if o is not None:
+                self._overview_chunks -= len(o.own)
+            self._timed.clear()  # the whole-store summaries drew it: made again (as for damage found)
+            self._damage_found += 1
+
     def verified(self, mid: str) -> bool:
         """Whether the view has read manifest ``mid`` from its store and found it to match its id (cached, or checked
         by the overview page): else what a page shows of it may be the metadata index's summary alone (unverified);
@@ -163,19 +190,19 @@ class StoreView:
                   index: catalog.IndexOnce | None = None) -> dict[str, Overview]:
         """The :class:`~ckpt.store.catalog.Overview` of each of checkpoints ``mids`` (of ``store``, default the
         view's) that is stored and not found damaged (the rule of the module's doc), cached by id as manifests
-        are: those not cached from the metadata index where more than ``few``, one load of it and one batch of
-        existence checks (a run's 1,500 snapshots: 1,500 manifests read and parsed took 3-11 s), the others from
-        their manifests, or the index's summary where a manifest does not read (so that how many were asked does
-        not decide what is trusted); one neither gives is left out, as is one the view has found damaged. ``index``:
-        the load of the index shared by one page's calls (a long run's steps asked a page at a time past the cache
-        were a load each); default one for this call."""
+        are, and by the store read (another store's is not this one's): those not cached from the metadata index
+        where more than ``few``, one load of it and one batch of existence checks (a run's 1,500 snapshots: 1,500
+        manifests read and parsed took 3-11 s), the others from their manifests, or the index's summary where a
+        manifest does not read (so that how many were asked does not decide what is trusted); one neither gives is
+        left out, as is one the view has found damaged. ``index``: the load of the index shared by one page's calls
+        (a long run's steps asked a page at a time past the cache were a load each); default one for this call."""
         wanted = list(dict.fromkeys(mids))
-        with self._lock:
-            out = {mid: self._overviews[mid] for mid in wanted if mid in self._overviews}
-            for mid in out:
-                self._overviews.move_to_end(mid)
-        missing = [mid for mid in wanted if mid not in out]
         st = store or self.store
+        with self._lock:
+            out = {mid: self._overviews[(st.url, mid)] for mid in wanted if (st.url, mid) in self._overviews}
+            for mid in out:
+                self._overviews.move_to_end((st.url, mid))
+        missing = [mid for mid in wanted if mid not in out]
         index = index or catalog.IndexOnce()
         made = catalog.overviews(st, missing, None, index) if len(missing) > few else {}
         unread = []
@@ -190,8 +217,8 @@ class StoreView:
             made.update(catalog.overviews(st, unread, None, index))
         with self._lock:
             for mid, o in made.items():
-                if mid not in self._overviews:
-                    self._overviews[mid] = o
+                if (st.url, mid) not in self._overviews:
+                    self._overviews[(st.url, mid)] = o
                     self._overview_chunks += len(o.own)
             while len(self._overviews) > 1 and (len(self._overviews) > 16 * self._max_manifests
                                                 or self._overview_chunks > self._max_tensors):
@@ -316,9 +343,11 @@ class StoreView:
 
     def show(self, ref: str) -> dict[str, Any]:
         """The document of ``ckpt show REF --json``: stored bytes count the checkpoint's own
-        chunks and the delta bases they need (sizes from the cached listing of the store)."""
+        chunks and the delta bases they need (sizes from the cached listing of the store). The store's copy of
+        the manifest is read for each request (checked against its id): a warm view showed a checkpoint whose
+        manifest had since been deleted or damaged as whole, for as long as it ran."""
         mid = self.store.resolve(ref)
-        m = self.manifest(mid)
+        m = self.manifest(mid, check=True)
         needed = m.chunk_lengths()
         listing = self.chunk_sizes()
         sizes = {c: listing[c] for c in needed if c in listing}
@@ -354,6 +383,10 @@ class StoreView:
         key = (self.store.resolve(a), self.store.resolve(b), estimate)
 
         def made() -> Any:
+            # A ref whose manifest is gone resolves (its entry names the id) but the diff, of ids, answered 404
+            # "no ref or checkpoint named ID": a damaged store taken for a request's mistake. The damage is the error.
+            for mid in key[:2]:
+                self.manifest(mid, check=True)
             # Requests past DIFFS_AT_ONCE wait a while, not for ever: each holds one of the server's request threads.
             if not self._diff_slots.acquire(timeout=DIFF_WAIT_S):
                 raise DiffsBusyError(f"{DIFFS_AT_ONCE} diffs are being computed", hint="ask again in a while")

@@ -780,7 +780,7 @@ def test_a_run_page_leaves_out_checkpoints_pushed_under_the_run(tmp_path, monkey
     view = StoreView(store)
     reads = []
     real = view.manifest
-    monkeypatch.setattr(view, "manifest", lambda mid, s=None: reads.append(mid) or real(mid, s))
+    monkeypatch.setattr(view, "manifest", lambda mid, s=None, **k: reads.append(mid) or real(mid, s, **k))
     doc = run_doc(view, "run")
     rows = doc["snapshots"]
     assert [(r["step"], r["live"], r["latest"], r["tier"]) for r in rows] == [(1, True, True, "durable"), (2, False, False, "removed")]
@@ -1128,3 +1128,62 @@ def test_the_diff_pages_heatmap_has_its_own_smaller_limit(wide_diff_store):
     page = TestClient(create_app(wide_diff_store)).get("/diff", params={"a": "a", "b": "b"}).text
     assert page.count('<g class="cell"') == HEAT_CELLS
     assert f"the first {HEAT_CELLS} tensors of {HEAT_CELLS + 100}" in page
+
+
+def test_a_checkpoint_whose_chunks_are_gone_is_drawn_damaged(tmp_path):
+    """`ckpt show` names a checkpoint whose chunks are missing from the store (and exits 1), and /api/checkpoint
+    counts them (missing_chunks), but its page drew it as any other, its stored bytes merely smaller: a user
+    read it as whole. The page names the damage."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    model = Tiny()
+    store.push({k: v.detach().clone() for k, v in model.state_dict().items()}, "m")
+    store.push({"w": torch.arange(6, dtype=torch.float32)}, "whole")
+    cid = store.manifest(store.resolve("m")).tensors[0].chunks[0]
+    os.remove(tmp_path / "store" / "objects" / "chunks" / cid[:2] / cid)
+    c = TestClient(create_app(store))
+    assert c.get("/api/checkpoint/m").json()["missing_chunks"] == 1
+    page = c.get("/checkpoint/m")
+    assert page.status_code == 200 and 'id="missing-chunks"' in page.text
+    assert "damaged: 1 of its chunks are not in the store" in page.text
+    assert 'id="missing-chunks"' not in c.get("/checkpoint/whole").text
+
+
+def test_a_diff_of_a_ref_whose_manifest_is_gone_names_the_damage(tmp_path):
+    """A ref whose manifest was deleted from the store: its diff answered 404 "no ref or checkpoint named
+    <its id>" (the ref resolves; the diff, of ids, found no such checkpoint), which a script takes for its own
+    mistake. It is the store's damage (500), said as such, as the ref's own page says it."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    store.push({"w": torch.arange(6, dtype=torch.float32)}, "a")
+    store.push({"w": torch.arange(6, dtype=torch.float32) + 1}, "b")
+    mid = store.resolve("a")
+    os.remove(tmp_path / "store" / "objects" / "manifests" / mid[:2] / mid)
+    c = TestClient(create_app(store))
+    r = c.get("/api/diff", params={"a": "a", "b": "b"})
+    assert r.status_code == 500 and r.json()["error"].startswith(f"manifest {mid} is missing from the store")  # was 404
+    assert c.get("/diff", params={"a": "a", "b": "b"}).status_code == 500
+    assert c.get("/api/checkpoint/a").json() == r.json()
+
+
+@pytest.mark.parametrize("how", ["delete", "flip"])
+def test_a_warm_view_shows_a_checkpoint_damaged_since_as_damaged(tmp_path, how):
+    """A view that had shown a checkpoint kept drawing it from its cache (by id) after the store's copy of its
+    manifest was deleted or a bit flipped: its page, as long as the view ran, as if whole. The page reads the
+    store's copy for each request: it names the damage, as a fresh view does."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    store.push({"w": torch.arange(6, dtype=torch.float32)}, "a")
+    mid = store.resolve("a")
+    c = TestClient(create_app(store))
+    assert c.get("/api/checkpoint/a").status_code == 200 and c.get("/checkpoint/a").status_code == 200
+    path = tmp_path / "store" / "objects" / "manifests" / mid[:2] / mid
+    if how == "delete":
+        path.unlink()
+    else:
+        os.chmod(path, 0o644)
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 1
+        path.write_bytes(bytes(raw))
+    fresh = TestClient(create_app(store)).get("/api/checkpoint/a")
+    warm = c.get("/api/checkpoint/a")
+    assert (warm.status_code, warm.json()) == (fresh.status_code, fresh.json()) and warm.status_code == 500  # was 200
+    assert ("is missing from the store" if how == "delete" else "is corrupt") in warm.json()["error"]
+    assert c.get("/checkpoint/a").status_code == 500

@@ -156,24 +156,35 @@ def test_a_long_runs_lineage_on_s3_makes_a_few_requests_not_one_per_snapshot(s3_
     assert len(seen) <= 16, seen  # 9 here: 5 listings, 3 GETs of the index, 1 manifest; was 12 manifest GETs more
 
 
-def _run_with_step_2_damaged(tmp_path) -> ckpt.Store:
-    """A run of 8 snapshots, the index summarizing each (`ls`), step 2's manifest damaged since (a bit flipped)."""
-    store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 8)
-    store.ls()
-    mid = store.resolve("r/step-2")
-    path = tmp_path / "store" / "objects" / "manifests" / mid[:2] / mid
+def _damage_manifest(store: ckpt.Store, root, ref: str, how: str = "flip") -> str:
+    """Damage the stored manifest ``ref`` names in the store at folder ``root``: a bit flipped ("flip") or the
+    file removed ("delete"); its id."""
+    mid = store.resolve(ref)
+    path = root / "objects" / "manifests" / mid[:2] / mid
+    if how == "delete":
+        path.unlink()
+        return mid
     os.chmod(path, 0o644)
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 1
     path.write_bytes(bytes(raw))
+    return mid
+
+
+def _run_with_step_2_damaged(tmp_path) -> ckpt.Store:
+    """A run of 8 snapshots, the index summarizing each (`ls`), step 2's manifest damaged since (a bit flipped)."""
+    store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 8)
+    store.ls()
+    _damage_manifest(store, tmp_path / "store", "r/step-2")
     return store
 
 
 def test_a_manifest_read_from_the_local_tier_does_not_verify_the_stores_copy(tmp_path):
-    """A run page reads a step's manifest from the run's local tier first; cached by id, the lineage of the
+    """A run page read a step's manifest from the run's local tier first; cached by id, the lineage of the
     (durable) store then drew that step verified, and took the cached copy for its newest step, though the
-    store's copies of steps 2 and 4 are damaged (a bit flipped after the copy). The store's copy is read when
-    the store's is asked for: step 4 is left out (found damaged), step 2 drawn from its summary unverified."""
+    store's copies of steps 2 and 4 are damaged (a bit flipped after the copy). The run page reads the
+    store's copies now (they are what "durable" means): steps 2 and 4 are the local tier's alone, the
+    damage named, and the lineage leaves them out (found damaged)."""
     from ckpt_store.cli.web.runs import run_doc
 
     store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 4)
@@ -181,18 +192,111 @@ def test_a_manifest_read_from_the_local_tier_does_not_verify_the_stores_copy(tmp
     local = ckpt.Store.init(str(tmp_path / "local"))
     store.copy_to(local, ["r/step-2", "r/step-3", "r/step-4"])
     for step in (2, 4):
-        mid = store.resolve(f"r/step-{step}")
-        path = tmp_path / "store" / "objects" / "manifests" / mid[:2] / mid
-        os.chmod(path, 0o644)
-        raw = bytearray(path.read_bytes())
-        raw[len(raw) // 2] ^= 1
-        path.write_bytes(bytes(raw))
+        _damage_manifest(store, tmp_path / "store", f"r/step-{step}")
     view = StoreView(store, local)
     rows = run_doc(view, "r")["snapshots"]
     assert [(r["step"], r["tier"], r["available"]) for r in rows] == [
-        (1, "durable", True), (2, "durable + local", True), (3, "durable + local", True), (4, "durable + local", True)]
+        (1, "durable", True), (2, "local", True), (3, "durable + local", True), (4, "local", True)]
     run = next(n for n in lineage(view)["nodes"] if n["kind"] == "run")
-    assert [(s["step"], s["verified"]) for s in run["snapshots"]] == [(1, True), (2, False), (3, True)]  # was all 4, True
+    assert [(s["step"], s["verified"]) for s in run["snapshots"]] == [(1, True), (3, True)]  # was all 4, True
+
+
+@pytest.mark.parametrize("how", ["delete", "flip"])
+def test_a_step_is_drawn_durable_only_where_the_stores_copy_reads_whole(tmp_path, how):
+    """A step live in the store and the local tier was drawn "durable + local" with its metrics read from the
+    local tier's copy, the store's never read: its manifest there gone (or a bit flipped) still read as held
+    by the store, and a user freeing the node would have deleted the one whole copy. The store's copy is read
+    for each shown row: that step is the local tier's alone, the store's damage named; a step the store alone
+    holds, damaged, is drawn damaged (it was "durable")."""
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 4)
+    local = ckpt.Store.init(str(tmp_path / "local"))
+    store.copy_to(local, ["r/step-3", "r/step-4"])
+    _damage_manifest(store, tmp_path / "store", "r/step-3", how)
+    _damage_manifest(store, tmp_path / "store", "r/step-1", how)
+    c = TestClient(create_app(store, local=local))
+    rows = {r["step"]: r for r in c.get("/api/run/r").json()["snapshots"]}
+    assert {s: (r["tier"], r["live"], r["available"]) for s, r in rows.items()} == {
+        1: ("damaged", True, False), 2: ("durable", True, True), 3: ("local", True, True), 4: ("durable + local", True, True)}
+    assert rows[3]["damaged"].startswith("durable: ") and rows[1]["damaged"].startswith("durable: ")
+    assert rows[3]["id"] == local.resolve("r/step-3")
+    assert rows[2]["damaged"] is None and rows[4]["damaged"] is None
+    page = c.get("/run/r").text
+    assert page.count('class="error damaged"') == 2 and page.count("<td>durable + local</td>") == 1
+
+
+@pytest.mark.parametrize("how", ["delete", "flip"])
+def test_a_warm_run_page_reads_the_stores_copy_again(tmp_path, how):
+    """A run page asked again drew a step "durable + local" from the manifest it had cached, after the store's
+    copy was deleted (or a bit flipped) underneath it: the cache is by id (its bytes cannot change) but the
+    store's copy can be lost. The page's rows read the store's copies again (checked against their ids):
+    the step is the local tier's alone, the damage named, and the lineage leaves it out."""
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 4)
+    local = ckpt.Store.init(str(tmp_path / "local"))
+    store.copy_to(local, ["r/step-3", "r/step-4"])
+    c = TestClient(create_app(store, local=local))
+    assert [r["tier"] for r in c.get("/api/run/r").json()["snapshots"]] == ["durable", "durable", "durable + local", "durable + local"]
+    _damage_manifest(store, tmp_path / "store", "r/step-3", how)
+    rows = c.get("/api/run/r").json()["snapshots"]
+    assert [r["tier"] for r in rows] == ["durable", "durable", "local", "durable + local"]  # was "durable + local"
+    assert rows[2]["damaged"].startswith("durable: ") and rows[2]["available"]
+    run = next(n for n in c.get("/api/lineage").json()["nodes"] if n["kind"] == "run")
+    assert [s["step"] for s in run["snapshots"]] == [1, 2, 4]
+
+
+def test_a_step_is_drawn_local_only_where_the_tiers_copy_reads_whole(tmp_path):
+    """The local tier's copy of a step was not read where the store's answered, or where the view had the
+    manifest cached (read from the store before retention removed the step there): a step whose local copy is
+    gone read as held by the tier ("durable + local", "local"), a restore from the node taken for possible.
+    Each tier holding a shown step has its copy read for the request."""
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 4)
+    local = ckpt.Store.init(str(tmp_path / "local"))
+    store.copy_to(local, ["r/step-2", "r/step-3", "r/step-4"])
+    c = TestClient(create_app(store, local=local))
+    assert [r["tier"] for r in c.get("/api/run/r").json()["snapshots"]] == ["durable"] + ["durable + local"] * 3
+    store.remove("r/step-2")  # (retention: the durable store no longer holds step 2; the view has its manifest)
+    for step in (2, 3):
+        _damage_manifest(local, tmp_path / "local", f"r/step-{step}", "delete")
+    rows = c.get("/api/run/r").json()["snapshots"]
+    assert [(r["step"], r["tier"]) for r in rows] == [(1, "durable"), (2, "damaged"), (3, "durable"), (4, "durable + local")]
+    assert rows[1]["damaged"].startswith("local: ") and rows[2]["damaged"].startswith("local: ")
+
+
+def test_an_overview_read_from_the_local_tier_is_not_the_stores(tmp_path):
+    """Overviews were cached by id whichever store gave them: a run page read the local tier's (to tell its
+    steps from pushed checkpoints), and the lineage of the store then drew step 2, whose manifest the store
+    has lost (a fresh view leaves it out: no overview), as one of the run's snapshots, its chunks counted."""
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 4)
+    store.ls()
+    local = ckpt.Store.init(str(tmp_path / "local"))
+    store.copy_to(local, ["r/step-1", "r/step-2", "r/step-3", "r/step-4"])
+    _damage_manifest(store, tmp_path / "store", "r/step-2", "delete")
+
+    def run_node(doc: dict) -> dict:
+        return next(n for n in doc["nodes"] if n["kind"] == "run")
+
+    fresh = run_node(TestClient(create_app(store, local=local)).get("/api/lineage").json())
+    assert [s["step"] for s in fresh["snapshots"]] == [1, 3, 4]
+    c = TestClient(create_app(store, local=local))
+    assert c.get("/api/run/r").json()["snapshots"][1]["tier"] == "local"
+    warm = run_node(c.get("/api/lineage").json())
+    assert [s["step"] for s in warm["snapshots"]] == [1, 3, 4]  # was 1, 2, 3, 4
+    assert warm["stored_bytes"] == fresh["stored_bytes"]
 
 
 @pytest.mark.parametrize("few", [0, 100])
