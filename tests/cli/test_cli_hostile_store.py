@@ -488,6 +488,37 @@ def test_an_index_of_the_wrong_shape_is_read_past_not_a_traceback(where, good, t
     ok("push", tmp_path / "b.safetensors", "ft/new", store=good, env=env)
 
 
+@pytest.mark.parametrize("poison", ["signature of one item", "signature items of four", "signature of a number", "no base"])
+def test_a_crafted_summary_that_base_choice_reads_is_read_again_from_its_manifest(poison, good, tmp_path, env):
+    """Found by mutating a real store's index objects (resealed and hashed as ckpt does) and running
+    the commands: a tensor signature of the wrong shape stored under its checkpoint's own key (its
+    summary dropped as not well formed and read again from the manifest, but the crafted signature
+    kept, the key being taken), or a summary without "base", made every `ckpt push` to the store
+    crash in base choice with a traceback (not enough values to unpack; KeyError: 'base')."""
+    store = ckpt.Store.open(str(good))
+    store.ls()
+    bad = {"signature of one item": [[1]], "signature items of four": [["0.weight", "F32", 16384, 1]],
+           "signature of a number": 5}.get(poison)
+
+    def change(body: dict) -> dict:
+        for key in body["sigs"]:
+            if bad is not None:
+                body["sigs"][key] = bad
+        for info in body["info"].values():
+            if bad is None:
+                del info["base"]
+        return body
+
+    snap = max((good / "index").glob("*.snap"))
+    part = good / "index" / json.loads(snap.read_bytes().partition(b"\n")[0])["recent"]
+    _reseal(snap, change, recent_hash=_reseal(part, change))
+    r = run("push", tmp_path / "b.safetensors", "ft/new", store=good, env=env)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    # as without the index: the same overlap with base and ft/x, and the tie goes to the one that is no delta
+    assert manifest_of(good, "ft/new")["lineage"]["base"] == ckpt.Store.open(str(good)).resolve("base")
+    ok("verify", store=good, env=env)
+
+
 @pytest.mark.parametrize("part", ["recent", "chunks"])
 def test_an_index_snapshot_naming_a_part_outside_index_is_not_followed(part, good, tmp_path, env):
     """A snapshot's header names its parts (``.recent``, ``.chunks``) by name; one naming
