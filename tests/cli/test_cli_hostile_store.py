@@ -182,6 +182,27 @@ def test_a_copy_from_a_damaged_store_says_the_source_is_damaged_not_the_store_it
     assert set(ckpt.Store.open(str(mine)).refs()) == {"own"}
 
 
+def test_a_copy_of_a_delta_whose_base_the_source_lacks_says_the_source_is_damaged(good, tmp_path, env):
+    """Theirs holds ft/x's chunks as deltas against base's, but lost those bases, and its manifest does not
+    name them (delta_bases dropped); mine holds base. Each blob checked out (its base read from mine), but a
+    delta against a chunk the copied manifest does not name is written whole, from the source, whose base is
+    missing: the one line said "chunk ... is missing from the store (run `ckpt verify` ...)", sending the user
+    to verify mine, the store the command ran in. It names the source store now, and mine is left as it was."""
+    mine = tmp_path / "mine"
+    ckpt.Store.init(str(mine))
+    ok("copy", "base", "--from", good, store=mine, env=env)
+    m = manifest_of(good, "ft/x")
+    bases = {b for t in m["tensors"] for chain in t.pop("delta_bases", []) for b in chain}
+    assert bases
+    for b in bases:
+        (good / "objects/chunks" / b[:2] / b).unlink()
+    republish(good, "ft/x", m)
+    line = fails("copy", "ft/x", "--from", good, store=mine, env=env)
+    assert line.startswith(f"error: source store {good}: ") and "`ckpt verify` on the source store" in line, line
+    assert set(ckpt.Store.open(str(mine)).refs()) == {"base"}
+    ok("verify", store=mine, env=env)
+
+
 @pytest.mark.parametrize("poison", ["info", "chunks"])
 def test_a_crafted_metadata_index_is_read_past_not_trusted(poison, good, env):
     """The metadata index is a cache that anyone writing a store folder can write, sealed and hashed
