@@ -203,6 +203,51 @@ def test_a_copy_of_a_delta_whose_base_the_source_lacks_says_the_source_is_damage
     ok("verify", store=mine, env=env)
 
 
+def _chunk_id_not_an_id(m: dict) -> None:
+    m["tensors"][0]["chunks"][0] = "model.safetensors"
+
+
+def _path_out_of_the_folder(m: dict) -> None:
+    m["files"][0]["path"] = "../../.bashrc"
+    for t in m["tensors"]:
+        t["file"] = "../../.bashrc"
+
+
+def _tensor_name_with_nul(m: dict) -> None:
+    m["tensors"][0]["name"] = "0.weight\u0000"
+
+
+@pytest.mark.parametrize("damage", [_chunk_id_not_an_id, _path_out_of_the_folder, _tensor_name_with_nul])
+def test_a_manifest_naming_what_no_name_can_be_is_a_damaged_manifest_named_in_one_line(damage, good, tmp_path, env):
+    """A manifest (hashing to its id) whose chunk id, file path or tensor name is none that can be: the
+    one line said "'model.safetensors' is not an object id" or "file path '../../.bashrc' would escape
+    the checkpoint directory", naming no manifest or ref, as for a name the user typed (InvalidNameError:
+    the web view answered 400 "bad request", and `ckpt copy --from` did not say the source was damaged).
+    It is a damaged manifest now, named, wherever it is read: show, pull, copy, the web view, gc."""
+    m = manifest_of(good, "ft/x")
+    damage(m)
+    mid = republish(good, "ft/x", m)
+    for args in (["show", "ft/x"], ["pull", "ft/x", tmp_path / "out"]):
+        line = fails(*args, store=good, env=env)
+        assert f"manifest {mid}: " in line, line
+    assert not (tmp_path / "out").exists()
+    mine = tmp_path / "mine"
+    ckpt.Store.init(str(mine))
+    line = fails("copy", "ft/x", "--from", good, store=mine, env=env)
+    assert line.startswith(f"error: source store {good}: manifest {mid}: "), line
+    assert ckpt.Store.open(str(mine)).refs() == {}
+    if damage is _chunk_id_not_an_id:  # (gc reads only chunk ids: a name is no damage to it)
+        line = fails("gc", store=good, env=env)
+        assert line.startswith("error: gc deleted nothing: the checkpoint of ft/x cannot be read") and mid in line, line
+    pytest.importorskip("httpx", reason="starlette's TestClient needs httpx")
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    r = TestClient(create_app(ckpt.Store.open(str(good)))).get("/api/checkpoint/ft/x")
+    assert r.status_code == 500 and r.json()["error"].startswith(f"manifest {mid}: "), (r.status_code, r.text)
+
+
 @pytest.mark.parametrize("poison", ["info", "chunks"])
 def test_a_crafted_metadata_index_is_read_past_not_trusted(poison, good, env):
     """The metadata index is a cache that anyone writing a store folder can write, sealed and hashed
