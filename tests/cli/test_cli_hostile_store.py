@@ -300,6 +300,37 @@ def test_dcp_shards_that_overlap_are_refused_not_consolidated_from_uninitialised
         store.load("one/a")
 
 
+def test_a_dcp_record_naming_a_key_no_state_dict_can_hold_is_a_damaged_manifest(tmp_path, env):
+    """A distributed checkpoint whose DCP record holds the key 'b\\x00': pull and show said "invalid state
+    dict key 'b\\x00'", as for a name the user typed (InvalidNameError), and the web view answered 400 "bad
+    request", the client's mistake. It is a damaged manifest now (a 500 there, naming the checkpoint)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt.dcp
+
+    root = tmp_path / "store"
+    ckpt.Store.init(str(root))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP warns, and saves in this process
+        dcp.save({"w": torch.ones(4, 4), "b": torch.ones(3)}, storage_writer=ckpt.dcp.Writer(str(root), "one/a"))
+    m = manifest_of(root, "one/a")
+    items = m["extra"]["dcp"]["items"]
+    items["b\x00"] = items.pop("b")
+    mid = republish(root, "one/a", m)
+    line = fails("pull", "one/a", tmp_path / "out.safetensors", store=root, env=env)
+    assert line.startswith("error: manifest: invalid state dict key"), line
+    assert not (tmp_path / "out.safetensors").exists()
+    pytest.importorskip("httpx", reason="starlette's TestClient needs httpx")
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    r = TestClient(create_app(ckpt.Store.open(str(root)))).get("/api/checkpoint/one/a")
+    assert r.status_code == 500 and r.json()["error"].startswith(f"checkpoint {mid[:12]}: "), (r.status_code, r.text)
+
+
 def _limited(args: list[str | Path], store: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """``ckpt --store STORE ARGS`` with its address space capped at 4 GiB (a read of a 50 GB file fails
     fast with MemoryError instead of exhausting the machine)."""
