@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ckpt_store.storage.errors import StoreFormatError
+from ckpt_store.storage.errors import InvalidNameError, StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import strict_loads
 
@@ -50,8 +50,8 @@ def chunk_nodes(obj: dict[str, Any]) -> Iterator[dict[str, Any]]:
             stack.extend(reversed(node))
 
 
-def referenced_chunks(manifest: bytes) -> set[str]:
-    """Every chunk id a manifest names (its chunks and every base of their delta chains)."""
+def referenced_chunks(manifest: bytes, what: str = "manifest") -> set[str]:
+    """Every chunk id a manifest (``what``, in an error) names (its chunks and every base of their delta chains)."""
     out: set[str] = set()
 
     def collect(ids: list[Any]) -> None:  # ids, or lists of ids (delta chains)
@@ -59,7 +59,10 @@ def referenced_chunks(manifest: bytes) -> set[str]:
             if isinstance(x, list):
                 collect(x)
             elif x is not None:
-                out.add(check_id(x))
+                try:
+                    out.add(check_id(x))
+                except InvalidNameError as e:  # (what the manifest names: damage of it, not a name a user typed)
+                    raise StoreFormatError(f"{what}: {e.message}") from None
 
     for node in chunk_nodes(parse_manifest(manifest)):
         for k in CHUNK_LIST_KEYS:

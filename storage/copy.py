@@ -118,8 +118,12 @@ class _Sender:
     def _send_chunk(self, cid: str) -> str | None:
         with reading_source(self.src):  # (the blob is the source's: so is what its check finds wrong)
             blob = self.src.get("chunks", cid)
-            base = self.check_chunk(cid, blob)
-        out = blob if self.recode is None else self.recode(cid, blob)
+            try:
+                base = self.check_chunk(cid, blob)
+            except (CorruptObjectError, ObjectNotFoundError) as e:
+                blob = self._stored(cid, blob, e)
+                base = self.check_chunk(cid, blob)
+        out = self._recoded(cid, blob)
         path = self.dst.path("chunks", cid)
         if self.taken is None or cid in self.resend:
             self.dst.backend.write(path, out)
@@ -129,13 +133,36 @@ class _Sender:
                     self.report.chunks_present += 1
                 self.progress.advance(self.weights.get(cid, 0))
                 return None
-            out = blob if self.recode is None else self.recode(cid, blob)  # (now written whole)
+            out = self._recoded(cid, blob)  # (now written whole)
             self.dst.backend.write(path, out)
         with self.lock:
             self.report.chunks_sent += 1
             self.report.bytes_sent += data_size(out)
         self.progress.advance(self.weights.get(cid, 0))
         return base
+
+    def _recoded(self, cid: str, blob: bytes) -> Data:
+        """``blob`` as the destination gets it (:attr:`recode`). Writing a delta whole reads its chain from the
+        source: what is missing or damaged there is the source's (it said "missing from the store", and sent
+        the user of ``ckpt --store MINE copy --from THEIRS`` to verify MINE)."""
+        if self.recode is None:
+            return blob
+        with reading_source(self.src):
+            return self.recode(cid, blob)
+
+    def _stored(self, cid: str, blob: bytes, e: CkptError) -> bytes:
+        """The source's own blob of chunk ``cid``, where ``blob``, read through the local chunk cache, failed its
+        check with ``e``: the cache keeps one blob of a chunk for all the stores of one store id (a bucket synced
+        from another, then written to), and another's may be a delta against a base this one lacks (a pull reads
+        past it too: ckpt/transfer/fetch.py, cache_at_fault). Raises ``e`` where the store holds that blob: the
+        damage is the store's."""
+        if self.src.cache is None:
+            raise e
+        own = self.src.get("chunks", cid, cached=False)
+        if own == blob:
+            raise e
+        self.src.cache.drop(cid)
+        return own
 
     def chunks(self, ids: Iterable[str], depth: Mapping[str, int], known: set[str]) -> None:
         """Send chunks ``ids`` in waves of increasing delta depth (bases first). A base named by a

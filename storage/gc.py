@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt_store.storage.backends.base import TEMPORARY, Backend
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.config import CONFIG_PATH
-from ckpt_store.storage.errors import CkptError, InvalidNameError, ObjectNotFoundError, StoreFormatError
+from ckpt_store.storage.errors import CkptError, CorruptObjectError, InvalidNameError, ObjectNotFoundError, StoreFormatError
 from ckpt_store.storage.leases import Lock, check_fresh, leased
 from ckpt_store.storage.objects import ObjectStore, Temporaries
 from ckpt_store.storage.refs import RefEntry, Refs, history_floor
@@ -303,7 +303,10 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
             raise _stopped_by(e, found) from None
         if data is not None:
             roots.add(mid)
-            live_chunks |= referenced_chunks(data)
+            try:
+                live_chunks |= referenced_chunks(data)
+            except StoreFormatError as e:  # (intact bytes that name no chunk: its writer's damage, named here)
+                raise _stopped_by(CorruptObjectError("manifest", mid, e.message.removeprefix("manifest: ")), found) from None
     if index is not None and view is not None:
         try:
             index.ensure(view, indexed, chunks=True)  # a live manifest the index lacks is read (and must be readable)

@@ -263,15 +263,15 @@ class StoreIndex:
             st.read += 1
         return failed
 
-    def _summary(self, data: bytes) -> tuple[dict[str, Any], Any, list[str], Any]:
-        chunks = sorted(referenced_chunks(data))
+    def _summary(self, data: bytes, what: str = "manifest") -> tuple[dict[str, Any], Any, list[str], Any]:
+        chunks = sorted(referenced_chunks(data, what))
         if self.summarize is None:
             return {}, None, chunks, None
         info, sig, detail = self.summarize(data, chunks)
         return info, sig, chunks, detail
 
     def _add(self, st: IndexState, mid: str, data: bytes) -> None:
-        info, sig, chunks, detail = self._summary(data)
+        info, sig, chunks, detail = self._summary(data, f"manifest {mid}")
         st.add_manifest(mid, info, sig, chunks, detail)
 
     def heal(self, st: IndexState) -> None:

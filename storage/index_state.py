@@ -127,7 +127,10 @@ class IndexState:
         info.pop("sig", None)  # only ever the key of ``sig``: a log's own "sig" (a list, say) made readers crash
         if sig is not None:
             key = blake3.blake3(canonical_json(sig)).hexdigest()[:16]
-            self.sigs.setdefault(key, sig)
+            # Shared by a family of fine-tunes (one object), but only where what a snapshot or log gave
+            # under this key is this signature: a crafted one under it made base choice crash.
+            if self.sigs.get(key) != sig:
+                self.sigs[key] = sig
             info["sig"] = key
         self.info[mid] = info
         (self.chunks if self.chunks is not None else self.log_chunks)[mid] = [chunks, detail]

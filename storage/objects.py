@@ -143,9 +143,10 @@ class ObjectStore:
         self.backend.write(p, blob)
         return True
 
-    def get(self, kind: str, oid: str, *, at: str | None = None) -> bytes:
-        """Object ``oid``, from its own path or from ``at`` (:attr:`ObjectInfo.condemned`)."""
-        cache = self.cache if kind == "chunks" and at is None else None
+    def get(self, kind: str, oid: str, *, at: str | None = None, cached: bool = True) -> bytes:
+        """Object ``oid``, from its own path or from ``at`` (:attr:`ObjectInfo.condemned`); ``cached=False``:
+        the store's own, past the local chunk cache (which may hold another store's blob of a chunk)."""
+        cache = self.cache if kind == "chunks" and at is None and cached else None
         if cache is not None:
             blob = cache.get(oid)
             if blob is not None:

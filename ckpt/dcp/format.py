@@ -31,7 +31,7 @@ from ckpt.format.dtypes import DTYPES, itemsize
 from ckpt.format.names import check_tensor_name
 from ckpt.format.safetensors_header import MAX_ELEMENTS
 from ckpt_store.storage.chunk_lists import CHUNK_LIST_KEYS
-from ckpt_store.storage.errors import StoreFormatError
+from ckpt_store.storage.errors import InvalidNameError, StoreFormatError
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -200,6 +200,13 @@ def _covers_once(shards: list[Shard], size: tuple[int, ...]) -> bool | None:
 
 def decode_layout(extra: dict[str, Any], what: str) -> DcpLayout:
     """Parse and validate ``extra["dcp"]`` of a manifest (no torch needed)."""
+    try:
+        return _decode_layout(extra, what)
+    except InvalidNameError as e:  # a key the record holds, not one a user typed: the manifest is damaged, named
+        raise StoreFormatError(f"{what}: {e.message}") from None
+
+
+def _decode_layout(extra: dict[str, Any], what: str) -> DcpLayout:
     o = extra.get("dcp")
     if not isinstance(o, dict) or o.get("format") != DCP_FORMAT:
         raise StoreFormatError(f"{what} is not a distributed (DCP) checkpoint")

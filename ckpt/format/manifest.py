@@ -20,7 +20,7 @@ from ckpt.format.names import clashing_path
 from ckpt.format.structure import STRUCTURE, check_structure
 from ckpt.format.tagged_json import EXACT_TAGS, LATER_TAGS, decode, uses_tags
 from ckpt.format.tensor_values import SPAN_SLACK, joins_pieces, views_ahead
-from ckpt_store.storage.errors import StoreFormatError
+from ckpt_store.storage.errors import InvalidNameError, StoreFormatError
 from ckpt_store.storage.records import canonical_json, decode_record, finite_time, require
 
 MANIFEST_FORMAT = "ckpt-manifest"
@@ -86,6 +86,16 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, what: str = "manifest") -> Manifest:
+        try:
+            return cls._from_json(data, what)
+        except InvalidNameError as e:
+            # A name or id the record holds (a chunk id, a tensor name, a file path), not one a user typed:
+            # the manifest is damaged, and the error names it (it named no manifest, and the web view
+            # answered 400 "bad request", the client's mistake).
+            raise StoreFormatError(f"{what}: {e.message}") from None
+
+    @classmethod
+    def _from_json(cls, data: bytes, what: str) -> Manifest:
         o = decode_record(data, MANIFEST_FORMAT, (MANIFEST_VERSION, EXTRA_TAGGED_VERSION, EXTRA_DTYPE_VERSION, EXACT_VERSION,
                                                        VIEW_AHEAD_VERSION, SPAN_VERSION),
                           what)

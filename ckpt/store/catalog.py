@@ -78,7 +78,7 @@ def _well_formed(st: IndexState, mid: str, sigs: dict[Any, bool]) -> bool:
     if not (isinstance(info, dict) and _count(info.get("bytes")) and _count(info.get("tensors"))
             and isinstance(info.get("message"), (str, type(None))) and isinstance(info.get("source"), str)
             and isinstance(info.get("created"), (int, float)) and not isinstance(info.get("created"), bool)
-            and isinstance(info.get("base"), (str, type(None)))):
+            and "base" in info and isinstance(info["base"], (str, type(None)))):
         return False
     key = info.get("sig")  # (a str or absent: IndexState checks, and signature() goes by it alone)
     ok = sigs.get(key)

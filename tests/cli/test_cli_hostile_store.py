@@ -182,6 +182,72 @@ def test_a_copy_from_a_damaged_store_says_the_source_is_damaged_not_the_store_it
     assert set(ckpt.Store.open(str(mine)).refs()) == {"own"}
 
 
+def test_a_copy_of_a_delta_whose_base_the_source_lacks_says_the_source_is_damaged(good, tmp_path, env):
+    """Theirs holds ft/x's chunks as deltas against base's, but lost those bases, and its manifest does not
+    name them (delta_bases dropped); mine holds base. Each blob checked out (its base read from mine), but a
+    delta against a chunk the copied manifest does not name is written whole, from the source, whose base is
+    missing: the one line said "chunk ... is missing from the store (run `ckpt verify` ...)", sending the user
+    to verify mine, the store the command ran in. It names the source store now, and mine is left as it was."""
+    mine = tmp_path / "mine"
+    ckpt.Store.init(str(mine))
+    ok("copy", "base", "--from", good, store=mine, env=env)
+    m = manifest_of(good, "ft/x")
+    bases = {b for t in m["tensors"] for chain in t.pop("delta_bases", []) for b in chain}
+    assert bases
+    for b in bases:
+        (good / "objects/chunks" / b[:2] / b).unlink()
+    republish(good, "ft/x", m)
+    line = fails("copy", "ft/x", "--from", good, store=mine, env=env)
+    assert line.startswith(f"error: source store {good}: ") and "`ckpt verify` on the source store" in line, line
+    assert set(ckpt.Store.open(str(mine)).refs()) == {"base"}
+    ok("verify", store=mine, env=env)
+
+
+def _chunk_id_not_an_id(m: dict) -> None:
+    m["tensors"][0]["chunks"][0] = "model.safetensors"
+
+
+def _path_out_of_the_folder(m: dict) -> None:
+    m["files"][0]["path"] = "../../.bashrc"
+    for t in m["tensors"]:
+        t["file"] = "../../.bashrc"
+
+
+def _tensor_name_with_nul(m: dict) -> None:
+    m["tensors"][0]["name"] = "0.weight\u0000"
+
+
+@pytest.mark.parametrize("damage", [_chunk_id_not_an_id, _path_out_of_the_folder, _tensor_name_with_nul])
+def test_a_manifest_naming_what_no_name_can_be_is_a_damaged_manifest_named_in_one_line(damage, good, tmp_path, env):
+    """A manifest (hashing to its id) whose chunk id, file path or tensor name is none that can be: the
+    one line said "'model.safetensors' is not an object id" or "file path '../../.bashrc' would escape
+    the checkpoint directory", naming no manifest or ref, as for a name the user typed (InvalidNameError:
+    the web view answered 400 "bad request", and `ckpt copy --from` did not say the source was damaged).
+    It is a damaged manifest now, named, wherever it is read: show, pull, copy, the web view, gc."""
+    m = manifest_of(good, "ft/x")
+    damage(m)
+    mid = republish(good, "ft/x", m)
+    for args in (["show", "ft/x"], ["pull", "ft/x", tmp_path / "out"]):
+        line = fails(*args, store=good, env=env)
+        assert f"manifest {mid}: " in line, line
+    assert not (tmp_path / "out").exists()
+    mine = tmp_path / "mine"
+    ckpt.Store.init(str(mine))
+    line = fails("copy", "ft/x", "--from", good, store=mine, env=env)
+    assert line.startswith(f"error: source store {good}: manifest {mid}: "), line
+    assert ckpt.Store.open(str(mine)).refs() == {}
+    if damage is _chunk_id_not_an_id:  # (gc reads only chunk ids: a name is no damage to it)
+        line = fails("gc", store=good, env=env)
+        assert line.startswith("error: gc deleted nothing: the checkpoint of ft/x cannot be read") and mid in line, line
+    pytest.importorskip("httpx", reason="starlette's TestClient needs httpx")
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    r = TestClient(create_app(ckpt.Store.open(str(good)))).get("/api/checkpoint/ft/x")
+    assert r.status_code == 500 and r.json()["error"].startswith(f"manifest {mid}: "), (r.status_code, r.text)
+
+
 @pytest.mark.parametrize("poison", ["info", "chunks"])
 def test_a_crafted_metadata_index_is_read_past_not_trusted(poison, good, env):
     """The metadata index is a cache that anyone writing a store folder can write, sealed and hashed
@@ -232,6 +298,37 @@ def test_dcp_shards_that_overlap_are_refused_not_consolidated_from_uninitialised
     assert r.returncode == 1 and "exactly once" in r.stderr, r.stderr
     with pytest.raises(ckpt.CkptError, match="exactly once"):
         store.load("one/a")
+
+
+def test_a_dcp_record_naming_a_key_no_state_dict_can_hold_is_a_damaged_manifest(tmp_path, env):
+    """A distributed checkpoint whose DCP record holds the key 'b\\x00': pull and show said "invalid state
+    dict key 'b\\x00'", as for a name the user typed (InvalidNameError), and the web view answered 400 "bad
+    request", the client's mistake. It is a damaged manifest now (a 500 there, naming the checkpoint)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    import ckpt.dcp
+
+    root = tmp_path / "store"
+    ckpt.Store.init(str(root))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: DCP warns, and saves in this process
+        dcp.save({"w": torch.ones(4, 4), "b": torch.ones(3)}, storage_writer=ckpt.dcp.Writer(str(root), "one/a"))
+    m = manifest_of(root, "one/a")
+    items = m["extra"]["dcp"]["items"]
+    items["b\x00"] = items.pop("b")
+    mid = republish(root, "one/a", m)
+    line = fails("pull", "one/a", tmp_path / "out.safetensors", store=root, env=env)
+    assert line.startswith("error: manifest: invalid state dict key"), line
+    assert not (tmp_path / "out.safetensors").exists()
+    pytest.importorskip("httpx", reason="starlette's TestClient needs httpx")
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    r = TestClient(create_app(ckpt.Store.open(str(root)))).get("/api/checkpoint/one/a")
+    assert r.status_code == 500 and r.json()["error"].startswith(f"checkpoint {mid[:12]}: "), (r.status_code, r.text)
 
 
 def _limited(args: list[str | Path], store: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -486,6 +583,37 @@ def test_an_index_of_the_wrong_shape_is_read_past_not_a_traceback(where, good, t
     for args in (["ls"], ["du"]):
         assert json.loads(ok(*args, "--json", store=good, env=env).stdout) == json.loads(ok(*args, "--json", store=good, env=plain).stdout)
     ok("push", tmp_path / "b.safetensors", "ft/new", store=good, env=env)
+
+
+@pytest.mark.parametrize("poison", ["signature of one item", "signature items of four", "signature of a number", "no base"])
+def test_a_crafted_summary_that_base_choice_reads_is_read_again_from_its_manifest(poison, good, tmp_path, env):
+    """Found by mutating a real store's index objects (resealed and hashed as ckpt does) and running
+    the commands: a tensor signature of the wrong shape stored under its checkpoint's own key (its
+    summary dropped as not well formed and read again from the manifest, but the crafted signature
+    kept, the key being taken), or a summary without "base", made every `ckpt push` to the store
+    crash in base choice with a traceback (not enough values to unpack; KeyError: 'base')."""
+    store = ckpt.Store.open(str(good))
+    store.ls()
+    bad = {"signature of one item": [[1]], "signature items of four": [["0.weight", "F32", 16384, 1]],
+           "signature of a number": 5}.get(poison)
+
+    def change(body: dict) -> dict:
+        for key in body["sigs"]:
+            if bad is not None:
+                body["sigs"][key] = bad
+        for info in body["info"].values():
+            if bad is None:
+                del info["base"]
+        return body
+
+    snap = max((good / "index").glob("*.snap"))
+    part = good / "index" / json.loads(snap.read_bytes().partition(b"\n")[0])["recent"]
+    _reseal(snap, change, recent_hash=_reseal(part, change))
+    r = run("push", tmp_path / "b.safetensors", "ft/new", store=good, env=env)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    # as without the index: the same overlap with base and ft/x, and the tie goes to the one that is no delta
+    assert manifest_of(good, "ft/new")["lineage"]["base"] == ckpt.Store.open(str(good)).resolve("base")
+    ok("verify", store=good, env=env)
 
 
 @pytest.mark.parametrize("part", ["recent", "chunks"])

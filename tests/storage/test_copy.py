@@ -368,3 +368,37 @@ def test_a_copy_and_a_push_storing_one_new_chunk_at_once_leave_both_loadable(tmp
     got = dst.load(kept)
     assert all(got[k].view(torch.uint8).equal(v.view(torch.uint8)) for k, v in tuned.items())
     assert dst.verify().ok
+
+
+
+def test_a_copy_from_a_sound_store_is_not_failed_by_another_stores_blob_in_the_chunk_cache(s3_servers, monkeypatch, tmp_path):
+    """Two S3 stores of one store id (a bucket synced from another, then written to: the id is in
+    ckpt-store.json) share a folder of the local chunk cache. A pull from theirs cached a fine-tune's
+    chunk as theirs stores it, a delta against a base chunk that ours lacks; copied from ours, that
+    cached blob was checked against its base, which neither store of the copy holds, and the copy
+    failed ("source store ...: chunk ... is missing") though ours is sound (pulls read past such an
+    entry: ckpt/transfer/fetch.py, cache_at_fault)."""
+    from ckpt.codecs.chunk import parse_header
+    from ckpt_store.storage.backends import open_backend
+    from conftest import S3_SERVERS, new_s3_store_url
+
+    monkeypatch.setenv("CKPT_CACHE_DIR", str(tmp_path / "cache"))
+    theirs_url, ours_url = (new_s3_store_url(s3_servers, S3_SERVERS[0], monkeypatch) for _ in range(2))
+    base, ft = _model(), _finetune(_model())
+    theirs = _open(theirs_url)
+    theirs.push(base, "m/base")
+    theirs.push(ft, "m/ft", base="m/base")
+    open_backend(ours_url).write("ckpt-store.json", theirs.backend.read("ckpt-store.json"))
+    ours = _open(ours_url)
+    ours.push(ft, "m/ft")  # no base here: stored whole
+    assert ours.objects.cache is not None and ours.objects.cache.dir == theirs.objects.cache.dir
+    _same(theirs, ours, "m/ft")  # read from theirs: the cache holds its blobs
+    deltas = {cid: h.base for t in ours.manifest("m/ft").tensors for cid in t.chunks
+              if (blob := ours.objects.cache.get(cid)) is not None and (h := parse_header(blob, cid)).base is not None}
+    assert deltas and not ours.objects.has_many("chunks", list(deltas.values()))
+    for b in deltas.values():
+        ours.objects.cache.drop(b)
+    dst = _open(str(tmp_path / "dst"))
+    ours.copy_to(dst, ["m/ft"])
+    assert dst.verify().ok
+    assert torch.equal(dst.load("m/ft")["emb"], ft["emb"])
