@@ -299,5 +299,12 @@ def _tensors(state: dict[str, Any]) -> dict[str, tuple[Any, str]]:
     import torch
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    flat, paths = flatten_state_dict(state)
+    from ckpt.dcp.format import UnsupportedStateError
+
+    try:
+        flat, paths = flatten_state_dict(state)
+    except ValueError as e:  # DCP names an item by its key path joined with dots, each key as str: two gave one name
+        raise UnsupportedStateError(f"the state cannot be saved through a process group: {e} (two key paths, such as "
+                                    "{1: ..., '1': ...} or {'a.b': ..., 'a': {'b': ...}}, give one name)",
+                                    hint="give each dict key a distinct str() with no dots in it") from None
     return {n: (t, str(paths[n][0])) for n, t in flat.items() if isinstance(t, torch.Tensor)}

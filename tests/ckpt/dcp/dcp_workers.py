@@ -2371,7 +2371,8 @@ def plain_value_structure(rank, world, tmp, store):
     """Plain values whose dicts DCP's names alone do not give back (keys out of sorted order, int keys, empty
     dicts, a list of dicts) saved through a process group and restored into ``None``, from the durable store
     and from a local tier: each as ``repr`` (key order and types); then the snapshot's record of their
-    structure forged to name an item it lacks: what that restore gave, and whether the model was touched."""
+    structure forged to name an item it lacks: what that restore gave, and whether the model was touched; then
+    a save of dict keys that DCP's names cannot tell apart (1 and '1'; 'a.b' and 'a' holding 'b'): what it gave."""
     import copy
     import dataclasses
 
@@ -2409,7 +2410,14 @@ def plain_value_structure(rank, world, tmp, store):
             out["forged"] = f"restored {mgr.restore_latest({'model': model, **dict.fromkeys(values)})}"
         except Exception as e:  # noqa: BLE001 - reported to the test
             out["forged"] = f"{type(e).__name__}: {e}"
-    out["forged_touched"] = bool(model[0].weight.any())
+        out["forged_touched"] = bool(model[0].weight.any())
+        for case, value in {"int_and_str": {1: "a", "1": "b"}, "dotted": {"a.b": 1, "a": {"b": 2}}}.items():
+            try:
+                mgr.save(3, {"model": model, "col": value})
+                out[case] = "saved"
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out[case] = f"{type(e).__name__}: {e}"
+    out["steps"] = sorted(ckpt.Store.open(f"{store}-store").refs())
     return out
 
 
