@@ -101,28 +101,97 @@ def from_snapshot(saved: dict[str, Path], layout: DcpLayout, tensor_for: Callabl
     return root
 
 
-def value_target(key: str, obj: Any, saved: dict[str, Path], layout: DcpLayout, devices: dict[str, str] | None = None) -> Any:
+def skeleton(key: str, value: Any) -> Any:
+    """The containers of plain value ``value`` as DCP walks them, each item (a DCP leaf) None, as tagged
+    JSON, where the names of its items alone would rebuild them otherwise; else None. DCP names an item
+    by its key path with every dict key turned into a str and keeps no dict of no items: a rebuild from
+    the names (:func:`from_snapshot`, in sorted order) gives a dict's keys back sorted, as str, and
+    leaves out its empty dicts, so a data loader's sources iterated in dict order were drawn in another
+    order after a restart. A snapshot records this for such a value (:func:`value_target` reads it)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from ckpt.format import tagged_json
+
+    if not isinstance(value, (Mapping, list)):
+        return None
+    try:
+        _, paths = flatten_state_dict({key: value})
+        leaves = {tuple(p) for p in paths.values()}
+
+        def walk(x: Any, path: Path) -> Any:
+            if isinstance(x, Mapping):  # (DCP walks every mapping)
+                return {k: walk(v, (*path, str(k))) for k, v in x.items()}
+            if isinstance(x, list) and path not in leaves:
+                return [walk(v, (*path, i)) for i, v in enumerate(x)]
+            return None
+
+        rebuilt: dict[str, Any] = {}
+        for path in sorted(leaves, key=lambda p: ".".join(map(str, p))):
+            if len(path) > 1:
+                _build(rebuilt, path[1:], None)
+        skel = walk(value, (key,))
+
+        def unsupported(path: str, what: str) -> Exception:
+            return ValueError(path)
+
+        ours = tagged_json.encode(skel, key, unsupported=unsupported)
+        if ours != tagged_json.encode(rebuilt, key, unsupported=unsupported):
+            return ours
+    except ValueError:  # a key JSON cannot hold: the save itself says so
+        pass
+    return None
+
+
+def _leaf_paths(skel: Any, path: Path) -> list[Path]:
+    if isinstance(skel, Mapping):
+        return [p for k, v in skel.items() for p in _leaf_paths(v, (*path, str(k)))]
+    if isinstance(skel, list):
+        return [p for i, v in enumerate(skel) for p in _leaf_paths(v, (*path, i))]
+    return [path]
+
+
+def value_target(key: str, obj: Any, saved: dict[str, Path], layout: DcpLayout, devices: dict[str, str] | None = None,
+                 skel: Any = None) -> Any:
     """A plain value is replaced by the saved one: without tensors of its own to read into,
-    any template will do (``"pos": None``), so the target is the snapshot's own structure,
+    any template will do (``"pos": None``), so the target is the snapshot's own structure (its
+    :func:`skeleton` where it recorded one: dict keys in their order and type, empty dicts kept),
     each tensor made on the device ``devices`` names for it (the snapshot's record; else the CPU):
-    :class:`~ckpt.snapshot.run.SnapshotError` where this machine lacks it."""
+    :class:`~ckpt.snapshot.run.SnapshotError` where this machine lacks it, or where the skeleton
+    does not hold exactly the items saved."""
     import torch
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
+    from ckpt.errors import CkptError
+    from ckpt.format import tagged_json
     from ckpt.format.dtypes import to_torch
+    from ckpt.snapshot.run import SnapshotError
     from ckpt.snapshot.state import device_here
 
     flat, _ = flatten_state_dict({"v": obj})
     if any(isinstance(v, torch.Tensor) for v in flat.values()):
         return obj  # its tensors are read in place, and must match the snapshot's
-    if not saved:
-        return {}  # an empty dict has no items of its own (an empty list is a value)
     devices = devices or {}
 
     def tensor_for(rel: Path, item: Any) -> Any:  # (named as a single-process snapshot names it: key/a/0)
         where = device_here("/".join((key, *map(str, rel))), devices.get(item.fqn))
         return torch.empty(tuple(item.size), dtype=to_torch(item.dtype), device=where)
 
+    if skel is not None:
+        try:
+            root = {key: tagged_json.decode(skel, "snapshot state")}
+        except CkptError as e:
+            raise SnapshotError(f"the snapshot's record of the structure of state[{key!r}] is malformed ({e})",
+                                hint="restore from another snapshot") from None
+        leaves = _leaf_paths(root[key], (key,))
+        if not isinstance(root[key], (dict, list)) or sorted(map(str, leaves)) != sorted(map(str, saved.values())):
+            raise SnapshotError(f"the snapshot's record of the structure of state[{key!r}] does not name the items saved",
+                                hint="restore from another snapshot")
+        for fqn, path in saved.items():
+            item = layout.tensors.get(fqn)
+            set_at(root, path, None if item is None else tensor_for(path[1:], item))
+        return root[key]
+    if not saved:
+        return {}  # an empty dict has no items of its own (an empty list is a value)
     return from_snapshot(saved, layout, tensor_for)
 
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt.snapshot.dcp_state import fingerprint
+from ckpt.snapshot.dcp_state import fingerprint, skeleton
 from ckpt.snapshot.distributed_restore import FAILURES, DistributedRestoring, first_failure
 from ckpt.snapshot.group import CheckpointGroup
 from ckpt.snapshot.restore_checks import snapshot_records
@@ -124,9 +124,11 @@ class DistributedSnapshots(DistributedRestoring):
         flags = autograd_flags({n: t for n, (t, key) in tensors.items() if key not in per_rank})
         # A plain value's tensors come back as new tensors (value_target): where they lived is recorded
         devices = tensor_devices({n: t for n, (t, key) in tensors.items() if not isinstance(state[key], Stateful)})
+        # A plain value's dicts, rebuilt from DCP's names alone, would come back sorted, str-keyed, without their empty dicts
+        shapes = {k: sk for k, v in prepared.items() if not isinstance(state[k], Stateful) and (sk := skeleton(k, v)) is not None}
         record = {**snapshot, "ranks": True, "world": self.world, "keys": sorted(state), "per_rank": sorted(per_rank),
                   **({"autograd": flags} if flags else {}), **({"devices": devices} if devices else {}),
-                  **snapshot_records(state)}
+                  **({"skeletons": shapes} if shapes else {}), **snapshot_records(state)}
         base = self.last_id if self.run.delta else None
         if self.peers is not None:
             from ckpt.snapshot.peers import TierWriter
@@ -300,5 +302,12 @@ def _tensors(state: dict[str, Any]) -> dict[str, tuple[Any, str]]:
     import torch
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    flat, paths = flatten_state_dict(state)
+    from ckpt.dcp.format import UnsupportedStateError
+
+    try:
+        flat, paths = flatten_state_dict(state)
+    except ValueError as e:  # DCP names an item by its key path joined with dots, each key as str: two gave one name
+        raise UnsupportedStateError(f"the state cannot be saved through a process group: {e} (two key paths, such as "
+                                    "{1: ..., '1': ...} or {'a.b': ..., 'a': {'b': ...}}, give one name)",
+                                    hint="give each dict key a distinct str() with no dots in it") from None
     return {n: (t, str(paths[n][0])) for n, t in flat.items() if isinstance(t, torch.Tensor)}

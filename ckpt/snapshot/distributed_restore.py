@@ -280,6 +280,9 @@ class DistributedRestoring:
         if flags is None:
             raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of autograd flags is malformed")
         devices = recorded_devices(snap.get("devices", {}))
+        skeletons = snap.get("skeletons", {})
+        if not isinstance(skeletons, dict):
+            raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of its values' structure is malformed")
         saved = saved_paths(layout, mid)
         self._check_keys(state, snap, saved, step)
         check_records(snap, state, mid, step)
@@ -295,7 +298,7 @@ class DistributedRestoring:
             elif isinstance(obj, Stateful) and not isinstance(obj, type):
                 targets[key] = obj.state_dict()
             else:
-                targets[key] = value_target(key, obj, saved.get(key, {}), layout, devices)
+                targets[key] = value_target(key, obj, saved.get(key, {}), layout, devices, skeletons.get(key))
         # DCP's own (private) flattening: the names must be exactly those it gave the items when saving
         flat, paths = flatten_state_dict(targets)
         self._check_placed(state, saved, paths, step)

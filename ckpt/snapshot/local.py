@@ -10,7 +10,8 @@ may modify them (CUDA tensors: the step waits for their copy to pinned memory).
 
 A tensor is known to be unchanged when it is the same storage with the same in-place
 version counter (``tensor._version``) as at the previous save (``unchanged_by="version"``);
-its chunks are then reused without reading it. A restore records the tensors it wrote so too
+its chunks are then reused without reading it (not a module's buffer: batch norm's statistics change without
+a bump, :func:`~ckpt.snapshot.state.version_blind`). A restore records the tensors it wrote so too
 (their versions as the restore left them). Where versions cannot be trusted (a fused optimizer
 in the state, or ``unchanged_by="hash"``), and after a failed save, every tensor is staged and
 unchanged chunks are found by hash instead.
@@ -44,6 +45,7 @@ from ckpt.snapshot.state import (
     flatten,
     optimizers_in,
     tensor_devices,
+    version_blind,
     version_key,
 )
 from ckpt.store.source_tensors import storable_dtype
@@ -98,11 +100,12 @@ class LocalSnapshots(LocalRestoring):
         import torch
 
         tensors, tree, optimizers, trust = self._flatten(state)
+        blind = version_blind(state)
         for name, t in tensors.items():
             storable_dtype(name, t)  # refused here, not in the background (where a local tier only warns)
         overlap = self.overlap and not (fallback is not None and self._failing)
         defer = _optimizer_storages(optimizers) if overlap else frozenset()
-        staged, reuse, keys, pending, live = self._stage(tensors, trust=trust, defer=defer)
+        staged, reuse, keys, pending, live = self._stage(tensors, trust=trust, defer=defer, blind=blind)
         changed = self._changes(tensors, keys, trust) or []  # what a local tier makes room for before the write
         held = {n: t.detach() for n, t in tensors.items()}
         ready, in_place = None, None
@@ -156,7 +159,8 @@ class LocalSnapshots(LocalRestoring):
         wrote or restored (:meth:`_changes`; None where versions cannot tell): what a save of it adds to a local
         tier that holds none of it, and that holds that snapshot; and that snapshot's id (the one it continues from)."""
         tensors, _, _, trust = self._flatten(state)
-        changed = self._changes(tensors, {n: version_key(t.detach()) for n, t in tensors.items()}, trust)
+        blind = version_blind(state)
+        changed = self._changes(tensors, {n: _key(t.detach(), blind) for n, t in tensors.items()}, trust)
         return [t.numel() * t.element_size() for t in tensors.values()], changed, self._since
 
     def _flatten(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any, list[Any], bool]:
@@ -179,12 +183,13 @@ class LocalSnapshots(LocalRestoring):
         return [t.numel() * t.element_size() for n, t in tensors.items() if self._keys.get(n) != keys[n]]
 
     def _stage(self, tensors: dict[str, torch.Tensor], trust: bool, defer: frozenset[int] = frozenset(),
-               ) -> tuple[dict[str, torch.Tensor], dict[str, TensorEntry], dict[str, tuple[Any, ...]],
+               blind: frozenset[int] = frozenset()) -> tuple[dict[str, torch.Tensor], dict[str, TensorEntry], dict[str, tuple[Any, ...]],
                           list[tuple[str, torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
         """Copy changed tensors into the staging area; the rest reuse the previous snapshot's entries.
 
         Without ``trust`` every tensor is staged (and unchanged chunks are found by
-        their hash in the background instead). Tensors whose storage is in ``defer``
+        their hash in the background instead), and so is every tensor whose storage is in
+        ``blind`` (:func:`~ckpt.snapshot.state.version_blind`). Tensors whose storage is in ``defer``
         are not copied now: CUDA ones are returned as (name, staging buffer, tensor) to
         copy in the background, contiguous CPU ones as ``live`` (read in place, see
         ckpt/snapshot/live.py; they need no staging buffer)."""
@@ -199,7 +204,7 @@ class LocalSnapshots(LocalRestoring):
         cuda = []
         for name, t in tensors.items():
             t = t.detach()
-            key = keys[name] = version_key(t)
+            key = keys[name] = _key(t, blind)
             if trust and self._keys.get(name) == key and name in previous:
                 reuse[name] = previous[name]
                 continue
@@ -365,6 +370,13 @@ def _optimizer_storages(optimizers: list[Any]) -> frozenset[int]:
         for per_param in opt.state.values():
             ptrs.update(v.untyped_storage().data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
     return frozenset(ptrs)
+
+
+def _key(t: torch.Tensor, blind: frozenset[int]) -> tuple[Any, ...]:
+    """``t``'s :func:`~ckpt.snapshot.state.version_key`, one that equals no other where its storage is in ``blind``
+    (its version counter says nothing: it is read at every save)."""
+    key = version_key(t)
+    return (*key, object()) if t.untyped_storage().data_ptr() in blind else key
 
 
 def _has_fused_optimizer(optimizers: list[Any]) -> bool:

@@ -88,7 +88,8 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
     **Unchanged tensors** (``unchanged_by``): with ``"version"`` (default) a tensor that
     is the same storage with the same in-place version counter as at the previous save
     is not read at all: its chunks are reused (after a restore: the same as the restore left
-    it). Where versions cannot be trusted (a fused optimizer in the state) every tensor is
+    it). A module's buffers are read at every save all the same: ``torch.batch_norm`` updates
+    running statistics in place without bumping their counters. Where versions cannot be trusted (a fused optimizer in the state) every tensor is
     staged and unchanged chunks are found by hash instead; ``"hash"`` always does that (writes through
     ``.data`` bypass the counter: choose it if your code does that).
 

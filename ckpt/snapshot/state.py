@@ -170,6 +170,18 @@ def version_key(t: Any) -> tuple[Any, ...]:
     return (t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device, t.stride())
 
 
+def version_blind(state: dict[str, Any]) -> frozenset[int]:
+    """The storages (data pointers) of the buffers of the modules in ``state``, whose version counters say
+    nothing: ``torch.batch_norm`` (every BatchNorm module, ``F.batch_norm``) updates the running statistics
+    in place without bumping them, so a save that trusted them reused the statistics of the first snapshot
+    in every later one, and a resumed run evaluated (and went on) with stale ones. A save reads such a
+    tensor every time; the hash finds its chunks unchanged where they are."""
+    import torch
+
+    return frozenset(b.untyped_storage().data_ptr() for m in state.values() if isinstance(m, torch.nn.Module)
+                     for b in m.buffers() if b.layout == torch.strided)  # (any other is refused by the save)
+
+
 def autograd_flags(tensors: dict[str, Any]) -> dict[str, list[str]]:
     """What the bytes of :func:`flatten`'s tensors do not say and a restore must give back: the names
     of those that require grad and of those that are ``nn.Parameter`` objects (a learnable temperature kept

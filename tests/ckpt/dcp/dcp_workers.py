@@ -2389,6 +2389,61 @@ def restore_checks(rank, world, tmp, store):
     return res
 
 
+def plain_value_structure(rank, world, tmp, store):
+    """Plain values whose dicts DCP's names alone do not give back (keys out of sorted order, int keys, empty
+    dicts, a list of dicts) saved through a process group and restored into ``None``, from the durable store
+    and from a local tier: each as ``repr`` (key order and types); then the snapshot's record of their
+    structure forged to name an item it lacks: what that restore gave, and whether the model was touched; then
+    a save of dict keys that DCP's names cannot tell apart (1 and '1'; 'a.b' and 'a' holding 'b'): what it gave."""
+    import copy
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    import ckpt
+    from ckpt_store.storage.commit import commit
+
+    values = {"sources": {"wiki": 3, "books": {"shard": 2, "offset": 7}, "arxiv": [{"z": 1, "a": (2, 3)}]},
+              "shards": {3: "x", 1: {2: [torch.arange(2.0)]}}, "empty": {"done": {}, "n": 1, "deep": {"x": {}}},
+              "listed": [{"b": 1, "a": 2}, {}], "plain": {"a": 1, "b": {"c": 2}}}
+    out: dict = {"saved": repr(values)}
+    for where, kw in (("store", {}), ("tier", {"local": os.path.join(tmp, "tier"), "every_n_steps": 1})):
+        url = f"{store}-{where}"
+        with ckpt.CheckpointManager(url, "run", save_mode="sync", process_group=dist.group.WORLD, timeout_s=30, **kw) as mgr:
+            mgr.save(1, {"model": plain_model(), **values})
+            state = {"model": plain_model(), **dict.fromkeys(values)}
+            mgr.restore_latest(state)
+        out[where] = repr({k: state[k] for k in values})
+    s = ckpt.Store.open(f"{store}-store")
+    m = s.manifest("run/step-1")
+    out["recorded"] = sorted(m.extra["snapshot"].get("skeletons", {}))
+    snap = copy.deepcopy(m.extra["snapshot"])
+    snap["step"] = 2
+    snap.setdefault("skeletons", {})["empty"] = {"done": {}, "n": None, "deep": {"x": None}}
+    if rank == 0:
+        mid, _ = commit(s.objects, s.refs_db, dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json(), "run/step-2")
+        s.refs_db.set("run/latest", mid, alias=True)
+    dist.barrier()
+    model = plain_model()
+    torch.nn.init.zeros_(model[0].weight)
+    with ckpt.CheckpointManager(f"{store}-store", "run", process_group=dist.group.WORLD, timeout_s=30) as mgr:
+        try:
+            out["forged"] = f"restored {mgr.restore_latest({'model': model, **dict.fromkeys(values)})}"
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            out["forged"] = f"{type(e).__name__}: {e}"
+        out["forged_touched"] = bool(model[0].weight.any())
+        for case, value in {"int_and_str": {1: "a", "1": "b"}, "dotted": {"a.b": 1, "a": {"b": 2}}}.items():
+            try:
+                mgr.save(3, {"model": model, "col": value})
+                out[case] = "saved"
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out[case] = f"{type(e).__name__}: {e}"
+    out["steps"] = sorted(ckpt.Store.open(f"{store}-store").refs())
+    return out
+
+
 SCENARIOS["restore_checks"] = restore_checks
+SCENARIOS["plain_value_structure"] = plain_value_structure
 SCENARIOS["tiers_damaged_frozen"] = tiers_damaged_frozen
 SCENARIOS["tiers_rank_lost_base"] = tiers_rank_lost_base

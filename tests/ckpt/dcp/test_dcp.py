@@ -368,6 +368,24 @@ def test_a_plain_value_tensor_from_a_device_this_machine_lacks_is_refused_on_eve
         assert not any(r[f"{case}_touched"] for case in ("absent", "malformed", "not-a-device"))
 
 
+def test_plain_values_come_back_with_their_dicts_as_saved_on_every_rank(tmp_path):
+    """A distributed snapshot rebuilt a plain value from DCP's item names alone: every dict came back with
+    its keys sorted (a data loader's sources iterated in dict order drew from another source after the
+    restart), int keys as str, empty dicts gone and a list of dicts as a dict keyed 0, 1 -- silently, as a
+    single process does not. The save records the structure where the names lose it (the plain dict, none),
+    the restore gives it back from either tier, and a forged record is refused before the model is touched. Keys
+    whose names collide in DCP (1 and '1') are refused by the save with a CkptError, not torch's ValueError."""
+    for r in W.run_ranks("plain_value_structure", 2, str(tmp_path), store=str(tmp_path / "s")):
+        assert "error" not in r, r.get("trace")
+        assert r["store"] == r["saved"] and r["tier"] == r["saved"]
+        assert r["recorded"] == ["empty", "listed", "shards", "sources"]
+        assert r["forged"].startswith("SnapshotError: ") and "structure of state['empty'] does not name the items" in r["forged"]
+        assert not r["forged_touched"]
+        for case in ("int_and_str", "dotted"):  # (a ValueError from torch's flattening before)
+            assert r[case].startswith("UnsupportedStateError: the state cannot be saved through a process group"), r[case]
+        assert r["steps"] == ["run/latest", "run/step-1", "run/step-2"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_plain_value_tensor_on_a_gpu_comes_back_there_on_every_rank(tmp_path):
     """A plain value's GPU tensors came back from a distributed snapshot on the CPU: they are made on

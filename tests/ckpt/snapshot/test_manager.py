@@ -1657,3 +1657,33 @@ def test_a_restore_into_a_transposed_tie_records_no_version_for_the_contiguous_s
         mgr.save(2, {"model": model})
         stored = mgr.store.load("run/step-2")
     assert {n: t.numpy().tobytes() for n, t in stored.items()} == _run_bytes({"model": model})
+
+
+@pytest.mark.parametrize("save_mode", ["async", "overlap"])
+@pytest.mark.parametrize("local", [False, True], ids=["store", "local-tier"])
+def test_batch_norm_statistics_are_saved_at_every_snapshot(tmp_path, save_mode, local):
+    """torch.batch_norm updates a BatchNorm's running statistics in place without bumping their version
+    counters: every snapshot after the first reused the statistics of the first (found with a killed and
+    resumed run whose losses were bit-identical, training mode using the batch's statistics, and whose
+    running_mean and running_var were not). A module's buffers are read at every save: the snapshot of
+    step 3 restores the statistics as they were at step 3, bit for bit, and an eval gives the same output."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    kw = {"local": str(tmp_path / "l"), "every_n_steps": 1} if local else {}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "run", save_mode=save_mode, **kw) as mgr:
+        for step in (1, 2, 3):
+            model(torch.randn(16, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.save(step, {"model": model, "optim": opt})
+        mgr.wait()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(5, 4)
+    expected = model.eval()(x)
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "run", **kw) as mgr:
+        assert mgr.restore_latest({"model": fresh, "optim": torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)}) == 3
+    assert {k: _bits(v) for k, v in fresh.state_dict().items()} == {k: _bits(v) for k, v in want.items()}
+    assert _bits(fresh.eval()(x).detach()) == _bits(expected.detach())
