@@ -137,7 +137,7 @@ class StoreView:
                 return m
             m = (store or self.store).manifest(mid)
         except CkptError as e:
-            if m is not None and here:
+            if m is not None and here and not e.retryable:  # (a read that may pass next time is no damage)
                 self._forget(mid)
             if here and isinstance(e, (CorruptObjectError, StoreFormatError)):  # (another tier's copy may be sound)
                 with self._lock:
@@ -381,12 +381,13 @@ class StoreView:
         of a pair (names, versions, id prefixes) is one diff, computed once however many requests ask for it
         at the same time (they wait for it), and at most :data:`DIFFS_AT_ONCE` diffs are computed at a time."""
         key = (self.store.resolve(a), self.store.resolve(b), estimate)
+        # A ref whose manifest is gone resolves (its entry names the id) but the diff, of ids, answered 404
+        # "no ref or checkpoint named ID": a damaged store taken for a request's mistake. The damage is the error,
+        # on every request (a warm view answered the diff it had cached after a side's manifest was deleted).
+        for mid in key[:2]:
+            self.manifest(mid, check=True)
 
         def made() -> Any:
-            # A ref whose manifest is gone resolves (its entry names the id) but the diff, of ids, answered 404
-            # "no ref or checkpoint named ID": a damaged store taken for a request's mistake. The damage is the error.
-            for mid in key[:2]:
-                self.manifest(mid, check=True)
             # Requests past DIFFS_AT_ONCE wait a while, not for ever: each holds one of the server's request threads.
             if not self._diff_slots.acquire(timeout=DIFF_WAIT_S):
                 raise DiffsBusyError(f"{DIFFS_AT_ONCE} diffs are being computed", hint="ask again in a while")

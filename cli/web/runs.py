@@ -115,25 +115,31 @@ def _snapshot_chunks(view: StoreView, row: dict[str, Any]) -> set[str] | None:
     read is dropped from the row's ``tiers`` (the local tier's copy answered first, and a step whose durable
     copy was gone was drawn as held by both: a user freeing a node took it for safe)."""
     why = None
+    unheld = None  # the damage of a copy no tier holds the step by (a removed step's): named where no copy read
     chunks = None
-    for tier, target, store in sorted(row.get("_sources", ()), key=lambda s: s[2] is not view.store):
+    # the copies of the tiers holding the step first (the durable store's first of those): a copy the store no longer
+    # holds the step by (removed by retention, not yet collected) that is damaged does not make a kept step damaged
+    for tier, target, store in sorted(row.get("_sources", ()), key=lambda s: (not (row["live"] and s[0] in row["tiers"]),
+                                                                              s[2] is not view.store)):
         held = row["live"] and tier in row["tiers"]
         if chunks is not None and not held:
             continue  # (read, where the row is filled from, only to tell that this tier's copy is whole)
         try:
             mf = view.manifest(target, store, check=held)  # (a tier holds it: its copy read now, not the cache's)
         except CkptError as e:
+            if e.retryable:  # the store not answering now is no damage: the page answers so (503), as a checkpoint's
+                raise
             if held:  # a kept step's manifest missing or damaged in a tier that holds it: that copy is not safe
                 row["tiers"] = [t for t in row["tiers"] if t != tier]
                 why = why or f"{tier}: {e}"
             elif not isinstance(e, ObjectNotFoundError):  # (a removed step's, collected: no damage)
-                why = why or str(e)
+                unheld = unheld or f"{tier}: {e}"
             continue
         if chunks is None:
             row.update(saved_at=mf.created, metrics=snapshot_metrics(mf.extra), logical_bytes=mf.logical_bytes,
                        available=True)
             chunks = own_chunks(mf)
-    row["damaged"] = row["damaged"] or why
+    row["damaged"] = row["damaged"] or why or (unheld if chunks is None else None)
     return chunks
 
 

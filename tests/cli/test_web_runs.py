@@ -273,6 +273,54 @@ def test_a_step_is_drawn_local_only_where_the_tiers_copy_reads_whole(tmp_path):
     assert rows[1]["damaged"].startswith("local: ") and rows[2]["damaged"].startswith("local: ")
 
 
+def test_a_damaged_copy_the_store_no_longer_holds_a_kept_step_by_does_not_make_it_damaged(tmp_path):
+    """A step removed from the store by retention (its manifest not collected yet, and damaged) and kept by the
+    local tier, whose copy is whole: the store's copy was read first and its damage named the kept step's row
+    damaged ("kept · damaged", no tier said). Only the copies of the tiers holding a step decide it; a removed
+    copy's damage is named only where no copy could be read."""
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 3)
+    local = ckpt.Store.init(str(tmp_path / "local"))
+    store.copy_to(local, ["r/step-1", "r/step-2", "r/step-3"])
+    _damage_manifest(store, tmp_path / "store", "r/step-2")
+    store.remove("r/step-2")
+    c = TestClient(create_app(store, local=local))
+    rows = c.get("/api/run/r").json()["snapshots"]
+    assert [(r["step"], r["tier"], r["available"], r["damaged"]) for r in rows] == [
+        (1, "durable + local", True, None), (2, "local", True, None), (3, "durable + local", True, None)]
+    assert 'class="error damaged"' not in c.get("/run/r").text
+
+
+def test_a_store_not_answering_is_no_damage_on_a_run_page(tmp_path):
+    """A read of a step's manifest that failed in a way that may pass (a retryable StorageIOError: S3 throttling
+    past its retries) drew that step "damaged" on a warm run page and dropped it from the view's caches. The page
+    answers 503 as a checkpoint's does, and the next request draws the step as before."""
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+    from ckpt_store.storage.errors import StorageIOError
+
+    store = _small_run(ckpt.Store.init(str(tmp_path / "store")), "r", 3)
+    c = TestClient(create_app(store))
+    assert [r["tier"] for r in c.get("/api/run/r").json()["snapshots"]] == ["durable"] * 3
+    mid, read, fail = store.resolve("r/step-2"), store.backend.read, [1]
+
+    def flaky(path, *args, **kwargs):  # (the store's medium failing once, as a throttled S3 does)
+        if path.endswith(mid) and fail[0]:
+            fail[0] -= 1
+            raise StorageIOError("read timed out", retryable=True)
+        return read(path, *args, **kwargs)
+
+    store.backend.read = flaky
+    r = c.get("/api/run/r")
+    assert r.status_code == 503 and "read timed out" in r.json()["error"]
+    rows = c.get("/api/run/r").json()["snapshots"]
+    assert [(x["tier"], x["damaged"]) for x in rows] == [("durable", None)] * 3
+
+
 def test_an_overview_read_from_the_local_tier_is_not_the_stores(tmp_path):
     """Overviews were cached by id whichever store gave them: a run page read the local tier's (to tell its
     steps from pushed checkpoints), and the lineage of the store then drew step 2, whose manifest the store
