@@ -17,6 +17,7 @@ from ckpt_store.storage.errors import (
     StoreFormatError,
     StoreLocationError,
     StoreNotFoundError,
+    UnusableManifestError,
 )
 
 
@@ -87,6 +88,7 @@ __all__ = [
     "ResourceLimitError",
     "StorageIOError",
     "StoreFormatError",
+    "UnusableManifestError",
     "StoreLocationError",
     "StoreNotFoundError",
     "TensorMismatchError",

@@ -53,6 +53,17 @@ class StoreFormatError(CkptError):
     """The store's config is missing, unreadable, or of a version this ckpt cannot read."""
 
 
+class UnusableManifestError(StoreFormatError):
+    """A manifest whose bytes match its id but that names what cannot be (a chunk id, file path or tensor name no
+    name can be): its writer's damage, which no other store's copy repairs (any copy has the same bytes)."""
+
+    def __init__(self, object_id: str, detail: str) -> None:
+        super().__init__(f"manifest {object_id} names what cannot be: {detail}",
+                         hint="`ckpt rm` the refs that name it (`ckpt verify` lists them); its bytes are as written")
+        self.kind = "manifest"
+        self.object_id = object_id
+
+
 class RecordTooLargeError(CkptError):
     """A record (a manifest) larger than any reader accepts (``MAX_RECORD_BYTES``): refused before it
     is written, since no checkpoint it named could ever be read back."""

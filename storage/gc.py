@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING, Any
 from ckpt_store.storage.backends.base import TEMPORARY, Backend
 from ckpt_store.storage.chunk_lists import referenced_chunks
 from ckpt_store.storage.config import CONFIG_PATH
-from ckpt_store.storage.errors import CkptError, CorruptObjectError, InvalidNameError, ObjectNotFoundError, StoreFormatError
+from ckpt_store.storage.errors import (
+    CkptError,
+    InvalidNameError,
+    ObjectNotFoundError,
+    StoreFormatError,
+    UnusableManifestError,
+)
 from ckpt_store.storage.leases import Lock, check_fresh, leased
 from ckpt_store.storage.objects import ObjectStore, Temporaries
 from ckpt_store.storage.refs import RefEntry, Refs, history_floor
@@ -146,7 +152,8 @@ def _stopped_by(err: CkptError, found: Roots) -> CkptError:
         return err
     err.message = (f"gc deleted nothing: the checkpoint of {', '.join(r.label for r in roots)} cannot be read, so what "
                    f"it keeps alive is unknown: {err.message}")
-    ways = ["`ckpt verify --repair-from URL` puts it back from a store that holds it"]
+    # (a manifest whose bytes match its id but name what cannot be: another store's copy is the same bytes)
+    ways = [] if isinstance(err, UnusableManifestError) else ["`ckpt verify --repair-from URL` puts it back from a store that holds it"]
     ways += [f"`ckpt rm {r.ref}` gives up {r.ref} (and its earlier versions)" for r in roots if r.version == 0]
     if any(r.version > 0 for r in roots):
         ways.append("`ckpt gc --no-history` runs without it, freeing the earlier versions (NAME@1...) of every ref")
@@ -306,7 +313,8 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
             try:
                 live_chunks |= referenced_chunks(data)
             except StoreFormatError as e:  # (intact bytes that name no chunk: its writer's damage, named here)
-                raise _stopped_by(CorruptObjectError("manifest", mid, e.message.removeprefix("manifest: ")), found) from None
+                raise _stopped_by(UnusableManifestError(mid, e.message.removeprefix(f"manifest {mid}: ").removeprefix("manifest: ")),
+                                  found) from None
     if index is not None and view is not None:
         try:
             index.ensure(view, indexed, chunks=True)  # a live manifest the index lacks is read (and must be readable)

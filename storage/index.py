@@ -52,7 +52,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ckpt_store.storage.chunk_lists import referenced_chunks
-from ckpt_store.storage.errors import CkptError, CorruptObjectError, ObjectNotFoundError, StorageIOError, StoreFormatError
+from ckpt_store.storage.errors import (
+    CkptError,
+    CorruptObjectError,
+    ObjectNotFoundError,
+    StorageIOError,
+    StoreFormatError,
+    UnusableManifestError,
+)
 from ckpt_store.storage.gc import gc_roots
 from ckpt_store.storage.index_files import IndexFiles
 from ckpt_store.storage.index_state import IndexState, RefRec
@@ -73,7 +80,7 @@ HEAL_AFTER = 8
 
 # What the layer above knows about a manifest: (small info for ls and base choice,
 # tensor signature or None, detail aligned with the chunk list). JSON values only.
-Summarizer = Callable[[bytes, list[str]], tuple[dict[str, Any], Any, Any]]
+Summarizer = Callable[[bytes, list[str], str], tuple[dict[str, Any], Any, Any]]  # (manifest, its chunks, what it is)
 
 
 class StoreIndex:
@@ -255,9 +262,9 @@ class StoreIndex:
                 continue
             try:
                 self._add(st, mid, data)
-            except StoreFormatError:
-                if strict:
-                    raise
+            except StoreFormatError as e:
+                if strict:  # (its bytes were checked against its id: they are what its writer wrote)
+                    raise UnusableManifestError(mid, e.message.removeprefix(f"manifest {mid}: ")) from None
                 failed.add(mid)
                 continue
             st.read += 1
@@ -267,7 +274,7 @@ class StoreIndex:
         chunks = sorted(referenced_chunks(data, what))
         if self.summarize is None:
             return {}, None, chunks, None
-        info, sig, detail = self.summarize(data, chunks)
+        info, sig, detail = self.summarize(data, chunks, what)
         return info, sig, chunks, detail
 
     def _add(self, st: IndexState, mid: str, data: bytes) -> None:

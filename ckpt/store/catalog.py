@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ckpt.store.store import Store
 
 
-def summarize(manifest: bytes, chunks: list[str]) -> tuple[dict[str, Any], Any, Any]:
+def summarize(manifest: bytes, chunks: list[str], what: str = "manifest") -> tuple[dict[str, Any], Any, Any]:
     """(info, tensor signature, detail) of a manifest whose chunk ids (gc's rule, sorted) are ``chunks``.
 
     info: what ``ls`` shows and base choice ranks by; signature: (name, dtype, nbytes) of
@@ -32,7 +32,7 @@ def summarize(manifest: bytes, chunks: list[str]) -> tuple[dict[str, Any], Any, 
     was stored with, in tensor order (what ``du`` adds up); the chunks the checkpoint's
     files name and whether it is a snapshot (what the web view's overview adds up).
     """
-    m = Manifest.from_json(manifest, "manifest")
+    m = Manifest.from_json(manifest, what)
     return _info(m), _signature(m), _detail(m, chunks)
 
 
