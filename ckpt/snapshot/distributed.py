@@ -29,6 +29,7 @@ Restoring: :mod:`ckpt.snapshot.distributed_restore`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.api import CheckpointException
@@ -304,6 +305,7 @@ def _tensors(state: dict[str, Any]) -> dict[str, tuple[Any, str]]:
 
     from ckpt.dcp.format import UnsupportedStateError
 
+    _one_name_each(state, "state")
     try:
         flat, paths = flatten_state_dict(state)
     except ValueError as e:  # DCP names an item by its key path joined with dots, each key as str: two gave one name
@@ -311,3 +313,26 @@ def _tensors(state: dict[str, Any]) -> dict[str, tuple[Any, str]]:
                                     "{1: ..., '1': ...} or {'a.b': ..., 'a': {'b': ...}}, give one name)",
                                     hint="give each dict key a distinct str() with no dots in it") from None
     return {n: (t, str(paths[n][0])) for n, t in flat.items() if isinstance(t, torch.Tensor)}
+
+
+def _one_name_each(value: Any, path: str) -> None:
+    """Refuse a dict in ``value`` with two keys of one ``str()`` (1 and '1'): DCP names an item by its key path, each
+    key as a str, so their items are told apart only where what they hold differs, and their structure cannot be
+    rebuilt (merged into one dict, or a traceback at every restore) -- before anything is written."""
+    import torch
+
+    from ckpt.dcp.format import UnsupportedStateError
+
+    if isinstance(value, Mapping):
+        seen: dict[str, Any] = {}
+        for k in value:
+            if (s := str(k)) in seen:
+                raise UnsupportedStateError(f"the state cannot be saved through a process group: {path} has keys "
+                                            f"{seen[s]!r} and {k!r}, which DCP names alike ({s!r})",
+                                            hint="give each dict key a distinct str()")
+            seen[s] = k
+        for k, v in value.items():
+            _one_name_each(v, f"{path}[{k!r}]")
+    elif isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        for i, v in enumerate(value):
+            _one_name_each(v, f"{path}[{i}]")

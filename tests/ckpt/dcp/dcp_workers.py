@@ -2433,7 +2433,9 @@ def plain_value_structure(rank, world, tmp, store):
         except Exception as e:  # noqa: BLE001 - reported to the test
             out["forged"] = f"{type(e).__name__}: {e}"
         out["forged_touched"] = bool(model[0].weight.any())
-        for case, value in {"int_and_str": {1: "a", "1": "b"}, "dotted": {"a.b": 1, "a": {"b": 2}}}.items():
+        for case, value in {"int_and_str": {1: "a", "1": "b"}, "dotted": {"a.b": 1, "a": {"b": 2}},
+                            # names apart (what the keys hold differs), the keys alike: a traceback at each restore
+                            "apart": {1: {"a": 1}, "1": {"b": 2}}, "apart_in_a_list": {1: [{"a": 1}], "1": {"b": 2}}}.items():
             try:
                 mgr.save(3, {"model": model, "col": value})
                 out[case] = "saved"
