@@ -102,7 +102,7 @@ def parse_storage_options(pairs: list[str] | None, option: str = "--storage-opti
 @app.callback()
 def _main(store: StoreOpt = None, storage_option: OptionsOpt = None, old_storage_option: OldOptionsOpt = None,
           no_cache: Annotated[bool, typer.Option("--no-cache", help="Read remote stores without the local chunk cache "
-                                                 "(~/.cache/ckpt or $CKPT_CACHE_DIR; see `ckpt cache`).")] = False) -> None:
+                                                 "(~/.cache/ckpt, $XDG_CACHE_HOME/ckpt or $CKPT_CACHE_DIR; see `ckpt cache`).")] = False) -> None:
     if old_storage_option:
         err.print("warning: `ckpt -o KEY=VALUE` is deprecated, write `ckpt --storage-option KEY=VALUE` "
                   "(-o means --output, the name of what merge and remix make)")
