@@ -157,8 +157,8 @@ def serve(
 ) -> None:
     """A read-only web view of the store: lineage graph, versions, sizes, diffs, training runs.
 
-    Pages and JSON (/api/refs, /api/lineage, /api/checkpoint/REF, /api/diff?a=REF&b=REF)
-    carry what --json does. Needs the web extra: pip install 'ckpt-store[web]'.
+    Pages and JSON (/api/refs, /api/lineage, /api/checkpoint/REF, /api/diff?a=REF&b=REF,
+    /api/du, /api/run/RUN) carry what --json does. Needs the web extra: pip install 'ckpt-store[web]'.
 
     \b
     Examples:
