@@ -17,7 +17,26 @@ LOCK_WAIT_S = 30.0  # how long a manager waits for a tier another process holds 
 # The tier folders (device, inode) this process holds, so that a second manager of this process on one
 # of them is refused at once: its holder cannot let go while this process waits for it.
 _HELD: set[tuple[int, int]] = set()
+# The descriptors holding them. A child forked while one is held (a DataLoader's workers, a multiprocessing
+# pool) shares its open file and with it the lock, which then outlived close() and the holder's death while the
+# child lived: the next manager of that tier waited and was refused. A child closes its copies as it starts.
+_FDS: set[int] = set()
 _HELD_LOCK = threading.Lock()
+
+
+def _forked() -> None:
+    """In a child just forked: close its copies of the tier locks' descriptors (the parent's lock stays)."""
+    for fd in _FDS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _FDS.clear()
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def hold(path: str) -> int:
@@ -43,6 +62,7 @@ def hold(path: str) -> int:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             with _HELD_LOCK:
                 _HELD.add(key)
+                _FDS.add(fd)
             return fd
         except BlockingIOError:
             pass
@@ -73,11 +93,15 @@ def hold(path: str) -> int:
 
 def let_go(fd: int) -> None:
     """Release a tier :func:`hold` took (forgotten as this process's first: no other manager here can
-    have taken it before the descriptor closes)."""
-    st = os.fstat(fd)
+    have taken it before the descriptor closes). Nothing in a forked child, whose copy was closed as it
+    started (the number may name another file of its own by then)."""
     with _HELD_LOCK:
+        if fd not in _FDS:
+            return
+        _FDS.discard(fd)
+        st = os.fstat(fd)
         _HELD.discard((st.st_dev, st.st_ino))
-    os.close(fd)
+        os.close(fd)
 
 
 __all__ = ["LOCK_WAIT_S", "hold", "let_go"]
