@@ -10,9 +10,12 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
+TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is (local_claim)
 LOCK_WAIT_S = 30.0  # how long a manager waits for a tier another process holds (one exiting, say)
 # The tier folders (device, inode) this process holds, so that a second manager of this process on one
 # of them is refused at once: its holder cannot let go while this process waits for it.
@@ -21,17 +24,19 @@ _HELD: set[tuple[int, int]] = set()
 # pool) shares its open file and with it the lock, which then outlived close() and the holder's death while the
 # child lived: the next manager of that tier waited and was refused. A child closes its copies as it starts.
 _FDS: set[int] = set()
+_SHARED: set[int] = set()  # the descriptors of the shared locks writers other than the manager hold (keeping_off)
 _HELD_LOCK = threading.Lock()
 
 
 def _forked() -> None:
     """In a child just forked: close its copies of the tier locks' descriptors (the parent's lock stays)."""
-    for fd in _FDS:
+    for fd in _FDS | _SHARED:
         try:
             os.close(fd)
         except OSError:
             pass
     _FDS.clear()
+    _SHARED.clear()
     _HELD.clear()
 
 
@@ -104,4 +109,49 @@ def let_go(fd: int) -> None:
         os.close(fd)
 
 
-__all__ = ["LOCK_WAIT_S", "hold", "let_go"]
+@contextmanager
+def keeping_off(store: object) -> Iterator[None]:
+    """Around a write into ``store`` by anything but the manager of its tier (a push, a copy to it, a gc, a repair):
+    where it is a local tier (its folder holds :data:`TIER_MARKER`) that a manager of another process holds, refuse;
+    else hold a shared ``flock`` on its folder while the write runs, so that a manager waits for it.
+    A tier is collected with no grace period because its manager is its only writer: a `ckpt push` into one in use
+    exited 0 with its ref naming a manifest the manager's gc had deleted meanwhile (and that gc then freed nothing,
+    the ref unreadable). A manager of this process may write into its own tier; so may any writer where the
+    filesystem has no ``flock``."""
+    from ckpt.snapshot.run import SnapshotError
+
+    root = store.backend.local_path(".")  # type: ignore[attr-defined]
+    fd = None
+    if root is not None and os.path.lexists(os.path.join(root, TIER_MARKER)):
+        try:
+            fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+            st = os.fstat(fd)
+            with _HELD_LOCK:
+                ours = (st.st_dev, st.st_ino) in _HELD
+            if ours:
+                raise OSError  # (its manager's own)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # type: ignore[arg-type]
+            raise SnapshotError(f"{root} is a local tier a CheckpointManager holds: it collects the tier with no grace "
+                                "period, so what is written there meanwhile (or collected) would be lost",
+                                hint="write to another store (the tier's persisted snapshots are in its durable "
+                                     "store), or once that manager has closed") from None
+        except OSError:  # gone (the write finds out), this process's tier, or no flock here (nothing can be told)
+            if fd is not None:
+                os.close(fd)
+            fd = None
+    if fd is not None:
+        with _HELD_LOCK:
+            _SHARED.add(fd)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            with _HELD_LOCK:
+                if fd in _SHARED:  # (not in a forked child, which closed its copy)
+                    _SHARED.discard(fd)
+                    os.close(fd)
+
+
+__all__ = ["LOCK_WAIT_S", "TIER_MARKER", "hold", "keeping_off", "let_go"]
