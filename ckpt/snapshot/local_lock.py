@@ -84,7 +84,8 @@ def hold(path: str) -> int:
             os.close(fd)
             with _HELD_LOCK:
                 ours = key in _HELD
-            where = "of this process" if ours else "(in this process or another)"
+            # (a write by another hand holds it shared meanwhile: keeping_off)
+            where = "of this process" if ours else "(in this process or another; or a push, copy or gc writing into it)"
             raise SnapshotError(f"local tier {path} is in use by another CheckpointManager {where} and was not let go "
                                 f"within {LOCK_WAIT_S:g} s",
                                 hint="close the other manager first (mgr.close(), or `with CheckpointManager(...)`; "

@@ -1036,6 +1036,9 @@ def test_a_push_copy_or_gc_into_a_local_tier_in_use_is_refused(tmp_path, monkeyp
     store.push({"y": torch.zeros(1000)}, "y")
     other.copy_to(tier, ["x"])
     assert sorted(store.refs()) == ["run/latest", "run/step-1", "x", "y"] and store.verify().ok
+    with local_lock.keeping_off(store):  # (a write under way: a manager waits for it, and says so once refused)
+        with pytest.raises(SnapshotError, match="or a push, copy or gc writing into it"):
+            ckpt.CheckpointManager(durable, "run", local=tier, local_every_n_steps=1, every_n_steps=100)
     with ckpt.CheckpointManager(durable, "run", local=tier, local_every_n_steps=1, every_n_steps=100) as mgr:
         assert mgr.local_tier.steps == [1]
         mgr.save(2, {"w": torch.arange(8.0) + 1})
