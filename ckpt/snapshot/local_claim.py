@@ -13,6 +13,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from ckpt.errors import CkptError
+from ckpt.snapshot.local_lock import TIER_MARKER
 from ckpt.snapshot.steps import step_of
 
 if TYPE_CHECKING:
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is
 
 
 def apart(path: str, durable: Store) -> None:

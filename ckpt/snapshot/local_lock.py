@@ -10,14 +10,38 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 
+TIER_MARKER = "ckpt-local-tier.json"  # {"store_id": the durable store's, "run": ...}: whose tier this is (local_claim)
 LOCK_WAIT_S = 30.0  # how long a manager waits for a tier another process holds (one exiting, say)
 # The tier folders (device, inode) this process holds, so that a second manager of this process on one
 # of them is refused at once: its holder cannot let go while this process waits for it.
 _HELD: set[tuple[int, int]] = set()
+# The descriptors holding them. A child forked while one is held (a DataLoader's workers, a multiprocessing
+# pool) shares its open file and with it the lock, which then outlived close() and the holder's death while the
+# child lived: the next manager of that tier waited and was refused. A child closes its copies as it starts.
+_FDS: set[int] = set()
+_SHARED: set[int] = set()  # the descriptors of the shared locks writers other than the manager hold (keeping_off)
 _HELD_LOCK = threading.Lock()
+
+
+def _forked() -> None:
+    """In a child just forked: close its copies of the tier locks' descriptors (the parent's lock stays)."""
+    for fd in _FDS | _SHARED:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _FDS.clear()
+    _SHARED.clear()
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def hold(path: str) -> int:
@@ -43,6 +67,7 @@ def hold(path: str) -> int:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             with _HELD_LOCK:
                 _HELD.add(key)
+                _FDS.add(fd)
             return fd
         except BlockingIOError:
             pass
@@ -59,7 +84,8 @@ def hold(path: str) -> int:
             os.close(fd)
             with _HELD_LOCK:
                 ours = key in _HELD
-            where = "of this process" if ours else "(in this process or another)"
+            # (a write by another hand holds it shared meanwhile: keeping_off)
+            where = "of this process" if ours else "(in this process or another; or a push, copy or gc writing into it)"
             raise SnapshotError(f"local tier {path} is in use by another CheckpointManager {where} and was not let go "
                                 f"within {LOCK_WAIT_S:g} s",
                                 hint="close the other manager first (mgr.close(), or `with CheckpointManager(...)`; "
@@ -73,11 +99,60 @@ def hold(path: str) -> int:
 
 def let_go(fd: int) -> None:
     """Release a tier :func:`hold` took (forgotten as this process's first: no other manager here can
-    have taken it before the descriptor closes)."""
-    st = os.fstat(fd)
+    have taken it before the descriptor closes). Nothing in a forked child, whose copy was closed as it
+    started (the number may name another file of its own by then)."""
     with _HELD_LOCK:
+        if fd not in _FDS:
+            return
+        _FDS.discard(fd)
+        st = os.fstat(fd)
         _HELD.discard((st.st_dev, st.st_ino))
-    os.close(fd)
+        os.close(fd)
 
 
-__all__ = ["LOCK_WAIT_S", "hold", "let_go"]
+@contextmanager
+def keeping_off(store: object) -> Iterator[None]:
+    """Around a write into ``store`` by anything but the manager of its tier (a push, a copy to it, a gc, a repair):
+    where it is a local tier (its folder holds :data:`TIER_MARKER`) that a manager of another process holds, refuse;
+    else hold a shared ``flock`` on its folder while the write runs, so that a manager waits for it.
+    A tier is collected with no grace period because its manager is its only writer: a `ckpt push` into one in use
+    exited 0 with its ref naming a manifest the manager's gc had deleted meanwhile (and that gc then freed nothing,
+    the ref unreadable). A manager of this process may write into its own tier; so may any writer where the
+    filesystem has no ``flock``."""
+    from ckpt.snapshot.run import SnapshotError
+
+    root = store.backend.local_path(".")  # type: ignore[attr-defined]
+    fd = None
+    if root is not None and os.path.lexists(os.path.join(root, TIER_MARKER)):
+        try:
+            fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+            st = os.fstat(fd)
+            with _HELD_LOCK:
+                ours = (st.st_dev, st.st_ino) in _HELD
+            if ours:
+                raise OSError  # (its manager's own)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # type: ignore[arg-type]
+            raise SnapshotError(f"{root} is a local tier a CheckpointManager holds: it collects the tier with no grace "
+                                "period, so what is written there meanwhile (or collected) would be lost",
+                                hint="write to another store (the tier's persisted snapshots are in its durable "
+                                     "store), or once that manager has closed") from None
+        except OSError:  # gone (the write finds out), this process's tier, or no flock here (nothing can be told)
+            if fd is not None:
+                os.close(fd)
+            fd = None
+    if fd is not None:
+        with _HELD_LOCK:
+            _SHARED.add(fd)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            with _HELD_LOCK:
+                if fd in _SHARED:  # (not in a forked child, which closed its copy)
+                    _SHARED.discard(fd)
+                    os.close(fd)
+
+
+__all__ = ["LOCK_WAIT_S", "TIER_MARKER", "hold", "keeping_off", "let_go"]

@@ -236,12 +236,16 @@ def copy_refs(src: Store, dst: Store, refs: Iterable[str], *, progress: Progress
         raise RefNotFoundError("nothing to copy", hint="name at least one ref")
     with reading_source(src.objects):
         items, weights, allowed = _items(src, refs)
-    resend = _check_present(dst, weights, allowed)
-    replacing = set(resend)
-    return copy_checkpoints(src.objects, dst.objects, dst.refs_db, items, check_chunk=chunk_checker(src, dst, weights),
-                            concurrency=_concurrency(src, dst), progress=progress, weights=weights,
-                            recode=_whole_where_unnamed(src, dst, allowed, raw_recoder(dst) if recode else None, replacing),
-                            resend=resend, taken=_taken(dst, weights, allowed, replacing))
+    from ckpt.snapshot.local_lock import keeping_off
+
+    with keeping_off(dst):  # (not a local tier in use: its manager collects it without grace)
+        resend = _check_present(dst, weights, allowed)
+        replacing = set(resend)
+        return copy_checkpoints(src.objects, dst.objects, dst.refs_db, items, check_chunk=chunk_checker(src, dst, weights),
+                                concurrency=_concurrency(src, dst), progress=progress, weights=weights,
+                                recode=_whole_where_unnamed(src, dst, allowed, raw_recoder(dst) if recode else None,
+                                                            replacing),
+                                resend=resend, taken=_taken(dst, weights, allowed, replacing))
 
 
 def _concurrency(src: Store, dst: Store) -> int:

@@ -380,7 +380,10 @@ def gc(store: Store, *, grace_s: float, dry_run: bool = False, keep_history: boo
                        index=store.index)
         deleted = plan.delete
     else:
-        with gc_lock(store.objects) as lock:  # writers elsewhere wait, or name what they reuse (S3)
+        from ckpt.snapshot.local_lock import keeping_off
+
+        # (not a local tier another process's manager holds: it collects it without grace)
+        with keeping_off(store), gc_lock(store.objects) as lock:  # writers elsewhere wait, or name what they reuse (S3)
             plan = plan_gc(store.objects, store.refs_db, grace_s=grace_s, keep_history=keep_history, lock=lock)
             deleted = list(execute_gc(store.objects, plan, lock=lock))
     return GcReport(dry_run, deleted, len(plan.delete), sum(d.size for d in deleted), plan.young, plan.live_manifests,

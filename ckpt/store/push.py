@@ -98,14 +98,17 @@ def push(
     if metadata is not None:
         canonical_json(metadata)  # must be JSON; raises TypeError/ValueError early
     _check_not_the_store(store, source)
-    src = open_source(source)
-    try:
-        keys = [(t.name, t.dtype, t.nbytes) for f in src.files for t in f.tensors]
-        base_id, parent = choose_base(store, name, keys, base) if delta else (None, None)
-        return push_source(store, src, name, message=message, metadata=metadata, base_id=base_id,
-                           lineage={"parent": parent, "base": base_id, "merge": None}, progress=progress)
-    finally:
-        src.close()
+    from ckpt.snapshot.local_lock import keeping_off
+
+    with keeping_off(store):  # (not a local tier in use: its manager collects it without grace)
+        src = open_source(source)
+        try:
+            keys = [(t.name, t.dtype, t.nbytes) for f in src.files for t in f.tensors]
+            base_id, parent = choose_base(store, name, keys, base) if delta else (None, None)
+            return push_source(store, src, name, message=message, metadata=metadata, base_id=base_id,
+                               lineage={"parent": parent, "base": base_id, "merge": None}, progress=progress)
+        finally:
+            src.close()
 
 
 def _check_not_the_store(store: Store, source: object) -> None:

@@ -260,10 +260,12 @@ class Store(StoreNames):
         >>> r.repaired == [("chunk", cid)], r.after.ok
         (True, True)
         """
+        from ckpt.snapshot.local_lock import keeping_off
         from ckpt.store.maintenance import repair
 
         src = source if isinstance(source, Store) else Store.open(source)
-        return repair(self, src, names, progress)
+        with keeping_off(self):  # (not a local tier in use: its manager collects it without grace)
+            return repair(self, src, names, progress)
 
     def du(self) -> StoreUsage:
         from ckpt.store.maintenance import du

@@ -999,6 +999,102 @@ def test_a_local_tier_held_by_another_process_is_refused_until_it_dies(tmp_path,
     mgr.close()
 
 
+def test_a_push_copy_or_gc_into_a_local_tier_in_use_is_refused(tmp_path, monkeypatch):
+    """A tier is collected with no grace period: its manager is its only writer. `ckpt push` into a tier a running
+    manager held exited 0 with its ref naming a manifest the manager's gc had deleted meanwhile (found by hunt21-n4:
+    20 pushes beside a saving manager, one lost; that gc then freed nothing, the ref unreadable). A push, a copy to
+    it, a gc and a repair by another process are refused in one line now, writing nothing; once the manager is gone
+    they go ahead, and a manager takes the tier at once after them."""
+    import ckpt.snapshot.local_lock as local_lock
+    from ckpt.snapshot.run import SnapshotError
+
+    monkeypatch.setattr(local_lock, "LOCK_WAIT_S", 0.5)
+    tier, durable = str(tmp_path / "tier"), str(tmp_path / "d")
+    script = ("import sys, time, torch, ckpt\n"
+              "m = ckpt.CheckpointManager(sys.argv[1], 'run', local=sys.argv[2], local_every_n_steps=1, every_n_steps=100)\n"
+              "m.save(1, {'w': torch.arange(8.0)}); m.wait()\n"
+              "print('held', flush=True)\n"
+              "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, durable, tier], stdout=subprocess.PIPE, text=True)
+    other = ckpt.Store.init(str(tmp_path / "other"))
+    other.push({"x": torch.ones(1000)}, "x")
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        store = ckpt.Store.open(tier)
+        before = sorted(os.path.relpath(os.path.join(d, f), tier) for d, _, fs in os.walk(tier) for f in fs)
+        for write in (lambda: store.push({"y": torch.zeros(1000)}, "y"), lambda: other.copy_to(tier, ["x"]),
+                      lambda: store.gc(grace_s=0.0), lambda: store.repair(other)):
+            with pytest.raises(SnapshotError, match="is a local tier a CheckpointManager holds") as e:
+                write()
+            assert "write to another store" in e.value.hint
+        assert sorted(os.path.relpath(os.path.join(d, f), tier) for d, _, fs in os.walk(tier) for f in fs) == before
+        assert sorted(store.refs()) == ["run/latest", "run/step-1"] and store.gc(dry_run=True).deleted == []
+    finally:
+        proc.kill()
+        proc.wait()
+    store = ckpt.Store.open(tier)
+    store.push({"y": torch.zeros(1000)}, "y")
+    other.copy_to(tier, ["x"])
+    assert sorted(store.refs()) == ["run/latest", "run/step-1", "x", "y"] and store.verify().ok
+    with local_lock.keeping_off(store):  # (a write under way: a manager waits for it, and says so once refused)
+        with pytest.raises(SnapshotError, match="or a push, copy or gc writing into it"):
+            ckpt.CheckpointManager(durable, "run", local=tier, local_every_n_steps=1, every_n_steps=100)
+    with ckpt.CheckpointManager(durable, "run", local=tier, local_every_n_steps=1, every_n_steps=100) as mgr:
+        assert mgr.local_tier.steps == [1]
+        mgr.save(2, {"w": torch.arange(8.0) + 1})
+    assert sorted(store.refs()) == ["run/latest", "run/step-1", "run/step-2", "x", "y"] and store.verify().ok
+
+
+def test_a_forked_child_does_not_keep_the_local_tier_locked(tmp_path, monkeypatch):
+    """A child forked while a manager holds its tier (a DataLoader's workers, a multiprocessing pool) shared the
+    flock's open file: the lock outlived close(), and the holder's SIGKILL, while the child lived, so the restarted
+    job (or the notebook's next manager) waited and was refused (found by hunt21-n4). The child closes its copy as it
+    starts: the next manager takes the tier at once and restores its snapshot, bit for bit."""
+    import ckpt.snapshot.local_lock as local_lock
+
+    monkeypatch.setattr(local_lock, "LOCK_WAIT_S", 0.5)
+    kw = {"local": str(tmp_path / "tier"), "local_every_n_steps": 1, "every_n_steps": 100}
+    model = torch.nn.Linear(8, 4)
+    ctx = __import__("multiprocessing").get_context("fork")
+    done = ctx.Event()
+    mgr = ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw)
+    mgr.save(1, {"model": model})
+    mgr.wait()
+    child = ctx.Process(target=done.wait)
+    child.start()
+    try:
+        mgr.close()
+        with ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw) as again:
+            assert again.local_tier.steps == [1]
+    finally:
+        done.set()
+        child.join()
+    # A process holding the tier forks a child that outlives it (SIGKILL: no close, no exit handler).
+    script = ("import multiprocessing, sys, time, torch, ckpt\n"
+              "m = ckpt.CheckpointManager(sys.argv[1], 'run', local=sys.argv[2], local_every_n_steps=1, every_n_steps=100)\n"
+              "torch.manual_seed(1); model = torch.nn.Linear(8, 4)\n"
+              "m.save(2, {'model': model}); m.wait()\n"
+              "c = multiprocessing.get_context('fork').Process(target=time.sleep, args=(600,)); c.start()\n"
+              "print(c.pid, flush=True)\n"
+              "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "d"), str(tmp_path / "tier")],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    orphan = int(proc.stdout.readline())
+    try:
+        proc.kill()
+        proc.wait()
+        os.kill(orphan, 0)  # (alive still)
+        torch.manual_seed(1)
+        want = torch.nn.Linear(8, 4)
+        with ckpt.CheckpointManager(str(tmp_path / "d"), "run", **kw) as again:
+            assert again.restore_latest({"model": model}) == 2
+        assert {k: v.numpy().tobytes() for k, v in model.state_dict().items()} == \
+            {k: v.numpy().tobytes() for k, v in want.state_dict().items()}
+    finally:
+        os.kill(orphan, signal.SIGKILL)
+
+
 def test_out_of_space_is_recognised_after_the_error_crossed_to_another_rank():
     """A full tier on one rank reaches the others (and itself) inside DCP's CheckpointException, pickled:
     the cause chain is gone, the storage error's errno is not; only the rank that ran out of space makes room."""
