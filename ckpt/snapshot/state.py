@@ -170,16 +170,32 @@ def version_key(t: Any) -> tuple[Any, ...]:
     return (t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device, t.stride())
 
 
-def version_blind(state: dict[str, Any]) -> frozenset[int]:
-    """The storages (data pointers) of the buffers of the modules in ``state``, whose version counters say
-    nothing: ``torch.batch_norm`` (every BatchNorm module, ``F.batch_norm``) updates the running statistics
-    in place without bumping them, so a save that trusted them reused the statistics of the first snapshot
-    in every later one, and a resumed run evaluated (and went on) with stale ones. A save reads such a
-    tensor every time; the hash finds its chunks unchanged where they are."""
+def version_trusted(state: dict[str, Any], optimizers: list[Any]) -> frozenset[int]:
+    """The storages (data pointers) whose version counters say whether they changed: the parameters of the modules in
+    ``state`` and of ``optimizers``, and the optimizers' per-parameter state; not a module's buffers, nor what else a
+    state dict hands out (a Stateful wrapper's, a plain value's tensors): ``torch.batch_norm`` (every BatchNorm module,
+    ``F.batch_norm`` on plain tensors) updates running statistics in place without bumping their counters, so a save
+    that trusted them reused the statistics of the first snapshot in every later one, and a resumed run evaluated (and
+    went on) with stale ones. A save reads every other tensor each time (the hash finds its chunks unchanged where they
+    are). A storage a buffer shares (tied) is not trusted; nor one without an address (a wrapper tensor subclass)."""
     import torch
 
-    return frozenset(b.untyped_storage().data_ptr() for m in state.values() if isinstance(m, torch.nn.Module)
-                     for b in m.buffers() if b.layout == torch.strided)  # (any other is refused by the save)
+    modules = [m for m in state.values() if isinstance(m, torch.nn.Module)]
+    params = [p for m in modules for p in m.parameters()]
+    params += [p for o in optimizers for g in o.param_groups for p in g["params"]]
+    params += [v for o in optimizers for per in o.state.values() for v in per.values() if isinstance(v, torch.Tensor)]
+    trusted = {storage_address(p) for p in params}
+    trusted -= {storage_address(b) for m in modules for b in m.buffers()}
+    trusted.discard(None)
+    return frozenset(trusted)  # type: ignore[arg-type]
+
+
+def storage_address(t: Any) -> int | None:
+    """The address of ``t``'s storage; None where it has none to give (a wrapper tensor subclass, a sparse tensor)."""
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass: no storage of its own
+        return None
 
 
 def autograd_flags(tensors: dict[str, Any]) -> dict[str, list[str]]:
