@@ -1775,3 +1775,46 @@ def test_a_buffer_without_a_storage_of_its_own_does_not_break_a_save(tmp_path):
     with ckpt.CheckpointManager(str(tmp_path), "run") as mgr:
         assert mgr.restore_latest({"m": fresh}) == 2
     assert {k: _bits(v) for k, v in fresh.state_dict().items()} == {k: _bits(v) for k, v in m.state_dict().items()}
+
+
+def test_common_writes_outside_an_optimizer_step_reach_every_snapshot(tmp_path):
+    """Writes a training loop makes outside optimizer.step, checked for what they do to version counters (torch 2.x):
+    swa_utils' EMA update_parameters and load_state_dict bump them, parametrize's original is a parameter the step
+    bumps, vector_to_parameters (and model averaging) give parameters new storage (a new key), update_bn and
+    functional_call run batch norm on buffers (no bump: read at every save). Each state's step-3 bytes come back."""
+    from torch.nn.utils import parametrize, vector_to_parameters
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, update_bn
+
+    class _Sym(torch.nn.Module):
+        def forward(self, x):
+            return x.triu() + x.triu(1).T
+
+    def net():
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+
+    torch.manual_seed(0)
+    model, vec, func = net(), net(), net()
+    parametrize.register_parametrization(model[0], "weight", _Sym())
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    state = {"model": model, "ema": ema, "vec": vec, "func": func, "optim": opt}
+    with ckpt.CheckpointManager(str(tmp_path), "run", save_mode="async") as mgr:
+        for step in (1, 2, 3):
+            model(torch.randn(8, 4)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ema.update_parameters(model)
+            update_bn([torch.randn(8, 4)], ema)
+            vector_to_parameters(torch.randn(28), vec.parameters())
+            torch.func.functional_call(func, {**dict(func.named_parameters()), **dict(func.named_buffers())}, (torch.randn(8, 4),))
+            mgr.save(step, state)
+        mgr.wait()
+    want = {k: {n: _bits(t) for n, t in m.state_dict().items()} for k, m in state.items() if k != "optim"}
+    torch.manual_seed(1)
+    model2, vec2, func2 = net(), net(), net()
+    parametrize.register_parametrization(model2[0], "weight", _Sym())
+    fresh = {"model": model2, "ema": AveragedModel(model2, multi_avg_fn=get_ema_multi_avg_fn(0.9)), "vec": vec2,
+             "func": func2, "optim": torch.optim.AdamW(model2.parameters(), lr=0.1)}
+    with ckpt.CheckpointManager(str(tmp_path), "run") as mgr:
+        assert mgr.restore_latest(fresh) == 3
+    assert {k: {n: _bits(t) for n, t in m.state_dict().items()} for k, m in fresh.items() if k != "optim"} == want
