@@ -11,7 +11,7 @@ may modify them (CUDA tensors: the step waits for their copy to pinned memory).
 A tensor is known to be unchanged when it is the same storage with the same in-place
 version counter (``tensor._version``) as at the previous save (``unchanged_by="version"``);
 its chunks are then reused without reading it: a parameter, or an optimizer's state, only
-(:func:`~ckpt.snapshot.state.version_trusted`: batch norm's statistics change without a bump). Every other
+(:func:`~ckpt.snapshot.state.trusted`: batch norm's statistics change without a bump). Every other
 tensor is staged at every save; where it is found unchanged by hash since the snapshot the save continues from,
 a local tier makes no room for it (:func:`_unchanged_by_hash`). A restore records the tensors it wrote so too
 (their versions as the restore left them). Where versions cannot be trusted (a fused optimizer
@@ -46,8 +46,8 @@ from ckpt.snapshot.state import (
     autograd_flags,
     flatten,
     optimizers_in,
-    storage_address,
     tensor_devices,
+    trusted,
     version_key,
     version_trusted,
 )
@@ -104,13 +104,13 @@ class LocalSnapshots(LocalRestoring):
         import torch
 
         tensors, tree, optimizers, trust = self._flatten(state)
-        trusted = version_trusted(state, optimizers)
-        blind = {n for n, t in tensors.items() if storage_address(t) not in trusted}  # (staged: found unchanged by hash)
+        pairs = version_trusted(state, optimizers)
+        blind = {n for n, t in tensors.items() if not trusted(t, pairs)}  # (staged: found unchanged by hash)
         for name, t in tensors.items():
             storable_dtype(name, t)  # refused here, not in the background (where a local tier only warns)
         overlap = self.overlap and not (fallback is not None and self._failing)
         defer = _optimizer_storages(optimizers) if overlap else frozenset()
-        staged, reuse, keys, pending, live = self._stage(tensors, trust=trust, defer=defer, trusted=trusted)
+        staged, reuse, keys, pending, live = self._stage(tensors, trust=trust, defer=defer, blind=blind)
         changed = self._changes(tensors, keys, trust)  # what a local tier makes room for before the write
         held = {n: t.detach() for n, t in tensors.items()}
         ready, in_place = None, None
@@ -167,10 +167,10 @@ class LocalSnapshots(LocalRestoring):
         wrote or restored (:meth:`_changes`; None where versions cannot tell): what a save of it adds to a local
         tier that holds none of it, and that holds that snapshot; and that snapshot's id (the one it continues from)."""
         tensors, _, optimizers, trust = self._flatten(state)
-        trusted = version_trusted(state, optimizers)
-        changed = self._changes(tensors, {n: _key(t.detach(), trusted) for n, t in tensors.items()}, trust)
+        pairs = version_trusted(state, optimizers)
+        blind = {n for n, t in tensors.items() if not trusted(t, pairs)}
+        changed = self._changes(tensors, {n: _key(t.detach(), n in blind) for n, t in tensors.items()}, trust)
         if changed:  # (rare: after a full tier) read here, what the save will stage
-            blind = {n for n, t in tensors.items() if storage_address(t) not in trusted}
             changed = self._unchanged_by_hash(changed, {n: t.detach() for n, t in tensors.items()}, None, blind)
         return [t.numel() * t.element_size() for t in tensors.values()], \
             None if changed is None else list(changed.values()), self._since
@@ -197,7 +197,7 @@ class LocalSnapshots(LocalRestoring):
     def _unchanged_by_hash(self, changed: dict[str, int], staged: dict[str, torch.Tensor],
                            reuse: dict[str, TensorEntry] | None, blind: set[str],
                            live: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
-        """``changed`` without the tensors ``blind`` names (their versions say nothing: not :func:`version_trusted`'s)
+        """``changed`` without the tensors ``blind`` names (their versions say nothing: not :func:`trusted`)
         that hold the bytes of their entry in the snapshot the save continues from (``_since``): their chunks are
         there, and a local tier keeps it. (Counted at every save, a constant plain tensor made a full tier drop that
         snapshot.) Where that is also the previous snapshot and this store held the entry's chunks when it was
@@ -228,13 +228,13 @@ class LocalSnapshots(LocalRestoring):
         return out
 
     def _stage(self, tensors: dict[str, torch.Tensor], trust: bool, defer: frozenset[int] = frozenset(),
-               *, trusted: frozenset[int]) -> tuple[dict[str, torch.Tensor], dict[str, TensorEntry], dict[str, tuple[Any, ...]],
+               *, blind: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, TensorEntry], dict[str, tuple[Any, ...]],
                           list[tuple[str, torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
         """Copy changed tensors into the staging area; the rest reuse the previous snapshot's entries.
 
         Without ``trust`` every tensor is staged (and unchanged chunks are found by
-        their hash in the background instead), and so is every tensor whose storage is not in
-        ``trusted`` (:func:`~ckpt.snapshot.state.version_trusted`). Tensors whose storage is in ``defer``
+        their hash in the background instead), and so is every tensor ``blind`` names (not
+        :func:`~ckpt.snapshot.state.trusted`). Tensors whose storage is in ``defer``
         are not copied now: CUDA ones are returned as (name, staging buffer, tensor) to
         copy in the background, contiguous CPU ones as ``live`` (read in place, see
         ckpt/snapshot/live.py; they need no staging buffer)."""
@@ -249,7 +249,7 @@ class LocalSnapshots(LocalRestoring):
         cuda = []
         for name, t in tensors.items():
             t = t.detach()
-            key = keys[name] = _key(t, trusted)
+            key = keys[name] = _key(t, name in blind)
             if trust and self._keys.get(name) == key and name in previous:
                 reuse[name] = previous[name]
                 continue
@@ -417,11 +417,11 @@ def _optimizer_storages(optimizers: list[Any]) -> frozenset[int]:
     return frozenset(ptrs)
 
 
-def _key(t: torch.Tensor, trusted: frozenset[int]) -> tuple[Any, ...]:
-    """``t``'s :func:`~ckpt.snapshot.state.version_key`, one that equals no other where its storage is not in
-    ``trusted`` (its version counter says nothing: it is read at every save)."""
+def _key(t: torch.Tensor, blind: bool) -> tuple[Any, ...]:
+    """``t``'s :func:`~ckpt.snapshot.state.version_key`, one that equals no other where it is ``blind`` (not
+    :func:`~ckpt.snapshot.state.trusted`: its version counter says nothing, it is read at every save)."""
     key = version_key(t)
-    return key if storage_address(t) in trusted else (*key, object())
+    return (*key, object()) if blind else key
 
 
 def _has_fused_optimizer(optimizers: list[Any]) -> bool:

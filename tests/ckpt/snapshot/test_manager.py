@@ -1702,6 +1702,22 @@ class _AppState:
         self.model.load_state_dict(sd["model"])
 
 
+class _DataAliases:
+    """Hands out ``.data`` aliases of the parameters (older code does): a version counter of their own, which the
+    optimizer's step does not bump."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return {"p": [p.data for p in self.model.parameters()], "b": [b for b in self.model.buffers()]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        with torch.no_grad():
+            for t, v in zip([*self.model.parameters(), *self.model.buffers()], [*sd["p"], *sd["b"]]):
+                t.copy_(v)
+
+
 class _Stats:
     """Running statistics kept as plain tensors, updated by F.batch_norm (which bumps no version counter)."""
 
@@ -1716,13 +1732,14 @@ class _Stats:
         self.var.copy_(sd["var"])
 
 
-@pytest.mark.parametrize("wrap", ["appstate", "perrank", "state_dict", "functional"])
+@pytest.mark.parametrize("wrap", ["appstate", "perrank", "state_dict", "functional", "data_aliases"])
 @pytest.mark.parametrize("local", [False, True], ids=["store", "local-tier"])
 def test_tensors_a_state_dict_hands_out_are_read_at_every_save(tmp_path, wrap, local):
     """Version counters are trusted only for parameters and optimizer state: BatchNorm statistics reached through a
     Stateful wrapper (DCP's AppState, also nested in a list), PerRank(model), a module's state_dict() passed as a plain
     value, or plain tensors F.batch_norm updates (their _version stays 0) were reused from the first snapshot in every
-    later one (only a module's own buffers were read again): step 3's snapshot restores step 3's bytes."""
+    later one (only a module's own buffers were read again); so were the parameters a Stateful handed out as ``.data``
+    aliases (trusted by their memory alone): step 3's snapshot restores step 3's bytes."""
     from ckpt.snapshot.state import PerRank
 
     torch.manual_seed(0)
@@ -1730,7 +1747,8 @@ def test_tensors_a_state_dict_hands_out_are_read_at_every_save(tmp_path, wrap, l
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     stats = _Stats()
     wrapped = {"appstate": lambda: _AppState(model), "perrank": lambda: PerRank(model),
-               "state_dict": lambda: model.state_dict(), "functional": lambda: stats}[wrap]
+               "state_dict": lambda: model.state_dict(), "functional": lambda: stats,
+               "data_aliases": lambda: _DataAliases(model)}[wrap]
     kw = {"local": str(tmp_path / "l"), "every_n_steps": 1} if local else {}
     with ckpt.CheckpointManager(str(tmp_path / "s"), "run", save_mode="async", **kw) as mgr:
         for step in (1, 2, 3):
