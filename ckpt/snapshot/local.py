@@ -10,8 +10,10 @@ may modify them (CUDA tensors: the step waits for their copy to pinned memory).
 
 A tensor is known to be unchanged when it is the same storage with the same in-place
 version counter (``tensor._version``) as at the previous save (``unchanged_by="version"``);
-its chunks are then reused without reading it (not a module's buffer: batch norm's statistics change without
-a bump, :func:`~ckpt.snapshot.state.version_blind`). A restore records the tensors it wrote so too
+its chunks are then reused without reading it: a parameter, or an optimizer's state, only
+(:func:`~ckpt.snapshot.state.trusted`: batch norm's statistics change without a bump). Every other
+tensor is staged at every save; where it is found unchanged by hash since the snapshot the save continues from,
+a local tier makes no room for it (:func:`_unchanged_by_hash`). A restore records the tensors it wrote so too
 (their versions as the restore left them). Where versions cannot be trusted (a fused optimizer
 in the state, or ``unchanged_by="hash"``), and after a failed save, every tensor is staged and
 unchanged chunks are found by hash instead.
@@ -45,8 +47,9 @@ from ckpt.snapshot.state import (
     flatten,
     optimizers_in,
     tensor_devices,
-    version_blind,
+    trusted,
     version_key,
+    version_trusted,
 )
 from ckpt.store.source_tensors import storable_dtype
 
@@ -86,6 +89,7 @@ class LocalSnapshots(LocalRestoring):
         self._held: dict[str, Any] = {}
         self._last: tuple[str, dict[str, TensorEntry]] | None = None  # previous snapshot: id, entries
         self._since: str | None = None  # the last snapshot written or restored here, a failed save since or not (_keys')
+        self._since_entries: dict[str, TensorEntry] | None = None  # its entries
         self._streams: dict[Any, Any] = {}  # CUDA device -> its copy stream
         # The last write to this path's store failed (a full local tier): an overlapped save with a
         # fallback stages copies instead, for the tensors the failed write read may have changed since.
@@ -100,13 +104,14 @@ class LocalSnapshots(LocalRestoring):
         import torch
 
         tensors, tree, optimizers, trust = self._flatten(state)
-        blind = version_blind(state)
+        pairs = version_trusted(state, optimizers)
+        blind = {n for n, t in tensors.items() if not trusted(t, pairs)}  # (staged: found unchanged by hash)
         for name, t in tensors.items():
             storable_dtype(name, t)  # refused here, not in the background (where a local tier only warns)
         overlap = self.overlap and not (fallback is not None and self._failing)
         defer = _optimizer_storages(optimizers) if overlap else frozenset()
         staged, reuse, keys, pending, live = self._stage(tensors, trust=trust, defer=defer, blind=blind)
-        changed = self._changes(tensors, keys, trust) or []  # what a local tier makes room for before the write
+        changed = self._changes(tensors, keys, trust)  # what a local tier makes room for before the write
         held = {n: t.detach() for n, t in tensors.items()}
         ready, in_place = None, None
         if live or pending:
@@ -133,7 +138,10 @@ class LocalSnapshots(LocalRestoring):
                 if pending:
                     self._copy_pending(pending, keys, ready)
                 try:
-                    result = self._write(step, staged, reuse, keys, held, record, in_place, changed)
+                    # (the hash, in the background)
+                    counted = self._unchanged_by_hash(changed, staged, reuse, blind, live) if changed and self.room else changed
+                    result = self._write(step, staged, reuse, keys, held, record, in_place,
+                                         None if counted is None else list(counted.values()))
                     self._failing = False
                     return result
                 except SnapshotError:
@@ -158,10 +166,14 @@ class LocalSnapshots(LocalRestoring):
         """The bytes of ``state``'s tensors, and of those not known to be unchanged since the last snapshot this path
         wrote or restored (:meth:`_changes`; None where versions cannot tell): what a save of it adds to a local
         tier that holds none of it, and that holds that snapshot; and that snapshot's id (the one it continues from)."""
-        tensors, _, _, trust = self._flatten(state)
-        blind = version_blind(state)
-        changed = self._changes(tensors, {n: _key(t.detach(), blind) for n, t in tensors.items()}, trust)
-        return [t.numel() * t.element_size() for t in tensors.values()], changed, self._since
+        tensors, _, optimizers, trust = self._flatten(state)
+        pairs = version_trusted(state, optimizers)
+        blind = {n for n, t in tensors.items() if not trusted(t, pairs)}
+        changed = self._changes(tensors, {n: _key(t.detach(), n in blind) for n, t in tensors.items()}, trust)
+        if changed:  # (rare: after a full tier) read here, what the save will stage
+            changed = self._unchanged_by_hash(changed, {n: t.detach() for n, t in tensors.items()}, None, blind)
+        return [t.numel() * t.element_size() for t in tensors.values()], \
+            None if changed is None else list(changed.values()), self._since
 
     def _flatten(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any, list[Any], bool]:
         """``state``'s tensors and structure (:func:`flatten`), its optimizers, and whether their version counters say
@@ -170,7 +182,7 @@ class LocalSnapshots(LocalRestoring):
         optimizers = optimizers_in(state)
         return tensors, tree, optimizers, self.trust_version and not _has_fused_optimizer(optimizers)
 
-    def _changes(self, tensors: dict[str, torch.Tensor], keys: dict[str, tuple[Any, ...]], trust: bool) -> list[int] | None:
+    def _changes(self, tensors: dict[str, torch.Tensor], keys: dict[str, tuple[Any, ...]], trust: bool) -> dict[str, int] | None:
         """The sizes of ``tensors`` (their version ``keys`` now) not known to be unchanged since the last snapshot
         written or restored here: each one whose key is not the one recorded then, or that has none (a new name, an
         optimizer's moments made by its first step; one a restore did not record): what a local tier makes room for.
@@ -180,16 +192,49 @@ class LocalSnapshots(LocalRestoring):
         failed save: it reuses nothing, but what changed since that snapshot still says what the next save adds."""
         if not trust or not self._keys:
             return None
-        return [t.numel() * t.element_size() for n, t in tensors.items() if self._keys.get(n) != keys[n]]
+        return {n: t.numel() * t.element_size() for n, t in tensors.items() if self._keys.get(n) != keys[n]}
+
+    def _unchanged_by_hash(self, changed: dict[str, int], staged: dict[str, torch.Tensor],
+                           reuse: dict[str, TensorEntry] | None, blind: set[str],
+                           live: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
+        """``changed`` without the tensors ``blind`` names (their versions say nothing: not :func:`trusted`)
+        that hold the bytes of their entry in the snapshot the save continues from (``_since``): their chunks are
+        there, and a local tier keeps it. (Counted at every save, a constant plain tensor made a full tier drop that
+        snapshot.) Where that is also the previous snapshot and this store held the entry's chunks when it was
+        recorded (not one a restore read elsewhere), the entry moves from ``staged`` to ``reuse``: not hashed again."""
+        import torch
+
+        from ckpt.format.dtypes import to_torch
+        from ckpt.format.entries import split_lengths
+        from ckpt_store.storage.objects import object_id
+
+        entries = self._since_entries or {}
+        previous = self._last[1] if self._last and self._last[0] == self._since else {}
+        out = dict(changed)
+        for n in changed.keys() & blind:
+            t, e = staged.get(n), entries.get(n)
+            if t is None or e is None or (live and n in live) or tuple(t.shape) != e.shape or t.dtype != to_torch(e.dtype):
+                continue
+            raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            ids, pos = [], 0
+            for k in split_lengths(e.nbytes, self.store.settings.chunk_size):
+                ids.append(object_id(memoryview(raw[pos:pos + k])))
+                pos += k
+            if tuple(ids) == e.chunks:
+                del out[n]
+                if reuse is not None and previous.get(n) == e and n in self._keys:
+                    reuse[n] = e
+                    del staged[n]
+        return out
 
     def _stage(self, tensors: dict[str, torch.Tensor], trust: bool, defer: frozenset[int] = frozenset(),
-               blind: frozenset[int] = frozenset()) -> tuple[dict[str, torch.Tensor], dict[str, TensorEntry], dict[str, tuple[Any, ...]],
+               *, blind: set[str]) -> tuple[dict[str, torch.Tensor], dict[str, TensorEntry], dict[str, tuple[Any, ...]],
                           list[tuple[str, torch.Tensor, torch.Tensor]], dict[str, torch.Tensor]]:
         """Copy changed tensors into the staging area; the rest reuse the previous snapshot's entries.
 
         Without ``trust`` every tensor is staged (and unchanged chunks are found by
-        their hash in the background instead), and so is every tensor whose storage is in
-        ``blind`` (:func:`~ckpt.snapshot.state.version_blind`). Tensors whose storage is in ``defer``
+        their hash in the background instead), and so is every tensor ``blind`` names (not
+        :func:`~ckpt.snapshot.state.trusted`). Tensors whose storage is in ``defer``
         are not copied now: CUDA ones are returned as (name, staging buffer, tensor) to
         copy in the background, contiguous CPU ones as ``live`` (read in place, see
         ckpt/snapshot/live.py; they need no staging buffer)."""
@@ -204,7 +249,7 @@ class LocalSnapshots(LocalRestoring):
         cuda = []
         for name, t in tensors.items():
             t = t.detach()
-            key = keys[name] = _key(t, blind)
+            key = keys[name] = _key(t, name in blind)
             if trust and self._keys.get(name) == key and name in previous:
                 reuse[name] = previous[name]
                 continue
@@ -319,7 +364,7 @@ class LocalSnapshots(LocalRestoring):
             self._last = None
             raise
         self._last = (result.id, {t.name: t for t in m.tensors})
-        self._since = result.id
+        self._since, self._since_entries = result.id, self._last[1]
         self._keys, self._held = keys, held
         return SaveResult(result.id, result.written_bytes, result.logical_bytes, len(staged), len(reuse),
                           live.copied_bytes if live is not None else 0)
@@ -328,7 +373,7 @@ class LocalSnapshots(LocalRestoring):
         """The next save reuses no entry of the snapshot last written or restored and continues from none (writes in
         full, counted whole for the room): the store may have lost chunks it names (a refill removed damaged copies, and
         the steps naming them)."""
-        self._last, self._since, self._keys, self._held = None, None, {}, {}
+        self._last, self._since, self._since_entries, self._keys, self._held = None, None, None, {}, {}
 
     def _write_elsewhere(self, run: SnapshotRun, error: Exception, step: int, staged: dict[str, torch.Tensor],
                          reuse: dict[str, TensorEntry], snapshot: dict[str, Any], live: LiveTensors | None) -> SaveResult:
@@ -372,11 +417,11 @@ def _optimizer_storages(optimizers: list[Any]) -> frozenset[int]:
     return frozenset(ptrs)
 
 
-def _key(t: torch.Tensor, blind: frozenset[int]) -> tuple[Any, ...]:
-    """``t``'s :func:`~ckpt.snapshot.state.version_key`, one that equals no other where its storage is in ``blind``
-    (its version counter says nothing: it is read at every save)."""
+def _key(t: torch.Tensor, blind: bool) -> tuple[Any, ...]:
+    """``t``'s :func:`~ckpt.snapshot.state.version_key`, one that equals no other where it is ``blind`` (not
+    :func:`~ckpt.snapshot.state.trusted`: its version counter says nothing, it is read at every save)."""
     key = version_key(t)
-    return (*key, object()) if t.untyped_storage().data_ptr() in blind else key
+    return (*key, object()) if blind else key
 
 
 def _has_fused_optimizer(optimizers: list[Any]) -> bool:

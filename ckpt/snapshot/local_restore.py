@@ -41,6 +41,7 @@ class LocalRestoring:
     _held: dict[str, Any]
     _last: tuple[str, dict[str, TensorEntry]] | None
     _since: str | None
+    _since_entries: dict[str, TensorEntry] | None
 
     def restore(self, state: dict[str, Any], mid: str, tiers: Tiers | None = None) -> int:
         """Restore ``mid`` into ``state`` in place; its step. ``tiers``: where to read it from,
@@ -179,7 +180,7 @@ class LocalRestoring:
                 state[key] = restored
         if self._last is not None:
             self._keys, self._held = _restored_keys(state, filled, self._served_here(tiers, entries))
-            self._since = mid
+            self._since, self._since_entries = mid, entries
         return step
 
     def _served_here(self, tiers: Tiers, entries: dict[str, TensorEntry]) -> set[str]:

@@ -170,16 +170,45 @@ def version_key(t: Any) -> tuple[Any, ...]:
     return (t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device, t.stride())
 
 
-def version_blind(state: dict[str, Any]) -> frozenset[int]:
-    """The storages (data pointers) of the buffers of the modules in ``state``, whose version counters say
-    nothing: ``torch.batch_norm`` (every BatchNorm module, ``F.batch_norm``) updates the running statistics
-    in place without bumping them, so a save that trusted them reused the statistics of the first snapshot
-    in every later one, and a resumed run evaluated (and went on) with stale ones. A save reads such a
-    tensor every time; the hash finds its chunks unchanged where they are."""
+def version_trusted(state: dict[str, Any], optimizers: list[Any]) -> frozenset[tuple[int, int]]:
+    """What :func:`trusted` checks a tensor against: the (data pointer, version) of the parameters of the modules in
+    ``state`` and of ``optimizers``, and of the optimizers' per-parameter state, whose version counters say whether
+    they changed; not a module's buffers, nor anything else: ``torch.batch_norm`` (every BatchNorm module,
+    ``F.batch_norm`` on plain tensors) updates running statistics in place without bumping their counters, so a save
+    that trusted them reused the statistics of the first snapshot in every later one, and a resumed run evaluated (and
+    went on) with stale ones. A save reads every other tensor each time (the hash finds its chunks unchanged where they
+    are). Memory a buffer shares (tied) is not trusted; nor a tensor without an address (a wrapper tensor subclass)."""
     import torch
 
-    return frozenset(b.untyped_storage().data_ptr() for m in state.values() if isinstance(m, torch.nn.Module)
-                     for b in m.buffers() if b.layout == torch.strided)  # (any other is refused by the save)
+    modules = [m for m in state.values() if isinstance(m, torch.nn.Module)]
+    params = [p for m in modules for p in m.parameters()]
+    params += [p for o in optimizers for g in o.param_groups for p in g["params"]]
+    params += [v for o in optimizers for per in o.state.values() for v in per.values() if isinstance(v, torch.Tensor)]
+    buffers = {storage_address(b) for m in modules for b in m.buffers()}
+    return frozenset((_address(p), p._version) for p in params if storage_address(p) not in buffers and _address(p) is not None)
+
+
+def trusted(t: Any, pairs: frozenset[tuple[int, int]]) -> bool:
+    """Whether ``t``'s version counter says when it changes: it is a parameter or an optimizer's state
+    (:func:`version_trusted`), or shares its version counter (``.detach()``, as ``state_dict()`` hands them out), seen
+    by the same address and version now. (Not a ``.data`` alias: a counter of its own, which the optimizer's step does
+    not bump; trusted by the memory alone, one a Stateful handed out was reused stale.)"""
+    return (_address(t), getattr(t, "_version", None)) in pairs
+
+
+def storage_address(t: Any) -> int | None:
+    """The address of ``t``'s storage; None where it has none to give (a wrapper tensor subclass, a sparse tensor)."""
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass: no storage of its own
+        return None
+
+
+def _address(t: Any) -> int | None:
+    try:
+        return int(t.data_ptr()) if storage_address(t) is not None else None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def autograd_flags(tensors: dict[str, Any]) -> dict[str, list[str]]:

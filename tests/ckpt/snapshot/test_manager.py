@@ -1687,3 +1687,152 @@ def test_batch_norm_statistics_are_saved_at_every_snapshot(tmp_path, save_mode, 
         assert mgr.restore_latest({"model": fresh, "optim": torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)}) == 3
     assert {k: _bits(v) for k, v in fresh.state_dict().items()} == {k: _bits(v) for k, v in want.items()}
     assert _bits(fresh.eval()(x).detach()) == _bits(expected.detach())
+
+
+class _AppState:
+    """The wrapper torch.distributed.checkpoint's docs recommend (a trainer handing out its model's state)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "nested": [{"bn": self.model[1].running_var}]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.model.load_state_dict(sd["model"])
+
+
+class _DataAliases:
+    """Hands out ``.data`` aliases of the parameters (older code does): a version counter of their own, which the
+    optimizer's step does not bump."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return {"p": [p.data for p in self.model.parameters()], "b": [b for b in self.model.buffers()]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        with torch.no_grad():
+            for t, v in zip([*self.model.parameters(), *self.model.buffers()], [*sd["p"], *sd["b"]]):
+                t.copy_(v)
+
+
+class _Stats:
+    """Running statistics kept as plain tensors, updated by F.batch_norm (which bumps no version counter)."""
+
+    def __init__(self) -> None:
+        self.mean, self.var = torch.zeros(8), torch.ones(8)
+
+    def state_dict(self) -> dict:
+        return {"mean": self.mean, "var": self.var}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.mean.copy_(sd["mean"])
+        self.var.copy_(sd["var"])
+
+
+@pytest.mark.parametrize("wrap", ["appstate", "perrank", "state_dict", "functional", "data_aliases"])
+@pytest.mark.parametrize("local", [False, True], ids=["store", "local-tier"])
+def test_tensors_a_state_dict_hands_out_are_read_at_every_save(tmp_path, wrap, local):
+    """Version counters are trusted only for parameters and optimizer state: BatchNorm statistics reached through a
+    Stateful wrapper (DCP's AppState, also nested in a list), PerRank(model), a module's state_dict() passed as a plain
+    value, or plain tensors F.batch_norm updates (their _version stays 0) were reused from the first snapshot in every
+    later one (only a module's own buffers were read again); so were the parameters a Stateful handed out as ``.data``
+    aliases (trusted by their memory alone): step 3's snapshot restores step 3's bytes."""
+    from ckpt.snapshot.state import PerRank
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    stats = _Stats()
+    wrapped = {"appstate": lambda: _AppState(model), "perrank": lambda: PerRank(model),
+               "state_dict": lambda: model.state_dict(), "functional": lambda: stats,
+               "data_aliases": lambda: _DataAliases(model)}[wrap]
+    kw = {"local": str(tmp_path / "l"), "every_n_steps": 1} if local else {}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "run", save_mode="async", **kw) as mgr:
+        for step in (1, 2, 3):
+            x = torch.randn(16, 4)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            torch.nn.functional.batch_norm(torch.randn(16, 8), stats.mean, stats.var, training=True)
+            mgr.save(step, {"m": wrapped(), "optim": opt})
+        mgr.wait()
+    assert stats.mean._version == 0  # (what made it stale)
+    want = {k: _bits(v) for k, v in {**model.state_dict(), "mean": stats.mean, "var": stats.var}.items()}
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    stats = _Stats()
+    state = {"m": wrapped(), "optim": opt}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "run", **kw) as mgr:
+        assert mgr.restore_latest(state) == 3
+    if wrap == "state_dict":  # (a plain value: restored as new tensors)
+        model.load_state_dict(state["m"])
+    got = {k: _bits(v) for k, v in {**model.state_dict(), "mean": stats.mean, "var": stats.var}.items()}
+    if wrap == "functional":
+        assert (got["mean"], got["var"]) == (want["mean"], want["var"])
+    else:
+        assert got == {**want, "mean": got["mean"], "var": got["var"]}
+
+
+def test_a_buffer_without_a_storage_of_its_own_does_not_break_a_save(tmp_path):
+    """A non-persistent buffer that is a wrapper tensor subclass (no storage: state_dict leaves it out) made every save
+    raise 'Attempted to access the data pointer on an invalid python storage' since buffers' storages were looked up
+    for every module; it saves, and the module's parameters restore bit for bit."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(2, 2)
+    m.register_buffer("cache", TwoTensor(torch.zeros(2), torch.zeros(2)), persistent=False)
+    with ckpt.CheckpointManager(str(tmp_path), "run", save_mode="sync") as mgr:
+        mgr.save(1, {"m": m})
+        mgr.save(2, {"m": m})
+    fresh = torch.nn.Linear(2, 2)
+    with ckpt.CheckpointManager(str(tmp_path), "run") as mgr:
+        assert mgr.restore_latest({"m": fresh}) == 2
+    assert {k: _bits(v) for k, v in fresh.state_dict().items()} == {k: _bits(v) for k, v in m.state_dict().items()}
+
+
+def test_common_writes_outside_an_optimizer_step_reach_every_snapshot(tmp_path):
+    """Writes a training loop makes outside optimizer.step, checked for what they do to version counters (torch 2.x):
+    swa_utils' EMA update_parameters and load_state_dict bump them, parametrize's original is a parameter the step
+    bumps, vector_to_parameters (and model averaging) give parameters new storage (a new key), update_bn and
+    functional_call run batch norm on buffers (no bump: read at every save). Each state's step-3 bytes come back."""
+    from torch.nn.utils import parametrize, vector_to_parameters
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, update_bn
+
+    class _Sym(torch.nn.Module):
+        def forward(self, x):
+            return x.triu() + x.triu(1).T
+
+    def net():
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+
+    torch.manual_seed(0)
+    model, vec, func = net(), net(), net()
+    parametrize.register_parametrization(model[0], "weight", _Sym())
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    state = {"model": model, "ema": ema, "vec": vec, "func": func, "optim": opt}
+    with ckpt.CheckpointManager(str(tmp_path), "run", save_mode="async") as mgr:
+        for step in (1, 2, 3):
+            model(torch.randn(8, 4)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ema.update_parameters(model)
+            update_bn([torch.randn(8, 4)], ema)
+            vector_to_parameters(torch.randn(28), vec.parameters())
+            torch.func.functional_call(func, {**dict(func.named_parameters()), **dict(func.named_buffers())}, (torch.randn(8, 4),))
+            mgr.save(step, state)
+        mgr.wait()
+    want = {k: {n: _bits(t) for n, t in m.state_dict().items()} for k, m in state.items() if k != "optim"}
+    torch.manual_seed(1)
+    model2, vec2, func2 = net(), net(), net()
+    parametrize.register_parametrization(model2[0], "weight", _Sym())
+    fresh = {"model": model2, "ema": AveragedModel(model2, multi_avg_fn=get_ema_multi_avg_fn(0.9)), "vec": vec2,
+             "func": func2, "optim": torch.optim.AdamW(model2.parameters(), lr=0.1)}
+    with ckpt.CheckpointManager(str(tmp_path), "run") as mgr:
+        assert mgr.restore_latest(fresh) == 3
+    assert {k: {n: _bits(t) for n, t in m.state_dict().items()} for k, m in fresh.items() if k != "optim"} == want
