@@ -249,37 +249,15 @@ def failing_fs() -> Iterator[type]:
             if FailingFileSystem.raising is not None and (self.only is None or re.search(self.only, str(path))):
                 raise FailingFileSystem.raising
 
-        def cat_file(self, *args, **kwargs):
+    def failing(name: str):
+        def call(self, *args, **kwargs):
             self._fail(args[0] if args else "")
-            return super().cat_file(*args, **kwargs)
+            return getattr(MemoryFileSystem, name)(self, *args, **kwargs)
 
-        def pipe_file(self, *args, **kwargs):
-            self._fail(args[0] if args else "")
-            return super().pipe_file(*args, **kwargs)
+        return call
 
-        def exists(self, *args, **kwargs):
-            self._fail(args[0] if args else "")
-            return super().exists(*args, **kwargs)
-
-        def isfile(self, *args, **kwargs):
-            self._fail(args[0] if args else "")
-            return super().isfile(*args, **kwargs)
-
-        def size(self, *args, **kwargs):
-            self._fail(args[0] if args else "")
-            return super().size(*args, **kwargs)
-
-        def modified(self, *args, **kwargs):
-            self._fail(args[0] if args else "")
-            return super().modified(*args, **kwargs)
-
-        def find(self, *args, **kwargs):
-            self._fail(args[0] if args else "")
-            return super().find(*args, **kwargs)
-
-        def rm_file(self, *args, **kwargs):
-            self._fail(args[0] if args else "")
-            return super().rm_file(*args, **kwargs)
+    for name in ("cat_file", "pipe_file", "exists", "isfile", "size", "modified", "find", "rm_file"):  # the store's calls
+        setattr(FailingFileSystem, name, failing(name))
 
     fsspec.register_implementation(FailingFileSystem.protocol, FailingFileSystem, clobber=True)
     yield FailingFileSystem
