@@ -25,23 +25,48 @@ _HELD: set[tuple[int, int]] = set()
 # child lived: the next manager of that tier waited and was refused. A child closes its copies as it starts.
 _FDS: set[int] = set()
 _SHARED: set[int] = set()  # the descriptors of the shared locks writers other than the manager hold (keeping_off)
+# Descriptors opened and not yet holding their lock (hold() waits up to LOCK_WAIT_S for it): a child forked meanwhile
+# would keep the lock the parent takes next. Opened and registered under _HELD_LOCK, which a fork waits for.
+_PENDING: set[int] = set()
 _HELD_LOCK = threading.Lock()
 
 
 def _forked() -> None:
-    """In a child just forked: close its copies of the tier locks' descriptors (the parent's lock stays)."""
-    for fd in _FDS | _SHARED:
+    """In a child just forked: close its copies of the tier locks' descriptors (the parent's lock stays), with a
+    lock of its own (the parent's was held across the fork, :func:`os.register_at_fork`'s ``before``)."""
+    global _HELD_LOCK
+    for fd in _FDS | _SHARED | _PENDING:
         try:
             os.close(fd)
         except OSError:
             pass
     _FDS.clear()
     _SHARED.clear()
+    _PENDING.clear()
     _HELD.clear()
+    _HELD_LOCK = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forked)
+if hasattr(os, "register_at_fork"):  # (a fork waits for a descriptor being opened and registered)
+    os.register_at_fork(before=lambda: _HELD_LOCK.acquire(), after_in_parent=lambda: _HELD_LOCK.release(),
+                        after_in_child=_forked)
+
+
+def _open_dir(path: str, into: set[int]) -> int:
+    """``path`` opened (a folder, not inherited by programs run), registered in ``into`` as one step: no fork
+    falls between."""
+    with _HELD_LOCK:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        into.add(fd)
+        return fd
+
+
+def _close(fd: int, within: set[int]) -> None:
+    """Close ``fd`` where this process still registers it in ``within`` (a forked child closed its copies)."""
+    with _HELD_LOCK:
+        if fd in within:
+            within.discard(fd)
+            os.close(fd)
 
 
 def hold(path: str) -> int:
@@ -57,7 +82,7 @@ def hold(path: str) -> int:
     notebook's second manager while the first one's save was still running.)"""
     from ckpt.snapshot.run import SnapshotError
 
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    fd = _open_dir(path, _PENDING)
     st = os.fstat(fd)
     key = (st.st_dev, st.st_ino)
     deadline = time.monotonic() + LOCK_WAIT_S
@@ -66,13 +91,14 @@ def hold(path: str) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             with _HELD_LOCK:
+                _PENDING.discard(fd)
                 _HELD.add(key)
                 _FDS.add(fd)
             return fd
         except BlockingIOError:
             pass
         except OSError:
-            os.close(fd)
+            _close(fd, _PENDING)
             raise
         if time.monotonic() - collected >= 1.0:
             # An unreferenced earlier manager of this process lets go as it is freed: at once, or once
@@ -81,7 +107,7 @@ def hold(path: str) -> int:
             collected = time.monotonic()
             continue
         if time.monotonic() >= deadline:
-            os.close(fd)
+            _close(fd, _PENDING)
             with _HELD_LOCK:
                 ours = key in _HELD
             # (a write by another hand holds it shared meanwhile: keeping_off)
@@ -97,10 +123,13 @@ def hold(path: str) -> int:
         time.sleep(0.1)
 
 
-def let_go(fd: int) -> None:
-    """Release a tier :func:`hold` took (forgotten as this process's first: no other manager here can
-    have taken it before the descriptor closes). Nothing in a forked child, whose copy was closed as it
-    started (the number may name another file of its own by then)."""
+def let_go(fd: int, pid: int | None = None) -> None:
+    """Release a tier :func:`hold` took in process ``pid`` (forgotten as this process's first: no other manager here
+    can have taken it before the descriptor closes). Nothing in a forked child, whose copy was closed as it started:
+    the number may name a lock of its own by then (a manager it made: a finalizer of the parent's manager, inherited,
+    closed that one's lock, and a third process took the tier beside it)."""
+    if pid is not None and pid != os.getpid():
+        return
     with _HELD_LOCK:
         if fd not in _FDS:
             return
@@ -121,11 +150,12 @@ def keeping_off(store: object) -> Iterator[None]:
     filesystem has no ``flock``."""
     from ckpt.snapshot.run import SnapshotError
 
-    root = store.backend.local_path(".")  # type: ignore[attr-defined]
+    local = store.backend.local_path(".")  # type: ignore[attr-defined]
+    root = os.path.normpath(local) if local is not None else None
     fd = None
     if root is not None and os.path.lexists(os.path.join(root, TIER_MARKER)):
         try:
-            fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+            fd = _open_dir(root, _SHARED)
             st = os.fstat(fd)
             with _HELD_LOCK:
                 ours = (st.st_dev, st.st_ino) in _HELD
@@ -133,26 +163,20 @@ def keeping_off(store: object) -> Iterator[None]:
                 raise OSError  # (its manager's own)
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(fd)  # type: ignore[arg-type]
+            _close(fd, _SHARED)  # type: ignore[arg-type]
             raise SnapshotError(f"{root} is a local tier a CheckpointManager holds: it collects the tier with no grace "
                                 "period, so what is written there meanwhile (or collected) would be lost",
                                 hint="write to another store (the tier's persisted snapshots are in its durable "
                                      "store), or once that manager has closed") from None
         except OSError:  # gone (the write finds out), this process's tier, or no flock here (nothing can be told)
             if fd is not None:
-                os.close(fd)
+                _close(fd, _SHARED)
             fd = None
-    if fd is not None:
-        with _HELD_LOCK:
-            _SHARED.add(fd)
     try:
         yield
     finally:
         if fd is not None:
-            with _HELD_LOCK:
-                if fd in _SHARED:  # (not in a forked child, which closed its copy)
-                    _SHARED.discard(fd)
-                    os.close(fd)
+            _close(fd, _SHARED)  # (not in a forked child, which closed its copy)
 
 
 __all__ = ["LOCK_WAIT_S", "TIER_MARKER", "hold", "keeping_off", "let_go"]

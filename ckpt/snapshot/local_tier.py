@@ -90,7 +90,7 @@ class LocalTier:
             raise SnapshotError(f"local tier {self.path} cannot be made a folder ({describe(e)})",
                                 hint="give local=PATH a folder of its own (or a path where one can be made)") from e
         fd = hold(self.path)  # before anything here is read or changed: one manager per tier
-        self._release = weakref.finalize(self, let_go, fd)
+        self._release = weakref.finalize(self, let_go, fd, os.getpid())  # (not a forked child's: its fd may be another)
         try:
             marker = None
             if durable is not None:

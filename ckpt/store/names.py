@@ -229,9 +229,12 @@ class StoreNames:
     def remove(self, name: str, *, expect: str | None = None) -> RefEntry:
         """Remove ref ``name`` (its data is freed by a later ``gc``). With ``expect`` (a checkpoint id),
         only while it names that checkpoint: :class:`RefConflictError` where another process moved it."""
+        from ckpt.snapshot.local_lock import keeping_off
+
         validate_ref_name(name)
         try:
-            return self.refs_db.remove(name, expect=expect)  # checks the ref is live as it writes the removal
+            with keeping_off(self):  # (not in a local tier another process's manager holds and collects)
+                return self.refs_db.remove(name, expect=expect)  # checks the ref is live as it writes the removal
         except RefNotFoundError as e:
             raise RefNotFoundError(e.message, hint=self._near_names(name)) from None
 

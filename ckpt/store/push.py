@@ -98,17 +98,14 @@ def push(
     if metadata is not None:
         canonical_json(metadata)  # must be JSON; raises TypeError/ValueError early
     _check_not_the_store(store, source)
-    from ckpt.snapshot.local_lock import keeping_off
-
-    with keeping_off(store):  # (not a local tier in use: its manager collects it without grace)
-        src = open_source(source)
-        try:
-            keys = [(t.name, t.dtype, t.nbytes) for f in src.files for t in f.tensors]
-            base_id, parent = choose_base(store, name, keys, base) if delta else (None, None)
-            return push_source(store, src, name, message=message, metadata=metadata, base_id=base_id,
-                               lineage={"parent": parent, "base": base_id, "merge": None}, progress=progress)
-        finally:
-            src.close()
+    src = open_source(source)
+    try:
+        keys = [(t.name, t.dtype, t.nbytes) for f in src.files for t in f.tensors]
+        base_id, parent = choose_base(store, name, keys, base) if delta else (None, None)
+        return push_source(store, src, name, message=message, metadata=metadata, base_id=base_id,
+                           lineage={"parent": parent, "base": base_id, "merge": None}, progress=progress)
+    finally:
+        src.close()
 
 
 def _check_not_the_store(store: Store, source: object) -> None:
@@ -283,73 +280,77 @@ def push_source(
     ``base_manifest``: the manifest of ``base_id`` where the caller holds it parsed (a merge holds
     its inputs'), not read and parsed again (a model of 100,000 tiny tensors: ~55 MiB).
     """
-    # What the manifest will hold beside its tensors, measured before a chunk is written: past what
-    # readers accept, the commit would refuse it after the upload, leaving every chunk for gc.
-    check_manifest_size(len(canonical_json([src.extra, metadata or {}, message])),
-                        "the JSON of the checkpoint's non-tensor values, metadata and message")
-    settings = store.settings
-    cs = settings.chunk_size
-    reuse = reuse or {}
-    base_m = base_manifest if base_manifest is not None or not base_id else store.manifest(base_id)
-    # Chunks pair with the base's by position only when both were cut the same way.
-    paired = pair_tensors(base_m if base_m is not None and base_m.chunk_size == cs else None)
-    # One flat task list over every file, so the pool stays busy across file boundaries.
-    tasks: list[PutTask] = []
-    spans: list[tuple[int, int]] = []  # per file, then per tensor: its range of tasks
-    for f in src.files:
-        start = len(tasks)
-        if f.kind == "safetensors":
-            tasks += put_tasks(MemBytes(memoryview(f.head)).read, 0, len(f.head), cs, 1)
-        else:
-            assert f.src is not None
-            tasks += put_tasks(f.src.read, 0, f.size, cs, 1)
-        spans.append((start, len(tasks)))
-        for t in f.tensors:
-            start = len(tasks)
-            if t.src is not None:
-                size = itemsize(t.dtype)
-                match = paired.get((t.name, t.dtype, t.nbytes))
-                tasks += put_tasks(t.src.read, t.offset, t.nbytes, cs, size if size in (1, 2, 4, 8) else 1,
-                                match.chunks if match is not None else (), match.chains() if match is not None else ())
-            spans.append((start, len(tasks)))
-    # A push of its own (push --base, a ref's next version, a snapshot) reads the base's bundles through
-    # a pool of its own, as a merge's push does through the merge's: its small delta bases cost a
-    # request or two, not a GET each (100 small tensors: 100 GETs, one after another).
-    has = base_m is not None and bool(base_m.bundles)
-    own = ReadPool() if has and pool is None and store.objects.backend.streams else None
-    reads = pool if pool is not None else own
-    with reporting(progress, "push", sum(t.length for t in tasks)) as p, own if own is not None else nullcontext():
-        bundled = BundleBases(store.objects, base_m, settings, reads) if has and reads is not None else None  # type: ignore[arg-type]
-        # Chunks the base holds are named with the chains its manifest records, not a header read each.
-        results = put_chunks(store.objects, tasks, settings, p, bundled, keep_bases, Recorded.of(store.objects, base_id, base_m))
-    if bundles is None:
-        bundles = store.objects.backend.streams
-    bundle, bundle_tasks, bundled = bundle_small(store, small_chunks(settings, tasks, results),
-                                                 sum(t.length for t in tasks)) if bundles else ((), [], [])
-    src.check_unchanged()  # every byte is read: from one version of each file, or no checkpoint
-    # On a store that cannot touch, a chunk found present may vanish (a gc) before the commit's
-    # lease: the source stays open until then, to write such chunks again (storage/commit.py);
-    # not a leased file, whose writer would wait as long as the commit does (for a gc, say).
-    held = not (store.objects.backend.touches or src.holds_writers)
-    if not held:
-        src.close()  # and let go of the files: a writer waiting on a leased .pt goes on (sources.py)
+    from ckpt.snapshot.local_lock import keeping_off
 
-    fields: dict[str, Any] = dict(source=src.kind, chunk_size=cs, created=time.time(), message=message, metadata=dict(metadata or {}),
-                  extra=src.extra,
-                  # a pushed .pt's values and structure (docs/format.md)
-                  extra_tagged=src.kind == "state-dict" and (uses_tags(src.extra) or STRUCTURE in src.extra),
-                  lineage=lineage or {"parent": None, "base": base_id, "merge": None}, bundles=bundle)
-    results = results + bundled
-    try:
-        mid, manifest, results = _commit(store, src if held else None, lambda rs: _manifest(src, spans, rs, reuse, fields),
-                                         tasks + bundle_tasks, results, name, aliases)
-    finally:
-        src.close()
-    return PushResult(
-        id=mid,
-        chunks=len(results),
-        new_chunks=sum(1 for r in results if r.stored),
-        logical_bytes=manifest.logical_bytes,
-        written_bytes=sum(r.stored for r in results),
-        manifest=manifest,
-    )
+    # (not into a local tier another process's manager holds: it collects the tier without grace; its own saves pass)
+    with keeping_off(store):
+        # What the manifest will hold beside its tensors, measured before a chunk is written: past what
+        # readers accept, the commit would refuse it after the upload, leaving every chunk for gc.
+        check_manifest_size(len(canonical_json([src.extra, metadata or {}, message])),
+                            "the JSON of the checkpoint's non-tensor values, metadata and message")
+        settings = store.settings
+        cs = settings.chunk_size
+        reuse = reuse or {}
+        base_m = base_manifest if base_manifest is not None or not base_id else store.manifest(base_id)
+        # Chunks pair with the base's by position only when both were cut the same way.
+        paired = pair_tensors(base_m if base_m is not None and base_m.chunk_size == cs else None)
+        # One flat task list over every file, so the pool stays busy across file boundaries.
+        tasks: list[PutTask] = []
+        spans: list[tuple[int, int]] = []  # per file, then per tensor: its range of tasks
+        for f in src.files:
+            start = len(tasks)
+            if f.kind == "safetensors":
+                tasks += put_tasks(MemBytes(memoryview(f.head)).read, 0, len(f.head), cs, 1)
+            else:
+                assert f.src is not None
+                tasks += put_tasks(f.src.read, 0, f.size, cs, 1)
+            spans.append((start, len(tasks)))
+            for t in f.tensors:
+                start = len(tasks)
+                if t.src is not None:
+                    size = itemsize(t.dtype)
+                    match = paired.get((t.name, t.dtype, t.nbytes))
+                    tasks += put_tasks(t.src.read, t.offset, t.nbytes, cs, size if size in (1, 2, 4, 8) else 1,
+                                    match.chunks if match is not None else (), match.chains() if match is not None else ())
+                spans.append((start, len(tasks)))
+        # A push of its own (push --base, a ref's next version, a snapshot) reads the base's bundles through
+        # a pool of its own, as a merge's push does through the merge's: its small delta bases cost a
+        # request or two, not a GET each (100 small tensors: 100 GETs, one after another).
+        has = base_m is not None and bool(base_m.bundles)
+        own = ReadPool() if has and pool is None and store.objects.backend.streams else None
+        reads = pool if pool is not None else own
+        with reporting(progress, "push", sum(t.length for t in tasks)) as p, own if own is not None else nullcontext():
+            bundled = BundleBases(store.objects, base_m, settings, reads) if has and reads is not None else None  # type: ignore[arg-type]
+            # Chunks the base holds are named with the chains its manifest records, not a header read each.
+            results = put_chunks(store.objects, tasks, settings, p, bundled, keep_bases, Recorded.of(store.objects, base_id, base_m))
+        if bundles is None:
+            bundles = store.objects.backend.streams
+        bundle, bundle_tasks, bundled = bundle_small(store, small_chunks(settings, tasks, results),
+                                                     sum(t.length for t in tasks)) if bundles else ((), [], [])
+        src.check_unchanged()  # every byte is read: from one version of each file, or no checkpoint
+        # On a store that cannot touch, a chunk found present may vanish (a gc) before the commit's
+        # lease: the source stays open until then, to write such chunks again (storage/commit.py);
+        # not a leased file, whose writer would wait as long as the commit does (for a gc, say).
+        held = not (store.objects.backend.touches or src.holds_writers)
+        if not held:
+            src.close()  # and let go of the files: a writer waiting on a leased .pt goes on (sources.py)
+
+        fields: dict[str, Any] = dict(source=src.kind, chunk_size=cs, created=time.time(), message=message, metadata=dict(metadata or {}),
+                      extra=src.extra,
+                      # a pushed .pt's values and structure (docs/format.md)
+                      extra_tagged=src.kind == "state-dict" and (uses_tags(src.extra) or STRUCTURE in src.extra),
+                      lineage=lineage or {"parent": None, "base": base_id, "merge": None}, bundles=bundle)
+        results = results + bundled
+        try:
+            mid, manifest, results = _commit(store, src if held else None, lambda rs: _manifest(src, spans, rs, reuse, fields),
+                                             tasks + bundle_tasks, results, name, aliases)
+        finally:
+            src.close()
+        return PushResult(
+            id=mid,
+            chunks=len(results),
+            new_chunks=sum(1 for r in results if r.stored),
+            logical_bytes=manifest.logical_bytes,
+            written_bytes=sum(r.stored for r in results),
+            manifest=manifest,
+        )

@@ -1022,8 +1022,10 @@ def test_a_push_copy_or_gc_into_a_local_tier_in_use_is_refused(tmp_path, monkeyp
         assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
         store = ckpt.Store.open(tier)
         before = sorted(os.path.relpath(os.path.join(d, f), tier) for d, _, fs in os.walk(tier) for f in fs)
+        # (a merge's output and a ref removed too: the review of the first version wrote both into the held tier)
         for write in (lambda: store.push({"y": torch.zeros(1000)}, "y"), lambda: other.copy_to(tier, ["x"]),
-                      lambda: store.gc(grace_s=0.0), lambda: store.repair(other)):
+                      lambda: store.gc(grace_s=0.0), lambda: store.repair(other), lambda: store.remove("run/step-1"),
+                      lambda: ckpt.merge(["run/step-1", "run/step-1"], name="merged", store=store)):
             with pytest.raises(SnapshotError, match="is a local tier a CheckpointManager holds") as e:
                 write()
             assert "write to another store" in e.value.hint
@@ -1684,3 +1686,84 @@ def test_an_interrupt_a_rank_met_is_no_bug():
 
     assert expected(KeyboardInterrupt()) and expected(SystemExit(1))
     assert not expected(TypeError("a bug")) and not expected(RuntimeError("gloo")) and expected(RuntimeError(), (RuntimeError,))
+
+
+_PROBE = ("import sys, ckpt, ckpt.snapshot.local_lock as L; L.LOCK_WAIT_S = 1.0\n"
+          "ckpt.CheckpointManager(sys.argv[1], 'run', local=sys.argv[2], local_every_n_steps=1, every_n_steps=100).close()\n")
+
+
+def _child_makes_its_own_manager(base: str, release, number: int) -> None:
+    """(In a forked child of a process holding tier A by descriptor ``number``.) A manager of its own on tier B whose
+    lock gets that number (the lower ones taken first), then the parent's copy freed (``release``: its finalizer, run
+    here as a rebinding of its name would), then whether another process can take tier B: exit 0 where refused."""
+    try:
+        os.close(number)  # (multiprocessing's child opens its stdin on devnull: maybe there)
+    except OSError:
+        pass
+    taken = []
+    while (fd := os.open(os.devnull, os.O_RDONLY)) < number:
+        taken.append(fd)
+    os.close(fd)
+    assert fd == number
+    mine = ckpt.CheckpointManager(f"{base}/dB", "run", local=f"{base}/tierB", local_every_n_steps=1, every_n_steps=100)
+    release()
+    took = subprocess.run([sys.executable, "-c", _PROBE, f"{base}/dB", f"{base}/tierB"], capture_output=True).returncode == 0
+    mine.close()
+    os._exit(int(took))
+
+
+def test_a_forked_child_freeing_the_parents_manager_keeps_its_own_tiers_lock(tmp_path):
+    """A child forked while a manager held tier A closes its copy of that lock as it starts; the descriptor's number
+    is then free, and a manager the child makes on tier B may get it. The parent's manager, inherited and freed in
+    the child, ran its finalizer there and closed that number: tier B's lock, while its manager ran, and a third
+    process took tier B beside it (found by review rev21n). A finalizer acts only in the process that took the lock."""
+    import multiprocessing
+
+    base = str(tmp_path)
+    mgr = ckpt.CheckpointManager(f"{base}/dA", "run", local=f"{base}/tierA", local_every_n_steps=1, every_n_steps=100)
+    mgr.save(1, {"w": torch.arange(8.0)})
+    mgr.wait()
+    import ckpt.snapshot.local_lock as local_lock
+
+    (number,) = local_lock._FDS
+    child = multiprocessing.get_context("fork").Process(target=_child_makes_its_own_manager,
+                                                        args=(base, mgr._local._release, number))
+    child.start()
+    child.join(120)
+    mgr.close()
+    assert child.exitcode == 0, "another process took tier B while the child's manager held it"
+
+
+def test_a_fork_while_a_manager_waits_for_its_tier_does_not_keep_the_lock(tmp_path):
+    """A fork (a DataLoader or pool started by another thread) while a manager waited for its tier (held by a process
+    exiting) left the child the descriptor, not yet registered: once the manager took the lock the child shared it,
+    and after close() the next manager was refused while the child lived (found by review rev21n). A descriptor is
+    registered as it is opened, and a fork waits for that."""
+    import multiprocessing
+    import threading
+    import time
+
+    d, t = str(tmp_path / "d"), str(tmp_path / "tier")
+    holder = ("import sys, torch, ckpt\n"
+              "m = ckpt.CheckpointManager(sys.argv[1], 'run', local=sys.argv[2], local_every_n_steps=1, every_n_steps=100)\n"
+              "m.save(1, {'w': torch.arange(8.0)}); m.wait(); print('held', flush=True); sys.stdin.readline(); m.close()\n")
+    first = subprocess.Popen([sys.executable, "-c", holder, d, t], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert first.stdout is not None and first.stdin is not None and first.stdout.readline().strip() == "held"
+    got = {}
+    waiting = threading.Thread(target=lambda: got.setdefault("m", ckpt.CheckpointManager(
+        d, "run", local=t, local_every_n_steps=1, every_n_steps=100)))
+    waiting.start()
+    time.sleep(1.0)  # (the manager waits for the tier: its descriptor open; a fork before it opens tests nothing)
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+    child.start()
+    try:
+        first.stdin.write("\n")
+        first.stdin.flush()
+        first.wait(60)
+        waiting.join(60)
+        got["m"].close()
+        r = subprocess.run([sys.executable, "-c", _PROBE, d, t], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr.strip().splitlines()[-1:]
+    finally:
+        child.kill()
+        child.join()
