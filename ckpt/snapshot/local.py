@@ -199,8 +199,9 @@ class LocalSnapshots(LocalRestoring):
                            live: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
         """``changed`` without the tensors ``blind`` names (their versions say nothing: not :func:`trusted`)
         that hold the bytes of their entry in the snapshot the save continues from (``_since``): their chunks are
-        there, and a local tier keeps it. (Counted at every save, a constant plain tensor made a full tier drop that
-        snapshot.) Where that is also the previous snapshot and this store held the entry's chunks when it was
+        there, and a local tier keeps it; not where its chunks were not this store's when recorded (a restore read
+        them elsewhere): this save writes them. (Counted at every save, a constant plain tensor made a full tier drop
+        that snapshot.) Where that is also the previous snapshot and this store held the entry's chunks when it was
         recorded (not one a restore read elsewhere), the entry moves from ``staged`` to ``reuse``: not hashed again."""
         import torch
 
@@ -220,7 +221,8 @@ class LocalSnapshots(LocalRestoring):
             for k in split_lengths(e.nbytes, self.store.settings.chunk_size):
                 ids.append(object_id(memoryview(raw[pos:pos + k])))
                 pos += k
-            if tuple(ids) == e.chunks:
+            # (and its chunks are here: after a restore that read some from another tier, this save writes them)
+            if tuple(ids) == e.chunks and n in self._keys:
                 del out[n]
                 if reuse is not None and previous.get(n) == e and n in self._keys:
                     reuse[n] = e
