@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     import torch
 
     from ckpt.snapshot.live import LiveTensors
+    from ckpt.store.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class LocalSnapshots(LocalRestoring):
                 ids.append(object_id(memoryview(raw[pos:pos + k])))
                 pos += k
             # (and its chunks are here: after a restore that read some from another tier, this save writes them)
-            if tuple(ids) == e.chunks and n in self._keys:
+            if tuple(ids) == e.chunks and (n in self._keys or _all_here(self.store, e)):
                 del out[n]
                 if reuse is not None and previous.get(n) == e and n in self._keys:
                     reuse[n] = e
@@ -430,3 +431,9 @@ def _has_fused_optimizer(optimizers: list[Any]) -> bool:
     """Fused optimizers update parameters and moments in place without bumping
     ``tensor._version``: with one in the state, versions cannot be trusted."""
     return any(any(g.get("fused") for g in o.param_groups) for o in optimizers)
+
+
+def _all_here(store: Store, entry: TensorEntry) -> bool:
+    """Whether ``store`` (a local tier: a stat each) holds every chunk of ``entry`` and the delta bases it names."""
+    ids = {*entry.chunks, *(b for chain in entry.delta_bases for b in chain)}
+    return store.objects.has_many("chunks", ids) >= ids

@@ -28,7 +28,9 @@ _SHARED: set[int] = set()  # the descriptors of the shared locks writers other t
 # Descriptors opened and not yet holding their lock (hold() waits up to LOCK_WAIT_S for it): a child forked meanwhile
 # would keep the lock the parent takes next. Opened and registered under _HELD_LOCK, which a fork waits for.
 _PENDING: set[int] = set()
-_HELD_LOCK = threading.Lock()
+# Reentrant: a manager freed by a collection that an allocation under it set off (a reference cycle) lets go of its
+# tier in its finalizer, on this thread (a plain lock hung there, and every fork after it).
+_HELD_LOCK = threading.RLock()
 
 
 def _forked() -> None:
@@ -44,7 +46,7 @@ def _forked() -> None:
     _SHARED.clear()
     _PENDING.clear()
     _HELD.clear()
-    _HELD_LOCK = threading.Lock()
+    _HELD_LOCK = threading.RLock()
 
 
 if hasattr(os, "register_at_fork"):  # (a fork waits for a descriptor being opened and registered)

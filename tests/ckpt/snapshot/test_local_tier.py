@@ -1057,3 +1057,43 @@ def test_a_tensor_a_restore_read_elsewhere_gets_its_room_at_the_next_save(tmp_pa
     with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **{**kw, "every_n_steps": 100}) as mgr:
         assert mgr.restore(back, 3) == 3 and mgr.last_restore["store"] == 0
     assert back["noise"].numpy().tobytes() == want and ckpt.Store.open(f"{shm}/tier").verify().ok
+
+
+class _OwnCopy:
+    """A Stateful whose ``load_state_dict`` copies into a tensor of its own (the restore cannot name it restored)."""
+
+    def __init__(self, n: int) -> None:
+        self.t = torch.zeros(n)
+
+    def state_dict(self):
+        return {"t": self.t}
+
+    def load_state_dict(self, sd) -> None:
+        self.t = sd["t"].clone()
+
+
+def test_an_unchanged_tensor_the_tier_holds_needs_no_room_after_a_restore(tmp_path, tmpfs):
+    """The room check left out an unchanged plain tensor only where the restore named it restored; one a Stateful
+    copies into a tensor of its own was counted whole at the first save after a restore the tier served: with 1 MiB
+    free, a save adding 256 KiB was refused ("adds up to 2435072 bytes, 1048576 are free"), saved nowhere (found by
+    review rev21m of the mend before). Left out now where the tier holds its chunks: the save lands beside 1 and 2."""
+    shm = tmpfs(tmp_path / "shm", "8m")
+    kw = {"every_n_steps": 100, "local": f"{shm}/tier", "local_every_n_steps": 1, "local_keep": 3}
+    b, y = _OwnCopy(1 << 19), torch.zeros(1 << 16)
+    b.t.copy_(torch.randn(1 << 19))
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw) as mgr:
+        for step in (1, 2):
+            y.copy_(torch.randn(1 << 16))
+            mgr.save(step, {"buf": b, "y": y}, persist=False)
+            mgr.wait()
+    b2, y2 = _OwnCopy(1 << 19), torch.zeros(1 << 16)
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", **kw) as mgr:
+        assert mgr.restore_latest({"buf": b2, "y": y2}) == 2 and mgr.last_restore["store"] == 0
+        y2.copy_(torch.randn(1 << 16))
+        fill_medium(f"{shm}/tenant", leave=1 << 20)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ckpt.TierWarning)
+            mgr.save(3, {"buf": b2, "y": y2}, persist=False)
+            mgr.wait()
+        assert mgr.last_save.tier == "local" and sorted(mgr.local_tier.steps) == [1, 2, 3]
+    assert ckpt.Store.open(f"{shm}/tier").verify().ok

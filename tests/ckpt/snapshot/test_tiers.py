@@ -1767,3 +1767,24 @@ def test_a_fork_while_a_manager_waits_for_its_tier_does_not_keep_the_lock(tmp_pa
     finally:
         child.kill()
         child.join()
+
+
+def test_a_manager_freed_by_a_collection_under_the_tier_lock_does_not_hang(tmp_path):
+    """The tier locks' bookkeeping allocates under its lock (os.fstat's result in let_go); a collection set off there
+    may free a dropped manager held by a reference cycle, whose finalizer lets go of its tier on the same thread:
+    it waited for the lock forever, and so did every fork after it (found by review rev21m). The lock is reentrant."""
+    script = ("import gc, sys, weakref, ckpt, ckpt.snapshot.local_lock as L\n"
+              "d = sys.argv[1]\n"
+              "a = ckpt.CheckpointManager(d + '/dA', 'run', local=d + '/tierA', local_every_n_steps=1, every_n_steps=100)\n"
+              "b = ckpt.CheckpointManager(d + '/dB', 'run', local=d + '/tierB', local_every_n_steps=1, every_n_steps=100)\n"
+              "a._cycle = a\n"
+              "tier = weakref.ref(a._local)\n"
+              "gc.collect(); gc.disable(); del a\n"
+              "real = L.os.fstat\n"
+              "def fstat(fd):  # (a collection falling on that allocation, as gc.set_threshold(1) would make it)\n"
+              "    gc.collect(); return real(fd)\n"
+              "L.os.fstat = fstat\n"
+              "b.close()\n"
+              "print('closed', tier() is None)\n")
+    r = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "closed True", (r.stdout, r.stderr[-2000:])
