@@ -105,8 +105,7 @@ class LocalSnapshots(LocalRestoring):
         import torch
 
         tensors, tree, optimizers, trust = self._flatten(state)
-        pairs = version_trusted(state, optimizers)
-        blind = {n for n, t in tensors.items() if not trusted(t, pairs)}  # (staged: found unchanged by hash)
+        blind = _blind(state, tensors, optimizers)  # (staged: found unchanged by hash)
         for name, t in tensors.items():
             storable_dtype(name, t)  # refused here, not in the background (where a local tier only warns)
         overlap = self.overlap and not (fallback is not None and self._failing)
@@ -168,8 +167,7 @@ class LocalSnapshots(LocalRestoring):
         wrote or restored (:meth:`_changes`; None where versions cannot tell): what a save of it adds to a local
         tier that holds none of it, and that holds that snapshot; and that snapshot's id (the one it continues from)."""
         tensors, _, optimizers, trust = self._flatten(state)
-        pairs = version_trusted(state, optimizers)
-        blind = {n for n, t in tensors.items() if not trusted(t, pairs)}
+        blind = _blind(state, tensors, optimizers)
         changed = self._changes(tensors, {n: _key(t.detach(), n in blind) for n, t in tensors.items()}, trust)
         if changed:  # (rare: after a full tier) read here, what the save will stage
             changed = self._unchanged_by_hash(changed, {n: t.detach() for n, t in tensors.items()}, None, blind)
@@ -218,12 +216,15 @@ class LocalSnapshots(LocalRestoring):
             if t is None or e is None or (live and n in live) or tuple(t.shape) != e.shape or t.dtype != to_torch(e.dtype):
                 continue
             raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            ids, pos = [], 0
-            for k in split_lengths(e.nbytes, self.store.settings.chunk_size):
-                ids.append(object_id(memoryview(raw[pos:pos + k])))
+            lengths = split_lengths(e.nbytes, self.store.settings.chunk_size)
+            same, pos = len(lengths) == len(e.chunks), 0
+            for k, cid in zip(lengths, e.chunks):
+                if not same or object_id(memoryview(raw[pos:pos + k])) != cid:
+                    same = False  # (changed: hashed up to its first changed chunk here, whole by the pipeline)
+                    break
                 pos += k
             # (and its chunks are here: after a restore that read some from another tier, this save writes them)
-            if tuple(ids) == e.chunks and (n in self._keys or _all_here(self.store, e)):
+            if same and (n in self._keys or _all_here(self.store, e)):
                 del out[n]
                 if reuse is not None and previous.get(n) == e and n in self._keys:
                     reuse[n] = e
@@ -418,6 +419,12 @@ def _optimizer_storages(optimizers: list[Any]) -> frozenset[int]:
         for per_param in opt.state.values():
             ptrs.update(v.untyped_storage().data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
     return frozenset(ptrs)
+
+
+def _blind(state: dict[str, Any], tensors: dict[str, torch.Tensor], optimizers: list[Any]) -> set[str]:
+    """The names of ``tensors`` whose version counters say nothing (not :func:`~ckpt.snapshot.state.trusted`)."""
+    pairs = version_trusted(state, optimizers)
+    return {n for n, t in tensors.items() if not trusted(t, pairs)}
 
 
 def _key(t: torch.Tensor, blind: bool) -> tuple[Any, ...]:
