@@ -302,7 +302,8 @@ def test_a_memory_store_lists_while_another_thread_writes_it():
     """fsspec's MemoryFileSystem.find copies its dict of every file, and a garbage collection during the copy can
     hand the GIL to a thread writing the store: the listing raised "dictionary changed size during iteration"
     (a push listing its locks while a gc deleted, in a test run). Forced here: a collection at every allocation
-    yields to the writer. Its writes, deletes and listings take one lock now."""
+    yields to the writer (young ones only: a full collection of a whole test run's heap at every allocation made
+    this test take 30 s). Its writes, deletes and listings take one lock now."""
     import gc
     import time
 
@@ -324,7 +325,7 @@ def test_a_memory_store_lists_while_another_thread_writes_it():
 
     writer = threading.Thread(target=write)
     old_threshold, old_interval = gc.get_threshold(), sys.getswitchinterval()
-    gc.set_threshold(1)
+    gc.set_threshold(1, 1_000_000, 1_000_000)  # young collections only: a full one of a test run's heap takes long
     sys.setswitchinterval(1e-6)
     gc.callbacks.append(yield_in_collections)
     writer.start()
