@@ -75,6 +75,7 @@ def test_resume_after_sigkill(uninterrupted, tmp_path):
     _check(store, 8, uninterrupted, run_script("lightning_script", store, tmp_path / "resume", "resume", N))
 
 
+@pytest.mark.slow  # a real trainer in a subprocess, SIGTERMed: ~10 s each (CI runs it in its slow pass)
 def test_sigterm_saves_the_step_it_came_in(script, tmp_path):
     """Lightning turns SIGTERM into the end of ``fit`` after the current batch: the callback saved
     nothing then, and a preempted run lost every step since the last multiple of every_n_steps.
@@ -93,6 +94,7 @@ def test_sigterm_saves_the_step_it_came_in(script, tmp_path):
     assert losses["restored"] == 10 and int(tensors["global_step"]) == N
 
 
+@pytest.mark.slow  # a real trainer in a subprocess, SIGTERMed: ~10 s each (CI runs it in its slow pass)
 def test_sigterm_during_validation_saves_the_step_before_it(script, tmp_path):
     """A SIGTERM during the validation that follows a training step came after that step's
     on_train_batch_end: Lightning ended fit from the validation loop and the callback saved nothing, so the

@@ -88,6 +88,7 @@ def test_resume_after_sigkill(uninterrupted, tmp_path):
     _check(store, 6, uninterrupted, run_script("hf_script", store, tmp_path / "resume", "resume", N))
 
 
+@pytest.mark.slow  # a real trainer in a subprocess, SIGTERMed: ~10 s each (CI runs it in its slow pass)
 def test_preemption_snapshots_the_step_it_came_in_and_exits_143(uninterrupted, tmp_path):
     """The Trainer installs no signal handler: a SIGTERM killed the process, losing every step since
     the last periodic snapshot. With handle_signals=True the step it came in (7: off the every-2
@@ -98,6 +99,7 @@ def test_preemption_snapshots_the_step_it_came_in_and_exits_143(uninterrupted, t
     _check(store, 7, uninterrupted, run_script("hf_script", store, tmp_path / "resume", "resume", N))
 
 
+@pytest.mark.slow  # a real trainer in a subprocess, SIGTERMed: ~10 s each (CI runs it in its slow pass)
 def test_preempted_again_before_the_first_resumed_step_keeps_the_snapshot(uninterrupted, tmp_path):
     """A SIGTERM that came before the first step of a resumed run took the final snapshot of the step
     just restored again, with this process's RNG state (restored only as that step begins): step 6's
