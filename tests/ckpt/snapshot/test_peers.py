@@ -828,6 +828,7 @@ def test_a_rank_killed_while_replicating_leaves_the_previous_step_restorable_and
         assert r["restore"]["step"] == 6 and r["restore"]["store"] == 0 and r["restore"]["peer"] == 0
 
 
+@pytest.mark.slow  # waits out timeout_s (3-5 s) at least once: CI runs it in its slow pass
 def test_a_peer_that_does_not_answer_makes_the_save_warn_after_the_timeout_and_training_goes_on(tmp_path):
     """Rank 1 stops (SIGSTOP, connections open) as it starts replicating step 2: rank 0's save gives
     up after timeout_s with a TierWarning, step 2 is not named in its tier, step 1 stays, and its
@@ -842,6 +843,7 @@ def test_a_peer_that_does_not_answer_makes_the_save_warn_after_the_timeout_and_t
     assert r0["local_steps"] == [1]
 
 
+@pytest.mark.slow  # waits out timeout_s (3-5 s) at least once: CI runs it in its slow pass
 def test_after_a_peer_timed_out_the_ranks_rebuild_their_group_and_later_saves_succeed(tmp_path):
     """Rank 1 stops (SIGSTOP) as it starts replicating step 2, for longer than timeout_s; rank 0 warns,
     then wakes it (SIGCONT). The timeout closed the connections of the checkpoint group: at the next
@@ -872,6 +874,7 @@ def test_after_a_peer_timed_out_the_ranks_rebuild_their_group_and_later_saves_su
     assert ckpt.Store.open(url).verify().ok
 
 
+@pytest.mark.slow  # waits out timeout_s (3-5 s) at least once: CI runs it in its slow pass
 def test_when_the_peer_is_gone_for_good_tier_saves_warn_and_durable_saves_raise(tmp_path):
     """As above, but rank 0 kills rank 1 instead of waking it: no rank joins the agreement of the
     next saves. Rank 0 waits timeout_s at each: the local save of step 3 warns, and the snapshot of
@@ -888,6 +891,7 @@ def test_when_the_peer_is_gone_for_good_tier_saves_warn_and_durable_saves_raise(
     assert r0["durable"] == [] and r0["local_steps"] == [1]
 
 
+@pytest.mark.slow  # waits out timeout_s (3-5 s) at least once: CI runs it in its slow pass
 @pytest.mark.parametrize("asker", [0, 1])
 def test_ranks_that_could_not_agree_on_a_group_raise_or_warn_alike(tmp_path, asker):
     """At step 2 one rank asks for the snapshot to be persisted and rank 1 arrives after rank 0 gave up
