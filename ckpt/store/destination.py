@@ -30,9 +30,12 @@ the directory appears only when complete. Pulled into an existing directory, it 
 directory empty, or ``overwrite``: then its files are written into it, beside whatever
 else is there. Both hold for what appears at a path while a pull runs: a file of the
 checkpoint's (without ``overwrite``) or a directory built takes its name only if nothing has
-it (renameat2's RENAME_NOREPLACE, where rename(2) would replace a file or an empty folder made
-there a moment before: :func:`ckpt.store.placing.rename_new`, whose fallbacks say their gaps); a
-folder made at a new path meanwhile is written into as if it had been there at the check.
+it (renameat2's RENAME_NOREPLACE, :func:`ckpt.store.placing.rename_new`: rename(2) would replace
+a file or an empty folder made there a moment before. Where a filesystem lacks the flag, NFS and
+some FUSE ones, a file takes its name by a hard link, which never replaces either, or where links
+are refused too by rename(2); a folder by rename(2) just after a look: those gaps stay there); a
+folder made at a new path meanwhile is written into as if it had been there at the check (so,
+without ``overwrite``, only if it is empty then).
 
 The checks are here; the all-or-nothing writing is :mod:`ckpt.store.atomic_files`, and the bytes of
 each file :mod:`ckpt.store.output_files` (their public names import from here too, as before).
