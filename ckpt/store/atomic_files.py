@@ -18,7 +18,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from ckpt.errors import DestinationError, DestinationExistsError
-from ckpt.store.placing import clear_left, folders_locked, is_temp_name, journal_folder, remove_quietly, replace_all, temp_name
+from ckpt.store.placing import (
+    clear_left,
+    folders_locked,
+    is_temp_name,
+    journal_folder,
+    remove_quietly,
+    rename_new,
+    replace_all,
+    temp_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -235,8 +244,11 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
               check: Callable[[], object] | None = None) -> None:
     """Write a directory checkpoint's files. A new ``dest`` is built beside it and renamed
     into place (it appears only when complete); an existing one is written into with
-    :func:`write_files` (``check`` as there). With ``overwrite``, a ``dest`` another pull made
-    while this one ran (every rank of a job pulling at its start) is written into so too."""
+    :func:`write_files` (``check`` as there). A folder made at ``dest`` while this pull ran
+    (another pull's, every rank of a job pulling at its start; or a user's ``mkdir``) is written
+    into so too, as if it had been there at the check: with ``overwrite``, or if it is empty
+    (``check`` says); never replaced. Something else made there ends the pull with
+    :class:`DestinationExistsError`."""
     if os.path.isdir(dest):
         write_files(targets, fill, overwrite, check)
         return
@@ -259,16 +271,14 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
             fill(inner)
             with _placing_files():
                 try:
-                    os.rename(tmp_dir, dest)  # fails (and nothing is lost) if dest appeared meanwhile, unless empty
-                except OSError as e:
-                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
-                        raise
-                    if not (overwrite and check is not None and os.path.isdir(dest) and not os.path.islink(dest)):
+                    _rename_dir_new(tmp_dir, dest)
+                except FileExistsError:
+                    if check is None or not os.path.isdir(dest) or os.path.islink(dest):
                         raise DestinationExistsError(f"{dest} exists (made while this pull ran)",
                                                      hint="pull again: it is then checked as any destination is") from None
-                    for t in targets:
-                        _makedirs(os.path.dirname(t), made)
-                    _place(inner, targets, True, check)  # into the folder made meanwhile, as into any with --force
+                    # Into the folder made meanwhile, as into one found at the check: the complete files
+                    # move beside their targets as temporaries, then are placed as any are (check again included).
+                    write_files(targets, lambda tmps: _move_all(inner, tmps), overwrite, check)
                     shutil.rmtree(tmp_dir)  # (its folders, emptied)
                 _pending.discard(tmp_dir)  # (it is dest now, or gone)
             _fsync_dir(os.path.dirname(os.path.abspath(dest)))
@@ -287,6 +297,27 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
         _pending.discard(tmp_dir)
         _unlock_temps([tmp_dir, *inner])
 
+
+def _rename_dir_new(built: str, dest: str) -> None:
+    """Rename folder ``built`` to ``dest`` if nothing has that name, else :class:`FileExistsError`.
+    Where renameat2's RENAME_NOREPLACE is refused (NFS, some FUSE filesystems) rename(2) does it,
+    and it replaces an empty folder made at ``dest`` after the look just before it: that gap (moments)
+    stays there. (A folder not empty, or anything else, it never replaces.)"""
+    if rename_new(built, dest):
+        return
+    if os.path.lexists(dest):
+        raise FileExistsError(errno.EEXIST, "exists", dest)
+    try:
+        os.rename(built, dest)
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+            raise FileExistsError(errno.EEXIST, "exists", dest) from None
+        raise
+
+
+def _move_all(srcs: Sequence[str], dsts: Sequence[str]) -> None:
+    for src, dst in zip(srcs, dsts):
+        os.rename(src, dst)  # (to a temporary's new name: nothing there)
 
 
 def create_new(path: str) -> int:

@@ -28,7 +28,14 @@ A destination may hold something precious, so a pull
 A directory checkpoint pulled to a new path is built beside it and renamed into place, so
 the directory appears only when complete. Pulled into an existing directory, it needs that
 directory empty, or ``overwrite``: then its files are written into it, beside whatever
-else is there.
+else is there. Both hold for what appears at a path while a pull runs: a file of the
+checkpoint's (without ``overwrite``) or a directory built takes its name only if nothing has
+it (renameat2's RENAME_NOREPLACE, :func:`ckpt.store.placing.rename_new`: rename(2) would replace
+a file or an empty folder made there a moment before. Where a filesystem lacks the flag, NFS and
+some FUSE ones, a file takes its name by a hard link, which never replaces either, or where links
+are refused too by rename(2); a folder by rename(2) just after a look: those gaps stay there); a
+folder made at a new path meanwhile is written into as if it had been there at the check (so,
+without ``overwrite``, only if it is empty then).
 
 The checks are here; the all-or-nothing writing is :mod:`ckpt.store.atomic_files`, and the bytes of
 each file :mod:`ckpt.store.output_files` (their public names import from here too, as before).
@@ -206,8 +213,8 @@ def _placed(d: str) -> list[str]:
     """What folder ``d`` holds besides pulls' temporaries (a folder of nothing else is as empty as they
     are): a pull into an empty folder is checked again with its own temporaries there, and maybe
     another's, whose files are not in place. A stale one of another name (a killed pull's) counts as
-    empty too, and loses nothing: a pull without ``overwrite`` takes only names nothing holds (a link
-    that fails where one does, :func:`ckpt.store.placing.replace_all`) and sweeps only temporaries of
+    empty too, and loses nothing: a pull without ``overwrite`` takes only names nothing holds (a rename
+    or link that fails where one does, :func:`ckpt.store.placing.replace_all`) and sweeps only temporaries of
     its own names (:func:`sweep_left`); that one stays until a pull of its name sweeps it."""
     found = []
     try:

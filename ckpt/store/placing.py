@@ -13,6 +13,7 @@ made by hand cannot remove a user's file.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import json
@@ -21,7 +22,7 @@ import os
 import re
 import stat
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from ckpt.errors import DestinationError, DestinationExistsError
 
@@ -97,16 +98,61 @@ def folders_locked(folders: Sequence[str]) -> Iterator[None]:
             os.close(fd)  # (releases its lock)
 
 
-def _link_new(tmp: str, target: str) -> bool:
-    """Give ``tmp``'s file the name ``target`` only if nothing has that name: True once done (the
-    temporary's name removed); False where the filesystem refuses links (then a rename does it).
-    Raises :class:`DestinationExistsError` when something took the name first."""
+# renameat2(2) with RENAME_NOREPLACE (Linux 3.15, glibc 2.28): a rename that fails with EEXIST where
+# anything has the new name. rename(2) replaces a file there, and an empty directory too.
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+# What says "not here" rather than "no": a filesystem without the flag (NFS, some FUSE filesystems:
+# EINVAL), a kernel without the call (ENOSYS), a sandbox refusing it (EPERM; a real EPERM fails the
+# fallback again, and that error is the one reported).
+_NOREPLACE_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM})
+
+
+def _libc_renameat2() -> Callable[..., int] | None:
+    """glibc's renameat2, or None (another libc, another system)."""
     try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _libc_renameat2()
+
+
+def rename_new(src: str, dst: str) -> bool:
+    """Rename ``src`` to ``dst`` only if nothing has that name, in one step: True once done.
+
+    Raises :class:`FileExistsError` when something is there (a file, a link, a directory, empty or
+    not: rename(2) would replace an empty one, or a file), and :class:`OSError` for other refusals.
+    False, nothing done, where this system cannot rename so (another libc, a kernel or filesystem
+    without ``RENAME_NOREPLACE``): then the caller's fallback has a gap, said where it is used."""
+    if _renameat2 is None:
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _NOREPLACE_UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), src, None, dst)  # (FileExistsError for EEXIST)
+
+
+def _take_new(tmp: str, target: str) -> bool:
+    """Give ``tmp``'s file the name ``target`` only if nothing has that name: True once done (the
+    temporary's name gone). Raises :class:`DestinationExistsError` when something took the name
+    first. False where neither a rename that never replaces (:func:`rename_new`) nor a hard link
+    can be made there (some FUSE filesystems): the caller's plain rename then replaces a file
+    made at that name since the checks, the one gap left."""
+    try:
+        if rename_new(tmp, target):
+            return True
         os.link(tmp, target, follow_symlinks=False)
     except FileExistsError:
         raise DestinationExistsError(f"{target} exists (made while this pull ran)", hint="pass --force to replace it") from None
     except OSError:
-        return False
+        return False  # (an error that is not about the name: the rename says it again)
     remove_quietly(tmp)
     return True
 
@@ -115,7 +161,8 @@ def replace_all(tmps: Sequence[str], targets: Sequence[str], overwrite: bool = T
     """Rename each temporary over its target, all or none: a file (or link) at a target is first
     kept under a backup name beside it (a hard link: the target stays in place meanwhile; a
     rename where links are refused), so that a failure part way puts every target back as it
-    was, and the backups go once all are in place. A journal lists them meanwhile (see above)."""
+    was, and the backups go once all are in place. A journal lists them meanwhile (see above).
+    Without ``overwrite`` a temporary takes its target's name only if nothing has it (:func:`_take_new`)."""
     olds = []
     for t in targets:
         if not os.path.lexists(t):
@@ -134,7 +181,7 @@ def replace_all(tmps: Sequence[str], targets: Sequence[str], overwrite: bool = T
     try:
         for tmp, t, old in zip(tmps, targets, olds):
             done.append((t, old, os.lstat(tmp).st_ino))
-            if not overwrite and _link_new(tmp, t):
+            if not overwrite and _take_new(tmp, t):
                 continue
             if old is not None:
                 try:

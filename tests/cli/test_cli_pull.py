@@ -216,7 +216,7 @@ def test_a_folder_made_at_dest_while_a_folder_pull_runs_is_named_and_kept(sandbo
     """Two pulls of a model folder to one new DEST at once (two terminals, a retried job): the one
     that came second failed with "cannot write .../.dest.ckpt-tmp-1a2b3c4d: Directory not empty
     (check the destination's permissions and free space)", naming a temporary that was gone and a
-    cause that was not. It says DEST was made while it ran, as a one-file pull does; what the
+    cause that was not. It says DEST was made while it ran (and what is in it), as a one-file pull does; what the
     other made is kept, and nothing of this one is left. With --force it writes into DEST as into
     any folder that was there, replacing the other's file of the same name."""
     import ckpt.store.pull as pull_module
@@ -238,7 +238,8 @@ def test_a_folder_made_at_dest_while_a_folder_pull_runs_is_named_and_kept(sandbo
         assert code == 0, err
         assert tree(dest) == tree(tmp_path / "model")
     else:
-        one_line_error(code, err, f"{dest} exists (made while this pull ran)")
+        one_line_error(code, err, f"{dest} exists and is not empty (model.safetensors is in the way)", "made so while this pull ran",
+                       "pass --force")
         assert "ckpt-tmp" not in err and tree(dest) == {"model.safetensors": b"the other pull's"}
     assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []  # (no temporary folder left beside it)
 

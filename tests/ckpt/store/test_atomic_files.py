@@ -3,6 +3,8 @@ pull placing files in the same folder at once."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import subprocess
@@ -13,6 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+
+from ckpt.errors import DestinationExistsError
+from ckpt.store import placing
 
 # A pull that stops after its first file is renamed into place (the rest complete under their
 # temporary names), says so by making ``paused``, and goes on once ``go`` exists.
@@ -250,3 +255,195 @@ def test_what_is_named_like_a_journal_but_is_no_file_is_never_removed(store, tmp
     store.pull("x", dest, overwrite=True)
     assert (dest / ".ckpt-placing-0000beef").is_fifo() and (dest / ".ckpt-placing-1111beef").is_dir()
     assert _tree(dest) == _tree(x)
+
+
+# What appears at a destination between a pull's checks and its renames into place. A pull's progress
+# callback is finished once every byte is written, before anything takes its final name: there,
+# ``act`` does what another program (a user's `mkdir`, another pull) does at that moment.
+class _MeanwhileProgress:
+    def __init__(self, act) -> None:
+        self.act = act
+
+    def start(self, description: str, total: int) -> None:
+        pass
+
+    def advance(self, n: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        self.act()
+
+
+def _nested(d: Path) -> Path:
+    """A model folder with a subfolder (the files placed in a folder that must be made first)."""
+    _folder(d, 1.0)
+    (d / "tok").mkdir()
+    (d / "tok" / "tokenizer.json").write_text('{"vocab": 3}')
+    return d
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+# The narrowest seams: glibc's renameat2 answering as on a filesystem without RENAME_NOREPLACE
+# (NFS, some FUSE filesystems: EINVAL), a kernel without the call (ENOSYS), or a libc without it
+# (None); and hard links refused, as some FUSE filesystems refuse them. Every filesystem this
+# machine has (ext4, tmpfs) does both; the rest of each pull runs as it does anywhere.
+def _renameat2_refused(err: int | None):
+    if err is None:
+        return None
+
+    def renameat2(*args: object) -> int:
+        ctypes.set_errno(err)
+        return -1
+    return renameat2
+
+
+def _links_refused(monkeypatch) -> None:
+    """Every hard link refused from here on (the store's own too: push first)."""
+    def link(src, dst, **kw):
+        raise PermissionError(errno.EPERM, "Operation not permitted", src, None, dst)
+    monkeypatch.setattr(os, "link", link)
+
+
+@pytest.mark.parametrize("renameat2", ["real", errno.EINVAL, errno.ENOSYS, None], ids=["real", "EINVAL", "ENOSYS", "absent"])
+def test_an_empty_folder_made_where_a_pull_renames_its_folder_is_written_into_never_replaced(store, tmp_path, monkeypatch, renameat2):
+    """A directory checkpoint pulled to a new path is built beside it and renamed into place; rename(2)
+    silently replaces an EMPTY folder, so one a user (or another program) made there meanwhile was
+    swapped for the pull's own: theirs gone, a shell in it left in a deleted folder. Now the pull writes
+    into that folder, as into one found empty at the check: it stays the same folder (inode, mode),
+    holding the checkpoint byte for byte. Where renameat2 is refused, a look just before rename(2)
+    sees it (the gap left there is between that look and the rename)."""
+    if renameat2 != "real":
+        monkeypatch.setattr(placing, "_renameat2", _renameat2_refused(renameat2))
+    x = _nested(tmp_path / "x")
+    store.push(x, "x")
+    dest, made = tmp_path / "dest", []
+
+    def mkdir() -> None:
+        dest.mkdir(mode=0o750)
+        made.append(os.stat(dest))
+
+    assert store.pull("x", dest, progress=_MeanwhileProgress(mkdir)) == str(dest)
+    now = os.stat(dest)
+    assert made and (now.st_dev, now.st_ino, now.st_mode) == (made[0].st_dev, made[0].st_ino, made[0].st_mode)
+    assert _files(dest) == _files(x)
+    assert _ckpt_names(tmp_path) == []
+
+
+@pytest.mark.parametrize("renameat2", ["real", errno.EINVAL], ids=["real", "EINVAL"])
+def test_a_folder_made_and_filled_where_a_pull_renames_its_folder_ends_the_pull(store, tmp_path, monkeypatch, renameat2):
+    """A folder made at a new path meanwhile and holding something of the user's: the pull without
+    --force refuses as it would have at the check (not empty), saying so; the folder is as the user left it."""
+    if renameat2 != "real":
+        monkeypatch.setattr(placing, "_renameat2", _renameat2_refused(renameat2))
+    x = _nested(tmp_path / "x")
+    store.push(x, "x")
+    dest = tmp_path / "dest"
+
+    def users() -> None:
+        (dest / "tok").mkdir(parents=True)
+        (dest / "tok" / "tokenizer.json").write_text("the user's")
+        (dest / "notes.txt").write_text("the user's notes")
+
+    with pytest.raises(DestinationExistsError, match="dest exists and is not empty .*: made so while this pull ran"):
+        store.pull("x", dest, progress=_MeanwhileProgress(users))
+    assert _files(dest) == {"notes.txt": b"the user's notes", "tok/tokenizer.json": b"the user's"}
+    assert _ckpt_names(tmp_path) == []
+
+
+def test_a_file_made_where_a_pull_renames_its_folder_ends_the_pull(store, tmp_path):
+    """A file made at the new path meanwhile is never replaced: the pull refuses, the file is as it was."""
+    x = _nested(tmp_path / "x")
+    store.push(x, "x")
+    dest = tmp_path / "dest"
+    with pytest.raises(DestinationExistsError, match="exists \\(made while this pull ran\\)"):
+        store.pull("x", dest, progress=_MeanwhileProgress(lambda: dest.write_bytes(b"the user's")))
+    assert dest.read_bytes() == b"the user's"
+    assert _ckpt_names(tmp_path) == []
+
+
+def _after_first_placed(monkeypatch, dest: Path, act, links: bool) -> None:
+    """Run ``act`` once, right after the first of a pull's files takes its final name in ``dest``, by
+    whichever call places it (renameat2, a link, a rename): what another program does at that moment.
+    ``links=False``: every hard link refused from here on (the store's own too: push first)."""
+    fired: list[int] = []
+    real_replace, real_link, real_renameat2 = os.replace, os.link, getattr(placing, "_renameat2", None)
+
+    def placed(dst) -> None:
+        dst = os.fsdecode(dst)
+        if not fired and os.path.dirname(dst) == str(dest) and ".ckpt-" not in os.path.basename(dst):
+            fired.append(1)
+            act()
+
+    def replace(src, dst, *a, **kw):
+        real_replace(src, dst, *a, **kw)
+        placed(dst)
+
+    def link(src, dst, *a, **kw):
+        if not links:
+            raise PermissionError(errno.EPERM, "Operation not permitted", src, None, dst)
+        real_link(src, dst, *a, **kw)
+        placed(dst)
+
+    def renameat2(fd1, src, fd2, dst, flags):
+        done = real_renameat2(fd1, src, fd2, dst, flags)
+        if done == 0:
+            placed(dst)
+        return done
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "link", link)
+    if real_renameat2 is not None:
+        monkeypatch.setattr(placing, "_renameat2", renameat2)
+
+
+@pytest.mark.parametrize("renameat2", ["real", errno.EINVAL], ids=["real", "EINVAL"])
+def test_a_file_made_where_a_pull_places_its_next_file_is_kept(store, tmp_path, monkeypatch, renameat2):
+    """Without --force a new file takes its name with a hard link, which fails if the name is taken; where
+    the filesystem refuses links, with rename(2), which replaced a file another program made at that name
+    after the checks (here: as the pull's first file took its name). Now renameat2 (RENAME_NOREPLACE)
+    places it: the pull refuses, saying so, puts back what it placed, and the user's files are kept byte
+    for byte. Where renameat2 is refused the link is what refuses (the gap left: a filesystem with neither)."""
+    names = ("a.json", "b.json", "model.safetensors")
+    x = tmp_path / "x"
+    x.mkdir()
+    save_file({"w": torch.arange(16, dtype=torch.float32)}, x / "model.safetensors")
+    for name in names[:2]:
+        (x / name).write_text(f'{{"{name}": 1}}')
+    store.push(x, "x")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    if renameat2 != "real":
+        monkeypatch.setattr(placing, "_renameat2", _renameat2_refused(renameat2))
+
+    def users() -> None:
+        for name in names:
+            if not (dest / name).exists():
+                (dest / name).write_bytes(b"the user's " + name.encode())
+
+    _after_first_placed(monkeypatch, dest, users, links=renameat2 != "real")
+    with pytest.raises(DestinationExistsError, match="exists \\(made while this pull ran\\)"):
+        store.pull("x", dest)
+    got = _files(dest)
+    assert len(got) == 2 and all(v == b"the user's " + k.encode() for k, v in got.items()), got  # the pull's one undone
+    assert _ckpt_names(tmp_path) == []
+
+
+@pytest.mark.parametrize("renameat2", [errno.EINVAL, None], ids=["EINVAL", "absent"])
+def test_pulls_where_renameat2_is_refused_place_their_files_as_before(store, tmp_path, monkeypatch, renameat2):
+    """The fallbacks where renameat2 is refused (a rename for a new folder, a link for a new file; and
+    where links are refused too, a rename) place a checkpoint whole."""
+    monkeypatch.setattr(placing, "_renameat2", _renameat2_refused(renameat2))
+    x = _nested(tmp_path / "x")
+    store.push(x, "x")
+    store.pull("x", tmp_path / "new")
+    (tmp_path / "empty").mkdir()
+    store.pull("x", tmp_path / "empty")
+    _links_refused(monkeypatch)
+    (tmp_path / "nolinks").mkdir()
+    store.pull("x", tmp_path / "nolinks")
+    for d in ("new", "empty", "nolinks"):
+        assert _files(tmp_path / d) == _files(x), d
+    assert _ckpt_names(tmp_path) == []

@@ -499,14 +499,18 @@ def test_a_large_pull_stops_its_flushing_whether_it_succeeds_or_fails(tmp_path, 
     calls = _recording(monkeypatch)
     fsynced_before_rename: list[bool] = []
 
-    def placing(real):  # a file takes its name by a rename, or by a link where none may be replaced
-        def place(a, b, **kwargs):
+    def placing(real):  # a file takes its name by a rename, or where none may be replaced by renameat2 (or a link)
+        def place(*args, **kwargs):
             fsynced_before_rename.append(any(k == "fsync" for k, _ in calls))
-            real(a, b, **kwargs)
+            return real(*args, **kwargs)
         return place
+
+    from ckpt.store import placing as placing_module
 
     monkeypatch.setattr(os, "replace", placing(os.replace))
     monkeypatch.setattr(os, "link", placing(os.link))
+    if placing_module._renameat2 is not None:
+        monkeypatch.setattr(placing_module, "_renameat2", placing(placing_module._renameat2))
     out = tmp_path / "out.safetensors"
     store.pull("big", out)
     assert out.read_bytes() == src.read_bytes()
