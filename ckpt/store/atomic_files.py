@@ -250,6 +250,7 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
     (``check`` says); never replaced. Something else made there ends the pull with
     :class:`DestinationExistsError`."""
     if os.path.isdir(dest):
+        sweep_left(dest)  # (a folder a killed pull built beside it: one made at dest meanwhile kept it from its rename)
         write_files(targets, fill, overwrite, check)
         return
     tmp_dir = temp_name(dest)
@@ -276,8 +277,14 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
                     if check is None or not os.path.isdir(dest) or os.path.islink(dest):
                         raise DestinationExistsError(f"{dest} exists (made while this pull ran)",
                                                      hint="pull again: it is then checked as any destination is") from None
-                    # Into the folder made meanwhile, as into one found at the check: the complete files
-                    # move beside their targets as temporaries, then are placed as any are (check again included).
+                    # Into the folder made meanwhile, as into one found at the check: the rule checked again
+                    # before anything is made or moved in it (a link in it leads elsewhere), then the complete
+                    # files move beside their targets as temporaries and are placed as any are (the rule checked
+                    # a last time with the folders locked: a link made in between is refused there).
+                    try:
+                        check()
+                    except DestinationExistsError as e:
+                        raise DestinationExistsError(f"{e.message}: made so while this pull ran", hint=e.hint) from None
                     write_files(targets, lambda tmps: _move_all(inner, tmps), overwrite, check)
                     shutil.rmtree(tmp_dir)  # (its folders, emptied)
                 _pending.discard(tmp_dir)  # (it is dest now, or gone)

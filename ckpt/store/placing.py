@@ -129,9 +129,12 @@ def rename_new(src: str, dst: str) -> bool:
     not: rename(2) would replace an empty one, or a file), and :class:`OSError` for other refusals.
     False, nothing done, where this system cannot rename so (another libc, a kernel or filesystem
     without ``RENAME_NOREPLACE``): then the caller's fallback has a gap, said where it is used."""
+    old, new = os.fsencode(src), os.fsencode(dst)
+    if b"\0" in old or b"\0" in new:  # (C would end the path there: another file's name)
+        raise ValueError("embedded null byte")
     if _renameat2 is None:
         return False
-    if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+    if _renameat2(_AT_FDCWD, old, _AT_FDCWD, new, _RENAME_NOREPLACE) == 0:
         return True
     err = ctypes.get_errno()
     if err in _NOREPLACE_UNSUPPORTED:

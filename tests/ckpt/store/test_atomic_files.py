@@ -353,6 +353,71 @@ def test_a_folder_made_and_filled_where_a_pull_renames_its_folder_ends_the_pull(
     assert _ckpt_names(tmp_path) == []
 
 
+@pytest.mark.parametrize("force", [False, True], ids=["", "force"])
+def test_a_link_in_a_folder_made_where_a_pull_renames_its_folder_is_refused_before_anything_goes_through_it(
+        store, tmp_path, monkeypatch, force):
+    """A folder made at a new path meanwhile holds a link (tok -> a folder of the user's elsewhere). The pull
+    wrote into it as into one found at the check, but moved its files beside their targets first: its
+    tokenizer went through the link into the user's folder before the rule was checked again (review
+    rev22d), there until refused, or for good if the pull was killed then; across filesystems the refusal
+    was a cross-device error naming a temporary. Now the rule is checked first: the link is refused by
+    name and nothing was ever written where it leads (seen as the placing starts, and after)."""
+    from ckpt.errors import DestinationError
+    from ckpt.store import atomic_files
+
+    x = _nested(tmp_path / "x")
+    store.push(x, "x")
+    dest = tmp_path / "dest"
+    for elsewhere in [tmp_path / "elsewhere"] + ([Path(f"/dev/shm/ckpt-test-{os.getpid()}")] if os.path.isdir("/dev/shm") else []):
+        elsewhere.mkdir()
+        try:
+            (elsewhere / "mine.txt").write_text("the user's")
+            seen: list[list[str]] = []
+            real_place = atomic_files._place
+
+            def place(*args, _real=real_place, _where=elsewhere, _seen=seen):
+                _seen.append(sorted(os.listdir(_where)))
+                return _real(*args)
+            monkeypatch.setattr(atomic_files, "_place", place)
+
+            def made(_where=elsewhere) -> None:
+                dest.mkdir()
+                os.symlink(_where, dest / "tok")
+            with pytest.raises(DestinationError, match="tok is a symbolic link; a pull does not write through links"):
+                store.pull("x", dest, overwrite=force, progress=_MeanwhileProgress(made))
+            assert all(names == ["mine.txt"] for names in seen), seen
+            assert sorted(os.listdir(elsewhere)) == ["mine.txt"] and (elsewhere / "mine.txt").read_text() == "the user's"
+            assert sorted(os.listdir(dest)) == ["tok"] and os.readlink(dest / "tok") == str(elsewhere)
+            assert _ckpt_names(tmp_path) == []
+        finally:
+            monkeypatch.undo()
+            if dest.is_symlink() or dest.exists():
+                os.unlink(dest / "tok")
+                dest.rmdir()
+            for f in elsewhere.iterdir():
+                f.unlink()
+            elsewhere.rmdir()
+
+
+def test_a_folder_a_killed_pull_built_beside_a_destination_made_meanwhile_is_swept_by_the_next_pull(store, tmp_path):
+    """A pull killed while it wrote into a folder made at its new path meanwhile leaves the folder it built
+    beside it (emptied or not) under a hidden name; the next pulls found the path a folder, wrote into it,
+    and never swept beside it (review rev22d): it stayed for good. Now a pull into an existing folder sweeps
+    what killed pulls of its name left beside it too (only temporaries no live pull holds, as ever)."""
+    x = _nested(tmp_path / "x")
+    store.push(x, "x")
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    left = Path(placing.temp_name(str(dest)))
+    (left / "tok").mkdir(parents=True)
+    (left / "tok" / "tokenizer.json").write_text('{"vocab": 3}')
+    old = time.time() - 3600
+    os.utime(left, (old, old))
+    assert store.pull("x", dest) == str(dest)
+    assert not left.exists() and _files(dest) == _files(x)
+    assert _ckpt_names(tmp_path) == []
+
+
 def test_a_file_made_where_a_pull_renames_its_folder_ends_the_pull(store, tmp_path):
     """A file made at the new path meanwhile is never replaced: the pull refuses, the file is as it was."""
     x = _nested(tmp_path / "x")

@@ -79,6 +79,15 @@ def test_other_refusals_are_errors_of_their_own(folder):
         rename_new(str(folder / "absent"), str(folder / "dst"))
 
 
+def test_a_path_with_a_nul_is_refused_not_cut_short(folder):
+    """C ends a path at its first NUL: 'dst\\0.bak' was taken as 'dst', 'a\\0zzz' renamed the file 'a' (review
+    rev22d); os.rename refuses both, and so does this now, with nothing renamed."""
+    (folder / "a").write_bytes(b"a's")
+    for src, dst in ((folder / "a", f"{folder}/dst\0.bak"), (f"{folder}/a\0zzz", folder / "b")):
+        with pytest.raises(ValueError, match="null byte"):
+            rename_new(str(src), str(dst))
+    assert sorted(os.listdir(folder)) == ["a"] and (folder / "a").read_bytes() == b"a's"
+
 # The narrowest seam: glibc's renameat2 answering as it does on a filesystem without RENAME_NOREPLACE
 # (EINVAL), a kernel without the call (ENOSYS), in a sandbox that refuses it (EPERM); or no renameat2 (None).
 @pytest.mark.parametrize("err", [errno.EINVAL, errno.ENOSYS, errno.EPERM, None], ids=["EINVAL", "ENOSYS", "EPERM", "absent"])
