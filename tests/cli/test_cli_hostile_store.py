@@ -236,9 +236,10 @@ def test_a_manifest_naming_what_no_name_can_be_is_a_damaged_manifest_named_in_on
     line = fails("copy", "ft/x", "--from", good, store=mine, env=env)
     assert line.startswith(f"error: source store {good}: manifest {mid}: "), line
     assert ckpt.Store.open(str(mine)).refs() == {}
-    # gc's plan (a dry run reads the summaries too: the names) names the manifest and the ref, and offers no repair
-    # from another store, whose copy is the same bytes (it offered `ckpt verify --repair-from`, which fails so)
-    runs = [["gc", "--dry-run"]] + ([["gc"]] if damage is _chunk_id_not_an_id else [])  # (gc reads only chunk ids)
+    # gc's plan names the manifest and the ref, and offers no repair from another store, whose copy is the same
+    # bytes (it offered `ckpt verify --repair-from`, which fails so). gc reads only chunk ids, and a dry run reads
+    # what the gc does (test_gc_dry_run_reads_a_manifest_as_the_gc_does)
+    runs = [["gc", "--dry-run"], ["gc"]] if damage is _chunk_id_not_an_id else []
     for args in runs:
         line = fails(*args, store=good, env=env)
         assert line.startswith("error: gc deleted nothing: the checkpoint of ft/x cannot be read") and mid in line, line
@@ -251,6 +252,27 @@ def test_a_manifest_naming_what_no_name_can_be_is_a_damaged_manifest_named_in_on
     r = TestClient(create_app(ckpt.Store.open(str(good)))).get("/api/checkpoint/ft/x")
     assert r.status_code == 500 and r.json()["error"].startswith(f"manifest {mid}: "), (r.status_code, r.text)
 
+
+
+@pytest.mark.parametrize("damage", [_path_out_of_the_folder, _tensor_name_with_nul])
+def test_gc_dry_run_reads_a_manifest_as_the_gc_does(damage, good, tmp_path, env):
+    """A live manifest naming a file path or tensor name no name can be, whose chunk ids are sound: `ckpt gc`
+    reads only its chunk ids and goes on, but `ckpt gc --dry-run` (its plan took chunk lists from the metadata
+    index, whose summary parses the whole manifest) said "gc deleted nothing: ... cannot be read", exit 1. The
+    dry run now reads such a manifest as the gc does: same exit code, same objects to free, the same kept."""
+    store = ckpt.Store.open(str(good))
+    doomed = store.push({"gone": torch.full((300,), 7.0)}, "doomed").id  # something for the gc to free
+    store.remove("doomed")
+    m = manifest_of(good, "ft/x")
+    damage(m)
+    republish(good, "ft/x", m)
+    dry = json.loads(ok("gc", "--dry-run", "--grace", "0", "--json", store=good, env=env).stdout)
+    real = json.loads(ok("gc", "--grace", "0", "--json", store=good, env=env).stdout)
+    assert ("manifests", doomed) in {(o["kind"], o["name"]) for o in real["objects"]}, real
+    assert sorted((o["kind"], o["name"]) for o in dry["objects"]) == sorted((o["kind"], o["name"]) for o in real["objects"])
+    assert {k: v for k, v in dry.items() if k not in ("dry_run", "objects")} == \
+        {k: v for k, v in real.items() if k not in ("dry_run", "objects")}
+    assert ckpt.Store.open(str(good)).load("base")  # what the gc kept is whole
 
 @pytest.mark.parametrize("poison", ["info", "chunks"])
 def test_a_crafted_metadata_index_is_read_past_not_trusted(poison, good, env):
