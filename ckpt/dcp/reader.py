@@ -162,7 +162,7 @@ class Reader(StorageReader):
             found = self._shards.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
             if found is None or self._storage.get(req.storage_index) != found[1].entry:
                 raise StoreFormatError(f"manifest {mid}: no stored shard for {req.storage_index.fqn} at {list(req.storage_index.offset or ())}")
-            copies.append(Copy(shard_entry(*found, entries), tuple(req.storage_offsets), tuple(req.lengths), planner.resolve_tensor(req).detach(),
+            copies.append(Copy(shard_entry(*found, entries, f"manifest {mid}"), tuple(req.storage_offsets), tuple(req.lengths), planner.resolve_tensor(req).detach(),
                                lambda t, r=req: planner.commit_tensor(r, t)))
         run_copies(store, m, copies, get=self.tiers.get if self.tiers is not None else None)
         fut: Future[None] = Future()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -326,10 +327,23 @@ def test_dcp_shards_that_overlap_are_refused_not_consolidated_from_uninitialised
         store.load("one/a")
 
 
-def test_a_dcp_record_naming_a_key_no_state_dict_can_hold_is_a_damaged_manifest(tmp_path, env):
-    """A distributed checkpoint whose DCP record holds the key 'b\\x00': pull and show said "invalid state
-    dict key 'b\\x00'", as for a name the user typed (InvalidNameError), and the web view answered 400 "bad
-    request", the client's mistake. It is a damaged manifest now (a 500 there, naming the checkpoint)."""
+def _dcp_key_with_nul(items: dict) -> str:
+    items["b\x00"] = items.pop("b")
+    return "invalid state dict key 'b\\x00'"
+
+
+def _dcp_shard_naming_no_entry(items: dict) -> str:
+    items["w"]["shards"][0]["entry"] = "nope"
+    return "tensor w: shard 'nope' is missing or does not match its entry"
+
+
+@pytest.mark.parametrize("damage", [_dcp_key_with_nul, _dcp_shard_naming_no_entry])
+def test_a_damaged_dcp_record_is_a_damaged_manifest_named_by_its_ref_and_id(damage, tmp_path, env):
+    """A distributed checkpoint whose DCP record holds the key 'b\\x00', or a shard naming no entry: pull and
+    show said "invalid state dict key 'b\\x00'", as for a name the user typed (InvalidNameError), and the web
+    view answered 400 "bad request", the client's mistake. It is a damaged manifest (a 500 there, naming the
+    checkpoint); and `ckpt pull` said only "manifest: ..." (or, for the shard, nothing of the checkpoint at all):
+    it names the ref and the manifest id now, as verify does, and Store.load names the ref."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -342,12 +356,16 @@ def test_a_dcp_record_naming_a_key_no_state_dict_can_hold_is_a_damaged_manifest(
         warnings.simplefilter("ignore")  # no process group: DCP warns, and saves in this process
         dcp.save({"w": torch.ones(4, 4), "b": torch.ones(3)}, storage_writer=ckpt.dcp.Writer(str(root), "one/a"))
     m = manifest_of(root, "one/a")
-    items = m["extra"]["dcp"]["items"]
-    items["b\x00"] = items.pop("b")
+    detail = damage(m["extra"]["dcp"]["items"])
     mid = republish(root, "one/a", m)
-    line = fails("pull", "one/a", tmp_path / "out.safetensors", store=root, env=env)
-    assert line.startswith("error: manifest: invalid state dict key"), line
-    assert not (tmp_path / "out.safetensors").exists()
+    for out in ("out.safetensors", "out.pt"):
+        line = fails("pull", "one/a", tmp_path / out, store=root, env=env)
+        assert line.startswith(f"error: checkpoint one/a: manifest {mid}: {detail}"), line
+        assert not (tmp_path / out).exists()
+    with pytest.raises(ckpt.CkptError, match=f"^checkpoint one/a: {re.escape(detail)}"):
+        ckpt.Store.open(str(root)).load("one/a")
+    if damage is _dcp_shard_naming_no_entry:
+        return  # (show reads only the layout)
     pytest.importorskip("httpx", reason="starlette's TestClient needs httpx")
     from starlette.testclient import TestClient
 
