@@ -125,6 +125,25 @@ def read_root(objects: ObjectStore, target: str, *, current: bool) -> bytes | No
         return None
 
 
+def _read_root_chunks(objects: ObjectStore, mid: str, data: bytes | None, current: set[str], found: Roots,
+                      roots: set[str], live_chunks: set[str]) -> None:
+    """Add root manifest ``mid`` (its bytes ``data`` where already read) to ``roots`` and the chunks it names
+    to ``live_chunks``: how every plan reads a root it does not take from the index. A live manifest that
+    cannot be read, or names what no chunk id can be, stops the plan: nothing is deleted."""
+    try:
+        data = data if data is not None else read_root(objects, mid, current=mid in current)
+    except CkptError as e:
+        raise _stopped_by(e, found) from None
+    if data is None:
+        return
+    roots.add(mid)
+    try:
+        live_chunks |= referenced_chunks(data)
+    except StoreFormatError as e:  # (intact bytes that name no chunk: its writer's damage, named here)
+        raise _stopped_by(UnusableManifestError(mid, e.message.removeprefix(f"manifest {mid}: ").removeprefix("manifest: ")),
+                          found) from None
+
+
 def _newest_readable(refs: Refs, name: str) -> bool:
     try:
         refs.current(name)
@@ -296,33 +315,28 @@ def plan_gc(objects: ObjectStore, refs: Refs, *, grace_s: float, keep_history: b
     # hash of its bytes: what it names never changes); any other is read and verified here.
     for mid in dict.fromkeys(r.target for r in found.roots):
         if mid in listed_m and mid not in condemned:
-            roots.add(mid)
             indexed.append(mid)
             continue
         try:
             data = objects.get_manifest(mid, at=condemned[mid]) if mid in condemned else None
         except ObjectNotFoundError:  # put back meanwhile by a gc running now
             data = None
-        # A live manifest that cannot be read stops the plan: nothing is deleted.
-        try:
-            data = data if data is not None else read_root(objects, mid, current=mid in current)
-        except CkptError as e:
-            raise _stopped_by(e, found) from None
-        if data is not None:
-            roots.add(mid)
-            try:
-                live_chunks |= referenced_chunks(data)
-            except StoreFormatError as e:  # (intact bytes that name no chunk: its writer's damage, named here)
-                raise _stopped_by(UnusableManifestError(mid, e.message.removeprefix(f"manifest {mid}: ").removeprefix("manifest: ")),
-                                  found) from None
+        _read_root_chunks(objects, mid, data, current, found, roots, live_chunks)
     if index is not None and view is not None:
+        # A live manifest the index lacks is read. One it cannot summarize (a tensor name no name can be: the
+        # summary parses the whole manifest) is read as the gc that deletes reads it, for its chunk ids only:
+        # the dry run refused such a manifest, which a real gc reads past.
         try:
-            index.ensure(view, indexed, chunks=True)  # a live manifest the index lacks is read (and must be readable)
+            failed = index.ensure(view, indexed, chunks=True, strict=False)
         except CkptError as e:
             raise _stopped_by(e, found) from None
         assert view.chunks is not None
         for mid in indexed:
-            live_chunks.update(view.chunks[mid][0])
+            if mid in failed:
+                _read_root_chunks(objects, mid, None, current, found, roots, live_chunks)
+            else:
+                roots.add(mid)
+                live_chunks.update(view.chunks[mid][0])
         if recover:  # not in a dry run, which writes nothing
             index.heal(view)
 

@@ -199,69 +199,73 @@ def _slab(e: TensorEntry, regions: list[Copy], cs: int) -> tuple[torch.Tensor, i
 
 
 # -- whole tensors -------------------------------------------------------------------
-def shard_copies(item: TensorItem, full: torch.Tensor, entries: dict[str, TensorEntry]) -> list[Copy]:
-    """Copies that fill ``full`` (the whole tensor ``item``) from its stored shards."""
+def shard_copies(item: TensorItem, full: torch.Tensor, entries: dict[str, TensorEntry], what: str) -> list[Copy]:
+    """Copies that fill ``full`` (the whole tensor ``item``) from its stored shards (``what``: the checkpoint,
+    as :func:`shard_entry` names it)."""
     out = []
     for s in item.shards:
-        out.append(Copy(shard_entry(item, s, entries), (0,) * len(s.sizes), s.sizes, narrow(full, s.offsets, s.sizes)))
+        out.append(Copy(shard_entry(item, s, entries, what), (0,) * len(s.sizes), s.sizes, narrow(full, s.offsets, s.sizes)))
     return out
 
 
-def shard_entry(item: TensorItem, shard: Shard, entries: dict[str, TensorEntry]) -> TensorEntry:
+def shard_entry(item: TensorItem, shard: Shard, entries: dict[str, TensorEntry], what: str) -> TensorEntry:
     """The manifest entry holding ``shard`` of ``item``: one of the shard's shape and the item's dtype,
-    else a :class:`StoreFormatError` (a region read from an entry of another shape is wrong data)."""
+    else a :class:`StoreFormatError` naming ``what`` (the checkpoint: ``manifest ID``, ``checkpoint REF``)
+    (a region read from an entry of another shape is wrong data)."""
     e = entries.get(shard.entry)
     if e is None or e.shape != shard.sizes or e.dtype != item.dtype:
-        raise StoreFormatError(f"tensor {item.fqn}: shard {shard.entry!r} is missing or does not match its entry")
+        raise StoreFormatError(f"{what}: tensor {item.fqn}: shard {shard.entry!r} is missing or does not match its entry")
     return e
 
 
-def _selected(m: Manifest, include: list[str] | None) -> list[TensorItem]:
-    layout = decode_layout(m.extra, "manifest")
+def _selected(m: Manifest, include: list[str] | None, what: str) -> list[TensorItem]:
+    # (each error names ``what``, the checkpoint: it said "manifest: ..." of whichever a pull or load read)
+    layout = decode_layout(m.extra, what)
     items = [t for t in layout.tensors.values() if name_selected(t.fqn, include)]
     if include and not items:
         raise TensorMismatchError(f"no tensor matches {' '.join(include)}", hint="see the names with `ckpt show --json` (extra.dcp.items)")
-    check_entries(m, items)
+    check_entries(m, items, what)
     return items
 
 
-def check_entries(m: Manifest, items: Iterable[TensorItem]) -> None:
+def check_entries(m: Manifest, items: Iterable[TensorItem], what: str) -> None:
     """Every shard of ``items`` against its entry of ``m`` (:func:`shard_entry`), before anything is
     allocated for them: a layout's size is checked only against its shards, and a forged one of
     terabytes would be allocated (or preallocated as a pulled file) before its entries told it apart."""
     entries = {t.name: t for t in m.tensors}
     for t in items:
         for sh in t.shards:
-            shard_entry(t, sh, entries)
+            shard_entry(t, sh, entries, what)
 
 
 def is_dcp(m: Manifest) -> bool:
     return m.source == DCP_SOURCE
 
 
-def load_dcp(store: Store, m: Manifest, include: list[str] | None = None, progress: Progress | None = None) -> dict[str, Any]:
-    """Every tensor of a distributed checkpoint, whole (consolidated from its shards), on the CPU."""
+def load_dcp(store: Store, m: Manifest, include: list[str] | None, progress: Progress | None, what: str) -> dict[str, Any]:
+    """Every tensor of a distributed checkpoint, whole (consolidated from its shards), on the CPU.
+    ``what``: the checkpoint, as errors name it (``checkpoint REF``)."""
     import torch
 
     entries = {t.name: t for t in m.tensors}
     out: dict[str, torch.Tensor] = {}
     copies: list[Copy] = []
-    items = _selected(m, include)
+    items = _selected(m, include, what)
     for item in items:
         full = torch.empty(item.size, dtype=to_torch(item.dtype))
         out[item.fqn] = full
-        copies += shard_copies(item, full, entries)
+        copies += shard_copies(item, full, entries, what)
     with reporting(progress, "load", sum(t.nbytes for t in items)) as p:
         run_copies(store, m, copies, p)
     return out
 
 
 def fill_dcp(store: Store, m: Manifest, pair: Callable[[Iterable[str]], dict[str, Any]],
-             progress: Progress | None = None) -> None:
+             progress: Progress | None, what: str) -> None:
     """Decode a distributed checkpoint's whole tensors, in place, into the tensors (any device) that
     ``pair`` gives by the stored names each loads from, given the names the checkpoint holds
     (:func:`~ckpt.store.load.pair_names`, which refuses a mismatch)."""
-    items = {t.fqn: t for t in _selected(m, None)}
+    items = {t.fqn: t for t in _selected(m, None, what)}
     live = pair(items)
     entries = {t.name: t for t in m.tensors}
     copies: list[Copy] = []
@@ -269,12 +273,13 @@ def fill_dcp(store: Store, m: Manifest, pair: Callable[[Iterable[str]], dict[str
         item, dst = items[name], live[name].detach()
         if tuple(dst.shape) != item.size or dst.dtype != to_torch(item.dtype):
             raise TensorMismatchError(f"{name}: checkpoint {item.dtype}{list(item.size)} vs target {dst.dtype}{list(dst.shape)}")
-        copies += shard_copies(item, dst, entries)
+        copies += shard_copies(item, dst, entries, what)
     with reporting(progress, "load", sum(items[n].nbytes for n in set(live) & set(items))) as p:
         run_copies(store, m, copies, p)
 
 
-def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, overwrite: bool, progress: Progress | None = None) -> str:
+def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, overwrite: bool, progress: Progress | None,
+             what: str) -> str:
     """Write a distributed checkpoint as one consolidated safetensors file; returns its path.
 
     Tensors are assembled in memory a batch (about :data:`BATCH_BYTES`) at a time and
@@ -288,11 +293,11 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
     from ckpt.store.destination import OutputFile, file_target, is_torch_name, write_files, write_torch
     from ckpt.store.limits import check_disk
 
-    items = _selected(m, include)
+    items = _selected(m, include, what)
     target = file_target(store, dest, "model.safetensors", overwrite)
     if is_torch_name(target):  # non-tensor state (a step, a scheduler) too, under its flat key, as DCP saved it
-        values = {} if include else decode_layout(m.extra, "manifest").values
-        write_torch(target, load_dcp(store, m, include, progress), values, overwrite)
+        values = {} if include else decode_layout(m.extra, what).values
+        write_torch(target, load_dcp(store, m, include, progress, what), values, overwrite)
         return target
     meta = m.files[0].metadata if m.files else None
     head, order = build_header([(t.fqn, t.dtype, t.size, t.nbytes) for t in items], meta)
@@ -320,7 +325,7 @@ def pull_dcp(store: Store, m: Manifest, dest: str, include: list[str] | None, ov
                 item = items[i]
                 full = torch.empty(item.size, dtype=to_torch(item.dtype))
                 batch.append((pos, full))
-                copies.extend(shard_copies(item, full, entries))
+                copies.extend(shard_copies(item, full, entries, what))
                 pos += item.nbytes
                 size += item.nbytes
                 if size >= BATCH_BYTES:

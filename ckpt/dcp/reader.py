@@ -14,8 +14,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckpt.dcp.consolidate import Copy, run_copies, shard_entry
-from ckpt.dcp.format import DCP_SOURCE, Shard, TensorItem, decode_layout, to_metadata
+from ckpt.dcp.consolidate import Copy, check_entries, run_copies, shard_entry
+from ckpt.dcp.format import DCP_SOURCE, DcpLayout, Shard, TensorItem, decode_layout, to_metadata
 from ckpt.dcp.writer import StoreHolder, Writer
 from ckpt.errors import CkptError
 from ckpt.format.manifest import Manifest
@@ -57,6 +57,15 @@ class Reader(StorageReader):
     ranks only (``dcp.load(..., no_dist=True)`` on rank 0, a subgroup's load) never waits
     for ranks that do not load; a rank whose view lags then raises alone while the others
     wait in DCP for the group's timeout.
+
+    What the ranks check before DCP starts (the ref, and the checkpoint's manifest: a distributed one,
+    its layout sound) is raised as ckpt's own error (:class:`~ckpt.errors.CkptError`: a
+    :class:`~ckpt.errors.RefNotFoundError`, a :class:`~ckpt.errors.StoreFormatError` naming the damaged
+    manifest). What fails once DCP runs (a chunk missing or damaged while the data is read) reaches
+    ``dcp.load``'s caller as torch's ``CheckpointException``, as any storage reader's error does: it
+    gathers the ranks' errors, and ``e.failures`` maps each failed rank to ``(ckpt's error, its
+    traceback)``: ``next(iter(e.failures.values()))[0]`` is the :class:`~ckpt.errors.CkptError`.
+    (Wrapping ``dcp.load`` to unwrap it would fight torch's API, whose callers expect that exception.)
     """
 
     def __init__(self, store: str | os.PathLike[str] | Store, ref: str | None = None, *,
@@ -69,6 +78,7 @@ class Reader(StorageReader):
         # snapshot tiers (ckpt/snapshot/tiers.py): ``ref`` is a manifest id, read with its chunks
         # from the nearest tier holding each; ``store`` is then not read
         self.tiers = tiers
+        self._checked: tuple[str, Manifest, DcpLayout] | None = None  # the manifest _check_ref read, by its id
         self._check_ref()
         self.load_id = uuid.uuid4().hex
         self._manifest: tuple[str, Manifest] | None = None
@@ -84,16 +94,18 @@ class Reader(StorageReader):
         self._manifest = None
 
     def _check_ref(self) -> None:
-        """Raise :class:`~ckpt.errors.RefNotFoundError` (or StoreNotFoundError) now, before DCP starts:
-        from ``read_metadata`` DCP would log it and raise its own AssertionError (CheckpointException
-        across ranks) in its place. The ranks agree first: a rank that raised alone would leave the
+        """Raise :class:`~ckpt.errors.RefNotFoundError` (or StoreNotFoundError), or the error of a manifest that is
+        no distributed checkpoint or is damaged (:meth:`_layout`), now, before DCP starts: from ``read_metadata``
+        DCP would log it and raise its own AssertionError (CheckpointException across ranks) in its place. The ranks agree first: a rank that raised alone would leave the
         others waiting in DCP's first collective for the group's timeout (or, where it goes on to
         another collective, matched against the wrong one). Agreed over ``process_group`` where one
         is given (see the class docstring)."""
         if self.ref is None or self.tiers is not None:
             return
         try:
-            self._holder.store(create=False).resolve(self.ref)
+            store = self._holder.store(create=False)
+            mid = store.resolve(self.ref)
+            self._checked = (mid, *self._layout(store.manifest(mid), mid))
             err: BaseException | None = None
         except Exception as e:  # noqa: BLE001 - any failure, told to the other ranks before it is raised
             err = e
@@ -110,21 +122,30 @@ class Reader(StorageReader):
                       "rank sees it")
             raise e
 
+    def _layout(self, m: Manifest, mid: str) -> tuple[Manifest, DcpLayout]:
+        """``m`` (manifest ``mid``) and its DCP layout, each shard checked against its entry; a
+        :class:`CkptError` naming the manifest where it is no distributed checkpoint or is damaged."""
+        if m.source != DCP_SOURCE:
+            raise CkptError(f"{self.ref} is a {m.source!r} checkpoint, not a distributed one",
+                            hint="load it with Store.load / load_into, or push it again through dcp.save")
+        layout = decode_layout(m.extra, f"manifest {mid}")
+        check_entries(m, layout.tensors.values(), f"manifest {mid}")
+        return m, layout
+
     def read_metadata(self) -> Metadata:
         """DCP's metadata, rebuilt from the manifest's JSON (no pickle)."""
         if self.ref is None:
             raise CkptError("no checkpoint to load", hint="pass Reader(store, REF) or dcp.load(..., checkpoint_id=REF)")
         if self.tiers is not None:
             mid = self.ref
-            m = self.tiers.get_manifest(mid)
+            m, layout = self._layout(self.tiers.get_manifest(mid), mid)
         else:
-            store = self._holder.store(create=False)
-            mid = store.resolve(self.ref)
-            m = store.manifest(mid)
-        if m.source != DCP_SOURCE:
-            raise CkptError(f"{self.ref} is a {m.source!r} checkpoint, not a distributed one",
-                            hint="load it with Store.load / load_into, or push it again through dcp.save")
-        layout = decode_layout(m.extra, f"manifest {mid}")
+            mid = self._holder.store(create=False).resolve(self.ref)
+            # (the manifest _check_ref read and checked, where the ref still names it: an id names its bytes)
+            if self._checked is not None and self._checked[0] == mid:
+                m, layout = self._checked[1:]
+            else:
+                m, layout = self._layout(self._holder.store(create=False).manifest(mid), mid)
         self._manifest, self._values = (mid, m), layout.values
         self._shards = {(t.fqn, s.offsets): (t, s) for t in layout.tensors.values() for s in t.shards}
         md = to_metadata(layout, mid)
@@ -162,7 +183,7 @@ class Reader(StorageReader):
             found = self._shards.get((req.storage_index.fqn, tuple(req.storage_index.offset or ())))
             if found is None or self._storage.get(req.storage_index) != found[1].entry:
                 raise StoreFormatError(f"manifest {mid}: no stored shard for {req.storage_index.fqn} at {list(req.storage_index.offset or ())}")
-            copies.append(Copy(shard_entry(*found, entries), tuple(req.storage_offsets), tuple(req.lengths), planner.resolve_tensor(req).detach(),
+            copies.append(Copy(shard_entry(*found, entries, f"manifest {mid}"), tuple(req.storage_offsets), tuple(req.lengths), planner.resolve_tensor(req).detach(),
                                lambda t, r=req: planner.commit_tensor(r, t)))
         run_copies(store, m, copies, get=self.tiers.get if self.tiers is not None else None)
         fut: Future[None] = Future()

@@ -112,7 +112,7 @@ class DcpSide(RefSide):
         self.items = decode_layout(reader.manifest.extra, f"checkpoint {label}").tensors
         # Every shard against its entry first: a shard naming no entry was a KeyError, and a layout
         # whose size its entries do not back (forged) was allocated whole before anything was read.
-        check_entries(reader.manifest, self.items.values())
+        check_entries(reader.manifest, self.items.values(), f"checkpoint {label}")
         self.entries = {t.name: t for t in reader.manifest.tensors}
         self.meta = {n: TensorMeta(t.dtype, t.size, t.nbytes) for n, t in self.items.items()}
 
@@ -128,7 +128,7 @@ class DcpSide(RefSide):
 
         t = self.items[name]
         full = torch.empty(t.size, dtype=to_torch(t.dtype))
-        run_copies(self.reader.store, self.reader.manifest, shard_copies(t, full, self.entries), get=self.reader.fetch)
+        run_copies(self.reader.store, self.reader.manifest, shard_copies(t, full, self.entries, f"checkpoint {self.label}"), get=self.reader.fetch)
         return full
 
     def tensors(self, names: Sequence[str]) -> dict[str, torch.Tensor]:

@@ -275,7 +275,7 @@ class DistributedRestoring:
             if names is not None and not (isinstance(names, list) and all(isinstance(k, str) for k in names)):
                 raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of its {field} is malformed")
         layout = decode_layout(m.extra, f"manifest {mid}")
-        check_entries(m, layout.tensors.values())  # before a target is allocated from the layout's sizes
+        check_entries(m, layout.tensors.values(), f"manifest {mid}")  # before a target is allocated from the layout's sizes
         flags = autograd_flag_sets(snap.get("autograd", {}), {n: to_torch(item.dtype) for n, item in layout.tensors.items()})
         if flags is None:
             raise SnapshotError(f"checkpoint {mid[:12]}: the snapshot's record of autograd flags is malformed")

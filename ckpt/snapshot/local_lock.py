@@ -4,6 +4,7 @@ collect each other's snapshots: a tier is collected with no grace period because
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import logging
@@ -99,9 +100,9 @@ def hold(path: str) -> int:
             return fd
         except BlockingIOError:
             pass
-        except OSError:
+        except OSError as e:  # (not "held": this filesystem cannot lock, an NFS mount without its lock service, say)
             _close(fd, _PENDING)
-            raise
+            raise _cannot_lock(path, e) from None
         if time.monotonic() - collected >= 1.0:
             # An unreferenced earlier manager of this process lets go as it is freed: at once, or once
             # the save it had in flight (which holds it) is done.
@@ -123,6 +124,25 @@ def hold(path: str) -> int:
             log.warning("waiting for local tier %s: another CheckpointManager holds it", path)
             warned = True
         time.sleep(0.1)
+
+
+# What flock says on a filesystem that has no locks (an NFS mount without its lock service, some FUSE mounts).
+NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
+
+
+def _cannot_lock(path: str, e: OSError) -> Exception:
+    """The one-line error for a tier folder whose ``flock`` failed with ``e`` (not because another holds it): the raw
+    OSError reached the user as a traceback. Without the lock, one manager per tier cannot be made sure of."""
+    from ckpt.snapshot.run import SnapshotError
+    from ckpt.snapshot.tiers import describe
+
+    if e.errno in NO_LOCKS:
+        return SnapshotError(f"local tier {path} cannot be locked: its filesystem has no flock ({describe(e)})",
+                             hint="give the local tier a folder on a local disk or tmpfs (local=PATH, under /dev/shm "
+                                  "say): two managers on one tier would delete each other's snapshots, and only the "
+                                  "lock keeps them apart")
+    return SnapshotError(f"local tier {path} cannot be locked ({describe(e)})",
+                         hint="give the local tier a folder on a local disk or tmpfs (local=PATH)")
 
 
 def let_go(fd: int, pid: int | None = None) -> None:

@@ -124,7 +124,7 @@ def load_manifest(store: Store, m: Manifest, include: list[str] | None, progress
     if m.source == "dcp":  # a distributed checkpoint: whole tensors, consolidated from its shards
         from ckpt.dcp.consolidate import load_dcp
 
-        return load_dcp(store, m, include, progress)
+        return load_dcp(store, m, include, progress, what)
     chosen = select(m, include)
     check_unique(chosen, "use `ckpt pull`")
     check_memory(chosen, what)
@@ -140,7 +140,7 @@ def load_into(store: Store, ref: str, target: Any, *, strict: bool = True, prefi
     if m.source == "dcp":  # a distributed checkpoint: whole tensors assembled from its shards
         from ckpt.dcp.consolidate import fill_dcp
 
-        return fill_dcp(store, m, lambda stored: pair_names(live, stored, strict, prefix), progress)
+        return fill_dcp(store, m, lambda stored: pair_names(live, stored, strict, prefix), progress, f"checkpoint {ref}")
     entries = named_entries(m)
     check_unique(entries, "load it with store.load(ref) and pick the tensors")
     by_name = {t.name: t for t in entries}

@@ -92,7 +92,9 @@ def pull(store: Store, ref: str, dest: str | os.PathLike[str], *, overwrite: boo
     if m.source == "dcp":  # a distributed checkpoint: its shards consolidated into one file
         from ckpt.dcp.consolidate import pull_dcp
 
-        return pull_dcp(store, m, dest, include, overwrite, progress)
+        # (its layout is read only now: what it finds damaged names the ref and, where the caller resolved it, the id)
+        what = f"checkpoint {label}" if label == ref else f"checkpoint {label}: manifest {ref}"
+        return pull_dcp(store, m, dest, include, overwrite, progress, what)
     if include:
         return _pull_selected(store, m, dest, include, overwrite, progress)
     if m.source != "hf-dir" and len(m.files) == 1:

@@ -81,7 +81,7 @@ class CheckpointReader:
             if [sh.sizes for sh in item.shards] != [item.size]:
                 raise TensorMismatchError(f"tensor {name!r} of distributed checkpoint {self.id[:12]} is stored as "
                                           f"{len(item.shards)} shards, not one entry", hint="read it whole with get_tensor")
-            return shard_entry(item, item.shards[0], self._by_name)
+            return shard_entry(item, item.shards[0], self._by_name, f"checkpoint {self.id[:12]}")
         if name in self._twice:
             check_unique([t for t in self.manifest.tensors if t.name == name],
                          hint="pull it with `ckpt pull` to a directory, where each file keeps its own")
@@ -129,10 +129,10 @@ class CheckpointReader:
 
         from ckpt.dcp.consolidate import run_copies, shard_copies
 
-        entries = [shard_entry(item, sh, self._by_name) for sh in item.shards]  # before anything is allocated
+        entries = [shard_entry(item, sh, self._by_name, f"checkpoint {self.id[:12]}") for sh in item.shards]  # before anything is allocated
         check_memory(entries, f"tensor {item.fqn!r}")
         out = torch.empty(item.size, dtype=to_torch(item.dtype))
-        run_copies(self.store, self.manifest, shard_copies(item, out, self._by_name), get=self.fetch)
+        run_copies(self.store, self.manifest, shard_copies(item, out, self._by_name, f"checkpoint {self.id[:12]}"), get=self.fetch)
         return out
 
     def close(self) -> None:

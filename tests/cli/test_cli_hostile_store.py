@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -236,9 +237,10 @@ def test_a_manifest_naming_what_no_name_can_be_is_a_damaged_manifest_named_in_on
     line = fails("copy", "ft/x", "--from", good, store=mine, env=env)
     assert line.startswith(f"error: source store {good}: manifest {mid}: "), line
     assert ckpt.Store.open(str(mine)).refs() == {}
-    # gc's plan (a dry run reads the summaries too: the names) names the manifest and the ref, and offers no repair
-    # from another store, whose copy is the same bytes (it offered `ckpt verify --repair-from`, which fails so)
-    runs = [["gc", "--dry-run"]] + ([["gc"]] if damage is _chunk_id_not_an_id else [])  # (gc reads only chunk ids)
+    # gc's plan names the manifest and the ref, and offers no repair from another store, whose copy is the same
+    # bytes (it offered `ckpt verify --repair-from`, which fails so). gc reads only chunk ids, and a dry run reads
+    # what the gc does (test_gc_dry_run_reads_a_manifest_as_the_gc_does)
+    runs = [["gc", "--dry-run"], ["gc"]] if damage is _chunk_id_not_an_id else []
     for args in runs:
         line = fails(*args, store=good, env=env)
         assert line.startswith("error: gc deleted nothing: the checkpoint of ft/x cannot be read") and mid in line, line
@@ -251,6 +253,27 @@ def test_a_manifest_naming_what_no_name_can_be_is_a_damaged_manifest_named_in_on
     r = TestClient(create_app(ckpt.Store.open(str(good)))).get("/api/checkpoint/ft/x")
     assert r.status_code == 500 and r.json()["error"].startswith(f"manifest {mid}: "), (r.status_code, r.text)
 
+
+
+@pytest.mark.parametrize("damage", [_path_out_of_the_folder, _tensor_name_with_nul])
+def test_gc_dry_run_reads_a_manifest_as_the_gc_does(damage, good, tmp_path, env):
+    """A live manifest naming a file path or tensor name no name can be, whose chunk ids are sound: `ckpt gc`
+    reads only its chunk ids and goes on, but `ckpt gc --dry-run` (its plan took chunk lists from the metadata
+    index, whose summary parses the whole manifest) said "gc deleted nothing: ... cannot be read", exit 1. The
+    dry run now reads such a manifest as the gc does: same exit code, same objects to free, the same kept."""
+    store = ckpt.Store.open(str(good))
+    doomed = store.push({"gone": torch.full((300,), 7.0)}, "doomed").id  # something for the gc to free
+    store.remove("doomed")
+    m = manifest_of(good, "ft/x")
+    damage(m)
+    republish(good, "ft/x", m)
+    dry = json.loads(ok("gc", "--dry-run", "--grace", "0", "--json", store=good, env=env).stdout)
+    real = json.loads(ok("gc", "--grace", "0", "--json", store=good, env=env).stdout)
+    assert ("manifests", doomed) in {(o["kind"], o["name"]) for o in real["objects"]}, real
+    assert sorted((o["kind"], o["name"]) for o in dry["objects"]) == sorted((o["kind"], o["name"]) for o in real["objects"])
+    assert {k: v for k, v in dry.items() if k not in ("dry_run", "objects")} == \
+        {k: v for k, v in real.items() if k not in ("dry_run", "objects")}
+    assert ckpt.Store.open(str(good)).load("base")  # what the gc kept is whole
 
 @pytest.mark.parametrize("poison", ["info", "chunks"])
 def test_a_crafted_metadata_index_is_read_past_not_trusted(poison, good, env):
@@ -304,10 +327,23 @@ def test_dcp_shards_that_overlap_are_refused_not_consolidated_from_uninitialised
         store.load("one/a")
 
 
-def test_a_dcp_record_naming_a_key_no_state_dict_can_hold_is_a_damaged_manifest(tmp_path, env):
-    """A distributed checkpoint whose DCP record holds the key 'b\\x00': pull and show said "invalid state
-    dict key 'b\\x00'", as for a name the user typed (InvalidNameError), and the web view answered 400 "bad
-    request", the client's mistake. It is a damaged manifest now (a 500 there, naming the checkpoint)."""
+def _dcp_key_with_nul(items: dict) -> str:
+    items["b\x00"] = items.pop("b")
+    return "invalid state dict key 'b\\x00'"
+
+
+def _dcp_shard_naming_no_entry(items: dict) -> str:
+    items["w"]["shards"][0]["entry"] = "nope"
+    return "tensor w: shard 'nope' is missing or does not match its entry"
+
+
+@pytest.mark.parametrize("damage", [_dcp_key_with_nul, _dcp_shard_naming_no_entry])
+def test_a_damaged_dcp_record_is_a_damaged_manifest_named_by_its_ref_and_id(damage, tmp_path, env):
+    """A distributed checkpoint whose DCP record holds the key 'b\\x00', or a shard naming no entry: pull and
+    show said "invalid state dict key 'b\\x00'", as for a name the user typed (InvalidNameError), and the web
+    view answered 400 "bad request", the client's mistake. It is a damaged manifest (a 500 there, naming the
+    checkpoint); and `ckpt pull` said only "manifest: ..." (or, for the shard, nothing of the checkpoint at all):
+    it names the ref and the manifest id now, as verify does, and Store.load names the ref."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -320,12 +356,16 @@ def test_a_dcp_record_naming_a_key_no_state_dict_can_hold_is_a_damaged_manifest(
         warnings.simplefilter("ignore")  # no process group: DCP warns, and saves in this process
         dcp.save({"w": torch.ones(4, 4), "b": torch.ones(3)}, storage_writer=ckpt.dcp.Writer(str(root), "one/a"))
     m = manifest_of(root, "one/a")
-    items = m["extra"]["dcp"]["items"]
-    items["b\x00"] = items.pop("b")
+    detail = damage(m["extra"]["dcp"]["items"])
     mid = republish(root, "one/a", m)
-    line = fails("pull", "one/a", tmp_path / "out.safetensors", store=root, env=env)
-    assert line.startswith("error: manifest: invalid state dict key"), line
-    assert not (tmp_path / "out.safetensors").exists()
+    for out in ("out.safetensors", "out.pt"):
+        line = fails("pull", "one/a", tmp_path / out, store=root, env=env)
+        assert line.startswith(f"error: checkpoint one/a: manifest {mid}: {detail}"), line
+        assert not (tmp_path / out).exists()
+    with pytest.raises(ckpt.CkptError, match=f"^checkpoint one/a: {re.escape(detail)}"):
+        ckpt.Store.open(str(root)).load("one/a")
+    if damage is _dcp_shard_naming_no_entry:
+        return  # (show reads only the layout)
     pytest.importorskip("httpx", reason="starlette's TestClient needs httpx")
     from starlette.testclient import TestClient
 

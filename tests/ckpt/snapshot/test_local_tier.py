@@ -1097,3 +1097,38 @@ def test_an_unchanged_tensor_the_tier_holds_needs_no_room_after_a_restore(tmp_pa
             mgr.wait()
         assert mgr.last_save.tier == "local" and sorted(mgr.local_tier.steps) == [1, 2, 3]
     assert ckpt.Store.open(f"{shm}/tier").verify().ok
+
+
+@pytest.mark.parametrize("code", ["ENOLCK", "EOPNOTSUPP", "ENOSYS"])
+def test_a_tier_on_a_filesystem_without_locks_is_refused_in_one_line_naming_it(tmp_path, monkeypatch, code):
+    """A local tier whose folder cannot be flock'ed (an NFS mount without its lock service, some FUSE mounts): the
+    manager raised flock's raw OSError, a traceback naming no folder and no way on. It is a SnapshotError naming the
+    tier and where to put it; the folder's descriptor is closed, and a manager of it runs once locks work.
+
+    No filesystem without locks can be mounted on this machine (no root, no FUSE), so flock itself is made to fail
+    as such a filesystem's does: the narrowest seam there is (every other step runs for real)."""
+    import errno
+    import fcntl
+
+    real = fcntl.flock
+    tier = tmp_path / "tier"
+
+    def no_locks(fd, op):
+        if os.path.realpath(f"/proc/self/fd/{fd}") == str(tier):
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+        return real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    fds = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(ckpt.CkptError) as e:
+        ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=str(tier), local_every_n_steps=1)
+    err = e.value
+    assert f"local tier {tier} cannot be locked: its filesystem has no flock" in str(err) and "\n" not in str(err), err
+    assert "local disk or tmpfs" in err.hint and not isinstance(err.__cause__, OSError), err.hint
+    assert set(os.listdir("/proc/self/fd")) <= fds  # (the tier folder's descriptor did not leak)
+    monkeypatch.setattr(fcntl, "flock", real)
+    model, state = _fresh()
+    with ckpt.CheckpointManager(str(tmp_path / "durable"), "run", every_n_steps=100, local=str(tier), local_every_n_steps=1) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+    assert os.listdir(tier)
