@@ -210,11 +210,12 @@ class StoreNames:
         """
         return self.refs_db.all_entries(prefix)
 
-    def readable_ref_history(self, prefix: str = "", *, only: Callable[[str], bool] | None = None
-                             ) -> tuple[dict[str, list[RefEntry]], dict[str, str]]:
+    def readable_ref_history(self, prefix: str = "", *, only: Callable[[str], bool] | None = None,
+                             newest: Callable[[str], bool] | None = None) -> tuple[dict[str, list[RefEntry]], dict[str, str]]:
         """:meth:`ref_history`, going on past entries that cannot be read: each ref's entries down to
         (not including) its newest damaged one, and the error of that one by ref name. ``only``: the
         refs wanted, by name (a run's steps, not its ``latest`` and the thousand entries of its history).
+        ``newest``: refs of which the newest entry alone is wanted (a run's ``latest``: what it names now).
 
         An entry the metadata index records is taken from it where the listing of ``refs/`` shows its file
         as recorded (the index's rule for exact readers: a file changed since is read), not read: a run
@@ -223,6 +224,8 @@ class StoreNames:
         listing = self.refs_db.listing(prefix)
         if only is not None:
             listing = {n: seqs for n, seqs in listing.items() if only(n)}
+        if newest is not None:
+            listing = {n: dict([max(seqs.items())]) if seqs and newest(n) else seqs for n, seqs in listing.items()}
         histories, damaged = self.refs_db.scan_histories(prefix, listing, known)
         return histories, {n: str(err) for n, (err, _) in damaged.items()}
 

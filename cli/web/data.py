@@ -20,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import ckpt
@@ -275,6 +275,10 @@ class StoreView:
     def chunk_sizes(self) -> dict[str, int]:
         return self.fresh("chunk_sizes", self.store.chunk_sizes)
 
+    def manifest_ids(self) -> set[str]:
+        """The ids of the store's manifests, listed now (for a whole-store summary, itself reused for ``ttl_s``)."""
+        return self.store.manifest_ids()
+
     def refs(self) -> dict[str, Any]:
         """The live refs (name -> entry), listed again after ``ttl_s``: on S3 a listing is a request per ref.
         Refs whose current entry cannot be read are left out (``damaged()`` names them)."""
@@ -362,7 +366,37 @@ class StoreView:
         each row reads its manifest (a request on S3), so a page reads only its own."""
         entries, damaged = self.store.readable_log(name)
         window, pg = page(range(len(entries) + len(damaged)), offset, limit)
-        return results.log_rows(entries, self.manifest, damaged, pg["offset"], len(window)), pg
+        # The store's copy of each row's manifest is read (checked against its id), as the run page reads its rows':
+        # a warm view drew a version whose manifest was freed by gc (or damaged) since from its cache, where
+        # `ckpt log` says so. io_workers at a time (a page holds up to MAX_PAGE rows, each a GET on S3).
+        merged = sorted([(e.seq, e.target) for e in entries] + [(seq, None) for seq in damaged], reverse=True)
+        shown = list(dict.fromkeys(t for _, t in merged[pg["offset"]:pg["offset"] + len(window)] if t is not None))
+        read = self._read_checked(shown)
+
+        def manifest(mid: str) -> Manifest:
+            got = read.get(mid)
+            if isinstance(got, CkptError):
+                raise got
+            return got if got is not None else self.manifest(mid)
+
+        return results.log_rows(entries, manifest, damaged, pg["offset"], len(window)), pg
+
+    def _read_checked(self, mids: list[str]) -> dict[str, Manifest | CkptError]:
+        """Each of manifests ``mids`` read from the store's copy and checked (:meth:`manifest` with ``check``), or the
+        error of it, ``io_workers`` at a time; a read that may pass next time raises (the page answers 503)."""
+
+        def one(mid: str) -> Manifest | CkptError:
+            try:
+                return self.manifest(mid, check=True)
+            except CkptError as e:
+                if e.retryable:
+                    raise
+                return e
+
+        if len(mids) <= 1:
+            return {mid: one(mid) for mid in mids}
+        with ThreadPoolExecutor(min(len(mids), self.store.settings.io_workers)) as pool:
+            return dict(zip(mids, pool.map(one, mids)))
 
     def is_ref_name(self, ref: str) -> bool:
         """Whether ``ref`` is a ref's name (so it has a log), not NAME@N or an id prefix."""

@@ -8,7 +8,8 @@ from typing import Any
 
 import ckpt
 from ckpt.errors import CkptError, ObjectNotFoundError, RefNotFoundError
-from ckpt.snapshot.steps import step_of, step_ref
+from ckpt.snapshot.run import is_snapshot, not_a_snapshot
+from ckpt.snapshot.steps import left_behind, resolve_latest, run_steps, snapshot_step, step_of, step_ref
 from ckpt.store import catalog
 from ckpt.store.catalog import own_chunks
 from ckpt_store.cli.web.data import HISTORY_PAGE, StoreView, page, snapshot_metrics, stored_bytes
@@ -29,10 +30,16 @@ def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PA
     tiers = [("durable", view.store)] + ([("local", view.local)] if view.local is not None else [])
     found: dict[int, dict[str, Any]] = {}
     sizes: dict[str, int] = {}
+    latest = f"{name}/latest"
+    named: tuple[list[Any] | None, str | None] = (None, None)
     for tier, store in reversed(tiers):  # the durable store's sizes win where both hold a chunk
         sizes.update(store.chunk_sizes() if store is not view.store else view.chunk_sizes())
         # one damaged step must not hide the run; its steps only (RUN/latest has an entry per save)
-        histories, damaged = store.readable_ref_history(name, only=lambda ref: step_of(name, ref) is not None)
+        # (and what RUN/latest names now, its newest entry alone: where a restore begins, _resume_choice)
+        histories, damaged = store.readable_ref_history(name, only=lambda ref: step_of(name, ref) is not None or ref == latest,
+                                                        newest=lambda ref: ref == latest)
+        if store is view.store:
+            named = (histories.get(latest), damaged.get(latest))
         steps = {ref: (step, entries) for ref, entries in histories.items()
                  if (step := step_of(name, ref)) is not None and (entries or ref in damaged)}
         pushed = _pushed(view, store, [e[0].target for _, e in steps.values() if e and e[0].target is not None])
@@ -84,17 +91,116 @@ def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PA
                 if chunks is not None:
                     r["new_bytes"] = None if previous is None else stored_bytes(chunks - previous, sizes)
                     previous = chunks
+    # "latest" is the snapshot restore_latest would restore (the newest step was marked, damaged or not: a user
+    # resuming from it got an error, or a step other than the one drawn)
+    chosen, why = _resume_choice(view, name, named, found, sizes)
+    latest_row = found.get(chosen[0]) if chosen is not None else None
+    if latest_row is not None and latest_row["id"] == chosen[1]:  # (a snapshot whose step a user pushed over: removed)
+        latest_row["latest"] = True
+    else:
+        latest_row = None
     for r in rows:
         r.pop("_sources", None)
         r["removed_at"] = None if r["live"] else r["removed_at"]
         # (a live step no tier's copy of which was found whole is "damaged": its tiers are what was read, on a page)
         r["tier"] = " + ".join(r["tiers"]) if r["live"] and r["tiers"] else "damaged" if r["damaged"] else "removed"
-    live = [r for r in rows if r["live"]]
-    if live:
-        live[-1]["latest"] = True  # a restore takes the newest snapshot any tier holds
+        # a page of the store that shows it: a step the local tier alone holds has none (its page there is a 404)
+        r["url"] = (f"/checkpoint/{r['ref']}" if r["live"] and "durable" in r["tiers"] else
+                    f"/checkpoint/{r['id']}" if not r["live"] and r.pop("_durable", False) else None)
+        r.pop("_durable", None)
     keys = sorted({k for r in shown for k in r["metrics"]})
-    return {"run": name, "latest": live[-1]["id"] if live else None, "metrics": keys, "snapshots": shown, "page": pg,
-            "kept": len(live)}
+    return {"run": name, "latest": chosen[1] if chosen is not None else None, "latest_step": chosen[0] if chosen else None,
+            "latest_url": latest_row["url"] if latest_row is not None else None,
+            "latest_error": why, "metrics": keys, "snapshots": shown, "page": pg, "kept": sum(r["live"] for r in rows)}
+
+
+def _resume_choice(view: StoreView, name: str, named: tuple[list[Any] | None, str | None], found: dict[int, dict[str, Any]],
+                   sizes: dict[str, int]) -> tuple[tuple[int, str] | None, str | None]:
+    """(step, manifest id) of the snapshot the run's ``CheckpointManager.restore_latest`` would restore, None where
+    it would fail or the run has none; and why it would fail. Its choice (ckpt/snapshot/restoring.py): the durable
+    ``RUN/latest`` (``named``: its newest entry, from the metadata index, or the error of it; missing, the run's newest
+    snapshot, as :func:`~ckpt.snapshot.steps.resolve_latest` takes it; unreadable, or no snapshot: the restore fails) and,
+    with a local tier, the tier's steps not of a timeline the run left, newest first, one that no tier holds whole
+    passed over for the next; the last one's failure is the restore's. Whole here: its manifest read from a tier (the
+    local tier's first, as a restore reads) and checked against its id, every chunk it needs listed by a tier (or found
+    since the cached listing); a chunk's bytes are not read (a snapshot's whole size: ``ckpt verify`` reads them).
+    A candidate found not whole has its live row drawn damaged (no tier can restore it)."""
+    candidates: dict[int, str] = {}
+    durable: tuple[int, str, float] | None = None
+    entries, bad = named
+    if bad is not None:  # (the manager's resolve of it raises)
+        return None, f"{name}/latest: {bad}"
+    mid = None
+    try:
+        mid = entries[0].target if entries and entries[0].target is not None else resolve_latest(view.store, name, lambda _: None)
+        m = view.manifest(mid, check=True)
+    except RefNotFoundError:
+        pass
+    except CkptError as e:
+        if e.retryable:
+            raise
+        # (the manager reads the store's copy of it, whatever the local tier holds: its row names that copy's damage)
+        step = next((s for s, r in found.items() if mid is not None and r["id"] == mid), None)
+        if step is None:
+            return None, f"{name}/latest: {e}"
+        found[step]["damaged"] = found[step]["damaged"] or f"durable: {e}"
+        return None, f"step {step} ({name}/latest): {e}"
+    else:
+        if not is_snapshot(m):
+            return None, f"{name}/latest: {not_a_snapshot(mid, m.source)}"
+        step = snapshot_step(m)
+        if step is not None:
+            candidates[step] = mid
+            durable = (step, mid, m.created)
+    local = view.local
+    if local is not None:
+        for step, mid in run_steps(local, name)[0].items():
+            try:
+                if left_behind(step, mid, lambda mid=mid: view.manifest(mid, local).created, durable):
+                    continue
+            except CkptError as e:  # (unreadable: the manager passes it over too)
+                if e.retryable:
+                    raise
+                continue
+            candidates[step] = mid  # (the tier's own where both hold the step, as the manager's)
+    why = None
+    for step, mid in sorted(candidates.items(), reverse=True):
+        damage = _not_whole(view, mid, sizes)
+        if damage is None:
+            return (step, mid), None
+        why = f"step {step}: {damage}"
+        row = found.get(step)
+        if row is not None and row["live"]:
+            row.update(tiers=[], damaged=row["damaged"] or damage)
+    return None, why
+
+
+def _not_whole(view: StoreView, mid: str, sizes: dict[str, int]) -> str | None:
+    """Why snapshot ``mid`` cannot be restored from the view's tiers (:func:`_resume_choice`), None where it can."""
+    tiers = ([("local", view.local)] if view.local is not None else []) + [("durable", view.store)]
+    errors = []
+    for tier, store in tiers:
+        try:
+            m = view.manifest(mid, store, check=True)
+            break
+        except CkptError as e:
+            if e.retryable:
+                raise
+            errors.append(f"{tier}: {e}")
+    else:
+        return "; ".join(errors)
+    try:
+        # what a restore reads: tensors' and files' chunks and their delta bases, not bundles (copies, an accelerator)
+        needed = set(m.chunk_lengths()) - {c for b in m.bundles for c in b.chunks}
+    except CkptError as e:
+        return str(e)
+    missing = sorted(c for c in needed if c not in sizes)
+    for _, store in tiers:  # written since the listing was cached, or missing: ask for those alone
+        missing = [c for c in missing if c not in store.stored_sizes(missing)] if missing else missing
+    if missing:
+        return (f"chunk {missing[0]} is missing from {'every tier' if len(tiers) > 1 else 'the store'} "
+                f"({len(missing)} of its {len(needed)} chunks; run `ckpt verify`)")
+    return None
 
 
 def _pushed(view: StoreView, store: ckpt.Store, mids: list[str]) -> set[str]:
@@ -137,7 +243,7 @@ def _snapshot_chunks(view: StoreView, row: dict[str, Any]) -> set[str] | None:
             continue
         if chunks is None:
             row.update(saved_at=mf.created, metrics=snapshot_metrics(mf.extra), logical_bytes=mf.logical_bytes,
-                       available=True)
+                       available=True, _durable=store is view.store)
             chunks = own_chunks(mf)
     row["damaged"] = row["damaged"] or why or (unheld if chunks is None else None)
     return chunks

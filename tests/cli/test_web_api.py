@@ -233,6 +233,7 @@ def test_a_run_page_of_a_long_run_whose_old_snapshots_were_collected_reads_about
     for step in range(1, n):
         snap = {**m.extra["snapshot"], "step": step, "metrics": {"loss": 1.0 / (step + 1)}}
         refs.set(f"run/step-{step}", store.objects.put_manifest(dataclasses.replace(m, extra={**m.extra, "snapshot": snap}).to_json()))
+    refs.set("run/latest", store.resolve(f"run/step-{n - 1}"), alias=True)  # (as a manager's save moves it)
     for step in range(n - 3):  # retention kept the last three
         refs.remove(f"run/step-{step}")
     store.gc(grace_s=0, keep_history=False)
@@ -783,9 +784,10 @@ def test_a_run_page_leaves_out_checkpoints_pushed_under_the_run(tmp_path, monkey
     monkeypatch.setattr(view, "manifest", lambda mid, s=None, **k: reads.append(mid) or real(mid, s, **k))
     doc = run_doc(view, "run")
     rows = doc["snapshots"]
-    assert [(r["step"], r["live"], r["latest"], r["tier"]) for r in rows] == [(1, True, True, "durable"), (2, False, False, "removed")]
+    # latest: what restore_latest restores, the snapshot run/latest names (step 2's, pushed over), not step 1
+    assert [(r["step"], r["live"], r["latest"], r["tier"]) for r in rows] == [(1, True, False, "durable"), (2, False, True, "removed")]
     assert rows[1]["id"] == snapshot and rows[1]["removed_at"] == pushed_at and rows[1]["metrics"] == {"loss": 0.5}
-    assert doc["kept"] == 1 and doc["latest"] == store.resolve("run/step-1")
+    assert doc["kept"] == 1 and doc["latest"] == snapshot and doc["latest_step"] == 2
     live = {store.resolve(f"run/step-{n}") for n in (1, 2, 9)}
     assert set(reads) == live | {snapshot}  # the page's own rows and the few live steps, no more
 

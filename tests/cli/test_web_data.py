@@ -142,3 +142,45 @@ def test_requests_a_page_on_another_port_makes_are_refused_too(tmp_path, site):
     assert c.get("/checkpoint/c1", headers=link).status_code == 200
     own = {"sec-fetch-site": "same-origin", "sec-fetch-mode": "no-cors", "sec-fetch-dest": "image"}
     assert c.get(path, headers=own).status_code == 200
+
+
+def test_a_warm_checkpoint_history_reads_its_rows_manifests_again(tmp_path):
+    """A checkpoint's history (its page and /api/checkpoint's ``log``) drew its versions from the view's cache of
+    manifests: after `ckpt gc` freed the earlier versions' manifests, a warm view still showed their messages as
+    stored, where `ckpt log` (and a fresh view) says they are no longer in the store. The page's rows read the
+    store's copies again, checked against their ids."""
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    for i in range(3):
+        store.push({"w": torch.full((64,), float(i))}, "m", f"version {i}")
+    c = TestClient(create_app(store))
+    assert [r["message"] for r in c.get("/api/checkpoint/m").json()["log"]] == ["version 2", "version 1", "version 0"]
+    store.gc(grace_s=0, keep_history=False)
+    log = c.get("/api/checkpoint/m").json()["log"]
+    assert log == cli_json(store, "log", "m")  # was the messages of the versions gc freed
+    assert [r["message"] for r in log][1:] == ["(no longer in the store: freed by `ckpt gc`)"] * 2
+    assert "freed by" in c.get("/checkpoint/m").text
+
+
+def test_a_warm_lineage_leaves_out_a_manifest_deleted_since(tmp_path, monkeypatch):
+    """The lineage is made again every few seconds from the view's cache of manifests: an earlier version whose
+    manifest `ckpt gc` freed since the view warmed was drawn as a node, and a run whose snapshot's manifest was
+    deleted as a run, for as long as the view ran, where a fresh view leaves them out. The manifests it draws are
+    checked against one listing of the store's, each the listing lacks read again."""
+    real = data.StoreView.__init__
+    monkeypatch.setattr(data.StoreView, "__init__", lambda self, *a, **k: real(self, *a, **{**k, "ttl_s": 0.0}))  # (no reuse)
+    store = ckpt.Store.init(str(tmp_path / "store"))
+    for i in range(2):
+        store.push({"w": torch.full((64,), float(i))}, "m", f"version {i}")
+    earlier = store.resolve("m@1")  # (m@0 is the current version)
+    with ckpt.CheckpointManager(store, "run", save_mode="sync") as mgr:
+        mgr.save(1, {"w": torch.full((64,), 1.0)})
+    snapshot = store.resolve("run/step-1")
+    c = TestClient(create_app(store))
+    warm = c.get("/api/lineage").json()
+    assert earlier in {n["id"] for n in warm["nodes"]} and "run:run" in {n["id"] for n in warm["nodes"]}
+    store.gc(grace_s=0, keep_history=False)  # frees m@1's manifest
+    (tmp_path / "store" / "objects" / "manifests" / snapshot[:2] / snapshot).unlink()  # (damage: the run's one snapshot)
+    assert earlier not in store.manifest_ids() and snapshot not in store.manifest_ids()
+    doc = c.get("/api/lineage").json()
+    assert {n["id"] for n in doc["nodes"]} == {store.resolve("m")}  # were drawn: m@1 ("earlier") and the run
+    assert doc == TestClient(create_app(store)).get("/api/lineage").json()  # what a fresh view draws

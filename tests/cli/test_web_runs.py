@@ -404,7 +404,8 @@ def test_a_run_page_takes_its_steps_entries_from_the_index_not_one_read_each(tmp
     assert [r["step"] for r in doc["snapshots"]] == list(range(1, STEPS + 1))
     monkeypatch.setattr(StoreIndex, "recorded", lambda self: None)  # every entry read from its file
     assert run_doc(StoreView(store), "train/long") == doc
-    assert read and all(name.startswith("train/long/step-") for name, _ in read)  # not latest's history
+    # not latest's history: its newest entry alone (what a restore begins from, which the page marks latest)
+    assert read and all(name.startswith("train/long/step-") or (name, seq) == ("train/long/latest", STEPS) for name, seq in read)
 
 
 def test_a_run_page_reads_an_entry_file_changed_since_the_index_recorded_it(tmp_path):
@@ -515,3 +516,145 @@ def test_a_run_page_on_s3_gets_no_ref_entry_the_index_records(s3_main_url):
     assert [r["step"] for r in doc["snapshots"]] == list(range(1, 13)) and all(r["available"] for r in doc["snapshots"])
     entries = [key for kind, key in seen if kind.startswith("GET") and "/refs/" in key and key.endswith(".ref")]
     assert entries == [], seen  # was 24: every step's entry and every one of train/s3p/latest
+
+
+def _trained_run(root, local: bool = False) -> ckpt.Store:
+    """Steps 1-5 of a real model and AdamW saved by a CheckpointManager at ``root/store``; with ``local``, each
+    kept in the run's local tier at ``root/local`` and every second one persisted (step 5 is the tier's alone)."""
+    torch.manual_seed(0)
+    store = ckpt.Store.init(str(root / "store"))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 8, generator=torch.Generator().manual_seed(1)), torch.randint(0, 2, (16,))
+    tier = {"local": str(root / "local"), "local_keep": 3, "local_every_n_steps": 1, "every_n_steps": 2} if local else {}
+    with ckpt.CheckpointManager(store, "r", save_mode="sync", **tier) as mgr:
+        for step in range(1, 6):
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            (mgr.maybe_save if local else mgr.save)(step, {"model": model, "optim": opt, "step": step}, metrics={"loss": loss.item()})
+    return store
+
+
+def _resumed(store: ckpt.Store, root) -> int | str:
+    """What a restart's ``restore_latest`` gives (the step, or the error's class): what the run page must say."""
+    import warnings
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    state = {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2), "step": 0}
+    tier = {"local": str(root / "local")} if (root / "local").exists() else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the TierWarning of a step passed over)
+        with ckpt.CheckpointManager(store, "r", save_mode="sync", **tier) as mgr:
+            try:
+                return mgr.restore_latest(state)
+            except ckpt.CkptError as e:
+                return type(e).__name__
+
+
+def _damage_newest_chunk(store: ckpt.Store, root, ref: str, older: str, how: str) -> str:
+    """Damage (``how``: "delete", "flip") a chunk of ``ref`` that ``older`` does not name, in the store at ``root``."""
+    from ckpt.store.catalog import own_chunks
+
+    cid = sorted(own_chunks(store.manifest(store.resolve(ref))) - own_chunks(store.manifest(store.resolve(older))))[0]
+    path = root / "objects" / "chunks" / cid[:2] / cid
+    if how == "delete":
+        path.unlink()
+    else:
+        os.chmod(path, 0o644)
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 1
+        path.write_bytes(bytes(raw))
+    return cid
+
+
+@pytest.mark.parametrize("what", ["manifest-delete", "manifest-flip", "chunk-delete"])
+def test_a_damaged_newest_step_is_not_marked_latest(tmp_path, what):
+    """The run page marked the newest kept step "latest" (and linked it as such) whatever its state: with its
+    manifest gone or a bit flipped, or a chunk of it missing, a restart's restore_latest fails, and a user
+    resuming from "latest" picked a step that cannot restore. The manager does not fall back to the step before
+    (RUN/latest is what it restores): the page marks no step latest, draws step 5 damaged, and says why."""
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    store = _trained_run(tmp_path)
+    if what.startswith("manifest"):
+        _damage_manifest(store, tmp_path / "store", "r/step-5", what.split("-")[1])
+    else:
+        _damage_newest_chunk(store, tmp_path / "store", "r/step-5", "r/step-4", "delete")
+    c = TestClient(create_app(store))
+    doc = c.get("/api/run/r").json()
+    assert _resumed(store, tmp_path) in ("ObjectNotFoundError", "CorruptObjectError")  # what the page must agree with
+    assert doc["latest"] is None and doc["latest_step"] is None and not any(r["latest"] for r in doc["snapshots"])
+    assert doc["latest_error"].startswith(("step 5: ", "step 5 (r/latest): ")) and ("missing" in doc["latest_error"] or "corrupt" in doc["latest_error"])
+    assert [(r["step"], r["tier"], bool(r["damaged"])) for r in doc["snapshots"]] == [
+        (1, "durable", False), (2, "durable", False), (3, "durable", False), (4, "durable", False), (5, "damaged", True)]
+    page = c.get("/run/r").text
+    assert " · latest" not in page and 'id="latest"' not in page and 'id="no-latest"' in page
+    assert 'class="error damaged"' in page
+
+
+def test_a_local_step_no_tier_holds_whole_is_passed_over_for_latest_as_the_manager_does(tmp_path):
+    """With a local tier, restore_latest passes over a snapshot no tier holds whole (step 5, kept in the tier
+    alone, a chunk of it missing there) for the next newest, durable step 4: the page marked step 5 latest."""
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    store = _trained_run(tmp_path, local=True)
+    local = ckpt.Store.open(str(tmp_path / "local"))
+    assert "r/step-5" in local.refs() and "r/step-5" not in store.refs()
+    _damage_newest_chunk(local, tmp_path / "local", "r/step-5", "r/step-4", "delete")
+    c = TestClient(create_app(store, local=local))
+    doc = c.get("/api/run/r").json()
+    assert _resumed(store, tmp_path) == 4
+    rows = {r["step"]: r for r in doc["snapshots"]}
+    assert [s for s, r in rows.items() if r["latest"]] == [4]  # was 5
+    assert doc["latest_step"] == 4 and doc["latest"] == store.resolve("r/step-4") and doc["latest_error"] is None
+    assert rows[5]["tier"] == "damaged" and "is missing from every tier" in rows[5]["damaged"]
+    assert doc["latest_url"] == "/checkpoint/r/step-4" and 'href="/checkpoint/r/step-4" class="mono" id="latest"' in c.get("/run/r").text
+
+
+def test_a_step_the_local_tier_alone_holds_links_to_no_page_of_the_store(tmp_path):
+    """A step kept in the local tier alone (not persisted yet) linked to /checkpoint/r/step-5 of the durable store,
+    a 404 ("no such ref"); so did "Latest", and the chart's points of removed steps (their refs are gone). Every link
+    of the run page now answers; the tier's step is said to be local only, not yet durable."""
+    import re
+
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    store = _trained_run(tmp_path, local=True)
+    store.remove("r/step-2")  # (retention)
+    local = ckpt.Store.open(str(tmp_path / "local"))
+    c = TestClient(create_app(store, local=local))
+    page = c.get("/run/r").text
+    links = set(re.findall(r'href="(/checkpoint/[^"]+)"', page))
+    assert links and {u: c.get(u).status_code for u in links} == dict.fromkeys(links, 200)  # r/step-5, -3, -2, latest: 404
+    doc = c.get("/api/run/r").json()
+    assert _resumed(store, tmp_path) == 5 and doc["latest_step"] == 5 and doc["latest_url"] is None
+    assert [(r["step"], r["tier"], r["url"]) for r in doc["snapshots"]] == [
+        (2, "removed", f"/checkpoint/{doc['snapshots'][0]['id']}"), (3, "local", None),
+        (4, "durable + local", "/checkpoint/r/step-4"), (5, "local", None)]
+    assert page.count("local only, not yet durable") == 5  # steps 3 and 5 (row and chart point), and "Latest"
+
+
+def test_a_damaged_durable_latest_marks_none_though_the_local_tier_holds_newer_steps(tmp_path):
+    """restore_latest reads the store's copy of RUN/latest's manifest even with a local tier, and fails where it is
+    damaged (the tier's whole step 5 is not reached): the page marked step 5 latest. It marks none and says why;
+    step 4 is drawn as the tier holds it ("local"), the store's damage named."""
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    store = _trained_run(tmp_path, local=True)
+    _damage_manifest(store, tmp_path / "store", "r/step-4", "flip")
+    doc = TestClient(create_app(store, local=ckpt.Store.open(str(tmp_path / "local")))).get("/api/run/r").json()
+    assert not any(r["latest"] for r in doc["snapshots"])  # was step 5
+    assert _resumed(store, tmp_path) == "CorruptObjectError"
+    assert doc["latest"] is None and doc["latest_error"].startswith("step 4 (r/latest): manifest ")
+    assert [(r["step"], r["tier"], bool(r["damaged"])) for r in doc["snapshots"]] == [
+        (2, "durable", False), (3, "local", False), (4, "local", True), (5, "local", False)]
