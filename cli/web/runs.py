@@ -130,7 +130,7 @@ def _resume_choice(view: StoreView, name: str, named: tuple[list[Any] | None, st
     entries, bad = named
     if bad is not None:  # (the manager's resolve of it raises)
         return None, f"{name}/latest: {bad}"
-    mid = None
+    mid = m = None
     try:
         mid = entries[0].target if entries and entries[0].target is not None else resolve_latest(view.store, name, lambda _: None)
         m = view.manifest(mid, check=True)
@@ -139,13 +139,19 @@ def _resume_choice(view: StoreView, name: str, named: tuple[list[Any] | None, st
     except CkptError as e:
         if e.retryable:
             raise
-        # (the manager reads the store's copy of it, whatever the local tier holds: its row names that copy's damage)
-        step = next((s for s, r in found.items() if mid is not None and r["id"] == mid), None)
-        if step is None:
-            return None, f"{name}/latest: {e}"
-        found[step]["damaged"] = found[step]["damaged"] or f"durable: {e}"
-        return None, f"step {step} ({name}/latest): {e}"
-    else:
+        if view.local is not None and mid is not None:  # the manager then reads the local tier's copy of that id (_latest_here)
+            try:
+                m = view.manifest(mid, view.local, check=True)
+            except CkptError as e2:
+                if e2.retryable:
+                    raise
+        if m is None:  # (the manager's restore fails with the store's error: its row names that copy's damage)
+            step = next((s for s, r in found.items() if mid is not None and r["id"] == mid), None)
+            if step is None:
+                return None, f"{name}/latest: {e}"
+            found[step]["damaged"] = found[step]["damaged"] or f"durable: {e}"
+            return None, f"step {step} ({name}/latest): {e}"
+    if m is not None and mid is not None:
         if not is_snapshot(m):
             return None, f"{name}/latest: {not_a_snapshot(mid, m.source)}"
         step = snapshot_step(m)

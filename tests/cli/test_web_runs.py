@@ -642,10 +642,11 @@ def test_a_step_the_local_tier_alone_holds_links_to_no_page_of_the_store(tmp_pat
     assert page.count("local only, not yet durable") == 5  # steps 3 and 5 (row and chart point), and "Latest"
 
 
-def test_a_damaged_durable_latest_marks_none_though_the_local_tier_holds_newer_steps(tmp_path):
-    """restore_latest reads the store's copy of RUN/latest's manifest even with a local tier, and fails where it is
-    damaged (the tier's whole step 5 is not reached): the page marked step 5 latest. It marks none and says why;
-    step 4 is drawn as the tier holds it ("local"), the store's damage named."""
+def test_a_damaged_durable_latest_is_read_from_the_local_tier_as_the_manager_does(tmp_path):
+    """The durable copy of RUN/latest's manifest damaged while the local tier holds that snapshot whole: the manager's
+    restore_latest read the store's copy alone and failed (the page marked no step latest, as it did); it now reads the
+    tier's copy of that id (checked by its hash) and restores the tier's newest step, 5. The page marks step 5 latest
+    with it; step 4 is drawn as the tier holds it ("local"), the store's damage named."""
     from starlette.testclient import TestClient
 
     from ckpt_store.cli.web.app import create_app
@@ -653,8 +654,8 @@ def test_a_damaged_durable_latest_marks_none_though_the_local_tier_holds_newer_s
     store = _trained_run(tmp_path, local=True)
     _damage_manifest(store, tmp_path / "store", "r/step-4", "flip")
     doc = TestClient(create_app(store, local=ckpt.Store.open(str(tmp_path / "local")))).get("/api/run/r").json()
-    assert not any(r["latest"] for r in doc["snapshots"])  # was step 5
-    assert _resumed(store, tmp_path) == "CorruptObjectError"
-    assert doc["latest"] is None and doc["latest_error"].startswith("step 4 (r/latest): manifest ")
+    assert _resumed(store, tmp_path) == 5
+    assert [r["step"] for r in doc["snapshots"] if r["latest"]] == [5] and doc["latest_step"] == 5
+    assert doc["latest_error"] is None and doc["latest"] == ckpt.Store.open(str(tmp_path / "local")).resolve("r/step-5")
     assert [(r["step"], r["tier"], bool(r["damaged"])) for r in doc["snapshots"]] == [
         (2, "durable", False), (3, "local", False), (4, "local", True), (5, "local", False)]
