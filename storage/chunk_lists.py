@@ -17,10 +17,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from ckpt_store.storage.errors import InvalidNameError, StoreFormatError
+from ckpt_store.storage.errors import InvalidNameError, LaterFormatError, StoreFormatError
 from ckpt_store.storage.objects import check_id
 from ckpt_store.storage.records import strict_loads
 
+# The manifest format and the versions whose chunks are named as below (ckpt/format/manifest.py writes them; a test
+# holds the two lists equal). A manifest of another version may name chunks elsewhere: a reader never guesses them
+# (gc would delete what it needs), it refuses the manifest, as the manifest's own reader does.
+MANIFEST_FORMAT = "ckpt-manifest"
+MANIFEST_VERSIONS = (1, 2, 3, 4, 5, 6)
 # Keys in a manifest entry whose values are lists of chunk ids (or lists of them).
 CHUNK_LIST_KEYS = frozenset({"chunks", "delta_bases"})
 # The top-level lists of a manifest whose entries hold those keys.
@@ -64,7 +69,13 @@ def referenced_chunks(manifest: bytes, what: str = "manifest") -> set[str]:
                 except InvalidNameError as e:  # (what the manifest names: damage of it, not a name a user typed)
                     raise StoreFormatError(f"{what}: {e.message}") from None
 
-    for node in chunk_nodes(parse_manifest(manifest)):
+    obj = parse_manifest(manifest)
+    if obj.get("format") != MANIFEST_FORMAT:
+        raise StoreFormatError(f"{what} is not a {MANIFEST_FORMAT} record (format={obj.get('format')!r:.40})")
+    if obj.get("version") not in MANIFEST_VERSIONS or isinstance(obj.get("version"), bool):
+        raise LaterFormatError(f"{what} has {MANIFEST_FORMAT} version {obj.get('version')!r:.40}; this ckpt reads versions "
+                               f"{', '.join(map(str, MANIFEST_VERSIONS))}")
+    for node in chunk_nodes(obj):
         for k in CHUNK_LIST_KEYS:
             if isinstance(node.get(k), list):
                 collect(node[k])

@@ -53,6 +53,16 @@ class StoreFormatError(CkptError):
     """The store's config is missing, unreadable, or of a version this ckpt cannot read."""
 
 
+class LaterFormatError(StoreFormatError):
+    """A manifest of a format version this ckpt does not know (a later ckpt's): what it names is not guessed at (gc
+    would free the chunks it keeps under keys this ckpt has never seen); upgrading ckpt reads it."""
+
+    def __init__(self, message: str, object_id: str | None = None) -> None:
+        super().__init__(message, hint="upgrade ckpt to read it")
+        self.kind = "manifest"
+        self.object_id = object_id
+
+
 class UnusableManifestError(StoreFormatError):
     """A manifest whose bytes match its id but that names what cannot be (a chunk id, file path or tensor name no
     name can be): its writer's damage, which no other store's copy repairs (any copy has the same bytes)."""

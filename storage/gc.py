@@ -24,6 +24,7 @@ from ckpt_store.storage.config import CONFIG_PATH
 from ckpt_store.storage.errors import (
     CkptError,
     InvalidNameError,
+    LaterFormatError,
     ObjectNotFoundError,
     StoreFormatError,
     UnusableManifestError,
@@ -138,7 +139,10 @@ def _read_root_chunks(objects: ObjectStore, mid: str, data: bytes | None, curren
         return
     roots.add(mid)
     try:
-        live_chunks |= referenced_chunks(data)
+        live_chunks |= referenced_chunks(data, f"manifest {mid}")
+    except LaterFormatError as e:  # (a later ckpt's: what it keeps alive is not guessed)
+        e.object_id = mid
+        raise _stopped_by(e, found) from None
     except StoreFormatError as e:  # (intact bytes that name no chunk: its writer's damage, named here)
         raise _stopped_by(UnusableManifestError(mid, e.message.removeprefix(f"manifest {mid}: ").removeprefix("manifest: ")),
                           found) from None
@@ -172,7 +176,8 @@ def _stopped_by(err: CkptError, found: Roots) -> CkptError:
     err.message = (f"gc deleted nothing: the checkpoint of {', '.join(r.label for r in roots)} cannot be read, so what "
                    f"it keeps alive is unknown: {err.message}")
     # (a manifest whose bytes match its id but name what cannot be: another store's copy is the same bytes)
-    ways = [] if isinstance(err, UnusableManifestError) else ["`ckpt verify --repair-from URL` puts it back from a store that holds it"]
+    ways = (["upgrade ckpt to read it (a later ckpt wrote it)"] if isinstance(err, LaterFormatError) else
+            [] if isinstance(err, UnusableManifestError) else ["`ckpt verify --repair-from URL` puts it back from a store that holds it"])
     ways += [f"`ckpt rm {r.ref}` gives up {r.ref} (and its earlier versions)" for r in roots if r.version == 0]
     if any(r.version > 0 for r in roots):
         ways.append("`ckpt gc --no-history` runs without it, freeing the earlier versions (NAME@1...) of every ref")

@@ -44,6 +44,8 @@ VIEW_AHEAD_VERSION = 5
 # a span, the ``__view__`` of five items that heads them), which a version-5 reader would refuse as a damaged value:
 # it refuses version 6.
 SPAN_VERSION = 6
+# Every version this ckpt reads (storage's chunk rule, ckpt_store.storage.chunk_lists.MANIFEST_VERSIONS, is the same list).
+READ_VERSIONS = (MANIFEST_VERSION, EXTRA_TAGGED_VERSION, EXTRA_DTYPE_VERSION, EXACT_VERSION, VIEW_AHEAD_VERSION, SPAN_VERSION)
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,7 @@ class Manifest:
 
     @classmethod
     def _from_json(cls, data: bytes, what: str) -> Manifest:
-        o = decode_record(data, MANIFEST_FORMAT, (MANIFEST_VERSION, EXTRA_TAGGED_VERSION, EXTRA_DTYPE_VERSION, EXACT_VERSION,
-                                                       VIEW_AHEAD_VERSION, SPAN_VERSION),
-                          what)
+        o = decode_record(data, MANIFEST_FORMAT, READ_VERSIONS, what)
         chunk_size = require(o, "chunk_size", int, what)
         if chunk_size <= 0:
             raise StoreFormatError(f"{what}: bad chunk_size")

@@ -27,12 +27,12 @@ def test_user_json_named_chunks_is_not_a_chunk_list(tmp_path):
     store = ckpt.Store.init(str(tmp_path / "s"))
     mid = store.push({"w": torch.ones(8)}, "a", metadata={"chunks": "3"})
     assert len(referenced_chunks(store.objects.get_manifest(mid))) == 2  # the file header and the data
-    m = b'{"extra":{"loader":{"chunks":["not-an-id"]}},"tensors":[{"chunks":["' + b"b" * 64 + b'"]}]}'
+    m = b'{"extra":{"loader":{"chunks":["not-an-id"]}},"format":"ckpt-manifest","tensors":[{"chunks":["' + b"b" * 64 + b'"]}],"version":1}'
     assert referenced_chunks(m) == {"b" * 64}
 
 
 def test_referenced_chunks_rule():
-    m = b'{"files":[{"chunks":["' + b"a" * 64 + b'"]}],"tensors":[{"chunks":["' + b"b" * 64 + b'"],"delta_bases":[["' + b"c" * 64 + b'"]]}]}'
+    m = b'{"files":[{"chunks":["' + b"a" * 64 + b'"]}],"format":"ckpt-manifest","tensors":[{"chunks":["' + b"b" * 64 + b'"],"delta_bases":[["' + b"c" * 64 + b'"]]}],"version":1}'
     assert referenced_chunks(m) == {"a" * 64, "b" * 64, "c" * 64}
 
 

@@ -177,7 +177,7 @@ def test_values_never_look_like_chunk_lists(tmp_path):
 
     tricky = ({"chunks": ["not-an-id"], "delta_bases": [[1]], 3: b"\x01"}, float("nan"), [None, True, -2**70])
     enc = encode_value(tricky, "v")
-    assert referenced_chunks(canonical_json({"x": enc})) == set()
+    assert referenced_chunks(canonical_json({"format": "ckpt-manifest", "version": 1, "x": enc})) == set()
     back = decode_value(enc, "v")
     assert back[0] == tricky[0] and back[1] != back[1] and back[2] == tricky[2] and isinstance(back, tuple)
     url = str(tmp_path / "s")

@@ -195,3 +195,13 @@ def test_lineage_fields_names_every_field_and_leaves_the_stored_lineage_as_it_is
     else:
         assert lin["merge"] is None
     assert m.lineage == stored and (lineage is None or m.to_json() == data)  # as stored: the same bytes, the same id
+
+
+def test_the_chunk_rule_reads_the_versions_the_manifest_reader_reads():
+    """gc, commit and copy take a manifest's chunks by storage's rule (ckpt_store.storage.chunk_lists), which refuses a
+    version it does not know rather than guess where its chunks are named (gc freed a later version's chunks): the
+    two lists of versions read must be one. A new version added to the reader alone fails here."""
+    from ckpt.format import manifest
+    from ckpt_store.storage import chunk_lists
+
+    assert chunk_lists.MANIFEST_VERSIONS == manifest.READ_VERSIONS and chunk_lists.MANIFEST_FORMAT == manifest.MANIFEST_FORMAT
