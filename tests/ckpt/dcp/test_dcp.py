@@ -675,13 +675,14 @@ def _forged(url: str, ref: str, name: str, edit) -> str:
     return name
 
 
-@pytest.mark.parametrize("edit", ["key_with_nul", "shard_naming_no_entry", "dtype_not_a_name"])
+@pytest.mark.parametrize("edit", ["key_with_nul", "dtype_not_a_name"])
 def test_dcp_load_of_a_damaged_manifest_raises_ckpts_error_naming_it_before_dcp_starts(tmp_path, edit):
     """``dcp.load(state, storage_reader=Reader(url, ref))`` of a checkpoint whose DCP record is damaged (a key no
-    state dict can hold, a shard naming no entry, a dtype that is no name): torch's CheckpointException, its text
-    a traceback around "metadata is None; global metadata read failed: manifest ...", wrapping ckpt's error. The
-    Reader checks the manifest as it checks the ref, before DCP starts: ckpt's own error, naming the manifest; and
-    the state is left as it was. (What fails once DCP runs still arrives as DCP's exception: the Reader's docstring.)"""
+    state dict can hold, a dtype that is no name): torch's CheckpointException, its text a traceback around
+    "metadata is None; global metadata read failed: manifest ...", wrapping ckpt's error. The Reader checks the
+    manifest's layout as it checks the ref, before DCP starts: ckpt's own error, naming the manifest; and the state
+    is left as it was. (What fails once DCP runs still arrives as DCP's exception: the Reader's docstring; a shard
+    naming no entry is found as its tensor is read, the next test.)"""
     from ckpt_store.storage.errors import StoreFormatError
 
     url = str(tmp_path / "s")
@@ -690,8 +691,6 @@ def test_dcp_load_of_a_damaged_manifest_raises_ckpts_error_naming_it_before_dcp_
     def change(items):
         if edit == "key_with_nul":
             items["b\x00"] = items.pop("b")
-        elif edit == "shard_naming_no_entry":
-            items["w"]["shards"][0]["entry"] = "nope"
         else:
             items["w"]["dtype"] = ["F32"]
 
@@ -708,12 +707,43 @@ def test_dcp_load_of_a_damaged_manifest_raises_ckpts_error_naming_it_before_dcp_
     assert _bits_equal(into["w"], torch.arange(16.0).reshape(4, 4))
 
 
+def test_a_shard_naming_no_entry_refuses_the_load_of_its_tensor_only(tmp_path):
+    """A DCP record whose tensor w names a shard entry that does not exist. The Reader checked every shard of the
+    layout as it was made, so a load of b alone was refused for w's damage (review rev22k), where Store.load with
+    include=["b"] reads it: the Reader checks each shard as it reads it. b alone loads bit for bit; a load of w
+    fails naming the manifest (in DCP's exception, as what fails once DCP runs does), and writes nothing."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckpt_store.storage.errors import StoreFormatError
+
+    url = str(tmp_path / "s")
+    dcp.save({"w": torch.arange(16.0).reshape(4, 4), "b": torch.ones(3)}, storage_writer=ckpt.dcp.Writer(url, "x/a"))
+
+    def change(items):
+        items["w"]["shards"][0]["entry"] = "nope"
+
+    ref = _forged(url, "x/a", "x/forged", change)
+    mid = ckpt.Store.open(url).resolve(ref)
+    only_b = {"b": torch.zeros(3)}
+    dcp.load(only_b, storage_reader=ckpt.dcp.Reader(url, ref))
+    assert _bits_equal(only_b["b"], torch.ones(3))
+    assert _bits_equal(ckpt.Store.open(url).load(ref, include=["b"])["b"], torch.ones(3))
+    both = {"w": torch.full((4, 4), -1.0), "b": torch.zeros(3)}
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(both, storage_reader=ckpt.dcp.Reader(url, ref))
+    err = next(iter(e.value.failures.values()))[0]
+    assert isinstance(err, StoreFormatError) and str(err).startswith(f"manifest {mid}: tensor w: shard 'nope'"), err
+    assert _bits_equal(both["w"], torch.full((4, 4), -1.0)) and _bits_equal(both["b"], torch.zeros(3))
+
+
 @pytest.mark.parametrize("edit", ["other_entry", "dtype"])
 def test_a_shard_whose_entry_disagrees_with_the_layout_is_refused_by_every_reader(tmp_path, edit):
     """A manifest whose layout names, for a shard, an entry of another shape or dtype (forged, or
     written by a broken tool). ``Store.load`` refused it, but ``dcp.load`` read a region of the
     larger entry ("a" got the first rows of "big") or read it whatever dtype the layout claimed:
     wrong data without a word. Every reader now checks each shard against its entry."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from ckpt_store.storage.errors import StoreFormatError
 
     url = str(tmp_path / "s")
@@ -728,8 +758,10 @@ def test_a_shard_whose_entry_disagrees_with_the_layout_is_refused_by_every_reade
 
     ref = _forged(url, "x/a", "x/forged", change)
     into = {"a": torch.full((4, 4), -1.0)}
-    with pytest.raises(StoreFormatError, match="does not match its entry"):  # (checked before DCP starts)
+    with pytest.raises(CheckpointException) as e:  # (checked as the shard is read: DCP's exception, ckpt's error in it)
         dcp.load(into, storage_reader=ckpt.dcp.Reader(url, ref))
+    err = next(iter(e.value.failures.values()))[0]
+    assert isinstance(err, StoreFormatError) and "does not match its entry" in str(err), err
     assert _bits_equal(into["a"], torch.full((4, 4), -1.0))  # nothing was written into it
     with pytest.raises(StoreFormatError):
         ckpt.Store.open(url).load(ref)
@@ -1156,3 +1188,24 @@ def test_restores_torch_would_take_wrongly_are_refused_on_a_gloo_group(tmp_path)
             "one's has 1" in r["groups"] and r["groups_untouched"]
         assert r["scaler_off"].startswith("SnapshotError") and "'scaler'" in r["scaler_off"]
         assert r["same"] == "ok" and r["same_exact"]
+
+
+def test_a_reader_given_a_ref_and_the_same_checkpoint_id_reads_its_manifest_once(tmp_path, monkeypatch):
+    """``dcp.load(state, storage_reader=Reader(url, ref), checkpoint_id=ref)``: torch's reset(checkpoint_id) checked
+    the ref again and read and checked the manifest a second time (an extra GET of it on every rank on S3; review
+    rev22k). A reset to the checkpoint already checked reads it no more; the load reads it once in all."""
+    from ckpt_store.storage.objects import ObjectStore
+
+    url = str(tmp_path / "s")
+    dcp.save({"w": torch.arange(16.0).reshape(4, 4)}, storage_writer=ckpt.dcp.Writer(url, "x/a"))
+    reads: list[str] = []
+    real = ObjectStore.get_manifest
+
+    def counted(self, oid, *a, **kw):
+        reads.append(oid)
+        return real(self, oid, *a, **kw)
+    monkeypatch.setattr(ObjectStore, "get_manifest", counted)
+    into = {"w": torch.zeros(4, 4)}
+    dcp.load(into, storage_reader=ckpt.dcp.Reader(url, "x/a"), checkpoint_id="x/a")
+    assert _bits_equal(into["w"], torch.arange(16.0).reshape(4, 4))
+    assert len(reads) == 1, reads
