@@ -152,7 +152,7 @@ def run_chart(snapshots: list[dict[str, Any]], metric: str, width: int = 720, he
 
     points = [{"x": round(px(s["step"]), 1), "y": round(py(v), 1), "step": s["step"],
                "value": s["metrics"][metric], "live": s["live"], "latest": s["latest"], "ref": s["ref"],
-               "url": s.get("url")} for s, v in pts]
+               "url": s.get("url"), "local_only": s.get("local_only", False)} for s, v in pts]
     marks = [{"x": round(px(s["step"]), 1), "live": s["live"], "step": s["step"]} for s in snapshots]
     return {"metric": metric, "width": width, "height": height, "points": points, "marks": marks,
             "path": " ".join(f"{'M' if i == 0 else 'L'}{p['x']},{p['y']}" for i, p in enumerate(points)),

@@ -93,6 +93,8 @@ def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PA
                     previous = chunks
     # "latest" is the snapshot restore_latest would restore (the newest step was marked, damaged or not: a user
     # resuming from it got an error, or a step other than the one drawn)
+    for r in rows:  # (before a step no tier can restore loses its tiers: its durable page still names its damage)
+        r["_durable_held"] = r["live"] and "durable" in r["tiers"]
     chosen, why = _resume_choice(view, name, named, found, sizes)
     latest_row = found.get(chosen[0]) if chosen is not None else None
     if latest_row is not None and latest_row["id"] == chosen[1]:  # (a snapshot whose step a user pushed over: removed)
@@ -105,13 +107,24 @@ def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PA
         # (a live step no tier's copy of which was found whole is "damaged": its tiers are what was read, on a page)
         r["tier"] = " + ".join(r["tiers"]) if r["live"] and r["tiers"] else "damaged" if r["damaged"] else "removed"
         # a page of the store that shows it: a step the local tier alone holds has none (its page there is a 404)
-        r["url"] = (f"/checkpoint/{r['ref']}" if r["live"] and "durable" in r["tiers"] else
-                    f"/checkpoint/{r['id']}" if not r["live"] and r.pop("_durable", False) else None)
-        r.pop("_durable", None)
+        durable_held, read_there = r.pop("_durable_held"), r.pop("_durable", False)
+        r["url"] = (f"/checkpoint/{r['ref']}" if durable_held else f"/checkpoint/{r['id']}" if not r["live"] and read_there else None)
+        r["local_only"] = r["tier"] == "local"
     keys = sorted({k for r in shown for k in r["metrics"]})
     return {"run": name, "latest": chosen[1] if chosen is not None else None, "latest_step": chosen[0] if chosen else None,
-            "latest_url": latest_row["url"] if latest_row is not None else None,
+            "latest_url": _latest_url(view, chosen, latest_row),
             "latest_error": why, "metrics": keys, "snapshots": shown, "page": pg, "kept": sum(r["live"] for r in rows)}
+
+
+def _latest_url(view: StoreView, chosen: tuple[int, str] | None, row: dict[str, Any] | None) -> str | None:
+    """A page of the store showing the chosen latest snapshot: its row's where that has one, else its id's where the store
+    holds its manifest (a row on another page, or a step ref removed since RUN/latest named it); None where only the
+    local tier holds it."""
+    if chosen is None:
+        return None
+    if row is not None and row["url"] is not None:
+        return str(row["url"])
+    return f"/checkpoint/{chosen[1]}" if view.store.objects.has_many("manifests", [chosen[1]]) else None
 
 
 def _resume_choice(view: StoreView, name: str, named: tuple[list[Any] | None, str | None], found: dict[int, dict[str, Any]],
@@ -201,8 +214,10 @@ def _not_whole(view: StoreView, mid: str, sizes: dict[str, int]) -> str | None:
     except CkptError as e:
         return str(e)
     missing = sorted(c for c in needed if c not in sizes)
-    for _, store in tiers:  # written since the listing was cached, or missing: ask for those alone
-        missing = [c for c in missing if c not in store.stored_sizes(missing)] if missing else missing
+    for _, store in tiers:  # written since the listing was cached, or missing: ask for those alone, once per tier
+        if missing:
+            held = store.stored_sizes(missing)
+            missing = [c for c in missing if c not in held]
     if missing:
         return (f"chunk {missing[0]} is missing from {'every tier' if len(tiers) > 1 else 'the store'} "
                 f"({len(missing)} of its {len(needed)} chunks; run `ckpt verify`)")

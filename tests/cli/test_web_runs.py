@@ -659,3 +659,87 @@ def test_a_damaged_durable_latest_is_read_from_the_local_tier_as_the_manager_doe
     assert doc["latest_error"] is None and doc["latest"] == ckpt.Store.open(str(tmp_path / "local")).resolve("r/step-5")
     assert [(r["step"], r["tier"], bool(r["damaged"])) for r in doc["snapshots"]] == [
         (2, "durable", False), (3, "local", False), (4, "local", True), (5, "local", False)]
+
+
+def test_the_newest_steps_chunks_missing_from_the_cached_listing_are_asked_for_once_each(tmp_path, monkeypatch):
+    """The run page's check that every chunk of the latest is in a tier asked the store, for each chunk the view's
+    cached listing lacked (a save since it was made, or chunks really gone), about all of them again: N squared
+    size queries (100 chunks on moto, 10,000 HEADs and 36 s for one page; review rev22w). One query per chunk now."""
+    from ckpt_store.cli.web.runs import run_doc
+    from ckpt_store.storage.objects import ObjectStore
+
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    state = {f"w{i}": torch.randn(64) for i in range(60)}  # a chunk each
+    view = StoreView(store, ttl_s=600)
+    with ckpt.CheckpointManager(store, "r", save_mode="sync") as mgr:
+        mgr.save(1, state)
+        run_doc(view, "r")  # a page load: the view lists the store's chunks, kept for ttl_s
+        for t in state.values():
+            t.add_(1)
+        mgr.save(2, state)  # the run's next save, within ttl_s of that listing
+    asked: list[str] = []
+    real = ObjectStore.size
+
+    def size(self, kind, oid):
+        asked.append(oid)
+        return real(self, kind, oid)
+    monkeypatch.setattr(ObjectStore, "size", size)
+    doc = run_doc(view, "r")
+    assert doc["latest_step"] == 2 and doc["latest_error"] is None
+    assert 60 <= len(asked) <= 2 * 61, len(asked)  # (each new chunk once; was 3,600)
+
+
+def test_a_durable_step_that_cannot_be_restored_keeps_its_link_and_is_never_called_local_only(tmp_path):
+    """No local tier; a chunk of the newest step deleted: restore_latest fails, and the page cleared the step's tiers,
+    so it lost its link (its checkpoint page names the missing chunk) and was drawn "(local only, not yet durable)"
+    on a store without a local tier (review rev22w). It links to its page, drawn damaged, never local only."""
+    from starlette.testclient import TestClient
+
+    from ckpt.store.catalog import own_chunks
+    from ckpt_store.cli.web.app import create_app
+
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    w = {"w": torch.randn(4096)}
+    with ckpt.CheckpointManager(store, "r", save_mode="sync") as mgr:
+        for step in (1, 2, 3):
+            w["w"].add_(1)
+            mgr.save(step, w, metrics={"loss": 1.0 / step})
+    cid = sorted(own_chunks(store.manifest(store.resolve("r/step-3"))) - own_chunks(store.manifest(store.resolve("r/step-2"))))[0]
+    (tmp_path / "s" / "objects" / "chunks" / cid[:2] / cid).unlink()
+    client = TestClient(create_app(store))
+    doc = client.get("/api/run/r").json()
+    row = next(r for r in doc["snapshots"] if r["step"] == 3)
+    assert row["url"] == "/checkpoint/r/step-3" and row["damaged"] and not row["local_only"], row
+    assert doc["latest"] is None and doc["latest_error"]
+    assert "local only" not in client.get("/run/r").text
+    assert client.get(row["url"]).status_code == 200
+
+
+def test_the_latest_links_to_its_page_when_its_row_is_on_another_page_or_its_step_ref_is_gone(tmp_path):
+    """RUN/latest names step 5, whose step ref a user removed: restore_latest restores it. With its row on another page
+    of the run, the page said "step 5, ID (local only, not yet durable)" without a link, on a store with no local tier
+    (review rev22w): it links to the checkpoint's page by id, which answers."""
+    from starlette.testclient import TestClient
+
+    from ckpt_store.cli.web.app import create_app
+
+    store = ckpt.Store.init(str(tmp_path / "s"))
+    w = {"w": torch.randn(256)}
+    with ckpt.CheckpointManager(store, "r", save_mode="sync") as mgr:
+        for step in range(1, 6):
+            w["w"].add_(1)
+            mgr.save(step, w)
+    mid = store.resolve("r/step-5")
+    store.remove("r/step-5")
+    assert _resumed_plain(store) == 5
+    client = TestClient(create_app(store))
+    for q in ("", "?limit=2"):
+        doc = client.get("/api/run/r" + q).json()
+        assert doc["latest_step"] == 5 and doc["latest_url"] == f"/checkpoint/{mid}", (q, doc["latest_url"])
+        assert "local only" not in client.get("/run/r" + q).text
+    assert client.get(f"/checkpoint/{mid}").status_code == 200
+
+
+def _resumed_plain(store: ckpt.Store) -> int | None:
+    with ckpt.CheckpointManager(store, "r", save_mode="sync") as mgr:
+        return mgr.restore_latest({"w": torch.zeros(256)})
