@@ -1494,6 +1494,16 @@ dist.destroy_process_group()  # (left to interpreter exit, gloo's threads once a
 """
 
 
+def _eight_steps_saved(url: str, local: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Eight training steps, local snapshots every 2, persisted every 4: run/latest names step 8."""
+    with ckpt.CheckpointManager(url, "run", every_n_steps=4, local=local, local_every_n_steps=2, save_mode="sync") as mgr:
+        for step in range(1, 9):
+            model(torch.randn(3, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.maybe_save(step, {"model": model, "optim": opt})
+
+
 @pytest.mark.parametrize("tier", ["holding", "empty", "none", "crash"])
 def test_a_run_whose_latest_is_missing_resumes_its_newest_snapshot_on_every_path(tmp_path, tier):
     """RUN/latest gone while RUN/step-N exist: removed by the user (``ckpt rm RUN/latest``, as the refusal of a
@@ -1521,12 +1531,7 @@ def test_a_run_whose_latest_is_missing_resumes_its_newest_snapshot_on_every_path
         assert state_bits(got["model"], got["optim"]) == state_bits(want["model"], want["optim"])
         return
     else:
-        with ckpt.CheckpointManager(url, "run", every_n_steps=4, local=local, local_every_n_steps=2, save_mode="sync") as mgr:
-            for step in range(1, 9):
-                model(torch.randn(3, 8)).sum().backward()
-                opt.step()
-                opt.zero_grad()
-                mgr.maybe_save(step, {"model": model, "optim": opt})
+        _eight_steps_saved(url, local, model, opt)
         ckpt.Store.open(url).remove("run/latest")
         newest = 8
         want = {"model": model.state_dict(), "optim": opt.state_dict()}
@@ -1803,12 +1808,7 @@ def test_a_damaged_durable_copy_of_the_latest_manifest_is_read_from_the_local_ti
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.AdamW(model.parameters())
-    with ckpt.CheckpointManager(url, "run", every_n_steps=4, local=local, local_every_n_steps=2, save_mode="sync") as mgr:
-        for step in range(1, 9):
-            model(torch.randn(3, 8)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            mgr.maybe_save(step, {"model": model, "optim": opt})
+    _eight_steps_saved(url, local, model, opt)
     want = {"model": model.state_dict(), "optim": opt.state_dict()}
     store = ckpt.Store.open(url)
     mid = store.resolve("run/latest")
