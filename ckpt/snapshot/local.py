@@ -10,8 +10,9 @@ may modify them (CUDA tensors: the step waits for their copy to pinned memory).
 
 A tensor is known to be unchanged when it is the same storage with the same in-place
 version counter (``tensor._version``) as at the previous save (``unchanged_by="version"``);
-its chunks are then reused without reading it: a parameter, or an optimizer's state, only
-(:func:`~ckpt.snapshot.state.trusted`: batch norm's statistics change without a bump). Every other
+its chunks are then reused without reading it: a parameter, or an optimizer's state, only, of the
+modules and optimizers in the state or held by a wrapper in it (:func:`~ckpt.snapshot.state.trusted`,
+:func:`~ckpt.snapshot.state.held_in`: batch norm's statistics change without a bump). Every other
 tensor is staged at every save; where it is found unchanged by hash since the snapshot the save continues from,
 a local tier makes no room for it (:func:`_unchanged_by_hash`). A restore records the tensors it wrote so too
 (their versions as the restore left them). Where versions cannot be trusted (a fused optimizer
@@ -45,6 +46,7 @@ from ckpt.snapshot.run import (
 from ckpt.snapshot.state import (
     autograd_flags,
     flatten,
+    held_in,
     optimizers_in,
     tensor_devices,
     trusted,
@@ -104,8 +106,7 @@ class LocalSnapshots(LocalRestoring):
         the result then names the error (:attr:`SaveResult.fell_back`)."""
         import torch
 
-        tensors, tree, optimizers, trust = self._flatten(state)
-        blind = _blind(state, tensors, optimizers)  # (staged: found unchanged by hash)
+        tensors, tree, optimizers, trust, blind = self._flatten(state)  # (blind: staged, found unchanged by hash)
         for name, t in tensors.items():
             storable_dtype(name, t)  # refused here, not in the background (where a local tier only warns)
         overlap = self.overlap and not (fallback is not None and self._failing)
@@ -166,20 +167,23 @@ class LocalSnapshots(LocalRestoring):
         """The bytes of ``state``'s tensors, and of those not known to be unchanged since the last snapshot this path
         wrote or restored (:meth:`_changes`; None where versions cannot tell): what a save of it adds to a local
         tier that holds none of it, and that holds that snapshot; and that snapshot's id (the one it continues from)."""
-        tensors, _, optimizers, trust = self._flatten(state)
-        blind = _blind(state, tensors, optimizers)
+        tensors, _, _, trust, blind = self._flatten(state)
         changed = self._changes(tensors, {n: _key(t.detach(), n in blind) for n, t in tensors.items()}, trust)
         if changed:  # (rare: after a full tier) read here, what the save will stage
             changed = self._unchanged_by_hash(changed, {n: t.detach() for n, t in tensors.items()}, None, blind)
         return [t.numel() * t.element_size() for t in tensors.values()], \
             None if changed is None else list(changed.values()), self._since
 
-    def _flatten(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any, list[Any], bool]:
-        """``state``'s tensors and structure (:func:`flatten`), its optimizers, and whether their version counters say
-        which tensors are unchanged (not with ``unchanged_by="hash"`` nor a fused optimizer, which bumps none)."""
+    def _flatten(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any, list[Any], bool, set[str]]:
+        """``state``'s tensors and structure (:func:`flatten`); its optimizers (its values: those an overlapped save
+        hooks); whether version counters say which tensors are unchanged (not with ``unchanged_by="hash"`` nor a fused
+        optimizer in the state or held by a wrapper in it: it bumps none); and the names of the tensors whose counters
+        say nothing even so (not :func:`~ckpt.snapshot.state.trusted`: read at every save)."""
         tensors, tree = flatten(state)
-        optimizers = optimizers_in(state)
-        return tensors, tree, optimizers, self.trust_version and not _has_fused_optimizer(optimizers)
+        modules, held = held_in(state)
+        pairs = version_trusted(modules, held)
+        blind = {n for n, t in tensors.items() if not trusted(t, pairs)}
+        return tensors, tree, optimizers_in(state), self.trust_version and not _has_fused_optimizer(held), blind
 
     def _changes(self, tensors: dict[str, torch.Tensor], keys: dict[str, tuple[Any, ...]], trust: bool) -> dict[str, int] | None:
         """The sizes of ``tensors`` (their version ``keys`` now) not known to be unchanged since the last snapshot
@@ -419,12 +423,6 @@ def _optimizer_storages(optimizers: list[Any]) -> frozenset[int]:
         for per_param in opt.state.values():
             ptrs.update(v.untyped_storage().data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
     return frozenset(ptrs)
-
-
-def _blind(state: dict[str, Any], tensors: dict[str, torch.Tensor], optimizers: list[Any]) -> set[str]:
-    """The names of ``tensors`` whose version counters say nothing (not :func:`~ckpt.snapshot.state.trusted`)."""
-    pairs = version_trusted(state, optimizers)
-    return {n for n, t in tensors.items() if not trusted(t, pairs)}
 
 
 def _key(t: torch.Tensor, blind: bool) -> tuple[Any, ...]:
