@@ -339,6 +339,7 @@ def _unwrapped(optimizer: Any) -> Any:
 _HELD_DEPTH = 3
 _HELD_ITEMS = 256  # items of one dict, list or tuple looked at, at most (the first: what lies further goes unfound)
 _HELD_LOOKS = 4096  # attributes and items looked at per state value, at most
+_PLAIN = frozenset({int, float, bool, str, bytes, type(None)})  # (nothing held in them: not looked into)
 
 
 def held_in(state: dict[str, Any]) -> tuple[list[Any], list[Any]]:
@@ -407,7 +408,7 @@ def held_in(state: dict[str, Any]) -> tuple[list[Any], list[Any]]:
         def visit(x: Any, depth: int) -> None:
             seen.add(id(x))
             for v in values(x):
-                if not take(v) and depth < _HELD_DEPTH and id(v) not in seen:
+                if type(v) not in _PLAIN and not take(v) and depth < _HELD_DEPTH and id(v) not in seen:
                     visit(v, depth + 1)
 
         visit(obj, 1)
