@@ -16,7 +16,7 @@ modules and optimizers in the state or held by a wrapper in it (:func:`~ckpt.sna
 tensor is staged at every save; where it is found unchanged by hash since the snapshot the save continues from,
 a local tier makes no room for it (:func:`_unchanged_by_hash`). A restore records the tensors it wrote so too
 (their versions as the restore left them). Where versions cannot be trusted (a fused optimizer
-in the state, or ``unchanged_by="hash"``), and after a failed save, every tensor is staged and
+that steps in the process, or ``unchanged_by="hash"``), and after a failed save, every tensor is staged and
 unchanged chunks are found by hash instead.
 
 Restoring: :mod:`ckpt.snapshot.local_restore`.
@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +83,10 @@ class LocalSnapshots(LocalRestoring):
         self._copied = threading.Event()  # clear while an overlapped copy is pending
         self._copied.set()
         self._step_hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
+        # Fused optimizers bump no version counter: one that steps anywhere in the process (in the state, held by a
+        # wrapper, or outside the state: the model alone saved) turns version counters off while it lives.
+        self._fused: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._fused_hook = _watch_fused(self._fused) if self.trust_version else None
         self.step_wait_s = 0.0  # seconds optimizer steps waited for overlapped copies, in all
         self._live: LiveTensors | None = None  # the in-flight save's tensors read in place
         self._staging: dict[str, torch.Tensor] = {}
@@ -183,7 +188,8 @@ class LocalSnapshots(LocalRestoring):
         modules, held = held_in(state)
         pairs = version_trusted(modules, held)
         blind = {n for n, t in tensors.items() if not trusted(t, pairs)}
-        return tensors, tree, optimizers_in(state), self.trust_version and not _has_fused_optimizer(held), blind
+        trust = self.trust_version and not _has_fused_optimizer(held) and not self._fused
+        return tensors, tree, optimizers_in(state), trust, blind
 
     def _changes(self, tensors: dict[str, torch.Tensor], keys: dict[str, tuple[Any, ...]], trust: bool) -> dict[str, int] | None:
         """The sizes of ``tensors`` (their version ``keys`` now) not known to be unchanged since the last snapshot
@@ -409,6 +415,9 @@ class LocalSnapshots(LocalRestoring):
         for handle in self._step_hooks.values():
             handle.remove()
         self._step_hooks = {}
+        if self._fused_hook is not None:
+            self._fused_hook.remove()
+            self._fused_hook = None
 
 
 def _optimizer_storages(optimizers: list[Any]) -> frozenset[int]:
@@ -436,6 +445,23 @@ def _has_fused_optimizer(optimizers: list[Any]) -> bool:
     """Fused optimizers update parameters and moments in place without bumping
     ``tensor._version``: with one in the state, versions cannot be trusted."""
     return any(any(g.get("fused") for g in o.param_groups) for o in optimizers)
+
+
+def _watch_fused(seen: weakref.WeakSet[Any]) -> Any:
+    """A step pre-hook on every optimizer of the process (torch's global one) that adds those that are fused to
+    ``seen``; its handle. (A fused optimizer kept out of the state updated the model's parameters without a bump: a
+    save of the model alone reused its first snapshot's chunks ever after.)"""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            fused = _has_fused_optimizer([optimizer])
+        except Exception:  # noqa: BLE001 - an optimizer of another shape: never its step's failure; taken as fused
+            fused = True
+        if fused:
+            seen.add(optimizer)
+
+    return register_optimizer_step_pre_hook(hook)
 
 
 def _all_here(store: Store, entry: TensorEntry) -> bool:

@@ -92,7 +92,7 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
     Stateful wrapper in it (:func:`~ckpt.snapshot.state.held_in`): every other tensor (a module's buffers, a copy or a
     ``.data`` alias a wrapper hands out, a plain value) is read at every save, ``torch.batch_norm`` updating running
     statistics in place without bumping their counters; its unchanged chunks are found by hash. Where versions cannot
-    be trusted (a fused optimizer in the state, or held by a wrapper in it) every tensor is
+    be trusted (a fused optimizer stepping in the process, in the state or not) every tensor is
     staged and unchanged chunks are found by hash instead; ``"hash"`` always does that (writes through
     ``.data`` bypass the counter: choose it if your code does that).
 
