@@ -12,7 +12,7 @@ A tensor is known to be unchanged when it is the same storage with the same in-p
 version counter (``tensor._version``) as at the previous save (``unchanged_by="version"``);
 its chunks are then reused without reading it: a parameter, or an optimizer's state, only, of the
 modules and optimizers in the state or held by a wrapper in it (:func:`~ckpt.snapshot.state.trusted`,
-:func:`~ckpt.snapshot.state.held_in`: batch norm's statistics change without a bump). Every other
+:func:`~ckpt.snapshot.held.held_in`: batch norm's statistics change without a bump). Every other
 tensor is staged at every save; where it is found unchanged by hash since the snapshot the save continues from,
 a local tier makes no room for it (:func:`_unchanged_by_hash`). A restore records the tensors it wrote so too
 (their versions as the restore left them). Where versions cannot be trusted (a fused optimizer
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckpt.format.entries import TensorEntry
 from ckpt.format.tagged_json import LATER_TAGS, uses_tags
+from ckpt.snapshot.held import held_in
 from ckpt.snapshot.local_restore import LocalRestoring
 from ckpt.snapshot.restore_checks import snapshot_records
 from ckpt.snapshot.run import (
@@ -47,7 +48,6 @@ from ckpt.snapshot.run import (
 from ckpt.snapshot.state import (
     autograd_flags,
     flatten,
-    held_in,
     optimizers_in,
     tensor_devices,
     trusted,

@@ -89,7 +89,7 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
     is the same storage with the same in-place version counter as at the previous save
     is not read at all: its chunks are reused (after a restore: the same as the restore left
     it). Only parameters and optimizer state are trusted so, of the modules and optimizers in the state or held by a
-    Stateful wrapper in it (:func:`~ckpt.snapshot.state.held_in`): every other tensor (a module's buffers, a copy or a
+    Stateful wrapper in it (:func:`~ckpt.snapshot.held.held_in`): every other tensor (a module's buffers, a copy or a
     ``.data`` alias a wrapper hands out, a plain value) is read at every save, ``torch.batch_norm`` updating running
     statistics in place without bumping their counters; its unchanged chunks are found by hash. Where versions cannot
     be trusted (a fused optimizer stepping in the process, in the state or not) every tensor is
