@@ -1882,7 +1882,7 @@ def test_a_frozen_base_reached_through_a_wrapper_is_not_read_at_unchanged_saves(
     modules and optimizers a wrapper holds: observed by ``last_save.staged_tensors``/``reused_tensors`` (what
     ``_stage`` copied, and what it reused unread; no local tier, whose hash check also moves tensors to reused):
     after the first save the base's weight and bias are reused, the head and the AdamW state staged. Each step's
-    snapshot holds the live state's bytes, and a fresh manager restores step 3's."""
+    snapshot holds the live state's bytes; a fresh manager restores step 3's and saves on from there alike."""
     from ckpt.snapshot.state import PerRank
 
     def wrapped(model, optim):
@@ -1906,9 +1906,16 @@ def test_a_frozen_base_reached_through_a_wrapper_is_not_read_at_unchanged_saves(
     want = _run_bytes(state)
     model, optim = _lora(seed=1)
     fresh = wrapped(model, optim)
-    with ckpt.CheckpointManager(str(tmp_path), "run") as mgr:
+    with ckpt.CheckpointManager(str(tmp_path), "run", save_mode=save_mode) as mgr:
         assert mgr.restore_latest(fresh) == 3
-    assert _run_bytes(fresh) == want
+        assert _run_bytes(fresh) == want
+        for step in (4, 5):  # (the wrapper's load_state_dict copied into the model: the first save reads it all)
+            _lora_step(model, optim, step)
+            mgr.save(step, fresh)
+            mgr.wait()
+            stored = mgr.store.load(f"run/step-{step}")
+            assert {n: t.numpy().tobytes() for n, t in stored.items()} == _run_bytes(fresh)
+        assert (mgr.last_save.staged_tensors, mgr.last_save.reused_tensors) == (8, 2)
 
 
 def test_a_fused_optimizer_a_wrapper_holds_turns_version_counters_off(tmp_path):
