@@ -182,7 +182,8 @@ class LocalSnapshots(LocalRestoring):
     def _flatten(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any, list[Any], bool, set[str]]:
         """``state``'s tensors and structure (:func:`flatten`); its optimizers (its values: those an overlapped save
         hooks); whether version counters say which tensors are unchanged (not with ``unchanged_by="hash"`` nor a fused
-        optimizer in the state or held by a wrapper in it: it bumps none); and the names of the tensors whose counters
+        optimizer in the state, held by a wrapper in it, or alive that stepped since this path was made: it bumps
+        none); and the names of the tensors whose counters
         say nothing even so (not :func:`~ckpt.snapshot.state.trusted`: read at every save)."""
         tensors, tree = flatten(state)
         modules, held = held_in(state)
@@ -459,7 +460,7 @@ def _watch_fused(seen: weakref.WeakSet[Any]) -> Any:
         except Exception:  # noqa: BLE001 - an optimizer of another shape: never its step's failure; taken as fused
             fused = True
         if fused:
-            seen.add(optimizer)
+            seen.add(optimizer)  # (torch's Optimizer takes weak references, so does every subclass)
 
     return register_optimizer_step_pre_hook(hook)
 
