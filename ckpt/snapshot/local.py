@@ -3,7 +3,7 @@
 ``save`` copies the tensors that changed since the previous snapshot into a reusable
 staging area (pinned memory for CUDA tensors) and returns the rest as a job: hashing,
 encoding (a delta against the previous snapshot with ``run.delta``) and writing. With
-``overlap=True`` the parameters and state of the optimizers in the state are not copied
+``overlap=True`` the parameters and state of the optimizers in the state (or held by a wrapper in it) are not copied
 at all: the job reads them in place while forward and backward run, and a step
 pre-hook on each optimizer copies only what the job has not read yet before the step
 may modify them (CUDA tensors: the step waits for their copy to pinned memory).
@@ -48,7 +48,6 @@ from ckpt.snapshot.run import (
 from ckpt.snapshot.state import (
     autograd_flags,
     flatten,
-    optimizers_in,
     tensor_devices,
     trusted,
     version_key,
@@ -180,8 +179,9 @@ class LocalSnapshots(LocalRestoring):
             None if changed is None else list(changed.values()), self._since
 
     def _flatten(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any, list[Any], bool, set[str]]:
-        """``state``'s tensors and structure (:func:`flatten`); its optimizers (its values: those an overlapped save
-        hooks); whether version counters say which tensors are unchanged (not with ``unchanged_by="hash"`` nor a fused
+        """``state``'s tensors and structure (:func:`flatten`); its optimizers, and those a wrapper in it holds
+        (:func:`~ckpt.snapshot.held.held_in`: an overlapped save reads their tensors in place and hooks their steps);
+        whether version counters say which tensors are unchanged (not with ``unchanged_by="hash"`` nor a fused
         optimizer in the state, held by a wrapper in it, or alive that stepped since this path was made: it bumps
         none); and the names of the tensors whose counters
         say nothing even so (not :func:`~ckpt.snapshot.state.trusted`: read at every save)."""
@@ -190,7 +190,7 @@ class LocalSnapshots(LocalRestoring):
         pairs = version_trusted(modules, held)
         blind = {n for n, t in tensors.items() if not trusted(t, pairs)}
         trust = self.trust_version and not _has_fused_optimizer(held) and not self._fused
-        return tensors, tree, optimizers_in(state), trust, blind
+        return tensors, tree, held, trust, blind
 
     def _changes(self, tensors: dict[str, torch.Tensor], keys: dict[str, tuple[Any, ...]], trust: bool) -> dict[str, int] | None:
         """The sizes of ``tensors`` (their version ``keys`` now) not known to be unchanged since the last snapshot

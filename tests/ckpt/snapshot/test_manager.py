@@ -2009,3 +2009,32 @@ def test_a_fused_optimizer_kept_out_of_the_state_turns_version_counters_off(tmp_
             mgr.save(step, state)
             stored = mgr.store.load(f"run/step-{step}")
             assert {n: t.numpy().tobytes() for n, t in stored.items()} == _run_bytes(state)
+
+
+def test_an_overlapped_save_through_a_wrapper_reads_its_optimizers_tensors_in_place(tmp_path, monkeypatch):
+    """save_mode="overlap" reads the parameters and state of the state's optimizers in place and has their step copy
+    what it has not read yet; those a wrapper holds (DCP's AppState) were copied before save() returned, as any other
+    tensor. Now they are read in place too: with the save's reads held back, the step copies all of them
+    (``copied_at_step_bytes``: 0 on main), and the snapshot is the state at save(), bit for bit."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    state = {"app": _Trainer(model, opt)}
+    want = _run_bytes(state)
+    gate, _ = _gate_reads(monkeypatch, 0)
+    with ckpt.CheckpointManager(str(tmp_path), "ov", save_mode="overlap") as mgr:
+        mgr.save(2, state)
+        _train(model, opt)  # its step copies what the save has not read: all of it
+        gate.set()
+        mgr.wait()
+        deferred = sum(p.nbytes for p in model.parameters()) * 3 + 4 * len(list(model.parameters()))  # + moments, steps
+        assert mgr.last_save.copied_at_step_bytes == deferred
+        assert _run_bytes(state) != want  # (the state moved on)
+        stored = mgr.store.load("ov/step-2")
+    assert {n: t.numpy().tobytes() for n, t in stored.items()} == want
+    fresh = _model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    into = {"app": _Trainer(fresh, fresh_opt)}
+    with ckpt.CheckpointManager(str(tmp_path), "ov") as mgr:
+        assert mgr.restore_latest(into) == 2
+    assert _run_bytes(into) == want
