@@ -69,8 +69,8 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
       copy of the state. An error in the background is raised by the next ``save``,
       ``wait`` or ``close``.
     * ``"sync"``: ``save`` returns when the snapshot is durable.
-    * ``"overlap"``: the parameters and state of the optimizers in ``state`` are not
-      copied by ``save`` at all. They cannot change before the optimizer's next
+    * ``"overlap"``: the parameters and state of the optimizers in ``state`` (or held by a
+      Stateful wrapper in it) are not copied by ``save`` at all. They cannot change before the optimizer's next
       ``step()``, so the save thread reads them in place while forward and backward run;
       a step pre-hook on each optimizer then copies only what the save has not read yet
       before letting the step modify them (CUDA tensors: the step waits for their copy to
