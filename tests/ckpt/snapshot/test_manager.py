@@ -1836,3 +1836,205 @@ def test_common_writes_outside_an_optimizer_step_reach_every_snapshot(tmp_path):
     with ckpt.CheckpointManager(str(tmp_path), "run") as mgr:
         assert mgr.restore_latest(fresh) == 3
     assert {k: {n: _bits(t) for n, t in m.state_dict().items()} for k, m in fresh.items() if k != "optim"} == want
+
+
+class _Trainer:
+    """The AppState torch.distributed.checkpoint's docs teach: a Stateful holding the model and the optimizer, whose
+    state_dict() hands out theirs (``models``: the model kept in a list instead, as a trainer of several might)."""
+
+    def __init__(self, model, optim, in_list=False) -> None:
+        self.optim = optim
+        if in_list:
+            self.models = [model]
+        else:
+            self.model = model
+
+    def _model(self):
+        return self.models[0] if hasattr(self, "models") else self.model
+
+    def state_dict(self) -> dict:
+        return {"model": self._model().state_dict(), "optim": self.optim.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._model().load_state_dict(sd["model"])
+        self.optim.load_state_dict(sd["optim"])
+
+
+def _lora(seed=0, fused=False):
+    """A frozen base (Linear 256x256) and a trained head, AdamW over the head: 10 tensors, 8 of which a step changes."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256).requires_grad_(False), torch.nn.Linear(256, 8))
+    return model, torch.optim.AdamW(model[1].parameters(), lr=1e-2, fused=fused)
+
+
+def _lora_step(model, optim, step):
+    model(torch.randn(4, 256, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+@pytest.mark.parametrize("wrap", ["appstate", "in_list", "perrank", "perrank_appstate"])
+@pytest.mark.parametrize("save_mode", ["sync", "overlap"])
+def test_a_frozen_base_reached_through_a_wrapper_is_not_read_at_unchanged_saves(tmp_path, wrap, save_mode):
+    """Version counters were trusted only for the modules and optimizers that are values of the state: through a
+    Stateful wrapper (DCP's AppState, the model in a list of it, PerRank(model), PerRank(AppState)) a frozen base was
+    copied into staging and hashed at every save (a LoRA fine-tune re-read its whole base). The save now sees the
+    modules and optimizers a wrapper holds: observed by ``last_save.staged_tensors``/``reused_tensors`` (what
+    ``_stage`` copied, and what it reused unread; no local tier, whose hash check also moves tensors to reused):
+    after the first save the base's weight and bias are reused, the head and the AdamW state staged. Each step's
+    snapshot holds the live state's bytes; a fresh manager restores step 3's and saves on from there alike."""
+    from ckpt.snapshot.state import PerRank
+
+    def wrapped(model, optim):
+        return {"appstate": lambda: {"app": _Trainer(model, optim)},
+                "in_list": lambda: {"app": _Trainer(model, optim, in_list=True)},
+                "perrank": lambda: {"model": PerRank(model), "optim": optim},
+                "perrank_appstate": lambda: {"app": PerRank(_Trainer(model, optim))}}[wrap]()
+
+    model, optim = _lora()
+    state = wrapped(model, optim)
+    counts = []
+    with ckpt.CheckpointManager(str(tmp_path), "run", save_mode=save_mode) as mgr:
+        for step in (1, 2, 3):
+            _lora_step(model, optim, step)
+            mgr.save(step, state)
+            mgr.wait()
+            counts.append((mgr.last_save.staged_tensors, mgr.last_save.reused_tensors))
+            stored = mgr.store.load(f"run/step-{step}")
+            assert {n: t.numpy().tobytes() for n, t in stored.items()} == _run_bytes(state)
+    assert counts == [(10, 0), (8, 2), (8, 2)]  # (on main: (10, 0) at every save)
+    want = _run_bytes(state)
+    model, optim = _lora(seed=1)
+    fresh = wrapped(model, optim)
+    with ckpt.CheckpointManager(str(tmp_path), "run", save_mode=save_mode) as mgr:
+        assert mgr.restore_latest(fresh) == 3
+        assert _run_bytes(fresh) == want
+        for step in (4, 5):  # (the wrapper's load_state_dict copied into the model: the first save reads it all)
+            _lora_step(model, optim, step)
+            mgr.save(step, fresh)
+            mgr.wait()
+            stored = mgr.store.load(f"run/step-{step}")
+            assert {n: t.numpy().tobytes() for n, t in stored.items()} == _run_bytes(fresh)
+        assert (mgr.last_save.staged_tensors, mgr.last_save.reused_tensors) == (8, 2)
+
+
+def test_a_fused_optimizer_a_wrapper_holds_turns_version_counters_off(tmp_path):
+    """A fused optimizer bumps no version counter: held by a wrapper beside the model it steps, it makes the save
+    stage every tensor (as when it is a value of the state), and each step's snapshot holds that step's bytes."""
+    model, optim = _lora(fused=True)
+    state = {"app": _Trainer(model, optim)}
+    with ckpt.CheckpointManager(str(tmp_path), "run", save_mode="sync") as mgr:
+        for step in (1, 2):
+            _lora_step(model, optim, step)
+            mgr.save(step, state)
+            assert mgr.last_save.staged_tensors == 10
+            stored = mgr.store.load(f"run/step-{step}")
+            assert {n: t.numpy().tobytes() for n, t in stored.items()} == _run_bytes(state)
+
+
+class _HandsOut:
+    """A wrapper holding its model and optimizer whose state_dict() hands out, beside the model's (BatchNorm statistics,
+    a buffer written through ``.data``: no counter bumped), ``.data`` aliases of the trained parameters (counters of
+    their own, which the optimizer's step does not bump) and clones of them (other addresses)."""
+
+    def __init__(self, model, optim) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> dict:
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict(),
+                "aliases": [p.data for p in trained], "clones": [p.detach().clone() for p in trained]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.model.load_state_dict(sd["model"])
+        self.optim.load_state_dict(sd["optim"])
+
+
+def _with_stats(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16).requires_grad_(False), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    model.register_buffer("scale", torch.ones(16))
+    return model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+
+@pytest.mark.parametrize("save_mode", ["sync", "overlap"])
+@pytest.mark.parametrize("local", [False, True], ids=["store", "local-tier"])
+def test_what_a_wrapper_hands_out_beside_its_trusted_parameters_is_read_at_every_save(tmp_path, save_mode, local):
+    """Seeing the modules a wrapper holds trusts only their parameters and optimizer state: BatchNorm's running
+    statistics (updated without a bump), a buffer written through ``.data``, ``.data`` aliases of the trained
+    parameters and clones of them, handed out by the same wrapper, are read at every save: each step's snapshot (and
+    its restore into a fresh model, by a fresh manager) holds that step's bytes."""
+    model, optim = _with_stats()
+    state = {"app": _HandsOut(model, optim)}
+    kw = {"local": str(tmp_path / "l"), "every_n_steps": 1} if local else {}
+    wants = {}
+    with ckpt.CheckpointManager(str(tmp_path / "s"), "run", save_mode=save_mode, **kw) as mgr:
+        for step in (1, 2, 3):
+            model(torch.randn(8, 16)).square().mean().backward()  # (BatchNorm in training mode: statistics move)
+            optim.step()
+            optim.zero_grad()
+            model.scale.data.mul_(1.5)
+            mgr.save(step, state)
+            mgr.wait()
+            wants[step] = _run_bytes(state)
+    assert model.scale._version == 0  # (what a trust in counters misses)
+    for step, want in wants.items():
+        model, optim = _with_stats(seed=step + 10)
+        fresh = {"app": _HandsOut(model, optim)}
+        with ckpt.CheckpointManager(str(tmp_path / "s"), "run", **kw) as mgr:
+            assert mgr.restore(fresh, step) == step
+        got = _run_bytes(fresh)
+        # (aliases and clones are restored through load_state_dict, which drops them: the model's bytes say the rest)
+        assert {n: b for n, b in got.items() if "/aliases/" not in n and "/clones/" not in n} == \
+            {n: b for n, b in want.items() if "/aliases/" not in n and "/clones/" not in n}
+        with ckpt.CheckpointManager(str(tmp_path / "s"), "run", **kw) as mgr:
+            stored = mgr.store.load(f"run/step-{step}") if not local else None
+        if stored is not None:
+            assert {n: t.numpy().tobytes() for n, t in stored.items()} == want
+
+
+@pytest.mark.parametrize("wrap", ["model", "appstate"])
+def test_a_fused_optimizer_kept_out_of_the_state_turns_version_counters_off(tmp_path, wrap):
+    """A fused optimizer bumps no version counter, and one kept out of the state (the model saved alone, or through
+    a wrapper holding only the model) was not seen: the save trusted the parameters' unchanged versions and every
+    snapshot after the first held the first's bytes (found checking what the fused-optimizer rule covers). Any fused
+    optimizer stepping in the process now turns version counters off: each step's snapshot holds that step's bytes."""
+    from ckpt.snapshot.state import PerRank
+
+    model, optim = _lora(fused=True)
+    state = {"model": model} if wrap == "model" else {"app": PerRank(model)}
+    with ckpt.CheckpointManager(str(tmp_path), "run", save_mode="sync") as mgr:
+        for step in (1, 2, 3):
+            _lora_step(model, optim, step)
+            mgr.save(step, state)
+            stored = mgr.store.load(f"run/step-{step}")
+            assert {n: t.numpy().tobytes() for n, t in stored.items()} == _run_bytes(state)
+
+
+def test_an_overlapped_save_through_a_wrapper_reads_its_optimizers_tensors_in_place(tmp_path, monkeypatch):
+    """save_mode="overlap" reads the parameters and state of the state's optimizers in place and has their step copy
+    what it has not read yet; those a wrapper holds (DCP's AppState) were copied before save() returned, as any other
+    tensor. Now they are read in place too: with the save's reads held back, the step copies all of them
+    (``copied_at_step_bytes``: 0 on main), and the snapshot is the state at save(), bit for bit."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    state = {"app": _Trainer(model, opt)}
+    want = _run_bytes(state)
+    gate, _ = _gate_reads(monkeypatch, 0)
+    with ckpt.CheckpointManager(str(tmp_path), "ov", save_mode="overlap") as mgr:
+        mgr.save(2, state)
+        _train(model, opt)  # its step copies what the save has not read: all of it
+        gate.set()
+        mgr.wait()
+        deferred = sum(p.nbytes for p in model.parameters()) * 3 + 4 * len(list(model.parameters()))  # + moments, steps
+        assert mgr.last_save.copied_at_step_bytes == deferred
+        assert _run_bytes(state) != want  # (the state moved on)
+        stored = mgr.store.load("ov/step-2")
+    assert {n: t.numpy().tobytes() for n, t in stored.items()} == want
+    fresh = _model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    into = {"app": _Trainer(fresh, fresh_opt)}
+    with ckpt.CheckpointManager(str(tmp_path), "ov") as mgr:
+        assert mgr.restore_latest(into) == 2
+    assert _run_bytes(into) == want
