@@ -188,7 +188,8 @@ class Peers(PeerGroup):
             try:
                 from ckpt.snapshot.run import is_snapshot
 
-                dmid, dm = latest_manifest(durable, self.local.run, warn, {})  # (RUN/latest missing: the newest step, warned)
+                # (RUN/latest missing: the newest step, warned; its durable copy unreadable: rank 0's tier's, warned)
+                dmid, dm = latest_manifest(durable, self.local.run, warn, {}, copy=self.local.store)
                 view = (dmid, snapshot_step(dm), dm.created, None if is_snapshot(dm) else dm.source)
             except RefNotFoundError:
                 view = (None, None, None, None)

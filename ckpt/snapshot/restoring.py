@@ -150,7 +150,7 @@ class Restoring(ManagerState):
     def _candidates(self) -> tuple[list[tuple[int, str]], dict[str, Manifest]]:
         """Snapshots to restore, newest first: (step, manifest id), from the local tier and the durable
         store; and the manifests parsed to choose them, by id (the restore reads one of them)."""
-        from ckpt.snapshot.steps import left_behind, left_behind_message, resolve_latest, snapshot_step
+        from ckpt.snapshot.steps import latest_manifest, left_behind, left_behind_message, snapshot_step
 
         local = self._local
         assert local is not None
@@ -158,8 +158,7 @@ class Restoring(ManagerState):
         parsed: dict[str, Manifest] = {}
         durable: tuple[int, str, float] | None = None  # the durable RUN/latest: step, id, made at
         try:
-            mid = resolve_latest(self.store, self.run, self._warn_once, parsed)
-            m = parsed.get(mid) or self._latest_here(mid, parsed)
+            mid, m = latest_manifest(self.store, self.run, self._warn_once, parsed, copy=local.store)
             if not is_snapshot(m):  # refused, as without a tier: never passed over for an older step, or none
                 raise not_a_snapshot(mid, m.source)
             step = snapshot_step(m)
@@ -183,25 +182,6 @@ class Restoring(ManagerState):
             except TIER_MISSES as e:
                 self._tier_warning(f"local tier: snapshot of step {step} unreadable ({describe(e)})")
         return sorted(found.items(), reverse=True), parsed
-
-    def _latest_here(self, mid: str, parsed: dict[str, Manifest]) -> Manifest:
-        """The manifest ``mid`` (the durable RUN/latest's) from the durable store, or where its copy there is damaged,
-        gone or not answering, the local tier's: a manifest is named by its hash, so the tier's copy, checked against
-        it, is the same one (a node holding every byte of the newest snapshot resumes it). The store's error where the
-        tier has no whole copy either."""
-        local = self._local
-        assert local is not None
-        try:
-            m = parsed[mid] = self.store.manifest(mid)
-            return m
-        except TIER_MISSES as e:
-            try:
-                m = parsed[mid] = local.store.manifest(mid)
-            except TIER_MISSES:
-                raise e from None
-            self._warn_once(f"durable store: the manifest of {self.run}/latest ({mid[:12]}) is unreadable ({describe(e)}); "
-                            "the local tier's copy of it is read")
-            return m
 
     def _restore(self, state: dict[str, Any], mid: str, parsed: dict[str, Manifest] | None = None,
                  damaged: set[str] | None = None, *, last: bool = True) -> int:

@@ -132,13 +132,38 @@ def resolve_latest(store: Store, run: str, warn: Callable[[str], None], parsed: 
     return found[step]
 
 
-def latest_manifest(store: Store, run: str, warn: Callable[[str], None], parsed: dict[str, Manifest]) -> tuple[str, Manifest]:
-    """:func:`resolve_latest`, and the manifest it names, read once (kept in ``parsed`` too)."""
+def latest_manifest(store: Store, run: str, warn: Callable[[str], None], parsed: dict[str, Manifest], *,
+                    copy: Store | None = None) -> tuple[str, Manifest]:
+    """:func:`resolve_latest`, and the manifest it names, read once (kept in ``parsed`` too). ``copy``: a local tier
+    whose copy of that manifest is read where the store's is damaged, gone or not answering, with a warning through
+    ``warn``: a manifest is named by its hash, so the tier's copy, checked against it, is the same one (a node holding
+    every byte of the run's newest snapshot resumes it). Only where ``RUN/latest`` itself names it: where that ref is
+    missing, an unreadable manifest is taken for the newest step so that the restore names its damage, and the tier
+    may hold a step the run has moved past."""
+    from ckpt.snapshot.tiers import MISSES, describe
+
     mid = resolve_latest(store, run, warn, parsed)
     m = parsed.get(mid)
     if m is None:
-        m = parsed[mid] = store.manifest(mid)
+        try:
+            m = parsed[mid] = store.manifest(mid)
+        except MISSES as e:
+            if copy is None or not _named_by_latest(store, run, mid):
+                raise
+            try:
+                m = parsed[mid] = copy.manifest(mid)
+            except MISSES:
+                raise e from None
+            warn(f"durable store: the manifest of {run}/latest ({mid[:12]}) is unreadable ({describe(e)}); the local "
+                 "tier's copy of it is read")
     return mid, m
+
+
+def _named_by_latest(store: Store, run: str, mid: str) -> bool:
+    try:
+        return store.resolve(f"{run}/latest") == mid
+    except CkptError:
+        return False
 
 
 def snapshot_step(m: Manifest) -> int | None:

@@ -62,6 +62,7 @@ def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PA
                 row["live"] = True
                 row["tiers"] = sorted({*row["tiers"], tier})  # "durable" sorts before "local"
                 row["id"] = target
+                row["_durable_ref"] = row.get("_durable_ref", False) or store is view.store  # (its manifest whole or not)
             elif not row["live"]:
                 row["removed_at"] = gone_at
             if target is not None:  # where its manifest can be read: the durable store's first (_snapshot_chunks)
@@ -93,8 +94,6 @@ def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PA
                     previous = chunks
     # "latest" is the snapshot restore_latest would restore (the newest step was marked, damaged or not: a user
     # resuming from it got an error, or a step other than the one drawn)
-    for r in rows:  # (before a step no tier can restore loses its tiers: its durable page still names its damage)
-        r["_durable_held"] = r["live"] and "durable" in r["tiers"]
     chosen, why = _resume_choice(view, name, named, found, sizes)
     latest_row = found.get(chosen[0]) if chosen is not None else None
     if latest_row is not None and latest_row["id"] == chosen[1]:  # (a snapshot whose step a user pushed over: removed)
@@ -107,9 +106,12 @@ def run_doc(view: StoreView, name: str, offset: int = 0, limit: int = HISTORY_PA
         # (a live step no tier's copy of which was found whole is "damaged": its tiers are what was read, on a page)
         r["tier"] = " + ".join(r["tiers"]) if r["live"] and r["tiers"] else "damaged" if r["damaged"] else "removed"
         # a page of the store that shows it: a step the local tier alone holds has none (its page there is a 404)
-        durable_held, read_there = r.pop("_durable_held"), r.pop("_durable", False)
-        r["url"] = (f"/checkpoint/{r['ref']}" if durable_held else f"/checkpoint/{r['id']}" if not r["live"] and read_there else None)
-        r["local_only"] = r["tier"] == "local"
+        # A step the durable store names links to its page there, damaged or not (that page names the damage); "local
+        # only" is a step whose ref only the local tier holds
+        durable_ref, read_there = r.pop("_durable_ref", False), r.pop("_durable", False)
+        r["url"] = (f"/checkpoint/{r['ref']}" if r["live"] and durable_ref else
+                    f"/checkpoint/{r['id']}" if not r["live"] and read_there else None)
+        r["local_only"] = r["live"] and not durable_ref and "local" in r["tiers"]
     keys = sorted({k for r in shown for k in r["metrics"]})
     return {"run": name, "latest": chosen[1] if chosen is not None else None, "latest_step": chosen[0] if chosen else None,
             "latest_url": _latest_url(view, chosen, latest_row),
@@ -152,7 +154,8 @@ def _resume_choice(view: StoreView, name: str, named: tuple[list[Any] | None, st
     except CkptError as e:
         if e.retryable:
             raise
-        if view.local is not None and mid is not None:  # the manager then reads the local tier's copy of that id (_latest_here)
+        # the manager then reads the local tier's copy of that id, where RUN/latest names it (steps.latest_manifest)
+        if view.local is not None and mid is not None and entries and entries[0].target == mid:
             try:
                 m = view.manifest(mid, view.local, check=True)
             except CkptError as e2:

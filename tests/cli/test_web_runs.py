@@ -659,6 +659,10 @@ def test_a_damaged_durable_latest_is_read_from_the_local_tier_as_the_manager_doe
     assert doc["latest_error"] is None and doc["latest"] == ckpt.Store.open(str(tmp_path / "local")).resolve("r/step-5")
     assert [(r["step"], r["tier"], bool(r["damaged"])) for r in doc["snapshots"]] == [
         (2, "durable", False), (3, "local", False), (4, "local", True), (5, "local", False)]
+    # step 4's ref is the durable store's (its manifest damaged there): linked to its page, which names the damage, and
+    # never "local only" (review rev22m); steps 3 and 5 the local tier alone holds
+    assert [(r["step"], r["url"], r["local_only"]) for r in doc["snapshots"]] == [
+        (2, "/checkpoint/r/step-2", False), (3, None, True), (4, "/checkpoint/r/step-4", False), (5, None, True)]
 
 
 def test_the_newest_steps_chunks_missing_from_the_cached_listing_are_asked_for_once_each(tmp_path, monkeypatch):

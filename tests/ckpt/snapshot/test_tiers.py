@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from integration_util import start_process, state_bits
+from integration_util import start_process, state_bits, tensor_bits
 from integration_util import wait_process as _wait
 
 import ckpt
@@ -1827,3 +1827,91 @@ def test_a_damaged_durable_copy_of_the_latest_manifest_is_read_from_the_local_ti
             assert mgr.restore_latest({"model": fresh_model, "optim": fresh_opt}) == 8
         assert len([w for w in said if "is unreadable" in str(w.message)]) == 1, [str(w.message) for w in said]
     assert state_bits(fresh_model, fresh_opt) == state_bits(want["model"], want["optim"])
+
+
+def test_a_tiers_copy_is_not_read_for_an_unreadable_step_taken_for_the_newest_where_run_latest_is_missing(tmp_path):
+    """Node A saved steps 1-4 (4 persisted), node B resumed and saved 5-8 (8 persisted); then run/latest was removed,
+    step 4's durable manifest damaged and the metadata index lost. Without run/latest an unreadable manifest is taken
+    for the newest step, so that the restore names its damage: the local tier's copy of it was read as if run/latest
+    named it, and node A resumed step 4, four updates behind the intact step 8 (review rev22m). The tier's copy is read
+    only for the manifest run/latest names: node A's restore names the damage, as one without a tier does."""
+    from ckpt_store.storage.errors import CorruptObjectError
+
+    url, node_a, node_b = str(tmp_path / "s"), str(tmp_path / "a"), str(tmp_path / "b")
+    model = torch.nn.Linear(8, 4)
+    kw = dict(every_n_steps=4, local_every_n_steps=1, save_mode="sync")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with ckpt.CheckpointManager(url, "run", local=node_a, **kw) as mgr:
+            for step in range(1, 5):
+                with torch.no_grad():
+                    model.weight += 1
+                mgr.maybe_save(step, {"model": model})
+        with ckpt.CheckpointManager(url, "run", local=node_b, **kw) as mgr:
+            assert mgr.restore_latest({"model": model}) == 4
+            for step in range(5, 9):
+                with torch.no_grad():
+                    model.weight += 1
+                mgr.maybe_save(step, {"model": model})
+    store = ckpt.Store.open(url)
+    store.remove("run/latest")
+    mid4 = store.resolve("run/step-4")
+    path = pathlib.Path(url) / store.objects.path("manifests", mid4)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    path.write_bytes(bytes(raw))
+    shutil.rmtree(pathlib.Path(url) / "index")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with ckpt.CheckpointManager(url, "run", local=node_a, **kw) as mgr:
+            with pytest.raises(CorruptObjectError):
+                mgr.restore_latest({"model": torch.nn.Linear(8, 4)})
+
+
+_GROUP_OF_ONE_ON_A_TIER = """
+import os, sys, pathlib, warnings, torch, torch.distributed as dist, ckpt
+url, local, pg, phase = sys.argv[1:]
+dist.init_process_group("gloo", init_method="file://" + pg, rank=0, world_size=1)
+kw = dict(every_n_steps=4, local=local, local_every_n_steps=1, save_mode="sync", process_group=dist.group.WORLD, timeout_s=60)
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 4)
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    with ckpt.CheckpointManager(url, "run", **kw) as mgr:
+        if phase == "save":
+            for step in range(1, 9):
+                with torch.no_grad():
+                    model.weight += 1
+                mgr.maybe_save(step, {"model": model})
+            torch.save(model.state_dict(), pathlib.Path(pg).parent / "want.pt")
+        else:
+            print(mgr.restore_latest({"model": model}))
+            torch.save(model.state_dict(), pathlib.Path(pg).parent / "got.pt")
+print("\\n".join("warning: " + str(w.message) for w in said))
+dist.destroy_process_group()
+"""
+
+
+def test_a_group_reads_its_tiers_copy_of_a_damaged_durable_latest_manifest_too(tmp_path):
+    """The one-process mend above, in a process group: rank 0 alone reads the durable RUN/latest and read only the
+    store's copy, so a group refused ("restore not done: rank 0 could not read run/latest", with a hint to retry that
+    could not help) what one process resumes (review rev22m). Rank 0 reads its tier's copy of that id too, warned."""
+    url, local = str(tmp_path / "s"), str(tmp_path / "local")
+
+    def run(phase: str) -> str:
+        r = subprocess.run([sys.executable, "-c", _GROUP_OF_ONE_ON_A_TIER, url, local, str(tmp_path / f"pg-{phase}"), phase],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    run("save")
+    store = ckpt.Store.open(url)
+    mid = store.resolve("run/latest")
+    path = pathlib.Path(url) / store.objects.path("manifests", mid)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    path.write_bytes(bytes(raw))
+    out = run("restore")
+    assert out.splitlines()[0] == "8" and f"the manifest of run/latest ({mid[:12]}) is unreadable" in out, out
+    want, got = (torch.load(tmp_path / f, weights_only=True) for f in ("want.pt", "got.pt"))
+    assert {k: tensor_bits(v) for k, v in got.items()} == {k: tensor_bits(v) for k, v in want.items()}
