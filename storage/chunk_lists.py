@@ -72,7 +72,7 @@ def referenced_chunks(manifest: bytes, what: str = "manifest") -> set[str]:
     obj = parse_manifest(manifest)
     if obj.get("format") != MANIFEST_FORMAT:
         raise StoreFormatError(f"{what} is not a {MANIFEST_FORMAT} record (format={obj.get('format')!r:.40})")
-    if obj.get("version") not in MANIFEST_VERSIONS or isinstance(obj.get("version"), bool):
+    if type(obj.get("version")) is not int or obj["version"] not in MANIFEST_VERSIONS:  # (true is no version: not 1)
         raise LaterFormatError(f"{what} has {MANIFEST_FORMAT} version {obj.get('version')!r:.40}; this ckpt reads versions "
                                f"{', '.join(map(str, MANIFEST_VERSIONS))}")
     for node in chunk_nodes(obj):

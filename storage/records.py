@@ -74,7 +74,7 @@ def decode_record(data: bytes, fmt: str, versions: tuple[int, ...], what: str, *
     if obj.get("format") != fmt:
         raise StoreFormatError(f"{what} is not a {fmt} record (format={obj.get('format')!r})")
     v = obj.get("version")
-    if v not in versions:
+    if type(v) is not int or v not in versions:  # (true is no version, though Python takes it for 1)
         raise StoreFormatError(
             f"{what} has {fmt} version {v!r}; this ckpt reads versions {', '.join(map(str, versions))}",
             hint="upgrade ckpt to read it",

@@ -108,10 +108,14 @@ def verify(store: Store, names: list[str] | None = None, progress: Progress | No
         except CkptError as e:
             damaged_manifest(target, who, e)
             continue
+        try:
+            kept = frozenset(referenced_chunks(data, f"manifest {target}"))  # what gc keeps for it: delta bases in there
+        except CkptError as e:  # (what gc cannot read: it stops there, as it says)
+            damaged_manifest(target, who, e)
+            continue
         parsed[target] = m
         for claim in m.chunk_lengths().items():
             users[claim].update(who)
-        kept = frozenset(referenced_chunks(data))  # what gc keeps for it: a chunk's delta bases must be in there
         for cid in kept:
             allowed.setdefault(cid, []).append(kept)
 

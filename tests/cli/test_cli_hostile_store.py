@@ -295,6 +295,22 @@ def test_a_manifest_of_a_version_this_ckpt_does_not_know_stops_gc_and_its_dry_ru
     assert all((good / "objects" / "chunks" / c[:2] / c).is_file() for c in needed)
 
 
+@pytest.mark.parametrize("version", [True, 99], ids=["true", "99"])
+def test_a_manifest_version_no_reader_knows_is_damage_to_every_command(version, good, env):
+    """A manifest whose version is JSON true, or one of a later ckpt: the manifest reader took true for version 1
+    (Python's True == 1) and read it, while the chunk rule refused it as a later version, and `ckpt verify` stopped
+    at it with no manifest named (review rev22m). Every reader refuses both alike now; verify names the ref damaged
+    and goes on to the others."""
+    m = manifest_of(good, "ft/x")
+    m["version"] = version
+    mid = republish(good, "ft/x", m)
+    with pytest.raises(ckpt.CkptError, match="version"):
+        ckpt.Store.open(str(good)).load("ft/x")
+    r = run("verify", store=good, env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    out = r.stdout + r.stderr
+    assert "verified 2 refs" in out and "DAMAGED ft/x" in out and mid in out, out
+
 @pytest.mark.parametrize("poison", ["info", "chunks"])
 def test_a_crafted_metadata_index_is_read_past_not_trusted(poison, good, env):
     """The metadata index is a cache that anyone writing a store folder can write, sealed and hashed
