@@ -3,20 +3,19 @@
 ``save`` copies the tensors that changed since the previous snapshot into a reusable
 staging area (pinned memory for CUDA tensors) and returns the rest as a job: hashing,
 encoding (a delta against the previous snapshot with ``run.delta``) and writing. With
-``overlap=True`` the parameters and state of the optimizers in the state (or held by a wrapper in it) are not copied
+``overlap=True`` the parameters and state of the optimizers in the state are not copied
 at all: the job reads them in place while forward and backward run, and a step
 pre-hook on each optimizer copies only what the job has not read yet before the step
 may modify them (CUDA tensors: the step waits for their copy to pinned memory).
 
 A tensor is known to be unchanged when it is the same storage with the same in-place
 version counter (``tensor._version``) as at the previous save (``unchanged_by="version"``);
-its chunks are then reused without reading it: a parameter, or an optimizer's state, only, of the
-modules and optimizers in the state or held by a wrapper in it (:func:`~ckpt.snapshot.state.trusted`,
-:func:`~ckpt.snapshot.held.held_in`: batch norm's statistics change without a bump). Every other
+its chunks are then reused without reading it: a parameter, or an optimizer's state, only
+(:func:`~ckpt.snapshot.state.trusted`: batch norm's statistics change without a bump). Every other
 tensor is staged at every save; where it is found unchanged by hash since the snapshot the save continues from,
 a local tier makes no room for it (:func:`_unchanged_by_hash`). A restore records the tensors it wrote so too
 (their versions as the restore left them). Where versions cannot be trusted (a fused optimizer
-that steps in the process, or ``unchanged_by="hash"``), and after a failed save, every tensor is staged and
+in the state, or ``unchanged_by="hash"``), and after a failed save, every tensor is staged and
 unchanged chunks are found by hash instead.
 
 Restoring: :mod:`ckpt.snapshot.local_restore`.
@@ -27,13 +26,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckpt.format.entries import TensorEntry
 from ckpt.format.tagged_json import LATER_TAGS, uses_tags
-from ckpt.snapshot.held import held_in
 from ckpt.snapshot.local_restore import LocalRestoring
 from ckpt.snapshot.restore_checks import snapshot_records
 from ckpt.snapshot.run import (
@@ -48,6 +45,7 @@ from ckpt.snapshot.run import (
 from ckpt.snapshot.state import (
     autograd_flags,
     flatten,
+    optimizers_in,
     tensor_devices,
     trusted,
     version_key,
@@ -82,10 +80,6 @@ class LocalSnapshots(LocalRestoring):
         self._copied = threading.Event()  # clear while an overlapped copy is pending
         self._copied.set()
         self._step_hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
-        # Fused optimizers bump no version counter: one that steps anywhere in the process (in the state, held by a
-        # wrapper, or outside the state: the model alone saved) turns version counters off while it lives.
-        self._fused: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._fused_hook = _watch_fused(self._fused) if self.trust_version else None
         self.step_wait_s = 0.0  # seconds optimizer steps waited for overlapped copies, in all
         self._live: LiveTensors | None = None  # the in-flight save's tensors read in place
         self._staging: dict[str, torch.Tensor] = {}
@@ -110,7 +104,8 @@ class LocalSnapshots(LocalRestoring):
         the result then names the error (:attr:`SaveResult.fell_back`)."""
         import torch
 
-        tensors, tree, optimizers, trust, blind = self._flatten(state)  # (blind: staged, found unchanged by hash)
+        tensors, tree, optimizers, trust = self._flatten(state)
+        blind = _blind(state, tensors, optimizers)  # (staged: found unchanged by hash)
         for name, t in tensors.items():
             storable_dtype(name, t)  # refused here, not in the background (where a local tier only warns)
         overlap = self.overlap and not (fallback is not None and self._failing)
@@ -171,26 +166,20 @@ class LocalSnapshots(LocalRestoring):
         """The bytes of ``state``'s tensors, and of those not known to be unchanged since the last snapshot this path
         wrote or restored (:meth:`_changes`; None where versions cannot tell): what a save of it adds to a local
         tier that holds none of it, and that holds that snapshot; and that snapshot's id (the one it continues from)."""
-        tensors, _, _, trust, blind = self._flatten(state)
+        tensors, _, optimizers, trust = self._flatten(state)
+        blind = _blind(state, tensors, optimizers)
         changed = self._changes(tensors, {n: _key(t.detach(), n in blind) for n, t in tensors.items()}, trust)
         if changed:  # (rare: after a full tier) read here, what the save will stage
             changed = self._unchanged_by_hash(changed, {n: t.detach() for n, t in tensors.items()}, None, blind)
         return [t.numel() * t.element_size() for t in tensors.values()], \
             None if changed is None else list(changed.values()), self._since
 
-    def _flatten(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any, list[Any], bool, set[str]]:
-        """``state``'s tensors and structure (:func:`flatten`); its optimizers, and those a wrapper in it holds
-        (:func:`~ckpt.snapshot.held.held_in`: an overlapped save reads their tensors in place and hooks their steps);
-        whether version counters say which tensors are unchanged (not with ``unchanged_by="hash"`` nor a fused
-        optimizer in the state, held by a wrapper in it, or alive that stepped since this path was made: it bumps
-        none); and the names of the tensors whose counters
-        say nothing even so (not :func:`~ckpt.snapshot.state.trusted`: read at every save)."""
+    def _flatten(self, state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Any, list[Any], bool]:
+        """``state``'s tensors and structure (:func:`flatten`), its optimizers, and whether their version counters say
+        which tensors are unchanged (not with ``unchanged_by="hash"`` nor a fused optimizer, which bumps none)."""
         tensors, tree = flatten(state)
-        modules, held = held_in(state)
-        pairs = version_trusted(modules, held)
-        blind = {n for n, t in tensors.items() if not trusted(t, pairs)}
-        trust = self.trust_version and not _has_fused_optimizer(held) and not self._fused
-        return tensors, tree, held, trust, blind
+        optimizers = optimizers_in(state)
+        return tensors, tree, optimizers, self.trust_version and not _has_fused_optimizer(optimizers)
 
     def _changes(self, tensors: dict[str, torch.Tensor], keys: dict[str, tuple[Any, ...]], trust: bool) -> dict[str, int] | None:
         """The sizes of ``tensors`` (their version ``keys`` now) not known to be unchanged since the last snapshot
@@ -416,9 +405,6 @@ class LocalSnapshots(LocalRestoring):
         for handle in self._step_hooks.values():
             handle.remove()
         self._step_hooks = {}
-        if self._fused_hook is not None:
-            self._fused_hook.remove()
-            self._fused_hook = None
 
 
 def _optimizer_storages(optimizers: list[Any]) -> frozenset[int]:
@@ -435,6 +421,12 @@ def _optimizer_storages(optimizers: list[Any]) -> frozenset[int]:
     return frozenset(ptrs)
 
 
+def _blind(state: dict[str, Any], tensors: dict[str, torch.Tensor], optimizers: list[Any]) -> set[str]:
+    """The names of ``tensors`` whose version counters say nothing (not :func:`~ckpt.snapshot.state.trusted`)."""
+    pairs = version_trusted(state, optimizers)
+    return {n for n, t in tensors.items() if not trusted(t, pairs)}
+
+
 def _key(t: torch.Tensor, blind: bool) -> tuple[Any, ...]:
     """``t``'s :func:`~ckpt.snapshot.state.version_key`, one that equals no other where it is ``blind`` (not
     :func:`~ckpt.snapshot.state.trusted`: its version counter says nothing, it is read at every save)."""
@@ -446,23 +438,6 @@ def _has_fused_optimizer(optimizers: list[Any]) -> bool:
     """Fused optimizers update parameters and moments in place without bumping
     ``tensor._version``: with one in the state, versions cannot be trusted."""
     return any(any(g.get("fused") for g in o.param_groups) for o in optimizers)
-
-
-def _watch_fused(seen: weakref.WeakSet[Any]) -> Any:
-    """A step pre-hook on every optimizer of the process (torch's global one) that adds those that are fused to
-    ``seen``; its handle. (A fused optimizer kept out of the state updated the model's parameters without a bump: a
-    save of the model alone reused its first snapshot's chunks ever after.)"""
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-        try:
-            fused = _has_fused_optimizer([optimizer])
-        except Exception:  # noqa: BLE001 - an optimizer of another shape: never its step's failure; taken as fused
-            fused = True
-        if fused:
-            seen.add(optimizer)  # (torch's Optimizer takes weak references, so does every subclass)
-
-    return register_optimizer_step_pre_hook(hook)
 
 
 def _all_here(store: Store, entry: TensorEntry) -> bool:

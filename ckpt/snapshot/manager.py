@@ -69,8 +69,8 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
       copy of the state. An error in the background is raised by the next ``save``,
       ``wait`` or ``close``.
     * ``"sync"``: ``save`` returns when the snapshot is durable.
-    * ``"overlap"``: the parameters and state of the optimizers in ``state`` (or held by a
-      Stateful wrapper in it) are not copied by ``save`` at all. They cannot change before the optimizer's next
+    * ``"overlap"``: the parameters and state of the optimizers in ``state`` are not
+      copied by ``save`` at all. They cannot change before the optimizer's next
       ``step()``, so the save thread reads them in place while forward and backward run;
       a step pre-hook on each optimizer then copies only what the save has not read yet
       before letting the step modify them (CUDA tensors: the step waits for their copy to
@@ -88,11 +88,9 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
     **Unchanged tensors** (``unchanged_by``): with ``"version"`` (default) a tensor that
     is the same storage with the same in-place version counter as at the previous save
     is not read at all: its chunks are reused (after a restore: the same as the restore left
-    it). Only parameters and optimizer state are trusted so, of the modules and optimizers in the state or held by a
-    Stateful wrapper in it (:func:`~ckpt.snapshot.held.held_in`): every other tensor (a module's buffers, a copy or a
-    ``.data`` alias a wrapper hands out, a plain value) is read at every save, ``torch.batch_norm`` updating running
-    statistics in place without bumping their counters; its unchanged chunks are found by hash. Where versions cannot
-    be trusted (a fused optimizer stepping in the process, in the state or not) every tensor is
+    it). Only parameters and optimizer state are trusted so: every other tensor (a module's buffers, what a
+    Stateful wrapper or a plain value hands out) is read at every save, ``torch.batch_norm`` updating running
+    statistics in place without bumping their counters; its unchanged chunks are found by hash. Where versions cannot be trusted (a fused optimizer in the state) every tensor is
     staged and unchanged chunks are found by hash instead; ``"hash"`` always does that (writes through
     ``.data`` bypass the counter: choose it if your code does that).
 

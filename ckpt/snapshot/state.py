@@ -170,18 +170,17 @@ def version_key(t: Any) -> tuple[Any, ...]:
     return (t.data_ptr(), t._version, tuple(t.shape), t.dtype, t.device, t.stride())
 
 
-def version_trusted(modules: list[Any], optimizers: list[Any]) -> frozenset[tuple[int, int]]:
-    """What :func:`trusted` checks a tensor against: the (data pointer, version) of the parameters of ``modules`` and
-    ``optimizers`` (the state's, and those a Stateful wrapper holds: :func:`~ckpt.snapshot.held.held_in`), and of the optimizers'
-    per-parameter state, whose version counters say whether they changed; not a module's buffers, nor anything else:
-    ``torch.batch_norm`` (every BatchNorm module, ``F.batch_norm`` on plain tensors) updates running statistics in place
-    without bumping their counters, so a save that trusted them reused the statistics of the first snapshot in every
-    later one, and a resumed run evaluated (and went on) with stale ones. A save reads every other tensor each time (the
-    hash finds its chunks unchanged where they are): what a wrapper's ``state_dict()`` hands out is trusted where it is
-    such a parameter or state itself (``.detach()``: the same address and counter), not a copy of one, nor a buffer.
-    Memory a buffer shares (tied) is not trusted; nor a tensor without an address (a wrapper tensor subclass)."""
+def version_trusted(state: dict[str, Any], optimizers: list[Any]) -> frozenset[tuple[int, int]]:
+    """What :func:`trusted` checks a tensor against: the (data pointer, version) of the parameters of the modules in
+    ``state`` and of ``optimizers``, and of the optimizers' per-parameter state, whose version counters say whether
+    they changed; not a module's buffers, nor anything else: ``torch.batch_norm`` (every BatchNorm module,
+    ``F.batch_norm`` on plain tensors) updates running statistics in place without bumping their counters, so a save
+    that trusted them reused the statistics of the first snapshot in every later one, and a resumed run evaluated (and
+    went on) with stale ones. A save reads every other tensor each time (the hash finds its chunks unchanged where they
+    are). Memory a buffer shares (tied) is not trusted; nor a tensor without an address (a wrapper tensor subclass)."""
     import torch
 
+    modules = [m for m in state.values() if isinstance(m, torch.nn.Module)]
     params = [p for m in modules for p in m.parameters()]
     params += [p for o in optimizers for g in o.param_groups for p in g["params"]]
     params += [v for o in optimizers for per in o.state.values() for v in per.values() if isinstance(v, torch.Tensor)]
@@ -324,14 +323,10 @@ def optimizers_by_key(state: dict[str, Any]) -> dict[str, Any]:
     """:func:`optimizers_in`, by their keys in ``state``."""
     import torch
 
-    return {key: unwrapped_optimizer(obj) for key, obj in state.items() if isinstance(obj, torch.optim.Optimizer)}
-
-
-def unwrapped_optimizer(optimizer: Any) -> Any:
-    """The optimizer whose ``step`` runs the update of ``optimizer`` (:func:`optimizers_in`)."""
-    import torch
-
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
-
+    found = {}
+    for key, obj in state.items():
+        if isinstance(obj, torch.optim.Optimizer):
+            while isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer):
+                obj = obj.optimizer
+            found[key] = obj
+    return found
