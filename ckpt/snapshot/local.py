@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,12 @@ class LocalSnapshots(LocalRestoring):
         self._copied = threading.Event()  # clear while an overlapped copy is pending
         self._copied.set()
         self._step_hooks: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
+        # Fused optimizers bump no version counter: one kept out of the state (the model saved alone) went unseen, and
+        # every snapshot after the first held the first's bytes. One stepping anywhere in the process while this path
+        # lives turns version counters off for good (the keys recorded since say nothing).
+        self._fused = _FusedWatch() if self.trust_version else None
+        if self._fused is not None:
+            weakref.finalize(self, self._fused.remove)  # (a manager dropped unclosed: the process-wide hook goes too)
         self.step_wait_s = 0.0  # seconds optimizer steps waited for overlapped copies, in all
         self._live: LiveTensors | None = None  # the in-flight save's tensors read in place
         self._staging: dict[str, torch.Tensor] = {}
@@ -179,7 +186,8 @@ class LocalSnapshots(LocalRestoring):
         which tensors are unchanged (not with ``unchanged_by="hash"`` nor a fused optimizer, which bumps none)."""
         tensors, tree = flatten(state)
         optimizers = optimizers_in(state)
-        return tensors, tree, optimizers, self.trust_version and not _has_fused_optimizer(optimizers)
+        fused = _has_fused_optimizer(optimizers) or (self._fused is not None and self._fused.seen)
+        return tensors, tree, optimizers, self.trust_version and not fused
 
     def _changes(self, tensors: dict[str, torch.Tensor], keys: dict[str, tuple[Any, ...]], trust: bool) -> dict[str, int] | None:
         """The sizes of ``tensors`` (their version ``keys`` now) not known to be unchanged since the last snapshot
@@ -405,6 +413,8 @@ class LocalSnapshots(LocalRestoring):
         for handle in self._step_hooks.values():
             handle.remove()
         self._step_hooks = {}
+        if self._fused is not None:
+            self._fused.remove()
 
 
 def _optimizer_storages(optimizers: list[Any]) -> frozenset[int]:
@@ -432,6 +442,28 @@ def _key(t: torch.Tensor, blind: bool) -> tuple[Any, ...]:
     :func:`~ckpt.snapshot.state.trusted`: its version counter says nothing, it is read at every save)."""
     key = version_key(t)
     return (*key, object()) if blind else key
+
+
+class _FusedWatch:
+    """Whether a fused optimizer has stepped in this process since it was made: a step pre-hook on every optimizer
+    (torch's process-wide one) notes it; never unset. The hook never fails a step."""
+
+    def __init__(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self.seen = False
+
+        def hook(optimizer: Any, args: Any, kwargs: Any, watch: _FusedWatch = self) -> None:
+            if not watch.seen:
+                try:
+                    watch.seen = _has_fused_optimizer([optimizer])
+                except Exception:  # noqa: BLE001 - an optimizer of another shape: taken as fused, never its step's failure
+                    watch.seen = True
+
+        self._handle = register_optimizer_step_pre_hook(hook)
+
+    def remove(self) -> None:
+        self._handle.remove()  # (again: nothing)
 
 
 def _has_fused_optimizer(optimizers: list[Any]) -> bool:

@@ -90,7 +90,7 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
     is not read at all: its chunks are reused (after a restore: the same as the restore left
     it). Only parameters and optimizer state are trusted so: every other tensor (a module's buffers, what a
     Stateful wrapper or a plain value hands out) is read at every save, ``torch.batch_norm`` updating running
-    statistics in place without bumping their counters; its unchanged chunks are found by hash. Where versions cannot be trusted (a fused optimizer in the state) every tensor is
+    statistics in place without bumping their counters; its unchanged chunks are found by hash. Where versions cannot be trusted (a fused optimizer in the state, or one that stepped anywhere in the process while the manager lived) every tensor is
     staged and unchanged chunks are found by hash instead; ``"hash"`` always does that (writes through
     ``.data`` bypass the counter: choose it if your code does that).
 
