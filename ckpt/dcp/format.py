@@ -210,7 +210,7 @@ def _decode_layout(extra: dict[str, Any], what: str) -> DcpLayout:
     o = extra.get("dcp")
     if not isinstance(o, dict) or o.get("format") != DCP_FORMAT:
         raise StoreFormatError(f"{what} is not a distributed (DCP) checkpoint")
-    if o.get("version") not in (DCP_VERSION, DCP_TORCH_VERSION):
+    if type(o.get("version")) is not int or o["version"] not in (DCP_VERSION, DCP_TORCH_VERSION):  # (true is no 1)
         raise StoreFormatError(f"{what}: ckpt-dcp version {o.get('version')!r}; this ckpt reads versions {DCP_VERSION}, "
                                f"{DCP_TORCH_VERSION}",
                                hint="upgrade ckpt to read it")

@@ -108,13 +108,22 @@ def resolve_latest(store: Store, run: str, warn: Callable[[str], None], parsed: 
     Its answer may be there already; :func:`latest_manifest` reads it from there or the store."""
     from ckpt.errors import RefNotFoundError
 
-    latest = f"{run}/latest"
     try:
-        return store.resolve(latest)
-    except RefNotFoundError:
-        found, view = run_steps(store, run)
-        if not found:
-            raise
+        return store.resolve(f"{run}/latest")
+    except RefNotFoundError as e:
+        return _newest_snapshot(store, run, warn, parsed, e)
+
+
+def _newest_snapshot(store: Store, run: str, warn: Callable[[str], None], parsed: dict[str, Manifest] | None,
+                     missing: CkptError) -> str:
+    """:func:`resolve_latest` where ``RUN/latest`` names nothing (``missing``, raised where the run has no step either)."""
+    from ckpt.errors import RefNotFoundError
+
+    latest = f"{run}/latest"
+    found, view = run_steps(store, run)
+    if not found:
+        raise missing
+
     def read(mid: str) -> Manifest:
         m = store.manifest(mid)
         if parsed is not None:
@@ -140,15 +149,19 @@ def latest_manifest(store: Store, run: str, warn: Callable[[str], None], parsed:
     every byte of the run's newest snapshot resumes it). Only where ``RUN/latest`` itself names it: where that ref is
     missing, an unreadable manifest is taken for the newest step so that the restore names its damage, and the tier
     may hold a step the run has moved past."""
+    from ckpt.errors import RefNotFoundError
     from ckpt.snapshot.tiers import MISSES, describe
 
-    mid = resolve_latest(store, run, warn, parsed)
+    try:
+        mid, named = store.resolve(f"{run}/latest"), True
+    except RefNotFoundError as e:
+        mid, named = _newest_snapshot(store, run, warn, parsed, e), False
     m = parsed.get(mid)
     if m is None:
         try:
             m = parsed[mid] = store.manifest(mid)
         except MISSES as e:
-            if copy is None or not _named_by_latest(store, run, mid):
+            if copy is None or not named:
                 raise
             try:
                 m = parsed[mid] = copy.manifest(mid)
@@ -158,12 +171,6 @@ def latest_manifest(store: Store, run: str, warn: Callable[[str], None], parsed:
                  "tier's copy of it is read")
     return mid, m
 
-
-def _named_by_latest(store: Store, run: str, mid: str) -> bool:
-    try:
-        return store.resolve(f"{run}/latest") == mid
-    except CkptError:
-        return False
 
 
 def snapshot_step(m: Manifest) -> int | None:

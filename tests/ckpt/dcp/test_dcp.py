@@ -1209,3 +1209,18 @@ def test_a_reader_given_a_ref_and_the_same_checkpoint_id_reads_its_manifest_once
     dcp.load(into, storage_reader=ckpt.dcp.Reader(url, "x/a"), checkpoint_id="x/a")
     assert _bits_equal(into["w"], torch.arange(16.0).reshape(4, 4))
     assert len(reads) == 1, reads
+
+
+def test_a_dcp_record_of_version_true_is_refused_not_read_as_version_1():
+    """JSON true passed the ckpt-dcp record's version check as 1 (Python's True == 1), and a tagged value (version 2)
+    came back as its raw dict (review rev22f): a version must be an int."""
+    from ckpt.dcp.format import decode_layout
+    from ckpt.format.tagged_json import encode
+    from ckpt_store.storage.errors import StoreFormatError
+
+    value = encode(torch.float16, "dt", unsupported=lambda p, w: TypeError(w))
+    rec = {"dcp": {"format": "ckpt-dcp", "version": 2, "dcp_version": "1.0.0", "items": {"dt": {"kind": "value", "value": value}}}}
+    assert decode_layout(rec, "manifest X").values["dt"] is torch.float16
+    rec["dcp"]["version"] = True
+    with pytest.raises(StoreFormatError, match="ckpt-dcp version True"):
+        decode_layout(rec, "manifest X")

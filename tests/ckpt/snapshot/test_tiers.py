@@ -1915,3 +1915,42 @@ def test_a_group_reads_its_tiers_copy_of_a_damaged_durable_latest_manifest_too(t
     assert out.splitlines()[0] == "8" and f"the manifest of run/latest ({mid[:12]}) is unreadable" in out, out
     want, got = (torch.load(tmp_path / f, weights_only=True) for f in ("want.pt", "got.pt"))
     assert {k: tensor_bits(v) for k, v in got.items()} == {k: tensor_bits(v) for k, v in want.items()}
+
+
+@pytest.mark.parametrize("fault", ["unanswered", "corrupt"])
+def test_a_store_that_stops_answering_after_naming_latest_resumes_from_the_tiers_copy(tmp_path, monkeypatch, fault):
+    """The durable store answers run/latest, then fails every request (a passing outage, or the manifest damaged): the
+    tier's copy of that manifest is read. A second lookup of run/latest, made to know whether it named the id, failed
+    too and the restore raised the store's error (review rev22f): whether run/latest named it is known from the first."""
+    from ckpt.store import names
+    from ckpt_store.storage.errors import CorruptObjectError, StorageIOError
+
+    url, local = str(tmp_path / "s"), str(tmp_path / "local")
+    model = torch.nn.Linear(8, 4)
+    _eight_steps_saved(url, local, model, torch.optim.AdamW(model.parameters()))
+    resolve, manifest, lookups = names.StoreNames.resolve, names.StoreNames.manifest, []
+
+    def durable(store) -> bool:
+        return str(store.url).rstrip("/") == url
+
+    def flaky_resolve(self, ref):
+        if durable(self):
+            lookups.append(ref)
+            if len(lookups) > 1:
+                raise StorageIOError(f"GET {ref}: connection reset (after 5 tries)", retryable=True)
+        return resolve(self, ref)
+
+    def failing_manifest(self, ref):
+        if durable(self):
+            if fault == "corrupt":
+                raise CorruptObjectError("manifests", ref, "its bytes do not match its id")
+            raise StorageIOError(f"GET manifests/{ref[:12]}: 503 SlowDown (after 5 tries)", retryable=True)
+        return manifest(self, ref)
+    monkeypatch.setattr(names.StoreNames, "resolve", flaky_resolve)
+    monkeypatch.setattr(names.StoreNames, "manifest", failing_manifest)
+    fresh = torch.nn.Linear(8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with ckpt.CheckpointManager(url, "run", local=local, local_every_n_steps=2, save_mode="sync") as mgr:
+            assert mgr.restore_latest({"model": fresh}) == 8
+    assert tensor_bits(fresh.weight) == tensor_bits(model.weight)
