@@ -72,6 +72,17 @@ def fill_medium(path: str | os.PathLike[str], leave: int = 0) -> None:
     os.truncate(path, max(os.path.getsize(path) - leave, 0))
 
 
+def flip_a_byte(path: str | os.PathLike[str]) -> None:
+    """Damage a stored object in place: a bit of its middle byte flipped (made writable first: a store writes its
+    objects read-only)."""
+    os.chmod(path, 0o644)
+    with open(path, "rb") as f:
+        raw = bytearray(f.read())
+    raw[len(raw) // 2] ^= 1
+    with open(path, "wb") as f:
+        f.write(bytes(raw))
+
+
 def tensor_bits(t: torch.Tensor) -> bytes:
     """The bytes of ``t`` (any device, any layout): what bit-exact tests compare."""
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("starlette", reason="ckpt serve needs the web extra: pip install 'ckpt-store[web]'")
 pytest.importorskip("httpx", reason="starlette's TestClient needs httpx")
 
+from integration_util import flip_a_byte  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 from test_cli_runner import invoke, run_main  # noqa: E402
 from webstore import XSS, XSS_META, XSS_TENSOR, Tiny  # noqa: E402
@@ -1183,10 +1184,7 @@ def test_a_warm_view_shows_a_checkpoint_damaged_since_as_damaged(tmp_path, how):
     if how == "delete":
         path.unlink()
     else:
-        os.chmod(path, 0o644)
-        raw = bytearray(path.read_bytes())
-        raw[len(raw) // 2] ^= 1
-        path.write_bytes(bytes(raw))
+        flip_a_byte(path)
     fresh = TestClient(create_app(store)).get("/api/checkpoint/a")
     warm = c.get("/api/checkpoint/a")
     assert (warm.status_code, warm.json()) == (fresh.status_code, fresh.json()) and warm.status_code == 500  # was 200

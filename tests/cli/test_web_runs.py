@@ -14,6 +14,8 @@ from torch import nn
 pytest.importorskip("starlette", reason="ckpt serve needs the web extra: pip install 'ckpt-store[web]'")
 pytest.importorskip("httpx", reason="starlette's TestClient needs httpx")
 
+from integration_util import flip_a_byte  # noqa: E402
+
 import ckpt  # noqa: E402
 from ckpt.format.manifest import Manifest  # noqa: E402
 from ckpt.store import catalog  # noqa: E402
@@ -164,10 +166,7 @@ def _damage_manifest(store: ckpt.Store, root, ref: str, how: str = "flip") -> st
     if how == "delete":
         path.unlink()
         return mid
-    os.chmod(path, 0o644)
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 1
-    path.write_bytes(bytes(raw))
+    flip_a_byte(path)
     return mid
 
 
@@ -562,10 +561,7 @@ def _damage_newest_chunk(store: ckpt.Store, root, ref: str, older: str, how: str
     if how == "delete":
         path.unlink()
     else:
-        os.chmod(path, 0o644)
-        raw = bytearray(path.read_bytes())
-        raw[len(raw) // 2] ^= 1
-        path.write_bytes(bytes(raw))
+        flip_a_byte(path)
     return cid
 
 

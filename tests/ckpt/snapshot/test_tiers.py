@@ -17,7 +17,7 @@ import warnings
 
 import pytest
 import torch
-from integration_util import start_process, state_bits, tensor_bits
+from integration_util import flip_a_byte, start_process, state_bits, tensor_bits
 from integration_util import wait_process as _wait
 
 import ckpt
@@ -1814,9 +1814,7 @@ def test_a_damaged_durable_copy_of_the_latest_manifest_is_read_from_the_local_ti
     mid = store.resolve("run/latest")
     path = pathlib.Path(url) / store.objects.path("manifests", mid)
     if damage == "flipped":
-        raw = bytearray(path.read_bytes())
-        raw[len(raw) // 2] ^= 0x01
-        path.write_bytes(bytes(raw))
+        flip_a_byte(path)
     else:
         path.unlink()
     fresh_model = torch.nn.Linear(8, 4)
@@ -1857,9 +1855,7 @@ def test_a_tiers_copy_is_not_read_for_an_unreadable_step_taken_for_the_newest_wh
     store.remove("run/latest")
     mid4 = store.resolve("run/step-4")
     path = pathlib.Path(url) / store.objects.path("manifests", mid4)
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 1
-    path.write_bytes(bytes(raw))
+    flip_a_byte(path)
     shutil.rmtree(pathlib.Path(url) / "index")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -1908,9 +1904,7 @@ def test_a_group_reads_its_tiers_copy_of_a_damaged_durable_latest_manifest_too(t
     store = ckpt.Store.open(url)
     mid = store.resolve("run/latest")
     path = pathlib.Path(url) / store.objects.path("manifests", mid)
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 1
-    path.write_bytes(bytes(raw))
+    flip_a_byte(path)
     out = run("restore")
     assert out.splitlines()[0] == "8" and f"the manifest of run/latest ({mid[:12]}) is unreadable" in out, out
     want, got = (torch.load(tmp_path / f, weights_only=True) for f in ("want.pt", "got.pt"))
