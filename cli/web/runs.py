@@ -8,6 +8,7 @@ from typing import Any
 
 import ckpt
 from ckpt.errors import CkptError, ObjectNotFoundError, RefNotFoundError
+from ckpt.format.manifest import Manifest
 from ckpt.snapshot.run import is_snapshot, not_a_snapshot
 from ckpt.snapshot.steps import left_behind, resolve_latest, run_steps, snapshot_step, step_of, step_ref
 from ckpt.store import catalog
@@ -142,6 +143,7 @@ def _resume_choice(view: StoreView, name: str, named: tuple[list[Any] | None, st
     A candidate found not whole has its live row drawn damaged (no tier can restore it)."""
     candidates: dict[int, str] = {}
     durable: tuple[int, str, float] | None = None
+    durable_read: Manifest | None = None  # (its manifest, read and checked: not read again for its chunks)
     entries, bad = named
     if bad is not None:  # (the manager's resolve of it raises)
         return None, f"{name}/latest: {bad}"
@@ -173,7 +175,7 @@ def _resume_choice(view: StoreView, name: str, named: tuple[list[Any] | None, st
         step = snapshot_step(m)
         if step is not None:
             candidates[step] = mid
-            durable = (step, mid, m.created)
+            durable, durable_read = (step, mid, m.created), m
     local = view.local
     if local is not None:
         for step, mid in run_steps(local, name)[0].items():
@@ -187,7 +189,7 @@ def _resume_choice(view: StoreView, name: str, named: tuple[list[Any] | None, st
             candidates[step] = mid  # (the tier's own where both hold the step, as the manager's)
     why = None
     for step, mid in sorted(candidates.items(), reverse=True):
-        damage = _not_whole(view, mid, sizes)
+        damage = _not_whole(view, mid, sizes, durable_read if durable is not None and mid == durable[1] else None)
         if damage is None:
             return (step, mid), None
         why = f"step {step}: {damage}"
@@ -197,11 +199,13 @@ def _resume_choice(view: StoreView, name: str, named: tuple[list[Any] | None, st
     return None, why
 
 
-def _not_whole(view: StoreView, mid: str, sizes: dict[str, int]) -> str | None:
-    """Why snapshot ``mid`` cannot be restored from the view's tiers (:func:`_resume_choice`), None where it can."""
+def _not_whole(view: StoreView, mid: str, sizes: dict[str, int], read: Manifest | None = None) -> str | None:
+    """Why snapshot ``mid`` cannot be restored from the view's tiers (:func:`_resume_choice`), None where it can;
+    ``read``: its manifest, already read from a tier and checked against its id for this request (not read again)."""
     tiers = ([("local", view.local)] if view.local is not None else []) + [("durable", view.store)]
     errors = []
-    for tier, store in tiers:
+    m = read
+    for tier, store in tiers if m is None else []:
         try:
             m = view.manifest(mid, store, check=True)
             break
@@ -209,7 +213,7 @@ def _not_whole(view: StoreView, mid: str, sizes: dict[str, int]) -> str | None:
             if e.retryable:
                 raise
             errors.append(f"{tier}: {e}")
-    else:
+    if m is None:
         return "; ".join(errors)
     try:
         # what a restore reads: tensors' and files' chunks and their delta bases, not bundles (copies, an accelerator)
