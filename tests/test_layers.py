@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # source folder -> the name it is installed under (setup.py)
 PACKAGES = {"cli": "ckpt_store.cli", "ckpt": "ckpt", "storage": "ckpt_store.storage"}
@@ -134,6 +136,7 @@ def test_integrations_load_their_framework_only_on_request():
     assert out.strip() == "[]"
 
 
+@pytest.mark.slow  # (8-9 s: a whole collection in a subprocess; run by .ci/run's slow pass)
 def test_pytest_collects_without_the_optional_frameworks():
     """--doctest-modules imports every module; without pytorch_lightning/transformers the
     modules that need them are left out by the root conftest, instead of stopping the run."""

@@ -421,7 +421,8 @@ def _limited(args: list[str | Path], store: Path, env: dict[str, str]) -> subpro
                           timeout=120, preexec_fn=cap)
 
 
-@pytest.mark.parametrize("which", ["chunk", "manifest", "ref", "index"])
+# (3-4 s each, CLI subprocesses: the chunk in the default run, the others in .ci/run's slow pass)
+@pytest.mark.parametrize("which", ["chunk", *(pytest.param(w, marks=pytest.mark.slow) for w in ("manifest", "ref", "index"))])
 def test_a_sparse_50_gb_file_in_a_store_folder_is_refused_by_its_size(which, good, tmp_path, env):
     """A file of a store folder extended to 50 GB (sparse: it costs no disk) was read whole into memory
     by every command that met it (a MemoryError traceback under a 4 GiB cap, the machine's memory
