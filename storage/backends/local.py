@@ -59,9 +59,18 @@ class LocalBackend(LocalReads, Backend):
         if d in self._made_dirs:
             return
         self._check_inside(d)
+        made, here = [], d  # the folders this call makes: each one's name is an entry of its parent
+        while not os.path.isdir(here) and os.path.dirname(here) != here:
+            made.append(here)
+            here = os.path.dirname(here)
         os.makedirs(d, exist_ok=True)
         with self._lock:
             self._made_dirs.add(d)
+            if self.fsync:
+                # A new folder's name is durable only once its parent is fsynced, as a file's is once its
+                # folder is: without it, a power loss could take a new ref's folder (or a chunks/ fan-out
+                # folder, or the store's own) with every fsynced file inside, after the push said done.
+                self._dirty_dirs.update(os.path.dirname(m) for m in made)
 
     def _check_inside(self, d: str) -> None:
         """Refuse to write or delete in directory ``d`` when a folder on its way down from the

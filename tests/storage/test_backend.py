@@ -387,3 +387,32 @@ def test_a_filesystems_passing_failure_reading_a_ref_is_not_damage(failing_fs):
         assert not isinstance(e.value, StoreFormatError) and e.value.retryable
     failing_fs.raising = None
     assert torch.equal(Store.open(url).load("model/a")["w"], torch.arange(10, dtype=torch.float32))
+
+
+def test_a_push_makes_durable_the_names_of_the_folders_it_made(tmp_path, monkeypatch):
+    """A file is durable once it and its folder are fsynced; a folder made by the write is durable once its
+    PARENT is. Only the folders holding files were fsynced: a power loss after a push into a new store (or
+    under a new ref name, or a new chunks/ fan-out folder) could lose a whole folder of fsynced files. There
+    is no power to cut here: every fsync is recorded (and done), and every folder of the store must have had
+    its parent fsynced after the push made it."""
+    import torch
+
+    import ckpt
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd to name what is fsynced")
+    monkeypatch.setattr(os, "fsync", fsync)
+    root = tmp_path / "new" / "store"
+    store = ckpt.Store.init(str(root))
+    store.push({"w": torch.arange(1000.0)}, "team/model/base")
+    folders = [str(p) for p in root.rglob("*") if p.is_dir()] + [str(root), str(root.parent)]
+    assert any(s.endswith("/refs/team") or "/refs/team/" in s for s in folders)
+    missing = sorted(f for f in folders if os.path.dirname(f) not in synced)
+    assert not missing, f"made but their parents never fsynced: {missing}"
