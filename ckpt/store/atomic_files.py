@@ -179,6 +179,8 @@ def write_files(targets: Sequence[str], fill: Callable[[list[str]], None], overw
                 sweep_left(t)
             fill(tmps)
             _place(tmps, targets, overwrite, check)
+            for d in sorted({os.path.dirname(m) for m in made}):
+                _fsync_dir(d)  # (a folder made for a target is durable once its parent is)
         except OSError as e:
             raise DestinationError(f"cannot write {e.filename or targets[0]}: {e.strerror or e}",
                                    hint="check the destination's permissions and free space") from None
@@ -270,6 +272,8 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
             for t in inner:
                 os.makedirs(os.path.dirname(t), exist_ok=True)
             fill(inner)
+            for here, _, _ in os.walk(tmp_dir):  # every name in the new folder durable before it takes its name
+                _fsync_dir(here)
             with _placing_files():
                 try:
                     _rename_dir_new(tmp_dir, dest)
@@ -288,7 +292,8 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
                     write_files(targets, lambda tmps: _move_all(inner, tmps), overwrite, check)
                     shutil.rmtree(tmp_dir)  # (its folders, emptied)
                 _pending.discard(tmp_dir)  # (it is dest now, or gone)
-            _fsync_dir(os.path.dirname(os.path.abspath(dest)))
+            for d in sorted({os.path.dirname(os.path.abspath(dest))} | {os.path.dirname(m) for m in made}):
+                _fsync_dir(d)
         except OSError as e:
             raise DestinationError(f"cannot write {e.filename or dest}: {e.strerror or e}",
                                    hint="check the destination's permissions and free space") from None

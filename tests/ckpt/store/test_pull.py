@@ -1680,3 +1680,32 @@ def test_more_than_16_views_saved_before_their_base_pull_back_as_views(store, tm
         assert _sharing(got) == _sharing(want)
         assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1
     assert store.verify().ok
+
+
+def test_a_pull_makes_durable_every_folder_it_made_and_every_name_in_them(store, model_dir, tmp_path, monkeypatch):
+    """A pulled file is fsynced and so is the folder it lands in; but the folders a pull made on the way
+    (``out/new/model``: ``out`` and ``new`` did not exist) are names in their parents, and a directory
+    checkpoint's own folders (built under a temporary name, then renamed) hold names of their own: none of
+    those folders were fsynced, so a power loss after the pull said done could take them with the files.
+    There is no power to cut here: every fsync is recorded by the folder's identity (it may be fsynced
+    under its temporary name) and still done; each folder the pull made, and the one above it, must have
+    been fsynced."""
+    synced: set[tuple[int, int]] = set()
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        synced.add((st.st_dev, st.st_ino))
+        real(fd)
+
+    store.push(str(model_dir), "folder")
+    store.push(str(model_dir / "model.safetensors"), "file")
+    monkeypatch.setattr(os, "fsync", fsync)
+    store.pull("folder", tmp_path / "out" / "new" / "model")
+    store.pull("file", tmp_path / "out2" / "deep" / "m.safetensors")
+    made = [tmp_path / "out", tmp_path / "out" / "new", tmp_path / "out" / "new" / "model",
+            tmp_path / "out" / "new" / "model" / "sub", tmp_path / "out2", tmp_path / "out2" / "deep"]
+    for d in [*made, tmp_path]:
+        st = os.stat(d)
+        assert (st.st_dev, st.st_ino) in synced, f"{d} never fsynced"
+    assert _tree(tmp_path / "out" / "new" / "model") == _tree(model_dir)
