@@ -163,6 +163,19 @@ class LocalBackend(LocalReads, Backend):
             with self._lock:
                 self._dirty_dirs.add(os.path.dirname(final))
 
+    def _sync_dir(self, d: str) -> None:
+        """fsync folder ``d`` now (where this store fsyncs), for an order a later flush cannot give."""
+        if not self.fsync:
+            return
+        try:
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def flush(self) -> None:
         """fsync every directory that gained a name since the last flush.
 
@@ -173,14 +186,7 @@ class LocalBackend(LocalReads, Backend):
         with self._lock:
             dirs, self._dirty_dirs = self._dirty_dirs, set()
         for d in sorted(dirs):
-            try:
-                fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-            except FileNotFoundError:
-                continue
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            self._sync_dir(d)
 
     def create_exclusive(self, path: str, data: Data) -> bool:
         return self._create(path, data, sync=True)
@@ -328,6 +334,10 @@ class LocalBackend(LocalReads, Backend):
                 os.link(condemned, final)
             except FileExistsError:
                 pass  # a writer put it back already: same name, same bytes
+            # The name back on disk before the condemned one goes: the writer that touched the object
+            # names it in a checkpoint it makes durable, and a power loss must not keep the unlink and
+            # lose the link (nothing else fsyncs this folder: the writer wrote nothing in it).
+            self._sync_dir(os.path.dirname(final))
             _unlink_quiet(condemned)
             return False
         _unlink_quiet(condemned)
@@ -336,6 +346,7 @@ class LocalBackend(LocalReads, Backend):
     def recover_condemned(self, prefix: str) -> int:
         """Put back objects a killed gc left condemned below ``prefix``. Returns how many."""
         n = 0
+        done: list[str] = []  # condemned names whose object has its name again
         for e in list(self.list(prefix)):
             head, _, name = e.path.rpartition("/")
             original = condemned_original(name)
@@ -349,7 +360,11 @@ class LocalBackend(LocalReads, Backend):
                     pass
                 except FileNotFoundError:
                     continue
-                _unlink_quiet(src)
+                done.append(src)
+        for d in sorted({os.path.dirname(p) for p in done}):
+            self._sync_dir(d)  # the names back on disk before the condemned ones go (as delete_if_stale)
+        for src in done:
+            _unlink_quiet(src)
         return n
 
 

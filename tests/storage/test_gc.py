@@ -676,3 +676,52 @@ def test_a_damaged_entry_older_than_a_removal_stops_neither_gc_nor_its_dry_run(t
         assert store.load("a")["w"].numpy().tobytes() == new.numpy().tobytes()
     report = store.verify()
     assert [p for p in report.problems if "0000000002.ref" in p] and len(report.problems) == 1
+
+
+@pytest.mark.parametrize("how", ["touched while condemned", "put back by the next gc"])
+def test_an_object_put_back_under_its_name_is_on_disk_before_its_condemned_name_goes(how, tmp_path, monkeypatch):
+    """gc links a condemned object back under its name when a writer touched it (or the next gc puts back what a
+    killed one left), then unlinks the condemned name. Neither was fsynced, and the writer that touched it
+    wrote nothing in that folder to fsync: a power loss could keep the unlink and lose the link, and the
+    writer's durable checkpoint would name a chunk that is gone. There is no power to cut here: the calls are
+    recorded (and done), and the folder must be fsynced between the link and the unlink."""
+    import ckpt_store.storage.backends.local as local
+    from ckpt_store.storage.backends.base import CONDEMNED
+    from ckpt_store.storage.backends.local import LocalBackend
+
+    b = LocalBackend(str(tmp_path), fsync=True)
+    b.write("objects/chunks/ab/obj", b"data")
+    folder = os.stat(tmp_path / "objects/chunks/ab")
+    events: list[str] = []
+    real_rename, real_fsync, real_unlink = os.rename, os.fsync, os.unlink
+
+    def rename(src, dst):
+        real_rename(src, dst)
+        os.utime(dst)  # a writer's touch that landed just before the rename: the object is live
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (folder.st_dev, folder.st_ino):
+            events.append("fsync folder")
+        real_fsync(fd)
+
+    def unlink(p, *a, **kw):
+        if CONDEMNED in os.path.basename(os.fspath(p)):
+            events.append("unlink condemned")
+        real_unlink(p, *a, **kw)
+
+    if how == "touched while condemned":
+        past = time.time() - 100
+        os.utime(tmp_path / "objects/chunks/ab/obj", (past, past))
+        monkeypatch.setattr(local.os, "rename", rename)
+    else:  # a gc killed while the object was condemned
+        real_rename(tmp_path / "objects/chunks/ab/obj", tmp_path / f"objects/chunks/ab/{CONDEMNED}{'0' * 32}-obj")
+    monkeypatch.setattr(local.os, "fsync", fsync)
+    monkeypatch.setattr(local.os, "unlink", unlink)
+    if how == "touched while condemned":
+        assert b.delete_if_stale("objects/chunks/ab/obj", time.time() - 50) is False
+    else:
+        assert b.recover_condemned("objects") == 1
+    assert "unlink condemned" in events and "fsync folder" in events[: events.index("unlink condemned")], events
+    assert b.read("objects/chunks/ab/obj") == b"data"
+    assert os.listdir(tmp_path / "objects/chunks/ab") == ["obj"]
