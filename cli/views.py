@@ -202,8 +202,10 @@ def copy(v: dict[str, Any]) -> None:
 
 def gc(v: dict[str, Any]) -> None:
     verb = "would delete" if v["dry_run"] else "deleted"
-    out.print(f"{verb} {v['deleted']} objects ({human_bytes(v['deleted_bytes'])}); kept {v['live_manifests']} live checkpoints, "
-              f"{v['live_chunks']} live chunks, {v['young_kept']} recent unreferenced objects (grace {safe(v['grace'])})")
+    uploads = sum(1 for o in v.get("objects", ()) if o.get("kind") == "upload")
+    aborted = f", including {uploads} unfinished upload(s) of writes that never ended" if uploads else ""
+    out.print(f"{verb} {v['deleted']} objects ({human_bytes(v['deleted_bytes'])}{aborted}); kept {v['live_manifests']} live "
+              f"checkpoints, {v['live_chunks']} live chunks, {v['young_kept']} recent unreferenced objects (grace {safe(v['grace'])})")
 
 
 def _num(x: Any, spec: str = ".3e") -> str:

@@ -52,6 +52,16 @@ class Entry:
     mtime: float
 
 
+@dataclass(frozen=True)
+class Upload:
+    """An upload begun and never completed (:meth:`Backend.incomplete_uploads`)."""
+
+    path: str  # the object it was writing, below the store's root
+    upload_id: str
+    begun: float  # seconds since the epoch, by the store's clock
+    size: int  # bytes of the parts stored so far
+
+
 class Backend(ABC):
     """Byte-level access below a store root. Paths are ``/``-separated and relative."""
 
@@ -243,6 +253,17 @@ class Backend(ABC):
     def recover_condemned(self, prefix: str) -> int:
         """Undo what a killed :meth:`delete_if_stale` left half done (nothing by default)."""
         return 0
+
+    def incomplete_uploads(self, before: float) -> tuple[list[Upload], int]:
+        """Uploads begun in this store before ``before`` (by the store's clock) and never completed nor
+        aborted, and how many younger ones there are: an S3 multipart upload of a writer killed in the
+        middle of an object is in no listing, yet its parts are stored (and billed) until it is aborted.
+        None where the backend has no such thing (the default)."""
+        return [], 0
+
+    def abort_upload(self, upload: Upload) -> bool:
+        """End ``upload`` and free its parts: True if this call did (False: it was gone already)."""
+        return False
 
     def delete_if_stale(self, path: str, cutoff: float) -> bool:
         """Delete ``path`` unless it was modified (or touched) at or after ``cutoff``.

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ckpt_store.storage.backends.base import Data, joined
+from ckpt_store.storage.backends.base import Data, Upload, joined
 from ckpt_store.storage.backends.s3_direct import PUT
 from ckpt_store.storage.backends.s3_errors import client_error, is_precondition_failed
 from ckpt_store.storage.errors import StorageIOError
@@ -66,6 +66,65 @@ class S3Writes:
             except Exception:  # noqa: BLE001 - the upload's own error is the one to report
                 log.debug("abort of multipart upload %s failed", up)
             raise
+
+    def incomplete_uploads(self, before: float) -> tuple[list[Upload], int]:
+        """The multipart uploads below this store's prefix (and only there: the rest of the bucket is someone
+        else's) begun before ``before`` and never completed nor aborted, each with the bytes of its parts; and
+        how many younger ones there are (a push's in flight, likely). One that sent a part since ``before`` is
+        young too (a large object still going up; and moto's server dates every upload in 2010). A page per
+        1,000 uploads, and a request for the parts of each old one."""
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        old: list[Upload] = []
+        young = 0
+        while True:
+            page = self._call("list", "", lambda: self.client.list_multipart_uploads(**kw))
+            for u in page.get("Uploads") or []:
+                key, uid, begun = u.get("Key"), u.get("UploadId"), u.get("Initiated")
+                if not isinstance(key, str) or not key.startswith(prefix) or not uid or not hasattr(begun, "timestamp"):
+                    continue  # (outside the store, whatever the server answered: never touched)
+                size, last = (0, 0.0) if begun.timestamp() >= before else self._upload_parts(key, uid)
+                if max(begun.timestamp(), last) >= before:
+                    young += 1
+                else:
+                    old.append(Upload(key[len(prefix):], uid, begun.timestamp(), size))
+            markers = page.get("NextKeyMarker"), page.get("NextUploadIdMarker")
+            if not page.get("IsTruncated") or not any(markers) or markers == (kw.get("KeyMarker"), kw.get("UploadIdMarker")):
+                return old, young
+            kw["KeyMarker"], kw["UploadIdMarker"] = markers
+
+    def _upload_parts(self, key: str, uid: str) -> tuple[int, float]:
+        """The bytes of an upload's parts so far, and when the last of them was sent (0.0: none)."""
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "UploadId": uid}
+        total, last = 0, 0.0
+        try:
+            while True:
+                page = self._call("list", "", lambda: self.client.list_parts(**kw))
+                for p in page.get("Parts") or []:
+                    total += int(p.get("Size") or 0)
+                    if hasattr(p.get("LastModified"), "timestamp"):
+                        last = max(last, p["LastModified"].timestamp())
+                marker = page.get("NextPartNumberMarker")
+                if not page.get("IsTruncated") or not marker or marker == kw.get("PartNumberMarker"):
+                    return total, last
+                kw["PartNumberMarker"] = marker
+        except StorageIOError:
+            return total, last  # (ended meanwhile, or the server lists no parts: its size is unknown, not an error)
+
+    def abort_upload(self, upload: Upload) -> bool:
+        key = self._key(upload.path)
+
+        def abort() -> bool:
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload.upload_id)
+            except Exception as e:
+                ce = client_error(e)
+                if ce is not None and (ce[0] == "NoSuchUpload" or ce[1] == 404):
+                    return False  # completed or aborted meanwhile
+                raise
+            return True
+
+        return self._call("write", upload.path, abort)
 
     def create_exclusive(self, path: str, data: Data) -> bool:
         """Create ``path`` only if absent (``If-None-Match: *``); True if this call created it.

@@ -725,3 +725,65 @@ def test_an_object_put_back_under_its_name_is_on_disk_before_its_condemned_name_
     assert "unlink condemned" in events and "fsync folder" in events[: events.index("unlink condemned")], events
     assert b.read("objects/chunks/ab/obj") == b"data"
     assert os.listdir(tmp_path / "objects/chunks/ab") == ["obj"]
+
+
+def test_gc_aborts_the_unfinished_uploads_of_killed_writes_in_its_own_store_only(s3_url, s3_server):
+    """A push killed in the middle of an object of 16 MiB or more (chunk_size may be up to 256 MiB) leaves a
+    multipart upload begun and never completed: in no listing, its parts stored (and billed by S3) for ever,
+    and no ckpt command ever looked for them. gc now aborts those older than the grace period, below its own
+    store's prefix only (a neighbour's prefix that starts with the same letters, the rest of the bucket:
+    someone else's), counts younger ones as recent (a push in flight), and a dry run only names them.
+    The uploads are made here as a killed writer leaves them: begun, a part sent, never completed."""
+    from s3support import client
+
+    store = ckpt.Store.init(s3_url)
+    store.push({"w": torch.arange(10.0)}, "m")
+    bucket, _, prefix = s3_url.removeprefix("s3://").partition("/")
+    parent = prefix.rpartition("/")[0] + "/" if "/" in prefix else ""
+    c = client(s3_server.endpoint)  # type: ignore[attr-defined]
+
+    def begin(key: str) -> str:
+        up = c.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+        c.upload_part(Bucket=bucket, Key=key, UploadId=up, PartNumber=1, Body=b"x" * (5 << 20))
+        return str(up)
+
+    def unfinished() -> set[str]:
+        return {u["UploadId"] for u in c.list_multipart_uploads(Bucket=bucket, Prefix=parent).get("Uploads", [])}
+
+    mine = begin(f"{prefix}/objects/chunks/ab/" + "ab" * 32)
+    theirs = {begin(f"{prefix}2/objects/chunks/ab/" + "ab" * 32), begin(f"{parent}elsewhere/big.bin")}
+    time.sleep(1.1)  # (older than a grace of 0 by the server's clock, which stamps whole seconds)
+    kept = store.gc(grace_s=3600)
+    assert not [d for d in kept.deleted if d.kind == "upload"] and kept.young >= 1
+    dry = store.gc(grace_s=0, dry_run=True)
+    assert [(d.kind, d.name, d.size) for d in dry.deleted if d.kind == "upload"] == \
+        [("upload", "objects/chunks/ab/" + "ab" * 32, 5 << 20)]
+    assert unfinished() == {mine, *theirs}
+    cli = subprocess.run([sys.executable, "-m", "ckpt_store.cli.main", "--store", s3_url, "gc", "--dry-run", "--grace", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0 and "including 1 unfinished upload(s)" in cli.stdout, cli.stdout + cli.stderr
+    done = store.gc(grace_s=0)
+    assert [(d.kind, d.size) for d in done.deleted if d.kind == "upload"] == [("upload", 5 << 20)]
+    assert unfinished() == theirs
+    assert torch.equal(store.load("m")["w"], torch.arange(10.0))
+    again = store.gc(grace_s=0)
+    assert not [d for d in again.deleted if d.kind == "upload"]
+
+
+def test_a_store_that_may_not_list_unfinished_uploads_is_collected_all_the_same(s3_main_url, monkeypatch, caplog):
+    """A server without ListMultipartUploads, or a key whose policy does not allow it (a narrow IAM role):
+    gc warns that it did not look for unfinished uploads and does the rest of its work."""
+    from ckpt_store.storage.backends.s3 import S3Backend
+    from ckpt_store.storage.errors import StorageIOError
+
+    def refused(self, before):
+        raise StorageIOError(f"list {self.url} failed: AccessDenied")
+
+    store = ckpt.Store.init(s3_main_url)
+    store.push({"w": torch.arange(10.0)}, "m")
+    store.remove("m")
+    monkeypatch.setattr(S3Backend, "incomplete_uploads", refused)
+    with caplog.at_level("WARNING"):
+        r = store.gc(grace_s=0)
+    assert r.deleted and all(d.kind != "upload" for d in r.deleted)
+    assert "unfinished uploads were not looked for" in caplog.text and "AccessDenied" in caplog.text
