@@ -180,9 +180,9 @@ def own(fd: int, store: object) -> None:
 
 @contextmanager
 def keeping_off(store: object) -> Iterator[None]:
-    """Around a write into ``store`` by anything but the manager of its tier (a push, a copy to it, a gc, a repair):
-    where it is a local tier (its folder holds :data:`TIER_MARKER`) that a manager of another process holds, refuse;
-    else hold a shared ``flock`` on its folder while the write runs, so that a manager waits for it.
+    """Around a write into ``store`` by anything but the manager of its tier (a push, a copy to it, a gc, a repair, a
+    DCP save): where it is a local tier (its folder holds :data:`TIER_MARKER`) that a manager holds, refuse; else
+    hold a shared ``flock`` on its folder while the write runs, so that a manager waits for it.
     A tier is collected with no grace period because its manager is its only writer: a `ckpt push` into one in use
     exited 0 with its ref naming a manifest the manager's gc had deleted meanwhile (and that gc then freed nothing,
     the ref unreadable). The manager writes into its own tier through its store (:func:`own`); any other store, of
