@@ -229,7 +229,19 @@ class Writer(StorageWriter):
             if item.type != WriteItemType.BYTE_IO and planner.resolve_data(item).is_meta:
                 raise UnsupportedStateError(f"{item.index.fqn}: a tensor on the meta device has no data to save",
                                             hint="materialize the model first (to_empty() and its initialization, or a load)")
+        from ckpt.snapshot.local_lock import keeping_off
+
         store = self._holder.store(create=True)
+        # Not into a local tier a manager holds (of another process, or through another store): it collects the
+        # tier without grace (its own saves pass). A manager that takes the tier before finish: finish is refused.
+        with keeping_off(store):
+            results = self._write_data(store, plan, planner)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_data(self, store: Store, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """This rank's chunks of ``plan`` written into ``store``; their results."""
         info = plan.storage_data if isinstance(plan.storage_data, _RankPlan) else _RankPlan(None)
         base_m = self._base_manifest(store, info.base) if info.base else None
         paired = pair_tensors(base_m if base_m is not None and base_m.chunk_size == store.settings.chunk_size else None)
@@ -257,9 +269,7 @@ class Writer(StorageWriter):
                     w, written=w.written + sum(r.stored for r in stored), new_chunks=w.new_chunks + sum(1 for r in stored if r.stored),
                     bundles=bundles))
         store.backend.flush()  # this rank's chunk names are durable before the coordinator commits
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        return results
 
     def _write_tensors(self, store: Store, items: list[Any], planner: SavePlanner, paired: dict[Any, TensorEntry],
                        recorded: Recorded | None, small: _Small | None) -> list[WriteResult]:
@@ -295,7 +305,13 @@ class Writer(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: write the manifest, then move the ref (every rank's chunks are in)."""
+        from ckpt.snapshot.local_lock import keeping_off
+
         store = self._holder.store(create=True)
+        with keeping_off(store):  # (not into a local tier a manager holds, as write_data)
+            self._finish(store, metadata, results)
+
+    def _finish(self, store: Store, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         entries: dict[tuple[str, tuple[int, ...]], str] = {}
         shards: dict[str, TensorEntry] = {}
         values: dict[str, Any] = {}

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,6 +27,11 @@ _HELD: set[tuple[int, int]] = set()
 # child lived: the next manager of that tier waited and was refused. A child closes its copies as it starts.
 _FDS: set[int] = set()
 _SHARED: set[int] = set()  # the descriptors of the shared locks writers other than the manager hold (keeping_off)
+# The store through which the manager holding each of those tiers writes into it (:func:`own`): only its writes pass
+# keeping_off. Any other store of this process on that folder (``ckpt.Store.open(PATH)``, a merge into it) is refused
+# as another process's is: "this process holds the tier" let it through, and a push beside the manager's saves had its
+# manifest collected (the tier's gc keeps no grace) under a ref it then wrote; a gc deleted a save's objects.
+_OWN: dict[tuple[int, int], weakref.ref[object]] = {}
 # Descriptors opened and not yet holding their lock (hold() waits up to LOCK_WAIT_S for it): a child forked meanwhile
 # would keep the lock the parent takes next. Opened and registered under _HELD_LOCK, which a fork waits for.
 _PENDING: set[int] = set()
@@ -47,6 +53,7 @@ def _forked() -> None:
     _SHARED.clear()
     _PENDING.clear()
     _HELD.clear()
+    _OWN.clear()
     _HELD_LOCK = threading.RLock()
 
 
@@ -158,18 +165,29 @@ def let_go(fd: int, pid: int | None = None) -> None:
         _FDS.discard(fd)
         st = os.fstat(fd)
         _HELD.discard((st.st_dev, st.st_ino))
+        _OWN.pop((st.st_dev, st.st_ino), None)
         os.close(fd)
+
+
+def own(fd: int, store: object) -> None:
+    """Name ``store`` the one through which the manager holding its tier (``fd``, from :func:`hold`) writes into it:
+    its writes (saves, prunes, the tier's gc) pass :func:`keeping_off`, and no other store's do."""
+    st = os.fstat(fd)
+    with _HELD_LOCK:
+        if fd in _FDS:
+            _OWN[(st.st_dev, st.st_ino)] = weakref.ref(store)
 
 
 @contextmanager
 def keeping_off(store: object) -> Iterator[None]:
-    """Around a write into ``store`` by anything but the manager of its tier (a push, a copy to it, a gc, a repair):
-    where it is a local tier (its folder holds :data:`TIER_MARKER`) that a manager of another process holds, refuse;
-    else hold a shared ``flock`` on its folder while the write runs, so that a manager waits for it.
+    """Around a write into ``store`` by anything but the manager of its tier (a push, a copy to it, a gc, a repair, a
+    DCP save): where it is a local tier (its folder holds :data:`TIER_MARKER`) that a manager holds, refuse; else
+    hold a shared ``flock`` on its folder while the write runs, so that a manager waits for it.
     A tier is collected with no grace period because its manager is its only writer: a `ckpt push` into one in use
     exited 0 with its ref naming a manifest the manager's gc had deleted meanwhile (and that gc then freed nothing,
-    the ref unreadable). A manager of this process may write into its own tier; so may any writer where the
-    filesystem has no ``flock``."""
+    the ref unreadable). The manager writes into its own tier through its store (:func:`own`); any other store, of
+    this process too, is refused while it holds the tier. Any writer may write where the filesystem has no
+    ``flock``."""
     from ckpt.snapshot.run import SnapshotError
 
     local = store.backend.local_path(".")  # type: ignore[attr-defined]
@@ -180,9 +198,9 @@ def keeping_off(store: object) -> Iterator[None]:
             fd = _open_dir(root, _SHARED)
             st = os.fstat(fd)
             with _HELD_LOCK:
-                ours = (st.st_dev, st.st_ino) in _HELD
-            if ours:
-                raise OSError  # (its manager's own)
+                holder = _OWN.get((st.st_dev, st.st_ino))
+            if holder is not None and holder() is store:
+                raise OSError  # (its manager's own write; a lock of another open file of this process would conflict)
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             _close(fd, _SHARED)  # type: ignore[arg-type]
@@ -201,4 +219,4 @@ def keeping_off(store: object) -> Iterator[None]:
             _close(fd, _SHARED)  # (not in a forked child, which closed its copy)
 
 
-__all__ = ["LOCK_WAIT_S", "TIER_MARKER", "hold", "keeping_off", "let_go"]
+__all__ = ["LOCK_WAIT_S", "TIER_MARKER", "hold", "keeping_off", "let_go", "own"]

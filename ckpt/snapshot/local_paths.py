@@ -46,6 +46,7 @@ def adopt_old_key(path: Path, store_id: str, store_url: str, run: str, rank: int
     import fcntl
 
     from ckpt.snapshot.local_claim import marks, read_marker
+    from ckpt.store.placing import rename_new
 
     key = path if rank is None else path.parent
     old = key.parent / hashlib.blake2b(f"{store_url}\0{run}".encode(), digest_size=6).hexdigest()
@@ -61,7 +62,11 @@ def adopt_old_key(path: Path, store_id: str, store_url: str, run: str, rank: int
             fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
         if not tiers or os.path.lexists(key):
             return False
-        os.rename(old, key)
+        # Never over a folder made at the key since the look above (FileExistsError: another rank's or process's
+        # tier, which may hold it open and locked already): rename(2) replaces an empty folder, and its holder then
+        # wrote into a folder no longer at that path (its snapshots lost from view).
+        if not rename_new(os.fspath(old), os.fspath(key)):
+            os.rename(old, key)  # (no RENAME_NOREPLACE here, NFS or FUSE say: that gap, moments wide, stays)
     except (OSError, ValueError, RecursionError):  # held (BlockingIOError), unmarked or damaged, or a race lost
         return False
     finally:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from ckpt.errors import CkptError
 from ckpt.snapshot.local_claim import TIER_MARKER, apart, claim
-from ckpt.snapshot.local_lock import hold, let_go
+from ckpt.snapshot.local_lock import hold, let_go, own
 from ckpt.snapshot.local_paths import default_local_path
 from ckpt.snapshot.local_room import TierChunks
 from ckpt.snapshot.steps import run_steps
@@ -100,6 +100,7 @@ class LocalTier:
             raise
         self.compress = compress
         self.store = Store.init(self.path, settings=settings)
+        own(fd, self.store)  # (its writes into the tier pass; another store's, of this process too, are refused)
         if marker is not None:
             self.store.backend.write(TIER_MARKER, marker)
         self.pinned: set[int] = set()

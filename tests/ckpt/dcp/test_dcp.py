@@ -124,6 +124,37 @@ def test_a_planner_that_caches_its_plans_is_refused_before_anything_is_written(t
     assert list(ckpt.Store.open(url).refs()) == ["ft/x"]
 
 
+def test_a_save_into_a_local_tier_a_manager_holds_is_refused(tmp_path):
+    """A DCP save went around the lock that keeps a push, a copy and a gc off a local tier in use (found by hunt21-t2:
+    from another process it wrote its chunks and its ref beside the manager's, which collects the tier with no grace
+    period, so they could go before its ref landed). Refused now, through a URL or another store, writing nothing; the
+    manager's own saves go on; once it has closed the save goes ahead and loads back bit for bit."""
+    tier = str(tmp_path / "tier")
+    state = {"w": torch.randn(64, 64), "step": 3}
+
+    def files():
+        return sorted(str(p.relative_to(tier)) for p in pathlib.Path(tier).rglob("*") if p.is_file())
+
+    with ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=tier, local_every_n_steps=1, every_n_steps=100) as mgr:
+        mgr.save(1, {"w": torch.arange(8.0)})
+        mgr.wait()
+        before = files()
+        for writer in (ckpt.dcp.Writer(tier, "theirs"), ckpt.dcp.Writer(ckpt.Store.open(tier), "theirs")):
+            with pytest.raises(CheckpointException) as e:
+                dcp.save(state, storage_writer=writer)
+            assert "is a local tier a CheckpointManager holds" in str(e.value.failures[0][0])
+        assert files() == before
+        mgr.save(2, {"w": torch.arange(8.0) + 1})
+        mgr.wait()
+        assert mgr.local_tier.steps == [1, 2]
+    dcp.save(state, storage_writer=ckpt.dcp.Writer(tier, "theirs"))
+    store = ckpt.Store.open(tier)
+    assert sorted(store.refs()) == ["run/latest", "run/step-1", "run/step-2", "theirs"] and store.verify().ok
+    into = {"w": torch.zeros(64, 64), "step": 0}
+    dcp.load(into, storage_reader=ckpt.dcp.Reader(tier, "theirs"))
+    assert _bits_equal(into["w"], state["w"]) and into["step"] == 3
+
+
 def test_refuses_values_json_cannot_hold(tmp_path):
     class Opaque:
         pass

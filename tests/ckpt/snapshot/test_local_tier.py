@@ -552,6 +552,55 @@ def test_a_groups_tiers_at_the_old_default_key_move_with_their_folder(tmp_path, 
         tier.close()
 
 
+def test_a_tier_at_the_old_default_key_never_replaces_a_folder_made_at_the_new_one_meanwhile(tmp_path, monkeypatch):
+    """The move from the old default key looked that nothing had the new key, then renamed: rename(2) replaces an
+    empty folder, so a key folder another process made between the two (its tier, which it may hold open and locked
+    already) was replaced, and that process wrote into a folder no longer at its path: its snapshots lost from view.
+    The rename never replaces now: the folder made meanwhile stays (its inode: what its holder writes there is found
+    at its path), and so does the old key's tier, not moved."""
+    import fcntl
+    import hashlib
+
+    from ckpt.snapshot.local_paths import adopt_old_key, default_local_path
+    from ckpt.snapshot.local_tier import LocalTier
+
+    monkeypatch.setenv("CKPT_LOCAL_DIR", str(tmp_path / "shm"))
+    store = ckpt.Store.init(str(tmp_path / "durable"))
+    sid = store.config.store_id
+    new = default_local_path(sid, store.url, "run")
+    old = new.parent / hashlib.blake2b(f"{store.url}\0run".encode(), digest_size=6).hexdigest()
+    tier = LocalTier(old, "run", durable=store)
+    tier.store.push({"w": torch.arange(4.0)}, "run/step-1")
+    tier.close()
+    lexists, looks, fd = os.path.lexists, [], []
+
+    def made_meanwhile(path):  # the second look at the key finds nothing; another process makes it just after
+        there = lexists(path)
+        if os.fspath(path) == os.fspath(new):
+            looks.append(there)
+            if looks == [False, False]:
+                os.mkdir(new)
+                fd.append(os.open(new, os.O_RDONLY))
+                fcntl.flock(fd[0], fcntl.LOCK_EX | fcntl.LOCK_NB)  # (held, as a manager holds its tier: empty yet)
+        return there
+
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(os.path, "lexists", made_meanwhile)
+            assert not adopt_old_key(new, sid, store.url, "run")
+        assert looks == [False, False] and os.stat(new).st_ino == os.fstat(fd[0]).st_ino
+        theirs = os.open("theirs", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=fd[0])  # (written by its holder)
+        os.write(theirs, b"another process's")
+        os.close(theirs)
+        assert os.listdir(new) == ["theirs"] and (new / "theirs").read_bytes() == b"another process's"
+    finally:
+        for f in fd:
+            os.close(f)
+    tier = LocalTier(old, "run", durable=store)  # (the old key's tier, as it was)
+    assert tier.steps() == [1] and tier.store.load("run/step-1")["w"].numpy().tobytes() == torch.arange(4.0).numpy().tobytes()
+    tier.close()
+
+
 def _head_run(seed=0):
     """A 16 MiB frozen base and a 4 MiB head trained with AdamW (12 MiB a step changes)."""
     torch.manual_seed(seed)

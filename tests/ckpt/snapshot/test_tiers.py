@@ -529,7 +529,9 @@ def test_a_persist_publishes_the_snapshot_the_run_saved_not_what_the_tiers_ref_n
     mgr, model, opt = _train(tmp_path, 10, every_n_steps=2, save_mode="sync")
     real = ckpt.store.copy.copy_refs
     tier = ckpt.Store.open(str(tmp_path / "local"))
-    foreign = tier.push({"0.weight": torch.zeros(256, 256)}, "theirs")
+    # (through the manager's own store: a push by any other is refused while it holds the tier; the files of a
+    # shared /dev/shm are anyone's to write all the same, as the ref moved below is)
+    foreign = mgr._local.store.push({"0.weight": torch.zeros(256, 256)}, "theirs")
     saved = []
 
     def moved_first(src, dst, refs, **kwargs):
@@ -1045,6 +1047,53 @@ def test_a_push_copy_or_gc_into_a_local_tier_in_use_is_refused(tmp_path, monkeyp
         assert mgr.local_tier.steps == [1]
         mgr.save(2, {"w": torch.arange(8.0) + 1})
     assert sorted(store.refs()) == ["run/latest", "run/step-1", "run/step-2", "x", "y"] and store.verify().ok
+
+
+def test_a_push_copy_or_gc_by_another_store_of_the_managers_process_into_its_tier_is_refused(tmp_path):
+    """Only another process's writes were kept off a tier in use: "a manager of this process may write into its own
+    tier" let through any store of that process on the folder. ``ckpt.Store.open(TIER).push`` beside the manager's
+    saves exited with its ref naming a manifest the manager's prune had collected meanwhile (its gc keeps no grace),
+    and ``gc(grace_s=0)`` through such a store deleted a save's objects before its ref landed: the manager's newest
+    snapshot unreadable (found by hunt21-t2, each made to happen at that moment). Only the manager's own store
+    writes there now; another store of its process is refused as another process is (`ckpt push`, run meanwhile),
+    writing nothing; the manager's saves go on, and once it has closed the writes go ahead."""
+    from safetensors.torch import save_file
+
+    from ckpt.snapshot.run import SnapshotError
+
+    tier = str(tmp_path / "tier")
+    other = ckpt.Store.init(str(tmp_path / "other"))
+    other.push({"x": torch.ones(1000)}, "x")
+    save_file({"y": torch.zeros(1000)}, str(tmp_path / "y.safetensors"))
+    exe = pathlib.Path(sys.executable).parent / "ckpt"
+    cli = [str(exe)] if exe.exists() else [sys.executable, "-m", "cli.main"]
+
+    def files():
+        return sorted(os.path.relpath(os.path.join(d, f), tier) for d, _, fs in os.walk(tier) for f in fs)
+
+    with ckpt.CheckpointManager(str(tmp_path / "d"), "run", local=tier, local_every_n_steps=1, every_n_steps=100) as mgr:
+        mgr.save(1, {"w": torch.arange(8.0)})
+        mgr.wait()
+        store = ckpt.Store.open(tier)
+        before = files()
+        for write in (lambda: store.push({"y": torch.zeros(1000)}, "y"), lambda: other.copy_to(tier, ["x"]),
+                      lambda: store.gc(grace_s=0.0), lambda: store.repair(other), lambda: store.remove("run/step-1"),
+                      lambda: ckpt.merge(["run/step-1", "run/step-1"], name="merged", store=store)):
+            with pytest.raises(SnapshotError, match="is a local tier a CheckpointManager holds") as e:
+                write()
+            assert "write to another store" in e.value.hint
+        r = subprocess.run([*cli, "--store", tier, "push", str(tmp_path / "y.safetensors"), "y"], capture_output=True,
+                           text=True, timeout=120)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 1 and lines[0].startswith("error:") and "a CheckpointManager holds" in lines[0], r.stderr
+        assert "Traceback" not in r.stderr and files() == before
+        mgr.save(2, {"w": torch.arange(8.0) + 1})  # (its own writes: a save, a prune, the tier's gc)
+        mgr.wait()
+        assert mgr.local_tier.steps == [1, 2] and store.verify().ok
+    store.push({"y": torch.zeros(1000)}, "y")
+    other.copy_to(tier, ["x"])
+    assert sorted(store.refs()) == ["run/latest", "run/step-1", "run/step-2", "x", "y"] and store.verify().ok
+    assert store.load("run/step-2")["w"].numpy().tobytes() == (torch.arange(8.0) + 1).numpy().tobytes()
 
 
 def test_a_forked_child_does_not_keep_the_local_tier_locked(tmp_path, monkeypatch):
