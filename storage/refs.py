@@ -193,6 +193,9 @@ class Refs(RefsFolder):
             entry = RefEntry(name, seq, target, time.time(), writer, alias)
             data = entry.to_json()
             if self.backend.create_exclusive(self._entry_path(name, seq), data):
+                # Durable before any caller acts on it: a removal that a power loss undid after a gc freed the
+                # ref's data would bring back a ref to nothing (a push's commit flushes here too, as it did after)
+                self.backend.flush()
                 if len(self._next) >= 1024:  # a run's step-N refs are each updated once: keep few
                     self._next.clear()
                 self._next[name] = seq + 1

@@ -642,3 +642,29 @@ def test_listing_the_refs_of_a_local_store_reads_each_folder_once(tmp_path, monk
     monkeypatch.setattr(os, "scandir", lambda p=".": read.append(os.fspath(p)) or real(p))
     assert refs.listing() == before
     assert len(read) == len(set(read)) and before["team/m3"][2] is None and before["team/linked"] == {0: None}
+
+
+def test_a_removal_is_on_disk_before_the_command_returns(tmp_path, monkeypatch):
+    """`ckpt rm` wrote the removal's entry (the file fsynced) but never fsynced the ref's folder that names it: a
+    power loss after a gc had then freed the ref's data could bring the ref back, naming chunks that are gone.
+    There is no power to cut here: fsyncs are recorded by the folder's identity (and done), and the ref's folder
+    must be fsynced once the removal's entry is in it."""
+    import ckpt_store.storage.backends.local as local
+
+    backend = LocalBackend(str(tmp_path), fsync=True)
+    r = Refs(backend)
+    r.set("team/model", "a" * 64)
+    backend.flush()
+    folder = tmp_path / "refs" / "team" / "model"
+    synced: list[int] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (os.stat(folder).st_dev, os.stat(folder).st_ino) and len(os.listdir(folder)) == 2:
+            synced.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(local.os, "fsync", fsync)
+    r.remove("team/model")
+    assert synced, "the ref's folder was not fsynced after its removal's entry was written"
