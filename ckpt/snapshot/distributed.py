@@ -278,6 +278,9 @@ class DistributedSnapshots(DistributedRestoring):
         problem = None
         if persist_to is not None:
             problem = peers.persist(step, mid, data, own, persist_to.store, persist_to.latest, persist_to.ref(step))
+            if peers.forgot:  # (damaged chunks removed from this rank's tier, with the steps naming them: this one too)
+                peers.forgot = False
+                self.reuse_nothing()
         last = writer.last
         coordinator = self.rank == 0
         return SaveResult(mid, last.written_bytes if last and coordinator else None,

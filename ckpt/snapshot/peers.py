@@ -80,6 +80,8 @@ class TierWriter(Writer):
 class Peers(PeerGroup):
     """The ranks of one group and their local tiers; every method is collective over ``group``."""
 
+    forgot = False  # a persist removed damaged chunks from this rank's tier (and the steps naming them)
+
     # -- saving -------------------------------------------------------------------------
     def publish(self, published: tuple[str, bytes] | None) -> tuple[str, bytes, str | None]:
         """Give every rank's tier the manifest the coordinator wrote (``published`` there): (id, bytes,
@@ -143,6 +145,7 @@ class Peers(PeerGroup):
     def persist(self, step: int, mid: str, data: bytes, own: set[str], durable: Store, latest: str, ref: str) -> str | None:
         """Every rank copies the chunks it wrote that ``durable`` lacks; then the coordinator commits the
         manifest and refs there. None, or why it failed (the same on every rank)."""
+        from ckpt.snapshot.peer_refill import forget_unpersistable
         from ckpt.store.copy import copy_chunks
         from ckpt_store.storage.commit import commit
 
@@ -151,6 +154,10 @@ class Peers(PeerGroup):
             problem = None
         except Exception as e:  # noqa: BLE001 - every rank learns of it below
             problem = f"rank {self.rank}: {caught(log, 'persist', e)}"
+            removed = forget_unpersistable(self.local, e, own)  # (else every persist after fails the same way)
+            if removed is not None:
+                self.forgot = True
+                problem += f"; its local tier's {removed}"
         verdicts = self.gather(problem)
         failed = next((v for v in verdicts if v is not None), None)
         if failed is None and self.rank == 0:

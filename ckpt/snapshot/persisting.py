@@ -247,11 +247,31 @@ class Persisting(ManagerState):
             self._retain(step)
         except Exception as e:  # noqa: BLE001 - the durable store still holds the previous snapshot
             self._persist_pending = True
+            removed = self._forget_damaged(e, mid)
             self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed ({caught(log, 'persist', e)}); "
-                               "the next save persists again")
+                               + (f"the local tier's {removed}; " if removed else "") + "the next save persists again")
         finally:
             with self._persist_lock:
                 self._unpin(step)
+
+    def _forget_damaged(self, e: Exception, mid: str | None) -> str | None:
+        """A persist that failed on a chunk the tier holds damaged (or lacks) would fail at every save after it
+        (:func:`~ckpt.snapshot.peer_refill.forget_unpersistable`): those of the snapshot's chunks go, with the steps
+        naming them, and the next save reuses nothing (its entries of unchanged tensors are not read). What was
+        removed, or None."""
+        from ckpt.snapshot.peer_refill import forget_unpersistable
+        from ckpt_store.storage.chunk_lists import referenced_chunks
+
+        local = self._local
+        assert local is not None
+        try:  # (every chunk of the snapshot checked: one persist finds them all, not one per failed persist)
+            chunks = referenced_chunks(local.store.objects.get_manifest(mid)) if mid is not None else []
+        except Exception:  # noqa: BLE001 - the chunk named by the error is checked all the same
+            chunks = []
+        removed = forget_unpersistable(local, e, chunks)
+        if removed is not None:
+            self._reuse_nothing = True  # (taken up by the next save, in the caller's thread: saving.py)
+        return removed
 
     def _unpin(self, step: int) -> None:
         """Let the tier prune ``step`` again (under ``_persist_lock``). A save of an earlier step made

@@ -124,6 +124,9 @@ class Saving(ManagerState):
                                 "or save(..., persist=True)")
             self._saves += 1
             self._saved_step = step
+            if self._reuse_nothing:  # (set by a persist that removed damaged chunks from the tier)
+                self._reuse_nothing = False
+                self._path.reuse_nothing()
             if self._local_full:
                 self._make_room(step, state)
             if self._distributed:  # the ranks persist together, in the save thread
