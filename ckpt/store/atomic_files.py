@@ -135,11 +135,27 @@ def _folder_now(final: str) -> float:
 
 
 def _fsync_dir(d: str) -> None:
-    fd = os.open(d or ".", os.O_RDONLY | os.O_DIRECTORY)
+    """Make durable the names in folder ``d``. A folder this user may write but not read (a drop box), or a
+    filesystem that cannot fsync a folder, is passed over: the names are as durable as that system makes them (an
+    error here, after files took their names, would report a pull failed that had placed them)."""
+    try:
+        fd = os.open(d or ".", os.O_RDONLY | os.O_DIRECTORY)
+    except PermissionError:
+        return
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EROFS):
+            raise
     finally:
         os.close(fd)
+
+
+def _fsync_made(made: list[str]) -> None:
+    """Make durable the names of the folders a pull made on the way to its destination (each a name in its parent),
+    before any file takes its name there."""
+    for d in sorted({os.path.dirname(m) for m in made}):
+        _fsync_dir(d)
 
 
 def _makedirs(d: str, made: list[str]) -> None:
@@ -178,9 +194,8 @@ def write_files(targets: Sequence[str], fill: Callable[[list[str]], None], overw
                 _makedirs(os.path.dirname(t), made)
                 sweep_left(t)
             fill(tmps)
+            _fsync_made(made)
             _place(tmps, targets, overwrite, check)
-            for d in sorted({os.path.dirname(m) for m in made}):
-                _fsync_dir(d)  # (a folder made for a target is durable once its parent is)
         except OSError as e:
             raise DestinationError(f"cannot write {e.filename or targets[0]}: {e.strerror or e}",
                                    hint="check the destination's permissions and free space") from None
@@ -274,6 +289,7 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
             fill(inner)
             for here, _, _ in os.walk(tmp_dir):  # every name in the new folder durable before it takes its name
                 _fsync_dir(here)
+            _fsync_made(made)
             with _placing_files():
                 try:
                     _rename_dir_new(tmp_dir, dest)
@@ -292,8 +308,7 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
                     write_files(targets, lambda tmps: _move_all(inner, tmps), overwrite, check)
                     shutil.rmtree(tmp_dir)  # (its folders, emptied)
                 _pending.discard(tmp_dir)  # (it is dest now, or gone)
-            for d in sorted({os.path.dirname(os.path.abspath(dest))} | {os.path.dirname(m) for m in made}):
-                _fsync_dir(d)
+            _fsync_dir(os.path.dirname(os.path.abspath(dest)))
         except OSError as e:
             raise DestinationError(f"cannot write {e.filename or dest}: {e.strerror or e}",
                                    hint="check the destination's permissions and free space") from None

@@ -4,6 +4,7 @@ filesystem."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import threading
@@ -164,15 +165,20 @@ class LocalBackend(LocalReads, Backend):
                 self._dirty_dirs.add(os.path.dirname(final))
 
     def _sync_dir(self, d: str) -> None:
-        """fsync folder ``d`` now (where this store fsyncs), for an order a later flush cannot give."""
+        """fsync folder ``d`` now (where this store fsyncs), for an order a later flush cannot give. A folder this
+        user may write but not read (a drop box above a new store: the parent of a folder a write made), or a
+        filesystem that cannot fsync a folder, is passed over: its names are as durable as that system makes them."""
         if not self.fsync:
             return
         try:
             fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-        except FileNotFoundError:
+        except (FileNotFoundError, PermissionError):
             return
         try:
             os.fsync(fd)
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.EROFS):
+                raise
         finally:
             os.close(fd)
 

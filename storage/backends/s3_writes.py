@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 # Objects this large go up as a multipart upload with parts of half this size,
 # several parts in flight at once. Chunks (4 MiB by default) and manifests stay single PUTs.
 MULTIPART_THRESHOLD = 16 * 1024 * 1024
+# Pages of a listing of unfinished uploads (1,000 each) before gc takes the server for one that never ends
+MAX_UPLOAD_PAGES = 10_000
 
 
 class S3Writes:
@@ -68,48 +70,59 @@ class S3Writes:
             raise
 
     def incomplete_uploads(self, before: float) -> tuple[list[Upload], int]:
-        """The multipart uploads below this store's prefix (and only there: the rest of the bucket is someone
-        else's) begun before ``before`` and never completed nor aborted, each with the bytes of its parts; and
-        how many younger ones there are (a push's in flight, likely). One that sent a part since ``before`` is
-        young too (a large object still going up; and moto's server dates every upload in 2010). A page per
-        1,000 uploads, and a request for the parts of each old one."""
-        prefix = f"{self.prefix}/" if self.prefix else ""
-        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        """The multipart uploads of this store's own objects (below its ``objects/`` and ``index/``, where ckpt writes
+        objects large enough for one: only there, a store at a bucket's root too; the rest of the bucket is someone
+        else's) begun before ``before`` and never completed nor aborted, each with the bytes of its parts; and how
+        many younger ones there are (a push's in flight, likely). One that sent a part since ``before`` is young too (a
+        large object still going up; and moto's server dates every upload in 2010). A page per 1,000 uploads, and a
+        request for the parts of each old one. A server whose pages do not move on is an error (gc warns of it)."""
         old: list[Upload] = []
         young = 0
-        while True:
-            page = self._call("list", "", lambda: self.client.list_multipart_uploads(**kw))
-            for u in page.get("Uploads") or []:
-                key, uid, begun = u.get("Key"), u.get("UploadId"), u.get("Initiated")
-                if not isinstance(key, str) or not key.startswith(prefix) or not uid or not hasattr(begun, "timestamp"):
-                    continue  # (outside the store, whatever the server answered: never touched)
-                size, last = (0, 0.0) if begun.timestamp() >= before else self._upload_parts(key, uid)
-                if max(begun.timestamp(), last) >= before:
-                    young += 1
-                else:
-                    old.append(Upload(key[len(prefix):], uid, begun.timestamp(), size))
-            markers = page.get("NextKeyMarker"), page.get("NextUploadIdMarker")
-            if not page.get("IsTruncated") or not any(markers) or markers == (kw.get("KeyMarker"), kw.get("UploadIdMarker")):
-                return old, young
-            kw["KeyMarker"], kw["UploadIdMarker"] = markers
+        for sub in ("objects/", "index/"):
+            prefix = self._key(sub)
+            kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+            seen: set[tuple[Any, Any]] = set()
+            while True:
+                page = self._call("list", sub.rstrip("/"), lambda: self.client.list_multipart_uploads(**kw))
+                for u in page.get("Uploads") or []:
+                    key, uid, begun = u.get("Key"), u.get("UploadId"), u.get("Initiated")
+                    path = key[len(prefix) - len(sub):] if isinstance(key, str) and key.startswith(prefix) else None
+                    if path is None or any(p in ("", ".", "..") for p in path.split("/")) or not uid \
+                            or not hasattr(begun, "timestamp"):
+                        continue  # (not an object of this store, whatever the server answered: never touched)
+                    size, last = (0, 0.0) if begun.timestamp() >= before else self._upload_parts(key, uid)
+                    if max(begun.timestamp(), last) >= before:
+                        young += 1
+                    else:
+                        old.append(Upload(path, uid, begun.timestamp(), size))
+                markers = page.get("NextKeyMarker"), page.get("NextUploadIdMarker")
+                if not page.get("IsTruncated") or not any(markers):
+                    break
+                if markers in seen or len(seen) >= MAX_UPLOAD_PAGES:
+                    raise StorageIOError(f"list {self.url}/{sub} uploads failed: the server's pages do not move on")
+                seen.add(markers)
+                kw["KeyMarker"], kw["UploadIdMarker"] = markers
+        return old, young
 
     def _upload_parts(self, key: str, uid: str) -> tuple[int, float]:
-        """The bytes of an upload's parts so far, and when the last of them was sent (0.0: none)."""
+        """The bytes of an upload's parts so far, and when the last of them was sent (0.0: none). S3 holds at
+        most 10,000 parts an upload, 1,000 a page: a listing that goes on past that, or back, is cut there."""
         kw: dict[str, Any] = {"Bucket": self.bucket, "Key": key, "UploadId": uid}
         total, last = 0, 0.0
         try:
-            while True:
+            for _ in range(11):
                 page = self._call("list", "", lambda: self.client.list_parts(**kw))
                 for p in page.get("Parts") or []:
                     total += int(p.get("Size") or 0)
                     if hasattr(p.get("LastModified"), "timestamp"):
                         last = max(last, p["LastModified"].timestamp())
                 marker = page.get("NextPartNumberMarker")
-                if not page.get("IsTruncated") or not marker or marker == kw.get("PartNumberMarker"):
-                    return total, last
+                if not page.get("IsTruncated") or not isinstance(marker, int) or marker <= kw.get("PartNumberMarker", 0):
+                    break
                 kw["PartNumberMarker"] = marker
-        except StorageIOError:
-            return total, last  # (ended meanwhile, or the server lists no parts: its size is unknown, not an error)
+        except (StorageIOError, TypeError, ValueError):
+            pass  # (ended meanwhile, or the server lists no parts: its size is unknown, not an error)
+        return total, last
 
     def abort_upload(self, upload: Upload) -> bool:
         key = self._key(upload.path)

@@ -787,3 +787,59 @@ def test_a_store_that_may_not_list_unfinished_uploads_is_collected_all_the_same(
         r = store.gc(grace_s=0)
     assert r.deleted and all(d.kind != "upload" for d in r.deleted)
     assert "unfinished uploads were not looked for" in caplog.text and "AccessDenied" in caplog.text
+
+
+def test_gc_of_a_store_at_a_buckets_root_aborts_no_upload_but_its_own_objects(s3_main):
+    """A store at s3://BUCKET lists the whole bucket: gc aborted a user's half-sent dataset upload beside it
+    (review rev23o). Only uploads below the store's objects/ and index/ are its own; a key with a '..' segment
+    is no object of the store, whatever it starts with. (The first server only: a bucket of its own, and SeaweedFS
+    refuses '..' in a key, and gives each bucket volumes of its own.)"""
+    s3_server = s3_main
+    from s3support import KEY, SECRET, client
+
+    c = client(s3_server.endpoint)  # type: ignore[attr-defined]
+    bucket = f"t-{os.urandom(6).hex()}"
+    c.create_bucket(Bucket=bucket)
+    env = {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_ENDPOINT_URL": s3_server.endpoint}  # type: ignore[attr-defined]
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        store = ckpt.Store.init(f"s3://{bucket}")
+        store.push({"w": torch.arange(10.0)}, "m")
+
+        def begin(key: str) -> str:
+            up = c.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+            c.upload_part(Bucket=bucket, Key=key, UploadId=up, PartNumber=1, Body=b"x" * (5 << 20))
+            return str(up)
+
+        mine = begin("objects/chunks/ab/" + "ab" * 32)
+        theirs = {begin("datasets/imagenet.tar"), begin("objects/../datasets/other.tar"), begin("refs/../x.bin")}
+        time.sleep(1.1)
+        done = store.gc(grace_s=0)
+        assert [d.name for d in done.deleted if d.kind == "upload"] == ["objects/chunks/ab/" + "ab" * 32]
+        left = {u["UploadId"] for u in c.list_multipart_uploads(Bucket=bucket).get("Uploads", [])}
+        assert mine not in left and left == theirs
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def test_a_server_whose_upload_pages_never_move_on_is_warned_of_and_gc_ends(s3_main_url, monkeypatch, caplog):
+    """A server answering the listing of unfinished uploads with markers that come round again (a, b, a, b...) kept
+    gc asking for ever, holding its lock while every push waited on it (review rev23o). A page seen before ends the
+    listing with an error, which gc warns of and goes on."""
+    store = ckpt.Store.init(s3_main_url)
+    store.push({"w": torch.arange(10.0)}, "m")
+    client = store.backend.client
+    asked = []
+
+    def cycling(**kw):
+        asked.append(kw.get("KeyMarker"))
+        nxt = "b" if kw.get("KeyMarker") == "a" else "a"
+        return {"Uploads": [], "IsTruncated": True, "NextKeyMarker": nxt, "NextUploadIdMarker": "u"}
+
+    monkeypatch.setattr(client, "list_multipart_uploads", cycling)
+    with caplog.at_level("WARNING"):
+        r = store.gc(grace_s=3600)
+    assert r.live_manifests == 1 and len(asked) <= 6, asked
+    assert "unfinished uploads were not looked for" in caplog.text and "do not move on" in caplog.text
