@@ -30,7 +30,9 @@ dare (linear combine) and slerp, and (inputs + 3) × for ties and dare's ties co
 (benchmarks/results/merge.md and tests/ckpt/merging/test_combine.py measure it). Elements whose math overflowed
 are computed again into the merged tensor (:mod:`ckpt.merging.overflowing`), from the inputs' chunks that hold
 them, read again a chunk's span at a time in every input: a few chunks per input more, not the inputs' tensors
-(every element overflowing, 4 inputs of 4 MiB tensors in 1 MiB chunks: 36 MiB, an ordinary merge 24). Beside that: from a
+(every element overflowing, 4 inputs of 4 MiB tensors in 1 MiB chunks: 30-35 MiB, the same inputs' merge
+that overflows nothing 25-30, 4 MiB of the difference the code of the recompute's torch kernels, paged in;
+the recompute holds 11 MiB beyond what it starts with, a span and a block's scratch, less than the inputs it follows). Beside that: from a
 remote store, the inputs' bundles of small chunks that the merge's reads keep for the whole merge
 (each fetched once; within ``inflight_mb`` in all, 256 MiB by default), and into one, the output's
 chunks of at most 64 KiB (a quarter of its bytes at most), held until the push copies them into

@@ -273,11 +273,9 @@ class BatchedInputs:
         span = max(1, max(r.manifest.chunk_size for r in sources) // size)
         manifests = list({r.id: r.manifest for r in sources}.values())
         store = sources[0].store
-        for at in range(0, flat.numel(), span):
-            m = flat[at : at + span]
-            if not bool(m.any()):
-                continue
-            lo, hi = at * size, (at + m.numel()) * size  # the piece's bytes
+
+        def span_of(lo: int, hi: int) -> list[torch.Tensor]:
+            """Bytes ``lo:hi`` of the tensor in each input, from the chunks that hold them."""
             tasks, bufs = [], []
             for r, cs in zip(sources, chunks):
                 first, last = lo // r.manifest.chunk_size, (hi - 1) // r.manifest.chunk_size
@@ -288,7 +286,12 @@ class BatchedInputs:
                 bufs.append((buf, lo - start))
             get_chunks(store.objects, tasks, store.settings, manifest=manifests, pool=self.pool)
             parts = [buf[off : off + hi - lo] for buf, off in bufs]  # (a copy only where not at an element's bytes)
-            yield at, m, [(p if p.storage_offset() % size == 0 else p.clone()).view(dt) for p in parts]
+            return [(p if p.storage_offset() % size == 0 else p.clone()).view(dt) for p in parts]
+
+        for at in range(0, flat.numel(), span):
+            m = flat[at : at + span]
+            if bool(m.any()):  # (read in a function: nothing here holds a span's chunks while the next is read)
+                yield at, m, span_of(at * size, (at + m.numel()) * size)
 
 
 def step_sources(method: MergeMethod, readers: list[CheckpointReader], base: CheckpointReader | None,

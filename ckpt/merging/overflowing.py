@@ -37,39 +37,50 @@ def computed_again(f: Callable[[list[torch.Tensor]], torch.Tensor], pieces: Iter
     computed ``x`` keeps the math's value, and ``mask`` its mark; one not computed for losing bits is NaN (the math's
     inf there would be clipped by ``--overflow saturate``, far from its value: a NaN is refused in either mode). A block of elements at a time: a few small scratch
     tensors, none the tensor's size."""
-    import torch
-
-    normal = 2.0**-1022
     xf, mf = x.view(-1), mask.view(-1)
     for at, marked, parts in pieces:
         for start in range(0, marked.numel(), AGAIN_BLOCK):
-            sel = marked[start : start + AGAIN_BLOCK].nonzero().squeeze(1)
-            if not sel.numel():
-                continue
-            pos = sel + (at + start)
-            block = [p[start : start + AGAIN_BLOCK][sel].to(x.device, torch.float64) for p in parts]  # (f consumes copies)
-            todo = torch.ones(pos.shape, dtype=torch.bool, device=x.device)
-            k = 0 if x.dtype != torch.float64 else 1
-            # each element's least nonzero input or product: once, whatever k (a larger k loses more)
-            low = least_nonzero(block + (products(block) if products is not None else [])) if k else None
-            while k <= 1024 and bool(todo.any()):
-                where = todo.nonzero().squeeze(1)
-                r = f([b[where].mul_(2.0**-k) for b in block])
-                fine = r.isfinite()
-                if low is not None:
-                    lost = low[where].lt(normal * 2.0**k)
-                    if products is None:  # a quotient at the least normal value may have rounded up to it
-                        lost.logical_or_(r.abs().le(normal).logical_and_(r.ne(0)))
-                    fine.logical_and_(lost.logical_not())
-                    todo[where[lost]] = False  # (a larger k loses more)
-                    # NaN, refused in either overflow mode: the math's inf kept there, ``saturate`` would clip it to the
-                    # largest value (an average of 1e-308 stored as 1.8e308)
-                    xf[pos[where[lost]]] = math.nan
-                # scaled back in two steps: 2^1024 is past float64's range (a product past it is inf, as it should be)
-                xf[pos[where[fine]]] = r[fine].mul_(2.0 ** (k // 2)).mul_(2.0 ** (k - k // 2)).to(x.dtype)
-                mf[pos[where[fine]]] = False
-                todo[where[fine]] = False
-                k = max(1, 2 * k)
+            _again_block(f, marked[start : start + AGAIN_BLOCK], [p[start : start + AGAIN_BLOCK] for p in parts], at + start,
+                         xf, mf, products)
+        del marked, parts  # (the next piece is read while these would hold this one's chunks)
+
+
+def _again_block(f: Callable[[list[torch.Tensor]], torch.Tensor], marked: torch.Tensor, parts: list[torch.Tensor],
+                 at: int, xf: torch.Tensor, mf: torch.Tensor,
+                 products: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None) -> None:
+    """:func:`computed_again` of one block of elements (flat position ``at``; ``xf``, ``mf``: ``x`` and ``mask`` flat):
+    its scratch is freed when it returns, before the next block's (or piece's) is made."""
+    import torch
+
+    normal = 2.0**-1022
+    sel = marked.nonzero().squeeze(1)
+    if not sel.numel():
+        return
+    pos = sel + at
+    block = [p[sel].to(xf.device, torch.float64) for p in parts]  # (f consumes copies)
+    del sel
+    todo = torch.ones(pos.shape, dtype=torch.bool, device=xf.device)
+    k = 0 if xf.dtype != torch.float64 else 1
+    # each element's least nonzero input or product: once, whatever k (a larger k loses more)
+    low = least_nonzero(block + (products(block) if products is not None else [])) if k else None
+    while k <= 1024 and bool(todo.any()):
+        where = todo.nonzero().squeeze(1)
+        r = f([b[where].mul_(2.0**-k) for b in block])
+        fine = r.isfinite()
+        if low is not None:
+            lost = low[where].lt(normal * 2.0**k)
+            if products is None:  # a quotient at the least normal value may have rounded up to it
+                lost.logical_or_(r.abs().le(normal).logical_and_(r.ne(0)))
+            fine.logical_and_(lost.logical_not())
+            todo[where[lost]] = False  # (a larger k loses more)
+            # NaN, refused in either overflow mode: the math's inf kept there, ``saturate`` would clip it to the
+            # largest value (an average of 1e-308 stored as 1.8e308)
+            xf[pos[where[lost]]] = math.nan
+        # scaled back in two steps: 2^1024 is past float64's range (a product past it is inf, as it should be)
+        xf[pos[where[fine]]] = r[fine].mul_(2.0 ** (k // 2)).mul_(2.0 ** (k - k // 2)).to(xf.dtype)
+        mf[pos[where[fine]]] = False
+        todo[where[fine]] = False
+        k = max(1, 2 * k)
 
 
 def least_nonzero(ts: list[torch.Tensor]) -> torch.Tensor:
