@@ -73,12 +73,12 @@ DirsOpt = Annotated[Optional[list[str]], typer.Option(
 
 def _durable() -> Any:
     """The CLI's store, that tiers of its runs are checked against; None where none is named and the default store
-    does not exist (a store named, by --store or $CKPT_STORE, must open)."""
-    from ckpt.errors import StoreNotFoundError
+    cannot be opened (none there, say): a store named, by --store or $CKPT_STORE, must open."""
+    from ckpt.errors import CkptError
 
     try:
         return open_store()
-    except StoreNotFoundError:
+    except CkptError:
         if state["store"] is not None or os.environ.get("CKPT_STORE"):
             raise
         return None
@@ -103,6 +103,8 @@ def tiers_show(ctx: typer.Context, dirs: DirsOpt = None, as_json: JsonOpt = Fals
     emit({"dirs": folders, "store": durable.url if durable is not None else None,
           "store_id": durable.config.store_id if durable is not None else None,
           "tiers": [t.to_json() for t in found], "bytes": sum(t.bytes for t in found)}, as_json, views.tiers)
+    if any(t.error is not None for t in found):  # (named on stderr, in --json in its row: as ls names damage)
+        raise typer.Exit(1)
 
 
 @tiers_app.command("rm")

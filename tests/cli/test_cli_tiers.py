@@ -204,3 +204,20 @@ def test_rm_without_a_tier_named_is_a_usage_error(runs, capsys):
     assert code == 2 and "--all" in json.loads(out)["error"]
     code, out, err = cli(capsys, "tiers", "rm", "--all", runs["done"])
     assert code == 2 and "not both" in err and os.path.isdir(runs["done"])
+
+
+def test_a_tier_whose_steps_cannot_be_read_is_named_and_removed_only_with_force(runs, capsys):
+    marker = os.path.join(runs["done"], "ckpt-local-tier.json")
+    with open(marker) as f:
+        have = json.load(f)
+    with open(marker, "w") as f:
+        json.dump({**have, "run": "no//such run\x1b[2J"}, f)  # (no ref name: its steps cannot be listed)
+    code, out, err = cli(capsys, "--store", runs["store"], "tiers")
+    assert code == 1 and "\x1b" not in out + err and runs["done"] in err  # named on stderr, as ls names damage
+    code, out, _ = cli(capsys, "--store", runs["store"], "tiers", "--json")
+    row = _mine(json.loads(out), runs)[runs["done"]]
+    assert code == 1 and row["kind"] == "tier" and row["error"] and row["persisted"] is None
+    code, out, err = cli(capsys, "--store", runs["store"], "tiers", "rm", runs["done"])
+    assert code == 1 and "cannot be told" in err and os.path.isdir(runs["done"])
+    code, out, _ = cli(capsys, "--store", runs["store"], "tiers", "rm", "--force", runs["done"])
+    assert code == 0 and not os.path.lexists(runs["done"])
