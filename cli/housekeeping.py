@@ -53,8 +53,8 @@ def cache_clear(ctx: typer.Context, as_json: JsonOpt = False) -> None:
 
 
 tiers_app = typer.Typer(help=(
-    "The local tiers of training runs (CheckpointManager(..., local=True)): show them, or free them.\n\n"
-    "A manager's close() keeps its tier, so that a preempted job restarts from host memory: every finished or "
+    "The local tiers training runs keep in host memory: show them, or free them.\n\n"
+    "A CheckpointManager(..., local=True)'s close() keeps its tier, so that a preempted job restarts from host memory: every finished or "
     "abandoned run leaves its last local_keep snapshots in /dev/shm (RAM) until the machine restarts. Listed: "
     "each tier's run, steps, size, whether a live manager holds it, and, where --store is the run's durable "
     "store, its newest durable step and whether the tier holds steps that are not persisted.\n\n"

@@ -294,7 +294,8 @@ def tiers(v: dict[str, Any]) -> None:
         if r["error"] is not None:
             err.print(f"{safe(r['path'])}: {safe(r['error'])}")
     known = "" if v["store"] is not None else " (persisted: `ckpt --store URL tiers` checks against that store)"
-    out.print(f"\n{sum(r['kind'] == 'tier' for r in rows)} tiers, {human_bytes(v['bytes'])}{known}; "
+    n = sum(r["kind"] == "tier" for r in rows)
+    out.print(f"\n{n} tier{'' if n == 1 else 's'}, {human_bytes(v['bytes'])}{known}; "
               "free one with `ckpt tiers rm PATH`")
 
 

@@ -249,6 +249,9 @@ def _is_dir(path: str) -> bool:
 def _not_a_tier(path: str, have: object) -> CkptError:
     from ckpt.snapshot.run import SnapshotError
 
+    if have is None and _ranks(path):
+        return SnapshotError(f"{path} holds a process group's local tiers, one per rank: nothing removed",
+                             hint=f"name them: {os.path.join(path, 'rank-*')}")
     if have is None:
         return SnapshotError(f"{path} is not a local tier: it holds no {TIER_MARKER} (it may be a folder of yours): "
                              "nothing removed", hint="`ckpt tiers` lists the local tiers; remove other folders yourself")

@@ -68,6 +68,8 @@ def test_a_groups_rank_tiers_are_listed_and_removed_one_by_one_then_their_key_fo
         (str(key / f"rank-{r}"), "tier", "run", [], False) for r in (0, 1)]
     assert [t.path for t in local_tiers([key])] == [str(key / "rank-0"), str(key / "rank-1")]
     assert [t.path for t in local_tiers([key / "rank-1"])] == [str(key / "rank-1")]  # a tier named itself
+    with pytest.raises(ckpt.CkptError, match="one per rank: nothing removed"):
+        remove_tier(key, None, force=True)
     assert remove_tier(key / "rank-0", None).path == str(key / "rank-0")
     assert sorted(os.listdir(key)) == ["rank-1"]
     remove_tier(key / "rank-1", None)
