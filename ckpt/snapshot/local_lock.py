@@ -116,6 +116,9 @@ def hold(path: str) -> int:
                 # path, and the manager would write into a new one made there, unlocked, beside another manager.
                 _close(fd, _PENDING)
                 fd = None
+                if time.monotonic() >= deadline:  # (never spins: a folder that keeps changing under it is refused)
+                    raise SnapshotError(f"local tier {path} was replaced while it was being locked, and again within "
+                                        f"{LOCK_WAIT_S:g} s", hint="give the local tier a folder nothing else removes")
                 continue
             with _HELD_LOCK:
                 _PENDING.discard(fd)
