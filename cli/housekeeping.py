@@ -1,14 +1,16 @@
-"""Commands that tidy a store and the machine: rm, gc, and the local chunk cache (cache, cache clear)."""
+"""Commands that tidy a store and the machine: rm, gc, the local chunk cache (cache, cache clear) and the local
+tiers of training runs (tiers, tiers rm)."""
 
 from __future__ import annotations
 
+import os
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 
 from ckpt_store.cli import views
-from ckpt_store.cli.app import JsonOpt, emit, open_store, settings
+from ckpt_store.cli.app import JsonOpt, emit, open_store, settings, state
 from ckpt_store.cli.interrupts import AFTER_INTERRUPT, INTERRUPTED, terminated
 from ckpt_store.cli.render import err, safe
 
@@ -48,6 +50,113 @@ def cache_clear(ctx: typer.Context, as_json: JsonOpt = False) -> None:
     u = clear_cache(settings())
     emit({"dir": u.root, "entries_deleted": u.entries, "bytes_deleted": u.bytes}, as_json or (ctx.obj or {}).get("json", False),
           views.cache_clear)
+
+
+tiers_app = typer.Typer(help=(
+    "The local tiers training runs keep in host memory: show them, or free them.\n\n"
+    "A CheckpointManager(..., local=True)'s close() keeps its tier, so that a preempted job restarts from host memory: every finished or "
+    "abandoned run leaves its last local_keep snapshots in /dev/shm (RAM) until the machine restarts. Listed: "
+    "each tier's run, steps, size, whether a live manager holds it, and, where --store is the run's durable "
+    "store, its newest durable step and whether the tier holds steps that are not persisted.\n\n"
+    "\b\nExamples:\n"
+    "  ckpt tiers                               # under /dev/shm, $CKPT_LOCAL_DIR and the temp dir\n"
+    "  ckpt --store s3://team/runs tiers        # and which steps only the tier holds\n"
+    "  ckpt tiers --dir /nvme/tiers --json      # the parent of a local=PATH\n"
+    "  ckpt --store ./runs tiers rm /dev/shm/ckpt-local-1000/3f2a9c01b7d4\n"
+    "  ckpt --store ./runs tiers rm --all       # every tier not held and persisted"),
+    no_args_is_help=False, invoke_without_command=True)
+
+DirsOpt = Annotated[Optional[list[str]], typer.Option(
+    "--dir", metavar="DIR", show_default=False,
+    help="Look in DIR instead (repeatable): the parent of a local=PATH, or a root holding ckpt-local-UID.")]
+
+
+def _durable() -> Any:
+    """The CLI's store, that tiers of its runs are checked against; None where none is named and the default store
+    cannot be opened (none there, say): a store named, by --store or $CKPT_STORE, must open."""
+    from ckpt.errors import CkptError
+
+    try:
+        return open_store()
+    except CkptError:
+        if state["store"] is not None or os.environ.get("CKPT_STORE"):
+            raise
+        return None
+
+
+def _folders(dirs: list[str] | None) -> list[str]:
+    from ckpt.snapshot.local_inventory import default_folders
+
+    return [os.path.abspath(os.path.expanduser(d)) for d in dirs] if dirs else default_folders()
+
+
+@tiers_app.callback()
+def tiers_show(ctx: typer.Context, dirs: DirsOpt = None, as_json: JsonOpt = False) -> None:
+    """This user's local tiers: path, run, steps, size, held by a live manager, persisted or not."""
+    if ctx.invoked_subcommand is not None:
+        ctx.obj = {"json": as_json, "dirs": dirs}  # `ckpt tiers --json rm ...`: asked for before the subcommand, for it
+        return
+    from ckpt.snapshot.local_inventory import local_tiers
+
+    durable, folders = _durable(), _folders(dirs)
+    found = local_tiers(folders, durable)
+    emit({"dirs": folders, "store": durable.url if durable is not None else None,
+          "store_id": durable.config.store_id if durable is not None else None,
+          "tiers": [t.to_json() for t in found], "bytes": sum(t.bytes for t in found)}, as_json, views.tiers)
+    if any(t.error is not None for t in found):  # (named on stderr, in --json in its row: as ls names damage)
+        raise typer.Exit(1)
+
+
+@tiers_app.command("rm")
+def tiers_rm(ctx: typer.Context,
+             paths: Annotated[Optional[list[str]], typer.Argument(metavar="PATH", show_default=False,
+                                                                  help="Tier folders, as `ckpt tiers` lists them.")] = None,
+             every: Annotated[bool, typer.Option("--all", help="Every tier listed (under --dir, else the default "
+                                                 "folders); those held or not persisted are refused.")] = False,
+             force: Annotated[bool, typer.Option("--force", help="Also remove tiers holding steps the durable store "
+                                                 "lacks, or whose store is not --store (their snapshots are lost).")] = False,
+             dirs: DirsOpt = None, as_json: JsonOpt = False) -> None:
+    """Free local tiers: remove their folders (host memory under /dev/shm is freed at once).
+
+    Refused, each in one line with nothing of it removed: a tier a live manager holds; a folder
+    that is not a tier (no ckpt-local-tier.json: it may be yours) or a link; and, without
+    --force, a tier holding steps newer than the run's newest step in the durable store
+    (--store), or whose durable store is not --store (whether they are persisted cannot be told).
+    The exit code is then 1. A new manager of the run starts with an empty tier and restores
+    from the durable store.
+
+    \b
+    Examples:
+      ckpt --store ./runs tiers rm /dev/shm/ckpt-local-1000/3f2a9c01b7d4
+      ckpt --store s3://team/runs tiers rm --all --json
+      ckpt tiers rm --force /dev/shm/ckpt-local-1000/3f2a9c01b7d4/rank-0   # its snapshots are lost
+    """
+    from ckpt.errors import CkptError
+    from ckpt.snapshot.local_inventory import local_tiers, remove_tier
+
+    parent = ctx.obj or {}
+    as_json = as_json or parent.get("json", False)
+    dirs = dirs or parent.get("dirs")
+    if every == bool(paths):
+        raise typer.BadParameter("give the tiers to remove (PATH...) or --all, not both" if every else
+                                 "give the tiers to remove (PATH...), or --all", param_hint="PATH")
+    durable = _durable()
+    if every:
+        paths = [t.path for t in local_tiers(_folders(dirs)) if t.kind == "tier"]
+    doc: dict[str, Any] = {"removed": [], "refused": []}
+    for path in paths or []:
+        try:
+            doc["removed"].append(remove_tier(path, durable, force).to_json())
+        except CkptError as e:  # refused: said in one line, and the others go on
+            doc["refused"].append({"path": path, "error": str(e)})
+    if doc["refused"]:
+        doc["error"] = doc["refused"][0]["error"] if len(doc["refused"]) == 1 else \
+            f"{len(doc['refused'])} of {len(paths or [])} tiers were refused (each is named)"
+    emit(doc, as_json, views.tiers_rm)
+    for r in doc["refused"]:
+        err.print(f"error: {safe(r['error'])}")
+    if doc["refused"]:
+        raise typer.Exit(1)
 
 
 def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Refs to remove.")], as_json: JsonOpt = False) -> None:

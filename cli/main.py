@@ -24,6 +24,7 @@ def _register(command: Callable[..., None], name: str | None = None, **settings:
 
 
 app.add_typer(housekeeping.cache_app, name="cache")
+app.add_typer(housekeeping.tiers_app, name="tiers")
 _register(transfers.init)
 _register(transfers.push)
 _register(transfers.pull)

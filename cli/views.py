@@ -261,3 +261,48 @@ def cache(v: dict[str, Any]) -> None:
 
 def cache_clear(v: dict[str, Any]) -> None:
     out.print(f"cleared {v['entries_deleted']} chunks ({human_bytes(v['bytes_deleted'])}) from {safe(v['dir'])}")
+
+
+_NOT_TIERS = {"unmarked": "(no marker: not a tier)", "damaged": "(damaged marker)", "link": "(a link: not followed)",
+              "file": "(a file: not a tier)"}
+
+
+def _steps(steps: list[int] | None) -> str:
+    if not steps:
+        return "-"
+    return ",".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]}..{steps[-1]} ({len(steps)})"
+
+
+def tiers(v: dict[str, Any]) -> None:
+    rows = v["tiers"]
+    if not rows:
+        where = ", ".join(safe(d) for d in v["dirs"]) or "the default folders (none exists)"
+        out.print(f"no local tiers under {where}")
+        return
+    t = _Columns(("PATH", "RUN", "STORE", "STEPS", "SIZE", "HELD", "DURABLE", "PERSISTED"), ("SIZE",))
+    for r in rows:
+        held = {True: "held", False: "no", None: "-"}[r["held"]]
+        if r["kind"] != "tier":
+            t.add_row((r["path"], _NOT_TIERS.get(r["kind"], r["kind"]), "", "", human_bytes(r["bytes"]), held, "", ""))
+            continue
+        persisted = ("-" if r["persisted"] is None else "yes" if r["persisted"] else f"NO: {_steps(r['unpersisted_steps'])}")
+        durable = "-" if r["unpersisted_steps"] is None else "none" if r["durable_step"] is None else str(r["durable_step"])
+        t.add_row((r["path"], r["run"], r["store_id"][:12], _steps(r["steps"]) if r["error"] is None else "?",
+                   human_bytes(r["bytes"]), held, durable, persisted))
+    t.print()
+    for r in rows:
+        if r["error"] is not None:
+            err.print(f"{safe(r['path'])}: {safe(r['error'])}")
+    known = "" if v["store"] is not None else " (persisted: `ckpt --store URL tiers` checks against that store)"
+    n = sum(r["kind"] == "tier" for r in rows)
+    out.print(f"\n{n} tier{'' if n == 1 else 's'}, {human_bytes(v['bytes'])}{known}; "
+              "free one with `ckpt tiers rm PATH`")
+
+
+def tiers_rm(v: dict[str, Any]) -> None:
+    """The tiers removed (the refused ones are named on stderr by the command)."""
+    for r in v["removed"]:
+        out.print(f"removed {safe(r['path'])} (run {safe(r['run'])}, steps {_steps(r['steps'])}): "
+                  f"{human_bytes(r['bytes'])} freed")
+    if not v["removed"] and not v["refused"]:
+        out.print("no local tiers to remove")

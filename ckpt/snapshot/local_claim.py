@@ -74,7 +74,7 @@ def claim(path: str, run: str, durable: Store, reset_foreign: bool) -> bytes | N
         raise SnapshotError(f"local={path} is a ckpt store that is not a local tier; a tier prunes and collects "
                             "what it holds", hint="give the local tier a path of its own")
     whose = _whose(have, want, durable)
-    if not reset_foreign or not _readable(have):
+    if not reset_foreign or not readable(have):
         raise SnapshotError(f"local={path} is {whose}",
                             hint="give this run's local tier a folder of its own (local=ANOTHER_PATH); or, where that "
                                  "tier's snapshots are not needed (those it persisted are in its durable store), remove "
@@ -108,17 +108,17 @@ def read_marker(path: str | os.PathLike[str]) -> object:
 def marks(have: object, store_id: str, run: str) -> bool:
     """Whether marker ``have`` names the tier of ``run`` of the store ``store_id`` (its two fields only: a
     marker with more is still this run's)."""
-    return _readable(have) and have["store_id"] == store_id and have["run"] == run  # type: ignore[index]
+    return readable(have) and have["store_id"] == store_id and have["run"] == run  # type: ignore[index]
 
 
-def _readable(have: object) -> bool:
+def readable(have: object) -> bool:
     """Whether a marker ``have`` (read from the tier) names a run and a store id."""
     return isinstance(have, dict) and isinstance(have.get("run"), str) and isinstance(have.get("store_id"), str)
 
 
 def _whose(have: object, want: dict[str, str], durable: Store) -> str:
     """Whose tier a marker ``have`` (read from the tier) names, against ``want`` (this manager's)."""
-    if not _readable(have):
+    if not readable(have):
         return f"a local tier whose {TIER_MARKER} is damaged (whose tier it is cannot be told)"
     theirs = f"the local tier of run {have['run']!r:.100}"
     if have["store_id"] == want["store_id"]:
@@ -143,4 +143,4 @@ def _unmarked(path: str, run: str) -> str:
     return "snapshots" if all(r == f"{run}/latest" or step_of(run, r) is not None for r in refs) else "other"
 
 
-__all__ = ["TIER_MARKER", "apart", "claim", "marks", "read_marker"]
+__all__ = ["TIER_MARKER", "apart", "claim", "marks", "read_marker", "readable"]

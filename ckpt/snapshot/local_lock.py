@@ -62,11 +62,11 @@ if hasattr(os, "register_at_fork"):  # (a fork waits for a descriptor being open
                         after_in_child=_forked)
 
 
-def _open_dir(path: str, into: set[int]) -> int:
-    """``path`` opened (a folder, not inherited by programs run), registered in ``into`` as one step: no fork
-    falls between."""
+def _open_dir(path: str, into: set[int], flags: int = 0) -> int:
+    """``path`` opened (a folder, not inherited by programs run; with ``flags`` too), registered in ``into`` as one
+    step: no fork falls between."""
     with _HELD_LOCK:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0) | flags)
         into.add(fd)
         return fd
 
@@ -92,14 +92,34 @@ def hold(path: str) -> int:
     notebook's second manager while the first one's save was still running.)"""
     from ckpt.snapshot.run import SnapshotError
 
-    fd = _open_dir(path, _PENDING)
-    st = os.fstat(fd)
-    key = (st.st_dev, st.st_ino)
     deadline = time.monotonic() + LOCK_WAIT_S
     collected, warned = 0.0, False
+    fd = None
     while True:
+        if fd is None:
+            try:
+                fd = _open_dir(path, _PENDING)
+            except FileNotFoundError as e:  # removed (`ckpt tiers rm`) since its folder was made: made again
+                try:
+                    if time.monotonic() >= deadline:
+                        raise e
+                    os.makedirs(path, exist_ok=True)
+                except OSError as again:
+                    raise _cannot_lock(path, again) from None
+                continue
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not _names(path, key):
+                # Removed while this waited (`ckpt tiers rm` held it): the lock is on a folder no longer at the
+                # path, and the manager would write into a new one made there, unlocked, beside another manager.
+                _close(fd, _PENDING)
+                fd = None
+                if time.monotonic() >= deadline:  # (never spins: a folder that keeps changing under it is refused)
+                    raise SnapshotError(f"local tier {path} was replaced while it was being locked, and again within "
+                                        f"{LOCK_WAIT_S:g} s", hint="give the local tier a folder nothing else removes")
+                continue
             with _HELD_LOCK:
                 _PENDING.discard(fd)
                 _HELD.add(key)
@@ -150,6 +170,67 @@ def _cannot_lock(path: str, e: OSError) -> Exception:
                                   "lock keeps them apart")
     return SnapshotError(f"local tier {path} cannot be locked ({describe(e)})",
                          hint="give the local tier a folder on a local disk or tmpfs (local=PATH)")
+
+
+def _names(path: str, key: tuple[int, int]) -> bool:
+    """Whether ``path`` names the folder ``key`` (device, inode) now."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == key
+
+
+def held(path: str) -> bool | None:
+    """Whether a manager (or a write :func:`keeping_off` lets in) holds the tier folder ``path`` now: a shared
+    ``flock`` taken without waiting is refused (True), or taken and let go at once (False); None where it cannot
+    be told (no such folder, a link, which is never followed, or a filesystem without ``flock``)."""
+    try:
+        fd = _open_dir(path, _SHARED, os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        _close(fd, _SHARED)
+
+
+@contextmanager
+def taken(path: str) -> Iterator[None]:
+    """Hold the tier folder ``path`` as a manager would (an exclusive ``flock``), without waiting, while the block
+    runs (`ckpt tiers rm` removes it meanwhile: a manager starting then waits, and takes the folder made anew, never
+    the half-removed one). Raises :class:`SnapshotError` where another holds it, or it cannot be locked; ``path``
+    must be a folder, not a link (never followed)."""
+    from ckpt.snapshot.run import SnapshotError
+
+    try:
+        fd = _open_dir(path, _PENDING, os.O_NOFOLLOW)
+    except OSError as e:  # (gone meanwhile, a link put there, no permission)
+        from ckpt.snapshot.tiers import describe
+
+        raise SnapshotError(f"local tier {path} cannot be opened ({describe(e)}): nothing removed",
+                            hint="`ckpt tiers` lists the local tiers") from None
+    try:
+        st = os.fstat(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SnapshotError(f"local tier {path} is in use by a CheckpointManager (or a push, copy or gc writing "
+                                "into it): nothing removed", hint="close that manager first (its job ends, or "
+                                "mgr.close()); `ckpt tiers` shows which tiers are held") from None
+        except OSError as e:
+            raise _cannot_lock(path, e) from None
+        if not _names(path, (st.st_dev, st.st_ino)):  # (replaced since it was opened)
+            raise SnapshotError(f"local tier {path} changed while it was being locked: nothing removed",
+                                hint="run the command again")
+        yield
+    finally:
+        _close(fd, _PENDING)
 
 
 def let_go(fd: int, pid: int | None = None) -> None:
@@ -219,4 +300,4 @@ def keeping_off(store: object) -> Iterator[None]:
             _close(fd, _SHARED)  # (not in a forked child, which closed its copy)
 
 
-__all__ = ["LOCK_WAIT_S", "TIER_MARKER", "hold", "keeping_off", "let_go", "own"]
+__all__ = ["LOCK_WAIT_S", "TIER_MARKER", "held", "hold", "keeping_off", "let_go", "own", "taken"]
