@@ -386,7 +386,7 @@ def gc(store: Store, *, grace_s: float, dry_run: bool = False, keep_history: boo
     else:
         from ckpt.snapshot.local_lock import keeping_off
 
-        # (not a local tier another process's manager holds: it collects it without grace)
+        # (not a local tier a manager holds, but through its own store: it collects the tier without grace)
         with keeping_off(store), gc_lock(store.objects) as lock:  # writers elsewhere wait, or name what they reuse (S3)
             plan = plan_gc(store.objects, store.refs_db, grace_s=grace_s, keep_history=keep_history, lock=lock)
             deleted = list(execute_gc(store.objects, plan, lock=lock))

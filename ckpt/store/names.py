@@ -236,7 +236,7 @@ class StoreNames:
 
         validate_ref_name(name)
         try:
-            with keeping_off(self):  # (not in a local tier another process's manager holds and collects)
+            with keeping_off(self):  # (not in a local tier a manager holds and collects, but through its own store)
                 return self.refs_db.remove(name, expect=expect)  # checks the ref is live as it writes the removal
         except RefNotFoundError as e:
             raise RefNotFoundError(e.message, hint=self._near_names(name)) from None

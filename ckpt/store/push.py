@@ -282,7 +282,7 @@ def push_source(
     """
     from ckpt.snapshot.local_lock import keeping_off
 
-    # (not into a local tier another process's manager holds: it collects the tier without grace; its own saves pass)
+    # (not into a local tier a manager holds, through any store but its own: it collects the tier without grace)
     with keeping_off(store):
         # What the manifest will hold beside its tensors, measured before a chunk is written: past what
         # readers accept, the commit would refuse it after the upload, leaving every chunk for gc.
