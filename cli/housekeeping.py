@@ -102,7 +102,7 @@ def tiers_show(ctx: typer.Context, dirs: DirsOpt = None, as_json: JsonOpt = Fals
     found = local_tiers(folders, durable)
     emit({"dirs": folders, "store": durable.url if durable is not None else None,
           "store_id": durable.config.store_id if durable is not None else None,
-          "tiers": [t.to_json() for t in found], "bytes": sum(t.bytes for t in found)}, as_json, views.tiers)
+          "tiers": [t.to_json() for t in found], "bytes": sum(t.bytes for t in found if t.kind == "tier")}, as_json, views.tiers)
     if any(t.error is not None for t in found):  # (named on stderr, in --json in its row: as ls names damage)
         raise typer.Exit(1)
 

@@ -49,9 +49,12 @@ class TierInfo:
     or someone's folder), "damaged" (a marker that cannot be read, or without its two fields), "link" (never
     followed) or "file". ``bytes``: what the folder occupies (``du``, links not followed). ``held``: whether a
     manager (or a write into it) holds it now; None where that cannot be told. ``durable_step``: the run's
-    newest step in the durable store (None: none there, or not looked at); ``unpersisted``: the steps the tier
-    holds past it, which only the tier has (None: the durable store was not looked at: another store's, or
-    none). ``error``: why the steps or the durable store could not be read."""
+    newest step in the durable store (None: none there, or not looked at); ``unpersisted``: the steps only the
+    tier has: those the durable store does not name with the same checkpoint (a step of a timeline the run left
+    has its number, not its id), but for those older than a step it does (superseded: retention may have pruned
+    them there). None: the durable store was not looked at (another store's, or none). ``others``: checkpoints
+    the tier holds that are no snapshot of its run (a push into it while no manager held it): the tier alone
+    has them. ``error``: why the steps or the durable store could not be read, or refs of it that are damaged."""
 
     path: str
     kind: str
@@ -63,14 +66,15 @@ class TierInfo:
     durable_step: int | None = None
     unpersisted: list[int] | None = None
     error: str | None = None
+    others: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        """The ``--json`` row: the fields, and ``persisted`` (every step it holds is in the durable store, or older
-        than its newest step; None: not known)."""
+        """The ``--json`` row: the fields, and ``persisted`` (nothing it holds is the tier's alone; None: not known)."""
         return {"path": self.path, "kind": self.kind, "run": self.run, "store_id": self.store_id, "steps": self.steps,
                 "bytes": self.bytes, "held": self.held, "durable_step": self.durable_step,
-                "unpersisted_steps": self.unpersisted,
-                "persisted": None if self.unpersisted is None else not self.unpersisted, "error": self.error}
+                "unpersisted_steps": self.unpersisted, "other_refs": self.others,
+                "persisted": None if self.unpersisted is None else not self.unpersisted and not self.others,
+                "error": self.error}
 
 
 def user_folder_name() -> str:
@@ -100,7 +104,7 @@ def local_tiers(folders: Iterable[str | os.PathLike[str]], durable: Store | None
     tiers is looked into too. ``durable``: the store whose runs' tiers are checked against it (their newest
     durable step, their steps not persisted); other stores' tiers are listed without. Sorted by path."""
     found: list[TierInfo] = []
-    newest: dict[str, tuple[int | None, str | None]] = {}  # run -> its newest durable step, or why not known
+    newest: dict[str, tuple[dict[int, str], str | None]] = {}  # run -> its durable steps' ids, or why not known
     for folder in folders:
         top = os.path.abspath(os.path.expanduser(os.fspath(folder)))
         whole = not _is_dir(top) or os.path.lexists(os.path.join(top, TIER_MARKER))  # (a tier named itself)
@@ -122,9 +126,10 @@ def remove_tier(path: str | os.PathLike[str], durable: Store | None, force: bool
     Raises :class:`~ckpt.snapshot.run.SnapshotError`, nothing removed, where ``path`` is a link (never followed),
     not a folder, or not a tier (no readable marker: it may be a folder of the user's); where a manager, or a
     write into it, holds it (its exclusive ``flock`` is taken without waiting and held while it is removed: a
-    manager starting meanwhile waits, then takes a folder made anew); and, unless ``force``, where it holds a
-    step newer than ``durable``'s newest step of its run (that snapshot would be lost), or holds steps and
-    ``durable`` is not its store (whether they are persisted cannot be told)."""
+    manager starting meanwhile waits, then takes a folder made anew); and, unless ``force``, where another user
+    owns it, where it holds a snapshot ``durable`` lacks (:class:`TierInfo`'s ``unpersisted``) or a checkpoint
+    that is no snapshot of its run (both would be lost), has damaged refs, or holds steps and ``durable`` is not
+    its store (whether they are persisted cannot be told)."""
     from ckpt.snapshot.run import SnapshotError
 
     p = os.path.normpath(os.path.abspath(os.path.expanduser(os.fspath(path))))
@@ -136,6 +141,9 @@ def remove_tier(path: str | os.PathLike[str], durable: Store | None, force: bool
                             hint="`ckpt tiers` lists the local tiers")
     if not readable(read_marker(p)):
         raise _not_a_tier(p, read_marker(p))
+    if not force and hasattr(os, "getuid") and os.stat(p).st_uid != os.getuid():
+        raise SnapshotError(f"local tier {p} is another user's (uid {os.stat(p).st_uid}): nothing removed",
+                            hint="its user frees it, or pass --force")
     with taken(p):
         # Under the lock: what it holds now, and no manager adds to it (held by none but this removal).
         info = replace(_look(p, durable, {}), held=False)
@@ -153,17 +161,24 @@ def remove_tier(path: str | os.PathLike[str], durable: Store | None, force: bool
         if not force and info.unpersisted:
             after = "has none" if info.durable_step is None else f"has step {info.durable_step} at the newest"
             raise SnapshotError(f"local tier {p} holds step(s) {_steps(info.unpersisted)} of run {info.run!r} that are "
-                                f"not persisted (the durable store {after}): they would be lost; nothing removed",
+                                f"not persisted (the durable store {after}, none of them the same snapshot): they would "
+                                "be lost; nothing removed",
                                 hint="restore from them and save to the durable store first, or pass --force to "
                                      "remove them")
+        if not force and info.others:
+            raise SnapshotError(f"local tier {p} holds checkpoint(s) that are no snapshot of run {info.run!r}: "
+                                f"{', '.join(info.others[:8])}{' ...' if len(info.others) > 8 else ''}; they would be "
+                                "lost: nothing removed",
+                                hint=f"copy them elsewhere first (ckpt --store {p} copy --to URL NAME), or pass --force")
         try:
             shutil.rmtree(p)
         except OSError as e:
             raise SnapshotError(f"local tier {p} could not be removed whole ({describe(e)})",
                                 hint="remove what is left of it with rm -r") from e
-    if RANK.match(os.path.basename(p)):
+    key = os.path.dirname(p)
+    if RANK.match(os.path.basename(p)) and os.path.basename(os.path.dirname(key)) == user_folder_name():
         try:
-            os.rmdir(os.path.dirname(p))  # its key's folder, once its last rank's tier is gone (only if empty)
+            os.rmdir(key)  # a default key's folder, once its last rank's tier is gone (only if empty; not a user's)
         except OSError:
             pass
     return info
@@ -187,28 +202,47 @@ def _look(path: str, durable: Store | None, newest: dict[str, tuple[int | None, 
         return TierInfo(path, "damaged", bytes=size, held=busy)
     run, store_id = have["run"], have["store_id"]  # type: ignore[index]
     try:
-        steps = _tier_steps(path, run)
+        ids, others, damaged = _tier_refs(path, run)
     except (CkptError, OSError) as e:
         return TierInfo(path, "tier", run, store_id, bytes=size, held=busy, error=describe(e))
+    steps = sorted(ids)
+    if damaged:  # (a snapshot that may be the tier's alone: `ckpt --store PATH ls` names them, as here)
+        return TierInfo(path, "tier", run, store_id, steps, size, busy, others=others,
+                        error=f"damaged ref(s) {', '.join(damaged[:8])}{' ...' if len(damaged) > 8 else ''}")
     if durable is None or durable.config.store_id != store_id:
-        return TierInfo(path, "tier", run, store_id, steps, size, busy)
+        return TierInfo(path, "tier", run, store_id, steps, size, busy, others=others)
     if run not in newest:
         try:
-            newest[run] = (max(run_steps(durable, run)[0], default=None), None)
+            newest[run] = (run_steps(durable, run)[0], None)
         except CkptError as e:
-            newest[run] = (None, describe(e))
-    last, error = newest[run]
-    unpersisted = None if error else [s for s in steps if last is None or s > last]
-    return TierInfo(path, "tier", run, store_id, steps, size, busy, last, unpersisted, error)
+            newest[run] = ({}, describe(e))
+    kept, error = newest[run]
+    # Persisted: the durable store names the step with the same checkpoint (a number alone may be another timeline's,
+    # or a copied store's run gone on apart); older than such a step: superseded there (retention may prune it)
+    same = {s for s in steps if kept.get(s) == ids[s]}
+    top = max(same, default=None)
+    unpersisted = None if error else [s for s in steps if s not in same and (top is None or s > top)]
+    return TierInfo(path, "tier", run, store_id, steps, size, busy, max(kept, default=None), unpersisted, error, others)
 
 
-def _tier_steps(path: str, run: str) -> list[int]:
-    """The steps of the snapshots in the tier at ``path``, read only (a manager may hold it: nothing is written,
-    not even its metadata index, which a listing through the index would heal)."""
+def _tier_refs(path: str, run: str) -> tuple[dict[int, str], list[str], list[str]]:
+    """The tier at ``path``'s snapshots (step -> checkpoint id), its other live refs (not the run's steps nor
+    ``RUN/latest``) and its damaged refs, read only (a manager may hold it: nothing is written, not even its
+    metadata index, which a listing through the index would heal)."""
     from ckpt.store.store import Store
+    from ckpt_store.storage.refs import validate_ref_name
 
-    refs = Store.open(path).refs_db.scan(run)[0]  # (the run's refs alone: its name checked first)
-    return sorted(s for name in refs if (s := step_of(run, name)) is not None)
+    validate_ref_name(f"{run}/latest")  # (a marker naming no run that could have refs: its steps cannot be told)
+    refs, damaged = Store.open(path).refs_db.scan()
+    ids: dict[int, str] = {}
+    others: list[str] = []
+    for name, entry in refs.items():
+        step = step_of(run, name)
+        if step is not None and entry.target is not None:
+            ids[step] = entry.target
+        elif name != f"{run}/latest":
+            others.append(name)
+    return ids, sorted(others), sorted(damaged)
 
 
 def du(path: str) -> int:

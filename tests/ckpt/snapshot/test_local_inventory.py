@@ -58,12 +58,15 @@ def test_a_manager_waiting_while_its_tier_is_removed_holds_the_folder_made_anew(
 
 def test_a_groups_rank_tiers_are_listed_and_removed_one_by_one_then_their_key_folder(tmp_path):
     """A process group's key folder holds a tier per rank (``KEY/rank-R``): each is listed and removed as one; the
-    key's folder goes with the last. Tiers that hold no snapshot lose nothing: removed with no store to check."""
+    default key's folder goes with the last (not a folder of the user's holding a rank-0 tier, a local=PATH: review
+    rev23l). Tiers that hold no snapshot lose nothing: removed with no store to check."""
+    from ckpt.snapshot.local_inventory import user_folder_name
+
     store = ckpt.Store.init(tmp_path / "store")
-    key = tmp_path / "shm" / "3f2a9c01b7d4"
+    key = tmp_path / "shm" / user_folder_name() / "3f2a9c01b7d4"
     for rank in (0, 1):
         LocalTier(key / f"rank-{rank}", "run", durable=store).close()
-    tiers = local_tiers([tmp_path / "shm"])
+    tiers = local_tiers([tmp_path / "shm" / user_folder_name()])
     assert [(t.path, t.kind, t.run, t.steps, t.held) for t in tiers] == [
         (str(key / f"rank-{r}"), "tier", "run", [], False) for r in (0, 1)]
     assert [t.path for t in local_tiers([key])] == [str(key / "rank-0"), str(key / "rank-1")]
@@ -73,4 +76,53 @@ def test_a_groups_rank_tiers_are_listed_and_removed_one_by_one_then_their_key_fo
     assert remove_tier(key / "rank-0", None).path == str(key / "rank-0")
     assert sorted(os.listdir(key)) == ["rank-1"]
     remove_tier(key / "rank-1", None)
-    assert not key.exists() and (tmp_path / "shm").is_dir()
+    assert not key.exists() and (tmp_path / "shm" / user_folder_name()).is_dir()
+    mine = tmp_path / "experiments"  # a local=PATH of a group of one: PATH is the user's, kept (empty)
+    LocalTier(mine / "rank-0", "run", durable=store).close()
+    remove_tier(mine / "rank-0", None)
+    assert mine.is_dir() and not os.listdir(mine)
+
+
+def test_a_step_is_persisted_only_where_the_durable_store_names_the_same_snapshot(tmp_path):
+    """The durable store's newest step NUMBER was taken as the line: a run taken back to step 5 and saving 8 and 9 to
+    its tier again (the store still naming the 8 and 9 of the timeline it left, other snapshots) had them counted
+    persisted, and `ckpt tiers rm` without --force removed the only copies (review rev23l). A step is persisted where
+    the store names the same checkpoint; an older one is superseded there."""
+    store = ckpt.Store.init(tmp_path / "store")
+    tier = str(tmp_path / "tiers" / "run")
+    with ckpt.CheckpointManager(store, "run", every_n_steps=1, local=tier) as mgr:  # 1..10, every one durable
+        for step in range(1, 11):
+            mgr.save(step, {"w": torch.full((4,), 100.0 + step)})
+    [t] = local_tiers([tmp_path / "tiers"], store)
+    assert (t.steps, t.unpersisted) == ([9, 10], [])  # (the same snapshots in both)
+    with ckpt.CheckpointManager(store, "run", every_n_steps=100, local=tier) as mgr:  # taken back to 5
+        for step in (5, 6, 7, 8, 9):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+    [t] = local_tiers([tmp_path / "tiers"], store)
+    assert (t.steps, t.durable_step, t.unpersisted) == ([8, 9], 10, [8, 9])
+    with pytest.raises(ckpt.CkptError, match=r"holds step\(s\) 8, 9 .* not persisted"):
+        remove_tier(tier, store)
+    assert os.path.isdir(tier)
+
+
+def test_a_tier_holding_other_checkpoints_or_damaged_refs_is_not_removed_without_force(tmp_path):
+    """A checkpoint pushed into a tier while no manager held it, and a damaged step ref (the step may be the tier's
+    alone), were dropped silently: listed "persisted", removed without --force (review rev23l)."""
+    store = ckpt.Store.init(tmp_path / "store")
+    tier = tmp_path / "tiers" / "run"
+    with ckpt.CheckpointManager(store, "run", every_n_steps=1, local=str(tier)) as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+    ckpt.Store.open(str(tier)).push({"w": torch.zeros(4)}, "me/notes")
+    [t] = local_tiers([tmp_path / "tiers"], store)
+    assert t.others == ["me/notes"] and t.to_json()["persisted"] is False
+    with pytest.raises(ckpt.CkptError, match="no snapshot of run 'run': me/notes"):
+        remove_tier(tier, store)
+    ckpt.Store.open(str(tier)).remove("me/notes")
+    [entry] = (tier / "refs" / "run" / "step-1").iterdir()
+    entry.chmod(0o644)
+    entry.write_bytes(b"{not json")
+    [t] = local_tiers([tmp_path / "tiers"], store)
+    assert t.error is not None and "run/step-1" in t.error and t.to_json()["persisted"] is None
+    with pytest.raises(ckpt.CkptError, match="cannot be told"):
+        remove_tier(tier, store)
+    assert remove_tier(tier, store, force=True).path == str(tier) and not tier.exists()
