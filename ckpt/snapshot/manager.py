@@ -277,7 +277,7 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
         self._durable_step = None  # the step RUN/latest names in the durable store,
         self._durable_known = False  # once read (at the first save with a local tier)
         self._persist_pending = False  # a persist failed: the next save persists
-        self._reuse_nothing = False  # a persist removed damaged chunks from the tier: the next save reuses nothing
+        self._unpersistable: tuple[Exception, str | None] | None = None  # a persist's failure on a damaged tier chunk
         self._inflight = None
         self._closed = False
         # keep_best's metrics of the steps retention counts (a step's manifest holds them too): those it removes are dropped

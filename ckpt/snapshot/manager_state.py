@@ -68,7 +68,7 @@ class ManagerState:
     _durable_step: int | None  # the step RUN/latest names in the durable store,
     _durable_known: bool  # once read (at the first save with a local tier)
     _persist_pending: bool  # a persist failed: the next save persists
-    _reuse_nothing: bool  # a persist removed damaged chunks from the tier: the next save reuses nothing
+    _unpersistable: tuple[Exception, str | None] | None  # a persist's failure on a damaged tier chunk, and its snapshot
     last_persist: PersistStats | None
 
     # -- restoring -----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckpt.errors import CorruptObjectError, ObjectNotFoundError
 from ckpt.snapshot.manager_state import ManagerState
 from ckpt.snapshot.retention import count_setting
 from ckpt.snapshot.run import SaveJob, SaveResult, SnapshotError
@@ -247,18 +248,28 @@ class Persisting(ManagerState):
             self._retain(step)
         except Exception as e:  # noqa: BLE001 - the durable store still holds the previous snapshot
             self._persist_pending = True
-            removed = self._forget_damaged(e, mid)
+            if isinstance(e, (CorruptObjectError, ObjectNotFoundError)) and e.kind == "chunk":
+                with self._persist_lock:  # (the next save removes its damaged chunks from the tier, in its thread)
+                    self._unpersistable = (e, mid)
             self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed ({caught(log, 'persist', e)}); "
-                               + (f"the local tier's {removed}; " if removed else "") + "the next save persists again")
+                               "the next save persists again")
         finally:
             with self._persist_lock:
                 self._unpin(step)
 
-    def _forget_damaged(self, e: Exception, mid: str | None) -> str | None:
+    def _take_unpersistable(self) -> tuple[Exception, str | None] | None:
+        """A persist's failure on a chunk the tier holds damaged or lacks, and the snapshot it persisted (the next
+        save deals with it: :meth:`_forget_unpersistable`), once."""
+        with self._persist_lock:
+            found, self._unpersistable = self._unpersistable, None
+            return found
+
+    def _forget_unpersistable(self, e: Exception, mid: str | None) -> None:
         """A persist that failed on a chunk the tier holds damaged (or lacks) would fail at every save after it
         (:func:`~ckpt.snapshot.peer_refill.forget_unpersistable`): those of the snapshot's chunks go, with the steps
-        naming them, and the next save reuses nothing (its entries of unchanged tensors are not read). What was
-        removed, or None."""
+        naming them. Run by the next save, in its thread, before it writes the tier (a save running meanwhile
+        would reuse on their presence chunks that only the steps removed named, and lose them to the tier's gc);
+        that save reuses nothing of the snapshot before (its caller said so: saving.py)."""
         from ckpt.snapshot.peer_refill import forget_unpersistable
         from ckpt_store.storage.chunk_lists import referenced_chunks
 
@@ -270,8 +281,7 @@ class Persisting(ManagerState):
             chunks = []
         removed = forget_unpersistable(local, e, chunks)
         if removed is not None:
-            self._reuse_nothing = True  # (taken up by the next save, in the caller's thread: saving.py)
-        return removed
+            self._tier_warning(f"local tier: {removed} (found by a persist that failed on them)")
 
     def _unpin(self, step: int) -> None:
         """Let the tier prune ``step`` again (under ``_persist_lock``). A save of an earlier step made

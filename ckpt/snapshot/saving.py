@@ -110,6 +110,7 @@ class Saving(ManagerState):
         t0 = time.perf_counter()
         snapshot = {"format": SNAPSHOT_FORMAT, "run": self.run, "step": step, "metrics": _recorded(step, metrics)}
         background = self.save_mode != "sync"
+        unpersistable = None
         if self._local is None:
             job = self._path.save(step, state, snapshot, background=background)
         else:
@@ -124,9 +125,9 @@ class Saving(ManagerState):
                                 "or save(..., persist=True)")
             self._saves += 1
             self._saved_step = step
-            if self._reuse_nothing:  # (set by a persist that removed damaged chunks from the tier)
-                self._reuse_nothing = False
-                self._path.reuse_nothing()
+            unpersistable = self._take_unpersistable()  # (a persist failed on damaged chunks of the tier)
+            if unpersistable is not None:
+                self._path.reuse_nothing()  # (this save's job removes them first: finish below)
             if self._local_full:
                 self._make_room(step, state)
             if self._distributed:  # the ranks persist together, in the save thread
@@ -152,6 +153,8 @@ class Saving(ManagerState):
         blocked = time.perf_counter() - t0
 
         def finish() -> None:
+            if unpersistable is not None:
+                self._forget_unpersistable(*unpersistable)
             t1 = time.perf_counter()
             result = job()
             if result is not None:
