@@ -113,15 +113,18 @@ def tiers_rm(ctx: typer.Context,
                                                                   help="Tier folders, as `ckpt tiers` lists them.")] = None,
              every: Annotated[bool, typer.Option("--all", help="Every tier listed (under --dir, else the default "
                                                  "folders); those held or not persisted are refused.")] = False,
-             force: Annotated[bool, typer.Option("--force", help="Also remove tiers holding steps the durable store "
-                                                 "lacks, or whose store is not --store (their snapshots are lost).")] = False,
+             force: Annotated[bool, typer.Option("--force", help="Also remove tiers holding snapshots or checkpoints the "
+                                                 "durable store lacks, damaged refs, another user's, or whose store is not "
+                                                 "--store (what they hold alone is lost).")] = False,
              dirs: DirsOpt = None, as_json: JsonOpt = False) -> None:
     """Free local tiers: remove their folders (host memory under /dev/shm is freed at once).
 
     Refused, each in one line with nothing of it removed: a tier a live manager holds; a folder
     that is not a tier (no ckpt-local-tier.json: it may be yours) or a link; and, without
-    --force, a tier holding steps newer than the run's newest step in the durable store
-    (--store), or whose durable store is not --store (whether they are persisted cannot be told).
+    --force, a tier holding a snapshot the durable store (--store) never held (its RUN/step-N
+    never named that checkpoint; older steps than one it did are superseded, but not the tier's
+    RUN/latest), a checkpoint that is no snapshot of its run, or damaged refs; another user's
+    tier; or one whose durable store is not --store (whether it is persisted cannot be told).
     The exit code is then 1. A new manager of the run starts with an empty tier and restores
     from the durable store.
 

@@ -285,8 +285,9 @@ def tiers(v: dict[str, Any]) -> None:
         if r["kind"] != "tier":
             t.add_row((r["path"], _NOT_TIERS.get(r["kind"], r["kind"]), "", "", human_bytes(r["bytes"]), held, "", ""))
             continue
-        alone = [*map(str, r["unpersisted_steps"] or []), *(["other refs"] if r["other_refs"] else [])]
-        persisted = "-" if r["persisted"] is None else "yes" if r["persisted"] else f"NO: {_steps(alone)}"
+        alone = ", ".join(filter(None, (_steps(r["unpersisted_steps"]) if r["unpersisted_steps"] else "",
+                                        "other refs" if r["other_refs"] else "")))
+        persisted = "-" if r["persisted"] is None else "yes" if r["persisted"] else f"NO: {alone}"
         durable = "-" if r["unpersisted_steps"] is None else "none" if r["durable_step"] is None else str(r["durable_step"])
         t.add_row((r["path"], r["run"], r["store_id"][:12], _steps(r["steps"]) if r["error"] is None else "?",
                    human_bytes(r["bytes"]), held, durable, persisted))

@@ -50,9 +50,10 @@ class TierInfo:
     followed) or "file". ``bytes``: what the folder occupies (``du``, links not followed). ``held``: whether a
     manager (or a write into it) holds it now; None where that cannot be told. ``durable_step``: the run's
     newest step in the durable store (None: none there, or not looked at); ``unpersisted``: the steps only the
-    tier has: those the durable store does not name with the same checkpoint (a step of a timeline the run left
-    has its number, not its id), but for those older than a step it does (superseded: retention may have pruned
-    them there). None: the durable store was not looked at (another store's, or none). ``others``: checkpoints
+    tier has: those whose checkpoint the durable store's ``RUN/step-N`` never named (a step of a timeline the run
+    left has its number, not its id; one retention pruned there stays in the ref's history), but for those older
+    than a step it did (superseded), unless the tier's ``RUN/latest`` names it (the head of a timeline the run
+    began again, a crash before its persist). None: the durable store was not looked at (another store's, or none). ``others``: checkpoints
     the tier holds that are no snapshot of its run (a push into it while no manager held it): the tier alone
     has them. ``error``: why the steps or the durable store could not be read, or refs of it that are damaged."""
 
@@ -202,7 +203,7 @@ def _look(path: str, durable: Store | None, newest: dict[str, tuple[int | None, 
         return TierInfo(path, "damaged", bytes=size, held=busy)
     run, store_id = have["run"], have["store_id"]  # type: ignore[index]
     try:
-        ids, others, damaged = _tier_refs(path, run)
+        ids, latest, others, damaged = _tier_refs(path, run)
     except (CkptError, OSError) as e:
         return TierInfo(path, "tier", run, store_id, bytes=size, held=busy, error=describe(e))
     steps = sorted(ids)
@@ -217,18 +218,32 @@ def _look(path: str, durable: Store | None, newest: dict[str, tuple[int | None, 
         except CkptError as e:
             newest[run] = ({}, describe(e))
     kept, error = newest[run]
-    # Persisted: the durable store names the step with the same checkpoint (a number alone may be another timeline's,
-    # or a copied store's run gone on apart); older than such a step: superseded there (retention may prune it)
-    same = {s for s in steps if kept.get(s) == ids[s]}
+    try:
+        same = {s for s in steps if ids[s] in _named(durable, f"{run}/step-{s}")}
+    except CkptError as e:
+        same, error = set(), error or describe(e)
+    # Persisted: the durable store's RUN/step-N named that checkpoint, now or before retention pruned it (a number alone
+    # may be another timeline's, or a copied store's run gone on apart); older than such a step: superseded there,
+    # but not the tier's RUN/latest (the head of a timeline begun again below it, its persist cut short by a crash)
     top = max(same, default=None)
-    unpersisted = None if error else [s for s in steps if s not in same and (top is None or s > top)]
+    unpersisted = None if error else [s for s in steps if s not in same and (top is None or s > top or ids[s] == latest)]
     return TierInfo(path, "tier", run, store_id, steps, size, busy, max(kept, default=None), unpersisted, error, others)
 
 
-def _tier_refs(path: str, run: str) -> tuple[dict[int, str], list[str], list[str]]:
-    """The tier at ``path``'s snapshots (step -> checkpoint id), its other live refs (not the run's steps nor
-    ``RUN/latest``) and its damaged refs, read only (a manager may hold it: nothing is written, not even its
-    metadata index, which a listing through the index would heal)."""
+def _named(store: Store, name: str) -> set[str]:
+    """Every checkpoint ref ``name`` of ``store`` has named (its history: a ref removed by retention keeps it)."""
+    from ckpt.errors import RefNotFoundError
+
+    try:
+        return {e.target for e in store.refs_db.history(name) if e.target is not None}
+    except RefNotFoundError:
+        return set()
+
+
+def _tier_refs(path: str, run: str) -> tuple[dict[int, str], str | None, list[str], list[str]]:
+    """The tier at ``path``'s snapshots (step -> checkpoint id), what its ``RUN/latest`` names, its other live refs
+    (not the run's steps nor ``RUN/latest``) and its damaged refs, read only (a manager may hold it: nothing is
+    written, not even its metadata index, which a listing through the index would heal)."""
     from ckpt.store.store import Store
     from ckpt_store.storage.refs import validate_ref_name
 
@@ -242,7 +257,8 @@ def _tier_refs(path: str, run: str) -> tuple[dict[int, str], list[str], list[str
             ids[step] = entry.target
         elif name != f"{run}/latest":
             others.append(name)
-    return ids, sorted(others), sorted(damaged)
+    latest = refs[f"{run}/latest"].target if f"{run}/latest" in refs else None
+    return ids, latest, sorted(others), sorted(damaged)
 
 
 def du(path: str) -> int:

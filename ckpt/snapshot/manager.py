@@ -370,6 +370,9 @@ class CheckpointManager(Saving, Persisting, Restoring, Pruning, Preemption):
         self._closed = True
         try:
             self.wait()
+            unpersistable = self._take_unpersistable() if self._local is not None else None
+            if unpersistable is not None:  # (no save comes to remove them: a restart's saves would reuse them)
+                self._forget_unpersistable(*unpersistable)
         finally:
             self._pool.shutdown(wait=True)
             self._persist_pool.shutdown(wait=True)

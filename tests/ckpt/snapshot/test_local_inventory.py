@@ -126,3 +126,48 @@ def test_a_tier_holding_other_checkpoints_or_damaged_refs_is_not_removed_without
     with pytest.raises(ckpt.CkptError, match="cannot be told"):
         remove_tier(tier, store)
     assert remove_tier(tier, store, force=True).path == str(tier) and not tier.exists()
+
+
+def test_a_step_the_durable_store_held_before_retention_pruned_it_is_persisted(tmp_path):
+    """Node A's tier keeps steps 9 and 10, both persisted; the job goes on on node B to step 20 and the durable store's
+    retention (keep_last=2) prunes step 10 there. Counted by the refs alive, the tier was refused as the only copy
+    (review rev23n); the ref's history still names that checkpoint."""
+    store = ckpt.Store.init(tmp_path / "d")
+    model = torch.nn.Linear(8, 8)
+    for node, steps in (("a", range(1, 11)), ("b", range(11, 21))):
+        with ckpt.CheckpointManager(store, "run", every_n_steps=5, keep_last=2, local=str(tmp_path / node / "t"),
+                                    local_every_n_steps=1) as mgr:
+            for step in steps:
+                with torch.no_grad():
+                    model.weight.add_(1)
+                mgr.save(step, {"model": model})
+    assert "run/step-10" not in ckpt.Store.open(str(tmp_path / "d")).refs()
+    [t] = local_tiers([tmp_path / "a"], store)
+    assert (t.steps, t.durable_step, t.unpersisted) == ([9, 10], 20, [])
+    assert remove_tier(tmp_path / "a" / "t", store).steps == [9, 10]
+
+
+def test_the_tiers_latest_below_a_persisted_step_is_not_superseded(tmp_path, monkeypatch):
+    """A run persisting step 10 saves step 6 again (a new timeline) and is killed once step 10's persist published,
+    before the tier dropped step 10: the tier names 6 (its latest, the tier's alone) and 10 (persisted). Step 6 was
+    counted superseded by step 10 and the tier removed without --force (review rev23n). The tier's RUN/latest is
+    never superseded; here the state is made as the kill leaves it."""
+    store = ckpt.Store.init(tmp_path / "d")
+    tier = str(tmp_path / "tiers" / "t")
+    model = torch.nn.Linear(8, 8)
+    with ckpt.CheckpointManager(store, "run", every_n_steps=5, local=tier, local_every_n_steps=1, local_keep=3) as mgr:
+        for step in range(1, 11):
+            with torch.no_grad():
+                model.weight.add_(1)
+            mgr.save(step, {"model": model})
+    t = ckpt.Store.open(tier)
+    with torch.no_grad():
+        model.weight.mul_(-1)
+    mid = t.push({"model.weight": model.weight.detach().clone(), "model.bias": model.bias.detach().clone()}, "scratch")
+    t.refs_db.set("run/step-6", mid)  # (the new timeline's step 6, and the tier's latest: as the killed run left them)
+    t.refs_db.set("run/latest", mid, alias=True)
+    t.remove("scratch")
+    [info] = local_tiers([tmp_path / "tiers"], store)
+    assert 6 in info.unpersisted and 10 not in info.unpersisted
+    with pytest.raises(ckpt.CkptError, match=r"holds step\(s\) 6 "):
+        remove_tier(tier, store)

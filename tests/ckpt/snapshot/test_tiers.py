@@ -35,6 +35,7 @@ def _run(*args, expect=0):
     return _wait(_start(*args), expect)
 
 
+@pytest.mark.slow  # (3-7 s: CI time, run by .ci/run's slow pass)
 def test_killed_run_restores_from_the_local_tier_alone_bit_identical(tmp_path):
     """Local snapshots every 2 steps, durable every 10; killed 2 steps after the local one of step 14:
     the restart reads step 14 from the local tier, not one byte from the durable store."""
@@ -878,6 +879,7 @@ def test_local_true_picks_a_stable_path_under_dev_shm(tmp_path, monkeypatch):
     assert c.local_tier.path.startswith(str(tmp_path / "nvme") + os.sep)
 
 
+@pytest.mark.slow  # (3-7 s: CI time, run by .ci/run's slow pass)
 def test_one_manager_per_local_tier(tmp_path, monkeypatch):
     """Two managers on one tier would prune and collect each other's snapshots (a tier is collected
     with no grace period): the second is refused in one line, naming a holder of this process as such
@@ -1367,6 +1369,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # (3-7 s: CI time, run by .ci/run's slow pass)
 def test_a_run_kept_by_a_group_and_by_one_process_on_a_node_is_refused_clearly(tmp_path, monkeypatch):
     """The default tier of one process is KEY, a group's ranks' are KEY/rank-R: a run saved with torchrun on a node
     and then by one process (or the other way round) cannot have both. The second was refused as if the user had
@@ -1553,6 +1556,7 @@ def _eight_steps_saved(url: str, local: str, model: torch.nn.Module, opt: torch.
             mgr.maybe_save(step, {"model": model, "optim": opt})
 
 
+@pytest.mark.slow  # (3-7 s: CI time, run by .ci/run's slow pass)
 @pytest.mark.parametrize("tier", ["holding", "empty", "none", "crash"])
 def test_a_run_whose_latest_is_missing_resumes_its_newest_snapshot_on_every_path(tmp_path, tier):
     """RUN/latest gone while RUN/step-N exist: removed by the user (``ckpt rm RUN/latest``, as the refusal of a
@@ -1788,6 +1792,7 @@ def test_a_forked_child_freeing_the_parents_manager_keeps_its_own_tiers_lock(tmp
     assert child.exitcode == 0, "another process took tier B while the child's manager held it"
 
 
+@pytest.mark.slow  # (3-7 s: CI time, run by .ci/run's slow pass)
 def test_a_fork_while_a_manager_waits_for_its_tier_does_not_keep_the_lock(tmp_path):
     """A fork (a DataLoader or pool started by another thread) while a manager waited for its tier (held by a process
     exiting) left the child the descriptor, not yet registered: once the manager took the lock the child shared it,
@@ -2083,8 +2088,10 @@ def test_the_damaged_chunks_a_persist_found_are_removed_by_the_next_save_not_bes
     save had reused, on their presence, chunks only the removed step named (its unchanged biases), and the tier's gc
     took them: the save failed, or its step was named whole and could not be loaded (review rev23m). The removal runs
     at the start of the next save's job now. Made certain here: a chunk of step 2 alone is damaged as its persist
-    reads it, and save 3's commit waits (5 s at most) for a removal to have run."""
+    reads it, and save 3's commit waits (5 s at most) for that persist's warning, which came after the removal
+    (before: then the removal had run beside save 3) or after its record (now: no removal beside save 3)."""
     import threading
+    import time
 
     import ckpt.snapshot.local_tier as local_tier
     import ckpt.store.copy as copy_mod
@@ -2093,7 +2100,7 @@ def test_the_damaged_chunks_a_persist_found_are_removed_by_the_next_save_not_bes
 
     url, local = str(tmp_path / "d"), str(tmp_path / "local")
     real_copy, real_forget, real_commit = copy_mod.copy_refs, local_tier.LocalTier.forget, push_mod.commit
-    forgot, done = threading.Event(), []
+    forgot, done, during, said = threading.Event(), [], [], []
 
     def damaging_copy(src, dst, specs, **kw):
         if "run/step-2" in specs[0] and not done:
@@ -2111,7 +2118,10 @@ def test_the_damaged_chunks_a_persist_found_are_removed_by_the_next_save_not_bes
 
     def commit(objects, refs, data, name, *a, **kw):
         if name == "run/step-3":
-            forgot.wait(5)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not any("persisting the snapshot of step 2" in str(w.message) for w in said):
+                time.sleep(0.01)
+            during.append(forgot.is_set())
         return real_commit(objects, refs, data, name, *a, **kw)
 
     monkeypatch.setattr(copy_mod, "copy_refs", damaging_copy)
@@ -2119,8 +2129,9 @@ def test_the_damaged_chunks_a_persist_found_are_removed_by_the_next_save_not_bes
     monkeypatch.setattr(push_mod, "commit", commit)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
-    with warnings.catch_warnings(record=True) as said:
+    with warnings.catch_warnings(record=True) as recorded:
         warnings.simplefilter("always")
+        said = recorded  # (the hook above reads this list: a closure's variable)
         with ckpt.CheckpointManager(url, "run", local=local, local_every_n_steps=1, every_n_steps=2) as mgr:
             for step in range(1, 7):
                 with torch.no_grad():
@@ -2134,7 +2145,26 @@ def test_the_damaged_chunks_a_persist_found_are_removed_by_the_next_save_not_bes
                 if step == 3:
                     tier = ckpt.Store.open(local)
                     assert len(tier.load("run/step-3")) == 8  # whole, loadable
-    assert done and any("removed" in str(w.message) for w in said), [str(w.message) for w in said]
+    assert done and during == [False] and any("removed" in str(w.message) for w in said), [str(w.message) for w in said]
     assert not any("not saved" in str(w.message) for w in said), [str(w.message) for w in said]
     assert ckpt.Store.open(local).verify().ok and ckpt.Store.open(url).verify().ok
     assert ckpt.Store.open(url).resolve("run/latest") == ckpt.Store.open(url).resolve("run/step-6")
+
+
+def test_a_manager_closed_after_a_persist_failed_on_damaged_chunks_removes_them(tmp_path):
+    """The removal waited for a next save; a manager closed right after the failed persist left the damaged chunks
+    in the tier, where a restart's saves reuse them on their presence (review rev23n). close() removes them."""
+    url, local = str(tmp_path / "d"), str(tmp_path / "local")
+    model = torch.nn.Linear(16, 16)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with ckpt.CheckpointManager(url, "run", local=local, local_every_n_steps=1, every_n_steps=2) as mgr:
+            mgr.save(1, {"model": model})
+            mgr.wait()
+            _damage_every_chunk(local)
+            with torch.no_grad():
+                model.weight += 1
+            mgr.save(2, {"model": model})  # its persist fails on the damaged bias and file head
+    assert any("removed" in str(w.message) for w in said), [str(w.message) for w in said]
+    tier = ckpt.Store.open(local)
+    assert tier.verify().ok and "run/step-2" not in tier.refs()
