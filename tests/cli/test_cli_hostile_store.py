@@ -63,6 +63,7 @@ def manifest_of(root: Path, ref: str) -> dict:
     return json.loads(ckpt.Store.open(str(root)).objects.get_manifest(ckpt.Store.open(str(root)).resolve(ref)))
 
 
+@pytest.mark.slow  # (3-7 s: CI time, run by .ci/run's slow pass)
 @pytest.mark.parametrize("kind", ["fifo", "device"])
 def test_a_fifo_or_a_device_in_the_store_folder_is_refused_not_read(kind, good, env):
     """A ref entry that is a FIFO made every command wait forever for a writer; one that is a
@@ -131,6 +132,7 @@ def _swap_order(m: dict) -> None:
     m["tensors"][0], m["tensors"][1] = m["tensors"][1], m["tensors"][0]
 
 
+@pytest.mark.slow  # (3-7 s: CI time, run by .ci/run's slow pass)
 @pytest.mark.parametrize("damage", [_swap_chunks, _one_chunk_twice, _swap_order])
 def test_a_manifest_that_disagrees_with_its_chunks_is_named_by_verify_and_never_copied(damage, good, tmp_path, env):
     """Intact chunks, a manifest (hashing to its id) that disagrees with them. Before: `ckpt verify`
@@ -446,6 +448,7 @@ def test_a_sparse_50_gb_file_in_a_store_folder_is_refused_by_its_size(which, goo
     assert _limited(["verify"], good, env).returncode == (0 if which == "index" else 1)
 
 
+@pytest.mark.slow  # (3-7 s: CI time, run by .ci/run's slow pass)
 def test_a_copy_onto_chunks_stored_there_as_deltas_stays_readable_after_gc(good, tmp_path, env):
     """The destination held the fine-tune's chunks as deltas against its base (pushed there); the
     copied checkpoint (pushed elsewhere without a base, so it names no delta bases) was not sent
@@ -515,6 +518,7 @@ def test_a_copy_replaces_a_chunk_whose_header_is_damaged_at_the_destination(good
     ok("verify", store=dest, env=env)
 
 
+@pytest.mark.slow  # (3-7 s: CI time, run by .ci/run's slow pass)
 def test_a_chunk_replaced_by_a_copy_is_written_whole_so_no_checkpoint_there_needs_more(good, tmp_path, env):
     """ft/x's 0.weight is stored in `good` as a delta against base's, and in `other` as a delta against
     another base: the copy replaces the chunk (its base there is not one the copied checkpoint names),
@@ -726,6 +730,7 @@ def test_an_index_log_numbered_9999999999_leaves_no_unlisted_logs_behind(good, t
     assert json.loads(ok("ls", "--json", store=good, env=env).stdout) == json.loads(ok("ls", "--json", store=good, env=plain).stdout)
 
 
+@pytest.mark.slow  # (3-7 s: CI time, run by .ci/run's slow pass)
 def test_an_index_snapshot_of_a_newer_version_is_ignored_and_left_in_place(good, tmp_path, env):
     """A newer ckpt's index snapshot (version 2) was read as damage: `ckpt ls` or a push by this
     ckpt rebuilt the index and deleted the newer snapshot, so that users of two versions kept

@@ -409,6 +409,7 @@ def test_store_urls_that_cannot_open_end_in_one_line(url: str, words: str, env: 
     assert refs_of(store) == {"demo/file", "demo/hf"}
 
 
+@pytest.mark.slow  # (3-7 s: CI time, run by .ci/run's slow pass)
 def test_a_copy_that_cannot_start_leaves_no_new_store_at_its_destination(env: dict[str, str], store: Path,
                                                                          tmp_path: Path) -> None:
     """`ckpt copy NOSUCHREF --to DIR` (and `push --to`, `pull --from`) created the destination store
@@ -430,6 +431,7 @@ def test_a_copy_that_cannot_start_leaves_no_new_store_at_its_destination(env: di
     ok("pull", "demo/file", mine / "out.safetensors", store=store, env=env)  # not "inside the store"
 
 
+@pytest.mark.slow  # (3-7 s: CI time, run by .ci/run's slow pass)
 def test_odd_output_and_arguments_end_in_one_line(env: dict[str, str], model_file: Path, tmp_path: Path) -> None:
     """Found by trying to break the CLI: each of these ended in a traceback. Output closed (`>&-`):
     the command runs and its output goes nowhere. A --plot path in no folder, or of a kind that
