@@ -8,7 +8,9 @@ import os
 import pathlib
 import subprocess
 import sys
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -81,6 +83,19 @@ def flip_a_byte(path: str | os.PathLike[str]) -> None:
     raw[len(raw) // 2] ^= 1
     with open(path, "wb") as f:
         f.write(bytes(raw))
+
+
+def opening_refused(folder: str | os.PathLike[str]) -> Callable[..., int]:
+    """``os.open`` that refuses to open ``folder`` as a folder, as a drop box (mode 0333: write, no read) refuses a
+    user; root reads any folder, so tests make the refusal so (``monkeypatch.setattr(os, "open", ...)``)."""
+    real, refused = os.open, os.fspath(folder)
+
+    def open_(path: Any, flags: int, *a: Any, **kw: Any) -> int:
+        if os.fspath(path) == refused and flags & os.O_DIRECTORY:
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path, flags, *a, **kw)
+
+    return open_
 
 
 def tensor_bits(t: torch.Tensor) -> bytes:

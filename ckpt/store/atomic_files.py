@@ -28,6 +28,7 @@ from ckpt.store.placing import (
     replace_all,
     temp_name,
 )
+from ckpt_store.storage.backends.local import fsync_folder
 
 log = logging.getLogger(__name__)
 
@@ -134,28 +135,11 @@ def _folder_now(final: str) -> float:
             os.unlink(probe)
 
 
-def _fsync_dir(d: str) -> None:
-    """Make durable the names in folder ``d``. A folder this user may write but not read (a drop box), or a
-    filesystem that cannot fsync a folder, is passed over: the names are as durable as that system makes them (an
-    error here, after files took their names, would report a pull failed that had placed them)."""
-    try:
-        fd = os.open(d or ".", os.O_RDONLY | os.O_DIRECTORY)
-    except PermissionError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.EROFS):
-            raise
-    finally:
-        os.close(fd)
-
-
 def _fsync_made(made: list[str]) -> None:
     """Make durable the names of the folders a pull made on the way to its destination (each a name in its parent),
     before any file takes its name there."""
     for d in sorted({os.path.dirname(m) for m in made}):
-        _fsync_dir(d)
+        fsync_folder(d)
 
 
 def _makedirs(d: str, made: list[str]) -> None:
@@ -227,7 +211,7 @@ def _place(tmps: Sequence[str], targets: Sequence[str], overwrite: bool, check: 
         clear_left(folders, overwrite)
         replace_all(tmps, targets, overwrite)
     for d in sorted({os.path.dirname(t) for t in targets}):
-        _fsync_dir(d)
+        fsync_folder(d)
 
 
 @contextlib.contextmanager
@@ -288,7 +272,7 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
                 os.makedirs(os.path.dirname(t), exist_ok=True)
             fill(inner)
             for here, _, _ in os.walk(tmp_dir):  # every name in the new folder durable before it takes its name
-                _fsync_dir(here)
+                fsync_folder(here)
             _fsync_made(made)
             with _placing_files():
                 try:
@@ -308,7 +292,7 @@ def write_dir(dest: str, targets: Sequence[str], fill: Callable[[list[str]], Non
                     write_files(targets, lambda tmps: _move_all(inner, tmps), overwrite, check)
                     shutil.rmtree(tmp_dir)  # (its folders, emptied)
                 _pending.discard(tmp_dir)  # (it is dest now, or gone)
-            _fsync_dir(os.path.dirname(os.path.abspath(dest)))
+            fsync_folder(os.path.dirname(os.path.abspath(dest)))
         except OSError as e:
             raise DestinationError(f"cannot write {e.filename or dest}: {e.strerror or e}",
                                    hint="check the destination's permissions and free space") from None

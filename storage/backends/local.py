@@ -168,19 +168,8 @@ class LocalBackend(LocalReads, Backend):
         """fsync folder ``d`` now (where this store fsyncs), for an order a later flush cannot give. A folder this
         user may write but not read (a drop box above a new store: the parent of a folder a write made), or a
         filesystem that cannot fsync a folder, is passed over: its names are as durable as that system makes them."""
-        if not self.fsync:
-            return
-        try:
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-        except (FileNotFoundError, PermissionError):
-            return
-        try:
-            os.fsync(fd)
-        except OSError as e:
-            if e.errno not in (errno.EINVAL, errno.EROFS):
-                raise
-        finally:
-            os.close(fd)
+        if self.fsync:
+            fsync_folder(d)
 
     def flush(self) -> None:
         """fsync every directory that gained a name since the last flush.
@@ -372,6 +361,23 @@ class LocalBackend(LocalReads, Backend):
         for src in done:
             _unlink_quiet(src)
         return n
+
+
+def fsync_folder(d: str) -> None:
+    """Make durable the names in folder ``d`` (fsync of the folder). One gone meanwhile, one this user may write but
+    not read (a drop box: the parent of a folder a write made), or a filesystem that cannot fsync a folder (EINVAL,
+    EROFS), is passed over: its names are as durable as that system makes them. Other errors (EIO) are raised."""
+    try:
+        fd = os.open(d or ".", os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, PermissionError):
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EROFS):
+            raise
+    finally:
+        os.close(fd)
 
 
 def _is_dir(e: os.DirEntry[str]) -> bool:

@@ -423,20 +423,14 @@ def test_a_store_made_in_a_folder_this_user_may_write_but_not_read_takes_pushes(
     folder cannot open it, and the push failed with a PermissionError traceback where it had worked (review rev23o).
     Such a folder is passed over. (Opening it is refused here by the test: root reads any folder.)"""
     import torch
+    from integration_util import opening_refused
 
     import ckpt
     import ckpt_store.storage.backends.local as local
 
     drop = tmp_path / "drop"
     drop.mkdir()
-    real = os.open
-
-    def no_read(path, flags, *a, **kw):
-        if os.fspath(path) == str(drop) and flags & os.O_DIRECTORY:
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return real(path, flags, *a, **kw)
-
-    monkeypatch.setattr(local.os, "open", no_read)
+    monkeypatch.setattr(local.os, "open", opening_refused(drop))
     store = ckpt.Store.init(str(drop / "store"))
     store.push({"w": torch.arange(10.0)}, "m")
     assert torch.equal(ckpt.Store.open(str(drop / "store")).load("m")["w"], torch.arange(10.0))

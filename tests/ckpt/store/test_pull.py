@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from integration_util import assert_same_tree
+from integration_util import assert_same_tree, opening_refused
 from safetensors.torch import load_file, save_file
 
 import ckpt
@@ -1719,15 +1719,8 @@ def test_a_pull_into_a_folder_this_user_may_write_but_not_read_says_it_wrote(sto
 
     drop = tmp_path / "drop"
     drop.mkdir()
-    real = os.open
-
-    def no_read(path, flags, *a, **kw):
-        if os.fspath(path) == str(drop) and flags & os.O_DIRECTORY:
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return real(path, flags, *a, **kw)
-
     store.push(str(model_dir / "model.safetensors"), "file")
-    monkeypatch.setattr(atomic_files.os, "open", no_read)
+    monkeypatch.setattr(atomic_files.os, "open", opening_refused(drop))
     store.pull("file", drop / "new" / "m.safetensors")
     store.pull("file", drop / "m.safetensors")
     for got in (drop / "new" / "m.safetensors", drop / "m.safetensors"):
