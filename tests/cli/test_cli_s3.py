@@ -380,6 +380,7 @@ def test_an_option_given_as_a_group_and_as_a_value_is_a_usage_error_in_either_or
     assert code == 2 and "config_kwargs is both a value and a group" in err, err
 
 
+@pytest.mark.slow  # (3-5 s: CI time, run by .ci/run's slow pass)
 def test_a_second_interrupt_ends_a_pull_that_a_stalled_server_holds(s3_main, env, tmp_path):
     """The server stops answering in the middle of a `pull --force` (its connections open). The first
     Ctrl-C waits for the requests in flight, which read timeouts and retries hold for minutes (a pull

@@ -211,6 +211,7 @@ def test_gc_keeps_what_a_writer_lease_names(s3_url, tmp_path):
     assert _locks(store) == []
 
 
+@pytest.mark.slow  # (3-5 s: CI time, run by .ci/run's slow pass)
 def test_a_writer_goes_on_when_a_killed_gcs_lock_goes_stale(s3_url, tmp_path, monkeypatch, caplog):
     """A gc killed while it held its lock: pushes wait for it only until it is stale."""
     monkeypatch.setattr(leases, "STALE_S", 3.0)

@@ -44,6 +44,7 @@ def full_run(tmp_path_factory):
         p.wait()
 
 
+@pytest.mark.slow  # (3-5 s: CI time, run by .ci/run's slow pass)
 @pytest.mark.parametrize("overlap", [False, True], ids=["copy", "overlap_copy"])
 def test_exact_resume_after_sigkill(tmp_path, overlap, full_run):
     """overlap_copy: every snapshot is read while the next steps' forward/backward run."""
@@ -196,6 +197,7 @@ def test_background_error_is_raised_not_lost(tmp_path):
     mgr._pool.shutdown()
 
 
+@pytest.mark.slow  # (3-5 s: CI time, run by .ci/run's slow pass)
 def test_ctrl_c_in_wait_is_acted_on_before_the_save_ends(tmp_path):
     """Ctrl-C while a training script waits for its background save: a signal another thread takes
     (a pool starting threads unblocks signals; Python runs the handler in the main thread only once
@@ -461,6 +463,7 @@ def durable_url(request, tmp_path):
     return str(tmp_path / "s") if request.param == "local" else request.getfixturevalue("s3_main_url")
 
 
+@pytest.mark.slow  # (3-5 s: CI time, run by .ci/run's slow pass)
 def test_retention_costs_requests_per_step_kept_not_a_listing_of_every_step_saved(durable_url):
     """Every save's retention listed every ref of the store, the run's removed RUN/step-N ones (an
     entry each, and their removal) included: on S3 a LIST page per 1,000 entries, about 30 at 10,000

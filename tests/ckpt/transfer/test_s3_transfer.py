@@ -275,6 +275,7 @@ def test_pull_survives_a_stalled_server(s3_main_url, s3_main, tmp_path, monkeypa
         proxy.stop()
 
 
+@pytest.mark.slow  # (3-5 s: CI time, run by .ci/run's slow pass)
 def test_a_server_that_trickles_bodies_times_out_instead_of_hanging(s3_main_url, s3_main, tmp_path, monkeypatch):
     """botocore's read timeout is per read: a server that sends a few bytes every 20 ms never
     trips it, and a pull of 24 chunks at 5 KB/s would take minutes. A body must come at 64 KiB/s
@@ -307,6 +308,7 @@ def test_a_server_that_trickles_bodies_times_out_instead_of_hanging(s3_main_url,
         proxy.stop()
 
 
+@pytest.mark.slow  # (3-5 s: CI time, run by .ci/run's slow pass)
 def test_a_server_that_trickles_a_listing_times_out_instead_of_hanging(s3_main_url, s3_main, tmp_path, monkeypatch):
     monkeypatch.setenv("CKPT_RETRIES", "1")
     src, _ = _file(tmp_path, n=1)
