@@ -277,9 +277,8 @@ class DistributedSnapshots(DistributedRestoring):
             failed = "; ".join(filter(None, (failed, f"old snapshots not dropped ({caught(log, 'local tier', e)})")))
         problem = None
         if persist_to is not None:
-            problem = peers.persist(step, mid, data, own, persist_to.store, persist_to.latest, persist_to.ref(step))
-            if peers.forgot:  # (damaged chunks removed from this rank's tier, with the steps naming them: this one too)
-                peers.forgot = False
+            problem, forgot = peers.persist(step, mid, data, own, persist_to.store, persist_to.latest, persist_to.ref(step))
+            if forgot:  # (damaged chunks removed from this rank's tier, with the steps naming them: this one too)
                 self.reuse_nothing()
         last = writer.last
         coordinator = self.rank == 0

@@ -156,18 +156,23 @@ def mend(tier: LocalTier, tiers: Tiers, mid: str, damaged: set[str], lacking: se
     return _forget(tier, damaged) if damaged else None
 
 
+def names_a_chunk_lost(error: BaseException) -> bool:
+    """Whether ``error`` names a chunk damaged or missing (what :func:`forget_unpersistable` deals with)."""
+    from ckpt.errors import CorruptObjectError, ObjectNotFoundError
+
+    return isinstance(error, (CorruptObjectError, ObjectNotFoundError)) and error.kind == "chunk"
+
+
 def forget_unpersistable(tier: LocalTier, error: BaseException, chunks: Iterable[str]) -> str | None:
     """After a persist of the tier's ``chunks`` failed with ``error``: where it names a chunk of the tier damaged or
     gone, those of ``chunks`` (and it) that the tier holds damaged or lacks, checked again, go with every step naming
     them (:func:`_forget`), so that the next save writes them anew: it would reuse them on their presence, and the
     persist would fail at every save after, the durable store never seeing another snapshot. What to tell the user,
     or None (another failure, or the tier holds them all whole)."""
-    from ckpt.errors import CorruptObjectError, ObjectNotFoundError
-
-    if not isinstance(error, (CorruptObjectError, ObjectNotFoundError)) or error.kind != "chunk":
+    if not names_a_chunk_lost(error):
         return None
     try:
-        damaged = _still_damaged(tier, {error.object_id, *chunks})
+        damaged = _still_damaged(tier, {error.object_id, *chunks})  # type: ignore[attr-defined]
     except Exception as e:  # noqa: BLE001 - the tier's medium failing: the next persist finds it again
         return f"damaged chunks not looked for ({caught(log, 'local tier', e)})"
     return _forget(tier, damaged) if damaged else None

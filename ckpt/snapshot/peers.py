@@ -80,8 +80,6 @@ class TierWriter(Writer):
 class Peers(PeerGroup):
     """The ranks of one group and their local tiers; every method is collective over ``group``."""
 
-    forgot = False  # a persist removed damaged chunks from this rank's tier (and the steps naming them)
-
     # -- saving -------------------------------------------------------------------------
     def publish(self, published: tuple[str, bytes] | None) -> tuple[str, bytes, str | None]:
         """Give every rank's tier the manifest the coordinator wrote (``published`` there): (id, bytes,
@@ -142,13 +140,16 @@ class Peers(PeerGroup):
                 problems.append(f"step not recorded ({caught(log, 'local tier', e)})")
         return own, sent, "; ".join(problems) or None
 
-    def persist(self, step: int, mid: str, data: bytes, own: set[str], durable: Store, latest: str, ref: str) -> str | None:
+    def persist(self, step: int, mid: str, data: bytes, own: set[str], durable: Store, latest: str,
+                ref: str) -> tuple[str | None, bool]:
         """Every rank copies the chunks it wrote that ``durable`` lacks; then the coordinator commits the
-        manifest and refs there. None, or why it failed (the same on every rank)."""
+        manifest and refs there. None, or why it failed (the same on every rank); and whether this rank's
+        tier lost damaged chunks meanwhile, with the steps naming them (this one too)."""
         from ckpt.snapshot.peer_refill import forget_unpersistable
         from ckpt.store.copy import copy_chunks
         from ckpt_store.storage.commit import commit
 
+        forgot = False
         try:
             copy_chunks(self.local.store, durable, own, recode=not self.local.compress, named=recorded_chains(data))
             problem = None
@@ -156,7 +157,7 @@ class Peers(PeerGroup):
             problem = f"rank {self.rank}: {caught(log, 'persist', e)}"
             removed = forget_unpersistable(self.local, e, own)  # (else every persist after fails the same way)
             if removed is not None:
-                self.forgot = True
+                forgot = True
                 problem += f"; its local tier's {removed}"
         verdicts = self.gather(problem)
         failed = next((v for v in verdicts if v is not None), None)
@@ -167,7 +168,7 @@ class Peers(PeerGroup):
                 durable.objects.backend.flush()
             except Exception as e:  # noqa: BLE001
                 failed = f"rank 0: {caught(log, 'persist', e)}"
-        return self.gather(failed)[0]
+        return self.gather(failed)[0], forgot
 
     # -- restoring ------------------------------------------------------------------------
     def inventory(self) -> dict[int, tuple[str, list[str]]]:

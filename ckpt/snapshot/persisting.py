@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpt.errors import CorruptObjectError, ObjectNotFoundError
 from ckpt.snapshot.manager_state import ManagerState
 from ckpt.snapshot.retention import count_setting
 from ckpt.snapshot.run import SaveJob, SaveResult, SnapshotError
@@ -224,6 +223,7 @@ class Persisting(ManagerState):
     def _persist(self, step: int, seq: int, mid: str | None) -> None:
         """Copy the local snapshot of ``step`` (checkpoint ``mid``, where the save knows it) to the durable
         store: only the chunks it lacks, as stored."""
+        from ckpt.snapshot.peer_refill import names_a_chunk_lost
         from ckpt.store.copy import copy_refs
 
         local = self._local
@@ -248,7 +248,7 @@ class Persisting(ManagerState):
             self._retain(step)
         except Exception as e:  # noqa: BLE001 - the durable store still holds the previous snapshot
             self._persist_pending = True
-            if isinstance(e, (CorruptObjectError, ObjectNotFoundError)) and e.kind == "chunk":
+            if names_a_chunk_lost(e):
                 with self._persist_lock:  # (the next save removes its damaged chunks from the tier, in its thread)
                     self._unpersistable = (e, mid)
             self._tier_warning(f"persisting the snapshot of step {step} to {self.store.url} failed ({caught(log, 'persist', e)}); "
